@@ -1,0 +1,43 @@
+"""The ``cachelab`` command line: one Typer app, one module per verb group."""
+
+from __future__ import annotations
+
+import typer
+from typer.core import TyperGroup
+
+from cachelab.errors import CachelabError
+
+
+class _Group(TyperGroup):
+    """Turns a CachelabError anywhere below into ``error: <message>`` and exit status 2."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except CachelabError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(code=2) from None
+
+
+app = typer.Typer(
+    cls=_Group,
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    help="cachelab: where Engram rows should live, and which to cache. "
+    "Start with `cachelab quickstart`; every verb has --help.",
+)
+
+
+def _register() -> None:
+    from cachelab.cli import engram, quickstart
+
+    app.add_typer(engram.app, name="engram")
+    app.command("quickstart")(quickstart.quickstart)
+
+
+_register()
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,3 @@
+from cachelab.cli import main
+
+main()

