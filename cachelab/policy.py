@@ -1,0 +1,100 @@
+"""The policy contract: one cache tier's admission and eviction, one serving step at a time.
+
+Keys are dense integers ``0 <= key < num_keys`` (the engine compacts row ids before a
+replay), so policy state is flat NumPy arrays indexed by key or by slot, never hash maps.
+Within a step keys are processed in order, as a sequence of accesses; the engine passes each
+step's distinct keys (duplicates within a step are fetched once).
+
+A third-party policy implements ``reset`` and ``step`` in plain Python on NumPy arrays.
+A built-in also overrides ``run`` with a compiled (Numba) kernel that replays many steps
+without returning to Python; ``cachelab.testing`` checks that both paths agree.
+
+Slots matter: every admitted key takes a slot in ``[0, capacity)``, so a live store can move
+real bytes by slot with the very same policy object.
+"""
+
+from __future__ import annotations
+
+import inspect
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from cachelab.errors import CachelabError
+
+NO_NEXT = np.iinfo(np.int64).max  # next_access of a key never used again (or beyond a lookahead)
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a policy needs from the engine, declared as data.
+
+    needs_future: wants ``next_access`` (position of each key's next use, NO_NEXT if none).
+    needs_scores: wants predictor ``scores`` per access (higher = more worth keeping).
+    compiled: ``run`` is a compiled kernel, not the step loop.
+    """
+
+    needs_future: bool = False
+    needs_scores: bool = False
+    compiled: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one step did: a hit flag per key, who entered (and where), who left."""
+
+    hits: np.ndarray  # bool [len(keys)]
+    admitted: np.ndarray  # int64 keys that entered the cache
+    slots: np.ndarray  # int64 slot taken by each admitted key
+    evicted: np.ndarray  # int64 keys that left the cache
+
+
+class Policy(ABC):
+    """Base class of every admission/eviction policy.
+
+    The constructor takes hyper-parameters only (keyword arguments stored unchanged);
+    state is built in ``reset``. ``name`` is the registry name.
+    """
+
+    name: ClassVar[str] = ""
+    capabilities: ClassVar[Capabilities] = Capabilities()
+
+    def get_params(self) -> dict:
+        """Hyper-parameters by introspection of ``__init__`` (feeds experiment logging)."""
+        sig = inspect.signature(type(self).__init__)
+        return {p: getattr(self, p) for p in sig.parameters if p != "self"}
+
+    @abstractmethod
+    def reset(self, capacity: int, num_keys: int) -> None:
+        """Empty the cache: ``capacity`` slots for keys in ``[0, num_keys)``."""
+
+    @abstractmethod
+    def step(self, keys: np.ndarray, next_access: np.ndarray | None = None,
+             scores: np.ndarray | None = None) -> StepResult:
+        """Access ``keys`` in order; return hits, admissions with slots, and evictions."""
+
+    @abstractmethod
+    def resident(self) -> np.ndarray:
+        """The keys in the cache now (sorted), for checks and for the live store."""
+
+    def run(self, keys: np.ndarray, step_offsets: np.ndarray, next_access: np.ndarray | None = None,
+            scores: np.ndarray | None = None) -> np.ndarray:
+        """Replay many steps; return a hit flag per key. Built-ins override with a kernel."""
+        hits = np.empty(keys.size, dtype=np.bool_)
+        for s in range(step_offsets.size - 1):
+            lo, hi = step_offsets[s], step_offsets[s + 1]
+            res = self.step(keys[lo:hi],
+                            None if next_access is None else next_access[lo:hi],
+                            None if scores is None else scores[lo:hi])
+            hits[lo:hi] = res.hits
+        return hits
+
+
+def check_capacity(capacity: int, num_keys: int) -> None:
+    """Shared argument check for ``reset``: the error names the value."""
+    if int(capacity) < 1:
+        raise CachelabError(f"capacity must be at least 1 row, got {capacity}")
+    if int(num_keys) < 1:
+        raise CachelabError(f"num_keys must be at least 1, got {num_keys}")
