@@ -30,3 +30,17 @@ def test_step_path_equals_run_path():
     stepped = np.concatenate([a.step(keys[lo:hi]).hits for lo, hi in zip(offsets[:-1], offsets[1:])])
     assert np.array_equal(stepped, b.run(keys, offsets))
     assert np.array_equal(a.resident(), b.resident())
+
+
+def test_tinylfu_admission_keeps_frequent_rows_against_a_scan():
+    hot = np.arange(8)
+    rounds = [np.concatenate([hot, 100 + np.arange(r * 200, (r + 1) * 200)]) for r in range(50)]
+    keys = np.concatenate(rounds + [hot])
+    offsets = np.arange(keys.size + 1)
+    plain = registry.get(registry.POLICIES, "lru")()
+    guarded = registry.get(registry.POLICIES, "lru")(admission="tinylfu")
+    plain.reset(64, 12_000)
+    guarded.reset(64, 12_000)
+    tail = slice(keys.size - hot.size, None)  # the last round of the hot set
+    assert plain.run(keys, offsets)[tail].sum() == 0  # the scan flushed the hot set
+    assert guarded.run(keys, offsets)[tail].all()  # TinyLFU refused the one-hit scan rows

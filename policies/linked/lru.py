@@ -11,17 +11,20 @@ import numba as nb
 import numpy as np
 
 from cachelab.policy import Capabilities, Policy, StepResult, check_capacity
+from policies.admission import admission_admit, admission_record, make_admission
 
 HEAD, TAIL, SIZE = 0, 1, 2
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)
-def _lru_kernel(keys, meta, slot_of, key_of, prev, nxt, hits, record, adm, adm_slot, ev, counts):
+def _lru_kernel(keys, meta, slot_of, key_of, prev, nxt, a_kind, a_counters, a_scores, a_meta,
+                hits, record, adm, adm_slot, ev, counts):
     capacity = key_of.size
     n_adm = 0
     n_ev = 0
     for i in range(keys.size):
         key = keys[i]
+        admission_record(a_kind, a_counters, a_scores, a_meta, key)
         slot = slot_of[key]
         if slot >= 0:
             hits[i] = True
@@ -44,6 +47,8 @@ def _lru_kernel(keys, meta, slot_of, key_of, prev, nxt, hits, record, adm, adm_s
         else:
             slot = meta[TAIL]
             victim = key_of[slot]
+            if not admission_admit(a_kind, a_counters, a_scores, a_meta, key, victim):
+                continue  # the filter keeps the victim; the candidate bypasses the cache
             slot_of[victim] = -1
             meta[TAIL] = prev[slot]
             if meta[TAIL] >= 0:
@@ -71,13 +76,13 @@ def _lru_kernel(keys, meta, slot_of, key_of, prev, nxt, hits, record, adm, adm_s
 
 
 class LRU(Policy):
-    """Least recently used."""
+    """Least recently used; ``admission`` names a filter from policies.admission."""
 
     name = "lru"
     capabilities = Capabilities(compiled=True)
 
-    def __init__(self):
-        pass
+    def __init__(self, admission: str = "always"):
+        self.admission = admission
 
     def reset(self, capacity: int, num_keys: int) -> None:
         check_capacity(capacity, num_keys)
@@ -87,14 +92,15 @@ class LRU(Policy):
         self.prev = np.full(capacity, -1, dtype=np.int64)
         self.nxt = np.full(capacity, -1, dtype=np.int64)
         self._counts = np.zeros(2, dtype=np.int64)
+        self.filter = make_admission(self.admission, capacity, num_keys)
 
     def _kernel(self, keys, record):
         keys = np.ascontiguousarray(keys, dtype=np.int64)
         hits = np.empty(keys.size, dtype=np.bool_)
         size = keys.size if record else 0
         adm, adm_slot, ev = (np.empty(size, np.int64) for _ in range(3))
-        _lru_kernel(keys, self.meta, self.slot_of, self.key_of, self.prev, self.nxt, hits, record,
-                    adm, adm_slot, ev, self._counts)
+        _lru_kernel(keys, self.meta, self.slot_of, self.key_of, self.prev, self.nxt, *self.filter,
+                    hits, record, adm, adm_slot, ev, self._counts)
         return hits, adm, adm_slot, ev
 
     def step(self, keys, next_access=None, scores=None) -> StepResult:
