@@ -1,0 +1,40 @@
+"""What the future holds: next-access positions, and their view through a lookahead window.
+
+Engram addresses are known as soon as the tokens are, so a serving system can see the rows
+of the next K steps. Belady's optimum uses the full future; ``censor_lookahead`` gives the
+K-step view (a next use further away than K steps is as good as never, NO_NEXT).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cachelab.policy import NO_NEXT
+
+
+def next_access(keys: np.ndarray) -> np.ndarray:
+    """Position of each access's next access to the same key, NO_NEXT if none (vectorised)."""
+    keys = np.asarray(keys)
+    order = np.argsort(keys, kind="stable")
+    out = np.full(keys.size, NO_NEXT, dtype=np.int64)
+    if keys.size > 1:
+        same = keys[order[1:]] == keys[order[:-1]]
+        out[order[:-1][same]] = order[1:][same]
+    return out
+
+
+def step_of(step_offsets: np.ndarray) -> np.ndarray:
+    """The step index of every position."""
+    offs = np.asarray(step_offsets, dtype=np.int64)
+    return np.repeat(np.arange(offs.size - 1, dtype=np.int64), np.diff(offs))
+
+
+def censor_lookahead(next_pos: np.ndarray, step_offsets: np.ndarray, window: int) -> np.ndarray:
+    """Keep a next access only if it falls within ``window`` steps after the current step."""
+    steps = step_of(step_offsets)
+    known = next_pos != NO_NEXT
+    out = np.full(next_pos.size, NO_NEXT, dtype=np.int64)
+    idx = np.flatnonzero(known)
+    near = steps[next_pos[idx]] - steps[idx] <= window
+    out[idx[near]] = next_pos[idx[near]]
+    return out
