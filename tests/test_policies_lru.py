@@ -44,3 +44,15 @@ def test_tinylfu_admission_keeps_frequent_rows_against_a_scan():
     tail = slice(keys.size - hot.size, None)  # the last round of the hot set
     assert plain.run(keys, offsets)[tail].sum() == 0  # the scan flushed the hot set
     assert guarded.run(keys, offsets)[tail].all()  # TinyLFU refused the one-hit scan rows
+
+
+def test_lru_matches_libcachesim(tmp_path):
+    from lcs_reference import lcs_miss_ratio, write_oracle_general
+
+    rng = np.random.default_rng(3)
+    keys = (rng.zipf(1.1, 50_000) % 5_000).astype(np.int64)
+    trace = write_oracle_general(tmp_path / "t.oracleGeneral", keys)
+    for capacity in (10, 100, 1000):
+        p = make(capacity, 5_000)
+        ours = 1.0 - p.run(keys, np.arange(keys.size + 1)).mean()
+        assert ours == lcs_miss_ratio(trace, "LRU", capacity)
