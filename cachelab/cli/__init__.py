@@ -30,10 +30,13 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from cachelab.cli import engram, quickstart
+    from cachelab.cli import engram, experiment, quickstart
 
     app.add_typer(engram.app, name="engram")
     app.command("quickstart")(quickstart.quickstart)
+    app.command("run")(experiment.run)
+    app.command("report")(experiment.report)
+    app.command("sync")(experiment.sync)
 
 
 _register()

@@ -1,0 +1,297 @@
+"""Experiment specs: TOML validated before any work, with errors that name the key.
+
+A spec says what to replay (``workload``), through what (``hierarchy`` of tiers, each with a
+capacity, a policy and an admission filter), optionally with a learned ``predictor`` and a
+``serving`` model, and which keys to vary (``sweep``: a grid of dotted keys to value lists,
+crossed with ``seeds``). Types and shapes are checked by Pydantic; names are checked against
+the entry-point registry (the same one third-party plug-ins use), data files against the
+data root, capacities against the Engram table, so a bad spec stops with
+``spec.toml: hierarchy.tiers[0].policy: unknown policy 'lur'; allowed: fifo, lru`` before
+anything runs.
+
+Capacities: an integer number of rows, ``"N%"`` of the distinct rows the workload touches
+per layer table (resolved once the workload is built), or bytes (``"64 MiB"``, ``"2 GB"``).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from cachelab import registry
+from cachelab.errors import CachelabError
+from cachelab.paths import data_root
+
+KINDS = ("replay",)  # point functions implemented in cachelab.experiment.points
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SINGULAR = {registry.POLICIES: "policy", registry.PREDICTORS: "predictor", registry.WORKLOADS: "workload"}
+_CAPACITY = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(%|[a-zA-Z]+)?\s*$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=False, frozen=False)
+
+
+class WorkloadSpec(_Strict):
+    """Where the tokens come from and how they are cut into serving steps."""
+
+    source: str = Field("stdlib", description="a cachelab.workloads entry point")
+    path: str | None = Field(None, description="data file, relative to the data root")
+    params: dict[str, Any] = Field(default_factory=dict, description="workload constructor arguments")
+    preset: str = "deepseek-v4.1-flash"
+    tokens_per_step: int = Field(4096, gt=0, description="token positions per serving step")
+    max_tokens: int | None = Field(None, gt=0)
+
+
+class TierSpec(_Strict):
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
+    capacity: int | str
+    policy: str = "lru"
+    admission: str = "always"
+    params: dict[str, Any] = Field(default_factory=dict, description="policy constructor arguments")
+
+
+class HierarchySpec(_Strict):
+    tiers: list[TierSpec] = Field(min_length=1)
+
+
+class PredictorSpec(_Strict):
+    name: str
+    params: dict[str, Any] = Field(default_factory=dict)
+    train_fraction: float = Field(0.5, gt=0, lt=1)
+
+
+class ServingSpec(_Strict):
+    hardware: str
+    placement: str
+    tp: int = Field(1, gt=0)
+    concurrency: int = Field(1, gt=0)
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class ExperimentSpec(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    description: str = ""
+    kind: Literal[KINDS] = "replay"  # type: ignore[valid-type]
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    warmup: float = Field(0.0, ge=0, lt=1, description="fraction of steps excluded from the metrics")
+    workload: WorkloadSpec = Field(default_factory=WorkloadSpec)
+    hierarchy: HierarchySpec | None = None
+    predictor: PredictorSpec | None = None
+    serving: ServingSpec | None = None
+    sweep: dict[str, list[Any]] = Field(default_factory=dict)
+
+
+def load_spec(path: str | Path, overrides: list[str] | None = None) -> ExperimentSpec:
+    """Read, validate and check a spec file; every error names the file and the key.
+
+    ``overrides`` are ``KEY=VALUE`` strings (``workload.params.max_chars=50000``), the value
+    read as TOML (a bare word is a string), applied before validation.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CachelabError(f"spec file not found: {path}")
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise CachelabError(f"{path}: not valid TOML ({exc})") from None
+    for item in overrides or []:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise CachelabError(f"--set {item!r}: expected KEY=VALUE, e.g. workload.params.max_chars=50000")
+        try:
+            value = tomllib.loads(f"v = {text.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text.strip()
+        try:
+            raw = set_key(raw, key.strip(), value)
+        except KeyError as exc:
+            raise CachelabError(f"--set {item!r}: {exc.args[0]}") from None
+    return parse_spec(raw, where=str(path))
+
+
+def parse_spec(raw: dict, where: str = "spec") -> ExperimentSpec:
+    """Validate a spec given as a dict (what the TOML file holds)."""
+    spec = _validate(raw, where)
+    check_spec(spec, where)
+    for key, values in spec.sweep.items():
+        if not values:
+            raise CachelabError(f"{where}: sweep.{key!r}: an axis needs at least one value")
+        for i, value in enumerate(values):
+            try:
+                point = set_key(raw, key, value)
+            except KeyError as exc:
+                raise CachelabError(f"{where}: sweep.{key!r}: {exc.args[0]}") from None
+            check_spec(_validate(point, f"{where}: sweep.{key!r}[{i}]"), f"{where}: sweep.{key!r}[{i}]")
+    return spec
+
+
+def _validate(raw: dict, where: str) -> ExperimentSpec:
+    try:
+        return ExperimentSpec.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = _dotted(err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        got = "" if err["type"] in ("missing", "extra_forbidden") else f" (got {err['input']!r})"
+        raise CachelabError(f"{where}: {key}: {msg}{got}") from None
+
+
+def _dotted(loc) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def set_key(raw: dict, key: str, value) -> dict:
+    """A copy of ``raw`` with dotted ``key`` set; a tier is addressed by its name
+    (``hierarchy.hbm.capacity``)."""
+    out = copy.deepcopy(raw)
+    parts = key.split(".")
+    node = out
+    for i, part in enumerate(parts[:-1]):
+        nxt = node.get(part) if isinstance(node, dict) else None
+        if part == "hierarchy" and isinstance(nxt, dict) and i + 1 < len(parts) - 1:
+            tiers = {t.get("name"): t for t in nxt.get("tiers", [])}
+            tier = parts[i + 1]
+            if tier not in tiers:
+                raise KeyError(f"no tier named {tier!r} in hierarchy.tiers; tiers: {sorted(tiers)}")
+            node = tiers[tier]
+            rest = parts[i + 2:]
+            for sub in rest[:-1]:
+                node = node.setdefault(sub, {})
+            node[rest[-1]] = value
+            return out
+        if nxt is None:
+            nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise KeyError(f"{'.'.join(parts[:i + 1])} is not a table")
+        node = nxt
+    node[parts[-1]] = value
+    return out
+
+
+def check_spec(spec: ExperimentSpec, where: str) -> None:
+    """Checks beyond types: registry names, data files, capacities, section presence."""
+    _check_workload(spec.workload, where)
+    if spec.kind == "replay" and spec.hierarchy is None:
+        raise CachelabError(f"{where}: hierarchy: kind 'replay' needs [[hierarchy.tiers]]")
+    if spec.hierarchy is not None:
+        names = [t.name for t in spec.hierarchy.tiers]
+        if len(set(names)) != len(names):
+            raise CachelabError(f"{where}: hierarchy.tiers: tier names must be distinct, got {names}")
+        table_rows, row_bytes = _table(spec.workload.preset)
+        for i, tier in enumerate(spec.hierarchy.tiers):
+            key = f"hierarchy.tiers[{i}]"
+            _check_policy(tier, spec.predictor, where, key)
+            rows = capacity_rows(tier.capacity, unique_rows=table_rows, row_bytes=row_bytes,
+                                 where=f"{where}: {key}.capacity")
+            if rows > table_rows:
+                raise CachelabError(
+                    f"{where}: {key}.capacity: {tier.capacity!r} is {rows:,} rows, larger than the table "
+                    f"({table_rows:,} rows of {spec.workload.preset})")
+    if spec.predictor is not None:
+        _check_plugin(registry.PREDICTORS, "predictor.name", spec.predictor.name, where)
+
+
+def _check_workload(w: WorkloadSpec, where: str) -> None:
+    cls = _check_plugin(registry.WORKLOADS, "workload.source", w.source, where)
+    kwargs = dict(w.params)
+    if w.path is not None:
+        kwargs["path"] = str(resolve_data_path(w.path, where))
+    try:
+        inspect.signature(cls).bind(**kwargs)
+    except TypeError:
+        allowed = [p for p in inspect.signature(cls).parameters if p != "self"]
+        bad = sorted(set(kwargs) - set(allowed)) or sorted(kwargs)
+        raise CachelabError(f"{where}: workload.params: {w.source!r} does not take {bad}; "
+                            f"allowed: {allowed}") from None
+    _table(w.preset, where)
+
+
+def _check_plugin(group: str, key: str, name: str, where: str):
+    plugins = {p.name: p for p in registry.discover(group)}
+    if name not in plugins:
+        kind = _SINGULAR[group]
+        raise CachelabError(f"{where}: {key}: unknown {kind} {name!r}; allowed: {', '.join(sorted(plugins))}")
+    plugin = plugins[name]
+    if plugin.error is not None:
+        raise CachelabError(f"{where}: {key}: plug-in {name!r} from {plugin.distribution} failed to load: "
+                            f"{plugin.error}")
+    return plugin.obj
+
+
+def _check_policy(tier: TierSpec, predictor: PredictorSpec | None, where: str, key: str) -> None:
+    cls = _check_plugin(registry.POLICIES, f"{key}.policy", tier.policy, where)
+    where = f"{where}: {key}"
+    params = {**tier.params, "admission": tier.admission}
+    try:
+        policy = cls(**params)
+        policy.reset(2, 4)  # a tiny cache: surfaces bad admission names and parameters now
+    except TypeError as exc:
+        allowed = [p for p in inspect.signature(cls).parameters if p != "self"]
+        raise CachelabError(f"{where}.params: {exc}; {tier.policy!r} takes {allowed}") from None
+    except CachelabError as exc:
+        raise CachelabError(f"{where}: {exc}") from None
+    if policy.capabilities.needs_scores and predictor is None:
+        raise CachelabError(f"{where}.policy: {tier.policy!r} needs scores: add a [predictor] section")
+
+
+def _table(preset: str, where: str = "spec") -> tuple[int, int]:
+    from cachelab.engram import get_preset
+
+    try:
+        cfg = get_preset(preset)
+    except CachelabError as exc:
+        raise CachelabError(f"{where}: workload.preset: {exc}") from None
+    return int(cfg.table_rows.min()), int(cfg.row_bytes)
+
+
+def resolve_data_path(relative: str, where: str = "spec") -> Path:
+    """``relative`` under the data root (absolute paths are taken as given)."""
+    path = Path(relative)
+    if not path.is_absolute():
+        root = data_root(required=False)
+        if root is None:
+            raise CachelabError(f"{where}: workload.path: {relative!r} needs the data root: "
+                                "set CACHELAB_DATA to the folder holding traces/ and prompts/")
+        path = root / path
+    if not path.exists():
+        raise CachelabError(f"{where}: workload.path: data file not found: {path}")
+    return path
+
+
+def capacity_rows(capacity: int | str, unique_rows: int, row_bytes: int, where: str = "capacity") -> int:
+    """Rows of a tier: an integer, ``"N%"`` of ``unique_rows``, or bytes (``"64 MiB"``)."""
+    if isinstance(capacity, bool):
+        raise CachelabError(f"{where}: expected rows, 'N%' or bytes, got {capacity!r}")
+    if isinstance(capacity, int):
+        rows = capacity
+    else:
+        m = _CAPACITY.match(capacity)
+        unit = (m.group(2) or "rows").lower() if m else None
+        if m is None or (unit not in _UNITS and unit not in ("%", "rows")):
+            raise CachelabError(f"{where}: {capacity!r} is not a capacity; write rows (1000), a share of "
+                                f"the workload's rows ('1%') or bytes with a unit ({', '.join(_UNITS)})")
+        amount = float(m.group(1))
+        if unit == "%":
+            if not 0 < amount <= 100:
+                raise CachelabError(f"{where}: {capacity!r}: a share must be in (0%, 100%]")
+            rows = int(round(unique_rows * amount / 100))
+        elif unit == "rows":
+            rows = int(amount)
+        else:
+            rows = int(amount * _UNITS[unit]) // row_bytes
+    if rows < 1:
+        raise CachelabError(f"{where}: {capacity!r} is less than one row")
+    return rows
