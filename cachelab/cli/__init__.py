@@ -30,9 +30,10 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from cachelab.cli import engram, quickstart
+    from cachelab.cli import engram, quickstart, trace
 
     app.add_typer(engram.app, name="engram")
+    app.add_typer(trace.app, name="trace")
     app.command("quickstart")(quickstart.quickstart)
 
 
