@@ -3,6 +3,7 @@ the library). Writes an oracleGeneral trace with unit sizes so capacities count 
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +37,45 @@ def lcs_miss_ratio(trace_path: Path, policy: str, capacity: int, **params) -> fl
     return float(miss_ratio)
 
 
+def dense(ids: np.ndarray) -> np.ndarray:
+    """Any object ids -> dense keys 0..n-1 (the engine's compaction), in first-seen order."""
+    _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+    rank = np.empty(first.size, dtype=np.int64)
+    rank[np.argsort(first, kind="stable")] = np.arange(first.size)
+    return rank[inverse]
+
+
+@lru_cache(maxsize=None)
+def cloudphysics_keys(data_dir: Path) -> np.ndarray:
+    """The cloudPhysics block trace shipped with libCacheSim (113,872 requests), dense keys."""
+    path = data_dir / "cache_traces/libcachesim_cloudphysics/cloudPhysicsIO.oracleGeneral.bin"
+    return dense(np.fromfile(path, dtype=ORACLE_DTYPE)["id"].astype(np.int64))
+
+
+@lru_cache(maxsize=None)
+def engram_row_keys(data_dir: Path, num_prompts: int = 200, layer: int = 0) -> np.ndarray:
+    """One layer's Engram row stream of real GSM8K prompts (DeepSeek-V4.1-Flash), dense keys."""
+    import json
+
+    from cachelab.engram import Addresser, encode
+
+    lines = (data_dir / "prompts/gsm8k/test.jsonl").read_text().splitlines()[:num_prompts]
+    texts = [json.loads(line)["question"] for line in lines]
+    seqs = encode(texts)
+    offsets = np.concatenate([[0], np.cumsum([s.size for s in seqs])])
+    rows = Addresser("deepseek-v4.1-flash").rows(np.concatenate(seqs), offsets=offsets)
+    return dense(rows[:, layer, :].reshape(-1).astype(np.int64))
+
+
+def cachelab_miss_ratio(policy: str, capacity: int, keys: np.ndarray, **params) -> float:
+    """Miss ratio of a registered cachelab policy, one key per step (as libCacheSim replays)."""
+    from cachelab import registry
+
+    p = registry.get(registry.POLICIES, policy)(**params)
+    p.reset(capacity, int(keys.max()) + 1)
+    return 1.0 - float(p.run(keys, np.arange(keys.size + 1)).mean())
+
+
 def lcs_misses(trace_path: Path, policy: str, capacity: int, **params) -> int:
     """libCacheSim's miss count (its ratio times the request count, rounded: the ratio is a
     float division, so compare counts, not ratios computed two ways)."""
@@ -43,47 +83,10 @@ def lcs_misses(trace_path: Path, policy: str, capacity: int, **params) -> int:
     return round(lcs_miss_ratio(trace_path, policy, capacity, **params) * requests)
 
 
-def dense(ids: np.ndarray) -> np.ndarray:
-    """Compact arbitrary ids to dense keys 0..n-1 (the engine's contract for policies)."""
-    return np.unique(np.asarray(ids), return_inverse=True)[1].astype(np.int64).ravel()
-
-
-def real_trace_keys(path: Path, limit: int | None = None) -> np.ndarray:
-    """Dense keys of a real key trace: libCacheSim oracleGeneral ``.bin`` or gzipped text
-    with one key per line (the LIRS traces); ``limit`` keeps the first requests."""
+@lru_cache(maxsize=None)
+def lirs_keys(data_dir: Path, name: str) -> np.ndarray:
+    """A LIRS paper trace shipped with Caffeine's simulator (gzipped, one key per line), dense keys."""
     import gzip
 
-    path = Path(path)
-    if path.name.endswith(".oracleGeneral.bin"):
-        ids = np.fromfile(path, dtype=ORACLE_DTYPE, count=-1 if limit is None else limit)["id"]
-    else:
-        with gzip.open(path, "rt") as fh:
-            ids = np.loadtxt(fh, dtype=np.int64, max_rows=limit, ndmin=1)
-    return dense(ids)
-
-
-def engram_row_stream(texts: list[str], layer: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Dense keys and step offsets of one Engram layer's rows for real prompts.
-
-    One step per prompt (its prefill), rows deduplicated within the step as the engine does,
-    DeepSeek-V4.1-Flash addressing (cachelab.engram)."""
-    from cachelab.engram import Addresser, encode
-
-    tokens = encode(texts, bos=True)
-    offsets = np.concatenate([[0], np.cumsum([t.size for t in tokens])])
-    rows = Addresser("deepseek-v4.1-flash").rows(np.concatenate(tokens), offsets)[:, layer, :]
-    steps = [np.unique(rows[lo:hi]) for lo, hi in zip(offsets[:-1], offsets[1:])]
-    step_offsets = np.concatenate([[0], np.cumsum([s.size for s in steps])]).astype(np.int64)
-    return dense(np.concatenate(steps)), step_offsets
-
-
-def prompt_texts(data_dir: Path) -> list[str]:
-    """Real user prompts: MT-bench (both turns) and Arena-Hard v2.0 questions."""
-    import json
-
-    def rows(name):  # split on "\n" only: prompts hold other Unicode line breaks
-        text = (data_dir / "prompts" / name).read_text(encoding="utf-8")
-        return [json.loads(line) for line in text.split("\n") if line.strip()]
-
-    texts = [turn for row in rows("mt_bench/question.jsonl") for turn in row["turns"]]
-    return texts + [row["prompt"] for row in rows("arena_hard/arena-hard-v2.0_question.jsonl")]
+    with gzip.open(data_dir / "cache_traces/caffeine_sim_samples/lirs" / f"{name}.trace.gz", "rt") as fh:
+        return dense(np.loadtxt(fh, dtype=np.int64, ndmin=1))

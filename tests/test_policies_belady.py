@@ -8,12 +8,7 @@ import pytest
 from cachelab import registry
 from cachelab.future import next_access
 from cachelab.policy import NO_NEXT
-from lcs_reference import (engram_row_stream, lcs_misses, prompt_texts, real_trace_keys,
-                           write_oracle_general)
-
-REAL_TRACES = ["libcachesim_cloudphysics/cloudPhysicsIO.oracleGeneral.bin",
-               "caffeine_sim_samples/lirs/multi2.trace.gz",
-               "caffeine_sim_samples/lirs/sprite.trace.gz"]
+from lcs_reference import cloudphysics_keys, engram_row_keys, lcs_misses, lirs_keys, write_oracle_general
 
 
 def make(name, capacity, num_keys, **params):
@@ -67,25 +62,20 @@ def test_lookahead_view_censors_beyond_the_window():
     assert view[0] == 2 and view[2] == NO_NEXT  # 1 returns 2 steps later, then 3 steps later
 
 
-def _assert_identical_to_libcachesim(keys, tmp_path, capacities):
-    trace = write_oracle_general(tmp_path / "t.oracleGeneral", keys)
-    offsets = np.arange(keys.size + 1)
-    for capacity in capacities:
-        assert misses("belady", keys, offsets, capacity) == lcs_misses(trace, "Belady", capacity), capacity
-
-
 @pytest.mark.data
-@pytest.mark.parametrize("trace", REAL_TRACES)
+@pytest.mark.parametrize("trace", ["cloudphysics", "lirs/multi2", "lirs/sprite", "engram"])
 def test_belady_identical_to_libcachesim_on_real_traces(data_dir, tmp_path, trace):
-    keys = real_trace_keys(data_dir / "cache_traces" / trace)
+    if trace == "cloudphysics":
+        keys = cloudphysics_keys(data_dir)
+    elif trace == "engram":  # Engram layer-0 rows of real GSM8K prompts
+        keys = engram_row_keys(data_dir)
+    else:
+        keys = lirs_keys(data_dir, trace.split("/")[1])
+    trace_path = write_oracle_general(tmp_path / "t.oracleGeneral", keys)
+    offsets = np.arange(keys.size + 1)
     n = int(keys.max()) + 1
-    _assert_identical_to_libcachesim(keys, tmp_path, sorted({10, n // 100 + 1, n // 10 + 1, n // 2}))
-
-
-@pytest.mark.data
-def test_belady_identical_to_libcachesim_on_engram_rows(data_dir, tmp_path):
-    keys, _ = engram_row_stream(prompt_texts(data_dir)[:300])
-    _assert_identical_to_libcachesim(keys, tmp_path, (1_000, 30_000, 200_000))
+    for capacity in sorted({10, n // 100 + 1, n // 10 + 1, n // 2}):
+        assert misses("belady", keys, offsets, capacity) == lcs_misses(trace_path, "Belady", capacity), capacity
 
 
 def test_lookahead_unbounded_equals_full_belady():

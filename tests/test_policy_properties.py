@@ -1,8 +1,11 @@
-"""Properties every registered policy must keep, on random step streams (Hypothesis).
+"""Hypothesis properties every registered policy must keep, on random short streams.
 
-Occupancy never exceeds capacity, a hit is only ever a resident row (and a miss never one),
-the reported admissions/evictions/slots account exactly for the change of residents, identical
-runs give identical results, and Belady with bypass never misses more than any policy.
+Occupancy never exceeds capacity; a hit is only ever a resident row; admissions take slots
+in range that ``resident()`` then shows; identical runs give identical results; the step
+path equals the compiled path; Belady with bypass never misses more than any policy.
+Every policy found in the ``cachelab.policies`` group is checked (with default
+hyper-parameters), plus the variants listed in ``VARIANTS``; policies that declare
+``needs_future`` get ``next_access`` through their ``view_future``.
 """
 
 from __future__ import annotations
@@ -15,90 +18,78 @@ from hypothesis import strategies as st
 from cachelab import registry
 from cachelab.future import next_access
 
-NUM_KEYS = 40
-POLICY_NAMES = sorted(p.name for p in registry.discover(registry.POLICIES) if p.error is None)
+REGISTERED = sorted(p.name for p in registry.discover(registry.POLICIES) if p.error is None)
+VARIANTS = [("clock", {"bits": 2}), ("lru", {"admission": "tinylfu"}), ("sieve", {"admission": "tinylfu"}),
+            ("belady-lookahead", {"window": 0}), ("belady-lookahead", {"window": 2, "bypass": True})]
+POLICIES = [(name, {}) for name in REGISTERED] + [v for v in VARIANTS if v[0] in REGISTERED]
 
-steps_strategy = st.lists(st.lists(st.integers(0, NUM_KEYS - 1), min_size=1, max_size=8, unique=True),
-                          min_size=1, max_size=60)
-
-
-def build(name):
-    return registry.get(registry.POLICIES, name)()
+streams = st.tuples(st.integers(1, 12), st.lists(st.integers(0, 30), min_size=1, max_size=300),
+                    st.integers(1, 7))
 
 
-def inputs(policy, steps):
-    keys = np.concatenate([np.asarray(s, dtype=np.int64) for s in steps])
-    offsets = np.concatenate([[0], np.cumsum([len(s) for s in steps])]).astype(np.int64)
-    nxt = policy.view_future(next_access(keys), offsets) if policy.capabilities.needs_future else None
-    scores = np.random.default_rng(0).random(keys.size) if policy.capabilities.needs_scores else None
-    return keys, offsets, nxt, scores
+def make(name, params, capacity):
+    policy = registry.get(registry.POLICIES, name)(**params)
+    policy.reset(capacity, 31)
+    return policy
 
 
-def replay_checked(name, steps, capacity):
-    """Step through ``steps``, checking every result against the residents before it."""
-    policy = build(name)
-    policy.reset(capacity, NUM_KEYS)
-    keys, offsets, nxt, scores = inputs(policy, steps)
-    slot_of = {}
-    all_hits = []
+def future(policy, keys, step_len):
+    """Step offsets and what the policy may know of the future (None if it asks nothing)."""
+    keys = np.asarray(keys)
+    offsets = np.append(np.arange(0, keys.size, step_len), keys.size)
+    if not policy.capabilities.needs_future:
+        return offsets, None
+    return offsets, policy.view_future(next_access(keys), offsets)
+
+
+def stepped(policy, keys, step_len):
+    """Replay in steps, checking each step against the residency before and after it."""
+    offsets, nxt = future(policy, keys, step_len)
+    hits = []
     for lo, hi in zip(offsets[:-1], offsets[1:]):
-        res = policy.step(keys[lo:hi], None if nxt is None else nxt[lo:hi],
-                          None if scores is None else scores[lo:hi])
-        before = set(slot_of)
-        evicted = set(res.evicted.tolist())
-        for key, hit in zip(keys[lo:hi].tolist(), res.hits.tolist()):
-            # a hit is a resident row; a miss is not one, unless the step evicted it first
-            assert hit <= (key in before), f"{name}: hit on {key}, not resident"
-            assert hit or key not in before or key in evicted, f"{name}: miss on resident {key}"
-        missed = set(keys[lo:hi][~res.hits].tolist())
-        count = {key: 1 for key in slot_of}  # residency count: before + admissions - evictions
-        for key, slot in zip(res.admitted.tolist(), res.slots.tolist()):
-            assert key in missed, f"{name}: admitted {key}, which was not a miss"
-            assert 0 <= slot < capacity, f"{name}: slot {slot} outside [0, {capacity})"
-            count[key] = count.get(key, 0) + 1
-            slot_of[key] = slot  # the latest admission's slot
-        for key in res.evicted.tolist():
-            count[key] = count.get(key, 0) - 1
-        for key, c in count.items():
-            assert c in (0, 1), f"{name}: row {key} admitted/evicted inconsistently ({c})"
-            if c == 0:
-                slot_of.pop(key, None)
-        assert len(slot_of) <= capacity, f"{name}: {len(slot_of)} rows resident > capacity {capacity}"
-        assert len(set(slot_of.values())) == len(slot_of), f"{name}: two rows share a slot"
-        assert sorted(slot_of) == policy.resident().tolist(), f"{name}: resident() disagrees"
-        all_hits.append(res.hits)
-    return np.concatenate(all_hits)
+        batch = np.array(keys[lo:hi])
+        before = set(policy.resident().tolist())
+        r = policy.step(batch, None if nxt is None else nxt[lo:hi])
+        after = policy.resident()
+        assert after.size <= policy.key_of.size
+        assert ((r.slots >= 0) & (r.slots < policy.key_of.size)).all()
+        seen = set()
+        for k, hit in zip(batch.tolist(), r.hits.tolist()):  # a hit: resident at that moment
+            if hit:
+                assert k in before or k in seen, f"phantom hit on {k}"
+            seen.add(k)
+        admitted, evicted = set(r.admitted.tolist()), set(r.evicted.tolist())
+        assert set(after.tolist()) - before <= admitted  # nothing enters unannounced
+        assert before - set(after.tolist()) <= evicted  # nothing leaves unannounced
+        assert evicted <= before | admitted  # only a resident row can be evicted
+        hits.append(r.hits)
+    return np.concatenate(hits)
 
 
-@pytest.mark.parametrize("name", POLICY_NAMES)
-@settings(max_examples=40, deadline=None)
-@given(steps=steps_strategy, capacity=st.integers(1, 12))
-def test_occupancy_residency_and_accounting(name, steps, capacity):
-    replay_checked(name, steps, capacity)
+def run(name, params, capacity, keys, step_len):
+    policy = make(name, params, capacity)
+    offsets, nxt = future(policy, keys, step_len)
+    return policy, policy.run(np.array(keys), offsets, nxt)
 
 
-@pytest.mark.parametrize("name", POLICY_NAMES)
-@settings(max_examples=20, deadline=None)
-@given(steps=steps_strategy, capacity=st.integers(1, 12))
-def test_identical_runs_identical_results(name, steps, capacity):
-    runs = []
-    for _ in range(2):
-        policy = build(name)
-        policy.reset(capacity, NUM_KEYS)
-        keys, offsets, nxt, scores = inputs(policy, steps)
-        runs.append((policy.run(keys, offsets, nxt, scores), policy.resident()))
-    assert np.array_equal(runs[0][0], runs[1][0]) and np.array_equal(runs[0][1], runs[1][1])
-    assert np.array_equal(runs[0][0], replay_checked(name, steps, capacity))  # run == step
+@pytest.mark.parametrize("name,params", POLICIES, ids=lambda v: str(v))
+@settings(max_examples=60, deadline=None)
+@given(stream=streams)
+def test_properties(name, params, stream):
+    capacity, keys, step_len = stream
+    a = make(name, params, capacity)
+    hits = stepped(a, keys, step_len)
+    again = stepped(make(name, params, capacity), keys, step_len)
+    assert np.array_equal(hits, again)  # identical runs, identical results
+    b, compiled = run(name, params, capacity, keys, step_len)
+    assert np.array_equal(compiled, hits)  # step path == run path
+    assert np.array_equal(a.resident(), b.resident())
 
 
-@settings(max_examples=40, deadline=None)
-@given(steps=steps_strategy, capacity=st.integers(1, 12))
-def test_belady_with_bypass_never_misses_more_than_any_policy(steps, capacity):
-    misses = {}
-    for name in POLICY_NAMES:
-        policy = build(name)
-        policy.reset(capacity, NUM_KEYS)
-        keys, offsets, nxt, scores = inputs(policy, steps)
-        misses[name] = int((~policy.run(keys, offsets, nxt, scores)).sum())
-    best = misses["belady-bypass"]
-    assert all(best <= m for m in misses.values()), misses
+@settings(max_examples=60, deadline=None)
+@given(stream=streams)
+def test_belady_with_bypass_never_misses_more_than_any_policy(stream):
+    capacity, keys, step_len = stream
+    misses = {f"{name}{params or ''}": int((~run(name, params, capacity, keys, step_len)[1]).sum())
+              for name, params in POLICIES}
+    assert all(misses["belady-bypass"] <= m for m in misses.values()), misses

@@ -30,23 +30,24 @@ import numpy as np
 
 from cachelab.errors import CachelabError
 from cachelab.future import censor_lookahead
-from cachelab.policy import NO_NEXT, Capabilities, Policy, StepResult, check_capacity
+from cachelab.policy import NO_NEXT, Capabilities
+from policies.admission import admission_admit, admission_record
 from policies.heap import heap_push, heap_sift_down, heap_update
+from policies.kernel import KernelPolicy, note_admit, note_evict
 
 POS, SIZE = 0, 1  # meta: absolute position of the next access, rows resident
 UNKNOWN = np.int64(1) << np.int64(62)  # priorities of rows without a known next use sit above
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)
-def _belady_kernel(keys, next_access, bypass, meta, slot_of, key_of, pri, heap, where,
-                   hits, record, adm, adm_slot, ev, counts):
+def _belady_kernel(keys, next_access, slot_of, key_of, bypass, meta, pri, heap, where,
+                   a_kind, a_counters, a_scores, a_meta, hits, record, adm, adm_slot, ev, counts):
     capacity = key_of.size
     pos = meta[POS]
     size = meta[SIZE]
-    n_adm = 0
-    n_ev = 0
     for i in range(keys.size):
         key = keys[i]
+        admission_record(a_kind, a_counters, a_scores, a_meta, key)
         nxt = next_access[i]
         p = nxt if nxt != NO_NEXT else UNKNOWN - pos
         pos += 1
@@ -63,68 +64,49 @@ def _belady_kernel(keys, next_access, bypass, meta, slot_of, key_of, pri, heap, 
             size += 1
         else:
             slot = heap[0]
+            victim = key_of[slot]
             if bypass and p >= pri[slot]:
                 continue  # the incoming row is the one used farthest ahead: keep it out
-            victim = key_of[slot]
+            if not admission_admit(a_kind, a_counters, a_scores, a_meta, key, victim):
+                continue
             slot_of[victim] = -1
-            if record:
-                ev[n_ev] = victim
-            n_ev += 1
+            note_evict(record, ev, counts, victim)
             pri[slot] = p
             heap_sift_down(heap, where, pri, 0, size)
         key_of[slot] = key
         slot_of[key] = slot
-        if record:
-            adm[n_adm] = key
-            adm_slot[n_adm] = slot
-        n_adm += 1
+        note_admit(record, adm, adm_slot, counts, key, slot)
     meta[POS] = pos
     meta[SIZE] = size
-    counts[0] = n_adm
-    counts[1] = n_ev
 
 
-class Belady(Policy):
-    """Belady's MIN as libCacheSim runs it: always admit, evict the farthest next use."""
+class Belady(KernelPolicy):
+    """Belady's MIN as libCacheSim runs it: always admit, evict the farthest next use.
+
+    ``admission`` may put a filter (policies.admission) in front, which makes it no longer
+    optimal but keeps admission and eviction separable as for every policy.
+    """
 
     name = "belady"
     capabilities = Capabilities(needs_future=True, compiled=True)
+    kernel = staticmethod(_belady_kernel)
     bypass = False
 
-    def reset(self, capacity: int, num_keys: int) -> None:
-        check_capacity(capacity, num_keys)
+    def init_state(self, capacity, num_keys):
         self.meta = np.zeros(2, dtype=np.int64)
-        self.slot_of = np.full(num_keys, -1, dtype=np.int64)
-        self.key_of = np.full(capacity, -1, dtype=np.int64)
-        self.pri = np.zeros(capacity, dtype=np.int64)
-        self.heap = np.zeros(capacity, dtype=np.int64)
-        self.where = np.zeros(capacity, dtype=np.int64)
-        self._counts = np.zeros(2, dtype=np.int64)
+        self.pri, self.heap, self.where = (np.zeros(capacity, dtype=np.int64) for _ in range(3))
 
-    def _kernel(self, keys, next_access, record):
-        keys = np.ascontiguousarray(keys, dtype=np.int64)
+    def state(self):
+        return (self.bypass, self.meta, self.pri, self.heap, self.where)
+
+    def inputs(self, keys, next_access, scores):
         if next_access is None:
             raise CachelabError(f"policy {self.name!r} needs next_access (it declares needs_future)")
         next_access = np.ascontiguousarray(next_access, dtype=np.int64)
         if next_access.shape != keys.shape:
-            raise CachelabError(f"next_access has shape {next_access.shape}, keys {keys.shape}")
-        hits = np.empty(keys.size, dtype=np.bool_)
-        size = keys.size if record else 0
-        adm, adm_slot, ev = (np.empty(size, np.int64) for _ in range(3))
-        _belady_kernel(keys, next_access, self.bypass, self.meta, self.slot_of, self.key_of,
-                       self.pri, self.heap, self.where, hits, record, adm, adm_slot, ev, self._counts)
-        return hits, adm, adm_slot, ev
-
-    def step(self, keys, next_access=None, scores=None) -> StepResult:
-        hits, adm, adm_slot, ev = self._kernel(keys, next_access, True)
-        n_adm, n_ev = self._counts
-        return StepResult(hits, adm[:n_adm], adm_slot[:n_adm], ev[:n_ev])
-
-    def run(self, keys, step_offsets, next_access=None, scores=None) -> np.ndarray:
-        return self._kernel(keys, next_access, False)[0]
-
-    def resident(self) -> np.ndarray:
-        return np.sort(self.key_of[: self.meta[SIZE]])
+            raise CachelabError(f"policy {self.name!r}: next_access has shape {next_access.shape}, "
+                                f"keys {keys.shape}")
+        return (next_access,)
 
 
 class BeladyBypass(Belady):
@@ -141,13 +123,15 @@ class BeladyLookahead(Belady):
         window: steps of lookahead K (0 = only the current step); ``view_future`` censors
             the full ``next_access`` to what such a window shows.
         bypass: whether a miss may itself be the row not kept (as ``belady-bypass``).
+        admission: an admission filter from policies.admission (``always`` by default).
     """
 
     name = "belady-lookahead"
 
-    def __init__(self, window: int = 8, bypass: bool = False):
+    def __init__(self, window: int = 8, bypass: bool = False, admission: str = "always"):
         self.window = window
         self.bypass = bypass
+        self.admission = admission
 
     def reset(self, capacity: int, num_keys: int) -> None:
         if int(self.window) < 0:
