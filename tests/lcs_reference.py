@@ -4,6 +4,7 @@ capacities count objects)."""
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 
 from cachelab.keytrace import write_oracle_general
@@ -19,3 +20,42 @@ def lcs_miss_ratio(trace_path: Path, policy: str, capacity: int, **params) -> fl
     cache = getattr(lcs, policy)(capacity, **params)
     miss_ratio, _byte_miss_ratio = cache.process_trace(reader)
     return float(miss_ratio)
+
+
+def dense(ids: np.ndarray) -> np.ndarray:
+    """Any object ids -> dense keys 0..n-1 (the engine's compaction), in first-seen order."""
+    _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+    rank = np.empty(first.size, dtype=np.int64)
+    rank[np.argsort(first, kind="stable")] = np.arange(first.size)
+    return rank[inverse]
+
+
+@lru_cache(maxsize=None)
+def cloudphysics_keys(data_dir: Path) -> np.ndarray:
+    """The cloudPhysics block trace shipped with libCacheSim (113,872 requests), dense keys."""
+    path = data_dir / "cache_traces/libcachesim_cloudphysics/cloudPhysicsIO.oracleGeneral.bin"
+    return dense(np.fromfile(path, dtype=ORACLE_DTYPE)["id"].astype(np.int64))
+
+
+@lru_cache(maxsize=None)
+def engram_row_keys(data_dir: Path, num_prompts: int = 200, layer: int = 0) -> np.ndarray:
+    """One layer's Engram row stream of real GSM8K prompts (DeepSeek-V4.1-Flash), dense keys."""
+    import json
+
+    from cachelab.engram import Addresser, encode
+
+    lines = (data_dir / "prompts/gsm8k/test.jsonl").read_text().splitlines()[:num_prompts]
+    texts = [json.loads(line)["question"] for line in lines]
+    seqs = encode(texts)
+    offsets = np.concatenate([[0], np.cumsum([s.size for s in seqs])])
+    rows = Addresser("deepseek-v4.1-flash").rows(np.concatenate(seqs), offsets=offsets)
+    return dense(rows[:, layer, :].reshape(-1).astype(np.int64))
+
+
+def cachelab_miss_ratio(policy: str, capacity: int, keys: np.ndarray, **params) -> float:
+    """Miss ratio of a registered cachelab policy, one key per step (as libCacheSim replays)."""
+    from cachelab import registry
+
+    p = registry.get(registry.POLICIES, policy)(**params)
+    p.reset(capacity, int(keys.max()) + 1)
+    return 1.0 - float(p.run(keys, np.arange(keys.size + 1)).mean())
