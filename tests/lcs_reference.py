@@ -7,7 +7,9 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from cachelab.keytrace import write_oracle_general
+import numpy as np
+
+from cachelab.keytrace import read_oracle_general, write_oracle_general
 
 __all__ = ["lcs_miss_ratio", "write_oracle_general"]
 
@@ -34,7 +36,7 @@ def dense(ids: np.ndarray) -> np.ndarray:
 def cloudphysics_keys(data_dir: Path) -> np.ndarray:
     """The cloudPhysics block trace shipped with libCacheSim (113,872 requests), dense keys."""
     path = data_dir / "cache_traces/libcachesim_cloudphysics/cloudPhysicsIO.oracleGeneral.bin"
-    return dense(np.fromfile(path, dtype=ORACLE_DTYPE)["id"].astype(np.int64))
+    return dense(read_oracle_general(path))
 
 
 @lru_cache(maxsize=None)
