@@ -1,5 +1,6 @@
 """libCacheSim as a reference oracle, for tests and benchmarks only (GPL: never imported by
-the library). Writes an oracleGeneral trace with unit sizes so capacities count objects."""
+the library). Traces are written with cachelab's oracleGeneral writer (unit sizes, so
+capacities count objects)."""
 
 from __future__ import annotations
 
@@ -8,23 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
-from cachelab.future import next_access
-from cachelab.policy import NO_NEXT
+from cachelab.keytrace import read_oracle_general, write_oracle_general
 
-ORACLE_DTYPE = np.dtype([("time", "<u4"), ("id", "<u8"), ("size", "<u4"), ("next", "<i8")])
-
-
-def write_oracle_general(path: Path, keys: np.ndarray) -> Path:
-    """Records <u4 time, <u8 id, <u4 size=1, <i8 next access (1-based vtime, -1 if none)."""
-    keys = np.asarray(keys, dtype=np.int64)
-    rec = np.empty(keys.size, dtype=ORACLE_DTYPE)
-    rec["time"] = np.arange(keys.size, dtype=np.uint32)
-    rec["id"] = keys.astype(np.uint64) + 1  # libCacheSim treats id 0 specially in places
-    rec["size"] = 1
-    nxt = next_access(keys)
-    rec["next"] = np.where(nxt == NO_NEXT, -1, nxt + 1)
-    rec.tofile(path)
-    return path
+__all__ = ["lcs_miss_ratio", "write_oracle_general"]
 
 
 def lcs_miss_ratio(trace_path: Path, policy: str, capacity: int, **params) -> float:
@@ -49,7 +36,7 @@ def dense(ids: np.ndarray) -> np.ndarray:
 def cloudphysics_keys(data_dir: Path) -> np.ndarray:
     """The cloudPhysics block trace shipped with libCacheSim (113,872 requests), dense keys."""
     path = data_dir / "cache_traces/libcachesim_cloudphysics/cloudPhysicsIO.oracleGeneral.bin"
-    return dense(np.fromfile(path, dtype=ORACLE_DTYPE)["id"].astype(np.int64))
+    return dense(read_oracle_general(path))
 
 
 @lru_cache(maxsize=None)

@@ -30,10 +30,12 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from cachelab.cli import engram, quickstart
+    from cachelab.cli import cache, engram, quickstart
 
     app.add_typer(engram.app, name="engram")
     app.command("quickstart")(quickstart.quickstart)
+    app.command("simulate")(cache.simulate)
+    app.command("mrc")(cache.mrc)
 
 
 _register()
