@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cachelab.keytrace import read_oracle_general, write_oracle_general
+from cachelab.keytrace import ORACLE_DTYPE, read_keys, read_oracle_general, write_oracle_general
 
 __all__ = ["lcs_miss_ratio", "write_oracle_general"]
 
@@ -73,7 +73,4 @@ def lcs_misses(trace_path: Path, policy: str, capacity: int, **params) -> int:
 @lru_cache(maxsize=None)
 def lirs_keys(data_dir: Path, name: str) -> np.ndarray:
     """A LIRS paper trace shipped with Caffeine's simulator (gzipped, one key per line), dense keys."""
-    import gzip
-
-    with gzip.open(data_dir / "cache_traces/caffeine_sim_samples/lirs" / f"{name}.trace.gz", "rt") as fh:
-        return dense(np.loadtxt(fh, dtype=np.int64, ndmin=1))
+    return dense(read_keys(data_dir / "cache_traces/caffeine_sim_samples/lirs" / f"{name}.trace.gz"))
