@@ -30,10 +30,13 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from cachelab.cli import engram, experiment, quickstart
+    from cachelab.cli import cache, engram, experiment, quickstart, trace
 
     app.add_typer(engram.app, name="engram")
+    app.add_typer(trace.app, name="trace")
     app.command("quickstart")(quickstart.quickstart)
+    app.command("simulate")(cache.simulate)
+    app.command("mrc")(cache.mrc)
     app.command("run")(experiment.run)
     app.command("report")(experiment.report)
     app.command("sync")(experiment.sync)
