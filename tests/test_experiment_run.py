@@ -55,15 +55,15 @@ def test_runs_metrics_and_artifacts_read_back_through_mlflow(local):
     assert parent.info.status == "FINISHED" and parent.data.metrics["points.finished"] == 4
     assert parent.data.metrics["workload.tokens"] > 1000
     parent_files = {a.path for a in client.list_artifacts(parent.info.run_id)}
-    assert {"addressing.parquet", "results.parquet", "report.html", "spec"} <= parent_files
+    assert {"addressing.parquet", "mrc.parquet", "results.parquet", "report.html", "spec"} <= parent_files
     for run in points:
         m = run.data.metrics
         assert 0 < m["hbm.miss_ratio"] < 1 and 0 < m["dram.miss_ratio"] <= 1
-        assert m["dram.requests"] == m["hbm.requests"] - m["hbm.hits"]  # DRAM sees HBM's misses
-        assert m["hbm.bytes_in"] == (m["hbm.requests"] - m["hbm.hits"]) * 264
+        assert m["dram.requests_unique"] == m["hbm.requests_unique"] - m["hbm.served_unique"]  # HBM's misses
+        assert m["bytes.host_to_gpu"] == (m["unique_rows"] - m["hbm.served_unique"]) * 264
         assert run.data.params["hierarchy.hbm.policy"] == "lru"
         files = {a.path for a in client.list_artifacts(run.info.run_id)}
-        assert {"config.json", "per_layer.parquet"} <= files
+        assert {"config.json", "per_step.parquet"} <= files
     # Larger caches miss less: the sweep measured something real.
     by_cap = {(r.data.params["hierarchy.hbm.capacity"], r.data.params["hierarchy.hbm.admission"]):
               r.data.metrics["hbm.miss_ratio"] for r in points}
@@ -124,7 +124,7 @@ def test_mlflow_server_gives_the_same_results(tmp_path, local):
         assert _metrics(uri, "tiny") == local[3].reference
         client = MlflowClient(tracking_uri=uri)
         run = _points(uri, "tiny")[0]
-        assert "per_layer.parquet" in {a.path for a in client.list_artifacts(run.info.run_id)}
+        assert "per_step.parquet" in {a.path for a in client.list_artifacts(run.info.run_id)}
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)

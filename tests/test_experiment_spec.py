@@ -8,6 +8,7 @@ from experiment_helpers import cli, write_spec
 from cachelab.errors import CachelabError
 from cachelab.experiment.spec import capacity_rows, load_spec
 from cachelab.experiment.sweep import expand
+from cachelab.paths import REPO_ROOT
 
 
 def _load(tmp_path, extra="", **kw):
@@ -96,3 +97,9 @@ def test_bad_spec_stops_the_cli_before_any_work(tmp_path):
     assert res.returncode == 2
     assert res.stderr.startswith("error: ") and "hierarchy.tiers[0].policy: unknown policy 'lur'" in res.stderr
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("path", sorted((REPO_ROOT / "experiments").glob("*.toml")), ids=lambda p: p.name)
+def test_every_shipped_spec_validates(path, data_dir):
+    spec = load_spec(path)
+    assert expand(spec), f"{path.name} has no points"

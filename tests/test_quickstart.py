@@ -47,7 +47,7 @@ def test_quickstart_tracks_every_point_with_metrics_and_artifacts(quickstart):
     assert {"report.html", "results.parquet", "addressing.parquet"} <= parent_files
     for run in points:
         assert 0 <= run.data.metrics["hbm.miss_ratio"] <= 1
-        assert {"config.json", "per_layer.parquet"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+        assert {"config.json", "per_step.parquet"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
     assert (folder / "runs" / "quickstart" / "report.html").is_file()
 
 

@@ -130,23 +130,25 @@ def plot_miss_ratio(data: ExperimentData):
 
 
 def plot_tier_bytes(data: ExperimentData):
-    """Bytes each tier pulled from the level below, per point (seed-averaged)."""
+    """Bytes each level served (distinct rows per step x row bytes), per point, seed-averaged."""
     import matplotlib.pyplot as plt
 
-    cols = [f"{t}.bytes_in" for t in data.tiers() if f"{t}.bytes_in" in data.results.columns]
-    if not cols or data.results.height > 60:
+    levels = [c.removesuffix(".served_unique") for c in data.results.columns if c.endswith(".served_unique")]
+    row_bytes = data.parent_metrics.get("workload.row_bytes")
+    if not levels or not row_bytes or data.results.height > 60:
         return None
+    cols = [f"{lv}.served_unique" for lv in levels]
     keys = _series_keys(data, set())
     df = _mean_over_seeds(data.results, keys, cols) if keys else data.results.select(cols).mean()
     labels = [_label(r, keys) for r in df.iter_rows(named=True)]
     fig, ax = plt.subplots(figsize=(9, 0.3 * len(labels) + 1.5))
     left = [0.0] * len(labels)
-    for col in cols:
-        gib = [v / 2**30 for v in df[col].to_list()]
-        ax.barh(labels, gib, left=left, label=col.removesuffix(".bytes_in"))
+    for level, col in zip(levels, cols):
+        gib = [v * row_bytes / 2**30 for v in df[col].to_list()]
+        ax.barh(labels, gib, left=left, label=level)
         left = [a + b for a, b in zip(left, gib)]
-    ax.set_xlabel("GiB moved into the tier (misses x row bytes)")
-    ax.set_title("bytes per tier")
+    ax.set_xlabel("GiB served (distinct rows per step x row bytes, after warm-up)")
+    ax.set_title("bytes served per level")
     ax.legend(fontsize=8)
     ax.tick_params(axis="y", labelsize=7)
     fig.tight_layout()
@@ -197,7 +199,7 @@ def plot_mrc(data: ExperimentData):
 PLOTS = [
     ("Miss ratio vs capacity", plot_miss_ratio),
     ("Miss-ratio curves", plot_mrc),
-    ("Bytes per tier", plot_tier_bytes),
+    ("Bytes served per level", plot_tier_bytes),
     ("Addressing: what the row cache faces", plot_addressing),
 ]
 
@@ -225,8 +227,8 @@ def summary_columns(data: ExperimentData) -> list[str]:
     """The columns a person scans first: varying axes, then per-tier ratios and bytes."""
     cols = [c for c in data.axes() if data.results[c].cast(pl.Utf8).n_unique() > 1]
     for t in data.tiers():
-        cols += [c for c in (f"param.{t}.capacity_rows", f"{t}.miss_ratio", f"{t}.bytes_in")
-                 if c in data.results.columns]
+        cols += [c for c in (f"param.{t}.capacity_rows", f"{t}.miss_ratio") if c in data.results.columns]
+    cols += [c for c in ("bytes.host_to_gpu",) if c in data.results.columns]
     return cols or [c for c in data.results.columns if c not in ("run_id", "point_hash")][:8]
 
 

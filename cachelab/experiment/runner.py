@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -21,7 +22,8 @@ from cachelab.experiment.backends import run_tasks
 from cachelab.experiment.records import PARENT, Outbox, Record, now_ms
 from cachelab.experiment.spec import ExperimentSpec, WorkloadSpec, load_spec
 from cachelab.experiment.sweep import Point, config_hash, expand
-from cachelab.experiment.workload import build_workload, load_workload, workload_key
+from cachelab.mrc import miss_ratio_curve
+from cachelab.experiment.workload import build_workload, load_workload, workload_key, workload_stats
 from cachelab.tracking import Tracker, TrackingUnavailable, resolve_uri
 
 
@@ -143,7 +145,8 @@ def _build_workloads(spec: ExperimentSpec, todo: list[Point], progress: Progress
 def _parent_record(spec: ExperimentSpec, spec_path: Path, overrides: list[str] | None,
                    workload_path: Path) -> Record:
     dump = spec.model_dump(mode="json")
-    metrics, skew = load_workload(workload_path).stats()
+    workload = load_workload(workload_path)
+    metrics, skew = workload_stats(workload, spec.workload.preset)
     record = Record(hash=config_hash(dump), label=spec.name,
                     params={k: v for k, v in flatten(dump).items() if k not in ("description",)},
                     metrics=metrics, tags={"mlflow.note.content": spec.description,
@@ -154,7 +157,16 @@ def _parent_record(spec: ExperimentSpec, spec_path: Path, overrides: list[str] |
         record.artifacts["spec/overrides.txt"] = "\n".join(overrides).encode()
     record.artifacts["spec/resolved.json"] = json.dumps(dump, indent=1).encode()
     record.add_table("addressing", pl.DataFrame(skew))
+    record.add_table("mrc", lru_curve(workload, spec.warmup))
     return record
+
+
+def lru_curve(workload, warmup: float) -> pl.DataFrame:
+    """The exact LRU miss-ratio curve of the workload at every scale (one stack-distance pass)."""
+    capacities = np.unique(np.geomspace(1, max(workload.distinct_rows, 2), 48).astype(np.int64)).tolist()
+    curve = miss_ratio_curve(workload.stream, capacities, "lru", warmup=warmup)
+    return pl.DataFrame({"curve": "lru (exact, one tier)", "capacity": curve.capacities,
+                         "miss_ratio": curve.miss_ratios})
 
 
 def _point_record(spec: ExperimentSpec, point: Point, output, started: int) -> Record:

@@ -42,9 +42,12 @@ class _Strict(BaseModel):
 class WorkloadSpec(_Strict):
     """Where the tokens come from and how they are cut into serving steps."""
 
-    source: str = Field("stdlib", description="a cachelab.workloads entry point")
-    path: str | None = Field(None, description="data file, relative to the data root")
-    params: dict[str, Any] = Field(default_factory=dict, description="workload constructor arguments")
+    source: str = Field("stdlib", description="a cachelab.workloads corpus")
+    path: str | None = Field(None, description="data file passed to the corpus, relative to the data root")
+    params: dict[str, Any] = Field(default_factory=dict, description="corpus constructor arguments")
+    data: list[str] = Field(default_factory=list, description="data files read, relative to the data root")
+    domains: list[str] | None = Field(None, description="keep only documents / requests of these domains")
+    trace: dict[str, Any] | None = Field(None, description="a `cachelab trace build` spec; replaces source")
     preset: str = "deepseek-v4.1-flash"
     tokens_per_step: int = Field(4096, gt=0, description="token positions per serving step")
     max_tokens: int | None = Field(None, gt=0)
@@ -56,10 +59,14 @@ class TierSpec(_Strict):
     policy: str = "lru"
     admission: str = "always"
     params: dict[str, Any] = Field(default_factory=dict, description="policy constructor arguments")
+    location: Literal["gpu", "host"] | None = Field(None, description="inferred from hbm/gpu, dram/host/cpu")
 
 
 class HierarchySpec(_Strict):
     tiers: list[TierSpec] = Field(min_length=1)
+    backing: Literal["dram", "ssd"] = "dram"
+    page_cache: int | str = Field(0, description="SSD backing: page-cache bytes (int or '8 GiB')")
+    page_policy: str = "lru"
 
 
 class PredictorSpec(_Strict):
@@ -191,6 +198,9 @@ def check_spec(spec: ExperimentSpec, where: str) -> None:
         if len(set(names)) != len(names):
             raise CachelabError(f"{where}: hierarchy.tiers: tier names must be distinct, got {names}")
         table_rows, row_bytes = _table(spec.workload.preset)
+        if spec.hierarchy.backing == "ssd":
+            _check_plugin(registry.POLICIES, "hierarchy.page_policy", spec.hierarchy.page_policy, where)
+            page_cache_bytes(spec.hierarchy.page_cache, f"{where}: hierarchy.page_cache")
         for i, tier in enumerate(spec.hierarchy.tiers):
             key = f"hierarchy.tiers[{i}]"
             _check_policy(tier, spec.predictor, where, key)
@@ -199,12 +209,16 @@ def check_spec(spec: ExperimentSpec, where: str) -> None:
             if rows > table_rows:
                 raise CachelabError(
                     f"{where}: {key}.capacity: {tier.capacity!r} is {rows:,} rows, larger than the table "
-                    f"({table_rows:,} rows of {spec.workload.preset})")
+                    f"({table_rows:,} rows in the layer tables of {spec.workload.preset})")
     if spec.predictor is not None:
         _check_plugin(registry.PREDICTORS, "predictor.name", spec.predictor.name, where)
 
 
 def _check_workload(w: WorkloadSpec, where: str) -> None:
+    for i, rel in enumerate(w.data):
+        resolve_data_path(rel, where, f"workload.data[{i}]")
+    if w.trace is not None:
+        _check_trace(w.trace, where)
     cls = _check_plugin(registry.WORKLOADS, "workload.source", w.source, where)
     kwargs = dict(w.params)
     if w.path is not None:
@@ -217,6 +231,17 @@ def _check_workload(w: WorkloadSpec, where: str) -> None:
         raise CachelabError(f"{where}: workload.params: {w.source!r} does not take {bad}; "
                             f"allowed: {allowed}") from None
     _table(w.preset, where)
+
+
+def _check_trace(trace: dict, where: str) -> None:
+    from cachelab import workload as trace_workload
+
+    spec = trace_workload.parse_spec(trace, f"{where}: workload.trace")
+    if spec.arrivals.path is not None:
+        resolve_data_path(spec.arrivals.path, where, "workload.trace.arrivals.path")
+    _check_plugin(registry.WORKLOADS, "workload.trace.arrivals.source", spec.arrivals.source, where)
+    if spec.corpus is not None:
+        _check_plugin(registry.WORKLOADS, "workload.trace.corpus.source", spec.corpus.source, where)
 
 
 def _check_plugin(group: str, key: str, name: str, where: str):
@@ -232,19 +257,32 @@ def _check_plugin(group: str, key: str, name: str, where: str):
 
 
 def _check_policy(tier: TierSpec, predictor: PredictorSpec | None, where: str, key: str) -> None:
-    cls = _check_plugin(registry.POLICIES, f"{key}.policy", tier.policy, where)
+    _check_plugin(registry.POLICIES, f"{key}.policy", tier.policy, where)
     where = f"{where}: {key}"
-    params = {**tier.params, "admission": tier.admission}
     try:
-        policy = cls(**params)
+        policy = make_tier_policy(tier)
         policy.reset(2, 4)  # a tiny cache: surfaces bad admission names and parameters now
-    except TypeError as exc:
-        allowed = [p for p in inspect.signature(cls).parameters if p != "self"]
-        raise CachelabError(f"{where}.params: {exc}; {tier.policy!r} takes {allowed}") from None
-    except CachelabError as exc:
+    except (CachelabError, TypeError) as exc:
         raise CachelabError(f"{where}: {exc}") from None
     if policy.capabilities.needs_scores and predictor is None:
         raise CachelabError(f"{where}.policy: {tier.policy!r} needs scores: add a [predictor] section")
+
+
+def make_tier_policy(tier: TierSpec | dict):
+    """The policy object of a tier: its registered policy with its admission and params."""
+    t = tier if isinstance(tier, dict) else tier.model_dump()
+    params = dict(t["params"])
+    if t["admission"] != "always":  # a plug-in without admission hooks takes no such argument
+        params["admission"] = t["admission"]
+    return registry.make_policy(t["policy"], **params)
+
+
+def page_cache_bytes(value: int | str, where: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().endswith("%"):
+        raise CachelabError(f"{where}: give bytes ('8 GiB'), not a share ({value!r})")
+    return capacity_rows(value, unique_rows=1, row_bytes=1, where=where)
 
 
 def _table(preset: str, where: str = "spec") -> tuple[int, int]:
@@ -254,20 +292,20 @@ def _table(preset: str, where: str = "spec") -> tuple[int, int]:
         cfg = get_preset(preset)
     except CachelabError as exc:
         raise CachelabError(f"{where}: workload.preset: {exc}") from None
-    return int(cfg.table_rows.min()), int(cfg.row_bytes)
+    return int(cfg.table_rows.sum()), int(cfg.row_bytes)
 
 
-def resolve_data_path(relative: str, where: str = "spec") -> Path:
-    """``relative`` under the data root (absolute paths are taken as given)."""
+def resolve_data_path(relative: str, where: str = "spec", key: str = "workload.path") -> Path:
+    """``relative`` under the data root (``cachelab.paths.data_root()``); absolute paths as given."""
     path = Path(relative)
     if not path.is_absolute():
         root = data_root(required=False)
         if root is None:
-            raise CachelabError(f"{where}: workload.path: {relative!r} needs the data root: "
+            raise CachelabError(f"{where}: {key}: {relative!r} needs the data root: "
                                 "set CACHELAB_DATA to the folder holding traces/ and prompts/")
         path = root / path
     if not path.exists():
-        raise CachelabError(f"{where}: workload.path: data file not found: {path}")
+        raise CachelabError(f"{where}: {key}: data file not found: {path}")
     return path
 
 

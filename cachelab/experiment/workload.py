@@ -1,9 +1,11 @@
-"""A spec's workload, built once per experiment and shared by every point that replays it.
+"""A spec's workload as a lookup stream, built once and shared by every point that replays it.
 
-Text from a ``cachelab.workloads`` corpus is tokenized with the layout's tokenizer, addressed
-(one prefill sequence per document) and cut into serving steps of ``tokens_per_step``
-positions. The result is cached on disk under ``cache_dir()/workloads/<hash>.npz``, so
-process-pool and Ray workers load it instead of re-tokenizing, and reruns start at once.
+Text comes from a ``cachelab.workloads`` corpus (whole documents, prefilled in steps of
+``tokens_per_step`` positions), or from a request trace built by ``cachelab.workload``
+(real arrivals with corpus content: prompts prefilled in chunks, then one decode step per
+output token). Either way the addresser turns tokens into Engram rows and the result is a
+``LookupStream`` cached on disk under ``cache_dir()/workloads/<hash>.npz``, so pool and Ray
+workers load it instead of re-tokenizing, and reruns start at once.
 """
 
 from __future__ import annotations
@@ -13,45 +15,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import polars as pl
 from rich.progress import Progress
 
 from cachelab import registry
 from cachelab.engram import Addresser, encode, get_preset
-from cachelab.engram.stats import row_skew
+from cachelab.engram.stats import skew
+from cachelab.errors import CachelabError
 from cachelab.experiment.spec import WorkloadSpec, resolve_data_path
 from cachelab.experiment.sweep import config_hash
+from cachelab.lookups import LookupStream, split_key
 from cachelab.paths import cache_dir
 
 ENCODE_BATCH = 256
-
-
-@dataclass(frozen=True)
-class Workload:
-    """Engram rows of every token position, with step and document boundaries."""
-
-    rows: np.ndarray  # int32 [tokens, layers, columns]
-    step_offsets: np.ndarray  # int64 [steps + 1], token offsets of serving steps
-    doc_offsets: np.ndarray  # int64 [documents + 1]
-    domains: np.ndarray  # str [documents]
-    preset: str
-
-    @property
-    def num_steps(self) -> int:
-        return self.step_offsets.size - 1
-
-    def stats(self) -> tuple[dict, list[dict]]:
-        """Parent-run metrics and the per-layer, per-order skew table (addressing stats)."""
-        cfg = get_preset(self.preset)
-        skew = [s.to_dict() for s in row_skew(self.rows, cfg)]
-        per_token = len(cfg.layers) * cfg.columns
-        metrics = {"workload.documents": self.doc_offsets.size - 1, "workload.tokens": self.rows.shape[0],
-                   "workload.lookups": int(self.rows.size), "workload.steps": self.num_steps,
-                   "workload.bytes_per_token": per_token * cfg.row_bytes}
-        for s in skew:
-            tag = f"L{s['layer']}" + (f".o{s['order']}" if s["order"] else "")
-            metrics[f"addressing.{tag}.unique_rows"] = s["unique_rows"]
-            metrics[f"addressing.{tag}.top1pct_share"] = s["top1pct_share"]
-        return metrics, skew
 
 
 def workload_key(spec: WorkloadSpec | dict) -> str:
@@ -59,60 +35,115 @@ def workload_key(spec: WorkloadSpec | dict) -> str:
     return config_hash(data)
 
 
-def workload_file(spec: WorkloadSpec) -> Path:
-    return cache_dir() / "workloads" / f"{workload_key(spec)}.npz"
-
-
 def build_workload(spec: WorkloadSpec, progress: Progress | None = None) -> Path:
-    """Build (or find in the cache) the workload of ``spec``; returns its ``.npz`` path."""
-    path = workload_file(spec)
-    if path.exists():
+    """Build (or find in the cache) the lookup stream of ``spec``; returns its ``.npz`` path."""
+    path = cache_dir() / "workloads" / f"{workload_key(spec)}.npz"
+    if path.exists() and path.with_suffix(".json").exists():
         return path
-    cls = registry.get(registry.WORKLOADS, spec.source)
-    kwargs = dict(spec.params)
-    if spec.path is not None:
-        kwargs["path"] = str(resolve_data_path(spec.path))
-    docs = list(cls(**kwargs).documents())
-    addresser = Addresser(get_preset(spec.preset))
-    chunks, lengths, budget = [], [], spec.max_tokens
-    task = progress.add_task(f"address {spec.source}", total=len(docs)) if progress else None
-    for i in range(0, len(docs), ENCODE_BATCH):
-        ids = encode([d.text for d in docs[i:i + ENCODE_BATCH]], addresser.config.tokenizer, bos=True)
-        if budget is not None:
-            ids, budget = _clip(ids, budget)
-        lengths += [x.size for x in ids]
-        if ids:
-            offsets = np.concatenate([[0], np.cumsum([x.size for x in ids])])
-            chunks.append(addresser.rows(np.concatenate(ids), offsets))
-        if progress:
-            progress.advance(task, min(ENCODE_BATCH, len(docs) - i))
-        if budget == 0:
-            break
-    docs = docs[:len(lengths)]
-    rows = np.concatenate(chunks)
-    tokens = rows.shape[0]
-    step_offsets = np.append(np.arange(0, tokens, spec.tokens_per_step), tokens).astype(np.int64)
-    doc_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.npz")
-    np.savez(tmp, rows=rows, step_offsets=step_offsets, doc_offsets=doc_offsets,
-             domains=np.array([d.domain for d in docs]),
-             meta=np.array(json.dumps({"preset": spec.preset})))
-    tmp.replace(path)  # atomic: a killed build never leaves a half-written cache entry
+    addresser = Addresser(get_preset(spec.preset))
+    if spec.trace is not None:
+        sequences, prompt_lengths, domains = _from_trace(spec, path.with_suffix(".trace.parquet"))
+    else:
+        sequences, prompt_lengths, domains = _from_corpus(spec, addresser, progress)
+    if spec.max_tokens is not None:
+        sequences, prompt_lengths, domains = _clip(sequences, prompt_lengths, domains, spec.max_tokens)
+    if not sequences:
+        raise CachelabError(f"workload {spec.source!r} yields no tokens (workload.domains = {spec.domains})")
+    stream = LookupStream.from_sequences(addresser, sequences, spec.tokens_per_step, prompt_lengths, domains)
+    path.with_suffix(".json").write_text(json.dumps({"distinct_rows": distinct_count(stream.keys)}))
+    tmp = stream.save(path.with_name(path.stem + ".tmp.npz"))
+    tmp.replace(path)  # atomic, and last: the .npz exists only once the build is whole
     return path
 
 
-def _clip(ids: list[np.ndarray], budget: int) -> tuple[list[np.ndarray], int]:
-    out = []
-    for x in ids:
-        if budget <= 0:
-            break
-        out.append(x[:budget])
-        budget -= out[-1].size
-    return out, budget
+def _from_corpus(spec: WorkloadSpec, addresser: Addresser, progress: Progress | None):
+    kwargs = dict(spec.params)
+    if spec.path is not None:
+        kwargs["path"] = str(resolve_data_path(spec.path))
+    docs = [d for d in registry.get(registry.WORKLOADS, spec.source)(**kwargs).documents()
+            if spec.domains is None or d.domain in spec.domains]
+    task = progress.add_task(f"tokenize {spec.source}", total=len(docs)) if progress else None
+    sequences = []
+    for i in range(0, len(docs), ENCODE_BATCH):
+        texts = ["\n\n".join(d.user_turns) for d in docs[i:i + ENCODE_BATCH]]
+        sequences += encode(texts, addresser.config.tokenizer, bos=True)
+        if progress:
+            progress.advance(task, len(texts))
+    return sequences, None, [d.domain for d in docs]
+
+
+def _from_trace(spec: WorkloadSpec, out: Path):
+    from cachelab import workload as trace_workload
+    from cachelab.trace import read_trace
+
+    trace_workload.build(trace_workload.parse_spec(spec.trace, "workload.trace"), out)
+    df = read_trace(out)
+    if spec.domains is not None:
+        df = df.filter(pl.col("domain").is_in(spec.domains))
+    df = df.sort("arrival_s", maintain_order=True)
+    sequences = [np.concatenate([p, o]).astype(np.int64) for p, o in
+                 zip(df["prompt_ids"].to_numpy(), df["output_ids"].to_numpy())]
+    return sequences, df["prompt_len"].to_numpy(), df["domain"].to_list()
+
+
+def _clip(sequences, prompt_lengths, domains, budget: int):
+    """The first ``budget`` tokens, cutting the last sequence short."""
+    lengths = np.array([len(s) for s in sequences])
+    keep = int(np.searchsorted(np.cumsum(lengths), budget)) + 1
+    sequences = list(sequences[:keep])
+    room = budget - int(lengths[:keep - 1].sum())
+    sequences[-1] = sequences[-1][:room]
+    prompts = None if prompt_lengths is None else np.minimum(np.asarray(prompt_lengths[:keep]),
+                                                             [len(s) for s in sequences])
+    return sequences, prompts, list(domains[:keep])
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A built workload: its lookup stream and how many distinct rows it touches."""
+
+    stream: LookupStream
+    distinct_rows: int
 
 
 def load_workload(path: str | Path) -> Workload:
-    with np.load(path) as z:
-        meta = json.loads(str(z["meta"]))
-        return Workload(z["rows"], z["step_offsets"], z["doc_offsets"], z["domains"], meta["preset"])
+    path = Path(path)
+    info = json.loads(path.with_suffix(".json").read_text())
+    return Workload(LookupStream.load(path), int(info["distinct_rows"]))
+
+
+def distinct_count(keys: np.ndarray) -> int:
+    """Distinct values by sorting (NumPy's hash-based ``unique`` is far slower on 10 M int64)."""
+    if keys.size == 0:
+        return 0
+    ordered = np.sort(keys)
+    return int(np.count_nonzero(ordered[1:] != ordered[:-1])) + 1
+
+
+def workload_stats(workload: Workload, preset: str) -> tuple[dict, list[dict]]:
+    """Parent-run metrics and the per-layer, per-order skew table (the addressing study)."""
+    cfg = get_preset(preset)
+    stream = workload.stream
+    layer_idx, rows = split_key(stream.keys)
+    order = stream.meta["column"] // cfg.heads + 2
+    table = []
+    for li, layer in enumerate(stream.layers):
+        in_layer = layer_idx == li
+        for o in [*range(2, cfg.max_ngram + 1), None]:
+            mask = in_layer if o is None else in_layer & (order == o)
+            lookups, unique, top = skew(rows[mask])
+            table.append({"layer": layer, "order": o, "lookups": lookups, "unique_rows": unique,
+                          "top1pct_share": top})
+    tokens = stream.num_lookups // (len(stream.layers) * cfg.columns)
+    metrics = {"workload.tokens": tokens, "workload.lookups": stream.num_lookups,
+               "workload.steps": stream.num_steps, "workload.distinct_rows": workload.distinct_rows,
+               "workload.bytes_per_token": len(stream.layers) * cfg.columns * cfg.row_bytes,
+               "workload.row_bytes": stream.row_bytes}
+    if "request" in stream.meta:
+        metrics["workload.requests"] = int(stream.meta["request"].max()) + 1 if stream.num_lookups else 0
+    for s in table:
+        tag = f"L{s['layer']}" + (f".o{s['order']}" if s["order"] else "")
+        metrics[f"addressing.{tag}.unique_rows"] = s["unique_rows"]
+        metrics[f"addressing.{tag}.top1pct_share"] = s["top1pct_share"]
+    return metrics, table
