@@ -53,7 +53,7 @@ def run_policy(policy: Policy, keys: np.ndarray, step_offsets: np.ndarray, capac
     caps = policy.capabilities
     if caps.needs_scores and scores is None:
         raise CachelabError(f"policy {policy.name!r} needs predictor scores; none were given to the replay")
-    policy.reset(capacity, num_keys)
+    policy.reset(capacity, max(num_keys, 1))  # an empty stream still makes a valid cache
     nxt = next_access(keys) if caps.needs_future else None
     return policy.run(keys, step_offsets, nxt, scores if caps.needs_scores else None)
 
