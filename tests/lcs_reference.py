@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cachelab.keytrace import read_oracle_general, write_oracle_general
+from cachelab.keytrace import ORACLE_DTYPE, read_keys, read_oracle_general, write_oracle_general
 
 __all__ = ["lcs_miss_ratio", "write_oracle_general"]
 
@@ -61,3 +61,16 @@ def cachelab_miss_ratio(policy: str, capacity: int, keys: np.ndarray, **params) 
     p = registry.get(registry.POLICIES, policy)(**params)
     p.reset(capacity, int(keys.max()) + 1)
     return 1.0 - float(p.run(keys, np.arange(keys.size + 1)).mean())
+
+
+def lcs_misses(trace_path: Path, policy: str, capacity: int, **params) -> int:
+    """libCacheSim's miss count (its ratio times the request count, rounded: the ratio is a
+    float division, so compare counts, not ratios computed two ways)."""
+    requests = Path(trace_path).stat().st_size // ORACLE_DTYPE.itemsize
+    return round(lcs_miss_ratio(trace_path, policy, capacity, **params) * requests)
+
+
+@lru_cache(maxsize=None)
+def lirs_keys(data_dir: Path, name: str) -> np.ndarray:
+    """A LIRS paper trace shipped with Caffeine's simulator (gzipped, one key per line), dense keys."""
+    return dense(read_keys(data_dir / "cache_traces/caffeine_sim_samples/lirs" / f"{name}.trace.gz"))
