@@ -45,6 +45,10 @@ class Efficiency:
     copy_efficiency: float = 0.9  # of link bandwidth for a bulk H2D copy
     line_bytes: int = 128  # a GPU gather moves whole 128 B lines: a 264 B row costs 3
     memory_utilization: float = 0.9  # vLLM's gpu_memory_utilization default
+    host_addressing: bool = False  # CPU paths: row ids computed on the host ahead of the step (True)
+    # or, as in the SSD path SemiAnalysis measured, on the GPU and sent to the CPU at the Engram
+    # layer (False): then the fetch cannot start before the layer and breaks the step's CUDA graph
+    graph_break_s: float = 50e-6  # a D2H sync plus relaunch of the rest of the step
     activation_reserve_bytes: float = 6e9  # activations, CUDA graphs, NCCL buffers per GPU
 
 
@@ -185,17 +189,22 @@ class LatencyModel:
         """The step: GPU time, each Engram layer's fetch and window, and the stall not hidden.
 
         Fetches run one after another on a side stream (or the host), starting with the step;
-        layer L's rows are needed when the L layers before it have run.
+        layer L's rows are needed when the L layers before it have run. A CPU path whose row
+        ids come from the GPU starts only at the layer itself (no window) and breaks the graph.
         """
         gpu = self.gpu_time(tokens, attn_ctx, kv_read_tokens)
         layer_s = (gpu["total_s"] - gpu["overhead_s"]) / self.model.layers
         stall = 0.0
         fetch_done = 0.0
         out = {**gpu}
+        blocking = self.placement in ("dram-copy", "ssd-mmap", "ssd-direct") and not self.eff.host_addressing
         for layer, work in zip(self.model.engram_layers, engram):
             parts = self.fetch_parts(work)
-            fetch_done += parts["total_s"]
             needed = layer * layer_s + stall  # main stream reaches layer L (after earlier stalls)
+            if blocking:
+                fetch_done = needed + parts["total_s"] + self.eff.graph_break_s
+            else:
+                fetch_done += parts["total_s"]
             wait = max(0.0, fetch_done - needed)
             stall += wait
             out[f"engram{layer}_window_s"] = layer * layer_s

@@ -9,7 +9,7 @@ import pytest
 from cachelab.errors import CachelabError
 from cachelab.hardware import PROFILE_DIR, builtin_names, load_profile
 from cachelab.hardware.probe import dedup_rows_per_s, gather_rows_per_s, memcpy_bw, page_faults, write_profile
-from cachelab.latency import EngramStep, LatencyModel
+from cachelab.latency import Efficiency, EngramStep, LatencyModel
 from cachelab.model_spec import MODEL_DIR, load_model
 
 MODEL = load_model()
@@ -94,7 +94,8 @@ def test_ssd_mmap_parts_add_up_and_faults_dominate_cold_reads():
 
 
 def test_prefetch_window_hides_small_fetches_and_stall_is_the_rest():
-    lat = LatencyModel(MODEL, load_profile("B200"), tp=4, placement="dram-copy")
+    lat = LatencyModel(MODEL, load_profile("B200"), tp=4, placement="dram-copy",
+                       efficiency=Efficiency(host_addressing=True))
     small = lat.step_time(8, 8000, 8000, [EngramStep(8 * 24, 8 * 24)] * 2)
     assert small["stall_s"] == 0.0 and small["step_s"] == small["total_s"]
     big_work = EngramStep(8192 * 24, 8192 * 24)
@@ -112,3 +113,11 @@ def test_roofline_regimes():
     prefill = lat.gpu_time(16_384, 16_384 * 8_000, 16_384)
     assert decode["memory_s"] > decode["gemm_s"] + decode["attention_s"]
     assert prefill["gemm_s"] + prefill["attention_s"] > prefill["memory_s"]
+
+
+def test_gpu_side_row_ids_leave_no_window():
+    work = [EngramStep(8 * 24, 8 * 24)] * 2
+    lat = LatencyModel(MODEL, load_profile("B200"), tp=4, placement="ssd-mmap")
+    step = lat.step_time(8, 8000, 8000, work)
+    fetch = step["engram1_fetch_s"] + step["engram14_fetch_s"]
+    assert step["stall_s"] == pytest.approx(fetch + 2 * lat.eff.graph_break_s)
