@@ -152,3 +152,20 @@ def test_cli_reports_corruption_without_traceback_and_counts_skips(tmp_path):
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["skipped_rows"] == 1
     assert json.loads(runner.invoke(app, ["trace", "info", str(out), "--json"]).stdout)["requests"] == rows - 1
+
+
+def test_sessions_are_inferred_from_contained_prompts(tmp_path):
+    rows = [  # block 0 is a shared system prompt: sharing only it makes no session
+        {"timestamp": 0, "input_length": 1100, "output_length": 9, "hash_ids": [0, 1, 2]},
+        {"timestamp": 5, "input_length": 700, "output_length": 9, "hash_ids": [0, 3]},
+        {"timestamp": 9, "input_length": 1600, "output_length": 9, "hash_ids": [0, 1, 4, 5]},  # turn 2 of request 0
+        {"timestamp": 12, "input_length": 2100, "output_length": 9, "hash_ids": [0, 1, 4, 6, 7]},  # turn 3
+        {"timestamp": 13, "input_length": 1100, "output_length": 9, "hash_ids": [0, 1, 8]},  # again after turn 1
+    ]
+    path = tmp_path / "s_trace.jsonl"
+    path.write_text(mooncake_text(rows))
+    df = MooncakeTrace(str(path)).arrivals()
+    assert df["session_id"].to_list() == [0, 1, 0, 0, 0]
+    assert df["turn"].to_list() == [0, 0, 1, 2, 1]
+    plain = MooncakeTrace(str(path), infer_sessions=False).arrivals()
+    assert plain["session_id"].to_list() == [0, 1, 2, 3, 4]
