@@ -169,3 +169,42 @@ def test_sessions_are_inferred_from_contained_prompts(tmp_path):
     assert df["turn"].to_list() == [0, 0, 1, 2, 1]
     plain = MooncakeTrace(str(path), infer_sessions=False).arrivals()
     assert plain["session_id"].to_list() == [0, 1, 2, 3, 4]
+
+
+@SETTINGS
+@given(data=st.binary(max_size=400), fmt=st.sampled_from(sorted(GOOD)), skip=st.booleans())
+def test_arbitrary_bytes_give_rows_or_a_clean_error(tmp_path, data, fmt, skip):
+    """Whatever the bytes, an importer returns a valid table or raises CachelabError."""
+    name, cls, text = GOOD[fmt]
+    path = tmp_path / name
+    header = b"" if fmt == "mooncake" else text.splitlines()[0].encode() + b"\n"
+    path.write_bytes(header + data)
+    source = cls(str(path), skip_bad=skip)
+    try:
+        df = source.arrivals()
+    except CachelabError:
+        return
+    validate(df, str(path))
+    lines = [ln for ln in (header + data).splitlines() if ln.strip()]
+    data_lines = len(lines) - (0 if fmt == "mooncake" else 1)
+    assert df.height + source.skipped >= min(data_lines, 1) and df.height <= data_lines
+
+
+def test_gzip_input_and_a_truncated_stream(tmp_path):
+    import gzip
+
+    name, cls, text = GOOD["mooncake"]
+    path = tmp_path / "z_trace.jsonl.gz"
+    path.write_bytes(gzip.compress(text.encode()))
+    assert cls(str(path)).arrivals().height == 4
+    path.write_bytes(gzip.compress(text.encode())[:-12])
+    with pytest.raises(CachelabError, match="z_trace.jsonl.gz:.*unreadable"):
+        cls(str(path)).arrivals()
+
+
+def test_azure_2024_timestamps_with_utc_offset(tmp_path):
+    path = tmp_path / "AzureLLMInferenceTrace_conv_1week.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10 00:00:00.009930+00:00,4808,10\n"
+                    "2024-05-10 00:00:01.509930+00:00,3180,8\n")
+    df = AzureTrace(str(path)).arrivals()
+    assert df["arrival_s"].to_list() == pytest.approx([0.0, 1.5]) and df["domain"][0] == "conversation"
