@@ -52,8 +52,8 @@ def get(group: str, name: str):
     plugins = {p.name: p for p in discover(group)}
     plugin = plugins.get(name)
     if plugin is None:
-        kind = group.split(".")[-1]
-        raise CachelabError(f"unknown {kind[:-1]} {name!r}; installed: {sorted(plugins) or 'none'}")
+        kind = {POLICIES: "policy", PREDICTORS: "predictor", WORKLOADS: "workload"}.get(group, group)
+        raise CachelabError(f"unknown {kind} {name!r}; installed: {sorted(plugins) or 'none'}")
     if plugin.error is not None:
         raise CachelabError(f"plug-in {name!r} from {plugin.distribution} failed to load: {plugin.error}")
     return plugin.obj

@@ -30,10 +30,12 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from cachelab.cli import engram, quickstart
+    from cachelab.cli import engram, learn, quickstart
 
     app.add_typer(engram.app, name="engram")
     app.command("quickstart")(quickstart.quickstart)
+    app.command("train")(learn.train)
+    app.command("evaluate")(learn.evaluate)
 
 
 _register()
