@@ -1,7 +1,8 @@
 """LRU: evict the least recently used row.
 
 Slots form a doubly linked list (arrays ``prev``/``nxt``), most recent at ``head``. The same
-kernel serves ``step`` (recording admissions and evictions) and ``run`` (hits only).
+kernel serves ``step`` (recording admissions and evictions) and ``run`` (hits only),
+through policies/kernel.py's wrapper, which every compiled policy shares.
 Validated against libCacheSim's LRU (identical miss ratios, tests/test_policies_lru.py).
 """
 
@@ -10,14 +11,14 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from cachelab.policy import Capabilities, Policy, StepResult, check_capacity
-from policies.admission import admission_admit, admission_record, make_admission
+from policies.admission import admission_admit, admission_record
+from policies.kernel import KernelPolicy
 
 HEAD, TAIL, SIZE = 0, 1, 2
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)
-def _lru_kernel(keys, meta, slot_of, key_of, prev, nxt, a_kind, a_counters, a_scores, a_meta,
+def _lru_kernel(keys, slot_of, key_of, meta, prev, nxt, a_kind, a_counters, a_scores, a_meta,
                 hits, record, adm, adm_slot, ev, counts):
     capacity = key_of.size
     n_adm = 0
@@ -75,41 +76,16 @@ def _lru_kernel(keys, meta, slot_of, key_of, prev, nxt, a_kind, a_counters, a_sc
     counts[1] = n_ev
 
 
-class LRU(Policy):
+class LRU(KernelPolicy):
     """Least recently used; ``admission`` names a filter from policies.admission."""
 
     name = "lru"
-    capabilities = Capabilities(compiled=True)
+    kernel = staticmethod(_lru_kernel)
 
-    def __init__(self, admission: str = "always"):
-        self.admission = admission
-
-    def reset(self, capacity: int, num_keys: int) -> None:
-        check_capacity(capacity, num_keys)
+    def init_state(self, capacity, num_keys):
         self.meta = np.array([-1, -1, 0], dtype=np.int64)
-        self.slot_of = np.full(num_keys, -1, dtype=np.int64)
-        self.key_of = np.full(capacity, -1, dtype=np.int64)
         self.prev = np.full(capacity, -1, dtype=np.int64)
         self.nxt = np.full(capacity, -1, dtype=np.int64)
-        self._counts = np.zeros(2, dtype=np.int64)
-        self.filter = make_admission(self.admission, capacity, num_keys)
 
-    def _kernel(self, keys, record):
-        keys = np.ascontiguousarray(keys, dtype=np.int64)
-        hits = np.empty(keys.size, dtype=np.bool_)
-        size = keys.size if record else 0
-        adm, adm_slot, ev = (np.empty(size, np.int64) for _ in range(3))
-        _lru_kernel(keys, self.meta, self.slot_of, self.key_of, self.prev, self.nxt, *self.filter,
-                    hits, record, adm, adm_slot, ev, self._counts)
-        return hits, adm, adm_slot, ev
-
-    def step(self, keys, next_access=None, scores=None) -> StepResult:
-        hits, adm, adm_slot, ev = self._kernel(keys, True)
-        n_adm, n_ev = self._counts
-        return StepResult(hits, adm[:n_adm], adm_slot[:n_adm], ev[:n_ev])
-
-    def run(self, keys, step_offsets, next_access=None, scores=None) -> np.ndarray:
-        return self._kernel(keys, False)[0]
-
-    def resident(self) -> np.ndarray:
-        return np.sort(self.key_of[: self.meta[SIZE]])
+    def state(self):
+        return self.meta, self.prev, self.nxt

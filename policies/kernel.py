@@ -1,0 +1,121 @@
+"""What every compiled policy shares: the step/run wrapper around one Numba kernel.
+
+A kernel has the signature ``kernel(keys, *inputs, slot_of, key_of, *state, *filter, hits,
+record, adm, adm_slot, ev, counts)``: it replays ``keys`` in order, writes a hit flag per key, and
+when ``record`` is set notes every admitted key with its slot and every evicted key
+(``note_admit`` / ``note_evict``, counted in ``counts``). ``step`` records, ``run`` does not,
+so the two paths execute the very same code. ``slot_of[key]`` (-1 if absent) and
+``key_of[slot]`` (-1 if free) are the residency every policy keeps; ``state`` is the
+policy's own arrays. Keys are checked against ``num_keys`` here, once per call, because
+the kernels index arrays by key without bounds checks.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numba as nb
+import numpy as np
+
+from cachelab.errors import CachelabError
+from cachelab.policy import Capabilities, Policy, StepResult, check_capacity
+from policies.admission import make_admission
+
+
+@nb.njit(cache=True, inline="always")
+def note_admit(record, adm, adm_slot, counts, key, slot):
+    """Count an admission; keep the key and its slot when recording."""
+    if record:
+        adm[counts[0]] = key
+        adm_slot[counts[0]] = slot
+    counts[0] += 1
+
+
+@nb.njit(cache=True, inline="always")
+def note_evict(record, ev, counts, key):
+    """Count an eviction; keep the key when recording."""
+    if record:
+        ev[counts[1]] = key
+    counts[1] += 1
+
+
+@nb.njit(cache=True, inline="always")
+def take_slot(free, meta, top):
+    """Pop a free slot from the stack ``free[:meta[top]]``."""
+    meta[top] -= 1
+    return free[meta[top]]
+
+
+@nb.njit(cache=True, inline="always")
+def give_slot(free, meta, top, slot):
+    """Push ``slot`` back on the free stack."""
+    free[meta[top]] = slot
+    meta[top] += 1
+
+
+def free_stack(capacity: int) -> np.ndarray:
+    """All slots free, popped in order 0, 1, 2, ... as the cache fills."""
+    return np.arange(capacity - 1, -1, -1, dtype=np.int64)
+
+
+class KernelPolicy(Policy):
+    """A policy whose ``step`` and ``run`` call the same compiled kernel.
+
+    Subclasses set ``kernel`` (a ``staticmethod`` of an ``njit`` function), build their
+    arrays in ``init_state`` and return them, in the kernel's order, from ``state``.
+    """
+
+    capabilities = Capabilities(compiled=True)
+    kernel: ClassVar = None
+    max_evictions_per_key: ClassVar[int] = 1  # size of the eviction buffer per key
+
+    def __init__(self, admission: str = "always"):
+        self.admission = admission
+
+    def reset(self, capacity: int, num_keys: int) -> None:
+        check_capacity(capacity, num_keys)
+        self.capacity, self.num_keys = int(capacity), int(num_keys)
+        self.slot_of = np.full(self.num_keys, -1, dtype=np.int64)
+        self.key_of = np.full(self.capacity, -1, dtype=np.int64)
+        self.filter = make_admission(self.admission, self.capacity, self.num_keys)
+        self._counts = np.zeros(2, dtype=np.int64)
+        self.init_state(self.capacity, self.num_keys)
+
+    def init_state(self, capacity: int, num_keys: int) -> None:
+        """Build the policy's own arrays."""
+
+    def state(self) -> tuple:
+        """The policy's own arrays, in the order its kernel takes them."""
+        return ()
+
+    def inputs(self, keys, next_access, scores) -> tuple:
+        """Per-access arrays the kernel takes after ``keys`` (e.g. ``next_access``); none by default."""
+        return ()
+
+    def _call(self, keys, record: bool, next_access=None, scores=None):
+        if not hasattr(self, "slot_of"):
+            raise CachelabError(f"{type(self).__name__}: call reset(capacity, num_keys) before step or run")
+        keys = np.ascontiguousarray(keys, dtype=np.int64)
+        if keys.size and (keys.min() < 0 or keys.max() >= self.num_keys):
+            bad = int(keys.min()) if keys.min() < 0 else int(keys.max())
+            raise CachelabError(f"{type(self).__name__}: key {bad} is outside [0, {self.num_keys}) "
+                                f"given to reset")
+        hits = np.empty(keys.size, dtype=np.bool_)
+        n = keys.size if record else 0
+        adm, adm_slot = np.empty(n, np.int64), np.empty(n, np.int64)
+        ev = np.empty(n * self.max_evictions_per_key, np.int64)
+        self._counts[:] = 0
+        type(self).kernel(keys, *self.inputs(keys, next_access, scores), self.slot_of, self.key_of,
+                          *self.state(), *self.filter, hits, record, adm, adm_slot, ev, self._counts)
+        return hits, adm, adm_slot, ev
+
+    def step(self, keys, next_access=None, scores=None) -> StepResult:
+        hits, adm, adm_slot, ev = self._call(keys, True, next_access, scores)
+        n_adm, n_ev = self._counts
+        return StepResult(hits, adm[:n_adm], adm_slot[:n_adm], ev[:n_ev])
+
+    def run(self, keys, step_offsets, next_access=None, scores=None) -> np.ndarray:
+        return self._call(keys, False, next_access, scores)[0]
+
+    def resident(self) -> np.ndarray:
+        return np.sort(self.key_of[self.key_of >= 0])
