@@ -64,3 +64,8 @@ class LearnedAdmission(Policy):
 
     def resident(self) -> np.ndarray:
         return self.base_.resident()
+
+    @property
+    def key_of(self) -> np.ndarray:
+        """The base policy's slot table (the slots this policy hands out)."""
+        return self.base_.key_of
