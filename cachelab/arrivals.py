@@ -48,13 +48,15 @@ def arrival_frame(arrival_s, prompt_len, output_len, *, domain, source: str,
         "session_id": ids,
         "turn": np.zeros(n, dtype=np.int32),
         "arrival_s": arrival,
-        "domain": pl.Series([domain] * n, dtype=pl.String) if isinstance(domain, str) else pl.Series(domain, dtype=pl.String),
-        "prompt_ids": empty_lists(n),
-        "output_ids": empty_lists(n),
+        "domain": pl.repeat(domain, n, dtype=pl.String, eager=True) if isinstance(domain, str)
+        else pl.Series(domain, dtype=pl.String),
+        "prompt_ids": empty_lists("prompt_ids", n),
+        "output_ids": empty_lists("output_ids", n),
         "prompt_len": np.asarray(prompt_len, dtype=np.int64),
         "output_len": np.asarray(output_len, dtype=np.int64),
-        "block_hashes": block_hashes if block_hashes is not None else pl.Series([None] * n, dtype=pl.List(pl.Int64)),
-        "block_size": pl.Series([block_size] * n, dtype=pl.Int32),
-        "source": pl.Series([source] * n, dtype=pl.String),
+        "block_hashes": block_hashes if block_hashes is not None
+        else pl.repeat(None, n, dtype=pl.List(pl.Int64), eager=True),
+        "block_size": pl.repeat(block_size, n, dtype=pl.Int32, eager=True),
+        "source": pl.repeat(source, n, dtype=pl.String, eager=True),
     })
     return conform(frame.sort("arrival_s", maintain_order=True))

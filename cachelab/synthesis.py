@@ -332,9 +332,9 @@ def materialize(stream: TokenStream, plan: Plan, rows: np.ndarray, source: str) 
         "prompt_len": np.diff(prompt_off),
         "output_len": out_len,
         "block_hashes": plan.block_hashes.gather(rows) if plan.block_hashes is not None
-        else pl.Series([None] * n, dtype=pl.List(pl.Int64)),
-        "block_size": pl.Series([plan.block_size] * n, dtype=pl.Int32),
-        "source": pl.Series([source] * n, dtype=pl.String),
+        else pl.repeat(None, n, dtype=pl.List(pl.Int64), eager=True),
+        "block_size": pl.repeat(plan.block_size, n, dtype=pl.Int32, eager=True),
+        "source": pl.repeat(source, n, dtype=pl.String, eager=True),
     })
 
 
