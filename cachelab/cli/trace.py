@@ -69,11 +69,13 @@ def build(
 ) -> None:
     """Import an arrival trace (no corpus) or synthesize a workload of real text (with one).
 
-    Examples: `cachelab trace build --arrivals mooncake --arrivals-path
-    traces/mooncake_fast25/conversation_trace.jsonl -o mooncake.parquet`;
-    add `--corpus arena-hard` to give every request real Arena-Hard text with the trace's
-    exact prefix sharing; `--arrivals gamma --arrival-option rate=2 --arrival-option
-    num_requests=500 --corpus mt-bench` for multi-turn sessions at Poisson arrivals.
+    Import: --arrivals mooncake --arrivals-path traces/mooncake_fast25/conversation_trace.jsonl
+
+    Add --corpus arena-hard to give every request real text with the trace's exact prefix sharing.
+
+    Sessions at Poisson arrivals: --arrivals gamma --arrival-option rate=2 --arrival-option num_requests=500 --corpus mt-bench
+
+    The spec format, every source and the synthesis rules: docs/traces.md.
     """
     data = load_spec(spec).model_dump() if spec is not None else {}
     if arrivals is not None:
