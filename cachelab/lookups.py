@@ -188,6 +188,30 @@ class LookupStream:
         cfg = addresser.config
         return cls.from_rows(rows, token_step, cfg.row_bytes, cfg.layers, meta, names)
 
+    @classmethod
+    def from_texts(cls, addresser, texts: Sequence[str], request_tokens: int | None = None,
+                   tokens_per_step: int | None = 1, max_tokens: int | None = None,
+                   domains: Sequence[str] | None = None) -> "LookupStream":
+        """Real text as requests: each text tokenized (BOS first) and, if ``request_tokens``
+        is given, cut into requests of that many tokens; at most ``max_tokens`` tokens in all.
+        Steps as in ``from_sequences`` (all tokens are prompt tokens)."""
+        from cachelab.engram import encode
+
+        seqs, labels = [], []
+        for i, ids in enumerate(encode(list(texts), addresser.config.tokenizer, bos=True)):
+            size = request_tokens or max(ids.size, 1)
+            parts = [ids[lo:lo + size] for lo in range(0, ids.size, size)]
+            seqs += parts
+            labels += [domains[i]] * len(parts) if domains is not None else []
+        if max_tokens is not None:
+            ends = np.cumsum([s.size for s in seqs])
+            keep = int(np.searchsorted(ends, max_tokens)) + 1
+            seqs = seqs[:keep]
+            if seqs and ends[keep - 1] > max_tokens:
+                seqs[-1] = seqs[-1][:seqs[-1].size - (ends[keep - 1] - max_tokens)]
+            labels = labels[:keep]
+        return cls.from_sequences(addresser, seqs, tokens_per_step, domains=labels if domains is not None else None)
+
     def save(self, path: str | Path) -> Path:
         """Write the stream as one ``.npz`` (uncompressed: loads at memory speed)."""
         path = Path(path)
@@ -222,10 +246,45 @@ class LookupStream:
             raise CachelabError(f"{path}: {exc}") from None
 
 
+@nb.njit(cache=True, nogil=True, boundscheck=False)
+def _hash_index(uniq, keys, bits, out):
+    """``out[i]`` = position of ``keys[i]`` in ``uniq``: an open-addressing table of int32
+    positions into ``uniq`` (4 bytes a slot, so it stays small and cache-friendlier)."""
+    mask = (1 << bits) - 1
+    table = np.full(1 << bits, -1, np.int32)
+    shift = np.uint64(64 - bits)
+    for j in range(uniq.size):
+        h = np.int64((np.uint64(uniq[j]) * np.uint64(0x9E3779B97F4A7C15)) >> shift)
+        while table[h] != -1:
+            h = (h + 1) & mask
+        table[h] = j
+    for i in range(keys.size):
+        k = keys[i]
+        h = np.int64((np.uint64(k) * np.uint64(0x9E3779B97F4A7C15)) >> shift)
+        while uniq[table[h]] != k:
+            h = (h + 1) & mask
+        out[i] = table[h]
+
+
 def compact(keys) -> tuple[np.ndarray, np.ndarray]:
-    """Dense ids ``0..U-1`` for arbitrary int64 keys: ``(ids, unique_keys)``, ``unique_keys[ids] == keys``."""
-    uniq, ids = np.unique(np.asarray(keys, dtype=np.int64), return_inverse=True)
-    return ids.astype(np.int64).reshape(-1), uniq
+    """Dense ids ``0..U-1`` for non-negative int64 keys: ``(ids, unique_keys)`` with
+    ``unique_keys`` sorted and ``unique_keys[ids] == keys``.
+
+    A sort finds the unique keys; a hash table (load <= 1/2) maps every key to its index,
+    several times faster than ``np.unique(..., return_inverse=True)`` on 10 M keys, in a
+    quarter of the memory of a key-and-value table.
+    """
+    keys = np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)
+    if keys.size and keys.min() < 0:
+        raise CachelabError(f"keys must be non-negative, found {int(keys.min())}")
+    ordered = np.sort(keys)  # np.unique is many times slower on large int64 arrays
+    uniq = ordered[np.concatenate([[True], ordered[1:] != ordered[:-1]])] if keys.size else ordered
+    if uniq.size >= 2**31:
+        raise CachelabError(f"{uniq.size:,} distinct keys: more than the 2^31 dense ids a policy can index")
+    ids = np.empty(keys.size, np.int64)
+    bits = max(4, int(np.ceil(np.log2(max(uniq.size, 1)))) + 1)
+    _hash_index(uniq, keys, bits, ids)
+    return ids, uniq
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)

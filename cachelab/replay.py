@@ -47,14 +47,14 @@ def run_policy(policy: Policy, keys: np.ndarray, step_offsets: np.ndarray, capac
                scores: np.ndarray | None = None) -> np.ndarray:
     """Reset ``policy`` to ``capacity`` and replay dense ``keys``; a hit flag per key.
 
-    The policy gets ``next_access`` on this very stream if it declares ``needs_future``,
-    and ``scores`` if it declares ``needs_scores`` (an error names the policy otherwise).
+    The policy gets ``next_access`` on this very stream, through its ``view_future`` (a
+    lookahead policy censors it), if it declares ``needs_future``, and ``scores`` if it declares ``needs_scores`` (an error names the policy otherwise).
     """
     caps = policy.capabilities
     if caps.needs_scores and scores is None:
         raise CachelabError(f"policy {policy.name!r} needs predictor scores; none were given to the replay")
-    policy.reset(capacity, num_keys)
-    nxt = next_access(keys) if caps.needs_future else None
+    policy.reset(capacity, max(num_keys, 1))  # an empty stream still makes a valid cache
+    nxt = policy.view_future(next_access(keys), step_offsets) if caps.needs_future else None
     return policy.run(keys, step_offsets, nxt, scores if caps.needs_scores else None)
 
 

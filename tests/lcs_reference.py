@@ -11,7 +11,8 @@ import numpy as np
 
 from cachelab.keytrace import ORACLE_DTYPE, read_keys, read_oracle_general, write_oracle_general
 
-__all__ = ["lcs_miss_ratio", "write_oracle_general"]
+__all__ = ["cachelab_miss_ratio", "cloudphysics_keys", "engram_row_keys", "lcs_miss_ratio", "lcs_misses",
+           "lirs_keys", "write_oracle_general"]
 
 
 def lcs_miss_ratio(trace_path: Path, policy: str, capacity: int, **params) -> float:
@@ -54,15 +55,6 @@ def engram_row_keys(data_dir: Path, num_prompts: int = 200, layer: int = 0) -> n
     return dense(rows[:, layer, :].reshape(-1).astype(np.int64))
 
 
-def cachelab_miss_ratio(policy: str, capacity: int, keys: np.ndarray, **params) -> float:
-    """Miss ratio of a registered cachelab policy, one key per step (as libCacheSim replays)."""
-    from cachelab import registry
-
-    p = registry.get(registry.POLICIES, policy)(**params)
-    p.reset(capacity, int(keys.max()) + 1)
-    return 1.0 - float(p.run(keys, np.arange(keys.size + 1)).mean())
-
-
 def lcs_misses(trace_path: Path, policy: str, capacity: int, **params) -> int:
     """libCacheSim's miss count (its ratio times the request count, rounded: the ratio is a
     float division, so compare counts, not ratios computed two ways)."""
@@ -74,3 +66,17 @@ def lcs_misses(trace_path: Path, policy: str, capacity: int, **params) -> int:
 def lirs_keys(data_dir: Path, name: str) -> np.ndarray:
     """A LIRS paper trace shipped with Caffeine's simulator (gzipped, one key per line), dense keys."""
     return dense(read_keys(data_dir / "cache_traces/caffeine_sim_samples/lirs" / f"{name}.trace.gz"))
+
+
+@lru_cache(maxsize=None)
+def engram_stream(data_dir: Path, num_prompts: int = 60):
+    """A DeepSeek-V4.1-Flash lookup stream of real Arena-Hard prompts, one request per step
+    (both layers, deduplicated per step by the engine)."""
+    import json
+
+    from cachelab.engram import Addresser
+    from cachelab.lookups import LookupStream
+
+    lines = (data_dir / "prompts/arena_hard/arena-hard-v0.1_question.jsonl").read_text().splitlines()
+    texts = [json.loads(line)["prompt"] for line in lines[:num_prompts]]
+    return LookupStream.from_texts(Addresser("deepseek-v4.1-flash"), texts, tokens_per_step=None)

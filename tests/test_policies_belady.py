@@ -1,4 +1,4 @@
-"""Belady: identical to libCacheSim on real traces and Engram rows; bypass and lookahead."""
+"""Belady: eviction order, bypass and lookahead (libCacheSim agreement: test_differential_libcachesim)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import pytest
 from cachelab import registry
 from cachelab.future import next_access
 from cachelab.policy import NO_NEXT
-from lcs_reference import cloudphysics_keys, engram_row_keys, lcs_misses, lirs_keys, write_oracle_general
 
 
 def make(name, capacity, num_keys, **params):
@@ -60,22 +59,6 @@ def test_lookahead_view_censors_beyond_the_window():
     offsets = np.arange(keys.size + 1)
     view = make("belady-lookahead", 2, 5, window=2).view_future(next_access(keys), offsets)
     assert view[0] == 2 and view[2] == NO_NEXT  # 1 returns 2 steps later, then 3 steps later
-
-
-@pytest.mark.data
-@pytest.mark.parametrize("trace", ["cloudphysics", "lirs/multi2", "lirs/sprite", "engram"])
-def test_belady_identical_to_libcachesim_on_real_traces(data_dir, tmp_path, trace):
-    if trace == "cloudphysics":
-        keys = cloudphysics_keys(data_dir)
-    elif trace == "engram":  # Engram layer-0 rows of real GSM8K prompts
-        keys = engram_row_keys(data_dir)
-    else:
-        keys = lirs_keys(data_dir, trace.split("/")[1])
-    trace_path = write_oracle_general(tmp_path / "t.oracleGeneral", keys)
-    offsets = np.arange(keys.size + 1)
-    n = int(keys.max()) + 1
-    for capacity in sorted({10, n // 100 + 1, n // 10 + 1, n // 2}):
-        assert misses("belady", keys, offsets, capacity) == lcs_misses(trace_path, "Belady", capacity), capacity
 
 
 def test_lookahead_unbounded_equals_full_belady():

@@ -16,6 +16,7 @@ def _start(cache, rid, tokens, num_prompt=None):
     num_prompt = len(tokens) if num_prompt is None else num_prompt
     cached = cache.match(key, num_prompt)
     cache.admit(rid, key, num_prompt, cached)
+    cache.record_query(num_prompt, cached)
     return cached
 
 

@@ -2,7 +2,8 @@
 
 Both are also the KV-cache manager of the serving replay: the same pool holds the running
 requests' KV and the cached prefixes, so a bigger batch leaves less room for reuse. Both
-follow one protocol: ``match`` -> ``admit`` -> ``extend`` ... -> ``free`` (or ``preempt``).
+follow one protocol: ``match`` -> ``admit`` -> ``extend`` ... -> ``free`` (or ``preempt``), and
+``record_query`` once a request is admitted for good (the hit-rate terms).
 """
 
 from cachelab.prefix_cache.blocks import BlockPrefixCache
@@ -27,5 +28,6 @@ def replay_sequential(cache, keys, prompt_lengths) -> float:
         if not cache.extend(rid, num_prompt):
             cache.preempt(rid)  # a prompt larger than the whole pool: nothing cached
             continue
+        cache.record_query(num_prompt, cached)
         cache.free(rid)
     return cache.hit_ratio

@@ -194,6 +194,9 @@ class BlockPrefixCache:
         self._blocks[rid] = [out]
         self._num_blocks_of[rid] = n
         self._num_cached_of[rid] = n
+
+    def record_query(self, num_prompt: int, num_cached: int) -> None:
+        """Count one admitted request's prompt and cached tokens (vLLM's hit-rate terms)."""
         self.queried_tokens += num_prompt
         self.hit_tokens += num_cached
 

@@ -165,6 +165,9 @@ class RadixPrefixCache:
             raise CachelabError(f"request {rid}: {num_cached} cached tokens claimed, {n} in the tree")
         self._lock(node, 1)
         self._req[rid] = (np.asarray(tokens), node, num_cached, num_cached)
+
+    def record_query(self, num_prompt: int, num_cached: int) -> None:
+        """Count one admitted request's new and cached prefill tokens (SGLang's terms)."""
         self.new_tokens += num_prompt - num_cached
         self.cached_tokens += num_cached
 
