@@ -27,7 +27,7 @@ def test_valid_spec_expands_to_a_hashed_grid(tmp_path):
     spec = _load(tmp_path)
     points = expand(spec)
     assert len(points) == 4 and len({p.hash for p in points}) == 4
-    assert points[0].axes == {"hbm.capacity": "0.5%", "hbm.admission": "always", "seed": 0}
+    assert points[0].axes == {"kind": "replay", "hbm.capacity": "0.5%", "hbm.admission": "always", "seed": 0}
     assert points[0].config["hierarchy"]["tiers"][0]["capacity"] == "0.5%"
     assert expand(_load(tmp_path))[0].hash == points[0].hash  # stable across loads
 
@@ -50,7 +50,8 @@ def test_valid_spec_expands_to_a_hashed_grid(tmp_path):
     ('"always", "tinylfu"', '"always", 7', "sweep.'hierarchy.hbm.admission'[1]: hierarchy.tiers[0].admission: "
                                           "Input should be a valid string"),
     ('"hierarchy.hbm.capacity"', '"hierarchy.l3.capacity"', "no tier named 'l3' in hierarchy.tiers"),
-    ("seeds = [0]", 'seeds = [0]\nkind = "dance"', "kind: Input should be 'replay'"),
+    ("seeds = [0]", 'seeds = [0]\nkind = "dance"', "kind: Input should be 'replay' or 'learned'"),
+    ("seeds = [0]", 'seeds = [0]\nkind = "learned"', "predictor: kind 'learned' needs a [predictor] section"),
 ])
 def test_bad_spec_names_the_key(tmp_path, old, new, expected):
     assert expected in _error(tmp_path, old, new)
@@ -103,3 +104,17 @@ def test_bad_spec_stops_the_cli_before_any_work(tmp_path):
 def test_every_shipped_spec_validates(path, data_dir):
     spec = load_spec(path)
     assert expand(spec), f"{path.name} has no points"
+
+
+def test_a_kind_ignores_the_axes_it_does_not_read(tmp_path):
+    extra = '\n[predictor]\nname = "lightgbm"\n'
+    path = write_spec(tmp_path, extra=extra)
+    path.write_text(path.read_text().replace("seeds = [0]", 'seeds = [0]\nkind = ["replay", "learned"]'))
+    points = expand(load_spec(path))
+    kinds = [p.config["kind"] for p in points]
+    assert kinds.count("replay") == 4 and kinds.count("learned") == 1  # the tier axes do not touch it
+    learned = points[-1]
+    assert "hierarchy" not in learned.config and learned.axes == {"kind": "learned", "seed": 0}
+    path.write_text(path.read_text().replace('name = "lightgbm"', 'name = "lightgbm"\nparams = { trees = 3 }'))
+    with pytest.raises(CachelabError, match=r"predictor.params: 'lightgbm' takes \["):
+        load_spec(path)

@@ -45,9 +45,23 @@ def test_quickstart_tracks_every_point_with_metrics_and_artifacts(quickstart):
         "addressing.L1.o4.top1pct_share"]  # bigrams repeat more than 4-grams
     parent_files = {a.path for a in client.list_artifacts(parent[0].info.run_id)}
     assert {"report.html", "results.parquet", "addressing.parquet"} <= parent_files
-    for run in points:
+    replays = [r for r in points if r.data.tags["cachelab.axis.kind"] == '"replay"']
+    learned = [r for r in points if r.data.tags["cachelab.axis.kind"] == '"learned"']
+    assert len(learned) == 1 and len(replays) == len(points) - 1
+    for run in replays:
         assert 0 <= run.data.metrics["hbm.miss_ratio"] <= 1
         assert {"config.json", "per_step.parquet"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+    policies = {r.data.params["hierarchy.hbm.policy"] for r in replays}
+    assert {"lru", "belady"} <= policies
+    belady = {r.data.params["hierarchy.hbm.capacity"]: r.data.metrics["hbm.miss_ratio"] for r in replays
+              if r.data.params["hierarchy.hbm.policy"] == "belady"}
+    for r in replays:  # the optimum bounds every online policy at the same capacity
+        assert belady[r.data.params["hierarchy.hbm.capacity"]] <= r.data.metrics["hbm.miss_ratio"] + 1e-12
+    run = learned[0]
+    files = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"learned_eval.parquet", "importances.parquet", "model"} <= files
+    assert {"model/metadata.json", "model/prior.safetensors"} <= {a.path for a in client.list_artifacts(run.info.run_id, "model")}
+    assert any(k.startswith("miss_ratio.learned.") for k in run.data.metrics)
     assert (folder / "runs" / "quickstart" / "report.html").is_file()
 
 
@@ -56,7 +70,7 @@ def test_report_command_prints_the_summary(quickstart):
     res = cli("report", "quickstart", "--json", "-o", "again.html", cwd=folder)
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
-    assert len(data["points"]) == summary["points"] and (folder / "again.html").is_file()
+    assert len(data["points"]) == summary["points"] - 1 and (folder / "again.html").is_file()  # the replay points
     res = cli("report", "nosuch", cwd=folder)
     assert res.returncode == 2 and "no experiment named 'nosuch'" in res.stderr
 

@@ -68,4 +68,76 @@ def replay_point(config: dict, workload: Workload) -> PointOutput:
     return PointOutput(metrics, params, {"per_step": result.per_step})
 
 
-POINT_FUNCTIONS = {"replay": replay_point}
+def learned_point(config: dict, workload: Workload) -> PointOutput:
+    """Train the predictor causally on the workload's first ``train_fraction`` of lookups and
+    replay the learned policy, every registered heuristic and Belady on the rest (or on the
+    ``holdout`` workload) at each capacity (``cachelab.learning``, ``cachelab.learning_eval``).
+
+    The learned path builds its own key stream from the same documents (it needs each
+    lookup's tokens for its features); its miss ratios are per distinct row of a step.
+    """
+    import tempfile
+    from pathlib import Path
+
+    from cachelab import registry
+    from cachelab.learning import TrainSpec, save, train
+    from cachelab.learning_eval import evaluate_capacities
+
+    p = config["predictor"]
+    stream = _key_stream(config["workload"])
+    predictor = registry.get(registry.PREDICTORS, p["name"])(**p["params"])
+    spec = TrainSpec(horizon=p["horizon"], train_fraction=p["train_fraction"], max_samples=p["max_samples"],
+                     seed=config["seed"])
+    model, fit = train(stream, predictor, spec)
+    held_out = p["holdout"] is not None
+    target = _key_stream(p["holdout"]) if held_out else stream
+    warmup = config["warmup"] if held_out else max(config["warmup"], p["train_fraction"])
+    capacities = [_learned_capacity(c) for c in p["capacities"]]
+    result = evaluate_capacities(target, model, capacities, warmup, progress=False)
+    metrics = {k: v for k, v in fit.items() if isinstance(v, (int, float))}
+    metrics.update({"eval.lookups": result["lookups"], "eval.counted_lookups": result["counted_lookups"],
+                    "eval.distinct_rows": result["unique_rows"]})
+    rows = []
+    for cap in result["capacities"]:
+        tag = f"{cap['rows']}rows"
+        for policy, miss in cap["miss_ratio"].items():
+            rows.append({"capacity": str(cap["capacity"]), "capacity_rows": cap["rows"], "policy": policy,
+                         "miss_ratio": miss})
+            metrics[f"miss_ratio.{policy}.{tag}".replace(" ", "_").replace("(", "").replace(")", "")] = miss
+        if cap["gap_closed"] is not None:
+            metrics[f"gap_closed.{tag}"] = cap["gap_closed"]
+    tables = {"learned_eval": pl.DataFrame(rows)}
+    if fit.get("importances"):
+        tables["importances"] = pl.DataFrame({"feature": list(fit["importances"]),
+                                              "importance": list(fit["importances"].values())})
+    with tempfile.TemporaryDirectory() as tmp:
+        save(model, Path(tmp), {"workload": config["workload"]})
+        files = {f"model/{f.name}": f.read_bytes() for f in sorted(Path(tmp).iterdir()) if f.is_file()}
+    params = {"eval.workload": "holdout" if held_out else "later part of the training workload",
+              "eval.missing_policies": ",".join(result["missing"])}
+    return PointOutput(metrics, params, tables, files)
+
+
+def _learned_capacity(capacity: int | str) -> float:
+    """The learned evaluation's capacity convention: a fraction of distinct rows below 1, else rows."""
+    if isinstance(capacity, str) and capacity.strip().endswith("%"):
+        return float(capacity.strip()[:-1]) / 100
+    return float(capacity_rows(capacity, unique_rows=1, row_bytes=264))
+
+
+def _key_stream(w: dict):
+    from cachelab import registry
+    from cachelab.prompt_stream import Request, build_stream
+
+    kwargs = dict(w["params"])
+    if w["path"] is not None:
+        from cachelab.experiment.spec import resolve_data_path
+
+        kwargs["path"] = str(resolve_data_path(w["path"]))
+    docs = [d for d in registry.get(registry.WORKLOADS, w["source"])(**kwargs).documents()
+            if w["domains"] is None or d.domain in w["domains"]]
+    requests = [Request(d.domain, "\n\n".join(d.user_turns), "\n\n".join(d.answers)) for d in docs]
+    return build_stream(requests, w["preset"], prefill_chunk=w["tokens_per_step"])
+
+
+POINT_FUNCTIONS = {"replay": replay_point, "learned": learned_point}

@@ -29,7 +29,14 @@ class ExperimentData:
     spec: str
     results: pl.DataFrame
     parent_metrics: dict[str, float] = field(default_factory=dict)
-    tables: dict[str, pl.DataFrame] = field(default_factory=dict)
+    tables: dict[str, pl.DataFrame] = field(default_factory=dict)  # the parent run's
+    point_tables: dict[str, dict[str, pl.DataFrame]] = field(default_factory=dict)  # label -> name -> table
+
+    def of_kind(self, kind: str) -> pl.DataFrame:
+        """The results rows of one point kind (all rows for specs from before kinds were tagged)."""
+        if "axis.kind" not in self.results.columns:
+            return self.results
+        return self.results.filter(pl.col("axis.kind") == kind)
 
     def tiers(self) -> list[str]:
         """Tier names in hierarchy order (from the resolved spec)."""
@@ -68,7 +75,21 @@ def load_experiment(tracker, name: str, parent_id: str | None = None) -> Experim
         hashes = set(_spec_point_hashes(spec))
         if hashes:
             points = [r for r in points if r.data.tags.get("cachelab.point_hash") in hashes]
-    return ExperimentData(name, description, spec, results_table(points), metrics, tables)
+    point_tables = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in points:
+            if r.data.tags.get("cachelab.axis.kind") != '"learned"':
+                continue
+            found = {}
+            for table in POINT_TABLES:
+                path = tracker.download(r.info.run_id, f"{table}.parquet", Path(tmp) / r.info.run_id)
+                if path is not None:
+                    found[table] = pl.read_parquet(path)
+            point_tables[r.info.run_name] = found
+    return ExperimentData(name, description, spec, results_table(points), metrics, tables, point_tables)
+
+
+POINT_TABLES = ("learned_eval", "importances")
 
 
 def _spec_point_hashes(spec_json: str) -> list[str]:
@@ -87,13 +108,13 @@ def _mean_over_seeds(df: pl.DataFrame, keys: list[str], values: list[str]) -> pl
     return df.group_by(keys, maintain_order=True).agg([pl.col(v).mean() for v in values]).sort(keys)
 
 
-def _series_keys(data: ExperimentData, exclude: set[str]) -> list[str]:
-    """The axes that vary, other than ``exclude`` and the seed: one line per combination."""
+def _series_keys(data: ExperimentData, exclude: set[str], results: pl.DataFrame) -> list[str]:
+    """The axes that vary in ``results``, other than ``exclude`` and the seed: one line each."""
     out = []
     for c in data.axes():
-        if c in exclude or c == "axis.seed":
+        if c in exclude or c == "axis.seed" or c not in results.columns:
             continue
-        if data.results[c].cast(pl.Utf8).n_unique() > 1:
+        if results[c].cast(pl.Utf8).n_unique() > 1:
             out.append(c)
     return out
 
@@ -106,23 +127,24 @@ def plot_miss_ratio(data: ExperimentData):
     """Miss ratio against capacity, one line per policy (and per other varying axis)."""
     import matplotlib.pyplot as plt
 
-    tiers = [t for t in data.tiers() if f"{t}.miss_ratio" in data.results.columns
-             and f"param.{t}.capacity_rows" in data.results.columns]
-    if not tiers:
+    results = data.of_kind("replay")
+    tiers = [t for t in data.tiers() if f"{t}.miss_ratio" in results.columns
+             and f"param.{t}.capacity_rows" in results.columns]
+    if not tiers or results.is_empty():
         return None
     fig, axs = plt.subplots(1, len(tiers), figsize=(6.5 * len(tiers), 4.2), squeeze=False)
     for ax, tier in zip(axs[0], tiers):
-        df = data.results.with_columns(pl.col(f"param.{tier}.capacity_rows").cast(pl.Int64).alias("_cap"))
+        df = results.with_columns(pl.col(f"param.{tier}.capacity_rows").cast(pl.Int64).alias("_cap"))
         cap_axis = f"axis.{tier}.capacity"
-        keys = _series_keys(data, {cap_axis})
+        keys = _series_keys(data, {cap_axis, "axis.kind"}, results)
         agg = _mean_over_seeds(df, keys + ["_cap"], [f"{tier}.miss_ratio"]) if keys else \
             _mean_over_seeds(df, ["_cap"], [f"{tier}.miss_ratio"])
         groups = agg.partition_by(keys, maintain_order=True, as_dict=False) if keys else [agg]
         for g in groups:
             ax.plot(g["_cap"], g[f"{tier}.miss_ratio"], marker="o", label=_label(g.row(0, named=True), keys))
         ax.set_xscale("log")
-        ax.set_xlabel(f"{tier} capacity (rows per layer table)")
-        ax.set_ylabel("miss ratio (unique rows per step)")
+        ax.set_xlabel(f"{tier} capacity (rows, both layer tables)")
+        ax.set_ylabel("miss ratio (per lookup)")
         ax.set_title(f"{tier}: miss ratio vs capacity")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -133,13 +155,14 @@ def plot_tier_bytes(data: ExperimentData):
     """Bytes each level served (distinct rows per step x row bytes), per point, seed-averaged."""
     import matplotlib.pyplot as plt
 
-    levels = [c.removesuffix(".served_unique") for c in data.results.columns if c.endswith(".served_unique")]
+    results = data.of_kind("replay")
+    levels = [c.removesuffix(".served_unique") for c in results.columns if c.endswith(".served_unique")]
     row_bytes = data.parent_metrics.get("workload.row_bytes")
-    if not levels or not row_bytes or data.results.height > 60:
+    if not levels or not row_bytes or results.is_empty() or results.height > 60:
         return None
     cols = [f"{lv}.served_unique" for lv in levels]
-    keys = _series_keys(data, set())
-    df = _mean_over_seeds(data.results, keys, cols) if keys else data.results.select(cols).mean()
+    keys = _series_keys(data, {"axis.kind"}, results)
+    df = _mean_over_seeds(results, keys, cols) if keys else results.select(cols).mean()
     labels = [_label(r, keys) for r in df.iter_rows(named=True)]
     fig, ax = plt.subplots(figsize=(9, 0.3 * len(labels) + 1.5))
     left = [0.0] * len(labels)
@@ -196,11 +219,52 @@ def plot_mrc(data: ExperimentData):
     return fig
 
 
+def plot_learned(data: ExperimentData):
+    """Per learned point: miss ratio against capacity of the learned policy, each heuristic and Belady."""
+    import matplotlib.pyplot as plt
+
+    evals = {label: t["learned_eval"] for label, t in data.point_tables.items() if "learned_eval" in t}
+    if not evals:
+        return None
+    fig, axs = plt.subplots(1, len(evals), figsize=(6.5 * len(evals), 4.2), squeeze=False)
+    for ax, (label, table) in zip(axs[0], evals.items()):
+        for part in table.sort("capacity_rows").partition_by("policy", maintain_order=True):
+            policy = part["policy"][0]
+            style = {"linewidth": 2.5, "color": "black"} if policy == "learned" else {}
+            ax.plot(part["capacity_rows"], part["miss_ratio"], marker="o", label=policy, **style)
+        ax.set_xscale("log")
+        ax.set_xlabel("capacity (rows)")
+        ax.set_ylabel("miss ratio (distinct rows per step)")
+        ax.set_title(label, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return fig
+
+
+def plot_importances(data: ExperimentData):
+    """Feature importances of each trained predictor (share of total gain)."""
+    import matplotlib.pyplot as plt
+
+    tables = {label: t["importances"] for label, t in data.point_tables.items() if "importances" in t}
+    if not tables:
+        return None
+    fig, axs = plt.subplots(1, len(tables), figsize=(6.5 * len(tables), 4.5), squeeze=False)
+    for ax, (label, table) in zip(axs[0], tables.items()):
+        top = table.sort("importance", descending=True).head(15).reverse()
+        ax.barh(top["feature"].to_list(), top["importance"].to_list(), color="tab:green")
+        ax.set_title(label, fontsize=9)
+        ax.tick_params(axis="y", labelsize=8)
+    fig.tight_layout()
+    return fig
+
+
 PLOTS = [
     ("Miss ratio vs capacity", plot_miss_ratio),
     ("Miss-ratio curves", plot_mrc),
     ("Bytes served per level", plot_tier_bytes),
     ("Addressing: what the row cache faces", plot_addressing),
+    ("Learned policy against the heuristics and Belady", plot_learned),
+    ("Feature importances", plot_importances),
 ]
 
 
@@ -225,7 +289,7 @@ def figures(data: ExperimentData) -> list[tuple[str, str]]:
 
 def summary_columns(data: ExperimentData) -> list[str]:
     """The columns a person scans first: varying axes, then per-tier ratios and bytes."""
-    cols = [c for c in data.axes() if data.results[c].cast(pl.Utf8).n_unique() > 1]
+    cols = [c for c in data.axes() if data.results[c].cast(pl.Utf8).n_unique() > 1 and c != "axis.kind"]
     for t in data.tiers():
         cols += [c for c in (f"param.{t}.capacity_rows", f"{t}.miss_ratio") if c in data.results.columns]
     cols += [c for c in ("bytes.host_to_gpu",) if c in data.results.columns]
@@ -233,10 +297,12 @@ def summary_columns(data: ExperimentData) -> list[str]:
 
 
 def summary_table(data: ExperimentData) -> pl.DataFrame:
-    if data.results.is_empty():
-        return data.results
-    cols = summary_columns(data)
-    df = data.results.select(cols)
+    """The replay points' key columns (learned points have their own plot and tables)."""
+    results = data.of_kind("replay")
+    if results.is_empty():
+        return results
+    cols = [c for c in summary_columns(data) if c in results.columns]
+    df = results.select(cols)
     caps = [c for c in cols if c.endswith(".capacity_rows")]
     df = df.with_columns([pl.col(c).cast(pl.Int64) for c in caps])
     order = [c for c in cols if c.startswith("axis.") and not c.endswith(".capacity")] + caps

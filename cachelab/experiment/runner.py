@@ -207,9 +207,11 @@ def _finish_parent(tracker: Tracker, exp_id: str, parent_id: str, points: list[P
     record.add_table("results", table)
     tracker.log_record(parent_id, record)
     out = Path(runs_dir) / summary.experiment / "report.html"
-    summary.report = str(write_report(tracker, summary.experiment, out, parent_id=parent_id))
-    tracker.client.log_artifact(parent_id, summary.report)
-    tracker.end_run(parent_id, "FAILED" if summary.failed else "FINISHED")
+    try:
+        summary.report = str(write_report(tracker, summary.experiment, out, parent_id=parent_id))
+        tracker.client.log_artifact(parent_id, summary.report)
+    finally:  # every point is tracked already: a report error must not leave the parent RUNNING
+        tracker.end_run(parent_id, "FAILED" if summary.failed or summary.report is None else "FINISHED")
 
 
 def sync_outbox(tracker: Tracker, outbox: Outbox, name: str) -> int:

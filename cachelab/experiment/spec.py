@@ -28,7 +28,11 @@ from cachelab import registry
 from cachelab.errors import CachelabError
 from cachelab.paths import data_root
 
-KINDS = ("replay",)  # point functions implemented in cachelab.experiment.points
+# Point functions (cachelab.experiment.points) and the spec sections each reads: a point's
+# config holds only those, so a grid axis one kind ignores does not multiply its points.
+KINDS = {"replay": ("workload", "hierarchy", "warmup"),
+         "learned": ("workload", "predictor", "warmup")}
+KindName = Literal[tuple(KINDS)]  # type: ignore[valid-type]
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SINGULAR = {registry.POLICIES: "policy", registry.PREDICTORS: "predictor", registry.WORKLOADS: "workload"}
@@ -70,9 +74,17 @@ class HierarchySpec(_Strict):
 
 
 class PredictorSpec(_Strict):
-    name: str
-    params: dict[str, Any] = Field(default_factory=dict)
+    """A learned policy: trained on the workload's first ``train_fraction`` of lookups, judged
+    on the rest (or on ``holdout``, a workload it never saw) against the heuristics and Belady."""
+
+    name: str = Field(description="a cachelab.predictors entry point")
+    params: dict[str, Any] = Field(default_factory=dict, description="predictor constructor arguments")
     train_fraction: float = Field(0.5, gt=0, lt=1)
+    horizon: int = Field(1 << 15, gt=0, description="label horizon in lookups")
+    max_samples: int = Field(500_000, gt=0, description="training samples drawn from the window")
+    capacities: list[int | str] = Field(default_factory=lambda: ["0.1%", "1%", "5%"], min_length=1,
+                                        description="rows, or shares of the distinct rows ('1%')")
+    holdout: WorkloadSpec | None = None
 
 
 class ServingSpec(_Strict):
@@ -86,7 +98,7 @@ class ServingSpec(_Strict):
 class ExperimentSpec(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     description: str = ""
-    kind: Literal[KINDS] = "replay"  # type: ignore[valid-type]
+    kind: KindName | list[KindName] = "replay"
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
     warmup: float = Field(0.0, ge=0, lt=1, description="fraction of steps excluded from the metrics")
     workload: WorkloadSpec = Field(default_factory=WorkloadSpec)
@@ -153,9 +165,14 @@ def _validate(raw: dict, where: str) -> ExperimentSpec:
         raise CachelabError(f"{where}: {key}: {msg}{got}") from None
 
 
+_UNION_TAG = re.compile(r"^(int|str|float|bool|none|.*\[.*)$")  # pydantic's names of union members
+
+
 def _dotted(loc) -> str:
     out = ""
     for part in loc:
+        if isinstance(part, str) and _UNION_TAG.match(part):
+            continue
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out or "(top level)"
 
@@ -191,8 +208,15 @@ def set_key(raw: dict, key: str, value) -> dict:
 def check_spec(spec: ExperimentSpec, where: str) -> None:
     """Checks beyond types: registry names, data files, capacities, section presence."""
     _check_workload(spec.workload, where)
-    if spec.kind == "replay" and spec.hierarchy is None:
+    if "replay" in kinds(spec) and spec.hierarchy is None:
         raise CachelabError(f"{where}: hierarchy: kind 'replay' needs [[hierarchy.tiers]]")
+    if "learned" in kinds(spec):
+        if spec.predictor is None:
+            raise CachelabError(f"{where}: predictor: kind 'learned' needs a [predictor] section")
+        for w, key in ((spec.workload, "workload"), (spec.predictor.holdout, "predictor.holdout")):
+            if w is not None and (w.trace is not None or w.max_tokens is not None):
+                raise CachelabError(f"{where}: {key}: kind 'learned' reads corpus documents; {key}.trace and "
+                                    f"{key}.max_tokens are not supported (limit the corpus by its params)")
     if spec.hierarchy is not None:
         names = [t.name for t in spec.hierarchy.tiers]
         if len(set(names)) != len(names):
@@ -211,37 +235,55 @@ def check_spec(spec: ExperimentSpec, where: str) -> None:
                     f"{where}: {key}.capacity: {tier.capacity!r} is {rows:,} rows, larger than the table "
                     f"({table_rows:,} rows in the layer tables of {spec.workload.preset})")
     if spec.predictor is not None:
-        _check_plugin(registry.PREDICTORS, "predictor.name", spec.predictor.name, where)
+        _check_predictor(spec.predictor, spec.workload.preset, where)
 
 
-def _check_workload(w: WorkloadSpec, where: str) -> None:
+def kinds(spec: ExperimentSpec) -> list[str]:
+    return [spec.kind] if isinstance(spec.kind, str) else list(spec.kind)
+
+
+def _check_predictor(p: PredictorSpec, preset: str, where: str) -> None:
+    cls = _check_plugin(registry.PREDICTORS, "predictor.name", p.name, where)
+    try:
+        inspect.signature(cls).bind(**p.params)
+    except TypeError:
+        allowed = [k for k in inspect.signature(cls).parameters if k != "self"]
+        raise CachelabError(f"{where}: predictor.params: {p.name!r} takes {allowed}, got {sorted(p.params)}") from None
+    table_rows, row_bytes = _table(preset, where)
+    for i, cap in enumerate(p.capacities):
+        capacity_rows(cap, table_rows, row_bytes, f"{where}: predictor.capacities[{i}]")
+    if p.holdout is not None:
+        _check_workload(p.holdout, where, "predictor.holdout")
+
+
+def _check_workload(w: WorkloadSpec, where: str, key: str = "workload") -> None:
     for i, rel in enumerate(w.data):
-        resolve_data_path(rel, where, f"workload.data[{i}]")
+        resolve_data_path(rel, where, f"{key}.data[{i}]")
     if w.trace is not None:
-        _check_trace(w.trace, where)
-    cls = _check_plugin(registry.WORKLOADS, "workload.source", w.source, where)
+        _check_trace(w.trace, where, key)
+    cls = _check_plugin(registry.WORKLOADS, f"{key}.source", w.source, where)
     kwargs = dict(w.params)
     if w.path is not None:
-        kwargs["path"] = str(resolve_data_path(w.path, where))
+        kwargs["path"] = str(resolve_data_path(w.path, where, f"{key}.path"))
     try:
         inspect.signature(cls).bind(**kwargs)
     except TypeError:
         allowed = [p for p in inspect.signature(cls).parameters if p != "self"]
         bad = sorted(set(kwargs) - set(allowed)) or sorted(kwargs)
-        raise CachelabError(f"{where}: workload.params: {w.source!r} does not take {bad}; "
+        raise CachelabError(f"{where}: {key}.params: {w.source!r} does not take {bad}; "
                             f"allowed: {allowed}") from None
     _table(w.preset, where)
 
 
-def _check_trace(trace: dict, where: str) -> None:
+def _check_trace(trace: dict, where: str, key: str) -> None:
     from cachelab import workload as trace_workload
 
-    spec = trace_workload.parse_spec(trace, f"{where}: workload.trace")
+    spec = trace_workload.parse_spec(trace, f"{where}: {key}.trace")
     if spec.arrivals.path is not None:
-        resolve_data_path(spec.arrivals.path, where, "workload.trace.arrivals.path")
-    _check_plugin(registry.WORKLOADS, "workload.trace.arrivals.source", spec.arrivals.source, where)
+        resolve_data_path(spec.arrivals.path, where, f"{key}.trace.arrivals.path")
+    _check_plugin(registry.WORKLOADS, f"{key}.trace.arrivals.source", spec.arrivals.source, where)
     if spec.corpus is not None:
-        _check_plugin(registry.WORKLOADS, "workload.trace.corpus.source", spec.corpus.source, where)
+        _check_plugin(registry.WORKLOADS, f"{key}.trace.corpus.source", spec.corpus.source, where)
 
 
 def _check_plugin(group: str, key: str, name: str, where: str):

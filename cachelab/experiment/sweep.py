@@ -12,14 +12,14 @@ import itertools
 import json
 from dataclasses import dataclass
 
-from cachelab.experiment.spec import ExperimentSpec, set_key
+from cachelab.experiment.spec import KINDS, ExperimentSpec, kinds, set_key
 
 
 @dataclass(frozen=True, slots=True)
 class Point:
     """One run of the point function: its config, hash and the values that set it apart."""
 
-    config: dict  # ExperimentSpec.model_dump() without name/description/sweep/seeds, plus "seed"
+    config: dict  # "kind", the sections that kind reads (spec.KINDS), and "seed"
     hash: str
     label: str  # "hbm.policy=lru hbm.capacity=1% seed=0"
     axes: dict  # sweep key -> value, and "seed"
@@ -31,23 +31,30 @@ def config_hash(config: dict) -> str:
 
 
 def expand(spec: ExperimentSpec) -> list[Point]:
-    """Points in grid order (first axis slowest, seeds fastest)."""
+    """Distinct points in grid order (kinds, then first axis slowest, seeds fastest).
+
+    A point of kind K holds only the sections K reads, so an axis K ignores (a policy, for a
+    learned point that evaluates every policy itself) does not multiply K's points.
+    """
     base = spec.model_dump(mode="json")
     keys = list(spec.sweep)
-    points = []
-    for values in itertools.product(*(spec.sweep[k] for k in keys)):
-        raw = base
-        for key, value in zip(keys, values):
-            raw = set_key(raw, key, value)
-        # Re-validate: fills defaults the value implies, and normalises types.
-        resolved = ExperimentSpec.model_validate(raw).model_dump(mode="json")
-        for seed in spec.seeds:
-            config = {k: v for k, v in resolved.items() if k not in ("name", "description", "sweep", "seeds")}
-            config["seed"] = seed
-            axes = {**{_short(k): v for k, v in zip(keys, values)}, "seed": seed}
-            label = " ".join(f"{k}={v}" for k, v in axes.items())
-            points.append(Point(config, config_hash(config), label, axes))
-    return points
+    points: dict[str, Point] = {}
+    for kind in kinds(spec):
+        sections = KINDS[kind]
+        for values in itertools.product(*(spec.sweep[k] for k in keys)):
+            raw = base
+            for key, value in zip(keys, values):
+                raw = set_key(raw, key, value)
+            # Re-validate: fills defaults the value implies, and normalises types.
+            resolved = ExperimentSpec.model_validate(raw).model_dump(mode="json")
+            for seed in spec.seeds:
+                config = {"kind": kind, **{k: resolved[k] for k in sections}, "seed": seed}
+                axes = {_short(k): v for k, v in zip(keys, values) if k.split(".")[0] in sections}
+                axes = {"kind": kind, **axes, "seed": seed}
+                label = " ".join(f"{k}={v}" for k, v in axes.items())
+                point = Point(config, config_hash(config), label, axes)
+                points.setdefault(point.hash, point)
+    return list(points.values())
 
 
 def _short(key: str) -> str:
