@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 
 from cachelab import registry
 
-POLICIES = [("lru", {}), ("fifo", {}), ("clock", {}), ("clock", {"bits": 2}), ("sieve", {}),
-            ("lru", {"admission": "tinylfu"}), ("sieve", {"admission": "tinylfu"})]
+NAMES = ["lru", "fifo", "clock", "sieve", "lfu", "lfuda", "arc", "twoq", "s3fifo"]
+POLICIES = ([(n, {}) for n in NAMES] + [(n, {"admission": "tinylfu"}) for n in NAMES]
+            + [("clock", {"bits": 2})])
 
 streams = st.tuples(st.integers(1, 12), st.lists(st.integers(0, 30), min_size=1, max_size=300),
                     st.integers(1, 7))
