@@ -31,7 +31,8 @@ NO_NEXT = np.iinfo(np.int64).max  # next_access of a key never used again (or be
 class Capabilities:
     """What a policy needs from the engine, declared as data.
 
-    needs_future: wants ``next_access`` (position of each key's next use, NO_NEXT if none).
+    needs_future: wants ``next_access`` (position of each key's next use, NO_NEXT if none),
+        as seen through ``Policy.view_future``.
     needs_scores: wants predictor ``scores`` per access (higher = more worth keeping).
     compiled: ``run`` is a compiled kernel, not the step loop.
     """
@@ -65,6 +66,15 @@ class Policy(ABC):
         """Hyper-parameters by introspection of ``__init__`` (feeds experiment logging)."""
         sig = inspect.signature(type(self).__init__)
         return {p: getattr(self, p) for p in sig.parameters if p != "self"}
+
+    def view_future(self, next_access: np.ndarray, step_offsets: np.ndarray) -> np.ndarray:
+        """What this policy may know of the future, from the full ``next_access`` of a stream.
+
+        A caller computes ``next_access`` once for the whole stream, passes it through this
+        view, and gives the result (sliced per step) to ``step`` and ``run``. The default
+        sees everything; a lookahead policy censors it (``cachelab.future.censor_lookahead``).
+        """
+        return next_access
 
     @abstractmethod
     def reset(self, capacity: int, num_keys: int) -> None:

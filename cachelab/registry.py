@@ -7,6 +7,7 @@ and skipped, so one broken package never breaks unrelated commands.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib.metadata import entry_points
@@ -52,8 +53,28 @@ def get(group: str, name: str):
     plugins = {p.name: p for p in discover(group)}
     plugin = plugins.get(name)
     if plugin is None:
-        kind = group.split(".")[-1]
-        raise CachelabError(f"unknown {kind[:-1]} {name!r}; installed: {sorted(plugins) or 'none'}")
+        kind = group.split(".")[-1].removesuffix("s").replace("policie", "policy")
+        raise CachelabError(f"unknown {kind} {name!r}; installed: {sorted(plugins) or 'none'}")
     if plugin.error is not None:
         raise CachelabError(f"plug-in {name!r} from {plugin.distribution} failed to load: {plugin.error}")
     return plugin.obj
+
+
+def make_policy(name: str, **params):
+    """A policy instance by registry name; unknown hyper-parameters are named in the error.
+
+    ``name`` may carry an admission filter as ``policy+filter`` (``lru+tinylfu``), the
+    derived-name convention for eviction x admission variants.
+    """
+    if "+" in name:
+        name, admission = name.split("+", 1)
+        params.setdefault("admission", admission)
+    cls = get(POLICIES, name)
+    sig = inspect.signature(cls)
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+    known = [p for p in sig.parameters if sig.parameters[p].kind is not inspect.Parameter.VAR_POSITIONAL]
+    unknown = sorted(set(params) - set(known))
+    if unknown and not takes_any:
+        raise CachelabError(f"policy {name!r} has no parameter {', '.join(map(repr, unknown))}; "
+                            f"it takes {known or 'none'}")
+    return cls(**params)

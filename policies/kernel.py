@@ -1,7 +1,7 @@
 """What every compiled policy shares: the step/run wrapper around one Numba kernel.
 
-A kernel has the signature ``kernel(keys, slot_of, key_of, *state, *filter, hits, record,
-adm, adm_slot, ev, counts)``: it replays ``keys`` in order, writes a hit flag per key, and
+A kernel has the signature ``kernel(keys, *inputs, slot_of, key_of, *state, *filter, hits,
+record, adm, adm_slot, ev, counts)``: it replays ``keys`` in order, writes a hit flag per key, and
 when ``record`` is set notes every admitted key with its slot and every evicted key
 (``note_admit`` / ``note_evict``, counted in ``counts``). ``step`` records, ``run`` does not,
 so the two paths execute the very same code. ``slot_of[key]`` (-1 if absent) and
@@ -107,7 +107,11 @@ class KernelPolicy(Policy):
         """The policy's own arrays, in the order its kernel takes them."""
         return ()
 
-    def _call(self, keys, record: bool):
+    def inputs(self, keys, next_access, scores) -> tuple:
+        """Per-access arrays the kernel takes after ``keys`` (e.g. ``next_access``); none by default."""
+        return ()
+
+    def _call(self, keys, record: bool, next_access=None, scores=None):
         if not hasattr(self, "slot_of"):
             raise CachelabError(f"{type(self).__name__}: call reset(capacity, num_keys) before step or run")
         keys = np.ascontiguousarray(keys, dtype=np.int64)
@@ -120,17 +124,17 @@ class KernelPolicy(Policy):
         adm, adm_slot = np.empty(n, np.int64), np.empty(n, np.int64)
         ev = np.empty(n * self.max_evictions_per_key, np.int64)
         self._counts[:] = 0
-        type(self).kernel(keys, self.slot_of, self.key_of, *self.state(), *self.filter,
-                          hits, record, adm, adm_slot, ev, self._counts)
+        type(self).kernel(keys, *self.inputs(keys, next_access, scores), self.slot_of, self.key_of,
+                          *self.state(), *self.filter, hits, record, adm, adm_slot, ev, self._counts)
         return hits, adm, adm_slot, ev
 
     def step(self, keys, next_access=None, scores=None) -> StepResult:
-        hits, adm, adm_slot, ev = self._call(keys, True)
+        hits, adm, adm_slot, ev = self._call(keys, True, next_access, scores)
         n_adm, n_ev = self._counts
         return StepResult(hits, adm[:n_adm], adm_slot[:n_adm], ev[:n_ev])
 
     def run(self, keys, step_offsets, next_access=None, scores=None) -> np.ndarray:
-        return self._call(keys, False)[0]
+        return self._call(keys, False, next_access, scores)[0]
 
     def resident(self) -> np.ndarray:
         return np.sort(self.key_of[self.key_of >= 0])

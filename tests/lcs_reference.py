@@ -1,5 +1,6 @@
 """libCacheSim as a reference oracle, for tests and benchmarks only (GPL: never imported by
-the library). Writes an oracleGeneral trace with unit sizes so capacities count objects."""
+the library). Traces are written with cachelab's oracleGeneral writer (unit sizes, so
+capacities count objects)."""
 
 from __future__ import annotations
 
@@ -8,23 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
-from cachelab.future import next_access
-from cachelab.policy import NO_NEXT
+from cachelab.keytrace import ORACLE_DTYPE, read_keys, read_oracle_general, write_oracle_general
 
-ORACLE_DTYPE = np.dtype([("time", "<u4"), ("id", "<u8"), ("size", "<u4"), ("next", "<i8")])
-
-
-def write_oracle_general(path: Path, keys: np.ndarray) -> Path:
-    """Records <u4 time, <u8 id, <u4 size=1, <i8 next access (1-based vtime, -1 if none)."""
-    keys = np.asarray(keys, dtype=np.int64)
-    rec = np.empty(keys.size, dtype=ORACLE_DTYPE)
-    rec["time"] = np.arange(keys.size, dtype=np.uint32)
-    rec["id"] = keys.astype(np.uint64) + 1  # libCacheSim treats id 0 specially in places
-    rec["size"] = 1
-    nxt = next_access(keys)
-    rec["next"] = np.where(nxt == NO_NEXT, -1, nxt + 1)
-    rec.tofile(path)
-    return path
+__all__ = ["lcs_miss_ratio", "write_oracle_general"]
 
 
 def lcs_miss_ratio(trace_path: Path, policy: str, capacity: int, **params) -> float:
@@ -49,7 +36,7 @@ def dense(ids: np.ndarray) -> np.ndarray:
 def cloudphysics_keys(data_dir: Path) -> np.ndarray:
     """The cloudPhysics block trace shipped with libCacheSim (113,872 requests), dense keys."""
     path = data_dir / "cache_traces/libcachesim_cloudphysics/cloudPhysicsIO.oracleGeneral.bin"
-    return dense(np.fromfile(path, dtype=ORACLE_DTYPE)["id"].astype(np.int64))
+    return dense(read_oracle_general(path))
 
 
 @lru_cache(maxsize=None)
@@ -67,10 +54,28 @@ def engram_row_keys(data_dir: Path, num_prompts: int = 200, layer: int = 0) -> n
     return dense(rows[:, layer, :].reshape(-1).astype(np.int64))
 
 
-def cachelab_miss_ratio(policy: str, capacity: int, keys: np.ndarray, **params) -> float:
-    """Miss ratio of a registered cachelab policy, one key per step (as libCacheSim replays)."""
-    from cachelab import registry
+def lcs_misses(trace_path: Path, policy: str, capacity: int, **params) -> int:
+    """libCacheSim's miss count (its ratio times the request count, rounded: the ratio is a
+    float division, so compare counts, not ratios computed two ways)."""
+    requests = Path(trace_path).stat().st_size // ORACLE_DTYPE.itemsize
+    return round(lcs_miss_ratio(trace_path, policy, capacity, **params) * requests)
 
-    p = registry.get(registry.POLICIES, policy)(**params)
-    p.reset(capacity, int(keys.max()) + 1)
-    return 1.0 - float(p.run(keys, np.arange(keys.size + 1)).mean())
+
+@lru_cache(maxsize=None)
+def lirs_keys(data_dir: Path, name: str) -> np.ndarray:
+    """A LIRS paper trace shipped with Caffeine's simulator (gzipped, one key per line), dense keys."""
+    return dense(read_keys(data_dir / "cache_traces/caffeine_sim_samples/lirs" / f"{name}.trace.gz"))
+
+
+@lru_cache(maxsize=None)
+def engram_stream(data_dir: Path, num_prompts: int = 60):
+    """A DeepSeek-V4.1-Flash lookup stream of real Arena-Hard prompts, one request per step
+    (both layers, deduplicated per step by the engine)."""
+    import json
+
+    from cachelab.engram import Addresser
+    from cachelab.lookups import LookupStream
+
+    lines = (data_dir / "prompts/arena_hard/arena-hard-v0.1_question.jsonl").read_text().splitlines()
+    texts = [json.loads(line)["prompt"] for line in lines[:num_prompts]]
+    return LookupStream.from_texts(Addresser("deepseek-v4.1-flash"), texts, tokens_per_step=None)

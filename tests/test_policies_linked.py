@@ -1,4 +1,4 @@
-"""FIFO, CLOCK, SIEVE and LFU: exact eviction order on small hand-checked streams."""
+"""FIFO, CLOCK, SIEVE and LFU: exact eviction order (libCacheSim agreement: test_differential_libcachesim)."""
 
 from __future__ import annotations
 

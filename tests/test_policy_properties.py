@@ -1,8 +1,11 @@
-"""Hypothesis properties every online policy must keep, on random short streams.
+"""Hypothesis properties every registered policy must keep, on random short streams.
 
 Occupancy never exceeds capacity; a hit is only ever a resident row; admissions take slots
 in range that ``resident()`` then shows; identical runs give identical results; the step
-path equals the compiled path.
+path equals the compiled path; Belady with bypass never misses more than any policy.
+Every policy found in the ``cachelab.policies`` group is checked (with default
+hyper-parameters), plus the variants listed in ``VARIANTS``; policies that declare
+``needs_future`` get ``next_access`` through their ``view_future``.
 """
 
 from __future__ import annotations
@@ -13,10 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachelab import registry
+from cachelab.future import next_access
 
-NAMES = ["lru", "fifo", "clock", "sieve", "lfu", "lfuda", "arc", "twoq", "s3fifo"]
-POLICIES = ([(n, {}) for n in NAMES] + [(n, {"admission": "tinylfu"}) for n in NAMES]
-            + [("clock", {"bits": 2})])
+REGISTERED = sorted(p.name for p in registry.discover(registry.POLICIES) if p.error is None)
+VARIANTS = [("clock", {"bits": 2}), ("lru", {"admission": "tinylfu"}), ("sieve", {"admission": "tinylfu"}),
+            ("belady-lookahead", {"window": 0}), ("belady-lookahead", {"window": 2, "bypass": True})]
+POLICIES = [(name, {}) for name in REGISTERED] + [v for v in VARIANTS if v[0] in REGISTERED]
 
 streams = st.tuples(st.integers(1, 12), st.lists(st.integers(0, 30), min_size=1, max_size=300),
                     st.integers(1, 7))
@@ -28,16 +33,26 @@ def make(name, params, capacity):
     return policy
 
 
+def future(policy, keys, step_len):
+    """Step offsets and what the policy may know of the future (None if it asks nothing)."""
+    keys = np.asarray(keys)
+    offsets = np.append(np.arange(0, keys.size, step_len), keys.size)
+    if not policy.capabilities.needs_future:
+        return offsets, None
+    return offsets, policy.view_future(next_access(keys), offsets)
+
+
 def stepped(policy, keys, step_len):
     """Replay in steps, checking each step against the residency before and after it."""
+    offsets, nxt = future(policy, keys, step_len)
     hits = []
-    for lo in range(0, len(keys), step_len):
-        batch = np.array(keys[lo:lo + step_len])
+    for lo, hi in zip(offsets[:-1], offsets[1:]):
+        batch = np.array(keys[lo:hi])
         before = set(policy.resident().tolist())
-        r = policy.step(batch)
+        r = policy.step(batch, None if nxt is None else nxt[lo:hi])
         after = policy.resident()
-        assert after.size <= policy.capacity
-        assert ((r.slots >= 0) & (r.slots < policy.capacity)).all()
+        assert after.size <= policy.key_of.size
+        assert ((r.slots >= 0) & (r.slots < policy.key_of.size)).all()
         seen = set()
         for k, hit in zip(batch.tolist(), r.hits.tolist()):  # a hit: resident at that moment
             if hit:
@@ -51,6 +66,12 @@ def stepped(policy, keys, step_len):
     return np.concatenate(hits)
 
 
+def run(name, params, capacity, keys, step_len):
+    policy = make(name, params, capacity)
+    offsets, nxt = future(policy, keys, step_len)
+    return policy, policy.run(np.array(keys), offsets, nxt)
+
+
 @pytest.mark.parametrize("name,params", POLICIES, ids=lambda v: str(v))
 @settings(max_examples=60, deadline=None)
 @given(stream=streams)
@@ -60,7 +81,15 @@ def test_properties(name, params, stream):
     hits = stepped(a, keys, step_len)
     again = stepped(make(name, params, capacity), keys, step_len)
     assert np.array_equal(hits, again)  # identical runs, identical results
-    offsets = np.append(np.arange(0, len(keys), step_len), len(keys))
-    b = make(name, params, capacity)
-    assert np.array_equal(b.run(np.array(keys), offsets), hits)  # step path == run path
+    b, compiled = run(name, params, capacity, keys, step_len)
+    assert np.array_equal(compiled, hits)  # step path == run path
     assert np.array_equal(a.resident(), b.resident())
+
+
+@settings(max_examples=60, deadline=None)
+@given(stream=streams)
+def test_belady_with_bypass_never_misses_more_than_any_policy(stream):
+    capacity, keys, step_len = stream
+    misses = {f"{name}{params or ''}": int((~run(name, params, capacity, keys, step_len)[1]).sum())
+              for name, params in POLICIES}
+    assert all(misses["belady-bypass"] <= m for m in misses.values()), misses

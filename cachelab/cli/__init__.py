@@ -30,10 +30,13 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from cachelab.cli import engram, quickstart
+    from cachelab.cli import cache, engram, quickstart, trace
 
     app.add_typer(engram.app, name="engram")
+    app.add_typer(trace.app, name="trace")
     app.command("quickstart")(quickstart.quickstart)
+    app.command("simulate")(cache.simulate)
+    app.command("mrc")(cache.mrc)
 
 
 _register()

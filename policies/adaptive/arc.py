@@ -10,7 +10,7 @@ cache first trims the ghost directory (|T1| + |B1| = c: drop B1's LRU, or if T1 
 fills the cache evict T1's LRU outright; otherwise, at 2c entries, drop B2's LRU), then
 REPLACE, then enters T1. REPLACE demotes T1's LRU to B1 if |T1| > p (or = p on a B2
 ghost hit, or T2 is empty), else T2's LRU to B2. Megiddo and Modha, FAST'03; the same
-steps as libCacheSim's ``ARC``: identical miss ratios (tests/test_policies_vs_libcachesim.py).
+steps as libCacheSim's ``ARC``: identical miss ratios (tests/test_differential_libcachesim.py).
 
 With an admission filter, the victim REPLACE would pick is offered to the filter before
 anything moves; a refused candidate leaves the cache (and its ghost entry) as they were,

@@ -6,7 +6,7 @@ LFU evicts the oldest member of the lowest frequency bucket). A row enters with 
 its count is forgotten when it leaves.
 
 - ``aging="none"``: priority = access count since admission (libCacheSim's ``LFU``;
-  identical miss ratios, tests/test_policies_vs_libcachesim.py).
+  identical miss ratios, tests/test_differential_libcachesim.py).
 - ``aging="dynamic"``: LFU-DA (Arlitt et al., "Evaluating content management techniques
   for Web proxy caches", 2000): priority = count + L, where the cache age L becomes the
   priority of each evicted row. Rows that were popular long ago stop blocking the cache once

@@ -13,7 +13,7 @@ its counter, capped at 3, minus one); otherwise small's tail moves to main if it
 at least ``move_to_main_threshold`` times, else it is evicted and its key enters the ghost
 queue. Yang et al., "FIFO queues are all you need for cache eviction", SOSP'23; the same
 steps and ratios as libCacheSim's ``S3FIFO`` (small 10%, ghost 90% of the capacity,
-threshold 2), identical miss ratios (tests/test_policies_vs_libcachesim.py).
+threshold 2), identical miss ratios (tests/test_differential_libcachesim.py).
 
 Difference: libCacheSim stores nothing when its small queue has room for fewer than two
 objects (capacity < 20); here small holds at least one row.

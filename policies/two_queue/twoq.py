@@ -8,7 +8,7 @@ capacity, evicts its tail when full); any other miss enters A1in. To make room, 
 oldest row leaves for A1out if A1in holds more than its share, else Am's LRU row is
 evicted. Johnson and Shasha, "2Q: a low overhead high performance buffer management
 replacement algorithm", VLDB'94 (the full version); the same steps and ratios as
-libCacheSim's ``TwoQ`` (tests/test_policies_vs_libcachesim.py).
+libCacheSim's ``TwoQ`` (tests/test_differential_libcachesim.py).
 
 With an admission filter, the row that would make room is the victim offered to it; Am's
 own overflow on a ghost hit is not filtered (it only makes room the candidate was granted).

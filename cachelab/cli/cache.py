@@ -1,0 +1,141 @@
+"""``cachelab simulate`` and ``cachelab mrc``: one cache over a trace, and its miss-ratio curve."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import typer
+from rich.console import Console
+
+from cachelab import registry
+from cachelab.errors import CachelabError
+from cachelab.hierarchy import Hierarchy, Tier
+from cachelab.keytrace import FORMATS, read_keys
+from cachelab.lookups import LookupStream
+from cachelab.replay import replay
+
+TRACE_HELP = ("A key trace (.npy of integers, text with one key per line, libCacheSim oracleGeneral) "
+              "or a saved lookup stream (.npz).")
+FORMAT_HELP = f"Key trace format, one of {list(FORMATS)}; sniffed from the content when omitted."
+PARAM_HELP = "A policy hyper-parameter as key=value (repeatable), e.g. --param window=0.01."
+WARMUP_HELP = "Warm-up excluded from the statistics: a fraction of the requests (0..1) or a request count."
+
+
+def load_stream(path: Path, fmt: str | None = None) -> LookupStream:
+    """A saved lookup stream (``.npz``), or a key trace as one request per step."""
+    if path.suffix == ".npz" and fmt is None:
+        return LookupStream.load(path)
+    return LookupStream.from_keys(read_keys(path, fmt))
+
+
+def parse_params(items: list[str]) -> dict:
+    """``key=value`` strings to a dict; values become int, float or bool where they parse."""
+    params = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise CachelabError(f"--param expects key=value, got {item!r}")
+        for cast in (int, float):
+            try:
+                params[key] = cast(value)
+                break
+            except ValueError:
+                continue
+        else:
+            params[key] = {"true": True, "false": False}.get(value.lower(), value)
+    return params
+
+
+def build_policy(policy: str, admission: str | None, params: list[str]):
+    kwargs = parse_params(params)
+    if admission is not None:
+        kwargs["admission"] = admission
+    return registry.make_policy(policy, **kwargs)
+
+
+def simulate(
+    trace: Path = typer.Option(..., "--trace", help=TRACE_HELP),
+    policy: str = typer.Option(..., "--policy", help="Registry name (see `cachelab policies list`), e.g. lru."),
+    capacity: int = typer.Option(..., "--capacity", help="Cache capacity in objects (rows for a lookup stream)."),
+    admission: str | None = typer.Option(None, "--admission", help="Admission filter: always, tinylfu, scores."),
+    warmup: float = typer.Option(0.0, "--warmup", help=WARMUP_HELP),
+    param: list[str] = typer.Option([], "--param", help=PARAM_HELP),
+    fmt: str | None = typer.Option(None, "--format", help=FORMAT_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Replay a trace through one cache and print its miss ratio.
+
+    Requests are the keys of a key trace, or the lookups of a lookup stream (where a row read
+    twice in one step is fetched once and both lookups share its outcome). The miss ratio
+    counts every request after the warm-up.
+    """
+    started = time.perf_counter()
+    stream = load_stream(trace, fmt)
+    cache = build_policy(policy, admission, param)
+    hierarchy = Hierarchy([Tier("cache", cache, capacity_rows=capacity, location="gpu")], stream.row_bytes)
+    result = replay(stream, hierarchy, warmup=warmup, progress=not as_json)
+    summary = result.summary()
+    level = summary["levels"]["cache"]
+    requests = summary["lookups"]
+    hits = level["served_lookups"]
+    out = {
+        "policy": policy, "capacity": capacity, "requests": requests, "hits": hits,
+        "miss_ratio": 1.0 - hits / requests if requests else 0.0,
+        "seconds": round(time.perf_counter() - started, 3),
+        "admission": admission or cache.get_params().get("admission", "always"),
+        "warmup_requests": summary["warmup_lookups"], "trace": str(trace),
+        "unique_requests": summary["unique_rows"], "unique_miss_ratio": 1.0 - level["hit_ratio_unique"],
+    }
+    if as_json:
+        typer.echo(json.dumps(out))
+        return
+    Console().print(f"[bold]{policy}[/] at {capacity:,} objects: miss ratio {out['miss_ratio']:.4f} "
+                    f"({requests - hits:,} misses / {requests:,} requests after a warm-up of "
+                    f"{out['warmup_requests']:,}) in {out['seconds']} s")
+
+
+def parse_capacities(text: str) -> list[int]:
+    """``100,1000,10000`` to a sorted list of distinct positive ints."""
+    try:
+        caps = sorted({int(x) for x in text.replace(" ", "").split(",") if x})
+    except ValueError:
+        raise CachelabError(f"--capacities expects comma-separated integers, got {text!r}") from None
+    if not caps or caps[0] < 1:
+        raise CachelabError(f"--capacities needs positive integers, got {text!r}")
+    return caps
+
+
+def mrc(
+    trace: Path = typer.Option(..., "--trace", help=TRACE_HELP),
+    policy: str = typer.Option("lru", "--policy", help="Registry name; lru uses the one-pass exact curve."),
+    capacities: str = typer.Option(..., "--capacities", help="Comma-separated capacities in objects, e.g. 100,1000,10000."),
+    sample_rate: float | None = typer.Option(None, "--sample-rate",
+                                             help="SHARDS spatial sampling rate (0..1], LRU only, e.g. 0.01."),
+    warmup: float = typer.Option(0.0, "--warmup", help=WARMUP_HELP),
+    admission: str | None = typer.Option(None, "--admission", help="Admission filter (simulated curves)."),
+    param: list[str] = typer.Option([], "--param", help=PARAM_HELP),
+    workers: int | None = typer.Option(None, "--workers", help="Processes for simulated curves (default: all cores)."),
+    fmt: str | None = typer.Option(None, "--format", help=FORMAT_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Miss ratio at many capacities: exact one-pass LRU, SHARDS sampling, or one run per capacity."""
+    from cachelab.mrc import miss_ratio_curve
+
+    started = time.perf_counter()
+    stream = load_stream(trace, fmt)
+    caps = parse_capacities(capacities)
+    curve = miss_ratio_curve(stream, caps, policy=policy, sample_rate=sample_rate, warmup=warmup,
+                             params={**parse_params(param), **({"admission": admission} if admission else {})},
+                             workers=workers, progress=not as_json)
+    out = {"policy": policy, **curve.to_dict(), "trace": str(trace),
+           "seconds": round(time.perf_counter() - started, 3)}
+    if as_json:
+        typer.echo(json.dumps(out))
+        return
+    console = Console()
+    console.print(f"[bold]{policy}[/] miss-ratio curve ({curve.method}, {curve.requests:,} requests)")
+    for c, m in zip(curve.capacities, curve.miss_ratios):
+        console.print(f"  {c:>12,}  {m:.4f}  {'#' * int(np.round(m * 50))}")

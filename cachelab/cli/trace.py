@@ -1,0 +1,141 @@
+"""``cachelab trace``: build (import or synthesize), inspect and convert request traces."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from cachelab.errors import CachelabError
+from cachelab.trace_stats import summarize
+from cachelab.workload import WorkloadSpec, build as build_workload, load_spec, parse_spec
+
+app = typer.Typer(no_args_is_help=True, help="Request traces: import or synthesize them, inspect them, convert them.")
+
+
+class _Stages:
+    """Adapts a rich Progress to the build's ``stage`` / ``advance`` calls."""
+
+    def __init__(self, progress: Progress):
+        self.progress, self.task = progress, None
+
+    def stage(self, name: str, total: int | None) -> None:
+        if self.task is not None:
+            self.progress.remove_task(self.task)
+        self.task = self.progress.add_task(name, total=total)
+
+    def advance(self, n: int) -> None:
+        self.progress.advance(self.task, n)
+
+
+def _options(pairs: list[str], flag: str) -> dict:
+    """``KEY=VALUE`` pairs; values are read as TOML scalars (numbers, booleans, strings)."""
+    import tomllib
+
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise CachelabError(f"{flag} {pair!r}: expected KEY=VALUE")
+        try:
+            out[key] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key] = value
+    return out
+
+
+@app.command()
+def build(
+    spec: Path | None = typer.Argument(None, help="Workload spec (TOML). Flags below override it."),
+    out: Path = typer.Option(..., "-o", "--out", help="Output trace (.parquet)."),
+    arrivals: str | None = typer.Option(None, help="Arrival source: mooncake, azure, burstgpt, servegen, gamma."),
+    arrivals_path: str | None = typer.Option(None, help="Arrival file or folder (absolute, or under the data root)."),
+    arrival_option: list[str] = typer.Option([], help="Arrival source option KEY=VALUE (e.g. rate=4), repeatable."),
+    corpus: str | None = typer.Option(None, help="Corpus for real text: arena-hard, mt-bench, gsm8k, stdlib, ..."),
+    corpus_option: list[str] = typer.Option([], help="Corpus option KEY=VALUE (e.g. version=v0.1), repeatable."),
+    seed: int | None = typer.Option(None, help="Seed (default 0)."),
+    max_requests: int | None = typer.Option(None, help="Keep only the first N arrivals."),
+    skip_bad: bool = typer.Option(False, "--skip-bad", help="Skip and count unusable input rows instead of failing."),
+    no_lengths: bool = typer.Option(False, "--no-lengths", help="Use the arrivals' timing only; lengths from the corpus."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Import an arrival trace (no corpus) or synthesize a workload of real text (with one).
+
+    Examples: `cachelab trace build --arrivals mooncake --arrivals-path
+    traces/mooncake_fast25/conversation_trace.jsonl -o mooncake.parquet`;
+    add `--corpus arena-hard` to give every request real Arena-Hard text with the trace's
+    exact prefix sharing; `--arrivals gamma --arrival-option rate=2 --arrival-option
+    num_requests=500 --corpus mt-bench` for multi-turn sessions at Poisson arrivals.
+    """
+    data = load_spec(spec).model_dump() if spec is not None else {}
+    if arrivals is not None:
+        data["arrivals"] = {"source": arrivals}
+    a = data.setdefault("arrivals", {})
+    if not a.get("source"):
+        raise CachelabError("give a spec file or --arrivals")
+    for key, value in (("path", arrivals_path), ("max_requests", max_requests)):
+        if value is not None:
+            a[key] = value
+    a["skip_bad"] = a.get("skip_bad", False) or skip_bad
+    if no_lengths:
+        a["use_lengths"] = False
+    a.setdefault("options", {}).update(_options(arrival_option, "--arrival-option"))
+    if corpus is not None:
+        data["corpus"] = {"source": corpus}
+    if corpus_option:
+        if not data.get("corpus"):
+            raise CachelabError("--corpus-option needs a corpus")
+        data["corpus"].setdefault("options", {}).update(_options(corpus_option, "--corpus-option"))
+    if seed is not None:
+        data["seed"] = seed
+    workload: WorkloadSpec = parse_spec(data, str(spec) if spec else "flags")
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    with Progress(*columns, transient=True, disable=as_json) as progress:
+        report = build_workload(workload, out, _Stages(progress))
+    result = {"out": str(out), **report.to_dict()}
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    console = Console()
+    console.print(f"wrote {out}: {report.requests:,} requests, {report.tokens_in:,} prompt tokens, "
+                  f"{report.tokens_out:,} output tokens")
+    if report.skipped_rows:
+        console.print(f"[yellow]skipped {report.skipped_rows:,} bad input rows[/]")
+
+
+@app.command()
+def info(
+    trace: Path = typer.Argument(..., help="A cachelab trace (.parquet)."),
+    preset: str = typer.Option("deepseek-v4.1-flash", help="Engram layout for the skew columns."),
+    engram_tokens: int = typer.Option(500_000, help="Tokens to address for the Engram skew (0: skip)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Requests, sessions, duration, tokens, domains, prefix-block hit ratio and Engram skew."""
+    with Progress(transient=True, disable=as_json) as progress:
+        task = progress.add_task("read", total=None)
+        result = summarize(trace, preset=preset, engram_tokens=engram_tokens,
+                           progress=lambda n: progress.advance(task, n))
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    console = Console()
+    console.print(f"[bold]{trace}[/]: {result['requests']:,} requests in {result['sessions']:,} sessions over "
+                  f"{result['duration_s']:,.1f} s; {result['tokens_in']:,} tokens in, {result['tokens_out']:,} out"
+                  + ("" if result["has_content"] else " (lengths only: no token content)"))
+    console.print("domains: " + ", ".join(f"{k} {v:,}" for k, v in result["domains"].items()))
+    for size, ratio in result["block_hit_ratio"].items():
+        shown = "n/a (needs token content)" if ratio is None else f"{ratio:.3f}"
+        console.print(f"infinite-cache prefix-block hit ratio at {size} tokens: {shown}")
+    if result["engram"]:
+        e = result["engram"]
+        table = Table(title=f"Engram rows ({e['preset']}, first {e['tokens']:,} tokens)")
+        for col in ("layer", "order", "lookups", "unique rows", "top 1% rows take"):
+            table.add_column(col, justify="right")
+        for s in e["skew"]:
+            table.add_row(str(s["layer"]), str(s["order"] or "all"), f"{s['lookups']:,}",
+                          f"{s['unique_rows']:,}", f"{s['top1pct_share']:.1%}")
+        console.print(table)

@@ -1,0 +1,173 @@
+"""``cachelab hw probe``: measure the host-side costs of an Engram fetch on this machine.
+
+Each measurement takes well under a few seconds: memcpy bandwidth, random row gather and
+dedup rates (264-byte rows from a table larger than the last-level cache), minor and major
+page-fault costs (counted with getrusage, so fault-around and readahead cannot hide in the
+per-fault figure), and random 4 KiB read IOPS and latency on a file the probe creates and
+drops from the page cache. The result is a profile (``local``) with [host], [cpu] and [ssd]
+sections; it has no [gpu] section, so it describes the host half of a serving node.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import resource
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from cachelab.hardware import local_profile_path
+
+PAGE = 4096
+ROW_BYTES = 264
+
+
+def _best(fn, repeats: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def memcpy_bw(size: int = 256 << 20) -> float:
+    src = np.ones(size, np.uint8)
+    dst = np.empty_like(src)
+    return size / _best(lambda: np.copyto(dst, src))
+
+
+def gather_rows_per_s(table_bytes: int = 512 << 20, n: int = 1 << 20, seed: int = 0) -> float:
+    rows = table_bytes // ROW_BYTES
+    table = np.ones((rows, ROW_BYTES), np.uint8)
+    idx = np.random.default_rng(seed).integers(0, rows, n)
+    out = np.empty((n, ROW_BYTES), np.uint8)
+    return n / _best(lambda: np.take(table, idx, axis=0, out=out))
+
+
+def dedup_rows_per_s(n: int = 1 << 21, seed: int = 0) -> float:
+    ids = np.random.default_rng(seed).integers(0, n // 2, n).astype(np.int32)
+    return n / _best(lambda: np.unique(ids))
+
+
+def _faults() -> tuple[int, int]:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_minflt, ru.ru_majflt
+
+
+def _drop_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _touch_pages(path: Path, pages: np.ndarray) -> tuple[float, int, int]:
+    """Read one byte of each page through a fresh read-only mapping: seconds, minor, major."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        m.madvise(mmap.MADV_RANDOM)  # no readahead: one fault, one page
+        view = np.frombuffer(m, np.uint8)
+        offsets = pages * PAGE
+        minor0, major0 = _faults()
+        t = time.perf_counter()
+        int(view[offsets].sum())
+        seconds = time.perf_counter() - t
+        minor1, major1 = _faults()
+        del view
+    return seconds, minor1 - minor0, major1 - major0
+
+
+def page_faults(path: Path, seed: int = 0) -> dict:
+    pages = path.stat().st_size // PAGE
+    order = np.random.default_rng(seed).permutation(pages)
+    seconds, minor, major = _touch_pages(path, order)  # file in the page cache: minor faults
+    minor_s = seconds / max(minor, 1)
+    _drop_cache(path)
+    sample = order[: min(pages, 4096)]
+    seconds, _, major = _touch_pages(path, sample)
+    return {"minor_fault_s": minor_s, "major_fault_s": seconds / max(major, 1), "major_faults_seen": major}
+
+
+def random_reads(path: Path, n: int = 20_000, threads: int = 16, seed: int = 0) -> dict:
+    pages = path.stat().st_size // PAGE
+    offsets = np.random.default_rng(seed).integers(0, pages, n) * PAGE
+    _drop_cache(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        t = time.perf_counter()
+        for off in offsets[:500]:
+            os.pread(fd, PAGE, int(off))
+        latency = (time.perf_counter() - t) / 500
+        _drop_cache(path)
+        chunks = np.array_split(offsets, threads)
+
+        def read(chunk):
+            for off in chunk:
+                os.pread(fd, PAGE, int(off))
+
+        t = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(read, chunks))
+        iops = n / (time.perf_counter() - t)
+    finally:
+        os.close(fd)
+    return {"iops_4k": iops, "latency_s": latency}
+
+
+def _dram_bytes() -> float:
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def probe(directory: Path | None = None, file_bytes: int = 256 << 20, progress=None) -> dict:
+    """Run every measurement; ``progress(name)`` is called before each one."""
+    step = progress or (lambda name: None)
+    result: dict = {"name": "local"}
+    step("memcpy bandwidth")
+    bw = memcpy_bw()
+    step("random row gather")
+    gather = gather_rows_per_s()
+    step("row id dedup")
+    dedup = dedup_rows_per_s()
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        path = Path(tmp) / "probe.bin"
+        with open(path, "wb") as f:
+            chunk = np.random.default_rng(1).integers(0, 255, 16 << 20, dtype=np.uint8).tobytes()
+            for _ in range(file_bytes // len(chunk)):
+                f.write(chunk)
+        step("page faults")
+        faults = page_faults(path)
+        step("random 4 KiB reads")
+        reads = random_reads(path)
+    result["host"] = {"link": "pcie", "link_bw": bw, "link_latency_s": 2e-6,
+                      "dram_bytes": _dram_bytes(), "cpu_cores": os.cpu_count() or 1}
+    result["cpu"] = {"minor_fault_s": faults["minor_fault_s"], "major_fault_s": faults["major_fault_s"],
+                     "gather_rows_per_s": gather, "dedup_rows_per_s": dedup, "memcpy_bw": bw,
+                     "round_trip_s": 20e-6, "threads": os.cpu_count() or 1}
+    result["ssd"] = reads
+    result["notes"] = {"major_faults_seen": faults["major_faults_seen"],
+                       "page_cache_dropped": faults["major_faults_seen"] > 0}
+    return result
+
+
+def write_profile(result: dict, path: Path | None = None) -> Path:
+    """Save the measurements as a TOML profile (``local`` by default)."""
+    path = path or local_profile_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = ["# Measured by `cachelab hw probe`; [host] link_bw is host memcpy bandwidth (no GPU here),",
+             "# link_latency_s and round_trip_s are not measured (PCIe figures of the datacenter profiles).",
+             f'name = "{result["name"]}"', ""]
+    for section in ("host", "cpu", "ssd"):
+        lines.append(f"[{section}]")
+        for key, value in result[section].items():
+            lines.append(f'{key} = "{value}"' if isinstance(value, str) else f"{key} = {value!r}")
+        lines.append("")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n".join(lines), encoding="utf-8")
+    tmp.replace(path)
+    return path

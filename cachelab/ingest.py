@@ -1,0 +1,156 @@
+"""Reading foreign text files line by line, with errors that name the file and the line.
+
+Importers parse each line themselves and call ``Ingest.bad`` on anything they cannot use:
+by default that raises a CachelabError ``FILE:LINE: what is wrong``; with ``skip_bad`` the
+line is skipped and counted, so a damaged file never yields silently fewer rows. Gzip input
+is detected by its magic bytes.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from cachelab.errors import CachelabError
+
+
+def open_binary(path: Path):
+    """The file's bytes, decompressed when it starts with the gzip magic."""
+    with open(path, "rb") as probe:
+        magic = probe.read(2)
+    return gzip.open(path, "rb") if magic == b"\x1f\x8b" else open(path, "rb")
+
+
+@dataclass
+class Ingest:
+    """One foreign file being read: its lines, and the bad ones skipped or reported."""
+
+    path: Path
+    skip_bad: bool = False
+    skipped: int = 0
+    first_skipped: str | None = None
+    lines_read: int = field(default=0)
+
+    def __post_init__(self) -> None:
+        self.path = Path(os.fspath(self.path))
+        if not self.path.is_file():
+            raise CachelabError(f"file not found: {self.path}")
+
+    def bad(self, line: int, message: str) -> None:
+        """Report line ``line`` (1-based) as unusable: raise, or count it under ``skip_bad``."""
+        where = f"{self.path}:{line}: {message}"
+        if not self.skip_bad:
+            raise CachelabError(f"{where} (pass --skip-bad to skip such rows and count them)")
+        self.skipped += 1
+        self.first_skipped = self.first_skipped or where
+
+    def lines(self) -> Iterator[tuple[int, str]]:
+        """(line number, text without the line end) for every line that is valid UTF-8."""
+        try:
+            with open_binary(self.path) as fh:
+                for number, raw in enumerate(fh, start=1):
+                    self.lines_read = number
+                    try:
+                        text = raw.decode("utf-8")
+                    except UnicodeDecodeError as exc:
+                        self.bad(number, f"not UTF-8 (byte {exc.start}: {raw[exc.start:exc.start + 1]!r})")
+                        continue
+                    yield number, text.rstrip("\r\n")
+        except (OSError, EOFError) as exc:  # truncated gzip stream, unreadable file
+            raise CachelabError(f"{self.path}:{self.lines_read + 1}: unreadable ({exc})") from None
+        if self.lines_read == 0:
+            raise CachelabError(f"{self.path}: empty file (no requests)")
+
+    def json_lines(self) -> Iterator[tuple[int, object]]:
+        """(line number, parsed value) of every non-blank line of a JSONL file."""
+        for number, text in self.lines():
+            if not text.strip():
+                continue
+            try:
+                yield number, json.loads(text)
+            except json.JSONDecodeError as exc:
+                self.bad(number, f"not valid JSON ({exc.msg} at column {exc.colno})")
+
+    def csv(self, required: Sequence[str]) -> tuple[pl.DataFrame, np.ndarray]:
+        """The ``required`` columns of a CSV with a header, as strings, and each row's line number.
+
+        Rows with the wrong number of fields (a truncated or run-on line) are bad rows.
+        """
+        numbers: list[int] = []
+
+        def texts():
+            for number, text in self.lines():
+                if text.strip():
+                    numbers.append(number)
+                    yield text
+
+        reader = csv.reader(texts())
+        try:
+            header = next(reader, None)
+        except csv.Error as exc:
+            raise CachelabError(f"{self.path}:{numbers[-1]}: malformed CSV header ({exc})") from None
+        if header is None:
+            raise CachelabError(f"{self.path}: empty file (no header, no requests)")
+        header = [h.strip() for h in header]
+        missing = [c for c in required if c not in header]
+        if missing:
+            raise CachelabError(f"{self.path}:{numbers[0]}: missing column(s) {missing}; the header has {header}")
+        index = [header.index(c) for c in required]
+        columns: list[list[str]] = [[] for _ in required]
+        lines: list[int] = []
+        while True:
+            try:
+                row = next(reader)
+            except StopIteration:
+                break
+            except csv.Error as exc:  # a NUL byte, an unterminated quote
+                self.bad(numbers[-1], f"malformed CSV ({exc})")
+                continue
+            if len(row) != len(header):
+                self.bad(numbers[-1], f"{len(row)} fields, expected {len(header)} ({', '.join(header)})")
+                continue
+            for out, i in zip(columns, index):
+                out.append(row[i].strip())
+            lines.append(numbers[-1])
+        frame = pl.DataFrame({c: pl.Series(v, dtype=pl.String) for c, v in zip(required, columns)})
+        return frame, np.asarray(lines, dtype=np.int64)
+
+    def convert(self, raw: pl.DataFrame, lines: np.ndarray, conversions: dict[str, tuple[pl.Expr, str]]) -> pl.DataFrame:
+        """Apply each column's conversion; a row whose value converts to null is a bad row.
+
+        Args:
+            conversions: column -> (expression giving the typed value or null, what was expected).
+        """
+        typed = raw.select(expr.alias(col) for col, (expr, _) in conversions.items())
+        bad = np.zeros(raw.height, dtype=bool)
+        reasons: dict[int, str] = {}
+        for col, (_, expected) in conversions.items():
+            failed = typed[col].is_null().to_numpy()
+            for row in np.flatnonzero(failed & ~bad):
+                reasons[int(row)] = f"field {col!r}: {raw[col][int(row)]!r} is not {expected}"
+            bad |= failed
+        for row in sorted(reasons, key=lambda r: lines[r]):
+            self.bad(int(lines[row]), reasons[row])
+        if not bad.any():
+            return typed
+        return typed.filter(pl.Series(~bad))
+
+
+def count_field(col: str) -> tuple[pl.Expr, str]:
+    """A token count: an integer >= 0."""
+    value = pl.col(col).cast(pl.Int64, strict=False)
+    return pl.when(value >= 0).then(value), "an integer >= 0"
+
+
+def seconds_field(col: str) -> tuple[pl.Expr, str]:
+    """A time in seconds: a finite number >= 0."""
+    value = pl.col(col).cast(pl.Float64, strict=False)
+    return pl.when(value.is_finite() & (value >= 0)).then(value), "a number of seconds >= 0"

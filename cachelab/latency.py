@@ -1,0 +1,225 @@
+"""The latency model: how long a serving step takes on given hardware, and why.
+
+A step's GPU time is a roofline with efficiency factors: GEMM FLOPs at FP8 peak, attention
+FLOPs at BF16 peak, against the bytes it must read from HBM (the weights its tokens route
+to, the KV cache its sequences attend over); plus tensor-parallel all-reduces and a fixed
+per-step overhead. The Engram fetch runs beside it, decomposed into its parts per placement:
+
+    hbm         table resident in HBM (sharded over TP ranks): a gather kernel
+    dram-uva    table in pinned host DRAM; the GPU gathers rows over UVA (PCIe or C2C)
+    dram-copy   row ids to the CPU, dedup, CPU gather into a pinned buffer, H2D copy
+    ssd-mmap    as dram-copy, but rows come through mmap and the page cache: major faults
+                and SSD reads for pages not cached
+    ssd-direct  pages read from the SSD straight into GPU memory (GPUDirect Storage style)
+
+Rows found in an HBM row cache (a tier above any of these) cost an HBM gather instead.
+The fetch of Engram layer L may overlap the compute of the layers before it (the prefetch
+window); whatever is not hidden is a stall. The HBM the table or the row cache takes is
+taken from the KV cache, which bounds the batch (``memory_plan``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from cachelab.errors import CachelabError
+from cachelab.hardware import HardwareProfile
+from cachelab.model_spec import ModelSpec
+
+PLACEMENTS = ("hbm", "dram-uva", "dram-copy", "ssd-mmap", "ssd-direct")
+PAGE_BYTES = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Efficiency:
+    """Fractions of peak a real serving stack reaches, and fixed costs. All ASSUMPTIONS,
+    of the order published for vLLM/SGLang on Hopper and Blackwell (MFU 40-60% for large
+    FP8 GEMMs, 70-85% of HBM bandwidth for weight streaming)."""
+
+    mfu: float = 0.5
+    mbu: float = 0.75
+    comm: float = 0.7  # of NVLink bandwidth an all-reduce reaches
+    allreduce_latency_s: float = 8e-6
+    step_overhead_s: float = 0.4e-3  # scheduler, sampling, launches (CUDA graphs)
+    uva_efficiency: float = 0.6  # of link bandwidth for scattered 128 B UVA reads
+    copy_efficiency: float = 0.9  # of link bandwidth for a bulk H2D copy
+    line_bytes: int = 128  # a GPU gather moves whole 128 B lines: a 264 B row costs 3
+    memory_utilization: float = 0.9  # vLLM's gpu_memory_utilization default
+    host_addressing: bool = False  # CPU paths: row ids computed on the host ahead of the step (True)
+    # or, as in the SSD path SemiAnalysis measured, on the GPU and sent to the CPU at the Engram
+    # layer (False): then the fetch cannot start before the layer and breaks the step's CUDA graph
+    graph_break_s: float = 50e-6  # a D2H sync plus relaunch of the rest of the step
+    activation_reserve_bytes: float = 6e9  # activations, CUDA graphs, NCCL buffers per GPU
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    """Per GPU: where HBM goes. KV tokens are per replica (the latent cache is per rank)."""
+
+    usable_bytes: float
+    weight_bytes: float
+    table_bytes: float
+    row_cache_bytes: float
+    kv_bytes: float
+    kv_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngramStep:
+    """One Engram layer's rows in one step (counts at full scale, not sampled)."""
+
+    lookups: float = 0.0  # row lookups (tokens x rows per token)
+    unique: float = 0.0  # distinct rows
+    cache_hits: float = 0.0  # distinct rows served by the HBM row cache
+    page_cache_rows: float = 0.0  # distinct rows served from the OS page cache
+    page_reads: float = 0.0  # 4 KiB pages read from the SSD
+
+
+class LatencyModel:
+    """Step time for ``model`` on ``hardware`` at tensor-parallel degree ``tp``.
+
+    Args:
+        placement: one of PLACEMENTS.
+        row_cache_bytes: HBM per GPU for a row cache in front of the placement.
+    """
+
+    def __init__(self, model: ModelSpec, hardware: HardwareProfile, tp: int = 1, placement: str = "dram-uva",
+                 row_cache_bytes: float = 0.0, efficiency: Efficiency = Efficiency()):
+        if placement not in PLACEMENTS:
+            raise CachelabError(f"unknown placement {placement!r}; use one of {list(PLACEMENTS)}")
+        if hardware.gpu is None or hardware.host is None:
+            raise CachelabError(f"hardware profile {hardware.name!r} has no [gpu] or [host] section; "
+                                "a serving model needs a GPU profile (H100, H200, B200, B300, GB200, GH200)")
+        if tp < 1 or tp > hardware.gpu.nvlink_domain:
+            raise CachelabError(f"--tp {tp} is outside 1..{hardware.gpu.nvlink_domain}, "
+                                f"the NVLink domain of {hardware.name}")
+        if placement.startswith("ssd") and hardware.ssd is None:
+            raise CachelabError(f"placement {placement!r} needs an [ssd] section in {hardware.source}")
+        self.model, self.hw, self.tp, self.placement = model, hardware, int(tp), placement
+        self.row_cache_bytes = float(row_cache_bytes)
+        self.eff = efficiency
+        self.plan = self.memory_plan()
+
+    # -- memory ------------------------------------------------------------------------------
+    def memory_plan(self) -> MemoryPlan:
+        m, g, e = self.model, self.hw.gpu, self.eff
+        usable = g.hbm_bytes * e.memory_utilization - e.activation_reserve_bytes
+        weights = m.weight_bytes / self.tp
+        table = m.table_bytes / (self.tp if m.table_sharded_across_tp else 1) if self.placement == "hbm" else 0.0
+        kv = usable - weights - table - self.row_cache_bytes
+        per_token = m.kv_bytes_per_token if m.kv_replicated_across_tp else m.kv_bytes_per_token / self.tp
+        if kv <= 0:
+            raise CachelabError(
+                f"{m.name} does not fit {self.hw.name} at TP{self.tp} with placement {self.placement}: per GPU "
+                f"{usable / 1e9:.0f} GB usable, weights {weights / 1e9:.0f} GB, table {table / 1e9:.0f} GB, "
+                f"row cache {self.row_cache_bytes / 1e9:.0f} GB leave no KV cache")
+        return MemoryPlan(usable, weights, table, self.row_cache_bytes, kv, int(kv // per_token))
+
+    # -- compute -----------------------------------------------------------------------------
+    def gpu_time(self, tokens: float, attn_ctx: float, kv_read_tokens: float) -> dict:
+        """Seconds of GPU work in a step.
+
+        Args:
+            tokens: query tokens (prefill chunk tokens + one per decoding sequence).
+            attn_ctx: sum over query tokens of the context each attends to.
+            kv_read_tokens: KV tokens read (each sequence's context, once per step).
+        """
+        m, g, e, tp = self.model, self.hw.gpu, self.eff, self.tp
+        if tokens <= 0:
+            return {"gemm_s": 0.0, "attention_s": 0.0, "memory_s": 0.0, "comm_s": 0.0, "overhead_s": 0.0, "total_s": 0.0}
+        gemm = 2.0 * m.active_params * tokens / (tp * g.fp8_flops * e.mfu)
+        attn = m.attn_flops_per_ctx_token * m.layers * attn_ctx / (tp * g.bf16_flops * e.mfu)
+        kv_bytes = kv_read_tokens * (m.kv_bytes_per_token if m.kv_replicated_across_tp else m.kv_bytes_per_token / tp)
+        memory = (m.touched_weight_bytes(tokens) / tp + kv_bytes) / (g.hbm_bw * e.mbu)
+        comm = 0.0
+        if tp > 1:
+            volume = 2.0 * (tp - 1) / tp * tokens * m.hidden * 2  # ring all-reduce of BF16 activations
+            comm = 2 * m.layers * (e.allreduce_latency_s + volume / (g.nvlink_bw * e.comm))
+            if self.placement == "hbm" and m.table_sharded_across_tp:  # all-gather of the gathered rows
+                rows = tokens * m.rows_per_token_layer * m.row_bytes * (tp - 1) / tp
+                comm += len(m.engram_layers) * (e.allreduce_latency_s + rows / (g.nvlink_bw * e.comm))
+        total = max(gemm + attn, memory) + comm + e.step_overhead_s
+        return {"gemm_s": gemm, "attention_s": attn, "memory_s": memory, "comm_s": comm,
+                "overhead_s": e.step_overhead_s, "total_s": total}
+
+    # -- the Engram fetch --------------------------------------------------------------------
+    def fetch_parts(self, work: EngramStep) -> dict:
+        """Seconds per part of one Engram layer's fetch; ``total_s`` is their critical path."""
+        e, g, h, cpu = self.eff, self.hw.gpu, self.hw.host, self.hw.cpu
+        lines = -(-self.model.row_bytes // e.line_bytes) * e.line_bytes
+        parts = {"hbm_gather_s": work.cache_hits * lines / (g.hbm_bw * e.mbu)}
+        rows = work.unique - work.cache_hits  # rows the placement must deliver
+        if work.unique <= 0:
+            return {**parts, "total_s": 0.0}
+        if self.placement == "hbm":
+            parts["hbm_gather_s"] += rows * lines / (g.hbm_bw * e.mbu)
+            parts["total_s"] = parts["hbm_gather_s"]
+            return parts
+        if self.placement == "dram-uva":
+            parts["uva_read_s"] = (h.link_latency_s + rows * lines / (h.link_bw * e.uva_efficiency)) if rows > 0 else 0.0
+            parts["total_s"] = parts["hbm_gather_s"] + parts["uva_read_s"]
+            return parts
+        # The CPU paths: ids to the host, dedup, (faults), gather into pinned memory, copy back.
+        threads = cpu.threads
+        missing = work.lookups * rows / work.unique  # lookups sent to the host (row-cache misses)
+        parts["round_trip_s"] = cpu.round_trip_s
+        parts["cpu_dedup_s"] = missing / (cpu.dedup_rows_per_s * threads)
+        if self.placement == "ssd-direct":
+            ssd = self.hw.ssd
+            pages = work.page_reads
+            parts["device_reads_s"] = (ssd.latency_s + pages / ssd.iops_4k) if pages else 0.0
+            parts["dma_s"] = pages * PAGE_BYTES / (h.link_bw * e.copy_efficiency)
+            parts["total_s"] = (parts["hbm_gather_s"] + parts["round_trip_s"] + parts["cpu_dedup_s"]
+                                + max(parts["device_reads_s"], parts["dma_s"]))
+            return parts
+        critical = 0.0
+        if self.placement == "ssd-mmap":
+            ssd, pages = self.hw.ssd, work.page_reads
+            parts["device_reads_s"] = (ssd.latency_s + pages / ssd.iops_4k) if pages else 0.0
+            parts["page_faults_s"] = pages * cpu.major_fault_s / threads
+            critical = max(parts["device_reads_s"], parts["page_faults_s"])
+        parts["cpu_gather_s"] = rows / (cpu.gather_rows_per_s * threads)
+        parts["h2d_copy_s"] = rows * self.model.row_bytes / (h.link_bw * e.copy_efficiency)
+        parts["total_s"] = (parts["hbm_gather_s"] + parts["round_trip_s"] + parts["cpu_dedup_s"] + critical
+                            + parts["cpu_gather_s"] + parts["h2d_copy_s"])
+        return parts
+
+    def step_time(self, tokens: float, attn_ctx: float, kv_read_tokens: float,
+                  engram: list[EngramStep]) -> dict:
+        """The step: GPU time, each Engram layer's fetch and window, and the stall not hidden.
+
+        Fetches run one after another on a side stream (or the host), starting with the step;
+        layer L's rows are needed when the L layers before it have run. A CPU path whose row
+        ids come from the GPU starts only at the layer itself (no window) and breaks the graph.
+        """
+        gpu = self.gpu_time(tokens, attn_ctx, kv_read_tokens)
+        layer_s = (gpu["total_s"] - gpu["overhead_s"]) / self.model.layers
+        stall = 0.0
+        fetch_done = 0.0
+        out = {**gpu}
+        blocking = self.placement in ("dram-copy", "ssd-mmap", "ssd-direct") and not self.eff.host_addressing
+        for layer, work in zip(self.model.engram_layers, engram):
+            parts = self.fetch_parts(work)
+            needed = layer * layer_s + stall  # main stream reaches layer L (after earlier stalls)
+            if blocking:
+                fetch_done = needed + parts["total_s"] + self.eff.graph_break_s
+            else:
+                fetch_done += parts["total_s"]
+            wait = max(0.0, fetch_done - needed)
+            stall += wait
+            out[f"engram{layer}_window_s"] = layer * layer_s
+            out[f"engram{layer}_fetch_s"] = parts["total_s"]
+            for key, value in parts.items():
+                if key != "total_s":
+                    out[f"engram{layer}_{key}"] = value
+        out["stall_s"] = stall
+        out["step_s"] = gpu["total_s"] + stall
+        return out
+
+
+def describe(lat: LatencyModel) -> dict:
+    """The memory plan and configuration, for reports and --json."""
+    return {"hardware": lat.hw.name, "tp": lat.tp, "placement": lat.placement, "model": lat.model.name,
+            "memory_plan_per_gpu": {k: float(v) for k, v in asdict(lat.plan).items()},
+            "efficiency": asdict(lat.eff)}
+

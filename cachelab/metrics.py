@@ -1,0 +1,76 @@
+"""Serving metrics exactly as ``vllm bench serve`` and InferenceX define them.
+
+vLLM (benchmarks/serve.py): TTFT = first token - request send; E2EL = last token - send;
+TPOT = (E2EL - TTFT) / (output tokens - 1), over requests with more than one output token;
+ITL = every gap between consecutive tokens of a request, pooled over requests; percentiles
+by linear interpolation (NumPy's default); throughputs over the benchmark duration (first
+send to last completion). InferenceX: throughput per GPU = total (input + output) tokens/s
+/ GPUs; interactivity = 1000 / TPOT_ms (median); P90 interactivity = 1000 / P90 ITL_ms; cost
+per million tokens = $/GPU-hour / (tok/s/GPU x 3600 / 1e6); tokens per dollar its inverse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True)
+class RequestTimes:
+    """Per request: send, first token and end times (s), token counts, and every token's time
+    (CSR: ``token_times[token_offsets[i]:token_offsets[i+1]]``)."""
+
+    send_s: np.ndarray
+    first_token_s: np.ndarray
+    end_s: np.ndarray
+    prompt_tokens: np.ndarray
+    output_tokens: np.ndarray
+    token_times: np.ndarray
+    token_offsets: np.ndarray
+
+
+def _stats(name: str, values_ms: np.ndarray, percentiles) -> dict:
+    if values_ms.size == 0:
+        return {f"mean_{name}_ms": float("nan"), **{f"p{p}_{name}_ms": float("nan") for p in percentiles}}
+    out = {f"mean_{name}_ms": float(values_ms.mean()), f"median_{name}_ms": float(np.median(values_ms)),
+           f"std_{name}_ms": float(values_ms.std())}
+    for p in percentiles:
+        out[f"p{p}_{name}_ms"] = float(np.percentile(values_ms, p))
+    return out
+
+
+def summarize(times: RequestTimes, num_gpus: int, usd_per_gpu_hour: float | None,
+              percentiles=PERCENTILES) -> dict:
+    """The vLLM bench serve result dict plus InferenceX's per-GPU and cost figures."""
+    n = times.send_s.size
+    duration = float(times.end_s.max() - times.send_s.min()) if n else 0.0
+    ttft = (times.first_token_s - times.send_s) * 1e3
+    e2el = (times.end_s - times.send_s) * 1e3
+    multi = times.output_tokens > 1
+    tpot = (e2el[multi] - ttft[multi]) / (times.output_tokens[multi] - 1)
+    owner = np.repeat(np.arange(n), np.diff(times.token_offsets))
+    itl = np.diff(times.token_times)[owner[1:] == owner[:-1]] * 1e3  # gaps within a request only
+    total_in, total_out = int(times.prompt_tokens.sum()), int(times.output_tokens.sum())
+    out = {"completed": n, "duration_s": duration, "total_input_tokens": total_in,
+           "total_output_tokens": total_out,
+           "request_throughput": n / duration if duration else 0.0,
+           "output_throughput": total_out / duration if duration else 0.0,
+           "total_token_throughput": (total_in + total_out) / duration if duration else 0.0}
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el)):
+        out.update(_stats(name, values, percentiles))
+    per_gpu = out["total_token_throughput"] / num_gpus
+    out["num_gpus"] = num_gpus
+    out["tokens_per_s_per_gpu"] = per_gpu
+    out["output_tokens_per_s_per_gpu"] = out["output_throughput"] / num_gpus
+    median_tpot = out.get("median_tpot_ms", float("nan"))
+    out["interactivity"] = 1000.0 / median_tpot if median_tpot and np.isfinite(median_tpot) else float("nan")
+    p90_itl = out.get("p90_itl_ms", float("nan"))
+    out["p90_interactivity"] = 1000.0 / p90_itl if p90_itl and np.isfinite(p90_itl) else float("nan")
+    if usd_per_gpu_hour:
+        out["usd_per_gpu_hour"] = usd_per_gpu_hour
+        out["cost_per_million_tokens"] = usd_per_gpu_hour / (per_gpu * 3600 / 1e6) if per_gpu else float("inf")
+        out["tokens_per_dollar"] = per_gpu * 3600 / usd_per_gpu_hour
+    return out

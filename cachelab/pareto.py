@@ -1,0 +1,43 @@
+"""Pareto fronts over serving configurations: more interactivity and more tokens/s per GPU.
+
+A point is on the front when no other point is at least as good on both axes and better on
+one. ``throughput_at`` reads a front at a given interactivity (the best throughput any
+configuration reaches while at least that interactive), the way InferenceX compares systems
+at equal interactivity.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+
+
+def pareto_front(points: pl.DataFrame, x: str = "interactivity", y: str = "tokens_per_s_per_gpu") -> pl.DataFrame:
+    """The non-dominated rows of ``points`` (both columns: higher is better), by ``x``."""
+    df = points.filter(pl.col(x).is_finite() & pl.col(y).is_finite()).sort([x, y], descending=[True, True])
+    best = -np.inf
+    keep = []
+    for value in df[y].to_numpy():
+        keep.append(value > best)
+        best = max(best, value)
+    return df.filter(pl.Series(keep, dtype=pl.Boolean)).sort(x)
+
+
+def throughput_at(front: pl.DataFrame, interactivity: float, x: str = "interactivity",
+                  y: str = "tokens_per_s_per_gpu") -> float:
+    """Throughput on the front at ``interactivity``, interpolated linearly between its points;
+    NaN beyond the most interactive point."""
+    xs, ys = front[x].to_numpy(), front[y].to_numpy()
+    if xs.size == 0 or interactivity > xs.max():
+        return float("nan")
+    if interactivity <= xs.min():
+        return float(ys.max())
+    return float(np.interp(interactivity, xs, ys))
+
+
+def dominated(points: pl.DataFrame, by: pl.DataFrame, x: str = "interactivity", y: str = "tokens_per_s_per_gpu") -> np.ndarray:
+    """For each row of ``points``, whether some row of ``by`` is at least as good on both axes
+    and strictly better on one."""
+    px, py = points[x].to_numpy()[:, None], points[y].to_numpy()[:, None]
+    bx, by_ = by[x].to_numpy()[None, :], by[y].to_numpy()[None, :]
+    return np.any((bx >= px) & (by_ >= py) & ((bx > px) | (by_ > py)), axis=1)

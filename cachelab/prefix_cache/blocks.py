@@ -1,0 +1,231 @@
+"""vLLM-style prefix caching: a pool of KV blocks, hash-chained full blocks, an LRU free queue.
+
+As vLLM v1's KV-cache manager does it (vllm/v1/core/block_pool.py, kv_cache_manager.py):
+
+- KV memory is ``num_blocks`` blocks of ``block_size`` tokens. A request holds one block per
+  ``block_size`` tokens it has computed (or is about to compute).
+- A full block is cached under the chained hash of its prefix (``hashing.block_hashes``);
+  a later request whose prompt starts with the same blocks reuses them ("computed blocks").
+  At least one prompt token is always recomputed, so a hit covers at most
+  ``(num_prompt - 1) // block_size`` blocks.
+- A block whose reference count drops to zero goes to the *tail* of the free queue but
+  stays cached; new blocks are taken from the *head*, evicting the cached hash they held.
+  A request frees its blocks tail first, so the end of its chain is evicted before its start.
+
+Hit rate is vLLM's: cached tokens / queried (prompt) tokens, counted once per admission.
+
+    free queue:  head -> [least recently freed] ... [most recently freed] <- tail
+                 take() pops the head            free() appends at the tail
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+from numba import types
+from numba.typed import Dict
+
+from cachelab.errors import CachelabError
+from cachelab.prefix_cache.hashing import block_hashes
+
+HEAD, TAIL, NUM_FREE, EVICTIONS = 0, 1, 2, 3
+
+
+@nb.njit(cache=True, nogil=True)
+def _match(table, hashes, limit):
+    n = 0
+    while n < limit and hashes[n] in table:
+        n += 1
+    return n
+
+
+@nb.njit(cache=True, nogil=True)
+def _unlink(b, prev, nxt, meta):
+    p, q = prev[b], nxt[b]
+    if p >= 0:
+        nxt[p] = q
+    else:
+        meta[HEAD] = q
+    if q >= 0:
+        prev[q] = p
+    else:
+        meta[TAIL] = p
+    prev[b] = -1
+    nxt[b] = -1
+    meta[NUM_FREE] -= 1
+
+
+@nb.njit(cache=True, nogil=True)
+def _touch(table, hashes, n, ref, prev, nxt, meta, out):
+    """Reuse the cached blocks of ``hashes[:n]``: out of the free queue, one more reference."""
+    for i in range(n):
+        b = table[hashes[i]]
+        if ref[b] == 0:
+            _unlink(b, prev, nxt, meta)
+        ref[b] += 1
+        out[i] = b
+
+
+@nb.njit(cache=True, nogil=True)
+def _take(n, ref, prev, nxt, meta, block_hash, cached, table, out):
+    """Pop ``n`` blocks from the free queue's head, evicting the hashes they held."""
+    for i in range(n):
+        b = meta[HEAD]
+        _unlink(b, prev, nxt, meta)
+        if cached[b]:
+            table.pop(block_hash[b])
+            cached[b] = False
+            meta[EVICTIONS] += 1
+        ref[b] = 1
+        out[i] = b
+
+
+@nb.njit(cache=True, nogil=True)
+def _cache(blocks, hashes, block_hash, cached, table):
+    """Publish newly full blocks; a hash another block already holds stays with that block."""
+    for i in range(blocks.size):
+        h = hashes[i]
+        if h not in table:
+            table[h] = blocks[i]
+            block_hash[blocks[i]] = h
+            cached[blocks[i]] = True
+
+
+@nb.njit(cache=True, nogil=True)
+def _free(blocks, ref, prev, nxt, meta):
+    """Drop one reference per block, in the order given; unreferenced blocks join the tail."""
+    for i in range(blocks.size):
+        b = blocks[i]
+        ref[b] -= 1
+        if ref[b] == 0:
+            t = meta[TAIL]
+            prev[b] = t
+            nxt[b] = -1
+            if t >= 0:
+                nxt[t] = b
+            else:
+                meta[HEAD] = b
+            meta[TAIL] = b
+            meta[NUM_FREE] += 1
+
+
+class BlockPrefixCache:
+    """A vLLM-style KV block pool with (optional) prefix caching.
+
+    Per request: ``match`` (how many prompt tokens are cached), ``admit`` (take those blocks),
+    ``extend`` (room for more computed tokens; False when out of blocks), ``free``.
+
+    Args:
+        num_blocks: KV blocks in the pool.
+        block_size: tokens per block (vLLM's default is 16).
+        enable_caching: False gives the same pool with no reuse (the prefix cache off).
+    """
+
+    kind = "vllm"
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise CachelabError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = int(num_blocks)
+        self.block_size = int(block_size)
+        self.enable_caching = enable_caching
+        n = self.num_blocks
+        self._ref = np.zeros(n, np.int32)
+        self._prev = np.arange(-1, n - 1, dtype=np.int64)
+        self._nxt = np.arange(1, n + 1, dtype=np.int64)
+        self._nxt[-1] = -1
+        self._meta = np.array([0, n - 1, n, 0], dtype=np.int64)
+        self._block_hash = np.zeros(n, np.uint64)
+        self._cached = np.zeros(n, np.bool_)
+        self._table = Dict.empty(key_type=types.uint64, value_type=types.int64)
+        self._hashes: dict[int, np.ndarray] = {}
+        self._blocks: dict[int, list[np.ndarray]] = {}
+        self._num_blocks_of: dict[int, int] = {}
+        self._num_cached_of: dict[int, int] = {}
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def num_free_tokens(self) -> int:
+        """Tokens that can still be allocated (free blocks, cached or not)."""
+        return int(self._meta[NUM_FREE]) * self.block_size
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens whose blocks are published in the prefix cache (the cache's footprint)."""
+        return len(self._table) * self.block_size
+
+    @property
+    def evictions(self) -> int:
+        return int(self._meta[EVICTIONS])
+
+    @property
+    def hit_ratio(self) -> float:
+        """vLLM's prefix-cache hit rate: cached tokens / queried tokens."""
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    def prefix_key(self, tokens: np.ndarray) -> np.ndarray:
+        """What ``match`` and ``admit`` take: the chained hashes of the full blocks."""
+        return block_hashes(tokens, self.block_size)
+
+    def match(self, hashes: np.ndarray, num_prompt: int) -> int:
+        """Cached prompt tokens: the longest run of leading blocks in the cache (no state change)."""
+        if not self.enable_caching:
+            return 0
+        limit = min(hashes.size, max(num_prompt - 1, 0) // self.block_size)
+        return _match(self._table, hashes, limit) * self.block_size
+
+    def admit(self, rid: int, hashes: np.ndarray, num_prompt: int, num_cached: int) -> None:
+        """Start request ``rid`` with ``num_cached`` tokens served from the cache (from ``match``).
+
+        Args:
+            hashes: uint64 chained hashes of every full block of the request's tokens.
+        """
+        if rid in self._blocks:
+            raise CachelabError(f"request {rid} is already admitted")
+        n = num_cached // self.block_size
+        out = np.empty(n, np.int64)
+        _touch(self._table, hashes, n, self._ref, self._prev, self._nxt, self._meta, out)
+        self._hashes[rid] = hashes
+        self._blocks[rid] = [out]
+        self._num_blocks_of[rid] = n
+        self._num_cached_of[rid] = n
+
+    def record_query(self, num_prompt: int, num_cached: int) -> None:
+        """Count one admitted request's prompt and cached tokens (vLLM's hit-rate terms)."""
+        self.queried_tokens += num_prompt
+        self.hit_tokens += num_cached
+
+    def extend(self, rid: int, num_tokens: int) -> bool:
+        """Hold blocks for the first ``num_tokens`` tokens of ``rid``; False if the pool is short."""
+        need = -(-num_tokens // self.block_size) - self._num_blocks_of[rid]
+        if need > 0:
+            if need > self._meta[NUM_FREE]:
+                return False
+            out = np.empty(need, np.int64)
+            _take(need, self._ref, self._prev, self._nxt, self._meta, self._block_hash, self._cached,
+                  self._table, out)
+            self._blocks[rid].append(out)
+            self._num_blocks_of[rid] += need
+        if self.enable_caching:
+            hashes = self._hashes[rid]
+            full = min(num_tokens // self.block_size, hashes.size)
+            done = self._num_cached_of[rid]
+            if full > done:
+                blocks = np.concatenate(self._blocks[rid])
+                self._blocks[rid] = [blocks]
+                _cache(blocks[done:full], hashes[done:full], self._block_hash, self._cached, self._table)
+                self._num_cached_of[rid] = full
+        return True
+
+    def free(self, rid: int) -> None:
+        """Release ``rid``'s blocks, tail first; full ones stay cached until evicted."""
+        blocks = np.concatenate(self._blocks.pop(rid))
+        _free(blocks[::-1].copy(), self._ref, self._prev, self._nxt, self._meta)
+        del self._hashes[rid], self._num_blocks_of[rid], self._num_cached_of[rid]
+
+    preempt = free  # vLLM frees a preempted request's blocks the same way; it recomputes later

@@ -1,0 +1,384 @@
+"""Discrete-event serving replay: a trace's requests through a scheduler, the prefix cache,
+the Engram addresser, the tier hierarchy and the latency model, one step at a time.
+
+The scheduler is vLLM v1's in outline: continuous batching with chunked prefill under a
+token budget and a sequence cap per step; running requests first (decode or their next
+prefill chunk), then waiting ones in arrival order while KV blocks last; when a running
+request cannot grow, the most recently admitted one is preempted (its KV freed; it is
+recomputed later, as vLLM does). The KV pool is the prefix cache (``cachelab.prefix_cache``):
+cached prompt tokens are not computed, so they skip their Engram lookups too.
+
+Each step's processed token positions go through the streaming addresser (a request's
+address history is primed from the tokens before its first computed position), the row keys
+through ``StepReplay`` (optionally sampled), and the step's duration comes from the
+``LatencyModel``; the clock advances by it. Clients keep at most ``concurrency`` requests in
+flight (``vllm bench serve --max-concurrency``): a request is sent at its arrival time or
+when a slot frees, whichever is later.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import polars as pl
+from rich.progress import Progress
+
+from cachelab.engram import Addresser
+from cachelab.errors import CachelabError
+from cachelab.hardware import load_profile
+from cachelab.hierarchy import DRAMStore, Hierarchy, SSDStore, Tier
+from cachelab.latency import Efficiency, EngramStep, LatencyModel, describe
+from cachelab.metrics import RequestTimes, summarize
+from cachelab.model_spec import load_model
+from cachelab.prefix_cache import BlockPrefixCache, RadixPrefixCache, block_hashes
+from cachelab.step_replay import RowSpace, StepReplay, sampled_keys, sorted_unique
+
+PREFIX_CACHES = ("vllm", "sglang", "off")
+PAGE_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """One serving configuration. Capacities are per GPU unless named otherwise.
+
+    Args:
+        hardware: profile name or TOML path; placement: see ``latency.PLACEMENTS``.
+        tp: tensor-parallel degree (GPUs of the one replica simulated).
+        concurrency: client-side cap on requests in flight (None: no cap).
+        max_num_batched_tokens / max_num_seqs: the scheduler's per-step budget and cap.
+        prefix_cache: ``vllm`` (hash-chained blocks), ``sglang`` (radix tree) or ``off``.
+        row_cache_bytes: an HBM row cache (``row_cache_policy``) in front of the placement.
+        page_cache_bytes: host DRAM the OS page cache may use for ssd-mmap (None: half of the
+            replica's host DRAM).
+        sample_rate: spatial sampling of rows (1.0: every row).
+        warmup_s: simulated seconds left out of the row-cache statistics.
+    """
+
+    hardware: str = "B200"
+    placement: str = "dram-uva"
+    tp: int = 8
+    concurrency: int | None = None
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    prefix_cache: str = "vllm"
+    block_size: int = 16
+    row_cache_bytes: float = 0.0
+    row_cache_policy: str = "lru"
+    page_cache_bytes: float | None = None
+    sample_rate: float = 1.0
+    model: str = "deepseek-v4.1-flash"
+    layout: str = "deepseek-v4.1-flash"
+    warmup_s: float = 0.0
+    efficiency: Efficiency = field(default_factory=Efficiency)
+
+    def check(self) -> None:
+        if self.prefix_cache not in PREFIX_CACHES:
+            raise CachelabError(f"prefix_cache must be one of {list(PREFIX_CACHES)}, got {self.prefix_cache!r}")
+        if not 0.0 < self.sample_rate <= 1.0:
+            raise CachelabError(f"sample_rate must be in (0, 1], got {self.sample_rate}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise CachelabError(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise CachelabError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.row_cache_bytes < 0:
+            raise CachelabError(f"row_cache_bytes must be >= 0, got {self.row_cache_bytes}")
+
+
+@dataclass
+class ServingResult:
+    """What a serving replay measured."""
+
+    config: ServingConfig
+    metrics: dict
+    prefix_cache: dict
+    rows: dict
+    memory: dict
+    per_request: pl.DataFrame
+    per_step: pl.DataFrame
+
+    def to_dict(self) -> dict:
+        cfg = {k: v for k, v in asdict(self.config).items() if k != "efficiency"}
+        return {"config": cfg, "metrics": self.metrics, "prefix_cache": self.prefix_cache,
+                "row_cache": self.rows, "memory": self.memory}
+
+
+def _sequences(trace: pl.DataFrame) -> tuple[list[np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+    need = {"arrival_s", "prompt_ids", "output_ids"}
+    missing = sorted(need - set(trace.columns))
+    if missing:
+        raise CachelabError(f"trace lacks column(s) {missing}; a request trace has {sorted(need)} (cachelab.trace)")
+    trace = trace.sort("arrival_s", maintain_order=True)
+    prompts = trace["prompt_ids"].to_list()
+    outputs = trace["output_ids"].to_list()
+    seqs, plen, olen = [], [], []
+    for i, (p, o) in enumerate(zip(prompts, outputs)):
+        if not p:
+            raise CachelabError(f"trace row {i}: empty prompt_ids")
+        seqs.append(np.asarray(list(p) + list(o or []), dtype=np.int64))
+        plen.append(len(p))
+        olen.append(max(len(o or []), 1))
+    return seqs, np.asarray(plen), np.asarray(olen), trace["arrival_s"].to_numpy().astype(np.float64)
+
+
+def build_row_space(addresser: Addresser, seqs, plen, olen, rate: float, rows_per_page: int,
+                    progress: bool = False) -> RowSpace:
+    """Every (sampled) row key the trace's processed positions can touch.
+
+    A 512-token block seen before (same chained hash) has the same rows, so only each
+    request's positions from its first new block on are addressed.
+    """
+    seen: set[int] = set()
+    found: list[np.ndarray] = []
+    merged = np.zeros(0, np.int64)
+    with Progress(transient=True, disable=not progress) as bar:
+        task = bar.add_task("row space", total=len(seqs))
+        for i, seq in enumerate(seqs):
+            end = int(plen[i] + olen[i] - 1)  # the last output token is never fed back
+            hashes = block_hashes(seq[:end], 512).tolist()
+            new = next((b for b, h in enumerate(hashes) if h not in seen), len(hashes))
+            seen.update(hashes)
+            start = new * 512
+            if start < end:
+                stream = addresser.stream(1)
+                stream.feed(seq[max(0, start - addresser.history_len):start])
+                found.append(sorted_unique(sampled_keys(stream.feed(seq[start:end]), rate, rows_per_page)))
+            if sum(a.size for a in found) > 20_000_000:
+                merged = sorted_unique(np.concatenate([merged, *found]))
+                found = []
+            bar.advance(task)
+    return RowSpace(np.concatenate([merged, *found]) if found else merged, rows_per_page)
+
+
+class ServingSimulator:
+    """Replays ``trace`` (a request table, ``cachelab.trace`` schema) under ``config``."""
+
+    def __init__(self, trace: pl.DataFrame, config: ServingConfig, progress: bool = False,
+                 row_space: RowSpace | None = None):
+        config.check()
+        self.config, self.progress = config, progress
+        self.hw = load_profile(config.hardware)
+        self.model = load_model(config.model)
+        rc = config.row_cache_bytes if config.placement != "hbm" else 0.0
+        self.latency = LatencyModel(self.model, self.hw, config.tp, config.placement, rc, config.efficiency)
+        self.addresser = Addresser(config.layout)
+        self.seqs, self.plen, self.olen, self.arrival = _sequences(trace)
+        kv_tokens = self.latency.plan.kv_tokens
+        too_long = np.flatnonzero(self.plen + self.olen > kv_tokens)
+        if too_long.size:
+            i = int(too_long[0])
+            raise CachelabError(f"request {i} needs {int(self.plen[i] + self.olen[i])} KV tokens; the KV cache of "
+                                f"{self.hw.name} TP{config.tp} {config.placement} holds {kv_tokens}")
+        self.row_bytes = self.addresser.config.row_bytes
+        self.rows_per_page = PAGE_BYTES // self.row_bytes
+        self.space = row_space or build_row_space(self.addresser, self.seqs, self.plen, self.olen,
+                                                  config.sample_rate, self.rows_per_page, progress)
+        self.hierarchy = self._hierarchy(rc)
+
+    def _hierarchy(self, row_cache_bytes: float) -> Hierarchy:
+        cfg = self.config
+        tiers = [Tier("hbm", cfg.row_cache_policy, capacity_bytes=int(row_cache_bytes))] if row_cache_bytes > 0 else []
+        if cfg.placement in ("ssd-mmap", "ssd-direct"):
+            cache = 0.0 if cfg.placement == "ssd-direct" else cfg.page_cache_bytes
+            if cache is None:
+                cache = 0.5 * self.hw.host.dram_bytes * cfg.tp
+            backing = SSDStore(page_bytes=PAGE_BYTES, page_cache_bytes=int(cache))
+        else:
+            backing = DRAMStore(name="table")
+        return Hierarchy(tiers, self.row_bytes, backing)
+
+    def _kv_cache(self):
+        cfg, kv = self.config, self.latency.plan.kv_tokens
+        if cfg.prefix_cache == "sglang":
+            return RadixPrefixCache(kv)
+        return BlockPrefixCache(kv // cfg.block_size, cfg.block_size, enable_caching=cfg.prefix_cache == "vllm")
+
+    def run(self) -> ServingResult:
+        cfg, lat = self.config, self.latency
+        n = len(self.seqs)
+        cache = self._kv_cache()
+        replay = StepReplay(self.hierarchy, self.space, len(self.model.engram_layers), cfg.sample_rate)
+        n_tiers = len(self.hierarchy.tiers)
+        is_ssd = isinstance(self.hierarchy.backing, SSDStore)
+        rows_per_token = self.model.rows_per_token_layer
+        stream = self.addresser.stream(cfg.max_num_seqs)
+        hist = self.addresser.history_len
+        free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
+
+        computed = np.zeros(n, np.int64)
+        known = self.plen.astype(np.int64).copy()
+        generated = np.zeros(n, np.int64)
+        send = np.full(n, np.nan)
+        first = np.full(n, np.nan)
+        end = np.full(n, np.nan)
+        cached_first = np.zeros(n, np.int64)
+        preemptions = np.zeros(n, np.int64)
+        times: list[list[float]] = [[] for _ in range(n)]
+        slot_of = np.full(n, -1, np.int64)
+
+        pending = deque(np.argsort(self.arrival, kind="stable").tolist())
+        client = [0.0] * cfg.concurrency if cfg.concurrency else None  # heap of slot free times
+        waiting: deque[int] = deque()
+        running: list[int] = []
+        clock, finished = 0.0, 0
+        steps: dict[str, list] = {k: [] for k in ("start_s", "step_s", "stall_s", "gpu_s", "tokens", "decodes",
+                                                  "sequences", "fetch1_s", "fetch14_s", "rows_unique")}
+        peak_cached = 0
+        scale = 1.0 / cfg.sample_rate
+        with Progress(transient=True, disable=not self.progress) as bar:
+            task = bar.add_task("serving replay", total=n)
+            while finished < n:
+                while pending and self.arrival[pending[0]] <= clock and (client is None or (client and client[0] <= clock)):
+                    r = pending.popleft()
+                    t_free = heapq.heappop(client) if client is not None else 0.0
+                    send[r] = max(self.arrival[r], t_free)
+                    waiting.append(r)
+                if not running and not waiting:
+                    nxt = self.arrival[pending[0]]
+                    clock = max(clock, nxt, client[0] if client else nxt)
+                    continue
+                budget = cfg.max_num_batched_tokens
+                sched: list[tuple[int, int, int]] = []
+                preempted = False
+                i = 0
+                while i < len(running) and budget > 0:
+                    r = running[i]
+                    num = min(int(known[r] - computed[r]), budget)
+                    while not cache.extend(r, int(computed[r] + num)):
+                        victim = running.pop()
+                        cache.preempt(victim)
+                        computed[victim] = 0
+                        preemptions[victim] += 1
+                        free_slots.append(int(slot_of[victim]))
+                        slot_of[victim] = -1
+                        waiting.appendleft(victim)
+                        preempted = True
+                        if victim == r:
+                            break
+                    else:
+                        sched.append((r, int(computed[r]), int(computed[r] + num)))
+                        budget -= num
+                        i += 1
+                        continue
+                    break
+                while (not preempted and waiting and budget > 0 and len(running) < cfg.max_num_seqs):
+                    r = waiting[0]
+                    seq = self.seqs[r][: known[r]]
+                    key = cache.prefix_key(seq)
+                    hit = cache.match(key, int(known[r]))
+                    num = min(int(known[r]) - hit, budget)
+                    cache.admit(r, key, int(known[r]), hit)
+                    if not cache.extend(r, hit + num):
+                        cache.preempt(r)
+                        break
+                    cache.record_query(int(known[r]), hit)
+                    waiting.popleft()
+                    running.append(r)
+                    slot = free_slots.pop()
+                    slot_of[r] = slot
+                    stream.reset(slot)
+                    if hit:
+                        stream.feed(self.seqs[r][max(0, hit - hist):hit], seq=[slot])
+                    computed[r] = hit
+                    if generated[r] == 0:
+                        cached_first[r] = hit
+                    sched.append((r, hit, hit + num))
+                    budget -= num
+                if not sched:
+                    raise CachelabError(f"nothing can be scheduled at t={clock:.3f}s: the KV cache "
+                                        f"({lat.plan.kv_tokens} tokens) cannot hold the next request")
+                # -- the step's rows -------------------------------------------------------
+                chunks = [self.seqs[r][a:b] for r, a, b in sched]
+                offsets = np.concatenate([[0], np.cumsum([b - a for _, a, b in sched])])
+                rows = stream.feed(np.concatenate(chunks), offsets, seq=[int(slot_of[r]) for r, _, _ in sched])
+                keys = sampled_keys(rows, cfg.sample_rate, self.rows_per_page)
+                out = replay.step(keys, record=clock >= cfg.warmup_s)
+                tokens = int(offsets[-1])
+                work = []
+                for li in range(len(self.model.engram_layers)):
+                    served = out["served"][li] * scale
+                    work.append(EngramStep(
+                        lookups=float(tokens * rows_per_token), unique=float(served.sum()),
+                        cache_hits=float(served[0]) if n_tiers else 0.0,
+                        page_cache_rows=float(served[n_tiers]) if is_ssd else 0.0,
+                        page_reads=float(out["page_reads"][li] * scale)))
+                a = np.array([s[1] for s in sched], np.float64)
+                b = np.array([s[2] for s in sched], np.float64)
+                t = lat.step_time(tokens, float(((b * (b + 1) - a * (a + 1)) / 2).sum()), float(b.sum()), work)
+                steps["start_s"].append(clock)
+                clock += t["step_s"]
+                steps["step_s"].append(t["step_s"])
+                steps["stall_s"].append(t["stall_s"])
+                steps["gpu_s"].append(t["total_s"])
+                steps["tokens"].append(tokens)
+                steps["decodes"].append(sum(1 for r, aa, bb in sched if bb - aa == 1 and aa >= self.plen[r]))
+                steps["sequences"].append(len(sched))
+                fetches = [t[f"engram{layer}_fetch_s"] for layer in self.model.engram_layers]
+                steps["fetch1_s"].append(fetches[0])
+                steps["fetch14_s"].append(fetches[-1])
+                steps["rows_unique"].append(sum(w.unique for w in work))
+                # -- emit tokens, finish requests ------------------------------------------
+                done = []
+                for r, _, stop in sched:
+                    computed[r] = stop
+                    if stop == known[r]:
+                        times[r].append(clock)
+                        if generated[r] == 0:
+                            first[r] = clock
+                        generated[r] += 1
+                        known[r] += 1
+                        if generated[r] == self.olen[r]:
+                            done.append(r)
+                for r in done:
+                    cache.free(r)
+                    end[r] = clock
+                    free_slots.append(int(slot_of[r]))
+                    slot_of[r] = -1
+                    if client is not None:
+                        heapq.heappush(client, clock)
+                    finished += 1
+                if done:
+                    gone = set(done)
+                    running = [r for r in running if r not in gone]
+                    bar.advance(task, len(done))
+                peak_cached = max(peak_cached, cache.num_cached_tokens)
+        return self._result(cache, replay, send, first, end, times, cached_first, preemptions, steps, peak_cached)
+
+    def _result(self, cache, replay, send, first, end, times, cached_first, preemptions, steps, peak_cached):
+        cfg = self.config
+        counts = np.array([len(t) for t in times], np.int64)
+        rt = RequestTimes(send, first, end, self.plen, self.olen,
+                          np.concatenate([np.asarray(t) for t in times]) if times else np.zeros(0),
+                          np.concatenate([[0], np.cumsum(counts)]))
+        metrics = summarize(rt, cfg.tp, self.hw.usd_per_gpu_hour)
+        per_step = pl.DataFrame(steps)
+        metrics["steps"] = per_step.height
+        metrics["mean_stall_ms"] = float(per_step["stall_s"].mean() * 1e3)
+        metrics["stall_share"] = float(per_step["stall_s"].sum() / per_step["step_s"].sum())
+        metrics["preemptions"] = int(preemptions.sum())
+        kv_bytes = self.model.kv_bytes_per_token
+        prefix = {"kind": cfg.prefix_cache, "hit_ratio": cache.hit_ratio,
+                  "hit_ratio_definition": {"vllm": "cached tokens / queried tokens",
+                                           "sglang": "cached / (new + cached) prefill tokens",
+                                           "off": "no reuse"}[cfg.prefix_cache],
+                  "kv_pool_tokens": self.latency.plan.kv_tokens,
+                  "cached_tokens_end": cache.num_cached_tokens, "cached_tokens_peak": peak_cached,
+                  "footprint_bytes_peak": peak_cached * kv_bytes}
+        rows = replay.summary()
+        rows["placement"] = cfg.placement
+        if self.hierarchy.tiers:
+            tier = self.hierarchy.tiers[0]
+            rows["row_cache_bytes"] = cfg.row_cache_bytes
+            rows["row_cache_policy"] = tier.policy.name
+            rows["row_cache_resident_bytes"] = float(tier.policy.resident().size / cfg.sample_rate * self.row_bytes)
+        per_request = pl.DataFrame({"send_s": send, "first_token_s": first, "end_s": end,
+                                    "prompt_tokens": self.plen, "output_tokens": self.olen,
+                                    "cached_tokens": cached_first, "preemptions": preemptions})
+        return ServingResult(cfg, metrics, prefix, rows, describe(self.latency), per_request, per_step)
+
+
+def simulate(trace: pl.DataFrame, config: ServingConfig, progress: bool = False) -> ServingResult:
+    """Run one serving replay (see ``ServingSimulator``)."""
+    return ServingSimulator(trace, config, progress).run()

@@ -1,0 +1,234 @@
+"""The request table: one versioned Arrow schema for every trace, whatever its source.
+
+A row is one request: who sent it (session, turn), when (``arrival_s``), what kind of work
+(``domain``), and its tokens (``prompt_ids``, ``output_ids``, raw ids of the trace's
+tokenizer). ``prompt_len`` / ``output_len`` always hold the token counts. An imported arrival
+trace that carries lengths but no text (Mooncake, Azure, BurstGPT, ServeGen) stores **empty**
+id lists with the counts kept, so it can be inspected (``trace info``) and later given real
+content by synthesis. ``block_hashes`` are the source's prefix-block ids where it has them
+(Mooncake), with their ``block_size``. The schema version is stored in the Parquet metadata
+and checked on every read; row values are validated on read and on write, and any violation
+is reported with the file, the row and the field.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from cachelab.errors import CachelabError
+
+SCHEMA_VERSION = "1"
+VERSION_KEY = b"cachelab.trace.schema_version"
+
+SCHEMA = pa.schema([
+    pa.field("request_id", pa.int64(), nullable=False),
+    pa.field("session_id", pa.int64(), nullable=False),
+    pa.field("turn", pa.int32(), nullable=False),
+    pa.field("arrival_s", pa.float64(), nullable=False),
+    pa.field("domain", pa.string(), nullable=False),
+    pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
+    pa.field("output_ids", pa.list_(pa.int32()), nullable=False),
+    pa.field("prompt_len", pa.int32(), nullable=False),
+    pa.field("output_len", pa.int32(), nullable=False),
+    pa.field("block_hashes", pa.list_(pa.int64()), nullable=True),
+    pa.field("block_size", pa.int32(), nullable=True),
+    pa.field("source", pa.string(), nullable=False),
+], metadata={VERSION_KEY: SCHEMA_VERSION.encode()})
+
+COLUMNS = tuple(SCHEMA.names)
+POLARS_SCHEMA = pl.Schema({
+    "request_id": pl.Int64, "session_id": pl.Int64, "turn": pl.Int32, "arrival_s": pl.Float64,
+    "domain": pl.String, "prompt_ids": pl.List(pl.Int32), "output_ids": pl.List(pl.Int32),
+    "prompt_len": pl.Int32, "output_len": pl.Int32, "block_hashes": pl.List(pl.Int64),
+    "block_size": pl.Int32, "source": pl.String,
+})
+NON_NULL = tuple(f.name for f in SCHEMA if not f.nullable)
+
+
+def _checks() -> list[tuple[str, pl.Expr, str]]:
+    """(field, condition that must hold on every row, what it means), vectorised."""
+    col = pl.col
+    has_blocks = col("block_hashes").is_not_null()
+    return [
+        ("request_id", col("request_id") >= 0, "must be >= 0"),
+        ("request_id", col("request_id").is_first_distinct(), "is a duplicate"),
+        ("session_id", col("session_id") >= 0, "must be >= 0"),
+        ("turn", col("turn") >= 0, "must be >= 0"),
+        ("arrival_s", col("arrival_s").is_finite() & (col("arrival_s") >= 0), "must be finite and >= 0"),
+        ("arrival_s", col("arrival_s").diff().fill_null(0) >= 0, "goes back in time (rows must be in arrival order)"),
+        ("prompt_len", col("prompt_len") >= 0, "must be >= 0"),
+        ("output_len", col("output_len") >= 0, "must be >= 0"),
+        ("prompt_ids", (col("prompt_ids").list.len() == 0) | (col("prompt_ids").list.len() == col("prompt_len")),
+         "length differs from prompt_len (and is not 0, the marker of a content-less request)"),
+        ("output_ids", (col("output_ids").list.len() == 0) | (col("output_ids").list.len() == col("output_len")),
+         "length differs from output_len (and is not 0, the marker of a content-less request)"),
+        ("prompt_ids", col("prompt_ids").list.min().fill_null(0) >= 0, "holds a negative token id"),
+        ("output_ids", col("output_ids").list.min().fill_null(0) >= 0, "holds a negative token id"),
+        ("block_size", ~has_blocks | (col("block_size").fill_null(0) > 0),
+         "must be > 0 where block_hashes are given"),
+        ("block_hashes", ~has_blocks | (col("block_hashes").list.len().cast(pl.Int64)
+                                        == (col("prompt_len").cast(pl.Int64) + col("block_size") - 1)
+                                        // col("block_size")),
+         "must hold ceil(prompt_len / block_size) ids"),
+    ]
+
+
+def validate(df: pl.DataFrame, where: str, *, first_row: int = 0) -> pl.DataFrame:
+    """Check columns, types and row values; raise naming ``where``, the row and the field.
+
+    ``first_row`` is the file row of ``df``'s first row, when ``df`` is one chunk of a file.
+    """
+    missing = [c for c in COLUMNS if c not in df.columns]
+    if missing:
+        raise CachelabError(f"{where}: missing field(s) {missing}; a trace has {list(COLUMNS)}")
+    for name, dtype in POLARS_SCHEMA.items():
+        if df.schema[name] != dtype:
+            raise CachelabError(f"{where}: field {name!r} has type {df.schema[name]}, expected {dtype}")
+    nulls = df.select(pl.col(c).null_count() for c in NON_NULL).row(0)
+    for name, count in zip(NON_NULL, nulls):
+        if count:
+            row = df.select(pl.col(name).is_null().arg_true().first()).item()
+            raise CachelabError(f"{where}: row {first_row + row}, field {name!r}: null (the field is required)")
+    checks = _checks()
+    ok = df.select(cond.all().alias(str(i)) for i, (_, cond, _) in enumerate(checks)).row(0)
+    for passed, (name, cond, meaning) in zip(ok, checks):
+        if not passed:
+            row = df.select((~cond).arg_true().first()).item()
+            value = df[name][row]
+            shown = value.to_list()[:8] if isinstance(value, pl.Series) else value
+            raise CachelabError(f"{where}: row {first_row + row}, field {name!r} = {shown!r}: {meaning}")
+    return df
+
+
+def _check_file_schema(path: Path) -> None:
+    if not path.is_file():
+        raise CachelabError(f"trace not found: {path}")
+    try:
+        schema = pq.read_schema(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise CachelabError(f"{path}: not a Parquet file ({exc})") from None
+    version = (schema.metadata or {}).get(VERSION_KEY)
+    if version is None:
+        raise CachelabError(f"{path}: not a cachelab trace (no {VERSION_KEY.decode()} in the Parquet metadata); "
+                            "import foreign traces with `cachelab trace build`")
+    if version.decode() != SCHEMA_VERSION:
+        raise CachelabError(f"{path}: trace schema version {version.decode()}, this cachelab reads {SCHEMA_VERSION}")
+
+
+def read_trace(path: str | os.PathLike) -> pl.DataFrame:
+    """The whole table, validated (eager)."""
+    path = Path(path)
+    _check_file_schema(path)
+    try:
+        df = pl.read_parquet(path)
+    except Exception as exc:  # polars raises several error types for damaged files
+        raise CachelabError(f"{path}: unreadable Parquet ({exc})") from None
+    return validate(df, str(path))
+
+
+def scan_trace(path: str | os.PathLike) -> pl.LazyFrame:
+    """A lazy view; the version and column types are checked now, row values by ``read_trace``."""
+    path = Path(path)
+    _check_file_schema(path)
+    lazy = pl.scan_parquet(path)
+    schema = lazy.collect_schema()
+    for name, dtype in POLARS_SCHEMA.items():
+        if name not in schema:
+            raise CachelabError(f"{path}: missing field {name!r}")
+        if schema[name] != dtype:
+            raise CachelabError(f"{path}: field {name!r} has type {schema[name]}, expected {dtype}")
+    return lazy
+
+
+def conform(df: pl.DataFrame) -> pl.DataFrame:
+    """Cast a producer's frame to the schema's column order and types (no value checks)."""
+    missing = [c for c in COLUMNS if c not in df.columns]
+    if missing:
+        raise CachelabError(f"cannot build a trace: missing field(s) {missing}")
+    try:
+        return df.select(pl.col(name).cast(dtype, strict=True) for name, dtype in POLARS_SCHEMA.items())
+    except pl.exceptions.PolarsError as exc:
+        raise CachelabError(f"cannot build a trace: {exc}") from None
+
+
+def _to_arrow(df: pl.DataFrame) -> pa.Table:
+    return df.to_arrow().cast(SCHEMA)
+
+
+class TraceWriter:
+    """Writes a trace in chunks (bounded memory), atomically: the file appears on ``close``.
+
+    Each chunk is validated; arrival order and request-id uniqueness are checked across
+    chunks too (ids must increase from chunk to chunk).
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp = self.path.with_name(f".{self.path.name}.partial")
+        self._writer = pq.ParquetWriter(self._tmp, SCHEMA, compression="zstd")
+        self._last_arrival = 0.0
+        self._last_id = -1
+        self.rows = 0
+
+    def write(self, chunk: pl.DataFrame) -> None:
+        chunk = validate(conform(chunk), str(self.path), first_row=self.rows)
+        if chunk.height == 0:
+            return
+        first_arrival, first_id = chunk["arrival_s"][0], chunk["request_id"].min()
+        if first_arrival < self._last_arrival:
+            raise CachelabError(f"{self.path}: row {self.rows}, field 'arrival_s' = {first_arrival}: "
+                                "goes back in time across chunks")
+        if first_id <= self._last_id:
+            raise CachelabError(f"{self.path}: row {self.rows}, field 'request_id' = {first_id}: "
+                                "ids must increase from chunk to chunk")
+        self._writer.write_table(_to_arrow(chunk), row_group_size=max(chunk.height, 1))
+        self._last_arrival, self._last_id = chunk["arrival_s"][-1], chunk["request_id"].max()
+        self.rows += chunk.height
+
+    def close(self) -> None:
+        self._writer.close()
+        os.replace(self._tmp, self.path)
+
+    def abort(self) -> None:
+        self._writer.close()
+        self._tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> "TraceWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def write_trace(df: pl.DataFrame, path: str | os.PathLike) -> None:
+    """Validate and write one table (atomically: an existing file is replaced only on success)."""
+    write_chunks([df], path)
+
+
+def write_chunks(chunks: Iterable[pl.DataFrame], path: str | os.PathLike) -> int:
+    """Write chunks in order; returns the number of rows."""
+    with TraceWriter(path) as writer:
+        for chunk in chunks:
+            writer.write(chunk)
+    return writer.rows
+
+
+def empty_lists(n: int, dtype=pl.Int32) -> pl.Series:
+    """``n`` empty token lists: the content-less marker of an imported arrival trace."""
+    return pl.Series([[]] * n, dtype=pl.List(dtype)) if n else pl.Series([], dtype=pl.List(dtype))
+
+
+def list_series(name: str, offsets: np.ndarray, values: np.ndarray) -> pl.Series:
+    """A list column from flat values and offsets (row i = values[offsets[i]:offsets[i+1]]), no copy per row."""
+    return pl.Series(name, pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values)))

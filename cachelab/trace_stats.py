@@ -1,0 +1,111 @@
+"""What a trace holds, read in batches: size, timing, domains, prefix sharing and Engram skew.
+
+The prefix-block hit ratio is the infinite-cache one (every repeated chained block is a
+hit, ``cachelab.prefix_blocks``). With token content it is computed from the prompts at any
+block size; a content-less import (Mooncake) has it only at its own block size, from its
+``block_hashes``. Engram skew (unique rows and the hottest 1% share per layer and n-gram
+order) addresses each request's prompt then output, over the first ``engram_tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import numpy as np
+import polars as pl
+import pyarrow.parquet as pq
+
+from cachelab.engram import Addresser, get_preset
+from cachelab.engram.stats import row_skew
+from cachelab.prefix_blocks import DistinctCounter, chained_block_hashes
+from cachelab.trace import scan_trace, validate
+
+SMALL_BLOCK = 16
+BATCH_ROWS = 1024
+
+
+def _flat(column) -> tuple[np.ndarray, np.ndarray]:
+    """(values, offsets) of an Arrow list column, without copying rows."""
+    return column.values.to_numpy(zero_copy_only=False), column.offsets.to_numpy()
+
+
+def summarize(path: str | os.PathLike, *, preset: str = "deepseek-v4.1-flash", engram_tokens: int = 500_000,
+              progress: Callable[[int], None] | None = None) -> dict:
+    """The ``trace info`` report of one trace file (validated first)."""
+    lazy = scan_trace(path)
+    agg = lazy.select(
+        pl.len().alias("requests"), pl.col("session_id").n_unique().alias("sessions"),
+        (pl.col("arrival_s").max() - pl.col("arrival_s").min()).alias("duration_s"),
+        pl.col("prompt_len").cast(pl.Int64).sum().alias("tokens_in"),
+        pl.col("output_len").cast(pl.Int64).sum().alias("tokens_out"),
+        ((pl.col("prompt_ids").list.len() == pl.col("prompt_len")) | (pl.col("prompt_len") == 0)).all().alias("content"),
+        pl.col("block_hashes").is_not_null().all().alias("hashes"),
+        pl.col("block_size").drop_nulls().unique().implode().alias("block_sizes"),
+    ).collect().row(0, named=True)
+    domains = lazy.group_by("domain").len().sort("domain").collect()
+    block_sizes = agg["block_sizes"]
+    block_size = block_sizes[0] if len(block_sizes) == 1 else None
+    sizes = sorted({s for s in (block_size, SMALL_BLOCK) if s})
+    counters = {s: DistinctCounter() for s in sizes}
+    hash_counter = DistinctCounter()
+    addresser = Addresser(get_preset(preset)) if agg["content"] and engram_tokens > 0 else None
+    engram_rows, addressed = [], 0
+    seen = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS):
+        validate(pl.from_arrow(batch), str(path), first_row=seen)  # every row is checked, in bounded memory
+        seen += batch.num_rows
+        if agg["content"]:
+            tokens, offsets = _flat(batch.column("prompt_ids"))
+            for s in sizes:
+                counters[s].add(chained_block_hashes(tokens, offsets, s)[0])
+            if addresser is not None and addressed < engram_tokens:
+                rows, n = _address(addresser, batch, engram_tokens - addressed)
+                engram_rows.append(rows)
+                addressed += n
+        elif agg["hashes"]:
+            hash_counter.add(_flat(batch.column("block_hashes"))[0])
+        if progress:
+            progress(batch.num_rows)
+    if agg["content"]:
+        ratios, basis = {str(s): counters[s].hit_ratio for s in sizes}, "tokens"
+    elif agg["hashes"] and block_size:
+        ratios, basis = {str(block_size): hash_counter.hit_ratio, str(SMALL_BLOCK): None}, "block_hashes"
+    else:
+        ratios, basis = {str(SMALL_BLOCK): None}, None
+    engram = None
+    if engram_rows:
+        rows = np.concatenate(engram_rows)
+        engram = {"preset": preset, "tokens": int(rows.shape[0]),
+                  "skew": [s.to_dict() for s in row_skew(rows, addresser.config)]}
+    return {
+        "path": str(path),
+        "requests": agg["requests"],
+        "sessions": agg["sessions"],
+        "duration_s": agg["duration_s"] or 0.0,
+        "tokens_in": agg["tokens_in"] or 0,
+        "tokens_out": agg["tokens_out"] or 0,
+        "domains": dict(zip(domains["domain"].to_list(), domains["len"].to_list())),
+        "has_content": bool(agg["content"]),
+        "block_size": block_size,
+        "block_hit_ratio": ratios,
+        "block_hit_basis": basis,
+        "engram": engram,
+    }
+
+
+def _address(addresser: Addresser, batch, budget: int) -> tuple[np.ndarray, int]:
+    """Rows of each request's prompt followed by its output, up to ``budget`` tokens."""
+    prompt, p_off = _flat(batch.column("prompt_ids"))
+    output, o_off = _flat(batch.column("output_ids"))
+    seqs, total = [], 0
+    for i in range(batch.num_rows):
+        seq = np.concatenate([prompt[p_off[i]:p_off[i + 1]], output[o_off[i]:o_off[i + 1]]])[:budget - total]
+        seqs.append(seq)
+        total += seq.size
+        if total >= budget:
+            break
+    lengths = np.asarray([s.size for s in seqs], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    tokens = np.concatenate(seqs) if seqs else np.empty(0, np.int64)
+    return addresser.rows(tokens, offsets), total

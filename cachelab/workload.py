@@ -1,0 +1,170 @@
+"""A workload spec (TOML or flags) and the build it describes: import, or synthesize.
+
+```toml
+seed = 0
+[arrivals]                 # a registered arrival source: mooncake, azure, burstgpt, servegen, gamma
+source = "mooncake"
+path = "traces/mooncake_fast25/conversation_trace.jsonl"   # absolute, or under the data root
+skip_bad = false           # skip (and count) unusable rows instead of failing
+use_lengths = true         # false: arrivals only time session starts; lengths come from the corpus
+max_requests = 1000        # keep the first N arrivals (optional)
+options = {}               # the source's own options (e.g. gamma: rate, burstiness, num_requests)
+[corpus]                   # a registered corpus; leave out to import the arrivals as they are
+source = "arena-hard"
+options = { version = "v2.0" }
+[synthesis]
+output_tokens = 256        # output length where neither the trace nor the corpus gives one
+turn_gap_s = 30.0          # seconds between the turns of a session
+chunk_tokens = 4000000     # tokens materialized per written chunk (bounds memory)
+```
+
+Sources are found by name through the ``cachelab.workloads`` entry points, like any plug-in.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from cachelab import registry
+from cachelab.errors import CachelabError
+from cachelab.paths import data_root
+from cachelab.synthesis import BuildReport, TokenStream, make_plan, synthesize
+from cachelab.trace import write_trace
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ArrivalSpec(_Strict):
+    source: str
+    path: str | None = None
+    skip_bad: bool = False
+    use_lengths: bool = True
+    max_requests: int | None = Field(None, gt=0)
+    options: dict[str, Any] = {}
+
+
+class CorpusSpec(_Strict):
+    source: str
+    tokenizer: str = "deepseek-v4"
+    options: dict[str, Any] = {}
+
+
+class SynthesisSpec(_Strict):
+    output_tokens: int = Field(256, ge=0)
+    turn_gap_s: float = Field(30.0, ge=0)
+    chunk_tokens: int = Field(4_000_000, gt=0)
+
+
+class WorkloadSpec(_Strict):
+    seed: int = 0
+    arrivals: ArrivalSpec
+    corpus: CorpusSpec | None = None
+    synthesis: SynthesisSpec = SynthesisSpec()
+
+
+def parse_spec(data: dict, where: str) -> WorkloadSpec:
+    """A validated spec; errors name ``where`` and the offending key."""
+    try:
+        return WorkloadSpec.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        key = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        raise CachelabError(f"{where}: {key}: {first['msg']}") from None
+
+
+def load_spec(path: str | os.PathLike) -> WorkloadSpec:
+    path = Path(path)
+    if not path.is_file():
+        raise CachelabError(f"workload spec not found: {path}")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise CachelabError(f"{path}: not valid TOML ({exc})") from None
+    return parse_spec(data, str(path))
+
+
+def resolve_path(path: str) -> str:
+    """An existing path as given, else the same path under the data root."""
+    if Path(path).exists() or Path(path).is_absolute():
+        return path
+    root = data_root(required=False)
+    return str(root / path) if root is not None and (root / path).exists() else path
+
+
+def instantiate(name: str, kwargs: dict[str, Any], optional: dict[str, Any]):
+    """The registered workload ``name`` built with ``kwargs`` (all must be accepted) plus the
+    ``optional`` ones its constructor takes."""
+    cls = registry.get(registry.WORKLOADS, name)
+    params = inspect.signature(cls).parameters
+    unknown = sorted(set(kwargs) - set(params))
+    if unknown:
+        raise CachelabError(f"workload {name!r} takes no option(s) {unknown}; it takes {sorted(params)}")
+    extra = {k: v for k, v in optional.items() if k in params and k not in kwargs}
+    try:
+        return cls(**kwargs, **extra)
+    except TypeError as exc:
+        raise CachelabError(f"workload {name!r}: {exc}") from None
+
+
+def make_arrivals(spec: WorkloadSpec):
+    a = spec.arrivals
+    kwargs = dict(a.options)
+    if a.path is not None:
+        kwargs["path"] = resolve_path(a.path)
+    source = instantiate(a.source, kwargs, {"skip_bad": a.skip_bad, "seed": spec.seed})
+    if not hasattr(source, "arrivals"):
+        raise CachelabError(f"workload {a.source!r} is a corpus, not an arrival source (it has no arrivals())")
+    return source
+
+
+def make_corpus(spec: WorkloadSpec):
+    corpus = instantiate(spec.corpus.source, dict(spec.corpus.options), {})
+    if not hasattr(corpus, "documents"):
+        raise CachelabError(f"workload {spec.corpus.source!r} is an arrival source, not a corpus (it has no documents())")
+    return corpus
+
+
+def build(spec: WorkloadSpec, out: str | os.PathLike, progress=None) -> BuildReport:
+    """Import the arrivals (no corpus) or synthesize a workload; write it to ``out``.
+
+    Args:
+        progress: optional object with ``stage(name, total)`` and ``advance(n)``.
+    """
+    started = time.perf_counter()
+    source = make_arrivals(spec)
+    if progress:
+        progress.stage(f"read {spec.arrivals.source}", None)
+    arrivals = source.arrivals()
+    if spec.arrivals.max_requests:
+        arrivals = arrivals.head(spec.arrivals.max_requests)
+    skipped = int(getattr(source, "skipped", 0))
+    if spec.corpus is None:
+        if not source.has_lengths:
+            raise CachelabError(f"arrivals {spec.arrivals.source!r} carry no lengths: give a [corpus] to synthesize")
+        write_trace(arrivals, out)
+        return BuildReport(requests=arrivals.height, tokens_in=int(arrivals["prompt_len"].sum()),
+                           tokens_out=int(arrivals["output_len"].sum()), chunks=1, skipped_rows=skipped,
+                           seconds=round(time.perf_counter() - started, 3))
+    corpus = make_corpus(spec)
+    if progress:
+        progress.stage(f"tokenize {spec.corpus.source}", None)
+    stream = TokenStream.from_corpus(corpus, spec.corpus.tokenizer, progress.advance if progress else None)
+    plan = make_plan(stream, arrivals, has_lengths=source.has_lengths, use_lengths=spec.arrivals.use_lengths,
+                     seed=spec.seed, output_tokens=spec.synthesis.output_tokens, turn_gap_s=spec.synthesis.turn_gap_s)
+    if progress:
+        progress.stage("synthesize", plan.size)
+    report = synthesize(stream, plan, out, source=f"{spec.arrivals.source}+{spec.corpus.source}",
+                        chunk_tokens=spec.synthesis.chunk_tokens,
+                        progress=(lambda n, _tokens: progress.advance(n)) if progress else None)
+    report.skipped_rows = skipped
+    report.seconds = round(time.perf_counter() - started, 3)
+    return report

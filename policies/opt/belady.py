@@ -1,0 +1,142 @@
+"""Belady's MIN: evict the row whose next use is farthest in the future (Belady, IBM SJ 1966).
+
+Three policies share one kernel:
+
+- ``belady``: as libCacheSim's ``Belady`` does it (libCacheSim/cache/eviction/Belady.c):
+  every miss is admitted and the resident row with the farthest next use is evicted.
+  Validated against libCacheSim: identical miss ratios (tests/test_policies_belady.py).
+- ``belady-bypass``: the incoming row competes too; if its own next use is the farthest it is
+  not admitted. This is the true MIN for unit-size rows (it never misses more than any
+  other policy on the same stream).
+- ``belady-lookahead``: Belady that sees only ``window`` steps ahead, what Engram's
+  deterministic addresses allow a serving system in practice. Its ``view_future`` censors
+  the full ``next_access`` with ``cachelab.future.censor_lookahead``: a row's next use is
+  known when, at its latest access, that use lies within ``window`` steps; otherwise it is
+  ``NO_NEXT``. (This is conservative: a live system that re-reads its window every step
+  may learn of a reuse earlier, between two accesses.)
+
+Priorities live in an indexed max-heap of slots (policies/heap.py): a known next use has
+priority = its position; a row with no known next use (never again, or beyond the window)
+has priority ``UNKNOWN - last access position``, above every known position, so such rows
+are evicted first, the least recently used of them first. With the full future that order
+among never-again rows cannot change the miss count; with a window it is LRU among the rows
+the window says nothing about.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+from cachelab.errors import CachelabError
+from cachelab.future import censor_lookahead
+from cachelab.policy import NO_NEXT, Capabilities
+from policies.admission import admission_admit, admission_record
+from policies.heap import heap_push, heap_sift_down, heap_update
+from policies.kernel import KernelPolicy, note_admit, note_evict
+
+POS, SIZE = 0, 1  # meta: absolute position of the next access, rows resident
+UNKNOWN = np.int64(1) << np.int64(62)  # priorities of rows without a known next use sit above
+
+
+@nb.njit(cache=True, nogil=True, boundscheck=False)
+def _belady_kernel(keys, next_access, slot_of, key_of, bypass, meta, pri, heap, where,
+                   a_kind, a_counters, a_scores, a_meta, hits, record, adm, adm_slot, ev, counts):
+    capacity = key_of.size
+    pos = meta[POS]
+    size = meta[SIZE]
+    for i in range(keys.size):
+        key = keys[i]
+        admission_record(a_kind, a_counters, a_scores, a_meta, key)
+        nxt = next_access[i]
+        p = nxt if nxt != NO_NEXT else UNKNOWN - pos
+        pos += 1
+        slot = slot_of[key]
+        if slot >= 0:
+            hits[i] = True
+            heap_update(heap, where, pri, slot, p, size)
+            continue
+        hits[i] = False
+        if size < capacity:
+            slot = size
+            pri[slot] = p
+            heap_push(heap, where, pri, slot, size)
+            size += 1
+        else:
+            slot = heap[0]
+            victim = key_of[slot]
+            if bypass and p >= pri[slot]:
+                continue  # the incoming row is the one used farthest ahead: keep it out
+            if not admission_admit(a_kind, a_counters, a_scores, a_meta, key, victim):
+                continue
+            slot_of[victim] = -1
+            note_evict(record, ev, counts, victim)
+            pri[slot] = p
+            heap_sift_down(heap, where, pri, 0, size)
+        key_of[slot] = key
+        slot_of[key] = slot
+        note_admit(record, adm, adm_slot, counts, key, slot)
+    meta[POS] = pos
+    meta[SIZE] = size
+
+
+class Belady(KernelPolicy):
+    """Belady's MIN as libCacheSim runs it: always admit, evict the farthest next use.
+
+    ``admission`` may put a filter (policies.admission) in front, which makes it no longer
+    optimal but keeps admission and eviction separable as for every policy.
+    """
+
+    name = "belady"
+    capabilities = Capabilities(needs_future=True, compiled=True)
+    kernel = staticmethod(_belady_kernel)
+    bypass = False
+
+    def init_state(self, capacity, num_keys):
+        self.meta = np.zeros(2, dtype=np.int64)
+        self.pri, self.heap, self.where = (np.zeros(capacity, dtype=np.int64) for _ in range(3))
+
+    def state(self):
+        return (self.bypass, self.meta, self.pri, self.heap, self.where)
+
+    def inputs(self, keys, next_access, scores):
+        if next_access is None:
+            raise CachelabError(f"policy {self.name!r} needs next_access (it declares needs_future)")
+        next_access = np.ascontiguousarray(next_access, dtype=np.int64)
+        if next_access.shape != keys.shape:
+            raise CachelabError(f"policy {self.name!r}: next_access has shape {next_access.shape}, "
+                                f"keys {keys.shape}")
+        return (next_access,)
+
+
+class BeladyBypass(Belady):
+    """MIN with bypass: a miss whose next use is the farthest is not admitted (true optimum)."""
+
+    name = "belady-bypass"
+    bypass = True
+
+
+class BeladyLookahead(Belady):
+    """Belady that sees ``window`` steps ahead; rows without a known next use go first, LRU.
+
+    Args:
+        window: steps of lookahead K (0 = only the current step); ``view_future`` censors
+            the full ``next_access`` to what such a window shows.
+        bypass: whether a miss may itself be the row not kept (as ``belady-bypass``).
+        admission: an admission filter from policies.admission (``always`` by default).
+    """
+
+    name = "belady-lookahead"
+
+    def __init__(self, window: int = 8, bypass: bool = False, admission: str = "always"):
+        self.window = window
+        self.bypass = bypass
+        self.admission = admission
+
+    def reset(self, capacity: int, num_keys: int) -> None:
+        if int(self.window) < 0:
+            raise CachelabError(f"belady-lookahead: window must be >= 0 steps, got {self.window}")
+        super().reset(capacity, num_keys)
+
+    def view_future(self, next_access, step_offsets):
+        return censor_lookahead(np.asarray(next_access, dtype=np.int64), step_offsets, int(self.window))

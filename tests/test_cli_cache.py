@@ -1,0 +1,59 @@
+"""The simulate / mrc CLI contract: JSON keys, warm-up, stream input, errors with exit status 2."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from typer.testing import CliRunner
+
+from cachelab.cli import app
+from cachelab.lookups import LookupStream
+
+runner = CliRunner()
+KEYS = (np.random.default_rng(5).zipf(1.2, 5_000) % 300).astype(np.int64)
+
+
+def _json(args):
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def test_simulate_json_contract_and_warmup(tmp_path):
+    np.save(tmp_path / "k.npy", KEYS)
+    out = _json(["simulate", "--trace", str(tmp_path / "k.npy"), "--policy", "lru", "--capacity", "50", "--json"])
+    assert {"policy", "capacity", "requests", "hits", "miss_ratio", "seconds"} <= set(out)
+    assert out["requests"] == KEYS.size and out["miss_ratio"] == 1 - out["hits"] / KEYS.size
+    warm = _json(["simulate", "--trace", str(tmp_path / "k.npy"), "--policy", "lru", "--capacity", "50",
+                  "--warmup", "0.2", "--json"])
+    assert warm["requests"] == 4_000 and warm["warmup_requests"] == 1_000
+    assert warm["miss_ratio"] < out["miss_ratio"]  # the cold start is left out
+
+
+def test_simulate_lookup_stream_counts_lookups_with_step_dedup(tmp_path):
+    keys = np.array([1, 1, 2, 1, 3, 3], dtype=np.int64)
+    path = LookupStream(keys, np.array([0, 3, 6]), 264).save(tmp_path / "s.npz")
+    out = _json(["simulate", "--trace", str(path), "--policy", "lru", "--capacity", "4", "--json"])
+    # step 0 fetches 1 and 2 (both miss; the second lookup of 1 shares the miss); step 1 hits 1, misses 3
+    assert out["requests"] == 6 and out["hits"] == 1 and out["unique_requests"] == 4
+
+
+def test_mrc_exact_matches_simulate(tmp_path):
+    np.save(tmp_path / "k.npy", KEYS)
+    curve = _json(["mrc", "--trace", str(tmp_path / "k.npy"), "--policy", "lru", "--capacities", "10,50,200", "--json"])
+    assert curve["method"] == "exact-stack" and curve["capacities"] == [10, 50, 200]
+    for cap, ratio in zip(curve["capacities"], curve["miss_ratios"]):
+        sim = _json(["simulate", "--trace", str(tmp_path / "k.npy"), "--policy", "lru", "--capacity", str(cap), "--json"])
+        assert sim["miss_ratio"] == ratio
+
+
+def test_errors_exit_2_with_message(tmp_path):
+    np.save(tmp_path / "k.npy", KEYS)
+    res = runner.invoke(app, ["simulate", "--trace", str(tmp_path / "k.npy"), "--policy", "nope", "--capacity", "5"])
+    assert res.exit_code == 2 and "unknown policy 'nope'" in res.output
+    res = runner.invoke(app, ["simulate", "--trace", str(tmp_path / "k.npy"), "--policy", "lru", "--capacity", "5",
+                              "--param", "colour=red"])
+    assert res.exit_code == 2 and "has no parameter 'colour'" in res.output
+    res = runner.invoke(app, ["mrc", "--trace", str(tmp_path / "k.npy"), "--capacities", "10,x"])
+    assert res.exit_code == 2 and "comma-separated integers" in res.output

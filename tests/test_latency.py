@@ -1,0 +1,123 @@
+"""Hardware profiles, the model spec and the latency model: hand-computed cases."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from cachelab.errors import CachelabError
+from cachelab.hardware import PROFILE_DIR, builtin_names, load_profile
+from cachelab.hardware.probe import dedup_rows_per_s, gather_rows_per_s, memcpy_bw, page_faults, write_profile
+from cachelab.latency import Efficiency, EngramStep, LatencyModel
+from cachelab.model_spec import MODEL_DIR, load_model
+
+MODEL = load_model()
+
+
+def test_every_profile_loads_and_every_number_is_cited():
+    assert set(builtin_names()) == {"H100", "H200", "B200", "B300", "GB200", "GH200"}
+    for name in builtin_names():
+        p = load_profile(name.lower())
+        assert p.gpu.hbm_bytes > 0 and p.usd_per_gpu_hour > 0
+    for path in [*PROFILE_DIR.glob("*.toml"), *MODEL_DIR.glob("*.toml")]:
+        for line in path.read_text().splitlines():
+            if re.match(r"^\w+ = [\d\[]", line):
+                assert "#" in line, f"{path.name}: uncited number: {line}"
+    assert load_profile("B200").usd_per_gpu_hour == 1.95  # ANCHORS.md §6
+
+
+def test_bad_profile_names_the_key(tmp_path):
+    bad = tmp_path / "x.toml"
+    bad.write_text((PROFILE_DIR / "B200.toml").read_text().replace("hbm_bw = 8.0e12", "hbm_bw = -1"))
+    with pytest.raises(CachelabError, match=r"\[gpu\] hbm_bw must be a positive number"):
+        load_profile(bad)
+    with pytest.raises(CachelabError, match="unknown hardware 'nope'"):
+        load_profile("nope")
+
+
+def test_probe_measures_and_round_trips(tmp_path):
+    assert memcpy_bw(8 << 20) > 1e8 and gather_rows_per_s(8 << 20, 1 << 14) > 1e4 and dedup_rows_per_s(1 << 14) > 1e4
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"\1" * (4 << 20))
+    faults = page_faults(path)
+    assert 0 < faults["minor_fault_s"] < 1e-3 and faults["major_fault_s"] > 0
+    result = {"name": "local", "host": {"link": "pcie", "link_bw": 1e10, "link_latency_s": 2e-6, "dram_bytes": 1e10,
+                                        "cpu_cores": 2},
+              "cpu": {"minor_fault_s": 1e-6, "major_fault_s": 1e-4, "gather_rows_per_s": 1e6, "dedup_rows_per_s": 1e6,
+                      "memcpy_bw": 1e10, "round_trip_s": 2e-5, "threads": 2},
+              "ssd": {"iops_4k": 1e5, "latency_s": 1e-4}}
+    prof = load_profile(write_profile(result, tmp_path / "local.toml"))
+    assert prof.gpu is None and prof.cpu.gather_rows_per_s == 1e6 and prof.ssd.iops_4k == 1e5
+    with pytest.raises(CachelabError, match="no \\[gpu\\]"):
+        LatencyModel(MODEL, prof)
+
+
+def test_model_spec_facts():
+    assert MODEL.engram_layers == (1, 14) and MODEL.row_bytes == 264
+    assert MODEL.table_bytes / 2**30 == pytest.approx(188.8, abs=0.1)  # about 189 GiB (ANCHORS.md §1)
+    assert MODEL.touched_weight_bytes(1) == pytest.approx(MODEL.active_params)
+    assert MODEL.touched_weight_bytes(10_000) == pytest.approx(MODEL.weight_bytes, rel=1e-6)
+
+
+def test_table_in_hbm_takes_kv_and_b300_tp2_barely_fits():
+    b300 = load_profile("B300")
+    dram = LatencyModel(MODEL, b300, tp=2, placement="dram-uva").plan
+    hbm = LatencyModel(MODEL, b300, tp=2, placement="hbm").plan
+    assert dram.kv_bytes - hbm.kv_bytes == pytest.approx(MODEL.table_bytes / 2)
+    assert hbm.kv_tokens < dram.kv_tokens / 20
+    with pytest.raises(CachelabError, match="does not fit H100 at TP1"):
+        LatencyModel(MODEL, load_profile("H100"), tp=1, placement="hbm")
+    with pytest.raises(CachelabError, match="--tp 16"):
+        LatencyModel(MODEL, b300, tp=16)
+
+
+def test_uva_fetch_is_lines_over_the_link():
+    lat = LatencyModel(MODEL, load_profile("B200"), tp=4, placement="dram-uva")
+    parts = lat.fetch_parts(EngramStep(lookups=2400, unique=2000, cache_hits=500))
+    h, e = lat.hw.host, lat.eff
+    assert parts["uva_read_s"] == pytest.approx(h.link_latency_s + 1500 * 384 / (h.link_bw * e.uva_efficiency))
+    assert parts["hbm_gather_s"] == pytest.approx(500 * 384 / (lat.hw.gpu.hbm_bw * e.mbu))
+
+
+def test_ssd_mmap_parts_add_up_and_faults_dominate_cold_reads():
+    lat = LatencyModel(MODEL, load_profile("B200"), tp=4, placement="ssd-mmap")
+    parts = lat.fetch_parts(EngramStep(lookups=10_000, unique=8_000, page_cache_rows=4_000, page_reads=4_000))
+    crit = max(parts["device_reads_s"], parts["page_faults_s"])
+    assert parts["total_s"] == pytest.approx(parts["round_trip_s"] + parts["cpu_dedup_s"] + crit
+                                             + parts["cpu_gather_s"] + parts["h2d_copy_s"])
+    assert parts["page_faults_s"] == pytest.approx(4000 * lat.hw.cpu.major_fault_s / lat.hw.cpu.threads)
+    warm = lat.fetch_parts(EngramStep(lookups=10_000, unique=8_000, page_cache_rows=8_000))
+    assert 0 < warm["total_s"] < parts["total_s"]
+    uva = LatencyModel(MODEL, load_profile("B200"), tp=4, placement="dram-uva")
+    assert warm["total_s"] > uva.fetch_parts(EngramStep(lookups=10_000, unique=8_000))["total_s"]  # the CPU round trip
+
+
+def test_prefetch_window_hides_small_fetches_and_stall_is_the_rest():
+    lat = LatencyModel(MODEL, load_profile("B200"), tp=4, placement="dram-copy",
+                       efficiency=Efficiency(host_addressing=True))
+    small = lat.step_time(8, 8000, 8000, [EngramStep(8 * 24, 8 * 24)] * 2)
+    assert small["stall_s"] == 0.0 and small["step_s"] == small["total_s"]
+    big_work = EngramStep(8192 * 24, 8192 * 24)
+    big = lat.step_time(64, 64_000, 64_000, [big_work] * 2)
+    layer_s = (big["total_s"] - big["overhead_s"]) / MODEL.layers
+    f = big["engram1_fetch_s"]
+    stall1 = max(0.0, f - layer_s)
+    stall14 = max(0.0, 2 * f - (14 * layer_s + stall1))
+    assert big["stall_s"] == pytest.approx(stall1 + stall14) and big["stall_s"] > 0
+
+
+def test_roofline_regimes():
+    lat = LatencyModel(MODEL, load_profile("B200"), tp=8, placement="hbm")
+    decode = lat.gpu_time(1, 1000, 1000)
+    prefill = lat.gpu_time(16_384, 16_384 * 8_000, 16_384)
+    assert decode["memory_s"] > decode["gemm_s"] + decode["attention_s"]
+    assert prefill["gemm_s"] + prefill["attention_s"] > prefill["memory_s"]
+
+
+def test_gpu_side_row_ids_leave_no_window():
+    work = [EngramStep(8 * 24, 8 * 24)] * 2
+    lat = LatencyModel(MODEL, load_profile("B200"), tp=4, placement="ssd-mmap")
+    step = lat.step_time(8, 8000, 8000, work)
+    fetch = step["engram1_fetch_s"] + step["engram14_fetch_s"]
+    assert step["stall_s"] == pytest.approx(fetch + 2 * lat.eff.graph_break_s)

@@ -1,0 +1,86 @@
+"""The lookup stream: flattening order, step semantics, dedup, compaction and .npz round trips."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cachelab.errors import CachelabError
+from cachelab.lookups import LookupStream, compact, dedup_steps, global_key, split_key
+
+
+def test_from_rows_flattens_token_layer_column_with_meta():
+    rows = np.arange(2 * 2 * 3, dtype=np.int32).reshape(2, 2, 3)
+    s = LookupStream.from_rows(rows, np.array([0, 2]), 264, (1, 14), {"request": np.array([7, 8])})
+    layer, row = split_key(s.keys)
+    assert layer.tolist() == [0, 0, 0, 1, 1, 1] * 2
+    assert row.tolist() == list(range(12))
+    assert s.step_offsets.tolist() == [0, 6, 6, 12]  # step 1 is empty
+    assert s.meta["column"].tolist() == [0, 1, 2] * 4
+    assert s.meta["request"].tolist() == [7] * 6 + [8] * 6
+
+
+def test_from_rows_rejects_decreasing_steps():
+    with pytest.raises(CachelabError, match="non-decreasing"):
+        LookupStream.from_rows(np.zeros((2, 1, 1), np.int32), np.array([1, 0]), 264, (1,))
+
+
+class _FakeAddresser:
+    """Row = token id + column, one layer of 2 columns: enough to check step bookkeeping."""
+
+    class config:  # noqa: N801
+        row_bytes, layers = 264, (1,)
+
+    def rows(self, tokens, offsets):
+        return (np.asarray(tokens)[:, None, None] + np.arange(2)[None, None, :]).astype(np.int32)
+
+
+def test_from_sequences_chunks_prefill_then_decodes_one_token_per_step():
+    seqs = [np.arange(5), np.arange(100, 103)]
+    s = LookupStream.from_sequences(_FakeAddresser(), seqs, tokens_per_step=2, prompt_lengths=[3, 3],
+                                    domains=["code", "math"])
+    # request 0: prefill [0,1] [2], decode [3] [4]; request 1: prefill [100,101] [102]
+    assert (np.diff(s.step_offsets) // 2).tolist() == [2, 1, 1, 1, 2, 1]
+    tok_phase = s.meta["phase"][::2].tolist()
+    assert tok_phase == [0, 0, 0, 1, 1, 0, 0, 0]
+    assert s.meta["position"][::2].tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+    assert s.domains == ("code", "math") and s.meta["domain"][::2].tolist() == [0] * 5 + [1] * 3
+
+
+def test_save_load_round_trip_and_errors(tmp_path):
+    rows = np.random.default_rng(0).integers(0, 1000, (10, 2, 4), dtype=np.int32)
+    s = LookupStream.from_rows(rows, np.arange(10) // 3, 264, (1, 14), {"request": np.arange(10)}, ("a",))
+    back = LookupStream.load(s.save(tmp_path / "s.npz"))
+    assert np.array_equal(back.keys, s.keys) and np.array_equal(back.step_offsets, s.step_offsets)
+    assert back.layers == (1, 14) and back.row_bytes == 264 and back.domains == ("a",)
+    assert set(back.meta) == {"column", "request"} and back.meta["column"].dtype == np.int8
+    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    with pytest.raises(CachelabError, match="bad.npz"):
+        LookupStream.load(tmp_path / "bad.npz")
+    np.savez(tmp_path / "other.npz", x=np.zeros(3))
+    with pytest.raises(CachelabError, match="'version' missing"):
+        LookupStream.load(tmp_path / "other.npz")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 12), max_size=8), min_size=1, max_size=12))
+def test_dedup_matches_a_plain_python_reading(steps):
+    keys = np.array([k for s in steps for k in s], dtype=np.int64) << 33  # sparse keys: compaction matters
+    offsets = np.concatenate([[0], np.cumsum([len(s) for s in steps])])
+    ids, uniq = compact(keys)
+    assert np.array_equal(uniq[ids], keys)
+    dd = dedup_steps(ids, offsets, uniq.size)
+    for s, step in enumerate(steps):
+        distinct = list(dict.fromkeys(step))
+        got = uniq[dd.keys[dd.offsets[s]:dd.offsets[s + 1]]] >> 33
+        assert got.tolist() == distinct
+        for i in range(offsets[s], offsets[s + 1]):
+            assert uniq[dd.keys[dd.inverse[i]]] == keys[i]
+    assert dd.counts.sum() == keys.size
+
+
+def test_global_key_round_trip():
+    layer, row = split_key(global_key([0, 1, 1], [5, 0, 2**31 - 1]))
+    assert layer.tolist() == [0, 1, 1] and row.tolist() == [5, 0, 2**31 - 1]

@@ -1,0 +1,89 @@
+"""Belady: eviction order, bypass and lookahead (libCacheSim agreement: test_differential_libcachesim)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cachelab import registry
+from cachelab.future import next_access
+from cachelab.policy import NO_NEXT
+
+
+def make(name, capacity, num_keys, **params):
+    policy = registry.get(registry.POLICIES, name)(**params)
+    policy.reset(capacity, num_keys)
+    return policy
+
+
+def misses(name, keys, offsets, capacity, **params):
+    policy = make(name, capacity, int(keys.max()) + 1, **params)
+    return int((~policy.run(keys, offsets, policy.view_future(next_access(keys), offsets))).sum())
+
+
+def test_evicts_the_farthest_next_use_with_slots():
+    keys = np.array([1, 2, 3, 1, 2, 1])
+    p = make("belady", 2, 4)
+    r = p.step(keys, next_access(keys))
+    # 3 arrives with 1 (next at 3) and 2 (next at 4) resident: 2 goes, 3 takes its slot.
+    assert r.hits.tolist() == [False, False, False, True, False, True]
+    assert r.admitted.tolist() == [1, 2, 3, 2] and r.slots.tolist() == [0, 1, 1, 1]
+    assert r.evicted.tolist() == [2, 3]
+    bypass = make("belady-bypass", 2, 4).step(keys, next_access(keys))
+    assert bypass.admitted.tolist() == [1, 2] and bypass.evicted.size == 0  # 3 is never reused
+    assert bypass.hits.sum() == 3
+
+
+def test_needs_next_access():
+    from cachelab.errors import CachelabError
+
+    with pytest.raises(CachelabError, match="needs next_access"):
+        make("belady", 2, 4).run(np.array([1, 2]), np.array([0, 2]))
+
+
+@pytest.mark.parametrize("name, params", [("belady", {}), ("belady-bypass", {}),
+                                          ("belady-lookahead", {"window": 3})])
+def test_step_path_equals_run_path(name, params):
+    rng = np.random.default_rng(0)
+    keys = rng.zipf(1.2, 20_000) % 500
+    offsets = np.arange(0, keys.size + 1, 50)
+    a, b = make(name, 64, 500, **params), make(name, 64, 500, **params)
+    nxt = a.view_future(next_access(keys), offsets)
+    stepped = np.concatenate([a.step(keys[lo:hi], nxt[lo:hi]).hits for lo, hi in zip(offsets[:-1], offsets[1:])])
+    assert np.array_equal(stepped, b.run(keys, offsets, nxt))
+    assert np.array_equal(a.resident(), b.resident())
+
+
+def test_lookahead_view_censors_beyond_the_window():
+    keys = np.array([1, 2, 1, 3, 4, 1])
+    offsets = np.arange(keys.size + 1)
+    view = make("belady-lookahead", 2, 5, window=2).view_future(next_access(keys), offsets)
+    assert view[0] == 2 and view[2] == NO_NEXT  # 1 returns 2 steps later, then 3 steps later
+
+
+def test_lookahead_unbounded_equals_full_belady():
+    rng = np.random.default_rng(5)
+    keys = rng.zipf(1.1, 30_000) % 2_000
+    offsets = np.arange(0, keys.size + 1, 24)
+    for capacity in (8, 100, 700):
+        for bypass, full in ((False, "belady"), (True, "belady-bypass")):
+            unbounded = misses("belady-lookahead", keys, offsets, capacity, window=offsets.size, bypass=bypass)
+            assert unbounded == misses(full, keys, offsets, capacity)
+
+
+def test_lookahead_misses_fall_as_the_window_grows():
+    # Phases of loops over 3, 5, 9 and 17 fresh rows, one row per step, cache of 2 rows:
+    # a loop of L rows is reused L steps later, so only a window >= L sees it (else LRU,
+    # which misses every access of a loop longer than the cache).
+    phases, base = [], 0
+    for length in (3, 5, 9, 17):
+        phases.append(base + np.tile(np.arange(length), 40))
+        base += length
+    keys = np.concatenate(phases)
+    offsets = np.arange(keys.size + 1)
+    windows = [0, 1, 2, 3, 4, 5, 8, 9, 16, 17, keys.size]
+    counts = [misses("belady-lookahead", keys, offsets, 2, window=w) for w in windows]
+    assert all(a >= b for a, b in zip(counts, counts[1:])), counts
+    assert counts[0] == keys.size  # no lookahead: LRU, every loop access misses
+    assert counts[-1] == misses("belady", keys, offsets, 2)
+    assert len(set(counts)) == 5  # each loop length crossed is a strict drop

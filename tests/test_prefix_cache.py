@@ -1,0 +1,134 @@
+"""Prefix caches: hand-computed hits, eviction order, and Mooncake's published LRU behaviour."""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+
+from cachelab.prefix_cache import BlockPrefixCache, RadixPrefixCache, block_hashes, replay_sequential
+
+
+def _start(cache, rid, tokens, num_prompt=None):
+    key = cache.prefix_key(np.asarray(tokens))
+    num_prompt = len(tokens) if num_prompt is None else num_prompt
+    cached = cache.match(key, num_prompt)
+    cache.admit(rid, key, num_prompt, cached)
+    cache.record_query(num_prompt, cached)
+    return cached
+
+
+def test_block_hashes_chain_the_prefix():
+    a = block_hashes(np.arange(10), 4)
+    b = block_hashes(np.r_[np.arange(4), 99, np.arange(5, 10)], 4)
+    assert a.size == 2 and a[0] == b[0] and a[1] != b[1]  # block 1 differs, so its chain does
+    c = block_hashes(np.r_[99, np.arange(1, 10)], 4)
+    assert c[1] != a[1]  # same block content, different prefix
+
+
+def test_vllm_hits_free_queue_order_and_eviction():
+    cache = BlockPrefixCache(num_blocks=4, block_size=4)
+    a = list(range(1, 11))
+    assert _start(cache, 0, a) == 0 and cache.extend(0, 10)  # takes blocks 0, 1, 2
+    cache.free(0)  # tail first: queue is 3 | 2, 1, 0
+    assert cache._prev[0] == 1 and cache._meta[0] == 3 and cache._meta[1] == 0
+    b = a[:8] + [99, 100]
+    assert _start(cache, 1, b) == 8  # blocks 0 and 1 reused
+    assert cache.extend(1, 10) and cache.num_free_tokens == 4  # took block 3; block 2 left
+    assert _start(cache, 2, list(range(200, 212))) == 0
+    assert not cache.extend(2, 12)  # three blocks needed, one free
+    cache.free(1)  # queue: 2, 3, 1, 0
+    assert cache.extend(2, 12) and cache.evictions == 1  # blocks 2, 3, 1: block 1's hash goes
+    cache.free(2)
+    assert _start(cache, 3, a) == 4  # only a's first block is still cached
+    assert cache.hit_ratio == pytest.approx(12 / 42)
+
+
+def test_vllm_recomputes_the_last_prompt_token():
+    cache = BlockPrefixCache(num_blocks=8, block_size=4)
+    replay_sequential(cache, [cache.prefix_key(np.arange(8))], [8])
+    assert cache.match(cache.prefix_key(np.arange(8)), 8) == 4  # not 8: one token must run
+    assert cache.match(cache.prefix_key(np.arange(9)), 9) == 8
+
+
+def test_vllm_caching_off_never_hits():
+    cache = BlockPrefixCache(num_blocks=8, block_size=4, enable_caching=False)
+    prompt = np.arange(12)
+    assert replay_sequential(cache, [cache.prefix_key(prompt)] * 3, [12] * 3) == 0.0
+
+
+def _lru_blocks_reference(hash_lists, lengths, block_size, capacity_blocks):
+    """An OrderedDict of blocks freed tail first, as vLLM documents; a partial block is a
+    block too (it takes a slot, holds no hash, and is freed first)."""
+    lru, hit, total = OrderedDict(), 0, 0
+    for i, (hashes, n) in enumerate(zip(hash_lists, lengths)):
+        full = hashes[: n // block_size] + ([("partial", i)] if n % block_size else [])
+        k = 0
+        while k < min(len(full), (n - 1) // block_size) and full[k] in lru:
+            k += 1
+        hit, total = hit + k * block_size, total + n
+        for h in reversed(full):
+            lru[h] = None
+            lru.move_to_end(h)
+        while len(lru) > capacity_blocks:
+            lru.popitem(last=False)
+    return hit / total
+
+
+def test_vllm_agrees_with_an_ordered_dict_lru():
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(0, 50, 64) for _ in range(6)]
+    prompts = [np.r_[docs[rng.integers(6)][: rng.integers(8, 64)], rng.integers(0, 50, rng.integers(1, 20))]
+               for _ in range(300)]
+    hashes = [block_hashes(p, 8) for p in prompts]
+    lengths = [p.size for p in prompts]
+    for cap in (11, 16, 40):  # every prompt (at most 83 tokens) fits in 11 blocks
+        ours = replay_sequential(BlockPrefixCache(cap, 8), hashes, lengths)
+        assert ours == pytest.approx(_lru_blocks_reference([h.tolist() for h in hashes], lengths, 8, cap))
+
+
+def test_sglang_split_lock_and_leaf_lru():
+    cache = RadixPrefixCache(capacity_tokens=10)
+    assert _start(cache, 0, [1, 2, 3, 4, 5]) == 0 and cache.extend(0, 5)
+    cache.free(0)
+    assert _start(cache, 1, [1, 2, 3, 9, 9]) == 3  # splits [1..5] into [1,2,3] + [4,5]
+    assert sorted(cache.root.children[1].children) == [4]
+    assert cache.extend(1, 5) and cache.num_free_tokens == 3
+    assert _start(cache, 2, [7] * 6) == 0
+    assert not cache.extend(2, 6)  # evicts leaf [4,5]; the locked [1,2,3] stays: 5 free < 6
+    assert cache.num_free_tokens == 5 and cache.tree_tokens == 3
+    cache.free(1)  # inserts [9,9] under [1,2,3]
+    assert cache.tree_tokens == 5
+    assert cache.extend(2, 6) and cache.tree_tokens == 3  # leaf [9,9] went, [1,2,3] is kept
+    assert cache.hit_ratio == pytest.approx(3 / 16)
+
+
+def test_sglang_unbounded_equals_longest_earlier_prefix():
+    rng = np.random.default_rng(5)
+    base = rng.integers(0, 5, 40)
+    prompts = [np.r_[base[: rng.integers(0, 40)], rng.integers(0, 5, rng.integers(1, 10))] for _ in range(80)]
+    expected_hit = 0
+    for i, p in enumerate(prompts):
+        best = 0
+        for q in prompts[:i]:
+            m = min(q.size, p.size - 1)
+            d = np.flatnonzero(q[:m] != p[:m])
+            best = max(best, int(d[0]) if d.size else m)
+        expected_hit += best
+    cache = RadixPrefixCache(capacity_tokens=10**6)
+    ratio = replay_sequential(cache, [cache.prefix_key(p) for p in prompts], [p.size for p in prompts])
+    assert ratio == pytest.approx(expected_hit / sum(p.size for p in prompts))
+
+
+@pytest.mark.data
+def test_vllm_reproduces_mooncake_lru(data_dir):
+    path = data_dir / "traces" / "mooncake_fast25" / "conversation_trace.jsonl"
+    rows = [json.loads(line) for line in path.open()]
+    hashes = [np.asarray(r["hash_ids"], dtype=np.uint64) for r in rows]
+    lengths = [r["input_length"] for r in rows]
+    ratios = {cap: replay_sequential(BlockPrefixCache(cap // 512, 512), hashes, lengths)
+              for cap in (3_000_000, 30_000_000, 300_000_000)}
+    assert ratios[3_000_000] == pytest.approx(0.14, abs=0.01)  # Mooncake (FAST'25): about 14%
+    assert ratios[30_000_000] > 0.35 and ratios[300_000_000] == pytest.approx(0.366, abs=0.01)

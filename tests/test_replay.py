@@ -1,0 +1,146 @@
+"""Replay through a hierarchy: a hand-computed SSD case, accounting invariants, and properties
+against a plain-Python model of inclusive LRU tiers over an LRU page cache."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cachelab.errors import CachelabError
+from cachelab.hierarchy import Hierarchy, SSDStore, Tier
+from cachelab.lookups import LookupStream, global_key
+from cachelab.replay import replay
+
+ROW = 264
+
+
+def _stream(steps):
+    keys = np.array([global_key(layer, row) for step in steps for layer, row in step], dtype=np.int64)
+    return LookupStream(keys, np.concatenate([[0], np.cumsum([len(s) for s in steps])]), ROW, (1, 14))
+
+
+def test_ssd_page_cache_case_computed_by_hand():
+    steps = [[(0, 0), (0, 1), (0, 15), (0, 0)],  # pages (0,0) (0,1): 2 reads; hbm {0,1,15}
+             [(0, 16), (0, 29)],  # both miss hbm; page (0,1) is the cached page: no read
+             [(0, 15), (1, 3), (1, 4)]]  # 15 hits hbm; (1,3) (1,4) share page (1,0): 1 read
+    h = Hierarchy([Tier("hbm", "lru", capacity_rows=3)], ROW, SSDStore(page_cache_bytes=4096))
+    r = replay(_stream(steps), h)
+    s = r.summary()
+    lv = s["levels"]
+    assert [lv[n]["served_unique"] for n in ("hbm", "page_cache", "ssd")] == [1, 2, 5]
+    assert [lv[n]["served_lookups"] for n in ("hbm", "page_cache", "ssd")] == [1, 2, 6]
+    assert s["page_reads"] == 3 and r.page_reads.tolist() == [2, 0, 1]
+    assert s["bytes"] == {"hbm_read": ROW, "host_to_gpu": 7 * ROW, "host_read": 2 * ROW, "ssd_to_host": 3 * 4096}
+    assert s["read_amplification"] == pytest.approx(3 * 4096 / (5 * ROW))
+    assert lv["hbm"]["hit_ratio_unique"] == 1 / 8 and lv["hbm"]["hit_ratio_lookup"] == 1 / 9
+    assert lv["page_cache"]["requests_unique"] == 7
+    # warm-up of one step: only steps 1 and 2 count
+    w = replay(_stream(steps), h, warmup=1).summary()
+    assert w["warmup_steps"] == 1 and w["warmup_lookups"] == 4 and w["lookups"] == 5 and w["page_reads"] == 1
+
+
+def test_bad_hierarchies_are_named():
+    with pytest.raises(CachelabError, match="exactly one of capacity_rows"):
+        Tier("hbm", "lru")
+    with pytest.raises(CachelabError, match="location"):
+        Tier("fast", "lru", capacity_rows=4)
+    with pytest.raises(CachelabError, match="holds no row"):
+        Hierarchy([Tier("hbm", "lru", capacity_bytes=100)], ROW)
+    with pytest.raises(CachelabError, match="unknown backing"):
+        Hierarchy([Tier("hbm", "lru", capacity_rows=4)], ROW, backing="tape")
+
+
+def _model(steps, caps, page_cap, rows_per_page=15):
+    """Inclusive LRU tiers, each fed the misses of the one above, over an LRU page cache."""
+    tiers = [OrderedDict() for _ in caps]
+    pages: OrderedDict = OrderedDict()
+    served, reads = [], []
+    for step in steps:
+        step_reads, seen_pages = 0, {}
+        for key in dict.fromkeys(step):  # distinct, first-occurrence order
+            level = len(caps)
+            for t, (cache, cap) in enumerate(zip(tiers, caps)):
+                if key in cache:
+                    cache.move_to_end(key)
+                    level = t
+                    break
+                cache[key] = None
+                if len(cache) > cap:
+                    cache.popitem(last=False)
+            if level == len(caps):
+                page = (key[0], key[1] // rows_per_page)
+                if page not in seen_pages:
+                    hit = page in pages
+                    if hit:
+                        pages.move_to_end(page)
+                    elif page_cap:
+                        pages[page] = None
+                        if len(pages) > page_cap:
+                            pages.popitem(last=False)
+                    seen_pages[page] = hit
+                    step_reads += not hit
+                level += 0 if seen_pages[page] else 1
+            served.append(level)
+        reads.append(step_reads)
+    return served, reads
+
+
+steps_strategy = st.lists(st.lists(st.tuples(st.integers(0, 1), st.integers(0, 60)), max_size=10),
+                          min_size=1, max_size=25)
+
+
+@settings(max_examples=80, deadline=None)
+@given(steps=steps_strategy, caps=st.tuples(st.integers(1, 6), st.integers(1, 12)), page_cap=st.integers(0, 3))
+def test_replay_equals_the_python_model(steps, caps, page_cap):
+    h = Hierarchy([Tier("hbm", "lru", capacity_rows=caps[0]), Tier("dram", "lru", capacity_rows=caps[1])],
+                  ROW, SSDStore(page_cache_bytes=page_cap * 4096))
+    stream = _stream(steps)
+    r = replay(stream, h)
+    served, reads = _model(steps, caps, page_cap)
+    assert r.served.tolist() == served and r.page_reads.tolist() == reads
+    again = replay(stream, h)  # identical runs, identical results
+    assert np.array_equal(again.served, r.served) and np.array_equal(again.inverse, r.inverse)
+    # per step, no tier serves more distinct rows than it holds
+    per_step = r.per_step
+    assert (per_step["served_hbm"] <= caps[0]).all() and (per_step["served_dram"] <= caps[1]).all()
+    # accounting: every lookup and every unique row served exactly once, bytes add up
+    s = r.summary()
+    assert sum(v["served_lookups"] for v in s["levels"].values()) == s["lookups"] == stream.num_lookups
+    assert sum(v["served_unique"] for v in s["levels"].values()) == s["unique_rows"] == per_step["unique"].sum()
+    assert s["bytes"]["hbm_read"] + s["bytes"]["host_to_gpu"] == s["unique_rows"] * ROW
+    for link in ("hbm_read", "host_to_gpu", "host_read", "ssd_to_host"):
+        assert per_step[f"{link}_bytes"].sum() == s["bytes"][link]
+    # a row served by a tier reached that tier in an earlier step (it was admitted there)
+    for lookup, level in enumerate(r.served_by_lookup.tolist()):
+        assert level == served[r.inverse[lookup]]
+
+
+def test_policies_needing_the_future_get_it_on_their_own_tier_stream():
+    from cachelab.policy import Capabilities, Policy, StepResult
+
+    seen = {}
+
+    class Spy(Policy):
+        name = "spy"
+        capabilities = Capabilities(needs_future=True)
+
+        def reset(self, capacity, num_keys):
+            pass
+
+        def step(self, keys, next_access=None, scores=None):
+            seen.setdefault("keys", []).extend(keys.tolist())
+            seen.setdefault("next", []).extend(next_access.tolist())
+            return StepResult(np.zeros(keys.size, bool), keys, keys * 0, keys[:0])
+
+        def resident(self):
+            return np.zeros(0, np.int64)
+
+    stream = LookupStream(np.array([5, 5, 7, 5, 7]), np.array([0, 2, 5]), ROW)
+    replay(stream, Hierarchy([Tier("hbm", Spy(), capacity_rows=1)], ROW))
+    # dedup: [5] [7 5]; next positions on that stream: 5 -> 2, 7 -> none, 5 -> none
+    assert seen["keys"] == [0, 1, 0]
+    assert seen["next"] == [2, np.iinfo(np.int64).max, np.iinfo(np.int64).max]

@@ -1,0 +1,112 @@
+"""Serving replay: vLLM's metric definitions, Pareto fronts, and the scheduler's behaviour."""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+import pytest
+
+from cachelab.latency import Efficiency
+from cachelab.metrics import RequestTimes, summarize
+from cachelab.pareto import dominated, pareto_front, throughput_at
+from cachelab.serving import ServingConfig, ServingSimulator, simulate
+
+
+def test_vllm_metric_definitions_by_hand():
+    times = RequestTimes(send_s=np.array([0.0, 1.0]), first_token_s=np.array([0.5, 1.2]),
+                         end_s=np.array([1.5, 1.2]), prompt_tokens=np.array([100, 50]),
+                         output_tokens=np.array([3, 1]), token_times=np.array([0.5, 1.0, 1.5, 1.2]),
+                         token_offsets=np.array([0, 3, 4]))
+    m = summarize(times, num_gpus=2, usd_per_gpu_hour=2.0)
+    assert m["mean_ttft_ms"] == pytest.approx(350.0)  # (500 + 200) / 2
+    assert m["median_tpot_ms"] == pytest.approx(500.0)  # (1500 - 500) / (3 - 1); request 2 has one token
+    assert m["p99_itl_ms"] == pytest.approx(500.0) and m["mean_itl_ms"] == pytest.approx(500.0)
+    assert m["p90_e2el_ms"] == pytest.approx(200 + 0.9 * 1300)  # linear interpolation
+    assert m["duration_s"] == 1.5 and m["total_token_throughput"] == pytest.approx(154 / 1.5)
+    assert m["tokens_per_s_per_gpu"] == pytest.approx(154 / 1.5 / 2)
+    assert m["interactivity"] == pytest.approx(2.0)
+    assert m["cost_per_million_tokens"] == pytest.approx(2.0 / (154 / 3 * 3600 / 1e6))
+    assert m["tokens_per_dollar"] == pytest.approx(154 / 3 * 3600 / 2.0)
+
+
+def test_pareto_front_and_reading_it():
+    pts = pl.DataFrame({"interactivity": [10.0, 20.0, 30.0, 15.0, 30.0],
+                        "tokens_per_s_per_gpu": [1000.0, 800.0, 300.0, 700.0, 200.0], "name": list("abcde")})
+    front = pareto_front(pts)
+    assert front["name"].to_list() == ["a", "b", "c"]
+    assert throughput_at(front, 25.0) == pytest.approx(550.0)
+    assert throughput_at(front, 5.0) == 1000.0 and np.isnan(throughput_at(front, 31.0))
+    assert dominated(pts, front).tolist() == [False, False, False, True, True]
+
+
+def _trace(n=40, seed=0, spacing=0.02, out=(2, 60), shared=True):
+    rng = np.random.default_rng(seed)
+    bases = [rng.integers(1000, 50_000, 1500) for _ in range(3)]
+    rows = []
+    for i in range(n):
+        head = bases[i % 3][: rng.integers(200, 1500)] if shared else rng.integers(1000, 50_000, 600)
+        prompt = np.r_[head, rng.integers(1000, 50_000, rng.integers(10, 200))]
+        output = rng.integers(1000, 50_000, rng.integers(*out))
+        rows.append({"arrival_s": i * spacing, "prompt_ids": prompt.tolist(), "output_ids": output.tolist()})
+    return pl.DataFrame(rows)
+
+
+def test_single_request_timeline():
+    trace = pl.DataFrame({"arrival_s": [0.0], "prompt_ids": [list(range(1000, 1300))], "output_ids": [list(range(5))]})
+    res = simulate(trace, ServingConfig(hardware="B200", tp=4, max_num_batched_tokens=128))
+    steps = res.per_step
+    assert steps.height == 3 + 4  # ceil(300 / 128) prefill chunks, then 4 decode steps
+    assert steps["tokens"].to_list() == [128, 128, 44, 1, 1, 1, 1]
+    m = res.metrics
+    assert m["mean_ttft_ms"] == pytest.approx(steps["step_s"][:3].sum() * 1e3)
+    assert m["mean_e2el_ms"] == pytest.approx(steps["step_s"].sum() * 1e3)
+    assert m["mean_tpot_ms"] == pytest.approx(steps["step_s"][3:].sum() * 1e3 / 4)
+    assert res.rows["lookups"] == (300 + 4) * 48
+
+
+def test_prefix_cache_skips_lookups_and_reports_both_caches():
+    trace = _trace()
+    on = simulate(trace, ServingConfig(hardware="B200", tp=4, row_cache_bytes=2e8))
+    off = simulate(trace, ServingConfig(hardware="B200", tp=4, row_cache_bytes=2e8, prefix_cache="off"))
+    assert on.prefix_cache["hit_ratio"] > 0.3 and off.prefix_cache["hit_ratio"] == 0.0
+    cached = on.per_request["cached_tokens"].sum()
+    assert off.rows["lookups"] - on.rows["lookups"] == cached * 48  # cached tokens skip their rows
+    assert on.prefix_cache["footprint_bytes_peak"] > 0 and on.rows["row_cache_resident_bytes"] > 0
+    hbm_on, hbm_off = on.rows["levels"]["hbm"]["hit_ratio_unique"], off.rows["levels"]["hbm"]["hit_ratio_unique"]
+    assert hbm_off > hbm_on  # the row cache's reuse is mostly the prefix cache's reuse
+    sg = simulate(trace, ServingConfig(hardware="B200", tp=4, prefix_cache="sglang"))
+    assert sg.prefix_cache["hit_ratio"] > 0.3 and sg.metrics["completed"] == 40
+
+
+def test_preemption_when_kv_runs_out_still_finishes_every_token():
+    cfg = ServingConfig(hardware="B200", tp=8, max_num_batched_tokens=2048, prefix_cache="off")
+    sim = ServingSimulator(_trace(30, spacing=0.0, out=(100, 200), shared=False), cfg)
+    usable, weights = sim.latency.plan.usable_bytes, sim.latency.plan.weight_bytes
+    small = Efficiency(activation_reserve_bytes=sim.latency.eff.activation_reserve_bytes
+                       + usable - weights - 4000 * sim.model.kv_bytes_per_token)
+    res = simulate(_trace(30, spacing=0.0, out=(100, 200), shared=False),
+                   ServingConfig(hardware="B200", tp=8, max_num_batched_tokens=2048, prefix_cache="off", efficiency=small))
+    assert res.memory["memory_plan_per_gpu"]["kv_tokens"] < 4100
+    assert res.metrics["preemptions"] > 0 and res.metrics["completed"] == 30
+    assert res.metrics["total_output_tokens"] == sum(len(o) for o in _trace(30, out=(100, 200), shared=False)["output_ids"])
+
+
+def test_concurrency_cap_serialises_clients():
+    res = simulate(_trace(8, spacing=0.0), ServingConfig(hardware="B200", tp=4, concurrency=1))
+    req = res.per_request.sort("send_s")
+    assert np.all(req["send_s"].to_numpy()[1:] >= req["end_s"].to_numpy()[:-1] - 1e-12)
+
+
+def test_ssd_mmap_stalls_where_uva_hides():
+    trace = _trace(20)
+    uva = simulate(trace, ServingConfig(hardware="B200", tp=4, placement="dram-uva"))
+    ssd = simulate(trace, ServingConfig(hardware="B200", tp=4, placement="ssd-mmap", page_cache_bytes=0))
+    assert uva.metrics["stall_share"] < 0.01 < ssd.metrics["stall_share"]
+    assert ssd.rows["page_reads"] > 0 and ssd.metrics["median_tpot_ms"] > uva.metrics["median_tpot_ms"]
+
+
+def test_sampled_rows_estimate_the_full_counts():
+    trace = _trace(40)
+    full = simulate(trace, ServingConfig(hardware="B200", tp=4))
+    part = simulate(trace, ServingConfig(hardware="B200", tp=4, sample_rate=0.1))
+    assert part.rows["lookups"] == pytest.approx(full.rows["lookups"], rel=0.1)

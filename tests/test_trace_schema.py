@@ -1,0 +1,102 @@
+"""The request-table contract: round trip, validation naming file/row/field, atomic writes."""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from cachelab.errors import CachelabError
+from cachelab.prefix_blocks import DistinctCounter, chained_block_hashes
+from cachelab.trace import SCHEMA, conform, read_trace, scan_trace, validate, write_trace
+
+
+def table(**overrides) -> pl.DataFrame:
+    base = {"request_id": [0, 1], "session_id": [0, 0], "turn": [0, 1], "arrival_s": [0.0, 1.5],
+            "domain": ["code", "code"], "prompt_ids": [[1, 2, 3], [1, 2, 3, 9, 4]], "output_ids": [[9], [5, 6]],
+            "prompt_len": [3, 5], "output_len": [1, 2], "block_hashes": [None, None], "block_size": [None, None],
+            "source": ["test", "test"]}
+    base.update(overrides)
+    return conform(pl.DataFrame(base))
+
+
+def test_round_trip_keeps_values_and_version(tmp_path):
+    path = tmp_path / "t.parquet"
+    write_trace(table(), path)
+    assert read_trace(path).equals(table())
+    assert scan_trace(path).collect().height == 2
+    assert pq.read_schema(path).metadata[b"cachelab.trace.schema_version"] == b"1"
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("turn", [0, -1], "row 1, field 'turn'"),
+    ("arrival_s", [2.0, 1.0], "row 1, field 'arrival_s'"),
+    ("request_id", [4, 4], "row 1, field 'request_id'"),
+    ("prompt_len", [3, 7], "row 1, field 'prompt_ids'"),
+    ("output_ids", [[9], [-5, 6]], "row 1, field 'output_ids'"),
+])
+def test_validation_names_row_and_field(field, value, message):
+    with pytest.raises(CachelabError, match=message):
+        validate(table(**{field: value}), "x.parquet")
+
+
+def test_content_less_rows_and_block_hash_counts():
+    ok = table(prompt_ids=[[], []], output_ids=[[], []], prompt_len=[1024, 1025],
+               block_hashes=[[1, 2], [1, 2, 3]], block_size=[512, 512])
+    validate(ok, "x")
+    with pytest.raises(CachelabError, match="row 1, field 'block_hashes'"):
+        validate(table(prompt_ids=[[], []], output_ids=[[], []], prompt_len=[1024, 1025],
+                       block_hashes=[[1, 2], [1, 2]], block_size=[512, 512]), "x")
+
+
+def test_read_refuses_foreign_and_mistyped_files(tmp_path):
+    plain = tmp_path / "plain.parquet"
+    pl.DataFrame({"a": [1]}).write_parquet(plain)
+    with pytest.raises(CachelabError, match="not a cachelab trace"):
+        read_trace(plain)
+    typed = table().to_arrow().cast(SCHEMA)
+    wrong = typed.set_column(2, "turn", pa.array(["0", "1"]))
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(wrong.replace_schema_metadata(SCHEMA.metadata), bad)
+    with pytest.raises(CachelabError, match="field 'turn' has type String"):
+        read_trace(bad)
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet")
+    with pytest.raises(CachelabError, match="not a Parquet file"):
+        read_trace(tmp_path / "junk.parquet")
+
+
+def test_failed_write_keeps_the_existing_file(tmp_path):
+    path = tmp_path / "t.parquet"
+    write_trace(table(), path)
+    with pytest.raises(CachelabError):
+        write_trace(table(turn=[0, -1]), path)
+    assert read_trace(path).equals(table())
+    assert [p.name for p in tmp_path.iterdir()] == ["t.parquet"]
+
+
+def naive_hit_ratio(prompts: list[list[int]], block: int) -> float | None:
+    seen, hits, total = set(), 0, 0
+    for p in prompts:
+        for end in range(block, len(p) + block, block):
+            key = tuple(p[:min(end, len(p))])
+            hits += key in seen
+            total += 1
+            seen.add(key)
+    return hits / total if total else None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), max_size=12), max_size=12), st.integers(1, 5))
+def test_chained_hashes_count_exactly_the_shared_prefixes(prompts, block):
+    tokens = np.asarray([t for p in prompts for t in p], dtype=np.int32)
+    offsets = np.concatenate([[0], np.cumsum([len(p) for p in prompts])]).astype(np.int64)
+    hashes, hash_off = chained_block_hashes(tokens, offsets, block)
+    assert np.array_equal(np.diff(hash_off), [-(-len(p) // block) for p in prompts])
+    counter = DistinctCounter()
+    for lo in range(0, len(prompts), 3):  # fed in chunks, as trace info does
+        counter.add(hashes[hash_off[lo]:hash_off[min(lo + 3, len(prompts))]])
+    expected = naive_hit_ratio(prompts, block)
+    assert counter.hit_ratio == (None if expected is None else pytest.approx(expected))

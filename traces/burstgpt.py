@@ -1,0 +1,61 @@
+"""BurstGPT traces (HPMLL/BurstGPT: Azure OpenAI GPT usage at a regional provider, CC-BY-4.0).
+
+CSV with the published columns ``Timestamp`` (seconds from the trace start), ``Model``
+(ChatGPT or GPT-4), ``Request tokens``, ``Response tokens``, ``Total tokens`` and ``Log Type``
+(``Conversation log`` or ``API log``). The log type becomes the domain (``conversation`` /
+``api``); ``models`` keeps only some models. There is no text and no prefix information.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+
+from cachelab.arrivals import arrival_frame
+from cachelab.errors import CachelabError
+from cachelab.ingest import Ingest, count_field, seconds_field
+
+COLUMNS = ("Timestamp", "Model", "Request tokens", "Response tokens", "Total tokens", "Log Type")
+
+
+def _label(col: str) -> tuple[pl.Expr, str]:
+    value = pl.col(col)
+    return pl.when(value.str.len_chars() > 0).then(value), "a non-empty label"
+
+
+class BurstGPTTrace:
+    """A BurstGPT CSV as a content-less request table.
+
+    Args:
+        path: the CSV (optionally gzipped).
+        skip_bad: skip and count unusable rows instead of failing on the first.
+        models: keep only these ``Model`` values (all when None).
+    """
+
+    name = "burstgpt"
+    has_lengths = True
+
+    def __init__(self, path: str, skip_bad: bool = False, models: list[str] | None = None):
+        self.path = Path(path)
+        self.skip_bad = skip_bad
+        self.models = models
+        self.skipped = 0
+        self.first_skipped: str | None = None
+
+    def arrivals(self) -> pl.DataFrame:
+        ingest = Ingest(self.path, self.skip_bad)
+        raw, lines = ingest.csv(COLUMNS)
+        conversions = {"Timestamp": seconds_field("Timestamp"), "Model": _label("Model"),
+                       "Log Type": _label("Log Type")}
+        conversions |= {c: count_field(c) for c in ("Request tokens", "Response tokens", "Total tokens")}
+        typed = ingest.convert(raw, lines, conversions)
+        self.skipped, self.first_skipped = ingest.skipped, ingest.first_skipped
+        if self.models is not None:
+            typed = typed.filter(pl.col("Model").is_in(self.models))
+        if typed.height == 0:
+            raise CachelabError(f"{self.path}: no usable requests ({ingest.skipped} bad rows skipped"
+                                + (f", models {self.models})" if self.models else ")"))
+        domain = typed["Log Type"].str.to_lowercase().str.replace(r"\s*log$", "")
+        return arrival_frame(typed["Timestamp"].to_numpy(), typed["Request tokens"].to_numpy(),
+                             typed["Response tokens"].to_numpy(), domain=domain, source=self.name)

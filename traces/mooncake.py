@@ -1,0 +1,95 @@
+"""Mooncake request traces (FAST'25 release, kvcache-ai/Mooncake, Apache-2.0).
+
+One JSON object per line: ``timestamp`` (ms), ``input_length``, ``output_length`` (tokens)
+and ``hash_ids``, the remapped ids of the prompt's 512-token prefix blocks (chained: an
+equal id means an equal prefix up to and including that block; the last block may be
+partial, so ``len(hash_ids) == ceil(input_length / 512)``). No text is published; the ids
+are kept as ``block_hashes`` so the prefix sharing survives into synthesis.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from cachelab.arrivals import arrival_frame
+from cachelab.errors import CachelabError
+from cachelab.ingest import Ingest
+from cachelab.trace import list_series
+
+BLOCK_SIZE = 512
+FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _parse(record, block_size: int) -> str | tuple:
+    """The row's values, or what is wrong with it."""
+    if not isinstance(record, dict):
+        return f"expected a JSON object, got {type(record).__name__}"
+    missing = [f for f in FIELDS if f not in record]
+    if missing:
+        return f"missing field(s) {missing}"
+    ts, n_in, n_out, ids = (record[f] for f in FIELDS)
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
+        return f"field 'timestamp': expected milliseconds >= 0, got {ts!r}"
+    for name, value in (("input_length", n_in), ("output_length", n_out)):
+        if not _count(value):
+            return f"field {name!r}: expected an integer >= 0, got {value!r}"
+    if not isinstance(ids, list) or not all(_count(h) for h in ids):
+        return f"field 'hash_ids': expected a list of integers >= 0, got {str(ids)[:60]}"
+    if len(ids) != -(-n_in // block_size):
+        return (f"field 'hash_ids': {len(ids)} ids for input_length {n_in}, "
+                f"expected ceil({n_in} / {block_size}) = {-(-n_in // block_size)}")
+    return ts, n_in, n_out, ids
+
+
+class MooncakeTrace:
+    """A Mooncake JSONL trace as a content-less request table with its block hashes.
+
+    Args:
+        path: the ``.jsonl`` (or ``.jsonl.gz``) file.
+        skip_bad: skip and count unusable lines instead of failing on the first.
+        domain: label for every request; default the file's workload name
+            (``conversation_trace.jsonl`` -> ``conversation``).
+        block_size: tokens per hash id (512 in every Mooncake release).
+    """
+
+    name = "mooncake"
+    has_lengths = True
+
+    def __init__(self, path: str, skip_bad: bool = False, domain: str | None = None, block_size: int = BLOCK_SIZE):
+        self.path = Path(path)
+        self.skip_bad = skip_bad
+        self.domain = domain or self.path.name.split(".")[0].removesuffix("_trace")
+        self.block_size = block_size
+        self.skipped = 0
+        self.first_skipped: str | None = None
+
+    def arrivals(self) -> pl.DataFrame:
+        ingest = Ingest(self.path, self.skip_bad)
+        ts, n_in, n_out, counts, flat = [], [], [], [], []
+        for line_no, record in ingest.json_lines():
+            parsed = _parse(record, self.block_size)
+            if isinstance(parsed, str):
+                ingest.bad(line_no, parsed)
+                continue
+            ts.append(parsed[0])
+            n_in.append(parsed[1])
+            n_out.append(parsed[2])
+            counts.append(len(parsed[3]))
+            flat.extend(parsed[3])
+        self.skipped, self.first_skipped = ingest.skipped, ingest.first_skipped
+        if not ts:
+            raise CachelabError(f"{self.path}: no usable requests ({ingest.skipped} bad lines skipped)")
+        offsets = np.zeros(len(counts) + 1, dtype=np.int32)
+        np.cumsum(counts, out=offsets[1:])
+        hashes = list_series("block_hashes", offsets, np.asarray(flat, dtype=np.int64))
+        return arrival_frame(np.asarray(ts, dtype=np.float64) / 1000.0, n_in, n_out, domain=self.domain,
+                             source=self.name, block_hashes=hashes, block_size=self.block_size)
+

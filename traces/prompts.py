@@ -1,0 +1,200 @@
+"""Prompt corpora with domain labels, read from the data root (nothing is downloaded).
+
+Each class is a ``cachelab.workloads`` corpus: ``documents()`` yields the source's records in
+file order, deterministically. Sources and licenses are listed in docs/traces.md.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Iterator
+from pathlib import Path
+
+from cachelab.corpus import Document
+from cachelab.errors import CachelabError
+from cachelab.ingest import Ingest
+from cachelab.paths import data_root
+
+
+def _root(root: str | None) -> Path:
+    return Path(root) if root else data_root()
+
+
+def _records(path: Path, fields: tuple[str, ...]) -> Iterator[tuple[int, dict]]:
+    """JSON objects of a JSONL file with the required ``fields``; errors name file and line."""
+    ingest = Ingest(path)
+    for line, record in ingest.json_lines():
+        if not isinstance(record, dict) or any(f not in record for f in fields):
+            ingest.bad(line, f"expected an object with fields {list(fields)}")
+            continue
+        yield line, record
+
+
+class ArenaHard:
+    """Arena-Hard-Auto prompts (lmarena/arena-hard-auto): real Chatbot Arena user prompts.
+
+    ``version`` ``v2.0`` (750: coding, math, creative_writing), ``v0.1`` (500, domain
+    ``hard_prompt``) or ``all``.
+    """
+
+    name = "arena-hard"
+    FILES = {"v2.0": "prompts/arena_hard/arena-hard-v2.0_question.jsonl",
+             "v0.1": "prompts/arena_hard/arena-hard-v0.1_question.jsonl"}
+
+    def __init__(self, version: str = "v2.0", root: str | None = None):
+        if version not in (*self.FILES, "all"):
+            raise CachelabError(f"arena-hard version {version!r}: choose v2.0, v0.1 or all")
+        self.version, self.root = version, root
+
+    def documents(self) -> Iterator[Document]:
+        versions = list(self.FILES) if self.version == "all" else [self.version]
+        for version in versions:
+            for _, r in _records(_root(self.root) / self.FILES[version], ("uid", "prompt")):
+                domain = r.get("subcategory") or ("hard_prompt" if version == "v0.1" else r.get("category", "chat"))
+                yield Document(f"arena-hard-{version}/{r['uid']}", domain, r["prompt"])
+
+
+class _FastChatBench:
+    """FastChat's question.jsonl format: ``question_id``, ``category``, ``turns``, optional ``reference``."""
+
+    name = ""
+    FILE = ""
+
+    def __init__(self, root: str | None = None):
+        self.root = root
+
+    def documents(self) -> Iterator[Document]:
+        for _, r in _records(_root(self.root) / self.FILE, ("question_id", "category", "turns")):
+            turns = tuple(r["turns"])
+            yield Document(f"{self.name}/{r['question_id']}", r["category"], turns[0], turns=turns,
+                           answers=tuple(r.get("reference") or ()))
+
+
+class MTBench(_FastChatBench):
+    """MT-bench (lm-sys/FastChat): 80 two-turn questions in 8 categories; references for some."""
+
+    name = "mt-bench"
+    FILE = "prompts/mt_bench/question.jsonl"
+
+
+class VicunaBench(_FastChatBench):
+    """Vicuna bench (lm-sys/FastChat): 80 single-turn questions in 9 categories."""
+
+    name = "vicuna-bench"
+    FILE = "prompts/vicuna_bench/question.jsonl"
+
+
+class GSM8K:
+    """GSM8K (openai/grade-school-math) math word problems with worked solutions as answers."""
+
+    name = "gsm8k"
+
+    def __init__(self, split: str = "test", root: str | None = None):
+        if split not in ("test", "train"):
+            raise CachelabError(f"gsm8k split {split!r}: choose test or train")
+        self.split, self.root = split, root
+
+    def documents(self) -> Iterator[Document]:
+        path = _root(self.root) / f"prompts/gsm8k/{self.split}.jsonl"
+        for line, r in _records(path, ("question", "answer")):
+            yield Document(f"gsm8k-{self.split}/{line}", "math", r["question"], answers=(r["answer"],))
+
+
+class HumanEval:
+    """HumanEval (openai/human-eval): 164 Python problems; the canonical solution is the answer."""
+
+    name = "humaneval"
+
+    def __init__(self, root: str | None = None):
+        self.root = root
+
+    def documents(self) -> Iterator[Document]:
+        path = _root(self.root) / "prompts/humaneval/HumanEval.jsonl.gz"
+        for _, r in _records(path, ("task_id", "prompt", "canonical_solution")):
+            yield Document(r["task_id"], "code", r["prompt"], answers=(r["canonical_solution"],))
+
+
+class AlpacaSeed:
+    """The 175 Self-Instruct seed tasks of Stanford Alpaca; the first instance's output is the answer."""
+
+    name = "alpaca-seed"
+
+    def __init__(self, root: str | None = None):
+        self.root = root
+
+    def documents(self) -> Iterator[Document]:
+        path = _root(self.root) / "prompts/alpaca_seed/seed_tasks.jsonl"
+        for _, r in _records(path, ("id", "instruction", "instances")):
+            first = (r["instances"] or [{}])[0]
+            prompt = r["instruction"] + (f"\n\n{first['input']}" if first.get("input") else "")
+            yield Document(r["id"], "instruction", prompt,
+                           answers=(first["output"],) if first.get("output") else ())
+
+
+def passages(text: str, max_chars: int) -> list[str]:
+    """Consecutive paragraphs grouped into passages of about ``max_chars`` (never splitting one)."""
+    out, current = [], []
+    size = 0
+    for para in text.split("\n\n"):
+        if current and size + len(para) > max_chars:
+            out.append("\n\n".join(current))
+            current, size = [], 0
+        current.append(para)
+        size += len(para) + 2
+    if current:
+        out.append("\n\n".join(current))
+    return [p for p in out if p.strip()]
+
+
+def _book_body(text: str) -> str:
+    """The text between Project Gutenberg's START and END markers (the licence stays out)."""
+    start, end = text.find("*** START OF"), text.find("*** END OF")
+    start = start if start >= 0 else text.find("***START OF")
+    end = end if end >= 0 else text.find("***END OF")
+    if start >= 0:
+        text = text[text.find("\n", start) + 1:end if end > start else None]
+    return text
+
+
+class Gutenberg:
+    """Project Gutenberg novels, cut into passages in reading order (domain ``prose``).
+
+    In reading order, the text after a passage is its real continuation, which synthesis
+    uses as the output of a prompt drawn from the passage.
+    """
+
+    name = "gutenberg"
+
+    def __init__(self, passage_chars: int = 4000, root: str | None = None):
+        self.passage_chars, self.root = passage_chars, root
+
+    def books(self) -> list[Path]:
+        folder = _root(self.root) / "prompts/gutenberg"
+        manifest = folder / "MANIFEST.csv"
+        if not manifest.is_file():
+            raise CachelabError(f"data file not found: {manifest}")
+        with open(manifest, encoding="utf-8") as fh:
+            names = [row[0].strip() for row in csv.reader(fh)][1:]
+        return [folder / n for n in names if (folder / n).is_file()]
+
+    def documents(self) -> Iterator[Document]:
+        for book in self.books():
+            body = _book_body(book.read_text(encoding="utf-8-sig"))
+            for i, passage in enumerate(passages(body, self.passage_chars)):
+                yield Document(f"{book.name}#{i}", "prose", passage)
+
+
+class TinyShakespeare:
+    """Karpathy's tiny Shakespeare (1.1 MB of plays), cut into passages in order (domain ``prose``)."""
+
+    name = "tinyshakespeare"
+
+    def __init__(self, passage_chars: int = 4000, root: str | None = None):
+        self.passage_chars, self.root = passage_chars, root
+
+    def documents(self) -> Iterator[Document]:
+        path = _root(self.root) / "prompts/tinyshakespeare/input.txt"
+        if not path.is_file():
+            raise CachelabError(f"data file not found: {path}")
+        for i, passage in enumerate(passages(path.read_text(encoding="utf-8"), self.passage_chars)):
+            yield Document(f"tinyshakespeare#{i}", "prose", passage)
