@@ -72,28 +72,29 @@ def learned_point(config: dict, workload: Workload) -> PointOutput:
     """Train the predictor causally on the workload's first ``train_fraction`` of lookups and
     replay the learned policy, every registered heuristic and Belady on the rest (or on the
     ``holdout`` workload) at each capacity (``cachelab.learning``, ``cachelab.learning_eval``).
-
-    The learned path builds its own key stream from the same documents (it needs each
-    lookup's tokens for its features); its miss ratios are per distinct row of a step.
-    """
+    Miss ratios there are per lookup over each step's distinct rows, as the replay counts."""
     import tempfile
     from pathlib import Path
 
     from cachelab import registry
+    from cachelab.experiment.spec import WorkloadSpec
+    from cachelab.experiment.workload import build_workload, load_workload
     from cachelab.learning import TrainSpec, save, train
     from cachelab.learning_eval import evaluate_capacities
+    from cachelab.learning_trace import LearningView
 
-    p = config["predictor"]
-    stream = _key_stream(config["workload"])
+    p, preset = config["predictor"], config["workload"]["preset"]
+    view = LearningView.of(workload.stream, preset)
     predictor = registry.get(registry.PREDICTORS, p["name"])(**p["params"])
     spec = TrainSpec(horizon=p["horizon"], train_fraction=p["train_fraction"], max_samples=p["max_samples"],
                      seed=config["seed"])
-    model, fit = train(stream, predictor, spec)
+    model, fit = train(view, predictor, spec)
     held_out = p["holdout"] is not None
-    target = _key_stream(p["holdout"]) if held_out else stream
+    if held_out:  # built once, then found in the workload cache by every later point
+        view = LearningView.of(load_workload(build_workload(WorkloadSpec(**p["holdout"]))).stream, preset)
     warmup = config["warmup"] if held_out else max(config["warmup"], p["train_fraction"])
     capacities = [_learned_capacity(c) for c in p["capacities"]]
-    result = evaluate_capacities(target, model, capacities, warmup, progress=False)
+    result = evaluate_capacities(view, model, capacities, warmup, progress=False)
     metrics = {k: v for k, v in fit.items() if isinstance(v, (int, float))}
     metrics.update({"eval.lookups": result["lookups"], "eval.counted_lookups": result["counted_lookups"],
                     "eval.distinct_rows": result["unique_rows"]})
@@ -123,21 +124,6 @@ def _learned_capacity(capacity: int | str) -> float:
     if isinstance(capacity, str) and capacity.strip().endswith("%"):
         return float(capacity.strip()[:-1]) / 100
     return float(capacity_rows(capacity, unique_rows=1, row_bytes=264))
-
-
-def _key_stream(w: dict):
-    from cachelab import registry
-    from cachelab.prompt_stream import Request, build_stream
-
-    kwargs = dict(w["params"])
-    if w["path"] is not None:
-        from cachelab.experiment.spec import resolve_data_path
-
-        kwargs["path"] = str(resolve_data_path(w["path"]))
-    docs = [d for d in registry.get(registry.WORKLOADS, w["source"])(**kwargs).documents()
-            if w["domains"] is None or d.domain in w["domains"]]
-    requests = [Request(d.domain, "\n\n".join(d.user_turns), "\n\n".join(d.answers)) for d in docs]
-    return build_stream(requests, w["preset"], prefill_chunk=w["tokens_per_step"])
 
 
 POINT_FUNCTIONS = {"replay": replay_point, "learned": learned_point}

@@ -210,13 +210,9 @@ def check_spec(spec: ExperimentSpec, where: str) -> None:
     _check_workload(spec.workload, where)
     if "replay" in kinds(spec) and spec.hierarchy is None:
         raise CachelabError(f"{where}: hierarchy: kind 'replay' needs [[hierarchy.tiers]]")
-    if "learned" in kinds(spec):
-        if spec.predictor is None:
-            raise CachelabError(f"{where}: predictor: kind 'learned' needs a [predictor] section")
-        for w, key in ((spec.workload, "workload"), (spec.predictor.holdout, "predictor.holdout")):
-            if w is not None and (w.trace is not None or w.max_tokens is not None):
-                raise CachelabError(f"{where}: {key}: kind 'learned' reads corpus documents; {key}.trace and "
-                                    f"{key}.max_tokens are not supported (limit the corpus by its params)")
+    if "learned" in kinds(spec) and spec.predictor is None:
+        raise CachelabError(f"{where}: predictor: kind 'learned' needs a [predictor] section")
+
     if spec.hierarchy is not None:
         names = [t.name for t in spec.hierarchy.tiers]
         if len(set(names)) != len(names):

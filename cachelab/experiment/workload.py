@@ -30,9 +30,12 @@ from cachelab.paths import cache_dir
 ENCODE_BATCH = 256
 
 
+BUILD_VERSION = 2  # bump when what a build stores changes, so stale cache entries are not reused
+
+
 def workload_key(spec: WorkloadSpec | dict) -> str:
     data = spec.model_dump(mode="json") if isinstance(spec, WorkloadSpec) else dict(spec)
-    return config_hash(data)
+    return config_hash({**data, "build_version": BUILD_VERSION})
 
 
 def build_workload(spec: WorkloadSpec, progress: Progress | None = None) -> Path:
@@ -50,11 +53,22 @@ def build_workload(spec: WorkloadSpec, progress: Progress | None = None) -> Path
         sequences, prompt_lengths, domains = _clip(sequences, prompt_lengths, domains, spec.max_tokens)
     if not sequences:
         raise CachelabError(f"workload {spec.source!r} yields no tokens (workload.domains = {spec.domains})")
-    stream = LookupStream.from_sequences(addresser, sequences, spec.tokens_per_step, prompt_lengths, domains)
+    stream = with_tokens(LookupStream.from_sequences(addresser, sequences, spec.tokens_per_step, prompt_lengths,
+                                                     domains), addresser, sequences)
     path.with_suffix(".json").write_text(json.dumps({"distinct_rows": distinct_count(stream.keys)}))
     tmp = stream.save(path.with_name(path.stem + ".tmp.npz"))
     tmp.replace(path)  # atomic, and last: the .npz exists only once the build is whole
     return path
+
+
+def with_tokens(stream: LookupStream, addresser: Addresser, sequences) -> LookupStream:
+    """Add each lookup's compressed token id (``meta["token"]``): learned policies' features
+    need it, and a saved stream then holds everything a predictor reads."""
+    starts = np.concatenate([[0], np.cumsum([len(s) for s in sequences])[:-1]])
+    compressed = addresser.compress(np.concatenate(sequences))
+    token = compressed[starts[stream.meta["request"]] + stream.meta["position"]].astype(np.int32)
+    return LookupStream(stream.keys, stream.step_offsets, stream.row_bytes, stream.layers,
+                        {**stream.meta, "token": token}, stream.domains)
 
 
 def _from_corpus(spec: WorkloadSpec, addresser: Addresser, progress: Progress | None):
