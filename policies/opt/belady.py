@@ -32,7 +32,7 @@ from cachelab.errors import CachelabError
 from cachelab.future import censor_lookahead
 from cachelab.policy import NO_NEXT, Capabilities
 from policies.admission import admission_admit, admission_record
-from policies.heap import heap_push, heap_sift_down, heap_update
+from policies.heap import heap_push, heap_update, make_heap
 from policies.kernel import KernelPolicy, note_admit, note_evict
 
 POS, SIZE = 0, 1  # meta: absolute position of the next access, rows resident
@@ -40,7 +40,7 @@ UNKNOWN = np.int64(1) << np.int64(62)  # priorities of rows without a known next
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)
-def _belady_kernel(keys, next_access, slot_of, key_of, bypass, meta, pri, heap, where,
+def _belady_kernel(keys, next_access, slot_of, key_of, bypass, meta, heap, hpri, where,
                    a_kind, a_counters, a_scores, a_meta, hits, record, adm, adm_slot, ev, counts):
     capacity = key_of.size
     pos = meta[POS]
@@ -54,25 +54,23 @@ def _belady_kernel(keys, next_access, slot_of, key_of, bypass, meta, pri, heap, 
         slot = slot_of[key]
         if slot >= 0:
             hits[i] = True
-            heap_update(heap, where, pri, slot, p, size)
+            heap_update(heap, hpri, where, slot, p, size)
             continue
         hits[i] = False
         if size < capacity:
             slot = size
-            pri[slot] = p
-            heap_push(heap, where, pri, slot, size)
+            heap_push(heap, hpri, where, slot, p, size)
             size += 1
         else:
             slot = heap[0]
             victim = key_of[slot]
-            if bypass and p >= pri[slot]:
+            if bypass and p >= hpri[0]:
                 continue  # the incoming row is the one used farthest ahead: keep it out
             if not admission_admit(a_kind, a_counters, a_scores, a_meta, key, victim):
                 continue
             slot_of[victim] = -1
             note_evict(record, ev, counts, victim)
-            pri[slot] = p
-            heap_sift_down(heap, where, pri, 0, size)
+            heap_update(heap, hpri, where, slot, p, size)
         key_of[slot] = key
         slot_of[key] = slot
         note_admit(record, adm, adm_slot, counts, key, slot)
@@ -94,10 +92,10 @@ class Belady(KernelPolicy):
 
     def init_state(self, capacity, num_keys):
         self.meta = np.zeros(2, dtype=np.int64)
-        self.pri, self.heap, self.where = (np.zeros(capacity, dtype=np.int64) for _ in range(3))
+        self.heap = make_heap(capacity)
 
     def state(self):
-        return (self.bypass, self.meta, self.pri, self.heap, self.where)
+        return (self.bypass, self.meta, *self.heap)
 
     def inputs(self, keys, next_access, scores):
         if next_access is None:
