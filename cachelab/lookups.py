@@ -205,7 +205,7 @@ class LookupStream:
             labels += [domains[i]] * len(parts) if domains is not None else []
         if max_tokens is not None:
             ends = np.cumsum([s.size for s in seqs])
-            keep = int(np.searchsorted(ends, max_tokens)) + 1
+            keep = min(int(np.searchsorted(ends, max_tokens)) + 1, len(seqs))
             seqs = seqs[:keep]
             if seqs and ends[keep - 1] > max_tokens:
                 seqs[-1] = seqs[-1][:seqs[-1].size - (ends[keep - 1] - max_tokens)]
