@@ -29,6 +29,11 @@ def test_simulate_json_contract_and_warmup(tmp_path):
                   "--warmup", "0.2", "--json"])
     assert warm["requests"] == 4_000 and warm["warmup_requests"] == 1_000
     assert warm["miss_ratio"] < out["miss_ratio"]  # the cold start is left out
+    derived = _json(["simulate", "--trace", str(tmp_path / "k.npy"), "--policy", "lru+tinylfu", "--capacity", "50",
+                     "--json"])
+    flag = _json(["simulate", "--trace", str(tmp_path / "k.npy"), "--policy", "lru", "--admission", "tinylfu",
+                  "--capacity", "50", "--json"])
+    assert derived["admission"] == flag["admission"] == "tinylfu" and derived["hits"] == flag["hits"]
 
 
 def test_simulate_lookup_stream_counts_lookups_with_step_dedup(tmp_path):
