@@ -30,13 +30,15 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from cachelab.cli import cache, engram, quickstart, trace
+    from cachelab.cli import cache, engram, learn, quickstart, trace
 
     app.add_typer(engram.app, name="engram")
     app.add_typer(trace.app, name="trace")
     app.command("quickstart")(quickstart.quickstart)
     app.command("simulate")(cache.simulate)
     app.command("mrc")(cache.mrc)
+    app.command("train")(learn.train)
+    app.command("evaluate")(learn.evaluate)
 
 
 _register()
