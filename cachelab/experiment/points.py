@@ -126,4 +126,32 @@ def _learned_capacity(capacity: int | str) -> float:
     return float(capacity_rows(capacity, unique_rows=1, row_bytes=264))
 
 
-POINT_FUNCTIONS = {"replay": replay_point, "learned": learned_point}
+def serve_point(config: dict, workload: Workload) -> PointOutput:
+    """A serving replay (``cachelab.serving.simulate``) of the workload's requests: vLLM bench
+    metrics (TTFT, TPOT, ITL, E2EL percentiles), tokens/s per GPU, tokens per dollar, the
+    prefix cache's and the row cache's hit ratios and footprints."""
+    from cachelab.experiment.spec import serving_config
+    from cachelab.serving import simulate
+
+    result = simulate(workload.requests, serving_config(config["serving"]))
+    metrics = _numbers(result.metrics)
+    for prefix, section in (("prefix_cache", result.prefix_cache), ("row_cache", result.rows),
+                            ("memory", result.memory)):
+        metrics.update({f"{prefix}.{k}": v for k, v in _numbers(section).items()})
+    return PointOutput(metrics, {}, {"per_request": result.per_request, "per_step": result.per_step})
+
+
+def _numbers(d: dict, prefix: str = "") -> dict[str, float]:
+    """The finite numbers of a nested dict, with dotted keys (MLflow metrics are floats)."""
+    import math
+
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_numbers(v, f"{prefix}{k}."))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            out[f"{prefix}{k}"] = float(v)
+    return out
+
+
+POINT_FUNCTIONS = {"replay": replay_point, "learned": learned_point, "serve": serve_point}

@@ -78,10 +78,11 @@ def load_experiment(tracker, name: str, parent_id: str | None = None) -> Experim
     point_tables = {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in points:
-            if r.data.tags.get("cachelab.axis.kind") != '"learned"':
+            kind = json.loads(r.data.tags.get("cachelab.axis.kind", '"replay"'))
+            if kind not in POINT_TABLES:
                 continue
             found = {}
-            for table in POINT_TABLES:
+            for table in POINT_TABLES[kind]:
                 path = tracker.download(r.info.run_id, f"{table}.parquet", Path(tmp) / r.info.run_id)
                 if path is not None:
                     found[table] = pl.read_parquet(path)
@@ -89,7 +90,7 @@ def load_experiment(tracker, name: str, parent_id: str | None = None) -> Experim
     return ExperimentData(name, description, spec, results_table(points), metrics, tables, point_tables)
 
 
-POINT_TABLES = ("learned_eval", "importances")
+POINT_TABLES = {"learned": ("learned_eval", "importances"), "serve": ("per_request",)}
 
 
 def _spec_point_hashes(spec_json: str) -> list[str]:
@@ -258,6 +259,81 @@ def plot_importances(data: ExperimentData):
     return fig
 
 
+def plot_p99_vs_load(data: ExperimentData):
+    """P99 TTFT and TPOT against client concurrency, one line per other varying axis."""
+    import matplotlib.pyplot as plt
+
+    results = data.of_kind("serve")
+    conc = "param.serving.concurrency"
+    if results.is_empty() or conc not in results.columns or "p99_ttft_ms" not in results.columns:
+        return None
+    df = results.filter(pl.col(conc) != "None").with_columns(pl.col(conc).cast(pl.Int64).alias("_load"))
+    if df["_load"].n_unique() < 2:
+        return None
+    keys = _series_keys(data, {"axis.kind", "axis.serving.concurrency"}, df)
+    fig, axs = plt.subplots(1, 2, figsize=(12, 4.2))
+    for ax, metric in zip(axs, ("p99_ttft_ms", "p99_tpot_ms")):
+        agg = _mean_over_seeds(df, keys + ["_load"], [metric])
+        for g in (agg.partition_by(keys, maintain_order=True, as_dict=False) if keys else [agg]):
+            ax.plot(g["_load"], g[metric], marker="o", label=_label(g.row(0, named=True), keys))
+        ax.set_xlabel("concurrency (requests in flight)")
+        ax.set_ylabel(f"{metric.removesuffix('_ms').replace('_', ' ').upper()} (ms)")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def plot_latency_cdfs(data: ExperimentData):
+    """CDF of each request's TTFT and TPOT per serving point (vLLM bench serve definitions)."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    tables = {label: t["per_request"] for label, t in data.point_tables.items() if "per_request" in t}
+    if not tables or len(tables) > 24:
+        return None
+    fig, axs = plt.subplots(1, 2, figsize=(12, 4.2))
+    for label, t in tables.items():
+        ttft = ((t["first_token_s"] - t["send_s"]) * 1e3).to_numpy()
+        multi = t.filter(pl.col("output_tokens") > 1)
+        tpot = (((multi["end_s"] - multi["first_token_s"]) * 1e3) / (multi["output_tokens"] - 1)).to_numpy()
+        for ax, values in zip(axs, (ttft, tpot)):
+            if values.size:
+                ax.plot(np.sort(values), np.linspace(0, 1, values.size), label=label.replace("kind=serve ", ""))
+    for ax, name in zip(axs, ("TTFT", "TPOT")):
+        ax.set_xscale("log")
+        ax.set_xlabel(f"{name} (ms)")
+        ax.set_ylabel("share of requests")
+        ax.grid(alpha=0.3)
+    axs[1].legend(fontsize=6)
+    fig.tight_layout()
+    return fig
+
+
+def plot_pareto(data: ExperimentData):
+    """Interactivity against tokens/s per GPU for every serving point, and the Pareto front."""
+    import matplotlib.pyplot as plt
+
+    from cachelab.pareto import pareto_front
+
+    results = data.of_kind("serve")
+    x, y = "interactivity", "tokens_per_s_per_gpu"
+    if results.is_empty() or x not in results.columns or y not in results.columns:
+        return None
+    keys = _series_keys(data, {"axis.kind", "axis.serving.concurrency", "axis.serving.tp"}, results)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for g in (results.partition_by(keys, maintain_order=True, as_dict=False) if keys else [results]):
+        ax.scatter(g[x], g[y], label=_label(g.row(0, named=True), keys), s=25)
+    front = pareto_front(results.select(x, y).drop_nulls())
+    ax.plot(front[x], front[y], color="black", linewidth=1.5, label="Pareto front")
+    ax.set_xlabel("interactivity (tok/s/user = 1000 / median TPOT ms)")
+    ax.set_ylabel("tokens/s per GPU")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return fig
+
+
 PLOTS = [
     ("Miss ratio vs capacity", plot_miss_ratio),
     ("Miss-ratio curves", plot_mrc),
@@ -265,6 +341,9 @@ PLOTS = [
     ("Addressing: what the row cache faces", plot_addressing),
     ("Learned policy against the heuristics and Belady", plot_learned),
     ("Feature importances", plot_importances),
+    ("Latency CDFs", plot_latency_cdfs),
+    ("P99 vs load", plot_p99_vs_load),
+    ("Pareto front: interactivity vs throughput per GPU", plot_pareto),
 ]
 
 
@@ -296,11 +375,20 @@ def summary_columns(data: ExperimentData) -> list[str]:
     return cols or [c for c in data.results.columns if c not in ("run_id", "point_hash")][:8]
 
 
+SERVE_COLUMNS = ("p99_ttft_ms", "p99_tpot_ms", "interactivity", "tokens_per_s_per_gpu", "tokens_per_dollar",
+                 "prefix_cache.hit_ratio", "row_cache.levels.hbm.hit_ratio_lookup", "stall_share")
+
+
 def summary_table(data: ExperimentData) -> pl.DataFrame:
-    """The replay points' key columns (learned points have their own plot and tables)."""
+    """The replay points' key columns, else the serving points' (learned points have their
+    own plot and tables)."""
     results = data.of_kind("replay")
     if results.is_empty():
-        return results
+        serve = data.of_kind("serve")
+        if serve.is_empty():
+            return serve
+        cols = [c for c in data.axes() if c != "axis.kind" and serve[c].cast(pl.Utf8).n_unique() > 1]
+        return serve.select(cols + [c for c in SERVE_COLUMNS if c in serve.columns]).sort(cols or [])
     cols = [c for c in summary_columns(data) if c in results.columns]
     df = results.select(cols)
     caps = [c for c in cols if c.endswith(".capacity_rows")]

@@ -31,7 +31,8 @@ from cachelab.paths import data_root
 # Point functions (cachelab.experiment.points) and the spec sections each reads: a point's
 # config holds only those, so a grid axis one kind ignores does not multiply its points.
 KINDS = {"replay": ("workload", "hierarchy", "warmup"),
-         "learned": ("workload", "predictor", "warmup")}
+         "learned": ("workload", "predictor", "warmup"),
+         "serve": ("workload", "serving")}
 KindName = Literal[tuple(KINDS)]  # type: ignore[valid-type]
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -88,11 +89,14 @@ class PredictorSpec(_Strict):
 
 
 class ServingSpec(_Strict):
-    hardware: str
-    placement: str
+    """A serving replay (``cachelab.serving``): the workload's request trace through the
+    scheduler, the prefix cache, the hierarchy and the latency model of ``hardware``."""
+
+    hardware: str = Field(description="a hardware profile (B200, B300, H200, ...) or a TOML path")
+    placement: str = Field(description="hbm, dram-uva, dram-copy, ssd-mmap, ssd-direct")
     tp: int = Field(1, gt=0)
-    concurrency: int = Field(1, gt=0)
-    params: dict[str, Any] = Field(default_factory=dict)
+    concurrency: int | None = Field(None, gt=0, description="client cap on requests in flight")
+    params: dict[str, Any] = Field(default_factory=dict, description="other ServingConfig fields")
 
 
 class ExperimentSpec(_Strict):
@@ -212,6 +216,13 @@ def check_spec(spec: ExperimentSpec, where: str) -> None:
         raise CachelabError(f"{where}: hierarchy: kind 'replay' needs [[hierarchy.tiers]]")
     if "learned" in kinds(spec) and spec.predictor is None:
         raise CachelabError(f"{where}: predictor: kind 'learned' needs a [predictor] section")
+    if "serve" in kinds(spec):
+        if spec.serving is None:
+            raise CachelabError(f"{where}: serving: kind 'serve' needs a [serving] section")
+        if spec.workload.trace is None:
+            raise CachelabError(f"{where}: workload.trace: kind 'serve' replays requests with arrival times: "
+                                "give a [workload.trace] (a `cachelab trace build` spec)")
+        _check_serving(spec.serving, where)
 
     if spec.hierarchy is not None:
         names = [t.name for t in spec.hierarchy.tiers]
@@ -232,6 +243,39 @@ def check_spec(spec: ExperimentSpec, where: str) -> None:
                     f"({table_rows:,} rows in the layer tables of {spec.workload.preset})")
     if spec.predictor is not None:
         _check_predictor(spec.predictor, spec.workload.preset, where)
+
+
+def _check_serving(s: ServingSpec, where: str) -> None:
+    import dataclasses
+
+    from cachelab.hardware import load_profile
+    from cachelab.latency import PLACEMENTS
+    from cachelab.serving import ServingConfig
+
+    if s.placement not in PLACEMENTS:
+        raise CachelabError(f"{where}: serving.placement: unknown placement {s.placement!r}; "
+                            f"allowed: {', '.join(PLACEMENTS)}")
+    try:
+        load_profile(s.hardware)
+    except CachelabError as exc:
+        raise CachelabError(f"{where}: serving.hardware: {exc}") from None
+    fields = [f.name for f in dataclasses.fields(ServingConfig)]
+    unknown = sorted(set(s.params) - set(fields) | set(s.params) & {"hardware", "placement", "tp", "concurrency"})
+    if unknown:
+        raise CachelabError(f"{where}: serving.params: unknown or misplaced {unknown}; allowed: "
+                            f"{[f for f in fields if f not in ('hardware', 'placement', 'tp', 'concurrency')]}")
+    try:
+        serving_config(s.model_dump()).check()
+    except (CachelabError, TypeError) as exc:
+        raise CachelabError(f"{where}: serving: {exc}") from None
+
+
+def serving_config(s: dict):
+    """The ``cachelab.serving.ServingConfig`` of a spec's [serving] section."""
+    from cachelab.serving import ServingConfig
+
+    return ServingConfig(hardware=s["hardware"], placement=s["placement"], tp=s["tp"],
+                         concurrency=s["concurrency"], **s["params"])
 
 
 def kinds(spec: ExperimentSpec) -> list[str]:

@@ -115,16 +115,22 @@ def _clip(sequences, prompt_lengths, domains, budget: int):
 
 @dataclass(frozen=True)
 class Workload:
-    """A built workload: its lookup stream and how many distinct rows it touches."""
+    """A built workload: its lookup stream, how many distinct rows it touches, and the
+    request table it came from when it came from a trace (serving replays need it)."""
 
     stream: LookupStream
     distinct_rows: int
+    requests: pl.DataFrame | None = None
 
 
 def load_workload(path: str | Path) -> Workload:
+    from cachelab.trace import read_trace
+
     path = Path(path)
     info = json.loads(path.with_suffix(".json").read_text())
-    return Workload(LookupStream.load(path), int(info["distinct_rows"]))
+    trace = path.with_suffix(".trace.parquet")
+    return Workload(LookupStream.load(path), int(info["distinct_rows"]),
+                    read_trace(trace) if trace.exists() else None)
 
 
 def distinct_count(keys: np.ndarray) -> int:
