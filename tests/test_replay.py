@@ -144,3 +144,30 @@ def test_policies_needing_the_future_get_it_on_their_own_tier_stream():
     # dedup: [5] [7 5]; next positions on that stream: 5 -> 2, 7 -> none, 5 -> none
     assert seen["keys"] == [0, 1, 0]
     assert seen["next"] == [2, np.iinfo(np.int64).max, np.iinfo(np.int64).max]
+
+
+def test_policies_needing_scores_get_each_distinct_rows_first_lookup_score():
+    from cachelab.policy import Capabilities, Policy, StepResult
+
+    seen = []
+
+    class ScoreSpy(Policy):
+        name = "score-spy"
+        capabilities = Capabilities(needs_scores=True)
+
+        def reset(self, capacity, num_keys):
+            pass
+
+        def step(self, keys, next_access=None, scores=None):
+            seen.extend(scores.tolist())
+            return StepResult(np.zeros(keys.size, bool), keys, keys * 0, keys[:0])
+
+        def resident(self):
+            return np.zeros(0, np.int64)
+
+    stream = LookupStream(np.array([5, 5, 7, 5, 7]), np.array([0, 2, 5]), ROW)
+    hierarchy = Hierarchy([Tier("hbm", ScoreSpy(), capacity_rows=1)], ROW)
+    with pytest.raises(CachelabError, match="needs predictor scores"):
+        replay(stream, hierarchy)
+    replay(stream, hierarchy, scores=np.array([0.1, 0.2, 0.3, 0.4, 0.5]))
+    assert seen == [0.1, 0.3, 0.4]  # distinct rows [5] [7 5], each with its first lookup's score
