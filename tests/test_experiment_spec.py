@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from experiment_helpers import cli, write_spec
 
@@ -118,3 +120,21 @@ def test_a_kind_ignores_the_axes_it_does_not_read(tmp_path):
     path.write_text(path.read_text().replace('name = "lightgbm"', 'name = "lightgbm"\nparams = { trees = 3 }'))
     with pytest.raises(CachelabError, match=r"predictor.params: 'lightgbm' takes \["):
         load_spec(path)
+
+
+def test_list_valued_axes_become_table_cells():
+    from types import SimpleNamespace
+
+    from cachelab.experiment.report import ExperimentData, summary_table
+    from cachelab.experiment.runner import results_table
+
+    def run(i, domains):
+        tags = {"cachelab.point_hash": str(i), "cachelab.axis.kind": '"replay"',
+                "cachelab.axis.workload.domains": json.dumps(domains)}
+        return SimpleNamespace(info=SimpleNamespace(run_id=str(i), run_name=f"p{i}"),
+                               data=SimpleNamespace(tags=tags, params={}, metrics={"hbm.miss_ratio": 0.5}))
+
+    table = results_table([run(0, ["coding"]), run(1, ["math", "coding"])])
+    assert table["axis.workload.domains"].to_list() == ["coding", "math,coding"]
+    data = ExperimentData("x", "", '{"hierarchy": {"tiers": [{"name": "hbm"}]}}', table)
+    assert summary_table(data)["axis.workload.domains"].to_list() == ["coding", "math,coding"]

@@ -188,12 +188,19 @@ def results_table(runs: list) -> pl.DataFrame:
     for r in runs:
         row = {"run_id": r.info.run_id, "label": r.info.run_name,
                "point_hash": r.data.tags.get("cachelab.point_hash")}
-        row.update({f"axis.{k.removeprefix('cachelab.axis.')}": json.loads(v)
+        row.update({f"axis.{k.removeprefix('cachelab.axis.')}": _scalar(json.loads(v))
                     for k, v in r.data.tags.items() if k.startswith("cachelab.axis.")})
         row.update({f"param.{k}": v for k, v in r.data.params.items()})
         row.update(r.data.metrics)
         rows.append(row)
     return pl.DataFrame(rows, infer_schema_length=None) if rows else pl.DataFrame()
+
+
+def _scalar(value):
+    """An axis value as one table cell: lists (``workload.domains``) joined, tables as JSON."""
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value)
+    return json.dumps(value, sort_keys=True) if isinstance(value, dict) else value
 
 
 def _finish_parent(tracker: Tracker, exp_id: str, parent_id: str, points: list[Point],
