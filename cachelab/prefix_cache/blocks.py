@@ -4,7 +4,7 @@ As vLLM v1's KV-cache manager does it (vllm/v1/core/block_pool.py, kv_cache_mana
 
 - KV memory is ``num_blocks`` blocks of ``block_size`` tokens. A request holds one block per
   ``block_size`` tokens it has computed (or is about to compute).
-- A full block is cached under the chained hash of its prefix (``hashing.block_hashes``);
+- A full block is cached under the chained hash of its prefix (``block_hashes``);
   a later request whose prompt starts with the same blocks reuses them ("computed blocks").
   At least one prompt token is always recomputed, so a hit covers at most
   ``(num_prompt - 1) // block_size`` blocks.
@@ -26,7 +26,7 @@ from numba import types
 from numba.typed import Dict
 
 from cachelab.errors import CachelabError
-from cachelab.prefix_cache.hashing import block_hashes
+from cachelab.prefix_blocks import chained_block_hashes
 
 HEAD, TAIL, NUM_FREE, EVICTIONS = 0, 1, 2, 3
 
@@ -109,6 +109,13 @@ def _free(blocks, ref, prev, nxt, meta):
             meta[NUM_FREE] += 1
 
 
+def block_hashes(tokens, block_size: int) -> np.ndarray:
+    """Chained hashes of the full blocks of one sequence (a partial tail block has none)."""
+    toks = np.asarray(tokens)
+    hashes, _ = chained_block_hashes(toks, np.array([0, toks.size]), block_size)
+    return hashes[: toks.size // block_size]
+
+
 class BlockPrefixCache:
     """A vLLM-style KV block pool with (optional) prefix caching.
 
@@ -135,9 +142,9 @@ class BlockPrefixCache:
         self._nxt = np.arange(1, n + 1, dtype=np.int64)
         self._nxt[-1] = -1
         self._meta = np.array([0, n - 1, n, 0], dtype=np.int64)
-        self._block_hash = np.zeros(n, np.uint64)
+        self._block_hash = np.zeros(n, np.int64)
         self._cached = np.zeros(n, np.bool_)
-        self._table = Dict.empty(key_type=types.uint64, value_type=types.int64)
+        self._table = Dict.empty(key_type=types.int64, value_type=types.int64)
         self._hashes: dict[int, np.ndarray] = {}
         self._blocks: dict[int, list[np.ndarray]] = {}
         self._num_blocks_of: dict[int, int] = {}
@@ -183,7 +190,7 @@ class BlockPrefixCache:
         """Start request ``rid`` with ``num_cached`` tokens served from the cache (from ``match``).
 
         Args:
-            hashes: uint64 chained hashes of every full block of the request's tokens.
+            hashes: int64 chained hashes of every full block of the request's tokens.
         """
         if rid in self._blocks:
             raise CachelabError(f"request {rid} is already admitted")
