@@ -34,10 +34,11 @@ from cachelab.latency import Efficiency, EngramStep, LatencyModel, describe
 from cachelab.metrics import RequestTimes, summarize
 from cachelab.model_spec import load_model
 from cachelab.prefix_cache import BlockPrefixCache, RadixPrefixCache, block_hashes
-from cachelab.step_replay import RowSpace, StepReplay, sampled_keys, sorted_unique
+from cachelab.step_replay import KeySet, RowSpace, StepReplay, sampled_keys, table_row_space
 
 PREFIX_CACHES = ("vllm", "sglang", "off")
 PAGE_BYTES = 4096
+TABLE_SPACE_ROWS = 2e7  # a sampled row space this small is enumerated from the tables, not the trace
 
 
 @dataclass(frozen=True)
@@ -111,16 +112,17 @@ def _sequences(trace: pl.DataFrame) -> tuple[list[np.ndarray], np.ndarray, np.nd
     if missing:
         raise CachelabError(f"trace lacks column(s) {missing}; a request trace has {sorted(need)} (cachelab.trace)")
     trace = trace.sort("arrival_s", maintain_order=True)
-    prompts = trace["prompt_ids"].to_list()
-    outputs = trace["output_ids"].to_list()
-    seqs, plen, olen = [], [], []
-    for i, (p, o) in enumerate(zip(prompts, outputs)):
-        if not p:
-            raise CachelabError(f"trace row {i}: empty prompt_ids")
-        seqs.append(np.asarray(list(p) + list(o or []), dtype=np.int64))
-        plen.append(len(p))
-        olen.append(max(len(o or []), 1))
-    return seqs, np.asarray(plen), np.asarray(olen), trace["arrival_s"].to_numpy().astype(np.float64)
+    plen = trace["prompt_ids"].list.len().to_numpy().astype(np.int64)
+    olen = trace["output_ids"].list.len().fill_null(0).to_numpy().astype(np.int64)
+    empty = np.flatnonzero(plen == 0)
+    if empty.size:
+        raise CachelabError(f"trace row {int(empty[0])} (by arrival): empty prompt_ids")
+    prompts = trace["prompt_ids"].explode().to_numpy().astype(np.int32)
+    outputs = trace["output_ids"].explode().drop_nulls().to_numpy().astype(np.int32)
+    p_off = np.concatenate([[0], np.cumsum(plen)])
+    o_off = np.concatenate([[0], np.cumsum(olen)])
+    seqs = [np.concatenate([prompts[p_off[i]:p_off[i + 1]], outputs[o_off[i]:o_off[i + 1]]]) for i in range(plen.size)]
+    return seqs, plen, np.maximum(olen, 1), trace["arrival_s"].to_numpy().astype(np.float64)
 
 
 def build_row_space(addresser: Addresser, seqs, plen, olen, rate: float, rows_per_page: int,
@@ -131,8 +133,7 @@ def build_row_space(addresser: Addresser, seqs, plen, olen, rate: float, rows_pe
     request's positions from its first new block on are addressed.
     """
     seen: set[int] = set()
-    found: list[np.ndarray] = []
-    merged = np.zeros(0, np.int64)
+    found = KeySet()
     with Progress(transient=True, disable=not progress) as bar:
         task = bar.add_task("row space", total=len(seqs))
         for i, seq in enumerate(seqs):
@@ -144,12 +145,9 @@ def build_row_space(addresser: Addresser, seqs, plen, olen, rate: float, rows_pe
             if start < end:
                 stream = addresser.stream(1)
                 stream.feed(seq[max(0, start - addresser.history_len):start])
-                found.append(sorted_unique(sampled_keys(stream.feed(seq[start:end]), rate, rows_per_page)))
-            if sum(a.size for a in found) > 20_000_000:
-                merged = sorted_unique(np.concatenate([merged, *found]))
-                found = []
+                found.add(sampled_keys(stream.feed(seq[start:end]), rate, rows_per_page))
             bar.advance(task)
-    return RowSpace(np.concatenate([merged, *found]) if found else merged, rows_per_page)
+    return RowSpace(found.keys(), rows_per_page)
 
 
 class ServingSimulator:
@@ -173,6 +171,9 @@ class ServingSimulator:
                                 f"{self.hw.name} TP{config.tp} {config.placement} holds {kv_tokens}")
         self.row_bytes = self.addresser.config.row_bytes
         self.rows_per_page = PAGE_BYTES // self.row_bytes
+        table_rows = self.addresser.config.table_rows
+        if row_space is None and config.sample_rate * float(table_rows.sum()) <= TABLE_SPACE_ROWS:
+            row_space = table_row_space(table_rows, config.sample_rate, self.rows_per_page)
         self.space = row_space or build_row_space(self.addresser, self.seqs, self.plen, self.olen,
                                                   config.sample_rate, self.rows_per_page, progress)
         self.hierarchy = self._hierarchy(rc)

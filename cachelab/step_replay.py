@@ -44,20 +44,31 @@ def page_keys(keys: np.ndarray, rows_per_page: int) -> np.ndarray:
     return global_key(layer, row // rows_per_page)
 
 
+@nb.njit(cache=True, inline="always")
+def _keep(page, threshold):
+    """Fibonacci hashing: the top 20 bits of page x 2^64/phi, under the threshold."""
+    return ((np.uint64(page) * _GOLDEN) >> np.uint64(64 - 20)) < np.uint64(threshold)
+
+
 @nb.njit(cache=True, nogil=True)
 def _sample(rows, rows_per_page, threshold, out):
     """Global keys of the rows whose page hashes under ``threshold``; returns how many."""
     n = 0
+    inv = 1.0 / rows_per_page
     for t in range(rows.shape[0]):
         for layer in range(rows.shape[1]):
             base = np.int64(layer) << LAYER_SHIFT
             for c in range(rows.shape[2]):
-                key = base | np.int64(rows[t, layer, c])
+                row = np.int64(rows[t, layer, c])
                 if threshold < SAMPLE_MOD:
-                    page = base | (np.int64(rows[t, layer, c]) // rows_per_page)
-                    if _mix(page) % np.uint64(SAMPLE_MOD) >= np.uint64(threshold):
+                    page = np.int64(row * inv)  # row // rows_per_page, corrected below
+                    if (page + 1) * rows_per_page <= row:
+                        page += 1
+                    elif page * rows_per_page > row:
+                        page -= 1
+                    if not _keep(base | page, threshold):
                         continue
-                out[n] = key
+                out[n] = base | row
                 n += 1
     return n
 
@@ -74,16 +85,54 @@ def sample_mask(keys: np.ndarray, rate: float, rows_per_page: int) -> np.ndarray
     """Which global row keys the sample at ``rate`` keeps (the vectorised form of ``_sample``)."""
     if rate >= 1.0:
         return np.ones(keys.shape, np.bool_)
-    z = page_keys(keys, rows_per_page).astype(np.uint64) + _GOLDEN
-    z = (z ^ (z >> np.uint64(30))) * _M1
-    z = (z ^ (z >> np.uint64(27))) * _M2
-    z ^= z >> np.uint64(31)
-    return (z % np.uint64(SAMPLE_MOD)) < np.uint64(int(rate * SAMPLE_MOD))
+    return _page_keep(page_keys(keys, rows_per_page), rate)
+
+
+def _page_keep(page_keys_: np.ndarray, rate: float) -> np.ndarray:
+    z = np.asarray(page_keys_, dtype=np.int64).astype(np.uint64) * _GOLDEN
+    return (z >> np.uint64(64 - 20)) < np.uint64(int(rate * SAMPLE_MOD))
 
 
 def sorted_unique(keys: np.ndarray) -> np.ndarray:
     keys = np.sort(np.asarray(keys, dtype=np.int64))
     return keys[np.r_[True, keys[1:] != keys[:-1]]] if keys.size else keys
+
+
+@nb.njit(cache=True, nogil=True)
+def _insert(keys, table, n):
+    """Add ``keys`` to the open-addressing set ``table`` holding ``n`` keys; the new count."""
+    mask = table.size - 1
+    for i in range(keys.size):
+        h = np.int64(_mix(keys[i]) & np.uint64(mask))
+        while table[h] != EMPTY and table[h] != keys[i]:
+            h = (h + 1) & mask
+        if table[h] == EMPTY:
+            table[h] = keys[i]
+            n += 1
+    return n
+
+
+class KeySet:
+    """A growing set of non-negative int64 keys (compiled inserts; memory ~16 B per key)."""
+
+    def __init__(self) -> None:
+        self._table = np.full(1 << 16, EMPTY, np.int64)
+        self._n = 0
+
+    def add(self, keys: np.ndarray) -> None:
+        keys = np.ascontiguousarray(keys, dtype=np.int64)
+        if 2 * (self._n + keys.size) > self._table.size:
+            old = self.keys()
+            size = 1 << int(4 * (self._n + keys.size)).bit_length()
+            self._table = np.full(size, EMPTY, np.int64)
+            self._n = _insert(old, self._table, 0)
+        self._n = _insert(keys, self._table, self._n)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def keys(self) -> np.ndarray:
+        return self._table[self._table != EMPTY]
 
 
 @nb.njit(cache=True, nogil=True)
@@ -163,6 +212,18 @@ def _first_occurrence(ids, mark, stamp, out):
             out[n] = ids[i]
             n += 1
     return n
+
+
+def table_row_space(table_rows, rate: float, rows_per_page: int) -> RowSpace:
+    """Every row of every page a sample at ``rate`` keeps, enumerated from the table sizes
+    (no pass over the trace; about ``rate`` x all rows)."""
+    keys = []
+    for layer, n in enumerate(table_rows):
+        pages = np.arange(-(-int(n) // rows_per_page), dtype=np.int64)
+        kept = pages[_page_keep(global_key(layer, pages), rate)]
+        rows = (kept[:, None] * rows_per_page + np.arange(rows_per_page)).ravel()
+        keys.append(global_key(layer, rows[rows < n]))
+    return RowSpace(np.concatenate(keys), rows_per_page)
 
 
 class StepReplay:

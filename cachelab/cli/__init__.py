@@ -30,13 +30,17 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from cachelab.cli import cache, engram, quickstart, trace
+    from cachelab.cli import cache, engram, quickstart, serving, trace
 
     app.add_typer(engram.app, name="engram")
     app.add_typer(trace.app, name="trace")
     app.command("quickstart")(quickstart.quickstart)
     app.command("simulate")(cache.simulate)
     app.command("mrc")(cache.mrc)
+    app.command("serve-sim")(serving.serve_sim)
+    app.command("pareto")(serving.pareto)
+    app.add_typer(serving.hw_app, name="hw")
+    app.add_typer(serving.study_app, name="study")
 
 
 _register()
