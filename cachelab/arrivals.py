@@ -33,28 +33,32 @@ class ArrivalSource(Protocol):
 
 
 def arrival_frame(arrival_s, prompt_len, output_len, *, domain, source: str,
-                  block_hashes: pl.Series | None = None, block_size: int | None = None) -> pl.DataFrame:
+                  block_hashes: pl.Series | None = None, block_size: int | None = None,
+                  session_id=None, turn=None) -> pl.DataFrame:
     """A content-less, schema-conform table sorted stably by arrival.
 
     ``request_id`` is the input order, so ids name the source's rows even after sorting;
-    every request is its own session (turn 0) unless the source knows better. ``domain``
-    is one label or one per request.
+    every request is its own session (turn 0) unless the source gives ``session_id`` (the
+    request id of the session's first request) and ``turn``. ``domain`` is one label or one
+    per request.
     """
     arrival = np.asarray(arrival_s, dtype=np.float64)
     n = arrival.size
     ids = np.arange(n, dtype=np.int64)
     frame = pl.DataFrame({
         "request_id": ids,
-        "session_id": ids,
-        "turn": np.zeros(n, dtype=np.int32),
+        "session_id": ids if session_id is None else np.asarray(session_id, dtype=np.int64),
+        "turn": np.zeros(n, dtype=np.int32) if turn is None else np.asarray(turn, dtype=np.int32),
         "arrival_s": arrival,
-        "domain": pl.Series([domain] * n, dtype=pl.String) if isinstance(domain, str) else pl.Series(domain, dtype=pl.String),
-        "prompt_ids": empty_lists(n),
-        "output_ids": empty_lists(n),
+        "domain": pl.repeat(domain, n, dtype=pl.String, eager=True) if isinstance(domain, str)
+        else pl.Series(domain, dtype=pl.String),
+        "prompt_ids": empty_lists("prompt_ids", n),
+        "output_ids": empty_lists("output_ids", n),
         "prompt_len": np.asarray(prompt_len, dtype=np.int64),
         "output_len": np.asarray(output_len, dtype=np.int64),
-        "block_hashes": block_hashes if block_hashes is not None else pl.Series([None] * n, dtype=pl.List(pl.Int64)),
-        "block_size": pl.Series([block_size] * n, dtype=pl.Int32),
-        "source": pl.Series([source] * n, dtype=pl.String),
+        "block_hashes": block_hashes if block_hashes is not None
+        else pl.repeat(None, n, dtype=pl.List(pl.Int64), eager=True),
+        "block_size": pl.repeat(block_size, n, dtype=pl.Int32, eager=True),
+        "source": pl.repeat(source, n, dtype=pl.String, eager=True),
     })
     return conform(frame.sort("arrival_s", maintain_order=True))

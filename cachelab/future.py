@@ -7,14 +7,31 @@ K-step view (a next use further away than K steps is as good as never, NO_NEXT).
 
 from __future__ import annotations
 
+import numba as nb
 import numpy as np
 
 from cachelab.policy import NO_NEXT
 
 
+@nb.njit(cache=True, nogil=True, boundscheck=False)
+def _next_access_dense(keys, num_keys, out):
+    last = np.full(num_keys, NO_NEXT, np.int64)
+    for i in range(keys.size - 1, -1, -1):
+        out[i] = last[keys[i]]
+        last[keys[i]] = i
+
+
 def next_access(keys: np.ndarray) -> np.ndarray:
-    """Position of each access's next access to the same key, NO_NEXT if none (vectorised)."""
+    """Position of each access's next access to the same key, NO_NEXT if none.
+
+    Dense keys (the engine's compacted ids) take one backward pass over a last-seen array;
+    any other keys a stable sort.
+    """
     keys = np.asarray(keys)
+    if keys.size and np.issubdtype(keys.dtype, np.integer) and keys.min() >= 0 and keys.max() < 4 * keys.size + 1024:
+        out = np.empty(keys.size, dtype=np.int64)
+        _next_access_dense(np.ascontiguousarray(keys, dtype=np.int64), int(keys.max()) + 1, out)
+        return out
     order = np.argsort(keys, kind="stable")
     out = np.full(keys.size, NO_NEXT, dtype=np.int64)
     if keys.size > 1:

@@ -99,15 +99,23 @@ def _read_text(path: Path) -> np.ndarray:
     raise CachelabError(f"{path}: unreadable keys")
 
 
-def read_oracle_general(path: str | Path) -> np.ndarray:
-    """The ``id`` field of every record of an oracleGeneral trace, as int64."""
+def read_oracle_records(path: str | Path) -> np.ndarray:
+    """Every record of an oracleGeneral trace (``ORACLE_DTYPE``: time, id, size, next)."""
     path = Path(path)
+    if not path.is_file():
+        raise CachelabError(f"trace not found: {path}")
     size = path.stat().st_size
     if size % ORACLE_DTYPE.itemsize:
         full = size // ORACLE_DTYPE.itemsize
         raise CachelabError(f"{path}: truncated oracleGeneral record {full} (0-based): the file has "
                             f"{size} bytes, not a multiple of {ORACLE_DTYPE.itemsize}")
-    ids = np.fromfile(path, dtype=ORACLE_DTYPE)["id"]
+    return np.fromfile(path, dtype=ORACLE_DTYPE)
+
+
+def read_oracle_general(path: str | Path) -> np.ndarray:
+    """The ``id`` field of every record of an oracleGeneral trace, as int64."""
+    path = Path(path)
+    ids = read_oracle_records(path)["id"]
     too_big = np.flatnonzero(ids > np.iinfo(np.int64).max)
     if too_big.size:
         raise CachelabError(f"{path}, record {int(too_big[0])}: id {int(ids[too_big[0]])} does not fit in int64")

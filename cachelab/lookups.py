@@ -248,22 +248,22 @@ class LookupStream:
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)
 def _hash_index(uniq, keys, bits, out):
-    """``out[i]`` = position of ``keys[i]`` in ``uniq`` via an open-addressing table (one pass)."""
+    """``out[i]`` = position of ``keys[i]`` in ``uniq``: an open-addressing table of int32
+    positions into ``uniq`` (4 bytes a slot, so it stays small and cache-friendlier)."""
     mask = (1 << bits) - 1
-    table_key = np.full(1 << bits, -1, np.int64)
-    table_val = np.empty(1 << bits, np.int64)
+    table = np.full(1 << bits, -1, np.int32)
     shift = np.uint64(64 - bits)
     for j in range(uniq.size):
         h = np.int64((np.uint64(uniq[j]) * np.uint64(0x9E3779B97F4A7C15)) >> shift)
-        while table_key[h] != -1:
+        while table[h] != -1:
             h = (h + 1) & mask
-        table_key[h] = uniq[j]
-        table_val[h] = j
+        table[h] = j
     for i in range(keys.size):
-        h = np.int64((np.uint64(keys[i]) * np.uint64(0x9E3779B97F4A7C15)) >> shift)
-        while table_key[h] != keys[i]:
+        k = keys[i]
+        h = np.int64((np.uint64(k) * np.uint64(0x9E3779B97F4A7C15)) >> shift)
+        while uniq[table[h]] != k:
             h = (h + 1) & mask
-        out[i] = table_val[h]
+        out[i] = table[h]
 
 
 def compact(keys) -> tuple[np.ndarray, np.ndarray]:
@@ -271,13 +271,16 @@ def compact(keys) -> tuple[np.ndarray, np.ndarray]:
     ``unique_keys`` sorted and ``unique_keys[ids] == keys``.
 
     A sort finds the unique keys; a hash table (load <= 1/2) maps every key to its index,
-    several times faster than ``np.unique(..., return_inverse=True)`` on 10 M keys.
+    several times faster than ``np.unique(..., return_inverse=True)`` on 10 M keys, in a
+    quarter of the memory of a key-and-value table.
     """
     keys = np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)
     if keys.size and keys.min() < 0:
         raise CachelabError(f"keys must be non-negative, found {int(keys.min())}")
     ordered = np.sort(keys)  # np.unique is many times slower on large int64 arrays
     uniq = ordered[np.concatenate([[True], ordered[1:] != ordered[:-1]])] if keys.size else ordered
+    if uniq.size >= 2**31:
+        raise CachelabError(f"{uniq.size:,} distinct keys: more than the 2^31 dense ids a policy can index")
     ids = np.empty(keys.size, np.int64)
     bits = max(4, int(np.ceil(np.log2(max(uniq.size, 1)))) + 1)
     _hash_index(uniq, keys, bits, ids)

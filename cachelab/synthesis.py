@@ -163,6 +163,24 @@ class Plan:
         return self.arrival_s.size
 
 
+def _sessions(arrivals: pl.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """The arrivals' (session, turn), with sessions renamed to the new, arrival-order request ids.
+
+    A session whose first request is not in the table (cut by ``max_requests``) starts anew.
+    """
+    old = arrivals["request_id"].to_numpy()
+    position = np.full(int(old.max()) + 1 if old.size else 0, -1, np.int64)
+    position[old] = np.arange(old.size)
+    session = arrivals["session_id"].to_numpy()
+    known = session < position.size
+    renamed = np.where(known, position[np.where(known, session, 0)], -1)
+    missing = renamed < 0
+    renamed[missing] = np.arange(old.size)[missing]
+    turn = arrivals["turn"].to_numpy().astype(np.int64)
+    turn[missing] = 0
+    return renamed, turn
+
+
 def _doc_order(num_docs: int, count: int, rng: np.random.Generator) -> np.ndarray:
     """``count`` document indices: seeded shuffles of all documents, one after another."""
     passes = max(1, math.ceil(count / num_docs))
@@ -202,9 +220,7 @@ def plan_blocks(stream: TokenStream, arrivals: pl.DataFrame) -> Plan:
         after = np.where(counts[rows] > 0, seg_start[last] + blen[last], 0)
         return after, output_len[rows]
 
-    n = arrivals.height
-    ids = np.arange(n, dtype=np.int64)
-    return Plan(arrivals["arrival_s"].to_numpy(), ids, np.zeros(n, np.int64), prompt_segments, output_segment,
+    return Plan(arrivals["arrival_s"].to_numpy(), *_sessions(arrivals), prompt_segments, output_segment,
                 block_hashes=hashes, block_size=block)
 
 
@@ -215,8 +231,7 @@ def plan_lengths(stream: TokenStream, arrivals: pl.DataFrame, rng: np.random.Gen
     start = stream.doc_start[docs]
     prompt_len = arrivals["prompt_len"].to_numpy().astype(np.int64)
     output_len = arrivals["output_len"].to_numpy().astype(np.int64)
-    ids = np.arange(n, dtype=np.int64)
-    return Plan(arrivals["arrival_s"].to_numpy(), ids, np.zeros(n, np.int64),
+    return Plan(arrivals["arrival_s"].to_numpy(), *_sessions(arrivals),
                 lambda rows: (start[rows], prompt_len[rows], np.ones(rows.size, np.int64)),
                 lambda rows: (start[rows] + prompt_len[rows], output_len[rows]))
 
@@ -332,9 +347,9 @@ def materialize(stream: TokenStream, plan: Plan, rows: np.ndarray, source: str) 
         "prompt_len": np.diff(prompt_off),
         "output_len": out_len,
         "block_hashes": plan.block_hashes.gather(rows) if plan.block_hashes is not None
-        else pl.Series([None] * n, dtype=pl.List(pl.Int64)),
-        "block_size": pl.Series([plan.block_size] * n, dtype=pl.Int32),
-        "source": pl.Series([source] * n, dtype=pl.String),
+        else pl.repeat(None, n, dtype=pl.List(pl.Int64), eager=True),
+        "block_size": pl.repeat(plan.block_size, n, dtype=pl.Int32, eager=True),
+        "source": pl.repeat(source, n, dtype=pl.String, eager=True),
     })
 
 

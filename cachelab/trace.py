@@ -224,9 +224,9 @@ def write_chunks(chunks: Iterable[pl.DataFrame], path: str | os.PathLike) -> int
     return writer.rows
 
 
-def empty_lists(n: int, dtype=pl.Int32) -> pl.Series:
+def empty_lists(name: str, n: int) -> pl.Series:
     """``n`` empty token lists: the content-less marker of an imported arrival trace."""
-    return pl.Series([[]] * n, dtype=pl.List(dtype)) if n else pl.Series([], dtype=pl.List(dtype))
+    return list_series(name, np.zeros(n + 1, dtype=np.int32), np.empty(0, dtype=np.int32))
 
 
 def list_series(name: str, offsets: np.ndarray, values: np.ndarray) -> pl.Series:

@@ -7,14 +7,25 @@ candidate in favour of that victim. Every compiled eviction kernel takes the fil
 by configuration (``--admission tinylfu``). Filters:
 
 - ``always``: admit everything (the plain eviction policy).
-- ``tinylfu``: a 4-row count-min sketch of 4-bit-style saturating counters with periodic
-  halving (aging); admit iff the candidate's estimated frequency beats the victim's
-  (Einziger et al., TinyLFU, ACM ToS 2017).
+- ``tinylfu``: a frequency sketch with periodic halving (aging); admit iff the candidate's
+  estimated frequency beats the victim's (Einziger et al., TinyLFU, ACM ToS 2017).
 - ``scores``: admit iff the candidate's latest predicted score beats the victim's
   (learned admission; ``scores[key]`` is written by the replay from a predictor).
+
+The sketch is one array of counters read through ``hashes`` positions per key by double
+hashing (``a + i * b``, as libCacheSim's minimalIncrementCBF does), estimate = the minimum
+of those counters. ``make_admission`` sizes it two ways: by default as Caffeine's
+FrequencySketch (4 positions, 4-bit counters saturating at 15, about 4 counters per
+cached row, halving after 10 x capacity additions); with ``error`` as libCacheSim's
+counting Bloom filter (``-ln(error) / ln(2)^2`` counters per entry, ``ceil(ln 2 x that)``
+positions, unbounded counters), which W-TinyLFU uses to agree with libCacheSim.
+The sketch primitives are public so a policy with its own counting rules (W-TinyLFU)
+drives the same structure.
 """
 
 from __future__ import annotations
+
+import math
 
 import numba as nb
 import numpy as np
@@ -23,28 +34,84 @@ from cachelab.errors import CachelabError
 
 ALWAYS, TINYLFU, SCORES = 0, 1, 2
 KINDS = {"always": ALWAYS, "tinylfu": TINYLFU, "scores": SCORES}
-DEPTH = 4
-# Odd multipliers for multiply-shift hashing of the sketch rows.
-_SEEDS = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93],
-                  dtype=np.uint64)
-# meta: [width_bits, additions, sample_size, counter_max]
-WIDTH_BITS, ADDITIONS, SAMPLE, CMAX = 0, 1, 2, 3
+# meta: [counters, additions since the last halving, sample size, counter max, hashes]
+WIDTH, ADDITIONS, SAMPLE, CMAX, HASHES = 0, 1, 2, 3, 4
+_MASK32 = np.uint64(0xFFFFFFFF)
+# xxHash64 primes, and the two seeds libCacheSim's counting Bloom filter hashes with
+_P1, _P2, _P3 = np.uint64(0x9E3779B185EBCA87), np.uint64(0xC2B2AE3D27D4EB4F), np.uint64(0x165667B19E3779F9)
+_P4, _P5 = np.uint64(0x85EBCA77C2B2AE63), np.uint64(0x27D4EB2F165667C5)
+_SEED_A, _SEED_B = np.uint64(0x12345678), np.uint64(0x12344321)
 
 
 @nb.njit(cache=True, inline="always")
-def _slot(key, row, width_bits):
-    h = np.uint64(key) * _SEEDS[row]
-    return row * (1 << width_bits) + np.int64(h >> np.uint64(64 - width_bits))
+def _rotl(x, r):
+    return (x << np.uint64(r)) | (x >> np.uint64(64 - r))
 
 
 @nb.njit(cache=True, inline="always")
-def _estimate(counters, meta, key):
+def _xxh64_u64(value, seed):
+    """xxHash64 (Collet's public specification) of one little-endian 8-byte value."""
+    h = seed + _P5 + np.uint64(8)
+    h ^= _rotl(value * _P2, 31) * _P1
+    h = _rotl(h, 27) * _P1 + _P4
+    h = (h ^ (h >> np.uint64(33))) * _P2
+    h = (h ^ (h >> np.uint64(29))) * _P3
+    return h ^ (h >> np.uint64(32))
+
+
+@nb.njit(cache=True, inline="always")
+def _mix(key):
+    """The key's two 32-bit hashes ``a`` (low half) and ``b`` (high half): xxHash64 of the key
+    under libCacheSim's seeds, so a sketch over the same ids collides exactly as its does."""
+    k = np.uint64(key)
+    return (_xxh64_u64(k, _SEED_A) & _MASK32) | ((_xxh64_u64(k, _SEED_B) & _MASK32) << np.uint64(32))
+
+
+@nb.njit(cache=True, inline="always")
+def _position(h, i, width):
+    """The i-th counter of a key: (a + i*b) mod 2^32 mod width."""
+    a = h & _MASK32
+    b = h >> np.uint64(32)
+    return np.int64(((a + np.uint64(i) * b) & _MASK32) % np.uint64(width))
+
+
+@nb.njit(cache=True)
+def sketch_estimate(counters, meta, key):
+    """Estimated frequency of ``key``: the smallest of its counters."""
+    h = _mix(key)
     best = np.int64(1) << 62
-    for row in range(DEPTH):
-        c = counters[_slot(key, row, meta[WIDTH_BITS])]
+    for i in range(meta[HASHES]):
+        c = counters[_position(h, i, meta[WIDTH])]
         if c < best:
             best = c
     return best
+
+
+@nb.njit(cache=True)
+def sketch_add(counters, meta, key):
+    """Count one occurrence of ``key`` (each of its counters, saturating at the max)."""
+    h = _mix(key)
+    for i in range(meta[HASHES]):
+        s = _position(h, i, meta[WIDTH])
+        if counters[s] < meta[CMAX]:
+            counters[s] += 1
+
+
+@nb.njit(cache=True)
+def sketch_halve(counters):
+    """Aging: halve every counter, so old popularity fades."""
+    for i in range(counters.size):
+        counters[i] >>= 1
+
+
+@nb.njit(cache=True)
+def sketch_age(counters, meta):
+    """Note one addition toward the sample; at the sample size, halve every counter and the
+    addition count (as Caffeine's reset does, so the next halving comes sooner)."""
+    meta[ADDITIONS] += 1
+    if meta[ADDITIONS] >= meta[SAMPLE]:
+        sketch_halve(counters)
+        meta[ADDITIONS] //= 2
 
 
 @nb.njit(cache=True)
@@ -52,15 +119,8 @@ def admission_record(kind, counters, scores, meta, key):
     """Count one access of ``key`` (TinyLFU); a no-op for the other filters."""
     if kind != TINYLFU:
         return
-    for row in range(DEPTH):
-        s = _slot(key, row, meta[WIDTH_BITS])
-        if counters[s] < meta[CMAX]:
-            counters[s] += 1
-    meta[ADDITIONS] += 1
-    if meta[ADDITIONS] >= meta[SAMPLE]:  # aging: halve every counter
-        for i in range(counters.size):
-            counters[i] >>= 1
-        meta[ADDITIONS] //= 2
+    sketch_add(counters, meta, key)
+    sketch_age(counters, meta)
 
 
 @nb.njit(cache=True)
@@ -69,18 +129,34 @@ def admission_admit(kind, counters, scores, meta, candidate, victim):
     if kind == ALWAYS:
         return True
     if kind == TINYLFU:
-        return _estimate(counters, meta, candidate) > _estimate(counters, meta, victim)
+        return sketch_estimate(counters, meta, candidate) > sketch_estimate(counters, meta, victim)
     return scores[candidate] > scores[victim]
 
 
 def make_admission(name: str, capacity: int, num_keys: int, sample_factor: int = 10,
-                   counter_max: int = 15):
-    """Filter state ``(kind, counters, scores, meta)`` sized for a cache of ``capacity`` rows."""
+                   counter_max: int = 15, error: float | None = None):
+    """Filter state ``(kind, counters, scores, meta)`` sized for a cache of ``capacity`` rows.
+
+    Args:
+        sample_factor: the sketch halves its counters every ``sample_factor x capacity``
+            additions (Caffeine: 10; libCacheSim's W-TinyLFU: 32).
+        counter_max: counters saturate here (Caffeine's 4-bit counters: 15).
+        error: if given, size the sketch as libCacheSim's counting Bloom filter for this
+            false-positive rate instead of Caffeine's 4 counters per row.
+    """
     if name not in KINDS:
         raise CachelabError(f"unknown admission {name!r}; choose one of {sorted(KINDS)}")
     kind = KINDS[name]
-    width_bits = max(4, int(np.ceil(np.log2(max(capacity, 1)))))
-    counters = np.zeros(DEPTH << width_bits if kind == TINYLFU else 1, dtype=np.int64)
+    capacity = max(int(capacity), 1)
+    if error is None:
+        hashes, width = 4, 4 << max(4, math.ceil(math.log2(capacity)))
+    else:
+        if not 0.0 < error < 1.0:
+            raise CachelabError(f"sketch error rate must be in (0, 1), got {error}")
+        per_entry = -math.log(error) / math.log(2) ** 2
+        hashes = math.ceil(math.log(2) * per_entry)
+        width = max(math.ceil(per_entry * capacity), 2 * hashes)
+    counters = np.zeros(width if kind == TINYLFU else 1, dtype=np.int64)
     scores = np.zeros(num_keys if kind == SCORES else 1, dtype=np.float64)
-    meta = np.array([width_bits, 0, sample_factor * max(capacity, 1), counter_max], dtype=np.int64)
+    meta = np.array([width, 0, sample_factor * capacity, counter_max, hashes], dtype=np.int64)
     return np.int64(kind), counters, scores, meta

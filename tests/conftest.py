@@ -1,10 +1,37 @@
-"""Shared fixtures: the real data root, skipped cleanly where it is absent."""
+"""Shared fixtures: the real data root, skipped cleanly where it is absent.
+
+Numba's on-disk cache (``cache=True``) keys a kernel on its own file only, not on the
+compiled helpers it calls (admission filters, queues, heaps), so after a pull that changes a
+helper a cached kernel can run the old helper against new state layouts. Before a session,
+cache files older than the newest source file of the repository are removed.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from cachelab.paths import data_root
+from cachelab.paths import REPO_ROOT, data_root
+
+_PACKAGES = ("cachelab", "policies", "predictors", "traces")
+
+
+def _purge_stale_numba_cache() -> None:
+    sources = [p for pkg in _PACKAGES for p in (REPO_ROOT / pkg).rglob("*.py")]
+    newest = max((p.stat().st_mtime for p in sources), default=0.0)
+    for pkg in _PACKAGES:
+        for cached in (REPO_ROOT / pkg).rglob("__pycache__/*.nb[ic]"):
+            try:
+                if cached.stat().st_mtime < newest:
+                    cached.unlink()
+            except FileNotFoundError:  # another worker removed it first
+                pass
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # once, in the controlling process
+        _purge_stale_numba_cache()
 
 
 @pytest.fixture(scope="session")

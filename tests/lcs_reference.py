@@ -11,7 +11,8 @@ import numpy as np
 
 from cachelab.keytrace import ORACLE_DTYPE, read_keys, read_oracle_general, write_oracle_general
 
-__all__ = ["lcs_miss_ratio", "write_oracle_general"]
+__all__ = ["cachelab_miss_ratio", "cloudphysics_keys", "engram_row_keys", "lcs_miss_ratio", "lcs_misses",
+           "lirs_keys", "write_oracle_general"]
 
 
 def lcs_miss_ratio(trace_path: Path, policy: str, capacity: int, **params) -> float:

@@ -33,6 +33,7 @@ class Case:
     params: dict = field(default_factory=dict)
     lcs_params: dict = field(default_factory=dict)
     rel_tol: float = 0.0
+    min_capacity: int = 2  # capacities below this are left out (the Case says why)
 
     def __str__(self) -> str:
         return self.ours + "".join(f"-{k}={v}" for k, v in self.params.items())
@@ -45,6 +46,11 @@ CASES = [
     Case("clock", "Clock", {"bits": 2}, {"n_bit_counter": 2}),
     Case("sieve", "Sieve"),
     Case("belady", "Belady"),
+    # Identical where both see the same ids (test_policies_wtinylfu.py). Here the sketch hashes
+    # the ids each sees: ours the engine's compacted ids, libCacheSim the raw Engram row ids,
+    # so sketch collisions differ on the Engram streams (measured gap under 0.2%). Below 100
+    # rows libCacheSim's 1% window is empty and it refuses every row; ours keeps one row.
+    Case("wtinylfu", "WTinyLFU", rel_tol=0.01, min_capacity=100),
 ]
 TRACES = ["cloudphysics", "lirs-sprite", "lirs-multi2", "engram-gsm8k-rows", "engram-arena-hard"]
 
@@ -74,7 +80,7 @@ def traces(data_dir, tmp_path_factory):
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_miss_counts_agree_with_libcachesim(traces, trace, case):
     stream, path, unique = traces[trace]
-    for capacity in sorted({max(2, unique // 1000), unique // 100, unique // 10}):
+    for capacity in sorted({max(case.min_capacity, c) for c in (unique // 1000, unique // 100, unique // 10)}):
         tier = Tier("hbm", registry.make_policy(case.ours, **case.params), capacity_rows=capacity)
         level = replay(stream, Hierarchy([tier], stream.row_bytes)).summary()["levels"]["hbm"]
         ours = level["requests_unique"] - level["served_unique"]

@@ -1,11 +1,12 @@
 import numpy as np
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachelab.future import censor_lookahead, next_access
 from cachelab.policy import NO_NEXT
 
 
+@settings(deadline=None)  # the first call loads the compiled kernel
 @given(st.lists(st.integers(0, 6), max_size=60))
 def test_next_access_matches_a_scan(keys):
     keys = np.array(keys, dtype=np.int64)

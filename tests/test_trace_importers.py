@@ -152,3 +152,59 @@ def test_cli_reports_corruption_without_traceback_and_counts_skips(tmp_path):
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["skipped_rows"] == 1
     assert json.loads(runner.invoke(app, ["trace", "info", str(out), "--json"]).stdout)["requests"] == rows - 1
+
+
+def test_sessions_are_inferred_from_contained_prompts(tmp_path):
+    rows = [  # block 0 is a shared system prompt: sharing only it makes no session
+        {"timestamp": 0, "input_length": 1100, "output_length": 9, "hash_ids": [0, 1, 2]},
+        {"timestamp": 5, "input_length": 700, "output_length": 9, "hash_ids": [0, 3]},
+        {"timestamp": 9, "input_length": 1600, "output_length": 9, "hash_ids": [0, 1, 4, 5]},  # turn 2 of request 0
+        {"timestamp": 12, "input_length": 2100, "output_length": 9, "hash_ids": [0, 1, 4, 6, 7]},  # turn 3
+        {"timestamp": 13, "input_length": 1100, "output_length": 9, "hash_ids": [0, 1, 8]},  # again after turn 1
+    ]
+    path = tmp_path / "s_trace.jsonl"
+    path.write_text(mooncake_text(rows))
+    df = MooncakeTrace(str(path)).arrivals()
+    assert df["session_id"].to_list() == [0, 1, 0, 0, 0]
+    assert df["turn"].to_list() == [0, 0, 1, 2, 1]
+    plain = MooncakeTrace(str(path), infer_sessions=False).arrivals()
+    assert plain["session_id"].to_list() == [0, 1, 2, 3, 4]
+
+
+@SETTINGS
+@given(data=st.binary(max_size=400), fmt=st.sampled_from(sorted(GOOD)), skip=st.booleans())
+def test_arbitrary_bytes_give_rows_or_a_clean_error(tmp_path, data, fmt, skip):
+    """Whatever the bytes, an importer returns a valid table or raises CachelabError."""
+    name, cls, text = GOOD[fmt]
+    path = tmp_path / name
+    header = b"" if fmt == "mooncake" else text.splitlines()[0].encode() + b"\n"
+    path.write_bytes(header + data)
+    source = cls(str(path), skip_bad=skip)
+    try:
+        df = source.arrivals()
+    except CachelabError:
+        return
+    validate(df, str(path))
+    lines = [ln for ln in (header + data).splitlines() if ln.strip()]
+    data_lines = len(lines) - (0 if fmt == "mooncake" else 1)
+    assert df.height + source.skipped >= min(data_lines, 1) and df.height <= data_lines
+
+
+def test_gzip_input_and_a_truncated_stream(tmp_path):
+    import gzip
+
+    name, cls, text = GOOD["mooncake"]
+    path = tmp_path / "z_trace.jsonl.gz"
+    path.write_bytes(gzip.compress(text.encode()))
+    assert cls(str(path)).arrivals().height == 4
+    path.write_bytes(gzip.compress(text.encode())[:-12])
+    with pytest.raises(CachelabError, match="z_trace.jsonl.gz:.*unreadable"):
+        cls(str(path)).arrivals()
+
+
+def test_azure_2024_timestamps_with_utc_offset(tmp_path):
+    path = tmp_path / "AzureLLMInferenceTrace_conv_1week.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10 00:00:00.009930+00:00,4808,10\n"
+                    "2024-05-10 00:00:01.509930+00:00,3180,8\n")
+    df = AzureTrace(str(path)).arrivals()
+    assert df["arrival_s"].to_list() == pytest.approx([0.0, 1.5]) and df["domain"][0] == "conversation"

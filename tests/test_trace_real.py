@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import polars as pl
 import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
@@ -32,6 +33,7 @@ def test_mooncake_import_requests_and_block_hit_ratio(data_dir, tmp_path, name, 
     assert info["requests"] == requests
     assert round(info["block_hit_ratio"]["512"], 3) == ratio
     assert info["block_hit_basis"] == "block_hashes" and not info["has_content"]
+    assert info["sessions"] == {"conversation": 8_056, "synthetic": 2_549}[name]  # inferred from shared prefixes
 
 
 @pytest.mark.parametrize("name, requests", [("code", 8_819), ("conv", 19_366)])
@@ -51,6 +53,7 @@ def test_mooncake_with_arena_hard_keeps_the_block_hit_ratio(data_dir, tmp_path):
                               "traces/mooncake_fast25/conversation_trace.jsonl", "--corpus", "arena-hard",
                               "-o", str(out), "--json"])
     assert res.exit_code == 0, res.output
+    assert pl.read_parquet(out, columns=["session_id"])["session_id"].n_unique() == 8_056
     content, source, pairs = DistinctCounter(), DistinctCounter(), []
     for batch in pq.ParquetFile(out).iter_batches(batch_size=2048, columns=["prompt_ids", "block_hashes"]):
         prompts = batch.column("prompt_ids")

@@ -5,6 +5,13 @@ and ``hash_ids``, the remapped ids of the prompt's 512-token prefix blocks (chai
 equal id means an equal prefix up to and including that block; the last block may be
 partial, so ``len(hash_ids) == ceil(input_length / 512)``). No text is published; the ids
 are kept as ``block_hashes`` so the prefix sharing survives into synthesis.
+
+Mooncake publishes no session ids. With ``infer_sessions`` (the default) a request continues
+the session of the latest earlier request whose full blocks are a proper prefix of its own
+and that shares more than the first block with it (the first block of the conversation
+trace is one system prompt that all 12,031 requests share): the later prompt contains the
+earlier one, as a conversation's next turn does. ``turn`` counts the steps from the
+session's first request.
 """
 
 from __future__ import annotations
@@ -63,9 +70,11 @@ class MooncakeTrace:
     name = "mooncake"
     has_lengths = True
 
-    def __init__(self, path: str, skip_bad: bool = False, domain: str | None = None, block_size: int = BLOCK_SIZE):
+    def __init__(self, path: str, skip_bad: bool = False, domain: str | None = None, block_size: int = BLOCK_SIZE,
+                 infer_sessions: bool = True):
         self.path = Path(path)
         self.skip_bad = skip_bad
+        self.infer_sessions = infer_sessions
         self.domain = domain or self.path.name.split(".")[0].removesuffix("_trace")
         self.block_size = block_size
         self.skipped = 0
@@ -90,6 +99,28 @@ class MooncakeTrace:
         offsets = np.zeros(len(counts) + 1, dtype=np.int32)
         np.cumsum(counts, out=offsets[1:])
         hashes = list_series("block_hashes", offsets, np.asarray(flat, dtype=np.int64))
-        return arrival_frame(np.asarray(ts, dtype=np.float64) / 1000.0, n_in, n_out, domain=self.domain,
-                             source=self.name, block_hashes=hashes, block_size=self.block_size)
+        arrival = np.asarray(ts, dtype=np.float64) / 1000.0
+        session, turn = infer_sessions(arrival, n_in, offsets, flat, self.block_size) if self.infer_sessions \
+            else (None, None)
+        return arrival_frame(arrival, n_in, n_out, domain=self.domain, source=self.name, block_hashes=hashes,
+                             block_size=self.block_size, session_id=session, turn=turn)
+
+
+def infer_sessions(arrival: np.ndarray, input_length: list[int], offsets: np.ndarray, flat: list[int],
+                   block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(session id, turn) per request by the prefix rule of the module docstring."""
+    n = arrival.size
+    session, turn = np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    ends: dict[int, int] = {}  # id of the last full block of a request -> that request
+    for i in np.argsort(arrival, kind="stable").tolist():
+        ids = flat[offsets[i]:offsets[i + 1]]
+        for j in range(len(ids) - 1, 1, -1):  # a proper prefix of at least two blocks
+            parent = ends.get(ids[j - 1])
+            if parent is not None:
+                session[i], turn[i] = session[parent], turn[parent] + 1
+                break
+        full = len(ids) if input_length[i] % block_size == 0 else len(ids) - 1
+        if full > 0:
+            ends[ids[full - 1]] = i
+    return session, turn
 

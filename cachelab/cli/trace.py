@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from cachelab.errors import CachelabError
+from cachelab.keytrace import write_oracle_general
+from cachelab.trace import write_trace
+from cachelab.trace_convert import oracle_to_trace, trace_keys
 from cachelab.trace_stats import summarize
 from cachelab.workload import WorkloadSpec, build as build_workload, load_spec, parse_spec
 
@@ -65,11 +69,13 @@ def build(
 ) -> None:
     """Import an arrival trace (no corpus) or synthesize a workload of real text (with one).
 
-    Examples: `cachelab trace build --arrivals mooncake --arrivals-path
-    traces/mooncake_fast25/conversation_trace.jsonl -o mooncake.parquet`;
-    add `--corpus arena-hard` to give every request real Arena-Hard text with the trace's
-    exact prefix sharing; `--arrivals gamma --arrival-option rate=2 --arrival-option
-    num_requests=500 --corpus mt-bench` for multi-turn sessions at Poisson arrivals.
+    Import: --arrivals mooncake --arrivals-path traces/mooncake_fast25/conversation_trace.jsonl
+
+    Add --corpus arena-hard to give every request real text with the trace's exact prefix sharing.
+
+    Sessions at Poisson arrivals: --arrivals gamma --arrival-option rate=2 --arrival-option num_requests=500 --corpus mt-bench
+
+    The spec format, every source and the synthesis rules: docs/traces.md.
     """
     data = load_spec(spec).model_dump() if spec is not None else {}
     if arrivals is not None:
@@ -139,3 +145,31 @@ def info(
             table.add_row(str(s["layer"]), str(s["order"] or "all"), f"{s['lookups']:,}",
                           f"{s['unique_rows']:,}", f"{s['top1pct_share']:.1%}")
         console.print(table)
+
+
+@app.command()
+def convert(
+    source: Path = typer.Argument(..., help="A cachelab trace (.parquet), or an oracleGeneral file."),
+    out: Path = typer.Argument(..., help="OUT.parquet: import an oracleGeneral file; anything else: "
+                                         "write the trace's keys as oracleGeneral."),
+    keys: str = typer.Option("rows", help="rows: Engram row keys of every token; blocks: prefix-block keys."),
+    block_size: int | None = typer.Option(None, help="--keys blocks on content: tokens per block (default: the "
+                                                     "trace's block_hashes, else 16)."),
+    preset: str = typer.Option("deepseek-v4.1-flash", help="Engram layout for --keys rows."),
+    max_requests: int | None = typer.Option(None, help="Convert only the first N requests."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Convert between the trace schema and libCacheSim's oracleGeneral key format (unit sizes)."""
+    if out.suffix == ".parquet":
+        frame = oracle_to_trace(source)
+        write_trace(frame, out)
+        result = {"out": str(out), "direction": "oracleGeneral->trace", "requests": frame.height}
+    else:
+        key_stream = trace_keys(source, keys, block_size=block_size, preset=preset, max_requests=max_requests)
+        write_oracle_general(out, key_stream)
+        result = {"out": str(out), "direction": "trace->oracleGeneral", "keys": keys,
+                  "records": int(key_stream.size), "distinct": int(np.unique(key_stream).size)}
+    if as_json:
+        typer.echo(json.dumps(result))
+    else:
+        Console().print(", ".join(f"{k}: {v}" for k, v in result.items()))

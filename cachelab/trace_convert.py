@@ -1,0 +1,96 @@
+"""Between request traces and libCacheSim's oracleGeneral key traces.
+
+A trace becomes one key per lookup: ``rows`` are the Engram row keys every token of every
+request reads (``LookupStream.from_sequences``: prompt then output, request by request,
+layer-major global keys), for differential tests of the cache engine against libCacheSim;
+``blocks`` are the requests' prefix blocks (the source's ``block_hashes`` of a content-less
+import, else the chained hashes of the prompt at ``block_size``, masked to 63 bits), for
+prefix-cache studies in libCacheSim. An oracleGeneral file becomes a content-less trace
+with one request per record: ``block_hashes = [id]`` at block size 1, ``arrival_s`` from
+the record's time, so a round trip keeps every id.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import polars as pl
+import pyarrow.parquet as pq
+
+from cachelab.arrivals import arrival_frame
+from cachelab.engram import Addresser, get_preset
+from cachelab.errors import CachelabError
+from cachelab.keytrace import read_oracle_records
+from cachelab.lookups import LookupStream
+from cachelab.prefix_blocks import chained_block_hashes
+from cachelab.trace import list_series, scan_trace, validate
+
+KEY_KINDS = ("rows", "blocks")
+BATCH_ROWS = 256
+_MASK63 = np.int64(0x7FFF_FFFF_FFFF_FFFF)
+
+
+def _batches(path: str | os.PathLike, max_requests: int | None):
+    """Validated record batches of the trace, up to ``max_requests`` rows."""
+    scan_trace(path)
+    seen = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS):
+        if max_requests is not None and seen >= max_requests:
+            return
+        if max_requests is not None:
+            batch = batch.slice(0, max_requests - seen)
+        validate(pl.from_arrow(batch), str(path), first_row=seen)
+        seen += batch.num_rows
+        yield batch
+
+
+def trace_keys(path: str | os.PathLike, kind: str = "rows", *, block_size: int | None = None,
+               preset: str = "deepseek-v4.1-flash", max_requests: int | None = None) -> np.ndarray:
+    """The key stream of a trace (see module doc), as non-negative int64."""
+    if kind not in KEY_KINDS:
+        raise CachelabError(f"key kind {kind!r}: choose one of {list(KEY_KINDS)}")
+    addresser = Addresser(get_preset(preset)) if kind == "rows" else None
+    parts = []
+    for batch in _batches(path, max_requests):
+        frame = pl.from_arrow(batch)
+        has_content = bool(((frame["prompt_ids"].list.len() == frame["prompt_len"]) | (frame["prompt_len"] == 0)).all())
+        if kind == "rows":
+            if not has_content:
+                raise CachelabError(f"{path}: row keys need token content; this trace has lengths only "
+                                    "(synthesize it with a corpus first, or convert --keys blocks)")
+            sequences = [np.concatenate([p, o]) for p, o in zip(frame["prompt_ids"].to_numpy(),
+                                                                  frame["output_ids"].to_numpy())]
+            parts.append(LookupStream.from_sequences(addresser, sequences, tokens_per_step=None).keys)
+        elif not has_content or block_size is None and frame["block_hashes"].null_count() == 0:
+            if frame["block_hashes"].null_count():
+                raise CachelabError(f"{path}: block keys need token content or block_hashes")
+            parts.append(frame["block_hashes"].explode().drop_nulls().to_numpy().astype(np.int64))
+        else:
+            prompts = batch.column("prompt_ids")
+            size = block_size or 16
+            hashes, _ = chained_block_hashes(prompts.values.to_numpy(), prompts.offsets.to_numpy(), size)
+            parts.append(hashes & _MASK63)
+    keys = np.concatenate(parts) if parts else np.empty(0, np.int64)
+    if keys.size and keys.min() < 0:
+        raise CachelabError(f"{path}: block_hashes hold negative ids; oracleGeneral ids are unsigned")
+    return keys
+
+
+def oracle_to_trace(path: str | os.PathLike) -> pl.DataFrame:
+    """A content-less trace of an oracleGeneral file: one request per record (see module doc)."""
+    records = read_oracle_records(path)
+    if records.size == 0:
+        raise CachelabError(f"{path}: empty oracleGeneral trace")
+    ids = records["id"]
+    if ids.max() > np.iinfo(np.int64).max:
+        bad = int(np.flatnonzero(ids > np.iinfo(np.int64).max)[0])
+        raise CachelabError(f"{path}, record {bad}: id {int(ids[bad])} does not fit in int64")
+    time = records["time"].astype(np.float64)
+    if np.any(np.diff(time) < 0):
+        bad = int(np.flatnonzero(np.diff(time) < 0)[0]) + 1
+        raise CachelabError(f"{path}, record {bad}: time {int(time[bad])} goes back in time")
+    n = ids.size
+    hashes = list_series("block_hashes", np.arange(n + 1, dtype=np.int32), ids.astype(np.int64))
+    return arrival_frame(time - time[0], np.ones(n, np.int64), np.zeros(n, np.int64), domain="oraclegeneral",
+                         source="oraclegeneral", block_hashes=hashes, block_size=1)

@@ -1,0 +1,78 @@
+"""The trace build spec (TOML or flags): what it accepts, what it refuses, and how it says so."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from cachelab.cli import app
+
+runner = CliRunner()
+
+SPEC = """
+seed = 4
+[arrivals]
+source = "gamma"
+options = { rate = 3.0, burstiness = 0.5, num_requests = 25 }
+[corpus]
+source = "stdlib"
+options = { max_chars = 200000 }
+[synthesis]
+output_tokens = 16
+turn_gap_s = 2.0
+chunk_tokens = 5000
+"""
+
+
+def run(*args):
+    return runner.invoke(app, ["trace", *map(str, args)])
+
+
+def test_spec_and_equal_flags_build_the_same_trace(tmp_path):
+    spec = tmp_path / "w.toml"
+    spec.write_text(SPEC)
+    res = run("build", spec, "-o", tmp_path / "a.parquet", "--json")
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert report["requests"] == 25 and report["tokens_out"] > 0
+    res = run("build", "--arrivals", "gamma", "--arrival-option", "rate=3.0", "--arrival-option", "burstiness=0.5",
+              "--arrival-option", "num_requests=25", "--corpus", "stdlib", "--corpus-option", "max_chars=200000",
+              "--seed", "4", "-o", tmp_path / "b.parquet", "--json")
+    assert res.exit_code == 0, res.output
+    spec.write_text(SPEC.replace("output_tokens = 16", "output_tokens = 256").replace("turn_gap_s = 2.0", "")
+                    .replace("chunk_tokens = 5000", ""))
+    res = run("build", spec, "-o", tmp_path / "c.parquet")
+    assert res.exit_code == 0
+    assert (tmp_path / "b.parquet").read_bytes() == (tmp_path / "c.parquet").read_bytes()
+    info = json.loads(run("info", tmp_path / "a.parquet", "--json", "--engram-tokens", "20000").stdout)
+    assert info["requests"] == 25 and set(info["domains"]) <= {"code", "docstring"}
+    assert info["engram"]["tokens"] == 20000 and len(info["engram"]["skew"]) == 8
+    assert 0 <= info["block_hit_ratio"]["16"] < 1
+    text = run("info", tmp_path / "a.parquet", "--engram-tokens", "0")
+    assert text.exit_code == 0 and "prefix-block hit ratio at 16 tokens" in text.output
+
+
+@pytest.mark.parametrize("spec, message", [
+    ('[arrivals]\nsource = "gamma"\nrate = 2', "arrivals.rate: Extra inputs are not permitted"),
+    ('seed = "x"\n[arrivals]\nsource = "gamma"', "seed: Input should be a valid integer"),
+    ('[arrivals]\nsource = "gamma"\noptions = { speed = 2 }', "takes no option(s) ['speed']"),
+    ('[arrivals]\nsource = "nope"', "unknown workload 'nope'"),
+    ('[arrivals]\nsource = "arena-hard"', "is a corpus, not an arrival source"),
+    ('[arrivals]\nsource = "gamma"\noptions = { num_requests = 3 }', "carry no lengths: give a [corpus]"),
+    ('[arrivals\nsource = "gamma"', "not valid TOML"),
+])
+def test_bad_specs_are_clear_errors(tmp_path, spec, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(spec)
+    res = run("build", path, "-o", tmp_path / "o.parquet")
+    assert res.exit_code == 2, res.output
+    assert message in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "o.parquet").exists()
+
+
+def test_info_on_a_non_trace_is_a_clear_error(tmp_path):
+    (tmp_path / "x.parquet").write_bytes(b"PAR1 nonsense")
+    res = run("info", tmp_path / "x.parquet")
+    assert res.exit_code == 2 and "not a Parquet file" in res.output

@@ -1,0 +1,59 @@
+"""W-TinyLFU: window, admission contest, segments; identical to libCacheSim on the same ids."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cachelab import registry
+from cachelab.errors import CachelabError
+from lcs_reference import cloudphysics_keys, lcs_misses, lirs_keys, write_oracle_general
+
+
+def make(capacity, num_keys, **params):
+    policy = registry.get(registry.POLICIES, "wtinylfu")(**params)
+    policy.reset(capacity, num_keys)
+    return policy
+
+
+def test_segment_sizes_and_scan_resistance():
+    # 100 rows: a 1-row window, probation 19, protected 79.
+    p = make(100, 5_000)
+    assert p.meta[:4].tolist() == [1, 99, 19, 79]
+    hot = np.arange(60)
+    p.step(hot)
+    p.step(np.arange(1_000, 1_100))  # fills the cache: the hot rows move on into the main cache
+    for _ in range(10):  # main-cache hits are counted by the sketch
+        p.step(hot)
+    scan = p.step(np.arange(2_000, 4_000))  # one-hit rows lose the contest in the window
+    assert not scan.hits.any()
+    assert p.step(hot).hits.sum() >= 58  # all but the rows that sat in the 1-2 row window
+    lru = registry.get(registry.POLICIES, "lru")()
+    lru.reset(100, 5_000)
+    for keys in [hot, np.arange(1_000, 1_100)] + [hot] * 10 + [np.arange(2_000, 4_000)]:
+        lru.step(keys)
+    assert not lru.step(hot).hits.any()  # the same scan flushes LRU
+
+
+def test_bad_parameters_are_refused():
+    with pytest.raises(CachelabError, match="window"):
+        make(100, 10, window=1.5)
+    with pytest.raises(CachelabError, match="protected"):
+        make(100, 10, protected=1.0)
+
+
+def test_small_caches_keep_a_one_row_window():
+    p = make(5, 10)  # libCacheSim refuses every row here (its 1% window has 0 rows)
+    assert p.meta[0] == 1 and p.step(np.array([1, 2, 1])).hits.tolist() == [False, False, True]
+
+
+@pytest.mark.data
+@pytest.mark.parametrize("trace", ["cloudphysics", "lirs-loop", "lirs-multi2"])
+def test_identical_to_libcachesim_on_the_same_ids(data_dir, tmp_path, trace):
+    keys = cloudphysics_keys(data_dir) if trace == "cloudphysics" else lirs_keys(data_dir, trace[5:])
+    path = write_oracle_general(tmp_path / "t.oracleGeneral", keys)
+    unique = int(keys.max()) + 1
+    for capacity in sorted({100, unique // 100 + 100, unique // 10, 1_000}):
+        p = make(capacity, unique)
+        ours = int((~p.run(keys, np.arange(keys.size + 1))).sum())
+        assert ours == lcs_misses(path, "WTinyLFU", capacity), capacity

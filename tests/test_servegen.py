@@ -1,0 +1,80 @@
+"""ServeGen: requests sampled from per-client rate / CV / length distributions."""
+
+from __future__ import annotations
+
+import glob
+import json
+
+import numpy as np
+import pytest
+
+from cachelab.errors import CachelabError
+from cachelab.ingest import Ingest
+from traces.servegen import ServeGenWorkload, read_windows
+
+TRACE = "0,0.5,1.0,Gamma,1.0,2.0\n600,0,0,,0,0\n1200,2.0,2.0,Weibull,0.6,0.3\n"
+DATASET = {"0": {"input_tokens": "{10: 0.25, 20: 0.75}", "output_tokens": "{5: 1.0}", "reason_ratio": "{0.0: 1.0}"},
+           "1200": {"input_tokens": "{}", "output_tokens": "{}", "reason_ratio": "{}"}}
+
+
+def client(tmp_path, trace: str = TRACE, dataset: str | None = None):
+    folder = tmp_path / "language" / "m-test"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "chunk-3-trace.csv").write_text(trace)
+    (folder / "chunk-3-dataset.json").write_text(dataset if dataset is not None else json.dumps(DATASET, indent=1))
+    return folder
+
+
+def test_rates_lengths_idle_windows_and_seed(tmp_path):
+    folder = client(tmp_path)
+    df = ServeGenWorkload(str(folder), duration_s=1800, seed=1).arrivals()
+    t = df["arrival_s"].to_numpy()
+    assert 0.5 * 600 * 0.85 < (t < 600).sum() < 0.5 * 600 * 1.15  # rate 0.5/s in the first window
+    assert not ((t >= 600) & (t < 1200)).any()  # an idle window
+    assert 2.0 * 600 * 0.8 < (t >= 1200).sum() < 2.0 * 600 * 1.2  # bursty (CV 2) at 2/s
+    assert set(df["prompt_len"]) <= {10, 20} and set(df["output_len"]) == {5}  # the 1200 PMFs are empty: 0's apply
+    assert df["domain"][0] == "language"
+    assert ServeGenWorkload(str(folder), duration_s=1800, seed=1).arrivals().equals(df)
+    assert not ServeGenWorkload(str(folder), duration_s=1800, seed=2).arrivals()["arrival_s"].equals(df["arrival_s"])
+    later = ServeGenWorkload(str(folder), duration_s=600, start_s=1200, seed=1).arrivals()["arrival_s"]
+    assert later.min() >= 0 and later.max() < 600
+
+
+@pytest.mark.parametrize("line, message", [
+    ("600,0,0", "3 fields, expected 6"),
+    ("600,fast,1.0,Gamma,1,1", "field 'rate'"),
+    ("600,0.5,1.0,Pareto,1,1", "field 'pattern'"),
+    ("600,0.5,-1,Gamma,1,1", "field 'cv'"),
+])
+def test_corrupted_trace_rows_are_named_or_counted(tmp_path, line, message):
+    folder = client(tmp_path, trace=TRACE.replace("600,0,0,,0,0", line))
+    with pytest.raises(CachelabError, match=f"chunk-3-trace.csv:2: {message}"):
+        ServeGenWorkload(str(folder)).arrivals()
+    source = ServeGenWorkload(str(folder), skip_bad=True, duration_s=1800)
+    source.arrivals()
+    assert source.skipped == 1
+
+
+@pytest.mark.parametrize("dataset, message", [
+    ('{"0": {"input_tokens": "{10: oops}", "output_tokens": "{5: 1.0}"}}', ":1: window 0, field 'input_tokens'"),
+    ('{\n"0": {\n"input_tokens": "{10: 0.5}",\n"output_tokens": "{5: 1.0}"}}', ":3: window 0, field 'input_tokens': not a PMF"),
+    ('{"0": {"input_tokens": ', ":1: not valid JSON"),
+    ("", "empty file"),
+])
+def test_corrupted_dataset_is_named(tmp_path, dataset, message):
+    folder = client(tmp_path, dataset=dataset)
+    with pytest.raises(CachelabError, match=message):
+        ServeGenWorkload(str(folder)).arrivals()
+
+
+@pytest.mark.data
+def test_real_deepseek_r1_rates_are_reproduced(data_dir):
+    folder = data_dir / "traces/servegen/data/reason/deepseek-r1"
+    df = ServeGenWorkload(str(folder), duration_s=7200, start_s=36000, seed=0).arrivals()
+    expected = 0.0
+    for path in glob.glob(str(folder / "chunk-*-trace.csv")):
+        w = read_windows(Ingest(path))
+        expected += w.filter((w["start_s"] >= 36000) & (w["start_s"] < 43200))["rate"].sum() * 600
+    assert df.height == pytest.approx(expected, rel=0.05)
+    assert df["domain"].unique().to_list() == ["reason"]
+    assert np.all(df["prompt_len"].to_numpy() > 0)

@@ -1,0 +1,112 @@
+"""trace convert: request traces <-> libCacheSim oracleGeneral, checked against libCacheSim itself."""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+
+import numpy as np
+import polars as pl
+import pytest
+from typer.testing import CliRunner
+
+from cachelab.arrivals import arrival_frame
+from cachelab.cli import app
+from cachelab.engram import Addresser, encode
+from cachelab.keytrace import ORACLE_DTYPE, read_oracle_general
+from cachelab.trace import conform, write_trace
+from lcs_reference import lcs_miss_ratio
+
+runner = CliRunner()
+
+
+def convert(*args) -> dict:
+    res = runner.invoke(app, ["trace", "convert", *map(str, args), "--json"])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+@pytest.fixture(scope="module")
+def content_trace(tmp_path_factory):
+    texts = ["The cat sat on the mat.", "def f(x):\n    return x + 1\n", "The cat sat on the hat."]
+    ids = encode(texts)
+    prompts, outputs = [i[:-3].tolist() for i in ids], [i[-3:].tolist() for i in ids]
+    path = tmp_path_factory.mktemp("t") / "t.parquet"
+    write_trace(conform(pl.DataFrame({
+        "request_id": [0, 1, 2], "session_id": [0, 1, 2], "turn": [0, 0, 0], "arrival_s": [0.0, 1.0, 2.0],
+        "domain": ["prose", "code", "prose"], "prompt_ids": prompts, "output_ids": outputs,
+        "prompt_len": [len(p) for p in prompts], "output_len": [3, 3, 3], "block_hashes": [None] * 3,
+        "block_size": [None] * 3, "source": ["test"] * 3})), path)
+    return path, ids
+
+
+def lru_miss_ratio(keys: np.ndarray, capacity: int) -> float:
+    cache, misses = OrderedDict(), 0
+    for k in keys.tolist():
+        if k in cache:
+            cache.move_to_end(k)
+        else:
+            misses += 1
+            cache[k] = None
+            if len(cache) > capacity:
+                cache.popitem(last=False)
+    return misses / keys.size
+
+
+def test_row_keys_are_the_addressed_rows_and_libcachesim_reads_them(content_trace, tmp_path):
+    path, ids = content_trace
+    out = tmp_path / "rows.oracleGeneral.bin"
+    info = convert(path, out, "--keys", "rows")
+    keys = read_oracle_general(out)
+    addresser = Addresser("deepseek-v4.1-flash")
+    expected = np.concatenate([((np.arange(2)[None, :, None].astype(np.int64) << 32) | addresser.rows(i)).reshape(-1)
+                               for i in ids])
+    assert np.array_equal(keys, expected) and info["records"] == expected.size
+    for capacity in (50, 200):
+        assert lcs_miss_ratio(out, "LRU", capacity) == pytest.approx(lru_miss_ratio(keys, capacity))
+
+
+def test_block_keys_from_content(content_trace, tmp_path):
+    path, ids = content_trace
+    out = tmp_path / "blocks.bin"
+    info = convert(path, out, "--keys", "blocks", "--block-size", "4")
+    assert info["records"] == sum(-(-(i.size - 3) // 4) for i in ids)
+    keys = read_oracle_general(out)
+    assert keys.min() >= 0
+    assert keys[0] == keys[sum(-(-(i.size - 3) // 4) for i in ids[:2])]  # "The cat sat on" is shared
+
+
+def test_oracle_round_trip_keeps_ids_times_and_next_access(tmp_path):
+    rec = np.zeros(6, dtype=ORACLE_DTYPE)
+    rec["time"] = [10, 10, 11, 15, 15, 20]
+    rec["id"] = [7, 3, 7, 2**40, 3, 7]
+    rec["size"] = 1
+    rec["next"] = [3, 5, 6, -1, -1, -1]
+    src = tmp_path / "in.oracleGeneral.bin"
+    rec.tofile(src)
+    assert convert(src, tmp_path / "t.parquet")["requests"] == 6
+    info = json.loads(runner.invoke(app, ["trace", "info", str(tmp_path / "t.parquet"), "--json"]).stdout)
+    assert info["block_hit_ratio"]["1"] == pytest.approx(1 - 3 / 6) and info["duration_s"] == 10
+    convert(tmp_path / "t.parquet", tmp_path / "back.bin", "--keys", "blocks")
+    back = np.fromfile(tmp_path / "back.bin", dtype=ORACLE_DTYPE)
+    assert np.array_equal(back["id"], rec["id"]) and np.array_equal(back["next"], rec["next"])
+
+
+def test_bad_inputs_are_clean_errors(tmp_path, content_trace):
+    lengths_only = tmp_path / "l.parquet"
+    write_trace(arrival_frame([0.0], [5], [1], domain="x", source="t"), lengths_only)
+    res = runner.invoke(app, ["trace", "convert", str(lengths_only), str(tmp_path / "x.bin")])
+    assert res.exit_code == 2 and "need token content" in res.output
+    (tmp_path / "bad.bin").write_bytes(b"\x00" * 30)
+    res = runner.invoke(app, ["trace", "convert", str(tmp_path / "bad.bin"), str(tmp_path / "y.parquet")])
+    assert res.exit_code == 2 and "truncated oracleGeneral record 1" in res.output
+
+
+@pytest.mark.data
+def test_cloudphysics_round_trip(data_dir, tmp_path):
+    src = data_dir / "cache_traces/libcachesim_cloudphysics/cloudPhysicsIO.oracleGeneral.bin"
+    convert(src, tmp_path / "cp.parquet")
+    convert(tmp_path / "cp.parquet", tmp_path / "cp.bin", "--keys", "blocks")
+    a, b = np.fromfile(src, dtype=ORACLE_DTYPE), np.fromfile(tmp_path / "cp.bin", dtype=ORACLE_DTYPE)
+    assert a.size == b.size == 113_872
+    assert np.array_equal(a["id"], b["id"]) and np.array_equal(a["next"], b["next"])

@@ -1,0 +1,235 @@
+"""ServeGen per-client workloads (alibaba/ServeGen, Apache-2.0; Xiang et al., arXiv 2505.09999).
+
+ServeGen publishes distributions, not requests. A model folder holds, per client N,
+``chunk-N-trace.csv`` (no header; one row per 10-minute window: ``start_s, rate (req/s), cv,
+pattern, p1, p2``, where ``pattern`` is the family of the inter-arrival distribution,
+``Gamma`` or ``Weibull`` with fitted parameters p1, p2, empty for an idle window) and
+``chunk-N-dataset.json`` (per 6-hour window, the PMFs of ``input_tokens`` and
+``output_tokens`` as ``{tokens: probability}`` literals).
+
+Requests are sampled per client and window: gaps of the window's family with mean
+1 / rate and the window's CV (the fitted p1, p2 are not used: in a few bursty windows their
+mean disagrees with the measured rate by orders of magnitude), from the window start to its end; input and output lengths independently from the PMFs of the
+latest dataset window at or before it (windows whose PMFs are empty are skipped, as ServeGen
+does; a trace window with no length distribution before it yields no requests).
+Deterministic for a seed; client N draws from its own generator, so subsets reproduce.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from cachelab.arrivals import arrival_frame
+from cachelab.errors import CachelabError
+from cachelab.ingest import Ingest, count_field
+
+PATTERNS = ("Gamma", "Weibull")
+TRACE_FIELDS = ("start_s", "rate", "cv", "pattern", "p1", "p2")
+_CLIENT = re.compile(r"chunk-(\d+)-trace\.csv$")
+
+
+def _number(col: str, positive: bool = False) -> tuple[pl.Expr, str]:
+    value = pl.col(col).cast(pl.Float64, strict=False)
+    ok = value.is_finite() & ((value > 0) if positive else (value >= 0))
+    return pl.when(ok).then(value), "a number > 0" if positive else "a number >= 0"
+
+
+def read_windows(ingest: Ingest) -> pl.DataFrame:
+    """The rate windows of one client: start, rate, pattern, shape, scale (idle windows kept)."""
+    rows, lines = [], []
+    for number, text in ingest.lines():
+        if not text.strip():
+            continue
+        fields = [f.strip() for f in text.split(",")]
+        if len(fields) != len(TRACE_FIELDS):
+            ingest.bad(number, f"{len(fields)} fields, expected {len(TRACE_FIELDS)} ({', '.join(TRACE_FIELDS)})")
+            continue
+        if fields[3] and fields[3] not in PATTERNS:
+            ingest.bad(number, f"field 'pattern': {fields[3]!r} is not one of {list(PATTERNS)} or empty")
+            continue
+        rows.append(fields)
+        lines.append(number)
+    raw = pl.DataFrame(rows, schema=list(TRACE_FIELDS), orient="row") if rows else \
+        pl.DataFrame(schema={f: pl.String for f in TRACE_FIELDS})
+    idle = pl.col("pattern") == ""
+    conversions = {"start_s": count_field("start_s"), "rate": _number("rate"), "cv": _number("cv"),
+                   "pattern": (pl.col("pattern"), "a pattern")}
+    for p in ("p1", "p2"):  # an idle window's parameters are ignored (ServeGen writes 0)
+        value, expected = _number(p, positive=True)
+        conversions[p] = (pl.when(idle).then(pl.lit(0.0)).otherwise(value), expected)
+    return ingest.convert(raw, np.asarray(lines, dtype=np.int64), conversions).sort("start_s")
+
+
+def _line_of(text: str, *needles: str) -> int:
+    """The 1-based line of the last needle, each searched after the previous one."""
+    pos = 0
+    for needle in needles:
+        found = text.find(needle, pos)
+        if found < 0:
+            return 1
+        pos = found
+    return text.count("\n", 0, pos) + 1
+
+
+def read_pmfs(path: Path, skip_bad: bool) -> dict[int, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """Dataset window start -> field -> (values, cumulative probabilities), for windows with both PMFs."""
+    ingest = Ingest(path, skip_bad)
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise CachelabError(f"{path}:{line}: not UTF-8 (byte {exc.start})") from None
+    if not text.strip():
+        raise CachelabError(f"{path}: empty file")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CachelabError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+    if not isinstance(data, dict):
+        raise CachelabError(f"{path}:1: expected an object of windows")
+    out = {}
+    for ts, fields in data.items():
+        line = _line_of(text, f'"{ts}"')
+        if not ts.isdigit() or not isinstance(fields, dict):
+            ingest.bad(line, f"window {ts!r}: expected a start in seconds holding an object of PMFs")
+            continue
+        pmfs, problem = {}, None
+        for name in ("input_tokens", "output_tokens"):
+            where = _line_of(text, f'"{ts}"', f'"{name}"')
+            try:
+                pmf = ast.literal_eval(fields[name]) if isinstance(fields.get(name), str) else None
+            except (ValueError, SyntaxError, MemoryError, RecursionError):
+                pmf = None
+            if not isinstance(pmf, dict):
+                problem = (where, f"window {ts}, field {name!r}: expected a {{tokens: probability}} literal")
+                break
+            if not pmf:
+                break  # an empty PMF: ServeGen skips the window
+            values, probs = np.asarray(list(pmf), dtype=object), np.asarray(list(pmf.values()), dtype=object)
+            try:
+                values, probs = values.astype(np.int64), probs.astype(np.float64)
+            except (TypeError, ValueError, OverflowError):
+                problem = (where, f"window {ts}, field {name!r}: keys must be token counts, values probabilities")
+                break
+            if values.min() < 0 or probs.min() < 0 or not math.isclose(probs.sum(), 1.0, abs_tol=1e-6):
+                problem = (where, f"window {ts}, field {name!r}: not a PMF over token counts (sum {probs.sum():.6f})")
+                break
+            pmfs[name] = (values, np.cumsum(probs / probs.sum()))
+        if problem:
+            ingest.bad(*problem)
+        elif len(pmfs) == 2:
+            out[int(ts)] = pmfs
+    return out
+
+
+_WEIBULL_K = np.geomspace(0.05, 100.0, 4000)
+_WEIBULL_CV = np.sqrt(np.exp([math.lgamma(1 + 2 / k) - 2 * math.lgamma(1 + 1 / k) for k in _WEIBULL_K]) - 1)  # falls with k
+
+
+def _gaps(rng: np.random.Generator, pattern: str, rate: float, cv: float, size: int) -> np.ndarray:
+    """Inter-arrival gaps of the window's family with mean 1 / rate and coefficient of variation cv."""
+    mean = 1.0 / rate
+    if cv < 1e-6:
+        return np.full(size, mean)
+    if pattern == "Gamma":
+        shape = 1.0 / cv**2
+        return rng.gamma(shape, mean / shape, size)
+    k = float(np.interp(cv, _WEIBULL_CV[::-1], _WEIBULL_K[::-1]))
+    return mean / math.exp(math.lgamma(1 + 1 / k)) * rng.weibull(k, size)
+
+
+class ServeGenWorkload:
+    """Requests sampled from a ServeGen model folder (e.g. ``traces/servegen/data/reason/deepseek-r1``).
+
+    Args:
+        path: the folder of ``chunk-N-trace.csv`` / ``chunk-N-dataset.json`` files.
+        duration_s: seconds to generate, from ``start_s`` (ServeGen's clock: seconds of the day).
+        clients: only these client numbers (all when None).
+        seed: generator seed.
+        skip_bad: skip and count unusable rows instead of failing on the first.
+        domain: label for every request; default the category folder (``reason``).
+    """
+
+    name = "servegen"
+    has_lengths = True
+
+    def __init__(self, path: str, duration_s: float = 3600.0, start_s: float = 0.0, clients: list[int] | None = None,
+                 seed: int = 0, skip_bad: bool = False, domain: str | None = None):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CachelabError(f"ServeGen folder not found: {self.path}")
+        if not duration_s > 0 or start_s < 0:
+            raise CachelabError(f"ServeGen: duration_s must be > 0 and start_s >= 0, got {duration_s}, {start_s}")
+        self.duration_s, self.start_s, self.clients, self.seed = duration_s, start_s, clients, seed
+        self.skip_bad = skip_bad
+        self.domain = domain or self.path.parent.name
+        self.skipped = 0
+
+    def client_files(self) -> dict[int, Path]:
+        found = {int(m.group(1)): p for p in self.path.iterdir() if (m := _CLIENT.match(p.name))}
+        if not found:
+            raise CachelabError(f"{self.path}: no chunk-N-trace.csv files (is this a ServeGen model folder?)")
+        if self.clients is not None:
+            missing = sorted(set(self.clients) - set(found))
+            if missing:
+                raise CachelabError(f"{self.path}: no client(s) {missing}; it has {len(found)} clients")
+            found = {c: found[c] for c in self.clients}
+        return dict(sorted(found.items()))
+
+    def _client(self, client: int, trace_path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        ingest = Ingest(trace_path, self.skip_bad)
+        windows = read_windows(ingest)
+        dataset = trace_path.with_name(f"chunk-{client}-dataset.json")
+        if not dataset.is_file():
+            raise CachelabError(f"{dataset}: missing (every trace file needs its dataset file)")
+        pmfs = read_pmfs(dataset, self.skip_bad)
+        self.skipped += ingest.skipped
+        rng = np.random.default_rng([self.seed, client])
+        starts = windows["start_s"].to_numpy()
+        ends = np.append(starts[1:], starts[-1] + (starts[-1] - starts[-2] if starts.size > 1 else 600)) \
+            if starts.size else starts
+        stop = self.start_s + self.duration_s
+        pmf_starts = np.asarray(sorted(pmfs), dtype=np.int64)
+        times, n_in, n_out = [], [], []
+        for (start, rate, cv, pattern, _, _), end in zip(windows.iter_rows(), ends.tolist()):
+            lo, hi = max(start, self.start_s), min(end, stop)
+            if not pattern or hi <= lo:
+                continue
+            which = np.searchsorted(pmf_starts, start, side="right") - 1
+            if which < 0:
+                continue
+            if rate <= 0:
+                continue
+            t, drawn = float(start), []
+            while t < hi:
+                arrivals = t + np.cumsum(_gaps(rng, pattern, rate, cv, int(rate * (hi - t) * 1.1) + 16))
+                drawn.append(arrivals)
+                t = float(arrivals[-1])
+            arrivals = np.concatenate(drawn)
+            arrivals = arrivals[(arrivals >= lo) & (arrivals < hi)]
+            pmf = pmfs[int(pmf_starts[which])]
+            times.append(arrivals - self.start_s)
+            for out, name in ((n_in, "input_tokens"), (n_out, "output_tokens")):
+                values, cdf = pmf[name]
+                out.append(values[np.minimum(np.searchsorted(cdf, rng.random(arrivals.size), side="right"),
+                                             values.size - 1)])
+        if not times:
+            return np.empty(0), np.empty(0, np.int64), np.empty(0, np.int64)
+        return np.concatenate(times), np.concatenate(n_in), np.concatenate(n_out)
+
+    def arrivals(self) -> pl.DataFrame:
+        parts = [self._client(c, p) for c, p in self.client_files().items()]
+        times = np.concatenate([p[0] for p in parts])
+        if times.size == 0:
+            raise CachelabError(f"{self.path}: no requests between {self.start_s} s and "
+                                f"{self.start_s + self.duration_s} s")
+        return arrival_frame(times, np.concatenate([p[1] for p in parts]), np.concatenate([p[2] for p in parts]),
+                             domain=self.domain, source=self.name)
