@@ -52,19 +52,46 @@ def chained_block_hashes(tokens: np.ndarray, offsets: np.ndarray, block_size: in
     return out, out_offsets
 
 
+def sorted_distinct(values: np.ndarray) -> np.ndarray:
+    """The distinct values, sorted (a sort and a neighbour compare: no hashing)."""
+    ordered = np.sort(np.asarray(values, dtype=np.int64), kind="stable")
+    if ordered.size < 2:
+        return ordered
+    keep = np.empty(ordered.size, dtype=bool)
+    keep[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=keep[1:])
+    return ordered[keep]
+
+
 class DistinctCounter:
-    """Blocks seen and distinct blocks, fed in chunks (memory grows with distinct blocks only)."""
+    """Blocks seen and distinct blocks, fed in chunks (memory grows with distinct blocks only).
+
+    Each chunk's distinct values wait in a list and are merged into the sorted distinct set
+    only when they outgrow it, so the total work stays O(N log N) over all chunks.
+    """
 
     def __init__(self) -> None:
         self.total = 0
         self._distinct = np.empty(0, dtype=np.int64)
+        self._pending: list[np.ndarray] = []
+        self._pending_size = 0
 
     def add(self, hashes: np.ndarray) -> None:
         self.total += int(hashes.size)
-        self._distinct = np.union1d(self._distinct, hashes)
+        chunk = sorted_distinct(hashes)
+        self._pending.append(chunk)
+        self._pending_size += chunk.size
+        if self._pending_size > self._distinct.size:
+            self._merge()
+
+    def _merge(self) -> None:
+        if self._pending:
+            self._distinct = sorted_distinct(np.concatenate([self._distinct, *self._pending]))
+            self._pending, self._pending_size = [], 0
 
     @property
     def distinct(self) -> int:
+        self._merge()
         return int(self._distinct.size)
 
     @property

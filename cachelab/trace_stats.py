@@ -22,7 +22,7 @@ from cachelab.prefix_blocks import DistinctCounter, chained_block_hashes
 from cachelab.trace import scan_trace, validate
 
 SMALL_BLOCK = 16
-BATCH_ROWS = 1024
+BATCH_ROWS = 256
 
 
 def _flat(column) -> tuple[np.ndarray, np.ndarray]:
@@ -34,13 +34,11 @@ def summarize(path: str | os.PathLike, *, preset: str = "deepseek-v4.1-flash", e
               progress: Callable[[int], None] | None = None) -> dict:
     """The ``trace info`` report of one trace file (validated first)."""
     lazy = scan_trace(path)
-    agg = lazy.select(
+    agg = lazy.select(  # scalar columns only: the token lists are read once, batch by batch, below
         pl.len().alias("requests"), pl.col("session_id").n_unique().alias("sessions"),
         (pl.col("arrival_s").max() - pl.col("arrival_s").min()).alias("duration_s"),
         pl.col("prompt_len").cast(pl.Int64).sum().alias("tokens_in"),
         pl.col("output_len").cast(pl.Int64).sum().alias("tokens_out"),
-        ((pl.col("prompt_ids").list.len() == pl.col("prompt_len")) | (pl.col("prompt_len") == 0)).all().alias("content"),
-        pl.col("block_hashes").is_not_null().all().alias("hashes"),
         pl.col("block_size").drop_nulls().unique().implode().alias("block_sizes"),
     ).collect().row(0, named=True)
     domains = lazy.group_by("domain").len().sort("domain").collect()
@@ -49,13 +47,17 @@ def summarize(path: str | os.PathLike, *, preset: str = "deepseek-v4.1-flash", e
     sizes = sorted({s for s in (block_size, SMALL_BLOCK) if s})
     counters = {s: DistinctCounter() for s in sizes}
     hash_counter = DistinctCounter()
-    addresser = Addresser(get_preset(preset)) if agg["content"] and engram_tokens > 0 else None
+    addresser = Addresser(get_preset(preset)) if engram_tokens > 0 else None
     engram_rows, addressed = [], 0
+    content = hashes = True  # until a batch shows otherwise
     seen = 0
     for batch in pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS):
-        validate(pl.from_arrow(batch), str(path), first_row=seen)  # every row is checked, in bounded memory
+        frame = validate(pl.from_arrow(batch), str(path), first_row=seen)  # every row, in bounded memory
         seen += batch.num_rows
-        if agg["content"]:
+        content = content and bool(((frame["prompt_ids"].list.len() == frame["prompt_len"])
+                                    | (frame["prompt_len"] == 0)).all())
+        hashes = hashes and frame["block_hashes"].null_count() == 0
+        if content:
             tokens, offsets = _flat(batch.column("prompt_ids"))
             for s in sizes:
                 counters[s].add(chained_block_hashes(tokens, offsets, s)[0])
@@ -63,18 +65,19 @@ def summarize(path: str | os.PathLike, *, preset: str = "deepseek-v4.1-flash", e
                 rows, n = _address(addresser, batch, engram_tokens - addressed)
                 engram_rows.append(rows)
                 addressed += n
-        elif agg["hashes"]:
+        if hashes:
             hash_counter.add(_flat(batch.column("block_hashes"))[0])
         if progress:
             progress(batch.num_rows)
-    if agg["content"]:
+    if content:
         ratios, basis = {str(s): counters[s].hit_ratio for s in sizes}, "tokens"
-    elif agg["hashes"] and block_size:
+    elif hashes and block_size:
         ratios, basis = {str(block_size): hash_counter.hit_ratio, str(SMALL_BLOCK): None}, "block_hashes"
     else:
         ratios, basis = {str(SMALL_BLOCK): None}, None
+        engram_rows = []
     engram = None
-    if engram_rows:
+    if engram_rows and content:
         rows = np.concatenate(engram_rows)
         engram = {"preset": preset, "tokens": int(rows.shape[0]),
                   "skew": [s.to_dict() for s in row_skew(rows, addresser.config)]}
@@ -86,7 +89,7 @@ def summarize(path: str | os.PathLike, *, preset: str = "deepseek-v4.1-flash", e
         "tokens_in": agg["tokens_in"] or 0,
         "tokens_out": agg["tokens_out"] or 0,
         "domains": dict(zip(domains["domain"].to_list(), domains["len"].to_list())),
-        "has_content": bool(agg["content"]),
+        "has_content": content,
         "block_size": block_size,
         "block_hit_ratio": ratios,
         "block_hit_basis": basis,

@@ -1,8 +1,10 @@
 """What every compiled policy shares: the step/run wrapper around one Numba kernel.
 
-A kernel has the signature ``kernel(keys, *inputs, slot_of, key_of, *state, *filter, hits,
-record, adm, adm_slot, ev, counts)``: it replays ``keys`` in order, writes a hit flag per key, and
-when ``record`` is set notes every admitted key with its slot and every evicted key
+A kernel has the signature ``kernel(keys, [step_offsets,] *inputs, slot_of, key_of, *state,
+*filter, hits, record, adm, adm_slot, ev, counts)`` (``step_offsets`` only for a ``batched``
+policy, one that decides a whole step at once as a GPU cache does): it replays ``keys`` in
+order, writes a hit flag per key, and when ``record`` is set notes every admitted key with
+its slot and every evicted key
 (``note_admit`` / ``note_evict``, counted in ``counts``). ``step`` records, ``run`` does not,
 so the two paths execute the very same code. ``slot_of[key]`` (-1 if absent) and
 ``key_of[slot]`` (-1 if free) are the residency every policy keeps; ``state`` is the
@@ -68,6 +70,7 @@ class KernelPolicy(Policy):
     capabilities = Capabilities(compiled=True)
     kernel: ClassVar = None
     max_evictions_per_key: ClassVar[int] = 1  # size of the eviction buffer per key
+    batched: ClassVar[bool] = False  # a step is one batch: the kernel takes step_offsets first
 
     def __init__(self, admission: str = "always"):
         self.admission = admission
@@ -92,7 +95,7 @@ class KernelPolicy(Policy):
         """Per-access arrays the kernel takes after ``keys`` (e.g. ``next_access``); none by default."""
         return ()
 
-    def _call(self, keys, record: bool, next_access=None, scores=None):
+    def _call(self, keys, record: bool, step_offsets=None, next_access=None, scores=None):
         if not hasattr(self, "slot_of"):
             raise CachelabError(f"{type(self).__name__}: call reset(capacity, num_keys) before step or run")
         keys = np.ascontiguousarray(keys, dtype=np.int64)
@@ -105,17 +108,21 @@ class KernelPolicy(Policy):
         adm, adm_slot = np.empty(n, np.int64), np.empty(n, np.int64)
         ev = np.empty(n * self.max_evictions_per_key, np.int64)
         self._counts[:] = 0
-        type(self).kernel(keys, *self.inputs(keys, next_access, scores), self.slot_of, self.key_of,
+        extra = self.inputs(keys, next_access, scores)
+        if self.batched:  # the kernel also gets the step boundaries (``step``: one step)
+            offsets = np.array([0, keys.size]) if step_offsets is None else step_offsets
+            extra = (np.ascontiguousarray(offsets, dtype=np.int64),) + extra
+        type(self).kernel(keys, *extra, self.slot_of, self.key_of,
                           *self.state(), *self.filter, hits, record, adm, adm_slot, ev, self._counts)
         return hits, adm, adm_slot, ev
 
     def step(self, keys, next_access=None, scores=None) -> StepResult:
-        hits, adm, adm_slot, ev = self._call(keys, True, next_access, scores)
+        hits, adm, adm_slot, ev = self._call(keys, True, None, next_access, scores)
         n_adm, n_ev = self._counts
         return StepResult(hits, adm[:n_adm], adm_slot[:n_adm], ev[:n_ev])
 
     def run(self, keys, step_offsets, next_access=None, scores=None) -> np.ndarray:
-        return self._call(keys, False, next_access, scores)[0]
+        return self._call(keys, False, step_offsets, next_access, scores)[0]
 
     def resident(self) -> np.ndarray:
         return np.sort(self.key_of[self.key_of >= 0])

@@ -42,14 +42,22 @@ def future(policy, keys, step_len):
     return offsets, policy.view_future(next_access(keys), offsets)
 
 
+def scores(policy, keys):
+    """Seeded pseudo-predictions for policies that declare ``needs_scores`` (None otherwise)."""
+    if not policy.capabilities.needs_scores:
+        return None
+    return -np.random.default_rng(len(keys)).uniform(0, 2 * len(keys), len(keys)) - np.arange(len(keys))
+
+
 def stepped(policy, keys, step_len):
     """Replay in steps, checking each step against the residency before and after it."""
     offsets, nxt = future(policy, keys, step_len)
+    sc = scores(policy, keys)
     hits = []
     for lo, hi in zip(offsets[:-1], offsets[1:]):
         batch = np.array(keys[lo:hi])
         before = set(policy.resident().tolist())
-        r = policy.step(batch, None if nxt is None else nxt[lo:hi])
+        r = policy.step(batch, None if nxt is None else nxt[lo:hi], None if sc is None else sc[lo:hi])
         after = policy.resident()
         assert after.size <= policy.key_of.size
         assert ((r.slots >= 0) & (r.slots < policy.key_of.size)).all()
@@ -69,7 +77,7 @@ def stepped(policy, keys, step_len):
 def run(name, params, capacity, keys, step_len):
     policy = make(name, params, capacity)
     offsets, nxt = future(policy, keys, step_len)
-    return policy, policy.run(np.array(keys), offsets, nxt)
+    return policy, policy.run(np.array(keys), offsets, nxt, scores(policy, keys))
 
 
 @pytest.mark.parametrize("name,params", POLICIES, ids=lambda v: str(v))

@@ -125,3 +125,13 @@ def test_too_small_a_corpus_is_a_clear_error(tmp_path):
                              block_size=4)
     with pytest.raises(CachelabError, match="cannot give 50 different blocks"):
         build(small, arrivals, tmp_path)
+
+
+def test_no_lengths_uses_the_arrival_times_for_sessions(stream, tmp_path):
+    arrivals = arrival_frame([0.0, 3.0, 7.5], [900, 900, 900], [50, 50, 50], domain="x", source="t")
+    plan = make_plan(stream, arrivals, has_lengths=True, use_lengths=False, seed=0, output_tokens=8, turn_gap_s=1.0)
+    synthesize(stream, plan, tmp_path / "s.parquet", source="test")
+    trace = read_trace(tmp_path / "s.parquet")
+    starts = trace.filter(pl.col("turn") == 0)["arrival_s"].to_list()
+    assert starts == [0.0, 3.0, 7.5]  # sessions start at the trace's arrivals
+    assert (trace["prompt_len"] < 900).all()  # and take their lengths from the corpus, not the trace

@@ -30,7 +30,7 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from cachelab.cli import cache, engram, quickstart, serving, trace
+    from cachelab.cli import cache, engram, learn, quickstart, serving, trace
 
     app.add_typer(engram.app, name="engram")
     app.add_typer(trace.app, name="trace")
@@ -41,6 +41,8 @@ def _register() -> None:
     app.command("pareto")(serving.pareto)
     app.add_typer(serving.hw_app, name="hw")
     app.add_typer(serving.study_app, name="study")
+    app.command("train")(learn.train)
+    app.command("evaluate")(learn.evaluate)
 
 
 _register()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -13,6 +12,7 @@ from rich.table import Table
 
 from cachelab.errors import CachelabError
 from cachelab.keytrace import write_oracle_general
+from cachelab.prefix_blocks import sorted_distinct
 from cachelab.trace import write_trace
 from cachelab.trace_convert import oracle_to_trace, trace_keys
 from cachelab.trace_stats import summarize
@@ -168,7 +168,7 @@ def convert(
         key_stream = trace_keys(source, keys, block_size=block_size, preset=preset, max_requests=max_requests)
         write_oracle_general(out, key_stream)
         result = {"out": str(out), "direction": "trace->oracleGeneral", "keys": keys,
-                  "records": int(key_stream.size), "distinct": int(np.unique(key_stream).size)}
+                  "records": int(key_stream.size), "distinct": int(sorted_distinct(key_stream).size)}
     if as_json:
         typer.echo(json.dumps(result))
     else:

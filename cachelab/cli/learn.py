@@ -1,0 +1,104 @@
+"""``cachelab train`` and ``cachelab evaluate``: hotness predictors trained causally, judged against Belady."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from cachelab import registry
+from cachelab.errors import CachelabError
+from cachelab.learning import TrainSpec, load, save, train as train_model
+from cachelab.learning_eval import evaluate_capacities
+from cachelab.prompt_stream import stream_from_spec
+
+TRACE_HELP = ("Prompt sources under the data root, comma-separated and interleaved: "
+              "arena_hard, gsm8k, humaneval, gutenberg, mt_bench.")
+
+
+def train(
+    trace: str = typer.Option(..., help=TRACE_HELP),
+    predictor: str = typer.Option("lightgbm", help="A registered predictor (cachelab.predictors)."),
+    out: Path = typer.Option(..., help="Directory for the model, metadata.json and the corpus prior."),
+    requests: int = typer.Option(200, help="Requests per source (from the start of each file)."),
+    horizon: int = typer.Option(1 << 17, help="Label horizon in lookups (censoring / reuse window)."),
+    train_fraction: float = typer.Option(0.5, help="Share of the trace used for training; the rest validates."),
+    max_samples: int = typer.Option(2_000_000, help="Training samples drawn from the training window."),
+    seed: int = typer.Option(0, help="Seed for request order and sampling."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Train a hotness predictor on the first part of a trace; print validation AUC/RMSE and importances."""
+    console = Console(stderr=True, quiet=as_json)
+    cls = registry.get(registry.PREDICTORS, predictor)
+    spec = TrainSpec(horizon=horizon, train_fraction=train_fraction, max_samples=max_samples, seed=seed)
+    spec.check()
+    with console.status("building the Engram key stream"):
+        stream = stream_from_spec(trace, requests, seed)
+    with console.status(f"training {predictor}"):
+        model, metrics = train_model(stream, cls(), spec)
+    save(model, out, {"trace": trace, "requests": requests})
+    result = {"predictor": predictor, "trace": trace, "lookups": len(stream), "out": str(out), **metrics}
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    out_console = Console()
+    out_console.print(f"[bold]{predictor}[/] trained on {metrics['validation_lookups']:,} held-out lookups "
+                      f"of {len(stream):,}; saved to {out}")
+    for key in ("auc", "rmse", "rmse_constant", "reuse_rate"):
+        if key in metrics:
+            out_console.print(f"  {key}: {metrics[key]:.4f}")
+    table = Table("feature", "importance")
+    for name, value in list(metrics.get("importances", {}).items())[:12]:
+        table.add_row(name, f"{value:.3f}")
+    out_console.print(table)
+
+
+def _capacities(text: str) -> list[float]:
+    try:
+        caps = [float(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise CachelabError(f"--capacities must be numbers separated by commas, got {text!r}") from None
+    if not caps or any(c <= 0 for c in caps):
+        raise CachelabError(f"--capacities must be positive, got {text!r}")
+    return caps
+
+
+def evaluate(
+    trace: str = typer.Option(..., help=TRACE_HELP),
+    model: Path = typer.Option(..., help="A directory written by `cachelab train`."),
+    capacities: str = typer.Option("0.001,0.01,0.05",
+                                   help="Cache sizes: fractions of the unique rows (< 1) or rows (>= 1)."),
+    requests: int = typer.Option(200, help="Requests per source."),
+    warmup: float = typer.Option(0.5, help="Share of the trace replayed before misses are counted."),
+    seed: int = typer.Option(0, help="Seed for request order."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Miss ratios of the learned policy, the heuristics and Belady, and the share of the gap closed."""
+    console = Console(stderr=True, quiet=as_json)
+    caps = _capacities(capacities)
+    if not 0.0 <= warmup < 1.0:
+        raise CachelabError(f"--warmup must lie in [0, 1), got {warmup}")
+    fitted = load(model)
+    with console.status("building the Engram key stream"):
+        stream = stream_from_spec(trace, requests, seed)
+    result = evaluate_capacities(stream, fitted, caps, warmup, progress=not as_json)
+    result = {"trace": trace, "model": str(model), **result}
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    out = Console()
+    out.print(f"[bold]miss ratios[/] on {result['lookups']:,} lookups ({result['unique_rows']:,} unique rows), "
+              f"counted after {warmup:.0%} warm-up")
+    if result["missing"]:
+        out.print(f"not registered, so not compared: {', '.join(result['missing'])}")
+    policies = list(result["capacities"][0]["miss_ratio"])
+    table = Table("capacity", "rows", *policies, "gap closed")
+    for row in result["capacities"]:
+        gap = row["gap_closed"]
+        table.add_row(f"{row['capacity']:g}", f"{row['rows']:,}",
+                      *(f"{row['miss_ratio'][p]:.4f}" for p in policies),
+                      "n/a" if gap is None else f"{gap:.1%}")
+    out.print(table)

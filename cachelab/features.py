@@ -1,0 +1,179 @@
+"""Causal per-lookup features and future-derived labels for hotness predictors.
+
+Everything a feature uses is known before the lookup's fetch: where the lookup sits (layer,
+n-gram order, head, domain, position in its request, prefill or decode), what the key's past
+looks like (age, the last ``GAPS`` reuse distances, exponentially decayed counters at several
+half-lives, access count), and corpus statistics from a *training window only*
+(``CorpusPrior``: how often the n-gram's compressed token ids, and the row itself, occurred
+there). Time is the lookup index. One compiled pass fills the whole matrix; ``FeatureState``
+carries the per-key history across chunks so a stream can be featurised piece by piece.
+
+Labels look into the future (``cachelab.future.next_access``): ``log1p`` of lookups to the next
+access censored at ``horizon`` (regression), or reuse within ``horizon`` (classification).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numba as nb
+import numpy as np
+
+from cachelab.errors import CachelabError
+from cachelab.future import next_access
+from cachelab.policy import NO_NEXT
+
+GAPS = 8
+HALF_LIVES = (256, 4096, 65536, 1048576)
+NEVER = 24.0  # log1p of a gap or age that does not exist (larger than any real one)
+
+FEATURE_NAMES = (
+    ["layer", "order", "head", "domain", "log_position", "decode",
+     "log_token_freq", "log_ngram_min_token_freq", "log_row_freq_train",
+     "log_age", "log_count"]
+    + [f"log_gap_{i + 1}" for i in range(GAPS)]
+    + [f"log_decayed_{h}" for h in HALF_LIVES]
+)
+
+
+@dataclass(slots=True)
+class CorpusPrior:
+    """Corpus frequencies learnt from a training window (saved with the model, no pickle).
+
+    ``token_counts[c]``: occurrences of compressed id ``c`` among the window's tokens.
+    ``row_keys``/``row_counts``: raw keys ``(layer << 32) | row`` seen at least twice, sorted.
+    """
+
+    token_counts: np.ndarray
+    row_keys: np.ndarray
+    row_counts: np.ndarray
+
+    @classmethod
+    def from_window(cls, stream, lo: int, hi: int) -> "CorpusPrior":
+        """Count tokens and rows of lookups ``[lo, hi)`` of ``stream`` only."""
+        tok = np.unique(stream.token_index[lo:hi])
+        token_counts = np.bincount(stream.tokens[tok], minlength=stream.vocab).astype(np.int64)
+        keys, counts = np.unique(stream.raw_keys[stream.keys[lo:hi]], return_counts=True)
+        often = counts >= 2
+        return cls(token_counts, keys[often].astype(np.int64), counts[often].astype(np.int64))
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        return {"token_counts": self.token_counts, "row_keys": self.row_keys, "row_counts": self.row_counts}
+
+
+@dataclass(slots=True)
+class FeatureState:
+    """Per-key history, carried from one chunk of a stream to the next."""
+
+    num_keys: int
+    last: np.ndarray = field(init=False)
+    count: np.ndarray = field(init=False)
+    gaps: np.ndarray = field(init=False)
+    decayed: np.ndarray = field(init=False)
+    clock: int = 0
+
+    def __post_init__(self):
+        self.last = np.full(self.num_keys, -1, dtype=np.int64)
+        self.count = np.zeros(self.num_keys, dtype=np.int64)
+        self.gaps = np.zeros((self.num_keys, GAPS), dtype=np.float32)
+        self.decayed = np.zeros((self.num_keys, len(HALF_LIVES)), dtype=np.float64)
+
+
+@nb.njit(cache=True, nogil=True, boundscheck=False)
+def _history_kernel(keys, t0, last, count, gaps, decayed, rates, out, col):
+    """Fill the history columns ``out[:, col:]`` and update the state, in stream order."""
+    n_gaps = gaps.shape[1]
+    n_h = rates.size
+    for i in range(keys.size):
+        k = keys[i]
+        t = t0 + i
+        c = count[k]
+        if c == 0:
+            out[i, col] = NEVER
+            for j in range(n_gaps):
+                out[i, col + 2 + j] = NEVER
+            for j in range(n_h):
+                out[i, col + 2 + n_gaps + j] = 0.0
+            for j in range(n_gaps):
+                gaps[k, j] = NEVER
+        else:
+            dt = t - last[k]
+            age = np.log1p(np.float64(dt))
+            out[i, col] = age
+            for j in range(n_gaps):
+                out[i, col + 2 + j] = gaps[k, j]
+            for j in range(n_h):
+                decayed[k, j] *= np.exp(-rates[j] * dt)
+                out[i, col + 2 + n_gaps + j] = np.log1p(decayed[k, j])
+            for j in range(n_gaps - 1, 0, -1):
+                gaps[k, j] = gaps[k, j - 1]
+            gaps[k, 0] = age
+        out[i, col + 1] = np.log1p(np.float64(c))
+        for j in range(n_h):
+            decayed[k, j] += 1.0
+        count[k] = c + 1
+        last[k] = t
+
+
+@nb.njit(cache=True, nogil=True, boundscheck=False)
+def _token_kernel(token_index, order, tokens, req_start_of, token_counts, out, col):
+    """log1p corpus frequency of the newest token and the rarest token of each lookup's n-gram."""
+    for i in range(token_index.size):
+        t = token_index[i]
+        out[i, col] = np.log1p(np.float64(token_counts[tokens[t]]))
+        best = token_counts[tokens[t]]
+        for k in range(1, order[i]):
+            if t - k < req_start_of[i]:
+                break
+            c = token_counts[tokens[t - k]]
+            if c < best:
+                best = c
+        out[i, col + 1] = np.log1p(np.float64(best))
+
+
+def extract(stream, lo: int, hi: int, state: FeatureState, prior: CorpusPrior,
+            domains: list[str]) -> np.ndarray:
+    """Features of lookups ``[lo, hi)``; ``state`` must have seen exactly ``[0, lo)``.
+
+    ``domains`` is the model's domain vocabulary: a domain it never saw gets -1.
+    """
+    if state.clock != lo:
+        raise ValueError(f"feature state is at lookup {state.clock}, not {lo}: featurise in order")
+    if prior.token_counts.size != stream.vocab:
+        raise CachelabError(f"the model's corpus prior covers {prior.token_counts.size} compressed ids, "
+                            f"the stream's vocabulary has {stream.vocab}: another Engram layout")
+    n = hi - lo
+    out = np.empty((n, len(FEATURE_NAMES)), dtype=np.float32)
+    col = stream.column[lo:hi].astype(np.int64)
+    order = 2 + col // stream.heads
+    out[:, 0] = stream.layer[lo:hi]
+    out[:, 1] = order
+    out[:, 2] = col % stream.heads
+    known = np.array([domains.index(d) if d in domains else -1 for d in stream.domains], dtype=np.float32)
+    out[:, 3] = known[stream.domain[lo:hi]]
+    out[:, 4] = np.log1p(stream.position[lo:hi])
+    out[:, 5] = stream.decode[lo:hi]
+    req_start_of = stream.request_start[stream.request[lo:hi]]
+    _token_kernel(stream.token_index[lo:hi], order, stream.tokens, req_start_of, prior.token_counts, out, 6)
+    raw = stream.raw_keys[stream.keys[lo:hi]]
+    where = np.searchsorted(prior.row_keys, raw)
+    where = np.minimum(where, max(prior.row_keys.size - 1, 0))
+    found = prior.row_keys[where] == raw if prior.row_keys.size else np.zeros(n, bool)
+    out[:, 8] = np.log1p(np.where(found, prior.row_counts[where] if prior.row_keys.size else 0, 0))
+    rates = np.log(2.0) / np.asarray(HALF_LIVES, dtype=np.float64)
+    _history_kernel(stream.keys[lo:hi], lo, state.last, state.count, state.gaps, state.decayed, rates, out, 9)
+    state.clock = hi
+    return out
+
+
+def regression_labels(keys: np.ndarray, horizon: int) -> np.ndarray:
+    """log1p(lookups to the next access), censored at ``horizon``."""
+    nxt = next_access(keys)
+    dist = np.where(nxt == NO_NEXT, horizon, nxt - np.arange(keys.size))
+    return np.log1p(np.minimum(dist, horizon)).astype(np.float32)
+
+
+def reuse_labels(keys: np.ndarray, horizon: int) -> np.ndarray:
+    """1 if the key is accessed again within ``horizon`` lookups."""
+    nxt = next_access(keys)
+    return ((nxt != NO_NEXT) & (nxt - np.arange(keys.size) <= horizon)).astype(np.float32)

@@ -1,0 +1,158 @@
+"""Causal training, saving, loading and batch scoring of hotness predictors.
+
+The split never lets a model see the future of what it scores. A stream's first
+``train_fraction`` of lookups is the training window; its first half only feeds the corpus
+prior (token and row frequencies), so the training samples, from the second half, see the
+prior exactly as later lookups will: as a past they are not part of. A training sample's label
+must be settled inside the window, so samples end ``horizon`` lookups before the window does.
+Validation is the rest of the stream.
+
+Scores handed to the learned policies are predicted *positions* of the next access,
+negated (higher = keep): ``-(t + expm1(predicted log1p gap))`` for a regressor, and
+``-(t + horizon * (1 - p))`` for a reuse classifier (probability ``p`` of reuse within the
+horizon read as an expected wait).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from cachelab import registry
+from cachelab.errors import CachelabError
+from cachelab.predictor import Predictor, check_features, read_metadata
+from cachelab.features import (FEATURE_NAMES, CorpusPrior, FeatureState, extract, regression_labels,
+                                 reuse_labels)
+
+PRIOR = "prior.safetensors"
+BATCH = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class TrainSpec:
+    """How a model is trained (recorded in its metadata.json)."""
+
+    horizon: int = 1 << 18
+    train_fraction: float = 0.5
+    max_samples: int = 2_000_000
+    seed: int = 0
+
+    def check(self) -> None:
+        if not 0.0 < self.train_fraction < 1.0:
+            raise CachelabError(f"train_fraction must lie in (0, 1), got {self.train_fraction}")
+        if self.horizon < 1:
+            raise CachelabError(f"horizon must be at least 1 lookup, got {self.horizon}")
+
+
+@dataclass(slots=True)
+class Model:
+    """A fitted predictor with what scoring needs beside it."""
+
+    predictor: Predictor
+    prior: CorpusPrior
+    domains: list[str]
+    horizon: int
+    metadata: dict
+
+
+def features(stream, model_prior: CorpusPrior, domains: list[str]) -> np.ndarray:
+    """The feature matrix of a whole stream, from an empty history."""
+    state = FeatureState(stream.num_keys)
+    return extract(stream, 0, len(stream), state, model_prior, domains)
+
+
+def train(stream, predictor: Predictor, spec: TrainSpec, progress=None) -> tuple[Model, dict]:
+    """Fit ``predictor`` on the training window of ``stream``; return the model and validation metrics."""
+    spec.check()
+    n = len(stream)
+    end = int(stream.step_offsets[np.searchsorted(stream.step_offsets, int(n * spec.train_fraction))])
+    prior_end = end // 2
+    if end - spec.horizon <= prior_end:
+        raise CachelabError(f"training window of {end} lookups is too short for horizon {spec.horizon} "
+                            f"(needs more than {2 * spec.horizon}); lower --horizon or use a longer trace")
+    prior = CorpusPrior.from_window(stream, 0, prior_end)
+    domains = list(stream.domains)
+    x = features(stream, prior, domains)
+    labeler = regression_labels if predictor.task == "regression" else reuse_labels
+    y_train = labeler(stream.keys[:end], spec.horizon)
+    rng = np.random.default_rng(spec.seed)
+    idx = np.arange(prior_end, end - spec.horizon)
+    if idx.size > spec.max_samples:
+        idx = np.sort(rng.choice(idx, spec.max_samples, replace=False))
+    if progress:
+        progress(f"fitting {predictor.name} on {idx.size:,} lookups")
+    predictor.fit(x[idx], y_train[idx], list(FEATURE_NAMES))
+    meta_spec = {**asdict(spec), "train_end": end, "prior_end": prior_end, "lookups": n,
+                 "domains": domains, "train_samples": int(idx.size)}
+    model = Model(predictor, prior, domains, spec.horizon, {"spec": meta_spec})
+    metrics = validate(model, stream, x, end)
+    return model, metrics
+
+
+def validate(model: Model, stream, x: np.ndarray, start: int) -> dict:
+    """Metrics on lookups after ``start`` whose labels are settled within the stream."""
+    from sklearn.metrics import roc_auc_score
+
+    keys = stream.keys[start:]
+    stop = keys.size - model.horizon
+    if stop < 100:
+        raise CachelabError(f"validation part of {keys.size} lookups is shorter than the horizon "
+                            f"{model.horizon}: lower --horizon or raise the trace length")
+    xv = x[start:start + stop]
+    pred = model.predictor.predict(xv)
+    reuse = reuse_labels(keys, model.horizon)[:stop]
+    out = {"validation_lookups": int(stop), "reuse_rate": float(reuse.mean())}
+    if len(np.unique(reuse)) == 2:
+        out["auc"] = float(roc_auc_score(reuse, pred))
+    if model.predictor.task == "regression":
+        y = regression_labels(keys, model.horizon)[:stop]
+        out["rmse"] = float(np.sqrt(np.mean((-pred - y) ** 2)))
+        out["rmse_constant"] = float(np.std(y))
+    importances = getattr(model.predictor, "importances", None)
+    if importances is not None:
+        out["importances"] = dict(sorted(importances().items(), key=lambda kv: -kv[1]))
+    return out
+
+
+def save(model: Model, directory: Path, extra: dict | None = None) -> Path:
+    from safetensors.numpy import save_file
+
+    directory = Path(directory)
+    spec = {**model.metadata["spec"], **(extra or {}), "prior": PRIOR}
+    model.predictor.save(directory, spec)
+    save_file(model.prior.tensors(), str(directory / PRIOR))
+    return directory
+
+
+def load(directory: Path) -> Model:
+    """A saved model, refused with the reason when its features or files do not match."""
+    from safetensors.numpy import load_file
+
+    directory = Path(directory)
+    meta = read_metadata(directory)
+    check_features(meta, list(FEATURE_NAMES), directory)
+    name = meta.get("predictor")
+    cls = registry.get(registry.PREDICTORS, name)
+    try:
+        predictor = cls.load_model(directory, meta)
+        t = load_file(str(directory / PRIOR))
+    except (OSError, KeyError, ValueError) as exc:
+        raise CachelabError(f"model at {directory} could not be loaded: {exc}") from None
+    spec = meta.get("spec", {})
+    return Model(predictor, CorpusPrior(t["token_counts"], t["row_keys"], t["row_counts"]),
+                 list(spec.get("domains", [])), int(spec.get("horizon", TrainSpec.horizon)), meta)
+
+
+def keep_scores(model: Model, stream, x: np.ndarray | None = None) -> np.ndarray:
+    """Per-lookup scores for the learned policies: minus the predicted next-access position."""
+    if x is None:
+        x = features(stream, model.prior, model.domains)
+    raw = np.concatenate([model.predictor.predict(x[i:i + BATCH]) for i in range(0, x.shape[0], BATCH)])
+    t = np.arange(raw.size, dtype=np.float64)
+    if model.predictor.task == "regression":
+        wait = np.expm1(np.clip(-raw, 0.0, None))
+    else:
+        wait = model.horizon * (1.0 - np.clip(raw, 0.0, 1.0))
+    return -(t + wait)

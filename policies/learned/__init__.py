@@ -1,0 +1,1 @@
+"""Learned policies: predicted next use decides eviction (LRB-style sampling) and admission."""

@@ -1,0 +1,71 @@
+"""Learned admission in front of any eviction policy (the ``scores`` filter of policies.admission).
+
+The base policy is built with ``admission="scores"``; before each step its per-key score
+table gets the step's scores, so a candidate is compared with its latest prediction and the
+victim with the prediction made at its own last access (exactly the filter's contract).
+The replay is one base-kernel call per step; the per-lookup work stays compiled.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cachelab import registry
+from cachelab.errors import CachelabError
+from cachelab.policy import Capabilities, Policy, StepResult
+from policies.admission import SCORES
+
+
+class LearnedAdmission(Policy):
+    """Admit a missed key only if its predicted next use is sooner than the base's victim's."""
+
+    name = "learned-admission"
+    capabilities = Capabilities(needs_scores=True)
+
+    def __init__(self, base: str = "lru", model: str | None = None):
+        self.base = base
+        self.model = model
+
+    def reset(self, capacity: int, num_keys: int) -> None:
+        cls = registry.get(registry.POLICIES, self.base)
+        try:
+            self.base_ = cls(admission="scores")
+        except TypeError:
+            raise CachelabError(f"policy {self.base!r} takes no admission filter, so learned admission "
+                                "cannot sit in front of it") from None
+        self.base_.reset(capacity, num_keys)
+        flt = getattr(self.base_, "filter", None)
+        if flt is None or int(flt[0]) != SCORES:
+            raise CachelabError(f"policy {self.base!r} keeps no scores filter state (.filter)")
+        self._table = flt[2]
+
+    def _load(self, keys, scores):
+        if scores is None:
+            raise CachelabError(f"policy {self.name!r} needs predictor scores (train a model, pass --model)")
+        keys = np.asarray(keys, dtype=np.int64)
+        if np.shape(scores) != keys.shape:
+            raise CachelabError(f"scores has shape {np.shape(scores)}, expected one per key {keys.shape}")
+        self._table[keys] = scores
+        return keys
+
+    def step(self, keys, next_access=None, scores=None) -> StepResult:
+        keys = self._load(keys, scores)
+        return self.base_.step(keys, next_access)
+
+    def run(self, keys, step_offsets, next_access=None, scores=None) -> np.ndarray:
+        keys = np.asarray(keys, dtype=np.int64)
+        hits = np.empty(keys.size, dtype=np.bool_)
+        for s in range(step_offsets.size - 1):
+            lo, hi = int(step_offsets[s]), int(step_offsets[s + 1])
+            part = self._load(keys[lo:hi], None if scores is None else scores[lo:hi])
+            hits[lo:hi] = self.base_.run(part, np.array([0, hi - lo]),
+                                         None if next_access is None else next_access[lo:hi])
+        return hits
+
+    def resident(self) -> np.ndarray:
+        return self.base_.resident()
+
+    @property
+    def key_of(self) -> np.ndarray:
+        """The base policy's slot table (the slots this policy hands out)."""
+        return self.base_.key_of

@@ -1,0 +1,210 @@
+"""FBGEMM's GPU embedding cache: 32-way set-associative LRU and LFU, one batch at a time.
+
+FBGEMM (pytorch/FBGEMM, fbgemm_gpu/src/split_embeddings_cache/) caches embedding rows in
+HBM in sets of 32 ways; a row's set is ``murmur3_fmix64(row) mod sets`` (``cache_slot`` in
+fbgemm_cuda_utils.cuh). A training or serving step prefetches its batch's unique rows at
+once, so a step here is one batch:
+
+    set s:  [ way 0 | way 1 | ... | way 31 ]   slot = s * 32 + way
+
+- ``fbgemm-lru`` (lru_cache_find.cu, lru_cache_populate.cu): a hit stamps the way with the
+  step's time. The step's misses of one set, in ascending row order, take that set's ways
+  from the oldest stamp up; a way stamped by this very step is never taken, so misses beyond
+  the set's free-or-stale ways stay uncached for the step (FBGEMM's "conflict misses").
+- ``fbgemm-lfu`` (lfu_cache_find.cu, lfu_cache_populate.cu): a count per row for *all* rows
+  (``lfu_state``), raised once per step the row appears in. The step's misses of one set,
+  most frequent first, meet that set's ways least frequent first (empty ways first); the
+  l-th miss replaces the l-th way unless that way's count is larger (a tie replaces),
+  and the first refusal ends the set's insertions.
+
+Differences, by choice: the number of sets is ``capacity // 32`` (FBGEMM rounds the set
+count from a load factor; flooring keeps occupancy within ``capacity``, so ``capacity mod
+32`` rows stay unused), a capacity under 32 rows is one set of ``capacity`` ways, and the
+rows are the engine's dense keys (FBGEMM hashes its linearised table indices). FBGEMM's
+prefetch-pipeline line locking is not modelled: a step's rows are all inserted before the
+next step begins.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+from policies.admission import admission_admit, admission_record
+from policies.kernel import KernelPolicy, note_admit, note_evict
+
+ASSOC = 32
+TIME, SETS, WAYS = 0, 1, 2  # meta: step counter, sets, ways per set
+
+
+@nb.njit(cache=True, inline="always")
+def cache_set(key, sets):
+    """FBGEMM's ``cache_slot``: MurmurHash3's 64-bit finaliser of the row, mod the set count."""
+    h = np.uint64(key)
+    h ^= h >> np.uint64(33)
+    h *= np.uint64(0xFF51AFD7ED558CCD)
+    h ^= h >> np.uint64(33)
+    h *= np.uint64(0xC4CEB9FE1A85EC53)
+    h ^= h >> np.uint64(33)
+    return np.int64(h % np.uint64(sets))
+
+
+@nb.njit(cache=True)
+def _misses_by_set(keys, lo, hi, slot_of, sets, hits, rank, use_rank):
+    """Flag the step's hits; return its distinct misses grouped by set (ascending), ordered
+    within a set by row, or by ``rank`` (ascending) and then by row if ``use_rank``; and
+    their sets."""
+    n_miss = 0
+    for i in range(lo, hi):
+        hits[i] = slot_of[keys[i]] >= 0
+        if not hits[i]:
+            n_miss += 1
+    miss = np.empty(n_miss, np.int64)
+    j = 0
+    for i in range(lo, hi):
+        if not hits[i]:
+            miss[j] = keys[i]
+            j += 1
+    miss = np.unique(miss)  # a row looked up twice in a step is fetched once
+    n_miss = miss.size
+    order_key = np.empty(n_miss, np.int64)
+    for j in range(n_miss):
+        order_key[j] = cache_set(miss[j], sets) * (np.int64(1) << 40) + (rank[miss[j]] if use_rank else 0)
+    miss = miss[np.argsort(order_key, kind="mergesort")]
+    set_of = np.empty(n_miss, np.int64)
+    for j in range(n_miss):
+        set_of[j] = cache_set(miss[j], sets)
+    return miss, set_of
+
+
+@nb.njit(cache=True)
+def _ways_by_cost(cost, base, ways, order):
+    """``order[:ways]`` = the set's slots by ascending ``cost`` (ties: lower way first)."""
+    for w in range(ways):
+        order[w] = base + w
+    for a in range(1, ways):  # insertion sort: 32 entries
+        s = order[a]
+        b = a - 1
+        while b >= 0 and cost[order[b]] > cost[s]:
+            order[b + 1] = order[b]
+            b -= 1
+        order[b + 1] = s
+
+
+@nb.njit(cache=True, inline="always")
+def _place(key, slot, slot_of, key_of, record, adm, adm_slot, ev, counts):
+    old = key_of[slot]
+    if old >= 0:
+        slot_of[old] = -1
+        note_evict(record, ev, counts, old)
+    key_of[slot] = key
+    slot_of[key] = slot
+    note_admit(record, adm, adm_slot, counts, key, slot)
+
+
+@nb.njit(cache=True, nogil=True, boundscheck=False)
+def _fbgemm_lru_kernel(keys, offsets, slot_of, key_of, meta, stamp,
+                       a_kind, a_counters, a_scores, a_meta, hits, record, adm, adm_slot, ev, counts):
+    sets, ways = meta[SETS], meta[WAYS]
+    order = np.empty(ways, np.int64)
+    for s in range(offsets.size - 1):
+        lo, hi = offsets[s], offsets[s + 1]
+        meta[TIME] += 1
+        now = meta[TIME]
+        for i in range(lo, hi):
+            admission_record(a_kind, a_counters, a_scores, a_meta, keys[i])
+        miss, set_of = _misses_by_set(keys, lo, hi, slot_of, sets, hits, stamp, False)
+        for i in range(lo, hi):
+            if hits[i]:
+                stamp[slot_of[keys[i]]] = now
+        j = 0
+        while j < miss.size:
+            end = j
+            while end < miss.size and set_of[end] == set_of[j]:
+                end += 1
+            _ways_by_cost(stamp, set_of[j] * ways, ways, order)
+            for l in range(min(end - j, ways)):
+                slot = order[l]
+                if stamp[slot] == now:
+                    break  # every older way is in use this step: the rest stay uncached
+                victim = key_of[slot]
+                if victim >= 0 and not admission_admit(a_kind, a_counters, a_scores, a_meta, miss[j + l], victim):
+                    continue
+                _place(miss[j + l], slot, slot_of, key_of, record, adm, adm_slot, ev, counts)
+                stamp[slot] = now
+            j = end
+
+
+@nb.njit(cache=True, nogil=True, boundscheck=False)
+def _fbgemm_lfu_kernel(keys, offsets, slot_of, key_of, meta, freq, rank, cost,
+                       a_kind, a_counters, a_scores, a_meta, hits, record, adm, adm_slot, ev, counts):
+    sets, ways = meta[SETS], meta[WAYS]
+    order = np.empty(ways, np.int64)
+    top = np.int64(1) << 39
+    for s in range(offsets.size - 1):
+        lo, hi = offsets[s], offsets[s + 1]
+        for i in range(lo, hi):
+            freq[keys[i]] += 1
+            rank[keys[i]] = top - freq[keys[i]]  # most frequent first
+        miss, set_of = _misses_by_set(keys, lo, hi, slot_of, sets, hits, rank, True)
+        j = 0
+        while j < miss.size:
+            end = j
+            while end < miss.size and set_of[end] == set_of[j]:
+                end += 1
+            base = set_of[j] * ways
+            for w in range(ways):
+                k = key_of[base + w]
+                cost[base + w] = freq[k] if k >= 0 else -1
+            _ways_by_cost(cost, base, ways, order)
+            for l in range(min(end - j, ways)):
+                slot = order[l]
+                if cost[slot] > freq[miss[j + l]]:
+                    break  # the rest of the misses are rarer and the rest of the ways more frequent
+                _place(miss[j + l], slot, slot_of, key_of, record, adm, adm_slot, ev, counts)
+            j = end
+
+
+class _SetAssociative(KernelPolicy):
+    """Sizing shared by both: ``capacity // 32`` sets of 32 ways (one set under 32 rows)."""
+
+    batched = True
+
+    def init_state(self, capacity, num_keys):
+        ways = min(ASSOC, capacity)
+        self.meta = np.array([0, capacity // ways, ways], dtype=np.int64)
+
+
+class FbgemmLRU(_SetAssociative):
+    """FBGEMM's set-associative LRU; ``admission`` may guard a full way (policies.admission)."""
+
+    name = "fbgemm-lru"
+    kernel = staticmethod(_fbgemm_lru_kernel)
+
+    def init_state(self, capacity, num_keys):
+        super().init_state(capacity, num_keys)
+        self.stamp = np.zeros(capacity, dtype=np.int64)  # step of each way's last use
+
+    def state(self):
+        return (self.meta, self.stamp)
+
+
+class FbgemmLFU(_SetAssociative):
+    """FBGEMM's set-associative LFU: counts for every row; a miss replaces the set's least
+    frequent way unless that way is more frequent. Its admission is the count comparison."""
+
+    name = "fbgemm-lfu"
+    kernel = staticmethod(_fbgemm_lfu_kernel)
+    admission = "always"  # the count comparison is its admission
+
+    def __init__(self):
+        pass  # no hyper-parameters
+
+    def init_state(self, capacity, num_keys):
+        super().init_state(capacity, num_keys)
+        self.freq = np.zeros(num_keys, dtype=np.int64)
+        self.rank = np.zeros(num_keys, dtype=np.int64)
+        self.cost = np.zeros(capacity, dtype=np.int64)
+
+    def state(self):
+        return (self.meta, self.freq, self.rank, self.cost)

@@ -1,0 +1,88 @@
+"""A small torch MLP regressor of log1p(lookups to next access); weights in safetensors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from cachelab.predictor import Predictor
+
+TENSORS = "model.safetensors"
+
+
+class MLP(Predictor):
+    """Two hidden layers on standardised features; ``predict`` is minus the predicted log1p time."""
+
+    name = "mlp"
+    task = "regression"
+
+    def __init__(self, hidden: int = 64, epochs: int = 3, batch_size: int = 4096, lr: float = 3e-3,
+                 seed: int = 0):
+        self.hidden = hidden
+        self.epochs = epochs
+        self.batch_size = batch_size
+        self.lr = lr
+        self.seed = seed
+
+    def _net(self, n_in: int):
+        import torch
+
+        return torch.nn.Sequential(torch.nn.Linear(n_in, self.hidden), torch.nn.ReLU(),
+                                   torch.nn.Linear(self.hidden, self.hidden), torch.nn.ReLU(),
+                                   torch.nn.Linear(self.hidden, 1))
+
+    def fit(self, features, labels, feature_names):
+        import torch
+
+        torch.manual_seed(self.seed)
+        x = np.asarray(features, dtype=np.float32)
+        self.mean_ = x.mean(axis=0)
+        std = x.std(axis=0)
+        self.scale_ = np.where(std > 0, std, 1.0).astype(np.float32)
+        xt = torch.from_numpy((x - self.mean_) / self.scale_)
+        yt = torch.from_numpy(np.asarray(labels, dtype=np.float32))
+        self.net_ = self._net(x.shape[1])
+        opt = torch.optim.Adam(self.net_.parameters(), lr=self.lr)
+        gen = torch.Generator().manual_seed(self.seed)
+        for _ in range(self.epochs):
+            for idx in torch.randperm(xt.shape[0], generator=gen).split(self.batch_size):
+                opt.zero_grad()
+                loss = torch.nn.functional.mse_loss(self.net_(xt[idx]).squeeze(1), yt[idx])
+                loss.backward()
+                opt.step()
+        self.feature_names_ = list(feature_names)
+        return self
+
+    def predict(self, features) -> np.ndarray:
+        import torch
+
+        x = (np.asarray(features, dtype=np.float32) - self.mean_) / self.scale_
+        with torch.no_grad():
+            return -self.net_(torch.from_numpy(x)).squeeze(1).double().numpy()
+
+    def importances(self) -> dict[str, float]:
+        """Mean absolute first-layer weight per (standardised) input."""
+        w = self.net_[0].weight.detach().abs().mean(dim=0).numpy()
+        return {n: float(v) for n, v in zip(self.feature_names_, w / (w.sum() or 1.0))}
+
+    def save_model(self, directory: Path) -> None:
+        from safetensors.torch import save_file
+        import torch
+
+        tensors = {k: v.contiguous() for k, v in self.net_.state_dict().items()}
+        tensors["mean"] = torch.from_numpy(self.mean_)
+        tensors["scale"] = torch.from_numpy(self.scale_)
+        save_file(tensors, str(Path(directory) / TENSORS))
+
+    @classmethod
+    def load_model(cls, directory: Path, metadata: dict) -> "MLP":
+        from safetensors.torch import load_file
+
+        t = load_file(str(Path(directory) / TENSORS))
+        self = cls(**metadata.get("params", {}))
+        self.mean_, self.scale_ = t.pop("mean").numpy(), t.pop("scale").numpy()
+        self.net_ = self._net(self.mean_.size)
+        self.net_.load_state_dict(t)
+        self.feature_names_ = list(metadata["feature_names"])
+        return self

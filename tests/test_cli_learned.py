@@ -1,0 +1,58 @@
+"""``cachelab train`` / ``cachelab evaluate`` on a small real Engram stream (GSM8K + HumanEval)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from cachelab.cli import app
+
+pytestmark = pytest.mark.data
+TRACE = ["--trace", "gsm8k,humaneval", "--requests", "25"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, data_dir):
+    out = tmp_path_factory.mktemp("model")
+    res = CliRunner().invoke(app, ["train", *TRACE, "--horizon", "4096", "--out", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    return out, json.loads(res.stdout)
+
+
+def test_train_prints_metrics_and_importances(trained):
+    out, result = trained
+    assert 0.6 < result["auc"] <= 1.0 and 0 < result["rmse"] < 2 * result["rmse_constant"]
+    assert abs(sum(result["importances"].values()) - 1.0) < 1e-6
+    assert {p.name for p in out.iterdir()} == {"metadata.json", "model.txt", "prior.safetensors"}
+
+
+def test_evaluate_reports_every_capacity(trained):
+    out, _ = trained
+    res = CliRunner().invoke(app, ["evaluate", *TRACE, "--model", str(out), "--capacities", "0.01,2000", "--json"])
+    assert res.exit_code == 0, res.output
+    result = json.loads(res.stdout)
+    assert [c["capacity"] for c in result["capacities"]] == [0.01, 2000]
+    assert result["capacities"][1]["rows"] == 2000
+    for row in result["capacities"]:
+        assert {"learned", "LRU"} <= set(row["miss_ratio"])
+        assert all(0.0 <= m <= 1.0 for m in row["miss_ratio"].values())
+
+
+def test_bad_inputs_are_clear_errors(tmp_path, trained):
+    runner = CliRunner()
+    res = runner.invoke(app, ["evaluate", *TRACE, "--model", str(tmp_path)])
+    assert res.exit_code == 2 and "metadata.json is missing" in res.output
+    res = runner.invoke(app, ["train", "--trace", "nosuch", "--out", str(tmp_path)])
+    assert res.exit_code == 2 and "unknown source" in res.output
+    out, _ = trained
+    meta = json.loads((out / "metadata.json").read_text())
+    meta["feature_names"] = meta["feature_names"][::-1]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in out.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    (bad / "metadata.json").write_text(json.dumps(meta))
+    res = runner.invoke(app, ["evaluate", *TRACE, "--model", str(bad)])
+    assert res.exit_code == 2 and "another order" in res.output

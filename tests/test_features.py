@@ -1,0 +1,70 @@
+"""Causal features and future labels (cachelab.features)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cachelab.errors import CachelabError
+from cachelab.features import (FEATURE_NAMES, NEVER, CorpusPrior, FeatureState, extract,
+                               regression_labels, reuse_labels)
+from stream_fixtures import synthetic_stream, zipf_keys
+
+COL = {name: i for i, name in enumerate(FEATURE_NAMES)}
+
+
+def _features(stream, lo=0, hi=None, prior=None):
+    prior = prior or CorpusPrior.from_window(stream, 0, len(stream))
+    state = FeatureState(stream.num_keys)
+    return extract(stream, lo, len(stream) if hi is None else hi, state, prior, stream.domains)
+
+
+def test_history_features_by_hand():
+    stream = synthetic_stream([0, 1, 0, 0, 1])
+    x = _features(stream)
+    assert x[0, COL["log_age"]] == NEVER and x[0, COL["log_count"]] == 0
+    assert x[2, COL["log_age"]] == pytest.approx(np.log1p(2))  # key 0 last seen at t=0, now t=2
+    assert x[3, COL["log_age"]] == pytest.approx(np.log1p(1))
+    assert x[3, COL["log_gap_1"]] == pytest.approx(np.log1p(2))  # previous reuse distance
+    assert x[3, COL["log_gap_2"]] == NEVER
+    assert x[3, COL["log_count"]] == pytest.approx(np.log1p(2))
+    assert x[4, COL["log_age"]] == pytest.approx(np.log1p(3))
+    # decayed counter at half-life 256: one access 3 lookups ago counts 2^(-3/256)
+    assert x[4, COL["log_decayed_256"]] == pytest.approx(np.log1p(2 ** (-3 / 256)), rel=1e-6)
+    assert x[:, COL["order"]].min() >= 2 and x[:, COL["order"]].max() <= 4
+
+
+def test_features_are_causal_and_chunkable():
+    keys = zipf_keys(4000, 500, seed=1)
+    stream = synthetic_stream(keys)
+    prior = CorpusPrior.from_window(stream, 0, 1000)
+    whole = _features(stream, prior=prior)
+    # The first half featurised from a stream that ends there: nothing later leaks in.
+    head = synthetic_stream(keys[:2000], num_keys=stream.num_keys)
+    np.testing.assert_array_equal(_features(head, prior=prior)[:, COL["log_age"]:], whole[:2000, COL["log_age"]:])
+    # Featurising in chunks with a carried state equals one pass.
+    state = FeatureState(stream.num_keys)
+    parts = [extract(stream, lo, min(lo + 700, 4000), state, prior, stream.domains) for lo in range(0, 4000, 700)]
+    np.testing.assert_array_equal(np.concatenate(parts), whole)
+    with pytest.raises(ValueError, match="featurise in order"):
+        extract(stream, 0, 10, state, prior, stream.domains)
+
+
+def test_prior_counts_only_its_window_and_unknown_domain():
+    stream = synthetic_stream([0, 0, 1, 1, 1, 2, 2, 2])
+    prior = CorpusPrior.from_window(stream, 0, 4)
+    assert prior.row_keys.tolist() == stream.raw_keys[[0, 1]].tolist()
+    x = extract(stream, 0, len(stream), FeatureState(stream.num_keys), prior, ["other"])
+    assert np.all(x[:, COL["domain"]] == -1)
+    assert x[5, COL["log_row_freq_train"]] == 0  # key 2 never occurs in the window
+    assert x[0, COL["log_row_freq_train"]] == pytest.approx(np.log1p(2))
+    bad = CorpusPrior(np.zeros(3, np.int64), prior.row_keys, prior.row_counts)
+    with pytest.raises(CachelabError, match="vocabulary"):
+        extract(stream, 0, 2, FeatureState(stream.num_keys), bad, stream.domains)
+
+
+def test_labels_look_forward_and_censor():
+    keys = np.array([5, 1, 5, 1, 1, 7])
+    assert np.allclose(regression_labels(keys, 3), np.log1p([2, 2, 3, 1, 3, 3]))
+    assert reuse_labels(keys, 1).tolist() == [0, 0, 0, 1, 0, 0]
+    assert reuse_labels(keys, 2).tolist() == [1, 1, 0, 1, 0, 0]

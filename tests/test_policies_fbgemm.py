@@ -1,0 +1,122 @@
+"""FBGEMM's set-associative LRU and LFU: set hashing, conflict misses, the LFU count rule,
+and agreement with a plain-Python model written from FBGEMM's kernels."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cachelab import registry
+
+M64 = (1 << 64) - 1
+
+
+def make(name, capacity, num_keys):
+    policy = registry.get(registry.POLICIES, name)()
+    policy.reset(capacity, num_keys)
+    return policy
+
+
+def fbgemm_cache_slot(row: int, sets: int) -> int:
+    """fbgemm_cuda_utils.cuh ``cache_slot``, in Python integers."""
+    h = row
+    h ^= h >> 33
+    h = (h * 0xFF51AFD7ED558CCD) & M64
+    h ^= h >> 33
+    h = (h * 0xC4CEB9FE1A85EC53) & M64
+    h ^= h >> 33
+    return h % sets
+
+
+class Model:
+    """FBGEMM's populate step, transcribed per set with Python lists (reference, slow)."""
+
+    def __init__(self, kind, capacity):
+        self.kind, self.ways = kind, min(32, capacity)
+        self.sets = capacity // self.ways
+        self.tag = [[-1] * self.ways for _ in range(self.sets)]
+        self.cost = [[0] * self.ways for _ in range(self.sets)]  # LRU: stamp of last use
+        self.freq, self.now = {}, 0
+
+    def step(self, keys):
+        self.now += 1
+        for k in keys:
+            self.freq[k] = self.freq.get(k, 0) + 1
+        where = {t: (s, w) for s in range(self.sets) for w, t in enumerate(self.tag[s]) if t >= 0}
+        hits = [k in where for k in keys]
+        for k in keys:
+            if k in where and self.kind == "lru":
+                s, w = where[k]
+                self.cost[s][w] = self.now
+        misses = sorted({k for k in keys if k not in where})
+        by_set = {}
+        for k in misses:
+            by_set.setdefault(fbgemm_cache_slot(k, self.sets), []).append(k)
+        for s, group in by_set.items():
+            if self.kind == "lru":
+                ways = sorted(range(self.ways), key=lambda w: (self.cost[s][w], w))
+                for w, k in zip(ways, group):
+                    if self.cost[s][w] == self.now:
+                        break
+                    self.tag[s][w], self.cost[s][w] = k, self.now
+            else:
+                group.sort(key=lambda k: -self.freq[k])  # stable: ties in row order
+                cost = [self.freq[t] if t >= 0 else -1 for t in self.tag[s]]
+                ways = sorted(range(self.ways), key=lambda w: (cost[w], w))
+                for w, k in zip(ways, group):
+                    if cost[w] > self.freq[k]:
+                        break
+                    self.tag[s][w] = k
+        return hits
+
+
+def test_sets_are_fbgemm_cache_slot():
+    from policies.set_assoc.fbgemm import cache_set
+
+    for row in (0, 1, 31, 12345, 384_006_167, 2**40 + 7):
+        for sets in (1, 7, 512, 12_000_000):
+            assert cache_set(row, sets) == fbgemm_cache_slot(row, sets)
+
+
+def test_lru_conflict_misses_and_rows_used_this_step():
+    p = make("fbgemm-lru", 32, 1_000)  # one set of 32 ways
+    first = p.step(np.arange(40))
+    assert first.admitted.tolist() == list(range(32))  # 8 conflict misses stay uncached
+    assert p.step(np.arange(32)).hits.all()
+    r = p.step(np.concatenate([[5], np.arange(100, 132)]))  # a hit and 32 misses
+    assert r.hits.tolist() == [True] + [False] * 32
+    assert r.admitted.size == 31 and 5 not in r.evicted  # the way used by this step is spared
+    assert sorted(r.evicted.tolist()) == [k for k in range(32) if k != 5]
+
+
+def test_lfu_admits_only_rows_at_least_as_frequent_as_the_set_minimum():
+    p = make("fbgemm-lfu", 32, 1_000)
+    for _ in range(3):
+        p.step(np.arange(32))  # 32 rows with count 3 fill the set
+    assert p.step(np.array([500])).admitted.size == 0  # count 1 < 3
+    p.step(np.array([500]))
+    r = p.step(np.array([500]))  # count 3 ties the minimum: a tie replaces
+    assert r.admitted.tolist() == [500] and r.evicted.size == 1
+
+
+def test_capacity_not_a_multiple_of_32_is_never_exceeded():
+    p = make("fbgemm-lru", 100, 5_000)  # 3 sets of 32 ways
+    p.run(np.arange(5_000), np.arange(0, 5_001, 50))
+    assert p.resident().size == 96
+
+
+@pytest.mark.parametrize("name", ["fbgemm-lru", "fbgemm-lfu"])
+@settings(max_examples=40, deadline=None)
+@given(capacity=st.sampled_from([8, 32, 64, 100]), seed=st.integers(0, 2**32 - 1),
+       step_len=st.integers(1, 60))
+def test_matches_a_model_of_fbgemms_kernels(name, capacity, seed, step_len):
+    rng = np.random.default_rng(seed)
+    keys = (rng.zipf(1.3, 1_500) % 400).astype(np.int64)
+    offsets = np.append(np.arange(0, keys.size, step_len), keys.size)
+    model = Model(name.split("-")[1], capacity)
+    expected = np.concatenate([model.step(keys[lo:hi].tolist()) for lo, hi in zip(offsets[:-1], offsets[1:])])
+    p = make(name, capacity, 400)
+    assert np.array_equal(p.run(keys, offsets), expected)
+    assert p.resident().tolist() == sorted(t for tags in model.tag for t in tags if t >= 0)

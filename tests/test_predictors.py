@@ -1,0 +1,68 @@
+"""Built-in hotness predictors: they learn, round-trip without pickle, and refuse foreign features."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from cachelab import registry
+from cachelab.errors import CachelabError
+from cachelab.predictor import check_features, read_metadata
+
+BUILT_INS = ["lightgbm", "lightgbm-reuse", "logistic", "hgb", "mlp"]
+SMALL = {"lightgbm": {"n_estimators": 20}, "lightgbm-reuse": {"n_estimators": 20}, "hgb": {"max_iter": 20},
+         "mlp": {"epochs": 4, "hidden": 16, "batch_size": 256}, "logistic": {}}
+
+
+def _data(n=6000, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 5)).astype(np.float32)
+    gap = np.log1p(np.exp(2.0 + 1.5 * x[:, 0] - x[:, 1]))  # soon when x0 is low
+    reuse = (gap < np.median(gap)).astype(np.float32)
+    return x, gap.astype(np.float32), reuse
+
+
+@pytest.mark.parametrize("name", BUILT_INS)
+def test_learns_round_trips_without_pickle(name, tmp_path):
+    cls = registry.get(registry.PREDICTORS, name)
+    x, gap, reuse = _data()
+    names = [f"f{i}" for i in range(5)]
+    model = cls(**SMALL[name]).fit(x[:5000], gap[:5000] if cls.task == "regression" else reuse[:5000], names)
+    scores = model.predict(x[5000:])
+    # Higher score = keep: it must rank the soon-reused rows first.
+    from sklearn.metrics import roc_auc_score
+    assert roc_auc_score(reuse[5000:], scores) > 0.85
+    model.save(tmp_path, {"horizon": 10})
+    meta = read_metadata(tmp_path)
+    assert meta["predictor"] == name and meta["feature_names"] == names
+    for f in tmp_path.iterdir():
+        assert f.suffix in {".txt", ".json", ".safetensors"}, f"unexpected model file {f.name}"
+        assert not f.read_bytes().startswith(b"\x80"), f"{f.name} looks like a pickle"
+    again = cls.load_model(tmp_path, meta)
+    np.testing.assert_allclose(again.predict(x[5000:]), scores, rtol=1e-6, atol=1e-6)
+    imp = model.importances()
+    assert set(imp) == set(names) and sum(imp.values()) == pytest.approx(1.0)
+    if name != "mlp":  # first-layer weights are a weak importance proxy
+        assert max(imp, key=imp.get) in {"f0", "f1"}
+
+
+def test_metadata_with_other_features_is_refused(tmp_path):
+    (tmp_path / "metadata.json").write_text(json.dumps({"feature_names": ["a", "b"]}))
+    with pytest.raises(CachelabError, match="missing \\['b'\\]"):
+        check_features(read_metadata(tmp_path), ["a", "c"], tmp_path)
+
+
+def test_flattened_forests_match_the_libraries():
+    import lightgbm as lgb
+    from sklearn.ensemble import HistGradientBoostingRegressor
+
+    from predictors.trees import from_hist_gradient_boosting, from_lightgbm
+
+    x, gap, _ = _data(3000, seed=2)
+    booster = lgb.train({"objective": "regression", "verbosity": -1, "num_threads": 1, "num_leaves": 15},
+                        lgb.Dataset(x, gap), num_boost_round=15)
+    np.testing.assert_allclose(from_lightgbm(booster).raw_predict(x), booster.predict(x), rtol=1e-9, atol=1e-9)
+    hgb = HistGradientBoostingRegressor(max_iter=15, early_stopping=False, random_state=0).fit(x, gap)
+    np.testing.assert_allclose(from_hist_gradient_boosting(hgb).raw_predict(x), hgb.predict(x), rtol=1e-9, atol=1e-9)
