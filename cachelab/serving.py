@@ -227,6 +227,7 @@ class ServingSimulator:
         steps: dict[str, list] = {k: [] for k in ("start_s", "step_s", "stall_s", "gpu_s", "tokens", "decodes",
                                                   "sequences", "fetch1_s", "fetch14_s", "rows_unique")}
         peak_cached = 0
+        fetch_parts: dict[str, float] = {}  # seconds per fetch part, summed over steps and layers
         scale = 1.0 / cfg.sample_rate
         with Progress(transient=True, disable=not self.progress) as bar:
             task = bar.add_task("serving replay", total=n)
@@ -266,8 +267,7 @@ class ServingSimulator:
                     break
                 while (not preempted and waiting and budget > 0 and len(running) < cfg.max_num_seqs):
                     r = waiting[0]
-                    seq = self.seqs[r][: known[r]]
-                    key = cache.prefix_key(seq)
+                    key = cache.prefix_key(self.seqs[r][: self.plen[r] + self.olen[r] - 1])  # all it computes
                     hit = cache.match(key, int(known[r]))
                     num = min(int(known[r]) - hit, budget)
                     cache.admit(r, key, int(known[r]), hit)
@@ -316,6 +316,10 @@ class ServingSimulator:
                 steps["tokens"].append(tokens)
                 steps["decodes"].append(sum(1 for r, aa, bb in sched if bb - aa == 1 and aa >= self.plen[r]))
                 steps["sequences"].append(len(sched))
+                for key, value in t.items():
+                    if key.startswith("engram") and not key.endswith("window_s"):
+                        part = key.split("_", 1)[1]
+                        fetch_parts[part] = fetch_parts.get(part, 0.0) + value
                 fetches = [t[f"engram{layer}_fetch_s"] for layer in self.model.engram_layers]
                 steps["fetch1_s"].append(fetches[0])
                 steps["fetch14_s"].append(fetches[-1])
@@ -345,9 +349,11 @@ class ServingSimulator:
                     running = [r for r in running if r not in gone]
                     bar.advance(task, len(done))
                 peak_cached = max(peak_cached, cache.num_cached_tokens)
-        return self._result(cache, replay, send, first, end, times, cached_first, preemptions, steps, peak_cached)
+        return self._result(cache, replay, send, first, end, times, cached_first, preemptions, steps, peak_cached,
+                            fetch_parts)
 
-    def _result(self, cache, replay, send, first, end, times, cached_first, preemptions, steps, peak_cached):
+    def _result(self, cache, replay, send, first, end, times, cached_first, preemptions, steps, peak_cached,
+                fetch_parts):
         cfg = self.config
         counts = np.array([len(t) for t in times], np.int64)
         rt = RequestTimes(send, first, end, self.plen, self.olen,
@@ -359,6 +365,7 @@ class ServingSimulator:
         metrics["mean_stall_ms"] = float(per_step["stall_s"].mean() * 1e3)
         metrics["stall_share"] = float(per_step["stall_s"].sum() / per_step["step_s"].sum())
         metrics["preemptions"] = int(preemptions.sum())
+        metrics["engram_fetch_parts_s"] = fetch_parts  # where the fetch time went, summed over the run
         kv_bytes = self.model.kv_bytes_per_token
         prefix = {"kind": cfg.prefix_cache, "hit_ratio": cache.hit_ratio,
                   "hit_ratio_definition": {"vllm": "cached tokens / queried tokens",

@@ -271,7 +271,8 @@ class StepReplay:
         for t, tier in enumerate(self.hierarchy.tiers):
             if cur.size == 0:
                 break
-            hits = tier.policy.step(distinct[cur]).hits
+            keys_t = distinct[cur]
+            hits = tier.policy.run(keys_t, np.array([0, keys_t.size], np.int64))
             served[cur[hits]] = t
             cur = cur[~hits]
         page_reads = np.zeros(L, np.int64)
@@ -282,7 +283,7 @@ class StepReplay:
             uniq_pages = np.empty(pages.size, np.int64)
             uniq_pages = uniq_pages[:_first_occurrence(pages, self._page_mark, self._stamp, uniq_pages)]
             if self.page_policy is not None:
-                page_hit = self.page_policy.step(uniq_pages).hits
+                page_hit = self.page_policy.run(uniq_pages, np.array([0, uniq_pages.size], np.int64))
             else:
                 page_hit = np.zeros(uniq_pages.size, np.bool_)
             self._page_hit[uniq_pages] = page_hit

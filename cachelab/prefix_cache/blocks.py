@@ -145,10 +145,7 @@ class BlockPrefixCache:
         self._block_hash = np.zeros(n, np.int64)
         self._cached = np.zeros(n, np.bool_)
         self._table = Dict.empty(key_type=types.int64, value_type=types.int64)
-        self._hashes: dict[int, np.ndarray] = {}
-        self._blocks: dict[int, list[np.ndarray]] = {}
-        self._num_blocks_of: dict[int, int] = {}
-        self._num_cached_of: dict[int, int] = {}
+        self._req: dict[int, list] = {}
         self.queried_tokens = 0
         self.hit_tokens = 0
 
@@ -190,17 +187,15 @@ class BlockPrefixCache:
         """Start request ``rid`` with ``num_cached`` tokens served from the cache (from ``match``).
 
         Args:
-            hashes: int64 chained hashes of every full block of the request's tokens.
+            hashes: int64 chained hashes of every full block of the request's tokens (all the
+                tokens it will compute, so its output blocks are published as they fill).
         """
-        if rid in self._blocks:
+        if rid in self._req:
             raise CachelabError(f"request {rid} is already admitted")
         n = num_cached // self.block_size
-        out = np.empty(n, np.int64)
-        _touch(self._table, hashes, n, self._ref, self._prev, self._nxt, self._meta, out)
-        self._hashes[rid] = hashes
-        self._blocks[rid] = [out]
-        self._num_blocks_of[rid] = n
-        self._num_cached_of[rid] = n
+        blocks = np.empty(hashes.size + 1, np.int64)  # room for every full block and a partial one
+        _touch(self._table, hashes, n, self._ref, self._prev, self._nxt, self._meta, blocks)
+        self._req[rid] = [blocks, n, n, hashes]  # block table, blocks held, blocks published, hashes
 
     def record_query(self, num_prompt: int, num_cached: int) -> None:
         """Count one admitted request's prompt and cached tokens (vLLM's hit-rate terms)."""
@@ -209,30 +204,27 @@ class BlockPrefixCache:
 
     def extend(self, rid: int, num_tokens: int) -> bool:
         """Hold blocks for the first ``num_tokens`` tokens of ``rid``; False if the pool is short."""
-        need = -(-num_tokens // self.block_size) - self._num_blocks_of[rid]
+        state = self._req[rid]
+        blocks, held, published, hashes = state
+        need = -(-num_tokens // self.block_size) - held
         if need > 0:
             if need > self._meta[NUM_FREE]:
                 return False
-            out = np.empty(need, np.int64)
+            if held + need > blocks.size:
+                blocks = state[0] = np.resize(blocks, held + need)
             _take(need, self._ref, self._prev, self._nxt, self._meta, self._block_hash, self._cached,
-                  self._table, out)
-            self._blocks[rid].append(out)
-            self._num_blocks_of[rid] += need
+                  self._table, blocks[held:held + need])
+            state[1] = held + need
         if self.enable_caching:
-            hashes = self._hashes[rid]
             full = min(num_tokens // self.block_size, hashes.size)
-            done = self._num_cached_of[rid]
-            if full > done:
-                blocks = np.concatenate(self._blocks[rid])
-                self._blocks[rid] = [blocks]
-                _cache(blocks[done:full], hashes[done:full], self._block_hash, self._cached, self._table)
-                self._num_cached_of[rid] = full
+            if full > published:
+                _cache(blocks[published:full], hashes[published:full], self._block_hash, self._cached, self._table)
+                state[2] = full
         return True
 
     def free(self, rid: int) -> None:
         """Release ``rid``'s blocks, tail first; full ones stay cached until evicted."""
-        blocks = np.concatenate(self._blocks.pop(rid))
-        _free(blocks[::-1].copy(), self._ref, self._prev, self._nxt, self._meta)
-        del self._hashes[rid], self._num_blocks_of[rid], self._num_cached_of[rid]
+        blocks, held, _, _ = self._req.pop(rid)
+        _free(blocks[:held][::-1].copy(), self._ref, self._prev, self._nxt, self._meta)
 
     preempt = free  # vLLM frees a preempted request's blocks the same way; it recomputes later
