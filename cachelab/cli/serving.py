@@ -231,7 +231,9 @@ def hw_list(as_json: bool = typer.Option(False, "--json", help="Print one JSON o
 @study_app.command("semianalysis")
 def study_semianalysis(
     out: Path = typer.Option(Path("study-semianalysis"), help="Folder for the points (CSV) and figures (PNG)."),
-    concurrency: str = typer.Option("8,32,128,512", help="Concurrencies, comma-separated."),
+    concurrency: str = typer.Option("16,64,256", help="Concurrencies, comma-separated."),
+    isl: int = typer.Option(1024, help="Prompt tokens per request."),
+    osl: int = typer.Option(1024, help="Output tokens per request."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """B200 DRAM-UVA vs SSD-mmap near 125 tok/s/user, B300 TP2 vs TP4 once the table leaves
@@ -239,7 +241,7 @@ def study_semianalysis(
     from cachelab.studies.semianalysis import run
 
     console = Console(stderr=True, quiet=as_json)
-    result = run(out, tuple(_ints(concurrency, "--concurrency")), progress=lambda m: console.print(f"running {m}"))
+    result = run(out, tuple(_ints(concurrency, "--concurrency")), isl, osl, progress=lambda m: console.print(f"running {m}"))
     if as_json:
         typer.echo(json.dumps(result, default=float))
         return

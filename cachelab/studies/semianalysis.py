@@ -104,7 +104,7 @@ def analyse(b200: pl.DataFrame, b300: pl.DataFrame) -> dict:
     return out
 
 
-def run(out_dir: Path, concurrencies=(8, 32, 128, 512), isl: int = 1024, osl: int = 1024,
+def run(out_dir: Path, concurrencies=(16, 64, 256), isl: int = 1024, osl: int = 1024,
         progress: Callable[[str], None] | None = None) -> dict:
     """Run both sweeps, write the points (CSV) and the two figures to ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
