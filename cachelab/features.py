@@ -49,11 +49,13 @@ class CorpusPrior:
     row_counts: np.ndarray
 
     @classmethod
-    def from_window(cls, stream, lo: int, hi: int) -> "CorpusPrior":
-        """Count tokens and rows of lookups ``[lo, hi)`` of ``stream`` only."""
-        tok = np.unique(stream.token_index[lo:hi])
-        token_counts = np.bincount(stream.tokens[tok], minlength=stream.vocab).astype(np.int64)
-        keys, counts = np.unique(stream.raw_keys[stream.keys[lo:hi]], return_counts=True)
+    def from_window(cls, view, lo: int, hi: int) -> "CorpusPrior":
+        """Count the tokens and rows of entries ``[lo, hi)`` of a ``LearningView`` only."""
+        where = view.request[lo:hi].astype(np.int64) << 32 | view.position[lo:hi].astype(np.int64)
+        _, first = np.unique(where, return_index=True)
+        tokens = view.ngram[lo:hi, 0][first]
+        token_counts = np.bincount(tokens[tokens >= 0], minlength=view.vocab).astype(np.int64)
+        keys, counts = np.unique(view.raw_keys[view.keys[lo:hi]], return_counts=True)
         often = counts >= 2
         return cls(token_counts, keys[often].astype(np.int64), counts[often].astype(np.int64))
 
@@ -116,16 +118,16 @@ def _history_kernel(keys, t0, last, count, gaps, decayed, rates, out, col):
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)
-def _token_kernel(token_index, order, tokens, req_start_of, token_counts, out, col):
-    """log1p corpus frequency of the newest token and the rarest token of each lookup's n-gram."""
-    for i in range(token_index.size):
-        t = token_index[i]
-        out[i, col] = np.log1p(np.float64(token_counts[tokens[t]]))
-        best = token_counts[tokens[t]]
+def _token_kernel(ngram, order, token_counts, out, col):
+    """log1p corpus frequency of the newest token and of the rarest token of each entry's n-gram."""
+    for i in range(ngram.shape[0]):
+        newest = token_counts[ngram[i, 0]] if ngram[i, 0] >= 0 else 0
+        out[i, col] = np.log1p(np.float64(newest))
+        best = newest
         for k in range(1, order[i]):
-            if t - k < req_start_of[i]:
+            if ngram[i, k] < 0:
                 break
-            c = token_counts[tokens[t - k]]
+            c = token_counts[ngram[i, k]]
             if c < best:
                 best = c
         out[i, col + 1] = np.log1p(np.float64(best))
@@ -133,7 +135,7 @@ def _token_kernel(token_index, order, tokens, req_start_of, token_counts, out, c
 
 def extract(stream, lo: int, hi: int, state: FeatureState, prior: CorpusPrior,
             domains: list[str]) -> np.ndarray:
-    """Features of lookups ``[lo, hi)``; ``state`` must have seen exactly ``[0, lo)``.
+    """Features of entries ``[lo, hi)`` of a ``LearningView``; ``state`` must have seen exactly ``[0, lo)``.
 
     ``domains`` is the model's domain vocabulary: a domain it never saw gets -1.
     """
@@ -153,8 +155,7 @@ def extract(stream, lo: int, hi: int, state: FeatureState, prior: CorpusPrior,
     out[:, 3] = known[stream.domain[lo:hi]]
     out[:, 4] = np.log1p(stream.position[lo:hi])
     out[:, 5] = stream.decode[lo:hi]
-    req_start_of = stream.request_start[stream.request[lo:hi]]
-    _token_kernel(stream.token_index[lo:hi], order, stream.tokens, req_start_of, prior.token_counts, out, 6)
+    _token_kernel(stream.ngram[lo:hi], order, prior.token_counts, out, 6)
     raw = stream.raw_keys[stream.keys[lo:hi]]
     where = np.searchsorted(prior.row_keys, raw)
     where = np.minimum(where, max(prior.row_keys.size - 1, 0))

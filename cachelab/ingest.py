@@ -144,10 +144,13 @@ class Ingest:
         return typed.filter(pl.Series(~bad))
 
 
+MAX_COUNT = 2**31 - 1  # token counts are int32 in the trace schema
+
+
 def count_field(col: str) -> tuple[pl.Expr, str]:
-    """A token count: an integer >= 0."""
+    """A token count: an integer from 0 to 2^31 - 1."""
     value = pl.col(col).cast(pl.Int64, strict=False)
-    return pl.when(value >= 0).then(value), "an integer >= 0"
+    return pl.when((value >= 0) & (value <= MAX_COUNT)).then(value), "an integer from 0 to 2^31 - 1"
 
 
 def seconds_field(col: str) -> tuple[pl.Expr, str]:

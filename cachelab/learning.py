@@ -156,3 +156,13 @@ def keep_scores(model: Model, stream, x: np.ndarray | None = None) -> np.ndarray
     else:
         wait = model.horizon * (1.0 - np.clip(raw, 0.0, 1.0))
     return -(t + wait)
+
+
+def lookup_scores(directory: Path, stream) -> np.ndarray:
+    """Scores per lookup of an engine ``LookupStream`` from the model saved in ``directory``."""
+    from cachelab.learning_trace import LearningView
+
+    model = load(directory)
+    view = LearningView.of(stream, model.metadata.get("spec", {}).get("preset", "deepseek-v4.1-flash"))
+    return view.per_lookup(keep_scores(model, view))
+

@@ -1,6 +1,8 @@
 """The learned policy against every registered heuristic and Belady, at several capacities.
 
-All policies replay the same stream from an empty cache; misses are counted after the warm-up.
+All policies replay the same stream from an empty cache, through the engine's ``run_policy``
+on each step's distinct rows (as ``cachelab simulate`` does); a lookup misses when its
+step's fetch of the row missed; misses are counted after the warm-up steps.
 The gap closed is ``(best heuristic - learned) / (best heuristic - Belady)``, with Belady the
 lowest of its registered variants (with bypass, it is the offline optimum), so the share is
 never flattered by a weak bound.
@@ -12,8 +14,9 @@ import numpy as np
 from rich.progress import Progress
 
 from cachelab import registry
-from cachelab.future import next_access
 from cachelab.learning import Model, keep_scores
+from cachelab.learning_trace import LearningView
+from cachelab.replay import run_policy, warmup_steps
 
 # Display name -> registry names tried in order (the first registered one is used).
 HEURISTICS = {"LRU": ("lru",), "S3-FIFO": ("s3fifo", "s3-fifo"), "W-TinyLFU": ("wtinylfu", "w-tinylfu"),
@@ -34,42 +37,33 @@ def _resolve(table: dict[str, tuple[str, ...]]) -> tuple[dict[str, str], list[st
     return found, missing
 
 
-def replay(policy, stream, capacity: int, scores=None, future=None) -> np.ndarray:
-    """Hit flags of ``policy`` over the whole stream from an empty cache."""
-    caps = policy.capabilities
-    policy.reset(capacity, stream.num_keys)
-    return policy.run(stream.keys, stream.step_offsets, future if caps.needs_future else None,
-                      scores if caps.needs_scores else None)
-
-
 def rows_for(capacity: float, unique: int) -> int:
     """A capacity as rows: a fraction of the unique rows below 1, else a row count."""
     return max(1, int(round(capacity * unique))) if capacity < 1 else int(capacity)
 
 
-def evaluate_capacities(stream, model: Model, capacities: list[float], warmup: float,
+def evaluate_capacities(view: LearningView, model: Model, capacities: list[float], warmup: float,
                         progress: bool = True) -> dict:
     heuristics, missing_h = _resolve(HEURISTICS)
     optimal, missing_o = _resolve(OPTIMAL)
-    scores = keep_scores(model, stream)
-    future = next_access(stream.keys)
-    start = int(len(stream) * warmup)
+    scores = keep_scores(model, view)
+    start = int(view.lookup_offsets[warmup_steps(warmup, view.lookup_offsets.size - 1)])
     runs = [("learned", registry.get(registry.POLICIES, LEARNED))]
     runs += [(label, registry.get(registry.POLICIES, name)) for label, name in {**heuristics, **optimal}.items()]
     rows = []
     with Progress(transient=True, disable=not progress) as bar:
         task = bar.add_task("replaying", total=len(capacities) * len(runs))
         for cap in capacities:
-            n_rows = rows_for(cap, stream.num_keys)
+            n_rows = rows_for(cap, view.num_keys)
             miss = {}
             for label, cls in runs:
-                hits = replay(cls(), stream, n_rows, scores, future)
+                hits = view.per_lookup(run_policy(cls(), view.keys, view.step_offsets, n_rows, view.num_keys, scores))
                 miss[label] = float(1.0 - hits[start:].mean())
                 bar.advance(task)
             rows.append({"capacity": cap, "rows": n_rows, "miss_ratio": miss,
                          **_gap(miss, list(heuristics), list(optimal))})
-    return {"lookups": len(stream), "unique_rows": stream.num_keys, "warmup": warmup,
-            "counted_lookups": len(stream) - start, "missing": missing_h + missing_o, "capacities": rows}
+    return {"lookups": int(view.inverse.size), "unique_rows": view.num_keys, "warmup": warmup,
+            "counted_lookups": int(view.inverse.size - start), "missing": missing_h + missing_o, "capacities": rows}
 
 
 def _gap(miss: dict, heuristics: list[str], optimal: list[str]) -> dict:

@@ -248,6 +248,9 @@ def plan_sessions(stream: TokenStream, arrivals: pl.DataFrame, rng: np.random.Ge
     order = np.lexsort((turn, session, arrival))
     session, turn, arrival = session[order], turn[order], arrival[order]
     doc = docs[session]
+    first = np.empty(starts.size, np.int64)
+    first[session[turn == 0]] = np.flatnonzero(turn == 0)
+    session_id = first[session]  # a session is named by the request id of its first turn
     doc_end = stream.doc_end
 
     def outputs_upto(d: int, k: int) -> list[tuple[int, int]]:
@@ -282,7 +285,7 @@ def plan_sessions(stream: TokenStream, arrivals: pl.DataFrame, rng: np.random.Ge
         arr = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
         return arr[:, 0], arr[:, 1]
 
-    return Plan(arrival, session, turn, prompt_segments, output_segment)
+    return Plan(arrival, session_id, turn, prompt_segments, output_segment)
 
 
 @dataclass

@@ -1,64 +1,71 @@
 """An indexed binary max-heap of cache slots, for policies that evict the largest priority.
 
-``heap[:n]`` holds slots, ``where[slot]`` is a slot's index in ``heap`` and ``pri[slot]`` its
-priority. Because the heap knows where every slot sits, a priority can change in place
-(O(log n)) instead of pushing a stale duplicate, so memory stays at one entry per slot.
-Belady (farthest next use) and the reuse-distance policy (farthest estimated next use) share it.
+``heap[:n]`` holds slots and ``hpri[:n]`` their priorities in heap order (no indirection in
+the sift loops); ``where[slot]`` is a slot's index in the heap. Because the heap knows where
+every slot sits, a priority can change in place (O(log n)) instead of pushing a stale
+duplicate, so memory stays at one entry per slot. The top is ``heap[0]`` with priority
+``hpri[0]``. Belady (farthest next use) and the reuse-distance policy (farthest predicted
+next use) share it.
 """
 
 from __future__ import annotations
 
 import numba as nb
+import numpy as np
+
+
+def make_heap(capacity: int):
+    """Empty heap arrays ``(heap, hpri, where)`` for ``capacity`` slots."""
+    return (np.zeros(capacity, dtype=np.int64), np.zeros(capacity, dtype=np.int64),
+            np.zeros(capacity, dtype=np.int64))
 
 
 @nb.njit(cache=True, inline="always")
-def _swap(heap, where, i, j):
-    a, b = heap[i], heap[j]
-    heap[i], heap[j] = b, a
-    where[b], where[a] = i, j
+def _settle(heap, hpri, where, i, slot, p):
+    heap[i] = slot
+    hpri[i] = p
+    where[slot] = i
 
 
 @nb.njit(cache=True)
-def heap_sift_up(heap, where, pri, i):
-    """Move ``heap[i]`` up while its priority beats its parent's."""
+def heap_sift_up(heap, hpri, where, i, slot, p):
+    """Place ``slot`` with priority ``p`` at or above the hole at ``i``."""
     while i > 0:
         parent = (i - 1) >> 1
-        if pri[heap[parent]] >= pri[heap[i]]:
-            return
-        _swap(heap, where, i, parent)
+        if hpri[parent] >= p:
+            break
+        _settle(heap, hpri, where, i, heap[parent], hpri[parent])
         i = parent
+    _settle(heap, hpri, where, i, slot, p)
 
 
 @nb.njit(cache=True)
-def heap_sift_down(heap, where, pri, i, n):
-    """Move ``heap[i]`` down while a child's priority beats it."""
+def heap_sift_down(heap, hpri, where, i, slot, p, n):
+    """Place ``slot`` with priority ``p`` at or below the hole at ``i`` in a heap of ``n``."""
     while True:
-        left = 2 * i + 1
-        if left >= n:
-            return
-        big = left
-        if left + 1 < n and pri[heap[left + 1]] > pri[heap[left]]:
-            big = left + 1
-        if pri[heap[i]] >= pri[heap[big]]:
-            return
-        _swap(heap, where, i, big)
-        i = big
+        child = 2 * i + 1
+        if child >= n:
+            break
+        if child + 1 < n and hpri[child + 1] > hpri[child]:
+            child += 1
+        if p >= hpri[child]:
+            break
+        _settle(heap, hpri, where, i, heap[child], hpri[child])
+        i = child
+    _settle(heap, hpri, where, i, slot, p)
 
 
 @nb.njit(cache=True)
-def heap_push(heap, where, pri, slot, n):
-    """Add ``slot`` (its priority already in ``pri``) to a heap of ``n`` entries."""
-    heap[n] = slot
-    where[slot] = n
-    heap_sift_up(heap, where, pri, n)
+def heap_push(heap, hpri, where, slot, p, n):
+    """Add ``slot`` with priority ``p`` to a heap of ``n`` entries."""
+    heap_sift_up(heap, hpri, where, n, slot, p)
 
 
 @nb.njit(cache=True)
-def heap_update(heap, where, pri, slot, new_pri, n):
-    """Set ``slot``'s priority and restore the heap order around it."""
-    old = pri[slot]
-    pri[slot] = new_pri
-    if new_pri > old:
-        heap_sift_up(heap, where, pri, where[slot])
-    elif new_pri < old:
-        heap_sift_down(heap, where, pri, where[slot], n)
+def heap_update(heap, hpri, where, slot, p, n):
+    """Set ``slot``'s priority to ``p`` and restore the heap order around it."""
+    i = where[slot]
+    if p > hpri[i]:
+        heap_sift_up(heap, hpri, where, i, slot, p)
+    else:
+        heap_sift_down(heap, hpri, where, i, slot, p, n)

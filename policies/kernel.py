@@ -55,6 +55,25 @@ def give_slot(free, meta, top, slot):
     meta[top] += 1
 
 
+@nb.njit(cache=True, inline="always")
+def enter(slot_of, key_of, free, meta, top, key, record, adm, adm_slot, counts):
+    """``key`` takes a free slot (for policies that free slots apart from filling them)."""
+    slot = take_slot(free, meta, top)
+    key_of[slot] = key
+    slot_of[key] = slot
+    note_admit(record, adm, adm_slot, counts, key, slot)
+
+
+@nb.njit(cache=True, inline="always")
+def leave(slot_of, key_of, free, meta, top, key, record, ev, counts):
+    """``key`` gives its slot back to the free stack."""
+    slot = slot_of[key]
+    give_slot(free, meta, top, slot)
+    key_of[slot] = -1
+    slot_of[key] = -1
+    note_evict(record, ev, counts, key)
+
+
 def free_stack(capacity: int) -> np.ndarray:
     """All slots free, popped in order 0, 1, 2, ... as the cache fills."""
     return np.arange(capacity - 1, -1, -1, dtype=np.int64)

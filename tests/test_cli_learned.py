@@ -10,13 +10,13 @@ from typer.testing import CliRunner
 from cachelab.cli import app
 
 pytestmark = pytest.mark.data
-TRACE = ["--trace", "gsm8k,humaneval", "--requests", "25"]
+TRACE = ["--trace", "gsm8k,humaneval", "--requests", "12"]
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, data_dir):
     out = tmp_path_factory.mktemp("model")
-    res = CliRunner().invoke(app, ["train", *TRACE, "--horizon", "4096", "--out", str(out), "--json"])
+    res = CliRunner().invoke(app, ["train", *TRACE, "--horizon", "2048", "--param", "n_estimators=20", "--out", str(out), "--json"])
     assert res.exit_code == 0, res.output
     return out, json.loads(res.stdout)
 
@@ -45,7 +45,7 @@ def test_bad_inputs_are_clear_errors(tmp_path, trained):
     res = runner.invoke(app, ["evaluate", *TRACE, "--model", str(tmp_path)])
     assert res.exit_code == 2 and "metadata.json is missing" in res.output
     res = runner.invoke(app, ["train", "--trace", "nosuch", "--out", str(tmp_path)])
-    assert res.exit_code == 2 and "unknown source" in res.output
+    assert res.exit_code == 2 and "nosuch" in res.output
     out, _ = trained
     meta = json.loads((out / "metadata.json").read_text())
     meta["feature_names"] = meta["feature_names"][::-1]
@@ -56,3 +56,18 @@ def test_bad_inputs_are_clear_errors(tmp_path, trained):
     (bad / "metadata.json").write_text(json.dumps(meta))
     res = runner.invoke(app, ["evaluate", *TRACE, "--model", str(bad)])
     assert res.exit_code == 2 and "another order" in res.output
+
+
+def test_simulate_learned_policy_on_a_saved_stream(trained, tmp_path):
+    from cachelab.learning_trace import prompt_stream
+
+    out, _ = trained
+    path = prompt_stream(["gsm8k", "humaneval"], 12).save(tmp_path / "s.npz")
+    runner = CliRunner()
+    base = ["simulate", "--trace", str(path), "--capacity", "1500", "--warmup", "0.5", "--json"]
+    res = runner.invoke(app, [*base, "--policy", "learned", "--model", str(out)])
+    assert res.exit_code == 0, res.output
+    learned = json.loads(res.stdout)
+    assert learned["policy"] == "learned" and 0.0 < learned["miss_ratio"] < 1.0
+    res = runner.invoke(app, [*base, "--policy", "learned"])
+    assert res.exit_code == 2 and "--model" in res.output

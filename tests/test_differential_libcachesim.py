@@ -46,6 +46,10 @@ CASES = [
     Case("clock", "Clock", {"bits": 2}, {"n_bit_counter": 2}),
     Case("sieve", "Sieve"),
     Case("belady", "Belady"),
+    Case("lfu", "LFU"),
+    Case("arc", "ARC"),
+    Case("twoq", "TwoQ", min_capacity=4),  # A1in of 25% must hold one object
+    Case("s3fifo", "S3FIFO", min_capacity=20),  # its small FIFO of 10% must hold two
     # Identical where both see the same ids (test_policies_wtinylfu.py). Here the sketch hashes
     # the ids each sees: ours the engine's compacted ids, libCacheSim the raw Engram row ids,
     # so sketch collisions differ on the Engram streams (measured gap under 0.2%). Below 100

@@ -1,4 +1,4 @@
-"""FIFO, CLOCK and SIEVE: exact eviction order (libCacheSim agreement: test_differential_libcachesim)."""
+"""FIFO, CLOCK, SIEVE and LFU: exact eviction order (libCacheSim agreement: test_differential_libcachesim)."""
 
 from __future__ import annotations
 
@@ -43,3 +43,23 @@ def test_bad_clock_bits_are_refused():
 
     with pytest.raises(CachelabError, match="bits"):
         make("clock", 4, 10, bits=9)
+
+
+def test_lfu_breaks_ties_by_age_and_forgets_evicted_counts():
+    p = make("lfu", 2, 10)
+    r = p.step(np.array([1, 1, 2, 3, 2, 3, 3, 4]))
+    # Row 1 (count 2) outlasts every count-1 row; among those the oldest goes. Row 3 comes
+    # back with count 1, not the count it had, then reaches 2 and ties with row 1: the
+    # older one at count 2 (row 1) goes for row 4.
+    assert r.evicted.tolist() == [2, 3, 2, 1]
+    assert p.resident().tolist() == [3, 4]
+
+
+def test_lfuda_ages_out_a_once_popular_row():
+    stale = np.array([1] * 5)
+    scan = np.arange(2, 40)
+    plain, aged = make("lfu", 2, 40), make("lfuda", 2, 40)
+    keys = np.concatenate([stale, scan, [1]])
+    offsets = np.arange(keys.size + 1)
+    assert plain.run(keys, offsets)[-1]  # plain LFU keeps row 1 forever
+    assert not aged.run(keys, offsets)[-1]  # dynamic aging let the scan overtake it

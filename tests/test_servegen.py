@@ -7,9 +7,11 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from cachelab.errors import CachelabError
 from cachelab.ingest import Ingest
+from cachelab.trace import validate
 from traces.servegen import ServeGenWorkload, read_windows
 
 TRACE = "0,0.5,1.0,Gamma,1.0,2.0\n600,0,0,,0,0\n1200,2.0,2.0,Weibull,0.6,0.3\n"
@@ -45,6 +47,7 @@ def test_rates_lengths_idle_windows_and_seed(tmp_path):
     ("600,fast,1.0,Gamma,1,1", "field 'rate'"),
     ("600,0.5,1.0,Pareto,1,1", "field 'pattern'"),
     ("600,0.5,-1,Gamma,1,1", "field 'cv'"),
+    ("600,1e300,1,Gamma,1,1", "field 'rate'"),
 ])
 def test_corrupted_trace_rows_are_named_or_counted(tmp_path, line, message):
     folder = client(tmp_path, trace=TRACE.replace("600,0,0,,0,0", line))
@@ -78,3 +81,15 @@ def test_real_deepseek_r1_rates_are_reproduced(data_dir):
     assert df.height == pytest.approx(expected, rel=0.05)
     assert df["domain"].unique().to_list() == ["reason"]
     assert np.all(df["prompt_len"].to_numpy() > 0)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.binary(max_size=300), skip=st.booleans())
+def test_arbitrary_trace_bytes_give_requests_or_a_clean_error(tmp_path, data, skip):
+    folder = client(tmp_path)
+    (folder / "chunk-3-trace.csv").write_bytes(data)
+    try:
+        df = ServeGenWorkload(str(folder), skip_bad=skip).arrivals()
+    except CachelabError:
+        return
+    validate(df, "fuzz")

@@ -47,6 +47,8 @@ def test_sessions_carry_earlier_turns_and_real_answers(stream, tmp_path):
     assert trace["arrival_s"].is_sorted()
     multi = trace.filter(pl.col("domain") == "chat").sort("session_id", "turn")
     assert set(multi["turn"]) == {0, 1}
+    firsts = trace.filter(pl.col("turn") == 0)
+    assert firsts["session_id"].to_list() == firsts["request_id"].to_list()  # named by the first turn's id
     for (_, ), turns in multi.group_by(["session_id"], maintain_order=True):
         first, second = turns.row(0, named=True), turns.row(1, named=True)
         assert second["arrival_s"] == pytest.approx(first["arrival_s"] + 5.0)

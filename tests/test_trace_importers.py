@@ -190,6 +190,19 @@ def test_arbitrary_bytes_give_rows_or_a_clean_error(tmp_path, data, fmt, skip):
     assert df.height + source.skipped >= min(data_lines, 1) and df.height <= data_lines
 
 
+@pytest.mark.parametrize("fmt, line", [
+    ("mooncake", '{"timestamp": 1, "input_length": 3000000000, "output_length": 1, "hash_ids": []}'),
+    ("mooncake", '{"timestamp": 1, "input_length": 1, "output_length": 1, "hash_ids": [99999999999999999999]}'),
+    ("azure", "2023-11-16 18:00:00.0,3000000000,1"),
+])
+def test_out_of_range_values_are_bad_rows(tmp_path, fmt, line):
+    name, cls, text = GOOD[fmt]
+    path = tmp_path / name
+    path.write_text(text + line + "\n")
+    with pytest.raises(CachelabError, match=f"{path.name}:{len(text.splitlines()) + 1}: "):
+        cls(str(path)).arrivals()
+
+
 def test_gzip_input_and_a_truncated_stream(tmp_path):
     import gzip
 

@@ -24,7 +24,7 @@ import polars as pl
 
 from cachelab.arrivals import arrival_frame
 from cachelab.errors import CachelabError
-from cachelab.ingest import Ingest
+from cachelab.ingest import MAX_COUNT, Ingest
 from cachelab.trace import list_series
 
 BLOCK_SIZE = 512
@@ -32,7 +32,7 @@ FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
 
 def _count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT
 
 
 def _parse(record, block_size: int) -> str | tuple:
@@ -47,9 +47,10 @@ def _parse(record, block_size: int) -> str | tuple:
         return f"field 'timestamp': expected milliseconds >= 0, got {ts!r}"
     for name, value in (("input_length", n_in), ("output_length", n_out)):
         if not _count(value):
-            return f"field {name!r}: expected an integer >= 0, got {value!r}"
-    if not isinstance(ids, list) or not all(_count(h) for h in ids):
-        return f"field 'hash_ids': expected a list of integers >= 0, got {str(ids)[:60]}"
+            return f"field {name!r}: expected an integer from 0 to {MAX_COUNT}, got {value!r}"
+    if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 2**63
+                                            for h in ids):
+        return f"field 'hash_ids': expected a list of integers from 0 to 2^63 - 1, got {str(ids)[:60]}"
     if len(ids) != -(-n_in // block_size):
         return (f"field 'hash_ids': {len(ids)} ids for input_length {n_in}, "
                 f"expected ceil({n_in} / {block_size}) = {-(-n_in // block_size)}")

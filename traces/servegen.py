@@ -32,6 +32,7 @@ from cachelab.ingest import Ingest, count_field
 
 PATTERNS = ("Gamma", "Weibull")
 TRACE_FIELDS = ("start_s", "rate", "cv", "pattern", "p1", "p2")
+MAX_RATE = 1e4  # requests per second per client (production peaks are about 20); above is damage
 _CLIENT = re.compile(r"chunk-(\d+)-trace\.csv$")
 
 
@@ -59,12 +60,17 @@ def read_windows(ingest: Ingest) -> pl.DataFrame:
     raw = pl.DataFrame(rows, schema=list(TRACE_FIELDS), orient="row") if rows else \
         pl.DataFrame(schema={f: pl.String for f in TRACE_FIELDS})
     idle = pl.col("pattern") == ""
-    conversions = {"start_s": count_field("start_s"), "rate": _number("rate"), "cv": _number("cv"),
+    rate = pl.col("rate").cast(pl.Float64, strict=False)
+    conversions = {"start_s": count_field("start_s"),
+                   "rate": (pl.when(rate.is_finite() & (rate >= 0) & (rate <= MAX_RATE)).then(rate),
+                            f"a rate between 0 and {MAX_RATE:g} requests/s"),
+                   "cv": _number("cv"),
                    "pattern": (pl.col("pattern"), "a pattern")}
     for p in ("p1", "p2"):  # an idle window's parameters are ignored (ServeGen writes 0)
         value, expected = _number(p, positive=True)
         conversions[p] = (pl.when(idle).then(pl.lit(0.0)).otherwise(value), expected)
-    return ingest.convert(raw, np.asarray(lines, dtype=np.int64), conversions).sort("start_s")
+    typed = ingest.convert(raw, np.asarray(lines, dtype=np.int64), conversions)
+    return typed.select(TRACE_FIELDS).sort("start_s")  # in file-column order: callers unpack rows
 
 
 def _line_of(text: str, *needles: str) -> int:

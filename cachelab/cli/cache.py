@@ -64,6 +64,8 @@ def simulate(
     warmup: float = typer.Option(0.0, "--warmup", help=WARMUP_HELP),
     param: list[str] = typer.Option([], "--param", help=PARAM_HELP),
     fmt: str | None = typer.Option(None, "--format", help=FORMAT_HELP),
+    model: Path | None = typer.Option(None, "--model", help="A predictor directory from `cachelab train`, "
+                                      "scoring every lookup for a learned policy (e.g. --policy learned)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Replay a trace through one cache and print its miss ratio.
@@ -76,7 +78,14 @@ def simulate(
     stream = load_stream(trace, fmt)
     cache = build_policy(policy, admission, param)
     hierarchy = Hierarchy([Tier("cache", cache, capacity_rows=capacity, location="gpu")], stream.row_bytes)
-    result = replay(stream, hierarchy, warmup=warmup, progress=not as_json)
+    if cache.capabilities.needs_scores and model is None:
+        raise CachelabError(f"policy {policy!r} needs predictor scores: pass --model DIR (from `cachelab train`)")
+    scores = None
+    if model is not None:
+        from cachelab.learning import lookup_scores
+
+        scores = lookup_scores(model, stream)
+    result = replay(stream, hierarchy, warmup=warmup, progress=not as_json, scores=scores)
     summary = result.summary()
     level = summary["levels"]["cache"]
     requests = summary["lookups"]

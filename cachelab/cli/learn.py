@@ -13,21 +13,31 @@ from cachelab import registry
 from cachelab.errors import CachelabError
 from cachelab.learning import TrainSpec, load, save, train as train_model
 from cachelab.learning_eval import evaluate_capacities
-from cachelab.prompt_stream import stream_from_spec
+from cachelab.cli.cache import parse_params
+from cachelab.learning_trace import LearningView, load_trace
 
-TRACE_HELP = ("Prompt sources under the data root, comma-separated and interleaved: "
-              "arena_hard, gsm8k, humaneval, gutenberg, mt_bench.")
+TRACE_HELP = ("A saved lookup stream with token metadata (.npz), or prompt corpora (cachelab.workloads), "
+              "comma-separated and interleaved: arena-hard, gsm8k, humaneval, gutenberg, mt-bench, ...")
+PRESET_HELP = "Engram layout preset of the stream."
+
+
+def _view(trace: str, requests: int, seed: int, preset: str, console: Console) -> LearningView:
+    with console.status("building the Engram lookup stream"):
+        return LearningView.of(load_trace(trace, requests, seed, preset), preset)
 
 
 def train(
     trace: str = typer.Option(..., help=TRACE_HELP),
     predictor: str = typer.Option("lightgbm", help="A registered predictor (cachelab.predictors)."),
     out: Path = typer.Option(..., help="Directory for the model, metadata.json and the corpus prior."),
-    requests: int = typer.Option(200, help="Requests per source (from the start of each file)."),
+    requests: int = typer.Option(200, help="Requests per corpus (from the start of each)."),
+    preset: str = typer.Option("deepseek-v4.1-flash", help=PRESET_HELP),
     horizon: int = typer.Option(1 << 17, help="Label horizon in lookups (censoring / reuse window)."),
     train_fraction: float = typer.Option(0.5, help="Share of the trace used for training; the rest validates."),
     max_samples: int = typer.Option(2_000_000, help="Training samples drawn from the training window."),
     seed: int = typer.Option(0, help="Seed for request order and sampling."),
+    param: list[str] = typer.Option([], "--param", help="A predictor hyper-parameter as key=value (repeatable), "
+                                    "e.g. --param n_estimators=200."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Train a hotness predictor on the first part of a trace; print validation AUC/RMSE and importances."""
@@ -35,17 +45,20 @@ def train(
     cls = registry.get(registry.PREDICTORS, predictor)
     spec = TrainSpec(horizon=horizon, train_fraction=train_fraction, max_samples=max_samples, seed=seed)
     spec.check()
-    with console.status("building the Engram key stream"):
-        stream = stream_from_spec(trace, requests, seed)
+    stream = _view(trace, requests, seed, preset, console)
     with console.status(f"training {predictor}"):
-        model, metrics = train_model(stream, cls(), spec)
-    save(model, out, {"trace": trace, "requests": requests})
+        try:
+            fresh = cls(**parse_params(param))
+        except TypeError as exc:
+            raise CachelabError(f"predictor {predictor!r}: {exc}") from None
+        model, metrics = train_model(stream, fresh, spec)
+    save(model, out, {"trace": trace, "requests": requests, "preset": preset})
     result = {"predictor": predictor, "trace": trace, "lookups": len(stream), "out": str(out), **metrics}
     if as_json:
         typer.echo(json.dumps(result))
         return
     out_console = Console()
-    out_console.print(f"[bold]{predictor}[/] trained on {metrics['validation_lookups']:,} held-out lookups "
+    out_console.print(f"[bold]{predictor}[/] validated on {metrics['validation_lookups']:,} held-out lookups "
                       f"of {len(stream):,}; saved to {out}")
     for key in ("auc", "rmse", "rmse_constant", "reuse_rate"):
         if key in metrics:
@@ -71,8 +84,9 @@ def evaluate(
     model: Path = typer.Option(..., help="A directory written by `cachelab train`."),
     capacities: str = typer.Option("0.001,0.01,0.05",
                                    help="Cache sizes: fractions of the unique rows (< 1) or rows (>= 1)."),
-    requests: int = typer.Option(200, help="Requests per source."),
-    warmup: float = typer.Option(0.5, help="Share of the trace replayed before misses are counted."),
+    requests: int = typer.Option(200, help="Requests per corpus."),
+    preset: str = typer.Option("deepseek-v4.1-flash", help=PRESET_HELP),
+    warmup: float = typer.Option(0.5, help="Share of the steps replayed before misses are counted."),
     seed: int = typer.Option(0, help="Seed for request order."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
@@ -82,8 +96,7 @@ def evaluate(
     if not 0.0 <= warmup < 1.0:
         raise CachelabError(f"--warmup must lie in [0, 1), got {warmup}")
     fitted = load(model)
-    with console.status("building the Engram key stream"):
-        stream = stream_from_spec(trace, requests, seed)
+    stream = _view(trace, requests, seed, preset, console)
     result = evaluate_capacities(stream, fitted, caps, warmup, progress=not as_json)
     result = {"trace": trace, "model": str(model), **result}
     if as_json:

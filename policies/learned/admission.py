@@ -22,9 +22,8 @@ class LearnedAdmission(Policy):
     name = "learned-admission"
     capabilities = Capabilities(needs_scores=True)
 
-    def __init__(self, base: str = "lru", model: str | None = None):
+    def __init__(self, base: str = "lru"):
         self.base = base
-        self.model = model
 
     def reset(self, capacity: int, num_keys: int) -> None:
         cls = registry.get(registry.POLICIES, self.base)

@@ -84,17 +84,16 @@ def _learned_kernel(keys, scores, slot_of, key_of, sample, meta, pred, last, a_k
 class LearnedEviction(KernelPolicy):
     """Evict the farthest predicted next use among ``sample`` random residents.
 
-    ``model`` names the trained predictor directory the runner scores with; ``admission``
-    is any filter of policies.admission.
+    Scores come from the runner (``cachelab simulate --model DIR``); ``admission`` is any
+    filter of policies.admission.
     """
 
     name = "learned-eviction"
     capabilities = Capabilities(needs_scores=True, compiled=True)
     kernel = staticmethod(_learned_kernel)
 
-    def __init__(self, model: str | None = None, sample: int = 64, admission: str = "always", seed: int = 0):
+    def __init__(self, sample: int = 64, admission: str = "always", seed: int = 0):
         super().__init__(admission=admission)
-        self.model = model
         self.sample = sample
         self.seed = seed
 
@@ -124,5 +123,5 @@ class Learned(LearnedEviction):
 
     name = "learned"
 
-    def __init__(self, model: str | None = None, sample: int = 64, admission: str = "scores", seed: int = 0):
-        super().__init__(model=model, sample=sample, admission=admission, seed=seed)
+    def __init__(self, sample: int = 64, admission: str = "scores", seed: int = 0):
+        super().__init__(sample=sample, admission=admission, seed=seed)

@@ -5,7 +5,7 @@ Each slot carries an ``bits``-bit use counter: a hit raises it (saturating at
 is the victim. The new row takes the victim's slot with counter 0. With ``bits=1`` this is
 the classic CLOCK; with ``bits=0`` it is FIFO. A ring with a hand is libCacheSim's
 FIFO-with-reinsertion list, rotated in place: validated against libCacheSim's ``Clock``
-(``n_bit_counter``), identical miss ratios (tests/test_policies_linked.py).
+(``n_bit_counter``), identical miss ratios (tests/test_differential_libcachesim.py).
 """
 
 from __future__ import annotations

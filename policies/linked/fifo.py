@@ -2,7 +2,7 @@
 
 FIFO is CLOCK with no use bits (policies/linked/clock.py): the hand walks the ring in
 insertion order and every row it meets is the victim. Validated against libCacheSim's
-``FIFO``: identical miss ratios (tests/test_policies_linked.py).
+``FIFO``: identical miss ratios (tests/test_differential_libcachesim.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A hit only sets the row's visited bit. To evict, the hand (starting where it las
 or at the oldest row) walks towards the newest row, clearing visited bits, and evicts the
 first unvisited row; past the newest it wraps to the oldest. New rows enter at the head and
 take the victim's slot. Zhang et al., "SIEVE is simpler than LRU", NSDI'24. Validated
-against libCacheSim's ``Sieve``: identical miss ratios (tests/test_policies_linked.py).
+against libCacheSim's ``Sieve``: identical miss ratios (tests/test_differential_libcachesim.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Three policies share one kernel:
 
 - ``belady``: as libCacheSim's ``Belady`` does it (libCacheSim/cache/eviction/Belady.c):
   every miss is admitted and the resident row with the farthest next use is evicted.
-  Validated against libCacheSim: identical miss ratios (tests/test_policies_belady.py).
+  Validated against libCacheSim: identical miss counts (tests/test_differential_libcachesim.py).
 - ``belady-bypass``: the incoming row competes too; if its own next use is the farthest it is
   not admitted. This is the true MIN for unit-size rows (it never misses more than any
   other policy on the same stream).
@@ -16,11 +16,11 @@ Three policies share one kernel:
   may learn of a reuse earlier, between two accesses.)
 
 Priorities live in an indexed max-heap of slots (policies/heap.py): a known next use has
-priority = its position; a row with no known next use (never again, or beyond the window)
-has priority ``UNKNOWN - last access position``, above every known position, so such rows
-are evicted first, the least recently used of them first. With the full future that order
-among never-again rows cannot change the miss count; with a window it is LRU among the rows
-the window says nothing about.
+priority = its position; a row with no known next use sits above every known position.
+For ``belady`` and ``belady-bypass`` such rows are never used again, so they are
+interchangeable and share one priority (a new one stays at the top: O(1)). For
+``belady-lookahead`` they are rows the window says nothing about, and the least recently
+used of them goes first (priority ``UNKNOWN - last access position``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from cachelab.errors import CachelabError
 from cachelab.future import censor_lookahead
 from cachelab.policy import NO_NEXT, Capabilities
 from policies.admission import admission_admit, admission_record
-from policies.heap import heap_push, heap_sift_down, heap_update
+from policies.heap import heap_push, heap_update, make_heap
 from policies.kernel import KernelPolicy, note_admit, note_evict
 
 POS, SIZE = 0, 1  # meta: absolute position of the next access, rows resident
@@ -40,7 +40,7 @@ UNKNOWN = np.int64(1) << np.int64(62)  # priorities of rows without a known next
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)
-def _belady_kernel(keys, next_access, slot_of, key_of, bypass, meta, pri, heap, where,
+def _belady_kernel(keys, next_access, slot_of, key_of, bypass, unknown_lru, meta, heap, hpri, where,
                    a_kind, a_counters, a_scores, a_meta, hits, record, adm, adm_slot, ev, counts):
     capacity = key_of.size
     pos = meta[POS]
@@ -49,30 +49,31 @@ def _belady_kernel(keys, next_access, slot_of, key_of, bypass, meta, pri, heap, 
         key = keys[i]
         admission_record(a_kind, a_counters, a_scores, a_meta, key)
         nxt = next_access[i]
-        p = nxt if nxt != NO_NEXT else UNKNOWN - pos
+        if nxt != NO_NEXT:
+            p = nxt
+        else:
+            p = UNKNOWN - pos if unknown_lru else UNKNOWN
         pos += 1
         slot = slot_of[key]
         if slot >= 0:
             hits[i] = True
-            heap_update(heap, where, pri, slot, p, size)
+            heap_update(heap, hpri, where, slot, p, size)
             continue
         hits[i] = False
         if size < capacity:
             slot = size
-            pri[slot] = p
-            heap_push(heap, where, pri, slot, size)
+            heap_push(heap, hpri, where, slot, p, size)
             size += 1
         else:
             slot = heap[0]
             victim = key_of[slot]
-            if bypass and p >= pri[slot]:
+            if bypass and p >= hpri[0]:
                 continue  # the incoming row is the one used farthest ahead: keep it out
             if not admission_admit(a_kind, a_counters, a_scores, a_meta, key, victim):
                 continue
             slot_of[victim] = -1
             note_evict(record, ev, counts, victim)
-            pri[slot] = p
-            heap_sift_down(heap, where, pri, 0, size)
+            heap_update(heap, hpri, where, slot, p, size)
         key_of[slot] = key
         slot_of[key] = slot
         note_admit(record, adm, adm_slot, counts, key, slot)
@@ -91,13 +92,14 @@ class Belady(KernelPolicy):
     capabilities = Capabilities(needs_future=True, compiled=True)
     kernel = staticmethod(_belady_kernel)
     bypass = False
+    unknown_lru = False  # rows never used again are interchangeable: one shared priority
 
     def init_state(self, capacity, num_keys):
         self.meta = np.zeros(2, dtype=np.int64)
-        self.pri, self.heap, self.where = (np.zeros(capacity, dtype=np.int64) for _ in range(3))
+        self.heap = make_heap(capacity)
 
     def state(self):
-        return (self.bypass, self.meta, self.pri, self.heap, self.where)
+        return (self.bypass, self.unknown_lru, self.meta, *self.heap)
 
     def inputs(self, keys, next_access, scores):
         if next_access is None:
@@ -127,6 +129,7 @@ class BeladyLookahead(Belady):
     """
 
     name = "belady-lookahead"
+    unknown_lru = True  # rows the window says nothing about: least recently used first
 
     def __init__(self, window: int = 8, bypass: bool = False, admission: str = "always"):
         self.window = window

@@ -32,7 +32,7 @@ import numpy as np
 
 from cachelab.errors import CachelabError
 from policies.admission import admission_admit, admission_record
-from policies.heap import heap_push, heap_update
+from policies.heap import heap_push, heap_update, make_heap
 from policies.kernel import KernelPolicy, note_admit, note_evict
 
 POS, SIZE, SEEN, RETURNED = 0, 1, 2, 3  # meta
@@ -41,7 +41,7 @@ NEVER = np.int64(1) << np.int64(61)  # prediction of a row expected never to ret
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)
 def _reuse_kernel(keys, slot_of, key_of, alpha, meta, first_ewma, last, interval,
-                  pri, heap, where, late, late_heap, late_where,
+                  heap, hpri, where, late_heap, late_hpri, late_where,
                   a_kind, a_counters, a_scores, a_meta, hits, record, adm, adm_slot, ev, counts):
     capacity = key_of.size
     for i in range(keys.size):
@@ -69,28 +69,26 @@ def _reuse_kernel(keys, slot_of, key_of, alpha, meta, first_ewma, last, interval
         slot = slot_of[key]
         if slot >= 0:
             hits[i] = True
-            heap_update(heap, where, pri, slot, p, size)
-            heap_update(late_heap, late_where, late, slot, -p, size)
+            heap_update(heap, hpri, where, slot, p, size)
+            heap_update(late_heap, late_hpri, late_where, slot, -p, size)
             continue
         hits[i] = False
         if size < capacity:
             slot = size
-            pri[slot] = p
-            late[slot] = -p
-            heap_push(heap, where, pri, slot, size)
-            heap_push(late_heap, late_where, late, slot, size)
+            heap_push(heap, hpri, where, slot, p, size)
+            heap_push(late_heap, late_hpri, late_where, slot, -p, size)
             meta[SIZE] += 1
         else:
             slot = late_heap[0]  # the most overdue row, if its predicted reuse has passed
-            if -late[slot] >= t:
+            if -late_hpri[0] >= t:
                 slot = heap[0]  # else the farthest predicted reuse
             victim = key_of[slot]
             if not admission_admit(a_kind, a_counters, a_scores, a_meta, key, victim):
                 continue
             slot_of[victim] = -1
             note_evict(record, ev, counts, victim)
-            heap_update(heap, where, pri, slot, p, size)
-            heap_update(late_heap, late_where, late, slot, -p, size)
+            heap_update(heap, hpri, where, slot, p, size)
+            heap_update(late_heap, late_hpri, late_where, slot, -p, size)
         key_of[slot] = key
         slot_of[key] = slot
         note_admit(record, adm, adm_slot, counts, key, slot)
@@ -120,8 +118,8 @@ class ReuseDistance(KernelPolicy):
         self.interval = np.full(num_keys, -1.0, dtype=np.float64)
         # two indexed heaps of slots: by predicted reuse (max first) and by lateness (the
         # earliest prediction first, kept as a max-heap of its negation)
-        self.far = tuple(np.zeros(capacity, dtype=np.int64) for _ in range(3))
-        self.late = tuple(np.zeros(capacity, dtype=np.int64) for _ in range(3))
+        self.far = make_heap(capacity)
+        self.late = make_heap(capacity)
 
     def state(self):
         return (float(self.alpha), self.meta, self.first_ewma, self.last, self.interval, *self.far, *self.late)

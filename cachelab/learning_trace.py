@@ -1,0 +1,133 @@
+"""Lookup streams for learning: real prompts in, and the view a predictor scores.
+
+``prompt_stream`` builds an engine ``LookupStream`` (``cachelab.lookups``) from registered
+prompt corpora (``cachelab.workloads``: arena-hard, gsm8k, humaneval, gutenberg, ...),
+requests interleaved in a seeded order as on a shared server, each prompt prefilled in
+chunks then its reference answer (where the corpus has one) decoded token by token. Besides
+the engine's metadata (column, request, position, phase, domain) every lookup carries
+``token``, the compressed id of its token, so a saved stream holds all a predictor needs.
+
+``LearningView`` is what a policy sees of such a stream: each step's distinct rows in
+first-occurrence order (exactly what the replay fetches), as dense ids, with each entry's
+metadata and its n-gram's compressed token ids (newest first; -1 before the request start
+or where a position was not looked up).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cachelab import registry
+from cachelab.engram import Addresser, encode, get_preset
+from cachelab.errors import CachelabError
+from cachelab.lookups import LAYER_SHIFT, PREFILL, LookupStream, compact, dedup_steps
+
+REQUIRED_META = ("column", "request", "position", "phase", "domain", "token")
+
+
+def prompt_stream(sources: list[str], per_source: int, seed: int = 0, preset: str = "deepseek-v4.1-flash",
+                  tokens_per_step: int = 512) -> LookupStream:
+    """The lookup stream of the first ``per_source`` documents of each corpus, interleaved."""
+    if per_source < 1:
+        raise CachelabError(f"requests per source must be at least 1, got {per_source}")
+    docs = []
+    for name in sources:
+        corpus = registry.get(registry.WORKLOADS, name)()
+        if not hasattr(corpus, "documents"):
+            raise CachelabError(f"workload {name!r} is not a text corpus (it has no documents())")
+        for i, doc in enumerate(corpus.documents()):
+            if i >= per_source:
+                break
+            docs.append(doc)
+    if not docs:
+        raise CachelabError(f"the sources {sources} hold no documents")
+    docs = [docs[i] for i in np.random.default_rng(seed).permutation(len(docs))]
+    addresser = Addresser(get_preset(preset))
+    tok = addresser.config.tokenizer
+    prompts = encode([d.text for d in docs], tok, bos=True)
+    answers = encode([d.answers[0] if d.answers else "" for d in docs], tok)
+    seqs = [np.concatenate([p, a]) for p, a in zip(prompts, answers)]
+    stream = LookupStream.from_sequences(addresser, seqs, tokens_per_step, [p.size for p in prompts],
+                                         [d.domain for d in docs])
+    starts = np.concatenate([[0], np.cumsum([s.size for s in seqs])[:-1]])
+    compressed = addresser.compress(np.concatenate(seqs))
+    meta = stream.meta
+    token = compressed[starts[meta["request"]] + meta["position"]].astype(np.int32)
+    return LookupStream(stream.keys, stream.step_offsets, stream.row_bytes, stream.layers,
+                        {**meta, "token": token}, stream.domains)
+
+
+def load_trace(trace: str, per_source: int, seed: int, preset: str) -> LookupStream:
+    """``--trace``: a saved lookup stream (``.npz``) or corpus names separated by commas."""
+    if trace.endswith(".npz"):
+        return LookupStream.load(trace)
+    return prompt_stream([s.strip() for s in trace.split(",") if s.strip()], per_source, seed, preset)
+
+
+@dataclass(slots=True)
+class LearningView:
+    """Each step's distinct rows (dense ids) with what features need; see module doc."""
+
+    keys: np.ndarray          # int64 [n] dense ids
+    step_offsets: np.ndarray  # int64 [steps + 1] over the distinct entries
+    inverse: np.ndarray       # int64 [lookups] -> entry
+    lookup_offsets: np.ndarray  # int64 [steps + 1] over the stream's lookups
+    raw_keys: np.ndarray      # int64 [num_keys] global row key of each dense id
+    layer: np.ndarray
+    column: np.ndarray
+    position: np.ndarray
+    decode: np.ndarray
+    domain: np.ndarray
+    request: np.ndarray
+    ngram: np.ndarray         # int32 [n, max_ngram] compressed ids, newest first
+    domains: list[str]
+    heads: int
+    vocab: int
+
+    @property
+    def num_keys(self) -> int:
+        return int(self.raw_keys.size)
+
+    def __len__(self) -> int:
+        return int(self.keys.size)
+
+    def per_lookup(self, values: np.ndarray) -> np.ndarray:
+        """Expand per-entry values to every lookup of the stream (a duplicate shares its entry's)."""
+        return values[self.inverse]
+
+    @classmethod
+    def of(cls, stream: LookupStream, preset: str = "deepseek-v4.1-flash") -> "LearningView":
+        missing = [m for m in REQUIRED_META if m not in stream.meta]
+        if missing:
+            raise CachelabError(f"the lookup stream lacks per-lookup metadata {missing}; learned policies need "
+                                f"{list(REQUIRED_META)} (build it from prompts: --trace gsm8k,humaneval)")
+        cfg = get_preset(preset)
+        ids, uniq = compact(stream.keys)
+        dd = dedup_steps(ids, stream.step_offsets, uniq.size)
+        first = np.empty(dd.keys.size, np.int64)
+        first[dd.inverse[::-1]] = np.arange(ids.size)[::-1]  # last write wins = first lookup
+        m = {k: stream.meta[k][first] for k in REQUIRED_META}
+        return cls(dd.keys.astype(np.int64), dd.offsets.astype(np.int64), dd.inverse.astype(np.int64),
+                   stream.step_offsets, uniq.astype(np.int64), (stream.keys[first] >> LAYER_SHIFT).astype(np.int8),
+                   m["column"].astype(np.int8), m["position"].astype(np.int32), m["phase"] != PREFILL,
+                   m["domain"].astype(np.int16), m["request"].astype(np.int32), _ngrams(stream, first, cfg.max_ngram),
+                   list(stream.domains), cfg.heads, cfg.compressed_vocab)
+
+
+def _ngrams(stream: LookupStream, first: np.ndarray, max_ngram: int) -> np.ndarray:
+    """Compressed ids of each entry's token and the ``max_ngram - 1`` before it in its request."""
+    req = stream.meta["request"].astype(np.int64)
+    pos = stream.meta["position"].astype(np.int64)
+    span = np.zeros(int(req.max()) + 1 if req.size else 1, np.int64)
+    np.maximum.at(span, req, pos + 1)
+    base = np.concatenate([[0], np.cumsum(span)[:-1]])
+    table = np.full(int(span.sum()), -1, np.int32)
+    table[base[req] + pos] = stream.meta["token"]
+    r, p = req[first], pos[first]
+    out = np.full((first.size, max_ngram), -1, np.int32)
+    for k in range(max_ngram):
+        ok = p - k >= 0
+        out[ok, k] = table[base[r[ok]] + p[ok] - k]
+    return out

@@ -1,0 +1,40 @@
+"""ARC, 2Q and S3-FIFO: the ghost queues do what the papers say, on hand-checked streams."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cachelab import registry
+
+
+def make(name, capacity, num_keys, **params):
+    policy = registry.get(registry.POLICIES, name)(**params)
+    policy.reset(capacity, num_keys)
+    return policy
+
+
+def test_arc_ghost_hit_returns_to_t2_and_grows_t1_target():
+    p = make("arc", 2, 10)
+    p.step(np.array([1, 2, 2, 3]))  # 2 reaches T2; REPLACE demotes 1 to the B1 ghost list
+    assert p.p[0] == 0
+    r = p.step(np.array([1]))
+    assert not r.hits[0] and r.admitted.tolist() == [1]
+    assert p.p[0] == 1  # a B1 ghost hit: recency deserved more room
+    assert p.queues[3][1] == 1  # where[1] == T2
+
+
+def test_s3fifo_one_hit_wonders_leave_through_small_and_return_to_main():
+    p = make("s3fifo", 10, 100)  # small queue of 1 row, main of 9
+    p.step(np.arange(10))  # fills small (row 0), then, small being full, main (1..9)
+    r = p.step(np.array([10, 11]))  # small's unused rows leave first, into the ghost queue
+    assert r.evicted.tolist() == [0, 10]
+    r = p.step(np.array([10]))  # a ghost hit goes straight to main
+    assert r.admitted.tolist() == [10] and p.queues[3][10] == 1
+
+
+def test_twoq_correlated_hits_do_not_promote():
+    p = make("twoq", 4, 100)  # A1in 1 row, A1out 2 keys, Am 3 rows
+    p.step(np.array([1, 1, 1, 2, 3, 4, 5]))
+    assert 1 not in p.resident()  # hits in A1in changed nothing; 1 left first
+    r = p.step(np.array([1]))  # its key was in A1out: it returns into Am
+    assert not r.hits[0] and p.queues[3][1] == 2
