@@ -234,6 +234,7 @@ def study_semianalysis(
     concurrency: str = typer.Option("16,64,256", help="Concurrencies, comma-separated."),
     isl: int = typer.Option(1024, help="Prompt tokens per request."),
     osl: int = typer.Option(1024, help="Output tokens per request."),
+    long_context: str = typer.Option("256,1024", help="Concurrencies of the B300 8192/128 (KV-bound) sweep; '' skips it."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """B200 DRAM-UVA vs SSD-mmap near 125 tok/s/user, B300 TP2 vs TP4 once the table leaves
@@ -241,7 +242,8 @@ def study_semianalysis(
     from cachelab.studies.semianalysis import run
 
     console = Console(stderr=True, quiet=as_json)
-    result = run(out, tuple(_ints(concurrency, "--concurrency")), isl, osl, progress=lambda m: console.print(f"running {m}"))
+    result = run(out, tuple(_ints(concurrency, "--concurrency")), isl, osl, tuple(_ints(long_context, "--long-context")),
+                 progress=lambda m: console.print(f"running {m}"))
     if as_json:
         typer.echo(json.dumps(result, default=float))
         return
@@ -256,4 +258,8 @@ def study_semianalysis(
             f"at {b3['at_interactivity']:.0f} tok/s/user (published up to {b3['published_gain']}x)")
     c.print(f"HBM vs DRAM-UVA at TP4: largest throughput difference {b3['hbm_vs_dram_uva_tp4_max_relative_throughput_difference']:.2%}, "
             f"DRAM-UVA stall at most {b3['dram_uva_tp4_max_stall_share']:.2%} of step time")
+    if "b300_long_context" in result:
+        lc = result["b300_long_context"]
+        c.print(f"B300, 8192/128 tokens (KV-bound): Pareto gain of DRAM-UVA (TP2 allowed) over HBM up to "
+                f"{lc['pareto_gain_dram_with_tp2_over_hbm']:.2f}x at {lc['at_interactivity']:.0f} tok/s/user; KV tokens {lc['kv_tokens']}")
     c.print(f"points and figures in {out}")

@@ -14,6 +14,7 @@ Engram rows are real n-grams):
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +67,17 @@ def _gain_curve(better: pl.DataFrame, worse: pl.DataFrame) -> tuple[float, float
     return float(ratios[i]), float(xs[i])
 
 
+def b300_gain(b300: pl.DataFrame) -> dict:
+    """The Pareto gain of DRAM-UVA (TP2 allowed) over HBM-resident placements on B300."""
+    fit = b300.filter(pl.col("fits"))
+    hbm = fit.filter(pl.col("placement") == "hbm")
+    dram = fit.filter(pl.col("placement") == "dram-uva")
+    gain, at = _gain_curve(pareto_front(dram), pareto_front(hbm))
+    return {"pareto_gain_dram_with_tp2_over_hbm": gain, "at_interactivity": at,
+            "kv_tokens": {f"{p} TP{t}": int(k) for p, t, k in fit.group_by(["placement", "tp"])
+                          .agg(pl.col("kv_tokens").first()).sort(["placement", "tp"]).iter_rows()}}
+
+
 def analyse(b200: pl.DataFrame, b300: pl.DataFrame) -> dict:
     """The three answers, with the published figures beside them."""
     fit200, fit300 = b200.filter(pl.col("fits")), b300.filter(pl.col("fits"))
@@ -89,14 +101,11 @@ def analyse(b200: pl.DataFrame, b300: pl.DataFrame) -> dict:
     }}
     hbm = fit300.filter(pl.col("placement") == "hbm")
     dram300 = fit300.filter(pl.col("placement") == "dram-uva")
-    gain, at = _gain_curve(pareto_front(dram300), pareto_front(hbm))
     same_tp = hbm.filter(pl.col("tp") == 4).join(dram300.filter(pl.col("tp") == 4), on="concurrency", suffix="_dram")
     rel = (same_tp["tokens_per_s_per_gpu"] / same_tp["tokens_per_s_per_gpu_dram"] - 1).abs()
     out["b300"] = {
         "tp2_fits_with_table_in_hbm": bool(b300.filter((pl.col("placement") == "hbm") & (pl.col("tp") == 2))["fits"].any()),
-        "kv_tokens": {f"{p} TP{t}": int(k) for p, t, k in b300.filter(pl.col("fits")).group_by(["placement", "tp"])
-                      .agg(pl.col("kv_tokens").first()).sort(["placement", "tp"]).iter_rows()},
-        "pareto_gain_dram_with_tp2_over_hbm": gain, "at_interactivity": at,
+        **b300_gain(b300),
         "published_gain": PUBLISHED["b300_tp2_gain"],
         "hbm_vs_dram_uva_tp4_max_relative_throughput_difference": float(rel.max()) if rel.len() else float("nan"),
         "dram_uva_tp4_max_stall_share": float(dram300.filter(pl.col("tp") == 4)["stall_share"].max()),
@@ -105,7 +114,7 @@ def analyse(b200: pl.DataFrame, b300: pl.DataFrame) -> dict:
 
 
 def run(out_dir: Path, concurrencies=(16, 64, 256), isl: int = 1024, osl: int = 1024,
-        progress: Callable[[str], None] | None = None) -> dict:
+        long_context: tuple[int, ...] = (256, 1024), progress: Callable[[str], None] | None = None) -> dict:
     """Run both sweeps, write the points (CSV) and the two figures to ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     trace = fixed_length_workload(2 * max(concurrencies) + 8, isl, osl)
@@ -120,6 +129,15 @@ def run(out_dir: Path, concurrencies=(16, 64, 256), isl: int = 1024, osl: int = 
                     f"{name.upper()}: DeepSeek-V4.1-Flash, {isl}/{osl} tokens, concurrency {min(concurrencies)}-{max(concurrencies)}",
                     TARGET_INTERACTIVITY if name == "b200" else None)
     result = analyse(b200, b300)
+    if long_context:  # the KV-bound regime: 8k-token prompts, short answers, many clients
+        long_trace = fixed_length_workload(2 * max(long_context) + 8, 8192, 128)
+        long = sweep(long_trace, replace(base, max_num_seqs=max(long_context)), ["B300"], [2, 4], ["hbm", "dram-uva"],
+                     long_context, 2, progress)
+        long.write_csv(out_dir / "semianalysis_b300_long_points.csv")
+        fits = long.filter(pl.col("fits")).with_columns(
+            (pl.col("placement") + " TP" + pl.col("tp").cast(pl.String)).alias("config"))
+        plot_fronts(fits, "config", out_dir / "semianalysis_b300_long.png", "B300: 8192/128 tokens (KV-bound)")
+        result["b300_long_context"] = {"isl": 8192, "osl": 128, "concurrencies": list(long_context), **b300_gain(long)}
     result["workload"] = {"requests_per_point": "2 x concurrency + 8", "isl": isl, "osl": osl, "corpus": "arena-hard",
                           "prefix_cache": "off", "row_cache": "none"}
     return result
