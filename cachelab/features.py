@@ -3,7 +3,7 @@
 Everything a feature uses is known before the lookup's fetch: where the lookup sits (layer,
 n-gram order, head, domain, position in its request, prefill or decode), what the key's past
 looks like (age, the last ``GAPS`` reuse distances, exponentially decayed counters at several
-half-lives, access count), and corpus statistics from a *training window only*
+half-lives, access count, earlier accesses within the same request), and corpus statistics from a *training window only*
 (``CorpusPrior``: how often the n-gram's compressed token ids, and the row itself, occurred
 there). Time is the lookup index. One compiled pass fills the whole matrix; ``FeatureState``
 carries the per-key history across chunks so a stream can be featurised piece by piece.
@@ -26,6 +26,7 @@ from cachelab.policy import NO_NEXT
 GAPS = 8
 HALF_LIVES = (256, 4096, 65536, 1048576)
 NEVER = 24.0  # log1p of a gap or age that does not exist (larger than any real one)
+PRIOR_COLUMNS = (6, 7, 8)  # log_token_freq, log_ngram_min_token_freq, log_row_freq_train
 
 FEATURE_NAMES = (
     ["layer", "order", "head", "domain", "log_position", "decode",
@@ -33,6 +34,7 @@ FEATURE_NAMES = (
      "log_age", "log_count"]
     + [f"log_gap_{i + 1}" for i in range(GAPS)]
     + [f"log_decayed_{h}" for h in HALF_LIVES]
+    + ["log_request_count"]
 )
 
 
@@ -72,6 +74,8 @@ class FeatureState:
     count: np.ndarray = field(init=False)
     gaps: np.ndarray = field(init=False)
     decayed: np.ndarray = field(init=False)
+    last_request: np.ndarray = field(init=False)
+    request_count: np.ndarray = field(init=False)
     clock: int = 0
 
     def __post_init__(self):
@@ -79,6 +83,8 @@ class FeatureState:
         self.count = np.zeros(self.num_keys, dtype=np.int64)
         self.gaps = np.zeros((self.num_keys, GAPS), dtype=np.float32)
         self.decayed = np.zeros((self.num_keys, len(HALF_LIVES)), dtype=np.float64)
+        self.last_request = np.full(self.num_keys, -1, dtype=np.int32)
+        self.request_count = np.zeros(self.num_keys, dtype=np.int32)
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)
@@ -115,6 +121,18 @@ def _history_kernel(keys, t0, last, count, gaps, decayed, rates, out, col):
             decayed[k, j] += 1.0
         count[k] = c + 1
         last[k] = t
+
+
+@nb.njit(cache=True, nogil=True, boundscheck=False)
+def _request_kernel(keys, request, last_request, request_count, out, col):
+    """log1p of the key's earlier accesses within the same request (repeats inside a prompt)."""
+    for i in range(keys.size):
+        k = keys[i]
+        if last_request[k] != request[i]:
+            last_request[k] = request[i]
+            request_count[k] = 0
+        out[i, col] = np.log1p(np.float64(request_count[k]))
+        request_count[k] += 1
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)
@@ -155,16 +173,27 @@ def extract(stream, lo: int, hi: int, state: FeatureState, prior: CorpusPrior,
     out[:, 3] = known[stream.domain[lo:hi]]
     out[:, 4] = np.log1p(stream.position[lo:hi])
     out[:, 5] = stream.decode[lo:hi]
-    _token_kernel(stream.ngram[lo:hi], order, prior.token_counts, out, 6)
-    raw = stream.raw_keys[stream.keys[lo:hi]]
-    where = np.searchsorted(prior.row_keys, raw)
-    where = np.minimum(where, max(prior.row_keys.size - 1, 0))
-    found = prior.row_keys[where] == raw if prior.row_keys.size else np.zeros(n, bool)
-    out[:, 8] = np.log1p(np.where(found, prior.row_counts[where] if prior.row_keys.size else 0, 0))
+    apply_prior(stream, lo, hi, prior, out)
     rates = np.log(2.0) / np.asarray(HALF_LIVES, dtype=np.float64)
     _history_kernel(stream.keys[lo:hi], lo, state.last, state.count, state.gaps, state.decayed, rates, out, 9)
+    _request_kernel(stream.keys[lo:hi], stream.request[lo:hi], state.last_request, state.request_count, out,
+                    len(FEATURE_NAMES) - 1)
     state.clock = hi
     return out
+
+
+def apply_prior(view, lo: int, hi: int, prior: CorpusPrior, out: np.ndarray) -> None:
+    """(Re)write the corpus-prior columns of ``out`` (the features of entries ``[lo, hi)``)."""
+    order = 2 + view.column[lo:hi].astype(np.int64) // view.heads
+    _token_kernel(view.ngram[lo:hi], order, prior.token_counts, out, PRIOR_COLUMNS[0])
+    raw = view.raw_keys[view.keys[lo:hi]]
+    found = np.zeros(hi - lo, dtype=bool)
+    counts = np.zeros(hi - lo, dtype=np.int64)
+    if prior.row_keys.size:
+        where = np.minimum(np.searchsorted(prior.row_keys, raw), prior.row_keys.size - 1)
+        found = prior.row_keys[where] == raw
+        counts = np.where(found, prior.row_counts[where], 0)
+    out[:, PRIOR_COLUMNS[2]] = np.log1p(counts)
 
 
 def regression_labels(keys: np.ndarray, horizon: int) -> np.ndarray:

@@ -23,8 +23,8 @@ import numpy as np
 from cachelab import registry
 from cachelab.errors import CachelabError
 from cachelab.predictor import Predictor, check_features, read_metadata
-from cachelab.features import (FEATURE_NAMES, CorpusPrior, FeatureState, extract, regression_labels,
-                                 reuse_labels)
+from cachelab.features import (FEATURE_NAMES, CorpusPrior, FeatureState, apply_prior, extract,
+                                 regression_labels, reuse_labels)
 
 PRIOR = "prior.safetensors"
 BATCH = 1 << 20
@@ -72,23 +72,60 @@ def train(stream, predictor: Predictor, spec: TrainSpec, progress=None) -> tuple
     if end - spec.horizon <= prior_end:
         raise CachelabError(f"training window of {end} lookups is too short for horizon {spec.horizon} "
                             f"(needs more than {2 * spec.horizon}); lower --horizon or use a longer trace")
-    prior = CorpusPrior.from_window(stream, 0, prior_end)
     domains = list(stream.domains)
+    prior = CorpusPrior.from_window(stream, 0, prior_end)
     x = features(stream, prior, domains)
-    labeler = regression_labels if predictor.task == "regression" else reuse_labels
-    y_train = labeler(stream.keys[:end], spec.horizon)
-    rng = np.random.default_rng(spec.seed)
-    idx = np.arange(prior_end, end - spec.horizon)
-    if idx.size > spec.max_samples:
-        idx = np.sort(rng.choice(idx, spec.max_samples, replace=False))
-    if progress:
-        progress(f"fitting {predictor.name} on {idx.size:,} lookups")
-    predictor.fit(x[idx], y_train[idx], list(FEATURE_NAMES))
+    samples = fit_window(stream, x, 0, end, predictor, spec, progress)
     meta_spec = {**asdict(spec), "train_end": end, "prior_end": prior_end, "lookups": n,
-                 "domains": domains, "train_samples": int(idx.size)}
+                 "domains": domains, "train_samples": samples}
     model = Model(predictor, prior, domains, spec.horizon, {"spec": meta_spec})
     metrics = validate(model, stream, x, end)
     return model, metrics
+
+
+def fit_window(view, x: np.ndarray, lo: int, hi: int, predictor: Predictor, spec: TrainSpec,
+               progress=None) -> int:
+    """Fit on entries ``[lo, hi)`` only: the first half feeds the prior already in ``x``, the
+    second half gives samples whose labels settle before ``hi``. Returns the sample count."""
+    mid = (lo + hi) // 2
+    labeler = regression_labels if predictor.task == "regression" else reuse_labels
+    y = labeler(view.keys[lo:hi], spec.horizon)
+    idx = np.arange(mid, hi - spec.horizon)
+    if idx.size > spec.max_samples:
+        idx = np.sort(np.random.default_rng(spec.seed).choice(idx, spec.max_samples, replace=False))
+    if progress:
+        progress(f"fitting {predictor.name} on {idx.size:,} lookups")
+    predictor.fit(x[idx], y[idx - lo], list(FEATURE_NAMES))
+    return int(idx.size)
+
+
+def rolling_scores(view, make_predictor, spec: TrainSpec, every: int, window: int) -> np.ndarray:
+    """Keep-scores with periodic retraining as the trace streams.
+
+    Block ``[s, s + every)`` is scored by a model fitted on ``[s - window, s)`` alone (its prior
+    from that window's first half), so no model sees the future of what it scores. Entries
+    before the first full window get a neutral score (every row due one horizon after its
+    access, which makes the learned policy recency-ordered).
+    """
+    if window <= 2 * spec.horizon:
+        raise CachelabError(f"retraining window of {window} lookups must exceed twice the horizon {spec.horizon}")
+    if every < 1:
+        raise CachelabError(f"retrain interval must be at least 1 lookup, got {every}")
+    n = len(view)
+    empty = CorpusPrior(np.zeros(view.vocab, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    x = features(view, empty, list(view.domains))
+    scores = -(np.arange(n, dtype=np.float64) + spec.horizon)
+    for start in range(window, n, every):
+        stop = min(start + every, n)
+        lo = start - window
+        prior = CorpusPrior.from_window(view, lo, (lo + start) // 2)
+        apply_prior(view, lo, start, prior, x[lo:start])
+        predictor = make_predictor()
+        fit_window(view, x, lo, start, predictor, spec)
+        apply_prior(view, start, stop, prior, x[start:stop])
+        model = Model(predictor, prior, list(view.domains), spec.horizon, {})
+        scores[start:stop] = keep_scores(model, view, x[start:stop], offset=start)
+    return scores
 
 
 def validate(model: Model, stream, x: np.ndarray, start: int) -> dict:
@@ -145,12 +182,15 @@ def load(directory: Path) -> Model:
                  list(spec.get("domains", [])), int(spec.get("horizon", TrainSpec.horizon)), meta)
 
 
-def keep_scores(model: Model, stream, x: np.ndarray | None = None) -> np.ndarray:
-    """Per-lookup scores for the learned policies: minus the predicted next-access position."""
+def keep_scores(model: Model, stream, x: np.ndarray | None = None, offset: int = 0) -> np.ndarray:
+    """Per-entry scores for the learned policies: minus the predicted next-access position.
+
+    ``x`` holds the features of entries ``offset, offset + 1, ...`` (all of them by default).
+    """
     if x is None:
         x = features(stream, model.prior, model.domains)
     raw = np.concatenate([model.predictor.predict(x[i:i + BATCH]) for i in range(0, x.shape[0], BATCH)])
-    t = np.arange(raw.size, dtype=np.float64)
+    t = offset + np.arange(raw.size, dtype=np.float64)
     if model.predictor.task == "regression":
         wait = np.expm1(np.clip(-raw, 0.0, None))
     else:

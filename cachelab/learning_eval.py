@@ -43,10 +43,12 @@ def rows_for(capacity: float, unique: int) -> int:
 
 
 def evaluate_capacities(view: LearningView, model: Model, capacities: list[float], warmup: float,
-                        progress: bool = True) -> dict:
+                        progress: bool = True, scores: np.ndarray | None = None) -> dict:
+    """Miss ratios per capacity, overall and per n-gram order; ``scores`` overrides the model's."""
     heuristics, missing_h = _resolve(HEURISTICS)
     optimal, missing_o = _resolve(OPTIMAL)
-    scores = keep_scores(model, view)
+    scores = keep_scores(model, view) if scores is None else scores
+    order = view.per_lookup(2 + view.column.astype(np.int64) // view.heads)
     start = int(view.lookup_offsets[warmup_steps(warmup, view.lookup_offsets.size - 1)])
     runs = [("learned", registry.get(registry.POLICIES, LEARNED))]
     runs += [(label, registry.get(registry.POLICIES, name)) for label, name in {**heuristics, **optimal}.items()]
@@ -55,12 +57,14 @@ def evaluate_capacities(view: LearningView, model: Model, capacities: list[float
         task = bar.add_task("replaying", total=len(capacities) * len(runs))
         for cap in capacities:
             n_rows = rows_for(cap, view.num_keys)
-            miss = {}
+            miss, by_order = {}, {}
             for label, cls in runs:
                 hits = view.per_lookup(run_policy(cls(), view.keys, view.step_offsets, n_rows, view.num_keys, scores))
                 miss[label] = float(1.0 - hits[start:].mean())
+                by_order[label] = {int(o): float(1.0 - hits[start:][order[start:] == o].mean())
+                                   for o in np.unique(order[start:])}
                 bar.advance(task)
-            rows.append({"capacity": cap, "rows": n_rows, "miss_ratio": miss,
+            rows.append({"capacity": cap, "rows": n_rows, "miss_ratio": miss, "miss_ratio_by_order": by_order,
                          **_gap(miss, list(heuristics), list(optimal))})
     return {"lookups": int(view.inverse.size), "unique_rows": view.num_keys, "warmup": warmup,
             "counted_lookups": int(view.inverse.size - start), "missing": missing_h + missing_o, "capacities": rows}

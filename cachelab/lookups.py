@@ -205,7 +205,7 @@ class LookupStream:
             labels += [domains[i]] * len(parts) if domains is not None else []
         if max_tokens is not None:
             ends = np.cumsum([s.size for s in seqs])
-            keep = int(np.searchsorted(ends, max_tokens)) + 1
+            keep = min(int(np.searchsorted(ends, max_tokens)) + 1, len(seqs))
             seqs = seqs[:keep]
             if seqs and ends[keep - 1] > max_tokens:
                 seqs[-1] = seqs[-1][:seqs[-1].size - (ends[keep - 1] - max_tokens)]
@@ -247,44 +247,47 @@ class LookupStream:
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)
-def _hash_index(uniq, keys, bits, out):
-    """``out[i]`` = position of ``keys[i]`` in ``uniq``: an open-addressing table of int32
-    positions into ``uniq`` (4 bytes a slot, so it stays small and cache-friendlier)."""
+def _first_seen_ids(keys, bits, ids, uniq):
+    """One pass: a new key gets the next id; an open-addressing table of int32 ids (4 bytes a
+    slot) finds a known one. Returns the number of distinct keys."""
     mask = (1 << bits) - 1
     table = np.full(1 << bits, -1, np.int32)
     shift = np.uint64(64 - bits)
-    for j in range(uniq.size):
-        h = np.int64((np.uint64(uniq[j]) * np.uint64(0x9E3779B97F4A7C15)) >> shift)
-        while table[h] != -1:
-            h = (h + 1) & mask
-        table[h] = j
+    n = 0
     for i in range(keys.size):
         k = keys[i]
         h = np.int64((np.uint64(k) * np.uint64(0x9E3779B97F4A7C15)) >> shift)
-        while uniq[table[h]] != k:
+        while True:
+            j = table[h]
+            if j == -1:
+                table[h] = n
+                uniq[n] = k
+                ids[i] = n
+                n += 1
+                break
+            if uniq[j] == k:
+                ids[i] = j
+                break
             h = (h + 1) & mask
-        out[i] = table[h]
+    return n
 
 
 def compact(keys) -> tuple[np.ndarray, np.ndarray]:
-    """Dense ids ``0..U-1`` for non-negative int64 keys: ``(ids, unique_keys)`` with
-    ``unique_keys`` sorted and ``unique_keys[ids] == keys``.
+    """Dense ids ``0..U-1`` in first-occurrence order: ``(ids, unique_keys)`` with
+    ``unique_keys[ids] == keys``.
 
-    A sort finds the unique keys; a hash table (load <= 1/2) maps every key to its index,
-    several times faster than ``np.unique(..., return_inverse=True)`` on 10 M keys, in a
-    quarter of the memory of a key-and-value table.
+    One compiled pass over a hash table (load <= 1/2); ids depend only on the order of
+    first occurrences, not on key values. Several times faster than
+    ``np.unique(..., return_inverse=True)`` on 10 M keys.
     """
     keys = np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)
-    if keys.size and keys.min() < 0:
-        raise CachelabError(f"keys must be non-negative, found {int(keys.min())}")
-    ordered = np.sort(keys)  # np.unique is many times slower on large int64 arrays
-    uniq = ordered[np.concatenate([[True], ordered[1:] != ordered[:-1]])] if keys.size else ordered
-    if uniq.size >= 2**31:
-        raise CachelabError(f"{uniq.size:,} distinct keys: more than the 2^31 dense ids a policy can index")
+    if keys.size >= 2**31:
+        raise CachelabError(f"{keys.size:,} keys in one compaction: more than the 2^31 dense ids a policy can index")
     ids = np.empty(keys.size, np.int64)
-    bits = max(4, int(np.ceil(np.log2(max(uniq.size, 1)))) + 1)
-    _hash_index(uniq, keys, bits, ids)
-    return ids, uniq
+    uniq = np.empty(keys.size, np.int64)
+    bits = max(4, int(np.ceil(np.log2(max(keys.size, 1)))) + 1)
+    n = _first_seen_ids(keys, bits, ids, uniq)
+    return ids, uniq[:n].copy()
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)

@@ -65,7 +65,8 @@ class Policy(ABC):
     def get_params(self) -> dict:
         """Hyper-parameters by introspection of ``__init__`` (feeds experiment logging)."""
         sig = inspect.signature(type(self).__init__)
-        return {p: getattr(self, p) for p in sig.parameters if p != "self"}
+        return {name: getattr(self, name) for name, p in sig.parameters.items()
+                if name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
 
     def view_future(self, next_access: np.ndarray, step_offsets: np.ndarray) -> np.ndarray:
         """What this policy may know of the future, from the full ``next_access`` of a stream.
@@ -108,3 +109,10 @@ def check_capacity(capacity: int, num_keys: int) -> None:
         raise CachelabError(f"capacity must be at least 1 row, got {capacity}")
     if int(num_keys) < 1:
         raise CachelabError(f"num_keys must be at least 1, got {num_keys}")
+
+
+def check_keys(keys: np.ndarray, num_keys: int) -> None:
+    """Shared argument check for ``step``: every key in ``[0, num_keys)``, the error names one that is not."""
+    if keys.size and (keys.min() < 0 or keys.max() >= num_keys):
+        bad = int(keys.min()) if keys.min() < 0 else int(keys.max())
+        raise CachelabError(f"key {bad} is outside [0, {num_keys}) given to reset")

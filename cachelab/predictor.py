@@ -36,7 +36,8 @@ class Predictor(ABC):
 
     def get_params(self) -> dict:
         sig = inspect.signature(type(self).__init__)
-        return {p: getattr(self, p) for p in sig.parameters if p != "self"}
+        return {name: getattr(self, name) for name, p in sig.parameters.items()
+                if name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
 
     @abstractmethod
     def fit(self, features: np.ndarray, labels: np.ndarray, feature_names: list[str]) -> "Predictor":

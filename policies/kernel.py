@@ -20,7 +20,7 @@ import numba as nb
 import numpy as np
 
 from cachelab.errors import CachelabError
-from cachelab.policy import Capabilities, Policy, StepResult, check_capacity
+from cachelab.policy import Capabilities, Policy, StepResult, check_capacity, check_keys
 from policies.admission import make_admission
 
 
@@ -118,10 +118,7 @@ class KernelPolicy(Policy):
         if not hasattr(self, "slot_of"):
             raise CachelabError(f"{type(self).__name__}: call reset(capacity, num_keys) before step or run")
         keys = np.ascontiguousarray(keys, dtype=np.int64)
-        if keys.size and (keys.min() < 0 or keys.max() >= self.num_keys):
-            bad = int(keys.min()) if keys.min() < 0 else int(keys.max())
-            raise CachelabError(f"{type(self).__name__}: key {bad} is outside [0, {self.num_keys}) "
-                                f"given to reset")
+        check_keys(keys, self.num_keys)
         hits = np.empty(keys.size, dtype=np.bool_)
         n = keys.size if record else 0
         adm, adm_slot = np.empty(n, np.int64), np.empty(n, np.int64)

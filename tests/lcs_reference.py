@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 
 from cachelab.keytrace import ORACLE_DTYPE, read_keys, read_oracle_general, write_oracle_general
+from cachelab.lookups import compact
 
-__all__ = ["cachelab_miss_ratio", "cloudphysics_keys", "engram_row_keys", "lcs_miss_ratio", "lcs_misses",
+__all__ = ["cloudphysics_keys", "engram_row_keys", "engram_stream", "lcs_miss_ratio", "lcs_misses",
            "lirs_keys", "write_oracle_general"]
 
 
@@ -25,19 +26,11 @@ def lcs_miss_ratio(trace_path: Path, policy: str, capacity: int, **params) -> fl
     return float(miss_ratio)
 
 
-def dense(ids: np.ndarray) -> np.ndarray:
-    """Any object ids -> dense keys 0..n-1 (the engine's compaction), in first-seen order."""
-    _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
-    rank = np.empty(first.size, dtype=np.int64)
-    rank[np.argsort(first, kind="stable")] = np.arange(first.size)
-    return rank[inverse]
-
-
 @lru_cache(maxsize=None)
 def cloudphysics_keys(data_dir: Path) -> np.ndarray:
     """The cloudPhysics block trace shipped with libCacheSim (113,872 requests), dense keys."""
     path = data_dir / "cache_traces/libcachesim_cloudphysics/cloudPhysicsIO.oracleGeneral.bin"
-    return dense(read_oracle_general(path))
+    return compact(read_oracle_general(path))[0]
 
 
 @lru_cache(maxsize=None)
@@ -52,7 +45,7 @@ def engram_row_keys(data_dir: Path, num_prompts: int = 200, layer: int = 0) -> n
     seqs = encode(texts)
     offsets = np.concatenate([[0], np.cumsum([s.size for s in seqs])])
     rows = Addresser("deepseek-v4.1-flash").rows(np.concatenate(seqs), offsets=offsets)
-    return dense(rows[:, layer, :].reshape(-1).astype(np.int64))
+    return compact(rows[:, layer, :].reshape(-1))[0]
 
 
 def lcs_misses(trace_path: Path, policy: str, capacity: int, **params) -> int:
@@ -65,7 +58,7 @@ def lcs_misses(trace_path: Path, policy: str, capacity: int, **params) -> int:
 @lru_cache(maxsize=None)
 def lirs_keys(data_dir: Path, name: str) -> np.ndarray:
     """A LIRS paper trace shipped with Caffeine's simulator (gzipped, one key per line), dense keys."""
-    return dense(read_keys(data_dir / "cache_traces/caffeine_sim_samples/lirs" / f"{name}.trace.gz"))
+    return compact(read_keys(data_dir / "cache_traces/caffeine_sim_samples/lirs" / f"{name}.trace.gz"))[0]
 
 
 @lru_cache(maxsize=None)

@@ -29,6 +29,11 @@ def test_simulate_json_contract_and_warmup(tmp_path):
                   "--warmup", "0.2", "--json"])
     assert warm["requests"] == 4_000 and warm["warmup_requests"] == 1_000
     assert warm["miss_ratio"] < out["miss_ratio"]  # the cold start is left out
+    derived = _json(["simulate", "--trace", str(tmp_path / "k.npy"), "--policy", "lru+tinylfu", "--capacity", "50",
+                     "--json"])
+    flag = _json(["simulate", "--trace", str(tmp_path / "k.npy"), "--policy", "lru", "--admission", "tinylfu",
+                  "--capacity", "50", "--json"])
+    assert derived["admission"] == flag["admission"] == "tinylfu" and derived["hits"] == flag["hits"]
 
 
 def test_simulate_lookup_stream_counts_lookups_with_step_dedup(tmp_path):
@@ -57,3 +62,12 @@ def test_errors_exit_2_with_message(tmp_path):
     assert res.exit_code == 2 and "has no parameter 'colour'" in res.output
     res = runner.invoke(app, ["mrc", "--trace", str(tmp_path / "k.npy"), "--capacities", "10,x"])
     assert res.exit_code == 2 and "comma-separated integers" in res.output
+
+
+def test_mrc_sampled_and_simulated_methods(tmp_path):
+    np.save(tmp_path / "k.npy", KEYS)
+    shards = _json(["mrc", "--trace", str(tmp_path / "k.npy"), "--capacities", "20,100", "--sample-rate", "0.5", "--json"])
+    assert shards["method"] == "shards" and shards["sample_rate"] == 0.5
+    sim = _json(["mrc", "--trace", str(tmp_path / "k.npy"), "--policy", "fifo", "--capacities", "20,100",
+                 "--workers", "1", "--json"])
+    assert sim["method"] == "simulation" and sim["miss_ratios"][0] > sim["miss_ratios"][1]

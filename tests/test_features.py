@@ -68,3 +68,23 @@ def test_labels_look_forward_and_censor():
     assert np.allclose(regression_labels(keys, 3), np.log1p([2, 2, 3, 1, 3, 3]))
     assert reuse_labels(keys, 1).tolist() == [0, 0, 0, 1, 0, 0]
     assert reuse_labels(keys, 2).tolist() == [1, 1, 0, 1, 0, 0]
+
+
+def test_rolling_retraining_never_sees_the_future_of_what_it_scores():
+    from cachelab.learning import TrainSpec, rolling_scores
+    from predictors.lightgbm_model import LightGBM
+
+    keys = zipf_keys(6000, 800, seed=6)
+    spec = TrainSpec(horizon=200, max_samples=5000)
+    make = lambda: LightGBM(n_estimators=5, num_threads=1)  # noqa: E731
+    view = synthetic_stream(keys)
+    scores = rolling_scores(view, make, spec, every=1000, window=2000)
+    # Rewrite everything from lookup 4000 on: blocks before it must score exactly as before.
+    changed = keys.copy()
+    changed[4000:] = np.random.default_rng(9).integers(0, view.num_keys, 2000)
+    again = rolling_scores(synthetic_stream(changed, num_keys=view.num_keys), make, spec, every=1000, window=2000)
+    np.testing.assert_array_equal(scores[:4000], again[:4000])
+    assert not np.array_equal(scores[4000:], again[4000:])
+    assert np.all(scores[:2000] == -(np.arange(2000) + spec.horizon))  # neutral before the first window
+    with pytest.raises(CachelabError, match="twice the horizon"):
+        rolling_scores(view, make, spec, every=1000, window=300)

@@ -84,3 +84,19 @@ def test_dedup_matches_a_plain_python_reading(steps):
 def test_global_key_round_trip():
     layer, row = split_key(global_key([0, 1, 1], [5, 0, 2**31 - 1]))
     assert layer.tolist() == [0, 1, 1] and row.tolist() == [5, 0, 2**31 - 1]
+
+
+def test_from_texts_cuts_requests_and_caps_tokens():
+    from cachelab.engram import Addresser
+
+    addresser = Addresser("deepseek-v4.1-flash")
+    texts = ["The quick brown fox jumps over the lazy dog. " * 20, "Hello world."]
+    full = LookupStream.from_texts(addresser, texts, request_tokens=50, tokens_per_step=None,
+                                   domains=["prose", "greeting"])
+    tokens = full.num_lookups // 48
+    assert full.num_steps == int(full.meta["request"].max()) + 1  # one step per request
+    assert np.bincount(full.meta["request"][::48]).max() == 50
+    assert full.domains == ("greeting", "prose") and full.meta["domain"][-1] == 0
+    capped = LookupStream.from_texts(addresser, texts, request_tokens=50, max_tokens=120)
+    assert capped.num_lookups == 120 * 48 and np.array_equal(capped.keys, full.keys[:120 * 48])
+    assert LookupStream.from_texts(addresser, texts, max_tokens=10**9).num_lookups == tokens * 48

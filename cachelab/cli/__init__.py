@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import click
 import typer
 from typer.core import TyperGroup
 
@@ -9,13 +10,25 @@ from cachelab.errors import CachelabError
 
 
 class _Group(TyperGroup):
-    """Turns a CachelabError anywhere below into ``error: <message>`` and exit status 2."""
+    """Turns a CachelabError anywhere below into ``error: <message>`` and exit status 2, and
+    an exception raised inside a plug-in into an error naming the plug-in and the reason."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except CachelabError as exc:
             typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(code=2) from None
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception as exc:
+            from cachelab import registry
+
+            plugin = registry.blame(exc)
+            if plugin is None:
+                raise
+            typer.echo(f"error: plug-in {plugin.name!r} ({plugin.group}, from {plugin.distribution} "
+                       f"{plugin.version}) failed at run time: {type(exc).__name__}: {exc}", err=True)
             raise typer.Exit(code=2) from None
 
 
@@ -30,10 +43,12 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from cachelab.cli import cache, engram, learn, quickstart, serving, trace
+    from cachelab.cli import cache, engram, learn, plugins, quickstart, serving, trace
 
     app.add_typer(engram.app, name="engram")
     app.add_typer(trace.app, name="trace")
+    app.add_typer(plugins.plugins_app, name="plugins")
+    app.add_typer(plugins.policies_app, name="policies")
     app.command("quickstart")(quickstart.quickstart)
     app.command("simulate")(cache.simulate)
     app.command("mrc")(cache.mrc)

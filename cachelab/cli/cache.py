@@ -21,7 +21,8 @@ TRACE_HELP = ("A key trace (.npy of integers, text with one key per line, libCac
               "or a saved lookup stream (.npz).")
 FORMAT_HELP = f"Key trace format, one of {list(FORMATS)}; sniffed from the content when omitted."
 PARAM_HELP = "A policy hyper-parameter as key=value (repeatable), e.g. --param window=0.01."
-WARMUP_HELP = "Warm-up excluded from the statistics: a fraction of the requests (0..1) or a request count."
+WARMUP_HELP = ("Warm-up excluded from the statistics: a fraction of the steps (0..1) or a step count; "
+               "in a key trace every request is a step.")
 
 
 def load_stream(path: Path, fmt: str | None = None) -> LookupStream:

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from cachelab import registry
 from cachelab.errors import CachelabError
-from cachelab.learning import TrainSpec, load, save, train as train_model
+from cachelab.learning import TrainSpec, load, rolling_scores, save, train as train_model
 from cachelab.learning_eval import evaluate_capacities
 from cachelab.cli.cache import parse_params
 from cachelab.learning_trace import LearningView, load_trace
@@ -87,6 +87,9 @@ def evaluate(
     requests: int = typer.Option(200, help="Requests per corpus."),
     preset: str = typer.Option("deepseek-v4.1-flash", help=PRESET_HELP),
     warmup: float = typer.Option(0.5, help="Share of the steps replayed before misses are counted."),
+    retrain_every: int = typer.Option(0, help="Retrain the model's predictor every N lookups as the trace "
+                                      "streams, each time on the window before (0: score with the saved model)."),
+    retrain_window: int = typer.Option(0, help="Lookups each retraining sees (default: the model's training window)."),
     seed: int = typer.Option(0, help="Seed for request order."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
@@ -97,7 +100,16 @@ def evaluate(
         raise CachelabError(f"--warmup must lie in [0, 1), got {warmup}")
     fitted = load(model)
     stream = _view(trace, requests, seed, preset, console)
-    result = evaluate_capacities(stream, fitted, caps, warmup, progress=not as_json)
+    scores = None
+    if retrain_every:
+        spec = fitted.metadata.get("spec", {})
+        cls, params = type(fitted.predictor), fitted.predictor.get_params()
+        window = retrain_window or int(spec.get("train_end", len(stream) // 2))
+        with console.status(f"retraining every {retrain_every:,} lookups on windows of {window:,}"):
+            scores = rolling_scores(stream, lambda: cls(**params),
+                                    TrainSpec(horizon=fitted.horizon, seed=int(spec.get("seed", 0))),
+                                    retrain_every, window)
+    result = evaluate_capacities(stream, fitted, caps, warmup, progress=not as_json, scores=scores)
     result = {"trace": trace, "model": str(model), **result}
     if as_json:
         typer.echo(json.dumps(result))

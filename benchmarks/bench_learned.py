@@ -1,0 +1,84 @@
+"""End-to-end speed of the learned policy against LRU, same stream, same run.
+
+The stream is real: the DeepSeek-V4.1-Flash lookups of GSM8K, HumanEval and Arena-Hard
+prompts (data root), interleaved. A LightGBM model is trained on the first half first
+(training time is not counted). Then, timed from the raw ``LookupStream``:
+
+- learned: per-step deduplication into the learning view, causal feature extraction,
+  batched scoring (the booster flattened into one compiled loop), and the replay of the
+  ``learned`` policy (sampled eviction + scores admission);
+- LRU: the same deduplication and the replay of ``lru``.
+
+Both are reported in lookups per second (every lookup of the stream, duplicates included),
+with learned / LRU as the ratio. Compilation is warmed up on a small stream first.
+
+    CACHELAB_DATA=../shared/data .venv/bin/python benchmarks/bench_learned.py [--requests N] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from cachelab import registry
+from cachelab.learning import TrainSpec, keep_scores, train
+from cachelab.learning_trace import LearningView, prompt_stream
+from cachelab.replay import run_policy
+
+
+def learned_pass(stream, model, capacity: int) -> float:
+    """Miss ratio of the learned policy from the raw stream: view, features, scores, replay."""
+    view = LearningView.of(stream)
+    scores = keep_scores(model, view)
+    hits = run_policy(registry.make_policy("learned"), view.keys, view.step_offsets, capacity, view.num_keys, scores)
+    return 1.0 - float(view.per_lookup(hits).mean())
+
+
+def lru_pass(stream, capacity: int) -> float:
+    from cachelab.lookups import compact, dedup_steps
+
+    ids, uniq = compact(stream.keys)
+    dd = dedup_steps(ids, stream.step_offsets, uniq.size)
+    hits = run_policy(registry.make_policy("lru"), dd.keys, dd.offsets, capacity, uniq.size)
+    return 1.0 - float(hits[dd.inverse].mean())
+
+
+def timed(fn, *args) -> tuple[float, float]:
+    start = time.perf_counter()
+    miss = fn(*args)
+    return time.perf_counter() - start, miss
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=100, help="requests per corpus")
+    ap.add_argument("--capacity", type=float, default=0.01, help="cache size as a fraction of unique rows")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    stream = prompt_stream(["gsm8k", "humaneval", "arena-hard"], args.requests)
+    view = LearningView.of(stream)
+    model, _ = train(view, registry.get(registry.PREDICTORS, "lightgbm")(), TrainSpec(horizon=1 << 16))
+    capacity = max(1, int(args.capacity * view.num_keys))
+    small = prompt_stream(["gsm8k"], 3)
+    learned_pass(small, model, 100), lru_pass(small, 100)  # compile
+    t_learned = min(timed(learned_pass, stream, model, capacity)[0] for _ in range(args.repeats))
+    t_lru = min(timed(lru_pass, stream, capacity)[0] for _ in range(args.repeats))
+    n = stream.num_lookups
+    out = {"lookups": int(n), "capacity_rows": capacity,
+           "learned_lookups_per_s": n / t_learned, "lru_lookups_per_s": n / t_lru,
+           "learned_over_lru": t_lru / t_learned}
+    if args.json:
+        print(json.dumps(out))
+        return
+    print(f"{n:,} lookups, capacity {capacity:,} rows (best of {args.repeats})")
+    print(f"learned (view + features + scoring + replay): {out['learned_lookups_per_s'] / 1e6:.2f} M lookups/s")
+    print(f"LRU (dedup + replay):                         {out['lru_lookups_per_s'] / 1e6:.2f} M lookups/s")
+    print(f"learned / LRU: {out['learned_over_lru']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

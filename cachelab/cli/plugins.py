@@ -1,0 +1,77 @@
+"""``cachelab plugins list`` and ``cachelab policies list``: what the entry points provide.
+
+Built-ins and third-party packages are listed alike, each with the distribution and version
+it came from; a broken plug-in is listed with its reason instead of breaking the command.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from cachelab import registry
+
+plugins_app = typer.Typer(no_args_is_help=True, help="Installed plug-ins of every cachelab entry-point group.")
+policies_app = typer.Typer(no_args_is_help=True, help="Installed cache policies (built-in and plug-in).")
+
+
+def _row(p: registry.Plugin) -> dict:
+    return {"group": p.group, "name": p.name, "value": p.value, "distribution": p.distribution,
+            "version": p.version, "status": "broken" if p.error else "ok", "error": p.error}
+
+
+def _summary(obj) -> str:
+    doc = inspect.getdoc(obj) or ""
+    return doc.splitlines()[0] if doc else ""
+
+
+def _defaults(cls) -> dict:
+    params = inspect.signature(cls).parameters.values()
+    return {p.name: (None if p.default is p.empty else p.default) for p in params
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+
+
+@plugins_app.command("list")
+def plugins_list(as_json: bool = typer.Option(False, "--json", help="Print a JSON list.")) -> None:
+    """Every entry point of cachelab.policies, cachelab.predictors and cachelab.workloads,
+    with its source distribution and version; broken ones with the reason."""
+    rows = [_row(p) for group in registry.GROUPS for p in registry.discover(group)]
+    if as_json:
+        typer.echo(json.dumps(rows))
+        return
+    table = Table("group", "name", "from", "version", "status")
+    for r in rows:
+        status = "[green]ok[/]" if r["status"] == "ok" else f"[red]broken[/]: {r['error']}"
+        table.add_row(r["group"].split(".")[-1], r["name"], r["distribution"], r["version"], status)
+    Console().print(table)
+
+
+@policies_app.command("list")
+def policies_list(as_json: bool = typer.Option(False, "--json", help="Print a JSON list.")) -> None:
+    """Every registered policy: origin, whether its run is compiled, what it needs
+    (future accesses, predictor scores), its hyper-parameters with defaults."""
+    rows = []
+    for p in registry.discover(registry.POLICIES):
+        row = {k: v for k, v in _row(p).items() if k != "group"}
+        if p.obj is not None:
+            caps = p.obj.capabilities
+            row.update(summary=_summary(p.obj), compiled=caps.compiled, needs_future=caps.needs_future,
+                       needs_scores=caps.needs_scores, params=_defaults(p.obj))
+        rows.append(row)
+    if as_json:
+        typer.echo(json.dumps(rows, default=str))
+        return
+    table = Table("name", "from", "compiled", "needs", "parameters (defaults)", "summary")
+    for r in rows:
+        if r["status"] != "ok":
+            table.add_row(r["name"], r["distribution"], "", "", "", f"[red]broken[/]: {r['error']}")
+            continue
+        needs = ", ".join(k.removeprefix("needs_") for k in ("needs_future", "needs_scores") if r[k])
+        params = ", ".join(f"{k}={v!r}" for k, v in r["params"].items())
+        table.add_row(r["name"], f"{r['distribution']} {r['version']}", "yes" if r["compiled"] else "no",
+                      needs, params, r["summary"])
+    Console().print(table)

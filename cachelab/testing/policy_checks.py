@@ -1,0 +1,252 @@
+"""Conformance checks for ``cachelab.policy.Policy`` implementations.
+
+Every check takes the policy class and its hyper-parameters, builds fresh instances, drives
+them over small deterministic streams (skewed keys in steps of distinct keys, as the engine
+passes them) at a few capacities, and raises ``ConformanceError`` naming the capacity, the
+step and the keys at fault.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+
+from cachelab.future import next_access
+from cachelab.policy import NO_NEXT, Policy
+from cachelab.testing.results import ConformanceError, Skip, run_checks
+
+NUM_KEYS = 64
+CAPACITIES = (1, 5, 24)
+REQUIRED = ("reset", "step", "resident")
+
+
+def _stream(seed: int = 0, length: int = 1200):
+    """Zipf-skewed keys with a scan, cut into steps of 1-11 distinct keys."""
+    rng = np.random.default_rng(seed)
+    keys = (rng.zipf(1.3, length) - 1) % NUM_KEYS
+    keys[length // 2: length // 2 + NUM_KEYS] = np.arange(NUM_KEYS)  # a scan through every key
+    out, offsets, pos = [], [0], 0
+    while pos < length:
+        step = list(dict.fromkeys(keys[pos:pos + int(rng.integers(1, 12))].tolist()))
+        pos += len(step) if len(step) else 1
+        out.extend(step)
+        offsets.append(len(out))
+    return np.array(out, dtype=np.int64), np.array(offsets, dtype=np.int64)
+
+
+class _Run:
+    """One policy instance over one stream, with what it may know (future, scores)."""
+
+    def __init__(self, cls, params, capacity, seed=0):
+        self.policy = cls(**params)
+        self.policy.reset(capacity, NUM_KEYS)
+        self.capacity = capacity
+        self.keys, self.offsets = _stream(seed)
+        caps = getattr(self.policy, "capabilities", None)
+        self.nxt = None
+        if caps is not None and caps.needs_future:
+            full = next_access(self.keys)
+            view = getattr(self.policy, "view_future", None)
+            self.nxt = view(full, self.offsets) if view is not None else full
+        self.scores = (np.random.default_rng(seed + 1).random(self.keys.size)
+                       if caps is not None and caps.needs_scores else None)
+
+    def steps(self):
+        """Yield (step index, keys, residency before, result, residency after)."""
+        for s in range(self.offsets.size - 1):
+            lo, hi = self.offsets[s], self.offsets[s + 1]
+            batch = self.keys[lo:hi]
+            before = _resident(self.policy, self.capacity, s)
+            r = self.policy.step(batch, None if self.nxt is None else self.nxt[lo:hi],
+                                 None if self.scores is None else self.scores[lo:hi])
+            _shape(r, batch, s)
+            yield s, batch, before, r, _resident(self.policy, self.capacity, s)
+
+    def run(self):
+        return np.asarray(self.policy.run(self.keys, self.offsets, self.nxt, self.scores))
+
+
+def _resident(policy, capacity, s):
+    res = np.asarray(policy.resident())
+    if res.size and (np.any(np.diff(res) <= 0) or res.min() < 0 or res.max() >= NUM_KEYS):
+        raise ConformanceError(f"resident() after step {s} must be sorted distinct keys in "
+                               f"[0, {NUM_KEYS}); got {res.tolist()}")
+    return set(res.tolist())
+
+
+def _shape(r, batch, s):
+    for field in ("hits", "admitted", "slots", "evicted"):
+        if not hasattr(r, field):
+            raise ConformanceError(f"step {s} returned {type(r).__name__} without .{field}; "
+                                   "return cachelab.policy.StepResult")
+    hits = np.asarray(r.hits)
+    if hits.shape != batch.shape or hits.dtype != np.bool_:
+        raise ConformanceError(f"step {s}: hits must be bool of shape {batch.shape}, "
+                               f"got {hits.dtype} {hits.shape}")
+    if np.asarray(r.admitted).shape != np.asarray(r.slots).shape:
+        raise ConformanceError(f"step {s}: {len(r.admitted)} admitted keys but {len(r.slots)} slots")
+
+
+def check_interface(cls, **params):
+    """A Policy subclass, or a class with callable reset/step/resident; constructible."""
+    if not isinstance(cls, type):
+        raise ConformanceError(f"{cls!r} is not a class")
+    missing = [m for m in REQUIRED if not callable(getattr(cls, m, None))]
+    if missing:
+        raise ConformanceError(f"{cls.__name__} lacks {missing}: subclass cachelab.policy.Policy "
+                               "and implement reset, step and resident")
+    cls(**params)
+
+
+def check_get_params(cls, **params):
+    """get_params() returns the constructor's hyper-parameters, and rebuilds an equal policy."""
+    policy = cls(**params)
+    got = policy.get_params() if hasattr(policy, "get_params") else None
+    if not isinstance(got, dict):
+        raise ConformanceError(f"get_params() must return a dict, got {got!r}")
+    accepted = set(inspect.signature(cls).parameters)
+    extra = sorted(set(got) - accepted)
+    if extra:
+        raise ConformanceError(f"get_params() returns {extra}, which the constructor does not take")
+    for key, value in params.items():
+        if key in got and got[key] != value:
+            raise ConformanceError(f"get_params()[{key!r}] is {got[key]!r}, constructed with {value!r}")
+    again = cls(**got).get_params()
+    if again != got:
+        raise ConformanceError(f"cls(**get_params()).get_params() is {again}, not {got}")
+
+
+def check_bad_arguments(cls, **params):
+    """Capacity 0, no keys, and keys outside [0, num_keys) are refused with a clear error."""
+    for capacity, num_keys, what in ((0, NUM_KEYS, "capacity 0"), (4, 0, "num_keys 0")):
+        try:
+            cls(**params).reset(capacity, num_keys)
+        except ValueError:
+            continue
+        raise ConformanceError(f"reset with {what} must raise ValueError (cachelab.errors.CachelabError)")
+    for bad in (NUM_KEYS, -1):
+        policy = cls(**params)
+        policy.reset(4, NUM_KEYS)
+        caps = getattr(policy, "capabilities", None)
+        nxt = np.array([NO_NEXT]) if caps is not None and caps.needs_future else None
+        scores = np.zeros(1) if caps is not None and caps.needs_scores else None
+        try:
+            policy.step(np.array([bad], dtype=np.int64), nxt, scores)
+        except (ValueError, IndexError) as exc:
+            if str(bad) not in str(exc):
+                raise ConformanceError(f"the error for key {bad} should name it; it says: {exc}") from None
+            continue
+        raise ConformanceError(f"step([{bad}]) after reset(4, {NUM_KEYS}) must raise ValueError naming "
+                               f"the key; it was accepted")
+
+
+def check_capacity_respected(cls, **params):
+    """The cache never holds more rows than its capacity."""
+    for capacity in CAPACITIES:
+        for s, batch, _, _, after in _Run(cls, params, capacity).steps():
+            if len(after) > capacity:
+                raise ConformanceError(f"capacity {capacity}: {len(after)} rows resident after step "
+                                       f"{s} (keys {batch.tolist()})")
+
+
+def check_hits_only_on_resident(cls, **params):
+    """A hit is a row resident before the step; a resident row misses only if evicted first."""
+    for capacity in CAPACITIES:
+        for s, batch, before, r, _ in _Run(cls, params, capacity).steps():
+            evicted = set(np.asarray(r.evicted).tolist())
+            for key, hit in zip(batch.tolist(), np.asarray(r.hits).tolist()):
+                if hit and key not in before:
+                    raise ConformanceError(f"capacity {capacity}, step {s}: hit on row {key}, which "
+                                           f"was not resident (phantom hit; resident: {sorted(before)})")
+                if not hit and key in before and key not in evicted:
+                    raise ConformanceError(f"capacity {capacity}, step {s}: miss on resident row {key}")
+
+
+def check_slots_consistent(cls, **params):
+    """Admitted rows take slots in [0, capacity); residency changes only as reported; no two
+    resident rows share a slot (a live store moves bytes by slot)."""
+    for capacity in CAPACITIES:
+        slot_of = {}
+        for s, batch, before, r, after in _Run(cls, params, capacity).steps():
+            adm, slots = np.asarray(r.admitted).tolist(), np.asarray(r.slots).tolist()
+            evicted = set(np.asarray(r.evicted).tolist())
+            bad = [x for x in slots if not 0 <= x < capacity]
+            if bad:
+                raise ConformanceError(f"capacity {capacity}, step {s}: slots {bad} out of [0, {capacity})")
+            if not after - before <= set(adm):
+                raise ConformanceError(f"capacity {capacity}, step {s}: rows {sorted(after - before - set(adm))} "
+                                       "became resident without being reported as admitted")
+            if not before - after <= evicted:
+                raise ConformanceError(f"capacity {capacity}, step {s}: rows {sorted(before - after - evicted)} "
+                                       "left without being reported as evicted")
+            if not evicted <= before | set(adm):
+                raise ConformanceError(f"capacity {capacity}, step {s}: evicted rows "
+                                       f"{sorted(evicted - before - set(adm))} were never resident")
+            slot_of.update(zip(adm, slots))
+            slot_of = {k: v for k, v in slot_of.items() if k in after}
+            taken = list(slot_of.values())
+            if len(set(taken)) != len(taken):
+                raise ConformanceError(f"capacity {capacity}, step {s}: resident rows share slots: {slot_of}")
+
+
+def _trace(cls, params, capacity, seed=0):
+    run = _Run(cls, params, capacity, seed)
+    out = [(np.asarray(r.hits).tolist(), np.asarray(r.admitted).tolist(), np.asarray(r.slots).tolist(),
+            np.asarray(r.evicted).tolist()) for _, _, _, r, _ in run.steps()]
+    return out, run
+
+
+def check_determinism(cls, **params):
+    """Two fresh instances on the same stream report the same hits, admissions, slots, evictions."""
+    for capacity in CAPACITIES:
+        (a, _), (b, _) = _trace(cls, params, capacity), _trace(cls, params, capacity)
+        for s, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                raise ConformanceError(f"capacity {capacity}: two identical runs differ at step {s}: {x} vs {y}")
+
+
+def check_reset(cls, **params):
+    """reset() empties the cache and forgets everything: a rerun equals a fresh run."""
+    capacity = CAPACITIES[-1]
+    first, run = _trace(cls, params, capacity)
+    run.policy.reset(capacity, NUM_KEYS)
+    if len(run.policy.resident()):
+        raise ConformanceError(f"resident() right after reset is {list(run.policy.resident())}, not empty")
+    again = _Run.__new__(_Run)
+    again.__dict__.update(run.__dict__)
+    second = [(np.asarray(r.hits).tolist(), np.asarray(r.admitted).tolist(), np.asarray(r.slots).tolist(),
+               np.asarray(r.evicted).tolist()) for _, _, _, r, _ in again.steps()]
+    if first != second:
+        s = next(i for i, (x, y) in enumerate(zip(first, second)) if x != y)
+        raise ConformanceError(f"after reset the rerun differs from a fresh run at step {s}")
+
+
+def check_step_matches_run(cls, **params):
+    """Where ``run`` is compiled, it gives the hits (and final residency) of the step loop."""
+    if getattr(cls, "run", Policy.run) is Policy.run:
+        raise Skip("run is the base class's step loop; nothing compiled to compare")
+    for capacity in CAPACITIES:
+        stepped, a = _trace(cls, params, capacity)
+        b = _Run(cls, params, capacity)
+        compiled = b.run()
+        hits = np.concatenate([np.asarray(h, dtype=bool) for h, _, _, _ in stepped])
+        if compiled.shape != hits.shape or not np.array_equal(compiled, hits):
+            first = int(np.flatnonzero(compiled != hits)[0]) if compiled.shape == hits.shape else -1
+            raise ConformanceError(f"capacity {capacity}: run() and step() disagree first at access "
+                                   f"{first} (key {int(a.keys[first]) if first >= 0 else '?'})")
+        if not np.array_equal(np.asarray(a.policy.resident()), np.asarray(b.policy.resident())):
+            raise ConformanceError(f"capacity {capacity}: run() and step() end with different rows resident")
+
+
+POLICY_CHECKS = (check_interface, check_get_params, check_bad_arguments, check_capacity_respected,
+                 check_hits_only_on_resident, check_slots_consistent, check_determinism, check_reset,
+                 check_step_matches_run)
+
+
+def check_policy(cls, **params):
+    """Run every policy check on ``cls(**params)``; one ``CheckResult`` per check."""
+    results = run_checks(POLICY_CHECKS[:1], cls, params)
+    if not results[0].ok:  # nothing else can run
+        return results
+    return results + run_checks(POLICY_CHECKS[1:], cls, params)

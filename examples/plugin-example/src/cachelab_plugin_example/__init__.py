@@ -1,0 +1,1 @@
+"""An example cachelab plug-in: a policy and a predictor registered through entry points."""

@@ -1,0 +1,140 @@
+"""The plug-in surface: `plugins list` / `policies list`, broken plug-ins reported by name and
+reason without breaking unrelated commands, and a separately installed example package
+found, simulated and checked like a built-in."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from cachelab import registry
+from cachelab.cli import app
+
+runner = CliRunner()
+
+
+def _json(args):
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def test_plugins_list_shows_every_group_with_origin():
+    rows = _json(["plugins", "list", "--json"])
+    by_name = {(r["group"], r["name"]): r for r in rows}
+    lru = by_name[("cachelab.policies", "lru")]
+    assert lru["distribution"] == "cachelab" and lru["version"] and lru["status"] == "ok"
+    assert {r["group"] for r in rows} == set(registry.GROUPS)
+    assert "│" in runner.invoke(app, ["plugins", "list"]).stdout  # the table form
+
+
+def test_policies_list_describes_each_policy():
+    rows = {r["name"]: r for r in _json(["policies", "list", "--json"])}
+    assert rows["s3fifo"]["params"]["small_size_ratio"] == 0.1 and rows["s3fifo"]["compiled"]
+    assert rows["belady"]["needs_future"] and rows["lru"]["summary"]
+
+
+BROKEN = {
+    "brokenpkg/__init__.py": "",
+    "brokenpkg/imports.py": "import a_module_that_does_not_exist_anywhere\n",
+    "brokenpkg/shapes.py": """
+        class NoStep:
+            def reset(self, capacity, num_keys): ...
+            def resident(self): ...
+        """,
+    "brokenpkg/boom.py": """
+        from cachelab.policy import Policy
+
+        class Boom(Policy):
+            def reset(self, capacity, num_keys): ...
+            def resident(self): ...
+            def step(self, keys, next_access=None, scores=None):
+                raise RuntimeError("kaboom in step")
+            def run(self, keys, step_offsets, next_access=None, scores=None):
+                raise RuntimeError("kaboom in run")
+        """,
+    "cachelab_broken-0.0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: cachelab-broken\nVersion: 0.0.1\n",
+    "cachelab_broken-0.0.1.dist-info/entry_points.txt": """
+        [cachelab.policies]
+        broken-import = brokenpkg.imports:Anything
+        broken-shape = brokenpkg.shapes:NoStep
+        boom = brokenpkg.boom:Boom
+        """,
+}
+
+
+@pytest.fixture()
+def broken_plugins(tmp_path, monkeypatch):
+    """A distribution with three broken policies, importable for this test only."""
+    for rel, text in BROKEN.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text).lstrip())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry.discover.cache_clear()
+    yield tmp_path
+    registry.discover.cache_clear()
+
+
+def test_broken_plugins_are_reported_by_name_and_reason(broken_plugins):
+    rows = {r["name"]: r for r in _json(["plugins", "list", "--json"])}
+    assert rows["broken-import"]["status"] == "broken"
+    assert "ModuleNotFoundError" in rows["broken-import"]["error"]
+    assert rows["broken-shape"]["distribution"] == "cachelab-broken" and rows["broken-shape"]["version"] == "0.0.1"
+    assert "wrong interface" in rows["broken-shape"]["error"] and "step" in rows["broken-shape"]["error"]
+    assert rows["boom"]["status"] == "ok" and rows["lru"]["status"] == "ok"
+    assert runner.invoke(app, ["policies", "list"]).exit_code == 0
+
+
+def test_broken_plugins_never_break_unrelated_commands(broken_plugins, tmp_path):
+    np.save(tmp_path / "k.npy", np.arange(50) % 7)
+    trace = str(tmp_path / "k.npy")
+    ok = _json(["simulate", "--trace", trace, "--policy", "lru", "--capacity", "4", "--json"])
+    assert ok["requests"] == 50
+    shape = runner.invoke(app, ["simulate", "--trace", trace, "--policy", "broken-shape", "--capacity", "4"])
+    assert shape.exit_code == 2 and "broken-shape" in shape.output and "wrong interface" in shape.output
+    boom = runner.invoke(app, ["simulate", "--trace", trace, "--policy", "boom", "--capacity", "4"])
+    assert boom.exit_code == 2
+    assert "plug-in 'boom'" in boom.output and "cachelab-broken 0.0.1" in boom.output
+    assert "failed at run time: RuntimeError: kaboom" in boom.output
+
+
+def test_a_plugin_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("CACHELAB_DISABLE_PLUGINS", "fifo")
+    registry.discover.cache_clear()
+    try:
+        rows = {r["name"]: r for r in _json(["plugins", "list", "--json"])}
+        assert rows["fifo"]["status"] == "broken" and "disabled" in rows["fifo"]["error"]
+    finally:
+        monkeypatch.delenv("CACHELAB_DISABLE_PLUGINS")
+        registry.discover.cache_clear()
+
+
+@pytest.fixture()
+def example_installed():
+    names = {p.name: p for p in registry.discover(registry.POLICIES)}
+    if "example-random" not in names:
+        pytest.fail("examples/plugin-example is not installed: scripts/setup installs it "
+                    "(pip install -e examples/plugin-example)")
+    return names
+
+
+def test_the_example_package_is_found_simulated_and_conforms(example_installed, tmp_path):
+    from cachelab.testing import check_policy, check_predictor
+
+    rows = {r["name"]: r for r in _json(["plugins", "list", "--json"])}
+    for name in ("example-random", "example-ridge"):
+        assert rows[name]["distribution"] == "cachelab-plugin-example" and rows[name]["status"] == "ok"
+    keys = (np.random.default_rng(1).zipf(1.2, 3_000) % 200).astype(np.int64)
+    np.save(tmp_path / "k.npy", keys)
+    trace = str(tmp_path / "k.npy")
+    ours = _json(["simulate", "--trace", trace, "--policy", "example-random", "--capacity", "40", "--json"])
+    lru = _json(["simulate", "--trace", trace, "--policy", "lru", "--capacity", "40", "--json"])
+    assert ours["requests"] == keys.size and 0.0 < ours["miss_ratio"] < 1.0
+    assert abs(ours["miss_ratio"] - lru["miss_ratio"]) < 0.1  # random eviction is near LRU on Zipf
+    assert all(r.ok for r in check_policy(registry.get(registry.POLICIES, "example-random")))
+    assert all(r.ok for r in check_predictor(registry.get(registry.PREDICTORS, "example-ridge")))
