@@ -56,6 +56,7 @@ class ServingConfig:
             replica's host DRAM).
         sample_rate: spatial sampling of rows (1.0: every row).
         warmup_s: simulated seconds left out of the row-cache statistics.
+        warm_page_cache: start ssd-mmap with the run's pages already in the page cache.
     """
 
     hardware: str = "B200"
@@ -73,6 +74,7 @@ class ServingConfig:
     model: str = "deepseek-v4.1-flash"
     layout: str = "deepseek-v4.1-flash"
     warmup_s: float = 0.0
+    warm_page_cache: bool = False
     efficiency: Efficiency = field(default_factory=Efficiency)
 
     def check(self) -> None:
@@ -201,6 +203,8 @@ class ServingSimulator:
         n = len(self.seqs)
         cache = self._kv_cache()
         replay = StepReplay(self.hierarchy, self.space, len(self.model.engram_layers), cfg.sample_rate)
+        if cfg.warm_page_cache:
+            replay.prewarm_page_cache()
         n_tiers = len(self.hierarchy.tiers)
         is_ssd = isinstance(self.hierarchy.backing, SSDStore)
         rows_per_token = self.model.rows_per_token_layer

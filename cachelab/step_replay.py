@@ -261,6 +261,12 @@ class StepReplay:
         self.totals_lookups = np.zeros(num_layers, np.int64)
         self.total_page_reads = np.zeros(num_layers, np.int64)
 
+    def prewarm_page_cache(self) -> None:
+        """Fill the page cache with the run's pages (as many as fit): a warm start."""
+        if self.page_policy is not None:
+            pages = np.arange(self.space.pages.size, dtype=np.int64)
+            self.page_policy.run(pages, np.array([0, pages.size], np.int64))
+
     def step(self, keys: np.ndarray, record: bool = True) -> dict[str, np.ndarray]:
         """Serve one step's sampled row keys; per layer: lookups, unique rows, rows served per
         level (tiers, then the backing levels), and SSD page reads. Sampled counts."""

@@ -86,6 +86,9 @@ def test_study_analysis_reads_fronts():
     out = analyse(b200, b300)
     # DRAM front at 125: 3000 + (125-100)/(200-100) * (1000-3000) = 2500 tok/s/GPU; SSD front at 125: 500 + 25/90*(-700)
     assert out["b200"]["dram_uva_tokens_per_dollar"] == pytest.approx(2500 * 3600 / 1.95)
-    assert out["b200"]["every_ssd_point_dominated"] and out["b200"]["dram_p90_interactivity_wins_everywhere"]
+    ssd = out["b200"]["ssd_mmap"]
+    assert ssd["every_point_dominated"] and ssd["dram_p90_interactivity_wins_everywhere"]
+    assert ssd["highest_common_interactivity"] == 150.0
+    assert ssd["ratio_at_highest_common_interactivity"] == pytest.approx(2000 / 500)  # DRAM front at 150: 2000
     assert out["b300"]["pareto_gain_dram_with_tp2_over_hbm"] == pytest.approx(1.5)  # 3000 vs 2000 at 100 tok/s/user
     assert out["b300"]["hbm_vs_dram_uva_tp4_max_relative_throughput_difference"] == 0.0

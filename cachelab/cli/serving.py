@@ -249,10 +249,15 @@ def study_semianalysis(
         return
     b2, b3 = result["b200"], result["b300"]
     c = Console()
-    c.print(f"B200 at {b2['interactivity']:.0f} tok/s/user: DRAM-UVA {b2['dram_uva_tokens_per_dollar'] / 1e6:.1f} M tok/$, "
-            f"SSD-mmap {b2['ssd_mmap_tokens_per_dollar'] / 1e6:.1f} M tok/$ (ratio {b2['ratio']:.2f}; published 121 M vs 52 M, "
-            f"{b2['published_ratio']:.2f}); every SSD point dominated: {b2['every_ssd_point_dominated']}; "
-            f"DRAM wins P90 interactivity at every SSD point: {b2['dram_p90_interactivity_wins_everywhere']}")
+    c.print(f"B200 at {b2['interactivity']:.0f} tok/s/user: DRAM-UVA {b2['dram_uva_tokens_per_dollar'] / 1e6:.1f} M tok/$ "
+            f"(published 121 M vs 52 M for SSD, {b2['published_ratio']:.2f}x)")
+    for key in ("ssd_mmap", "ssd_mmap_warm"):
+        if key in b2:
+            v = b2[key]
+            c.print(f"  {key}: {v['tokens_per_dollar'] / 1e6:.1f} M tok/$ at {b2['interactivity']:.0f} (reaches at most "
+                    f"{v['max_interactivity']:.0f}); DRAM/SSD {v['ratio_at_highest_common_interactivity']:.2f}x at "
+                    f"{v['highest_common_interactivity']:.0f} tok/s/user; every point dominated: {v['every_point_dominated']}; "
+                    f"DRAM wins P90 interactivity everywhere: {v['dram_p90_interactivity_wins_everywhere']}")
     c.print(f"B300: TP2 fits with the table in HBM: {b3['tp2_fits_with_table_in_hbm']}; KV tokens {b3['kv_tokens']}; "
             f"Pareto gain of DRAM-UVA (TP2 allowed) over HBM: up to {b3['pareto_gain_dram_with_tp2_over_hbm']:.2f}x "
             f"at {b3['at_interactivity']:.0f} tok/s/user (published up to {b3['published_gain']}x)")

@@ -57,7 +57,7 @@ def _per_dollar(front: pl.DataFrame, price: float, x: float) -> float:
 
 def _gain_curve(better: pl.DataFrame, worse: pl.DataFrame) -> tuple[float, float]:
     """The largest throughput ratio of two fronts over the interactivities both reach."""
-    lo = max(better["interactivity"].min(), worse["interactivity"].min())
+    lo = min(better["interactivity"].min(), worse["interactivity"].min())
     hi = min(better["interactivity"].max(), worse["interactivity"].max())
     if not lo < hi:
         return float("nan"), float("nan")
@@ -83,22 +83,30 @@ def analyse(b200: pl.DataFrame, b300: pl.DataFrame) -> dict:
     fit200, fit300 = b200.filter(pl.col("fits")), b300.filter(pl.col("fits"))
     price200 = load_profile("B200").usd_per_gpu_hour
     dram = fit200.filter(pl.col("placement") == "dram-uva")
-    ssd = fit200.filter(pl.col("placement") == "ssd-mmap")
-    f_dram, f_ssd = pareto_front(dram), pareto_front(ssd)
+    f_dram = pareto_front(dram)
     x = TARGET_INTERACTIVITY
-    tpd_dram, tpd_ssd = _per_dollar(f_dram, price200, x), _per_dollar(f_ssd, price200, x)
-    paired = dram.join(ssd, on=["tp", "concurrency"], suffix="_ssd")
-    out = {"b200": {
-        "interactivity": x,
-        "dram_uva_tokens_per_dollar": tpd_dram, "ssd_mmap_tokens_per_dollar": tpd_ssd,
-        "ratio": tpd_dram / tpd_ssd if tpd_ssd else float("nan"),
-        "published_ratio": PUBLISHED["b200_dram_tokens_per_dollar"] / PUBLISHED["b200_ssd_tokens_per_dollar"],
-        "every_ssd_point_dominated": bool(dominated(ssd, dram).all()) if ssd.height else None,
-        "dram_p90_interactivity_wins_everywhere": bool((paired["p90_interactivity"] > paired["p90_interactivity_ssd"]).all()),
-        "max_dram_interactivity": float(f_dram["interactivity"].max()),
-        "max_ssd_interactivity": float(f_ssd["interactivity"].max()) if f_ssd.height else float("nan"),
-        "mean_ssd_stall_share": float(ssd["stall_share"].mean()),
-    }}
+    tpd_dram = _per_dollar(f_dram, price200, x)
+    out = {"b200": {"interactivity": x, "dram_uva_tokens_per_dollar": tpd_dram,
+                    "max_dram_interactivity": float(f_dram["interactivity"].max()),
+                    "published_ratio": PUBLISHED["b200_dram_tokens_per_dollar"] / PUBLISHED["b200_ssd_tokens_per_dollar"]}}
+    for variant in ("ssd-mmap", "ssd-mmap-warm"):
+        ssd = fit200.filter(pl.col("placement") == variant)
+        if not ssd.height:
+            continue
+        f_ssd = pareto_front(ssd)
+        tpd_ssd = _per_dollar(f_ssd, price200, x)
+        common = min(float(f_dram["interactivity"].max()), float(f_ssd["interactivity"].max()))
+        paired = dram.join(ssd, on=["tp", "concurrency"], suffix="_ssd")
+        key = variant.replace("-", "_")
+        out["b200"][key] = {
+            "tokens_per_dollar": tpd_ssd, "ratio": tpd_dram / tpd_ssd if tpd_ssd else float("nan"),
+            "max_interactivity": float(f_ssd["interactivity"].max()),
+            "ratio_at_highest_common_interactivity": throughput_at(f_dram, common) / throughput_at(f_ssd, common),
+            "highest_common_interactivity": common,
+            "every_point_dominated": bool(dominated(ssd, dram).all()),
+            "dram_p90_interactivity_wins_everywhere": bool((paired["p90_interactivity"] > paired["p90_interactivity_ssd"]).all()),
+            "mean_stall_share": float(ssd["stall_share"].mean()),
+        }
     hbm = fit300.filter(pl.col("placement") == "hbm")
     dram300 = fit300.filter(pl.col("placement") == "dram-uva")
     same_tp = hbm.filter(pl.col("tp") == 4).join(dram300.filter(pl.col("tp") == 4), on="concurrency", suffix="_dram")
@@ -120,6 +128,8 @@ def run(out_dir: Path, concurrencies=(16, 64, 256), isl: int = 1024, osl: int = 
     trace = fixed_length_workload(2 * max(concurrencies) + 8, isl, osl)
     base = ServingConfig(prefix_cache="off", max_num_seqs=max(256, max(concurrencies)))
     b200 = sweep(trace, base, ["B200"], [4, 8], ["dram-uva", "ssd-mmap"], concurrencies, 2, progress)
+    warm = sweep(trace, replace(base, warm_page_cache=True), ["B200"], [4, 8], ["ssd-mmap"], concurrencies, 2, progress)
+    b200 = pl.concat([b200, warm.with_columns(pl.lit("ssd-mmap-warm").alias("placement"))])
     b300 = sweep(trace, base, ["B300"], [2, 4], ["hbm", "dram-uva"], concurrencies, 2, progress)
     pl.concat([b200, b300]).write_csv(out_dir / "semianalysis_points.csv")
     for name, points in (("b200", b200), ("b300", b300)):
