@@ -1,6 +1,6 @@
 """The learned-policy study of docs/learned.md, reproducible end to end.
 
-Trains LightGBM on the first half of a mixed real-prompt trace (GSM8K + HumanEval +
+Trains a predictor (LightGBM by default) on the first half of a mixed real-prompt trace (GSM8K + HumanEval +
 Arena-Hard, interleaved), then replays (1) that trace, counting misses in its second half
 only, and (2) an unseen domain (Gutenberg prose) with the same model, at 0.1%, 1% and 5% of
 the unique rows: the learned policy against every registered heuristic and Belady, the
@@ -61,13 +61,14 @@ def main() -> None:
     ap.add_argument("--unseen", default="gutenberg")
     ap.add_argument("--unseen-requests", type=int, default=60)
     ap.add_argument("--horizon", type=int, default=1 << 17)
+    ap.add_argument("--predictor", default="lightgbm", help="a registered predictor")
     ap.add_argument("--capacities", default="0.001,0.01,0.05")
     args = ap.parse_args()
     caps = [float(c) for c in args.capacities.split(",")]
     started = time.perf_counter()
     mixed = LearningView.of(prompt_stream(["gsm8k", "humaneval", "arena-hard"], args.requests))
     spec = TrainSpec(horizon=args.horizon)
-    model, metrics = train(mixed, registry.get(registry.PREDICTORS, "lightgbm")(), spec)
+    model, metrics = train(mixed, registry.get(registry.PREDICTORS, args.predictor)(), spec)
     print(f"trained in {time.perf_counter() - started:.0f} s: auc {metrics['auc']:.3f}", flush=True)
     result = {"spec": {**vars(args)}, "train_metrics": metrics, "label_quality": label_quality(mixed, model, args.horizon)}
     result["later_part"] = evaluate_capacities(mixed, model, caps, 0.5, progress=False)
