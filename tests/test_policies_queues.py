@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from cachelab import registry
 
@@ -29,7 +30,7 @@ def test_s3fifo_one_hit_wonders_leave_through_small_and_return_to_main():
     r = p.step(np.array([10, 11]))  # small's unused rows leave first, into the ghost queue
     assert r.evicted.tolist() == [0, 10]
     r = p.step(np.array([10]))  # a ghost hit goes straight to main
-    assert r.admitted.tolist() == [10] and p.queues[3][10] == 1
+    assert r.admitted.tolist() == [10] and p.queues[3][p.slot_of[10]] == 1  # its slot is in main
 
 
 def test_twoq_correlated_hits_do_not_promote():
@@ -38,3 +39,17 @@ def test_twoq_correlated_hits_do_not_promote():
     assert 1 not in p.resident()  # hits in A1in changed nothing; 1 left first
     r = p.step(np.array([1]))  # its key was in A1out: it returns into Am
     assert not r.hits[0] and p.queues[3][1] == 2
+
+
+@pytest.mark.parametrize("name", ["fifo", "clock", "sieve", "lfu", "lfuda", "arc", "twoq", "s3fifo"])
+def test_tinylfu_admission_guards_every_policy_against_a_scan(name):
+    hot = np.arange(8)
+    rounds = [np.concatenate([hot, 100 + np.arange(r * 200, (r + 1) * 200)]) for r in range(50)]
+    keys = np.concatenate(rounds + [hot])
+    plain, guarded = make(name, 64, 12_000), make(name, 64, 12_000, admission="tinylfu")
+    a, b = plain.step(keys), guarded.step(keys)
+    is_hot = keys < hot.size
+    assert b.admitted.size < a.admitted.size / 5  # the filter refused the one-hit scan rows
+    # and kept the hot set far better (FIFO and S3-FIFO least: their victim is a hot row once
+    # it reaches the queue's end, and a 64-row sketch mistakes some scan rows for hot ones)
+    assert b.hits[is_hot].mean() >= max(0.5, a.hits[is_hot].mean() + 0.3)

@@ -19,8 +19,10 @@ from cachelab import registry
 from cachelab.future import next_access
 
 REGISTERED = sorted(p.name for p in registry.discover(registry.POLICIES) if p.error is None)
-VARIANTS = [("clock", {"bits": 2}), ("lru", {"admission": "tinylfu"}), ("sieve", {"admission": "tinylfu"}),
-            ("belady-lookahead", {"window": 0}), ("belady-lookahead", {"window": 2, "bypass": True})]
+VARIANTS = [("clock", {"bits": 2}), ("belady-lookahead", {"window": 0}),
+            ("belady-lookahead", {"window": 2, "bypass": True})]
+VARIANTS += [(name, {"admission": "tinylfu"})  # the filter's refusal path through every kernel
+             for name in ("lru", "fifo", "clock", "sieve", "lfu", "lfuda", "arc", "twoq", "s3fifo")]
 POLICIES = [(name, {}) for name in REGISTERED] + [v for v in VARIANTS if v[0] in REGISTERED]
 
 streams = st.tuples(st.integers(1, 12), st.lists(st.integers(0, 30), min_size=1, max_size=300),

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from cachelab.errors import CachelabError
 from cachelab.hierarchy import Hierarchy, SSDStore, Tier
 from cachelab.lookups import LookupStream, global_key
+from cachelab.policy import NO_NEXT, Capabilities, Policy, StepResult
 from cachelab.replay import replay
 
 ROW = 264
@@ -119,28 +120,42 @@ def test_replay_equals_the_python_model(steps, caps, page_cap):
         assert level == served[r.inverse[lookup]]
 
 
+class _Recorder(Policy):
+    """Misses everything and records what the engine hands it."""
+
+    name = "recorder"
+
+    def __init__(self, **capabilities):
+        self.capabilities = Capabilities(**capabilities)
+        self.seen = {"keys": [], "next": [], "scores": []}
+
+    def reset(self, capacity, num_keys):
+        pass
+
+    def step(self, keys, next_access=None, scores=None):
+        for field, values in (("keys", keys), ("next", next_access), ("scores", scores)):
+            if values is not None:
+                self.seen[field].extend(values.tolist())
+        return StepResult(np.zeros(keys.size, bool), keys, keys * 0, keys[:0])
+
+    def resident(self):
+        return np.zeros(0, np.int64)
+
+
+DUPLICATES = LookupStream(np.array([5, 5, 7, 5, 7]), np.array([0, 2, 5]), ROW)  # distinct: [5] [7 5]
+
+
 def test_policies_needing_the_future_get_it_on_their_own_tier_stream():
-    from cachelab.policy import Capabilities, Policy, StepResult
+    spy = _Recorder(needs_future=True)
+    replay(DUPLICATES, Hierarchy([Tier("hbm", spy, capacity_rows=1)], ROW))
+    assert spy.seen["keys"] == [0, 1, 0]  # dense ids of 5, 7, 5
+    assert spy.seen["next"] == [2, NO_NEXT, NO_NEXT]  # next positions on the tier's own stream
 
-    seen = {}
 
-    class Spy(Policy):
-        name = "spy"
-        capabilities = Capabilities(needs_future=True)
-
-        def reset(self, capacity, num_keys):
-            pass
-
-        def step(self, keys, next_access=None, scores=None):
-            seen.setdefault("keys", []).extend(keys.tolist())
-            seen.setdefault("next", []).extend(next_access.tolist())
-            return StepResult(np.zeros(keys.size, bool), keys, keys * 0, keys[:0])
-
-        def resident(self):
-            return np.zeros(0, np.int64)
-
-    stream = LookupStream(np.array([5, 5, 7, 5, 7]), np.array([0, 2, 5]), ROW)
-    replay(stream, Hierarchy([Tier("hbm", Spy(), capacity_rows=1)], ROW))
-    # dedup: [5] [7 5]; next positions on that stream: 5 -> 2, 7 -> none, 5 -> none
-    assert seen["keys"] == [0, 1, 0]
-    assert seen["next"] == [2, np.iinfo(np.int64).max, np.iinfo(np.int64).max]
+def test_policies_needing_scores_get_each_distinct_rows_first_lookup_score():
+    spy = _Recorder(needs_scores=True)
+    hierarchy = Hierarchy([Tier("hbm", spy, capacity_rows=1)], ROW)
+    with pytest.raises(CachelabError, match="needs predictor scores"):
+        replay(DUPLICATES, hierarchy)
+    replay(DUPLICATES, hierarchy, scores=np.array([0.1, 0.2, 0.3, 0.4, 0.5]))
+    assert spy.seen["scores"] == [0.1, 0.3, 0.4]

@@ -71,9 +71,11 @@ def simulate(
 ) -> None:
     """Replay a trace through one cache and print its miss ratio.
 
-    Requests are the keys of a key trace, or the lookups of a lookup stream (where a row read
-    twice in one step is fetched once and both lookups share its outcome). The miss ratio
-    counts every request after the warm-up.
+    Requests: the keys of a key trace, or the lookups of a lookup stream (.npz).
+
+    In a stream, a row read twice in one step is fetched once; both lookups share its outcome.
+
+    The miss ratio counts every request after the warm-up.
     """
     started = time.perf_counter()
     stream = load_stream(trace, fmt)

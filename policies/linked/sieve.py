@@ -27,29 +27,30 @@ def _sieve_kernel(keys, slot_of, key_of, meta, visited, q, prev, nxt, where,
     for i in range(keys.size):
         key = keys[i]
         admission_record(a_kind, a_counters, a_scores, a_meta, key)
-        if slot_of[key] >= 0:
+        slot = slot_of[key]
+        if slot >= 0:
             hits[i] = True
-            visited[key] = 1
+            visited[slot] = 1
             continue
         hits[i] = False
         if meta[SIZE] < capacity:
             slot = meta[SIZE]
             meta[SIZE] += 1
         else:
-            node = meta[HAND] if meta[HAND] >= 0 else q[QUEUE, TAIL]
-            while visited[node]:
-                visited[node] = 0
-                node = prev[node] if prev[node] >= 0 else q[QUEUE, TAIL]
-            meta[HAND] = node
-            if not admission_admit(a_kind, a_counters, a_scores, a_meta, key, node):
+            slot = meta[HAND] if meta[HAND] >= 0 else q[QUEUE, TAIL]
+            while visited[slot]:
+                visited[slot] = 0
+                slot = prev[slot] if prev[slot] >= 0 else q[QUEUE, TAIL]
+            meta[HAND] = slot
+            victim = key_of[slot]
+            if not admission_admit(a_kind, a_counters, a_scores, a_meta, key, victim):
                 continue
-            meta[HAND] = prev[node]
-            slot = slot_of[node]
-            slot_of[node] = -1
-            unlink(q, prev, nxt, where, node)
-            note_evict(record, ev, counts, node)
-        push_head(q, prev, nxt, where, QUEUE, key)
-        visited[key] = 0
+            meta[HAND] = prev[slot]
+            slot_of[victim] = -1
+            unlink(q, prev, nxt, where, slot)
+            note_evict(record, ev, counts, victim)
+        push_head(q, prev, nxt, where, QUEUE, slot)  # the newcomer's slot becomes the newest node
+        visited[slot] = 0
         key_of[slot] = key
         slot_of[key] = slot
         note_admit(record, adm, adm_slot, counts, key, slot)
@@ -63,8 +64,8 @@ class Sieve(KernelPolicy):
 
     def init_state(self, capacity, num_keys):
         self.meta = np.array([-1, 0], dtype=np.int64)
-        self.visited = np.zeros(num_keys, dtype=np.uint8)
-        self.queues = make_queues(1, num_keys)
+        self.visited = np.zeros(capacity, dtype=np.uint8)
+        self.queues = make_queues(1, capacity)  # nodes are slots: the queue stays cache-sized
 
     def state(self):
         return (self.meta, self.visited, *self.queues)

@@ -29,13 +29,14 @@ from policies.admission import admission_admit, admission_record
 from policies.dlist import SIZE, TAIL, make_queues, move_head, pop_tail, push_head, unlink
 from policies.kernel import KernelPolicy, enter, free_stack, leave
 
-SMALL, MAIN, GHOST = 0, 1, 2
+SMALL, MAIN = 0, 1  # queues of slots
+GHOST = 0  # the queue of ghost keys
 FREE_TOP, HAS_EVICTED, SMALL_CAP, MAIN_CAP, GHOST_CAP, THRESHOLD = 0, 1, 2, 3, 4, 5
 
 
 @nb.njit(cache=True, inline="always")
 def _find_victim(meta, freq, q, prev, nxt, where):
-    """Promote and reinsert until a row must go; return it (left at its queue's tail)."""
+    """Promote and reinsert until a row must go; return its slot (left at its queue's tail)."""
     while True:
         if q[MAIN, SIZE] > meta[MAIN_CAP] or q[SMALL, SIZE] == 0:
             while True:
@@ -53,42 +54,42 @@ def _find_victim(meta, freq, q, prev, nxt, where):
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)
-def _s3fifo_kernel(keys, slot_of, key_of, meta, free, freq, q, prev, nxt, where,
+def _s3fifo_kernel(keys, slot_of, key_of, meta, free, freq, q, prev, nxt, where, gq, gprev, gnxt, gwhere,
                    a_kind, a_counters, a_scores, a_meta, hits, record, adm, adm_slot, ev, counts):
     c = key_of.size
     for i in range(keys.size):
         key = keys[i]
         admission_record(a_kind, a_counters, a_scores, a_meta, key)
-        lst = where[key]
-        if lst == SMALL or lst == MAIN:
+        slot = slot_of[key]
+        if slot >= 0:
             hits[i] = True
-            if freq[key] < 3:
-                freq[key] += 1
+            if freq[slot] < 3:
+                freq[slot] += 1
             continue
         hits[i] = False
-        ghost_hit = lst == GHOST
+        ghost_hit = gwhere[key] == GHOST
         if ghost_hit:  # as libCacheSim: the ghost entry goes on lookup, before any eviction
-            unlink(q, prev, nxt, where, key)
+            unlink(gq, gprev, gnxt, gwhere, key)
         if q[SMALL, SIZE] + q[MAIN, SIZE] >= c:
             meta[HAS_EVICTED] = 1
-            victim = _find_victim(meta, freq, q, prev, nxt, where)
+            vslot = _find_victim(meta, freq, q, prev, nxt, where)
+            victim = key_of[vslot]
             if not admission_admit(a_kind, a_counters, a_scores, a_meta, key, victim):
                 continue
-            from_small = where[victim] == SMALL
-            unlink(q, prev, nxt, where, victim)
+            from_small = where[vslot] == SMALL
+            unlink(q, prev, nxt, where, vslot)
             if from_small and meta[GHOST_CAP] > 0:
-                if q[GHOST, SIZE] >= meta[GHOST_CAP]:
-                    pop_tail(q, prev, nxt, where, GHOST)
-                push_head(q, prev, nxt, where, GHOST, victim)
+                if gq[GHOST, SIZE] >= meta[GHOST_CAP]:
+                    pop_tail(gq, gprev, gnxt, gwhere, GHOST)
+                push_head(gq, gprev, gnxt, gwhere, GHOST, victim)
             leave(slot_of, key_of, free, meta, FREE_TOP, victim, record, ev, counts)
-        if ghost_hit:
-            push_head(q, prev, nxt, where, MAIN, key)
-        elif meta[HAS_EVICTED] == 0 and q[SMALL, SIZE] >= meta[SMALL_CAP]:
-            push_head(q, prev, nxt, where, MAIN, key)
-        else:
-            push_head(q, prev, nxt, where, SMALL, key)
-        freq[key] = 0
         enter(slot_of, key_of, free, meta, FREE_TOP, key, record, adm, adm_slot, counts)
+        slot = slot_of[key]
+        if ghost_hit or (meta[HAS_EVICTED] == 0 and q[SMALL, SIZE] >= meta[SMALL_CAP]):
+            push_head(q, prev, nxt, where, MAIN, slot)
+        else:
+            push_head(q, prev, nxt, where, SMALL, slot)
+        freq[slot] = 0
 
 
 class S3FIFO(KernelPolicy):
@@ -117,8 +118,9 @@ class S3FIFO(KernelPolicy):
                               int(capacity * self.ghost_size_ratio), self.move_to_main_threshold],
                              dtype=np.int64)
         self.free = free_stack(capacity)
-        self.freq = np.zeros(num_keys, dtype=np.int64)
-        self.queues = make_queues(3, num_keys)
+        self.freq = np.zeros(capacity, dtype=np.int64)
+        self.queues = make_queues(2, capacity)  # small and main, over slots: cache-sized
+        self.ghost = make_queues(1, num_keys)  # evicted keys, no slots
 
     def state(self):
-        return (self.meta, self.free, self.freq, *self.queues)
+        return (self.meta, self.free, self.freq, *self.queues, *self.ghost)
