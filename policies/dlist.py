@@ -1,9 +1,9 @@
 """Intrusive doubly linked queues over dense node ids, for compiled policies.
 
-Several queues share one node space (e.g. ARC's T1, T2, B1, B2 over row keys): a node is in
-at most one queue, ``where[node]`` says which (-1: none). ``q[l]`` holds queue ``l``'s
-``HEAD`` (newest), ``TAIL`` (oldest) and ``SIZE``; ``nxt`` points from head towards tail,
-``prev`` from tail towards head. Every operation is O(1).
+Several queues share one node space (ARC's T1 and T2 over slots; its ghosts B1 and B2
+over row keys): a node is in at most one queue, ``where[node]`` says which (-1: none).
+``q[l]`` holds queue ``l``'s ``HEAD`` (newest), ``TAIL`` (oldest) and ``SIZE``; ``nxt``
+points from head towards tail, ``prev`` from tail towards head. Every operation is O(1).
 
     HEAD -> n1 -> n2 -> ... -> TAIL        (nxt)
     HEAD <- n1 <- n2 <- ... <- TAIL        (prev)

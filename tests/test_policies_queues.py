@@ -21,7 +21,7 @@ def test_arc_ghost_hit_returns_to_t2_and_grows_t1_target():
     r = p.step(np.array([1]))
     assert not r.hits[0] and r.admitted.tolist() == [1]
     assert p.p[0] == 1  # a B1 ghost hit: recency deserved more room
-    assert p.queues[3][1] == 1  # where[1] == T2
+    assert p.queues[3][p.slot_of[1]] == 1  # its slot is in T2
 
 
 def test_s3fifo_one_hit_wonders_leave_through_small_and_return_to_main():

@@ -26,7 +26,8 @@ from policies.admission import admission_admit, admission_record
 from policies.dlist import SIZE, TAIL, make_queues, move_head, pop_tail, push_head, unlink
 from policies.kernel import KernelPolicy, enter, free_stack, leave
 
-T1, T2, B1, B2 = 0, 1, 2, 3
+T1, T2 = 0, 1  # queues of slots
+B1, B2 = 0, 1  # queues of ghost keys
 FREE_TOP = 0
 
 
@@ -37,46 +38,45 @@ def _replace_from_t1(q, p, b2_hit):
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)
-def _arc_kernel(keys, slot_of, key_of, meta, p, free, q, prev, nxt, where,
+def _arc_kernel(keys, slot_of, key_of, meta, p, free, q, prev, nxt, where, gq, gprev, gnxt, gwhere,
                 a_kind, a_counters, a_scores, a_meta, hits, record, adm, adm_slot, ev, counts):
     c = key_of.size
     for i in range(keys.size):
         key = keys[i]
         admission_record(a_kind, a_counters, a_scores, a_meta, key)
-        lst = where[key]
-        if lst == T1 or lst == T2:
+        slot = slot_of[key]
+        if slot >= 0:
             hits[i] = True
-            move_head(q, prev, nxt, where, T2, key)
+            move_head(q, prev, nxt, where, T2, slot)
             continue
         hits[i] = False
-        full = q[T1, SIZE] + q[T2, SIZE] >= c
-        ghost = lst == B1 or lst == B2
-        if lst == B1:
-            p[0] = min(p[0] + max(q[B2, SIZE] / q[B1, SIZE], 1.0), c)
-        elif lst == B2:
-            p[0] = max(p[0] - max(q[B1, SIZE] / q[B2, SIZE], 1.0), 0.0)
-        if full:
-            t1_alone = not ghost and q[T1, SIZE] + q[B1, SIZE] + 1 > c and q[T1, SIZE] >= c
-            from_t1 = t1_alone or _replace_from_t1(q, p[0], lst == B2)
-            victim = q[T1, TAIL] if from_t1 else q[T2, TAIL]
+        g = gwhere[key]
+        ghost = g >= 0
+        if g == B1:
+            p[0] = min(p[0] + max(gq[B2, SIZE] / gq[B1, SIZE], 1.0), c)
+        elif g == B2:
+            p[0] = max(p[0] - max(gq[B1, SIZE] / gq[B2, SIZE], 1.0), 0.0)
+        if q[T1, SIZE] + q[T2, SIZE] >= c:
+            t1_alone = not ghost and q[T1, SIZE] + gq[B1, SIZE] + 1 > c and q[T1, SIZE] >= c
+            from_t1 = t1_alone or _replace_from_t1(q, p[0], g == B2)
+            vslot = q[T1, TAIL] if from_t1 else q[T2, TAIL]
+            victim = key_of[vslot]
             if not admission_admit(a_kind, a_counters, a_scores, a_meta, key, victim):
                 continue
             if not ghost:  # trim the ghost directory before REPLACE
-                if q[T1, SIZE] + q[B1, SIZE] + 1 > c:
+                if q[T1, SIZE] + gq[B1, SIZE] + 1 > c:
                     if not t1_alone:
-                        pop_tail(q, prev, nxt, where, B1)
-                elif q[T1, SIZE] + q[T2, SIZE] + q[B1, SIZE] + q[B2, SIZE] >= 2 * c:
-                    pop_tail(q, prev, nxt, where, B2)
-            if t1_alone:
-                unlink(q, prev, nxt, where, victim)
-            else:
-                move_head(q, prev, nxt, where, B1 if from_t1 else B2, victim)
+                        pop_tail(gq, gprev, gnxt, gwhere, B1)
+                elif q[T1, SIZE] + q[T2, SIZE] + gq[B1, SIZE] + gq[B2, SIZE] >= 2 * c:
+                    pop_tail(gq, gprev, gnxt, gwhere, B2)
+            unlink(q, prev, nxt, where, vslot)
+            if not t1_alone:
+                push_head(gq, gprev, gnxt, gwhere, B1 if from_t1 else B2, victim)
             leave(slot_of, key_of, free, meta, FREE_TOP, victim, record, ev, counts)
         if ghost:
-            move_head(q, prev, nxt, where, T2, key)
-        else:
-            push_head(q, prev, nxt, where, T1, key)
+            unlink(gq, gprev, gnxt, gwhere, key)
         enter(slot_of, key_of, free, meta, FREE_TOP, key, record, adm, adm_slot, counts)
+        push_head(q, prev, nxt, where, T2 if ghost else T1, slot_of[key])
 
 
 class ARC(KernelPolicy):
@@ -89,7 +89,8 @@ class ARC(KernelPolicy):
         self.meta = np.array([capacity], dtype=np.int64)
         self.p = np.zeros(1, dtype=np.float64)  # T1's target size, fractional as libCacheSim's
         self.free = free_stack(capacity)
-        self.queues = make_queues(4, num_keys)
+        self.queues = make_queues(2, capacity)  # T1 and T2 over slots: cache-sized
+        self.ghosts = make_queues(2, num_keys)  # B1 and B2 over keys, which have no slots
 
     def state(self):
-        return (self.meta, self.p, self.free, *self.queues)
+        return (self.meta, self.p, self.free, *self.queues, *self.ghosts)
