@@ -22,7 +22,7 @@ import numpy as np
 from cachelab import registry
 from cachelab.features import regression_labels, reuse_labels
 from cachelab.future import next_access
-from cachelab.learning import TrainSpec, features, keep_scores, train
+from cachelab.learning import TrainSpec, features, train
 from cachelab.learning_eval import evaluate_capacities
 from cachelab.learning_trace import LearningView, prompt_stream
 from cachelab.policy import NO_NEXT
