@@ -56,16 +56,3 @@ def test_errors_exit_nonzero_naming_the_value(tmp_path):
     bad.write_bytes(b"ok\xff")
     res = _cli("engram", "rows", "--text-file", str(bad))
     assert res.returncode == 2 and "bad.txt is not UTF-8" in res.stderr
-
-
-def test_quickstart_json():
-    res = runner.invoke(app, ["quickstart", "--max-chars", "200000", "--json"])
-    assert res.exit_code == 0, res.output
-    data = json.loads(res.stdout)
-    assert data["tokens"] > 10_000 and data["bytes_per_token"] == 48 * 264
-    orders = {(s["layer"], s["order"]) for s in data["skew"]}
-    assert (1, 2) in orders and (14, 4) in orders
-    two = next(s for s in data["skew"] if s["layer"] == 1 and s["order"] == 2)
-    four = next(s for s in data["skew"] if s["layer"] == 1 and s["order"] == 4)
-    assert two["unique_rows"] < four["unique_rows"]  # longer n-grams are rarer: fewer repeats
-    assert 0 < four["top1pct_share"] < two["top1pct_share"] < 1

@@ -43,7 +43,7 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from cachelab.cli import cache, engram, learn, plugins, quickstart, serving, trace
+    from cachelab.cli import cache, engram, experiment, learn, plugins, quickstart, serving, trace
 
     app.add_typer(engram.app, name="engram")
     app.add_typer(trace.app, name="trace")
@@ -58,6 +58,9 @@ def _register() -> None:
     app.add_typer(serving.study_app, name="study")
     app.command("train")(learn.train)
     app.command("evaluate")(learn.evaluate)
+    app.command("run")(experiment.run)
+    app.command("report")(experiment.report)
+    app.command("sync")(experiment.sync)
 
 
 _register()

@@ -1,0 +1,119 @@
+"""``cachelab run``, ``cachelab report`` and ``cachelab sync``: experiments from a TOML spec."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from cachelab.errors import CachelabError
+
+URI_HELP = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)."
+RUNS_HELP = "Folder for local results: the outbox, cached inputs and reports."
+
+
+def run(
+    spec: Path = typer.Argument(..., help="Experiment spec (.toml), e.g. experiments/quickstart.toml."),
+    backend: str = typer.Option("local", help="local (a process pool) or ray."),
+    address: str = typer.Option(None, help="Ray cluster address (with --backend ray); default: a local Ray."),
+    tracking_uri: str = typer.Option(None, help=URI_HELP),
+    workers: int = typer.Option(None, min=1, help="Parallel points (default: the CPU count)."),
+    runs_dir: Path = typer.Option(Path("runs"), help=RUNS_HELP),
+    set_: list[str] = typer.Option(None, "--set", help="Override a spec key: KEY=VALUE (TOML value), repeatable."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object; no progress bars."),
+) -> None:
+    """Run an experiment end to end: validate, sweep, track in MLflow, write the report.
+
+    Points that already have a FINISHED run (same config hash) are skipped, so rerunning an
+    interrupted sweep completes only what is missing.
+    """
+    run_and_print(spec, backend=backend, address=address, tracking_uri=tracking_uri, workers=workers,
+                  runs_dir=runs_dir, overrides=set_, as_json=as_json)
+
+
+def run_and_print(spec: Path, *, as_json: bool, **options) -> None:
+    """Run a spec, print its summary table (or one JSON object), exit 1 if a point failed."""
+    from cachelab.experiment.runner import run_experiment
+
+    summary = run_experiment(spec, quiet=as_json, **options)
+    if as_json:
+        typer.echo(json.dumps(summary.to_dict()))
+    else:
+        if summary.report:
+            _print_summary(summary.experiment, summary.tracking_uri)
+            typer.echo(f"report: {summary.report}")
+        typer.echo(f"{summary.ran} point(s) run, {summary.skipped} skipped, {len(summary.failed)} failed; "
+                   f"tracking: {summary.tracking_uri}")
+    if summary.failed:
+        raise typer.Exit(code=1)
+
+
+def report(
+    experiment: str = typer.Argument(..., help="Experiment name (the spec's `name`), or a spec file."),
+    out: Path = typer.Option(None, "-o", "--out", help="HTML file (default: runs/<experiment>/report.html)."),
+    tracking_uri: str = typer.Option(None, help=URI_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary table as JSON."),
+) -> None:
+    """Write one self-contained HTML page of an experiment's plots and print its summary."""
+    from cachelab.experiment.report import load_experiment, render_html, summary_table
+    from cachelab.tracking import Tracker
+
+    name = _experiment_name(experiment)
+    data = load_experiment(Tracker(tracking_uri), name)
+    out = out or Path("runs") / name / "report.html"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render_html(data), encoding="utf-8")
+    if as_json:
+        typer.echo(json.dumps({"report": str(out), "points": summary_table(data).to_dicts()}, default=str))
+        return
+    _show(summary_table(data), name)
+    typer.echo(f"report: {out}")
+
+
+def sync(
+    experiment: str = typer.Argument(..., help="Experiment name, or its spec file."),
+    tracking_uri: str = typer.Option(None, help=URI_HELP),
+    runs_dir: Path = typer.Option(Path("runs"), help=RUNS_HELP),
+) -> None:
+    """Send results that `cachelab run` kept locally (server unreachable) to the tracking server."""
+    from cachelab.experiment.runner import outbox_for, sync_outbox
+    from cachelab.tracking import Tracker
+
+    name = _experiment_name(experiment)
+    outbox = outbox_for(name, runs_dir)
+    if not outbox.keys():
+        typer.echo(f"nothing to sync in {outbox.root}")
+        return
+    tracker = Tracker(tracking_uri)
+    sent = sync_outbox(tracker, outbox, name)
+    typer.echo(f"sent {sent} point run(s) of {name} to {tracker.uri}")
+
+
+def _experiment_name(value: str) -> str:
+    if value.endswith(".toml"):
+        from cachelab.experiment.spec import load_spec
+
+        return load_spec(value).name
+    return value
+
+
+def _print_summary(name: str, uri: str) -> None:
+    from cachelab.experiment.report import load_experiment, summary_table
+    from cachelab.tracking import Tracker
+
+    try:
+        _show(summary_table(load_experiment(Tracker(uri), name)), name)
+    except CachelabError:
+        pass
+
+
+def _show(table, name: str) -> None:
+    out = Table(title=name)
+    for c in table.columns:
+        out.add_column(c.removeprefix("axis.").removeprefix("param."), justify="right")
+    for row in table.iter_rows():
+        out.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in row])
+    Console().print(out)

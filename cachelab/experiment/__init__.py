@@ -1,0 +1,7 @@
+"""Experiments: a TOML spec, a grid of points, a runner that tracks each point in MLflow.
+
+``spec`` validates a spec before any work; ``sweep`` expands it into hashed points;
+``points`` holds the point functions (one per kind: resolved config in, metrics and
+artifacts out); ``runner`` builds shared inputs once, skips finished points, and dispatches
+the rest to a ``backends`` pool; ``report`` turns the tracked runs into one HTML page.
+"""

@@ -1,0 +1,103 @@
+"""Where points run: in this process, a local process pool (default), or Ray.
+
+Each backend takes ``(key, config, workload_path)`` tasks and yields ``(key, output)`` as
+points finish, where ``output`` is a ``PointOutput`` or the exception the point raised.
+The point functions are deterministic, so every backend gives the same results. Ray gets
+each workload once through its object store (``ray.put``), so a cluster's workers need
+cachelab installed but no shared filesystem.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from functools import lru_cache
+
+from cachelab.errors import CachelabError
+from cachelab.experiment.points import POINT_FUNCTIONS, PointOutput
+from cachelab.experiment.workload import Workload, load_workload
+
+BACKENDS = ("local", "ray")
+Task = tuple[str, dict, str]  # (point hash, config, workload .npz path)
+
+
+@lru_cache(maxsize=2)
+def _workload(path: str) -> Workload:
+    return load_workload(path)  # once per worker process, whatever the number of points
+
+
+def execute(config: dict, workload: Workload | str) -> PointOutput:
+    if isinstance(workload, str):
+        workload = _workload(workload)
+    return POINT_FUNCTIONS[config["kind"]](config, workload)
+
+
+def _safe(config, workload) -> PointOutput | BaseException:
+    try:
+        return execute(config, workload)
+    except Exception as exc:  # reported per point; one bad point must not sink the sweep
+        return exc
+
+
+def run_tasks(tasks: list[Task], backend: str = "local", workers: int | None = None,
+              address: str | None = None) -> Iterator[tuple[str, PointOutput | BaseException]]:
+    if backend not in BACKENDS:
+        raise CachelabError(f"--backend: unknown backend {backend!r}; allowed: {', '.join(BACKENDS)}")
+    if not tasks:
+        return
+    workers = max(1, min(workers or os.cpu_count() or 1, len(tasks)))
+    if backend == "ray":
+        yield from _run_ray(tasks, workers, address)
+    elif workers == 1:
+        for key, config, path in tasks:
+            yield key, _safe(config, path)
+    else:
+        yield from _run_pool(tasks, workers)
+
+
+def _run_pool(tasks: list[Task], workers: int):
+    # spawn: a clean interpreter per worker (fork after MLflow/rich threads started is unsafe)
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        pending = {pool.submit(_safe, config, path): key for key, config, path in tasks}
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in done:
+                yield pending.pop(fut), fut.result()
+
+
+def _run_ray(tasks: list[Task], workers: int, address: str | None):
+    try:
+        import ray
+    except ImportError:
+        raise CachelabError("--backend ray needs Ray: pip install 'cachelab[ray]'") from None
+    started = not ray.is_initialized()
+    if started:
+        if address:
+            ray.init(address=address, log_to_driver=False)
+        else:
+            ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False,
+                     object_store_memory=_object_store_bytes(tasks))
+    try:
+        remote = ray.remote(num_cpus=1, max_retries=0)(_safe)
+        refs = {path: ray.put(load_workload(path)) for path in {t[2] for t in tasks}}
+        pending = {remote.remote(config, refs[path]): key for key, config, path in tasks}
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            for ref in done:
+                key = pending.pop(ref)
+                try:
+                    yield key, ray.get(ref)
+                except Exception as exc:  # the worker died: report it as this point's failure
+                    yield key, exc
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _object_store_bytes(tasks: list[Task]) -> int:
+    """Room for every workload twice over, at least 128 MiB: small for tests, enough for sweeps."""
+    size = sum(os.path.getsize(p) for p in {t[2] for t in tasks})
+    return max(2 * size + (64 << 20), 128 << 20)

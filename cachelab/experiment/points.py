@@ -1,0 +1,157 @@
+"""Point functions: one resolved point config in, metrics and artifacts out.
+
+Every kind of experiment (``replay`` through a tier hierarchy; more as components land) is
+one function ``fn(config, workload) -> PointOutput``. The runner knows nothing else about it,
+so a new component plugs in by adding a function to ``POINT_FUNCTIONS``. Functions are pure
+and deterministic for a config (its ``seed`` included): the local pool and Ray give
+identical results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import polars as pl
+
+from cachelab.experiment.spec import capacity_rows, make_tier_policy, page_cache_bytes
+from cachelab.hierarchy import Hierarchy, SSDStore, Tier
+from cachelab.experiment.workload import Workload
+from cachelab.replay import replay
+
+
+@dataclass
+class PointOutput:
+    """What a point produced: scalar metrics, resolved params, tables (Parquet), files."""
+
+    metrics: dict[str, float]
+    params: dict[str, str] = field(default_factory=dict)
+    tables: dict[str, pl.DataFrame] = field(default_factory=dict)
+    files: dict[str, bytes] = field(default_factory=dict)
+
+
+def make_hierarchy(config: dict, workload: Workload) -> Hierarchy:
+    """The spec's hierarchy: ``N%`` capacities are shares of the workload's distinct rows."""
+    h = config["hierarchy"]
+    stream, unique = workload.stream, workload.distinct_rows
+    tiers = [Tier(t["name"], make_tier_policy(t), location=t["location"],
+                  capacity_rows=capacity_rows(t["capacity"], unique, stream.row_bytes, f"hierarchy.{t['name']}.capacity"))
+             for t in h["tiers"]]
+    backing = "dram"
+    if h["backing"] == "ssd":
+        backing = SSDStore(page_cache_bytes=page_cache_bytes(h["page_cache"], "hierarchy.page_cache"),
+                           page_policy=h["page_policy"])
+    return Hierarchy(tiers, stream.row_bytes, backing)
+
+
+def replay_point(config: dict, workload: Workload) -> PointOutput:
+    """Replay the stream through the hierarchy (``cachelab.replay``) after the warm-up.
+
+    Per level: hit ratio per lookup and per distinct row of a step, rows served, and
+    ``<tier>.miss_ratio`` (per lookup, as the miss-ratio curves count); bytes per link.
+    """
+    result = replay(workload.stream, make_hierarchy(config, workload), config["warmup"])
+    s = result.summary()
+    metrics = {"steps": s["steps"], "warmup_steps": s["warmup_steps"], "lookups": s["lookups"],
+               "unique_rows": s["unique_rows"], "page_reads": s["page_reads"],
+               "read_amplification": s["read_amplification"]}
+    params = {}
+    for name, level in s["levels"].items():
+        for key in ("served_unique", "served_lookups", "requests_unique", "requests_lookups",
+                    "hit_ratio_unique", "hit_ratio_lookup"):
+            metrics[f"{name}.{key}"] = level[key]
+        if "capacity_rows" in level:
+            params[f"{name}.capacity_rows"] = str(level["capacity_rows"])
+            metrics[f"{name}.miss_ratio"] = 1.0 - level["hit_ratio_lookup"]
+            metrics[f"{name}.miss_ratio_unique"] = 1.0 - level["hit_ratio_unique"]
+    for link, value in s["bytes"].items():
+        metrics[f"bytes.{link}"] = value
+    return PointOutput(metrics, params, {"per_step": result.per_step})
+
+
+def learned_point(config: dict, workload: Workload) -> PointOutput:
+    """Train the predictor causally on the workload's first ``train_fraction`` of lookups and
+    replay the learned policy, every registered heuristic and Belady on the rest (or on the
+    ``holdout`` workload) at each capacity (``cachelab.learning``, ``cachelab.learning_eval``).
+    Miss ratios there are per lookup over each step's distinct rows, as the replay counts."""
+    import tempfile
+    from pathlib import Path
+
+    from cachelab import registry
+    from cachelab.experiment.spec import WorkloadSpec
+    from cachelab.experiment.workload import build_workload, load_workload
+    from cachelab.learning import TrainSpec, save, train
+    from cachelab.learning_eval import evaluate_capacities
+    from cachelab.learning_trace import LearningView
+
+    p, preset = config["predictor"], config["workload"]["preset"]
+    view = LearningView.of(workload.stream, preset)
+    predictor = registry.get(registry.PREDICTORS, p["name"])(**p["params"])
+    spec = TrainSpec(horizon=p["horizon"], train_fraction=p["train_fraction"], max_samples=p["max_samples"],
+                     seed=config["seed"])
+    model, fit = train(view, predictor, spec)
+    held_out = p["holdout"] is not None
+    if held_out:  # built once, then found in the workload cache by every later point
+        view = LearningView.of(load_workload(build_workload(WorkloadSpec(**p["holdout"]))).stream, preset)
+    warmup = config["warmup"] if held_out else max(config["warmup"], p["train_fraction"])
+    capacities = [_learned_capacity(c) for c in p["capacities"]]
+    result = evaluate_capacities(view, model, capacities, warmup, progress=False)
+    metrics = {k: v for k, v in fit.items() if isinstance(v, (int, float))}
+    metrics.update({"eval.lookups": result["lookups"], "eval.counted_lookups": result["counted_lookups"],
+                    "eval.distinct_rows": result["unique_rows"]})
+    rows = []
+    for cap in result["capacities"]:
+        tag = f"{cap['rows']}rows"
+        for policy, miss in cap["miss_ratio"].items():
+            rows.append({"capacity": str(cap["capacity"]), "capacity_rows": cap["rows"], "policy": policy,
+                         "miss_ratio": miss})
+            metrics[f"miss_ratio.{policy}.{tag}".replace(" ", "_").replace("(", "").replace(")", "")] = miss
+        if cap["gap_closed"] is not None:
+            metrics[f"gap_closed.{tag}"] = cap["gap_closed"]
+    tables = {"learned_eval": pl.DataFrame(rows)}
+    if fit.get("importances"):
+        tables["importances"] = pl.DataFrame({"feature": list(fit["importances"]),
+                                              "importance": list(fit["importances"].values())})
+    with tempfile.TemporaryDirectory() as tmp:
+        save(model, Path(tmp), {"workload": config["workload"]})
+        files = {f"model/{f.name}": f.read_bytes() for f in sorted(Path(tmp).iterdir()) if f.is_file()}
+    params = {"eval.workload": "holdout" if held_out else "later part of the training workload",
+              "eval.missing_policies": ",".join(result["missing"])}
+    return PointOutput(metrics, params, tables, files)
+
+
+def _learned_capacity(capacity: int | str) -> float:
+    """The learned evaluation's capacity convention: a fraction of distinct rows below 1, else rows."""
+    if isinstance(capacity, str) and capacity.strip().endswith("%"):
+        return float(capacity.strip()[:-1]) / 100
+    return float(capacity_rows(capacity, unique_rows=1, row_bytes=264))
+
+
+def serve_point(config: dict, workload: Workload) -> PointOutput:
+    """A serving replay (``cachelab.serving.simulate``) of the workload's requests: vLLM bench
+    metrics (TTFT, TPOT, ITL, E2EL percentiles), tokens/s per GPU, tokens per dollar, the
+    prefix cache's and the row cache's hit ratios and footprints."""
+    from cachelab.experiment.spec import serving_config
+    from cachelab.serving import simulate
+
+    result = simulate(workload.requests, serving_config(config["serving"]))
+    metrics = _numbers(result.metrics)
+    for prefix, section in (("prefix_cache", result.prefix_cache), ("row_cache", result.rows),
+                            ("memory", result.memory)):
+        metrics.update({f"{prefix}.{k}": v for k, v in _numbers(section).items()})
+    return PointOutput(metrics, {}, {"per_request": result.per_request, "per_step": result.per_step})
+
+
+def _numbers(d: dict, prefix: str = "") -> dict[str, float]:
+    """The finite numbers of a nested dict, with dotted keys (MLflow metrics are floats)."""
+    import math
+
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_numbers(v, f"{prefix}{k}."))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            out[f"{prefix}{k}"] = float(v)
+    return out
+
+
+POINT_FUNCTIONS = {"replay": replay_point, "learned": learned_point, "serve": serve_point}

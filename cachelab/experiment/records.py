@@ -1,0 +1,85 @@
+"""Results on local disk first: every finished point is written here before it is tracked.
+
+``runs/<experiment>/outbox/<hash>/`` holds a point's ``record.json`` (label, params,
+metrics, times) and its artifacts; the parent run's record sits in ``outbox/_parent``.
+A record leaves the outbox only once the tracking server has it, so a server that is down
+or dies mid-sweep loses nothing: ``cachelab sync`` sends what is left.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import polars as pl
+
+PARENT = "_parent"
+
+
+@dataclass
+class Record:
+    """One run to track: the parent (``hash`` = spec hash) or a point."""
+
+    hash: str
+    label: str
+    params: dict[str, str]
+    metrics: dict[str, float]
+    tags: dict[str, str] = field(default_factory=dict)
+    artifacts: dict[str, bytes] = field(default_factory=dict)  # relative path -> content
+    start_ms: int = 0
+    end_ms: int = 0
+    status: str = "FINISHED"
+
+    def add_table(self, name: str, table: pl.DataFrame) -> None:
+        buf = io.BytesIO()
+        table.write_parquet(buf)
+        self.artifacts[f"{name}.parquet"] = buf.getvalue()
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class Outbox:
+    """Records not yet confirmed by the tracking server, one folder each."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def write(self, record: Record, key: str | None = None) -> Path:
+        final = self.root / (key or record.hash)
+        tmp = self.root / f".{key or record.hash}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "artifacts").mkdir(parents=True)
+        meta = asdict(record)
+        meta.pop("artifacts")
+        (tmp / "record.json").write_text(json.dumps(meta, indent=1))
+        for rel, data in record.artifacts.items():
+            dst = tmp / "artifacts" / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_bytes(data)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)  # a record is whole or absent
+        return final
+
+    def read(self, key: str) -> Record:
+        folder = self.root / key
+        meta = json.loads((folder / "record.json").read_text())
+        arts = folder / "artifacts"
+        meta["artifacts"] = {p.relative_to(arts).as_posix(): p.read_bytes()
+                             for p in sorted(arts.rglob("*")) if p.is_file()}
+        return Record(**meta)
+
+    def keys(self) -> list[str]:
+        """Point hashes waiting (the parent, if waiting, is ``PARENT`` and listed last)."""
+        if not self.root.is_dir():
+            return []
+        found = sorted(p.name for p in self.root.iterdir() if (p / "record.json").is_file())
+        return [k for k in found if k != PARENT] + ([PARENT] if PARENT in found else [])
+
+    def remove(self, key: str) -> None:
+        shutil.rmtree(self.root / key, ignore_errors=True)

@@ -1,0 +1,434 @@
+"""``cachelab report``: one self-contained HTML page per experiment, read back from MLflow.
+
+The page embeds every plot as a base64 PNG (matplotlib, Agg), so it opens anywhere without
+a server or network. Each plot is drawn only when the experiment has its data: a plot
+function returns ``None`` otherwise. Add a plot by appending to ``PLOTS``.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import polars as pl
+
+from cachelab.errors import CachelabError
+
+
+@dataclass
+class ExperimentData:
+    """What a report needs: the results table (one row per point) and the parent's tables."""
+
+    name: str
+    description: str
+    spec: str
+    results: pl.DataFrame
+    parent_metrics: dict[str, float] = field(default_factory=dict)
+    tables: dict[str, pl.DataFrame] = field(default_factory=dict)  # the parent run's
+    point_tables: dict[str, dict[str, pl.DataFrame]] = field(default_factory=dict)  # label -> name -> table
+
+    def of_kind(self, kind: str) -> pl.DataFrame:
+        """The results rows of one point kind (all rows for specs from before kinds were tagged)."""
+        if "axis.kind" not in self.results.columns:
+            return self.results
+        return self.results.filter(pl.col("axis.kind") == kind)
+
+    def tiers(self) -> list[str]:
+        """Tier names in hierarchy order (from the resolved spec)."""
+        try:
+            spec = json.loads(self.spec)
+            return [t["name"] for t in (spec.get("hierarchy") or {}).get("tiers", [])]
+        except (json.JSONDecodeError, AttributeError):
+            return []
+
+    def axes(self) -> list[str]:
+        return [c for c in self.results.columns if c.startswith("axis.")]
+
+
+def load_experiment(tracker, name: str, parent_id: str | None = None) -> ExperimentData:
+    from cachelab.experiment.runner import results_table
+
+    parent, points = tracker.experiment_runs(name)
+    if parent_id is not None:
+        parent = tracker.client.get_run(parent_id)
+    if parent is None and not points:
+        raise CachelabError(f"experiment {name!r} has no runs at {tracker.uri}")
+    spec, tables, metrics, description = "{}", {}, {}, ""
+    if parent is not None:
+        run_id = parent.info.run_id
+        metrics = dict(parent.data.metrics)
+        description = parent.data.tags.get("mlflow.note.content", "")
+        with tempfile.TemporaryDirectory() as tmp:
+            resolved = tracker.download(run_id, "spec/resolved.json", Path(tmp))
+            if resolved is not None:
+                spec = resolved.read_text()
+            for table in ("addressing", "mrc"):
+                path = tracker.download(run_id, f"{table}.parquet", Path(tmp))
+                if path is not None:
+                    tables[table] = pl.read_parquet(path)
+    if parent is not None:
+        hashes = set(_spec_point_hashes(spec))
+        if hashes:
+            points = [r for r in points if r.data.tags.get("cachelab.point_hash") in hashes]
+    point_tables = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in points:
+            kind = json.loads(r.data.tags.get("cachelab.axis.kind", '"replay"'))
+            if kind not in POINT_TABLES:
+                continue
+            found = {}
+            for table in POINT_TABLES[kind]:
+                path = tracker.download(r.info.run_id, f"{table}.parquet", Path(tmp) / r.info.run_id)
+                if path is not None:
+                    found[table] = pl.read_parquet(path)
+            point_tables[r.info.run_name] = found
+    return ExperimentData(name, description, spec, results_table(points), metrics, tables, point_tables)
+
+
+POINT_TABLES = {"learned": ("learned_eval", "importances"), "serve": ("per_request",)}
+
+
+def _spec_point_hashes(spec_json: str) -> list[str]:
+    from cachelab.experiment.spec import ExperimentSpec
+    from cachelab.experiment.sweep import expand
+
+    try:
+        return [p.hash for p in expand(ExperimentSpec.model_validate(json.loads(spec_json)))]
+    except Exception:  # an older or foreign spec: report every finished point instead
+        return []
+
+
+# ---- plots: each takes ExperimentData and returns a Figure, or None when it has no data ----
+
+def _mean_over_seeds(df: pl.DataFrame, keys: list[str], values: list[str]) -> pl.DataFrame:
+    return df.group_by(keys, maintain_order=True).agg([pl.col(v).mean() for v in values]).sort(keys)
+
+
+def _series_keys(data: ExperimentData, exclude: set[str], results: pl.DataFrame) -> list[str]:
+    """The axes that vary in ``results``, other than ``exclude`` and the seed: one line each."""
+    out = []
+    for c in data.axes():
+        if c in exclude or c == "axis.seed" or c not in results.columns:
+            continue
+        if results[c].cast(pl.Utf8).n_unique() > 1:
+            out.append(c)
+    return out
+
+
+def _label(row: dict, keys: list[str]) -> str:
+    return " ".join(f"{k.removeprefix('axis.')}={row[k]}" for k in keys) or "all points"
+
+
+def plot_miss_ratio(data: ExperimentData):
+    """Miss ratio against capacity, one line per policy (and per other varying axis)."""
+    import matplotlib.pyplot as plt
+
+    results = data.of_kind("replay")
+    tiers = [t for t in data.tiers() if f"{t}.miss_ratio" in results.columns
+             and f"param.{t}.capacity_rows" in results.columns]
+    if not tiers or results.is_empty():
+        return None
+    fig, axs = plt.subplots(1, len(tiers), figsize=(6.5 * len(tiers), 4.2), squeeze=False)
+    for ax, tier in zip(axs[0], tiers):
+        df = results.with_columns(pl.col(f"param.{tier}.capacity_rows").cast(pl.Int64).alias("_cap"))
+        cap_axis = f"axis.{tier}.capacity"
+        keys = _series_keys(data, {cap_axis, "axis.kind"}, results)
+        agg = _mean_over_seeds(df, keys + ["_cap"], [f"{tier}.miss_ratio"]) if keys else \
+            _mean_over_seeds(df, ["_cap"], [f"{tier}.miss_ratio"])
+        groups = agg.partition_by(keys, maintain_order=True, as_dict=False) if keys else [agg]
+        for g in groups:
+            ax.plot(g["_cap"], g[f"{tier}.miss_ratio"], marker="o", label=_label(g.row(0, named=True), keys))
+        ax.set_xscale("log")
+        ax.set_xlabel(f"{tier} capacity (rows, both layer tables)")
+        ax.set_ylabel("miss ratio (per lookup)")
+        ax.set_title(f"{tier}: miss ratio vs capacity")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return fig
+
+
+def plot_tier_bytes(data: ExperimentData):
+    """Bytes each level served (distinct rows per step x row bytes), per point, seed-averaged."""
+    import matplotlib.pyplot as plt
+
+    results = data.of_kind("replay")
+    levels = [c.removesuffix(".served_unique") for c in results.columns if c.endswith(".served_unique")]
+    row_bytes = data.parent_metrics.get("workload.row_bytes")
+    if not levels or not row_bytes or results.is_empty() or results.height > 60:
+        return None
+    cols = [f"{lv}.served_unique" for lv in levels]
+    keys = _series_keys(data, {"axis.kind"}, results)
+    df = _mean_over_seeds(results, keys, cols) if keys else results.select(cols).mean()
+    labels = [_label(r, keys) for r in df.iter_rows(named=True)]
+    fig, ax = plt.subplots(figsize=(9, 0.3 * len(labels) + 1.5))
+    left = [0.0] * len(labels)
+    for level, col in zip(levels, cols):
+        gib = [v * row_bytes / 2**30 for v in df[col].to_list()]
+        ax.barh(labels, gib, left=left, label=level)
+        left = [a + b for a, b in zip(left, gib)]
+    ax.set_xlabel("GiB served (distinct rows per step x row bytes, after warm-up)")
+    ax.set_title("bytes served per level")
+    ax.legend(fontsize=8)
+    ax.tick_params(axis="y", labelsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def plot_addressing(data: ExperimentData):
+    """Per layer and n-gram order: distinct rows per lookup and the hottest 1%'s share."""
+    import matplotlib.pyplot as plt
+
+    skew = data.tables.get("addressing")
+    if skew is None or skew.is_empty():
+        return None
+    per_order = skew.filter(pl.col("order").is_not_null())
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+    labels = [f"L{r['layer']} n={r['order']}" for r in per_order.iter_rows(named=True)]
+    a.bar(labels, (per_order["unique_rows"] / per_order["lookups"]).to_list())
+    a.set_title("distinct rows / lookups")
+    b.bar(labels, per_order["top1pct_share"].to_list(), color="tab:orange")
+    b.set_title("share of lookups on the hottest 1% of rows")
+    for ax in (a, b):
+        ax.tick_params(axis="x", labelsize=8, rotation=45)
+        ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    return fig
+
+
+def plot_mrc(data: ExperimentData):
+    """Miss-ratio curves over all capacities (a parent table ``mrc``: capacity, miss_ratio, curve)."""
+    import matplotlib.pyplot as plt
+
+    mrc = data.tables.get("mrc")
+    if mrc is None or mrc.is_empty():
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    curves = mrc.partition_by("curve", maintain_order=True) if "curve" in mrc.columns else [mrc]
+    for c in curves:
+        ax.plot(c["capacity"], c["miss_ratio"], label=c["curve"][0] if "curve" in c.columns else "mrc")
+    ax.set_xscale("log")
+    ax.set_xlabel("capacity (rows)")
+    ax.set_ylabel("miss ratio")
+    ax.set_title("miss-ratio curves")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def plot_learned(data: ExperimentData):
+    """Per learned point: miss ratio against capacity of the learned policy, each heuristic and Belady."""
+    import matplotlib.pyplot as plt
+
+    evals = {label: t["learned_eval"] for label, t in data.point_tables.items() if "learned_eval" in t}
+    if not evals:
+        return None
+    fig, axs = plt.subplots(1, len(evals), figsize=(6.5 * len(evals), 4.2), squeeze=False)
+    for ax, (label, table) in zip(axs[0], evals.items()):
+        for part in table.sort("capacity_rows").partition_by("policy", maintain_order=True):
+            policy = part["policy"][0]
+            style = {"linewidth": 2.5, "color": "black"} if policy == "learned" else {}
+            ax.plot(part["capacity_rows"], part["miss_ratio"], marker="o", label=policy, **style)
+        ax.set_xscale("log")
+        ax.set_xlabel("capacity (rows)")
+        ax.set_ylabel("miss ratio (distinct rows per step)")
+        ax.set_title(label, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return fig
+
+
+def plot_importances(data: ExperimentData):
+    """Feature importances of each trained predictor (share of total gain)."""
+    import matplotlib.pyplot as plt
+
+    tables = {label: t["importances"] for label, t in data.point_tables.items() if "importances" in t}
+    if not tables:
+        return None
+    fig, axs = plt.subplots(1, len(tables), figsize=(6.5 * len(tables), 4.5), squeeze=False)
+    for ax, (label, table) in zip(axs[0], tables.items()):
+        top = table.sort("importance", descending=True).head(15).reverse()
+        ax.barh(top["feature"].to_list(), top["importance"].to_list(), color="tab:green")
+        ax.set_title(label, fontsize=9)
+        ax.tick_params(axis="y", labelsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_p99_vs_load(data: ExperimentData):
+    """P99 TTFT and TPOT against client concurrency, one line per other varying axis."""
+    import matplotlib.pyplot as plt
+
+    results = data.of_kind("serve")
+    conc = "param.serving.concurrency"
+    if results.is_empty() or conc not in results.columns or "p99_ttft_ms" not in results.columns:
+        return None
+    df = results.filter(pl.col(conc) != "None").with_columns(pl.col(conc).cast(pl.Int64).alias("_load"))
+    if df["_load"].n_unique() < 2:
+        return None
+    keys = _series_keys(data, {"axis.kind", "axis.serving.concurrency"}, df)
+    fig, axs = plt.subplots(1, 2, figsize=(12, 4.2))
+    for ax, metric in zip(axs, ("p99_ttft_ms", "p99_tpot_ms")):
+        agg = _mean_over_seeds(df, keys + ["_load"], [metric])
+        for g in (agg.partition_by(keys, maintain_order=True, as_dict=False) if keys else [agg]):
+            ax.plot(g["_load"], g[metric], marker="o", label=_label(g.row(0, named=True), keys))
+        ax.set_xlabel("concurrency (requests in flight)")
+        ax.set_ylabel(f"{metric.removesuffix('_ms').replace('_', ' ').upper()} (ms)")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def plot_latency_cdfs(data: ExperimentData):
+    """CDF of each request's TTFT and TPOT per serving point (vLLM bench serve definitions)."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    tables = {label: t["per_request"] for label, t in data.point_tables.items() if "per_request" in t}
+    if not tables or len(tables) > 24:
+        return None
+    fig, axs = plt.subplots(1, 2, figsize=(12, 4.2))
+    for label, t in tables.items():
+        ttft = ((t["first_token_s"] - t["send_s"]) * 1e3).to_numpy()
+        multi = t.filter(pl.col("output_tokens") > 1)
+        tpot = (((multi["end_s"] - multi["first_token_s"]) * 1e3) / (multi["output_tokens"] - 1)).to_numpy()
+        for ax, values in zip(axs, (ttft, tpot)):
+            if values.size:
+                ax.plot(np.sort(values), np.linspace(0, 1, values.size), label=label.replace("kind=serve ", ""))
+    for ax, name in zip(axs, ("TTFT", "TPOT")):
+        ax.set_xscale("log")
+        ax.set_xlabel(f"{name} (ms)")
+        ax.set_ylabel("share of requests")
+        ax.grid(alpha=0.3)
+    axs[1].legend(fontsize=6)
+    fig.tight_layout()
+    return fig
+
+
+def plot_pareto(data: ExperimentData):
+    """Interactivity against tokens/s per GPU for every serving point, and the Pareto front."""
+    import matplotlib.pyplot as plt
+
+    from cachelab.pareto import pareto_front
+
+    results = data.of_kind("serve")
+    x, y = "interactivity", "tokens_per_s_per_gpu"
+    if results.is_empty() or x not in results.columns or y not in results.columns:
+        return None
+    keys = _series_keys(data, {"axis.kind", "axis.serving.concurrency", "axis.serving.tp"}, results)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for g in (results.partition_by(keys, maintain_order=True, as_dict=False) if keys else [results]):
+        ax.scatter(g[x], g[y], label=_label(g.row(0, named=True), keys), s=25)
+    front = pareto_front(results.select(x, y).drop_nulls())
+    ax.plot(front[x], front[y], color="black", linewidth=1.5, label="Pareto front")
+    ax.set_xlabel("interactivity (tok/s/user = 1000 / median TPOT ms)")
+    ax.set_ylabel("tokens/s per GPU")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return fig
+
+
+PLOTS = [
+    ("Miss ratio vs capacity", plot_miss_ratio),
+    ("Miss-ratio curves", plot_mrc),
+    ("Bytes served per level", plot_tier_bytes),
+    ("Addressing: what the row cache faces", plot_addressing),
+    ("Learned policy against the heuristics and Belady", plot_learned),
+    ("Feature importances", plot_importances),
+    ("Latency CDFs", plot_latency_cdfs),
+    ("P99 vs load", plot_p99_vs_load),
+    ("Pareto front: interactivity vs throughput per GPU", plot_pareto),
+]
+
+
+def figures(data: ExperimentData) -> list[tuple[str, str]]:
+    """(title, base64 PNG) of every plot the data supports."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = []
+    for title, fn in PLOTS:
+        fig = fn(data)
+        if fig is None:
+            continue
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        out.append((title, base64.b64encode(buf.getvalue()).decode()))
+    return out
+
+
+def summary_columns(data: ExperimentData) -> list[str]:
+    """The columns a person scans first: varying axes, then per-tier ratios and bytes."""
+    cols = [c for c in data.axes() if data.results[c].cast(pl.Utf8).n_unique() > 1 and c != "axis.kind"]
+    for t in data.tiers():
+        cols += [c for c in (f"param.{t}.capacity_rows", f"{t}.miss_ratio") if c in data.results.columns]
+    cols += [c for c in ("bytes.host_to_gpu",) if c in data.results.columns]
+    return cols or [c for c in data.results.columns if c not in ("run_id", "point_hash")][:8]
+
+
+SERVE_COLUMNS = ("p99_ttft_ms", "p99_tpot_ms", "interactivity", "tokens_per_s_per_gpu", "tokens_per_dollar",
+                 "prefix_cache.hit_ratio", "row_cache.levels.hbm.hit_ratio_lookup", "stall_share")
+
+
+def summary_table(data: ExperimentData) -> pl.DataFrame:
+    """The replay points' key columns, else the serving points' (learned points have their
+    own plot and tables)."""
+    results = data.of_kind("replay")
+    if results.is_empty():
+        serve = data.of_kind("serve")
+        if serve.is_empty():
+            return serve
+        cols = [c for c in data.axes() if c != "axis.kind" and serve[c].cast(pl.Utf8).n_unique() > 1]
+        return serve.select(cols + [c for c in SERVE_COLUMNS if c in serve.columns]).sort(cols or [])
+    cols = [c for c in summary_columns(data) if c in results.columns]
+    df = results.select(cols)
+    caps = [c for c in cols if c.endswith(".capacity_rows")]
+    df = df.with_columns([pl.col(c).cast(pl.Int64) for c in caps])
+    order = [c for c in cols if c.startswith("axis.") and not c.endswith(".capacity")] + caps
+    return df.sort(order or cols[:1])
+
+
+_CSS = """body{font-family:system-ui,sans-serif;margin:2rem auto;max-width:1150px;color:#222}
+table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:3px 7px;text-align:right}
+th{background:#f3f3f3}img{max-width:100%;border:1px solid #eee}pre{background:#f7f7f7;padding:1em;
+overflow:auto;font-size:12px}h2{margin-top:2em}"""
+
+
+def render_html(data: ExperimentData) -> str:
+    table = summary_table(data)
+    head = "".join(f"<th>{html.escape(c.removeprefix('axis.').removeprefix('param.'))}</th>" for c in table.columns)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in row) + "</tr>"
+                   for row in table.iter_rows())
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(data.name)}</title>"
+             f"<style>{_CSS}</style></head><body>",
+             f"<h1>{html.escape(data.name)}</h1><p>{html.escape(data.description)}</p>",
+             f"<p>{data.results.height} finished point(s).</p>",
+             f"<h2>Summary</h2><table><tr>{head}</tr>{body}</table>"]
+    for title, png in figures(data):
+        parts.append(f"<h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' "
+                     f"src='data:image/png;base64,{png}'>")
+    parts.append(f"<h2>Resolved spec</h2><pre>{html.escape(data.spec)}</pre></body></html>")
+    return "\n".join(parts)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "" if v is None else str(v)
+
+
+def write_report(tracker, name: str, out: Path, parent_id: str | None = None) -> Path:
+    data = load_experiment(tracker, name, parent_id)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render_html(data), encoding="utf-8")
+    return out

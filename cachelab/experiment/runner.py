@@ -1,0 +1,243 @@
+"""``cachelab run``: a spec end to end, resumable, tracked, with nothing lost.
+
+Order of work: validate the spec (before anything runs), expand the grid, send any records
+a previous run left in the outbox, skip every point whose hash already has a FINISHED run,
+build each workload once, run the rest on the chosen backend, and for each finished point
+write its record locally, then track it, then drop the local copy. At the end the parent
+run gets the results table (Parquet) and the HTML report.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from cachelab.experiment.backends import run_tasks
+from cachelab.experiment.records import PARENT, Outbox, Record, now_ms
+from cachelab.experiment.spec import ExperimentSpec, WorkloadSpec, load_spec
+from cachelab.experiment.sweep import Point, config_hash, expand
+from cachelab.mrc import miss_ratio_curve
+from cachelab.experiment.workload import build_workload, load_workload, workload_key, workload_stats
+from cachelab.tracking import Tracker, TrackingUnavailable, resolve_uri
+
+
+@dataclass
+class RunSummary:
+    """What ``cachelab run`` did, for the console and for ``--json``."""
+
+    experiment: str
+    tracking_uri: str
+    points: int
+    skipped: int
+    ran: int
+    failed: list[str] = field(default_factory=list)
+    outbox: str | None = None  # set when records wait for ``cachelab sync``
+    report: str | None = None
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def flatten(config: dict, prefix: str = "") -> dict[str, str]:
+    """Dotted params for tracking; tiers are keyed by name (``hierarchy.hbm.policy``)."""
+    out = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if key == "tiers" and isinstance(value, list):
+            for tier in value:
+                out.update(flatten({k: v for k, v in tier.items() if k != "name"}, f"{prefix}{tier['name']}."))
+        elif isinstance(value, dict):
+            out.update(flatten(value, f"{name}."))
+        elif value is not None:
+            out[name] = json.dumps(value) if isinstance(value, list) else str(value)
+    return out
+
+
+def outbox_for(name: str, runs_dir: Path) -> Outbox:
+    return Outbox(Path(runs_dir) / name / "outbox")
+
+
+def run_experiment(spec_path: str | Path, *, backend: str = "local", address: str | None = None,
+                   tracking_uri: str | None = None, workers: int | None = None,
+                   runs_dir: str | Path = "runs", quiet: bool = False,
+                   overrides: list[str] | None = None) -> RunSummary:
+    spec = load_spec(spec_path, overrides)  # every check happens here, before any work
+    console = Console(stderr=True, quiet=quiet)
+    points = list({p.hash: p for p in expand(spec)}.values())
+    outbox = outbox_for(spec.name, Path(runs_dir))
+    uri = resolve_uri(tracking_uri)
+    tracker, exp_id = _connect(uri, spec.name, console)
+    if tracker is not None and outbox.keys():
+        console.print(f"sending {len(outbox.keys())} record(s) left in {outbox.root}")
+        sync_outbox(tracker, outbox, spec.name)
+    done = set(tracker.finished_points(exp_id)) if tracker else set()
+    if tracker:
+        tracker.close_stale(exp_id)
+    done |= set(outbox.keys())
+    todo = [p for p in points if p.hash not in done]
+    summary = RunSummary(spec.name, uri, len(points), len(points) - len(todo), 0)
+    console.print(f"[bold]{spec.name}[/]: {len(points)} points, {summary.skipped} already finished, "
+                  f"{len(todo)} to run ({backend})")
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, disable=quiet) as progress:
+        paths = _build_workloads(spec, todo, progress)
+        parent = _parent_record(spec, Path(spec_path), overrides, paths[workload_key(spec.workload)])
+        parent_id = None
+        if tracker is not None:
+            parent_id = tracker.parent_run(exp_id, parent)
+            tracker.log_record(parent_id, parent)
+        else:
+            outbox.write(parent, PARENT)
+        tasks = [(p.hash, p.config, str(paths[workload_key(p.config["workload"])])) for p in todo]
+        by_hash = {p.hash: p for p in todo}
+        bar = progress.add_task("points", total=len(tasks))
+        started = now_ms()
+        for key, output in run_tasks(tasks, backend, workers, address):
+            point = by_hash[key]
+            progress.advance(bar)
+            if isinstance(output, BaseException):
+                summary.failed.append(f"{point.label}: {type(output).__name__}: {output}")
+                console.print(f"[red]point failed[/] {point.label}: {output}")
+                continue
+            record = _point_record(spec, point, output, started)
+            started = record.end_ms
+            outbox.write(record)
+            summary.ran += 1
+            if tracker is not None:
+                try:
+                    tracker.log_point(exp_id, parent_id, record)
+                    outbox.remove(key)
+                except Exception as exc:  # the server went away mid-sweep: keep the rest local
+                    console.print(f"[yellow]tracking failed ({exc}); results stay in {outbox.root}[/]")
+                    outbox.write(parent, PARENT)
+                    tracker = None
+    if tracker is not None:
+        _finish_parent(tracker, exp_id, parent_id, points, summary, runs_dir)
+    if outbox.keys():
+        summary.outbox = str(outbox.root)
+        console.print(f"[yellow]{len(outbox.keys())} record(s) saved in {outbox.root}[/]; when {uri} is "
+                      f"reachable, send them with: cachelab sync {spec.name} --tracking-uri {uri}")
+    return summary
+
+
+def _connect(uri: str, name: str, console: Console):
+    try:
+        tracker = Tracker(uri)
+        return tracker, tracker.experiment_id(name)
+    except TrackingUnavailable as exc:
+        console.print(f"[yellow]{exc}: results are written locally[/]")
+        return None, None
+
+
+def _build_workloads(spec: ExperimentSpec, todo: list[Point], progress: Progress) -> dict[str, Path]:
+    specs = {workload_key(spec.workload): spec.workload}
+    for p in todo:
+        specs.setdefault(workload_key(p.config["workload"]), WorkloadSpec(**p.config["workload"]))
+    return {key: build_workload(ws, progress) for key, ws in specs.items()}
+
+
+def _parent_record(spec: ExperimentSpec, spec_path: Path, overrides: list[str] | None,
+                   workload_path: Path) -> Record:
+    dump = spec.model_dump(mode="json")
+    workload = load_workload(workload_path)
+    metrics, skew = workload_stats(workload, spec.workload.preset)
+    record = Record(hash=config_hash(dump), label=spec.name,
+                    params={k: v for k, v in flatten(dump).items() if k not in ("description",)},
+                    metrics=metrics, tags={"mlflow.note.content": spec.description,
+                                           "cachelab.experiment": spec.name},
+                    start_ms=now_ms())
+    record.artifacts["spec/" + spec_path.name] = spec_path.read_bytes()
+    if overrides:
+        record.artifacts["spec/overrides.txt"] = "\n".join(overrides).encode()
+    record.artifacts["spec/resolved.json"] = json.dumps(dump, indent=1).encode()
+    record.add_table("addressing", pl.DataFrame(skew))
+    record.add_table("mrc", lru_curve(workload, spec.warmup))
+    return record
+
+
+def lru_curve(workload, warmup: float) -> pl.DataFrame:
+    """The exact LRU miss-ratio curve of the workload at every scale (one stack-distance pass)."""
+    capacities = np.unique(np.geomspace(1, max(workload.distinct_rows, 2), 48).astype(np.int64)).tolist()
+    curve = miss_ratio_curve(workload.stream, capacities, "lru", warmup=warmup)
+    return pl.DataFrame({"curve": "lru (exact, one tier)", "capacity": curve.capacities,
+                         "miss_ratio": curve.miss_ratios})
+
+
+def _point_record(spec: ExperimentSpec, point: Point, output, started: int) -> Record:
+    params = {**flatten(point.config), **output.params}
+    record = Record(hash=point.hash, label=point.label, params=params, metrics=output.metrics,
+                    tags={"cachelab.experiment": spec.name,
+                          **{f"cachelab.axis.{k}": json.dumps(v) for k, v in point.axes.items()}},
+                    start_ms=started, end_ms=now_ms())
+    record.artifacts["config.json"] = json.dumps(point.config, indent=1).encode()
+    for name, table in output.tables.items():
+        record.add_table(name, table)
+    record.artifacts.update(output.files)
+    return record
+
+
+def results_table(runs: list) -> pl.DataFrame:
+    """One row per finished point run: its axes (``axis.*``), params and metrics."""
+    rows = []
+    for r in runs:
+        row = {"run_id": r.info.run_id, "label": r.info.run_name,
+               "point_hash": r.data.tags.get("cachelab.point_hash")}
+        row.update({f"axis.{k.removeprefix('cachelab.axis.')}": json.loads(v)
+                    for k, v in r.data.tags.items() if k.startswith("cachelab.axis.")})
+        row.update({f"param.{k}": v for k, v in r.data.params.items()})
+        row.update(r.data.metrics)
+        rows.append(row)
+    return pl.DataFrame(rows, infer_schema_length=None) if rows else pl.DataFrame()
+
+
+def _finish_parent(tracker: Tracker, exp_id: str, parent_id: str, points: list[Point],
+                   summary: RunSummary, runs_dir) -> None:
+    from cachelab.experiment.report import write_report
+
+    finished = tracker.finished_points(exp_id)
+    ours = [tracker.client.get_run(finished[p.hash]) for p in points if p.hash in finished]
+    table = results_table(ours)
+    record = Record(hash="", label="", params={}, metrics={"points.finished": len(ours)})
+    record.add_table("results", table)
+    tracker.log_record(parent_id, record)
+    out = Path(runs_dir) / summary.experiment / "report.html"
+    try:
+        summary.report = str(write_report(tracker, summary.experiment, out, parent_id=parent_id))
+        tracker.client.log_artifact(parent_id, summary.report)
+    finally:  # every point is tracked already: a report error must not leave the parent RUNNING
+        tracker.end_run(parent_id, "FAILED" if summary.failed or summary.report is None else "FINISHED")
+
+
+def sync_outbox(tracker: Tracker, outbox: Outbox, name: str) -> int:
+    """Send every waiting record to ``tracker``; points already FINISHED there are dropped.
+    Returns how many point records were sent."""
+    keys = outbox.keys()
+    if not keys:
+        return 0
+    exp_id = tracker.experiment_id(name)
+    finished = tracker.finished_points(exp_id)
+    parent = outbox.read(PARENT) if PARENT in keys else None
+    parent_id = tracker.parent_run(exp_id, parent) if parent else None
+    if parent is not None:
+        tracker.log_record(parent_id, parent)
+    sent = 0
+    for key in keys:
+        if key == PARENT:
+            continue
+        if key not in finished:
+            if parent_id is None:  # points without their parent's record: attach to the latest
+                latest, _ = tracker.experiment_runs(name)
+                parent_id = latest.info.run_id
+            tracker.log_point(exp_id, parent_id, outbox.read(key))
+            sent += 1
+        outbox.remove(key)
+    if parent is not None:
+        tracker.end_run(parent_id)
+        outbox.remove(PARENT)
+    return sent

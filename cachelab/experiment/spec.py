@@ -1,0 +1,417 @@
+"""Experiment specs: TOML validated before any work, with errors that name the key.
+
+A spec says what to replay (``workload``), through what (``hierarchy`` of tiers, each with a
+capacity, a policy and an admission filter), optionally with a learned ``predictor`` and a
+``serving`` model, and which keys to vary (``sweep``: a grid of dotted keys to value lists,
+crossed with ``seeds``). Types and shapes are checked by Pydantic; names are checked against
+the entry-point registry (the same one third-party plug-ins use), data files against the
+data root, capacities against the Engram table, so a bad spec stops with
+``spec.toml: hierarchy.tiers[0].policy: unknown policy 'lur'; allowed: fifo, lru`` before
+anything runs.
+
+Capacities: an integer number of rows, ``"N%"`` of the distinct rows the workload touches
+per layer table (resolved once the workload is built), or bytes (``"64 MiB"``, ``"2 GB"``).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from cachelab import registry
+from cachelab.errors import CachelabError
+from cachelab.paths import data_root
+
+# Point functions (cachelab.experiment.points) and the spec sections each reads: a point's
+# config holds only those, so a grid axis one kind ignores does not multiply its points.
+KINDS = {"replay": ("workload", "hierarchy", "warmup"),
+         "learned": ("workload", "predictor", "warmup"),
+         "serve": ("workload", "serving")}
+KindName = Literal[tuple(KINDS)]  # type: ignore[valid-type]
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SINGULAR = {registry.POLICIES: "policy", registry.PREDICTORS: "predictor", registry.WORKLOADS: "workload"}
+_CAPACITY = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(%|[a-zA-Z]+)?\s*$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=False, frozen=False)
+
+
+class WorkloadSpec(_Strict):
+    """Where the tokens come from and how they are cut into serving steps."""
+
+    source: str = Field("stdlib", description="a cachelab.workloads corpus")
+    path: str | None = Field(None, description="data file passed to the corpus, relative to the data root")
+    params: dict[str, Any] = Field(default_factory=dict, description="corpus constructor arguments")
+    data: list[str] = Field(default_factory=list, description="data files read, relative to the data root")
+    domains: list[str] | None = Field(None, description="keep only documents / requests of these domains")
+    trace: dict[str, Any] | None = Field(None, description="a `cachelab trace build` spec; replaces source")
+    preset: str = "deepseek-v4.1-flash"
+    tokens_per_step: int = Field(4096, gt=0, description="token positions per serving step")
+    max_tokens: int | None = Field(None, gt=0)
+
+
+class TierSpec(_Strict):
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
+    capacity: int | str
+    policy: str = "lru"
+    admission: str = "always"
+    params: dict[str, Any] = Field(default_factory=dict, description="policy constructor arguments")
+    location: Literal["gpu", "host"] | None = Field(None, description="inferred from hbm/gpu, dram/host/cpu")
+
+
+class HierarchySpec(_Strict):
+    tiers: list[TierSpec] = Field(min_length=1)
+    backing: Literal["dram", "ssd"] = "dram"
+    page_cache: int | str = Field(0, description="SSD backing: page-cache bytes (int or '8 GiB')")
+    page_policy: str = "lru"
+
+
+class PredictorSpec(_Strict):
+    """A learned policy: trained on the workload's first ``train_fraction`` of lookups, judged
+    on the rest (or on ``holdout``, a workload it never saw) against the heuristics and Belady."""
+
+    name: str = Field(description="a cachelab.predictors entry point")
+    params: dict[str, Any] = Field(default_factory=dict, description="predictor constructor arguments")
+    train_fraction: float = Field(0.5, gt=0, lt=1)
+    horizon: int = Field(1 << 15, gt=0, description="label horizon in lookups")
+    max_samples: int = Field(500_000, gt=0, description="training samples drawn from the window")
+    capacities: list[int | str] = Field(default_factory=lambda: ["0.1%", "1%", "5%"], min_length=1,
+                                        description="rows, or shares of the distinct rows ('1%')")
+    holdout: WorkloadSpec | None = None
+
+
+class ServingSpec(_Strict):
+    """A serving replay (``cachelab.serving``): the workload's request trace through the
+    scheduler, the prefix cache, the hierarchy and the latency model of ``hardware``."""
+
+    hardware: str = Field(description="a hardware profile (B200, B300, H200, ...) or a TOML path")
+    placement: str = Field(description="hbm, dram-uva, dram-copy, ssd-mmap, ssd-direct")
+    tp: int = Field(1, gt=0)
+    concurrency: int | None = Field(None, gt=0, description="client cap on requests in flight")
+    params: dict[str, Any] = Field(default_factory=dict, description="other ServingConfig fields")
+
+
+class ExperimentSpec(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    description: str = ""
+    kind: KindName | list[KindName] = "replay"
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    warmup: float = Field(0.0, ge=0, lt=1, description="fraction of steps excluded from the metrics")
+    workload: WorkloadSpec = Field(default_factory=WorkloadSpec)
+    hierarchy: HierarchySpec | None = None
+    predictor: PredictorSpec | None = None
+    serving: ServingSpec | None = None
+    sweep: dict[str, list[Any]] = Field(default_factory=dict)
+
+
+def load_spec(path: str | Path, overrides: list[str] | None = None) -> ExperimentSpec:
+    """Read, validate and check a spec file; every error names the file and the key.
+
+    ``overrides`` are ``KEY=VALUE`` strings (``workload.params.max_chars=50000``), the value
+    read as TOML (a bare word is a string), applied before validation.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CachelabError(f"spec file not found: {path}")
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise CachelabError(f"{path}: not valid TOML ({exc})") from None
+    for item in overrides or []:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise CachelabError(f"--set {item!r}: expected KEY=VALUE, e.g. workload.params.max_chars=50000")
+        try:
+            value = tomllib.loads(f"v = {text.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text.strip()
+        try:
+            raw = set_key(raw, key.strip(), value)
+        except KeyError as exc:
+            raise CachelabError(f"--set {item!r}: {exc.args[0]}") from None
+    return parse_spec(raw, where=str(path))
+
+
+def parse_spec(raw: dict, where: str = "spec") -> ExperimentSpec:
+    """Validate a spec given as a dict (what the TOML file holds)."""
+    spec = _validate(raw, where)
+    check_spec(spec, where)
+    for key, values in spec.sweep.items():
+        if not values:
+            raise CachelabError(f"{where}: sweep.{key!r}: an axis needs at least one value")
+        for i, value in enumerate(values):
+            try:
+                point = set_key(raw, key, value)
+            except KeyError as exc:
+                raise CachelabError(f"{where}: sweep.{key!r}: {exc.args[0]}") from None
+            check_spec(_validate(point, f"{where}: sweep.{key!r}[{i}]"), f"{where}: sweep.{key!r}[{i}]")
+    return spec
+
+
+def _validate(raw: dict, where: str) -> ExperimentSpec:
+    try:
+        return ExperimentSpec.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = _dotted(err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        got = "" if err["type"] in ("missing", "extra_forbidden") else f" (got {err['input']!r})"
+        raise CachelabError(f"{where}: {key}: {msg}{got}") from None
+
+
+_UNION_TAG = re.compile(r"^(int|str|float|bool|none|.*\[.*)$")  # pydantic's names of union members
+
+
+def _dotted(loc) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, str) and _UNION_TAG.match(part):
+            continue
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def set_key(raw: dict, key: str, value) -> dict:
+    """A copy of ``raw`` with dotted ``key`` set; a tier is addressed by its name
+    (``hierarchy.hbm.capacity``)."""
+    out = copy.deepcopy(raw)
+    parts = key.split(".")
+    node = out
+    for i, part in enumerate(parts[:-1]):
+        nxt = node.get(part) if isinstance(node, dict) else None
+        if part == "hierarchy" and isinstance(nxt, dict) and i + 1 < len(parts) - 1:
+            tiers = {t.get("name"): t for t in nxt.get("tiers", [])}
+            tier = parts[i + 1]
+            if tier not in tiers:
+                raise KeyError(f"no tier named {tier!r} in hierarchy.tiers; tiers: {sorted(tiers)}")
+            node = tiers[tier]
+            rest = parts[i + 2:]
+            for sub in rest[:-1]:
+                node = node.setdefault(sub, {})
+            node[rest[-1]] = value
+            return out
+        if nxt is None:
+            nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise KeyError(f"{'.'.join(parts[:i + 1])} is not a table")
+        node = nxt
+    node[parts[-1]] = value
+    return out
+
+
+def check_spec(spec: ExperimentSpec, where: str) -> None:
+    """Checks beyond types: registry names, data files, capacities, section presence."""
+    _check_workload(spec.workload, where)
+    if "replay" in kinds(spec) and spec.hierarchy is None:
+        raise CachelabError(f"{where}: hierarchy: kind 'replay' needs [[hierarchy.tiers]]")
+    if "learned" in kinds(spec) and spec.predictor is None:
+        raise CachelabError(f"{where}: predictor: kind 'learned' needs a [predictor] section")
+    if "serve" in kinds(spec):
+        if spec.serving is None:
+            raise CachelabError(f"{where}: serving: kind 'serve' needs a [serving] section")
+        if spec.workload.trace is None:
+            raise CachelabError(f"{where}: workload.trace: kind 'serve' replays requests with arrival times: "
+                                "give a [workload.trace] (a `cachelab trace build` spec)")
+        _check_serving(spec.serving, where)
+
+    if spec.hierarchy is not None:
+        names = [t.name for t in spec.hierarchy.tiers]
+        if len(set(names)) != len(names):
+            raise CachelabError(f"{where}: hierarchy.tiers: tier names must be distinct, got {names}")
+        table_rows, row_bytes = _table(spec.workload.preset)
+        if spec.hierarchy.backing == "ssd":
+            _check_plugin(registry.POLICIES, "hierarchy.page_policy", spec.hierarchy.page_policy, where)
+            page_cache_bytes(spec.hierarchy.page_cache, f"{where}: hierarchy.page_cache")
+        for i, tier in enumerate(spec.hierarchy.tiers):
+            key = f"hierarchy.tiers[{i}]"
+            _check_policy(tier, spec.predictor, where, key)
+            rows = capacity_rows(tier.capacity, unique_rows=table_rows, row_bytes=row_bytes,
+                                 where=f"{where}: {key}.capacity")
+            if rows > table_rows:
+                raise CachelabError(
+                    f"{where}: {key}.capacity: {tier.capacity!r} is {rows:,} rows, larger than the table "
+                    f"({table_rows:,} rows in the layer tables of {spec.workload.preset})")
+    if spec.predictor is not None:
+        _check_predictor(spec.predictor, spec.workload.preset, where)
+
+
+def _check_serving(s: ServingSpec, where: str) -> None:
+    import dataclasses
+
+    from cachelab.hardware import load_profile
+    from cachelab.latency import PLACEMENTS
+    from cachelab.serving import ServingConfig
+
+    if s.placement not in PLACEMENTS:
+        raise CachelabError(f"{where}: serving.placement: unknown placement {s.placement!r}; "
+                            f"allowed: {', '.join(PLACEMENTS)}")
+    try:
+        load_profile(s.hardware)
+    except CachelabError as exc:
+        raise CachelabError(f"{where}: serving.hardware: {exc}") from None
+    fields = [f.name for f in dataclasses.fields(ServingConfig)]
+    unknown = sorted(set(s.params) - set(fields) | set(s.params) & {"hardware", "placement", "tp", "concurrency"})
+    if unknown:
+        raise CachelabError(f"{where}: serving.params: unknown or misplaced {unknown}; allowed: "
+                            f"{[f for f in fields if f not in ('hardware', 'placement', 'tp', 'concurrency')]}")
+    try:
+        serving_config(s.model_dump()).check()
+    except (CachelabError, TypeError) as exc:
+        raise CachelabError(f"{where}: serving: {exc}") from None
+
+
+def serving_config(s: dict):
+    """The ``cachelab.serving.ServingConfig`` of a spec's [serving] section."""
+    from cachelab.serving import ServingConfig
+
+    return ServingConfig(hardware=s["hardware"], placement=s["placement"], tp=s["tp"],
+                         concurrency=s["concurrency"], **s["params"])
+
+
+def kinds(spec: ExperimentSpec) -> list[str]:
+    return [spec.kind] if isinstance(spec.kind, str) else list(spec.kind)
+
+
+def _check_predictor(p: PredictorSpec, preset: str, where: str) -> None:
+    cls = _check_plugin(registry.PREDICTORS, "predictor.name", p.name, where)
+    try:
+        inspect.signature(cls).bind(**p.params)
+    except TypeError:
+        allowed = [k for k in inspect.signature(cls).parameters if k != "self"]
+        raise CachelabError(f"{where}: predictor.params: {p.name!r} takes {allowed}, got {sorted(p.params)}") from None
+    table_rows, row_bytes = _table(preset, where)
+    for i, cap in enumerate(p.capacities):
+        capacity_rows(cap, table_rows, row_bytes, f"{where}: predictor.capacities[{i}]")
+    if p.holdout is not None:
+        _check_workload(p.holdout, where, "predictor.holdout")
+
+
+def _check_workload(w: WorkloadSpec, where: str, key: str = "workload") -> None:
+    for i, rel in enumerate(w.data):
+        resolve_data_path(rel, where, f"{key}.data[{i}]")
+    if w.trace is not None:
+        _check_trace(w.trace, where, key)
+    cls = _check_plugin(registry.WORKLOADS, f"{key}.source", w.source, where)
+    kwargs = dict(w.params)
+    if w.path is not None:
+        kwargs["path"] = str(resolve_data_path(w.path, where, f"{key}.path"))
+    try:
+        inspect.signature(cls).bind(**kwargs)
+    except TypeError:
+        allowed = [p for p in inspect.signature(cls).parameters if p != "self"]
+        bad = sorted(set(kwargs) - set(allowed)) or sorted(kwargs)
+        raise CachelabError(f"{where}: {key}.params: {w.source!r} does not take {bad}; "
+                            f"allowed: {allowed}") from None
+    _table(w.preset, where)
+
+
+def _check_trace(trace: dict, where: str, key: str) -> None:
+    from cachelab import workload as trace_workload
+
+    spec = trace_workload.parse_spec(trace, f"{where}: {key}.trace")
+    if spec.arrivals.path is not None:
+        resolve_data_path(spec.arrivals.path, where, f"{key}.trace.arrivals.path")
+    _check_plugin(registry.WORKLOADS, f"{key}.trace.arrivals.source", spec.arrivals.source, where)
+    if spec.corpus is not None:
+        _check_plugin(registry.WORKLOADS, f"{key}.trace.corpus.source", spec.corpus.source, where)
+
+
+def _check_plugin(group: str, key: str, name: str, where: str):
+    plugins = {p.name: p for p in registry.discover(group)}
+    if name not in plugins:
+        kind = _SINGULAR[group]
+        raise CachelabError(f"{where}: {key}: unknown {kind} {name!r}; allowed: {', '.join(sorted(plugins))}")
+    plugin = plugins[name]
+    if plugin.error is not None:
+        raise CachelabError(f"{where}: {key}: plug-in {name!r} from {plugin.distribution} failed to load: "
+                            f"{plugin.error}")
+    return plugin.obj
+
+
+def _check_policy(tier: TierSpec, predictor: PredictorSpec | None, where: str, key: str) -> None:
+    _check_plugin(registry.POLICIES, f"{key}.policy", tier.policy, where)
+    where = f"{where}: {key}"
+    try:
+        policy = make_tier_policy(tier)
+        policy.reset(2, 4)  # a tiny cache: surfaces bad admission names and parameters now
+    except (CachelabError, TypeError) as exc:
+        raise CachelabError(f"{where}: {exc}") from None
+    if policy.capabilities.needs_scores and predictor is None:
+        raise CachelabError(f"{where}.policy: {tier.policy!r} needs scores: add a [predictor] section")
+
+
+def make_tier_policy(tier: TierSpec | dict):
+    """The policy object of a tier: its registered policy with its admission and params."""
+    t = tier if isinstance(tier, dict) else tier.model_dump()
+    params = dict(t["params"])
+    if t["admission"] != "always":  # a plug-in without admission hooks takes no such argument
+        params["admission"] = t["admission"]
+    return registry.make_policy(t["policy"], **params)
+
+
+def page_cache_bytes(value: int | str, where: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().endswith("%"):
+        raise CachelabError(f"{where}: give bytes ('8 GiB'), not a share ({value!r})")
+    return capacity_rows(value, unique_rows=1, row_bytes=1, where=where)
+
+
+def _table(preset: str, where: str = "spec") -> tuple[int, int]:
+    from cachelab.engram import get_preset
+
+    try:
+        cfg = get_preset(preset)
+    except CachelabError as exc:
+        raise CachelabError(f"{where}: workload.preset: {exc}") from None
+    return int(cfg.table_rows.sum()), int(cfg.row_bytes)
+
+
+def resolve_data_path(relative: str, where: str = "spec", key: str = "workload.path") -> Path:
+    """``relative`` under the data root (``cachelab.paths.data_root()``); absolute paths as given."""
+    path = Path(relative)
+    if not path.is_absolute():
+        root = data_root(required=False)
+        if root is None:
+            raise CachelabError(f"{where}: {key}: {relative!r} needs the data root: "
+                                "set CACHELAB_DATA to the folder holding traces/ and prompts/")
+        path = root / path
+    if not path.exists():
+        raise CachelabError(f"{where}: {key}: data file not found: {path}")
+    return path
+
+
+def capacity_rows(capacity: int | str, unique_rows: int, row_bytes: int, where: str = "capacity") -> int:
+    """Rows of a tier: an integer, ``"N%"`` of ``unique_rows``, or bytes (``"64 MiB"``)."""
+    if isinstance(capacity, bool):
+        raise CachelabError(f"{where}: expected rows, 'N%' or bytes, got {capacity!r}")
+    if isinstance(capacity, int):
+        rows = capacity
+    else:
+        m = _CAPACITY.match(capacity)
+        unit = (m.group(2) or "rows").lower() if m else None
+        if m is None or (unit not in _UNITS and unit not in ("%", "rows")):
+            raise CachelabError(f"{where}: {capacity!r} is not a capacity; write rows (1000), a share of "
+                                f"the workload's rows ('1%') or bytes with a unit ({', '.join(_UNITS)})")
+        amount = float(m.group(1))
+        if unit == "%":
+            if not 0 < amount <= 100:
+                raise CachelabError(f"{where}: {capacity!r}: a share must be in (0%, 100%]")
+            rows = int(round(unique_rows * amount / 100))
+        elif unit == "rows":
+            rows = int(amount)
+        else:
+            rows = int(amount * _UNITS[unit]) // row_bytes
+    if rows < 1:
+        raise CachelabError(f"{where}: {capacity!r} is less than one row")
+    return rows

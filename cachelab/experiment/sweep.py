@@ -1,0 +1,61 @@
+"""A spec's grid: every combination of the sweep axes, crossed with the seeds, each hashed.
+
+A point's hash is over its fully resolved config (the spec with that point's values set,
+the sweep removed, the seed in), so a finished point is recognised across reruns, across
+backends, and across specs that share it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from dataclasses import dataclass
+
+from cachelab.experiment.spec import KINDS, ExperimentSpec, kinds, set_key
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    """One run of the point function: its config, hash and the values that set it apart."""
+
+    config: dict  # "kind", the sections that kind reads (spec.KINDS), and "seed"
+    hash: str
+    label: str  # "hbm.policy=lru hbm.capacity=1% seed=0"
+    axes: dict  # sweep key -> value, and "seed"
+
+
+def config_hash(config: dict) -> str:
+    blob = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def expand(spec: ExperimentSpec) -> list[Point]:
+    """Distinct points in grid order (kinds, then first axis slowest, seeds fastest).
+
+    A point of kind K holds only the sections K reads, so an axis K ignores (a policy, for a
+    learned point that evaluates every policy itself) does not multiply K's points.
+    """
+    base = spec.model_dump(mode="json")
+    keys = list(spec.sweep)
+    points: dict[str, Point] = {}
+    for kind in kinds(spec):
+        sections = KINDS[kind]
+        for values in itertools.product(*(spec.sweep[k] for k in keys)):
+            raw = base
+            for key, value in zip(keys, values):
+                raw = set_key(raw, key, value)
+            # Re-validate: fills defaults the value implies, and normalises types.
+            resolved = ExperimentSpec.model_validate(raw).model_dump(mode="json")
+            for seed in spec.seeds:
+                config = {"kind": kind, **{k: resolved[k] for k in sections}, "seed": seed}
+                axes = {_short(k): v for k, v in zip(keys, values) if k.split(".")[0] in sections}
+                axes = {"kind": kind, **axes, "seed": seed}
+                label = " ".join(f"{k}={v}" for k, v in axes.items())
+                point = Point(config, config_hash(config), label, axes)
+                points.setdefault(point.hash, point)
+    return list(points.values())
+
+
+def _short(key: str) -> str:
+    return key.removeprefix("hierarchy.")

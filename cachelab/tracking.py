@@ -1,0 +1,161 @@
+"""MLflow at the edge: the only module that imports it.
+
+One MLflow experiment per spec name; one parent run per spec (tagged with the spec's hash,
+reused when the same spec runs again) and one child run per point (tagged with the point's
+config hash). A point whose hash already has a FINISHED run is not run again. Runs are
+written through ``MlflowClient`` with explicit ids, never the fluent API's implicit state.
+
+The tracking URI is the ``--tracking-uri`` flag, else ``MLFLOW_TRACKING_URI``, else
+``sqlite:///mlflow.db`` in the working directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from cachelab.errors import CachelabError
+from cachelab.experiment.records import Record
+
+DEFAULT_URI = "sqlite:///mlflow.db"
+KIND, SPEC_HASH, POINT_HASH = "cachelab.kind", "cachelab.spec_hash", "cachelab.point_hash"
+PAGE = 1000
+
+
+class TrackingUnavailable(CachelabError):
+    """The tracking server cannot be reached; results stay in the local outbox."""
+
+
+def resolve_uri(uri: str | None) -> str:
+    return uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
+
+
+def _check_reachable(uri: str, timeout_s: float = 5.0) -> None:
+    """An HTTP server answers /health within the timeout (MLflow's own client would retry
+    for minutes); file and database URIs are always reachable."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s) as resp:
+            if resp.status == 200:
+                return
+    except (urllib.error.URLError, OSError) as exc:
+        raise TrackingUnavailable(f"tracking server {uri} is unreachable ({exc})") from None
+    raise TrackingUnavailable(f"tracking server {uri} did not answer /health with 200")
+
+
+class Tracker:
+    """Explicit-id access to one tracking store."""
+
+    def __init__(self, uri: str | None = None):
+        self.uri = resolve_uri(uri)
+        _check_reachable(self.uri)
+        # A server that dies mid-sweep should fail a call in seconds, not retry for minutes.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+        from mlflow import MlflowClient
+
+        logging.getLogger("mlflow").setLevel(logging.WARNING)  # no schema-migration chatter
+
+        self.client = MlflowClient(tracking_uri=self.uri)
+
+    def experiment_id(self, name: str, create: bool = True) -> str | None:
+        exp = self.client.get_experiment_by_name(name)
+        if exp is not None:
+            return exp.experiment_id
+        if not create:
+            return None
+        return self.client.create_experiment(name)
+
+    def _search(self, exp_id: str, filter_string: str, order_by=None) -> list:
+        runs, token = [], None
+        while True:
+            page = self.client.search_runs([exp_id], filter_string=filter_string, max_results=PAGE,
+                                           order_by=order_by, page_token=token)
+            runs += list(page)
+            token = page.token
+            if not token:
+                return runs
+
+    def finished_points(self, exp_id: str) -> dict[str, str]:
+        """Point hash -> run id of every FINISHED point run in the experiment."""
+        runs = self._search(exp_id, f"tags.`{KIND}` = 'point' and attributes.status = 'FINISHED'")
+        return {r.data.tags[POINT_HASH]: r.info.run_id for r in runs}
+
+    def close_stale(self, exp_id: str) -> int:
+        """Mark point runs left RUNNING by a killed sweep as KILLED; returns how many."""
+        runs = self._search(exp_id, f"tags.`{KIND}` = 'point' and attributes.status = 'RUNNING'")
+        for r in runs:
+            self.client.set_terminated(r.info.run_id, status="KILLED")
+        return len(runs)
+
+    def parent_run(self, exp_id: str, record: Record) -> str:
+        """The parent run of this spec: the latest one with its hash, or a new one."""
+        found = self._search(exp_id, f"tags.`{KIND}` = 'experiment' and tags.`{SPEC_HASH}` = '{record.hash}'",
+                             order_by=["attributes.start_time DESC"])
+        if found:
+            run_id = found[0].info.run_id
+            self.client.update_run(run_id, status="RUNNING")
+            return run_id
+        tags = {KIND: "experiment", SPEC_HASH: record.hash, **record.tags}
+        run = self.client.create_run(exp_id, start_time=record.start_ms or None, tags=tags,
+                                     run_name=record.label)
+        return run.info.run_id
+
+    def log_record(self, run_id: str, record: Record) -> None:
+        """Params, metrics and artifacts of ``record`` into an existing run."""
+        from mlflow.entities import Metric, Param
+
+        params = [Param(k, str(v)[:6000]) for k, v in sorted(record.params.items())]
+        metrics = [Metric(k, float(v), record.end_ms or record.start_ms, 0) for k, v in sorted(record.metrics.items())]
+        for i in range(0, max(len(params), len(metrics)), 100):
+            self.client.log_batch(run_id, metrics=metrics[i:i + 100], params=params[i:i + 100])
+        if record.artifacts:
+            with tempfile.TemporaryDirectory() as tmp:
+                for rel, data in record.artifacts.items():
+                    dst = Path(tmp) / rel
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    dst.write_bytes(data)
+                self.client.log_artifacts(run_id, tmp)
+
+    def log_point(self, exp_id: str, parent_id: str, record: Record) -> str:
+        tags = {KIND: "point", POINT_HASH: record.hash, "mlflow.parentRunId": parent_id, **record.tags}
+        run = self.client.create_run(exp_id, start_time=record.start_ms, tags=tags, run_name=record.label)
+        run_id = run.info.run_id
+        try:
+            self.log_record(run_id, record)
+        except BaseException:
+            self.client.set_terminated(run_id, status="FAILED")
+            raise
+        self.client.set_terminated(run_id, status=record.status, end_time=record.end_ms)
+        return run_id
+
+    def end_run(self, run_id: str, status: str = "FINISHED") -> None:
+        self.client.set_terminated(run_id, status=status)
+
+    def experiment_runs(self, name: str) -> tuple[object | None, list]:
+        """The latest parent run and every FINISHED point run of experiment ``name``
+        (one per hash: the latest)."""
+        exp_id = self.experiment_id(name, create=False)
+        if exp_id is None:
+            names = sorted(e.name for e in self.client.search_experiments())
+            raise CachelabError(f"no experiment named {name!r} at {self.uri}; experiments: {names}")
+        parents = self._search(exp_id, f"tags.`{KIND}` = 'experiment'", order_by=["attributes.start_time DESC"])
+        points = self._search(exp_id, f"tags.`{KIND}` = 'point' and attributes.status = 'FINISHED'",
+                              order_by=["attributes.start_time DESC"])
+        latest = {}
+        for r in points:
+            latest.setdefault(r.data.tags[POINT_HASH], r)
+        return (parents[0] if parents else None), list(latest.values())
+
+    def download(self, run_id: str, path: str, dst: Path) -> Path | None:
+        """An artifact of a run, or None if the run has none at ``path``."""
+        names = {a.path for a in self.client.list_artifacts(run_id, str(Path(path).parent) if "/" in path else None)}
+        if path not in names:
+            return None
+        return Path(self.client.download_artifacts(run_id, path, str(dst)))

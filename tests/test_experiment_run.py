@@ -1,0 +1,167 @@
+"""`cachelab run` end to end: MLflow runs read back, resume, offline outbox, server, Ray, kill."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from experiment_helpers import cli, write_spec
+from mlflow import MlflowClient
+
+from cachelab.experiment.runner import run_experiment
+from cachelab.tracking import POINT_HASH
+
+
+def _points(uri: str, name: str, status: str = "FINISHED") -> list:
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        return []
+    return client.search_runs([exp.experiment_id], filter_string=f"tags.`cachelab.kind` = 'point' "
+                              f"and attributes.status = '{status}'", max_results=1000)
+
+
+def _metrics(uri: str, name: str) -> dict[str, dict]:
+    return {r.data.tags[POINT_HASH]: r.data.metrics for r in _points(uri, name)}
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    """The tiny sweep on the default backend (a process pool of 2), tracked in SQLite."""
+    folder = tmp_path_factory.mktemp("local")
+    spec = write_spec(folder)
+    uri = f"sqlite:///{folder}/mlflow.db"
+    summary = run_experiment(spec, tracking_uri=uri, runs_dir=folder / "runs", workers=2, quiet=True)
+    summary.reference = _metrics(uri, "tiny")  # the four points' numbers, before other tests add any
+    return folder, spec, uri, summary
+
+
+def test_runs_metrics_and_artifacts_read_back_through_mlflow(local):
+    folder, spec, uri, summary = local
+    assert (summary.points, summary.ran, summary.skipped, summary.failed) == (4, 4, 0, [])
+    client = MlflowClient(tracking_uri=uri)
+    points = _points(uri, "tiny")
+    assert len(points) == 4
+    parent_ids = {r.data.tags["mlflow.parentRunId"] for r in points}
+    assert len(parent_ids) == 1
+    parent = client.get_run(parent_ids.pop())
+    assert parent.info.status == "FINISHED" and parent.data.metrics["points.finished"] == 4
+    assert parent.data.metrics["workload.tokens"] > 1000
+    parent_files = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"addressing.parquet", "mrc.parquet", "results.parquet", "report.html", "spec"} <= parent_files
+    for run in points:
+        m = run.data.metrics
+        assert 0 < m["hbm.miss_ratio"] < 1 and 0 < m["dram.miss_ratio"] <= 1
+        assert m["dram.requests_unique"] == m["hbm.requests_unique"] - m["hbm.served_unique"]  # HBM's misses
+        assert m["bytes.host_to_gpu"] == (m["unique_rows"] - m["hbm.served_unique"]) * 264
+        assert run.data.params["hierarchy.hbm.policy"] == "lru"
+        files = {a.path for a in client.list_artifacts(run.info.run_id)}
+        assert {"config.json", "per_step.parquet"} <= files
+    # Larger caches miss less: the sweep measured something real.
+    by_cap = {(r.data.params["hierarchy.hbm.capacity"], r.data.params["hierarchy.hbm.admission"]):
+              r.data.metrics["hbm.miss_ratio"] for r in points}
+    assert by_cap[("2%", "always")] < by_cap[("0.5%", "always")]
+
+
+def test_rerun_skips_every_finished_point(local):
+    folder, spec, uri, _ = local
+    again = run_experiment(spec, tracking_uri=uri, runs_dir=folder / "runs", workers=1, quiet=True)
+    assert (again.ran, again.skipped) == (0, 4)
+    assert len(_points(uri, "tiny")) == 4
+    bigger = write_spec(folder, capacities=("0.5%", "2%", "8%"))  # one more capacity: only it runs
+    grown = run_experiment(bigger, tracking_uri=uri, runs_dir=folder / "runs", workers=1, quiet=True)
+    assert (grown.ran, grown.skipped) == (2, 4)
+
+
+def test_unreachable_server_keeps_results_and_sync_sends_them(tmp_path, local):
+    spec = write_spec(tmp_path)
+    dead = f"http://127.0.0.1:{_free_port()}"
+    summary = run_experiment(spec, tracking_uri=dead, runs_dir=tmp_path / "runs", workers=1, quiet=True)
+    assert summary.ran == 4 and summary.outbox is not None
+    assert len(os.listdir(summary.outbox)) == 5  # four points and the parent, nothing lost
+    uri = f"sqlite:///{tmp_path}/later.db"
+    res = cli("sync", "tiny", "--tracking-uri", uri, "--runs-dir", str(tmp_path / "runs"), cwd=tmp_path)
+    assert res.returncode == 0 and "sent 4 point run(s)" in res.stdout, res.stderr
+    assert _metrics(uri, "tiny") == local[3].reference  # same points, same numbers
+    assert os.listdir(summary.outbox) == []
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_mlflow_server_gives_the_same_results(tmp_path, local):
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{tmp_path}/server.db", "--artifacts-destination", str(tmp_path / "art")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "mlflow server did not come up in 120 s"
+            assert server.poll() is None, "mlflow server exited"
+            time.sleep(0.5)
+        summary = run_experiment(write_spec(tmp_path), tracking_uri=uri, runs_dir=tmp_path / "runs",
+                                 workers=1, quiet=True)
+        assert summary.ran == 4 and summary.outbox is None
+        assert _metrics(uri, "tiny") == local[3].reference
+        client = MlflowClient(tracking_uri=uri)
+        run = _points(uri, "tiny")[0]
+        assert "per_step.parquet" in {a.path for a in client.list_artifacts(run.info.run_id)}
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+
+
+def test_ray_gives_the_same_results(tmp_path, local):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    summary = run_experiment(write_spec(tmp_path), backend="ray", workers=2, tracking_uri=uri,
+                             runs_dir=tmp_path / "runs", quiet=True)
+    assert (summary.ran, summary.failed) == (4, [])
+    assert _metrics(uri, "tiny") == local[3].reference
+
+
+def test_killed_sweep_resumes_without_running_a_point_twice(tmp_path):
+    capacities = ("0.2%", "0.5%", "1%", "2%", "4%", "8%")
+    spec = write_spec(tmp_path, name="killme", capacities=capacities)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    MlflowClient(tracking_uri=uri).search_experiments()  # create the schema now: polling must not race it
+    args = [sys.executable, "-m", "cachelab.cli", "run", str(spec), "--workers", "1", "--tracking-uri", uri, "--json"]
+    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 180
+    try:
+        while len(_points(uri, "killme")) < 2:
+            assert proc.poll() is None, "the sweep ended before it could be killed"
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait()
+    before = {r.data.tags[POINT_HASH] for r in _points(uri, "killme")}
+    outbox = tmp_path / "runs" / "killme" / "outbox"
+    waiting = {p.name for p in outbox.iterdir()} - {"_parent"} if outbox.exists() else set()
+    assert 2 <= len(before) < 12, "kill the sweep midway"
+    res = cli("run", str(spec), "--workers", "1", "--tracking-uri", uri, "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    summary = json.loads(res.stdout)
+    assert summary["ran"] == 12 - len(before | waiting) and summary["skipped"] == len(before | waiting)
+    finished = [r.data.tags[POINT_HASH] for r in _points(uri, "killme")]
+    assert len(finished) == 12 and len(set(finished)) == 12  # every point once, none twice
+    assert _points(uri, "killme", "RUNNING") == []

@@ -1,0 +1,120 @@
+"""Bad specs stop before any work, with a message naming the key (and the allowed values)."""
+
+from __future__ import annotations
+
+import pytest
+from experiment_helpers import cli, write_spec
+
+from cachelab.errors import CachelabError
+from cachelab.experiment.spec import capacity_rows, load_spec
+from cachelab.experiment.sweep import expand
+from cachelab.paths import REPO_ROOT
+
+
+def _load(tmp_path, extra="", **kw):
+    return load_spec(write_spec(tmp_path, extra=extra, **kw))
+
+
+def _error(tmp_path, text_from, text_to, extra=""):
+    path = write_spec(tmp_path, extra=extra)
+    path.write_text(path.read_text().replace(text_from, text_to, 1))
+    with pytest.raises(CachelabError) as exc:
+        load_spec(path)
+    return str(exc.value)
+
+
+def test_valid_spec_expands_to_a_hashed_grid(tmp_path):
+    spec = _load(tmp_path)
+    points = expand(spec)
+    assert len(points) == 4 and len({p.hash for p in points}) == 4
+    assert points[0].axes == {"kind": "replay", "hbm.capacity": "0.5%", "hbm.admission": "always", "seed": 0}
+    assert points[0].config["hierarchy"]["tiers"][0]["capacity"] == "0.5%"
+    assert expand(_load(tmp_path))[0].hash == points[0].hash  # stable across loads
+
+
+@pytest.mark.parametrize("old,new,expected", [
+    ('policy = "lru"', 'policy = "lur"', "hierarchy.tiers[0].policy: unknown policy 'lur'; allowed: "),
+    ('capacity = "1%"', "capacity = 999999999999", "hierarchy.tiers[0].capacity: 999999999999 is 999,999,999,999 "
+                                                   "rows, larger than the table"),
+    ('capacity = "1%"', 'capacity = "1 PiB"', "hierarchy.tiers[0].capacity: '1 PiB' is not a capacity"),
+    ('capacity = "1%"', 'capacity = "150%"', "hierarchy.tiers[0].capacity: '150%': a share must be in"),
+    ("warmup = 0.1", 'warmup = "lots"', "warmup: Input should be a valid number"),
+    ("warmup = 0.1", "warmup = 1.5", "warmup: Input should be less than 1"),
+    ("tokens_per_step = 512", "tokens_per_step = -4", "workload.tokens_per_step: Input should be greater than 0"),
+    ("seeds = [0]", 'seeds = "zero"', "seeds: Input should be a valid list"),
+    ('source = "stdlib"', 'source = "nope"', "workload.source: unknown workload 'nope'; allowed: "),
+    ("tokens_per_step = 512", "tokens_per_step = 512\nsauce = 1", "workload.sauce: unknown key"),
+    ('name = "tiny"', 'name = "a b"', "name: String should match pattern"),
+    ("max_chars = 40000", "max_lines = 4", "workload.params: 'stdlib' does not take ['max_lines']; allowed: "),
+    ('policy = "lru"', 'policy = "lru"\nadmission = "maybe"', "hierarchy.tiers[0]: unknown admission 'maybe'"),
+    ('"always", "tinylfu"', '"always", 7', "sweep.'hierarchy.hbm.admission'[1]: hierarchy.tiers[0].admission: "
+                                          "Input should be a valid string"),
+    ('"hierarchy.hbm.capacity"', '"hierarchy.l3.capacity"', "no tier named 'l3' in hierarchy.tiers"),
+    ("seeds = [0]", 'seeds = [0]\nkind = "dance"', "kind: Input should be 'replay', 'learned' or 'serve'"),
+    ("seeds = [0]", 'seeds = [0]\nkind = "learned"', "predictor: kind 'learned' needs a [predictor] section"),
+])
+def test_bad_spec_names_the_key(tmp_path, old, new, expected):
+    assert expected in _error(tmp_path, old, new)
+
+
+def test_unknown_policy_in_sweep_lists_allowed(tmp_path):
+    message = _error(tmp_path, '"hierarchy.hbm.admission" = ["always", "tinylfu"]',
+                     '"hierarchy.hbm.policy" = ["lru", "nope"]')
+    assert "sweep.'hierarchy.hbm.policy'[1]: hierarchy.tiers[0].policy: unknown policy 'nope'; allowed: " in message
+    assert "lru" in message
+
+
+def test_missing_data_file_names_the_path(tmp_path, monkeypatch, data_dir):
+    message = _error(tmp_path, "tokens_per_step = 512", 'tokens_per_step = 512\npath = "prompts/nope.jsonl"')
+    assert "workload.path: data file not found: " in message and "prompts/nope.jsonl" in message
+    monkeypatch.setenv("CACHELAB_DATA", str(tmp_path / "absent"))
+    message = _error(tmp_path, "tokens_per_step = 512", 'tokens_per_step = 512\npath = "prompts/nope.jsonl"')
+    assert "workload.path: 'prompts/nope.jsonl' needs the data root" in message
+
+
+def test_overrides_are_validated_like_the_file(tmp_path):
+    path = write_spec(tmp_path)
+    spec = load_spec(path, ["workload.params.max_chars=1000", "hierarchy.dram.policy=lru"])
+    assert spec.workload.params["max_chars"] == 1000
+    with pytest.raises(CachelabError, match=r"warmup: Input should be less than 1 \(got 2\)"):
+        load_spec(path, ["warmup=2"])
+    with pytest.raises(CachelabError, match="expected KEY=VALUE"):
+        load_spec(path, ["warmup"])
+
+
+def test_capacity_forms():
+    assert capacity_rows(1000, 50, 264) == 1000
+    assert capacity_rows("2%", 5000, 264) == 100
+    assert capacity_rows("1 MiB", 10, 264) == 2**20 // 264
+    assert capacity_rows("3 rows", 10, 264) == 3
+    with pytest.raises(CachelabError, match="less than one row"):
+        capacity_rows("0.001%", 10, 264)
+
+
+def test_bad_spec_stops_the_cli_before_any_work(tmp_path):
+    path = write_spec(tmp_path)
+    path.write_text(path.read_text().replace('policy = "lru"', 'policy = "lur"', 1))
+    res = cli("run", str(path), cwd=tmp_path)
+    assert res.returncode == 2
+    assert res.stderr.startswith("error: ") and "hierarchy.tiers[0].policy: unknown policy 'lur'" in res.stderr
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("path", sorted((REPO_ROOT / "experiments").glob("*.toml")), ids=lambda p: p.name)
+def test_every_shipped_spec_validates(path, data_dir):
+    spec = load_spec(path)
+    assert expand(spec), f"{path.name} has no points"
+
+
+def test_a_kind_ignores_the_axes_it_does_not_read(tmp_path):
+    extra = '\n[predictor]\nname = "lightgbm"\n'
+    path = write_spec(tmp_path, extra=extra)
+    path.write_text(path.read_text().replace("seeds = [0]", 'seeds = [0]\nkind = ["replay", "learned"]'))
+    points = expand(load_spec(path))
+    kinds = [p.config["kind"] for p in points]
+    assert kinds.count("replay") == 4 and kinds.count("learned") == 1  # the tier axes do not touch it
+    learned = points[-1]
+    assert "hierarchy" not in learned.config and learned.axes == {"kind": "learned", "seed": 0}
+    path.write_text(path.read_text().replace('name = "lightgbm"', 'name = "lightgbm"\nparams = { trees = 3 }'))
+    with pytest.raises(CachelabError, match=r"predictor.params: 'lightgbm' takes \["):
+        load_spec(path)

@@ -1,0 +1,100 @@
+"""The README's quickstart from a fresh folder: MLflow runs, metrics, artifacts and a report
+that renders in headless Chromium."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from experiment_helpers import cli
+from mlflow import MlflowClient
+
+from cachelab.experiment.spec import load_spec
+from cachelab.experiment.sweep import expand
+from cachelab.paths import REPO_ROOT
+
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory):
+    """`cachelab quickstart` (the quickstart spec, on less text) in an empty folder."""
+    folder = tmp_path_factory.mktemp("fresh")
+    res = cli("quickstart", "--max-chars", "60000", "--json", cwd=folder)
+    assert res.returncode == 0, res.stderr
+    return folder, json.loads(res.stdout)
+
+
+def test_quickstart_tracks_every_point_with_metrics_and_artifacts(quickstart):
+    folder, summary = quickstart
+    spec = load_spec(REPO_ROOT / "experiments" / "quickstart.toml")
+    assert summary["ran"] == summary["points"] == len(expand(spec)) and not summary["failed"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{folder}/mlflow.db")
+    exp = client.get_experiment_by_name("quickstart")
+    runs = client.search_runs([exp.experiment_id], max_results=1000)
+    parent = [r for r in runs if r.data.tags.get("cachelab.kind") == "experiment"]
+    points = [r for r in runs if r.data.tags.get("cachelab.kind") == "point"]
+    assert len(parent) == 1 and len(points) == summary["points"]
+    assert all(r.info.status == "FINISHED" for r in runs)
+    assert parent[0].data.metrics["addressing.L1.o2.top1pct_share"] > parent[0].data.metrics[
+        "addressing.L1.o4.top1pct_share"]  # bigrams repeat more than 4-grams
+    parent_files = {a.path for a in client.list_artifacts(parent[0].info.run_id)}
+    assert {"report.html", "results.parquet", "addressing.parquet"} <= parent_files
+    replays = [r for r in points if r.data.tags["cachelab.axis.kind"] == '"replay"']
+    learned = [r for r in points if r.data.tags["cachelab.axis.kind"] == '"learned"']
+    assert len(learned) == 1 and len(replays) == len(points) - 1
+    for run in replays:
+        assert 0 <= run.data.metrics["hbm.miss_ratio"] <= 1
+        assert {"config.json", "per_step.parquet"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+    policies = {r.data.params["hierarchy.hbm.policy"] for r in replays}
+    assert {"lru", "belady"} <= policies
+    belady = {r.data.params["hierarchy.hbm.capacity"]: r.data.metrics["hbm.miss_ratio"] for r in replays
+              if r.data.params["hierarchy.hbm.policy"] == "belady"}
+    for r in replays:  # the optimum bounds every online policy at the same capacity
+        assert belady[r.data.params["hierarchy.hbm.capacity"]] <= r.data.metrics["hbm.miss_ratio"] + 1e-12
+    run = learned[0]
+    files = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"learned_eval.parquet", "importances.parquet", "model"} <= files
+    assert {"model/metadata.json", "model/prior.safetensors"} <= {a.path for a in client.list_artifacts(run.info.run_id, "model")}
+    assert any(k.startswith("miss_ratio.learned.") for k in run.data.metrics)
+    assert (folder / "runs" / "quickstart" / "report.html").is_file()
+
+
+def test_report_command_prints_the_summary(quickstart):
+    folder, summary = quickstart
+    res = cli("report", "quickstart", "--json", "-o", "again.html", cwd=folder)
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert len(data["points"]) == summary["points"] - 1 and (folder / "again.html").is_file()  # the replay points
+    res = cli("report", "nosuch", cwd=folder)
+    assert res.returncode == 2 and "no experiment named 'nosuch'" in res.stderr
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian's chromium is not installed (scripts/setup)")
+def test_report_renders_in_headless_chromium(quickstart, tmp_path):
+    import matplotlib.image
+
+    page = (quickstart[0] / "runs" / "quickstart" / "report.html").read_text()
+    assert "http://" not in page and "https://" not in page  # self-contained
+    probe = tmp_path / "probe.html"  # the same page, reporting each image's decoded size in its title
+    probe.write_text(page.replace("</body>", "<script>window.addEventListener('load', () => {document.title = "
+                                  "JSON.stringify([...document.images].map(i => [i.naturalWidth, i.naturalHeight]));"
+                                  "});</script></body>"))
+    flags = [*CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run(["chromium", *flags, "--virtual-time-budget=10000", "--dump-dom", probe.as_uri()],
+                         capture_output=True, text=True, timeout=120)
+    sizes = json.loads(re.search(r"<title>(.*?)</title>", dom.stdout).group(1).replace("&quot;", '"'))
+    assert len(sizes) >= 3 and all(w > 200 and h > 200 for w, h in sizes), sizes
+    shot = tmp_path / "shot.png"
+    subprocess.run(["chromium", *flags, "--window-size=1200,3000", f"--screenshot={shot}", probe.as_uri()],
+                   capture_output=True, timeout=120, check=True)
+    pixels = matplotlib.image.imread(shot)[..., :3]
+    ink = (pixels < 0.9).any(axis=-1)
+    assert ink.mean() > 0.05  # plots, not a blank page
+    colours = np.unique((pixels[ink] * 255).astype(np.uint8), axis=0)
+    assert len(colours) > 50  # lines, bars and text in several colours
