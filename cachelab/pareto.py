@@ -41,3 +41,29 @@ def dominated(points: pl.DataFrame, by: pl.DataFrame, x: str = "interactivity", 
     px, py = points[x].to_numpy()[:, None], points[y].to_numpy()[:, None]
     bx, by_ = by[x].to_numpy()[None, :], by[y].to_numpy()[None, :]
     return np.any((bx >= px) & (by_ >= py) & ((bx > px) | (by_ > py)), axis=1)
+
+
+def plot_fronts(points: pl.DataFrame, group: str, path, title: str, mark_interactivity: float | None = None,
+                x: str = "interactivity", y: str = "tokens_per_s_per_gpu") -> None:
+    """All points (faint) and each group's Pareto front (lines) in one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for name in sorted(points[group].unique().to_list()):
+        sub = points.filter(pl.col(group) == name)
+        front = pareto_front(sub, x, y)
+        line, = ax.plot(front[x], front[y], marker="o", label=f"{name} (front)")
+        ax.scatter(sub[x], sub[y], s=12, alpha=0.35, color=line.get_color())
+    if mark_interactivity is not None:
+        ax.axvline(mark_interactivity, color="grey", ls="--", lw=0.8)
+    ax.set_xlabel("interactivity (tok/s/user = 1000 / median TPOT ms)")
+    ax.set_ylabel("throughput (total tok/s per GPU)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

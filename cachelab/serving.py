@@ -34,10 +34,11 @@ from cachelab.latency import Efficiency, EngramStep, LatencyModel, describe
 from cachelab.metrics import RequestTimes, summarize
 from cachelab.model_spec import load_model
 from cachelab.prefix_cache import BlockPrefixCache, RadixPrefixCache, block_hashes
-from cachelab.step_replay import RowSpace, StepReplay, sampled_keys, sorted_unique
+from cachelab.step_replay import KeySet, RowSpace, StepReplay, sampled_keys, table_row_space
 
 PREFIX_CACHES = ("vllm", "sglang", "off")
 PAGE_BYTES = 4096
+TABLE_SPACE_ROWS = 2e7  # a sampled row space this small is enumerated from the tables, not the trace
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class ServingConfig:
             replica's host DRAM).
         sample_rate: spatial sampling of rows (1.0: every row).
         warmup_s: simulated seconds left out of the row-cache statistics.
+        warm_page_cache: start ssd-mmap with the run's pages already in the page cache.
     """
 
     hardware: str = "B200"
@@ -72,6 +74,7 @@ class ServingConfig:
     model: str = "deepseek-v4.1-flash"
     layout: str = "deepseek-v4.1-flash"
     warmup_s: float = 0.0
+    warm_page_cache: bool = False
     efficiency: Efficiency = field(default_factory=Efficiency)
 
     def check(self) -> None:
@@ -111,16 +114,17 @@ def _sequences(trace: pl.DataFrame) -> tuple[list[np.ndarray], np.ndarray, np.nd
     if missing:
         raise CachelabError(f"trace lacks column(s) {missing}; a request trace has {sorted(need)} (cachelab.trace)")
     trace = trace.sort("arrival_s", maintain_order=True)
-    prompts = trace["prompt_ids"].to_list()
-    outputs = trace["output_ids"].to_list()
-    seqs, plen, olen = [], [], []
-    for i, (p, o) in enumerate(zip(prompts, outputs)):
-        if not p:
-            raise CachelabError(f"trace row {i}: empty prompt_ids")
-        seqs.append(np.asarray(list(p) + list(o or []), dtype=np.int64))
-        plen.append(len(p))
-        olen.append(max(len(o or []), 1))
-    return seqs, np.asarray(plen), np.asarray(olen), trace["arrival_s"].to_numpy().astype(np.float64)
+    plen = trace["prompt_ids"].list.len().to_numpy().astype(np.int64)
+    olen = trace["output_ids"].list.len().fill_null(0).to_numpy().astype(np.int64)
+    empty = np.flatnonzero(plen == 0)
+    if empty.size:
+        raise CachelabError(f"trace row {int(empty[0])} (by arrival): empty prompt_ids")
+    prompts = trace["prompt_ids"].explode().to_numpy().astype(np.int32)
+    outputs = trace["output_ids"].explode().drop_nulls().to_numpy().astype(np.int32)
+    p_off = np.concatenate([[0], np.cumsum(plen)])
+    o_off = np.concatenate([[0], np.cumsum(olen)])
+    seqs = [np.concatenate([prompts[p_off[i]:p_off[i + 1]], outputs[o_off[i]:o_off[i + 1]]]) for i in range(plen.size)]
+    return seqs, plen, np.maximum(olen, 1), trace["arrival_s"].to_numpy().astype(np.float64)
 
 
 def build_row_space(addresser: Addresser, seqs, plen, olen, rate: float, rows_per_page: int,
@@ -131,8 +135,7 @@ def build_row_space(addresser: Addresser, seqs, plen, olen, rate: float, rows_pe
     request's positions from its first new block on are addressed.
     """
     seen: set[int] = set()
-    found: list[np.ndarray] = []
-    merged = np.zeros(0, np.int64)
+    found = KeySet()
     with Progress(transient=True, disable=not progress) as bar:
         task = bar.add_task("row space", total=len(seqs))
         for i, seq in enumerate(seqs):
@@ -144,12 +147,9 @@ def build_row_space(addresser: Addresser, seqs, plen, olen, rate: float, rows_pe
             if start < end:
                 stream = addresser.stream(1)
                 stream.feed(seq[max(0, start - addresser.history_len):start])
-                found.append(sorted_unique(sampled_keys(stream.feed(seq[start:end]), rate, rows_per_page)))
-            if sum(a.size for a in found) > 20_000_000:
-                merged = sorted_unique(np.concatenate([merged, *found]))
-                found = []
+                found.add(sampled_keys(stream.feed(seq[start:end]), rate, rows_per_page))
             bar.advance(task)
-    return RowSpace(np.concatenate([merged, *found]) if found else merged, rows_per_page)
+    return RowSpace(found.keys(), rows_per_page)
 
 
 class ServingSimulator:
@@ -173,6 +173,9 @@ class ServingSimulator:
                                 f"{self.hw.name} TP{config.tp} {config.placement} holds {kv_tokens}")
         self.row_bytes = self.addresser.config.row_bytes
         self.rows_per_page = PAGE_BYTES // self.row_bytes
+        table_rows = self.addresser.config.table_rows
+        if row_space is None and config.sample_rate * float(table_rows.sum()) <= TABLE_SPACE_ROWS:
+            row_space = table_row_space(table_rows, config.sample_rate, self.rows_per_page)
         self.space = row_space or build_row_space(self.addresser, self.seqs, self.plen, self.olen,
                                                   config.sample_rate, self.rows_per_page, progress)
         self.hierarchy = self._hierarchy(rc)
@@ -200,6 +203,8 @@ class ServingSimulator:
         n = len(self.seqs)
         cache = self._kv_cache()
         replay = StepReplay(self.hierarchy, self.space, len(self.model.engram_layers), cfg.sample_rate)
+        if cfg.warm_page_cache:
+            replay.prewarm_page_cache()
         n_tiers = len(self.hierarchy.tiers)
         is_ssd = isinstance(self.hierarchy.backing, SSDStore)
         rows_per_token = self.model.rows_per_token_layer
@@ -226,6 +231,7 @@ class ServingSimulator:
         steps: dict[str, list] = {k: [] for k in ("start_s", "step_s", "stall_s", "gpu_s", "tokens", "decodes",
                                                   "sequences", "fetch1_s", "fetch14_s", "rows_unique")}
         peak_cached = 0
+        fetch_parts: dict[str, float] = {}  # seconds per fetch part, summed over steps and layers
         scale = 1.0 / cfg.sample_rate
         with Progress(transient=True, disable=not self.progress) as bar:
             task = bar.add_task("serving replay", total=n)
@@ -265,8 +271,7 @@ class ServingSimulator:
                     break
                 while (not preempted and waiting and budget > 0 and len(running) < cfg.max_num_seqs):
                     r = waiting[0]
-                    seq = self.seqs[r][: known[r]]
-                    key = cache.prefix_key(seq)
+                    key = cache.prefix_key(self.seqs[r][: self.plen[r] + self.olen[r] - 1])  # all it computes
                     hit = cache.match(key, int(known[r]))
                     num = min(int(known[r]) - hit, budget)
                     cache.admit(r, key, int(known[r]), hit)
@@ -315,6 +320,10 @@ class ServingSimulator:
                 steps["tokens"].append(tokens)
                 steps["decodes"].append(sum(1 for r, aa, bb in sched if bb - aa == 1 and aa >= self.plen[r]))
                 steps["sequences"].append(len(sched))
+                for key, value in t.items():
+                    if key.startswith("engram") and not key.endswith("window_s"):
+                        part = key.split("_", 1)[1]
+                        fetch_parts[part] = fetch_parts.get(part, 0.0) + value
                 fetches = [t[f"engram{layer}_fetch_s"] for layer in self.model.engram_layers]
                 steps["fetch1_s"].append(fetches[0])
                 steps["fetch14_s"].append(fetches[-1])
@@ -344,9 +353,11 @@ class ServingSimulator:
                     running = [r for r in running if r not in gone]
                     bar.advance(task, len(done))
                 peak_cached = max(peak_cached, cache.num_cached_tokens)
-        return self._result(cache, replay, send, first, end, times, cached_first, preemptions, steps, peak_cached)
+        return self._result(cache, replay, send, first, end, times, cached_first, preemptions, steps, peak_cached,
+                            fetch_parts)
 
-    def _result(self, cache, replay, send, first, end, times, cached_first, preemptions, steps, peak_cached):
+    def _result(self, cache, replay, send, first, end, times, cached_first, preemptions, steps, peak_cached,
+                fetch_parts):
         cfg = self.config
         counts = np.array([len(t) for t in times], np.int64)
         rt = RequestTimes(send, first, end, self.plen, self.olen,
@@ -358,6 +369,7 @@ class ServingSimulator:
         metrics["mean_stall_ms"] = float(per_step["stall_s"].mean() * 1e3)
         metrics["stall_share"] = float(per_step["stall_s"].sum() / per_step["step_s"].sum())
         metrics["preemptions"] = int(preemptions.sum())
+        metrics["engram_fetch_parts_s"] = fetch_parts  # where the fetch time went, summed over the run
         kv_bytes = self.model.kv_bytes_per_token
         prefix = {"kind": cfg.prefix_cache, "hit_ratio": cache.hit_ratio,
                   "hit_ratio_definition": {"vllm": "cached tokens / queried tokens",

@@ -44,20 +44,31 @@ def page_keys(keys: np.ndarray, rows_per_page: int) -> np.ndarray:
     return global_key(layer, row // rows_per_page)
 
 
+@nb.njit(cache=True, inline="always")
+def _keep(page, threshold):
+    """Fibonacci hashing: the top 20 bits of page x 2^64/phi, under the threshold."""
+    return ((np.uint64(page) * _GOLDEN) >> np.uint64(64 - 20)) < np.uint64(threshold)
+
+
 @nb.njit(cache=True, nogil=True)
 def _sample(rows, rows_per_page, threshold, out):
     """Global keys of the rows whose page hashes under ``threshold``; returns how many."""
     n = 0
+    inv = 1.0 / rows_per_page
     for t in range(rows.shape[0]):
         for layer in range(rows.shape[1]):
             base = np.int64(layer) << LAYER_SHIFT
             for c in range(rows.shape[2]):
-                key = base | np.int64(rows[t, layer, c])
+                row = np.int64(rows[t, layer, c])
                 if threshold < SAMPLE_MOD:
-                    page = base | (np.int64(rows[t, layer, c]) // rows_per_page)
-                    if _mix(page) % np.uint64(SAMPLE_MOD) >= np.uint64(threshold):
+                    page = np.int64(row * inv)  # row // rows_per_page, corrected below
+                    if (page + 1) * rows_per_page <= row:
+                        page += 1
+                    elif page * rows_per_page > row:
+                        page -= 1
+                    if not _keep(base | page, threshold):
                         continue
-                out[n] = key
+                out[n] = base | row
                 n += 1
     return n
 
@@ -74,16 +85,54 @@ def sample_mask(keys: np.ndarray, rate: float, rows_per_page: int) -> np.ndarray
     """Which global row keys the sample at ``rate`` keeps (the vectorised form of ``_sample``)."""
     if rate >= 1.0:
         return np.ones(keys.shape, np.bool_)
-    z = page_keys(keys, rows_per_page).astype(np.uint64) + _GOLDEN
-    z = (z ^ (z >> np.uint64(30))) * _M1
-    z = (z ^ (z >> np.uint64(27))) * _M2
-    z ^= z >> np.uint64(31)
-    return (z % np.uint64(SAMPLE_MOD)) < np.uint64(int(rate * SAMPLE_MOD))
+    return _page_keep(page_keys(keys, rows_per_page), rate)
+
+
+def _page_keep(page_keys_: np.ndarray, rate: float) -> np.ndarray:
+    z = np.asarray(page_keys_, dtype=np.int64).astype(np.uint64) * _GOLDEN
+    return (z >> np.uint64(64 - 20)) < np.uint64(int(rate * SAMPLE_MOD))
 
 
 def sorted_unique(keys: np.ndarray) -> np.ndarray:
     keys = np.sort(np.asarray(keys, dtype=np.int64))
     return keys[np.r_[True, keys[1:] != keys[:-1]]] if keys.size else keys
+
+
+@nb.njit(cache=True, nogil=True)
+def _insert(keys, table, n):
+    """Add ``keys`` to the open-addressing set ``table`` holding ``n`` keys; the new count."""
+    mask = table.size - 1
+    for i in range(keys.size):
+        h = np.int64(_mix(keys[i]) & np.uint64(mask))
+        while table[h] != EMPTY and table[h] != keys[i]:
+            h = (h + 1) & mask
+        if table[h] == EMPTY:
+            table[h] = keys[i]
+            n += 1
+    return n
+
+
+class KeySet:
+    """A growing set of non-negative int64 keys (compiled inserts; memory ~16 B per key)."""
+
+    def __init__(self) -> None:
+        self._table = np.full(1 << 16, EMPTY, np.int64)
+        self._n = 0
+
+    def add(self, keys: np.ndarray) -> None:
+        keys = np.ascontiguousarray(keys, dtype=np.int64)
+        if 2 * (self._n + keys.size) > self._table.size:
+            old = self.keys()
+            size = 1 << int(4 * (self._n + keys.size)).bit_length()
+            self._table = np.full(size, EMPTY, np.int64)
+            self._n = _insert(old, self._table, 0)
+        self._n = _insert(keys, self._table, self._n)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def keys(self) -> np.ndarray:
+        return self._table[self._table != EMPTY]
 
 
 @nb.njit(cache=True, nogil=True)
@@ -165,6 +214,18 @@ def _first_occurrence(ids, mark, stamp, out):
     return n
 
 
+def table_row_space(table_rows, rate: float, rows_per_page: int) -> RowSpace:
+    """Every row of every page a sample at ``rate`` keeps, enumerated from the table sizes
+    (no pass over the trace; about ``rate`` x all rows)."""
+    keys = []
+    for layer, n in enumerate(table_rows):
+        pages = np.arange(-(-int(n) // rows_per_page), dtype=np.int64)
+        kept = pages[_page_keep(global_key(layer, pages), rate)]
+        rows = (kept[:, None] * rows_per_page + np.arange(rows_per_page)).ravel()
+        keys.append(global_key(layer, rows[rows < n]))
+    return RowSpace(np.concatenate(keys), rows_per_page)
+
+
 class StepReplay:
     """Runs ``hierarchy`` step by step over a ``RowSpace``.
 
@@ -200,6 +261,12 @@ class StepReplay:
         self.totals_lookups = np.zeros(num_layers, np.int64)
         self.total_page_reads = np.zeros(num_layers, np.int64)
 
+    def prewarm_page_cache(self) -> None:
+        """Fill the page cache with the run's pages (as many as fit): a warm start."""
+        if self.page_policy is not None:
+            pages = np.arange(self.space.pages.size, dtype=np.int64)
+            self.page_policy.run(pages, np.array([0, pages.size], np.int64))
+
     def step(self, keys: np.ndarray, record: bool = True) -> dict[str, np.ndarray]:
         """Serve one step's sampled row keys; per layer: lookups, unique rows, rows served per
         level (tiers, then the backing levels), and SSD page reads. Sampled counts."""
@@ -210,7 +277,8 @@ class StepReplay:
         for t, tier in enumerate(self.hierarchy.tiers):
             if cur.size == 0:
                 break
-            hits = tier.policy.step(distinct[cur]).hits
+            keys_t = distinct[cur]
+            hits = tier.policy.run(keys_t, np.array([0, keys_t.size], np.int64))
             served[cur[hits]] = t
             cur = cur[~hits]
         page_reads = np.zeros(L, np.int64)
@@ -221,7 +289,7 @@ class StepReplay:
             uniq_pages = np.empty(pages.size, np.int64)
             uniq_pages = uniq_pages[:_first_occurrence(pages, self._page_mark, self._stamp, uniq_pages)]
             if self.page_policy is not None:
-                page_hit = self.page_policy.step(uniq_pages).hits
+                page_hit = self.page_policy.run(uniq_pages, np.array([0, uniq_pages.size], np.int64))
             else:
                 page_hit = np.zeros(uniq_pages.size, np.bool_)
             self._page_hit[uniq_pages] = page_hit

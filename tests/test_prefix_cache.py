@@ -126,7 +126,7 @@ def test_sglang_unbounded_equals_longest_earlier_prefix():
 def test_vllm_reproduces_mooncake_lru(data_dir):
     path = data_dir / "traces" / "mooncake_fast25" / "conversation_trace.jsonl"
     rows = [json.loads(line) for line in path.open()]
-    hashes = [np.asarray(r["hash_ids"], dtype=np.uint64) for r in rows]
+    hashes = [np.asarray(r["hash_ids"], dtype=np.int64) for r in rows]
     lengths = [r["input_length"] for r in rows]
     ratios = {cap: replay_sequential(BlockPrefixCache(cap // 512, 512), hashes, lengths)
               for cap in (3_000_000, 30_000_000, 300_000_000)}

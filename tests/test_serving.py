@@ -110,3 +110,13 @@ def test_sampled_rows_estimate_the_full_counts():
     full = simulate(trace, ServingConfig(hardware="B200", tp=4))
     part = simulate(trace, ServingConfig(hardware="B200", tp=4, sample_rate=0.1))
     assert part.rows["lookups"] == pytest.approx(full.rows["lookups"], rel=0.1)
+
+
+def test_a_later_turn_reuses_the_earlier_turns_output_blocks():
+    rng = np.random.default_rng(7)
+    p1, o1 = rng.integers(1000, 50_000, 100), rng.integers(1000, 50_000, 40)
+    p2 = np.r_[p1, o1, rng.integers(1000, 50_000, 30)]
+    trace = pl.DataFrame({"arrival_s": [0.0, 5.0], "prompt_ids": [p1.tolist(), p2.tolist()],
+                          "output_ids": [o1.tolist(), rng.integers(1000, 50_000, 5).tolist()]})
+    res = simulate(trace, ServingConfig(hardware="B200", tp=4, block_size=16))
+    assert res.per_request["cached_tokens"].to_list() == [0, (100 + 40 - 1) // 16 * 16]

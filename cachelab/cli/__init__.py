@@ -43,7 +43,7 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from cachelab.cli import cache, engram, experiment, learn, plugins, quickstart, trace
+    from cachelab.cli import cache, engram, experiment, learn, plugins, quickstart, serving, trace
 
     app.add_typer(engram.app, name="engram")
     app.add_typer(trace.app, name="trace")
@@ -52,6 +52,10 @@ def _register() -> None:
     app.command("quickstart")(quickstart.quickstart)
     app.command("simulate")(cache.simulate)
     app.command("mrc")(cache.mrc)
+    app.command("serve-sim")(serving.serve_sim)
+    app.command("pareto")(serving.pareto)
+    app.add_typer(serving.hw_app, name="hw")
+    app.add_typer(serving.study_app, name="study")
     app.command("train")(learn.train)
     app.command("evaluate")(learn.evaluate)
     app.command("run")(experiment.run)

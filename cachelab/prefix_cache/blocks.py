@@ -4,7 +4,7 @@ As vLLM v1's KV-cache manager does it (vllm/v1/core/block_pool.py, kv_cache_mana
 
 - KV memory is ``num_blocks`` blocks of ``block_size`` tokens. A request holds one block per
   ``block_size`` tokens it has computed (or is about to compute).
-- A full block is cached under the chained hash of its prefix (``hashing.block_hashes``);
+- A full block is cached under the chained hash of its prefix (``block_hashes``);
   a later request whose prompt starts with the same blocks reuses them ("computed blocks").
   At least one prompt token is always recomputed, so a hit covers at most
   ``(num_prompt - 1) // block_size`` blocks.
@@ -26,7 +26,7 @@ from numba import types
 from numba.typed import Dict
 
 from cachelab.errors import CachelabError
-from cachelab.prefix_cache.hashing import block_hashes
+from cachelab.prefix_blocks import chained_block_hashes
 
 HEAD, TAIL, NUM_FREE, EVICTIONS = 0, 1, 2, 3
 
@@ -109,6 +109,13 @@ def _free(blocks, ref, prev, nxt, meta):
             meta[NUM_FREE] += 1
 
 
+def block_hashes(tokens, block_size: int) -> np.ndarray:
+    """Chained hashes of the full blocks of one sequence (a partial tail block has none)."""
+    toks = np.asarray(tokens)
+    hashes, _ = chained_block_hashes(toks, np.array([0, toks.size]), block_size)
+    return hashes[: toks.size // block_size]
+
+
 class BlockPrefixCache:
     """A vLLM-style KV block pool with (optional) prefix caching.
 
@@ -135,13 +142,10 @@ class BlockPrefixCache:
         self._nxt = np.arange(1, n + 1, dtype=np.int64)
         self._nxt[-1] = -1
         self._meta = np.array([0, n - 1, n, 0], dtype=np.int64)
-        self._block_hash = np.zeros(n, np.uint64)
+        self._block_hash = np.zeros(n, np.int64)
         self._cached = np.zeros(n, np.bool_)
-        self._table = Dict.empty(key_type=types.uint64, value_type=types.int64)
-        self._hashes: dict[int, np.ndarray] = {}
-        self._blocks: dict[int, list[np.ndarray]] = {}
-        self._num_blocks_of: dict[int, int] = {}
-        self._num_cached_of: dict[int, int] = {}
+        self._table = Dict.empty(key_type=types.int64, value_type=types.int64)
+        self._req: dict[int, list] = {}
         self.queried_tokens = 0
         self.hit_tokens = 0
 
@@ -183,17 +187,15 @@ class BlockPrefixCache:
         """Start request ``rid`` with ``num_cached`` tokens served from the cache (from ``match``).
 
         Args:
-            hashes: uint64 chained hashes of every full block of the request's tokens.
+            hashes: int64 chained hashes of every full block of the request's tokens (all the
+                tokens it will compute, so its output blocks are published as they fill).
         """
-        if rid in self._blocks:
+        if rid in self._req:
             raise CachelabError(f"request {rid} is already admitted")
         n = num_cached // self.block_size
-        out = np.empty(n, np.int64)
-        _touch(self._table, hashes, n, self._ref, self._prev, self._nxt, self._meta, out)
-        self._hashes[rid] = hashes
-        self._blocks[rid] = [out]
-        self._num_blocks_of[rid] = n
-        self._num_cached_of[rid] = n
+        blocks = np.empty(hashes.size + 1, np.int64)  # room for every full block and a partial one
+        _touch(self._table, hashes, n, self._ref, self._prev, self._nxt, self._meta, blocks)
+        self._req[rid] = [blocks, n, n, hashes]  # block table, blocks held, blocks published, hashes
 
     def record_query(self, num_prompt: int, num_cached: int) -> None:
         """Count one admitted request's prompt and cached tokens (vLLM's hit-rate terms)."""
@@ -202,30 +204,27 @@ class BlockPrefixCache:
 
     def extend(self, rid: int, num_tokens: int) -> bool:
         """Hold blocks for the first ``num_tokens`` tokens of ``rid``; False if the pool is short."""
-        need = -(-num_tokens // self.block_size) - self._num_blocks_of[rid]
+        state = self._req[rid]
+        blocks, held, published, hashes = state
+        need = -(-num_tokens // self.block_size) - held
         if need > 0:
             if need > self._meta[NUM_FREE]:
                 return False
-            out = np.empty(need, np.int64)
+            if held + need > blocks.size:
+                blocks = state[0] = np.resize(blocks, held + need)
             _take(need, self._ref, self._prev, self._nxt, self._meta, self._block_hash, self._cached,
-                  self._table, out)
-            self._blocks[rid].append(out)
-            self._num_blocks_of[rid] += need
+                  self._table, blocks[held:held + need])
+            state[1] = held + need
         if self.enable_caching:
-            hashes = self._hashes[rid]
             full = min(num_tokens // self.block_size, hashes.size)
-            done = self._num_cached_of[rid]
-            if full > done:
-                blocks = np.concatenate(self._blocks[rid])
-                self._blocks[rid] = [blocks]
-                _cache(blocks[done:full], hashes[done:full], self._block_hash, self._cached, self._table)
-                self._num_cached_of[rid] = full
+            if full > published:
+                _cache(blocks[published:full], hashes[published:full], self._block_hash, self._cached, self._table)
+                state[2] = full
         return True
 
     def free(self, rid: int) -> None:
         """Release ``rid``'s blocks, tail first; full ones stay cached until evicted."""
-        blocks = np.concatenate(self._blocks.pop(rid))
-        _free(blocks[::-1].copy(), self._ref, self._prev, self._nxt, self._meta)
-        del self._hashes[rid], self._num_blocks_of[rid], self._num_cached_of[rid]
+        blocks, held, _, _ = self._req.pop(rid)
+        _free(blocks[:held][::-1].copy(), self._ref, self._prev, self._nxt, self._meta)
 
     preempt = free  # vLLM frees a preempted request's blocks the same way; it recomputes later

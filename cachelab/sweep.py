@@ -1,0 +1,48 @@
+"""Serving configurations over a grid (hardware x TP degree x placement x concurrency).
+
+Every point is one serving replay; a configuration that does not fit in HBM is recorded
+with its reason instead of failing the sweep. The result is one tidy table (a row per
+point) that ``pareto`` reads.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import polars as pl
+
+from cachelab.errors import CachelabError
+from cachelab.serving import ServingConfig, simulate
+
+COLUMNS = ("hardware", "tp", "placement", "concurrency", "fits", "reason", "interactivity", "p90_interactivity",
+           "tokens_per_s_per_gpu", "tokens_per_dollar", "cost_per_million_tokens", "median_ttft_ms", "p99_ttft_ms",
+           "median_tpot_ms", "p90_tpot_ms", "p99_tpot_ms", "p99_itl_ms", "stall_share", "kv_tokens", "preemptions")
+
+
+def sweep(trace: pl.DataFrame, base: ServingConfig, hardware: Sequence[str], tps: Sequence[int],
+          placements: Sequence[str], concurrencies: Sequence[int], requests_per_client: float | None = None,
+          progress: Callable[[str], None] | None = None) -> pl.DataFrame:
+    """Run every grid point; ``requests_per_client``: use only the first ``C x that + 8``
+    requests of the trace at concurrency C (a closed-loop benchmark's length)."""
+    rows = []
+    for hw, tp, placement, conc in itertools.product(hardware, tps, placements, concurrencies):
+        cfg = replace(base, hardware=hw, tp=tp, placement=placement, concurrency=conc)
+        part = trace if requests_per_client is None else trace.head(int(conc * requests_per_client) + 8)
+        row = {"hardware": hw, "tp": tp, "placement": placement, "concurrency": conc}
+        if progress:
+            progress(f"{hw} TP{tp} {placement} C={conc}")
+        try:
+            res = simulate(part, cfg)
+        except CachelabError as exc:
+            if "does not fit" not in str(exc) and "KV cache" not in str(exc):
+                raise
+            rows.append({**row, "fits": False, "reason": str(exc)})
+            continue
+        m = res.metrics
+        rows.append({**row, "fits": True, "reason": "",
+                     **{k: m.get(k) for k in COLUMNS if k in m},
+                     "kv_tokens": res.memory["memory_plan_per_gpu"]["kv_tokens"]})
+    return pl.DataFrame([{k: r.get(k) for k in COLUMNS} for r in rows], schema_overrides={
+        "reason": pl.String, **{k: pl.Float64 for k in COLUMNS[6:]}})
