@@ -1,6 +1,6 @@
 """LRU: evict the least recently used row.
 
-Slots form a doubly linked list (arrays ``prev``/``nxt``), most recent at ``head``. The same
+Slots form one queue of policies/dlist.py, most recent at its head. The same
 kernel serves ``step`` (recording admissions and evictions) and ``run`` (hits only),
 through policies/kernel.py's wrapper, which every compiled policy shares.
 Validated against libCacheSim's LRU (identical miss ratios, tests/test_policies_lru.py).
@@ -9,71 +9,41 @@ Validated against libCacheSim's LRU (identical miss ratios, tests/test_policies_
 from __future__ import annotations
 
 import numba as nb
-import numpy as np
 
 from policies.admission import admission_admit, admission_record
-from policies.kernel import KernelPolicy
+from policies.dlist import SIZE, TAIL, make_queues, move_head, pop_tail, push_head
+from policies.kernel import KernelPolicy, note_admit, note_evict
 
-HEAD, TAIL, SIZE = 0, 1, 2
+QUEUE = 0
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)
-def _lru_kernel(keys, slot_of, key_of, meta, prev, nxt, a_kind, a_counters, a_scores, a_meta,
+def _lru_kernel(keys, slot_of, key_of, q, prev, nxt, where, a_kind, a_counters, a_scores, a_meta,
                 hits, record, adm, adm_slot, ev, counts):
     capacity = key_of.size
-    n_adm = 0
-    n_ev = 0
     for i in range(keys.size):
         key = keys[i]
         admission_record(a_kind, a_counters, a_scores, a_meta, key)
         slot = slot_of[key]
         if slot >= 0:
             hits[i] = True
-            if meta[HEAD] != slot:  # unlink, move to head
-                p, q = prev[slot], nxt[slot]
-                nxt[p] = q
-                if q >= 0:
-                    prev[q] = p
-                else:
-                    meta[TAIL] = p
-                prev[slot] = -1
-                nxt[slot] = meta[HEAD]
-                prev[meta[HEAD]] = slot
-                meta[HEAD] = slot
+            move_head(q, prev, nxt, where, QUEUE, slot)
             continue
         hits[i] = False
-        if meta[SIZE] < capacity:
-            slot = meta[SIZE]
-            meta[SIZE] += 1
+        if q[QUEUE, SIZE] < capacity:
+            slot = q[QUEUE, SIZE]
         else:
-            slot = meta[TAIL]
+            slot = q[QUEUE, TAIL]
             victim = key_of[slot]
             if not admission_admit(a_kind, a_counters, a_scores, a_meta, key, victim):
                 continue  # the filter keeps the victim; the candidate bypasses the cache
+            pop_tail(q, prev, nxt, where, QUEUE)
             slot_of[victim] = -1
-            meta[TAIL] = prev[slot]
-            if meta[TAIL] >= 0:
-                nxt[meta[TAIL]] = -1
-            else:
-                meta[HEAD] = -1
-            if record:
-                ev[n_ev] = victim
-            n_ev += 1
+            note_evict(record, ev, counts, victim)
         key_of[slot] = key
         slot_of[key] = slot
-        prev[slot] = -1
-        nxt[slot] = meta[HEAD]
-        if meta[HEAD] >= 0:
-            prev[meta[HEAD]] = slot
-        else:
-            meta[TAIL] = slot
-        meta[HEAD] = slot
-        if record:
-            adm[n_adm] = key
-            adm_slot[n_adm] = slot
-        n_adm += 1
-    counts[0] = n_adm
-    counts[1] = n_ev
+        push_head(q, prev, nxt, where, QUEUE, slot)
+        note_admit(record, adm, adm_slot, counts, key, slot)
 
 
 class LRU(KernelPolicy):
@@ -83,9 +53,7 @@ class LRU(KernelPolicy):
     kernel = staticmethod(_lru_kernel)
 
     def init_state(self, capacity, num_keys):
-        self.meta = np.array([-1, -1, 0], dtype=np.int64)
-        self.prev = np.full(capacity, -1, dtype=np.int64)
-        self.nxt = np.full(capacity, -1, dtype=np.int64)
+        self.queues = make_queues(1, capacity)
 
     def state(self):
-        return self.meta, self.prev, self.nxt
+        return self.queues
