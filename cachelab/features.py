@@ -9,7 +9,9 @@ there). Time is the lookup index. One compiled pass fills the whole matrix; ``Fe
 carries the per-key history across chunks so a stream can be featurised piece by piece.
 
 Labels look into the future (``cachelab.future.next_access``): ``log1p`` of lookups to the next
-access censored at ``horizon`` (regression), or reuse within ``horizon`` (classification).
+access censored at ``horizon`` (regression), reuse within ``horizon`` (classification), or
+whether Belady, at a given cache size, keeps the row until its next access (classification:
+Hawkeye's OPTgen labels, aimed at the cache's own decision boundary).
 """
 
 from __future__ import annotations
@@ -207,3 +209,17 @@ def reuse_labels(keys: np.ndarray, horizon: int) -> np.ndarray:
     """1 if the key is accessed again within ``horizon`` lookups."""
     nxt = next_access(keys)
     return ((nxt != NO_NEXT) & (nxt - np.arange(keys.size) <= horizon)).astype(np.float32)
+
+
+def belady_labels(keys: np.ndarray, step_offsets: np.ndarray, capacity: int, num_keys: int) -> np.ndarray:
+    """1 if Belady (with bypass: the offline optimum) at ``capacity`` rows keeps the key resident
+    from this access to its next one, i.e. that next access is an optimal hit; 0 otherwise."""
+    from cachelab import registry
+    from cachelab.replay import run_policy
+
+    hits = run_policy(registry.make_policy("belady-bypass"), keys, step_offsets, capacity, num_keys)
+    nxt = next_access(keys)
+    kept = np.zeros(keys.size, dtype=np.float32)
+    known = nxt != NO_NEXT
+    kept[known] = hits[nxt[known]]
+    return kept

@@ -7,6 +7,11 @@ prior exactly as later lookups will: as a past they are not part of. A training 
 must be settled inside the window, so samples end ``horizon`` lookups before the window does.
 Validation is the rest of the stream.
 
+Three label kinds: the regression predictors learn ``log1p`` of the lookups to the next
+access; a classifier learns reuse within the horizon, or, with ``capacity`` set, whether
+Belady at that cache size keeps the row until its next use (a model for one cache size, the
+labels ``learned-s3fifo`` is built around; docs/learned.md).
+
 Scores handed to the learned policies are predicted *positions* of the next access,
 negated (higher = keep): ``-(t + expm1(predicted log1p gap))`` for a regressor, and
 ``-(t + horizon * (1 - p))`` for a reuse classifier (probability ``p`` of reuse within the
@@ -23,7 +28,7 @@ import numpy as np
 from cachelab import registry
 from cachelab.errors import CachelabError
 from cachelab.predictor import Predictor, check_features, read_metadata
-from cachelab.features import (FEATURE_NAMES, CorpusPrior, FeatureState, apply_prior, extract,
+from cachelab.features import (FEATURE_NAMES, CorpusPrior, FeatureState, apply_prior, belady_labels, extract,
                                  regression_labels, reuse_labels)
 
 PRIOR = "prior.safetensors"
@@ -38,12 +43,39 @@ class TrainSpec:
     train_fraction: float = 0.5
     max_samples: int = 2_000_000
     seed: int = 0
+    capacity: float = 0.0  # > 0: Belady keep labels at this cache size (fraction of unique rows, or rows)
 
     def check(self) -> None:
+        if self.capacity < 0:
+            raise CachelabError(f"capacity must be a fraction of the unique rows (< 1) or a row count, "
+                                f"got {self.capacity}")
         if not 0.0 < self.train_fraction < 1.0:
             raise CachelabError(f"train_fraction must lie in (0, 1), got {self.train_fraction}")
         if self.horizon < 1:
             raise CachelabError(f"horizon must be at least 1 lookup, got {self.horizon}")
+
+
+def rows_for(capacity: float, unique: int) -> int:
+    """A capacity as rows: a fraction of the unique rows below 1, else a row count."""
+    return max(1, int(round(capacity * unique))) if capacity < 1 else int(capacity)
+
+
+def check_target(task: str, spec: TrainSpec) -> None:
+    """Belady keep labels are yes/no: refuse them for a regression predictor."""
+    if spec.capacity and task == "regression":
+        raise CachelabError("Belady keep labels (a capacity) need a classifier, e.g. --predictor lightgbm-reuse; "
+                            "a regression predictor learns the time to the next access")
+
+
+def labels(view, lo: int, hi: int, task: str, spec: TrainSpec) -> np.ndarray:
+    """The labels of entries ``[lo, hi)`` from their future inside that window only."""
+    check_target(task, spec)
+    keys = view.keys[lo:hi]
+    if task == "regression":
+        return regression_labels(keys, spec.horizon)
+    if spec.capacity:
+        return belady_labels(keys, np.array([0, keys.size]), rows_for(spec.capacity, view.num_keys), view.num_keys)
+    return reuse_labels(keys, spec.horizon)
 
 
 @dataclass(slots=True)
@@ -66,6 +98,7 @@ def features(stream, model_prior: CorpusPrior, domains: list[str]) -> np.ndarray
 def train(stream, predictor: Predictor, spec: TrainSpec, progress=None) -> tuple[Model, dict]:
     """Fit ``predictor`` on the training window of ``stream``; return the model and validation metrics."""
     spec.check()
+    check_target(predictor.task, spec)
     n = len(stream)
     end = int(stream.step_offsets[np.searchsorted(stream.step_offsets, int(n * spec.train_fraction))])
     prior_end = end // 2
@@ -78,8 +111,10 @@ def train(stream, predictor: Predictor, spec: TrainSpec, progress=None) -> tuple
     samples = fit_window(stream, x, 0, end, predictor, spec, progress)
     meta_spec = {**asdict(spec), "train_end": end, "prior_end": prior_end, "lookups": n,
                  "domains": domains, "train_samples": samples}
+    if spec.capacity:
+        meta_spec["capacity_rows"] = rows_for(spec.capacity, stream.num_keys)
     model = Model(predictor, prior, domains, spec.horizon, {"spec": meta_spec})
-    metrics = validate(model, stream, x, end)
+    metrics = validate(model, stream, x, end, spec)
     return model, metrics
 
 
@@ -88,8 +123,7 @@ def fit_window(view, x: np.ndarray, lo: int, hi: int, predictor: Predictor, spec
     """Fit on entries ``[lo, hi)`` only: the first half feeds the prior already in ``x``, the
     second half gives samples whose labels settle before ``hi``. Returns the sample count."""
     mid = (lo + hi) // 2
-    labeler = regression_labels if predictor.task == "regression" else reuse_labels
-    y = labeler(view.keys[lo:hi], spec.horizon)
+    y = labels(view, lo, hi, predictor.task, spec)
     idx = np.arange(mid, hi - spec.horizon)
     if idx.size > spec.max_samples:
         idx = np.sort(np.random.default_rng(spec.seed).choice(idx, spec.max_samples, replace=False))
@@ -128,8 +162,11 @@ def rolling_scores(view, make_predictor, spec: TrainSpec, every: int, window: in
     return scores
 
 
-def validate(model: Model, stream, x: np.ndarray, start: int) -> dict:
-    """Metrics on lookups after ``start`` whose labels are settled within the stream."""
+def validate(model: Model, stream, x: np.ndarray, start: int, spec: TrainSpec | None = None) -> dict:
+    """Metrics on lookups after ``start`` whose labels are settled within the stream.
+
+    ``auc`` is against reuse within the horizon; with Belady keep labels, ``auc_belady``
+    is against Belady's decisions on the whole stream (what the classifier imitates)."""
     from sklearn.metrics import roc_auc_score
 
     keys = stream.keys[start:]
@@ -143,6 +180,11 @@ def validate(model: Model, stream, x: np.ndarray, start: int) -> dict:
     out = {"validation_lookups": int(stop), "reuse_rate": float(reuse.mean())}
     if len(np.unique(reuse)) == 2:
         out["auc"] = float(roc_auc_score(reuse, pred))
+    if spec is not None and spec.capacity:
+        kept = labels(stream, 0, len(stream), model.predictor.task, spec)[start:start + stop]
+        out["belady_keep_rate"] = float(kept.mean())
+        if len(np.unique(kept)) == 2:
+            out["auc_belady"] = float(roc_auc_score(kept, pred))
     if model.predictor.task == "regression":
         y = regression_labels(keys, model.horizon)[:stop]
         out["rmse"] = float(np.sqrt(np.mean((-pred - y) ** 2)))
@@ -198,11 +240,12 @@ def keep_scores(model: Model, stream, x: np.ndarray | None = None, offset: int =
     return -(t + wait)
 
 
-def lookup_scores(directory: Path, stream) -> np.ndarray:
-    """Scores per lookup of an engine ``LookupStream`` from the model saved in ``directory``."""
+def lookup_scores(directory: Path, stream) -> tuple[np.ndarray, int]:
+    """Scores per lookup of an engine ``LookupStream`` from the model saved in ``directory``,
+    and the model's horizon (what turns a classifier's score back into a chance)."""
     from cachelab.learning_trace import LearningView
 
     model = load(directory)
     view = LearningView.of(stream, model.metadata.get("spec", {}).get("preset", "deepseek-v4.1-flash"))
-    return view.per_lookup(keep_scores(model, view))
+    return view.per_lookup(keep_scores(model, view)), model.horizon
 

@@ -35,9 +35,26 @@ def test_evaluate_reports_every_capacity(trained):
     result = json.loads(res.stdout)
     assert [c["capacity"] for c in result["capacities"]] == [0.01, 2000]
     assert result["capacities"][1]["rows"] == 2000
+    assert result["learned_policy"] == "learned-s3fifo"
     for row in result["capacities"]:
-        assert {"learned", "LRU"} <= set(row["miss_ratio"])
+        assert {"learned", "learned-s3fifo", "LRU"} <= set(row["miss_ratio"])
         assert all(0.0 <= m <= 1.0 for m in row["miss_ratio"].values())
+        assert row["gap_closed"] == row["gap_closed_by_policy"]["learned-s3fifo"]
+    res = CliRunner().invoke(app, ["evaluate", *TRACE, "--model", str(out), "--policy", "lru"])
+    assert res.exit_code == 2 and "learned policies" in res.output
+
+
+def test_belady_keep_model_through_the_cli(tmp_path, data_dir):
+    runner = CliRunner()
+    out = tmp_path / "keep"
+    res = runner.invoke(app, ["train", *TRACE, "--horizon", "2048", "--predictor", "lightgbm-reuse", "--capacity", "0.01",
+                              "--param", "n_estimators=20", "--out", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    result = json.loads(res.stdout)
+    assert 0.6 < result["auc_belady"] <= 1.0 and 0.0 < result["belady_keep_rate"] < 1.0
+    assert json.loads((out / "metadata.json").read_text())["spec"]["capacity"] == 0.01
+    res = runner.invoke(app, ["train", *TRACE, "--capacity", "0.01", "--out", str(tmp_path / "r")])
+    assert res.exit_code == 2 and "need a classifier" in res.output
 
 
 def test_bad_inputs_are_clear_errors(tmp_path, trained):
@@ -71,3 +88,8 @@ def test_simulate_learned_policy_on_a_saved_stream(trained, tmp_path):
     assert learned["policy"] == "learned" and 0.0 < learned["miss_ratio"] < 1.0
     res = runner.invoke(app, [*base, "--policy", "learned"])
     assert res.exit_code == 2 and "--model" in res.output
+    # learned-s3fifo reads the model's horizon; promote=1 never promotes, so it is S3-FIFO exactly
+    res = runner.invoke(app, [*base, "--policy", "learned-s3fifo", "--model", str(out), "--param", "promote=1"])
+    s3 = json.loads(runner.invoke(app, [*base, "--policy", "s3fifo"]).stdout)
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["miss_ratio"] == s3["miss_ratio"]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cachelab.errors import CachelabError
-from cachelab.features import (FEATURE_NAMES, NEVER, CorpusPrior, FeatureState, extract,
+from cachelab.features import (FEATURE_NAMES, NEVER, CorpusPrior, FeatureState, belady_labels, extract,
                                regression_labels, reuse_labels)
 from stream_fixtures import synthetic_stream, zipf_keys
 
@@ -68,6 +68,30 @@ def test_labels_look_forward_and_censor():
     assert np.allclose(regression_labels(keys, 3), np.log1p([2, 2, 3, 1, 3, 3]))
     assert reuse_labels(keys, 1).tolist() == [0, 0, 0, 1, 0, 0]
     assert reuse_labels(keys, 2).tolist() == [1, 1, 0, 1, 0, 0]
+
+
+def test_belady_labels_are_the_optimal_hits_of_the_next_access():
+    # One row fits: 1 stays for its hit at 1; at 2 Belady evicts 1 (next used last) for 2; 3 is never
+    # used again, so it is bypassed and 2 stays for its hit at 4. Two rows fit: 1 also stays to the end.
+    keys = np.array([1, 1, 2, 3, 2, 1])
+    assert belady_labels(keys, np.array([0, 6]), 1, 4).tolist() == [1, 0, 1, 0, 0, 0]
+    assert belady_labels(keys, np.array([0, 6]), 2, 4).tolist() == [1, 1, 1, 0, 0, 0]
+
+
+def test_belady_keep_labels_train_a_classifier_and_refuse_a_regressor():
+    from cachelab.learning import TrainSpec, train
+    from predictors.lightgbm_model import LightGBM, LightGBMReuse
+
+    view = synthetic_stream(zipf_keys(6000, 800, seed=6))
+    spec = TrainSpec(horizon=200, max_samples=5000, capacity=0.05)
+    model, metrics = train(view, LightGBMReuse(n_estimators=5, num_threads=1), spec)
+    assert model.metadata["spec"]["capacity"] == 0.05
+    assert model.metadata["spec"]["capacity_rows"] == round(0.05 * view.num_keys)
+    assert 0.5 < metrics["auc_belady"] <= 1.0 and 0.0 < metrics["belady_keep_rate"] < 1.0
+    with pytest.raises(CachelabError, match="need a classifier"):
+        train(view, LightGBM(n_estimators=5, num_threads=1), spec)
+    with pytest.raises(CachelabError, match="capacity"):
+        TrainSpec(capacity=-1).check()
 
 
 def test_rolling_retraining_never_sees_the_future_of_what_it_scores():

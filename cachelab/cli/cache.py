@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from pathlib import Path
@@ -79,15 +80,17 @@ def simulate(
     """
     started = time.perf_counter()
     stream = load_stream(trace, fmt)
-    cache = build_policy(policy, admission, param)
-    hierarchy = Hierarchy([Tier("cache", cache, capacity_rows=capacity, location="gpu")], stream.row_bytes)
-    if cache.capabilities.needs_scores and model is None:
-        raise CachelabError(f"policy {policy!r} needs predictor scores: pass --model DIR (from `cachelab train`)")
     scores = None
     if model is not None:
         from cachelab.learning import lookup_scores
 
-        scores = lookup_scores(model, stream)
+        scores, horizon = lookup_scores(model, stream)
+        if "horizon" in inspect.signature(registry.get(registry.POLICIES, policy.split("+")[0])).parameters:
+            param = [f"horizon={horizon}", *param]  # the model's, unless --param horizon= says otherwise
+    cache = build_policy(policy, admission, param)
+    hierarchy = Hierarchy([Tier("cache", cache, capacity_rows=capacity, location="gpu")], stream.row_bytes)
+    if cache.capabilities.needs_scores and model is None:
+        raise CachelabError(f"policy {policy!r} needs predictor scores: pass --model DIR (from `cachelab train`)")
     result = replay(stream, hierarchy, warmup=warmup, progress=not as_json, scores=scores)
     summary = result.summary()
     level = summary["levels"]["cache"]

@@ -11,8 +11,8 @@ from rich.table import Table
 
 from cachelab import registry
 from cachelab.errors import CachelabError
-from cachelab.learning import TrainSpec, load, rolling_scores, save, train as train_model
-from cachelab.learning_eval import evaluate_capacities
+from cachelab.learning import TrainSpec, check_target, load, rolling_scores, save, train as train_model
+from cachelab.learning_eval import JUDGED, LEARNED, evaluate_capacities
 from cachelab.cli.cache import parse_params
 from cachelab.learning_trace import LearningView, load_trace
 
@@ -36,6 +36,10 @@ def train(
     train_fraction: float = typer.Option(0.5, help="Share of the trace used for training; the rest validates."),
     max_samples: int = typer.Option(2_000_000, help="Training samples drawn from the training window."),
     seed: int = typer.Option(0, help="Seed for request order and sampling."),
+    capacity: float = typer.Option(0.0, help="Label with Belady's keep decisions at this cache size (a fraction "
+                                   "of the unique rows, or rows) instead of reuse within the horizon: a model for "
+                                   "that size, what learned-s3fifo is built for. Needs a classifier "
+                                   "(--predictor lightgbm-reuse). 0: off."),
     param: list[str] = typer.Option([], "--param", help="A predictor hyper-parameter as key=value (repeatable), "
                                     "e.g. --param n_estimators=200."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
@@ -43,8 +47,10 @@ def train(
     """Train a hotness predictor on the first part of a trace; print validation AUC/RMSE and importances."""
     console = Console(stderr=True, quiet=as_json)
     cls = registry.get(registry.PREDICTORS, predictor)
-    spec = TrainSpec(horizon=horizon, train_fraction=train_fraction, max_samples=max_samples, seed=seed)
+    spec = TrainSpec(horizon=horizon, train_fraction=train_fraction, max_samples=max_samples, seed=seed,
+                     capacity=capacity)
     spec.check()
+    check_target(cls.task, spec)
     stream = _view(trace, requests, seed, preset, console)
     with console.status(f"training {predictor}"):
         try:
@@ -60,7 +66,7 @@ def train(
     out_console = Console()
     out_console.print(f"[bold]{predictor}[/] validated on {metrics['validation_lookups']:,} held-out lookups "
                       f"of {len(stream):,}; saved to {out}")
-    for key in ("auc", "rmse", "rmse_constant", "reuse_rate"):
+    for key in ("auc", "auc_belady", "belady_keep_rate", "rmse", "rmse_constant", "reuse_rate"):
         if key in metrics:
             out_console.print(f"  {key}: {metrics[key]:.4f}")
     table = Table("feature", "importance")
@@ -91,9 +97,11 @@ def evaluate(
                                       "streams, each time on the window before (0: score with the saved model)."),
     retrain_window: int = typer.Option(0, help="Lookups each retraining sees (default: the model's training window)."),
     seed: int = typer.Option(0, help="Seed for request order."),
+    policy: str = typer.Option(JUDGED, help=f"The learned policy judged by 'gap closed' ({', '.join(LEARNED)}); "
+                               "all of them are replayed."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """Miss ratios of the learned policy, the heuristics and Belady, and the share of the gap closed."""
+    """Miss ratios of the learned policies, the heuristics and Belady, and the share of the gap closed."""
     console = Console(stderr=True, quiet=as_json)
     caps = _capacities(capacities)
     if not 0.0 <= warmup < 1.0:
@@ -107,9 +115,10 @@ def evaluate(
         window = retrain_window or int(spec.get("train_end", len(stream) // 2))
         with console.status(f"retraining every {retrain_every:,} lookups on windows of {window:,}"):
             scores = rolling_scores(stream, lambda: cls(**params),
-                                    TrainSpec(horizon=fitted.horizon, seed=int(spec.get("seed", 0))),
+                                    TrainSpec(horizon=fitted.horizon, seed=int(spec.get("seed", 0)),
+                                              capacity=float(spec.get("capacity", 0.0))),
                                     retrain_every, window)
-    result = evaluate_capacities(stream, fitted, caps, warmup, progress=not as_json, scores=scores)
+    result = evaluate_capacities(stream, fitted, caps, warmup, progress=not as_json, scores=scores, policy=policy)
     result = {"trace": trace, "model": str(model), **result}
     if as_json:
         typer.echo(json.dumps(result))
@@ -120,7 +129,7 @@ def evaluate(
     if result["missing"]:
         out.print(f"not registered, so not compared: {', '.join(result['missing'])}")
     policies = list(result["capacities"][0]["miss_ratio"])
-    table = Table("capacity", "rows", *policies, "gap closed")
+    table = Table("capacity", "rows", *policies, f"gap closed ({policy})")
     for row in result["capacities"]:
         gap = row["gap_closed"]
         table.add_row(f"{row['capacity']:g}", f"{row['rows']:,}",

@@ -1,1 +1,1 @@
-"""Learned policies: predicted next use decides eviction (LRB-style sampling) and admission."""
+"""Learned policies: predicted next use decides eviction (LRB-style sampling), admission, and S3-FIFO promotion."""

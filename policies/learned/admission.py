@@ -14,6 +14,7 @@ from cachelab import registry
 from cachelab.errors import CachelabError
 from cachelab.policy import Capabilities, Policy, StepResult
 from policies.admission import SCORES
+from policies.learned.scores import checked_scores
 
 
 class LearnedAdmission(Policy):
@@ -39,12 +40,8 @@ class LearnedAdmission(Policy):
         self._table = flt[2]
 
     def _load(self, keys, scores):
-        if scores is None:
-            raise CachelabError(f"policy {self.name!r} needs predictor scores (train a model, pass --model)")
         keys = np.asarray(keys, dtype=np.int64)
-        if np.shape(scores) != keys.shape:
-            raise CachelabError(f"scores has shape {np.shape(scores)}, expected one per key {keys.shape}")
-        self._table[keys] = scores
+        self._table[keys] = checked_scores(self.name, keys, scores)
         return keys
 
     def step(self, keys, next_access=None, scores=None) -> StepResult:

@@ -21,6 +21,7 @@ from cachelab.errors import CachelabError
 from cachelab.policy import Capabilities
 from policies.admission import SCORES, admission_admit, admission_record
 from policies.kernel import KernelPolicy, note_admit, note_evict
+from policies.learned.scores import checked_scores
 
 SIZE, CLOCK, RNG = 0, 1, 2
 
@@ -110,12 +111,7 @@ class LearnedEviction(KernelPolicy):
         return np.int64(self.sample), self.meta, self.pred, self.last
 
     def inputs(self, keys, next_access, scores):
-        if scores is None:
-            raise CachelabError(f"policy {self.name!r} needs predictor scores (train a model, pass --model)")
-        scores = np.ascontiguousarray(scores, dtype=np.float64)
-        if scores.shape != keys.shape:
-            raise CachelabError(f"scores has shape {scores.shape}, expected one per key {keys.shape}")
-        return (scores,)
+        return (checked_scores(self.name, keys, scores),)
 
 
 class Learned(LearnedEviction):

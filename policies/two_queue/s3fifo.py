@@ -17,6 +17,11 @@ threshold 2), identical miss ratios (tests/test_differential_libcachesim.py).
 
 Difference: libCacheSim stores nothing when its small queue has room for fewer than two
 objects (capacity < 20); here small holds at least one row.
+
+The kernel has one hook for ``learned-s3fifo`` (policies/learned/s3fifo.py): with
+``within >= 0`` it keeps each row's predicted wait (from per-access ``scores``) and also
+moves a small-queue row to main when that wait is at most ``within``. Plain S3-FIFO passes
+``within = -1`` and no scores, and the hook costs one branch per access.
 """
 
 from __future__ import annotations
@@ -31,11 +36,12 @@ from policies.kernel import KernelPolicy, enter, free_stack, leave
 
 SMALL, MAIN = 0, 1  # queues of slots
 GHOST = 0  # the queue of ghost keys
-FREE_TOP, HAS_EVICTED, SMALL_CAP, MAIN_CAP, GHOST_CAP, THRESHOLD = 0, 1, 2, 3, 4, 5
+FREE_TOP, HAS_EVICTED, SMALL_CAP, MAIN_CAP, GHOST_CAP, THRESHOLD, CLOCK = 0, 1, 2, 3, 4, 5, 6
+NO_SCORES = np.zeros(0, dtype=np.float64)
 
 
 @nb.njit(cache=True, inline="always")
-def _find_victim(meta, freq, q, prev, nxt, where):
+def _find_victim(meta, freq, wait, within, q, prev, nxt, where):
     """Promote and reinsert until a row must go; return its slot (left at its queue's tail)."""
     while True:
         if q[MAIN, SIZE] > meta[MAIN_CAP] or q[SMALL, SIZE] == 0:
@@ -47,24 +53,29 @@ def _find_victim(meta, freq, q, prev, nxt, where):
                 move_head(q, prev, nxt, where, MAIN, node)
         while q[SMALL, SIZE] > 0:
             node = q[SMALL, TAIL]
-            if freq[node] < meta[THRESHOLD]:
+            if freq[node] < meta[THRESHOLD] and (within < 0 or wait[node] > within):
                 return node
             freq[node] = 0
             move_head(q, prev, nxt, where, MAIN, node)
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)
-def _s3fifo_kernel(keys, slot_of, key_of, meta, free, freq, q, prev, nxt, where, gq, gprev, gnxt, gwhere,
-                   a_kind, a_counters, a_scores, a_meta, hits, record, adm, adm_slot, ev, counts):
+def _s3fifo_kernel(keys, scores, slot_of, key_of, meta, within, free, freq, wait, q, prev, nxt, where,
+                   gq, gprev, gnxt, gwhere, a_kind, a_counters, a_scores, a_meta, hits, record, adm, adm_slot, ev,
+                   counts):
     c = key_of.size
     for i in range(keys.size):
         key = keys[i]
+        now = meta[CLOCK]
+        meta[CLOCK] = now + 1
         admission_record(a_kind, a_counters, a_scores, a_meta, key)
         slot = slot_of[key]
         if slot >= 0:
             hits[i] = True
             if freq[slot] < 3:
                 freq[slot] += 1
+            if within >= 0:
+                wait[slot] = -scores[i] - now
             continue
         hits[i] = False
         ghost_hit = gwhere[key] == GHOST
@@ -72,7 +83,7 @@ def _s3fifo_kernel(keys, slot_of, key_of, meta, free, freq, q, prev, nxt, where,
             unlink(gq, gprev, gnxt, gwhere, key)
         if q[SMALL, SIZE] + q[MAIN, SIZE] >= c:
             meta[HAS_EVICTED] = 1
-            vslot = _find_victim(meta, freq, q, prev, nxt, where)
+            vslot = _find_victim(meta, freq, wait, within, q, prev, nxt, where)
             victim = key_of[vslot]
             if not admission_admit(a_kind, a_counters, a_scores, a_meta, key, victim):
                 continue
@@ -90,6 +101,8 @@ def _s3fifo_kernel(keys, slot_of, key_of, meta, free, freq, q, prev, nxt, where,
         else:
             push_head(q, prev, nxt, where, SMALL, slot)
         freq[slot] = 0
+        if within >= 0:
+            wait[slot] = -scores[i] - now
 
 
 class S3FIFO(KernelPolicy):
@@ -115,12 +128,17 @@ class S3FIFO(KernelPolicy):
                                 f"got {self.move_to_main_threshold}")
         small = max(1, int(capacity * self.small_size_ratio))
         self.meta = np.array([capacity, 0, small, capacity - small,
-                              int(capacity * self.ghost_size_ratio), self.move_to_main_threshold],
+                              int(capacity * self.ghost_size_ratio), self.move_to_main_threshold, 0],
                              dtype=np.int64)
+        self.within = np.float64(-1.0)  # no predicted promotion (learned-s3fifo sets it)
+        self.wait = NO_SCORES
         self.free = free_stack(capacity)
         self.freq = np.zeros(capacity, dtype=np.int64)
         self.queues = make_queues(2, capacity)  # small and main, over slots: cache-sized
         self.ghost = make_queues(1, num_keys)  # evicted keys, no slots
 
     def state(self):
-        return (self.meta, self.free, self.freq, *self.queues, *self.ghost)
+        return (self.meta, self.within, self.free, self.freq, self.wait, *self.queues, *self.ghost)
+
+    def inputs(self, keys, next_access, scores):
+        return (NO_SCORES,)

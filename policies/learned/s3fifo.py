@@ -1,0 +1,57 @@
+"""Learned S3-FIFO: S3-FIFO whose probation decision also asks a predictor (Hawkeye on S3-FIFO).
+
+S3-FIFO guesses a row's future from one observation: was it used again while it sat in the
+small probationary queue. A predictor trained to say whether Belady would keep the row until
+its next use (``cachelab train --capacity C``, Hawkeye's OPTgen labels) knows more. Here it
+adds to that guess and never replaces it, so a poor prediction costs little:
+
+- a small-queue row moves to main if S3-FIFO would move it (used ``move_to_main_threshold``
+  times) **or** the prediction made at its latest access says it is coming back: next use
+  within ``(1 - promote) x horizon`` lookups of that access, which for a classifier's keep
+  score is a predicted chance of at least ``promote``;
+- everything else is S3-FIFO unchanged: misses enter small, ghost hits enter main, main
+  evicts CLOCK-wise with 2-bit counters. With ``promote=1`` it is exactly ``s3fifo``.
+
+It runs S3-FIFO's own kernel through its prediction hook (policies/two_queue/s3fifo.py).
+Scores follow the learned policies' contract (``cachelab.learning.keep_scores``): minus the
+predicted position of the next access, turned into a wait by the kernel's own clock (at
+tier 0, the lookup index). ``horizon`` converts a score back to a chance; ``simulate
+--model`` and ``evaluate`` fill it in from the model's metadata. On the study trace
+(docs/learned.md), sending predicted keepers straight to main or bypassing predicted
+one-hit wonders added little beside this promotion.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cachelab.errors import CachelabError
+from cachelab.policy import Capabilities
+from policies.learned.scores import checked_scores
+from policies.two_queue.s3fifo import S3FIFO
+
+
+class LearnedS3FIFO(S3FIFO):
+    """S3-FIFO that also promotes small-queue rows a predictor expects back (see module doc)."""
+
+    name = "learned-s3fifo"
+    capabilities = Capabilities(needs_scores=True, compiled=True)
+
+    def __init__(self, promote: float = 0.4, horizon: int = 1 << 17, small_size_ratio: float = 0.1,
+                 ghost_size_ratio: float = 0.9, move_to_main_threshold: int = 2, admission: str = "always"):
+        super().__init__(small_size_ratio, ghost_size_ratio, move_to_main_threshold, admission)
+        self.promote = promote
+        self.horizon = horizon
+
+    def init_state(self, capacity, num_keys):
+        if not 0.0 <= float(self.promote) <= 1.0:
+            raise CachelabError(f"learned-s3fifo promote must be a chance in [0, 1], got {self.promote}")
+        if int(self.horizon) < 1:
+            raise CachelabError(f"learned-s3fifo horizon must be at least 1 lookup, got {self.horizon}")
+        super().init_state(capacity, num_keys)
+        # promote=1 never promotes (-1 switches the hook off); a predicted wait is never below 0
+        self.within = np.float64(-1.0 if self.promote >= 1.0 else (1.0 - float(self.promote)) * int(self.horizon))
+        self.wait = np.zeros(capacity, dtype=np.float64)  # predicted lookups to the next use, as of the last
+
+    def inputs(self, keys, next_access, scores):
+        return (checked_scores(self.name, keys, scores),)
