@@ -1,7 +1,11 @@
 """Causal per-lookup features and future-derived labels for hotness predictors.
 
 Everything a feature uses is known before the lookup's fetch: where the lookup sits (layer,
-n-gram order, head, domain, position in its request, prefill or decode), what the key's past
+n-gram order, head, domain, position in its request, prefill or decode), what the arrived
+prompt says of the future (a prompt is whole before its prefill starts and Engram rows
+depend only on tokens, so a prefill lookup knows how many prompt tokens later its row is
+used again in the same prompt, and how much prompt is left; off with ``lookahead=False``),
+what the key's past
 looks like (age, the last ``GAPS`` reuse distances, exponentially decayed counters at several
 half-lives, access count, earlier accesses within the same request), and corpus statistics from a *training window only*
 (``CorpusPrior``: how often the n-gram's compressed token ids, and the row itself, occurred
@@ -28,16 +32,19 @@ from cachelab.policy import NO_NEXT
 GAPS = 8
 HALF_LIVES = (256, 4096, 65536, 1048576)
 NEVER = 24.0  # log1p of a gap or age that does not exist (larger than any real one)
-PRIOR_COLUMNS = (6, 7, 8)  # log_token_freq, log_ngram_min_token_freq, log_row_freq_train
 
 FEATURE_NAMES = (
     ["layer", "order", "head", "domain", "log_position", "decode",
+     "log_prompt_next", "log_prompt_left",
      "log_token_freq", "log_ngram_min_token_freq", "log_row_freq_train",
      "log_age", "log_count"]
     + [f"log_gap_{i + 1}" for i in range(GAPS)]
     + [f"log_decayed_{h}" for h in HALF_LIVES]
     + ["log_request_count"]
 )
+LOOKAHEAD_COLUMN = FEATURE_NAMES.index("log_prompt_next")  # and log_prompt_left after it
+PRIOR_COLUMN = FEATURE_NAMES.index("log_token_freq")  # the three corpus-prior columns start here
+HISTORY_COLUMN = FEATURE_NAMES.index("log_age")
 
 
 @dataclass(slots=True)
@@ -153,11 +160,43 @@ def _token_kernel(ngram, order, token_counts, out, col):
         out[i, col + 1] = np.log1p(np.float64(best))
 
 
+@nb.njit(cache=True, nogil=True, boundscheck=False)
+def _prompt_kernel(keys, request, position, decode, prompt_len, num_keys, out, col):
+    """One backward pass: for a prefill entry, log1p of the prompt tokens to its row's next use
+    when that use is in the same request's prompt (else NEVER), and log1p of the prompt left.
+
+    Conservative under interleaving: only the row's very next use counts, so a use by
+    another request in between hides a later one in this prompt."""
+    last_request = np.full(num_keys, -1, dtype=np.int64)
+    last_position = np.zeros(num_keys, dtype=np.int64)
+    for i in range(keys.size - 1, -1, -1):
+        k = keys[i]
+        out[i, col] = NEVER
+        out[i, col + 1] = 0.0
+        if not decode[i]:
+            if last_request[k] == request[i]:
+                out[i, col] = np.log1p(np.float64(last_position[k] - position[i]))
+            out[i, col + 1] = np.log1p(np.float64(prompt_len[request[i]] - position[i]))
+        last_request[k] = request[i] if not decode[i] else -1
+        last_position[k] = position[i]
+
+
+def prompt_lookahead(view) -> np.ndarray:
+    """The two lookahead columns for every entry of a ``LearningView`` (see ``_prompt_kernel``)."""
+    request = view.request.astype(np.int64)
+    prompt_len = np.zeros(int(request.max()) + 1 if request.size else 1, dtype=np.int64)
+    np.maximum.at(prompt_len, request, np.where(view.decode, 0, view.position.astype(np.int64) + 1))
+    out = np.empty((len(view), 2), dtype=np.float32)
+    _prompt_kernel(view.keys, request, view.position.astype(np.int64), view.decode, prompt_len, view.num_keys, out, 0)
+    return out
+
+
 def extract(stream, lo: int, hi: int, state: FeatureState, prior: CorpusPrior,
-            domains: list[str]) -> np.ndarray:
+            domains: list[str], lookahead: bool = True) -> np.ndarray:
     """Features of entries ``[lo, hi)`` of a ``LearningView``; ``state`` must have seen exactly ``[0, lo)``.
 
-    ``domains`` is the model's domain vocabulary: a domain it never saw gets -1.
+    ``domains`` is the model's domain vocabulary: a domain it never saw gets -1. Without
+    ``lookahead`` the two prompt-lookahead columns hold "never" and 0 (a model then ignores them).
     """
     if state.clock != lo:
         raise ValueError(f"feature state is at lookup {state.clock}, not {lo}: featurise in order")
@@ -175,9 +214,15 @@ def extract(stream, lo: int, hi: int, state: FeatureState, prior: CorpusPrior,
     out[:, 3] = known[stream.domain[lo:hi]]
     out[:, 4] = np.log1p(stream.position[lo:hi])
     out[:, 5] = stream.decode[lo:hi]
+    if lookahead:
+        out[:, LOOKAHEAD_COLUMN:LOOKAHEAD_COLUMN + 2] = prompt_lookahead(stream)[lo:hi]
+    else:
+        out[:, LOOKAHEAD_COLUMN] = NEVER
+        out[:, LOOKAHEAD_COLUMN + 1] = 0.0
     apply_prior(stream, lo, hi, prior, out)
     rates = np.log(2.0) / np.asarray(HALF_LIVES, dtype=np.float64)
-    _history_kernel(stream.keys[lo:hi], lo, state.last, state.count, state.gaps, state.decayed, rates, out, 9)
+    _history_kernel(stream.keys[lo:hi], lo, state.last, state.count, state.gaps, state.decayed, rates, out,
+                    HISTORY_COLUMN)
     _request_kernel(stream.keys[lo:hi], stream.request[lo:hi], state.last_request, state.request_count, out,
                     len(FEATURE_NAMES) - 1)
     state.clock = hi
@@ -187,7 +232,7 @@ def extract(stream, lo: int, hi: int, state: FeatureState, prior: CorpusPrior,
 def apply_prior(view, lo: int, hi: int, prior: CorpusPrior, out: np.ndarray) -> None:
     """(Re)write the corpus-prior columns of ``out`` (the features of entries ``[lo, hi)``)."""
     order = 2 + view.column[lo:hi].astype(np.int64) // view.heads
-    _token_kernel(view.ngram[lo:hi], order, prior.token_counts, out, PRIOR_COLUMNS[0])
+    _token_kernel(view.ngram[lo:hi], order, prior.token_counts, out, PRIOR_COLUMN)
     raw = view.raw_keys[view.keys[lo:hi]]
     found = np.zeros(hi - lo, dtype=bool)
     counts = np.zeros(hi - lo, dtype=np.int64)
@@ -195,7 +240,7 @@ def apply_prior(view, lo: int, hi: int, prior: CorpusPrior, out: np.ndarray) -> 
         where = np.minimum(np.searchsorted(prior.row_keys, raw), prior.row_keys.size - 1)
         found = prior.row_keys[where] == raw
         counts = np.where(found, prior.row_counts[where], 0)
-    out[:, PRIOR_COLUMNS[2]] = np.log1p(counts)
+    out[:, PRIOR_COLUMN + 2] = np.log1p(counts)
 
 
 def regression_labels(keys: np.ndarray, horizon: int) -> np.ndarray:

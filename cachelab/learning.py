@@ -44,6 +44,7 @@ class TrainSpec:
     max_samples: int = 2_000_000
     seed: int = 0
     capacity: float = 0.0  # > 0: Belady keep labels at this cache size (fraction of unique rows, or rows)
+    lookahead: bool = True  # the prompt-lookahead features (cachelab.features)
 
     def check(self) -> None:
         if self.capacity < 0:
@@ -87,12 +88,13 @@ class Model:
     domains: list[str]
     horizon: int
     metadata: dict
+    lookahead: bool = True
 
 
-def features(stream, model_prior: CorpusPrior, domains: list[str]) -> np.ndarray:
+def features(stream, model_prior: CorpusPrior, domains: list[str], lookahead: bool = True) -> np.ndarray:
     """The feature matrix of a whole stream, from an empty history."""
     state = FeatureState(stream.num_keys)
-    return extract(stream, 0, len(stream), state, model_prior, domains)
+    return extract(stream, 0, len(stream), state, model_prior, domains, lookahead)
 
 
 def train(stream, predictor: Predictor, spec: TrainSpec, progress=None) -> tuple[Model, dict]:
@@ -107,13 +109,13 @@ def train(stream, predictor: Predictor, spec: TrainSpec, progress=None) -> tuple
                             f"(needs more than {2 * spec.horizon}); lower --horizon or use a longer trace")
     domains = list(stream.domains)
     prior = CorpusPrior.from_window(stream, 0, prior_end)
-    x = features(stream, prior, domains)
+    x = features(stream, prior, domains, spec.lookahead)
     samples = fit_window(stream, x, 0, end, predictor, spec, progress)
     meta_spec = {**asdict(spec), "train_end": end, "prior_end": prior_end, "lookups": n,
                  "domains": domains, "train_samples": samples}
     if spec.capacity:
         meta_spec["capacity_rows"] = rows_for(spec.capacity, stream.num_keys)
-    model = Model(predictor, prior, domains, spec.horizon, {"spec": meta_spec})
+    model = Model(predictor, prior, domains, spec.horizon, {"spec": meta_spec}, spec.lookahead)
     metrics = validate(model, stream, x, end, spec)
     return model, metrics
 
@@ -147,7 +149,7 @@ def rolling_scores(view, make_predictor, spec: TrainSpec, every: int, window: in
         raise CachelabError(f"retrain interval must be at least 1 lookup, got {every}")
     n = len(view)
     empty = CorpusPrior(np.zeros(view.vocab, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
-    x = features(view, empty, list(view.domains))
+    x = features(view, empty, list(view.domains), spec.lookahead)
     scores = -(np.arange(n, dtype=np.float64) + spec.horizon)
     for start in range(window, n, every):
         stop = min(start + every, n)
@@ -157,7 +159,7 @@ def rolling_scores(view, make_predictor, spec: TrainSpec, every: int, window: in
         predictor = make_predictor()
         fit_window(view, x, lo, start, predictor, spec)
         apply_prior(view, start, stop, prior, x[start:stop])
-        model = Model(predictor, prior, list(view.domains), spec.horizon, {})
+        model = Model(predictor, prior, list(view.domains), spec.horizon, {}, spec.lookahead)
         scores[start:stop] = keep_scores(model, view, x[start:stop], offset=start)
     return scores
 
@@ -221,7 +223,8 @@ def load(directory: Path) -> Model:
         raise CachelabError(f"model at {directory} could not be loaded: {exc}") from None
     spec = meta.get("spec", {})
     return Model(predictor, CorpusPrior(t["token_counts"], t["row_keys"], t["row_counts"]),
-                 list(spec.get("domains", [])), int(spec.get("horizon", TrainSpec.horizon)), meta)
+                 list(spec.get("domains", [])), int(spec.get("horizon", TrainSpec.horizon)), meta,
+                 bool(spec.get("lookahead", TrainSpec.lookahead)))
 
 
 def keep_scores(model: Model, stream, x: np.ndarray | None = None, offset: int = 0) -> np.ndarray:
@@ -230,7 +233,7 @@ def keep_scores(model: Model, stream, x: np.ndarray | None = None, offset: int =
     ``x`` holds the features of entries ``offset, offset + 1, ...`` (all of them by default).
     """
     if x is None:
-        x = features(stream, model.prior, model.domains)
+        x = features(stream, model.prior, model.domains, model.lookahead)
     raw = np.concatenate([model.predictor.predict(x[i:i + BATCH]) for i in range(0, x.shape[0], BATCH)])
     t = offset + np.arange(raw.size, dtype=np.float64)
     if model.predictor.task == "regression":

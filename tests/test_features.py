@@ -7,7 +7,7 @@ import pytest
 
 from cachelab.errors import CachelabError
 from cachelab.features import (FEATURE_NAMES, NEVER, CorpusPrior, FeatureState, belady_labels, extract,
-                               regression_labels, reuse_labels)
+                               prompt_lookahead, regression_labels, reuse_labels)
 from stream_fixtures import synthetic_stream, zipf_keys
 
 COL = {name: i for i, name in enumerate(FEATURE_NAMES)}
@@ -68,6 +68,23 @@ def test_labels_look_forward_and_censor():
     assert np.allclose(regression_labels(keys, 3), np.log1p([2, 2, 3, 1, 3, 3]))
     assert reuse_labels(keys, 1).tolist() == [0, 0, 0, 1, 0, 0]
     assert reuse_labels(keys, 2).tolist() == [1, 1, 0, 1, 0, 0]
+
+
+def test_prompt_lookahead_sees_only_the_rest_of_its_own_prompt():
+    view = synthetic_stream([1, 2, 1, 3, 1, 2], step=1, num_keys=4)
+    view.request = np.array([0, 0, 0, 0, 1, 1], np.int32)
+    view.position = np.array([0, 1, 2, 3, 0, 1], np.int32)
+    view.decode = np.array([False, False, False, True, False, False])
+    look = prompt_lookahead(view)
+    # key 1 is used again 2 prompt tokens later in request 0; key 2's next use is request 1's
+    assert np.allclose(look[:, 0], [np.log1p(2), NEVER, NEVER, NEVER, NEVER, NEVER])
+    assert np.allclose(look[:, 1], np.log1p([3, 2, 1, 0, 2, 1]))  # prompt left (none in decode)
+    x = extract(view, 0, 6, FeatureState(4), CorpusPrior(np.zeros(16, np.int64), np.zeros(0, np.int64),
+                                                        np.zeros(0, np.int64)), view.domains)
+    np.testing.assert_array_equal(x[:, COL["log_prompt_next"]:COL["log_prompt_left"] + 1], look)
+    off = extract(view, 0, 6, FeatureState(4), CorpusPrior(np.zeros(16, np.int64), np.zeros(0, np.int64),
+                                                          np.zeros(0, np.int64)), view.domains, lookahead=False)
+    assert np.all(off[:, COL["log_prompt_next"]] == NEVER) and np.all(off[:, COL["log_prompt_left"]] == 0)
 
 
 def test_belady_labels_are_the_optimal_hits_of_the_next_access():

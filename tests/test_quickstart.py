@@ -60,8 +60,13 @@ def test_quickstart_tracks_every_point_with_metrics_and_artifacts(quickstart):
     run = learned[0]
     files = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"learned_eval.parquet", "importances.parquet", "model"} <= files
-    assert {"model/metadata.json", "model/prior.safetensors"} <= {a.path for a in client.list_artifacts(run.info.run_id, "model")}
-    assert any(k.startswith("miss_ratio.learned.") for k in run.data.metrics)
+    per_capacity = [a.path for a in client.list_artifacts(run.info.run_id, "model")]  # a Belady-label model each
+    assert len(per_capacity) == 3
+    for folder_ in per_capacity:
+        names = {a.path.rsplit("/", 1)[1] for a in client.list_artifacts(run.info.run_id, folder_)}
+        assert {"metadata.json", "prior.safetensors", "model.txt"} <= names
+    assert any(k.startswith("miss_ratio.learned-s3fifo.") for k in run.data.metrics)
+    assert any(k.startswith("gap_closed.") for k in run.data.metrics)
     assert (folder / "runs" / "quickstart" / "report.html").is_file()
 
 

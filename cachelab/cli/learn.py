@@ -40,6 +40,8 @@ def train(
                                    "of the unique rows, or rows) instead of reuse within the horizon: a model for "
                                    "that size, what learned-s3fifo is built for. Needs a classifier "
                                    "(--predictor lightgbm-reuse). 0: off."),
+    lookahead: bool = typer.Option(True, help="Use the prompt-lookahead features (a prefill lookup sees how far "
+                                   "ahead in its own, already arrived prompt its row is used again)."),
     param: list[str] = typer.Option([], "--param", help="A predictor hyper-parameter as key=value (repeatable), "
                                     "e.g. --param n_estimators=200."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
@@ -48,7 +50,7 @@ def train(
     console = Console(stderr=True, quiet=as_json)
     cls = registry.get(registry.PREDICTORS, predictor)
     spec = TrainSpec(horizon=horizon, train_fraction=train_fraction, max_samples=max_samples, seed=seed,
-                     capacity=capacity)
+                     capacity=capacity, lookahead=lookahead)
     spec.check()
     check_target(cls.task, spec)
     stream = _view(trace, requests, seed, preset, console)
@@ -116,7 +118,8 @@ def evaluate(
         with console.status(f"retraining every {retrain_every:,} lookups on windows of {window:,}"):
             scores = rolling_scores(stream, lambda: cls(**params),
                                     TrainSpec(horizon=fitted.horizon, seed=int(spec.get("seed", 0)),
-                                              capacity=float(spec.get("capacity", 0.0))),
+                                              capacity=float(spec.get("capacity", 0.0)),
+                                              lookahead=fitted.lookahead),
                                     retrain_every, window)
     result = evaluate_capacities(stream, fitted, caps, warmup, progress=not as_json, scores=scores, policy=policy)
     result = {"trace": trace, "model": str(model), **result}

@@ -74,6 +74,7 @@ def learned_point(config: dict, workload: Workload) -> PointOutput:
     ``holdout`` workload) at each capacity (``cachelab.learning``, ``cachelab.learning_eval``).
     Miss ratios there are per lookup over each step's distinct rows, as the replay counts."""
     import tempfile
+    from dataclasses import replace
     from pathlib import Path
 
     from cachelab import registry
@@ -85,20 +86,31 @@ def learned_point(config: dict, workload: Workload) -> PointOutput:
 
     p, preset = config["predictor"], config["workload"]["preset"]
     view = LearningView.of(workload.stream, preset)
-    predictor = registry.get(registry.PREDICTORS, p["name"])(**p["params"])
     spec = TrainSpec(horizon=p["horizon"], train_fraction=p["train_fraction"], max_samples=p["max_samples"],
-                     seed=config["seed"])
-    model, fit = train(view, predictor, spec)
+                     seed=config["seed"], lookahead=p["lookahead"])
+    capacities = [_learned_capacity(c) for c in p["capacities"]]
+    # One model for every capacity, or with Belady keep labels one model per capacity.
+    targets = [[c] for c in capacities] if p["belady_labels"] else [capacities]
+    fits = [train(view, registry.get(registry.PREDICTORS, p["name"])(**p["params"]),
+                  replace(spec, capacity=caps[0] if p["belady_labels"] else 0.0)) for caps in targets]
     held_out = p["holdout"] is not None
     if held_out:  # built once, then found in the workload cache by every later point
         view = LearningView.of(load_workload(build_workload(WorkloadSpec(**p["holdout"]))).stream, preset)
     warmup = config["warmup"] if held_out else max(config["warmup"], p["train_fraction"])
-    capacities = [_learned_capacity(c) for c in p["capacities"]]
-    result = evaluate_capacities(view, model, capacities, warmup, progress=False)
-    metrics = {k: v for k, v in fit.items() if isinstance(v, (int, float))}
-    metrics.update({"eval.lookups": result["lookups"], "eval.counted_lookups": result["counted_lookups"],
-                    "eval.distinct_rows": result["unique_rows"]})
-    rows = []
+    results = [evaluate_capacities(view, model, caps, warmup, progress=False) for caps, (model, _) in zip(targets, fits)]
+    result = {**results[0], "capacities": [row for r in results for row in r["capacities"]]}
+    metrics = {"eval.lookups": result["lookups"], "eval.counted_lookups": result["counted_lookups"],
+               "eval.distinct_rows": result["unique_rows"]}
+    rows, importances, files = [], [], {}
+    for cap, (model, fit) in zip(result["capacities"] if p["belady_labels"] else [None], fits):
+        tag = "" if cap is None else f".{cap['rows']}rows"
+        metrics.update({f"{k}{tag}": v for k, v in fit.items() if isinstance(v, (int, float))})
+        importances += [{"capacity": tag.lstrip("."), "feature": k, "importance": v}
+                        for k, v in fit.get("importances", {}).items()]
+        with tempfile.TemporaryDirectory() as tmp:
+            save(model, Path(tmp), {"workload": config["workload"]})
+            files.update({f"model{tag.replace('.', '/')}/{f.name}": f.read_bytes()
+                          for f in sorted(Path(tmp).iterdir()) if f.is_file()})
     for cap in result["capacities"]:
         tag = f"{cap['rows']}rows"
         for policy, miss in cap["miss_ratio"].items():
@@ -108,12 +120,8 @@ def learned_point(config: dict, workload: Workload) -> PointOutput:
         if cap["gap_closed"] is not None:
             metrics[f"gap_closed.{tag}"] = cap["gap_closed"]
     tables = {"learned_eval": pl.DataFrame(rows)}
-    if fit.get("importances"):
-        tables["importances"] = pl.DataFrame({"feature": list(fit["importances"]),
-                                              "importance": list(fit["importances"].values())})
-    with tempfile.TemporaryDirectory() as tmp:
-        save(model, Path(tmp), {"workload": config["workload"]})
-        files = {f"model/{f.name}": f.read_bytes() for f in sorted(Path(tmp).iterdir()) if f.is_file()}
+    if importances:
+        tables["importances"] = pl.DataFrame(importances)
     params = {"eval.workload": "holdout" if held_out else "later part of the training workload",
               "eval.missing_policies": ",".join(result["missing"])}
     return PointOutput(metrics, params, tables, files)

@@ -85,6 +85,9 @@ class PredictorSpec(_Strict):
     max_samples: int = Field(500_000, gt=0, description="training samples drawn from the window")
     capacities: list[int | str] = Field(default_factory=lambda: ["0.1%", "1%", "5%"], min_length=1,
                                         description="rows, or shares of the distinct rows ('1%')")
+    belady_labels: bool = Field(False, description="a classifier per capacity, labelled with Belady's keep "
+                                "decisions there (what learned-s3fifo is built for)")
+    lookahead: bool = Field(True, description="the prompt-lookahead features")
     holdout: WorkloadSpec | None = None
 
 
