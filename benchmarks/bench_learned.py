@@ -1,12 +1,14 @@
 """End-to-end speed of the learned policy against LRU, same stream, same run.
 
 The stream is real: the DeepSeek-V4.1-Flash lookups of GSM8K, HumanEval and Arena-Hard
-prompts (data root), interleaved. A LightGBM model is trained on the first half first
-(training time is not counted). Then, timed from the raw ``LookupStream``:
+prompts (data root), interleaved. The model of docs/learned.md is trained on the first half
+first (training time is not counted): a LightGBM classifier of Belady's keep decisions at
+the benchmark's capacity, 30 trees of 15 leaves, with the prompt-lookahead features. Then,
+timed from the raw ``LookupStream``:
 
-- learned: per-step deduplication into the learning view, causal feature extraction,
-  batched scoring (the booster flattened into one compiled loop), and the replay of the
-  ``learned`` policy (sampled eviction + scores admission);
+- learned: per-step deduplication into the learning view, causal feature extraction
+  (prompt lookahead included), batched scoring (the booster flattened into one compiled
+  loop), and the replay of the learned policy (``learned-s3fifo`` by default);
 - LRU: the same deduplication and the replay of ``lru``.
 
 Both are reported in lookups per second (every lookup of the stream, duplicates included),
@@ -23,16 +25,17 @@ import time
 
 
 from cachelab import registry
-from cachelab.learning import TrainSpec, keep_scores, train
+from cachelab.learning import TrainSpec, keep_scores, rows_for, train
+from cachelab.learning_eval import learned_policy
 from cachelab.learning_trace import LearningView, prompt_stream
 from cachelab.replay import run_policy
 
 
-def learned_pass(stream, model, capacity: int) -> float:
+def learned_pass(stream, model, capacity: int, policy: str) -> float:
     """Miss ratio of the learned policy from the raw stream: view, features, scores, replay."""
     view = LearningView.of(stream)
     scores = keep_scores(model, view)
-    hits = run_policy(registry.make_policy("learned"), view.keys, view.step_offsets, capacity, view.num_keys, scores)
+    hits = run_policy(learned_policy(policy, model), view.keys, view.step_offsets, capacity, view.num_keys, scores)
     return 1.0 - float(view.per_lookup(hits).mean())
 
 
@@ -56,27 +59,29 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=100, help="requests per corpus")
     ap.add_argument("--capacity", type=float, default=0.01, help="cache size as a fraction of unique rows")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--trees", type=int, default=100, help="LightGBM boosting rounds (scoring cost grows with them)")
-    ap.add_argument("--leaves", type=int, default=31, help="LightGBM leaves per tree")
+    ap.add_argument("--trees", type=int, default=30, help="LightGBM boosting rounds (scoring cost grows with them)")
+    ap.add_argument("--leaves", type=int, default=15, help="LightGBM leaves per tree")
+    ap.add_argument("--policy", default="learned-s3fifo", help="the learned policy replayed")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     stream = prompt_stream(["gsm8k", "humaneval", "arena-hard"], args.requests)
     view = LearningView.of(stream)
-    model, _ = train(view, registry.get(registry.PREDICTORS, "lightgbm")(n_estimators=args.trees, num_leaves=args.leaves), TrainSpec(horizon=1 << 16))
-    capacity = max(1, int(args.capacity * view.num_keys))
+    classifier = registry.get(registry.PREDICTORS, "lightgbm-reuse")(n_estimators=args.trees, num_leaves=args.leaves)
+    model, _ = train(view, classifier, TrainSpec(horizon=1 << 16, capacity=args.capacity))
+    capacity = rows_for(args.capacity, view.num_keys)
     small = prompt_stream(["gsm8k"], 3)
-    learned_pass(small, model, 100), lru_pass(small, 100)  # compile
-    t_learned = min(timed(learned_pass, stream, model, capacity)[0] for _ in range(args.repeats))
+    learned_pass(small, model, 100, args.policy), lru_pass(small, 100)  # compile
+    t_learned = min(timed(learned_pass, stream, model, capacity, args.policy)[0] for _ in range(args.repeats))
     t_lru = min(timed(lru_pass, stream, capacity)[0] for _ in range(args.repeats))
     n = stream.num_lookups
-    out = {"lookups": int(n), "capacity_rows": capacity, "trees": args.trees, "leaves": args.leaves,
+    out = {"lookups": int(n), "capacity_rows": capacity, "policy": args.policy, "trees": args.trees, "leaves": args.leaves,
            "learned_lookups_per_s": n / t_learned, "lru_lookups_per_s": n / t_lru,
            "learned_over_lru": t_lru / t_learned}
     if args.json:
         print(json.dumps(out))
         return
-    print(f"{n:,} lookups, capacity {capacity:,} rows, LightGBM {args.trees} trees x {args.leaves} leaves "
-          f"(best of {args.repeats})")
+    print(f"{n:,} lookups, capacity {capacity:,} rows, {args.policy}, LightGBM {args.trees} trees x "
+          f"{args.leaves} leaves (best of {args.repeats})")
     print(f"learned (view + features + scoring + replay): {out['learned_lookups_per_s'] / 1e6:.2f} M lookups/s")
     print(f"LRU (dedup + replay):                         {out['lru_lookups_per_s'] / 1e6:.2f} M lookups/s")
     print(f"learned / LRU: {out['learned_over_lru']:.3f}")

@@ -1,13 +1,17 @@
 """The learned-policy study of docs/learned.md, reproducible end to end.
 
-For each capacity (0.1%, 1%, 5% of the unique rows) a classifier (``lightgbm-reuse``) is
-trained on the first half of a mixed real-prompt trace (GSM8K + HumanEval + Arena-Hard,
-interleaved) to imitate Belady's keep decision at that capacity. Then it replays (1) that
-trace, counting misses in its second half only, and (2) an unseen domain (Gutenberg prose)
-with the same model: the learned policies against every registered heuristic and Belady,
-the gap closed, misses per n-gram order. Two controls separate the policy from the
-predictor: ``learned-s3fifo`` fed perfect keep labels (what the policy could do with a
-perfect classifier), and the label quality per n-gram order (AUC against Belady's
+For each capacity (0.1%, 1%, 5% of the unique rows) a classifier (``lightgbm-reuse``, 30
+trees of 15 leaves) is trained on the first half of a mixed real-prompt trace (GSM8K +
+HumanEval + Arena-Hard, interleaved) to imitate Belady's keep decision at that capacity.
+Then it replays (1) that trace, counting misses in its second half only, and (2) an unseen
+domain (Gutenberg prose) with the same model, and (3) the unseen domain again with the
+model retrained every eighth of it on the window before: the learned policies against
+every registered heuristic and Belady, the gap closed, misses per n-gram order.
+
+Controls: the same model trained without the prompt-lookahead features; S3-FIFO promoting
+on the lookahead alone (a rule, no model: promote a row whose next use is known to lie in
+its own prompt); ``learned-s3fifo`` fed perfect keep labels (what the policy could do with
+a perfect classifier); and the label quality per n-gram order (AUC against Belady's
 decisions). Writes one JSON file.
 
     CACHELAB_DATA=../shared/data .venv/bin/python scripts/learned_study.py --out study.json
@@ -18,12 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 
 import numpy as np
 
 from cachelab import registry
-from cachelab.features import belady_labels
-from cachelab.learning import TrainSpec, features, rows_for, train
+from cachelab.cli.cache import parse_params
+from cachelab.features import NEVER, belady_labels, prompt_lookahead
+from cachelab.learning import TrainSpec, features, rolling_scores, rows_for, train
 from cachelab.learning_eval import evaluate_capacities
 from cachelab.learning_trace import LearningView, prompt_stream
 
@@ -34,11 +40,17 @@ def perfect_scores(view: LearningView, capacity: float, horizon: int) -> np.ndar
     return -(np.arange(len(view), dtype=np.float64) + horizon * (1.0 - kept))
 
 
+def lookahead_rule_scores(view: LearningView, horizon: int) -> np.ndarray:
+    """Keep scores of a rule, not a model: chance 1 when the row's next use is known to lie in its own prompt."""
+    known = prompt_lookahead(view)[:, 0] < NEVER  # the log_prompt_next column
+    return -(np.arange(len(view), dtype=np.float64) + horizon * (1.0 - known))
+
+
 def label_quality(view: LearningView, model, capacity: float) -> dict:
     """AUC against Belady's keep decisions, and the keep rate, per n-gram order, second half."""
     from sklearn.metrics import roc_auc_score
 
-    pred = model.predictor.predict(features(view, model.prior, model.domains))
+    pred = model.predictor.predict(features(view, model.prior, model.domains, model.lookahead))
     kept = belady_labels(view.keys, view.step_offsets, rows_for(capacity, view.num_keys), view.num_keys)
     order = 2 + view.column.astype(np.int64) // view.heads
     half = np.arange(len(view)) >= len(view) // 2
@@ -58,31 +70,49 @@ def main() -> None:
     ap.add_argument("--unseen-requests", type=int, default=60)
     ap.add_argument("--horizon", type=int, default=1 << 17)
     ap.add_argument("--predictor", default="lightgbm-reuse", help="a registered classifier")
+    ap.add_argument("--param", action="append", default=["n_estimators=30", "num_leaves=15"],
+                    help="predictor hyper-parameter key=value (repeatable)")
     ap.add_argument("--capacities", default="0.001,0.01,0.05")
+    ap.add_argument("--retrain-parts", type=int, default=8, help="retrain on the unseen domain this many times")
     args = ap.parse_args()
+    params = parse_params(args.param)
+
+    def make():
+        return registry.get(registry.PREDICTORS, args.predictor)(**params)
+
     started = time.perf_counter()
     mixed = LearningView.of(prompt_stream(["gsm8k", "humaneval", "arena-hard"], args.requests))
     unseen = LearningView.of(prompt_stream([args.unseen], args.unseen_requests))
     result = {"spec": {**vars(args)}, "capacities": {}}
     for cap in (float(c) for c in args.capacities.split(",")):
         spec = TrainSpec(horizon=args.horizon, capacity=cap)
-        model, metrics = train(mixed, registry.get(registry.PREDICTORS, args.predictor)(), spec)
+        model, metrics = train(mixed, make(), spec)
+        blind, blind_metrics = train(mixed, make(), replace(spec, lookahead=False))
         print(f"{cap}: trained at {time.perf_counter() - started:.0f} s, auc vs Belady "
-              f"{metrics['auc_belady']:.3f}", flush=True)
-        result["capacities"][str(cap)] = {
-            "train_metrics": metrics,
+              f"{metrics['auc_belady']:.3f} ({blind_metrics['auc_belady']:.3f} without lookahead)", flush=True)
+        every = len(unseen) // args.retrain_parts
+        retrained = rolling_scores(unseen, make, spec, every, 2 * every)
+
+        def run(view, scores=None, fitted=model):
+            return evaluate_capacities(view, fitted, [cap], 0.5, progress=False, scores=scores)["capacities"][0]
+
+        entry = result["capacities"][str(cap)] = {
+            "train_metrics": metrics, "train_metrics_without_lookahead": blind_metrics,
             "label_quality": label_quality(mixed, model, cap),
-            "later_part": evaluate_capacities(mixed, model, [cap], 0.5, progress=False)["capacities"][0],
-            "later_part_perfect_labels": evaluate_capacities(
-                mixed, model, [cap], 0.5, progress=False,
-                scores=perfect_scores(mixed, cap, args.horizon))["capacities"][0],
-            "unseen_domain": evaluate_capacities(unseen, model, [cap], 0.5, progress=False)["capacities"][0],
+            "later_part": run(mixed),
+            "later_part_without_lookahead": run(mixed, fitted=blind),
+            "later_part_lookahead_rule": run(mixed, lookahead_rule_scores(mixed, args.horizon)),
+            "later_part_perfect_labels": run(mixed, perfect_scores(mixed, cap, args.horizon)),
+            "unseen_domain": run(unseen),
+            "unseen_domain_without_lookahead": run(unseen, fitted=blind),
+            "unseen_domain_lookahead_rule": run(unseen, lookahead_rule_scores(unseen, args.horizon)),
+            "unseen_domain_retrained": run(unseen, retrained),
         }
-        for part in ("later_part", "later_part_perfect_labels", "unseen_domain"):
-            row = result["capacities"][str(cap)][part]
-            print(part, cap, {k: round(v, 4) for k, v in row["miss_ratio"].items()},
-                  "gap closed", {k: None if v is None else round(v, 3) for k, v in row["gap_closed_by_policy"].items()},
-                  flush=True)
+        for part, row in entry.items():
+            if "miss_ratio" in row:
+                print(part, cap, {k: round(v, 4) for k, v in row["miss_ratio"].items()}, "gap closed",
+                      {k: None if v is None else round(v, 3) for k, v in row["gap_closed_by_policy"].items()},
+                      flush=True)
     result["lookups"] = {"mixed": int(mixed.inverse.size), "mixed_unique_rows": mixed.num_keys,
                          "unseen": int(unseen.inverse.size), "unseen_unique_rows": unseen.num_keys}
     result["seconds"] = round(time.perf_counter() - started, 1)
