@@ -20,6 +20,7 @@ horizon read as an expected wait).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -97,8 +98,16 @@ def features(stream, model_prior: CorpusPrior, domains: list[str], lookahead: bo
     return extract(stream, 0, len(stream), state, model_prior, domains, lookahead)
 
 
-def train(stream, predictor: Predictor, spec: TrainSpec, progress=None) -> tuple[Model, dict]:
-    """Fit ``predictor`` on the training window of ``stream``; return the model and validation metrics."""
+PROMOTE_GRID = (0.2, 0.3, 0.4, 0.5, 0.6)
+TUNED_POLICY = "learned-s3fifo"  # the policy a keep model's promote threshold is tuned for
+
+
+def train(stream, predictor: Predictor, spec: TrainSpec, progress=None, tune: bool = True) -> tuple[Model, dict]:
+    """Fit ``predictor`` on the training window of ``stream``; return the model and validation metrics.
+
+    A model of Belady's keep decisions (``spec.capacity``) also gets ``learned-s3fifo``'s
+    ``promote`` threshold, tuned on the training window alone (``tune_promote``).
+    """
     spec.check()
     check_target(predictor.task, spec)
     n = len(stream)
@@ -117,7 +126,39 @@ def train(stream, predictor: Predictor, spec: TrainSpec, progress=None) -> tuple
         meta_spec["capacity_rows"] = rows_for(spec.capacity, stream.num_keys)
     model = Model(predictor, prior, domains, spec.horizon, {"spec": meta_spec}, spec.lookahead)
     metrics = validate(model, stream, x, end, spec)
+    if spec.capacity and tune:
+        meta_spec["promote"], metrics["promote_misses"] = tune_promote(stream, type(predictor)(**predictor.get_params()),
+                                                                       spec, end)
+        metrics["promote"] = meta_spec["promote"]
     return model, metrics
+
+
+def tune_promote(view, predictor: Predictor, spec: TrainSpec, end: int) -> tuple[float, dict]:
+    """``learned-s3fifo``'s promote threshold, chosen without looking past the training window
+    ``[0, end)``: ``predictor`` is fitted on the window's first half (as ``train`` would with
+    half the fraction), scores the second half, and ``learned-s3fifo`` replays the window at
+    each threshold of ``PROMOTE_GRID``; the fewest misses in the second half win. Returns the
+    threshold and the miss ratio at each (empty, with the policy's default, if the half
+    window is too short for the horizon)."""
+    from dataclasses import replace
+
+    from cachelab.replay import run_policy
+
+    try:
+        model, _ = train(view, predictor, replace(spec, train_fraction=spec.train_fraction / 2), tune=False)
+    except CachelabError:
+        return float(registry.get(registry.POLICIES, TUNED_POLICY)().promote), {}
+    scores = keep_scores(model, view)[:end]
+    start = int(model.metadata["spec"]["train_end"])
+    offsets = view.step_offsets[view.step_offsets <= end]
+    capacity = rows_for(spec.capacity, view.num_keys)
+    misses = {}
+    for promote in PROMOTE_GRID:
+        policy = registry.make_policy(TUNED_POLICY, promote=promote, horizon=spec.horizon)
+        hits = run_policy(policy, view.keys[:end], offsets, capacity, view.num_keys, scores)
+        misses[str(promote)] = float(1.0 - hits[start:].mean())
+    best = min(misses, key=misses.get)
+    return float(best), misses
 
 
 def fit_window(view, x: np.ndarray, lo: int, hi: int, predictor: Predictor, spec: TrainSpec,
@@ -243,12 +284,19 @@ def keep_scores(model: Model, stream, x: np.ndarray | None = None, offset: int =
     return -(t + wait)
 
 
-def lookup_scores(directory: Path, stream) -> tuple[np.ndarray, int]:
-    """Scores per lookup of an engine ``LookupStream`` from the model saved in ``directory``,
-    and the model's horizon (what turns a classifier's score back into a chance)."""
+def lookup_scores(directory: Path, stream) -> tuple[np.ndarray, Model]:
+    """Scores per lookup of an engine ``LookupStream`` from the model saved in ``directory``, and the model."""
     from cachelab.learning_trace import LearningView
 
     model = load(directory)
     view = LearningView.of(stream, model.metadata.get("spec", {}).get("preset", "deepseek-v4.1-flash"))
-    return view.per_lookup(keep_scores(model, view)), model.horizon
+    return view.per_lookup(keep_scores(model, view)), model
+
+
+def policy_params(policy_cls, model: Model) -> dict:
+    """What a learned policy takes from its model: the horizon (which turns a classifier's score
+    back into a chance) and a tuned promote threshold, each only if the policy has the parameter."""
+    takes = inspect.signature(policy_cls).parameters
+    params = {"horizon": model.horizon, "promote": model.metadata.get("spec", {}).get("promote")}
+    return {k: v for k, v in params.items() if k in takes and v is not None}
 

@@ -12,14 +12,12 @@ never flattered by a weak bound.
 
 from __future__ import annotations
 
-import inspect
-
 import numpy as np
 from rich.progress import Progress
 
 from cachelab import registry
 from cachelab.errors import CachelabError
-from cachelab.learning import Model, keep_scores, rows_for
+from cachelab.learning import Model, keep_scores, policy_params, rows_for
 from cachelab.learning_trace import LearningView
 from cachelab.replay import run_policy, warmup_steps
 
@@ -44,10 +42,9 @@ def _resolve(table: dict[str, tuple[str, ...]]) -> tuple[dict[str, str], list[st
 
 
 def learned_policy(name: str, model: Model):
-    """A learned policy for ``model``'s scores: a policy taking ``horizon`` gets the model's."""
+    """A learned policy for ``model``'s scores, with what it takes from the model (``policy_params``)."""
     cls = registry.get(registry.POLICIES, name)
-    takes_horizon = "horizon" in inspect.signature(cls).parameters
-    return cls(horizon=model.horizon) if takes_horizon else cls()
+    return cls(**policy_params(cls, model))
 
 
 def evaluate_capacities(view: LearningView, model: Model, capacities: list[float], warmup: float,

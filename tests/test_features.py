@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from cachelab import registry
 from cachelab.errors import CachelabError
 from cachelab.features import (FEATURE_NAMES, NEVER, CorpusPrior, FeatureState, belady_labels, extract,
                                prompt_lookahead, regression_labels, reuse_labels)
@@ -105,10 +106,32 @@ def test_belady_keep_labels_train_a_classifier_and_refuse_a_regressor():
     assert model.metadata["spec"]["capacity"] == 0.05
     assert model.metadata["spec"]["capacity_rows"] == round(0.05 * view.num_keys)
     assert 0.5 < metrics["auc_belady"] <= 1.0 and 0.0 < metrics["belady_keep_rate"] < 1.0
+    assert model.metadata["spec"]["promote"] == metrics["promote"] and len(metrics["promote_misses"]) == 5
     with pytest.raises(CachelabError, match="need a classifier"):
         train(view, LightGBM(n_estimators=5, num_threads=1), spec)
     with pytest.raises(CachelabError, match="capacity"):
         TrainSpec(capacity=-1).check()
+
+
+def test_promote_is_tuned_on_the_training_window_alone():
+    from cachelab.learning import PROMOTE_GRID, TrainSpec, policy_params, tune_promote
+    from cachelab.learning_eval import learned_policy
+    from predictors.lightgbm_model import LightGBMReuse
+
+    keys = zipf_keys(8000, 900, seed=8)
+    view = synthetic_stream(keys)
+    spec = TrainSpec(horizon=200, max_samples=5000, capacity=0.05)
+    end = 4000
+    promote, misses = tune_promote(view, LightGBMReuse(n_estimators=5, num_threads=1), spec, end)
+    assert promote in PROMOTE_GRID and set(misses) == {str(p) for p in PROMOTE_GRID}
+    changed = keys.copy()
+    changed[end:] = np.random.default_rng(2).integers(0, view.num_keys, keys.size - end)
+    again = tune_promote(synthetic_stream(changed, num_keys=view.num_keys), LightGBMReuse(n_estimators=5, num_threads=1),
+                         spec, end)
+    assert again == (promote, misses)  # nothing after the window matters
+    model = type("M", (), {"horizon": 321, "metadata": {"spec": {"promote": 0.3}}})()
+    assert learned_policy("learned-s3fifo", model).get_params()["promote"] == 0.3
+    assert policy_params(registry.get(registry.POLICIES, "learned"), model) == {}  # takes neither
 
 
 def test_rolling_retraining_never_sees_the_future_of_what_it_scores():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 import time
 from pathlib import Path
@@ -82,11 +81,11 @@ def simulate(
     stream = load_stream(trace, fmt)
     scores = None
     if model is not None:
-        from cachelab.learning import lookup_scores
+        from cachelab.learning import lookup_scores, policy_params
 
-        scores, horizon = lookup_scores(model, stream)
-        if "horizon" in inspect.signature(registry.get(registry.POLICIES, policy.split("+")[0])).parameters:
-            param = [f"horizon={horizon}", *param]  # the model's, unless --param horizon= says otherwise
+        scores, fitted = lookup_scores(model, stream)
+        from_model = policy_params(registry.get(registry.POLICIES, policy.split("+")[0]), fitted)
+        param = [f"{k}={v}" for k, v in from_model.items()] + list(param)  # --param still overrides
     cache = build_policy(policy, admission, param)
     hierarchy = Hierarchy([Tier("cache", cache, capacity_rows=capacity, location="gpu")], stream.row_bytes)
     if cache.capabilities.needs_scores and model is None:
