@@ -8,7 +8,8 @@ timed from the raw ``LookupStream``:
 
 - learned: per-step deduplication into the learning view, causal feature extraction
   (prompt lookahead included), batched scoring (the booster flattened into one compiled
-  loop), and the replay of the learned policy (``learned-s3fifo`` by default);
+  loop), and the replay of the learned policy (the judged one, ``learned-s3fifo-adaptive``, by
+  default: its miniature simulations included);
 - LRU: the same deduplication and the replay of ``lru``.
 
 Both are reported in lookups per second (every lookup of the stream, duplicates included),
@@ -26,7 +27,7 @@ import time
 
 from cachelab import registry
 from cachelab.learning import TrainSpec, keep_scores, rows_for, train
-from cachelab.learning_eval import learned_policy
+from cachelab.learning_eval import JUDGED, learned_policy
 from cachelab.learning_trace import LearningView, prompt_stream
 from cachelab.replay import run_policy
 
@@ -61,7 +62,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--trees", type=int, default=30, help="LightGBM boosting rounds (scoring cost grows with them)")
     ap.add_argument("--leaves", type=int, default=15, help="LightGBM leaves per tree")
-    ap.add_argument("--policy", default="learned-s3fifo", help="the learned policy replayed")
+    ap.add_argument("--policy", default=JUDGED, help="the learned policy replayed")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     stream = prompt_stream(["gsm8k", "humaneval", "arena-hard"], args.requests)

@@ -5,7 +5,7 @@ on each step's distinct rows (as ``cachelab simulate`` does); a lookup misses wh
 step's fetch of the row missed; misses are counted after the warm-up steps.
 Every learned policy in ``LEARNED`` is replayed with the model's scores; the gap closed,
 ``(best heuristic - learned) / (best heuristic - Belady)``, is reported for each, and as
-``gap_closed`` for the one judged (``policy``, by default ``learned-s3fifo``). Belady is the
+``gap_closed`` for the one judged (``policy``, by default ``learned-s3fifo-adaptive``). Belady is the
 lowest of its registered variants (with bypass, it is the offline optimum), so the share is
 never flattered by a weak bound.
 """
@@ -25,8 +25,8 @@ from cachelab.replay import run_policy, warmup_steps
 HEURISTICS = {"LRU": ("lru",), "S3-FIFO": ("s3fifo", "s3-fifo"), "W-TinyLFU": ("wtinylfu", "w-tinylfu"),
               "SIEVE": ("sieve",)}
 OPTIMAL = {"Belady": ("belady",), "Belady (bypass)": ("belady-bypass",)}
-LEARNED = ("learned", "learned-s3fifo")  # registry names of the learned policies, also their labels
-JUDGED = "learned-s3fifo"  # the learned policy whose gap closed is ``gap_closed``
+LEARNED = ("learned", "learned-s3fifo", "learned-s3fifo-adaptive")  # registry names, also their labels
+JUDGED = "learned-s3fifo-adaptive"  # the learned policy whose gap closed is ``gap_closed``
 
 
 def _resolve(table: dict[str, tuple[str, ...]]) -> tuple[dict[str, str], list[str]]:

@@ -5,8 +5,9 @@ trees of 15 leaves) is trained on the first half of a mixed real-prompt trace (G
 HumanEval + Arena-Hard, interleaved) to imitate Belady's keep decision at that capacity.
 Then it replays (1) that trace, counting misses in its second half only, and (2) an unseen
 domain (Gutenberg prose) with the same model, and (3) the unseen domain again with the
-model retrained every eighth of it on the window before: the learned policies against
-every registered heuristic and Belady, the gap closed, misses per n-gram order.
+model retrained every eighth of it on the window before: the learned policies
+(``learned-s3fifo-adaptive`` is the one judged) against every registered heuristic and
+Belady, the gap closed, misses per n-gram order.
 
 Controls: the same model trained without the prompt-lookahead features; S3-FIFO promoting
 on the lookahead alone (a rule, no model: promote a row whose next use is known to lie in

@@ -14,7 +14,7 @@ from cachelab.policy import NO_NEXT
 from cachelab.replay import run_policy
 from stream_fixtures import zipf_keys
 
-LEARNED = ["learned", "learned-eviction", "learned-admission", "learned-s3fifo"]
+LEARNED = ["learned", "learned-eviction", "learned-admission", "learned-s3fifo", "learned-s3fifo-adaptive"]
 
 
 def _oracle_scores(keys):
@@ -112,8 +112,52 @@ def test_learned_s3fifo_with_belady_keep_labels_beats_s3fifo():
     assert wrong > perfect  # the scores are what makes the difference
 
 
-@pytest.mark.parametrize("params, match", [({"promote": 1.5}, "promote"), ({"horizon": 0}, "horizon")])
-def test_learned_s3fifo_rejects_bad_parameters(params, match):
-    policy = registry.get(registry.POLICIES, "learned-s3fifo")(**params)
+@pytest.mark.parametrize("name, params, match", [
+    ("learned-s3fifo", {"promote": 1.5}, "promote"), ("learned-s3fifo", {"horizon": 0}, "horizon"),
+    ("learned-s3fifo-adaptive", {"promotes": "0.2,x"}, "promotes must be numbers"),
+    ("learned-s3fifo-adaptive", {"promotes": (0.2, 1.5)}, "promotes must be values"),
+    ("learned-s3fifo-adaptive", {"small_size_ratios": ()}, "small_size_ratios"),
+    ("learned-s3fifo-adaptive", {"sample_rate": 0}, "sample_rate"),
+    ("learned-s3fifo-adaptive", {"epoch": 0}, "epoch"), ("learned-s3fifo-adaptive", {"decay": 2}, "decay")])
+def test_learned_s3fifo_rejects_bad_parameters(name, params, match):
+    policy = registry.get(registry.POLICIES, name)(**params)
     with pytest.raises(CachelabError, match=match):
         policy.reset(10, 10)
+
+
+def _adaptive(**params):
+    return registry.get(registry.POLICIES, "learned-s3fifo-adaptive")(horizon=1000, **params)
+
+
+def test_adaptive_with_one_configuration_is_learned_s3fifo():
+    keys = zipf_keys(30_000, 4000, alpha=0.8, seed=7)
+    scores = _keep_scores(np.random.default_rng(1).random(keys.size), 1000)
+    offsets = np.arange(0, keys.size + 1, 10)
+    fixed = registry.get(registry.POLICIES, "learned-s3fifo")(promote=0.3, horizon=1000, small_size_ratio=0.05)
+    fixed.reset(200, 4000)
+    one = _adaptive(promote=0.3, small_size_ratio=0.05, promotes="0.3", small_size_ratios="0.05", epoch=500)
+    one.reset(200, 4000)
+    np.testing.assert_array_equal(one.run(keys, offsets, None, scores), fixed.run(keys, offsets, None, scores))
+
+
+def test_adaptive_follows_the_miniatures_and_step_equals_run():
+    """Scores that are right for one configuration and wrong at the start: the miniatures find it."""
+    keys = zipf_keys(60_000, 6000, alpha=0.9, seed=4)
+    kept = belady_labels(keys, np.array([0, keys.size]), 300, 6000).astype(np.float64)
+    scores = _keep_scores(0.35 * kept, 1000)  # a keeper's chance reads 0.35: only promote <= 0.35 uses it
+    offsets = np.append(np.arange(0, keys.size, 7), keys.size)
+    params = dict(promote=0.9, promotes=(0.3, 0.9), small_size_ratios=(0.1,), sample_rate=0.5, epoch=2000)
+    a, b = _adaptive(**params), _adaptive(**params)
+    a.reset(300, 6000)
+    b.reset(300, 6000)
+    hits = a.run(keys, offsets, None, scores)
+    assert a.config == (0.3, 0.1)
+    stepped = np.concatenate([b.step(keys[lo:hi], None, scores[lo:hi]).hits for lo, hi in zip(offsets[:-1], offsets[1:])])
+    np.testing.assert_array_equal(hits, stepped)
+    np.testing.assert_array_equal(a.resident(), b.resident())
+    fixed = {p: registry.get(registry.POLICIES, "learned-s3fifo")(promote=p, horizon=1000) for p in (0.3, 0.9)}
+    for policy in fixed.values():
+        policy.reset(300, 6000)
+    right, stuck = (1.0 - policy.run(keys, offsets, None, scores).mean() for policy in fixed.values())
+    assert right + 0.005 < stuck  # the right threshold matters here (0.457 against 0.467)
+    assert 1.0 - hits.mean() < stuck - 0.005 and 1.0 - hits.mean() < right + 0.003
