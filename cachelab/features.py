@@ -27,6 +27,7 @@ import numpy as np
 
 from cachelab.errors import CachelabError
 from cachelab.future import next_access
+from cachelab.lookups import compact
 from cachelab.policy import NO_NEXT
 
 GAPS = 8
@@ -133,6 +134,19 @@ def _history_kernel(keys, t0, last, count, gaps, decayed, rates, out, col):
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)
+def _entry_kernel(layer, column, heads, known_domain, domain, position, decode, out):
+    """The first six columns, what each entry says of itself: layer, n-gram order, head, the
+    model's index of its domain, log1p position, decode flag (one pass over the row-major matrix)."""
+    for i in range(layer.size):
+        out[i, 0] = layer[i]
+        out[i, 1] = 2 + column[i] // heads
+        out[i, 2] = column[i] % heads
+        out[i, 3] = known_domain[domain[i]]
+        out[i, 4] = np.log1p(np.float64(position[i]))
+        out[i, 5] = decode[i]
+
+
+@nb.njit(cache=True, nogil=True, boundscheck=False)
 def _request_kernel(keys, request, last_request, request_count, out, col):
     """log1p of the key's earlier accesses within the same request (repeats inside a prompt)."""
     for i in range(keys.size):
@@ -205,15 +219,9 @@ def extract(stream, lo: int, hi: int, state: FeatureState, prior: CorpusPrior,
                             f"the stream's vocabulary has {stream.vocab}: another Engram layout")
     n = hi - lo
     out = np.empty((n, len(FEATURE_NAMES)), dtype=np.float32)
-    col = stream.column[lo:hi].astype(np.int64)
-    order = 2 + col // stream.heads
-    out[:, 0] = stream.layer[lo:hi]
-    out[:, 1] = order
-    out[:, 2] = col % stream.heads
     known = np.array([domains.index(d) if d in domains else -1 for d in stream.domains], dtype=np.float32)
-    out[:, 3] = known[stream.domain[lo:hi]]
-    out[:, 4] = np.log1p(stream.position[lo:hi])
-    out[:, 5] = stream.decode[lo:hi]
+    _entry_kernel(stream.layer[lo:hi], stream.column[lo:hi], stream.heads, known, stream.domain[lo:hi],
+                  stream.position[lo:hi], stream.decode[lo:hi], out)
     if lookahead:
         out[:, LOOKAHEAD_COLUMN:LOOKAHEAD_COLUMN + 2] = prompt_lookahead(stream)[lo:hi]
     else:
@@ -233,13 +241,11 @@ def apply_prior(view, lo: int, hi: int, prior: CorpusPrior, out: np.ndarray) -> 
     """(Re)write the corpus-prior columns of ``out`` (the features of entries ``[lo, hi)``)."""
     order = 2 + view.column[lo:hi].astype(np.int64) // view.heads
     _token_kernel(view.ngram[lo:hi], order, prior.token_counts, out, PRIOR_COLUMN)
-    raw = view.raw_keys[view.keys[lo:hi]]
-    found = np.zeros(hi - lo, dtype=bool)
+    # one hash pass: the prior's (distinct) keys take ids 0..P-1, so an entry's id below P finds its count
+    ids = compact(np.concatenate([prior.row_keys, view.raw_keys[view.keys[lo:hi]]]))[0][prior.row_keys.size:]
+    known = ids < prior.row_keys.size
     counts = np.zeros(hi - lo, dtype=np.int64)
-    if prior.row_keys.size:
-        where = np.minimum(np.searchsorted(prior.row_keys, raw), prior.row_keys.size - 1)
-        found = prior.row_keys[where] == raw
-        counts = np.where(found, prior.row_counts[where], 0)
+    counts[known] = prior.row_counts[ids[known]]
     out[:, PRIOR_COLUMN + 2] = np.log1p(counts)
 
 

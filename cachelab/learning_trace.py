@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba as nb
 import numpy as np
 
 from cachelab import registry
@@ -118,16 +119,28 @@ class LearningView:
 
 def _ngrams(stream: LookupStream, first: np.ndarray, max_ngram: int) -> np.ndarray:
     """Compressed ids of each entry's token and the ``max_ngram - 1`` before it in its request."""
-    req = stream.meta["request"].astype(np.int64)
-    pos = stream.meta["position"].astype(np.int64)
-    span = np.zeros(int(req.max()) + 1 if req.size else 1, np.int64)
-    np.maximum.at(span, req, pos + 1)
-    base = np.concatenate([[0], np.cumsum(span)[:-1]])
-    table = np.full(int(span.sum()), -1, np.int32)
-    table[base[req] + pos] = stream.meta["token"]
-    r, p = req[first], pos[first]
-    out = np.full((first.size, max_ngram), -1, np.int32)
-    for k in range(max_ngram):
-        ok = p - k >= 0
-        out[ok, k] = table[base[r[ok]] + p[ok] - k]
+    out = np.empty((first.size, max_ngram), np.int32)
+    if first.size:
+        _ngram_kernel(stream.meta["request"].astype(np.int64), stream.meta["position"].astype(np.int64),
+                      stream.meta["token"].astype(np.int32), first, out)
     return out
+
+
+@nb.njit(cache=True, nogil=True, boundscheck=False)
+def _ngram_kernel(request, position, token, first, out):
+    """Tokens laid out per request by position (-1 where no lookup carried one), then read back
+    ``out.shape[1]`` positions at a time ending at each entry's first lookup."""
+    span = np.zeros(request.max() + 1, np.int64)
+    for i in range(request.size):
+        span[request[i]] = max(span[request[i]], position[i] + 1)
+    base = np.zeros(span.size, np.int64)
+    for r in range(1, span.size):
+        base[r] = base[r - 1] + span[r - 1]
+    table = np.full(base[-1] + span[-1], -1, np.int32)
+    for i in range(request.size):
+        table[base[request[i]] + position[i]] = token[i]
+    for e in range(first.size):
+        i = first[e]
+        for k in range(out.shape[1]):
+            p = position[i] - k
+            out[e, k] = table[base[request[i]] + p] if p >= 0 else -1

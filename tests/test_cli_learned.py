@@ -93,3 +93,11 @@ def test_simulate_learned_policy_on_a_saved_stream(trained, tmp_path):
     s3 = json.loads(runner.invoke(app, [*base, "--policy", "s3fifo"]).stdout)
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["miss_ratio"] == s3["miss_ratio"]
+    # the adaptive policy with a one-point grid that never promotes is S3-FIFO too; grids come as key=a,b
+    res = runner.invoke(app, [*base, "--policy", "learned-s3fifo-adaptive", "--model", str(out), "--param", "promote=1",
+                              "--param", "promotes=1", "--param", "small_size_ratios=0.1", "--param", "epoch=500"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["miss_ratio"] == s3["miss_ratio"]
+    res = runner.invoke(app, [*base, "--policy", "learned-s3fifo-adaptive", "--model", str(out),
+                              "--param", "promotes=0.2,high"])
+    assert res.exit_code == 2 and "promotes must be numbers" in res.output

@@ -21,6 +21,9 @@ and ``step`` and ``run`` switch at the same boundaries. The cache starts at the 
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 from cachelab.errors import CachelabError
@@ -97,21 +100,26 @@ class AdaptiveLearnedS3FIFO(LearnedS3FIFO):
         small = max(1, int(self.capacity * ratio))
         self.meta[SMALL_CAP], self.meta[MAIN_CAP] = small, self.capacity - small
 
-    def _observe(self, keys: np.ndarray, scores: np.ndarray, clock: int) -> None:
-        """Feed the sampled accesses of a chunk just replayed (``clock``: the real cache's clock at its
-        start) to every miniature;
-        choose a configuration once an epoch is complete."""
+    def _miniature_jobs(self, keys: np.ndarray, scores: np.ndarray, clock: int) -> list:
+        """One job per miniature replaying the sampled accesses of a chunk (``clock``: the real cache's
+        clock at its start); each returns that miniature's misses."""
         local = self.local[keys]
         mask = local >= 0
-        if self.minis and mask.any():
-            mini_keys = local[mask]
-            # a score is minus the predicted next-use position on the real clock; re-base it on the miniature's
-            wait = -scores[mask] - (clock + np.flatnonzero(mask))
-            mini_scores = -(wait + int(self.minis[0].meta[CLOCK]) + np.arange(mini_keys.size))
-            one_step = np.array([0, mini_keys.size])
-            for k, mini in enumerate(self.minis):
-                self.mini_misses[k] += mini_keys.size - int(mini.run(mini_keys, one_step, None, mini_scores).sum())
-        self.since += keys.size
+        if not self.minis or not mask.any():
+            return []
+        mini_keys = local[mask]
+        # a score is minus the predicted next-use position on the real clock; re-base it on the miniature's
+        wait = -scores[mask] - (clock + np.flatnonzero(mask))
+        mini_scores = -(wait + int(self.minis[0].meta[CLOCK]) + np.arange(mini_keys.size))
+        one_step = np.array([0, mini_keys.size])
+        return [lambda mini=mini: mini_keys.size - int(mini.run(mini_keys, one_step, None, mini_scores).sum())
+                for mini in self.minis]
+
+    def _count(self, lookups: int, misses: list[int]) -> None:
+        """Add a chunk's miniature misses; choose a configuration once an epoch is complete."""
+        if misses:
+            self.mini_misses += misses
+        self.since += lookups
         if self.since >= int(self.epoch):
             self.since = 0
             if self.minis:
@@ -121,20 +129,28 @@ class AdaptiveLearnedS3FIFO(LearnedS3FIFO):
     def step(self, keys, next_access=None, scores=None):
         keys = np.ascontiguousarray(keys, dtype=np.int64)
         result = super().step(keys, next_access, scores)
-        self._observe(keys, checked_scores(self.name, keys, scores), int(self.meta[CLOCK]) - keys.size)
+        jobs = self._miniature_jobs(keys, checked_scores(self.name, keys, scores), int(self.meta[CLOCK]) - keys.size)
+        self._count(keys.size, [job() for job in jobs])
         return result
 
     def run(self, keys, step_offsets, next_access=None, scores=None):
+        """Chunks end at the first step boundary that completes an epoch, as ``step`` switches; in each
+        the real cache and the miniatures replay on threads (their kernels release the GIL)."""
         keys = np.ascontiguousarray(keys, dtype=np.int64)
         scores = checked_scores(self.name, keys, scores)
         offsets = np.asarray(step_offsets, dtype=np.int64)
         hits = np.empty(keys.size, dtype=np.bool_)
+        replay = super().run
         a, last = 0, offsets.size - 1
-        while a < last:  # chunks end at the first step boundary that completes an epoch, as step would
-            lo = offsets[a]
-            b = min(max(int(np.searchsorted(offsets, lo + int(self.epoch) - self.since)), a + 1), last)
-            hi = offsets[b]
-            hits[lo:hi] = super().run(keys[lo:hi], offsets[a:b + 1] - lo, None, scores[lo:hi])
-            self._observe(keys[lo:hi], scores[lo:hi], int(self.meta[CLOCK]) - (hi - lo))
-            a = b
+        with ThreadPoolExecutor(max_workers=min(os.cpu_count() or 1, 1 + len(self.minis))) as pool:
+            while a < last:
+                lo = offsets[a]
+                b = min(max(int(np.searchsorted(offsets, lo + int(self.epoch) - self.since)), a + 1), last)
+                hi = offsets[b]
+                jobs = self._miniature_jobs(keys[lo:hi], scores[lo:hi], int(self.meta[CLOCK]))
+                real = pool.submit(replay, keys[lo:hi], offsets[a:b + 1] - lo, None, scores[lo:hi])
+                misses = list(pool.map(lambda job: job(), jobs))
+                hits[lo:hi] = real.result()
+                self._count(hi - lo, misses)
+                a = b
         return hits
