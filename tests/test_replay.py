@@ -10,11 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cachelab import registry
 from cachelab.errors import CachelabError
 from cachelab.hierarchy import Hierarchy, SSDStore, Tier
 from cachelab.lookups import LookupStream, global_key
 from cachelab.policy import NO_NEXT, Capabilities, Policy, StepResult
 from cachelab.replay import replay
+from stream_fixtures import zipf_keys
 
 ROW = 264
 
@@ -159,3 +161,22 @@ def test_policies_needing_scores_get_each_distinct_rows_first_lookup_score():
         replay(DUPLICATES, hierarchy)
     replay(DUPLICATES, hierarchy, scores=np.array([0.1, 0.2, 0.3, 0.4, 0.5]))
     assert spy.seen["scores"] == [0.1, 0.3, 0.4]
+
+
+def test_a_lower_tier_gets_the_scores_of_the_rows_that_missed_above():
+    spy = _Recorder(needs_scores=True)
+    stream = LookupStream(np.array([5, 5, 7]), np.array([0, 1, 3]), ROW)  # step 1: 5 hits in HBM, 7 misses
+    replay(stream, Hierarchy([Tier("hbm", "lru", capacity_rows=1), Tier("dram", spy, capacity_rows=1)], ROW),
+           scores=np.array([0.1, 0.2, 0.3]))
+    assert spy.seen["keys"] == [0, 1] and spy.seen["scores"] == [0.1, 0.3]
+
+
+def test_learned_policies_serve_at_the_dram_tier():
+    keys = zipf_keys(20_000, 3000, seed=2)
+    stream = LookupStream(keys, np.arange(0, keys.size + 1, 20), ROW)
+    scores = -(np.arange(keys.size) + 500.0 * np.random.default_rng(0).random(keys.size))
+    for name, params in (("learned-s3fifo", {}), ("learned-s3fifo-adaptive", {"epoch": 2000})):
+        dram = registry.make_policy(name, horizon=500, **params)
+        tiers = [Tier("hbm", "lru", capacity_rows=50), Tier("dram", dram, capacity_rows=400)]
+        summary = replay(stream, Hierarchy(tiers, ROW), scores=scores).summary()
+        assert summary["levels"]["dram"]["hit_ratio_unique"] > 0.05, name
