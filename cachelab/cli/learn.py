@@ -131,11 +131,12 @@ def evaluate(
               f"counted after {warmup:.0%} warm-up")
     if result["missing"]:
         out.print(f"not registered, so not compared: {', '.join(result['missing'])}")
-    policies = list(result["capacities"][0]["miss_ratio"])
-    table = Table("capacity", "rows", *policies, f"gap closed ({policy})")
-    for row in result["capacities"]:
-        gap = row["gap_closed"]
-        table.add_row(f"{row['capacity']:g}", f"{row['rows']:,}",
-                      *(f"{row['miss_ratio'][p]:.4f}" for p in policies),
-                      "n/a" if gap is None else f"{gap:.1%}")
+    rows = result["capacities"]
+    table = Table("policy", *(f"{row['capacity']:g}\n{row['rows']:,} rows" for row in rows),
+                  caption=f"gap closed: (best heuristic - {policy}) / (best heuristic - Belady)")
+    for name in rows[0]["miss_ratio"]:  # one row per policy: a few capacities fit a terminal, many policies do not
+        table.add_row(f"[bold]{name}[/]" if name == policy else name, *(f"{row['miss_ratio'][name]:.4f}" for row in rows))
+    table.add_row("best heuristic", *(row["best_heuristic"] or "n/a" for row in rows), end_section=False)
+    table.add_row("gap closed", *("n/a" if row["gap_closed"] is None else f"{row['gap_closed']:.1%}"
+                                              for row in rows))
     out.print(table)
