@@ -7,7 +7,8 @@ Then it replays (1) that trace, counting misses in its second half only, and (2)
 domain (Gutenberg prose) with the same model, and (3) the unseen domain again with the
 model retrained every eighth of it on the window before: the learned policies
 (``learned-s3fifo-adaptive`` is the one judged) against every registered heuristic and
-Belady, the gap closed, misses per n-gram order.
+Belady, the gap closed, misses per n-gram order; and, as a robustness check, further unseen
+domains (``--more-unseen``) scored by the same models.
 
 Controls: the same model trained without the prompt-lookahead features; S3-FIFO promoting
 on the lookahead alone (a rule, no model: promote a row whose next use is known to lie in
@@ -69,6 +70,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=150, help="requests per corpus of the mixed trace")
     ap.add_argument("--unseen", default="gutenberg")
     ap.add_argument("--unseen-requests", type=int, default=60)
+    ap.add_argument("--more-unseen", default="tinyshakespeare:60,mt-bench:80,alpaca-seed:175",
+                    help="further unseen domains as corpus:requests, scored by the same models (robustness)")
     ap.add_argument("--horizon", type=int, default=1 << 17)
     ap.add_argument("--predictor", default="lightgbm-reuse", help="a registered classifier")
     ap.add_argument("--param", action="append", default=["n_estimators=30", "num_leaves=15"],
@@ -84,6 +87,8 @@ def main() -> None:
     started = time.perf_counter()
     mixed = LearningView.of(prompt_stream(["gsm8k", "humaneval", "arena-hard"], args.requests))
     unseen = LearningView.of(prompt_stream([args.unseen], args.unseen_requests))
+    more = {name: LearningView.of(prompt_stream([name], int(n)))
+            for name, n in (item.split(":") for item in args.more_unseen.split(",") if item)}
     result = {"spec": {**vars(args)}, "capacities": {}}
     for cap in (float(c) for c in args.capacities.split(",")):
         spec = TrainSpec(horizon=args.horizon, capacity=cap)
@@ -108,6 +113,7 @@ def main() -> None:
             "unseen_domain_without_lookahead": run(unseen, fitted=blind),
             "unseen_domain_lookahead_rule": run(unseen, lookahead_rule_scores(unseen, args.horizon)),
             "unseen_domain_retrained": run(unseen, retrained),
+            **{f"unseen_{name}": run(view) for name, view in more.items()},
         }
         for part, row in entry.items():
             if "miss_ratio" in row:

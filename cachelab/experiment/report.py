@@ -124,6 +124,15 @@ def _label(row: dict, keys: list[str]) -> str:
     return " ".join(f"{k.removeprefix('axis.')}={row[k]}" for k in keys) or "all points"
 
 
+def _style(ax, xlabel: str, ylabel: str, legend_size: int | None = 8) -> None:
+    """What the line plots share: axis labels, a light grid and a legend."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if legend_size:
+        ax.legend(fontsize=legend_size)
+
+
 def plot_miss_ratio(data: ExperimentData):
     """Miss ratio against capacity, one line per policy (and per other varying axis)."""
     import matplotlib.pyplot as plt
@@ -144,11 +153,8 @@ def plot_miss_ratio(data: ExperimentData):
         for g in groups:
             ax.plot(g["_cap"], g[f"{tier}.miss_ratio"], marker="o", label=_label(g.row(0, named=True), keys))
         ax.set_xscale("log")
-        ax.set_xlabel(f"{tier} capacity (rows, both layer tables)")
-        ax.set_ylabel("miss ratio (per lookup)")
         ax.set_title(f"{tier}: miss ratio vs capacity")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _style(ax, f"{tier} capacity (rows, both layer tables)", "miss ratio (per lookup)")
     return fig
 
 
@@ -212,17 +218,17 @@ def plot_mrc(data: ExperimentData):
     for c in curves:
         ax.plot(c["capacity"], c["miss_ratio"], label=c["curve"][0] if "curve" in c.columns else "mrc")
     ax.set_xscale("log")
-    ax.set_xlabel("capacity (rows)")
-    ax.set_ylabel("miss ratio")
     ax.set_title("miss-ratio curves")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _style(ax, "capacity (rows)", "miss ratio")
     return fig
 
 
 def plot_learned(data: ExperimentData):
-    """Per learned point: miss ratio against capacity of the learned policy, each heuristic and Belady."""
+    """Per learned point: miss ratio against capacity of the learned policies (the judged one in bold),
+    each heuristic and Belady."""
     import matplotlib.pyplot as plt
+
+    from cachelab.learning_eval import JUDGED
 
     evals = {label: t["learned_eval"] for label, t in data.point_tables.items() if "learned_eval" in t}
     if not evals:
@@ -231,14 +237,11 @@ def plot_learned(data: ExperimentData):
     for ax, (label, table) in zip(axs[0], evals.items()):
         for part in table.sort("capacity_rows").partition_by("policy", maintain_order=True):
             policy = part["policy"][0]
-            style = {"linewidth": 2.5, "color": "black"} if policy == "learned" else {}
+            style = {"linewidth": 2.5, "color": "black"} if policy == JUDGED else {}
             ax.plot(part["capacity_rows"], part["miss_ratio"], marker="o", label=policy, **style)
         ax.set_xscale("log")
-        ax.set_xlabel("capacity (rows)")
-        ax.set_ylabel("miss ratio (distinct rows per step)")
         ax.set_title(label, fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _style(ax, "capacity (rows)", "miss ratio (distinct rows per step)")
     return fig
 
 
@@ -276,11 +279,8 @@ def plot_p99_vs_load(data: ExperimentData):
         agg = _mean_over_seeds(df, keys + ["_load"], [metric])
         for g in (agg.partition_by(keys, maintain_order=True, as_dict=False) if keys else [agg]):
             ax.plot(g["_load"], g[metric], marker="o", label=_label(g.row(0, named=True), keys))
-        ax.set_xlabel("concurrency (requests in flight)")
-        ax.set_ylabel(f"{metric.removesuffix('_ms').replace('_', ' ').upper()} (ms)")
         ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _style(ax, "concurrency (requests in flight)", f"{metric.removesuffix('_ms').replace('_', ' ').upper()} (ms)", 7)
     fig.tight_layout()
     return fig
 
@@ -303,9 +303,7 @@ def plot_latency_cdfs(data: ExperimentData):
                 ax.plot(np.sort(values), np.linspace(0, 1, values.size), label=label.replace("kind=serve ", ""))
     for ax, name in zip(axs, ("TTFT", "TPOT")):
         ax.set_xscale("log")
-        ax.set_xlabel(f"{name} (ms)")
-        ax.set_ylabel("share of requests")
-        ax.grid(alpha=0.3)
+        _style(ax, f"{name} (ms)", "share of requests", None)
     axs[1].legend(fontsize=6)
     fig.tight_layout()
     return fig
@@ -327,10 +325,7 @@ def plot_pareto(data: ExperimentData):
         ax.scatter(g[x], g[y], label=_label(g.row(0, named=True), keys), s=25)
     front = pareto_front(results.select(x, y).drop_nulls())
     ax.plot(front[x], front[y], color="black", linewidth=1.5, label="Pareto front")
-    ax.set_xlabel("interactivity (tok/s/user = 1000 / median TPOT ms)")
-    ax.set_ylabel("tokens/s per GPU")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    _style(ax, "interactivity (tok/s/user = 1000 / median TPOT ms)", "tokens/s per GPU", 7)
     return fig
 
 

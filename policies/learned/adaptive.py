@@ -8,15 +8,17 @@ and a 2.5% small queue at 0.1% of the rows, but 0.1 at 5%, where the training wi
 0.4 and 0.2.
 
 So beside the real cache this policy runs one miniature ``learned-s3fifo`` per point of a
-small grid (``promotes`` x ``small_size_ratios``). Every miniature sees the same spatially
-sampled rows (a fixed hash of the key below ``sample_rate``) in a cache scaled by that rate,
-the miniature-simulation estimate of a whole cache's miss ratio (Waldspurger et al., "Cache
+small grid (``promotes`` x ``small_size_ratios``, plus the starting pair: the model's tuned
+``promote`` and ``small_size_ratio``). Every miniature sees the same spatially sampled rows
+(a fixed hash of the key below ``sample_rate``) in a cache scaled by that rate, the
+miniature-simulation estimate of a whole cache's miss ratio (Waldspurger et al., "Cache
 Modeling and Optimization using Miniature Simulations", USENIX ATC'17). After each ``epoch``
 lookups, at the next step boundary, the real cache takes the configuration whose miniature
-missed least, with earlier epochs' misses weighted by ``decay`` per epoch. A miniature only
-ever sees the past and the sampling hash is fixed, so the policy is causal and deterministic,
-and ``step`` and ``run`` switch at the same boundaries. The cache starts at the model's
-``promote`` and ``small_size_ratio``; the miniatures cost ``grid size x sample_rate`` replays.
+missed least, with earlier epochs' misses weighted by ``decay`` per epoch. The first
+``warmup_epochs`` epochs keep the starting pair: while the caches fill, promoting everything
+looks best and is not. A miniature only ever sees the past and the sampling hash is fixed, so the
+policy is causal and deterministic, and ``step`` and ``run`` switch at the same boundaries.
+The miniatures cost ``grid size x sample_rate`` replays.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ class AdaptiveLearnedS3FIFO(LearnedS3FIFO):
 
     def __init__(self, promote: float = 0.4, horizon: int = 1 << 17, promotes=(0.1, 0.3, 0.5, 0.7),
                  small_size_ratios=(0.025, 0.1), sample_rate: float = 0.125, epoch: int = 1 << 16,
-                 decay: float = 0.9, small_size_ratio: float = 0.1, ghost_size_ratio: float = 0.9,
+                 decay: float = 0.7, warmup_epochs: int = 3, small_size_ratio: float = 0.1,
+                 ghost_size_ratio: float = 0.9,
                  move_to_main_threshold: int = 2, admission: str = "always"):
         super().__init__(promote, horizon, small_size_ratio, ghost_size_ratio, move_to_main_threshold, admission)
         self.promotes = promotes
@@ -68,6 +71,7 @@ class AdaptiveLearnedS3FIFO(LearnedS3FIFO):
         self.sample_rate = sample_rate
         self.epoch = epoch
         self.decay = decay
+        self.warmup_epochs = warmup_epochs
 
     def init_state(self, capacity, num_keys):
         if not 0.0 < float(self.sample_rate) <= 1.0:
@@ -76,9 +80,13 @@ class AdaptiveLearnedS3FIFO(LearnedS3FIFO):
             raise CachelabError(f"learned-s3fifo-adaptive epoch must be at least 1 lookup, got {self.epoch}")
         if not 0.0 <= float(self.decay) <= 1.0:
             raise CachelabError(f"learned-s3fifo-adaptive decay must be in [0, 1], got {self.decay}")
+        if int(self.warmup_epochs) < 0:
+            raise CachelabError(f"learned-s3fifo-adaptive warmup_epochs must be >= 0, got {self.warmup_epochs}")
+        super().init_state(capacity, num_keys)  # checks promote and the small queue's share
+        start = (float(self.promote), float(self.small_size_ratio))
         self.grid = [(p, r) for p in _grid_values("promotes", self.promotes, 0.0, 1.0)
                      for r in _grid_values("small_size_ratios", self.small_size_ratios, 1e-9, 1.0 - 1e-9)]
-        super().init_state(capacity, num_keys)
+        self.grid += [start] if start not in self.grid else []
         sampled = sampled_keys(num_keys, float(self.sample_rate))
         self.local = np.where(sampled, np.cumsum(sampled) - 1, -1)  # key -> miniature key, -1 unsampled
         n_local = int(sampled.sum())
@@ -91,7 +99,8 @@ class AdaptiveLearnedS3FIFO(LearnedS3FIFO):
             self.minis.append(mini)
         self.mini_misses = np.zeros(len(self.minis))
         self.since = 0  # lookups since the last choice
-        self.config = (float(self.promote), float(self.small_size_ratio))
+        self.epochs = 0
+        self.config = start
 
     def _use(self, promote: float, ratio: float) -> None:
         """Switch the real cache to a configuration; a shrunk queue drains through normal evictions."""
@@ -122,9 +131,10 @@ class AdaptiveLearnedS3FIFO(LearnedS3FIFO):
         self.since += lookups
         if self.since >= int(self.epoch):
             self.since = 0
-            if self.minis:
+            self.epochs += 1
+            if self.minis and self.epochs > int(self.warmup_epochs):
                 self._use(*self.grid[int(np.argmin(self.mini_misses))])
-                self.mini_misses *= float(self.decay)
+            self.mini_misses *= float(self.decay)
 
     def step(self, keys, next_access=None, scores=None):
         keys = np.ascontiguousarray(keys, dtype=np.int64)
