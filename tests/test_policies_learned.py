@@ -166,3 +166,12 @@ def test_adaptive_follows_the_miniatures_and_step_equals_run():
     patient.reset(300, 6000)
     fixed[0.9].reset(300, 6000)
     np.testing.assert_array_equal(patient.run(keys, offsets, None, scores), fixed[0.9].run(keys, offsets, None, scores))
+
+
+def test_adaptive_errors_name_the_problem_before_any_miniature_runs():
+    policy = _adaptive()
+    with pytest.raises(CachelabError, match="call reset"):
+        policy.run(np.arange(3), np.array([0, 3]), None, np.zeros(3))
+    policy.reset(4, 5)
+    with pytest.raises(CachelabError, match="key 9 is outside"):
+        policy.run(np.array([1, 9]), np.array([0, 2]), None, np.zeros(2))

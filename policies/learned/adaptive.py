@@ -4,7 +4,7 @@
 threshold (how sure the predictor must be before a probationary row joins main) and the
 small queue's share of the cache. A threshold tuned on the training domain is the wrong one
 on a domain the model never saw: on Gutenberg prose the study of docs/learned.md wants 0.5-0.7
-and a 2.5% small queue at 0.1% of the rows, but 0.1 at 5%, where the training window chose
+and a 2-5% small queue at 0.1% of the rows, but 0.1 at 5%, where the training window chose
 0.4 and 0.2.
 
 So beside the real cache this policy runs one miniature ``learned-s3fifo`` per point of a
@@ -16,9 +16,9 @@ Modeling and Optimization using Miniature Simulations", USENIX ATC'17). After ea
 lookups, at the next step boundary, the real cache takes the configuration whose miniature
 missed least, with earlier epochs' misses weighted by ``decay`` per epoch. The first
 ``warmup_epochs`` epochs keep the starting pair: while the caches fill, promoting everything
-looks best and is not. A miniature only ever sees the past and the sampling hash is fixed, so the
-policy is causal and deterministic, and ``step`` and ``run`` switch at the same boundaries.
-The miniatures cost ``grid size x sample_rate`` replays.
+looks best and is not. A miniature only ever sees the past and the sampling hash is fixed,
+so the policy is causal and deterministic, and ``step`` and ``run`` switch at the same
+boundaries. The miniatures cost ``grid size x sample_rate`` replays.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from cachelab.errors import CachelabError
+from cachelab.policy import check_keys
 from policies.learned.s3fifo import LearnedS3FIFO
 from policies.learned.scores import checked_scores
 from policies.two_queue.s3fifo import CLOCK, MAIN_CAP, SMALL_CAP
@@ -63,8 +64,7 @@ class AdaptiveLearnedS3FIFO(LearnedS3FIFO):
     def __init__(self, promote: float = 0.4, horizon: int = 1 << 17, promotes=(0.1, 0.3, 0.5, 0.7),
                  small_size_ratios=(0.025, 0.1), sample_rate: float = 0.125, epoch: int = 1 << 16,
                  decay: float = 0.7, warmup_epochs: int = 3, small_size_ratio: float = 0.1,
-                 ghost_size_ratio: float = 0.9,
-                 move_to_main_threshold: int = 2, admission: str = "always"):
+                 ghost_size_ratio: float = 0.9, move_to_main_threshold: int = 2, admission: str = "always"):
         super().__init__(promote, horizon, small_size_ratio, ghost_size_ratio, move_to_main_threshold, admission)
         self.promotes = promotes
         self.small_size_ratios = small_size_ratios
@@ -146,7 +146,10 @@ class AdaptiveLearnedS3FIFO(LearnedS3FIFO):
     def run(self, keys, step_offsets, next_access=None, scores=None):
         """Chunks end at the first step boundary that completes an epoch, as ``step`` switches; in each
         the real cache and the miniatures replay on threads (their kernels release the GIL)."""
+        if not hasattr(self, "minis"):
+            raise CachelabError(f"{type(self).__name__}: call reset(capacity, num_keys) before step or run")
         keys = np.ascontiguousarray(keys, dtype=np.int64)
+        check_keys(keys, self.num_keys)  # before the miniatures index by key
         scores = checked_scores(self.name, keys, scores)
         offsets = np.asarray(step_offsets, dtype=np.int64)
         hits = np.empty(keys.size, dtype=np.bool_)
