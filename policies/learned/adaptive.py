@@ -32,7 +32,7 @@ from cachelab.errors import CachelabError
 from cachelab.policy import check_keys
 from policies.learned.s3fifo import LearnedS3FIFO
 from policies.learned.scores import checked_scores
-from policies.two_queue.s3fifo import CLOCK, MAIN_CAP, SMALL_CAP
+from policies.two_queue.s3fifo import CLOCK
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: multiplier for the sampling hash
 _HASH_BITS = 24
@@ -105,9 +105,8 @@ class AdaptiveLearnedS3FIFO(LearnedS3FIFO):
     def _use(self, promote: float, ratio: float) -> None:
         """Switch the real cache to a configuration; a shrunk queue drains through normal evictions."""
         self.config = (promote, ratio)
-        self.within = np.float64(-1.0 if promote >= 1.0 else (1.0 - promote) * int(self.horizon))
-        small = max(1, int(self.capacity * ratio))
-        self.meta[SMALL_CAP], self.meta[MAIN_CAP] = small, self.capacity - small
+        self.set_promote(promote)
+        self.set_small_share(ratio)
 
     def _miniature_jobs(self, keys: np.ndarray, scores: np.ndarray, clock: int) -> list:
         """One job per miniature replaying the sampled accesses of a chunk (``clock``: the real cache's

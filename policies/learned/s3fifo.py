@@ -49,9 +49,13 @@ class LearnedS3FIFO(S3FIFO):
         if int(self.horizon) < 1:
             raise CachelabError(f"learned-s3fifo horizon must be at least 1 lookup, got {self.horizon}")
         super().init_state(capacity, num_keys)
-        # promote=1 never promotes (-1 switches the hook off); a predicted wait is never below 0
-        self.within = np.float64(-1.0 if self.promote >= 1.0 else (1.0 - float(self.promote)) * int(self.horizon))
+        self.set_promote(float(self.promote))
         self.wait = np.zeros(capacity, dtype=np.float64)  # predicted lookups to the next use, as of the last
+
+    def set_promote(self, promote: float) -> None:
+        """The kernel's promotion bound: a predicted wait of at most ``(1 - promote) x horizon``.
+        promote=1 never promotes (-1 switches the hook off); a predicted wait is never below 0."""
+        self.within = np.float64(-1.0 if promote >= 1.0 else (1.0 - promote) * int(self.horizon))
 
     def inputs(self, keys, next_access, scores):
         return (checked_scores(self.name, keys, scores),)

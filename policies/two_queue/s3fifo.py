@@ -126,16 +126,21 @@ class S3FIFO(KernelPolicy):
         if not 1 <= int(self.move_to_main_threshold) <= 3:
             raise CachelabError(f"s3fifo move_to_main_threshold must be in [1, 3], "
                                 f"got {self.move_to_main_threshold}")
-        small = max(1, int(capacity * self.small_size_ratio))
-        self.meta = np.array([capacity, 0, small, capacity - small,
-                              int(capacity * self.ghost_size_ratio), self.move_to_main_threshold, 0],
+        self.meta = np.array([capacity, 0, 0, 0, int(capacity * self.ghost_size_ratio), self.move_to_main_threshold, 0],
                              dtype=np.int64)
+        self.set_small_share(self.small_size_ratio)
         self.within = np.float64(-1.0)  # no predicted promotion (learned-s3fifo sets it)
         self.wait = NO_SCORES
         self.free = free_stack(capacity)
         self.freq = np.zeros(capacity, dtype=np.int64)
         self.queues = make_queues(2, capacity)  # small and main, over slots: cache-sized
         self.ghost = make_queues(1, num_keys)  # evicted keys, no slots
+
+    def set_small_share(self, ratio: float) -> None:
+        """Split the capacity into small (at least one row) and main queues; a shrunk queue
+        drains through ordinary evictions, so this may change between calls."""
+        small = max(1, int(self.capacity * ratio))
+        self.meta[SMALL_CAP], self.meta[MAIN_CAP] = small, self.capacity - small
 
     def state(self):
         return (self.meta, self.within, self.free, self.freq, self.wait, *self.queues, *self.ghost)
