@@ -1,0 +1,129 @@
+"""Identical results across refactors: a fixed set of CLI runs, recorded once, compared exactly.
+
+The figures in ``tests/golden/identical.json`` were recorded on main before the restructure
+of issue 13 (``CACHELAB_RECORD=1 scripts/test tests/test_identical_results.py`` rewrites
+them; do so only for a deliberate change of results, and say why in the commit). Every
+number a run prints is compared exactly, except wall times. The cases: ``simulate`` and
+``mrc`` on three traces (a real block trace as oracleGeneral, the same trace as text, and an
+Engram lookup stream of the standard library's text), ``serve-sim`` on a Mooncake slice with
+Arena-Hard text, ``evaluate`` on GSM8K + HumanEval, and the quickstart's summary table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from experiment_helpers import cli
+from typer.testing import CliRunner
+
+from cachelab.cli import app
+
+GOLDEN = Path(__file__).parent / "golden" / "identical.json"
+RECORD = os.environ.get("CACHELAB_RECORD") == "1"
+CLOUD = "cache_traces/libcachesim_cloudphysics/cloudPhysicsIO"
+SIM_POLICIES = ["lru", "fifo", "clock", "sieve", "lfu", "lfuda", "arc", "twoq", "s3fifo", "wtinylfu",
+                "belady", "belady-bypass", "fbgemm-lru", "fbgemm-lfu", "reuse-distance", "lru+tinylfu"]
+TIMING = {"seconds", "wall_seconds", "elapsed", "duration_s"}
+
+
+def _scrub(value):
+    """The output without wall times and with file names for paths, which differ per run."""
+    if isinstance(value, dict):
+        return {k: _scrub(v) for k, v in value.items() if k not in TIMING}
+    if isinstance(value, list):
+        return [_scrub(v) for v in value]
+    if isinstance(value, str) and value.startswith("/"):
+        return Path(value).name
+    return value
+
+
+def _run_json(*args):
+    """One verb in this process (as the CLI tests do), its JSON output without wall times."""
+    args = [str(a) for a in args] + ["--json"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, f"cachelab {' '.join(args)}: {res.output[-2000:]}"
+    return _scrub(json.loads(res.stdout))
+
+
+def _golden():
+    return json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
+
+
+def _check(name: str, got) -> None:
+    if RECORD:
+        golden = _golden()
+        golden[name] = got
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
+        return
+    expected = _golden().get(name)
+    assert expected is not None, f"no recorded figures for {name!r} in {GOLDEN}"
+    assert got == expected, name
+
+
+@pytest.fixture(scope="module")
+def stdlib_stream(tmp_path_factory):
+    """The quickstart corpus's Engram rows as a saved lookup stream, 512 tokens per step."""
+    from cachelab.engram import Addresser
+    from cachelab.lookups import LookupStream
+    from traces.stdlib import StdlibCorpus
+
+    texts = [doc.text for doc in StdlibCorpus(max_chars=30_000).documents()]
+    stream = LookupStream.from_texts(Addresser("deepseek-v4.1-flash"), texts, tokens_per_step=512)
+    return stream.save(tmp_path_factory.mktemp("stream") / "stdlib.npz")
+
+
+def _traces(data_dir, stdlib_stream):
+    return {"cloud_oracle": (data_dir / f"{CLOUD}.oracleGeneral.bin", 1000),
+            "cloud_text": (data_dir / f"{CLOUD}.txt", 2000),
+            "stdlib_stream": (stdlib_stream, 3000)}
+
+
+@pytest.mark.data
+@pytest.mark.slow
+@pytest.mark.parametrize("trace", ["cloud_oracle", "cloud_text", "stdlib_stream"])
+def test_simulate_and_mrc_are_unchanged(trace, data_dir, stdlib_stream):
+    path, capacity = _traces(data_dir, stdlib_stream)[trace]
+    sims = {p: _run_json("simulate", "--trace", path, "--policy", p, "--capacity", capacity, "--warmup", "0.1")
+            for p in SIM_POLICIES}
+    caps = f"{capacity // 4},{capacity},{capacity * 4}"
+    mrcs = {"exact": _run_json("mrc", "--trace", path, "--capacities", caps),
+            "shards": _run_json("mrc", "--trace", path, "--capacities", caps, "--sample-rate", "0.1"),
+            "s3fifo": _run_json("mrc", "--trace", path, "--policy", "s3fifo", "--capacities", caps)}
+    _check(f"simulate.{trace}", sims)
+    _check(f"mrc.{trace}", mrcs)
+
+
+@pytest.mark.data
+@pytest.mark.slow
+def test_serve_sim_on_a_mooncake_slice_is_unchanged(data_dir, tmp_path):
+    trace = tmp_path / "mc.parquet"
+    _run_json("trace", "build", "--arrivals", "mooncake", "--arrivals-path",
+              "traces/mooncake_fast25/conversation_trace.jsonl", "--corpus", "arena-hard",
+              "--max-requests", "60", "-o", trace)
+    runs = {placement: _run_json("serve-sim", "--trace", trace, "--hardware", "B200", "--placement", placement,
+                                 "--tp", "4", "--concurrency", "16", "--row-cache-gib", "0.25", "--overlap")
+            for placement in ("dram-uva", "ssd-mmap")}
+    _check("serve_sim.mooncake60", runs)
+
+
+@pytest.mark.data
+@pytest.mark.slow
+def test_evaluate_on_gsm8k_humaneval_is_unchanged(data_dir, tmp_path):
+    trace = ["--trace", "gsm8k,humaneval", "--requests", "12"]
+    trained = _run_json("train", *trace, "--horizon", "2048", "--param", "n_estimators=20",
+                        "--param", "num_threads=1", "--out", tmp_path / "m")
+    evaluated = _run_json("evaluate", *trace, "--model", tmp_path / "m", "--capacities", "0.01,0.05,2000")
+    _check("evaluate.gsm8k_humaneval", {"train": trained, "evaluate": evaluated})
+
+
+@pytest.mark.slow
+def test_quickstart_numbers_are_unchanged(tmp_path):
+    """In a fresh folder and its own process, as a user runs it."""
+    for args in (["quickstart", "--max-chars", "40000"], ["report", "quickstart", "-o", "report.html"]):
+        res = cli(*args, "--json", cwd=tmp_path)
+        assert res.returncode == 0, res.stderr[-2000:]
+    _check("quickstart.report", _scrub(json.loads(res.stdout)))
