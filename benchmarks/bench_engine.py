@@ -53,7 +53,7 @@ def shared_policies() -> list[tuple[str, str]]:
 
 def engram_requests(n: int) -> np.ndarray:
     from cachelab.engram import Addresser
-    from cachelab.lookups import LookupStream, compact, dedup_steps
+    from cachelab.workload.lookups import LookupStream, compact, dedup_steps
     from cachelab.paths import data_root
 
     novels = sorted((data_root() / "prompts/gutenberg").glob("*.txt"))
@@ -95,8 +95,8 @@ def worker(engine: str, policy: str, trace: Path, capacity: int) -> dict:
     """One timed measurement in this (fresh) process."""
     if engine == "cachelab":
         from cachelab import registry
-        from cachelab.lookups import compact
-        from cachelab.replay import run_policy
+        from cachelab.workload.lookups import compact
+        from cachelab.engine.replay import run_policy
 
         small = np.arange(1000, dtype=np.int64) % 97
         run_policy(registry.make_policy(policy), small, np.arange(small.size + 1), 10, 97)  # compile
@@ -151,7 +151,7 @@ def main() -> None:
         print(json.dumps(worker(engine, policy, Path(trace), int(capacity))))
         return
 
-    from cachelab.keytrace import write_oracle_general
+    from cachelab.trace.keytrace import write_oracle_general
 
     pairs = shared_policies()
     if args.policies:

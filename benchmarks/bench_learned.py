@@ -26,10 +26,10 @@ import time
 
 
 from cachelab import registry
-from cachelab.learning import TrainSpec, keep_scores, rows_for, train
-from cachelab.learning_eval import JUDGED, learned_policy
-from cachelab.learning_trace import LearningView, prompt_stream
-from cachelab.replay import run_policy
+from cachelab.learning.training import TrainSpec, keep_scores, rows_for, train
+from cachelab.learning.evaluation import JUDGED, learned_policy
+from cachelab.learning.streams import LearningView, prompt_stream
+from cachelab.engine.replay import run_policy
 
 
 def learned_pass(stream, model, capacity: int, policy: str) -> float:
@@ -41,7 +41,7 @@ def learned_pass(stream, model, capacity: int, policy: str) -> float:
 
 
 def lru_pass(stream, capacity: int) -> float:
-    from cachelab.lookups import compact, dedup_steps
+    from cachelab.workload.lookups import compact, dedup_steps
 
     ids, uniq = compact(stream.keys)
     dd = dedup_steps(ids, stream.step_offsets, uniq.size)

@@ -19,9 +19,9 @@ import time
 import polars as pl
 
 from cachelab.paths import cache_dir
-from cachelab.serving import ServingConfig, simulate
-from cachelab.trace import read_trace
-from cachelab.workload import build, parse_spec
+from cachelab.serving.simulator import ServingConfig, simulate
+from cachelab.trace.schema import read_trace
+from cachelab.trace.build import build, parse_spec
 
 SPEC = {"seed": 0,
         "arrivals": {"source": "mooncake", "path": "traces/mooncake_fast25/conversation_trace.jsonl"},

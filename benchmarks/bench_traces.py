@@ -23,7 +23,7 @@ MOONCAKE = "traces/mooncake_fast25/conversation_trace.jsonl"
 
 CHILD = """
 import json, resource, sys, time
-from cachelab.workload import build, parse_spec
+from cachelab.trace.build import build, parse_spec
 spec = parse_spec({"arrivals": {"source": "mooncake", "path": %(path)r, "max_requests": %(n)d},
                    "corpus": {"source": "arena-hard"}}, "bench")
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

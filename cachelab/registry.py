@@ -3,7 +3,7 @@
 ``cachelab`` never imports ``policies``, ``predictors`` or ``traces`` by name; it loads the
 ``cachelab.*`` entry-point groups. Each plug-in is checked against its group's contract at
 load time (a policy must subclass or quack like ``cachelab.policy.Policy``: reset, step,
-resident; a predictor like ``cachelab.predictor.Predictor``). A plug-in that fails to load
+resident; a predictor like ``cachelab.learning.Predictor``). A plug-in that fails to load
 or to match is recorded with its reason and skipped, so one broken package never breaks
 unrelated commands; ``blame`` names the plug-in behind an exception raised at run time.
 ``CACHELAB_DISABLE_PLUGINS=name,name`` switches plug-ins off by name.
@@ -45,7 +45,7 @@ def contract_error(group: str, obj) -> str | None:
 
         required = ("reset", "step", "resident")
     elif group == PREDICTORS:
-        from cachelab.predictor import Predictor as base
+        from cachelab.learning.predictor import Predictor as base
 
         required = ("fit", "predict", "save_model", "load_model")
     else:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cachelab.predictor import Predictor
+from cachelab.learning import Predictor
 from predictors.trees import from_lightgbm
 
 MODEL_FILE = "model.txt"

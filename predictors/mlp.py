@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cachelab.predictor import Predictor
+from cachelab.learning import Predictor
 
 TENSORS = "model.safetensors"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cachelab.predictor import Predictor
+from cachelab.learning import Predictor
 from predictors.trees import FlatForest, from_hist_gradient_boosting
 
 TENSORS = "model.safetensors"

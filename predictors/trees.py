@@ -5,7 +5,7 @@ internal nodes test ``x[feature] <= threshold``. Flattened into arrays (``featur
 ``threshold``, ``left``, ``right``, ``value``; a leaf has ``left == -1``), a model is saved
 without pickle (safetensors) and scored in batches by a Numba loop several times faster than
 the libraries' own per-call overhead allows on small batches. Features never hold NaN here
-(``cachelab.features`` encodes "never" as a large value), so missing-value routing is not needed.
+(``cachelab.learning.features`` encodes "never" as a large value), so missing-value routing is not needed.
 """
 
 from __future__ import annotations

@@ -30,10 +30,10 @@ import numpy as np
 
 from cachelab import registry
 from cachelab.cli.cache import parse_params
-from cachelab.features import NEVER, belady_labels, prompt_lookahead
-from cachelab.learning import TrainSpec, features, rolling_scores, rows_for, train
-from cachelab.learning_eval import evaluate_capacities
-from cachelab.learning_trace import LearningView, prompt_stream
+from cachelab.learning.features import NEVER, belady_labels, prompt_lookahead
+from cachelab.learning.training import TrainSpec, features, rolling_scores, rows_for, train
+from cachelab.learning.evaluation import evaluate_capacities
+from cachelab.learning.streams import LearningView, prompt_stream
 
 
 def perfect_scores(view: LearningView, capacity: float, horizon: int) -> np.ndarray:

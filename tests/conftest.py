@@ -47,7 +47,7 @@ def engram_stream_10m(data_dir):
     """A 10 M-lookup DeepSeek-V4.1-Flash row stream of real prose (Project Gutenberg novels),
     requests of 2,048 tokens prefilled 256 tokens per step; built once per session."""
     from cachelab.engram import Addresser
-    from cachelab.lookups import LookupStream
+    from cachelab.workload.lookups import LookupStream
 
     novels = sorted((data_dir / "prompts/gutenberg").glob("*.txt"))
     texts = [p.read_text(encoding="utf-8")[:400_000] for p in novels]

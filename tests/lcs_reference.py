@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cachelab.keytrace import ORACLE_DTYPE, read_keys, read_oracle_general, write_oracle_general
-from cachelab.lookups import compact
+from cachelab.trace.keytrace import ORACLE_DTYPE, read_keys, read_oracle_general, write_oracle_general
+from cachelab.workload.lookups import compact
 
 __all__ = ["cloudphysics_keys", "engram_row_keys", "engram_stream", "lcs_miss_ratio", "lcs_misses",
            "lirs_keys", "write_oracle_general"]
@@ -68,7 +68,7 @@ def engram_stream(data_dir: Path, num_prompts: int = 60):
     import json
 
     from cachelab.engram import Addresser
-    from cachelab.lookups import LookupStream
+    from cachelab.workload.lookups import LookupStream
 
     lines = (data_dir / "prompts/arena_hard/arena-hard-v0.1_question.jsonl").read_text().splitlines()
     texts = [json.loads(line)["prompt"] for line in lines[:num_prompts]]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cachelab.learning_trace import LearningView
+from cachelab.learning.streams import LearningView
 
 
 def synthetic_stream(keys, step=4, heads=8, vocab=16, num_keys=None) -> LearningView:

@@ -8,7 +8,7 @@ import numpy as np
 from typer.testing import CliRunner
 
 from cachelab.cli import app
-from cachelab.lookups import LookupStream
+from cachelab.workload.lookups import LookupStream
 
 runner = CliRunner()
 KEYS = (np.random.default_rng(5).zipf(1.2, 5_000) % 300).astype(np.int64)

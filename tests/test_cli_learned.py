@@ -76,7 +76,7 @@ def test_bad_inputs_are_clear_errors(tmp_path, trained):
 
 
 def test_simulate_learned_policy_on_a_saved_stream(trained, tmp_path):
-    from cachelab.learning_trace import prompt_stream
+    from cachelab.learning.streams import prompt_stream
 
     out, _ = trained
     path = prompt_stream(["gsm8k", "humaneval"], 12).save(tmp_path / "s.npz")

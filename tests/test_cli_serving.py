@@ -9,10 +9,10 @@ import polars as pl
 import pytest
 from typer.testing import CliRunner
 
-from cachelab.arrivals import arrival_frame
+from cachelab.trace.arrivals import arrival_frame
 from cachelab.cli import app
-from cachelab.studies.semianalysis import analyse
-from cachelab.trace import write_trace
+from cachelab.serving.studies.semianalysis import analyse
+from cachelab.trace.schema import write_trace
 
 runner = CliRunner()
 

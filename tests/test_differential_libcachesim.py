@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 from cachelab import registry
-from cachelab.hierarchy import Hierarchy, Tier
-from cachelab.lookups import LookupStream, compact, dedup_steps
-from cachelab.replay import replay
+from cachelab.engine.tiers import Hierarchy, Tier
+from cachelab.workload.lookups import LookupStream, compact, dedup_steps
+from cachelab.engine.replay import replay
 from lcs_reference import cloudphysics_keys, engram_row_keys, engram_stream, lcs_misses, lirs_keys, write_oracle_general
 
 

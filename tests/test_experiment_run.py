@@ -16,7 +16,7 @@ from experiment_helpers import cli, write_spec
 from mlflow import MlflowClient
 
 from cachelab.experiment.runner import run_experiment
-from cachelab.tracking import POINT_HASH
+from cachelab.experiment.tracking import POINT_HASH
 
 
 def _points(uri: str, name: str, status: str = "FINISHED") -> list:

@@ -9,7 +9,7 @@ from mlflow import MlflowClient
 from cachelab.experiment.report import load_experiment, plot_latency_cdfs, plot_pareto, plot_p99_vs_load
 from cachelab.experiment.runner import run_experiment
 from cachelab.paths import REPO_ROOT
-from cachelab.tracking import Tracker
+from cachelab.experiment.tracking import Tracker
 
 
 def test_tier_placement_spec_runs_and_reports(tmp_path, data_dir):

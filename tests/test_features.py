@@ -1,4 +1,4 @@
-"""Causal features and future labels (cachelab.features)."""
+"""Causal features and future labels (cachelab.learning.features)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from cachelab import registry
 from cachelab.errors import CachelabError
-from cachelab.features import (FEATURE_NAMES, NEVER, CorpusPrior, FeatureState, belady_labels, extract,
+from cachelab.learning.features import (FEATURE_NAMES, NEVER, CorpusPrior, FeatureState, belady_labels, extract,
                                prompt_lookahead, regression_labels, reuse_labels)
 from stream_fixtures import synthetic_stream, zipf_keys
 
@@ -97,7 +97,7 @@ def test_belady_labels_are_the_optimal_hits_of_the_next_access():
 
 
 def test_belady_keep_labels_train_a_classifier_and_refuse_a_regressor():
-    from cachelab.learning import TrainSpec, train
+    from cachelab.learning.training import TrainSpec, train
     from predictors.lightgbm_model import LightGBM, LightGBMReuse
 
     view = synthetic_stream(zipf_keys(6000, 800, seed=6))
@@ -114,8 +114,8 @@ def test_belady_keep_labels_train_a_classifier_and_refuse_a_regressor():
 
 
 def test_promote_is_tuned_on_the_training_window_alone():
-    from cachelab.learning import PROMOTE_GRID, TrainSpec, policy_params, tune_promote
-    from cachelab.learning_eval import learned_policy
+    from cachelab.learning.training import PROMOTE_GRID, TrainSpec, policy_params, tune_promote
+    from cachelab.learning.evaluation import learned_policy
     from predictors.lightgbm_model import LightGBMReuse
 
     keys = zipf_keys(8000, 900, seed=8)
@@ -135,7 +135,7 @@ def test_promote_is_tuned_on_the_training_window_alone():
 
 
 def test_rolling_retraining_never_sees_the_future_of_what_it_scores():
-    from cachelab.learning import TrainSpec, rolling_scores
+    from cachelab.learning.training import TrainSpec, rolling_scores
     from predictors.lightgbm_model import LightGBM
 
     keys = zipf_keys(6000, 800, seed=6)

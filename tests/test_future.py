@@ -2,7 +2,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachelab.future import censor_lookahead, next_access
+from cachelab.workload.future import censor_lookahead, next_access
 from cachelab.policy import NO_NEXT
 
 

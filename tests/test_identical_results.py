@@ -68,7 +68,7 @@ def _check(name: str, got) -> None:
 def stdlib_stream(tmp_path_factory):
     """The quickstart corpus's Engram rows as a saved lookup stream, 512 tokens per step."""
     from cachelab.engram import Addresser
-    from cachelab.lookups import LookupStream
+    from cachelab.workload.lookups import LookupStream
     from traces.stdlib import StdlibCorpus
 
     texts = [doc.text for doc in StdlibCorpus(max_chars=30_000).documents()]

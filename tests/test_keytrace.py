@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cachelab.errors import CachelabError
-from cachelab.keytrace import ORACLE_DTYPE, read_keys, read_oracle_general, sniff_format, write_oracle_general
+from cachelab.trace.keytrace import ORACLE_DTYPE, read_keys, read_oracle_general, sniff_format, write_oracle_general
 
 KEYS = np.array([5, 0, 7, 5, 2**40, 7, 5], dtype=np.int64)
 

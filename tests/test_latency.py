@@ -7,10 +7,10 @@ import re
 import pytest
 
 from cachelab.errors import CachelabError
-from cachelab.hardware import PROFILE_DIR, builtin_names, load_profile
-from cachelab.hardware.probe import dedup_rows_per_s, gather_rows_per_s, memcpy_bw, page_faults, write_profile
-from cachelab.latency import Efficiency, EngramStep, LatencyModel
-from cachelab.model_spec import MODEL_DIR, load_model
+from cachelab.serving.hardware import PROFILE_DIR, builtin_names, load_profile
+from cachelab.serving.hardware.probe import dedup_rows_per_s, gather_rows_per_s, memcpy_bw, page_faults, write_profile
+from cachelab.serving.latency import Efficiency, EngramStep, LatencyModel
+from cachelab.serving.model_spec import MODEL_DIR, load_model
 
 MODEL = load_model()
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachelab.errors import CachelabError
-from cachelab.lookups import LookupStream, compact, dedup_steps, global_key, split_key
+from cachelab.workload.lookups import LookupStream, compact, dedup_steps, global_key, split_key
 
 
 def test_from_rows_flattens_token_layer_column_with_meta():

@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachelab import registry
-from cachelab.keytrace import read_keys
-from cachelab.lookups import LookupStream
-from cachelab.mrc import miss_ratio_curve, stack_distances
-from cachelab.hierarchy import Hierarchy, Tier
-from cachelab.replay import replay
+from cachelab.trace.keytrace import read_keys
+from cachelab.workload.lookups import LookupStream
+from cachelab.engine.mrc import miss_ratio_curve, stack_distances
+from cachelab.engine.tiers import Hierarchy, Tier
+from cachelab.engine.replay import replay
 
 
 def _run(stream, policy, capacity, warmup=0.0):

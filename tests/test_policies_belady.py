@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cachelab import registry
-from cachelab.future import next_access
+from cachelab.workload.future import next_access
 from cachelab.policy import NO_NEXT
 
 

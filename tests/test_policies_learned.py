@@ -8,10 +8,10 @@ import pytest
 
 from cachelab import registry
 from cachelab.errors import CachelabError
-from cachelab.future import next_access
-from cachelab.features import belady_labels
+from cachelab.workload.future import next_access
+from cachelab.learning.features import belady_labels
 from cachelab.policy import NO_NEXT
-from cachelab.replay import run_policy
+from cachelab.engine.replay import run_policy
 from stream_fixtures import zipf_keys
 
 LEARNED = ["learned", "learned-eviction", "learned-admission", "learned-s3fifo", "learned-s3fifo-adaptive"]
@@ -85,7 +85,7 @@ def test_learned_admission_needs_a_filtered_base():
 
 
 def _keep_scores(kept, horizon):
-    """A classifier's keep scores (chance ``kept``) as ``cachelab.learning.keep_scores`` makes them."""
+    """A classifier's keep scores (chance ``kept``) as ``cachelab.learning.training.keep_scores`` makes them."""
     return -(np.arange(kept.size, dtype=np.float64) + horizon * (1.0 - kept))
 
 

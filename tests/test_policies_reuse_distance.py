@@ -7,7 +7,7 @@ import pytest
 
 from cachelab import registry
 from cachelab.errors import CachelabError
-from cachelab.future import next_access
+from cachelab.workload.future import next_access
 from lcs_reference import lirs_keys
 
 

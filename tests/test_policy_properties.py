@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachelab import registry
-from cachelab.future import next_access
+from cachelab.workload.future import next_access
 
 REGISTERED = sorted(p.name for p in registry.discover(registry.POLICIES) if p.error is None)
 VARIANTS = [("clock", {"bits": 2}), ("belady-lookahead", {"window": 0}),

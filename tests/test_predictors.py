@@ -9,7 +9,7 @@ import pytest
 
 from cachelab import registry
 from cachelab.errors import CachelabError
-from cachelab.predictor import check_features, read_metadata
+from cachelab.learning.predictor import check_features, read_metadata
 
 BUILT_INS = ["lightgbm", "lightgbm-reuse", "logistic", "hgb", "mlp"]
 SMALL = {"lightgbm": {"n_estimators": 20}, "lightgbm-reuse": {"n_estimators": 20}, "hgb": {"max_iter": 20},

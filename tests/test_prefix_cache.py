@@ -8,7 +8,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
-from cachelab.prefix_cache import BlockPrefixCache, RadixPrefixCache, block_hashes, replay_sequential
+from cachelab.workload.prefix_cache import BlockPrefixCache, RadixPrefixCache, block_hashes, replay_sequential
 
 
 def _start(cache, rid, tokens, num_prompt=None):

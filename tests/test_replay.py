@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 from cachelab import registry
 from cachelab.errors import CachelabError
-from cachelab.hierarchy import Hierarchy, SSDStore, Tier
-from cachelab.lookups import LookupStream, global_key
+from cachelab.engine.tiers import Hierarchy, SSDStore, Tier
+from cachelab.workload.lookups import LookupStream, global_key
 from cachelab.policy import NO_NEXT, Capabilities, Policy, StepResult
-from cachelab.replay import replay
+from cachelab.engine.replay import replay
 from stream_fixtures import zipf_keys
 
 ROW = 264

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from cachelab.errors import CachelabError
-from cachelab.ingest import Ingest
-from cachelab.trace import validate
+from cachelab.trace.ingest import Ingest
+from cachelab.trace.schema import validate
 from traces.servegen import ServeGenWorkload, read_windows
 
 TRACE = "0,0.5,1.0,Gamma,1.0,2.0\n600,0,0,,0,0\n1200,2.0,2.0,Weibull,0.6,0.3\n"

@@ -6,10 +6,10 @@ import numpy as np
 import polars as pl
 import pytest
 
-from cachelab.latency import Efficiency
-from cachelab.metrics import RequestTimes, summarize
-from cachelab.pareto import dominated, pareto_front, throughput_at
-from cachelab.serving import ServingConfig, ServingSimulator, simulate
+from cachelab.serving.latency import Efficiency
+from cachelab.serving.metrics import RequestTimes, summarize
+from cachelab.serving.pareto import dominated, pareto_front, throughput_at
+from cachelab.serving.simulator import ServingConfig, ServingSimulator, simulate
 
 
 def test_vllm_metric_definitions_by_hand():

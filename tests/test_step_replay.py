@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cachelab.hierarchy import Hierarchy, SSDStore, Tier
-from cachelab.lookups import LookupStream, global_key
-from cachelab.replay import replay
-from cachelab.step_replay import RowSpace, StepReplay, sample_mask
+from cachelab.engine.tiers import Hierarchy, SSDStore, Tier
+from cachelab.workload.lookups import LookupStream, global_key
+from cachelab.engine.replay import replay
+from cachelab.engine.stepper import RowSpace, StepReplay, sample_mask
 
 
 def _stream(seed=0, steps=300):

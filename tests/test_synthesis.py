@@ -7,13 +7,13 @@ import polars as pl
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from cachelab.arrivals import arrival_frame
-from cachelab.corpus import Document
+from cachelab.trace.arrivals import arrival_frame
+from cachelab.trace.corpus import Document
 from cachelab.engram import load_tokenizer
 from cachelab.errors import CachelabError
-from cachelab.prefix_blocks import chained_block_hashes
-from cachelab.synthesis import TokenStream, make_plan, synthesize
-from cachelab.trace import read_trace
+from cachelab.workload.prefix_cache.hashing import chained_block_hashes
+from cachelab.trace.synthesis import TokenStream, make_plan, synthesize
+from cachelab.trace.schema import read_trace
 from traces.gamma import GammaArrivals
 
 TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age "

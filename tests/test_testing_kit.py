@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from cachelab.policy import Policy, StepResult, check_capacity, check_keys
-from cachelab.predictor import Predictor
+from cachelab.learning import Predictor
 from cachelab.testing import check_policy, check_predictor
 
 

@@ -10,11 +10,11 @@ import polars as pl
 import pytest
 from typer.testing import CliRunner
 
-from cachelab.arrivals import arrival_frame
+from cachelab.trace.arrivals import arrival_frame
 from cachelab.cli import app
 from cachelab.engram import Addresser, encode
-from cachelab.keytrace import ORACLE_DTYPE, read_oracle_general
-from cachelab.trace import conform, write_trace
+from cachelab.trace.keytrace import ORACLE_DTYPE, read_oracle_general
+from cachelab.trace.schema import conform, write_trace
 from lcs_reference import lcs_miss_ratio
 
 runner = CliRunner()

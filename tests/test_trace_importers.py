@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from cachelab.cli import app
 from cachelab.errors import CachelabError
-from cachelab.trace import validate
+from cachelab.trace.schema import validate
 from traces.azure import AzureTrace
 from traces.burstgpt import BurstGPTTrace
 from traces.mooncake import MooncakeTrace

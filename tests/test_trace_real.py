@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cachelab.cli import app
-from cachelab.prefix_blocks import DistinctCounter, chained_block_hashes
+from cachelab.workload.prefix_cache.hashing import DistinctCounter, chained_block_hashes
 
 runner = CliRunner()
 pytestmark = pytest.mark.data

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from cachelab.errors import CachelabError
-from cachelab.prefix_blocks import DistinctCounter, chained_block_hashes
-from cachelab.trace import SCHEMA, conform, read_trace, scan_trace, validate, write_trace
+from cachelab.workload.prefix_cache.hashing import DistinctCounter, chained_block_hashes
+from cachelab.trace.schema import SCHEMA, conform, read_trace, scan_trace, validate, write_trace
 
 
 def table(**overrides) -> pl.DataFrame:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import polars as pl
 
-from cachelab.arrivals import arrival_frame
+from cachelab.trace.arrivals import arrival_frame
 from cachelab.errors import CachelabError
-from cachelab.ingest import Ingest, count_field, seconds_field
+from cachelab.trace.ingest import Ingest, count_field, seconds_field
 
 COLUMNS = ("Timestamp", "Model", "Request tokens", "Response tokens", "Total tokens", "Log Type")
 

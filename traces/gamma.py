@@ -12,7 +12,7 @@ import math
 import numpy as np
 import polars as pl
 
-from cachelab.arrivals import arrival_frame
+from cachelab.trace.arrivals import arrival_frame
 from cachelab.errors import CachelabError
 
 

@@ -22,10 +22,10 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from cachelab.arrivals import arrival_frame
+from cachelab.trace.arrivals import arrival_frame
 from cachelab.errors import CachelabError
-from cachelab.ingest import MAX_COUNT, Ingest
-from cachelab.trace import list_series
+from cachelab.trace.ingest import MAX_COUNT, Ingest
+from cachelab.trace.schema import list_series
 
 BLOCK_SIZE = 512
 FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")

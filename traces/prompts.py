@@ -10,9 +10,9 @@ import csv
 from collections.abc import Iterator
 from pathlib import Path
 
-from cachelab.corpus import Document
+from cachelab.trace.corpus import Document
 from cachelab.errors import CachelabError
-from cachelab.ingest import Ingest
+from cachelab.trace.ingest import Ingest
 from cachelab.paths import data_root
 
 

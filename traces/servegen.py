@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from cachelab.arrivals import arrival_frame
+from cachelab.trace.arrivals import arrival_frame
 from cachelab.errors import CachelabError
-from cachelab.ingest import Ingest, count_field
+from cachelab.trace.ingest import Ingest, count_field
 
 PATTERNS = ("Gamma", "Weibull")
 TRACE_FIELDS = ("start_s", "rate", "cv", "pattern", "p1", "p2")

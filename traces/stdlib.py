@@ -12,7 +12,7 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-from cachelab.corpus import Document
+from cachelab.trace.corpus import Document
 
 SKIP_PARTS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3"}
 

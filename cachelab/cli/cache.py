@@ -12,10 +12,10 @@ from rich.console import Console
 
 from cachelab import registry
 from cachelab.errors import CachelabError
-from cachelab.hierarchy import Hierarchy, Tier
-from cachelab.keytrace import FORMATS, read_keys
-from cachelab.lookups import LookupStream
-from cachelab.replay import replay
+from cachelab.engine.tiers import Hierarchy, Tier
+from cachelab.trace.keytrace import FORMATS, read_keys
+from cachelab.workload.lookups import LookupStream
+from cachelab.engine.replay import replay
 
 TRACE_HELP = ("A key trace (.npy of integers, text with one key per line, libCacheSim oracleGeneral) "
               "or a saved lookup stream (.npz).")
@@ -81,7 +81,7 @@ def simulate(
     stream = load_stream(trace, fmt)
     scores = None
     if model is not None:
-        from cachelab.learning import lookup_scores, policy_params
+        from cachelab.learning.training import lookup_scores, policy_params
 
         scores, fitted = lookup_scores(model, stream)
         from_model = policy_params(registry.get(registry.POLICIES, policy.split("+")[0]), fitted)
@@ -136,7 +136,7 @@ def mrc(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Miss ratio at many capacities: exact one-pass LRU, SHARDS sampling, or one run per capacity."""
-    from cachelab.mrc import miss_ratio_curve
+    from cachelab.engine.mrc import miss_ratio_curve
 
     started = time.perf_counter()
     stream = load_stream(trace, fmt)

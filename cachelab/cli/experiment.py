@@ -59,7 +59,7 @@ def report(
 ) -> None:
     """Write one self-contained HTML page of an experiment's plots and print its summary."""
     from cachelab.experiment.report import load_experiment, render_html, summary_table
-    from cachelab.tracking import Tracker
+    from cachelab.experiment.tracking import Tracker
 
     name = _experiment_name(experiment)
     data = load_experiment(Tracker(tracking_uri), name)
@@ -80,7 +80,7 @@ def sync(
 ) -> None:
     """Send results that `cachelab run` kept locally (server unreachable) to the tracking server."""
     from cachelab.experiment.runner import outbox_for, sync_outbox
-    from cachelab.tracking import Tracker
+    from cachelab.experiment.tracking import Tracker
 
     name = _experiment_name(experiment)
     outbox = outbox_for(name, runs_dir)
@@ -102,7 +102,7 @@ def _experiment_name(value: str) -> str:
 
 def _print_summary(name: str, uri: str) -> None:
     from cachelab.experiment.report import load_experiment, summary_table
-    from cachelab.tracking import Tracker
+    from cachelab.experiment.tracking import Tracker
 
     try:
         _show(summary_table(load_experiment(Tracker(uri), name)), name)

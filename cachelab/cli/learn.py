@@ -11,10 +11,10 @@ from rich.table import Table
 
 from cachelab import registry
 from cachelab.errors import CachelabError
-from cachelab.learning import TrainSpec, check_target, load, rolling_scores, save, train as train_model
-from cachelab.learning_eval import JUDGED, LEARNED, evaluate_capacities
+from cachelab.learning.training import TrainSpec, check_target, load, rolling_scores, save, train as train_model
+from cachelab.learning.evaluation import JUDGED, LEARNED, evaluate_capacities
 from cachelab.cli.cache import parse_params
-from cachelab.learning_trace import LearningView, load_trace
+from cachelab.learning.streams import LearningView, load_trace
 
 TRACE_HELP = ("A saved lookup stream with token metadata (.npz), or prompt corpora (cachelab.workloads), "
               "comma-separated and interleaved: arena-hard, gsm8k, humaneval, gutenberg, mt-bench, ...")

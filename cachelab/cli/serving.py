@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cachelab.errors import CachelabError
-from cachelab.latency import PLACEMENTS
+from cachelab.serving.latency import PLACEMENTS
 
 hw_app = typer.Typer(no_args_is_help=True, help="Hardware profiles: list the built-ins, measure this machine.")
 study_app = typer.Typer(no_args_is_help=True, help="Studies that reproduce published results from the model.")
@@ -22,7 +22,7 @@ GIB = 2**30
 
 
 def _read(trace: Path, max_requests: int | None):
-    from cachelab.trace import read_trace
+    from cachelab.trace.schema import read_trace
 
     df = read_trace(trace)
     return df.head(max_requests) if max_requests else df
@@ -58,7 +58,7 @@ def serve_sim(
     ratio and footprint, the row cache's hit ratio and bytes, and the HBM plan.
     Example: `cachelab serve-sim --trace w.parquet --hardware B200 --placement dram-uva --tp 4`.
     """
-    from cachelab.serving import ServingConfig, simulate
+    from cachelab.serving.simulator import ServingConfig, simulate
 
     df = _read(trace, max_requests)
     cfg = ServingConfig(hardware=hardware, placement=placement, tp=tp, concurrency=concurrency,
@@ -142,9 +142,9 @@ def pareto(
     --placement ssd-mmap --tp 4,8`."""
     import polars as pl
 
-    from cachelab.pareto import pareto_front, plot_fronts
-    from cachelab.serving import ServingConfig
-    from cachelab.sweep import sweep
+    from cachelab.serving.pareto import pareto_front, plot_fronts
+    from cachelab.serving.simulator import ServingConfig
+    from cachelab.serving.grid import sweep
 
     df = _read(trace, None)
     bad = sorted(set(placement) - set(PLACEMENTS))
@@ -184,7 +184,7 @@ def hw_probe(
     major page-fault cost, random 4 KiB read IOPS; save it as a profile (`--hardware local`)."""
     from rich.progress import Progress
 
-    from cachelab.hardware.probe import probe, write_profile
+    from cachelab.serving.hardware.probe import probe, write_profile
 
     with Progress(transient=True, disable=as_json) as bar:
         task = bar.add_task("probe", total=5)
@@ -213,7 +213,7 @@ def hw_list(as_json: bool = typer.Option(False, "--json", help="Print one JSON o
     """The built-in profiles and their headline numbers."""
     from dataclasses import asdict
 
-    from cachelab.hardware import builtin_names, load_profile
+    from cachelab.serving.hardware import builtin_names, load_profile
 
     profiles = {n: load_profile(n) for n in builtin_names()}
     if as_json:
@@ -239,7 +239,7 @@ def study_semianalysis(
 ) -> None:
     """B200 DRAM-UVA vs SSD-mmap near 125 tok/s/user, B300 TP2 vs TP4 once the table leaves
     HBM, and HBM vs DRAM-UVA: the model's answers beside SemiAnalysis' published figures."""
-    from cachelab.studies.semianalysis import run
+    from cachelab.serving.studies.semianalysis import run
 
     console = Console(stderr=True, quiet=as_json)
     result = run(out, tuple(_ints(concurrency, "--concurrency")), isl, osl, tuple(_ints(long_context, "--long-context")),

@@ -11,12 +11,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from cachelab.errors import CachelabError
-from cachelab.keytrace import write_oracle_general
-from cachelab.prefix_blocks import sorted_distinct
-from cachelab.trace import write_trace
-from cachelab.trace_convert import oracle_to_trace, trace_keys
-from cachelab.trace_stats import summarize
-from cachelab.workload import WorkloadSpec, build as build_workload, load_spec, parse_spec
+from cachelab.trace.keytrace import write_oracle_general
+from cachelab.workload.prefix_cache.hashing import sorted_distinct
+from cachelab.trace.schema import write_trace
+from cachelab.trace.convert import oracle_to_trace, trace_keys
+from cachelab.trace.stats import summarize
+from cachelab.trace.build import WorkloadSpec, build as build_workload, load_spec, parse_spec
 
 app = typer.Typer(no_args_is_help=True, help="Request traces: import or synthesize them, inspect them, convert them.")
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from cachelab.experiment.spec import capacity_rows, make_tier_policy, page_cache_bytes
-from cachelab.hierarchy import Hierarchy, SSDStore, Tier
+from cachelab.engine.tiers import Hierarchy, SSDStore, Tier
 from cachelab.experiment.workload import Workload
-from cachelab.replay import replay
+from cachelab.engine.replay import replay
 
 
 @dataclass
@@ -44,7 +44,7 @@ def make_hierarchy(config: dict, workload: Workload) -> Hierarchy:
 
 
 def replay_point(config: dict, workload: Workload) -> PointOutput:
-    """Replay the stream through the hierarchy (``cachelab.replay``) after the warm-up.
+    """Replay the stream through the hierarchy (``cachelab.engine.replay``) after the warm-up.
 
     Per level: hit ratio per lookup and per distinct row of a step, rows served, and
     ``<tier>.miss_ratio`` (per lookup, as the miss-ratio curves count); bytes per link.
@@ -71,7 +71,7 @@ def replay_point(config: dict, workload: Workload) -> PointOutput:
 def learned_point(config: dict, workload: Workload) -> PointOutput:
     """Train the predictor causally on the workload's first ``train_fraction`` of lookups and
     replay the learned policy, every registered heuristic and Belady on the rest (or on the
-    ``holdout`` workload) at each capacity (``cachelab.learning``, ``cachelab.learning_eval``).
+    ``holdout`` workload) at each capacity (``cachelab.learning.training``, ``cachelab.learning.evaluation``).
     Miss ratios there are per lookup over each step's distinct rows, as the replay counts."""
     import tempfile
     from dataclasses import replace
@@ -80,9 +80,9 @@ def learned_point(config: dict, workload: Workload) -> PointOutput:
     from cachelab import registry
     from cachelab.experiment.spec import WorkloadSpec
     from cachelab.experiment.workload import build_workload, load_workload
-    from cachelab.learning import TrainSpec, save, train
-    from cachelab.learning_eval import evaluate_capacities
-    from cachelab.learning_trace import LearningView
+    from cachelab.learning.training import TrainSpec, save, train
+    from cachelab.learning.evaluation import evaluate_capacities
+    from cachelab.learning.streams import LearningView
 
     p, preset = config["predictor"], config["workload"]["preset"]
     view = LearningView.of(workload.stream, preset)
@@ -135,11 +135,11 @@ def _learned_capacity(capacity: int | str) -> float:
 
 
 def serve_point(config: dict, workload: Workload) -> PointOutput:
-    """A serving replay (``cachelab.serving.simulate``) of the workload's requests: vLLM bench
+    """A serving replay (``cachelab.serving.simulator.simulate``) of the workload's requests: vLLM bench
     metrics (TTFT, TPOT, ITL, E2EL percentiles), tokens/s per GPU, tokens per dollar, the
     prefix cache's and the row cache's hit ratios and footprints."""
     from cachelab.experiment.spec import serving_config
-    from cachelab.serving import simulate
+    from cachelab.serving.simulator import simulate
 
     result = simulate(workload.requests, serving_config(config["serving"]))
     metrics = _numbers(result.metrics)

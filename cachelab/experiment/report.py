@@ -228,7 +228,7 @@ def plot_learned(data: ExperimentData):
     each heuristic and Belady."""
     import matplotlib.pyplot as plt
 
-    from cachelab.learning_eval import JUDGED
+    from cachelab.learning.evaluation import JUDGED
 
     evals = {label: t["learned_eval"] for label, t in data.point_tables.items() if "learned_eval" in t}
     if not evals:
@@ -313,7 +313,7 @@ def plot_pareto(data: ExperimentData):
     """Interactivity against tokens/s per GPU for every serving point, and the Pareto front."""
     import matplotlib.pyplot as plt
 
-    from cachelab.pareto import pareto_front
+    from cachelab.serving.pareto import pareto_front
 
     results = data.of_kind("serve")
     x, y = "interactivity", "tokens_per_s_per_gpu"

@@ -22,9 +22,9 @@ from cachelab.experiment.backends import run_tasks
 from cachelab.experiment.records import PARENT, Outbox, Record, now_ms
 from cachelab.experiment.spec import ExperimentSpec, WorkloadSpec, load_spec
 from cachelab.experiment.sweep import Point, config_hash, expand
-from cachelab.mrc import miss_ratio_curve
+from cachelab.engine.mrc import miss_ratio_curve
 from cachelab.experiment.workload import build_workload, load_workload, workload_key, workload_stats
-from cachelab.tracking import Tracker, TrackingUnavailable, resolve_uri
+from cachelab.experiment.tracking import Tracker, TrackingUnavailable, resolve_uri
 
 
 @dataclass

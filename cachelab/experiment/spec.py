@@ -92,7 +92,7 @@ class PredictorSpec(_Strict):
 
 
 class ServingSpec(_Strict):
-    """A serving replay (``cachelab.serving``): the workload's request trace through the
+    """A serving replay (``cachelab.serving.simulator``): the workload's request trace through the
     scheduler, the prefix cache, the hierarchy and the latency model of ``hardware``."""
 
     hardware: str = Field(description="a hardware profile (B200, B300, H200, ...) or a TOML path")
@@ -251,9 +251,9 @@ def check_spec(spec: ExperimentSpec, where: str) -> None:
 def _check_serving(s: ServingSpec, where: str) -> None:
     import dataclasses
 
-    from cachelab.hardware import load_profile
-    from cachelab.latency import PLACEMENTS
-    from cachelab.serving import ServingConfig
+    from cachelab.serving.hardware import load_profile
+    from cachelab.serving.latency import PLACEMENTS
+    from cachelab.serving.simulator import ServingConfig
 
     if s.placement not in PLACEMENTS:
         raise CachelabError(f"{where}: serving.placement: unknown placement {s.placement!r}; "
@@ -274,8 +274,8 @@ def _check_serving(s: ServingSpec, where: str) -> None:
 
 
 def serving_config(s: dict):
-    """The ``cachelab.serving.ServingConfig`` of a spec's [serving] section."""
-    from cachelab.serving import ServingConfig
+    """The ``cachelab.serving.simulator.ServingConfig`` of a spec's [serving] section."""
+    from cachelab.serving.simulator import ServingConfig
 
     return ServingConfig(hardware=s["hardware"], placement=s["placement"], tp=s["tp"],
                          concurrency=s["concurrency"], **s["params"])
@@ -319,7 +319,7 @@ def _check_workload(w: WorkloadSpec, where: str, key: str = "workload") -> None:
 
 
 def _check_trace(trace: dict, where: str, key: str) -> None:
-    from cachelab import workload as trace_workload
+    from cachelab.trace import build as trace_workload
 
     spec = trace_workload.parse_spec(trace, f"{where}: {key}.trace")
     if spec.arrivals.path is not None:

@@ -1,7 +1,7 @@
 """A spec's workload as a lookup stream, built once and shared by every point that replays it.
 
 Text comes from a ``cachelab.workloads`` corpus (whole documents, prefilled in steps of
-``tokens_per_step`` positions), or from a request trace built by ``cachelab.workload``
+``tokens_per_step`` positions), or from a request trace built by ``cachelab.trace.build``
 (real arrivals with corpus content: prompts prefilled in chunks, then one decode step per
 output token). Either way the addresser turns tokens into Engram rows and the result is a
 ``LookupStream`` cached on disk under ``cache_dir()/workloads/<hash>.npz``, so pool and Ray
@@ -24,7 +24,7 @@ from cachelab.engram.stats import skew
 from cachelab.errors import CachelabError
 from cachelab.experiment.spec import WorkloadSpec, resolve_data_path
 from cachelab.experiment.sweep import config_hash
-from cachelab.lookups import LookupStream, split_key
+from cachelab.workload.lookups import LookupStream, split_key
 from cachelab.paths import cache_dir
 
 ENCODE_BATCH = 256
@@ -88,8 +88,8 @@ def _from_corpus(spec: WorkloadSpec, addresser: Addresser, progress: Progress | 
 
 
 def _from_trace(spec: WorkloadSpec, out: Path):
-    from cachelab import workload as trace_workload
-    from cachelab.trace import read_trace
+    from cachelab.trace import build as trace_workload
+    from cachelab.trace.schema import read_trace
 
     trace_workload.build(trace_workload.parse_spec(spec.trace, "workload.trace"), out)
     df = read_trace(out)
@@ -124,7 +124,7 @@ class Workload:
 
 
 def load_workload(path: str | Path) -> Workload:
-    from cachelab.trace import read_trace
+    from cachelab.trace.schema import read_trace
 
     path = Path(path)
     info = json.loads(path.with_suffix(".json").read_text())

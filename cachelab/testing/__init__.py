@@ -27,7 +27,7 @@ __all__ = ["CheckResult", "ConformanceError", "POLICY_CHECKS", "PREDICTOR_CHECKS
 
 
 def _checks_for(cls):
-    from cachelab.predictor import Predictor
+    from cachelab.learning.predictor import Predictor
 
     is_predictor = isinstance(cls, type) and (issubclass(cls, Predictor) or hasattr(cls, "fit"))
     return PREDICTOR_CHECKS if is_predictor else POLICY_CHECKS

@@ -12,7 +12,7 @@ import inspect
 
 import numpy as np
 
-from cachelab.future import next_access
+from cachelab.workload.future import next_access
 from cachelab.policy import NO_NEXT, Policy
 from cachelab.testing.results import ConformanceError, Skip, run_checks
 

@@ -1,4 +1,4 @@
-"""Conformance checks for ``cachelab.predictor.Predictor`` implementations.
+"""Conformance checks for ``cachelab.learning.Predictor`` implementations.
 
 Data: a small deterministic feature matrix (float32, named columns) with labels of the
 predictor's ``task``: log1p steps to next access for regression, reuse within a window
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from cachelab.errors import CachelabError
-from cachelab.predictor import check_features, read_metadata
+from cachelab.learning.predictor import check_features, read_metadata
 from cachelab.testing.results import ConformanceError, run_checks
 
 FEATURES = ["age", "count", "last_gap", "order"]
@@ -42,7 +42,7 @@ def check_predictor_interface(cls, **params):
                if not callable(getattr(cls, m, None))]
     if missing:
         raise ConformanceError(f"{getattr(cls, '__name__', cls)} lacks {missing}: subclass "
-                               "cachelab.predictor.Predictor")
+                               "cachelab.learning.Predictor")
     if getattr(cls, "task", None) not in ("regression", "classification"):
         raise ConformanceError(f"task must be 'regression' or 'classification', got {getattr(cls, 'task', None)!r}")
     cls(**params)

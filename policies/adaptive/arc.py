@@ -22,9 +22,9 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from policies.admission import admission_admit, admission_record
-from policies.dlist import SIZE, TAIL, make_queues, move_head, pop_tail, push_head, unlink
-from policies.kernel import KernelPolicy, enter, free_stack, leave
+from cachelab.policy.admission import admission_admit, admission_record
+from cachelab.policy.queues import SIZE, TAIL, make_queues, move_head, pop_tail, push_head, unlink
+from cachelab.policy.kernel import KernelPolicy, enter, free_stack, leave
 
 T1, T2 = 0, 1  # queues of slots
 B1, B2 = 0, 1  # queues of ghost keys
@@ -80,7 +80,7 @@ def _arc_kernel(keys, slot_of, key_of, meta, p, free, q, prev, nxt, where, gq, g
 
 
 class ARC(KernelPolicy):
-    """Adaptive Replacement Cache; ``admission`` names a filter from policies.admission."""
+    """Adaptive Replacement Cache; ``admission`` names a filter from cachelab.policy.admission."""
 
     name = "arc"
     kernel = staticmethod(_arc_kernel)

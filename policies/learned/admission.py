@@ -1,4 +1,4 @@
-"""Learned admission in front of any eviction policy (the ``scores`` filter of policies.admission).
+"""Learned admission in front of any eviction policy (the ``scores`` filter of cachelab.policy.admission).
 
 The base policy is built with ``admission="scores"``; before each step its per-key score
 table gets the step's scores, so a candidate is compared with its latest prediction and the
@@ -13,7 +13,7 @@ import numpy as np
 from cachelab import registry
 from cachelab.errors import CachelabError
 from cachelab.policy import Capabilities, Policy, StepResult
-from policies.admission import SCORES
+from cachelab.policy.admission import SCORES
 from policies.learned.scores import checked_scores
 
 

@@ -7,7 +7,7 @@ latest prediction of its key. On a miss in a full cache the kernel samples ``sam
 the farthest. A prediction already overdue (the key was expected back and is not) says
 little; such a candidate is treated as due again after as long as it has been idle.
 
-Admission composes as in every kernel (``policies.admission``); with ``scores`` the candidate
+Admission composes as in every kernel (``cachelab.policy.admission``); with ``scores`` the candidate
 enters only if its predicted next use is sooner than the chosen victim's. ``learned`` is this
 policy with the scores filter: learned eviction and learned admission together.
 """
@@ -19,8 +19,8 @@ import numpy as np
 
 from cachelab.errors import CachelabError
 from cachelab.policy import Capabilities
-from policies.admission import SCORES, admission_admit, admission_record
-from policies.kernel import KernelPolicy, note_admit, note_evict
+from cachelab.policy.admission import SCORES, admission_admit, admission_record
+from cachelab.policy.kernel import KernelPolicy, note_admit, note_evict
 from policies.learned.scores import checked_scores
 
 SIZE, CLOCK, RNG = 0, 1, 2
@@ -86,7 +86,7 @@ class LearnedEviction(KernelPolicy):
     """Evict the farthest predicted next use among ``sample`` random residents.
 
     Scores come from the runner (``cachelab simulate --model DIR``); ``admission`` is any
-    filter of policies.admission.
+    filter of cachelab.policy.admission.
     """
 
     name = "learned-eviction"

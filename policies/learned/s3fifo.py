@@ -13,7 +13,7 @@ adds to that guess and never replaces it, so a poor prediction costs little:
   evicts CLOCK-wise with 2-bit counters. With ``promote=1`` it is exactly ``s3fifo``.
 
 It runs S3-FIFO's own kernel through its prediction hook (policies/two_queue/s3fifo.py).
-Scores follow the learned policies' contract (``cachelab.learning.keep_scores``): minus the
+Scores follow the learned policies' contract (``cachelab.learning.training.keep_scores``): minus the
 predicted position of the next access, turned into a wait by the kernel's own clock (at
 tier 0, the lookup index). ``horizon`` converts a score back to a chance; ``simulate
 --model`` and ``evaluate`` fill it in from the model's metadata. On the study trace

@@ -11,7 +11,7 @@ from policies.linked.clock import Clock
 
 
 class FIFO(Clock):
-    """First in, first out; ``admission`` names a filter from policies.admission."""
+    """First in, first out; ``admission`` names a filter from cachelab.policy.admission."""
 
     name = "fifo"
 

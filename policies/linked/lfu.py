@@ -22,8 +22,8 @@ import numba as nb
 import numpy as np
 
 from cachelab.errors import CachelabError
-from policies.admission import admission_admit, admission_record
-from policies.kernel import KernelPolicy, note_admit, note_evict
+from cachelab.policy.admission import admission_admit, admission_record
+from cachelab.policy.kernel import KernelPolicy, note_admit, note_evict
 
 SIZE, STAMP, AGE, DYNAMIC = 0, 1, 2, 3
 AGING = {"none": 0, "dynamic": 1}

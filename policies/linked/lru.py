@@ -1,8 +1,8 @@
 """LRU: evict the least recently used row.
 
-Slots form one queue of policies/dlist.py, most recent at its head. The same
+Slots form one queue of cachelab/policy/queues.py, most recent at its head. The same
 kernel serves ``step`` (recording admissions and evictions) and ``run`` (hits only),
-through policies/kernel.py's wrapper, which every compiled policy shares.
+through cachelab/policy/kernel.py's wrapper, which every compiled policy shares.
 Validated against libCacheSim's LRU (identical miss ratios, tests/test_policies_lru.py).
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numba as nb
 
-from policies.admission import admission_admit, admission_record
-from policies.dlist import SIZE, TAIL, make_queues, move_head, pop_tail, push_head
-from policies.kernel import KernelPolicy, note_admit, note_evict
+from cachelab.policy.admission import admission_admit, admission_record
+from cachelab.policy.queues import SIZE, TAIL, make_queues, move_head, pop_tail, push_head
+from cachelab.policy.kernel import KernelPolicy, note_admit, note_evict
 
 QUEUE = 0
 
@@ -47,7 +47,7 @@ def _lru_kernel(keys, slot_of, key_of, q, prev, nxt, where, a_kind, a_counters, 
 
 
 class LRU(KernelPolicy):
-    """Least recently used; ``admission`` names a filter from policies.admission."""
+    """Least recently used; ``admission`` names a filter from cachelab.policy.admission."""
 
     name = "lru"
     kernel = staticmethod(_lru_kernel)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from policies.admission import admission_admit, admission_record
-from policies.dlist import TAIL, make_queues, push_head, unlink
-from policies.kernel import KernelPolicy, note_admit, note_evict
+from cachelab.policy.admission import admission_admit, admission_record
+from cachelab.policy.queues import TAIL, make_queues, push_head, unlink
+from cachelab.policy.kernel import KernelPolicy, note_admit, note_evict
 
 HAND, SIZE = 0, 1
 QUEUE = 0
@@ -57,7 +57,7 @@ def _sieve_kernel(keys, slot_of, key_of, meta, visited, q, prev, nxt, where,
 
 
 class Sieve(KernelPolicy):
-    """SIEVE; ``admission`` names a filter from policies.admission."""
+    """SIEVE; ``admission`` names a filter from cachelab.policy.admission."""
 
     name = "sieve"
     kernel = staticmethod(_sieve_kernel)

@@ -10,12 +10,12 @@ Three policies share one kernel:
   other policy on the same stream).
 - ``belady-lookahead``: Belady that sees only ``window`` steps ahead, what Engram's
   deterministic addresses allow a serving system in practice. Its ``view_future`` censors
-  the full ``next_access`` with ``cachelab.future.censor_lookahead``: a row's next use is
+  the full ``next_access`` with ``cachelab.workload.future.censor_lookahead``: a row's next use is
   known when, at its latest access, that use lies within ``window`` steps; otherwise it is
   ``NO_NEXT``. (This is conservative: a live system that re-reads its window every step
   may learn of a reuse earlier, between two accesses.)
 
-Priorities live in an indexed max-heap of slots (policies/heap.py): a known next use has
+Priorities live in an indexed max-heap of slots (cachelab/policy/heap.py): a known next use has
 priority = its position; a row with no known next use sits above every known position.
 For ``belady`` and ``belady-bypass`` such rows are never used again, so they are
 interchangeable and share one priority (a new one stays at the top: O(1)). For
@@ -29,11 +29,11 @@ import numba as nb
 import numpy as np
 
 from cachelab.errors import CachelabError
-from cachelab.future import censor_lookahead
+from cachelab.workload.future import censor_lookahead
 from cachelab.policy import NO_NEXT, Capabilities
-from policies.admission import admission_admit, admission_record
-from policies.heap import heap_push, heap_update, make_heap
-from policies.kernel import KernelPolicy, note_admit, note_evict
+from cachelab.policy.admission import admission_admit, admission_record
+from cachelab.policy.heap import heap_push, heap_update, make_heap
+from cachelab.policy.kernel import KernelPolicy, note_admit, note_evict
 
 POS, SIZE = 0, 1  # meta: absolute position of the next access, rows resident
 UNKNOWN = np.int64(1) << np.int64(62)  # priorities of rows without a known next use sit above
@@ -84,7 +84,7 @@ def _belady_kernel(keys, next_access, slot_of, key_of, bypass, unknown_lru, meta
 class Belady(KernelPolicy):
     """Belady's MIN as libCacheSim runs it: always admit, evict the farthest next use.
 
-    ``admission`` may put a filter (policies.admission) in front, which makes it no longer
+    ``admission`` may put a filter (cachelab.policy.admission) in front, which makes it no longer
     optimal but keeps admission and eviction separable as for every policy.
     """
 
@@ -125,7 +125,7 @@ class BeladyLookahead(Belady):
         window: steps of lookahead K (0 = only the current step); ``view_future`` censors
             the full ``next_access`` to what such a window shows.
         bypass: whether a miss may itself be the row not kept (as ``belady-bypass``).
-        admission: an admission filter from policies.admission (``always`` by default).
+        admission: an admission filter from cachelab.policy.admission (``always`` by default).
     """
 
     name = "belady-lookahead"

@@ -18,7 +18,7 @@ Estimator (per row, at each of its accesses, at position ``t``):
   To evict: if some resident row's prediction has already passed without it returning, the
   most overdue such row goes (its estimate has failed: likely a row whose reuses ended);
   otherwise the row with the farthest prediction goes. Two indexed heaps of slots
-  (policies/heap.py, as Belady uses with the true next use) give both in O(log C).
+  (cachelab/policy/heap.py, as Belady uses with the true next use) give both in O(log C).
 
 Related: the reuse-distance and next-use predictors of Megiddo & Modha's ARC discussion,
 LRB's "time to next request" (Song et al., NSDI'20) and "Back to the Future" (Jain & Lin,
@@ -31,9 +31,9 @@ import numba as nb
 import numpy as np
 
 from cachelab.errors import CachelabError
-from policies.admission import admission_admit, admission_record
-from policies.heap import heap_push, heap_update, make_heap
-from policies.kernel import KernelPolicy, note_admit, note_evict
+from cachelab.policy.admission import admission_admit, admission_record
+from cachelab.policy.heap import heap_push, heap_update, make_heap
+from cachelab.policy.kernel import KernelPolicy, note_admit, note_evict
 
 POS, SIZE, SEEN, RETURNED = 0, 1, 2, 3  # meta
 NEVER = np.int64(1) << np.int64(61)  # prediction of a row expected never to return
@@ -99,7 +99,7 @@ class ReuseDistance(KernelPolicy):
 
     Args:
         alpha: weight of the newest interval in the EWMA, in (0, 1]; 1 = last interval only.
-        admission: an admission filter from policies.admission (``always`` by default).
+        admission: an admission filter from cachelab.policy.admission (``always`` by default).
     """
 
     name = "reuse-distance"

@@ -30,8 +30,8 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from policies.admission import admission_admit, admission_record
-from policies.kernel import KernelPolicy, note_admit, note_evict
+from cachelab.policy.admission import admission_admit, admission_record
+from cachelab.policy.kernel import KernelPolicy, note_admit, note_evict
 
 ASSOC = 32
 TIME, SETS, WAYS = 0, 1, 2  # meta: step counter, sets, ways per set
@@ -176,7 +176,7 @@ class _SetAssociative(KernelPolicy):
 
 
 class FbgemmLRU(_SetAssociative):
-    """FBGEMM's set-associative LRU; ``admission`` may guard a full way (policies.admission)."""
+    """FBGEMM's set-associative LRU; ``admission`` may guard a full way (cachelab.policy.admission)."""
 
     name = "fbgemm-lru"
     kernel = staticmethod(_fbgemm_lru_kernel)

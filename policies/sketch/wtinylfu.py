@@ -18,7 +18,7 @@ and validated against it: identical miss counts (tests/test_policies_wtinylfu.py
 - A main-cache hit in probation promotes the row to protected; protected's overflow cools
   back to probation's head, and probation's overflow is evicted. The main victim is the
   tail of the lowest non-empty segment.
-- The sketch (policies.admission, sized as libCacheSim's counting Bloom filter for 0.1%
+- The sketch (cachelab.policy.admission, sized as libCacheSim's counting Bloom filter for 0.1%
   error over the main cache's rows: 10 counters per row read, unbounded counts, the same
   xxHash64 double hashing) counts each admitted row once, each main-cache hit once, and
   each window victim once when it leaves the window. Every 32 x main main-cache hits, all
@@ -35,9 +35,9 @@ import numba as nb
 import numpy as np
 
 from cachelab.errors import CachelabError
-from policies.admission import SAMPLE, make_admission, sketch_add, sketch_estimate, sketch_halve
-from policies.dlist import SIZE, TAIL, make_queues, move_head, push_head, unlink
-from policies.kernel import KernelPolicy, free_stack, give_slot, note_admit, note_evict, take_slot
+from cachelab.policy.admission import SAMPLE, make_admission, sketch_add, sketch_estimate, sketch_halve
+from cachelab.policy.queues import SIZE, TAIL, make_queues, move_head, push_head, unlink
+from cachelab.policy.kernel import KernelPolicy, free_stack, give_slot, note_admit, note_evict, take_slot
 
 WINDOW, PROBATION, PROTECTED = 0, 1, 2
 # meta: row limits of window / main / probation / protected, main hits since the last

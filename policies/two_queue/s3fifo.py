@@ -30,9 +30,9 @@ import numba as nb
 import numpy as np
 
 from cachelab.errors import CachelabError
-from policies.admission import admission_admit, admission_record
-from policies.dlist import SIZE, TAIL, make_queues, move_head, pop_tail, push_head, unlink
-from policies.kernel import KernelPolicy, enter, free_stack, leave
+from cachelab.policy.admission import admission_admit, admission_record
+from cachelab.policy.queues import SIZE, TAIL, make_queues, move_head, pop_tail, push_head, unlink
+from cachelab.policy.kernel import KernelPolicy, enter, free_stack, leave
 
 SMALL, MAIN = 0, 1  # queues of slots
 GHOST = 0  # the queue of ghost keys
@@ -106,7 +106,7 @@ def _s3fifo_kernel(keys, scores, slot_of, key_of, meta, within, free, freq, wait
 
 
 class S3FIFO(KernelPolicy):
-    """S3-FIFO; ratios are shares of the capacity, ``admission`` a policies.admission filter."""
+    """S3-FIFO; ratios are shares of the capacity, ``admission`` a cachelab.policy.admission filter."""
 
     name = "s3fifo"
     kernel = staticmethod(_s3fifo_kernel)

@@ -20,9 +20,9 @@ import numba as nb
 import numpy as np
 
 from cachelab.errors import CachelabError
-from policies.admission import admission_admit, admission_record
-from policies.dlist import SIZE, TAIL, make_queues, move_head, pop_tail, push_head, unlink
-from policies.kernel import KernelPolicy, enter, free_stack, leave
+from cachelab.policy.admission import admission_admit, admission_record
+from cachelab.policy.queues import SIZE, TAIL, make_queues, move_head, pop_tail, push_head, unlink
+from cachelab.policy.kernel import KernelPolicy, enter, free_stack, leave
 
 AIN, AOUT, AM = 0, 1, 2
 FREE_TOP, AIN_CAP, AOUT_CAP, AM_CAP = 0, 1, 2, 3
@@ -73,7 +73,7 @@ def _twoq_kernel(keys, slot_of, key_of, meta, free, q, prev, nxt, where,
 
 
 class TwoQ(KernelPolicy):
-    """2Q; ratios are shares of the capacity, ``admission`` a policies.admission filter."""
+    """2Q; ratios are shares of the capacity, ``admission`` a cachelab.policy.admission filter."""
 
     name = "twoq"
     kernel = staticmethod(_twoq_kernel)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cachelab.predictor import Predictor
+from cachelab.learning import Predictor
 
 
 class Ridge(Predictor):

@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from cachelab.errors import CachelabError
-from cachelab.hardware import HardwareProfile
-from cachelab.model_spec import ModelSpec
+from cachelab.serving.hardware import HardwareProfile
+from cachelab.serving.model_spec import ModelSpec
 
 PLACEMENTS = ("hbm", "dram-uva", "dram-copy", "ssd-mmap", "ssd-direct")
 PAGE_BYTES = 4096

@@ -21,8 +21,8 @@ import numpy as np
 
 from cachelab import registry
 from cachelab.errors import CachelabError
-from cachelab.hierarchy import Hierarchy, SSDStore
-from cachelab.lookups import LAYER_SHIFT, global_key, split_key
+from cachelab.engine.tiers import Hierarchy, SSDStore
+from cachelab.workload.lookups import LAYER_SHIFT, global_key, split_key
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)

@@ -18,13 +18,13 @@ import numpy as np
 import polars as pl
 import pyarrow.parquet as pq
 
-from cachelab.arrivals import arrival_frame
+from cachelab.trace.arrivals import arrival_frame
 from cachelab.engram import Addresser, get_preset
 from cachelab.errors import CachelabError
-from cachelab.keytrace import read_oracle_records
-from cachelab.lookups import LookupStream
-from cachelab.prefix_blocks import chained_block_hashes
-from cachelab.trace import list_series, scan_trace, validate
+from cachelab.trace.keytrace import read_oracle_records
+from cachelab.workload.lookups import LookupStream
+from cachelab.workload.prefix_cache.hashing import chained_block_hashes
+from cachelab.trace.schema import list_series, scan_trace, validate
 
 KEY_KINDS = ("rows", "blocks")
 BATCH_ROWS = 256

@@ -12,7 +12,7 @@ half-lives, access count, earlier accesses within the same request), and corpus 
 there). Time is the lookup index. One compiled pass fills the whole matrix; ``FeatureState``
 carries the per-key history across chunks so a stream can be featurised piece by piece.
 
-Labels look into the future (``cachelab.future.next_access``): ``log1p`` of lookups to the next
+Labels look into the future (``cachelab.workload.future.next_access``): ``log1p`` of lookups to the next
 access censored at ``horizon`` (regression), reuse within ``horizon`` (classification), or
 whether Belady, at a given cache size, keeps the row until its next access (classification:
 Hawkeye's OPTgen labels, aimed at the cache's own decision boundary).
@@ -26,8 +26,8 @@ import numba as nb
 import numpy as np
 
 from cachelab.errors import CachelabError
-from cachelab.future import next_access
-from cachelab.lookups import compact
+from cachelab.workload.future import next_access
+from cachelab.workload.lookups import compact
 from cachelab.policy import NO_NEXT
 
 GAPS = 8
@@ -266,7 +266,7 @@ def belady_labels(keys: np.ndarray, step_offsets: np.ndarray, capacity: int, num
     """1 if Belady (with bypass: the offline optimum) at ``capacity`` rows keeps the key resident
     from this access to its next one, i.e. that next access is an optimal hit; 0 otherwise."""
     from cachelab import registry
-    from cachelab.replay import run_policy
+    from cachelab.engine.replay import run_policy
 
     hits = run_policy(registry.make_policy("belady-bypass"), keys, step_offsets, capacity, num_keys)
     nxt = next_access(keys)

@@ -20,8 +20,8 @@ import numba as nb
 import numpy as np
 
 from cachelab.errors import CachelabError
-from cachelab.policy import Capabilities, Policy, StepResult, check_capacity, check_keys
-from policies.admission import make_admission
+from cachelab.policy.contract import Capabilities, Policy, StepResult, check_capacity, check_keys
+from cachelab.policy.admission import make_admission
 
 
 @nb.njit(cache=True, inline="always")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cachelab.hardware import local_profile_path
+from cachelab.serving.hardware import local_profile_path
 
 PAGE = 4096
 ROW_BYTES = 264

@@ -73,7 +73,7 @@ class Policy(ABC):
 
         A caller computes ``next_access`` once for the whole stream, passes it through this
         view, and gives the result (sliced per step) to ``step`` and ``run``. The default
-        sees everything; a lookahead policy censors it (``cachelab.future.censor_lookahead``).
+        sees everything; a lookahead policy censors it (``cachelab.workload.future.censor_lookahead``).
         """
         return next_access
 

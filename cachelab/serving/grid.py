@@ -14,7 +14,7 @@ from dataclasses import replace
 import polars as pl
 
 from cachelab.errors import CachelabError
-from cachelab.serving import ServingConfig, simulate
+from cachelab.serving.simulator import ServingConfig, simulate
 
 COLUMNS = ("hardware", "tp", "placement", "concurrency", "fits", "reason", "interactivity", "p90_interactivity",
            "tokens_per_s_per_gpu", "tokens_per_dollar", "cost_per_million_tokens", "median_ttft_ms", "p99_ttft_ms",

@@ -5,7 +5,7 @@ The scheduler is vLLM v1's in outline: continuous batching with chunked prefill 
 token budget and a sequence cap per step; running requests first (decode or their next
 prefill chunk), then waiting ones in arrival order while KV blocks last; when a running
 request cannot grow, the most recently admitted one is preempted (its KV freed; it is
-recomputed later, as vLLM does). The KV pool is the prefix cache (``cachelab.prefix_cache``):
+recomputed later, as vLLM does). The KV pool is the prefix cache (``cachelab.workload.prefix_cache``):
 cached prompt tokens are not computed, so they skip their Engram lookups too.
 
 Each step's processed token positions go through the streaming addresser (a request's
@@ -28,13 +28,13 @@ from rich.progress import Progress
 
 from cachelab.engram import Addresser
 from cachelab.errors import CachelabError
-from cachelab.hardware import load_profile
-from cachelab.hierarchy import DRAMStore, Hierarchy, SSDStore, Tier
-from cachelab.latency import Efficiency, EngramStep, LatencyModel, describe
-from cachelab.metrics import RequestTimes, summarize
-from cachelab.model_spec import load_model
-from cachelab.prefix_cache import BlockPrefixCache, RadixPrefixCache, block_hashes
-from cachelab.step_replay import KeySet, RowSpace, StepReplay, sampled_keys, table_row_space
+from cachelab.serving.hardware import load_profile
+from cachelab.engine.tiers import DRAMStore, Hierarchy, SSDStore, Tier
+from cachelab.serving.latency import Efficiency, EngramStep, LatencyModel, describe
+from cachelab.serving.metrics import RequestTimes, summarize
+from cachelab.serving.model_spec import load_model
+from cachelab.workload.prefix_cache import BlockPrefixCache, RadixPrefixCache, block_hashes
+from cachelab.engine.stepper import KeySet, RowSpace, StepReplay, sampled_keys, table_row_space
 
 PREFIX_CACHES = ("vllm", "sglang", "off")
 PAGE_BYTES = 4096
@@ -112,7 +112,7 @@ def _sequences(trace: pl.DataFrame) -> tuple[list[np.ndarray], np.ndarray, np.nd
     need = {"arrival_s", "prompt_ids", "output_ids"}
     missing = sorted(need - set(trace.columns))
     if missing:
-        raise CachelabError(f"trace lacks column(s) {missing}; a request trace has {sorted(need)} (cachelab.trace)")
+        raise CachelabError(f"trace lacks column(s) {missing}; a request trace has {sorted(need)} (cachelab.trace.schema)")
     trace = trace.sort("arrival_s", maintain_order=True)
     plen = trace["prompt_ids"].list.len().to_numpy().astype(np.int64)
     olen = trace["output_ids"].list.len().fill_null(0).to_numpy().astype(np.int64)
@@ -153,7 +153,7 @@ def build_row_space(addresser: Addresser, seqs, plen, olen, rate: float, rows_pe
 
 
 class ServingSimulator:
-    """Replays ``trace`` (a request table, ``cachelab.trace`` schema) under ``config``."""
+    """Replays ``trace`` (a request table, ``cachelab.trace.schema`` schema) under ``config``."""
 
     def __init__(self, trace: pl.DataFrame, config: ServingConfig, progress: bool = False,
                  row_space: RowSpace | None = None):

@@ -28,8 +28,8 @@ import numpy as np
 
 from cachelab import registry
 from cachelab.errors import CachelabError
-from cachelab.predictor import Predictor, check_features, read_metadata
-from cachelab.features import (FEATURE_NAMES, CorpusPrior, FeatureState, apply_prior, belady_labels, extract,
+from cachelab.learning.predictor import Predictor, check_features, read_metadata
+from cachelab.learning.features import (FEATURE_NAMES, CorpusPrior, FeatureState, apply_prior, belady_labels, extract,
                                  regression_labels, reuse_labels)
 
 PRIOR = "prior.safetensors"
@@ -45,7 +45,7 @@ class TrainSpec:
     max_samples: int = 2_000_000
     seed: int = 0
     capacity: float = 0.0  # > 0: Belady keep labels at this cache size (fraction of unique rows, or rows)
-    lookahead: bool = True  # the prompt-lookahead features (cachelab.features)
+    lookahead: bool = True  # the prompt-lookahead features (cachelab.learning.features)
 
     def check(self) -> None:
         if self.capacity < 0:
@@ -142,7 +142,7 @@ def tune_promote(view, predictor: Predictor, spec: TrainSpec, end: int) -> tuple
     window is too short for the horizon)."""
     from dataclasses import replace
 
-    from cachelab.replay import run_policy
+    from cachelab.engine.replay import run_policy
 
     try:
         model, _ = train(view, predictor, replace(spec, train_fraction=spec.train_fraction / 2), tune=False)
@@ -286,7 +286,7 @@ def keep_scores(model: Model, stream, x: np.ndarray | None = None, offset: int =
 
 def lookup_scores(directory: Path, stream) -> tuple[np.ndarray, Model]:
     """Scores per lookup of an engine ``LookupStream`` from the model saved in ``directory``, and the model."""
-    from cachelab.learning_trace import LearningView
+    from cachelab.learning.streams import LearningView
 
     model = load(directory)
     view = LearningView.of(stream, model.metadata.get("spec", {}).get("preset", "deepseek-v4.1-flash"))

@@ -29,8 +29,8 @@ from rich.progress import Progress
 
 from cachelab import registry
 from cachelab.errors import CachelabError
-from cachelab.lookups import LookupStream, compact, dedup_steps
-from cachelab.replay import run_policy, warmup_steps
+from cachelab.workload.lookups import LookupStream, compact, dedup_steps
+from cachelab.engine.replay import run_policy, warmup_steps
 
 COLD = -1
 _HASH_BITS = 24

@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import polars as pl
 
-from cachelab.corpus import Corpus
+from cachelab.trace.corpus import Corpus
 from cachelab.engram import encode
 from cachelab.errors import CachelabError
-from cachelab.trace import TraceWriter, list_series
+from cachelab.trace.schema import TraceWriter, list_series
 
 ENCODE_BATCH = 256
 

@@ -6,8 +6,8 @@ follow one protocol: ``match`` -> ``admit`` -> ``extend`` ... -> ``free`` (or ``
 ``record_query`` once a request is admitted for good (the hit-rate terms).
 """
 
-from cachelab.prefix_cache.blocks import BlockPrefixCache, block_hashes
-from cachelab.prefix_cache.radix import RadixPrefixCache
+from cachelab.workload.prefix_cache.blocks import BlockPrefixCache, block_hashes
+from cachelab.workload.prefix_cache.radix import RadixPrefixCache
 
 __all__ = ["BlockPrefixCache", "RadixPrefixCache", "block_hashes"]
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from cachelab.errors import CachelabError
-from cachelab.future import next_access
+from cachelab.workload.future import next_access
 from cachelab.policy import NO_NEXT
 
 ORACLE_DTYPE = np.dtype([("time", "<u4"), ("id", "<u8"), ("size", "<u4"), ("next", "<i8")])

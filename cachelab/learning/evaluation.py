@@ -17,9 +17,9 @@ from rich.progress import Progress
 
 from cachelab import registry
 from cachelab.errors import CachelabError
-from cachelab.learning import Model, keep_scores, policy_params, rows_for
-from cachelab.learning_trace import LearningView
-from cachelab.replay import run_policy, warmup_steps
+from cachelab.learning.training import Model, keep_scores, policy_params, rows_for
+from cachelab.learning.streams import LearningView
+from cachelab.engine.replay import run_policy, warmup_steps
 
 # Display name -> registry names tried in order (the first registered one is used).
 HEURISTICS = {"LRU": ("lru",), "S3-FIFO": ("s3fifo", "s3-fifo"), "W-TinyLFU": ("wtinylfu", "w-tinylfu"),

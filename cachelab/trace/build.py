@@ -35,8 +35,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from cachelab import registry
 from cachelab.errors import CachelabError
 from cachelab.paths import data_root
-from cachelab.synthesis import BuildReport, TokenStream, make_plan, synthesize
-from cachelab.trace import write_trace
+from cachelab.trace.synthesis import BuildReport, TokenStream, make_plan, synthesize
+from cachelab.trace.schema import write_trace
 
 
 class _Strict(BaseModel):

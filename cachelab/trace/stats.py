@@ -1,7 +1,7 @@
 """What a trace holds, read in batches: size, timing, domains, prefix sharing and Engram skew.
 
 The prefix-block hit ratio is the infinite-cache one (every repeated chained block is a
-hit, ``cachelab.prefix_blocks``). With token content it is computed from the prompts at any
+hit, ``cachelab.workload.prefix_cache.hashing``). With token content it is computed from the prompts at any
 block size; a content-less import (Mooncake) has it only at its own block size, from its
 ``block_hashes``. Engram skew (unique rows and the hottest 1% share per layer and n-gram
 order) addresses each request's prompt then output, over the first ``engram_tokens`` tokens.
@@ -18,8 +18,8 @@ import pyarrow.parquet as pq
 
 from cachelab.engram import Addresser, get_preset
 from cachelab.engram.stats import row_skew
-from cachelab.prefix_blocks import DistinctCounter, chained_block_hashes
-from cachelab.trace import scan_trace, validate
+from cachelab.workload.prefix_cache.hashing import DistinctCounter, chained_block_hashes
+from cachelab.trace.schema import scan_trace, validate
 
 SMALL_BLOCK = 16
 BATCH_ROWS = 256

@@ -1,6 +1,6 @@
 """Lookup streams for learning: real prompts in, and the view a predictor scores.
 
-``prompt_stream`` builds an engine ``LookupStream`` (``cachelab.lookups``) from registered
+``prompt_stream`` builds an engine ``LookupStream`` (``cachelab.workload.lookups``) from registered
 prompt corpora (``cachelab.workloads``: arena-hard, gsm8k, humaneval, gutenberg, ...),
 requests interleaved in a seeded order as on a shared server, each prompt prefilled in
 chunks then its reference answer (where the corpus has one) decoded token by token. Besides
@@ -23,7 +23,7 @@ import numpy as np
 from cachelab import registry
 from cachelab.engram import Addresser, encode, get_preset
 from cachelab.errors import CachelabError
-from cachelab.lookups import LAYER_SHIFT, PREFILL, LookupStream, compact, dedup_steps
+from cachelab.workload.lookups import LAYER_SHIFT, PREFILL, LookupStream, compact, dedup_steps
 
 REQUIRED_META = ("column", "request", "position", "phase", "domain", "token")
 

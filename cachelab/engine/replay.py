@@ -24,9 +24,9 @@ from rich.progress import Progress
 
 from cachelab import registry
 from cachelab.errors import CachelabError
-from cachelab.future import next_access
-from cachelab.hierarchy import Hierarchy, SSDStore
-from cachelab.lookups import LookupStream, compact, dedup_steps, global_key, split_key
+from cachelab.workload.future import next_access
+from cachelab.engine.tiers import Hierarchy, SSDStore
+from cachelab.workload.lookups import LookupStream, compact, dedup_steps, global_key, split_key
 from cachelab.policy import Policy
 
 

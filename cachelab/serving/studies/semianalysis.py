@@ -20,15 +20,15 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from cachelab.arrivals import arrival_frame
-from cachelab.hardware import load_profile
-from cachelab.pareto import dominated, pareto_front, plot_fronts, throughput_at
+from cachelab.trace.arrivals import arrival_frame
+from cachelab.serving.hardware import load_profile
+from cachelab.serving.pareto import dominated, pareto_front, plot_fronts, throughput_at
 from cachelab.paths import cache_dir
-from cachelab.serving import ServingConfig
-from cachelab.sweep import sweep
-from cachelab.synthesis import TokenStream, make_plan, synthesize
-from cachelab.trace import read_trace
-from cachelab.workload import instantiate
+from cachelab.serving.simulator import ServingConfig
+from cachelab.serving.grid import sweep
+from cachelab.trace.synthesis import TokenStream, make_plan, synthesize
+from cachelab.trace.schema import read_trace
+from cachelab.trace.build import instantiate
 
 PUBLISHED = {"b200_dram_tokens_per_dollar": 121e6, "b200_ssd_tokens_per_dollar": 52e6, "b300_tp2_gain": 1.6}
 TARGET_INTERACTIVITY = 125.0

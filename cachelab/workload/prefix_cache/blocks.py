@@ -26,7 +26,7 @@ from numba import types
 from numba.typed import Dict
 
 from cachelab.errors import CachelabError
-from cachelab.prefix_blocks import chained_block_hashes
+from cachelab.workload.prefix_cache.hashing import chained_block_hashes
 
 HEAD, TAIL, NUM_FREE, EVICTIONS = 0, 1, 2, 3
 
