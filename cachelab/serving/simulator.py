@@ -1,25 +1,22 @@
-"""Discrete-event serving replay: a trace's requests through a scheduler, the prefix cache,
+"""Discrete-event serving replay: a trace's requests through the scheduler, the prefix cache,
 the Engram addresser, the tier hierarchy and the latency model, one step at a time.
 
-The scheduler is vLLM v1's in outline: continuous batching with chunked prefill under a
-token budget and a sequence cap per step; running requests first (decode or their next
-prefill chunk), then waiting ones in arrival order while KV blocks last; when a running
-request cannot grow, the most recently admitted one is preempted (its KV freed; it is
-recomputed later, as vLLM does). The KV pool is the prefix cache (``cachelab.workload.prefix_cache``):
-cached prompt tokens are not computed, so they skip their Engram lookups too.
-
-Each step's processed token positions go through the streaming addresser (a request's
-address history is primed from the tokens before its first computed position), the row keys
-through ``StepReplay`` (optionally sampled), and the step's duration comes from the
-``LatencyModel``; the clock advances by it. Clients keep at most ``concurrency`` requests in
-flight (``vllm bench serve --max-concurrency``): a request is sent at its arrival time or
-when a slot frees, whichever is later.
+The scheduler (``cachelab.workload.scheduler``, vLLM v1's in outline) picks each step's
+token positions over the KV pool, which is the prefix cache: cached prompt tokens are not
+computed, so they skip their Engram lookups too. This module is its simulated driver: each
+step's positions go through the streaming addresser (a request's address history is primed
+from the tokens before its first computed position), the row keys through ``StepReplay``
+(optionally sampled), and the step's duration comes from the ``LatencyModel``; the clock
+advances by it. Clients keep at most ``concurrency`` requests in flight (``vllm bench serve
+--max-concurrency``): a request is sent at its arrival time or when a slot frees, whichever
+is later.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -33,10 +30,10 @@ from cachelab.engine.tiers import DRAMStore, Hierarchy, SSDStore, Tier
 from cachelab.serving.latency import Efficiency, EngramStep, LatencyModel, describe
 from cachelab.serving.metrics import RequestTimes, summarize
 from cachelab.serving.model_spec import load_model
-from cachelab.workload.prefix_cache import BlockPrefixCache, RadixPrefixCache, block_hashes
+from cachelab.workload.prefix_cache import block_hashes
+from cachelab.workload.scheduler import PREFIX_CACHES, Request, Scheduler, StepRecord, kv_pool
 from cachelab.engine.stepper import KeySet, RowSpace, StepReplay, sampled_keys, table_row_space
 
-PREFIX_CACHES = ("vllm", "sglang", "off")
 PAGE_BYTES = 4096
 TABLE_SPACE_ROWS = 2e7  # a sampled row space this small is enumerated from the tables, not the trace
 
@@ -192,16 +189,13 @@ class ServingSimulator:
             backing = DRAMStore(name="table")
         return Hierarchy(tiers, self.row_bytes, backing)
 
-    def _kv_cache(self):
-        cfg, kv = self.config, self.latency.plan.kv_tokens
-        if cfg.prefix_cache == "sglang":
-            return RadixPrefixCache(kv)
-        return BlockPrefixCache(kv // cfg.block_size, cfg.block_size, enable_caching=cfg.prefix_cache == "vllm")
-
-    def run(self) -> ServingResult:
+    def run(self, on_step: Callable[[StepRecord], None] | None = None) -> ServingResult:
+        """Replay the trace; ``on_step`` sees every completed step record (for a lookup stream)."""
         cfg, lat = self.config, self.latency
         n = len(self.seqs)
-        cache = self._kv_cache()
+        scheduler = Scheduler(kv_pool(cfg.prefix_cache, lat.plan.kv_tokens, cfg.block_size),
+                              cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        requests = [Request(r, self.seqs[r], int(self.plen[r]), int(self.olen[r])) for r in range(n)]
         replay = StepReplay(self.hierarchy, self.space, len(self.model.engram_layers), cfg.sample_rate)
         if cfg.warm_page_cache:
             replay.prewarm_page_cache()
@@ -210,23 +204,17 @@ class ServingSimulator:
         rows_per_token = self.model.rows_per_token_layer
         stream = self.addresser.stream(cfg.max_num_seqs)
         hist = self.addresser.history_len
-        free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
+        free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))  # the address stream's per-sequence slots
+        slot_of = np.full(n, -1, np.int64)
 
-        computed = np.zeros(n, np.int64)
-        known = self.plen.astype(np.int64).copy()
-        generated = np.zeros(n, np.int64)
         send = np.full(n, np.nan)
         first = np.full(n, np.nan)
         end = np.full(n, np.nan)
         cached_first = np.zeros(n, np.int64)
-        preemptions = np.zeros(n, np.int64)
         times: list[list[float]] = [[] for _ in range(n)]
-        slot_of = np.full(n, -1, np.int64)
 
         pending = deque(np.argsort(self.arrival, kind="stable").tolist())
         client = [0.0] * cfg.concurrency if cfg.concurrency else None  # heap of slot free times
-        waiting: deque[int] = deque()
-        running: list[int] = []
         clock, finished = 0.0, 0
         steps: dict[str, list] = {k: [] for k in ("start_s", "step_s", "stall_s", "gpu_s", "tokens", "decodes",
                                                   "sequences", "fetch1_s", "fetch14_s", "rows_unique")}
@@ -240,64 +228,28 @@ class ServingSimulator:
                     r = pending.popleft()
                     t_free = heapq.heappop(client) if client is not None else 0.0
                     send[r] = max(self.arrival[r], t_free)
-                    waiting.append(r)
-                if not running and not waiting:
+                    scheduler.add(requests[r])
+                if not scheduler.num_unfinished:
                     nxt = self.arrival[pending[0]]
                     clock = max(clock, nxt, client[0] if client else nxt)
                     continue
-                budget = cfg.max_num_batched_tokens
-                sched: list[tuple[int, int, int]] = []
-                preempted = False
-                i = 0
-                while i < len(running) and budget > 0:
-                    r = running[i]
-                    num = min(int(known[r] - computed[r]), budget)
-                    while not cache.extend(r, int(computed[r] + num)):
-                        victim = running.pop()
-                        cache.preempt(victim)
-                        computed[victim] = 0
-                        preemptions[victim] += 1
-                        free_slots.append(int(slot_of[victim]))
-                        slot_of[victim] = -1
-                        waiting.appendleft(victim)
-                        preempted = True
-                        if victim == r:
-                            break
-                    else:
-                        sched.append((r, int(computed[r]), int(computed[r] + num)))
-                        budget -= num
-                        i += 1
-                        continue
-                    break
-                while (not preempted and waiting and budget > 0 and len(running) < cfg.max_num_seqs):
-                    r = waiting[0]
-                    key = cache.prefix_key(self.seqs[r][: self.plen[r] + self.olen[r] - 1])  # all it computes
-                    hit = cache.match(key, int(known[r]))
-                    num = min(int(known[r]) - hit, budget)
-                    cache.admit(r, key, int(known[r]), hit)
-                    if not cache.extend(r, hit + num):
-                        cache.preempt(r)
-                        break
-                    cache.record_query(int(known[r]), hit)
-                    waiting.popleft()
-                    running.append(r)
+                step = scheduler.schedule()
+                for r in step.preempted:
+                    free_slots.append(int(slot_of[r]))
+                    slot_of[r] = -1
+                for r, hit in zip(step.requests[step.admitted].tolist(), step.cached[step.admitted].tolist()):
                     slot = free_slots.pop()
                     slot_of[r] = slot
                     stream.reset(slot)
                     if hit:
                         stream.feed(self.seqs[r][max(0, hit - hist):hit], seq=[slot])
-                    computed[r] = hit
-                    if generated[r] == 0:
+                    if np.isnan(first[r]):
                         cached_first[r] = hit
-                    sched.append((r, hit, hit + num))
-                    budget -= num
-                if not sched:
-                    raise CachelabError(f"nothing can be scheduled at t={clock:.3f}s: the KV cache "
-                                        f"({lat.plan.kv_tokens} tokens) cannot hold the next request")
                 # -- the step's rows -------------------------------------------------------
-                chunks = [self.seqs[r][a:b] for r, a, b in sched]
-                offsets = np.concatenate([[0], np.cumsum([b - a for _, a, b in sched])])
-                rows = stream.feed(np.concatenate(chunks), offsets, seq=[int(slot_of[r]) for r, _, _ in sched])
+                ids = step.requests.tolist()
+                chunks = [self.seqs[r][a:b] for r, a, b in zip(ids, step.starts.tolist(), step.stops.tolist())]
+                offsets = np.concatenate([[0], np.cumsum(step.stops - step.starts)])
+                rows = stream.feed(np.concatenate(chunks), offsets, seq=slot_of[step.requests].tolist())
                 keys = sampled_keys(rows, cfg.sample_rate, self.rows_per_page)
                 out = replay.step(keys, record=clock >= cfg.warmup_s)
                 tokens = int(offsets[-1])
@@ -309,8 +261,8 @@ class ServingSimulator:
                         cache_hits=float(served[0]) if n_tiers else 0.0,
                         page_cache_rows=float(served[n_tiers]) if is_ssd else 0.0,
                         page_reads=float(out["page_reads"][li] * scale)))
-                a = np.array([s[1] for s in sched], np.float64)
-                b = np.array([s[2] for s in sched], np.float64)
+                a = step.starts.astype(np.float64)
+                b = step.stops.astype(np.float64)
                 t = lat.step_time(tokens, float(((b * (b + 1) - a * (a + 1)) / 2).sum()), float(b.sum()), work)
                 steps["start_s"].append(clock)
                 clock += t["step_s"]
@@ -318,8 +270,8 @@ class ServingSimulator:
                 steps["stall_s"].append(t["stall_s"])
                 steps["gpu_s"].append(t["total_s"])
                 steps["tokens"].append(tokens)
-                steps["decodes"].append(sum(1 for r, aa, bb in sched if bb - aa == 1 and aa >= self.plen[r]))
-                steps["sequences"].append(len(sched))
+                steps["decodes"].append(step.decodes)
+                steps["sequences"].append(len(ids))
                 for key, value in t.items():
                     if key.startswith("engram") and not key.endswith("window_s"):
                         part = key.split("_", 1)[1]
@@ -329,32 +281,26 @@ class ServingSimulator:
                 steps["fetch14_s"].append(fetches[-1])
                 steps["rows_unique"].append(sum(w.unique for w in work))
                 # -- emit tokens, finish requests ------------------------------------------
-                done = []
-                for r, _, stop in sched:
-                    computed[r] = stop
-                    if stop == known[r]:
-                        times[r].append(clock)
-                        if generated[r] == 0:
-                            first[r] = clock
-                        generated[r] += 1
-                        known[r] += 1
-                        if generated[r] == self.olen[r]:
-                            done.append(r)
+                done = scheduler.complete(step)
+                for r in step.emitted:
+                    times[r].append(clock)
+                    if np.isnan(first[r]):
+                        first[r] = clock
                 for r in done:
-                    cache.free(r)
                     end[r] = clock
                     free_slots.append(int(slot_of[r]))
                     slot_of[r] = -1
                     if client is not None:
                         heapq.heappush(client, clock)
-                    finished += 1
+                finished += len(done)
                 if done:
-                    gone = set(done)
-                    running = [r for r in running if r not in gone]
                     bar.advance(task, len(done))
-                peak_cached = max(peak_cached, cache.num_cached_tokens)
-        return self._result(cache, replay, send, first, end, times, cached_first, preemptions, steps, peak_cached,
-                            fetch_parts)
+                peak_cached = max(peak_cached, scheduler.kv.num_cached_tokens)
+                if on_step is not None:
+                    on_step(step)
+        preemptions = np.array([r.preemptions for r in requests], np.int64)
+        return self._result(scheduler.kv, replay, send, first, end, times, cached_first, preemptions, steps,
+                            peak_cached, fetch_parts)
 
     def _result(self, cache, replay, send, first, end, times, cached_first, preemptions, steps, peak_cached,
                 fetch_parts):
