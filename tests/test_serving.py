@@ -120,3 +120,16 @@ def test_a_later_turn_reuses_the_earlier_turns_output_blocks():
                           "output_ids": [o1.tolist(), rng.integers(1000, 50_000, 5).tolist()]})
     res = simulate(trace, ServingConfig(hardware="B200", tp=4, block_size=16))
     assert res.per_request["cached_tokens"].to_list() == [0, (100 + 40 - 1) // 16 * 16]
+
+
+def test_the_simulator_drives_the_scheduler_and_its_steps_make_a_lookup_stream():
+    from cachelab.workload.steps import step_stream
+
+    steps = []
+    sim = ServingSimulator(_trace(12), ServingConfig(hardware="B200", tp=4, max_num_batched_tokens=512))
+    res = sim.run(on_step=steps.append)
+    assert [s.num_tokens for s in steps] == res.per_step["tokens"].to_list()
+    assert [s.decodes for s in steps] == res.per_step["decodes"].to_list()
+    assert sorted(r for s in steps for r in s.finished) == list(range(12))
+    stream = step_stream(sim.addresser, sim.seqs, sim.plen, steps)
+    assert stream.num_steps == res.metrics["steps"] and stream.num_lookups == res.rows["lookups"]

@@ -31,7 +31,8 @@ from cachelab.serving.latency import Efficiency, EngramStep, LatencyModel, descr
 from cachelab.serving.metrics import RequestTimes, summarize
 from cachelab.serving.model_spec import load_model
 from cachelab.workload.prefix_cache import block_hashes
-from cachelab.workload.scheduler import PREFIX_CACHES, Request, Scheduler, StepRecord, kv_pool
+from cachelab.workload.scheduler import (MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, PREFIX_CACHES, Request, Scheduler,
+                                         StepRecord, kv_pool)
 from cachelab.engine.stepper import KeySet, RowSpace, StepReplay, sampled_keys, table_row_space
 
 PAGE_BYTES = 4096
@@ -60,8 +61,8 @@ class ServingConfig:
     placement: str = "dram-uva"
     tp: int = 8
     concurrency: int | None = None
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = MAX_NUM_SEQS
     prefix_cache: str = "vllm"
     block_size: int = 16
     row_cache_bytes: float = 0.0

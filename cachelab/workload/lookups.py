@@ -178,15 +178,21 @@ class LookupStream:
         local = np.where(phase == PREFILL, position // chunk, -(-prompt_t // chunk) + position - prompt_t)
         token_step = first_step[request] + local
         meta = {"request": request, "position": position, "phase": phase}
-        names: tuple[str, ...] = ()
+        return cls.from_request_rows(addresser.config, rows, token_step, meta, domains, lengths.size)
+
+    @classmethod
+    def from_request_rows(cls, config, rows, token_step, token_meta: Mapping[str, np.ndarray],
+                          domains: Sequence[str] | None, num_requests: int) -> "LookupStream":
+        """``from_rows`` for layout ``config``'s rows of requests, with ``token_meta["request"]``
+        set; ``domains`` (one label per request, or None) become ``domain`` codes and names."""
+        meta, names = dict(token_meta), ()
         if domains is not None:
-            if len(domains) != lengths.size:
-                raise CachelabError(f"domains has {len(domains)} labels for {lengths.size} sequences")
-            names, codes = np.unique(np.asarray(domains, dtype=str), return_inverse=True)
-            meta["domain"] = codes.astype(np.int16)[request]
-            names = tuple(str(x) for x in names)
-        cfg = addresser.config
-        return cls.from_rows(rows, token_step, cfg.row_bytes, cfg.layers, meta, names)
+            if len(domains) != num_requests:
+                raise CachelabError(f"domains has {len(domains)} labels for {num_requests} sequences")
+            labels, codes = np.unique(np.asarray(domains, dtype=str), return_inverse=True)
+            meta["domain"] = codes.astype(np.int16)[meta["request"]]
+            names = tuple(str(x) for x in labels)
+        return cls.from_rows(rows, token_step, config.row_bytes, config.layers, meta, names)
 
     @classmethod
     def from_texts(cls, addresser, texts: Sequence[str], request_tokens: int | None = None,

@@ -25,6 +25,8 @@ from cachelab.errors import CachelabError
 from cachelab.workload.prefix_cache import BlockPrefixCache, RadixPrefixCache
 
 PREFIX_CACHES = ("vllm", "sglang", "off")
+MAX_NUM_BATCHED_TOKENS = 8192  # vLLM's per-step token budget for online serving
+MAX_NUM_SEQS = 256  # vLLM's cap on sequences per step
 
 
 def kv_pool(kind: str, kv_tokens: int, block_size: int = 16):
@@ -101,7 +103,7 @@ class Scheduler:
         max_num_batched_tokens: token budget per step; max_num_seqs: running requests at most.
     """
 
-    def __init__(self, kv, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256):
+    def __init__(self, kv, max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS, max_num_seqs: int = MAX_NUM_SEQS):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise CachelabError("max_num_batched_tokens and max_num_seqs must be >= 1")
         self.kv = kv
