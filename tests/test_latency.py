@@ -60,6 +60,29 @@ def test_model_spec_facts():
     assert MODEL.touched_weight_bytes(10_000) == pytest.approx(MODEL.weight_bytes, rel=1e-6)
 
 
+def test_model_spec_takes_the_engram_tables_from_the_layout(tmp_path):
+    from cachelab.engram import get_preset
+
+    v41 = get_preset("deepseek-v4.1-flash")
+    assert MODEL.layout is v41 and MODEL.rows_per_token_layer == v41.columns == 24
+    assert MODEL.table_rows == tuple(v41.table_rows.tolist()) == (384_006_168, 384_016_682)
+    demo = load_model(layout="engram-27b-demo")
+    assert demo.engram_layers == (1, 15) and demo.row_bytes == 128 and demo.rows_per_token_layer == 16
+    assert demo.table_bytes == float(get_preset("engram-27b-demo").table_rows.sum()) * 128
+    text = (MODEL_DIR / "deepseek-v4.1-flash.toml").read_text()
+    agreeing = tmp_path / "old.toml"  # a spec that restates the tables still loads while they agree
+    agreeing.write_text(text.replace("wkv_params =", "row_bytes = 264\ntable_rows = [384006168, 384016682]\nwkv_params ="))
+    assert load_model(agreeing).table_rows == MODEL.table_rows
+    wrong = tmp_path / "wrong.toml"
+    wrong.write_text(text.replace("wkv_params =", "row_bytes = 256\nwkv_params ="))
+    with pytest.raises(CachelabError, match=r"wrong.toml: \[engram\] row_bytes = 256 disagrees with layout"):
+        load_model(wrong)
+    bare = tmp_path / "bare.toml"
+    bare.write_text(text.replace('layout = "deepseek-v4.1-flash"', ""))
+    with pytest.raises(CachelabError, match=r"bare.toml: \[engram\] needs layout"):
+        load_model(bare)
+
+
 def test_table_in_hbm_takes_kv_and_b300_tp2_barely_fits():
     b300 = load_profile("B300")
     dram = LatencyModel(MODEL, b300, tp=2, placement="dram-uva").plan

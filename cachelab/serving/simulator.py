@@ -158,10 +158,10 @@ class ServingSimulator:
         config.check()
         self.config, self.progress = config, progress
         self.hw = load_profile(config.hardware)
-        self.model = load_model(config.model)
+        self.model = load_model(config.model, layout=config.layout)
         rc = config.row_cache_bytes if config.placement != "hbm" else 0.0
         self.latency = LatencyModel(self.model, self.hw, config.tp, config.placement, rc, config.efficiency)
-        self.addresser = Addresser(config.layout)
+        self.addresser = Addresser(self.model.layout)
         self.seqs, self.plen, self.olen, self.arrival = _sequences(trace)
         kv_tokens = self.latency.plan.kv_tokens
         too_long = np.flatnonzero(self.plen + self.olen > kv_tokens)
