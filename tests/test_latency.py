@@ -120,27 +120,28 @@ def test_prefetch_window_hides_small_fetches_and_stall_is_the_rest():
     lat = LatencyModel(MODEL, load_profile("B200"), tp=4, placement="dram-copy",
                        efficiency=Efficiency(host_addressing=True))
     small = lat.step_time(8, 8000, 8000, [EngramStep(8 * 24, 8 * 24)] * 2)
-    assert small["stall_s"] == 0.0 and small["step_s"] == small["total_s"]
+    assert small.stall_s == 0.0 and small.step_s == small.gpu.total_s
     big_work = EngramStep(8192 * 24, 8192 * 24)
     big = lat.step_time(64, 64_000, 64_000, [big_work] * 2)
-    layer_s = (big["total_s"] - big["overhead_s"]) / MODEL.layers
-    f = big["engram1_fetch_s"]
+    layer_s = (big.gpu.total_s - big.gpu.overhead_s) / MODEL.layers
+    f = big.to_dict()["engram1_fetch_s"]
     stall1 = max(0.0, f - layer_s)
     stall14 = max(0.0, 2 * f - (14 * layer_s + stall1))
-    assert big["stall_s"] == pytest.approx(stall1 + stall14) and big["stall_s"] > 0
+    assert big.stall_s == pytest.approx(stall1 + stall14) and big.stall_s > 0
+    assert [x.window_s for x in big.fetches] == [layer_s, 14 * layer_s]
 
 
 def test_roofline_regimes():
     lat = LatencyModel(MODEL, load_profile("B200"), tp=8, placement="hbm")
     decode = lat.gpu_time(1, 1000, 1000)
     prefill = lat.gpu_time(16_384, 16_384 * 8_000, 16_384)
-    assert decode["memory_s"] > decode["gemm_s"] + decode["attention_s"]
-    assert prefill["gemm_s"] + prefill["attention_s"] > prefill["memory_s"]
+    assert decode.memory_s > decode.gemm_s + decode.attention_s
+    assert prefill.gemm_s + prefill.attention_s > prefill.memory_s
 
 
 def test_gpu_side_row_ids_leave_no_window():
     work = [EngramStep(8 * 24, 8 * 24)] * 2
     lat = LatencyModel(MODEL, load_profile("B200"), tp=4, placement="ssd-mmap")
     step = lat.step_time(8, 8000, 8000, work)
-    fetch = step["engram1_fetch_s"] + step["engram14_fetch_s"]
-    assert step["stall_s"] == pytest.approx(fetch + 2 * lat.eff.graph_break_s)
+    fetch = step.fetches[0].fetch_s + step.fetches[1].fetch_s
+    assert step.stall_s == pytest.approx(fetch + 2 * lat.eff.graph_break_s)

@@ -75,6 +75,54 @@ class EngramStep:
     page_reads: float = 0.0  # 4 KiB pages read from the SSD
 
 
+@dataclass(frozen=True, slots=True)
+class GpuTime:
+    """Seconds of GPU work in one step, by part; ``total_s`` is the roofline's answer."""
+
+    gemm_s: float
+    attention_s: float
+    memory_s: float
+    comm_s: float
+    overhead_s: float
+    total_s: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerFetch:
+    """One Engram layer's fetch in a step: its prefetch window, its parts (``fetch_parts``)
+    and their critical path."""
+
+    layer: int
+    window_s: float
+    fetch_s: float
+    parts: dict[str, float]  # seconds per part; which parts depends on the placement
+
+
+@dataclass(frozen=True, slots=True)
+class StepTime:
+    """A step's time: GPU work plus the stall the Engram fetches did not hide."""
+
+    gpu: GpuTime
+    fetches: tuple[LayerFetch, ...]
+    stall_s: float
+    step_s: float
+
+    def to_dict(self) -> dict:
+        """Flat: the GPU parts, then per layer L ``engramL_window_s``, ``engramL_fetch_s`` and
+        ``engramL_<part>``, then ``stall_s`` and ``step_s``."""
+        out = self.gpu.to_dict()
+        for f in self.fetches:
+            out[f"engram{f.layer}_window_s"] = f.window_s
+            out[f"engram{f.layer}_fetch_s"] = f.fetch_s
+            out.update({f"engram{f.layer}_{key}": value for key, value in f.parts.items()})
+        out["stall_s"] = self.stall_s
+        out["step_s"] = self.step_s
+        return out
+
+
 class LatencyModel:
     """Step time for ``model`` on ``hardware`` at tensor-parallel degree ``tp``.
 
@@ -116,7 +164,7 @@ class LatencyModel:
         return MemoryPlan(usable, weights, table, self.row_cache_bytes, kv, int(kv // per_token))
 
     # -- compute -----------------------------------------------------------------------------
-    def gpu_time(self, tokens: float, attn_ctx: float, kv_read_tokens: float) -> dict:
+    def gpu_time(self, tokens: float, attn_ctx: float, kv_read_tokens: float) -> GpuTime:
         """Seconds of GPU work in a step.
 
         Args:
@@ -126,7 +174,7 @@ class LatencyModel:
         """
         m, g, e, tp = self.model, self.hw.gpu, self.eff, self.tp
         if tokens <= 0:
-            return {"gemm_s": 0.0, "attention_s": 0.0, "memory_s": 0.0, "comm_s": 0.0, "overhead_s": 0.0, "total_s": 0.0}
+            return GpuTime(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
         gemm = 2.0 * m.active_params * tokens / (tp * g.fp8_flops * e.mfu)
         attn = m.attn_flops_per_ctx_token * m.layers * attn_ctx / (tp * g.bf16_flops * e.mfu)
         kv_bytes = kv_read_tokens * (m.kv_bytes_per_token if m.kv_replicated_across_tp else m.kv_bytes_per_token / tp)
@@ -139,8 +187,7 @@ class LatencyModel:
                 rows = tokens * m.rows_per_token_layer * m.row_bytes * (tp - 1) / tp
                 comm += len(m.engram_layers) * (e.allreduce_latency_s + rows / (g.nvlink_bw * e.comm))
         total = max(gemm + attn, memory) + comm + e.step_overhead_s
-        return {"gemm_s": gemm, "attention_s": attn, "memory_s": memory, "comm_s": comm,
-                "overhead_s": e.step_overhead_s, "total_s": total}
+        return GpuTime(gemm, attn, memory, comm, e.step_overhead_s, total)
 
     # -- the Engram fetch --------------------------------------------------------------------
     def fetch_parts(self, work: EngramStep) -> dict:
@@ -185,7 +232,7 @@ class LatencyModel:
         return parts
 
     def step_time(self, tokens: float, attn_ctx: float, kv_read_tokens: float,
-                  engram: list[EngramStep]) -> dict:
+                  engram: list[EngramStep]) -> StepTime:
         """The step: GPU time, each Engram layer's fetch and window, and the stall not hidden.
 
         Fetches run one after another on a side stream (or the host), starting with the step;
@@ -193,10 +240,10 @@ class LatencyModel:
         ids come from the GPU starts only at the layer itself (no window) and breaks the graph.
         """
         gpu = self.gpu_time(tokens, attn_ctx, kv_read_tokens)
-        layer_s = (gpu["total_s"] - gpu["overhead_s"]) / self.model.layers
+        layer_s = (gpu.total_s - gpu.overhead_s) / self.model.layers
         stall = 0.0
         fetch_done = 0.0
-        out = {**gpu}
+        fetches = []
         blocking = self.placement in ("dram-copy", "ssd-mmap", "ssd-direct") and not self.eff.host_addressing
         for layer, work in zip(self.model.engram_layers, engram):
             parts = self.fetch_parts(work)
@@ -207,14 +254,9 @@ class LatencyModel:
                 fetch_done += parts["total_s"]
             wait = max(0.0, fetch_done - needed)
             stall += wait
-            out[f"engram{layer}_window_s"] = layer * layer_s
-            out[f"engram{layer}_fetch_s"] = parts["total_s"]
-            for key, value in parts.items():
-                if key != "total_s":
-                    out[f"engram{layer}_{key}"] = value
-        out["stall_s"] = stall
-        out["step_s"] = gpu["total_s"] + stall
-        return out
+            fetches.append(LayerFetch(layer, layer * layer_s, parts["total_s"],
+                                      {k: v for k, v in parts.items() if k != "total_s"}))
+        return StepTime(gpu, tuple(fetches), stall, gpu.total_s + stall)
 
 
 def describe(lat: LatencyModel) -> dict:

@@ -266,20 +266,19 @@ class ServingSimulator:
                 b = step.stops.astype(np.float64)
                 t = lat.step_time(tokens, float(((b * (b + 1) - a * (a + 1)) / 2).sum()), float(b.sum()), work)
                 steps["start_s"].append(clock)
-                clock += t["step_s"]
-                steps["step_s"].append(t["step_s"])
-                steps["stall_s"].append(t["stall_s"])
-                steps["gpu_s"].append(t["total_s"])
+                clock += t.step_s
+                steps["step_s"].append(t.step_s)
+                steps["stall_s"].append(t.stall_s)
+                steps["gpu_s"].append(t.gpu.total_s)
                 steps["tokens"].append(tokens)
                 steps["decodes"].append(step.decodes)
                 steps["sequences"].append(len(ids))
-                for key, value in t.items():
-                    if key.startswith("engram") and not key.endswith("window_s"):
-                        part = key.split("_", 1)[1]
+                for f in t.fetches:
+                    fetch_parts["fetch_s"] = fetch_parts.get("fetch_s", 0.0) + f.fetch_s
+                    for part, value in f.parts.items():
                         fetch_parts[part] = fetch_parts.get(part, 0.0) + value
-                fetches = [t[f"engram{layer}_fetch_s"] for layer in self.model.engram_layers]
-                steps["fetch1_s"].append(fetches[0])
-                steps["fetch14_s"].append(fetches[-1])
+                steps["fetch1_s"].append(t.fetches[0].fetch_s)
+                steps["fetch14_s"].append(t.fetches[-1].fetch_s)
                 steps["rows_unique"].append(sum(w.unique for w in work))
                 # -- emit tokens, finish requests ------------------------------------------
                 done = scheduler.complete(step)
