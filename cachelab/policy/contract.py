@@ -35,11 +35,14 @@ class Capabilities:
         as seen through ``Policy.view_future``.
     needs_scores: wants predictor ``scores`` per access (higher = more worth keeping).
     compiled: ``run`` is a compiled kernel, not the step loop.
+    optimal: the offline optimum: no policy misses less on the same stream (with
+        ``needs_future``); learning takes its keep decisions as labels (``cachelab.learning``).
     """
 
     needs_future: bool = False
     needs_scores: bool = False
     compiled: bool = False
+    optimal: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,10 +59,13 @@ class Policy(ABC):
     """Base class of every admission/eviction policy.
 
     The constructor takes hyper-parameters only (keyword arguments stored unchanged);
-    state is built in ``reset``. ``name`` is the registry name.
+    state is built in ``reset``. ``name`` is the registry name; ``label``, if the class itself
+    sets it (a subclass is another policy, so it is not inherited), is what reports call the
+    policy (``cachelab evaluate``'s keys), else they use ``name``.
     """
 
     name: ClassVar[str] = ""
+    label: ClassVar[str] = ""
     capabilities: ClassVar[Capabilities] = Capabilities()
 
     def get_params(self) -> dict:

@@ -60,6 +60,7 @@ class AdaptiveLearnedS3FIFO(LearnedS3FIFO):
     """``learned-s3fifo`` whose promote threshold and small-queue share follow miniature simulations."""
 
     name = "learned-s3fifo-adaptive"
+    judged_by_default = True  # the learned policy `cachelab evaluate` judges unless --policy names another
 
     def __init__(self, promote: float = 0.4, horizon: int = 1 << 17, promotes=(0.1, 0.3, 0.5, 0.7),
                  small_size_ratios=(0.025, 0.1), sample_rate: float = 0.125, epoch: int = 1 << 16,

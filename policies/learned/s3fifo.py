@@ -36,6 +36,7 @@ class LearnedS3FIFO(S3FIFO):
 
     name = "learned-s3fifo"
     capabilities = Capabilities(needs_scores=True, compiled=True)
+    tuned_params = {"promote": (0.2, 0.3, 0.4, 0.5, 0.6)}  # tuned on a keep model's training window
 
     def __init__(self, promote: float = 0.4, horizon: int = 1 << 17, small_size_ratio: float = 0.1,
                  ghost_size_ratio: float = 0.9, move_to_main_threshold: int = 2, admission: str = "always"):

@@ -50,6 +50,7 @@ class LRU(KernelPolicy):
     """Least recently used; ``admission`` names a filter from cachelab.policy.admission."""
 
     name = "lru"
+    label = "LRU"
     kernel = staticmethod(_lru_kernel)
 
     def init_state(self, capacity, num_keys):

@@ -60,6 +60,7 @@ class Sieve(KernelPolicy):
     """SIEVE; ``admission`` names a filter from cachelab.policy.admission."""
 
     name = "sieve"
+    label = "SIEVE"
     kernel = staticmethod(_sieve_kernel)
 
     def init_state(self, capacity, num_keys):

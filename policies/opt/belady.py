@@ -89,6 +89,7 @@ class Belady(KernelPolicy):
     """
 
     name = "belady"
+    label = "Belady"
     capabilities = Capabilities(needs_future=True, compiled=True)
     kernel = staticmethod(_belady_kernel)
     bypass = False
@@ -115,6 +116,8 @@ class BeladyBypass(Belady):
     """MIN with bypass: a miss whose next use is the farthest is not admitted (true optimum)."""
 
     name = "belady-bypass"
+    label = "Belady (bypass)"
+    capabilities = Capabilities(needs_future=True, compiled=True, optimal=True)
     bypass = True
 
 

@@ -132,6 +132,7 @@ class WTinyLFU(KernelPolicy):
     """
 
     name = "wtinylfu"
+    label = "W-TinyLFU"
     kernel = staticmethod(_wtinylfu_kernel)
     admission = "always"  # the sketch is part of the policy, not a separate filter
 

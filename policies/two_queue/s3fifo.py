@@ -109,6 +109,7 @@ class S3FIFO(KernelPolicy):
     """S3-FIFO; ratios are shares of the capacity, ``admission`` a cachelab.policy.admission filter."""
 
     name = "s3fifo"
+    label = "S3-FIFO"
     kernel = staticmethod(_s3fifo_kernel)
 
     def __init__(self, small_size_ratio: float = 0.1, ghost_size_ratio: float = 0.9,
