@@ -114,16 +114,18 @@ def test_belady_keep_labels_train_a_classifier_and_refuse_a_regressor():
 
 
 def test_promote_is_tuned_on_the_training_window_alone():
-    from cachelab.learning.training import PROMOTE_GRID, TrainSpec, policy_params, tune_promote
+    from cachelab.learning.training import TrainSpec, policy_params, tune_promote
     from cachelab.learning.evaluation import learned_policy
     from predictors.lightgbm_model import LightGBMReuse
+
+    grid = registry.get(registry.POLICIES, "learned-s3fifo").tuned_params["promote"]  # what the policy declares
 
     keys = zipf_keys(8000, 900, seed=8)
     view = synthetic_stream(keys)
     spec = TrainSpec(horizon=200, max_samples=5000, capacity=0.05)
     end = 4000
     promote, misses = tune_promote(view, LightGBMReuse(n_estimators=5, num_threads=1), spec, end)
-    assert promote in PROMOTE_GRID and set(misses) == {str(p) for p in PROMOTE_GRID}
+    assert promote in grid and set(misses) == {str(p) for p in grid}
     changed = keys.copy()
     changed[end:] = np.random.default_rng(2).integers(0, view.num_keys, keys.size - end)
     again = tune_promote(synthetic_stream(changed, num_keys=view.num_keys), LightGBMReuse(n_estimators=5, num_threads=1),

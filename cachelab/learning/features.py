@@ -263,12 +263,14 @@ def reuse_labels(keys: np.ndarray, horizon: int) -> np.ndarray:
 
 
 def belady_labels(keys: np.ndarray, step_offsets: np.ndarray, capacity: int, num_keys: int) -> np.ndarray:
-    """1 if Belady (with bypass: the offline optimum) at ``capacity`` rows keeps the key resident
-    from this access to its next one, i.e. that next access is an optimal hit; 0 otherwise."""
+    """1 if the offline optimum (the registered policy declaring ``Capabilities(optimal=True)``:
+    Belady with bypass) at ``capacity`` rows keeps the key resident from this access to its
+    next one, i.e. that next access is an optimal hit; 0 otherwise."""
     from cachelab import registry
     from cachelab.engine.replay import run_policy
+    from cachelab.learning.lineup import optimum
 
-    hits = run_policy(registry.make_policy("belady-bypass"), keys, step_offsets, capacity, num_keys)
+    hits = run_policy(registry.make_policy(optimum()), keys, step_offsets, capacity, num_keys)
     nxt = next_access(keys)
     kept = np.zeros(keys.size, dtype=np.float32)
     known = nxt != NO_NEXT

@@ -28,6 +28,7 @@ import numpy as np
 
 from cachelab import registry
 from cachelab.errors import CachelabError
+from cachelab.learning.lineup import lineup, tuned_params
 from cachelab.learning.predictor import Predictor, check_features, read_metadata
 from cachelab.learning.features import (FEATURE_NAMES, CorpusPrior, FeatureState, apply_prior, belady_labels, extract,
                                  regression_labels, reuse_labels)
@@ -98,15 +99,13 @@ def features(stream, model_prior: CorpusPrior, domains: list[str], lookahead: bo
     return extract(stream, 0, len(stream), state, model_prior, domains, lookahead)
 
 
-PROMOTE_GRID = (0.2, 0.3, 0.4, 0.5, 0.6)
-TUNED_POLICY = "learned-s3fifo"  # the policy a keep model's promote threshold is tuned for
-
-
 def train(stream, predictor: Predictor, spec: TrainSpec, progress=None, tune: bool = True) -> tuple[Model, dict]:
     """Fit ``predictor`` on the training window of ``stream``; return the model and validation metrics.
 
-    A model of Belady's keep decisions (``spec.capacity``) also gets ``learned-s3fifo``'s
-    ``promote`` threshold, tuned on the training window alone (``tune_promote``).
+    A model of Belady's keep decisions (``spec.capacity``) also gets the parameters learned
+    policies declare in ``tuned_params`` (``promote`` of the built-ins), tuned on the training
+    window alone (``tune_params``): each value lands under its parameter's name in the
+    metadata's spec and in the metrics, its miss ratios under ``<name>_misses``.
     """
     spec.check()
     check_target(predictor.task, spec)
@@ -127,38 +126,65 @@ def train(stream, predictor: Predictor, spec: TrainSpec, progress=None, tune: bo
     model = Model(predictor, prior, domains, spec.horizon, {"spec": meta_spec}, spec.lookahead)
     metrics = validate(model, stream, x, end, spec)
     if spec.capacity and tune:
-        meta_spec["promote"], metrics["promote_misses"] = tune_promote(stream, type(predictor)(**predictor.get_params()),
-                                                                       spec, end)
-        metrics["promote"] = meta_spec["promote"]
+        chosen, tried = tune_params(stream, type(predictor)(**predictor.get_params()), spec, end)
+        meta_spec.update(chosen)
+        metrics.update({**{f"{param}_misses": misses for param, misses in tried.items()}, **chosen})
     return model, metrics
 
 
-def tune_promote(view, predictor: Predictor, spec: TrainSpec, end: int) -> tuple[float, dict]:
-    """``learned-s3fifo``'s promote threshold, chosen without looking past the training window
-    ``[0, end)``: ``predictor`` is fitted on the window's first half (as ``train`` would with
-    half the fraction), scores the second half, and ``learned-s3fifo`` replays the window at
-    each threshold of ``PROMOTE_GRID``; the fewest misses in the second half win. Returns the
-    threshold and the miss ratio at each (empty, with the policy's default, if the half
-    window is too short for the horizon)."""
+def _declared_grids() -> dict[str, dict[str, tuple]]:
+    """Each declaring policy's ``tuned_params``; a parameter two policies declare is refused."""
+    grids = tuned_params(lineup())
+    names = list(grids)
+    clash = sorted({p for i, a in enumerate(names) for b in names[i + 1:] for p in set(grids[a]) & set(grids[b])})
+    if clash:
+        raise CachelabError(f"several learned policies declare tuned_params {clash}; a model holds one value each")
+    return grids
+
+
+def tune_params(view, predictor: Predictor, spec: TrainSpec, end: int) -> tuple[dict[str, float], dict[str, dict]]:
+    """The declared ``tuned_params``, chosen without looking past the training window ``[0, end)``.
+
+    ``predictor`` is fitted on the window's first half (as ``train`` would with half the
+    fraction) and scores the second half; the declaring policy replays the window at each
+    value of a parameter's grid (its other parameters from that model), and the fewest misses
+    in the second half win. Returns the values and the miss ratio at each value, by parameter
+    (no miss ratios, and the policy's defaults, if the half window is too short for the
+    horizon). A subclass of the declaring policy gets the value by name (``policy_params``).
+    """
     from dataclasses import replace
 
     from cachelab.engine.replay import run_policy
 
+    grids = _declared_grids()
+    classes = {name: registry.get(registry.POLICIES, name) for name in grids}
     try:
         model, _ = train(view, predictor, replace(spec, train_fraction=spec.train_fraction / 2), tune=False)
     except CachelabError:
-        return float(registry.get(registry.POLICIES, TUNED_POLICY)().promote), {}
+        return ({param: float(inspect.signature(classes[name]).parameters[param].default)
+                 for name, params in grids.items() for param in params},
+                {param: {} for params in grids.values() for param in params})
     scores = keep_scores(model, view)[:end]
     start = int(model.metadata["spec"]["train_end"])
     offsets = view.step_offsets[view.step_offsets <= end]
     capacity = rows_for(spec.capacity, view.num_keys)
-    misses = {}
-    for promote in PROMOTE_GRID:
-        policy = registry.make_policy(TUNED_POLICY, promote=promote, horizon=spec.horizon)
-        hits = run_policy(policy, view.keys[:end], offsets, capacity, view.num_keys, scores)
-        misses[str(promote)] = float(1.0 - hits[start:].mean())
-    best = min(misses, key=misses.get)
-    return float(best), misses
+    chosen, tried = {}, {}
+    for name, params in grids.items():
+        cls = classes[name]
+        for param, grid in params.items():
+            misses = {}
+            for value in grid:
+                policy = cls(**{**policy_params(cls, model), param: value})
+                hits = run_policy(policy, view.keys[:end], offsets, capacity, view.num_keys, scores)
+                misses[str(value)] = float(1.0 - hits[start:].mean())
+            chosen[param], tried[param] = float(min(misses, key=misses.get)), misses
+    return chosen, tried
+
+
+def tune_promote(view, predictor: Predictor, spec: TrainSpec, end: int) -> tuple[float, dict]:
+    """``tune_params`` for ``promote`` alone: the threshold and the miss ratio at each value."""
+    chosen, tried = tune_params(view, predictor, spec, end)
+    return chosen["promote"], tried["promote"]
 
 
 def fit_window(view, x: np.ndarray, lo: int, hi: int, predictor: Predictor, spec: TrainSpec,
