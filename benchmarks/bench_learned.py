@@ -27,7 +27,8 @@ import time
 
 from cachelab import registry
 from cachelab.learning.training import TrainSpec, keep_scores, rows_for, train
-from cachelab.learning.evaluation import JUDGED, learned_policy
+from cachelab.learning.evaluation import learned_policy
+from cachelab.learning.lineup import judged_default, lineup
 from cachelab.learning.streams import LearningView, prompt_stream
 from cachelab.engine.replay import run_policy
 
@@ -62,9 +63,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--trees", type=int, default=30, help="LightGBM boosting rounds (scoring cost grows with them)")
     ap.add_argument("--leaves", type=int, default=15, help="LightGBM leaves per tree")
-    ap.add_argument("--policy", default=JUDGED, help="the learned policy replayed")
+    ap.add_argument("--policy", help="the learned policy replayed (default: the one evaluate judges)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    args.policy = args.policy or judged_default(lineup())
     stream = prompt_stream(["gsm8k", "humaneval", "arena-hard"], args.requests)
     view = LearningView.of(stream)
     classifier = registry.get(registry.PREDICTORS, "lightgbm-reuse")(n_estimators=args.trees, num_leaves=args.leaves)

@@ -12,7 +12,7 @@ from rich.table import Table
 from cachelab import registry
 from cachelab.errors import CachelabError
 from cachelab.learning.training import TrainSpec, check_target, load, rolling_scores, save, train as train_model
-from cachelab.learning.evaluation import JUDGED, LEARNED, evaluate_capacities
+from cachelab.learning.evaluation import evaluate_capacities
 from cachelab.cli.cache import parse_params
 from cachelab.learning.streams import LearningView, load_trace
 
@@ -99,11 +99,12 @@ def evaluate(
                                       "streams, each time on the window before (0: score with the saved model)."),
     retrain_window: int = typer.Option(0, help="Lookups each retraining sees (default: the model's training window)."),
     seed: int = typer.Option(0, help="Seed for request order."),
-    policy: str = typer.Option(JUDGED, help=f"The learned policy judged by 'gap closed' ({', '.join(LEARNED)}); "
-                               "all of them are replayed."),
+    policy: str = typer.Option(None, help="The learned policy judged by 'gap closed' (default: the registered "
+                               "learned policy that declares judged_by_default); all of them are replayed."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """Miss ratios of the learned policies, the heuristics and Belady, and the share of the gap closed."""
+    """Miss ratios of every registered learned policy, heuristic and oracle, the best heuristic, and the
+    share of its gap to the best oracle that the judged policy closes."""
     console = Console(stderr=True, quiet=as_json)
     caps = _capacities(capacities)
     if not 0.0 <= warmup < 1.0:
@@ -121,8 +122,8 @@ def evaluate(
                                               capacity=float(spec.get("capacity", 0.0)),
                                               lookahead=fitted.lookahead),
                                     retrain_every, window)
-    result = evaluate_capacities(stream, fitted, caps, warmup, progress=not as_json, scores=scores, policy=policy)
-    result = {"trace": trace, "model": str(model), **result}
+    evaluation = evaluate_capacities(stream, fitted, caps, warmup, progress=not as_json, scores=scores, policy=policy)
+    result = {"trace": trace, "model": str(model), **evaluation.to_dict()}
     if as_json:
         typer.echo(json.dumps(result))
         return
@@ -130,12 +131,13 @@ def evaluate(
     out.print(f"[bold]miss ratios[/] on {result['lookups']:,} lookups ({result['unique_rows']:,} unique rows), "
               f"counted after {warmup:.0%} warm-up")
     if result["missing"]:
-        out.print(f"not registered, so not compared: {', '.join(result['missing'])}")
+        out.print(f"registered but not loaded, so not compared: {', '.join(result['missing'])}")
     rows = result["capacities"]
     table = Table("policy", *(f"{row['capacity']:g}\n{row['rows']:,} rows" for row in rows),
-                  caption=f"gap closed: (best heuristic - {policy}) / (best heuristic - Belady)")
+                  caption=f"gap closed: (best heuristic - {evaluation.learned_policy}) / (best heuristic - best oracle)")
     for name in rows[0]["miss_ratio"]:  # one row per policy: a few capacities fit a terminal, many policies do not
-        table.add_row(f"[bold]{name}[/]" if name == policy else name, *(f"{row['miss_ratio'][name]:.4f}" for row in rows))
+        table.add_row(f"[bold]{name}[/]" if name == evaluation.learned_policy else name,
+                      *(f"{row['miss_ratio'][name]:.4f}" for row in rows))
     table.add_row("best heuristic", *(row["best_heuristic"] or "n/a" for row in rows))
     table.add_row("gap closed", *("n/a" if row["gap_closed"] is None else f"{row['gap_closed']:.1%}" for row in rows))
     out.print(table)

@@ -97,7 +97,8 @@ def learned_point(config: dict, workload: Workload) -> PointOutput:
     if held_out:  # built once, then found in the workload cache by every later point
         view = LearningView.of(load_workload(build_workload(WorkloadSpec(**p["holdout"]))).stream, preset)
     warmup = config["warmup"] if held_out else max(config["warmup"], p["train_fraction"])
-    results = [evaluate_capacities(view, model, caps, warmup, progress=False) for caps, (model, _) in zip(targets, fits)]
+    results = [evaluate_capacities(view, model, caps, warmup, progress=False).to_dict()
+               for caps, (model, _) in zip(targets, fits)]
     result = {**results[0], "capacities": [row for r in results for row in r["capacities"]]}
     metrics = {"eval.lookups": result["lookups"], "eval.counted_lookups": result["counted_lookups"],
                "eval.distinct_rows": result["unique_rows"]}

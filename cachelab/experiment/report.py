@@ -228,8 +228,9 @@ def plot_learned(data: ExperimentData):
     each heuristic and Belady."""
     import matplotlib.pyplot as plt
 
-    from cachelab.learning.evaluation import JUDGED
+    from cachelab.learning.lineup import judged_default, lineup
 
+    judged = judged_default(lineup())
     evals = {label: t["learned_eval"] for label, t in data.point_tables.items() if "learned_eval" in t}
     if not evals:
         return None
@@ -237,7 +238,7 @@ def plot_learned(data: ExperimentData):
     for ax, (label, table) in zip(axs[0], evals.items()):
         for part in table.sort("capacity_rows").partition_by("policy", maintain_order=True):
             policy = part["policy"][0]
-            style = {"linewidth": 2.5, "color": "black"} if policy == JUDGED else {}
+            style = {"linewidth": 2.5, "color": "black"} if policy == judged else {}
             ax.plot(part["capacity_rows"], part["miss_ratio"], marker="o", label=policy, **style)
         ax.set_xscale("log")
         ax.set_title(label, fontsize=9)

@@ -1,44 +1,63 @@
-"""The learned policy against every registered heuristic and Belady, at several capacities.
+"""The learned policies against every registered heuristic and oracle, at several capacities.
 
 All policies replay the same stream from an empty cache, through the engine's ``run_policy``
 on each step's distinct rows (as ``cachelab simulate`` does); a lookup misses when its
 step's fetch of the row missed; misses are counted after the warm-up steps.
-Every learned policy in ``LEARNED`` is replayed with the model's scores; the gap closed,
-``(best heuristic - learned) / (best heuristic - Belady)``, is reported for each, and as
-``gap_closed`` for the one judged (``policy``, by default ``learned-s3fifo-adaptive``). Belady is the
-lowest of its registered variants (with bypass, it is the offline optimum), so the share is
-never flattered by a weak bound.
+Which policies take part, and in which role, comes from the registry (``lineup``): every
+learned policy is replayed with the model's scores, every heuristic and oracle without.
+Per capacity the best heuristic is the lowest of *all* heuristics (a short list would
+flatter the learned policy), and the bound is the lowest oracle (with bypass, Belady is the
+offline optimum, so the share is never flattered by a weak bound either). The gap closed,
+``(best heuristic - learned) / (best heuristic - bound)``, is reported for each learned
+policy, and as ``gap_closed`` for the one judged (``policy``, by default the one that
+declares ``judged_by_default``).
 """
 
 from __future__ import annotations
+
+from dataclasses import asdict, dataclass
 
 import numpy as np
 from rich.progress import Progress
 
 from cachelab import registry
 from cachelab.errors import CachelabError
+from cachelab.learning.lineup import Lineup, judged_default, lineup
 from cachelab.learning.training import Model, keep_scores, policy_params, rows_for
 from cachelab.learning.streams import LearningView
 from cachelab.engine.replay import run_policy, warmup_steps
 
-# Display name -> registry names tried in order (the first registered one is used).
-HEURISTICS = {"LRU": ("lru",), "S3-FIFO": ("s3fifo", "s3-fifo"), "W-TinyLFU": ("wtinylfu", "w-tinylfu"),
-              "SIEVE": ("sieve",)}
-OPTIMAL = {"Belady": ("belady",), "Belady (bypass)": ("belady-bypass",)}
-LEARNED = ("learned", "learned-s3fifo", "learned-s3fifo-adaptive")  # registry names, also their labels
-JUDGED = "learned-s3fifo-adaptive"  # the learned policy whose gap closed is ``gap_closed``
+
+@dataclass(frozen=True, slots=True)
+class CapacityResult:
+    """One capacity: miss ratios by policy label (overall and per n-gram order) and the gap closed."""
+
+    capacity: float
+    rows: int
+    miss_ratio: dict[str, float]
+    miss_ratio_by_order: dict[str, dict[int, float]]
+    best_heuristic: str | None  # the label of the heuristic that missed least here
+    gap_closed: float | None  # of the judged policy
+    gap_closed_by_policy: dict[str, float | None]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
-def _resolve(table: dict[str, tuple[str, ...]]) -> tuple[dict[str, str], list[str]]:
-    names = {p.name for p in registry.discover(registry.POLICIES) if p.error is None}
-    found, missing = {}, []
-    for label, options in table.items():
-        hit = next((o for o in options if o in names), None)
-        if hit is None:
-            missing.append(label)
-        else:
-            found[label] = hit
-    return found, missing
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    """What ``cachelab evaluate --json`` prints (beside the trace and model), via ``to_dict``."""
+
+    lookups: int
+    unique_rows: int
+    warmup: float
+    learned_policy: str
+    counted_lookups: int
+    missing: list[str]  # registered policies that could not be loaded, so were not compared
+    capacities: list[CapacityResult]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 def learned_policy(name: str, model: Model):
@@ -48,17 +67,21 @@ def learned_policy(name: str, model: Model):
 
 
 def evaluate_capacities(view: LearningView, model: Model, capacities: list[float], warmup: float,
-                        progress: bool = True, scores: np.ndarray | None = None, policy: str = JUDGED) -> dict:
-    """Miss ratios per capacity, overall and per n-gram order; ``scores`` overrides the model's."""
-    if policy not in LEARNED:
-        raise CachelabError(f"--policy must be one of the learned policies {list(LEARNED)}, got {policy!r}")
-    heuristics, missing_h = _resolve(HEURISTICS)
-    optimal, missing_o = _resolve(OPTIMAL)
+                        progress: bool = True, scores: np.ndarray | None = None, policy: str | None = None,
+                        policies: Lineup | None = None) -> Evaluation:
+    """Miss ratios per capacity, overall and per n-gram order; ``scores`` overrides the model's,
+    ``policies`` the registry's lineup."""
+    found = lineup() if policies is None else policies
+    policy = judged_default(found) if policy is None else policy
+    if policy not in found.learned.values():
+        raise CachelabError(f"--policy must be one of the learned policies {sorted(found.learned.values())}, "
+                            f"got {policy!r}")
     scores = keep_scores(model, view) if scores is None else scores
     order = view.per_lookup(2 + view.column.astype(np.int64) // view.heads)
     start = int(view.lookup_offsets[warmup_steps(warmup, view.lookup_offsets.size - 1)])
-    runs = [(name, lambda name=name: learned_policy(name, model)) for name in LEARNED]
-    runs += [(label, registry.get(registry.POLICIES, name)) for label, name in {**heuristics, **optimal}.items()]
+    runs = [(label, lambda name=name: learned_policy(name, model)) for label, name in found.learned.items()]
+    runs += [(label, registry.get(registry.POLICIES, name))
+             for label, name in {**found.heuristics, **found.oracles}.items()]
     rows = []
     with Progress(transient=True, disable=not progress) as bar:
         task = bar.add_task("replaying", total=len(capacities) * len(runs))
@@ -71,20 +94,18 @@ def evaluate_capacities(view: LearningView, model: Model, capacities: list[float
                 by_order[label] = {int(o): float(1.0 - hits[start:][order[start:] == o].mean())
                                    for o in np.unique(order[start:])}
                 bar.advance(task)
-            rows.append({"capacity": cap, "rows": n_rows, "miss_ratio": miss, "miss_ratio_by_order": by_order,
-                         **_gap(miss, list(heuristics), list(optimal), policy)})
-    return {"lookups": int(view.inverse.size), "unique_rows": view.num_keys, "warmup": warmup, "learned_policy": policy,
-            "counted_lookups": int(view.inverse.size - start), "missing": missing_h + missing_o, "capacities": rows}
+            rows.append(CapacityResult(cap, n_rows, miss, by_order, *_gap(miss, found, found.label_of(policy))))
+    return Evaluation(int(view.inverse.size), view.num_keys, warmup, policy, int(view.inverse.size - start),
+                      found.unavailable, rows)
 
 
-def _gap(miss: dict, heuristics: list[str], optimal: list[str], judged: str) -> dict:
-    if not heuristics:
-        return {"best_heuristic": None, "gap_closed": None, "gap_closed_by_policy": {}}
-    best = min(heuristics, key=lambda h: miss[h])
-    if not optimal:
-        return {"best_heuristic": best, "gap_closed": None, "gap_closed_by_policy": {}}
-    room = miss[best] - min(miss[o] for o in optimal)
-    closed = {name: (miss[best] - miss[name]) / room if room > 0 else None for name in LEARNED}
-    return {"best_heuristic": best, "gap_closed": closed[judged], "gap_closed_by_policy": closed}
-
-
+def _gap(miss: dict, found: Lineup, judged: str) -> tuple[str | None, float | None, dict]:
+    """The best heuristic, the judged policy's gap closed, and every learned policy's."""
+    if not found.heuristics:
+        return None, None, {}
+    best = min(found.heuristics, key=miss.__getitem__)
+    if not found.oracles:
+        return best, None, {}
+    room = miss[best] - min(miss[o] for o in found.oracles)
+    closed = {label: (miss[best] - miss[label]) / room if room > 0 else None for label in found.learned}
+    return best, closed[judged], closed
