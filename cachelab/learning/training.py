@@ -9,8 +9,8 @@ Validation is the rest of the stream.
 
 Three label kinds: the regression predictors learn ``log1p`` of the lookups to the next
 access; a classifier learns reuse within the horizon, or, with ``capacity`` set, whether
-Belady at that cache size keeps the row until its next use (a model for one cache size, the
-labels ``learned-s3fifo`` is built around; docs/learned.md).
+the offline optimum at that cache size keeps the row until its next use (a model for one
+cache size; docs/learned.md).
 
 Scores handed to the learned policies are predicted *positions* of the next access,
 negated (higher = keep): ``-(t + expm1(predicted log1p gap))`` for a regressor, and
