@@ -37,6 +37,7 @@ def label(cls, name: str) -> str:
 
 
 def capabilities(cls) -> Capabilities:
+    """What the policy declares (the contract's default for one that declares nothing)."""
     return getattr(cls, "capabilities", Capabilities())
 
 
@@ -58,22 +59,21 @@ class Lineup:
 def lineup() -> Lineup:
     """Every loadable registered policy in its role; a class registered twice counts once."""
     roles: tuple[dict[str, str], dict[str, str], dict[str, str]] = ({}, {}, {})
-    unavailable, seen = [], {}
+    unavailable, owner, classes = [], {}, set()
     for plugin in registry.discover(registry.POLICIES):
         if plugin.error is not None:
             unavailable.append(plugin.name)
             continue
-        cls = plugin.obj
-        if cls in seen.values():
+        if plugin.obj in classes:
             continue
-        caps = capabilities(cls)
-        role = roles[0] if caps.needs_scores else roles[2] if caps.needs_future else roles[1]
-        lab = label(cls, plugin.name)
-        if lab in seen:
-            raise CachelabError(f"policies {seen[lab].name!r} and {plugin.name!r} are both labelled {lab!r}; "
+        classes.add(plugin.obj)
+        caps = capabilities(plugin.obj)
+        lab = label(plugin.obj, plugin.name)
+        if lab in owner:
+            raise CachelabError(f"policies {owner[lab]!r} and {plugin.name!r} are both labelled {lab!r}; "
                                 "a report needs one label per policy")
-        seen[lab] = cls
-        role[lab] = plugin.name
+        owner[lab] = plugin.name
+        (roles[0] if caps.needs_scores else roles[2] if caps.needs_future else roles[1])[lab] = plugin.name
     return Lineup(*roles, unavailable)
 
 
