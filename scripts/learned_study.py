@@ -33,7 +33,7 @@ from cachelab.cli.cache import parse_params
 from cachelab.learning.features import NEVER, belady_labels, prompt_lookahead
 from cachelab.learning.training import TrainSpec, features, rolling_scores, rows_for, train
 from cachelab.learning.evaluation import evaluate_capacities
-from cachelab.learning.streams import LearningView, prompt_stream
+from cachelab.learning.streams import STEP_VIEWS, LearningView, prompt_stream
 
 
 def perfect_scores(view: LearningView, capacity: float, horizon: int) -> np.ndarray:
@@ -78,6 +78,8 @@ def main() -> None:
                     help="predictor hyper-parameter key=value (repeatable)")
     ap.add_argument("--capacities", default="0.001,0.01,0.05")
     ap.add_argument("--retrain-parts", type=int, default=8, help="retrain on the unseen domain this many times")
+    ap.add_argument("--steps", default="prompts", choices=STEP_VIEWS,
+                    help="serving steps: each prompt alone (prompts) or batched by the serving scheduler (serving)")
     args = ap.parse_args()
     params = parse_params(args.param)
 
@@ -85,9 +87,9 @@ def main() -> None:
         return registry.get(registry.PREDICTORS, args.predictor)(**params)
 
     started = time.perf_counter()
-    mixed = LearningView.of(prompt_stream(["gsm8k", "humaneval", "arena-hard"], args.requests))
-    unseen = LearningView.of(prompt_stream([args.unseen], args.unseen_requests))
-    more = {name: LearningView.of(prompt_stream([name], int(n)))
+    mixed = LearningView.of(prompt_stream(["gsm8k", "humaneval", "arena-hard"], args.requests, steps=args.steps))
+    unseen = LearningView.of(prompt_stream([args.unseen], args.unseen_requests, steps=args.steps))
+    more = {name: LearningView.of(prompt_stream([name], int(n), steps=args.steps))
             for name, n in (item.split(":") for item in args.more_unseen.split(",") if item)}
     result = {"spec": {**vars(args)}, "capacities": {}}
     for cap in (float(c) for c in args.capacities.split(",")):

@@ -154,3 +154,31 @@ def test_rolling_retraining_never_sees_the_future_of_what_it_scores():
     assert np.all(scores[:2000] == -(np.arange(2000) + spec.horizon))  # neutral before the first window
     with pytest.raises(CachelabError, match="twice the horizon"):
         rolling_scores(view, make, spec, every=1000, window=300)
+
+
+def test_serving_steps_view_reads_the_rows_of_the_prompt_view_batched_by_the_scheduler():
+    """``steps="serving"``: the prompt view's lookups (these prompts have no answers, so nothing
+    is decoded) less the prefix-cache hits, whole leading blocks, batched across requests by the
+    scheduler, with the same rows and token metadata."""
+    from cachelab.learning.streams import REQUIRED_META, prompt_stream
+
+    alone = prompt_stream(["stdlib"], 6, seed=1)
+    batched = prompt_stream(["stdlib"], 6, seed=1, steps="serving")
+    assert set(REQUIRED_META) <= set(batched.meta)
+
+    def lookups(stream):
+        m = stream.meta
+        return {(int(r), int(p), int(c)): (int(k), int(t)) for r, p, c, k, t in
+                zip(m["request"], m["position"], m["column"], stream.keys, m["token"])}
+
+    full, served = lookups(alone), lookups(batched)
+    assert all(full[key] == value for key, value in served.items())  # same rows, same tokens
+    skipped = sorted({(r, p) for r, p, _ in set(full) - set(served)})
+    for request in {r for r, _ in skipped}:  # a prefix hit skips the first whole 16-token blocks
+        positions = [p for r, p in skipped if r == request]
+        assert positions == list(range(len(positions))) and len(positions) % 16 == 0
+    per_step = [np.unique(batched.meta["request"][lo:hi]).size
+                for lo, hi in zip(batched.step_offsets[:-1], batched.step_offsets[1:])]
+    assert max(per_step) > 1 and len(per_step) < alone.step_offsets.size - 1  # requests share steps
+    with pytest.raises(CachelabError, match="unknown step view 'live'"):
+        prompt_stream(["stdlib"], 1, steps="live")

@@ -14,16 +14,19 @@ from cachelab.errors import CachelabError
 from cachelab.learning.training import TrainSpec, check_target, load, rolling_scores, save, train as train_model
 from cachelab.learning.evaluation import evaluate_capacities
 from cachelab.cli.cache import parse_params
-from cachelab.learning.streams import LearningView, load_trace
+from cachelab.learning.streams import STEP_VIEWS, LearningView, load_trace
 
 TRACE_HELP = ("A saved lookup stream with token metadata (.npz), or prompt corpora (cachelab.workloads), "
               "comma-separated and interleaved: arena-hard, gsm8k, humaneval, gutenberg, mt-bench, ...")
 PRESET_HELP = "Engram layout preset of the stream."
+STEPS_HELP = (f"How corpora become serving steps, one of {list(STEP_VIEWS)}: each prompt alone, chunk by chunk "
+              "(prompts), or batched by the serving scheduler (serving: continuous batching, chunked prefill, "
+              "prefix-cache hits skipped). A saved .npz keeps its own steps.")
 
 
-def _view(trace: str, requests: int, seed: int, preset: str, console: Console) -> LearningView:
+def _view(trace: str, requests: int, seed: int, preset: str, steps: str, console: Console) -> LearningView:
     with console.status("building the Engram lookup stream"):
-        return LearningView.of(load_trace(trace, requests, seed, preset), preset)
+        return LearningView.of(load_trace(trace, requests, seed, preset, steps), preset)
 
 
 def train(
@@ -32,6 +35,7 @@ def train(
     out: Path = typer.Option(..., help="Directory for the model, metadata.json and the corpus prior."),
     requests: int = typer.Option(200, help="Requests per corpus (from the start of each)."),
     preset: str = typer.Option("deepseek-v4.1-flash", help=PRESET_HELP),
+    steps: str = typer.Option("prompts", help=STEPS_HELP),
     horizon: int = typer.Option(1 << 17, help="Label horizon in lookups (censoring / reuse window)."),
     train_fraction: float = typer.Option(0.5, help="Share of the trace used for training; the rest validates."),
     max_samples: int = typer.Option(2_000_000, help="Training samples drawn from the training window."),
@@ -53,14 +57,14 @@ def train(
                      capacity=capacity, lookahead=lookahead)
     spec.check()
     check_target(cls.task, spec)
-    stream = _view(trace, requests, seed, preset, console)
+    stream = _view(trace, requests, seed, preset, steps, console)
     with console.status(f"training {predictor}"):
         try:
             fresh = cls(**parse_params(param))
         except TypeError as exc:
             raise CachelabError(f"predictor {predictor!r}: {exc}") from None
         model, metrics = train_model(stream, fresh, spec)
-    save(model, out, {"trace": trace, "requests": requests, "preset": preset})
+    save(model, out, {"trace": trace, "requests": requests, "preset": preset, "steps": steps})
     result = {"predictor": predictor, "trace": trace, "lookups": len(stream), "out": str(out), **metrics}
     if as_json:
         typer.echo(json.dumps(result))
@@ -94,6 +98,7 @@ def evaluate(
                                    help="Cache sizes: fractions of the unique rows (< 1) or rows (>= 1)."),
     requests: int = typer.Option(200, help="Requests per corpus."),
     preset: str = typer.Option("deepseek-v4.1-flash", help=PRESET_HELP),
+    steps: str = typer.Option("prompts", help=STEPS_HELP),
     warmup: float = typer.Option(0.5, help="Share of the steps replayed before misses are counted."),
     retrain_every: int = typer.Option(0, help="Retrain the model's predictor every N lookups as the trace "
                                       "streams, each time on the window before (0: score with the saved model)."),
@@ -110,7 +115,7 @@ def evaluate(
     if not 0.0 <= warmup < 1.0:
         raise CachelabError(f"--warmup must lie in [0, 1), got {warmup}")
     fitted = load(model)
-    stream = _view(trace, requests, seed, preset, console)
+    stream = _view(trace, requests, seed, preset, steps, console)
     scores = None
     if retrain_every:
         spec = fitted.metadata.get("spec", {})

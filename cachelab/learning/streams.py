@@ -24,13 +24,21 @@ from cachelab import registry
 from cachelab.engram import Addresser, encode, get_preset
 from cachelab.errors import CachelabError
 from cachelab.workload.lookups import LAYER_SHIFT, PREFILL, LookupStream, compact, dedup_steps
+from cachelab.workload.steps import scheduled_stream
 
 REQUIRED_META = ("column", "request", "position", "phase", "domain", "token")
+# How a corpus becomes serving steps: "prompts" prefills each prompt alone in chunks and then
+# decodes it, request after request; "serving" lets the serving scheduler batch them all
+# (continuous batching, chunked prefill under the token budget, prefix-cache hits skipped).
+STEP_VIEWS = ("prompts", "serving")
 
 
 def prompt_stream(sources: list[str], per_source: int, seed: int = 0, preset: str = "deepseek-v4.1-flash",
-                  tokens_per_step: int = 512) -> LookupStream:
-    """The lookup stream of the first ``per_source`` documents of each corpus, interleaved."""
+                  tokens_per_step: int = 512, steps: str = "prompts") -> LookupStream:
+    """The lookup stream of the first ``per_source`` documents of each corpus, interleaved,
+    grouped into steps as ``steps`` (one of ``STEP_VIEWS``) says."""
+    if steps not in STEP_VIEWS:
+        raise CachelabError(f"unknown step view {steps!r}; choose one of {list(STEP_VIEWS)}")
     if per_source < 1:
         raise CachelabError(f"requests per source must be at least 1, got {per_source}")
     docs = []
@@ -50,6 +58,8 @@ def prompt_stream(sources: list[str], per_source: int, seed: int = 0, preset: st
     prompts = encode([d.text for d in docs], tok, bos=True)
     answers = encode([d.answers[0] if d.answers else "" for d in docs], tok)
     seqs = [np.concatenate([p, a]) for p, a in zip(prompts, answers)]
+    if steps == "serving":  # the step producer already carries the compressed token of each lookup
+        return scheduled_stream(addresser, seqs, [p.size for p in prompts], [d.domain for d in docs])
     stream = LookupStream.from_sequences(addresser, seqs, tokens_per_step, [p.size for p in prompts],
                                          [d.domain for d in docs])
     starts = np.concatenate([[0], np.cumsum([s.size for s in seqs])[:-1]])
@@ -60,11 +70,13 @@ def prompt_stream(sources: list[str], per_source: int, seed: int = 0, preset: st
                         {**meta, "token": token}, stream.domains)
 
 
-def load_trace(trace: str, per_source: int, seed: int, preset: str) -> LookupStream:
-    """``--trace``: a saved lookup stream (``.npz``) or corpus names separated by commas."""
+def load_trace(trace: str, per_source: int, seed: int, preset: str, steps: str = "prompts") -> LookupStream:
+    """``--trace``: a saved lookup stream (``.npz``, its steps as saved) or corpus names
+    separated by commas (grouped into steps as ``steps`` says)."""
     if trace.endswith(".npz"):
         return LookupStream.load(trace)
-    return prompt_stream([s.strip() for s in trace.split(",") if s.strip()], per_source, seed, preset)
+    return prompt_stream([s.strip() for s in trace.split(",") if s.strip()], per_source, seed, preset,
+                         steps=steps)
 
 
 @dataclass(slots=True)
