@@ -47,3 +47,22 @@ def data_file(relative: str) -> Path:
     if not path.exists():
         raise CachelabError(f"data file not found: {path}")
     return path
+
+
+def resolve_data_path(path: str, where: str = "spec", key: str = "path") -> Path:
+    """A data file or folder a spec or flag names: absolute as given; relative, under the data
+    root, else in the working directory. The error names ``where``, ``key`` and the path."""
+    given = Path(path)
+    if given.is_absolute():
+        if not given.exists():
+            raise CachelabError(f"{where}: {key}: data file not found: {given}")
+        return given
+    root = data_root(required=False)
+    if root is not None and (root / given).exists():
+        return root / given
+    if given.exists():
+        return given
+    if root is None:
+        raise CachelabError(f"{where}: {key}: {path!r} needs the data root: "
+                            "set CACHELAB_DATA to the folder holding traces/ and prompts/")
+    raise CachelabError(f"{where}: {key}: data file not found: {root / given}")

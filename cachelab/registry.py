@@ -1,7 +1,7 @@
 """Entry points are cachelab's only registry: built-ins and third-party plug-ins alike.
 
 ``cachelab`` never imports ``policies``, ``predictors`` or ``traces`` by name; it loads the
-``cachelab.*`` entry-point groups. Each plug-in is checked against its group's contract at
+``cachelab.*`` entry-point groups (policies, predictors, workloads, experiment kinds). Each plug-in is checked against its group's contract at
 load time (a policy must subclass or quack like ``cachelab.policy.Policy``: reset, step,
 resident; a predictor like ``cachelab.learning.Predictor``). A plug-in that fails to load
 or to match is recorded with its reason and skipped, so one broken package never breaks
@@ -22,7 +22,8 @@ from cachelab.errors import CachelabError
 POLICIES = "cachelab.policies"
 PREDICTORS = "cachelab.predictors"
 WORKLOADS = "cachelab.workloads"
-GROUPS = (POLICIES, PREDICTORS, WORKLOADS)
+EXPERIMENT_KINDS = "cachelab.experiment_kinds"
+GROUPS = (POLICIES, PREDICTORS, WORKLOADS, EXPERIMENT_KINDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +41,10 @@ class Plugin:
 
 def contract_error(group: str, obj) -> str | None:
     """Why ``obj`` cannot serve in ``group`` (None if it can): the methods it lacks."""
+    if group == EXPERIMENT_KINDS:  # an ExperimentKind (cachelab.experiment.kinds), by its shape
+        if not isinstance(getattr(obj, "sections", None), tuple) or not callable(getattr(obj, "run", None)):
+            return f"wrong interface: {obj!r} is not an ExperimentKind (sections, run)"
+        return None
     if group == POLICIES:
         from cachelab.policy import Policy as base
 
@@ -108,7 +113,7 @@ def get(group: str, name: str):
     plugins = {p.name: p for p in discover(group)}
     plugin = plugins.get(name)
     if plugin is None:
-        kind = group.split(".")[-1].removesuffix("s").replace("policie", "policy")
+        kind = group.split(".")[-1].removesuffix("s").replace("policie", "policy").replace("_", " ")
         raise CachelabError(f"unknown {kind} {name!r}; installed: {sorted(plugins) or 'none'}")
     if plugin.error is not None:
         raise CachelabError(f"plug-in {name!r} from {plugin.distribution} failed to load: {plugin.error}")

@@ -29,7 +29,8 @@ from dataclasses import replace
 import numpy as np
 
 from cachelab import registry
-from cachelab.cli.cache import parse_params
+from cachelab.params import parse_pairs
+from cachelab.defaults import HORIZON
 from cachelab.learning.features import NEVER, belady_labels, prompt_lookahead
 from cachelab.learning.training import TrainSpec, features, rolling_scores, rows_for, train
 from cachelab.learning.evaluation import evaluate_capacities
@@ -72,7 +73,7 @@ def main() -> None:
     ap.add_argument("--unseen-requests", type=int, default=60)
     ap.add_argument("--more-unseen", default="tinyshakespeare:60,mt-bench:80,alpaca-seed:175",
                     help="further unseen domains as corpus:requests, scored by the same models (robustness)")
-    ap.add_argument("--horizon", type=int, default=1 << 17)
+    ap.add_argument("--horizon", type=int, default=HORIZON)
     ap.add_argument("--predictor", default="lightgbm-reuse", help="a registered classifier")
     ap.add_argument("--param", action="append", default=["n_estimators=30", "num_leaves=15"],
                     help="predictor hyper-parameter key=value (repeatable)")
@@ -81,7 +82,7 @@ def main() -> None:
     ap.add_argument("--steps", default="prompts", choices=STEP_VIEWS,
                     help="serving steps: each prompt alone (prompts) or batched by the serving scheduler (serving)")
     args = ap.parse_args()
-    params = parse_params(args.param)
+    params = parse_pairs(args.param)
 
     def make():
         return registry.get(registry.PREDICTORS, args.predictor)(**params)

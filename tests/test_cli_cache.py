@@ -61,7 +61,7 @@ def test_errors_exit_2_with_message(tmp_path):
                               "--param", "colour=red"])
     assert res.exit_code == 2 and "has no parameter 'colour'" in res.output
     res = runner.invoke(app, ["mrc", "--trace", str(tmp_path / "k.npy"), "--capacities", "10,x"])
-    assert res.exit_code == 2 and "comma-separated integers" in res.output
+    assert res.exit_code == 2 and "'x' is not a capacity" in res.output
 
 
 def test_mrc_sampled_and_simulated_methods(tmp_path):

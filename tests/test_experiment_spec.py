@@ -52,7 +52,7 @@ def test_valid_spec_expands_to_a_hashed_grid(tmp_path):
     ('"always", "tinylfu"', '"always", 7', "sweep.'hierarchy.hbm.admission'[1]: hierarchy.tiers[0].admission: "
                                           "Input should be a valid string"),
     ('"hierarchy.hbm.capacity"', '"hierarchy.l3.capacity"', "no tier named 'l3' in hierarchy.tiers"),
-    ("seeds = [0]", 'seeds = [0]\nkind = "dance"', "kind: Input should be 'replay', 'learned' or 'serve'"),
+    ("seeds = [0]", 'seeds = [0]\nkind = "dance"', "kind: unknown experiment kind 'dance'; allowed: learned, replay, serve"),
     ("seeds = [0]", 'seeds = [0]\nkind = "learned"', "predictor: kind 'learned' needs a [predictor] section"),
 ])
 def test_bad_spec_names_the_key(tmp_path, old, new, expected):
@@ -89,8 +89,9 @@ def test_capacity_forms():
     assert capacity_rows("2%", 5000, 264) == 100
     assert capacity_rows("1 MiB", 10, 264) == 2**20 // 264
     assert capacity_rows("3 rows", 10, 264) == 3
+    assert capacity_rows("0.001%", 10, 264) == 1  # a share of a non-empty workload is at least one row
     with pytest.raises(CachelabError, match="less than one row"):
-        capacity_rows("0.001%", 10, 264)
+        capacity_rows("100 B", 10, 264)
 
 
 def test_bad_spec_stops_the_cli_before_any_work(tmp_path):

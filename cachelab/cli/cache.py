@@ -11,11 +11,14 @@ import typer
 from rich.console import Console
 
 from cachelab import registry
+from cachelab.capacity import Capacity, parse_capacities, parse_capacity
 from cachelab.errors import CachelabError
+from cachelab.params import parse_pairs
 from cachelab.engine.tiers import Hierarchy, Tier
 from cachelab.trace.keytrace import FORMATS, read_keys
 from cachelab.workload.lookups import LookupStream
 from cachelab.engine.replay import replay
+from cachelab.workload.prefix_cache.hashing import sorted_distinct
 
 TRACE_HELP = ("A key trace (.npy of integers, text with one key per line, libCacheSim oracleGeneral) "
               "or a saved lookup stream (.npz).")
@@ -32,26 +35,15 @@ def load_stream(path: Path, fmt: str | None = None) -> LookupStream:
     return LookupStream.from_keys(read_keys(path, fmt))
 
 
-def parse_params(items: list[str]) -> dict:
-    """``key=value`` strings to a dict; values become int, float or bool where they parse."""
-    params = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise CachelabError(f"--param expects key=value, got {item!r}")
-        for cast in (int, float):
-            try:
-                params[key] = cast(value)
-                break
-            except ValueError:
-                continue
-        else:
-            params[key] = {"true": True, "false": False}.get(value.lower(), value)
-    return params
+def capacity_rows(capacities: list[Capacity], stream: LookupStream, where: str) -> list[int]:
+    """Rows of each capacity for ``stream``: shares of its distinct keys, bytes over its row size
+    (a key trace's objects count one byte each)."""
+    unique = sorted_distinct(stream.keys).size if any(c.is_share for c in capacities) else None
+    return [c.rows(unique, stream.row_bytes, where) for c in capacities]
 
 
 def build_policy(policy: str, admission: str | None, params: list[str]):
-    kwargs = parse_params(params)
+    kwargs = parse_pairs(params)
     if admission is not None:
         kwargs["admission"] = admission
     return registry.make_policy(policy, **kwargs)
@@ -60,7 +52,8 @@ def build_policy(policy: str, admission: str | None, params: list[str]):
 def simulate(
     trace: Path = typer.Option(..., "--trace", help=TRACE_HELP),
     policy: str = typer.Option(..., "--policy", help="Registry name (see `cachelab policies list`), e.g. lru."),
-    capacity: int = typer.Option(..., "--capacity", help="Cache capacity in objects (rows for a lookup stream)."),
+    capacity: str = typer.Option(..., "--capacity", help="Cache capacity: objects (rows for a lookup stream), a "
+                                 "fraction (0.01) or percentage ('5%') of the distinct keys, or bytes ('512MiB')."),
     admission: str | None = typer.Option(None, "--admission", help="Admission filter: always, tinylfu, scores."),
     warmup: float = typer.Option(0.0, "--warmup", help=WARMUP_HELP),
     param: list[str] = typer.Option([], "--param", help=PARAM_HELP),
@@ -87,6 +80,7 @@ def simulate(
         from_model = policy_params(registry.get(registry.POLICIES, policy.split("+")[0]), fitted)
         param = [f"{k}={v}" for k, v in from_model.items()] + list(param)  # --param still overrides
     cache = build_policy(policy, admission, param)
+    capacity = capacity_rows([parse_capacity(capacity, "--capacity")], stream, "--capacity")[0]
     hierarchy = Hierarchy([Tier("cache", cache, capacity_rows=capacity, location="gpu")], stream.row_bytes)
     if cache.capabilities.needs_scores and model is None:
         raise CachelabError(f"policy {policy!r} needs predictor scores: pass --model DIR (from `cachelab train`)")
@@ -111,21 +105,11 @@ def simulate(
                     f"{out['warmup_requests']:,}) in {out['seconds']} s")
 
 
-def parse_capacities(text: str) -> list[int]:
-    """``100,1000,10000`` to a sorted list of distinct positive ints."""
-    try:
-        caps = sorted({int(x) for x in text.replace(" ", "").split(",") if x})
-    except ValueError:
-        raise CachelabError(f"--capacities expects comma-separated integers, got {text!r}") from None
-    if not caps or caps[0] < 1:
-        raise CachelabError(f"--capacities needs positive integers, got {text!r}")
-    return caps
-
-
 def mrc(
     trace: Path = typer.Option(..., "--trace", help=TRACE_HELP),
     policy: str = typer.Option("lru", "--policy", help="Registry name; lru uses the one-pass exact curve."),
-    capacities: str = typer.Option(..., "--capacities", help="Comma-separated capacities in objects, e.g. 100,1000,10000."),
+    capacities: str = typer.Option(..., "--capacities", help="Comma-separated capacities, e.g. 100,1000,10000 "
+                                   "(objects; or shares '1%', 0.01, or bytes '64MiB', as --capacity)."),
     sample_rate: float | None = typer.Option(None, "--sample-rate",
                                              help="SHARDS spatial sampling rate (0..1], LRU only, e.g. 0.01."),
     warmup: float = typer.Option(0.0, "--warmup", help=WARMUP_HELP),
@@ -140,9 +124,9 @@ def mrc(
 
     started = time.perf_counter()
     stream = load_stream(trace, fmt)
-    caps = parse_capacities(capacities)
+    caps = sorted(set(capacity_rows(parse_capacities(capacities), stream, "--capacities")))
     curve = miss_ratio_curve(stream, caps, policy=policy, sample_rate=sample_rate, warmup=warmup,
-                             params={**parse_params(param), **({"admission": admission} if admission else {})},
+                             params={**parse_pairs(param), **({"admission": admission} if admission else {})},
                              workers=workers, progress=not as_json)
     out = {"policy": policy, **curve.to_dict(), "trace": str(trace),
            "seconds": round(time.perf_counter() - started, 3)}

@@ -9,11 +9,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from cachelab import registry
+from cachelab import defaults, registry
+from cachelab.capacity import parse_capacities, parse_capacity
+from cachelab.engram import get_preset
 from cachelab.errors import CachelabError
 from cachelab.learning.training import TrainSpec, check_target, load, rolling_scores, save, train as train_model
 from cachelab.learning.evaluation import evaluate_capacities
-from cachelab.cli.cache import parse_params
+from cachelab.params import parse_pairs, parse_value
 from cachelab.learning.streams import STEP_VIEWS, LearningView, load_trace
 
 TRACE_HELP = ("A saved lookup stream with token metadata (.npz), or prompt corpora (cachelab.workloads), "
@@ -34,14 +36,16 @@ def train(
     predictor: str = typer.Option("lightgbm", help="A registered predictor (cachelab.predictors)."),
     out: Path = typer.Option(..., help="Directory for the model, metadata.json and the corpus prior."),
     requests: int = typer.Option(200, help="Requests per corpus (from the start of each)."),
-    preset: str = typer.Option("deepseek-v4.1-flash", help=PRESET_HELP),
+    preset: str = typer.Option(defaults.PRESET, help=PRESET_HELP),
     steps: str = typer.Option("prompts", help=STEPS_HELP),
-    horizon: int = typer.Option(1 << 17, help="Label horizon in lookups (censoring / reuse window)."),
-    train_fraction: float = typer.Option(0.5, help="Share of the trace used for training; the rest validates."),
-    max_samples: int = typer.Option(2_000_000, help="Training samples drawn from the training window."),
+    horizon: int = typer.Option(defaults.HORIZON, help="Label horizon in lookups (censoring / reuse window)."),
+    train_fraction: float = typer.Option(defaults.TRAIN_FRACTION,
+                                         help="Share of the trace used for training; the rest validates."),
+    max_samples: int = typer.Option(defaults.MAX_SAMPLES, help="Training samples drawn from the training window."),
     seed: int = typer.Option(0, help="Seed for request order and sampling."),
-    capacity: float = typer.Option(0.0, help="Label with Belady's keep decisions at this cache size (a fraction "
-                                   "of the unique rows, or rows) instead of reuse within the horizon: a model for "
+    capacity: str = typer.Option("0", help="Label with Belady's keep decisions at this cache size (rows, a "
+                                 "fraction or percentage of the unique rows, or bytes) instead of reuse within "
+                                 "the horizon: a model for "
                                    "that size, what learned-s3fifo is built for. Needs a classifier "
                                    "(--predictor lightgbm-reuse). 0: off."),
     lookahead: bool = typer.Option(True, help="Use the prompt-lookahead features (a prefill lookup sees how far "
@@ -54,13 +58,13 @@ def train(
     console = Console(stderr=True, quiet=as_json)
     cls = registry.get(registry.PREDICTORS, predictor)
     spec = TrainSpec(horizon=horizon, train_fraction=train_fraction, max_samples=max_samples, seed=seed,
-                     capacity=capacity, lookahead=lookahead)
+                     capacity=_learning_capacity(capacity, preset, "--capacity"), lookahead=lookahead)
     spec.check()
     check_target(cls.task, spec)
     stream = _view(trace, requests, seed, preset, steps, console)
     with console.status(f"training {predictor}"):
         try:
-            fresh = cls(**parse_params(param))
+            fresh = cls(**parse_pairs(param))
         except TypeError as exc:
             raise CachelabError(f"predictor {predictor!r}: {exc}") from None
         model, metrics = train_model(stream, fresh, spec)
@@ -81,23 +85,29 @@ def train(
     out_console.print(table)
 
 
-def _capacities(text: str) -> list[float]:
-    try:
-        caps = [float(c) for c in text.split(",") if c.strip()]
-    except ValueError:
-        raise CachelabError(f"--capacities must be numbers separated by commas, got {text!r}") from None
-    if not caps or any(c <= 0 for c in caps):
-        raise CachelabError(f"--capacities must be positive, got {text!r}")
-    return caps
+def _learning_capacity(text: str, preset: str, where: str) -> float | str:
+    """A capacity flag (``cachelab.capacity``) as the learning API takes it: "0" is off; a number
+    stays a number (a fraction below 1, else rows); bytes become rows of the preset's row size."""
+    if parse_value(text) == 0:  # the default: reuse labels, no Belady capacity
+        return 0.0
+    cap = parse_capacity(text, where)
+    if cap.kind == "bytes":
+        return float(cap.rows(row_bytes=get_preset(preset).row_bytes, where=where))
+    return cap.written if cap.kind == "percent" else cap.amount
+
+
+def _capacities(text: str, preset: str) -> list[float | str]:
+    return [_learning_capacity(c.written, preset, "--capacities") for c in parse_capacities(text)]
 
 
 def evaluate(
     trace: str = typer.Option(..., help=TRACE_HELP),
     model: Path = typer.Option(..., help="A directory written by `cachelab train`."),
     capacities: str = typer.Option("0.001,0.01,0.05",
-                                   help="Cache sizes: fractions of the unique rows (< 1) or rows (>= 1)."),
+                                   help="Cache sizes: fractions of the unique rows (< 1), rows (>= 1), "
+                                        "percentages ('5%') or bytes ('64MiB')."),
     requests: int = typer.Option(200, help="Requests per corpus."),
-    preset: str = typer.Option("deepseek-v4.1-flash", help=PRESET_HELP),
+    preset: str = typer.Option(defaults.PRESET, help=PRESET_HELP),
     steps: str = typer.Option("prompts", help=STEPS_HELP),
     warmup: float = typer.Option(0.5, help="Share of the steps replayed before misses are counted."),
     retrain_every: int = typer.Option(0, help="Retrain the model's predictor every N lookups as the trace "
@@ -111,7 +121,7 @@ def evaluate(
     """Miss ratios of every registered learned policy, heuristic and oracle, the best heuristic, and the
     share of its gap to the best oracle that the judged policy closes."""
     console = Console(stderr=True, quiet=as_json)
-    caps = _capacities(capacities)
+    caps = _capacities(capacities, preset)
     if not 0.0 <= warmup < 1.0:
         raise CachelabError(f"--warmup must lie in [0, 1), got {warmup}")
     fitted = load(model)
@@ -124,7 +134,7 @@ def evaluate(
         with console.status(f"retraining every {retrain_every:,} lookups on windows of {window:,}"):
             scores = rolling_scores(stream, lambda: cls(**params),
                                     TrainSpec(horizon=fitted.horizon, seed=int(spec.get("seed", 0)),
-                                              capacity=float(spec.get("capacity", 0.0)),
+                                              capacity=spec.get("capacity", 0.0),
                                               lookahead=fitted.lookahead),
                                     retrain_every, window)
     evaluation = evaluate_capacities(stream, fitted, caps, warmup, progress=not as_json, scores=scores, policy=policy)
@@ -138,7 +148,8 @@ def evaluate(
     if result["missing"]:
         out.print(f"registered but not loaded, so not compared: {', '.join(result['missing'])}")
     rows = result["capacities"]
-    table = Table("policy", *(f"{row['capacity']:g}\n{row['rows']:,} rows" for row in rows),
+    table = Table("policy", *(f"{row['capacity']:g}\n{row['rows']:,} rows" if isinstance(row["capacity"], float)
+                              else f"{row['capacity']}\n{row['rows']:,} rows" for row in rows),
                   caption=f"gap closed: (best heuristic - {evaluation.learned_policy}) / (best heuristic - best oracle)")
     for name in rows[0]["miss_ratio"]:  # one row per policy: a few capacities fit a terminal, many policies do not
         table.add_row(f"[bold]{name}[/]" if name == evaluation.learned_policy else name,

@@ -10,13 +10,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from cachelab.defaults import PRESET
 from cachelab.errors import CachelabError
+from cachelab.params import parse_pairs
 from cachelab.trace.keytrace import write_oracle_general
 from cachelab.workload.prefix_cache.hashing import sorted_distinct
 from cachelab.trace.schema import write_trace
 from cachelab.trace.convert import oracle_to_trace, trace_keys
 from cachelab.trace.stats import summarize
-from cachelab.trace.build import WorkloadSpec, build as build_workload, load_spec, parse_spec
+from cachelab.trace.build import TraceSpec, build as build_trace, load_spec, parse_spec
 
 app = typer.Typer(no_args_is_help=True, help="Request traces: import or synthesize them, inspect them, convert them.")
 
@@ -36,29 +38,14 @@ class _Stages:
         self.progress.advance(self.task, n)
 
 
-def _options(pairs: list[str], flag: str) -> dict:
-    """``KEY=VALUE`` pairs; values are read as TOML scalars (numbers, booleans, strings)."""
-    import tomllib
-
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise CachelabError(f"{flag} {pair!r}: expected KEY=VALUE")
-        try:
-            out[key] = tomllib.loads(f"v = {value}")["v"]
-        except tomllib.TOMLDecodeError:
-            out[key] = value
-    return out
-
-
 @app.command()
 def build(
     spec: Path | None = typer.Argument(None, help="Workload spec (TOML). Flags below override it."),
     out: Path = typer.Option(..., "-o", "--out", help="Output trace (.parquet)."),
     arrivals: str | None = typer.Option(None, help="Arrival source: mooncake, azure, burstgpt, servegen, gamma."),
     arrivals_path: str | None = typer.Option(None, help="Arrival file or folder (absolute, or under the data root)."),
-    arrival_option: list[str] = typer.Option([], help="Arrival source option KEY=VALUE (e.g. rate=4), repeatable."),
+    arrival_option: list[str] = typer.Option([], help="Arrival source option KEY=VALUE (e.g. rate=4; values typed as "
+                                             "in cachelab.params), repeatable."),
     corpus: str | None = typer.Option(None, help="Corpus for real text: arena-hard, mt-bench, gsm8k, stdlib, ..."),
     corpus_option: list[str] = typer.Option([], help="Corpus option KEY=VALUE (e.g. version=v0.1), repeatable."),
     seed: int | None = typer.Option(None, help="Seed (default 0)."),
@@ -89,19 +76,19 @@ def build(
     a["skip_bad"] = a.get("skip_bad", False) or skip_bad
     if no_lengths:
         a["use_lengths"] = False
-    a.setdefault("options", {}).update(_options(arrival_option, "--arrival-option"))
+    a.setdefault("options", {}).update(parse_pairs(arrival_option, "--arrival-option", "rate=4"))
     if corpus is not None:
         data["corpus"] = {"source": corpus}
     if corpus_option:
         if not data.get("corpus"):
             raise CachelabError("--corpus-option needs a corpus")
-        data["corpus"].setdefault("options", {}).update(_options(corpus_option, "--corpus-option"))
+        data["corpus"].setdefault("options", {}).update(parse_pairs(corpus_option, "--corpus-option", "version=v0.1"))
     if seed is not None:
         data["seed"] = seed
-    workload: WorkloadSpec = parse_spec(data, str(spec) if spec else "flags")
+    trace_spec: TraceSpec = parse_spec(data, str(spec) if spec else "flags")
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     with Progress(*columns, transient=True, disable=as_json) as progress:
-        report = build_workload(workload, out, _Stages(progress))
+        report = build_trace(trace_spec, out, _Stages(progress))
     result = {"out": str(out), **report.to_dict()}
     if as_json:
         typer.echo(json.dumps(result))
@@ -116,7 +103,7 @@ def build(
 @app.command()
 def info(
     trace: Path = typer.Argument(..., help="A cachelab trace (.parquet)."),
-    preset: str = typer.Option("deepseek-v4.1-flash", help="Engram layout for the skew columns."),
+    preset: str = typer.Option(PRESET, help="Engram layout for the skew columns."),
     engram_tokens: int = typer.Option(500_000, help="Tokens to address for the Engram skew (0: skip)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
@@ -155,7 +142,7 @@ def convert(
     keys: str = typer.Option("rows", help="rows: Engram row keys of every token; blocks: prefix-block keys."),
     block_size: int | None = typer.Option(None, help="--keys blocks on content: tokens per block (default: the "
                                                      "trace's block_hashes, else 16)."),
-    preset: str = typer.Option("deepseek-v4.1-flash", help="Engram layout for --keys rows."),
+    preset: str = typer.Option(PRESET, help="Engram layout for --keys rows."),
     max_requests: int | None = typer.Option(None, help="Convert only the first N requests."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:

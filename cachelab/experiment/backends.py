@@ -16,7 +16,7 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from functools import lru_cache
 
 from cachelab.errors import CachelabError
-from cachelab.experiment.points import POINT_FUNCTIONS, PointOutput
+from cachelab.experiment.kinds import PointOutput, get_kind
 from cachelab.experiment.workload import Workload, load_workload
 
 BACKENDS = ("local", "ray")
@@ -31,7 +31,7 @@ def _workload(path: str) -> Workload:
 def execute(config: dict, workload: Workload | str) -> PointOutput:
     if isinstance(workload, str):
         workload = _workload(workload)
-    return POINT_FUNCTIONS[config["kind"]](config, workload)
+    return get_kind(config["kind"]).run(config, workload)
 
 
 def _safe(config, workload) -> PointOutput | BaseException:

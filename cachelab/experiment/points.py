@@ -1,32 +1,26 @@
-"""Point functions: one resolved point config in, metrics and artifacts out.
+"""The built-in experiment kinds: ``replay``, ``learned`` and ``serve``.
 
-Every kind of experiment (``replay`` through a tier hierarchy; more as components land) is
-one function ``fn(config, workload) -> PointOutput``. The runner knows nothing else about it,
-so a new component plugs in by adding a function to ``POINT_FUNCTIONS``. Functions are pure
-and deterministic for a config (its ``seed`` included): the local pool and Ray give
-identical results.
+Each is an ``ExperimentKind`` (``cachelab.experiment.kinds``) registered in pyproject.toml
+under ``cachelab.experiment_kinds``, as a third party's kind would be: a point function
+``fn(config, workload) -> PointOutput`` (one resolved point config in, metrics and artifacts
+out), the spec sections it reads, and the checks it needs. The runner knows nothing else
+about a kind.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import polars as pl
 
-from cachelab.experiment.spec import capacity_rows, make_tier_policy, page_cache_bytes
+from cachelab.capacity import capacity_rows, parse_capacity
+from cachelab.errors import CachelabError
+from cachelab.experiment.kinds import ExperimentKind, PointOutput
+from cachelab.experiment.spec import ExperimentSpec, ServingSpec, WorkloadSpec, make_tier_policy, page_cache_bytes
 from cachelab.engine.tiers import Hierarchy, SSDStore, Tier
-from cachelab.experiment.workload import Workload
+from cachelab.experiment.workload import Workload, build_workload, load_workload
 from cachelab.engine.replay import replay
 
-
-@dataclass
-class PointOutput:
-    """What a point produced: scalar metrics, resolved params, tables (Parquet), files."""
-
-    metrics: dict[str, float]
-    params: dict[str, str] = field(default_factory=dict)
-    tables: dict[str, pl.DataFrame] = field(default_factory=dict)
-    files: dict[str, bytes] = field(default_factory=dict)
+__all__ = ["LEARNED", "REPLAY", "SERVE", "PointOutput", "learned_point", "make_hierarchy", "replay_point",
+           "serve_point", "serving_config"]
 
 
 def make_hierarchy(config: dict, workload: Workload) -> Hierarchy:
@@ -78,8 +72,6 @@ def learned_point(config: dict, workload: Workload) -> PointOutput:
     from pathlib import Path
 
     from cachelab import registry
-    from cachelab.experiment.spec import WorkloadSpec
-    from cachelab.experiment.workload import build_workload, load_workload
     from cachelab.learning.training import TrainSpec, save, train
     from cachelab.learning.evaluation import evaluate_capacities
     from cachelab.learning.streams import LearningView
@@ -88,7 +80,7 @@ def learned_point(config: dict, workload: Workload) -> PointOutput:
     view = LearningView.of(workload.stream, preset)
     spec = TrainSpec(horizon=p["horizon"], train_fraction=p["train_fraction"], max_samples=p["max_samples"],
                      seed=config["seed"], lookahead=p["lookahead"])
-    capacities = [_learned_capacity(c) for c in p["capacities"]]
+    capacities = [_learned_capacity(c, workload.stream.row_bytes) for c in p["capacities"]]
     # One model for every capacity, or with Belady keep labels one model per capacity.
     targets = [[c] for c in capacities] if p["belady_labels"] else [capacities]
     fits = [train(view, registry.get(registry.PREDICTORS, p["name"])(**p["params"]),
@@ -128,18 +120,21 @@ def learned_point(config: dict, workload: Workload) -> PointOutput:
     return PointOutput(metrics, params, tables, files)
 
 
-def _learned_capacity(capacity: int | str) -> float:
-    """The learned evaluation's capacity convention: a fraction of distinct rows below 1, else rows."""
-    if isinstance(capacity, str) and capacity.strip().endswith("%"):
-        return float(capacity.strip()[:-1]) / 100
-    return float(capacity_rows(capacity, unique_rows=1, row_bytes=264))
+def _learned_capacity(capacity: int | float | str, row_bytes: int) -> int | float | str:
+    """A spec capacity as the learned evaluation labels it: rows (bytes resolved), a percentage
+    below 100% as its fraction, as the evaluation has always reported them."""
+    cap = parse_capacity(capacity, "predictor.capacities")
+    if cap.kind == "percent" and cap.amount < 100:
+        return cap.amount / 100
+    if cap.kind in ("rows", "bytes"):
+        return float(cap.rows(row_bytes=row_bytes, where="predictor.capacities"))
+    return cap.written  # a fraction, or 100% (all the distinct rows)
 
 
 def serve_point(config: dict, workload: Workload) -> PointOutput:
     """A serving replay (``cachelab.serving.simulator.simulate``) of the workload's requests: vLLM bench
     metrics (TTFT, TPOT, ITL, E2EL percentiles), tokens/s per GPU, tokens per dollar, the
     prefix cache's and the row cache's hit ratios and footprints."""
-    from cachelab.experiment.spec import serving_config
     from cachelab.serving.simulator import simulate
 
     result = simulate(workload.requests, serving_config(config["serving"]))
@@ -163,4 +158,59 @@ def _numbers(d: dict, prefix: str = "") -> dict[str, float]:
     return out
 
 
-POINT_FUNCTIONS = {"replay": replay_point, "learned": learned_point, "serve": serve_point}
+def _check_serving(s: ServingSpec, where: str) -> None:
+    import dataclasses
+
+    from cachelab.serving.hardware import load_profile
+    from cachelab.serving.latency import PLACEMENTS
+    from cachelab.serving.simulator import ServingConfig
+
+    if s.placement not in PLACEMENTS:
+        raise CachelabError(f"{where}: serving.placement: unknown placement {s.placement!r}; "
+                            f"allowed: {', '.join(PLACEMENTS)}")
+    try:
+        load_profile(s.hardware)
+    except CachelabError as exc:
+        raise CachelabError(f"{where}: serving.hardware: {exc}") from None
+    fields = [f.name for f in dataclasses.fields(ServingConfig)]
+    unknown = sorted(set(s.params) - set(fields) | set(s.params) & {"hardware", "placement", "tp", "concurrency"})
+    if unknown:
+        raise CachelabError(f"{where}: serving.params: unknown or misplaced {unknown}; allowed: "
+                            f"{[f for f in fields if f not in ('hardware', 'placement', 'tp', 'concurrency')]}")
+    try:
+        serving_config(s.model_dump()).check()
+    except (CachelabError, TypeError) as exc:
+        raise CachelabError(f"{where}: serving: {exc}") from None
+
+
+def serving_config(s: dict):
+    """The ``cachelab.serving.simulator.ServingConfig`` of a spec's [serving] section."""
+    from cachelab.serving.simulator import ServingConfig
+
+    return ServingConfig(hardware=s["hardware"], placement=s["placement"], tp=s["tp"],
+                         concurrency=s["concurrency"], **s["params"])
+
+
+def _check_replay(spec: ExperimentSpec, where: str) -> None:
+    if spec.hierarchy is None:
+        raise CachelabError(f"{where}: hierarchy: kind 'replay' needs [[hierarchy.tiers]]")
+
+
+def _check_learned(spec: ExperimentSpec, where: str) -> None:
+    if spec.predictor is None:
+        raise CachelabError(f"{where}: predictor: kind 'learned' needs a [predictor] section")
+
+
+def _check_serve(spec: ExperimentSpec, where: str) -> None:
+    if spec.serving is None:
+        raise CachelabError(f"{where}: serving: kind 'serve' needs a [serving] section")
+    if spec.workload.trace is None:
+        raise CachelabError(f"{where}: workload.trace: kind 'serve' replays requests with arrival times: "
+                            "give a [workload.trace] (a `cachelab trace build` spec)")
+    _check_serving(spec.serving, where)
+
+
+REPLAY = ExperimentKind(("workload", "hierarchy", "warmup"), replay_point, _check_replay)
+LEARNED = ExperimentKind(("workload", "predictor", "warmup"), learned_point, _check_learned,
+                         ("learned_eval", "importances"))
+SERVE = ExperimentKind(("workload", "serving"), serve_point, _check_serve, ("per_request",))

@@ -18,6 +18,9 @@ from pathlib import Path
 import polars as pl
 
 from cachelab.errors import CachelabError
+from cachelab.experiment.kinds import get_kind, kind_names
+from cachelab.experiment.spec import ExperimentSpec
+from cachelab.experiment.sweep import expand
 
 
 @dataclass
@@ -51,8 +54,6 @@ class ExperimentData:
 
 
 def load_experiment(tracker, name: str, parent_id: str | None = None) -> ExperimentData:
-    from cachelab.experiment.runner import results_table
-
     parent, points = tracker.experiment_runs(name)
     if parent_id is not None:
         parent = tracker.client.get_run(parent_id)
@@ -79,10 +80,10 @@ def load_experiment(tracker, name: str, parent_id: str | None = None) -> Experim
     with tempfile.TemporaryDirectory() as tmp:
         for r in points:
             kind = json.loads(r.data.tags.get("cachelab.axis.kind", '"replay"'))
-            if kind not in POINT_TABLES:
+            if kind not in kind_names():  # a kind no longer installed: its results row stays
                 continue
             found = {}
-            for table in POINT_TABLES[kind]:
+            for table in get_kind(kind).tables:
                 path = tracker.download(r.info.run_id, f"{table}.parquet", Path(tmp) / r.info.run_id)
                 if path is not None:
                     found[table] = pl.read_parquet(path)
@@ -90,13 +91,28 @@ def load_experiment(tracker, name: str, parent_id: str | None = None) -> Experim
     return ExperimentData(name, description, spec, results_table(points), metrics, tables, point_tables)
 
 
-POINT_TABLES = {"learned": ("learned_eval", "importances"), "serve": ("per_request",)}
+def results_table(runs: list) -> pl.DataFrame:
+    """One row per finished point run: its axes (``axis.*``), params and metrics."""
+    rows = []
+    for r in runs:
+        row = {"run_id": r.info.run_id, "label": r.info.run_name,
+               "point_hash": r.data.tags.get("cachelab.point_hash")}
+        row.update({f"axis.{k.removeprefix('cachelab.axis.')}": _scalar(json.loads(v))
+                    for k, v in r.data.tags.items() if k.startswith("cachelab.axis.")})
+        row.update({f"param.{k}": v for k, v in r.data.params.items()})
+        row.update(r.data.metrics)
+        rows.append(row)
+    return pl.DataFrame(rows, infer_schema_length=None) if rows else pl.DataFrame()
+
+
+def _scalar(value):
+    """An axis value as one table cell: lists (``workload.domains``) joined, tables as JSON."""
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value)
+    return json.dumps(value, sort_keys=True) if isinstance(value, dict) else value
 
 
 def _spec_point_hashes(spec_json: str) -> list[str]:
-    from cachelab.experiment.spec import ExperimentSpec
-    from cachelab.experiment.sweep import expand
-
     try:
         return [p.hash for p in expand(ExperimentSpec.model_validate(json.loads(spec_json)))]
     except Exception:  # an older or foreign spec: report every finished point instead

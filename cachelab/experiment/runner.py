@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from cachelab.experiment.backends import run_tasks
 from cachelab.experiment.records import PARENT, Outbox, Record, now_ms
+from cachelab.experiment.report import results_table, write_report
 from cachelab.experiment.spec import ExperimentSpec, WorkloadSpec, load_spec
 from cachelab.experiment.sweep import Point, config_hash, expand
 from cachelab.engine.mrc import miss_ratio_curve
@@ -182,31 +183,8 @@ def _point_record(spec: ExperimentSpec, point: Point, output, started: int) -> R
     return record
 
 
-def results_table(runs: list) -> pl.DataFrame:
-    """One row per finished point run: its axes (``axis.*``), params and metrics."""
-    rows = []
-    for r in runs:
-        row = {"run_id": r.info.run_id, "label": r.info.run_name,
-               "point_hash": r.data.tags.get("cachelab.point_hash")}
-        row.update({f"axis.{k.removeprefix('cachelab.axis.')}": _scalar(json.loads(v))
-                    for k, v in r.data.tags.items() if k.startswith("cachelab.axis.")})
-        row.update({f"param.{k}": v for k, v in r.data.params.items()})
-        row.update(r.data.metrics)
-        rows.append(row)
-    return pl.DataFrame(rows, infer_schema_length=None) if rows else pl.DataFrame()
-
-
-def _scalar(value):
-    """An axis value as one table cell: lists (``workload.domains``) joined, tables as JSON."""
-    if isinstance(value, list):
-        return ",".join(str(v) for v in value)
-    return json.dumps(value, sort_keys=True) if isinstance(value, dict) else value
-
-
 def _finish_parent(tracker: Tracker, exp_id: str, parent_id: str, points: list[Point],
                    summary: RunSummary, runs_dir) -> None:
-    from cachelab.experiment.report import write_report
-
     finished = tracker.finished_points(exp_id)
     ours = [tracker.client.get_run(finished[p.hash]) for p in points if p.hash in finished]
     table = results_table(ours)

@@ -9,42 +9,36 @@ data root, capacities against the Engram table, so a bad spec stops with
 ``spec.toml: hierarchy.tiers[0].policy: unknown policy 'lur'; allowed: fifo, lru`` before
 anything runs.
 
-Capacities: an integer number of rows, ``"N%"`` of the distinct rows the workload touches
-per layer table (resolved once the workload is built), or bytes (``"64 MiB"``, ``"2 GB"``).
+Capacities follow ``cachelab.capacity``: rows (``1000``), a fraction (``0.01``) or
+percentage (``"1%"``) of the distinct rows the workload touches (resolved once the workload is
+built), or bytes (``"64 MiB"``, ``"2 GB"``). ``kind`` names registered experiment kinds
+(``cachelab.experiment.kinds``); each checks the sections it needs.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
-import re
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, field_validator
 
-from cachelab import registry
+from cachelab import defaults, registry
+from cachelab.capacity import capacity_rows, parse_capacity
 from cachelab.errors import CachelabError
-from cachelab.paths import data_root
+from cachelab.experiment.kinds import get_kind, kind_names
+from cachelab.params import parse_pair
+from cachelab.paths import resolve_data_path
+from cachelab.validation import Strict, read_toml, validate
 
-# Point functions (cachelab.experiment.points) and the spec sections each reads: a point's
-# config holds only those, so a grid axis one kind ignores does not multiply its points.
-KINDS = {"replay": ("workload", "hierarchy", "warmup"),
-         "learned": ("workload", "predictor", "warmup"),
-         "serve": ("workload", "serving")}
-KindName = Literal[tuple(KINDS)]  # type: ignore[valid-type]
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+__all__ = ["ExperimentSpec", "HierarchySpec", "PredictorSpec", "ServingSpec", "TierSpec", "WorkloadSpec",
+           "capacity_rows", "check_spec", "kinds", "load_spec", "make_tier_policy", "page_cache_bytes",
+           "parse_spec", "resolve_data_path", "set_key"]
 _SINGULAR = {registry.POLICIES: "policy", registry.PREDICTORS: "predictor", registry.WORKLOADS: "workload"}
-_CAPACITY = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(%|[a-zA-Z]+)?\s*$")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=False, frozen=False)
-
-
-class WorkloadSpec(_Strict):
+class WorkloadSpec(Strict):
     """Where the tokens come from and how they are cut into serving steps."""
 
     source: str = Field("stdlib", description="a cachelab.workloads corpus")
@@ -53,45 +47,45 @@ class WorkloadSpec(_Strict):
     data: list[str] = Field(default_factory=list, description="data files read, relative to the data root")
     domains: list[str] | None = Field(None, description="keep only documents / requests of these domains")
     trace: dict[str, Any] | None = Field(None, description="a `cachelab trace build` spec; replaces source")
-    preset: str = "deepseek-v4.1-flash"
+    preset: str = defaults.PRESET
     tokens_per_step: int = Field(4096, gt=0, description="token positions per serving step")
     max_tokens: int | None = Field(None, gt=0)
 
 
-class TierSpec(_Strict):
+class TierSpec(Strict):
     name: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
-    capacity: int | str
+    capacity: int | float | str = Field(description="rows, a fraction or percentage of the distinct rows, or bytes")
     policy: str = "lru"
     admission: str = "always"
     params: dict[str, Any] = Field(default_factory=dict, description="policy constructor arguments")
     location: Literal["gpu", "host"] | None = Field(None, description="inferred from hbm/gpu, dram/host/cpu")
 
 
-class HierarchySpec(_Strict):
+class HierarchySpec(Strict):
     tiers: list[TierSpec] = Field(min_length=1)
     backing: Literal["dram", "ssd"] = "dram"
     page_cache: int | str = Field(0, description="SSD backing: page-cache bytes (int or '8 GiB')")
     page_policy: str = "lru"
 
 
-class PredictorSpec(_Strict):
+class PredictorSpec(Strict):
     """A learned policy: trained on the workload's first ``train_fraction`` of lookups, judged
     on the rest (or on ``holdout``, a workload it never saw) against the heuristics and Belady."""
 
     name: str = Field(description="a cachelab.predictors entry point")
     params: dict[str, Any] = Field(default_factory=dict, description="predictor constructor arguments")
-    train_fraction: float = Field(0.5, gt=0, lt=1)
-    horizon: int = Field(1 << 15, gt=0, description="label horizon in lookups")
-    max_samples: int = Field(500_000, gt=0, description="training samples drawn from the window")
-    capacities: list[int | str] = Field(default_factory=lambda: ["0.1%", "1%", "5%"], min_length=1,
-                                        description="rows, or shares of the distinct rows ('1%')")
+    train_fraction: float = Field(defaults.TRAIN_FRACTION, gt=0, lt=1)
+    horizon: int = Field(defaults.HORIZON, gt=0, description="label horizon in lookups")
+    max_samples: int = Field(defaults.MAX_SAMPLES, gt=0, description="training samples drawn from the window")
+    capacities: list[int | float | str] = Field(default_factory=lambda: ["0.1%", "1%", "5%"], min_length=1,
+                                                description="rows, or shares of the distinct rows ('1%')")
     belady_labels: bool = Field(False, description="a classifier per capacity, labelled with Belady's keep "
                                 "decisions there (what learned-s3fifo is built for)")
     lookahead: bool = Field(True, description="the prompt-lookahead features")
     holdout: WorkloadSpec | None = None
 
 
-class ServingSpec(_Strict):
+class ServingSpec(Strict):
     """A serving replay (``cachelab.serving.simulator``): the workload's request trace through the
     scheduler, the prefix cache, the hierarchy and the latency model of ``hardware``."""
 
@@ -102,10 +96,10 @@ class ServingSpec(_Strict):
     params: dict[str, Any] = Field(default_factory=dict, description="other ServingConfig fields")
 
 
-class ExperimentSpec(_Strict):
+class ExperimentSpec(Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     description: str = ""
-    kind: KindName | list[KindName] = "replay"
+    kind: str | list[str] = Field("replay", description="registered experiment kinds (cachelab.experiment_kinds)")
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
     warmup: float = Field(0.0, ge=0, lt=1, description="fraction of steps excluded from the metrics")
     workload: WorkloadSpec = Field(default_factory=WorkloadSpec)
@@ -114,30 +108,27 @@ class ExperimentSpec(_Strict):
     serving: ServingSpec | None = None
     sweep: dict[str, list[Any]] = Field(default_factory=dict)
 
+    @field_validator("kind")
+    @classmethod
+    def _registered(cls, value: str | list[str]) -> str | list[str]:
+        allowed = kind_names()
+        for name in [value] if isinstance(value, str) else value:
+            if name not in allowed:
+                raise ValueError(f"unknown experiment kind {name!r}; allowed: {', '.join(allowed)}")
+        return value
+
 
 def load_spec(path: str | Path, overrides: list[str] | None = None) -> ExperimentSpec:
     """Read, validate and check a spec file; every error names the file and the key.
 
     ``overrides`` are ``KEY=VALUE`` strings (``workload.params.max_chars=50000``), the value
-    read as TOML (a bare word is a string), applied before validation.
+    typed by ``cachelab.params`` (a bare word is a string), applied before validation.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise CachelabError(f"spec file not found: {path}")
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise CachelabError(f"{path}: not valid TOML ({exc})") from None
+    raw = read_toml(path)
     for item in overrides or []:
-        key, sep, text = item.partition("=")
-        if not sep or not key.strip():
-            raise CachelabError(f"--set {item!r}: expected KEY=VALUE, e.g. workload.params.max_chars=50000")
+        key, value = parse_pair(item, "--set", "workload.params.max_chars=50000")
         try:
-            value = tomllib.loads(f"v = {text.strip()}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = text.strip()
-        try:
-            raw = set_key(raw, key.strip(), value)
+            raw = set_key(raw, key, value)
         except KeyError as exc:
             raise CachelabError(f"--set {item!r}: {exc.args[0]}") from None
     return parse_spec(raw, where=str(path))
@@ -160,28 +151,7 @@ def parse_spec(raw: dict, where: str = "spec") -> ExperimentSpec:
 
 
 def _validate(raw: dict, where: str) -> ExperimentSpec:
-    try:
-        return ExperimentSpec.model_validate(raw)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        key = _dotted(err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            msg = "unknown key"
-        got = "" if err["type"] in ("missing", "extra_forbidden") else f" (got {err['input']!r})"
-        raise CachelabError(f"{where}: {key}: {msg}{got}") from None
-
-
-_UNION_TAG = re.compile(r"^(int|str|float|bool|none|.*\[.*)$")  # pydantic's names of union members
-
-
-def _dotted(loc) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, str) and _UNION_TAG.match(part):
-            continue
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "(top level)"
+    return validate(ExperimentSpec, raw, where)
 
 
 def set_key(raw: dict, key: str, value) -> dict:
@@ -213,19 +183,13 @@ def set_key(raw: dict, key: str, value) -> dict:
 
 
 def check_spec(spec: ExperimentSpec, where: str) -> None:
-    """Checks beyond types: registry names, data files, capacities, section presence."""
+    """Checks beyond types: registry names, data files, capacities; each kind checks the
+    sections it needs."""
     _check_workload(spec.workload, where)
-    if "replay" in kinds(spec) and spec.hierarchy is None:
-        raise CachelabError(f"{where}: hierarchy: kind 'replay' needs [[hierarchy.tiers]]")
-    if "learned" in kinds(spec) and spec.predictor is None:
-        raise CachelabError(f"{where}: predictor: kind 'learned' needs a [predictor] section")
-    if "serve" in kinds(spec):
-        if spec.serving is None:
-            raise CachelabError(f"{where}: serving: kind 'serve' needs a [serving] section")
-        if spec.workload.trace is None:
-            raise CachelabError(f"{where}: workload.trace: kind 'serve' replays requests with arrival times: "
-                                "give a [workload.trace] (a `cachelab trace build` spec)")
-        _check_serving(spec.serving, where)
+    for name in kinds(spec):
+        kind = get_kind(name)
+        if kind.check is not None:
+            kind.check(spec, where)
 
     if spec.hierarchy is not None:
         names = [t.name for t in spec.hierarchy.tiers]
@@ -248,40 +212,8 @@ def check_spec(spec: ExperimentSpec, where: str) -> None:
         _check_predictor(spec.predictor, spec.workload.preset, where)
 
 
-def _check_serving(s: ServingSpec, where: str) -> None:
-    import dataclasses
-
-    from cachelab.serving.hardware import load_profile
-    from cachelab.serving.latency import PLACEMENTS
-    from cachelab.serving.simulator import ServingConfig
-
-    if s.placement not in PLACEMENTS:
-        raise CachelabError(f"{where}: serving.placement: unknown placement {s.placement!r}; "
-                            f"allowed: {', '.join(PLACEMENTS)}")
-    try:
-        load_profile(s.hardware)
-    except CachelabError as exc:
-        raise CachelabError(f"{where}: serving.hardware: {exc}") from None
-    fields = [f.name for f in dataclasses.fields(ServingConfig)]
-    unknown = sorted(set(s.params) - set(fields) | set(s.params) & {"hardware", "placement", "tp", "concurrency"})
-    if unknown:
-        raise CachelabError(f"{where}: serving.params: unknown or misplaced {unknown}; allowed: "
-                            f"{[f for f in fields if f not in ('hardware', 'placement', 'tp', 'concurrency')]}")
-    try:
-        serving_config(s.model_dump()).check()
-    except (CachelabError, TypeError) as exc:
-        raise CachelabError(f"{where}: serving: {exc}") from None
-
-
-def serving_config(s: dict):
-    """The ``cachelab.serving.simulator.ServingConfig`` of a spec's [serving] section."""
-    from cachelab.serving.simulator import ServingConfig
-
-    return ServingConfig(hardware=s["hardware"], placement=s["placement"], tp=s["tp"],
-                         concurrency=s["concurrency"], **s["params"])
-
-
 def kinds(spec: ExperimentSpec) -> list[str]:
+    """The spec's kinds as a list (``kind`` may be one name)."""
     return [spec.kind] if isinstance(spec.kind, str) else list(spec.kind)
 
 
@@ -363,11 +295,10 @@ def make_tier_policy(tier: TierSpec | dict):
 
 
 def page_cache_bytes(value: int | str, where: str) -> int:
+    """SSD page-cache bytes: an integer counts bytes, as does a bare number in text."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.strip().endswith("%"):
-        raise CachelabError(f"{where}: give bytes ('8 GiB'), not a share ({value!r})")
-    return capacity_rows(value, unique_rows=1, row_bytes=1, where=where)
+    return parse_capacity(value, where).bytes(row_bytes=1, where=where)
 
 
 def _table(preset: str, where: str = "spec") -> tuple[int, int]:
@@ -378,43 +309,3 @@ def _table(preset: str, where: str = "spec") -> tuple[int, int]:
     except CachelabError as exc:
         raise CachelabError(f"{where}: workload.preset: {exc}") from None
     return int(cfg.table_rows.sum()), int(cfg.row_bytes)
-
-
-def resolve_data_path(relative: str, where: str = "spec", key: str = "workload.path") -> Path:
-    """``relative`` under the data root (``cachelab.paths.data_root()``); absolute paths as given."""
-    path = Path(relative)
-    if not path.is_absolute():
-        root = data_root(required=False)
-        if root is None:
-            raise CachelabError(f"{where}: {key}: {relative!r} needs the data root: "
-                                "set CACHELAB_DATA to the folder holding traces/ and prompts/")
-        path = root / path
-    if not path.exists():
-        raise CachelabError(f"{where}: {key}: data file not found: {path}")
-    return path
-
-
-def capacity_rows(capacity: int | str, unique_rows: int, row_bytes: int, where: str = "capacity") -> int:
-    """Rows of a tier: an integer, ``"N%"`` of ``unique_rows``, or bytes (``"64 MiB"``)."""
-    if isinstance(capacity, bool):
-        raise CachelabError(f"{where}: expected rows, 'N%' or bytes, got {capacity!r}")
-    if isinstance(capacity, int):
-        rows = capacity
-    else:
-        m = _CAPACITY.match(capacity)
-        unit = (m.group(2) or "rows").lower() if m else None
-        if m is None or (unit not in _UNITS and unit not in ("%", "rows")):
-            raise CachelabError(f"{where}: {capacity!r} is not a capacity; write rows (1000), a share of "
-                                f"the workload's rows ('1%') or bytes with a unit ({', '.join(_UNITS)})")
-        amount = float(m.group(1))
-        if unit == "%":
-            if not 0 < amount <= 100:
-                raise CachelabError(f"{where}: {capacity!r}: a share must be in (0%, 100%]")
-            rows = int(round(unique_rows * amount / 100))
-        elif unit == "rows":
-            rows = int(amount)
-        else:
-            rows = int(amount * _UNITS[unit]) // row_bytes
-    if rows < 1:
-        raise CachelabError(f"{where}: {capacity!r} is less than one row")
-    return rows

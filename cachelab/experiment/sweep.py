@@ -12,14 +12,15 @@ import itertools
 import json
 from dataclasses import dataclass
 
-from cachelab.experiment.spec import KINDS, ExperimentSpec, kinds, set_key
+from cachelab.experiment.kinds import get_kind
+from cachelab.experiment.spec import ExperimentSpec, kinds, set_key
 
 
 @dataclass(frozen=True, slots=True)
 class Point:
     """One run of the point function: its config, hash and the values that set it apart."""
 
-    config: dict  # "kind", the sections that kind reads (spec.KINDS), and "seed"
+    config: dict  # "kind", the sections that kind reads (ExperimentKind.sections), and "seed"
     hash: str
     label: str  # "hbm.policy=lru hbm.capacity=1% seed=0"
     axes: dict  # sweep key -> value, and "seed"
@@ -40,7 +41,7 @@ def expand(spec: ExperimentSpec) -> list[Point]:
     keys = list(spec.sweep)
     points: dict[str, Point] = {}
     for kind in kinds(spec):
-        sections = KINDS[kind]
+        sections = get_kind(kind).sections
         for values in itertools.product(*(spec.sweep[k] for k in keys)):
             raw = base
             for key, value in zip(keys, values):

@@ -22,10 +22,10 @@ from cachelab import registry
 from cachelab.engram import Addresser, encode, get_preset
 from cachelab.engram.stats import skew
 from cachelab.errors import CachelabError
-from cachelab.experiment.spec import WorkloadSpec, resolve_data_path
+from cachelab.experiment.spec import WorkloadSpec
 from cachelab.experiment.sweep import config_hash
 from cachelab.workload.lookups import LookupStream, split_key
-from cachelab.paths import cache_dir
+from cachelab.paths import cache_dir, resolve_data_path
 
 ENCODE_BATCH = 256
 
@@ -74,7 +74,7 @@ def with_tokens(stream: LookupStream, addresser: Addresser, sequences) -> Lookup
 def _from_corpus(spec: WorkloadSpec, addresser: Addresser, progress: Progress | None):
     kwargs = dict(spec.params)
     if spec.path is not None:
-        kwargs["path"] = str(resolve_data_path(spec.path))
+        kwargs["path"] = str(resolve_data_path(spec.path, key="workload.path"))
     docs = [d for d in registry.get(registry.WORKLOADS, spec.source)(**kwargs).documents()
             if spec.domains is None or d.domain in spec.domains]
     task = progress.add_task(f"tokenize {spec.source}", total=len(docs)) if progress else None

@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from cachelab import registry
+from cachelab.capacity import capacity_rows, parse_capacity
+from cachelab.defaults import HORIZON, MAX_SAMPLES, TRAIN_FRACTION
 from cachelab.errors import CachelabError
 from cachelab.learning.lineup import lineup, tuned_params
 from cachelab.learning.predictor import Predictor, check_features, read_metadata
@@ -41,26 +43,25 @@ BATCH = 1 << 20
 class TrainSpec:
     """How a model is trained (recorded in its metadata.json)."""
 
-    horizon: int = 1 << 18
-    train_fraction: float = 0.5
-    max_samples: int = 2_000_000
+    horizon: int = HORIZON
+    train_fraction: float = TRAIN_FRACTION
+    max_samples: int = MAX_SAMPLES
     seed: int = 0
-    capacity: float = 0.0  # > 0: Belady keep labels at this cache size (fraction of unique rows, or rows)
+    capacity: float | str = 0.0  # set: Belady keep labels at this cache size (cachelab.capacity)
     lookahead: bool = True  # the prompt-lookahead features (cachelab.learning.features)
 
     def check(self) -> None:
-        if self.capacity < 0:
-            raise CachelabError(f"capacity must be a fraction of the unique rows (< 1) or a row count, "
-                                f"got {self.capacity}")
+        if self.capacity:
+            parse_capacity(self.capacity, "capacity")
         if not 0.0 < self.train_fraction < 1.0:
             raise CachelabError(f"train_fraction must lie in (0, 1), got {self.train_fraction}")
         if self.horizon < 1:
             raise CachelabError(f"horizon must be at least 1 lookup, got {self.horizon}")
 
 
-def rows_for(capacity: float, unique: int) -> int:
-    """A capacity as rows: a fraction of the unique rows below 1, else a row count."""
-    return max(1, int(round(capacity * unique))) if capacity < 1 else int(capacity)
+def rows_for(capacity: float | str, unique: int) -> int:
+    """A capacity (``cachelab.capacity``: rows, a fraction or percentage of the unique rows) as rows."""
+    return capacity_rows(capacity, unique_rows=unique, where="capacity")
 
 
 def check_target(task: str, spec: TrainSpec) -> None:

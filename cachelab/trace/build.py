@@ -1,4 +1,8 @@
-"""A workload spec (TOML or flags) and the build it describes: import, or synthesize.
+"""A trace spec (TOML or flags) and the build it describes: import, or synthesize.
+
+``TraceSpec`` says how a request trace is made; an experiment's ``WorkloadSpec``
+(``cachelab.experiment.spec``) may hold one as ``[workload.trace]`` and cuts its requests into
+Engram lookups.
 
 ```toml
 seed = 0
@@ -26,24 +30,19 @@ from __future__ import annotations
 import inspect
 import os
 import time
-import tomllib
-from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
 from cachelab import registry
 from cachelab.errors import CachelabError
-from cachelab.paths import data_root
+from cachelab.paths import resolve_data_path
 from cachelab.trace.synthesis import BuildReport, TokenStream, make_plan, synthesize
 from cachelab.trace.schema import write_trace
+from cachelab.validation import Strict, read_toml, validate
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class ArrivalSpec(_Strict):
+class ArrivalSpec(Strict):
     source: str
     path: str | None = None
     skip_bad: bool = False
@@ -52,52 +51,34 @@ class ArrivalSpec(_Strict):
     options: dict[str, Any] = {}
 
 
-class CorpusSpec(_Strict):
+class CorpusSpec(Strict):
     source: str
     tokenizer: str = "deepseek-v4"
     options: dict[str, Any] = {}
 
 
-class SynthesisSpec(_Strict):
+class SynthesisSpec(Strict):
     output_tokens: int = Field(256, ge=0)
     turn_gap_s: float = Field(30.0, ge=0)
     chunk_tokens: int = Field(4_000_000, gt=0)
 
 
-class WorkloadSpec(_Strict):
+class TraceSpec(Strict):
+    """Arrivals (imported, or generated), optionally a corpus for their text, and synthesis rules."""
+
     seed: int = 0
     arrivals: ArrivalSpec
     corpus: CorpusSpec | None = None
     synthesis: SynthesisSpec = SynthesisSpec()
 
 
-def parse_spec(data: dict, where: str) -> WorkloadSpec:
+def parse_spec(data: dict, where: str) -> TraceSpec:
     """A validated spec; errors name ``where`` and the offending key."""
-    try:
-        return WorkloadSpec.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        key = ".".join(str(p) for p in first["loc"]) or "(top level)"
-        raise CachelabError(f"{where}: {key}: {first['msg']}") from None
+    return validate(TraceSpec, data, where)
 
 
-def load_spec(path: str | os.PathLike) -> WorkloadSpec:
-    path = Path(path)
-    if not path.is_file():
-        raise CachelabError(f"workload spec not found: {path}")
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise CachelabError(f"{path}: not valid TOML ({exc})") from None
-    return parse_spec(data, str(path))
-
-
-def resolve_path(path: str) -> str:
-    """An existing path as given, else the same path under the data root."""
-    if Path(path).exists() or Path(path).is_absolute():
-        return path
-    root = data_root(required=False)
-    return str(root / path) if root is not None and (root / path).exists() else path
+def load_spec(path: str | os.PathLike) -> TraceSpec:
+    return parse_spec(read_toml(path, "trace spec"), str(path))
 
 
 def instantiate(name: str, kwargs: dict[str, Any], optional: dict[str, Any]):
@@ -115,25 +96,25 @@ def instantiate(name: str, kwargs: dict[str, Any], optional: dict[str, Any]):
         raise CachelabError(f"workload {name!r}: {exc}") from None
 
 
-def make_arrivals(spec: WorkloadSpec):
+def make_arrivals(spec: TraceSpec):
     a = spec.arrivals
     kwargs = dict(a.options)
     if a.path is not None:
-        kwargs["path"] = resolve_path(a.path)
+        kwargs["path"] = str(resolve_data_path(a.path, "trace spec", "arrivals.path"))
     source = instantiate(a.source, kwargs, {"skip_bad": a.skip_bad, "seed": spec.seed})
     if not hasattr(source, "arrivals"):
         raise CachelabError(f"workload {a.source!r} is a corpus, not an arrival source (it has no arrivals())")
     return source
 
 
-def make_corpus(spec: WorkloadSpec):
+def make_corpus(spec: TraceSpec):
     corpus = instantiate(spec.corpus.source, dict(spec.corpus.options), {})
     if not hasattr(corpus, "documents"):
         raise CachelabError(f"workload {spec.corpus.source!r} is an arrival source, not a corpus (it has no documents())")
     return corpus
 
 
-def build(spec: WorkloadSpec, out: str | os.PathLike, progress=None) -> BuildReport:
+def build(spec: TraceSpec, out: str | os.PathLike, progress=None) -> BuildReport:
     """Import the arrivals (no corpus) or synthesize a workload; write it to ``out``.
 
     Args:

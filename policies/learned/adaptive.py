@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from cachelab.defaults import HORIZON
 from cachelab.errors import CachelabError
 from cachelab.policy import check_keys
 from policies.learned.s3fifo import LearnedS3FIFO
@@ -62,7 +63,7 @@ class AdaptiveLearnedS3FIFO(LearnedS3FIFO):
     name = "learned-s3fifo-adaptive"
     judged_by_default = True  # the learned policy `cachelab evaluate` judges unless --policy names another
 
-    def __init__(self, promote: float = 0.4, horizon: int = 1 << 17, promotes=(0.1, 0.3, 0.5, 0.7),
+    def __init__(self, promote: float = 0.4, horizon: int = HORIZON, promotes=(0.1, 0.3, 0.5, 0.7),
                  small_size_ratios=(0.025, 0.1), sample_rate: float = 0.125, epoch: int = 1 << 16,
                  decay: float = 0.7, warmup_epochs: int = 3, small_size_ratio: float = 0.1,
                  ghost_size_ratio: float = 0.9, move_to_main_threshold: int = 2, admission: str = "always"):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from cachelab.defaults import HORIZON
 from cachelab.errors import CachelabError
 from cachelab.policy import Capabilities
 from policies.learned.scores import checked_scores
@@ -38,7 +39,7 @@ class LearnedS3FIFO(S3FIFO):
     capabilities = Capabilities(needs_scores=True, compiled=True)
     tuned_params = {"promote": (0.2, 0.3, 0.4, 0.5, 0.6)}  # tuned on a keep model's training window
 
-    def __init__(self, promote: float = 0.4, horizon: int = 1 << 17, small_size_ratio: float = 0.1,
+    def __init__(self, promote: float = 0.4, horizon: int = HORIZON, small_size_ratio: float = 0.1,
                  ghost_size_ratio: float = 0.9, move_to_main_threshold: int = 2, admission: str = "always"):
         super().__init__(small_size_ratio, ghost_size_ratio, move_to_main_threshold, admission)
         self.promote = promote

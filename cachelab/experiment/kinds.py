@@ -1,0 +1,58 @@
+"""Experiment kinds: what a point of each kind reads, checks, runs and leaves for the report.
+
+A kind is an ``ExperimentKind`` registered under the ``cachelab.experiment_kinds`` entry-point
+group (``cachelab.registry``), the built-ins (``replay``, ``learned``, ``serve``, in
+``cachelab.experiment.points``) exactly as a third party's: a package declares
+
+    [project.entry-points."cachelab.experiment_kinds"]
+    my-kind = "my_package.kinds:MY_KIND"
+
+and ``kind = "my-kind"`` in a spec runs its ``run`` on every point; ``cachelab plugins list``
+shows it. Point functions are pure and deterministic for a config (its ``seed`` included),
+so the local pool and Ray give identical results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import polars as pl
+
+from cachelab import registry
+
+
+@dataclass
+class PointOutput:
+    """What a point produced: scalar metrics, resolved params, tables (Parquet), files."""
+
+    metrics: dict[str, float]
+    params: dict[str, str] = field(default_factory=dict)
+    tables: dict[str, pl.DataFrame] = field(default_factory=dict)
+    files: dict[str, bytes] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ExperimentKind:
+    """One kind of point.
+
+    ``sections``: the spec sections a point of this kind holds (and hashes), so a sweep axis
+    the kind ignores does not multiply its points. ``run(config, workload) -> PointOutput``.
+    ``check(spec, where)``: checks beyond types, raising ``CachelabError`` naming the key.
+    ``tables``: the point tables ``cachelab report`` reads back for its plots.
+    """
+
+    sections: tuple[str, ...]
+    run: Callable[..., PointOutput]
+    check: Callable[..., None] | None = None
+    tables: tuple[str, ...] = ()
+
+
+def get_kind(name: str) -> ExperimentKind:
+    """The registered kind ``name``, or an error naming the installed ones."""
+    return registry.get(registry.EXPERIMENT_KINDS, name)
+
+
+def kind_names() -> list[str]:
+    """Every kind that loaded, in name order."""
+    return [p.name for p in registry.discover(registry.EXPERIMENT_KINDS) if p.error is None]
