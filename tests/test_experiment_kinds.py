@@ -1,0 +1,128 @@
+"""Experiment kinds register through entry points: a third party's kind is checked, expanded,
+run and listed exactly as the built-ins are, and the experiment package has no import cycle."""
+
+from __future__ import annotations
+
+import ast
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+from experiment_helpers import write_spec
+from typer.testing import CliRunner
+
+import cachelab.experiment
+from cachelab import registry
+from cachelab.cli import app
+from cachelab.errors import CachelabError
+from cachelab.experiment.backends import execute
+from cachelab.experiment.kinds import get_kind, kind_names
+from cachelab.experiment.spec import load_spec
+from cachelab.experiment.sweep import expand
+
+COUNTING = {
+    "countkind/__init__.py": """
+        from cachelab.errors import CachelabError
+        from cachelab.experiment.kinds import ExperimentKind, PointOutput
+
+        def run(config, workload):
+            return PointOutput({"lookups": float(workload.stream.num_lookups), "seed": float(config["seed"])})
+
+        def check(spec, where):
+            if spec.warmup > 0.5:
+                raise CachelabError(f"{where}: warmup: kind 'count' counts every lookup")
+
+        COUNT = ExperimentKind(("workload", "warmup"), run, check)
+        NOT_A_KIND = object()
+        """,
+    "cachelab_countkind-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: cachelab-countkind\nVersion: 0.1\n",
+    "cachelab_countkind-0.1.dist-info/entry_points.txt": """
+        [cachelab.experiment_kinds]
+        count = countkind:COUNT
+        shapeless = countkind:NOT_A_KIND
+        """,
+}
+
+
+@pytest.fixture()
+def count_kind(tmp_path, monkeypatch):
+    """A separately installed distribution with one experiment kind and one broken entry."""
+    for rel, text in COUNTING.items():
+        path = tmp_path / "site" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text).lstrip())
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    registry.discover.cache_clear()
+    yield tmp_path
+    registry.discover.cache_clear()
+
+
+def test_built_in_kinds_are_registered_like_any_plugin():
+    assert {"replay", "learned", "serve"} <= set(kind_names())
+    assert get_kind("replay").sections == ("workload", "hierarchy", "warmup")
+    rows = json.loads(CliRunner().invoke(app, ["plugins", "list", "--json"]).stdout)
+    kinds = {r["name"]: r for r in rows if r["group"] == registry.EXPERIMENT_KINDS}
+    assert {"replay", "learned", "serve"} <= set(kinds) and kinds["serve"]["status"] == "ok"
+    with pytest.raises(CachelabError, match="unknown experiment kind 'nope'"):
+        get_kind("nope")
+
+
+def test_a_third_party_kind_is_checked_expanded_and_run(count_kind):
+    spec_path = write_spec(count_kind, extra="")
+    text = spec_path.read_text().replace('warmup = 0.1', 'warmup = 0.1\nkind = ["replay", "count"]')
+    spec_path.write_text(text)
+    spec = load_spec(spec_path)
+    points = expand(spec)
+    counting = [p for p in points if p.config["kind"] == "count"]
+    # the sweep's axes are hierarchy keys, which the count kind does not read: one point
+    assert len(counting) == 1 and set(counting[0].config) == {"kind", "workload", "warmup", "seed"}
+    assert len(points) == 1 + 4
+
+    class Stream:
+        num_lookups = 7
+
+    class Workload:
+        stream = Stream()
+
+    assert execute(counting[0].config, Workload()).metrics == {"lookups": 7.0, "seed": 0.0}
+    spec_path.write_text(text.replace("warmup = 0.1", "warmup = 0.9"))
+    with pytest.raises(CachelabError, match="warmup: kind 'count' counts every lookup"):
+        load_spec(spec_path)
+
+
+def test_a_broken_kind_is_listed_with_its_reason_and_refused(count_kind):
+    rows = {r["name"]: r for r in json.loads(CliRunner().invoke(app, ["plugins", "list", "--json"]).stdout)}
+    assert rows["shapeless"]["status"] == "broken" and "not an ExperimentKind" in rows["shapeless"]["error"]
+    assert "shapeless" not in kind_names()
+    spec_path = write_spec(count_kind)
+    spec_path.write_text(spec_path.read_text().replace('warmup = 0.1', 'warmup = 0.1\nkind = "shapeless"'))
+    with pytest.raises(CachelabError, match="kind: unknown experiment kind 'shapeless'; allowed: count, learned"):
+        load_spec(spec_path)
+
+
+def _imports(module: Path, package: str) -> set[str]:
+    """Modules of ``package`` that ``module`` imports, at any depth of its code."""
+    out = set()
+    for node in ast.walk(ast.parse(module.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(package):
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith(package)}
+    return out
+
+
+def test_the_experiment_package_has_no_import_cycle():
+    root = Path(cachelab.experiment.__file__).parent
+    graph = {f"cachelab.experiment.{p.stem}": _imports(p, "cachelab.experiment.")
+             for p in root.glob("*.py") if p.stem != "__init__"}
+
+    def reach(start, seen):
+        for nxt in graph.get(start, ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                reach(nxt, seen)
+        return seen
+
+    cycles = sorted(m for m in graph if m in reach(m, set()))
+    assert not cycles, f"modules on an import cycle: {cycles}"
