@@ -1,9 +1,11 @@
 """Entry points are cachelab's only registry: built-ins and third-party plug-ins alike.
 
 ``cachelab`` never imports ``policies``, ``predictors`` or ``traces`` by name; it loads the
-``cachelab.*`` entry-point groups (policies, predictors, workloads, experiment kinds). Each plug-in is checked against its group's contract at
-load time (a policy must subclass or quack like ``cachelab.policy.Policy``: reset, step,
-resident; a predictor like ``cachelab.learning.Predictor``). A plug-in that fails to load
+``cachelab.*`` entry-point groups (policies, predictors, workloads, experiment kinds). Each
+plug-in is checked against its group's contract at load time (a policy must subclass or
+quack like ``cachelab.policy.Policy``: reset, step, resident; a predictor like
+``cachelab.learning.Predictor``; an experiment kind like
+``cachelab.experiment.kinds.ExperimentKind``: sections, run). A plug-in that fails to load
 or to match is recorded with its reason and skipped, so one broken package never breaks
 unrelated commands; ``blame`` names the plug-in behind an exception raised at run time.
 ``CACHELAB_DISABLE_PLUGINS=name,name`` switches plug-ins off by name.

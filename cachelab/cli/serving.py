@@ -44,6 +44,9 @@ def serve_sim(
     row_cache_gib: float = typer.Option(0.0, help="HBM row cache per GPU (GiB, LRU) in front of the placement."),
     row_cache_policy: str = typer.Option("lru", help="The row cache's policy (any registered policy)."),
     page_cache_gib: float | None = typer.Option(None, help="Page cache for ssd-mmap (GiB; default half the host DRAM)."),
+    row_cache: str | None = typer.Option(None, help="The row cache as rows or bytes ('512MiB', '2 GiB'), "
+                                         "instead of --row-cache-gib."),
+    page_cache: str | None = typer.Option(None, help="The page cache as bytes ('64GiB'), instead of --page-cache-gib."),
     max_num_batched_tokens: int = typer.Option(8192, help="Token budget per step (chunked prefill)."),
     max_num_seqs: int = typer.Option(256, help="Sequences per step at most."),
     sample_rate: float = typer.Option(1.0, help="Spatial row sampling rate (0.01 = 1% of pages)."),
@@ -58,12 +61,19 @@ def serve_sim(
     ratio and footprint, the row cache's hit ratio and bytes, and the HBM plan.
     Example: `cachelab serve-sim --trace w.parquet --hardware B200 --placement dram-uva --tp 4`.
     """
+    from cachelab.capacity import parse_capacity
+    from cachelab.engram import get_preset
     from cachelab.serving.simulator import ServingConfig, simulate
 
     df = _read(trace, max_requests)
+    row_bytes = get_preset(ServingConfig.layout).row_bytes
+    row_cache_bytes = row_cache_gib * GIB if row_cache is None else \
+        float(parse_capacity(row_cache, "--row-cache").bytes(row_bytes, "--row-cache"))
+    page_cache_bytes = (None if page_cache_gib is None else page_cache_gib * GIB) if page_cache is None else \
+        float(parse_capacity(page_cache, "--page-cache").bytes(1, "--page-cache"))
     cfg = ServingConfig(hardware=hardware, placement=placement, tp=tp, concurrency=concurrency,
-                        prefix_cache=prefix_cache, row_cache_bytes=row_cache_gib * GIB, row_cache_policy=row_cache_policy,
-                        page_cache_bytes=None if page_cache_gib is None else page_cache_gib * GIB,
+                        prefix_cache=prefix_cache, row_cache_bytes=row_cache_bytes, row_cache_policy=row_cache_policy,
+                        page_cache_bytes=page_cache_bytes,
                         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                         sample_rate=sample_rate)
     result = simulate(df, cfg, progress=not as_json).to_dict()
@@ -144,14 +154,14 @@ def pareto(
 
     from cachelab.serving.pareto import pareto_front, plot_fronts
     from cachelab.serving.simulator import ServingConfig
-    from cachelab.serving.grid import sweep
+    from cachelab.serving.grid import serving_grid
 
     df = _read(trace, None)
     bad = sorted(set(placement) - set(PLACEMENTS))
     if bad:
         raise CachelabError(f"unknown placement(s) {bad}; use {list(PLACEMENTS)}")
     console = Console(stderr=True, quiet=as_json)
-    points = sweep(df, ServingConfig(prefix_cache=prefix_cache), hardware, _ints(tp, "--tp"), placement,
+    points = serving_grid(df, ServingConfig(prefix_cache=prefix_cache), hardware, _ints(tp, "--tp"), placement,
                    _ints(concurrency, "--concurrency"), requests_per_client or None,
                    lambda msg: console.print(f"running {msg}"))
     fits = points.filter(pl.col("fits")).with_columns(

@@ -1,8 +1,10 @@
 """Serving configurations over a grid (hardware x TP degree x placement x concurrency).
 
-Every point is one serving replay; a configuration that does not fit in HBM is recorded
-with its reason instead of failing the sweep. The result is one tidy table (a row per
-point) that ``pareto`` reads.
+Every point is one serving replay, run here and now; a configuration that does not fit in
+HBM is recorded with its reason instead of failing the grid. The result is one tidy table (a
+row per point) that ``pareto`` reads. This is not an experiment's sweep
+(``cachelab.experiment.sweep.expand``), which turns a spec's axes into hashed, tracked,
+resumable points for the runner; a spec of kind ``serve`` sweeps ``serving.*`` keys that way.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ COLUMNS = ("hardware", "tp", "placement", "concurrency", "fits", "reason", "inte
            "median_tpot_ms", "p90_tpot_ms", "p99_tpot_ms", "p99_itl_ms", "stall_share", "kv_tokens", "preemptions")
 
 
-def sweep(trace: pl.DataFrame, base: ServingConfig, hardware: Sequence[str], tps: Sequence[int],
+def serving_grid(trace: pl.DataFrame, base: ServingConfig, hardware: Sequence[str], tps: Sequence[int],
           placements: Sequence[str], concurrencies: Sequence[int], requests_per_client: float | None = None,
           progress: Callable[[str], None] | None = None) -> pl.DataFrame:
     """Run every grid point; ``requests_per_client``: use only the first ``C x that + 8``

@@ -25,7 +25,7 @@ from cachelab.serving.hardware import load_profile
 from cachelab.serving.pareto import dominated, pareto_front, plot_fronts, throughput_at
 from cachelab.paths import cache_dir
 from cachelab.serving.simulator import ServingConfig
-from cachelab.serving.grid import sweep
+from cachelab.serving.grid import serving_grid
 from cachelab.trace.synthesis import TokenStream, make_plan, synthesize
 from cachelab.trace.schema import read_trace
 from cachelab.trace.build import instantiate
@@ -127,10 +127,10 @@ def run(out_dir: Path, concurrencies=(16, 64, 256), isl: int = 1024, osl: int = 
     out_dir.mkdir(parents=True, exist_ok=True)
     trace = fixed_length_workload(2 * max(concurrencies) + 8, isl, osl)
     base = ServingConfig(prefix_cache="off", max_num_seqs=max(256, max(concurrencies)))
-    b200 = sweep(trace, base, ["B200"], [4, 8], ["dram-uva", "ssd-mmap"], concurrencies, 2, progress)
-    warm = sweep(trace, replace(base, warm_page_cache=True), ["B200"], [4, 8], ["ssd-mmap"], concurrencies, 2, progress)
+    b200 = serving_grid(trace, base, ["B200"], [4, 8], ["dram-uva", "ssd-mmap"], concurrencies, 2, progress)
+    warm = serving_grid(trace, replace(base, warm_page_cache=True), ["B200"], [4, 8], ["ssd-mmap"], concurrencies, 2, progress)
     b200 = pl.concat([b200, warm.with_columns(pl.lit("ssd-mmap-warm").alias("placement"))])
-    b300 = sweep(trace, base, ["B300"], [2, 4], ["hbm", "dram-uva"], concurrencies, 2, progress)
+    b300 = serving_grid(trace, base, ["B300"], [2, 4], ["hbm", "dram-uva"], concurrencies, 2, progress)
     pl.concat([b200, b300]).write_csv(out_dir / "semianalysis_points.csv")
     for name, points in (("b200", b200), ("b300", b300)):
         fits = points.filter(pl.col("fits")).with_columns(
@@ -141,7 +141,7 @@ def run(out_dir: Path, concurrencies=(16, 64, 256), isl: int = 1024, osl: int = 
     result = analyse(b200, b300)
     if long_context:  # the KV-bound regime: 8k-token prompts, short answers, many clients
         long_trace = fixed_length_workload(2 * max(long_context) + 8, 8192, 128)
-        long = sweep(long_trace, replace(base, max_num_seqs=max(long_context)), ["B300"], [2, 4], ["hbm", "dram-uva"],
+        long = serving_grid(long_trace, replace(base, max_num_seqs=max(long_context)), ["B300"], [2, 4], ["hbm", "dram-uva"],
                      long_context, 2, progress)
         long.write_csv(out_dir / "semianalysis_b300_long_points.csv")
         fits = long.filter(pl.col("fits")).with_columns(
