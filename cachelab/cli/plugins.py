@@ -37,8 +37,8 @@ def _defaults(cls) -> dict:
 
 @plugins_app.command("list")
 def plugins_list(as_json: bool = typer.Option(False, "--json", help="Print a JSON list.")) -> None:
-    """Every entry point of cachelab.policies, cachelab.predictors and cachelab.workloads,
-    with its source distribution and version; broken ones with the reason."""
+    """Every entry point of cachelab.policies, cachelab.predictors, cachelab.workloads and
+    cachelab.experiment_kinds, with its source distribution and version; broken ones with the reason."""
     rows = [_row(p) for group in registry.GROUPS for p in registry.discover(group)]
     if as_json:
         typer.echo(json.dumps(rows))
