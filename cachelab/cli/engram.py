@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from cachelab.defaults import PRESET
 from cachelab.engram import Addresser, encode, get_preset, load_tokenizer
 from cachelab.errors import CachelabError
 
@@ -33,7 +34,7 @@ def _read_text(text: str | None, text_file: Path | None) -> str:
 
 @app.command()
 def rows(
-    preset: str = typer.Option("deepseek-v4.1-flash", help=PRESET_HELP),
+    preset: str = typer.Option(PRESET, help=PRESET_HELP),
     text: str | None = typer.Option(None, help="Text to tokenize."),
     text_file: Path | None = typer.Option(None, help="UTF-8 file, tokenized exactly as stored."),
     bos: bool = typer.Option(False, "--bos", help="Prepend token id 0 (begin of sentence)."),
@@ -61,7 +62,7 @@ def rows(
 
 @app.command()
 def info(
-    preset: str = typer.Option("deepseek-v4.1-flash", help=PRESET_HELP),
+    preset: str = typer.Option(PRESET, help=PRESET_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Orders, heads, primes and table sizes of a layout."""

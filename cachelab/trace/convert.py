@@ -19,6 +19,7 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from cachelab.trace.arrivals import arrival_frame
+from cachelab.defaults import PRESET
 from cachelab.engram import Addresser, get_preset
 from cachelab.errors import CachelabError
 from cachelab.trace.keytrace import read_oracle_records
@@ -46,7 +47,7 @@ def _batches(path: str | os.PathLike, max_requests: int | None):
 
 
 def trace_keys(path: str | os.PathLike, kind: str = "rows", *, block_size: int | None = None,
-               preset: str = "deepseek-v4.1-flash", max_requests: int | None = None) -> np.ndarray:
+               preset: str = PRESET, max_requests: int | None = None) -> np.ndarray:
     """The key stream of a trace (see module doc), as non-negative int64."""
     if kind not in KEY_KINDS:
         raise CachelabError(f"key kind {kind!r}: choose one of {list(KEY_KINDS)}")

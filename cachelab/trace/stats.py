@@ -16,6 +16,7 @@ import numpy as np
 import polars as pl
 import pyarrow.parquet as pq
 
+from cachelab.defaults import PRESET
 from cachelab.engram import Addresser, get_preset
 from cachelab.engram.stats import row_skew
 from cachelab.workload.prefix_cache.hashing import DistinctCounter, chained_block_hashes
@@ -30,7 +31,7 @@ def _flat(column) -> tuple[np.ndarray, np.ndarray]:
     return column.values.to_numpy(zero_copy_only=False), column.offsets.to_numpy()
 
 
-def summarize(path: str | os.PathLike, *, preset: str = "deepseek-v4.1-flash", engram_tokens: int = 500_000,
+def summarize(path: str | os.PathLike, *, preset: str = PRESET, engram_tokens: int = 500_000,
               progress: Callable[[int], None] | None = None) -> dict:
     """The ``trace info`` report of one trace file (validated first)."""
     lazy = scan_trace(path)
