@@ -1,4 +1,4 @@
-"""Token ids -> Engram row ids, bit-exact with DeepSeek's reference (ENGRAM.md §2-3).
+"""Token ids -> Engram row ids, bit-exact with DeepSeek's reference.
 
 One compiled kernel serves prefill and decode: it walks each sequence chunk with a small
 look-back history (the last N-1 compressed ids, -1 where the look-back is blocked by a

@@ -1,4 +1,4 @@
-"""Engram layouts: presets, hash multipliers, primes and table offsets (ENGRAM.md §3).
+"""Engram layouts: presets, hash multipliers, primes and table offsets.
 
 A layout is fully described by a few hyper-parameters; everything else (multipliers,
 primes, offsets, table sizes) is derived here once. The presets' multipliers are hard-coded

@@ -1,4 +1,4 @@
-"""The tokenizer and Engram's compressed vocabulary (ENGRAM.md §1).
+"""The tokenizer and Engram's compressed vocabulary.
 
 Engram hashes *compressed* ids: raw tokens that decode to the same normalised text share
 one id. The map is derived from a HF ``tokenizer.json`` read with the ``tokenizers``

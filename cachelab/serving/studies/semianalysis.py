@@ -1,4 +1,4 @@
-"""SemiAnalysis, "Engrams Embedding Entendre" (ANCHORS.md §2), reproduced from first principles.
+"""SemiAnalysis, "Engrams Embedding Entendre" (2026-09-18), reproduced from first principles.
 
 Three questions, each answered by serving replays over an InferenceX-style closed-loop
 benchmark (fixed input/output lengths, concurrency swept, real Arena-Hard text so the
