@@ -26,6 +26,18 @@ OUTPUT = "docs/architecture.md"
 # template of cachelab.policy and stay within 15-30 lines.
 EXAMPLE_POLICY = "policies/linked/lru.py"
 COMMAND = "scripts/architecture.py"
+# The contracts between the layers, in the order of the data flow: (module path, class). The
+# page lists each one's docstring summary and public methods, read from the code.
+CONTRACTS = (
+    ("cachelab/trace/corpus.py", "Corpus"),
+    ("cachelab/trace/arrivals.py", "ArrivalSource"),
+    ("cachelab/workload/lookups.py", "LookupStream"),
+    ("cachelab/policy/contract.py", "Policy"),
+    ("cachelab/policy/contract.py", "StepResult"),
+    ("cachelab/engine/tiers.py", "Tier"),
+    ("cachelab/engine/tiers.py", "Hierarchy"),
+    ("cachelab/learning/predictor.py", "Predictor"),
+)
 
 # What each layer is for, in the order of the data flow. A layer the code has and this table
 # lacks is still drawn and listed, under its package docstring.
@@ -214,6 +226,20 @@ def first_paragraph(path: Path) -> str:
     return " ".join(doc.split("\n\n")[0].split())
 
 
+def contract_line(root: Path, path: str, name: str) -> str:
+    """``Class`` (path): its docstring summary; its public methods and properties."""
+    tree = ast.parse((root / path).read_text(encoding="utf-8"))
+    found = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name]
+    if not found:
+        raise SystemExit(f"{COMMAND}: CONTRACTS names {name} in {path}, which has no such class")
+    cls = found[0]
+    doc = ast.get_docstring(cls, clean=True) or "(no docstring)"
+    methods = [f"`{n.name}`" for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+               and not n.name.startswith("_")]
+    summary = " ".join(doc.split("\n\n")[0].split())
+    return f"- `{name}` ({path}): {summary}" + (f" Methods: {', '.join(methods)}." if methods else "")
+
+
 def _node_id(layer: str) -> str:
     return layer.replace(".", "_")
 
@@ -291,7 +317,16 @@ def render(root: Path = ROOT) -> str:
         "Layers that import each other (through any chain, lazy imports included): "
         + ("; ".join(", ".join(f"`{n}`" for n in group) for group in cycles(edges)) or "none") + ".",
         "",
+        "## Contracts",
+        "",
+        "What one layer hands the next, in the order of the data flow (each class's summary and",
+        "public methods, read from the code):",
+        "",
+        *[contract_line(root, path, name) for path, name in CONTRACTS],
+        "",
         "## Modules",
+        "",
+        "Each module's path and the first paragraph of its docstring, by layer.",
         "",
     ]
     for layer in order:
