@@ -1,0 +1,1 @@
+"""Built-in hotness predictors, registered through the ``cachelab.predictors`` entry points."""

@@ -1,0 +1,1 @@
+"""Adaptive policies: the balance of recency and frequency tuned online by ghost hits."""

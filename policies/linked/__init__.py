@@ -1,0 +1,1 @@
+"""Queue-ordered policies: recency, insertion order, second chance, sieving, frequency."""

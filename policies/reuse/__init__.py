@@ -1,0 +1,1 @@
+"""Policies that evict by an estimated reuse distance."""

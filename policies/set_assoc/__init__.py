@@ -1,0 +1,1 @@
+"""Set-associative caches, as GPU embedding libraries build them."""

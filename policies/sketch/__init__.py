@@ -1,0 +1,1 @@
+"""Policies whose admission asks a frequency sketch (the TinyLFU family)."""

@@ -1,0 +1,1 @@
+"""Policies with a probationary queue in front of the main one."""
