@@ -255,6 +255,7 @@ class LookupStream:
 
 _ID_MASK = (1 << 32) - 1
 _AHEAD = 16  # lookups between a slot's prefetch and its use
+_PREFIX = 1 << 20  # keys whose distinct share sizes the first table
 
 
 @nb.njit(cache=True, inline="always")
@@ -270,10 +271,12 @@ def _compact_steps_kernel(keys, step_offsets, bits, uniq, distinct, distinct_off
     A slot of the open-addressing table holds a key and, packed in one word, its id + 1 and
     the index of its latest distinct entry, so a lookup touches one cache line: a new key
     takes the next id, a key whose latest entry lies in this step is a duplicate. The slot of
-    the key ``_AHEAD`` lookups on is prefetched. Returns (distinct keys, distinct entries)."""
+    the key ``_AHEAD`` lookups on is prefetched. The table starts at ``2^bits`` slots and
+    doubles whenever it is 0.6 full. Returns (distinct keys, distinct entries)."""
     mask = (1 << bits) - 1
     shift = np.uint64(64 - bits)
     table = np.zeros((1 << bits, 2), np.int64)  # [key, (entry << 32) | (id + 1)]; 0: empty
+    limit = int(0.6 * (1 << bits))
     n_ids = 0
     n = 0
     for s in range(step_offsets.size - 1):
@@ -285,6 +288,12 @@ def _compact_steps_kernel(keys, step_offsets, bits, uniq, distinct, distinct_off
             h = _slot(k, shift)
             while True:
                 v = table[h, 1]
+                if v == 0 and n_ids >= limit:
+                    bits += 1
+                    mask, shift, limit = (1 << bits) - 1, np.uint64(64 - bits), int(0.6 * (1 << bits))
+                    table = _grown(table, bits, shift)
+                    h = _slot(k, shift)
+                    continue
                 if v == 0:
                     table[h, 0] = k
                     table[h, 1] = (n << 32) | (n_ids + 1)
@@ -310,6 +319,34 @@ def _compact_steps_kernel(keys, step_offsets, bits, uniq, distinct, distinct_off
     return n_ids, n
 
 
+@nb.njit(cache=True, nogil=True, boundscheck=False)
+def _grown(table, bits, shift):
+    """The slots of ``table`` in one of ``2^bits`` slots."""
+    mask = (1 << bits) - 1
+    out = np.zeros((1 << bits, 2), np.int64)
+    for j in range(table.shape[0]):
+        if table[j, 1] != 0:
+            h = _slot(table[j, 0], shift)
+            while out[h, 1] != 0:
+                h = (h + 1) & mask
+            out[h, 0] = table[j, 0]
+            out[h, 1] = table[j, 1]
+    return out
+
+
+def _start_bits(keys: np.ndarray, step_offsets: np.ndarray) -> int:
+    """A first table size from the distinct share of a prefix of the keys (a prefix holds at
+    least the stream's share of new keys, so the table seldom grows)."""
+    n = keys.size
+    if n > _PREFIX:
+        prefix = keys[:_PREFIX]
+        distinct = _compact_steps_kernel(prefix, np.array([0, _PREFIX], np.int64), 16, np.empty(_PREFIX, np.int64),
+                                         np.empty(_PREFIX, np.int64), np.zeros(2, np.int64),
+                                         np.empty(_PREFIX, np.int64))[0]
+        n = n * distinct // _PREFIX
+    return max(4, int(np.ceil(np.log2(max(n, 1) / 0.6))))
+
+
 def compact_steps(keys, step_offsets) -> tuple["StepDedup", np.ndarray]:
     """Compaction and per-step dedup in one compiled pass: ``(dedup, unique_keys)``.
 
@@ -325,8 +362,7 @@ def compact_steps(keys, step_offsets) -> tuple["StepDedup", np.ndarray]:
     distinct = np.empty(keys.size, np.int64)
     d_offs = np.zeros(offs.size, np.int64)
     inverse = np.empty(keys.size, np.int64)
-    bits = max(4, int(np.ceil(np.log2(max(keys.size, 1) / 0.6))))  # load <= 0.6
-    n_ids, n = _compact_steps_kernel(keys, offs, bits, uniq, distinct, d_offs, inverse)
+    n_ids, n = _compact_steps_kernel(keys, offs, _start_bits(keys, offs), uniq, distinct, d_offs, inverse)
     return StepDedup(_trim(distinct, n), d_offs, inverse), _trim(uniq, n_ids)
 
 
