@@ -6,14 +6,20 @@ Streams (10 M requests each by default):
   row cache sees (each step's distinct rows);
 - ``zipf``: Zipf(0.99) over 1 M objects, seed 0.
 
-Every registered cachelab policy whose name matches a libCacheSim class (case, ``-`` and
-``_`` ignored; ``2q`` = ``TwoQ``) is measured, so new policies join once they land. Each
-measurement runs in a fresh process on one core (compilation warmed up on a small stream
-first); cachelab's time covers compaction of the raw keys, next-access where the policy needs
-it, and the kernel; libCacheSim's covers ``process_trace`` on the oracleGeneral file. A second
-ratio leaves out compaction, which cachelab does once per stream (every policy and capacity of
-a sweep reuses the dense ids), as libCacheSim's trace conversion is done once and not timed.
-Both report the miss ratio, which must agree for identical policies.
+cachelab is measured as a user meets it: ``cachelab simulate --trace T.npy --policy P
+--capacity C --json`` in a fresh process, timed by the ``seconds`` it reports (loading the
+trace, compaction, replay and summary) and by the wall time of the whole process (Python
+start and imports included). libCacheSim is timed around ``TraceReader`` + ``process_trace``
+on the same requests as an oracleGeneral file, in a fresh process, and by that process's wall
+time, and by the CPU time of each whole process (user + system: on a machine shared with
+other jobs the steadiest of the three). Each runs with one thread, best of ``--repeats``; cachelab's Numba cache is warmed first by
+a run on a small trace. ``ratio`` = libCacheSim seconds / cachelab seconds (above 1: cachelab
+is faster), ``wall ratio`` the same for whole processes. Both report the miss ratio, which
+must agree for identical policies.
+
+By default the five policies of issue 13's must-show (LRU, FIFO, SIEVE, S3-FIFO, Belady);
+``--policies all`` takes every registered policy whose name matches a libCacheSim class
+(case, ``-`` and ``_`` ignored; ``2q`` = ``TwoQ``).
 
     CACHELAB_DATA=../shared/data .venv/bin/python benchmarks/bench_engine.py [--requests N] [--json]
 """
@@ -23,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -53,8 +58,8 @@ def shared_policies() -> list[tuple[str, str]]:
 
 def engram_requests(n: int) -> np.ndarray:
     from cachelab.engram import Addresser
-    from cachelab.workload.lookups import LookupStream, compact, dedup_steps
     from cachelab.paths import data_root
+    from cachelab.workload.lookups import LookupStream, compact_steps
 
     novels = sorted((data_root() / "prompts/gutenberg").glob("*.txt"))
     texts = [p.read_text(encoding="utf-8") for p in novels]
@@ -62,9 +67,8 @@ def engram_requests(n: int) -> np.ndarray:
     per_token = len(addresser.config.layers) * addresser.config.columns
     stream = LookupStream.from_texts(addresser, texts, request_tokens=2048, tokens_per_step=256,
                                      max_tokens=int(n * 1.05) // per_token + 1)
-    ids, uniq = compact(stream.keys)
-    requests = uniq[dedup_steps(ids, stream.step_offsets, uniq.size).keys]
-    return requests[:n]
+    dd, uniq = compact_steps(stream.keys, stream.step_offsets)
+    return uniq[dd.keys][:n]
 
 
 def zipf_requests(n: int, objects: int = 1_000_000, alpha: float = 0.99) -> np.ndarray:
@@ -74,93 +78,91 @@ def zipf_requests(n: int, objects: int = 1_000_000, alpha: float = 0.99) -> np.n
     return rng.permutation(objects)[ranks].astype(np.int64)  # popularity not ordered by key
 
 
-def _status_mib(field: str) -> float:
-    """VmRSS (now) or VmHWM (peak) of this process, in MiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def worker(policy: str, trace: Path, capacity: int) -> dict:
+    """One timed libCacheSim measurement in this (fresh) process."""
+    import libcachesim as lcs
+
+    started = time.perf_counter()
+    reader = lcs.TraceReader(str(trace), lcs.TraceType.ORACLE_GENERAL_TRACE)
+    miss_ratio, _ = getattr(lcs, policy)(capacity).process_trace(reader)
+    return {"seconds": time.perf_counter() - started, "miss_ratio": float(miss_ratio)}
 
 
-def _start_peak() -> float:
-    """Reset the peak-RSS mark (Linux clear_refs) so the peak covers the run only; RSS now."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-    return _status_mib("VmRSS")
-
-
-def worker(engine: str, policy: str, trace: Path, capacity: int) -> dict:
-    """One timed measurement in this (fresh) process."""
-    if engine == "cachelab":
-        from cachelab import registry
-        from cachelab.workload.lookups import compact
-        from cachelab.engine.replay import run_policy
-
-        small = np.arange(1000, dtype=np.int64) % 97
-        run_policy(registry.make_policy(policy), small, np.arange(small.size + 1), 10, 97)  # compile
-        keys = np.load(trace.with_suffix(".npy"))
-        base = _start_peak()
-        started = time.perf_counter()
-        ids, uniq = compact(keys)
-        compact_s = time.perf_counter() - started
-        hits = run_policy(registry.make_policy(policy), ids, np.arange(ids.size + 1), capacity, uniq.size)
-        seconds = time.perf_counter() - started
-        miss_ratio = 1.0 - hits.mean()
-    else:
-        compact_s = 0.0
-        import libcachesim as lcs
-
-        base = _start_peak()
-        started = time.perf_counter()
-        reader = lcs.TraceReader(str(trace), lcs.TraceType.ORACLE_GENERAL_TRACE)
-        miss_ratio, _ = getattr(lcs, policy)(capacity).process_trace(reader)
-        seconds = time.perf_counter() - started
-    peak = _status_mib("VmHWM")
-    return {"seconds": seconds, "compact_seconds": compact_s, "kernel_seconds": seconds - compact_s, "miss_ratio": float(miss_ratio), "peak_rss_mib": peak, "run_rss_mib": peak - base}
-
-
-def measure(engine: str, policy: str, trace: Path, capacity: int, repeats: int) -> dict:
-    """The fastest of ``repeats`` fresh-process runs (the machine is shared: best-of filters noise)."""
-    runs = [_measure_once(engine, policy, trace, capacity) for _ in range(repeats)]
-    return min(runs, key=lambda r: r["seconds"])
-
-
-def _measure_once(engine: str, policy: str, trace: Path, capacity: int) -> dict:
+def _child(cmd: list[str], path: str | None = None) -> dict:
+    """Run ``cmd`` with one thread (and ``path`` first on PYTHONPATH); its ``seconds`` and miss
+    ratio (last stdout line, JSON) and wall time."""
     env = {**os.environ, "NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, __file__, "--worker", engine, policy, str(trace), str(capacity)]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    if out.returncode != 0:
-        raise RuntimeError(f"{engine} {policy} failed:\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    if path:
+        env["PYTHONPATH"] = path
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    stdout = proc.stdout.read()
+    stderr = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - started
+    if status != 0:
+        raise RuntimeError(f"{' '.join(cmd[1:5])} failed:\n{stderr[-2000:]}")
+    out = json.loads(stdout.strip().splitlines()[-1])
+    return {"seconds": out["seconds"], "miss_ratio": out["miss_ratio"], "wall_seconds": wall,
+            "cpu_seconds": usage.ru_utime + usage.ru_stime}
+
+
+def cachelab_run(policy: str, keys: Path, capacity: int, path: str | None = None) -> dict:
+    """``cachelab simulate --json`` in a fresh process, as a user runs it (from ``path``: another checkout)."""
+    return _child([sys.executable, "-m", "cachelab.cli", "simulate", "--trace", str(keys), "--policy", policy,
+                   "--capacity", str(capacity), "--json"], path)
+
+
+def libcachesim_run(policy: str, trace: Path, capacity: int) -> dict:
+    return _child([sys.executable, __file__, "--worker", policy, str(trace), str(capacity)])
+
+
+def measure(run, repeats: int) -> dict:
+    """The fastest of ``repeats`` fresh-process runs (the machine is shared: best-of filters noise)."""
+    runs = [run() for _ in range(repeats)]
+    return {**min(runs, key=lambda r: r["seconds"]), "wall_seconds": min(r["wall_seconds"] for r in runs),
+            "cpu_seconds": min(r["cpu_seconds"] for r in runs)}
+
+
+def warm_numba_cache(policy: str, tmp: Path, path: str | None = None) -> None:
+    """One simulate on a small trace of the same dtypes, so the timed runs load compiled kernels."""
+    small = tmp / "warm.npy"
+    np.save(small, (np.arange(5000, dtype=np.int64) * 7919) % 997)
+    cachelab_run(policy, small, 50, path)
+
+
+MUST_SHOW = "lru,fifo,sieve,s3fifo,belady"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=10_000_000)
     ap.add_argument("--streams", default="engram,zipf")
-    ap.add_argument("--policies", default="", help="comma-separated cachelab names (default: all shared)")
+    ap.add_argument("--policies", default=MUST_SHOW,
+                    help=f"comma-separated cachelab names, or 'all' shared with libCacheSim (default {MUST_SHOW})")
     ap.add_argument("--capacity-share", type=float, default=0.01, help="capacity as a share of distinct keys")
     ap.add_argument("--repeats", type=int, default=3, help="fresh-process runs per measurement; the fastest counts")
+    ap.add_argument("--baseline", default=None,
+                    help="a folder holding another cachelab (e.g. `git archive main cachelab policies` unpacked): "
+                         "measured too, in the same run, for a before/after ratio")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        engine, policy, trace, capacity = args.worker
-        print(json.dumps(worker(engine, policy, Path(trace), int(capacity))))
+        policy, trace, capacity = args.worker
+        print(json.dumps(worker(policy, Path(trace), int(capacity))))
         return
 
     from cachelab.trace.keytrace import write_oracle_general
 
     pairs = shared_policies()
-    if args.policies:
-        wanted = set(args.policies.split(","))
-        pairs = [p for p in pairs if p[0] in wanted]
+    if args.policies != "all":
+        wanted = args.policies.split(",")
+        pairs = sorted((p for p in pairs if p[0] in wanted), key=lambda p: wanted.index(p[0]))
     builders = {"engram": engram_requests, "zipf": zipf_requests}
     rows = []
     if not args.json:
-        print(f"one core per run, best of {args.repeats}; load average {os.getloadavg()[0]:.1f} "
+        print(f"one thread per run, best of {args.repeats}; load average {os.getloadavg()[0]:.1f} "
               f"on {os.cpu_count()} cores at the start")
     with tempfile.TemporaryDirectory() as tmp:
         for stream in args.streams.split(","):
@@ -172,25 +174,29 @@ def main() -> None:
             if not args.json:
                 print(f"{stream}: {keys.size:,} requests, {np.unique(keys).size:,} distinct, capacity {capacity:,}")
             for ours, theirs in pairs:
-                a = measure("cachelab", ours, trace, capacity, args.repeats)
-                b = measure("libcachesim", theirs, trace, capacity, args.repeats)
+                warm_numba_cache(ours, Path(tmp))
+                a = measure(lambda: cachelab_run(ours, trace.with_suffix(".npy"), capacity), args.repeats)
+                b = measure(lambda: libcachesim_run(theirs, trace, capacity), args.repeats)
                 row = {"stream": stream, "policy": ours, "libcachesim": theirs, "requests": int(keys.size),
-                       "capacity": capacity,
-                       "cachelab_req_per_s": keys.size / a["seconds"], "libcachesim_req_per_s": keys.size / b["seconds"],
-                       "speedup": b["seconds"] / a["seconds"], "cachelab_compact_s": a["compact_seconds"],
-                       "kernel_speedup": b["seconds"] / a["kernel_seconds"],
-                       "cachelab_miss_ratio": a["miss_ratio"], "libcachesim_miss_ratio": b["miss_ratio"],
-                       "cachelab_peak_rss_mib": a["peak_rss_mib"], "libcachesim_peak_rss_mib": b["peak_rss_mib"],
-                       "cachelab_run_rss_mib": a["run_rss_mib"], "libcachesim_run_rss_mib": b["run_rss_mib"]}
+                       "capacity": capacity, "cachelab_seconds": a["seconds"], "cachelab_wall_s": a["wall_seconds"],
+                       "libcachesim_seconds": b["seconds"], "libcachesim_wall_s": b["wall_seconds"],
+                       "ratio": b["seconds"] / a["seconds"], "wall_ratio": b["wall_seconds"] / a["wall_seconds"],
+                       "cpu_ratio": b["cpu_seconds"] / a["cpu_seconds"],
+                       "cachelab_miss_ratio": a["miss_ratio"], "libcachesim_miss_ratio": b["miss_ratio"]}
+                if args.baseline:
+                    warm_numba_cache(ours, Path(tmp), args.baseline)
+                    c = measure(lambda: cachelab_run(ours, trace.with_suffix(".npy"), capacity, args.baseline),
+                                args.repeats)
+                    row.update(baseline_seconds=c["seconds"], baseline_wall_s=c["wall_seconds"],
+                               baseline_ratio=b["seconds"] / c["seconds"], baseline_miss_ratio=c["miss_ratio"])
                 rows.append(row)
                 if not args.json:
-                    print(f"  {ours:>18}: cachelab {row['cachelab_req_per_s'] / 1e6:6.2f} M req/s "
-                          f"(peak {a['peak_rss_mib']:,.0f} MiB, +{a['run_rss_mib']:,.0f} in run)  "
-                          f"libCacheSim {theirs} {row['libcachesim_req_per_s'] / 1e6:6.2f} M req/s "
-                          f"(peak {b['peak_rss_mib']:,.0f} MiB, +{b['run_rss_mib']:,.0f})  "
-                          f"ratio {row['speedup']:.2f}x (without compaction {row['kernel_speedup']:.2f}x)  "
-                          f"miss {a['miss_ratio']:.4f} / {b['miss_ratio']:.4f}",
-                          flush=True)
+                    print(f"  {ours:>18}: cachelab {a['seconds']:5.2f} s ({a['wall_seconds']:5.2f} s wall)  "
+                          f"libCacheSim {theirs} {b['seconds']:5.2f} s ({b['wall_seconds']:5.2f} s wall)  "
+                          f"ratio {row['ratio']:.2f}x (wall {row['wall_ratio']:.2f}x, process CPU {row['cpu_ratio']:.2f}x)  "
+                          f"miss {a['miss_ratio']:.4f} / {b['miss_ratio']:.4f}"
+                          + (f"  baseline {row['baseline_seconds']:5.2f} s, ratio {row['baseline_ratio']:.2f}x"
+                             if args.baseline else ""), flush=True)
     if args.json:
         print(json.dumps(rows))
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachelab.errors import CachelabError
-from cachelab.workload.lookups import LookupStream, compact, dedup_steps, global_key, split_key
+from cachelab.workload.lookups import LookupStream, StepDeduper, compact, compact_steps, dedup_steps, global_key, split_key
 
 
 def test_from_rows_flattens_token_layer_column_with_meta():
@@ -100,3 +100,25 @@ def test_from_texts_cuts_requests_and_caps_tokens():
     capped = LookupStream.from_texts(addresser, texts, request_tokens=50, max_tokens=120)
     assert capped.num_lookups == 120 * 48 and np.array_equal(capped.keys, full.keys[:120 * 48])
     assert LookupStream.from_texts(addresser, texts, max_tokens=10**9).num_lookups == tokens * 48
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 12), max_size=8), min_size=1, max_size=12))
+def test_compact_steps_is_compact_then_dedup_in_one_pass(steps):
+    keys = np.array([k for s in steps for k in s], dtype=np.int64) << 33
+    offsets = np.concatenate([[0], np.cumsum([len(s) for s in steps])])
+    ids, uniq = compact(keys)
+    want = dedup_steps(ids, offsets, uniq.size)
+    got, got_uniq = compact_steps(keys, offsets)
+    assert np.array_equal(got_uniq, uniq)
+    for name in ("keys", "offsets", "inverse"):
+        assert np.array_equal(getattr(got, name), getattr(want, name)), name
+
+
+def test_a_deduper_carries_its_marks_from_call_to_call():
+    ids = np.array([3, 1, 3, 1, 2, 2, 0, 3], dtype=np.int64)
+    offsets = np.array([0, 3, 3, 6, 8])
+    whole = dedup_steps(ids, offsets, 4)
+    deduper = StepDeduper(4)
+    parts = [deduper.dedup(ids[offsets[s]:offsets[s + 1]], [0, offsets[s + 1] - offsets[s]]) for s in range(4)]
+    assert np.concatenate([p.keys for p in parts]).tolist() == whole.keys.tolist() == [3, 1, 1, 2, 0, 3]

@@ -180,3 +180,16 @@ def test_learned_policies_serve_at_the_dram_tier():
         tiers = [Tier("hbm", "lru", capacity_rows=50), Tier("dram", dram, capacity_rows=400)]
         summary = replay(stream, Hierarchy(tiers, ROW), scores=scores).summary()
         assert summary["levels"]["dram"]["hit_ratio_unique"] > 0.05, name
+
+
+def test_stats_are_typed_and_their_dict_is_the_summary():
+    steps = [[(0, 0), (0, 1), (0, 15), (0, 0)], [(0, 16), (0, 29)], [(0, 15), (1, 3), (1, 4)]]
+    h = Hierarchy([Tier("hbm", "lru", capacity_rows=3)], ROW, SSDStore(page_cache_bytes=4096))
+    r = replay(_stream(steps), h)
+    stats = r.stats()
+    assert stats.to_dict() == r.summary()
+    hbm = stats.levels["hbm"]
+    assert (hbm.policy, hbm.capacity_rows, hbm.served_unique, hbm.requests_unique) == ("lru", 3, 1, 8)
+    assert hbm.hit_ratio_unique == 1 / 8 and stats.levels["ssd"].policy is None
+    assert "policy" not in r.summary()["levels"]["ssd"]  # backing levels have no policy key
+    assert stats.bytes.ssd_to_host == 3 * 4096 and stats.page_reads == 3

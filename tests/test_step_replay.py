@@ -8,7 +8,9 @@ import pytest
 from cachelab.engine.tiers import Hierarchy, SSDStore, Tier
 from cachelab.workload.lookups import LookupStream, global_key
 from cachelab.engine.replay import replay
-from cachelab.engine.stepper import RowSpace, StepReplay, sample_mask
+from cachelab.engine import sampling
+from cachelab.engine.stepper import RowSpace, StepReplay, sample_mask, sampled_keys, table_row_space
+from cachelab.errors import CachelabError
 
 
 def _stream(seed=0, steps=300):
@@ -33,11 +35,11 @@ def test_step_replay_equals_engine_replay(backing):
     levels = _hierarchy(backing).levels
     for s in range(stream.num_steps):
         out = inc.step(stream.keys[stream.step_offsets[s]:stream.step_offsets[s + 1]])
-        got = out["served"].sum(axis=0)
+        got = out.served.sum(axis=0)
         want = [whole[f"served_{name}"][s] for name in levels]
         assert got.tolist() == want, f"step {s}"
-        assert out["page_reads"].sum() == whole["page_reads"][s]
-        assert out["lookups"].sum() == whole["lookups"][s]
+        assert out.page_reads.sum() == whole["page_reads"][s]
+        assert out.lookups.sum() == whole["lookups"][s]
 
 
 def test_sampling_keeps_whole_pages_at_the_rate():
@@ -47,3 +49,32 @@ def test_sampling_keeps_whole_pages_at_the_rate():
     by_page = keep.reshape(2, -1, 15)
     assert np.all(by_page.all(axis=2) | ~by_page.any(axis=2))  # a page is kept whole or not at all
     assert sample_mask(keys, 1.0, 15).all()
+
+
+def _splitmix_reading(keys, rate, seed=0):
+    """splitmix64's finalizer in plain NumPy, as SHARDS sampled before the one sampling hash."""
+    with np.errstate(over="ignore"):
+        z = keys.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15 * (seed + 1) % 2**64)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(40)) < np.uint64(round(rate * (1 << 24)))
+
+
+@pytest.mark.parametrize("rate", [0.001, 0.1, 0.5, 1.0])
+def test_every_sampler_uses_the_one_hash(rate):
+    rows = np.random.default_rng(1).integers(0, 3_000_000, (500, 2, 12))
+    keys = global_key(np.arange(2)[None, :, None], rows).reshape(-1)
+    pages = global_key(keys >> 32, (keys & 0xFFFFFFFF) // 15)
+    assert np.array_equal(sampling.sample_mask(keys, rate, seed=3), _splitmix_reading(keys, rate, seed=3))
+    keep = _splitmix_reading(pages, rate)
+    assert np.array_equal(sample_mask(keys, rate, 15), keep)  # the stepper samples whole pages
+    assert np.array_equal(sampled_keys(rows, rate, 15), keys[keep])  # compiled per-token form, same rows
+    space = table_row_space([3_000_000, 3_000_000], rate, 15) if rate <= 0.1 else None
+    if space is not None:  # enumerated from the tables: exactly the rows of the kept pages
+        assert np.isin(keys[keep], space.keys).all() and not np.isin(keys[~keep], space.keys).any()
+
+
+def test_a_sample_rate_outside_zero_one_is_named():
+    with pytest.raises(CachelabError, match="sample rate must be in"):
+        sampling.sample_mask(np.arange(4), 0.0)

@@ -84,18 +84,17 @@ def simulate(
     hierarchy = Hierarchy([Tier("cache", cache, capacity_rows=capacity, location="gpu")], stream.row_bytes)
     if cache.capabilities.needs_scores and model is None:
         raise CachelabError(f"policy {policy!r} needs predictor scores: pass --model DIR (from `cachelab train`)")
-    result = replay(stream, hierarchy, warmup=warmup, progress=not as_json, scores=scores)
-    summary = result.summary()
-    level = summary["levels"]["cache"]
-    requests = summary["lookups"]
-    hits = level["served_lookups"]
+    stats = replay(stream, hierarchy, warmup=warmup, progress=not as_json, scores=scores).stats()
+    level = stats.levels["cache"]
+    requests = stats.lookups
+    hits = level.served_lookups
     out = {
         "policy": policy, "capacity": capacity, "requests": requests, "hits": hits,
         "miss_ratio": 1.0 - hits / requests if requests else 0.0,
         "seconds": round(time.perf_counter() - started, 3),
         "admission": admission or cache.get_params().get("admission", "always"),
-        "warmup_requests": summary["warmup_lookups"], "trace": str(trace),
-        "unique_requests": summary["unique_rows"], "unique_miss_ratio": 1.0 - level["hit_ratio_unique"],
+        "warmup_requests": stats.warmup_lookups, "trace": str(trace),
+        "unique_requests": stats.unique_rows, "unique_miss_ratio": 1.0 - level.hit_ratio_unique,
     }
     if as_json:
         typer.echo(json.dumps(out))

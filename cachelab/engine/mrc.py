@@ -5,7 +5,8 @@
   A Fenwick tree over time, with a mark at each key's latest access, counts those keys in
   O(log n), so one pass gives the miss ratio at every capacity.
 - SHARDS (Waldspurger et al., FAST'15), fixed rate: keep the keys whose hash falls under
-  ``rate``; a sampled stack distance ``d`` stands for ``d / rate``. SHARDS-adj adds the gap
+  ``rate`` (the one hash of ``cachelab.engine.sampling``); a sampled stack distance ``d``
+  stands for ``d / rate``. SHARDS-adj adds the gap
   between the expected and the actual sampled count to the first bucket.
 - Other policies: one simulation per capacity, in a process pool (forked workers share the
   stream; results are collected by capacity, so the curve is deterministic). With a sample
@@ -29,11 +30,14 @@ from rich.progress import Progress
 
 from cachelab import registry
 from cachelab.errors import CachelabError
-from cachelab.workload.lookups import LookupStream, compact, dedup_steps
-from cachelab.engine.replay import run_policy, warmup_steps
+from cachelab.engine.cascade import run_policy
+from cachelab.engine.replay import warmup_steps
+from cachelab.engine.sampling import sample_mask
+from cachelab.workload.lookups import LookupStream, compact, compact_steps
+
+__all__ = ["COLD", "Curve", "miss_ratio_curve", "sample_mask", "stack_distances"]
 
 COLD = -1
-_HASH_BITS = 24
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)
@@ -79,18 +83,6 @@ def stack_distances(ids: np.ndarray, num_keys: int | None = None) -> np.ndarray:
     return out
 
 
-def sample_mask(keys: np.ndarray, rate: float, seed: int = 0) -> np.ndarray:
-    """SHARDS spatial filter: keep a key iff its (splitmix64) hash falls under ``rate``."""
-    if not 0 < rate <= 1:
-        raise CachelabError(f"sample rate must be in (0, 1], got {rate}")
-    with np.errstate(over="ignore"):
-        z = np.asarray(keys, dtype=np.int64).astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15 * (seed + 1) % 2**64)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    return (z >> np.uint64(64 - _HASH_BITS)) < np.uint64(round(rate * (1 << _HASH_BITS)))
-
-
 @dataclass(frozen=True)
 class Curve:
     """Miss ratio per capacity, and how it was obtained."""
@@ -120,8 +112,7 @@ class _Requests:
 
 
 def _requests(stream: LookupStream, warmup: float) -> _Requests:
-    ids, uniq = compact(stream.keys)
-    dd = dedup_steps(ids, stream.step_offsets, uniq.size)
+    dd, uniq = compact_steps(stream.keys, stream.step_offsets)
     w = warmup_steps(warmup, stream.num_steps)
     return _Requests(dd.keys, uniq[dd.keys], dd.offsets, dd.counts, int(dd.offsets[w]), uniq.size)
 

@@ -22,12 +22,13 @@ import numpy as np
 import polars as pl
 from rich.progress import Progress
 
-from cachelab import registry
 from cachelab.errors import CachelabError
-from cachelab.workload.future import next_access
+from cachelab.engine.cascade import Cascade, run_policy
+from cachelab.engine.stats import LinkBytes, ReplayStats, TierStats
 from cachelab.engine.tiers import Hierarchy, SSDStore
-from cachelab.workload.lookups import LookupStream, compact, dedup_steps, global_key, split_key
-from cachelab.policy import Policy
+from cachelab.workload.lookups import LookupStream, compact, compact_steps, global_key, split_key
+
+__all__ = ["ReplayResult", "replay", "run_policy", "warmup_steps"]
 
 
 def warmup_steps(warmup: float, num_steps: int) -> int:
@@ -41,21 +42,6 @@ def warmup_steps(warmup: float, num_steps: int) -> int:
     if warmup >= num_steps:
         raise CachelabError(f"warm-up of {int(warmup)} steps leaves nothing of a {num_steps}-step stream")
     return int(warmup)
-
-
-def run_policy(policy: Policy, keys: np.ndarray, step_offsets: np.ndarray, capacity: int, num_keys: int,
-               scores: np.ndarray | None = None) -> np.ndarray:
-    """Reset ``policy`` to ``capacity`` and replay dense ``keys``; a hit flag per key.
-
-    The policy gets ``next_access`` on this very stream, through its ``view_future`` (a
-    lookahead policy censors it), if it declares ``needs_future``, and ``scores`` if it declares ``needs_scores`` (an error names the policy otherwise).
-    """
-    caps = policy.capabilities
-    if caps.needs_scores and scores is None:
-        raise CachelabError(f"policy {policy.name!r} needs predictor scores; none were given to the replay")
-    policy.reset(capacity, max(num_keys, 1))  # an empty stream still makes a valid cache
-    nxt = policy.view_future(next_access(keys), step_offsets) if caps.needs_future else None
-    return policy.run(keys, step_offsets, nxt, scores if caps.needs_scores else None)
 
 
 @dataclass
@@ -103,41 +89,41 @@ class ReplayResult:
         cols["ssd_to_host_bytes"] = self.page_reads * self.page_bytes
         return pl.DataFrame(cols)
 
-    def summary(self) -> dict:
-        """Totals after the warm-up: per-tier hit ratios (per unique row, per lookup), bytes per link."""
+    def stats(self) -> ReplayStats:
+        """Totals after the warm-up: per-level counts (hit ratios per unique row, per lookup), bytes per link."""
         w = self.warmup_steps
         d_lo, l_lo = int(self.distinct_offsets[w]), int(self.step_offsets[w])
         n_levels = len(self.levels)
         served = self.served[d_lo:]
         unique_by = np.bincount(served, minlength=n_levels)
-        lookup_by = np.bincount(self.served_by_lookup[l_lo:], minlength=n_levels)
+        inverse = self.inverse[l_lo:]
+        if inverse.size == served.size:  # every lookup its own distinct entry (a key trace)
+            lookup_by = unique_by
+        else:
+            lookup_by = np.bincount(self.served[inverse], minlength=n_levels)
         reach_u = unique_by[::-1].cumsum()[::-1]  # rows that reached each level
         reach_l = lookup_by[::-1].cumsum()[::-1]
-        per_level = {}
+        levels = {}
         for i, name in enumerate(self.levels):
-            per_level[name] = {
-                "location": self.locations[i],
-                "served_unique": int(unique_by[i]), "served_lookups": int(lookup_by[i]),
-                "requests_unique": int(reach_u[i]), "requests_lookups": int(reach_l[i]),
-                "hit_ratio_unique": float(unique_by[i] / reach_u[i]) if reach_u[i] else 0.0,
-                "hit_ratio_lookup": float(lookup_by[i] / reach_l[i]) if reach_l[i] else 0.0,
-                **(self.tiers[i] if i < len(self.tiers) else {}),
-            }
+            tier = self.tiers[i] if i < len(self.tiers) else {}
+            levels[name] = TierStats(self.locations[i], int(unique_by[i]), int(lookup_by[i]), int(reach_u[i]),
+                                     int(reach_l[i]), tier.get("policy"), tier.get("capacity_rows"))
         loc = np.array(self.locations)
         gpu = int(unique_by[loc == "gpu"].sum())
         host = int(unique_by[loc == "host"].sum())
         ssd_rows = int(unique_by[loc == "ssd"].sum())
         page_reads = int(self.page_reads[w:].sum())
-        return {
-            "steps": int(self.step_offsets.size - 1 - w), "warmup_steps": w,
-            "warmup_lookups": l_lo, "lookups": int(self.step_offsets[-1] - l_lo),
-            "unique_rows": int(served.size), "row_bytes": self.row_bytes,
-            "levels": per_level,
-            "bytes": {"hbm_read": gpu * self.row_bytes, "host_to_gpu": (served.size - gpu) * self.row_bytes,
-                      "host_read": host * self.row_bytes, "ssd_to_host": page_reads * self.page_bytes},
-            "page_reads": page_reads,
-            "read_amplification": (page_reads * self.page_bytes / (ssd_rows * self.row_bytes)) if ssd_rows else 0.0,
-        }
+        rb = self.row_bytes
+        return ReplayStats(
+            steps=int(self.step_offsets.size - 1 - w), warmup_steps=w, warmup_lookups=l_lo,
+            lookups=int(self.step_offsets[-1] - l_lo), unique_rows=int(served.size), row_bytes=rb, levels=levels,
+            bytes=LinkBytes(gpu * rb, (served.size - gpu) * rb, host * rb, page_reads * self.page_bytes),
+            page_reads=page_reads,
+            read_amplification=(page_reads * self.page_bytes / (ssd_rows * rb)) if ssd_rows else 0.0)
+
+    def summary(self) -> dict:
+        """``stats()`` as the JSON-shaped dict the CLI and experiments report."""
+        return self.stats().to_dict()
 
 
 def replay(stream: LookupStream, hierarchy: Hierarchy, warmup: float = 0.0, progress: bool = False,
@@ -155,65 +141,32 @@ def replay(stream: LookupStream, hierarchy: Hierarchy, warmup: float = 0.0, prog
     if scores is not None and np.shape(scores) != stream.keys.shape:
         raise CachelabError(f"scores has shape {np.shape(scores)}, expected one per lookup {stream.keys.shape}")
     w = warmup_steps(warmup, stream.num_steps)
-    stages = len(hierarchy.tiers) + 2
     with Progress(transient=True, disable=not progress) as bar:
-        task = bar.add_task("replay: dedup", total=stages)
-        ids, uniq = compact(stream.keys)
-        dd = dedup_steps(ids, stream.step_offsets, uniq.size)
+        task = bar.add_task("replay: dedup", total=2)
+        dd, uniq = compact_steps(stream.keys, stream.step_offsets)
         d_scores = None
         if scores is not None:
             first_lookup = np.empty(dd.keys.size, np.int64)
-            first_lookup[dd.inverse[::-1]] = np.arange(ids.size)[::-1]  # last write wins = first lookup
+            first_lookup[dd.inverse[::-1]] = np.arange(dd.inverse.size)[::-1]  # last write wins = first lookup
             d_scores = np.asarray(scores, dtype=np.float64)[first_lookup]
         bar.advance(task)
-        n_tiers = len(hierarchy.tiers)
-        served = np.full(dd.keys.size, n_tiers, dtype=np.int8)
-        cur = np.arange(dd.keys.size, dtype=np.int64)  # distinct entries still unserved
-        offs = dd.offsets
-        tiers = []
-        for t, tier in enumerate(hierarchy.tiers):
-            bar.update(task, description=f"replay: tier {tier.name}")
-            capacity = tier.rows(hierarchy.row_bytes)
-            hits = run_policy(tier.policy, dd.keys[cur], offs, capacity, uniq.size,
-                              None if d_scores is None else d_scores[cur])
-            served[cur[hits]] = t
-            miss = ~hits
-            offs = np.concatenate([[0], np.cumsum(miss)])[offs]
-            cur = cur[miss]
-            tiers.append({"policy": tier.policy.name, "capacity_rows": capacity})
-            bar.advance(task)
-        bar.update(task, description=f"replay: {hierarchy.backing.name}")
-        page_reads = np.zeros(stream.num_steps, np.int64)
-        page_bytes = 0
-        locations = [t.location for t in hierarchy.tiers]
+        bar.update(task, description="replay: " + ", ".join(t.name for t in hierarchy.tiers))
+        capacities = [tier.rows(hierarchy.row_bytes) for tier in hierarchy.tiers]
+        page_bytes, page_capacity, locations = 0, 0, [t.location for t in hierarchy.tiers] + ["host"]
         if isinstance(hierarchy.backing, SSDStore):
             page_bytes = hierarchy.backing.page_bytes
-            page_hit = _page_cache(hierarchy, uniq[dd.keys[cur]], offs, page_reads)
-            served[cur[~page_hit]] = n_tiers + 1
-            locations += ["host", "ssd"]
-        else:
-            locations += ["host"]
+            page_capacity = hierarchy.backing.page_cache_bytes // page_bytes
+            locations.append("ssd")
+        cascade = Cascade(hierarchy, capacities, uniq.size, page_capacity=page_capacity, future=True)
+        rpp = hierarchy.backing.rows_per_page(hierarchy.row_bytes) if page_bytes else 1
+
+        def row_pages(rows: np.ndarray) -> tuple[np.ndarray, int]:
+            layer, row = split_key(uniq[rows])
+            ids, pages = compact(global_key(layer, row // rpp))
+            return ids, pages.size
+
+        out = cascade.serve(dd.keys, dd.offsets, d_scores, row_pages)
         bar.advance(task)
-    return ReplayResult(hierarchy.levels, locations, served, dd.inverse, dd.offsets, stream.step_offsets,
-                        page_reads, w, hierarchy.row_bytes, page_bytes, tiers)
-
-
-def _page_cache(hierarchy: Hierarchy, row_keys: np.ndarray, offs: np.ndarray, page_reads: np.ndarray) -> np.ndarray:
-    """Serve rows from pages; fill ``page_reads`` per step; return whether each row's page was cached.
-
-    Rows of one page requested in the same step share one page access (one read on a miss).
-    """
-    ssd = hierarchy.backing
-    layer, row = split_key(row_keys)
-    pages = global_key(layer, row // ssd.rows_per_page(hierarchy.row_bytes))
-    page_ids, page_uniq = compact(pages)
-    pd = dedup_steps(page_ids, offs, page_uniq.size)
-    capacity = ssd.page_cache_bytes // ssd.page_bytes
-    if capacity >= 1:
-        policy = registry.make_policy(ssd.page_policy)
-        hits = run_policy(policy, pd.keys, pd.offsets, capacity, page_uniq.size)
-    else:
-        hits = np.zeros(pd.keys.size, dtype=np.bool_)
-    p_step = np.repeat(np.arange(page_reads.size, dtype=np.int64), np.diff(pd.offsets))
-    page_reads += np.bincount(p_step[~hits], minlength=page_reads.size)
-    return hits[pd.inverse]
+    tiers = [{"policy": t.policy.name, "capacity_rows": c} for t, c in zip(hierarchy.tiers, capacities)]
+    return ReplayResult(hierarchy.levels, locations, out.level, dd.inverse, dd.offsets, stream.step_offsets,
+                        out.page_reads_per_step(stream.num_steps), w, hierarchy.row_bytes, page_bytes, tiers)

@@ -3,14 +3,14 @@
 The engine's ``replay`` runs a whole lookup stream at once; a serving simulation cannot,
 because what a step contains depends on how long the steps before it took, which depends on
 what the hierarchy served. ``StepReplay`` runs the same ``Hierarchy`` (same tiers, same
-policy objects, same page-cache model) on one step's lookups at a time, with the engine's
-semantics: a step's duplicates are fetched once, in first-occurrence order; each tier sees
-the misses of the tier above; SSD rows are read through the page cache in 4 KiB pages.
+policy objects, the very same ``Cascade`` and page-cache model) on one step's lookups at a
+time: a step's duplicates are fetched once, in first-occurrence order; each tier sees the
+misses of the tier above; SSD rows are read through the page cache in 4 KiB pages.
 
 Policies index flat arrays by dense key, so ``RowSpace`` fixes the key space first: the
 sorted distinct row keys a run can touch. Spatial sampling (SHARDS-style) keeps the rows of
-a page when a hash of the page id falls under the rate, and scales every capacity by the
-rate; counts divided by the rate estimate the full-scale ones. Sampling whole pages keeps
+a page when the engine's sampling hash (``cachelab.engine.sampling``) of the page id falls
+under the rate, and scales every capacity by the rate; counts divided by the rate estimate the full-scale ones. Sampling whole pages keeps
 the page cache's amplification intact.
 """
 
@@ -19,24 +19,15 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from cachelab import registry
 from cachelab.errors import CachelabError
+from cachelab.engine import sampling
+from cachelab.engine.cascade import Cascade
+from cachelab.engine.stats import SampledLevel, SampledStats, StepCounts
 from cachelab.engine.tiers import Hierarchy, SSDStore
 from cachelab.workload.lookups import LAYER_SHIFT, global_key, split_key
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-SAMPLE_MOD = 1 << 20
 EMPTY = np.int64(-1)
-
-
-@nb.njit(cache=True, inline="always")
-def _mix(key):
-    z = np.uint64(key) + _GOLDEN
-    z = (z ^ (z >> np.uint64(30))) * _M1
-    z = (z ^ (z >> np.uint64(27))) * _M2
-    return z ^ (z >> np.uint64(31))
+_SALT = sampling.salt(0)
 
 
 def page_keys(keys: np.ndarray, rows_per_page: int) -> np.ndarray:
@@ -44,29 +35,24 @@ def page_keys(keys: np.ndarray, rows_per_page: int) -> np.ndarray:
     return global_key(layer, row // rows_per_page)
 
 
-@nb.njit(cache=True, inline="always")
-def _keep(page, threshold):
-    """Fibonacci hashing: the top 20 bits of page x 2^64/phi, under the threshold."""
-    return ((np.uint64(page) * _GOLDEN) >> np.uint64(64 - 20)) < np.uint64(threshold)
-
-
 @nb.njit(cache=True, nogil=True)
 def _sample(rows, rows_per_page, threshold, out):
-    """Global keys of the rows whose page hashes under ``threshold``; returns how many."""
+    """Global keys of the rows whose page the sample with ``threshold`` keeps; returns how many."""
     n = 0
     inv = 1.0 / rows_per_page
+    every = threshold >= 1 << sampling.SAMPLE_BITS
     for t in range(rows.shape[0]):
         for layer in range(rows.shape[1]):
             base = np.int64(layer) << LAYER_SHIFT
             for c in range(rows.shape[2]):
                 row = np.int64(rows[t, layer, c])
-                if threshold < SAMPLE_MOD:
+                if not every:
                     page = np.int64(row * inv)  # row // rows_per_page, corrected below
                     if (page + 1) * rows_per_page <= row:
                         page += 1
                     elif page * rows_per_page > row:
                         page -= 1
-                    if not _keep(base | page, threshold):
+                    if not sampling.keeps(base | page, threshold, _SALT):
                         continue
                 out[n] = base | row
                 n += 1
@@ -77,20 +63,13 @@ def sampled_keys(rows: np.ndarray, rate: float, rows_per_page: int) -> np.ndarra
     """Global row keys of ``rows`` (int [tokens, layers, columns]) a spatial sample keeps:
     every row of a page whose hash falls under ``rate``."""
     out = np.empty(rows.size, np.int64)
-    n = _sample(np.ascontiguousarray(rows), rows_per_page, int(rate * SAMPLE_MOD), out)
+    n = _sample(np.ascontiguousarray(rows), rows_per_page, sampling.threshold(rate), out)
     return out[:n]
 
 
 def sample_mask(keys: np.ndarray, rate: float, rows_per_page: int) -> np.ndarray:
-    """Which global row keys the sample at ``rate`` keeps (the vectorised form of ``_sample``)."""
-    if rate >= 1.0:
-        return np.ones(keys.shape, np.bool_)
-    return _page_keep(page_keys(keys, rows_per_page), rate)
-
-
-def _page_keep(page_keys_: np.ndarray, rate: float) -> np.ndarray:
-    z = np.asarray(page_keys_, dtype=np.int64).astype(np.uint64) * _GOLDEN
-    return (z >> np.uint64(64 - 20)) < np.uint64(int(rate * SAMPLE_MOD))
+    """Which global row keys the sample at ``rate`` keeps (the vectorised form of ``sampled_keys``)."""
+    return sampling.sample_mask(page_keys(keys, rows_per_page), rate)
 
 
 def sorted_unique(keys: np.ndarray) -> np.ndarray:
@@ -103,7 +82,7 @@ def _insert(keys, table, n):
     """Add ``keys`` to the open-addressing set ``table`` holding ``n`` keys; the new count."""
     mask = table.size - 1
     for i in range(keys.size):
-        h = np.int64(_mix(keys[i]) & np.uint64(mask))
+        h = np.int64(sampling.mix(keys[i], _SALT) & np.uint64(mask))
         while table[h] != EMPTY and table[h] != keys[i]:
             h = (h + 1) & mask
         if table[h] == EMPTY:
@@ -139,7 +118,7 @@ class KeySet:
 def _build_table(keys, table_keys, table_ids):
     mask = table_keys.size - 1
     for i in range(keys.size):
-        h = np.int64(_mix(keys[i]) & np.uint64(mask))
+        h = np.int64(sampling.mix(keys[i], _SALT) & np.uint64(mask))
         while table_keys[h] != EMPTY:
             h = (h + 1) & mask
         table_keys[h] = keys[i]
@@ -152,7 +131,7 @@ def _distinct_ids(keys, table_keys, table_ids, mark, stamp, out):
     mask = table_keys.size - 1
     n = 0
     for i in range(keys.size):
-        h = np.int64(_mix(keys[i]) & np.uint64(mask))
+        h = np.int64(sampling.mix(keys[i], _SALT) & np.uint64(mask))
         while table_keys[h] != keys[i]:
             if table_keys[h] == EMPTY:
                 return -1 - i
@@ -203,24 +182,13 @@ class RowSpace:
         return out[:n]
 
 
-@nb.njit(cache=True, nogil=True)
-def _first_occurrence(ids, mark, stamp, out):
-    n = 0
-    for i in range(ids.size):
-        if mark[ids[i]] != stamp:
-            mark[ids[i]] = stamp
-            out[n] = ids[i]
-            n += 1
-    return n
-
-
 def table_row_space(table_rows, rate: float, rows_per_page: int) -> RowSpace:
     """Every row of every page a sample at ``rate`` keeps, enumerated from the table sizes
     (no pass over the trace; about ``rate`` x all rows)."""
     keys = []
     for layer, n in enumerate(table_rows):
         pages = np.arange(-(-int(n) // rows_per_page), dtype=np.int64)
-        kept = pages[_page_keep(global_key(layer, pages), rate)]
+        kept = pages[sampling.sample_mask(global_key(layer, pages), rate)]
         rows = (kept[:, None] * rows_per_page + np.arange(rows_per_page)).ravel()
         keys.append(global_key(layer, rows[rows < n]))
     return RowSpace(np.concatenate(keys), rows_per_page)
@@ -238,28 +206,24 @@ class StepReplay:
 
     def __init__(self, hierarchy: Hierarchy, space: RowSpace, num_layers: int, rate: float = 1.0):
         self.hierarchy, self.space, self.num_layers, self.rate = hierarchy, space, num_layers, rate
-        n = max(space.num_rows, 1)
-        self.capacities = []
-        for tier in hierarchy.tiers:
-            cap = max(1, int(round(tier.rows(hierarchy.row_bytes) * rate)))
-            tier.policy.reset(cap, n)
-            self.capacities.append(cap)
-        self.page_policy = None
+        self.capacities = [max(1, int(round(tier.rows(hierarchy.row_bytes) * rate))) for tier in hierarchy.tiers]
+        page_capacity = 0
         if isinstance(hierarchy.backing, SSDStore):
             ssd = hierarchy.backing
             if ssd.rows_per_page(hierarchy.row_bytes) != space.rows_per_page:
                 raise CachelabError("the row space was built with another page size than the SSD store's")
-            pages = int(ssd.page_cache_bytes // ssd.page_bytes * rate)
-            if pages >= 1:
-                self.page_policy = registry.make_policy(ssd.page_policy)
-                self.page_policy.reset(pages, max(space.pages.size, 1))
-        self._page_mark = np.full(max(space.pages.size, 1), -1, np.int64)
-        self._page_hit = np.zeros(max(space.pages.size, 1), np.bool_)
-        self._stamp = 0
+            page_capacity = int(ssd.page_cache_bytes // ssd.page_bytes * rate)
+        self.cascade = Cascade(hierarchy, self.capacities, space.num_rows, page_of=space.page_of.__getitem__,
+                               num_pages=space.pages.size, page_capacity=page_capacity)
         levels = len(hierarchy.levels)
         self.totals_unique = np.zeros((num_layers, levels), np.int64)
         self.totals_lookups = np.zeros(num_layers, np.int64)
         self.total_page_reads = np.zeros(num_layers, np.int64)
+
+    @property
+    def page_policy(self):
+        """The page cache's policy (None without an SSD page cache)."""
+        return self.cascade.page_policy
 
     def prewarm_page_cache(self) -> None:
         """Fill the page cache with the run's pages (as many as fit): a warm start."""
@@ -267,58 +231,31 @@ class StepReplay:
             pages = np.arange(self.space.pages.size, dtype=np.int64)
             self.page_policy.run(pages, np.array([0, pages.size], np.int64))
 
-    def step(self, keys: np.ndarray, record: bool = True) -> dict[str, np.ndarray]:
-        """Serve one step's sampled row keys; per layer: lookups, unique rows, rows served per
-        level (tiers, then the backing levels), and SSD page reads. Sampled counts."""
-        L, n_tiers = self.num_layers, len(self.hierarchy.tiers)
+    def step(self, keys: np.ndarray, record: bool = True) -> StepCounts:
+        """Serve one step's sampled row keys; per layer: lookups, unique rows served per level
+        (tiers, then the backing levels), and SSD page reads. Sampled counts."""
+        L = self.num_layers
         distinct = self.space.distinct_ids(keys)
-        served = np.full(distinct.size, n_tiers, np.int64)
-        cur = np.arange(distinct.size)
-        for t, tier in enumerate(self.hierarchy.tiers):
-            if cur.size == 0:
-                break
-            keys_t = distinct[cur]
-            hits = tier.policy.run(keys_t, np.array([0, keys_t.size], np.int64))
-            served[cur[hits]] = t
-            cur = cur[~hits]
-        page_reads = np.zeros(L, np.int64)
-        if isinstance(self.hierarchy.backing, SSDStore) and cur.size:
-            rows = distinct[cur]
-            pages = self.space.page_of[rows]
-            self._stamp += 1
-            uniq_pages = np.empty(pages.size, np.int64)
-            uniq_pages = uniq_pages[:_first_occurrence(pages, self._page_mark, self._stamp, uniq_pages)]
-            if self.page_policy is not None:
-                page_hit = self.page_policy.run(uniq_pages, np.array([0, uniq_pages.size], np.int64))
-            else:
-                page_hit = np.zeros(uniq_pages.size, np.bool_)
-            self._page_hit[uniq_pages] = page_hit
-            hit_of_row = self._page_hit[pages]
-            served[cur[~hit_of_row]] = n_tiers + 1
-            missed = uniq_pages[~page_hit]
-            page_reads = np.bincount(self.space.pages[missed] >> LAYER_SHIFT, minlength=L)[:L]
+        out = self.cascade.serve(distinct, np.array([0, distinct.size], np.int64))
+        page_reads = np.bincount(self.space.pages[out.pages_read()] >> LAYER_SHIFT, minlength=L)[:L]
         layer = self.space.layer_of[distinct]
         levels = len(self.hierarchy.levels)
-        by_level = np.bincount(layer * levels + served, minlength=L * levels).reshape(L, levels)
+        by_level = np.bincount(layer * levels + out.level, minlength=L * levels).reshape(L, levels)
         lookups = np.bincount(np.asarray(keys, dtype=np.int64) >> LAYER_SHIFT, minlength=L)[:L]
         if record:
             self.totals_unique += by_level
             self.totals_lookups += lookups
             self.total_page_reads += page_reads
-        return {"lookups": lookups, "served": by_level, "page_reads": page_reads}
+        return StepCounts(lookups, by_level, page_reads)
 
-    def summary(self) -> dict:
+    def summary(self) -> SampledStats:
         """Hit ratios per level (per unique row reaching it) and bytes, scaled to full size."""
-        levels = self.hierarchy.levels
         unique = self.totals_unique.sum(axis=0)
         reach = unique[::-1].cumsum()[::-1]
         scale = 1.0 / self.rate
         rb = self.hierarchy.row_bytes
-        out = {"sample_rate": self.rate, "lookups": float(self.totals_lookups.sum() * scale),
-               "unique_rows": float(unique.sum() * scale), "levels": {}}
-        for i, name in enumerate(levels):
-            out["levels"][name] = {"hit_ratio_unique": float(unique[i] / reach[i]) if reach[i] else 0.0,
-                                   "served_rows": float(unique[i] * scale),
-                                   "served_bytes": float(unique[i] * scale * rb)}
-        out["page_reads"] = float(self.total_page_reads.sum() * scale)
-        return out
+        levels = {name: SampledLevel(float(unique[i] / reach[i]) if reach[i] else 0.0, float(unique[i] * scale),
+                                     float(unique[i] * scale * rb))
+                  for i, name in enumerate(self.hierarchy.levels)}
+        return SampledStats(self.rate, float(self.totals_lookups.sum() * scale), float(unique.sum() * scale),
+                            float(self.total_page_reads.sum() * scale), levels)

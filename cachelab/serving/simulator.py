@@ -256,12 +256,12 @@ class ServingSimulator:
                 tokens = int(offsets[-1])
                 work = []
                 for li in range(len(self.model.engram_layers)):
-                    served = out["served"][li] * scale
+                    served = out.served[li] * scale
                     work.append(EngramStep(
                         lookups=float(tokens * rows_per_token), unique=float(served.sum()),
                         cache_hits=float(served[0]) if n_tiers else 0.0,
                         page_cache_rows=float(served[n_tiers]) if is_ssd else 0.0,
-                        page_reads=float(out["page_reads"][li] * scale)))
+                        page_reads=float(out.page_reads[li] * scale)))
                 a = step.starts.astype(np.float64)
                 b = step.stops.astype(np.float64)
                 t = lat.step_time(tokens, float(((b * (b + 1) - a * (a + 1)) / 2).sum()), float(b.sum()), work)
@@ -324,7 +324,7 @@ class ServingSimulator:
                   "kv_pool_tokens": self.latency.plan.kv_tokens,
                   "cached_tokens_end": cache.num_cached_tokens, "cached_tokens_peak": peak_cached,
                   "footprint_bytes_peak": peak_cached * kv_bytes}
-        rows = replay.summary()
+        rows = replay.summary().to_dict()
         rows["placement"] = cfg.placement
         if self.hierarchy.tiers:
             tier = self.hierarchy.tiers[0]

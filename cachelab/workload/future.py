@@ -10,13 +10,21 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from cachelab.compiled import prefetch
 from cachelab.policy import NO_NEXT
+
+
+_AHEAD = 16  # accesses between a prefetch and its use
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)
 def _next_access_dense(keys, num_keys, out):
+    """One backward pass over a last-seen array (the key ``_AHEAD`` accesses on is prefetched:
+    over millions of keys every access would otherwise wait on memory)."""
     last = np.full(num_keys, NO_NEXT, np.int64)
     for i in range(keys.size - 1, -1, -1):
+        if i >= _AHEAD:
+            prefetch(last, keys[i - _AHEAD])
         out[i] = last[keys[i]]
         last[keys[i]] = i
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import numba as nb
 import numpy as np
 
+from cachelab.compiled import prefetch
 from cachelab.errors import CachelabError
 
 LAYER_SHIFT = 32
@@ -66,7 +67,7 @@ class LookupStream:
         offs = np.ascontiguousarray(self.step_offsets, dtype=np.int64)
         if keys.ndim != 1:
             raise CachelabError(f"keys must be one-dimensional, got shape {keys.shape}")
-        if offs.ndim != 1 or offs.size < 1 or offs[0] != 0 or offs[-1] != keys.size or np.any(np.diff(offs) < 0):
+        if offs.ndim != 1 or offs.size < 1 or offs[0] != 0 or offs[-1] != keys.size or np.any(offs[1:] < offs[:-1]):
             raise CachelabError(f"step_offsets must rise from 0 to {keys.size} (the lookup count), "
                                 f"got {offs[:5].tolist()}...{offs[-2:].tolist()}")
         if keys.size and keys.min() < 0:
@@ -252,60 +253,150 @@ class LookupStream:
             raise CachelabError(f"{path}: {exc}") from None
 
 
+_ID_MASK = (1 << 32) - 1
+_AHEAD = 16  # lookups between a slot's prefetch and its use
+_PREFIX = 1 << 20  # keys whose distinct share sizes the first table
+
+
+@nb.njit(cache=True, inline="always")
+def _slot(key, shift):
+    """Fibonacci hashing: the top bits of key x 2^64/phi."""
+    return np.int64((np.uint64(key) * np.uint64(0x9E3779B97F4A7C15)) >> shift)
+
+
 @nb.njit(cache=True, nogil=True, boundscheck=False)
-def _first_seen_ids(keys, bits, ids, uniq):
-    """One pass: a new key gets the next id; an open-addressing table of int32 ids (4 bytes a
-    slot) finds a known one. Returns the number of distinct keys."""
+def _compact_steps_kernel(keys, step_offsets, bits, uniq, distinct, distinct_offsets, inverse):
+    """One pass: dense ids in first-occurrence order and each step's distinct ids.
+
+    A slot of the open-addressing table holds a key and, packed in one word, its id + 1 and
+    the index of its latest distinct entry, so a lookup touches one cache line: a new key
+    takes the next id, a key whose latest entry lies in this step is a duplicate. The slot of
+    the key ``_AHEAD`` lookups on is prefetched. The table starts at ``2^bits`` slots and
+    doubles whenever it is 0.6 full. Returns (distinct keys, distinct entries)."""
     mask = (1 << bits) - 1
-    table = np.full(1 << bits, -1, np.int32)
     shift = np.uint64(64 - bits)
+    table = np.zeros((1 << bits, 2), np.int64)  # [key, (entry << 32) | (id + 1)]; 0: empty
+    limit = int(0.6 * (1 << bits))
+    n_ids = 0
     n = 0
-    for i in range(keys.size):
-        k = keys[i]
-        h = np.int64((np.uint64(k) * np.uint64(0x9E3779B97F4A7C15)) >> shift)
-        while True:
-            j = table[h]
-            if j == -1:
-                table[h] = n
-                uniq[n] = k
-                ids[i] = n
-                n += 1
-                break
-            if uniq[j] == k:
-                ids[i] = j
-                break
-            h = (h + 1) & mask
-    return n
+    for s in range(step_offsets.size - 1):
+        step_lo = n
+        for i in range(step_offsets[s], step_offsets[s + 1]):
+            if i + _AHEAD < keys.size:
+                prefetch(table, _slot(keys[i + _AHEAD], shift))
+            k = keys[i]
+            h = _slot(k, shift)
+            while True:
+                v = table[h, 1]
+                if v == 0 and n_ids >= limit:
+                    bits += 1
+                    mask, shift, limit = (1 << bits) - 1, np.uint64(64 - bits), int(0.6 * (1 << bits))
+                    table = _grown(table, bits, shift)
+                    h = _slot(k, shift)
+                    continue
+                if v == 0:
+                    table[h, 0] = k
+                    table[h, 1] = (n << 32) | (n_ids + 1)
+                    uniq[n_ids] = k
+                    distinct[n] = n_ids
+                    inverse[i] = n
+                    n_ids += 1
+                    n += 1
+                    break
+                if table[h, 0] == k:
+                    entry = v >> 32
+                    if entry >= step_lo:
+                        inverse[i] = entry
+                    else:
+                        kid = (v & _ID_MASK) - 1
+                        table[h, 1] = (n << 32) | (kid + 1)
+                        distinct[n] = kid
+                        inverse[i] = n
+                        n += 1
+                    break
+                h = (h + 1) & mask
+        distinct_offsets[s + 1] = n
+    return n_ids, n
+
+
+@nb.njit(cache=True, nogil=True, boundscheck=False)
+def _grown(table, bits, shift):
+    """The slots of ``table`` in one of ``2^bits`` slots."""
+    mask = (1 << bits) - 1
+    out = np.zeros((1 << bits, 2), np.int64)
+    for j in range(table.shape[0]):
+        if table[j, 1] != 0:
+            h = _slot(table[j, 0], shift)
+            while out[h, 1] != 0:
+                h = (h + 1) & mask
+            out[h, 0] = table[j, 0]
+            out[h, 1] = table[j, 1]
+    return out
+
+
+def _start_bits(keys: np.ndarray, step_offsets: np.ndarray) -> int:
+    """A first table size from the distinct share of a prefix of the keys (a prefix holds at
+    least the stream's share of new keys, so the table seldom grows)."""
+    n = keys.size
+    if n > _PREFIX:
+        prefix = keys[:_PREFIX]
+        distinct = _compact_steps_kernel(prefix, np.array([0, _PREFIX], np.int64), 16, np.empty(_PREFIX, np.int64),
+                                         np.empty(_PREFIX, np.int64), np.zeros(2, np.int64),
+                                         np.empty(_PREFIX, np.int64))[0]
+        n = n * distinct // _PREFIX
+    return max(4, int(np.ceil(np.log2(max(n, 1) / 0.6))))
+
+
+def compact_steps(keys, step_offsets) -> tuple["StepDedup", np.ndarray]:
+    """Compaction and per-step dedup in one compiled pass: ``(dedup, unique_keys)``.
+
+    ``dedup.keys`` are dense ids ``0..U-1`` in first-occurrence order (as ``compact`` gives),
+    each step's distinct ones in first-occurrence order (as ``dedup_steps`` gives), and
+    ``unique_keys[dedup.keys[dedup.inverse]] == keys``.
+    """
+    keys = np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)
+    offs = np.ascontiguousarray(step_offsets, dtype=np.int64)
+    if keys.size >= 2**31:
+        raise CachelabError(f"{keys.size:,} keys in one compaction: more than the 2^31 dense ids a policy can index")
+    uniq = np.empty(keys.size, np.int64)
+    distinct = np.empty(keys.size, np.int64)
+    d_offs = np.zeros(offs.size, np.int64)
+    inverse = np.empty(keys.size, np.int64)
+    n_ids, n = _compact_steps_kernel(keys, offs, _start_bits(keys, offs), uniq, distinct, d_offs, inverse)
+    return StepDedup(_trim(distinct, n), d_offs, inverse), _trim(uniq, n_ids)
+
+
+def _trim(arr: np.ndarray, n: int) -> np.ndarray:
+    """The first ``n`` entries; a copy only where it frees most of the buffer."""
+    return arr[:n].copy() if 2 * n < arr.size else arr[:n]
 
 
 def compact(keys) -> tuple[np.ndarray, np.ndarray]:
     """Dense ids ``0..U-1`` in first-occurrence order: ``(ids, unique_keys)`` with
     ``unique_keys[ids] == keys``.
 
-    One compiled pass over a hash table (load <= 1/2); ids depend only on the order of
-    first occurrences, not on key values. Several times faster than
-    ``np.unique(..., return_inverse=True)`` on 10 M keys.
+    One compiled pass over a hash table; ids depend only on the order of first occurrences,
+    not on key values. Several times faster than ``np.unique(..., return_inverse=True)`` on
+    10 M keys. (All keys in one step: the distinct entry of a lookup is its id.)
     """
     keys = np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)
-    if keys.size >= 2**31:
-        raise CachelabError(f"{keys.size:,} keys in one compaction: more than the 2^31 dense ids a policy can index")
-    ids = np.empty(keys.size, np.int64)
-    uniq = np.empty(keys.size, np.int64)
-    bits = max(4, int(np.ceil(np.log2(max(keys.size, 1)))) + 1)
-    n = _first_seen_ids(keys, bits, ids, uniq)
-    return ids, uniq[:n].copy()
+    dd, uniq = compact_steps(keys, np.array([0, keys.size], np.int64))
+    return dd.inverse, uniq
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)
-def _dedup_kernel(ids, step_offsets, num_keys, distinct, distinct_offsets, inverse):
-    last_step = np.full(num_keys, -1, np.int64)
-    slot = np.empty(num_keys, np.int64)
+def _dedup_kernel(ids, step_offsets, first_step, last_step, slot, distinct, distinct_offsets, inverse):
+    """Steps ``first_step, first_step + 1, ...``: ``last_step[k]`` says whether ``k`` was seen in
+    the current step, so the marks carry over from call to call without a reset."""
     n = 0
     for s in range(step_offsets.size - 1):
+        step = first_step + s
         for i in range(step_offsets[s], step_offsets[s + 1]):
+            if i + _AHEAD < ids.size:
+                prefetch(last_step, ids[i + _AHEAD])
             k = ids[i]
-            if last_step[k] != s:
-                last_step[k] = s
+            if last_step[k] != step:
+                last_step[k] = step
                 slot[k] = n
                 distinct[n] = k
                 n += 1
@@ -331,14 +422,29 @@ class StepDedup:
         return np.bincount(self.inverse, minlength=self.keys.size)
 
 
+class StepDeduper:
+    """Per-step dedup of dense ids below ``num_keys``, call after call (a stepped replay
+    dedups each step as it comes, with marks kept from the steps before: no reset per call)."""
+
+    def __init__(self, num_keys: int):
+        self._last_step = np.full(max(int(num_keys), 1), -1, np.int64)
+        self._slot = np.empty(self._last_step.size, np.int64)
+        self._steps = 0
+
+    def dedup(self, ids, step_offsets) -> StepDedup:
+        """The next steps' distinct ids (``step_offsets`` over ``ids``), one compiled pass."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        offs = np.ascontiguousarray(step_offsets, dtype=np.int64)
+        distinct = np.empty(ids.size, np.int64)
+        d_offs = np.zeros(offs.size, np.int64)
+        inverse = np.empty(ids.size, np.int64)
+        n = _dedup_kernel(ids, offs, self._steps, self._last_step, self._slot, distinct, d_offs, inverse)
+        self._steps += offs.size - 1
+        return StepDedup(_trim(distinct, n), d_offs, inverse)
+
+
 def dedup_steps(ids, step_offsets, num_keys: int | None = None) -> StepDedup:
     """Distinct keys per step for dense ``ids`` (from ``compact``), one compiled pass."""
-    ids = np.ascontiguousarray(ids, dtype=np.int64)
-    offs = np.ascontiguousarray(step_offsets, dtype=np.int64)
     if num_keys is None:
-        num_keys = int(ids.max()) + 1 if ids.size else 1
-    distinct = np.empty(ids.size, np.int64)
-    d_offs = np.zeros(offs.size, np.int64)
-    inverse = np.empty(ids.size, np.int64)
-    n = _dedup_kernel(ids, offs, num_keys, distinct, d_offs, inverse)
-    return StepDedup(distinct[:n].copy(), d_offs, inverse)
+        num_keys = int(np.max(ids)) + 1 if np.size(ids) else 1
+    return StepDeduper(num_keys).dedup(ids, step_offsets)

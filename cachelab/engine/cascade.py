@@ -1,0 +1,151 @@
+"""The one tier cascade: each tier sees the miss stream of the tier above, then the page cache.
+
+Both the whole-stream ``replay`` and the per-step ``StepReplay`` serve their requests here,
+so the two can never disagree on what a tier or the SSD page model does. Requests are dense
+row ids, already deduplicated per step (``keys[offsets[s]:offsets[s+1]]`` for step ``s``).
+
+```
+ requests --> tier 0 --misses--> tier 1 --misses--> ... --> backing: DRAM table, or
+                                                     SSD: rows -> pages, dedup per step,
+                                                          page cache --misses--> SSD reads
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from cachelab import registry
+from cachelab.errors import CachelabError
+from cachelab.engine.tiers import Hierarchy, SSDStore
+from cachelab.policy import Policy
+from cachelab.workload.future import next_access
+from cachelab.workload.lookups import StepDedup, StepDeduper
+
+
+def run_policy(policy: Policy, keys: np.ndarray, step_offsets: np.ndarray, capacity: int, num_keys: int,
+               scores: np.ndarray | None = None) -> np.ndarray:
+    """Reset ``policy`` to ``capacity`` and replay dense ``keys``; a hit flag per key.
+
+    The policy gets ``next_access`` on this very stream, through its ``view_future`` (a
+    lookahead policy censors it), if it declares ``needs_future``, and ``scores`` if it
+    declares ``needs_scores`` (an error names the policy otherwise).
+    """
+    policy.reset(capacity, max(num_keys, 1))  # an empty stream still makes a valid cache
+    return _run(policy, keys, step_offsets, scores, future=True)
+
+
+def _run(policy: Policy, keys, step_offsets, scores, future: bool) -> np.ndarray:
+    caps = policy.capabilities
+    if caps.needs_scores and scores is None:
+        raise CachelabError(f"policy {policy.name!r} needs predictor scores; none were given to the replay")
+    nxt = policy.view_future(next_access(keys), step_offsets) if future and caps.needs_future else None
+    return policy.run(keys, step_offsets, nxt, scores if caps.needs_scores else None)
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """Who served each request of a batch of steps.
+
+    ``level`` indexes ``Hierarchy.levels`` per request. With an SSD backing, ``pages`` are the
+    distinct pages each step read through the page cache (dense page ids) and ``page_hits``
+    whether the cache held each; every miss is one page read from the SSD.
+    """
+
+    level: np.ndarray  # int8 per request
+    pages: StepDedup | None = None
+    page_hits: np.ndarray | None = None
+
+    def page_reads_per_step(self, num_steps: int) -> np.ndarray:
+        """SSD page reads of each of the ``num_steps`` steps served."""
+        if self.pages is None:
+            return np.zeros(num_steps, np.int64)
+        missed = np.concatenate([[0], np.cumsum(~self.page_hits)])
+        return np.diff(missed[self.pages.offsets])
+
+    def pages_read(self) -> np.ndarray:
+        """The dense ids of the pages read from the SSD, in order."""
+        return np.zeros(0, np.int64) if self.pages is None else self.pages.keys[~self.page_hits]
+
+
+class Cascade:
+    """A hierarchy's tier policies and page cache, reset once, serving batch after batch.
+
+    Args:
+        hierarchy: tiers (policies, capacities) and the backing store.
+        capacities: rows per tier (a sampled replay scales them).
+        num_keys: dense row ids are below it.
+        page_of: dense row id -> dense page id, with ``num_pages`` pages (SSD only); ``None``
+            numbers pages by first request at each ``serve`` instead (a one-shot replay).
+        page_capacity: pages the page cache holds (0: every page read goes to the SSD).
+        future: a policy that declares ``needs_future`` gets ``next_access`` within each batch
+            (a whole-stream replay serves one batch).
+    """
+
+    def __init__(self, hierarchy: Hierarchy, capacities: list[int], num_keys: int, *,
+                 page_of: Callable[[np.ndarray], np.ndarray] | None = None, num_pages: int = 0,
+                 page_capacity: int = 0, future: bool = False):
+        self.hierarchy, self.future = hierarchy, future
+        self.policies = [tier.policy for tier in hierarchy.tiers]
+        for policy, capacity in zip(self.policies, capacities):
+            policy.reset(capacity, max(num_keys, 1))
+        self.ssd = isinstance(hierarchy.backing, SSDStore)
+        self.page_of, self.page_capacity = page_of, page_capacity
+        self.page_policy = None
+        self._pages = None
+        if self.ssd and page_of is not None:
+            self._pages = StepDeduper(num_pages)
+            self.page_policy = self._page_policy(num_pages)
+
+    def _page_policy(self, num_pages: int) -> Policy | None:
+        if self.page_capacity < 1:
+            return None
+        policy = registry.make_policy(self.hierarchy.backing.page_policy)
+        policy.reset(self.page_capacity, max(num_pages, 1))
+        return policy
+
+    def serve(self, keys: np.ndarray, offsets: np.ndarray, scores: np.ndarray | None = None,
+              row_pages: Callable[[np.ndarray], tuple[np.ndarray, int]] | None = None) -> Served:
+        """Serve the requests ``keys`` (dense ids, distinct per step) of the steps ``offsets``.
+
+        Args:
+            scores: per request, for policies that declare ``needs_scores``.
+            row_pages: without ``page_of``: rows -> (dense page ids numbered by first request,
+                page count) for the rows that reach an SSD backing.
+        """
+        n_tiers = len(self.policies)
+        level = np.full(keys.size, n_tiers, dtype=np.int8)
+        cur = None  # requests still unserved (None: all of them)
+        for t, policy in enumerate(self.policies):
+            keys_t = keys if cur is None else keys[cur]
+            if keys_t.size == 0:
+                break
+            hits = _run(policy, keys_t, offsets, None if scores is None else (scores if cur is None else scores[cur]),
+                        self.future)
+            miss = ~hits
+            if cur is None:
+                level[hits] = t
+            else:
+                level[cur[hits]] = t
+            if t + 1 < n_tiers or self.ssd:  # the next level needs the miss stream
+                offsets = np.concatenate([[0], np.cumsum(miss)])[offsets]
+                cur = np.flatnonzero(miss) if cur is None else cur[miss]
+        if not self.ssd:
+            return Served(level)
+        rows = keys if cur is None else keys[cur]
+        if self.page_of is not None:
+            pages, deduper, page_policy = self.page_of(rows), self._pages, self.page_policy
+        else:
+            pages, num_pages = row_pages(rows)
+            deduper, page_policy = StepDeduper(num_pages), self._page_policy(num_pages)
+        pd = deduper.dedup(pages, offsets)
+        if page_policy is not None:
+            page_hits = _run(page_policy, pd.keys, pd.offsets, None, self.future)
+        else:
+            page_hits = np.zeros(pd.keys.size, dtype=np.bool_)
+        missed = ~page_hits[pd.inverse]
+        level[np.arange(keys.size)[missed] if cur is None else cur[missed]] = n_tiers + 1
+        return Served(level, pd, page_hits)

@@ -1,0 +1,64 @@
+"""The one sampling hash: every spatial sample of keys (SHARDS, sampled pages) keeps a key
+when its hash falls under the rate.
+
+The hash is splitmix64's finalizer (Steele et al., OOPSLA'14) of ``key + (seed + 1) x
+2^64/phi``; a key is kept iff the top ``SAMPLE_BITS`` bits of its hash are below
+``round(rate x 2^SAMPLE_BITS)``. The same compiled ``mix`` serves the engine's hash tables.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+from cachelab.errors import CachelabError
+
+SAMPLE_BITS = 24
+_GOLDEN = 0x9E3779B97F4A7C15
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_SHIFT = np.uint64(64 - SAMPLE_BITS)
+
+
+def salt(seed: int = 0) -> np.uint64:
+    """The offset added to every key before mixing, for sample ``seed``."""
+    return np.uint64(_GOLDEN * (seed + 1) % 2**64)
+
+
+@nb.njit(cache=True, inline="always")
+def mix(key, salt):
+    """splitmix64's finalizer of ``key + salt`` (mod 2^64)."""
+    z = np.uint64(key) + salt
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+@nb.njit(cache=True, inline="always")
+def keeps(key, threshold, salt):
+    """Whether the sample with ``threshold`` (from ``threshold``) keeps ``key``."""
+    return (mix(key, salt) >> _SHIFT) < np.uint64(threshold)
+
+
+def threshold(rate: float) -> int:
+    """The hash threshold of a sample at ``rate`` (0 < rate <= 1; 1 keeps every key)."""
+    if not 0 < rate <= 1:
+        raise CachelabError(f"sample rate must be in (0, 1], got {rate}")
+    return int(round(rate * (1 << SAMPLE_BITS)))
+
+
+@nb.njit(cache=True, nogil=True, boundscheck=False)
+def _mask(keys, threshold, salt, out):
+    for i in range(keys.size):
+        out[i] = keeps(keys[i], threshold, salt)
+
+
+def sample_mask(keys: np.ndarray, rate: float, seed: int = 0) -> np.ndarray:
+    """Which of ``keys`` (non-negative integers) the sample at ``rate`` keeps."""
+    t = threshold(rate)
+    keys = np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)
+    if t >= 1 << SAMPLE_BITS:
+        return np.ones(keys.size, np.bool_)
+    out = np.empty(keys.size, np.bool_)
+    _mask(keys, t, salt(seed), out)
+    return out
