@@ -146,3 +146,24 @@ def test_the_guide_shows_the_real_files():
     guide = (root / "docs/plugins.md").read_text()
     for path in ("policies/linked/lru.py", "examples/plugin-example/src/cachelab_plugin_example/policy.py"):
         assert (root / path).read_text() in guide, f"docs/plugins.md no longer shows {path} literally"
+
+
+def test_each_policy_has_its_own_cache_index():
+    """A cache index unpickles every state class it names: one whose class only a test module
+    defines must not sit in the index the built-ins load in other processes."""
+    from cachelab.policy.template import compile_loop
+    from policies.linked.lru import LRU
+
+    assert compile_loop(MRU.hooks, False, False).py_func.__qualname__ != \
+        compile_loop(LRU.hooks, False, False).py_func.__qualname__
+
+
+def test_the_compiled_loop_loads_from_the_disk_cache():
+    import subprocess
+    import sys
+
+    code = ("import numpy as np; from cachelab import registry; from cachelab.policy.template import compile_loop; "
+            "p = registry.make_policy('lru'); p.reset(4, 10); p.run(np.arange(10), np.array([0, 10])); "
+            "print(sum(compile_loop(p.hooks, False, False).stats.cache_hits.values()))")
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True) for _ in range(2)]
+    assert int(runs[-1].stdout.split()[-1]) >= 1

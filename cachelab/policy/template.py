@@ -177,7 +177,11 @@ def compile_loop(hooks: Hooks, filtered: bool, record: bool):
                      on_access=hooks.on_access, on_hit=hooks.on_hit, on_miss=hooks.on_miss, victim=hooks.victim,
                      on_evict=hooks.on_evict, overflow=hooks.overflow or no_overflow, on_insert=hooks.on_insert,
                      on_fill=hooks.on_fill or hooks.on_insert)
-        fn = types.FunctionType(_LOOP, names, "slot_loop", None, (types.CellType(_salt(hooks, filtered, record)),))
+        salt = _salt(hooks, filtered, record)
+        fn = types.FunctionType(_LOOP, names, "slot_loop", None, (types.CellType(salt),))
+        # one cache index per policy and variant: an index unpickles every state class it names, so
+        # a policy whose state class cannot be imported elsewhere must not share one with the others
+        fn.__qualname__ = "slot_loop_" + hashlib.sha256(salt.encode()).hexdigest()[:16]
         _LOOPS[key] = nb.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)(fn)
     return _LOOPS[key]
 
