@@ -21,7 +21,7 @@ def test_arc_ghost_hit_returns_to_t2_and_grows_t1_target():
     r = p.step(np.array([1]))
     assert not r.hits[0] and r.admitted.tolist() == [1]
     assert p.p[0] == 1  # a B1 ghost hit: recency deserved more room
-    assert p.queues[3][p.slot_of[1]] == 1  # its slot is in T2
+    assert p.where[p.slot_of[1]] == 1  # its slot is in T2
 
 
 def test_s3fifo_one_hit_wonders_leave_through_small_and_return_to_main():
@@ -30,7 +30,7 @@ def test_s3fifo_one_hit_wonders_leave_through_small_and_return_to_main():
     r = p.step(np.array([10, 11]))  # small's unused rows leave first, into the ghost queue
     assert r.evicted.tolist() == [0, 10]
     r = p.step(np.array([10]))  # a ghost hit goes straight to main
-    assert r.admitted.tolist() == [10] and p.queues[3][p.slot_of[10]] == 1  # its slot is in main
+    assert r.admitted.tolist() == [10] and p.where[p.slot_of[10]] == 1  # its slot is in main
 
 
 def test_twoq_correlated_hits_do_not_promote():
@@ -38,7 +38,7 @@ def test_twoq_correlated_hits_do_not_promote():
     p.step(np.array([1, 1, 1, 2, 3, 4, 5]))
     assert 1 not in p.resident()  # hits in A1in changed nothing; 1 left first
     r = p.step(np.array([1]))  # its key was in A1out: it returns into Am
-    assert not r.hits[0] and p.queues[3][1] == 2
+    assert not r.hits[0] and p.where[p.slot_of[1]] == 1  # its slot is in Am
 
 
 @pytest.mark.parametrize("name", ["fifo", "clock", "sieve", "lfu", "lfuda", "arc", "twoq", "s3fifo"])

@@ -74,9 +74,14 @@ def leave(slot_of, key_of, free, meta, top, key, record, ev, counts):
     note_evict(record, ev, counts, key)
 
 
-def free_stack(capacity: int) -> np.ndarray:
+def index_dtype(n: int):
+    """int32 for keys and slots below 2**31 (half the memory traffic of int64), else int64."""
+    return np.int32 if n < np.iinfo(np.int32).max else np.int64
+
+
+def free_stack(capacity: int, dtype=np.int64) -> np.ndarray:
     """All slots free, popped in order 0, 1, 2, ... as the cache fills."""
-    return np.arange(capacity - 1, -1, -1, dtype=np.int64)
+    return np.arange(capacity - 1, -1, -1, dtype=dtype)
 
 
 class KernelPolicy(Policy):
@@ -97,8 +102,9 @@ class KernelPolicy(Policy):
     def reset(self, capacity: int, num_keys: int) -> None:
         check_capacity(capacity, num_keys)
         self.capacity, self.num_keys = int(capacity), int(num_keys)
-        self.slot_of = np.full(self.num_keys, -1, dtype=np.int64)
-        self.key_of = np.full(self.capacity, -1, dtype=np.int64)
+        index = index_dtype(self.num_keys)
+        self.slot_of = np.full(self.num_keys, -1, dtype=index)
+        self.key_of = np.full(self.capacity, -1, dtype=index)
         self.filter = make_admission(self.admission, self.capacity, self.num_keys)
         self._counts = np.zeros(2, dtype=np.int64)
         self.init_state(self.capacity, self.num_keys)
@@ -128,9 +134,13 @@ class KernelPolicy(Policy):
         if self.batched:  # the kernel also gets the step boundaries (``step``: one step)
             offsets = np.array([0, keys.size]) if step_offsets is None else step_offsets
             extra = (np.ascontiguousarray(offsets, dtype=np.int64),) + extra
+        self._launch(keys, extra, hits, record, adm, adm_slot, ev)
+        return hits, adm, adm_slot, ev
+
+    def _launch(self, keys, extra, hits, record, adm, adm_slot, ev) -> None:
+        """Call the kernel in its documented argument order."""
         type(self).kernel(keys, *extra, self.slot_of, self.key_of,
                           *self.state(), *self.filter, hits, record, adm, adm_slot, ev, self._counts)
-        return hits, adm, adm_slot, ev
 
     def step(self, keys, next_access=None, scores=None) -> StepResult:
         hits, adm, adm_slot, ev = self._call(keys, True, None, next_access, scores)
@@ -141,4 +151,4 @@ class KernelPolicy(Policy):
         return self._call(keys, False, step_offsets, next_access, scores)[0]
 
     def resident(self) -> np.ndarray:
-        return np.sort(self.key_of[self.key_of >= 0])
+        return np.sort(self.key_of[self.key_of >= 0]).astype(np.int64)

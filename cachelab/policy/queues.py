@@ -18,13 +18,14 @@ HEAD, TAIL, SIZE = 0, 1, 2
 
 
 def make_queues(num_queues: int, num_nodes: int):
-    """Empty queues ``q`` and node arrays ``prev``, ``nxt``, ``where``."""
+    """Empty queues ``q`` and node arrays ``prev``, ``nxt``, ``where`` (int32 where the nodes allow)."""
     q = np.zeros((num_queues, 3), dtype=np.int64)
     q[:, HEAD] = -1
     q[:, TAIL] = -1
-    prev = np.full(num_nodes, -1, dtype=np.int64)
-    nxt = np.full(num_nodes, -1, dtype=np.int64)
-    where = np.full(num_nodes, -1, dtype=np.int64)
+    index = np.int32 if num_nodes < np.iinfo(np.int32).max else np.int64
+    prev = np.full(num_nodes, -1, dtype=index)
+    nxt = np.full(num_nodes, -1, dtype=index)
+    where = np.full(num_nodes, -1, dtype=np.int8 if num_queues < 128 else np.int64)
     return q, prev, nxt, where
 
 

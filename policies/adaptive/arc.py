@@ -19,16 +19,30 @@ except that a ghost hit has already adapted p.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numba as nb
 import numpy as np
 
-from cachelab.policy.admission import admission_admit, admission_record
 from cachelab.policy.queues import SIZE, TAIL, make_queues, move_head, pop_tail, push_head, unlink
-from cachelab.policy.kernel import KernelPolicy, enter, free_stack, leave
+from cachelab.policy.template import Hooks, SlotPolicy
 
 T1, T2 = 0, 1  # queues of slots
 B1, B2 = 0, 1  # queues of ghost keys
-FREE_TOP = 0
+GHOST, T1_ALONE, FROM_T1 = 0, 1, 2  # the current miss: its ghost list (-1: none), how REPLACE goes
+
+
+class ARCState(NamedTuple):
+    p: np.ndarray  # [T1's target size], fractional as libCacheSim's
+    miss: np.ndarray  # GHOST, T1_ALONE, FROM_T1 of the miss in progress
+    q: np.ndarray  # T1 and T2, over slots: cache-sized
+    prev: np.ndarray
+    nxt: np.ndarray
+    where: np.ndarray
+    gq: np.ndarray  # B1 and B2, over keys, which have no slots
+    gprev: np.ndarray
+    gnxt: np.ndarray
+    gwhere: np.ndarray
 
 
 @nb.njit(cache=True, inline="always")
@@ -37,60 +51,59 @@ def _replace_from_t1(q, p, b2_hit):
     return (t1 > 0 and (t1 > p or (t1 == p and b2_hit))) or q[T2, SIZE] == 0
 
 
-@nb.njit(cache=True, nogil=True, boundscheck=False)
-def _arc_kernel(keys, slot_of, key_of, meta, p, free, q, prev, nxt, where, gq, gprev, gnxt, gwhere,
-                a_kind, a_counters, a_scores, a_meta, hits, record, adm, adm_slot, ev, counts):
-    c = key_of.size
-    for i in range(keys.size):
-        key = keys[i]
-        admission_record(a_kind, a_counters, a_scores, a_meta, key)
-        slot = slot_of[key]
-        if slot >= 0:
-            hits[i] = True
-            move_head(q, prev, nxt, where, T2, slot)
-            continue
-        hits[i] = False
-        g = gwhere[key]
-        ghost = g >= 0
-        if g == B1:
-            p[0] = min(p[0] + max(gq[B2, SIZE] / gq[B1, SIZE], 1.0), c)
-        elif g == B2:
-            p[0] = max(p[0] - max(gq[B1, SIZE] / gq[B2, SIZE], 1.0), 0.0)
-        if q[T1, SIZE] + q[T2, SIZE] >= c:
-            t1_alone = not ghost and q[T1, SIZE] + gq[B1, SIZE] + 1 > c and q[T1, SIZE] >= c
-            from_t1 = t1_alone or _replace_from_t1(q, p[0], g == B2)
-            vslot = q[T1, TAIL] if from_t1 else q[T2, TAIL]
-            victim = key_of[vslot]
-            if not admission_admit(a_kind, a_counters, a_scores, a_meta, key, victim):
-                continue
-            if not ghost:  # trim the ghost directory before REPLACE
-                if q[T1, SIZE] + gq[B1, SIZE] + 1 > c:
-                    if not t1_alone:
-                        pop_tail(gq, gprev, gnxt, gwhere, B1)
-                elif q[T1, SIZE] + q[T2, SIZE] + gq[B1, SIZE] + gq[B2, SIZE] >= 2 * c:
-                    pop_tail(gq, gprev, gnxt, gwhere, B2)
-            unlink(q, prev, nxt, where, vslot)
-            if not t1_alone:
-                push_head(gq, gprev, gnxt, gwhere, B1 if from_t1 else B2, victim)
-            leave(slot_of, key_of, free, meta, FREE_TOP, victim, record, ev, counts)
-        if ghost:
-            unlink(gq, gprev, gnxt, gwhere, key)
-        enter(slot_of, key_of, free, meta, FREE_TOP, key, record, adm, adm_slot, counts)
-        push_head(q, prev, nxt, where, T2 if ghost else T1, slot_of[key])
+@nb.njit(cache=True, inline="always")
+def _on_hit(s, x, i, key, slot):
+    move_head(s.q, s.prev, s.nxt, s.where, T2, slot)
 
 
-class ARC(KernelPolicy):
+@nb.njit(cache=True, inline="always")
+def _on_miss(s, x, i, key, slot):
+    """A ghost hit adapts p, whether or not the key is then admitted."""
+    g = s.gwhere[key]
+    s.miss[GHOST] = g
+    if g == B1:
+        s.p[0] = min(s.p[0] + max(s.gq[B2, SIZE] / s.gq[B1, SIZE], 1.0), s.prev.size)
+    elif g == B2:
+        s.p[0] = max(s.p[0] - max(s.gq[B1, SIZE] / s.gq[B2, SIZE], 1.0), 0.0)
+
+
+@nb.njit(cache=True, inline="always")
+def _victim(s, x, i, key, slot):
+    c, t1 = s.prev.size, s.q[T1, SIZE]
+    s.miss[T1_ALONE] = s.miss[GHOST] < 0 and t1 + s.gq[B1, SIZE] + 1 > c and t1 >= c
+    s.miss[FROM_T1] = s.miss[T1_ALONE] or _replace_from_t1(s.q, s.p[0], s.miss[GHOST] == B2)
+    return s.q[T1, TAIL] if s.miss[FROM_T1] else s.q[T2, TAIL]
+
+
+@nb.njit(cache=True, inline="always")
+def _on_evict(s, x, i, key, slot):
+    c = s.prev.size
+    if s.miss[GHOST] < 0:  # trim the ghost directory before REPLACE
+        if s.q[T1, SIZE] + s.gq[B1, SIZE] + 1 > c:
+            if not s.miss[T1_ALONE]:
+                pop_tail(s.gq, s.gprev, s.gnxt, s.gwhere, B1)
+        elif s.q[T1, SIZE] + s.q[T2, SIZE] + s.gq[B1, SIZE] + s.gq[B2, SIZE] >= 2 * c:
+            pop_tail(s.gq, s.gprev, s.gnxt, s.gwhere, B2)
+    pop_tail(s.q, s.prev, s.nxt, s.where, T1 if s.miss[FROM_T1] else T2)
+    if not s.miss[T1_ALONE]:
+        push_head(s.gq, s.gprev, s.gnxt, s.gwhere, B1 if s.miss[FROM_T1] else B2, key)
+
+
+@nb.njit(cache=True, inline="always")
+def _on_insert(s, x, i, key, slot):
+    ghost = s.miss[GHOST] >= 0
+    if ghost:
+        unlink(s.gq, s.gprev, s.gnxt, s.gwhere, key)
+    push_head(s.q, s.prev, s.nxt, s.where, T2 if ghost else T1, slot)
+
+
+class ARC(SlotPolicy):
     """Adaptive Replacement Cache; ``admission`` names a filter from cachelab.policy.admission."""
 
     name = "arc"
-    kernel = staticmethod(_arc_kernel)
+    State = ARCState
+    hooks = Hooks(on_hit=_on_hit, on_miss=_on_miss, victim=_victim, on_evict=_on_evict, on_insert=_on_insert)
 
-    def init_state(self, capacity, num_keys):
-        self.meta = np.array([capacity], dtype=np.int64)
-        self.p = np.zeros(1, dtype=np.float64)  # T1's target size, fractional as libCacheSim's
-        self.free = free_stack(capacity)
-        self.queues = make_queues(2, capacity)  # T1 and T2 over slots: cache-sized
-        self.ghosts = make_queues(2, num_keys)  # B1 and B2 over keys, which have no slots
-
-    def state(self):
-        return (self.meta, self.p, self.free, *self.queues, *self.ghosts)
+    def make_state(self, capacity, num_keys):
+        return ARCState(np.zeros(1, dtype=np.float64), np.zeros(3, dtype=np.int64),
+                        *make_queues(2, capacity), *make_queues(2, num_keys))

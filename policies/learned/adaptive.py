@@ -75,7 +75,7 @@ class AdaptiveLearnedS3FIFO(LearnedS3FIFO):
         self.decay = decay
         self.warmup_epochs = warmup_epochs
 
-    def init_state(self, capacity, num_keys):
+    def make_state(self, capacity, num_keys):
         if not 0.0 < float(self.sample_rate) <= 1.0:
             raise CachelabError(f"learned-s3fifo-adaptive sample_rate must be in (0, 1], got {self.sample_rate}")
         if int(self.epoch) < 1:
@@ -84,7 +84,7 @@ class AdaptiveLearnedS3FIFO(LearnedS3FIFO):
             raise CachelabError(f"learned-s3fifo-adaptive decay must be in [0, 1], got {self.decay}")
         if int(self.warmup_epochs) < 0:
             raise CachelabError(f"learned-s3fifo-adaptive warmup_epochs must be >= 0, got {self.warmup_epochs}")
-        super().init_state(capacity, num_keys)  # checks promote and the small queue's share
+        state = super().make_state(capacity, num_keys)  # checks promote and the small queue's share
         start = (float(self.promote), float(self.small_size_ratio))
         self.grid = [(p, r) for p in _grid_values("promotes", self.promotes, 0.0, 1.0)
                      for r in _grid_values("small_size_ratios", self.small_size_ratios, 1e-9, 1.0 - 1e-9)]
@@ -103,6 +103,7 @@ class AdaptiveLearnedS3FIFO(LearnedS3FIFO):
         self.since = 0  # lookups since the last choice
         self.epochs = 0
         self.config = start
+        return state
 
     def _use(self, promote: float, ratio: float) -> None:
         """Switch the real cache to a configuration; a shrunk queue drains through normal evictions."""

@@ -14,16 +14,28 @@ policy with the scores filter: learned eviction and learned admission together.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numba as nb
 import numpy as np
 
 from cachelab.errors import CachelabError
 from cachelab.policy import Capabilities
-from cachelab.policy.admission import SCORES, admission_admit, admission_record
-from cachelab.policy.kernel import KernelPolicy, note_admit, note_evict
+from cachelab.policy.admission import SCORES
+from cachelab.policy.template import Hooks, SlotPolicy
 from policies.learned.scores import checked_scores
 
-SIZE, CLOCK, RNG = 0, 1, 2
+CLOCK, RNG = 0, 1
+
+
+class LearnedState(NamedTuple):
+    sample: np.int64
+    scored: bool  # the scores filter is on: the victim hook writes both predictions into its table
+    table: np.ndarray  # the scores filter's per-key table
+    key_of: np.ndarray  # the residency's slot -> key (the victim's key goes into the table)
+    meta: np.ndarray  # clock, xorshift state (never zero)
+    pred: np.ndarray  # per slot: predicted position of the next use
+    last: np.ndarray  # per slot: position of the latest use
 
 
 @nb.njit(cache=True, inline="always")
@@ -36,53 +48,37 @@ def _xorshift(meta):
     return x
 
 
-@nb.njit(cache=True, nogil=True, boundscheck=False)
-def _learned_kernel(keys, scores, slot_of, key_of, sample, meta, pred, last, a_kind, a_counters,
-                    a_scores, a_meta, hits, record, adm, adm_slot, ev, counts):
-    capacity = key_of.size
-    for i in range(keys.size):
-        key = keys[i]
-        now = meta[CLOCK]
-        meta[CLOCK] = now + 1
-        admission_record(a_kind, a_counters, a_scores, a_meta, key)
-        due = -scores[i]
-        slot = slot_of[key]
-        if slot >= 0:
-            hits[i] = True
-            pred[slot] = due
-            last[slot] = now
-            continue
-        hits[i] = False
-        if meta[SIZE] < capacity:
-            slot = meta[SIZE]
-            meta[SIZE] += 1
-        else:
-            slot = -1
-            far = -1.0
-            for _ in range(min(sample, capacity)):
-                s = np.int64(_xorshift(meta) % np.uint64(capacity))
-                wait = pred[s] - now
-                if wait < 0:
-                    wait = np.float64(now - last[s])
-                if wait > far:
-                    far = wait
-                    slot = s
-            victim = key_of[slot]
-            if a_kind == SCORES:  # compare predicted next uses as seen from now
-                a_scores[key] = scores[i]
-                a_scores[victim] = -(now + far)
-            if not admission_admit(a_kind, a_counters, a_scores, a_meta, key, victim):
-                continue
-            slot_of[victim] = -1
-            note_evict(record, ev, counts, victim)
-        key_of[slot] = key
-        slot_of[key] = slot
-        pred[slot] = due
-        last[slot] = now
-        note_admit(record, adm, adm_slot, counts, key, slot)
+@nb.njit(cache=True, inline="always")
+def _on_access(s, x, i, key, slot):
+    s.meta[CLOCK] += 1
 
 
-class LearnedEviction(KernelPolicy):
+@nb.njit(cache=True, inline="always")
+def _on_insert(s, x, i, key, slot):  # a hit or a newcomer: the slot keeps the latest prediction
+    s.pred[slot] = -x[i]
+    s.last[slot] = s.meta[CLOCK] - 1
+
+
+@nb.njit(cache=True, inline="always")
+def _victim(s, x, i, key, slot):
+    now, capacity = s.meta[CLOCK] - 1, s.pred.size
+    slot = -1
+    far = -1.0
+    for _ in range(min(s.sample, capacity)):
+        c = np.int64(_xorshift(s.meta) % np.uint64(capacity))
+        wait = s.pred[c] - now
+        if wait < 0:
+            wait = np.float64(now - s.last[c])
+        if wait > far:
+            far = wait
+            slot = c
+    if s.scored:  # compare predicted next uses as seen from now
+        s.table[key] = x[i]
+        s.table[s.key_of[slot]] = -(now + far)
+    return slot
+
+
+class LearnedEviction(SlotPolicy):
     """Evict the farthest predicted next use among ``sample`` random residents.
 
     Scores come from the runner (``cachelab simulate --model DIR``); ``admission`` is any
@@ -91,27 +87,24 @@ class LearnedEviction(KernelPolicy):
 
     name = "learned-eviction"
     capabilities = Capabilities(needs_scores=True, compiled=True)
-    kernel = staticmethod(_learned_kernel)
+    State = LearnedState
+    hooks = Hooks(on_access=_on_access, on_hit=_on_insert, victim=_victim, on_insert=_on_insert)
 
     def __init__(self, sample: int = 64, admission: str = "always", seed: int = 0):
         super().__init__(admission=admission)
         self.sample = sample
         self.seed = seed
 
-    def init_state(self, capacity, num_keys):
+    def make_state(self, capacity, num_keys):
         if int(self.sample) < 1:
             raise CachelabError(f"sample must be at least 1 candidate, got {self.sample}")
-        # meta: size, clock, xorshift state (never zero)
-        self.meta = np.array([0, 0, (int(self.seed) * 0x9E3779B97F4A7C15 + 1) & 0x7FFFFFFFFFFFFFFF or 1],
-                             dtype=np.int64)
-        self.pred = np.zeros(capacity, dtype=np.float64)
-        self.last = np.zeros(capacity, dtype=np.int64)
-
-    def state(self):
-        return np.int64(self.sample), self.meta, self.pred, self.last
+        kind, _, table, _ = self.filter
+        meta = np.array([0, (int(self.seed) * 0x9E3779B97F4A7C15 + 1) & 0x7FFFFFFFFFFFFFFF or 1], dtype=np.int64)
+        return LearnedState(np.int64(self.sample), bool(kind == SCORES), table, self.key_of, meta,
+                            np.zeros(capacity, dtype=np.float64), np.zeros(capacity, dtype=np.int64))
 
     def inputs(self, keys, next_access, scores):
-        return (checked_scores(self.name, keys, scores),)
+        return checked_scores(self.name, keys, scores)
 
 
 class Learned(LearnedEviction):

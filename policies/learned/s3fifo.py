@@ -45,19 +45,23 @@ class LearnedS3FIFO(S3FIFO):
         self.promote = promote
         self.horizon = horizon
 
-    def init_state(self, capacity, num_keys):
+    def make_state(self, capacity, num_keys):
         if not 0.0 <= float(self.promote) <= 1.0:
             raise CachelabError(f"learned-s3fifo promote must be a chance in [0, 1], got {self.promote}")
         if int(self.horizon) < 1:
             raise CachelabError(f"learned-s3fifo horizon must be at least 1 lookup, got {self.horizon}")
-        super().init_state(capacity, num_keys)
+        state = super().make_state(capacity, num_keys)
+        self._bound = state.within
         self.set_promote(float(self.promote))
-        self.wait = np.zeros(capacity, dtype=np.float64)  # predicted lookups to the next use, as of the last
+        return state
+
+    def wait_array(self, capacity):
+        return np.zeros(capacity, dtype=np.float64)  # predicted lookups to the next use, as of the last
 
     def set_promote(self, promote: float) -> None:
         """The kernel's promotion bound: a predicted wait of at most ``(1 - promote) x horizon``.
         promote=1 never promotes (-1 switches the hook off); a predicted wait is never below 0."""
-        self.within = np.float64(-1.0 if promote >= 1.0 else (1.0 - promote) * int(self.horizon))
+        self._bound[0] = -1.0 if promote >= 1.0 else (1.0 - promote) * int(self.horizon)
 
     def inputs(self, keys, next_access, scores):
-        return (checked_scores(self.name, keys, scores),)
+        return checked_scores(self.name, keys, scores)

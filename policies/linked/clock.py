@@ -6,72 +6,66 @@ is the victim. The new row takes the victim's slot with counter 0. With ``bits=1
 the classic CLOCK; with ``bits=0`` it is FIFO. A ring with a hand is libCacheSim's
 FIFO-with-reinsertion list, rotated in place: validated against libCacheSim's ``Clock``
 (``n_bit_counter``), identical miss ratios (tests/test_differential_libcachesim.py).
+The slots fill in order 0, 1, 2, ..., so the ring is the slot array itself.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numba as nb
 import numpy as np
 
 from cachelab.errors import CachelabError
-from cachelab.policy.admission import admission_admit, admission_record
-from cachelab.policy.kernel import KernelPolicy, note_admit, note_evict
+from cachelab.policy.template import Hooks, SlotPolicy
 
-HAND, SIZE, MAX_FREQ = 0, 1, 2
-
-
-@nb.njit(cache=True, nogil=True, boundscheck=False)
-def _clock_kernel(keys, slot_of, key_of, meta, freq, a_kind, a_counters, a_scores, a_meta,
-                  hits, record, adm, adm_slot, ev, counts):
-    capacity = key_of.size
-    for i in range(keys.size):
-        key = keys[i]
-        admission_record(a_kind, a_counters, a_scores, a_meta, key)
-        slot = slot_of[key]
-        if slot >= 0:
-            hits[i] = True
-            if freq[slot] < meta[MAX_FREQ]:
-                freq[slot] += 1
-            continue
-        hits[i] = False
-        if meta[SIZE] < capacity:
-            slot = meta[SIZE]
-            meta[SIZE] += 1
-        else:
-            slot = meta[HAND]
-            while freq[slot] > 0:  # second chance: spare it, age it, move on
-                freq[slot] -= 1
-                slot += 1
-                if slot == capacity:
-                    slot = 0
-            meta[HAND] = slot
-            victim = key_of[slot]
-            if not admission_admit(a_kind, a_counters, a_scores, a_meta, key, victim):
-                continue
-            slot_of[victim] = -1
-            note_evict(record, ev, counts, victim)
-            meta[HAND] = slot + 1 if slot + 1 < capacity else 0
-        key_of[slot] = key
-        slot_of[key] = slot
-        freq[slot] = 0
-        note_admit(record, adm, adm_slot, counts, key, slot)
+HAND, MAX_FREQ = 0, 1
 
 
-class Clock(KernelPolicy):
+class ClockState(NamedTuple):
+    meta: np.ndarray  # the hand, the counters' maximum
+    freq: np.ndarray  # use counter per slot
+
+
+@nb.njit(cache=True, inline="always")
+def _on_hit(s, x, i, key, slot):
+    if s.freq[slot] < s.meta[MAX_FREQ]:
+        s.freq[slot] += 1
+
+
+@nb.njit(cache=True, inline="always")
+def _victim(s, x, i, key, slot):
+    slot = s.meta[HAND]
+    while s.freq[slot] > 0:  # second chance: spare it, age it, move on
+        s.freq[slot] -= 1
+        slot = slot + 1 if slot + 1 < s.freq.size else 0
+    s.meta[HAND] = slot
+    return slot
+
+
+@nb.njit(cache=True, inline="always")
+def _on_evict(s, x, i, key, slot):
+    s.meta[HAND] = slot + 1 if slot + 1 < s.freq.size else 0
+
+
+@nb.njit(cache=True, inline="always")
+def _on_insert(s, x, i, key, slot):
+    s.freq[slot] = 0
+
+
+class Clock(SlotPolicy):
     """CLOCK with ``bits``-bit use counters (1 = classic second chance)."""
 
     name = "clock"
-    kernel = staticmethod(_clock_kernel)
+    State = ClockState
+    hooks = Hooks(on_hit=_on_hit, victim=_victim, on_evict=_on_evict, on_insert=_on_insert)
 
     def __init__(self, bits: int = 1, admission: str = "always"):
         self.bits = bits
         self.admission = admission
 
-    def init_state(self, capacity, num_keys):
+    def make_state(self, capacity, num_keys):
         if not 0 <= int(self.bits) <= 8:
             raise CachelabError(f"clock bits must be in [0, 8], got {self.bits}")
-        self.meta = np.array([0, 0, (1 << int(self.bits)) - 1], dtype=np.int64)
-        self.freq = np.zeros(capacity, dtype=np.int64)
-
-    def state(self):
-        return self.meta, self.freq
+        return ClockState(np.array([0, (1 << int(self.bits)) - 1], dtype=np.int64),
+                          np.zeros(capacity, dtype=np.uint8))

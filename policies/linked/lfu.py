@@ -18,15 +18,25 @@ is a global counter taken whenever a row's priority changes: O(log capacity) per
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numba as nb
 import numpy as np
 
 from cachelab.errors import CachelabError
-from cachelab.policy.admission import admission_admit, admission_record
-from cachelab.policy.kernel import KernelPolicy, note_admit, note_evict
+from cachelab.policy.template import Hooks, SlotPolicy
 
 SIZE, STAMP, AGE, DYNAMIC = 0, 1, 2, 3
 AGING = {"none": 0, "dynamic": 1}
+
+
+class LFUState(NamedTuple):
+    meta: np.ndarray  # heap size, last stamp, cache age L, whether L counts
+    heap: np.ndarray  # slots in heap order
+    pos: np.ndarray  # each slot's index in the heap
+    count: np.ndarray
+    prio: np.ndarray
+    stamp: np.ndarray
 
 
 @nb.njit(cache=True, inline="always")
@@ -34,101 +44,90 @@ def _less(prio, stamp, a, b):
     return prio[a] < prio[b] or (prio[a] == prio[b] and stamp[a] < stamp[b])
 
 
+@nb.njit(cache=True, inline="always")
+def _put(heap, pos, i, slot):
+    heap[i] = slot
+    pos[slot] = i
+
+
 @nb.njit(cache=True)
 def _sift_down(heap, pos, prio, stamp, i, n):
     slot = heap[i]
-    while True:
+    while 2 * i + 1 < n:
         child = 2 * i + 1
-        if child >= n:
-            break
         if child + 1 < n and _less(prio, stamp, heap[child + 1], heap[child]):
             child += 1
         if not _less(prio, stamp, heap[child], slot):
             break
-        heap[i] = heap[child]
-        pos[heap[i]] = i
+        _put(heap, pos, i, heap[child])
         i = child
-    heap[i] = slot
-    pos[slot] = i
+    _put(heap, pos, i, slot)
 
 
 @nb.njit(cache=True)
 def _sift_up(heap, pos, prio, stamp, i):
     slot = heap[i]
-    while i > 0:
-        parent = (i - 1) // 2
-        if not _less(prio, stamp, slot, heap[parent]):
-            break
-        heap[i] = heap[parent]
-        pos[heap[i]] = i
-        i = parent
-    heap[i] = slot
-    pos[slot] = i
+    while i > 0 and _less(prio, stamp, slot, heap[(i - 1) // 2]):
+        _put(heap, pos, i, heap[(i - 1) // 2])
+        i = (i - 1) // 2
+    _put(heap, pos, i, slot)
 
 
-@nb.njit(cache=True, nogil=True, boundscheck=False)
-def _lfu_kernel(keys, slot_of, key_of, meta, heap, pos, count, prio, stamp,
-                a_kind, a_counters, a_scores, a_meta, hits, record, adm, adm_slot, ev, counts):
-    capacity = key_of.size
-    for i in range(keys.size):
-        key = keys[i]
-        admission_record(a_kind, a_counters, a_scores, a_meta, key)
-        slot = slot_of[key]
-        if slot >= 0:
-            hits[i] = True
-            count[slot] += 1
-            prio[slot] = count[slot] + meta[AGE] * meta[DYNAMIC]
-            meta[STAMP] += 1
-            stamp[slot] = meta[STAMP]
-            _sift_down(heap, pos, prio, stamp, pos[slot], meta[SIZE])
-            continue
-        hits[i] = False
-        filling = meta[SIZE] < capacity
-        if filling:
-            slot = meta[SIZE]
-            meta[SIZE] += 1
-            heap[slot] = slot
-            pos[slot] = slot
-        else:  # the victim is the heap's root; the newcomer takes its slot there
-            slot = heap[0]
-            victim = key_of[slot]
-            if not admission_admit(a_kind, a_counters, a_scores, a_meta, key, victim):
-                continue
-            meta[AGE] = prio[slot]
-            slot_of[victim] = -1
-            note_evict(record, ev, counts, victim)
-        key_of[slot] = key
-        slot_of[key] = slot
-        count[slot] = 1
-        prio[slot] = 1 + meta[AGE] * meta[DYNAMIC]
-        meta[STAMP] += 1
-        stamp[slot] = meta[STAMP]
-        if filling:
-            _sift_up(heap, pos, prio, stamp, pos[slot])
-        else:
-            _sift_down(heap, pos, prio, stamp, 0, meta[SIZE])
-        note_admit(record, adm, adm_slot, counts, key, slot)
+@nb.njit(cache=True, inline="always")
+def _touch(s, slot, count):
+    """Set the slot's count; its priority follows, with a fresh stamp for the FIFO tie-break."""
+    s.count[slot] = count
+    s.prio[slot] = count + s.meta[AGE] * s.meta[DYNAMIC]
+    s.meta[STAMP] += 1
+    s.stamp[slot] = s.meta[STAMP]
 
 
-class LFU(KernelPolicy):
+@nb.njit(cache=True, inline="always")
+def _on_hit(s, x, i, key, slot):
+    _touch(s, slot, s.count[slot] + 1)
+    _sift_down(s.heap, s.pos, s.prio, s.stamp, s.pos[slot], s.meta[SIZE])
+
+
+@nb.njit(cache=True, inline="always")
+def _victim(s, x, i, key, slot):
+    return s.heap[0]
+
+
+@nb.njit(cache=True, inline="always")
+def _on_evict(s, x, i, key, slot):
+    s.meta[AGE] = s.prio[slot]
+
+
+@nb.njit(cache=True, inline="always")
+def _on_insert(s, x, i, key, slot):  # into the root's slot, which the victim left
+    _touch(s, slot, 1)
+    _sift_down(s.heap, s.pos, s.prio, s.stamp, 0, s.meta[SIZE])
+
+
+@nb.njit(cache=True, inline="always")
+def _on_fill(s, x, i, key, slot):
+    _put(s.heap, s.pos, s.meta[SIZE], slot)
+    s.meta[SIZE] += 1
+    _touch(s, slot, 1)
+    _sift_up(s.heap, s.pos, s.prio, s.stamp, s.pos[slot])
+
+
+class LFU(SlotPolicy):
     """Least frequently used, FIFO among equals; ``aging`` is ``none`` or ``dynamic``."""
 
     name = "lfu"
-    kernel = staticmethod(_lfu_kernel)
+    State = LFUState
+    hooks = Hooks(on_hit=_on_hit, victim=_victim, on_evict=_on_evict, on_insert=_on_insert, on_fill=_on_fill)
 
     def __init__(self, aging: str = "none", admission: str = "always"):
         self.aging = aging
         self.admission = admission
 
-    def init_state(self, capacity, num_keys):
+    def make_state(self, capacity, num_keys):
         if self.aging not in AGING:
             raise CachelabError(f"lfu aging must be one of {sorted(AGING)}, got {self.aging!r}")
-        self.meta = np.array([0, 0, 0, AGING[self.aging]], dtype=np.int64)
-        self.heap, self.pos, self.count, self.prio, self.stamp = (
-            np.zeros(capacity, dtype=np.int64) for _ in range(5))
-
-    def state(self):
-        return self.meta, self.heap, self.pos, self.count, self.prio, self.stamp
+        return LFUState(np.array([0, 0, 0, AGING[self.aging]], dtype=np.int64),
+                        *(np.zeros(capacity, dtype=np.int64) for _ in range(5)))
 
 
 class LFUDA(LFU):

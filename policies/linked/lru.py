@@ -1,60 +1,53 @@
 """LRU: evict the least recently used row.
 
-Slots form one queue of cachelab/policy/queues.py, most recent at its head. The same
-kernel serves ``step`` (recording admissions and evictions) and ``run`` (hits only),
-through cachelab/policy/kernel.py's wrapper, which every compiled policy shares.
-Validated against libCacheSim's LRU (identical miss ratios, tests/test_policies_lru.py).
+Slots form one queue of cachelab/policy/queues.py, most recent at its head; the template
+(cachelab/policy/template.py) does the rest. Validated against libCacheSim's LRU
+(identical miss ratios, tests/test_policies_lru.py).
 """
 
-from __future__ import annotations
+from typing import NamedTuple
 
 import numba as nb
+import numpy as np
 
-from cachelab.policy.admission import admission_admit, admission_record
-from cachelab.policy.queues import SIZE, TAIL, make_queues, move_head, pop_tail, push_head
-from cachelab.policy.kernel import KernelPolicy, note_admit, note_evict
-
-QUEUE = 0
+from cachelab.policy.queues import TAIL, make_queues, move_head, pop_tail, push_head
+from cachelab.policy.template import Hooks, SlotPolicy
 
 
-@nb.njit(cache=True, nogil=True, boundscheck=False)
-def _lru_kernel(keys, slot_of, key_of, q, prev, nxt, where, a_kind, a_counters, a_scores, a_meta,
-                hits, record, adm, adm_slot, ev, counts):
-    capacity = key_of.size
-    for i in range(keys.size):
-        key = keys[i]
-        admission_record(a_kind, a_counters, a_scores, a_meta, key)
-        slot = slot_of[key]
-        if slot >= 0:
-            hits[i] = True
-            move_head(q, prev, nxt, where, QUEUE, slot)
-            continue
-        hits[i] = False
-        if q[QUEUE, SIZE] < capacity:
-            slot = q[QUEUE, SIZE]
-        else:
-            slot = q[QUEUE, TAIL]
-            victim = key_of[slot]
-            if not admission_admit(a_kind, a_counters, a_scores, a_meta, key, victim):
-                continue  # the filter keeps the victim; the candidate bypasses the cache
-            pop_tail(q, prev, nxt, where, QUEUE)
-            slot_of[victim] = -1
-            note_evict(record, ev, counts, victim)
-        key_of[slot] = key
-        slot_of[key] = slot
-        push_head(q, prev, nxt, where, QUEUE, slot)
-        note_admit(record, adm, adm_slot, counts, key, slot)
+class LRUState(NamedTuple):
+    q: np.ndarray  # the queue's head, tail and size
+    prev: np.ndarray
+    nxt: np.ndarray
+    where: np.ndarray
 
 
-class LRU(KernelPolicy):
+@nb.njit(cache=True, inline="always")
+def _on_hit(s, x, i, key, slot):
+    move_head(s.q, s.prev, s.nxt, s.where, 0, slot)
+
+
+@nb.njit(cache=True, inline="always")
+def _victim(s, x, i, key, slot):
+    return s.q[0, TAIL]
+
+
+@nb.njit(cache=True, inline="always")
+def _on_evict(s, x, i, key, slot):
+    pop_tail(s.q, s.prev, s.nxt, s.where, 0)
+
+
+@nb.njit(cache=True, inline="always")
+def _on_insert(s, x, i, key, slot):
+    push_head(s.q, s.prev, s.nxt, s.where, 0, slot)
+
+
+class LRU(SlotPolicy):
     """Least recently used; ``admission`` names a filter from cachelab.policy.admission."""
 
     name = "lru"
     label = "LRU"
-    kernel = staticmethod(_lru_kernel)
+    State = LRUState
+    hooks = Hooks(on_hit=_on_hit, victim=_victim, on_evict=_on_evict, on_insert=_on_insert)
 
-    def init_state(self, capacity, num_keys):
-        self.queues = make_queues(1, capacity)
-
-    def state(self):
-        return self.queues
+    def make_state(self, capacity, num_keys):
+        return LRUState(*make_queues(1, capacity))

@@ -9,64 +9,61 @@ against libCacheSim's ``Sieve``: identical miss ratios (tests/test_differential_
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numba as nb
 import numpy as np
 
-from cachelab.policy.admission import admission_admit, admission_record
 from cachelab.policy.queues import TAIL, make_queues, push_head, unlink
-from cachelab.policy.kernel import KernelPolicy, note_admit, note_evict
+from cachelab.policy.template import Hooks, SlotPolicy
 
-HAND, SIZE = 0, 1
-QUEUE = 0
-
-
-@nb.njit(cache=True, nogil=True, boundscheck=False)
-def _sieve_kernel(keys, slot_of, key_of, meta, visited, q, prev, nxt, where,
-                  a_kind, a_counters, a_scores, a_meta, hits, record, adm, adm_slot, ev, counts):
-    capacity = key_of.size
-    for i in range(keys.size):
-        key = keys[i]
-        admission_record(a_kind, a_counters, a_scores, a_meta, key)
-        slot = slot_of[key]
-        if slot >= 0:
-            hits[i] = True
-            visited[slot] = 1
-            continue
-        hits[i] = False
-        if meta[SIZE] < capacity:
-            slot = meta[SIZE]
-            meta[SIZE] += 1
-        else:
-            slot = meta[HAND] if meta[HAND] >= 0 else q[QUEUE, TAIL]
-            while visited[slot]:
-                visited[slot] = 0
-                slot = prev[slot] if prev[slot] >= 0 else q[QUEUE, TAIL]
-            meta[HAND] = slot
-            victim = key_of[slot]
-            if not admission_admit(a_kind, a_counters, a_scores, a_meta, key, victim):
-                continue
-            meta[HAND] = prev[slot]
-            slot_of[victim] = -1
-            unlink(q, prev, nxt, where, slot)
-            note_evict(record, ev, counts, victim)
-        push_head(q, prev, nxt, where, QUEUE, slot)  # the newcomer's slot becomes the newest node
-        visited[slot] = 0
-        key_of[slot] = key
-        slot_of[key] = slot
-        note_admit(record, adm, adm_slot, counts, key, slot)
+HAND = 0
 
 
-class Sieve(KernelPolicy):
+class SieveState(NamedTuple):
+    meta: np.ndarray  # the hand's slot (-1: start at the oldest)
+    visited: np.ndarray
+    q: np.ndarray  # one queue of slots, newest at its head
+    prev: np.ndarray
+    nxt: np.ndarray
+    where: np.ndarray
+
+
+@nb.njit(cache=True, inline="always")
+def _on_hit(s, x, i, key, slot):
+    s.visited[slot] = 1
+
+
+@nb.njit(cache=True, inline="always")
+def _victim(s, x, i, key, slot):
+    slot = s.meta[HAND] if s.meta[HAND] >= 0 else s.q[0, TAIL]
+    while s.visited[slot]:
+        s.visited[slot] = 0
+        slot = s.prev[slot] if s.prev[slot] >= 0 else s.q[0, TAIL]
+    s.meta[HAND] = slot
+    return slot
+
+
+@nb.njit(cache=True, inline="always")
+def _on_evict(s, x, i, key, slot):
+    s.meta[HAND] = s.prev[slot]
+    unlink(s.q, s.prev, s.nxt, s.where, slot)
+
+
+@nb.njit(cache=True, inline="always")
+def _on_insert(s, x, i, key, slot):
+    push_head(s.q, s.prev, s.nxt, s.where, 0, slot)  # the newcomer's slot becomes the newest node
+    s.visited[slot] = 0
+
+
+class Sieve(SlotPolicy):
     """SIEVE; ``admission`` names a filter from cachelab.policy.admission."""
 
     name = "sieve"
     label = "SIEVE"
-    kernel = staticmethod(_sieve_kernel)
+    State = SieveState
+    hooks = Hooks(on_hit=_on_hit, victim=_victim, on_evict=_on_evict, on_insert=_on_insert)
 
-    def init_state(self, capacity, num_keys):
-        self.meta = np.array([-1, 0], dtype=np.int64)
-        self.visited = np.zeros(capacity, dtype=np.uint8)
-        self.queues = make_queues(1, capacity)  # nodes are slots: the queue stays cache-sized
-
-    def state(self):
-        return (self.meta, self.visited, *self.queues)
+    def make_state(self, capacity, num_keys):
+        # nodes are slots: the queue stays cache-sized
+        return SieveState(np.array([-1], dtype=np.int64), np.zeros(capacity, dtype=np.uint8), *make_queues(1, capacity))

@@ -25,63 +25,59 @@ used of them goes first (priority ``UNKNOWN - last access position``).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numba as nb
 import numpy as np
 
 from cachelab.errors import CachelabError
 from cachelab.workload.future import censor_lookahead
 from cachelab.policy import NO_NEXT, Capabilities
-from cachelab.policy.admission import admission_admit, admission_record
 from cachelab.policy.heap import heap_push, heap_update, make_heap
-from cachelab.policy.kernel import KernelPolicy, note_admit, note_evict
+from cachelab.policy.template import Hooks, SlotPolicy
 
-POS, SIZE = 0, 1  # meta: absolute position of the next access, rows resident
+POS, SIZE, PRIO = 0, 1, 2  # meta: absolute position of the next access, rows resident, this access's priority
 UNKNOWN = np.int64(1) << np.int64(62)  # priorities of rows without a known next use sit above
 
 
-@nb.njit(cache=True, nogil=True, boundscheck=False)
-def _belady_kernel(keys, next_access, slot_of, key_of, bypass, unknown_lru, meta, heap, hpri, where,
-                   a_kind, a_counters, a_scores, a_meta, hits, record, adm, adm_slot, ev, counts):
-    capacity = key_of.size
-    pos = meta[POS]
-    size = meta[SIZE]
-    for i in range(keys.size):
-        key = keys[i]
-        admission_record(a_kind, a_counters, a_scores, a_meta, key)
-        nxt = next_access[i]
-        if nxt != NO_NEXT:
-            p = nxt
-        else:
-            p = UNKNOWN - pos if unknown_lru else UNKNOWN
-        pos += 1
-        slot = slot_of[key]
-        if slot >= 0:
-            hits[i] = True
-            heap_update(heap, hpri, where, slot, p, size)
-            continue
-        hits[i] = False
-        if size < capacity:
-            slot = size
-            heap_push(heap, hpri, where, slot, p, size)
-            size += 1
-        else:
-            slot = heap[0]
-            victim = key_of[slot]
-            if bypass and p >= hpri[0]:
-                continue  # the incoming row is the one used farthest ahead: keep it out
-            if not admission_admit(a_kind, a_counters, a_scores, a_meta, key, victim):
-                continue
-            slot_of[victim] = -1
-            note_evict(record, ev, counts, victim)
-            heap_update(heap, hpri, where, slot, p, size)
-        key_of[slot] = key
-        slot_of[key] = slot
-        note_admit(record, adm, adm_slot, counts, key, slot)
-    meta[POS] = pos
-    meta[SIZE] = size
+class BeladyState(NamedTuple):
+    bypass: bool
+    unknown_lru: bool
+    meta: np.ndarray
+    heap: np.ndarray
+    hpri: np.ndarray
+    where: np.ndarray
 
 
-class Belady(KernelPolicy):
+@nb.njit(cache=True, inline="always")
+def _on_access(s, x, i, key, slot):
+    """This access's priority: its next use, else above every known one."""
+    if x[i] != NO_NEXT:
+        s.meta[PRIO] = x[i]
+    else:
+        s.meta[PRIO] = UNKNOWN - s.meta[POS] if s.unknown_lru else UNKNOWN
+    s.meta[POS] += 1
+
+
+@nb.njit(cache=True, inline="always")
+def _on_insert(s, x, i, key, slot):  # a hit, or a newcomer in the victim's slot
+    heap_update(s.heap, s.hpri, s.where, slot, s.meta[PRIO], s.meta[SIZE])
+
+
+@nb.njit(cache=True, inline="always")
+def _victim(s, x, i, key, slot):
+    if s.bypass and s.meta[PRIO] >= s.hpri[0]:
+        return -1  # the incoming row is the one used farthest ahead: keep it out
+    return s.heap[0]
+
+
+@nb.njit(cache=True, inline="always")
+def _on_fill(s, x, i, key, slot):
+    heap_push(s.heap, s.hpri, s.where, slot, s.meta[PRIO], s.meta[SIZE])
+    s.meta[SIZE] += 1
+
+
+class Belady(SlotPolicy):
     """Belady's MIN as libCacheSim runs it: always admit, evict the farthest next use.
 
     ``admission`` may put a filter (cachelab.policy.admission) in front, which makes it no longer
@@ -91,16 +87,13 @@ class Belady(KernelPolicy):
     name = "belady"
     label = "Belady"
     capabilities = Capabilities(needs_future=True, compiled=True)
-    kernel = staticmethod(_belady_kernel)
+    State = BeladyState
+    hooks = Hooks(on_access=_on_access, on_hit=_on_insert, victim=_victim, on_insert=_on_insert, on_fill=_on_fill)
     bypass = False
     unknown_lru = False  # rows never used again are interchangeable: one shared priority
 
-    def init_state(self, capacity, num_keys):
-        self.meta = np.zeros(2, dtype=np.int64)
-        self.heap = make_heap(capacity)
-
-    def state(self):
-        return (self.bypass, self.unknown_lru, self.meta, *self.heap)
+    def make_state(self, capacity, num_keys):
+        return BeladyState(bool(self.bypass), self.unknown_lru, np.zeros(3, dtype=np.int64), *make_heap(capacity))
 
     def inputs(self, keys, next_access, scores):
         if next_access is None:
@@ -109,7 +102,7 @@ class Belady(KernelPolicy):
         if next_access.shape != keys.shape:
             raise CachelabError(f"policy {self.name!r}: next_access has shape {next_access.shape}, "
                                 f"keys {keys.shape}")
-        return (next_access,)
+        return next_access
 
 
 class BeladyBypass(Belady):

@@ -27,74 +27,77 @@ ISCA'16: learning Belady from past reuse). This one is deliberately simple and o
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numba as nb
 import numpy as np
 
 from cachelab.errors import CachelabError
-from cachelab.policy.admission import admission_admit, admission_record
 from cachelab.policy.heap import heap_push, heap_update, make_heap
-from cachelab.policy.kernel import KernelPolicy, note_admit, note_evict
+from cachelab.policy.template import Hooks, SlotPolicy
 
-POS, SIZE, SEEN, RETURNED = 0, 1, 2, 3  # meta
+POS, SIZE, SEEN, RETURNED, PRED = 0, 1, 2, 3, 4  # meta; PRED: this access's predicted next use
 NEVER = np.int64(1) << np.int64(61)  # prediction of a row expected never to return
 
 
-@nb.njit(cache=True, nogil=True, boundscheck=False)
-def _reuse_kernel(keys, slot_of, key_of, alpha, meta, first_ewma, last, interval,
-                  heap, hpri, where, late_heap, late_hpri, late_where,
-                  a_kind, a_counters, a_scores, a_meta, hits, record, adm, adm_slot, ev, counts):
-    capacity = key_of.size
-    for i in range(keys.size):
-        key = keys[i]
-        admission_record(a_kind, a_counters, a_scores, a_meta, key)
-        t = meta[POS]
-        meta[POS] += 1
-        if last[key] < 0:  # first sight: the prior
-            meta[SEEN] += 1
-            if meta[RETURNED] == 0:
-                p = NEVER + t
-            else:
-                p = t + np.int64(first_ewma[0] * meta[SEEN] / meta[RETURNED])
-        else:
-            d = np.float64(t - last[key])
-            if interval[key] < 0:  # first return: also feeds the prior
-                meta[RETURNED] += 1
-                first_ewma[0] = d if meta[RETURNED] == 1 else alpha * d + (1.0 - alpha) * first_ewma[0]
-                interval[key] = d
-            else:
-                interval[key] = alpha * d + (1.0 - alpha) * interval[key]
-            p = t + np.int64(interval[key])
-        last[key] = t
-        size = meta[SIZE]
-        slot = slot_of[key]
-        if slot >= 0:
-            hits[i] = True
-            heap_update(heap, hpri, where, slot, p, size)
-            heap_update(late_heap, late_hpri, late_where, slot, -p, size)
-            continue
-        hits[i] = False
-        if size < capacity:
-            slot = size
-            heap_push(heap, hpri, where, slot, p, size)
-            heap_push(late_heap, late_hpri, late_where, slot, -p, size)
-            meta[SIZE] += 1
-        else:
-            slot = late_heap[0]  # the most overdue row, if its predicted reuse has passed
-            if -late_hpri[0] >= t:
-                slot = heap[0]  # else the farthest predicted reuse
-            victim = key_of[slot]
-            if not admission_admit(a_kind, a_counters, a_scores, a_meta, key, victim):
-                continue
-            slot_of[victim] = -1
-            note_evict(record, ev, counts, victim)
-            heap_update(heap, hpri, where, slot, p, size)
-            heap_update(late_heap, late_hpri, late_where, slot, -p, size)
-        key_of[slot] = key
-        slot_of[key] = slot
-        note_admit(record, adm, adm_slot, counts, key, slot)
+class ReuseState(NamedTuple):
+    alpha: float
+    meta: np.ndarray
+    first_ewma: np.ndarray  # [EWMA of first-reuse intervals]
+    last: np.ndarray  # per key: position of its latest access (-1: never seen)
+    interval: np.ndarray  # per key: EWMA of its reuse intervals (-1: none yet)
+    heap: np.ndarray  # slots by predicted reuse, farthest first
+    hpri: np.ndarray
+    where: np.ndarray
+    late_heap: np.ndarray  # slots by lateness: the earliest prediction first (a max-heap of its negation)
+    late_hpri: np.ndarray
+    late_where: np.ndarray
 
 
-class ReuseDistance(KernelPolicy):
+@nb.njit(cache=True, inline="always")
+def _on_access(s, x, i, key, slot):
+    """Update the key's estimator; its predicted next use goes to ``meta[PRED]``."""
+    t = s.meta[POS]
+    s.meta[POS] += 1
+    if s.last[key] < 0:  # first sight: the prior
+        s.meta[SEEN] += 1
+        if s.meta[RETURNED] == 0:
+            p = NEVER + t
+        else:
+            p = t + np.int64(s.first_ewma[0] * s.meta[SEEN] / s.meta[RETURNED])
+    else:
+        d = np.float64(t - s.last[key])
+        if s.interval[key] < 0:  # first return: also feeds the prior
+            s.meta[RETURNED] += 1
+            s.first_ewma[0] = d if s.meta[RETURNED] == 1 else s.alpha * d + (1.0 - s.alpha) * s.first_ewma[0]
+            s.interval[key] = d
+        else:
+            s.interval[key] = s.alpha * d + (1.0 - s.alpha) * s.interval[key]
+        p = t + np.int64(s.interval[key])
+    s.last[key] = t
+    s.meta[PRED] = p
+
+
+@nb.njit(cache=True, inline="always")
+def _on_insert(s, x, i, key, slot):  # a hit, or a newcomer in the victim's slot
+    heap_update(s.heap, s.hpri, s.where, slot, s.meta[PRED], s.meta[SIZE])
+    heap_update(s.late_heap, s.late_hpri, s.late_where, slot, -s.meta[PRED], s.meta[SIZE])
+
+
+@nb.njit(cache=True, inline="always")
+def _victim(s, x, i, key, slot):
+    """The most overdue row if its predicted reuse has passed, else the farthest predicted reuse."""
+    return s.late_heap[0] if -s.late_hpri[0] < s.meta[POS] - 1 else s.heap[0]
+
+
+@nb.njit(cache=True, inline="always")
+def _on_fill(s, x, i, key, slot):
+    heap_push(s.heap, s.hpri, s.where, slot, s.meta[PRED], s.meta[SIZE])
+    heap_push(s.late_heap, s.late_hpri, s.late_where, slot, -s.meta[PRED], s.meta[SIZE])
+    s.meta[SIZE] += 1
+
+
+class ReuseDistance(SlotPolicy):
     """Evict the farthest predicted next reuse (EWMA of each row's reuse intervals).
 
     Args:
@@ -103,23 +106,16 @@ class ReuseDistance(KernelPolicy):
     """
 
     name = "reuse-distance"
-    kernel = staticmethod(_reuse_kernel)
+    State = ReuseState
+    hooks = Hooks(on_access=_on_access, on_hit=_on_insert, victim=_victim, on_insert=_on_insert, on_fill=_on_fill)
 
     def __init__(self, alpha: float = 0.5, admission: str = "always"):
         self.alpha = alpha
         self.admission = admission
 
-    def init_state(self, capacity, num_keys):
+    def make_state(self, capacity, num_keys):
         if not 0.0 < float(self.alpha) <= 1.0:
             raise CachelabError(f"reuse-distance: alpha must be in (0, 1], got {self.alpha}")
-        self.meta = np.zeros(4, dtype=np.int64)
-        self.first_ewma = np.zeros(1, dtype=np.float64)
-        self.last = np.full(num_keys, -1, dtype=np.int64)
-        self.interval = np.full(num_keys, -1.0, dtype=np.float64)
-        # two indexed heaps of slots: by predicted reuse (max first) and by lateness (the
-        # earliest prediction first, kept as a max-heap of its negation)
-        self.far = make_heap(capacity)
-        self.late = make_heap(capacity)
-
-    def state(self):
-        return (float(self.alpha), self.meta, self.first_ewma, self.last, self.interval, *self.far, *self.late)
+        return ReuseState(float(self.alpha), np.zeros(5, dtype=np.int64), np.zeros(1, dtype=np.float64),
+                          np.full(num_keys, -1, dtype=np.int64), np.full(num_keys, -1.0, dtype=np.float64),
+                          *make_heap(capacity), *make_heap(capacity))

@@ -71,7 +71,7 @@ def _enter_main(slot, meta, q, prev, nxt, where):
         move_head(q, prev, nxt, where, PROBATION, slot)
 
 
-@nb.njit(cache=True, nogil=True, boundscheck=False)
+@nb.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)  # no NRT: no reference counts per array access
 def _wtinylfu_kernel(keys, slot_of, key_of, meta, free, q, prev, nxt, where, counters, smeta,
                      a_kind, a_counters, a_scores, a_meta, hits, record, adm, adm_slot, ev, counts):
     capacity = key_of.size

@@ -26,18 +26,34 @@ moves a small-queue row to main when that wait is at most ``within``. Plain S3-F
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numba as nb
 import numpy as np
 
 from cachelab.errors import CachelabError
-from cachelab.policy.admission import admission_admit, admission_record
 from cachelab.policy.queues import SIZE, TAIL, make_queues, move_head, pop_tail, push_head, unlink
-from cachelab.policy.kernel import KernelPolicy, enter, free_stack, leave
+from cachelab.policy.template import Hooks, SlotPolicy
 
 SMALL, MAIN = 0, 1  # queues of slots
 GHOST = 0  # the queue of ghost keys
-FREE_TOP, HAS_EVICTED, SMALL_CAP, MAIN_CAP, GHOST_CAP, THRESHOLD, CLOCK = 0, 1, 2, 3, 4, 5, 6
+GHOST_HIT, HAS_EVICTED, SMALL_CAP, MAIN_CAP, GHOST_CAP, THRESHOLD, CLOCK = 0, 1, 2, 3, 4, 5, 6
 NO_SCORES = np.zeros(0, dtype=np.float64)
+
+
+class S3FIFOState(NamedTuple):
+    meta: np.ndarray  # GHOST_HIT (of the miss in progress) ... CLOCK (accesses so far)
+    within: np.ndarray  # [the predicted-wait bound of learned promotion; -1: off]
+    freq: np.ndarray
+    wait: np.ndarray  # predicted wait per slot (learned promotion only)
+    q: np.ndarray  # small and main, over slots: cache-sized
+    prev: np.ndarray
+    nxt: np.ndarray
+    where: np.ndarray
+    gq: np.ndarray  # evicted keys, no slots
+    gprev: np.ndarray
+    gnxt: np.ndarray
+    gwhere: np.ndarray
 
 
 @nb.njit(cache=True, inline="always")
@@ -59,58 +75,64 @@ def _find_victim(meta, freq, wait, within, q, prev, nxt, where):
             move_head(q, prev, nxt, where, MAIN, node)
 
 
-@nb.njit(cache=True, nogil=True, boundscheck=False)
-def _s3fifo_kernel(keys, scores, slot_of, key_of, meta, within, free, freq, wait, q, prev, nxt, where,
-                   gq, gprev, gnxt, gwhere, a_kind, a_counters, a_scores, a_meta, hits, record, adm, adm_slot, ev,
-                   counts):
-    c = key_of.size
-    for i in range(keys.size):
-        key = keys[i]
-        now = meta[CLOCK]
-        meta[CLOCK] = now + 1
-        admission_record(a_kind, a_counters, a_scores, a_meta, key)
-        slot = slot_of[key]
-        if slot >= 0:
-            hits[i] = True
-            if freq[slot] < 3:
-                freq[slot] += 1
-            if within >= 0:
-                wait[slot] = -scores[i] - now
-            continue
-        hits[i] = False
-        ghost_hit = gwhere[key] == GHOST
-        if ghost_hit:  # as libCacheSim: the ghost entry goes on lookup, before any eviction
-            unlink(gq, gprev, gnxt, gwhere, key)
-        if q[SMALL, SIZE] + q[MAIN, SIZE] >= c:
-            meta[HAS_EVICTED] = 1
-            vslot = _find_victim(meta, freq, wait, within, q, prev, nxt, where)
-            victim = key_of[vslot]
-            if not admission_admit(a_kind, a_counters, a_scores, a_meta, key, victim):
-                continue
-            from_small = where[vslot] == SMALL
-            unlink(q, prev, nxt, where, vslot)
-            if from_small and meta[GHOST_CAP] > 0:
-                if gq[GHOST, SIZE] >= meta[GHOST_CAP]:
-                    pop_tail(gq, gprev, gnxt, gwhere, GHOST)
-                push_head(gq, gprev, gnxt, gwhere, GHOST, victim)
-            leave(slot_of, key_of, free, meta, FREE_TOP, victim, record, ev, counts)
-        enter(slot_of, key_of, free, meta, FREE_TOP, key, record, adm, adm_slot, counts)
-        slot = slot_of[key]
-        if ghost_hit or (meta[HAS_EVICTED] == 0 and q[SMALL, SIZE] >= meta[SMALL_CAP]):
-            push_head(q, prev, nxt, where, MAIN, slot)
-        else:
-            push_head(q, prev, nxt, where, SMALL, slot)
-        freq[slot] = 0
-        if within >= 0:
-            wait[slot] = -scores[i] - now
+@nb.njit(cache=True, inline="always")
+def _on_access(s, x, i, key, slot):
+    s.meta[CLOCK] += 1
 
 
-class S3FIFO(KernelPolicy):
+@nb.njit(cache=True, inline="always")
+def _predict(s, x, i, slot):
+    """Learned promotion's hook: the row's predicted wait, as of this access."""
+    if s.within[0] >= 0:
+        s.wait[slot] = -x[i] - (s.meta[CLOCK] - 1)
+
+
+@nb.njit(cache=True, inline="always")
+def _on_hit(s, x, i, key, slot):
+    if s.freq[slot] < 3:
+        s.freq[slot] += 1
+    _predict(s, x, i, slot)
+
+
+@nb.njit(cache=True, inline="always")
+def _on_miss(s, x, i, key, slot):
+    s.meta[GHOST_HIT] = s.gwhere[key] == GHOST
+    if s.meta[GHOST_HIT]:  # as libCacheSim: the ghost entry goes on lookup, before any eviction
+        unlink(s.gq, s.gprev, s.gnxt, s.gwhere, key)
+
+
+@nb.njit(cache=True, inline="always")
+def _victim(s, x, i, key, slot):
+    s.meta[HAS_EVICTED] = 1
+    return _find_victim(s.meta, s.freq, s.wait, s.within[0], s.q, s.prev, s.nxt, s.where)
+
+
+@nb.njit(cache=True, inline="always")
+def _on_evict(s, x, i, key, slot):
+    from_small = s.where[slot] == SMALL
+    pop_tail(s.q, s.prev, s.nxt, s.where, SMALL if from_small else MAIN)
+    if from_small and s.meta[GHOST_CAP] > 0:
+        if s.gq[GHOST, SIZE] >= s.meta[GHOST_CAP]:
+            pop_tail(s.gq, s.gprev, s.gnxt, s.gwhere, GHOST)
+        push_head(s.gq, s.gprev, s.gnxt, s.gwhere, GHOST, key)
+
+
+@nb.njit(cache=True, inline="always")
+def _on_insert(s, x, i, key, slot):
+    to_main = s.meta[GHOST_HIT] or (s.meta[HAS_EVICTED] == 0 and s.q[SMALL, SIZE] >= s.meta[SMALL_CAP])
+    push_head(s.q, s.prev, s.nxt, s.where, MAIN if to_main else SMALL, slot)
+    s.freq[slot] = 0
+    _predict(s, x, i, slot)
+
+
+class S3FIFO(SlotPolicy):
     """S3-FIFO; ratios are shares of the capacity, ``admission`` a cachelab.policy.admission filter."""
 
     name = "s3fifo"
     label = "S3-FIFO"
-    kernel = staticmethod(_s3fifo_kernel)
+    State = S3FIFOState
+    hooks = Hooks(on_access=_on_access, on_hit=_on_hit, on_miss=_on_miss, victim=_victim, on_evict=_on_evict,
+                  on_insert=_on_insert)
 
     def __init__(self, small_size_ratio: float = 0.1, ghost_size_ratio: float = 0.9,
                  move_to_main_threshold: int = 2, admission: str = "always"):
@@ -119,7 +141,7 @@ class S3FIFO(KernelPolicy):
         self.move_to_main_threshold = move_to_main_threshold
         self.admission = admission
 
-    def init_state(self, capacity, num_keys):
+    def make_state(self, capacity, num_keys):
         if not 0.0 < self.small_size_ratio < 1.0:
             raise CachelabError(f"s3fifo small_size_ratio must be in (0, 1), got {self.small_size_ratio}")
         if self.ghost_size_ratio < 0.0:
@@ -127,15 +149,18 @@ class S3FIFO(KernelPolicy):
         if not 1 <= int(self.move_to_main_threshold) <= 3:
             raise CachelabError(f"s3fifo move_to_main_threshold must be in [1, 3], "
                                 f"got {self.move_to_main_threshold}")
-        self.meta = np.array([capacity, 0, 0, 0, int(capacity * self.ghost_size_ratio), self.move_to_main_threshold, 0],
-                             dtype=np.int64)
+        meta = np.array([0, 0, 0, 0, int(capacity * self.ghost_size_ratio), self.move_to_main_threshold, 0],
+                        dtype=np.int64)
+        # within = -1: no predicted promotion (learned-s3fifo sets it)
+        state = S3FIFOState(meta, np.array([-1.0]), np.zeros(capacity, dtype=np.int64), self.wait_array(capacity),
+                            *make_queues(2, capacity), *make_queues(1, num_keys))
+        self.meta = meta
         self.set_small_share(self.small_size_ratio)
-        self.within = np.float64(-1.0)  # no predicted promotion (learned-s3fifo sets it)
-        self.wait = NO_SCORES
-        self.free = free_stack(capacity)
-        self.freq = np.zeros(capacity, dtype=np.int64)
-        self.queues = make_queues(2, capacity)  # small and main, over slots: cache-sized
-        self.ghost = make_queues(1, num_keys)  # evicted keys, no slots
+        return state
+
+    def wait_array(self, capacity: int) -> np.ndarray:
+        """The per-slot predicted wait; plain S3-FIFO keeps none."""
+        return NO_SCORES
 
     def set_small_share(self, ratio: float) -> None:
         """Split the capacity into small (at least one row) and main queues; a shrunk queue
@@ -143,8 +168,5 @@ class S3FIFO(KernelPolicy):
         small = max(1, int(self.capacity * ratio))
         self.meta[SMALL_CAP], self.meta[MAIN_CAP] = small, self.capacity - small
 
-    def state(self):
-        return (self.meta, self.within, self.free, self.freq, self.wait, *self.queues, *self.ghost)
-
     def inputs(self, keys, next_access, scores):
-        return (NO_SCORES,)
+        return NO_SCORES

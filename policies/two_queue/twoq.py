@@ -16,67 +16,80 @@ own overflow on a ghost hit is not filtered (it only makes room the candidate wa
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numba as nb
 import numpy as np
 
 from cachelab.errors import CachelabError
-from cachelab.policy.admission import admission_admit, admission_record
 from cachelab.policy.queues import SIZE, TAIL, make_queues, move_head, pop_tail, push_head, unlink
-from cachelab.policy.kernel import KernelPolicy, enter, free_stack, leave
+from cachelab.policy.template import Hooks, SlotPolicy
 
-AIN, AOUT, AM = 0, 1, 2
-FREE_TOP, AIN_CAP, AOUT_CAP, AM_CAP = 0, 1, 2, 3
+AIN, AM = 0, 1  # queues of slots
+AOUT = 0  # the queue of ghost keys
+GHOST_HIT, AIN_CAP, AOUT_CAP, AM_CAP = 0, 1, 2, 3
+
+
+class TwoQState(NamedTuple):
+    meta: np.ndarray  # GHOST_HIT (of the miss in progress), the three queues' limits
+    q: np.ndarray  # A1in and Am, over slots
+    prev: np.ndarray
+    nxt: np.ndarray
+    where: np.ndarray
+    gq: np.ndarray  # A1out, over keys
+    gprev: np.ndarray
+    gnxt: np.ndarray
+    gwhere: np.ndarray
 
 
 @nb.njit(cache=True, inline="always")
-def _evict(slot_of, key_of, free, meta, q, prev, nxt, where, record, ev, counts, victim):
-    """Free ``victim``'s slot; a row leaving A1in leaves its key in A1out."""
-    from_ain = where[victim] == AIN
-    unlink(q, prev, nxt, where, victim)
+def _on_hit(s, x, i, key, slot):
+    if s.where[slot] == AM:
+        move_head(s.q, s.prev, s.nxt, s.where, AM, slot)
+
+
+@nb.njit(cache=True, inline="always")
+def _on_miss(s, x, i, key, slot):
+    s.meta[GHOST_HIT] = s.gwhere[key] == AOUT
+    if s.meta[GHOST_HIT]:  # as libCacheSim: the ghost entry goes on lookup
+        unlink(s.gq, s.gprev, s.gnxt, s.gwhere, key)
+
+
+@nb.njit(cache=True, inline="always")
+def _victim(s, x, i, key, slot):
+    from_ain = s.q[AIN, SIZE] > s.meta[AIN_CAP] or s.q[AM, SIZE] == 0
+    return s.q[AIN, TAIL] if from_ain else s.q[AM, TAIL]
+
+
+@nb.njit(cache=True, inline="always")
+def _overflow(s, x, i, key, slot):
+    """A ghost hit enters Am, which, being its own LRU, evicts its tail when full (unfiltered)."""
+    return s.q[AM, TAIL] if s.meta[GHOST_HIT] and s.q[AM, SIZE] >= s.meta[AM_CAP] else -1
+
+
+@nb.njit(cache=True, inline="always")
+def _on_evict(s, x, i, key, slot):
+    """A row leaving A1in leaves its key in A1out."""
+    from_ain = s.where[slot] == AIN
+    unlink(s.q, s.prev, s.nxt, s.where, slot)
     if from_ain:
-        if q[AOUT, SIZE] >= meta[AOUT_CAP]:
-            pop_tail(q, prev, nxt, where, AOUT)
-        push_head(q, prev, nxt, where, AOUT, victim)
-    leave(slot_of, key_of, free, meta, FREE_TOP, victim, record, ev, counts)
+        if s.gq[AOUT, SIZE] >= s.meta[AOUT_CAP]:
+            pop_tail(s.gq, s.gprev, s.gnxt, s.gwhere, AOUT)
+        push_head(s.gq, s.gprev, s.gnxt, s.gwhere, AOUT, key)
 
 
-@nb.njit(cache=True, nogil=True, boundscheck=False)
-def _twoq_kernel(keys, slot_of, key_of, meta, free, q, prev, nxt, where,
-                 a_kind, a_counters, a_scores, a_meta, hits, record, adm, adm_slot, ev, counts):
-    c = key_of.size
-    for i in range(keys.size):
-        key = keys[i]
-        admission_record(a_kind, a_counters, a_scores, a_meta, key)
-        lst = where[key]
-        if lst == AIN or lst == AM:
-            hits[i] = True
-            if lst == AM:
-                move_head(q, prev, nxt, where, AM, key)
-            continue
-        hits[i] = False
-        ghost_hit = lst == AOUT
-        if ghost_hit:  # as libCacheSim: the ghost entry goes on lookup
-            unlink(q, prev, nxt, where, key)
-        if q[AIN, SIZE] + q[AM, SIZE] >= c:
-            from_ain = q[AIN, SIZE] > meta[AIN_CAP] or q[AM, SIZE] == 0
-            victim = q[AIN, TAIL] if from_ain else q[AM, TAIL]
-            if not admission_admit(a_kind, a_counters, a_scores, a_meta, key, victim):
-                continue
-            _evict(slot_of, key_of, free, meta, q, prev, nxt, where, record, ev, counts, victim)
-        if ghost_hit:
-            if q[AM, SIZE] >= meta[AM_CAP]:
-                _evict(slot_of, key_of, free, meta, q, prev, nxt, where, record, ev, counts, q[AM, TAIL])
-            push_head(q, prev, nxt, where, AM, key)
-        else:
-            push_head(q, prev, nxt, where, AIN, key)
-        enter(slot_of, key_of, free, meta, FREE_TOP, key, record, adm, adm_slot, counts)
+@nb.njit(cache=True, inline="always")
+def _on_insert(s, x, i, key, slot):
+    push_head(s.q, s.prev, s.nxt, s.where, AM if s.meta[GHOST_HIT] else AIN, slot)
 
 
-class TwoQ(KernelPolicy):
+class TwoQ(SlotPolicy):
     """2Q; ratios are shares of the capacity, ``admission`` a cachelab.policy.admission filter."""
 
     name = "twoq"
-    kernel = staticmethod(_twoq_kernel)
+    State = TwoQState
+    hooks = Hooks(on_hit=_on_hit, on_miss=_on_miss, victim=_victim, overflow=_overflow, on_evict=_on_evict,
+                  on_insert=_on_insert)
     max_evictions_per_key = 2  # room in the cache, then room in Am
 
     def __init__(self, ain_size_ratio: float = 0.25, aout_size_ratio: float = 0.5,
@@ -85,16 +98,12 @@ class TwoQ(KernelPolicy):
         self.aout_size_ratio = aout_size_ratio
         self.admission = admission
 
-    def init_state(self, capacity, num_keys):
+    def make_state(self, capacity, num_keys):
         if not 0.0 < self.ain_size_ratio < 1.0:
             raise CachelabError(f"twoq ain_size_ratio must be in (0, 1), got {self.ain_size_ratio}")
         if self.aout_size_ratio <= 0.0:
             raise CachelabError(f"twoq aout_size_ratio must be > 0, got {self.aout_size_ratio}")
         ain = max(1, int(capacity * self.ain_size_ratio))
-        self.meta = np.array([capacity, ain, max(1, int(capacity * self.aout_size_ratio)),
-                              max(1, capacity - ain)], dtype=np.int64)
-        self.free = free_stack(capacity)
-        self.queues = make_queues(3, num_keys)
-
-    def state(self):
-        return (self.meta, self.free, *self.queues)
+        meta = np.array([0, ain, max(1, int(capacity * self.aout_size_ratio)), max(1, capacity - ain)],
+                        dtype=np.int64)
+        return TwoQState(meta, *make_queues(2, capacity), *make_queues(1, num_keys))

@@ -1,0 +1,169 @@
+"""The policy template: a policy is state plus hooks, and a state mistake fails loudly."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numba as nb
+import numpy as np
+import pytest
+
+from cachelab.errors import CachelabError
+from cachelab.policy import Hooks, PythonPolicy, SlotPolicy
+from cachelab.testing import check_policy
+
+
+class MRUState(NamedTuple):
+    last: np.ndarray  # [the most recently used slot]
+
+
+@nb.njit(cache=True, inline="always")
+def _touch(s, x, i, key, slot):
+    s.last[0] = slot
+
+
+@nb.njit(cache=True, inline="always")
+def _victim(s, x, i, key, slot):
+    return s.last[0]
+
+
+@nb.njit(cache=True, inline="always")
+def _victim_typo(s, x, i, key, slot):
+    return s.lats[0]
+
+
+class MRU(SlotPolicy):
+    """Most recently used: evict the row used last (good on loops larger than the cache)."""
+
+    name = "test-mru"
+    State = MRUState
+    hooks = Hooks(on_hit=_touch, victim=_victim, on_insert=_touch)
+
+    def make_state(self, capacity, num_keys):
+        return MRUState(np.zeros(1, dtype=np.int64))
+
+
+def test_a_template_policy_keeps_every_contract():
+    failed = [str(r) for r in check_policy(MRU) if not r.ok]
+    assert not failed, failed
+
+
+def test_a_template_policy_does_what_its_hooks_say():
+    p = MRU()
+    p.reset(2, 10)
+    r = p.step(np.array([1, 2, 3, 1]))
+    assert r.hits.tolist() == [False, False, False, True]
+    assert r.evicted.tolist() == [2] and p.resident().tolist() == [1, 3]
+
+
+def test_an_admission_filter_composes_with_a_template_policy():
+    p = MRU(admission="tinylfu")
+    p.reset(2, 10)
+    p.step(np.array([1, 2, 1, 2, 1, 2]))
+    assert not p.step(np.array([3])).hits[0] and p.resident().tolist() == [1, 2]  # 3 is rarer than 2
+
+
+def test_a_hook_reading_a_field_the_state_lacks_fails_naming_it():
+    class Typo(MRU):
+        hooks = Hooks(on_hit=_touch, victim=_victim_typo, on_insert=_touch)
+
+    p = Typo()
+    p.reset(1, 10)
+    with pytest.raises(nb.core.errors.TypingError, match="lats"):
+        p.run(np.array([1, 2]), np.array([0, 2]))
+
+
+def test_make_state_must_build_the_declared_state():
+    class Wrong(MRU):
+        def make_state(self, capacity, num_keys):
+            return (np.zeros(1, dtype=np.int64),)
+
+    with pytest.raises(CachelabError, match="must return a MRUState"):
+        Wrong().reset(2, 10)
+
+
+def test_a_state_field_that_is_not_an_array_fails_naming_it():
+    class Listed(MRU):
+        def make_state(self, capacity, num_keys):
+            return MRUState([0])
+
+    with pytest.raises(CachelabError, match="'last' is list"):
+        Listed().reset(2, 10)
+
+
+def test_state_fields_read_as_attributes():
+    p = MRU()
+    p.reset(2, 10)
+    p.step(np.array([4, 5]))
+    assert p.last.tolist() == [1]
+    with pytest.raises(AttributeError, match="nope"):
+        p.nope
+
+
+class PythonLRU(PythonPolicy):
+    """LRU in pure Python, as a check of the base's bookkeeping."""
+
+    name = "test-python-lru"
+
+    def init_state(self, capacity, num_keys):
+        self.order = {}  # slot -> None, least recent first
+
+    def on_hit(self, key, slot):
+        self.order.pop(slot)
+        self.order[slot] = None
+
+    def victim(self, key):
+        return next(iter(self.order))
+
+    def on_evict(self, key, slot):
+        self.order.pop(slot)
+
+    def on_insert(self, key, slot):
+        self.order[slot] = None
+
+
+def test_a_python_policy_keeps_every_contract():
+    failed = [str(r) for r in check_policy(PythonLRU) if not r.ok]
+    assert not failed, failed
+
+
+def test_a_python_policy_agrees_with_the_compiled_lru():
+    from policies.linked.lru import LRU
+
+    keys = np.random.default_rng(0).integers(0, 50, 2000)
+    a, b = PythonLRU(), LRU()
+    a.reset(10, 50)
+    b.reset(10, 50)
+    ra, rb = a.step(keys), b.step(keys)
+    assert np.array_equal(ra.hits, rb.hits) and np.array_equal(ra.slots, rb.slots)
+    assert np.array_equal(ra.evicted, rb.evicted)
+
+
+def test_the_guide_shows_the_real_files():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    guide = (root / "docs/plugins.md").read_text()
+    for path in ("policies/linked/lru.py", "examples/plugin-example/src/cachelab_plugin_example/policy.py"):
+        assert (root / path).read_text() in guide, f"docs/plugins.md no longer shows {path} literally"
+
+
+def test_each_policy_has_its_own_cache_index():
+    """A cache index unpickles every state class it names: one whose class only a test module
+    defines must not sit in the index the built-ins load in other processes."""
+    from cachelab.policy.template import compile_loop
+    from policies.linked.lru import LRU
+
+    assert compile_loop(MRU.hooks, False, False).py_func.__qualname__ != \
+        compile_loop(LRU.hooks, False, False).py_func.__qualname__
+
+
+def test_the_compiled_loop_loads_from_the_disk_cache():
+    import subprocess
+    import sys
+
+    code = ("import numpy as np; from cachelab import registry; from cachelab.policy.template import compile_loop; "
+            "p = registry.make_policy('lru'); p.reset(4, 10); p.run(np.arange(10), np.array([0, 10])); "
+            "print(sum(compile_loop(p.hooks, False, False).stats.cache_hits.values()))")
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True) for _ in range(2)]
+    assert int(runs[-1].stdout.split()[-1]) >= 1
