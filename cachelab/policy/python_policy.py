@@ -12,6 +12,8 @@ policy for long streams is written on the template.
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import numpy as np
 
 from cachelab.policy.contract import Policy, StepResult, check_capacity, check_keys
@@ -26,9 +28,9 @@ class PythonPolicy(Policy):
     def on_hit(self, key: int, slot: int) -> None:
         """``key``, resident in ``slot``, was used again."""
 
+    @abstractmethod
     def victim(self, key: int) -> int:
         """The slot whose row leaves so that ``key`` can enter a full cache; -1 keeps ``key`` out."""
-        raise NotImplementedError(f"{type(self).__name__} must define victim(key)")
 
     def on_evict(self, key: int, slot: int) -> None:
         """``key`` leaves ``slot``."""

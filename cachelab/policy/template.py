@@ -25,6 +25,7 @@ accesses ahead: a row stream's keys are random, and that load is the loop's cach
 from __future__ import annotations
 
 import hashlib
+from abc import abstractmethod
 import types
 from pathlib import Path
 from typing import Callable, ClassVar, NamedTuple
@@ -197,9 +198,9 @@ class SlotPolicy(KernelPolicy):
     State: ClassVar[type]
     hooks: ClassVar[Hooks]
 
+    @abstractmethod
     def make_state(self, capacity: int, num_keys: int):
         """The policy's ``State`` for an empty cache."""
-        raise NotImplementedError(f"{type(self).__name__} must define make_state")
 
     def init_state(self, capacity, num_keys):
         self.residency = Residency(self.slot_of, self.key_of, free_stack(capacity, self.key_of.dtype),
