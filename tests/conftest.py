@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import vllm_peer
+from vllm_peer import vllm_server  # noqa: F401  (the real vLLM server, shared by the session)
 
 from cachelab.paths import REPO_ROOT, data_root
 
@@ -32,6 +34,11 @@ def _purge_stale_numba_cache() -> None:
 def pytest_configure(config):
     if not hasattr(config, "workerinput"):  # once, in the controlling process
         _purge_stale_numba_cache()
+    vllm_peer.configure(config)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    vllm_peer.finish(session.config)
 
 
 @pytest.fixture(scope="session")

