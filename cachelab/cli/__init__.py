@@ -43,10 +43,11 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from cachelab.cli import cache, engram, experiment, learn, plugins, quickstart, serving, trace
+    from cachelab.cli import cache, capture, engram, experiment, learn, plugins, quickstart, serving, trace
 
     app.add_typer(engram.app, name="engram")
     app.add_typer(trace.app, name="trace")
+    app.add_typer(capture.app, name="capture")
     app.add_typer(plugins.plugins_app, name="plugins")
     app.add_typer(plugins.policies_app, name="policies")
     app.command("quickstart")(quickstart.quickstart)

@@ -42,6 +42,8 @@ class _Stages:
 def build(
     spec: Path | None = typer.Argument(None, help="Workload spec (TOML). Flags below override it."),
     out: Path = typer.Option(..., "-o", "--out", help="Output trace (.parquet)."),
+    from_capture: Path | None = typer.Option(None, help="A capture directory (`cachelab capture proxy --out`): "
+                                             "its successful requests become the trace."),
     arrivals: str | None = typer.Option(None, help="Arrival source: mooncake, azure, burstgpt, servegen, gamma."),
     arrivals_path: str | None = typer.Option(None, help="Arrival file or folder (absolute, or under the data root)."),
     arrival_option: list[str] = typer.Option([], help="Arrival source option KEY=VALUE (e.g. rate=4; values typed as "
@@ -62,8 +64,13 @@ def build(
 
     Sessions at Poisson arrivals: --arrivals gamma --arrival-option rate=2 --arrival-option num_requests=500 --corpus mt-bench
 
+    From live serving: --from-capture cap/ (docs/capture.md).
+
     The spec format, every source and the synthesis rules: docs/traces.md.
     """
+    if from_capture is not None:
+        _build_from_capture(from_capture, out, as_json, given=spec is not None or arrivals is not None or corpus is not None)
+        return
     data = load_spec(spec).model_dump() if spec is not None else {}
     if arrivals is not None:
         data["arrivals"] = {"source": arrivals}
@@ -98,6 +105,28 @@ def build(
                   f"{report.tokens_out:,} output tokens")
     if report.skipped_rows:
         console.print(f"[yellow]skipped {report.skipped_rows:,} bad input rows[/]")
+
+
+def _build_from_capture(directory: Path, out: Path, as_json: bool, given: bool) -> None:
+    from cachelab.capture.to_trace import build_from_capture
+
+    if given:
+        raise CachelabError("--from-capture takes no spec, --arrivals or --corpus: the capture is the trace")
+    report = build_from_capture(directory, out)
+    result = {"out": str(out), **report.to_dict()}
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    console = Console()
+    console.print(f"wrote {out}: {report.requests:,} requests in {report.sessions:,} sessions, "
+                  f"{report.tokens_in:,} prompt tokens, {report.tokens_out:,} output tokens")
+    if report.server_prefix_hit_ratio is not None:
+        console.print(f"server prefix cache: {report.server_cached_tokens:,} cached prompt tokens "
+                      f"({report.server_prefix_hit_ratio:.3f} of the prompt tokens)")
+    left_out = {"failed requests": report.failed_requests, "requests without token ids": report.without_tokens,
+                "torn tails": report.torn_tails, "corrupt records": report.corrupt_records}
+    if any(left_out.values()):
+        console.print("[yellow]left out: " + ", ".join(f"{v:,} {k}" for k, v in left_out.items() if v) + "[/]")
 
 
 @app.command()

@@ -1,0 +1,197 @@
+"""One proxied OpenAI request as raw bytes, and the record it becomes (built off the hot path).
+
+The proxy keeps only what it must to stay byte-faithful while a response streams: the
+request body, each complete SSE event with its arrival time, or the whole JSON body. The
+recorder's thread later calls ``to_record``: it reads token ids from the upstream's answer
+(vLLM's ``return_token_ids``: ``prompt_token_ids`` and per-choice ``token_ids``), the cached
+prompt tokens from ``usage.prompt_tokens_details.cached_tokens``, and falls back to the
+model's tokenizer (``cachelab.capture.tokens``) when the upstream sent no ids. Only choice 0
+of a request with ``n > 1`` is recorded.
+
+``strip_injected`` undoes what the proxy added to the request, on the bytes: vLLM writes
+the token-id fields as ``null`` when they were not asked for, so an injected
+``"token_ids":[...]`` becomes ``"token_ids":null`` again; a usage-only event the client did
+not ask for is dropped, and so is a chat event that only exists to carry token ids.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cachelab.capture.recorder import RequestRecord
+
+_ID_FIELDS = re.compile(rb'"(prompt_token_ids|token_ids)":\[[^\]]*\]')
+_EMPTY_DELTA = (b'"delta":{}', b'"finish_reason":null')
+
+
+@dataclass
+class Exchange:
+    """What the proxy saw of one request (raw), until the recorder turns it into a record."""
+
+    endpoint: str
+    arrival_unix_ns: int
+    arrival: float                      # time.perf_counter() at arrival
+    body: dict | None = None
+    session: str | None = None
+    stream: bool = False
+    injected_ids: bool = False
+    injected_usage: bool = False
+    status: int = 0
+    error: str | None = None
+    response: bytes = b""               # the JSON body of a non-streamed answer
+    response_time: float | None = None  # perf_counter when it was complete
+    events: list[bytes] = field(default_factory=list)
+    event_times: list[float] = field(default_factory=list)
+
+
+def strip_event(event: bytes, exchange: Exchange) -> bytes | None:
+    """The event as the client would have received it without the proxy's additions (None: drop)."""
+    if exchange.injected_usage and b'"choices":[]' in event and b'"usage"' in event:
+        return None
+    if exchange.injected_ids:
+        event = _ID_FIELDS.sub(rb'"\1":null', event)
+        if exchange.endpoint.endswith("chat/completions") and all(m in event for m in _EMPTY_DELTA) \
+                and b'"logprobs":{' not in event and b'"usage"' not in event:
+            return None
+    return event
+
+
+def strip_body(body: bytes, exchange: Exchange) -> bytes:
+    return _ID_FIELDS.sub(rb'"\1":null', body) if exchange.injected_ids else body
+
+
+def _sse_data(event: bytes) -> dict | None:
+    """The JSON of an SSE event's data lines (None for ``[DONE]``, comments or bad JSON)."""
+    lines = [line[5:].lstrip() for line in event.splitlines() if line.startswith(b"data:")]
+    data = b"\n".join(lines)
+    if not data or data == b"[DONE]":
+        return None
+    try:
+        parsed = json.loads(data)
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
+def _choice0(message: dict) -> dict | None:
+    for choice in message.get("choices") or []:
+        if isinstance(choice, dict) and choice.get("index", 0) == 0:
+            return choice
+    return None
+
+
+def _choice_text(choice: dict) -> str:
+    if "text" in choice:
+        return choice.get("text") or ""
+    part = choice.get("delta") or choice.get("message") or {}
+    return part.get("content") or "" if isinstance(part, dict) else ""
+
+
+def _error_text(message: dict) -> str | None:
+    error = message.get("error")
+    if error is None and message.get("object") == "error":
+        error = message
+    if error is None:
+        return None
+    text = error.get("message") if isinstance(error, dict) else str(error)
+    return str(text)[:300]
+
+
+def _request_prompt(body: dict) -> tuple[str | None, list[int] | None]:
+    """The prompt as text, or as token ids when the client sent ids."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return None, prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt, None
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        parts = []
+        for m in messages:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list):  # content parts: keep the text ones
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            parts.append(f"{m.get('role', '')}: {content or ''}" if isinstance(m, dict) else "")
+        return "\n".join(parts), None
+    return None, None
+
+
+def to_record(x: Exchange, tokenizer) -> RequestRecord:
+    """Parse what the upstream answered into a ``RequestRecord`` (tokenizer: ``FallbackTokenizer``)."""
+    body = x.body or {}
+    rec = RequestRecord(endpoint=x.endpoint, arrival_unix_ns=x.arrival_unix_ns, status=x.status, error=x.error,
+                        model=body.get("model") if isinstance(body.get("model"), str) else None,
+                        stream=x.stream, session=x.session)
+    prompt_ids = None
+    output_ids: list[int] = []
+    have_output_ids = True
+    texts: list[str] = []
+    usage = None
+    times, counts = [], []
+    messages = [(t, _sse_data(e)) for t, e in zip(x.event_times, x.events)] if x.stream \
+        else [(x.response_time, _json_body(x.response))]
+    for when, message in messages:
+        if message is None:
+            continue
+        rec.error = rec.error or _error_text(message)
+        rec.upstream_id = rec.upstream_id or message.get("id")
+        rec.model = message.get("model") or rec.model
+        if message.get("usage"):
+            usage = message["usage"]
+        if prompt_ids is None and message.get("prompt_token_ids"):
+            prompt_ids = message["prompt_token_ids"]
+        choice = _choice0(message)
+        if choice is None:
+            continue
+        if prompt_ids is None and choice.get("prompt_token_ids"):
+            prompt_ids = choice["prompt_token_ids"]
+        ids = choice.get("token_ids")
+        text = _choice_text(choice)
+        if ids is None:
+            have_output_ids = False
+        else:
+            output_ids.extend(ids)
+        texts.append(text)
+        n = len(ids) if ids is not None else (len(tokenizer.encode(text)) if text else 0)
+        if n and when is not None:
+            times.append(when - x.arrival)
+            counts.append(n)
+    if rec.status != 200 and rec.error is None:
+        rec.error = f"upstream answered HTTP {rec.status}"
+    output_text = "".join(texts)
+    prompt_text, request_ids = _request_prompt(body)
+    if isinstance(usage, dict):
+        rec.prompt_tokens = usage.get("prompt_tokens")
+        rec.completion_tokens = usage.get("completion_tokens")
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and details.get("cached_tokens") is not None:
+            rec.cached_tokens = int(details["cached_tokens"])
+    if prompt_ids is not None and have_output_ids:
+        rec.token_source = "upstream"
+    elif rec.status == 200 and rec.error is None and (prompt_text is not None or request_ids is not None):
+        rec.token_source = "tokenizer"
+        prompt_ids = request_ids if request_ids is not None else tokenizer.encode(prompt_text, prompt=True)
+        output_ids = tokenizer.encode(output_text)
+    if rec.token_source is not None:
+        rec.prompt_ids = np.asarray(prompt_ids, dtype=np.int32)
+        rec.output_ids = np.asarray(output_ids, dtype=np.int32)
+    if times:
+        rec.token_times_s = np.asarray(times)
+        rec.token_counts = np.asarray(counts, dtype=np.int32)
+        rec.first_token_s, rec.last_token_s = times[0], times[-1]
+    rec.prompt_text, rec.output_text = prompt_text, output_text
+    return rec
+
+
+def _json_body(body: bytes) -> dict | None:
+    try:
+        parsed = json.loads(body) if body else None
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, dict) else None

@@ -1,0 +1,152 @@
+"""A durable journal: one writer thread that turns submitted items into acknowledged records.
+
+Callers (the proxy's event loop, the KV-event subscriber, ``cachelab serve``) only enqueue:
+an item is a payload ``dict`` or a zero-argument callable that builds one, so parsing,
+tokenizing and hashing happen on the writer thread, off the request's path. The thread
+writes each batch to a ``SegmentWriter`` and applies the durability policy
+(``cachelab.capture.segments``); ``acknowledged`` counts records that policy has made safe,
+in submission order, so the first ``acknowledged`` records of a run are on disk.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from cachelab.capture.segments import FSYNC_POLICIES, SegmentWriter
+from cachelab.errors import CachelabError
+
+Item = dict | Callable[[], dict]
+_STOP = object()
+
+
+class Journal:
+    """Queue + writer thread + segment files of one stream.
+
+    Args:
+        directory: the capture directory (created 0700).
+        stream: segment name prefix (``requests``, ``kv-events``).
+        fsync: ``always``, ``batch`` (group commit) or ``never`` (see segments.py).
+        rotate_bytes / rotate_seconds: segment rotation limits.
+        max_queue: items waiting at most; beyond it ``submit`` drops and counts.
+    """
+
+    def __init__(self, directory: str | os.PathLike, stream: str, *, fsync: str = "batch",
+                 rotate_bytes: int = 256 << 20, rotate_seconds: float = 3600.0, max_queue: int = 100_000,
+                 header: dict | None = None):
+        if fsync not in FSYNC_POLICIES:
+            raise CachelabError(f"--fsync {fsync!r}: expected one of {', '.join(FSYNC_POLICIES)}")
+        self.directory = Path(directory)
+        self.fsync = fsync
+        self.run = secrets.randbits(62)
+        self._writer = SegmentWriter(directory, stream, rotate_bytes=rotate_bytes, rotate_seconds=rotate_seconds,
+                                     header={"run": self.run, "fsync": fsync, **(header or {})})
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._lock = threading.Lock()
+        self._acked = threading.Condition(self._lock)
+        self.submitted = 0
+        self.acknowledged = 0
+        self.dropped = 0
+        self.build_errors = 0
+        self.write_error: str | None = None
+        self._seq = 0
+        self._thread = threading.Thread(target=self._run, name=f"capture-{stream}", daemon=True)
+        self._thread.start()
+
+    def submit(self, item: Item) -> bool:
+        """Enqueue without blocking; False (and counted in ``dropped``) when the queue is full
+        or the journal can no longer write."""
+        if self.write_error is not None:
+            self.dropped += 1
+            return False
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            self.dropped += 1
+            return False
+        self.submitted += 1
+        return True
+
+    def _build(self, item: Item) -> bytes:
+        try:
+            payload = item() if callable(item) else item
+        except Exception as exc:  # a record we cannot build is still recorded, as an error
+            self.build_errors += 1
+            payload = {"kind": "error", "error": f"record not built: {type(exc).__name__}: {exc}"}
+        payload = {"seq": self._seq, "run": self.run, **payload}
+        self._seq += 1
+        return msgpack.packb(payload, use_bin_type=True)
+
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            try:
+                first = self._queue.get(timeout=1.0)
+            except queue.Empty:
+                self._writer.rotate_if_due()
+                continue
+            items = [first]
+            while True:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            payloads = []
+            for item in items:
+                if item is _STOP:
+                    stop = True
+                else:
+                    payloads.append(self._build(item))
+            try:
+                self._commit(payloads)
+            except OSError as exc:
+                self.write_error = f"{self._writer.path}: {exc}"
+                stop = True
+            with self._acked:
+                if self.write_error is None:
+                    self.acknowledged += len(payloads)
+                self._acked.notify_all()
+        self._writer.close()
+
+    def _commit(self, payloads: list[bytes]) -> None:
+        if not payloads:
+            return
+        if self.fsync == "always":
+            for payload in payloads:
+                self._writer.write([payload])
+                self._writer.sync()
+            return
+        self._writer.write(payloads)
+        if self.fsync == "batch":
+            self._writer.sync()
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until everything submitted so far is acknowledged (or the journal failed)."""
+        target = self.submitted
+        deadline = time.monotonic() + timeout
+        with self._acked:
+            while self.acknowledged < target and self.write_error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._acked.wait(left)
+        return self.write_error is None
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Acknowledge what is queued, then stop the thread and close the segment."""
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+            self._thread.join(timeout)
+
+    def stats(self) -> dict[str, Any]:
+        return {"submitted": self.submitted, "acknowledged": self.acknowledged, "dropped": self.dropped,
+                "build_errors": self.build_errors, "segments": self._writer.segments_opened,
+                "fsync": self.fsync, "run": self.run, "write_error": self.write_error}

@@ -1,0 +1,192 @@
+"""The recorder API: one durable record per served request, with the privacy mode applied.
+
+Used by ``cachelab capture proxy`` and by ``cachelab serve --capture DIR``. A server builds
+a ``RequestRecord`` (times, token ids, cached prompt tokens, status) and hands it, or a
+callable that builds it, to ``Recorder.submit``; the journal's thread applies the privacy
+mode and writes it (``cachelab.capture.journal``).
+
+Privacy modes (``Privacy``):
+
+* ``ids`` (default): prompt and output token ids; never the text.
+* ``hash-blocks`` (``--hash-blocks N``): no ids either: only salted, chained hashes of
+  N-token prompt blocks (Mooncake's ``hash_ids``: ``ceil(prompt_len / N)`` ids, block *i*
+  covering the whole prefix up to its end), and the lengths.
+* ``--store-text``: the text as well (an explicit opt-in).
+
+The session key (a header such as ``X-Session-Id``, else the body's ``user`` field) and
+every block hash are keyed BLAKE2b hashes under the capture's salt, a 32-byte secret in
+``DIR/salt`` (0600) unless given elsewhere: share a capture without that file, and nobody can
+test a guessed prompt or user name against it. Request headers (``Authorization``
+included) are never part of a record.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cachelab.capture.journal import Journal
+from cachelab.errors import CachelabError
+from cachelab.workload.prefix_cache.hashing import chained_block_hashes
+
+REQUESTS = "requests"
+RECORD_VERSION = 1
+_MASK63 = (1 << 63) - 1
+
+
+@dataclass
+class RequestRecord:
+    """What a server saw of one request. Times are seconds from the request's arrival."""
+
+    endpoint: str
+    arrival_unix_ns: int
+    status: int = 200
+    error: str | None = None
+    model: str | None = None
+    stream: bool = False
+    session: str | None = None
+    upstream_id: str | None = None
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    token_times_s: np.ndarray | None = None   # offset of every event that carried tokens
+    token_counts: np.ndarray | None = None    # tokens each of those events carried
+    prompt_ids: np.ndarray | None = None
+    output_ids: np.ndarray | None = None
+    token_source: str | None = None           # "upstream", "tokenizer" or "server"
+    prompt_tokens: int | None = None          # usage counts, when the upstream reports them
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    prompt_text: str | None = None
+    output_text: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _array_bytes(values, dtype) -> bytes | None:
+    return None if values is None else np.ascontiguousarray(values, dtype=dtype).tobytes()
+
+
+def load_salt(path: str | os.PathLike) -> bytes:
+    """The capture's salt: read it, or create 32 random bytes there (0600)."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        salt = path.read_bytes()
+        if len(salt) < 16:
+            raise CachelabError(f"{path}: a salt file holds at least 16 bytes, found {len(salt)}") from None
+        return salt
+    except OSError as exc:
+        raise CachelabError(f"cannot create salt file {path}: {exc}") from None
+    salt = secrets.token_bytes(32)
+    try:
+        os.write(fd, salt)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return salt
+
+
+@dataclass(frozen=True)
+class Privacy:
+    """What of a request's content is kept. ``hash_blocks`` > 0 keeps block hashes only."""
+
+    salt: bytes
+    hash_blocks: int = 0
+    store_text: bool = False
+
+    def __post_init__(self):
+        if self.hash_blocks < 0:
+            raise CachelabError(f"--hash-blocks must be >= 0, got {self.hash_blocks}")
+
+    @property
+    def mode(self) -> str:
+        return "hash-blocks" if self.hash_blocks else "ids"
+
+    def keyed(self, data: bytes) -> int:
+        """A salted 63-bit hash (keyed BLAKE2b)."""
+        digest = hashlib.blake2b(data, key=self.salt[:64], digest_size=8).digest()
+        return int.from_bytes(digest, "little") & _MASK63
+
+    def block_hashes(self, ids: np.ndarray) -> np.ndarray:
+        """Salted chained hashes of the ``hash_blocks``-token blocks of ``ids``."""
+        ids = np.asarray(ids, dtype=np.int64)
+        chained, _ = chained_block_hashes(ids, np.array([0, ids.size]), self.hash_blocks)
+        return np.array([self.keyed(h.tobytes()) for h in chained], dtype=np.int64)
+
+
+def encode_record(record: RequestRecord, privacy: Privacy) -> dict:
+    """The stored map of one request under a privacy mode (short keys; arrays as raw bytes)."""
+    prompt_len = len(record.prompt_ids) if record.prompt_ids is not None else record.prompt_tokens
+    output_len = len(record.output_ids) if record.output_ids is not None else record.completion_tokens
+    out: dict[str, Any] = {
+        "kind": "request", "v": RECORD_VERSION, "endpoint": record.endpoint, "model": record.model,
+        "arrival_ns": int(record.arrival_unix_ns), "status": int(record.status), "error": record.error,
+        "stream": bool(record.stream), "upstream_id": record.upstream_id,
+        "session": None if record.session is None else privacy.keyed(record.session.encode()),
+        "ttft_s": record.first_token_s, "last_s": record.last_token_s,
+        "tok_t": _array_bytes(record.token_times_s, "<f8"), "tok_n": _array_bytes(record.token_counts, "<i4"),
+        "prompt_len": prompt_len, "output_len": output_len, "cached": record.cached_tokens,
+        "token_source": record.token_source, "privacy": privacy.mode,
+    }
+    if privacy.hash_blocks:
+        out["block_size"] = privacy.hash_blocks
+        out["blocks"] = (None if record.prompt_ids is None
+                         else _array_bytes(privacy.block_hashes(record.prompt_ids), "<i8"))
+    else:
+        out["prompt_ids"] = _array_bytes(record.prompt_ids, "<i4")
+        out["output_ids"] = _array_bytes(record.output_ids, "<i4")
+    if privacy.store_text:
+        out["prompt_text"], out["output_text"] = record.prompt_text, record.output_text
+    if record.extra:
+        out["extra"] = record.extra
+    return out
+
+
+class Recorder:
+    """Records requests into ``directory`` (segments of the ``requests`` stream).
+
+    ``submit`` takes a ``RequestRecord`` or a callable returning one; it never blocks and
+    never raises on the caller's path. ``stats()`` reports submitted / acknowledged /
+    dropped counts (``acknowledged``: durable under the fsync policy).
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, hash_blocks: int = 0, store_text: bool = False,
+                 salt_file: str | os.PathLike | None = None, fsync: str = "batch",
+                 rotate_bytes: int = 256 << 20, rotate_seconds: float = 3600.0, max_queue: int = 100_000,
+                 source: str = "capture"):
+        self.directory = Path(directory)
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.privacy = Privacy(load_salt(salt_file or self.directory / "salt"), hash_blocks, store_text)
+        self.journal = Journal(directory, REQUESTS, fsync=fsync, rotate_bytes=rotate_bytes,
+                               rotate_seconds=rotate_seconds, max_queue=max_queue,
+                               header={"privacy": self.privacy.mode, "block_size": hash_blocks or None,
+                                       "store_text": store_text, "source": source})
+
+    def submit(self, record) -> bool:
+        privacy = self.privacy
+
+        def build() -> dict:
+            return encode_record(record() if callable(record) else record, privacy)
+
+        return self.journal.submit(build)
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        return self.journal.flush(timeout)
+
+    def close(self) -> None:
+        self.journal.close()
+
+    def stats(self) -> dict:
+        return {**self.journal.stats(), "privacy": self.privacy.mode}
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

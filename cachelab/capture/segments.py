@@ -1,0 +1,244 @@
+"""Append-only segment files: length-prefixed, checksummed records; rotation; torn-tail recovery.
+
+A capture directory holds segment files named ``{stream}-{index:06d}.seg`` (``requests``,
+``kv-events``), created 0600 in a 0700 directory and only ever appended to: a restarted
+writer opens the next index, never an old file. A file is the 8-byte magic ``CLCAPSG1``
+followed by records::
+
+    b"REC1" | u32 length (little-endian) | u32 CRC-32 of (length bytes + payload) | payload
+
+The first record of every segment is its header (msgpack ``{"kind": "segment", ...}``);
+payloads are msgpack maps (``cachelab.capture.recorder`` defines them). A record is
+*acknowledged* when the durability policy says it is:
+
+* ``always``: write and ``fsync`` each record on its own, then acknowledge it.
+* ``batch`` (default): group commit: everything queued while the previous ``fsync`` ran is
+  written with one ``write`` and made durable by one ``fsync``, then acknowledged together.
+* ``never``: acknowledged once written to the kernel: survives the death of the process
+  (SIGKILL included: the data is in the page cache), not a power loss.
+
+On read, a record whose header or payload is cut short at the end of a file is a *torn
+tail* (a writer killed mid-write); a record whose checksum does not match is *corrupt*, and
+the reader resynchronises on the next ``REC1`` that checks out. Both are counted and
+skipped, never raised.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgpack
+
+from cachelab.errors import CachelabError
+
+MAGIC = b"CLCAPSG1"
+SYNC = b"REC1"
+_HEAD = struct.Struct("<4sII")
+MAX_RECORD_BYTES = 1 << 30
+FSYNC_POLICIES = ("always", "batch", "never")
+
+
+def _crc(length_bytes: bytes, payload: bytes) -> int:
+    return zlib.crc32(payload, zlib.crc32(length_bytes))
+
+
+def frame(payload: bytes) -> bytes:
+    """One record's bytes: sync word, length, checksum, payload."""
+    length = struct.pack("<I", len(payload))
+    return SYNC + length + struct.pack("<I", _crc(length, payload)) + payload
+
+
+def _segment_name(stream: str, index: int) -> str:
+    return f"{stream}-{index:06d}.seg"
+
+
+def segment_files(directory: str | os.PathLike, stream: str) -> list[Path]:
+    """The stream's segment files in write order."""
+    pattern = re.compile(rf"^{re.escape(stream)}-(\d{{6,}})\.seg$")
+    found = [(int(m.group(1)), p) for p in Path(directory).iterdir() if (m := pattern.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class SegmentWriter:
+    """Appends framed records to the current segment of one stream, rotating by size and age.
+
+    Not thread-safe: one writer thread owns it (the recorder's). ``write`` returns once the
+    bytes are in the kernel; ``sync`` makes everything written durable.
+    """
+
+    def __init__(self, directory: str | os.PathLike, stream: str, *, rotate_bytes: int = 256 << 20,
+                 rotate_seconds: float = 3600.0, header: dict | None = None):
+        if rotate_bytes <= 0 or rotate_seconds <= 0:
+            raise CachelabError(f"segment rotation needs positive limits, got {rotate_bytes} bytes / {rotate_seconds} s")
+        self.directory = Path(directory)
+        self.stream = stream
+        self.rotate_bytes, self.rotate_seconds = rotate_bytes, rotate_seconds
+        self.header = dict(header or {})
+        try:
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CachelabError(f"cannot create capture directory {self.directory}: {exc}") from None
+        existing = segment_files(self.directory, stream)
+        self._next_index = int(existing[-1].name.rsplit("-", 1)[1].split(".")[0]) + 1 if existing else 0
+        self._fd: int | None = None
+        self._dirty = False
+        self.path: Path | None = None
+        self.size = 0
+        self.opened_at = 0.0
+        self.segments_opened = 0
+
+    def _open(self) -> None:
+        self._close_current()
+        index = self._next_index
+        self._next_index += 1
+        path = self.directory / _segment_name(self.stream, index)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise CachelabError(f"cannot create segment {path}: {exc}") from None
+        os.fchmod(fd, 0o600)
+        head = {"kind": "segment", "stream": self.stream, "index": index, "created_unix": time.time(),
+                **self.header}
+        data = MAGIC + frame(msgpack.packb(head))
+        os.write(fd, data)
+        os.fsync(fd)
+        _fsync_dir(self.directory)
+        self._fd, self.path, self.size, self.opened_at = fd, path, len(data), time.monotonic()
+        self.segments_opened += 1
+
+    def due(self) -> bool:
+        """Whether the current segment has reached its size or age limit."""
+        return self._fd is not None and (self.size >= self.rotate_bytes
+                                         or time.monotonic() - self.opened_at >= self.rotate_seconds)
+
+    def write(self, payloads: list[bytes]) -> None:
+        """Append records with one ``write`` (rotating first when the segment is due)."""
+        if self._fd is None or self.due():
+            self._open()
+        data = b"".join(frame(p) for p in payloads)
+        view = memoryview(data)
+        while view:
+            written = os.write(self._fd, view)
+            view = view[written:]
+        self.size += len(data)
+        self._dirty = True
+
+    def sync(self) -> None:
+        if self._fd is not None and self._dirty:
+            os.fsync(self._fd)
+            self._dirty = False
+
+    def rotate_if_due(self) -> None:
+        """Close an aged segment while idle, so a quiet stream still rotates on time."""
+        if self.due():
+            self._close_current()
+
+    def _close_current(self) -> None:
+        if self._fd is not None:
+            self.sync()
+            os.close(self._fd)
+            self._fd = None
+
+    def close(self) -> None:
+        self._close_current()
+
+
+@dataclass
+class ReadStats:
+    """What a read found: segments, good records, torn tails and corrupt stretches (skipped)."""
+
+    segments: int = 0
+    records: int = 0
+    torn_tails: int = 0
+    corrupt: int = 0
+    skipped_bytes: int = 0
+    bad_files: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"segments": self.segments, "records": self.records, "torn_tails": self.torn_tails,
+                "corrupt": self.corrupt, "skipped_bytes": self.skipped_bytes, "bad_files": self.bad_files}
+
+
+def _scan(data: bytes, stats: ReadStats) -> Iterator[bytes]:
+    pos, end = len(MAGIC), len(data)
+    while pos < end:
+        if end - pos < _HEAD.size:
+            stats.torn_tails += 1
+            stats.skipped_bytes += end - pos
+            return
+        sync, length, crc = _HEAD.unpack_from(data, pos)
+        body = pos + _HEAD.size
+        if sync == SYNC and length <= MAX_RECORD_BYTES and body + length > end:
+            stats.torn_tails += 1
+            stats.skipped_bytes += end - pos
+            return
+        if sync == SYNC and length <= MAX_RECORD_BYTES:
+            payload = data[body:body + length]
+            if _crc(data[pos + 4:pos + 8], payload) == crc:
+                stats.records += 1
+                yield payload
+                pos = body + length
+                continue
+        # Damaged record: resynchronise on the next sync word whose record checks out.
+        nxt = data.find(SYNC, pos + 1)
+        if nxt < 0:
+            # The damage runs to the end of the file: a torn tail if it is the last record.
+            stats.torn_tails += 1
+            stats.skipped_bytes += end - pos
+            return
+        stats.corrupt += 1
+        stats.skipped_bytes += nxt - pos
+        pos = nxt
+
+
+def read_stream(directory: str | os.PathLike, stream: str, stats: ReadStats | None = None) -> Iterator[dict]:
+    """Every intact record of a stream, decoded, in write order (segment headers included).
+
+    Torn tails and corrupt records are counted in ``stats`` and skipped; a file that is not
+    a segment at all is listed in ``stats.bad_files``.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CachelabError(f"capture directory not found: {directory}")
+    stats = stats if stats is not None else ReadStats()
+    for path in segment_files(directory, stream):
+        stats.segments += 1
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            stats.bad_files.append(f"{path.name}: {exc}")
+            continue
+        if len(data) < len(MAGIC):
+            # Created but killed before the magic was complete: an empty torn segment.
+            stats.torn_tails += 1
+            stats.skipped_bytes += len(data)
+            continue
+        if data[:len(MAGIC)] != MAGIC:
+            stats.bad_files.append(f"{path.name}: not a cachelab capture segment")
+            continue
+        for payload in _scan(data, stats):
+            try:
+                record = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+            except (ValueError, msgpack.UnpackException) as exc:
+                stats.corrupt += 1
+                stats.bad_files.append(f"{path.name}: undecodable record ({exc})")
+                continue
+            if isinstance(record, dict):
+                yield record
+            else:
+                stats.corrupt += 1

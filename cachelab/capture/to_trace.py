@@ -1,0 +1,139 @@
+"""A capture directory read back: its request records as a table, and as a request trace.
+
+``read_requests`` decodes every intact record of the ``requests`` stream (torn tails and
+corrupt records counted, never raised); ``capture_to_trace`` turns the successful requests
+into the project's request table (``cachelab.trace.schema``): arrivals in seconds from the
+first request, sessions from the salted session key (a session is named by the request id
+of its first request, turns counted in arrival order), prompt and output token ids, or in
+``hash-blocks`` mode content-less rows with the salted ``block_hashes``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from cachelab.capture.recorder import REQUESTS
+from cachelab.capture.segments import ReadStats, read_stream
+from cachelab.errors import CachelabError
+from cachelab.trace.schema import conform, list_series, write_trace
+
+_SCALARS = {"seq": pl.Int64, "run": pl.Int64, "endpoint": pl.String, "model": pl.String, "arrival_ns": pl.Int64,
+            "status": pl.Int32, "error": pl.String, "stream": pl.Boolean, "session": pl.Int64,
+            "ttft_s": pl.Float64, "last_s": pl.Float64, "prompt_len": pl.Int64, "output_len": pl.Int64,
+            "cached": pl.Int64, "token_source": pl.String, "privacy": pl.String, "block_size": pl.Int32}
+_ARRAYS = {"prompt_ids": ("<i4", pl.Int32), "output_ids": ("<i4", pl.Int32), "blocks": ("<i8", pl.Int64),
+           "tok_t": ("<f8", pl.Float64), "tok_n": ("<i4", pl.Int32)}
+
+
+def _list_column(name: str, raw: list, dtype: str) -> pl.Series:
+    """A list column from per-record byte strings (None -> null), with one concatenation."""
+    arrays = [np.frombuffer(b, dtype=dtype) if b is not None else np.empty(0, dtype=dtype) for b in raw]
+    lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.concatenate(arrays) if arrays else np.empty(0, dtype=dtype)
+    series = list_series(name, offsets, values.astype(np.dtype(dtype).newbyteorder("=")))
+    missing = pl.Series([b is None for b in raw], dtype=pl.Boolean)
+    return pl.select(pl.when(missing).then(None).otherwise(series).alias(name)).to_series()
+
+
+def read_requests(directory: str | os.PathLike) -> tuple[pl.DataFrame, ReadStats]:
+    """Every request record as one row (arrays as list columns), and what the read skipped."""
+    stats = ReadStats()
+    records = [r for r in read_stream(directory, REQUESTS, stats) if r.get("kind") == "request"]
+    columns: dict[str, pl.Series] = {}
+    for name, dtype in _SCALARS.items():
+        columns[name] = pl.Series(name, [r.get(name) for r in records], dtype=dtype, strict=False)
+    for name, (np_dtype, _) in _ARRAYS.items():
+        columns[name] = _list_column(name, [r.get(name) for r in records], np_dtype)
+    return pl.DataFrame(columns), stats
+
+
+@dataclass
+class CaptureBuild:
+    """What ``trace build --from-capture`` made, and what it left out."""
+
+    requests: int
+    tokens_in: int
+    tokens_out: int
+    sessions: int
+    failed_requests: int
+    without_tokens: int
+    server_cached_tokens: int | None
+    server_prefix_hit_ratio: float | None
+    torn_tails: int
+    corrupt_records: int
+    segments: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def capture_to_trace(directory: str | os.PathLike) -> tuple[pl.DataFrame, CaptureBuild]:
+    """The capture's successful requests as a schema-conform request table."""
+    directory = Path(directory)
+    table, stats = read_requests(directory)
+    if table.height == 0:
+        raise CachelabError(f"{directory}: no request records in the capture "
+                            f"({stats.segments} segments, {stats.torn_tails} torn tails)")
+    ok = table.filter((pl.col("status") == 200) & pl.col("error").is_null())
+    failed = table.height - ok.height
+    hashed = ok["privacy"] == "hash-blocks"
+    has_tokens = pl.when(hashed).then(pl.col("blocks").is_not_null() & pl.col("prompt_len").is_not_null()) \
+        .otherwise(pl.col("prompt_ids").is_not_null() & pl.col("output_ids").is_not_null())
+    usable = ok.filter(has_tokens).sort(["arrival_ns", "run", "seq"])
+    if usable.height == 0:
+        raise CachelabError(f"{directory}: {table.height} request records, none usable "
+                            f"({failed} failed, {ok.height} without token ids)")
+    if usable["privacy"].n_unique() > 1:
+        raise CachelabError(f"{directory}: records of both privacy modes ({usable['privacy'].unique().to_list()}); "
+                            "capture each mode into its own directory")
+    n = usable.height
+    ids = np.arange(n, dtype=np.int64)
+    # A session is named by the request id of its first request; requests without a key stand alone.
+    keyed = usable["session"].is_not_null().to_numpy()
+    session_key = np.where(keyed, usable["session"].fill_null(0).to_numpy(), -1 - ids)
+    frame = pl.DataFrame({"key": session_key, "rid": ids}).with_columns(
+        pl.col("rid").first().over("key").alias("session_id"),
+        pl.col("rid").cum_count().over("key").sub(1).alias("turn"))
+    hash_mode = usable["privacy"][0] == "hash-blocks"
+    empty = pl.repeat([], n, dtype=pl.List(pl.Int32), eager=True)
+    arrival = usable["arrival_ns"].to_numpy()
+    trace = conform(pl.DataFrame({
+        "request_id": ids,
+        "session_id": frame["session_id"],
+        "turn": frame["turn"],
+        "arrival_s": (arrival - arrival[0]) / 1e9,
+        "domain": usable["endpoint"].str.contains("chat").replace_strict({True: "chat", False: "completion"}),
+        "prompt_ids": empty if hash_mode else usable["prompt_ids"],
+        "output_ids": empty if hash_mode else usable["output_ids"],
+        "prompt_len": usable["prompt_len"] if hash_mode else usable["prompt_ids"].list.len(),
+        "output_len": usable["output_len"].fill_null(0) if hash_mode else usable["output_ids"].list.len(),
+        "block_hashes": usable["blocks"] if hash_mode else pl.repeat(None, n, dtype=pl.List(pl.Int64), eager=True),
+        "block_size": usable["block_size"] if hash_mode else pl.repeat(None, n, dtype=pl.Int32, eager=True),
+        "source": pl.repeat("capture", n, dtype=pl.String, eager=True),
+    }))
+    cached = usable["cached"]
+    reported = usable.filter(cached.is_not_null())
+    cached_total = int(reported["cached"].sum()) if reported.height else None
+    prompt_reported = int(reported["prompt_len"].sum()) if reported.height else 0
+    report = CaptureBuild(
+        requests=n, tokens_in=int(trace["prompt_len"].sum()), tokens_out=int(trace["output_len"].sum()),
+        sessions=int(trace["session_id"].n_unique()), failed_requests=failed, without_tokens=ok.height - n,
+        server_cached_tokens=cached_total,
+        server_prefix_hit_ratio=round(cached_total / prompt_reported, 6) if cached_total is not None
+        and prompt_reported else None,
+        torn_tails=stats.torn_tails, corrupt_records=stats.corrupt, segments=stats.segments)
+    return trace, report
+
+
+def build_from_capture(directory: str | os.PathLike, out: str | os.PathLike) -> CaptureBuild:
+    """Write the capture's trace to ``out`` (atomically) and say what went in."""
+    trace, report = capture_to_trace(directory)
+    write_trace(trace, out)
+    return report

@@ -1,0 +1,27 @@
+"""The tokenizer fallback: token ids from text when the upstream does not return them.
+
+An upstream without vLLM's ``return_token_ids`` (SGLang, a hosted API) answers text only;
+the recorder then tokenizes the prompt and the output with the model's HF tokenizer
+(``tokenizers``; ``deepseek-v4`` by default, or any ``tokenizer.json``). A prompt is
+encoded with the tokenizer's own special tokens (its post-processor, as a HF fast
+tokenizer does for a server); an output without them. A chat prompt is its messages'
+``role: content`` lines: the chat template is the server's, so such ids approximate it,
+and the record says ``token_source = "tokenizer"``.
+"""
+
+from __future__ import annotations
+
+from cachelab.engram.vocab import DEEPSEEK_V4, load_tokenizer
+
+
+class FallbackTokenizer:
+    """Loads the tokenizer on first use (a capture whose upstream returns ids never loads it)."""
+
+    def __init__(self, source: str = DEEPSEEK_V4):
+        self.source = source
+        self._tok = None
+
+    def encode(self, text: str, prompt: bool = False) -> list[int]:
+        if self._tok is None:
+            self._tok = load_tokenizer(self.source)
+        return self._tok.encode(text, add_special_tokens=prompt).ids

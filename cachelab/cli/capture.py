@@ -1,0 +1,159 @@
+"""``cachelab capture``: record live serving (proxy, KV events) and inspect a capture."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from cachelab.errors import CachelabError
+
+app = typer.Typer(no_args_is_help=True, help="Capture live serving: an OpenAI-compatible recording proxy, "
+                  "vLLM's KV-cache events, and what a capture holds. Formats and privacy: docs/capture.md.")
+
+FSYNC_HELP = "When a record counts as acknowledged: always (fsync each), batch (group commit), never (kernel only)."
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) -> (host, port)."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise CachelabError(f"--listen {listen!r}: expected HOST:PORT, e.g. 127.0.0.1:8100")
+    return host.strip("[]"), int(port)
+
+
+def _bound_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise CachelabError(f"cannot listen on {host}:{port}: {exc}") from None
+    sock.listen(2048)
+    return sock
+
+
+@app.command()
+def proxy(
+    upstream: str = typer.Option(..., help="The OpenAI-compatible server to front, e.g. http://127.0.0.1:8000."),
+    out: Path = typer.Option(..., "--out", help="Capture directory (created 0700; segment files 0600)."),
+    listen: str = typer.Option("127.0.0.1:8100", help="HOST:PORT to listen on (port 0: any free one). A "
+                               "non-loopback host needs --api-key."),
+    api_key: str | None = typer.Option(None, envvar="CACHELAB_CAPTURE_API_KEY",
+                                       help="Bearer token every client must send (also passed upstream)."),
+    hash_blocks: int = typer.Option(0, help="Keep no token ids: only salted hashes of N-token prompt blocks."),
+    store_text: bool = typer.Option(False, "--store-text", help="Also keep prompt and output text (opt-in)."),
+    salt_file: Path | None = typer.Option(None, help="Salt for session and block hashes (default OUT/salt)."),
+    session_header: str = typer.Option("x-session-id", help="Header whose salted hash is the session key "
+                                       "(else the body's `user`)."),
+    token_ids: bool = typer.Option(True, "--token-ids/--no-token-ids", help="Ask the upstream for token ids "
+                                   "(vLLM's return_token_ids); off: tokenize locally."),
+    tokenizer: str = typer.Option("deepseek-v4", help="Fallback tokenizer: deepseek-v4 or a tokenizer.json."),
+    fsync: str = typer.Option("batch", help=FSYNC_HELP),
+    rotate_mb: float = typer.Option(256.0, help="Start a new segment past this size (MiB)."),
+    rotate_seconds: float = typer.Option(3600.0, help="Start a new segment after this many seconds."),
+    max_body_mb: float = typer.Option(8.0, help="Refuse request bodies over this size with 413 (MiB)."),
+    max_response_mb: float = typer.Option(64.0, help="Cut upstream answers over this size (MiB)."),
+    read_timeout: float = typer.Option(300.0, help="Cut an upstream answer silent this long (s)."),
+    total_timeout: float = typer.Option(3600.0, help="Cut an upstream answer running this long (s)."),
+) -> None:
+    """Record every completion and chat completion served through this proxy.
+
+    Example, in front of vLLM: `cachelab capture proxy --upstream http://127.0.0.1:8000 --out cap/`,
+    then point clients at http://127.0.0.1:8100/v1. Stop it with Ctrl-C (queued records are
+    flushed); `cachelab trace build --from-capture cap/ -o t.parquet` makes a trace of it.
+    """
+    import uvicorn
+
+    from cachelab.capture.proxy import ProxyConfig, check_listen, create_app
+    from cachelab.capture.recorder import Recorder
+
+    host, port = parse_listen(listen)
+    check_listen(host, api_key)
+    config = ProxyConfig(upstream=upstream, api_key=api_key, session_header=session_header.lower(),
+                         token_ids=token_ids, tokenizer=tokenizer, max_body_bytes=int(max_body_mb * 2**20),
+                         max_response_bytes=int(max_response_mb * 2**20), read_timeout=read_timeout,
+                         total_timeout=total_timeout)
+    recorder = Recorder(out, hash_blocks=hash_blocks, store_text=store_text, salt_file=salt_file, fsync=fsync,
+                        rotate_bytes=int(rotate_mb * 2**20), rotate_seconds=rotate_seconds)
+    sock = _bound_socket(host, port)
+    bound = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(config, recorder), log_level="warning", access_log=False,
+                                           timeout_keep_alive=30))
+    typer.echo(f"capture proxy on http://{host}:{bound} -> {upstream}, recording into {out} "
+               f"({recorder.privacy.mode}, fsync {fsync})", err=False)
+    server.run(sockets=[sock])
+    typer.echo(json.dumps(recorder.stats()))
+
+
+@app.command("kv-events")
+def kv_events(
+    endpoint: str = typer.Option(..., help="vLLM's KV-event endpoint, e.g. tcp://127.0.0.1:5557."),
+    out: Path = typer.Option(..., "--out", help="Capture directory (the requests' one, to keep them together)."),
+    bind: bool = typer.Option(False, "--bind", help="Bind instead of connect: needed when vLLM was given a "
+                              "concrete address (it then connects); a tcp://*:P endpoint binds on vLLM's side."),
+    topic: str = typer.Option("", help="Topic prefix to subscribe to (vLLM's kv_events_config topic)."),
+    replay: str | None = typer.Option(None, help="vLLM's replay_endpoint, to fetch batches missed in a gap."),
+    hash_blocks: bool = typer.Option(False, "--no-tokens", help="Drop the token ids vLLM sends with stored blocks."),
+    fsync: str = typer.Option("batch", help=FSYNC_HELP),
+    duration: float | None = typer.Option(None, help="Stop after this many seconds (default: at Ctrl-C/SIGTERM)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the final counts as one JSON object."),
+) -> None:
+    """Record vLLM's prefix-cache block events (BlockStored / BlockRemoved / AllBlocksCleared).
+
+    Start vLLM with --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
+    "endpoint": "tcp://*:5557"}' and run `cachelab capture kv-events --endpoint tcp://127.0.0.1:5557 --out cap/`.
+    """
+    from cachelab.capture.kv_events import KVEventSubscriber
+
+    sub = KVEventSubscriber(endpoint, out, topic=topic, bind=bind, replay_endpoint=replay,
+                            keep_tokens=not hash_blocks, fsync=fsync).start()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    if not as_json:
+        Console(stderr=True).print(f"subscribed to {endpoint} ({'bound' if bind else 'connected'}), recording into {out}")
+    stop.wait(duration)
+    sub.close()
+    stats = sub.stats()
+    if as_json:
+        typer.echo(json.dumps(stats))
+    else:
+        Console().print(", ".join(f"{k}: {v}" for k, v in stats.items()))
+
+
+@app.command()
+def info(
+    directory: Path = typer.Argument(..., help="A capture directory."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """What a capture holds: requests (ok / failed, per token source), KV batches, torn tails."""
+    from cachelab.capture.kv_events import read_kv_events
+    from cachelab.capture.to_trace import read_requests
+
+    table, stats = read_requests(directory)
+    batches, kv_stats = read_kv_events(directory)
+    ok = table.filter((table["status"] == 200) & table["error"].is_null()) if table.height else table
+    result = {
+        "directory": str(directory), "requests": table.height, "ok": ok.height, "failed": table.height - ok.height,
+        "token_sources": dict(table.group_by("token_source").len().iter_rows()) if table.height else {},
+        "kv_batches": len(batches), "kv_events": sum(len(b["events"]) for b in batches),
+        "requests_read": stats.to_dict(), "kv_read": kv_stats.to_dict(),
+    }
+    result["token_sources"] = {str(k): v for k, v in result["token_sources"].items()}
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    console = Console()
+    console.print(f"[bold]{directory}[/]: {result['requests']:,} requests ({result['ok']:,} ok, "
+                  f"{result['failed']:,} failed), {result['kv_batches']:,} KV batches / {result['kv_events']:,} events")
+    for name, s in (("requests", stats), ("kv-events", kv_stats)):
+        console.print(f"{name}: {s.segments} segments, {s.records} records, {s.torn_tails} torn tails, "
+                      f"{s.corrupt} corrupt" + (f", bad files {s.bad_files}" if s.bad_files else ""))

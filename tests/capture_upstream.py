@@ -1,0 +1,185 @@
+"""A small OpenAI-compatible upstream for the capture tests and benchmark (a test double).
+
+It answers ``/v1/completions`` and ``/v1/chat/completions`` the way vLLM's server does where
+the proxy depends on it: ``return_token_ids`` gives ``prompt_token_ids`` / ``token_ids``, and
+without it those fields are written as ``null``; ``stream_options.include_usage`` adds a final
+usage event (``choices: []``); ``usage.prompt_tokens_details.cached_tokens`` counts the prompt's
+16-token blocks seen before. Answers are deterministic (ids, ``created``, tokens), so a stream
+through the proxy can be compared byte for byte with one straight from here. Prompts are
+tokenized with the DeepSeek-V4 tokenizer (as the fallback does); outputs are words that are
+one token each. The model name picks a hostile behaviour: ``bad-json``, ``endless``,
+``huge-chunk``, ``slow``, ``error-500``. The real reference upstream is vLLM (tests/vllm_peer.py);
+this one exists for the failure modes vLLM cannot be made to produce and for speed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import socket
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from cachelab.engram.vocab import load_tokenizer
+
+WORDS = [" the", " cache", " row", " table", " memory", " token", " layer", " hash", " block", " prefix",
+         " serve", " model", " data", " time", " rate", " load"]
+BLOCK = 16
+
+
+def _json(obj) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+class Upstream:
+    def __init__(self, token_delay_s: float = 0.0):
+        self.token_delay_s = token_delay_s
+        self.tok = load_tokenizer("deepseek-v4")
+        self.word_ids = [self.tok.encode(w, add_special_tokens=False).ids for w in WORDS]
+        assert all(len(ids) == 1 for ids in self.word_ids), "every output word must be one token"
+        self.seen_blocks: set[bytes] = set()
+        self.requests = 0
+        self.app = self._app()
+
+    def _prompt(self, body: dict, chat: bool) -> list[int]:
+        if chat:
+            text = "\n".join(f"{m.get('role', '')}: {m.get('content') or ''}" for m in body.get("messages", []))
+        else:
+            prompt = body.get("prompt", "")
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+                return list(prompt)
+            text = prompt[0] if isinstance(prompt, list) else prompt
+        return self.tok.encode(text, add_special_tokens=True).ids
+
+    def _cached(self, ids: list[int]) -> int:
+        cached, full = 0, len(ids) // BLOCK
+        h = hashlib.sha256()
+        hit = True
+        for b in range(full):
+            h.update(bytes(str(ids[b * BLOCK:(b + 1) * BLOCK]), "ascii"))
+            key = h.digest()
+            if hit and key in self.seen_blocks:
+                cached += BLOCK
+            else:
+                hit = False
+            self.seen_blocks.add(key)
+        return cached
+
+    def _app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": "tiny", "object": "model"}]}
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            return await self.answer(request, chat=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            return await self.answer(request, chat=True)
+
+        return app
+
+    async def answer(self, request: Request, chat: bool):
+        body = await request.json()
+        self.requests += 1
+        model = body.get("model", "tiny")
+        if model == "error-500":
+            return JSONResponse({"object": "error", "message": "boom", "code": 500}, status_code=500)
+        if model == "slow":
+            await asyncio.sleep(5)
+        if model == "bad-json":
+            return Response(b'{"id": "cmpl-x", "choices": [', media_type="application/json")
+        prompt_ids = self._prompt(body, chat)
+        cached = self._cached(prompt_ids)
+        n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+        seed = sum(prompt_ids) % len(WORDS)
+        picks = [(seed + 3 * i) % len(WORDS) for i in range(n)]
+        out_ids = [self.word_ids[p][0] for p in picks]
+        want_ids = bool(body.get("return_token_ids"))
+        rid = ("chatcmpl-" if chat else "cmpl-") + hashlib.sha1(str(prompt_ids).encode()).hexdigest()[:16]
+        usage = {"prompt_tokens": len(prompt_ids), "total_tokens": len(prompt_ids) + n, "completion_tokens": n,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+        obj = "chat.completion" if chat else "text_completion"
+        if not body.get("stream"):
+            text = "".join(WORDS[p] for p in picks)
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text}
+            choice.update({"finish_reason": "length", "token_ids": out_ids if want_ids else None})
+            out = {"id": rid, "object": obj, "created": 1700000000, "model": model, "choices": [choice],
+                   "usage": usage, "prompt_token_ids": prompt_ids if want_ids else None}
+            return Response(_json(out), media_type="application/json")
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return StreamingResponse(self.events(model, rid, chat, prompt_ids, picks, out_ids, want_ids,
+                                             include_usage, usage), media_type="text/event-stream")
+
+    async def events(self, model, rid, chat, prompt_ids, picks, out_ids, want_ids, include_usage, usage):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        if model == "huge-chunk":
+            yield "data: " + "x" * (12 << 20)
+            return
+        i = 0
+        while True:
+            if model != "endless" and i >= len(picks):
+                break
+            if self.token_delay_s or model == "endless":
+                await asyncio.sleep(self.token_delay_s or 0.0005)
+            p = picks[i % len(picks)]
+            finish = "length" if model != "endless" and i == len(picks) - 1 else None
+            tok = [out_ids[i % len(out_ids)]] if want_ids else None
+            if chat:
+                choice = {"index": 0, "delta": {"content": WORDS[p]}, "logprobs": None, "finish_reason": finish,
+                          "token_ids": tok}
+                chunk = {"id": rid, "object": obj, "created": 1700000000, "model": model, "choices": [choice]}
+                if i == 0:
+                    chunk["prompt_token_ids"] = prompt_ids if want_ids else None
+            else:
+                choice = {"index": 0, "text": WORDS[p], "logprobs": None, "finish_reason": finish,
+                          "stop_reason": None, "token_ids": tok,
+                          "prompt_token_ids": prompt_ids if want_ids and i == 0 else None}
+                chunk = {"id": rid, "object": obj, "created": 1700000000, "model": model, "choices": [choice]}
+            yield f"data: {_json(chunk)}\n\n"
+            i += 1
+        if include_usage:
+            yield f"data: {_json({'id': rid, 'object': obj, 'created': 1700000000, 'model': model, 'choices': [], 'usage': usage})}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """Runs an ASGI app with uvicorn on 127.0.0.1 in a thread of this process."""
+
+    def __init__(self, app, port: int | None = None):
+        self.port = port or free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    access_log=False, lifespan="on", timeout_graceful_shutdown=1,
+                                                    timeout_keep_alive=60))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(10)

@@ -1,0 +1,210 @@
+"""The capture proxy against a deterministic upstream (tests/capture_upstream.py): faithfulness,
+recorded ids, auth, limits, hostile answers, concurrency. The real-vLLM checks are in
+test_capture_vllm.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+
+from capture_upstream import ServerThread, Upstream, free_port
+from cachelab.capture.proxy import ProxyConfig, check_listen, create_app
+from cachelab.capture.recorder import Recorder
+from cachelab.capture.to_trace import capture_to_trace, read_requests
+from cachelab.errors import CachelabError
+
+PROMPT = "Where should the Engram rows of a large model live, in HBM, DRAM or on SSD?"
+
+
+class Stack:
+    """A direct upstream, a second identical one behind a proxy, and the proxy's recorder."""
+
+    def __init__(self, tmp, **config):
+        self.direct = ServerThread(Upstream().app)
+        self.behind = Upstream()
+        self.upstream = ServerThread(self.behind.app)
+        self.recorder = Recorder(tmp / "cap")
+        self.config = ProxyConfig(upstream="", **config)
+        self.proxy = None
+
+    def __enter__(self):
+        self.direct.__enter__()
+        self.upstream.__enter__()
+        self.config.upstream = self.upstream.url
+        self.proxy = ServerThread(create_app(self.config, self.recorder)).__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for server in (self.proxy, self.upstream, self.direct):
+            server.__exit__(*exc)
+
+    def records(self):
+        assert self.recorder.flush(30)
+        return read_requests(self.recorder.directory)[0]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    with Stack(tmp_path_factory.mktemp("proxy"), read_timeout=2.0, max_response_bytes=1 << 20,
+               max_body_bytes=64 << 10) as s:
+        yield s
+
+
+def _raw(base, path, body, headers=None):
+    with httpx.stream("POST", base + path, json=body, headers=headers or {}, timeout=30) as r:
+        return r.status_code, b"".join(r.iter_raw()), dict(r.headers)
+
+
+CASES = [("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions",
+                                                  {"messages": [{"role": "user", "content": PROMPT}]})]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path,body", CASES)
+def test_client_bytes_identical_with_and_without_proxy(stack, path, body, stream):
+    body = {"model": "tiny", "max_tokens": 12, "stream": stream, **body}
+    direct = _raw(stack.direct.url, path, body)
+    proxied = _raw(stack.proxy.url, path, body)
+    assert proxied[0] == direct[0] == 200
+    assert proxied[1] == direct[1], "the proxy must not change a byte of what the client receives"
+    assert proxied[2]["content-type"] == direct[2]["content-type"]
+    # The proxy asked for ids and usage anyway, so the record has them.
+    rec = stack.records().row(-1, named=True)
+    truth = _raw(stack.direct.url, path, {**body, "stream": False, "return_token_ids": True})[1]
+    truth = json.loads(truth)
+    assert rec["prompt_ids"] == truth["prompt_token_ids"]
+    assert rec["output_ids"] == truth["choices"][0]["token_ids"]
+    assert rec["token_source"] == "upstream" and rec["cached"] is not None
+    if stream:
+        assert rec["tok_n"] == [1] * 12 and rec["ttft_s"] <= rec["last_s"]
+
+
+def test_client_that_asks_for_ids_and_usage_gets_them(stack):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "stream": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True}}
+    assert _raw(stack.proxy.url, "/v1/completions", body)[1] == _raw(stack.direct.url, "/v1/completions", body)[1]
+
+
+def test_official_client_through_proxy_and_sessions(stack):
+    client = openai.OpenAI(base_url=stack.proxy.url + "/v1", api_key="sk-upstream-secret-123")
+    for turn in range(3):
+        out = client.completions.create(model="tiny", prompt=PROMPT * (turn + 1), max_tokens=5,
+                                        extra_headers={"X-Session-Id": "user-42"})
+        assert out.choices[0].text
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=3, stream=True, user="someone"))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert client.models.list().data[0].id == "tiny"   # passed through, not recorded
+    table = stack.records()
+    sessions = table["session"].to_list()[-4:]
+    assert sessions[0] == sessions[1] == sessions[2] is not None and sessions[3] not in (None, sessions[0])
+    raw = b"".join(p.read_bytes() for p in stack.recorder.directory.iterdir())
+    assert b"sk-upstream-secret-123" not in raw and b"user-42" not in raw and b"Bearer" not in raw
+
+
+def test_trace_from_capture(stack):
+    trace, report = capture_to_trace(stack.recorder.directory)
+    assert report.requests == trace.height > 0 and report.sessions < report.requests
+    assert trace["prompt_len"].min() > 0 and trace["output_len"].min() > 0
+
+
+def test_oversized_body_is_refused_with_413(stack):
+    before = stack.behind.requests
+    status, body, _ = _raw(stack.proxy.url, "/v1/completions", {"model": "tiny", "prompt": "x" * (100 << 10)})
+    assert status == 413 and b"request body over" in body
+    assert stack.behind.requests == before, "nothing goes upstream"
+    assert stack.records().row(-1, named=True)["status"] == 413
+
+
+@pytest.mark.parametrize("model,stream,status,error", [
+    ("bad-json", False, 200, "not JSON"),
+    ("endless", True, 200, "over 1048576 bytes"),
+    ("huge-chunk", True, 200, "over"),
+    ("slow", False, 504, "timed out"),
+    ("error-500", False, 500, "boom"),
+])
+def test_hostile_upstream_is_bounded_and_recorded(stack, model, stream, status, error):
+    got = _raw(stack.proxy.url, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 4, "stream": stream})
+    assert got[0] == status
+    rec = stack.records().row(-1, named=True)
+    assert error in rec["error"], rec
+    # The proxy is still serving.
+    assert _raw(stack.proxy.url, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2})[0] == 200
+
+
+def test_unreachable_upstream_gives_502_and_a_record(tmp_path):
+    recorder = Recorder(tmp_path)
+    config = ProxyConfig(upstream=f"http://127.0.0.1:{free_port()}")
+    with ServerThread(create_app(config, recorder)) as proxy:
+        status, body, _ = _raw(proxy.url, "/v1/completions", {"model": "tiny", "prompt": "hi"})
+    assert status == 502 and b"upstream unreachable" in body
+    rec = read_requests(tmp_path)[0].row(0, named=True)
+    assert rec["status"] == 502 and "unreachable" in rec["error"]
+
+
+def test_bearer_token_required_when_set(tmp_path):
+    with Stack(tmp_path, api_key="proxy-token") as s:
+        assert _raw(s.proxy.url, "/v1/completions", {"model": "tiny", "prompt": "hi"})[0] == 401
+        assert _raw(s.proxy.url, "/v1/completions", {"model": "tiny", "prompt": "hi"},
+                    {"Authorization": "Bearer proxy-token"})[0] == 200
+        raw = b"".join(p.read_bytes() for p in s.recorder.directory.iterdir())
+        assert b"proxy-token" not in raw
+
+
+def test_non_loopback_listen_needs_a_token():
+    check_listen("127.0.0.1", None)
+    check_listen("::1", None)
+    check_listen("0.0.0.0", "k")
+    with pytest.raises(CachelabError, match="refusing to listen on 0.0.0.0 without --api-key"):
+        check_listen("0.0.0.0", None)
+    out = subprocess.run([sys.executable, "-m", "cachelab.cli", "capture", "proxy", "--upstream", "http://x",
+                          "--out", "/nonexistent/cap", "--listen", "0.0.0.0:0"], capture_output=True, text=True)
+    assert out.returncode == 2 and "refusing to listen" in out.stderr
+
+
+def test_tokenizer_fallback_matches_the_upstream(tmp_path):
+    with Stack(tmp_path, token_ids=False) as s:
+        for path, body in CASES[:1]:
+            for stream in (False, True):
+                req = {"model": "tiny", "max_tokens": 6, "stream": stream, **body}
+                assert _raw(s.proxy.url, path, req)[1] == _raw(s.direct.url, path, req)[1]
+        truth = json.loads(_raw(s.direct.url, "/v1/completions",
+                                {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "return_token_ids": True})[1])
+        table = s.records()
+    assert table["token_source"].to_list() == ["tokenizer", "tokenizer"]
+    for row in table.iter_rows(named=True):
+        assert row["prompt_ids"] == truth["prompt_token_ids"]
+        assert row["output_ids"] == truth["choices"][0]["token_ids"]
+
+
+def test_200_concurrent_streams_all_captured(tmp_path):
+    n = 200
+
+    async def run(url):
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(base_url=url, limits=limits, timeout=60) as client:
+            sem = asyncio.Semaphore(200)
+
+            async def one(i):
+                async with sem:
+                    body = {"model": "tiny", "prompt": f"{i} {PROMPT}", "max_tokens": 8, "stream": True}
+                    async with client.stream("POST", "/v1/completions", json=body) as r:
+                        data = b"".join([c async for c in r.aiter_raw()])
+                    return r.status_code, data
+
+            return await asyncio.gather(*(one(i) for i in range(n)))
+
+    with Stack(tmp_path) as s:
+        s.behind.token_delay_s = 0.002
+        results = asyncio.run(run(s.proxy.url))
+        table = s.records()
+    assert all(status == 200 and data.endswith(b"data: [DONE]\n\n") for status, data in results)
+    ok = table.filter(table["error"].is_null() & (table["status"] == 200))
+    assert ok.height / n >= 0.999
+    assert ok["output_ids"].list.len().to_list() == [8] * ok.height

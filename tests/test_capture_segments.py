@@ -1,0 +1,194 @@
+"""Segment storage and the journal: framing, checksums, rotation, 0600, torn tails, acknowledgement."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from cachelab.capture.journal import Journal
+from cachelab.capture.recorder import Privacy, Recorder, RequestRecord, load_salt
+from cachelab.capture.segments import MAGIC, ReadStats, SegmentWriter, read_stream, segment_files
+from cachelab.capture.to_trace import capture_to_trace, read_requests
+from cachelab.errors import CachelabError
+from cachelab.trace.schema import validate
+
+
+def _records(directory, stream="s"):
+    stats = ReadStats()
+    got = [r for r in read_stream(directory, stream, stats) if r.get("kind") != "segment"]
+    return got, stats
+
+
+def test_round_trip_rotation_and_modes(tmp_path):
+    w = SegmentWriter(tmp_path / "cap", "s", rotate_bytes=300)
+    for i in range(40):
+        w.write([msgpack.packb({"i": i, "pad": "x" * 20})])
+    w.close()
+    files = segment_files(tmp_path / "cap", "s")
+    assert len(files) > 3, "size rotation should have opened several segments"
+    assert stat.S_IMODE((tmp_path / "cap").stat().st_mode) == 0o700
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
+    got, stats = _records(tmp_path / "cap")
+    assert [r["i"] for r in got] == list(range(40))
+    assert stats.torn_tails == stats.corrupt == 0 and stats.segments == len(files)
+
+
+def test_a_new_writer_never_reopens_an_old_segment(tmp_path):
+    for run in range(3):
+        w = SegmentWriter(tmp_path, "s")
+        w.write([msgpack.packb({"run": run})])
+        w.close()
+    assert [f.name for f in segment_files(tmp_path, "s")] == ["s-000000.seg", "s-000001.seg", "s-000002.seg"]
+    assert [r["run"] for r in _records(tmp_path)[0]] == [0, 1, 2]
+
+
+def test_time_rotation(tmp_path, monkeypatch):
+    w = SegmentWriter(tmp_path, "s", rotate_seconds=5.0)
+    clock = [100.0]
+    monkeypatch.setattr("cachelab.capture.segments.time.monotonic", lambda: clock[0])
+    w.write([b"\x80"])
+    clock[0] += 6
+    w.write([b"\x80"])
+    w.close()
+    assert len(segment_files(tmp_path, "s")) == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(cut=st.integers(min_value=0, max_value=10_000), n=st.integers(1, 12))
+def test_any_truncation_is_a_counted_torn_tail(tmp_path_factory, cut, n):
+    directory = tmp_path_factory.mktemp("torn")
+    w = SegmentWriter(directory, "s")
+    w.write([msgpack.packb({"i": i, "ids": list(range(i * 7))}) for i in range(n)])
+    w.close()
+    path = segment_files(directory, "s")[0]
+    data = path.read_bytes()
+    cut = cut % (len(data) + 1)
+    path.write_bytes(data[:cut])
+    got, stats = _records(directory)
+    # Every record wholly inside the kept bytes is read back, in order; a partial one is one torn tail.
+    assert [r["i"] for r in got] == list(range(len(got)))
+    assert stats.torn_tails in (0, 1) and stats.corrupt == 0
+    if cut == len(data):
+        assert stats.torn_tails == 0 and len(got) == n
+
+
+def test_corruption_in_the_middle_is_skipped_and_counted(tmp_path):
+    w = SegmentWriter(tmp_path, "s")
+    for i in range(10):
+        w.write([msgpack.packb({"i": i, "pad": "y" * 50})])
+    w.close()
+    path = segment_files(tmp_path, "s")[0]
+    data = bytearray(path.read_bytes())
+    middle = data.find(msgpack.packb({"i": 5, "pad": "y" * 50}))
+    data[middle + 10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    got, stats = _records(tmp_path)
+    assert [r["i"] for r in got] == [0, 1, 2, 3, 4, 6, 7, 8, 9]
+    assert stats.corrupt == 1 and stats.torn_tails == 0
+
+
+def test_foreign_and_empty_files(tmp_path):
+    (tmp_path / "s-000000.seg").write_bytes(b"hello world, not a segment")
+    (tmp_path / "s-000001.seg").write_bytes(MAGIC[:3])
+    got, stats = _records(tmp_path)
+    assert got == [] and stats.torn_tails == 1 and "not a cachelab capture segment" in stats.bad_files[0]
+    with pytest.raises(CachelabError, match="capture directory not found"):
+        list(read_stream(tmp_path / "missing", "s"))
+
+
+@pytest.mark.parametrize("fsync", ["always", "batch", "never"])
+def test_journal_acknowledges_in_order(tmp_path, fsync):
+    j = Journal(tmp_path, "s", fsync=fsync)
+    for i in range(500):
+        assert j.submit({"i": i} if i % 2 else (lambda i=i: {"i": i}))
+    assert j.flush(30)
+    assert j.acknowledged == 500
+    j.close()
+    got, _ = _records(tmp_path)
+    assert [r["i"] for r in got] == list(range(500))
+    assert [r["seq"] for r in got] == list(range(500))
+
+
+def test_journal_records_a_failed_build_as_an_error(tmp_path):
+    j = Journal(tmp_path, "s")
+    j.submit(lambda: 1 / 0)
+    j.close()
+    got, _ = _records(tmp_path)
+    assert got[0]["kind"] == "error" and "ZeroDivisionError" in got[0]["error"]
+
+
+def test_journal_refuses_unknown_policy(tmp_path):
+    with pytest.raises(CachelabError, match="--fsync 'sometimes'"):
+        Journal(tmp_path, "s", fsync="sometimes")
+
+
+def test_salt_file_is_private_and_stable(tmp_path):
+    salt = load_salt(tmp_path / "salt")
+    assert stat.S_IMODE((tmp_path / "salt").stat().st_mode) == 0o600
+    assert load_salt(tmp_path / "salt") == salt and len(salt) == 32
+    (tmp_path / "short").write_bytes(b"abc")
+    with pytest.raises(CachelabError, match="at least 16 bytes"):
+        load_salt(tmp_path / "short")
+
+
+def _record(i, session=None, ids=True, **kw):
+    prompt = np.arange(i, i + 40, dtype=np.int32)
+    return RequestRecord(endpoint="/v1/completions", arrival_unix_ns=1_000_000_000 * (10 + i), session=session,
+                         prompt_ids=prompt if ids else None, output_ids=np.arange(5, dtype=np.int32) if ids else None,
+                         token_source="upstream" if ids else None, cached_tokens=16 * (i % 2), prompt_text="secret",
+                         output_text="answer", **kw)
+
+
+def test_recorder_to_trace_sessions_and_privacy(tmp_path):
+    with Recorder(tmp_path / "ids") as rec:
+        rec.submit(_record(0, session="alice"))
+        rec.submit(_record(1, session="bob"))
+        rec.submit(lambda: _record(2, session="alice"))
+        rec.submit(_record(3, status=502, error="upstream unreachable"))
+        rec.submit(_record(4))
+    trace, report = capture_to_trace(tmp_path / "ids")
+    validate(trace, "capture")
+    assert trace["session_id"].to_list() == [0, 1, 0, 3]
+    assert trace["turn"].to_list() == [0, 0, 1, 0]
+    assert trace["arrival_s"].to_list() == [0.0, 1.0, 2.0, 4.0]
+    assert trace["prompt_ids"][2].to_list() == list(range(2, 42))
+    assert report.failed_requests == 1 and report.requests == 4
+    assert report.server_cached_tokens == 16 and report.server_prefix_hit_ratio == pytest.approx(16 / 160)
+    raw = b"".join(p.read_bytes() for p in (tmp_path / "ids").glob("*.seg"))
+    assert b"secret" not in raw and b"alice" not in raw
+
+    with Recorder(tmp_path / "hashed", hash_blocks=16) as rec:
+        rec.submit(_record(0))
+        rec.submit(_record(0))
+    trace, _ = capture_to_trace(tmp_path / "hashed")
+    assert trace["prompt_ids"].list.len().to_list() == [0, 0] and trace["prompt_len"].to_list() == [40, 40]
+    assert trace["block_hashes"].list.len().to_list() == [3, 3] and trace["block_size"].to_list() == [16, 16]
+    assert trace["block_hashes"][0].to_list() == trace["block_hashes"][1].to_list()
+    table, _ = read_requests(tmp_path / "hashed")
+    assert table["prompt_ids"].null_count() == 2
+
+    with Recorder(tmp_path / "text", store_text=True) as rec:
+        rec.submit(_record(0))
+    raw = b"".join(p.read_bytes() for p in (tmp_path / "text").glob("*.seg"))
+    assert b"secret" in raw and b"answer" in raw
+
+
+def test_block_hashes_are_salted_and_chained():
+    a, b = Privacy(b"a" * 32, hash_blocks=4), Privacy(b"b" * 32, hash_blocks=4)
+    ids = np.arange(10)
+    ha, hb = a.block_hashes(ids), b.block_hashes(ids)
+    assert ha.size == 3 and not np.array_equal(ha, hb)
+    other = ids.copy()
+    other[0] = 99
+    assert not np.any(np.isin(a.block_hashes(other), ha)), "a changed first token changes every later block"
+
+
+def test_empty_capture_is_a_clear_error(tmp_path):
+    Recorder(tmp_path).close()
+    with pytest.raises(CachelabError, match="no request records"):
+        capture_to_trace(tmp_path)
