@@ -49,6 +49,8 @@ LAYERS = {
     "cachelab.policy": "The policy contract and the public toolkit compiled policies are built from.",
     "cachelab.engine": "Tiers and their hierarchy, the replays that drive lookups through them, MRCs.",
     "cachelab.serving": "Step times, latency, throughput and cost from lookups and tier hits.",
+    "cachelab.live": "An Engram model serving real requests: torch model, paged KV cache, continuous-batching "
+                     "engine, OpenAI-compatible server (`cachelab serve`).",
     "cachelab.learning": "Features, labels, causal training and the judging of learned policies.",
     "cachelab.experiment": "Specs, grids of points, runners, backends, MLflow tracking, reports.",
     "cachelab.testing": "The conformance kit third parties run on their policies and predictors.",

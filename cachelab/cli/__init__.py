@@ -43,7 +43,7 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from cachelab.cli import cache, capture, engram, experiment, learn, plugins, quickstart, serving, trace
+    from cachelab.cli import cache, capture, engram, experiment, learn, live, plugins, quickstart, serving, trace
 
     app.add_typer(engram.app, name="engram")
     app.add_typer(trace.app, name="trace")
@@ -54,6 +54,7 @@ def _register() -> None:
     app.command("simulate")(cache.simulate)
     app.command("mrc")(cache.mrc)
     app.command("serve-sim")(serving.serve_sim)
+    app.command("serve")(live.serve)
     app.command("pareto")(serving.pareto)
     app.add_typer(serving.hw_app, name="hw")
     app.add_typer(serving.study_app, name="study")

@@ -129,6 +129,21 @@ class Scheduler:
         self._live[request.rid] = request
         self.waiting.append(request)
 
+    def abort(self, rid: int) -> bool:
+        """Drop request ``rid`` between steps (a client gone): its KV is freed as at a finish.
+        Returns False if it is not (or no longer) in the scheduler."""
+        if self._open is not None:
+            raise CachelabError(f"step {self._open.index} is open; abort between steps")
+        r = self._live.pop(rid, None)
+        if r is None:
+            return False
+        if r in self.running:
+            self.running.remove(r)
+            self.kv.free(rid)
+        else:
+            self.waiting.remove(r)
+        return True
+
     def schedule(self) -> StepRecord:
         """The next step; raises if work is waiting but the KV pool cannot hold any of it."""
         if self._open is not None:

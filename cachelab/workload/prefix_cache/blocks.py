@@ -222,6 +222,12 @@ class BlockPrefixCache:
                 state[2] = full
         return True
 
+    def block_table(self, rid: int) -> np.ndarray:
+        """The KV blocks ``rid`` holds, in position order (block ``i`` holds its tokens
+        ``i * block_size`` to ``(i + 1) * block_size - 1``): a paged KV cache's block table."""
+        blocks, held, _, _ = self._req[rid]
+        return blocks[:held]
+
     def free(self, rid: int) -> None:
         """Release ``rid``'s blocks, tail first; full ones stay cached until evicted."""
         blocks, held, _, _ = self._req.pop(rid)

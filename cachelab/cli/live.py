@@ -1,0 +1,69 @@
+"""``cachelab serve``: an Engram model serving real requests, OpenAI-compatible."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from cachelab.errors import CachelabError
+
+
+def _layers(value: str | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    try:
+        return tuple(int(x) for x in value.split(","))
+    except ValueError:
+        raise CachelabError(f"--engram-layers takes decoder indices like '1,3', got {value!r}") from None
+
+
+def serve(
+    preset: str = typer.Option("tiny", help="Model preset (tiny: 2 CPU cores; small, medium: one GPU) or a JSON "
+                               "file of model fields."),
+    store: Path | None = typer.Option(None, help="A built Engram table directory (`cachelab store build`). Default: "
+                                      "a small scaled store, built on first use in the cache directory."),
+    host: str = typer.Option("127.0.0.1", help="Address to bind. Anything but loopback needs --api-key."),
+    port: int = typer.Option(8000, help="TCP port (0: any free port)."),
+    api_key: str | None = typer.Option(None, help="Require 'Authorization: Bearer KEY' on /v1 routes."),
+    placement: str = typer.Option("dram", help="Where the table lives (the store's backing): dram, mmap, pread, "
+                                  "direct."),
+    row_cache_policy: str | None = typer.Option(None, help="Policy of the HBM row cache (any registered policy)."),
+    row_cache_capacity: str | None = typer.Option(None, help="HBM row cache size: rows, bytes ('64MiB') or a "
+                                                  "share of the table ('1%')."),
+    dram_cache_policy: str | None = typer.Option(None, help="Policy of the DRAM warm cache."),
+    dram_cache_capacity: str | None = typer.Option(None, help="DRAM warm cache size (same grammar)."),
+    step_log: Path | None = typer.Option(None, help="Write the per-step log (Parquet parts) into this directory."),
+    weights: Path | None = typer.Option(None, help="Model weights (.safetensors). Default: seeded dummy weights "
+                                        "(meaningless text, real systems behaviour)."),
+    seed: int = typer.Option(0, help="Seed of the dummy weights."),
+    engram_layers: str | None = typer.Option(None, help="Decoder layers of the two Engram modules, e.g. '1,3' "
+                                             "(the first bounds the prefetch window)."),
+    max_model_len: int | None = typer.Option(None, help="Context length (prompt + output). Default: the preset's."),
+    kv_cache_tokens: int = typer.Option(32_768, help="KV cache size in tokens (blocks of 16)."),
+    max_num_seqs: int = typer.Option(64, help="Sequences per step at most."),
+    max_num_batched_tokens: int = typer.Option(2048, help="Token budget per step (chunked prefill)."),
+    max_body_bytes: int = typer.Option(1 << 20, help="Largest request body accepted (413 above)."),
+    prefetch: bool = typer.Option(True, "--prefetch/--no-prefetch", help="Fetch a step's Engram rows while the "
+                                  "layers before the first Engram layer compute."),
+    prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching", help="vLLM's automatic "
+                                        "prefix caching."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+    served_model_name: str | None = typer.Option(None, help="The model name clients send (default cachelab-PRESET)."),
+) -> None:
+    """Serve an Engram model over HTTP: /v1/completions, /v1/chat/completions, /v1/models,
+    /health, /metrics (vLLM's metric names).
+
+    Example: `cachelab serve --preset tiny --port 8000`, then point any OpenAI client at
+    http://127.0.0.1:8000/v1 with model `cachelab-tiny`. docs/live.md.
+    """
+    from cachelab.live.launch import ServeOptions, serve as run
+
+    run(ServeOptions(preset=preset, store=store, host=host, port=port, api_key=api_key, placement=placement,
+                     row_cache_policy=row_cache_policy, row_cache_capacity=row_cache_capacity,
+                     dram_cache_policy=dram_cache_policy, dram_cache_capacity=dram_cache_capacity,
+                     step_log=step_log, weights=weights, seed=seed, engram_layers=_layers(engram_layers),
+                     kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
+                     max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                     max_body_bytes=max_body_bytes, prefetch=prefetch, prefix_caching=prefix_caching, device=device,
+                     served_model_name=served_model_name), announce=typer.echo)

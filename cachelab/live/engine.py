@@ -1,0 +1,330 @@
+"""The live engine: continuous batching of real requests through the model, one step at a time.
+
+One background thread owns the scheduler (``cachelab.workload.scheduler``: chunked prefill,
+token budget, sequence cap, preemption), the KV pool (its ``BlockPrefixCache`` is the paged
+KV cache's block table) and the model. Per step it schedules, addresses the step's tokens
+with the streaming Engram addresser (slots handled as the serving simulator handles them,
+so both read the same rows), starts the rows' fetch on the row source's background thread,
+runs the model (the layers before the first Engram layer overlap the fetch), samples,
+detokenizes, checks stops, and completes the step. Callers ``submit`` from any thread and
+receive ``RequestOutput``s through a callback called on the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from cachelab.engram import Addresser
+from cachelab.errors import CachelabError
+from cachelab.live.kv_cache import PagedKVCache, StepBatch
+from cachelab.live.model import EngramLM
+from cachelab.live.sampling import Detokenizer, SamplingParams, sample
+from cachelab.live.steplog import StepLog
+from cachelab.workload.prefix_cache import BlockPrefixCache
+from cachelab.workload.scheduler import Request, Scheduler, StepRecord
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Args: kv_cache_tokens: the KV pool (rounded down to blocks); prefetch: fetch a step's
+    rows on a background thread while the layers before the first Engram layer compute
+    (False: fetch, then compute); step_log: a directory for the per-step Parquet log."""
+
+    kv_cache_tokens: int = 32_768
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    prefix_caching: bool = True
+    prefetch: bool = True
+    device: str = "cpu"
+    step_log: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (``finished`` on its last one)."""
+
+    rid: int
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: int | str | None = None
+    num_prompt: int = 0
+    num_output: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(eq=False)
+class _Live:
+    req: Request
+    params: SamplingParams
+    sink: Callable[[RequestOutput], None]
+    detok: Detokenizer
+    generator: torch.Generator | None
+    arrival: float
+    cached_tokens: int = -1  # prefix-cache hit at first admission
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+@dataclass
+class EngineCounters:
+    """The engine's own counts; ``/metrics`` reports exactly these."""
+
+    steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+    finished: dict = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
+    engram_rows: int = 0
+    engram_stall_s: float = 0.0
+    engram_fetch_s: float = 0.0
+    compute_s: float = 0.0
+
+
+class LiveEngine:
+    """See module doc. ``observer`` (optional) gets ``first_token``, ``token_gap`` and
+    ``finished`` latency events (the server's Prometheus histograms)."""
+
+    def __init__(self, model: EngramLM, rows, tokenizer, config: EngineConfig = EngineConfig(), observer=None):
+        cfg, mcfg = config, model.config
+        self.model, self.rows, self.tokenizer, self.config, self.observer = model, rows, tokenizer, cfg, observer
+        num_blocks = cfg.kv_cache_tokens // cfg.block_size
+        self.pool = BlockPrefixCache(num_blocks, cfg.block_size, enable_caching=cfg.prefix_caching)
+        self.kv = PagedKVCache(mcfg.layers, num_blocks, cfg.block_size, mcfg.kv_heads, mcfg.head_dim,
+                               getattr(torch, mcfg.dtype), cfg.device)
+        self.scheduler = Scheduler(self.pool, cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        self.addresser = Addresser(mcfg.layout)
+        self._stream = self.addresser.stream(cfg.max_num_seqs)
+        self._free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
+        self._slot: dict[int, int] = {}
+        self._live: dict[int, _Live] = {}
+        self._inbox: list[tuple[str, object]] = []
+        self._cv = threading.Condition()
+        self._next_rid = 0
+        self._stopping = False
+        self.error: str | None = None  # set when a step failed and the engine stopped
+        self._thread: threading.Thread | None = None
+        self.counters = EngineCounters()
+        self.step_log = StepLog(cfg.step_log) if cfg.step_log else None
+        self.on_step: Callable[[StepRecord, np.ndarray], None] | None = None  # (record, row ids) per step
+        self.eos = tokenizer.token_to_id("<｜end▁of▁sentence｜>")
+
+    # -- the caller's side -------------------------------------------------------------------
+    def start(self) -> "LiveEngine":
+        self._thread = threading.Thread(target=self._loop, name="live-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self.step_log is not None:
+            self.step_log.close()
+
+    def submit(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
+               sinks: Sequence[Callable[[RequestOutput], None]]) -> list[int]:
+        """Queue requests together (they reach the scheduler in the same step); their ids."""
+        now = time.perf_counter()
+        new = []
+        with self._cv:
+            for prompt, p, sink in zip(prompts, params, sinks, strict=True):
+                rid, self._next_rid = self._next_rid, self._next_rid + 1
+                ids = np.asarray(prompt, np.int64)
+                gen = None
+                if p.temperature > 0:
+                    gen = torch.Generator().manual_seed(p.seed if p.seed is not None else int(np.random.randint(2**62)))
+                live = _Live(Request(rid, ids, int(ids.size), p.max_tokens), p, sink,
+                             Detokenizer(self.tokenizer, p.stop), gen, now)
+                self._inbox.append(("add", live))
+                new.append(rid)
+            self._cv.notify()
+        return new
+
+    def abort(self, rid: int) -> None:
+        """Drop a request (its client went away); its KV blocks are freed before the next step."""
+        with self._cv:
+            self._inbox.append(("abort", rid))
+            self._cv.notify()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        """vLLM's kv_cache_usage_perc: the share of KV blocks held by requests (0..1)."""
+        return 1.0 - self.pool.num_free_tokens / self.pool.capacity_tokens
+
+    # -- the engine thread -------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._inbox and not self.scheduler.num_unfinished and not self._stopping:
+                    self._cv.wait()
+                if self._stopping:
+                    break
+                inbox, self._inbox = self._inbox, []
+            for kind, item in inbox:
+                if kind == "add":
+                    self._live[item.req.rid] = item
+                    self.scheduler.add(item.req)
+                elif item in self._live and self.scheduler.abort(item):
+                    self._finish(self._live[item], "abort", None, time.perf_counter())
+            if self.scheduler.num_unfinished:
+                try:
+                    self.step()
+                except Exception as exc:  # vLLM's EngineDeadError: fail every request, report unhealthy
+                    log.exception("engine step failed; the engine stops")
+                    self.error = f"{type(exc).__name__}: {exc}"
+                    for live in list(self._live.values()):
+                        self._finish(live, "abort", None, time.perf_counter())
+                    return
+
+    def step(self) -> StepRecord:
+        """Schedule, fetch, compute, sample and complete one step."""
+        t0 = time.perf_counter()
+        step = self.scheduler.schedule()
+        self._assign_slots(step)
+        rids = step.requests.tolist()
+        chunks = [self._live[r].req.tokens[a:b] for r, a, b in zip(rids, step.starts.tolist(), step.stops.tolist())]
+        offsets = np.concatenate([[0], np.cumsum(step.stops - step.starts)])
+        row_ids = self._stream.feed(np.concatenate(chunks), offsets, seq=[self._slot[r] for r in rids])
+        fetch = {"window_s": 0.0, "stall_s": 0.0, "fetch_s": 0.0}
+        handle = self.rows.prefetch(row_ids) if self.config.prefetch else None
+        t_fetch = time.perf_counter()
+
+        def engram_rows() -> torch.Tensor:
+            t = time.perf_counter()
+            if handle is not None:
+                fetch["window_s"] = t - t_fetch
+                rows = handle.wait()
+                fetch["stall_s"] = handle.stall_seconds
+            else:
+                rows = self.rows.lookup(row_ids)
+                fetch["stall_s"] = fetch["fetch_s"] = time.perf_counter() - t
+            return rows.to(self.config.device, non_blocking=True)
+
+        samples = [stop == self._live[r].req.num_known for r, stop in zip(rids, step.stops.tolist())]
+        batch = StepBatch.build(chunks, step.starts.tolist(), [self.pool.block_table(r) for r in rids], samples,
+                                self.config.block_size, self.config.device)
+        with torch.inference_mode():
+            logits = self.model(batch, self.kv, engram_rows)
+            sampled_rows = [self._live[r] for r, s in zip(rids, samples) if s]
+            tokens = sample(logits, [x.params for x in sampled_rows], [x.generator for x in sampled_rows])
+        t_done = time.perf_counter()
+        sampled = {x.req.rid: int(t) for x, t in zip(sampled_rows, tokens)}
+        stopped = {rid: self._stop_check(self._live[rid], tok) for rid, tok in sampled.items()}
+        self.scheduler.complete(step, sampled, [r for r, why in stopped.items() if why is not None])
+        self._emit(step, sampled, stopped, t_done)
+        self._count(step, row_ids, fetch, t0, t_done)
+        if self.on_step is not None:
+            self.on_step(step, row_ids)
+        return step
+
+    def _assign_slots(self, step: StepRecord) -> None:
+        """Address-stream slots exactly as the serving simulator keeps them."""
+        hist = self.addresser.history_len
+        for r in step.preempted:
+            self._free_slots.append(self._slot.pop(r))
+        for r, hit in zip(step.requests[step.admitted].tolist(), step.cached[step.admitted].tolist()):
+            slot = self._slot[r] = self._free_slots.pop()
+            self._stream.reset(slot)
+            if hit:
+                self._stream.feed(self._live[r].req.tokens[max(0, hit - hist):hit], seq=[slot])
+            if self._live[r].cached_tokens < 0:
+                self._live[r].cached_tokens = hit
+
+    def _stop_check(self, live: _Live, token: int) -> int | str | None:
+        """Why ``live`` stops after ``token`` (a stop token id, a stop string, "eos"), or None."""
+        p = live.params
+        if token in p.stop_token_ids:
+            return token
+        if token == self.eos and not p.ignore_eos:
+            live.detok.add(token, final=True)
+            return "eos"
+        return live.detok.add(token, final=live.req.num_output + 1 >= live.req.max_output)
+
+    def _emit(self, step: StepRecord, sampled: dict, stopped: dict, now: float) -> None:
+        finished = set(step.finished)
+        for rid, token in sampled.items():
+            live = self._live[rid]
+            self.counters.generation_tokens += 1
+            if live.first_token is None:
+                live.first_token = now
+                self.counters.prompt_tokens += live.req.num_prompt
+                if self.observer is not None:
+                    self.observer.first_token(now - live.arrival)
+            elif self.observer is not None:
+                self.observer.token_gap(now - live.last_token)
+            live.last_token = now
+            if rid in finished:
+                why = stopped[rid]
+                reason = "length" if why is None else "stop"
+                self._finish(live, reason, None if why == "eos" else why, now, [token])
+            else:
+                live.sink(RequestOutput(rid, [token], live.detok.take(), num_prompt=live.req.num_prompt,
+                                        num_output=live.req.num_output, cached_tokens=live.cached_tokens))
+
+    def _finish(self, live: _Live, reason: str, stop_reason, now: float, tokens: list[int] = ()) -> None:
+        rid = live.req.rid
+        del self._live[rid]
+        if rid in self._slot:
+            self._free_slots.append(self._slot.pop(rid))
+        self.counters.finished[reason] += 1
+        if self.observer is not None and reason != "abort":
+            self.observer.finished(now - live.arrival)
+        live.sink(RequestOutput(rid, list(tokens), live.detok.take(final=True), True, reason, stop_reason,
+                                live.req.num_prompt, live.req.num_output, max(live.cached_tokens, 0)))
+
+    def _count(self, step: StepRecord, row_ids: np.ndarray, fetch: dict, t0: float, t_done: float) -> None:
+        c = self.counters
+        c.steps += 1
+        c.preemptions += len(step.preempted)
+        c.engram_rows += int(row_ids.size)
+        c.engram_stall_s += fetch["stall_s"]
+        c.engram_fetch_s += fetch["fetch_s"]
+        c.compute_s += t_done - t0 - fetch["stall_s"]
+        if self.step_log is not None:
+            store = getattr(self.rows, "last_step", None)
+            store = store.to_dict() if hasattr(store, "to_dict") else dict(store or {})
+            self.step_log.append({
+                "step": step.index, "start_s": t0, "step_s": t_done - t0, "tokens": step.num_tokens,
+                "batch": int(step.requests.size), "decodes": step.decodes, "admitted": int(step.admitted.sum()),
+                "preempted": len(step.preempted), "prefix_hit_tokens": int(step.cached.sum()),
+                "engram_rows": int(row_ids.size), "compute_s": t_done - t0 - fetch["stall_s"], **fetch,
+                **{f"store_{k}": v for k, v in store.items() if isinstance(v, (int, float))}})
+
+
+def check_prompt(prompt_ids: Sequence[int], max_tokens: int, max_model_len: int, vocab_size: int) -> None:
+    """Refuse a request that cannot run, naming the numbers (vLLM's wording)."""
+    n = len(prompt_ids)
+    if n == 0:
+        raise CachelabError("the prompt is empty; send at least one token")
+    ids = np.asarray(prompt_ids)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise CachelabError(f"prompt token ids must be in [0, {vocab_size}), got {int(ids.min())}..{int(ids.max())}")
+    if max_tokens < 1:
+        raise CachelabError(f"max_tokens must be at least 1, got {max_tokens}")
+    if n + max_tokens > max_model_len:
+        raise CachelabError(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                            f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). "
+                            "Please reduce the length of the prompt or max_tokens.")

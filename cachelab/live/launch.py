@@ -1,0 +1,160 @@
+"""``cachelab serve`` assembled: options -> model, Engram row source, engine, HTTP server.
+
+Loopback by default; any other address needs an API key (a server on a network port with
+no key is refused before anything starts). Without ``--store``, a small scaled store of the
+model's layout is built on first use in the cache directory and reused after.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from cachelab.errors import CachelabError
+from cachelab.live.config import ModelConfig, model_config
+from cachelab.live.engine import EngineConfig, LiveEngine
+from cachelab.live.server import Limits, create_app
+
+DEFAULT_STORE_SCALE = 1e-4  # the scaled store built on first use: 1/10,000 of V4.1's rows
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """What ``cachelab serve`` takes (see its --help for each)."""
+
+    preset: str = "tiny"
+    store: Path | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    placement: str = "dram"
+    row_cache_policy: str | None = None
+    row_cache_capacity: str | None = None
+    dram_cache_policy: str | None = None
+    dram_cache_capacity: str | None = None
+    step_log: Path | None = None
+    weights: Path | None = None
+    seed: int = 0
+    engram_layers: tuple[int, ...] | None = None
+    kv_cache_tokens: int = 32_768
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    max_body_bytes: int = 1 << 20
+    prefetch: bool = True
+    prefix_caching: bool = True
+    device: str = "cpu"
+    served_model_name: str | None = None
+
+
+def check_bind(host: str, api_key: str | None) -> None:
+    """Refuse a non-loopback address without an API key."""
+    if api_key:
+        return
+    try:
+        addrs = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except socket.gaierror as exc:
+        raise CachelabError(f"--host {host!r} does not resolve: {exc}") from None
+    if not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
+        raise CachelabError(f"--host {host!r} is not a loopback address: serving beyond this machine needs "
+                            "--api-key KEY (clients then send 'Authorization: Bearer KEY')")
+
+
+def model_for(opts: ServeOptions) -> ModelConfig:
+    cfg = model_config(opts.preset)
+    changes = {}
+    if opts.engram_layers is not None:
+        changes["engram_layers"] = tuple(opts.engram_layers)
+    if opts.max_model_len is not None:
+        changes["max_model_len"] = opts.max_model_len
+    return cfg.with_(**changes) if changes else cfg
+
+
+def open_rows(opts: ServeOptions, layout: str):
+    """The Engram row source: the live store at ``opts.store`` (or one built on first use)."""
+    try:
+        from cachelab.store import TieredStore, build_tables
+    except ImportError:  # the store (issue 14) is not installed in this checkout
+        from cachelab.live.rows import HashedRows
+
+        if opts.store is not None:
+            raise CachelabError("--store needs cachelab.store, which this installation lacks") from None
+        return HashedRows()
+    from cachelab.paths import cache_dir
+
+    directory = opts.store
+    if directory is None:
+        directory = cache_dir() / "live-store" / f"{layout}-{DEFAULT_STORE_SCALE:g}"
+        if not (directory / "manifest.json").exists():
+            build_tables(layout, DEFAULT_STORE_SCALE, directory)
+    return TieredStore.open(directory, backing=opts.placement, hbm_policy=opts.row_cache_policy,
+                            hbm_capacity=opts.row_cache_capacity, dram_policy=opts.dram_cache_policy,
+                            dram_capacity=opts.dram_cache_capacity, device=opts.device)
+
+
+def build_engine(opts: ServeOptions) -> LiveEngine:
+    from cachelab.engram.vocab import load_tokenizer
+    from cachelab.live.model import build_model
+
+    cfg = model_for(opts)
+    model = build_model(cfg, opts.weights, opts.seed, opts.device)
+    engine_cfg = EngineConfig(kv_cache_tokens=opts.kv_cache_tokens, max_num_seqs=opts.max_num_seqs,
+                              max_num_batched_tokens=opts.max_num_batched_tokens, prefix_caching=opts.prefix_caching,
+                              prefetch=opts.prefetch, device=opts.device,
+                              step_log=str(opts.step_log) if opts.step_log else None)
+    return LiveEngine(model, open_rows(opts, cfg.layout), load_tokenizer(), engine_cfg)
+
+
+def model_name(opts: ServeOptions) -> str:
+    return opts.served_model_name or f"cachelab-{Path(opts.preset).stem}"
+
+
+@contextmanager
+def running_server(opts: ServeOptions, engine: LiveEngine | None = None):
+    """A started engine and a uvicorn server on a thread; yields ``(base_url, engine)``.
+
+    Port 0 picks a free port. Stops both on exit (tests and benchmarks use this; the CLI
+    runs uvicorn in the foreground with ``serve``)."""
+    import uvicorn
+
+    check_bind(opts.host, opts.api_key)
+    engine = (engine or build_engine(opts)).start()
+    cfg = model_for(opts)
+    app = create_app(engine, model_name(opts), Limits(opts.max_body_bytes, cfg.max_model_len), opts.api_key)
+    server = uvicorn.Server(uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning",
+                                           timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            if not thread.is_alive():
+                raise CachelabError(f"the server could not start on {opts.host}:{opts.port}")
+            threading.Event().wait(0.02)
+        host, port = server.servers[0].sockets[0].getsockname()[:2]
+        yield f"http://{host}:{port}", engine
+    finally:
+        server.should_exit = True
+        thread.join()
+        engine.stop()
+
+
+def serve(opts: ServeOptions, announce=print) -> None:
+    """Run the server in the foreground until interrupted."""
+    import uvicorn
+
+    check_bind(opts.host, opts.api_key)
+    cfg = model_for(opts)
+    engine = build_engine(opts).start()
+    app = create_app(engine, model_name(opts), Limits(opts.max_body_bytes, cfg.max_model_len), opts.api_key)
+    announce(f"cachelab serve: model {model_name(opts)!r} ({cfg.name}, Engram at layers {list(cfg.engram_layers)}, "
+             f"rows from {getattr(engine.rows, 'name', type(engine.rows).__name__)}) on "
+             f"http://{opts.host}:{opts.port}/v1")
+    app.router.add_event_handler("shutdown", engine.stop)  # uvicorn re-raises SIGTERM after its shutdown
+    try:
+        uvicorn.run(app, host=opts.host, port=opts.port, log_level="warning", timeout_graceful_shutdown=1)
+    finally:
+        engine.stop()

@@ -1,0 +1,113 @@
+"""``/metrics``: the live engine in Prometheus format, under vLLM's metric names where one exists.
+
+Counters and gauges are read from the engine at scrape time (its ``EngineCounters``, its
+scheduler and its KV pool), so what ``/metrics`` says is what the engine counted, never a
+second tally. Latency histograms (TTFT, inter-token latency, end-to-end) are observed by the
+engine thread as tokens are emitted, with vLLM's bucket boundaries. ``cachelab:`` metrics
+cover what vLLM has no name for: Engram rows, the row source's counters per tier, fetch and
+exposed stall time. Labels are vLLM's: ``model_name`` and ``engine``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+# vllm/v1/metrics/buckets.py
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+LABELS = ("model_name", "engine")
+
+
+class EngineMetrics:
+    """A registry of its own (several servers may live in one process, as in tests)."""
+
+    def __init__(self, engine, model_name: str):
+        self.engine, self.labels = engine, (model_name, "0")
+        self.registry = CollectorRegistry()
+        hist = [("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS),
+                ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS),
+                ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", E2E_BUCKETS)]
+        self._ttft, self._itl, self._e2e = (
+            Histogram(name, doc, LABELS, registry=self.registry, buckets=b).labels(*self.labels) for name, doc, b in hist)
+        self.registry.register(self)
+        engine.observer = self
+
+    # -- the engine's observer ---------------------------------------------------------------
+    def first_token(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def token_gap(self, seconds: float) -> None:
+        self._itl.observe(seconds)
+
+    def finished(self, seconds: float) -> None:
+        self._e2e.observe(seconds)
+
+    # -- a prometheus collector --------------------------------------------------------------
+    def collect(self):
+        e, c, labels = self.engine, self.engine.counters, list(self.labels)
+
+        def counter(name, doc, value, extra=None):
+            m = CounterMetricFamily(name, doc, labels=LABELS + tuple(extra or {}))
+            m.add_metric(labels + list((extra or {}).values()), value)
+            return m
+
+        def gauge(name, doc, value):
+            m = GaugeMetricFamily(name, doc, labels=LABELS)
+            m.add_metric(labels, value)
+            return m
+
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", e.num_running)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", e.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", e.kv_usage)
+        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                      e.pool.queried_tokens)
+        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                      e.pool.hit_tokens)
+        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", c.prompt_tokens)
+        yield counter("vllm:generation_tokens", "Number of generation tokens processed.", c.generation_tokens)
+        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", c.preemptions)
+        success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
+                                      labels=LABELS + ("finished_reason",))
+        for reason, n in c.finished.items():
+            success.add_metric(labels + [reason], n)
+        yield success
+        yield counter("cachelab:engine_steps", "Scheduler steps the engine ran.", c.steps)
+        yield counter("cachelab:engram_rows", "Engram rows read (tokens x table layers x 24).", c.engram_rows)
+        yield counter("cachelab:engram_exposed_stall_seconds",
+                      "Time the model waited for Engram rows (fetch not hidden by the prefetch window).",
+                      c.engram_stall_s)
+        yield counter("cachelab:engram_fetch_seconds", "Time spent fetching Engram rows without prefetch.",
+                      c.engram_fetch_s)
+        yield counter("cachelab:engine_compute_seconds", "Step time not spent waiting for Engram rows.", c.compute_s)
+        for name, doc, extra, value in _store_metrics(e.rows):
+            yield counter(name, doc, value, extra)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _store_metrics(rows):
+    """The row source's running totals (the store's counters: ``<tier>_hits``, ``*_bytes``
+    per link, ``*_s`` per stage, row counts) as (name, doc, labels, value)."""
+    totals = getattr(rows, "totals", None)
+    if totals is None:
+        return
+    tiers = tuple(getattr(totals, "tiers", ()))
+    for key, value in totals.to_dict().items():
+        if not isinstance(value, (int, float)) or key.endswith("_ratio"):
+            continue
+        tier = next((t for t in tiers if key.startswith(f"{t}_")), None)
+        if tier is not None:
+            what = key[len(tier) + 1:]
+            yield f"cachelab:engram_tier_{what}", f"Engram rows: {what} per cache tier.", {"tier": tier}, value
+        elif key.endswith("_bytes"):
+            yield "cachelab:engram_link_bytes", "Engram bytes moved per link.", {"link": key[:-6]}, value
+        elif key.endswith("_s"):
+            yield "cachelab:engram_store_seconds", "Row source time per stage.", {"stage": key[:-2]}, value
+        else:
+            yield f"cachelab:engram_store_{key}", f"Row source counter {key}.", None, value

@@ -1,0 +1,158 @@
+"""The OpenAI API as the live server speaks it: request models, the chat template, responses.
+
+Field names are OpenAI's, plus vLLM's extensions where vLLM has one: ``return_token_ids``
+(``prompt_token_ids`` and ``token_ids`` in each choice of a completion; ``prompt_token_ids``
+at the top of a chat completion and ``token_ids`` in its choice; in a stream the prompt ids
+come once, in the first chunk, and each chunk carries its new ids), ``ignore_eos``,
+``stop_token_ids``, and ``usage.prompt_tokens_details.cached_tokens``. Errors have OpenAI's
+shape: ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cachelab.live.sampling import SamplingParams
+
+BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+               413: "RequestEntityTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+class APIError(Exception):
+    """A request the server refuses: HTTP ``status``, OpenAI-shaped body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "APIError"),
+                          "param": self.param, "code": self.status}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    max_tokens: int | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    return_token_ids: bool = False
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = []
+
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              seed=self.seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids),
+                              ignore_eos=self.ignore_eos)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise APIError(400, f"message content of type {part.get('type')!r} is not supported; send text",
+                               "messages")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+
+
+def chat_prompt(messages: list[ChatMessage]) -> str:
+    """DeepSeek's chat format: BOS, system text, then ``<｜User｜>``/``<｜Assistant｜>`` turns
+    (an assistant turn ends with EOS), and the assistant's tag to generate after."""
+    system = "\n\n".join(m.text() for m in messages if m.role in ("system", "developer"))
+    out = [BOS, system]
+    for m in messages:
+        if m.role in ("user", "tool"):
+            out += [USER, m.text()]
+        elif m.role == "assistant":
+            out += [ASSISTANT, m.text(), EOS]
+    out.append(ASSISTANT)
+    return "".join(out)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(num_prompt: int, num_output: int, cached: int) -> dict:
+    return {"prompt_tokens": num_prompt, "total_tokens": num_prompt + num_output, "completion_tokens": num_output,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _body(rid: str, created: int, model: str, obj: str, chat: bool, content: dict, finish, stop_reason, token_ids,
+          prompt_ids) -> dict:
+    choice = {"index": 0, **content, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}
+    body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+    if prompt_ids is not None:  # vLLM: top level of a chat completion, in the choice of a completion
+        (body if chat else choice)["prompt_token_ids"] = prompt_ids
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return body
+
+
+def completion_body(rid: str, model: str, text: str, finish, stop_reason, token_ids, prompt_ids, use: dict,
+                    chat: bool) -> dict:
+    """A whole (non-streamed) completion or chat completion."""
+    content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+    body = _body(rid, int(time.time()), model, "chat.completion" if chat else "text_completion", chat, content,
+                 finish, stop_reason, token_ids, prompt_ids)
+    body["usage"] = use
+    return body
+
+
+def chunk_body(rid: str, created: int, model: str, text: str | None, finish, stop_reason, token_ids, prompt_ids,
+               chat: bool, first: bool) -> dict:
+    """One streamed chunk; ``prompt_ids`` only in the first (vLLM's placement); a chat's
+    first chunk carries the assistant's role."""
+    if chat:
+        delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+        content = {"delta": delta}
+    else:
+        content = {"text": text or ""}
+    return _body(rid, created, model, "chat.completion.chunk" if chat else "text_completion", chat, content, finish,
+                 stop_reason, token_ids, prompt_ids)
+
+
+def usage_chunk(rid: str, created: int, model: str, use: dict, chat: bool) -> dict:
+    return {"id": rid, "created": created, "model": model, "choices": [], "usage": use,
+            "object": "chat.completion.chunk" if chat else "text_completion"}

@@ -1,0 +1,84 @@
+"""Sampling and incremental detokenization, as vLLM does them for the OpenAI endpoints.
+
+Greedy rows (temperature 0) take the argmax together; the others are scaled by their
+temperature, cut to their top-p nucleus and drawn from their own generator (seeded when the
+request gives a ``seed``). Text is decoded a window at a time (vLLM's prefix/read offsets),
+never emitting a half UTF-8 character, and held back by the longest stop string minus one
+character so a stop string is never streamed before it is recognised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+UNFINISHED_CHAR = "\ufffd"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence) -> torch.Tensor:
+    """One token id per row of ``logits`` [S, vocab] (float32)."""
+    out = logits.argmax(-1)
+    for i, (p, gen) in enumerate(zip(params, generators)):
+        if p.temperature <= 0:
+            continue
+        probs = torch.softmax(logits[i] / p.temperature, -1)
+        if p.top_p < 1.0:
+            ordered, order = probs.sort(descending=True)
+            cut = ordered.cumsum(0) - ordered > p.top_p  # keep the smallest set reaching top_p
+            ordered[cut] = 0.0
+            probs = torch.zeros_like(probs).scatter_(0, order, ordered)
+        out[i] = torch.multinomial(probs.cpu(), 1, generator=gen)[0]
+    return out.cpu()
+
+
+class Detokenizer:
+    """One request's output text, built token by token (see module doc)."""
+
+    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.ids: list[int] = []
+        self.text = ""
+        self.sent = 0  # characters of text already handed out
+        self._prefix = self._read = 0
+        self._stopped = False
+
+    def add(self, token: int, final: bool = False) -> str | None:
+        """Append ``token``; returns the stop string it completed, if any."""
+        self.ids.append(token)
+        if self._stopped:
+            return None
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self._prefix:self._read], skip_special_tokens=True)
+        after = decode(self.ids[self._prefix:], skip_special_tokens=True)
+        if len(after) > len(before) and (final or not after.endswith(UNFINISHED_CHAR)):
+            start = max(len(self.text) - self.hold, 0)
+            self.text += after[len(before):]
+            self._prefix, self._read = self._read, len(self.ids)
+            hits = [(at, s) for s in self.stop if (at := self.text.find(s, start)) >= 0]
+            if hits:
+                at, s = min(hits)
+                self.text = self.text[:at]
+                self._stopped = True
+                return s
+        return None
+
+    def take(self, final: bool = False) -> str:
+        """The text not handed out yet, less the held-back tail unless ``final``."""
+        end = len(self.text) if final or self._stopped else max(len(self.text) - self.hold, self.sent)
+        out, self.sent = self.text[self.sent:end], end
+        return out

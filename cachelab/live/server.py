@@ -1,0 +1,204 @@
+"""The OpenAI-compatible HTTP server over a live engine (FastAPI on uvicorn).
+
+Routes: ``/v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events or
+whole), ``/v1/models``, ``/health``, ``/metrics``. Every refusal is a 4xx in OpenAI's error
+shape before the engine sees the request: body over the size limit (413), malformed JSON or
+fields (400), unknown model (404), prompt plus ``max_tokens`` over the context (400), a
+missing or wrong API key (401). A client that disconnects, mid-stream or while waiting for a
+whole answer, has its request aborted: the engine frees its KV blocks before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from cachelab.errors import CachelabError
+from cachelab.live.engine import LiveEngine, RequestOutput, check_prompt
+from cachelab.live.metrics import EngineMetrics
+from cachelab.live.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_prompt, chunk_body,
+                                    completion_body, new_id, usage, usage_chunk)
+
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Args: max_body_bytes: request body size (413 above); max_model_len: prompt + output tokens."""
+
+    max_body_bytes: int = 1 << 20
+    max_model_len: int = 2048
+
+
+class _Collector:
+    """Outputs of one request, handed from the engine thread to the request's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.queue = loop, asyncio.Queue()
+
+    def __call__(self, out: RequestOutput) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+
+
+def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str | None = None) -> FastAPI:
+    """The app; the engine must be started (and is stopped by the caller)."""
+    app = FastAPI(title="cachelab serve", docs_url=None, redoc_url=None)
+    metrics = EngineMetrics(engine, model_name)
+    app.state.engine, app.state.metrics = engine, metrics
+    tokenizer, vocab = engine.tokenizer, engine.model.config.vocab_size
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1") and \
+                request.headers.get("authorization", "") != f"Bearer {api_key}":
+            return JSONResponse(APIError(401, "Unauthorized: send the server's API key as a Bearer token").body(),
+                                status_code=401)
+        return await call_next(request)
+
+    async def read_json(request: Request, model_cls):
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limits.max_body_bytes:
+            raise APIError(413, f"request body of {declared} bytes is over the limit of {limits.max_body_bytes}")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limits.max_body_bytes:
+                raise APIError(413, f"request body is over the limit of {limits.max_body_bytes} bytes")
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"request body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "request body must be a JSON object")
+        try:
+            req = model_cls.model_validate(data)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            param = ".".join(str(p) for p in err["loc"])
+            raise APIError(400, f"{param}: {err['msg']}", param) from None
+        if req.model != model_name:
+            raise APIError(404, f"The model `{req.model}` does not exist.", "model")
+        if req.n != 1:
+            raise APIError(400, f"n must be 1 (one choice per request), got {req.n}", "n")
+        return req
+
+    def prepare(prompt_ids: list[int], max_tokens: int | None, req):
+        max_tokens = limits.max_model_len - len(prompt_ids) if max_tokens is None else max_tokens
+        try:
+            check_prompt(prompt_ids, max_tokens, limits.max_model_len, vocab)
+        except CachelabError as exc:
+            raise APIError(400, str(exc), "max_tokens" if prompt_ids and max_tokens >= 1 else "prompt") from None
+        return req.sampling(max_tokens)
+
+    async def run(request: Request, req, prompt_ids: list[int], params, chat: bool):
+        if engine.error:
+            raise APIError(503, f"the engine stopped after an error: {engine.error}")
+        collector = _Collector(asyncio.get_running_loop())
+        rid = engine.submit([prompt_ids], [params], [collector])[0]
+        oid = new_id("chatcmpl" if chat else "cmpl")
+        ids = prompt_ids if req.return_token_ids else None
+        if req.stream:
+            return StreamingResponse(_stream(engine, rid, collector, oid, model_name, ids, req, chat),
+                                     media_type="text/event-stream")
+        return JSONResponse(await _whole(engine, request, rid, collector, oid, model_name, ids, req, chat))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = await read_json(request, CompletionRequest)
+        if req.echo:
+            raise APIError(400, "echo is not supported", "echo")
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise APIError(400, f"send one prompt per request, got a batch of {len(prompt)}", "prompt")
+            prompt = prompt[0]
+        ids = tokenizer.encode(prompt, add_special_tokens=False).ids if isinstance(prompt, str) else list(prompt)
+        return await run(request, req, ids, prepare(ids, req.max_tokens, req), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = await read_json(request, ChatCompletionRequest)
+        ids = tokenizer.encode(chat_prompt(req.messages), add_special_tokens=False).ids
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        return await run(request, req, ids, prepare(ids, max_tokens, req), chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "cachelab", "root": model_name, "parent": None,
+                                            "max_model_len": limits.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if engine.error:
+            return JSONResponse(APIError(503, f"engine stopped: {engine.error}").body(), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+async def _whole(engine, request: Request, rid: int, collector: _Collector, oid: str, model: str, prompt_ids, req,
+                 chat: bool) -> dict:
+    """Wait for every output of ``rid``; abort it if the client goes away meanwhile."""
+    tokens, text = [], []
+    try:
+        while True:
+            try:
+                out = await asyncio.wait_for(collector.queue.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    engine.abort(rid)
+                    return {}
+                continue
+            tokens += out.new_token_ids
+            text.append(out.new_text)
+            if out.finished:
+                break
+    except asyncio.CancelledError:
+        engine.abort(rid)
+        raise
+    return completion_body(oid, model, "".join(text), out.finish_reason, out.stop_reason,
+                           tokens if req.return_token_ids else None, prompt_ids,
+                           usage(out.num_prompt, out.num_output, out.cached_tokens), chat)
+
+
+async def _stream(engine, rid: int, collector: _Collector, oid: str, model: str, prompt_ids, req, chat: bool):
+    """Server-sent events: one chunk per step that produced text or ids, then usage, then [DONE]."""
+    created, first, finished = int(time.time()), True, False
+    try:
+        if chat:  # the role comes first, as OpenAI sends it
+            yield _sse(chunk_body(oid, created, model, "", None, None, [] if req.return_token_ids else None,
+                                  prompt_ids, chat, True))
+            first = False
+        while not finished:
+            out = await collector.queue.get()
+            finished = out.finished
+            ids = out.new_token_ids if req.return_token_ids else None
+            yield _sse(chunk_body(oid, created, model, out.new_text, out.finish_reason, out.stop_reason, ids,
+                                  prompt_ids if first else None, chat, first and chat))
+            first = False
+        if req.include_usage:
+            yield _sse(usage_chunk(oid, created, model, usage(out.num_prompt, out.num_output, out.cached_tokens),
+                                   chat))
+        yield "data: [DONE]\n\n"
+    finally:
+        if not finished:  # the client went away (or the server is stopping): free its KV blocks
+            engine.abort(rid)
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"

@@ -1,0 +1,60 @@
+"""``cachelab serve`` as a user runs it: a real process, a real port, refusals before start-up."""
+
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from cachelab.live.launch import check_bind
+from cachelab.errors import CachelabError
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_non_loopback_without_api_key_is_refused():
+    with pytest.raises(CachelabError, match="--api-key"):
+        check_bind("0.0.0.0", None)
+    check_bind("0.0.0.0", "secret")
+    check_bind("localhost", None)
+    out = subprocess.run([sys.executable, "-m", "cachelab.cli", "serve", "--host", "0.0.0.0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "not a loopback address" in out.stderr
+
+
+@pytest.mark.slow
+def test_cachelab_serve_process_answers_the_openai_client(tmp_path):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "cachelab.cli", "serve", "--preset", "tiny", "--port", str(port),
+                             "--api-key", "k", "--step-log", str(tmp_path / "steps")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0).models.list()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k")
+        r = client.chat.completions.create(model="cachelab-tiny", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=3)
+        assert r.usage.completion_tokens == 3
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    import polars as pl
+
+    steps = pl.read_parquet(tmp_path / "steps" / "*.parquet")
+    assert steps["tokens"].sum() == r.usage.prompt_tokens + 2  # the last token is sampled, never fed back
+    assert {"compute_s", "stall_s", "engram_rows", "prefix_hit_tokens"} <= set(steps.columns)

@@ -1,0 +1,176 @@
+"""``cachelab serve`` end to end: the official openai client against a real server on 127.0.0.1.
+
+One server (tiny preset, dummy weights) serves the whole module; every test talks HTTP to it.
+"""
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cachelab.live.launch import ServeOptions, running_server
+
+MODEL = "cachelab-tiny"
+LABELS = {"model_name": MODEL, "engine": "0"}
+
+
+@pytest.fixture(scope="module")
+def server():
+    opts = ServeOptions(port=0, max_body_bytes=64 * 1024, kv_cache_tokens=16_384)
+    with running_server(opts) as (url, engine):
+        yield url, engine
+
+
+def scrape(url) -> dict:
+    """Every sample of /metrics as {(name, labels...): value}."""
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for s in family.samples:
+            extra = tuple(sorted((k, v) for k, v in s.labels.items() if k not in LABELS))
+            out[(s.name, *extra)] = s.value
+    return out
+
+
+def wait_idle(engine):
+    import time
+
+    for _ in range(400):
+        if not engine.num_running and not engine.num_waiting:
+            return
+        time.sleep(0.05)
+    raise AssertionError("engine did not go idle")
+
+
+def test_completion_and_chat_with_token_ids(server):
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    c = client.completions.create(model=MODEL, prompt="The tiered store serves", max_tokens=8, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    choice = c.choices[0].model_dump()
+    assert c.usage.completion_tokens == 8 == len(choice["token_ids"])
+    assert c.usage.prompt_tokens == len(choice["prompt_token_ids"]) > 0
+    assert c.choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}],
+                                          max_tokens=5, temperature=0, extra_body={"return_token_ids": True})
+    body = chat.model_dump()
+    assert len(body["choices"][0]["token_ids"]) == chat.usage.completion_tokens
+    assert body["prompt_token_ids"][0] == 0 and chat.usage.prompt_tokens == len(body["prompt_token_ids"])
+
+
+def test_stream_matches_whole_answer(server):
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    args = dict(model=MODEL, prompt="Streaming check", max_tokens=12, temperature=0)
+    whole = client.completions.create(**args, extra_body={"return_token_ids": True})
+    chunks = list(client.completions.create(**args, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"return_token_ids": True}))
+    ids = [t for ch in chunks if ch.choices for t in (ch.choices[0].model_dump().get("token_ids") or [])]
+    assert ids == whole.choices[0].model_dump()["token_ids"]
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 12
+    chat = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=4, stream=True))
+    assert chat[0].choices[0].delta.role == "assistant" and chat[-1].choices[0].finish_reason == "length"
+
+
+def test_64_concurrent_requests_and_metrics_equal_engine(server):
+    url, engine = server
+    wait_idle(engine)
+    before = scrape(url)
+    async def one(client, i):
+        if i % 2:
+            chunks = [c async for c in await client.completions.create(
+                model=MODEL, prompt=f"request {i} " * (1 + i % 5), max_tokens=4 + i % 4, temperature=0.8, seed=i,
+                stream=True, stream_options={"include_usage": True})]
+            return chunks[-1].usage
+        r = await client.completions.create(model=MODEL, prompt=f"request {i} " * (1 + i % 5), max_tokens=4 + i % 4)
+        return r.usage
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+        return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    usages = asyncio.run(main())
+    assert len(usages) == 64
+    assert [u.completion_tokens for u in usages] == [4 + i % 4 for i in range(64)]
+    after = scrape(url)
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    assert delta[("vllm:generation_tokens_total",)] == sum(u.completion_tokens for u in usages)
+    assert delta[("vllm:prompt_tokens_total",)] == sum(u.prompt_tokens for u in usages)
+    assert delta[("vllm:prefix_cache_hits_total",)] == sum(u.prompt_tokens_details.cached_tokens for u in usages)
+    assert delta[("vllm:request_success_total", ("finished_reason", "length"))] == 64
+    assert delta[("vllm:time_to_first_token_seconds_count",)] == 64
+    c = engine.counters
+    assert after[("vllm:generation_tokens_total",)] == c.generation_tokens
+    assert after[("vllm:prompt_tokens_total",)] == c.prompt_tokens
+    assert after[("vllm:prefix_cache_queries_total",)] == engine.pool.queried_tokens
+    assert after[("cachelab:engram_rows_total",)] == c.engram_rows
+    assert after[("vllm:num_requests_running",)] == 0 and after[("vllm:kv_cache_usage_perc",)] == 0.0
+
+
+def test_repeated_prompt_is_served_from_the_prefix_cache(server):
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    prompt = list(range(1000, 1000 + 1200))  # token ids: 75 blocks of 16
+
+    def ttft():
+        import time
+
+        t0 = time.perf_counter()
+        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, stream=True,
+                                           stream_options={"include_usage": True})
+        first = None
+        for chunk in stream:
+            if first is None and chunk.choices and chunk.choices[0].model_dump().get("text") is not None:
+                first = time.perf_counter() - t0
+            last = chunk
+        return first, last.usage.prompt_tokens_details.cached_tokens
+
+    cold, cached_cold = ttft()
+    warm, cached_warm = ttft()
+    assert cached_cold == 0 and cached_warm == 1184  # (1200 - 1) // 16 full blocks
+    assert warm < cold
+
+
+def test_bad_input_gets_openai_shaped_errors(server):
+    url, _ = server
+    post = lambda path, **kw: httpx.post(f"{url}/v1/{path}", timeout=30, **kw)  # noqa: E731
+    r = post("completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = post("completions", json={"model": "nope", "prompt": "x"})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
+    r = post("completions", json={"model": MODEL, "prompt": list(range(5, 2100)), "max_tokens": 1})
+    assert r.status_code == 400 and "maximum context length is 2048" in r.json()["error"]["message"]
+    r = post("completions", json={"model": MODEL, "prompt": "x", "max_tokens": 5000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = post("completions", json={"model": MODEL, "prompt": "x", "temperature": "hot"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    r = post("completions", content=json.dumps({"model": MODEL, "prompt": "x" * 70_000}).encode(),
+             headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="x")
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_client_disconnect_mid_stream_frees_kv_blocks(server):
+    url, engine = server
+    wait_idle(engine)
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
+                      json={"model": MODEL, "prompt": list(range(3000, 3400)), "max_tokens": 1500, "stream": True,
+                            "ignore_eos": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                break  # the first token arrived: hang up
+    assert scrape(url)[("vllm:kv_cache_usage_perc",)] > 0 or engine.counters.finished["abort"]
+    wait_idle(engine)
+    after = scrape(url)
+    assert after[("vllm:kv_cache_usage_perc",)] == 0.0
+    assert after[("vllm:request_success_total", ("finished_reason", "abort"))] >= 1
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    assert client.completions.create(model=MODEL, prompt="still serving", max_tokens=2).usage.completion_tokens == 2
