@@ -36,6 +36,7 @@ CONTRACTS = (
     ("cachelab/policy/contract.py", "StepResult"),
     ("cachelab/engine/tiers.py", "Tier"),
     ("cachelab/engine/tiers.py", "Hierarchy"),
+    ("cachelab/store/store.py", "TieredStore"),
     ("cachelab/learning/predictor.py", "Predictor"),
 )
 
@@ -48,6 +49,7 @@ LAYERS = {
                          "the future (next access, lookahead), prefix caches.",
     "cachelab.policy": "The policy contract and the public toolkit compiled policies are built from.",
     "cachelab.engine": "Tiers and their hierarchy, the replays that drive lookups through them, MRCs.",
+    "cachelab.store": "The live tiered store: table files, real cache tiers driven by policies, counters.",
     "cachelab.serving": "Step times, latency, throughput and cost from lookups and tier hits.",
     "cachelab.live": "An Engram model serving real requests: torch model, paged KV cache, continuous-batching "
                      "engine, OpenAI-compatible server (`cachelab serve`).",

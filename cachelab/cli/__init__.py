@@ -43,7 +43,8 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from cachelab.cli import cache, capture, engram, experiment, learn, live, plugins, quickstart, serving, trace
+    from cachelab.cli import (cache, capture, engram, experiment, learn, live, plugins, quickstart, serving, store,
+                              trace)
 
     app.add_typer(engram.app, name="engram")
     app.add_typer(trace.app, name="trace")
@@ -63,6 +64,7 @@ def _register() -> None:
     app.command("run")(experiment.run)
     app.command("report")(experiment.report)
     app.command("sync")(experiment.sync)
+    app.add_typer(store.app, name="store")
 
 
 _register()

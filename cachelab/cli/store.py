@@ -1,0 +1,140 @@
+"""``cachelab store``: build and verify Engram table files, and bench the live tiered store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from cachelab import defaults
+from cachelab.errors import CachelabError
+from cachelab.params import parse_pairs
+
+app = typer.Typer(no_args_is_help=True, help="The live tiered Engram store: table files, verify, bench (docs/store.md).")
+
+BACKING_HELP = ("Where the whole table lives: dram (loaded into memory), mmap (the OS page cache), pread (buffered "
+                "reads on a thread pool) or direct (O_DIRECT aligned reads, no page cache).")
+
+
+@app.command("build")
+def build(
+    layout: str = typer.Option(defaults.PRESET, "--layout", help="Engram layout preset, or a layout .toml/.json."),
+    scale: float = typer.Option(..., "--scale", help="Fraction of each table's rows to write, in (0, 1]; "
+                                "full-layout row ids fold into the smaller tables per hash head."),
+    directory: Path = typer.Option(..., "--dir", help="Directory for the table files and manifest.json."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the deterministic row contents."),
+    as_json: bool = typer.Option(False, "--json", help="Print the manifest as JSON."),
+) -> None:
+    """Write the Engram tables of a layout as packed FP8 rows (264 B each for V4.1), one file per layer.
+
+    Files are written under a temporary name and renamed when complete; manifest.json comes last.
+    """
+    from cachelab.store import build_tables
+
+    manifest = build_tables(layout, scale, directory, seed=seed, progress=not as_json)
+    if as_json:
+        typer.echo(json.dumps({k: v for k, v in manifest.items() if k != "config"}))
+        return
+    rows = sum(manifest["table_rows"])
+    Console().print(f"[bold]{manifest['layout']}[/] at scale {manifest['scale']}: {rows:,} rows of "
+                    f"{manifest['row_bytes']} B in {', '.join(manifest['files'])} under {directory}")
+
+
+@app.command("verify")
+def verify(
+    directory: Path = typer.Option(..., "--dir", help="A directory written by `cachelab store build`."),
+    sample: int | None = typer.Option(None, "--sample", help="Rows to check per layer, at random (default: all)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Re-read rows and compare each with its recomputed contents; exits 1 on any mismatch."""
+    from cachelab.store import verify_tables
+
+    out = verify_tables(directory, sample)
+    typer.echo(json.dumps(out) if as_json else f"rows_checked {out['rows_checked']:,}, mismatches {out['mismatches']:,}")
+    if out["mismatches"]:
+        raise typer.Exit(code=1)
+
+
+@app.command("bench")
+def bench(
+    directory: Path = typer.Option(..., "--dir", help="A directory written by `cachelab store build`."),
+    trace: str = typer.Option(..., "--trace", help="A saved lookup stream (.npz), or prompt corpora, comma-separated "
+                              "(arena-hard, gsm8k, ...), as `cachelab train --trace` takes them."),
+    policy: str = typer.Option("lru", "--policy", help="The HBM row cache's policy (registry name)."),
+    capacity: str = typer.Option(..., "--capacity", help="HBM row cache capacity: rows, bytes ('64MiB') or a share "
+                                 "of the table's rows ('1%')."),
+    dram_policy: str | None = typer.Option(None, "--dram-policy", help="The DRAM warm cache's policy (default: "
+                                           "--policy when --dram-capacity is given)."),
+    dram_capacity: str | None = typer.Option(None, "--dram-capacity", help="DRAM warm cache capacity (none: no DRAM "
+                                             "cache)."),
+    backing: str = typer.Option("dram", "--backing", help=BACKING_HELP),
+    model: Path | None = typer.Option(None, "--model", help="A predictor directory from `cachelab train`, scoring "
+                                      "every lookup for a learned policy."),
+    param: list[str] = typer.Option([], "--param", help="A policy hyper-parameter as key=value (repeatable)."),
+    requests: int = typer.Option(50, "--requests", help="Requests per corpus when --trace names corpora."),
+    max_lookups: int | None = typer.Option(None, "--max-lookups", help="Stop after the step that reaches this many "
+                                           "lookups."),
+    io_threads: int | None = typer.Option(None, "--io-threads", help="Reads in flight for pread/direct."),
+    prefetch: bool = typer.Option(False, "--prefetch", help="Fetch step s+1 on the background thread while step s "
+                                  "is used."),
+    no_verify: bool = typer.Option(False, "--no-verify", help="Skip comparing every row with its reference."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Replay a trace's row stream through the store; per-tier hits, misses and bytes, stage
+    times, and the simulator's figures for the same stream, policies and capacities."""
+    from cachelab.learning.streams import load_trace
+    from cachelab.store.bench import PolicySpec, replay_store
+    from cachelab.store.build import load_layout
+
+    layout, _ = load_layout(directory)
+    if not trace.endswith(".npz") and layout.config.name not in _presets():
+        raise CachelabError(f"tables of the custom layout {layout.config.name!r} replay a saved stream (.npz) only")
+    stream = load_trace(trace, requests, 0, layout.config.name)
+    params = parse_pairs(param)
+    scores = None
+    if model is not None:
+        from cachelab import registry
+        from cachelab.learning.training import lookup_scores, policy_params
+
+        scores, fitted = lookup_scores(model, stream)
+        params = {**policy_params(registry.get(registry.POLICIES, policy.split("+")[0]), fitted), **params}
+    hbm = PolicySpec(policy, params)
+    dram = PolicySpec(dram_policy or policy, params) if dram_capacity is not None else None
+    if dram_policy is not None and dram_capacity is None:
+        raise CachelabError("--dram-policy needs --dram-capacity")
+    out = replay_store(directory, stream, backing, hbm, capacity, dram, dram_capacity, scores,
+                       verify=not no_verify, prefetch=prefetch, io_threads=io_threads, progress=not as_json,
+                       max_lookups=max_lookups)
+    out["trace"] = trace
+    if as_json:
+        typer.echo(json.dumps(out))
+        return
+    _print(out)
+
+
+def _presets() -> set[str]:
+    from cachelab.engram.config import PRESETS
+
+    return set(PRESETS)
+
+
+def _print(out: dict) -> None:
+    console = Console()
+    table = Table(title=f"store bench: {out['backing']} backing, {out['lookups']:,} lookups, {out['steps']} steps")
+    table.add_column("figure")
+    table.add_column("store", justify="right")
+    table.add_column("simulator", justify="right")
+    for name, pair in out["comparison"].items():
+        mark = "" if pair["store"] == pair["simulator"] else " [red]differs[/]"
+        table.add_row(name, f"{pair['store']:,}", f"{pair['simulator']:,}{mark}")
+    console.print(table)
+    st = out["store"]
+    stages = ", ".join(f"{k[:-2]} {st[k]:.3f}" for k in ("dedup_s", "cache_lookup_s", "ssd_read_s", "gather_s",
+                                                          "copy_s", "dequant_s", "stall_s", "step_s"))
+    console.print(f"seconds: {stages}; faults: {st['minor_faults']:,} minor, {st['major_faults']:,} major")
+    console.print(f"HBM tier: {out['hbm_device']}; matches_simulator: {out['matches_simulator']}"
+                  + (f"; rows_checked {out['rows_checked']:,}, mismatches {out['mismatches']:,}"
+                     if "rows_checked" in out else ""))

@@ -1,0 +1,208 @@
+"""The backing store: the whole table, in DRAM or read from the table files on SSD.
+
+- ``dram``: every layer's data pages loaded into one DRAM buffer; a miss is a row copy.
+- ``mmap``: the files mapped read-only; a miss is a row copy that may page-fault (the OS
+  page cache is the DRAM tier in front of the SSD: SemiAnalysis' published path).
+- ``pread``: buffered ``pread`` of each 264-byte row, from compiled code on a thread pool
+  (the GIL released), ``io_threads`` reads in flight.
+- ``direct``: ``O_DIRECT`` reads of each distinct 4 KiB page into an aligned buffer (no page
+  cache), then a gather of the rows out of them. Submission is a thread pool of aligned
+  preads, ``io_threads`` in flight (queue depth), not io_uring.
+
+``read(layer, rows, out, dst)`` fills ``out[dst[i]]`` with row ``rows[i]`` of layer index
+``layer[i]`` and returns the bytes it read from the files and the pages (``direct``).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from cachelab.errors import CachelabError
+from cachelab.store.format import PAGE, TableLayout
+from cachelab.store.kernels import gather_pages, pread_rows
+from cachelab.workload.lookups import compact
+
+BACKINGS = ("dram", "mmap", "pread", "direct")
+
+
+def aligned_empty(nbytes: int, align: int = PAGE) -> np.ndarray:
+    """A uint8 buffer whose address is a multiple of ``align`` (O_DIRECT needs it)."""
+    raw = np.empty(nbytes + align, np.uint8)
+    start = (-raw.ctypes.data) % align
+    return raw[start:start + nbytes]
+
+
+class DramBacking:
+    """Every layer's data pages in one DRAM buffer."""
+
+    name = "dram"
+    on_ssd = False
+
+    def __init__(self, layout: TableLayout, paths: list[Path]):
+        self.layout = layout
+        pages = [layout.file_pages(li) for li in range(len(paths))]
+        self.page_base = np.concatenate([[0], np.cumsum(pages)[:-1]]).astype(np.int64)
+        self.buf = np.empty(sum(pages) * PAGE, np.uint8)
+        for li, path in enumerate(paths):
+            with open(path, "rb") as f:
+                f.seek(PAGE)
+                lo = int(self.page_base[li]) * PAGE
+                f.readinto(memoryview(self.buf)[lo:lo + pages[li] * PAGE])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buf.nbytes)
+
+    def read(self, layer: np.ndarray, rows: np.ndarray, out: np.ndarray, dst: np.ndarray) -> tuple[int, int]:
+        rpp = self.layout.rows_per_page
+        gather_pages(self.buf, rows + self.page_base[layer] * rpp, dst, out, rpp, self.layout.row_bytes,
+                     work=rows.size * self.layout.row_bytes)
+        return 0, 0
+
+    def close(self) -> None:
+        self.buf = None
+
+
+class MmapBacking:
+    """The table files mapped read-only; faults go through the OS page cache."""
+
+    name = "mmap"
+    on_ssd = True
+
+    def __init__(self, layout: TableLayout, paths: list[Path]):
+        self.layout, self.paths = layout, paths
+        self.maps, self.views = [], []
+        for path in paths:
+            with open(path, "rb") as f:
+                m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            m.madvise(mmap.MADV_RANDOM)  # rows are hashed: readahead would only pollute the page cache
+            self.maps.append(m)
+            self.views.append(np.frombuffer(m, np.uint8)[PAGE:])
+
+    def read(self, layer: np.ndarray, rows: np.ndarray, out: np.ndarray, dst: np.ndarray) -> tuple[int, int]:
+        lay = self.layout
+        for li, view in enumerate(self.views):
+            sel = np.flatnonzero(layer == li)
+            if sel.size:
+                gather_pages(view, rows[sel], dst[sel], out, lay.rows_per_page, lay.row_bytes,
+                             work=sel.size * lay.row_bytes)
+        return int(rows.size) * lay.row_bytes, 0
+
+    def close(self) -> None:
+        self.views = []
+        for m in self.maps:
+            m.close()
+        self.maps = []
+
+
+class _PreadPool:
+    """Compiled preads split over a thread pool: ``threads`` reads in flight."""
+
+    def __init__(self, paths: list[Path], threads: int, flags: int = 0):
+        if threads < 1:
+            raise CachelabError(f"io_threads must be at least 1, got {threads}")
+        self.fds = np.array([os.open(p, os.O_RDONLY | flags) for p in paths], np.int64)
+        self.threads = threads
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="cachelab-store-io")
+        self.paths = paths
+
+    def read(self, fd_index: np.ndarray, offsets: np.ndarray, size: int, addresses: np.ndarray) -> None:
+        n = offsets.size
+        if n == 0:
+            return
+        parts = min(self.threads, n)
+        bounds = np.linspace(0, n, parts + 1).astype(np.int64)
+        sizes = np.full(n, size, np.int64)
+        fds = self.fds[fd_index]
+
+        def run(lo, hi):
+            # one fd per chunk call: split further where a chunk spans layers
+            out = -1
+            for fd in np.unique(fds[lo:hi]):
+                sel = np.flatnonzero(fds[lo:hi] == fd) + lo
+                bad = pread_rows(int(fd), offsets[sel], sizes[sel], addresses[sel])
+                if bad >= 0:
+                    out = int(sel[bad])
+            return out
+
+        for bad in self.pool.map(run, bounds[:-1], bounds[1:]):
+            if bad >= 0:
+                path = self.paths[int(fd_index[bad])]
+                raise CachelabError(f"{path}: read of {size} B at offset {int(offsets[bad])} failed "
+                                    "(file shrunk or device error)")
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        for fd in self.fds:
+            os.close(int(fd))
+        self.fds = np.zeros(0, np.int64)
+
+
+class PreadBacking:
+    """Buffered pread of each row, on a thread pool."""
+
+    name = "pread"
+    on_ssd = True
+
+    def __init__(self, layout: TableLayout, paths: list[Path], io_threads: int = 8):
+        self.layout = layout
+        self.io = _PreadPool(paths, io_threads)
+
+    def read(self, layer: np.ndarray, rows: np.ndarray, out: np.ndarray, dst: np.ndarray) -> tuple[int, int]:
+        lay = self.layout
+        offsets = PAGE + (rows // lay.rows_per_page) * PAGE + (rows % lay.rows_per_page) * lay.row_bytes
+        addresses = out.ctypes.data + dst * out.strides[0]
+        self.io.read(layer, offsets, lay.row_bytes, addresses)
+        return int(rows.size) * lay.row_bytes, 0
+
+    def close(self) -> None:
+        self.io.close()
+
+
+class DirectBacking:
+    """O_DIRECT reads of each distinct page (aligned, no page cache), then a row gather."""
+
+    name = "direct"
+    on_ssd = True
+
+    def __init__(self, layout: TableLayout, paths: list[Path], io_threads: int = 32):
+        self.layout = layout
+        try:
+            self.io = _PreadPool(paths, io_threads, os.O_DIRECT)
+        except OSError as exc:
+            raise CachelabError(f"{paths[0]}: O_DIRECT open failed ({exc}); the file system may not support "
+                                "direct I/O (tmpfs does not): use --backing pread") from None
+        self.pages = aligned_empty(PAGE * 64)
+
+    def read(self, layer: np.ndarray, rows: np.ndarray, out: np.ndarray, dst: np.ndarray) -> tuple[int, int]:
+        lay = self.layout
+        rpp = lay.rows_per_page
+        page_key = (layer.astype(np.int64) << 40) | (rows // rpp)
+        index, pages = compact(page_key)
+        n = pages.size
+        if self.pages.size < n * PAGE:
+            self.pages = aligned_empty(PAGE * max(n, 2 * self.pages.size // PAGE))
+        offsets = PAGE + (pages & ((1 << 40) - 1)) * PAGE
+        addresses = self.pages.ctypes.data + np.arange(n, dtype=np.int64) * PAGE
+        self.io.read(pages >> 40, offsets, PAGE, addresses)
+        gather_pages(self.pages, index * rpp + rows % rpp, dst, out, rpp, lay.row_bytes, work=rows.size * lay.row_bytes)
+        return n * PAGE, n
+
+    def close(self) -> None:
+        self.io.close()
+
+
+def open_backing(name: str, layout: TableLayout, paths: list[Path], io_threads: int | None = None):
+    if name not in BACKINGS:
+        raise CachelabError(f"unknown backing {name!r}; choose one of {list(BACKINGS)}")
+    if name == "dram":
+        return DramBacking(layout, paths)
+    if name == "mmap":
+        return MmapBacking(layout, paths)
+    cls = PreadBacking if name == "pread" else DirectBacking
+    return cls(layout, paths) if io_threads is None else cls(layout, paths, io_threads)

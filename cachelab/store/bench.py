@@ -1,0 +1,158 @@
+"""``cachelab store bench``: a lookup stream through the live store, and the simulator beside it.
+
+Every step of the stream goes through ``TieredStore.lookup`` (real bytes); each returned row
+can be checked against its recomputed reference; the same stream, folded into the store's
+tables, is replayed by the engine (``cachelab.engine.replay``) with the same policies and
+capacities, and the two sets of counts are compared figure by figure.
+
+The simulator is given an SSD without page cache for the SSD backings: its page reads are then
+the distinct pages of the rows that reach the backing, exactly what ``direct`` reads; the
+buffered modes read through the OS page cache, which the comparison leaves out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from rich.progress import Progress
+
+from cachelab import registry
+from cachelab.engine.replay import replay
+from cachelab.engine.tiers import Hierarchy, SSDStore, Tier
+from cachelab.errors import CachelabError
+from cachelab.store.format import PAGE, reference_rows
+from cachelab.store.store import TieredStore
+from cachelab.workload.lookups import LookupStream, global_key, split_key
+
+
+@dataclass
+class PolicySpec:
+    """A tier's policy by registry name and keyword arguments (a fresh instance per use)."""
+
+    name: str
+    params: dict
+
+    def make(self):
+        return registry.make_policy(self.name, **self.params)
+
+
+def step_rows(stream: LookupStream, s: int, layers: int, columns: int) -> np.ndarray:
+    """Step ``s``'s full-layout row ids as ``[tokens, layers, columns]`` (a stream is in token,
+    layer, column order within a step)."""
+    lo, hi = int(stream.step_offsets[s]), int(stream.step_offsets[s + 1])
+    layer, row = split_key(stream.keys[lo:hi])
+    per_token = layers * columns
+    if (hi - lo) % per_token or not np.array_equal(layer, np.tile(np.repeat(np.arange(layers), columns),
+                                                                  (hi - lo) // per_token)):
+        raise CachelabError(f"step {s} of the stream is not whole tokens of {layers} layers x {columns} rows "
+                            "(a store replays streams built from token sequences)")
+    return row.reshape(-1, layers, columns)
+
+
+def check_rows(store: TieredStore, row_ids: np.ndarray, got) -> int:
+    """How many of the returned rows differ from the dequantised reference rows."""
+    keys = store.keys(row_ids).reshape(-1)
+    lay = store.layout_tables
+    layer = np.searchsorted(lay.layer_base, keys, "right") - 1
+    packed = np.empty((keys.size, lay.row_bytes), np.uint8)
+    for li in range(lay.layer_base.size):
+        sel = np.flatnonzero(layer == li)
+        ref = np.empty((sel.size, lay.row_bytes), np.uint8)
+        reference_rows(store.manifest["seed"], li, keys[sel] - lay.layer_base[li], lay.row_dim, ref)
+        packed[sel] = ref
+    want = store._dequant(packed, np.arange(keys.size, dtype=np.int64), (keys.size,))
+    torch = store.torch
+    got = got.reshape(keys.size, -1).cpu()
+    return int((got.view(torch.int16) != want.view(torch.int16)).any(dim=1).sum())
+
+
+def simulate(store: TieredStore, stream: LookupStream, folded: np.ndarray, specs: dict[str, PolicySpec],
+             capacities: dict[str, int], scores: np.ndarray | None) -> dict:
+    """The engine's replay of the folded stream with the store's tiers, policies and capacities."""
+    lay = store.layout_tables
+    layer = np.searchsorted(lay.layer_base, folded, "right") - 1
+    sim_stream = LookupStream(global_key(layer, folded - lay.layer_base[layer]), stream.step_offsets, lay.row_bytes,
+                              tuple(lay.config.layers))
+    tiers = [Tier(name, specs[name].make(), capacity_rows=capacities[name], location="gpu" if name == "hbm" else "host")
+             for name in store.tier_names]
+    backing = SSDStore(page_bytes=PAGE, page_cache_bytes=0) if store.backing.on_ssd else "dram"
+    stats = replay(sim_stream, Hierarchy(tiers, lay.row_bytes, backing), scores=scores).stats()
+    return stats.to_dict()
+
+
+def compare(store_totals: dict, sim: dict, tier_names, backing: str) -> dict[str, tuple[int, int]]:
+    """Figure -> (store, simulator) for every figure the two must agree on."""
+    levels = sim["levels"]
+    out = {}
+    for t in tier_names:
+        lv = levels[t]
+        out[f"{t}_hits"] = (store_totals[f"{t}_hits"], lv["served_unique"])
+        out[f"{t}_misses"] = (store_totals[f"{t}_misses"], lv["requests_unique"] - lv["served_unique"])
+    backing_levels = [n for n in levels if n not in tier_names]
+    out["backing_rows"] = (store_totals["backing_rows"], sum(levels[n]["served_unique"] for n in backing_levels))
+    out["unique"] = (store_totals["unique"], sim["unique_rows"])
+    out["requested"] = (store_totals["requested"], sim["lookups"])
+    out["hbm_read_bytes"] = (store_totals["hbm_read_bytes"], sim["bytes"]["hbm_read"])
+    out["host_to_device_bytes"] = (store_totals["host_to_device_bytes"], sim["bytes"]["host_to_gpu"])
+    if backing == "dram":
+        out["host_read_bytes"] = (store_totals["host_read_bytes"], sim["bytes"]["host_read"])
+    if backing == "direct":
+        out["ssd_pages_read"] = (store_totals["ssd_pages_read"], sim["page_reads"])
+        out["ssd_to_dram_bytes"] = (store_totals["ssd_to_dram_bytes"], sim["bytes"]["ssd_to_host"])
+    return out
+
+
+def replay_store(directory, stream: LookupStream, backing: str, hbm: PolicySpec | None, hbm_capacity,
+                 dram: PolicySpec | None = None, dram_capacity=None, scores: np.ndarray | None = None,
+                 verify: bool = True, prefetch: bool = False, io_threads: int | None = None,
+                 progress: bool = False, max_lookups: int | None = None) -> dict:
+    """Replay ``stream`` through a store opened on ``directory``; the store's totals, the
+    simulator's figures, the comparison and the row check, as one JSON-shaped dict."""
+    specs = {k: v for k, v in (("hbm", hbm), ("dram", dram)) if v is not None}
+    steps = stream.num_steps
+    if max_lookups is not None:
+        steps = int(np.searchsorted(stream.step_offsets, max_lookups, "left"))
+        steps = max(1, min(steps, stream.num_steps))
+        stream = LookupStream(stream.keys[: stream.step_offsets[steps]], stream.step_offsets[: steps + 1],
+                              stream.row_bytes, stream.layers)
+        scores = None if scores is None else scores[: stream.keys.size]
+    mismatches = 0
+    with TieredStore.open(directory, backing=backing, hbm_policy=hbm and hbm.make(), hbm_capacity=hbm_capacity,
+                          dram_policy=dram and dram.make(), dram_capacity=dram_capacity,
+                          io_threads=io_threads) as store:
+        cfg = store.layout
+        L, C = len(cfg.layers), cfg.columns
+        folded = np.empty(stream.keys.size, np.int64)
+        with Progress(transient=True, disable=not progress) as bar:
+            task = bar.add_task(f"store bench ({backing})", total=steps)
+            ahead = None
+            for s in range(steps):
+                rows = step_rows(stream, s, L, C)
+                lo, hi = int(stream.step_offsets[s]), int(stream.step_offsets[s + 1])
+                sc = None if scores is None else scores[lo:hi].reshape(rows.shape)
+                folded[lo:hi] = store.keys(rows).reshape(-1)
+                if prefetch:
+                    got = (ahead if ahead is not None else store.prefetch(rows, sc)).wait()
+                    if s + 1 < steps:  # the next step's fetch overlaps this step's use
+                        nxt = step_rows(stream, s + 1, L, C)
+                        lo2, hi2 = int(stream.step_offsets[s + 1]), int(stream.step_offsets[s + 2])
+                        ahead = store.prefetch(nxt, None if scores is None else scores[lo2:hi2].reshape(nxt.shape))
+                else:
+                    got = store.lookup(rows, sc)
+                if verify:
+                    mismatches += check_rows(store, rows, got)
+                bar.advance(task)
+        totals = store.totals.to_dict()
+        capacities = {t.name: t.capacity for t in store.tiers}
+        sim = simulate(store, stream, folded, specs, capacities, scores)
+        figures = compare(totals, sim, store.tier_names, backing)
+        out = {"backing": backing, "hbm_device": store.hbm_device, "steps": steps,
+               "lookups": int(stream.keys.size), "capacities": capacities,
+               "policies": {k: v.name for k, v in specs.items()},
+               "store": totals, "simulator": sim,
+               "comparison": {k: {"store": int(a), "simulator": int(b)} for k, (a, b) in figures.items()},
+               "matches_simulator": all(int(a) == int(b) for a, b in figures.values())}
+        if verify:
+            out["rows_checked"], out["mismatches"] = int(stream.keys.size), mismatches
+    return out

@@ -1,0 +1,126 @@
+"""``cachelab store build`` and ``verify``: table files written whole or not at all, and checked.
+
+A build removes any old manifest first, writes each layer to ``.layer<id>.tbl.tmp`` and
+renames it when complete, and writes ``manifest.json`` last: a build killed or out of disk
+midway leaves no manifest, and every reader (``verify``, ``TieredStore.open``, ``bench``)
+refuses a directory without one, so nothing half-written is ever served.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+from cachelab.engram.config import EngramConfig, get_preset
+from cachelab.errors import CachelabError
+from cachelab.store.format import (MANIFEST, PAGE, TableLayout, check_header, fill_pages, pack_header,
+                                   read_manifest, reference_rows, write_manifest)
+
+CHUNK_PAGES = 4096  # 16 MiB per write
+
+
+def table_path(directory: Path, layout: TableLayout, layer: int) -> Path:
+    return Path(directory) / f"layer{layout.config.layers[layer]}.tbl"
+
+
+def _config_dict(config: EngramConfig) -> dict:
+    data = asdict(config)
+    data["layers"] = list(config.layers)
+    data["base_sizes"] = list(config.base_sizes)
+    data["multipliers"] = config.multiplier_array.tolist()
+    return data
+
+
+def load_layout(directory: Path) -> tuple[TableLayout, dict]:
+    """The layout a directory's tables were built for, from its manifest, and the manifest."""
+    manifest = read_manifest(directory)
+    try:
+        cfg = dict(manifest["config"])
+        for key in ("layers", "base_sizes"):
+            cfg[key] = tuple(cfg[key])
+        cfg["multipliers"] = tuple(tuple(m) for m in cfg["multipliers"])
+        layout = TableLayout(EngramConfig(**cfg), float(manifest["scale"]))
+    except (KeyError, TypeError) as exc:
+        raise CachelabError(f"{Path(directory) / MANIFEST}: malformed manifest ({exc})") from None
+    if layout.hash().hex() != manifest.get("layout_hash"):
+        raise CachelabError(f"{Path(directory) / MANIFEST}: layout hash does not match its own layout")
+    return layout, manifest
+
+
+def build_tables(layout: str | EngramConfig, scale: float, directory, seed: int = 0, progress: bool = True) -> dict:
+    """Write the tables of ``layout`` at ``scale`` into ``directory``; returns the manifest."""
+    config = get_preset(layout) if isinstance(layout, str) else layout
+    table = TableLayout(config, float(scale))
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / MANIFEST).unlink(missing_ok=True)  # the old build is gone from here on
+    total = sum(table.file_bytes(li) for li in range(len(config.layers)))
+    free = os.statvfs(directory)
+    if free.f_bavail * free.f_frsize < total:
+        raise CachelabError(f"{directory}: {total:,} B needed, {free.f_bavail * free.f_frsize:,} B free")
+    buf = np.empty(CHUNK_PAGES * PAGE, np.uint8)
+    columns = [TextColumn("[bold]store build"), TextColumn("{task.description}"), BarColumn(),
+               TransferSpeedColumn(), TimeRemainingColumn()]
+    files = []
+    with Progress(*columns, disable=not progress, transient=True) as bar:
+        task = bar.add_task(config.name, total=total)
+        for li in range(len(config.layers)):
+            final = table_path(directory, table, li)
+            tmp = final.with_name(f".{final.name}.tmp")
+            rows = int(table.table_rows[li])
+            pages = table.file_pages(li)
+            with open(tmp, "wb") as f:
+                f.write(pack_header(table, li, seed))
+                for first in range(0, pages, CHUNK_PAGES):
+                    n = min(CHUNK_PAGES, pages - first)
+                    fill_pages(seed, li, first, n, rows, config.row_dim, buf)
+                    f.write(memoryview(buf)[: n * PAGE])
+                    bar.advance(task, n * PAGE)
+                f.flush()
+                os.fsync(f.fileno())
+            tmp.replace(final)
+            files.append(final.name)
+    manifest = {"format": "cachelab-engram-tables", "version": 1, "layout": config.name, "scale": table.scale,
+                "seed": int(seed), "row_bytes": table.row_bytes, "rows_per_page": table.rows_per_page,
+                "page_bytes": PAGE, "table_rows": table.table_rows.tolist(), "files": files,
+                "layout_hash": table.hash().hex(), "config": _config_dict(config),
+                "fold": "per-head modulo: off'_j + (row - off_j) mod ceil(scale * P_j)"}
+    write_manifest(directory, manifest)
+    return manifest
+
+
+def open_tables(directory) -> tuple[TableLayout, dict, list[Path]]:
+    """A built directory's layout, manifest and table files, every header checked."""
+    layout, manifest = load_layout(directory)
+    paths = [table_path(directory, layout, li) for li in range(len(layout.config.layers))]
+    for li, path in enumerate(paths):
+        check_header(path, layout, li)
+    return layout, manifest, paths
+
+
+def verify_tables(directory, sample: int | None = None, seed: int = 0) -> dict:
+    """Re-read rows (all, or ``sample`` per layer at random) and compare them with their
+    recomputed contents: ``{"rows_checked": n, "mismatches": m}``."""
+    layout, manifest, paths = open_tables(directory)
+    rb, rpp, dim = layout.row_bytes, layout.rows_per_page, layout.row_dim
+    checked = mismatches = 0
+    rng = np.random.default_rng(seed)
+    for li, path in enumerate(paths):
+        n = int(layout.table_rows[li])
+        data = np.memmap(path, np.uint8, mode="r", offset=PAGE)
+        step = 1 << 18
+        todo = np.arange(n, dtype=np.int64) if sample is None else np.sort(rng.choice(n, min(sample, n), replace=False))
+        for lo in range(0, todo.size, step):
+            rows = todo[lo:lo + step]
+            pages = data.reshape(-1, PAGE)[rows // rpp]
+            got = pages[np.arange(rows.size)[:, None], (rows % rpp)[:, None] * rb + np.arange(rb)]
+            want = np.empty((rows.size, rb), np.uint8)
+            reference_rows(manifest["seed"], li, rows, dim, want)
+            mismatches += int((got != want).any(axis=1).sum())
+            checked += rows.size
+        del data
+    return {"rows_checked": checked, "mismatches": mismatches}

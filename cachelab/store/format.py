@@ -1,0 +1,260 @@
+"""Table files on disk: the header, the page layout, the fold into scaled tables, row contents.
+
+One file per Engram layer, ``layer<id>.tbl``, beside a ``manifest.json`` written last:
+
+```
+ offset 0      header page (4096 B): magic, version, layout hash, row count, row bytes, ...
+ offset 4096   data page 0: rows 0..14 (15 x 264 B = 3960 B) + 136 B of zeros
+ offset 8192   data page 1: rows 15..29 ...
+```
+
+Rows never straddle a 4 KiB page, so one row is one aligned 4 KiB read (O_DIRECT needs
+aligned reads), and ``row // rows_per_page`` is the page the simulator's SSD model charges
+(``cachelab.engine.tiers.SSDStore``): the live store and the simulator count the same pages.
+The padding costs 3.3 % of the file.
+
+A row is the V4.1 format whatever the layout: ``row_dim`` FP8 E4M3 values, then one UE8M0
+scale byte per 32 values (264 B for 256 values). Built rows are a deterministic function of
+(seed, layer index, row id), a SplitMix64 stream, so any row read back can be recomputed and
+compared; the FP8 NaN pattern (0x7F/0xFF) is never written and scales stay in 2^-7..2^8.
+
+Scaled tables (``--scale F``, 0 < F <= 1) keep each hash head's slice: head j of a layer,
+``P_j`` rows at offset ``off_j`` in the full layout, gets ``p_j = ceil(F * P_j)`` rows at
+offset ``off'_j`` in the scaled table, and a full-layout row ``off_j + r`` folds to
+``off'_j + (r mod p_j)``. Each head's residue is already uniform modulo its prime, so the fold
+keeps each head's share of the table and raises collisions by 1/F, nothing else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numba as nb
+import numpy as np
+
+from cachelab.engram.config import EngramConfig
+from cachelab.errors import CachelabError
+
+MAGIC = b"CLENGRAM"
+VERSION = 1
+PAGE = 4096
+HEADER = struct.Struct("<8sII32sQIIIIQd")  # magic, version, header bytes, layout hash, rows, row bytes,
+#                                            rows per page, layer index, layer id, seed, scale
+MANIFEST = "manifest.json"
+BLOCK = 32  # values per UE8M0 scale byte
+
+
+def fp8_row_bytes(row_dim: int) -> int:
+    """Bytes of one V4.1-format row of ``row_dim`` values."""
+    if row_dim % BLOCK:
+        raise CachelabError(f"row_dim {row_dim} is not a multiple of {BLOCK} (one UE8M0 scale per {BLOCK} values)")
+    return row_dim + row_dim // BLOCK
+
+
+@dataclass(frozen=True)
+class TableLayout:
+    """A layout's tables at a scale: rows per head slice, per layer, and the fold into them."""
+
+    config: EngramConfig
+    scale: float
+
+    def __post_init__(self) -> None:
+        if not (0 < self.scale <= 1) or math.isnan(self.scale):
+            raise CachelabError(f"--scale must be in (0, 1], got {self.scale}")
+
+    @property
+    def row_dim(self) -> int:
+        return self.config.row_dim
+
+    @property
+    def row_bytes(self) -> int:
+        return fp8_row_bytes(self.config.row_dim)
+
+    @property
+    def rows_per_page(self) -> int:
+        return PAGE // self.row_bytes
+
+    @property
+    def head_rows(self) -> np.ndarray:
+        """int64 [layers, columns]: rows of each head's slice in the scaled table."""
+        return np.maximum(1, np.ceil(self.config.primes * self.scale)).astype(np.int64)
+
+    @property
+    def head_offsets(self) -> np.ndarray:
+        rows = self.head_rows
+        return np.cumsum(rows, axis=1) - rows
+
+    @property
+    def table_rows(self) -> np.ndarray:
+        """int64 [layers]: rows of each layer's scaled table."""
+        return self.head_rows.sum(axis=1)
+
+    @property
+    def layer_base(self) -> np.ndarray:
+        """int64 [layers]: first key of each layer in the store's one key space."""
+        rows = self.table_rows
+        return np.cumsum(rows) - rows
+
+    @property
+    def num_keys(self) -> int:
+        return int(self.table_rows.sum())
+
+    def file_pages(self, layer: int) -> int:
+        return -(-int(self.table_rows[layer]) // self.rows_per_page)
+
+    def file_bytes(self, layer: int) -> int:
+        return PAGE * (1 + self.file_pages(layer))
+
+    def hash(self) -> bytes:
+        """SHA-256 of what decides every row's place: layers, primes, row format, scale, fold."""
+        c = self.config
+        desc = {"layers": list(c.layers), "primes": c.primes.tolist(), "row_dim": c.row_dim,
+                "row_format": "fp8_e4m3_ue8m0", "scale": self.scale, "fold": "per-head-modulo",
+                "page": PAGE, "format_version": VERSION}
+        return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).digest()
+
+    def fold(self, rows: np.ndarray, layer_index: np.ndarray | None = None) -> np.ndarray:
+        """Full-layout row ids -> keys of the store's key space (``layer_base + scaled row``).
+
+        ``rows`` is ``[..., layers, columns]`` as the Addresser returns, or, with
+        ``layer_index`` (same shape), any array of rows of those layers.
+        """
+        rows = np.asarray(rows, dtype=np.int64)
+        cfg = self.config
+        off, primes = cfg.offsets, cfg.primes
+        if layer_index is None:
+            n_layers, n_cols = off.shape
+            if rows.ndim < 2 or rows.shape[-2:] != (n_layers, n_cols):
+                raise CachelabError(f"row ids must be [tokens, {n_layers}, {n_cols}] for layout {cfg.name!r}, "
+                                    f"got shape {list(rows.shape)}")
+            col_off, col_p = off, primes
+            new_off = self.head_offsets + self.layer_base[:, None]
+            new_p = self.head_rows
+        else:
+            layer_index = np.asarray(layer_index, dtype=np.int64)
+            if layer_index.size and (layer_index.min() < 0 or layer_index.max() >= off.shape[0]):
+                raise CachelabError(f"layer index {int(layer_index.max())} is outside the layout's "
+                                    f"{off.shape[0]} layers")
+            col = np.empty(rows.shape, np.int64)
+            for li in range(off.shape[0]):
+                sel = layer_index == li
+                col[sel] = np.searchsorted(off[li], rows[sel], side="right") - 1
+            col = np.maximum(col, 0)
+            col_off, col_p = off[layer_index, col], primes[layer_index, col]
+            new_off = (self.head_offsets + self.layer_base[:, None])[layer_index, col]
+            new_p = self.head_rows[layer_index, col]
+        residue = rows - col_off
+        bad = (residue < 0) | (residue >= col_p)
+        if bad.any():
+            i = np.flatnonzero(bad.ravel())[0]
+            raise CachelabError(f"row id {int(rows.ravel()[i])} is out of range for its head of layout {cfg.name!r} "
+                                f"(index {np.unravel_index(i, rows.shape)})")
+        return new_off + residue % new_p
+
+
+def pack_header(layout: TableLayout, layer: int, seed: int) -> bytes:
+    head = HEADER.pack(MAGIC, VERSION, PAGE, layout.hash(), int(layout.table_rows[layer]), layout.row_bytes,
+                       layout.rows_per_page, layer, int(layout.config.layers[layer]), int(seed), float(layout.scale))
+    return head + bytes(PAGE - len(head))
+
+
+def check_header(path: Path, layout: TableLayout, layer: int) -> dict:
+    """Read ``path``'s header; a clear error names the file and the field that does not fit."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(HEADER.size)
+    except FileNotFoundError:
+        raise CachelabError(f"{path}: table file missing (rebuild with `cachelab store build`)") from None
+    if len(raw) < HEADER.size:
+        raise CachelabError(f"{path}: truncated: {size} B, shorter than the {HEADER.size}-B header")
+    magic, version, header_bytes, lhash, rows, row_bytes, rpp, li, lid, seed, scale = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise CachelabError(f"{path}: not a cachelab table (magic {magic!r}, expected {MAGIC!r})")
+    if version != VERSION:
+        raise CachelabError(f"{path}: table format version {version}, this cachelab reads {VERSION}")
+    if row_bytes != layout.row_bytes:
+        raise CachelabError(f"{path}: row size {row_bytes} B, the layout needs {layout.row_bytes} B")
+    if lhash != layout.hash():
+        raise CachelabError(f"{path}: layout hash {lhash.hex()[:16]}... does not match the manifest's layout "
+                            f"({layout.hash().hex()[:16]}...): the file belongs to another layout or scale")
+    if rows != int(layout.table_rows[layer]) or li != layer:
+        raise CachelabError(f"{path}: holds {rows} rows of layer index {li}, expected "
+                            f"{int(layout.table_rows[layer])} rows of layer index {layer}")
+    if header_bytes != PAGE or rpp != layout.rows_per_page:
+        raise CachelabError(f"{path}: page geometry {header_bytes}/{rpp} differs from {PAGE}/{layout.rows_per_page}")
+    if size != layout.file_bytes(layer):
+        raise CachelabError(f"{path}: truncated or padded: {size} B, expected {layout.file_bytes(layer)} B")
+    return {"rows": rows, "seed": seed, "layer_id": lid}
+
+
+@nb.njit(cache=True, inline="always")
+def _mix(x):
+    """SplitMix64's finaliser."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+@nb.njit(cache=True, nogil=True, boundscheck=False)
+def _fill_row(seed, layer, row, dim, out, at):
+    """Write row ``row``'s bytes at ``out[at:at + dim + dim // 32]``."""
+    base = _mix(np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15) ^ (np.uint64(layer) << np.uint64(48))
+                ^ np.uint64(row))
+    for w in range(dim // 8):
+        h = _mix(base + np.uint64(w + 1) * np.uint64(0x9E3779B97F4A7C15))
+        for b in range(8):
+            v = np.uint8((h >> np.uint64(8 * b)) & np.uint64(0xFF))
+            if v & 0x7F == 0x7F:  # E4M3 NaN: write the largest finite value instead
+                v ^= np.uint8(1)
+            out[at + 8 * w + b] = v
+    h = _mix(base ^ np.uint64(0xD1B54A32D192ED03))
+    for b in range(dim // 32):
+        out[at + dim + b] = np.uint8(120 + ((h >> np.uint64(8 * b)) & np.uint64(15)))
+
+
+@nb.njit(cache=True, nogil=True, boundscheck=False)
+def fill_pages(seed, layer, first_page, pages, rows, dim, out):
+    """Data pages ``first_page .. first_page + pages`` of a layer table of ``rows`` rows into ``out``."""
+    rb = dim + dim // 32
+    rpp = 4096 // rb
+    out[: pages * 4096] = 0
+    for p in range(pages):
+        for i in range(rpp):
+            row = (first_page + p) * rpp + i
+            if row >= rows:
+                return
+            _fill_row(seed, layer, row, dim, out, p * 4096 + i * rb)
+
+
+@nb.njit(cache=True, nogil=True, boundscheck=False)
+def reference_rows(seed, layer, rows, dim, out):
+    """The built bytes of ``rows`` (one layer) into ``out[len(rows), row_bytes]``."""
+    flat = out.reshape(-1)
+    rb = dim + dim // 32
+    for i in range(rows.size):
+        _fill_row(seed, layer, rows[i], dim, flat, i * rb)
+
+
+def write_manifest(directory: Path, data: dict) -> None:
+    tmp = directory / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    tmp.replace(directory / MANIFEST)
+
+
+def read_manifest(directory: Path) -> dict:
+    path = Path(directory) / MANIFEST
+    if not Path(directory).is_dir():
+        raise CachelabError(f"{directory}: no such table directory (build one with `cachelab store build`)")
+    if not path.is_file():
+        raise CachelabError(f"{path}: missing: {directory} holds no complete table build "
+                            "(a build writes its manifest last)")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise CachelabError(f"{path}: not valid JSON: {exc}") from None

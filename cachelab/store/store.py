@@ -1,0 +1,351 @@
+"""``TieredStore``: one serving step's Engram lookups through real tiers holding real bytes.
+
+```
+ row ids [tokens, layers, columns] --fold, dedup--> distinct keys
+   --> HBM row cache (policy.step: hits gather from slots)
+   --misses--> DRAM warm cache (policy.step)
+   --misses--> backing: DRAM table | mmap | pread | O_DIRECT
+   --> host staging --copy--> device rows --dequant FP8 x 2^(s-127) -> BF16, request order-->
+ rows [tokens, layers, columns, row_dim] bfloat16
+```
+
+Keys are raw table rows (``layer_base + row`` of the scaled tables): live, there is no
+offline compaction, so each policy and each tier's slot map is sized by the table's rows
+(``policy_bytes_per_row`` measures what that costs). Without CUDA the HBM tier is a CPU tensor
+standing in for HBM (``hbm_device`` says so) and the host -> device copy is a memcpy; with
+CUDA it is device memory, the DRAM tier and staging are pinned, and dequantisation runs on
+the GPU with torch ops.
+"""
+
+from __future__ import annotations
+
+import resource
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from cachelab import registry
+from cachelab.capacity import parse_capacity
+from cachelab.errors import CachelabError
+from cachelab.policy import Policy
+from cachelab.store.backing import open_backing
+from cachelab.store.build import open_tables
+from cachelab.store.counters import Counters
+from cachelab.store.kernels import FP8_BF16, FP8_VALUES, dequant_expand
+from cachelab.store.tier import CacheTier
+from cachelab.workload.lookups import compact
+
+
+def available_memory() -> int:
+    """Host memory the kernel says is available (MemAvailable), in bytes."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _faults() -> tuple[int, int]:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_minflt, ru.ru_majflt
+
+
+def _positions(keys: np.ndarray, queries: np.ndarray) -> np.ndarray:
+    """Index in ``keys`` (distinct) of each of ``queries`` (all present)."""
+    order = np.argsort(keys, kind="stable")
+    return order[np.searchsorted(keys[order], queries)]
+
+
+def policy_bytes_per_row(policy: Policy | str, capacity: int = 1024, num_keys: int = 1 << 20) -> float:
+    """Bytes of policy state per table row: what a live store (no compaction) pays per row,
+    measured from the arrays a reset sizes by ``num_keys``, plus the tier's 4-byte slot map."""
+    policy = registry.make_policy(policy) if isinstance(policy, str) else policy
+
+    def arrays(obj, seen):
+        if id(obj) in seen:
+            return 0
+        seen.add(id(obj))
+        if isinstance(obj, np.ndarray):
+            return obj.nbytes
+        if isinstance(obj, (tuple, list)):
+            return sum(arrays(x, seen) for x in obj)
+        if hasattr(obj, "__dict__") and not isinstance(obj, type):
+            return sum(arrays(x, seen) for x in vars(obj).values())
+        return 0
+
+    sizes = []
+    for n in (num_keys, 2 * num_keys):
+        policy.reset(capacity, n)
+        sizes.append(arrays(policy, set()))
+    return (sizes[1] - sizes[0]) / num_keys + 4
+
+
+class PrefetchHandle:
+    """A step running on the store's background thread; ``wait()`` returns its rows."""
+
+    def __init__(self, future: Future, store: "TieredStore"):
+        self._future, self._store = future, store
+        self.stall_seconds: float | None = None
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self):
+        """The rows (as ``lookup`` returns them); ``stall_seconds`` is how long this blocked."""
+        t = time.perf_counter()
+        rows, counters = self._future.result()
+        if self.stall_seconds is None:
+            self.stall_seconds = time.perf_counter() - t
+            self._store._add_stall(counters, self.stall_seconds)
+        return rows
+
+
+class TieredStore:
+    """Engram tables behind an HBM row cache and a DRAM warm cache, each run by a policy."""
+
+    def __init__(self, directory, backing: str = "dram", hbm_policy: Policy | str | None = "lru",
+                 hbm_capacity=None, dram_policy: Policy | str | None = None, dram_capacity=None,
+                 device: str = "cpu", io_threads: int | None = None):
+        import torch
+
+        self.torch = torch
+        self.directory = Path(directory)
+        self.layout_tables, self.manifest, self.paths = open_tables(self.directory)
+        lay = self.layout_tables
+        self.layout = lay.config
+        self.row_bytes, self.row_dim = lay.row_bytes, lay.row_dim
+        self.num_keys = lay.num_keys
+        self.layer_base = lay.layer_base
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise CachelabError(f"device {device!r}: CUDA is not available here; use device='cpu'")
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.hbm_device = f"{device} (HBM)" if self.cuda else "cpu (a CPU tensor stands in for HBM: no GPU)"
+        table_bytes = sum(p.stat().st_size for p in self.paths)
+        tiers = []
+        hbm_rows = self._rows(hbm_capacity, "hbm_capacity")
+        dram_rows = self._rows(dram_capacity, "dram_capacity")
+        host_need = (dram_rows if dram_policy else 0) * self.row_bytes + (table_bytes if backing == "dram" else 0)
+        if not self.cuda:
+            host_need += (hbm_rows if hbm_policy else 0) * self.row_bytes
+        if host_need > available_memory():
+            raise CachelabError(f"capacity over the memory available: the tiers and table need {host_need:,} B of "
+                                f"host memory, {available_memory():,} B are available (MemAvailable)")
+        if self.cuda and hbm_policy and hbm_rows:
+            free = torch.cuda.mem_get_info(self.device)[0]
+            if hbm_rows * self.row_bytes > free:
+                raise CachelabError(f"hbm_capacity {hbm_capacity!r} = {hbm_rows * self.row_bytes:,} B is over the "
+                                    f"{free:,} B free on {device}")
+        if hbm_policy and hbm_rows:
+            mem = torch.empty((hbm_rows, self.row_bytes), dtype=torch.uint8, device=self.device)
+            tiers.append(CacheTier("hbm", self._policy(hbm_policy), hbm_rows, self.num_keys,
+                                   mem if self.cuda else mem.numpy()))
+        if dram_policy and dram_rows:
+            mem = torch.empty((dram_rows, self.row_bytes), dtype=torch.uint8, pin_memory=self.cuda)
+            tiers.append(CacheTier("dram", self._policy(dram_policy), dram_rows, self.num_keys, mem.numpy()))
+        self.tiers = tiers
+        self._hbm = tiers[0] if tiers and tiers[0].name == "hbm" else None
+        self._dram = tiers[-1] if tiers and tiers[-1].name == "dram" else None
+        self.backing = open_backing(backing, lay, self.paths, io_threads)
+        self.tier_names = tuple(t.name for t in tiers)
+        self.totals = Counters(self.tier_names)
+        self.last_step = Counters(self.tier_names)
+        self._lock = threading.Lock()
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="cachelab-store-prefetch")
+        self._pending: Future | None = None
+        self._bufs: dict[str, np.ndarray] = {}
+        self._lut16, self._lut32 = FP8_BF16, FP8_VALUES
+
+    @classmethod
+    def open(cls, directory, **kwargs) -> "TieredStore":
+        """Open a built table directory (see the class for the arguments)."""
+        return cls(directory, **kwargs)
+
+    def _rows(self, capacity, where: str) -> int:
+        if capacity in (None, 0, "0"):
+            return 0
+        return parse_capacity(capacity, where).rows(self.num_keys, self.row_bytes, where)
+
+    @staticmethod
+    def _policy(policy: Policy | str) -> Policy:
+        return registry.make_policy(policy) if isinstance(policy, str) else policy
+
+    def keys(self, row_ids) -> np.ndarray:
+        """The store's keys (``layer_base + row`` of the scaled tables) of full-layout row ids."""
+        return self.layout_tables.fold(row_ids)
+
+    def _buf(self, name: str, rows: int, cols: int | None = None, dtype=np.uint8) -> np.ndarray:
+        cols = self.row_bytes if cols is None else cols
+        buf = self._bufs.get(name)
+        if buf is None or buf.shape[0] < rows or buf.shape[1] != cols:
+            buf = np.empty((max(rows, 1024, 0 if buf is None else 2 * buf.shape[0]), cols), dtype)
+            self._bufs[name] = buf
+        return buf[:rows]
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def lookup(self, row_ids, scores=None):
+        """Rows of ``row_ids`` ([tokens, layers, columns] as the Addresser returns) as bfloat16
+        ``[tokens, layers, columns, row_dim]`` in request order; ``scores`` (same shape as
+        ``row_ids``) feed policies that need predictor scores."""
+        pending = self._pending
+        if pending is not None:
+            pending.result()  # steps run in the order they were asked for
+        rows, _ = self._step(row_ids, scores)
+        return rows
+
+    def prefetch(self, row_ids, scores=None) -> PrefetchHandle:
+        """Start the step for ``row_ids`` on the background thread; ``wait()`` on the handle."""
+        row_ids = np.array(row_ids, copy=True)
+        scores = None if scores is None else np.array(scores, copy=True)
+        self._pending = self._worker.submit(self._step, row_ids, scores)
+        return PrefetchHandle(self._pending, self)
+
+    def _add_stall(self, counters: Counters, seconds: float) -> None:
+        with self._lock:
+            counters["stall_s"] += seconds
+            self.totals["stall_s"] += seconds
+
+    def _step(self, row_ids, scores):
+        with self._lock:
+            c = Counters(self.tier_names)
+            rows = self._serve(row_ids, scores, c)
+            self.last_step = c
+            self.totals.add(c)
+            return rows, c
+
+    def _serve(self, row_ids, scores, c: Counters):
+        clock = time.perf_counter
+        t0 = clock()
+        minor0, major0 = _faults()
+        keys = self.layout_tables.fold(row_ids)
+        shape = keys.shape
+        inverse, uniq = compact(keys.reshape(-1))
+        d_scores = None
+        if scores is not None:
+            scores = np.asarray(scores, dtype=np.float64)
+            if scores.shape != shape:
+                raise CachelabError(f"scores has shape {list(scores.shape)}, expected one per row id {list(shape)}")
+            first = np.empty(uniq.size, np.int64)
+            first[inverse[::-1]] = np.arange(inverse.size)[::-1]  # last write wins = first lookup
+            d_scores = scores.reshape(-1)[first]
+        n = uniq.size
+        t1 = clock()
+        c["dedup_s"] = t1 - t0
+        # cache lookups: each tier sees the misses of the tier above
+        hbm, dram = self._hbm, self._dram
+        if hbm is not None:
+            hits0, slots0, res0 = hbm.lookup(uniq, d_scores)
+            hit_pos, miss_pos = np.flatnonzero(hits0), np.flatnonzero(~hits0)
+        else:
+            hit_pos, miss_pos = np.zeros(0, np.int64), np.arange(n, dtype=np.int64)
+        keys1 = uniq[miss_pos]
+        m = keys1.size
+        if dram is not None:
+            hits1, slots1, res1 = dram.lookup(keys1, None if d_scores is None else d_scores[miss_pos])
+            dram_hit, back = np.flatnonzero(hits1), np.flatnonzero(~hits1)
+        else:
+            dram_hit, back = np.zeros(0, np.int64), np.arange(m, dtype=np.int64)
+        t2 = clock()
+        c["cache_lookup_s"] = t2 - t1
+        # host side: DRAM-cache hits and backing reads into the host staging buffer
+        host = self._buf("host", m)
+        if dram is not None:
+            dram.gather(slots1, dram_hit, host)
+        t3 = clock()
+        bk = keys1[back]
+        layer = np.searchsorted(self.layer_base, bk, "right") - 1
+        file_bytes, pages = self.backing.read(layer, bk - self.layer_base[layer], host, back)
+        t4 = clock()
+        c["ssd_read_s"] = t4 - t3
+        # device side: HBM hits, then the host rows copied after them
+        h = hit_pos.size
+        dev = self._device_rows(n)
+        if hbm is not None and h:
+            hbm.gather(slots0, np.arange(h, dtype=np.int64), dev)
+        t5 = clock()
+        self._copy(host, dev, h, m)
+        t6 = clock()
+        c["copy_s"] = t6 - t5
+        new_pos = np.empty(n, np.int64)
+        new_pos[hit_pos] = np.arange(h)
+        new_pos[miss_pos] = h + np.arange(m)
+        written_dram = written_hbm = 0
+        if dram is not None:
+            written_dram = dram.commit(res1, host, _positions(keys1, res1.admitted))
+        if hbm is not None:
+            written_hbm = hbm.commit(res0, dev, new_pos[_positions(uniq, res0.admitted)])
+        t7 = clock()
+        c["gather_s"] = (t3 - t2) + (t5 - t4) + (t7 - t6)
+        out = self._dequant(dev, new_pos[inverse], shape)
+        t8 = clock()
+        c["dequant_s"] = t8 - t7
+        minor1, major1 = _faults()
+        rb = self.row_bytes
+        c["steps"], c["requested"], c["unique"] = 1, int(inverse.size), int(n)
+        if hbm is not None:
+            c["hbm_hits"], c["hbm_misses"] = int(h), int(m)
+            c["hbm_admissions"], c["hbm_evictions"] = int(res0.admitted.size), int(res0.evicted.size)
+        if dram is not None:
+            c["dram_hits"], c["dram_misses"] = int(dram_hit.size), int(back.size)
+            c["dram_admissions"], c["dram_evictions"] = int(res1.admitted.size), int(res1.evicted.size)
+        c["backing_rows"] = int(back.size)
+        c["ssd_pages_read"] = int(pages)
+        c["ssd_to_dram_bytes"] = int(file_bytes)
+        c["dram_to_hbm_bytes"] = written_hbm * rb
+        c["host_to_device_bytes"] = int(m) * rb
+        c["hbm_read_bytes"] = int(h) * rb
+        c["host_read_bytes"] = int(dram_hit.size + (0 if self.backing.name == "direct" else back.size)) * rb
+        c["minor_faults"], c["major_faults"] = minor1 - minor0, major1 - major0
+        c["step_s"] = t8 - t0
+        return out
+
+    def _device_rows(self, n: int):
+        if not self.cuda:
+            return self._buf("device", n)
+        buf = self._bufs.get("device_cuda")
+        if buf is None or buf.shape[0] < n:
+            buf = self.torch.empty((max(n, 1024), self.row_bytes), dtype=self.torch.uint8, device=self.device)
+            self._bufs["device_cuda"] = buf
+        return buf[:n]
+
+    def _copy(self, host: np.ndarray, dev, h: int, m: int) -> None:
+        """Host staging -> device rows ``[h, h + m)`` (a memcpy when the device is the CPU)."""
+        if not m:
+            return
+        if not self.cuda:
+            np.copyto(dev[h:h + m], host[:m])
+            return
+        torch = self.torch
+        dev[h:h + m].copy_(torch.from_numpy(host[:m]).pin_memory(), non_blocking=True)
+
+    def _dequant(self, dev, index: np.ndarray, shape):
+        torch = self.torch
+        dim = self.row_dim
+        if not self.cuda:
+            out = np.empty((index.size, dim), np.uint16)
+            dequant_expand(dev, index, self._lut16, self._lut32, out, work=out.nbytes)
+            return torch.from_numpy(out).view(torch.bfloat16).reshape(*shape, dim)
+        idx = torch.from_numpy(index).to(self.device, non_blocking=True)
+        rows = dev.index_select(0, idx)
+        vals = rows[:, :dim].view(torch.float8_e4m3fn).to(torch.float32)
+        scale = torch.exp2(rows[:, dim:].to(torch.float32) - 127).repeat_interleave(32, dim=1)
+        return (vals * scale).to(torch.bfloat16).reshape(*shape, dim)
+
+    def close(self) -> None:
+        if self._pending is not None:
+            try:
+                self._pending.result()
+            except Exception:  # noqa: BLE001 - the caller saw it from wait(); closing must go on
+                pass
+        self._worker.shutdown()
+        self.backing.close()
+
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,71 @@
+"""One cache tier holding real rows: a policy decides, the tier moves the bytes by slot.
+
+The policy's ``step`` says which of a step's distinct rows hit, which were admitted into
+which slot, and which left. The tier keeps its own map from row key to slot (4 bytes per
+table row), reads hits out of their slots before anything of this step is written (a row
+hit early in a step may be evicted later in the same step), and writes each admitted row
+that is still resident at the end of the step into its slot. A row can be admitted and
+evicted within one step when the step holds more distinct rows than the tier; its bytes are
+then never written, since no later step can hit it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cachelab.errors import CachelabError
+from cachelab.policy import Policy, StepResult
+from cachelab.store.kernels import copy_rows
+
+
+class CacheTier:
+    """``capacity`` slots of ``row_bytes`` in ``memory`` (a NumPy view of the tier's buffer)."""
+
+    def __init__(self, name: str, policy: Policy, capacity: int, num_keys: int, memory: np.ndarray):
+        caps = policy.capabilities
+        if caps.needs_future:
+            raise CachelabError(f"policy {policy.name!r} ({name} tier) needs the future; a live store serves one "
+                                "step at a time and cannot give it")
+        self.name, self.policy, self.capacity, self.memory = name, policy, int(capacity), memory
+        policy.reset(self.capacity, num_keys)
+        self.slot_of = np.full(num_keys, -1, np.int32 if num_keys < 2**31 else np.int64)
+
+    @property
+    def needs_scores(self) -> bool:
+        return self.policy.capabilities.needs_scores
+
+    def lookup(self, keys: np.ndarray, scores: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, StepResult]:
+        """The policy's step on ``keys`` (distinct); returns (hit mask, hit slots, result)."""
+        if self.needs_scores and scores is None:
+            raise CachelabError(f"policy {self.policy.name!r} ({self.name} tier) needs predictor scores: "
+                                "pass scores= to lookup/prefetch")
+        res = self.policy.step(keys, None, scores if self.needs_scores else None)
+        slots = self.slot_of[keys[res.hits]]
+        if slots.size and slots.min() < 0:
+            bad = keys[res.hits][np.flatnonzero(slots < 0)[0]]
+            raise CachelabError(f"policy {self.policy.name!r} ({self.name} tier) reported a hit on row {int(bad)}, "
+                                "which it never admitted")
+        return res.hits, slots.astype(np.int64), res
+
+    def gather(self, slots: np.ndarray, dst: np.ndarray, out: np.ndarray) -> None:
+        if slots.size:
+            copy_rows(self.memory, slots, out, dst, work=slots.size * out.shape[1])
+
+    def commit(self, res: StepResult, src: np.ndarray, src_index: np.ndarray) -> int:
+        """Apply the step's admissions and evictions; admitted key ``res.admitted[i]``'s bytes
+        are ``src[src_index[i]]``. Returns the rows written."""
+        adm, slots, ev = res.admitted, res.slots, res.evicted
+        if adm.size:
+            was = self.slot_of[adm] >= 0
+            evs = np.sort(ev)
+            evicted_n = np.searchsorted(evs, adm, "right") - np.searchsorted(evs, adm, "left")
+            stays = was.astype(np.int64) + 1 - evicted_n == 1
+        if ev.size:
+            self.slot_of[ev] = -1
+        if not adm.size:
+            return 0
+        adm, slots, idx = adm[stays], slots[stays], src_index[stays]
+        self.slot_of[adm] = slots
+        if slots.size:
+            copy_rows(src, idx, self.memory, slots.astype(np.int64), work=slots.size * src.shape[1])
+        return int(slots.size)

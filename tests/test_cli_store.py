@@ -1,0 +1,91 @@
+"""``cachelab store build / verify / bench`` as a user runs them: JSON contracts, exit codes,
+clear errors, and a build killed midway leaving nothing a reader accepts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from cachelab.cli import app
+from cachelab.engram.config import get_preset
+from cachelab.workload.lookups import LookupStream, global_key
+
+runner = CliRunner()
+CFG = get_preset("deepseek-v4.1-flash")
+
+
+def run(*args):
+    return runner.invoke(app, ["store", *map(str, args)])
+
+
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli_tables")
+    res = run("build", "--layout", "deepseek-v4.1-flash", "--scale", "1e-5", "--dir", d, "--seed", 3, "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["row_bytes"] == 264
+    return d
+
+
+def test_verify_prints_the_contract_and_fails_on_a_mismatch(tables, tmp_path):
+    res = run("verify", "--dir", tables, "--json")
+    assert res.exit_code == 0 and json.loads(res.output) == {"rows_checked": 7728, "mismatches": 0}
+    res = run("verify", "--dir", tables, "--sample", 100, "--json")
+    assert json.loads(res.output)["rows_checked"] == 200
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for f in tables.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    data = bytearray((copy / "layer1.tbl").read_bytes())
+    data[4096 + 10] ^= 0xFF
+    (copy / "layer1.tbl").write_bytes(bytes(data))
+    res = run("verify", "--dir", copy, "--json")
+    assert res.exit_code == 1 and json.loads(res.output)["mismatches"] == 1
+
+
+def test_bench_json_matches_the_simulator(tables, tmp_path):
+    rng = np.random.default_rng(0)
+    ranks = np.minimum(rng.zipf(1.3, size=(8 * 16, 2, 24)), 10**6)
+    rows = CFG.offsets[None] + (ranks * 2654435761) % CFG.primes[None]
+    keys = global_key(np.broadcast_to(np.arange(2)[None, :, None], rows.shape), rows).reshape(-1)
+    path = LookupStream(keys, np.arange(9) * 16 * 48, 264, CFG.layers).save(tmp_path / "s.npz")
+    for backing in ("mmap", "pread"):
+        res = run("bench", "--dir", tables, "--trace", path, "--policy", "s3fifo", "--capacity", 150,
+                  "--dram-capacity", "100KiB", "--backing", backing, "--json")
+        assert res.exit_code == 0, res.output
+        out = json.loads(res.output)
+        assert out["matches_simulator"] is True and out["mismatches"] == 0
+        assert out["store"]["hbm_hits"] == out["simulator"]["levels"]["hbm"]["served_unique"] > 0
+        assert "CPU tensor" in out["hbm_device"]
+
+
+def test_bad_input_exits_2_naming_the_value(tables, tmp_path):
+    res = run("bench", "--dir", tmp_path, "--trace", "x.npz", "--capacity", 10)
+    assert res.exit_code == 2 and "manifest.json: missing" in res.output
+    res = run("build", "--scale", 2, "--dir", tmp_path)
+    assert res.exit_code == 2 and "--scale must be in (0, 1], got 2.0" in res.output
+    res = run("bench", "--dir", tables, "--trace", "x.npz", "--capacity", 10, "--backing", "tape")
+    assert res.exit_code == 2
+
+
+def test_a_build_killed_midway_leaves_no_table(tables, tmp_path):
+    target = tmp_path / "t"
+    proc = subprocess.Popen([sys.executable, "-m", "cachelab.cli", "store", "build", "--scale", "1e-3",
+                             "--dir", str(target)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (target / ".layer1.tbl.tmp").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (target / "manifest.json").exists()
+    for verb in (["verify", "--dir", target], ["bench", "--dir", target, "--trace", "x.npz", "--capacity", 1]):
+        res = run(*verb)
+        assert res.exit_code == 2 and "no complete table build" in res.output

@@ -1,0 +1,214 @@
+"""The live tiered store: table files, row-exact lookups through every backing, counts equal
+to the simulator's, and clear errors on bad input. Tables are scaled (a few MB) so this stays fast."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from cachelab.engram.config import get_preset
+from cachelab.errors import CachelabError
+from cachelab.store import TieredStore, build_tables, verify_tables
+from cachelab.store.bench import PolicySpec, check_rows, replay_store
+from cachelab.store.format import PAGE, TableLayout
+from cachelab.store.kernels import FP8_BF16, FP8_VALUES, dequant_expand
+from cachelab.store.store import policy_bytes_per_row
+from cachelab.workload.lookups import LookupStream, global_key
+
+SCALE = 2e-5  # ~7,700 rows per layer of the V4.1 layout, ~2 MB per file
+CFG = get_preset("deepseek-v4.1-flash")
+
+
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tables")
+    build_tables("deepseek-v4.1-flash", SCALE, d, seed=7, progress=False)
+    return d
+
+
+def full_rows(rng, tokens: int, skew: float = 1.2) -> np.ndarray:
+    """Full-layout row ids [tokens, layers, 24]: Zipf-skewed residues per head, so caches hit."""
+    ranks = np.minimum(rng.zipf(skew, size=(tokens, len(CFG.layers), CFG.columns)), 10**6)
+    residue = (ranks * 2654435761) % CFG.primes[None]
+    return CFG.offsets[None] + residue
+
+
+def stream_of(rng, steps: int, tokens: int) -> LookupStream:
+    rows = full_rows(rng, steps * tokens)
+    layer = np.broadcast_to(np.arange(len(CFG.layers))[None, :, None], rows.shape)
+    keys = global_key(layer, rows).reshape(-1)
+    return LookupStream(keys, np.arange(steps + 1) * tokens * len(CFG.layers) * CFG.columns, 264, CFG.layers)
+
+
+def test_build_writes_headers_pages_and_verifies(tables):
+    manifest = json.loads((tables / "manifest.json").read_text())
+    lay = TableLayout(CFG, SCALE)
+    assert manifest["table_rows"] == lay.table_rows.tolist()
+    assert manifest["row_bytes"] == 264 and manifest["rows_per_page"] == 15
+    for li, name in enumerate(manifest["files"]):
+        assert (tables / name).stat().st_size == PAGE * (1 + -(-int(lay.table_rows[li]) // 15))
+        assert (tables / name).read_bytes()[:8] == b"CLENGRAM"
+    out = verify_tables(tables)
+    assert out == {"rows_checked": int(lay.table_rows.sum()), "mismatches": 0}
+
+
+def test_verify_finds_a_flipped_byte(tmp_path):
+    build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, progress=False)
+    path = tmp_path / "layer14.tbl"
+    data = bytearray(path.read_bytes())
+    data[PAGE + 264 * 3 + 5] ^= 0x10  # row 3 of layer 14
+    path.write_bytes(bytes(data))
+    assert verify_tables(tmp_path)["mismatches"] == 1
+
+
+def test_fold_keeps_each_head_slice():
+    lay = TableLayout(CFG, SCALE)
+    rows = full_rows(np.random.default_rng(0), 50)
+    keys = lay.fold(rows)
+    lo = lay.layer_base[:, None] + lay.head_offsets
+    assert np.all((keys >= lo[None]) & (keys < (lo + lay.head_rows)[None]))
+    np.testing.assert_array_equal(lay.fold(CFG.offsets[None]), lo[None])  # residue 0 -> slice start
+    layer = np.broadcast_to(np.arange(2)[None, :, None], rows.shape)
+    np.testing.assert_array_equal(lay.fold(rows, layer), keys)  # the flat form agrees
+
+
+def test_dequant_matches_torch_float8():
+    rng = np.random.default_rng(1)
+    packed = rng.integers(0, 256, (64, 264), dtype=np.uint8)
+    packed[:, :256][(packed[:, :256] & 0x7F) == 0x7F] = 0  # no NaN values
+    packed[:, 256:] = rng.integers(0, 255, (64, 8))  # every scale, extremes included
+    out = np.empty((64, 256), np.uint16)
+    dequant_expand(packed, np.arange(64, dtype=np.int64), FP8_BF16, FP8_VALUES, out, work=0)
+    vals = torch.from_numpy(packed[:, :256].copy()).view(torch.float8_e4m3fn).to(torch.float32)
+    scale = torch.exp2(torch.from_numpy(packed[:, 256:].astype(np.float32)) - 127).repeat_interleave(32, 1)
+    want = (vals.double() * scale.double()).to(torch.bfloat16)
+    got = torch.from_numpy(out).view(torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("backing", ["dram", "mmap", "pread", "direct"])
+def test_lookup_returns_reference_rows_in_request_order(tables, backing):
+    rng = np.random.default_rng(2)
+    with TieredStore.open(tables, backing=backing, hbm_policy="lru", hbm_capacity=300, dram_policy="s3fifo",
+                          dram_capacity="256KiB") as store:
+        assert store.layout.name == "deepseek-v4.1-flash"
+        for _ in range(4):
+            rows = full_rows(rng, 40)
+            got = store.lookup(rows)
+            assert got.dtype == torch.bfloat16 and tuple(got.shape) == (40, 2, 24, 256)
+            assert check_rows(store, rows, got) == 0
+            c = store.last_step
+            assert c["hbm_hits"] + c["hbm_misses"] == c["unique"] and c["requested"] == rows.size
+            assert c["dram_hits"] + c["dram_misses"] == c["hbm_misses"] == c["host_to_device_bytes"] // 264
+        assert store.totals["hbm_hits"] > 0 and store.totals["dram_hits"] > 0
+        assert store.totals["steps"] == 4
+        if backing == "direct":
+            assert store.totals["ssd_pages_read"] > 0
+        assert "CPU tensor" in store.hbm_device
+
+
+@pytest.mark.parametrize("backing", ["dram", "direct"])
+@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+def test_counts_equal_the_simulators(tables, backing, policy):
+    stream = stream_of(np.random.default_rng(3), steps=6, tokens=30)
+    out = replay_store(tables, stream, backing, PolicySpec(policy, {}), 400, PolicySpec(policy, {}), 900)
+    assert out["mismatches"] == 0 and out["rows_checked"] == stream.keys.size
+    assert out["matches_simulator"], out["comparison"]
+    assert out["comparison"]["hbm_hits"]["store"] > 0
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**16), hbm=st.integers(1, 200), dram=st.integers(1, 400),
+       tokens=st.integers(1, 12), policy=st.sampled_from(["lru", "s3fifo", "fifo", "clock", "arc"]))
+def test_counts_equal_the_simulators_for_any_capacities(tables, seed, hbm, dram, tokens, policy):
+    stream = stream_of(np.random.default_rng(seed), steps=5, tokens=tokens)
+    out = replay_store(tables, stream, "dram", PolicySpec(policy, {}), hbm, PolicySpec("lru", {}), dram)
+    assert out["matches_simulator"] and out["mismatches"] == 0, out["comparison"]
+
+
+def test_prefetch_returns_the_same_rows_and_reports_stall(tables):
+    rng = np.random.default_rng(4)
+    steps = [full_rows(rng, 20) for _ in range(3)]
+    with TieredStore.open(tables, hbm_policy="lru", hbm_capacity=500) as a, \
+            TieredStore.open(tables, hbm_policy="lru", hbm_capacity=500) as b:
+        for rows in steps:
+            handle = b.prefetch(rows)
+            want = a.lookup(rows)
+            got = handle.wait()
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+            assert handle.stall_seconds >= 0 and b.last_step["stall_s"] == handle.stall_seconds
+        assert a.totals["hbm_hits"] == b.totals["hbm_hits"]
+
+
+def test_no_cache_tiers_serve_from_the_backing(tables):
+    rows = full_rows(np.random.default_rng(5), 10)
+    with TieredStore.open(tables, backing="mmap", hbm_capacity=None) as store:
+        assert check_rows(store, rows, store.lookup(rows)) == 0
+        assert store.tiers == [] and store.last_step["backing_rows"] == store.last_step["unique"]
+
+
+def test_policy_state_per_table_row_is_measured():
+    assert 4 < policy_bytes_per_row("lru") < 64
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+def test_missing_and_truncated_files_are_named(tmp_path):
+    build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, progress=False)
+    path = tmp_path / "layer1.tbl"
+    data = path.read_bytes()
+    path.write_bytes(data[:-100])
+    with pytest.raises(CachelabError, match="layer1.tbl: truncated"):
+        TieredStore.open(tmp_path)
+    path.unlink()
+    with pytest.raises(CachelabError, match="layer1.tbl: table file missing"):
+        verify_tables(tmp_path)
+    with pytest.raises(CachelabError, match="nowhere: no such table directory"):
+        TieredStore.open(tmp_path / "nowhere")
+
+
+def test_wrong_row_size_or_layout_hash_is_refused(tmp_path):
+    build_tables("deepseek-v4.1-flash", 1e-6, tmp_path / "a", progress=False)
+    build_tables("deepseek-v4.1-flash", 2e-6, tmp_path / "b", progress=False)
+    os.replace(tmp_path / "b" / "layer14.tbl", tmp_path / "a" / "layer14.tbl")  # another scale's file
+    with pytest.raises(CachelabError, match="layer14.tbl: .*(layout hash|rows)"):
+        verify_tables(tmp_path / "a")
+    path = tmp_path / "b" / "layer1.tbl"
+    data = bytearray(path.read_bytes())
+    data[56:60] = (128).to_bytes(4, "little")  # the row bytes field
+    path.write_bytes(bytes(data))
+    with pytest.raises(CachelabError, match="row size 128 B, the layout needs 264 B"):
+        TieredStore.open(tmp_path / "b")
+
+
+def test_row_id_out_of_range_and_capacity_over_memory(tables):
+    with TieredStore.open(tables, hbm_capacity=10) as store:
+        rows = full_rows(np.random.default_rng(6), 2)
+        rows[1, 0, 5] = CFG.offsets[0, 6]  # the next head's first row: outside head 5
+        with pytest.raises(CachelabError, match=f"row id {CFG.offsets[0, 6]} is out of range"):
+            store.lookup(rows)
+        with pytest.raises(CachelabError, match=r"must be \[tokens, 2, 24\]"):
+            store.lookup(rows[:, :1])
+    with pytest.raises(CachelabError, match="capacity over the memory available"):
+        TieredStore.open(tables, hbm_capacity="64TiB")
+
+
+def test_a_killed_build_leaves_nothing_readable(tmp_path, monkeypatch):
+    build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, progress=False)
+    from cachelab.store import build as build_mod
+
+    def die(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(build_mod, "fill_pages", die)
+    with pytest.raises(KeyboardInterrupt):
+        build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, progress=False)
+    with pytest.raises(CachelabError, match="no complete table build"):
+        verify_tables(tmp_path)
+    with pytest.raises(CachelabError, match="no complete table build"):
+        TieredStore.open(tmp_path)
