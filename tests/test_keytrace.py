@@ -50,3 +50,59 @@ def test_corrupt_inputs_name_file_and_place(tmp_path):
         read_keys(tmp_path / "f.npy")
     with pytest.raises(CachelabError, match="trace not found"):
         read_keys(tmp_path / "missing.txt")
+
+
+def test_text_in_other_encodings_is_read_as_text(tmp_path):
+    """UTF-16 (with or without a BOM) and UTF-8 with a BOM are key lists, never oracleGeneral."""
+    text = "\n".join(map(str, KEYS)) + "\n"
+    cases = {"le.txt": text.encode("utf-16"), "be.txt": b"\xfe\xff" + text.encode("utf-16-be"),
+             "nobom.txt": text.encode("utf-16-le"), "bom8.txt": b"\xef\xbb\xbf" + text.encode()}
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+        assert sniff_format(tmp_path / name) == "txt", name
+        assert read_keys(tmp_path / name).tolist() == KEYS.tolist(), name
+
+
+def test_text_with_a_nul_byte_is_never_taken_for_binary(tmp_path):
+    """24 bytes of text with a NUL used to replay as one oracleGeneral record of a garbage id."""
+    data = b"1\n2\n3\n4\n5\n6\n7\n8\n9\n\x0010\n1\n"
+    assert len(data) % 24 == 0
+    (tmp_path / "keys.dat").write_bytes(data)
+    with pytest.raises(CachelabError, match=r"keys.dat: cannot tell the key trace format: byte 0x00 at offset 18"):
+        read_keys(tmp_path / "keys.dat")
+    with pytest.raises(CachelabError, match=r"keys.dat, line 10"):  # declared, it is text with a bad line
+        read_keys(tmp_path / "keys.dat", "txt")
+
+
+@pytest.mark.parametrize("name, fmt", [("empty.npy", None), ("empty.txt", None), ("empty.oracleGeneral", None),
+                                       ("blank.txt", None), ("zero.npy", None), ("empty.bin", "oracle")])
+def test_an_empty_trace_is_an_error_naming_the_file(tmp_path, name, fmt):
+    path = tmp_path / name
+    if name == "blank.txt":
+        path.write_text("\n*\n\n")
+    elif name == "zero.npy":
+        np.save(path, np.zeros(0, dtype=np.int64))
+    else:
+        path.write_bytes(b"")
+    with pytest.raises(CachelabError, match=rf"{name}.*(is empty|holds no keys)"):
+        read_keys(path, fmt)
+
+
+def test_negative_keys_name_the_file_and_place(tmp_path):
+    (tmp_path / "neg.txt").write_text("4\n5\n\n-3\n")
+    with pytest.raises(CachelabError, match=r"neg.txt, line 4: key -3 is negative"):
+        read_keys(tmp_path / "neg.txt")
+    np.save(tmp_path / "neg.npy", np.array([1, -2, -9]))
+    with pytest.raises(CachelabError, match=r"neg.npy, element 2: key -2 is negative; keys are ids >= 0 \(2 negative"):
+        read_keys(tmp_path / "neg.npy")
+
+
+def test_cli_refuses_an_empty_key_trace(tmp_path):
+    from typer.testing import CliRunner
+
+    from cachelab.cli import app
+
+    (tmp_path / "k.npy").write_bytes(b"")
+    res = CliRunner().invoke(app, ["simulate", "--trace", str(tmp_path / "k.npy"), "--policy", "lru",
+                                   "--capacity", "4"])
+    assert res.exit_code == 2 and "k.npy is empty" in res.output

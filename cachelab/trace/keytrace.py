@@ -1,14 +1,23 @@
 """Generic key traces that users bring: one integer key per request.
 
-Formats (``fmt``), sniffed from the content when not given:
+Formats (``fmt``), declared or detected from the content by ``sniff_format``:
 
 - ``npy``: a NumPy ``.npy`` array of integers (any shape; flattened in C order).
 - ``txt``: text, one integer key per line; blank lines and LIRS ``*`` breakpoint lines are
-  skipped. gzip, bzip2 and xz compression are recognised by their magic bytes.
+  skipped. gzip, bzip2 and xz compression are recognised by their magic bytes; UTF-8 with a
+  BOM and UTF-16 (with a BOM, or ASCII digits each followed or led by a NUL) are decoded.
 - ``oracle``: libCacheSim's oracleGeneral binary, 24-byte little-endian records
   ``<u4 time, <u8 id, <u4 size, <i8 next access (1-based request index, -1 if none)>``.
 
-Corrupt input gives a CachelabError naming the file and the record or line.
+Detection cannot take text for binary: a head of UTF-8 without control bytes is text (and
+a line that is no key is then an error naming it); anything else is oracleGeneral only if its records are plausible (whole
+records, times that never go back, next accesses after their request), and otherwise an
+error that asks for ``--format``. An empty trace, a negative key and corrupt input are
+CachelabErrors naming the file and the record or line.
+
+Public: ``sniff_format(path) -> "npy" | "txt" | "oracle"`` (raises CachelabError when the
+content is none of them), ``read_keys(path, fmt=None) -> int64 keys`` (never empty, never
+negative), ``read_oracle_records`` / ``read_oracle_general`` / ``write_oracle_general``.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from __future__ import annotations
 import bz2
 import gzip
 import lzma
+import re
 from pathlib import Path
 
 import numpy as np
@@ -28,36 +38,98 @@ ORACLE_DTYPE = np.dtype([("time", "<u4"), ("id", "<u8"), ("size", "<u4"), ("next
 FORMATS = ("npy", "txt", "oracle")
 _NPY_MAGIC = b"\x93NUMPY"
 _COMPRESSED = {b"\x1f\x8b": gzip.decompress, b"BZh": bz2.decompress, b"\xfd7zXZ\x00": lzma.decompress}
+_BOMS = {b"\xef\xbb\xbf": "utf-8-sig", b"\xff\xfe": "utf-16", b"\xfe\xff": "utf-16"}
+_KEY_TEXT = frozenset(b"0123456789+-* \t\r\n")
+_CONTROL = re.compile(rb"[\x00-\x08\x0b\x0e-\x1f\x7f]")  # bytes no text holds
+_HEAD = 24 * 1024  # whole oracleGeneral records
+
+
+def _is_key_text(head: bytes) -> bool:
+    return bool(head) and _KEY_TEXT.issuperset(head)
+
+
+def _is_text(head: bytes) -> bool:
+    """UTF-8 without control bytes (the head may end inside a character)."""
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.start < len(head) - 3:
+            return False
+    return _CONTROL.search(head) is None
+
+
+def _utf16_order(head: bytes) -> str | None:
+    """``utf-16-le`` or ``-be`` if ``head`` is key text with a NUL after or before each byte."""
+    even, odd = head[0::2], head[1::2]
+    if len(head) >= 2 and len(head) % 2 == 0:
+        if not odd.strip(b"\x00") and _is_key_text(even):
+            return "utf-16-le"
+        if not even.strip(b"\x00") and _is_key_text(odd):
+            return "utf-16-be"
+    return None
+
+
+def _plausible_oracle(head: bytes, size: int) -> bool:
+    """Whole 24-byte records whose times never decrease and whose next accesses lie after them,
+    inside the file."""
+    if size % ORACLE_DTYPE.itemsize or len(head) < ORACLE_DTYPE.itemsize:
+        return False
+    rec = np.frombuffer(head[:len(head) - len(head) % ORACLE_DTYPE.itemsize], dtype=ORACLE_DTYPE)
+    index = np.arange(1, rec.size + 1)
+    nxt, records = rec["next"], size // ORACLE_DTYPE.itemsize
+    return bool((np.diff(rec["time"].astype(np.int64)) >= 0).all()
+                and ((nxt == -1) | (nxt == np.iinfo(np.int64).max) | ((nxt >= index) & (nxt <= records))).all())
 
 
 def sniff_format(path: Path) -> str:
-    """``npy`` by magic, ``oracle`` by name or by binary content, else ``txt``."""
+    """The format of a key trace from its bytes: ``npy`` (magic), ``txt`` (compressed, a BOM,
+    UTF-16 or plain key text) or ``oracle`` (plausible records, or binary content in a file
+    named ``*oracleGeneral*``); an empty file or content that is none of them is an error."""
+    path = Path(path)
     with open(path, "rb") as f:
-        head = f.read(4096)
+        head = f.read(_HEAD)
+    if not head:
+        raise CachelabError(f"{path} is empty (0 bytes): a key trace needs at least one key")
     if head.startswith(_NPY_MAGIC):
         return "npy"
-    if "oraclegeneral" in path.name.lower():
-        return "oracle"
-    if any(head.startswith(m) for m in _COMPRESSED):
+    if any(head.startswith(m) for m in (*_COMPRESSED, *_BOMS)) or _is_text(head) or _utf16_order(head):
         return "txt"
-    if b"\x00" in head:
+    if "oraclegeneral" in path.name.lower() or _plausible_oracle(head, path.stat().st_size):
         return "oracle"
-    return "txt"
+    offset = _CONTROL.search(head).start() if _CONTROL.search(head) else 0
+    raise CachelabError(f"{path}: cannot tell the key trace format: byte {head[offset]:#04x} at offset {offset} "
+                        f"is not text, and the file is not plausible oracleGeneral records "
+                        f"(whole 24-byte records, times in order); declare it with --format {'|'.join(FORMATS)}")
 
 
 def read_keys(path: str | Path, fmt: str | None = None) -> np.ndarray:
-    """The keys of a trace as int64, in request order."""
+    """The keys of a trace as int64, in request order: at least one, none negative."""
     path = Path(path)
     if not path.is_file():
         raise CachelabError(f"trace not found: {path}")
     fmt = fmt or sniff_format(path)
     if fmt == "npy":
-        return _read_npy(path)
-    if fmt == "txt":
-        return _read_text(path)
-    if fmt == "oracle":
-        return read_oracle_general(path)
-    raise CachelabError(f"unknown trace format {fmt!r}; use one of {list(FORMATS)}")
+        keys, unit = _read_npy(path), "element"
+    elif fmt == "txt":
+        keys, unit = _read_text(path), "line"  # negative keys already named by line
+    elif fmt == "oracle":
+        keys, unit = read_oracle_general(path), "record"
+    else:
+        raise CachelabError(f"unknown trace format {fmt!r}; use one of {list(FORMATS)}")
+    if keys.size == 0:
+        raise CachelabError(f"{path} holds no keys ({fmt}): a key trace needs at least one")
+    _refuse_negative(path, keys, unit)
+    return keys
+
+
+def _refuse_negative(path: Path, keys: np.ndarray, unit: str, places: np.ndarray | None = None) -> None:
+    """A negative key is an error naming the file and the 1-based ``unit`` (``places[i]``: its index)."""
+    negative = np.flatnonzero(keys < 0)
+    if negative.size:
+        i = int(negative[0])
+        where = int(places[i]) if places is not None else i
+        raise CachelabError(f"{path}, {unit} {where + 1}: key {int(keys[i])} is negative; keys are ids >= 0 "
+                            f"({negative.size:,} negative keys in all)")
 
 
 def _read_npy(path: Path) -> np.ndarray:
@@ -72,8 +144,8 @@ def _read_npy(path: Path) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int64).reshape(-1)
 
 
-def _read_text(path: Path) -> np.ndarray:
-    raw = path.read_bytes()
+def _decoded(path: Path, raw: bytes) -> bytes:
+    """Key text as ASCII bytes: decompressed, and decoded from UTF-8 with a BOM or UTF-16."""
     for magic, decompress in _COMPRESSED.items():
         if raw.startswith(magic):
             try:
@@ -81,13 +153,27 @@ def _read_text(path: Path) -> np.ndarray:
             except Exception as exc:
                 raise CachelabError(f"{path}: corrupt compressed data: {exc}") from None
             break
+    encoding = next((e for bom, e in _BOMS.items() if raw.startswith(bom)), None) or _utf16_order(raw[:_HEAD])
+    if encoding is None:
+        return raw
+    try:
+        return raw.decode(encoding).encode("ascii")
+    except UnicodeError as exc:
+        raise CachelabError(f"{path}: not valid {encoding} key text ({exc})") from None
+
+
+def _read_text(path: Path) -> np.ndarray:
+    raw = _decoded(path, path.read_bytes())
     lines = raw.splitlines()
     stripped = np.char.strip(np.array(lines, dtype=bytes)) if lines else np.zeros(0, dtype="S1")
     keep = (stripped != b"") & (stripped != b"*")
     try:
-        return stripped[keep].astype(np.int64)
+        keys = stripped[keep].astype(np.int64)
     except (ValueError, OverflowError):
         pass
+    else:
+        _refuse_negative(path, keys, "line", np.flatnonzero(keep))
+        return keys
     line_no = np.flatnonzero(keep)
     for i in line_no:  # error path only: find the first offending line
         try:
