@@ -10,7 +10,10 @@ syntax (``4``, ``-3``, ``1_000``: an int); a number in Python's float syntax (``
 
 from __future__ import annotations
 
+import inspect
 import tomllib
+import types
+import typing
 from collections.abc import Iterable
 
 from cachelab.errors import CachelabError
@@ -46,3 +49,46 @@ def parse_pair(item: str, flag: str = "--param", example: str = "window=0.01") -
 def parse_pairs(items: Iterable[str], flag: str = "--param", example: str = "window=0.01") -> dict[str, Value]:
     """Repeated ``KEY=VALUE`` items to a dict (a later key wins)."""
     return dict(parse_pair(item, flag, example) for item in items)
+
+
+def check_params(cls, params: dict, where: str) -> None:
+    """Refuse, naming ``where`` and the key, a parameter ``cls`` does not take, or a value whose
+    type is not the parameter's (its annotation where that is a plain type or an optional one,
+    else its default's): an integer for an int, a number for a float, ``true``/``false`` for a
+    bool, text for a str. Checked before any work starts."""
+    sig = inspect.signature(cls)
+    takes = {n: p for n, p in sig.parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+    try:
+        hints = typing.get_type_hints(cls.__init__ if isinstance(cls, type) else cls)
+    except Exception:  # an annotation that does not resolve: fall back to the defaults
+        hints = {}
+    for key, value in params.items():
+        if key not in takes:
+            if takes_any:
+                continue
+            raise CachelabError(f"{where}: {getattr(cls, '__name__', cls)} has no parameter {key!r}; "
+                                f"it takes {sorted(takes) or 'none'}")
+        kinds = _kinds(hints.get(key), takes[key].default)
+        if kinds is None or any(_KINDS[k](value) for k in kinds):
+            continue
+        words = " or ".join(_WORDS[k] for k in kinds if k in _WORDS)
+        raise CachelabError(f"{where}.{key} must be {words}, got {value!r}")
+
+
+def _kinds(hint, default) -> tuple | None:
+    """The plain types a parameter takes, or None where they cannot be told."""
+    members = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
+        else (hint,) if hint is not None else ()
+    plain = tuple(m for m in members if m is not type(None))
+    if plain and all(m in _KINDS for m in plain):
+        return plain + ((type(None),) if len(plain) < len(members) else ())
+    if not members and type(default) in _KINDS:
+        return (type(default),)
+    return None
+
+
+_KINDS = {bool: lambda v: isinstance(v, bool), int: lambda v: type(v) is int,
+          float: lambda v: type(v) in (int, float), str: lambda v: isinstance(v, str),
+          type(None): lambda v: v is None}
+_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "text", type(None): "none"}

@@ -1,8 +1,10 @@
 """LightGBM hotness predictors (primary), after LRB: gradient-boosted trees on causal features.
 
 ``lightgbm`` regresses log1p(lookups to next access); ``lightgbm-reuse`` classifies reuse
-within the label horizon. Saved as LightGBM's own text model (``model.txt``); scored through
-``predictors.trees`` (the booster flattened into arrays, one compiled loop).
+within the label horizon. Saved as LightGBM's own text model (``model.txt``); read back by
+cachelab's own parser and scored through ``predictors.trees`` (the trees flattened into
+arrays, checked, one compiled loop): LightGBM's native loader never reads a file, so a
+damaged or crafted ``model.txt`` is an error, not a crash.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
+from cachelab.errors import CachelabError
 from cachelab.learning import Predictor
-from predictors.trees import from_lightgbm
+from predictors.trees import from_lightgbm_text
 
 MODEL_FILE = "model.txt"
 
@@ -42,31 +45,40 @@ class LightGBM(Predictor):
         import lightgbm as lgb
 
         data = lgb.Dataset(features, labels, feature_name=list(feature_names), free_raw_data=True)
-        self.booster_ = lgb.train(self._params(), data, num_boost_round=self.n_estimators)
-        self.feature_names_ = list(feature_names)
-        self.forest_ = from_lightgbm(self.booster_)
+        booster = lgb.train(self._params(), data, num_boost_round=self.n_estimators)
+        self._read(booster.model_to_string(), list(feature_names), "the trained LightGBM model")
         return self
+
+    def _read(self, text: str, feature_names: list[str], where: str) -> None:
+        self.model_text_ = text
+        self.forest_, self.gain_, width = from_lightgbm_text(text, where)
+        if width != len(feature_names):
+            raise CachelabError(f"{where}: {width} features, but the metadata names {len(feature_names)}")
+        self.feature_names_ = feature_names
 
     def predict(self, features) -> np.ndarray:
         raw = self.forest_.raw_predict(features)
         return -raw if self.task == "regression" else 1.0 / (1.0 + np.exp(-raw))
 
     def importances(self) -> dict[str, float]:
-        gain = self.booster_.feature_importance(importance_type="gain")
+        """Share of the total split gain per feature (LightGBM's ``importance_type="gain"``)."""
+        internal = self.forest_.left >= 0
+        gain = np.bincount(self.forest_.feature[internal], self.gain_[internal], len(self.feature_names_))
         total = float(gain.sum()) or 1.0
         return {n: float(g) / total for n, g in zip(self.feature_names_, gain)}
 
     def save_model(self, directory: Path) -> None:
-        self.booster_.save_model(str(Path(directory) / MODEL_FILE))
+        (Path(directory) / MODEL_FILE).write_text(self.model_text_)
 
     @classmethod
     def load_model(cls, directory: Path, metadata: dict) -> "LightGBM":
-        import lightgbm as lgb
-
+        path = Path(directory) / MODEL_FILE
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CachelabError(f"{path}: cannot be read as a LightGBM text model ({exc})") from None
         self = cls(**metadata.get("params", {}))
-        self.booster_ = lgb.Booster(model_file=str(Path(directory) / MODEL_FILE))
-        self.feature_names_ = list(metadata["feature_names"])
-        self.forest_ = from_lightgbm(self.booster_)
+        self._read(text, list(metadata["feature_names"]), str(path))
         return self
 
 
@@ -75,5 +87,3 @@ class LightGBMReuse(LightGBM):
 
     name = "lightgbm-reuse"
     task = "classification"
-
-

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import numpy as np
 
+from cachelab.errors import CachelabError
 from cachelab.learning import Predictor
+from cachelab.learning.predictor import read_tensors
 
 TENSORS = "model.safetensors"
 
@@ -77,12 +79,22 @@ class MLP(Predictor):
 
     @classmethod
     def load_model(cls, directory: Path, metadata: dict) -> "MLP":
-        from safetensors.torch import load_file
+        import torch
 
-        t = load_file(str(Path(directory) / TENSORS))
+        path = Path(directory) / TENSORS
+        t = read_tensors(path, {"mean": 1, "scale": 1})
+        width = len(metadata["feature_names"])
+        if t["mean"].size != width or t["scale"].size != width:
+            raise CachelabError(f"{path}: mean and scale must hold one value per feature ({width})")
+        if not all(np.isfinite(v).all() for v in t.values()) or (t["scale"] == 0).any():
+            raise CachelabError(f"{path}: a weight is not finite or a scale is zero")
         self = cls(**metadata.get("params", {}))
-        self.mean_, self.scale_ = t.pop("mean").numpy(), t.pop("scale").numpy()
-        self.net_ = self._net(self.mean_.size)
-        self.net_.load_state_dict(t)
+        self.mean_, self.scale_ = t.pop("mean").astype(np.float32), t.pop("scale").astype(np.float32)
+        self.net_ = self._net(width)
+        try:
+            self.net_.load_state_dict({k: torch.from_numpy(v) for k, v in t.items()})
+        except RuntimeError as exc:
+            raise CachelabError(f"{path}: the weights do not fit a {width}-{self.hidden}-{self.hidden}-1 "
+                                f"network ({str(exc).splitlines()[0]})") from None
         self.feature_names_ = list(metadata["feature_names"])
         return self

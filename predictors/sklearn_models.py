@@ -12,7 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
+from cachelab.errors import CachelabError
 from cachelab.learning import Predictor
+from cachelab.learning.predictor import read_tensors
 from predictors.trees import FlatForest, from_hist_gradient_boosting
 
 TENSORS = "model.safetensors"
@@ -24,10 +26,9 @@ def _save(directory: Path, tensors: dict[str, np.ndarray]) -> None:
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(Path(directory) / TENSORS))
 
 
-def _load(directory: Path) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
-
-    return load_file(str(Path(directory) / TENSORS))
+def _load(directory: Path, expected: dict[str, int | None]) -> tuple[dict[str, np.ndarray], str]:
+    path = Path(directory) / TENSORS
+    return read_tensors(path, expected), str(path)
 
 
 class Logistic(Predictor):
@@ -67,9 +68,15 @@ class Logistic(Predictor):
 
     @classmethod
     def load_model(cls, directory: Path, metadata: dict) -> "Logistic":
-        t = _load(directory)
+        t, where = _load(directory, {"mean": 1, "scale": 1, "coef": 1, "intercept": 1})
+        width = len(metadata["feature_names"])
+        if any(t[k].size != width for k in ("mean", "scale", "coef")) or t["intercept"].size != 1:
+            raise CachelabError(f"{where}: mean, scale and coef must hold one value per feature ({width}), "
+                                "intercept one value")
+        if not all(np.isfinite(v).all() for v in t.values()) or (t["scale"] == 0).any():
+            raise CachelabError(f"{where}: a coefficient is not finite or a scale is zero")
         self = cls(**metadata.get("params", {}))
-        self.mean_, self.scale_, self.coef_ = t["mean"], t["scale"], t["coef"]
+        self.mean_, self.scale_, self.coef_ = (t[k].astype(np.float64) for k in ("mean", "scale", "coef"))
         self.intercept_ = float(t["intercept"][0])
         self.feature_names_ = list(metadata["feature_names"])
         return self
@@ -113,6 +120,8 @@ class HistGradientBoosting(Predictor):
     @classmethod
     def load_model(cls, directory: Path, metadata: dict) -> "HistGradientBoosting":
         self = cls(**metadata.get("params", {}))
-        self.forest_ = FlatForest.from_tensors(_load(directory))
+        names = ("feature", "threshold", "left", "right", "value", "roots", "base")
+        t, where = _load(directory, dict.fromkeys(names, 1))
+        self.forest_ = FlatForest.from_tensors(t, len(metadata["feature_names"]), where)
         self.feature_names_ = list(metadata["feature_names"])
         return self

@@ -9,7 +9,7 @@ import pytest
 
 from cachelab import registry
 from cachelab.errors import CachelabError
-from cachelab.learning.predictor import check_features, read_metadata
+from cachelab.learning.predictor import check_features, read_metadata, seal
 
 BUILT_INS = ["lightgbm", "lightgbm-reuse", "logistic", "hgb", "mlp"]
 SMALL = {"lightgbm": {"n_estimators": 20}, "lightgbm-reuse": {"n_estimators": 20}, "hgb": {"max_iter": 20},
@@ -50,6 +50,7 @@ def test_learns_round_trips_without_pickle(name, tmp_path):
 
 def test_metadata_with_other_features_is_refused(tmp_path):
     (tmp_path / "metadata.json").write_text(json.dumps({"feature_names": ["a", "b"]}))
+    seal(tmp_path)
     with pytest.raises(CachelabError, match="missing \\['b'\\]"):
         check_features(read_metadata(tmp_path), ["a", "c"], tmp_path)
 
@@ -58,11 +59,11 @@ def test_flattened_forests_match_the_libraries():
     import lightgbm as lgb
     from sklearn.ensemble import HistGradientBoostingRegressor
 
-    from predictors.trees import from_hist_gradient_boosting, from_lightgbm
+    from predictors.trees import from_hist_gradient_boosting, from_lightgbm_text
 
     x, gap, _ = _data(3000, seed=2)
     booster = lgb.train({"objective": "regression", "verbosity": -1, "num_threads": 1, "num_leaves": 15},
                         lgb.Dataset(x, gap), num_boost_round=15)
-    np.testing.assert_allclose(from_lightgbm(booster).raw_predict(x), booster.predict(x), rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(from_lightgbm_text(booster.model_to_string())[0].raw_predict(x), booster.predict(x), rtol=1e-9, atol=1e-9)
     hgb = HistGradientBoostingRegressor(max_iter=15, early_stopping=False, random_state=0).fit(x, gap)
     np.testing.assert_allclose(from_hist_gradient_boosting(hgb).raw_predict(x), hgb.predict(x), rtol=1e-9, atol=1e-9)

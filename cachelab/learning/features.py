@@ -48,6 +48,10 @@ PRIOR_COLUMN = FEATURE_NAMES.index("log_token_freq")  # the three corpus-prior c
 HISTORY_COLUMN = FEATURE_NAMES.index("log_age")
 
 
+PRIOR_TENSORS = ("token_counts", "row_keys", "row_counts")
+INT64_MAX = np.iinfo(np.int64).max
+
+
 @dataclass(slots=True)
 class CorpusPrior:
     """Corpus frequencies learnt from a training window (saved with the model, no pickle).
@@ -73,6 +77,19 @@ class CorpusPrior:
 
     def tensors(self) -> dict[str, np.ndarray]:
         return {"token_counts": self.token_counts, "row_keys": self.row_keys, "row_counts": self.row_counts}
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, np.ndarray], where) -> "CorpusPrior":
+        """A prior read back from ``tensors()``'s arrays, refused (naming ``where``) unless the
+        compiled feature kernels can index it safely: integer counts >= 0, one count per key,
+        keys strictly increasing."""
+        arrays = [t[name] for name in PRIOR_TENSORS]
+        if any(a.dtype.kind not in "iu" or (a.size and (a.min() < 0 or a.max() > INT64_MAX)) for a in arrays):
+            raise CachelabError(f"{where}: {', '.join(PRIOR_TENSORS)} must hold integers >= 0")
+        tokens, keys, counts = (a.astype(np.int64) for a in arrays)
+        if keys.size != counts.size or (keys.size > 1 and (np.diff(keys) <= 0).any()):
+            raise CachelabError(f"{where}: row_keys must be strictly increasing, with one row_counts entry each")
+        return cls(tokens, keys, counts)
 
 
 @dataclass(slots=True)

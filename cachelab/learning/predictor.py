@@ -6,10 +6,16 @@ probability of reuse within a window). Training is causal: the runner never fits
 future of the window it scores. Models are saved without pickle (a LightGBM text model,
 safetensors or ONNX) beside ``metadata.json`` recording the feature names and the training
 spec; ``load`` refuses a model whose features do not match.
+
+``manifest.json`` seals a model directory: each file's size and SHA-256, written last by
+``save`` and checked by ``read_metadata`` before any parser (a native one above all) reads a
+byte, so a truncated, bit-flipped or swapped file is refused by name instead of crashing the
+process inside a library's loader.
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 from abc import ABC, abstractmethod
@@ -21,6 +27,7 @@ import numpy as np
 from cachelab.errors import CachelabError
 
 METADATA = "metadata.json"
+MANIFEST = "manifest.json"
 
 
 class Predictor(ABC):
@@ -63,17 +70,104 @@ class Predictor(ABC):
         meta = {"predictor": self.name, "task": self.task, "params": self.get_params(),
                 "feature_names": list(self.feature_names_), "spec": spec or {}}
         (directory / METADATA).write_text(json.dumps(meta, indent=2, default=str))
+        seal(directory)
         return directory
 
 
-def read_metadata(directory: Path) -> dict:
-    path = Path(directory) / METADATA
-    if not path.is_file():
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def seal(directory: Path) -> None:
+    """Write ``manifest.json``: the size and SHA-256 of every file in ``directory``."""
+    directory = Path(directory)
+    files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST}
+    (directory / MANIFEST).write_text(json.dumps({"format": 1, "files": files}, indent=2))
+
+
+def verify(directory: Path, required: tuple[str, ...] = (METADATA,)) -> set[str]:
+    """Check every file ``manifest.json`` lists (size first, then SHA-256); return their names.
+
+    Nothing else of the directory is read, so no parser sees a damaged file. ``required``
+    names files the manifest must list.
+    """
+    directory = Path(directory)
+    path = directory / MANIFEST
+    if not directory.is_dir() or not (directory / METADATA).is_file():
         raise CachelabError(f"no model at {directory}: {METADATA} is missing")
+    if not path.is_file():
+        raise CachelabError(f"model at {directory} has no {MANIFEST} (each file's size and SHA-256, written by "
+                            "cachelab since models were sealed): save or train it again")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+        manifest = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CachelabError(f"{path}: not valid JSON ({exc})") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not all(
+            isinstance(e, dict) and type(e.get("size")) is int and isinstance(e.get("sha256"), str) for e in files.values()):
+        raise CachelabError(f"{path}: expected {{\"files\": {{name: {{\"size\": int, \"sha256\": hex}}}}}}")
+    for name in required:
+        if name not in files:
+            raise CachelabError(f"{path} does not list {name}")
+    for name, entry in files.items():
+        file = directory / name
+        if Path(name).name != name or name in (".", "..", MANIFEST):
+            raise CachelabError(f"{path}: {name!r} is not a file name of the model directory")
+        if not file.is_file():
+            raise CachelabError(f"model at {directory}: {name} is missing (listed in {MANIFEST})")
+        size = file.stat().st_size
+        if size != entry["size"]:
+            raise CachelabError(f"model at {directory}: {name} is {size:,} bytes, {MANIFEST} says "
+                                f"{entry['size']:,}: the file was truncated or changed after saving")
+        if _sha256(file) != entry["sha256"].lower():
+            raise CachelabError(f"model at {directory}: {name} does not match its SHA-256 in {MANIFEST}: "
+                                "the file is damaged or was changed after saving")
+    return set(files)
+
+
+def _typed(meta: dict, key: str, kind, what: str, where: Path) -> None:
+    if key in meta and not kind(meta[key]):
+        raise CachelabError(f"{where}: {key!r} must be {what}, got {meta[key]!r:.80}")
+
+
+def read_metadata(directory: Path) -> dict:
+    """The model's metadata, after ``verify`` passed; its keys' types are checked, naming the key."""
+    verify(directory)
+    path = Path(directory) / METADATA
+    try:
+        meta = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CachelabError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(meta, dict):
+        raise CachelabError(f"{path}: expected a JSON object, got {type(meta).__name__}")
+    _typed(meta, "predictor", lambda v: isinstance(v, str), "a predictor name", path)
+    _typed(meta, "feature_names", lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v),
+           "a list of feature names", path)
+    _typed(meta, "params", lambda v: isinstance(v, dict), "an object of hyper-parameters", path)
+    _typed(meta, "spec", lambda v: isinstance(v, dict), "an object", path)
+    return meta
+
+
+def read_tensors(path: Path, expected: dict[str, int | None]) -> dict:
+    """NumPy arrays from a safetensors file, each named in ``expected`` with its dimensions
+    (None: any); a malformed file or a missing or misshapen tensor is refused, naming it."""
+    from safetensors.numpy import load_file
+
+    try:
+        tensors = load_file(str(path))
+    except Exception as exc:  # safetensors' own error type, and OSError
+        raise CachelabError(f"{path}: not a readable safetensors file ({exc})") from None
+    for name, ndim in expected.items():
+        if name not in tensors:
+            raise CachelabError(f"{path}: tensor {name!r} is missing")
+        if ndim is not None and tensors[name].ndim != ndim:
+            raise CachelabError(f"{path}: tensor {name!r} has shape {tensors[name].shape}, expected {ndim} dimension(s)")
+    return tensors
 
 
 def check_features(metadata: dict, feature_names: list[str], where: Path) -> None:

@@ -31,8 +31,10 @@ from cachelab.capacity import capacity_rows, parse_capacity
 from cachelab.defaults import HORIZON, MAX_SAMPLES, TRAIN_FRACTION
 from cachelab.errors import CachelabError
 from cachelab.learning.lineup import lineup, tuned_params
-from cachelab.learning.predictor import Predictor, check_features, read_metadata
-from cachelab.learning.features import (FEATURE_NAMES, CorpusPrior, FeatureState, apply_prior, belady_labels, extract,
+from cachelab.learning.predictor import (METADATA, Predictor, check_features, read_metadata, read_tensors,
+                                         verify)
+from cachelab.params import check_params
+from cachelab.learning.features import (FEATURE_NAMES, PRIOR_TENSORS, CorpusPrior, FeatureState, apply_prior, belady_labels, extract,
                                  regression_labels, reuse_labels)
 
 PRIOR = "prior.safetensors"
@@ -266,33 +268,54 @@ def validate(model: Model, stream, x: np.ndarray, start: int, spec: TrainSpec | 
 
 
 def save(model: Model, directory: Path, extra: dict | None = None) -> Path:
+    """Write the prior, then the predictor (whose ``save`` seals the directory's manifest)."""
     from safetensors.numpy import save_file
 
     directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
     spec = {**model.metadata["spec"], **(extra or {}), "prior": PRIOR}
-    model.predictor.save(directory, spec)
     save_file(model.prior.tensors(), str(directory / PRIOR))
+    model.predictor.save(directory, spec)
     return directory
 
 
-def load(directory: Path) -> Model:
-    """A saved model, refused with the reason when its features or files do not match."""
-    from safetensors.numpy import load_file
+def _scoring_spec(spec: dict, where: Path) -> tuple[int, list[str], bool]:
+    """The horizon, domains and lookahead flag a model's metadata spec holds, type-checked."""
+    default = TrainSpec()
+    horizon = spec.get("horizon", default.horizon)
+    domains = spec.get("domains", [])
+    lookahead = spec.get("lookahead", default.lookahead)
+    if type(horizon) is not int or horizon < 1:
+        raise CachelabError(f"{where}: spec.horizon must be a whole number of lookups >= 1, got {horizon!r:.80}")
+    if not isinstance(domains, list) or not all(isinstance(d, str) for d in domains):
+        raise CachelabError(f"{where}: spec.domains must be a list of domain names, got {domains!r:.80}")
+    if not isinstance(lookahead, bool):
+        raise CachelabError(f"{where}: spec.lookahead must be true or false, got {lookahead!r:.80}")
+    return horizon, domains, lookahead
 
+
+def load(directory: Path) -> Model:
+    """A saved model, refused with the reason when its manifest, metadata, features or files do
+    not match; no file is parsed before its size and SHA-256 match the manifest."""
     directory = Path(directory)
     meta = read_metadata(directory)
+    verify(directory, required=(PRIOR,))
     check_features(meta, list(FEATURE_NAMES), directory)
     name = meta.get("predictor")
     cls = registry.get(registry.PREDICTORS, name)
+    where = directory / METADATA
+    check_params(cls, meta.get("params", {}), f"{where}: params")
+    horizon, domains, lookahead = _scoring_spec(meta.get("spec", {}), where)
     try:
         predictor = cls.load_model(directory, meta)
-        t = load_file(str(directory / PRIOR))
-    except (OSError, KeyError, ValueError) as exc:
-        raise CachelabError(f"model at {directory} could not be loaded: {exc}") from None
-    spec = meta.get("spec", {})
-    return Model(predictor, CorpusPrior(t["token_counts"], t["row_keys"], t["row_counts"]),
-                 list(spec.get("domains", [])), int(spec.get("horizon", TrainSpec.horizon)), meta,
-                 bool(spec.get("lookahead", TrainSpec.lookahead)))
+    except CachelabError:
+        raise
+    except Exception as exc:  # a plug-in's loader: name it and the file, not a traceback
+        raise CachelabError(f"model at {directory}: predictor {name!r} could not load it: "
+                            f"{type(exc).__name__}: {exc}") from None
+    prior = CorpusPrior.from_tensors(read_tensors(directory / PRIOR, dict.fromkeys(PRIOR_TENSORS, 1)),
+                                     directory / PRIOR)
+    return Model(predictor, prior, domains, horizon, meta, lookahead)
 
 
 def keep_scores(model: Model, stream, x: np.ndarray | None = None, offset: int = 0) -> np.ndarray:

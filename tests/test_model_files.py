@@ -1,0 +1,249 @@
+"""Damaged or crafted model files are refused with an error naming the file, never a crash,
+a hang or a traceback: the manifest (size + SHA-256) is checked before any parser reads a
+byte, LightGBM's text model is read by cachelab's own parser, and flattened trees are
+checked (children in range and after their node, features in range, shapes agree) before
+the unchecked compiled loop walks them. A Hypothesis fuzz truncates, flips bits and crafts
+files (re-sealing the manifest, so the parsers themselves see the damage)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.numpy import load_file, save_file
+
+from cachelab import registry
+from cachelab.errors import CachelabError
+from cachelab.learning.features import FEATURE_NAMES, CorpusPrior
+from cachelab.learning.predictor import MANIFEST, seal
+from cachelab.learning.training import PRIOR, Model, load, save
+
+PREDICTORS = {"lightgbm": {"n_estimators": 6, "num_leaves": 7, "min_child_samples": 5},
+              "hgb": {"max_iter": 6, "max_leaf_nodes": 7}, "logistic": {},
+              "mlp": {"hidden": 8, "epochs": 1, "batch_size": 256}}
+WIDTH = len(FEATURE_NAMES)
+
+
+def _x(n=400, seed=0):
+    return np.random.default_rng(seed).normal(size=(n, WIDTH)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, tuple[Path, np.ndarray]]:
+    """One small saved model per built-in predictor family, and its predictions on ``_x()``."""
+    x = _x(1500, seed=1)
+    gap = np.log1p(np.exp(1.0 + x[:, 0] - x[:, 1])).astype(np.float32)
+    reuse = (gap < np.median(gap)).astype(np.float32)
+    prior = CorpusPrior(np.arange(50, dtype=np.int64), np.array([3, 9, 40], np.int64), np.array([2, 5, 7], np.int64))
+    out = {}
+    for name, params in PREDICTORS.items():
+        cls = registry.get(registry.PREDICTORS, name)
+        fitted = cls(**params).fit(x, gap if cls.task == "regression" else reuse, list(FEATURE_NAMES))
+        directory = tmp_path_factory.mktemp(name)
+        save(Model(fitted, prior, ["code"], 64, {"spec": {"horizon": 64, "domains": ["code"]}}), directory)
+        out[name] = directory, fitted.predict(_x())
+    return out
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _outcome(directory: Path) -> str:
+    """Load and score; anything but success or a CachelabError fails the test."""
+    try:
+        model = load(directory)
+        scores = model.predictor.predict(_x(50))
+    except CachelabError as exc:
+        assert str(exc), "an error must say what is wrong"
+        return "refused"
+    assert np.asarray(scores).shape == (50,)
+    return "loaded"
+
+
+def test_saved_models_carry_a_manifest_and_load_back(models):
+    for name, (directory, expected) in models.items():
+        manifest = json.loads((directory / MANIFEST).read_text())["files"]
+        assert {"metadata.json", PRIOR} <= set(manifest), name
+        assert all(len(e["sha256"]) == 64 and e["size"] == (directory / f).stat().st_size for f, e in manifest.items())
+        np.testing.assert_allclose(load(directory).predictor.predict(_x()), expected, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.9])
+def test_truncated_lightgbm_model_is_refused_by_the_manifest_and_by_the_parser(models, tmp_path, fraction):
+    d = _copy(models["lightgbm"][0], tmp_path / "m")
+    text = (d / "model.txt").read_bytes()
+    (d / "model.txt").write_bytes(text[:int(len(text) * fraction)])
+    with pytest.raises(CachelabError, match=r"model.txt is [\d,]+ bytes, manifest.json says"):
+        load(d)
+    seal(d)  # a crafted file with a matching manifest reaches the parser: trees cut short are refused
+    if b"end of trees" in text[:int(len(text) * fraction)]:  # only the trailing sections were cut
+        np.testing.assert_allclose(load(d).predictor.predict(_x()), models["lightgbm"][1], rtol=1e-9)
+    else:
+        with pytest.raises(CachelabError, match="model.txt"):
+            load(d)
+
+
+def test_bit_flip_is_refused_naming_the_file(models, tmp_path):
+    d = _copy(models["hgb"][0], tmp_path / "m")
+    data = bytearray((d / "model.safetensors").read_bytes())
+    data[len(data) // 2] ^= 0x10
+    (d / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CachelabError, match="model.safetensors does not match its SHA-256"):
+        load(d)
+
+
+def test_a_model_without_manifest_is_refused(models, tmp_path):
+    d = _copy(models["logistic"][0], tmp_path / "m")
+    (d / MANIFEST).unlink()
+    with pytest.raises(CachelabError, match="has no manifest.json"):
+        load(d)
+
+
+def _craft_forest(d: Path, **changes) -> None:
+    t = load_file(str(d / "model.safetensors"))
+    for name, change in changes.items():
+        t[name] = change(t[name].copy())
+    save_file(t, str(d / "model.safetensors"))
+    seal(d)
+
+
+def _set(i, value):
+    def change(a):
+        a[i] = value
+        return a
+    return change
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"left": _set(0, 10**6)}, "node 0 has children"),              # out of range: was a segfault
+    ({"left": lambda a: a[:-3]}, "arrays of one length"),           # a short tensor: was a segfault
+    ({"left": _set(0, 0)}, "node 0 has children 0"),                # points to itself: was an endless loop
+    ({"right": _set(0, -5)}, "node 0 has children"),
+    ({"feature": _set(0, 99)}, "outside the model's"),
+    ({"roots": _set(0, -1)}, "root lies outside"),
+    ({"left": lambda a: a.astype(np.float32)}, "32-bit integers"),
+    ({"base": lambda a: np.zeros((2, 2))}, "'base'"),
+])
+def test_crafted_hgb_forests_are_refused(models, tmp_path, changes, message):
+    d = _copy(models["hgb"][0], tmp_path / "m")
+    _craft_forest(d, **changes)
+    with pytest.raises(CachelabError, match=message) as exc:
+        load(d)
+    assert "model.safetensors" in str(exc.value)
+
+
+def _craft_metadata(d: Path, change) -> None:
+    path = d / "metadata.json"
+    path.write_text(json.dumps(change(json.loads(path.read_text()))))
+    seal(d)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda m: [m], "expected a JSON object, got list"),
+    (lambda m: {**m, "spec": {**m["spec"], "horizon": "64"}}, "spec.horizon must be a whole number"),
+    (lambda m: {**m, "feature_names": "abc"}, "'feature_names' must be a list"),
+    (lambda m: {**m, "params": {**m["params"], "max_iter": "many"}}, r"params.max_iter must be an integer"),
+    (lambda m: {**m, "params": {"nope": 1}}, "has no parameter 'nope'"),
+    (lambda m: {**m, "predictor": "no-such-predictor"}, "unknown predictor"),
+])
+def test_crafted_metadata_is_refused_naming_the_key(models, tmp_path, change, message):
+    d = _copy(models["hgb"][0], tmp_path / "m")
+    _craft_metadata(d, change)
+    with pytest.raises(CachelabError, match=message):
+        load(d)
+
+
+def test_truncated_prior_is_refused(models, tmp_path):
+    d = _copy(models["hgb"][0], tmp_path / "m")
+    (d / PRIOR).write_bytes((d / PRIOR).read_bytes()[:40])
+    seal(d)
+    with pytest.raises(CachelabError, match="prior.safetensors: not a readable safetensors file"):
+        load(d)
+
+
+def test_lightgbm_text_parser_matches_the_booster():
+    """The Python reader of model.txt scores exactly as LightGBM's own predict."""
+    import lightgbm as lgb
+
+    from predictors.trees import from_lightgbm_text
+
+    x = _x(3000, seed=2)[:, :5]
+    y = np.log1p(np.exp(2.0 + 1.5 * x[:, 0] - x[:, 1]))
+    booster = lgb.train({"objective": "regression", "verbosity": -1, "num_threads": 1, "num_leaves": 15},
+                        lgb.Dataset(x, y), num_boost_round=15)
+    forest, gain, width = from_lightgbm_text(booster.model_to_string())
+    assert width == 5
+    np.testing.assert_allclose(forest.raw_predict(x), booster.predict(x), rtol=1e-9, atol=1e-9)
+    by_feature = np.bincount(forest.feature[forest.left >= 0], gain[forest.left >= 0], 5)
+    np.testing.assert_allclose(by_feature, booster.feature_importance("gain"), rtol=1e-6)
+
+
+def test_wrong_plugin_is_never_blamed(models):
+    """An exception inside hgb's loader names hgb, not the other class of its module."""
+    from cachelab.registry import blame
+
+    cls = registry.get(registry.PREDICTORS, "hgb")
+    with pytest.raises(TypeError) as exc:
+        cls.load_model(models["hgb"][0], {"params": {"nope": 1}, "feature_names": list(FEATURE_NAMES)})
+    assert blame(exc.value).name == "hgb"
+
+
+# --- the fuzz -------------------------------------------------------------------------------
+
+FILES = {"lightgbm": "model.txt", "hgb": "model.safetensors", "logistic": "model.safetensors",
+         "mlp": "model.safetensors"}
+
+
+@st.composite
+def damage(draw):
+    """(predictor, file, new bytes, re-seal?): a truncation, a bit flip or a crafted edit."""
+    name = draw(st.sampled_from(sorted(PREDICTORS)))
+    file = draw(st.sampled_from([FILES[name], "metadata.json", PRIOR]))
+    how = draw(st.sampled_from(["truncate", "flip", "splice", "numbers"]))
+    return name, file, how, draw(st.integers(0, 2**32 - 1)), draw(st.booleans())
+
+
+def _damaged(data: bytes, how: str, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    if how == "truncate":
+        return data[:int(rng.integers(0, len(data)))]
+    if how == "flip":
+        out = bytearray(data)
+        for pos in rng.integers(0, len(data), size=int(rng.integers(1, 8))):
+            out[pos] ^= 1 << int(rng.integers(0, 8))
+        return bytes(out)
+    if how == "splice":  # a run of random bytes over the middle of the file
+        at, n = int(rng.integers(0, len(data))), int(rng.integers(1, 64))
+        return data[:at] + rng.integers(0, 256, n, dtype=np.uint8).tobytes() + data[at + n:]
+    text = data.decode("latin-1")  # crafted numbers: a child index, a count, a feature, a size
+    digits = [i for i, c in enumerate(text) if c.isdigit()]
+    if not digits:
+        return data
+    at = digits[int(rng.integers(0, len(digits)))]
+    value = str(rng.choice([-1, -2, 0, 1, 7, 2**31, 10**30, int(rng.integers(-100, 100))]))
+    return (text[:at] + value + text[at + 1:]).encode("latin-1")
+
+
+@settings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
+                                                                                     HealthCheck.function_scoped_fixture])
+@given(damage())
+def test_fuzzed_model_files_never_crash_hang_or_traceback(models, case):
+    name, file, how, seed, reseal = case
+    with tempfile.TemporaryDirectory() as tmp:
+        d = _copy(models[name][0], Path(tmp) / "m")
+        path = d / file
+        damaged = _damaged(path.read_bytes(), how, seed)
+        path.write_bytes(damaged)
+        if reseal:
+            seal(d)
+        outcome = _outcome(d)
+        if not reseal and damaged != (models[name][0] / file).read_bytes():
+            assert outcome == "refused", "the manifest must catch every change"
