@@ -8,14 +8,20 @@ quack like ``cachelab.policy.Policy``: reset, step, resident; a predictor like
 ``cachelab.experiment.kinds.ExperimentKind``: sections, run). A plug-in that fails to load
 or to match is recorded with its reason and skipped, so one broken package never breaks
 unrelated commands; ``blame`` names the plug-in behind an exception raised at run time.
-``CACHELAB_DISABLE_PLUGINS=name,name`` switches plug-ins off by name.
+A plug-in's import may fail in any way (an exception, ``SystemExit``) or print (sent to
+stderr, so ``--json`` stays clean) without affecting the others; a name that two
+distributions claim is an error naming both, so a built-in never silently loses its name.
+``CACHELAB_DISABLE_PLUGINS=name,dist:name`` switches plug-ins off by name, or by name from one
+distribution.
 """
 
 from __future__ import annotations
 
 import inspect
 import os
-from dataclasses import dataclass
+import sys
+from contextlib import contextmanager, redirect_stdout
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from importlib.metadata import entry_points
 
@@ -42,7 +48,9 @@ class Plugin:
 
 
 def contract_error(group: str, obj) -> str | None:
-    """Why ``obj`` cannot serve in ``group`` (None if it can): the methods it lacks."""
+    """Why ``obj`` cannot serve in ``group`` (None if it can): the methods it lacks. A class that
+    does not subclass the base must quack like all of it: every method the framework calls,
+    and a policy's ``capabilities``."""
     if group == EXPERIMENT_KINDS:  # an ExperimentKind (cachelab.experiment.kinds), by its shape
         if not isinstance(getattr(obj, "sections", None), tuple) or not callable(getattr(obj, "run", None)):
             return f"wrong interface: {obj!r} is not an ExperimentKind (sections, run)"
@@ -50,11 +58,11 @@ def contract_error(group: str, obj) -> str | None:
     if group == POLICIES:
         from cachelab.policy import Policy as base
 
-        required = ("reset", "step", "resident")
+        required = ("reset", "step", "resident", "run", "view_future", "get_params")
     elif group == PREDICTORS:
         from cachelab.learning.predictor import Predictor as base
 
-        required = ("fit", "predict", "save_model", "load_model")
+        required = ("fit", "predict", "save_model", "load_model", "save", "get_params")
     else:
         return None
     if not isinstance(obj, type):
@@ -65,6 +73,11 @@ def contract_error(group: str, obj) -> str | None:
                     f"{sorted(obj.__abstractmethods__)}")
         return None
     missing = [m for m in required if not callable(getattr(obj, m, None))]
+    if group == POLICIES:
+        from cachelab.policy import Capabilities
+
+        if not isinstance(getattr(obj, "capabilities", None), Capabilities):
+            missing.append("capabilities (a cachelab.policy.Capabilities)")
     if missing:
         return (f"wrong interface: {obj.__name__} is not a {base.__module__}.{base.__name__} "
                 f"and lacks {', '.join(missing)}")
@@ -75,44 +88,107 @@ def _disabled() -> set[str]:
     return {n.strip() for n in os.environ.get("CACHELAB_DISABLE_PLUGINS", "").split(",") if n.strip()}
 
 
+@contextmanager
+def _stdout_to_stderr():
+    """What a plug-in prints while it is imported goes to stderr, so ``--json`` output stays clean."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    except OSError:  # no file descriptors to move (an embedding host)
+        saved = None
+    try:
+        with redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def _load(ep) -> tuple[object | None, str | None]:
+    """Import one entry point; any failure, ``SystemExit`` included, becomes its reason."""
+    try:
+        with _stdout_to_stderr():
+            obj = ep.load()
+    except (Exception, SystemExit) as exc:  # a plug-in's import must not break or end the caller
+        return None, f"{type(exc).__name__}: {exc}"
+    return obj, None
+
+
+def _claims(plugins: list[Plugin]) -> list[Plugin]:
+    """A name two distributions claim is an error for both, naming each: no silent winner."""
+    by_name: dict[str, list[Plugin]] = {}
+    for p in plugins:
+        by_name.setdefault(p.name, []).append(p)
+    out = []
+    for name, claimants in by_name.items():
+        if len(claimants) == 1:
+            out.extend(claimants)
+            continue
+        who = " and ".join(f"{p.distribution} {p.version} ({p.value})" for p in claimants)
+        reason = (f"the name {name!r} is claimed by {who}; uninstall one, or switch one off with "
+                  f"CACHELAB_DISABLE_PLUGINS=<distribution>:{name}")
+        out.extend(replace(p, obj=None, error=reason) for p in claimants)
+    return out
+
+
 @lru_cache(maxsize=None)
 def discover(group: str) -> tuple[Plugin, ...]:
     """Every entry point of ``group``, loaded and checked; failures carry their reason."""
-    found = []
+    found, off = [], []
     disabled = _disabled()
-    for ep in sorted(entry_points(group=group), key=lambda e: e.name):
+    for ep in sorted(entry_points(group=group), key=lambda e: (e.name, e.value)):
         dist = ep.dist.metadata["Name"] if ep.dist is not None else "?"
         version = ep.dist.version if ep.dist is not None else "?"
-        if ep.name in disabled:
-            found.append(Plugin(group, ep.name, ep.value, dist, version, None,
-                                "disabled by CACHELAB_DISABLE_PLUGINS"))
+        if ep.name in disabled or f"{dist}:{ep.name}" in disabled:
+            off.append(Plugin(group, ep.name, ep.value, dist, version, None, "disabled by CACHELAB_DISABLE_PLUGINS"))
             continue
-        try:
-            obj = ep.load()
+        obj, error = _load(ep)
+        if error is None:
             error = contract_error(group, obj)
-        except Exception as exc:  # a plug-in's import error must not break the caller
-            obj, error = None, f"{type(exc).__name__}: {exc}"
         found.append(Plugin(group, ep.name, ep.value, dist, version, None if error else obj, error))
-    return tuple(found)
+    return tuple(sorted(_claims(found) + off, key=lambda p: p.name))
+
+
+def _frame_plugin(frame, candidates: list[Plugin]) -> Plugin:
+    """Of the plug-ins one module registers, the one a frame of its code runs for: the class
+    bound as ``self`` or ``cls``, else the class the function is defined on, else the first."""
+    bound = frame.f_locals.get("self", frame.f_locals.get("cls"))
+    bound = bound if isinstance(bound, type) else type(bound)
+    qualname = getattr(frame.f_code, "co_qualname", "")
+    for test in (lambda p: p.obj is bound, lambda p: qualname.startswith(p.value.split(":")[-1] + ".")):
+        for plugin in candidates:
+            if test(plugin):
+                return plugin
+    return candidates[0]
 
 
 def blame(exc: BaseException) -> Plugin | None:
-    """The plug-in whose code raised ``exc`` (the innermost of its traceback), if any."""
-    modules = {p.value.split(":")[0]: p for group in GROUPS for p in discover(group)}
+    """The plug-in whose code raised ``exc`` (the innermost of its traceback), if any; where one
+    module registers several, the one whose class the failing code ran for."""
+    modules: dict[str, list[Plugin]] = {}
+    for group in GROUPS:
+        for p in discover(group):
+            modules.setdefault(p.value.split(":")[0], []).append(p)
     culprit = None
     tb = exc.__traceback__
     while tb is not None:
         name = tb.tb_frame.f_globals.get("__name__", "")
-        for module, plugin in modules.items():
+        for module, plugins in modules.items():
             if name == module or name.startswith(module + "."):
-                culprit = plugin
+                culprit = _frame_plugin(tb.tb_frame, plugins)
         tb = tb.tb_next
     return culprit
 
 
 def get(group: str, name: str):
     """The loaded object registered as ``name`` in ``group``, or a clear error."""
-    plugins = {p.name: p for p in discover(group)}
+    plugins = {}
+    for p in discover(group):  # a name switched off from one distribution may live on in another
+        if p.name not in plugins or plugins[p.name].error is not None:
+            plugins[p.name] = p
     plugin = plugins.get(name)
     if plugin is None:
         kind = group.split(".")[-1].removesuffix("s").replace("policie", "policy").replace("_", " ")

@@ -57,25 +57,55 @@ BROKEN = {
             def run(self, keys, step_offsets, next_access=None, scores=None):
                 raise RuntimeError("kaboom in run")
         """,
+    "brokenpkg/exits.py": "import sys\nsys.exit('a plug-in that quits at import')\n",
+    "brokenpkg/chatty.py": """
+        import os
+        print("hello from a chatty plug-in")
+        os.write(1, b"and from its C side\\n")
+        from policies.linked.fifo import FIFO as Chatty
+        """,
+    "brokenpkg/duck.py": """
+        class Duck:  # quacks like a Policy but declares no capabilities
+            def reset(self, capacity, num_keys): ...
+            def step(self, keys, next_access=None, scores=None): ...
+            def resident(self): ...
+            def run(self, keys, step_offsets, next_access=None, scores=None): ...
+            def view_future(self, next_access, step_offsets): ...
+            def get_params(self): return {}
+        """,
     "cachelab_broken-0.0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: cachelab-broken\nVersion: 0.0.1\n",
     "cachelab_broken-0.0.1.dist-info/entry_points.txt": """
         [cachelab.policies]
         broken-import = brokenpkg.imports:Anything
         broken-shape = brokenpkg.shapes:NoStep
         boom = brokenpkg.boom:Boom
+        exits = brokenpkg.exits:Anything
+        chatty = brokenpkg.chatty:Chatty
+        duck = brokenpkg.duck:Duck
         """,
 }
 
 
-@pytest.fixture()
-def broken_plugins(tmp_path, monkeypatch):
-    """A distribution with three broken policies, importable for this test only."""
-    for rel, text in BROKEN.items():
-        path = tmp_path / rel
+CLAIM_LRU = {
+    "claimpkg/__init__.py": "from policies.linked.fifo import FIFO as NotLRU\n",
+    "cachelab_claim-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: cachelab-claim\nVersion: 0.1\n",
+    "cachelab_claim-0.1.dist-info/entry_points.txt": "[cachelab.policies]\nlru = claimpkg:NotLRU\n",
+}
+
+
+def _install(files: dict, root, monkeypatch):
+    for rel, text in files.items():
+        path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(textwrap.dedent(text).lstrip())
-    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(str(root))
     registry.discover.cache_clear()
+
+
+@pytest.fixture()
+def broken_plugins(tmp_path, monkeypatch):
+    """A distribution of broken policies, importable for this test only."""
+    _install(BROKEN, tmp_path, monkeypatch)
     yield tmp_path
     registry.discover.cache_clear()
 
@@ -101,6 +131,51 @@ def test_broken_plugins_never_break_unrelated_commands(broken_plugins, tmp_path)
     assert boom.exit_code == 2
     assert "plug-in 'boom'" in boom.output and "cachelab-broken 0.0.1" in boom.output
     assert "failed at run time: RuntimeError: kaboom" in boom.output
+
+
+def test_import_time_exits_output_and_duck_typing_break_nothing(broken_plugins, tmp_path):
+    rows = {r["name"]: r for r in _json(["policies", "list", "--json"])}  # stdout is pure JSON
+    assert "SystemExit: a plug-in that quits at import" in rows["exits"]["error"]
+    assert "capabilities" in rows["duck"]["error"] and rows["duck"]["status"] == "broken"
+    assert rows["chatty"]["status"] == "ok" and rows["lru"]["status"] == "ok"
+    table = runner.invoke(app, ["policies", "list"])
+    assert table.exit_code == 0 and "duck" in table.stdout
+    np.save(tmp_path / "k.npy", np.arange(50) % 7)
+    ok = _json(["simulate", "--trace", str(tmp_path / "k.npy"), "--policy", "lru", "--capacity", "4", "--json"])
+    assert ok["requests"] == 50
+
+
+def test_printing_at_import_never_reaches_stdout(tmp_path):
+    """Through a real process: Python and C-level writes of a plug-in at import go to stderr."""
+    import os
+    import subprocess
+    import sys
+
+    for rel, text in BROKEN.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text).lstrip())
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-m", "cachelab.cli", "plugins", "list", "--json"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert {r["name"] for r in json.loads(res.stdout)} >= {"chatty", "lru"}
+    assert "hello from a chatty plug-in" in res.stderr and "and from its C side" in res.stderr
+
+
+def test_two_distributions_claiming_one_name_is_an_error_naming_both(tmp_path, monkeypatch):
+    _install(CLAIM_LRU, tmp_path, monkeypatch)
+    try:
+        np.save(tmp_path / "k.npy", np.arange(50) % 7)
+        res = runner.invoke(app, ["simulate", "--trace", str(tmp_path / "k.npy"), "--policy", "lru",
+                                  "--capacity", "4", "--json"])
+        assert res.exit_code == 2, res.output
+        assert "cachelab-claim 0.1 (claimpkg:NotLRU)" in res.output and "policies.linked.lru:LRU" in res.output
+        monkeypatch.setenv("CACHELAB_DISABLE_PLUGINS", "cachelab-claim:lru")  # switch one claimant off
+        registry.discover.cache_clear()
+        assert registry.get(registry.POLICIES, "lru").__module__ == "policies.linked.lru"
+    finally:
+        registry.discover.cache_clear()
 
 
 def test_a_plugin_can_be_switched_off(monkeypatch):

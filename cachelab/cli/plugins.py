@@ -58,9 +58,12 @@ def policies_list(as_json: bool = typer.Option(False, "--json", help="Print a JS
     for p in registry.discover(registry.POLICIES):
         row = {k: v for k, v in _row(p).items() if k != "group"}
         if p.obj is not None:
-            caps = p.obj.capabilities
-            row.update(summary=_summary(p.obj), compiled=caps.compiled, needs_future=caps.needs_future,
-                       needs_scores=caps.needs_scores, params=_defaults(p.obj))
+            try:
+                caps = p.obj.capabilities
+                row.update(summary=_summary(p.obj), compiled=caps.compiled, needs_future=caps.needs_future,
+                           needs_scores=caps.needs_scores, params=_defaults(p.obj))
+            except Exception as exc:  # one plug-in's odd class never breaks the list
+                row.update(status="broken", error=f"cannot be described: {type(exc).__name__}: {exc}")
         rows.append(row)
     if as_json:
         typer.echo(json.dumps(rows, default=str))
