@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cachelab.cli import app
+from cachelab.learning.predictor import seal
 
 pytestmark = pytest.mark.data
 TRACE = ["--trace", "gsm8k,humaneval", "--requests", "12"]
@@ -25,7 +26,7 @@ def test_train_prints_metrics_and_importances(trained):
     out, result = trained
     assert 0.6 < result["auc"] <= 1.0 and 0 < result["rmse"] < 2 * result["rmse_constant"]
     assert abs(sum(result["importances"].values()) - 1.0) < 1e-6
-    assert {p.name for p in out.iterdir()} == {"metadata.json", "model.txt", "prior.safetensors"}
+    assert {p.name for p in out.iterdir()} == {"manifest.json", "metadata.json", "model.txt", "prior.safetensors"}
 
 
 def test_evaluate_reports_every_capacity(trained):
@@ -72,7 +73,13 @@ def test_bad_inputs_are_clear_errors(tmp_path, trained):
         (bad / f.name).write_bytes(f.read_bytes())
     (bad / "metadata.json").write_text(json.dumps(meta))
     res = runner.invoke(app, ["evaluate", *TRACE, "--model", str(bad)])
+    assert res.exit_code == 2 and "metadata.json is" in res.output and "changed after saving" in res.output
+    seal(bad)  # the same change, sealed: the features are checked next
+    res = runner.invoke(app, ["evaluate", *TRACE, "--model", str(bad)])
     assert res.exit_code == 2 and "another order" in res.output
+    (bad / "model.txt").write_bytes((out / "model.txt").read_bytes()[:16000])  # segfaulted LightGBM's loader
+    res = runner.invoke(app, ["evaluate", *TRACE, "--model", str(bad), "--capacities", "0.01"])
+    assert res.exit_code == 2 and "model.txt is 16,000 bytes, manifest.json says" in res.output
 
 
 def test_simulate_learned_policy_on_a_saved_stream(trained, tmp_path):
