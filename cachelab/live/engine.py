@@ -64,6 +64,17 @@ class RequestOutput:
     cached_tokens: int = 0
 
 
+@dataclass
+class Completion:
+    """A whole answer, as ``generate`` returns it."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+    num_prompt: int = 0
+
+
 @dataclass(eq=False)
 class _Live:
     req: Request
@@ -154,6 +165,28 @@ class LiveEngine:
                 new.append(rid)
             self._cv.notify()
         return new
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+                 timeout: float | None = None) -> list[Completion]:
+        """Submit ``prompts`` together and wait for every answer (the engine must be started)."""
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        results = [Completion() for _ in prompts]
+        left = threading.Semaphore(0)
+
+        def sink_for(c: Completion):
+            def sink(out: RequestOutput) -> None:
+                c.token_ids += out.new_token_ids
+                c.text += out.new_text
+                if out.finished:
+                    c.finish_reason, c.cached_tokens, c.num_prompt = out.finish_reason, out.cached_tokens, out.num_prompt
+                    left.release()
+            return sink
+
+        self.submit(prompts, params, [sink_for(c) for c in results])
+        for _ in prompts:
+            if not left.acquire(timeout=timeout):
+                raise CachelabError(f"generate: no answer within {timeout} s")
+        return results
 
     def abort(self, rid: int) -> None:
         """Drop a request (its client went away); its KV blocks are freed before the next step."""

@@ -1,0 +1,189 @@
+"""The live engine without HTTP: determinism, prefix hits that skip compute, preemption, the
+rows it reads against the serving simulator's, the Engram gate, weights, detokenization."""
+
+import math
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+
+from cachelab.engram import Addresser
+from cachelab.engram.vocab import load_tokenizer
+from cachelab.errors import CachelabError
+from cachelab.live.config import PRESETS, ModelConfig
+from cachelab.live.engine import EngineConfig, LiveEngine
+from cachelab.live.model import Engram, build_model, save_weights
+from cachelab.live.rows import HashedRows
+from cachelab.live.sampling import Detokenizer, SamplingParams
+from cachelab.workload.prefix_cache import BlockPrefixCache
+from cachelab.workload.scheduler import Request, Scheduler
+
+F32 = PRESETS["tiny"].with_(dtype="float32")
+GREEDY = SamplingParams(max_tokens=6, temperature=0)
+
+
+def make_engine(cfg: ModelConfig = F32, **engine) -> LiveEngine:
+    return LiveEngine(build_model(cfg), HashedRows(), load_tokenizer(), EngineConfig(**engine))
+
+
+class LogitRecorder:
+    """Wraps the engine's model: the logits of every step, by the request that sampled them."""
+
+    def __init__(self, engine: LiveEngine):
+        self.model, self.by_request, self._last = engine.model, {}, None
+        engine.model, engine.on_step = self, self.step
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, *args):
+        self._last = self.model(*args)
+        return self._last
+
+    def step(self, record, row_ids):
+        for i, rid in enumerate(record.emitted):
+            self.by_request.setdefault(rid, []).append(self._last[i].clone())
+
+
+def prompts(n: int, length: int = 40, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, 90_000, length).tolist() for _ in range(n)]
+
+
+def test_batch_of_1_and_batch_of_32_give_the_same_tokens():
+    ps = prompts(32, seed=1)
+    engine = make_engine()
+    rec = LogitRecorder(engine)
+    engine.start()
+    try:
+        alone = engine.generate([ps[5]], GREEDY)[0]
+        alone_logits = rec.by_request[0]
+        batch = engine.generate(ps, GREEDY)
+    finally:
+        engine.stop()
+    assert batch[5].token_ids == alone.token_ids
+    for a, b in zip(alone_logits, rec.by_request[1 + 5], strict=True):
+        assert float((a - b).abs().max()) < 1e-3 * float(a.abs().max())  # float32 rounding, not a different answer
+
+
+def test_prefix_hit_reads_cached_kv_and_gives_the_same_answer():
+    ps = prompts(1, length=100, seed=2)
+    cached = make_engine().start()
+    uncached = make_engine(prefix_caching=False).start()
+    try:
+        first, second = cached.generate(ps, GREEDY), cached.generate(ps, GREEDY)
+        steps_before = cached.counters.steps
+        reference = uncached.generate(ps, GREEDY)
+    finally:
+        cached.stop()
+        uncached.stop()
+    assert first[0].cached_tokens == 0 and second[0].cached_tokens == 96  # (100 - 1) // 16 blocks
+    assert second[0].token_ids == first[0].token_ids == reference[0].token_ids
+    assert steps_before > 0 and cached.pool.hit_tokens == 96
+
+
+def test_preemption_recomputes_and_changes_no_answer():
+    ps = prompts(4, length=60, seed=3)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    roomy = make_engine().start()
+    tight = make_engine(kv_cache_tokens=16 * 14).start()  # 4 requests need 4 x 6 blocks at the end
+    try:
+        expected, got = roomy.generate(ps, params), tight.generate(ps, params)
+    finally:
+        roomy.stop()
+        tight.stop()
+    assert tight.counters.preemptions > 0
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+
+
+def test_engine_reads_the_rows_the_serving_simulator_says():
+    from cachelab.serving.simulator import ServingConfig, ServingSimulator
+
+    ps = prompts(12, length=50, seed=4)
+    ps[3] = ps[0][:32] + ps[3][32:]  # a shared prefix: two cached blocks
+    params = [SamplingParams(max_tokens=3 + i % 5, temperature=0, ignore_eos=True) for i in range(12)]
+    settings = dict(max_num_seqs=4, max_num_batched_tokens=96)
+    engine = make_engine(kv_cache_tokens=8192, **settings)
+    live = []
+    engine.on_step = lambda record, rows: live.append((record, rows.copy()))
+    engine.start()
+    try:
+        outs = engine.generate(ps, params)
+    finally:
+        engine.stop()
+    trace = pl.DataFrame({"arrival_s": [0.0] * 12, "prompt_ids": ps, "output_ids": [c.token_ids for c in outs]},
+                         schema={"arrival_s": pl.Float64, "prompt_ids": pl.List(pl.Int32),
+                                 "output_ids": pl.List(pl.Int32)})
+    simulated = []
+    ServingSimulator(trace, ServingConfig(**settings)).run(on_step=simulated.append)
+    assert len(simulated) == len(live)
+    addresser = Addresser("deepseek-v4.1-flash")
+    seqs = [np.array(p + c.token_ids) for p, c in zip(ps, outs)]
+    for sim, (record, rows) in zip(simulated, live):
+        for key in ("requests", "starts", "stops", "cached"):
+            np.testing.assert_array_equal(getattr(sim, key), getattr(record, key))
+        expect = np.concatenate([addresser.rows(seqs[r])[a:b] for r, a, b in
+                                 zip(sim.requests.tolist(), sim.starts.tolist(), sim.stops.tolist())])
+        np.testing.assert_array_equal(rows, expect)
+    assert sum(int(r.cached.sum()) for r, _ in live) >= 32
+
+
+def test_engram_gate_is_v41_signed_sqrt_sigmoid():
+    cfg = F32
+    module = Engram(cfg)
+    torch.manual_seed(0)
+    h, key = torch.randn(5, cfg.hc_mult, cfg.hidden), torch.randn(5, cfg.hc_mult, cfg.hidden)
+    with torch.no_grad():
+        module.q_weight.uniform_(0.5, 1.5)
+        module.k_weight.uniform_(0.5, 1.5)
+        alpha = module.gate(h, key)
+        eps, d = cfg.rms_norm_eps, cfg.hidden
+        for t in range(5):
+            for m in range(cfg.hc_mult):
+                dot = float((h[t, m] * module.q_weight[m] * module.k_weight[m] * key[t, m]).sum())
+                s = dot / math.sqrt(float(h[t, m].pow(2).mean()) + eps) / math.sqrt(float(key[t, m].pow(2).mean()) + eps)
+                s /= math.sqrt(d)
+                s = math.copysign(math.sqrt(max(abs(s), 1e-6)), s)
+                assert float(alpha[t, m]) == pytest.approx(1 / (1 + math.exp(-s)), rel=1e-4)
+        zero = module.gate(torch.zeros(1, cfg.hc_mult, cfg.hidden), key[:1])  # s = 0 -> +sqrt(1e-6)
+    assert torch.allclose(zero, torch.sigmoid(torch.tensor(1e-3)))
+
+
+def test_safetensors_weights_round_trip_and_refusals(tmp_path):
+    model = build_model(F32, seed=7)
+    save_weights(model, tmp_path / "w.safetensors")
+    again = build_model(F32, weights=tmp_path / "w.safetensors")
+    for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), name
+    with pytest.raises(CachelabError, match="tensors missing"):
+        build_model(F32.with_(layers=5, engram_layers=(1, 4)), weights=tmp_path / "w.safetensors")
+    (tmp_path / "bad.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(CachelabError, match="not a safetensors file"):
+        build_model(F32, weights=tmp_path / "bad.safetensors")
+    with pytest.raises(CachelabError, match="engram_layers"):
+        F32.with_(engram_layers=(3, 1))
+
+
+def test_detokenizer_holds_back_and_cuts_stop_strings():
+    tok = load_tokenizer()
+    ids = tok.encode("Hello world, the end. More", add_special_tokens=False).ids
+    d = Detokenizer(tok, stop=("end.",))
+    streamed, why = "", None
+    for t in ids:
+        why = why or d.add(t)
+        streamed += d.take()
+    streamed += d.take(final=True)
+    assert why == "end." and streamed == "Hello world, the "
+
+
+def test_scheduler_abort_frees_blocks_of_running_and_drops_waiting():
+    pool = BlockPrefixCache(8, 4)
+    sched = Scheduler(pool, max_num_batched_tokens=64, max_num_seqs=1)
+    for rid in range(2):
+        sched.add(Request(rid, np.arange(10) + rid, 10, 5))
+    step = sched.schedule()
+    sched.complete(step, {0: 1})
+    assert pool.num_free_tokens < 32
+    assert sched.abort(0) and sched.abort(1) and not sched.abort(1)
+    assert pool.num_free_tokens == 32 and sched.num_unfinished == 0
