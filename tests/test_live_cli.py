@@ -33,7 +33,7 @@ def test_non_loopback_without_api_key_is_refused():
 def test_cachelab_serve_process_answers_the_openai_client(tmp_path):
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "cachelab.cli", "serve", "--preset", "tiny", "--port", str(port),
-                             "--api-key", "k", "--step-log", str(tmp_path / "steps")],
+                             "--api-key", "k", "--threads", "1", "--step-log", str(tmp_path / "steps")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 240

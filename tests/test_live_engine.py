@@ -24,6 +24,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0)
 
 
 def make_engine(cfg: ModelConfig = F32, **engine) -> LiveEngine:
+    torch.set_num_threads(1)  # one intra-op thread: tests share the machine's cores
     return LiveEngine(build_model(cfg), HashedRows(), load_tokenizer(), EngineConfig(**engine))
 
 

@@ -19,7 +19,7 @@ LABELS = {"model_name": MODEL, "engine": "0"}
 
 @pytest.fixture(scope="module")
 def server():
-    opts = ServeOptions(port=0, max_body_bytes=64 * 1024, kv_cache_tokens=16_384)
+    opts = ServeOptions(port=0, max_body_bytes=64 * 1024, kv_cache_tokens=16_384, threads=1)
     with running_server(opts) as (url, engine):
         yield url, engine
 

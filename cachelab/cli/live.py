@@ -49,6 +49,8 @@ def serve(
     prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching", help="vLLM's automatic "
                                         "prefix caching."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
+    threads: int | None = typer.Option(None, help="torch threads (default: one per core; 1 on a shared, busy "
+                                       "machine avoids threads spinning against each other)."),
     served_model_name: str | None = typer.Option(None, help="The model name clients send (default cachelab-PRESET)."),
 ) -> None:
     """Serve an Engram model over HTTP: /v1/completions, /v1/chat/completions, /v1/models,
@@ -66,4 +68,4 @@ def serve(
                      kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                      max_body_bytes=max_body_bytes, prefetch=prefetch, prefix_caching=prefix_caching, device=device,
-                     served_model_name=served_model_name), announce=typer.echo)
+                     threads=threads, served_model_name=served_model_name), announce=typer.echo)

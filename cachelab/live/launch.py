@@ -48,6 +48,7 @@ class ServeOptions:
     prefetch: bool = True
     prefix_caching: bool = True
     device: str = "cpu"
+    threads: int | None = None
     served_model_name: str | None = None
 
 
@@ -100,6 +101,10 @@ def build_engine(opts: ServeOptions) -> LiveEngine:
     from cachelab.engram.vocab import load_tokenizer
     from cachelab.live.model import build_model
 
+    import torch
+
+    if opts.threads is not None:  # process-wide: torch has one intra-op pool
+        torch.set_num_threads(opts.threads)
     cfg = model_for(opts)
     model = build_model(cfg, opts.weights, opts.seed, opts.device)
     engine_cfg = EngineConfig(kv_cache_tokens=opts.kv_cache_tokens, max_num_seqs=opts.max_num_seqs,

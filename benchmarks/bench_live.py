@@ -1,0 +1,168 @@
+"""The live engine measured: the server's decode throughput against the bare model, and the
+Engram stall with prefetch on and off, per placement and per Engram layer index.
+
+(1) Decode tokens/s at batch 1..64 through `cachelab serve` (a real process, the CLI path,
+    HTTP streaming), against the same model's pure torch forward in this process (decode
+    steps on a prebuilt batch, rows already in memory: no scheduler, no store, no server).
+    Server tok/s = batch / mean inter-token latency; bare tok/s = batch / step time; the
+    ratio is the overhead of everything around the forward.
+(2) Exposed stall per step (how long the model waited for Engram rows) with prefetch on and
+    off, through the engine, for each placement of the store (or the hashed row source where
+    no store is installed) and for each position of the first Engram layer.
+
+Both timings, wall and CPU, are printed (the machine may be shared). Run:
+.venv/bin/python benchmarks/bench_live.py [--batches 1,8,32,64] [--tokens 32] [--threads 1]
+    [--placements dram,mmap,pread] [--first-layers 0,1,2] [--skip-server]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+from cachelab.live.config import PRESETS
+from cachelab.live.kv_cache import PagedKVCache, StepBatch
+from cachelab.live.launch import ServeOptions, build_engine
+from cachelab.live.model import build_model
+from cachelab.live.rows import HashedRows
+from cachelab.live.sampling import SamplingParams
+
+PROMPT = 64
+
+
+def bare_decode_tok_s(batch: int, steps: int) -> float:
+    """Tokens/s of the tiny model's forward alone: ``batch`` sequences decoding at position PROMPT."""
+    cfg = PRESETS["tiny"]
+    model = build_model(cfg)
+    kv = PagedKVCache(cfg.layers, batch * 8, 16, cfg.kv_heads, cfg.head_dim, getattr(torch, cfg.dtype))
+    tables = [np.arange(i * 8, (i + 1) * 8) for i in range(batch)]
+    ids = np.random.default_rng(0).integers(100, 90_000, (batch, 1))
+    step = StepBatch.build(list(ids), [PROMPT] * batch, tables, [True] * batch, 16)
+    rows = HashedRows().lookup(np.random.default_rng(1).integers(0, 10**8, (batch, 2, 24)))
+    with torch.inference_mode():
+        for _ in range(3):
+            model(step, kv, lambda: rows)
+        t = time.perf_counter()
+        for _ in range(steps):
+            model(step, kv, lambda: rows)
+    return batch * steps / (time.perf_counter() - t)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _stream_itls(url: str, batch: int, tokens: int) -> list[float]:
+    import openai
+
+    rng = np.random.default_rng(batch)
+
+    async def one(client):
+        stamps = []
+        stream = await client.completions.create(model="cachelab-tiny", prompt=rng.integers(100, 90_000, PROMPT).tolist(),
+                                                 max_tokens=tokens, temperature=0, stream=True,
+                                                 extra_body={"ignore_eos": True})
+        async for _ in stream:
+            stamps.append(time.perf_counter())
+        return np.diff(stamps[1:-1]).tolist()  # token gaps after the first token, before [DONE]
+
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", timeout=600, max_retries=0) as client:
+        gaps = await asyncio.gather(*(one(client) for _ in range(batch)))
+    return [g for request in gaps for g in request]
+
+
+def server_decode(batches: list[int], tokens: int, threads: int | None) -> dict[int, float]:
+    """Decode tok/s per batch size through a `cachelab serve` process."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "cachelab.cli", "serve", "--preset", "tiny", "--port", str(port),
+           "--max-num-seqs", str(max(batches))] + (["--threads", str(threads)] if threads else [])
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    import httpx
+
+    try:
+        url = f"http://127.0.0.1:{port}"
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"cachelab serve exited: {proc.stderr.read()}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        asyncio.run(_stream_itls(url, 2, 4))  # warm-up
+        return {b: b / float(np.mean(asyncio.run(_stream_itls(url, b, tokens)))) for b in batches}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def stall(placement: str | None, first_layer: int, prefetch: bool, requests: int, tokens: int) -> dict:
+    """Mean exposed stall and step time per step, through the engine (no HTTP)."""
+    layers = (first_layer, PRESETS["tiny"].layers - 1)
+    opts = ServeOptions(engram_layers=layers, prefetch=prefetch, placement=placement or "dram")
+    engine = build_engine(opts).start()
+    rng = np.random.default_rng(0)
+    try:
+        engine.generate([rng.integers(100, 90_000, PROMPT).tolist() for _ in range(requests)],
+                        SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+    finally:
+        engine.stop()
+    c = engine.counters
+    return {"placement": placement or getattr(engine.rows, "name", "?"), "first_engram_layer": first_layer,
+            "prefetch": prefetch, "steps": c.steps, "stall_ms_per_step": 1e3 * c.engram_stall_s / c.steps,
+            "compute_ms_per_step": 1e3 * c.compute_s / c.steps}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--placements", default="dram,mmap,pread")
+    ap.add_argument("--first-layers", default="0,1,2")
+    ap.add_argument("--stall-requests", type=int, default=16)
+    ap.add_argument("--skip-server", action="store_true")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    out: dict = {"threads": torch.get_num_threads()}
+    if not args.skip_server:
+        cpu = time.process_time()
+        served = server_decode(batches, args.tokens, args.threads)
+        bare = {b: bare_decode_tok_s(b, 10) for b in batches}
+        out["decode"] = [{"batch": b, "server_tok_s": served[b], "bare_forward_tok_s": bare[b],
+                          "server_over_bare": served[b] / bare[b]} for b in batches]
+        for row in out["decode"]:
+            print(f"batch {row['batch']:>3}: server {row['server_tok_s']:8.1f} tok/s, bare forward "
+                  f"{row['bare_forward_tok_s']:8.1f} tok/s, ratio {row['server_over_bare']:.2f}", flush=True)
+        out["decode_cpu_s_here"] = time.process_time() - cpu
+    try:
+        import cachelab.store  # noqa: F401
+
+        placements = args.placements.split(",")
+    except ImportError:
+        placements = [None]  # no store installed: the hashed row source only
+    out["stall"] = []
+    for placement in placements:
+        for first in (int(x) for x in args.first_layers.split(",")):
+            on, off = (stall(placement, first, p, args.stall_requests, 8) for p in (True, False))
+            out["stall"] += [on, off]
+            print(f"{on['placement']:>6} first Engram layer {first}: stall/step prefetch on "
+                  f"{on['stall_ms_per_step']:.3f} ms, off {off['stall_ms_per_step']:.3f} ms "
+                  f"(compute {off['compute_ms_per_step']:.1f} ms/step)", flush=True)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
