@@ -30,9 +30,9 @@ import torch
 
 from cachelab.live.config import PRESETS
 from cachelab.live.kv_cache import PagedKVCache, StepBatch
-from cachelab.live.launch import ServeOptions, build_engine
+from cachelab.engram import Addresser
+from cachelab.live.launch import ServeOptions, build_engine, open_rows
 from cachelab.live.model import build_model
-from cachelab.live.rows import HashedRows
 from cachelab.live.sampling import SamplingParams
 
 PROMPT = 64
@@ -46,7 +46,9 @@ def bare_decode_tok_s(batch: int, steps: int) -> float:
     tables = [np.arange(i * 8, (i + 1) * 8) for i in range(batch)]
     ids = np.random.default_rng(0).integers(100, 90_000, (batch, 1))
     step = StepBatch.build(list(ids), [PROMPT] * batch, tables, [True] * batch, 16)
-    rows = HashedRows().lookup(np.random.default_rng(1).integers(0, 10**8, (batch, 2, 24)))
+    store = open_rows(ServeOptions(), cfg.layout)
+    rows = store.lookup(Addresser(cfg.layout).rows(np.random.default_rng(1).integers(100, 90_000, batch)))
+    store.close()
     with torch.inference_mode():
         for _ in range(3):
             model(step, kv, lambda: rows)
@@ -106,10 +108,10 @@ def server_decode(batches: list[int], tokens: int, threads: int | None) -> dict[
         proc.wait(timeout=60)
 
 
-def stall(placement: str | None, first_layer: int, prefetch: bool, requests: int, tokens: int) -> dict:
+def stall(placement: str, first_layer: int, prefetch: bool, requests: int, tokens: int) -> dict:
     """Mean exposed stall and step time per step, through the engine (no HTTP)."""
     layers = (first_layer, PRESETS["tiny"].layers - 1)
-    opts = ServeOptions(engram_layers=layers, prefetch=prefetch, placement=placement or "dram")
+    opts = ServeOptions(engram_layers=layers, prefetch=prefetch, placement=placement)
     engine = build_engine(opts).start()
     rng = np.random.default_rng(0)
     try:
@@ -118,7 +120,7 @@ def stall(placement: str | None, first_layer: int, prefetch: bool, requests: int
     finally:
         engine.stop()
     c = engine.counters
-    return {"placement": placement or getattr(engine.rows, "name", "?"), "first_engram_layer": first_layer,
+    return {"placement": placement, "first_engram_layer": first_layer,
             "prefetch": prefetch, "steps": c.steps, "stall_ms_per_step": 1e3 * c.engram_stall_s / c.steps,
             "compute_ms_per_step": 1e3 * c.compute_s / c.steps}
 
@@ -147,14 +149,8 @@ def main() -> None:
             print(f"batch {row['batch']:>3}: server {row['server_tok_s']:8.1f} tok/s, bare forward "
                   f"{row['bare_forward_tok_s']:8.1f} tok/s, ratio {row['server_over_bare']:.2f}", flush=True)
         out["decode_cpu_s_here"] = time.process_time() - cpu
-    try:
-        import cachelab.store  # noqa: F401
-
-        placements = args.placements.split(",")
-    except ImportError:
-        placements = [None]  # no store installed: the hashed row source only
     out["stall"] = []
-    for placement in placements:
+    for placement in args.placements.split(","):
         for first in (int(x) for x in args.first_layers.split(",")):
             on, off = (stall(placement, first, p, args.stall_requests, 8) for p in (True, False))
             out["stall"] += [on, off]

@@ -14,7 +14,7 @@ from cachelab.errors import CachelabError
 from cachelab.live.config import PRESETS, ModelConfig
 from cachelab.live.engine import EngineConfig, LiveEngine
 from cachelab.live.model import Engram, build_model, save_weights
-from cachelab.live.rows import HashedRows
+from cachelab.live.launch import ServeOptions, open_rows
 from cachelab.live.sampling import Detokenizer, SamplingParams
 from cachelab.workload.prefix_cache import BlockPrefixCache
 from cachelab.workload.scheduler import Request, Scheduler
@@ -25,7 +25,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0)
 
 def make_engine(cfg: ModelConfig = F32, **engine) -> LiveEngine:
     torch.set_num_threads(1)  # one intra-op thread: tests share the machine's cores
-    return LiveEngine(build_model(cfg), HashedRows(), load_tokenizer(), EngineConfig(**engine))
+    return LiveEngine(build_model(cfg), open_rows(ServeOptions(), cfg.layout), load_tokenizer(), EngineConfig(**engine))
 
 
 class LogitRecorder:

@@ -4,7 +4,8 @@ One background thread owns the scheduler (``cachelab.workload.scheduler``: chunk
 token budget, sequence cap, preemption), the KV pool (its ``BlockPrefixCache`` is the paged
 KV cache's block table) and the model. Per step it schedules, addresses the step's tokens
 with the streaming Engram addresser (slots handled as the serving simulator handles them,
-so both read the same rows), starts the rows' fetch on the row source's background thread,
+so both read the same rows), starts the rows' fetch on the live store's background thread
+(``TieredStore.prefetch``; any object with its ``lookup``/``prefetch`` API will do),
 runs the model (the layers before the first Engram layer overlap the fetch), samples,
 detokenizes, checks stops, and completes the step. Callers ``submit`` from any thread and
 receive ``RequestOutput``s through a callback called on the engine thread.
@@ -138,6 +139,7 @@ class LiveEngine:
         return self
 
     def stop(self) -> None:
+        """Stop the engine thread, flush the step log and close the row source (idempotent)."""
         with self._cv:
             self._stopping = True
             self._cv.notify()
@@ -146,6 +148,7 @@ class LiveEngine:
             self._thread = None
         if self.step_log is not None:
             self.step_log.close()
+        self.rows.close()
 
     def submit(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
                sinks: Sequence[Callable[[RequestOutput], None]]) -> list[int]:
@@ -337,8 +340,7 @@ class LiveEngine:
         c.engram_fetch_s += fetch["fetch_s"]
         c.compute_s += t_done - t0 - fetch["stall_s"]
         if self.step_log is not None:
-            store = getattr(self.rows, "last_step", None)
-            store = store.to_dict() if hasattr(store, "to_dict") else dict(store or {})
+            store = self.rows.last_step.to_dict()
             self.step_log.append({
                 "step": step.index, "start_s": t0, "step_s": t_done - t0, "tokens": step.num_tokens,
                 "batch": int(step.requests.size), "decodes": step.decodes, "admitted": int(step.admitted.sum()),

@@ -19,7 +19,9 @@ from cachelab.live.config import ModelConfig, model_config
 from cachelab.live.engine import EngineConfig, LiveEngine
 from cachelab.live.server import Limits, create_app
 
-DEFAULT_STORE_SCALE = 1e-4  # the scaled store built on first use: 1/10,000 of V4.1's rows
+DEFAULT_STORE_SCALE = 1e-4  # the scaled store built on first use: 1/10,000 of V4.1's rows (21 MB)
+# serve-sim's placement names, as the store's backings (the store's own names pass through)
+PLACEMENTS = {"dram-uva": "dram", "ssd-mmap": "mmap", "ssd-direct": "direct"}
 
 
 @dataclass(frozen=True)
@@ -76,25 +78,28 @@ def model_for(opts: ServeOptions) -> ModelConfig:
 
 
 def open_rows(opts: ServeOptions, layout: str):
-    """The Engram row source: the live store at ``opts.store`` (or one built on first use)."""
-    try:
-        from cachelab.store import TieredStore, build_tables
-    except ImportError:  # the store (issue 14) is not installed in this checkout
-        from cachelab.live.rows import HashedRows
+    """The Engram row source: the live store at ``opts.store``, or the default scaled store
+    (built on first use in the cache directory, under a lock so two first runs build once)."""
+    import fcntl
 
-        if opts.store is not None:
-            raise CachelabError("--store needs cachelab.store, which this installation lacks") from None
-        return HashedRows()
     from cachelab.paths import cache_dir
+    from cachelab.store import TieredStore, build_tables
+    from cachelab.store.format import MANIFEST
 
     directory = opts.store
     if directory is None:
         directory = cache_dir() / "live-store" / f"{layout}-{DEFAULT_STORE_SCALE:g}"
-        if not (directory / "manifest.json").exists():
-            build_tables(layout, DEFAULT_STORE_SCALE, directory)
-    return TieredStore.open(directory, backing=opts.placement, hbm_policy=opts.row_cache_policy,
-                            hbm_capacity=opts.row_cache_capacity, dram_policy=opts.dram_cache_policy,
-                            dram_capacity=opts.dram_cache_capacity, device=opts.device)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        with open(directory.parent / f"{directory.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (directory / MANIFEST).exists():
+                build_tables(layout, DEFAULT_STORE_SCALE, directory)
+    elif not (Path(directory) / MANIFEST).exists():
+        raise CachelabError(f"--store {directory}: no {MANIFEST} there; build one with `cachelab store build`")
+    return TieredStore.open(directory, backing=PLACEMENTS.get(opts.placement, opts.placement),
+                            hbm_policy=opts.row_cache_policy, hbm_capacity=opts.row_cache_capacity,
+                            dram_policy=opts.dram_cache_policy, dram_capacity=opts.dram_cache_capacity,
+                            device=opts.device)
 
 
 def build_engine(opts: ServeOptions) -> LiveEngine:
@@ -156,7 +161,7 @@ def serve(opts: ServeOptions, announce=print) -> None:
     engine = build_engine(opts).start()
     app = create_app(engine, model_name(opts), Limits(opts.max_body_bytes, cfg.max_model_len), opts.api_key)
     announce(f"cachelab serve: model {model_name(opts)!r} ({cfg.name}, Engram at layers {list(cfg.engram_layers)}, "
-             f"rows from {getattr(engine.rows, 'name', type(engine.rows).__name__)}) on "
+             f"rows from {engine.rows.directory} ({PLACEMENTS.get(opts.placement, opts.placement)})) on "
              f"http://{opts.host}:{opts.port}/v1")
     app.router.add_event_handler("shutdown", engine.stop)  # uvicorn re-raises SIGTERM after its shutdown
     try:

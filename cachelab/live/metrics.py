@@ -94,19 +94,17 @@ class EngineMetrics:
 def _store_metrics(rows):
     """The row source's running totals (the store's counters: ``<tier>_hits``, ``*_bytes``
     per link, ``*_s`` per stage, row counts) as (name, doc, labels, value)."""
-    totals = getattr(rows, "totals", None)
-    if totals is None:
-        return
-    tiers = tuple(getattr(totals, "tiers", ()))
+    totals = rows.totals
+    tiers = tuple(totals.tiers)
     for key, value in totals.to_dict().items():
         if not isinstance(value, (int, float)) or key.endswith("_ratio"):
             continue
         tier = next((t for t in tiers if key.startswith(f"{t}_")), None)
-        if tier is not None:
+        if key.endswith("_bytes"):
+            yield "cachelab:engram_link_bytes", "Engram bytes moved per link.", {"link": key[:-6]}, value
+        elif tier is not None:
             what = key[len(tier) + 1:]
             yield f"cachelab:engram_tier_{what}", f"Engram rows: {what} per cache tier.", {"tier": tier}, value
-        elif key.endswith("_bytes"):
-            yield "cachelab:engram_link_bytes", "Engram bytes moved per link.", {"link": key[:-6]}, value
         elif key.endswith("_s"):
             yield "cachelab:engram_store_seconds", "Row source time per stage.", {"stage": key[:-2]}, value
         else:
