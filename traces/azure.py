@@ -2,8 +2,11 @@
 
 CSV with ``TIMESTAMP,ContextTokens,GeneratedTokens``: the 2023 release (Splitwise, about one
 hour each of a code and a conversation service; ``2023-11-16 18:17:03.9799600``) and the
-2024 week-long release (same columns, timestamps with a UTC offset). Arrival times become
-seconds since the first request; there is no text and no prefix information.
+2024 week-long release (same columns, timestamps with a UTC offset). A timestamp's UTC
+offset is applied (rows of different offsets land on one UTC clock); in a file whose
+timestamps carry offsets, a row without one is a bad row, never a guess at local time.
+Arrival times become seconds since the first request; there is no text and no prefix
+information.
 """
 
 from __future__ import annotations
@@ -19,10 +22,23 @@ from cachelab.trace.ingest import Ingest, count_field
 COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
 
-def _timestamp(col: str) -> tuple[pl.Expr, str]:
-    text = pl.col(col).str.replace(r"([+-]\d\d:?\d\d|Z)$", "").str.replace("T", " ", literal=True)
-    return (text.str.to_datetime("%Y-%m-%d %H:%M:%S%.f", strict=False, time_unit="ns"),
-            "a timestamp like 2023-11-16 18:17:03.9799600")
+OFFSET = r"([+-])(\d\d):?(\d\d)$|Z$"
+
+
+def _timestamp(col: str, with_offset: bool) -> tuple[pl.Expr, str]:
+    """The UTC time of each row; with ``with_offset`` (the file's timestamps carry UTC offsets)
+    a row without one is null, so it is a bad row."""
+    raw = pl.col(col)
+    naive = raw.str.replace(OFFSET, "").str.replace("T", " ", literal=True) \
+        .str.to_datetime("%Y-%m-%d %H:%M:%S%.f", strict=False, time_unit="ns")
+    if not with_offset:
+        return naive, "a timestamp like 2023-11-16 18:17:03.9799600"
+    sign = pl.when(raw.str.extract(OFFSET, 1) == "-").then(-1).otherwise(1)
+    minutes = raw.str.extract(OFFSET, 2).cast(pl.Int64) * 60 + raw.str.extract(OFFSET, 3).cast(pl.Int64)
+    offset = pl.when(raw.str.ends_with("Z")).then(0).otherwise(sign * minutes)
+    utc = naive - pl.duration(minutes=offset)
+    return (pl.when(raw.str.contains(OFFSET)).then(utc),
+            "a timestamp with a UTC offset like 2024-05-10 00:00:00.01+00:00 (as the file's other rows)")
 
 
 def _domain_of(path: Path) -> str:
@@ -52,14 +68,16 @@ class AzureTrace:
         self.domain = domain or _domain_of(self.path)
         self.skipped = 0
         self.first_skipped: str | None = None
+        self.skipped_lines: list[int] = []
 
     def arrivals(self) -> pl.DataFrame:
         ingest = Ingest(self.path, self.skip_bad)
         raw, lines = ingest.csv(COLUMNS)
-        typed = ingest.convert(raw, lines, {"TIMESTAMP": _timestamp("TIMESTAMP"),
+        with_offset = bool(raw["TIMESTAMP"].str.contains(OFFSET).any())
+        typed = ingest.convert(raw, lines, {"TIMESTAMP": _timestamp("TIMESTAMP", with_offset),
                                             "ContextTokens": count_field("ContextTokens"),
                                             "GeneratedTokens": count_field("GeneratedTokens")})
-        self.skipped, self.first_skipped = ingest.skipped, ingest.first_skipped
+        self.skipped, self.first_skipped, self.skipped_lines = ingest.skipped, ingest.first_skipped, ingest.skipped_lines
         if typed.height == 0:
             raise CachelabError(f"{self.path}: no usable requests ({ingest.skipped} bad rows skipped)")
         stamps = typed["TIMESTAMP"]

@@ -42,6 +42,7 @@ class BurstGPTTrace:
         self.models = models
         self.skipped = 0
         self.first_skipped: str | None = None
+        self.skipped_lines: list[int] = []
 
     def arrivals(self) -> pl.DataFrame:
         ingest = Ingest(self.path, self.skip_bad)
@@ -50,7 +51,7 @@ class BurstGPTTrace:
                        "Log Type": _label("Log Type")}
         conversions |= {c: count_field(c) for c in ("Request tokens", "Response tokens", "Total tokens")}
         typed = ingest.convert(raw, lines, conversions)
-        self.skipped, self.first_skipped = ingest.skipped, ingest.first_skipped
+        self.skipped, self.first_skipped, self.skipped_lines = ingest.skipped, ingest.first_skipped, ingest.skipped_lines
         if self.models is not None:
             typed = typed.filter(pl.col("Model").is_in(self.models))
         if typed.height == 0:

@@ -16,7 +16,6 @@ session's first request.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +23,7 @@ import polars as pl
 
 from cachelab.trace.arrivals import arrival_frame
 from cachelab.errors import CachelabError
-from cachelab.trace.ingest import MAX_COUNT, Ingest
+from cachelab.trace.ingest import MAX_COUNT, MAX_SECONDS, Ingest
 from cachelab.trace.schema import list_series
 
 BLOCK_SIZE = 512
@@ -43,8 +42,8 @@ def _parse(record, block_size: int) -> str | tuple:
     if missing:
         return f"missing field(s) {missing}"
     ts, n_in, n_out, ids = (record[f] for f in FIELDS)
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
-        return f"field 'timestamp': expected milliseconds >= 0, got {ts!r}"
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not 0 <= ts <= MAX_SECONDS * 1000:
+        return f"field 'timestamp': expected milliseconds from 0 to {MAX_SECONDS * 1000:g}, got {str(ts)[:40]}"
     for name, value in (("input_length", n_in), ("output_length", n_out)):
         if not _count(value):
             return f"field {name!r}: expected an integer from 0 to {MAX_COUNT}, got {value!r}"
@@ -80,6 +79,7 @@ class MooncakeTrace:
         self.block_size = block_size
         self.skipped = 0
         self.first_skipped: str | None = None
+        self.skipped_lines: list[int] = []
 
     def arrivals(self) -> pl.DataFrame:
         ingest = Ingest(self.path, self.skip_bad)
@@ -94,7 +94,7 @@ class MooncakeTrace:
             n_out.append(parsed[2])
             counts.append(len(parsed[3]))
             flat.extend(parsed[3])
-        self.skipped, self.first_skipped = ingest.skipped, ingest.first_skipped
+        self.skipped, self.first_skipped, self.skipped_lines = ingest.skipped, ingest.first_skipped, ingest.skipped_lines
         if not ts:
             raise CachelabError(f"{self.path}: no usable requests ({ingest.skipped} bad lines skipped)")
         offsets = np.zeros(len(counts) + 1, dtype=np.int32)

@@ -69,7 +69,14 @@ def read_windows(ingest: Ingest) -> pl.DataFrame:
     for p in ("p1", "p2"):  # an idle window's parameters are ignored (ServeGen writes 0)
         value, expected = _number(p, positive=True)
         conversions[p] = (pl.when(idle).then(pl.lit(0.0)).otherwise(value), expected)
-    typed = ingest.convert(raw, np.asarray(lines, dtype=np.int64), conversions)
+    lines = np.asarray(lines, dtype=np.int64)
+    typed = ingest.convert(raw.with_columns(pl.Series("line", lines)), lines,
+                           {**conversions, "line": (pl.col("line"), "a line")})
+    dup = typed.filter(pl.col("start_s").is_duplicated()).sort("start_s", "line")
+    if dup.height:
+        start, first, second = dup["start_s"][0], dup["line"][0], dup["line"][1]
+        raise CachelabError(f"{ingest.path}:{second}: window start {start} s repeats line {first}'s; "
+                            "each 10-minute window is one row")
     return typed.select(TRACE_FIELDS).sort("start_s")  # in file-column order: callers unpack rows
 
 
@@ -84,9 +91,24 @@ def _line_of(text: str, *needles: str) -> int:
     return text.count("\n", 0, pos) + 1
 
 
-def read_pmfs(path: Path, skip_bad: bool) -> dict[int, dict[str, tuple[np.ndarray, np.ndarray]]]:
-    """Dataset window start -> field -> (values, cumulative probabilities), for windows with both PMFs."""
-    ingest = Ingest(path, skip_bad)
+def _unique_keys(path: Path, text: str):
+    """A ``json.loads`` object hook that refuses a repeated key (a window start), naming its line."""
+    def hook(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                line = text.count("\n", 0, text.find(f'"{key}"', text.find(f'"{key}"') + 1)) + 1
+                raise CachelabError(f"{path}:{line}: window {key!r} appears twice; the second would "
+                                    "silently replace the first")
+            seen.add(key)
+        return dict(pairs)
+    return hook
+
+
+def read_pmfs(ingest: Ingest) -> dict[int, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """Dataset window start -> field -> (values, cumulative probabilities), for windows with both
+    PMFs; a window with a bad PMF is a bad row of ``ingest`` (counted under ``skip_bad``)."""
+    path = ingest.path
     raw = path.read_bytes()
     try:
         text = raw.decode("utf-8")
@@ -96,7 +118,7 @@ def read_pmfs(path: Path, skip_bad: bool) -> dict[int, dict[str, tuple[np.ndarra
     if not text.strip():
         raise CachelabError(f"{path}: empty file")
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=_unique_keys(path, text))
     except json.JSONDecodeError as exc:
         raise CachelabError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
     if not isinstance(data, dict):
@@ -178,6 +200,7 @@ class ServeGenWorkload:
         self.skip_bad = skip_bad
         self.domain = domain or self.path.parent.name
         self.skipped = 0
+        self.skipped_lines: list[str] = []  # FILE:LINE of every skipped row, trace and dataset windows
 
     def client_files(self) -> dict[int, Path]:
         found = {int(m.group(1)): p for p in self.path.iterdir() if (m := _CLIENT.match(p.name))}
@@ -196,8 +219,11 @@ class ServeGenWorkload:
         dataset = trace_path.with_name(f"chunk-{client}-dataset.json")
         if not dataset.is_file():
             raise CachelabError(f"{dataset}: missing (every trace file needs its dataset file)")
-        pmfs = read_pmfs(dataset, self.skip_bad)
-        self.skipped += ingest.skipped
+        pmf_ingest = Ingest(dataset, self.skip_bad)
+        pmfs = read_pmfs(pmf_ingest)
+        for one in (ingest, pmf_ingest):
+            self.skipped += one.skipped
+            self.skipped_lines += [f"{one.path.name}:{line}" for line in one.skipped_lines]
         rng = np.random.default_rng([self.seed, client])
         starts = windows["start_s"].to_numpy()
         ends = np.append(starts[1:], starts[-1] + (starts[-1] - starts[-2] if starts.size > 1 else 600)) \

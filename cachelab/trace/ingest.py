@@ -2,8 +2,11 @@
 
 Importers parse each line themselves and call ``Ingest.bad`` on anything they cannot use:
 by default that raises a CachelabError ``FILE:LINE: what is wrong``; with ``skip_bad`` the
-line is skipped and counted, so a damaged file never yields silently fewer rows. Gzip input
-is detected by its magic bytes.
+line is skipped and counted, so a damaged file never yields silently fewer rows: every
+non-blank line is a row out or a row skipped, and ``skipped_lines`` names each skipped one.
+A CSV is read one physical line per record (these traces hold no quoted line breaks), so a
+stray quote damages its own line only, and the error names that line. Gzip input is
+detected by its magic bytes; a UTF-8 byte-order mark is dropped.
 """
 
 from __future__ import annotations
@@ -29,6 +32,13 @@ def open_binary(path: Path):
     return gzip.open(path, "rb") if magic == b"\x1f\x8b" else open(path, "rb")
 
 
+def _fields(text: str) -> list[str]:
+    """One physical line's CSV fields: a plain split unless the line quotes something."""
+    if '"' not in text and "\x00" not in text:
+        return text.split(",")
+    return next(csv.reader((text,), strict=True), [])
+
+
 @dataclass
 class Ingest:
     """One foreign file being read: its lines, and the bad ones skipped or reported."""
@@ -38,6 +48,7 @@ class Ingest:
     skipped: int = 0
     first_skipped: str | None = None
     lines_read: int = field(default=0)
+    skipped_lines: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.path = Path(os.fspath(self.path))
@@ -50,6 +61,7 @@ class Ingest:
         if not self.skip_bad:
             raise CachelabError(f"{where} (pass --skip-bad to skip such rows and count them)")
         self.skipped += 1
+        self.skipped_lines.append(line)
         self.first_skipped = self.first_skipped or where
 
     def lines(self) -> Iterator[tuple[int, str]]:
@@ -63,6 +75,8 @@ class Ingest:
                     except UnicodeDecodeError as exc:
                         self.bad(number, f"not UTF-8 (byte {exc.start}: {raw[exc.start:exc.start + 1]!r})")
                         continue
+                    if number == 1:
+                        text = text.removeprefix("\ufeff")
                     yield number, text.rstrip("\r\n")
         except (OSError, EOFError) as exc:  # truncated gzip stream, unreadable file
             raise CachelabError(f"{self.path}:{self.lines_read + 1}: unreadable ({exc})") from None
@@ -75,51 +89,43 @@ class Ingest:
             if not text.strip():
                 continue
             try:
-                yield number, json.loads(text)
+                value = json.loads(text)
             except json.JSONDecodeError as exc:
                 self.bad(number, f"not valid JSON ({exc.msg} at column {exc.colno})")
+                continue
+            except (ValueError, RecursionError) as exc:  # a number of thousands of digits, deep nesting
+                self.bad(number, f"not usable JSON ({type(exc).__name__}: {str(exc)[:80]})")
+                continue
+            yield number, value
 
     def csv(self, required: Sequence[str]) -> tuple[pl.DataFrame, np.ndarray]:
         """The ``required`` columns of a CSV with a header, as strings, and each row's line number.
 
         Rows with the wrong number of fields (a truncated or run-on line) are bad rows.
         """
-        numbers: list[int] = []
-
-        def texts():
-            for number, text in self.lines():
-                if text.strip():
-                    numbers.append(number)
-                    yield text
-
-        reader = csv.reader(texts())
-        try:
-            header = next(reader, None)
-        except csv.Error as exc:
-            raise CachelabError(f"{self.path}:{numbers[-1]}: malformed CSV header ({exc})") from None
-        if header is None:
+        rows = ((number, text) for number, text in self.lines() if text.strip())
+        first = next(rows, None)
+        if first is None:
             raise CachelabError(f"{self.path}: empty file (no header, no requests)")
-        header = [h.strip() for h in header]
+        header_line, header = first[0], [h.strip() for h in _fields(first[1])]
         missing = [c for c in required if c not in header]
         if missing:
-            raise CachelabError(f"{self.path}:{numbers[0]}: missing column(s) {missing}; the header has {header}")
+            raise CachelabError(f"{self.path}:{header_line}: missing column(s) {missing}; the header has {header}")
         index = [header.index(c) for c in required]
         columns: list[list[str]] = [[] for _ in required]
         lines: list[int] = []
-        while True:
+        for number, text in rows:
             try:
-                row = next(reader)
-            except StopIteration:
-                break
-            except csv.Error as exc:  # a NUL byte, an unterminated quote
-                self.bad(numbers[-1], f"malformed CSV ({exc})")
+                row = _fields(text)
+            except csv.Error as exc:  # a NUL byte, a quote where none may be
+                self.bad(number, f"malformed CSV ({exc})")
                 continue
             if len(row) != len(header):
-                self.bad(numbers[-1], f"{len(row)} fields, expected {len(header)} ({', '.join(header)})")
+                self.bad(number, f"{len(row)} fields, expected {len(header)} ({', '.join(header)})")
                 continue
             for out, i in zip(columns, index):
                 out.append(row[i].strip())
-            lines.append(numbers[-1])
+            lines.append(number)
         frame = pl.DataFrame({c: pl.Series(v, dtype=pl.String) for c, v in zip(required, columns)})
         return frame, np.asarray(lines, dtype=np.int64)
 
@@ -153,7 +159,11 @@ def count_field(col: str) -> tuple[pl.Expr, str]:
     return pl.when((value >= 0) & (value <= MAX_COUNT)).then(value), "an integer from 0 to 2^31 - 1"
 
 
+MAX_SECONDS = 1e9  # about 31.7 years: a longer trace clock is damage, not data
+
+
 def seconds_field(col: str) -> tuple[pl.Expr, str]:
-    """A time in seconds: a finite number >= 0."""
+    """A time in seconds: a number from 0 to ``MAX_SECONDS``."""
     value = pl.col(col).cast(pl.Float64, strict=False)
-    return pl.when(value.is_finite() & (value >= 0)).then(value), "a number of seconds >= 0"
+    return (pl.when(value.is_finite() & (value >= 0) & (value <= MAX_SECONDS)).then(value),
+            f"a number of seconds from 0 to {MAX_SECONDS:g}")

@@ -1,0 +1,250 @@
+"""Importers under damage: rows in = rows out + rows skipped, every skip named by its line,
+and without --skip-bad the error names the first damaged line.
+
+A Hypothesis fuzz per importer (Azure, BurstGPT, Mooncake, ServeGen windows) damages a
+valid file (truncation, garbage lines, stray quotes, other encodings, huge and negative
+numbers, blank lines) and checks that bookkeeping exactly; then the cases the issue found:
+the Azure stray quote at line 101, a BOM header, mixed UTC offsets, ServeGen window skips and
+duplicate window starts, and Mooncake timestamps of 400 digits or 1e300 ms.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+from typer.testing import CliRunner
+
+from cachelab.cli import app
+from cachelab.errors import CachelabError
+from cachelab.trace.ingest import Ingest
+from traces.azure import AzureTrace
+from traces.burstgpt import BurstGPTTrace
+from traces.mooncake import MooncakeTrace
+from traces.servegen import ServeGenWorkload, read_windows
+
+runner = CliRunner()
+
+
+def azure(n: int, seed: int = 0) -> str:
+    rng = np.random.default_rng(seed)
+    rows = [f"2023-11-16 18:{i // 60 % 60:02d}:{i % 60:02d}.{int(rng.integers(10**7)):07d},"
+            f"{int(rng.integers(1, 9000))},{int(rng.integers(1, 900))}" for i in range(n)]
+    return "TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n"
+
+
+def burstgpt(n: int, seed: int = 0) -> str:
+    rng = np.random.default_rng(seed)
+    rows = [f"{i * 1.5},ChatGPT,{(a := int(rng.integers(1, 900)))},{(b := int(rng.integers(1, 90)))},{a + b},"
+            "Conversation log" for i in range(n)]
+    return "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n" + "\n".join(rows) + "\n"
+
+
+def mooncake(n: int, seed: int = 0) -> str:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        n_in = int(rng.integers(1, 3000))
+        out.append(json.dumps({"timestamp": i * 100, "input_length": n_in, "output_length": int(rng.integers(1, 99)),
+                               "hash_ids": list(range(-(-n_in // 512)))}))
+    return "\n".join(out) + "\n"
+
+
+def servegen(n: int, seed: int = 0) -> str:
+    rng = np.random.default_rng(seed)
+    return "".join(f"{600 * i},{rng.uniform(0.1, 3):.3f},{rng.uniform(0.5, 2):.3f},Gamma,{rng.uniform(0.5, 2):.3f},"
+                   f"{rng.uniform(0.1, 3):.3f}\n" for i in range(n))
+
+
+def _windows(path, skip_bad):
+    ingest = Ingest(path, skip_bad)
+    frame = read_windows(ingest)
+    return frame.height, ingest.skipped, ingest.skipped_lines
+
+
+def _arrivals(cls):
+    def read(path, skip_bad):
+        source = cls(str(path), skip_bad=skip_bad)
+        frame = source.arrivals()
+        return frame.height, source.skipped, source.skipped_lines
+    return read
+
+
+IMPORTERS = {  # name: (file name, valid text maker, header lines, reader -> (rows out, skipped, skipped lines))
+    "azure": ("AzureLLMInferenceTrace_code.csv", azure, 1, _arrivals(AzureTrace)),
+    "burstgpt": ("BurstGPT_1.csv", burstgpt, 1, _arrivals(BurstGPTTrace)),
+    "mooncake": ("x_trace.jsonl", mooncake, 0, _arrivals(MooncakeTrace)),
+    "servegen": ("chunk-0-trace.csv", servegen, 0, _windows),
+}
+
+
+def _data_lines(data: bytes, header: int) -> list[int]:
+    """The 1-based numbers of the lines an importer must account for: non-blank (or not UTF-8)
+    lines after the header, split as a binary file iterates."""
+    numbers = []
+    for number, raw in enumerate(data.splitlines(keepends=True), start=1):
+        try:
+            text = raw.decode("utf-8").removeprefix("\ufeff" if number == 1 else "")
+        except UnicodeDecodeError:
+            numbers.append(number)
+            continue
+        if text.strip():
+            numbers.append(number)
+    return numbers[header:]
+
+
+@st.composite
+def damaged(draw):
+    name = draw(st.sampled_from(sorted(IMPORTERS)))
+    file, make, header, _ = IMPORTERS[name]
+    lines = make(draw(st.integers(1, 25)), draw(st.integers(0, 99))).encode().splitlines(keepends=True)
+    for _ in range(draw(st.integers(1, 4))):
+        i = draw(st.integers(header, len(lines)))  # never the header: a bad header is an error, tested below
+        how = draw(st.sampled_from(["quote", "garbage", "huge", "negative", "latin1", "blank", "nul", "cut"]))
+        line = lines[i] if i < len(lines) else b"\n"
+        at = draw(st.integers(0, max(len(line) - 1, 0)))
+        if how == "quote":
+            line = line[:at] + b'"' + line[at:]
+        elif how == "garbage":
+            lines.insert(i, draw(st.binary(min_size=1, max_size=40)).replace(b"\n", b"") + b"\n")
+            continue
+        elif how in ("huge", "negative"):
+            digits = [k for k, c in enumerate(line) if chr(c).isdigit()]
+            if digits:
+                k = digits[draw(st.integers(0, len(digits) - 1))]
+                line = line[:k] + (b"9" * 40 if how == "huge" else b"-") + line[k:]
+        elif how == "latin1":
+            line = line[:at] + "é".encode("latin-1") + line[at:]
+        elif how == "blank":
+            lines.insert(i, b"  \r\n")
+            continue
+        elif how == "nul":
+            line = line[:at] + b"\x00" + line[at:]
+        else:
+            line = line[:at]
+        if i < len(lines):
+            lines[i] = line
+        else:
+            lines.append(line)
+    data = b"".join(lines)
+    if draw(st.booleans()):  # a truncated file
+        data = data[:draw(st.integers(len(b"".join(lines[:header + 1])), len(data)))]
+    return name, data
+
+
+@settings(max_examples=160, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(damaged())
+def test_rows_in_equal_rows_out_plus_rows_skipped(tmp_path, case):
+    name, data = case
+    file, _, header, read = IMPORTERS[name]
+    path = tmp_path / file
+    path.write_bytes(data)
+    expected = _data_lines(data, header)
+    try:
+        rows, skipped, skipped_lines = read(path, True)
+    except CachelabError as exc:  # allowed only when nothing usable is left, or windows repeat
+        assert file in str(exc)
+        assert "no usable requests" in str(exc) or "repeats line" in str(exc) or "no requests" in str(exc)
+        return
+    lines = [int(str(x).rsplit(":", 1)[-1]) for x in skipped_lines]
+    assert rows + skipped == len(expected), "every data line is a row out or a row skipped"
+    assert len(lines) == skipped and len(set(lines)) == skipped and set(lines) <= set(expected)
+    if lines:  # without --skip-bad, the first skipped line is the one the error names
+        with pytest.raises(CachelabError, match=rf"{file}:{lines[0]}: "):
+            read(path, False)
+    else:
+        assert read(path, False)[0] == rows
+
+
+def test_azure_stray_quote_damages_its_own_line_only(tmp_path):
+    """One quote at the start of line 101 used to swallow 3,823 rows and blame line 3924."""
+    lines = azure(400).splitlines()
+    lines[100] = '"' + lines[100]
+    path = tmp_path / "AzureLLMInferenceTrace_code.csv"
+    path.write_text("\n".join(lines) + "\n")
+    source = AzureTrace(str(path), skip_bad=True)
+    assert source.arrivals().height == 399 and source.skipped == 1 and source.skipped_lines == [101]
+    with pytest.raises(CachelabError, match=r"AzureLLMInferenceTrace_code.csv:101: malformed CSV"):
+        AzureTrace(str(path)).arrivals()
+
+
+@pytest.mark.data
+def test_azure_stray_quote_in_the_real_code_trace(tmp_path, data_dir):
+    real = data_dir / "traces/azure_llm_2023/AzureLLMInferenceTrace_code.csv"
+    lines = real.read_text().splitlines()
+    lines[100] = '"' + lines[100]
+    path = tmp_path / real.name
+    path.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "t.parquet"
+    res = runner.invoke(app, ["trace", "build", "--arrivals", "azure", "--arrivals-path", str(path), "--skip-bad",
+                              "-o", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["skipped_rows"] == 1
+    assert json.loads(runner.invoke(app, ["trace", "info", str(out), "--json"]).stdout)["requests"] == len(lines) - 2
+    res = runner.invoke(app, ["trace", "build", "--arrivals", "azure", "--arrivals-path", str(path), "-o", str(out)])
+    assert res.exit_code == 2 and f"{path}:101: malformed CSV" in res.output
+
+
+def test_azure_bom_header_and_mixed_utc_offsets(tmp_path):
+    path = tmp_path / "AzureLLMInferenceTrace_conv_1week.csv"
+    path.write_bytes("\ufeffTIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10 00:00:00+00:00,10,1\n"
+                     "2024-05-10 05:00:02.5+05:00,20,2\n2024-05-09T23:00:04Z,30,3\n".encode())
+    df = AzureTrace(str(path)).arrivals()  # one UTC clock: 23:00:04Z the day before comes first
+    assert sorted(df["arrival_s"].to_list()) == pytest.approx([0.0, 3596.0, 3598.5])
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10 00:00:00+00:00,10,1\n"
+                    "2024-05-10 00:00:01,20,2\n")
+    with pytest.raises(CachelabError, match=r"_1week.csv:3: field 'TIMESTAMP'.*UTC offset"):
+        AzureTrace(str(path)).arrivals()
+
+
+def _servegen_folder(tmp_path, trace: str, dataset: dict):
+    folder = tmp_path / "reason" / "model"
+    folder.mkdir(parents=True)
+    (folder / "chunk-0-trace.csv").write_text(trace)
+    (folder / "chunk-0-dataset.json").write_text(json.dumps(dataset, indent=1))
+    return folder
+
+
+PMF = {"input_tokens": "{100: 0.5, 200: 0.5}", "output_tokens": "{10: 1.0}"}
+
+
+def test_servegen_window_skips_are_counted(tmp_path):
+    """A bad length PMF used to drop its window's requests with skipped_rows: 0."""
+    folder = _servegen_folder(tmp_path, "0,2.0,1.0,Gamma,1,1\n600,2.0,1.0,Gamma,1,1\n",
+                              {"0": PMF, "600": {**PMF, "input_tokens": "{100: 0.7}"}})
+    with pytest.raises(CachelabError, match=r"chunk-0-dataset.json:\d+: window 600, field 'input_tokens'"):
+        ServeGenWorkload(str(folder), duration_s=1200).arrivals()
+    source = ServeGenWorkload(str(folder), duration_s=1200, skip_bad=True)
+    source.arrivals()
+    assert source.skipped == 1 and source.skipped_lines[0].startswith("chunk-0-dataset.json:")
+    out = tmp_path / "t.parquet"
+    res = runner.invoke(app, ["trace", "build", "--arrivals", "servegen", "--arrivals-path", str(folder),
+                              "--arrival-option", "duration_s=1200", "--skip-bad", "-o", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["skipped_rows"] == 1
+
+
+def test_servegen_duplicate_window_start_is_an_error(tmp_path):
+    folder = _servegen_folder(tmp_path, "0,2.0,1.0,Gamma,1,1\n600,2.0,1.0,Gamma,1,1\n600,5.0,1.0,Gamma,1,1\n",
+                              {"0": PMF})
+    with pytest.raises(CachelabError, match=r"chunk-0-trace.csv:3: window start 600 s repeats line 2"):
+        ServeGenWorkload(str(folder), duration_s=1200, skip_bad=True).arrivals()
+    dataset = folder / "chunk-0-dataset.json"
+    (folder / "chunk-0-trace.csv").write_text("0,2.0,1.0,Gamma,1,1\n")
+    dataset.write_text('{\n "0": ' + json.dumps(PMF) + ',\n "0": ' + json.dumps(PMF) + "\n}\n")
+    with pytest.raises(CachelabError, match=r"chunk-0-dataset.json:3: window '0' appears twice"):
+        ServeGenWorkload(str(folder), duration_s=600).arrivals()
+
+
+@pytest.mark.parametrize("stamp", ["1" * 400, "1e300", "-1", "NaN"])
+def test_mooncake_absurd_timestamps_are_bad_rows(tmp_path, stamp):
+    path = tmp_path / "x_trace.jsonl"
+    path.write_text(mooncake(3) + '{"timestamp": ' + stamp + ', "input_length": 1, "output_length": 1, '
+                    '"hash_ids": [5]}\n')
+    with pytest.raises(CachelabError, match=r"x_trace.jsonl:4: field 'timestamp'"):
+        MooncakeTrace(str(path)).arrivals()
+    source = MooncakeTrace(str(path), skip_bad=True)
+    assert source.arrivals().height == 3 and source.skipped_lines == [4]
