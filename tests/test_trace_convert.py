@@ -110,3 +110,25 @@ def test_cloudphysics_round_trip(data_dir, tmp_path):
     a, b = np.fromfile(src, dtype=ORACLE_DTYPE), np.fromfile(tmp_path / "cp.bin", dtype=ORACLE_DTYPE)
     assert a.size == b.size == 113_872
     assert np.array_equal(a["id"], b["id"]) and np.array_equal(a["next"], b["next"])
+
+
+@pytest.mark.parametrize("verb", [["trace", "info"], ["trace", "convert"]])
+def test_a_corrupt_data_page_is_a_clear_error(content_trace, tmp_path, verb):
+    """The footer reads, a data page does not: a 17-frame ZSTD traceback before, an error naming the file now."""
+    import pyarrow.parquet as pq
+
+    path, _ = content_trace
+    bad = tmp_path / "bad.parquet"
+    data = bytearray(path.read_bytes())
+    meta = pq.ParquetFile(path).metadata
+    for col in range(meta.num_columns):  # scramble the middle of every column chunk's pages
+        chunk = meta.row_group(0).column(col)
+        start = chunk.dictionary_page_offset or chunk.data_page_offset
+        for i in range(start + 6, start + chunk.total_compressed_size - 2):
+            data[i] ^= 0x5A
+    bad.write_bytes(bytes(data))
+    assert pq.read_schema(bad)  # the footer is intact
+    args = [*verb, str(bad)] + ([str(tmp_path / "out.oracleGeneral")] if verb[1] == "convert" else [])
+    res = runner.invoke(app, args)
+    assert res.exit_code == 2, res.output
+    assert f"{bad}: damaged Parquet data" in res.output and "Traceback" not in res.output

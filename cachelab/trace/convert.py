@@ -16,7 +16,6 @@ import os
 
 import numpy as np
 import polars as pl
-import pyarrow.parquet as pq
 
 from cachelab.trace.arrivals import arrival_frame
 from cachelab.defaults import PRESET
@@ -25,7 +24,7 @@ from cachelab.errors import CachelabError
 from cachelab.trace.keytrace import read_oracle_records
 from cachelab.workload.lookups import LookupStream
 from cachelab.workload.prefix_cache.hashing import chained_block_hashes
-from cachelab.trace.schema import list_series, scan_trace, validate
+from cachelab.trace.schema import iter_batches, list_series, scan_trace, validate
 
 KEY_KINDS = ("rows", "blocks")
 BATCH_ROWS = 256
@@ -36,7 +35,7 @@ def _batches(path: str | os.PathLike, max_requests: int | None):
     """Validated record batches of the trace, up to ``max_requests`` rows."""
     scan_trace(path)
     seen = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS):
+    for batch in iter_batches(path, BATCH_ROWS):
         if max_requests is not None and seen >= max_requests:
             return
         if max_requests is not None:

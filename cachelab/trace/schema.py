@@ -14,7 +14,7 @@ is reported with the file, the row and the field.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -126,11 +126,7 @@ def read_trace(path: str | os.PathLike) -> pl.DataFrame:
     """The whole table, validated (eager)."""
     path = Path(path)
     _check_file_schema(path)
-    try:
-        df = pl.read_parquet(path)
-    except Exception as exc:  # polars raises several error types for damaged files
-        raise CachelabError(f"{path}: unreadable Parquet ({exc})") from None
-    return validate(df, str(path))
+    return validate(collect(pl.scan_parquet(path), path), str(path))
 
 
 def scan_trace(path: str | os.PathLike) -> pl.LazyFrame:
@@ -145,6 +141,36 @@ def scan_trace(path: str | os.PathLike) -> pl.LazyFrame:
         if schema[name] != dtype:
             raise CachelabError(f"{path}: field {name!r} has type {schema[name]}, expected {dtype}")
     return lazy
+
+
+def damaged(path: Path, exc: BaseException, rows_read: int | None = None) -> CachelabError:
+    """The error for a trace whose footer reads but whose data does not (a corrupt page)."""
+    where = f" after row {rows_read:,}" if rows_read is not None else ""
+    return CachelabError(f"{path}: damaged Parquet data{where} ({type(exc).__name__}: {str(exc)[:200]}); the "
+                         "footer reads but a data page does not: rebuild the trace (`cachelab trace build`) "
+                         "or restore the file")
+
+
+def collect(lazy: pl.LazyFrame, path: Path) -> pl.DataFrame:
+    """``lazy.collect()`` over a trace file, a damaged page named as ``damaged`` says."""
+    try:
+        return lazy.collect()
+    except Exception as exc:  # polars raises several error types for damaged files
+        raise damaged(Path(path), exc) from None
+
+
+def iter_batches(path: str | os.PathLike, batch_size: int) -> Iterator[pa.RecordBatch]:
+    """The trace's record batches in order (schema checked first); a damaged data page is a
+    CachelabError naming the file and the rows read before it, not a library traceback."""
+    path = Path(path)
+    _check_file_schema(path)
+    seen = 0
+    try:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size):
+            yield batch
+            seen += batch.num_rows
+    except (pa.ArrowException, OSError) as exc:
+        raise damaged(path, exc, seen) from None
 
 
 def conform(df: pl.DataFrame) -> pl.DataFrame:

@@ -14,13 +14,12 @@ from collections.abc import Callable
 
 import numpy as np
 import polars as pl
-import pyarrow.parquet as pq
 
 from cachelab.defaults import PRESET
 from cachelab.engram import Addresser, get_preset
 from cachelab.engram.stats import row_skew
 from cachelab.workload.prefix_cache.hashing import DistinctCounter, chained_block_hashes
-from cachelab.trace.schema import scan_trace, validate
+from cachelab.trace.schema import collect, iter_batches, scan_trace, validate
 
 SMALL_BLOCK = 16
 BATCH_ROWS = 256
@@ -41,8 +40,9 @@ def summarize(path: str | os.PathLike, *, preset: str = PRESET, engram_tokens: i
         pl.col("prompt_len").cast(pl.Int64).sum().alias("tokens_in"),
         pl.col("output_len").cast(pl.Int64).sum().alias("tokens_out"),
         pl.col("block_size").drop_nulls().unique().implode().alias("block_sizes"),
-    ).collect().row(0, named=True)
-    domains = lazy.group_by("domain").len().sort("domain").collect()
+    )
+    agg = collect(agg, path).row(0, named=True)
+    domains = collect(lazy.group_by("domain").len().sort("domain"), path)
     block_sizes = agg["block_sizes"]
     block_size = block_sizes[0] if len(block_sizes) == 1 else None
     sizes = sorted({s for s in (block_size, SMALL_BLOCK) if s})
@@ -52,7 +52,7 @@ def summarize(path: str | os.PathLike, *, preset: str = PRESET, engram_tokens: i
     engram_rows, addressed = [], 0
     content = hashes = True  # until a batch shows otherwise
     seen = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS):
+    for batch in iter_batches(path, BATCH_ROWS):
         frame = validate(pl.from_arrow(batch), str(path), first_row=seen)  # every row, in bounded memory
         seen += batch.num_rows
         content = content and bool(((frame["prompt_ids"].list.len() == frame["prompt_len"])
