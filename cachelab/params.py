@@ -67,8 +67,8 @@ def check_params(cls, params: dict, where: str) -> None:
         if key not in takes:
             if takes_any:
                 continue
-            raise CachelabError(f"{where}: {getattr(cls, '__name__', cls)} has no parameter {key!r}; "
-                                f"it takes {sorted(takes) or 'none'}")
+            name = getattr(cls, "name", None) or getattr(cls, "__name__", cls)
+            raise CachelabError(f"{where}: {name!r} has no parameter {key!r}; it takes {sorted(takes) or 'none'}")
         kinds = _kinds(hints.get(key), takes[key].default)
         if kinds is None or any(_KINDS[k](value) for k in kinds):
             continue

@@ -47,7 +47,10 @@ def test_valid_spec_expands_to_a_hashed_grid(tmp_path):
     ('source = "stdlib"', 'source = "nope"', "workload.source: unknown workload 'nope'; allowed: "),
     ("tokens_per_step = 512", "tokens_per_step = 512\nsauce = 1", "workload.sauce: unknown key"),
     ('name = "tiny"', 'name = "a b"', "name: String should match pattern"),
-    ("max_chars = 40000", "max_lines = 4", "workload.params: 'stdlib' does not take ['max_lines']; allowed: "),
+    ("max_chars = 40000", "max_lines = 4", "workload.params: 'stdlib' has no parameter 'max_lines'; it takes "),
+    ("max_chars = 40000", 'max_chars = "lots"', "workload.params.max_chars must be an integer or none, got 'lots'"),
+    ("max_chars = 40000", "max_chars = -5", "workload.params: 'stdlib': max_chars must be a number of characters > 0"),
+    ('capacity = "1%"', "capacity = true", "hierarchy.tiers[0].capacity: a capacity is rows, a share"),
     ('policy = "lru"', 'policy = "lru"\nadmission = "maybe"', "hierarchy.tiers[0]: unknown admission 'maybe'"),
     ('"always", "tinylfu"', '"always", 7', "sweep.'hierarchy.hbm.admission'[1]: hierarchy.tiers[0].admission: "
                                           "Input should be a valid string"),
@@ -57,6 +60,17 @@ def test_valid_spec_expands_to_a_hashed_grid(tmp_path):
 ])
 def test_bad_spec_names_the_key(tmp_path, old, new, expected):
     assert expected in _error(tmp_path, old, new)
+
+
+@pytest.mark.parametrize("params, expected", [
+    ('{ n_estimators = "many" }', "predictor.params.n_estimators must be an integer, got 'many'"),
+    ("{ n_trees = 5 }", "predictor.params: 'lightgbm' has no parameter 'n_trees'"),
+    ("{ learning_rate = true }", "predictor.params.learning_rate must be a number, got True"),
+])
+def test_predictor_params_are_typed_before_any_work(tmp_path, params, expected):
+    """n_estimators = "many" used to fail after two points had run."""
+    extra = f'\n[predictor]\nname = "lightgbm"\nparams = {params}\n'
+    assert expected in _error(tmp_path, "seeds = [0]", "seeds = [0]", extra=extra)
 
 
 def test_unknown_policy_in_sweep_lists_allowed(tmp_path):
@@ -119,7 +133,7 @@ def test_a_kind_ignores_the_axes_it_does_not_read(tmp_path):
     learned = points[-1]
     assert "hierarchy" not in learned.config and learned.axes == {"kind": "learned", "seed": 0}
     path.write_text(path.read_text().replace('name = "lightgbm"', 'name = "lightgbm"\nparams = { trees = 3 }'))
-    with pytest.raises(CachelabError, match=r"predictor.params: 'lightgbm' takes \["):
+    with pytest.raises(CachelabError, match=r"predictor.params: 'lightgbm' has no parameter 'trees'; it takes \["):
         load_spec(path)
 
 

@@ -12,6 +12,7 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
+from cachelab.errors import CachelabError
 from cachelab.trace.corpus import Document
 
 SKIP_PARTS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3"}
@@ -23,6 +24,8 @@ class StdlibCorpus:
     name = "stdlib"
 
     def __init__(self, max_chars: int | None = None, root: str | None = None):
+        if max_chars is not None and not max_chars > 0:
+            raise CachelabError(f"max_chars must be a number of characters > 0, got {max_chars!r}")
         self.max_chars = max_chars
         self.root = Path(root or sysconfig.get_paths()["stdlib"])
 

@@ -20,15 +20,15 @@ from __future__ import annotations
 import copy
 import inspect
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import BeforeValidator, Field, field_validator
 
 from cachelab import defaults, registry
 from cachelab.capacity import capacity_rows, parse_capacity
 from cachelab.errors import CachelabError
 from cachelab.experiment.kinds import get_kind, kind_names
-from cachelab.params import parse_pair
+from cachelab.params import check_params, parse_pair
 from cachelab.paths import resolve_data_path
 from cachelab.validation import Strict, read_toml, validate
 
@@ -36,6 +36,15 @@ __all__ = ["ExperimentSpec", "HierarchySpec", "PredictorSpec", "ServingSpec", "T
            "capacity_rows", "check_spec", "kinds", "load_spec", "make_tier_policy", "page_cache_bytes",
            "parse_spec", "resolve_data_path", "set_key"]
 _SINGULAR = {registry.POLICIES: "policy", registry.PREDICTORS: "predictor", registry.WORKLOADS: "workload"}
+
+
+def _not_bool(value):
+    if isinstance(value, bool):  # TOML true would otherwise pass as the integer 1
+        raise ValueError("a capacity is rows, a share ('1%', 0.01) or bytes ('64 MiB'), not true or false")
+    return value
+
+
+CapacityValue = Annotated[int | float | str, BeforeValidator(_not_bool)]
 
 
 class WorkloadSpec(Strict):
@@ -54,7 +63,7 @@ class WorkloadSpec(Strict):
 
 class TierSpec(Strict):
     name: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
-    capacity: int | float | str = Field(description="rows, a fraction or percentage of the distinct rows, or bytes")
+    capacity: CapacityValue = Field(description="rows, a fraction or percentage of the distinct rows, or bytes")
     policy: str = "lru"
     admission: str = "always"
     params: dict[str, Any] = Field(default_factory=dict, description="policy constructor arguments")
@@ -64,7 +73,8 @@ class TierSpec(Strict):
 class HierarchySpec(Strict):
     tiers: list[TierSpec] = Field(min_length=1)
     backing: Literal["dram", "ssd"] = "dram"
-    page_cache: int | str = Field(0, description="SSD backing: page-cache bytes (int or '8 GiB')")
+    page_cache: Annotated[int | str, BeforeValidator(_not_bool)] = Field(
+        0, description="SSD backing: page-cache bytes (int or '8 GiB')")
     page_policy: str = "lru"
 
 
@@ -77,7 +87,7 @@ class PredictorSpec(Strict):
     train_fraction: float = Field(defaults.TRAIN_FRACTION, gt=0, lt=1)
     horizon: int = Field(defaults.HORIZON, gt=0, description="label horizon in lookups")
     max_samples: int = Field(defaults.MAX_SAMPLES, gt=0, description="training samples drawn from the window")
-    capacities: list[int | float | str] = Field(default_factory=lambda: ["0.1%", "1%", "5%"], min_length=1,
+    capacities: list[CapacityValue] = Field(default_factory=lambda: ["0.1%", "1%", "5%"], min_length=1,
                                                 description="rows, or shares of the distinct rows ('1%')")
     belady_labels: bool = Field(False, description="a classifier per capacity, labelled with Belady's keep "
                                 "decisions there (what learned-s3fifo is built for)")
@@ -219,11 +229,7 @@ def kinds(spec: ExperimentSpec) -> list[str]:
 
 def _check_predictor(p: PredictorSpec, preset: str, where: str) -> None:
     cls = _check_plugin(registry.PREDICTORS, "predictor.name", p.name, where)
-    try:
-        inspect.signature(cls).bind(**p.params)
-    except TypeError:
-        allowed = [k for k in inspect.signature(cls).parameters if k != "self"]
-        raise CachelabError(f"{where}: predictor.params: {p.name!r} takes {allowed}, got {sorted(p.params)}") from None
+    check_params(cls, p.params, f"{where}: predictor.params")
     table_rows, row_bytes = _table(preset, where)
     for i, cap in enumerate(p.capacities):
         capacity_rows(cap, table_rows, row_bytes, f"{where}: predictor.capacities[{i}]")
@@ -240,13 +246,12 @@ def _check_workload(w: WorkloadSpec, where: str, key: str = "workload") -> None:
     kwargs = dict(w.params)
     if w.path is not None:
         kwargs["path"] = str(resolve_data_path(w.path, where, f"{key}.path"))
+    check_params(cls, w.params, f"{where}: {key}.params")
     try:
         inspect.signature(cls).bind(**kwargs)
-    except TypeError:
-        allowed = [p for p in inspect.signature(cls).parameters if p != "self"]
-        bad = sorted(set(kwargs) - set(allowed)) or sorted(kwargs)
-        raise CachelabError(f"{where}: {key}.params: {w.source!r} does not take {bad}; "
-                            f"allowed: {allowed}") from None
+        cls(**kwargs)  # a constructor stores and checks its arguments; reading data waits for the run
+    except (CachelabError, TypeError) as exc:
+        raise CachelabError(f"{where}: {key}.params: {w.source!r}: {exc}") from None
     _table(w.preset, where)
 
 
