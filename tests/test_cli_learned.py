@@ -36,11 +36,11 @@ def test_evaluate_reports_every_capacity(trained):
     result = json.loads(res.stdout)
     assert [c["capacity"] for c in result["capacities"]] == [0.01, 2000]
     assert result["capacities"][1]["rows"] == 2000
-    assert result["learned_policy"] == "learned-s3fifo-adaptive"
+    assert result["learned_policy"] == "learned-lfu-adaptive"
     for row in result["capacities"]:
-        assert {"learned", "learned-s3fifo", "learned-s3fifo-adaptive", "LRU"} <= set(row["miss_ratio"])
+        assert {"learned", "learned-s3fifo", "learned-lfu-adaptive", "fbgemm-lfu", "LRU"} <= set(row["miss_ratio"])
         assert all(0.0 <= m <= 1.0 for m in row["miss_ratio"].values())
-        assert row["gap_closed"] == row["gap_closed_by_policy"]["learned-s3fifo-adaptive"]
+        assert row["gap_closed"] == row["gap_closed_by_policy"]["learned-lfu-adaptive"]
     res = CliRunner().invoke(app, ["evaluate", *TRACE, "--model", str(out), "--policy", "lru"])
     assert res.exit_code == 2 and "learned policies" in res.output
 

@@ -41,17 +41,17 @@ def test_roles_follow_the_declared_capabilities():
     assert {"Belady", "Belady (bypass)"} <= set(found.oracles)
     names = [p.name for p in registry.discover(registry.POLICIES) if p.error is None]
     assert sorted(n for role in (found.learned, found.heuristics, found.oracles) for n in role.values()) == names
-    assert optimum() == "belady-bypass" and judged_default(found) == "learned-s3fifo-adaptive"
+    assert optimum() == "belady-bypass" and judged_default(found) == "learned-lfu-adaptive"
 
 
 def test_declarations_belong_to_the_class_that_makes_them(monkeypatch):
-    lru, adaptive = registry.get(registry.POLICIES, "lru"), registry.get(registry.POLICIES, "learned-s3fifo-adaptive")
+    lru, adaptive = registry.get(registry.POLICIES, "lru"), registry.get(registry.POLICIES, "learned-lfu-adaptive")
     # a subclass is another policy: it takes neither the label nor the judged role of its base
     _with(monkeypatch, **{"my-lru": type("MyLRU", (lru,), {"name": "my-lru"}),
                           "my-adaptive": type("MyAdaptive", (adaptive,), {"name": "my-adaptive"})})
     found = lineup()
     assert found.heuristics["my-lru"] == "my-lru" and found.heuristics["LRU"] == "lru"
-    assert judged_default(found) == "learned-s3fifo-adaptive"
+    assert judged_default(found) == "learned-lfu-adaptive"
 
 
 def test_roles_held_by_one_policy_are_refused_when_ambiguous(monkeypatch):
@@ -76,14 +76,14 @@ def test_the_best_heuristic_is_the_lowest_of_all_and_the_gap_follows():
     scores = -(np.arange(keys.size, dtype=np.float64) + 256)  # neutral: every row due a while after its access
     found = lineup()
     result = evaluate_capacities(view, model, [0.02, 0.2], 0.5, progress=False, scores=scores).to_dict()
-    assert result["learned_policy"] == "learned-s3fifo-adaptive"
+    assert result["learned_policy"] == "learned-lfu-adaptive"
     for row in result["capacities"]:
         miss = row["miss_ratio"]
         assert set(miss) == set(found.learned) | set(found.heuristics) | set(found.oracles)
         assert miss[row["best_heuristic"]] == min(miss[h] for h in found.heuristics)
         bound = min(miss[o] for o in found.oracles)
         best = miss[row["best_heuristic"]]
-        assert row["gap_closed"] == (best - miss["learned-s3fifo-adaptive"]) / (best - bound)
+        assert row["gap_closed"] == (best - miss["learned-lfu-adaptive"]) / (best - bound)
     # a comparison given its own list replays exactly that list
     mine = Lineup({"learned-s3fifo": "learned-s3fifo"}, {"fifo": "fifo", "LRU": "lru"},
                   {"Belady (bypass)": "belady-bypass"}, [])

@@ -14,7 +14,8 @@ from cachelab.policy import NO_NEXT
 from cachelab.engine.replay import run_policy
 from stream_fixtures import zipf_keys
 
-LEARNED = ["learned", "learned-eviction", "learned-admission", "learned-s3fifo", "learned-s3fifo-adaptive"]
+LEARNED = ["learned", "learned-eviction", "learned-admission", "learned-s3fifo", "learned-s3fifo-adaptive", "learned-lfu",
+           "learned-lfu-adaptive"]
 
 
 def _oracle_scores(keys):

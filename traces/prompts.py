@@ -198,3 +198,28 @@ class TinyShakespeare:
             raise CachelabError(f"data file not found: {path}")
         for i, passage in enumerate(passages(path.read_text(encoding="utf-8"), self.passage_chars)):
             yield Document(f"tinyshakespeare#{i}", "prose", passage)
+
+
+def non_latin_share(text: str) -> float:
+    """The share of a text's letters outside ASCII (CJK, Cyrillic, kana, ...): 0 for English."""
+    letters = [c for c in text if c.isalpha()]
+    return sum(ord(c) > 127 for c in letters) / len(letters) if letters else 0.0
+
+
+class ArenaHardNonEnglish(ArenaHard):
+    """The Arena-Hard prompts written mostly in non-Latin scripts (more than half of the letters).
+
+    In v2.0 these are 131 prompts (Chinese and Japanese 73, Russian and other Cyrillic 51, a few
+    others), all outside its first 150 (which are English coding prompts), so a model trained on
+    those has never read them: the non-English held-out domain of docs/learned.md. The domain
+    label stays Arena-Hard's.
+    """
+
+    name = "arena-hard-non-english"
+
+    def __init__(self, version: str = "v2.0", min_share: float = 0.5, root: str | None = None):
+        super().__init__(version, root)
+        self.min_share = min_share
+
+    def documents(self) -> Iterator[Document]:
+        return (doc for doc in super().documents() if non_latin_share(doc.text) > self.min_share)
