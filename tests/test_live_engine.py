@@ -84,6 +84,18 @@ def test_prefix_hit_reads_cached_kv_and_gives_the_same_answer():
     assert steps_before > 0 and cached.pool.hit_tokens == 96
 
 
+def test_a_later_turn_reuses_the_answer_blocks():
+    ps = prompts(1, length=40, seed=5)
+    engine = make_engine().start()
+    try:
+        answer = engine.generate(ps, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
+        turn = ps[0] + answer.token_ids + prompts(1, length=10, seed=6)[0]
+        second = engine.generate([turn], GREEDY)[0]
+    finally:
+        engine.stop()
+    assert second.cached_tokens == 64  # blocks of prompt + answer whose KV was computed: (40 + 29) // 16
+
+
 def test_preemption_recomputes_and_changes_no_answer():
     ps = prompts(4, length=60, seed=3)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

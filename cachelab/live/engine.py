@@ -317,6 +317,9 @@ class LiveEngine:
                 reason = "length" if why is None else "stop"
                 self._finish(live, reason, None if why == "eos" else why, now, [token])
             else:
+                req = live.req
+                if self.config.prefix_caching and req.num_known % self.config.block_size == 0:
+                    self.pool.extend_key(rid, self.pool.prefix_key(req.tokens[: req.num_known]))  # a block filled
                 live.sink(RequestOutput(rid, [token], live.detok.take(), num_prompt=live.req.num_prompt,
                                         num_output=live.req.num_output, cached_tokens=live.cached_tokens))
 

@@ -222,6 +222,15 @@ class BlockPrefixCache:
                 state[2] = full
         return True
 
+    def extend_key(self, rid: int, hashes: np.ndarray) -> None:
+        """Give ``rid`` a longer hash chain (``prefix_key`` of its tokens so far): a live
+        request learns its tokens as it samples them, and its output blocks are then
+        published as they fill, as vLLM caches them (a later turn reuses the answer's KV)."""
+        state = self._req[rid]
+        if hashes.size < state[3].size or not np.array_equal(hashes[: state[3].size], state[3]):
+            raise CachelabError(f"request {rid}: the new hash chain does not extend the old one")
+        state[3] = hashes
+
     def block_table(self, rid: int) -> np.ndarray:
         """The KV blocks ``rid`` holds, in position order (block ``i`` holds its tokens
         ``i * block_size`` to ``(i + 1) * block_size - 1``): a paged KV cache's block table."""
