@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -138,7 +139,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
-    out: dict = {"threads": torch.get_num_threads()}
+    out: dict = {"threads": torch.get_num_threads(), "loadavg_start": os.getloadavg()}
+    print(f"load average at start: {out['loadavg_start'][0]:.1f} on {os.cpu_count()} CPUs", flush=True)
     if not args.skip_server:
         cpu = time.process_time()
         served = server_decode(batches, args.tokens, args.threads)
@@ -158,6 +160,7 @@ def main() -> None:
             print(f"{on['placement']:>6} first Engram layer {first}: stall/step prefetch on "
                   f"{on['stall_ms_per_step']:.3f} ms, off {off['stall_ms_per_step']:.3f} ms "
                   f"(compute {off['compute_ms_per_step']:.1f} ms/step)", flush=True)
+    out["loadavg_end"] = os.getloadavg()
     print(json.dumps(out))
 
 

@@ -27,6 +27,9 @@ def test_non_loopback_without_api_key_is_refused():
     out = subprocess.run([sys.executable, "-m", "cachelab.cli", "serve", "--host", "0.0.0.0"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "not a loopback address" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "cachelab.cli", "serve", "--store", "/nonexistent/tables"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "/nonexistent/tables: no manifest.json" in out.stderr
 
 
 @pytest.mark.slow

@@ -96,10 +96,14 @@ def open_rows(opts: ServeOptions, layout: str):
                 build_tables(layout, DEFAULT_STORE_SCALE, directory)
     elif not (Path(directory) / MANIFEST).exists():
         raise CachelabError(f"--store {directory}: no {MANIFEST} there; build one with `cachelab store build`")
-    return TieredStore.open(directory, backing=PLACEMENTS.get(opts.placement, opts.placement),
-                            hbm_policy=opts.row_cache_policy, hbm_capacity=opts.row_cache_capacity,
-                            dram_policy=opts.dram_cache_policy, dram_capacity=opts.dram_cache_capacity,
-                            device=opts.device)
+    store = TieredStore.open(directory, backing=PLACEMENTS.get(opts.placement, opts.placement),
+                             hbm_policy=opts.row_cache_policy, hbm_capacity=opts.row_cache_capacity,
+                             dram_policy=opts.dram_cache_policy, dram_capacity=opts.dram_cache_capacity,
+                             device=opts.device)
+    if store.layout.name != layout:
+        store.close()
+        raise CachelabError(f"--store {directory} holds layout {store.layout.name!r}; the model reads {layout!r}")
+    return store
 
 
 def build_engine(opts: ServeOptions) -> LiveEngine:
@@ -111,12 +115,13 @@ def build_engine(opts: ServeOptions) -> LiveEngine:
     if opts.threads is not None:  # process-wide: torch has one intra-op pool
         torch.set_num_threads(opts.threads)
     cfg = model_for(opts)
+    rows = open_rows(opts, cfg.layout)  # first: a bad --store fails before the model is built
     model = build_model(cfg, opts.weights, opts.seed, opts.device)
     engine_cfg = EngineConfig(kv_cache_tokens=opts.kv_cache_tokens, max_num_seqs=opts.max_num_seqs,
                               max_num_batched_tokens=opts.max_num_batched_tokens, prefix_caching=opts.prefix_caching,
                               prefetch=opts.prefetch, device=opts.device,
                               step_log=str(opts.step_log) if opts.step_log else None)
-    return LiveEngine(model, open_rows(opts, cfg.layout), load_tokenizer(), engine_cfg)
+    return LiveEngine(model, rows, load_tokenizer(), engine_cfg)
 
 
 def model_name(opts: ServeOptions) -> str:
