@@ -7,12 +7,15 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cachelab.engram import Addresser
 from cachelab.engram.vocab import load_tokenizer
 from cachelab.errors import CachelabError
 from cachelab.live.config import PRESETS, ModelConfig
 from cachelab.live.engine import EngineConfig, LiveEngine
+from cachelab.live.kv_cache import PagedKVCache, StepBatch
 from cachelab.live.model import Engram, build_model, save_weights
 from cachelab.live.launch import ServeOptions, open_rows
 from cachelab.live.sampling import Detokenizer, SamplingParams
@@ -200,3 +203,35 @@ def test_scheduler_abort_frees_blocks_of_running_and_drops_waiting():
     assert pool.num_free_tokens < 32
     assert sched.abort(0) and sched.abort(1) and not sched.abort(1)
     assert pool.num_free_tokens == 32 and sched.num_unfinished == 0
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(length=st.integers(2, 70), cuts=st.lists(st.integers(1, 69), max_size=4), seed=st.integers(0, 1000))
+def test_chunked_prefill_over_scattered_blocks_equals_one_shot(float32_model, length, cuts, seed):
+    """Any chunking of a prompt, with its KV in any blocks of the pool, gives the logits of
+    the whole prompt computed at once in blocks 0, 1, 2, ... (paged attention is exact)."""
+    model = float32_model
+    cfg = model.config
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(100, 90_000, length)
+    rows = torch.from_numpy(rng.standard_normal((length, 2, 24, 256), dtype=np.float32)).to(torch.bfloat16)
+    need = -(-length // 16)
+
+    def run(table, bounds):
+        kv = PagedKVCache(cfg.layers, 16, 16, cfg.kv_heads, cfg.head_dim, torch.float32)
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            batch = StepBatch.build([tokens[a:b]], [a], [table], [True], 16)
+            with torch.inference_mode():
+                logits = model(batch, kv, lambda a=a, b=b: rows[a:b])
+        return logits
+
+    whole = run(np.arange(need), [0, length])
+    bounds = sorted({0, length, *(c for c in cuts if c < length)})
+    scattered = run(rng.permutation(16)[:need], bounds)
+    assert float((whole - scattered).abs().max()) < 1e-3 * float(whole.abs().max())
+
+
+@pytest.fixture(scope="module")
+def float32_model():
+    torch.set_num_threads(1)
+    return build_model(F32)
