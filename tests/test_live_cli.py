@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from cachelab.live.launch import check_bind
+from cachelab.live.launch import ServeOptions, check_bind, open_rows
 from cachelab.errors import CachelabError
 
 
@@ -27,9 +27,12 @@ def test_non_loopback_without_api_key_is_refused():
     out = subprocess.run([sys.executable, "-m", "cachelab.cli", "serve", "--host", "0.0.0.0"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "not a loopback address" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "cachelab.cli", "serve", "--store", "/nonexistent/tables"],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "/nonexistent/tables: no manifest.json" in out.stderr
+
+
+
+def test_a_store_that_is_not_there_is_named(tmp_path):
+    with pytest.raises(CachelabError, match="no manifest.json there"):
+        open_rows(ServeOptions(store=tmp_path), "deepseek-v4.1-flash")
 
 
 @pytest.mark.slow

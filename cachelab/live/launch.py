@@ -16,8 +16,6 @@ from pathlib import Path
 
 from cachelab.errors import CachelabError
 from cachelab.live.config import ModelConfig, model_config
-from cachelab.live.engine import EngineConfig, LiveEngine
-from cachelab.live.server import Limits, create_app
 
 DEFAULT_STORE_SCALE = 1e-4  # the scaled store built on first use: 1/10,000 of V4.1's rows (21 MB)
 # serve-sim's placement names, as the store's backings (the store's own names pass through)
@@ -106,8 +104,10 @@ def open_rows(opts: ServeOptions, layout: str):
     return store
 
 
-def build_engine(opts: ServeOptions) -> LiveEngine:
+def build_engine(opts: ServeOptions):
+    """The engine (not started) with its model and row source."""
     from cachelab.engram.vocab import load_tokenizer
+    from cachelab.live.engine import EngineConfig, LiveEngine
     from cachelab.live.model import build_model
 
     import torch
@@ -128,8 +128,15 @@ def model_name(opts: ServeOptions) -> str:
     return opts.served_model_name or f"cachelab-{Path(opts.preset).stem}"
 
 
+def _app(opts: ServeOptions, engine):
+    from cachelab.live.server import Limits, create_app
+
+    limits = Limits(opts.max_body_bytes, model_for(opts).max_model_len)
+    return create_app(engine, model_name(opts), limits, opts.api_key)
+
+
 @contextmanager
-def running_server(opts: ServeOptions, engine: LiveEngine | None = None):
+def running_server(opts: ServeOptions, engine=None):
     """A started engine and a uvicorn server on a thread; yields ``(base_url, engine)``.
 
     Port 0 picks a free port. Stops both on exit (tests and benchmarks use this; the CLI
@@ -138,9 +145,7 @@ def running_server(opts: ServeOptions, engine: LiveEngine | None = None):
 
     check_bind(opts.host, opts.api_key)
     engine = (engine or build_engine(opts)).start()
-    cfg = model_for(opts)
-    app = create_app(engine, model_name(opts), Limits(opts.max_body_bytes, cfg.max_model_len), opts.api_key)
-    server = uvicorn.Server(uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning",
+    server = uvicorn.Server(uvicorn.Config(_app(opts, engine), host=opts.host, port=opts.port, log_level="warning",
                                            timeout_graceful_shutdown=1))
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
@@ -164,7 +169,7 @@ def serve(opts: ServeOptions, announce=print) -> None:
     check_bind(opts.host, opts.api_key)
     cfg = model_for(opts)
     engine = build_engine(opts).start()
-    app = create_app(engine, model_name(opts), Limits(opts.max_body_bytes, cfg.max_model_len), opts.api_key)
+    app = _app(opts, engine)
     announce(f"cachelab serve: model {model_name(opts)!r} ({cfg.name}, Engram at layers {list(cfg.engram_layers)}, "
              f"rows from {engine.rows.directory} ({PLACEMENTS.get(opts.placement, opts.placement)})) on "
              f"http://{opts.host}:{opts.port}/v1")
