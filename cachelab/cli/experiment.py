@@ -78,18 +78,19 @@ def sync(
     tracking_uri: str = typer.Option(None, help=URI_HELP),
     runs_dir: Path = typer.Option(Path("runs"), help=RUNS_HELP),
 ) -> None:
-    """Send results that `cachelab run` kept locally (server unreachable) to the tracking server."""
-    from cachelab.experiment.runner import outbox_for, sync_outbox
+    """Send results that `cachelab run` kept locally (server unreachable) to the tracking server,
+    and close as KILLED the runs a killed sweep left RUNNING, where its process is proven gone."""
+    from cachelab.experiment.runner import outbox_for, sync
     from cachelab.experiment.tracking import Tracker
 
     name = _experiment_name(experiment)
     outbox = outbox_for(name, runs_dir)
-    if not outbox.keys():
-        typer.echo(f"nothing to sync in {outbox.root}")
-        return
+    waiting = bool(outbox.keys())
     tracker = Tracker(tracking_uri)
-    sent = sync_outbox(tracker, outbox, name)
-    typer.echo(f"sent {sent} point run(s) of {name} to {tracker.uri}")
+    sent, closed = sync(tracker, outbox, name)
+    typer.echo(f"sent {sent} point run(s) of {name} to {tracker.uri}" if waiting else f"nothing to sync in {outbox.root}")
+    if closed:
+        typer.echo(f"closed {closed} run(s) of {name} left RUNNING by a sweep that is no longer running (KILLED)")
 
 
 def _experiment_name(value: str) -> str:

@@ -5,12 +5,21 @@ points finish, where ``output`` is a ``PointOutput`` or the exception the point 
 The point functions are deterministic, so every backend gives the same results. Ray gets
 each workload once through its object store (``ray.put``), so a cluster's workers need
 cachelab installed but no shared filesystem.
+
+A pool worker ends with its parent, however the parent ends: on Linux the kernel kills it
+when the parent dies (``PR_SET_PDEATHSIG``), elsewhere a watchdog thread sees it reparented,
+so a SIGKILLed ``cachelab run`` leaves no worker (and so no resource tracker) behind.
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
+import signal
+import sys
+import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from functools import lru_cache
@@ -57,10 +66,31 @@ def run_tasks(tasks: list[Task], backend: str = "local", workers: int | None = N
         yield from _run_pool(tasks, workers)
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int) -> None:
+    """Pool-worker initializer: end this process when ``parent`` ends, even by SIGKILL."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
+            if os.getppid() != parent:  # the parent died before the request took hold
+                os._exit(1)
+            return
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="cachelab-die-with-parent", daemon=True).start()
+
+
 def _run_pool(tasks: list[Task], workers: int):
     # spawn: a clean interpreter per worker (fork after MLflow/rich threads started is unsafe)
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=die_with_parent,
+                             initargs=(os.getpid(),)) as pool:
         pending = {pool.submit(_safe, config, path): key for key, config, path in tasks}
         while pending:
             done, _ = wait(pending, return_when=FIRST_COMPLETED)

@@ -199,6 +199,14 @@ def _finish_parent(tracker: Tracker, exp_id: str, parent_id: str, points: list[P
         tracker.end_run(parent_id, "FAILED" if summary.failed or summary.report is None else "FINISHED")
 
 
+def sync(tracker: Tracker, outbox: Outbox, name: str) -> tuple[int, int]:
+    """``cachelab sync``: send the outbox's records, then close the experiment's runs whose
+    sweep is proven dead (``Tracker.close_stale``). Returns (points sent, runs closed)."""
+    sent = sync_outbox(tracker, outbox, name)
+    exp_id = tracker.experiment_id(name, create=False)
+    return sent, (tracker.close_stale(exp_id) if exp_id is not None else 0)
+
+
 def sync_outbox(tracker: Tracker, outbox: Outbox, name: str) -> int:
     """Send every waiting record to ``tracker``; points already FINISHED there are dropped.
     Returns how many point records were sent."""

@@ -7,12 +7,18 @@ written through ``MlflowClient`` with explicit ids, never the fluent API's impli
 
 The tracking URI is the ``--tracking-uri`` flag, else ``MLFLOW_TRACKING_URI``, else
 ``sqlite:///mlflow.db`` in the working directory.
+
+Every run a sweep opens is tagged with its owner (host, pid and the process's start time),
+so a run left RUNNING by a killed sweep can be proven dead, and closed as KILLED, by ``run``
+and ``sync``: on the same host, when no process has that pid and start time. A run owned
+elsewhere, or untagged, is left alone: nothing proves its sweep is gone.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import tempfile
 import urllib.error
 import urllib.request
@@ -23,7 +29,47 @@ from cachelab.experiment.records import Record
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 KIND, SPEC_HASH, POINT_HASH = "cachelab.kind", "cachelab.spec_hash", "cachelab.point_hash"
+OWNER = "cachelab.owner"  # host:pid:start time (clock ticks) of the process that opened the run
 PAGE = 1000
+
+
+def _started(pid: int) -> str | None:
+    """The start time of process ``pid`` in clock ticks since boot (Linux), "" where there is no
+    /proc to read it from, None if there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        if Path("/proc/self/stat").exists():
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return ""
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22 of proc(5), after the command name
+
+
+def owner() -> str:
+    """This process as a run's owner: ``host:pid:start``."""
+    return f"{socket.gethostname()}:{os.getpid()}:{_started(os.getpid()) or ''}"
+
+
+def owner_is_dead(tag: str | None) -> bool:
+    """True only when ``tag`` names a process of this host that no longer runs (its pid is free,
+    or taken by a process that started at another time)."""
+    try:
+        host, pid, start = (tag or "").rsplit(":", 2)
+        pid_number = int(pid)
+    except ValueError:
+        return False
+    if host != socket.gethostname():
+        return False
+    now = _started(pid_number)
+    return now is None or (bool(start) and bool(now) and now != start)
 
 
 class TrackingUnavailable(CachelabError):
@@ -88,11 +134,13 @@ class Tracker:
         return {r.data.tags[POINT_HASH]: r.info.run_id for r in runs}
 
     def close_stale(self, exp_id: str) -> int:
-        """Mark point runs left RUNNING by a killed sweep as KILLED; returns how many."""
-        runs = self._search(exp_id, f"tags.`{KIND}` = 'point' and attributes.status = 'RUNNING'")
-        for r in runs:
+        """Mark runs (parents and points) left RUNNING by a sweep proven dead as KILLED
+        (``owner_is_dead``); returns how many."""
+        runs = self._search(exp_id, "attributes.status = 'RUNNING'")
+        stale = [r for r in runs if owner_is_dead(r.data.tags.get(OWNER))]
+        for r in stale:
             self.client.set_terminated(r.info.run_id, status="KILLED")
-        return len(runs)
+        return len(stale)
 
     def parent_run(self, exp_id: str, record: Record) -> str:
         """The parent run of this spec: the latest one with its hash, or a new one."""
@@ -101,8 +149,9 @@ class Tracker:
         if found:
             run_id = found[0].info.run_id
             self.client.update_run(run_id, status="RUNNING")
+            self.client.set_tag(run_id, OWNER, owner())
             return run_id
-        tags = {KIND: "experiment", SPEC_HASH: record.hash, **record.tags}
+        tags = {KIND: "experiment", SPEC_HASH: record.hash, OWNER: owner(), **record.tags}
         run = self.client.create_run(exp_id, start_time=record.start_ms or None, tags=tags,
                                      run_name=record.label)
         return run.info.run_id
@@ -124,7 +173,8 @@ class Tracker:
                 self.client.log_artifacts(run_id, tmp)
 
     def log_point(self, exp_id: str, parent_id: str, record: Record) -> str:
-        tags = {KIND: "point", POINT_HASH: record.hash, "mlflow.parentRunId": parent_id, **record.tags}
+        tags = {KIND: "point", POINT_HASH: record.hash, "mlflow.parentRunId": parent_id, OWNER: owner(),
+                **record.tags}
         run = self.client.create_run(exp_id, start_time=record.start_ms, tags=tags, run_name=record.label)
         run_id = run.info.run_id
         try:

@@ -1,0 +1,104 @@
+"""A SIGKILLed `cachelab run` leaves no process behind, and `sync` closes the runs it left
+RUNNING once its process is proven gone (and only then)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from experiment_helpers import write_spec
+from mlflow import MlflowClient
+
+from cachelab.experiment.runner import outbox_for, sync
+from cachelab.experiment.tracking import OWNER, Tracker, owner, owner_is_dead
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """pid -> command line of every live descendant of ``root`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = {}, [root]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            try:
+                out[pid] = (Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+            except OSError:
+                continue
+            todo.append(pid)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has ended; only its parent's wait is missing
+
+
+def test_sigkilled_sweep_leaves_no_survivor_and_sync_closes_its_runs(tmp_path):
+    spec = write_spec(tmp_path, name="orphans", capacities=("0.5%", "1%", "2%", "4%"))
+    spec.write_text(spec.read_text().replace("max_chars = 40000", "max_chars = 8000"))  # the pool starts sooner
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    MlflowClient(tracking_uri=uri).search_experiments()  # create the schema before the sweep races it
+    proc = subprocess.Popen([sys.executable, "-m", "cachelab.cli", "run", str(spec), "--workers", "2",
+                             "--tracking-uri", uri], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    family: dict[int, str] = {}
+    try:
+        while True:  # until both pool workers run
+            family = _descendants(proc.pid)
+            if sum("spawn_main" in cmd for cmd in family.values()) >= 2:
+                break
+            assert proc.poll() is None, "the sweep ended before its pool started"
+            assert time.monotonic() < deadline, "the pool never started"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in family) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        survivors = {pid: cmd for pid, cmd in family.items() if _alive(pid)}
+        assert not survivors, f"orphans after SIGKILL: {survivors}"
+    finally:  # never leave a process behind, even when the assertion failed
+        for pid in family:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+    tracker = Tracker(uri)
+    exp_id = tracker.experiment_id("orphans")
+    running = tracker.client.search_runs([exp_id], "attributes.status = 'RUNNING'")
+    assert running and all(owner_is_dead(r.data.tags[OWNER]) for r in running)
+    sent, closed = sync(tracker, outbox_for("orphans", tmp_path / "runs"), "orphans")
+    assert closed == len(running)
+    assert tracker.client.search_runs([exp_id], "attributes.status = 'RUNNING'") == []
+
+
+def test_sync_closes_only_runs_it_can_prove_dead(tmp_path):
+    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db")
+    exp_id = tracker.experiment_id("stale")
+    gone = subprocess.run([sys.executable, "-c", "from cachelab.experiment.tracking import owner; print(owner())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    host, pid, start = owner().rsplit(":", 2)
+    tags = {"dead": gone, "alive": owner(), "elsewhere": f"another-host:{pid}:{start}", "reused": f"{host}:{pid}:1",
+            "untagged": None}
+    runs = {}
+    for name, tag in tags.items():
+        run = tracker.client.create_run(exp_id, tags={OWNER: tag} if tag else {}, run_name=name)
+        runs[name] = run.info.run_id
+    assert tracker.close_stale(exp_id) == 2
+    status = {name: tracker.client.get_run(run_id).info.status for name, run_id in runs.items()}
+    assert status == {"dead": "KILLED", "alive": "RUNNING", "elsewhere": "RUNNING", "reused": "KILLED",
+                      "untagged": "RUNNING"}
