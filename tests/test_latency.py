@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 
 from cachelab.errors import CachelabError
 from cachelab.serving.hardware import PROFILE_DIR, builtin_names, load_profile
 from cachelab.serving.hardware.probe import dedup_rows_per_s, gather_rows_per_s, memcpy_bw, page_faults, write_profile
-from cachelab.serving.latency import Efficiency, EngramStep, LatencyModel
+from cachelab.serving.latency import Batch, Efficiency, EngramStep, LatencyModel
 from cachelab.serving.model_spec import MODEL_DIR, load_model
 
 MODEL = load_model()
@@ -56,8 +57,14 @@ def test_probe_measures_and_round_trips(tmp_path):
 def test_model_spec_facts():
     assert MODEL.engram_layers == (1, 14) and MODEL.row_bytes == 264
     assert MODEL.table_bytes / 2**30 == pytest.approx(188.8, abs=0.1)  # about 189 GiB (ANCHORS.md §1)
-    assert MODEL.touched_weight_bytes(1) == pytest.approx(MODEL.active_params)
-    assert MODEL.touched_weight_bytes(10_000) == pytest.approx(MODEL.weight_bytes, rel=1e-6)
+    # the released config: 40 layers x 384 experts of 18.8 MB (MXFP4), top-6, about 16 B active
+    assert MODEL.expert_params * MODEL.expert_bytes_per_param / 1e6 == pytest.approx(18.8, abs=0.05)
+    assert MODEL.active_params / 1e9 == pytest.approx(16.1, abs=0.2)
+    assert MODEL.touched_expert_bytes(1) == pytest.approx(MODEL.moe_layers * 6 * MODEL.expert_params
+                                                          * MODEL.expert_bytes_per_param)
+    assert MODEL.touched_expert_bytes(100_000) == pytest.approx(40 * 384 * 35389440 * 0.53125, rel=1e-6)
+    # 763 B parameters in the checkpoint (transformers' config docstring), 196.6 B of them Engram
+    assert MODEL.kv_bytes_per_token == 925 and MODEL.acceptance_length == 3.61
 
 
 def test_model_spec_takes_the_engram_tables_from_the_layout(tmp_path):
@@ -83,12 +90,14 @@ def test_model_spec_takes_the_engram_tables_from_the_layout(tmp_path):
         load_model(bare)
 
 
-def test_table_in_hbm_takes_kv_and_b300_tp2_barely_fits():
+def test_table_in_hbm_takes_kv_and_b300_tp2_does_not_fit():
     b300 = load_profile("B300")
-    dram = LatencyModel(MODEL, b300, tp=2, placement="dram-uva").plan
-    hbm = LatencyModel(MODEL, b300, tp=2, placement="hbm").plan
-    assert dram.kv_bytes - hbm.kv_bytes == pytest.approx(MODEL.table_bytes / 2)
-    assert hbm.kv_tokens < dram.kv_tokens / 20
+    dram = LatencyModel(MODEL, b300, tp=4, placement="dram-uva").plan
+    hbm = LatencyModel(MODEL, b300, tp=4, placement="hbm").plan
+    assert dram.kv_bytes - hbm.kv_bytes == pytest.approx(MODEL.table_bytes / 4)
+    assert LatencyModel(MODEL, b300, tp=2, placement="dram-uva").plan.kv_tokens > 0
+    with pytest.raises(CachelabError, match=r"does not fit B300 at TP2 with placement hbm.*\(-0\.6 GB\)"):
+        LatencyModel(MODEL, b300, tp=2, placement="hbm")
     with pytest.raises(CachelabError, match="does not fit H100 at TP1"):
         LatencyModel(MODEL, load_profile("H100"), tp=1, placement="hbm")
     with pytest.raises(CachelabError, match="--tp 16"):
@@ -119,10 +128,10 @@ def test_ssd_mmap_parts_add_up_and_faults_dominate_cold_reads():
 def test_prefetch_window_hides_small_fetches_and_stall_is_the_rest():
     lat = LatencyModel(MODEL, load_profile("B200"), tp=4, placement="dram-copy",
                        efficiency=Efficiency(host_addressing=True))
-    small = lat.step_time(8, 8000, 8000, [EngramStep(8 * 24, 8 * 24)] * 2)
+    small = lat.step_time(Batch(np.full(8, 1000.0), np.full(8, 1001.0)), [EngramStep(8 * 24, 8 * 24)] * 2)
     assert small.stall_s == 0.0 and small.step_s == small.gpu.total_s
     big_work = EngramStep(8192 * 24, 8192 * 24)
-    big = lat.step_time(64, 64_000, 64_000, [big_work] * 2)
+    big = lat.step_time(Batch(np.full(64, 1000.0), np.full(64, 1001.0)), [big_work] * 2)
     layer_s = (big.gpu.total_s - big.gpu.overhead_s) / MODEL.layers
     f = big.to_dict()["engram1_fetch_s"]
     stall1 = max(0.0, f - layer_s)
@@ -133,15 +142,38 @@ def test_prefetch_window_hides_small_fetches_and_stall_is_the_rest():
 
 def test_roofline_regimes():
     lat = LatencyModel(MODEL, load_profile("B200"), tp=8, placement="hbm")
-    decode = lat.gpu_time(1, 1000, 1000)
-    prefill = lat.gpu_time(16_384, 16_384 * 8_000, 16_384)
-    assert decode.memory_s > decode.gemm_s + decode.attention_s
-    assert prefill.gemm_s + prefill.attention_s > prefill.memory_s
+    decode = lat.gpu_time(Batch([1000.0], [1001.0]))
+    g, e = lat.hw.gpu, lat.eff
+    # one token touches 6 experts per layer: the expert time is their bytes at HBM bandwidth
+    assert decode.experts_s == pytest.approx(float(MODEL.touched_expert_bytes(1)) / 8 / (g.hbm_bw * e.mbu))
+    prefill = lat.gpu_time(Batch([0.0], [16_384.0]))
+    rows = 16_384 * 6  # every expert touched: FLOPs at the FP4 rate
+    assert prefill.experts_s == pytest.approx(2 * 40 * MODEL.expert_params * rows / 8 / (g.fp4_flops * e.mfu))
+    # sparse attention: past the window and top-k a query attends 128 + 512 (ratio 1) or 128 + 512 (ratio 2) positions
+    far = MODEL.attended_positions(np.array([100_000.0]), np.array([100_001.0]))
+    assert float(far[0]) == 40 * 128 + 38 * 512
+    r1 = load_model("deepseek-r1")
+    assert float(r1.attended_positions(np.array([0.0]), np.array([3.0]))[0]) == 61 * (1 + 2 + 3)
+
+
+def test_v41_kv_read_is_bounded_while_r1_grows_with_context():
+    r1 = load_model("deepseek-r1")
+    short, long = (MODEL.kv_read_bytes(1, c) for c in (20_000, 140_000))
+    assert long < 3 * short  # window + top-k gathers + the (capped) indexer scan
+    assert r1.kv_read_bytes(1, 140_000) == pytest.approx(7 * r1.kv_read_bytes(1, 20_000))
+
+
+def test_mtp_verify_costs_draft_and_more_tokens():
+    lat = LatencyModel(MODEL, load_profile("B200"), tp=4, placement="dram-uva")
+    plain = lat.gpu_time(Batch(np.full(16, 8000.0), np.full(16, 8001.0)))
+    verify = lat.gpu_time(Batch(np.full(16, 8000.0), np.full(16, 8006.0), lm_rows=96, drafting=16))
+    assert verify.draft_s > 0 and plain.draft_s == 0
+    assert verify.total_s > plain.total_s and verify.total_s < 6 * plain.total_s
 
 
 def test_gpu_side_row_ids_leave_no_window():
     work = [EngramStep(8 * 24, 8 * 24)] * 2
     lat = LatencyModel(MODEL, load_profile("B200"), tp=4, placement="ssd-mmap")
-    step = lat.step_time(8, 8000, 8000, work)
+    step = lat.step_time(Batch(np.full(8, 1000.0), np.full(8, 1001.0)), work)
     fetch = step.fetches[0].fetch_s + step.fetches[1].fetch_s
     assert step.stall_s == pytest.approx(fetch + 2 * lat.eff.graph_break_s)

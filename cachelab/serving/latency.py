@@ -1,9 +1,23 @@
 """The latency model: how long a serving step takes on given hardware, and why.
 
-A step's GPU time is a roofline with efficiency factors: GEMM FLOPs at FP8 peak, attention
-FLOPs at BF16 peak, against the bytes it must read from HBM (the weights its tokens route
-to, the KV cache its sequences attend over); plus tensor-parallel all-reduces and a fixed
-per-step overhead. The Engram fetch runs beside it, decomposed into its parts per placement:
+A step's GPU time is a sum of per-operator rooflines, each the larger of its FLOPs at the
+tensor-core rate of its precision and its bytes at HBM bandwidth, scaled by efficiency factors:
+
+    dense       attention projections, shared experts, routers, Engram wkv (FP8)
+    experts     grouped routed-expert GEMMs: FP4/FP8 FLOPs padded to a minimum tile per touched
+                expert (small per-expert batches waste the MMA), against the bytes of the
+                experts the step's tokens route to
+    attention   QK^T and PV over the positions each query attends to (the whole context for
+                dense MLA; window + top-k compressed positions for V4.1's sparse attention),
+                against the KV bytes read (latent cache, or window + gathers + indexer keys)
+    indexer     V4.1's sparse indexer scoring the compressed keys (FP8)
+    lm_head     logits for every verified or final position
+    draft       MTP / DSpark draft passes for decoding sequences
+    comm        two all-reduces per layer over NVLink
+    overhead    a fixed cost per step, CPU costs per scheduled sequence and per prompt token
+                hashed for the prefix cache, and (piecewise CUDA graphs) a per-layer launch cost
+
+The Engram fetch runs beside it, decomposed into its parts per placement:
 
     hbm         table resident in HBM (sharded over TP ranks): a gather kernel
     dram-uva    table in pinned host DRAM; the GPU gathers rows over UVA (PCIe or C2C)
@@ -20,36 +34,77 @@ taken from the KV cache, which bounds the batch (``memory_plan``).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
 
 from cachelab.errors import CachelabError
 from cachelab.serving.hardware import HardwareProfile
 from cachelab.serving.model_spec import ModelSpec
 
 PLACEMENTS = ("hbm", "dram-uva", "dram-copy", "ssd-mmap", "ssd-direct")
+CPU_PATHS = ("dram-copy", "ssd-mmap", "ssd-direct")
 PAGE_BYTES = 4096
 
 
 @dataclass(frozen=True, slots=True)
 class Efficiency:
-    """Fractions of peak a real serving stack reaches, and fixed costs. All ASSUMPTIONS,
-    of the order published for vLLM/SGLang on Hopper and Blackwell (MFU 40-60% for large
-    FP8 GEMMs, 70-85% of HBM bandwidth for weight streaming)."""
+    """Fractions of peak a real serving stack reaches, and fixed costs. Defaults are
+    ASSUMPTIONS of the order published for vLLM/SGLang on Hopper and Blackwell (MFU 40-60% for
+    large GEMMs, 70-85% of HBM bandwidth for weight streaming); ``cachelab study inferencex``
+    fits the ones named in ``calibration.FITTED`` on published measurements."""
 
     mfu: float = 0.5
     mbu: float = 0.75
+    attention_mfu: float = 0.4  # sparse / MLA attention kernels reach less than dense GEMMs
     comm: float = 0.7  # of NVLink bandwidth an all-reduce reaches
     allreduce_latency_s: float = 8e-6
     step_overhead_s: float = 0.4e-3  # scheduler, sampling, launches (CUDA graphs)
+    layer_overhead_s: float = 30e-6  # per layer per step: kernel tails and small kernels no roofline sees
+    request_overhead_s: float = 20e-3  # per request: HTTP, tokenisation, admission; adds to TTFT
+    cpu_per_sequence_s: float = 10e-6  # host work per scheduled sequence per step (batch building, detokenising)
+    cpu_per_prefix_token_s: float = 20e-9  # hashing a prompt token's block for the prefix cache
+    expert_tile_rows: int = 16  # a touched expert's GEMM computes at least this many rows (swap-AB tiles)
+    piecewise_layer_s: float = 50e-6  # per layer, when the step runs as piecewise CUDA graphs (host work inside)
     uva_efficiency: float = 0.6  # of link bandwidth for scattered 128 B UVA reads
     copy_efficiency: float = 0.9  # of link bandwidth for a bulk H2D copy
     line_bytes: int = 128  # a GPU gather moves whole 128 B lines: a 264 B row costs 3
     memory_utilization: float = 0.9  # vLLM's gpu_memory_utilization default
     host_addressing: bool = False  # CPU paths: row ids computed on the host ahead of the step (True)
     # or, as in the SSD path SemiAnalysis measured, on the GPU and sent to the CPU at the Engram
-    # layer (False): then the fetch cannot start before the layer and breaks the step's CUDA graph
+    # layer (False): then the fetch cannot start before the layer, and the step runs as piecewise
+    # CUDA graphs (a host read is illegal during capture, InferenceX dsv41flashssd script)
     graph_break_s: float = 50e-6  # a D2H sync plus relaunch of the rest of the step
     activation_reserve_bytes: float = 6e9  # activations, CUDA graphs, NCCL buffers per GPU
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """One step's sequences: each row computes the queries at contexts ``(lo, hi]``; ``weight``
+    is how many sequences the row stands for (1 in a replay, fractional in the steady-state
+    model). ``lm_rows``: positions that need logits; ``drafting``: sequences that draft;
+    ``prefix_tokens``: prompt tokens hashed for the prefix cache this step."""
+
+    lo: np.ndarray
+    hi: np.ndarray
+    weight: np.ndarray = field(default=None)
+    lm_rows: float | None = None
+    drafting: float = 0.0
+    prefix_tokens: float = 0.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "lo", np.asarray(self.lo, np.float64))
+        object.__setattr__(self, "hi", np.asarray(self.hi, np.float64))
+        w = np.ones_like(self.lo) if self.weight is None else np.asarray(self.weight, np.float64)
+        object.__setattr__(self, "weight", w)
+
+    @property
+    def tokens(self) -> float:
+        return float((self.weight * (self.hi - self.lo)).sum())
+
+    @property
+    def sequences(self) -> float:
+        return float(self.weight.sum())
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,13 +130,20 @@ class EngramStep:
     page_reads: float = 0.0  # 4 KiB pages read from the SSD
 
 
+OPERATORS = ("dense_s", "experts_s", "attention_s", "indexer_s", "lm_head_s", "draft_s")
+
+
 @dataclass(frozen=True, slots=True)
 class GpuTime:
-    """Seconds of GPU work in one step, by part; ``total_s`` is the roofline's answer."""
+    """Seconds of GPU work in one step, by operator; ``total_s`` is their sum plus comm and
+    overhead."""
 
-    gemm_s: float
+    dense_s: float
+    experts_s: float
     attention_s: float
-    memory_s: float
+    indexer_s: float
+    lm_head_s: float
+    draft_s: float
     comm_s: float
     overhead_s: float
     total_s: float
@@ -159,35 +221,67 @@ class LatencyModel:
         if kv <= 0:
             raise CachelabError(
                 f"{m.name} does not fit {self.hw.name} at TP{self.tp} with placement {self.placement}: per GPU "
-                f"{usable / 1e9:.0f} GB usable, weights {weights / 1e9:.0f} GB, table {table / 1e9:.0f} GB, "
-                f"row cache {self.row_cache_bytes / 1e9:.0f} GB leave no KV cache")
+                f"{usable / 1e9:.1f} GB usable, weights {weights / 1e9:.1f} GB, table {table / 1e9:.1f} GB, "
+                f"row cache {self.row_cache_bytes / 1e9:.1f} GB leave no KV cache ({kv / 1e9:+.1f} GB)")
         return MemoryPlan(usable, weights, table, self.row_cache_bytes, kv, int(kv // per_token))
 
     # -- compute -----------------------------------------------------------------------------
-    def gpu_time(self, tokens: float, attn_ctx: float, kv_read_tokens: float) -> GpuTime:
-        """Seconds of GPU work in a step.
+    def _roofline(self, flops: float, flop_rate: float, nbytes: float) -> float:
+        return max(flops / flop_rate, nbytes / (self.hw.gpu.hbm_bw * self.eff.mbu))
 
-        Args:
-            tokens: query tokens (prefill chunk tokens + one per decoding sequence).
-            attn_ctx: sum over query tokens of the context each attends to.
-            kv_read_tokens: KV tokens read (each sequence's context, once per step).
-        """
+    def gpu_time(self, batch: Batch) -> GpuTime:
+        """Seconds of GPU work in a step, per operator (see the module docstring)."""
         m, g, e, tp = self.model, self.hw.gpu, self.eff, self.tp
+        tokens = batch.tokens
         if tokens <= 0:
-            return GpuTime(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-        gemm = 2.0 * m.active_params * tokens / (tp * g.fp8_flops * e.mfu)
-        attn = m.attn_flops_per_ctx_token * m.layers * attn_ctx / (tp * g.bf16_flops * e.mfu)
-        kv_bytes = kv_read_tokens * (m.kv_bytes_per_token if m.kv_replicated_across_tp else m.kv_bytes_per_token / tp)
-        memory = (m.touched_weight_bytes(tokens) / tp + kv_bytes) / (g.hbm_bw * e.mbu)
+            return GpuTime(*([0.0] * 9))
+        w, lo, hi = batch.weight, batch.lo, batch.hi
+        fp8 = g.fp8_flops * e.mfu
+        dense_active = m.dense_params + m.engram_params
+        dense = self._roofline(2 * dense_active * tokens / tp, fp8,
+                               dense_active * m.dense_bytes_per_param / tp)
+        # routed experts: touched experts, each padded to a tile of rows
+        touched = m.experts * (1.0 - (1.0 - m.experts_per_token / m.experts) ** tokens)
+        rows = max(tokens * m.experts_per_token, touched * e.expert_tile_rows) if tokens else 0.0
+        expert_rate = (g.fp4_flops if m.expert_precision == "fp4" else g.fp8_flops) * e.mfu
+        experts = self._roofline(2 * m.moe_layers * m.expert_params * rows / tp, expert_rate,
+                                 float(m.touched_expert_bytes(tokens)) / tp)
+        positions = float((w * m.attended_positions(lo, hi)).sum())
+        kv = float((w * m.kv_read_bytes(hi - lo, hi)).sum())
+        if not m.kv_replicated_across_tp:
+            kv /= tp
+        attention = self._roofline(m.attn_flops_per_position * positions / tp, g.bf16_flops * e.attention_mfu, kv)
+        indexer = 0.0
+        if m.index_sources:
+            scored = float((w * m.indexer_positions(lo, hi)).sum())
+            indexer = 2.0 * m.index_heads * m.index_head_dim * scored / (tp * fp8)
+        lm_rows = batch.sequences if batch.lm_rows is None else batch.lm_rows
+        lm_head = self._roofline(2 * m.lm_head_params * lm_rows / tp, fp8, m.lm_head_params * m.dense_bytes_per_param / tp)
+        draft = 0.0
+        if m.speculative_tokens and batch.drafting > 0:
+            drafted = batch.drafting * m.speculative_tokens
+            draft = m.draft_passes_per_step * self._roofline(
+                2 * m.draft_active_params * drafted / (tp * m.draft_passes_per_step), fp8, m.draft_params / tp)
         comm = 0.0
         if tp > 1:
             volume = 2.0 * (tp - 1) / tp * tokens * m.hidden * 2  # ring all-reduce of BF16 activations
             comm = 2 * m.layers * (e.allreduce_latency_s + volume / (g.nvlink_bw * e.comm))
             if self.placement == "hbm" and m.table_sharded_across_tp:  # all-gather of the gathered rows
-                rows = tokens * m.rows_per_token_layer * m.row_bytes * (tp - 1) / tp
-                comm += len(m.engram_layers) * (e.allreduce_latency_s + rows / (g.nvlink_bw * e.comm))
-        total = max(gemm + attn, memory) + comm + e.step_overhead_s
-        return GpuTime(gemm, attn, memory, comm, e.step_overhead_s, total)
+                gathered = tokens * m.rows_per_token_layer * m.row_bytes * (tp - 1) / tp
+                comm += len(m.engram_layers) * (e.allreduce_latency_s + gathered / (g.nvlink_bw * e.comm))
+        layers = m.layers + (m.draft_passes_per_step * m.draft_layers if m.speculative_tokens and batch.drafting > 0 else 0)
+        overhead = (e.step_overhead_s + e.layer_overhead_s * layers + e.cpu_per_sequence_s * batch.sequences
+                    + e.cpu_per_prefix_token_s * batch.prefix_tokens)
+        if self.piecewise:
+            overhead += m.layers * e.piecewise_layer_s
+        parts = (dense, experts, attention, indexer, lm_head, draft)
+        return GpuTime(*parts, comm, overhead, sum(parts) + comm + overhead)
+
+    @property
+    def piecewise(self) -> bool:
+        """Whether steps run as piecewise CUDA graphs: a CPU fetch path whose row ids come from
+        the GPU does host work inside the forward, which full-graph capture forbids."""
+        return self.placement in CPU_PATHS and not self.eff.host_addressing and bool(self.model.engram_layers)
 
     # -- the Engram fetch --------------------------------------------------------------------
     def fetch_parts(self, work: EngramStep) -> dict:
@@ -231,24 +325,22 @@ class LatencyModel:
                             + parts["cpu_gather_s"] + parts["h2d_copy_s"])
         return parts
 
-    def step_time(self, tokens: float, attn_ctx: float, kv_read_tokens: float,
-                  engram: list[EngramStep]) -> StepTime:
+    def step_time(self, batch: Batch, engram: list[EngramStep]) -> StepTime:
         """The step: GPU time, each Engram layer's fetch and window, and the stall not hidden.
 
         Fetches run one after another on a side stream (or the host), starting with the step;
         layer L's rows are needed when the L layers before it have run. A CPU path whose row
         ids come from the GPU starts only at the layer itself (no window) and breaks the graph.
         """
-        gpu = self.gpu_time(tokens, attn_ctx, kv_read_tokens)
+        gpu = self.gpu_time(batch)
         layer_s = (gpu.total_s - gpu.overhead_s) / self.model.layers
         stall = 0.0
         fetch_done = 0.0
         fetches = []
-        blocking = self.placement in ("dram-copy", "ssd-mmap", "ssd-direct") and not self.eff.host_addressing
         for layer, work in zip(self.model.engram_layers, engram):
             parts = self.fetch_parts(work)
             needed = layer * layer_s + stall  # main stream reaches layer L (after earlier stalls)
-            if blocking:
+            if self.piecewise:
                 fetch_done = needed + parts["total_s"] + self.eff.graph_break_s
             else:
                 fetch_done += parts["total_s"]

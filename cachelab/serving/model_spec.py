@@ -1,11 +1,14 @@
-"""The model a serving step runs: parameters, KV-cache size and Engram layout, from a TOML file.
+"""The model a serving step runs: parameters by precision, attention shape, KV bytes, MTP and
+Engram layout, from a TOML file.
 
-``models/deepseek-v4.1-flash.toml`` holds DeepSeek-V4.1-Flash as far as public facts go,
-each assumption marked there. Its Engram tables are named by layout
-(``cachelab.engram.config``), which derives their layers, rows and row bytes, so the
-latency model and the addresser read one source. Derived quantities (parameters touched per
-step, KV bytes per token, table bytes) are methods here, so the latency model reads them in
-one place.
+``models/deepseek-v4.1-flash.toml`` is DeepSeek-V4.1-Flash from its released config (the
+transformers ``DeepseekV41TextConfig``); ``models/deepseek-r1.toml`` is DeepSeek-R1 (the V3
+architecture), which most published serving measurements use. Every number there carries its
+source. Attention is described generically enough for both: dense latent attention (R1's MLA:
+every query reads the whole context) or V4.1's compressed sparse attention (a sliding window
+plus the top-k compressed positions an indexer picks). Derived quantities (parameters touched
+per step, attended positions, KV bytes) are methods here, so the latency model reads them in
+one place. A model without ``[engram]`` has no Engram layers (R1).
 """
 
 from __future__ import annotations
@@ -14,10 +17,26 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from cachelab.engram.config import EngramConfig, get_preset
 from cachelab.errors import CachelabError
 
 MODEL_DIR = Path(__file__).parent / "models"
+
+
+def sum_min(lo, hi, cap):
+    """Sum of ``min(c, cap)`` over integer contexts ``c`` in ``(lo, hi]`` (vectorised); cap <= 0
+    means no cap."""
+    lo, hi = np.asarray(lo, np.float64), np.asarray(hi, np.float64)
+
+    def s(n):
+        if cap <= 0:
+            return n * (n + 1) / 2
+        k = float(cap)
+        return np.where(n <= k, n * (n + 1) / 2, k * (k + 1) / 2 + (n - k) * k)
+
+    return s(hi) - s(lo)
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,90 +44,164 @@ class ModelSpec:
     name: str
     layers: int
     hidden: int
-    hc_mult: int
-    dense_params: float
+    vocab: int
+    dense_params: float  # non-expert, non-embedding weights a token multiplies through (attention, shared experts, routers)
     moe_layers: int
     experts: int
     experts_per_token: int
     expert_params: float
-    weight_bytes_per_param: float
+    expert_bytes_per_param: float
+    expert_precision: str  # "fp4" or "fp8": which tensor-core rate the expert GEMMs run at
+    dense_bytes_per_param: float
     heads: int
-    kv_lora_rank: int
-    rope_dim: int
-    kv_bytes_per_token_layer: float
+    qk_dim: int  # per head, the width QK^T contracts over (absorbed latent + RoPE)
+    v_dim: int  # per head, the width of the value the probabilities multiply
+    kv_bytes_per_token: float  # every layer's cache entry for one token, per replica
     kv_replicated_across_tp: bool
-    layout: EngramConfig
+    sliding_window: int  # 0: none
+    window_bytes_per_position: float  # one layer's sliding-window KV entry
+    sparse_topk: int  # 0: dense attention over the whole context
+    compress_ratios: tuple[int, ...]  # per layer: 0 window only, r >= 1 compressed positions = context / r
+    latent_bytes_per_position: float  # a compressed position's KV entry (what sparse attention gathers)
+    index_sources: tuple[tuple[int, int], ...]  # (ratio, candidate cap or 0) per index-source layer
+    index_heads: int
+    index_head_dim: int
+    index_key_bytes: float
+    draft_layers: int
+    draft_params: float  # MTP / DSpark draft layers: weights resident
+    draft_active_params: float  # and multiplied through per drafted token
+    draft_passes_per_step: int  # sequential draft forwards per step (MTP: k, block drafting: 1)
+    speculative_tokens: int  # tokens drafted per step (0: no speculative decoding)
+    acceptance_length: float  # mean tokens emitted per verify step (1.0 without speculation)
+    layout: EngramConfig | None
     wkv_params: float
     table_sharded_across_tp: bool
 
     @property
     def engram_layers(self) -> tuple[int, ...]:
-        return tuple(self.layout.layers)
+        return tuple(self.layout.layers) if self.layout is not None else ()
 
     @property
     def rows_per_token_layer(self) -> int:
-        return self.layout.columns
+        return self.layout.columns if self.layout is not None else 0
 
     @property
     def row_bytes(self) -> int:
-        return self.layout.row_bytes
+        return self.layout.row_bytes if self.layout is not None else 0
 
     @property
     def table_rows(self) -> tuple[int, ...]:
-        return tuple(int(n) for n in self.layout.table_rows)
+        return tuple(int(n) for n in self.layout.table_rows) if self.layout is not None else ()
 
     @property
-    def weight_params(self) -> float:
-        """Non-Engram parameters plus the Engram projections (tables excluded)."""
-        return (self.dense_params + self.moe_layers * self.experts * self.expert_params
-                + len(self.engram_layers) * self.wkv_params)
+    def lm_head_params(self) -> float:
+        return float(self.vocab * self.hidden)
 
     @property
-    def active_params(self) -> float:
-        """Parameters one token multiplies through (top-k experts only)."""
-        return (self.dense_params + self.moe_layers * self.experts_per_token * self.expert_params
-                + len(self.engram_layers) * self.wkv_params)
+    def engram_params(self) -> float:
+        return len(self.engram_layers) * self.wkv_params
 
     @property
     def weight_bytes(self) -> float:
-        return self.weight_params * self.weight_bytes_per_param
+        """Resident weights (tables excluded): experts at their precision, the rest at the dense
+        one, embeddings and LM head included, draft layers included."""
+        experts = self.moe_layers * self.experts * self.expert_params * self.expert_bytes_per_param
+        dense = self.dense_params + 2 * self.lm_head_params + self.engram_params + self.draft_params
+        return experts + dense * self.dense_bytes_per_param
+
+    @property
+    def active_expert_params(self) -> float:
+        return self.moe_layers * self.experts_per_token * self.expert_params
+
+    @property
+    def active_params(self) -> float:
+        """Parameters one decoded token multiplies through (top-k experts, LM head)."""
+        return self.dense_params + self.active_expert_params + self.engram_params + self.lm_head_params
 
     @property
     def table_bytes(self) -> float:
         return float(sum(self.table_rows)) * self.row_bytes
 
     @property
-    def kv_bytes_per_token(self) -> float:
-        return self.layers * self.kv_bytes_per_token_layer
+    def attn_flops_per_position(self) -> float:
+        """FLOPs one query spends per attended position per layer (QK^T and PV, all heads)."""
+        return 2.0 * self.heads * (self.qk_dim + self.v_dim)
+
+    def touched_expert_bytes(self, tokens):
+        """Expert weight bytes a step of ``tokens`` tokens reads: the experts at least one token
+        routes to (expected count under uniform routing), every MoE layer."""
+        tokens = np.asarray(tokens, np.float64)
+        touched = self.experts * (1.0 - (1.0 - self.experts_per_token / self.experts) ** tokens)
+        return self.moe_layers * touched * self.expert_params * self.expert_bytes_per_param
+
+    def attended_positions(self, lo, hi):
+        """Sum over the queries at contexts ``(lo, hi]`` of the positions each attends to, over
+        all layers (vectorised over sequences)."""
+        if not self.compress_ratios:  # dense attention in every layer
+            return self.layers * sum_min(lo, hi, 0)
+        total = len(self.compress_ratios) * sum_min(lo, hi, self.sliding_window)
+        for ratio, count in self._ratio_counts:
+            total = total + count * sum_min(lo, hi, ratio * self.sparse_topk) / ratio
+        return total
 
     @property
-    def attn_flops_per_ctx_token(self) -> float:
-        """FLOPs one query token spends per context token per layer (MLA, absorbed: QK on the
-        latent + RoPE width, then V on the latent)."""
-        return 2.0 * self.heads * (2 * self.kv_lora_rank + self.rope_dim)
+    def _ratio_counts(self) -> list[tuple[int, int]]:
+        ratios = [r for r in self.compress_ratios if r > 0]
+        return [(r, ratios.count(r)) for r in sorted(set(ratios))]
 
-    def touched_weight_bytes(self, tokens: float) -> float:
-        """Weight bytes a step of ``tokens`` tokens reads: dense weights plus the experts that
-        at least one token routes to (expected count under uniform routing)."""
-        p_untouched = (1.0 - self.experts_per_token / self.experts) ** tokens
-        experts = self.experts * (1.0 - p_untouched)
-        params = (self.dense_params + self.moe_layers * experts * self.expert_params
-                  + len(self.engram_layers) * self.wkv_params)
-        return params * self.weight_bytes_per_param
+    def indexer_positions(self, lo, hi):
+        """Sum over the queries at contexts ``(lo, hi]`` of the compressed keys the indexer scores
+        (every index-source layer; a capped source scores only the candidate pool)."""
+        total = 0.0
+        for ratio, cap in self.index_sources:
+            total = total + sum_min(lo, hi, ratio * cap) / ratio
+        return total
+
+    def kv_read_bytes(self, queries, context):
+        """KV bytes one sequence's step reads: the whole latent cache (dense), or the window,
+        the sparse top-k gathers (at most the whole compressed cache) and the indexer keys."""
+        queries, context = np.asarray(queries, np.float64), np.asarray(context, np.float64)
+        if not self.compress_ratios:
+            return context * self.kv_bytes_per_token
+        window = len(self.compress_ratios) * np.minimum(context, self.sliding_window) * self.window_bytes_per_position
+        sparse = 0.0
+        for ratio, count in self._ratio_counts:
+            sparse = sparse + count * np.minimum(queries * self.sparse_topk, context / ratio) * self.latent_bytes_per_position
+        index = sum(np.minimum(context / r, cap if cap else np.inf) for r, cap in self.index_sources) * self.index_key_bytes
+        return window + sparse + index
+
+    @property
+    def window_bytes_per_sequence(self) -> float:
+        """The sliding-window ring every layer keeps per sequence (bounded, not per token)."""
+        return len(self.compress_ratios) * self.sliding_window * self.window_bytes_per_position
 
 
-_FIELDS = {
-    "backbone": ("layers", "hidden", "hc_mult", "dense_params", "moe_layers", "experts", "experts_per_token",
-                 "expert_params", "weight_bytes_per_param"),
-    "attention": ("heads", "kv_lora_rank", "rope_dim", "kv_bytes_per_token_layer", "kv_replicated_across_tp"),
-    "engram": ("wkv_params", "table_sharded_across_tp"),
+_NUMBERS = {
+    "backbone": ("layers", "hidden", "vocab", "dense_params", "moe_layers", "experts", "experts_per_token",
+                 "expert_params", "expert_bytes_per_param", "dense_bytes_per_param"),
+    "attention": ("heads", "qk_dim", "v_dim", "kv_bytes_per_token"),
 }
+_OPTIONAL = {  # zero (or empty) when a spec leaves them out
+    "attention": ("sliding_window", "window_bytes_per_position", "sparse_topk", "latent_bytes_per_position",
+                  "index_heads", "index_head_dim", "index_key_bytes"),
+    "mtp": ("draft_layers", "draft_params", "draft_active_params", "draft_passes_per_step", "speculative_tokens"),
+    "engram": ("wkv_params",),
+}
+_OTHER = {"backbone": ("expert_precision",), "attention": ("kv_replicated_across_tp", "compress_ratios", "index_sources"),
+          "mtp": ("acceptance_length",), "engram": ("layout", "table_sharded_across_tp")}
 # [engram] keys an older spec restated; the layout derives them, so they may stay only if they agree.
 _DERIVED = ("layers", "rows_per_token_layer", "row_bytes", "table_rows")
 
 
 def builtin_models() -> list[str]:
     return sorted(p.stem for p in MODEL_DIR.glob("*.toml"))
+
+
+def _number(path, section, key, value, allow_zero=False):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (value == 0 and not allow_zero):
+        raise CachelabError(f"{path}: [{section}] {key} must be a {'non-negative' if allow_zero else 'positive'} "
+                            f"number, got {value!r}")
+    return value
 
 
 def load_model(name: str | Path = "deepseek-v4.1-flash", layout: str | EngramConfig | None = None) -> ModelSpec:
@@ -127,23 +220,42 @@ def load_model(name: str | Path = "deepseek-v4.1-flash", layout: str | EngramCon
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise CachelabError(f"cannot read model spec {path}: {exc}") from None
-    values = {"name": data.get("name", path.stem)}
-    for section, keys in _FIELDS.items():
-        block = data.get(section)
-        if not isinstance(block, dict):
+    values: dict = {"name": data.get("name", path.stem)}
+    for section in ("backbone", "attention", "mtp", "engram"):
+        block = data.get(section, {})
+        if section in _NUMBERS and not isinstance(data.get(section), dict):
             raise CachelabError(f"{path}: missing section [{section}]")
-        extra = ("layout", *_DERIVED) if section == "engram" else ()
-        unknown = sorted(set(block) - set(keys) - set(extra))
+        allowed = _NUMBERS.get(section, ()) + _OPTIONAL.get(section, ()) + _OTHER[section]
+        extra = _DERIVED if section == "engram" else ()
+        unknown = sorted(set(block) - set(allowed) - set(extra))
         if unknown:
-            raise CachelabError(f"{path}: unknown key(s) {unknown} in [{section}]; allowed: {list(keys + extra[:1])}")
-        for key in keys:
+            raise CachelabError(f"{path}: unknown key(s) {unknown} in [{section}]; allowed: {list(allowed)}")
+        for key in _NUMBERS.get(section, ()):
             if key not in block:
                 raise CachelabError(f"{path}: [{section}] is missing {key!r}")
-            value = block[key]
-            if not isinstance(value, bool) and (not isinstance(value, (int, float)) or value <= 0):
-                raise CachelabError(f"{path}: [{section}] {key} must be a positive number, got {value!r}")
-            values[key] = value
-    values["layout"] = _layout(path, data["engram"], layout)
+            values[key] = _number(path, section, key, block[key])
+        for key in _OPTIONAL.get(section, ()):
+            values[key] = _number(path, section, key, block.get(key, 0), allow_zero=True)
+    backbone, attention, mtp, engram = (data.get(s, {}) for s in ("backbone", "attention", "mtp", "engram"))
+    values["expert_precision"] = backbone.get("expert_precision", "fp8")
+    if values["expert_precision"] not in ("fp4", "fp8"):
+        raise CachelabError(f"{path}: [backbone] expert_precision must be 'fp4' or 'fp8', got {values['expert_precision']!r}")
+    values["kv_replicated_across_tp"] = bool(attention.get("kv_replicated_across_tp", True))
+    values["compress_ratios"] = tuple(int(r) for r in attention.get("compress_ratios", ()))
+    if values["compress_ratios"] and len(values["compress_ratios"]) != values["layers"]:
+        raise CachelabError(f"{path}: [attention] compress_ratios has {len(values['compress_ratios'])} entries, "
+                            f"the model {values['layers']} layers")
+    if values["compress_ratios"] and not values["sparse_topk"]:
+        raise CachelabError(f"{path}: [attention] compress_ratios needs sparse_topk > 0")
+    values["index_sources"] = tuple((int(r), int(c)) for r, c in attention.get("index_sources", ()))
+    if any(r < 1 for r, _ in values["index_sources"]):
+        raise CachelabError(f"{path}: [attention] index_sources ratios must be >= 1")
+    values["acceptance_length"] = float(mtp.get("acceptance_length", 1.0))
+    if not 1.0 <= values["acceptance_length"] <= values["speculative_tokens"] + 1:
+        raise CachelabError(f"{path}: [mtp] acceptance_length {values['acceptance_length']} must be in "
+                            f"[1, speculative_tokens + 1 = {values['speculative_tokens'] + 1}]")
+    values["table_sharded_across_tp"] = bool(engram.get("table_sharded_across_tp", True))
+    values["layout"] = _layout(path, engram, layout) if engram or layout is not None else None
     return ModelSpec(**values)
 
 

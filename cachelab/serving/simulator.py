@@ -27,7 +27,7 @@ from cachelab.engram import Addresser
 from cachelab.errors import CachelabError
 from cachelab.serving.hardware import load_profile
 from cachelab.engine.tiers import DRAMStore, Hierarchy, SSDStore, Tier
-from cachelab.serving.latency import Efficiency, EngramStep, LatencyModel, describe
+from cachelab.serving.latency import Batch, Efficiency, EngramStep, LatencyModel, describe
 from cachelab.serving.metrics import RequestTimes, summarize
 from cachelab.serving.model_spec import load_model
 from cachelab.workload.prefix_cache import block_hashes
@@ -262,9 +262,7 @@ class ServingSimulator:
                         cache_hits=float(served[0]) if n_tiers else 0.0,
                         page_cache_rows=float(served[n_tiers]) if is_ssd else 0.0,
                         page_reads=float(out.page_reads[li] * scale)))
-                a = step.starts.astype(np.float64)
-                b = step.stops.astype(np.float64)
-                t = lat.step_time(tokens, float(((b * (b + 1) - a * (a + 1)) / 2).sum()), float(b.sum()), work)
+                t = lat.step_time(Batch(step.starts, step.stops), work)
                 steps["start_s"].append(clock)
                 clock += t.step_s
                 steps["step_s"].append(t.step_s)

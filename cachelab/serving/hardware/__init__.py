@@ -23,6 +23,7 @@ class GPU:
     hbm_bytes: float
     hbm_bw: float  # bytes/s
     fp8_flops: float  # dense FLOP/s
+    fp4_flops: float  # dense FLOP/s (Hopper: the FP8 rate, FP4 weights dequantised)
     bf16_flops: float
     nvlink_bw: float  # bytes/s per direction
     nvlink_domain: int  # GPUs one tensor-parallel group can span
