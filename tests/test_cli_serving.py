@@ -70,25 +70,28 @@ def test_hw_list_json():
     assert json.loads(res.stdout)["B300"]["gpu"]["hbm_bytes"] == 288e9
 
 
-def _points(hw, rows):
-    cols = ["placement", "tp", "concurrency", "interactivity", "tokens_per_s_per_gpu", "p90_interactivity",
-            "stall_share", "kv_tokens"]
-    df = pl.DataFrame([dict(zip(cols, r)) for r in rows])
-    return df.with_columns(pl.lit(hw).alias("hardware"), pl.lit(True).alias("fits"))
-
-
 def test_study_analysis_reads_fronts():
-    b200 = _points("B200", [("dram-uva", 4, 8, 200.0, 1000.0, 150.0, 0.0, 1), ("dram-uva", 4, 64, 100.0, 3000.0, 80.0, 0.0, 1),
-                            ("ssd-mmap", 4, 8, 150.0, 500.0, 100.0, 0.2, 1), ("ssd-mmap", 4, 64, 60.0, 1200.0, 40.0, 0.3, 1)])
-    b300 = _points("B300", [("hbm", 4, 8, 200.0, 1000.0, 1, 0.0, 10), ("hbm", 4, 64, 100.0, 2000.0, 1, 0.0, 10),
-                            ("dram-uva", 4, 8, 200.0, 1000.0, 1, 0.0, 20), ("dram-uva", 4, 64, 100.0, 2000.0, 1, 0.0, 20),
-                            ("dram-uva", 2, 64, 100.0, 3000.0, 1, 0.0, 20)])
-    out = analyse(b200, b300)
-    # DRAM front at 125: 3000 + (125-100)/(200-100) * (1000-3000) = 2500 tok/s/GPU; SSD front at 125: 500 + 25/90*(-700)
-    assert out["b200"]["dram_uva_tokens_per_dollar"] == pytest.approx(2500 * 3600 / 1.95)
-    ssd = out["b200"]["ssd_mmap"]
-    assert ssd["every_point_dominated"] and ssd["dram_p90_interactivity_wins_everywhere"]
-    assert ssd["highest_common_interactivity"] == 150.0
-    assert ssd["ratio_at_highest_common_interactivity"] == pytest.approx(2000 / 500)  # DRAM front at 150: 2000
-    assert out["b300"]["pareto_gain_dram_with_tp2_over_hbm"] == pytest.approx(1.5)  # 3000 vs 2000 at 100 tok/s/user
-    assert out["b300"]["hbm_vs_dram_uva_tp4_max_relative_throughput_difference"] == 0.0
+    def rows(hw, entries):
+        return [{"hardware": hw, "placement": p, "tp": tp, "concurrency": c, "p90_interactivity": x,
+                 "tokens_per_s_per_gpu": y, "fits": True, "reason": "", "kv_tokens": 1, "prefix_found_share": 1.0,
+                 "op_experts": 1.0} for p, tp, c, x, y in entries]
+
+    points = pl.DataFrame(
+        rows("B200", [("dram-uva", 4, 8, 200.0, 1000.0), ("dram-uva", 4, 64, 100.0, 3000.0),
+                      ("ssd-mmap", 4, 8, 150.0, 500.0), ("ssd-mmap", 4, 64, 60.0, 1200.0)])
+        + rows("B300", [("hbm", 4, 8, 200.0, 1000.0), ("hbm", 4, 64, 100.0, 2000.0), ("dram-uva", 4, 8, 200.0, 1000.0),
+                        ("dram-uva", 4, 64, 100.0, 2000.0), ("dram-uva", 2, 64, 100.0, 3000.0),
+                        ("dram-uva", 2, 8, 200.0, 1000.0)])
+        + [{"hardware": "B300", "placement": "hbm", "tp": 2, "fits": False, "reason": "does not fit"}],
+        infer_schema_length=None)
+    out = analyse(points)
+    # DRAM front at 125: 3000 + (125-100)/(200-100) * (1000-3000) = 2500; SSD at 125: 1200 + 65/90 * (500-1200)
+    assert out["b200_dram_tokens_per_dollar"] == pytest.approx(2500 * 3600 / 1.95)
+    assert out["b200_ssd_tokens_per_dollar"] == pytest.approx((1200 - 65 / 90 * 700) * 3600 / 1.95)
+    assert out["b200_ssd_points_dominated"] and out["b200_dram_p90_interactivity_wins_every_pair"]
+    assert out["b300_tp2_table_in_hbm_fits"] is False
+    assert out["b300_tp2_dram_gain_max"] == pytest.approx(1.5)  # 3000 vs 2000 at 100 tok/s/user
+    assert out["b300_tp2_dram_gain_at_p90_interactivity"] == pytest.approx(100.0)
+    assert out["b300_tp4_hbm_vs_dram_max_diff"] == 0.0
+    assert out["b300_tp2_dram_gain_binding_term"]["dominant_operator"] == "experts"
+

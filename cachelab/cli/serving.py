@@ -238,43 +238,125 @@ def hw_list(as_json: bool = typer.Option(False, "--json", help="Print one JSON o
     Console().print(table)
 
 
+def _efficiency(console: Console, evals: int):
+    """The efficiencies fitted on the named calibration subset (defaults, said so, without data)."""
+    from cachelab.paths import data_root
+    from cachelab.serving.calibration import FIT_SUBSET, fit, load_points
+    from cachelab.serving.latency import Efficiency
+
+    try:
+        points = [p for p in load_points(data_root()) if p.subset == FIT_SUBSET]
+    except CachelabError as exc:
+        console.print(f"[yellow]{exc}; using the default (unfitted) efficiencies[/]")
+        return Efficiency(), None, []
+    with console.status(f"fitting efficiencies on {FIT_SUBSET} ({len(points)} points)"):
+        eff, loss = fit(points, max_evals=evals)
+    return eff, loss, points
+
+
 @study_app.command("semianalysis")
 def study_semianalysis(
-    out: Path = typer.Option(Path("study-semianalysis"), help="Folder for the points (CSV) and figures (PNG)."),
-    concurrency: str = typer.Option("16,64,256", help="Concurrencies, comma-separated."),
-    isl: int = typer.Option(1024, help="Prompt tokens per request."),
-    osl: int = typer.Option(1024, help="Output tokens per request."),
-    long_context: str = typer.Option("256,1024", help="Concurrencies of the B300 8192/128 (KV-bound) sweep; '' skips it."),
+    out: Path = typer.Option(Path("study-semianalysis"), help="Folder for the points (streamed JSONL, then CSV)."),
+    fit_evals: int = typer.Option(150, help="Loss evaluations of the efficiency fit (0: default efficiencies)."),
+    sensitivity: bool = typer.Option(True, help="Also compute the tokens/$ elasticity of every fitted parameter."),
+    prefix_hit: float = typer.Option(0.858, help="The agentic trace's token hit ratio under an unbounded prefix cache "
+                                     "(0.858: AgentX no-subagents dataset; 0.968: the older one)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """B200 DRAM-UVA vs SSD-mmap near 125 tok/s/user, B300 TP2 vs TP4 once the table leaves
-    HBM, and HBM vs DRAM-UVA: the model's answers beside SemiAnalysis' published figures."""
-    from cachelab.serving.studies.semianalysis import run
+    """DeepSeek-V4.1-Flash on the agentic workload: B200 DRAM-UVA vs SSD-mmap at 125 tok/s/user
+    P90 interactivity, B300 TP2 (table in DRAM) vs TP4 (table in HBM), TP4 HBM vs DRAM; every
+    figure computed by the model. Each finished point is appended to OUT/semianalysis_points.jsonl
+    as it finishes; a count and an ETA show progress. Example: `cachelab study semianalysis --json`."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from cachelab.serving.agentic import agentic_workload
+    from cachelab.serving.calibration import FITTED
+    from cachelab.serving.studies.semianalysis import run, sensitivity as elasticity, total_points
+
+    if not 0.0 <= prefix_hit < 1.0:
+        raise CachelabError(f"--prefix-hit must be in [0, 1), got {prefix_hit}")
     console = Console(stderr=True, quiet=as_json)
-    result = run(out, tuple(_ints(concurrency, "--concurrency")), isl, osl, tuple(_ints(long_context, "--long-context")),
-                 progress=lambda m: console.print(f"running {m}"))
+    eff, loss, _ = _efficiency(console, fit_evals) if fit_evals else (None, None, [])
+    if eff is None:
+        from cachelab.serving.latency import Efficiency
+
+        eff = Efficiency()
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True, disable=as_json) as bar:
+        task = bar.add_task("points", total=total_points())
+
+        def step(row: dict) -> None:
+            bar.update(task, advance=1, description=f"{row['hardware']} TP{row['tp']} {row['placement']}")
+
+        workload = agentic_workload(prefix_hit=prefix_hit)
+        result = run(out, eff, workload, progress=step)
+    result["efficiency_fit_loss"] = loss
+    if sensitivity:
+        with console.status("sensitivity (tokens/$ elasticity of each fitted parameter)"):
+            result["sensitivity"] = elasticity(workload, eff, FITTED)
     if as_json:
         typer.echo(json.dumps(result, default=float))
         return
-    b2, b3 = result["b200"], result["b300"]
     c = Console()
-    c.print(f"B200 at {b2['interactivity']:.0f} tok/s/user: DRAM-UVA {b2['dram_uva_tokens_per_dollar'] / 1e6:.1f} M tok/$ "
-            f"(published 121 M vs 52 M for SSD, {b2['published_ratio']:.2f}x)")
-    for key in ("ssd_mmap", "ssd_mmap_warm"):
-        if key in b2:
-            v = b2[key]
-            c.print(f"  {key}: {v['tokens_per_dollar'] / 1e6:.1f} M tok/$ at {b2['interactivity']:.0f} (reaches at most "
-                    f"{v['max_interactivity']:.0f}); DRAM/SSD {v['ratio_at_highest_common_interactivity']:.2f}x at "
-                    f"{v['highest_common_interactivity']:.0f} tok/s/user; every point dominated: {v['every_point_dominated']}; "
-                    f"DRAM wins P90 interactivity everywhere: {v['dram_p90_interactivity_wins_everywhere']}")
-    c.print(f"B300: TP2 fits with the table in HBM: {b3['tp2_fits_with_table_in_hbm']}; KV tokens {b3['kv_tokens']}; "
-            f"Pareto gain of DRAM-UVA (TP2 allowed) over HBM: up to {b3['pareto_gain_dram_with_tp2_over_hbm']:.2f}x "
-            f"at {b3['at_interactivity']:.0f} tok/s/user (published up to {b3['published_gain']}x)")
-    c.print(f"HBM vs DRAM-UVA at TP4: largest throughput difference {b3['hbm_vs_dram_uva_tp4_max_relative_throughput_difference']:.2%}, "
-            f"DRAM-UVA stall at most {b3['dram_uva_tp4_max_stall_share']:.2%} of step time")
-    if "b300_long_context" in result:
-        lc = result["b300_long_context"]
-        c.print(f"B300, 8192/128 tokens (KV-bound): Pareto gain of DRAM-UVA (TP2 allowed) over HBM up to "
-                f"{lc['pareto_gain_dram_with_tp2_over_hbm']:.2f}x at {lc['at_interactivity']:.0f} tok/s/user; KV tokens {lc['kv_tokens']}")
-    c.print(f"points and figures in {out}")
+    c.print(f"B200 at {result['interactivity_target']:.0f} tok/s/user P90: DRAM-UVA "
+            f"{result['b200_dram_tokens_per_dollar'] / 1e6:.1f} M tok/$, SSD-mmap {result['b200_ssd_tokens_per_dollar'] / 1e6:.1f} M "
+            f"({result['b200_dram_over_ssd']:.2f}x; published 121 M vs 52 M, 2.3x); every SSD point dominated: "
+            f"{result['b200_ssd_points_dominated']}; DRAM ahead on P90 interactivity at every pair: "
+            f"{result['b200_dram_p90_interactivity_wins_every_pair']}")
+    c.print(f"B300: TP2 with the table in HBM fits: {result['b300_tp2_table_in_hbm_fits']}; TP2-DRAM over TP4-HBM up to "
+            f"{result['b300_tp2_dram_gain_max']:.2f}x at {result['b300_tp2_dram_gain_at_p90_interactivity']:.0f} tok/s/user "
+            f"(published up to 1.6x); TP4 HBM vs DRAM fronts differ by at most {result['b300_tp4_hbm_vs_dram_max_diff']:.1%}")
+    if "sensitivity" in result:
+        table = Table(title="tokens/$ elasticity (B200 DRAM-UVA at 125 tok/s/user)")
+        for col in ("parameter", "value", "elasticity"):
+            table.add_column(col, justify="right")
+        for name, v in result["sensitivity"]["parameters"].items():
+            table.add_row(name, f"{v['value']:.4g}", f"{v['elasticity']:+.2f}")
+        c.print(table)
+    c.print(f"{result['run']['points']} points in {result['run']['seconds']:.0f} s, peak RSS "
+            f"{result['run']['peak_rss_mb']:.0f} MB; points in {out}")
+
+
+@study_app.command("inferencex")
+def study_inferencex(
+    fit_evals: int = typer.Option(150, help="Loss evaluations of the efficiency fit."),
+    out: Path | None = typer.Option(None, help="Also write the per-point table here (CSV)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Fit the latency model's efficiencies on one named subset of the published InferenceX
+    measurements (../shared/data/calibration), predict every other point, and report the error
+    per point and as MAPE per metric (`heldout_mape`: metric -> fraction).
+    Example: `cachelab study inferencex --json`."""
+    from cachelab.paths import data_root
+    from cachelab.serving.calibration import FIT_SUBSET, FITTED, fit, load_points, mape, validate
+
+    console = Console(stderr=True, quiet=as_json)
+    points = load_points(data_root())
+    train = [p for p in points if p.subset == FIT_SUBSET]
+    with console.status(f"fitting {', '.join(FITTED)} on {FIT_SUBSET} ({len(train)} points)"):
+        eff, loss = fit(train, max_evals=fit_evals)
+    rows = validate(points, eff)
+    held = [r for r in rows if r["subset"] != FIT_SUBSET]
+    result = {"fit_subset": FIT_SUBSET, "fitted": {k: getattr(eff, k) for k in FITTED}, "fit_loss": loss,
+              "fit_mape": mape([r for r in rows if r["subset"] == FIT_SUBSET]), "heldout_mape": mape(held),
+              "heldout_mape_by_subset": {s: mape([r for r in held if r["subset"] == s])
+                                         for s in sorted({r["subset"] for r in held})},
+              "points": rows}
+    if out is not None:
+        import polars as pl
+
+        pl.DataFrame([{"id": r["id"], "subset": r["subset"], "metric": k, "measured": r["measured"][k],
+                       "predicted": r["predicted"][k], "error": r["error"][k]} for r in rows for k in r["measured"]]
+                     ).write_csv(out)
+    if as_json:
+        typer.echo(json.dumps(result, default=float))
+        return
+    table = Table(title=f"held-out MAPE (fitted on {FIT_SUBSET})")
+    metrics = sorted({k for r in held for k in r["error"]})
+    for col in ("subset", *metrics):
+        table.add_column(col, justify="right")
+    for s, m in {**result["heldout_mape_by_subset"], "all held-out": result["heldout_mape"]}.items():
+        table.add_row(s, *(f"{m[k]:.1%}" if k in m else "" for k in metrics))
+    c = Console()
+    c.print(table)
+    c.print("fitted: " + ", ".join(f"{k} = {v:.4g}" for k, v in result["fitted"].items()))

@@ -1,153 +1,223 @@
-"""SemiAnalysis, "Engrams Embedding Entendre" (2026-09-18), reproduced from first principles.
+"""SemiAnalysis, "Engrams Embedding Entendre" (2026-09-18), reproduced from the model.
 
-Three questions, each answered by serving replays over an InferenceX-style closed-loop
-benchmark (fixed input/output lengths, concurrency swept, real Arena-Hard text so the
-Engram rows are real n-grams):
+DeepSeek-V4.1-Flash (its released architecture, ``models/deepseek-v4.1-flash.toml``) on the
+agentic workload SemiAnalysis ran (``agentic.agentic_workload``: AgentX, synthesized from its
+published summaries), in the steady state (``steady``) with the efficiencies fitted on
+published measurements (``calibration``), over a dense concurrency sweep:
 
-1. B200: tokens per dollar of DRAM-UVA against SSD-mmap near 125 tok/s/user (published:
-   121 M vs 52 M), and whether every SSD point is dominated.
-2. B300: the Pareto gain of allowing TP2 once the table leaves HBM (published: up to 1.6x).
-3. HBM-resident against DRAM-UVA at equal TP, where the fetch hides behind the prefetch
-   window (published: no gain beyond noise).
+1. B200: tokens per dollar of DRAM-UVA against SSD-mmap at 125 tok/s/user P90 interactivity
+   (published: 121 M vs 52 M), whether every SSD point is dominated, and whether DRAM wins
+   P90 interactivity at every paired point.
+2. B300: whether TP2 fits with the table in HBM, and the Pareto gain of TP2 with the table in
+   DRAM over TP4 with it in HBM (published: up to 1.6x), where it peaks and what binds there.
+3. B300 TP4 HBM against TP4 DRAM-UVA (published: no difference beyond noise).
+
+Host memory follows InferenceX's agentic matrix: a KV offload pool of 80% of the replica's
+share of host DRAM, less the pinned table for DRAM-UVA; ssd-mmap's page cache gets what the
+pool leaves (10% kept for the OS and the server: an ASSUMPTION).
 """
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import polars as pl
 
-from cachelab.trace.arrivals import arrival_frame
+from cachelab.errors import CachelabError
+from cachelab.serving.agentic import agentic_workload
 from cachelab.serving.hardware import load_profile
-from cachelab.serving.pareto import dominated, pareto_front, plot_fronts, throughput_at
-from cachelab.paths import cache_dir
-from cachelab.serving.simulator import ServingConfig
-from cachelab.serving.grid import serving_grid
-from cachelab.trace.synthesis import TokenStream, make_plan, synthesize
-from cachelab.trace.schema import read_trace
-from cachelab.trace.build import instantiate
+from cachelab.serving.latency import Efficiency, LatencyModel
+from cachelab.serving.model_spec import load_model
+from cachelab.serving.pareto import dominated, pareto_front, throughput_at
+from cachelab.serving.steady import Deployment, SteadyState, Workload
 
-PUBLISHED = {"b200_dram_tokens_per_dollar": 121e6, "b200_ssd_tokens_per_dollar": 52e6, "b300_tp2_gain": 1.6}
-TARGET_INTERACTIVITY = 125.0
-
-
-def fixed_length_workload(num_requests: int, isl: int, osl: int, corpus: str = "arena-hard", seed: int = 0) -> pl.DataFrame:
-    """``num_requests`` requests of exactly ``isl`` prompt and ``osl`` output tokens of real text,
-    all arriving at 0 (a closed-loop client pool paces them). Built once into the cache dir."""
-    path = cache_dir() / "workloads" / f"fixed_{corpus}_{isl}x{osl}_{num_requests}_seed{seed}.parquet"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        arrivals = arrival_frame(np.zeros(num_requests), np.full(num_requests, isl), np.full(num_requests, osl),
-                                 domain="fixed", source=f"fixed-{isl}x{osl}")
-        stream = TokenStream.from_corpus(instantiate(corpus, {}, {}))
-        plan = make_plan(stream, arrivals, has_lengths=True, use_lengths=True, seed=seed, output_tokens=osl,
-                         turn_gap_s=0.0)
-        tmp = path.with_suffix(".tmp.parquet")
-        synthesize(stream, plan, tmp, source=f"fixed-{isl}x{osl}+{corpus}")
-        tmp.replace(path)
-    return read_trace(path)
+TARGET = 125.0  # tok/s/user, P90 interactivity
+X = "p90_interactivity"
+Y = "tokens_per_s_per_gpu"
+CONCURRENCIES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+DRAM_UTILIZATION = 0.8  # InferenceX agentic README: dram-utilization 0.80
+OS_SHARE = 0.1  # ASSUMPTION: host DRAM kept for the OS, the server process and its buffers
+CONFIGS = (("B200", 4, "dram-uva"), ("B200", 8, "dram-uva"), ("B200", 4, "ssd-mmap"), ("B200", 8, "ssd-mmap"),
+           ("B300", 2, "dram-uva"), ("B300", 4, "dram-uva"), ("B300", 4, "hbm"), ("B300", 2, "hbm"))
+MODEL = "deepseek-v4.1-flash"
 
 
-def _per_dollar(front: pl.DataFrame, price: float, x: float) -> float:
-    return throughput_at(front, x) * 3600 / price
+def deployment(hardware: str, tp: int, placement: str, eff: Efficiency, model: str = MODEL) -> Deployment:
+    """One replica with InferenceX's host-memory plan (raises CachelabError if it does not fit)."""
+    spec = load_model(model)
+    hw = load_profile(hardware)
+    lat = LatencyModel(spec, hw, tp, placement, efficiency=eff)
+    host = hw.host.dram_bytes * tp
+    pinned = spec.table_bytes if placement == "dram-uva" else 0.0
+    pool = max(0.0, min(DRAM_UTILIZATION * host, host * (1 - OS_SHARE) - pinned))
+    page_cache = max(0.0, host * (1 - OS_SHARE) - pool) if placement == "ssd-mmap" else None
+    return Deployment(lat, kv_offload_bytes=pool, page_cache_bytes=page_cache)
 
 
-def _gain_curve(better: pl.DataFrame, worse: pl.DataFrame) -> tuple[float, float]:
-    """The largest throughput ratio of two fronts over the interactivities both reach."""
-    lo = min(better["interactivity"].min(), worse["interactivity"].min())
-    hi = min(better["interactivity"].max(), worse["interactivity"].max())
+def _dominant(point: dict) -> str:
+    parts = {k: v for k, v in point.items() if k.startswith("op_")}
+    return max(parts, key=parts.get)[3:] if parts else ""
+
+
+def run_points(workload: Workload, eff: Efficiency, configs=CONFIGS, concurrencies=CONCURRENCIES,
+               on_point: Callable[[dict], None] | None = None) -> list[dict]:
+    """Every (config, concurrency) point; ``on_point`` sees each as it finishes. A config that
+    does not fit is one row with ``fits`` False and the reason."""
+    rows = []
+    for hardware, tp, placement in configs:
+        base = {"hardware": hardware, "tp": tp, "placement": placement}
+        try:
+            dep = deployment(hardware, tp, placement, eff)
+            model = SteadyState(dep, workload)
+        except CachelabError as exc:
+            row = {**base, "fits": False, "reason": str(exc)}
+            rows.append(row)
+            if on_point:
+                on_point(row)
+            continue
+        for c in concurrencies:
+            m = model.solve(int(c))
+            row = {**base, "fits": True, "reason": "", **m, "kv_tokens": dep.latency.plan.kv_tokens,
+                   "kv_offload_gb": dep.kv_offload_bytes / 1e9,
+                   "page_cache_gb": (dep.page_cache_bytes or 0.0) / 1e9}
+            rows.append(row)
+            if on_point:
+                on_point(row)
+    return rows
+
+
+def _front(df: pl.DataFrame) -> pl.DataFrame:
+    return pareto_front(df, X, Y)
+
+
+def _gain(better: pl.DataFrame, worse: pl.DataFrame) -> tuple[float, float]:
+    fb, fw = _front(better), _front(worse)
+    lo = max(fb[X].min(), fw[X].min())
+    hi = min(fb[X].max(), fw[X].max())
     if not lo < hi:
         return float("nan"), float("nan")
-    xs = np.linspace(lo, hi, 200)
-    ratios = np.array([throughput_at(better, x) / throughput_at(worse, x) for x in xs])
+    xs = np.linspace(lo, hi, 400)
+    ratios = np.array([throughput_at(fb, x, X, Y) / throughput_at(fw, x, X, Y) for x in xs])
     i = int(np.nanargmax(ratios))
     return float(ratios[i]), float(xs[i])
 
 
-def b300_gain(b300: pl.DataFrame) -> dict:
-    """The Pareto gain of DRAM-UVA (TP2 allowed) over HBM-resident placements on B300."""
-    fit = b300.filter(pl.col("fits"))
-    hbm = fit.filter(pl.col("placement") == "hbm")
-    dram = fit.filter(pl.col("placement") == "dram-uva")
-    gain, at = _gain_curve(pareto_front(dram), pareto_front(hbm))
-    return {"pareto_gain_dram_with_tp2_over_hbm": gain, "at_interactivity": at,
-            "kv_tokens": {f"{p} TP{t}": int(k) for p, t, k in fit.group_by(["placement", "tp"])
-                          .agg(pl.col("kv_tokens").first()).sort(["placement", "tp"]).iter_rows()}}
-
-
-def analyse(b200: pl.DataFrame, b300: pl.DataFrame) -> dict:
-    """The three answers, with the published figures beside them."""
-    fit200, fit300 = b200.filter(pl.col("fits")), b300.filter(pl.col("fits"))
-    price200 = load_profile("B200").usd_per_gpu_hour
-    dram = fit200.filter(pl.col("placement") == "dram-uva")
-    f_dram = pareto_front(dram)
-    x = TARGET_INTERACTIVITY
-    tpd_dram = _per_dollar(f_dram, price200, x)
-    out = {"b200": {"interactivity": x, "dram_uva_tokens_per_dollar": tpd_dram,
-                    "max_dram_interactivity": float(f_dram["interactivity"].max()),
-                    "published_ratio": PUBLISHED["b200_dram_tokens_per_dollar"] / PUBLISHED["b200_ssd_tokens_per_dollar"]}}
-    for variant in ("ssd-mmap", "ssd-mmap-warm"):
-        ssd = fit200.filter(pl.col("placement") == variant)
-        if not ssd.height:
-            continue
-        f_ssd = pareto_front(ssd)
-        tpd_ssd = _per_dollar(f_ssd, price200, x)
-        common = min(float(f_dram["interactivity"].max()), float(f_ssd["interactivity"].max()))
-        paired = dram.join(ssd, on=["tp", "concurrency"], suffix="_ssd")
-        key = variant.replace("-", "_")
-        out["b200"][key] = {
-            "tokens_per_dollar": tpd_ssd, "ratio": tpd_dram / tpd_ssd if tpd_ssd else float("nan"),
-            "max_interactivity": float(f_ssd["interactivity"].max()),
-            "ratio_at_highest_common_interactivity": throughput_at(f_dram, common) / throughput_at(f_ssd, common),
-            "highest_common_interactivity": common,
-            "every_point_dominated": bool(dominated(ssd, dram).all()),
-            "dram_p90_interactivity_wins_everywhere": bool((paired["p90_interactivity"] > paired["p90_interactivity_ssd"]).all()),
-            "mean_stall_share": float(ssd["stall_share"].mean()),
-        }
-    hbm = fit300.filter(pl.col("placement") == "hbm")
-    dram300 = fit300.filter(pl.col("placement") == "dram-uva")
-    same_tp = hbm.filter(pl.col("tp") == 4).join(dram300.filter(pl.col("tp") == 4), on="concurrency", suffix="_dram")
-    rel = (same_tp["tokens_per_s_per_gpu"] / same_tp["tokens_per_s_per_gpu_dram"] - 1).abs()
-    out["b300"] = {
-        "tp2_fits_with_table_in_hbm": bool(b300.filter((pl.col("placement") == "hbm") & (pl.col("tp") == 2))["fits"].any()),
-        **b300_gain(b300),
-        "published_gain": PUBLISHED["b300_tp2_gain"],
-        "hbm_vs_dram_uva_tp4_max_relative_throughput_difference": float(rel.max()) if rel.len() else float("nan"),
-        "dram_uva_tp4_max_stall_share": float(dram300.filter(pl.col("tp") == 4)["stall_share"].max()),
+def analyse(points: pl.DataFrame) -> dict:
+    """The issue's keys, each computed from the points (never set to the published value)."""
+    fit = points.filter(pl.col("fits"))
+    b200, b300 = fit.filter(pl.col("hardware") == "B200"), fit.filter(pl.col("hardware") == "B300")
+    price = load_profile("B200").usd_per_gpu_hour
+    dram, ssd = b200.filter(pl.col("placement") == "dram-uva"), b200.filter(pl.col("placement") == "ssd-mmap")
+    tpd_dram = throughput_at(_front(dram), TARGET, X, Y) * 3600 / price
+    tpd_ssd = throughput_at(_front(ssd), TARGET, X, Y) * 3600 / price
+    paired = dram.join(ssd, on=["tp", "concurrency"], suffix="_ssd")
+    tp2_hbm = points.filter((pl.col("hardware") == "B300") & (pl.col("tp") == 2) & (pl.col("placement") == "hbm"))
+    tp2_dram = b300.filter((pl.col("tp") == 2) & (pl.col("placement") == "dram-uva"))
+    tp4_hbm = b300.filter((pl.col("tp") == 4) & (pl.col("placement") == "hbm"))
+    tp4_dram = b300.filter((pl.col("tp") == 4) & (pl.col("placement") == "dram-uva"))
+    gain, at = _gain(tp2_dram, tp4_hbm) if tp2_dram.height and tp4_hbm.height else (float("nan"), float("nan"))
+    near = tp2_dram.with_columns((pl.col(X) - at).abs().alias("d")).sort("d").row(0, named=True) if tp2_dram.height else {}
+    hbm_vs_dram = float("nan")
+    if tp4_hbm.height and tp4_dram.height:
+        fh, fd = _front(tp4_hbm), _front(tp4_dram)
+        xs = np.linspace(max(fh[X].min(), fd[X].min()), min(fh[X].max(), fd[X].max()), 200)
+        hbm_vs_dram = float(np.nanmax([abs(throughput_at(fh, x, X, Y) / throughput_at(fd, x, X, Y) - 1) for x in xs]))
+    return {
+        "b200_dram_tokens_per_dollar": tpd_dram,
+        "b200_ssd_tokens_per_dollar": tpd_ssd,
+        "b200_dram_over_ssd": tpd_dram / tpd_ssd if tpd_ssd else float("nan"),
+        "b200_ssd_points_dominated": bool(dominated(ssd, dram, X, Y).all()),
+        "b200_dram_p90_interactivity_wins_every_pair": bool((paired[X] > paired[X + "_ssd"]).all()),
+        "b300_tp2_table_in_hbm_fits": bool(tp2_hbm["fits"].any()),
+        "b300_tp2_table_in_hbm_reason": tp2_hbm["reason"][0] if tp2_hbm.height else "",
+        "b300_tp2_dram_gain_max": gain,
+        "b300_tp2_dram_gain_at_p90_interactivity": at,
+        "b300_tp2_dram_gain_binding_term": {"dominant_operator": _dominant(near), "concurrency": near.get("concurrency"),
+                                            "kv_tokens_tp2": near.get("kv_tokens"),
+                                            "prefix_found_share": near.get("prefix_found_share")},
+        "b300_tp4_hbm_vs_dram_max_diff": hbm_vs_dram,
+        "interactivity_target": TARGET, "interactivity": "P90 (1000 / P90 TPOT ms)",
+        "published": {"b200_dram_tokens_per_dollar": 121e6, "b200_ssd_tokens_per_dollar": 52e6,
+                      "b300_tp2_gain_up_to": 1.6},
     }
-    return out
 
 
-def run(out_dir: Path, concurrencies=(16, 64, 256), isl: int = 1024, osl: int = 1024,
-        long_context: tuple[int, ...] = (256, 1024), progress: Callable[[str], None] | None = None) -> dict:
-    """Run both sweeps, write the points (CSV) and the two figures to ``out_dir``."""
+class _Stream:
+    """Appends each finished point to ``points.jsonl`` (flushed), so a killed run keeps them."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.file = open(path, "w", encoding="utf-8")
+
+    def __call__(self, row: dict) -> None:
+        self.file.write(json.dumps(row, default=float) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def run(out_dir: Path, eff: Efficiency, workload: Workload | None = None,
+        progress: Callable[[dict], None] | None = None) -> dict:
+    """The sweep (points streamed to ``out_dir/semianalysis_points.jsonl`` as they finish, then
+    a CSV), the analysis, and the run's measured peak memory."""
+    import resource
+
     out_dir.mkdir(parents=True, exist_ok=True)
-    trace = fixed_length_workload(2 * max(concurrencies) + 8, isl, osl)
-    base = ServingConfig(prefix_cache="off", max_num_seqs=max(256, max(concurrencies)))
-    b200 = serving_grid(trace, base, ["B200"], [4, 8], ["dram-uva", "ssd-mmap"], concurrencies, 2, progress)
-    warm = serving_grid(trace, replace(base, warm_page_cache=True), ["B200"], [4, 8], ["ssd-mmap"], concurrencies, 2, progress)
-    b200 = pl.concat([b200, warm.with_columns(pl.lit("ssd-mmap-warm").alias("placement"))])
-    b300 = serving_grid(trace, base, ["B300"], [2, 4], ["hbm", "dram-uva"], concurrencies, 2, progress)
-    pl.concat([b200, b300]).write_csv(out_dir / "semianalysis_points.csv")
-    for name, points in (("b200", b200), ("b300", b300)):
-        fits = points.filter(pl.col("fits")).with_columns(
-            (pl.col("placement") + " TP" + pl.col("tp").cast(pl.String)).alias("config"))
-        plot_fronts(fits, "config", out_dir / f"semianalysis_{name}.png",
-                    f"{name.upper()}: DeepSeek-V4.1-Flash, {isl}/{osl} tokens, concurrency {min(concurrencies)}-{max(concurrencies)}",
-                    TARGET_INTERACTIVITY if name == "b200" else None)
-    result = analyse(b200, b300)
-    if long_context:  # the KV-bound regime: 8k-token prompts, short answers, many clients
-        long_trace = fixed_length_workload(2 * max(long_context) + 8, 8192, 128)
-        long = serving_grid(long_trace, replace(base, max_num_seqs=max(long_context)), ["B300"], [2, 4], ["hbm", "dram-uva"],
-                     long_context, 2, progress)
-        long.write_csv(out_dir / "semianalysis_b300_long_points.csv")
-        fits = long.filter(pl.col("fits")).with_columns(
-            (pl.col("placement") + " TP" + pl.col("tp").cast(pl.String)).alias("config"))
-        plot_fronts(fits, "config", out_dir / "semianalysis_b300_long.png", "B300: 8192/128 tokens (KV-bound)")
-        result["b300_long_context"] = {"isl": 8192, "osl": 128, "concurrencies": list(long_context), **b300_gain(long)}
-    result["workload"] = {"requests_per_point": "2 x concurrency + 8", "isl": isl, "osl": osl, "corpus": "arena-hard",
-                          "prefix_cache": "off", "row_cache": "none"}
+    workload = workload or agentic_workload()
+    stream = _Stream(out_dir / "semianalysis_points.jsonl")
+    start = time.perf_counter()
+
+    def on_point(row: dict) -> None:
+        stream(row)
+        if progress:
+            progress(row)
+
+    try:
+        rows = run_points(workload, eff, on_point=on_point)
+    finally:
+        stream.close()
+    points = pl.DataFrame(rows, infer_schema_length=None)
+    points.write_csv(out_dir / "semianalysis_points.csv")
+    result = analyse(points)
+    result["workload"] = workload.describe()
+    result["efficiency"] = {k: getattr(eff, k) for k in ("mfu", "mbu", "layer_overhead_s", "cpu_per_sequence_s",
+                                                         "request_overhead_s")}
+    result["run"] = {"points": len(rows), "seconds": time.perf_counter() - start,
+                     "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                     "points_file": str(out_dir / "semianalysis_points.jsonl")}
     return result
+
+
+SENSITIVITY_CONCURRENCIES = (8, 16, 24, 32, 48, 64, 96, 128)
+
+
+def sensitivity(workload: Workload, eff: Efficiency, names, step: float = 0.1) -> dict:
+    """Elasticity of B200 DRAM-UVA tokens per dollar at the target to each parameter:
+    d ln(tokens/$) / d ln(parameter), by a +``step`` relative change (a narrower sweep
+    around the target)."""
+    from dataclasses import replace
+
+    configs = [c for c in CONFIGS if c[0] == "B200" and c[2] == "dram-uva"]
+    price = load_profile("B200").usd_per_gpu_hour
+
+    def tpd(e: Efficiency) -> float:
+        df = pl.DataFrame(run_points(workload, e, configs, SENSITIVITY_CONCURRENCIES))
+        return throughput_at(_front(df.filter(pl.col("fits"))), TARGET, X, Y) * 3600 / price
+
+    base = tpd(eff)
+    out = {}
+    for name in names:
+        value = getattr(eff, name)
+        changed = tpd(replace(eff, **{name: value * (1 + step)}))
+        out[name] = {"value": value, "elasticity": float(np.log(changed / base) / np.log(1 + step))}
+    return {"metric": "b200_dram_tokens_per_dollar", "base": base, "parameters": out}
+
+
+def total_points(configs=CONFIGS, concurrencies=CONCURRENCIES) -> int:
+    """An upper bound on the points a run streams (a config that does not fit is one row)."""
+    return len(configs) * len(concurrencies)

@@ -1,0 +1,256 @@
+"""Steady-state serving: a closed loop of clients against one replica, solved, not replayed.
+
+``ServingSimulator`` replays a trace token by token with real Engram rows; that is exact but
+costs minutes and gigabytes per point, too slow for a one-hour agentic window at hundreds of
+clients, for fitting efficiencies, or for a sensitivity table. This module solves the same
+loop in its steady state (a fluid model, as capacity planners and the Vidur-style simulators
+do for throughput): C clients each cycle through think time, queueing for prefill, prefill in
+chunks beside the decoding batch, and decode at one verify step per ``acceptance_length``
+tokens. The request rate X is found by bisection on Little's law, ``X x cycle(X) = C``; inside,
+the step time is the latency model's, for a step holding the decoders and (in a fraction of
+steps) a prefill chunk. Percentiles come from stated approximations: a request's TPOT mixes
+decode-only and mixed steps binomially; TTFT is its own chunks plus an exponential queueing
+wait (M/D/1 mean). Every input a point uses is in ``Workload`` and ``Deployment``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from cachelab.errors import CachelabError
+from cachelab.serving.latency import Batch, EngramStep, LatencyModel
+
+Z = {50: 0.0, 90: 1.2816, 99: 2.3263}  # standard normal quantiles
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Per-request samples of a workload (one entry per sampled request).
+
+    ``cached_tokens`` are prompt tokens an unbounded prefix cache would serve (the earlier
+    turns of a session); ``new_tokens`` the rest. ``think_s`` is the client's delay between a
+    response and its next request (0 for a closed-loop benchmark)."""
+
+    name: str
+    new_tokens: np.ndarray
+    cached_tokens: np.ndarray
+    output_tokens: np.ndarray
+    think_s: np.ndarray
+    source: str = ""
+    requests_per_client: float = 0.0  # a benchmark that sends its first C requests at once and C x this in all (0: none)
+
+    @property
+    def context_tokens(self) -> np.ndarray:
+        return self.new_tokens + self.cached_tokens + self.output_tokens
+
+    def describe(self) -> dict:
+        inp = self.new_tokens + self.cached_tokens
+        return {"name": self.name, "requests_sampled": int(inp.size), "median_input_tokens": float(np.median(inp)),
+                "median_output_tokens": float(np.median(self.output_tokens)),
+                "cached_share_of_input": float(self.cached_tokens.sum() / inp.sum()),
+                "mean_think_s": float(self.think_s.mean()), "source": self.source}
+
+
+def fixed_workload(isl: int, osl: int, requests_per_client: float = 10.0) -> Workload:
+    """InferenceX's fixed-length benchmark: random prompts (no reuse), no think time, all
+    clients start at once, ``requests_per_client`` x C requests in all (InferenceX runs
+    10 x concurrency prompts: the calibration rows complete 160 at C=16, 1,280 at C=128)."""
+    one = np.ones(1)
+    return Workload(f"fixed {isl}/{osl}", one * isl, one * 0, one * osl, one * 0,
+                    "InferenceX fixed ISL/OSL, random prompts", requests_per_client)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """The serving side of a point: the latency model plus scheduler and host-memory settings."""
+
+    latency: LatencyModel
+    max_num_batched_tokens: int = 8192  # vLLM's chunked-prefill budget
+    kv_offload_bytes: float = 0.0  # host DRAM for a KV offload pool (whole replica)
+    page_cache_bytes: float | None = None  # ssd-mmap: host DRAM left to the page cache (replica)
+    unique_row_fraction: float = 1.0  # distinct rows / lookups in a step (1: no repeats)
+
+
+def page_cache_hit(cache_bytes: float, model) -> float:
+    """Share of row reads the page cache serves when it holds ``cache_bytes`` of the tables:
+    the hottest pages under Zipf(1) popularity (ANCHORS.md §1: n-gram accesses are Zipf-like),
+    whose cumulative share of N items is about ln(k) / ln(N) for the top k (an ASSUMPTION;
+    uniform access would give k / N)."""
+    pages = model.table_bytes / 4096
+    cached = min(max(cache_bytes, 0.0) / 4096, pages)
+    return float(np.log1p(cached) / np.log1p(pages))
+
+
+def _engram_work(dep: Deployment, tokens: float) -> list[EngramStep]:
+    lat, m = dep.latency, dep.latency.model
+    if not m.engram_layers:
+        return []
+    lookups = tokens * m.rows_per_token_layer
+    unique = lookups * dep.unique_row_fraction
+    pages = 0.0
+    if lat.placement in ("ssd-mmap", "ssd-direct"):
+        cache = 0.0 if lat.placement == "ssd-direct" else (dep.page_cache_bytes or 0.0)
+        pages = unique * (1.0 - page_cache_hit(cache, m))
+    return [EngramStep(lookups=lookups, unique=unique, page_reads=pages)] * len(m.engram_layers)
+
+
+def step_seconds(dep: Deployment, decoders: float, ctx: float, chunk: float, chunk_ctx: float,
+                 kv_load_bytes: float = 0.0, parts: dict | None = None, hashed: float = 0.0) -> tuple[float, float]:
+    """(seconds, stall) of one step with ``decoders`` sequences at context ``ctx`` verifying
+    their drafts, plus a prefill chunk of ``chunk`` tokens ending at context ``chunk_ctx``;
+    ``hashed``: prompt tokens looked up in the prefix cache this step; ``parts`` (if given)
+    receives the step's seconds per operator."""
+    lat, m = dep.latency, dep.latency.model
+    q = 1 + m.speculative_tokens
+    lo, hi, w = [ctx], [ctx + q], [decoders]
+    if chunk > 0:
+        lo.append(chunk_ctx - chunk)
+        hi.append(chunk_ctx)
+        w.append(1.0)
+    batch = Batch(np.array(lo), np.array(hi), np.array(w), lm_rows=decoders * q + (1 if chunk else 0),
+                  drafting=decoders, prefix_tokens=hashed)
+    t = lat.step_time(batch, _engram_work(dep, batch.tokens))
+    if parts is not None:
+        parts.update({f"op_{k.removesuffix('_s')}": v for k, v in t.gpu.to_dict().items() if k != "total_s"})
+        parts["op_engram_stall"] = t.stall_s
+    load = kv_load_bytes / (lat.hw.host.link_bw * lat.eff.copy_efficiency) if kv_load_bytes else 0.0
+    return t.step_s + load, t.stall_s
+
+
+def _binomial_quantile(n: float, f: float, q: int) -> float:
+    if n <= 0:
+        return f
+    return float(np.clip(f + Z[q] * np.sqrt(max(f * (1 - f), 0.0) / n), 0.0, 1.0))
+
+
+class SteadyState:
+    """The closed loop of ``concurrency`` clients running ``workload`` on ``deployment``."""
+
+    def __init__(self, deployment: Deployment, workload: Workload):
+        self.dep, self.wl = deployment, workload
+        lat = deployment.latency
+        m = lat.model
+        self.al = m.acceptance_length
+        self.q = 1 + m.speculative_tokens
+        hbm_tokens = lat.plan.kv_tokens
+        offload_tokens = deployment.kv_offload_bytes / m.kv_bytes_per_token
+        self.capacity_tokens = hbm_tokens + offload_tokens
+        self.hbm_tokens = hbm_tokens
+        longest = float(workload.context_tokens.max())
+        if longest > hbm_tokens:
+            raise CachelabError(f"{workload.name}: a request of {longest:,.0f} tokens exceeds the KV cache of "
+                                f"{lat.hw.name} TP{lat.tp} {lat.placement} ({hbm_tokens:,} tokens)")
+
+    def _prefix(self, concurrency: int) -> tuple[np.ndarray, float, float]:
+        """Tokens each request computes, the share of cached tokens found, and the share found
+        in host DRAM rather than HBM: an LRU over C sessions' contexts keeps what fits."""
+        wl = self.wl
+        working = concurrency * float(wl.context_tokens.mean())
+        found = min(1.0, self.capacity_tokens / working) if working else 1.0
+        in_hbm = min(1.0, self.hbm_tokens / working) if working else 1.0
+        from_host = max(0.0, found - in_hbm) / found if found else 0.0
+        return wl.new_tokens + wl.cached_tokens * (1 - found), found, from_host
+
+    def solve(self, concurrency: int) -> dict:
+        """The steady state at ``concurrency`` clients: rates, step times, latency percentiles."""
+        dep, wl, lat = self.dep, self.wl, self.dep.latency
+        m = lat.model
+        compute, found, from_host = self._prefix(concurrency)
+        n_new = float(compute.mean())
+        cached_found = float((wl.cached_tokens * found).mean())
+        kv_load = cached_found * from_host * m.kv_bytes_per_token  # per request, copied back from DRAM
+        out = float(wl.output_tokens.mean())
+        n_dec = max(out - 1, 0.0) / self.al + 1.0  # verify steps per request (the first token comes with prefill)
+        ctx = float((wl.new_tokens + wl.cached_tokens).mean() + out / 2)
+        think = float(wl.think_s.mean())
+        budget = float(dep.max_num_batched_tokens)
+        chunk_ctx = float((wl.new_tokens + wl.cached_tokens).mean())
+
+        def state(x: float) -> dict:
+            t = 0.02
+            for _ in range(40):
+                decoders = x * n_dec * t
+                room = max(budget - decoders * self.q, 1.0)
+                chunk = min(room, n_new)
+                chunks_per_req = max(1.0, np.ceil(n_new / room)) if n_new > 0 else 0.0
+                f = min(1.0, x * chunks_per_req * t)
+                t_d, stall_d = step_seconds(dep, decoders, ctx, 0.0, 0.0)
+                t_m, stall_m = step_seconds(dep, decoders, ctx, chunk, chunk_ctx, kv_load / max(chunks_per_req, 1.0),
+                                            hashed=chunk_ctx / max(chunks_per_req, 1.0))
+                t_new = f * t_m + (1 - f) * t_d
+                if abs(t_new - t) < 1e-6 * t:
+                    t = t_new
+                    break
+                t = 0.5 * (t + t_new)
+            service = chunks_per_req * t_m
+            rho = min(x * n_new / (room / t_m), 0.999) if n_new else 0.0
+            wait = rho / (1 - rho) * service / 2  # M/D/1 mean queueing wait for the prefill slot
+            cycle = think + wait + service + lat.eff.request_overhead_s + n_dec * t
+            return {"x": x, "t": t, "ctx": ctx, "t_d": t_d, "t_m": t_m, "f": f, "decoders": decoders, "service": service,
+                    "wait": wait, "rho": rho, "cycle": cycle, "chunks": chunks_per_req, "room": room,
+                    "stall": f * stall_m + (1 - f) * stall_d}
+
+        lo, hi = 0.0, 1.0
+        while state(hi)["x"] * state(hi)["cycle"] < concurrency and hi < 1e6:
+            hi *= 2
+        for _ in range(32):
+            mid = 0.5 * (lo + hi)
+            s = state(mid)
+            if s["x"] * s["cycle"] < concurrency and s["rho"] < 0.999:
+                lo = mid
+            else:
+                hi = mid
+        s = state(lo)
+        return self._metrics(concurrency, s, compute, found, n_dec)
+
+    def _metrics(self, concurrency: int, s: dict, compute: np.ndarray, found: float, n_dec: float) -> dict:
+        wl, lat = self.wl, self.dep.latency
+        x = s["x"]
+        tp = lat.tp
+        tokens = float((wl.new_tokens + wl.cached_tokens + wl.output_tokens).mean())
+        parts: dict = {}
+        step_seconds(self.dep, s["decoders"], s["ctx"], 0.0, 0.0, parts=parts)
+        out = {"concurrency": concurrency, "request_rate": x, "tokens_per_s_per_gpu": x * tokens / tp,
+               "output_tokens_per_s_per_gpu": x * float(wl.output_tokens.mean()) / tp,
+               "step_ms": s["t"] * 1e3, "decode_step_ms": s["t_d"] * 1e3, "mixed_step_ms": s["t_m"] * 1e3,
+               "mixed_step_share": s["f"], "decoders": s["decoders"], "prefill_utilization": s["rho"],
+               "prefix_found_share": found, "stall_ms": s["stall"] * 1e3, **parts}
+        for p in (50, 90, 99):
+            share = _binomial_quantile(n_dec, s["f"], p)
+            step = s["t_d"] + (s["t_m"] - s["t_d"]) * share
+            out[f"p{p}_tpot_ms"] = step / self.al * 1e3
+            own = np.percentile(np.maximum(1.0, np.ceil(compute / s["room"])), p) * s["t_m"]
+            out[f"p{p}_ttft_ms"] = (own + s["wait"] * np.log(100 / (100 - p)) + lat.eff.request_overhead_s) * 1e3
+        out["median_tpot_ms"], out["median_ttft_ms"] = out["p50_tpot_ms"], out["p50_ttft_ms"]
+        out["interactivity"] = 1000.0 / out["median_tpot_ms"]
+        out["p90_interactivity"] = 1000.0 / out["p90_tpot_ms"]
+        if wl.requests_per_client:  # the start burst: C prefills queue at once; its tail is the run's tail
+            n_all = concurrency * wl.requests_per_client
+            budget = float(self.dep.max_num_batched_tokens)
+            first = float((wl.new_tokens + wl.cached_tokens).mean())
+            t_p, _ = step_seconds(self.dep, 0.0, 0.0, budget, first)
+            for p in (50, 90, 99):
+                rank = concurrency - (1 - p / 100) * n_all  # the burst's rank of the run's p-th percentile
+                if rank > 0:
+                    burst = np.ceil(rank * float(compute.mean()) / budget) * t_p + lat.eff.request_overhead_s
+                    out[f"p{p}_ttft_ms"] = max(out[f"p{p}_ttft_ms"], burst * 1e3)
+            out["median_ttft_ms"] = out["p50_ttft_ms"]
+        price = lat.hw.usd_per_gpu_hour
+        if price:
+            out["tokens_per_dollar"] = out["tokens_per_s_per_gpu"] * 3600 / price
+        return out
+
+
+def sweep(deployment: Deployment, workload: Workload, concurrencies) -> list[dict]:
+    """The steady state at each concurrency (a closed-loop benchmark's sweep)."""
+    model = SteadyState(deployment, workload)
+    return [model.solve(int(c)) for c in concurrencies]
+
+
+def with_efficiency(deployment: Deployment, **changes) -> Deployment:
+    """The same deployment with some efficiency parameters changed (fitting, sensitivity)."""
+    lat = deployment.latency
+    eff = replace(lat.eff, **changes)
+    return replace(deployment, latency=LatencyModel(lat.model, lat.hw, lat.tp, lat.placement, lat.row_cache_bytes, eff))
