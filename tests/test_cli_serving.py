@@ -92,6 +92,6 @@ def test_study_analysis_reads_fronts():
     assert out["b300_tp2_table_in_hbm_fits"] is False
     assert out["b300_tp2_dram_gain_max"] == pytest.approx(1.5)  # 3000 vs 2000 at 100 tok/s/user
     assert out["b300_tp2_dram_gain_at_p90_interactivity"] == pytest.approx(100.0)
-    assert out["b300_tp4_hbm_vs_dram_max_diff"] == 0.0
+    assert out["b300_tp4_hbm_vs_dram_max_diff"] == 0.0  # paired points identical on both axes
     assert out["b300_tp2_dram_gain_binding_term"]["dominant_operator"] == "experts"
 

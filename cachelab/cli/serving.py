@@ -305,7 +305,8 @@ def study_semianalysis(
             f"{result['b200_dram_p90_interactivity_wins_every_pair']}")
     c.print(f"B300: TP2 with the table in HBM fits: {result['b300_tp2_table_in_hbm_fits']}; TP2-DRAM over TP4-HBM up to "
             f"{result['b300_tp2_dram_gain_max']:.2f}x at {result['b300_tp2_dram_gain_at_p90_interactivity']:.0f} tok/s/user "
-            f"(published up to 1.6x); TP4 HBM vs DRAM fronts differ by at most {result['b300_tp4_hbm_vs_dram_max_diff']:.1%}")
+            f"(published up to 1.6x); TP4 HBM vs DRAM differ by at most "
+            f"{result['b300_tp4_hbm_vs_dram_max_diff']:.1%} at any paired point")
     if "sensitivity" in result:
         table = Table(title="tokens/$ elasticity (B200 DRAM-UVA at 125 tok/s/user)")
         for col in ("parameter", "value", "elasticity"):

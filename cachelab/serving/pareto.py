@@ -44,7 +44,8 @@ def dominated(points: pl.DataFrame, by: pl.DataFrame, x: str = "interactivity", 
 
 
 def plot_fronts(points: pl.DataFrame, group: str, path, title: str, mark_interactivity: float | None = None,
-                x: str = "interactivity", y: str = "tokens_per_s_per_gpu") -> None:
+                x: str = "interactivity", y: str = "tokens_per_s_per_gpu",
+                xlabel: str = "interactivity (tok/s/user = 1000 / median TPOT ms)") -> None:
     """All points (faint) and each group's Pareto front (lines) in one PNG."""
     import matplotlib
 
@@ -59,7 +60,7 @@ def plot_fronts(points: pl.DataFrame, group: str, path, title: str, mark_interac
         ax.scatter(sub[x], sub[y], s=12, alpha=0.35, color=line.get_color())
     if mark_interactivity is not None:
         ax.axvline(mark_interactivity, color="grey", ls="--", lw=0.8)
-    ax.set_xlabel("interactivity (tok/s/user = 1000 / median TPOT ms)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("throughput (total tok/s per GPU)")
     ax.set_title(title)
     ax.grid(alpha=0.3)

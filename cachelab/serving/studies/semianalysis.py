@@ -32,7 +32,7 @@ from cachelab.serving.agentic import agentic_workload
 from cachelab.serving.hardware import load_profile
 from cachelab.serving.latency import Efficiency, LatencyModel
 from cachelab.serving.model_spec import load_model
-from cachelab.serving.pareto import dominated, pareto_front, throughput_at
+from cachelab.serving.pareto import dominated, pareto_front, plot_fronts, throughput_at
 from cachelab.serving.steady import Deployment, SteadyState, Workload
 
 TARGET = 125.0  # tok/s/user, P90 interactivity
@@ -122,10 +122,9 @@ def analyse(points: pl.DataFrame) -> dict:
     gain, at = _gain(tp2_dram, tp4_hbm) if tp2_dram.height and tp4_hbm.height else (float("nan"), float("nan"))
     near = tp2_dram.with_columns((pl.col(X) - at).abs().alias("d")).sort("d").row(0, named=True) if tp2_dram.height else {}
     hbm_vs_dram = float("nan")
-    if tp4_hbm.height and tp4_dram.height:
-        fh, fd = _front(tp4_hbm), _front(tp4_dram)
-        xs = np.linspace(max(fh[X].min(), fd[X].min()), min(fh[X].max(), fd[X].max()), 200)
-        hbm_vs_dram = float(np.nanmax([abs(throughput_at(fh, x, X, Y) / throughput_at(fd, x, X, Y) - 1) for x in xs]))
+    if tp4_hbm.height and tp4_dram.height:  # paired points: both axes (fronts have vertical runs at saturation)
+        pair = tp4_hbm.join(tp4_dram, on="concurrency", suffix="_dram")
+        hbm_vs_dram = float(max((pair[Y] / pair[Y + "_dram"] - 1).abs().max(), (pair[X] / pair[X + "_dram"] - 1).abs().max()))
     return {
         "b200_dram_tokens_per_dollar": tpd_dram,
         "b200_ssd_tokens_per_dollar": tpd_ssd,
@@ -183,6 +182,12 @@ def run(out_dir: Path, eff: Efficiency, workload: Workload | None = None,
         stream.close()
     points = pl.DataFrame(rows, infer_schema_length=None)
     points.write_csv(out_dir / "semianalysis_points.csv")
+    fits = points.filter(pl.col("fits")).with_columns(
+        (pl.col("placement") + " TP" + pl.col("tp").cast(pl.String)).alias("config"))
+    for hw in ("B200", "B300"):
+        plot_fronts(fits.filter(pl.col("hardware") == hw), "config", out_dir / f"semianalysis_{hw.lower()}.png",
+                    f"{hw}: DeepSeek-V4.1-Flash, agentic workload ({workload.name})", TARGET, X, Y,
+                    "P90 interactivity (tok/s/user = 1000 / P90 TPOT ms)")
     result = analyse(points)
     result["workload"] = workload.describe()
     result["efficiency"] = {k: getattr(eff, k) for k in ("mfu", "mbu", "layer_overhead_s", "cpu_per_sequence_s",
