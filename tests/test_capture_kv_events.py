@@ -1,0 +1,140 @@
+"""The KV-event subscriber: vLLM's wire format (multipart topic / 8-byte big-endian seq / msgpack
+EventBatch), both bind directions, gaps counted, gaps filled by replay. The publisher here is a
+few lines of pyzmq writing vLLM's format (as vllm/distributed/kv_events.py does); the real
+publisher is tested in test_capture_vllm.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from capture_upstream import free_port
+from cachelab.capture.kv_events import KVEventSubscriber, _Hashes, decode_batch, read_kv_events
+
+
+def _stored(hashes, parent, tokens, block_size=16):
+    # msgspec's encoding of vLLM's tagged, non-array BlockStored (omit_defaults): a map with "type".
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
+            "block_size": block_size, "lora_id": None, "medium": "GPU", "lora_name": None}
+
+
+def _batch(i):
+    events = [_stored([2**64 - 1 - i, 1000 + i], None if i == 0 else 999, list(range(32))),
+              {"type": "BlockRemoved", "block_hashes": [7 + i], "medium": "GPU"}]
+    if i % 5 == 4:
+        events.append({"type": "AllBlocksCleared"})
+    return msgpack.packb([1700000000.0 + i, events])  # EventBatch is array_like; rank omitted when None
+
+
+def test_decode_both_encodings_and_hash_widths():
+    hashes = _Hashes()
+    got = decode_batch(_batch(0), hashes)
+    assert got["ts"] == 1700000000.0 and got["dp_rank"] is None
+    stored, removed = got["events"]
+    assert np.frombuffer(stored["hashes"], "<i8").tolist() == [-1, 1000]  # uint64 max -> int64 -1
+    assert np.frombuffer(stored["tokens"], "<i4").tolist() == list(range(32))
+    assert removed["type"] == "removed" and np.frombuffer(removed["hashes"], "<i8").tolist() == [7]
+    # Older vLLM: tagged arrays; 32-byte sha256 hashes are cut to 8 bytes and counted.
+    old = msgpack.packb([1.0, [["BlockStored", [b"\x01" * 32], None, [5, 6], 2, None, "GPU"],
+                               ["AllBlocksCleared"]], 3])
+    got = decode_batch(old, hashes, keep_tokens=False)
+    assert got["dp_rank"] == 3 and "tokens" not in got["events"][0]
+    assert np.frombuffer(got["events"][0]["hashes"], "<i8").tolist() == [0x0101010101010101]
+    assert got["events"][1] == {"type": "cleared"} and hashes.truncated == 1
+
+
+class Publisher:
+    """vLLM's ZmqEventPublisher wire behaviour: PUB (bind or connect), a ROUTER replay buffer."""
+
+    def __init__(self, endpoint, bind, replay=None):
+        self.ctx = zmq.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        (self.pub.bind if bind else self.pub.connect)(endpoint)
+        self.buffer = []
+        self.replay = None
+        if replay:
+            self.replay = self.ctx.socket(zmq.ROUTER)
+            self.replay.bind(replay)
+            self.stop = threading.Event()
+            self.thread = threading.Thread(target=self._serve, daemon=True)
+            self.thread.start()
+
+    def _serve(self):
+        while not self.stop.is_set():
+            if self.replay.poll(50):
+                client, _, start = self.replay.recv_multipart()
+                start = int.from_bytes(start, "big")
+                for seq, payload in list(self.buffer):
+                    if seq >= start:
+                        self.replay.send_multipart((client, b"", b"kv", seq.to_bytes(8, "big"), payload))
+                self.replay.send_multipart((client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""))
+
+    def publish(self, seq, send=True):
+        payload = _batch(seq)
+        self.buffer.append((seq, payload))
+        if send:
+            self.pub.send_multipart((b"kv", seq.to_bytes(8, "big"), payload))
+
+    def close(self):
+        if self.replay is not None:
+            self.stop.set()
+            self.thread.join()
+        self.ctx.destroy(linger=0)
+
+
+def _wait(cond, timeout=10):
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_gaps_counted_or_replayed(tmp_path, replay):
+    endpoint = f"ipc://{tmp_path}/events"
+    replay_endpoint = f"tcp://127.0.0.1:{free_port()}" if replay else None
+    pub = Publisher(endpoint, bind=True, replay=replay_endpoint)
+    sub = KVEventSubscriber(endpoint, tmp_path / "cap", topic="kv", replay_endpoint=replay_endpoint).start()
+    try:
+        # A PUB socket drops what it sends before the subscription has joined: probe until one arrives.
+        seq = 0
+        while sub.batches == 0 and seq < 500:
+            pub.publish(seq)
+            seq += 1
+            time.sleep(0.02)
+        first = sub.first_seq
+        missing = {seq + 3, seq + 4}
+        for s in range(seq, seq + 10):
+            pub.publish(s, send=s not in missing)
+        _wait(lambda: sub.last_seq == seq + 9)
+    finally:
+        sub.close()
+        pub.close()
+    stats = sub.stats()
+    assert stats["gaps"] == (0 if replay else 2)
+    assert stats["replayed"] == (2 + first if replay else 0)  # replay also fetches what preceded the join
+    batches, read = read_kv_events(tmp_path / "cap")
+    assert read.torn_tails == 0 and len(batches) == stats["batches"]
+    seqs = sorted(b["pub_seq"] for b in batches)
+    expected = set(range(0 if replay else first, seq + 10)) - (set() if replay else missing)
+    assert set(seqs) == expected and len(seqs) == len(expected)
+
+
+def test_bind_side_for_a_connecting_publisher(tmp_path):
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    sub = KVEventSubscriber(endpoint, tmp_path, bind=True).start()   # vLLM given a concrete address connects
+    pub = Publisher(endpoint, bind=False)
+    try:
+        seq = 0
+        while sub.batches == 0 and seq < 500:
+            pub.publish(seq)
+            seq += 1
+            time.sleep(0.02)
+    finally:
+        sub.close()
+        pub.close()
+    assert sub.batches >= 1 and sub.decode_errors == 0
