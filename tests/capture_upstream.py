@@ -3,7 +3,7 @@
 It answers ``/v1/completions`` and ``/v1/chat/completions`` the way vLLM's server does where
 the proxy depends on it: ``return_token_ids`` gives ``prompt_token_ids`` / ``token_ids``, and
 without it those fields are written as ``null``; ``stream_options.include_usage`` adds a final
-usage event (``choices: []``); ``usage.prompt_tokens_details.cached_tokens`` counts the prompt's
+usage event (``choices: []``) and moves ``system_fingerprint`` from the last chunk onto it; ``usage.prompt_tokens_details.cached_tokens`` counts the prompt's
 16-token blocks seen before. Answers are deterministic (ids, ``created``, tokens), so a stream
 through the proxy can be compared byte for byte with one straight from here. Prompts are
 tokenized with the DeepSeek-V4 tokenizer (as the fallback does); outputs are words that are
@@ -30,6 +30,7 @@ from cachelab.engram.vocab import load_tokenizer
 WORDS = [" the", " cache", " row", " table", " memory", " token", " layer", " hash", " block", " prefix",
          " serve", " model", " data", " time", " rate", " load"]
 BLOCK = 16
+FINGERPRINT = "fp-cachelab-test"
 
 
 def _json(obj) -> str:
@@ -144,10 +145,14 @@ class Upstream:
                           "stop_reason": None, "token_ids": tok,
                           "prompt_token_ids": prompt_ids if want_ids and i == 0 else None}
                 chunk = {"id": rid, "object": obj, "created": 1700000000, "model": model, "choices": [choice]}
+            if finish and not include_usage:  # vLLM stamps the last chunk only when no usage event follows
+                chunk["system_fingerprint"] = FINGERPRINT
             yield f"data: {_json(chunk)}\n\n"
             i += 1
         if include_usage:
-            yield f"data: {_json({'id': rid, 'object': obj, 'created': 1700000000, 'model': model, 'choices': [], 'usage': usage})}\n\n"
+            last = {"id": rid, "object": obj, "created": 1700000000, "model": model, "choices": [], "usage": usage,
+                    "system_fingerprint": FINGERPRINT}
+            yield f"data: {_json(last)}\n\n"
         yield "data: [DONE]\n\n"
 
 

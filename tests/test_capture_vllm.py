@@ -34,6 +34,20 @@ def _normalize(raw: bytes) -> bytes:
     return re.sub(rb'"created":\d+', b'"created":0', raw)
 
 
+def _stream_content(raw: bytes):
+    """What a stream says, whatever its chunking: vLLM merges deltas by timing (two direct
+    streams of one greedy request can differ in where the text is cut), so streams from vLLM
+    are compared by their text, finish reasons, the fields of their events and their end."""
+    events = [e for e in _normalize(raw).split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    bodies = [json.loads(e.removeprefix(b"data: ")) for e in events[:-1]]
+    text = "".join((c.get("text") or (c.get("delta") or {}).get("content") or "") for b in bodies for c in b["choices"])
+    finish = [c["finish_reason"] for b in bodies for c in b["choices"] if c.get("finish_reason")]
+    fields = sorted({json.dumps(sorted(b)) + json.dumps(sorted(k for c in b["choices"] for k in c)) for b in bodies})
+    ids = [c.get("token_ids") for b in bodies for c in b["choices"]] + [b.get("prompt_token_ids") for b in bodies]
+    return text, finish, fields, [i for i in ids if i], any("usage" in b and b["usage"] for b in bodies)
+
+
 @pytest.fixture(scope="module")
 def captured(vllm_server, tmp_path_factory):
     """A proxy and a KV-event subscriber in front of the shared server, one capture directory."""
@@ -48,33 +62,40 @@ def captured(vllm_server, tmp_path_factory):
 def test_recorded_ids_are_the_servers_and_streams_are_unchanged(captured):
     server, proxy, recorder, sub, out = captured
     tok = load_tokenizer("deepseek-v4")
-    cases = [("/v1/completions", {"prompt": PROMPT}),
-             ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}]})]
-    for path, body in cases:
-        for stream in (False, True):
-            req = {"model": server.model, "max_tokens": 12, "temperature": 0, "stream": stream,
-                   "ignore_eos": True, **body}
-            direct = _post(server.base_url, path, req)
-            proxied = _post(proxy.url, path, req)
-            assert proxied[0] == direct[0] == 200
-            assert _normalize(proxied[1]) == _normalize(direct[1]), f"{path} stream={stream}"
+    for stream in (False, True):
+        req = {"model": server.model, "max_tokens": 12, "temperature": 0, "stream": stream, "ignore_eos": True,
+               "prompt": PROMPT}
+        _post(server.base_url, "/v1/completions", req)  # warm: both then see the prompt in the prefix cache
+        direct = _post(server.base_url, "/v1/completions", req)
+        proxied = _post(proxy.url, "/v1/completions", req)
+        assert proxied[0] == direct[0] == 200
+        if stream:
+            assert _stream_content(proxied[1]) == _stream_content(direct[1])
+        else:
+            assert _normalize(proxied[1]) == _normalize(direct[1])
+    # The tiny model's tokenizer has no chat template: vLLM refuses chat with a 400, passed on as is.
+    chat = {"model": server.model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4}
+    direct, proxied = _post(server.base_url, "/v1/chat/completions", chat), _post(proxy.url, "/v1/chat/completions", chat)
+    assert proxied == direct and direct[0] == 400
     # Asked by the client itself: what the client got is what was recorded, id for id.
     req = {"model": server.model, "prompt": PROMPT, "max_tokens": 8, "return_token_ids": True, "temperature": 0}
     answer = json.loads(_post(proxy.url, "/v1/completions", req)[1])
     assert recorder.flush(30)
     table, _ = read_requests(out)
-    assert table.height == 5 and table["token_source"].to_list() == ["upstream"] * 5
+    assert table.height == 4 and table["token_source"].to_list() == ["upstream", "upstream", None, "upstream"]
+    refused = table.row(2, named=True)
+    assert refused["status"] == 400 and "chat template" in refused["error"]
     last = table.row(-1, named=True)
-    assert last["prompt_ids"] == answer["prompt_token_ids"]
+    assert last["prompt_ids"] == answer["choices"][0]["prompt_token_ids"]
     assert last["output_ids"] == answer["choices"][0]["token_ids"]
     # Injected case: the prompt ids are the server's tokenization of the prompt, the output ids
     # decode to the text the client received, and the second sight of the prompt hit the prefix cache.
     first = table.row(0, named=True)
-    assert first["prompt_ids"] == answer["prompt_token_ids"]
+    assert first["prompt_ids"] == answer["choices"][0]["prompt_token_ids"]
     assert len(first["output_ids"]) == 12
     streamed = table.row(1, named=True)
     assert streamed["tok_n"] and sum(streamed["tok_n"]) == 12 and streamed["ttft_s"] <= streamed["last_s"]
-    assert streamed["cached"] >= 16 * (len(answer["prompt_token_ids"]) // 16 - 1)
+    assert 0 < streamed["cached"] <= len(answer["choices"][0]["prompt_token_ids"])  # whole blocks of the warm-up
     assert tok.decode(first["output_ids"]) == json.loads(_post(server.base_url, "/v1/completions",
         {"model": server.model, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True})[1]
     )["choices"][0]["text"]
@@ -82,23 +103,24 @@ def test_recorded_ids_are_the_servers_and_streams_are_unchanged(captured):
 
 def test_kv_events_record_every_published_batch(captured):
     server, proxy, recorder, sub, out = captured
-    fresh = "A prompt no other test sends: the KV events must show its blocks being stored. " * 4
+    fresh = "A prompt no other test sends: the KV events must show its blocks being stored. " * 24
     req = {"model": server.model, "prompt": fresh, "max_tokens": 4, "temperature": 0}
     assert _post(proxy.url, "/v1/completions", req)[0] == 200
     assert recorder.flush(30)
-    deadline = time.monotonic() + 30
     prompt = read_requests(out)[0].row(-1, named=True)["prompt_ids"]
-    blocks = [prompt[i:i + 16] for i in range(0, len(prompt) - 15, 16)]
-    seen = []
-    while time.monotonic() < deadline:
-        batches, _ = read_kv_events(out)
-        seen = [np.frombuffer(e["tokens"], "<i4").tolist() for b in batches for e in b["events"]
-                if e["type"] == "stored" and e.get("tokens")]
-        stored_blocks = [t[i:i + 16] for t in seen for i in range(0, len(t), 16)]
-        if all(b in stored_blocks for b in blocks):
-            break
+    missing = ["no batch yet"]
+    deadline = time.monotonic() + 30
+    while missing and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert blocks and all(b in stored_blocks for b in blocks), "every full prompt block was published as stored"
+        stored = [e for b in read_kv_events(out)[0] for e in b["events"] if e["type"] == "stored"]
+        if not stored:
+            continue
+        size = stored[0]["block_size"]  # the server's KV block size (vLLM's CPU backend: 128)
+        published = {tuple(t[i:i + size]) for e in stored for t in [np.frombuffer(e["tokens"], "<i4").tolist()]
+                     for i in range(0, len(t), size)}
+        wanted = [tuple(prompt[i:i + size]) for i in range(0, len(prompt) - size + 1, size)]
+        missing = [b for b in wanted if b not in published]
+    assert wanted and not missing, "every full block of the prompt was published as stored, with its tokens"
     stats = sub.stats()
     assert stats["batches"] > 0 and stats["decode_errors"] == 0
     assert stats["gaps"] == 0, f"sequence numbers without a gap: {stats}"

@@ -8,10 +8,11 @@ prompt tokens from ``usage.prompt_tokens_details.cached_tokens``, and falls back
 model's tokenizer (``cachelab.capture.tokens``) when the upstream sent no ids. Only choice 0
 of a request with ``n > 1`` is recorded.
 
-``strip_injected`` undoes what the proxy added to the request, on the bytes: vLLM writes
-the token-id fields as ``null`` when they were not asked for, so an injected
+``Restorer`` and ``strip_body`` undo what the proxy added to the request, on the bytes: vLLM
+writes the token-id fields as ``null`` when they were not asked for, so an injected
 ``"token_ids":[...]`` becomes ``"token_ids":null`` again; a usage-only event the client did
-not ask for is dropped, and so is a chat event that only exists to carry token ids.
+not ask for is dropped (its ``system_fingerprint`` goes back on the terminal chunk), and so
+is a chat event that only exists to carry token ids.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from cachelab.capture.recorder import RequestRecord
 
 _ID_FIELDS = re.compile(rb'"(prompt_token_ids|token_ids)":\[[^\]]*\]')
 _EMPTY_DELTA = (b'"delta":{}', b'"finish_reason":null')
+_FINGERPRINT = re.compile(rb'"system_fingerprint":"[^"]*"')
 
 
 @dataclass
@@ -48,16 +50,47 @@ class Exchange:
     event_times: list[float] = field(default_factory=list)
 
 
-def strip_event(event: bytes, exchange: Exchange) -> bytes | None:
-    """The event as the client would have received it without the proxy's additions (None: drop)."""
-    if exchange.injected_usage and b'"choices":[]' in event and b'"usage"' in event:
-        return None
-    if exchange.injected_ids:
-        event = _ID_FIELDS.sub(rb'"\1":null', event)
-        if exchange.endpoint.endswith("chat/completions") and all(m in event for m in _EMPTY_DELTA) \
-                and b'"logprobs":{' not in event and b'"usage"' not in event:
-            return None
-    return event
+class Restorer:
+    """Turns the upstream's events back into the stream the client would have got without the proxy.
+
+    Besides nulling injected ids and dropping the injected usage event, it keeps vLLM's
+    ``system_fingerprint`` where vLLM puts it: on the terminal chunk (a non-null
+    ``finish_reason``) when no usage event follows, and only on the usage event otherwise. So
+    when the proxy asked for usage, a terminal chunk and what follows it wait (for n = 1 no
+    model time: the usage event is the next thing vLLM writes) and get the fingerprint back.
+    """
+
+    def __init__(self, exchange: Exchange):
+        self.x = exchange
+        self.held: list[bytes] = []
+
+    def feed(self, event: bytes) -> list[bytes]:
+        x = self.x
+        if x.injected_usage and b'"choices":[]' in event and b'"usage"' in event:
+            found = _FINGERPRINT.search(event)
+            held, self.held = self.held, []
+            return [_stamp(e, found.group(0)) for e in held] if found else held
+        if x.injected_ids:
+            event = _ID_FIELDS.sub(rb'"\1":null', event)
+            if x.endpoint.endswith("chat/completions") and all(m in event for m in _EMPTY_DELTA) \
+                    and b'"logprobs":{' not in event and b'"usage"' not in event:
+                return []
+        if x.injected_usage and (self.held or b'"finish_reason":"' in event):
+            self.held.append(event)
+            return []
+        return [event]
+
+    def close(self) -> list[bytes]:
+        held, self.held = self.held, []
+        return held
+
+
+def _stamp(event: bytes, fingerprint: bytes) -> bytes:
+    """A terminal chunk with ``"system_fingerprint":"..."`` as vLLM appends it (last key)."""
+    if b'"finish_reason":"' not in event or b'"system_fingerprint"' in event:
+        return event
+    end = event.rfind(b"}")
+    return event[:end] + b"," + fingerprint + event[end:] if end > 0 else event
 
 
 def strip_body(body: bytes, exchange: Exchange) -> bytes:

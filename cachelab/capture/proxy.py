@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
-from cachelab.capture.exchange import Exchange, strip_body, strip_event, to_record
+from cachelab.capture.exchange import Exchange, Restorer, strip_body, to_record
 from cachelab.capture.recorder import Recorder
 from cachelab.capture.tokens import FallbackTokenizer
 from cachelab.errors import CachelabError
@@ -260,6 +260,7 @@ class CaptureProxy:
         c = self.config
         pending = b""
         size = 0
+        restorer = Restorer(x)
         try:
             async for chunk in response.aiter_raw():
                 now = time.perf_counter()
@@ -278,13 +279,14 @@ class CaptureProxy:
                     event, pending = pending[:cut + 2], pending[cut + 2:]
                     x.events.append(event)
                     x.event_times.append(now)
-                    out = strip_event(event, x)
-                    if out is not None:
+                    for out in restorer.feed(event):
                         yield out
                 if len(pending) > c.max_event_bytes:
                     x.error = f"upstream event over {c.max_event_bytes} bytes without an end: cut"
                     break
             else:
+                for out in restorer.close():
+                    yield out
                 if pending:
                     yield pending
         except httpx.TimeoutException:
