@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -176,6 +177,11 @@ class Recorder:
 
         return self.journal.submit(build)
 
+    def timeline(self, sink, *, endpoint: str, prompt_ids, model: str | None, stream: bool,
+                 session: str | None) -> "Timeline":
+        """A wrapper for a server's per-request output sink that records the request as it runs."""
+        return Timeline(self, sink, endpoint, prompt_ids, model, stream, session)
+
     def flush(self, timeout: float = 30.0) -> bool:
         return self.journal.flush(timeout)
 
@@ -190,3 +196,36 @@ class Recorder:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class Timeline:
+    """One request inside a server (``cachelab serve --capture``): the server hands every output
+    (``new_token_ids``, ``finished``, ``finish_reason``, ``cached_tokens``) to this sink, which
+    times it, passes it on, and submits the record when the request finishes or is aborted."""
+
+    def __init__(self, recorder: Recorder, sink, endpoint: str, prompt_ids, model, stream: bool, session):
+        self.recorder, self.sink = recorder, sink
+        self.arrival_ns, self.t0 = time.time_ns(), time.perf_counter()
+        self.record = RequestRecord(endpoint=endpoint, arrival_unix_ns=self.arrival_ns, model=model, stream=stream,
+                                    session=session, prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
+                                    token_source="server")
+        self.times: list[float] = []
+        self.counts: list[int] = []
+        self.output: list[int] = []
+
+    def __call__(self, out) -> None:
+        if out.new_token_ids:
+            self.times.append(time.perf_counter() - self.t0)
+            self.counts.append(len(out.new_token_ids))
+            self.output.extend(out.new_token_ids)
+        if out.finished:
+            rec = self.record
+            rec.output_ids = np.asarray(self.output, dtype=np.int32)
+            rec.cached_tokens = int(out.cached_tokens)
+            if self.times:
+                rec.token_times_s, rec.token_counts = np.asarray(self.times), np.asarray(self.counts, dtype=np.int32)
+                rec.first_token_s, rec.last_token_s = self.times[0], self.times[-1]
+            if out.finish_reason == "abort":
+                rec.status, rec.error = 499, "aborted (the client went away or the engine stopped)"
+            self.recorder.submit(rec)
+        self.sink(out)

@@ -16,10 +16,11 @@ from cachelab.errors import CachelabError
 from cachelab.learning.training import TrainSpec, check_target, load, rolling_scores, save, train as train_model
 from cachelab.learning.evaluation import evaluate_capacities
 from cachelab.params import parse_pairs, parse_value
-from cachelab.learning.streams import STEP_VIEWS, LearningView, load_trace
+from cachelab.learning.streams import STEP_VIEWS, LearningView, load_trace, request_stream
 
-TRACE_HELP = ("A saved lookup stream with token metadata (.npz), or prompt corpora (cachelab.workloads), "
-              "comma-separated and interleaved: arena-hard, gsm8k, humaneval, gutenberg, mt-bench, ...")
+TRACE_HELP = ("A saved lookup stream with token metadata (.npz), a request trace with token ids (.parquet, e.g. "
+              "a capture of live serving), or prompt corpora (cachelab.workloads), comma-separated and "
+              "interleaved: arena-hard, gsm8k, humaneval, gutenberg, mt-bench, ...")
 PRESET_HELP = "Engram layout preset of the stream."
 STEPS_HELP = (f"How corpora become serving steps, one of {list(STEP_VIEWS)}: each prompt alone, chunk by chunk "
               "(prompts), or batched by the serving scheduler (serving: continuous batching, chunked prefill, "
@@ -28,14 +29,26 @@ STEPS_HELP = (f"How corpora become serving steps, one of {list(STEP_VIEWS)}: eac
 
 def _view(trace: str, requests: int, seed: int, preset: str, steps: str, console: Console) -> LearningView:
     with console.status("building the Engram lookup stream"):
-        return LearningView.of(load_trace(trace, requests, seed, preset, steps), preset)
+        if trace.endswith(".parquet"):  # a request trace: its first `requests` requests with token ids
+            from cachelab.trace.schema import read_trace
+
+            table = read_trace(trace).head(requests)
+            table = table.filter(table["prompt_ids"].list.len() > 0)
+            if table.height == 0:
+                raise CachelabError(f"{trace}: no request with token ids among the first {requests} (a "
+                                    "content-less trace has only lengths: give it text with `trace build --corpus`)")
+            stream = request_stream(table["prompt_ids"].to_list(), table["output_ids"].to_list(),
+                                    table["domain"].to_list(), preset, steps=steps)
+        else:
+            stream = load_trace(trace, requests, seed, preset, steps)
+        return LearningView.of(stream, preset)
 
 
 def train(
     trace: str = typer.Option(..., help=TRACE_HELP),
     predictor: str = typer.Option("lightgbm", help="A registered predictor (cachelab.predictors)."),
     out: Path = typer.Option(..., help="Directory for the model, metadata.json and the corpus prior."),
-    requests: int = typer.Option(200, help="Requests per corpus (from the start of each)."),
+    requests: int = typer.Option(200, help="Requests per corpus (from the start of each), or of a .parquet trace."),
     preset: str = typer.Option(defaults.PRESET, help=PRESET_HELP),
     steps: str = typer.Option("prompts", help=STEPS_HELP),
     horizon: int = typer.Option(defaults.HORIZON, help="Label horizon in lookups (censoring / reuse window)."),
@@ -106,7 +119,7 @@ def evaluate(
     capacities: str = typer.Option("0.001,0.01,0.05",
                                    help="Cache sizes: fractions of the unique rows (< 1), rows (>= 1), "
                                         "percentages ('5%') or bytes ('64MiB')."),
-    requests: int = typer.Option(200, help="Requests per corpus."),
+    requests: int = typer.Option(200, help="Requests per corpus, or of a .parquet trace."),
     preset: str = typer.Option(defaults.PRESET, help=PRESET_HELP),
     steps: str = typer.Option("prompts", help=STEPS_HELP),
     warmup: float = typer.Option(0.5, help="Share of the steps replayed before misses are counted."),

@@ -52,6 +52,8 @@ def serve(
     threads: int | None = typer.Option(None, help="torch threads (default: one per core; 1 on a shared, busy "
                                        "machine avoids threads spinning against each other)."),
     served_model_name: str | None = typer.Option(None, help="The model name clients send (default cachelab-PRESET)."),
+    capture: Path | None = typer.Option(None, help="Record every request served into this capture directory "
+                                        "(token ids, times, cached tokens; docs/capture.md)."),
 ) -> None:
     """Serve an Engram model over HTTP: /v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics (vLLM's metric names).
@@ -68,4 +70,4 @@ def serve(
                      kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                      max_body_bytes=max_body_bytes, prefetch=prefetch, prefix_caching=prefix_caching, device=device,
-                     threads=threads, served_model_name=served_model_name), announce=typer.echo)
+                     threads=threads, served_model_name=served_model_name, capture=capture), announce=typer.echo)

@@ -58,10 +58,31 @@ def prompt_stream(sources: list[str], per_source: int, seed: int = 0, preset: st
     prompts = encode([d.text for d in docs], tok, bos=True)
     answers = encode([d.answers[0] if d.answers else "" for d in docs], tok)
     seqs = [np.concatenate([p, a]) for p, a in zip(prompts, answers)]
+    return _sequence_stream(addresser, seqs, [p.size for p in prompts], [d.domain for d in docs], steps,
+                            tokens_per_step)
+
+
+def request_stream(prompts: list[np.ndarray], outputs: list[np.ndarray], domains: list[str],
+                   preset: str = "deepseek-v4.1-flash", tokens_per_step: int = 512,
+                   steps: str = "prompts") -> LookupStream:
+    """The lookup stream of requests with token ids (a request trace's rows in arrival order, such
+    as a capture of live serving): each prompt then its recorded output, grouped into steps as
+    ``steps`` says."""
+    if steps not in STEP_VIEWS:
+        raise CachelabError(f"unknown step view {steps!r}; choose one of {list(STEP_VIEWS)}")
+    if not prompts:
+        raise CachelabError("no request with token ids to build a lookup stream from")
+    prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
+    seqs = [np.concatenate([p, np.asarray(o, dtype=np.int64)]) for p, o in zip(prompts, outputs)]
+    return _sequence_stream(Addresser(get_preset(preset)), seqs, [p.size for p in prompts], domains, steps,
+                            tokens_per_step)
+
+
+def _sequence_stream(addresser, seqs, prompt_lens, domains, steps: str, tokens_per_step: int) -> LookupStream:
+    """Token sequences (prompt first) as a learning stream: each lookup with its compressed token."""
     if steps == "serving":  # the step producer already carries the compressed token of each lookup
-        return scheduled_stream(addresser, seqs, [p.size for p in prompts], [d.domain for d in docs])
-    stream = LookupStream.from_sequences(addresser, seqs, tokens_per_step, [p.size for p in prompts],
-                                         [d.domain for d in docs])
+        return scheduled_stream(addresser, seqs, prompt_lens, domains)
+    stream = LookupStream.from_sequences(addresser, seqs, tokens_per_step, prompt_lens, domains)
     starts = np.concatenate([[0], np.cumsum([s.size for s in seqs])[:-1]])
     compressed = addresser.compress(np.concatenate(seqs))
     meta = stream.meta
@@ -72,7 +93,8 @@ def prompt_stream(sources: list[str], per_source: int, seed: int = 0, preset: st
 
 def load_trace(trace: str, per_source: int, seed: int, preset: str, steps: str = "prompts") -> LookupStream:
     """``--trace``: a saved lookup stream (``.npz``, its steps as saved) or corpus names
-    separated by commas (grouped into steps as ``steps`` says)."""
+    separated by commas (grouped into steps as ``steps`` says). A request trace (``.parquet``)
+    is read by the caller and given to ``request_stream``."""
     if trace.endswith(".npz"):
         return LookupStream.load(trace)
     return prompt_stream([s.strip() for s in trace.split(",") if s.strip()], per_source, seed, preset,

@@ -50,6 +50,7 @@ class ServeOptions:
     device: str = "cpu"
     threads: int | None = None
     served_model_name: str | None = None
+    capture: Path | None = None
 
 
 def check_bind(host: str, api_key: str | None) -> None:
@@ -124,15 +125,24 @@ def build_engine(opts: ServeOptions):
     return LiveEngine(model, rows, load_tokenizer(), engine_cfg)
 
 
+def open_capture(opts: ServeOptions):
+    """``--capture DIR``: a recorder for every request served (docs/capture.md), else None."""
+    if opts.capture is None:
+        return None
+    from cachelab.capture.recorder import Recorder
+
+    return Recorder(opts.capture, source="cachelab-serve")
+
+
 def model_name(opts: ServeOptions) -> str:
     return opts.served_model_name or f"cachelab-{Path(opts.preset).stem}"
 
 
-def _app(opts: ServeOptions, engine):
+def _app(opts: ServeOptions, engine, recorder=None):
     from cachelab.live.server import Limits, create_app
 
     limits = Limits(opts.max_body_bytes, model_for(opts).max_model_len)
-    return create_app(engine, model_name(opts), limits, opts.api_key)
+    return create_app(engine, model_name(opts), limits, opts.api_key, recorder)
 
 
 @contextmanager
@@ -145,8 +155,9 @@ def running_server(opts: ServeOptions, engine=None):
 
     check_bind(opts.host, opts.api_key)
     engine = (engine or build_engine(opts)).start()
-    server = uvicorn.Server(uvicorn.Config(_app(opts, engine), host=opts.host, port=opts.port, log_level="warning",
-                                           timeout_graceful_shutdown=1))
+    recorder = open_capture(opts)
+    server = uvicorn.Server(uvicorn.Config(_app(opts, engine, recorder), host=opts.host, port=opts.port,
+                                           log_level="warning", timeout_graceful_shutdown=1))
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
     try:
@@ -160,6 +171,8 @@ def running_server(opts: ServeOptions, engine=None):
         server.should_exit = True
         thread.join()
         engine.stop()
+        if recorder is not None:
+            recorder.close()
 
 
 def serve(opts: ServeOptions, announce=print) -> None:
@@ -169,7 +182,8 @@ def serve(opts: ServeOptions, announce=print) -> None:
     check_bind(opts.host, opts.api_key)
     cfg = model_for(opts)
     engine = build_engine(opts).start()
-    app = _app(opts, engine)
+    recorder = open_capture(opts)
+    app = _app(opts, engine, recorder)
     announce(f"cachelab serve: model {model_name(opts)!r} ({cfg.name}, Engram at layers {list(cfg.engram_layers)}, "
              f"rows from {engine.rows.directory} ({PLACEMENTS.get(opts.placement, opts.placement)})) on "
              f"http://{opts.host}:{opts.port}/v1")
@@ -178,3 +192,5 @@ def serve(opts: ServeOptions, announce=print) -> None:
         uvicorn.run(app, host=opts.host, port=opts.port, log_level="warning", timeout_graceful_shutdown=1)
     finally:
         engine.stop()
+        if recorder is not None:
+            recorder.close()

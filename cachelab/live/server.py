@@ -46,8 +46,10 @@ class _Collector:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
 
 
-def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str | None = None) -> FastAPI:
-    """The app; the engine must be started (and is stopped by the caller)."""
+def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str | None = None,
+               recorder=None) -> FastAPI:
+    """The app; the engine must be started (and is stopped by the caller). ``recorder``: a
+    ``cachelab.capture.Recorder`` that records every request the engine runs (``--capture``)."""
     app = FastAPI(title="cachelab serve", docs_url=None, redoc_url=None)
     metrics = EngineMetrics(engine, model_name)
     app.state.engine, app.state.metrics = engine, metrics
@@ -104,7 +106,10 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
         if engine.error:
             raise APIError(503, f"the engine stopped after an error: {engine.error}")
         collector = _Collector(asyncio.get_running_loop())
-        rid = engine.submit([prompt_ids], [params], [collector])[0]
+        sink = collector if recorder is None else recorder.timeline(
+            collector, endpoint=request.url.path, prompt_ids=prompt_ids, model=model_name, stream=req.stream,
+            session=request.headers.get("x-session-id") or getattr(req, "user", None))
+        rid = engine.submit([prompt_ids], [params], [sink])[0]
         oid = new_id("chatcmpl" if chat else "cmpl")
         ids = prompt_ids if req.return_token_ids else None
         if req.stream:

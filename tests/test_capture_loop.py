@@ -1,0 +1,88 @@
+"""The closed loop, as docs/capture.md gives it: `cachelab serve` -> load through `capture proxy`
+-> `trace build --from-capture` -> `train` -> `evaluate` -> `cachelab serve` again with the row
+cache the evaluation chose (and `--capture` on the server itself, checked against the proxy's)."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+from typer.testing import CliRunner
+
+from capture_upstream import ServerThread
+from cachelab.capture.proxy import ProxyConfig, create_app
+from cachelab.capture.recorder import Recorder
+from cachelab.capture.to_trace import read_requests
+from cachelab.cli import app
+from cachelab.live.launch import ServeOptions, running_server
+from traces.stdlib import StdlibCorpus
+
+SESSIONS = 8
+
+
+def _cli(*args) -> dict:
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _load(base_url: str, model: str) -> None:
+    """Two-turn sessions over real text (the standard library's docstrings), 4 at a time."""
+    docs = [d.text[:400] for d, _ in zip(StdlibCorpus().documents(), range(SESSIONS))]
+
+    def session(i):
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": docs[i]}]
+        for _ in range(2):
+            out = client.chat.completions.create(model=model, messages=messages, max_tokens=8,
+                                                 extra_headers={"X-Session-Id": f"s{i}"})
+            messages += [{"role": "assistant", "content": out.choices[0].message.content},
+                         {"role": "user", "content": "And then?"}]
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(session, range(SESSIONS)))
+
+
+@pytest.mark.slow
+def test_serve_capture_train_evaluate_serve(tmp_path):
+    opts = ServeOptions(port=0, kv_cache_tokens=16_384, capture=tmp_path / "served")
+    with running_server(opts) as (url, _engine):
+        recorder = Recorder(tmp_path / "cap")
+        with ServerThread(create_app(ProxyConfig(upstream=url), recorder)) as proxy:
+            model = openai.OpenAI(base_url=url + "/v1", api_key="x").models.list().data[0].id
+            _load(proxy.url, model)
+            assert recorder.flush(30)
+    built = _cli("trace", "build", "--from-capture", str(tmp_path / "cap"), "-o", str(tmp_path / "t.parquet"))
+    assert built["requests"] == 2 * SESSIONS and built["sessions"] == SESSIONS and built["failed_requests"] == 0
+    assert built["server_cached_tokens"] > 0, "second turns reuse the first turn's prefix"
+    # The server's own capture saw the same requests, id for id.
+    proxy_rows, _ = read_requests(tmp_path / "cap")
+    served_rows, _ = read_requests(tmp_path / "served")
+    key = lambda rows: sorted((r["prompt_ids"], r["output_ids"]) for r in rows.iter_rows(named=True))  # noqa: E731
+    assert key(proxy_rows) == key(served_rows)
+    assert set(served_rows["token_source"]) == {"server"}
+
+    trace = str(tmp_path / "t.parquet")
+    info = _cli("trace", "info", trace, "--engram-tokens", "20000")
+    assert info["requests"] == 2 * SESSIONS and info["has_content"]
+    trained = _cli("train", "--trace", trace, "--requests", "1000", "--predictor", "lightgbm-reuse",
+                   "--capacity", "2%", "--horizon", "4096", "--out", str(tmp_path / "model"))
+    assert trained["lookups"] > 0
+    evaluated = _cli("evaluate", "--trace", trace, "--requests", "1000", "--model", str(tmp_path / "model"),
+                     "--capacities", "0.02")
+    judged = evaluated["capacities"][0]
+    policy = judged["best_heuristic"]
+    assert evaluated["learned_policy"] in judged["miss_ratio"] and policy in judged["miss_ratio"]
+    # Serve again, capturing, with the row cache the evaluation found best among the policies the
+    # live store runs without predictor scores (serving a learned policy needs online scores).
+    # Serve again with the row cache the evaluation chose, still capturing.
+    opts = ServeOptions(port=0, kv_cache_tokens=16_384, capture=tmp_path / "served2", row_cache_policy=str(policy),
+                        row_cache_capacity="2%")
+    with running_server(opts) as (url, _engine):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x")
+        out = client.completions.create(model=model, prompt="def main():", max_tokens=4)
+        assert out.choices[0].text is not None
+    again, _ = read_requests(tmp_path / "served2")
+    assert again.height == 1 and again["output_ids"].list.len()[0] == 4
