@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import socket
 import subprocess
 import sys
 import tomllib
@@ -45,3 +48,46 @@ def write_spec(folder: Path, name: str = "tiny", capacities=("0.5%", "2%"), extr
 def cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "cachelab.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def descendants(root: int) -> dict[int, str]:
+    """pid -> command line of every live descendant of process ``root`` (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = {}, [root]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            try:
+                out[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            todo.append(pid)
+    return out
+
+
+def listening(pids) -> set[tuple[int, str]]:
+    """(pid, address) of every TCP socket in LISTEN state that one of ``pids`` holds."""
+    addresses = {}
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":  # TCP_LISTEN
+                raw = bytes.fromhex(fields[1].split(":")[0])
+                words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # host-order words
+                addresses[fields[9]] = str(ipaddress.ip_address(words))
+    out = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                link = os.readlink(fd)
+                if link.startswith("socket:[") and link[8:-1] in addresses:
+                    out.add((pid, addresses[link[8:-1]]))
+        except OSError:
+            continue
+    return out

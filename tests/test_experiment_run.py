@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
 import pytest
-from experiment_helpers import cli, write_spec
+from experiment_helpers import cli, descendants, listening, write_spec
 from mlflow import MlflowClient
 
 from cachelab.experiment.runner import run_experiment
@@ -130,12 +132,34 @@ def test_mlflow_server_gives_the_same_results(tmp_path, local):
         server.wait(timeout=30)
 
 
-def test_ray_gives_the_same_results(tmp_path, local):
+def _loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
+
+
+def test_ray_gives_the_same_results_and_listens_on_loopback_only(tmp_path, local):
+    """The one Ray test (Ray starts slowly): same numbers as the pool, and every socket the
+    local Ray's processes listen on, sampled while the sweep runs, is a loopback one."""
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    summary = run_experiment(write_spec(tmp_path), backend="ray", workers=2, tracking_uri=uri,
-                             runs_dir=tmp_path / "runs", quiet=True)
+    seen, done = set(), threading.Event()
+
+    def sample():
+        while not done.is_set():
+            seen.update(listening(descendants(os.getpid())))
+            time.sleep(0.2)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        summary = run_experiment(write_spec(tmp_path), backend="ray", workers=2, tracking_uri=uri,
+                                 runs_dir=tmp_path / "runs", quiet=True)
+    finally:
+        done.set()
+        sampler.join()
     assert (summary.ran, summary.failed) == (4, [])
     assert _metrics(uri, "tiny") == local[3].reference
+    assert len({pid for pid, _ in seen}) >= 2, f"Ray's listeners were not seen: {seen}"
+    assert all(_loopback(address) for _, address in seen), f"listening beyond loopback: {sorted(seen)}"
 
 
 def test_killed_sweep_resumes_without_running_a_point_twice(tmp_path):

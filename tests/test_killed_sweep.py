@@ -10,32 +10,11 @@ import sys
 import time
 from pathlib import Path
 
-from experiment_helpers import write_spec
+from experiment_helpers import descendants, write_spec
 from mlflow import MlflowClient
 
 from cachelab.experiment.runner import outbox_for, sync
 from cachelab.experiment.tracking import OWNER, Tracker, owner, owner_is_dead
-
-
-def _descendants(root: int) -> dict[int, str]:
-    """pid -> command line of every live descendant of ``root`` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = {}, [root]
-    while todo:
-        for pid in children.get(todo.pop(), []):
-            try:
-                out[pid] = (Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
-            except OSError:
-                continue
-            todo.append(pid)
-    return out
 
 
 def _alive(pid: int) -> bool:
@@ -58,7 +37,7 @@ def test_sigkilled_sweep_leaves_no_survivor_and_sync_closes_its_runs(tmp_path):
     family: dict[int, str] = {}
     try:
         while True:  # until both pool workers run
-            family = _descendants(proc.pid)
+            family = descendants(proc.pid)
             if sum("spawn_main" in cmd for cmd in family.values()) >= 2:
                 break
             assert proc.poll() is None, "the sweep ended before its pool started"

@@ -6,6 +6,9 @@ The point functions are deterministic, so every backend gives the same results. 
 each workload once through its object store (``ray.put``), so a cluster's workers need
 cachelab installed but no shared filesystem.
 
+A local Ray that cachelab starts listens on loopback only: its node address is the
+loopback one (Ray's ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, which every server it starts
+binds to), where Ray would otherwise bind the machine's public address or all interfaces.
 A pool worker ends with its parent, however the parent ends: on Linux the kernel kills it
 when the parent dies (``PR_SET_PDEATHSIG``), elsewhere a watchdog thread sees it reparented,
 so a SIGKILLed ``cachelab run`` leaves no worker (and so no resource tracker) behind.
@@ -14,6 +17,7 @@ so a SIGKILLed ``cachelab run`` leaves no worker (and so no resource tracker) be
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import multiprocessing
 import os
 import signal
@@ -98,7 +102,22 @@ def _run_pool(tasks: list[Task], workers: int):
                 yield pending.pop(fut), fut.result()
 
 
+RAY_LOCAL_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": the node address is loopback (read at import)
+
+
+def _start_local_ray(ray, workers: int, tasks: list[Task]) -> None:
+    ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False,
+             object_store_memory=_object_store_bytes(tasks))
+    node = ray.util.get_node_ip_address()
+    if not ipaddress.ip_address(node).is_loopback:
+        ray.shutdown()
+        raise CachelabError(f"--backend ray: the local Ray would listen on {node}, not loopback (Ray was imported "
+                            f"before cachelab could set {RAY_LOCAL_ONLY}=0); give --address of a cluster instead")
+
+
 def _run_ray(tasks: list[Task], workers: int, address: str | None):
+    if not address:
+        os.environ[RAY_LOCAL_ONLY] = "0"  # before Ray's first import: a local node on loopback
     try:
         import ray
     except ImportError:
@@ -108,8 +127,7 @@ def _run_ray(tasks: list[Task], workers: int, address: str | None):
         if address:
             ray.init(address=address, log_to_driver=False)
         else:
-            ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False,
-                     object_store_memory=_object_store_bytes(tasks))
+            _start_local_ray(ray, workers, tasks)
     try:
         remote = ray.remote(num_cpus=1, max_retries=0)(_safe)
         refs = {path: ray.put(load_workload(path)) for path in {t[2] for t in tasks}}
