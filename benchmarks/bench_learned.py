@@ -8,8 +8,8 @@ timed from the raw ``LookupStream``:
 
 - learned: per-step deduplication into the learning view, causal feature extraction
   (prompt lookahead included), batched scoring (the booster flattened into one compiled
-  loop), and the replay of the learned policy (the judged one, ``learned-s3fifo-adaptive``, by
-  default: its miniature simulations included);
+  loop), and the replay of the learned policy (the judged one, ``learned-lfu-adaptive``, by
+  default: its miniature simulations included; ``--policy`` picks another);
 - LRU: the same deduplication and the replay of ``lru``.
 
 Both are reported in lookups per second (every lookup of the stream, duplicates included),

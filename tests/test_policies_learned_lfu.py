@@ -18,7 +18,7 @@ def _reference(keys, capacity, scores, weight, horizon):
     """The module doc's rules, one access at a time, over dicts."""
     count, chance, resident, hits = {}, {}, set(), []
     for i, key in enumerate(keys.tolist()):
-        chance[key] = min(max(1.0 - (-scores[i] - i) / horizon, 0.0), 1.0)
+        chance[key] = float(np.float32(min(max(1.0 - (-scores[i] - i) / horizon, 0.0), 1.0)))  # kept as float32
         count[key] = count.get(key, 0) + 1
 
         def priority(k):
