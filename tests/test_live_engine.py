@@ -56,7 +56,7 @@ def prompts(n: int, length: int = 40, seed: int = 0) -> list[list[int]]:
 
 
 def test_batch_of_1_and_batch_of_32_give_the_same_tokens():
-    ps = prompts(32, seed=1)
+    ps = prompts(32, length=24, seed=1)
     engine = make_engine()
     rec = LogitRecorder(engine)
     engine.start()
@@ -85,6 +85,25 @@ def test_prefix_hit_reads_cached_kv_and_gives_the_same_answer():
     assert first[0].cached_tokens == 0 and second[0].cached_tokens == 96  # (100 - 1) // 16 blocks
     assert second[0].token_ids == first[0].token_ids == reference[0].token_ids
     assert steps_before > 0 and cached.pool.hit_tokens == 96
+
+
+def test_stop_token_and_stop_string_finish_with_vllm_reasons():
+    ps = prompts(1, length=20, seed=7)
+    engine = make_engine().start()
+    try:
+        free = engine.generate(ps, GREEDY)[0]
+        ids = free.token_ids
+        k = max(i for i, t in enumerate(ids) if t not in ids[:i])  # the last first occurrence
+        by_token = engine.generate(ps, SamplingParams(max_tokens=6, temperature=0, stop_token_ids=(ids[k],)))[0]
+        text = engine.tokenizer.decode(ids[: k + 1], skip_special_tokens=True)
+        by_text = engine.generate(ps, SamplingParams(max_tokens=6, temperature=0, stop=(text[-2:],)))[0] \
+            if len(text) >= 2 else None
+    finally:
+        engine.stop()
+    assert by_token.token_ids == ids[: k + 1] and by_token.finish_reason == "stop"
+    assert free.finish_reason == "length" and len(free.token_ids) == 6
+    if by_text is not None:
+        assert by_text.finish_reason == "stop" and not by_text.text.endswith(text[-2:])
 
 
 def test_a_later_turn_reuses_the_answer_blocks():

@@ -85,9 +85,10 @@ def test_64_concurrent_requests_and_metrics_equal_engine(server):
         if i % 2:
             chunks = [c async for c in await client.completions.create(
                 model=MODEL, prompt=f"request {i} " * (1 + i % 5), max_tokens=4 + i % 4, temperature=0.8, seed=i,
-                stream=True, stream_options={"include_usage": True})]
+                stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})]
             return chunks[-1].usage
-        r = await client.completions.create(model=MODEL, prompt=f"request {i} " * (1 + i % 5), max_tokens=4 + i % 4)
+        r = await client.completions.create(model=MODEL, prompt=f"request {i} " * (1 + i % 5), max_tokens=4 + i % 4,
+                                            seed=i, extra_body={"ignore_eos": True})
         return r.usage
 
     async def main():
