@@ -148,6 +148,12 @@ def test_bad_input_gets_openai_shaped_errors(server):
     assert r.status_code == 400 and "maximum context length is 2048" in r.json()["error"]["message"]
     r = post("completions", json={"model": MODEL, "prompt": "x", "max_tokens": 5000})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = post("completions", json={"model": MODEL, "prompt": list(range(5, 2100)), "max_tokens": 1})
+    assert r.json()["error"]["param"] == "prompt"
+    r = post("chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    r = post("completions", json={"model": MODEL, "prompt": [1, 200_000]})
+    assert r.status_code == 400 and "prompt token ids must be in" in r.json()["error"]["message"]
     r = post("completions", json={"model": MODEL, "prompt": "x", "temperature": "hot"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
     r = post("completions", content=json.dumps({"model": MODEL, "prompt": "x" * 70_000}).encode(),

@@ -153,6 +153,8 @@ class LiveEngine:
     def submit(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
                sinks: Sequence[Callable[[RequestOutput], None]]) -> list[int]:
         """Queue requests together (they reach the scheduler in the same step); their ids."""
+        if self.error:
+            raise CachelabError(f"the engine stopped after an error: {self.error}")
         now = time.perf_counter()
         new = []
         with self._cv:
@@ -352,17 +354,27 @@ class LiveEngine:
                 **{f"store_{k}": v for k, v in store.items() if isinstance(v, (int, float))}})
 
 
+class RequestError(CachelabError):
+    """A request that cannot run; ``param`` names the request field at fault."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 def check_prompt(prompt_ids: Sequence[int], max_tokens: int, max_model_len: int, vocab_size: int) -> None:
-    """Refuse a request that cannot run, naming the numbers (vLLM's wording)."""
+    """Refuse a request that cannot run, naming the numbers (vLLM's wording for the context)."""
     n = len(prompt_ids)
     if n == 0:
-        raise CachelabError("the prompt is empty; send at least one token")
+        raise RequestError("the prompt is empty; send at least one token", "prompt")
     ids = np.asarray(prompt_ids)
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-        raise CachelabError(f"prompt token ids must be in [0, {vocab_size}), got {int(ids.min())}..{int(ids.max())}")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise RequestError(f"prompt token ids must be in [0, {vocab_size}), got {int(ids.min())}..{int(ids.max())}",
+                           "prompt")
     if max_tokens < 1:
-        raise CachelabError(f"max_tokens must be at least 1, got {max_tokens}")
+        raise RequestError(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
     if n + max_tokens > max_model_len:
-        raise CachelabError(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                            f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). "
-                            "Please reduce the length of the prompt or max_tokens.")
+        raise RequestError(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                           f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). "
+                           "Please reduce the length of the prompt or max_tokens.",
+                           "prompt" if n >= max_model_len else "max_tokens")

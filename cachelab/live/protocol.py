@@ -56,6 +56,14 @@ class _Sampling(BaseModel):
     return_token_ids: bool = False
     ignore_eos: bool = False
     stop_token_ids: list[int] = []
+    logprobs: int | bool | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def unsupported(self) -> list[str]:
+        """Fields set to something this server does not do (refused rather than ignored)."""
+        fields = ("logprobs", "presence_penalty", "frequency_penalty", "tools", "echo")
+        return [f for f in fields if getattr(self, f, None)]
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -94,6 +102,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    tools: list[dict] | None = None
 
 
 def chat_prompt(messages: list[ChatMessage]) -> str:

@@ -19,8 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from cachelab.errors import CachelabError
-from cachelab.live.engine import LiveEngine, RequestOutput, check_prompt
+from cachelab.live.engine import LiveEngine, RequestError, RequestOutput, check_prompt
 from cachelab.live.metrics import EngineMetrics
 from cachelab.live.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_prompt, chunk_body,
                                     completion_body, new_id, usage, usage_chunk)
@@ -92,14 +91,17 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
             raise APIError(404, f"The model `{req.model}` does not exist.", "model")
         if req.n != 1:
             raise APIError(400, f"n must be 1 (one choice per request), got {req.n}", "n")
+        refused = req.unsupported()
+        if refused:
+            raise APIError(400, f"{refused[0]} is not supported by this server", refused[0])
         return req
 
     def prepare(prompt_ids: list[int], max_tokens: int | None, req):
         max_tokens = limits.max_model_len - len(prompt_ids) if max_tokens is None else max_tokens
         try:
             check_prompt(prompt_ids, max_tokens, limits.max_model_len, vocab)
-        except CachelabError as exc:
-            raise APIError(400, str(exc), "max_tokens" if prompt_ids and max_tokens >= 1 else "prompt") from None
+        except RequestError as exc:
+            raise APIError(400, str(exc), exc.param) from None
         return req.sampling(max_tokens)
 
     async def run(request: Request, req, prompt_ids: list[int], params, chat: bool):
@@ -120,8 +122,6 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await read_json(request, CompletionRequest)
-        if req.echo:
-            raise APIError(400, "echo is not supported", "echo")
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
