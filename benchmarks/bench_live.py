@@ -5,12 +5,15 @@ Engram stall with prefetch on and off, per placement and per Engram layer index.
     HTTP streaming), against the same model's pure torch forward in this process (decode
     steps on a prebuilt batch, rows already in memory: no scheduler, no store, no server).
     Server tok/s = batch / mean inter-token latency; bare tok/s = batch / step time; the
-    ratio is the overhead of everything around the forward.
+    ratio is the overhead of everything around the forward. CPU per token is printed too
+    (the server process's CPU over the batch / its output tokens, prefill and HTTP included;
+    the bare forward's per decoded token): on a shared machine it varies far less than time.
+    The TTFT of a 1,200-token prompt, cold and sent again (served from the prefix cache).
 (2) Exposed stall per step (how long the model waited for Engram rows) with prefetch on and
-    off, through the engine, for each placement of the store (or the hashed row source where
-    no store is installed) and for each position of the first Engram layer.
+    off, through the engine, for each placement (backing) of the live store and each
+    position of the first Engram layer.
 
-Both timings, wall and CPU, are printed (the machine may be shared). Run:
+The machine's load average is printed (it may be shared). Run:
 .venv/bin/python benchmarks/bench_live.py [--batches 1,8,32,64] [--tokens 32] [--threads 1]
     [--placements dram,mmap,pread] [--first-layers 0,1,2] [--skip-server]
 """
@@ -39,8 +42,15 @@ from cachelab.live.sampling import SamplingParams
 PROMPT = 64
 
 
-def bare_decode_tok_s(batch: int, steps: int) -> float:
-    """Tokens/s of the tiny model's forward alone: ``batch`` sequences decoding at position PROMPT."""
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def bare_decode(batch: int, steps: int) -> tuple[float, float]:
+    """Tokens/s and CPU ms per token of the tiny model's forward alone: ``batch`` sequences
+    decoding at position PROMPT."""
     cfg = PRESETS["tiny"]
     model = build_model(cfg)
     kv = PagedKVCache(cfg.layers, batch * 8, 16, cfg.kv_heads, cfg.head_dim, getattr(torch, cfg.dtype))
@@ -53,10 +63,10 @@ def bare_decode_tok_s(batch: int, steps: int) -> float:
     with torch.inference_mode():
         for _ in range(3):
             model(step, kv, lambda: rows)
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         for _ in range(steps):
             model(step, kv, lambda: rows)
-    return batch * steps / (time.perf_counter() - t)
+    return batch * steps / (time.perf_counter() - t), 1e3 * (time.process_time() - cpu) / (batch * steps)
 
 
 def _free_port() -> int:
@@ -84,8 +94,23 @@ async def _stream_itls(url: str, batch: int, tokens: int) -> list[float]:
     return [g for request in gaps for g in request]
 
 
-def server_decode(batches: list[int], tokens: int, threads: int | None) -> dict[int, float]:
-    """Decode tok/s per batch size through a `cachelab serve` process."""
+def _ttft(url: str, prompt: list[int]) -> tuple[float, int]:
+    """Time to the first streamed token, and the cached tokens the server reports."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", timeout=600)
+    t0, first = time.perf_counter(), None
+    for chunk in client.completions.create(model="cachelab-tiny", prompt=prompt, max_tokens=2, temperature=0,
+                                           stream=True, stream_options={"include_usage": True}):
+        if first is None and chunk.choices:
+            first = time.perf_counter() - t0
+        last = chunk
+    return first, last.usage.prompt_tokens_details.cached_tokens
+
+
+def server_decode(batches: list[int], tokens: int, threads: int | None) -> tuple[dict[int, float], list]:
+    """Decode tok/s per batch size through a `cachelab serve` process, and the TTFT of
+    1,200-token prompts sent once and then again (the second served from the prefix cache)."""
     port = _free_port()
     cmd = [sys.executable, "-m", "cachelab.cli", "serve", "--preset", "tiny", "--port", str(port),
            "--max-num-seqs", str(max(batches))] + (["--threads", str(threads)] if threads else [])
@@ -103,7 +128,17 @@ def server_decode(batches: list[int], tokens: int, threads: int | None) -> dict[
             except httpx.TransportError:
                 time.sleep(0.5)
         asyncio.run(_stream_itls(url, 2, 4))  # warm-up
-        return {b: b / float(np.mean(asyncio.run(_stream_itls(url, b, tokens)))) for b in batches}
+        decode = {}
+        for b in batches:
+            cpu = _cpu_s(proc.pid)
+            tok_s = b / float(np.mean(asyncio.run(_stream_itls(url, b, tokens))))
+            decode[b] = (tok_s, 1e3 * (_cpu_s(proc.pid) - cpu) / (b * tokens))
+        rng = np.random.default_rng(7)
+        repeats = []
+        for _ in range(3):
+            prompt = rng.integers(100, 90_000, 1200).tolist()
+            repeats.append((_ttft(url, prompt), _ttft(url, prompt)))
+        return decode, repeats
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -149,14 +184,23 @@ def main() -> None:
     print(f"load average at start: {out['loadavg_start'][0]:.1f} on {os.cpu_count()} CPUs", flush=True)
     if not args.skip_server:
         cpu = time.process_time()
-        served = server_decode(batches, args.tokens, args.threads)
-        bare = {b: bare_decode_tok_s(b, 10) for b in batches}
-        out["decode"] = [{"batch": b, "server_tok_s": served[b], "bare_forward_tok_s": bare[b],
-                          "server_over_bare": served[b] / bare[b]} for b in batches]
+        served, repeats = server_decode(batches, args.tokens, args.threads)
+        bare = {b: bare_decode(b, 10) for b in batches}
+        out["decode"] = [{"batch": b, "server_tok_s": served[b][0], "bare_forward_tok_s": bare[b][0],
+                          "server_over_bare": served[b][0] / bare[b][0], "server_cpu_ms_per_token": served[b][1],
+                          "bare_cpu_ms_per_token": bare[b][1], "bare_over_server_cpu": bare[b][1] / served[b][1]}
+                         for b in batches]
         for row in out["decode"]:
             print(f"batch {row['batch']:>3}: server {row['server_tok_s']:8.1f} tok/s, bare forward "
-                  f"{row['bare_forward_tok_s']:8.1f} tok/s, ratio {row['server_over_bare']:.2f}", flush=True)
+                  f"{row['bare_forward_tok_s']:8.1f} tok/s, ratio {row['server_over_bare']:.2f}; CPU per token "
+                  f"server {row['server_cpu_ms_per_token']:.2f} ms (its prefill and HTTP included), bare "
+                  f"{row['bare_cpu_ms_per_token']:.2f} ms, ratio {row['bare_over_server_cpu']:.2f}", flush=True)
         out["decode_cpu_s_here"] = time.process_time() - cpu
+        out["repeated_prompt"] = [{"cold_ttft_s": c[0], "warm_ttft_s": w[0], "warm_cached_tokens": w[1]}
+                                  for c, w in repeats]
+        for r in out["repeated_prompt"]:
+            print(f"1,200-token prompt: TTFT {r['cold_ttft_s'] * 1e3:.0f} ms cold, {r['warm_ttft_s'] * 1e3:.0f} ms "
+                  f"repeated ({r['warm_cached_tokens']} tokens from the prefix cache)", flush=True)
     out["stall"] = []
     for placement in args.placements.split(","):
         for first in (int(x) for x in args.first_layers.split(",")):
