@@ -73,13 +73,16 @@ def bench(
     backing: str = typer.Option("dram", "--backing", help=BACKING_HELP),
     model: Path | None = typer.Option(None, "--model", help="A predictor directory from `cachelab train`, scoring "
                                       "every lookup for a learned policy."),
-    param: list[str] = typer.Option([], "--param", help="A policy hyper-parameter as key=value (repeatable)."),
+    param: list[str] = typer.Option([], "--param", help="A hyper-parameter of --policy as key=value (repeatable; "
+                                    "the DRAM cache takes them too when it runs the same policy)."),
     requests: int = typer.Option(50, "--requests", help="Requests per corpus when --trace names corpora."),
     max_lookups: int | None = typer.Option(None, "--max-lookups", help="Stop after the step that reaches this many "
                                            "lookups."),
     io_threads: int | None = typer.Option(None, "--io-threads", help="Reads in flight for pread/direct."),
     prefetch: bool = typer.Option(False, "--prefetch", help="Fetch step s+1 on the background thread while step s "
                                   "is used."),
+    compute_ms: float = typer.Option(0.0, "--compute-ms", help="Milliseconds the caller holds each step's rows "
+                                     "(standing for the model's forward pass, which --prefetch overlaps)."),
     no_verify: bool = typer.Option(False, "--no-verify", help="Skip comparing every row with its reference."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
@@ -102,12 +105,13 @@ def bench(
         scores, fitted = lookup_scores(model, stream)
         params = {**policy_params(registry.get(registry.POLICIES, policy.split("+")[0]), fitted), **params}
     hbm = PolicySpec(policy, params)
-    dram = PolicySpec(dram_policy or policy, params) if dram_capacity is not None else None
+    dram_name = dram_policy or policy
+    dram = PolicySpec(dram_name, params if dram_name == policy else {}) if dram_capacity is not None else None
     if dram_policy is not None and dram_capacity is None:
         raise CachelabError("--dram-policy needs --dram-capacity")
     out = replay_store(directory, stream, backing, hbm, capacity, dram, dram_capacity, scores,
                        verify=not no_verify, prefetch=prefetch, io_threads=io_threads, progress=not as_json,
-                       max_lookups=max_lookups)
+                       max_lookups=max_lookups, compute_ms=compute_ms)
     out["trace"] = trace
     if as_json:
         typer.echo(json.dumps(out))

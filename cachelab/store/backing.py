@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import gc
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -96,7 +97,11 @@ class MmapBacking:
     def close(self) -> None:
         self.views = []
         for m in self.maps:
-            m.close()
+            try:
+                m.close()
+            except BufferError:  # a view of it sits in a reference cycle: collect, then close
+                gc.collect()
+                m.close()
         self.maps = []
 
 

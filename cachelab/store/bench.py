@@ -12,6 +12,7 @@ buffered modes read through the OS page cache, which the comparison leaves out.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,9 +107,12 @@ def compare(store_totals: dict, sim: dict, tier_names, backing: str) -> dict[str
 def replay_store(directory, stream: LookupStream, backing: str, hbm: PolicySpec | None, hbm_capacity,
                  dram: PolicySpec | None = None, dram_capacity=None, scores: np.ndarray | None = None,
                  verify: bool = True, prefetch: bool = False, io_threads: int | None = None,
-                 progress: bool = False, max_lookups: int | None = None) -> dict:
+                 progress: bool = False, max_lookups: int | None = None, compute_ms: float = 0.0) -> dict:
     """Replay ``stream`` through a store opened on ``directory``; the store's totals, the
-    simulator's figures, the comparison and the row check, as one JSON-shaped dict."""
+    simulator's figures, the comparison and the row check, as one JSON-shaped dict.
+
+    ``compute_ms``: the caller holds each step's rows this long (sleeping, the GIL released),
+    standing for the model's forward pass that a prefetch of the next step overlaps."""
     specs = {k: v for k, v in (("hbm", hbm), ("dram", dram)) if v is not None}
     steps = stream.num_steps
     if max_lookups is not None:
@@ -140,6 +144,8 @@ def replay_store(directory, stream: LookupStream, backing: str, hbm: PolicySpec 
                         ahead = store.prefetch(nxt, None if scores is None else scores[lo2:hi2].reshape(nxt.shape))
                 else:
                     got = store.lookup(rows, sc)
+                if compute_ms:
+                    time.sleep(compute_ms / 1e3)
                 if verify:
                     mismatches += check_rows(store, rows, got)
                 bar.advance(task)
@@ -147,7 +153,8 @@ def replay_store(directory, stream: LookupStream, backing: str, hbm: PolicySpec 
         capacities = {t.name: t.capacity for t in store.tiers}
         sim = simulate(store, stream, folded, specs, capacities, scores)
         figures = compare(totals, sim, store.tier_names, backing)
-        out = {"backing": backing, "hbm_device": store.hbm_device, "steps": steps,
+        out = {"backing": backing, "hbm_device": store.hbm_device, "steps": steps, "prefetch": prefetch,
+               "compute_ms": compute_ms,
                "lookups": int(stream.keys.size), "capacities": capacities,
                "policies": {k: v.name for k, v in specs.items()},
                "store": totals, "simulator": sim,

@@ -34,7 +34,7 @@ from cachelab.policy import Policy
 from cachelab.store.backing import open_backing
 from cachelab.store.build import open_tables
 from cachelab.store.counters import Counters
-from cachelab.store.kernels import FP8_BF16, FP8_VALUES, dequant_expand
+from cachelab.store.kernels import DEQUANT_TABLE, dequant_expand
 from cachelab.store.tier import CacheTier
 from cachelab.workload.lookups import compact
 
@@ -128,6 +128,9 @@ class TieredStore:
         tiers = []
         hbm_rows = self._rows(hbm_capacity, "hbm_capacity")
         dram_rows = self._rows(dram_capacity, "dram_capacity")
+        if bool(dram_policy) != bool(dram_rows):
+            raise CachelabError(f"the DRAM cache needs both a policy and a capacity, got dram_policy={dram_policy!r}, "
+                                f"dram_capacity={dram_capacity!r}")
         host_need = (dram_rows if dram_policy else 0) * self.row_bytes + (table_bytes if backing == "dram" else 0)
         if not self.cuda:
             host_need += (hbm_rows if hbm_policy else 0) * self.row_bytes
@@ -157,7 +160,6 @@ class TieredStore:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="cachelab-store-prefetch")
         self._pending: Future | None = None
         self._bufs: dict[str, np.ndarray] = {}
-        self._lut16, self._lut32 = FP8_BF16, FP8_VALUES
 
     @classmethod
     def open(cls, directory, **kwargs) -> "TieredStore":
@@ -327,7 +329,7 @@ class TieredStore:
         dim = self.row_dim
         if not self.cuda:
             out = np.empty((index.size, dim), np.uint16)
-            dequant_expand(dev, index, self._lut16, self._lut32, out, work=out.nbytes)
+            dequant_expand(dev, index, DEQUANT_TABLE, out, work=out.nbytes)
             return torch.from_numpy(out).view(torch.bfloat16).reshape(*shape, dim)
         idx = torch.from_numpy(index).to(self.device, non_blocking=True)
         rows = dev.index_select(0, idx)

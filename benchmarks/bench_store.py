@@ -1,0 +1,275 @@
+"""The live store against limits measured in the same run.
+
+Sections (each prints a ratio against its same-run reference):
+
+- ``gather``: DRAM gather + FP8 -> BF16 dequantisation on one core, rows/s x 264 B, against a
+  single-core memcpy of the same bytes (goal: at least 0.5). Measured twice: through
+  ``TieredStore.lookup`` (fold, dedup, gather, dequantise: the path a caller runs; DRAM
+  backing, no cache tiers) and the two kernels alone. A second reference is the random access
+  alone: NumPy's row take (``np.take``) from a packed table as large, no dequantisation.
+- ``direct``: random 4 KiB reads through the store's ``direct`` backing at queue depths
+  1..64 (``io_threads`` = queue depth; each row in its own page) against fio's ``randread``
+  with ``--direct=1 --ioengine=io_uring`` at the same depth on the same file (goal: at least
+  0.7 at QD >= 32). Without fio (Debian: ``apt-get install fio``) the section says so.
+- ``modes``: ``cachelab store bench`` (the CLI, in a fresh process) with ``mmap``, ``pread``
+  and ``direct`` on the same stream, policy and capacities, so at equal hit ratios, the page
+  cache dropped before each; step seconds and backing-read seconds, as ratios to ``direct``.
+- ``prefetch``: the same CLI with and without ``--prefetch`` while the caller holds each step
+  ``--compute-ms`` (the model's forward pass); exposed stall = step seconds without prefetch,
+  ``stall_s`` with it.
+- ``pagecache`` (``--pagecache``): the mmap page-cache experiment (cachelab/store/pagecache.py):
+  cold, warm, under reclaim and in a memory cgroup; with ``--plot F`` a PNG of its step times.
+
+    CACHELAB_DATA=../shared/data .venv/bin/python benchmarks/bench_store.py [--scale 2e-3]
+        [--dir D] [--trace gsm8k,humaneval] [--requests 20] [--pagecache] [--plot F] [--json]
+
+The tables are built once into ``--dir`` (default: a temporary folder) by ``cachelab store
+build``; a scale of 2e-3 gives 420 MB, larger than any last-level cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from cachelab.serving.hardware.probe import _best, memcpy_bw
+
+CLI = [sys.executable, "-m", "cachelab.cli"]
+
+
+def gather_section(directory: Path, tokens: int = 2000, seed: int = 0) -> dict:
+    """Rows/s of lookup and of the kernels on one core, against one-core memcpy of the same bytes."""
+    import numba
+
+    from cachelab.store import TieredStore
+    from cachelab.store.kernels import DEQUANT_TABLE, dequant_expand
+
+    numba.set_num_threads(1)
+    rng = np.random.default_rng(seed)
+    with TieredStore.open(directory, backing="dram", hbm_capacity=None) as store:
+        cfg, lay = store.layout, store.layout_tables
+        rows = cfg.offsets[None] + rng.integers(0, cfg.primes[None], (tokens, len(cfg.layers), cfg.columns))
+        n = rows.size
+        store.lookup(rows)
+        lookup_s = _best(lambda: store.lookup(rows))
+        unique = store.last_step["unique"]
+        keys = store.keys(rows).reshape(-1)
+        layer = np.searchsorted(lay.layer_base, keys, "right") - 1
+        local = keys - lay.layer_base[layer]
+        packed = np.empty((n, lay.row_bytes), np.uint8)
+        out = np.empty((n, lay.row_dim), np.uint16)
+        ident = np.arange(n, dtype=np.int64)
+
+        def kernels():
+            store.backing.read(layer, local, packed, ident)
+            dequant_expand(packed, ident, DEQUANT_TABLE, out, work=0)
+
+        kernels()
+        kernel_s = _best(kernels)
+    bw = memcpy_bw(n * lay.row_bytes)  # one thread: NumPy's copy is a single memcpy
+    # the same random access without any of the store: NumPy's row take from a packed table as large
+    packed_table = np.ones((int(lay.table_rows.sum()), lay.row_bytes), np.uint8)
+    flat = keys % packed_table.shape[0]
+    take_s = _best(lambda: np.take(packed_table, flat, axis=0, out=packed))
+    del packed_table
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    return {"rows": int(n), "unique_rows": int(unique), "memcpy_GBps": bw / 1e9,
+            "lookup_rows_per_s": unique / lookup_s, "lookup_GBps": unique * lay.row_bytes / lookup_s / 1e9,
+            "lookup_ratio": unique * lay.row_bytes / lookup_s / bw,
+            "kernels_rows_per_s": n / kernel_s, "kernels_GBps": n * lay.row_bytes / kernel_s / 1e9,
+            "kernels_ratio": n * lay.row_bytes / kernel_s / bw,
+            "numpy_random_take_GBps": n * lay.row_bytes / take_s / 1e9,
+            "kernels_ratio_to_numpy_take": take_s / kernel_s}
+
+
+def fio_iops(path: Path, depth: int, runtime: float) -> float | None:
+    """fio's random 4 KiB O_DIRECT read IOPS at ``depth`` on ``path``; None without fio."""
+    if shutil.which("fio") is None:
+        return None
+    res = subprocess.run(["fio", "--name=ref", f"--filename={path}", "--rw=randread", "--bs=4k", "--direct=1",
+                          "--ioengine=io_uring", f"--iodepth={depth}", "--numjobs=1", f"--runtime={runtime}",
+                          "--time_based", "--readonly", "--output-format=json"], capture_output=True, text=True)
+    if res.returncode != 0:
+        res = subprocess.run(["fio", "--name=ref", f"--filename={path}", "--rw=randread", "--bs=4k", "--direct=1",
+                              "--ioengine=libaio", f"--iodepth={depth}", "--numjobs=1", f"--runtime={runtime}",
+                              "--time_based", "--readonly", "--output-format=json"], capture_output=True, text=True)
+    if res.returncode != 0:
+        return None
+    return float(json.loads(res.stdout)["jobs"][0]["read"]["iops"])
+
+
+def direct_section(directory: Path, depths=(1, 4, 16, 32, 64), reads: int = 8000, runtime: float = 3.0,
+                   seed: int = 0) -> dict:
+    """Store ``direct`` page reads/s per queue depth against fio at the same depth."""
+    from cachelab.store.backing import DirectBacking
+    from cachelab.store.build import open_tables
+
+    layout, _, paths = open_tables(directory)
+    rng = np.random.default_rng(seed)
+    pages = layout.file_pages(0)
+    rows = rng.choice(pages, min(reads, pages), replace=False) * layout.rows_per_page  # one row per page
+    layer = np.zeros(rows.size, np.int64)
+    out = np.empty((rows.size, layout.row_bytes), np.uint8)
+    dst = np.arange(rows.size, dtype=np.int64)
+    result = {"fio": shutil.which("fio") is not None, "depths": {}}
+    if not result["fio"]:
+        result["note"] = "fio not found (Debian: apt-get install fio): no reference, store figures only"
+    for depth in depths:
+        backing = DirectBacking(layout, paths[:1], io_threads=depth)
+        try:
+            backing.read(layer[:64], rows[:64], out, dst[:64])
+            t = time.perf_counter()
+            backing.read(layer, rows, out, dst)
+            iops = rows.size / (time.perf_counter() - t)
+        finally:
+            backing.close()
+        ref = fio_iops(paths[0], depth, runtime)
+        result["depths"][depth] = {"store_iops": iops, "fio_iops": ref, "ratio": iops / ref if ref else None}
+    return result
+
+
+def cli_bench(directory: Path, trace: str, requests: int, backing: str, extra: list[str]) -> dict:
+    from cachelab.store.build import open_tables
+    from cachelab.store.pagecache import drop_pages
+
+    drop_pages(open_tables(directory)[2])
+    args = CLI + ["store", "bench", "--dir", str(directory), "--trace", trace, "--requests", str(requests),
+                  "--policy", "lru", "--capacity", "1%", "--dram-capacity", "4%", "--backing", backing,
+                  "--no-verify", "--json", *extra]
+    t = time.perf_counter()
+    res = subprocess.run(args, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SystemExit(f"{' '.join(args[2:])} failed ({res.returncode}):\n{res.stderr[-3000:]}")
+    out = json.loads(res.stdout)
+    out["wall_s"] = time.perf_counter() - t
+    return out
+
+
+def modes_section(directory: Path, trace: str, requests: int) -> dict:
+    runs = {b: cli_bench(directory, trace, requests, b, []) for b in ("direct", "pread", "mmap")}
+    ref = runs["direct"]["store"]
+    out = {}
+    for b, r in runs.items():
+        st = r["store"]
+        out[b] = {"hbm_hit_ratio": st["hbm_hit_ratio"], "dram_hit_ratio": st["dram_hit_ratio"],
+                  "step_s": st["step_s"], "backing_read_s": st["ssd_read_s"], "major_faults": st["major_faults"],
+                  "ssd_to_dram_bytes": st["ssd_to_dram_bytes"], "matches_simulator": r["matches_simulator"],
+                  "step_ratio_to_direct": st["step_s"] / ref["step_s"], "wall_s": r["wall_s"]}
+    out["equal_hit_ratios"] = len({(v["hbm_hit_ratio"], v["dram_hit_ratio"]) for v in out.values()}) == 1
+    return out
+
+
+def prefetch_section(directory: Path, trace: str, requests: int, compute_ms: float) -> dict:
+    extra = ["--compute-ms", str(compute_ms)]
+    off = cli_bench(directory, trace, requests, "pread", extra)["store"]
+    on = cli_bench(directory, trace, requests, "pread", extra + ["--prefetch"])["store"]
+    return {"compute_ms": compute_ms, "steps": off["steps"], "exposed_stall_off_s": off["step_s"],
+            "exposed_stall_on_s": on["stall_s"], "stall_ratio_on_off": on["stall_s"] / off["step_s"]}
+
+
+def pagecache_section(directory: Path, trace: str, requests: int, steps: int, plot: Path | None) -> dict:
+    from cachelab.learning.streams import load_trace
+    from cachelab.store.pagecache import pagecache_experiment
+
+    stream = load_trace(trace, requests, 0, "deepseek-v4.1-flash")
+    out = pagecache_experiment(directory, stream, steps, hbm_capacity="1%")
+    if plot is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        phases = [p for p in ("cold", "warm", "reclaim", "cgroup") if "step_p50_ms" in out.get(p, {})]
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        x = np.arange(len(phases))
+        ax.bar(x - 0.2, [out[p]["step_p50_ms"] for p in phases], 0.4, label="P50")
+        ax.bar(x + 0.2, [out[p]["step_p99_ms"] for p in phases], 0.4, label="P99")
+        ax.set_xticks(x, phases)
+        ax.set_yscale("log")
+        ax.set_ylabel("step time (ms)")
+        ax.set_title(f"mmap backing, {out['table_bytes'] / 2**20:.0f} MiB of tables")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(plot, dpi=120)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scale", type=float, default=2e-3)
+    ap.add_argument("--dir", type=Path, default=None, help="Tables (built here if missing).")
+    ap.add_argument("--trace", default="gsm8k,humaneval")
+    ap.add_argument("--requests", type=int, default=20)
+    ap.add_argument("--compute-ms", type=float, default=2.0)
+    ap.add_argument("--sections", default="gather,direct,modes,prefetch")
+    ap.add_argument("--pagecache", action="store_true")
+    ap.add_argument("--pagecache-steps", type=int, default=1000)
+    ap.add_argument("--plot", type=Path, default=None)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    tmp = None
+    directory = args.dir
+    if directory is None:
+        tmp = tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR", "/var/tmp"))
+        directory = Path(tmp.name)
+    if not (directory / "manifest.json").exists():
+        subprocess.run(CLI + ["store", "build", "--scale", str(args.scale), "--dir", str(directory), "--json"],
+                       check=True, stdout=subprocess.DEVNULL)
+    sections = set(args.sections.split(","))
+    out: dict = {"dir_scale": args.scale, "trace": args.trace, "requests": args.requests}
+    if "gather" in sections:
+        out["gather"] = gather_section(directory)
+    if "direct" in sections:
+        out["direct"] = direct_section(directory)
+    if "modes" in sections:
+        out["modes"] = modes_section(directory, args.trace, args.requests)
+    if "prefetch" in sections:
+        out["prefetch"] = prefetch_section(directory, args.trace, args.requests, args.compute_ms)
+    if args.pagecache:
+        out["pagecache"] = pagecache_section(directory, args.trace, args.requests, args.pagecache_steps, args.plot)
+    if tmp is not None:
+        tmp.cleanup()
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return
+    _print(out)
+
+
+def _print(out: dict) -> None:
+    if "gather" in out:
+        g = out["gather"]
+        print(f"gather+dequant, one core: lookup {g['lookup_GBps']:.3f} GB/s ({g['lookup_ratio']:.2f} x memcpy), "
+              f"kernels {g['kernels_GBps']:.3f} GB/s ({g['kernels_ratio']:.2f} x memcpy {g['memcpy_GBps']:.2f} GB/s; "
+              f"{g['kernels_ratio_to_numpy_take']:.2f} x NumPy's random row take alone, "
+              f"{g['numpy_random_take_GBps']:.3f} GB/s)")
+    if "direct" in out:
+        d = out["direct"]
+        if "note" in d:
+            print(d["note"])
+        for qd, r in d["depths"].items():
+            ratio = f"{r['ratio']:.2f} x fio {r['fio_iops']:,.0f}" if r["ratio"] else "no fio reference"
+            print(f"direct QD {qd:>2}: {r['store_iops']:,.0f} IOPS ({ratio})")
+    if "modes" in out:
+        for b, r in out["modes"].items():
+            if isinstance(r, dict):
+                print(f"{b:>6}: step {r['step_s']:.2f} s ({r['step_ratio_to_direct']:.2f} x direct), backing read "
+                      f"{r['backing_read_s']:.2f} s, hit ratios {r['hbm_hit_ratio']:.3f}/{r['dram_hit_ratio']:.3f}")
+    if "prefetch" in out:
+        p = out["prefetch"]
+        print(f"prefetch: exposed stall {p['exposed_stall_on_s']:.2f} s with, {p['exposed_stall_off_s']:.2f} s "
+              f"without ({p['stall_ratio_on_off']:.2f})")
+    if "pagecache" in out:
+        print(json.dumps(out["pagecache"], indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""The page-cache experiment on the ``mmap`` path: what the OS page cache holds and costs.
+
+A lookup stream replays through a store whose backing is ``mmap`` in four conditions:
+
+- ``cold``: every table page dropped first (``POSIX_FADV_DONTNEED``), so misses fault from the SSD;
+- ``warm``: the same steps again, the page cache holding what the cold pass read;
+- ``reclaim``: warm, while a background thread drops the tables' pages every ``interval_s``,
+  as memory pressure would: ``madvise(MADV_DONTNEED)`` on the store's mappings, then
+  ``POSIX_FADV_DONTNEED`` on the files (fadvise alone leaves every page a live mapping maps);
+- ``cgroup``: cold, in a child process confined to a memory cgroup (v1 ``memory.limit_in_bytes``,
+  or v2 ``memory.max``) capped, once its store is open, at what it uses plus 64 MiB of
+  headroom plus a share of the table, so the kernel reclaims the table's pages as it goes. Where no cgroup can be made, the reason is reported.
+
+Each gives step-time P50/P99, faults, the resident set (VmRSS, RssFile), and the table pages
+the page cache holds (``mincore`` over a mapping of each file).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from cachelab.serving.hardware.probe import _drop_cache as drop_cache
+from cachelab.store.bench import step_rows
+from cachelab.store.build import open_tables
+from cachelab.store.store import TieredStore
+from cachelab.workload.lookups import LookupStream
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+CGROUP_ROOTS = (Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup"))
+
+
+def drop_pages(paths) -> None:
+    """Ask the kernel to drop the files' pages from the page cache."""
+    for path in paths:
+        drop_cache(path)
+
+
+def resident_pages(paths) -> tuple[int, int]:
+    """(pages of the files in the page cache, pages in all), by mincore."""
+    resident = total = 0
+    for path in paths:
+        size = os.path.getsize(path)
+        pages = -(-size // mmap.PAGESIZE)
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            vec = np.zeros(pages, np.uint8)
+            view = np.frombuffer(m, np.uint8)
+            ok = _libc.mincore(view.__array_interface__["data"][0], size, vec.__array_interface__["data"][0])
+            del view  # the mapping closes only once nothing exports it
+            if ok != 0:
+                raise OSError(ctypes.get_errno(), f"mincore failed on {path}")
+            resident += int((vec & 1).sum())
+            total += pages
+    return resident, total
+
+
+def memory_status() -> dict:
+    """VmRSS and RssFile of this process, in bytes."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssFile", "RssAnon"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def run_phase(store: TieredStore, stream: LookupStream, steps: int) -> dict:
+    """Replay the first ``steps`` steps; step times, faults, memory and page-cache residency."""
+    cfg = store.layout
+    times, minor, major = [], 0, 0
+    for s in range(steps):
+        store.lookup(step_rows(stream, s, len(cfg.layers), cfg.columns))
+        c = store.last_step
+        times.append(c["step_s"])
+        minor += c["minor_faults"]
+        major += c["major_faults"]
+    t = np.asarray(times)
+    resident, total = resident_pages(store.paths)
+    return {"steps": steps, "step_p50_ms": float(np.percentile(t, 50) * 1e3),
+            "step_p99_ms": float(np.percentile(t, 99) * 1e3), "minor_faults": int(minor), "major_faults": int(major),
+            "table_pages_resident": resident, "table_pages": total, **memory_status()}
+
+
+class Reclaimer:
+    """Drops the tables' pages every ``interval_s`` on a background thread (a context manager):
+    unmaps them from ``maps`` (the store's mappings), then drops them from the page cache."""
+
+    def __init__(self, paths, maps, interval_s: float):
+        self.paths, self.maps, self.interval_s = paths, maps, interval_s
+        self._stop = threading.Event()
+        self.drops = 0
+        self._thread = threading.Thread(target=self._run, name="cachelab-reclaimer", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            for m in self.maps:
+                m.madvise(mmap.MADV_DONTNEED)
+            drop_pages(self.paths)
+            self.drops += 1
+
+    def __enter__(self) -> "Reclaimer":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def make_cgroup() -> tuple[Path | None, str]:
+    """A child memory cgroup (no limit yet): (its directory, '') or (None, why not)."""
+    name = f"cachelab-store-{os.getpid()}"
+    for root in CGROUP_ROOTS:
+        v1 = (root / "memory.limit_in_bytes").exists()
+        v2 = (root / "cgroup.controllers").exists() and "memory" in (root / "cgroup.controllers").read_text()
+        if not (v1 or v2):
+            continue
+        path = root / name
+        try:
+            path.mkdir(exist_ok=True)
+            _limit_file(path).write_text(str(2**62))  # writable: the child sets the real limit
+            return path, ""
+        except OSError as exc:
+            try:
+                path.rmdir()
+            except OSError:
+                pass
+            return None, f"cannot create a memory cgroup under {root}: {exc.strerror}"
+    return None, "no writable memory cgroup hierarchy (cgroup v1 memory or v2 with the memory controller)"
+
+
+def _limit_file(cgroup: Path) -> Path:
+    return cgroup / ("memory.limit_in_bytes" if (cgroup / "memory.limit_in_bytes").exists() else "memory.max")
+
+
+def _usage(cgroup: Path) -> int:
+    v1 = cgroup / "memory.usage_in_bytes"
+    return int((v1 if v1.exists() else cgroup / "memory.current").read_text())
+
+
+def _store_kwargs(hbm_policy: str, hbm_capacity) -> dict:
+    return {"backing": "mmap", "hbm_policy": hbm_policy, "hbm_capacity": hbm_capacity}
+
+
+def cgroup_phase(directory, stream_path: Path, steps: int, hbm_policy: str, hbm_capacity, cgroup: Path,
+                 table_share_bytes: int) -> dict:
+    """The cold phase in a child process that first moves itself into ``cgroup``."""
+    code = ("import json, os, sys; "
+            "open(sys.argv[1] + '/cgroup.procs', 'w').write(str(os.getpid())); "
+            "from cachelab.store.pagecache import child_phase; "
+            "print(json.dumps(child_phase(*sys.argv[1:])))")
+    res = subprocess.run([sys.executable, "-c", code, str(cgroup), str(directory), str(stream_path), str(steps),
+                          hbm_policy, str(hbm_capacity), str(table_share_bytes)], capture_output=True, text=True,
+                         timeout=1800)
+    if res.returncode == -9:
+        return {"error": "killed by the cgroup's OOM killer: give the phase more headroom"}
+    if res.returncode != 0:
+        return {"error": res.stderr.strip().splitlines()[-1] if res.stderr.strip() else f"exit {res.returncode}"}
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def child_phase(cgroup, directory, stream_path, steps, hbm_policy: str, hbm_capacity, table_share_bytes) -> dict:
+    """In the cgroup: open the store, then cap the cgroup at what it uses now plus
+    ``table_share_bytes``, drop the tables' pages, and replay cold."""
+    cgroup = Path(cgroup)
+    stream = LookupStream.load(stream_path)
+    _, _, paths = open_tables(directory)
+    with TieredStore.open(directory, **_store_kwargs(hbm_policy, hbm_capacity)) as store:
+        drop_pages(paths)
+        limit = _usage(cgroup) + int(table_share_bytes)
+        _limit_file(cgroup).write_text(str(limit))
+        return {"limit_bytes": limit, **run_phase(store, stream, int(steps))}
+
+
+def pagecache_experiment(directory, stream: LookupStream, steps: int, hbm_policy: str = "lru", hbm_capacity=1000,
+                         interval_s: float = 0.05, cgroup_share: float = 0.25, headroom: int = 64 << 20,
+                         cgroup: bool = True) -> dict:
+    """All four phases; the cgroup's limit is what the child uses once its store is open, plus
+    ``headroom`` for what the replay itself allocates, plus ``cgroup_share`` of the table's bytes."""
+    steps = min(steps, stream.num_steps)
+    _, _, paths = open_tables(directory)
+    table_bytes = sum(os.path.getsize(p) for p in paths)
+    out: dict = {"table_bytes": table_bytes, "steps": steps, "reclaim_interval_s": interval_s}
+    drop_pages(paths)
+    with TieredStore.open(directory, **_store_kwargs(hbm_policy, hbm_capacity)) as store:
+        out["cold"] = run_phase(store, stream, steps)
+    with TieredStore.open(directory, **_store_kwargs(hbm_policy, hbm_capacity)) as store:
+        out["warm"] = run_phase(store, stream, steps)
+    with TieredStore.open(directory, **_store_kwargs(hbm_policy, hbm_capacity)) as store, \
+            Reclaimer(paths, store.backing.maps, interval_s) as reclaimer:
+        out["reclaim"] = run_phase(store, stream, steps)
+        out["reclaim"]["drops"] = reclaimer.drops
+    if not cgroup:
+        return out
+    cgroup, why = make_cgroup()
+    if cgroup is None:
+        out["cgroup"] = {"unavailable": why}
+        return out
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            stream_path = stream.save(Path(tmp) / "stream.npz")
+            out["cgroup"] = {"cgroup_share": cgroup_share,
+                             **cgroup_phase(directory, stream_path, steps, hbm_policy, hbm_capacity, cgroup,
+                                            int(cgroup_share * table_bytes) + headroom)}
+    finally:
+        try:
+            cgroup.rmdir()
+        except OSError:
+            pass
+    return out
