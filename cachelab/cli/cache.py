@@ -15,24 +15,33 @@ from cachelab.capacity import Capacity, parse_capacities, parse_capacity
 from cachelab.errors import CachelabError
 from cachelab.params import parse_pairs
 from cachelab.engine.tiers import Hierarchy, Tier
-from cachelab.trace.keytrace import FORMATS, read_keys
+from cachelab.defaults import PRESET
+from cachelab.learning.streams import STEP_VIEWS, load_trace
+from cachelab.trace.keytrace import FORMATS
+from cachelab.trace.kinds import Found, detect
 from cachelab.workload.lookups import LookupStream
 from cachelab.engine.replay import replay
 from cachelab.workload.prefix_cache.hashing import sorted_distinct
 
-TRACE_HELP = ("A key trace (.npy of integers, text with one key per line, libCacheSim oracleGeneral) "
-              "or a saved lookup stream (.npz).")
+TRACE_HELP = ("A key trace (.npy of integers, text with one key per line, libCacheSim oracleGeneral), a lookup "
+              "stream (.npz, `cachelab trace lookups`), a request trace with text (.parquet: the Engram rows of "
+              "its tokens), or corpus names (gsm8k,humaneval); the kind is detected and printed.")
+REQUESTS_HELP = "Corpus names: requests per corpus; a request trace: its first N requests (0: all)."
 FORMAT_HELP = f"Key trace format, one of {list(FORMATS)}; sniffed from the content when omitted."
 PARAM_HELP = "A policy hyper-parameter as key=value (repeatable), e.g. --param window=0.01."
+STEPS_HELP = (f"Corpus names and request traces: how requests become serving steps, one of {list(STEP_VIEWS)} "
+              "(as `cachelab train --steps`).")
 WARMUP_HELP = ("Warm-up excluded from the statistics: a fraction of the steps (0..1) or a step count; "
                "in a key trace every request is a step.")
 
 
-def load_stream(path: Path, fmt: str | None = None) -> LookupStream:
-    """A saved lookup stream (``.npz``), or a key trace as one request per step."""
-    if path.suffix == ".npz" and fmt is None:
-        return LookupStream.load(path)
-    return LookupStream.from_keys(read_keys(path, fmt))
+def load_stream(trace: str, fmt: str | None, requests: int, steps: str, verb: str,
+                quiet: bool) -> tuple[Found, LookupStream]:
+    """What ``--trace`` names (``cachelab.trace.kinds``) and its lookup stream: a key trace is one
+    request per step; corpus names and a request trace's tokens become Engram row lookups."""
+    found = detect(trace, fmt)
+    with Console(stderr=True, quiet=quiet).status(f"reading {found}"):
+        return found, load_trace(found, requests, 0, PRESET, steps, verb=verb, tokens=False)
 
 
 def capacity_rows(capacities: list[Capacity], stream: LookupStream, where: str) -> list[int]:
@@ -50,7 +59,7 @@ def build_policy(policy: str, admission: str | None, params: list[str]):
 
 
 def simulate(
-    trace: Path = typer.Option(..., "--trace", help=TRACE_HELP),
+    trace: str = typer.Option(..., "--trace", help=TRACE_HELP),
     policy: str = typer.Option(..., "--policy", help="Registry name (see `cachelab policies list`), e.g. lru."),
     capacity: str = typer.Option(..., "--capacity", help="Cache capacity: objects (rows for a lookup stream), a "
                                  "fraction (0.01) or percentage ('5%') of the distinct keys, or bytes ('512MiB')."),
@@ -58,6 +67,8 @@ def simulate(
     warmup: float = typer.Option(0.0, "--warmup", help=WARMUP_HELP),
     param: list[str] = typer.Option([], "--param", help=PARAM_HELP),
     fmt: str | None = typer.Option(None, "--format", help=FORMAT_HELP),
+    requests: int = typer.Option(200, "--requests", help=REQUESTS_HELP),
+    steps: str = typer.Option("prompts", "--steps", help=STEPS_HELP),
     model: Path | None = typer.Option(None, "--model", help="A predictor directory from `cachelab train`, "
                                       "scoring every lookup for a learned policy (e.g. --policy learned)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
@@ -71,7 +82,7 @@ def simulate(
     The miss ratio counts every request after the warm-up.
     """
     started = time.perf_counter()
-    stream = load_stream(trace, fmt)
+    found, stream = load_stream(trace, fmt, requests, steps, "simulate", as_json)
     scores = None
     if model is not None:
         from cachelab.learning.training import lookup_scores, policy_params
@@ -89,23 +100,28 @@ def simulate(
     requests = stats.lookups
     hits = level.served_lookups
     out = {
-        "policy": policy, "capacity": capacity, "requests": requests, "hits": hits,
+        "policy": policy, "capacity": capacity, "infinite": level.infinite, "requests": requests, "hits": hits,
         "miss_ratio": 1.0 - hits / requests if requests else 0.0,
         "seconds": round(time.perf_counter() - started, 3),
         "admission": admission or cache.get_params().get("admission", "always"),
-        "warmup_requests": stats.warmup_lookups, "trace": str(trace),
+        "warmup_requests": stats.warmup_lookups, "trace": str(trace), "trace_kind": found.kind,
         "unique_requests": stats.unique_rows, "unique_miss_ratio": 1.0 - level.hit_ratio_unique,
     }
     if as_json:
         typer.echo(json.dumps(out))
         return
-    Console().print(f"[bold]{policy}[/] at {capacity:,} objects: miss ratio {out['miss_ratio']:.4f} "
-                    f"({requests - hits:,} misses / {requests:,} requests after a warm-up of "
-                    f"{out['warmup_requests']:,}) in {out['seconds']} s")
+    console = Console()
+    console.print(f"{trace}: {found}")
+    console.print(f"[bold]{policy}[/] at {capacity:,} objects: miss ratio {out['miss_ratio']:.4f} "
+                  f"({requests - hits:,} misses / {requests:,} requests after a warm-up of "
+                  f"{out['warmup_requests']:,}) in {out['seconds']} s")
+    if level.infinite:
+        console.print(f"  an infinite cache: {capacity:,} objects hold all {sorted_distinct(stream.keys).size:,} "
+                      "distinct keys of the trace, so each misses once, whatever the policy")
 
 
 def mrc(
-    trace: Path = typer.Option(..., "--trace", help=TRACE_HELP),
+    trace: str = typer.Option(..., "--trace", help=TRACE_HELP),
     policy: str = typer.Option("lru", "--policy", help="Registry name; lru uses the one-pass exact curve."),
     capacities: str = typer.Option(..., "--capacities", help="Comma-separated capacities, e.g. 100,1000,10000 "
                                    "(objects; or shares '1%', 0.01, or bytes '64MiB', as --capacity)."),
@@ -116,23 +132,29 @@ def mrc(
     param: list[str] = typer.Option([], "--param", help=PARAM_HELP),
     workers: int | None = typer.Option(None, "--workers", help="Processes for simulated curves (default: all cores)."),
     fmt: str | None = typer.Option(None, "--format", help=FORMAT_HELP),
+    requests: int = typer.Option(200, "--requests", help=REQUESTS_HELP),
+    steps: str = typer.Option("prompts", "--steps", help=STEPS_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Miss ratio at many capacities: exact one-pass LRU, SHARDS sampling, or one run per capacity."""
     from cachelab.engine.mrc import miss_ratio_curve
 
     started = time.perf_counter()
-    stream = load_stream(trace, fmt)
+    found, stream = load_stream(trace, fmt, requests, steps, "mrc", as_json)
     caps = sorted(set(capacity_rows(parse_capacities(capacities), stream, "--capacities")))
     curve = miss_ratio_curve(stream, caps, policy=policy, sample_rate=sample_rate, warmup=warmup,
                              params={**parse_pairs(param), **({"admission": admission} if admission else {})},
                              workers=workers, progress=not as_json)
-    out = {"policy": policy, **curve.to_dict(), "trace": str(trace),
+    out = {"policy": policy, **curve.to_dict(), "trace": str(trace), "trace_kind": found.kind,
            "seconds": round(time.perf_counter() - started, 3)}
     if as_json:
         typer.echo(json.dumps(out))
         return
     console = Console()
+    console.print(f"{trace}: {found}")
     console.print(f"[bold]{policy}[/] miss-ratio curve ({curve.method}, {curve.requests:,} requests)")
     for c, m in zip(curve.capacities, curve.miss_ratios):
-        console.print(f"  {c:>12,}  {m:.4f}  {'#' * int(np.round(m * 50))}")
+        infinite = "  infinite" if c >= curve.distinct_keys else ""
+        console.print(f"  {c:>12,}  {m:.4f}  {'#' * int(np.round(m * 50))}{infinite}")
+    if curve.capacities[-1] >= curve.distinct_keys:
+        console.print(f"  (infinite: the capacity holds all {curve.distinct_keys:,} distinct keys; each misses once)")

@@ -22,20 +22,33 @@ from cachelab import registry
 from cachelab.errors import CachelabError
 from cachelab.engine.tiers import Hierarchy, SSDStore
 from cachelab.policy import Policy
+from cachelab.policy.unbounded import Unbounded, holds_every_key
 from cachelab.workload.future import next_access
 from cachelab.workload.lookups import StepDedup, StepDeduper
 
 
+def sized(policy: Policy, capacity: int, num_keys: int) -> Policy:
+    """``policy`` reset to ``capacity`` rows over ``num_keys`` keys, or, when the capacity holds
+    every key, the infinite cache it then is (``cachelab.policy.unbounded``): its state would be
+    sized by a capacity the keys can never fill."""
+    num_keys = max(num_keys, 1)  # an empty stream still makes a valid cache
+    if holds_every_key(capacity, num_keys):
+        policy = Unbounded(policy)
+    policy.reset(capacity, num_keys)
+    return policy
+
+
 def run_policy(policy: Policy, keys: np.ndarray, step_offsets: np.ndarray, capacity: int, num_keys: int,
                scores: np.ndarray | None = None) -> np.ndarray:
-    """Reset ``policy`` to ``capacity`` and replay dense ``keys``; a hit flag per key.
+    """Reset ``policy`` to ``capacity`` (``sized``) and replay dense ``keys``; a hit flag per key.
 
     The policy gets ``next_access`` on this very stream, through its ``view_future`` (a
     lookahead policy censors it), if it declares ``needs_future``, and ``scores`` if it
     declares ``needs_scores`` (an error names the policy otherwise).
     """
-    policy.reset(capacity, max(num_keys, 1))  # an empty stream still makes a valid cache
-    return _run(policy, keys, step_offsets, scores, future=True)
+    if policy.capabilities.needs_scores and scores is None:
+        raise CachelabError(f"policy {policy.name!r} needs predictor scores; none were given to the replay")
+    return _run(sized(policy, capacity, num_keys), keys, step_offsets, scores, future=True)
 
 
 def _run(policy: Policy, keys, step_offsets, scores, future: bool) -> np.ndarray:
@@ -89,9 +102,7 @@ class Cascade:
                  page_of: Callable[[np.ndarray], np.ndarray] | None = None, num_pages: int = 0,
                  page_capacity: int = 0, future: bool = False):
         self.hierarchy, self.future = hierarchy, future
-        self.policies = [tier.policy for tier in hierarchy.tiers]
-        for policy, capacity in zip(self.policies, capacities):
-            policy.reset(capacity, max(num_keys, 1))
+        self.policies = [sized(tier.policy, capacity, num_keys) for tier, capacity in zip(hierarchy.tiers, capacities)]
         self.ssd = isinstance(hierarchy.backing, SSDStore)
         self.page_of, self.page_capacity = page_of, page_capacity
         self.page_policy = None
@@ -103,9 +114,7 @@ class Cascade:
     def _page_policy(self, num_pages: int) -> Policy | None:
         if self.page_capacity < 1:
             return None
-        policy = registry.make_policy(self.hierarchy.backing.page_policy)
-        policy.reset(self.page_capacity, max(num_pages, 1))
-        return policy
+        return sized(registry.make_policy(self.hierarchy.backing.page_policy), self.page_capacity, num_pages)
 
     def serve(self, keys: np.ndarray, offsets: np.ndarray, scores: np.ndarray | None = None,
               row_pages: Callable[[np.ndarray], tuple[np.ndarray, int]] | None = None) -> Served:

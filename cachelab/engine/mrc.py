@@ -93,10 +93,12 @@ class Curve:
     method: str  # exact-stack | shards | simulation | mini-simulation
     sample_rate: float | None = None
     warmup_requests: int = 0
+    distinct_keys: int = 0  # a capacity of at least this many is an infinite cache
 
     def to_dict(self) -> dict:
         return {"capacities": self.capacities, "miss_ratios": self.miss_ratios, "requests": self.requests,
-                "method": self.method, "sample_rate": self.sample_rate, "warmup_requests": self.warmup_requests}
+                "method": self.method, "sample_rate": self.sample_rate, "warmup_requests": self.warmup_requests,
+                "distinct_keys": self.distinct_keys}
 
 
 @dataclass(frozen=True)
@@ -184,7 +186,8 @@ def miss_ratio_curve(stream: LookupStream, capacities: list[int], policy: str = 
     warm = int(req.weights[:req.first].sum())
     if policy == "lru" and not params:
         method = "exact-stack" if sample_rate is None else "shards"
-        return Curve(capacities, _lru_curve(req, capacities, sample_rate), requests, method, sample_rate, warm)
+        return Curve(capacities, _lru_curve(req, capacities, sample_rate), requests, method, sample_rate, warm,
+                     req.num_keys)
     _SHARED.update(req=req, policy=policy, params=params, rate=sample_rate)
     workers = max(1, min(len(capacities), workers or os.cpu_count() or 1))
     with Progress(transient=True, disable=not progress) as bar:
@@ -202,4 +205,4 @@ def miss_ratio_curve(stream: LookupStream, capacities: list[int], policy: str = 
                 ratios = [f.result() for f in futures]
     _SHARED.clear()
     method = "simulation" if sample_rate is None else "mini-simulation"
-    return Curve(capacities, [float(r) for r in ratios], requests, method, sample_rate, warm)
+    return Curve(capacities, [float(r) for r in ratios], requests, method, sample_rate, warm, req.num_keys)

@@ -26,6 +26,7 @@ from cachelab.errors import CachelabError
 from cachelab.engine.cascade import Cascade, run_policy
 from cachelab.engine.stats import LinkBytes, ReplayStats, TierStats
 from cachelab.engine.tiers import Hierarchy, SSDStore
+from cachelab.policy.unbounded import Unbounded
 from cachelab.workload.lookups import LookupStream, compact, compact_steps, global_key, split_key
 
 __all__ = ["ReplayResult", "replay", "run_policy", "warmup_steps"]
@@ -107,7 +108,8 @@ class ReplayResult:
         for i, name in enumerate(self.levels):
             tier = self.tiers[i] if i < len(self.tiers) else {}
             levels[name] = TierStats(self.locations[i], int(unique_by[i]), int(lookup_by[i]), int(reach_u[i]),
-                                     int(reach_l[i]), tier.get("policy"), tier.get("capacity_rows"))
+                                     int(reach_l[i]), tier.get("policy"), tier.get("capacity_rows"),
+                                     tier.get("infinite", False))
         loc = np.array(self.locations)
         gpu = int(unique_by[loc == "gpu"].sum())
         host = int(unique_by[loc == "host"].sum())
@@ -167,6 +169,7 @@ def replay(stream: LookupStream, hierarchy: Hierarchy, warmup: float = 0.0, prog
 
         out = cascade.serve(dd.keys, dd.offsets, d_scores, row_pages)
         bar.advance(task)
-    tiers = [{"policy": t.policy.name, "capacity_rows": c} for t, c in zip(hierarchy.tiers, capacities)]
+    tiers = [{"policy": t.policy.name, "capacity_rows": c, "infinite": isinstance(p, Unbounded)}
+             for t, c, p in zip(hierarchy.tiers, capacities, cascade.policies)]
     return ReplayResult(hierarchy.levels, locations, out.level, dd.inverse, dd.offsets, stream.step_offsets,
                         out.page_reads_per_step(stream.num_steps), w, hierarchy.row_bytes, page_bytes, tiers)

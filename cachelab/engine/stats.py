@@ -24,7 +24,8 @@ class _Flat:
 class TierStats:
     """One level of a hierarchy after the warm-up: rows and lookups it served, of those that reached it.
 
-    ``policy`` and ``capacity_rows`` are set for a cache tier, not for a backing level.
+    ``policy`` and ``capacity_rows`` are set for a cache tier, not for a backing level;
+    ``infinite`` when its capacity held every row it could see (``cachelab.policy.unbounded``).
     """
 
     location: str  # gpu / host / ssd
@@ -34,6 +35,7 @@ class TierStats:
     requests_lookups: int  # lookups of the rows that reached it
     policy: str | None = None
     capacity_rows: int | None = None
+    infinite: bool = False
 
     @property
     def hit_ratio_unique(self) -> float:
@@ -48,7 +50,7 @@ class TierStats:
                "requests_unique": self.requests_unique, "requests_lookups": self.requests_lookups,
                "hit_ratio_unique": self.hit_ratio_unique, "hit_ratio_lookup": self.hit_ratio_lookup}
         if self.policy is not None:
-            out.update(policy=self.policy, capacity_rows=self.capacity_rows)
+            out.update(policy=self.policy, capacity_rows=self.capacity_rows, infinite=self.infinite)
         return out
 
 

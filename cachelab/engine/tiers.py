@@ -60,8 +60,8 @@ class Tier:
         """Capacity in rows for rows of ``row_bytes``."""
         rows = self.capacity_rows if self.capacity_rows is not None else self.capacity_bytes // row_bytes
         if rows < 1:
-            raise CachelabError(f"tier {self.name!r} holds no row: capacity {self.capacity_rows or self.capacity_bytes} "
-                                f"{'rows' if self.capacity_rows is not None else 'bytes'} for rows of {row_bytes} B")
+            given = f"{self.capacity_rows} rows" if self.capacity_rows is not None else f"{self.capacity_bytes} bytes"
+            raise CachelabError(f"tier {self.name!r} holds no row: capacity {given} for rows of {row_bytes} B")
         return int(rows)
 
 
