@@ -16,32 +16,25 @@ from cachelab.errors import CachelabError
 from cachelab.learning.training import TrainSpec, check_target, load, rolling_scores, save, train as train_model
 from cachelab.learning.evaluation import evaluate_capacities
 from cachelab.params import parse_pairs, parse_value
-from cachelab.learning.streams import STEP_VIEWS, LearningView, load_trace, request_stream
+from cachelab.learning.streams import STEP_VIEWS, LearningView, load_trace
+from cachelab.trace.kinds import detect
 
-TRACE_HELP = ("A saved lookup stream with token metadata (.npz), a request trace with token ids (.parquet, e.g. "
-              "a capture of live serving), or prompt corpora (cachelab.workloads), comma-separated and "
-              "interleaved: arena-hard, gsm8k, humaneval, gutenberg, mt-bench, ...")
+TRACE_HELP = ("Prompt corpora (cachelab.workloads), comma-separated and interleaved: arena-hard, gsm8k, humaneval, "
+              "gutenberg, mt-bench, ...; or a lookup stream with token metadata (.npz, `cachelab trace lookups`), "
+              "or a request trace with token ids (.parquet, e.g. a capture of live serving). The kind is detected and "
+              "printed.")
 PRESET_HELP = "Engram layout preset of the stream."
 STEPS_HELP = (f"How corpora become serving steps, one of {list(STEP_VIEWS)}: each prompt alone, chunk by chunk "
               "(prompts), or batched by the serving scheduler (serving: continuous batching, chunked prefill, "
               "prefix-cache hits skipped). A saved .npz keeps its own steps.")
 
 
-def _view(trace: str, requests: int, seed: int, preset: str, steps: str, console: Console) -> LearningView:
+def _view(trace: str, requests: int, seed: int, preset: str, steps: str, console: Console,
+          verb: str) -> LearningView:
+    found = detect(trace)
+    console.print(f"{trace}: {found}")
     with console.status("building the Engram lookup stream"):
-        if trace.endswith(".parquet"):  # a request trace: its first `requests` requests with token ids
-            from cachelab.trace.schema import read_trace
-
-            table = read_trace(trace).head(requests)
-            table = table.filter(table["prompt_ids"].list.len() > 0)
-            if table.height == 0:
-                raise CachelabError(f"{trace}: no request with token ids among the first {requests} (a "
-                                    "content-less trace has only lengths: give it text with `trace build --corpus`)")
-            stream = request_stream(table["prompt_ids"].to_list(), table["output_ids"].to_list(),
-                                    table["domain"].to_list(), preset, steps=steps)
-        else:
-            stream = load_trace(trace, requests, seed, preset, steps)
-        return LearningView.of(stream, preset)
+        return LearningView.of(load_trace(found, requests, seed, preset, steps, verb=verb), preset)
 
 
 def train(
@@ -74,7 +67,7 @@ def train(
                      capacity=_learning_capacity(capacity, preset, "--capacity"), lookahead=lookahead)
     spec.check()
     check_target(cls.task, spec)
-    stream = _view(trace, requests, seed, preset, steps, console)
+    stream = _view(trace, requests, seed, preset, steps, console, "train")
     with console.status(f"training {predictor}"):
         try:
             fresh = cls(**parse_pairs(param))
@@ -82,13 +75,17 @@ def train(
             raise CachelabError(f"predictor {predictor!r}: {exc}") from None
         model, metrics = train_model(stream, fresh, spec)
     save(model, out, {"trace": trace, "requests": requests, "preset": preset, "steps": steps})
-    result = {"predictor": predictor, "trace": trace, "lookups": len(stream), "out": str(out), **metrics}
+    # lookups as `evaluate` counts them (every row read); fetches: each step's distinct rows, which
+    # training samples and validation (validation_lookups) count
+    result = {"predictor": predictor, "trace": trace, "lookups": int(stream.inverse.size), "fetches": len(stream),
+              "out": str(out), **metrics}
     if as_json:
         typer.echo(json.dumps(result))
         return
     out_console = Console()
-    out_console.print(f"[bold]{predictor}[/] validated on {metrics['validation_lookups']:,} held-out lookups "
-                      f"of {len(stream):,}; saved to {out}")
+    out_console.print(f"[bold]{predictor}[/] on {result['lookups']:,} lookups ({len(stream):,} fetches: each "
+                      f"step's distinct rows), validated on {metrics['validation_lookups']:,} held-out fetches; "
+                      f"saved to {out}")
     for key in ("auc", "auc_belady", "belady_keep_rate", "rmse", "rmse_constant", "reuse_rate"):
         if key in metrics:
             out_console.print(f"  {key}: {metrics[key]:.4f}")
@@ -138,7 +135,7 @@ def evaluate(
     if not 0.0 <= warmup < 1.0:
         raise CachelabError(f"--warmup must lie in [0, 1), got {warmup}")
     fitted = load(model)
-    stream = _view(trace, requests, seed, preset, steps, console)
+    stream = _view(trace, requests, seed, preset, steps, console, "evaluate")
     scores = None
     if retrain_every:
         spec = fitted.metadata.get("spec", {})

@@ -19,12 +19,23 @@ study_app = typer.Typer(no_args_is_help=True, help="Studies that reproduce publi
 HARDWARE_HELP = "Hardware profile: H100, H200, B200, B300, GB200, GH200, local, or a TOML file."
 PLACEMENT_HELP = f"Where the Engram table lives: {', '.join(PLACEMENTS)}."
 GIB = 2**30
+REQUEST_TRACE_HELP = ("Request trace (.parquet from `cachelab trace build`, with token ids: built with --corpus). "
+                      "Another kind of trace is named and answered with how to build this one.")
 
 
-def _read(trace: Path, max_requests: int | None):
+def _read(trace: str, max_requests: int | None, verb: str):
+    """The request trace ``--trace`` names; any other kind is answered with what it is and how to get one."""
+    from cachelab.trace.kinds import CORPORA, REQUESTS, detect, wrong_kind
     from cachelab.trace.schema import read_trace
 
-    df = read_trace(trace)
+    found = detect(trace)
+    if found.kind != REQUESTS:
+        corpus = found.value if found.kind == CORPORA else "arena-hard"
+        raise wrong_kind(found, verb, "a request trace (.parquet) with arrival times and token ids",
+                         f"Build one: `cachelab trace build --arrivals gamma --arrival-option rate=2 --arrival-option "
+                         f"num_requests=200 --corpus {corpus} -o t.parquet`, or import real arrivals "
+                         "(--arrivals mooncake, azure, burstgpt, servegen) with --corpus.")
+    df = read_trace(found.path)
     return df.head(max_requests) if max_requests else df
 
 
@@ -35,7 +46,7 @@ def _fmt(v) -> str:
 
 
 def serve_sim(
-    trace: Path = typer.Option(..., help="Request trace (.parquet, `cachelab trace build`)."),
+    trace: str = typer.Option(..., help=REQUEST_TRACE_HELP),
     hardware: str = typer.Option(..., help=HARDWARE_HELP),
     placement: str = typer.Option(..., help=PLACEMENT_HELP),
     tp: int = typer.Option(8, help="Tensor-parallel degree (GPUs of the replica)."),
@@ -65,7 +76,7 @@ def serve_sim(
     from cachelab.engram import get_preset
     from cachelab.serving.simulator import ServingConfig, simulate
 
-    df = _read(trace, max_requests)
+    df = _read(trace, max_requests, "serve-sim")
     row_bytes = get_preset(ServingConfig.layout).row_bytes
     row_cache_bytes = row_cache_gib * GIB if row_cache is None else \
         float(parse_capacity(row_cache, "--row-cache").bytes(row_bytes, "--row-cache"))
@@ -91,7 +102,8 @@ def serve_sim(
 def _print_result(result: dict) -> None:
     console = Console()
     m, cfg = result["metrics"], result["config"]
-    console.print(f"[bold]{cfg['hardware']} TP{cfg['tp']} {cfg['placement']}[/], concurrency {cfg['concurrency']}, "
+    load = "unbounded concurrency" if cfg["concurrency"] is None else f"concurrency {cfg['concurrency']}"
+    console.print(f"[bold]{cfg['hardware']} TP{cfg['tp']} {cfg['placement']}[/], {load}, "
                   f"prefix cache {cfg['prefix_cache']}: {m['completed']} requests in {m['duration_s']:.1f} s, {m['steps']} steps")
     table = Table(title="latency (ms)")
     for col in ("metric", "mean", "P50", "P90", "P99"):
@@ -135,7 +147,7 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def pareto(
-    trace: Path = typer.Option(..., help="Request trace (.parquet)."),
+    trace: str = typer.Option(..., help=REQUEST_TRACE_HELP),
     hardware: list[str] = typer.Option(..., help=HARDWARE_HELP + " Repeatable."),
     placement: list[str] = typer.Option(..., help=PLACEMENT_HELP + " Repeatable."),
     tp: str = typer.Option("4,8", help="TP degrees, comma-separated."),
@@ -156,7 +168,7 @@ def pareto(
     from cachelab.serving.simulator import ServingConfig
     from cachelab.serving.grid import serving_grid
 
-    df = _read(trace, None)
+    df = _read(trace, None, "pareto")
     bad = sorted(set(placement) - set(PLACEMENTS))
     if bad:
         raise CachelabError(f"unknown placement(s) {bad}; use {list(PLACEMENTS)}")
@@ -167,16 +179,18 @@ def pareto(
     fits = points.filter(pl.col("fits")).with_columns(
         (pl.col("hardware") + " " + pl.col("placement") + " TP" + pl.col("tp").cast(pl.String)).alias("config"))
     front = pareto_front(fits)
-    plot_fronts(fits, "config", plot, f"Pareto fronts: {trace.name}")
+    plot_fronts(fits, "config", plot, f"Pareto fronts: {Path(trace).name}")
     if as_json:
         typer.echo(json.dumps({"front": front.to_dicts(), "points": points.to_dicts(), "plot": str(plot)}, default=float))
         return
     table = Table(title="Pareto front (interactivity vs tokens/s/GPU)")
-    cols = ("config", "concurrency", "interactivity", "tokens_per_s_per_gpu", "tokens_per_dollar", "p99_ttft_ms", "p99_tpot_ms")
-    for col in cols:
-        table.add_column(col, justify="right")
+    table.add_column("config", overflow="fold")
+    cols = {"concurrency": "conc.", "interactivity": "tok/s /user", "tokens_per_s_per_gpu": "tok/s /GPU",
+            "tokens_per_dollar": "M tok /$", "p99_ttft_ms": "P99 TTFT ms", "p99_tpot_ms": "P99 TPOT ms"}
+    for header in cols.values():  # numbers never fold or cut; the headers wrap at their spaces
+        table.add_column(header, justify="right", no_wrap=False, min_width=6)
     for row in front.iter_rows(named=True):
-        table.add_row(*(_fmt(row[c]) for c in cols))
+        table.add_row(row["config"], *(_fmt(row[c] / 1e6 if c == "tokens_per_dollar" else row[c]) for c in cols))
     Console().print(table)
     skipped = points.filter(~pl.col("fits"))
     for row in skipped.iter_rows(named=True):

@@ -11,6 +11,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from cachelab.defaults import PRESET
+from cachelab.learning.streams import STEP_VIEWS, load_trace
+from cachelab.trace.kinds import detect
 from cachelab.errors import CachelabError
 from cachelab.params import parse_pairs
 from cachelab.trace.keytrace import write_oracle_general
@@ -189,3 +191,36 @@ def convert(
         typer.echo(json.dumps(result))
     else:
         Console().print(", ".join(f"{k}: {v}" for k, v in result.items()))
+
+
+@app.command()
+def lookups(
+    trace: str = typer.Argument(..., help="Corpus names (gsm8k,humaneval), a request trace with text (.parquet), "
+                                "or a key trace (.npy, text, oracleGeneral: one key per step)."),
+    out: Path = typer.Option(..., "-o", "--out", help="Output lookup stream (.npz)."),
+    requests: int = typer.Option(200, help="Corpus names: requests per corpus; a request trace: its first N (0: all)."),
+    seed: int = typer.Option(0, help="Seed of the order in which corpus requests interleave."),
+    preset: str = typer.Option(PRESET, help="Engram layout that addresses the tokens."),
+    steps: str = typer.Option("prompts", help=f"How requests become serving steps, one of {list(STEP_VIEWS)} "
+                              "(as `cachelab train --steps`)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Write the Engram lookup stream of prompts or of a request trace (.npz).
+
+    Every --trace of simulate, mrc, train and evaluate takes the file; with the same --requests,
+    --seed, --preset and --steps it is the very stream `cachelab train --trace NAMES` builds.
+
+    Example: `cachelab trace lookups gsm8k,humaneval --requests 150 -o stream.npz`.
+    """
+    found = detect(trace)
+    with Console(stderr=True, quiet=as_json).status(f"addressing {found}"):
+        stream = load_trace(found, requests, seed, preset, steps, verb="trace lookups", tokens=False)
+        path = stream.save(out)
+    result = {"out": str(path), "trace": trace, "trace_kind": found.kind, "lookups": stream.num_lookups,
+              "steps": stream.num_steps, "distinct_rows": int(sorted_distinct(stream.keys).size),
+              "row_bytes": stream.row_bytes, "token_metadata": "token" in stream.meta}
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    Console().print(f"wrote {path}: {result['lookups']:,} lookups in {result['steps']:,} steps, "
+                    f"{result['distinct_rows']:,} distinct rows, from {found}")

@@ -91,14 +91,43 @@ def _sequence_stream(addresser, seqs, prompt_lens, domains, steps: str, tokens_p
                         {**meta, "token": token}, stream.domains)
 
 
-def load_trace(trace: str, per_source: int, seed: int, preset: str, steps: str = "prompts") -> LookupStream:
-    """``--trace``: a saved lookup stream (``.npz``, its steps as saved) or corpus names
-    separated by commas (grouped into steps as ``steps`` says). A request trace (``.parquet``)
-    is read by the caller and given to ``request_stream``."""
-    if trace.endswith(".npz"):
-        return LookupStream.load(trace)
-    return prompt_stream([s.strip() for s in trace.split(",") if s.strip()], per_source, seed, preset,
-                         steps=steps)
+def load_trace(trace, per_source: int, seed: int, preset: str, steps: str = "prompts", *,
+               verb: str = "train", tokens: bool = True, fmt: str | None = None) -> LookupStream:
+    """Any ``--trace`` (``cachelab.trace.kinds``) as a lookup stream: a saved stream (its steps as
+    saved), corpus names (``per_source`` documents each, grouped as ``steps`` says), a request
+    trace with token ids (its first ``per_source`` requests), or, unless ``tokens`` (a predictor
+    needs them), a key trace (one request per step)."""
+    from cachelab.trace.keytrace import read_keys
+    from cachelab.trace.kinds import CORPORA, KEY, LOOKUPS, Found, detect, wrong_kind
+
+    found = trace if isinstance(trace, Found) else detect(trace, fmt)
+    if found.kind == LOOKUPS:
+        return LookupStream.load(found.path)
+    if found.kind == CORPORA:
+        return prompt_stream(found.corpora, per_source, seed, preset, steps=steps)
+    if found.kind == KEY:
+        if tokens:
+            raise wrong_kind(found, verb, "Engram lookups with their tokens (corpus names, a lookup stream or a "
+                             "request trace with text)", "A key trace holds no tokens; `cachelab trace lookups "
+                             "gsm8k,humaneval -o stream.npz` writes a lookup stream.")
+        return LookupStream.from_keys(read_keys(found.path, found.key_format))
+    return _trace_stream(found, per_source, preset, steps, verb)
+
+
+def _trace_stream(found, max_requests: int, preset: str, steps: str, verb: str) -> LookupStream:
+    """A request trace's first ``max_requests`` requests (all if 0) in arrival order, those with token ids."""
+    from cachelab.trace.kinds import REQUESTS, Found, wrong_kind
+    from cachelab.trace.schema import read_trace
+
+    table = read_trace(found.path).sort("arrival_s", maintain_order=True)
+    table = table.head(max_requests) if max_requests else table
+    table = table.filter(table["prompt_ids"].list.len() > 0)
+    if table.height == 0:
+        raise wrong_kind(Found(REQUESTS, ".parquet, lengths only: no token ids", found.value), verb,
+                         "token ids to address", "Build it with text: `cachelab trace build ... --corpus "
+                         "arena-hard` gives every request real tokens.")
+    return request_stream(table["prompt_ids"].to_list(), table["output_ids"].to_list(), table["domain"].to_list(),
+                          preset, steps=steps)
 
 
 @dataclass(slots=True)
@@ -137,7 +166,7 @@ class LearningView:
         missing = [m for m in REQUIRED_META if m not in stream.meta]
         if missing:
             raise CachelabError(f"the lookup stream lacks per-lookup metadata {missing}; learned policies need "
-                                f"{list(REQUIRED_META)} (build it from prompts: --trace gsm8k,humaneval)")
+                                f"{list(REQUIRED_META)} (give corpus names, --trace gsm8k,humaneval, or a stream from `cachelab trace lookups`)")
         cfg = get_preset(preset)
         ids, uniq = compact(stream.keys)
         dd = dedup_steps(ids, stream.step_offsets, uniq.size)

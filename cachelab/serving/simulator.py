@@ -106,6 +106,12 @@ class ServingResult:
                 "row_cache": self.rows, "memory": self.memory}
 
 
+LENGTHS_ONLY = ("the trace has lengths only, no token ids: a serving replay addresses Engram rows from "
+                "every token. Build it with text, e.g. `cachelab trace build --arrivals mooncake --arrivals-path "
+                "traces/mooncake_fast25/conversation_trace.jsonl --corpus arena-hard -o t.parquet` (--corpus gives "
+                "every request real text with the trace's lengths and prefix sharing)")
+
+
 def _sequences(trace: pl.DataFrame) -> tuple[list[np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
     need = {"arrival_s", "prompt_ids", "output_ids"}
     missing = sorted(need - set(trace.columns))
@@ -115,6 +121,8 @@ def _sequences(trace: pl.DataFrame) -> tuple[list[np.ndarray], np.ndarray, np.nd
     plen = trace["prompt_ids"].list.len().to_numpy().astype(np.int64)
     olen = trace["output_ids"].list.len().fill_null(0).to_numpy().astype(np.int64)
     empty = np.flatnonzero(plen == 0)
+    if plen.size and empty.size == plen.size:
+        raise CachelabError(LENGTHS_ONLY)
     if empty.size:
         raise CachelabError(f"trace row {int(empty[0])} (by arrival): empty prompt_ids")
     prompts = trace["prompt_ids"].explode().to_numpy().astype(np.int32)
