@@ -58,7 +58,7 @@ def report(
     as_json: bool = typer.Option(False, "--json", help="Print the summary table as JSON."),
 ) -> None:
     """Write one self-contained HTML page of an experiment's plots and print its summary."""
-    from cachelab.experiment.report import load_experiment, render_html, summary_table
+    from cachelab.experiment.report import load_experiment, render_html, report_json
     from cachelab.experiment.tracking import Tracker
 
     name = _experiment_name(experiment)
@@ -67,9 +67,9 @@ def report(
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render_html(data), encoding="utf-8")
     if as_json:
-        typer.echo(json.dumps({"report": str(out), "points": summary_table(data).to_dicts()}, default=str))
+        typer.echo(json.dumps(report_json(data, out), default=str))
         return
-    _show(summary_table(data), name)
+    _show_all(data, name)
     typer.echo(f"report: {out}")
 
 
@@ -102,19 +102,40 @@ def _experiment_name(value: str) -> str:
 
 
 def _print_summary(name: str, uri: str) -> None:
-    from cachelab.experiment.report import load_experiment, summary_table
+    from cachelab.experiment.report import load_experiment
     from cachelab.experiment.tracking import Tracker
 
     try:
-        _show(summary_table(load_experiment(Tracker(uri), name)), name)
+        data = load_experiment(Tracker(uri), name)
     except CachelabError:
-        pass
+        return
+    _show_all(data, name)
 
 
-def _show(table, name: str) -> None:
+def _show_all(data, name: str) -> None:
+    """Every point's summary row, then the headline (learned policy, best heuristic, bound, gap closed)."""
+    from cachelab.experiment.report import HEADLINE_NOTE, headline, summary_table
+
+    console = Console()
+    _show(console, summary_table(data), name)
+    best = headline(data)
+    if best.height:
+        table = Table(title="headline: " + ", ".join(sorted(set(best["learned"]))) + " vs the best heuristic and "
+                      "the bound", caption=HEADLINE_NOTE)
+        for col in ("capacity", "rows", "learned", "best heuristic", "", "bound", "", "gap closed"):
+            table.add_column(col, justify="right", overflow="fold")
+        for r in best.iter_rows(named=True):
+            gap = "n/a" if r["gap_closed"] is None else f"{r['gap_closed']:.1%}"
+            table.add_row(r["capacity"], f"{r['capacity_rows']:,}", f"{r['learned_miss_ratio']:.4f}", r["best_heuristic"],
+                          f"{r['best_heuristic_miss_ratio']:.4f}", r["bound"], f"{r['bound_miss_ratio']:.4f}", gap)
+        console.print(table)
+
+
+def _show(console: Console, table, name: str) -> None:
     out = Table(title=name)
-    for c in table.columns:
-        out.add_column(c.removeprefix("axis.").removeprefix("param."), justify="right")
+    for c in table.columns:  # headers fold onto two lines rather than lose their end
+        out.add_column(c.removeprefix("axis.").removeprefix("param.").replace(".", ". ").replace("_", " "),
+                       justify="right", overflow="fold")
     for row in table.iter_rows():
         out.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in row])
-    Console().print(out)
+    console.print(out)

@@ -136,6 +136,26 @@ def _series_keys(data: ExperimentData, exclude: set[str], results: pl.DataFrame)
     return out
 
 
+def _numeric_capacity_order(df: pl.DataFrame, keys: list[str]) -> pl.DataFrame:
+    """``df`` sorted by ``keys`` with capacity axes ("0.1%", "5%", "512MiB", 1000) compared as
+    sizes, not as text (where "5%" sorts after "20%")."""
+    from cachelab.capacity import parse_capacity
+
+    def size(value) -> float:
+        try:
+            cap = parse_capacity(value)
+        except Exception:  # not a capacity: keep it last
+            return float("inf")
+        return cap.amount / 100 if cap.kind == "percent" else cap.amount
+
+    caps = [k for k in keys if k.endswith(".capacity")]
+    if not caps:
+        return df
+    order = [f"_size_{k}" if k in caps else k for k in keys]
+    sized = df.with_columns([pl.col(k).map_elements(size, return_dtype=pl.Float64).alias(f"_size_{k}") for k in caps])
+    return sized.sort(order).drop([f"_size_{k}" for k in caps])
+
+
 def _label(row: dict, keys: list[str]) -> str:
     return " ".join(f"{k.removeprefix('axis.')}={row[k]}" for k in keys) or "all points"
 
@@ -185,7 +205,7 @@ def plot_tier_bytes(data: ExperimentData):
         return None
     cols = [f"{lv}.served_unique" for lv in levels]
     keys = _series_keys(data, {"axis.kind"}, results)
-    df = _mean_over_seeds(results, keys, cols) if keys else results.select(cols).mean()
+    df = _numeric_capacity_order(_mean_over_seeds(results, keys, cols), keys) if keys else results.select(cols).mean()
     labels = [_label(r, keys) for r in df.iter_rows(named=True)]
     fig, ax = plt.subplots(figsize=(9, 0.3 * len(labels) + 1.5))
     left = [0.0] * len(labels)
@@ -240,41 +260,79 @@ def plot_mrc(data: ExperimentData):
 
 
 def plot_learned(data: ExperimentData):
-    """Per learned point: miss ratio against capacity of the learned policies (the judged one in bold),
-    each heuristic and Belady."""
+    """Per learned point: miss ratio against capacity of every policy it replayed: the judged
+    learned policy in bold black, the oracles dashed in grey with their own markers (Belady and
+    Belady-bypass often coincide, so each keeps a marker the other does not hide), every
+    heuristic and other learned policy in its own colour and marker."""
     import matplotlib.pyplot as plt
 
     from cachelab.learning.lineup import judged_default, lineup
 
-    judged = judged_default(lineup())
+    found = lineup()
+    judged = found.label_of(judged_default(found))
     evals = {label: t["learned_eval"] for label, t in data.point_tables.items() if "learned_eval" in t}
     if not evals:
         return None
-    fig, axs = plt.subplots(1, len(evals), figsize=(6.5 * len(evals), 4.2), squeeze=False)
+    fig, axs = plt.subplots(1, len(evals), figsize=(7.5 * len(evals), 5), squeeze=False)
+    colours, markers = plt.get_cmap("tab20").colors, "o^v<>sphX*d"
+    oracle_marks = iter([("s", 11), ("D", 7), ("x", 9), ("+", 9)])
+    oracle_style = {}
     for ax, (label, table) in zip(axs[0], evals.items()):
-        for part in table.sort("capacity_rows").partition_by("policy", maintain_order=True):
+        parts = table.sort("capacity_rows").partition_by("policy", maintain_order=True)
+        parts.sort(key=lambda p: (p["policy"][0] in found.oracles, p["policy"][0] == judged))  # drawn last: on top
+        for i, part in enumerate(parts):
             policy = part["policy"][0]
-            style = {"linewidth": 2.5, "color": "black"} if policy == judged else {}
-            ax.plot(part["capacity_rows"], part["miss_ratio"], marker="o", label=policy, **style)
+            if policy == judged:
+                style = {"linewidth": 2.8, "color": "black", "marker": "o", "zorder": 5}
+            elif policy in found.oracles:
+                if policy not in oracle_style:
+                    marker, size = next(oracle_marks, ("o", 6))
+                    oracle_style[policy] = {"color": "dimgrey", "linestyle": "--", "marker": marker,
+                                            "markersize": size, "markerfacecolor": "none", "zorder": 4}
+                style = oracle_style[policy]
+            else:
+                style = {"color": colours[i % len(colours)], "marker": markers[i % len(markers)],
+                         "linewidth": 1.2, "markersize": 5}
+            ax.plot(part["capacity_rows"], part["miss_ratio"], label=policy, **style)
         ax.set_xscale("log")
         ax.set_title(label, fontsize=9)
-        _style(ax, "capacity (rows)", "miss ratio (distinct rows per step)")
+        ax.set_xlabel("capacity (rows)")
+        ax.set_ylabel("miss ratio (per lookup)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
     return fig
 
 
 def plot_importances(data: ExperimentData):
-    """Feature importances of each trained predictor (share of total gain)."""
+    """Feature importances of each trained predictor (share of total gain): one chart per model
+    (with Belady keep labels, one model per capacity)."""
     import matplotlib.pyplot as plt
 
-    tables = {label: t["importances"] for label, t in data.point_tables.items() if "importances" in t}
-    if not tables:
+    charts = []
+    for label, t in data.point_tables.items():
+        table = t.get("importances")
+        if table is None or table.is_empty():
+            continue
+        if "capacity" in table.columns:
+            parts = table.with_columns(pl.col("capacity").str.extract(r"^(\d+)").cast(pl.Int64).alias("_rows"))
+            for part in parts.sort("_rows", nulls_last=False).partition_by("capacity", maintain_order=True):
+                tag = part["capacity"][0]
+                charts.append((f"{label}: model for {tag.replace('rows', ' rows')}" if tag else label, part))
+        else:
+            charts.append((label, table))
+    if not charts:
         return None
-    fig, axs = plt.subplots(1, len(tables), figsize=(6.5 * len(tables), 4.5), squeeze=False)
-    for ax, (label, table) in zip(axs[0], tables.items()):
+    cols = min(3, len(charts))
+    rows = -(-len(charts) // cols)
+    fig, axs = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.5 * rows), squeeze=False)
+    for ax, (title, table) in zip(axs.flat, charts):
         top = table.sort("importance", descending=True).head(15).reverse()
         ax.barh(top["feature"].to_list(), top["importance"].to_list(), color="tab:green")
-        ax.set_title(label, fontsize=9)
+        ax.set_title(title, fontsize=9)
         ax.tick_params(axis="y", labelsize=8)
+    for ax in list(axs.flat)[len(charts):]:
+        ax.set_visible(False)
     fig.tight_layout()
     return fig
 
@@ -409,22 +467,89 @@ def summary_table(data: ExperimentData) -> pl.DataFrame:
     return df.sort(order or cols[:1])
 
 
+# ---- the headline: the learned policy against the best heuristic and the bound ----
+
+def _share_text(capacity: str) -> str:
+    """A learned point's capacity as a person reads it: a fraction of the distinct rows as a percentage."""
+    try:
+        value = float(capacity)
+    except ValueError:
+        return capacity
+    return f"{value * 100:g}%" if 0 < value < 1 else f"{value:g} rows"
+
+
+def headline(data: ExperimentData) -> pl.DataFrame:
+    """Per learned point and capacity, on the window it judges: the judged learned policy's miss
+    ratio, the best heuristic's (the lowest of every heuristic replayed there), the bound's (the
+    lowest oracle: Belady) and the share of the gap between them the learned policy closes."""
+    from cachelab.learning.lineup import judged_default, lineup
+
+    found = lineup()
+    judged = found.label_of(judged_default(found))
+    rows = []
+    for label, tables in data.point_tables.items():
+        table = tables.get("learned_eval")
+        if table is None or table.is_empty():
+            continue
+        for part in table.sort("capacity_rows", maintain_order=True).partition_by("capacity_rows",
+                                                                                   maintain_order=True):
+            miss = dict(zip(part["policy"].to_list(), part["miss_ratio"].to_list()))
+            heuristics = [h for h in found.heuristics if h in miss]
+            oracles = [o for o in found.oracles if o in miss]
+            if judged not in miss or not heuristics or not oracles:
+                continue
+            best, bound = min(heuristics, key=miss.__getitem__), min(oracles, key=miss.__getitem__)
+            room = miss[best] - miss[bound]
+            rows.append({"point": label, "capacity": _share_text(part["capacity"][0]),
+                         "capacity_rows": int(part["capacity_rows"][0]), "learned": judged,
+                         "learned_miss_ratio": miss[judged], "best_heuristic": best,
+                         "best_heuristic_miss_ratio": miss[best], "bound": bound, "bound_miss_ratio": miss[bound],
+                         "gap_closed": (miss[best] - miss[judged]) / room if room > 0 else None})
+    return pl.DataFrame(rows, infer_schema_length=None) if rows else pl.DataFrame()
+
+
+def report_json(data: ExperimentData, out: Path | None = None) -> dict:
+    """What ``cachelab report --json`` prints: every point (a replay point's summary row, a
+    learned point with its headline per capacity) and the headline."""
+    kind = "replay" if data.of_kind("replay").height else "serve"
+    points = [{"kind": kind, **row} for row in summary_table(data).to_dicts()]
+    best = headline(data)
+    for label in data.point_tables:
+        if "learned_eval" in data.point_tables[label]:
+            mine = best.filter(pl.col("point") == label).drop("point").to_dicts() if best.height else []
+            points.append({"kind": "learned", "label": label, "capacities": mine})
+    return {**({"report": str(out)} if out is not None else {}), "points": points,
+            "headline": best.to_dicts()}
+
+
 _CSS = """body{font-family:system-ui,sans-serif;margin:2rem auto;max-width:1150px;color:#222}
 table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:3px 7px;text-align:right}
 th{background:#f3f3f3}img{max-width:100%;border:1px solid #eee}pre{background:#f7f7f7;padding:1em;
 overflow:auto;font-size:12px}h2{margin-top:2em}"""
 
 
-def render_html(data: ExperimentData) -> str:
-    table = summary_table(data)
+def _html_table(table: pl.DataFrame) -> str:
     head = "".join(f"<th>{html.escape(c.removeprefix('axis.').removeprefix('param.'))}</th>" for c in table.columns)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in row) + "</tr>"
                    for row in table.iter_rows())
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+HEADLINE_NOTE = ("On the window each learned point judges (after its training part): the judged learned "
+                 "policy, the lowest of every heuristic replayed there, the lowest oracle (the bound), and "
+                 "gap closed = (best heuristic - learned) / (best heuristic - bound).")
+
+
+def render_html(data: ExperimentData) -> str:
+    best = headline(data)
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(data.name)}</title>"
              f"<style>{_CSS}</style></head><body>",
              f"<h1>{html.escape(data.name)}</h1><p>{html.escape(data.description)}</p>",
-             f"<p>{data.results.height} finished point(s).</p>",
-             f"<h2>Summary</h2><table><tr>{head}</tr>{body}</table>"]
+             f"<p>{data.results.height} finished point(s).</p>"]
+    if best.height:
+        parts.append(f"<h2>Headline: the learned policy against the best heuristic and Belady</h2>"
+                     f"<p>{html.escape(HEADLINE_NOTE)}</p>{_html_table(best)}")
+    parts.append(f"<h2>Summary</h2>{_html_table(summary_table(data))}")
     for title, png in figures(data):
         parts.append(f"<h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' "
                      f"src='data:image/png;base64,{png}'>")
