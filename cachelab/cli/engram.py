@@ -40,7 +40,7 @@ def rows(
     bos: bool = typer.Option(False, "--bos", help="Prepend token id 0 (begin of sentence)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """Row ids of every position of a text, indexed [position][layer][column]."""
+    r"""Row ids of every position of a text, indexed \[position]\[layer]\[column]."""
     addresser = Addresser(get_preset(preset))
     ids = encode([_read_text(text, text_file)], addresser.config.tokenizer, bos=bos)[0]
     result = addresser.rows(ids)

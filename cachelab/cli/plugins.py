@@ -11,6 +11,7 @@ import json
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from cachelab import registry
@@ -43,11 +44,18 @@ def plugins_list(as_json: bool = typer.Option(False, "--json", help="Print a JSO
     if as_json:
         typer.echo(json.dumps(rows))
         return
-    table = Table("group", "name", "from", "version", "status")
+    table = Table("group", _name_column(rows), "from", "version", "status")
     for r in rows:
-        status = "[green]ok[/]" if r["status"] == "ok" else f"[red]broken[/]: {r['error']}"
+        status = "[green]ok[/]" if r["status"] == "ok" else f"[red]broken[/]: {escape(str(r['error']))}"
         table.add_row(r["group"].split(".")[-1], r["name"], r["distribution"], r["version"], status)
     Console().print(table)
+
+
+def _name_column(rows: list[dict]):
+    """A name is typed back (--policy NAME): its column never wraps nor cuts; the others give way."""
+    from rich.table import Column
+
+    return Column("name", no_wrap=True, min_width=max((len(r["name"]) for r in rows), default=4))
 
 
 @policies_app.command("list")
@@ -68,13 +76,13 @@ def policies_list(as_json: bool = typer.Option(False, "--json", help="Print a JS
     if as_json:
         typer.echo(json.dumps(rows, default=str))
         return
-    table = Table("name", "from", "compiled", "needs", "parameters (defaults)", "summary")
+    table = Table(_name_column(rows), "needs", "what it is; parameters (defaults); origin", show_lines=True)
     for r in rows:
         if r["status"] != "ok":
-            table.add_row(r["name"], r["distribution"], "", "", "", f"[red]broken[/]: {r['error']}")
+            table.add_row(r["name"], "", f"[red]broken[/]: {escape(str(r['error']))}")
             continue
         needs = ", ".join(k.removeprefix("needs_") for k in ("needs_future", "needs_scores") if r[k])
-        params = ", ".join(f"{k}={v!r}" for k, v in r["params"].items())
-        table.add_row(r["name"], f"{r['distribution']} {r['version']}", "yes" if r["compiled"] else "no",
-                      needs, params, r["summary"])
+        params = ", ".join(f"{k}={v!r}" for k, v in r["params"].items()) or "none"
+        origin = f"{r['distribution']} {r['version']}, {'compiled' if r['compiled'] else 'Python'}"
+        table.add_row(r["name"], needs, escape(f"{r['summary']}\nparameters: {params}\n{origin}"))
     Console().print(table)

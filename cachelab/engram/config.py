@@ -233,6 +233,8 @@ def get_preset(name: str) -> EngramConfig:
     if name in PRESETS:
         return PRESETS[name]
     path = Path(name)
-    if path.suffix in (".toml", ".json") and path.is_file():
+    if path.suffix in (".toml", ".json"):
+        if not path.is_file():
+            raise CachelabError(f"layout file not found: {path} (a preset is one of {sorted(PRESETS)})")
         return load_config(path)
     raise CachelabError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)} or a layout .toml/.json file")
