@@ -135,6 +135,7 @@ def test_evaluate_on_gsm8k_humaneval_is_unchanged(data_dir, tmp_path):
     assert evaluated["learned_policy"] == "learned-lfu-adaptive"
     strip = lambda ev: {**ev, "learned_policy": None,  # noqa: E731
                         "capacities": [{k: v for k, v in row.items() if k not in derived} for row in ev["capacities"]]}
+    assert trained["lookups"] == evaluated["lookups"]  # counted alike since issue 20 (train's former count: fetches)
     assert {"train": trained, "evaluate": strip(evaluated)} == {**expected, "evaluate": strip(expected["evaluate"])}
     for row, old in zip(evaluated["capacities"], expected["evaluate"]["capacities"], strict=True):
         for key in ("miss_ratio", "miss_ratio_by_order"):
@@ -155,4 +156,10 @@ def test_quickstart_numbers_are_unchanged(tmp_path):
     for args in (["quickstart", "--max-chars", "40000"], ["report", "quickstart", "-o", "report.html"]):
         res = cli(*args, "--json", cwd=tmp_path)
         assert res.returncode == 0, res.stderr[-2000:]
-    _check("quickstart.report", _scrub(json.loads(res.stdout)))
+    got = _scrub(json.loads(res.stdout))
+    # Since issue 20 the report also lists the learned point and the headline, and tags each point
+    # with its kind: the replay points are compared as recorded before, the headline as recorded since.
+    replay = [{k: v for k, v in p.items() if k != "kind"} for p in got["points"] if p["kind"] == "replay"]
+    _check("quickstart.report", {"points": replay, "report": got["report"]})
+    _check("quickstart.headline", {"headline": got["headline"],
+                                   "learned": [p for p in got["points"] if p["kind"] == "learned"]})

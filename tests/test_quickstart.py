@@ -4,6 +4,7 @@ that renders in headless Chromium."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -75,9 +76,29 @@ def test_report_command_prints_the_summary(quickstart):
     res = cli("report", "quickstart", "--json", "-o", "again.html", cwd=folder)
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
-    assert len(data["points"]) == summary["points"] - 1 and (folder / "again.html").is_file()  # the replay points
+    assert len(data["points"]) == summary["points"] and (folder / "again.html").is_file()  # every point
+    learned = [p for p in data["points"] if p["kind"] == "learned"]
+    assert len(learned) == 1 and [c["capacity"] for c in learned[0]["capacities"]] == ["0.1%", "1%", "5%"]
+    for row in data["headline"]:  # the judged policy against the best heuristic and Belady, on one window
+        assert row["bound"].lower().startswith("belady")
+        if row["bound_miss_ratio"] >= row["best_heuristic_miss_ratio"]:  # no gap to close (FBGEMM's batches at 0.1%)
+            assert row["gap_closed"] is None
+            continue
+        assert row["gap_closed"] == pytest.approx((row["best_heuristic_miss_ratio"] - row["learned_miss_ratio"])
+                                                  / (row["best_heuristic_miss_ratio"] - row["bound_miss_ratio"]))
     res = cli("report", "nosuch", cwd=folder)
     assert res.returncode == 2 and "no experiment named 'nosuch'" in res.stderr
+
+
+def test_the_headline_is_printed_within_80_columns(quickstart):
+    folder, _ = quickstart
+    res = cli("report", "quickstart", "-o", "again.html", cwd=folder, env={**os.environ, "COLUMNS": "80"})
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80 and "…" not in res.stdout
+    assert "headline: learned-s3fifo-adaptive" in res.stdout and "gap closed" in res.stdout
+    headline = res.stdout[res.stdout.index("headline:"):]
+    assert all(c in headline for c in ("0.1%", "1%", "5%")) and headline.count("%") >= 6
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian's chromium is not installed (scripts/setup)")

@@ -121,13 +121,14 @@ def _show_all(data, name: str) -> None:
     best = headline(data)
     if best.height:
         table = Table(title="headline: " + ", ".join(sorted(set(best["learned"]))) + " vs the best heuristic and "
-                      "the bound", caption=HEADLINE_NOTE)
-        for col in ("capacity", "rows", "learned", "best heuristic", "", "bound", "", "gap closed"):
-            table.add_column(col, justify="right", overflow="fold")
+                      "the bound (miss ratios)", caption=HEADLINE_NOTE, show_lines=True)
+        for col in ("capacity", "rows", "learned", "best heuristic", "bound", "gap closed"):  # names never fold
+            table.add_column(col, justify="right", no_wrap=col in ("best heuristic", "bound"))
         for r in best.iter_rows(named=True):
             gap = "n/a" if r["gap_closed"] is None else f"{r['gap_closed']:.1%}"
-            table.add_row(r["capacity"], f"{r['capacity_rows']:,}", f"{r['learned_miss_ratio']:.4f}", r["best_heuristic"],
-                          f"{r['best_heuristic_miss_ratio']:.4f}", r["bound"], f"{r['bound_miss_ratio']:.4f}", gap)
+            table.add_row(r["capacity"], f"{r['capacity_rows']:,}", f"{r['learned_miss_ratio']:.4f}",
+                          f"{r['best_heuristic']}\n{r['best_heuristic_miss_ratio']:.4f}",
+                          f"{r['bound']}\n{r['bound_miss_ratio']:.4f}", gap)
         console.print(table)
 
 

@@ -221,6 +221,11 @@ class StepReplay:
         self.total_page_reads = np.zeros(num_layers, np.int64)
 
     @property
+    def policies(self):
+        """The policy each tier runs (``Unbounded`` where a tier holds every row of the space)."""
+        return self.cascade.policies
+
+    @property
     def page_policy(self):
         """The page cache's policy (None without an SSD page cache)."""
         return self.cascade.page_policy

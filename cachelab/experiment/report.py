@@ -268,11 +268,11 @@ def plot_learned(data: ExperimentData):
 
     from cachelab.learning.lineup import judged_default, lineup
 
-    found = lineup()
-    judged = found.label_of(judged_default(found))
     evals = {label: t["learned_eval"] for label, t in data.point_tables.items() if "learned_eval" in t}
     if not evals:
         return None
+    found = lineup()
+    judged = found.label_of(judged_default(found))
     fig, axs = plt.subplots(1, len(evals), figsize=(7.5 * len(evals), 5), squeeze=False)
     colours, markers = plt.get_cmap("tab20").colors, "o^v<>sphX*d"
     oracle_marks = iter([("s", 11), ("D", 7), ("x", 9), ("+", 9)])
@@ -484,13 +484,14 @@ def headline(data: ExperimentData) -> pl.DataFrame:
     lowest oracle: Belady) and the share of the gap between them the learned policy closes."""
     from cachelab.learning.lineup import judged_default, lineup
 
+    evals = {label: t["learned_eval"] for label, t in data.point_tables.items()
+             if "learned_eval" in t and not t["learned_eval"].is_empty()}
+    if not evals:
+        return pl.DataFrame()
     found = lineup()
     judged = found.label_of(judged_default(found))
     rows = []
-    for label, tables in data.point_tables.items():
-        table = tables.get("learned_eval")
-        if table is None or table.is_empty():
-            continue
+    for label, table in evals.items():
         for part in table.sort("capacity_rows", maintain_order=True).partition_by("capacity_rows",
                                                                                    maintain_order=True):
             miss = dict(zip(part["policy"].to_list(), part["miss_ratio"].to_list()))

@@ -333,10 +333,10 @@ class ServingSimulator:
         rows = replay.summary().to_dict()
         rows["placement"] = cfg.placement
         if self.hierarchy.tiers:
-            tier = self.hierarchy.tiers[0]
+            policy = replay.policies[0]
             rows["row_cache_bytes"] = cfg.row_cache_bytes
-            rows["row_cache_policy"] = tier.policy.name
-            rows["row_cache_resident_bytes"] = float(tier.policy.resident().size / cfg.sample_rate * self.row_bytes)
+            rows["row_cache_policy"] = policy.name
+            rows["row_cache_resident_bytes"] = float(policy.resident().size / cfg.sample_rate * self.row_bytes)
         per_request = pl.DataFrame({"send_s": send, "first_token_s": first, "end_s": end,
                                     "prompt_tokens": self.plen, "output_tokens": self.olen,
                                     "cached_tokens": cached_first, "preemptions": preemptions})

@@ -1,0 +1,256 @@
+"""What a new user meets first (issue 20): capacities past the trace, one meaning of --trace,
+80-column tables, help texts, and the small messages."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from cachelab import registry
+from cachelab.cli import app
+from cachelab.engine.cascade import run_policy
+from cachelab.policy.unbounded import Unbounded
+from cachelab.trace.keytrace import write_oracle_general
+from cachelab.trace.kinds import CORPORA, KEY, LOOKUPS, REQUESTS, detect
+from cachelab.workload.lookups import LookupStream
+
+WIDE = {"COLUMNS": "80"}
+
+
+def invoke(*args, env=None):
+    return CliRunner().invoke(app, [str(a) for a in args], env=env)
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    """A small Zipf key trace: 20 000 requests over a few thousand keys."""
+    rng = np.random.default_rng(3)
+    path = tmp_path_factory.mktemp("keys") / "zipf.npy"
+    np.save(path, (rng.zipf(1.2, 20_000) % 5_000).astype(np.int64))
+    return path
+
+
+# ---- 1. memory bounded by the work: a capacity past the keys is an infinite cache ----
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo", "arc", "wtinylfu", "belady", "fbgemm-lru", "lru+tinylfu"])
+def test_a_capacity_past_the_keys_is_an_infinite_cache(keys, policy):
+    trace = np.load(keys)
+    distinct = np.unique(trace).size
+    res = invoke("simulate", "--trace", keys, "--policy", policy, "--capacity", "1000000000", "--json")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["infinite"] is True and out["capacity"] == 10**9
+    assert out["requests"] - out["hits"] == distinct  # each key misses once: compulsory misses only
+    res = invoke("simulate", "--trace", keys, "--policy", policy, "--capacity", "1000000000")
+    assert "infinite cache" in res.stdout and f"{distinct:,} distinct keys" in res.stdout
+    below = json.loads(invoke("simulate", "--trace", keys, "--policy", policy, "--capacity", "100", "--json").stdout)
+    assert below["infinite"] is False and below["hits"] < out["hits"]
+
+
+def test_the_infinite_cache_is_what_an_evicting_policy_gives_once_it_never_fills(keys):
+    """Below and at the number of keys the real policy runs; LRU, which evicts only when full,
+    gives the very hits of the infinite cache once it can hold every key."""
+    stream = LookupStream.from_keys(np.load(keys))
+    ids = np.unique(stream.keys, return_inverse=True)[1]
+    n = int(ids.max()) + 1
+    offsets = stream.step_offsets
+    lru = registry.make_policy("lru")
+    lru.reset(n, n)
+    assert np.array_equal(lru.run(ids, offsets), run_policy(registry.make_policy("lru"), ids, offsets, n, n))
+    cache = Unbounded(registry.make_policy("s3fifo"))
+    cache.reset(n, n)
+    stepped = np.concatenate([cache.step(ids[i:i + 1000]).hits for i in range(0, ids.size, 1000)])
+    again = Unbounded()
+    again.reset(n, n)
+    assert np.array_equal(stepped, again.run(ids, offsets)) and cache.name == "s3fifo"
+    assert np.array_equal(cache.resident(), np.arange(n))
+
+
+PEAK_RSS = """
+import json, resource, sys
+from typer.testing import CliRunner
+from cachelab.cli import app
+peaks = []
+for capacity in ("1000", "1000000000"):  # the peak so far, after the small runs, then after the huge ones
+    for verb in (["simulate", "--policy", "s3fifo", "--capacity"], ["mrc", "--policy", "arc", "--capacities"]):
+        res = CliRunner().invoke(app, [verb[0], "--trace", sys.argv[1], *verb[1:], capacity, "--json"])
+        assert res.exit_code == 0, res.output
+    peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+print(json.dumps(peaks))
+"""
+
+
+def test_peak_memory_does_not_grow_with_the_capacity(keys):
+    """Peak RSS of ``simulate`` and ``mrc`` in a fresh process at capacity 10**9 on a trace of a
+    few thousand keys: within 64 MiB of the peak the same runs reached at 1 000 rows (a
+    capacity-sized state would take gigabytes)."""
+    res = subprocess.run([sys.executable, "-c", PEAK_RSS, str(keys)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    small, huge = json.loads(res.stdout.splitlines()[-1])
+    assert huge < small + 64 * 1024, (small, huge)
+
+
+def test_mrc_marks_the_capacities_that_hold_every_key(keys):
+    distinct = np.unique(np.load(keys)).size
+    res = invoke("mrc", "--trace", keys, "--capacities", f"10,{distinct},{10 * distinct}", "--json")
+    out = json.loads(res.stdout)
+    assert out["distinct_keys"] == distinct and out["trace_kind"] == KEY
+    assert out["miss_ratios"][1] == out["miss_ratios"][2] == pytest.approx(distinct / np.load(keys).size)
+    assert invoke("mrc", "--trace", keys, "--capacities", f"10,{10 * distinct}").stdout.count("infinite") >= 2
+
+
+# ---- 4. one meaning of --trace ----
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory, keys):
+    """One trace of every kind: keys, a lookup stream, a request trace with text, one with lengths only."""
+    folder = tmp_path_factory.mktemp("kinds")
+    text = folder / "keys.txt"
+    text.write_text("\n".join(map(str, np.load(keys)[:500])) + "\n")
+    gamma = ["--arrivals", "gamma", "--arrival-option", "rate=4", "--arrival-option", "num_requests=6"]
+    res = invoke("trace", "build", *gamma, "--corpus", "stdlib", "--corpus-option", "max_chars=20000",
+                 "-o", folder / "text.parquet", "--json")
+    assert res.exit_code == 0, res.output
+    write_oracle_general(folder / "keys.oracleGeneral.bin", np.load(keys)[:50])  # imported: lengths, no tokens
+    res = invoke("trace", "convert", folder / "keys.oracleGeneral.bin", folder / "lengths.parquet", "--json")
+    assert res.exit_code == 0, res.output
+    res = invoke("trace", "lookups", "stdlib", "--requests", "4", "-o", folder / "stream.npz", "--json")
+    assert res.exit_code == 0, res.output
+    made = json.loads(res.stdout)
+    assert made["trace_kind"] == CORPORA and made["token_metadata"] and made["lookups"] > 0
+    return {"npy": keys, "txt": text, "requests": folder / "text.parquet", "lengths": folder / "lengths.parquet",
+            "stream": folder / "stream.npz"}
+
+
+def test_every_kind_is_detected_and_named(traces):
+    assert detect(traces["npy"]).kind == KEY and "npy" in str(detect(traces["npy"]))
+    assert detect(traces["txt"]).kind == KEY
+    assert detect(traces["requests"]).kind == REQUESTS
+    assert detect(traces["stream"]).kind == LOOKUPS
+    assert detect("gsm8k,humaneval").kind == CORPORA
+    for value, message in (("nosuch.parquet", "no such file"), ("gsm8k,nosuch", "'nosuch' not a registered corpus")):
+        res = invoke("simulate", "--trace", value, "--policy", "lru", "--capacity", "10")
+        assert res.exit_code == 2 and message in res.output, res.output
+
+
+@pytest.mark.parametrize("kind", ["npy", "txt", "requests", "stream"])
+def test_simulate_and_mrc_take_every_kind_and_say_which(traces, kind):
+    res = invoke("simulate", "--trace", traces[kind], "--policy", "lru", "--capacity", "1%")
+    assert res.exit_code == 0, res.output
+    assert detect(traces[kind]).kind in res.stdout
+    res = invoke("mrc", "--trace", traces[kind], "--capacities", "1%,10%", "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["trace_kind"] == detect(traces[kind]).kind
+
+
+def test_a_wrong_kind_says_what_was_found_and_what_the_verb_needs(traces):
+    res = invoke("serve-sim", "--trace", traces["npy"], "--hardware", "B200", "--placement", "dram-uva")
+    assert res.exit_code == 2 and "found a key trace" in res.output and "needs a request trace" in res.output
+    assert "cachelab trace build" in res.output
+    res = invoke("pareto", "--trace", "gsm8k", "--hardware", "B200", "--placement", "dram-uva")
+    assert res.exit_code == 2 and "found corpus names" in res.output and "--corpus gsm8k" in res.output
+    res = invoke("train", "--trace", traces["txt"], "--out", "m")
+    assert res.exit_code == 2 and "found a key trace" in res.output and "cachelab trace lookups" in res.output
+    res = invoke("trace", "lookups", traces["lengths"], "-o", "x.npz")
+    assert res.exit_code == 2 and "lengths only" in res.output and "--corpus" in res.output
+
+
+def test_trace_lookups_writes_the_stream_a_request_trace_holds(traces, tmp_path):
+    res = invoke("trace", "lookups", traces["requests"], "--requests", "0", "-o", tmp_path / "r.npz", "--json")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["trace_kind"] == REQUESTS and out["token_metadata"]
+    assert LookupStream.load(tmp_path / "r.npz").num_lookups == out["lookups"] > 0
+
+
+# ---- 5. serve-sim on a lengths-only trace ----
+
+def test_serve_sim_on_lengths_only_points_at_corpus(traces):
+    res = invoke("serve-sim", "--trace", traces["lengths"], "--hardware", "B200", "--placement", "dram-uva")
+    assert res.exit_code == 2 and "lengths only" in res.output and "--corpus" in res.output
+
+
+def test_serve_sim_says_unbounded_concurrency(traces):
+    res = invoke("serve-sim", "--trace", traces["requests"], "--hardware", "B200", "--placement", "dram-uva",
+                 "--tp", "4")
+    assert res.exit_code == 0, res.output
+    assert "unbounded concurrency" in res.stdout and "None" not in res.stdout
+
+
+# ---- 7. 80 columns and help texts ----
+
+def test_policies_list_never_cuts_a_name_at_80_columns():
+    res = invoke("policies", "list", env=WIDE)
+    assert res.exit_code == 0, res.output
+    assert max(len(line) for line in res.stdout.splitlines()) <= 80
+    words = set(res.stdout.replace("│", " ").split())
+    names = [p.name for p in registry.discover(registry.POLICIES)]
+    assert names and all(name in words for name in names), [n for n in names if n not in words]
+    assert "…" not in "".join(line.split("│")[1] for line in res.stdout.splitlines() if "│" in line)
+    assert "[/" not in res.stdout and "[red]" not in res.stdout
+    res = invoke("plugins", "list", env=WIDE)
+    assert all(p.name in res.stdout for g in registry.GROUPS for p in registry.discover(g))
+
+
+def _commands(command, path=()):
+    yield path, command
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from _commands(sub, (*path, name))
+
+
+def test_help_texts_render_their_brackets():
+    """Every bracketed text of every verb's help (``[position][layer][column]``, ``['npy', ...]``)
+    is shown as written, not taken for Rich markup."""
+    import re
+
+    import typer
+
+    checked = 0
+    for path, command in _commands(typer.main.get_command(app)):
+        texts = [command.help or ""] + [getattr(p, "help", None) or "" for p in command.params]
+        wanted = [re.sub(r"\\(\[)", r"\1", m) for t in texts for m in re.findall(r"\\?\[[^\]]*\]", t)]
+        if not wanted or not path:
+            continue
+        shown = re.sub(r"[\s│]", "", invoke(*path, "--help", env=WIDE).stdout)
+        for text in wanted:
+            assert re.sub(r"\s", "", text) in shown, (path, text)
+        checked += 1
+    assert checked >= 4
+
+
+# ---- 8. the smaller messages ----
+
+def test_small_messages(keys):
+    res = invoke("simulate", "--trace", keys, "--policy", "lru", "--capacity", "0")
+    assert res.exit_code == 2 and "None" not in res.output and "less than one row" in res.output
+    res = invoke("engram", "info", "--preset", "/missing.toml")
+    assert res.exit_code == 2 and "not found: /missing.toml" in res.output
+
+
+@pytest.mark.data
+def test_docs_learned_commands_work_as_written(tmp_path, data_dir):
+    """docs/learned.md: write the stream, train on it, simulate a learned policy over it; train and
+    evaluate count its lookups alike."""
+    stream = tmp_path / "stream.npz"
+    res = invoke("trace", "lookups", "gsm8k,humaneval", "--requests", "12", "-o", stream, "--json")
+    assert res.exit_code == 0, res.output
+    written = json.loads(res.stdout)
+    res = invoke("train", "--trace", stream, "--horizon", "2048", "--param", "n_estimators=10", "--param",
+                 "num_threads=1", "--out", tmp_path / "model", "--json")
+    assert res.exit_code == 0, res.output
+    trained = json.loads(res.stdout)
+    res = invoke("evaluate", "--trace", "gsm8k,humaneval", "--requests", "12", "--model", tmp_path / "model",
+                 "--capacities", "0.01", "--json")
+    assert res.exit_code == 0, res.output
+    assert trained["lookups"] == json.loads(res.stdout)["lookups"] == written["lookups"]
+    assert trained["fetches"] < trained["lookups"]
+    res = invoke("simulate", "--trace", stream, "--policy", "learned-s3fifo-adaptive", "--capacity", "1%",
+                 "--model", tmp_path / "model", "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["trace_kind"] == LOOKUPS
+    res = invoke("simulate", "--trace", "gsm8k", "--policy", "learned-s3fifo", "--capacity", "1%")
+    assert res.exit_code == 2 and "--model" in res.output  # the advice a user can follow

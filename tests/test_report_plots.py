@@ -1,0 +1,88 @@
+"""The report's headline and learned plots on a made-up experiment: every policy drawn and
+distinguishable, the per-lookup metric, one importance chart per model, capacities as numbers."""
+
+from __future__ import annotations
+
+import matplotlib
+import polars as pl
+import pytest
+
+from cachelab.experiment.report import (ExperimentData, headline, plot_importances, plot_learned, plot_tier_bytes,
+                                        report_json)
+from cachelab.learning.lineup import judged_default, lineup
+
+matplotlib.use("Agg")
+
+CAPACITIES = [("0.001", 246), ("0.01", 2463), ("0.05", 12315)]
+
+
+def _experiment() -> ExperimentData:
+    found = lineup()
+    judged = found.label_of(judged_default(found))
+    policies = [*found.learned, *found.heuristics, *found.oracles]
+    rows = []
+    for c, (cap, n) in enumerate(CAPACITIES):
+        for i, policy in enumerate(policies):
+            miss = 0.9 - 0.1 * c - 0.001 * i
+            if policy in found.oracles:
+                miss = 0.5 - 0.1 * c  # Belady and Belady-bypass coincide, as they do on real streams
+            if policy == judged:
+                miss = 0.6 - 0.1 * c
+            rows.append({"capacity": cap, "capacity_rows": n, "policy": policy, "miss_ratio": miss})
+    importances = pl.DataFrame([{"capacity": f"{n}rows", "feature": f, "importance": v}
+                                for _, n in CAPACITIES for f, v in (("age", 0.7), ("order", 0.3))])
+    replay = pl.DataFrame([{"axis.kind": "replay", "axis.hbm.capacity": cap, "axis.hbm.policy": p,
+                            "param.hbm.capacity_rows": str(n), "hbm.miss_ratio": 0.5, "hbm.served_unique": 10.0,
+                            "dram_table.served_unique": 90.0}
+                           for cap, n in (("5%", 500), ("20%", 2000), ("1%", 100), ("0.1%", 10)) for p in ("lru", "arc")])
+    learned = pl.DataFrame([{"axis.kind": "learned"}])
+    return ExperimentData("made-up", "", "{\"hierarchy\": {\"tiers\": [{\"name\": \"hbm\"}]}}",
+                          pl.concat([replay, learned], how="diagonal"), {"workload.row_bytes": 264.0}, {},
+                          {"kind=learned": {"learned_eval": pl.DataFrame(rows), "importances": importances}})
+
+
+@pytest.fixture(scope="module")
+def data():
+    return _experiment()
+
+
+def test_headline_has_the_gap_closed_per_capacity(data):
+    best = headline(data)
+    assert best["capacity"].to_list() == ["0.1%", "1%", "5%"]
+    found = lineup()
+    assert set(best["bound"]) <= set(found.oracles) and set(best["best_heuristic"]) <= set(found.heuristics)
+    for r in best.iter_rows(named=True):
+        expected = (r["best_heuristic_miss_ratio"] - r["learned_miss_ratio"]) / (
+            r["best_heuristic_miss_ratio"] - r["bound_miss_ratio"])
+        assert r["gap_closed"] == pytest.approx(expected)
+    out = report_json(data)
+    assert [p["kind"] for p in out["points"]].count("learned") == 1 and len(out["points"]) == 9
+    assert out["headline"] == best.to_dicts()
+
+
+def test_learned_plot_draws_every_policy_distinguishably(data):
+    fig = plot_learned(data)
+    ax = fig.axes[0]
+    found = lineup()
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert set(lines) == {*found.learned, *found.heuristics, *found.oracles}  # ARC and every other heuristic
+    oracles = [lines[o] for o in found.oracles]
+    assert len({(line.get_marker(), line.get_markersize()) for line in oracles}) == len(oracles)  # none hides another
+    drawn = [line.get_label() for line in ax.get_lines()]
+    assert all(drawn.index(o) > drawn.index(h) for o in found.oracles for h in found.heuristics)  # on top
+    styles = {(line.get_color(), line.get_marker()) for line in lines.values() if line.get_label() in found.heuristics}
+    assert len(styles) == len(found.heuristics)
+    assert ax.get_ylabel() == "miss ratio (per lookup)"
+
+
+def test_one_importance_chart_per_trained_model(data):
+    fig = plot_importances(data)
+    titles = [ax.get_title() for ax in fig.axes if ax.get_visible()]
+    assert titles == [f"kind=learned: model for {n} rows" for _, n in CAPACITIES]
+
+
+def test_bytes_chart_orders_capacities_as_numbers(data):
+    fig = plot_tier_bytes(data)
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    order = [next(c for c in ("0.1%", "1%", "5%", "20%") if f"capacity={c} " in f"{label} ") for label in labels]
+    assert order == sorted(order, key=lambda c: float(c.rstrip("%")))
