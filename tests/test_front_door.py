@@ -196,6 +196,16 @@ def test_policies_list_never_cuts_a_name_at_80_columns():
     assert all(p.name in res.stdout for g in registry.GROUPS for p in registry.discover(g))
 
 
+def test_pareto_table_fits_80_columns_without_cutting_a_number(traces, tmp_path):
+    res = invoke("pareto", "--trace", traces["requests"], "--hardware", "B200", "--placement", "dram-uva",
+                 "--tp", "4", "--concurrency", "2", "--plot", tmp_path / "p.png", env=WIDE)
+    assert res.exit_code == 0, res.output
+    table = [line for line in res.stdout.splitlines() if "│" in line]
+    assert table and max(len(line) for line in res.stdout.splitlines()) <= 80 and "…" not in res.stdout
+    cells = [c.strip() for c in table[0].split("│")[2:-1]]  # the numbers of the first configuration
+    assert all(c and c.replace(",", "").replace(".", "").isdigit() for c in cells), cells
+
+
 def _commands(command, path=()):
     yield path, command
     for name, sub in getattr(command, "commands", {}).items():
