@@ -96,7 +96,10 @@ def test_the_headline_is_printed_within_80_columns(quickstart):
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
     assert max(len(line) for line in lines) <= 80 and "…" not in res.stdout
-    assert "headline: learned-s3fifo-adaptive" in res.stdout and "gap closed" in res.stdout
+    from cachelab.learning.lineup import judged_default, lineup
+
+    found = lineup()
+    assert f"headline: {found.label_of(judged_default(found))}" in res.stdout and "gap closed" in res.stdout
     headline = res.stdout[res.stdout.index("headline:"):]
     assert all(c in headline for c in ("0.1%", "1%", "5%")) and headline.count("%") >= 6
 
