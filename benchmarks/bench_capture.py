@@ -11,7 +11,7 @@ gaps between such events. The goal (issue 17): the proxy's P99 within 1 ms or 1%
 whichever is larger.
 
 Run: .venv/bin/python benchmarks/bench_capture.py [--requests 200 --concurrency 16
---max-tokens 32 --token-delay-ms 10 --rounds 4 --vllm]
+--max-tokens 32 --token-delay-ms 10 --rounds 4] [--vllm | --upstream URL --model M]
 """
 
 from __future__ import annotations
@@ -105,12 +105,16 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--token-delay-ms", type=float, default=10.0)
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--vllm", action="store_true", help="the real vLLM CPU server as the upstream")
+    ap.add_argument("--vllm", action="store_true", help="start the real vLLM CPU server as the upstream")
+    ap.add_argument("--upstream", help="an OpenAI-compatible server already running (with --model)")
+    ap.add_argument("--model", help="the model name --upstream serves")
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-capture-"))
     procs, server = [], None
-    if args.vllm:
+    if args.upstream:
+        upstream, model, what = args.upstream.rstrip("/"), args.model, f"the server at {args.upstream}"
+    elif args.vllm:
         from vllm_peer import start_vllm
 
         print("starting vLLM (about 2 minutes) ...", flush=True)
