@@ -138,3 +138,28 @@ def test_bind_side_for_a_connecting_publisher(tmp_path):
         sub.close()
         pub.close()
     assert sub.batches >= 1 and sub.decode_errors == 0
+
+
+def test_cli_records_until_its_duration(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    endpoint = f"ipc://{tmp_path}/events"
+    pub = Publisher(endpoint, bind=True)
+    proc = subprocess.Popen([sys.executable, "-m", "cachelab.cli", "capture", "kv-events", "--endpoint", endpoint,
+                             "--topic", "kv", "--out", str(tmp_path / "cap"), "--duration", "3", "--json"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        seq = 0
+        while seq < 2000 and proc.poll() is None:
+            pub.publish(seq)
+            seq += 1
+            time.sleep(0.005)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        pub.close()
+    stats = json.loads(out.strip().splitlines()[-1])
+    assert stats["batches"] > 0 and stats["gaps"] == 0 and stats["decode_errors"] == 0
+    batches, _ = read_kv_events(tmp_path / "cap")
+    assert len(batches) == stats["batches"] == stats["acknowledged"]

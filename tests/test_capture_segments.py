@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import json
 import stat
 
 import msgpack
@@ -15,7 +15,7 @@ from cachelab.capture.recorder import Privacy, Recorder, RequestRecord, load_sal
 from cachelab.capture.segments import MAGIC, ReadStats, SegmentWriter, read_stream, segment_files
 from cachelab.capture.to_trace import capture_to_trace, read_requests
 from cachelab.errors import CachelabError
-from cachelab.trace.schema import validate
+from cachelab.trace.schema import read_trace, validate
 
 
 def _records(directory, stream="s"):
@@ -192,3 +192,29 @@ def test_empty_capture_is_a_clear_error(tmp_path):
     Recorder(tmp_path).close()
     with pytest.raises(CachelabError, match="no request records"):
         capture_to_trace(tmp_path)
+
+
+def test_cli_info_and_trace_build_from_capture(tmp_path):
+    from typer.testing import CliRunner
+
+    from cachelab.cli import app
+
+    with Recorder(tmp_path / "cap") as rec:
+        for i in range(3):
+            rec.submit(_record(i, session="s"))
+    path = segment_files(tmp_path / "cap", "requests")[0]
+    path.write_bytes(path.read_bytes()[:-7])  # the last record torn
+    runner = CliRunner()
+    info = runner.invoke(app, ["capture", "info", str(tmp_path / "cap"), "--json"])
+    assert info.exit_code == 0, info.output
+    got = json.loads(info.stdout)
+    assert got["requests"] == 2 and got["requests_read"]["torn_tails"] == 1 and got["kv_batches"] == 0
+    built = runner.invoke(app, ["trace", "build", "--from-capture", str(tmp_path / "cap"), "-o",
+                                str(tmp_path / "t.parquet"), "--json"])
+    assert built.exit_code == 0, built.output
+    assert json.loads(built.stdout)["torn_tails"] == 1 and read_trace(tmp_path / "t.parquet").height == 2
+    bad = runner.invoke(app, ["trace", "build", "--from-capture", str(tmp_path / "nope"), "-o", str(tmp_path / "x.parquet")])
+    assert bad.exit_code == 2 and "capture directory not found" in bad.output
+    mixed = runner.invoke(app, ["trace", "build", "--from-capture", str(tmp_path / "cap"), "--arrivals", "gamma",
+                                "-o", str(tmp_path / "y.parquet")])
+    assert mixed.exit_code == 2 and "--from-capture takes no spec" in mixed.output

@@ -13,12 +13,11 @@ upstream; an answer over ``max_response_bytes``, an event over ``max_event_bytes
 without a delimiter, an answer slower than ``total_timeout`` or silent for
 ``read_timeout`` ends the exchange: the client gets a 502/504 (or, mid-stream, the end of
 the stream) and the record says why. The proxy listens on loopback unless given a bearer
-token (``api_key``), which every client must then send.
+token (``api_key``), which every client must then send (``cachelab.live.launch.check_bind``).
 """
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import secrets
 import time
@@ -34,7 +33,6 @@ from starlette.requests import ClientDisconnect
 from cachelab.capture.exchange import Exchange, Restorer, strip_body, to_record
 from cachelab.capture.recorder import Recorder
 from cachelab.capture.tokens import FallbackTokenizer
-from cachelab.errors import CachelabError
 
 RECORDED = ("/v1/completions", "/v1/chat/completions")
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -57,19 +55,6 @@ class ProxyConfig:
     total_timeout: float = 3600.0
     max_connections: int = 1024
     tokenizer: str = "deepseek-v4"
-
-
-def check_listen(host: str, api_key: str | None) -> None:
-    """Loopback by default: any other address needs a bearer token."""
-    if api_key:
-        return
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback:
-        raise CachelabError(f"refusing to listen on {host} without --api-key: a capture proxy on a non-loopback "
-                            "address must require a bearer token")
 
 
 class _TooLarge(Exception):

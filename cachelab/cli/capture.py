@@ -72,11 +72,12 @@ def proxy(
     """
     import uvicorn
 
-    from cachelab.capture.proxy import ProxyConfig, check_listen, create_app
+    from cachelab.capture.proxy import ProxyConfig, create_app
     from cachelab.capture.recorder import Recorder
+    from cachelab.live.launch import check_bind
 
     host, port = parse_listen(listen)
-    check_listen(host, api_key)
+    check_bind(host, api_key, "--listen")
     config = ProxyConfig(upstream=upstream, api_key=api_key, session_header=session_header.lower(),
                          token_ids=token_ids, tokenizer=tokenizer, max_body_bytes=int(max_body_mb * 2**20),
                          max_response_bytes=int(max_response_mb * 2**20), read_timeout=read_timeout,
@@ -101,7 +102,7 @@ def kv_events(
                               "concrete address (it then connects); a tcp://*:P endpoint binds on vLLM's side."),
     topic: str = typer.Option("", help="Topic prefix to subscribe to (vLLM's kv_events_config topic)."),
     replay: str | None = typer.Option(None, help="vLLM's replay_endpoint, to fetch batches missed in a gap."),
-    hash_blocks: bool = typer.Option(False, "--no-tokens", help="Drop the token ids vLLM sends with stored blocks."),
+    no_tokens: bool = typer.Option(False, "--no-tokens", help="Drop the token ids vLLM sends with stored blocks."),
     fsync: str = typer.Option("batch", help=FSYNC_HELP),
     duration: float | None = typer.Option(None, help="Stop after this many seconds (default: at Ctrl-C/SIGTERM)."),
     as_json: bool = typer.Option(False, "--json", help="Print the final counts as one JSON object."),
@@ -114,7 +115,7 @@ def kv_events(
     from cachelab.capture.kv_events import KVEventSubscriber
 
     sub = KVEventSubscriber(endpoint, out, topic=topic, bind=bind, replay_endpoint=replay,
-                            keep_tokens=not hash_blocks, fsync=fsync).start()
+                            keep_tokens=not no_tokens, fsync=fsync).start()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

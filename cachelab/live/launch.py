@@ -53,16 +53,16 @@ class ServeOptions:
     capture: Path | None = None
 
 
-def check_bind(host: str, api_key: str | None) -> None:
-    """Refuse a non-loopback address without an API key."""
+def check_bind(host: str, api_key: str | None, flag: str = "--host") -> None:
+    """Refuse a non-loopback address without an API key (``flag``: the option that named the host)."""
     if api_key:
         return
     try:
         addrs = {info[4][0] for info in socket.getaddrinfo(host, None)}
     except socket.gaierror as exc:
-        raise CachelabError(f"--host {host!r} does not resolve: {exc}") from None
+        raise CachelabError(f"{flag} {host!r} does not resolve: {exc}") from None
     if not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
-        raise CachelabError(f"--host {host!r} is not a loopback address: serving beyond this machine needs "
+        raise CachelabError(f"{flag} {host!r} is not a loopback address: serving beyond this machine needs "
                             "--api-key KEY (clients then send 'Authorization: Bearer KEY')")
 
 
