@@ -89,9 +89,8 @@ def proxy(
     server = uvicorn.Server(uvicorn.Config(create_app(config, recorder), log_level="warning", access_log=False,
                                            timeout_keep_alive=30))
     typer.echo(f"capture proxy on http://{host}:{bound} -> {upstream}, recording into {out} "
-               f"({recorder.privacy.mode}, fsync {fsync})", err=False)
-    server.run(sockets=[sock])
-    typer.echo(json.dumps(recorder.stats()))
+               f"({recorder.privacy.mode}, fsync {fsync}); counts at GET /capture/status")
+    server.run(sockets=[sock])  # SIGINT / SIGTERM: the app's shutdown flushes the journal before exit
 
 
 @app.command("kv-events")
