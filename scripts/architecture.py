@@ -54,6 +54,7 @@ LAYERS = {
     "cachelab.live": "An Engram model serving real requests: torch model, paged KV cache, continuous-batching "
                      "engine, OpenAI-compatible server (`cachelab serve`).",
     "cachelab.learning": "Features, labels, causal training and the judging of learned policies.",
+    "cachelab.bench": "Measuring live servers: the load generator, the server's own metrics, the prefix-cache check.",
     "cachelab.experiment": "Specs, grids of points, runners, backends, MLflow tracking, reports.",
     "cachelab.testing": "The conformance kit third parties run on their policies and predictors.",
     "cachelab.cli": "The command line: parse, call the library, print.",

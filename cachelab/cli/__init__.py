@@ -43,8 +43,8 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from cachelab.cli import (cache, capture, engram, experiment, learn, live, plugins, quickstart, serving, store,
-                              trace)
+    from cachelab.cli import (bench, cache, capture, engram, experiment, learn, live, plugins, quickstart, serving,
+                              store, trace)
 
     app.add_typer(engram.app, name="engram")
     app.add_typer(trace.app, name="trace")
@@ -65,6 +65,7 @@ def _register() -> None:
     app.command("report")(experiment.report)
     app.command("sync")(experiment.sync)
     app.add_typer(store.app, name="store")
+    app.add_typer(bench.app, name="bench")
 
 
 _register()

@@ -56,6 +56,12 @@ def build(
     max_requests: int | None = typer.Option(None, help="Keep only the first N arrivals."),
     skip_bad: bool = typer.Option(False, "--skip-bad", help="Skip and count unusable input rows instead of failing."),
     no_lengths: bool = typer.Option(False, "--no-lengths", help="Use the arrivals' timing only; lengths from the corpus."),
+    prefix_overlap: float | None = typer.Option(None, help="Shared-prefix workload: this share (0 to <1) of every "
+                                                "prompt is one of --prefixes shared prefixes, the rest its own."),
+    prefixes: int | None = typer.Option(None, help="Number of shared prefixes with --prefix-overlap (default 4)."),
+    prompt_tokens: int | None = typer.Option(None, help="Prompt length with --prefix-overlap where the arrivals "
+                                             "carry none (gamma)."),
+    output_tokens: int | None = typer.Option(None, help="Output length where neither arrivals nor corpus give one."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Import an arrival trace (no corpus) or synthesize a workload of real text (with one).
@@ -67,6 +73,8 @@ def build(
     Sessions at Poisson arrivals: --arrivals gamma --arrival-option rate=2 --arrival-option num_requests=500 --corpus mt-bench
 
     From live serving: --from-capture cap/ (docs/capture.md).
+
+    Half of every 1024-token prompt shared: ... --corpus arena-hard --prefix-overlap 0.5 --prompt-tokens 1024
 
     The spec format, every source and the synthesis rules: docs/traces.md.
     """
@@ -94,6 +102,9 @@ def build(
         data["corpus"].setdefault("options", {}).update(parse_pairs(corpus_option, "--corpus-option", "version=v0.1"))
     if seed is not None:
         data["seed"] = seed
+    synthesis = {"prefix_overlap": prefix_overlap, "prefixes": prefixes, "prompt_tokens": prompt_tokens,
+                 "output_tokens": output_tokens}
+    data.setdefault("synthesis", {}).update({k: v for k, v in synthesis.items() if v is not None})
     trace_spec: TraceSpec = parse_spec(data, str(spec) if spec else "flags")
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     with Progress(*columns, transient=True, disable=as_json) as progress:

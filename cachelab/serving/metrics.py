@@ -2,9 +2,10 @@
 
 vLLM (benchmarks/serve.py): TTFT = first token - request send; E2EL = last token - send;
 TPOT = (E2EL - TTFT) / (output tokens - 1), over requests with more than one output token;
-ITL = every gap between consecutive tokens of a request, pooled over requests; percentiles
-by linear interpolation (NumPy's default); throughputs over the benchmark duration (first
-send to last completion). InferenceX: throughput per GPU = total (input + output) tokens/s
+ITL = every gap between consecutive tokens (live: streamed chunks) of a request, pooled over
+requests; percentiles by linear interpolation (NumPy's default); throughputs over the
+benchmark duration (first send to last completion); failed requests are counted, never
+averaged; goodput = requests per second that meet every SLO given. InferenceX: throughput per GPU = total (input + output) tokens/s
 / GPUs; interactivity = 1000 / TPOT_ms (median); P90 interactivity = 1000 / P90 ITL_ms; cost
 per million tokens = $/GPU-hour / (tok/s/GPU x 3600 / 1e6); tokens per dollar its inverse.
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from cachelab.errors import CachelabError
 
 PERCENTILES = (50, 90, 99)
 
@@ -42,25 +45,68 @@ def _stats(name: str, values_ms: np.ndarray, percentiles) -> dict:
     return out
 
 
-def summarize(times: RequestTimes, num_gpus: int, usd_per_gpu_hour: float | None,
-              percentiles=PERCENTILES) -> dict:
-    """The vLLM bench serve result dict plus InferenceX's per-GPU and cost figures."""
+GOODPUT_METRICS = ("ttft", "tpot", "e2el")
+
+
+def parse_goodput(items) -> dict[str, float]:
+    """``["ttft:200", "tpot:50"]`` -> ``{"ttft": 200.0, "tpot": 50.0}`` (SLOs in ms, as
+    ``vllm bench serve --goodput`` takes them), with an error naming the bad item."""
+    slos: dict[str, float] = {}
+    for item in items or ():
+        name, sep, value = str(item).partition(":")
+        if not sep or name not in GOODPUT_METRICS:
+            raise CachelabError(f"--goodput {item!r}: expected NAME:MS with NAME one of {', '.join(GOODPUT_METRICS)}")
+        try:
+            ms = float(value)
+        except ValueError:
+            raise CachelabError(f"--goodput {item!r}: {value!r} is not a number of milliseconds") from None
+        if not ms >= 0:
+            raise CachelabError(f"--goodput {item!r}: the SLO must be >= 0 ms")
+        slos[name] = ms
+    return slos
+
+
+def request_metrics(times: RequestTimes, *, failed: int = 0, duration: float | None = None,
+                    goodput: dict[str, float] | None = None, percentiles=PERCENTILES) -> dict:
+    """``vllm bench serve``'s result over the completed requests in ``times``, its key names.
+
+    ``duration`` is the benchmark's wall time (vLLM: first send to the last answer, failures
+    included); by default the span of the completed requests. ``goodput``: SLOs in ms by
+    metric (``ttft``, ``tpot``, ``e2el``); a request is good when it meets every one (TPOT
+    counts as 0 for a one-token answer, as vLLM does). ``request_goodput`` is None without SLOs.
+    """
     n = times.send_s.size
-    duration = float(times.end_s.max() - times.send_s.min()) if n else 0.0
+    if duration is None:
+        duration = float(times.end_s.max() - times.send_s.min()) if n else 0.0
     ttft = (times.first_token_s - times.send_s) * 1e3
     e2el = (times.end_s - times.send_s) * 1e3
     multi = times.output_tokens > 1
-    tpot = (e2el[multi] - ttft[multi]) / (times.output_tokens[multi] - 1)
+    all_tpot = np.zeros(n)
+    all_tpot[multi] = (e2el[multi] - ttft[multi]) / (times.output_tokens[multi] - 1)
     owner = np.repeat(np.arange(n), np.diff(times.token_offsets))
     itl = np.diff(times.token_times)[owner[1:] == owner[:-1]] * 1e3  # gaps within a request only
     total_in, total_out = int(times.prompt_tokens.sum()), int(times.output_tokens.sum())
-    out = {"completed": n, "duration_s": duration, "total_input_tokens": total_in,
-           "total_output_tokens": total_out,
-           "request_throughput": n / duration if duration else 0.0,
-           "output_throughput": total_out / duration if duration else 0.0,
-           "total_token_throughput": (total_in + total_out) / duration if duration else 0.0}
-    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el)):
+    rate = (lambda x: x / duration) if duration else (lambda x: 0.0)
+    good = None
+    if goodput:
+        values = {"ttft": ttft, "tpot": all_tpot, "e2el": e2el}
+        ok = np.ones(n, dtype=bool)
+        for name, slo_ms in goodput.items():
+            ok &= values[name] <= slo_ms
+        good = rate(int(ok.sum()))
+    out = {"duration": duration, "completed": n, "failed": int(failed), "total_input_tokens": total_in,
+           "total_output_tokens": total_out, "request_throughput": rate(n), "request_goodput": good,
+           "output_throughput": rate(total_out), "total_token_throughput": rate(total_in + total_out)}
+    for name, values in (("ttft", ttft), ("tpot", all_tpot[multi]), ("itl", itl), ("e2el", e2el)):
         out.update(_stats(name, values, percentiles))
+    return out
+
+
+def summarize(times: RequestTimes, num_gpus: int, usd_per_gpu_hour: float | None,
+              percentiles=PERCENTILES) -> dict:
+    """The vLLM bench serve result dict plus InferenceX's per-GPU and cost figures."""
+    out = request_metrics(times, percentiles=percentiles)
+    out["duration_s"] = out["duration"]
     per_gpu = out["total_token_throughput"] / num_gpus
     out["num_gpus"] = num_gpus
     out["tokens_per_s_per_gpu"] = per_gpu

@@ -19,6 +19,9 @@ options = { version = "v2.0" }
 [synthesis]
 output_tokens = 256        # output length where neither the trace nor the corpus gives one
 turn_gap_s = 30.0          # seconds between the turns of a session
+prefix_overlap = 0.5       # optional: a shared-prefix workload (cachelab.trace.overlap): this share
+prefixes = 4               #   of each prompt is one of `prefixes` shared prefixes, the rest its own
+prompt_tokens = 1024       #   prompt length where the arrivals carry none (e.g. gamma)
 chunk_tokens = 4000000     # tokens materialized per written chunk (bounds memory)
 ```
 
@@ -37,6 +40,7 @@ from pydantic import Field
 from cachelab import registry
 from cachelab.errors import CachelabError
 from cachelab.paths import resolve_data_path
+from cachelab.trace.overlap import plan_overlap
 from cachelab.trace.synthesis import BuildReport, TokenStream, make_plan, synthesize
 from cachelab.trace.schema import write_trace
 from cachelab.validation import Strict, read_toml, validate
@@ -61,6 +65,9 @@ class SynthesisSpec(Strict):
     output_tokens: int = Field(256, ge=0)
     turn_gap_s: float = Field(30.0, ge=0)
     chunk_tokens: int = Field(4_000_000, gt=0)
+    prefix_overlap: float | None = Field(None, ge=0, lt=1)
+    prefixes: int = Field(4, ge=1)
+    prompt_tokens: int | None = Field(None, ge=1)
 
 
 class TraceSpec(Strict):
@@ -139,8 +146,14 @@ def build(spec: TraceSpec, out: str | os.PathLike, progress=None) -> BuildReport
     if progress:
         progress.stage(f"tokenize {spec.corpus.source}", None)
     stream = TokenStream.from_corpus(corpus, spec.corpus.tokenizer, progress.advance if progress else None)
-    plan = make_plan(stream, arrivals, has_lengths=source.has_lengths, use_lengths=spec.arrivals.use_lengths,
-                     seed=spec.seed, output_tokens=spec.synthesis.output_tokens, turn_gap_s=spec.synthesis.turn_gap_s)
+    syn = spec.synthesis
+    if syn.prefix_overlap is not None:
+        plan = plan_overlap(stream, arrivals, overlap=syn.prefix_overlap, prefixes=syn.prefixes, seed=spec.seed,
+                            has_lengths=source.has_lengths and spec.arrivals.use_lengths,
+                            prompt_tokens=syn.prompt_tokens, output_tokens=syn.output_tokens)
+    else:
+        plan = make_plan(stream, arrivals, has_lengths=source.has_lengths, use_lengths=spec.arrivals.use_lengths,
+                         seed=spec.seed, output_tokens=syn.output_tokens, turn_gap_s=syn.turn_gap_s)
     if progress:
         progress.stage("synthesize", plan.size)
     report = synthesize(stream, plan, out, source=f"{spec.arrivals.source}+{spec.corpus.source}",

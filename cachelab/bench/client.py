@@ -1,0 +1,281 @@
+"""The load generator behind ``cachelab bench serve``: a plan replayed against a live server.
+
+Any OpenAI-compatible server: each request is a streamed ``POST /v1/completions`` with the
+prompt as token ids, ``max_tokens`` the trace's output length and ``ignore_eos`` (so the
+server produces exactly that many tokens), timed as ``vllm bench serve`` times it
+(vllm/benchmarks/lib/endpoint_request_func.py): the clock starts when the request is sent
+(after the concurrency limit lets it go), every streamed chunk that carries a choice is a
+token arrival, the first is TTFT, the last ends the request; token counts come from the
+final ``usage`` chunk. A request that fails (refused connection, an HTTP error, a stream
+cut short, no token) is kept with its error and counted in ``failed``; an interrupted run
+(Ctrl-C) keeps every request that finished. The metrics are ``cachelab.serving.metrics``',
+the same code the simulator reports with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cachelab.bench.plan import BenchPlan
+from cachelab.bench.server_metrics import Scrape, scrape
+from cachelab.errors import CachelabError
+from cachelab.serving.metrics import RequestTimes, request_metrics
+
+TIMEOUT_S = 6 * 3600  # vLLM's AIOHTTP_TIMEOUT: a request may wait long under load
+
+
+@dataclass
+class RequestOutput:
+    """One request as the client saw it (times in seconds on ``time.perf_counter``'s clock)."""
+
+    index: int
+    success: bool = False
+    error: str = ""
+    send_s: float = 0.0
+    chunk_s: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server reports it
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Where and how hard to send: the server, the model, the client concurrency, the SLOs."""
+
+    base_url: str
+    model: str | None = None
+    max_concurrency: int | None = None
+    goodput: dict[str, float] = field(default_factory=dict)
+    ignore_eos: bool = True
+    server_metrics: bool = True
+    timeout_s: float = TIMEOUT_S
+
+    @property
+    def root(self) -> str:
+        """The server's root URL (``/v1`` and a trailing slash dropped: routes are added here)."""
+        url = self.base_url.rstrip("/")
+        return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+@dataclass
+class BenchResult:
+    """Every request's output, the wall time, and the server's metrics before and after."""
+
+    config: BenchConfig
+    model: str
+    plan: BenchPlan
+    outputs: list[RequestOutput]
+    duration: float
+    interrupted: bool = False
+    server: Scrape | None = None  # the /metrics difference over the run
+
+    @property
+    def completed(self) -> list[RequestOutput]:
+        return [o for o in self.outputs if o.success]
+
+    def request_times(self) -> RequestTimes:
+        """The completed requests in ``cachelab.serving.metrics``' form (chunks as token times)."""
+        done = self.completed
+        chunks = [np.asarray(o.chunk_s) for o in done]
+        offsets = np.zeros(len(done) + 1, dtype=np.int64)
+        np.cumsum([c.size for c in chunks], out=offsets[1:])
+        return RequestTimes(
+            send_s=np.array([o.send_s for o in done]),
+            first_token_s=np.array([c[0] for c in chunks]),
+            end_s=np.array([c[-1] for c in chunks]),
+            prompt_tokens=np.array([o.prompt_tokens for o in done], dtype=np.int64),
+            output_tokens=np.array([o.output_tokens for o in done], dtype=np.int64),
+            token_times=np.concatenate(chunks) if chunks else np.empty(0),
+            token_offsets=offsets)
+
+    def summary(self) -> dict:
+        """``vllm bench serve``'s metrics and key names, plus the failures by reason, the
+        prefix-cache hits the server reported per request, and its ``/metrics`` difference."""
+        out = {"model": self.model, "base_url": self.config.base_url, "trace": self.plan.source,
+               "num_prompts": len(self.plan), "max_concurrency": self.config.max_concurrency,
+               "interrupted": self.interrupted}
+        out.update(request_metrics(self.request_times(), failed=len(self.outputs) - len(self.completed),
+                                   duration=self.duration, goodput=self.config.goodput or None))
+        out["errors_by_reason"] = dict(Counter(o.error for o in self.outputs if not o.success).most_common())
+        cached = [o.cached_tokens for o in self.completed if o.cached_tokens is not None]
+        if cached:
+            out["prefix_cache_hit_tokens"] = int(sum(cached))
+            out["prefix_cache_hit_ratio"] = sum(cached) / max(1, sum(o.prompt_tokens for o in self.completed))
+        if self.server is not None:
+            out["server_metrics"] = self.server.summary()
+        return out
+
+    def to_json(self) -> dict:
+        """The summary and, per request (in plan order), vLLM's ``--save-result`` lists."""
+        out = self.summary()
+        out.update({
+            "input_lens": [o.prompt_tokens for o in self.outputs],
+            "output_lens": [o.output_tokens for o in self.outputs],
+            "ttfts": [o.chunk_s[0] - o.send_s if o.success else 0.0 for o in self.outputs],
+            "itls": [np.diff(o.chunk_s).tolist() if o.success else [] for o in self.outputs],
+            "latencies": [o.chunk_s[-1] - o.send_s if o.success else 0.0 for o in self.outputs],
+            "start_times": [o.send_s for o in self.outputs],
+            "cached_tokens": [o.cached_tokens for o in self.outputs],
+            "errors": [o.error for o in self.outputs],
+        })
+        return out
+
+
+def resolve_model(config: BenchConfig) -> str:
+    """``--model``, else the first model the server lists; a clear error if it cannot be reached."""
+    url = f"{config.root}/v1/models"
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            listing = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        if config.model:
+            return config.model  # a server without the listing route can still serve
+        raise CachelabError(f"{url} answered HTTP {exc.code}; give --model") from None
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise CachelabError(f"cannot reach the server at {config.base_url}: {reason}") from None
+    names = [m.get("id") for m in listing.get("data", []) if isinstance(m, dict)]
+    if config.model:
+        if names and config.model not in names:
+            raise CachelabError(f"--model {config.model!r}: the server at {config.base_url} serves {names}")
+        return config.model
+    if not names:
+        raise CachelabError(f"{url} lists no model; give --model")
+    return names[0]
+
+
+async def _send(session, url: str, payload: dict, out: RequestOutput) -> None:
+    """One streamed completion, timed per chunk; every failure lands in ``out.error``."""
+    import aiohttp
+
+    out.send_s = time.perf_counter()
+    try:
+        async with session.post(url, json=payload) as response:
+            if response.status != 200:
+                body = (await response.text())[:300].strip()
+                out.error = f"HTTP {response.status}: {_message(body)}"
+                return
+            async for raw in response.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue  # blank separators and SSE comments
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("choices"):
+                    out.chunk_s.append(time.perf_counter())
+                if usage := chunk.get("usage"):
+                    out.output_tokens = int(usage.get("completion_tokens") or 0)
+                    out.prompt_tokens = int(usage.get("prompt_tokens") or out.prompt_tokens)
+                    details = usage.get("prompt_tokens_details") or {}
+                    if details.get("cached_tokens") is not None:
+                        out.cached_tokens = int(details["cached_tokens"])
+                if "error" in chunk:
+                    out.error = f"stream error: {_message(json.dumps(chunk['error']))}"
+                    return
+        if not out.chunk_s:
+            out.error = "the stream ended before a first token"
+            return
+        out.output_tokens = out.output_tokens or len(out.chunk_s)
+        out.success = True
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        out.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _message(body: str) -> str:
+    """An error body's message (OpenAI and vLLM put it under ``message``), else the text."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body
+    err = data.get("error", data) if isinstance(data, dict) else data
+    return str(err.get("message", err)) if isinstance(err, dict) else str(err)
+
+
+async def _replay(config: BenchConfig, model: str, plan: BenchPlan, outputs: list[RequestOutput],
+                  on_done: Callable[[RequestOutput], None] | None, clock: dict[str, float]) -> None:
+    import aiohttp
+
+    url = f"{config.root}/v1/completions"
+    limit = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
+    timeout = aiohttp.ClientTimeout(total=config.timeout_s)
+
+    async def one(i: int) -> None:
+        payload = {"model": model, "prompt": plan.prompts[i].tolist(), "max_tokens": int(plan.output_lens[i]),
+                   "stream": True, "stream_options": {"include_usage": True}, "repetition_penalty": 1.0}
+        if config.ignore_eos:
+            payload["ignore_eos"] = True
+        out = RequestOutput(i, prompt_tokens=int(plan.prompts[i].size))
+        if limit is None:
+            await _send(session, url, payload, out)
+        else:
+            async with limit:
+                await _send(session, url, payload, out)
+        outputs[i] = out
+        if on_done:
+            on_done(out)
+
+    connector = aiohttp.TCPConnector(limit=config.max_concurrency or 0, keepalive_timeout=60)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        start = clock["start"] = time.perf_counter()  # vLLM's benchmark_start_time
+        tasks = []
+        for i, offset in enumerate(plan.send_offsets):
+            wait = start + float(offset) - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            tasks.append(asyncio.create_task(one(i)))
+        await asyncio.gather(*tasks)
+        clock["end"] = time.perf_counter()
+
+
+def run_bench(config: BenchConfig, plan: BenchPlan,
+              on_done: Callable[[RequestOutput], None] | None = None) -> BenchResult:
+    """Replay ``plan`` against the server; ``on_done`` is called as each request finishes.
+
+    The server is checked first (``/v1/models``), so an unreachable one is an error before
+    anything is sent. Ctrl-C stops sending and keeps what finished (``interrupted``).
+    """
+    if config.max_concurrency is not None and config.max_concurrency < 1:
+        raise CachelabError(f"--max-concurrency must be >= 1, got {config.max_concurrency}")
+    model = resolve_model(config)
+    before = scrape(config.root) if config.server_metrics else None
+    outputs: list[RequestOutput | None] = [None] * len(plan)
+    clock = {"start": time.perf_counter()}
+    interrupted = False
+    try:
+        asyncio.run(_replay(config, model, plan, outputs, on_done, clock))
+    except KeyboardInterrupt:
+        interrupted = True
+    duration = clock.get("end", time.perf_counter()) - clock["start"]
+    kept = [o if o is not None else RequestOutput(i, error="not finished (interrupted)")
+            for i, o in enumerate(outputs)]
+    server = None
+    if before is not None:
+        try:
+            after = scrape(config.root)
+        except CachelabError:  # the server went away: the client's own results still stand
+            after = None
+        server = after.minus(before) if after is not None else None
+    return BenchResult(config, model, plan, kept, duration, interrupted, server)
+
+
+def json_safe(value):
+    """NaN and infinities as null, so the result is strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value

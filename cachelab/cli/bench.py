@@ -1,0 +1,106 @@
+"""``cachelab bench serve``: measure a live OpenAI-compatible server as ``vllm bench serve`` does."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+app = typer.Typer(no_args_is_help=True, help="Benchmark live servers (load generator, server metrics).")
+
+
+@app.command("serve")
+def serve(
+    base_url: str = typer.Option(..., "--base-url", help="The server, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)."),
+    trace: Path = typer.Option(..., "--trace", help="A cachelab trace with token ids (`cachelab trace build`)."),
+    model: str = typer.Option(None, "--model", help="Model name to ask for; default: the first the server lists."),
+    max_concurrency: int = typer.Option(None, "--max-concurrency", help="At most N requests in flight (clients)."),
+    request_rate: float = typer.Option(None, "--request-rate",
+                                       help="Requests/s drawn as vLLM does (gamma gaps); inf sends all at once. "
+                                            "Default: the trace's own arrival times."),
+    burstiness: float = typer.Option(1.0, "--burstiness", help="Gamma shape of the gaps with --request-rate: "
+                                                                "1 is Poisson, < 1 burstier, > 1 more even."),
+    goodput: list[str] = typer.Option(None, "--goodput", help="SLO NAME:MS (ttft, tpot, e2el); repeat for several; "
+                                                              "request_goodput counts requests meeting all."),
+    num_prompts: int = typer.Option(None, "--num-prompts", help="Send the trace's first N requests (default all)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the --request-rate arrival draws."),
+    ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos",
+                                    help="Ask for exactly the trace's output length (ignore_eos)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (vllm bench serve's key names)."),
+    save_result: Path = typer.Option(None, "--save-result", help="Write the result JSON, per-request lists "
+                                                                  "included, to FILE (kept even if interrupted)."),
+) -> None:
+    """Replay a trace's prompts (as token ids) and arrivals against a live server and report
+    vllm bench serve's metrics: TTFT, TPOT, ITL and E2EL percentiles, throughputs, goodput.
+    Failed requests are counted with their reasons, never dropped; Ctrl-C keeps what finished."""
+    from cachelab.bench.client import BenchConfig, json_safe, run_bench
+    from cachelab.bench.plan import plan_from_trace
+    from cachelab.serving.metrics import parse_goodput
+
+    slos = parse_goodput(goodput)
+    plan = plan_from_trace(trace, num_prompts=num_prompts, request_rate=request_rate, burstiness=burstiness,
+                           seed=seed)
+    config = BenchConfig(base_url, model, max_concurrency, slos, ignore_eos)
+    console = Console(stderr=True)
+    columns = [TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("failed {task.fields[failed]}"), TimeElapsedColumn()]
+    with Progress(*columns, console=console, transient=True, disable=as_json) as progress:
+        task = progress.add_task("requests", total=len(plan), failed=0)
+        failed = 0
+
+        def done(out) -> None:
+            nonlocal failed
+            failed += not out.success
+            progress.update(task, advance=1, failed=failed)
+
+        result = run_bench(config, plan, on_done=done)
+    if save_result is not None:
+        _write_json(save_result, json_safe(result.to_json()))
+    summary = json_safe(result.summary())
+    if as_json:
+        typer.echo(json.dumps(summary, indent=2))
+    else:
+        _print_summary(summary, console=Console())
+    if result.interrupted:
+        raise typer.Exit(code=130)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """Atomically: an existing file is replaced only by a complete one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.partial")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def _print_summary(s: dict, console: Console) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"bench serve: {s['model']} at {s['base_url']}", show_header=False)
+    rows = [("Successful requests", s["completed"]), ("Failed requests", s["failed"]),
+            ("Benchmark duration (s)", s["duration"]), ("Total input tokens", s["total_input_tokens"]),
+            ("Total generated tokens", s["total_output_tokens"]),
+            ("Request throughput (req/s)", s["request_throughput"]),
+            ("Output token throughput (tok/s)", s["output_throughput"]),
+            ("Total token throughput (tok/s)", s["total_token_throughput"])]
+    if s.get("request_goodput") is not None:
+        rows.append(("Request goodput (req/s)", s["request_goodput"]))
+    if "prefix_cache_hit_ratio" in s:
+        rows.append(("Prefix-cache hit ratio (server-reported)", s["prefix_cache_hit_ratio"]))
+    for name, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL")):
+        for stat in ("mean", "median", "p90", "p99"):
+            key = f"{stat}_{name}_ms"
+            if key in s:
+                rows.append((f"{stat.capitalize() if stat in ('mean', 'median') else stat.upper()} {title} (ms)", s[key]))
+    for label, value in rows:
+        text = "-" if value is None else (f"{value:,.2f}" if isinstance(value, float) and math.isfinite(value)
+                                          else f"{value:,}" if isinstance(value, int) else str(value))
+        table.add_row(label, text)
+    console.print(table)
+    for reason, count in s["errors_by_reason"].items():
+        console.print(f"[red]failed x{count}[/red]: {reason}")

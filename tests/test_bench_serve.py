@@ -1,0 +1,198 @@
+"""``cachelab bench serve``: vLLM's arrival rule and metrics, failures counted, the real vLLM server.
+
+The live tests run against the real vLLM CPU server (``vllm_server``, shared by the session).
+One test uses a small aiohttp server that cuts its streams midway: a server that breaks on
+cue is the one thing the real vLLM cannot be made to do here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+
+import numpy as np
+import polars as pl
+import pytest
+from typer.testing import CliRunner
+
+from cachelab.bench.plan import send_offsets
+from cachelab.cli import app
+from cachelab.errors import CachelabError
+from cachelab.serving.metrics import RequestTimes, parse_goodput, request_metrics
+from cachelab.trace.arrivals import arrival_frame
+from cachelab.trace.schema import write_trace
+
+runner = CliRunner()
+
+
+def make_trace(path, prompt_lens, output_len=8, spacing=0.0, seed=0):
+    """A trace of random-token prompts (ids below the tiny model's vocabulary)."""
+    rng = np.random.default_rng(seed)
+    n = len(prompt_lens)
+    frame = arrival_frame(np.arange(n) * spacing, np.asarray(prompt_lens), np.full(n, output_len),
+                          domain="test", source="test")
+    prompts = [rng.integers(1000, 50_000, k).tolist() for k in prompt_lens]
+    frame = frame.with_columns(pl.Series("prompt_ids", prompts, dtype=pl.List(pl.Int32)))
+    write_trace(frame, path)
+    return path
+
+
+def test_request_rate_follows_vllm_rule():
+    arrivals = np.array([3.0, 3.5, 7.0])
+    assert send_offsets(arrivals).tolist() == [0.0, 0.5, 4.0]  # the trace's own clock
+    assert send_offsets(arrivals, float("inf")).tolist() == [0.0, 0.0, 0.0]
+    times = send_offsets(np.zeros(50), 10.0, burstiness=0.5, seed=3)
+    assert times[-1] == pytest.approx(50 / 10.0)  # vLLM rescales so the last goes out at n / rate
+    assert np.all(np.diff(times) >= 0)
+    # vLLM draws np.random.gamma one request at a time after np.random.seed(seed)
+    np.random.seed(3)
+    gaps = np.array([np.random.gamma(shape=0.5, scale=1 / (10.0 * 0.5)) for _ in range(50)])
+    assert np.allclose(times, np.cumsum(gaps) * (5.0 / gaps.sum()))
+    assert np.allclose(np.diff(send_offsets(np.zeros(4), 2.0, burstiness=float("inf"))), 0.5)
+    with pytest.raises(CachelabError, match="request-rate"):
+        send_offsets(arrivals, 0.0)
+
+
+def test_goodput_and_failures_follow_vllm():
+    # two requests: TTFT 100 and 300 ms; 5 and 1 output tokens; one failure counted apart
+    times = RequestTimes(send_s=np.array([0.0, 1.0]), first_token_s=np.array([0.1, 1.3]),
+                         end_s=np.array([0.5, 1.3]), prompt_tokens=np.array([10, 20]),
+                         output_tokens=np.array([5, 1]), token_times=np.array([0.1, 0.2, 0.3, 0.4, 0.5, 1.3]),
+                         token_offsets=np.array([0, 5, 6]))
+    m = request_metrics(times, failed=1, duration=2.0, goodput=parse_goodput(["ttft:200", "tpot:100"]))
+    assert (m["completed"], m["failed"], m["duration"]) == (2, 1, 2.0)
+    assert m["mean_tpot_ms"] == pytest.approx(100.0)  # (500 - 100) / 4; the 1-token answer has no TPOT
+    assert m["request_goodput"] == pytest.approx(0.5)  # only the first meets TTFT <= 200 ms
+    assert m["total_token_throughput"] == pytest.approx((30 + 6) / 2.0)
+    assert request_metrics(times)["request_goodput"] is None
+    for bad in (["ttft"], ["latency:5"], ["ttft:fast"], ["tpot:-1"]):
+        with pytest.raises(CachelabError, match="--goodput"):
+            parse_goodput(bad)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_server_is_a_clear_error(tmp_path):
+    trace = make_trace(tmp_path / "t.parquet", [20, 30])
+    url = f"http://127.0.0.1:{_free_port()}"
+    res = runner.invoke(app, ["bench", "serve", "--base-url", url, "--trace", str(trace)])
+    assert res.exit_code == 2
+    assert f"cannot reach the server at {url}" in res.output
+
+
+def test_bad_trace_and_flags_are_named(tmp_path):
+    trace = make_trace(tmp_path / "t.parquet", [20, 30])
+    res = runner.invoke(app, ["bench", "serve", "--base-url", "http://x", "--trace", str(trace), "--num-prompts", "5"])
+    assert res.exit_code == 2 and "--num-prompts 5 but the trace holds 2 requests" in res.output
+    res = runner.invoke(app, ["bench", "serve", "--base-url", "http://x", "--trace", str(tmp_path / "none.parquet")])
+    assert res.exit_code == 2 and "trace not found" in res.output
+    empty = tmp_path / "empty.parquet"
+    write_trace(arrival_frame(np.zeros(2), np.array([5, 5]), np.array([2, 2]), domain="d", source="s"), empty)
+    res = runner.invoke(app, ["bench", "serve", "--base-url", "http://x", "--trace", str(empty)])
+    assert res.exit_code == 2 and "row 0 has no prompt token ids" in res.output
+
+
+class BreakingServer:
+    """An OpenAI-style streaming server that answers the first requests, then fails each
+    later one differently: an HTTP 500, a stream cut after one token, a refused stream."""
+
+    def __init__(self, good: int):
+        self.good, self.seen, self.port = good, 0, _free_port()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.ready = threading.Event()
+
+    def _serve(self):
+        from aiohttp import web
+
+        async def models(request):
+            return web.json_response({"data": [{"id": "breaking"}]})
+
+        async def completions(request):
+            body = await request.json()
+            i, self.seen = self.seen, self.seen + 1
+            if i >= self.good and (i - self.good) % 3 == 0:
+                return web.json_response({"error": {"message": "engine overloaded"}}, status=500)
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            tokens = body["max_tokens"] if i < self.good else 1
+            for _ in range(tokens):
+                await resp.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+                await asyncio.sleep(0.002)
+            if i >= self.good:
+                request.transport.close()  # the server dies mid-answer
+                return resp
+            usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": tokens}
+            await resp.write(f'data: {json.dumps({"choices": [], "usage": usage})}\n\n'.encode())
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+
+        app_ = web.Application()
+        app_.router.add_get("/v1/models", models)
+        app_.router.add_post("/v1/completions", completions)
+        runner_ = web.AppRunner(app_)
+        self.loop.run_until_complete(runner_.setup())
+        self.loop.run_until_complete(web.TCPSite(runner_, "127.0.0.1", self.port).start())
+        self.ready.set()
+        self.loop.run_forever()
+
+    def __enter__(self):
+        self.thread.start()
+        self.ready.wait(10)
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def test_a_server_failing_midway_gives_counted_failures_and_keeps_the_rest(tmp_path):
+    trace = make_trace(tmp_path / "t.parquet", [12] * 10, output_len=4)
+    out = tmp_path / "result.json"
+    with BreakingServer(good=6) as url:
+        res = runner.invoke(app, ["bench", "serve", "--base-url", url, "--trace", str(trace), "--max-concurrency", "1",
+                                  "--json", "--save-result", str(out)])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)
+    assert (summary["completed"], summary["failed"]) == (6, 4)
+    assert summary["total_output_tokens"] == 6 * 4 and summary["total_input_tokens"] == 6 * 12
+    reasons = summary["errors_by_reason"]
+    assert reasons["HTTP 500: engine overloaded"] == 2
+    assert sum(reasons.values()) == 4 and len(reasons) == 2  # the cut streams share one reason
+    saved = json.loads(out.read_text())
+    assert saved["completed"] == 6 and len(saved["errors"]) == 10 and saved["errors"][:6] == [""] * 6
+    assert all(np.isfinite(saved["ttfts"][:6]))
+
+
+@pytest.mark.slow
+def test_against_real_vllm_counts_match_its_metrics(vllm_server, tmp_path):
+    """Request and token counts equal the server's own counters; TTFT percentiles fall in the
+    buckets of its TTFT histogram; a prompt over the model's context is a counted failure."""
+    lens = [40, 300, 120, 3000, 64, 200, 500, 90]  # 3000 > --max-model-len 2048
+    trace = make_trace(tmp_path / "t.parquet", lens, output_len=6)
+    out = tmp_path / "result.json"
+    res = runner.invoke(app, ["bench", "serve", "--base-url", vllm_server.base_url, "--trace", str(trace),
+                              "--max-concurrency", "2", "--request-rate", "inf", "--goodput", "ttft:60000",
+                              "--json", "--save-result", str(out)])
+    assert res.exit_code == 0, res.output
+    s = json.loads(res.stdout)
+    assert (s["completed"], s["failed"]) == (7, 1)
+    (reason,) = s["errors_by_reason"]
+    assert reason.startswith("HTTP 400") and "2048" in reason  # vLLM names the context length
+    assert s["total_input_tokens"] == sum(lens) - 3000
+    assert s["total_output_tokens"] == 7 * 6  # ignore_eos: exactly the trace's output lengths
+    assert s["request_goodput"] == pytest.approx(s["request_throughput"])
+    server = s["server_metrics"]
+    assert server["requests"] == 7 and server["prompt_tokens"] == s["total_input_tokens"]
+    assert server["generation_tokens"] == s["total_output_tokens"] and server["ttft_count"] == 7
+    assert server["prefix_cache_queries"] == s["total_input_tokens"]
+    assert server["prefix_cache_hits"] == s["prefix_cache_hit_tokens"]
+    for p in (50, 99):
+        lo, hi = server[f"p{p}_ttft_bucket_ms"]
+        assert lo <= s[f"p{p}_ttft_ms"] <= hi or s[f"p{p}_ttft_ms"] - hi < 0.5 * (hi - lo), (p, lo, hi, s)

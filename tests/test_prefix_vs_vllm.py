@@ -1,0 +1,59 @@
+"""cachelab's vLLM-style prefix cache against the real vLLM server with the same block budget.
+
+One server with a fixed pool (``--num-gpu-blocks-override``) small enough that both
+workloads evict: shared-prefix prompts whose reuse distance is about the pool's size, then
+a slice of Mooncake's conversation trace rendered as token ids. The model must reproduce
+the hits of every request, not only the total, and ``vllm:prefix_cache_hits_total``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cachelab.bench.prefix_check import measure_hits, mooncake_prompts, predict_hits, shared_prefix_prompts
+
+# vLLM's CPU backend defaults to 128-token blocks and prefers multiples of 32
+# (vllm/platforms/cpu.py); 32 keeps Mooncake's prompts, one block per hash id, short.
+BLOCK = 32
+NUM_GPU_BLOCKS = 480
+MOONCAKE = "traces/mooncake_fast25/conversation_trace.jsonl"
+
+
+def test_predict_hits_sets_vllms_null_block_aside():
+    # a, c: 64 different tokens each (4 blocks of 16 with their one output token); then a again
+    a, c = np.arange(64), np.arange(1000, 1064)
+    ones = np.array([1, 1, 1])
+    # 9 blocks, 8 usable: nothing is evicted; a's last block is never a hit (its last token is recomputed)
+    assert predict_hits([a, c, a], ones, num_gpu_blocks=9).hits.tolist() == [0, 0, 48]
+    # 7 blocks, 6 usable: c takes the free queue's head, a's chain tail first (blocks 4 and 3)
+    assert predict_hits([a, c, a], ones, num_gpu_blocks=7).hits.tolist() == [0, 0, 32]
+    # without the null block the 7th block would have kept a's third block
+    assert predict_hits([a, c, a], ones, num_gpu_blocks=7, null_blocks=0).hits.tolist() == [0, 0, 48]
+
+
+@pytest.mark.slow
+def test_prefix_cache_hits_equal_vllms(tmp_path, data_dir):
+    from vllm_peer import available, start_vllm
+
+    if not available():
+        pytest.skip("vLLM's CPU build is not installed (run scripts/setup-vllm)")
+    # 16 prefixes of 24 blocks, each request 33 blocks: a prefix comes back after ~528 blocks, past the pool
+    shared = shared_prefix_prompts(64, prompt_len=1024, overlap=0.75, num_prefixes=16, seed=1)
+    shared_out = np.full(len(shared), 8)
+    moon, moon_out = mooncake_prompts(data_dir / MOONCAKE, 120, block_size=BLOCK)
+    prompts, outputs = shared + moon, np.r_[shared_out, moon_out]
+    predicted = predict_hits(prompts, outputs, NUM_GPU_BLOCKS, BLOCK)
+    server = start_vllm(tmp_path, extra_args=("--num-gpu-blocks-override", str(NUM_GPU_BLOCKS), "--block-size", str(BLOCK)),
+                        max_model_len=8192)
+    try:
+        measured, counters = measure_hits(server.base_url, server.model, prompts, outputs)
+    finally:
+        server.stop()
+    assert measured.queried.tolist() == predicted.queried.tolist()
+    n = len(shared)
+    assert measured.hits[:n].tolist() == predicted.hits[:n].tolist()
+    assert measured.hits[n:].tolist() == predicted.hits[n:].tolist()
+    assert counters["prefix_cache_queries"] == predicted.total_queries
+    assert counters["prefix_cache_hits"] == predicted.total_hits
+    assert 0.1 < predicted.hits[:n].sum() / predicted.queried[:n].sum() < 0.75  # evictions did happen
