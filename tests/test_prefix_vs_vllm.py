@@ -14,7 +14,8 @@ import pytest
 from cachelab.bench.prefix_check import measure_hits, mooncake_prompts, predict_hits, shared_prefix_prompts
 
 # vLLM's CPU backend defaults to 128-token blocks and prefers multiples of 32
-# (vllm/platforms/cpu.py); 32 keeps Mooncake's prompts, one block per hash id, short.
+# (vllm/platforms/cpu.py). Mooncake's 512-token hash ids become 16 tokens each, so its longest
+# prompts fit the tiny model's 4,096 positions; a 32-token block then spans two ids.
 BLOCK = 32
 NUM_GPU_BLOCKS = 480
 MOONCAKE = "traces/mooncake_fast25/conversation_trace.jsonl"
@@ -41,11 +42,11 @@ def test_prefix_cache_hits_equal_vllms(tmp_path, data_dir):
     # 16 prefixes of 24 blocks, each request 33 blocks: a prefix comes back after ~528 blocks, past the pool
     shared = shared_prefix_prompts(64, prompt_len=1024, overlap=0.75, num_prefixes=16, seed=1)
     shared_out = np.full(len(shared), 8)
-    moon, moon_out = mooncake_prompts(data_dir / MOONCAKE, 120, block_size=BLOCK)
+    moon, moon_out = mooncake_prompts(data_dir / MOONCAKE, 120, tokens_per_id=16)
     prompts, outputs = shared + moon, np.r_[shared_out, moon_out]
     predicted = predict_hits(prompts, outputs, NUM_GPU_BLOCKS, BLOCK)
     server = start_vllm(tmp_path, extra_args=("--num-gpu-blocks-override", str(NUM_GPU_BLOCKS), "--block-size", str(BLOCK)),
-                        max_model_len=8192)
+                        max_model_len=4096)
     try:
         measured, counters = measure_hits(server.base_url, server.model, prompts, outputs)
     finally:

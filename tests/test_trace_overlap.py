@@ -51,5 +51,6 @@ def test_overlap_out_of_range_is_named(tmp_path):
                               "--arrival-option", "num_requests=4", "--corpus", "stdlib", "--prefix-overlap", "1.0"])
     assert res.exit_code == 2 and "prefix_overlap" in res.output
     res = runner.invoke(app, ["trace", "build", "-o", str(tmp_path / "t.parquet"), "--arrivals", "gamma",
-                              "--arrival-option", "num_requests=4", "--corpus", "stdlib", "--prefix-overlap", "0.5"])
+                              "--arrival-option", "num_requests=4", "--corpus", "stdlib", "--corpus-option", "max_chars=100000",
+                              "--prefix-overlap", "0.5"])
     assert res.exit_code == 2 and "prompt_tokens" in res.output

@@ -114,10 +114,10 @@ def shared_prefix_prompts(num_requests: int, prompt_len: int, overlap: float, nu
             for i in range(num_requests)]
 
 
-def mooncake_prompts(path: str | os.PathLike, num_requests: int, block_size: int = VLLM_BLOCK_SIZE,
+def mooncake_prompts(path: str | os.PathLike, num_requests: int, tokens_per_id: int = VLLM_BLOCK_SIZE,
                      source_block: int = 512, vocab: int = 100_000, seed: int = 0) -> tuple[list[np.ndarray], np.ndarray]:
-    """The first requests of a Mooncake JSONL trace as token ids, one ``block_size``-token
-    block per ``hash_ids`` entry (the trace's 512-token blocks scaled down, so equal ids are
+    """The first requests of a Mooncake JSONL trace as token ids, ``tokens_per_id`` random
+    tokens per ``hash_ids`` entry (the trace's 512-token blocks scaled down, so equal ids are
     equal prefixes exactly as in the trace), the last block cut to the same share of its
     length; outputs scaled the same way (at least one token)."""
     path = os.fspath(path)
@@ -135,11 +135,11 @@ def mooncake_prompts(path: str | os.PathLike, num_requests: int, block_size: int
                     raise CachelabError(f"{path}: line {line_no}: empty hash_ids")
                 for h in ids:
                     if h not in content:
-                        content[h] = rng.integers(0, vocab, size=block_size)
+                        content[h] = rng.integers(0, vocab, size=tokens_per_id)
                 last = n_in - source_block * (len(ids) - 1)
-                last_len = min(block_size, max(1, round(block_size * last / source_block)))
+                last_len = min(tokens_per_id, max(1, round(tokens_per_id * last / source_block)))
                 prompts.append(np.concatenate([content[h] for h in ids[:-1]] + [content[ids[-1]][:last_len]]))
-                outputs.append(max(1, round(block_size * int(record["output_length"]) / source_block)))
+                outputs.append(max(1, round(tokens_per_id * int(record["output_length"]) / source_block)))
     except (OSError, ValueError, KeyError) as exc:
         raise CachelabError(f"{path}: not a Mooncake JSONL trace ({type(exc).__name__}: {exc})") from None
     return prompts, np.array(outputs, dtype=np.int64)
