@@ -32,14 +32,14 @@ def test_vllm_hits_free_queue_order_and_eviction():
     cache = BlockPrefixCache(num_blocks=4, block_size=4)
     a = list(range(1, 11))
     assert _start(cache, 0, a) == 0 and cache.extend(0, 10)  # takes blocks 0, 1, 2
-    cache.free(0)  # tail first: queue is 3 | 2, 1, 0
-    assert cache._prev[0] == 1 and cache._meta[0] == 3 and cache._meta[1] == 0
+    cache.free(0)  # tail first; the partial block 2 holds no hash, so it goes to the head: 2 | 3 | 1, 0
+    assert cache._prev[0] == 1 and cache._meta[0] == 2 and cache._meta[1] == 0
     b = a[:8] + [99, 100]
     assert _start(cache, 1, b) == 8  # blocks 0 and 1 reused
-    assert cache.extend(1, 10) and cache.num_free_tokens == 4  # took block 3; block 2 left
+    assert cache.extend(1, 10) and cache.num_free_tokens == 4  # took block 2 (the head); block 3 left
     assert _start(cache, 2, list(range(200, 212))) == 0
     assert not cache.extend(2, 12)  # three blocks needed, one free
-    cache.free(1)  # queue: 2, 3, 1, 0
+    cache.free(1)  # queue: 2 (partial, to the head), 3, 1, 0
     assert cache.extend(2, 12) and cache.evictions == 1  # blocks 2, 3, 1: block 1's hash goes
     cache.free(2)
     assert _start(cache, 3, a) == 4  # only a's first block is still cached
@@ -61,7 +61,8 @@ def test_vllm_caching_off_never_hits():
 
 def _lru_blocks_reference(hash_lists, lengths, block_size, capacity_blocks):
     """An OrderedDict of blocks freed tail first, as vLLM documents; a partial block is a
-    block too (it takes a slot, holds no hash, and is freed first)."""
+    block too: it takes a slot while its request runs, holds no hash, and once freed goes to
+    the front (it is reused first) but keeps its slot until a later request takes it."""
     lru, hit, total = OrderedDict(), 0, 0
     for i, (hashes, n) in enumerate(zip(hash_lists, lengths)):
         full = hashes[: n // block_size] + ([("partial", i)] if n % block_size else [])
@@ -74,6 +75,8 @@ def _lru_blocks_reference(hash_lists, lengths, block_size, capacity_blocks):
             lru.move_to_end(h)
         while len(lru) > capacity_blocks:
             lru.popitem(last=False)
+        if n % block_size:
+            lru.move_to_end(("partial", i), last=False)
     return hit / total
 
 

@@ -14,8 +14,8 @@ import pytest
 from cachelab.bench.prefix_check import measure_hits, mooncake_prompts, predict_hits, shared_prefix_prompts
 
 # vLLM's CPU backend defaults to 128-token blocks and prefers multiples of 32
-# (vllm/platforms/cpu.py). Mooncake's 512-token hash ids become 16 tokens each, so its longest
-# prompts fit the tiny model's 4,096 positions; a 32-token block then spans two ids.
+# (vllm/platforms/cpu.py). Mooncake's 512-token hash ids become one 32-token block each;
+# requests longer than the tiny model's 4,096 positions are left out.
 BLOCK = 32
 NUM_GPU_BLOCKS = 480
 MOONCAKE = "traces/mooncake_fast25/conversation_trace.jsonl"
@@ -40,9 +40,9 @@ def test_prefix_cache_hits_equal_vllms(tmp_path, data_dir):
     if not available():
         pytest.skip("vLLM's CPU build is not installed (run scripts/setup-vllm)")
     # 16 prefixes of 24 blocks, each request 33 blocks: a prefix comes back after ~528 blocks, past the pool
-    shared = shared_prefix_prompts(64, prompt_len=1024, overlap=0.75, num_prefixes=16, seed=1)
+    shared = shared_prefix_prompts(48, prompt_len=1024, overlap=0.75, num_prefixes=16, seed=1)
     shared_out = np.full(len(shared), 8)
-    moon, moon_out = mooncake_prompts(data_dir / MOONCAKE, 120, tokens_per_id=16)
+    moon, moon_out = mooncake_prompts(data_dir / MOONCAKE, 140, tokens_per_id=BLOCK, max_tokens=4000)
     prompts, outputs = shared + moon, np.r_[shared_out, moon_out]
     predicted = predict_hits(prompts, outputs, NUM_GPU_BLOCKS, BLOCK)
     server = start_vllm(tmp_path, extra_args=("--num-gpu-blocks-override", str(NUM_GPU_BLOCKS), "--block-size", str(BLOCK)),
@@ -57,4 +57,7 @@ def test_prefix_cache_hits_equal_vllms(tmp_path, data_dir):
     assert measured.hits[n:].tolist() == predicted.hits[n:].tolist()
     assert counters["prefix_cache_queries"] == predicted.total_queries
     assert counters["prefix_cache_hits"] == predicted.total_hits
-    assert 0.1 < predicted.hits[:n].sum() / predicted.queried[:n].sum() < 0.75  # evictions did happen
+    # the pool was tight: both parts hit less than an unbounded cache would
+    unbounded = predict_hits(prompts, outputs, 1 << 20, BLOCK)
+    assert 0 < predicted.hits[:n].sum() < unbounded.hits[:n].sum()
+    assert 0 < predicted.hits[n:].sum() < unbounded.hits[n:].sum()

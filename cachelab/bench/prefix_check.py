@@ -27,7 +27,7 @@ import numpy as np
 
 from cachelab.bench.server_metrics import COUNTERS, scrape
 from cachelab.errors import CachelabError
-from cachelab.workload.prefix_cache.blocks import BlockPrefixCache, block_hashes
+from cachelab.workload.prefix_cache import BlockPrefixCache, block_hashes, sequential_hits
 
 VLLM_BLOCK_SIZE = 16  # vLLM's default on GPUs
 NULL_BLOCKS = 1  # vLLM's BlockPool reserves one block (null_block) for padding
@@ -57,22 +57,13 @@ def predict_hits(prompts: list[np.ndarray], output_lens: np.ndarray, num_gpu_blo
                  block_size: int = VLLM_BLOCK_SIZE, null_blocks: int = NULL_BLOCKS) -> PrefixRun:
     """What vLLM's prefix cache of ``num_gpu_blocks`` blocks reports for this sequence, sent
     one request at a time: cachelab's ``BlockPrefixCache`` with vLLM's null block set aside."""
+    output_lens = np.asarray(output_lens, dtype=np.int64)
+    starts = -1 - np.concatenate([[0], np.cumsum(output_lens)[:-1]])  # negative ids: no prompt holds them
+    keys = [block_hashes(np.concatenate([p.astype(np.int64), np.arange(s, s - (o - 1), -1)]), block_size)
+            for p, o, s in zip(prompts, output_lens, starts)]
+    lengths = np.array([p.size for p in prompts], dtype=np.int64)
     cache = BlockPrefixCache(num_gpu_blocks - null_blocks, block_size)
-    queried = np.zeros(len(prompts), dtype=np.int64)
-    hits = np.zeros(len(prompts), dtype=np.int64)
-    next_output_id = -1
-    for rid, (prompt, out_len) in enumerate(zip(prompts, output_lens)):
-        computed = int(prompt.size + out_len - 1)
-        outputs = np.arange(next_output_id, next_output_id - (out_len - 1), -1, dtype=np.int64)
-        next_output_id -= int(out_len)  # ids no prompt holds: output blocks never match a prompt
-        hashes = block_hashes(np.concatenate([prompt.astype(np.int64), outputs]), block_size)
-        cached = cache.match(hashes, int(prompt.size))
-        cache.admit(rid, hashes, int(prompt.size), cached)
-        if not cache.extend(rid, computed):
-            raise CachelabError(f"request {rid} ({computed} tokens) does not fit in {num_gpu_blocks} blocks")
-        queried[rid], hits[rid] = prompt.size, cached
-        cache.free(rid)
-    return PrefixRun(queried, hits)
+    return PrefixRun(lengths, sequential_hits(cache, keys, lengths, lengths + output_lens - 1))
 
 
 def measure_hits(base_url: str, model: str, prompts: list[np.ndarray], output_lens: np.ndarray,
@@ -106,20 +97,22 @@ def measure_hits(base_url: str, model: str, prompts: list[np.ndarray], output_le
 def shared_prefix_prompts(num_requests: int, prompt_len: int, overlap: float, num_prefixes: int,
                           vocab: int = 100_000, seed: int = 0) -> list[np.ndarray]:
     """Prompts of ``prompt_len`` random token ids whose first ``round(overlap * prompt_len)``
-    tokens are one of ``num_prefixes`` shared prefixes (request i uses prefix i mod G)."""
+    tokens are one of ``num_prefixes`` shared prefixes, picked uniformly at random per request."""
     rng = np.random.default_rng(seed)
     shared = int(round(overlap * prompt_len))
     prefixes = rng.integers(0, vocab, size=(num_prefixes, shared))
-    return [np.concatenate([prefixes[i % num_prefixes], rng.integers(0, vocab, size=prompt_len - shared)])
-            for i in range(num_requests)]
+    group = rng.integers(0, num_prefixes, size=num_requests)
+    return [np.concatenate([prefixes[g], rng.integers(0, vocab, size=prompt_len - shared)]) for g in group]
 
 
 def mooncake_prompts(path: str | os.PathLike, num_requests: int, tokens_per_id: int = VLLM_BLOCK_SIZE,
-                     source_block: int = 512, vocab: int = 100_000, seed: int = 0) -> tuple[list[np.ndarray], np.ndarray]:
+                     max_tokens: int | None = None, source_block: int = 512, vocab: int = 100_000,
+                     seed: int = 0) -> tuple[list[np.ndarray], np.ndarray]:
     """The first requests of a Mooncake JSONL trace as token ids, ``tokens_per_id`` random
     tokens per ``hash_ids`` entry (the trace's 512-token blocks scaled down, so equal ids are
     equal prefixes exactly as in the trace), the last block cut to the same share of its
-    length; outputs scaled the same way (at least one token)."""
+    length; outputs scaled the same way (at least one token). Requests whose prompt and output
+    exceed ``max_tokens`` (the served model's context) are left out."""
     path = os.fspath(path)
     content: dict[int, np.ndarray] = {}
     rng = np.random.default_rng(seed)
@@ -138,8 +131,11 @@ def mooncake_prompts(path: str | os.PathLike, num_requests: int, tokens_per_id: 
                         content[h] = rng.integers(0, vocab, size=tokens_per_id)
                 last = n_in - source_block * (len(ids) - 1)
                 last_len = min(tokens_per_id, max(1, round(tokens_per_id * last / source_block)))
-                prompts.append(np.concatenate([content[h] for h in ids[:-1]] + [content[ids[-1]][:last_len]]))
-                outputs.append(max(1, round(tokens_per_id * int(record["output_length"]) / source_block)))
+                prompt = np.concatenate([content[h] for h in ids[:-1]] + [content[ids[-1]][:last_len]])
+                output = max(1, round(tokens_per_id * int(record["output_length"]) / source_block))
+                if max_tokens is None or prompt.size + output <= max_tokens:
+                    prompts.append(prompt)
+                    outputs.append(output)
     except (OSError, ValueError, KeyError) as exc:
         raise CachelabError(f"{path}: not a Mooncake JSONL trace ({type(exc).__name__}: {exc})") from None
     return prompts, np.array(outputs, dtype=np.int64)

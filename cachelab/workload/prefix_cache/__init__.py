@@ -9,24 +9,39 @@ follow one protocol: ``match`` -> ``admit`` -> ``extend`` ... -> ``free`` (or ``
 from cachelab.workload.prefix_cache.blocks import BlockPrefixCache, block_hashes
 from cachelab.workload.prefix_cache.radix import RadixPrefixCache
 
-__all__ = ["BlockPrefixCache", "RadixPrefixCache", "block_hashes"]
+import numpy as np
+
+__all__ = ["BlockPrefixCache", "RadixPrefixCache", "block_hashes", "replay_sequential", "sequential_hits"]
 
 
-def replay_sequential(cache, keys, prompt_lengths) -> float:
-    """Requests one after another (each finishes before the next starts); the hit ratio.
+def sequential_hits(cache, keys, prompt_lengths, computed_lengths=None) -> np.ndarray:
+    """Requests one after another (each finishes before the next starts); cached prompt tokens
+    per request (0 for one larger than the whole pool, which is dropped uncached).
 
     Args:
         cache: a BlockPrefixCache or RadixPrefixCache.
-        keys: per request, ``cache.prefix_key(tokens)`` (or block hashes, e.g. Mooncake's).
+        keys: per request, ``cache.prefix_key(tokens)`` (or block hashes, e.g. Mooncake's), of
+            every token it computes.
         prompt_lengths: prompt tokens per request.
+        computed_lengths: tokens each request computes (its prompt and all of its output but
+            the last token); default the prompt alone.
     """
-    for rid, (key, num_prompt) in enumerate(zip(keys, prompt_lengths)):
+    computed_lengths = prompt_lengths if computed_lengths is None else computed_lengths
+    hits = np.zeros(len(keys), dtype=np.int64)
+    for rid, (key, num_prompt, num_computed) in enumerate(zip(keys, prompt_lengths, computed_lengths)):
         num_prompt = int(num_prompt)
         cached = cache.match(key, num_prompt)
         cache.admit(rid, key, num_prompt, cached)
-        if not cache.extend(rid, num_prompt):
-            cache.preempt(rid)  # a prompt larger than the whole pool: nothing cached
+        if not cache.extend(rid, int(num_computed)):
+            cache.preempt(rid)  # larger than the whole pool: nothing cached
             continue
         cache.record_query(num_prompt, cached)
+        hits[rid] = cached
         cache.free(rid)
+    return hits
+
+
+def replay_sequential(cache, keys, prompt_lengths) -> float:
+    """Requests one after another (``sequential_hits``); the hit ratio."""
+    sequential_hits(cache, keys, prompt_lengths)
     return cache.hit_ratio

@@ -11,6 +11,9 @@ As vLLM v1's KV-cache manager does it (vllm/v1/core/block_pool.py, kv_cache_mana
 - A block whose reference count drops to zero goes to the *tail* of the free queue but
   stays cached; new blocks are taken from the *head*, evicting the cached hash they held.
   A request frees its blocks tail first, so the end of its chain is evicted before its start.
+  A freed block that holds no hash (a partial block, or one never filled) can never be hit,
+  so it goes to the *head* instead, to be reused first (vLLM 0.32 ``BlockPool.free_blocks``:
+  ``prepend_n`` for blocks without a hash, ``append_n`` for the rest).
 
 Hit rate is vLLM's: cached tokens / queried (prompt) tokens, counted once per admission.
 
@@ -67,7 +70,7 @@ def _touch(table, hashes, n, ref, prev, nxt, meta, out):
 
 
 @nb.njit(cache=True, nogil=True)
-def _take(n, ref, prev, nxt, meta, block_hash, cached, table, out):
+def _take(n, ref, prev, nxt, meta, block_hash, cached, hashed, table, out):
     """Pop ``n`` blocks from the free queue's head, evicting the hashes they held."""
     for i in range(n):
         b = meta[HEAD]
@@ -76,28 +79,39 @@ def _take(n, ref, prev, nxt, meta, block_hash, cached, table, out):
             table.pop(block_hash[b])
             cached[b] = False
             meta[EVICTIONS] += 1
+        hashed[b] = False
         ref[b] = 1
         out[i] = b
 
 
 @nb.njit(cache=True, nogil=True)
-def _cache(blocks, hashes, block_hash, cached, table):
-    """Publish newly full blocks; a hash another block already holds stays with that block."""
+def _cache(blocks, hashes, block_hash, cached, hashed, table):
+    """Publish newly full blocks; a hash another block already holds stays with that block
+    (the duplicate still carries the hash, so it is freed like a cached block)."""
     for i in range(blocks.size):
         h = hashes[i]
+        block_hash[blocks[i]] = h
+        hashed[blocks[i]] = True
         if h not in table:
             table[h] = blocks[i]
-            block_hash[blocks[i]] = h
             cached[blocks[i]] = True
 
 
 @nb.njit(cache=True, nogil=True)
-def _free(blocks, ref, prev, nxt, meta):
-    """Drop one reference per block, in the order given; unreferenced blocks join the tail."""
+def _free(blocks, ref, prev, nxt, meta, hashed):
+    """Drop one reference per block, in the order given; unreferenced blocks with a hash join
+    the tail in that order, those without one the head (the first given ends up first)."""
+    first = np.empty(blocks.size, np.int64)
+    n_first = 0
     for i in range(blocks.size):
         b = blocks[i]
         ref[b] -= 1
         if ref[b] == 0:
+            meta[NUM_FREE] += 1
+            if not hashed[b]:
+                first[n_first] = b
+                n_first += 1
+                continue
             t = meta[TAIL]
             prev[b] = t
             nxt[b] = -1
@@ -106,7 +120,16 @@ def _free(blocks, ref, prev, nxt, meta):
             else:
                 meta[HEAD] = b
             meta[TAIL] = b
-            meta[NUM_FREE] += 1
+    for i in range(n_first - 1, -1, -1):
+        b = first[i]
+        h = meta[HEAD]
+        prev[b] = -1
+        nxt[b] = h
+        if h >= 0:
+            prev[h] = b
+        else:
+            meta[TAIL] = b
+        meta[HEAD] = b
 
 
 def block_hashes(tokens, block_size: int) -> np.ndarray:
@@ -143,7 +166,8 @@ class BlockPrefixCache:
         self._nxt[-1] = -1
         self._meta = np.array([0, n - 1, n, 0], dtype=np.int64)
         self._block_hash = np.zeros(n, np.int64)
-        self._cached = np.zeros(n, np.bool_)
+        self._cached = np.zeros(n, np.bool_)  # the block owns its hash's table entry
+        self._hashed = np.zeros(n, np.bool_)  # the block carries a hash (owner or duplicate)
         self._table = Dict.empty(key_type=types.int64, value_type=types.int64)
         self._req: dict[int, list] = {}
         self.queried_tokens = 0
@@ -213,12 +237,13 @@ class BlockPrefixCache:
             if held + need > blocks.size:
                 blocks = state[0] = np.resize(blocks, held + need)
             _take(need, self._ref, self._prev, self._nxt, self._meta, self._block_hash, self._cached,
-                  self._table, blocks[held:held + need])
+                  self._hashed, self._table, blocks[held:held + need])
             state[1] = held + need
         if self.enable_caching:
             full = min(num_tokens // self.block_size, hashes.size)
             if full > published:
-                _cache(blocks[published:full], hashes[published:full], self._block_hash, self._cached, self._table)
+                _cache(blocks[published:full], hashes[published:full], self._block_hash, self._cached, self._hashed,
+                       self._table)
                 state[2] = full
         return True
 
@@ -240,6 +265,6 @@ class BlockPrefixCache:
     def free(self, rid: int) -> None:
         """Release ``rid``'s blocks, tail first; full ones stay cached until evicted."""
         blocks, held, _, _ = self._req.pop(rid)
-        _free(blocks[:held][::-1].copy(), self._ref, self._prev, self._nxt, self._meta)
+        _free(blocks[:held][::-1].copy(), self._ref, self._prev, self._nxt, self._meta, self._hashed)
 
     preempt = free  # vLLM frees a preempted request's blocks the same way; it recomputes later
