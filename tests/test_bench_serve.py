@@ -196,3 +196,25 @@ def test_against_real_vllm_counts_match_its_metrics(vllm_server, tmp_path):
     for p in (50, 99):
         lo, hi = server[f"p{p}_ttft_bucket_ms"]
         assert lo <= s[f"p{p}_ttft_ms"] <= hi or s[f"p{p}_ttft_ms"] - hi < 0.5 * (hi - lo), (p, lo, hi, s)
+
+
+@pytest.mark.slow
+def test_against_cachelab_serve_counts_match_its_metrics(tmp_path):
+    """The same contract against `cachelab serve` (tiny preset, in this process)."""
+    from cachelab.live.launch import ServeOptions, running_server
+
+    lens = [30, 200, 64, 120, 3000, 90]  # 3000 > the tiny preset's 2,048-token context
+    trace = make_trace(tmp_path / "t.parquet", lens, output_len=5, spacing=0.05)
+    with running_server(ServeOptions(port=0, threads=1, kv_cache_tokens=16_384)) as (url, _engine):
+        res = runner.invoke(app, ["bench", "serve", "--base-url", url, "--trace", str(trace), "--max-concurrency", "3",
+                                  "--json"])
+    assert res.exit_code == 0, res.output
+    s = json.loads(res.stdout)
+    assert (s["completed"], s["failed"]) == (5, 1)
+    (reason,) = s["errors_by_reason"]
+    assert reason.startswith("HTTP 400") and "maximum context length" in reason
+    assert s["total_input_tokens"] == sum(lens) - 3000 and s["total_output_tokens"] == 5 * 5
+    server = s["server_metrics"]
+    assert server["requests"] == 5 and server["prompt_tokens"] == s["total_input_tokens"]
+    assert server["generation_tokens"] == s["total_output_tokens"]
+    assert server["prefix_cache_hits"] == s["prefix_cache_hit_tokens"]

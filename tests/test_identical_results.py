@@ -26,7 +26,7 @@ RECORD = os.environ.get("CACHELAB_RECORD") == "1"
 CLOUD = "cache_traces/libcachesim_cloudphysics/cloudPhysicsIO"
 SIM_POLICIES = ["lru", "fifo", "clock", "sieve", "lfu", "lfuda", "arc", "twoq", "s3fifo", "wtinylfu",
                 "belady", "belady-bypass", "fbgemm-lru", "fbgemm-lfu", "reuse-distance", "lru+tinylfu"]
-TIMING = {"seconds", "wall_seconds", "elapsed", "duration_s"}
+TIMING = {"seconds", "wall_seconds", "elapsed", "duration_s", "duration"}  # duration: duration_s under vLLM's name
 
 
 def _scrub(value):
