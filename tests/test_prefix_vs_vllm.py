@@ -45,19 +45,24 @@ def test_prefix_cache_hits_equal_vllms(tmp_path, data_dir):
     moon, moon_out = mooncake_prompts(data_dir / MOONCAKE, 140, tokens_per_id=BLOCK, max_tokens=4000)
     prompts, outputs = shared + moon, np.r_[shared_out, moon_out]
     predicted = predict_hits(prompts, outputs, NUM_GPU_BLOCKS, BLOCK)
+    unbounded = predict_hits(prompts, outputs, 1 << 20, BLOCK)
+    n_shared = len(shared)
     server = start_vllm(tmp_path, extra_args=("--num-gpu-blocks-override", str(NUM_GPU_BLOCKS), "--block-size", str(BLOCK)),
                         max_model_len=4096)
     try:
         measured, counters = measure_hits(server.base_url, server.model, prompts, outputs)
     finally:
         server.stop()
+    print(f"\n{len(prompts)} requests ({n_shared} shared-prefix, {len(moon)} Mooncake), {NUM_GPU_BLOCKS} blocks of "
+          f"{BLOCK}: vLLM /metrics {counters['prefix_cache_hits']:.0f} hits of {counters['prefix_cache_queries']:.0f}; "
+          f"cachelab {predicted.total_hits} of {predicted.total_queries}; unbounded {unbounded.total_hits}; "
+          f"no null block {predict_hits(prompts, outputs, NUM_GPU_BLOCKS, BLOCK, null_blocks=0).total_hits}")
     assert measured.queried.tolist() == predicted.queried.tolist()
-    n = len(shared)
+    n = n_shared
     assert measured.hits[:n].tolist() == predicted.hits[:n].tolist()
     assert measured.hits[n:].tolist() == predicted.hits[n:].tolist()
     assert counters["prefix_cache_queries"] == predicted.total_queries
     assert counters["prefix_cache_hits"] == predicted.total_hits
     # the pool was tight: both parts hit less than an unbounded cache would
-    unbounded = predict_hits(prompts, outputs, 1 << 20, BLOCK)
     assert 0 < predicted.hits[:n].sum() < unbounded.hits[:n].sum()
     assert 0 < predicted.hits[n:].sum() < unbounded.hits[n:].sum()
