@@ -90,6 +90,11 @@ def test_bad_trace_and_flags_are_named(tmp_path):
     trace = make_trace(tmp_path / "t.parquet", [20, 30])
     res = runner.invoke(app, ["bench", "serve", "--base-url", "http://x", "--trace", str(trace), "--num-prompts", "5"])
     assert res.exit_code == 2 and "--num-prompts 5 but the trace holds 2 requests" in res.output
+    res = runner.invoke(app, ["bench", "serve", "--base-url", "http://x", "--trace", str(trace), "--goodput", "ttft:1",
+                              "tpot"])
+    assert res.exit_code == 2 and "--goodput 'tpot'" in res.output
+    res = runner.invoke(app, ["bench", "serve", "--base-url", "http://x", "--trace", str(trace), "stray"])
+    assert res.exit_code == 2 and "unexpected argument(s) ['stray']" in res.output
     res = runner.invoke(app, ["bench", "serve", "--base-url", "http://x", "--trace", str(tmp_path / "none.parquet")])
     assert res.exit_code == 2 and "trace not found" in res.output
     empty = tmp_path / "empty.parquet"
@@ -178,7 +183,7 @@ def test_against_real_vllm_counts_match_its_metrics(vllm_server, tmp_path):
     trace = make_trace(tmp_path / "t.parquet", lens, output_len=6)
     out = tmp_path / "result.json"
     res = runner.invoke(app, ["bench", "serve", "--base-url", vllm_server.base_url, "--trace", str(trace),
-                              "--max-concurrency", "2", "--request-rate", "inf", "--goodput", "ttft:60000",
+                              "--max-concurrency", "2", "--request-rate", "inf", "--goodput", "ttft:60000", "e2el:600000",
                               "--json", "--save-result", str(out)])
     assert res.exit_code == 0, res.output
     s = json.loads(res.stdout)

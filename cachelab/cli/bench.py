@@ -14,8 +14,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 app = typer.Typer(no_args_is_help=True, help="Benchmark live servers (load generator, server metrics).")
 
 
-@app.command("serve")
+@app.command("serve", context_settings={"allow_extra_args": True})
 def serve(
+    ctx: typer.Context,
     base_url: str = typer.Option(..., "--base-url", help="The server, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)."),
     trace: Path = typer.Option(..., "--trace", help="A cachelab trace with token ids (`cachelab trace build`)."),
     model: str = typer.Option(None, "--model", help="Model name to ask for; default: the first the server lists."),
@@ -25,8 +26,9 @@ def serve(
                                             "Default: the trace's own arrival times."),
     burstiness: float = typer.Option(1.0, "--burstiness", help="Gamma shape of the gaps with --request-rate: "
                                                                 "1 is Poisson, < 1 burstier, > 1 more even."),
-    goodput: list[str] = typer.Option(None, "--goodput", help="SLO NAME:MS (ttft, tpot, e2el); repeat for several; "
-                                                              "request_goodput counts requests meeting all."),
+    goodput: list[str] = typer.Option(None, "--goodput", help="SLOs NAME:MS (ttft, tpot, e2el), as vLLM takes them: "
+                                                              "--goodput ttft:500 tpot:50; request_goodput counts "
+                                                              "requests meeting all."),
     num_prompts: int = typer.Option(None, "--num-prompts", help="Send the trace's first N requests (default all)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the --request-rate arrival draws."),
     ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos",
@@ -40,9 +42,12 @@ def serve(
     Failed requests are counted with their reasons, never dropped; Ctrl-C keeps what finished."""
     from cachelab.bench.client import BenchConfig, json_safe, run_bench
     from cachelab.bench.plan import plan_from_trace
+    from cachelab.errors import CachelabError
     from cachelab.serving.metrics import parse_goodput
 
-    slos = parse_goodput(goodput)
+    if ctx.args and not goodput:
+        raise CachelabError(f"unexpected argument(s) {ctx.args}")
+    slos = parse_goodput([*(goodput or []), *ctx.args])  # vLLM's `--goodput ttft:MS tpot:MS` (several values)
     plan = plan_from_trace(trace, num_prompts=num_prompts, request_rate=request_rate, burstiness=burstiness,
                            seed=seed)
     config = BenchConfig(base_url, model, max_concurrency, slos, ignore_eos)
