@@ -37,11 +37,12 @@ def scrape(url) -> dict:
 def wait_idle(engine):
     import time
 
-    for _ in range(400):
+    for _ in range(1200):
         if not engine.num_running and not engine.num_waiting:
             return
         time.sleep(0.05)
-    raise AssertionError("engine did not go idle")
+    raise AssertionError(f"engine did not go idle: {engine.num_running} running, {engine.num_waiting} waiting, "
+                         f"{engine.counters}")
 
 
 def test_completion_and_chat_with_token_ids(server):
@@ -181,3 +182,27 @@ def test_client_disconnect_mid_stream_frees_kv_blocks(server):
     assert after[("vllm:request_success_total", ("finished_reason", "abort"))] >= 1
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
     assert client.completions.create(model=MODEL, prompt="still serving", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_client_gone_while_waiting_for_a_whole_answer_is_aborted(server):
+    import socket
+    import time
+    from urllib.parse import urlparse
+
+    url, engine = server
+    wait_idle(engine)
+    aborted = engine.counters.finished["abort"]
+    body = json.dumps({"model": MODEL, "prompt": "a long answer", "max_tokens": 1900, "ignore_eos": True}).encode()
+    where = urlparse(url)
+    with socket.create_connection((where.hostname, where.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        for _ in range(1200):  # hang up once the request runs
+            if engine.num_running:
+                break
+            time.sleep(0.05)
+        assert engine.num_running == 1
+        sock.shutdown(socket.SHUT_RDWR)
+    wait_idle(engine)
+    assert engine.counters.finished["abort"] == aborted + 1
+    assert scrape(url)[("vllm:kv_cache_usage_perc",)] == 0.0

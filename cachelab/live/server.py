@@ -15,7 +15,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
@@ -24,7 +24,6 @@ from cachelab.live.metrics import EngineMetrics
 from cachelab.live.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_prompt, chunk_body,
                                     completion_body, new_id, usage, usage_chunk)
 
-DISCONNECT_POLL_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -58,13 +57,12 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
     async def api_error(_: Request, exc: APIError):
         return JSONResponse(exc.body(), status_code=exc.status)
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1") and \
-                request.headers.get("authorization", "") != f"Bearer {api_key}":
-            return JSONResponse(APIError(401, "Unauthorized: send the server's API key as a Bearer token").body(),
-                                status_code=401)
-        return await call_next(request)
+    async def authenticate(request: Request) -> None:
+        """The /v1 routes' key check (a dependency: an HTTP middleware would hide disconnects)."""
+        if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
+            raise APIError(401, "Unauthorized: send the server's API key as a Bearer token")
+
+    v1 = {"dependencies": [Depends(authenticate)]}
 
     async def read_json(request: Request, model_cls):
         declared = request.headers.get("content-length")
@@ -119,7 +117,7 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
                                      media_type="text/event-stream")
         return JSONResponse(await _whole(engine, request, rid, collector, oid, model_name, ids, req, chat))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **v1)
     async def completions(request: Request):
         req = await read_json(request, CompletionRequest)
         prompt = req.prompt
@@ -130,14 +128,14 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
         ids = tokenizer.encode(prompt, add_special_tokens=False).ids if isinstance(prompt, str) else list(prompt)
         return await run(request, req, ids, prepare(ids, req.max_tokens, req), chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **v1)
     async def chat_completions(request: Request):
         req = await read_json(request, ChatCompletionRequest)
         ids = tokenizer.encode(chat_prompt(req.messages), add_special_tokens=False).ids
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         return await run(request, req, ids, prepare(ids, max_tokens, req), chat=True)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", **v1)
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "cachelab", "root": model_name, "parent": None,
@@ -156,19 +154,26 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
     return app
 
 
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (vLLM's listen_for_disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _whole(engine, request: Request, rid: int, collector: _Collector, oid: str, model: str, prompt_ids, req,
                  chat: bool) -> dict:
     """Wait for every output of ``rid``; abort it if the client goes away meanwhile."""
     tokens, text = [], []
+    gone = asyncio.ensure_future(_client_gone(request))
     try:
         while True:
-            try:
-                out = await asyncio.wait_for(collector.queue.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    engine.abort(rid)
-                    return {}
-                continue
+            get = asyncio.ensure_future(collector.queue.get())
+            await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                engine.abort(rid)
+                return {}
+            out = get.result()
             tokens += out.new_token_ids
             text.append(out.new_text)
             if out.finished:
@@ -176,6 +181,8 @@ async def _whole(engine, request: Request, rid: int, collector: _Collector, oid:
     except asyncio.CancelledError:
         engine.abort(rid)
         raise
+    finally:
+        gone.cancel()
     return completion_body(oid, model, "".join(text), out.finish_reason, out.stop_reason,
                            tokens if req.return_token_ids else None, prompt_ids,
                            usage(out.num_prompt, out.num_output, out.cached_tokens), chat)
