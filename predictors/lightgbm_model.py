@@ -47,25 +47,27 @@ class LightGBM(Predictor):
         data = lgb.Dataset(features, labels, feature_name=list(feature_names), free_raw_data=True)
         booster = lgb.train(self._params(), data, num_boost_round=self.n_estimators)
         self._read(booster.model_to_string(), list(feature_names), "the trained LightGBM model")
+        self.feature_gain_ = booster.feature_importance(importance_type="gain")  # unrounded, as the text is not
         return self
 
     def _read(self, text: str, feature_names: list[str], where: str) -> None:
         self.model_text_ = text
-        self.forest_, self.gain_, width = from_lightgbm_text(text, where)
+        self.forest_, gain, width = from_lightgbm_text(text, where)
         if width != len(feature_names):
             raise CachelabError(f"{where}: {width} features, but the metadata names {len(feature_names)}")
         self.feature_names_ = feature_names
+        internal = self.forest_.left >= 0
+        self.feature_gain_ = np.bincount(self.forest_.feature[internal], gain[internal], width)
 
     def predict(self, features) -> np.ndarray:
         raw = self.forest_.raw_predict(features)
         return -raw if self.task == "regression" else 1.0 / (1.0 + np.exp(-raw))
 
     def importances(self) -> dict[str, float]:
-        """Share of the total split gain per feature (LightGBM's ``importance_type="gain"``)."""
-        internal = self.forest_.left >= 0
-        gain = np.bincount(self.forest_.feature[internal], self.gain_[internal], len(self.feature_names_))
-        total = float(gain.sum()) or 1.0
-        return {n: float(g) / total for n, g in zip(self.feature_names_, gain)}
+        """Share of the total split gain per feature (LightGBM's ``importance_type="gain"``; read
+        back from model.txt, whose gains are printed rounded, after a load)."""
+        total = float(self.feature_gain_.sum()) or 1.0
+        return {n: float(g) / total for n, g in zip(self.feature_names_, self.feature_gain_)}
 
     def save_model(self, directory: Path) -> None:
         (Path(directory) / MODEL_FILE).write_text(self.model_text_)

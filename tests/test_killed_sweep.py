@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from experiment_helpers import descendants, write_spec
 from mlflow import MlflowClient
 
@@ -25,6 +26,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"  # a zombie has ended; only its parent's wait is missing
 
 
+@pytest.mark.slow
 def test_sigkilled_sweep_leaves_no_survivor_and_sync_closes_its_runs(tmp_path):
     spec = write_spec(tmp_path, name="orphans", capacities=("0.5%", "1%", "2%", "4%"))
     spec.write_text(spec.read_text().replace("max_chars = 40000", "max_chars = 8000"))  # the pool starts sooner
