@@ -154,6 +154,10 @@ def test_roofline_regimes():
     assert float(far[0]) == 40 * 128 + 38 * 512
     r1 = load_model("deepseek-r1")
     assert float(r1.attended_positions(np.array([0.0]), np.array([3.0]))[0]) == 61 * (1 + 2 + 3)
+    # MLA decodes absorbed (576-wide QK, 512-wide V) but prefills unabsorbed (192 and 128 per head)
+    assert r1.attn_flops_per_position == 2 * 128 * (576 + 512)
+    assert r1.prefill_attn_flops_per_position == 2 * 128 * (192 + 128)
+    assert MODEL.prefill_attn_flops_per_position == MODEL.attn_flops_per_position
 
 
 def test_v41_kv_read_is_bounded_while_r1_grows_with_context():

@@ -253,19 +253,21 @@ def hw_list(as_json: bool = typer.Option(False, "--json", help="Print one JSON o
 
 
 def _efficiency(console: Console, evals: int):
-    """The efficiencies fitted on the named calibration subset (defaults, said so, without data)."""
+    """(efficiency, fit loss): fitted on the named calibration subset, or the defaults (said
+    so) when ``evals`` is 0 or the calibration data is absent."""
     from cachelab.paths import data_root
     from cachelab.serving.calibration import FIT_SUBSET, fit, load_points
     from cachelab.serving.latency import Efficiency
 
+    if not evals:
+        return Efficiency(), None
     try:
         points = [p for p in load_points(data_root()) if p.subset == FIT_SUBSET]
     except CachelabError as exc:
         console.print(f"[yellow]{exc}; using the default (unfitted) efficiencies[/]")
-        return Efficiency(), None, []
+        return Efficiency(), None
     with console.status(f"fitting efficiencies on {FIT_SUBSET} ({len(points)} points)"):
-        eff, loss = fit(points, max_evals=evals)
-    return eff, loss, points
+        return fit(points, max_evals=evals)
 
 
 @study_app.command("semianalysis")
@@ -290,11 +292,7 @@ def study_semianalysis(
     if not 0.0 <= prefix_hit < 1.0:
         raise CachelabError(f"--prefix-hit must be in [0, 1), got {prefix_hit}")
     console = Console(stderr=True, quiet=as_json)
-    eff, loss, _ = _efficiency(console, fit_evals) if fit_evals else (None, None, [])
-    if eff is None:
-        from cachelab.serving.latency import Efficiency
-
-        eff = Efficiency()
+    eff, loss = _efficiency(console, fit_evals)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console, transient=True, disable=as_json) as bar:
         task = bar.add_task("points", total=total_points())

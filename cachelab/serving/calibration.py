@@ -13,7 +13,7 @@ from __future__ import annotations
 import csv
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -55,7 +55,6 @@ class Point:
     framework: str = ""
     kv_offload_bytes: float = 0.0
     page_cache_bytes: float | None = None
-    extra: dict = field(default_factory=dict)
 
 
 def _float(row: dict, key: str) -> float | None:
@@ -102,13 +101,13 @@ def load_points(root: Path) -> list[Point]:
     for row in _rows(root, "inferencex_agentic_offload_points.csv"):
         if "DeepSeek-R1" not in row["model"] or row["kv_offload"] != "off" or row["status"] != "SUCCESS":
             continue
-        n, duration = _float(row, "num_requests"), _float(row, "duration_s")
+        rps = _float(row, "throughput_rps")
         ins, outs = _float(row, "sys_input_tput_tok_s"), _float(row, "sys_output_tput_tok_s")
-        if not (n and duration and ins and outs):
+        if not (rps and ins and outs):
             continue
         hit = _float(row, "gpu_prefix_hit_rate") or 0.0
         hit = hit / 100 if hit > 1 else hit
-        isl, osl = ins * duration / n, outs * duration / n
+        isl, osl = ins / rps, outs / rps  # the run's mean request (a workload fact, not an outcome)
         one = np.ones(1)
         wl = Workload("agentic (per-point means)", one * isl * (1 - hit), one * isl * hit, one * osl, one * 0.0,
                       "the point's own mean ISL/OSL and GPU prefix hit rate")

@@ -246,11 +246,14 @@ class LatencyModel:
         expert_rate = (g.fp4_flops if m.expert_precision == "fp4" else g.fp8_flops) * e.mfu
         experts = self._roofline(2 * m.moe_layers * m.expert_params * rows / tp, expert_rate,
                                  float(m.touched_expert_bytes(tokens)) / tp)
-        positions = float((w * m.attended_positions(lo, hi)).sum())
+        positions = w * m.attended_positions(lo, hi)
+        prefill = (hi - lo) > 1 + m.speculative_tokens  # a prefill chunk, not a decode / verify row
+        attn_flops = float(np.where(prefill, m.prefill_attn_flops_per_position, m.attn_flops_per_position)
+                           @ positions) if positions.ndim else m.attn_flops_per_position * float(positions)
         kv = float((w * m.kv_read_bytes(hi - lo, hi)).sum())
         if not m.kv_replicated_across_tp:
             kv /= tp
-        attention = self._roofline(m.attn_flops_per_position * positions / tp, g.bf16_flops * e.attention_mfu, kv)
+        attention = self._roofline(attn_flops / tp, g.bf16_flops * e.attention_mfu, kv)
         indexer = 0.0
         if m.index_sources:
             scored = float((w * m.indexer_positions(lo, hi)).sum())

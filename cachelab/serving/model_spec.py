@@ -56,6 +56,8 @@ class ModelSpec:
     heads: int
     qk_dim: int  # per head, the width QK^T contracts over (absorbed latent + RoPE)
     v_dim: int  # per head, the width of the value the probabilities multiply
+    prefill_qk_dim: int  # the same for prefill chunks, which MLA runs unabsorbed (0: as decode)
+    prefill_v_dim: int
     kv_bytes_per_token: float  # every layer's cache entry for one token, per replica
     kv_replicated_across_tp: bool
     sliding_window: int  # 0: none
@@ -124,8 +126,16 @@ class ModelSpec:
 
     @property
     def attn_flops_per_position(self) -> float:
-        """FLOPs one query spends per attended position per layer (QK^T and PV, all heads)."""
+        """FLOPs one decoding query spends per attended position per layer (QK^T and PV, all heads)."""
         return 2.0 * self.heads * (self.qk_dim + self.v_dim)
+
+    @property
+    def prefill_attn_flops_per_position(self) -> float:
+        """The same for a prefill query: MLA prefill expands the latent into per-head keys and
+        values (vLLM and SGLang run it as plain multi-head attention), a narrower contraction."""
+        if not self.prefill_qk_dim:
+            return self.attn_flops_per_position
+        return 2.0 * self.heads * (self.prefill_qk_dim + self.prefill_v_dim)
 
     def touched_expert_bytes(self, tokens):
         """Expert weight bytes a step of ``tokens`` tokens reads: the experts at least one token
@@ -182,7 +192,7 @@ _NUMBERS = {
     "attention": ("heads", "qk_dim", "v_dim", "kv_bytes_per_token"),
 }
 _OPTIONAL = {  # zero (or empty) when a spec leaves them out
-    "attention": ("sliding_window", "window_bytes_per_position", "sparse_topk", "latent_bytes_per_position",
+    "attention": ("prefill_qk_dim", "prefill_v_dim", "sliding_window", "window_bytes_per_position", "sparse_topk", "latent_bytes_per_position",
                   "index_heads", "index_head_dim", "index_key_bytes"),
     "mtp": ("draft_layers", "draft_params", "draft_active_params", "draft_passes_per_step", "speculative_tokens"),
     "engram": ("wkv_params",),

@@ -15,7 +15,7 @@ wait (M/D/1 mean). Every input a point uses is in ``Workload`` and ``Deployment`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -241,16 +241,3 @@ class SteadyState:
         if price:
             out["tokens_per_dollar"] = out["tokens_per_s_per_gpu"] * 3600 / price
         return out
-
-
-def sweep(deployment: Deployment, workload: Workload, concurrencies) -> list[dict]:
-    """The steady state at each concurrency (a closed-loop benchmark's sweep)."""
-    model = SteadyState(deployment, workload)
-    return [model.solve(int(c)) for c in concurrencies]
-
-
-def with_efficiency(deployment: Deployment, **changes) -> Deployment:
-    """The same deployment with some efficiency parameters changed (fitting, sensitivity)."""
-    lat = deployment.latency
-    eff = replace(lat.eff, **changes)
-    return replace(deployment, latency=LatencyModel(lat.model, lat.hw, lat.tp, lat.placement, lat.row_cache_bytes, eff))

@@ -186,7 +186,7 @@ def run(out_dir: Path, eff: Efficiency, workload: Workload | None = None,
         (pl.col("placement") + " TP" + pl.col("tp").cast(pl.String)).alias("config"))
     for hw in ("B200", "B300"):
         plot_fronts(fits.filter(pl.col("hardware") == hw), "config", out_dir / f"semianalysis_{hw.lower()}.png",
-                    f"{hw}: DeepSeek-V4.1-Flash, agentic workload ({workload.name})", TARGET, X, Y,
+                    f"{hw}: DeepSeek-V4.1-Flash, {workload.name}", TARGET, X, Y,
                     "P90 interactivity (tok/s/user = 1000 / P90 TPOT ms)")
     result = analyse(points)
     result["workload"] = workload.describe()
