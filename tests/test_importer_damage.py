@@ -84,7 +84,10 @@ def _data_lines(data: bytes, header: int) -> list[int]:
     """The 1-based numbers of the lines an importer must account for: non-blank (or not UTF-8)
     lines after the header, split as a binary file iterates."""
     numbers = []
-    for number, raw in enumerate(data.splitlines(keepends=True), start=1):
+    pieces = data.split(b"\n")  # a binary file iterates on \n alone (bytes.splitlines also splits on \r)
+    if pieces and not pieces[-1]:
+        pieces.pop()
+    for number, raw in enumerate(pieces, start=1):
         try:
             text = raw.decode("utf-8").removeprefix("\ufeff" if number == 1 else "")
         except UnicodeDecodeError:
