@@ -365,9 +365,12 @@ def study_inferencex(
         typer.echo(json.dumps(result, default=float))
         return
     table = Table(title=f"held-out MAPE (fitted on {FIT_SUBSET})")
-    metrics = sorted({k for r in held for k in r["error"]})
-    for col in ("subset", *metrics):
-        table.add_column(col, justify="right")
+    labels = {"tokens_per_s_per_gpu": "tok/s/GPU", "median_tpot_ms": "TPOT p50", "p99_tpot_ms": "TPOT p99",
+              "median_ttft_ms": "TTFT p50", "p99_ttft_ms": "TTFT p99"}
+    metrics = [k for k in labels if any(k in r["error"] for r in held)]
+    table.add_column("subset")
+    for k in metrics:
+        table.add_column(labels[k], justify="right")
     for s, m in {**result["heldout_mape_by_subset"], "all held-out": result["heldout_mape"]}.items():
         table.add_row(s, *(f"{m[k]:.1%}" if k in m else "" for k in metrics))
     c = Console()
