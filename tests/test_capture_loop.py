@@ -16,10 +16,11 @@ from cachelab.capture.proxy import ProxyConfig, create_app
 from cachelab.capture.recorder import Recorder
 from cachelab.capture.to_trace import read_requests
 from cachelab.cli import app
+from cachelab.learning.lineup import lineup
 from cachelab.live.launch import ServeOptions, running_server
 from traces.stdlib import StdlibCorpus
 
-SESSIONS = 8
+SESSIONS = 6
 
 
 def _cli(*args) -> dict:
@@ -30,13 +31,13 @@ def _cli(*args) -> dict:
 
 def _load(base_url: str, model: str) -> None:
     """Two-turn sessions over real text (the standard library's docstrings), 4 at a time."""
-    docs = [d.text[:400] for d, _ in zip(StdlibCorpus().documents(), range(SESSIONS))]
+    docs = [d.text[:300] for d, _ in zip(StdlibCorpus().documents(), range(SESSIONS))]
 
     def session(i):
         client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
         messages = [{"role": "user", "content": docs[i]}]
         for _ in range(2):
-            out = client.chat.completions.create(model=model, messages=messages, max_tokens=8,
+            out = client.chat.completions.create(model=model, messages=messages, max_tokens=6,
                                                  extra_headers={"X-Session-Id": f"s{i}"})
             messages += [{"role": "assistant", "content": out.choices[0].message.content},
                          {"role": "user", "content": "And then?"}]
@@ -73,8 +74,8 @@ def test_serve_capture_train_evaluate_serve(tmp_path):
     evaluated = _cli("evaluate", "--trace", trace, "--requests", "1000", "--model", str(tmp_path / "model"),
                      "--capacities", "0.02")
     judged = evaluated["capacities"][0]
-    policy = judged["best_heuristic"]
-    assert evaluated["learned_policy"] in judged["miss_ratio"] and policy in judged["miss_ratio"]
+    assert evaluated["learned_policy"] in judged["miss_ratio"]
+    policy = lineup().heuristics[judged["best_heuristic"]]  # evaluate reports labels; serve takes the name
     # Serve again, capturing, with the row cache the evaluation found best among the policies the
     # live store runs without predictor scores (serving a learned policy needs online scores).
     # Serve again with the row cache the evaluation chose, still capturing.
