@@ -43,8 +43,8 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from cachelab.cli import (bench, cache, capture, engram, experiment, learn, live, plugins, quickstart, serving,
-                              store, trace)
+    from cachelab.cli import (bench, cache, calibrate, capture, engram, experiment, learn, live, plugins, quickstart,
+                              serving, store, trace)
 
     app.add_typer(engram.app, name="engram")
     app.add_typer(trace.app, name="trace")
@@ -66,6 +66,7 @@ def _register() -> None:
     app.command("sync")(experiment.sync)
     app.add_typer(store.app, name="store")
     app.add_typer(bench.app, name="bench")
+    app.command("calibrate")(calibrate.calibrate)
 
 
 _register()

@@ -351,6 +351,10 @@ class LiveEngine:
                 "batch": int(step.requests.size), "decodes": step.decodes, "admitted": int(step.admitted.sum()),
                 "preempted": len(step.preempted), "prefix_hit_tokens": int(step.cached.sum()),
                 "engram_rows": int(row_ids.size), "compute_s": t_done - t0 - fetch["stall_s"], **fetch,
+                # who ran which positions: the attention span the latency model charges, and
+                # each request's first and last token for replaying TTFT/TPOT (cachelab calibrate)
+                "requests": step.requests.tolist(), "starts": step.starts.tolist(),
+                "stops": step.stops.tolist(), "num_prompt": step.num_prompt.tolist(),
                 **{f"store_{k}": v for k, v in store.items() if isinstance(v, (int, float))}})
 
 

@@ -145,23 +145,30 @@ def _loss(points: list[Point], eff: Efficiency) -> float:
 
 def fit(points: list[Point], start: Efficiency = Efficiency(), max_evals: int = 150,
         progress: Callable[[int, int], None] | None = None) -> tuple[Efficiency, float]:
-    """Pattern search on the log of each ``FITTED`` parameter: try x2^(+-step) for each in turn,
-    keep any improvement (the step stays), halve the step after a pass without one; stop at
-    ``max_evals`` loss evaluations or a step below 2^(1/64). Deterministic. Returns the fitted
-    efficiency and its loss (sum of squared log ratios over ``FIT_METRICS``)."""
+    """Fit ``FITTED`` on published points (``pattern_search`` on the sum of squared log ratios
+    over ``FIT_METRICS``). Returns the fitted efficiency and its loss."""
+    return pattern_search(lambda eff: _loss(points, eff), start, FITTED, max_evals, progress)
+
+
+def pattern_search(loss_of: Callable[[Efficiency], float], start: Efficiency, names: tuple[str, ...],
+                   max_evals: int = 150, progress: Callable[[int, int], None] | None = None) -> tuple[Efficiency, float]:
+    """Pattern search on the log of each named ``Efficiency`` field: try x2^(+-step) for each in
+    turn, keep any improvement (the step stays), halve the step after a pass without one; stop
+    at ``max_evals`` loss evaluations or a step below 2^(1/64). Deterministic (fractions of peak
+    stay at most 1). Returns the best efficiency and its loss."""
     from dataclasses import replace
 
-    eff, best = start, _loss(points, start)
+    eff, best = start, loss_of(start)
     step, evals = 1.0, 1
     while step > 1 / 64 and evals < max_evals:
         improved = False
-        for name in FITTED:
+        for name in names:
             for sign in (1, -1):
                 value = getattr(eff, name) * 2 ** (sign * step)
-                if name in ("mbu", "mfu") and value > 1:
+                if name in ("mbu", "mfu", "attention_mfu") and value > 1:
                     continue
                 trial = replace(eff, **{name: value})
-                loss = _loss(points, trial)
+                loss = loss_of(trial)
                 evals += 1
                 if progress:
                     progress(evals, max_evals)

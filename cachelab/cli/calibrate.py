@@ -1,0 +1,56 @@
+"""``cachelab calibrate``: the latency model fitted to live step logs, judged on held-out runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+
+def calibrate(
+    step_log: Path = typer.Option(..., "--step-log", help="A `cachelab serve --step-log` directory, or a folder of "
+                                  "them (one per run: a concurrency or overlap point)."),
+    out: Path = typer.Option(None, "--out", help="Write the fitted hardware profile (TOML) here."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    fit: list[str] = typer.Option(None, "--fit", help="Run(s) to fit on (default: the first by name); every "
+                                  "other run is held out for validation."),
+    preset: str = typer.Option("tiny", "--preset", help="The model preset the runs served (`cachelab serve --preset`)."),
+    threads: int = typer.Option(1, "--threads", help="Torch threads the runs used (`cachelab serve --threads`)."),
+    hardware: str = typer.Option("local", "--hardware", help="Starting profile: 'local' (`cachelab hw probe`) or a file."),
+    max_evals: int = typer.Option(150, "--max-evals", help="Loss evaluations the fit may spend."),
+) -> None:
+    """Fit the latency model's efficiency (MFU, MBU, attention MFU, per-step, per-layer and
+    per-sequence overheads) to live runs' per-step compute, then replay each held-out run's
+    schedule on the predicted clock: live against predicted mean and P99 TTFT/TPOT per run,
+    with MAPE, signed bias and Pearson r over the held-out runs."""
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from cachelab.live.config import model_config
+    from cachelab.serving.hardware import load_profile
+    from cachelab.serving.live_calibration import METRICS, calibrate as run, find_runs, write_profile
+
+    runs = find_runs(step_log)
+    local = load_profile(hardware)
+    with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
+        task = progress.add_task("fitting", total=max_evals)
+        result = run(runs, model_config(preset), local, threads, fit or None, max_evals,
+                     lambda done, total: progress.update(task, completed=done))
+    if out is not None:
+        write_profile(result, local, threads, out)
+    if as_json:
+        typer.echo(json.dumps(result.to_dict(), indent=2))
+        return
+    table = Table(title=f"live vs predicted (fit on {', '.join(result.fit_runs)})")
+    table.add_column("run")
+    table.add_column("role")
+    for m in METRICS:
+        table.add_column(f"{m} live / pred")
+    for p in result.points:
+        table.add_row(p["run"], p["role"], *(f"{p['live'][m]:.2f} / {p['predicted'][m]:.2f}" for m in METRICS))
+    console = Console()
+    console.print(table)
+    for m, e in result.summary.items():
+        console.print(f"held-out {m}: MAPE {e['mape']:.1%}, bias {e['bias']:+.1%}, Pearson r {e['pearson_r']:.3f}")

@@ -1,0 +1,75 @@
+"""`cachelab calibrate` on real step logs of `cachelab serve --preset tiny` runs (in this process,
+real sockets), driven by `cachelab bench serve` at two concurrencies; and the replay arithmetic."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import polars as pl
+import pytest
+from typer.testing import CliRunner
+
+from cachelab.cli import app
+from cachelab.serving.live_calibration import replay_clock, request_times
+from test_bench_serve import make_trace
+
+runner = CliRunner()
+
+
+def test_request_times_from_a_schedule():
+    # request 0: prompt 4 in one step, then 2 decodes; request 1 joins at step 1 (prompt 2)
+    frame = pl.DataFrame({"start_s": [0.0, 1.0, 2.5], "step_s": [0.5, 1.0, 0.5],
+                          "requests": [[0], [0, 1], [0, 1]], "stops": [[4], [5, 2], [6, 3]],
+                          "num_prompt": [[4], [4, 2], [4, 2]]})
+    begin, end = replay_clock(frame, frame["step_s"].to_numpy())
+    assert begin.tolist() == [0.0, 1.0, 2.5] and end.tolist() == [0.5, 2.0, 3.0]
+    t = request_times(frame, begin, end)
+    assert t["ttft_ms"].to_list() == [500.0, 1000.0]
+    assert t["tpot_ms"].to_list() == [1250.0, 1000.0]
+    # twice as slow steps keep the idle gaps (0.5 s before step 1, 0.5 s before step 2)
+    begin, end = replay_clock(frame, 2 * frame["step_s"].to_numpy())
+    assert end.tolist() == [1.0, 3.5, 5.0]
+
+
+@pytest.fixture(scope="module")
+def step_logs(tmp_path_factory):
+    from cachelab.live.launch import ServeOptions, running_server
+
+    root = tmp_path_factory.mktemp("calib")
+    trace = make_trace(root / "t.parquet", [40, 120, 64, 200, 90, 150], output_len=8)
+    for c in (1, 3):
+        opts = ServeOptions(port=0, threads=1, kv_cache_tokens=16_384, step_log=root / "runs" / f"c{c}")
+        with running_server(opts) as (url, _engine):
+            res = runner.invoke(app, ["bench", "serve", "--base-url", url, "--trace", str(trace),
+                                      "--max-concurrency", str(c), "--json"])
+        assert res.exit_code == 0, res.output
+    return root
+
+
+@pytest.mark.slow
+def test_calibrate_fits_one_run_and_validates_the_other(step_logs, tmp_path):
+    profile = tmp_path / "local.toml"
+    res = runner.invoke(app, ["hw", "probe", "--out", str(profile), "--directory", str(tmp_path), "--json"])
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "fitted.toml"
+    res = runner.invoke(app, ["calibrate", "--step-log", str(step_logs / "runs"), "--fit", "c1", "--hardware",
+                              str(profile), "--out", str(out), "--max-evals", "40", "--json"])
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.stdout)
+    assert [(p["run"], p["role"]) for p in r["points"]] == [("c1", "fit"), ("c3", "held-out")]
+    for p in r["points"]:
+        assert all(np.isfinite(p["live"][m]) and p["live"][m] > 0 for m in p["live"])
+        assert all(np.isfinite(p["predicted"][m]) and p["predicted"][m] > 0 for m in p["predicted"])
+    held = r["points"][1]
+    for m, e in r["summary"].items():
+        assert e["points"] == 1
+        assert e["mape"] == pytest.approx(abs(held["predicted"][m] - held["live"][m]) / held["live"][m])
+    from cachelab.serving.hardware import load_profile
+
+    assert load_profile(out).gpu.hbm_bw > 0  # the written profile loads as a hardware profile
+
+
+def test_calibrate_names_a_folder_without_step_logs(tmp_path):
+    res = runner.invoke(app, ["calibrate", "--step-log", str(tmp_path)])
+    assert res.exit_code == 2 and "no steps-*.parquet" in res.output
