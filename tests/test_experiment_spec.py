@@ -137,6 +137,17 @@ def test_a_kind_ignores_the_axes_it_does_not_read(tmp_path):
         load_spec(path)
 
 
+def test_held_out_domains_are_a_list_and_a_bad_one_is_named_by_index(tmp_path):
+    held = ('\n[predictor]\nname = "lightgbm-reuse"\nbelady_labels = true\n'
+            '[[predictor.holdout]]\nsource = "stdlib"\n[[predictor.holdout]]\nsource = "stdlib"\n'
+            'params = { max_chars = 1000 }\n')
+    spec = _load(tmp_path, extra=held)
+    assert [h.params for h in spec.predictor.holdout] == [{}, {"max_chars": 1000}]
+    path = write_spec(tmp_path, extra=held.replace("max_chars = 1000", "max_lines = 4"))
+    with pytest.raises(CachelabError, match=r"predictor.holdout\[1\].params: 'stdlib' has no parameter 'max_lines'"):
+        load_spec(path)
+
+
 def test_list_valued_axes_become_table_cells():
     from types import SimpleNamespace
 

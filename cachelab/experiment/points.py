@@ -64,9 +64,11 @@ def replay_point(config: dict, workload: Workload) -> PointOutput:
 
 def learned_point(config: dict, workload: Workload) -> PointOutput:
     """Train the predictor causally on the workload's first ``train_fraction`` of lookups and
-    replay the learned policy, every registered heuristic and Belady on the rest (or on the
-    ``holdout`` workload) at each capacity (``cachelab.learning.training``, ``cachelab.learning.evaluation``).
-    Miss ratios there are per lookup over each step's distinct rows, as the replay counts."""
+    replay the learned policy, every registered heuristic and Belady on the rest, or on each
+    ``holdout`` workload (held-out domains), at each capacity (``cachelab.learning.training``,
+    ``cachelab.learning.evaluation``). Miss ratios there are per lookup over each step's
+    distinct rows, as the replay counts (``learned_eval``, one row per domain, capacity and
+    policy; the report's headline reads the study's table from it)."""
     import tempfile
     from dataclasses import replace
     from pathlib import Path
@@ -85,17 +87,25 @@ def learned_point(config: dict, workload: Workload) -> PointOutput:
     targets = [[c] for c in capacities] if p["belady_labels"] else [capacities]
     fits = [train(view, registry.get(registry.PREDICTORS, p["name"])(**p["params"]),
                   replace(spec, capacity=caps[0] if p["belady_labels"] else 0.0)) for caps in targets]
-    held_out = p["holdout"] is not None
-    if held_out:  # built once, then found in the workload cache by every later point
-        view = LearningView.of(load_workload(build_workload(WorkloadSpec(**p["holdout"]))).stream, preset)
-    warmup = config["warmup"] if held_out else max(config["warmup"], p["train_fraction"])
-    results = [evaluate_capacities(view, model, caps, warmup, progress=False).to_dict()
-               for caps, (model, _) in zip(targets, fits)]
-    result = {**results[0], "capacities": [row for r in results for row in r["capacities"]]}
-    metrics = {"eval.lookups": result["lookups"], "eval.counted_lookups": result["counted_lookups"],
-               "eval.distinct_rows": result["unique_rows"]}
-    rows, importances, files = [], [], {}
-    for cap, (model, fit) in zip(result["capacities"] if p["belady_labels"] else [None], fits):
+    held = p["holdout"] if isinstance(p["holdout"], list) else [] if p["holdout"] is None else [p["holdout"]]
+    # each held-out workload is built once, then found in the workload cache by every later point
+    parts = [(_domain(h), LearningView.of(load_workload(build_workload(WorkloadSpec(**h))).stream, preset),
+              config["warmup"]) for h in held]
+    parts = parts or [("later part", view, max(config["warmup"], p["train_fraction"]))]
+    results = {}
+    for domain, part, warmup in parts:
+        evals = [evaluate_capacities(part, model, caps, warmup, progress=False).to_dict()
+                 for caps, (model, _) in zip(targets, fits)]
+        results[domain] = {**evals[0], "capacities": [row for r in evals for row in r["capacities"]]}
+    first = next(iter(results.values()))
+    metrics, rows = {}, []
+    for domain, result in results.items():
+        suffix = f".{domain}" if len(results) > 1 else ""
+        metrics.update({f"eval.lookups{suffix}": result["lookups"], f"eval.counted_lookups{suffix}":
+                        result["counted_lookups"], f"eval.distinct_rows{suffix}": result["unique_rows"]})
+        rows += _learned_rows(domain, result, metrics, suffix)
+    importances, files = [], {}
+    for cap, (model, fit) in zip(first["capacities"] if p["belady_labels"] else [None], fits):
         tag = "" if cap is None else f".{cap['rows']}rows"
         metrics.update({f"{k}{tag}": v for k, v in fit.items() if isinstance(v, (int, float))})
         importances += [{"capacity": tag.lstrip("."), "feature": k, "importance": v}
@@ -104,20 +114,32 @@ def learned_point(config: dict, workload: Workload) -> PointOutput:
             save(model, Path(tmp), {"workload": config["workload"]})
             files.update({f"model{tag.replace('.', '/')}/{f.name}": f.read_bytes()
                           for f in sorted(Path(tmp).iterdir()) if f.is_file()})
-    for cap in result["capacities"]:
-        tag = f"{cap['rows']}rows"
-        for policy, miss in cap["miss_ratio"].items():
-            rows.append({"capacity": str(cap["capacity"]), "capacity_rows": cap["rows"], "policy": policy,
-                         "miss_ratio": miss})
-            metrics[f"miss_ratio.{policy}.{tag}".replace(" ", "_").replace("(", "").replace(")", "")] = miss
-        if cap["gap_closed"] is not None:
-            metrics[f"gap_closed.{tag}"] = cap["gap_closed"]
     tables = {"learned_eval": pl.DataFrame(rows)}
     if importances:
         tables["importances"] = pl.DataFrame(importances)
-    params = {"eval.workload": "holdout" if held_out else "later part of the training workload",
-              "eval.missing_policies": ",".join(result["missing"])}
+    params = {"eval.workload": ",".join(results) if held else "later part of the training workload",
+              "eval.missing_policies": ",".join(first["missing"])}
     return PointOutput(metrics, params, tables, files)
+
+
+def _domain(holdout: dict) -> str:
+    """A held-out workload's name in tables and metric keys: its corpus, and its domains if chosen."""
+    return holdout["source"] + (f"/{'+'.join(holdout['domains'])}" if holdout.get("domains") else "")
+
+
+def _learned_rows(domain: str, result: dict, metrics: dict, suffix: str) -> list[dict]:
+    """One row per capacity and policy; the miss ratios and the gap closed go to ``metrics`` too."""
+    rows = []
+    for cap in result["capacities"]:
+        tag = f"{cap['rows']}rows"
+        for policy, miss in cap["miss_ratio"].items():
+            rows.append({"domain": domain, "capacity": str(cap["capacity"]), "capacity_rows": cap["rows"],
+                         "policy": policy, "miss_ratio": miss})
+            key = f"miss_ratio.{policy}.{tag}{suffix}"
+            metrics[key.replace(" ", "_").replace("(", "").replace(")", "")] = miss
+        if cap["gap_closed"] is not None:
+            metrics[f"gap_closed.{tag}{suffix}"] = cap["gap_closed"]
+    return rows
 
 
 def _learned_capacity(capacity: int | float | str, row_bytes: int) -> int | float | str:

@@ -268,7 +268,16 @@ def plot_learned(data: ExperimentData):
 
     from cachelab.learning.lineup import judged_default, lineup
 
-    evals = {label: t["learned_eval"] for label, t in data.point_tables.items() if "learned_eval" in t}
+    evals = {}
+    for label, t in data.point_tables.items():
+        table = t.get("learned_eval")
+        if table is None:
+            continue
+        if "domain" not in table.columns:  # points recorded before held-out domains
+            evals[label] = table
+            continue
+        for part in table.partition_by("domain", maintain_order=True):
+            evals[f"{label} {part['domain'][0]}"] = part
     if not evals:
         return None
     found = lineup()
@@ -492,8 +501,8 @@ def headline(data: ExperimentData) -> pl.DataFrame:
     judged = found.label_of(judged_default(found))
     rows = []
     for label, table in evals.items():
-        for part in table.sort("capacity_rows", maintain_order=True).partition_by("capacity_rows",
-                                                                                   maintain_order=True):
+        by = ["domain", "capacity_rows"] if "domain" in table.columns else ["capacity_rows"]  # held-out domains
+        for part in table.sort(by, maintain_order=True).partition_by(by, maintain_order=True):
             miss = dict(zip(part["policy"].to_list(), part["miss_ratio"].to_list()))
             heuristics = [h for h in found.heuristics if h in miss]
             oracles = [o for o in found.oracles if o in miss]
@@ -501,7 +510,8 @@ def headline(data: ExperimentData) -> pl.DataFrame:
                 continue
             best, bound = min(heuristics, key=miss.__getitem__), min(oracles, key=miss.__getitem__)
             room = miss[best] - miss[bound]
-            rows.append({"point": label, "capacity": _share_text(part["capacity"][0]),
+            rows.append({"point": label, **({"domain": part["domain"][0]} if "domain" in by else {}),
+                         "capacity": _share_text(part["capacity"][0]),
                          "capacity_rows": int(part["capacity_rows"][0]), "learned": judged,
                          "learned_miss_ratio": miss[judged], "best_heuristic": best,
                          "best_heuristic_miss_ratio": miss[best], "bound": bound, "bound_miss_ratio": miss[bound],

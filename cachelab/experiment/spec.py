@@ -92,7 +92,9 @@ class PredictorSpec(Strict):
     belady_labels: bool = Field(False, description="a classifier per capacity, labelled with Belady's keep "
                                 "decisions there (what learned-s3fifo is built for)")
     lookahead: bool = Field(True, description="the prompt-lookahead features")
-    holdout: WorkloadSpec | None = None
+    holdout: WorkloadSpec | list[WorkloadSpec] | None = Field(
+        None, description="a workload the model never saw, or several (held-out domains, one table row each per "
+        "capacity); none: the later part of the training workload")
 
 
 class ServingSpec(Strict):
@@ -233,7 +235,10 @@ def _check_predictor(p: PredictorSpec, preset: str, where: str) -> None:
     table_rows, row_bytes = _table(preset, where)
     for i, cap in enumerate(p.capacities):
         capacity_rows(cap, table_rows, row_bytes, f"{where}: predictor.capacities[{i}]")
-    if p.holdout is not None:
+    if isinstance(p.holdout, list):
+        for i, held in enumerate(p.holdout):
+            _check_workload(held, where, f"predictor.holdout[{i}]")
+    elif p.holdout is not None:
         _check_workload(p.holdout, where, "predictor.holdout")
 
 
