@@ -103,7 +103,7 @@ def learned_point(config: dict, workload: Workload) -> PointOutput:
         suffix = f".{domain}" if len(results) > 1 else ""
         metrics.update({f"eval.lookups{suffix}": result["lookups"], f"eval.counted_lookups{suffix}":
                         result["counted_lookups"], f"eval.distinct_rows{suffix}": result["unique_rows"]})
-        rows += _learned_rows(domain, result, metrics, suffix)
+        rows += _learned_rows(domain if held else None, result, metrics, suffix)
     importances, files = [], {}
     for cap, (model, fit) in zip(first["capacities"] if p["belady_labels"] else [None], fits):
         tag = "" if cap is None else f".{cap['rows']}rows"
@@ -127,13 +127,15 @@ def _domain(holdout: dict) -> str:
     return holdout["source"] + (f"/{'+'.join(holdout['domains'])}" if holdout.get("domains") else "")
 
 
-def _learned_rows(domain: str, result: dict, metrics: dict, suffix: str) -> list[dict]:
-    """One row per capacity and policy; the miss ratios and the gap closed go to ``metrics`` too."""
+def _learned_rows(domain: str | None, result: dict, metrics: dict, suffix: str) -> list[dict]:
+    """One row per capacity and policy (with its held-out ``domain``, if any); the miss ratios and the
+    gap closed go to ``metrics`` too."""
     rows = []
     for cap in result["capacities"]:
         tag = f"{cap['rows']}rows"
         for policy, miss in cap["miss_ratio"].items():
-            rows.append({"domain": domain, "capacity": str(cap["capacity"]), "capacity_rows": cap["rows"],
+            rows.append({**({"domain": domain} if domain else {}), "capacity": str(cap["capacity"]),
+                         "capacity_rows": cap["rows"],
                          "policy": policy, "miss_ratio": miss})
             key = f"miss_ratio.{policy}.{tag}{suffix}"
             metrics[key.replace(" ", "_").replace("(", "").replace(")", "")] = miss
