@@ -55,7 +55,7 @@ def test_valid_spec_expands_to_a_hashed_grid(tmp_path):
     ('"always", "tinylfu"', '"always", 7', "sweep.'hierarchy.hbm.admission'[1]: hierarchy.tiers[0].admission: "
                                           "Input should be a valid string"),
     ('"hierarchy.hbm.capacity"', '"hierarchy.l3.capacity"', "no tier named 'l3' in hierarchy.tiers"),
-    ("seeds = [0]", 'seeds = [0]\nkind = "dance"', "kind: unknown experiment kind 'dance'; allowed: learned, replay, serve"),
+    ("seeds = [0]", 'seeds = [0]\nkind = "dance"', "kind: unknown experiment kind 'dance'; allowed: learned, live, replay, serve"),
     ("seeds = [0]", 'seeds = [0]\nkind = "learned"', "predictor: kind 'learned' needs a [predictor] section"),
 ])
 def test_bad_spec_names_the_key(tmp_path, old, new, expected):

@@ -65,7 +65,13 @@ def send_offsets(arrival_s: np.ndarray, request_rate: float | None = None, burst
 def plan_from_trace(path: str | os.PathLike, *, num_prompts: int | None = None, request_rate: float | None = None,
                     burstiness: float = 1.0, seed: int = 0) -> BenchPlan:
     """The first ``num_prompts`` requests of a cachelab trace (all by default), as a plan."""
-    df = read_trace(path)
+    return plan_from_frame(read_trace(path), str(path), num_prompts=num_prompts, request_rate=request_rate,
+                           burstiness=burstiness, seed=seed)
+
+
+def plan_from_frame(df: pl.DataFrame, path: str, *, num_prompts: int | None = None, request_rate: float | None = None,
+                    burstiness: float = 1.0, seed: int = 0) -> BenchPlan:
+    """The same from a trace already read (``path`` names it in errors)."""
     if num_prompts is not None:
         if num_prompts < 1:
             raise CachelabError(f"--num-prompts must be >= 1, got {num_prompts}")
@@ -83,4 +89,4 @@ def plan_from_trace(path: str | os.PathLike, *, num_prompts: int | None = None, 
     prompts = [flat[bounds[i]:bounds[i + 1]] for i in range(df.height)]
     output_lens = np.maximum(df["output_len"].to_numpy().astype(np.int64), 1)
     offsets = send_offsets(df["arrival_s"].to_numpy(), request_rate, burstiness, seed)
-    return BenchPlan(prompts, output_lens, offsets, str(path))
+    return BenchPlan(prompts, output_lens, offsets, path)

@@ -108,6 +108,20 @@ class ServingSpec(Strict):
     params: dict[str, Any] = Field(default_factory=dict, description="other ServingConfig fields")
 
 
+class LiveSpec(Strict):
+    """A live point (kind ``live``): ``cachelab serve`` started on 127.0.0.1 with this store
+    placement and row cache, warmed up, driven by the bench-serve client, stopped."""
+
+    preset: str = Field("tiny", description="`cachelab serve --preset`")
+    placement: str = Field("dram", description="the store's backing: dram, mmap, pread, direct")
+    row_cache_policy: str | None = Field(None, description="policy of the HBM row cache (a registered policy)")
+    row_cache_capacity: Annotated[int | str, BeforeValidator(_not_bool)] | None = Field(
+        None, description="rows, bytes ('64MiB') or a share of the table")
+    threads: int = Field(1, gt=0, description="torch threads")
+    kv_cache_tokens: int = Field(16_384, gt=0)
+    warmup_requests: int = Field(2, ge=0, description="requests sent (and not measured) before the point")
+
+
 class ExperimentSpec(Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     description: str = ""
@@ -118,6 +132,7 @@ class ExperimentSpec(Strict):
     hierarchy: HierarchySpec | None = None
     predictor: PredictorSpec | None = None
     serving: ServingSpec | None = None
+    live: LiveSpec | None = None
     sweep: dict[str, list[Any]] = Field(default_factory=dict)
 
     @field_validator("kind")
