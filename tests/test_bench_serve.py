@@ -200,7 +200,9 @@ def test_against_real_vllm_counts_match_its_metrics(vllm_server, tmp_path):
     assert server["prefix_cache_hits"] == s["prefix_cache_hit_tokens"]
     for p in (50, 99):
         lo, hi = server[f"p{p}_ttft_bucket_ms"]
-        assert lo <= s[f"p{p}_ttft_ms"] <= hi or s[f"p{p}_ttft_ms"] - hi < 0.5 * (hi - lo), (p, lo, hi, s)
+        # the client's TTFT includes the HTTP hop the server's histogram does not see: within
+        # the bucket resolution, i.e. in the server's bucket or the one above it
+        assert lo <= s[f"p{p}_ttft_ms"] <= hi + (hi - lo), (p, s[f"p{p}_ttft_ms"], lo, hi)
 
 
 @pytest.mark.slow

@@ -101,7 +101,8 @@ def test_the_headline_is_printed_within_80_columns(quickstart):
     found = lineup()
     assert f"headline: {found.label_of(judged_default(found))}" in res.stdout and "gap closed" in res.stdout
     headline = res.stdout[res.stdout.index("headline:"):]
-    assert all(c in headline for c in ("0.1%", "1%", "5%")) and headline.count("%") >= 6
+    # a gap closed per capacity: a share, or n/a where the best heuristic already beats the bound
+    assert all(c in headline for c in ("0.1%", "1%", "5%")) and headline.count("%") + headline.count("n/a") >= 6
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian's chromium is not installed (scripts/setup)")

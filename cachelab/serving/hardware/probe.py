@@ -26,6 +26,19 @@ PAGE = 4096
 ROW_BYTES = 264
 
 
+def peak_rss_mb() -> float:
+    """This process's own peak resident set (VmHWM) in MiB. getrusage's ``ru_maxrss`` would do
+    only in a process started from a shell: a child forked from a large process (a test worker)
+    keeps the parent's figure across exec, while VmHWM starts anew with the exec'd image."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def _best(fn, repeats: int = 3) -> float:
     best = float("inf")
     for _ in range(repeats):

@@ -30,6 +30,7 @@ import polars as pl
 from cachelab.errors import CachelabError
 from cachelab.serving.agentic import agentic_workload
 from cachelab.serving.hardware import load_profile
+from cachelab.serving.hardware.probe import peak_rss_mb
 from cachelab.serving.latency import Efficiency, LatencyModel
 from cachelab.serving.model_spec import load_model
 from cachelab.serving.pareto import dominated, pareto_front, plot_fronts, throughput_at
@@ -164,8 +165,6 @@ def run(out_dir: Path, eff: Efficiency, workload: Workload | None = None,
         progress: Callable[[dict], None] | None = None) -> dict:
     """The sweep (points streamed to ``out_dir/semianalysis_points.jsonl`` as they finish, then
     a CSV), the analysis, and the run's measured peak memory."""
-    import resource
-
     out_dir.mkdir(parents=True, exist_ok=True)
     workload = workload or agentic_workload()
     stream = _Stream(out_dir / "semianalysis_points.jsonl")
@@ -193,7 +192,7 @@ def run(out_dir: Path, eff: Efficiency, workload: Workload | None = None,
     result["efficiency"] = {k: getattr(eff, k) for k in ("mfu", "mbu", "layer_overhead_s", "cpu_per_sequence_s",
                                                          "request_overhead_s")}
     result["run"] = {"points": len(rows), "seconds": time.perf_counter() - start,
-                     "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                     "peak_rss_mb": peak_rss_mb(),
                      "points_file": str(out_dir / "semianalysis_points.jsonl")}
     return result
 
