@@ -233,6 +233,24 @@ def test_help_texts_render_their_brackets():
     assert checked >= 4
 
 
+def test_every_help_fits_80_columns_without_cutting_a_flag():
+    """No verb's --help cuts a flag name or a default with "…" at 80 columns (Rich used to shrink
+    ``--dram-cache-capacity`` to ``--dram-cache-capaci…`` beside a ``--no-...`` column)."""
+    import typer
+
+    checked = 0
+    for path, command in _commands(typer.main.get_command(app)):
+        if not path:
+            continue
+        out = invoke(*path, "--help", env=WIDE).stdout
+        assert "…" not in out and max(len(line) for line in out.splitlines()) <= 80, (path, out)
+        cells = set(out.replace("│", " ").split())
+        flags = [o for p in command.params for o in (*p.opts, *p.secondary_opts) if o.startswith("--")]
+        assert all(f in cells for f in flags), (path, [f for f in flags if f not in cells])
+        checked += 1
+    assert checked >= 30
+
+
 # ---- 8. the smaller messages ----
 
 def test_small_messages(keys):

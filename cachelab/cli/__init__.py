@@ -43,6 +43,9 @@ app = typer.Typer(
 
 
 def _register() -> None:
+    from cachelab.cli import help_layout
+
+    help_layout.install()
     from cachelab.cli import (bench, cache, calibrate, capture, engram, experiment, learn, live, plugins, quickstart,
                               serving, store, trace)
 
