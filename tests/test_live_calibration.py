@@ -11,7 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from cachelab.cli import app
-from cachelab.serving.live_calibration import replay_clock, request_times
+from cachelab.serving.live_calibration import (model_spec, nonnegative_lstsq, replay_clock, request_times,
+                                               warm_steps)
 from test_bench_serve import make_trace
 
 runner = CliRunner()
@@ -30,6 +31,32 @@ def test_request_times_from_a_schedule():
     # twice as slow steps keep the idle gaps (0.5 s before step 1, 0.5 s before step 2)
     begin, end = replay_clock(frame, 2 * frame["step_s"].to_numpy())
     assert end.tolist() == [1.0, 3.5, 5.0]
+
+
+def test_warm_up_steps_are_those_of_the_first_requests():
+    frame = pl.DataFrame({"requests": [[0], [0, 1], [1, 2], [2], [3]]})
+    assert warm_steps(frame, 2).tolist() == [False, False, False, True, True]
+    assert warm_steps(frame, 0).all()
+
+
+def test_nonnegative_least_squares():
+    a = np.column_stack([np.ones(4), np.arange(4.0)])
+    x, loss = nonnegative_lstsq(a, 2 + 3 * np.arange(4.0))
+    assert x == pytest.approx([2, 3]) and loss == pytest.approx(0, abs=1e-12)
+    x, _ = nonnegative_lstsq(a, 5 - np.arange(4.0))  # the free fit has a negative slope: clamped to 0
+    assert x[1] == 0 and x[0] == pytest.approx(3.5)
+
+
+def test_the_spec_is_the_live_model():
+    from cachelab.engram import Addresser, get_preset
+    from cachelab.live.config import model_config
+
+    cfg = model_config("tiny")
+    spec = model_spec(cfg)
+    assert spec.engram_layers == cfg.engram_layers and spec.layers == cfg.layers and spec.vocab == cfg.vocab_size
+    assert spec.wkv_params == 24 * 256 * cfg.hidden * (cfg.hc_mult + 1)  # the Engram module's wkv projection
+    tokens = np.arange(3, 80, dtype=np.int64)  # the same rows the live engine reads (V4.1's hashing)
+    assert (Addresser(spec.layout).rows(tokens) == Addresser(get_preset(cfg.layout)).rows(tokens)).all()
 
 
 @pytest.fixture(scope="module")
@@ -54,20 +81,24 @@ def test_calibrate_fits_one_run_and_validates_the_other(step_logs, tmp_path):
     assert res.exit_code == 0, res.output
     out = tmp_path / "fitted.toml"
     res = runner.invoke(app, ["calibrate", "--step-log", str(step_logs / "runs"), "--fit", "c1", "--hardware",
-                              str(profile), "--out", str(out), "--max-evals", "40", "--json"])
+                              str(profile), "--out", str(out), "--max-evals", "40", "--warmup-requests", "1",
+                              "--json"])
     assert res.exit_code == 0, res.output
     r = json.loads(res.stdout)
     assert [(p["run"], p["role"]) for p in r["points"]] == [("c1", "fit"), ("c3", "held-out")]
+    assert r["warmup_requests"] == 1
     for p in r["points"]:
+        assert 0 < p["engine_cpu_share"] <= 1.05  # thread CPU over wall (clock granularity allows a little over 1)
         assert all(np.isfinite(p["live"][m]) and p["live"][m] > 0 for m in p["live"])
         assert all(np.isfinite(p["predicted"][m]) and p["predicted"][m] > 0 for m in p["predicted"])
     held = r["points"][1]
     for m, e in r["summary"].items():
         assert e["points"] == 1
         assert e["mape"] == pytest.approx(abs(held["predicted"][m] - held["live"][m]) / held["live"][m])
-    from cachelab.serving.hardware import load_profile
+    from cachelab.serving.live_calibration import load_calibration
 
-    assert load_profile(out).gpu.hbm_bw > 0  # the written profile loads as a hardware profile
+    hw, eff = load_calibration(out)  # the written profile loads as a hardware profile with its efficiency
+    assert hw.gpu.hbm_bw > 0 and eff.mfu == r["efficiency"]["mfu"] and eff.host_addressing
 
 
 def test_calibrate_names_a_folder_without_step_logs(tmp_path):

@@ -19,11 +19,15 @@ def calibrate(
     threads: int = typer.Option(1, "--threads", help="Torch threads the runs used (`cachelab serve --threads`)."),
     hardware: str = typer.Option("local", "--hardware", help="Starting profile: 'local' (`cachelab hw probe`) or a file."),
     max_evals: int = typer.Option(150, "--max-evals", help="Loss evaluations the fit may spend."),
+    warmup_requests: int = typer.Option(0, "--warmup-requests", help="The first N requests of every run are the "
+                                        "server's warm-up: their steps are not fitted, their times not counted."),
 ) -> None:
-    """Fit the latency model's efficiency (MFU, MBU, attention MFU, per-step, per-layer and
-    per-sequence overheads) to live runs' per-step compute, then replay each held-out run's
-    schedule on the predicted clock: live against predicted mean and P99 TTFT/TPOT per run,
-    with MAPE, signed bias and Pearson r over the held-out runs."""
+    """Fit the latency model of the live model (its preset's spec on `hw probe`'s CPU) to live
+    runs' per-step compute: MFU, MBU and attention MFU, and the per-step and per-sequence
+    overheads, warm-up steps left out. Then replay each held-out run's schedule on the
+    predicted clock: live against predicted mean and P99 TTFT/TPOT per run, with MAPE, signed
+    bias and Pearson r over the held-out runs. The engine CPU share (the engine thread's CPU
+    over its wall time) says how much a run waited for a core or the GIL."""
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
@@ -37,7 +41,7 @@ def calibrate(
     with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
         task = progress.add_task("fitting", total=max_evals)
         result = run(runs, model_config(preset), local, threads, fit or None, max_evals,
-                     lambda done, total: progress.update(task, completed=done))
+                     lambda done, total: progress.update(task, completed=done), warmup_requests)
     if out is not None:
         write_profile(result, local, threads, out)
     if as_json:
@@ -46,10 +50,12 @@ def calibrate(
     table = Table(title=f"live vs predicted (fit on {', '.join(result.fit_runs)})")
     table.add_column("run")
     table.add_column("role")
+    table.add_column("engine CPU share")
     for m in METRICS:
         table.add_column(f"{m} live / pred")
     for p in result.points:
-        table.add_row(p["run"], p["role"], *(f"{p['live'][m]:.2f} / {p['predicted'][m]:.2f}" for m in METRICS))
+        share = f"{p['engine_cpu_share']:.2f}" if "engine_cpu_share" in p else "n/a"
+        table.add_row(p["run"], p["role"], share, *(f"{p['live'][m]:.2f} / {p['predicted'][m]:.2f}" for m in METRICS))
     console = Console()
     console.print(table)
     for m, e in result.summary.items():

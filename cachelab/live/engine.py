@@ -239,7 +239,7 @@ class LiveEngine:
 
     def step(self) -> StepRecord:
         """Schedule, fetch, compute, sample and complete one step."""
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         step = self.scheduler.schedule()
         self._assign_slots(step)
         rids = step.requests.tolist()
@@ -273,6 +273,7 @@ class LiveEngine:
         stopped = {rid: self._stop_check(self._live[rid], tok) for rid, tok in sampled.items()}
         self.scheduler.complete(step, sampled, [r for r, why in stopped.items() if why is not None])
         self._emit(step, sampled, stopped, t_done)
+        fetch["thread_cpu_s"] = time.thread_time() - cpu0  # the engine thread's CPU: step_s over it is the load
         self._count(step, row_ids, fetch, t0, t_done)
         if self.on_step is not None:
             self.on_step(step, row_ids)

@@ -5,7 +5,9 @@ of them. The live model is described to the serving layer's own ``LatencyModel``
 backbone, no experts) on a hardware profile made from ``cachelab hw probe``'s local one: the
 CPU stands where the GPU would (its memcpy bandwidth as the memory bandwidth, a nominal FLOP
 rate the fitted fractions scale). The efficiency fields in ``FITTED`` are fitted on the fit
-runs' steps (squared log ratio of predicted to live compute per step, ``pattern_search``).
+runs' steps, warm-up steps left out: the three roofline fractions by ``pattern_search``, and for
+each candidate the per-step and per-sequence overheads by non-negative least squares (they
+enter linearly), minimising the squared relative error of predicted against live compute.
 
 Validation replays each held-out run's own schedule on the predicted clock: every step keeps
 its requests and positions and the idle gap before it, its compute is the model's and its
@@ -19,7 +21,7 @@ MAPE, signed bias and Pearson r over the held-out runs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -32,15 +34,32 @@ from cachelab.serving.hardware import GPU, HardwareProfile
 from cachelab.serving.latency import Batch, Efficiency, LatencyModel
 from cachelab.serving.model_spec import ModelSpec
 
-FITTED = ("mfu", "mbu", "attention_mfu", "step_overhead_s", "layer_overhead_s", "cpu_per_sequence_s")
-NOMINAL_FLOPS_PER_CORE = 50e9  # ASSUMPTION: a starting point only (AVX-512 BF16 core); the fitted mfu scales it
+RATES = ("mfu", "mbu", "attention_mfu")  # searched: where each operator sits on its roofline
+OVERHEADS = ("step_overhead_s", "cpu_per_sequence_s")  # solved for each candidate: linear, non-negative
+FITTED = RATES + OVERHEADS
+# What the live engine is, not fitted: it addresses rows on the host before the step (the fetch
+# starts with the step; no graph breaks), its TTFT here is engine side (no HTTP overhead), and
+# its per-layer and per-prompt-token host costs are in the two overheads (the layer count is
+# fixed, so a per-layer cost is the per-step one again: fitting both would be unidentifiable).
+LIVE_BASE = Efficiency(host_addressing=True, request_overhead_s=0.0, layer_overhead_s=0.0, cpu_per_prefix_token_s=0.0,
+                       step_overhead_s=0.0, cpu_per_sequence_s=0.0)
+# ASSUMPTION: an upper bound for one AVX-512 BF16 core (2 FMA ports x 32 BF16 products x 2 FLOPs
+# x ~3 GHz), so the fitted mfu (at most 1) can reach what the core does: a 256-token prefill of
+# the tiny preset runs at ~100 GFLOP/s on this machine, over the 50 GFLOP/s once assumed here.
+NOMINAL_FLOPS_PER_CORE = 400e9
 STEP_COLUMNS = ("step", "start_s", "step_s", "compute_s", "stall_s", "requests", "starts", "stops", "num_prompt")
 METRICS = ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms")
 
 
 def model_spec(cfg: ModelConfig) -> ModelSpec:
     """The live model as the latency model sees it: GQA attention and a SwiGLU MLP per layer,
-    the (tied) output head, no experts; the Engram gates are left to the fitted overheads."""
+    the (tied) output head, no experts, and its Engram modules: the layout's table layers at
+    the model's own decoder layers (the prefetch windows), each with its ``wkv`` projection
+    (24 rows x 256 values in, one key per hyper-connection stream and a shared value out)."""
+    from cachelab.engram import get_preset
+
+    table = get_preset(cfg.layout)  # V4.1's hashing (multipliers seeded by its layer ids), the model's layers
+    layout = table.with_(layers=tuple(cfg.engram_layers), multipliers=tuple(map(tuple, table.multiplier_array.tolist())))
     h, per = cfg.hidden, 2 if cfg.dtype == "bfloat16" else 4
     attn = h * cfg.heads * cfg.head_dim * 2 + h * cfg.kv_heads * cfg.head_dim * 2
     return ModelSpec(
@@ -52,7 +71,9 @@ def model_spec(cfg: ModelConfig) -> ModelSpec:
         kv_replicated_across_tp=True, sliding_window=0, window_bytes_per_position=0.0, sparse_topk=0,
         compress_ratios=(), latent_bytes_per_position=0.0, index_sources=(), index_heads=0, index_head_dim=0,
         index_key_bytes=0.0, draft_layers=0, draft_params=0.0, draft_active_params=0.0, draft_passes_per_step=1,
-        speculative_tokens=0, acceptance_length=1.0, layout=None, wkv_params=0.0, table_sharded_across_tp=False)
+        speculative_tokens=0, acceptance_length=1.0,
+        layout=layout,
+        wkv_params=float(cfg.engram_in * h * (cfg.hc_mult + 1)), table_sharded_across_tp=False)
 
 
 def cpu_hardware(local: HardwareProfile, threads: int) -> HardwareProfile:
@@ -141,10 +162,11 @@ class Calibration:
     fit_runs: list[str]
     points: list[dict]
     summary: dict
+    warmup_requests: int = 0
 
     def to_dict(self) -> dict:
         return {"efficiency": {k: getattr(self.efficiency, k) for k in FITTED}, "fit_loss": self.loss,
-                "fit_runs": self.fit_runs, "points": self.points, "summary": self.summary}
+                "fit_runs": self.fit_runs, "warmup_requests": self.warmup_requests, "points": self.points, "summary": self.summary}
 
 
 def _errors(points: list[dict]) -> dict:
@@ -161,10 +183,40 @@ def _errors(points: list[dict]) -> dict:
     return out
 
 
+def warm_steps(frame: pl.DataFrame, warmup_requests: int) -> np.ndarray:
+    """Which steps schedule none of the run's first ``warmup_requests`` requests (ids count from 0
+    per server): the server's first steps pay one-time costs (allocator growth, first-touch page
+    faults, lazy initialisation) that no per-step term of the model has."""
+    if not warmup_requests:
+        return np.ones(frame.height, bool)
+    return ~frame["requests"].list.eval(pl.element() < warmup_requests).list.any().to_numpy()
+
+
+def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, float]:
+    """``min |a x - b|^2`` over ``x >= 0`` for a few columns: the best of the least-squares
+    solutions on every subset of columns whose solution is non-negative (exact for a few)."""
+    from itertools import combinations
+
+    best_x, best = np.zeros(a.shape[1]), float(b @ b)
+    for k in range(1, a.shape[1] + 1):
+        for cols in combinations(range(a.shape[1]), k):
+            x_sub = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
+            if (x_sub < 0).any():
+                continue
+            x = np.zeros(a.shape[1])
+            x[list(cols)] = x_sub
+            r = a @ x - b
+            if float(r @ r) < best:
+                best_x, best = x, float(r @ r)
+    return best_x, best
+
+
 def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwareProfile, threads: int,
               fit_runs: list[str] | None = None, max_evals: int = 150,
-              progress: Callable[[int, int], None] | None = None) -> Calibration:
-    """Fit ``FITTED`` on ``fit_runs`` (default: the first run by name), validate on the rest."""
+              progress: Callable[[int, int], None] | None = None, warmup_requests: int = 0) -> Calibration:
+    """Fit ``FITTED`` on ``fit_runs`` (default: the first run by name), validate on the rest.
+    The first ``warmup_requests`` requests of every run are warm-up: their steps are not
+    fitted and they are left out of the TTFT/TPOT statistics."""
     names = sorted(runs)
     fit_runs = fit_runs or names[:1]
     unknown = sorted(set(fit_runs) - set(names))
@@ -172,37 +224,53 @@ def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwarePr
         raise CachelabError(f"--fit {unknown}: no such run; the runs are {names}")
     spec, hw = model_spec(cfg), cpu_hardware(local, threads)
     batches = {n: _batches(runs[n]) for n in names}
-    live = {n: runs[n]["compute_s"].to_numpy() for n in names}
+    warm = {n: warm_steps(runs[n], warmup_requests) for n in fit_runs}
+    fit_batches = {n: [b for b, keep in zip(batches[n], warm[n]) if keep] for n in fit_runs}
+    live = {n: runs[n]["compute_s"].to_numpy()[warm[n]] for n in fit_runs}
 
-    def loss(eff: Efficiency) -> float:
+    y = np.concatenate([live[n] for n in fit_runs])
+    seqs = np.array([b.sequences for n in fit_runs for b in fit_batches[n]])
+
+    def solve(eff: Efficiency) -> tuple[Efficiency, float]:
+        """The overheads that best fit the steps at these rates, and the loss."""
         lat = LatencyModel(spec, hw, 1, "dram-copy", efficiency=eff)
-        return float(sum((np.log(predict_compute(lat, batches[n]) / np.maximum(live[n], 1e-7)) ** 2).sum()
-                         for n in fit_runs))
+        roof = np.concatenate([predict_compute(lat, fit_batches[n]) for n in fit_runs])
+        coef, loss = nonnegative_lstsq(np.column_stack([1 / y, seqs / y]), 1 - roof / y)
+        return replace(eff, **{k: float(v) for k, v in zip(OVERHEADS, coef)}), loss
 
-    eff, best = pattern_search(loss, Efficiency(), FITTED, max_evals, progress)
+    rates, _ = pattern_search(lambda eff: solve(eff)[1], LIVE_BASE, RATES, max_evals, progress)
+    eff, best = solve(rates)
     lat = LatencyModel(spec, hw, 1, "dram-copy", efficiency=eff)
     points = []
     for n in names:
         frame = runs[n]
         live_clock = replay_clock(frame, frame["step_s"].to_numpy())
         predicted = predict_compute(lat, batches[n]) + frame["stall_s"].to_numpy()
-        points.append({"run": n, "role": "fit" if n in fit_runs else "held-out", "steps": frame.height,
-                       "live": summarize(request_times(frame, *live_clock)),
-                       "predicted": summarize(request_times(frame, *replay_clock(frame, predicted)))})
+        measured = pl.col("request") >= warmup_requests
+        point = {"run": n, "role": "fit" if n in fit_runs else "held-out", "steps": frame.height,
+                 "live": summarize(request_times(frame, *live_clock).filter(measured)),
+                 "predicted": summarize(request_times(frame, *replay_clock(frame, predicted)).filter(measured))}
+        if "thread_cpu_s" in frame.columns:  # the engine thread's CPU over its wall time: below 1, it waited
+            keep = warm_steps(frame, warmup_requests)  # for a core or the GIL (machine load, the server's threads)
+            point["engine_cpu_share"] = float(frame["thread_cpu_s"].to_numpy()[keep].sum()
+                                              / frame["step_s"].to_numpy()[keep].sum())
+        points.append(point)
     held = [p for p in points if p["role"] == "held-out"]
-    return Calibration(eff, best, list(fit_runs), points, _errors(held))
+    return Calibration(eff, best, list(fit_runs), points, _errors(held), warmup_requests)
 
 
 def write_profile(result: Calibration, hardware: HardwareProfile, threads: int, path: Path) -> Path:
-    """The fitted hardware as a TOML profile `load_profile` reads (the CPU in the [gpu] section),
-    the fitted efficiency and the held-out errors as comments above it."""
+    """The fitted hardware as a TOML profile `load_profile` reads (the CPU in the [gpu] section)
+    with the fitted efficiency in its [efficiency] table (``load_calibration`` reads both) and
+    the held-out errors as comments above it."""
     hw = cpu_hardware(hardware, threads)
-    lines = [f"# Fitted by `cachelab calibrate` on the live runs {result.fit_runs} ({threads} torch thread(s)).",
-             "# Efficiency (pass to LatencyModel as Efficiency(**...)):"]
-    lines += [f"#   {k} = {getattr(result.efficiency, k)!r}" for k in FITTED]
+    lines = [f"# Fitted by `cachelab calibrate` on the live runs {result.fit_runs} ({threads} torch thread(s), "
+             f"{result.warmup_requests} warm-up request(s) per run left out)."]
     lines += [f"# held-out {m}: MAPE {e['mape']:.3f}, bias {e['bias']:+.3f}, r {e['pearson_r']:.3f}"
               for m, e in result.summary.items()]
-    lines += [f'name = "{hw.name}-calibrated"', ""]
+    lines += [f'name = "{hw.name}-calibrated"', "", "[efficiency]"]
+    lines += [f"{k} = {float(getattr(result.efficiency, k))!r}" for k in FITTED]
+    lines.append("")
     for section in ("gpu", "host", "cpu", "ssd"):
         values = getattr(hw, section)
         if values is None:
@@ -213,3 +281,24 @@ def write_profile(result: Calibration, hardware: HardwareProfile, threads: int, 
     path = Path(path)
     path.write_text("\n".join(lines), encoding="utf-8")
     return path
+
+
+def load_calibration(path: str | Path) -> tuple[HardwareProfile, Efficiency]:
+    """A `cachelab calibrate --out` file: its hardware profile and its fitted efficiency."""
+    import tomllib
+
+    from cachelab.serving.hardware import load_profile
+
+    hw = load_profile(path)
+    if hw.gpu is None or hw.host is None:
+        raise CachelabError(f"{path}: no [gpu] or [host] section; write the file with `cachelab calibrate --out`")
+    table = tomllib.loads(Path(path).read_text(encoding="utf-8")).get("efficiency")
+    if not isinstance(table, dict):
+        raise CachelabError(f"{path}: no [efficiency] table; write the file with `cachelab calibrate --out`")
+    unknown = sorted(set(table) - set(FITTED))
+    if unknown:
+        raise CachelabError(f"{path}: [efficiency] unknown key(s) {unknown}; allowed: {list(FITTED)}")
+    bad = [k for k, v in table.items() if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0]
+    if bad:
+        raise CachelabError(f"{path}: [efficiency] {bad[0]} must be a non-negative number, got {table[bad[0]]!r}")
+    return hw, replace(LIVE_BASE, **{k: float(v) for k, v in table.items()})
