@@ -1,5 +1,6 @@
 """The `live` experiment kind: two points (prefix overlap 0 and 0.8), each served live by
-`cachelab serve --preset tiny` on 127.0.0.1, with the simulator's prediction beside, in MLflow."""
+`cachelab serve --preset tiny` on 127.0.0.1, with the calibrated live model's prediction beside,
+in MLflow; and its checks (one worker, no [serving], a calibration file that loads)."""
 
 from __future__ import annotations
 
@@ -8,20 +9,57 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from cachelab.errors import CachelabError
 from cachelab.experiment.runner import run_experiment
+from cachelab.experiment.spec import load_spec
+from cachelab.serving.hardware import load_profile
+from cachelab.serving.latency import Efficiency
+from cachelab.serving.live_calibration import Calibration, load_calibration, write_profile
 
 SPEC = Path(__file__).parents[1] / "experiments" / "live_sweep.toml"
 
 
-@pytest.mark.slow
-def test_two_live_points_logged_with_their_prediction(tmp_path):
+def calibration_file(path: Path) -> Path:
+    """A `cachelab calibrate --out` file (H200's host standing in for `hw probe`'s; efficiency as fitted here once)."""
+    eff = Efficiency(mfu=0.25, mbu=0.97, attention_mfu=0.025, step_overhead_s=7.2e-3, cpu_per_sequence_s=2.7e-3)
+    return write_profile(Calibration(eff, 0.0, ["c2"], [], {}, 2), load_profile("H200"), 1, path)
+
+
+def small_spec(tmp_path: Path, extra: str = "") -> Path:
     text = SPEC.read_text(encoding="utf-8")
     text = text.replace("num_requests = 24", "num_requests = 6").replace("prompt_tokens = 256", "prompt_tokens = 96")
-    text = text[: text.index("[sweep]")] + '[sweep]\n"workload.trace.synthesis.prefix_overlap" = [0.0, 0.8]\n'
+    text = text[: text.index("[sweep]")].replace("[live]\n", f"[live]\n{extra}")
+    text += '[sweep]\n"workload.trace.synthesis.prefix_overlap" = [0.0, 0.8]\n'
     spec = tmp_path / "live.toml"
     spec.write_text(text, encoding="utf-8")
+    return spec
+
+
+def test_calibration_file_round_trip(tmp_path):
+    hw, eff = load_calibration(calibration_file(tmp_path / "fitted.toml"))
+    assert eff.mfu == 0.25 and eff.cpu_per_sequence_s == 2.7e-3 and eff.host_addressing and eff.request_overhead_s == 0
+    assert hw.gpu.hbm_bw > 0
+
+
+def test_live_kind_checks(tmp_path):
+    with pytest.raises(CachelabError, match="--workers 2: kind 'live'"):
+        run_experiment(small_spec(tmp_path), tracking_uri=f"sqlite:///{tmp_path}/m.db", runs_dir=tmp_path / "r",
+                       workers=2, quiet=True)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[efficiency]\nmfu = 0.5\n", encoding="utf-8")
+    with pytest.raises(CachelabError, match="live.calibration"):
+        load_spec(small_spec(tmp_path, f'calibration = "{bad}"\n'))
+    text = small_spec(tmp_path).read_text() + '[serving]\nhardware = "H200"\nplacement = "hbm"\ntp = 1\n'
+    (tmp_path / "s.toml").write_text(text)
+    with pytest.raises(CachelabError, match="kind 'live' does not read \\[serving\\]"):
+        load_spec(tmp_path / "s.toml")
+
+
+@pytest.mark.slow
+def test_two_live_points_logged_with_their_prediction(tmp_path):
+    spec = small_spec(tmp_path, f'calibration = "{calibration_file(tmp_path / "fitted.toml")}"\n')
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", workers=1, quiet=True)
+    run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", quiet=True)  # one worker: the kind's default
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name("live-sweep")
     runs = client.search_runs([exp.experiment_id], filter_string="tags.`cachelab.kind` = 'point' "
@@ -33,5 +71,12 @@ def test_two_live_points_logged_with_their_prediction(tmp_path):
         assert 0 < m["p50_ttft_ms"] <= m["p90_ttft_ms"] <= m["p99_ttft_ms"]
         assert 0 < m["p50_tpot_ms"] <= m["p99_tpot_ms"]
         assert 0 < m["row_cache.hbm.hit_ratio"] < 1 and m["total_token_throughput"] > 0
-        assert m["predicted.p99_ttft_ms"] > 0
+        assert m["predicted.p99_ttft_ms"] > 0 and m["predicted.prefix_cache.kv_pool_tokens"] == 16_384
+        assert m["server.cpu_utilization"] > 0 and m["server.minor_faults_per_s"] >= 0
+        assert m["link.host_read_bytes"] > 0 and m["link.hbm_read_bytes"] > 0
+        # the KV pool of 16,384 tokens (tiny: 4 layers x K and V x 2 heads x 32 x 2 B per token) and the row cache's slots
+        assert m["prefix_cache.dram_bytes"] == 16_384 * 4 * 2 * 2 * 32 * 2
+        assert 0 < m["prefix_cache.cached_bytes_end"] <= m["prefix_cache.dram_bytes"]
+        assert m["row_cache.dram_bytes"] > 0
     assert by_overlap[0.0]["prefix_cache.hit_ratio"] < by_overlap[0.8]["prefix_cache.hit_ratio"]
+    assert by_overlap[0.0]["prefix_cache.cached_bytes_end"] > 0

@@ -86,3 +86,21 @@ def test_bytes_chart_orders_capacities_as_numbers(data):
     labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
     order = [next(c for c in ("0.1%", "1%", "5%", "20%") if f"capacity={c} " in f"{label} ") for label in labels]
     assert order == sorted(order, key=lambda c: float(c.rstrip("%")))
+
+
+def test_live_p99_against_overlap_draws_live_and_predicted_per_series():
+    from cachelab.experiment.report import summary_table
+    from cachelab.experiment.report_live import plot_p99_vs_overlap
+
+    rows = [{"axis.kind": "live", "axis.live.row_cache_policy": p, "axis.workload.trace.synthesis.prefix_overlap": o,
+             "p99_ttft_ms": 100.0 - 50 * o + i, "predicted.p99_ttft_ms": 90.0 - 40 * o,
+             "p99_tpot_ms": 30.0 + i, "predicted.p99_tpot_ms": 28.0, "prefix_cache.hit_ratio": o * 0.9}
+            for i, p in enumerate(("lru", "arc")) for o in (0.0, 0.5, 0.9)]
+    data = ExperimentData("live", "", "{}", pl.DataFrame(rows))
+    fig = plot_p99_vs_overlap(data)
+    ttft = fig.axes[0]
+    assert len(ttft.lines) == 4  # two policies, each live (solid) and predicted (dashed)
+    assert sorted(line.get_linestyle() for line in ttft.lines) == ["-", "-", "--", "--"]
+    assert list(ttft.lines[0].get_xdata()) == [0.0, 0.5, 0.9]
+    table = summary_table(data)
+    assert table.height == 6 and "predicted.p99_ttft_ms" in table.columns

@@ -39,13 +39,15 @@ class ExperimentKind:
     ``sections``: the spec sections a point of this kind holds (and hashes), so a sweep axis
     the kind ignores does not multiply its points. ``run(config, workload) -> PointOutput``.
     ``check(spec, where)``: checks beyond types, raising ``CachelabError`` naming the key.
-    ``tables``: the point tables ``cachelab report`` reads back for its plots.
+    ``tables``: the point tables ``cachelab report`` reads back for its plots. ``serial``: its
+    points time real work on this machine's cores, so they run one at a time (``--workers 1``).
     """
 
     sections: tuple[str, ...]
     run: Callable[..., PointOutput]
     check: Callable[..., None] | None = None
     tables: tuple[str, ...] = ()
+    serial: bool = False
 
 
 def get_kind(name: str) -> ExperimentKind:

@@ -1,48 +1,62 @@
-"""The ``live`` experiment kind: each point served for real, its prediction beside it.
+"""The ``live`` experiment kind: each point served for real, the calibrated live model beside it.
 
 A point starts ``cachelab serve`` (``cachelab.live.launch.running_server``: the same app on a
-real socket on 127.0.0.1) with the [live] section's store placement and row cache, sends
-``warmup_requests`` warm-up requests (the first prompts with their tokens reversed, so they
-share no prefix blocks with the measured ones), then replays the workload's requests with the
-bench-serve client at ``serving.concurrency`` and stops the server. Metrics: P50/P90/P99 TTFT
-and TPOT (vLLM's definitions), tokens/s, the prefix-cache hit ratio the server reported per
-request, and per store tier the Engram row hit ratio of the measured requests only (the
-store's counters after less before). With a [serving] section the serving simulator predicts
-the same requests (``predicted.*``, the ``serve`` kind's metrics).
+real socket on 127.0.0.1, in this process) with the [live] section's store placement and row
+cache, sends ``warmup_requests`` warm-up requests (the first prompts with their tokens
+reversed, so they share no prefix blocks with the measured ones), then replays the workload's
+requests with the bench-serve client at ``live.concurrency`` and stops the server. Metrics over
+the measured requests only: P50/P90/P99 TTFT and TPOT (vLLM's definitions), tokens/s, the
+prefix-cache hit ratio the server reported per request, per store tier the Engram row hit
+ratio and the bytes per link (the store's counters after less before), the server's page-fault
+rate and CPU utilization (its threads' /proc counters: every thread the server started, not
+the client's), and the DRAM the prefix cache (the KV pool's blocks) and the row cache (its
+slots and slot map) each hold. With ``live.calibration`` (a `cachelab calibrate --out` file)
+the serving simulator predicts the same requests on the calibrated model of this engine: the
+live preset's own model spec, the fitted CPU profile and efficiency (``predicted.*``).
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 
 from cachelab.errors import CachelabError
 from cachelab.experiment.kinds import ExperimentKind, PointOutput
-from cachelab.experiment.spec import ExperimentSpec
+from cachelab.experiment.spec import ExperimentSpec, kinds
 from cachelab.experiment.workload import Workload
 
 PERCENTILES = (50, 90, 99)
+PLACEMENTS = ("dram", "mmap", "pread", "direct")
 
 
 def live_point(config: dict, workload: Workload) -> PointOutput:
     from cachelab.bench.client import BenchConfig, run_bench
     from cachelab.bench.plan import plan_from_frame
-    from cachelab.live.launch import ServeOptions, running_server
+    from cachelab.live.launch import running_server
     from cachelab.serving.metrics import request_metrics
+    from cachelab.store.counters import LINK_KEYS
 
-    live, serving = config["live"], config.get("serving")
+    live = config["live"]
     plan = plan_from_frame(workload.requests, "workload.trace")
     warm = plan_from_frame(workload.requests.head(live["warmup_requests"]), "warm-up") if live["warmup_requests"] else None
     if warm is not None:
         warm.prompts[:] = [p[::-1].copy() for p in warm.prompts]
-    concurrency = serving.get("concurrency") if serving else None
-    opts = ServeOptions(preset=live["preset"], port=0, placement=live["placement"],
-                        row_cache_policy=live["row_cache_policy"], row_cache_capacity=_capacity(live["row_cache_capacity"]),
-                        threads=live["threads"], kv_cache_tokens=live["kv_cache_tokens"], seed=config.get("seed", 0))
+    opts = serve_options(config)
+    before_threads = _task_ids()
     with running_server(opts) as (url, engine):
+        server_threads = _task_ids() - before_threads
         if warm is not None:
-            run_bench(BenchConfig(url, max_concurrency=concurrency, server_metrics=False), warm)
-        before = engine.rows.totals.to_dict()
-        result = run_bench(BenchConfig(url, max_concurrency=concurrency, server_metrics=False), plan)
-        after, tiers = engine.rows.totals.to_dict(), tuple(engine.rows.totals.tiers)
+            run_bench(BenchConfig(url, max_concurrency=live["concurrency"], server_metrics=False), warm)
+        before, usage0 = engine.rows.totals.to_dict(), _usage(server_threads)
+        result = run_bench(BenchConfig(url, max_concurrency=live["concurrency"], server_metrics=False), plan)
+        after, usage1 = engine.rows.totals.to_dict(), _usage(server_threads)
+        tiers = tuple(engine.rows.totals.tiers)
+        row_cache_rows = engine.rows.tiers[0].capacity if engine.rows.tiers and engine.rows.tiers[0].name == "hbm" else 0
+        footprint = {"prefix_cache.dram_bytes": float(engine.kv.nbytes),
+                     "prefix_cache.cached_bytes_end": float(engine.pool.num_cached_tokens * engine.kv.nbytes
+                                                            / max(1, engine.pool.capacity_tokens)),
+                     "row_cache.dram_bytes": float(sum(t.memory.nbytes + t.slot_of.nbytes for t in engine.rows.tiers
+                                                       if not engine.rows.cuda or t.name != "hbm"))}
     summary = result.summary()
     times = request_metrics(result.request_times(), failed=summary["failed"], duration=result.duration,
                             percentiles=PERCENTILES)
@@ -57,33 +71,100 @@ def live_point(config: dict, workload: Workload) -> PointOutput:
         metrics[f"row_cache.{tier}.hits"] = float(hits)
         if hits + misses:
             metrics[f"row_cache.{tier}.hit_ratio"] = hits / (hits + misses)
+    metrics.update({f"link.{k}": float(after[k] - before[k]) for k in LINK_KEYS})
+    metrics.update(footprint)
+    wall = usage1["wall_s"] - usage0["wall_s"]
+    metrics["server.minor_faults_per_s"] = (usage1["minflt"] - usage0["minflt"]) / wall
+    metrics["server.major_faults_per_s"] = (usage1["majflt"] - usage0["majflt"]) / wall
+    metrics["server.cpu_utilization"] = (usage1["cpu_s"] - usage0["cpu_s"]) / wall  # cores busy (1.0 = one core)
     params = {"live.url": url, "live.errors": str(summary["errors_by_reason"] or "none")}
     tables = {}
-    if serving:
-        from cachelab.experiment.points import serve_point
-
-        predicted = serve_point(config, workload)
+    if live.get("calibration"):
+        predicted = predict_point(config, workload, row_cache_rows)
         metrics.update({f"predicted.{k}": v for k, v in predicted.metrics.items()})
         tables["predicted_per_request"] = predicted.tables["per_request"]
     return PointOutput(metrics, params, tables)
 
 
-def _capacity(value: int | str | None) -> str | None:
-    return None if value is None else str(value)
+def serve_options(config: dict):
+    """The point's `cachelab serve` options."""
+    from cachelab.live.launch import ServeOptions
+
+    live = config["live"]
+    capacity = live["row_cache_capacity"]
+    return ServeOptions(preset=live["preset"], port=0, placement=live["placement"],
+                        row_cache_policy=live["row_cache_policy"], row_cache_capacity=None if capacity is None else str(capacity),
+                        threads=live["threads"], kv_cache_tokens=live["kv_cache_tokens"], seed=config.get("seed", 0))
+
+
+def predict_point(config: dict, workload: Workload, row_cache_rows: int) -> PointOutput:
+    """The serving simulator on the calibrated model of the live engine: the preset's model
+    spec (``live_calibration.model_spec``), the fitted CPU profile and efficiency, the engine's
+    scheduler limits and KV pool, and a row cache of the live one's rows."""
+    from cachelab.experiment.points import simulated_point
+    from cachelab.live.launch import model_for
+    from cachelab.serving.live_calibration import load_calibration, model_spec
+    from cachelab.serving.simulator import ServingConfig
+
+    live, opts = config["live"], serve_options(config)
+    path = calibration_path(live["calibration"])
+    _, eff = load_calibration(path)
+    cfg = model_for(opts)
+    spec = model_spec(cfg)
+    serving = ServingConfig(hardware=str(path), placement="dram-copy", tp=1, concurrency=live["concurrency"],
+                            max_num_batched_tokens=opts.max_num_batched_tokens, max_num_seqs=opts.max_num_seqs,
+                            model=spec, layout=cfg.layout, efficiency=eff, kv_cache_tokens=opts.kv_cache_tokens,
+                            row_cache_bytes=float(row_cache_rows * spec.row_bytes), row_cache_policy=live["row_cache_policy"] or "lru")
+    return simulated_point(workload, serving)
+
+
+def calibration_path(value: str) -> Path:
+    """``live.calibration``: a path (``~`` expanded; relative to the working directory)."""
+    path = Path(os.path.expanduser(value))
+    if not path.is_file():
+        raise CachelabError(f"live.calibration: no file {value!r}; write one with `cachelab calibrate --out FILE`")
+    return path
+
+
+def _task_ids() -> set[int]:
+    return {int(t) for t in os.listdir("/proc/self/task")}
+
+
+def _usage(threads: set[int]) -> dict:
+    """Page faults and CPU seconds summed over ``threads`` (Linux /proc/self/task/*/stat)."""
+    import time
+
+    out = {"minflt": 0, "majflt": 0, "cpu_s": 0.0, "wall_s": time.perf_counter()}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in threads:
+        try:
+            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread has ended
+            continue
+        out["minflt"] += int(fields[7])
+        out["majflt"] += int(fields[9])
+        out["cpu_s"] += (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def _check_live(spec: ExperimentSpec, where: str) -> None:
-    from cachelab.experiment.points import _check_serve
+    from cachelab.experiment.points import need_trace
 
     if spec.live is None:
         raise CachelabError(f"{where}: live: kind 'live' needs a [live] section")
-    if spec.workload.trace is None:
-        raise CachelabError(f"{where}: workload.trace: kind 'live' sends a trace's prompts: give a [workload.trace] "
-                            "(a `cachelab trace build` spec, e.g. with prefix_overlap)")
-    if spec.live.placement not in ("dram", "mmap", "pread", "direct"):
-        raise CachelabError(f"{where}: live.placement: unknown {spec.live.placement!r}; allowed: dram, mmap, pread, direct")
-    if spec.serving is not None:
-        _check_serve(spec, where)
+    need_trace(spec, where, "live", "sends a trace's prompts")
+    if spec.live.placement not in PLACEMENTS:
+        raise CachelabError(f"{where}: live.placement: unknown {spec.live.placement!r}; allowed: {', '.join(PLACEMENTS)}")
+    if spec.serving is not None and "serve" not in kinds(spec):
+        raise CachelabError(f"{where}: serving: kind 'live' does not read [serving]: its client concurrency is "
+                            "live.concurrency and its prediction the calibrated live model (live.calibration)")
+    if spec.live.calibration is not None:
+        from cachelab.serving.live_calibration import load_calibration
+
+        try:
+            load_calibration(calibration_path(spec.live.calibration))
+        except CachelabError as exc:
+            raise CachelabError(f"{where}: live.calibration: {exc}") from None
 
 
-LIVE = ExperimentKind(("workload", "live", "serving"), live_point, _check_live, ("predicted_per_request",))
+LIVE = ExperimentKind(("workload", "live"), live_point, _check_live, ("predicted_per_request",), serial=True)

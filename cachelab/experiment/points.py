@@ -159,9 +159,14 @@ def serve_point(config: dict, workload: Workload) -> PointOutput:
     """A serving replay (``cachelab.serving.simulator.simulate``) of the workload's requests: vLLM bench
     metrics (TTFT, TPOT, ITL, E2EL percentiles), tokens/s per GPU, tokens per dollar, the
     prefix cache's and the row cache's hit ratios and footprints."""
+    return simulated_point(workload, serving_config(config["serving"]))
+
+
+def simulated_point(workload: Workload, serving) -> PointOutput:
+    """``serve_point`` for a ``ServingConfig`` already made (the live kind's calibrated model)."""
     from cachelab.serving.simulator import simulate
 
-    result = simulate(workload.requests, serving_config(config["serving"]))
+    result = simulate(workload.requests, serving)
     metrics = _numbers(result.metrics)
     for prefix, section in (("prefix_cache", result.prefix_cache), ("row_cache", result.rows),
                             ("memory", result.memory)):
@@ -225,12 +230,17 @@ def _check_learned(spec: ExperimentSpec, where: str) -> None:
         raise CachelabError(f"{where}: predictor: kind 'learned' needs a [predictor] section")
 
 
+def need_trace(spec: ExperimentSpec, where: str, kind: str, why: str) -> None:
+    """A kind that sends or replays requests needs a [workload.trace]."""
+    if spec.workload.trace is None:
+        raise CachelabError(f"{where}: workload.trace: kind {kind!r} {why}: give a [workload.trace] "
+                            "(a `cachelab trace build` spec, e.g. with prefix_overlap)")
+
+
 def _check_serve(spec: ExperimentSpec, where: str) -> None:
     if spec.serving is None:
         raise CachelabError(f"{where}: serving: kind 'serve' needs a [serving] section")
-    if spec.workload.trace is None:
-        raise CachelabError(f"{where}: workload.trace: kind 'serve' replays requests with arrival times: "
-                            "give a [workload.trace] (a `cachelab trace build` spec)")
+    need_trace(spec, where, "serve", "replays requests with arrival times")
     _check_serving(spec.serving, where)
 
 

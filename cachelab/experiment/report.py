@@ -19,6 +19,7 @@ import polars as pl
 
 from cachelab.errors import CachelabError
 from cachelab.experiment.kinds import get_kind, kind_names
+from cachelab.experiment.report_live import LIVE_COLUMNS, plot_p99_vs_overlap
 from cachelab.experiment.spec import ExperimentSpec
 from cachelab.experiment.sweep import expand
 
@@ -422,6 +423,7 @@ PLOTS = [
     ("Feature importances", plot_importances),
     ("Latency CDFs", plot_latency_cdfs),
     ("P99 vs load", plot_p99_vs_load),
+    ("P99 vs prefix overlap, live and predicted", plot_p99_vs_overlap),
     ("Pareto front: interactivity vs throughput per GPU", plot_pareto),
 ]
 
@@ -463,11 +465,13 @@ def summary_table(data: ExperimentData) -> pl.DataFrame:
     own plot and tables)."""
     results = data.of_kind("replay")
     if results.is_empty():
-        serve = data.of_kind("serve")
+        serve, columns = data.of_kind("serve"), SERVE_COLUMNS
+        if serve.is_empty():
+            serve, columns = data.of_kind("live"), LIVE_COLUMNS
         if serve.is_empty():
             return serve
         cols = [c for c in data.axes() if c != "axis.kind" and serve[c].cast(pl.Utf8).n_unique() > 1]
-        return serve.select(cols + [c for c in SERVE_COLUMNS if c in serve.columns]).sort(cols or [])
+        return serve.select(cols + [c for c in columns if c in serve.columns]).sort(cols or [])
     cols = [c for c in summary_columns(data) if c in results.columns]
     df = results.select(cols)
     caps = [c for c in cols if c.endswith(".capacity_rows")]

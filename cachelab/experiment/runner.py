@@ -24,6 +24,7 @@ from cachelab.experiment.report import results_table, write_report
 from cachelab.experiment.spec import ExperimentSpec, WorkloadSpec, load_spec
 from cachelab.experiment.sweep import Point, config_hash, expand
 from cachelab.engine.mrc import miss_ratio_curve
+from cachelab.errors import CachelabError
 from cachelab.experiment.workload import build_workload, load_workload, workload_key, workload_stats
 from cachelab.experiment.tracking import Tracker, TrackingUnavailable, resolve_uri
 
@@ -64,11 +65,27 @@ def outbox_for(name: str, runs_dir: Path) -> Outbox:
     return Outbox(Path(runs_dir) / name / "outbox")
 
 
+def _serial_workers(spec, workers: int | None) -> int | None:
+    """One worker for a spec whose kinds time real work (``ExperimentKind.serial``): parallel
+    points would share the cores they measure. More than one is an error naming the flag."""
+    from cachelab.experiment.kinds import get_kind
+    from cachelab.experiment.spec import kinds
+
+    serial = [k for k in kinds(spec) if get_kind(k).serial]
+    if not serial:
+        return workers
+    if workers is not None and workers != 1:
+        raise CachelabError(f"--workers {workers}: kind {serial[0]!r} times each point on this machine's cores, so its "
+                            "points run one at a time; use --workers 1 (or leave --workers out)")
+    return 1
+
+
 def run_experiment(spec_path: str | Path, *, backend: str = "local", address: str | None = None,
                    tracking_uri: str | None = None, workers: int | None = None,
                    runs_dir: str | Path = "runs", quiet: bool = False,
                    overrides: list[str] | None = None) -> RunSummary:
     spec = load_spec(spec_path, overrides)  # every check happens here, before any work
+    workers = _serial_workers(spec, workers)
     console = Console(stderr=True, quiet=quiet)
     points = list({p.hash: p for p in expand(spec)}.values())
     outbox = outbox_for(spec.name, Path(runs_dir))

@@ -120,6 +120,9 @@ class LiveSpec(Strict):
     threads: int = Field(1, gt=0, description="torch threads")
     kv_cache_tokens: int = Field(16_384, gt=0)
     warmup_requests: int = Field(2, ge=0, description="requests sent (and not measured) before the point")
+    concurrency: int | None = Field(None, gt=0, description="the client's cap on requests in flight (None: no cap)")
+    calibration: str | None = Field(None, description="a `cachelab calibrate --out` file: predicted.* is that "
+                                    "calibrated model of this engine (none without it)")
 
 
 class ExperimentSpec(Strict):

@@ -29,7 +29,7 @@ from cachelab.serving.hardware import load_profile
 from cachelab.engine.tiers import DRAMStore, Hierarchy, SSDStore, Tier
 from cachelab.serving.latency import Batch, Efficiency, EngramStep, LatencyModel, describe
 from cachelab.serving.metrics import RequestTimes, summarize
-from cachelab.serving.model_spec import load_model
+from cachelab.serving.model_spec import ModelSpec, load_model
 from cachelab.workload.prefix_cache import block_hashes
 from cachelab.workload.scheduler import (MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, PREFIX_CACHES, Request, Scheduler,
                                          StepRecord, kv_pool)
@@ -55,6 +55,8 @@ class ServingConfig:
         sample_rate: spatial sampling of rows (1.0: every row).
         warmup_s: simulated seconds left out of the row-cache statistics.
         warm_page_cache: start ssd-mmap with the run's pages already in the page cache.
+        kv_cache_tokens: a KV pool of this many tokens in place of the memory plan's (the live
+            engine's ``--kv-cache-tokens``).
     """
 
     hardware: str = "B200"
@@ -69,10 +71,11 @@ class ServingConfig:
     row_cache_policy: str = "lru"
     page_cache_bytes: float | None = None
     sample_rate: float = 1.0
-    model: str = "deepseek-v4.1-flash"
+    model: str | ModelSpec = "deepseek-v4.1-flash"  # a spec name or file, or a spec itself (the live model's)
     layout: str = "deepseek-v4.1-flash"
     warmup_s: float = 0.0
     warm_page_cache: bool = False
+    kv_cache_tokens: int | None = None
     efficiency: Efficiency = field(default_factory=Efficiency)
 
     def check(self) -> None:
@@ -84,6 +87,8 @@ class ServingConfig:
             raise CachelabError(f"concurrency must be >= 1, got {self.concurrency}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise CachelabError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
+            raise CachelabError(f"kv_cache_tokens must be at least one block ({self.block_size}), got {self.kv_cache_tokens}")
         if self.row_cache_bytes < 0:
             raise CachelabError(f"row_cache_bytes must be >= 0, got {self.row_cache_bytes}")
 
@@ -166,12 +171,13 @@ class ServingSimulator:
         config.check()
         self.config, self.progress = config, progress
         self.hw = load_profile(config.hardware)
-        self.model = load_model(config.model, layout=config.layout)
+        self.model = (config.model if isinstance(config.model, ModelSpec)
+                      else load_model(config.model, layout=config.layout))
         rc = config.row_cache_bytes if config.placement != "hbm" else 0.0
         self.latency = LatencyModel(self.model, self.hw, config.tp, config.placement, rc, config.efficiency)
         self.addresser = Addresser(self.model.layout)
         self.seqs, self.plen, self.olen, self.arrival = _sequences(trace)
-        kv_tokens = self.latency.plan.kv_tokens
+        self.kv_tokens = kv_tokens = config.kv_cache_tokens or self.latency.plan.kv_tokens
         too_long = np.flatnonzero(self.plen + self.olen > kv_tokens)
         if too_long.size:
             i = int(too_long[0])
@@ -202,7 +208,7 @@ class ServingSimulator:
         """Replay the trace; ``on_step`` sees every completed step record (for a lookup stream)."""
         cfg, lat = self.config, self.latency
         n = len(self.seqs)
-        scheduler = Scheduler(kv_pool(cfg.prefix_cache, lat.plan.kv_tokens, cfg.block_size),
+        scheduler = Scheduler(kv_pool(cfg.prefix_cache, self.kv_tokens, cfg.block_size),
                               cfg.max_num_batched_tokens, cfg.max_num_seqs)
         requests = [Request(r, self.seqs[r], int(self.plen[r]), int(self.olen[r])) for r in range(n)]
         replay = StepReplay(self.hierarchy, self.space, len(self.model.engram_layers), cfg.sample_rate)
@@ -327,7 +333,7 @@ class ServingSimulator:
                   "hit_ratio_definition": {"vllm": "cached tokens / queried tokens",
                                            "sglang": "cached / (new + cached) prefill tokens",
                                            "off": "no reuse"}[cfg.prefix_cache],
-                  "kv_pool_tokens": self.latency.plan.kv_tokens,
+                  "kv_pool_tokens": self.kv_tokens,
                   "cached_tokens_end": cache.num_cached_tokens, "cached_tokens_peak": peak_cached,
                   "footprint_bytes_peak": peak_cached * kv_bytes}
         rows = replay.summary().to_dict()
