@@ -39,56 +39,124 @@ import tempfile
 import time
 from pathlib import Path
 
+import numba
 import numpy as np
 
-from cachelab.serving.hardware.probe import _best, memcpy_bw
+from cachelab.compiled import prefetch
+from cachelab.serving.hardware.probe import _best
+from cachelab.workload.lookups import compact
 
 CLI = [sys.executable, "-m", "cachelab.cli"]
 
 
-def gather_section(directory: Path, tokens: int = 2000, seed: int = 0) -> dict:
-    """Rows/s of lookup and of the kernels on one core, against one-core memcpy of the same bytes."""
-    import numba
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _touch_rows(pages, rows, rows_per_page, row_bytes):
+    """Read every cache line of each row (prefetched 8 rows ahead, as the kernels do), write
+    nothing: what random rows cost the memory system alone."""
+    acc = 0
+    n = rows.size
+    for i in range(n):
+        if i + 8 < n:
+            r = rows[i + 8]
+            for line in range(0, row_bytes + 63, 64):
+                prefetch(pages[r // rows_per_page], (r % rows_per_page) * row_bytes + min(line, row_bytes - 1))
+        r = rows[i]
+        src, at = pages[r // rows_per_page], (r % rows_per_page) * row_bytes
+        for line in range(0, row_bytes + 63, 64):
+            acc += src[at + min(line, row_bytes - 1)]
+    return acc
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _chase(nxt, steps):
+    """Dependent loads at random through ``nxt``: one DRAM round trip each."""
+    i = 0
+    for _ in range(steps):
+        i = nxt[i]
+    return i
+
+
+def dram_latency_ns(entries: int = 1 << 24, steps: int = 1 << 20, seed: int = 0) -> float:
+    """Nanoseconds per dependent random load in a 128 MiB array (larger than the LLC)."""
+    perm = np.random.default_rng(seed).permutation(entries)
+    nxt = np.empty(entries, np.int64)
+    nxt[perm] = np.roll(perm, -1)  # one cycle through every entry
+    _chase(nxt, 1000)
+    return _best(lambda: _chase(nxt, steps)) / steps * 1e9
+
+
+def gather_section(directory: Path, tokens: int = 2000, seed: int = 0, rounds: int = 3) -> dict:
+    """Rows/s of lookup and of the kernels on one core, against one-core memcpy of the same bytes.
+
+    Bytes are the table bytes a lookup must read: distinct rows x 264 B. The 512 B of BF16
+    written per requested row are not counted (memcpy of those 264 B writes 264 B). Each
+    candidate and each reference is timed in every round, interleaved, best of all rounds,
+    so load on the machine moves them together."""
+    import torch
 
     from cachelab.store import TieredStore
-    from cachelab.store.kernels import DEQUANT_TABLE, dequant_expand
+    from cachelab.store.kernels import DEQUANT_TABLE, dequant_expand, gather_dequant, gather_pages
 
     numba.set_num_threads(1)
+    torch.set_num_threads(1)
     rng = np.random.default_rng(seed)
     with TieredStore.open(directory, backing="dram", hbm_capacity=None) as store:
         cfg, lay = store.layout, store.layout_tables
+        rb, rpp = lay.row_bytes, lay.rows_per_page
         rows = cfg.offsets[None] + rng.integers(0, cfg.primes[None], (tokens, len(cfg.layers), cfg.columns))
         n = rows.size
+        out_t = torch.empty((*rows.shape, lay.row_dim), dtype=torch.bfloat16)
         store.lookup(rows)
-        lookup_s = _best(lambda: store.lookup(rows))
         unique = store.last_step["unique"]
         keys = store.keys(rows).reshape(-1)
         layer = np.searchsorted(lay.layer_base, keys, "right") - 1
-        local = keys - lay.layer_base[layer]
-        packed = np.empty((n, lay.row_bytes), np.uint8)
+        table_row = keys - lay.layer_base[layer] + store.backing.page_base[layer] * rpp
+        inverse, uniq_rows = compact(table_row)
+        pages = store.backing.pages
+        packed = np.empty((uniq_rows.size, rb), np.uint8)
         out = np.empty((n, lay.row_dim), np.uint16)
-        ident = np.arange(n, dtype=np.int64)
+        ident = np.arange(uniq_rows.size, dtype=np.int64)
+        src, dst = np.ones(unique * rb, np.uint8), np.empty(unique * rb, np.uint8)
+        packed_table = np.ones((int(lay.table_rows.sum()), rb), np.uint8)
+        flat = keys % packed_table.shape[0]
+        take_out = np.empty((n, rb), np.uint8)
+        stages = {}
 
-        def kernels():
-            store.backing.read(layer, local, packed, ident)
-            dequant_expand(packed, ident, DEQUANT_TABLE, out, work=0)
+        def lookup_stages():
+            store.lookup(rows)
+            for k in ("dedup_s", "cache_lookup_s", "ssd_read_s", "gather_s", "copy_s", "dequant_s", "step_s"):
+                stages[k] = min(stages.get(k, np.inf), store.last_step[k])
 
-        kernels()
-        kernel_s = _best(kernels)
-    bw = memcpy_bw(n * lay.row_bytes)  # one thread: NumPy's copy is a single memcpy
-    # the same random access without any of the store: NumPy's row take from a packed table as large
-    packed_table = np.ones((int(lay.table_rows.sum()), lay.row_bytes), np.uint8)
-    flat = keys % packed_table.shape[0]
-    take_s = _best(lambda: np.take(packed_table, flat, axis=0, out=packed))
-    del packed_table
+        runs = {
+            "memcpy": lambda: np.copyto(dst, src),
+            "random_touch": lambda: _touch_rows(pages, uniq_rows, rpp, rb),
+            "numpy_take": lambda: np.take(packed_table, flat, axis=0, out=take_out),
+            "lookup": lookup_stages,
+            "lookup_out": lambda: store.lookup(rows, out=out_t),
+            "kernels_staged": lambda: (gather_pages(pages, uniq_rows, ident, packed, rpp, rb, work=0),
+                                       dequant_expand(packed, inverse, DEQUANT_TABLE, out, work=0)),
+            "kernels_fused": lambda: gather_dequant(pages, uniq_rows, inverse, rpp, DEQUANT_TABLE, out, work=0),
+        }
+        for fn in runs.values():
+            fn()
+        best = {k: np.inf for k in runs}
+        for _ in range(rounds):
+            for k, fn in runs.items():
+                best[k] = min(best[k], _best(fn))
+        del packed_table
     numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
-    return {"rows": int(n), "unique_rows": int(unique), "memcpy_GBps": bw / 1e9,
-            "lookup_rows_per_s": unique / lookup_s, "lookup_GBps": unique * lay.row_bytes / lookup_s / 1e9,
-            "lookup_ratio": unique * lay.row_bytes / lookup_s / bw,
-            "kernels_rows_per_s": n / kernel_s, "kernels_GBps": n * lay.row_bytes / kernel_s / 1e9,
-            "kernels_ratio": n * lay.row_bytes / kernel_s / bw,
-            "numpy_random_take_GBps": n * lay.row_bytes / take_s / 1e9,
-            "kernels_ratio_to_numpy_take": take_s / kernel_s}
+    bw = unique * rb / best["memcpy"]
+    res = {"requests": int(n), "unique_rows": int(unique), "row_bytes": rb, "bytes_counted": "unique rows x row_bytes read",
+           "memcpy_GBps": bw / 1e9, "memcpy_ns_per_row": best["memcpy"] / unique * 1e9,
+           "dram_latency_ns": dram_latency_ns(), "load_average": os.getloadavg()[0],
+           "lookup_stage_ns_per_row": {k: v / unique * 1e9 for k, v in stages.items()}}
+    for k in runs:
+        if k == "memcpy":
+            continue
+        rows_done = n if k == "numpy_take" else unique
+        res[k] = {"ns_per_row": best[k] / rows_done * 1e9, "GBps": rows_done * rb / best[k] / 1e9,
+                  "ratio_to_memcpy": rows_done * rb / best[k] / bw}
+    return res
 
 
 def fio_iops(path: Path, depth: int, runtime: float) -> float | None:
@@ -247,10 +315,15 @@ def main() -> None:
 def _print(out: dict) -> None:
     if "gather" in out:
         g = out["gather"]
-        print(f"gather+dequant, one core: lookup {g['lookup_GBps']:.3f} GB/s ({g['lookup_ratio']:.2f} x memcpy), "
-              f"kernels {g['kernels_GBps']:.3f} GB/s ({g['kernels_ratio']:.2f} x memcpy {g['memcpy_GBps']:.2f} GB/s; "
-              f"{g['kernels_ratio_to_numpy_take']:.2f} x NumPy's random row take alone, "
-              f"{g['numpy_random_take_GBps']:.3f} GB/s)")
+        print(f"gather+dequant, one core, {g['unique_rows']:,} distinct of {g['requests']:,} random rows, bytes = "
+              f"distinct rows x {g['row_bytes']} B read; memcpy {g['memcpy_GBps']:.2f} GB/s "
+              f"({g['memcpy_ns_per_row']:.1f} ns/row); DRAM latency {g['dram_latency_ns']:.0f} ns; "
+              f"load average {g['load_average']:.2f}")
+        for k in ("lookup", "lookup_out", "kernels_staged", "kernels_fused", "random_touch", "numpy_take"):
+            r = g[k]
+            print(f"  {k:>15}: {r['ns_per_row']:7.1f} ns/row {r['GBps']:6.3f} GB/s {r['ratio_to_memcpy']:.3f} x memcpy")
+        print("  lookup stages (ns/row): " + ", ".join(f"{k[:-2]} {v:.1f}" for k, v in
+                                                      g["lookup_stage_ns_per_row"].items()))
     if "direct" in out:
         d = out["direct"]
         if "note" in d:

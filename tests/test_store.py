@@ -94,6 +94,28 @@ def test_dequant_matches_torch_float8_for_every_scale_and_value():
     np.testing.assert_array_equal(out, expect)
 
 
+def test_dequant_kernels_equal_the_table_for_every_scale_and_value():
+    """The 16-bit vector path (scales 10..246), the table path (the rest), and the fused
+    gather + dequantiser, bit for bit, on every (scale byte, FP8 byte) pair."""
+    from cachelab.store.kernels import gather_dequant
+
+    packed = np.zeros((256, 264), np.uint8)
+    packed[:, :256] = np.arange(256, dtype=np.uint8)[None]
+    packed[:, 256:] = np.arange(256, dtype=np.uint8)[:, None]  # row s: every value at scale byte s
+    packed[7, 256:] = [0, 9, 10, 127, 246, 247, 255, 130]  # blocks of one row at different scales
+    expect = DEQUANT_TABLE[np.repeat(packed[:, 256:], 32, axis=1), packed[:, :256]]
+    index = np.arange(256)[::-1].copy()
+    out = np.empty((256, 256), np.uint16)
+    dequant_expand(packed, index, DEQUANT_TABLE, out, work=0)
+    np.testing.assert_array_equal(out, expect[index])
+    pages = np.zeros((18, PAGE), np.uint8)  # the same rows in the table file's page format
+    rows = np.arange(256)
+    pages.reshape(-1)[(rows // 15 * PAGE + rows % 15 * 264)[:, None] + np.arange(264)] = packed
+    out[:] = 0
+    gather_dequant(pages, rows, index, 15, DEQUANT_TABLE, out, work=0)
+    np.testing.assert_array_equal(out, expect[index])
+
+
 @pytest.mark.parametrize("backing", ["dram", "mmap", "pread", "direct"])
 def test_lookup_returns_reference_rows_in_request_order(tables, backing):
     rng = np.random.default_rng(2)

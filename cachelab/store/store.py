@@ -31,7 +31,7 @@ from cachelab import registry
 from cachelab.capacity import parse_capacity
 from cachelab.errors import CachelabError
 from cachelab.policy import Policy
-from cachelab.store.backing import open_backing
+from cachelab.store.backing import advise_huge_pages, open_backing
 from cachelab.store.build import open_tables
 from cachelab.store.counters import Counters
 from cachelab.store.kernels import DEQUANT_TABLE, dequant_expand
@@ -51,6 +51,17 @@ def available_memory() -> int:
 def _faults() -> tuple[int, int]:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_minflt, ru.ru_majflt
+
+
+def _fresh_output(shape):
+    """An empty bfloat16 CPU tensor, advised to huge pages before its first touch: filling a
+    large one then takes one page fault per 2 MiB instead of one per 4 KiB (the faults cost
+    more than the dequantisation that writes it)."""
+    import torch
+
+    res = torch.empty(shape, dtype=torch.bfloat16)
+    advise_huge_pages(res.data_ptr(), res.numel() * 2)
+    return res
 
 
 def _positions(keys: np.ndarray, queries: np.ndarray) -> np.ndarray:
@@ -189,14 +200,16 @@ class TieredStore:
 
     # -- the step -------------------------------------------------------------------------------
 
-    def lookup(self, row_ids, scores=None):
+    def lookup(self, row_ids, scores=None, out=None):
         """Rows of ``row_ids`` ([tokens, layers, columns] as the Addresser returns) as bfloat16
         ``[tokens, layers, columns, row_dim]`` in request order; ``scores`` (same shape as
-        ``row_ids``) feed policies that need predictor scores."""
+        ``row_ids``) feed policies that need predictor scores. ``out``: a contiguous bfloat16
+        tensor of that shape on the store's device to write the rows into (a caller reusing one
+        saves allocating, and on the CPU first-touch faulting, 512 B per requested row)."""
         pending = self._pending
         if pending is not None:
             pending.result()  # steps run in the order they were asked for
-        rows, _ = self._step(row_ids, scores)
+        rows, _ = self._step(row_ids, scores, out)
         return rows
 
     def prefetch(self, row_ids, scores=None) -> PrefetchHandle:
@@ -211,15 +224,15 @@ class TieredStore:
             counters["stall_s"] += seconds
             self.totals["stall_s"] += seconds
 
-    def _step(self, row_ids, scores):
+    def _step(self, row_ids, scores, out=None):
         with self._lock:
             c = Counters(self.tier_names)
-            rows = self._serve(row_ids, scores, c)
+            rows = self._serve(row_ids, scores, c, out)
             self.last_step = c
             self.totals.add(c)
             return rows, c
 
-    def _serve(self, row_ids, scores, c: Counters):
+    def _serve(self, row_ids, scores, c: Counters, out=None):
         clock = time.perf_counter
         t0 = clock()
         minor0, major0 = _faults()
@@ -253,8 +266,11 @@ class TieredStore:
             dram_hit, back = np.zeros(0, np.int64), np.arange(m, dtype=np.int64)
         t2 = clock()
         c["cache_lookup_s"] = t2 - t1
-        # host side: DRAM-cache hits and backing reads into the host staging buffer
-        host = self._buf("host", m)
+        # host side: DRAM-cache hits and backing reads into the host staging buffer (on the CPU
+        # the device rows themselves: with no device there is nothing to copy)
+        h = hit_pos.size
+        dev = self._device_rows(n)
+        host = self._buf("host", m) if self.cuda else dev[h:h + m]
         if dram is not None:
             dram.gather(slots1, dram_hit, host)
         t3 = clock()
@@ -264,8 +280,6 @@ class TieredStore:
         t4 = clock()
         c["ssd_read_s"] = t4 - t3
         # device side: HBM hits, then the host rows copied after them
-        h = hit_pos.size
-        dev = self._device_rows(n)
         if hbm is not None and h:
             hbm.gather(slots0, np.arange(h, dtype=np.int64), dev)
         t5 = clock()
@@ -282,7 +296,7 @@ class TieredStore:
             written_hbm = hbm.commit(res0, dev, new_pos[_positions(uniq, res0.admitted)])
         t7 = clock()
         c["gather_s"] = (t3 - t2) + (t5 - t4) + (t7 - t6)
-        out = self._dequant(dev, new_pos[inverse], shape)
+        out = self._dequant(dev, new_pos[inverse], shape, out)
         t8 = clock()
         c["dequant_s"] = t8 - t7
         minor1, major1 = _faults()
@@ -315,27 +329,32 @@ class TieredStore:
         return buf[:n]
 
     def _copy(self, host: np.ndarray, dev, h: int, m: int) -> None:
-        """Host staging -> device rows ``[h, h + m)`` (a memcpy when the device is the CPU)."""
-        if not m:
-            return
-        if not self.cuda:
-            np.copyto(dev[h:h + m], host[:m])
+        """Host staging -> device rows ``[h, h + m)`` (on the CPU the staging is those rows)."""
+        if not m or not self.cuda:
             return
         torch = self.torch
         dev[h:h + m].copy_(torch.from_numpy(host[:m]).pin_memory(), non_blocking=True)
 
-    def _dequant(self, dev, index: np.ndarray, shape):
+    def _dequant(self, dev, index: np.ndarray, shape, out=None):
         torch = self.torch
         dim = self.row_dim
+        if out is not None:
+            want = (*shape, dim)
+            if (tuple(out.shape) != want or out.dtype != torch.bfloat16 or out.device != self.device
+                    or not out.is_contiguous()):
+                raise CachelabError(f"out= must be a contiguous bfloat16 tensor of shape {list(want)} on "
+                                    f"{self.device}, got {out.dtype} {list(out.shape)} on {out.device}")
         if not self.cuda:
-            out = np.empty((index.size, dim), np.uint16)
-            dequant_expand(dev, index, DEQUANT_TABLE, out, work=out.nbytes)
-            return torch.from_numpy(out).view(torch.bfloat16).reshape(*shape, dim)
+            res = _fresh_output((*shape, dim)) if out is None else out
+            flat = res.view(torch.int16).numpy().reshape(index.size, dim).view(np.uint16)
+            dequant_expand(dev, index, DEQUANT_TABLE, flat, work=flat.nbytes)
+            return res
         idx = torch.from_numpy(index).to(self.device, non_blocking=True)
         rows = dev.index_select(0, idx)
         vals = rows[:, :dim].view(torch.float8_e4m3fn).to(torch.float32)
         scale = torch.exp2(rows[:, dim:].to(torch.float32) - 127).repeat_interleave(32, dim=1)
-        return (vals * scale).to(torch.bfloat16).reshape(*shape, dim)
+        res = (vals * scale).to(torch.bfloat16).reshape(*shape, dim)
+        return res if out is None else out.copy_(res)
 
     def close(self) -> None:
         if self._pending is not None:
