@@ -116,6 +116,21 @@ def test_dequant_kernels_equal_the_table_for_every_scale_and_value():
     np.testing.assert_array_equal(out, expect[index])
 
 
+@pytest.mark.parametrize("backing", ["dram", "mmap"])
+def test_lookup_without_tiers_and_into_a_callers_tensor(tables, backing):
+    """No cache tier (dram: the fused gather + dequantiser) and ``out=``: reference rows, the
+    caller's tensor filled in place, a wrong one refused by name."""
+    rng = np.random.default_rng(4)
+    with TieredStore.open(tables, backing=backing, hbm_capacity=None) as store:
+        rows = full_rows(rng, 30)
+        assert check_rows(store, rows, store.lookup(rows)) == 0
+        out = torch.empty((30, 2, 24, 256), dtype=torch.bfloat16)
+        assert store.lookup(rows, out=out) is out and check_rows(store, rows, out) == 0
+        assert store.last_step["backing_rows"] == store.last_step["unique"]
+        with pytest.raises(CachelabError, match="out= must be a contiguous bfloat16"):
+            store.lookup(rows, out=torch.empty((30, 2, 24, 256), dtype=torch.float32))
+
+
 @pytest.mark.parametrize("backing", ["dram", "mmap", "pread", "direct"])
 def test_lookup_returns_reference_rows_in_request_order(tables, backing):
     rng = np.random.default_rng(2)

@@ -34,7 +34,7 @@ from cachelab.policy import Policy
 from cachelab.store.backing import advise_huge_pages, open_backing
 from cachelab.store.build import open_tables
 from cachelab.store.counters import Counters
-from cachelab.store.kernels import DEQUANT_TABLE, dequant_expand
+from cachelab.store.kernels import DEQUANT_TABLE, dequant_expand, gather_dequant
 from cachelab.store.tier import CacheTier
 from cachelab.workload.lookups import compact
 
@@ -164,6 +164,7 @@ class TieredStore:
         self._hbm = tiers[0] if tiers and tiers[0].name == "hbm" else None
         self._dram = tiers[-1] if tiers and tiers[-1].name == "dram" else None
         self.backing = open_backing(backing, lay, self.paths, io_threads)
+        self._fused = not tiers and not self.cuda and backing == "dram"
         self.tier_names = tuple(t.name for t in tiers)
         self.totals = Counters(self.tier_names)
         self.last_step = Counters(self.tier_names)
@@ -266,39 +267,51 @@ class TieredStore:
             dram_hit, back = np.zeros(0, np.int64), np.arange(m, dtype=np.int64)
         t2 = clock()
         c["cache_lookup_s"] = t2 - t1
-        # host side: DRAM-cache hits and backing reads into the host staging buffer (on the CPU
-        # the device rows themselves: with no device there is nothing to copy)
-        h = hit_pos.size
-        dev = self._device_rows(n)
-        host = self._buf("host", m) if self.cuda else dev[h:h + m]
-        if dram is not None:
-            dram.gather(slots1, dram_hit, host)
-        t3 = clock()
-        bk = keys1[back]
-        layer = np.searchsorted(self.layer_base, bk, "right") - 1
-        file_bytes, pages = self.backing.read(layer, bk - self.layer_base[layer], host, back)
-        t4 = clock()
-        c["ssd_read_s"] = t4 - t3
-        # device side: HBM hits, then the host rows copied after them
-        if hbm is not None and h:
-            hbm.gather(slots0, np.arange(h, dtype=np.int64), dev)
-        t5 = clock()
-        self._copy(host, dev, h, m)
-        t6 = clock()
-        c["copy_s"] = t6 - t5
-        new_pos = np.empty(n, np.int64)
-        new_pos[hit_pos] = np.arange(h)
-        new_pos[miss_pos] = h + np.arange(m)
-        written_dram = written_hbm = 0
-        if dram is not None:
-            written_dram = dram.commit(res1, host, _positions(keys1, res1.admitted))
-        if hbm is not None:
-            written_hbm = hbm.commit(res0, dev, new_pos[_positions(uniq, res0.admitted)])
-        t7 = clock()
-        c["gather_s"] = (t3 - t2) + (t5 - t4) + (t7 - t6)
-        out = self._dequant(dev, new_pos[inverse], shape, out)
-        t8 = clock()
-        c["dequant_s"] = t8 - t7
+        if self._fused:  # no tier keeps a row and no device: each row read once, straight to BF16
+            h, written_hbm, file_bytes, pages = 0, 0, 0, 0
+            layer = np.searchsorted(self.layer_base, uniq, "right") - 1
+            rpp = self.layout_tables.rows_per_page
+            table_rows = uniq - self.layer_base[layer] + self.backing.page_base[layer] * rpp
+            res = self._output(shape, out)
+            flat = res.view(self.torch.int16).numpy().reshape(inverse.size, self.row_dim).view(np.uint16)
+            gather_dequant(self.backing.pages, table_rows, inverse, rpp, DEQUANT_TABLE, flat, work=flat.nbytes)
+            out = res
+            t8 = clock()
+            c["dequant_s"] = t8 - t2
+        else:
+            # host side: DRAM-cache hits and backing reads into the host staging buffer (on the CPU
+            # the device rows themselves: with no device there is nothing to copy)
+            h = hit_pos.size
+            dev = self._device_rows(n)
+            host = self._buf("host", m) if self.cuda else dev[h:h + m]
+            if dram is not None:
+                dram.gather(slots1, dram_hit, host)
+            t3 = clock()
+            bk = keys1[back]
+            layer = np.searchsorted(self.layer_base, bk, "right") - 1
+            file_bytes, pages = self.backing.read(layer, bk - self.layer_base[layer], host, back)
+            t4 = clock()
+            c["ssd_read_s"] = t4 - t3
+            # device side: HBM hits, then the host rows copied after them
+            if hbm is not None and h:
+                hbm.gather(slots0, np.arange(h, dtype=np.int64), dev)
+            t5 = clock()
+            self._copy(host, dev, h, m)
+            t6 = clock()
+            c["copy_s"] = t6 - t5
+            new_pos = np.empty(n, np.int64)
+            new_pos[hit_pos] = np.arange(h)
+            new_pos[miss_pos] = h + np.arange(m)
+            written_dram = written_hbm = 0
+            if dram is not None:
+                written_dram = dram.commit(res1, host, _positions(keys1, res1.admitted))
+            if hbm is not None:
+                written_hbm = hbm.commit(res0, dev, new_pos[_positions(uniq, res0.admitted)])
+            t7 = clock()
+            c["gather_s"] = (t3 - t2) + (t5 - t4) + (t7 - t6)
+            out = self._dequant(dev, new_pos[inverse], shape, out)
+            t8 = clock()
+            c["dequant_s"] = t8 - t7
         minor1, major1 = _faults()
         rb = self.row_bytes
         c["steps"], c["requested"], c["unique"] = 1, int(inverse.size), int(n)
@@ -335,17 +348,22 @@ class TieredStore:
         torch = self.torch
         dev[h:h + m].copy_(torch.from_numpy(host[:m]).pin_memory(), non_blocking=True)
 
+    def _output(self, shape, out):
+        """``out`` checked, or a fresh CPU output tensor."""
+        want = (*shape, self.row_dim)
+        if out is None:
+            return _fresh_output(want)
+        if (tuple(out.shape) != want or out.dtype != self.torch.bfloat16 or out.device != self.device
+                or not out.is_contiguous()):
+            raise CachelabError(f"out= must be a contiguous bfloat16 tensor of shape {list(want)} on "
+                                f"{self.device}, got {out.dtype} {list(out.shape)} on {out.device}")
+        return out
+
     def _dequant(self, dev, index: np.ndarray, shape, out=None):
         torch = self.torch
         dim = self.row_dim
-        if out is not None:
-            want = (*shape, dim)
-            if (tuple(out.shape) != want or out.dtype != torch.bfloat16 or out.device != self.device
-                    or not out.is_contiguous()):
-                raise CachelabError(f"out= must be a contiguous bfloat16 tensor of shape {list(want)} on "
-                                    f"{self.device}, got {out.dtype} {list(out.shape)} on {out.device}")
         if not self.cuda:
-            res = _fresh_output((*shape, dim)) if out is None else out
+            res = self._output(shape, out)
             flat = res.view(torch.int16).numpy().reshape(index.size, dim).view(np.uint16)
             dequant_expand(dev, index, DEQUANT_TABLE, flat, work=flat.nbytes)
             return res
@@ -354,7 +372,7 @@ class TieredStore:
         vals = rows[:, :dim].view(torch.float8_e4m3fn).to(torch.float32)
         scale = torch.exp2(rows[:, dim:].to(torch.float32) - 127).repeat_interleave(32, dim=1)
         res = (vals * scale).to(torch.bfloat16).reshape(*shape, dim)
-        return res if out is None else out.copy_(res)
+        return res if out is None else self._output(shape, out).copy_(res)
 
     def close(self) -> None:
         if self._pending is not None:
