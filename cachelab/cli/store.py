@@ -26,15 +26,21 @@ def build(
                                 "full-layout row ids fold into the smaller tables per hash head."),
     directory: Path = typer.Option(..., "--dir", help="Directory for the table files and manifest.json."),
     seed: int = typer.Option(0, "--seed", help="Seed of the deterministic row contents."),
+    from_safetensors: Path | None = typer.Option(None, "--from-safetensors", help="Take the rows from a "
+                                                 "checkpoint (a .safetensors file or a directory of shards): "
+                                                 "layers.{L}.engram.embed.weight, FP8 E4M3 with UE8M0 scales or "
+                                                 "BF16/F16/F32 quantised to the row format (docs/store.md)."),
     as_json: bool = typer.Option(False, "--json", help="Print the manifest as JSON."),
 ) -> None:
     """Write the Engram tables of a layout as packed FP8 rows (264 B each for V4.1), one file per layer.
 
     Files are written under a temporary name and renamed when complete; manifest.json comes last.
+    `verify` then compares every row with its source: the recompute for --seed, or the checkpoint.
     """
     from cachelab.store import build_tables
 
-    manifest = build_tables(layout, scale, directory, seed=seed, progress=not as_json)
+    manifest = build_tables(layout, scale, directory, seed=seed, progress=not as_json,
+                            from_safetensors=from_safetensors)
     if as_json:
         typer.echo(json.dumps({k: v for k, v in manifest.items() if k != "config"}))
         return
@@ -49,7 +55,8 @@ def verify(
     sample: int | None = typer.Option(None, "--sample", help="Rows to check per layer, at random (default: all)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """Re-read rows and compare each with its recomputed contents; exits 1 on any mismatch."""
+    """Re-read rows and compare each with its source (the recompute, or the checkpoint the tables were
+    built from, as manifest.json records); exits 1 on any mismatch."""
     from cachelab.store import verify_tables
 
     out = verify_tables(directory, sample)

@@ -22,7 +22,7 @@ from cachelab import registry
 from cachelab.engine.replay import replay
 from cachelab.engine.tiers import Hierarchy, SSDStore, Tier
 from cachelab.errors import CachelabError
-from cachelab.store.format import PAGE, reference_rows
+from cachelab.store.format import PAGE
 from cachelab.store.store import TieredStore
 from cachelab.workload.lookups import LookupStream, global_key, split_key
 
@@ -52,16 +52,15 @@ def step_rows(stream: LookupStream, s: int, layers: int, columns: int) -> np.nda
 
 
 def check_rows(store: TieredStore, row_ids: np.ndarray, got) -> int:
-    """How many of the returned rows differ from the dequantised reference rows."""
+    """How many of the returned rows differ from the dequantised reference rows (the recompute,
+    or the checkpoint the tables were built from)."""
     keys = store.keys(row_ids).reshape(-1)
     lay = store.layout_tables
     layer = np.searchsorted(lay.layer_base, keys, "right") - 1
     packed = np.empty((keys.size, lay.row_bytes), np.uint8)
     for li in range(lay.layer_base.size):
         sel = np.flatnonzero(layer == li)
-        ref = np.empty((sel.size, lay.row_bytes), np.uint8)
-        reference_rows(store.manifest["seed"], li, keys[sel] - lay.layer_base[li], lay.row_dim, ref)
-        packed[sel] = ref
+        packed[sel] = store.source.rows(li, keys[sel] - lay.layer_base[li])
     want = store._dequant(packed, np.arange(keys.size, dtype=np.int64), (keys.size,))
     torch = store.torch
     got = got.reshape(keys.size, -1).cpu()

@@ -18,7 +18,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn, 
 from cachelab.engram.config import EngramConfig, get_preset
 from cachelab.errors import CachelabError
 from cachelab.store.format import (MANIFEST, PAGE, TableLayout, check_header, fill_pages, pack_header,
-                                   read_manifest, reference_rows, write_manifest)
+                                   read_manifest, write_manifest)
+from cachelab.store.source import RowSource
 
 CHUNK_PAGES = 4096  # 16 MiB per write
 
@@ -51,10 +52,15 @@ def load_layout(directory: Path) -> tuple[TableLayout, dict]:
     return layout, manifest
 
 
-def build_tables(layout: str | EngramConfig, scale: float, directory, seed: int = 0, progress: bool = True) -> dict:
-    """Write the tables of ``layout`` at ``scale`` into ``directory``; returns the manifest."""
+def build_tables(layout: str | EngramConfig, scale: float, directory, seed: int = 0, progress: bool = True,
+                 from_safetensors=None) -> dict:
+    """Write the tables of ``layout`` at ``scale`` into ``directory``; returns the manifest.
+
+    Rows are the SplitMix64 contents for ``seed``, or, with ``from_safetensors`` (a file or a
+    directory of shards), the checkpoint's Engram tensors in the row format (cachelab/store/source.py)."""
     config = get_preset(layout) if isinstance(layout, str) else layout
     table = TableLayout(config, float(scale))
+    source = RowSource(table, seed, from_safetensors)  # a checkpoint is checked before anything is removed
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / MANIFEST).unlink(missing_ok=True)  # the old build is gone from here on
@@ -77,7 +83,10 @@ def build_tables(layout: str | EngramConfig, scale: float, directory, seed: int 
                 f.write(pack_header(table, li, seed))
                 for first in range(0, pages, CHUNK_PAGES):
                     n = min(CHUNK_PAGES, pages - first)
-                    fill_pages(seed, li, first, n, rows, config.row_dim, buf)
+                    if source.kind == "splitmix64":
+                        fill_pages(seed, li, first, n, rows, config.row_dim, buf)
+                    else:
+                        _fill_from(source, li, first, n, rows, buf)
                     f.write(memoryview(buf)[: n * PAGE])
                     bar.advance(task, n * PAGE)
                 f.flush()
@@ -88,9 +97,21 @@ def build_tables(layout: str | EngramConfig, scale: float, directory, seed: int 
                 "seed": int(seed), "row_bytes": table.row_bytes, "rows_per_page": table.rows_per_page,
                 "page_bytes": PAGE, "table_rows": table.table_rows.tolist(), "files": files,
                 "layout_hash": table.hash().hex(), "config": _config_dict(config),
-                "fold": "per-head modulo: off'_j + (row - off_j) mod ceil(scale * P_j)"}
+                "fold": "per-head modulo: off'_j + (row - off_j) mod ceil(scale * P_j)", "source": source.describe()}
     write_manifest(directory, manifest)
     return manifest
+
+
+def _fill_from(source: RowSource, layer: int, first: int, pages: int, rows: int, buf: np.ndarray) -> None:
+    """Data pages ``first .. first + pages`` of layer index ``layer`` from ``source`` into ``buf``."""
+    rb, rpp = source.layout.row_bytes, source.layout.rows_per_page
+    lo = first * rpp
+    count = min(pages * rpp, rows - lo)
+    packed = np.zeros((pages * rpp, rb), np.uint8)
+    packed[:count] = source.rows(layer, np.arange(lo, lo + count))
+    view = buf[: pages * PAGE].reshape(pages, PAGE)
+    view[:, rpp * rb:] = 0
+    view[:, : rpp * rb] = packed.reshape(pages, rpp * rb)
 
 
 def open_tables(directory) -> tuple[TableLayout, dict, list[Path]]:
@@ -104,9 +125,11 @@ def open_tables(directory) -> tuple[TableLayout, dict, list[Path]]:
 
 def verify_tables(directory, sample: int | None = None, seed: int = 0) -> dict:
     """Re-read rows (all, or ``sample`` per layer at random) and compare them with their
-    recomputed contents: ``{"rows_checked": n, "mismatches": m}``."""
+    source (the recompute, or the checkpoint they were built from, as the manifest says):
+    ``{"rows_checked": n, "mismatches": m}``."""
     layout, manifest, paths = open_tables(directory)
-    rb, rpp, dim = layout.row_bytes, layout.rows_per_page, layout.row_dim
+    source = RowSource.of_manifest(layout, manifest)
+    rb, rpp = layout.row_bytes, layout.rows_per_page
     checked = mismatches = 0
     rng = np.random.default_rng(seed)
     for li, path in enumerate(paths):
@@ -118,8 +141,7 @@ def verify_tables(directory, sample: int | None = None, seed: int = 0) -> dict:
             rows = todo[lo:lo + step]
             pages = data.reshape(-1, PAGE)[rows // rpp]
             got = pages[np.arange(rows.size)[:, None], (rows % rpp)[:, None] * rb + np.arange(rb)]
-            want = np.empty((rows.size, rb), np.uint8)
-            reference_rows(manifest["seed"], li, rows, dim, want)
+            want = source.rows(li, rows)
             mismatches += int((got != want).any(axis=1).sum())
             checked += rows.size
         del data
