@@ -153,7 +153,7 @@ def test_lookup_returns_reference_rows_in_request_order(tables, backing):
 
 
 @pytest.mark.parametrize("backing", ["dram", "direct"])
-@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+@pytest.mark.parametrize("policy", ["lru", "s3fifo", "fbgemm-lru", "fbgemm-lfu"])
 def test_counts_equal_the_simulators(tables, backing, policy):
     stream = stream_of(np.random.default_rng(3), steps=6, tokens=30)
     out = replay_store(tables, stream, backing, PolicySpec(policy, {}), 400, PolicySpec(policy, {}), 900)
@@ -164,7 +164,7 @@ def test_counts_equal_the_simulators(tables, backing, policy):
 
 @settings(max_examples=8, deadline=None)
 @given(seed=st.integers(0, 2**16), hbm=st.integers(1, 200), dram=st.integers(1, 400),
-       tokens=st.integers(1, 12), policy=st.sampled_from(["lru", "s3fifo", "fifo", "clock", "arc"]))
+       tokens=st.integers(1, 12), policy=st.sampled_from(["lru", "s3fifo", "fifo", "clock", "arc", "fbgemm-lru", "fbgemm-lfu"]))
 def test_counts_equal_the_simulators_for_any_capacities(tables, seed, hbm, dram, tokens, policy):
     stream = stream_of(np.random.default_rng(seed), steps=5, tokens=tokens)
     out = replay_store(tables, stream, "dram", PolicySpec(policy, {}), hbm, PolicySpec("lru", {}), dram)

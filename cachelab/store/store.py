@@ -9,12 +9,14 @@
  rows [tokens, layers, columns, row_dim] bfloat16
 ```
 
-Keys are raw table rows (``layer_base + row`` of the scaled tables): live, there is no
-offline compaction, so each policy and each tier's slot map is sized by the table's rows
-(``policy_bytes_per_row`` measures what that costs). Without CUDA the HBM tier is a CPU tensor
-standing in for HBM (``hbm_device`` says so) and the host -> device copy is a memcpy; with
-CUDA it is device memory, the DRAM tier and staging are pinned, and dequantisation runs on
-the GPU with torch ops.
+Rows are addressed as raw table rows (``layer_base + row`` of the scaled tables); the
+policies see each row's number of first use, given online by a 4-byte map per table row (no
+offline compaction pass: a row is numbered the step it is first asked for), the numbering the
+simulator's replay uses, so every policy decides as it does there. Each policy and each tier's
+slot map is sized by the table's rows (``policy_bytes_per_row`` measures what that costs).
+Without CUDA the HBM tier is a CPU tensor standing in for HBM (``hbm_device`` says so) and
+the host staging is the device rows themselves; with CUDA it is device memory, the DRAM tier
+and staging are pinned, and dequantisation runs on the GPU with torch ops.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import resource
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +38,7 @@ from cachelab.store.backing import advise_huge_pages, open_backing
 from cachelab.store.build import open_tables
 from cachelab.store.counters import Counters
 from cachelab.store.kernels import DEQUANT_TABLE, dequant_expand, gather_dequant
+from cachelab.store.source import RowSource
 from cachelab.store.tier import CacheTier
 from cachelab.workload.lookups import compact
 
@@ -72,7 +76,8 @@ def _positions(keys: np.ndarray, queries: np.ndarray) -> np.ndarray:
 
 def policy_bytes_per_row(policy: Policy | str, capacity: int = 1024, num_keys: int = 1 << 20) -> float:
     """Bytes of policy state per table row: what a live store (no compaction) pays per row,
-    measured from the arrays a reset sizes by ``num_keys``, plus the tier's 4-byte slot map."""
+    measured from the arrays a reset sizes by ``num_keys``, plus the tier's 4-byte slot map
+    (the store's 4-byte first-use numbering is paid once, not per tier)."""
     policy = registry.make_policy(policy) if isinstance(policy, str) else policy
 
     def arrays(obj, seen):
@@ -165,6 +170,8 @@ class TieredStore:
         self._dram = tiers[-1] if tiers and tiers[-1].name == "dram" else None
         self.backing = open_backing(backing, lay, self.paths, io_threads)
         self._fused = not tiers and not self.cuda and backing == "dram"
+        self._id_of = np.full(self.num_keys if tiers else 0, -1, np.int32 if self.num_keys < 2**31 else np.int64)
+        self._next_id = 0
         self.tier_names = tuple(t.name for t in tiers)
         self.totals = Counters(self.tier_names)
         self.last_step = Counters(self.tier_names)
@@ -172,6 +179,11 @@ class TieredStore:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="cachelab-store-prefetch")
         self._pending: Future | None = None
         self._bufs: dict[str, np.ndarray] = {}
+
+    @cached_property
+    def source(self) -> RowSource:
+        """The reference contents of the rows (the recompute, or the checkpoint built from)."""
+        return RowSource.of_manifest(self.layout_tables, self.manifest)
 
     @classmethod
     def open(cls, directory, **kwargs) -> "TieredStore":
@@ -186,6 +198,16 @@ class TieredStore:
     @staticmethod
     def _policy(policy: Policy | str) -> Policy:
         return registry.make_policy(policy) if isinstance(policy, str) else policy
+
+    def _number(self, uniq: np.ndarray) -> np.ndarray:
+        """Each distinct row's id for the policies: rows numbered by first use, as the simulator's
+        replay numbers them, so a policy that hashes its keys (``fbgemm-*``) decides alike."""
+        ids = self._id_of[uniq]
+        new = np.flatnonzero(ids < 0)
+        ids[new] = self._next_id + np.arange(new.size)
+        self._id_of[uniq[new]] = ids[new]
+        self._next_id += new.size
+        return ids.astype(np.int64)
 
     def keys(self, row_ids) -> np.ndarray:
         """The store's keys (``layer_base + row`` of the scaled tables) of full-layout row ids."""
@@ -249,19 +271,20 @@ class TieredStore:
             first[inverse[::-1]] = np.arange(inverse.size)[::-1]  # last write wins = first lookup
             d_scores = scores.reshape(-1)[first]
         n = uniq.size
+        ids = self._number(uniq) if self.tiers else uniq
         t1 = clock()
         c["dedup_s"] = t1 - t0
         # cache lookups: each tier sees the misses of the tier above
         hbm, dram = self._hbm, self._dram
         if hbm is not None:
-            hits0, slots0, res0 = hbm.lookup(uniq, d_scores)
+            hits0, slots0, res0 = hbm.lookup(ids, d_scores)
             hit_pos, miss_pos = np.flatnonzero(hits0), np.flatnonzero(~hits0)
         else:
             hit_pos, miss_pos = np.zeros(0, np.int64), np.arange(n, dtype=np.int64)
-        keys1 = uniq[miss_pos]
+        keys1, ids1 = uniq[miss_pos], ids[miss_pos]
         m = keys1.size
         if dram is not None:
-            hits1, slots1, res1 = dram.lookup(keys1, None if d_scores is None else d_scores[miss_pos])
+            hits1, slots1, res1 = dram.lookup(ids1, None if d_scores is None else d_scores[miss_pos])
             dram_hit, back = np.flatnonzero(hits1), np.flatnonzero(~hits1)
         else:
             dram_hit, back = np.zeros(0, np.int64), np.arange(m, dtype=np.int64)
@@ -304,9 +327,9 @@ class TieredStore:
             new_pos[miss_pos] = h + np.arange(m)
             written_dram = written_hbm = 0
             if dram is not None:
-                written_dram = dram.commit(res1, host, _positions(keys1, res1.admitted))
+                written_dram = dram.commit(res1, host, _positions(ids1, res1.admitted))
             if hbm is not None:
-                written_hbm = hbm.commit(res0, dev, new_pos[_positions(uniq, res0.admitted)])
+                written_hbm = hbm.commit(res0, dev, new_pos[_positions(ids, res0.admitted)])
             t7 = clock()
             c["gather_s"] = (t3 - t2) + (t5 - t4) + (t7 - t6)
             out = self._dequant(dev, new_pos[inverse], shape, out)

@@ -43,8 +43,8 @@ class CacheTier:
         slots = self.slot_of[keys[res.hits]]
         if slots.size and slots.min() < 0:
             bad = keys[res.hits][np.flatnonzero(slots < 0)[0]]
-            raise CachelabError(f"policy {self.policy.name!r} ({self.name} tier) reported a hit on row {int(bad)}, "
-                                "which it never admitted")
+            raise CachelabError(f"policy {self.policy.name!r} ({self.name} tier) reported a hit on key {int(bad)} "
+                                "(rows numbered by first use), which it never admitted")
         return res.hits, slots.astype(np.int64), res
 
     def gather(self, slots: np.ndarray, dst: np.ndarray, out: np.ndarray) -> None:
