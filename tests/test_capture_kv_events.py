@@ -87,6 +87,17 @@ class Publisher:
         self.ctx.destroy(linger=0)
 
 
+def _publish_until_joined(pub, sub, limit=500) -> int:
+    """A PUB socket drops what it sends before the subscription has joined: probe until one
+    batch arrives; the next sequence number to publish."""
+    seq = 0
+    while sub.batches == 0 and seq < limit:
+        pub.publish(seq)
+        seq += 1
+        time.sleep(0.02)
+    return seq
+
+
 def _wait(cond, timeout=10):
     deadline = time.monotonic() + timeout
     while not cond() and time.monotonic() < deadline:
@@ -100,12 +111,7 @@ def test_gaps_counted_or_replayed(tmp_path, replay):
     pub = Publisher(endpoint, bind=True, replay=replay_endpoint)
     sub = KVEventSubscriber(endpoint, tmp_path / "cap", topic="kv", replay_endpoint=replay_endpoint).start()
     try:
-        # A PUB socket drops what it sends before the subscription has joined: probe until one arrives.
-        seq = 0
-        while sub.batches == 0 and seq < 500:
-            pub.publish(seq)
-            seq += 1
-            time.sleep(0.02)
+        seq = _publish_until_joined(pub, sub)
         first = sub.first_seq
         missing = {seq + 3, seq + 4}
         for s in range(seq, seq + 10):
@@ -129,11 +135,7 @@ def test_bind_side_for_a_connecting_publisher(tmp_path):
     sub = KVEventSubscriber(endpoint, tmp_path, bind=True).start()   # vLLM given a concrete address connects
     pub = Publisher(endpoint, bind=False)
     try:
-        seq = 0
-        while sub.batches == 0 and seq < 500:
-            pub.publish(seq)
-            seq += 1
-            time.sleep(0.02)
+        _publish_until_joined(pub, sub)
     finally:
         sub.close()
         pub.close()
