@@ -8,6 +8,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 
 import httpx
 import openai
@@ -135,6 +136,19 @@ def test_hostile_upstream_is_bounded_and_recorded(stack, model, stream, status, 
     assert error in rec["error"], rec
     # The proxy is still serving.
     assert _raw(stack.proxy.url, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2})[0] == 200
+
+
+def test_a_client_that_goes_away_ends_the_upstream_stream(stack):
+    body = {"model": "endless", "prompt": "hi", "stream": True}
+    with httpx.stream("POST", stack.proxy.url + "/v1/completions", json=body, timeout=30) as r:
+        next(r.iter_raw())  # the stream has begun; leaving the block drops the connection
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        rec = stack.records().row(-1, named=True)
+        if rec["model"] == "endless":
+            break
+        time.sleep(0.1)
+    assert rec["model"] == "endless" and rec["error"] == "client disconnected", rec
 
 
 def test_unreachable_upstream_gives_502_and_a_record(tmp_path):
