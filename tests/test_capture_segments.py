@@ -159,6 +159,7 @@ def test_recorder_to_trace_sessions_and_privacy(tmp_path):
     assert trace["prompt_ids"][2].to_list() == list(range(2, 42))
     assert report.failed_requests == 1 and report.requests == 4
     assert report.server_cached_tokens == 16 and report.server_prefix_hit_ratio == pytest.approx(16 / 160)
+    assert trace["cached_tokens"].to_list() == [0, 16, 0, 0]  # the server's figure, per request
     raw = b"".join(p.read_bytes() for p in (tmp_path / "ids").glob("*.seg"))
     assert b"secret" not in raw and b"alice" not in raw
 
@@ -169,6 +170,7 @@ def test_recorder_to_trace_sessions_and_privacy(tmp_path):
     assert trace["prompt_ids"].list.len().to_list() == [0, 0] and trace["prompt_len"].to_list() == [40, 40]
     assert trace["block_hashes"].list.len().to_list() == [3, 3] and trace["block_size"].to_list() == [16, 16]
     assert trace["block_hashes"][0].to_list() == trace["block_hashes"][1].to_list()
+    assert trace["cached_tokens"].to_list() == [0, 0]
     table, _ = read_requests(tmp_path / "hashed")
     assert table["prompt_ids"].null_count() == 2
 
@@ -213,6 +215,9 @@ def test_cli_info_and_trace_build_from_capture(tmp_path):
                                 str(tmp_path / "t.parquet"), "--json"])
     assert built.exit_code == 0, built.output
     assert json.loads(built.stdout)["torn_tails"] == 1 and read_trace(tmp_path / "t.parquet").height == 2
+    info = runner.invoke(app, ["trace", "info", str(tmp_path / "t.parquet"), "--engram-tokens", "0", "--json"])
+    got = json.loads(info.stdout)
+    assert got["server_cached_tokens"] == 16 and got["server_prefix_hit_ratio"] == pytest.approx(16 / 80)
     bad = runner.invoke(app, ["trace", "build", "--from-capture", str(tmp_path / "nope"), "-o", str(tmp_path / "x.parquet")])
     assert bad.exit_code == 2 and "capture directory not found" in bad.output
     mixed = runner.invoke(app, ["trace", "build", "--from-capture", str(tmp_path / "cap"), "--arrivals", "gamma",

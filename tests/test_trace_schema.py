@@ -52,6 +52,24 @@ def test_content_less_rows_and_block_hash_counts():
                        block_hashes=[[1, 2], [1, 2]], block_size=[512, 512]), "x")
 
 
+def test_cached_tokens_is_an_optional_column(tmp_path):
+    from cachelab.trace.stats import summarize
+
+    # A file without the column (written before it existed) reads back with it null.
+    old = table().drop("cached_tokens").to_arrow()
+    pq.write_table(old.replace_schema_metadata(SCHEMA.metadata), tmp_path / "old.parquet")
+    assert read_trace(tmp_path / "old.parquet")["cached_tokens"].to_list() == [None, None]
+    assert scan_trace(tmp_path / "old.parquet").select("cached_tokens").collect().height == 2
+    assert summarize(tmp_path / "old.parquet", engram_tokens=0)["server_prefix_hit_ratio"] is None
+    # With values: kept, summarised over the requests that reported one, bounded by the prompt.
+    write_trace(table(cached_tokens=[None, 4]), tmp_path / "new.parquet")
+    assert read_trace(tmp_path / "new.parquet")["cached_tokens"].to_list() == [None, 4]
+    info = summarize(tmp_path / "new.parquet", engram_tokens=0)
+    assert info["server_cached_tokens"] == 4 and info["server_prefix_hit_ratio"] == pytest.approx(4 / 5)
+    with pytest.raises(CachelabError, match="row 1, field 'cached_tokens'"):
+        validate(table(cached_tokens=[0, 6]), "x")
+
+
 def test_read_refuses_foreign_and_mistyped_files(tmp_path):
     plain = tmp_path / "plain.parquet"
     pl.DataFrame({"a": [1]}).write_parquet(plain)

@@ -21,6 +21,7 @@ from cachelab.capture.recorder import REQUESTS
 from cachelab.capture.segments import ReadStats, read_stream
 from cachelab.errors import CachelabError
 from cachelab.trace.schema import conform, list_series, write_trace
+from cachelab.trace.stats import server_cache
 
 _SCALARS = {"seq": pl.Int64, "run": pl.Int64, "endpoint": pl.String, "model": pl.String, "arrival_ns": pl.Int64,
             "status": pl.Int32, "error": pl.String, "stream": pl.Boolean, "session": pl.Int64,
@@ -74,6 +75,15 @@ class CaptureBuild:
         return asdict(self)
 
 
+def _cached_tokens(usable: pl.DataFrame, hash_mode: bool) -> pl.Series:
+    """The server's cached prompt tokens (null where it reported none), at most the prompt's
+    length in the trace (a tokenizer-fallback chat prompt can count fewer tokens than the server's)."""
+    prompt = pl.col("prompt_len") if hash_mode else pl.col("prompt_ids").list.len()
+    cached = pl.col("cached")
+    return usable.select(pl.when(cached.is_null()).then(None).otherwise(pl.min_horizontal(cached, prompt))
+                         .alias("cached_tokens")).to_series()
+
+
 def capture_to_trace(directory: str | os.PathLike) -> tuple[pl.DataFrame, CaptureBuild]:
     """The capture's successful requests as a schema-conform request table."""
     directory = Path(directory)
@@ -117,17 +127,12 @@ def capture_to_trace(directory: str | os.PathLike) -> tuple[pl.DataFrame, Captur
         "block_hashes": usable["blocks"] if hash_mode else pl.repeat(None, n, dtype=pl.List(pl.Int64), eager=True),
         "block_size": usable["block_size"] if hash_mode else pl.repeat(None, n, dtype=pl.Int32, eager=True),
         "source": pl.repeat("capture", n, dtype=pl.String, eager=True),
+        "cached_tokens": _cached_tokens(usable, hash_mode),
     }))
-    cached = usable["cached"]
-    reported = usable.filter(cached.is_not_null())
-    cached_total = int(reported["cached"].sum()) if reported.height else None
-    prompt_reported = int(reported["prompt_len"].sum()) if reported.height else 0
     report = CaptureBuild(
         requests=n, tokens_in=int(trace["prompt_len"].sum()), tokens_out=int(trace["output_len"].sum()),
         sessions=int(trace["session_id"].n_unique()), failed_requests=failed, without_tokens=ok.height - n,
-        server_cached_tokens=cached_total,
-        server_prefix_hit_ratio=round(cached_total / prompt_reported, 6) if cached_total is not None
-        and prompt_reported else None,
+        **server_cache(trace),
         torn_tails=stats.torn_tails, corrupt_records=stats.corrupt, segments=stats.segments)
     return trace, report
 

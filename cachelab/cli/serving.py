@@ -88,6 +88,9 @@ def serve_sim(
                         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                         sample_rate=sample_rate)
     result = simulate(df, cfg, progress=not as_json).to_dict()
+    from cachelab.trace.stats import server_cache
+
+    result["prefix_cache"].update(server_cache(df))  # a captured trace: the real server's, beside the simulated
     if overlap:
         from dataclasses import replace
 
@@ -119,6 +122,9 @@ def _print_result(result: dict) -> None:
     console.print(f"prefix cache ({p['kind']}): hit ratio {p['hit_ratio']:.3f} ({p['hit_ratio_definition']}), "
                   f"peak footprint {p['cached_tokens_peak']:,} tokens = {p['footprint_bytes_peak'] / GIB:.2f} GiB "
                   f"of a {p['kv_pool_tokens']:,}-token KV pool")
+    if p.get("server_prefix_hit_ratio") is not None:
+        console.print(f"prefix cache of the server the trace was captured from: hit ratio "
+                      f"{p['server_prefix_hit_ratio']:.3f} (cached_tokens over prompt tokens)")
     _print_rows(console, "rows", result["row_cache"])
     if "prefix_cache_off" in result:
         _print_rows(console, "rows, prefix cache off", result["prefix_cache_off"]["row_cache"])

@@ -165,6 +165,9 @@ def info(
     for size, ratio in result["block_hit_ratio"].items():
         shown = "n/a (needs token content)" if ratio is None else f"{ratio:.3f}"
         console.print(f"infinite-cache prefix-block hit ratio at {size} tokens: {shown}")
+    if result["server_cached_tokens"] is not None:
+        console.print(f"server prefix cache as recorded (cached_tokens): {result['server_cached_tokens']:,} "
+                      f"prompt tokens, hit ratio {result['server_prefix_hit_ratio']:.3f}")
     if result["engram"]:
         e = result["engram"]
         table = Table(title=f"Engram rows ({e['preset']}, first {e['tokens']:,} tokens)")

@@ -6,7 +6,11 @@ tokenizer). ``prompt_len`` / ``output_len`` always hold the token counts. An imp
 trace that carries lengths but no text (Mooncake, Azure, BurstGPT, ServeGen) stores **empty**
 id lists with the counts kept, so it can be inspected (``trace info``) and later given real
 content by synthesis. ``block_hashes`` are the source's prefix-block ids where it has them
-(Mooncake), with their ``block_size``. The schema version is stored in the Parquet metadata
+(Mooncake), with their ``block_size``. ``cached_tokens`` is the prompt tokens the serving
+engine reported as served from its prefix cache (``usage.prompt_tokens_details``; captured
+traces), null where unknown. It is an *optional* column: a file written before it existed,
+or by a producer without it, reads back with it null, and readers that predate it ignore it,
+so the schema version did not change. The schema version is stored in the Parquet metadata
 and checked on every read; row values are validated on read and on write, and any violation
 is reported with the file, the row and the field.
 """
@@ -40,6 +44,7 @@ SCHEMA = pa.schema([
     pa.field("block_hashes", pa.list_(pa.int64()), nullable=True),
     pa.field("block_size", pa.int32(), nullable=True),
     pa.field("source", pa.string(), nullable=False),
+    pa.field("cached_tokens", pa.int32(), nullable=True),
 ], metadata={VERSION_KEY: SCHEMA_VERSION.encode()})
 
 COLUMNS = tuple(SCHEMA.names)
@@ -47,9 +52,11 @@ POLARS_SCHEMA = pl.Schema({
     "request_id": pl.Int64, "session_id": pl.Int64, "turn": pl.Int32, "arrival_s": pl.Float64,
     "domain": pl.String, "prompt_ids": pl.List(pl.Int32), "output_ids": pl.List(pl.Int32),
     "prompt_len": pl.Int32, "output_len": pl.Int32, "block_hashes": pl.List(pl.Int64),
-    "block_size": pl.Int32, "source": pl.String,
+    "block_size": pl.Int32, "source": pl.String, "cached_tokens": pl.Int32,
 })
 NON_NULL = tuple(f.name for f in SCHEMA if not f.nullable)
+OPTIONAL = ("cached_tokens",)  # may be absent from a file or a producer's frame: read as null
+REQUIRED = tuple(c for c in COLUMNS if c not in OPTIONAL)
 
 
 def _checks() -> list[tuple[str, pl.Expr, str]]:
@@ -77,17 +84,28 @@ def _checks() -> list[tuple[str, pl.Expr, str]]:
                                         == (col("prompt_len").cast(pl.Int64) + col("block_size") - 1)
                                         // col("block_size")),
          "must hold ceil(prompt_len / block_size) ids"),
+        ("cached_tokens", col("cached_tokens").is_null() | col("cached_tokens").is_between(0, col("prompt_len")),
+         "must be between 0 and prompt_len"),
     ]
+
+
+def with_optional(frame):
+    """``frame`` (eager or lazy) with every optional column it lacks added as nulls."""
+    names = frame.collect_schema().names() if isinstance(frame, pl.LazyFrame) else frame.columns
+    absent = [pl.lit(None, POLARS_SCHEMA[c]).alias(c) for c in OPTIONAL if c not in names]
+    return frame.with_columns(absent) if absent else frame
 
 
 def validate(df: pl.DataFrame, where: str, *, first_row: int = 0) -> pl.DataFrame:
     """Check columns, types and row values; raise naming ``where``, the row and the field.
 
     ``first_row`` is the file row of ``df``'s first row, when ``df`` is one chunk of a file.
+    Optional columns it lacks are added as nulls.
     """
-    missing = [c for c in COLUMNS if c not in df.columns]
+    missing = [c for c in REQUIRED if c not in df.columns]
     if missing:
-        raise CachelabError(f"{where}: missing field(s) {missing}; a trace has {list(COLUMNS)}")
+        raise CachelabError(f"{where}: missing field(s) {missing}; a trace has {list(REQUIRED)}")
+    df = with_optional(df)
     for name, dtype in POLARS_SCHEMA.items():
         if df.schema[name] != dtype:
             raise CachelabError(f"{where}: field {name!r} has type {df.schema[name]}, expected {dtype}")
@@ -133,7 +151,7 @@ def scan_trace(path: str | os.PathLike) -> pl.LazyFrame:
     """A lazy view; the version and column types are checked now, row values by ``read_trace``."""
     path = Path(path)
     _check_file_schema(path)
-    lazy = pl.scan_parquet(path)
+    lazy = with_optional(pl.scan_parquet(path))
     schema = lazy.collect_schema()
     for name, dtype in POLARS_SCHEMA.items():
         if name not in schema:
@@ -174,10 +192,12 @@ def iter_batches(path: str | os.PathLike, batch_size: int) -> Iterator[pa.Record
 
 
 def conform(df: pl.DataFrame) -> pl.DataFrame:
-    """Cast a producer's frame to the schema's column order and types (no value checks)."""
-    missing = [c for c in COLUMNS if c not in df.columns]
+    """Cast a producer's frame to the schema's column order and types (no value checks);
+    optional columns it lacks become nulls."""
+    missing = [c for c in REQUIRED if c not in df.columns]
     if missing:
         raise CachelabError(f"cannot build a trace: missing field(s) {missing}")
+    df = with_optional(df)
     try:
         return df.select(pl.col(name).cast(dtype, strict=True) for name, dtype in POLARS_SCHEMA.items())
     except pl.exceptions.PolarsError as exc:

@@ -30,6 +30,21 @@ def _flat(column) -> tuple[np.ndarray, np.ndarray]:
     return column.values.to_numpy(zero_copy_only=False), column.offsets.to_numpy()
 
 
+def server_cache(frame: pl.DataFrame | pl.LazyFrame) -> dict:
+    """The serving engine's own prefix-cache figures where the trace has them (``cached_tokens``,
+    captured traces): cached prompt tokens, and their share of the prompt tokens of the
+    requests that reported them. None where no request did."""
+    reported = pl.col("cached_tokens").is_not_null()
+    row = frame.select(pl.col("cached_tokens").cast(pl.Int64).sum().alias("cached"),
+                       pl.col("prompt_len").filter(reported).cast(pl.Int64).sum().alias("prompt"),
+                       reported.sum().alias("reported"))
+    row = (row.collect() if isinstance(row, pl.LazyFrame) else row).row(0, named=True)
+    if not row["reported"]:
+        return {"server_cached_tokens": None, "server_prefix_hit_ratio": None}
+    return {"server_cached_tokens": int(row["cached"]),
+            "server_prefix_hit_ratio": round(row["cached"] / row["prompt"], 6) if row["prompt"] else None}
+
+
 def summarize(path: str | os.PathLike, *, preset: str = PRESET, engram_tokens: int = 500_000,
               progress: Callable[[int], None] | None = None) -> dict:
     """The ``trace info`` report of one trace file (validated first)."""
@@ -95,6 +110,7 @@ def summarize(path: str | os.PathLike, *, preset: str = PRESET, engram_tokens: i
         "block_hit_ratio": ratios,
         "block_hit_basis": basis,
         "engram": engram,
+        **server_cache(lazy),
     }
 
 
