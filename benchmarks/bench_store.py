@@ -2,15 +2,19 @@
 
 Sections (each prints a ratio against its same-run reference):
 
-- ``gather``: DRAM gather + FP8 -> BF16 dequantisation on one core, rows/s x 264 B, against a
-  single-core memcpy of the same bytes (goal: at least 0.5). Measured twice: through
-  ``TieredStore.lookup`` (fold, dedup, gather, dequantise: the path a caller runs; DRAM
-  backing, no cache tiers) and the two kernels alone. A second reference is the random access
-  alone: NumPy's row take (``np.take``) from a packed table as large, no dequantisation.
+- ``gather``: DRAM gather + FP8 -> BF16 dequantisation on one core against a single-core
+  memcpy of the same bytes (goal: at least 0.5); bytes = distinct rows x 264 B read, the
+  512 B of BF16 written per requested row not counted. Through ``TieredStore.lookup`` (fold,
+  dedup, fused gather + dequantise: the path a caller runs; DRAM backing, no cache tiers),
+  with a fresh output and into a reused one (``out=``), and the kernels alone (staged:
+  gather then dequantise; fused). References in the same run: the random access alone (a
+  compiled loop touching each line of the same rows, and NumPy's ``np.take``) and the DRAM
+  latency of a dependent random load.
 - ``direct``: random 4 KiB reads through the store's ``direct`` backing at queue depths
-  1..64 (``io_threads`` = queue depth; each row in its own page) against fio's ``randread``
-  with ``--direct=1 --ioengine=io_uring`` at the same depth on the same file (goal: at least
-  0.7 at QD >= 32). Without fio (Debian: ``apt-get install fio``) the section says so.
+  1..64 (``io_threads`` = queue depth; each row in its own page), submitted through io_uring
+  and through the thread pool of preads, against fio's ``randread`` with ``--direct=1
+  --ioengine=io_uring`` at the same depth on the same file (goal: at least 0.7 at QD >= 32).
+  Without fio (Debian: ``apt-get install fio``) the section says so.
 - ``modes``: ``cachelab store bench`` (the CLI, in a fresh process) with ``mmap``, ``pread``
   and ``direct`` on the same stream, policy and capacities, so at equal hit ratios, the page
   cache dropped before each; step seconds and backing-read seconds, as ratios to ``direct``.
@@ -177,31 +181,41 @@ def fio_iops(path: Path, depth: int, runtime: float) -> float | None:
 
 def direct_section(directory: Path, depths=(1, 4, 16, 32, 64), reads: int = 8000, runtime: float = 3.0,
                    seed: int = 0) -> dict:
-    """Store ``direct`` page reads/s per queue depth against fio at the same depth."""
+    """Store ``direct`` page reads/s per queue depth, through io_uring and through the thread
+    pool of preads, against fio (io_uring) at the same depth on the same file."""
+    from cachelab.errors import CachelabError
     from cachelab.store.backing import DirectBacking
     from cachelab.store.build import open_tables
 
     layout, _, paths = open_tables(directory)
     rng = np.random.default_rng(seed)
     pages = layout.file_pages(0)
-    rows = rng.choice(pages, min(reads, pages), replace=False) * layout.rows_per_page  # one row per page
-    layer = np.zeros(rows.size, np.int64)
-    out = np.empty((rows.size, layout.row_bytes), np.uint8)
-    dst = np.arange(rows.size, dtype=np.int64)
-    result = {"fio": shutil.which("fio") is not None, "depths": {}}
+    out = np.empty((reads, layout.row_bytes), np.uint8)
+    dst = np.arange(reads, dtype=np.int64)
+    layer = np.zeros(reads, np.int64)
+    result = {"fio": shutil.which("fio") is not None, "depths": {}, "load_average": os.getloadavg()[0]}
     if not result["fio"]:
         result["note"] = "fio not found (Debian: apt-get install fio): no reference, store figures only"
     for depth in depths:
-        backing = DirectBacking(layout, paths[:1], io_threads=depth)
-        try:
-            backing.read(layer[:64], rows[:64], out, dst[:64])
-            t = time.perf_counter()
-            backing.read(layer, rows, out, dst)
-            iops = rows.size / (time.perf_counter() - t)
-        finally:
-            backing.close()
-        ref = fio_iops(paths[0], depth, runtime)
-        result["depths"][depth] = {"store_iops": iops, "fio_iops": ref, "ratio": iops / ref if ref else None}
+        row = {"fio_iops": fio_iops(paths[0], depth, runtime)}
+        for submit in ("io_uring", "threads"):
+            # fresh pages per run, one row per page: every read is a distinct 4 KiB page
+            rows = rng.choice(pages, min(reads, pages), replace=False) * layout.rows_per_page
+            try:
+                backing = DirectBacking(layout, paths[:1], io_threads=depth, submit=submit)
+            except CachelabError as exc:
+                row[f"{submit}_iops"], row[f"{submit}_note"] = None, str(exc)
+                continue
+            try:
+                backing.read(layer[:64], rows[:64], out, dst[:64])
+                t = time.perf_counter()
+                backing.read(layer[: rows.size], rows, out, dst[: rows.size])
+                row[f"{submit}_iops"] = rows.size / (time.perf_counter() - t)
+            finally:
+                backing.close()
+            ref = row["fio_iops"]
+            row[f"{submit}_ratio"] = row[f"{submit}_iops"] / ref if ref else None
+        result["depths"][depth] = row
     return result
 
 
@@ -328,9 +342,16 @@ def _print(out: dict) -> None:
         d = out["direct"]
         if "note" in d:
             print(d["note"])
+        print(f"direct, random 4 KiB O_DIRECT reads (load average {d['load_average']:.2f}):")
         for qd, r in d["depths"].items():
-            ratio = f"{r['ratio']:.2f} x fio {r['fio_iops']:,.0f}" if r["ratio"] else "no fio reference"
-            print(f"direct QD {qd:>2}: {r['store_iops']:,.0f} IOPS ({ratio})")
+            parts = []
+            for submit in ("io_uring", "threads"):
+                iops = r.get(f"{submit}_iops")
+                ratio = r.get(f"{submit}_ratio")
+                parts.append(f"{submit} " + ("unavailable" if iops is None else f"{iops:,.0f} IOPS"
+                                             + (f" ({ratio:.2f} x fio)" if ratio else "")))
+            fio = f"fio {r['fio_iops']:,.0f}" if r["fio_iops"] else "no fio"
+            print(f"  QD {qd:>2}: " + ", ".join(parts) + f"; {fio}")
     if "modes" in out:
         for b, r in out["modes"].items():
             if isinstance(r, dict):

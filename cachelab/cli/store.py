@@ -86,6 +86,8 @@ def bench(
     max_lookups: int | None = typer.Option(None, "--max-lookups", help="Stop after the step that reaches this many "
                                            "lookups."),
     io_threads: int | None = typer.Option(None, "--io-threads", help="Reads in flight for pread/direct."),
+    io_submit: str = typer.Option("auto", "--io-submit", help="How direct submits its reads: io_uring, threads "
+                                  "(a pool of aligned preads) or auto (io_uring where the kernel allows it)."),
     prefetch: bool = typer.Option(False, "--prefetch", help="Fetch step s+1 on the background thread while step s "
                                   "is used."),
     compute_ms: float = typer.Option(0.0, "--compute-ms", help="Milliseconds the caller holds each step's rows "
@@ -117,8 +119,8 @@ def bench(
     if dram_policy is not None and dram_capacity is None:
         raise CachelabError("--dram-policy needs --dram-capacity")
     out = replay_store(directory, stream, backing, hbm, capacity, dram, dram_capacity, scores,
-                       verify=not no_verify, prefetch=prefetch, io_threads=io_threads, progress=not as_json,
-                       max_lookups=max_lookups, compute_ms=compute_ms)
+                       verify=not no_verify, prefetch=prefetch, io_threads=io_threads, io_submit=io_submit,
+                       progress=not as_json, max_lookups=max_lookups, compute_ms=compute_ms)
     out["trace"] = trace
     if as_json:
         typer.echo(json.dumps(out))
@@ -146,6 +148,7 @@ def _print(out: dict) -> None:
     stages = ", ".join(f"{k[:-2]} {st[k]:.3f}" for k in ("dedup_s", "cache_lookup_s", "ssd_read_s", "gather_s",
                                                           "copy_s", "dequant_s", "stall_s", "step_s"))
     console.print(f"seconds: {stages}; faults: {st['minor_faults']:,} minor, {st['major_faults']:,} major")
-    console.print(f"HBM tier: {out['hbm_device']}; matches_simulator: {out['matches_simulator']}"
+    submit = f"; direct reads: {out['io_submission']}" if out.get("io_submission") else ""
+    console.print(f"HBM tier: {out['hbm_device']}{submit}; matches_simulator: {out['matches_simulator']}"
                   + (f"; rows_checked {out['rows_checked']:,}, mismatches {out['mismatches']:,}"
                      if "rows_checked" in out else ""))

@@ -6,8 +6,9 @@
 - ``pread``: buffered ``pread`` of each 264-byte row, from compiled code on a thread pool
   (the GIL released), ``io_threads`` reads in flight.
 - ``direct``: ``O_DIRECT`` reads of each distinct 4 KiB page into an aligned buffer (no page
-  cache), then a gather of the rows out of them. Submission is a thread pool of aligned
-  preads, ``io_threads`` in flight (queue depth), not io_uring.
+  cache), then a gather of the rows out of them, ``io_threads`` in flight (the queue depth),
+  submitted through io_uring where the kernel allows it (cachelab/store/uring.py), else on a
+  thread pool of aligned preads.
 
 ``read(layer, rows, out, dst)`` fills ``out[dst[i]]`` with row ``rows[i]`` of layer index
 ``layer[i]`` and returns the bytes it read from the files and the pages (``direct``).
@@ -156,15 +157,43 @@ class _PreadPool:
 
         for bad in self.pool.map(run, bounds[:-1], bounds[1:]):
             if bad >= 0:
-                path = self.paths[int(fd_index[bad])]
-                raise CachelabError(f"{path}: read of {size} B at offset {int(offsets[bad])} failed "
-                                    "(file shrunk or device error)")
+                _read_failed(self.paths[int(fd_index[bad])], size, int(offsets[bad]))
 
     def close(self) -> None:
         self.pool.shutdown()
         for fd in self.fds:
             os.close(int(fd))
         self.fds = np.zeros(0, np.int64)
+
+
+def _read_failed(path: Path, size: int, offset: int):
+    raise CachelabError(f"{path}: read of {size} B at offset {offset} failed (file shrunk or device error)")
+
+
+class _UringIO:
+    """The same reads through one io_uring (cachelab/store/uring.py): ``depth`` in flight."""
+
+    def __init__(self, paths: list[Path], depth: int, flags: int = 0):
+        from cachelab.store.uring import UringReader
+
+        self.ring = UringReader(depth)
+        self.fds = np.array([os.open(p, os.O_RDONLY | flags) for p in paths], np.int64)
+        self.paths = paths
+
+    def read(self, fd_index: np.ndarray, offsets: np.ndarray, size: int, addresses: np.ndarray) -> None:
+        if offsets.size:
+            bad = self.ring.read(self.fds[fd_index], offsets, size, addresses)
+            if bad >= 0:
+                _read_failed(self.paths[int(fd_index[bad])], size, int(offsets[bad]))
+
+    def close(self) -> None:
+        self.ring.close()
+        for fd in self.fds:
+            os.close(int(fd))
+        self.fds = np.zeros(0, np.int64)
+
+
+SUBMITS = ("auto", "io_uring", "threads")
 
 
 class PreadBacking:
@@ -194,13 +223,31 @@ class DirectBacking:
     name = "direct"
     on_ssd = True
 
-    def __init__(self, layout: TableLayout, paths: list[Path], io_threads: int = 32):
+    def __init__(self, layout: TableLayout, paths: list[Path], io_threads: int = 32, submit: str = "auto"):
+        """``io_threads``: reads in flight (the queue depth); ``submit``: ``io_uring``, ``threads``
+        (a pool of aligned preads) or ``auto`` (io_uring where the kernel allows it, else threads;
+        ``submission`` says which and why)."""
+        if submit not in SUBMITS:
+            raise CachelabError(f"unknown io submission {submit!r}; choose one of {list(SUBMITS)}")
         self.layout = layout
+        self.submission = "threads"
         try:
-            self.io = _PreadPool(paths, io_threads, os.O_DIRECT)
+            os.close(os.open(paths[0], os.O_RDONLY | os.O_DIRECT))
         except OSError as exc:
             raise CachelabError(f"{paths[0]}: O_DIRECT open failed ({exc}); the file system may not support "
                                 "direct I/O (tmpfs does not): use --backing pread") from None
+        if submit != "threads":
+            try:
+                self.io = _UringIO(paths, io_threads, os.O_DIRECT)
+                self.submission = "io_uring"
+            except OSError as exc:
+                if submit == "io_uring":
+                    raise CachelabError(f"io_uring is not available here ({exc})") from None
+                self.submission = f"threads (io_uring unavailable: {exc})"
+        if not self.submission.startswith("io_uring"):
+            if io_threads < 1:
+                raise CachelabError(f"io_threads must be at least 1, got {io_threads}")
+            self.io = _PreadPool(paths, io_threads, os.O_DIRECT)
         self.pages = aligned_empty(PAGE * 64)
 
     def read(self, layer: np.ndarray, rows: np.ndarray, out: np.ndarray, dst: np.ndarray) -> tuple[int, int]:
@@ -221,12 +268,15 @@ class DirectBacking:
         self.io.close()
 
 
-def open_backing(name: str, layout: TableLayout, paths: list[Path], io_threads: int | None = None):
+def open_backing(name: str, layout: TableLayout, paths: list[Path], io_threads: int | None = None,
+                 io_submit: str = "auto"):
     if name not in BACKINGS:
         raise CachelabError(f"unknown backing {name!r}; choose one of {list(BACKINGS)}")
     if name == "dram":
         return DramBacking(layout, paths)
     if name == "mmap":
         return MmapBacking(layout, paths)
-    cls = PreadBacking if name == "pread" else DirectBacking
-    return cls(layout, paths) if io_threads is None else cls(layout, paths, io_threads)
+    threads = {} if io_threads is None else {"io_threads": io_threads}
+    if name == "pread":
+        return PreadBacking(layout, paths, **threads)
+    return DirectBacking(layout, paths, submit=io_submit, **threads)

@@ -105,7 +105,7 @@ def compare(store_totals: dict, sim: dict, tier_names, backing: str) -> dict[str
 
 def replay_store(directory, stream: LookupStream, backing: str, hbm: PolicySpec | None, hbm_capacity,
                  dram: PolicySpec | None = None, dram_capacity=None, scores: np.ndarray | None = None,
-                 verify: bool = True, prefetch: bool = False, io_threads: int | None = None,
+                 verify: bool = True, prefetch: bool = False, io_threads: int | None = None, io_submit: str = "auto",
                  progress: bool = False, max_lookups: int | None = None, compute_ms: float = 0.0) -> dict:
     """Replay ``stream`` through a store opened on ``directory``; the store's totals, the
     simulator's figures, the comparison and the row check, as one JSON-shaped dict.
@@ -123,7 +123,7 @@ def replay_store(directory, stream: LookupStream, backing: str, hbm: PolicySpec 
     mismatches = 0
     with TieredStore.open(directory, backing=backing, hbm_policy=hbm and hbm.make(), hbm_capacity=hbm_capacity,
                           dram_policy=dram and dram.make(), dram_capacity=dram_capacity,
-                          io_threads=io_threads) as store:
+                          io_threads=io_threads, io_submit=io_submit) as store:
         cfg = store.layout
         L, C = len(cfg.layers), cfg.columns
         folded = np.empty(stream.keys.size, np.int64)
@@ -153,6 +153,7 @@ def replay_store(directory, stream: LookupStream, backing: str, hbm: PolicySpec 
         sim = simulate(store, stream, folded, specs, capacities, scores)
         figures = compare(totals, sim, store.tier_names, backing)
         out = {"backing": backing, "hbm_device": store.hbm_device, "steps": steps, "prefetch": prefetch,
+               "io_submission": getattr(store.backing, "submission", None),
                "compute_ms": compute_ms,
                "lookups": int(stream.keys.size), "capacities": capacities,
                "policies": {k: v.name for k, v in specs.items()},

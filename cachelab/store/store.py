@@ -124,7 +124,7 @@ class TieredStore:
 
     def __init__(self, directory, backing: str = "dram", hbm_policy: Policy | str | None = "lru",
                  hbm_capacity=None, dram_policy: Policy | str | None = None, dram_capacity=None,
-                 device: str = "cpu", io_threads: int | None = None):
+                 device: str = "cpu", io_threads: int | None = None, io_submit: str = "auto"):
         import torch
 
         self.torch = torch
@@ -168,7 +168,7 @@ class TieredStore:
         self.tiers = tiers
         self._hbm = tiers[0] if tiers and tiers[0].name == "hbm" else None
         self._dram = tiers[-1] if tiers and tiers[-1].name == "dram" else None
-        self.backing = open_backing(backing, lay, self.paths, io_threads)
+        self.backing = open_backing(backing, lay, self.paths, io_threads, io_submit)
         self._fused = not tiers and not self.cuda and backing == "dram"
         self._id_of = np.full(self.num_keys if tiers else 0, -1, np.int32 if self.num_keys < 2**31 else np.int64)
         self._next_id = 0
