@@ -125,16 +125,28 @@ class MmapBacking:
         self.maps = []
 
 
-class _PreadPool:
+class _Files:
+    """The table files open for reading (``flags``: O_DIRECT or not), one fd per layer."""
+
+    def __init__(self, paths: list[Path], flags: int):
+        self.paths = paths
+        self.fds = np.array([os.open(p, os.O_RDONLY | flags) for p in paths], np.int64)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(int(fd))
+        self.fds = np.zeros(0, np.int64)
+
+
+class _PreadPool(_Files):
     """Compiled preads split over a thread pool: ``threads`` reads in flight."""
 
     def __init__(self, paths: list[Path], threads: int, flags: int = 0):
         if threads < 1:
             raise CachelabError(f"io_threads must be at least 1, got {threads}")
-        self.fds = np.array([os.open(p, os.O_RDONLY | flags) for p in paths], np.int64)
+        super().__init__(paths, flags)
         self.threads = threads
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="cachelab-store-io")
-        self.paths = paths
 
     def read(self, fd_index: np.ndarray, offsets: np.ndarray, size: int, addresses: np.ndarray) -> None:
         n = offsets.size
@@ -161,24 +173,21 @@ class _PreadPool:
 
     def close(self) -> None:
         self.pool.shutdown()
-        for fd in self.fds:
-            os.close(int(fd))
-        self.fds = np.zeros(0, np.int64)
+        super().close()
 
 
 def _read_failed(path: Path, size: int, offset: int):
     raise CachelabError(f"{path}: read of {size} B at offset {offset} failed (file shrunk or device error)")
 
 
-class _UringIO:
+class _UringIO(_Files):
     """The same reads through one io_uring (cachelab/store/uring.py): ``depth`` in flight."""
 
     def __init__(self, paths: list[Path], depth: int, flags: int = 0):
         from cachelab.store.uring import UringReader
 
         self.ring = UringReader(depth)
-        self.fds = np.array([os.open(p, os.O_RDONLY | flags) for p in paths], np.int64)
-        self.paths = paths
+        super().__init__(paths, flags)
 
     def read(self, fd_index: np.ndarray, offsets: np.ndarray, size: int, addresses: np.ndarray) -> None:
         if offsets.size:
@@ -188,9 +197,7 @@ class _UringIO:
 
     def close(self) -> None:
         self.ring.close()
-        for fd in self.fds:
-            os.close(int(fd))
-        self.fds = np.zeros(0, np.int64)
+        super().close()
 
 
 SUBMITS = ("auto", "io_uring", "threads")
