@@ -4,7 +4,7 @@ A build writes rows from one source and records it in the manifest (``"source"``
 and ``store bench`` compare every row they read with the same source, so tables built from a
 checkpoint are checked against the checkpoint's tensors, not against the recompute.
 
-Checkpoint naming (DeepSeek-V4.1, ../shared/docs/ENGRAM.md §3.4 and §4.2): one combined table
+Checkpoint naming (DeepSeek-V4.1, the shared ENGRAM spec §3.4 and §4.2): one combined table
 per Engram layer ``L``, ``layers.{L}.engram.embed.weight`` (``model.`` in front accepted), of
 ``sum(primes of L)`` rows. Either FP8 E4M3 values ``[rows, row_dim]`` with UE8M0 scales
 ``[rows, row_dim / 32]`` beside it (``.weight_scale_inv``, ``.weight_scale`` or ``.scale``;
