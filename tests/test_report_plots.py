@@ -98,9 +98,19 @@ def test_live_p99_against_overlap_draws_live_and_predicted_per_series():
             for i, p in enumerate(("lru", "arc")) for o in (0.0, 0.5, 0.9)]
     data = ExperimentData("live", "", "{}", pl.DataFrame(rows))
     fig = plot_p99_vs_overlap(data)
-    ttft = fig.axes[0]
+    ttft = fig.axes[0]  # row 0: P99 TTFT
     assert len(ttft.lines) == 4  # two policies, each live (solid) and predicted (dashed)
     assert sorted(line.get_linestyle() for line in ttft.lines) == ["-", "-", "--", "--"]
     assert list(ttft.lines[0].get_xdata()) == [0.0, 0.5, 0.9]
     table = summary_table(data)
     assert table.height == 6 and "predicted.p99_ttft_ms" in table.columns
+
+
+def test_save_figures_writes_each_plot_as_png(tmp_path):
+    from cachelab.experiment.report import save_figures
+
+    rows = [{"axis.kind": "live", "axis.live.row_cache_policy": "lru", "axis.workload.trace.synthesis.prefix_overlap": o,
+             "p99_ttft_ms": 100.0, "p99_tpot_ms": 30.0} for o in (0.0, 0.5)]
+    paths = save_figures(ExperimentData("live", "", "{}", pl.DataFrame(rows)), tmp_path / "figs")
+    assert [p.name for p in paths] == ["live-p99_vs_prefix_overlap__live_and_predicted.png"]
+    assert paths[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -56,9 +56,10 @@ def report(
     out: Path = typer.Option(None, "-o", "--out", help="HTML file (default: runs/<experiment>/report.html)."),
     tracking_uri: str = typer.Option(None, help=URI_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the summary table as JSON."),
+    figures: Path = typer.Option(None, "--figures", help="Also write every plot as a PNG file in this folder."),
 ) -> None:
     """Write one self-contained HTML page of an experiment's plots and print its summary."""
-    from cachelab.experiment.report import load_experiment, render_html, report_json
+    from cachelab.experiment.report import load_experiment, render_html, report_json, save_figures
     from cachelab.experiment.tracking import Tracker
 
     name = _experiment_name(experiment)
@@ -66,11 +67,14 @@ def report(
     out = out or Path("runs") / name / "report.html"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render_html(data), encoding="utf-8")
+    saved = save_figures(data, figures) if figures is not None else []
     if as_json:
         typer.echo(json.dumps(report_json(data, out), default=str))
         return
     _show_all(data, name)
     typer.echo(f"report: {out}")
+    for path in saved:
+        typer.echo(f"figure: {path}")
 
 
 def sync(

@@ -149,7 +149,7 @@ def _numeric_capacity_order(df: pl.DataFrame, keys: list[str]) -> pl.DataFrame:
             return float("inf")
         return cap.amount / 100 if cap.kind == "percent" else cap.amount
 
-    caps = [k for k in keys if k.endswith(".capacity")]
+    caps = [k for k in keys if k.endswith("capacity")]
     if not caps:
         return df
     order = [f"_size_{k}" if k in caps else k for k in keys]
@@ -447,6 +447,17 @@ def figures(data: ExperimentData) -> list[tuple[str, str]]:
     return out
 
 
+def save_figures(data: ExperimentData, directory: Path) -> list[Path]:
+    """Every plot of the report as ``<experiment>-<title>.png`` under ``directory`` (for docs)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for title, png in figures(data):
+        slug = "".join(c if c.isalnum() else "_" for c in title.lower()).strip("_")
+        paths.append(directory / f"{data.name}-{slug}.png")
+        paths[-1].write_bytes(base64.b64decode(png))
+    return paths
+
+
 def summary_columns(data: ExperimentData) -> list[str]:
     """The columns a person scans first: varying axes, then per-tier ratios and bytes."""
     cols = [c for c in data.axes() if data.results[c].cast(pl.Utf8).n_unique() > 1 and c != "axis.kind"]
@@ -526,7 +537,7 @@ def headline(data: ExperimentData) -> pl.DataFrame:
 def report_json(data: ExperimentData, out: Path | None = None) -> dict:
     """What ``cachelab report --json`` prints: every point (a replay point's summary row, a
     learned point with its headline per capacity) and the headline."""
-    kind = "replay" if data.of_kind("replay").height else "serve"
+    kind = next((k for k in ("replay", "serve", "live") if data.of_kind(k).height), "serve")
     points = [{"kind": kind, **row} for row in summary_table(data).to_dicts()]
     best = headline(data)
     for label in data.point_tables:

@@ -1,8 +1,9 @@
 """The live kind's report parts: P99 against prefix overlap, live beside predicted.
 
-One panel per metric (P99 TTFT, P99 TPOT), prefix overlap on x, one colour per series (every
-other varying axis: row-cache policy, capacity, placement, concurrency), the live values solid
-and the calibrated model's prediction of the same point dashed in the same colour.
+One row of panels per metric (P99 TTFT, P99 TPOT) and one column per row-cache capacity (any
+varying axis named ``*capacity``), prefix overlap on x, one colour per series (every other
+varying axis: row-cache policy, placement, concurrency), the live values solid and the
+calibrated model's prediction of the same point dashed in the same colour.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import polars as pl
 
 OVERLAP = "axis.workload.trace.synthesis.prefix_overlap"
+METRICS = ("p99_ttft_ms", "p99_tpot_ms")
 LIVE_COLUMNS = ("p99_ttft_ms", "predicted.p99_ttft_ms", "p99_tpot_ms", "predicted.p99_tpot_ms", "prefix_cache.hit_ratio",
                 "row_cache.hbm.hit_ratio", "server.cpu_utilization", "server.minor_faults_per_s",
                 "prefix_cache.dram_bytes", "row_cache.dram_bytes", "total_token_throughput")
@@ -18,7 +20,7 @@ LIVE_COLUMNS = ("p99_ttft_ms", "predicted.p99_ttft_ms", "p99_tpot_ms", "predicte
 def plot_p99_vs_overlap(data):
     import matplotlib.pyplot as plt
 
-    from cachelab.experiment.report import _label, _mean_over_seeds, _series_keys, _style
+    from cachelab.experiment.report import _label, _mean_over_seeds, _numeric_capacity_order, _series_keys, _style
 
     results = data.of_kind("live")
     if results.is_empty() or OVERLAP not in results.columns or "p99_ttft_ms" not in results.columns:
@@ -27,17 +29,25 @@ def plot_p99_vs_overlap(data):
     if df["_overlap"].n_unique() < 2:
         return None
     keys = _series_keys(data, {"axis.kind", OVERLAP}, df)
-    fig, axs = plt.subplots(1, 2, figsize=(12, 4.4))
-    for ax, metric in zip(axs, ("p99_ttft_ms", "p99_tpot_ms")):
-        values = [metric] + ([f"predicted.{metric}"] if f"predicted.{metric}" in df.columns else [])
-        agg = _mean_over_seeds(df, keys + ["_overlap"], values)
-        for i, g in enumerate(agg.partition_by(keys, maintain_order=True, as_dict=False) if keys else [agg]):
-            label, colour = _label(g.row(0, named=True), keys), f"C{i % 10}"
-            ax.plot(g["_overlap"], g[metric], marker="o", color=colour, label=f"{label} live")
-            if len(values) > 1:
-                ax.plot(g["_overlap"], g[values[1]], marker="x", ls="--", color=colour, alpha=0.7)
-        ax.set_yscale("log")
-        name = metric.removesuffix("_ms").replace("_", " ").upper()
-        _style(ax, "prefix overlap (shared share of every prompt)", f"{name} (ms; dashed: predicted)", 6)
+    panels = [k for k in keys if k.endswith("capacity")][:1]
+    keys = [k for k in keys if k not in panels]
+    df = _numeric_capacity_order(df, panels + keys + ["_overlap"])
+    columns = df.partition_by(panels, maintain_order=True, as_dict=False) if panels else [df]
+    fig, axs = plt.subplots(2, len(columns), figsize=(5.5 * len(columns) + 1, 8), squeeze=False, sharey="row")
+    for c, part in enumerate(columns):
+        title = _label(part.row(0, named=True), panels)
+        for r, metric in enumerate(METRICS):
+            ax = axs[r][c]
+            values = [metric] + ([f"predicted.{metric}"] if f"predicted.{metric}" in part.columns else [])
+            agg = _mean_over_seeds(part, keys + ["_overlap"], values)
+            for i, g in enumerate(agg.partition_by(keys, maintain_order=True, as_dict=False) if keys else [agg]):
+                colour = f"C{i % 10}"
+                ax.plot(g["_overlap"], g[metric], marker="o", color=colour, label=_label(g.row(0, named=True), keys))
+                if len(values) > 1:
+                    ax.plot(g["_overlap"], g[values[1]], marker="x", ls="--", color=colour, alpha=0.7)
+            ax.set_yscale("log")
+            ax.set_title(title, fontsize=9)
+            name = metric.removesuffix("_ms").replace("_", " ").upper()
+            _style(ax, "prefix overlap (shared share of every prompt)", f"{name} (ms; dashed: predicted)", 7)
     fig.tight_layout()
     return fig
