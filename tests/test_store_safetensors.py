@@ -5,8 +5,6 @@ tensor and the file."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch

@@ -22,7 +22,6 @@ import types
 
 import numba as nb
 import numpy as np
-
 from llvmlite import ir
 from numba import types as nbt
 from numba.core import cgutils
