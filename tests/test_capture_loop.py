@@ -1,6 +1,7 @@
 """The closed loop, as docs/capture.md gives it: `cachelab serve` -> load through `capture proxy`
--> `trace build --from-capture` -> `train` -> `evaluate` -> `cachelab serve` again with the row
-cache the evaluation chose (and `--capture` on the server itself, checked against the proxy's)."""
+-> `trace build --from-capture` -> `train` -> `evaluate` -> `cachelab serve` again with the learned
+row cache the evaluation judged, scored online by the trained model (and `--capture` on the server
+itself, checked against the proxy's)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from cachelab.capture.proxy import ProxyConfig, create_app
 from cachelab.capture.recorder import Recorder
 from cachelab.capture.to_trace import read_requests
 from cachelab.cli import app
-from cachelab.learning.lineup import lineup
 from cachelab.live.launch import ServeOptions, running_server
 from traces.stdlib import StdlibCorpus
 
@@ -75,15 +75,15 @@ def test_serve_capture_train_evaluate_serve(tmp_path):
                      "--capacities", "0.02")
     judged = evaluated["capacities"][0]
     assert evaluated["learned_policy"] in judged["miss_ratio"]
-    policy = lineup().heuristics[judged["best_heuristic"]]  # evaluate reports labels; serve takes the name
-    # Serve again, capturing, with the row cache the evaluation found best among the policies the
-    # live store runs without predictor scores (serving a learned policy needs online scores).
-    # Serve again with the row cache the evaluation chose, still capturing.
-    opts = ServeOptions(port=0, kv_cache_tokens=16_384, capture=tmp_path / "served2", row_cache_policy=str(policy),
-                        row_cache_capacity="2%")
-    with running_server(opts) as (url, _engine):
+    # Serve again, still capturing, with the learned row cache the evaluation judged: the trained
+    # model scores each step's rows online (cachelab.learning.online).
+    opts = ServeOptions(port=0, kv_cache_tokens=16_384, capture=tmp_path / "served2",
+                        row_cache_policy=evaluated["learned_policy"], row_cache_capacity="2%",
+                        row_cache_model=tmp_path / "model")
+    with running_server(opts) as (url, engine):
         client = openai.OpenAI(base_url=url + "/v1", api_key="x")
         out = client.completions.create(model=model, prompt="def main():", max_tokens=4)
         assert out.choices[0].text is not None
+        assert engine.rows.totals["hbm_hits"] + engine.rows.totals["hbm_misses"] > 0
     again, _ = read_requests(tmp_path / "served2")
     assert again.height == 1 and again["output_ids"].list.len()[0] == 4

@@ -67,3 +67,28 @@ def test_flattened_forests_match_the_libraries():
     np.testing.assert_allclose(from_lightgbm_text(booster.model_to_string())[0].raw_predict(x), booster.predict(x), rtol=1e-9, atol=1e-9)
     hgb = HistGradientBoostingRegressor(max_iter=15, early_stopping=False, random_state=0).fit(x, gap)
     np.testing.assert_allclose(from_hist_gradient_boosting(hgb).raw_predict(x), hgb.predict(x), rtol=1e-9, atol=1e-9)
+
+
+def test_compiled_forest_code_equals_the_loop_bit_for_bit(tmp_path, monkeypatch):
+    """The forest compiled to code (one branch per node) sums exactly what the loop sums, and a
+    second forest object of the same model finds the code in the cache directory."""
+    import lightgbm as lgb
+
+    from predictors.trees import _forest_predict, from_lightgbm_text
+
+    monkeypatch.setenv("CACHELAB_CACHE_DIR", str(tmp_path))
+    x, gap, _ = _data(3000, seed=5)
+    booster = lgb.train({"objective": "regression", "verbosity": -1, "num_threads": 1, "num_leaves": 7},
+                        lgb.Dataset(x, gap), num_boost_round=4)
+    forest = from_lightgbm_text(booster.model_to_string())[0]
+    x[::7, 0] = np.nan  # NaN goes right in both
+    x = x.astype(np.float32)
+    loop, code = np.empty(x.shape[0]), np.empty(x.shape[0])
+    _forest_predict(x, forest.feature, forest.threshold, forest.left, forest.right, forest.value, forest.roots,
+                    forest.base, loop)
+    forest.compiled()(x, code)
+    np.testing.assert_array_equal(code, loop)
+    again = from_lightgbm_text(booster.model_to_string())[0]
+    assert list((tmp_path / "forests").glob("*.py")) == [again._module_path()]
+    np.testing.assert_array_equal(again.raw_predict(x), loop)
+    assert again._code is not None  # a small batch, but the code was in the cache directory: used

@@ -31,6 +31,9 @@ def serve(
     row_cache_policy: str | None = typer.Option(None, help="Policy of the HBM row cache (any registered policy)."),
     row_cache_capacity: str | None = typer.Option(None, help="HBM row cache size: rows, bytes ('64MiB') or a "
                                                   "share of the table ('1%')."),
+    model: Path | None = typer.Option(None, "--model", help="A predictor directory from `cachelab train` for a "
+                                      "learned --row-cache-policy (learned-lfu-adaptive, ...): each step's rows "
+                                      "are scored online from what was served so far (docs/learned.md)."),
     dram_cache_policy: str | None = typer.Option(None, help="Policy of the DRAM warm cache."),
     dram_cache_capacity: str | None = typer.Option(None, help="DRAM warm cache size (same grammar)."),
     step_log: Path | None = typer.Option(None, help="Write the per-step log (Parquet parts) into this directory."),
@@ -65,7 +68,7 @@ def serve(
 
     run(ServeOptions(preset=preset, store=store, host=host, port=port, api_key=api_key, placement=placement,
                      row_cache_policy=row_cache_policy, row_cache_capacity=row_cache_capacity,
-                     dram_cache_policy=dram_cache_policy, dram_cache_capacity=dram_cache_capacity,
+                     row_cache_model=model, dram_cache_policy=dram_cache_policy, dram_cache_capacity=dram_cache_capacity,
                      step_log=step_log, weights=weights, seed=seed, engram_layers=_layers(engram_layers),
                      kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import numba as nb
 import numpy as np
 
+from cachelab.compiled import prefetch
 from cachelab.errors import CachelabError
 from cachelab.workload.future import next_access
-from cachelab.workload.lookups import compact
 from cachelab.policy import NO_NEXT
 
 GAPS = 8
@@ -58,11 +58,24 @@ class CorpusPrior:
 
     ``token_counts[c]``: occurrences of compressed id ``c`` among the window's tokens.
     ``row_keys``/``row_counts``: raw keys ``(layer << 32) | row`` seen at least twice, sorted.
+    ``row_count`` finds a key's count through a hash table built once (``_table``).
     """
 
     token_counts: np.ndarray
     row_keys: np.ndarray
     row_counts: np.ndarray
+    _table: np.ndarray | None = field(default=None, init=False, repr=False)
+
+    def row_count(self, raw_keys: np.ndarray) -> np.ndarray:
+        """The window's count of each raw key (0 for a key seen fewer than twice there)."""
+        if self._table is None:
+            bits = max(4, int(np.ceil(np.log2(max(self.row_keys.size, 1) / 0.5))))
+            self._table = np.full((1 << bits, 2), -1, np.int64)
+            _hash_fill(self._table, self.row_keys, self.row_counts, np.uint64(64 - bits))
+        raw_keys = np.ascontiguousarray(raw_keys, dtype=np.int64)
+        out = np.empty(raw_keys.size, np.int64)
+        _hash_probe(self._table, raw_keys, np.uint64(64 - int(np.log2(self._table.shape[0]))), out)
+        return out
 
     @classmethod
     def from_window(cls, view, lo: int, hi: int) -> "CorpusPrior":
@@ -92,6 +105,39 @@ class CorpusPrior:
         return cls(tokens, keys, counts)
 
 
+@nb.njit(cache=True, inline="always")
+def _home(key, shift):
+    """Fibonacci hashing: the top bits of key x 2^64/phi."""
+    return np.int64((np.uint64(key) * np.uint64(0x9E3779B97F4A7C15)) >> shift)
+
+
+@nb.njit(cache=True, nogil=True, boundscheck=False)
+def _hash_fill(table, keys, counts, shift):
+    """Open addressing, linear probing; keys are >= 0 and distinct, -1 marks an empty slot."""
+    mask = table.shape[0] - 1
+    for i in range(keys.size):
+        h = _home(keys[i], shift)
+        while table[h, 0] != -1:
+            h = (h + 1) & mask
+        table[h, 0] = keys[i]
+        table[h, 1] = counts[i]
+
+
+@nb.njit(cache=True, nogil=True, boundscheck=False)
+def _hash_probe(table, keys, shift, out):
+    mask = table.shape[0] - 1
+    for i in range(keys.size):
+        if i + 16 < keys.size:
+            prefetch(table, _home(keys[i + 16], shift))
+        h = _home(keys[i], shift)
+        out[i] = 0
+        while table[h, 0] != -1:
+            if table[h, 0] == keys[i]:
+                out[i] = table[h, 1]
+                break
+            h = (h + 1) & mask
+
+
 @dataclass(slots=True)
 class FeatureState:
     """Per-key history, carried from one chunk of a stream to the next."""
@@ -112,6 +158,16 @@ class FeatureState:
         self.decayed = np.zeros((self.num_keys, len(HALF_LIVES)), dtype=np.float64)
         self.last_request = np.full(self.num_keys, -1, dtype=np.int32)
         self.request_count = np.zeros(self.num_keys, dtype=np.int32)
+
+    def grow(self, num_keys: int) -> None:
+        """Room for keys ``[0, num_keys)`` (online, where keys keep arriving), at least doubling."""
+        if num_keys <= self.num_keys:
+            return
+        size = max(num_keys, 2 * self.num_keys)
+        fresh = FeatureState(size - self.num_keys)
+        for name in ("last", "count", "gaps", "decayed", "last_request", "request_count"):
+            setattr(self, name, np.concatenate([getattr(self, name), getattr(fresh, name)]))
+        self.num_keys = size
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)
@@ -223,34 +279,48 @@ def prompt_lookahead(view) -> np.ndarray:
 
 
 def extract(stream, lo: int, hi: int, state: FeatureState, prior: CorpusPrior,
-            domains: list[str], lookahead: bool = True) -> np.ndarray:
+            domains: list[str], lookahead: bool | np.ndarray = True) -> np.ndarray:
     """Features of entries ``[lo, hi)`` of a ``LearningView``; ``state`` must have seen exactly ``[0, lo)``.
 
     ``domains`` is the model's domain vocabulary: a domain it never saw gets -1. Without
-    ``lookahead`` the two prompt-lookahead columns hold "never" and 0 (a model then ignores them).
+    ``lookahead`` the two prompt-lookahead columns hold "never" and 0 (a model then ignores them);
+    an array is the whole view's ``prompt_lookahead``, computed once for a view featurised in chunks.
     """
     if state.clock != lo:
         raise ValueError(f"feature state is at lookup {state.clock}, not {lo}: featurise in order")
-    if prior.token_counts.size != stream.vocab:
+    if isinstance(lookahead, np.ndarray):
+        ahead = lookahead[lo:hi]
+    else:
+        ahead = prompt_lookahead(stream)[lo:hi] if lookahead else None
+    return featurise(stream, lo, hi, state, prior, domains, ahead)
+
+
+def featurise(entries, lo: int, hi: int, state: FeatureState, prior: CorpusPrior, domains: list[str],
+              ahead: np.ndarray | None) -> np.ndarray:
+    """Features of entries ``[lo, hi)`` of a ``LearningView`` whose history ``state`` holds, at
+    time ``state.clock`` on (``extract`` for a whole view; ``cachelab.learning.online`` for a
+    view of one serving step). ``ahead``: the two lookahead columns of these entries, or None
+    for "never" and 0."""
+    if prior.token_counts.size != entries.vocab:
         raise CachelabError(f"the model's corpus prior covers {prior.token_counts.size} compressed ids, "
-                            f"the stream's vocabulary has {stream.vocab}: another Engram layout")
+                            f"the stream's vocabulary has {entries.vocab}: another Engram layout")
     n = hi - lo
     out = np.empty((n, len(FEATURE_NAMES)), dtype=np.float32)
-    known = np.array([domains.index(d) if d in domains else -1 for d in stream.domains], dtype=np.float32)
-    _entry_kernel(stream.layer[lo:hi], stream.column[lo:hi], stream.heads, known, stream.domain[lo:hi],
-                  stream.position[lo:hi], stream.decode[lo:hi], out)
-    if lookahead:
-        out[:, LOOKAHEAD_COLUMN:LOOKAHEAD_COLUMN + 2] = prompt_lookahead(stream)[lo:hi]
+    known = np.array([domains.index(d) if d in domains else -1 for d in entries.domains], dtype=np.float32)
+    _entry_kernel(entries.layer[lo:hi], entries.column[lo:hi], entries.heads, known, entries.domain[lo:hi],
+                  entries.position[lo:hi], entries.decode[lo:hi], out)
+    if ahead is not None:
+        out[:, LOOKAHEAD_COLUMN:LOOKAHEAD_COLUMN + 2] = ahead
     else:
         out[:, LOOKAHEAD_COLUMN] = NEVER
         out[:, LOOKAHEAD_COLUMN + 1] = 0.0
-    apply_prior(stream, lo, hi, prior, out)
+    apply_prior(entries, lo, hi, prior, out)
     rates = np.log(2.0) / np.asarray(HALF_LIVES, dtype=np.float64)
-    _history_kernel(stream.keys[lo:hi], lo, state.last, state.count, state.gaps, state.decayed, rates, out,
-                    HISTORY_COLUMN)
-    _request_kernel(stream.keys[lo:hi], stream.request[lo:hi], state.last_request, state.request_count, out,
+    _history_kernel(entries.keys[lo:hi], state.clock, state.last, state.count, state.gaps, state.decayed, rates,
+                    out, HISTORY_COLUMN)
+    _request_kernel(entries.keys[lo:hi], entries.request[lo:hi], state.last_request, state.request_count, out,
                     len(FEATURE_NAMES) - 1)
-    state.clock = hi
+    state.clock += n
     return out
 
 
@@ -258,12 +328,7 @@ def apply_prior(view, lo: int, hi: int, prior: CorpusPrior, out: np.ndarray) -> 
     """(Re)write the corpus-prior columns of ``out`` (the features of entries ``[lo, hi)``)."""
     order = 2 + view.column[lo:hi].astype(np.int64) // view.heads
     _token_kernel(view.ngram[lo:hi], order, prior.token_counts, out, PRIOR_COLUMN)
-    # one hash pass: the prior's (distinct) keys take ids 0..P-1, so an entry's id below P finds its count
-    ids = compact(np.concatenate([prior.row_keys, view.raw_keys[view.keys[lo:hi]]]))[0][prior.row_keys.size:]
-    known = ids < prior.row_keys.size
-    counts = np.zeros(hi - lo, dtype=np.int64)
-    counts[known] = prior.row_counts[ids[known]]
-    out[:, PRIOR_COLUMN + 2] = np.log1p(counts)
+    out[:, PRIOR_COLUMN + 2] = np.log1p(prior.row_count(view.raw_keys[view.keys[lo:hi]]))
 
 
 def regression_labels(keys: np.ndarray, horizon: int) -> np.ndarray:

@@ -23,7 +23,7 @@ import numpy as np
 from cachelab import registry
 from cachelab.engram import Addresser, encode, get_preset
 from cachelab.errors import CachelabError
-from cachelab.workload.lookups import LAYER_SHIFT, PREFILL, LookupStream, compact, dedup_steps
+from cachelab.workload.lookups import LAYER_SHIFT, PREFILL, LookupStream, compact_steps
 from cachelab.workload.steps import scheduled_stream
 
 REQUIRED_META = ("column", "request", "position", "phase", "domain", "token")
@@ -168,10 +168,9 @@ class LearningView:
             raise CachelabError(f"the lookup stream lacks per-lookup metadata {missing}; learned policies need "
                                 f"{list(REQUIRED_META)} (give corpus names, --trace gsm8k,humaneval, or a stream from `cachelab trace lookups`)")
         cfg = get_preset(preset)
-        ids, uniq = compact(stream.keys)
-        dd = dedup_steps(ids, stream.step_offsets, uniq.size)
+        dd, uniq = compact_steps(stream.keys, stream.step_offsets)
         first = np.empty(dd.keys.size, np.int64)
-        first[dd.inverse[::-1]] = np.arange(ids.size)[::-1]  # last write wins = first lookup
+        first[dd.inverse[::-1]] = np.arange(dd.inverse.size)[::-1]  # last write wins = first lookup
         m = {k: stream.meta[k][first] for k in REQUIRED_META}
         return cls(dd.keys.astype(np.int64), dd.offsets.astype(np.int64), dd.inverse.astype(np.int64),
                    stream.step_offsets, uniq.astype(np.int64), (stream.keys[first] >> LAYER_SHIFT).astype(np.int8),

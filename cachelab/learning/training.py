@@ -35,10 +35,10 @@ from cachelab.learning.predictor import (METADATA, Predictor, check_features, re
                                          verify)
 from cachelab.params import check_params
 from cachelab.learning.features import (FEATURE_NAMES, PRIOR_TENSORS, CorpusPrior, FeatureState, apply_prior, belady_labels, extract,
-                                 regression_labels, reuse_labels)
+                                 prompt_lookahead, regression_labels, reuse_labels)
 
 PRIOR = "prior.safetensors"
-BATCH = 1 << 20
+CHUNK = 1 << 20  # entries featurised and scored together (a 104 MB feature matrix, not the stream's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,11 +321,25 @@ def load(directory: Path) -> Model:
 def keep_scores(model: Model, stream, x: np.ndarray | None = None, offset: int = 0) -> np.ndarray:
     """Per-entry scores for the learned policies: minus the predicted next-access position.
 
-    ``x`` holds the features of entries ``offset, offset + 1, ...`` (all of them by default).
+    ``x`` holds the features of entries ``offset, offset + 1, ...``; by default the whole
+    stream is featurised and scored ``CHUNK`` entries at a time (the feature state carried
+    over), so memory holds one chunk's feature matrix, not the stream's.
     """
     if x is None:
-        x = features(stream, model.prior, model.domains, model.lookahead)
-    raw = np.concatenate([model.predictor.predict(x[i:i + BATCH]) for i in range(0, x.shape[0], BATCH)])
+        state = FeatureState(stream.num_keys)
+        ahead = prompt_lookahead(stream) if model.lookahead else False
+        raw = np.empty(len(stream), dtype=np.float64)
+        for lo in range(0, len(stream), CHUNK):
+            hi = min(lo + CHUNK, len(stream))
+            raw[lo:hi] = model.predictor.predict(extract(stream, lo, hi, state, model.prior, model.domains, ahead))
+    else:
+        raw = np.concatenate([model.predictor.predict(x[i:i + CHUNK]) for i in range(0, x.shape[0], CHUNK)])
+    return as_scores(model, raw, offset)
+
+
+def as_scores(model: Model, raw: np.ndarray, offset: int) -> np.ndarray:
+    """The predictions of entries ``offset, offset + 1, ...`` as scores: minus the predicted
+    next-access position."""
     t = offset + np.arange(raw.size, dtype=np.float64)
     if model.predictor.task == "regression":
         wait = np.expm1(np.clip(-raw, 0.0, None))

@@ -130,6 +130,7 @@ class LiveEngine:
         self.counters = EngineCounters()
         self.step_log = StepLog(cfg.step_log) if cfg.step_log else None
         self.on_step: Callable[[StepRecord, np.ndarray], None] | None = None  # (record, row ids) per step
+        self.scorer = None  # cachelab.learning.online.OnlineScorer: scores for a learned row cache
         self.eos = tokenizer.token_to_id("<｜end▁of▁sentence｜>")
 
     # -- the caller's side -------------------------------------------------------------------
@@ -246,8 +247,12 @@ class LiveEngine:
         chunks = [self._live[r].req.tokens[a:b] for r, a, b in zip(rids, step.starts.tolist(), step.stops.tolist())]
         offsets = np.concatenate([[0], np.cumsum(step.stops - step.starts)])
         row_ids = self._stream.feed(np.concatenate(chunks), offsets, seq=[self._slot[r] for r in rids])
+        scores = None
+        if self.scorer is not None:  # a learned row cache: keep scores from what was served so far
+            scores = self.scorer.scores(step.requests, step.starts, step.stops, step.num_prompt,
+                                        [self._live[r].req.tokens for r in rids], row_ids)
         fetch = {"window_s": 0.0, "stall_s": 0.0, "fetch_s": 0.0}
-        handle = self.rows.prefetch(row_ids) if self.config.prefetch else None
+        handle = self.rows.prefetch(row_ids, scores) if self.config.prefetch else None
         t_fetch = time.perf_counter()
 
         def engram_rows() -> torch.Tensor:
@@ -257,7 +262,7 @@ class LiveEngine:
                 rows = handle.wait()
                 fetch["stall_s"] = handle.stall_seconds
             else:
-                rows = self.rows.lookup(row_ids)
+                rows = self.rows.lookup(row_ids, scores)
                 fetch["stall_s"] = fetch["fetch_s"] = time.perf_counter() - t
             return rows.to(self.config.device, non_blocking=True)
 

@@ -34,6 +34,7 @@ class ServeOptions:
     placement: str = "dram"
     row_cache_policy: str | None = None
     row_cache_capacity: str | None = None
+    row_cache_model: Path | None = None  # a predictor directory scoring rows for a learned row cache
     dram_cache_policy: str | None = None
     dram_cache_capacity: str | None = None
     step_log: Path | None = None
@@ -96,13 +97,40 @@ def open_rows(opts: ServeOptions, layout: str):
     elif not (Path(directory) / MANIFEST).exists():
         raise CachelabError(f"--store {directory}: no {MANIFEST} there; build one with `cachelab store build`")
     store = TieredStore.open(directory, backing=PLACEMENTS.get(opts.placement, opts.placement),
-                             hbm_policy=opts.row_cache_policy, hbm_capacity=opts.row_cache_capacity,
+                             hbm_policy=row_cache_policy(opts), hbm_capacity=opts.row_cache_capacity,
                              dram_policy=opts.dram_cache_policy, dram_capacity=opts.dram_cache_capacity,
                              device=opts.device)
     if store.layout.name != layout:
         store.close()
         raise CachelabError(f"--store {directory} holds layout {store.layout.name!r}; the model reads {layout!r}")
     return store
+
+
+def row_cache_policy(opts: ServeOptions):
+    """The HBM row cache's policy: its name, or, with ``--model``, the learned policy made with
+    what it takes from the model (its horizon, a tuned threshold). A policy that needs scores
+    without a model, or a model beside a policy that reads none, is refused."""
+    from cachelab import registry
+
+    name = opts.row_cache_policy
+    if name is None:
+        if opts.row_cache_model is not None:
+            raise CachelabError("--model scores rows for a learned row cache: name one with --row-cache-policy "
+                                "(e.g. learned-lfu-adaptive) and give --row-cache-capacity")
+        return None
+    cls = registry.get(registry.POLICIES, name)
+    if not cls.capabilities.needs_scores:
+        if opts.row_cache_model is not None:
+            raise CachelabError(f"--row-cache-policy {name} reads no predictor scores; --model is for a learned "
+                                "policy (e.g. learned-lfu-adaptive)")
+        return name
+    if opts.row_cache_model is None:
+        raise CachelabError(f"--row-cache-policy {name} needs predictor scores: pass --model DIR (a predictor "
+                            "directory from `cachelab train`)")
+    from cachelab.learning.evaluation import learned_policy
+    from cachelab.learning.training import load
+
+    return learned_policy(name, load(opts.row_cache_model))
 
 
 def build_engine(opts: ServeOptions):
@@ -122,7 +150,12 @@ def build_engine(opts: ServeOptions):
                               max_num_batched_tokens=opts.max_num_batched_tokens, prefix_caching=opts.prefix_caching,
                               prefetch=opts.prefetch, device=opts.device,
                               step_log=str(opts.step_log) if opts.step_log else None)
-    return LiveEngine(model, rows, load_tokenizer(), engine_cfg)
+    engine = LiveEngine(model, rows, load_tokenizer(), engine_cfg)
+    if opts.row_cache_model is not None:
+        from cachelab.learning.online import OnlineScorer
+
+        engine.scorer = OnlineScorer.open(opts.row_cache_model, cfg.layout)
+    return engine
 
 
 def open_capture(opts: ServeOptions):

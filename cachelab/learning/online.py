@@ -1,0 +1,192 @@
+"""Keep scores computed online, one serving step at a time, for a live learned row cache.
+
+Offline, ``keep_scores`` featurises a whole recorded stream. A server has only what it has
+served so far, so ``OnlineScorer`` keeps the same state incrementally: dense ids for row keys
+as they first arrive (first-occurrence order, as ``compact`` numbers them offline), the
+per-key history of ``cachelab.learning.features`` (``FeatureState``, grown as keys arrive),
+and the model's corpus prior (a hash table built once). Each step's distinct rows are one
+chunk of entries, featurised by the very kernels offline scoring uses (``featurise``) and
+scored by the model's compiled forest; the per-row-id scores go to
+``TieredStore.lookup/prefetch(row_ids, scores)``.
+
+Nothing here sees the future. The prompt lookahead uses what a server knows at admission: the
+whole prompt. For a prefill entry it is the distance to the row's next use in the same prompt
+at or past the end of this step's chunk (a later chunk), and the prompt left. Offline, where
+the whole stream is known, a use by another request in between hides the later one
+(``prompt_lookahead``); online no other request's future is known, so nothing is hidden. On a
+stream whose prompts are prefilled one at a time (the learning streams' "prompts" steps) the
+two agree, and so do the scores, bit for bit (tested).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import numba as nb
+import numpy as np
+
+from cachelab.engram import Addresser
+from cachelab.errors import CachelabError
+from cachelab.learning.features import NEVER, FeatureState, _hash_fill, _home, featurise
+from cachelab.learning.streams import LearningView
+from cachelab.learning.training import Model, as_scores, load
+from cachelab.workload.lookups import LAYER_SHIFT, compact
+
+POSITION_BITS = 21  # a prompt's positions in the low bits of its (key, position) sort keys
+KEPT_PROMPTS = 1024  # prompts whose rows are kept for the lookahead (those still in prefill)
+
+
+@nb.njit(cache=True, nogil=True, boundscheck=False)
+def _assign(table, keys, shift, n, raw, out):
+    """Dense id of each key, a new one (``n``, ``n + 1``, ...) for a key not in ``table``."""
+    mask = table.shape[0] - 1
+    for i in range(keys.size):
+        h = _home(keys[i], shift)
+        while table[h, 0] != -1 and table[h, 0] != keys[i]:
+            h = (h + 1) & mask
+        if table[h, 0] == -1:
+            table[h, 0] = keys[i]
+            table[h, 1] = n
+            raw[n] = keys[i]
+            n += 1
+        out[i] = table[h, 1]
+    return n
+
+
+class KeyIndex:
+    """Dense ids ``0, 1, ...`` for raw row keys (>= 0) in the order they first arrive."""
+
+    def __init__(self, bits: int = 16):
+        self.table = np.full((1 << bits, 2), -1, np.int64)
+        self.raw = np.empty(1 << bits, np.int64)  # raw key of each dense id
+        self.size = 0
+
+    def ids(self, keys: np.ndarray) -> np.ndarray:
+        keys = np.ascontiguousarray(keys, dtype=np.int64)
+        need = self.size + keys.size
+        if need > 0.6 * self.table.shape[0]:  # open addressing stays short below 60% load
+            bits = int(np.ceil(np.log2(need / 0.6)))
+            self.table = np.full((1 << bits, 2), -1, np.int64)
+            _hash_fill(self.table, self.raw[:self.size], np.arange(self.size, dtype=np.int64), np.uint64(64 - bits))
+        if need > self.raw.size:
+            self.raw = np.concatenate([self.raw, np.empty(max(need, 2 * self.raw.size) - self.raw.size, np.int64)])
+        out = np.empty(keys.size, np.int64)
+        shift = np.uint64(64 - int(np.log2(self.table.shape[0])))
+        self.size = _assign(self.table, keys, shift, self.size, self.raw, out)
+        return out
+
+
+class OnlineScorer:
+    """Scores per row id for each served step (module doc). ``domain``: the label the model's
+    training trace gave these requests (a capture's trace: ``chat`` or ``completion``); a label
+    the model never saw, or None, counts as unknown, as offline."""
+
+    def __init__(self, model: Model, layout, domain: str | None = None):
+        self.model = model
+        self.addresser = Addresser(layout)
+        cfg = self.addresser.config
+        self.layers, self.columns, self.heads = len(cfg.layers), cfg.columns, cfg.heads
+        self.max_ngram, self.vocab = cfg.max_ngram, cfg.compressed_vocab
+        self.domains = [domain if domain is not None else "<unlabelled>"]
+        self.index = KeyIndex()
+        self.state = FeatureState(1 << 16)
+        self.prompts: OrderedDict[int, np.ndarray] = OrderedDict()  # rid -> sorted (key, position) of its prompt
+        if self.model.prior.token_counts.size != self.vocab:
+            raise CachelabError(f"the model's corpus prior covers {self.model.prior.token_counts.size} compressed "
+                                f"ids, layout {cfg.name!r} has {self.vocab}: a model trained on another layout")
+
+    @classmethod
+    def open(cls, directory: Path, layout, domain: str | None = None) -> "OnlineScorer":
+        """The scorer of the model saved in ``directory`` (refused, naming why, as ``load`` does)."""
+        return cls(load(directory), layout, domain)
+
+    @property
+    def clock(self) -> int:
+        """Entries scored so far: the learned policy's clock, which scores are positions on."""
+        return self.state.clock
+
+    def scores(self, requests, starts, stops, num_prompt, tokens, row_ids) -> np.ndarray:
+        """Scores shaped like ``row_ids`` ``[T, layers, columns]``: the step's tokens, request by
+        request, positions ``starts[i]:stops[i]`` of request ``requests[i]`` (``num_prompt[i]``
+        prompt tokens; ``tokens[i]`` its token ids known so far)."""
+        row_ids = np.asarray(row_ids)
+        starts, stops = np.asarray(starts, np.int64), np.asarray(stops, np.int64)
+        lengths = stops - starts
+        if row_ids.shape != (int(lengths.sum()), self.layers, self.columns):
+            raise CachelabError(f"row ids of shape {list(row_ids.shape)} for a step of {int(lengths.sum())} "
+                                f"tokens, {self.layers} layers and {self.columns} columns")
+        which = np.repeat(np.arange(lengths.size), lengths)  # each token's request, by index in the step
+        position = starts[which] + (np.arange(which.size) - np.repeat(np.cumsum(lengths) - lengths, lengths))
+        keys = (np.arange(self.layers, dtype=np.int64)[None, :, None] << LAYER_SHIFT) | row_ids.astype(np.int64)
+        inverse, uniq = compact(keys.reshape(-1))
+        first = np.empty(uniq.size, np.int64)
+        first[inverse[::-1]] = np.arange(inverse.size)[::-1]  # last write wins = first lookup
+        dense = self.index.ids(uniq)
+        self.state.grow(self.index.size)
+        per_token = self.layers * self.columns
+        token = first // per_token
+        req = which[token]
+        pos = position[token]
+        decode = pos >= np.asarray(num_prompt, np.int64)[req]
+        view = LearningView(
+            dense, np.array([0, dense.size]), np.arange(dense.size), np.array([0, inverse.size]),
+            self.index.raw[:self.index.size], ((first // self.columns) % self.layers).astype(np.int8),
+            (first % self.columns).astype(np.int8), pos.astype(np.int32), decode,
+            np.zeros(dense.size, np.int16), np.asarray(requests, np.int64)[req].astype(np.int32),
+            self._ngrams(tokens, starts, stops, which, position)[token], self.domains, self.heads, self.vocab)
+        ahead = self._lookahead(requests, stops, num_prompt, tokens, req, pos, decode, uniq) \
+            if self.model.lookahead else None
+        offset = self.clock
+        x = featurise(view, 0, dense.size, self.state, self.model.prior, self.model.domains, ahead)
+        out = as_scores(self.model, self.model.predictor.predict(x), offset)
+        return out[inverse].reshape(row_ids.shape)
+
+    def _ngrams(self, tokens, starts, stops, which, position) -> np.ndarray:
+        """Compressed ids of each step token and the ``max_ngram - 1`` before it in its request
+        (-1 before the request's start)."""
+        out = np.empty((which.size, self.max_ngram), np.int32)
+        back = position[:, None] - np.arange(self.max_ngram)[None, :]
+        for i in range(starts.size):
+            lo = max(0, int(starts[i]) - self.max_ngram + 1)
+            known = self.addresser.compress(np.asarray(tokens[i][lo:int(stops[i])], np.int64))
+            m = which == i
+            at = back[m]
+            out[m] = np.where(at >= 0, known[np.maximum(at - lo, 0)], -1)
+        return out
+
+    def _lookahead(self, requests, stops, num_prompt, tokens, req, pos, decode, uniq) -> np.ndarray:
+        """The two lookahead columns of the step's entries (module doc)."""
+        ahead = np.zeros((req.size, 2), np.float32)
+        ahead[:, 0] = NEVER
+        for i in np.unique(req[~decode]).tolist():
+            rid, prompt = int(requests[i]), int(num_prompt[i])
+            order = self._prompt(rid, np.asarray(tokens[i][:prompt], np.int64))
+            m = (req == i) & ~decode
+            probe = (uniq[m] << POSITION_BITS) | int(stops[i])
+            at = np.searchsorted(order, probe)  # the first (key, position) at or past (key, stop)
+            inside = at < order.size
+            hit = order[np.minimum(at, order.size - 1)]
+            found = inside & ((hit >> POSITION_BITS) == uniq[m])
+            nxt = hit & ((1 << POSITION_BITS) - 1)
+            ahead[m, 0] = np.where(found, np.log1p(np.where(found, nxt - pos[m], 0).astype(np.float64)), NEVER)
+            ahead[m, 1] = np.log1p((prompt - pos[m]).astype(np.float64))
+            if int(stops[i]) >= prompt:  # prefill done: its rows are no longer needed
+                self.prompts.pop(rid, None)
+        return ahead
+
+    def _prompt(self, rid: int, prompt: np.ndarray) -> np.ndarray:
+        """Sorted ``key << POSITION_BITS | position`` over every row of a prompt (kept while it prefills)."""
+        order = self.prompts.get(rid)
+        if order is None:
+            if prompt.size >= 1 << POSITION_BITS:
+                raise CachelabError(f"a prompt of {prompt.size:,} tokens: the online lookahead takes fewer than "
+                                    f"{1 << POSITION_BITS:,}")
+            rows = self.addresser.rows(prompt).astype(np.int64)
+            keys = (np.arange(self.layers, dtype=np.int64)[None, :, None] << LAYER_SHIFT) | rows
+            where = np.broadcast_to(np.arange(prompt.size, dtype=np.int64)[:, None, None], keys.shape)
+            order = np.sort(((keys << POSITION_BITS) | where).reshape(-1))
+            self.prompts[rid] = order
+            while len(self.prompts) > KEPT_PROMPTS:
+                self.prompts.popitem(last=False)
+        return order

@@ -1,0 +1,71 @@
+"""Online keep scores (cachelab.learning.online) against offline scoring of the same stream."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cachelab import registry
+from cachelab.errors import CachelabError
+from cachelab.learning.online import KeyIndex, OnlineScorer
+from cachelab.learning.streams import LearningView, request_stream
+from cachelab.learning.training import TrainSpec, keep_scores, train
+from cachelab.workload.lookups import ROW_MASK
+
+LAYOUT = "deepseek-v4.1-flash"
+
+
+def _requests(n: int, seed: int):
+    """Token ids from a small alphabet, so n-grams repeat inside and across prompts."""
+    rng = np.random.default_rng(seed)
+    alphabet = rng.choice(np.arange(1000, 60_000), 120, replace=False)
+    prompts = [alphabet[rng.zipf(1.4, int(rng.integers(60, 260))) % alphabet.size] for _ in range(n)]
+    outputs = [alphabet[rng.zipf(1.4, int(rng.integers(3, 12))) % alphabet.size] for _ in range(n)]
+    return prompts, outputs
+
+
+@pytest.fixture(scope="module")
+def served():
+    prompts, outputs = _requests(40, seed=3)
+    stream = request_stream(prompts, outputs, ["chat"] * len(prompts), LAYOUT, tokens_per_step=64)
+    view = LearningView.of(stream)
+    predictor = registry.get(registry.PREDICTORS, "lightgbm-reuse")(n_estimators=6, num_leaves=7)
+    model, _ = train(view, predictor, TrainSpec(horizon=2000, capacity=300), tune=False)
+    return stream, prompts, outputs, model, view.per_lookup(keep_scores(model, view))
+
+
+def _steps(stream, prompts, outputs):
+    """The stream's steps as a server sees them: (request, start, stop, prompt length, tokens, row ids)."""
+    per_token = 2 * 24
+    request, position = stream.meta["request"], stream.meta["position"]
+    for s in range(stream.num_steps):
+        lo, hi = int(stream.step_offsets[s]), int(stream.step_offsets[s + 1])
+        r, start = int(request[lo]), int(position[lo])
+        tokens = np.concatenate([prompts[r], outputs[r]])
+        rows = (stream.keys[lo:hi] & ROW_MASK).reshape(-1, 2, 24)
+        yield lo, hi, r, start, start + (hi - lo) // per_token, prompts[r].size, tokens, rows
+
+
+def test_online_scores_equal_offline_scores_bit_for_bit(served):
+    stream, prompts, outputs, model, offline = served
+    scorer = OnlineScorer(model, LAYOUT, domain="chat")
+    for lo, hi, r, start, stop, prompt, tokens, rows in _steps(stream, prompts, outputs):
+        online = scorer.scores([r], [start], [stop], [prompt], [tokens], rows)
+        np.testing.assert_array_equal(online.reshape(-1), offline[lo:hi], err_msg=f"step at lookup {lo}")
+    assert not scorer.prompts  # every prompt's rows dropped once its prefill ended
+
+
+def test_key_index_numbers_keys_in_first_arrival_order_and_grows():
+    index = KeyIndex(bits=4)
+    keys = np.random.default_rng(0).integers(0, 1 << 40, 5000)
+    ids = np.concatenate([index.ids(keys[i:i + 333]) for i in range(0, keys.size, 333)])
+    _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    rank = np.argsort(np.argsort(first))  # first-occurrence order of each distinct key
+    np.testing.assert_array_equal(ids, rank[inverse])
+    np.testing.assert_array_equal(index.raw[:index.size], keys[np.sort(first)])
+
+
+def test_scores_refuse_row_ids_of_another_shape(served):
+    _, _, _, model, _ = served
+    with pytest.raises(CachelabError, match="row ids of shape"):
+        OnlineScorer(model, LAYOUT).scores([0], [0], [4], [10], [np.arange(10)], np.zeros((3, 2, 24), np.int32))
