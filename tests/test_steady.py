@@ -15,7 +15,7 @@ from cachelab.serving.agentic import MEDIAN_OUTPUT, PREFIX_HIT, PREFIX_HIT_V01, 
 from cachelab.serving.hardware import load_profile
 from cachelab.serving.latency import Efficiency, LatencyModel
 from cachelab.serving.model_spec import load_model
-from cachelab.serving.steady import Deployment, SteadyState, fixed_workload, page_cache_hit
+from cachelab.serving.steady import Deployment, SteadyState, Workload, fixed_workload, page_cache_hit
 
 runner = CliRunner()
 
@@ -38,7 +38,7 @@ def test_closed_loop_obeys_littles_law_and_saturates():
 def test_mtp_divides_the_step_by_the_acceptance_length():
     dep = Deployment(LatencyModel(load_model(), load_profile("B200"), 4, "dram-uva"))
     m = SteadyState(dep, fixed_workload(1024, 1024, requests_per_client=0)).solve(8)
-    assert m["median_tpot_ms"] == pytest.approx(m["decode_step_ms"] / 3.61, rel=0.05)
+    assert m["median_tpot_ms"] == pytest.approx(m["decode_step_ms"] / dep.latency.model.acceptance_length, rel=0.05)
 
 
 def test_agentic_workload_matches_the_published_summaries():
@@ -59,6 +59,39 @@ def test_kv_capacity_bounds_the_prefix_cache():
     assert small["prefix_found_share"] == 1.0 and big["prefix_found_share"] < 0.5
 
 
+def test_kv_capacity_caps_the_running_batch_and_the_rest_wait_for_admission():
+    # R1 at TP4 holds about 1.7 M tokens of KV: some twenty 80k-token sessions run, the rest queue
+    dep = Deployment(LatencyModel(load_model("deepseek-r1"), load_profile("B200"), 4, "hbm"))
+    one = np.ones(1)
+    wl = Workload("long", one * 80_000, one * 0, one * 2_700, one * 14.0)
+    model = SteadyState(dep, wl)
+    light, heavy, heavier = model.solve(4), model.solve(64), model.solve(256)
+    assert not light["kv_bound"] and light["admission_wait_ms"] == 0
+    assert heavy["kv_bound"] and heavier["kv_bound"]
+    running = dep.latency.plan.kv_tokens / (80_000 + 2_700 / 2)
+    assert heavy["decoders"] <= running
+    # beyond the cap more clients only wait longer: TPOT and throughput stay, TTFT grows
+    assert heavier["median_tpot_ms"] == pytest.approx(heavy["median_tpot_ms"], rel=0.02)
+    assert heavier["tokens_per_s_per_gpu"] == pytest.approx(heavy["tokens_per_s_per_gpu"], rel=0.02)
+    assert heavier["median_ttft_ms"] > 3 * heavy["median_ttft_ms"]
+
+
+def test_the_page_cache_is_the_nodes_and_every_replica_shares_it():
+    from cachelab.serving.studies.semianalysis import deployment
+
+    tp4, tp8 = (deployment("B200", tp, "ssd-mmap", Efficiency()) for tp in (4, 8))
+    assert tp4.page_cache_bytes == pytest.approx(tp8.page_cache_bytes)
+    assert tp4.kv_offload_bytes == pytest.approx(tp8.kv_offload_bytes / 2)
+
+
+def test_the_default_prefill_efficiency_is_the_one_deepseeks_published_prefill_rate_implies():
+    from cachelab.serving.calibration import DEEPSEEK_PREFILL, published_prefill_mfu
+
+    assert Efficiency().prefill_mfu == pytest.approx(published_prefill_mfu(), abs=1e-3)
+    faster = published_prefill_mfu({**DEEPSEEK_PREFILL, "input_tokens_per_s_per_node": 2 * 73.7e3})
+    assert faster > 1.5 * Efficiency().prefill_mfu  # twice the rate needs (a bit more than) twice the efficiency
+
+
 def test_page_cache_hit_is_zipf_and_bounded():
     m = load_model()
     assert page_cache_hit(0, m) == 0.0 and page_cache_hit(1e15, m) == 1.0
@@ -69,8 +102,15 @@ def test_page_cache_hit_is_zipf_and_bounded():
 def test_calibration_points_and_the_inferencex_study(data_dir):
     from cachelab.serving.calibration import FIT_SUBSET, load_points
 
+    from cachelab.serving.calibration import THINK_SUBSET, with_fitted_think
+
     points = load_points(data_dir)
     subsets = {p.subset for p in points}
+    # the gap between agentic turns is fitted on the single-client runs and given to every agentic point
+    fitted, think = with_fitted_think(points)
+    assert 5 < think < 30 and {p.concurrency for p in points if p.subset == THINK_SUBSET} == {1}
+    assert all(float(p.workload.think_s[0]) == think for p in fitted if p.subset.startswith("r1-b200-vllm-agentic"))
+    assert all(float(p.workload.think_s.max()) == 0 for p in fitted if not p.subset.startswith("r1-b200-vllm-agentic"))
     assert FIT_SUBSET in subsets and "v41-b200-tp4-8k1k-script" in subsets
     assert sum(p.subset == FIT_SUBSET for p in points) == 4
     res = runner.invoke(app, ["study", "inferencex", "--fit-evals", "3", "--json"])

@@ -310,8 +310,8 @@ def study_semianalysis(
         result = run(out, eff, workload, progress=step)
     result["efficiency_fit_loss"] = loss
     if sensitivity:
-        with console.status("sensitivity (tokens/$ elasticity of each fitted parameter)"):
-            result["sensitivity"] = elasticity(workload, eff, FITTED)
+        with console.status("sensitivity (tokens/$ elasticity of each fitted parameter and of prefill_mfu)"):
+            result["sensitivity"] = elasticity(workload, eff, FITTED + ("prefill_mfu",))  # fitted, then cited
     if as_json:
         typer.echo(json.dumps(result, default=float))
         return
@@ -347,16 +347,18 @@ def study_inferencex(
     per point and as MAPE per metric (`heldout_mape`: metric -> fraction).
     Example: `cachelab study inferencex --json`."""
     from cachelab.paths import data_root
-    from cachelab.serving.calibration import FIT_SUBSET, FITTED, fit, load_points, mape, validate
+    from cachelab.serving.calibration import (FIT_SUBSET, FIT_SUBSETS, FITTED, THINK_SUBSET, fit, load_points, mape,
+                                              validate, with_fitted_think)
 
     console = Console(stderr=True, quiet=as_json)
-    points = load_points(data_root())
+    points, think = with_fitted_think(load_points(data_root()))
     train = [p for p in points if p.subset == FIT_SUBSET]
     with console.status(f"fitting {', '.join(FITTED)} on {FIT_SUBSET} ({len(train)} points)"):
         eff, loss = fit(train, max_evals=fit_evals)
     rows = validate(points, eff)
-    held = [r for r in rows if r["subset"] != FIT_SUBSET]
+    held = [r for r in rows if r["subset"] not in FIT_SUBSETS]
     result = {"fit_subset": FIT_SUBSET, "fitted": {k: getattr(eff, k) for k in FITTED}, "fit_loss": loss,
+              "think_subset": THINK_SUBSET, "agentic_think_s": think, "prefill_mfu": eff.prefill_mfu,
               "fit_mape": mape([r for r in rows if r["subset"] == FIT_SUBSET]), "heldout_mape": mape(held),
               "heldout_mape_by_subset": {s: mape([r for r in held if r["subset"] == s])
                                          for s in sorted({r["subset"] for r in held})},

@@ -29,6 +29,12 @@ FIT_METRICS = ("tokens_per_s_per_gpu", "median_tpot_ms", "median_ttft_ms")  # P9
 # (the same configuration's P99 TTFT is 2,563 ms in one run and 548 ms in the other)
 FITTED = ("mbu", "mfu", "layer_overhead_s", "cpu_per_sequence_s", "request_overhead_s")
 FIT_SUBSET = "r1-b200-sglang-tp8-1k1k-run1"
+# The agentic replay keeps its trace's gaps between a response and the next turn (tool time); the
+# point files do not state them, so one mean gap is fitted on the single-client runs (where the
+# cycle is one request's latency plus the gap: 1 / rate - mean E2EL) and used for every other
+# agentic point, which stays held out.
+THINK_SUBSET = "r1-b200-vllm-agentic-c1"
+FIT_SUBSETS = (FIT_SUBSET, THINK_SUBSET)
 SCRIPT = "SemiAnalysisAI/InferenceX benchmarks/single_node/agentic/dsv41flashssd_fp4_vllm_mtp.sh (comment)"
 # The pair that script states for DeepSeek-V4.1-Flash, B200 TP4, 8k/1k, concurrency 16, three runs
 # per arm: total tok/s (mean), median TPOT (middle of the stated range), P99 TTFT.
@@ -36,6 +42,47 @@ V41_SCRIPT_PAIR = {"dram-uva": {"tokens_per_s_per_gpu": 13632 / 4, "median_tpot_
                                 "p99_ttft_ms": 3900.0},
                    "ssd-mmap": {"tokens_per_s_per_gpu": 14168 / 4, "median_tpot_ms": (8.45 + 8.60) / 2,
                                 "p99_ttft_ms": 6000.0}}
+
+
+# DeepSeek's production V3/R1 service over 24 hours (deepseek-ai/open-infra-index,
+# 202502OpenSourceWeek/day_6_one_more_thing_deepseekV3R1_inference_system_overview.md): 608 B input
+# tokens, 342 B (56.3%) of them prefix-cache hits, 168 B output tokens, an average KV length per
+# output token of 4,989, and ~73.7k input tokens/s per H800 node (8 GPUs) in prefill, cache hits
+# included; prefill runs EP32 / DP32 with FP8 GEMMs. H800 has H100's tensor cores (NVLink aside).
+DEEPSEEK_PREFILL = {"input_tokens_per_s_per_node": 73.7e3, "cache_hit": 342 / 608, "gpus_per_node": 8,
+                    "input_output_ratio": 608 / 168, "kv_length_per_output_token": 4989.0}
+
+
+def published_prefill_mfu(source: dict = DEEPSEEK_PREFILL) -> float:
+    """The prefill GEMM efficiency DeepSeek's published production throughput implies for this
+    model: the ``prefill_mfu`` at which R1's prefill work (the latency model's own dense, expert,
+    attention and indexer terms) for the node's computed tokens takes one second per second on
+    one H800 (the H100 profile's FLOP rates). Requests are the published mean: input P from
+    P + D/2 = 4,989 and P / D = 608 / 168; the cached share sits first, the rest is computed.
+    A lower bound: the node average includes idle time, so busy nodes ran faster."""
+    from dataclasses import replace
+
+    from cachelab.serving.latency import Batch
+
+    ratio = source["input_output_ratio"]
+    prompt = source["kv_length_per_output_token"] / (1 + 1 / (2 * ratio))  # P + P / (2 ratio) = 4,989
+    computed = prompt * (1 - source["cache_hit"])
+    per_gpu_rate = source["input_tokens_per_s_per_node"] * (1 - source["cache_hit"]) / source["gpus_per_node"]
+    tp = source["gpus_per_node"]  # the node's work per GPU, as a TP8 replica splits it
+    batch = Batch([prompt - computed], [prompt], [per_gpu_rate * tp / computed], lm_rows=0.0)
+
+    def busy(mfu: float) -> float:
+        t = LatencyModel(load_model("deepseek-r1"), load_profile("H100"), tp, "hbm",
+                         efficiency=replace(Efficiency(), prefill_mfu=mfu)).gpu_time(batch)
+        return t.dense_s + t.experts_s + t.attention_s + t.indexer_s
+
+    lo, hi = 1e-3, 1.0
+    if busy(hi) > 1.0:
+        raise CachelabError("the published prefill rate exceeds what R1 reaches at 100% of H800 peak")
+    for _ in range(60):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if busy(mid) > 1.0 else (lo, mid)
+    return hi
 
 
 @dataclass
@@ -55,6 +102,8 @@ class Point:
     framework: str = ""
     kv_offload_bytes: float = 0.0
     page_cache_bytes: float | None = None
+    observed_think_s: float | None = None  # single-client agentic runs: 1 / rate - mean E2EL
+    ep: int = 1  # expert parallelism as published (1: experts sharded over the TP ranks)
 
 
 def _float(row: dict, key: str) -> float | None:
@@ -63,6 +112,14 @@ def _float(row: dict, key: str) -> float | None:
     except ValueError:
         return None
     return v if math.isfinite(v) and v > 0 else None
+
+
+def _ep(value, tp: int) -> int:
+    """The published expert-parallel degree: the TP degree when the row says EP = TP, else 1."""
+    try:
+        return tp if int(float(value)) == tp and tp > 1 else 1
+    except (TypeError, ValueError):
+        return 1
 
 
 def _rows(root: Path, name: str) -> list[dict]:
@@ -88,7 +145,7 @@ def load_points(root: Path) -> list[Point]:
                             "deepseek-r1", "B200", int(row["tp"]), "hbm",
                             fixed_workload(int(row["isl"]), int(row["osl"])), conc,
                             {k: v for k, v in measured.items() if v}, f"{row['source_repo']} {row['source_path']}",
-                            row["framework"]))
+                            row["framework"], ep=_ep(row.get("ep"), int(row["tp"]))))
     for row in _rows(root, "inferencex_dbdump_slice_20260720.csv"):
         if (row["config_model"] != "dsr1" or row["benchmark_type"] != "single_turn" or row["config_disagg"] != "f"
                 or row["config_spec_method"] != "none"):
@@ -97,7 +154,8 @@ def load_points(root: Path) -> list[Point]:
         points.append(Point(f"r1-{hw.lower()}-dbdump-tp{tp}-c{conc}", "r1-dbdump-single-turn", "deepseek-r1", hw, tp,
                             "hbm", fixed_workload(int(float(row["isl"])), int(float(row["osl"]))), conc,
                             {"tokens_per_s_per_gpu": _float(row, "metrics_tput_per_gpu")},
-                            f"{row['source_repo']} {row['source_path']}", row["config_framework"]))
+                            f"{row['source_repo']} {row['source_path']}", row["config_framework"],
+                            ep=_ep(row.get("config_decode_ep"), tp)))
     for row in _rows(root, "inferencex_agentic_offload_points.csv"):
         if "DeepSeek-R1" not in row["model"] or row["kv_offload"] != "off" or row["status"] != "SUCCESS":
             continue
@@ -112,12 +170,16 @@ def load_points(root: Path) -> list[Point]:
         wl = Workload("agentic (per-point means)", one * isl * (1 - hit), one * isl * hit, one * osl, one * 0.0,
                       "the point's own mean ISL/OSL and GPU prefix hit rate")
         tp, conc = int(row["tp"]), int(row["concurrency_users"])
+        e2el = _float(row, "latency_mean_ms")
+        think = 1 / rps - e2el / 1e3 if conc == 1 and e2el else None
         measured = {"tokens_per_s_per_gpu": _float(row, "total_tput_per_gpu"), "median_tpot_ms": _float(row, "tpot_p50_ms"),
                     "p99_tpot_ms": _float(row, "tpot_p99_ms"), "median_ttft_ms": _float(row, "ttft_p50_ms"),
                     "p99_ttft_ms": _float(row, "ttft_p99_ms")}
-        points.append(Point(f"r1-b200-agentic-tp{tp}-c{conc}-{len(points)}", "r1-b200-vllm-agentic", "deepseek-r1",
+        points.append(Point(f"r1-b200-agentic-tp{tp}-c{conc}-{len(points)}",
+                            THINK_SUBSET if conc == 1 else "r1-b200-vllm-agentic", "deepseek-r1",
                             "B200", tp, "hbm", wl, conc, {k: v for k, v in measured.items() if v},
-                            f"{row['source_repo']} {row['source_path']}", row["framework"]))
+                            f"{row['source_repo']} {row['source_path']}", row["framework"], observed_think_s=think,
+                            ep=_ep(row.get("ep"), tp)))
     for placement, measured in V41_SCRIPT_PAIR.items():
         points.append(Point(f"v41-b200-tp4-8k1k-c16-{placement}", "v41-b200-tp4-8k1k-script", "deepseek-v4.1-flash",
                             "B200", 4, placement, fixed_workload(8192, 1024), 16, dict(measured), SCRIPT, "vllm",
@@ -125,8 +187,21 @@ def load_points(root: Path) -> list[Point]:
     return points
 
 
+def with_fitted_think(points: list[Point]) -> tuple[list[Point], float]:
+    """Every agentic point with the mean gap between turns fitted on ``THINK_SUBSET`` (0 if
+    that subset is absent); other points unchanged."""
+    from dataclasses import replace
+
+    gaps = [p.observed_think_s for p in points if p.subset == THINK_SUBSET and p.observed_think_s is not None]
+    think = max(float(np.mean(gaps)), 0.0) if gaps else 0.0
+    out = [replace(p, workload=replace(p.workload, think_s=np.full_like(p.workload.think_s, think)))
+           if p.observed_think_s is not None or p.subset == "r1-b200-vllm-agentic" else p for p in points]
+    return out, think
+
+
 def deployment(point: Point, eff: Efficiency) -> Deployment:
-    lat = LatencyModel(load_model(point.model), load_profile(point.hardware), point.tp, point.placement, efficiency=eff)
+    lat = LatencyModel(load_model(point.model), load_profile(point.hardware), point.tp, point.placement, efficiency=eff,
+                       ep=point.ep)
     budget = 16384 if point.framework.startswith("sglang") else 8192  # SGLang's chunked-prefill default vs vLLM's
     return Deployment(lat, budget, point.kv_offload_bytes, point.page_cache_bytes)
 

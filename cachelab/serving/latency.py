@@ -1,7 +1,9 @@
 """The latency model: how long a serving step takes on given hardware, and why.
 
 A step's GPU time is a sum of per-operator rooflines, each the larger of its FLOPs at the
-tensor-core rate of its precision and its bytes at HBM bandwidth, scaled by efficiency factors:
+tensor-core rate of its precision and its bytes at HBM bandwidth, scaled by efficiency factors
+(GEMM FLOPs of decode rows at ``mfu``, of prefill chunks at ``prefill_mfu``; with expert
+parallelism a layer waits for the rank that holds the most touched experts):
 
     dense       attention projections, shared experts, routers, Engram wkv (FP8)
     experts     grouped routed-expert GEMMs: FP4/FP8 FLOPs padded to a minimum tile per touched
@@ -54,8 +56,12 @@ class Efficiency:
     large GEMMs, 70-85% of HBM bandwidth for weight streaming); ``cachelab study inferencex``
     fits the ones named in ``calibration.FITTED`` on published measurements."""
 
-    mfu: float = 0.5
+    mfu: float = 0.5  # GEMMs of decode / verify rows (a few rows per expert): fitted
     mbu: float = 0.75
+    # GEMMs of prefill chunks (thousands of rows): a different regime from decode's, and one the
+    # decode-heavy fit subset barely sees; derived from DeepSeek's published production prefill
+    # throughput with this model's own FLOP count (``calibration.published_prefill_mfu``)
+    prefill_mfu: float = 0.176
     attention_mfu: float = 0.4  # sparse / MLA attention kernels reach less than dense GEMMs
     comm: float = 0.7  # of NVLink bandwidth an all-reduce reaches
     allreduce_latency_s: float = 8e-6
@@ -194,7 +200,7 @@ class LatencyModel:
     """
 
     def __init__(self, model: ModelSpec, hardware: HardwareProfile, tp: int = 1, placement: str = "dram-uva",
-                 row_cache_bytes: float = 0.0, efficiency: Efficiency = Efficiency()):
+                 row_cache_bytes: float = 0.0, efficiency: Efficiency = Efficiency(), ep: int = 1):
         if placement not in PLACEMENTS:
             raise CachelabError(f"unknown placement {placement!r}; use one of {list(PLACEMENTS)}")
         if hardware.gpu is None or hardware.host is None:
@@ -205,7 +211,9 @@ class LatencyModel:
                                 f"the NVLink domain of {hardware.name}")
         if placement.startswith("ssd") and hardware.ssd is None:
             raise CachelabError(f"placement {placement!r} needs an [ssd] section in {hardware.source}")
-        self.model, self.hw, self.tp, self.placement = model, hardware, int(tp), placement
+        if ep not in (1, tp):
+            raise CachelabError(f"expert parallelism {ep} must be 1 (experts sharded over TP) or the TP degree {tp}")
+        self.model, self.hw, self.tp, self.placement, self.ep = model, hardware, int(tp), placement, int(ep)
         self.row_cache_bytes = float(row_cache_bytes)
         self.eff = efficiency
         self.plan = self.memory_plan()
@@ -226,8 +234,15 @@ class LatencyModel:
         return MemoryPlan(usable, weights, table, self.row_cache_bytes, kv, int(kv // per_token))
 
     # -- compute -----------------------------------------------------------------------------
-    def _roofline(self, flops: float, flop_rate: float, nbytes: float) -> float:
-        return max(flops / flop_rate, nbytes / (self.hw.gpu.hbm_bw * self.eff.mbu))
+    def _roofline(self, compute_s: float, nbytes: float) -> float:
+        return max(compute_s, nbytes / (self.hw.gpu.hbm_bw * self.eff.mbu))
+
+    def _gemm_s(self, flops: float, peak: float, decode_share: float) -> float:
+        """Seconds of ``flops`` at ``peak``: the decode rows' share at ``mfu``, the prefill
+        chunks' at ``prefill_mfu`` (one GEMM efficiency cannot describe both: decode GEMMs
+        have a few rows per expert, prefill chunks thousands)."""
+        d = min(max(decode_share, 0.0), 1.0)
+        return flops * (d / (peak * self.eff.mfu) + (1.0 - d) / (peak * self.eff.prefill_mfu))
 
     def gpu_time(self, batch: Batch) -> GpuTime:
         """Seconds of GPU work in a step, per operator (see the module docstring)."""
@@ -237,34 +252,39 @@ class LatencyModel:
             return GpuTime(*([0.0] * 9))
         w, lo, hi = batch.weight, batch.lo, batch.hi
         fp8 = g.fp8_flops * e.mfu
+        prefill = (hi - lo) > 1 + m.speculative_tokens  # a prefill chunk, not a decode / verify row
+        chunk = float((w * (hi - lo))[prefill].sum())  # prefill-chunk tokens: GEMMs at prefill_mfu
+        decode_share = 1.0 - chunk / tokens
         dense_active = m.dense_params + m.engram_params
-        dense = self._roofline(2 * dense_active * tokens / tp, fp8,
+        dense = self._roofline(self._gemm_s(2 * dense_active * tokens / tp, g.fp8_flops, decode_share),
                                dense_active * m.dense_bytes_per_param / tp)
-        # routed experts: touched experts, each padded to a tile of rows
+        # routed experts: touched experts, each padded to a tile of rows (the padding is decode's)
         touched = m.experts * (1.0 - (1.0 - m.experts_per_token / m.experts) ** tokens)
         rows = max(tokens * m.experts_per_token, touched * e.expert_tile_rows) if tokens else 0.0
-        expert_rate = (g.fp4_flops if m.expert_precision == "fp4" else g.fp8_flops) * e.mfu
-        experts = self._roofline(2 * m.moe_layers * m.expert_params * rows / tp, expert_rate,
-                                 float(m.touched_expert_bytes(tokens)) / tp)
+        expert_peak = g.fp4_flops if m.expert_precision == "fp4" else g.fp8_flops
+        experts = self._roofline(self._gemm_s(2 * m.moe_layers * m.expert_params * rows / tp, expert_peak,
+                                              1.0 - chunk * m.experts_per_token / rows),
+                                 float(m.touched_expert_bytes(tokens)) / tp * self.expert_imbalance(tokens))
         positions = w * m.attended_positions(lo, hi)
-        prefill = (hi - lo) > 1 + m.speculative_tokens  # a prefill chunk, not a decode / verify row
         attn_flops = float(np.where(prefill, m.prefill_attn_flops_per_position, m.attn_flops_per_position)
                            @ positions) if positions.ndim else m.attn_flops_per_position * float(positions)
         kv = float((w * m.kv_read_bytes(hi - lo, hi)).sum())
         if not m.kv_replicated_across_tp:
             kv /= tp
-        attention = self._roofline(attn_flops / tp, g.bf16_flops * e.attention_mfu, kv)
+        attention = self._roofline(attn_flops / (tp * g.bf16_flops * e.attention_mfu), kv)
         indexer = 0.0
         if m.index_sources:
-            scored = float((w * m.indexer_positions(lo, hi)).sum())
-            indexer = 2.0 * m.index_heads * m.index_head_dim * scored / (tp * fp8)
+            scored = w * m.indexer_positions(lo, hi)
+            total = float(scored.sum())
+            indexer = self._gemm_s(2.0 * m.index_heads * m.index_head_dim * total / tp, g.fp8_flops,
+                                   1.0 - float(scored[prefill].sum()) / total if total else 1.0)
         lm_rows = batch.sequences if batch.lm_rows is None else batch.lm_rows
-        lm_head = self._roofline(2 * m.lm_head_params * lm_rows / tp, fp8, m.lm_head_params * m.dense_bytes_per_param / tp)
+        lm_head = self._roofline(2 * m.lm_head_params * lm_rows / (tp * fp8), m.lm_head_params * m.dense_bytes_per_param / tp)
         draft = 0.0
         if m.speculative_tokens and batch.drafting > 0:
             drafted = batch.drafting * m.speculative_tokens
             draft = m.draft_passes_per_step * self._roofline(
-                2 * m.draft_active_params * drafted / (tp * m.draft_passes_per_step), fp8, m.draft_params / tp)
+                2 * m.draft_active_params * drafted / (tp * m.draft_passes_per_step * fp8), m.draft_params / tp)
         comm = 0.0
         if tp > 1:
             volume = 2.0 * (tp - 1) / tp * tokens * m.hidden * 2  # ring all-reduce of BF16 activations
@@ -279,6 +299,20 @@ class LatencyModel:
             overhead += m.layers * e.piecewise_layer_s
         parts = (dense, experts, attention, indexer, lm_head, draft)
         return GpuTime(*parts, comm, overhead, sum(parts) + comm + overhead)
+
+    def expert_imbalance(self, tokens: float) -> float:
+        """With expert parallelism each rank holds E / EP whole experts, and a layer waits for the
+        rank whose tokens touched the most of its own: the expected maximum over EP ranks of a
+        binomial count (normal approximation; expected maxima of EP standard normals: 0.56, 1.03,
+        1.42, 1.77 for 2, 4, 8, 16), over the mean. Experts sharded over TP ranks balance exactly."""
+        if self.ep == 1 or tokens <= 0:
+            return 1.0
+        m = self.model
+        per_rank = m.experts / self.ep
+        p = 1.0 - (1.0 - m.experts_per_token / m.experts) ** tokens
+        mean = per_rank * p
+        z = {2: 0.5642, 4: 1.0294, 8: 1.4236, 16: 1.7660}.get(self.ep, float(np.sqrt(2 * np.log(self.ep))))
+        return min(per_rank, mean + z * np.sqrt(per_rank * p * (1 - p))) / mean if mean > 0 else 1.0
 
     @property
     def piecewise(self) -> bool:

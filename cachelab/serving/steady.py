@@ -8,7 +8,8 @@ do for throughput): C clients each cycle through think time, queueing for prefil
 chunks beside the decoding batch, and decode at one verify step per ``acceptance_length``
 tokens. The request rate X is found by bisection on Little's law, ``X x cycle(X) = C``; inside,
 the step time is the latency model's, for a step holding the decoders and (in a fraction of
-steps) a prefill chunk. Percentiles come from stated approximations: a request's TPOT mixes
+steps) a prefill chunk. Requests in service hold their KV in HBM, so at most KV tokens / context
+of them run at once; the other clients wait for admission (TTFT grows, TPOT does not). Percentiles come from stated approximations: a request's TPOT mixes
 decode-only and mixed steps binomially; TTFT is its own chunks plus an exponential queueing
 wait (M/D/1 mean). Every input a point uses is in ``Workload`` and ``Deployment``.
 """
@@ -69,7 +70,7 @@ class Deployment:
     latency: LatencyModel
     max_num_batched_tokens: int = 8192  # vLLM's chunked-prefill budget
     kv_offload_bytes: float = 0.0  # host DRAM for a KV offload pool (whole replica)
-    page_cache_bytes: float | None = None  # ssd-mmap: host DRAM left to the page cache (replica)
+    page_cache_bytes: float | None = None  # ssd-mmap: the node's DRAM left to the page cache (all its replicas share it)
     unique_row_fraction: float = 1.0  # distinct rows / lookups in a step (1: no repeats)
 
 
@@ -190,19 +191,25 @@ class SteadyState:
             cycle = think + wait + service + lat.eff.request_overhead_s + n_dec * t
             return {"x": x, "t": t, "ctx": ctx, "t_d": t_d, "t_m": t_m, "f": f, "decoders": decoders, "service": service,
                     "wait": wait, "rho": rho, "cycle": cycle, "chunks": chunks_per_req, "room": room,
-                    "stall": f * stall_m + (1 - f) * stall_d}
+                    "stall": f * stall_m + (1 - f) * stall_d, "running": x * (service + n_dec * t)}
 
+        # Requests in service hold their KV in HBM: at most ``max_running`` of them run at once
+        # (vLLM admits a request only while blocks last and preempts when they run out); the
+        # other clients wait for admission, which lengthens TTFT but not TPOT.
+        max_running = self.hbm_tokens / ctx
         lo, hi = 0.0, 1.0
         while state(hi)["x"] * state(hi)["cycle"] < concurrency and hi < 1e6:
             hi *= 2
         for _ in range(32):
             mid = 0.5 * (lo + hi)
             s = state(mid)
-            if s["x"] * s["cycle"] < concurrency and s["rho"] < 0.999:
+            if s["x"] * s["cycle"] < concurrency and s["rho"] < 0.999 and s["running"] <= max_running:
                 lo = mid
             else:
                 hi = mid
         s = state(lo)
+        s["kv_bound"] = s["running"] >= 0.99 * max_running
+        s["admission_wait"] = max(0.0, concurrency / lo - s["cycle"]) if lo > 0 and s["kv_bound"] else 0.0
         return self._metrics(concurrency, s, compute, found, n_dec)
 
     def _metrics(self, concurrency: int, s: dict, compute: np.ndarray, found: float, n_dec: float) -> dict:
@@ -216,13 +223,15 @@ class SteadyState:
                "output_tokens_per_s_per_gpu": x * float(wl.output_tokens.mean()) / tp,
                "step_ms": s["t"] * 1e3, "decode_step_ms": s["t_d"] * 1e3, "mixed_step_ms": s["t_m"] * 1e3,
                "mixed_step_share": s["f"], "decoders": s["decoders"], "prefill_utilization": s["rho"],
-               "prefix_found_share": found, "stall_ms": s["stall"] * 1e3, **parts}
+               "prefix_found_share": found, "stall_ms": s["stall"] * 1e3, "kv_bound": bool(s["kv_bound"]),
+               "admission_wait_ms": s["admission_wait"] * 1e3, **parts}
         for p in (50, 90, 99):
             share = _binomial_quantile(n_dec, s["f"], p)
             step = s["t_d"] + (s["t_m"] - s["t_d"]) * share
             out[f"p{p}_tpot_ms"] = step / self.al * 1e3
             own = np.percentile(np.maximum(1.0, np.ceil(compute / s["room"])), p) * s["t_m"]
-            out[f"p{p}_ttft_ms"] = (own + s["wait"] * np.log(100 / (100 - p)) + lat.eff.request_overhead_s) * 1e3
+            out[f"p{p}_ttft_ms"] = (own + s["wait"] * np.log(100 / (100 - p)) + s["admission_wait"]
+                                    + lat.eff.request_overhead_s) * 1e3
         out["median_tpot_ms"], out["median_ttft_ms"] = out["p50_tpot_ms"], out["p50_ttft_ms"]
         out["interactivity"] = 1000.0 / out["median_tpot_ms"]
         out["p90_interactivity"] = 1000.0 / out["p90_tpot_ms"]

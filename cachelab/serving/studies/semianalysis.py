@@ -39,7 +39,7 @@ from cachelab.serving.steady import Deployment, SteadyState, Workload
 TARGET = 125.0  # tok/s/user, P90 interactivity
 X = "p90_interactivity"
 Y = "tokens_per_s_per_gpu"
-CONCURRENCIES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+CONCURRENCIES = (1, 2, 4, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 64, 96, 128, 192, 256, 384, 512)
 DRAM_UTILIZATION = 0.8  # InferenceX agentic README: dram-utilization 0.80
 OS_SHARE = 0.1  # ASSUMPTION: host DRAM kept for the OS, the server process and its buffers
 CONFIGS = (("B200", 4, "dram-uva"), ("B200", 8, "dram-uva"), ("B200", 4, "ssd-mmap"), ("B200", 8, "ssd-mmap"),
@@ -55,7 +55,10 @@ def deployment(hardware: str, tp: int, placement: str, eff: Efficiency, model: s
     host = hw.host.dram_bytes * tp
     pinned = spec.table_bytes if placement == "dram-uva" else 0.0
     pool = max(0.0, min(DRAM_UTILIZATION * host, host * (1 - OS_SHARE) - pinned))
-    page_cache = max(0.0, host * (1 - OS_SHARE) - pool) if placement == "ssd-mmap" else None
+    # The page cache belongs to the node, not the replica: every replica on it maps the same
+    # table file, so a page one faults in serves all (8 / TP replicas per node, each with its pool).
+    replicas = hw.gpu.nvlink_domain // tp
+    page_cache = max(0.0, replicas * (host * (1 - OS_SHARE) - pool)) if placement == "ssd-mmap" else None
     return Deployment(lat, kv_offload_bytes=pool, page_cache_bytes=page_cache)
 
 
