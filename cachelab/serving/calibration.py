@@ -240,7 +240,7 @@ def pattern_search(loss_of: Callable[[Efficiency], float], start: Efficiency, na
         for name in names:
             for sign in (1, -1):
                 value = getattr(eff, name) * 2 ** (sign * step)
-                if name in ("mbu", "mfu", "attention_mfu") and value > 1:
+                if name in ("mbu", "mfu", "prefill_mfu", "attention_mfu") and value > 1:
                     continue
                 trial = replace(eff, **{name: value})
                 loss = loss_of(trial)

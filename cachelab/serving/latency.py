@@ -263,7 +263,7 @@ class LatencyModel:
         rows = max(tokens * m.experts_per_token, touched * e.expert_tile_rows) if tokens else 0.0
         expert_peak = g.fp4_flops if m.expert_precision == "fp4" else g.fp8_flops
         experts = self._roofline(self._gemm_s(2 * m.moe_layers * m.expert_params * rows / tp, expert_peak,
-                                              1.0 - chunk * m.experts_per_token / rows),
+                                              1.0 - chunk * m.experts_per_token / rows if rows else 1.0),
                                  float(m.touched_expert_bytes(tokens)) / tp * self.expert_imbalance(tokens))
         positions = w * m.attended_positions(lo, hi)
         attn_flops = float(np.where(prefill, m.prefill_attn_flops_per_position, m.attn_flops_per_position)

@@ -34,7 +34,8 @@ from cachelab.serving.hardware import GPU, HardwareProfile
 from cachelab.serving.latency import Batch, Efficiency, LatencyModel
 from cachelab.serving.model_spec import ModelSpec
 
-RATES = ("mfu", "mbu", "attention_mfu")  # searched: where each operator sits on its roofline
+RATES = ("mfu", "prefill_mfu", "mbu", "attention_mfu")  # searched: where each operator sits on its roofline
+# (decode rows and prefill chunks have their own GEMM efficiency in LatencyModel)
 OVERHEADS = ("step_overhead_s", "cpu_per_sequence_s")  # solved for each candidate: linear, non-negative
 FITTED = RATES + OVERHEADS
 # What the live engine is, not fitted: it addresses rows on the host before the step (the fetch
