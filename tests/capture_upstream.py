@@ -165,11 +165,11 @@ def free_port() -> int:
 class ServerThread:
     """Runs an ASGI app with uvicorn on 127.0.0.1 in a thread of this process."""
 
-    def __init__(self, app, port: int | None = None):
+    def __init__(self, app, port: int | None = None, **options):
         self.port = port or free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                                     access_log=False, lifespan="on", timeout_graceful_shutdown=1,
-                                                    timeout_keep_alive=60))
+                                                    timeout_keep_alive=60, **options))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from capture_upstream import ServerThread, Upstream, free_port
-from cachelab.capture.proxy import ProxyConfig, create_app
+from cachelab.capture.proxy import UVICORN_OPTIONS, ProxyConfig, create_app
 from cachelab.capture.recorder import Recorder
 from cachelab.capture.to_trace import capture_to_trace, read_requests
 
@@ -37,7 +37,7 @@ class Stack:
         self.direct.__enter__()
         self.upstream.__enter__()
         self.config.upstream = self.upstream.url
-        self.proxy = ServerThread(create_app(self.config, self.recorder)).__enter__()
+        self.proxy = ServerThread(create_app(self.config, self.recorder), **UVICORN_OPTIONS).__enter__()
         return self
 
     def __exit__(self, *exc):
@@ -58,7 +58,7 @@ def stack(tmp_path_factory):
 
 def _raw(base, path, body, headers=None):
     with httpx.stream("POST", base + path, json=body, headers=headers or {}, timeout=30) as r:
-        return r.status_code, b"".join(r.iter_raw()), dict(r.headers)
+        return r.status_code, b"".join(r.iter_raw()), r.headers
 
 
 CASES = [("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions",
@@ -74,6 +74,8 @@ def test_client_bytes_identical_with_and_without_proxy(stack, path, body, stream
     assert proxied[0] == direct[0] == 200
     assert proxied[1] == direct[1], "the proxy must not change a byte of what the client receives"
     assert proxied[2]["content-type"] == direct[2]["content-type"]
+    names = lambda headers: sorted(k for k, _ in headers.multi_items() if k not in ("content-length", "transfer-encoding"))  # noqa: E731
+    assert names(proxied[2]) == names(direct[2]), "the upstream's headers, once each (no second date or server)"
     # The proxy asked for ids and usage anyway, so the record has them.
     rec = stack.records().row(-1, named=True)
     truth = _raw(stack.direct.url, path, {**body, "stream": False, "return_token_ids": True})[1]

@@ -43,6 +43,8 @@ from cachelab.capture.tokens import FallbackTokenizer
 RECORDED = ("/v1/completions", "/v1/chat/completions")
 HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
               b"transfer-encoding", b"upgrade", b"host", b"content-length"}
+# uvicorn's own Date and Server headers would be sent beside the upstream's: the client gets the upstream's.
+UVICORN_OPTIONS = {"server_header": False, "date_header": False}
 # aiohttp adds these when absent; the upstream should see the client's headers, not the proxy's.
 NOT_AUTO = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 

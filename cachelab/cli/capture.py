@@ -72,7 +72,7 @@ def proxy(
     """
     import uvicorn
 
-    from cachelab.capture.proxy import ProxyConfig, create_app
+    from cachelab.capture.proxy import UVICORN_OPTIONS, ProxyConfig, create_app
     from cachelab.capture.recorder import Recorder
     from cachelab.live.launch import check_bind
 
@@ -87,7 +87,7 @@ def proxy(
     sock = _bound_socket(host, port)
     bound = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(create_app(config, recorder), log_level="warning", access_log=False,
-                                           timeout_keep_alive=30))
+                                           timeout_keep_alive=30, **UVICORN_OPTIONS))
     typer.echo(f"capture proxy on http://{host}:{bound} -> {upstream}, recording into {out} "
                f"({recorder.privacy.mode}, fsync {fsync}); counts at GET /capture/status")
     server.run(sockets=[sock])  # SIGINT / SIGTERM: the app's shutdown flushes the journal before exit
