@@ -95,7 +95,7 @@ def serve_run(name: str, trace: Path, concurrency: int, warmup: int, out: Path, 
         log.close()
     return {"run": name, "concurrency": concurrency, "completed": summary["completed"], "failed": summary["failed"],
             "load_avg_1m": (load0 + os.getloadavg()[0]) / 2, "server_cpu_share": cpu / wall, "wall_s": wall,
-            "client_mean_ttft_ms": summary.get("mean_ttft_ms"), "client_mean_tpot_ms": summary.get("mean_tpot_ms")}
+            **{f"client_{k}": summary.get(k) for k in ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms")}}
 
 
 def main() -> None:
