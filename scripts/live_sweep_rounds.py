@@ -11,6 +11,8 @@ the medians.
 
     .venv/bin/python scripts/live_sweep_rounds.py --out docs/figures/live_sweep.png \
         sqlite:////tmp/A/mlflow.db sqlite:////tmp/B/mlflow.db sqlite:////tmp/C/mlflow.db
+
+Each store is one round of some points; a point's rounds are every store that holds it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,13 @@ MEAN = ("prefix_cache.hit_ratio", "row_cache.hbm.hit_ratio", "server.cpu_utiliza
         "server.major_faults_per_s", "link.host_read_bytes", "link.hbm_read_bytes")
 
 
+def _live_results(uri: str, experiment: str) -> pl.DataFrame:
+    from cachelab.experiment.report import load_experiment
+    from cachelab.experiment.tracking import Tracker
+
+    return load_experiment(Tracker(uri), experiment).of_kind("live")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("uris", nargs="+", help="one MLflow tracking URI per round")
@@ -37,13 +46,17 @@ def main() -> None:
     import matplotlib
 
     matplotlib.use("Agg")
-    from cachelab.experiment.report import ExperimentData, load_experiment
-    from cachelab.experiment.report_live import plot_p99_vs_overlap
-    from cachelab.experiment.tracking import Tracker
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
-    rounds = [load_experiment(Tracker(uri), args.experiment) for uri in args.uris]
+    from cachelab.experiment.report import ExperimentData
+    from cachelab.experiment.report_live import plot_p99_vs_overlap
+
+    # one fresh process per store: reading a second MLflow store in the same process found no runs
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1) as pool:
+        rounds = list(pool.map(_live_results, args.uris, [args.experiment] * len(args.uris)))
     keys = [CAPACITY, OVERLAP, POLICY]
-    frames = [d.of_kind("live").select(keys + list(LIVE) + list(FIRST) + [c for c in MEAN if c in d.results.columns])
+    frames = [d.select(keys + list(LIVE) + list(FIRST) + [c for c in MEAN if c in d.columns])
               .with_columns(pl.lit(i).alias("round")) for i, d in enumerate(rounds)]
     both = pl.concat(frames, how="diagonal").sort("round")
     per = both.group_by(keys).agg(*[pl.col(m) for m in LIVE], *[pl.col(m).median().alias(f"median.{m}") for m in LIVE],

@@ -49,6 +49,10 @@ def test_live_kind_checks(tmp_path):
     bad.write_text("[efficiency]\nmfu = 0.5\n", encoding="utf-8")
     with pytest.raises(CachelabError, match="live.calibration"):
         load_spec(small_spec(tmp_path, f'calibration = "{bad}"\n'))
+    with pytest.raises(CachelabError, match="live.row_cache_model: the row-cache policy 'learned-lfu-adaptive' needs"):
+        load_spec(small_spec(tmp_path), ['sweep={"live.row_cache_policy"=["lru","learned-lfu-adaptive"]}'])
+    with pytest.raises(CachelabError, match="live.row_cache_model: no directory"):
+        load_spec(small_spec(tmp_path, f'row_cache_model = "{tmp_path / "none"}"\n'))
     text = small_spec(tmp_path).read_text() + '[serving]\nhardware = "H200"\nplacement = "hbm"\ntp = 1\n'
     (tmp_path / "s.toml").write_text(text)
     with pytest.raises(CachelabError, match="kind 'live' does not read \\[serving\\]"):

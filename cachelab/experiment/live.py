@@ -92,15 +92,18 @@ def serve_options(config: dict):
 
     live = config["live"]
     capacity = live["row_cache_capacity"]
+    learned = bool(live["row_cache_policy"] and _needs_scores(live["row_cache_policy"]))  # the model is its alone
     return ServeOptions(preset=live["preset"], port=0, placement=live["placement"],
                         row_cache_policy=live["row_cache_policy"], row_cache_capacity=None if capacity is None else str(capacity),
-                        threads=live["threads"], kv_cache_tokens=live["kv_cache_tokens"], seed=config.get("seed", 0))
+                        threads=live["threads"], kv_cache_tokens=live["kv_cache_tokens"], seed=config.get("seed", 0),
+                        row_cache_model=Path(live["row_cache_model"]) if learned else None)
 
 
 def predict_point(config: dict, workload: Workload, row_cache_rows: int) -> PointOutput:
     """The serving simulator on the calibrated model of the live engine: the preset's model
     spec (``live_calibration.model_spec``), the fitted CPU profile and efficiency, the engine's
-    scheduler limits and KV pool, and a row cache of the live one's rows."""
+    scheduler limits and KV pool, and a row cache of the live one's rows (none for a learned
+    policy: the simulator has no scores for it here; the prediction's row cache is off then)."""
     from cachelab.experiment.points import simulated_point
     from cachelab.live.launch import model_for
     from cachelab.serving.live_calibration import load_calibration, model_spec
@@ -111,10 +114,12 @@ def predict_point(config: dict, workload: Workload, row_cache_rows: int) -> Poin
     _, eff = load_calibration(path)
     cfg = model_for(opts)
     spec = model_spec(cfg)
+    if opts.row_cache_model is not None:
+        row_cache_rows = 0
     serving = ServingConfig(hardware=str(path), placement="dram-copy", tp=1, concurrency=live["concurrency"],
                             max_num_batched_tokens=opts.max_num_batched_tokens, max_num_seqs=opts.max_num_seqs,
                             model=spec, layout=cfg.layout, efficiency=eff, kv_cache_tokens=opts.kv_cache_tokens,
-                            row_cache_bytes=float(row_cache_rows * spec.row_bytes), row_cache_policy=live["row_cache_policy"] or "lru")
+                            row_cache_bytes=float(row_cache_rows * spec.row_bytes), row_cache_policy=live["row_cache_policy"] if row_cache_rows else "lru")
     return simulated_point(workload, serving)
 
 
@@ -124,6 +129,12 @@ def calibration_path(value: str) -> Path:
     if not path.is_file():
         raise CachelabError(f"live.calibration: no file {value!r}; write one with `cachelab calibrate --out FILE`")
     return path
+
+
+def _needs_scores(policy: str) -> bool:
+    from cachelab import registry
+
+    return registry.get(registry.POLICIES, policy).capabilities.needs_scores
 
 
 def _task_ids() -> set[int]:
@@ -158,6 +169,13 @@ def _check_live(spec: ExperimentSpec, where: str) -> None:
     if spec.serving is not None and "serve" not in kinds(spec):
         raise CachelabError(f"{where}: serving: kind 'live' does not read [serving]: its client concurrency is "
                             "live.concurrency and its prediction the calibrated live model (live.calibration)")
+    policies = spec.sweep.get("live.row_cache_policy", [spec.live.row_cache_policy])
+    learned = [p for p in policies if p and _needs_scores(p)]
+    if learned and spec.live.row_cache_model is None:
+        raise CachelabError(f"{where}: live.row_cache_model: the row-cache policy {learned[0]!r} needs predictor scores: "
+                            "give a predictor directory (`cachelab train --out`)")
+    if spec.live.row_cache_model is not None and not Path(spec.live.row_cache_model).is_dir():
+        raise CachelabError(f"{where}: live.row_cache_model: no directory {spec.live.row_cache_model!r}")
     if spec.live.calibration is not None:
         from cachelab.serving.live_calibration import load_calibration
 

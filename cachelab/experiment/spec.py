@@ -121,6 +121,8 @@ class LiveSpec(Strict):
     kv_cache_tokens: int = Field(16_384, gt=0)
     warmup_requests: int = Field(2, ge=0, description="requests sent (and not measured) before the point")
     concurrency: int | None = Field(None, gt=0, description="the client's cap on requests in flight (None: no cap)")
+    row_cache_model: str | None = Field(None, description="a predictor directory (`cachelab train --out`) for a "
+                                        "learned row-cache policy (`cachelab serve --model`)")
     calibration: str | None = Field(None, description="a `cachelab calibrate --out` file: predicted.* is that "
                                     "calibrated model of this engine (none without it)")
 
