@@ -108,8 +108,8 @@ def _forward_headers(scope, *, identity: bool) -> CIMultiDict:
     return out
 
 
-def _response_headers(raw_headers, *extra: tuple[bytes, bytes]) -> list[tuple[bytes, bytes]]:
-    return [(k.lower(), v) for k, v in raw_headers if k.lower() not in HOP_BY_HOP] + list(extra)
+def _response_headers(raw_headers) -> list[tuple[bytes, bytes]]:
+    return [(k.lower(), v) for k, v in raw_headers if k.lower() not in HOP_BY_HOP]
 
 
 async def _respond(send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
@@ -162,7 +162,7 @@ class CaptureProxy:
     def open(self) -> None:
         c = self.config
         self.client = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=c.max_connections, limit_per_host=0, force_close=False),
+            connector=aiohttp.TCPConnector(limit=c.max_connections),
             timeout=aiohttp.ClientTimeout(total=None, connect=c.connect_timeout, sock_read=c.read_timeout),
             auto_decompress=False, skip_auto_headers=NOT_AUTO, cookie_jar=aiohttp.DummyCookieJar())
 
