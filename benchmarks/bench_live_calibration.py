@@ -8,14 +8,15 @@ concurrency, all requests sent at once (a closed loop at that concurrency). The 
 concurrency x prefix overlap, run ``--rounds`` times in an interleaved order (every round
 visits every point once, rotated) so that fit and held-out runs see the same machine load;
 the load average and the server's CPU share are recorded per run. Then `cachelab calibrate`
-fits on ``--fit`` (default: concurrency 2, overlap 0, round 0) and validates on every other
+fits on ``--fit`` (default: round 0's lowest and highest concurrency at the first overlap; a
+fit should use runs whose engine CPU share is ~1) and validates on every other
 run: per run live against predicted mean and P99 TTFT and TPOT, and MAPE, signed bias and
 Pearson r per metric over the held-out runs. The ratio printed is predicted / live.
 
     .venv/bin/python benchmarks/bench_live_calibration.py --out /tmp/calib [--requests 32] [--rounds 2]
 
 The step logs stay under ``--out/runs`` (rerun the fit alone with `cachelab calibrate
---step-log OUT/runs --fit r0-c2-o0.0 --warmup-requests 2`).
+--step-log OUT/runs --fit r0-c1-o0.0 --fit r0-c4-o0.0 --warmup-requests 2`).
 """
 
 from __future__ import annotations
