@@ -26,9 +26,9 @@ F32 = PRESETS["tiny"].with_(dtype="float32")
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
 
 
-def make_engine(cfg: ModelConfig = F32, **engine) -> LiveEngine:
+def make_engine(cfg: ModelConfig = F32, options: ServeOptions = ServeOptions(), **engine) -> LiveEngine:
     torch.set_num_threads(1)  # one intra-op thread: tests share the machine's cores
-    return LiveEngine(build_model(cfg), open_rows(ServeOptions(), cfg.layout), load_tokenizer(), EngineConfig(**engine))
+    return LiveEngine(build_model(cfg), open_rows(options, cfg.layout), load_tokenizer(), EngineConfig(**engine))
 
 
 class LogitRecorder:
@@ -133,13 +133,17 @@ def test_preemption_recomputes_and_changes_no_answer():
 
 
 def test_engine_reads_the_rows_the_serving_simulator_says():
+    """Step by step the same requests and full-layout rows; and the simulator folding them into
+    the live store's scaled tables predicts the live LRU row cache's hits and misses exactly."""
     from cachelab.serving.simulator import ServingConfig, ServingSimulator
 
     ps = prompts(12, length=50, seed=4)
     ps[3] = ps[0][:32] + ps[3][32:]  # a shared prefix: two cached blocks
     params = [SamplingParams(max_tokens=3 + i % 5, temperature=0, ignore_eos=True) for i in range(12)]
     settings = dict(max_num_seqs=4, max_num_batched_tokens=96)
-    engine = make_engine(kv_cache_tokens=8192, **settings)
+    capacity = 3000  # rows: under a prefill step's distinct rows, so LRU evicts within the run
+    engine = make_engine(options=ServeOptions(row_cache_policy="lru", row_cache_capacity=str(capacity)),
+                         kv_cache_tokens=8192, **settings)
     live = []
     engine.on_step = lambda record, rows: live.append((record, rows.copy()))
     engine.start()
@@ -162,6 +166,17 @@ def test_engine_reads_the_rows_the_serving_simulator_says():
                                  zip(sim.requests.tolist(), sim.starts.tolist(), sim.stops.tolist())])
         np.testing.assert_array_equal(rows, expect)
     assert sum(int(r.cached.sum()) for r, _ in live) >= 32
+    assert engine.rows.tiers[0].capacity == capacity
+    store = engine.rows.totals.to_dict()
+    cache = dict(settings, kv_cache_tokens=8192, placement="dram-copy", row_cache_policy="lru",
+                 row_cache_bytes=float(capacity * engine.rows.row_bytes))
+    folded = ServingSimulator(trace, ServingConfig(**cache, store_scale=engine.rows.layout_tables.scale)).run()
+    hbm = folded.rows["levels"]["hbm"]
+    assert store["hbm_hits"] > 0 and store["hbm_misses"] > 0
+    assert hbm["served_rows"] == store["hbm_hits"]
+    assert hbm["hit_ratio_unique"] == store["hbm_hits"] / (store["hbm_hits"] + store["hbm_misses"])
+    full = ServingSimulator(trace, ServingConfig(**cache)).run()  # the full layout's rows: another stream
+    assert full.rows["levels"]["hbm"]["served_rows"] != store["hbm_hits"]
 
 
 def test_engram_gate_is_v41_signed_sqrt_sigmoid():

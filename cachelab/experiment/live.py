@@ -52,6 +52,7 @@ def live_point(config: dict, workload: Workload) -> PointOutput:
         after, usage1 = engine.rows.totals.to_dict(), _usage(server_threads)
         tiers = tuple(engine.rows.totals.tiers)
         row_cache_rows = engine.rows.tiers[0].capacity if engine.rows.tiers and engine.rows.tiers[0].name == "hbm" else 0
+        store_scale = engine.rows.layout_tables.scale
         footprint = {"prefix_cache.dram_bytes": float(engine.kv.nbytes),
                      "prefix_cache.cached_bytes_end": float(engine.pool.num_cached_tokens * engine.kv.nbytes
                                                             / max(1, engine.pool.capacity_tokens)),
@@ -80,7 +81,7 @@ def live_point(config: dict, workload: Workload) -> PointOutput:
     params = {"live.url": url, "live.errors": str(summary["errors_by_reason"] or "none")}
     tables = {}
     if live.get("calibration"):
-        predicted = predict_point(config, workload, row_cache_rows)
+        predicted = predict_point(config, workload, row_cache_rows, store_scale)
         metrics.update({f"predicted.{k}": v for k, v in predicted.metrics.items()})
         tables["predicted_per_request"] = predicted.tables["per_request"]
     return PointOutput(metrics, params, tables)
@@ -99,11 +100,13 @@ def serve_options(config: dict):
                         row_cache_model=Path(live["row_cache_model"]) if learned else None)
 
 
-def predict_point(config: dict, workload: Workload, row_cache_rows: int) -> PointOutput:
+def predict_point(config: dict, workload: Workload, row_cache_rows: int, store_scale: float) -> PointOutput:
     """The serving simulator on the calibrated model of the live engine: the preset's model
     spec (``live_calibration.model_spec``), the fitted CPU profile and efficiency, the engine's
-    scheduler limits and KV pool, and a row cache of the live one's rows (none for a learned
-    policy: the simulator has no scores for it here; the prediction's row cache is off then)."""
+    scheduler limits and KV pool, and a row cache of the live one's rows over the rows of the
+    live store (its tables at ``store_scale``, the store's fold), so its hit ratio is the live
+    row cache's (none for a learned policy: the simulator has no scores for it here; the
+    prediction's row cache is off then)."""
     from cachelab.experiment.points import simulated_point
     from cachelab.live.launch import model_for
     from cachelab.serving.live_calibration import load_calibration, model_spec
@@ -119,7 +122,8 @@ def predict_point(config: dict, workload: Workload, row_cache_rows: int) -> Poin
     serving = ServingConfig(hardware=str(path), placement="dram-copy", tp=1, concurrency=live["concurrency"],
                             max_num_batched_tokens=opts.max_num_batched_tokens, max_num_seqs=opts.max_num_seqs,
                             model=spec, layout=cfg.layout, efficiency=eff, kv_cache_tokens=opts.kv_cache_tokens,
-                            row_cache_bytes=float(row_cache_rows * spec.row_bytes), row_cache_policy=live["row_cache_policy"] if row_cache_rows else "lru")
+                            store_scale=store_scale, row_cache_bytes=float(row_cache_rows * spec.row_bytes),
+                            row_cache_policy=live["row_cache_policy"] if row_cache_rows else "lru")
     return simulated_point(workload, serving)
 
 

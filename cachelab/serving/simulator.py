@@ -30,6 +30,7 @@ from cachelab.engine.tiers import DRAMStore, Hierarchy, SSDStore, Tier
 from cachelab.serving.latency import Batch, Efficiency, EngramStep, LatencyModel, describe
 from cachelab.serving.metrics import RequestTimes, summarize
 from cachelab.serving.model_spec import ModelSpec, load_model
+from cachelab.store.format import TableLayout
 from cachelab.workload.prefix_cache import block_hashes
 from cachelab.workload.scheduler import (MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, PREFIX_CACHES, Request, Scheduler,
                                          StepRecord, kv_pool)
@@ -57,6 +58,9 @@ class ServingConfig:
         warm_page_cache: start ssd-mmap with the run's pages already in the page cache.
         kv_cache_tokens: a KV pool of this many tokens in place of the memory plan's (the live
             engine's ``--kv-cache-tokens``).
+        store_scale: the rows fold into a live store's tables at this scale (the store's own
+            fold, ``TableLayout.fold``), so the row cache sees the rows a live store's does
+            (None: the full layout's tables).
     """
 
     hardware: str = "B200"
@@ -76,6 +80,7 @@ class ServingConfig:
     warmup_s: float = 0.0
     warm_page_cache: bool = False
     kv_cache_tokens: int | None = None
+    store_scale: float | None = None
     efficiency: Efficiency = field(default_factory=Efficiency)
 
     def check(self) -> None:
@@ -91,6 +96,8 @@ class ServingConfig:
             raise CachelabError(f"kv_cache_tokens must be at least one block ({self.block_size}), got {self.kv_cache_tokens}")
         if self.row_cache_bytes < 0:
             raise CachelabError(f"row_cache_bytes must be >= 0, got {self.row_cache_bytes}")
+        if self.store_scale is not None and not 0.0 < self.store_scale <= 1.0:
+            raise CachelabError(f"store_scale must be in (0, 1], got {self.store_scale}")
 
 
 @dataclass
@@ -139,8 +146,9 @@ def _sequences(trace: pl.DataFrame) -> tuple[list[np.ndarray], np.ndarray, np.nd
 
 
 def build_row_space(addresser: Addresser, seqs, plen, olen, rate: float, rows_per_page: int,
-                    progress: bool = False) -> RowSpace:
-    """Every (sampled) row key the trace's processed positions can touch.
+                    progress: bool = False, tables: TableLayout | None = None) -> RowSpace:
+    """Every (sampled) row key the trace's processed positions can touch (folded into
+    ``tables`` when given, see ``fold_rows``).
 
     A 512-token block seen before (same chained hash) has the same rows, so only each
     request's positions from its first new block on are addressed.
@@ -158,9 +166,17 @@ def build_row_space(addresser: Addresser, seqs, plen, olen, rate: float, rows_pe
             if start < end:
                 stream = addresser.stream(1)
                 stream.feed(seq[max(0, start - addresser.history_len):start])
-                found.add(sampled_keys(stream.feed(seq[start:end]), rate, rows_per_page))
+                found.add(sampled_keys(fold_rows(stream.feed(seq[start:end]), tables), rate, rows_per_page))
             bar.advance(task)
     return RowSpace(found.keys(), rows_per_page)
+
+
+def fold_rows(rows: np.ndarray, tables: TableLayout | None) -> np.ndarray:
+    """Full-layout row ids ``[tokens, layers, columns]`` as rows of the tables they are read
+    from: themselves, or with ``tables`` the store's folded rows (per layer's scaled table)."""
+    if tables is None:
+        return rows
+    return tables.fold(rows) - tables.layer_base[:, None]
 
 
 class ServingSimulator:
@@ -185,11 +201,12 @@ class ServingSimulator:
                                 f"{self.hw.name} TP{config.tp} {config.placement} holds {kv_tokens}")
         self.row_bytes = self.addresser.config.row_bytes
         self.rows_per_page = PAGE_BYTES // self.row_bytes
-        table_rows = self.addresser.config.table_rows
-        if row_space is None and config.sample_rate * float(table_rows.sum()) <= TABLE_SPACE_ROWS:
-            row_space = table_row_space(table_rows, config.sample_rate, self.rows_per_page)
+        self.tables = None if config.store_scale is None else TableLayout(self.addresser.config, config.store_scale)
+        sizes = self.addresser.config.table_rows if self.tables is None else self.tables.table_rows
+        if row_space is None and config.sample_rate * float(sizes.sum()) <= TABLE_SPACE_ROWS:
+            row_space = table_row_space(sizes, config.sample_rate, self.rows_per_page)
         self.space = row_space or build_row_space(self.addresser, self.seqs, self.plen, self.olen,
-                                                  config.sample_rate, self.rows_per_page, progress)
+                                                  config.sample_rate, self.rows_per_page, progress, self.tables)
         self.hierarchy = self._hierarchy(rc)
 
     def _hierarchy(self, row_cache_bytes: float) -> Hierarchy:
@@ -265,7 +282,7 @@ class ServingSimulator:
                 chunks = [self.seqs[r][a:b] for r, a, b in zip(ids, step.starts.tolist(), step.stops.tolist())]
                 offsets = np.concatenate([[0], np.cumsum(step.stops - step.starts)])
                 rows = stream.feed(np.concatenate(chunks), offsets, seq=slot_of[step.requests].tolist())
-                keys = sampled_keys(rows, cfg.sample_rate, self.rows_per_page)
+                keys = sampled_keys(fold_rows(rows, self.tables), cfg.sample_rate, self.rows_per_page)
                 out = replay.step(keys, record=clock >= cfg.warmup_s)
                 tokens = int(offsets[-1])
                 work = []
