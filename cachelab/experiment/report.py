@@ -19,6 +19,7 @@ import polars as pl
 
 from cachelab.errors import CachelabError
 from cachelab.experiment.kinds import get_kind, kind_names
+from cachelab.experiment import plot_parts
 from cachelab.experiment.report_live import LIVE_COLUMNS, plot_p99_vs_overlap
 from cachelab.experiment.spec import ExperimentSpec
 from cachelab.experiment.sweep import expand
@@ -122,54 +123,6 @@ def _spec_point_hashes(spec_json: str) -> list[str]:
 
 # ---- plots: each takes ExperimentData and returns a Figure, or None when it has no data ----
 
-def _mean_over_seeds(df: pl.DataFrame, keys: list[str], values: list[str]) -> pl.DataFrame:
-    return df.group_by(keys, maintain_order=True).agg([pl.col(v).mean() for v in values]).sort(keys)
-
-
-def _series_keys(data: ExperimentData, exclude: set[str], results: pl.DataFrame) -> list[str]:
-    """The axes that vary in ``results``, other than ``exclude`` and the seed: one line each."""
-    out = []
-    for c in data.axes():
-        if c in exclude or c == "axis.seed" or c not in results.columns:
-            continue
-        if results[c].cast(pl.Utf8).n_unique() > 1:
-            out.append(c)
-    return out
-
-
-def _numeric_capacity_order(df: pl.DataFrame, keys: list[str]) -> pl.DataFrame:
-    """``df`` sorted by ``keys`` with capacity axes ("0.1%", "5%", "512MiB", 1000) compared as
-    sizes, not as text (where "5%" sorts after "20%")."""
-    from cachelab.capacity import parse_capacity
-
-    def size(value) -> float:
-        try:
-            cap = parse_capacity(value)
-        except Exception:  # not a capacity: keep it last
-            return float("inf")
-        return cap.amount / 100 if cap.kind == "percent" else cap.amount
-
-    caps = [k for k in keys if k.endswith("capacity")]
-    if not caps:
-        return df
-    order = [f"_size_{k}" if k in caps else k for k in keys]
-    sized = df.with_columns([pl.col(k).map_elements(size, return_dtype=pl.Float64).alias(f"_size_{k}") for k in caps])
-    return sized.sort(order).drop([f"_size_{k}" for k in caps])
-
-
-def _label(row: dict, keys: list[str]) -> str:
-    return " ".join(f"{k.removeprefix('axis.')}={row[k]}" for k in keys) or "all points"
-
-
-def _style(ax, xlabel: str, ylabel: str, legend_size: int | None = 8) -> None:
-    """What the line plots share: axis labels, a light grid and a legend."""
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    if legend_size:
-        ax.legend(fontsize=legend_size)
-
-
 def plot_miss_ratio(data: ExperimentData):
     """Miss ratio against capacity, one line per policy (and per other varying axis)."""
     import matplotlib.pyplot as plt
@@ -183,15 +136,15 @@ def plot_miss_ratio(data: ExperimentData):
     for ax, tier in zip(axs[0], tiers):
         df = results.with_columns(pl.col(f"param.{tier}.capacity_rows").cast(pl.Int64).alias("_cap"))
         cap_axis = f"axis.{tier}.capacity"
-        keys = _series_keys(data, {cap_axis, "axis.kind"}, results)
-        agg = _mean_over_seeds(df, keys + ["_cap"], [f"{tier}.miss_ratio"]) if keys else \
-            _mean_over_seeds(df, ["_cap"], [f"{tier}.miss_ratio"])
+        keys = plot_parts.series_keys(data, {cap_axis, "axis.kind"}, results)
+        agg = plot_parts.mean_over_seeds(df, keys + ["_cap"], [f"{tier}.miss_ratio"]) if keys else \
+            plot_parts.mean_over_seeds(df, ["_cap"], [f"{tier}.miss_ratio"])
         groups = agg.partition_by(keys, maintain_order=True, as_dict=False) if keys else [agg]
         for g in groups:
-            ax.plot(g["_cap"], g[f"{tier}.miss_ratio"], marker="o", label=_label(g.row(0, named=True), keys))
+            ax.plot(g["_cap"], g[f"{tier}.miss_ratio"], marker="o", label=plot_parts.label(g.row(0, named=True), keys))
         ax.set_xscale("log")
         ax.set_title(f"{tier}: miss ratio vs capacity")
-        _style(ax, f"{tier} capacity (rows, both layer tables)", "miss ratio (per lookup)")
+        plot_parts.style(ax, f"{tier} capacity (rows, both layer tables)", "miss ratio (per lookup)")
     return fig
 
 
@@ -205,9 +158,12 @@ def plot_tier_bytes(data: ExperimentData):
     if not levels or not row_bytes or results.is_empty() or results.height > 60:
         return None
     cols = [f"{lv}.served_unique" for lv in levels]
-    keys = _series_keys(data, {"axis.kind"}, results)
-    df = _numeric_capacity_order(_mean_over_seeds(results, keys, cols), keys) if keys else results.select(cols).mean()
-    labels = [_label(r, keys) for r in df.iter_rows(named=True)]
+    keys = plot_parts.series_keys(data, {"axis.kind"}, results)
+    if keys:
+        df = plot_parts.numeric_capacity_order(plot_parts.mean_over_seeds(results, keys, cols), keys)
+    else:
+        df = results.select(cols).mean()
+    labels = [plot_parts.label(r, keys) for r in df.iter_rows(named=True)]
     fig, ax = plt.subplots(figsize=(9, 0.3 * len(labels) + 1.5))
     left = [0.0] * len(labels)
     for level, col in zip(levels, cols):
@@ -256,7 +212,7 @@ def plot_mrc(data: ExperimentData):
         ax.plot(c["capacity"], c["miss_ratio"], label=c["curve"][0] if "curve" in c.columns else "mrc")
     ax.set_xscale("log")
     ax.set_title("miss-ratio curves")
-    _style(ax, "capacity (rows)", "miss ratio")
+    plot_parts.style(ax, "capacity (rows)", "miss ratio")
     return fig
 
 
@@ -358,14 +314,15 @@ def plot_p99_vs_load(data: ExperimentData):
     df = results.filter(pl.col(conc) != "None").with_columns(pl.col(conc).cast(pl.Int64).alias("_load"))
     if df["_load"].n_unique() < 2:
         return None
-    keys = _series_keys(data, {"axis.kind", "axis.serving.concurrency"}, df)
+    keys = plot_parts.series_keys(data, {"axis.kind", "axis.serving.concurrency"}, df)
     fig, axs = plt.subplots(1, 2, figsize=(12, 4.2))
     for ax, metric in zip(axs, ("p99_ttft_ms", "p99_tpot_ms")):
-        agg = _mean_over_seeds(df, keys + ["_load"], [metric])
+        agg = plot_parts.mean_over_seeds(df, keys + ["_load"], [metric])
         for g in (agg.partition_by(keys, maintain_order=True, as_dict=False) if keys else [agg]):
-            ax.plot(g["_load"], g[metric], marker="o", label=_label(g.row(0, named=True), keys))
+            ax.plot(g["_load"], g[metric], marker="o", label=plot_parts.label(g.row(0, named=True), keys))
         ax.set_yscale("log")
-        _style(ax, "concurrency (requests in flight)", f"{metric.removesuffix('_ms').replace('_', ' ').upper()} (ms)", 7)
+        name = metric.removesuffix("_ms").replace("_", " ").upper()
+        plot_parts.style(ax, "concurrency (requests in flight)", f"{name} (ms)", 7)
     fig.tight_layout()
     return fig
 
@@ -388,7 +345,7 @@ def plot_latency_cdfs(data: ExperimentData):
                 ax.plot(np.sort(values), np.linspace(0, 1, values.size), label=label.replace("kind=serve ", ""))
     for ax, name in zip(axs, ("TTFT", "TPOT")):
         ax.set_xscale("log")
-        _style(ax, f"{name} (ms)", "share of requests", None)
+        plot_parts.style(ax, f"{name} (ms)", "share of requests", None)
     axs[1].legend(fontsize=6)
     fig.tight_layout()
     return fig
@@ -404,13 +361,13 @@ def plot_pareto(data: ExperimentData):
     x, y = "interactivity", "tokens_per_s_per_gpu"
     if results.is_empty() or x not in results.columns or y not in results.columns:
         return None
-    keys = _series_keys(data, {"axis.kind", "axis.serving.concurrency", "axis.serving.tp"}, results)
+    keys = plot_parts.series_keys(data, {"axis.kind", "axis.serving.concurrency", "axis.serving.tp"}, results)
     fig, ax = plt.subplots(figsize=(8, 5))
     for g in (results.partition_by(keys, maintain_order=True, as_dict=False) if keys else [results]):
-        ax.scatter(g[x], g[y], label=_label(g.row(0, named=True), keys), s=25)
+        ax.scatter(g[x], g[y], label=plot_parts.label(g.row(0, named=True), keys), s=25)
     front = pareto_front(results.select(x, y).drop_nulls())
     ax.plot(front[x], front[y], color="black", linewidth=1.5, label="Pareto front")
-    _style(ax, "interactivity (tok/s/user = 1000 / median TPOT ms)", "tokens/s per GPU", 7)
+    plot_parts.style(ax, "interactivity (tok/s/user = 1000 / median TPOT ms)", "tokens/s per GPU", 7)
     return fig
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import polars as pl
 
+from cachelab.experiment import plot_parts
+
 OVERLAP = "axis.workload.trace.synthesis.prefix_overlap"
 METRICS = ("p99_ttft_ms", "p99_tpot_ms")
 LIVE_COLUMNS = ("p99_ttft_ms", "predicted.p99_ttft_ms", "p99_tpot_ms", "predicted.p99_tpot_ms", "prefix_cache.hit_ratio",
@@ -20,34 +22,33 @@ LIVE_COLUMNS = ("p99_ttft_ms", "predicted.p99_ttft_ms", "p99_tpot_ms", "predicte
 def plot_p99_vs_overlap(data):
     import matplotlib.pyplot as plt
 
-    from cachelab.experiment.report import _label, _mean_over_seeds, _numeric_capacity_order, _series_keys, _style
-
     results = data.of_kind("live")
     if results.is_empty() or OVERLAP not in results.columns or "p99_ttft_ms" not in results.columns:
         return None
     df = results.with_columns(pl.col(OVERLAP).cast(pl.Float64).alias("_overlap"))
     if df["_overlap"].n_unique() < 2:
         return None
-    keys = _series_keys(data, {"axis.kind", OVERLAP}, df)
+    keys = plot_parts.series_keys(data, {"axis.kind", OVERLAP}, df)
     panels = [k for k in keys if k.endswith("capacity")][:1]
     keys = [k for k in keys if k not in panels]
-    df = _numeric_capacity_order(df, panels + keys + ["_overlap"])
+    df = plot_parts.numeric_capacity_order(df, panels + keys + ["_overlap"])
     columns = df.partition_by(panels, maintain_order=True, as_dict=False) if panels else [df]
     fig, axs = plt.subplots(2, len(columns), figsize=(5.5 * len(columns) + 1, 8), squeeze=False, sharey="row")
     for c, part in enumerate(columns):
-        title = _label(part.row(0, named=True), panels)
+        title = plot_parts.label(part.row(0, named=True), panels)
         for r, metric in enumerate(METRICS):
             ax = axs[r][c]
             values = [metric] + ([f"predicted.{metric}"] if f"predicted.{metric}" in part.columns else [])
-            agg = _mean_over_seeds(part, keys + ["_overlap"], values)
+            agg = plot_parts.mean_over_seeds(part, keys + ["_overlap"], values)
             for i, g in enumerate(agg.partition_by(keys, maintain_order=True, as_dict=False) if keys else [agg]):
                 colour = f"C{i % 10}"
-                ax.plot(g["_overlap"], g[metric], marker="o", color=colour, label=_label(g.row(0, named=True), keys))
+                ax.plot(g["_overlap"], g[metric], marker="o", color=colour,
+                        label=plot_parts.label(g.row(0, named=True), keys))
                 if len(values) > 1:
                     ax.plot(g["_overlap"], g[values[1]], marker="x", ls="--", color=colour, alpha=0.7)
             ax.set_yscale("log")
             ax.set_title(title, fontsize=9)
             name = metric.removesuffix("_ms").replace("_", " ").upper()
-            _style(ax, "prefix overlap (shared share of every prompt)", f"{name} (ms; dashed: predicted)", 7)
+            plot_parts.style(ax, "prefix overlap (shared share of every prompt)", f"{name} (ms; dashed: predicted)", 7)
     fig.tight_layout()
     return fig
