@@ -148,10 +148,11 @@ class FlatForest:
 
     def compiled(self):
         """The compiled ``predict(x, out)`` of ``source()``, from the cache directory (written there
-        once, atomically, by whichever process needs it first)."""
+        once, atomically, by whichever process needs it first). A file there that is not this
+        forest's source (edited or damaged) is written again before it is run."""
         if self._code is None:
             path = self._module_path()
-            if not path.exists():
+            if not path.exists() or path.read_text(errors="replace") != self.source():
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_suffix(f".{os.getpid()}.tmp")
                 tmp.write_text(self.source())

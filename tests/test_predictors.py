@@ -92,3 +92,12 @@ def test_compiled_forest_code_equals_the_loop_bit_for_bit(tmp_path, monkeypatch)
     assert list((tmp_path / "forests").glob("*.py")) == [again._module_path()]
     np.testing.assert_array_equal(again.raw_predict(x), loop)
     assert again._code is not None  # a small batch, but the code was in the cache directory: used
+
+    # a cached file that is not the forest's source is written again before it runs
+    import sys
+
+    path = again._module_path()
+    path.write_text(path.read_text().replace("out[i] = acc", "out[i] = 42.0"))
+    sys.modules.pop(f"cachelab_{path.stem}")
+    third = from_lightgbm_text(booster.model_to_string())[0]
+    np.testing.assert_array_equal(third.raw_predict(x), loop)
