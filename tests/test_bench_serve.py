@@ -198,11 +198,15 @@ def test_against_real_vllm_counts_match_its_metrics(vllm_server, tmp_path):
     assert server["generation_tokens"] == s["total_output_tokens"] and server["ttft_count"] == 7
     assert server["prefix_cache_queries"] == s["total_input_tokens"]
     assert server["prefix_cache_hits"] == s["prefix_cache_hit_tokens"]
-    for p in (50, 99):
-        lo, hi = server[f"p{p}_ttft_bucket_ms"]
-        # the client's TTFT includes the HTTP hop the server's histogram does not see: within
-        # the bucket resolution, i.e. in the server's bucket or the one above it
-        assert lo <= s[f"p{p}_ttft_ms"] <= hi + (hi - lo), (p, s[f"p{p}_ttft_ms"], lo, hi)
+    # The client's TTFT of a request contains the server's (it adds the HTTP hop and the API
+    # server's queue), so no client percentile lies below the server's bucket for it. The median
+    # lies in that bucket or the one above; the P99 of seven requests is their slowest, where one
+    # hop delayed on a busy machine (the suite runs two workers on two cores) moved it 70 ms past
+    # its 60-80 ms bucket: only its lower edge is a property of the tool.
+    lo, hi = server["p50_ttft_bucket_ms"]
+    assert lo <= s["p50_ttft_ms"] <= hi + (hi - lo), (s["p50_ttft_ms"], lo, hi)
+    lo, _ = server["p99_ttft_bucket_ms"]
+    assert lo <= s["p99_ttft_ms"], (s["p99_ttft_ms"], lo)
 
 
 @pytest.mark.slow
