@@ -164,3 +164,28 @@ def test_list_valued_axes_become_table_cells():
     assert table["axis.workload.domains"].to_list() == ["coding", "math,coding"]
     data = ExperimentData("x", "", '{"hierarchy": {"tiers": [{"name": "hbm"}]}}', table)
     assert summary_table(data)["axis.workload.domains"].to_list() == ["coding", "math,coding"]
+
+
+def test_a_field_added_with_its_default_keeps_the_point_hashes(tmp_path, monkeypatch):
+    """Points already run stay recognised when a later cachelab adds a spec field whose
+    default keeps the old behaviour: defaults are left out of the hash."""
+    from pydantic.fields import FieldInfo
+
+    from cachelab.experiment import spec as spec_module
+
+    before = [p.hash for p in expand(_load(tmp_path))]
+    monkeypatch.setitem(spec_module.HierarchySpec.model_fields, "future_knob", FieldInfo(annotation=int, default=7))
+    for model in (spec_module.HierarchySpec, spec_module.ExperimentSpec):
+        model.model_rebuild(force=True)
+    try:
+        points = expand(_load(tmp_path))
+        assert points[0].config["hierarchy"]["future_knob"] == 7  # the field is really there
+        assert [p.hash for p in points] == before
+        path = write_spec(tmp_path)
+        path.write_text(path.read_text().replace("[[hierarchy.tiers]]", "[hierarchy]\nfuture_knob = 8\n\n[[hierarchy.tiers]]", 1))
+        changed = [p.hash for p in expand(load_spec(path))]
+    finally:
+        monkeypatch.undo()
+        for model in (spec_module.HierarchySpec, spec_module.ExperimentSpec):
+            model.model_rebuild(force=True)
+    assert not set(changed) & set(before)  # a value set apart from the default is a new point

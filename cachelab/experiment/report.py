@@ -75,7 +75,7 @@ def load_experiment(tracker, name: str, parent_id: str | None = None) -> Experim
                 if path is not None:
                     tables[table] = pl.read_parquet(path)
     if parent is not None:
-        hashes = set(_spec_point_hashes(spec))  # none matching: hashed by an older cachelab (a spec field added since)
+        hashes = set(_spec_point_hashes(spec))  # none matching: hashed by a cachelab from before defaults left the hash
         if hashes and any(r.data.tags.get("cachelab.point_hash") in hashes for r in points):
             points = [r for r in points if r.data.tags.get("cachelab.point_hash") in hashes]
     point_tables = {}

@@ -2,7 +2,9 @@
 
 A point's hash is over its fully resolved config (the spec with that point's values set,
 the sweep removed, the seed in), so a finished point is recognised across reruns, across
-backends, and across specs that share it.
+backends, and across specs that share it. Values equal to their field's default are left out
+of the hash, so a field a later cachelab adds (whose default keeps the old behaviour) leaves
+the points already run recognised.
 """
 
 from __future__ import annotations
@@ -47,13 +49,16 @@ def expand(spec: ExperimentSpec) -> list[Point]:
             for key, value in zip(keys, values):
                 raw = set_key(raw, key, value)
             # Re-validate: fills defaults the value implies, and normalises types.
-            resolved = ExperimentSpec.model_validate(raw).model_dump(mode="json")
+            model = ExperimentSpec.model_validate(raw)
+            resolved = model.model_dump(mode="json")
+            set_apart = model.model_dump(mode="json", exclude_defaults=True)
             for seed in spec.seeds:
                 config = {"kind": kind, **{k: resolved[k] for k in sections}, "seed": seed}
+                hashed = {"kind": kind, **{k: set_apart.get(k, {}) for k in sections}, "seed": seed}
                 axes = {_short(k): v for k, v in zip(keys, values) if k.split(".")[0] in sections}
                 axes = {"kind": kind, **axes, "seed": seed}
                 label = " ".join(f"{k}={v}" for k, v in axes.items())
-                point = Point(config, config_hash(config), label, axes)
+                point = Point(config, config_hash(hashed), label, axes)
                 points.setdefault(point.hash, point)
     return list(points.values())
 
