@@ -11,7 +11,10 @@ the load average and the server's CPU share are recorded per run. Then `cachelab
 fits on ``--fit`` (default: round 0's lowest and highest concurrency at the first overlap; a
 fit should use runs whose engine CPU share is ~1) and validates on every other
 run: per run live against predicted mean and P99 TTFT and TPOT, and MAPE, signed bias and
-Pearson r per metric over the held-out runs. The ratio printed is predicted / live.
+Pearson r per metric over the held-out runs. The ratio printed is predicted / live. In
+brackets, and summarised apart, the prediction at each run's measured engine CPU share (the
+fitted times scaled by the fit runs' share over the run's: a condition measured on the run,
+nothing fitted to it).
 
     .venv/bin/python benchmarks/bench_live_calibration.py --out /tmp/calib [--requests 32] [--rounds 2]
 
@@ -115,6 +118,7 @@ def main() -> None:
     ap.add_argument("--quiet-share", type=float, default=0.85, help="a run whose engine thread got at least this share "
                     "of its wall time on a core is 'quiet' (summarised separately)")
     ap.add_argument("--max-evals", type=int, default=150)
+    ap.add_argument("--dispersion-draws", type=int, default=32, help="`cachelab calibrate --dispersion-draws`")
     ap.add_argument("--skip-runs", action="store_true", help="only fit and validate the runs already under --out")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -139,6 +143,7 @@ def main() -> None:
     fit = args.fit or sorted({f"r0-c{c}-o{args.overlap[0]}" for c in (min(args.concurrency), max(args.concurrency))})
     res = subprocess.run([*CLI, "calibrate", "--step-log", str(out / "runs"), "--preset", args.preset, "--json",
                           "--warmup-requests", str(args.warmup), "--max-evals", str(args.max_evals),
+                          "--dispersion-draws", str(args.dispersion_draws),
                           "--out", str(out / "fitted.toml"), *[x for f in fit for x in ("--fit", f)]],
                          cwd=ROOT, capture_output=True, text=True)
     if res.returncode:
@@ -154,14 +159,17 @@ def main() -> None:
     print("| run | role | load avg | engine CPU share | " + " | ".join(f"{m} live / pred" for m in metrics) + " |")
     print("|---|---|---:|---:|" + "---|" * len(metrics))
     for p in result["points"]:
-        cells = [f"{p['live'][m]:.1f} / {p['predicted'][m]:.1f}" for m in metrics]
+        cells = [f"{p['live'][m]:.1f} / {p['predicted'][m]:.1f}"
+                 + (f" ({p['predicted_at_share'][m]:.1f})" if "predicted_at_share" in p else "") for m in metrics]
         print(f"| {p['run']} | {p['role']} | {load.get(p['run'], {}).get('load_avg_1m', float('nan')):.1f} | "
               f"{p.get('engine_cpu_share', float('nan')):.2f} | " + " | ".join(cells) + " |")
     from cachelab.serving.live_calibration import _errors
 
     held = [p for p in result["points"] if p["role"] == "held-out"]
     quiet = [p for p in held if p.get("engine_cpu_share", 0) >= args.quiet_share]
-    for label, points in (("held-out", held), (f"quiet held-out (engine CPU share >= {args.quiet_share})", quiet)):
+    at_share = [{**p, "predicted": p["predicted_at_share"]} for p in held if "predicted_at_share" in p]
+    for label, points in (("held-out", held), (f"quiet held-out (engine CPU share >= {args.quiet_share})", quiet),
+                          (f"held-out, at each run's engine CPU share (fit runs' {result['fit_cpu_share']})", at_share)):
         for m, e in _errors(points).items():
             print(f"{label} {m}: MAPE {e['mape']:.1%}, bias {e['bias']:+.1%}, Pearson r {e['pearson_r']:.3f}, "
                   f"predicted / live {1 + e['bias']:.3f} ({e['points']} runs)")

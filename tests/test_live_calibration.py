@@ -4,6 +4,7 @@ real sockets), driven by `cachelab bench serve` at two concurrencies; and the re
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import polars as pl
@@ -11,8 +12,9 @@ import pytest
 from typer.testing import CliRunner
 
 from cachelab.cli import app
-from cachelab.serving.live_calibration import (model_spec, nonnegative_lstsq, replay_clock, request_times,
-                                               warm_steps)
+from cachelab.errors import CachelabError
+from cachelab.serving.live_calibration import (LIVE_BASE, at_cpu_share, cpu_hardware, fit_cpu_share, model_spec,
+                                               nonnegative_lstsq, replay_clock, request_times, warm_steps)
 from test_bench_serve import make_trace
 
 runner = CliRunner()
@@ -99,6 +101,25 @@ def test_calibrate_fits_one_run_and_validates_the_other(step_logs, tmp_path):
 
     hw, eff = load_calibration(out)  # the written profile loads as a hardware profile with its efficiency
     assert hw.gpu.hbm_bw > 0 and eff.mfu == r["efficiency"]["mfu"] and eff.host_addressing
+    # the fit run's engine CPU share is recorded: the held-out run predicted at its own share too
+    assert fit_cpu_share(out) == pytest.approx(r["fit_cpu_share"]) == pytest.approx(r["points"][0]["engine_cpu_share"])
+    assert set(r["summary_at_share"]) == set(r["summary"]) and set(held["predicted_at_share"]) == set(held["predicted"])
+
+
+def test_a_share_of_a_core_scales_every_fitted_time():
+    from cachelab.live.config import model_config
+    from cachelab.serving.hardware import load_profile
+    from cachelab.serving.latency import Batch, LatencyModel
+
+    spec, hw = model_spec(model_config("tiny")), cpu_hardware(load_profile("H200"), 1)
+    eff = replace(LIVE_BASE, mfu=0.05, prefill_mfu=0.25, mbu=0.9, attention_mfu=0.03, step_overhead_s=6e-3,
+                  cpu_per_sequence_s=4e-3)
+    batch = Batch([0, 200, 30], np.array([256.0, 201.0, 31.0]), lm_rows=3.0)
+    full, half = (LatencyModel(spec, hw, 1, "dram-copy", efficiency=e).gpu_time(batch).total_s
+                  for e in (eff, at_cpu_share(eff, 0.5)))
+    assert half == pytest.approx(2 * full)
+    with pytest.raises(CachelabError, match="positive"):
+        at_cpu_share(eff, 0.0)
 
 
 def test_calibrate_names_a_folder_without_step_logs(tmp_path):

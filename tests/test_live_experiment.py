@@ -22,14 +22,15 @@ SPEC = Path(__file__).parents[1] / "experiments" / "live_sweep.toml"
 def calibration_file(path: Path) -> Path:
     """A `cachelab calibrate --out` file (H200's host standing in for `hw probe`'s; efficiency as fitted here once)."""
     eff = Efficiency(mfu=0.25, mbu=0.97, attention_mfu=0.025, step_overhead_s=7.2e-3, cpu_per_sequence_s=2.7e-3)
-    return write_profile(Calibration(eff, 0.0, ["c2"], [], {}, 2), load_profile("H200"), 1, path)
+    return write_profile(Calibration(eff, 0.0, ["c2"], [], {}, 2, fit_cpu_share=0.9), load_profile("H200"), 1, path)
 
 
-def small_spec(tmp_path: Path, extra: str = "") -> Path:
+def small_spec(tmp_path: Path, extra: str = "", requests: int = 6,
+               sweep: str = '"workload.trace.synthesis.prefix_overlap" = [0.0, 0.8]') -> Path:
     text = SPEC.read_text(encoding="utf-8")
-    text = text.replace("num_requests = 24", "num_requests = 6").replace("prompt_tokens = 256", "prompt_tokens = 96")
+    text = text.replace("num_requests = 24", f"num_requests = {requests}").replace("prompt_tokens = 256", "prompt_tokens = 96")
     text = text[: text.index("[sweep]")].replace("[live]\n", f"[live]\n{extra}")
-    text += '[sweep]\n"workload.trace.synthesis.prefix_overlap" = [0.0, 0.8]\n'
+    text += f'[sweep]\n{sweep}\n'
     spec = tmp_path / "live.toml"
     spec.write_text(text, encoding="utf-8")
     return spec
@@ -77,6 +78,10 @@ def test_two_live_points_logged_with_their_prediction(tmp_path):
         assert 0 < m["row_cache.hbm.hit_ratio"] < 1 and m["total_token_throughput"] > 0
         assert m["predicted.p99_ttft_ms"] > 0 and m["predicted.prefix_cache.kv_pool_tokens"] == 16_384
         assert m["server.cpu_utilization"] > 0 and m["server.minor_faults_per_s"] >= 0
+        assert 0 < m["server.engine_cpu_share"] <= 1.05 and m["machine.load_avg_1m"] >= 0
+        # the same model at the point's measured share of a core: slower where the engine got less than the fit runs
+        slower = m["predicted_at_share.mean_tpot_ms"] >= m["predicted.mean_tpot_ms"]
+        assert slower == (m["server.engine_cpu_share"] <= 0.9)
         assert m["link.host_read_bytes"] > 0 and m["link.hbm_read_bytes"] > 0
         # the KV pool of 16,384 tokens (tiny: 4 layers x K and V x 2 heads x 32 x 2 B per token) and the row cache's slots
         assert m["prefix_cache.dram_bytes"] == 16_384 * 4 * 2 * 2 * 32 * 2
@@ -84,3 +89,27 @@ def test_two_live_points_logged_with_their_prediction(tmp_path):
         assert m["row_cache.dram_bytes"] > 0
     assert by_overlap[0.0]["prefix_cache.hit_ratio"] < by_overlap[0.8]["prefix_cache.hit_ratio"]
     assert by_overlap[0.0]["prefix_cache.cached_bytes_end"] > 0
+
+
+def test_every_cpu_placement_serves_live(tmp_path):
+    """The issue's placements that need no GPU (dram-copy, ssd-mmap, ssd-direct, and the store's
+    pread) each serve a point end to end with its prediction; hbm and dram-uva are refused here."""
+    calibration = f'calibration = "{calibration_file(tmp_path / "fitted.toml")}"\n'
+    placements = '"live.placement" = ["dram-copy", "ssd-mmap", "pread", "ssd-direct"]'
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run_experiment(small_spec(tmp_path, calibration, requests=3, sweep=placements), tracking_uri=uri,
+                   runs_dir=tmp_path / "runs", quiet=True)
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("live-sweep")
+    runs = client.search_runs([exp.experiment_id], filter_string="tags.`cachelab.kind` = 'point' "
+                              "and attributes.status = 'FINISHED'")
+    by = {r.data.params["live.placement"]: r.data.metrics for r in runs}
+    assert sorted(by) == ["dram-copy", "pread", "ssd-direct", "ssd-mmap"]
+    for placement, m in by.items():
+        assert m["completed"] == 3 and m["failed"] == 0 and m["predicted.p99_ttft_ms"] > 0, placement
+        assert m["row_cache.hbm.hits"] > 0 and m["link.dram_to_hbm_bytes"] > 0, placement
+    # O_DIRECT reads pages from the file, bypassing the page cache: nothing is read from host DRAM
+    assert by["ssd-direct"]["link.ssd_to_dram_bytes"] > 0 and by["ssd-direct"]["link.host_read_bytes"] == 0
+    assert by["dram-copy"]["link.host_read_bytes"] > 0 and by["dram-copy"]["link.ssd_to_dram_bytes"] == 0
+    with pytest.raises(CachelabError, match="'hbm' needs a GPU"):
+        load_spec(small_spec(tmp_path, sweep='"live.placement" = ["dram", "hbm"]'))

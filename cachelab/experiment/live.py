@@ -12,7 +12,10 @@ rate and CPU utilization (its threads' /proc counters: every thread the server s
 the client's), and the DRAM the prefix cache (the KV pool's blocks) and the row cache (its
 slots and slot map) each hold. With ``live.calibration`` (a `cachelab calibrate --out` file)
 the serving simulator predicts the same requests on the calibrated model of this engine: the
-live preset's own model spec, the fitted CPU profile and efficiency (``predicted.*``).
+live preset's own model spec, the fitted CPU profile and efficiency (``predicted.*``); and,
+where the file records the fit runs' engine CPU share, the same model at the share of a core
+the point's engine thread measured (``server.engine_cpu_share``; ``predicted_at_share.*``): a
+machine condition measured on the run, nothing fitted to it.
 """
 
 from __future__ import annotations
@@ -26,13 +29,18 @@ from cachelab.experiment.spec import ExperimentSpec, kinds
 from cachelab.experiment.workload import Workload
 
 PERCENTILES = (50, 90, 99)
-PLACEMENTS = ("dram", "mmap", "pread", "direct")
+# live.placement: the issue's names (serve-sim's) or the store's own backings, each with the
+# serving simulator's placement that predicts it. pread reads through the page cache as mmap does.
+PLACEMENTS = {"dram-copy": "dram-copy", "ssd-mmap": "ssd-mmap", "ssd-direct": "ssd-direct",
+              "dram": "dram-copy", "mmap": "ssd-mmap", "pread": "ssd-mmap", "direct": "ssd-direct"}
+GPU_PLACEMENTS = ("hbm", "dram-uva")  # the engine of this kind runs on the CPU: no HBM to hold the table
 
 
 def live_point(config: dict, workload: Workload) -> PointOutput:
     from cachelab.bench.client import BenchConfig, run_bench
     from cachelab.bench.plan import plan_from_frame
     from cachelab.live.launch import running_server
+    from cachelab.serving.live_calibration import fit_cpu_share
     from cachelab.serving.metrics import request_metrics
     from cachelab.store.counters import LINK_KEYS
 
@@ -47,9 +55,11 @@ def live_point(config: dict, workload: Workload) -> PointOutput:
         server_threads = _task_ids() - before_threads
         if warm is not None:
             run_bench(BenchConfig(url, max_concurrency=live["concurrency"], server_metrics=False), warm)
-        before, usage0 = engine.rows.totals.to_dict(), _usage(server_threads)
+        before, usage0, engine0 = engine.rows.totals.to_dict(), _usage(server_threads), _engine_cpu(engine)
+        load0 = os.getloadavg()[0]
         result = run_bench(BenchConfig(url, max_concurrency=live["concurrency"], server_metrics=False), plan)
-        after, usage1 = engine.rows.totals.to_dict(), _usage(server_threads)
+        after, usage1, engine1 = engine.rows.totals.to_dict(), _usage(server_threads), _engine_cpu(engine)
+        load = (load0 + os.getloadavg()[0]) / 2  # the machine's 1-minute load average over the point
         tiers = tuple(engine.rows.totals.tiers)
         row_cache_rows = engine.rows.tiers[0].capacity if engine.rows.tiers and engine.rows.tiers[0].name == "hbm" else 0
         store_scale = engine.rows.layout_tables.scale
@@ -78,12 +88,20 @@ def live_point(config: dict, workload: Workload) -> PointOutput:
     metrics["server.minor_faults_per_s"] = (usage1["minflt"] - usage0["minflt"]) / wall
     metrics["server.major_faults_per_s"] = (usage1["majflt"] - usage0["majflt"]) / wall
     metrics["server.cpu_utilization"] = (usage1["cpu_s"] - usage0["cpu_s"]) / wall  # cores busy (1.0 = one core)
+    metrics["machine.load_avg_1m"] = load
+    share = (engine1[1] - engine0[1]) / (engine1[0] - engine0[0]) if engine1[0] > engine0[0] else None
+    if share is not None:  # the engine thread's CPU over its steps' wall time: below 1 it waited for a core or the GIL
+        metrics["server.engine_cpu_share"] = share
     params = {"live.url": url, "live.errors": str(summary["errors_by_reason"] or "none")}
     tables = {}
     if live.get("calibration"):
         predicted = predict_point(config, workload, row_cache_rows, store_scale)
         metrics.update({f"predicted.{k}": v for k, v in predicted.metrics.items()})
         tables["predicted_per_request"] = predicted.tables["per_request"]
+        fit_share = fit_cpu_share(calibration_path(live["calibration"]))
+        if share and fit_share:  # the same model on an engine with the share of a core this point measured
+            at_share = predict_point(config, workload, row_cache_rows, store_scale, fit_share / share)
+            metrics.update({f"predicted_at_share.{k}": v for k, v in at_share.metrics.items()})
     return PointOutput(metrics, params, tables)
 
 
@@ -100,30 +118,35 @@ def serve_options(config: dict):
                         row_cache_model=Path(live["row_cache_model"]) if learned else None)
 
 
-def predict_point(config: dict, workload: Workload, row_cache_rows: int, store_scale: float) -> PointOutput:
+def predict_point(config: dict, workload: Workload, row_cache_rows: int, store_scale: float,
+                  slowdown: float = 1.0) -> PointOutput:
     """The serving simulator on the calibrated model of the live engine: the preset's model
     spec (``live_calibration.model_spec``), the fitted CPU profile and efficiency, the engine's
     scheduler limits and KV pool, and a row cache of the live one's rows over the rows of the
     live store (its tables at ``store_scale``, the store's fold), so its hit ratio is the live
     row cache's (none for a learned policy: the simulator has no scores for it here; the
-    prediction's row cache is off then)."""
+    prediction's row cache is off then). ``slowdown``: the fit runs' engine CPU share over the
+    point's (``live_calibration.at_cpu_share``), 1 for the plain prediction."""
     from cachelab.experiment.points import simulated_point
     from cachelab.live.launch import model_for
-    from cachelab.serving.live_calibration import load_calibration, model_spec
+    from cachelab.serving.live_calibration import at_cpu_share, load_calibration, model_spec
     from cachelab.serving.simulator import ServingConfig
 
     live, opts = config["live"], serve_options(config)
     path = calibration_path(live["calibration"])
     _, eff = load_calibration(path)
+    eff = eff if slowdown == 1.0 else at_cpu_share(eff, 1 / slowdown)
     cfg = model_for(opts)
     spec = model_spec(cfg)
     if opts.row_cache_model is not None:
         row_cache_rows = 0
-    serving = ServingConfig(hardware=str(path), placement="dram-copy", tp=1, concurrency=live["concurrency"],
+    placement = PLACEMENTS[live["placement"]]
+    serving = ServingConfig(hardware=str(path), placement=placement, tp=1, concurrency=live["concurrency"],
                             max_num_batched_tokens=opts.max_num_batched_tokens, max_num_seqs=opts.max_num_seqs,
                             model=spec, layout=cfg.layout, efficiency=eff, kv_cache_tokens=opts.kv_cache_tokens,
                             store_scale=store_scale, row_cache_bytes=float(row_cache_rows * spec.row_bytes),
-                            row_cache_policy=live["row_cache_policy"] if row_cache_rows else "lru")
+                            row_cache_policy=live["row_cache_policy"] if row_cache_rows else "lru",
+                            warm_page_cache=placement == "ssd-mmap")  # the scaled store's file sits in the page cache
     return simulated_point(workload, serving)
 
 
@@ -139,6 +162,11 @@ def _needs_scores(policy: str) -> bool:
     from cachelab import registry
 
     return registry.get(registry.POLICIES, policy).capabilities.needs_scores
+
+
+def _engine_cpu(engine) -> tuple[float, float]:
+    """The engine's step wall time and its thread's CPU time over those steps, so far."""
+    return engine.counters.step_s, engine.counters.thread_cpu_s
 
 
 def _task_ids() -> set[int]:
@@ -168,8 +196,12 @@ def _check_live(spec: ExperimentSpec, where: str) -> None:
     if spec.live is None:
         raise CachelabError(f"{where}: live: kind 'live' needs a [live] section")
     need_trace(spec, where, "live", "sends a trace's prompts")
-    if spec.live.placement not in PLACEMENTS:
-        raise CachelabError(f"{where}: live.placement: unknown {spec.live.placement!r}; allowed: {', '.join(PLACEMENTS)}")
+    for placement in spec.sweep.get("live.placement", [spec.live.placement]):
+        if placement in GPU_PLACEMENTS:
+            raise CachelabError(f"{where}: live.placement: {placement!r} needs a GPU; the live kind runs its engine "
+                                f"on the CPU here; allowed: {', '.join(PLACEMENTS)}")
+        if placement not in PLACEMENTS:
+            raise CachelabError(f"{where}: live.placement: unknown {placement!r}; allowed: {', '.join(PLACEMENTS)}")
     if spec.serving is not None and "serve" not in kinds(spec):
         raise CachelabError(f"{where}: serving: kind 'live' does not read [serving]: its client concurrency is "
                             "live.concurrency and its prediction the calibrated live model (live.calibration)")

@@ -2,8 +2,9 @@
 
 One row of panels per metric (P99 TTFT, P99 TPOT) and one column per row-cache capacity (any
 varying axis named ``*capacity``), prefix overlap on x, one colour per series (every other
-varying axis: row-cache policy, placement, concurrency), the live values solid and the
-calibrated model's prediction of the same point dashed in the same colour.
+varying axis: row-cache policy, placement, concurrency), the live values solid, the
+calibrated model's prediction of the same point dashed in the same colour and, where the point
+measured its engine's CPU share, the same model at that share dotted.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from cachelab.experiment import plot_parts
 
 OVERLAP = "axis.workload.trace.synthesis.prefix_overlap"
 METRICS = ("p99_ttft_ms", "p99_tpot_ms")
-LIVE_COLUMNS = ("p99_ttft_ms", "predicted.p99_ttft_ms", "p99_tpot_ms", "predicted.p99_tpot_ms", "prefix_cache.hit_ratio",
-                "row_cache.hbm.hit_ratio", "server.cpu_utilization", "server.minor_faults_per_s",
-                "prefix_cache.dram_bytes", "row_cache.dram_bytes", "total_token_throughput")
+LIVE_COLUMNS = ("p99_ttft_ms", "predicted.p99_ttft_ms", "predicted_at_share.p99_ttft_ms", "p99_tpot_ms",
+                "predicted.p99_tpot_ms", "predicted_at_share.p99_tpot_ms", "prefix_cache.hit_ratio",
+                "row_cache.hbm.hit_ratio", "server.cpu_utilization", "server.engine_cpu_share", "machine.load_avg_1m",
+                "server.minor_faults_per_s", "prefix_cache.dram_bytes", "row_cache.dram_bytes", "total_token_throughput")
 
 
 def plot_p99_vs_overlap(data):
@@ -38,17 +40,18 @@ def plot_p99_vs_overlap(data):
         title = plot_parts.label(part.row(0, named=True), panels)
         for r, metric in enumerate(METRICS):
             ax = axs[r][c]
-            values = [metric] + ([f"predicted.{metric}"] if f"predicted.{metric}" in part.columns else [])
+            values = [metric] + [f"{p}.{metric}" for p in ("predicted", "predicted_at_share") if f"{p}.{metric}" in part.columns]
             agg = plot_parts.mean_over_seeds(part, keys + ["_overlap"], values)
             for i, g in enumerate(agg.partition_by(keys, maintain_order=True, as_dict=False) if keys else [agg]):
                 colour = f"C{i % 10}"
                 ax.plot(g["_overlap"], g[metric], marker="o", color=colour,
                         label=plot_parts.label(g.row(0, named=True), keys))
-                if len(values) > 1:
-                    ax.plot(g["_overlap"], g[values[1]], marker="x", ls="--", color=colour, alpha=0.7)
+                for value, (marker, ls) in zip(values[1:], (("x", "--"), ("+", ":"))):
+                    ax.plot(g["_overlap"], g[value], marker=marker, ls=ls, color=colour, alpha=0.7)
             ax.set_yscale("log")
             ax.set_title(title, fontsize=9)
             name = metric.removesuffix("_ms").replace("_", " ").upper()
-            plot_parts.style(ax, "prefix overlap (shared share of every prompt)", f"{name} (ms; dashed: predicted)", 7)
+            plot_parts.style(ax, "prefix overlap (shared share of every prompt)",
+                             f"{name} (ms; dashed: predicted, dotted: at the CPU share)", 7)
     fig.tight_layout()
     return fig

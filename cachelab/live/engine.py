@@ -102,6 +102,8 @@ class EngineCounters:
     engram_stall_s: float = 0.0
     engram_fetch_s: float = 0.0
     compute_s: float = 0.0
+    step_s: float = 0.0  # wall time of the steps
+    thread_cpu_s: float = 0.0  # the engine thread's CPU over them: over step_s, the share of a core it got
 
 
 class LiveEngine:
@@ -350,6 +352,8 @@ class LiveEngine:
         c.engram_stall_s += fetch["stall_s"]
         c.engram_fetch_s += fetch["fetch_s"]
         c.compute_s += t_done - t0 - fetch["stall_s"]
+        c.step_s += t_done - t0
+        c.thread_cpu_s += fetch["thread_cpu_s"]
         if self.step_log is not None:
             store = self.rows.last_step.to_dict()
             self.step_log.append({

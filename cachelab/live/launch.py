@@ -19,7 +19,7 @@ from cachelab.live.config import ModelConfig, model_config
 
 DEFAULT_STORE_SCALE = 1e-4  # the scaled store built on first use: 1/10,000 of V4.1's rows (21 MB)
 # serve-sim's placement names, as the store's backings (the store's own names pass through)
-PLACEMENTS = {"dram-uva": "dram", "ssd-mmap": "mmap", "ssd-direct": "direct"}
+PLACEMENTS = {"dram-copy": "dram", "dram-uva": "dram", "ssd-mmap": "mmap", "ssd-direct": "direct"}
 
 
 @dataclass(frozen=True)

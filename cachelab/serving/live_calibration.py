@@ -14,8 +14,11 @@ its requests and positions and the idle gap before it, its compute is the model'
 Engram stall is the one the store measured (the fetch is the store's to model, not this
 one's). A request's TTFT is from its first scheduled step to the end of the step that
 samples its first token (engine side: HTTP and queueing before admission are not in the log);
-its TPOT is the mean gap between its later tokens. Live and predicted mean and P99 per run,
-MAPE, signed bias and Pearson r over the held-out runs.
+its TPOT is the mean gap between its later tokens. A P99 is a tail one slow step can move, so
+the predicted P99s are the mean over replays whose steps vary about the model as the fit runs'
+steps did (their live / predicted ratios, scaled to mean 1). Live and predicted mean and P99
+per run, MAPE, signed bias and Pearson r over the held-out runs; and the same at each run's
+measured engine CPU share (``at_cpu_share``).
 """
 
 from __future__ import annotations
@@ -164,10 +167,33 @@ class Calibration:
     points: list[dict]
     summary: dict
     warmup_requests: int = 0
+    fit_cpu_share: float | None = None  # the engine CPU share of the fit runs' steps: the fitted times include it
+    summary_at_share: dict | None = None  # the held-out errors of the share-adjusted predictions
 
     def to_dict(self) -> dict:
         return {"efficiency": {k: getattr(self.efficiency, k) for k in FITTED}, "fit_loss": self.loss,
-                "fit_runs": self.fit_runs, "warmup_requests": self.warmup_requests, "points": self.points, "summary": self.summary}
+                "fit_runs": self.fit_runs, "warmup_requests": self.warmup_requests, "fit_cpu_share": self.fit_cpu_share,
+                "points": self.points, "summary": self.summary, "summary_at_share": self.summary_at_share}
+
+
+def cpu_share(frame: pl.DataFrame, keep: np.ndarray | None = None) -> float | None:
+    """The engine thread's CPU time over its steps' wall time (the step log's ``thread_cpu_s``):
+    below 1, the engine waited for a core (machine load) or the GIL (the server's other threads)."""
+    if "thread_cpu_s" not in frame.columns:
+        return None
+    keep = np.ones(frame.height, bool) if keep is None else keep
+    return float(frame["thread_cpu_s"].to_numpy()[keep].sum() / frame["step_s"].to_numpy()[keep].sum())
+
+
+def at_cpu_share(eff: Efficiency, factor: float) -> Efficiency:
+    """``eff`` on an engine that gets ``factor`` times the CPU share the fit runs got: every
+    fitted time term scales by ``1 / factor`` (the roofline fractions by ``factor``, the host
+    overheads by its inverse). The share is measured on the run (the step log's CPU time), a
+    condition of the machine like a hardware probe; nothing here is fitted to the run."""
+    if not factor > 0:
+        raise CachelabError(f"CPU share factor must be positive, got {factor!r}")
+    return replace(eff, **{k: getattr(eff, k) * factor for k in RATES},
+                   **{k: getattr(eff, k) / factor for k in OVERHEADS})
 
 
 def _errors(points: list[dict]) -> dict:
@@ -214,10 +240,14 @@ def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, float]:
 
 def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwareProfile, threads: int,
               fit_runs: list[str] | None = None, max_evals: int = 150,
-              progress: Callable[[int, int], None] | None = None, warmup_requests: int = 0) -> Calibration:
+              progress: Callable[[int, int], None] | None = None, warmup_requests: int = 0,
+              dispersion_draws: int = 32) -> Calibration:
     """Fit ``FITTED`` on ``fit_runs`` (default: the first run by name), validate on the rest.
     The first ``warmup_requests`` requests of every run are warm-up: their steps are not
-    fitted and they are left out of the TTFT/TPOT statistics."""
+    fitted and they are left out of the TTFT/TPOT statistics. Means are the replay on the
+    model's step times; P99s the mean over ``dispersion_draws`` replays whose every step is
+    the model's times a ratio drawn from the fit steps' live / predicted (scaled to mean 1:
+    the spread, not the level); 0 draws: the P99 of the one replay."""
     names = sorted(runs)
     fit_runs = fit_runs or names[:1]
     unknown = sorted(set(fit_runs) - set(names))
@@ -242,22 +272,41 @@ def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwarePr
     rates, _ = pattern_search(lambda eff: solve(eff)[1], LIVE_BASE, RATES, max_evals, progress)
     eff, best = solve(rates)
     lat = LatencyModel(spec, hw, 1, "dram-copy", efficiency=eff)
+    fit_frames = [runs[n].filter(pl.Series(warm[n])) for n in fit_runs]
+    fit_share = cpu_share(pl.concat(fit_frames, how="diagonal_relaxed")) if fit_frames else None
+    # the fit steps' live over predicted compute, scaled to mean 1: how much a step varies about the model
+    residuals = y / np.concatenate([predict_compute(lat, fit_batches[n]) for n in fit_runs])
+    residuals /= residuals.mean()
     points = []
     for n in names:
         frame = runs[n]
         live_clock = replay_clock(frame, frame["step_s"].to_numpy())
-        predicted = predict_compute(lat, batches[n]) + frame["stall_s"].to_numpy()
+        compute = predict_compute(lat, batches[n])
         measured = pl.col("request") >= warmup_requests
+
+        def predicted(scale: float = 1.0) -> dict:
+            stall = frame["stall_s"].to_numpy()
+            out = summarize(request_times(frame, *replay_clock(frame, compute * scale + stall)).filter(measured))
+            rng = np.random.default_rng(0)  # P99s: the mean over replays whose steps vary as the fit steps did
+            tails = [summarize(request_times(frame, *replay_clock(
+                frame, compute * scale * rng.choice(residuals, compute.size) + stall)).filter(measured))
+                for _ in range(dispersion_draws)]
+            for m in ("p99_ttft_ms", "p99_tpot_ms") if tails else ():
+                out[m] = float(np.mean([t[m] for t in tails]))
+            return out
+
         point = {"run": n, "role": "fit" if n in fit_runs else "held-out", "steps": frame.height,
-                 "live": summarize(request_times(frame, *live_clock).filter(measured)),
-                 "predicted": summarize(request_times(frame, *replay_clock(frame, predicted)).filter(measured))}
-        if "thread_cpu_s" in frame.columns:  # the engine thread's CPU over its wall time: below 1, it waited
-            keep = warm_steps(frame, warmup_requests)  # for a core or the GIL (machine load, the server's threads)
-            point["engine_cpu_share"] = float(frame["thread_cpu_s"].to_numpy()[keep].sum()
-                                              / frame["step_s"].to_numpy()[keep].sum())
+                 "live": summarize(request_times(frame, *live_clock).filter(measured)), "predicted": predicted()}
+        share = cpu_share(frame, warm_steps(frame, warmup_requests))  # the run's measured condition
+        if share is not None:
+            point["engine_cpu_share"] = share
+            if fit_share:  # the same model on an engine with this run's share of a core
+                point["predicted_at_share"] = predicted(fit_share / share)
         points.append(point)
     held = [p for p in points if p["role"] == "held-out"]
-    return Calibration(eff, best, list(fit_runs), points, _errors(held), warmup_requests)
+    at_share = [{**p, "predicted": p["predicted_at_share"]} for p in held if "predicted_at_share" in p]
+    return Calibration(eff, best, list(fit_runs), points, _errors(held), warmup_requests, fit_share,
+                       _errors(at_share) if at_share else None)
 
 
 def write_profile(result: Calibration, hardware: HardwareProfile, threads: int, path: Path) -> Path:
@@ -272,6 +321,8 @@ def write_profile(result: Calibration, hardware: HardwareProfile, threads: int, 
     lines += [f'name = "{hw.name}-calibrated"', "", "[efficiency]"]
     lines += [f"{k} = {float(getattr(result.efficiency, k))!r}" for k in FITTED]
     lines.append("")
+    if result.fit_cpu_share is not None:  # what a share-adjusted prediction scales from (fit_cpu_share)
+        lines += ["[calibration]", f"fit_engine_cpu_share = {result.fit_cpu_share!r}", ""]
     for section in ("gpu", "host", "cpu", "ssd"):
         values = getattr(hw, section)
         if values is None:
@@ -303,3 +354,14 @@ def load_calibration(path: str | Path) -> tuple[HardwareProfile, Efficiency]:
     if bad:
         raise CachelabError(f"{path}: [efficiency] {bad[0]} must be a non-negative number, got {table[bad[0]]!r}")
     return hw, replace(LIVE_BASE, **{k: float(v) for k, v in table.items()})
+
+
+def fit_cpu_share(path: str | Path) -> float | None:
+    """The engine CPU share of the fit runs a `cachelab calibrate --out` file records (None in a
+    file written before it was recorded)."""
+    import tomllib
+
+    value = tomllib.loads(Path(path).read_text(encoding="utf-8")).get("calibration", {}).get("fit_engine_cpu_share")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1.5):
+        raise CachelabError(f"{path}: [calibration] fit_engine_cpu_share must be a share of a core, got {value!r}")
+    return None if value is None else float(value)

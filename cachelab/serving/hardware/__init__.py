@@ -124,8 +124,8 @@ def load_profile(name: str | Path) -> HardwareProfile:
             raise CachelabError(f"unknown hardware {text!r}: not a file, and not one of {builtin_names() + ['local']}")
     data = _read(path)
     common = _read(PROFILE_DIR / "common.toml")
-    # [efficiency]: what `cachelab calibrate` fitted beside the profile (live_calibration.load_calibration)
-    unknown = sorted(set(data) - {"name", "usd_per_gpu_hour", "efficiency", *SECTIONS})
+    # [efficiency], [calibration]: what `cachelab calibrate` fitted beside the profile (live_calibration)
+    unknown = sorted(set(data) - {"name", "usd_per_gpu_hour", "efficiency", "calibration", *SECTIONS})
     if unknown:
         raise CachelabError(f"{path}: unknown top-level key(s) {unknown}")
     merged = {"cpu": {**common["cpu"], **data.get("cpu", {})}}
