@@ -3,13 +3,17 @@
 Sections (each prints a ratio against its same-run reference):
 
 - ``gather``: DRAM gather + FP8 -> BF16 dequantisation on one core against a single-core
-  memcpy of the same bytes (goal: at least 0.5); bytes = distinct rows x 264 B read, the
-  512 B of BF16 written per requested row not counted. Through ``TieredStore.lookup`` (fold,
-  dedup, fused gather + dequantise: the path a caller runs; DRAM backing, no cache tiers),
-  with a fresh output and into a reused one (``out=``), and the kernels alone (staged:
-  gather then dequantise; fused). References in the same run: the random access alone (a
-  compiled loop touching each line of the same rows, and NumPy's ``np.take``) and the DRAM
-  latency of a dependent random load.
+  memcpy of the same bytes (goal: at least 0.5), on two row streams: rows drawn uniformly
+  over the table (the worst case: no row is hot), and ``--trace``'s row stream step by step
+  (``--steps serving``: vLLM's scheduler batching the requests, so popular rows stay in the
+  CPU caches as they do in a server). Bytes = distinct rows per step x 264 B read, the 512 B
+  of BF16 written per requested row not counted; memcpy copies each step's bytes, from a hot
+  source and from a cold one (the faster is the reference). Through ``TieredStore.lookup``
+  (fold, dedup, fused gather + dequantise: the path a caller runs; DRAM backing, no cache
+  tiers), with a fresh output and into a reused one (``out=``), and the kernels alone
+  (staged: gather then dequantise; fused). References in the same run: the random access
+  alone (a compiled loop touching each line of the same rows, and NumPy's ``np.take``) and
+  the DRAM latency of a dependent random load.
 - ``direct``: random 4 KiB reads through the store's ``direct`` backing at queue depths
   1..64 (``io_threads`` = queue depth; each row in its own page), submitted through io_uring
   and through the thread pool of preads, against fio's ``randread`` with ``--direct=1
@@ -25,7 +29,8 @@ Sections (each prints a ratio against its same-run reference):
   cold, warm, under reclaim and in a memory cgroup; with ``--plot F`` a PNG of its step times.
 
     CACHELAB_DATA=../shared/data .venv/bin/python benchmarks/bench_store.py [--scale 2e-3]
-        [--dir D] [--trace gsm8k,humaneval] [--requests 20] [--pagecache] [--plot F] [--json]
+        [--dir D] [--trace gsm8k,humaneval] [--requests 20] [--steps serving] [--sections ...]
+        [--pagecache] [--plot F] [--json]
 
 The tables are built once into ``--dir`` (default: a temporary folder) by ``cachelab store
 build``; a scale of 2e-3 gives 420 MB, larger than any last-level cache.
@@ -51,6 +56,8 @@ from cachelab.serving.hardware.probe import _best
 from cachelab.workload.lookups import compact
 
 CLI = [sys.executable, "-m", "cachelab.cli"]
+COLD_BYTES = 256 << 20  # the cold memcpy's source: larger than any last-level cache
+STAGES = ("dedup_s", "cache_lookup_s", "ssd_read_s", "gather_s", "copy_s", "dequant_s", "step_s")
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
@@ -89,78 +96,138 @@ def dram_latency_ns(entries: int = 1 << 24, steps: int = 1 << 20, seed: int = 0)
     return _best(lambda: _chase(nxt, steps)) / steps * 1e9
 
 
-def gather_section(directory: Path, tokens: int = 2000, seed: int = 0, rounds: int = 3) -> dict:
-    """Rows/s of lookup and of the kernels on one core, against one-core memcpy of the same bytes.
+def _steps_of(store, step_rows_list: list[np.ndarray]) -> list[dict]:
+    """What each step's candidates need, computed once outside the timing: the step's distinct
+    rows as page-table rows, where each request went, and an output tensor to reuse."""
+    import torch
 
-    Bytes are the table bytes a lookup must read: distinct rows x 264 B. The 512 B of BF16
-    written per requested row are not counted (memcpy of those 264 B writes 264 B). Each
+    lay = store.layout_tables
+    rpp = lay.rows_per_page
+    n_max = max(r.size for r in step_rows_list)
+    flat_out = torch.empty(n_max * lay.row_dim, dtype=torch.bfloat16)
+    steps = []
+    for rows in step_rows_list:
+        keys = store.keys(rows).reshape(-1)
+        layer = np.searchsorted(lay.layer_base, keys, "right") - 1
+        inverse, uniq = compact(keys - lay.layer_base[layer] + store.backing.page_base[layer] * rpp)
+        out_t = flat_out[: rows.size * lay.row_dim].view(*rows.shape, lay.row_dim)
+        steps.append({"rows": rows, "keys": keys, "table_rows": uniq, "inverse": inverse, "out_t": out_t,
+                      "out": out_t.view(torch.int16).numpy().reshape(rows.size, lay.row_dim).view(np.uint16)})
+    return steps
+
+
+def _time_steps(store, steps: list[dict], rounds: int) -> dict:
+    """Each candidate and reference replays every step once per repeat; interleaved rounds, best of all."""
+    from cachelab.store.kernels import DEQUANT_TABLE, dequant_expand, gather_dequant, gather_pages
+
+    lay = store.layout_tables
+    rb, rpp = lay.row_bytes, lay.rows_per_page
+    pages = store.backing.pages
+    uniq_max = max(s["table_rows"].size for s in steps)
+    hot_src, dst = np.ones(uniq_max * rb, np.uint8), np.empty(uniq_max * rb, np.uint8)
+    cold_src = np.ones(max(COLD_BYTES, uniq_max * rb), np.uint8)
+    packed = np.empty((uniq_max, rb), np.uint8)
+    ident = np.arange(uniq_max, dtype=np.int64)
+    packed_table = np.ones((int(lay.table_rows.sum()), rb), np.uint8)
+    take_out = np.empty((max(s["keys"].size for s in steps), rb), np.uint8)
+    stages: dict[str, float] = {}
+
+    def memcpy_cold():  # each step's bytes from the next place of a source larger than the LLC
+        at = 0
+        for s in steps:
+            b = s["table_rows"].size * rb
+            at = 0 if at + b > cold_src.size else at
+            np.copyto(dst[:b], cold_src[at:at + b])
+            at += b
+
+    def lookup_stages():
+        totals = dict.fromkeys(STAGES, 0.0)
+        for s in steps:
+            store.lookup(s["rows"])
+            for k in STAGES:
+                totals[k] += store.last_step[k]
+        for k in STAGES:
+            stages[k] = min(stages.get(k, np.inf), totals[k])
+
+    def each(fn):
+        return lambda: [fn(s) for s in steps]
+
+    runs = {
+        "memcpy": each(lambda s: np.copyto(dst[:s["table_rows"].size * rb], hot_src[:s["table_rows"].size * rb])),
+        "memcpy_cold": memcpy_cold,
+        "random_touch": each(lambda s: _touch_rows(pages, s["table_rows"], rpp, rb)),
+        "numpy_take": each(lambda s: np.take(packed_table, s["keys"] % packed_table.shape[0], axis=0,
+                                             out=take_out[:s["keys"].size])),
+        "lookup": lookup_stages,
+        "lookup_out": each(lambda s: store.lookup(s["rows"], out=s["out_t"])),
+        "kernels_staged": each(lambda s: (
+            gather_pages(pages, s["table_rows"], ident, packed, rpp, rb, work=0),
+            dequant_expand(packed, s["inverse"], DEQUANT_TABLE, s["out"], work=0))),
+        "kernels_fused": each(lambda s: gather_dequant(pages, s["table_rows"], s["inverse"], rpp, DEQUANT_TABLE,
+                                                       s["out"], work=0)),
+    }
+    for fn in runs.values():
+        fn()
+    best = dict.fromkeys(runs, np.inf)
+    for _ in range(rounds):
+        for k, fn in runs.items():
+            best[k] = min(best[k], _best(fn))
+    unique = sum(s["table_rows"].size for s in steps)
+    requests = sum(s["keys"].size for s in steps)
+    ref = min(best["memcpy"], best["memcpy_cold"])  # the faster memcpy: the stricter reference
+    bw = unique * rb / ref
+    res = {"steps": len(steps), "requests": int(requests), "unique_rows": int(unique),
+           "memcpy_GBps": bw / 1e9, "memcpy_ns_per_row": ref / unique * 1e9,
+           "memcpy_hot_GBps": unique * rb / best["memcpy"] / 1e9,
+           "memcpy_cold_GBps": unique * rb / best["memcpy_cold"] / 1e9,
+           "lookup_stage_ns_per_row": {k: v / unique * 1e9 for k, v in stages.items()}}
+    for k in runs:
+        if k.startswith("memcpy"):
+            continue
+        done = requests if k == "numpy_take" else unique  # np.take copies every request, not distinct rows
+        res[k] = {"ns_per_row": best[k] / done * 1e9, "GBps": done * rb / best[k] / 1e9,
+                  "ratio_to_memcpy": done * rb / best[k] / bw}
+    return res
+
+
+def gather_section(directory: Path, trace: str | None, requests: int, steps_view: str = "serving",
+                   tokens: int = 2000, seed: int = 0, rounds: int = 3) -> dict:
+    """Rows/s of lookup and of the kernels on one core, against one-core memcpy of the same bytes,
+    on two row streams: rows drawn uniformly over the table (the worst case: nothing is hot), and
+    a real trace's row stream step by step (what a server runs: popular rows stay in the CPU
+    caches as they would).
+
+    Bytes are the table bytes a lookup must read: distinct rows per step x 264 B. The 512 B of
+    BF16 written per requested row are not counted (memcpy of those 264 B writes 264 B). Each
     candidate and each reference is timed in every round, interleaved, best of all rounds,
     so load on the machine moves them together."""
     import torch
 
     from cachelab.store import TieredStore
-    from cachelab.store.kernels import DEQUANT_TABLE, dequant_expand, gather_dequant, gather_pages
+    from cachelab.store.bench import step_rows
 
     numba.set_num_threads(1)
     torch.set_num_threads(1)
     rng = np.random.default_rng(seed)
+    out: dict = {"row_bytes": None, "bytes_counted": "distinct rows per step x row_bytes read",
+                 "load_average_start": os.getloadavg()[0]}
     with TieredStore.open(directory, backing="dram", hbm_capacity=None) as store:
-        cfg, lay = store.layout, store.layout_tables
-        rb, rpp = lay.row_bytes, lay.rows_per_page
-        rows = cfg.offsets[None] + rng.integers(0, cfg.primes[None], (tokens, len(cfg.layers), cfg.columns))
-        n = rows.size
-        out_t = torch.empty((*rows.shape, lay.row_dim), dtype=torch.bfloat16)
-        store.lookup(rows)
-        unique = store.last_step["unique"]
-        keys = store.keys(rows).reshape(-1)
-        layer = np.searchsorted(lay.layer_base, keys, "right") - 1
-        table_row = keys - lay.layer_base[layer] + store.backing.page_base[layer] * rpp
-        inverse, uniq_rows = compact(table_row)
-        pages = store.backing.pages
-        packed = np.empty((uniq_rows.size, rb), np.uint8)
-        out = np.empty((n, lay.row_dim), np.uint16)
-        ident = np.arange(uniq_rows.size, dtype=np.int64)
-        src, dst = np.ones(unique * rb, np.uint8), np.empty(unique * rb, np.uint8)
-        packed_table = np.ones((int(lay.table_rows.sum()), rb), np.uint8)
-        flat = keys % packed_table.shape[0]
-        take_out = np.empty((n, rb), np.uint8)
-        stages = {}
+        cfg = store.layout
+        out["row_bytes"] = store.row_bytes
+        out["table_rows"] = int(store.layout_tables.table_rows.sum())
+        uniform = cfg.offsets[None] + rng.integers(0, cfg.primes[None], (tokens, len(cfg.layers), cfg.columns))
+        out["uniform"] = _time_steps(store, _steps_of(store, [uniform]), rounds)
+        if trace:
+            from cachelab.learning.streams import load_trace
 
-        def lookup_stages():
-            store.lookup(rows)
-            for k in ("dedup_s", "cache_lookup_s", "ssd_read_s", "gather_s", "copy_s", "dequant_s", "step_s"):
-                stages[k] = min(stages.get(k, np.inf), store.last_step[k])
-
-        runs = {
-            "memcpy": lambda: np.copyto(dst, src),
-            "random_touch": lambda: _touch_rows(pages, uniq_rows, rpp, rb),
-            "numpy_take": lambda: np.take(packed_table, flat, axis=0, out=take_out),
-            "lookup": lookup_stages,
-            "lookup_out": lambda: store.lookup(rows, out=out_t),
-            "kernels_staged": lambda: (gather_pages(pages, uniq_rows, ident, packed, rpp, rb, work=0),
-                                       dequant_expand(packed, inverse, DEQUANT_TABLE, out, work=0)),
-            "kernels_fused": lambda: gather_dequant(pages, uniq_rows, inverse, rpp, DEQUANT_TABLE, out, work=0),
-        }
-        for fn in runs.values():
-            fn()
-        best = {k: np.inf for k in runs}
-        for _ in range(rounds):
-            for k, fn in runs.items():
-                best[k] = min(best[k], _best(fn))
-        del packed_table
+            stream = load_trace(trace, requests, seed, cfg.name, steps=steps_view)
+            rows = [step_rows(stream, s, len(cfg.layers), cfg.columns) for s in range(stream.num_steps)]
+            out["trace"] = {"trace": trace, "requests_per_source": requests, "step_view": steps_view,
+                            **_time_steps(store, _steps_of(store, rows), rounds)}
     numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
-    bw = unique * rb / best["memcpy"]
-    res = {"requests": int(n), "unique_rows": int(unique), "row_bytes": rb, "bytes_counted": "unique rows x row_bytes read",
-           "memcpy_GBps": bw / 1e9, "memcpy_ns_per_row": best["memcpy"] / unique * 1e9,
-           "dram_latency_ns": dram_latency_ns(), "load_average": os.getloadavg()[0],
-           "lookup_stage_ns_per_row": {k: v / unique * 1e9 for k, v in stages.items()}}
-    for k in runs:
-        if k == "memcpy":
-            continue
-        rows_done = n if k == "numpy_take" else unique
-        res[k] = {"ns_per_row": best[k] / rows_done * 1e9, "GBps": rows_done * rb / best[k] / 1e9,
-                  "ratio_to_memcpy": rows_done * rb / best[k] / bw}
-    return res
+    out["dram_latency_ns"] = dram_latency_ns()
+    out["load_average_end"] = os.getloadavg()[0]
+    return out
 
 
 def fio_iops(path: Path, depth: int, runtime: float) -> float | None:
@@ -291,6 +358,8 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=None, help="Tables (built here if missing).")
     ap.add_argument("--trace", default="gsm8k,humaneval")
     ap.add_argument("--requests", type=int, default=20)
+    ap.add_argument("--steps", default="serving", help="How the gather section groups the trace into steps: "
+                    "serving (vLLM's scheduler: 8,192 tokens, 256 sequences per step) or prompts.")
     ap.add_argument("--compute-ms", type=float, default=2.0)
     ap.add_argument("--sections", default="gather,direct,modes,prefetch")
     ap.add_argument("--pagecache", action="store_true")
@@ -309,7 +378,7 @@ def main() -> None:
     sections = set(args.sections.split(","))
     out: dict = {"dir_scale": args.scale, "trace": args.trace, "requests": args.requests}
     if "gather" in sections:
-        out["gather"] = gather_section(directory)
+        out["gather"] = gather_section(directory, args.trace, args.requests, args.steps)
     if "direct" in sections:
         out["direct"] = direct_section(directory)
     if "modes" in sections:
@@ -329,15 +398,23 @@ def main() -> None:
 def _print(out: dict) -> None:
     if "gather" in out:
         g = out["gather"]
-        print(f"gather+dequant, one core, {g['unique_rows']:,} distinct of {g['requests']:,} random rows, bytes = "
-              f"distinct rows x {g['row_bytes']} B read; memcpy {g['memcpy_GBps']:.2f} GB/s "
-              f"({g['memcpy_ns_per_row']:.1f} ns/row); DRAM latency {g['dram_latency_ns']:.0f} ns; "
-              f"load average {g['load_average']:.2f}")
-        for k in ("lookup", "lookup_out", "kernels_staged", "kernels_fused", "random_touch", "numpy_take"):
-            r = g[k]
-            print(f"  {k:>15}: {r['ns_per_row']:7.1f} ns/row {r['GBps']:6.3f} GB/s {r['ratio_to_memcpy']:.3f} x memcpy")
-        print("  lookup stages (ns/row): " + ", ".join(f"{k[:-2]} {v:.1f}" for k, v in
-                                                      g["lookup_stage_ns_per_row"].items()))
+        print(f"gather+dequant on one core, tables of {g['table_rows']:,} rows; bytes = distinct rows per step x "
+              f"{g['row_bytes']} B read; DRAM latency {g['dram_latency_ns']:.0f} ns; load average "
+              f"{g['load_average_start']:.2f} -> {g['load_average_end']:.2f}")
+        for name in ("uniform", "trace"):
+            if name not in g:
+                continue
+            r = g[name]
+            what = "rows uniform over the table" if name == "uniform" else \
+                f"{r['trace']} ({r['requests_per_source']} per source, {r['step_view']} steps)"
+            print(f" {name}: {r['steps']:,} steps, {r['unique_rows']:,} distinct of {r['requests']:,} requested, {what}; "
+                  f"memcpy {r['memcpy_GBps']:.2f} GB/s ({r['memcpy_ns_per_row']:.1f} ns/row; hot source "
+                  f"{r['memcpy_hot_GBps']:.2f}, cold {r['memcpy_cold_GBps']:.2f})")
+            for k in ("lookup", "lookup_out", "kernels_staged", "kernels_fused", "random_touch", "numpy_take"):
+                x = r[k]
+                print(f"  {k:>15}: {x['ns_per_row']:7.1f} ns/row {x['GBps']:6.3f} GB/s {x['ratio_to_memcpy']:.3f} x memcpy")
+            print("  lookup stages (ns/row): " + ", ".join(f"{k[:-2]} {v:.1f}" for k, v in
+                                                          r["lookup_stage_ns_per_row"].items()))
     if "direct" in out:
         d = out["direct"]
         if "note" in d:
