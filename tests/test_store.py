@@ -131,6 +131,28 @@ def test_lookup_without_tiers_and_into_a_callers_tensor(tables, backing):
             store.lookup(rows, out=torch.empty((30, 2, 24, 256), dtype=torch.float32))
 
 
+@pytest.mark.parametrize("hbm_capacity", [None, 50])  # the fused path, and a tier's
+def test_fresh_outputs_reuse_dropped_memory_never_a_held_one(tables, hbm_capacity):
+    """lookup's outputs come from recycled memory: a dropped one's pages serve a later step, a
+    held one (or any view of it) is never written again."""
+    rng = np.random.default_rng(8)
+    with TieredStore.open(tables, backing="dram", hbm_capacity=hbm_capacity) as store:
+        a_rows, b_rows = full_rows(rng, 40), full_rows(rng, 40)
+        a = store.lookup(a_rows)
+        a_ptr, a_copy = a.data_ptr(), a.clone()
+        b = store.lookup(b_rows)
+        assert b.data_ptr() != a_ptr and torch.equal(a, a_copy)
+        view = a[1:]
+        del a
+        c = store.lookup(b_rows)  # a's memory is still held through its view
+        assert c.data_ptr() != a_ptr and torch.equal(view, a_copy[1:]) and check_rows(store, b_rows, c) == 0
+        c_ptr = c.data_ptr()
+        del view, c
+        assert store._outputs.held_bytes > 0
+        d = store.lookup(a_rows)
+        assert d.data_ptr() in (a_ptr, c_ptr) and check_rows(store, a_rows, d) == 0
+
+
 @pytest.mark.parametrize("submit", ["io_uring", "threads"])
 def test_direct_reads_through_io_uring_and_the_thread_pool(tables, submit):
     """Both submissions of ``direct`` return the reference rows; io_uring where the kernel has it."""
@@ -244,8 +266,9 @@ def test_wrong_row_size_or_layout_hash_is_refused(tmp_path):
         TieredStore.open(tmp_path / "b")
 
 
-def test_row_id_out_of_range_and_capacity_over_memory(tables):
-    with TieredStore.open(tables, hbm_capacity=10) as store:
+@pytest.mark.parametrize("hbm_capacity", [10, None])  # a tier, and the fused path (page-table rows)
+def test_row_id_out_of_range_and_capacity_over_memory(tables, hbm_capacity):
+    with TieredStore.open(tables, hbm_capacity=hbm_capacity) as store:
         rows = full_rows(np.random.default_rng(6), 2)
         rows[1, 0, 5] = CFG.offsets[0, 6]  # the next head's first row: outside head 5
         with pytest.raises(CachelabError, match=f"row id {CFG.offsets[0, 6]} is out of range"):

@@ -36,14 +36,15 @@ PARALLEL_BYTES = 4 << 20  # below this much work a kernel runs on one thread: a 
 
 def _serial_and_parallel(fn):
     """``fn`` compiled twice; a call passes ``work=`` (bytes it moves) and runs the parallel
-    build only when that is large enough to pay for starting the threads."""
+    build only when that is large enough to pay for starting the threads (and more than one
+    thread is allowed: on one thread the parallel build only adds its scheduling)."""
     twin = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_parallel", fn.__defaults__, fn.__closure__)
     twin.__qualname__ = twin.__name__  # its own on-disk cache entry
     serial = nb.njit(cache=True, nogil=True, boundscheck=False)(fn)
     parallel = nb.njit(cache=True, nogil=True, parallel=True, boundscheck=False)(twin)
 
     def call(*args, work: int):
-        return (parallel if work >= PARALLEL_BYTES else serial)(*args)
+        return (parallel if work >= PARALLEL_BYTES and nb.get_num_threads() > 1 else serial)(*args)
 
     call.__doc__, call.__name__ = fn.__doc__, fn.__name__
     return call
@@ -190,6 +191,23 @@ def gather_dequant(buf, rows, inverse, rows_per_page, table, out):
                 prefetch(buf[p], at + min(line, rb - 1))
         r = rows[inverse[i]]
         _dequant_row(buf, r // rows_per_page, (r % rows_per_page) * rb, dim, table, out, i)
+
+
+@nb.njit(cache=True, nogil=True, boundscheck=False)
+def fold_rows(rows, offsets, primes, new_offsets, new_primes, out):
+    """``out[t, l, c] = new_offsets[l, c] + (rows[t, l, c] - offsets[l, c]) mod new_primes[l, c]``
+    (``rows`` int64 ``[tokens, layers, columns]``): full-layout row ids folded into scaled tables
+    in one pass. Returns the flat index of the first row id outside its head's slice, or -1."""
+    layers, columns = offsets.shape
+    for t in range(rows.shape[0]):
+        for li in range(layers):
+            for c in range(columns):
+                r = rows[t, li, c] - offsets[li, c]
+                if r < 0 or r >= primes[li, c]:
+                    return (t * layers + li) * columns + c
+                p = new_primes[li, c]
+                out[t, li, c] = new_offsets[li, c] + (r if r < p else r % p)
+    return -1
 
 
 @_serial_and_parallel

@@ -34,10 +34,11 @@ from cachelab import registry
 from cachelab.capacity import parse_capacity
 from cachelab.errors import CachelabError
 from cachelab.policy import Policy
-from cachelab.store.backing import advise_huge_pages, open_backing
+from cachelab.store.backing import open_backing
 from cachelab.store.build import open_tables
 from cachelab.store.counters import Counters
-from cachelab.store.kernels import DEQUANT_TABLE, dequant_expand, gather_dequant
+from cachelab.store.kernels import DEQUANT_TABLE, dequant_expand, fold_rows, gather_dequant
+from cachelab.store.outputs import OutputPool
 from cachelab.store.source import RowSource
 from cachelab.store.tier import CacheTier
 from cachelab.workload.lookups import compact
@@ -55,17 +56,6 @@ def available_memory() -> int:
 def _faults() -> tuple[int, int]:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_minflt, ru.ru_majflt
-
-
-def _fresh_output(shape):
-    """An empty bfloat16 CPU tensor, advised to huge pages before its first touch: filling a
-    large one then takes one page fault per 2 MiB instead of one per 4 KiB (the faults cost
-    more than the dequantisation that writes it)."""
-    import torch
-
-    res = torch.empty(shape, dtype=torch.bfloat16)
-    advise_huge_pages(res.data_ptr(), res.numel() * 2)
-    return res
 
 
 def _positions(keys: np.ndarray, queries: np.ndarray) -> np.ndarray:
@@ -170,6 +160,13 @@ class TieredStore:
         self._dram = tiers[-1] if tiers and tiers[-1].name == "dram" else None
         self.backing = open_backing(backing, lay, self.paths, io_threads, io_submit)
         self._fused = not tiers and not self.cuda and backing == "dram"
+        # the fold's constants per (layer, head); with the fused path, straight to page-table rows
+        # (a bijection of the store's keys: dedup and counts are the same)
+        cfg, rpp = lay.config, lay.rows_per_page
+        base = self.backing.page_base * rpp if self._fused else lay.layer_base
+        self._fold_consts = (cfg.offsets.astype(np.int64), cfg.primes.astype(np.int64),
+                             lay.head_offsets + base[:, None], lay.head_rows)
+        self._outputs = OutputPool()
         # id + 1 of each row seen (0: not yet), zero-filled so the OS maps only the pages of rows
         # in use: np.full(-1) wrote all 3.1 GB of the full V4.1 tables' map at open
         self._id_of = np.zeros(self.num_keys if tiers else 0, np.int32 if self.num_keys < 2**31 - 1 else np.int64)
@@ -210,6 +207,18 @@ class TieredStore:
         self._id_of[uniq[new]] = ids[new] + 1
         self._next_id += new.size
         return ids
+
+    def _fold(self, row_ids) -> np.ndarray:
+        """The keys of ``row_ids`` (page-table rows on the fused path) in one compiled pass; the
+        layout's own fold names a row id out of range or a wrong shape."""
+        rows = np.ascontiguousarray(row_ids, dtype=np.int64)
+        off = self._fold_consts[0]
+        if rows.ndim < 2 or rows.shape[-2:] != off.shape:
+            return self.layout_tables.fold(rows)  # raises, naming the shape
+        out = np.empty(rows.shape, np.int64)
+        if fold_rows(rows.reshape(-1, *off.shape), *self._fold_consts, out.reshape(-1, *off.shape)) >= 0:
+            return self.layout_tables.fold(rows)  # raises, naming the row id
+        return out
 
     def keys(self, row_ids) -> np.ndarray:
         """The store's keys (``layer_base + row`` of the scaled tables) of full-layout row ids."""
@@ -261,7 +270,7 @@ class TieredStore:
         clock = time.perf_counter
         t0 = clock()
         minor0, major0 = _faults()
-        keys = self.layout_tables.fold(row_ids)
+        keys = self._fold(row_ids)
         shape = keys.shape
         inverse, uniq = compact(keys.reshape(-1))
         d_scores = None
@@ -294,12 +303,10 @@ class TieredStore:
         c["cache_lookup_s"] = t2 - t1
         if self._fused:  # no tier keeps a row and no device: each row read once, straight to BF16
             h, written_hbm, file_bytes, pages = 0, 0, 0, 0
-            layer = np.searchsorted(self.layer_base, uniq, "right") - 1
-            rpp = self.layout_tables.rows_per_page
-            table_rows = uniq - self.layer_base[layer] + self.backing.page_base[layer] * rpp
-            res = self._output(shape, out)
+            res = self._output(shape, out)  # uniq: page-table rows here (the fold's base)
             flat = res.view(self.torch.int16).numpy().reshape(inverse.size, self.row_dim).view(np.uint16)
-            gather_dequant(self.backing.pages, table_rows, inverse, rpp, DEQUANT_TABLE, flat, work=flat.nbytes)
+            gather_dequant(self.backing.pages, uniq, inverse, self.layout_tables.rows_per_page, DEQUANT_TABLE, flat,
+                           work=flat.nbytes)
             out = res
             t8 = clock()
             c["dequant_s"] = t8 - t2
@@ -374,10 +381,10 @@ class TieredStore:
         dev[h:h + m].copy_(torch.from_numpy(host[:m]).pin_memory(), non_blocking=True)
 
     def _output(self, shape, out):
-        """``out`` checked, or a fresh CPU output tensor."""
+        """``out`` checked, or a fresh CPU output tensor (from the pool of recycled outputs)."""
         want = (*shape, self.row_dim)
         if out is None:
-            return _fresh_output(want)
+            return self._outputs.tensor(want)
         if (tuple(out.shape) != want or out.dtype != self.torch.bfloat16 or out.device != self.device
                 or not out.is_contiguous()):
             raise CachelabError(f"out= must be a contiguous bfloat16 tensor of shape {list(want)} on "
@@ -407,6 +414,7 @@ class TieredStore:
                 pass
         self._worker.shutdown()
         self.backing.close()
+        self._outputs.clear()
 
     def __enter__(self) -> "TieredStore":
         return self
