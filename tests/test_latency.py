@@ -105,11 +105,15 @@ def test_table_in_hbm_takes_kv_and_b300_tp2_does_not_fit():
 
 
 def test_uva_fetch_is_lines_over_the_link():
+    # the table is split across the TP ranks by head: each TP4 rank reads a quarter of the rows
     lat = LatencyModel(MODEL, load_profile("B200"), tp=4, placement="dram-uva")
     parts = lat.fetch_parts(EngramStep(lookups=2400, unique=2000, cache_hits=500))
     h, e = lat.hw.host, lat.eff
-    assert parts["uva_read_s"] == pytest.approx(h.link_latency_s + 1500 * 384 / (h.link_bw * e.uva_efficiency))
-    assert parts["hbm_gather_s"] == pytest.approx(500 * 384 / (lat.hw.gpu.hbm_bw * e.mbu))
+    assert parts["uva_read_s"] == pytest.approx(h.link_latency_s + 1500 / 4 * 384 / (h.link_bw * e.uva_efficiency))
+    assert parts["hbm_gather_s"] == pytest.approx(500 / 4 * 384 / (lat.hw.gpu.hbm_bw * e.mbu))
+    tp8 = LatencyModel(MODEL, load_profile("B200"), tp=8, placement="dram-uva")
+    assert tp8.fetch_parts(EngramStep(lookups=2400, unique=2000))["uva_read_s"] == pytest.approx(
+        h.link_latency_s + 2000 / 8 * 384 / (h.link_bw * e.uva_efficiency))
 
 
 def test_ssd_mmap_parts_add_up_and_faults_dominate_cold_reads():
@@ -118,7 +122,7 @@ def test_ssd_mmap_parts_add_up_and_faults_dominate_cold_reads():
     crit = max(parts["device_reads_s"], parts["page_faults_s"])
     assert parts["total_s"] == pytest.approx(parts["round_trip_s"] + parts["cpu_dedup_s"] + crit
                                              + parts["cpu_gather_s"] + parts["h2d_copy_s"])
-    assert parts["page_faults_s"] == pytest.approx(4000 * lat.hw.cpu.major_fault_s / lat.hw.cpu.threads)
+    assert parts["page_faults_s"] == pytest.approx(4000 / 4 * lat.hw.cpu.major_fault_s / lat.hw.cpu.threads)  # per rank
     warm = lat.fetch_parts(EngramStep(lookups=10_000, unique=8_000, page_cache_rows=8_000))
     assert 0 < warm["total_s"] < parts["total_s"]
     uva = LatencyModel(MODEL, load_profile("B200"), tp=4, placement="dram-uva")

@@ -324,6 +324,7 @@ class LatencyModel:
     def fetch_parts(self, work: EngramStep) -> dict:
         """Seconds per part of one Engram layer's fetch; ``total_s`` is their critical path."""
         e, g, h, cpu = self.eff, self.hw.gpu, self.hw.host, self.hw.cpu
+        work = self.rank_share(work)
         lines = -(-self.model.row_bytes // e.line_bytes) * e.line_bytes
         parts = {"hbm_gather_s": work.cache_hits * lines / (g.hbm_bw * e.mbu)}
         rows = work.unique - work.cache_hits  # rows the placement must deliver
@@ -361,6 +362,18 @@ class LatencyModel:
         parts["total_s"] = (parts["hbm_gather_s"] + parts["round_trip_s"] + parts["cpu_dedup_s"] + critical
                             + parts["cpu_gather_s"] + parts["h2d_copy_s"])
         return parts
+
+    def rank_share(self, work: EngramStep) -> EngramStep:
+        """One TP rank's part of a layer's rows. vLLM splits each Engram table across the TP
+        ranks by hash head (8 heads x 3 n-gram orders = 24 rows per token; a rank holds and
+        gathers its heads' rows: vllm-project/vllm#56757, and the InferenceX SSD recipe's 23.60 GiB
+        per rank per layer at TP4), so every placement's per-GPU work is 1/TP of the replica's
+        and the ranks fetch in parallel, each on its own link and host thread."""
+        if not self.model.table_sharded_across_tp or self.tp == 1:
+            return work
+        s = 1.0 / self.tp
+        return EngramStep(work.lookups * s, work.unique * s, work.cache_hits * s, work.page_cache_rows * s,
+                          work.page_reads * s)
 
     def step_time(self, batch: Batch, engram: list[EngramStep]) -> StepTime:
         """The step: GPU time, each Engram layer's fetch and window, and the stall not hidden.
