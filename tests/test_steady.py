@@ -119,6 +119,12 @@ def test_calibration_points_and_the_inferencex_study(data_dir):
     assert {"tokens_per_s_per_gpu", "median_tpot_ms"} <= set(out["heldout_mape"])
     assert all(0 <= v < 10 for v in out["heldout_mape"].values())
     assert {r["subset"] for r in out["points"]} == subsets
+    # the trace replays are predicted and reported, but left out of heldout_mape with the reason
+    excluded = out["heldout_excluded"]["r1-b200-vllm-agentic"]
+    assert excluded["points"] == 23 and "1,800 s windows" in excluded["reason"]
+    assert out["heldout_points_all"] == out["heldout_points"] + 23 and "r1-b200-vllm-agentic" in out["heldout_mape_by_subset"]
+    gaps = [r["client_gap_s"] for r in out["points"] if r["subset"] == "r1-b200-vllm-agentic"]
+    assert len(gaps) == 23 and max(gaps) > 1000  # far past the trace's 60 s cap: not a steady state
 
 
 @pytest.mark.slow

@@ -344,10 +344,11 @@ def study_inferencex(
 ) -> None:
     """Fit the latency model's efficiencies on one named subset of the published InferenceX
     measurements (../shared/data/calibration), predict every other point, and report the error
-    per point and as MAPE per metric (`heldout_mape`: metric -> fraction).
-    Example: `cachelab study inferencex --json`."""
+    per point and as MAPE per metric: `heldout_mape` (metric -> fraction) over the held-out
+    steady-state measurements, `heldout_mape_all` over every held-out point; `heldout_excluded`
+    names the subsets left out of the first and why. Example: `cachelab study inferencex --json`."""
     from cachelab.paths import data_root
-    from cachelab.serving.calibration import (FIT_SUBSET, FIT_SUBSETS, FITTED, THINK_SUBSET, fit, load_points, mape,
+    from cachelab.serving.calibration import (FIT_SUBSET, FITTED, THINK_SUBSET, fit, heldout_report, load_points, mape,
                                               validate, with_fitted_think)
 
     console = Console(stderr=True, quiet=as_json)
@@ -356,12 +357,9 @@ def study_inferencex(
     with console.status(f"fitting {', '.join(FITTED)} on {FIT_SUBSET} ({len(train)} points)"):
         eff, loss = fit(train, max_evals=fit_evals)
     rows = validate(points, eff)
-    held = [r for r in rows if r["subset"] not in FIT_SUBSETS]
     result = {"fit_subset": FIT_SUBSET, "fitted": {k: getattr(eff, k) for k in FITTED}, "fit_loss": loss,
               "think_subset": THINK_SUBSET, "agentic_think_s": think, "prefill_mfu": eff.prefill_mfu,
-              "fit_mape": mape([r for r in rows if r["subset"] == FIT_SUBSET]), "heldout_mape": mape(held),
-              "heldout_mape_by_subset": {s: mape([r for r in held if r["subset"] == s])
-                                         for s in sorted({r["subset"] for r in held})},
+              "fit_mape": mape([r for r in rows if r["subset"] == FIT_SUBSET]), **heldout_report(rows),
               "points": rows}
     if out is not None:
         import polars as pl
@@ -379,8 +377,12 @@ def study_inferencex(
     table.add_column("subset")
     for k in metrics:
         table.add_column(labels[k], justify="right")
-    for s, m in {**result["heldout_mape_by_subset"], "all held-out": result["heldout_mape"]}.items():
+    summary = {"held-out, steady state (heldout_mape)": result["heldout_mape"],
+               "every held-out point (heldout_mape_all)": result["heldout_mape_all"]}
+    for s, m in {**result["heldout_mape_by_subset"], **summary}.items():
         table.add_row(s, *(f"{m[k]:.1%}" if k in m else "" for k in metrics))
     c = Console()
     c.print(table)
+    for s, v in result["heldout_excluded"].items():
+        c.print(f"not in heldout_mape: {s} ({v['points']} points): {v['reason']}")
     c.print("fitted: " + ", ".join(f"{k} = {v:.4g}" for k, v in result["fitted"].items()))
