@@ -94,3 +94,47 @@ def info(
                   f"tables {data['total_table_bytes'] / 2**30:.1f} GiB")
     if cfg.note:
         console.print(f"  note: {cfg.note}")
+
+
+@app.command("page-cache")
+def page_cache(
+    preset: str = typer.Option(PRESET, help=PRESET_HELP),
+    corpus: str = typer.Option("stdlib", help="Registered text corpus (cachelab plugins list); stdlib: Python "
+                               "sources, the closest to a coding agent's traffic on every machine."),
+    max_tokens: int = typer.Option(4_000_000, help="Tokens of the corpus to address (documents in order)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """The page-cache curve of a layout on real text: the share of row reads an LRU page cache
+    holding a fraction of the tables' 4 KiB pages serves (Che's approximation over the measured
+    page popularity). Prints the `[engram] page_cache_curve` line a model spec keeps.
+    Example: `cachelab engram page-cache --corpus stdlib`."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn
+
+    from cachelab import registry
+    from cachelab.serving.page_popularity import corpus_tokens, curve, measure
+
+    if max_tokens < 1:
+        raise CachelabError(f"--max-tokens must be at least 1, got {max_tokens}")
+    cfg = get_preset(preset)
+    source = registry.get(registry.WORKLOADS, corpus)()
+    if not hasattr(source, "documents"):
+        raise CachelabError(f"--corpus {corpus!r} is not a text corpus (it has no documents)")
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), transient=True, disable=as_json) as bar:
+        bar.add_task(f"tokenizing and addressing up to {max_tokens:,} tokens of {corpus}")
+        rates = measure(corpus_tokens(source, cfg.tokenizer, max_tokens), cfg)
+        points = curve(rates)
+    result = {"preset": cfg.name, "corpus": corpus, "tokens": rates.tokens, "pages": rates.total_pages,
+              "singleton_share": rates.singleton_share, "curve": [[f, h] for f, h in points]}
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    console = Console()
+    console.print(f"{cfg.name} on {rates.tokens:,} tokens of {corpus}: {rates.total_pages:,.0f} pages; "
+                  f"{rates.singleton_share:.1%} of lookups on rows seen once (spread evenly)")
+    table = Table(title="LRU page cache (Che's approximation)")
+    for col in ("pages cached", "reads served", "missed"):
+        table.add_column(col, justify="right")
+    for f, h in points:
+        table.add_row(f"{f:.1%}", f"{h:.4%}", f"{1 - h:.4%}")
+    console.print(table)
+    console.print("page_cache_curve = [" + ", ".join(f"[{f:g}, {h:.6f}]" for f, h in points) + "]")

@@ -78,6 +78,9 @@ class ModelSpec:
     layout: EngramConfig | None
     wkv_params: float
     table_sharded_across_tp: bool
+    # (fraction of the table's pages cached, share of row reads served) measured on real text
+    # (``cachelab.serving.page_popularity``); empty: none measured
+    page_cache_curve: tuple[tuple[float, float], ...] = ()
 
     @property
     def engram_layers(self) -> tuple[int, ...]:
@@ -198,7 +201,7 @@ _OPTIONAL = {  # zero (or empty) when a spec leaves them out
     "engram": ("wkv_params",),
 }
 _OTHER = {"backbone": ("expert_precision",), "attention": ("kv_replicated_across_tp", "compress_ratios", "index_sources"),
-          "mtp": ("acceptance_length",), "engram": ("layout", "table_sharded_across_tp")}
+          "mtp": ("acceptance_length",), "engram": ("layout", "table_sharded_across_tp", "page_cache_curve")}
 # [engram] keys an older spec restated; the layout derives them, so they may stay only if they agree.
 _DERIVED = ("layers", "rows_per_token_layer", "row_bytes", "table_rows")
 
@@ -265,8 +268,22 @@ def load_model(name: str | Path = "deepseek-v4.1-flash", layout: str | EngramCon
         raise CachelabError(f"{path}: [mtp] acceptance_length {values['acceptance_length']} must be in "
                             f"[1, speculative_tokens + 1 = {values['speculative_tokens'] + 1}]")
     values["table_sharded_across_tp"] = bool(engram.get("table_sharded_across_tp", True))
+    values["page_cache_curve"] = _curve(path, engram.get("page_cache_curve", ()))
     values["layout"] = _layout(path, engram, layout) if engram or layout is not None else None
     return ModelSpec(**values)
+
+
+def _curve(path: Path, points) -> tuple[tuple[float, float], ...]:
+    """``[engram] page_cache_curve``: [fraction, hit] pairs, both rising, inside (0, 1]."""
+    try:
+        curve = tuple((float(f), float(h)) for f, h in points)
+    except (TypeError, ValueError):
+        raise CachelabError(f"{path}: [engram] page_cache_curve must be a list of [fraction, hit] pairs") from None
+    for (f0, h0), (f1, h1) in zip(((0.0, 0.0),) + curve, curve):
+        if not (f0 < f1 <= 1.0 and h0 <= h1 <= 1.0):
+            raise CachelabError(f"{path}: [engram] page_cache_curve point [{f1}, {h1}] does not rise from "
+                                f"[{f0}, {h0}] inside (0, 1]")
+    return curve
 
 
 def _layout(path: Path, block: dict, layout: str | EngramConfig | None) -> EngramConfig:

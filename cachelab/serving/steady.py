@@ -22,6 +22,7 @@ import numpy as np
 
 from cachelab.errors import CachelabError
 from cachelab.serving.latency import Batch, EngramStep, LatencyModel
+from cachelab.serving.page_popularity import interpolate
 
 Z = {50: 0.0, 90: 1.2816, 99: 2.3263}  # standard normal quantiles
 
@@ -76,11 +77,13 @@ class Deployment:
 
 def page_cache_hit(cache_bytes: float, model) -> float:
     """Share of row reads the page cache serves when it holds ``cache_bytes`` of the tables:
-    the hottest pages under Zipf(1) popularity (ANCHORS.md §1: n-gram accesses are Zipf-like),
-    whose cumulative share of N items is about ln(k) / ln(N) for the top k (an ASSUMPTION;
-    uniform access would give k / N)."""
+    the model's measured curve (``[engram] page_cache_curve``: an LRU page cache over the page
+    popularity of real text, ``cachelab.serving.page_popularity``); for a layout without one,
+    the hottest pages under Zipf(1) popularity, ln(k) / ln(N) for the top k of N (an ASSUMPTION)."""
     pages = model.table_bytes / 4096
     cached = min(max(cache_bytes, 0.0) / 4096, pages)
+    if model.page_cache_curve:
+        return interpolate(model.page_cache_curve, cached / pages)
     return float(np.log1p(cached) / np.log1p(pages))
 
 
