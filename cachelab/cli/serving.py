@@ -280,7 +280,8 @@ def _efficiency(console: Console, evals: int):
 def study_semianalysis(
     out: Path = typer.Option(Path("study-semianalysis"), help="Folder for the points (streamed JSONL, then CSV)."),
     fit_evals: int = typer.Option(150, help="Loss evaluations of the efficiency fit (0: default efficiencies)."),
-    sensitivity: bool = typer.Option(True, help="Also compute the tokens/$ elasticity of every fitted parameter."),
+    sensitivity: bool = typer.Option(True, help="Also compute the tokens/$ elasticity of every fitted parameter, "
+                                     "and the what-ifs of the page-cache size and of V4.1's KV bytes per token."),
     prefix_hit: float = typer.Option(0.858, help="The agentic trace's token hit ratio under an unbounded prefix cache "
                                      "(0.858: AgentX no-subagents dataset; 0.968: the older one)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
@@ -293,7 +294,7 @@ def study_semianalysis(
 
     from cachelab.serving.agentic import agentic_workload
     from cachelab.serving.calibration import FITTED
-    from cachelab.serving.studies.semianalysis import run, sensitivity as elasticity, total_points
+    from cachelab.serving.studies.semianalysis import run, sensitivity as elasticity, total_points, what_ifs
 
     if not 0.0 <= prefix_hit < 1.0:
         raise CachelabError(f"--prefix-hit must be in [0, 1), got {prefix_hit}")
@@ -312,6 +313,8 @@ def study_semianalysis(
     if sensitivity:
         with console.status("sensitivity (tokens/$ elasticity of each fitted parameter and of prefill_mfu)"):
             result["sensitivity"] = elasticity(workload, eff, FITTED + ("prefill_mfu",))  # fitted, then cited
+        with console.status("what-ifs (page-cache size, KV bytes per token)"):
+            result.update(what_ifs(workload, eff, result["b200_dram_tokens_per_dollar"]))
     if as_json:
         typer.echo(json.dumps(result, default=float))
         return
@@ -325,6 +328,11 @@ def study_semianalysis(
             f"{result['b300_tp2_dram_gain_max']:.2f}x at {result['b300_tp2_dram_gain_at_p90_interactivity']:.0f} tok/s/user "
             f"(published up to 1.6x); TP4 HBM vs DRAM differ by at most "
             f"{result['b300_tp4_hbm_vs_dram_max_diff']:.1%} at any paired point")
+    if "b200_dram_over_ssd_if_page_cache_fraction" in result:
+        c.print("DRAM over SSD if the page cache held this fraction of the tables: " + ", ".join(
+            f"{k}: {v:.2f}x" for k, v in result["b200_dram_over_ssd_if_page_cache_fraction"].items()))
+        c.print("TP2-DRAM over TP4-HBM if V4.1 kept this much KV per token: " + ", ".join(
+            f"{k} B: {v['gain_max']:.2f}x" for k, v in result["b300_tp2_dram_gain_if_kv_bytes_per_token"].items()))
     if "sensitivity" in result:
         table = Table(title="tokens/$ elasticity (B200 DRAM-UVA at 125 tok/s/user)")
         for col in ("parameter", "value", "elasticity"):

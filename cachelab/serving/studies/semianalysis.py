@@ -32,7 +32,7 @@ from cachelab.serving.agentic import agentic_workload
 from cachelab.serving.hardware import load_profile
 from cachelab.serving.hardware.probe import peak_rss_mb
 from cachelab.serving.latency import Efficiency, LatencyModel
-from cachelab.serving.model_spec import load_model
+from cachelab.serving.model_spec import ModelSpec, load_model
 from cachelab.serving.pareto import dominated, pareto_front, plot_fronts, throughput_at
 from cachelab.serving.steady import Deployment, SteadyState, Workload
 
@@ -47,9 +47,11 @@ CONFIGS = (("B200", 4, "dram-uva"), ("B200", 8, "dram-uva"), ("B200", 4, "ssd-mm
 MODEL = "deepseek-v4.1-flash"
 
 
-def deployment(hardware: str, tp: int, placement: str, eff: Efficiency, model: str = MODEL) -> Deployment:
-    """One replica with InferenceX's host-memory plan (raises CachelabError if it does not fit)."""
-    spec = load_model(model)
+def deployment(hardware: str, tp: int, placement: str, eff: Efficiency, model: str = MODEL,
+               spec: ModelSpec | None = None, page_cache_bytes: float | None = None) -> Deployment:
+    """One replica with InferenceX's host-memory plan (raises CachelabError if it does not fit);
+    ``spec`` and ``page_cache_bytes`` replace the named model and the planned page cache (what-ifs)."""
+    spec = spec or load_model(model)
     hw = load_profile(hardware)
     lat = LatencyModel(spec, hw, tp, placement, efficiency=eff)
     host = hw.host.dram_bytes * tp
@@ -59,6 +61,8 @@ def deployment(hardware: str, tp: int, placement: str, eff: Efficiency, model: s
     # table file, so a page one faults in serves all (8 / TP replicas per node, each with its pool).
     replicas = hw.gpu.nvlink_domain // tp
     page_cache = max(0.0, replicas * (host * (1 - OS_SHARE) - pool)) if placement == "ssd-mmap" else None
+    if page_cache is not None and page_cache_bytes is not None:
+        page_cache = page_cache_bytes
     return Deployment(lat, kv_offload_bytes=pool, page_cache_bytes=page_cache)
 
 
@@ -68,14 +72,15 @@ def _dominant(point: dict) -> str:
 
 
 def run_points(workload: Workload, eff: Efficiency, configs=CONFIGS, concurrencies=CONCURRENCIES,
-               on_point: Callable[[dict], None] | None = None) -> list[dict]:
+               on_point: Callable[[dict], None] | None = None, **what_if) -> list[dict]:
     """Every (config, concurrency) point; ``on_point`` sees each as it finishes. A config that
-    does not fit is one row with ``fits`` False and the reason."""
+    does not fit is one row with ``fits`` False and the reason. ``what_if``: ``deployment``'s
+    ``spec`` or ``page_cache_bytes``."""
     rows = []
     for hardware, tp, placement in configs:
         base = {"hardware": hardware, "tp": tp, "placement": placement}
         try:
-            dep = deployment(hardware, tp, placement, eff)
+            dep = deployment(hardware, tp, placement, eff, **what_if)
             model = SteadyState(dep, workload)
         except CachelabError as exc:
             row = {**base, "fits": False, "reason": str(exc)}
@@ -198,6 +203,39 @@ def run(out_dir: Path, eff: Efficiency, workload: Workload | None = None,
                      "peak_rss_mb": peak_rss_mb(),
                      "points_file": str(out_dir / "semianalysis_points.jsonl")}
     return result
+
+
+PAGE_CACHE_FRACTIONS = (0.9, 0.75, 0.5)  # of the tables, against the planned page cache
+KV_BYTES_PER_TOKEN = (4_000.0, 32_000.0)  # against the spec's 925 B: FP8 latents; no cross-layer sharing
+WHAT_IF_CONCURRENCIES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256, 512)  # a coarser sweep
+
+
+def what_ifs(workload: Workload, eff: Efficiency, dram_tokens_per_dollar: float) -> dict:
+    """The two assumptions the unmet aims rest on, varied: B200 DRAM over SSD if the node's page
+    cache held only a fraction of the tables (the planned one holds nearly all of them), and the
+    B300 TP2-DRAM gain over TP4-HBM if V4.1 stored more KV per token than the spec's 925 B (the
+    gain's mechanism, more KV per GPU once the table leaves HBM, needs KV to bind)."""
+    from dataclasses import replace
+
+    price = load_profile("B200").usd_per_gpu_hour
+    ssd = [c for c in CONFIGS if c[0] == "B200" and c[2] == "ssd-mmap"]
+    table = load_model(MODEL).table_bytes
+    by_cache = {}
+    for frac in (None,) + PAGE_CACHE_FRACTIONS:  # None: the planned page cache, on the same coarser sweep
+        df = pl.DataFrame(run_points(workload, eff, ssd, WHAT_IF_CONCURRENCIES,
+                                     page_cache_bytes=None if frac is None else frac * table), infer_schema_length=None)
+        by_cache["planned" if frac is None else str(frac)] = dram_tokens_per_dollar / (
+            throughput_at(_front(df), TARGET, X, Y) * 3600 / price)
+    b300 = [c for c in CONFIGS if c[0] == "B300" and (c[1], c[2]) in ((2, "dram-uva"), (4, "hbm"))]
+    by_kv = {}
+    for kv in KV_BYTES_PER_TOKEN:
+        spec = replace(load_model(MODEL), kv_bytes_per_token=kv)
+        df = pl.DataFrame(run_points(workload, eff, b300, WHAT_IF_CONCURRENCIES, spec=spec),
+                          infer_schema_length=None).filter(pl.col("fits"))
+        gain, at = _gain(df.filter(pl.col("tp") == 2), df.filter(pl.col("tp") == 4))
+        by_kv[str(int(kv))] = {"gain_max": gain, "at_p90_interactivity": at}
+    return {"b200_dram_over_ssd_if_page_cache_fraction": by_cache,
+            "b300_tp2_dram_gain_if_kv_bytes_per_token": by_kv}
 
 
 SENSITIVITY_CONCURRENCIES = (8, 16, 24, 32, 48, 64, 96, 128)
