@@ -84,6 +84,23 @@ def test_the_page_cache_is_the_nodes_and_every_replica_shares_it():
     assert tp4.kv_offload_bytes == pytest.approx(tp8.kv_offload_bytes / 2)
 
 
+def test_the_what_ifs_replace_the_page_cache_and_the_spec_and_nothing_else():
+    from dataclasses import replace
+
+    from cachelab.serving.studies.semianalysis import deployment, run_points
+
+    planned = deployment("B200", 4, "ssd-mmap", Efficiency())
+    half = deployment("B200", 4, "ssd-mmap", Efficiency(), page_cache_bytes=100e9)
+    assert half.page_cache_bytes == 100e9 and half.kv_offload_bytes == planned.kv_offload_bytes
+    assert deployment("B200", 4, "dram-uva", Efficiency(), page_cache_bytes=100e9).page_cache_bytes is None
+    fat = replace(load_model(), kv_bytes_per_token=32_000.0)
+    assert deployment("B300", 2, "dram-uva", Efficiency(), spec=fat).latency.plan.kv_tokens < \
+        deployment("B300", 2, "dram-uva", Efficiency()).latency.plan.kv_tokens / 30
+    (small,), (big,) = (run_points(agentic_workload(), Efficiency(), [("B200", 4, "ssd-mmap")], (16,),
+                                   page_cache_bytes=b) for b in (20e9, None))
+    assert small["tokens_per_s_per_gpu"] < big["tokens_per_s_per_gpu"] and small["page_cache_gb"] == 20.0
+
+
 def test_the_default_prefill_efficiency_is_the_one_deepseeks_published_prefill_rate_implies():
     from cachelab.serving.calibration import DEEPSEEK_PREFILL, published_prefill_mfu
 
