@@ -144,6 +144,9 @@ def test_calibration_points_and_the_inferencex_study(data_dir):
     assert out["heldout_points_all"] == out["heldout_points"] + 23 and "r1-b200-vllm-agentic" in out["heldout_mape_by_subset"]
     gaps = [r["client_gap_s"] for r in out["points"] if r["subset"] == "r1-b200-vllm-agentic"]
     assert len(gaps) == 23 and max(gaps) > 1000  # far past the trace's 60 s cap: not a steady state
+    table = runner.invoke(app, ["study", "inferencex", "--fit-evals", "1"])  # the console report
+    assert table.exit_code == 0, table.output
+    assert "heldout_mape_all" in table.output and "not in heldout_mape: r1-b200-vllm-agentic" in table.output
 
 
 @pytest.mark.slow

@@ -381,7 +381,7 @@ def study_inferencex(
     table = Table(title=f"held-out MAPE (fitted on {FIT_SUBSET})")
     labels = {"tokens_per_s_per_gpu": "tok/s/GPU", "median_tpot_ms": "TPOT p50", "p99_tpot_ms": "TPOT p99",
               "median_ttft_ms": "TTFT p50", "p99_ttft_ms": "TTFT p99"}
-    metrics = [k for k in labels if any(k in r["error"] for r in held)]
+    metrics = [k for k in labels if k in result["heldout_mape_all"]]
     table.add_column("subset")
     for k in metrics:
         table.add_column(labels[k], justify="right")
