@@ -72,7 +72,7 @@ def proxy(
     """
     import uvicorn
 
-    from cachelab.capture.proxy import UVICORN_OPTIONS, ProxyConfig, create_app
+    from cachelab.capture.proxy import UVICORN_OPTIONS, ProxyConfig, create_app, freeze_startup_heap
     from cachelab.capture.recorder import Recorder
     from cachelab.live.launch import check_bind
 
@@ -90,6 +90,7 @@ def proxy(
                                            timeout_keep_alive=30, **UVICORN_OPTIONS))
     typer.echo(f"capture proxy on http://{host}:{bound} -> {upstream}, recording into {out} "
                f"({recorder.privacy.mode}, fsync {fsync}); counts at GET /capture/status")
+    freeze_startup_heap()
     server.run(sockets=[sock])  # SIGINT / SIGTERM: the app's shutdown flushes the journal before exit
 
 
