@@ -17,7 +17,7 @@ for the others).
         sqlite:////tmp/A/mlflow.db sqlite:////tmp/B/mlflow.db sqlite:////tmp/C/mlflow.db
 
 Each store holds some points of one round (``--round`` names the round of every store, e.g.
-``A A A B B B``; default: one round per store); a point's rounds are every round that holds it.
+``A,A,A,B,B,B``; default: one round per store); a point's rounds are every round that holds it.
 """
 
 from __future__ import annotations
@@ -66,11 +66,11 @@ def _winners(per: pl.DataFrame, keys: list[str]) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("uris", nargs="+", help="MLflow tracking URIs, each some points of one round")
-    ap.add_argument("--round", nargs="+", default=None, help="the round of each store (default: one per store)")
+    ap.add_argument("--round", default=None, help="the round of each store, comma-separated (default: one per store)")
     ap.add_argument("--experiment", default="live-sweep")
     ap.add_argument("--out", type=Path, required=True, help="the figure (PNG)")
     args = ap.parse_args()
-    rounds_of = args.round or [str(i) for i in range(len(args.uris))]
+    rounds_of = args.round.split(",") if args.round else [str(i) for i in range(len(args.uris))]
     if len(rounds_of) != len(args.uris):
         ap.error("--round: one round name per store")
     import matplotlib

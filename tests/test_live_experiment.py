@@ -71,6 +71,8 @@ def test_two_live_points_logged_with_their_prediction(tmp_path):
                               "and attributes.status = 'FINISHED'")
     assert len(runs) == 2
     by_overlap = {float(r.data.params["workload.trace.synthesis.prefix_overlap"]): r.data.metrics for r in runs}
+    # predicted on the outputs the live model wrote (its decode steps read those tokens' rows)
+    assert all(r.data.params["live.predicted_outputs"] == "served" for r in runs)
     for m in by_overlap.values():
         assert m["completed"] == 6 and m["failed"] == 0
         assert 0 < m["p50_ttft_ms"] <= m["p90_ttft_ms"] <= m["p99_ttft_ms"]

@@ -46,6 +46,7 @@ class RequestOutput:
     prompt_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server reports it
+    token_ids: list[int] = field(default_factory=list)  # the output's ids, with BenchConfig.return_token_ids
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class BenchConfig:
     ignore_eos: bool = True
     server_metrics: bool = True
     timeout_s: float = TIMEOUT_S
+    return_token_ids: bool = False  # ask for the output's token ids (vLLM's extension; `cachelab serve` has it)
 
     @property
     def root(self) -> str:
@@ -175,6 +177,7 @@ async def _send(session, url: str, payload: dict, out: RequestOutput) -> None:
                 chunk = json.loads(data)
                 if chunk.get("choices"):
                     out.chunk_s.append(time.perf_counter())
+                    out.token_ids.extend(chunk["choices"][0].get("token_ids") or ())
                 if usage := chunk.get("usage"):
                     out.output_tokens = int(usage.get("completion_tokens") or 0)
                     out.prompt_tokens = int(usage.get("prompt_tokens") or out.prompt_tokens)
@@ -216,6 +219,8 @@ async def _replay(config: BenchConfig, model: str, plan: BenchPlan, outputs: lis
                    "stream": True, "stream_options": {"include_usage": True}, "repetition_penalty": 1.0}
         if config.ignore_eos:
             payload["ignore_eos"] = True
+        if config.return_token_ids:
+            payload["return_token_ids"] = True
         out = RequestOutput(i, prompt_tokens=int(plan.prompts[i].size))
         if limit is None:
             await _send(session, url, payload, out)

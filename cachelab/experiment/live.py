@@ -57,7 +57,8 @@ def live_point(config: dict, workload: Workload) -> PointOutput:
             run_bench(BenchConfig(url, max_concurrency=live["concurrency"], server_metrics=False), warm)
         before, usage0, engine0 = engine.rows.totals.to_dict(), _usage(server_threads), _engine_cpu(engine)
         load0 = os.getloadavg()[0]
-        result = run_bench(BenchConfig(url, max_concurrency=live["concurrency"], server_metrics=False), plan)
+        result = run_bench(BenchConfig(url, max_concurrency=live["concurrency"], server_metrics=False,
+                                       return_token_ids=True), plan)
         after, usage1, engine1 = engine.rows.totals.to_dict(), _usage(server_threads), _engine_cpu(engine)
         load = (load0 + os.getloadavg()[0]) / 2  # the machine's 1-minute load average over the point
         tiers = tuple(engine.rows.totals.tiers)
@@ -95,6 +96,7 @@ def live_point(config: dict, workload: Workload) -> PointOutput:
     params = {"live.url": url, "live.errors": str(summary["errors_by_reason"] or "none")}
     tables = {}
     if live.get("calibration"):
+        workload, params["live.predicted_outputs"] = served_outputs(workload, result.outputs)
         predicted = predict_point(config, workload, row_cache_rows, store_scale)
         metrics.update({f"predicted.{k}": v for k, v in predicted.metrics.items()})
         tables["predicted_per_request"] = predicted.tables["per_request"]
@@ -103,6 +105,22 @@ def live_point(config: dict, workload: Workload) -> PointOutput:
             at_share = predict_point(config, workload, row_cache_rows, store_scale, fit_share / share)
             metrics.update({f"predicted_at_share.{k}": v for k, v in at_share.metrics.items()})
     return PointOutput(metrics, params, tables)
+
+
+def served_outputs(workload: Workload, outputs) -> tuple[Workload, str]:
+    """The workload with each request's output as the live model wrote it, where the server
+    returned every one in full: a request's decode steps read the rows of the tokens it
+    generates, and the dummy-weight model's tokens are not the trace's text. ("trace" where
+    some output is missing: a failed request.)"""
+    import dataclasses
+
+    import polars as pl
+
+    lengths = workload.requests["output_ids"].cast(pl.List(pl.Int32)).list.len().to_list()
+    if any(o is None or len(o.token_ids) != n for o, n in zip(outputs, lengths)):
+        return workload, "trace"
+    ids = pl.Series("output_ids", [o.token_ids for o in outputs], dtype=pl.List(pl.Int32))
+    return dataclasses.replace(workload, requests=workload.requests.with_columns(ids)), "served"
 
 
 def serve_options(config: dict):
