@@ -161,6 +161,7 @@ def test_semianalysis_study_streams_points_and_prints_the_keys(tmp_path):
                 "b300_tp4_hbm_vs_dram_max_diff"):
         assert key in out
     assert out["b300_tp2_table_in_hbm_fits"] is False
+    assert 0.98 < out["b200_ssd_page_cache_share_of_tables"] < 0.99  # 200 GB of the 203 GB tables
     assert out["b200_dram_tokens_per_dollar"] > out["b200_ssd_tokens_per_dollar"] > 0
     lines = (tmp_path / "semianalysis_points.jsonl").read_text().splitlines()
     assert len(lines) == out["run"]["points"]

@@ -139,6 +139,9 @@ def analyse(points: pl.DataFrame) -> dict:
         "b200_ssd_tokens_per_dollar": tpd_ssd,
         "b200_dram_over_ssd": tpd_dram / tpd_ssd if tpd_ssd else float("nan"),
         "b200_ssd_points_dominated": bool(dominated(ssd, dram, X, Y).all()),
+        # the node's page cache over the tables' bytes: what the SSD result rests on (the what-if varies it)
+        "b200_ssd_page_cache_share_of_tables": float(ssd["page_cache_gb"].max() * 1e9 / load_model(MODEL).table_bytes)
+        if ssd.height and "page_cache_gb" in ssd.columns else float("nan"),
         "b200_dram_p90_interactivity_wins_every_pair": bool((paired[X] > paired[X + "_ssd"]).all()),
         "b300_tp2_table_in_hbm_fits": bool(tp2_hbm["fits"].any()),
         "b300_tp2_table_in_hbm_reason": tp2_hbm["reason"][0] if tp2_hbm.height else "",
