@@ -12,8 +12,8 @@ between such events. The goal (issue 17): the proxy's P99 within 1 ms or 1% of d
 whichever is larger.
 
 The load generator must not be what is measured. One event loop and one HTTP client per path
-drive every round, so connections stay open across rounds; before the rounds of each
-concurrency one untimed batch per path opens the connections it needs on every hop (the
+drive every round, so connections stay open across rounds; before every round an untimed
+one-token batch on that path opens the connections the round needs on every hop (the
 client's to the proxy or upstream, and the proxy's own to the upstream); and the client's
 garbage collector is held off while a round runs (a collection between rounds instead): a
 gen-2 collection of the client stalls its event loop for tens of ms, and it delayed every
@@ -150,7 +150,7 @@ def itl(results):
 
 
 async def measure_all(urls, proxy_pid, model, args):
-    """Per concurrency: a warm-up batch per path, then interleaved ABBA rounds; per path, per
+    """Per concurrency, interleaved ABBA rounds, each after an untimed warm-up batch; per path, per
     round, (sent, ttft, itl gaps) per stream, and the proxy's CPU time over its rounds."""
     top = max(args.concurrency)
     clients = {name: httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(
@@ -159,14 +159,15 @@ async def measure_all(urls, proxy_pid, model, args):
     measured = {}
     try:
         for concurrency in args.concurrency:
-            for name in urls:  # opens this concurrency's connections on every hop, untimed
-                await batch(clients[name], model, 2 * concurrency, concurrency, 4, 10**6)
             rounds = {"direct": [], "proxy": []}
             cpu = np.zeros(2)
             waits = {"direct": 0.0, "proxy": 0.0, "proxy_loop": 0.0}
             for r in range(args.rounds):
                 order = ("direct", "proxy") if r % 2 == 0 else ("proxy", "direct")
                 for name in order:
+                    # untimed: this concurrency's connections open on every hop, whatever closed
+                    # while the other path ran (aiohttp's pool: idle upstream connections after 15 s)
+                    await batch(clients[name], model, concurrency, concurrency, 1, 10**6)
                     before, proxy_wait = np.array(cpu_seconds(proxy_pid)), runqueue_seconds(proxy_pid)
                     client_wait = runqueue_seconds("self")
                     rounds[name].append(await timed_batch(clients[name], model, per_round, concurrency,
