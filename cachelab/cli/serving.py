@@ -211,7 +211,7 @@ def hw_probe(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Measure this machine: memcpy bandwidth, random row gather and dedup rates, minor and
-    major page-fault cost, random 4 KiB read IOPS; save it as a profile (`--hardware local`)."""
+    major page-fault cost, random 4 KiB O_DIRECT read latency and IOPS; save it as a profile (`--hardware local`)."""
     from rich.progress import Progress
 
     from cachelab.serving.hardware.probe import probe, write_profile
@@ -235,7 +235,8 @@ def hw_probe(
                   f"dedup {cpu['dedup_rows_per_s'] / 1e6:.1f} M ids/s (one thread)")
     console.print(f"page faults: minor {cpu['minor_fault_s'] * 1e6:.2f} us, major {cpu['major_fault_s'] * 1e6:.1f} us "
                   f"({result['notes']['major_faults_seen']} major faults seen)")
-    console.print(f"random 4 KiB reads: {ssd['iops_4k']:,.0f} IOPS, {ssd['latency_s'] * 1e6:.1f} us each; saved {path}")
+    console.print(f"random 4 KiB reads: {ssd['iops_4k']:,.0f} IOPS, {ssd['latency_s'] * 1e6:.1f} us each "
+                  f"({result['notes']['ssd_reads']}); saved {path}")
 
 
 @hw_app.command("list")

@@ -224,6 +224,25 @@ class PreadBacking:
         self.io.close()
 
 
+def open_reader(paths: list[Path], depth: int, flags: int, submit: str = "auto"):
+    """A reader of fixed-size blocks with ``depth`` reads in flight, and how it submits them:
+    one io_uring (``io_uring``), a pool of compiled preads (``threads``), or ``auto`` (io_uring
+    where the kernel allows it, else threads, with the reason)."""
+    if submit not in SUBMITS:
+        raise CachelabError(f"unknown io submission {submit!r}; choose one of {list(SUBMITS)}")
+    if depth < 1:
+        raise CachelabError(f"io_threads must be at least 1, got {depth}")  # the queue depth's flag
+    submission = "threads"
+    if submit != "threads":
+        try:
+            return _UringIO(paths, depth, flags), "io_uring"
+        except OSError as exc:
+            if submit == "io_uring":
+                raise CachelabError(f"io_uring is not available here ({exc})") from None
+            submission = f"threads (io_uring unavailable: {exc})"
+    return _PreadPool(paths, depth, flags), submission
+
+
 class DirectBacking:
     """O_DIRECT reads of each distinct page (aligned, no page cache), then a row gather."""
 
@@ -234,27 +253,13 @@ class DirectBacking:
         """``io_threads``: reads in flight (the queue depth); ``submit``: ``io_uring``, ``threads``
         (a pool of aligned preads) or ``auto`` (io_uring where the kernel allows it, else threads;
         ``submission`` says which and why)."""
-        if submit not in SUBMITS:
-            raise CachelabError(f"unknown io submission {submit!r}; choose one of {list(SUBMITS)}")
         self.layout = layout
-        self.submission = "threads"
         try:
             os.close(os.open(paths[0], os.O_RDONLY | os.O_DIRECT))
         except OSError as exc:
             raise CachelabError(f"{paths[0]}: O_DIRECT open failed ({exc}); the file system may not support "
                                 "direct I/O (tmpfs does not): use --backing pread") from None
-        if submit != "threads":
-            try:
-                self.io = _UringIO(paths, io_threads, os.O_DIRECT)
-                self.submission = "io_uring"
-            except OSError as exc:
-                if submit == "io_uring":
-                    raise CachelabError(f"io_uring is not available here ({exc})") from None
-                self.submission = f"threads (io_uring unavailable: {exc})"
-        if not self.submission.startswith("io_uring"):
-            if io_threads < 1:
-                raise CachelabError(f"io_threads must be at least 1, got {io_threads}")
-            self.io = _PreadPool(paths, io_threads, os.O_DIRECT)
+        self.io, self.submission = open_reader(paths, io_threads, os.O_DIRECT, submit)
         self.pages = aligned_empty(PAGE * 64)
 
     def read(self, layer: np.ndarray, rows: np.ndarray, out: np.ndarray, dst: np.ndarray) -> tuple[int, int]:
