@@ -191,7 +191,7 @@ def _time_steps(store, steps: list[dict], rounds: int) -> dict:
 
 
 def gather_section(directory: Path, trace: str | None, requests: int, steps_view: str = "serving",
-                   tokens: int = 2000, seed: int = 0, rounds: int = 3) -> dict:
+                   tokens: int = 2000, seed: int = 0, rounds: int = 5) -> dict:
     """Rows/s of lookup and of the kernels on one core, against one-core memcpy of the same bytes,
     on two row streams: rows drawn uniformly over the table (the worst case: nothing is hot), and
     a real trace's row stream step by step (what a server runs: popular rows stay in the CPU
@@ -214,6 +214,7 @@ def gather_section(directory: Path, trace: str | None, requests: int, steps_view
     with TieredStore.open(directory, backing="dram", hbm_capacity=None) as store:
         cfg = store.layout
         out["row_bytes"] = store.row_bytes
+        out["scale"] = store.layout_tables.scale
         out["table_rows"] = int(store.layout_tables.table_rows.sum())
         uniform = cfg.offsets[None] + rng.integers(0, cfg.primes[None], (tokens, len(cfg.layers), cfg.columns))
         out["uniform"] = _time_steps(store, _steps_of(store, [uniform]), rounds)
@@ -398,7 +399,7 @@ def main() -> None:
 def _print(out: dict) -> None:
     if "gather" in out:
         g = out["gather"]
-        print(f"gather+dequant on one core, tables of {g['table_rows']:,} rows; bytes = distinct rows per step x "
+        print(f"gather+dequant on one core, tables of {g['table_rows']:,} rows (scale {g['scale']:g}); bytes = distinct rows per step x "
               f"{g['row_bytes']} B read; DRAM latency {g['dram_latency_ns']:.0f} ns; load average "
               f"{g['load_average_start']:.2f} -> {g['load_average_end']:.2f}")
         for name in ("uniform", "trace"):
