@@ -31,7 +31,6 @@ from cachelab.compiled import copy_bytes, prefetch
 
 PAGE = 4096
 _AHEAD = 8  # rows between a row's prefetch and its copy
-_BLOCK = 1024  # requests per staging block of the fused gather + dequantiser (270 KB: stays in L2)
 PARALLEL_BYTES = 4 << 20  # below this much work a kernel runs on one thread: a parallel launch costs more
 
 
@@ -179,29 +178,19 @@ def gather_pages(buf, rows, dst, out, rows_per_page, row_bytes):
 @_serial_and_parallel
 def gather_dequant(buf, rows, inverse, rows_per_page, table, out):
     """``out[i] = bf16(row rows[inverse[i]])`` of a page-format table ``buf`` ([pages, 4096]):
-    the gather and the dequantiser fused, for requests no cache tier will keep (rows never
-    staged outside the caches).
-
-    Blocks of ``_BLOCK`` requests: a light loop copies each block's rows into a staging block
-    that stays in the L2 cache (prefetching ``_AHEAD`` rows on, across blocks), then the rows
-    are dequantised from there. Dequantising each row as it arrives stalls the core on it
-    with a window full of vector work, so fewer of the next rows' misses are in flight."""
+    the gather and the dequantiser fused, for requests no cache tier will keep (rows read
+    once from the table, never staged)."""
     dim = out.shape[1]
     rb = dim + dim // 32
     n = inverse.size
-    for blk in nb.prange((n + _BLOCK - 1) // _BLOCK):
-        lo, hi = blk * _BLOCK, min(n, blk * _BLOCK + _BLOCK)
-        stage = np.empty((_BLOCK, rb), np.uint8)
-        for i in range(lo, hi):
-            if i + _AHEAD < n:
-                r = rows[inverse[i + _AHEAD]]
-                p, at = r // rows_per_page, (r % rows_per_page) * rb
-                for line in range(0, rb + 63, 64):
-                    prefetch(buf[p], at + min(line, rb - 1))
-            r = rows[inverse[i]]
-            copy_bytes(stage, i - lo, 0, buf, r // rows_per_page, (r % rows_per_page) * rb, rb)
-        for i in range(lo, hi):
-            _dequant_row(stage, i - lo, 0, dim, table, out, i)
+    for i in nb.prange(n):
+        if i + _AHEAD < n:
+            r = rows[inverse[i + _AHEAD]]
+            p, at = r // rows_per_page, (r % rows_per_page) * rb
+            for line in range(0, rb + 63, 64):
+                prefetch(buf[p], at + min(line, rb - 1))
+        r = rows[inverse[i]]
+        _dequant_row(buf, r // rows_per_page, (r % rows_per_page) * rb, dim, table, out, i)
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)
