@@ -176,7 +176,7 @@ def fold_rows(rows: np.ndarray, tables: TableLayout | None) -> np.ndarray:
     from: themselves, or with ``tables`` the store's folded rows (per layer's scaled table)."""
     if tables is None:
         return rows
-    return tables.fold(rows) - tables.layer_base[:, None]
+    return tables.fold(rows, base=np.zeros(tables.layer_base.size, np.int64))
 
 
 class ServingSimulator:

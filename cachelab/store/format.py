@@ -118,23 +118,31 @@ class TableLayout:
                 "page": PAGE, "format_version": VERSION}
         return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).digest()
 
-    def fold(self, rows: np.ndarray, layer_index: np.ndarray | None = None) -> np.ndarray:
-        """Full-layout row ids -> keys of the store's key space (``layer_base + scaled row``).
+    def fold(self, rows: np.ndarray, layer_index: np.ndarray | None = None,
+             base: np.ndarray | None = None) -> np.ndarray:
+        """Full-layout row ids -> keys of the store's key space (``base + scaled row``, ``base``
+        per layer, ``layer_base`` by default: a caller may number each layer's rows elsewhere).
 
-        ``rows`` is ``[..., layers, columns]`` as the Addresser returns, or, with
-        ``layer_index`` (same shape), any array of rows of those layers.
+        ``rows`` is ``[..., layers, columns]`` as the Addresser returns (folded in one compiled
+        pass), or, with ``layer_index`` (same shape), any array of rows of those layers.
         """
         rows = np.asarray(rows, dtype=np.int64)
         cfg = self.config
         off, primes = cfg.offsets, cfg.primes
+        base = self.layer_base if base is None else np.asarray(base, np.int64)
         if layer_index is None:
             n_layers, n_cols = off.shape
             if rows.ndim < 2 or rows.shape[-2:] != (n_layers, n_cols):
                 raise CachelabError(f"row ids must be [tokens, {n_layers}, {n_cols}] for layout {cfg.name!r}, "
                                     f"got shape {list(rows.shape)}")
-            col_off, col_p = off, primes
-            new_off = self.head_offsets + self.layer_base[:, None]
-            new_p = self.head_rows
+            rows = np.ascontiguousarray(rows)
+            out = np.empty(rows.shape, np.int64)
+            bad = _fold_rows(rows.reshape(-1, n_layers, n_cols), off.astype(np.int64), primes.astype(np.int64),
+                             self.head_offsets + base[:, None], self.head_rows.astype(np.int64),
+                             out.reshape(-1, n_layers, n_cols))
+            if bad >= 0:
+                self._out_of_range(rows, bad)
+            return out
         else:
             layer_index = np.asarray(layer_index, dtype=np.int64)
             if layer_index.size and (layer_index.min() < 0 or layer_index.max() >= off.shape[0]):
@@ -146,15 +154,34 @@ class TableLayout:
                 col[sel] = np.searchsorted(off[li], rows[sel], side="right") - 1
             col = np.maximum(col, 0)
             col_off, col_p = off[layer_index, col], primes[layer_index, col]
-            new_off = (self.head_offsets + self.layer_base[:, None])[layer_index, col]
+            new_off = (self.head_offsets + base[:, None])[layer_index, col]
             new_p = self.head_rows[layer_index, col]
         residue = rows - col_off
         bad = (residue < 0) | (residue >= col_p)
         if bad.any():
-            i = np.flatnonzero(bad.ravel())[0]
-            raise CachelabError(f"row id {int(rows.ravel()[i])} is out of range for its head of layout {cfg.name!r} "
-                                f"(index {np.unravel_index(i, rows.shape)})")
+            self._out_of_range(rows, int(np.flatnonzero(bad.ravel())[0]))
         return new_off + residue % new_p
+
+    def _out_of_range(self, rows: np.ndarray, i: int):
+        raise CachelabError(f"row id {int(rows.ravel()[i])} is out of range for its head of layout "
+                            f"{self.config.name!r} (index {np.unravel_index(i, rows.shape)})")
+
+
+@nb.njit(cache=True, nogil=True, boundscheck=False)
+def _fold_rows(rows, offsets, primes, new_offsets, new_primes, out):
+    """``out[t, l, c] = new_offsets[l, c] + (rows[t, l, c] - offsets[l, c]) mod new_primes[l, c]``
+    (``rows`` int64 ``[tokens, layers, columns]``). Returns the flat index of the first row id
+    outside its head's slice, or -1."""
+    layers, columns = offsets.shape
+    for t in range(rows.shape[0]):
+        for li in range(layers):
+            for c in range(columns):
+                r = rows[t, li, c] - offsets[li, c]
+                if r < 0 or r >= primes[li, c]:
+                    return (t * layers + li) * columns + c
+                p = new_primes[li, c]
+                out[t, li, c] = new_offsets[li, c] + (r if r < p else r % p)
+    return -1
 
 
 def pack_header(layout: TableLayout, layer: int, seed: int) -> bytes:

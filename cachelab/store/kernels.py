@@ -193,23 +193,6 @@ def gather_dequant(buf, rows, inverse, rows_per_page, table, out):
         _dequant_row(buf, r // rows_per_page, (r % rows_per_page) * rb, dim, table, out, i)
 
 
-@nb.njit(cache=True, nogil=True, boundscheck=False)
-def fold_rows(rows, offsets, primes, new_offsets, new_primes, out):
-    """``out[t, l, c] = new_offsets[l, c] + (rows[t, l, c] - offsets[l, c]) mod new_primes[l, c]``
-    (``rows`` int64 ``[tokens, layers, columns]``): full-layout row ids folded into scaled tables
-    in one pass. Returns the flat index of the first row id outside its head's slice, or -1."""
-    layers, columns = offsets.shape
-    for t in range(rows.shape[0]):
-        for li in range(layers):
-            for c in range(columns):
-                r = rows[t, li, c] - offsets[li, c]
-                if r < 0 or r >= primes[li, c]:
-                    return (t * layers + li) * columns + c
-                p = new_primes[li, c]
-                out[t, li, c] = new_offsets[li, c] + (r if r < p else r % p)
-    return -1
-
-
 @_serial_and_parallel
 def copy_rows(src, src_index, dst, dst_index):
     """``dst[dst_index[i]] = src[src_index[i]]``: hits out of cache slots, admitted rows into them."""

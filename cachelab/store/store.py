@@ -37,7 +37,7 @@ from cachelab.policy import Policy
 from cachelab.store.backing import open_backing
 from cachelab.store.build import open_tables
 from cachelab.store.counters import Counters
-from cachelab.store.kernels import DEQUANT_TABLE, dequant_expand, fold_rows, gather_dequant
+from cachelab.store.kernels import DEQUANT_TABLE, dequant_expand, gather_dequant
 from cachelab.store.outputs import OutputPool
 from cachelab.store.source import RowSource
 from cachelab.store.tier import CacheTier
@@ -160,12 +160,9 @@ class TieredStore:
         self._dram = tiers[-1] if tiers and tiers[-1].name == "dram" else None
         self.backing = open_backing(backing, lay, self.paths, io_threads, io_submit)
         self._fused = not tiers and not self.cuda and backing == "dram"
-        # the fold's constants per (layer, head); with the fused path, straight to page-table rows
-        # (a bijection of the store's keys: dedup and counts are the same)
-        cfg, rpp = lay.config, lay.rows_per_page
-        base = self.backing.page_base * rpp if self._fused else lay.layer_base
-        self._fold_consts = (cfg.offsets.astype(np.int64), cfg.primes.astype(np.int64),
-                             lay.head_offsets + base[:, None], lay.head_rows)
+        # keys: the layout's fold; with the fused path, straight to page-table rows (a bijection
+        # of the store's keys: dedup and counts are the same)
+        self._key_base = self.backing.page_base * lay.rows_per_page if self._fused else lay.layer_base
         self._outputs = OutputPool()
         # id + 1 of each row seen (0: not yet), zero-filled so the OS maps only the pages of rows
         # in use: np.full(-1) wrote all 3.1 GB of the full V4.1 tables' map at open
@@ -207,18 +204,6 @@ class TieredStore:
         self._id_of[uniq[new]] = ids[new] + 1
         self._next_id += new.size
         return ids
-
-    def _fold(self, row_ids) -> np.ndarray:
-        """The keys of ``row_ids`` (page-table rows on the fused path) in one compiled pass; the
-        layout's own fold names a row id out of range or a wrong shape."""
-        rows = np.ascontiguousarray(row_ids, dtype=np.int64)
-        off = self._fold_consts[0]
-        if rows.ndim < 2 or rows.shape[-2:] != off.shape:
-            return self.layout_tables.fold(rows)  # raises, naming the shape
-        out = np.empty(rows.shape, np.int64)
-        if fold_rows(rows.reshape(-1, *off.shape), *self._fold_consts, out.reshape(-1, *off.shape)) >= 0:
-            return self.layout_tables.fold(rows)  # raises, naming the row id
-        return out
 
     def keys(self, row_ids) -> np.ndarray:
         """The store's keys (``layer_base + row`` of the scaled tables) of full-layout row ids."""
@@ -270,7 +255,7 @@ class TieredStore:
         clock = time.perf_counter
         t0 = clock()
         minor0, major0 = _faults()
-        keys = self._fold(row_ids)
+        keys = self.layout_tables.fold(row_ids, base=self._key_base)
         shape = keys.shape
         inverse, uniq = compact(keys.reshape(-1))
         d_scores = None
