@@ -183,7 +183,7 @@ def test_against_real_vllm_counts_match_its_metrics(vllm_server, tmp_path):
     trace = make_trace(tmp_path / "t.parquet", lens, output_len=6)
     out = tmp_path / "result.json"
     res = runner.invoke(app, ["bench", "serve", "--base-url", vllm_server.base_url, "--trace", str(trace),
-                              "--max-concurrency", "2", "--request-rate", "inf", "--goodput", "ttft:60000", "e2el:600000",
+                              "--max-concurrency", "1", "--request-rate", "inf", "--goodput", "ttft:60000", "e2el:600000",
                               "--json", "--save-result", str(out)])
     assert res.exit_code == 0, res.output
     s = json.loads(res.stdout)
@@ -200,9 +200,12 @@ def test_against_real_vllm_counts_match_its_metrics(vllm_server, tmp_path):
     assert server["prefix_cache_hits"] == s["prefix_cache_hit_tokens"]
     # The client's TTFT of a request contains the server's (it adds the HTTP hop and the API
     # server's queue), so no client percentile lies below the server's bucket for it. The median
-    # lies in that bucket or the one above; the P99 of seven requests is their slowest, where one
-    # hop delayed on a busy machine (the suite runs two workers on two cores) moved it 70 ms past
-    # its 60-80 ms bucket: only its lower edge is a property of the tool.
+    # lies in that bucket or the one above. One request at a time: at concurrency 2 the API
+    # server streams one request while the engine core prefills the other, and on two cores
+    # shared with the suite's other worker that moved the client's median 28-60 ms past the
+    # server's 20-40 ms bucket in 1 of 8 runs (load 5.6); one at a time, 8 of 8 runs stayed in it
+    # (load 3.4). The P99 of seven requests is their slowest, where one hop delayed on a busy
+    # machine moved it 70 ms past its bucket: only its lower edge is a property of the tool.
     lo, hi = server["p50_ttft_bucket_ms"]
     assert lo <= s["p50_ttft_ms"] <= hi + (hi - lo), (s["p50_ttft_ms"], lo, hi)
     lo, _ = server["p99_ttft_bucket_ms"]
