@@ -80,3 +80,77 @@ def test_learned_row_cache_needs_a_model_and_a_model_needs_a_learned_policy(mode
         build_engine(ServeOptions(row_cache_policy=POLICY, row_cache_capacity="1000"))
     with pytest.raises(CachelabError, match="reads no predictor scores"):
         build_engine(ServeOptions(row_cache_policy="lru", row_cache_capacity="1000", row_cache_model=model_dir))
+
+
+def test_serving_simulator_predicts_the_learned_row_cache_step_by_step(model_dir):
+    """The serving simulator, given the model (``row_cache_model``), scores each step's rows with
+    the engine's own online scorer and serves them through the same learned policy: its row
+    cache's hits and misses equal the live store's, step by step, rows folded as the store folds them."""
+    import polars as pl
+
+    from cachelab.engram import encode, get_preset
+    from cachelab.live.sampling import SamplingParams
+    from cachelab.serving.simulator import ServingConfig, ServingSimulator
+
+    texts = [d.text[:600] for d, _ in zip(StdlibCorpus().documents(), range(30))][-10:]
+    ps = [p[:70].tolist() for p in encode(texts, get_preset("deepseek-v4.1-flash").tokenizer, bos=True)]
+    ps[4] = ps[0][:48] + ps[4][48:]  # a shared prefix: cached blocks, so a request starts mid-prompt
+    params = [SamplingParams(max_tokens=3 + i % 4, temperature=0, ignore_eos=True) for i in range(len(ps))]
+    settings = dict(max_num_seqs=4, max_num_batched_tokens=96, kv_cache_tokens=8192)
+    capacity = 2000  # rows: under a prefill step's distinct rows, so the policy evicts within the run
+    engine = build_engine(ServeOptions(threads=1, row_cache_policy=POLICY, row_cache_capacity=str(capacity),
+                                       row_cache_model=model_dir, **settings))
+    live = []
+    engine.on_step = lambda record, rows: live.append(engine.rows.last_step.to_dict())
+    engine.start()
+    try:
+        outs = engine.generate(ps, params)
+    finally:
+        engine.stop()
+    trace = pl.DataFrame({"arrival_s": [0.0] * len(ps), "prompt_ids": ps, "output_ids": [c.token_ids for c in outs]},
+                         schema={"arrival_s": pl.Float64, "prompt_ids": pl.List(pl.Int32),
+                                 "output_ids": pl.List(pl.Int32)})
+    cfg = ServingConfig(placement="dram-copy", row_cache_policy=POLICY, row_cache_model=str(model_dir),
+                        row_cache_bytes=float(capacity * engine.rows.row_bytes),
+                        store_scale=engine.rows.layout_tables.scale, **settings)
+    steps = ServingSimulator(trace, cfg).run().per_step
+    hits = [s["hbm_hits"] for s in live]
+    misses = [s["hbm_misses"] for s in live]
+    assert steps.height == len(live) > 5
+    assert sum(hits) > 0 and sum(misses) > 0
+    assert steps["row_cache_hits"].to_list() == hits
+    assert (steps["rows_unique"] - steps["row_cache_hits"]).to_list() == misses
+    # the scores decide: LRU of the same capacity on the same steps hits otherwise
+    lru = ServingSimulator(trace, ServingConfig(placement="dram-copy", row_cache_policy="lru",
+                                                row_cache_bytes=cfg.row_cache_bytes, store_scale=cfg.store_scale,
+                                                **settings)).run().per_step
+    assert lru["row_cache_hits"].to_list() != hits
+    with pytest.raises(CachelabError, match="needs predictor scores: give row_cache_model"):
+        ServingSimulator(trace, ServingConfig(placement="dram-copy", row_cache_policy=POLICY,
+                                              row_cache_bytes=cfg.row_cache_bytes, store_scale=cfg.store_scale,
+                                              **settings))
+
+
+def test_live_kind_predicts_a_learned_row_cache_with_its_model(model_dir, tmp_path):
+    """The live kind's prediction of a learned point runs the same row cache, scored by the
+    point's model (``live.row_cache_model``), not the prediction without a row cache."""
+    import polars as pl
+
+    from cachelab.engram import encode, get_preset
+    from cachelab.experiment.live import predict_point
+    from cachelab.experiment.workload import Workload
+    from cachelab.live.launch import DEFAULT_STORE_SCALE
+    from test_live_experiment import calibration_file
+
+    texts = [d.text[:500] for d, _ in zip(StdlibCorpus().documents(), range(8))]
+    ps = [p[:80].tolist() for p in encode(texts, get_preset("deepseek-v4.1-flash").tokenizer, bos=True)]
+    trace = pl.DataFrame({"arrival_s": [0.1 * i for i in range(len(ps))], "prompt_ids": ps,
+                          "output_ids": [p[-4:] for p in ps]},
+                         schema={"arrival_s": pl.Float64, "prompt_ids": pl.List(pl.Int32),
+                                 "output_ids": pl.List(pl.Int32)})
+    live = dict(preset="tiny", placement="dram", row_cache_policy=POLICY, row_cache_capacity="1%", threads=1,
+                kv_cache_tokens=16_384, concurrency=4, row_cache_model=str(model_dir),
+                calibration=str(calibration_file(tmp_path / "fitted.toml")))
+    got = predict_point({"live": live, "seed": 0}, Workload(None, 0, trace), 770, DEFAULT_STORE_SCALE).metrics
+    assert got["row_cache.row_cache_bytes"] > 0
+    assert 0 < got["row_cache.levels.hbm.hit_ratio_unique"] < 1

@@ -54,6 +54,8 @@ def serve_sim(
     prefix_cache: str = typer.Option("vllm", help="Prefix cache: vllm (hash-chained blocks), sglang (radix tree), off."),
     row_cache_gib: float = typer.Option(0.0, help="HBM row cache per GPU (GiB, LRU) in front of the placement."),
     row_cache_policy: str = typer.Option("lru", help="The row cache's policy (any registered policy)."),
+    row_cache_model: Path | None = typer.Option(None, help="A predictor directory (`cachelab train --out`) scoring "
+                                                "rows for a learned --row-cache-policy, online, step by step."),
     page_cache_gib: float | None = typer.Option(None, help="Page cache for ssd-mmap (GiB; default half the host DRAM)."),
     row_cache: str | None = typer.Option(None, help="The row cache as rows or bytes ('512MiB', '2 GiB'), "
                                          "instead of --row-cache-gib."),
@@ -84,6 +86,7 @@ def serve_sim(
         float(parse_capacity(page_cache, "--page-cache").bytes(1, "--page-cache"))
     cfg = ServingConfig(hardware=hardware, placement=placement, tp=tp, concurrency=concurrency,
                         prefix_cache=prefix_cache, row_cache_bytes=row_cache_bytes, row_cache_policy=row_cache_policy,
+                        row_cache_model=None if row_cache_model is None else str(row_cache_model),
                         page_cache_bytes=page_cache_bytes,
                         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                         sample_rate=sample_rate)

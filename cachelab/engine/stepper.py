@@ -8,10 +8,13 @@ time: a step's duplicates are fetched once, in first-occurrence order; each tier
 misses of the tier above; SSD rows are read through the page cache in 4 KiB pages.
 
 Policies index flat arrays by dense key, so ``RowSpace`` fixes the key space first: the
-sorted distinct row keys a run can touch. Spatial sampling (SHARDS-style) keeps the rows of
-a page when the engine's sampling hash (``cachelab.engine.sampling``) of the page id falls
-under the rate, and scales every capacity by the rate; counts divided by the rate estimate the full-scale ones. Sampling whole pages keeps
-the page cache's amplification intact.
+sorted distinct row keys a run can touch; the policies see them numbered by first use, as the
+whole-stream replay and the live store number them. A tier whose policy needs predictor
+scores takes one per lookup; a row looked up twice in a step keeps its first lookup's score.
+Spatial sampling (SHARDS-style) keeps the rows of a page when the engine's sampling hash
+(``cachelab.engine.sampling``) of the page id falls under the rate, and scales every capacity
+by the rate; counts divided by the rate estimate the full-scale ones. Sampling whole pages
+keeps the page cache's amplification intact.
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ def page_keys(keys: np.ndarray, rows_per_page: int) -> np.ndarray:
 
 
 @nb.njit(cache=True, nogil=True)
-def _sample(rows, rows_per_page, threshold, out):
-    """Global keys of the rows whose page the sample with ``threshold`` keeps; returns how many."""
+def _sample(rows, rows_per_page, threshold, out, at):
+    """Global keys of the rows whose page the sample with ``threshold`` keeps, and (where ``at``
+    has room) each one's flat index in ``rows``; returns how many."""
     n = 0
     inv = 1.0 / rows_per_page
     every = threshold >= 1 << sampling.SAMPLE_BITS
@@ -55,6 +59,8 @@ def _sample(rows, rows_per_page, threshold, out):
                     if not sampling.keeps(base | page, threshold, _SALT):
                         continue
                 out[n] = base | row
+                if at.size:
+                    at[n] = (t * rows.shape[1] + layer) * rows.shape[2] + c
                 n += 1
     return n
 
@@ -63,8 +69,16 @@ def sampled_keys(rows: np.ndarray, rate: float, rows_per_page: int) -> np.ndarra
     """Global row keys of ``rows`` (int [tokens, layers, columns]) a spatial sample keeps:
     every row of a page whose hash falls under ``rate``."""
     out = np.empty(rows.size, np.int64)
-    n = _sample(np.ascontiguousarray(rows), rows_per_page, sampling.threshold(rate), out)
+    n = _sample(np.ascontiguousarray(rows), rows_per_page, sampling.threshold(rate), out, np.empty(0, np.int64))
     return out[:n]
+
+
+def sampled_keys_at(rows: np.ndarray, rate: float, rows_per_page: int) -> tuple[np.ndarray, np.ndarray]:
+    """``sampled_keys`` and the flat index in ``rows`` of each key kept (to take what else is
+    known per row, a keep score, along with it)."""
+    out, at = np.empty(rows.size, np.int64), np.empty(rows.size, np.int64)
+    n = _sample(np.ascontiguousarray(rows), rows_per_page, sampling.threshold(rate), out, at)
+    return out[:n], at[:n]
 
 
 def sample_mask(keys: np.ndarray, rate: float, rows_per_page: int) -> np.ndarray:
@@ -126,8 +140,9 @@ def _build_table(keys, table_keys, table_ids):
 
 
 @nb.njit(cache=True, nogil=True)
-def _distinct_ids(keys, table_keys, table_ids, mark, stamp, out):
-    """Dense ids of a step's keys, each once, in first-occurrence order; -1 - i if key i is unknown."""
+def _distinct_ids(keys, table_keys, table_ids, mark, stamp, out, first):
+    """Dense ids of a step's keys, each once, in first-occurrence order, and the index of that
+    first occurrence in ``first``; -1 - i if key i is unknown."""
     mask = table_keys.size - 1
     n = 0
     for i in range(keys.size):
@@ -140,6 +155,7 @@ def _distinct_ids(keys, table_keys, table_ids, mark, stamp, out):
         if mark[k] != stamp:
             mark[k] = stamp
             out[n] = k
+            first[n] = i
             n += 1
     return n
 
@@ -172,14 +188,18 @@ class RowSpace:
 
     def distinct_ids(self, keys: np.ndarray) -> np.ndarray:
         """Dense ids of ``keys``' distinct values in first-occurrence order."""
+        return self.distinct_first(keys)[0]
+
+    def distinct_first(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``distinct_ids`` and, for each, the index in ``keys`` of its first occurrence."""
         self._stamp += 1
-        out = np.empty(keys.size, np.int64)
+        out, first = np.empty(keys.size, np.int64), np.empty(keys.size, np.int64)
         n = _distinct_ids(np.ascontiguousarray(keys, dtype=np.int64), self._table_keys, self._table_ids,
-                          self._mark, self._stamp, out)
+                          self._mark, self._stamp, out, first)
         if n < 0:
             raise CachelabError(f"row key {int(keys[-1 - n])} is outside the run's row space: build the RowSpace "
                                 "from every token the run addresses")
-        return out[:n]
+        return out[:n], first[:n]
 
 
 def table_row_space(table_rows, rate: float, rows_per_page: int) -> RowSpace:
@@ -213,8 +233,12 @@ class StepReplay:
             if ssd.rows_per_page(hierarchy.row_bytes) != space.rows_per_page:
                 raise CachelabError("the row space was built with another page size than the SSD store's")
             page_capacity = int(ssd.page_cache_bytes // ssd.page_bytes * rate)
-        self.cascade = Cascade(hierarchy, self.capacities, space.num_rows, page_of=space.page_of.__getitem__,
+        self.cascade = Cascade(hierarchy, self.capacities, space.num_rows, page_of=self._page_of,
                                num_pages=space.pages.size, page_capacity=page_capacity)
+        wide = np.int32 if space.num_rows < 2**31 - 1 else np.int64
+        self._id_of = np.zeros(space.num_rows, wide)  # space id -> 1 + the policies' id (0: not seen yet)
+        self._space_of = np.zeros(space.num_rows, wide)  # the policies' id -> space id
+        self._next_id = 0
         levels = len(hierarchy.levels)
         self.totals_unique = np.zeros((num_layers, levels), np.int64)
         self.totals_lookups = np.zeros(num_layers, np.int64)
@@ -236,12 +260,37 @@ class StepReplay:
             pages = np.arange(self.space.pages.size, dtype=np.int64)
             self.page_policy.run(pages, np.array([0, pages.size], np.int64))
 
-    def step(self, keys: np.ndarray, record: bool = True) -> StepCounts:
+    def _number(self, distinct: np.ndarray) -> np.ndarray:
+        """The policies' id of each distinct row: rows numbered by first use, as the live store
+        (``TieredStore``) and the whole-stream replay number them, so a policy whose decisions
+        depend on the ids (a hashed set, a miniature's key sample) decides alike."""
+        ids = self._id_of[distinct].astype(np.int64) - 1
+        new = np.flatnonzero(ids < 0)
+        ids[new] = self._next_id + np.arange(new.size)
+        self._id_of[distinct[new]] = ids[new] + 1
+        self._space_of[ids[new]] = distinct[new]
+        self._next_id += new.size
+        return ids
+
+    def _page_of(self, ids: np.ndarray) -> np.ndarray:
+        return self.space.page_of[self._space_of[ids]]
+
+    def step(self, keys: np.ndarray, record: bool = True, scores: np.ndarray | None = None) -> StepCounts:
         """Serve one step's sampled row keys; per layer: lookups, unique rows served per level
-        (tiers, then the backing levels), and SSD page reads. Sampled counts."""
+        (tiers, then the backing levels), and SSD page reads. Sampled counts.
+
+        ``scores``: one per key, for a tier whose policy needs predictor scores; a row looked up
+        more than once in the step is served once, with the score of its first lookup (as the
+        live store reduces them)."""
         L = self.num_layers
-        distinct = self.space.distinct_ids(keys)
-        out = self.cascade.serve(distinct, np.array([0, distinct.size], np.int64))
+        distinct, first = self.space.distinct_first(keys)
+        d_scores = None
+        if scores is not None:
+            scores = np.asarray(scores, dtype=np.float64).reshape(-1)
+            if scores.size != np.size(keys):
+                raise CachelabError(f"{scores.size} scores for a step of {np.size(keys)} row keys: give one per key")
+            d_scores = scores[first]
+        out = self.cascade.serve(self._number(distinct), np.array([0, distinct.size], np.int64), d_scores)
         page_reads = np.bincount(self.space.pages[out.pages_read()] >> LAYER_SHIFT, minlength=L)[:L]
         layer = self.space.layer_of[distinct]
         levels = len(self.hierarchy.levels)

@@ -142,9 +142,10 @@ def predict_point(config: dict, workload: Workload, row_cache_rows: int, store_s
     spec (``live_calibration.model_spec``), the fitted CPU profile and efficiency, the engine's
     scheduler limits and KV pool, and a row cache of the live one's rows over the rows of the
     live store (its tables at ``store_scale``, the store's fold), so its hit ratio is the live
-    row cache's (none for a learned policy: the simulator has no scores for it here; the
-    prediction's row cache is off then). ``slowdown``: the fit runs' engine CPU share over the
-    point's (``live_calibration.at_cpu_share``), 1 for the plain prediction."""
+    row cache's; a learned policy reads the keep scores of the same model
+    (``live.row_cache_model``), computed online per step as the live engine computes them.
+    ``slowdown``: the fit runs' engine CPU share over the point's
+    (``live_calibration.at_cpu_share``), 1 for the plain prediction."""
     from cachelab.experiment.points import simulated_point
     from cachelab.live.launch import model_for
     from cachelab.serving.live_calibration import at_cpu_share, load_calibration, model_spec
@@ -156,14 +157,14 @@ def predict_point(config: dict, workload: Workload, row_cache_rows: int, store_s
     eff = eff if slowdown == 1.0 else at_cpu_share(eff, 1 / slowdown)
     cfg = model_for(opts)
     spec = model_spec(cfg)
-    if opts.row_cache_model is not None:
-        row_cache_rows = 0
     placement = PLACEMENTS[live["placement"]]
     serving = ServingConfig(hardware=str(path), placement=placement, tp=1, concurrency=live["concurrency"],
                             max_num_batched_tokens=opts.max_num_batched_tokens, max_num_seqs=opts.max_num_seqs,
                             model=spec, layout=cfg.layout, efficiency=eff, kv_cache_tokens=opts.kv_cache_tokens,
                             store_scale=store_scale, row_cache_bytes=float(row_cache_rows * spec.row_bytes),
                             row_cache_policy=live["row_cache_policy"] if row_cache_rows else "lru",
+                            row_cache_model=None if not row_cache_rows or opts.row_cache_model is None
+                            else str(opts.row_cache_model),
                             warm_page_cache=placement == "ssd-mmap")  # the scaled store's file sits in the page cache
     return simulated_point(workload, serving)
 

@@ -7,9 +7,11 @@ computed, so they skip their Engram lookups too. This module is its simulated dr
 step's positions go through the streaming addresser (a request's address history is primed
 from the tokens before its first computed position), the row keys through ``StepReplay``
 (optionally sampled), and the step's duration comes from the ``LatencyModel``; the clock
-advances by it. Clients keep at most ``concurrency`` requests in flight (``vllm bench serve
---max-concurrency``): a request is sent at its arrival time or when a slot frees, whichever
-is later.
+advances by it. A learned row cache (``row_cache_model``) gets each step's keep scores from
+the live engine's own scorer (``cachelab.learning.online.OnlineScorer``), fed what the
+engine feeds it: the step's requests, positions, tokens and full-layout row ids. Clients
+keep at most ``concurrency`` requests in flight (``vllm bench serve --max-concurrency``): a
+request is sent at its arrival time or when a slot frees, whichever is later.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import heapq
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 import polars as pl
@@ -34,7 +37,7 @@ from cachelab.store.format import TableLayout
 from cachelab.workload.prefix_cache import block_hashes
 from cachelab.workload.scheduler import (MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, PREFIX_CACHES, Request, Scheduler,
                                          StepRecord, kv_pool)
-from cachelab.engine.stepper import KeySet, RowSpace, StepReplay, sampled_keys, table_row_space
+from cachelab.engine.stepper import KeySet, RowSpace, StepReplay, sampled_keys, sampled_keys_at, table_row_space
 
 PAGE_BYTES = 4096
 TABLE_SPACE_ROWS = 2e7  # a sampled row space this small is enumerated from the tables, not the trace
@@ -51,6 +54,9 @@ class ServingConfig:
         max_num_batched_tokens / max_num_seqs: the scheduler's per-step budget and cap.
         prefix_cache: ``vllm`` (hash-chained blocks), ``sglang`` (radix tree) or ``off``.
         row_cache_bytes: an HBM row cache (``row_cache_policy``) in front of the placement.
+        row_cache_model: a predictor directory (``cachelab train --out``) whose keep scores a
+            learned ``row_cache_policy`` reads, computed online step by step as the live engine
+            computes them (``cachelab serve --model``).
         page_cache_bytes: host DRAM the OS page cache may use for ssd-mmap (None: half of the
             replica's host DRAM).
         sample_rate: spatial sampling of rows (1.0: every row).
@@ -73,6 +79,7 @@ class ServingConfig:
     block_size: int = 16
     row_cache_bytes: float = 0.0
     row_cache_policy: str = "lru"
+    row_cache_model: str | None = None
     page_cache_bytes: float | None = None
     sample_rate: float = 1.0
     model: str | ModelSpec = "deepseek-v4.1-flash"  # a spec name or file, or a spec itself (the live model's)
@@ -98,6 +105,9 @@ class ServingConfig:
             raise CachelabError(f"row_cache_bytes must be >= 0, got {self.row_cache_bytes}")
         if self.store_scale is not None and not 0.0 < self.store_scale <= 1.0:
             raise CachelabError(f"store_scale must be in (0, 1], got {self.store_scale}")
+        if self.row_cache_model is not None and not Path(self.row_cache_model).is_dir():
+            raise CachelabError(f"row_cache_model: no directory {str(self.row_cache_model)!r} (a predictor "
+                                "directory from `cachelab train --out`)")
 
 
 @dataclass
@@ -207,11 +217,14 @@ class ServingSimulator:
             row_space = table_row_space(sizes, config.sample_rate, self.rows_per_page)
         self.space = row_space or build_row_space(self.addresser, self.seqs, self.plen, self.olen,
                                                   config.sample_rate, self.rows_per_page, progress, self.tables)
+        self.learned = None  # the learned row cache's model (cachelab.learning.training.Model)
         self.hierarchy = self._hierarchy(rc)
 
     def _hierarchy(self, row_cache_bytes: float) -> Hierarchy:
         cfg = self.config
-        tiers = [Tier("hbm", cfg.row_cache_policy, capacity_bytes=int(row_cache_bytes))] if row_cache_bytes > 0 else []
+        tiers = []
+        if row_cache_bytes > 0:
+            tiers.append(Tier("hbm", self._row_cache_policy(), capacity_bytes=int(row_cache_bytes)))
         if cfg.placement in ("ssd-mmap", "ssd-direct"):
             cache = 0.0 if cfg.placement == "ssd-direct" else cfg.page_cache_bytes
             if cache is None:
@@ -221,6 +234,30 @@ class ServingSimulator:
             backing = DRAMStore(name="table")
         return Hierarchy(tiers, self.row_bytes, backing)
 
+    def _row_cache_policy(self):
+        """The row cache's policy: its name, or for a learned policy the one ``cachelab serve``
+        builds from the model (``learned_policy``: what it takes from the model); refused as
+        ``cachelab serve`` refuses it where policy and model do not go together."""
+        from cachelab import registry
+
+        cfg = self.config
+        name = cfg.row_cache_policy
+        policy = registry.make_policy(name)
+        needs = policy.capabilities.needs_scores
+        if needs and cfg.row_cache_model is None:
+            raise CachelabError(f"row_cache_policy {name!r} needs predictor scores: give row_cache_model (a "
+                                "predictor directory from `cachelab train --out`)")
+        if not needs:
+            if cfg.row_cache_model is not None:
+                raise CachelabError(f"row_cache_policy {name!r} reads no predictor scores; row_cache_model is for a "
+                                    "learned policy (e.g. learned-lfu-adaptive)")
+            return policy
+        from cachelab.learning.evaluation import learned_policy
+        from cachelab.learning.training import load
+
+        self.learned = load(Path(cfg.row_cache_model))
+        return learned_policy(name, self.learned)
+
     def run(self, on_step: Callable[[StepRecord], None] | None = None) -> ServingResult:
         """Replay the trace; ``on_step`` sees every completed step record (for a lookup stream)."""
         cfg, lat = self.config, self.latency
@@ -229,6 +266,11 @@ class ServingSimulator:
                               cfg.max_num_batched_tokens, cfg.max_num_seqs)
         requests = [Request(r, self.seqs[r], int(self.plen[r]), int(self.olen[r])) for r in range(n)]
         replay = StepReplay(self.hierarchy, self.space, len(self.model.engram_layers), cfg.sample_rate)
+        scorer = None
+        if self.learned is not None:  # a fresh scorer per run: its state is the served past
+            from cachelab.learning.online import OnlineScorer
+
+            scorer = OnlineScorer(self.learned, self.model.layout)
         if cfg.warm_page_cache:
             replay.prewarm_page_cache()
         n_tiers = len(self.hierarchy.tiers)
@@ -249,7 +291,8 @@ class ServingSimulator:
         client = [0.0] * cfg.concurrency if cfg.concurrency else None  # heap of slot free times
         clock, finished = 0.0, 0
         steps: dict[str, list] = {k: [] for k in ("start_s", "step_s", "stall_s", "gpu_s", "tokens", "decodes",
-                                                  "sequences", "fetch1_s", "fetch14_s", "rows_unique")}
+                                                  "sequences", "fetch1_s", "fetch14_s", "rows_unique",
+                                                  "row_cache_hits")}
         peak_cached = 0
         fetch_parts: dict[str, float] = {}  # seconds per fetch part, summed over steps and layers
         scale = 1.0 / cfg.sample_rate
@@ -282,8 +325,14 @@ class ServingSimulator:
                 chunks = [self.seqs[r][a:b] for r, a, b in zip(ids, step.starts.tolist(), step.stops.tolist())]
                 offsets = np.concatenate([[0], np.cumsum(step.stops - step.starts)])
                 rows = stream.feed(np.concatenate(chunks), offsets, seq=slot_of[step.requests].tolist())
-                keys = sampled_keys(fold_rows(rows, self.tables), cfg.sample_rate, self.rows_per_page)
-                out = replay.step(keys, record=clock >= cfg.warmup_s)
+                if scorer is None:
+                    keys = sampled_keys(fold_rows(rows, self.tables), cfg.sample_rate, self.rows_per_page)
+                    out = replay.step(keys, record=clock >= cfg.warmup_s)
+                else:  # the live engine's call (cachelab.live.engine), on the full-layout rows
+                    scores = scorer.scores(step.requests, step.starts, step.stops, step.num_prompt,
+                                           [self.seqs[r] for r in ids], rows)
+                    keys, at = sampled_keys_at(fold_rows(rows, self.tables), cfg.sample_rate, self.rows_per_page)
+                    out = replay.step(keys, record=clock >= cfg.warmup_s, scores=scores.reshape(-1)[at])
                 tokens = int(offsets[-1])
                 work = []
                 for li in range(len(self.model.engram_layers)):
@@ -309,6 +358,7 @@ class ServingSimulator:
                 steps["fetch1_s"].append(t.fetches[0].fetch_s)
                 steps["fetch14_s"].append(t.fetches[-1].fetch_s)
                 steps["rows_unique"].append(sum(w.unique for w in work))
+                steps["row_cache_hits"].append(sum(w.cache_hits for w in work))
                 # -- emit tokens, finish requests ------------------------------------------
                 done = scheduler.complete(step)
                 for r in step.emitted:
@@ -359,6 +409,8 @@ class ServingSimulator:
             policy = replay.policies[0]
             rows["row_cache_bytes"] = cfg.row_cache_bytes
             rows["row_cache_policy"] = policy.name
+            if cfg.row_cache_model is not None:
+                rows["row_cache_model"] = str(cfg.row_cache_model)
             rows["row_cache_resident_bytes"] = float(policy.resident().size / cfg.sample_rate * self.row_bytes)
         per_request = pl.DataFrame({"send_s": send, "first_token_s": first, "end_s": end,
                                     "prompt_tokens": self.plen, "output_tokens": self.olen,
