@@ -239,9 +239,51 @@ def test_mtp_verify_costs_draft_and_more_tokens():
     assert verify.total_s > plain.total_s and verify.total_s < 6 * plain.total_s
 
 
-def test_gpu_side_row_ids_leave_no_window():
-    work = [EngramStep(8 * 24, 8 * 24)] * 2
+def test_ssd_workers_fetch_from_the_step_start_and_the_host_floors_short_steps():
+    from dataclasses import replace
+
     lat = LatencyModel(MODEL, load_profile("B200"), tp=4, placement="ssd-mmap")
-    step = lat.step_time(Batch(np.full(8, 1000.0), np.full(8, 1001.0)), work)
-    fetch = step.fetches[0].fetch_s + step.fetches[1].fetch_s
-    assert step.stall_s == pytest.approx(fetch + 2 * lat.eff.graph_break_s)
+    e = lat.eff
+    # a prefill chunk's rows: each Engram layer's worker starts with the step, in parallel with the other
+    work = [EngramStep(8192 * 24, 8192 * 24)] * 2
+    chunk = Batch([0.0], [8192.0])
+    step = lat.step_time(chunk, work)
+    layer_s = (step.gpu.total_s - step.gpu.overhead_s) / MODEL.layers
+    f1, f14 = (x.fetch_s for x in step.fetches)
+    stall1 = max(0.0, f1 - layer_s) + (e.graph_break_s if f1 > layer_s else 0.0)
+    stall14 = max(0.0, f14 - (14 * layer_s + stall1))  # its own worker: not queued behind layer 1's fetch
+    assert stall1 > 0 and step.stall_s == pytest.approx(stall1 + stall14)
+    assert step.host_floor_s == pytest.approx(e.step_overhead_s + 40 * e.piecewise_layer_s)
+    assert step.step_s == pytest.approx(max(step.gpu.total_s + step.stall_s, step.host_floor_s))
+    # a short verify step of one sequence: the host's launch of the backbone and draft layers binds
+    one = Batch([1000.0], [1006.0], lm_rows=6, drafting=1)
+    short = lat.step_time(one, [EngramStep(6 * 24, 6 * 24)] * 2)
+    assert short.host_floor_s == pytest.approx(e.step_overhead_s + (40 + 3) * e.piecewise_layer_s)
+    assert short.step_s == short.host_floor_s > short.gpu.total_s + short.stall_s
+    # UVA steps are captured whole: no floor, the same GPU work
+    uva = LatencyModel(MODEL, load_profile("B200"), tp=4, placement="dram-uva").step_time(one, [EngramStep(144, 144)] * 2)
+    assert uva.host_floor_s == 0.0 and uva.step_s < short.step_s
+    assert uva.gpu.total_s == pytest.approx(short.gpu.total_s)
+    # the additive reading of the host offset (a what-if) adds to every piecewise step and to no UVA step
+    add = replace(e, piecewise_step_offset_s=9e-3)
+    long_ssd = LatencyModel(MODEL, load_profile("B200"), tp=4, placement="ssd-mmap", efficiency=add).step_time(chunk, work)
+    assert long_ssd.step_s == pytest.approx(step.gpu.total_s + step.stall_s + 9e-3)
+    assert LatencyModel(MODEL, load_profile("B200"), tp=4, placement="dram-uva", efficiency=add).step_time(
+        one, [EngramStep(144, 144)] * 2).step_s == pytest.approx(uva.step_s)
+    assert "host_floor_s" in short.to_dict()
+
+
+def test_the_engram_host_path_bench_times_the_patchs_dedup_and_two_gathers(tmp_path):
+    import importlib.util
+
+    pytest.importorskip("torch")
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_engram_host_path.py"
+    spec = importlib.util.spec_from_file_location("bench_engram_host_path", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    r = bench.measure(tmp_path, table_gib=1 / 256, rounds=1, counts=(96, 576, 2304))
+    assert r["rows"] == (4 << 20) // 256 and (tmp_path / "engram_v0_r0.scale.bin").stat().st_size == r["rows"] * 8
+    assert set(r["by_rows"]) == {"96", "576", "2304"}
+    for v in r["by_rows"].values():
+        assert 0 < v["dedup_s"] < v["total_s"] and 0 < v["gather_s"] < v["total_s"]
+    assert r["gather_rows_per_s"] > 0 and r["fit"]["total_s"]["fixed_s"] >= 0

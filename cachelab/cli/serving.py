@@ -298,12 +298,15 @@ def study_semianalysis(
 
     from cachelab.serving.agentic import agentic_workload
     from cachelab.serving.calibration import FITTED
-    from cachelab.serving.studies.semianalysis import run, sensitivity as elasticity, total_points, what_ifs
+    from cachelab.serving.studies.semianalysis import (run, sensitivity as elasticity, total_points, what_ifs,
+                                                       with_published_piecewise)
 
     if not 0.0 <= prefix_hit < 1.0:
         raise CachelabError(f"--prefix-hit must be in [0, 1), got {prefix_hit}")
     console = Console(stderr=True, quiet=as_json)
     eff, loss = _efficiency(console, fit_evals)
+    workload = agentic_workload(prefix_hit=prefix_hit)
+    eff = with_published_piecewise(eff, workload)  # the SSD path's host floor, from the PR body's TPOT offset
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console, transient=True, disable=as_json) as bar:
         task = bar.add_task("points", total=total_points())
@@ -311,7 +314,6 @@ def study_semianalysis(
         def step(row: dict) -> None:
             bar.update(task, advance=1, description=f"{row['hardware']} TP{row['tp']} {row['placement']}")
 
-        workload = agentic_workload(prefix_hit=prefix_hit)
         result = run(out, eff, workload, progress=step)
     result["efficiency_fit_loss"] = loss
     if sensitivity:
@@ -335,6 +337,10 @@ def study_semianalysis(
     if "b200_dram_over_ssd_if_page_cache_fraction" in result:
         c.print("DRAM over SSD if the page cache held this fraction of the tables: " + ", ".join(
             f"{k}: {v:.2f}x" for k, v in result["b200_dram_over_ssd_if_page_cache_fraction"].items()))
+        a = result["b200_dram_over_ssd_if_host_offset_additive"]
+        c.print(f"DRAM over SSD if the SSD host offset added {a['offset_s_per_step'] * 1e3:.1f} ms to every step "
+                f"instead of flooring it: {a['b200_dram_over_ssd']:.2f}x (8k/1k SSD point: "
+                + ", ".join(f"{k} {v:,.0f}" for k, v in a["v41_8k1k_ssd_tokens_per_s_per_gpu"].items()) + " tok/s/GPU)")
         c.print("TP2-DRAM over TP4-HBM if V4.1 kept this much KV per token: " + ", ".join(
             f"{k} B: {v['gain_max']:.2f}x" for k, v in result["b300_tp2_dram_gain_if_kv_bytes_per_token"].items()))
     if "sensitivity" in result:
@@ -362,15 +368,18 @@ def study_inferencex(
     from cachelab.paths import data_root
     from cachelab.serving.calibration import (FIT_SUBSET, FITTED, THINK_SUBSET, fit, heldout_report, load_points, mape,
                                               validate, with_fitted_think)
+    from cachelab.serving.studies.semianalysis import with_published_piecewise
 
     console = Console(stderr=True, quiet=as_json)
     points, think = with_fitted_think(load_points(data_root()))
     train = [p for p in points if p.subset == FIT_SUBSET]
     with console.status(f"fitting {', '.join(FITTED)} on {FIT_SUBSET} ({len(train)} points)"):
         eff, loss = fit(train, max_evals=fit_evals)
+    eff = with_published_piecewise(eff)  # the SSD path's host floor, from the SSD PR body's TPOT offset (not fitted)
     rows = validate(points, eff)
     result = {"fit_subset": FIT_SUBSET, "fitted": {k: getattr(eff, k) for k in FITTED}, "fit_loss": loss,
               "think_subset": THINK_SUBSET, "agentic_think_s": think, "prefill_mfu": eff.prefill_mfu,
+              "piecewise_layer_s": eff.piecewise_layer_s,
               "fit_mape": mape([r for r in rows if r["subset"] == FIT_SUBSET]), **heldout_report(rows),
               "points": rows}
     if out is not None:

@@ -194,11 +194,16 @@ def load_points(root: Path) -> list[Point]:
                             "B200", tp, "hbm", wl, conc, {k: v for k, v in measured.items() if v},
                             f"{row['source_repo']} {row['source_path']}", row["framework"], observed_think_s=think,
                             client_gap_s=gap, ep=_ep(row.get("ep"), tp)))
-    for placement, measured in V41_SCRIPT_PAIR.items():
-        points.append(Point(f"v41-b200-tp4-8k1k-c16-{placement}", "v41-b200-tp4-8k1k-script", "deepseek-v4.1-flash",
-                            "B200", 4, placement, fixed_workload(8192, 1024), 16, dict(measured), SCRIPT, "vllm",
-                            page_cache_bytes=None if placement != "ssd-mmap" else 1000e9 - 95e9))
-    return points
+    return points + v41_script_points()
+
+
+def v41_script_points() -> list[Point]:
+    """The V4.1-Flash pair the InferenceX SSD recipe states (B200 TP4, 8k/1k, 16 clients, no KV
+    offload: the page cache has the node's ~1 TB less the server's 95 GB)."""
+    return [Point(f"v41-b200-tp4-8k1k-c16-{placement}", "v41-b200-tp4-8k1k-script", "deepseek-v4.1-flash",
+                  "B200", 4, placement, fixed_workload(8192, 1024), 16, dict(measured), SCRIPT, "vllm",
+                  page_cache_bytes=None if placement != "ssd-mmap" else 1000e9 - 95e9)
+            for placement, measured in V41_SCRIPT_PAIR.items()]
 
 
 def with_fitted_think(points: list[Point]) -> tuple[list[Point], float]:

@@ -17,7 +17,13 @@ parallelism a layer waits for the rank that holds the most touched experts):
     draft       MTP / DSpark draft passes for decoding sequences
     comm        two all-reduces per layer over NVLink
     overhead    a fixed cost per step, CPU costs per scheduled sequence and per prompt token
-                hashed for the prefix cache, and (piecewise CUDA graphs) a per-layer launch cost
+                hashed for the prefix cache
+
+A step that runs as piecewise CUDA graphs (a CPU fetch path whose row ids come from the GPU:
+host work inside the forward is illegal during capture) is launched layer by layer from
+Python, so it also cannot be shorter than the host's launch of it (``host_floor_s``): the GPU
+waits for the host when a step's GPU work is short and the host's launches hide behind it
+when it is long.
 
 The Engram fetch runs beside it, decomposed into its parts per placement:
 
@@ -71,16 +77,30 @@ class Efficiency:
     cpu_per_sequence_s: float = 10e-6  # host work per scheduled sequence per step (batch building, detokenising)
     cpu_per_prefix_token_s: float = 20e-9  # hashing a prompt token's block for the prefix cache
     expert_tile_rows: int = 16  # a touched expert's GEMM computes at least this many rows (swap-AB tiles)
-    piecewise_layer_s: float = 50e-6  # per layer, when the step runs as piecewise CUDA graphs (host work inside)
+    # Host time to launch one layer of a piecewise step (its graph pieces and the eager attention
+    # between them); a piecewise step takes at least step_overhead_s + this x the layers it runs.
+    # Derived, not fitted: the SSD recipe's runs measured a near-constant 2.6 ms per token more
+    # median TPOT than pinned-DRAM UVA on the agentic sweep, largest where steps are short
+    # (SemiAnalysisAI/InferenceX analysis/ssd_offload/VLLM-PR-BODY.md); at one sequence, where the
+    # host binds, the floor is the UVA step plus 2.6 ms x the acceptance length
+    # (``studies.semianalysis.published_piecewise_layer_s``; this default is its value with the
+    # efficiencies fitted on R1 1k/1k run 1).
+    piecewise_layer_s: float = 350e-6
+    # A host cost every piecewise step pays on top of its GPU work (0: none). The PR body's offset
+    # "does not scale with batch size"; read that way (additive at every step, not a floor) it is
+    # 2.6 ms x the acceptance length: a what-if of the study, contradicted by the held-out 8k/1k
+    # pair, where the SSD arm's TPOT is the UVA arm's (docs/serving.md).
+    piecewise_step_offset_s: float = 0.0
     uva_efficiency: float = 0.6  # of link bandwidth for scattered 128 B UVA reads
     copy_efficiency: float = 0.9  # of link bandwidth for a bulk H2D copy
     line_bytes: int = 128  # a GPU gather moves whole 128 B lines: a 264 B row costs 3
     memory_utilization: float = 0.9  # vLLM's gpu_memory_utilization default
     host_addressing: bool = False  # CPU paths: row ids computed on the host ahead of the step (True)
-    # or, as in the SSD path SemiAnalysis measured, on the GPU and sent to the CPU at the Engram
-    # layer (False): then the fetch cannot start before the layer, and the step runs as piecewise
-    # CUDA graphs (a host read is illegal during capture, InferenceX dsv41flashssd script)
-    graph_break_s: float = 50e-6  # a D2H sync plus relaunch of the rest of the step
+    # or, as in the SSD path SemiAnalysis measured, by the GPU's hash kernel and copied to the host
+    # at the start of the forward, each Engram layer gathered by its own worker (False): then the
+    # step runs as piecewise CUDA graphs (a host read is illegal during capture, InferenceX
+    # dsv41flashssd script) and has the host floor
+    graph_break_s: float = 50e-6  # the forward thread waited for a fetch: the GPU drained and waits for the relaunch
     activation_reserve_bytes: float = 6e9  # activations, CUDA graphs, NCCL buffers per GPU
 
 
@@ -171,22 +191,26 @@ class LayerFetch:
 
 @dataclass(frozen=True, slots=True)
 class StepTime:
-    """A step's time: GPU work plus the stall the Engram fetches did not hide."""
+    """A step's time: GPU work plus the stall the Engram fetches did not hide, or the host's
+    launch of a piecewise step (``host_floor_s``; 0 when the step is captured whole), whichever
+    is longer."""
 
     gpu: GpuTime
     fetches: tuple[LayerFetch, ...]
     stall_s: float
     step_s: float
+    host_floor_s: float = 0.0
 
     def to_dict(self) -> dict:
         """Flat: the GPU parts, then per layer L ``engramL_window_s``, ``engramL_fetch_s`` and
-        ``engramL_<part>``, then ``stall_s`` and ``step_s``."""
+        ``engramL_<part>``, then ``stall_s``, ``host_floor_s`` and ``step_s``."""
         out = self.gpu.to_dict()
         for f in self.fetches:
             out[f"engram{f.layer}_window_s"] = f.window_s
             out[f"engram{f.layer}_fetch_s"] = f.fetch_s
             out.update({f"engram{f.layer}_{key}": value for key, value in f.parts.items()})
         out["stall_s"] = self.stall_s
+        out["host_floor_s"] = self.host_floor_s
         out["step_s"] = self.step_s
         return out
 
@@ -295,8 +319,6 @@ class LatencyModel:
         layers = m.layers + (m.draft_passes_per_step * m.draft_layers if m.speculative_tokens and batch.drafting > 0 else 0)
         overhead = (e.step_overhead_s + e.layer_overhead_s * layers + e.cpu_per_sequence_s * batch.sequences
                     + e.cpu_per_prefix_token_s * batch.prefix_tokens)
-        if self.piecewise:
-            overhead += m.layers * e.piecewise_layer_s
         parts = (dense, experts, attention, indexer, lm_head, draft)
         return GpuTime(*parts, comm, overhead, sum(parts) + comm + overhead)
 
@@ -319,6 +341,16 @@ class LatencyModel:
         """Whether steps run as piecewise CUDA graphs: a CPU fetch path whose row ids come from
         the GPU does host work inside the forward, which full-graph capture forbids."""
         return self.placement in CPU_PATHS and not self.eff.host_addressing and bool(self.model.engram_layers)
+
+    def host_floor_s(self, batch: Batch) -> float:
+        """The shortest a piecewise step can be: the host launches every layer it runs (the
+        backbone's, and the draft's when the step drafts) plus the fixed per-step work; 0 for a
+        step captured whole."""
+        if not self.piecewise or batch.tokens <= 0:
+            return 0.0
+        m, e = self.model, self.eff
+        layers = m.layers + (m.draft_passes_per_step * m.draft_layers if m.speculative_tokens and batch.drafting > 0 else 0)
+        return e.step_overhead_s + e.piecewise_layer_s * layers
 
     # -- the Engram fetch --------------------------------------------------------------------
     def fetch_parts(self, work: EngramStep) -> dict:
@@ -376,11 +408,16 @@ class LatencyModel:
                           work.page_reads * s)
 
     def step_time(self, batch: Batch, engram: list[EngramStep]) -> StepTime:
-        """The step: GPU time, each Engram layer's fetch and window, and the stall not hidden.
+        """The step: GPU time, each Engram layer's fetch and window, the stall not hidden, and
+        (piecewise steps) the host floor.
 
-        Fetches run one after another on a side stream (or the host), starting with the step;
-        layer L's rows are needed when the L layers before it have run. A CPU path whose row
-        ids come from the GPU starts only at the layer itself (no window) and breaks the graph.
+        GPU paths fetch one layer after another on a side stream, starting with the step; layer
+        L's rows are needed when the L layers before it have run. CPU paths fetch each Engram
+        layer on its own host worker, all starting with the step: the InferenceX SSD patch
+        (``prepare_embeddings``) copies the step's row ids to the host before the decoder layers
+        and hands each layer's gather to that layer's one-thread pool, and the layer's ``embed``
+        waits for it; a wait drains the GPU, which then waits ``graph_break_s`` for the relaunch.
+        ``host_addressing`` (ids computed on the host ahead of the step) fetches on one thread.
         """
         gpu = self.gpu_time(batch)
         layer_s = (gpu.total_s - gpu.overhead_s) / self.model.layers
@@ -391,14 +428,18 @@ class LatencyModel:
             parts = self.fetch_parts(work)
             needed = layer * layer_s + stall  # main stream reaches layer L (after earlier stalls)
             if self.piecewise:
-                fetch_done = needed + parts["total_s"] + self.eff.graph_break_s
+                fetch_done = parts["total_s"]  # its own worker, from the start of the step
             else:
                 fetch_done += parts["total_s"]
             wait = max(0.0, fetch_done - needed)
+            if self.piecewise and wait > 0:
+                wait += self.eff.graph_break_s
             stall += wait
             fetches.append(LayerFetch(layer, layer * layer_s, parts["total_s"],
                                       {k: v for k, v in parts.items() if k != "total_s"}))
-        return StepTime(gpu, tuple(fetches), stall, gpu.total_s + stall)
+        floor = self.host_floor_s(batch)
+        offset = self.eff.piecewise_step_offset_s if floor > 0 else 0.0
+        return StepTime(gpu, tuple(fetches), stall, max(gpu.total_s + stall + offset, floor), floor)
 
 
 def describe(lat: LatencyModel) -> dict:

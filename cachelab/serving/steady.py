@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cachelab.errors import CachelabError
-from cachelab.serving.latency import Batch, EngramStep, LatencyModel
+from cachelab.serving.latency import Batch, EngramStep, LatencyModel, StepTime
 from cachelab.serving.page_popularity import interpolate
 
 Z = {50: 0.0, 90: 1.2816, 99: 2.3263}  # standard normal quantiles
@@ -100,12 +100,11 @@ def _engram_work(dep: Deployment, tokens: float) -> list[EngramStep]:
     return [EngramStep(lookups=lookups, unique=unique, page_reads=pages)] * len(m.engram_layers)
 
 
-def step_seconds(dep: Deployment, decoders: float, ctx: float, chunk: float, chunk_ctx: float,
-                 kv_load_bytes: float = 0.0, parts: dict | None = None, hashed: float = 0.0) -> tuple[float, float]:
-    """(seconds, stall) of one step with ``decoders`` sequences at context ``ctx`` verifying
-    their drafts, plus a prefill chunk of ``chunk`` tokens ending at context ``chunk_ctx``;
-    ``hashed``: prompt tokens looked up in the prefix cache this step; ``parts`` (if given)
-    receives the step's seconds per operator."""
+def step_time(dep: Deployment, decoders: float, ctx: float, chunk: float = 0.0, chunk_ctx: float = 0.0,
+              hashed: float = 0.0) -> StepTime:
+    """The latency model's ``StepTime`` of one step with ``decoders`` sequences at context
+    ``ctx`` verifying their drafts, plus a prefill chunk of ``chunk`` tokens ending at context
+    ``chunk_ctx``; ``hashed``: prompt tokens looked up in the prefix cache this step."""
     lat, m = dep.latency, dep.latency.model
     q = 1 + m.speculative_tokens
     lo, hi, w = [ctx], [ctx + q], [decoders]
@@ -115,10 +114,19 @@ def step_seconds(dep: Deployment, decoders: float, ctx: float, chunk: float, chu
         w.append(1.0)
     batch = Batch(np.array(lo), np.array(hi), np.array(w), lm_rows=decoders * q + (1 if chunk else 0),
                   drafting=decoders, prefix_tokens=hashed)
-    t = lat.step_time(batch, _engram_work(dep, batch.tokens))
+    return lat.step_time(batch, _engram_work(dep, batch.tokens))
+
+
+def step_seconds(dep: Deployment, decoders: float, ctx: float, chunk: float, chunk_ctx: float,
+                 kv_load_bytes: float = 0.0, parts: dict | None = None, hashed: float = 0.0) -> tuple[float, float]:
+    """(seconds, stall) of ``step_time``'s step, plus ``kv_load_bytes`` copied back from a host
+    KV pool; ``parts`` (if given) receives the step's seconds per operator."""
+    lat = dep.latency
+    t = step_time(dep, decoders, ctx, chunk, chunk_ctx, hashed)
     if parts is not None:
         parts.update({f"op_{k.removesuffix('_s')}": v for k, v in t.gpu.to_dict().items() if k != "total_s"})
         parts["op_engram_stall"] = t.stall_s
+        parts["host_floor_s"] = t.host_floor_s  # not an operator: the step is max(GPU + stall, this)
     load = kv_load_bytes / (lat.hw.host.link_bw * lat.eff.copy_efficiency) if kv_load_bytes else 0.0
     return t.step_s + load, t.stall_s
 
