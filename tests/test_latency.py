@@ -163,6 +163,17 @@ def test_ssd_mmap_parts_add_up_and_faults_dominate_cold_reads():
     assert warm["total_s"] > uva.fetch_parts(EngramStep(lookups=10_000, unique=8_000))["total_s"]  # the CPU round trip
 
 
+def test_a_fraction_of_a_page_expected_pays_that_fraction_of_the_read_latency():
+    lat = LatencyModel(MODEL, load_profile("B200"), tp=4, placement="ssd-mmap")
+    ssd = lat.hw.ssd
+    # one rank's share: a quarter of the step's pages
+    parts = lambda pages: lat.fetch_parts(EngramStep(lookups=400, unique=400, page_reads=4 * pages))["device_reads_s"]
+    assert parts(0.0) == 0.0
+    assert parts(0.02) == pytest.approx(0.02 * ssd.latency_s + 0.02 / ssd.iops_4k)  # an expectation (steady state)
+    assert parts(1.0) == pytest.approx(ssd.latency_s + 1 / ssd.iops_4k)  # one read: its whole latency
+    assert parts(500.0) == pytest.approx(ssd.latency_s + 500 / ssd.iops_4k)
+
+
 def test_prefetch_window_hides_small_fetches_and_stall_is_the_rest():
     lat = LatencyModel(MODEL, load_profile("B200"), tp=4, placement="dram-copy",
                        efficiency=Efficiency(host_addressing=True))

@@ -376,17 +376,16 @@ class LatencyModel:
         parts["round_trip_s"] = cpu.round_trip_s
         parts["cpu_dedup_s"] = missing / (cpu.dedup_rows_per_s * threads)
         if self.placement == "ssd-direct":
-            ssd = self.hw.ssd
             pages = work.page_reads
-            parts["device_reads_s"] = (ssd.latency_s + pages / ssd.iops_4k) if pages else 0.0
+            parts["device_reads_s"] = self._device_reads_s(pages)
             parts["dma_s"] = pages * PAGE_BYTES / (h.link_bw * e.copy_efficiency)
             parts["total_s"] = (parts["hbm_gather_s"] + parts["round_trip_s"] + parts["cpu_dedup_s"]
                                 + max(parts["device_reads_s"], parts["dma_s"]))
             return parts
         critical = 0.0
         if self.placement == "ssd-mmap":
-            ssd, pages = self.hw.ssd, work.page_reads
-            parts["device_reads_s"] = (ssd.latency_s + pages / ssd.iops_4k) if pages else 0.0
+            pages = work.page_reads
+            parts["device_reads_s"] = self._device_reads_s(pages)
             parts["page_faults_s"] = pages * cpu.major_fault_s / threads
             critical = max(parts["device_reads_s"], parts["page_faults_s"])
         parts["cpu_gather_s"] = rows / (cpu.gather_rows_per_s * threads)
@@ -394,6 +393,16 @@ class LatencyModel:
         parts["total_s"] = (parts["hbm_gather_s"] + parts["round_trip_s"] + parts["cpu_dedup_s"] + critical
                             + parts["cpu_gather_s"] + parts["h2d_copy_s"])
         return parts
+
+    def _device_reads_s(self, pages: float) -> float:
+        """Seconds of SSD reads for ``pages`` 4 KiB pages: one read's latency, then the rest at the
+        device's IOPS. A fractional count is an expectation (the steady-state model's): a step
+        expected to miss p < 1 pages waits for a read with probability about p, so it is charged
+        p x the latency rather than all of it."""
+        if pages <= 0:
+            return 0.0
+        ssd = self.hw.ssd
+        return ssd.latency_s * min(1.0, pages) + pages / ssd.iops_4k
 
     def rank_share(self, work: EngramStep) -> EngramStep:
         """One TP rank's part of a layer's rows. vLLM splits each Engram table across the TP
