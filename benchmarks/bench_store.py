@@ -51,8 +51,9 @@ from pathlib import Path
 import numba
 import numpy as np
 
-from cachelab.compiled import prefetch
+from cachelab.compiled import copy_bytes
 from cachelab.serving.hardware.probe import _best
+from cachelab.store.kernels import prefetch_row
 from cachelab.workload.lookups import compact
 
 CLI = [sys.executable, "-m", "cachelab.cli"]
@@ -69,13 +70,70 @@ def _touch_rows(pages, rows, rows_per_page, row_bytes):
     for i in range(n):
         if i + 8 < n:
             r = rows[i + 8]
-            for line in range(0, row_bytes + 63, 64):
-                prefetch(pages[r // rows_per_page], (r % rows_per_page) * row_bytes + min(line, row_bytes - 1))
+            prefetch_row(pages, r // rows_per_page, (r % rows_per_page) * row_bytes, row_bytes)
         r = rows[i]
-        src, at = pages[r // rows_per_page], (r % rows_per_page) * row_bytes
-        for line in range(0, row_bytes + 63, 64):
-            acc += src[at + min(line, row_bytes - 1)]
+        p, at = r // rows_per_page, (r % rows_per_page) * row_bytes
+        for line in range(0, row_bytes + 63, 64):  # pages[p, j], not pages[p][j]: no view, no reference count
+            acc += pages[p, at + min(line, row_bytes - 1)]
     return acc
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _copy_rows(pages, rows, rows_per_page, row_bytes, out, ahead):
+    """``out[i] = row rows[i]``: one memcpy per 264-byte row of a page-format table into a
+    packed staging buffer, the lines of the row ``ahead`` on prefetched (none at 0). The
+    reference the goal names: memcpy of the same bytes, as the same rows."""
+    n = rows.size
+    for i in range(n):
+        if 0 < ahead and i + ahead < n:
+            r = rows[i + ahead]
+            prefetch_row(pages, r // rows_per_page, (r % rows_per_page) * row_bytes, row_bytes)
+        r = rows[i]
+        copy_bytes(out, i, 0, pages, r // rows_per_page, (r % rows_per_page) * row_bytes, row_bytes)
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _chase_chains(nxt, starts, steps):
+    """``starts.size`` independent dependent-load chains through ``nxt``, advanced in turn:
+    the core keeps up to that many DRAM loads in flight."""
+    idx = starts.copy()
+    k = idx.size
+    for _ in range(steps):
+        for j in range(k):
+            idx[j] = nxt[idx[j]]
+    return idx.sum()
+
+
+def memory_parallelism(array_bytes: int = 512 << 20, loads: int = 1 << 21,
+                       chains=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64), seed: int = 0) -> dict:
+    """Random cache-line loads through ``array_bytes`` (a random cycle over its lines) in 1..64
+    independent chains. One chain: the DRAM latency of a line; the most chains: the fastest
+    rate of random lines one core reaches. Little's law: lines in flight = latency x that rate,
+    the core's line-fill parallelism as used."""
+    lines = array_bytes // 64
+    order = np.random.default_rng(seed).permutation(lines) * 8  # int64 index of each line's first entry
+    nxt = np.zeros(lines * 8, np.int64)
+    nxt[order] = np.roll(order, -1)
+    ns_per_load = {}
+    for k in chains:
+        starts = order[np.arange(k) * (lines // k)].copy()  # k points far apart on the one cycle
+        steps = max(1, loads // k)
+        _chase_chains(nxt, starts, 10)
+        ns_per_load[k] = _best(lambda: _chase_chains(nxt, starts, steps)) / (steps * k) * 1e9
+    latency = ns_per_load[1]
+    fastest = min(ns_per_load.values())
+    return {"array_bytes": array_bytes, "ns_per_load_by_chains": ns_per_load, "latency_ns": latency,
+            "fastest_ns_per_line": fastest, "lines_in_flight": latency / fastest}
+
+
+def mlp_bound(mlp: dict, row_bytes: int, rows_per_page: int) -> dict:
+    """What one core can reach at most on random rows: ``lines_in_flight`` lines every
+    ``latency_ns``, each row costing the lines it spans (264 B rows 8-byte aligned in a page:
+    always 5). Counts reads only: the writes of the output come on top."""
+    at = np.arange(rows_per_page) * row_bytes
+    lines_per_row = float(np.mean((at + row_bytes - 1) // 64 - at // 64 + 1))
+    ns_per_row = lines_per_row * mlp["latency_ns"] / mlp["lines_in_flight"]
+    return {"lines_per_row": lines_per_row, "ns_per_row": ns_per_row, "GBps": row_bytes / ns_per_row}
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
@@ -114,6 +172,9 @@ def _steps_of(store, step_rows_list: list[np.ndarray]) -> list[dict]:
         steps.append({"rows": rows, "keys": keys, "table_rows": uniq, "inverse": inverse, "out_t": out_t,
                       "out": out_t.view(torch.int16).numpy().reshape(rows.size, lay.row_dim).view(np.uint16)})
     return steps
+
+
+ROW_COPY_AHEAD = (0, 2, 4, 8, 16, 32)  # prefetch distances tried for the memcpy of rows; the best is the reference
 
 
 def _time_steps(store, steps: list[dict], rounds: int) -> dict:
@@ -156,6 +217,8 @@ def _time_steps(store, steps: list[dict], rounds: int) -> dict:
         "memcpy": each(lambda s: np.copyto(dst[:s["table_rows"].size * rb], hot_src[:s["table_rows"].size * rb])),
         "memcpy_cold": memcpy_cold,
         "random_touch": each(lambda s: _touch_rows(pages, s["table_rows"], rpp, rb)),
+        **{f"memcpy_rows_{d}": each(lambda s, d=d: _copy_rows(pages, s["table_rows"], rpp, rb, packed, d))
+           for d in ROW_COPY_AHEAD},
         "numpy_take": each(lambda s: np.take(packed_table, s["keys"] % packed_table.shape[0], axis=0,
                                              out=take_out[:s["keys"].size])),
         "lookup": lookup_stages,
@@ -181,12 +244,20 @@ def _time_steps(store, steps: list[dict], rounds: int) -> dict:
            "memcpy_hot_GBps": unique * rb / best["memcpy"] / 1e9,
            "memcpy_cold_GBps": unique * rb / best["memcpy_cold"] / 1e9,
            "lookup_stage_ns_per_row": {k: v / unique * 1e9 for k, v in stages.items()}}
+    # memcpy of the same rows: one memcpy per 264-byte row, the step's distinct rows in the
+    # kernels' order, from the same table into a staging buffer; its best prefetch distance
+    by_ahead = {d: best[f"memcpy_rows_{d}"] for d in ROW_COPY_AHEAD}
+    ahead = min(by_ahead, key=by_ahead.get)
+    bw_rows = unique * rb / by_ahead[ahead]
+    res.update({"memcpy_rows_GBps": bw_rows / 1e9, "memcpy_rows_ns_per_row": by_ahead[ahead] / unique * 1e9,
+                "memcpy_rows_ahead": ahead,
+                "memcpy_rows_ns_per_row_by_ahead": {d: t / unique * 1e9 for d, t in by_ahead.items()}})
     for k in runs:
         if k.startswith("memcpy"):
             continue
         done = requests if k == "numpy_take" else unique  # np.take copies every request, not distinct rows
         res[k] = {"ns_per_row": best[k] / done * 1e9, "GBps": done * rb / best[k] / 1e9,
-                  "ratio_to_memcpy": done * rb / best[k] / bw}
+                  "ratio_to_memcpy": done * rb / best[k] / bw, "ratio_to_memcpy_rows": done * rb / best[k] / bw_rows}
     return res
 
 
@@ -225,8 +296,17 @@ def gather_section(directory: Path, trace: str | None, requests: int, steps_view
             rows = [step_rows(stream, s, len(cfg.layers), cfg.columns) for s in range(stream.num_steps)]
             out["trace"] = {"trace": trace, "requests_per_source": requests, "step_view": steps_view,
                             **_time_steps(store, _steps_of(store, rows), rounds)}
+        lay = store.layout_tables
+        rb, rpp = lay.row_bytes, lay.rows_per_page
     numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
     out["dram_latency_ns"] = dram_latency_ns()
+    out["memory_parallelism"] = memory_parallelism()
+    bound = out["mlp_bound"] = mlp_bound(out["memory_parallelism"], rb, rpp)
+    for name in ("uniform", "trace"):  # the bound against this run's references
+        if name in out:
+            r = out[name]
+            r["mlp_bound_ratio_to_memcpy"] = bound["GBps"] / r["memcpy_GBps"]
+            r["mlp_bound_ratio_to_memcpy_rows"] = bound["GBps"] / r["memcpy_rows_GBps"]
     out["load_average_end"] = os.getloadavg()[0]
     return out
 
@@ -361,6 +441,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=20)
     ap.add_argument("--steps", default="serving", help="How the gather section groups the trace into steps: "
                     "serving (vLLM's scheduler: 8,192 tokens, 256 sequences per step) or prompts.")
+    ap.add_argument("--rounds", type=int, default=5, help="Interleaved rounds of the gather section (best of all).")
     ap.add_argument("--compute-ms", type=float, default=2.0)
     ap.add_argument("--sections", default="gather,direct,modes,prefetch")
     ap.add_argument("--pagecache", action="store_true")
@@ -379,7 +460,7 @@ def main() -> None:
     sections = set(args.sections.split(","))
     out: dict = {"dir_scale": args.scale, "trace": args.trace, "requests": args.requests}
     if "gather" in sections:
-        out["gather"] = gather_section(directory, args.trace, args.requests, args.steps)
+        out["gather"] = gather_section(directory, args.trace or None, args.requests, args.steps, rounds=args.rounds)
     if "direct" in sections:
         out["direct"] = direct_section(directory)
     if "modes" in sections:
@@ -410,12 +491,25 @@ def _print(out: dict) -> None:
                 f"{r['trace']} ({r['requests_per_source']} per source, {r['step_view']} steps)"
             print(f" {name}: {r['steps']:,} steps, {r['unique_rows']:,} distinct of {r['requests']:,} requested, {what}; "
                   f"memcpy {r['memcpy_GBps']:.2f} GB/s ({r['memcpy_ns_per_row']:.1f} ns/row; hot source "
-                  f"{r['memcpy_hot_GBps']:.2f}, cold {r['memcpy_cold_GBps']:.2f})")
+                  f"{r['memcpy_hot_GBps']:.2f}, cold {r['memcpy_cold_GBps']:.2f}); memcpy of the same "
+                  f"{g['row_bytes']} B rows {r['memcpy_rows_GBps']:.2f} GB/s ({r['memcpy_rows_ns_per_row']:.1f} ns/row, "
+                  f"best prefetch {r['memcpy_rows_ahead']} rows ahead; "
+                  + ", ".join(f"{d}: {v:.1f}" for d, v in r["memcpy_rows_ns_per_row_by_ahead"].items()) + ")")
             for k in ("lookup", "lookup_out", "kernels_staged", "kernels_fused", "random_touch", "numpy_take"):
                 x = r[k]
-                print(f"  {k:>15}: {x['ns_per_row']:7.1f} ns/row {x['GBps']:6.3f} GB/s {x['ratio_to_memcpy']:.3f} x memcpy")
+                print(f"  {k:>15}: {x['ns_per_row']:7.1f} ns/row {x['GBps']:6.3f} GB/s {x['ratio_to_memcpy']:.3f} x memcpy"
+                      f" {x['ratio_to_memcpy_rows']:.3f} x memcpy of rows")
+            if "mlp_bound_ratio_to_memcpy" in r:
+                print(f"  {'mlp bound':>15}: {g['mlp_bound']['ns_per_row']:7.1f} ns/row {g['mlp_bound']['GBps']:6.3f} GB/s "
+                      f"{r['mlp_bound_ratio_to_memcpy']:.3f} x memcpy {r['mlp_bound_ratio_to_memcpy_rows']:.3f} x memcpy of rows")
             print("  lookup stages (ns/row): " + ", ".join(f"{k[:-2]} {v:.1f}" for k, v in
                                                           r["lookup_stage_ns_per_row"].items()))
+        m, b = g["memory_parallelism"], g["mlp_bound"]
+        print(f" memory-level parallelism: random 64 B lines in {m['array_bytes'] >> 20} MiB, latency {m['latency_ns']:.0f} ns "
+              f"(one chain), fastest {m['fastest_ns_per_line']:.1f} ns/line ("
+              + ", ".join(f"{k}: {v:.1f}" for k, v in m["ns_per_load_by_chains"].items())
+              + f" ns/line by chains) = {m['lines_in_flight']:.1f} lines in flight; bound for random {g['row_bytes']} B rows "
+              f"({b['lines_per_row']:.0f} lines each, reads only): {b['ns_per_row']:.1f} ns/row, {b['GBps']:.2f} GB/s")
     if "direct" in out:
         d = out["direct"]
         if "note" in d:

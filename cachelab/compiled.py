@@ -4,7 +4,9 @@
 a 2-D array) ahead of use. A kernel whose accesses land at random in an array far larger
 than the CPU caches (a hash table over 10 M keys) waits on memory at every access; touching
 the slot of the access a few iterations ahead overlaps those waits (3x on the 10 M-lookup
-compaction of ``benchmarks/bench_engine.py``).
+compaction of ``benchmarks/bench_engine.py``). ``prefetch_at(arr, i, j)`` fetches the line of
+``arr[i, j]`` of a 2-D array: ``prefetch(arr[i], j)`` would build a view of the row, and with
+it a reference count taken and dropped (two calls) at every use.
 """
 
 from __future__ import annotations
@@ -13,6 +15,14 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+
+def _prefetch_ptr(builder, ptr) -> None:
+    """``llvm.prefetch`` of ``ptr`` for reading, temporal locality 3 (every cache level)."""
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                        "llvm.prefetch.p0i8")
+    builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
 
 
 @intrinsic
@@ -27,10 +37,25 @@ def prefetch(typingctx, arr, index):
         ary = context.make_array(aryty)(context, builder, args[0])
         idx = [args[1]] + [context.get_constant(types.intp, 0)] * (aryty.ndim - 1)
         ptr = cgutils.get_item_pointer(context, builder, aryty, ary, idx)
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                            "llvm.prefetch.p0i8")
-        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        _prefetch_ptr(builder, ptr)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def prefetch_at(typingctx, arr, i, j):
+    """Prefetch ``arr[i, j]`` of a 2-D array for reading (locality 3), no view built."""
+    if not (isinstance(arr, types.Array) and arr.ndim == 2 and isinstance(i, types.Integer)
+            and isinstance(j, types.Integer)):
+        return None
+    sig = types.void(arr, i, j)
+
+    def codegen(context, builder, signature, args):
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1], args[2]])
+        _prefetch_ptr(builder, ptr)
         return context.get_dummy_value()
 
     return sig, codegen

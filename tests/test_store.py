@@ -116,6 +116,69 @@ def test_dequant_kernels_equal_the_table_for_every_scale_and_value():
     np.testing.assert_array_equal(out, expect[index])
 
 
+def test_dequant_lut_rows_with_a_scale_per_block_equal_the_table():
+    """Rows whose eight blocks each have their own scale (the LUT path applies each block's
+    exponent add; a row with one scale outside ``FAST_SCALES`` goes block by block), through
+    both kernels, and the LUT row itself where the CPU has it."""
+    from cachelab.store import kernels
+
+    rng = np.random.default_rng(3)
+    packed = rng.integers(0, 256, (512, 264), dtype=np.uint8)
+    packed[:, 256:] = rng.integers(kernels.FAST_SCALES[0], kernels.FAST_SCALES[1] + 1, (512, 8))
+    packed[::7, 256 + rng.integers(0, 8, 74)] = rng.choice([0, 5, 9, 247, 250, 255], 74)  # some rows leave the LUT
+    packed[1, :256] = np.arange(256)  # every FP8 byte, zeros and NaNs included
+    expect = DEQUANT_TABLE[np.repeat(packed[:, 256:], 32, axis=1), packed[:, :256]]
+    index = rng.permutation(512)
+    out = np.zeros((512, 256), np.uint16)
+    dequant_expand(packed, index, DEQUANT_TABLE, out, work=0)
+    np.testing.assert_array_equal(out, expect[index])
+    pages = np.zeros((35, PAGE), np.uint8)
+    rows = np.arange(512)
+    pages.reshape(-1)[(rows // 15 * PAGE + rows % 15 * 264)[:, None] + np.arange(264)] = packed
+    out[:] = 0
+    kernels.gather_dequant(pages, rows, index, 15, DEQUANT_TABLE, out, work=0)
+    np.testing.assert_array_equal(out, expect[index])
+    if kernels.HAS_VBMI:
+        import numba
+
+        @numba.njit
+        def lut(src, out):
+            for i in range(src.shape[0]):
+                kernels._dequant_row_lut(src, i, 0, out, i)
+
+        fast = np.all((packed[:, 256:] >= kernels.FAST_SCALES[0]) & (packed[:, 256:] <= kernels.FAST_SCALES[1]), axis=1)
+        out[:] = 0
+        lut(packed[fast], out[: fast.sum()])
+        np.testing.assert_array_equal(out[: fast.sum()], expect[fast])
+
+
+def test_prefetch_row_and_the_bench_references_copy_the_same_rows():
+    """``benchmarks/bench_store.py``'s memcpy of the same rows (any prefetch distance) copies
+    exactly the rows the gather does, and its bound counts 5 lines per 264-byte row."""
+    import sys
+    from pathlib import Path
+
+    from cachelab.store.kernels import gather_pages
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_store import _copy_rows, _touch_rows, mlp_bound
+
+    rng = np.random.default_rng(5)
+    pages = rng.integers(0, 256, (40, PAGE), dtype=np.uint8)
+    rows = rng.integers(0, 40 * 15, 300)
+    want = np.zeros((300, 264), np.uint8)
+    gather_pages(pages, rows, np.arange(300), want, 15, 264, work=0)
+    np.testing.assert_array_equal(want[5], pages[rows[5] // 15, rows[5] % 15 * 264:][:264])
+    for ahead in (0, 3, 8):
+        got = np.zeros_like(want)
+        _copy_rows(pages, rows, 15, 264, got, ahead)
+        np.testing.assert_array_equal(got, want)
+    lines = np.arange(0, 264 + 63, 64).clip(max=263)
+    assert _touch_rows(pages, rows, 15, 264) == int(want[:, lines].astype(np.int64).sum())
+    bound = mlp_bound({"latency_ns": 200.0, "lines_in_flight": 20.0}, 264, 15)
+    assert bound["lines_per_row"] == 5.0 and bound["ns_per_row"] == pytest.approx(50.0)
+
+
 @pytest.mark.parametrize("backing", ["dram", "mmap"])
 def test_lookup_without_tiers_and_into_a_callers_tensor(tables, backing):
     """No cache tier (dram: the fused gather + dequantiser) and ``out=``: reference rows, the

@@ -27,7 +27,7 @@ from numba import types as nbt
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cachelab.compiled import copy_bytes, prefetch
+from cachelab.compiled import copy_bytes, prefetch_at
 
 PAGE = 4096
 _AHEAD = 8  # rows between a row's prefetch and its copy
@@ -129,9 +129,90 @@ def _dequant_block(typingctx, src, sr, sc, out, orow, ocol, bias, nan_pos, nan_n
     return sig, codegen
 
 
+def _has_vbmi() -> bool:
+    """Whether Numba compiles for a CPU with AVX-512 VBMI (``vpermi2b``: 128-byte table lookups)."""
+    import llvmlite.binding as llvm
+
+    if nb.config.CPU_NAME not in (None, "host"):  # a portable target (NUMBA_CPU_NAME=generic): no VBMI
+        return False
+    feats = llvm.get_host_cpu_features()
+    return bool(feats.get("avx512vbmi") and feats.get("avx512bw"))
+
+
+HAS_VBMI = _has_vbmi()
+
+
+@intrinsic
+def _dequant_row_lut(typingctx, src, sr, sc, out, orow):
+    """``out[orow, :256]`` = BF16 bits of the row ``src[sr, sc:sc + 264]`` (256 FP8 bytes, then
+    8 scale bytes) through a lookup table, 64 values at a time: ``vpermi2b`` looks up the low
+    and the high byte of ``fp8 x 2^0`` (``DEQUANT_TABLE[127]``, 128 entries by the 7 magnitude
+    bits), the sign is ORed in, the bytes interleaved to 32 BF16 words per scale block, and
+    the scale applied as an integer add of ``(scale - 127) << 7`` to each word's exponent,
+    zeros and NaNs left as looked up. FP8 has a 3-bit mantissa, so for scale bytes in
+    ``FAST_SCALES`` (every product a normal BF16) the add is exactly the multiplication; the
+    caller sends other rows elsewhere. Needs AVX-512 VBMI (``HAS_VBMI``)."""
+    if not (isinstance(src, nbt.Array) and isinstance(out, nbt.Array)):
+        return None
+    sig = nbt.void(src, sr, sc, out, orow)
+
+    def codegen(context, builder, signature, args):
+        s_ary = context.make_array(signature.args[0])(context, builder, args[0])
+        o_ary = context.make_array(signature.args[3])(context, builder, args[3])
+        zero = context.get_constant(nbt.intp, 0)
+        s_ptr = cgutils.get_item_pointer(context, builder, signature.args[0], s_ary, [args[1], args[2]])
+        o_ptr = cgutils.get_item_pointer(context, builder, signature.args[3], o_ary, [args[4], zero])
+        i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+        v8, v16, vi1 = ir.VectorType(i8, 64), ir.VectorType(i16, 32), ir.VectorType(ir.IntType(1), 64)
+        perm = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8, v8, v8]),
+                                              "llvm.x86.avx512.vpermi2var.qi.512")
+
+        def bytes_(xs):
+            return ir.Constant(v8, [int(x) & 0xFF for x in xs])
+
+        def splat8(x):
+            return bytes_([x] * 64)
+
+        base = DEQUANT_TABLE[127, :128].astype(np.int64)  # fp8 x 2^0 by magnitude; the sign is bit 15
+        lo = [bytes_(base[:64] & 0xFF), bytes_(base[64:] & 0xFF)]
+        hi = [bytes_(base[:64] >> 8), bytes_(base[64:] >> 8)]
+        nan_sign = int(DEQUANT_TABLE[127, 0xFF]) >> 8 & 0x80  # a negative NaN byte's high byte keeps this sign bit
+        inter = [bytes_([32 * h + j // 2 + (64 if j % 2 else 0) for j in range(64)]) for h in (0, 1)]
+        # the 8 scale bytes -> (scale - 127) << 7 in 16-bit lanes, one lane per block of 32
+        sp = builder.gep(builder.bitcast(s_ptr, i8.as_pointer()), [ir.Constant(i32, 256)])
+        v8x8 = ir.VectorType(i8, 8)
+        sc16 = builder.zext(builder.load(builder.bitcast(sp, v8x8.as_pointer()), typ=v8x8, align=1), ir.VectorType(i16, 8))
+        bias = builder.shl(builder.sub(sc16, ir.Constant(ir.VectorType(i16, 8), [127] * 8)),
+                           ir.Constant(ir.VectorType(i16, 8), [7] * 8))
+        src8 = builder.bitcast(s_ptr, i8.as_pointer())
+        dst16 = builder.bitcast(o_ptr, i16.as_pointer())
+        for c in range(4):  # 64 values = two scale blocks
+            p = builder.bitcast(builder.gep(src8, [ir.Constant(i32, 64 * c)]), v8.as_pointer())
+            v = builder.load(p, typ=v8, align=1)
+            a = builder.and_(v, splat8(0x7F))
+            is_nan, is_zero = builder.icmp_unsigned("==", a, splat8(0x7F)), builder.icmp_unsigned("==", a, splat8(0))
+            sign = builder.select(is_nan, splat8(nan_sign), builder.and_(v, splat8(0x80)))
+            lo_b = builder.call(perm, [lo[0], v, lo[1]])
+            hi_b = builder.or_(builder.call(perm, [hi[0], v, hi[1]]), sign)
+            normal = builder.not_(builder.or_(is_nan, is_zero))
+            for h in (0, 1):
+                w = builder.bitcast(builder.call(perm, [lo_b, inter[h], hi_b]), v16)
+                keep = builder.shuffle_vector(normal, ir.Constant(vi1, ir.Undefined),
+                                              ir.Constant(ir.VectorType(i32, 32), list(range(32 * h, 32 * h + 32))))
+                b = builder.shuffle_vector(bias, ir.Constant(ir.VectorType(i16, 8), ir.Undefined),
+                                           ir.Constant(ir.VectorType(i32, 32), [2 * c + h] * 32))
+                w = builder.select(keep, builder.add(w, b), w)
+                q = builder.bitcast(builder.gep(dst16, [ir.Constant(i32, 64 * c + 32 * h)]), v16.as_pointer())
+                builder.store(w, q, align=2)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @nb.njit(cache=True, nogil=True, boundscheck=False, inline="always")
-def _dequant_row(src, sr, sc, dim, table, out, orow):
-    """Row ``src[sr, sc:sc + dim + dim // 32]`` (values, then scales) -> BF16 bits ``out[orow]``."""
+def _dequant_row_blocks(src, sr, sc, dim, table, out, orow):
+    """Row ``src[sr, sc:sc + dim + dim // 32]`` (values, then scales) -> BF16 bits ``out[orow]``,
+    one block of 32 at a time (the vector path or, outside ``FAST_SCALES``, the table)."""
     nan_pos, nan_neg = np.int64(table[127, 0x7F]), np.int64(table[127, 0xFF])
     for blk in range(dim // 32):
         s = np.int64(src[sr, sc + dim + blk])
@@ -143,6 +224,33 @@ def _dequant_row(src, sr, sc, dim, table, out, orow):
                 out[orow, j] = t[src[sr, sc + j]]
 
 
+@nb.njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _dequant_row_vbmi(src, sr, sc, dim, table, out, orow):
+    """``_dequant_row_blocks``, through ``_dequant_row_lut`` when the row has V4.1's 256 values
+    and all its scale bytes are in ``FAST_SCALES`` (a third of the vector instructions)."""
+    if dim == 256:
+        fast = True
+        for blk in range(8):
+            s = src[sr, sc + 256 + blk]
+            fast &= (FAST_SCALES[0] <= s) & (s <= FAST_SCALES[1])
+        if fast:
+            _dequant_row_lut(src, sr, sc, out, orow)
+            return
+    _dequant_row_blocks(src, sr, sc, dim, table, out, orow)
+
+
+_dequant_row = _dequant_row_vbmi if HAS_VBMI else _dequant_row_blocks
+
+
+@nb.njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def prefetch_row(buf, p, at, nbytes):
+    """Prefetch each cache line of ``buf[p, at:at + nbytes]`` once (``prefetch_at``: no view of
+    ``buf[p]``, whose reference count cost two calls per row)."""
+    skew = (buf.ctypes.data + p * buf.strides[0] + at) & 63  # the row's offset in its first line
+    for line in range(at - skew, at + nbytes, 64):
+        prefetch_at(buf, p, line)
+
+
 @_serial_and_parallel
 def dequant_expand(packed, inverse, table, out):
     """``out[i] = bf16(packed[inverse[i]])`` for every request ``i``: values x 2^(scale - 127)
@@ -152,9 +260,7 @@ def dequant_expand(packed, inverse, table, out):
     n = inverse.size
     for i in nb.prange(n):
         if i + _AHEAD < n:  # a long prefill's distinct rows outgrow the L2 cache
-            ahead = packed[inverse[i + _AHEAD]]
-            for line in range(0, rb + 63, 64):
-                prefetch(ahead, min(line, rb - 1))
+            prefetch_row(packed, inverse[i + _AHEAD], 0, rb)
         _dequant_row(packed, inverse[i], 0, dim, table, out, i)
 
 
@@ -168,9 +274,7 @@ def gather_pages(buf, rows, dst, out, rows_per_page, row_bytes):
     for i in nb.prange(n):
         if i + _AHEAD < n:
             r = rows[i + _AHEAD]
-            p, at = r // rows_per_page, (r % rows_per_page) * row_bytes
-            for line in range(0, row_bytes + 63, 64):
-                prefetch(buf[p], at + min(line, row_bytes - 1))
+            prefetch_row(buf, r // rows_per_page, (r % rows_per_page) * row_bytes, row_bytes)
         r = rows[i]
         copy_bytes(out, dst[i], 0, buf, r // rows_per_page, (r % rows_per_page) * row_bytes, row_bytes)
 
@@ -186,9 +290,7 @@ def gather_dequant(buf, rows, inverse, rows_per_page, table, out):
     for i in nb.prange(n):
         if i + _AHEAD < n:
             r = rows[inverse[i + _AHEAD]]
-            p, at = r // rows_per_page, (r % rows_per_page) * rb
-            for line in range(0, rb + 63, 64):
-                prefetch(buf[p], at + min(line, rb - 1))
+            prefetch_row(buf, r // rows_per_page, (r % rows_per_page) * rb, rb)
         r = rows[inverse[i]]
         _dequant_row(buf, r // rows_per_page, (r % rows_per_page) * rb, dim, table, out, i)
 
