@@ -11,9 +11,13 @@ Sections (each prints a ratio against its same-run reference):
   source and from a cold one (the faster is the reference). Through ``TieredStore.lookup``
   (fold, dedup, fused gather + dequantise: the path a caller runs; DRAM backing, no cache
   tiers), with a fresh output and into a reused one (``out=``), and the kernels alone
-  (staged: gather then dequantise; fused). References in the same run: the random access
-  alone (a compiled loop touching each line of the same rows, and NumPy's ``np.take``) and
-  the DRAM latency of a dependent random load.
+  (staged: gather then dequantise; fused). References in the same run: memcpy of the same
+  bytes as the same 264-byte rows (one memcpy per distinct row, the kernels' order, into a
+  staging buffer, at prefetch distances 0..32 rows, the fastest kept: ``ratio_to_memcpy_rows``
+  beside ``ratio_to_memcpy``), the random access alone (a compiled loop touching each line of
+  the same rows, and NumPy's ``np.take``), the DRAM latency of a dependent random load, and
+  the memory-level-parallelism bound: random lines in flight measured with 1..64 independent
+  load chains (Little's law), so at most ``lines_in_flight / (5 x latency)`` rows per second.
 - ``direct``: random 4 KiB reads through the store's ``direct`` backing at queue depths
   1..64 (``io_threads`` = queue depth; each row in its own page), submitted through io_uring
   and through the thread pool of preads, against fio's ``randread`` with ``--direct=1
