@@ -6,8 +6,9 @@ tests/capture_upstream.py (a fixed delay per token, so the proxy's cost is not h
 model time); with --vllm, the real vLLM CPU server (tests/vllm_peer.py; about 2 minutes to
 start). The proxy is the CLI a user runs (`cachelab capture proxy`, fsync batch). For each
 concurrency, streams run in interleaved rounds, direct and proxied, in ABBA order (direct
-first in even rounds, proxied first in odd ones) so that drift in the machine's load falls on
-both paths alike. TTFT is the time from sending to the first event carrying text; ITL the gaps
+first in even rounds, proxied first in odd ones; with several proxies, the paths in order in
+even rounds and reversed in odd ones) so that drift in the machine's load falls on all paths
+alike. TTFT is the time from sending to the first event carrying text; ITL the gaps
 between such events. The goal (issue 17): the proxy's P99 within 1 ms or 1% of direct,
 whichever is larger.
 
@@ -27,8 +28,16 @@ measured cost. The proxy process's CPU time per stream and per token (from /proc
 depend on how busy the machine is. --samples FILE writes every stream (path, concurrency,
 round, start, TTFT, ITL gaps) as JSON, to look at a tail.
 
+Several proxies can be measured against the same upstream in the same rounds (--proxy
+NAME=ARGS, repeatable: extra `cachelab capture proxy` arguments, e.g. --proxy thread=
+--proxy process='--writer process'), one of them at another CPU priority (--proxy-nice
+NAME=N: how much of its tail is waiting for a CPU rather than its own code); --prompt-tokens N
+sends long prompts (token ids, which the upstream does not tokenize). Everything the run
+wrote (captures, vLLM's model directory) is removed at the end.
+
 Run: .venv/bin/python benchmarks/bench_capture.py [--requests 1024 --concurrency 1 8
 --max-tokens 32 --token-delay-ms 10 --rounds 4] [--vllm | --upstream URL --model M]
+[--proxy NAME=ARGS ...] [--proxy-nice NAME=N] [--prompt-tokens N]
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ import asyncio
 import gc
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -53,6 +64,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from capture_upstream import free_port  # noqa: E402
 
 PROMPT = "Which Engram rows should stay in HBM when the table is 189 GiB and the batch is large? "
+PROMPT_IDS = 0  # --prompt-tokens: a prompt of that many token ids instead of PROMPT
 
 UPSTREAM = """
 import sys, uvicorn
@@ -78,7 +90,8 @@ def wait_up(url: str, proc: subprocess.Popen, what: str, timeout: float = 120) -
 
 async def one(client, model, max_tokens, i):
     """One streamed completion: (sent, TTFT, ITL gaps), times from the client's clock."""
-    body = {"model": model, "prompt": f"{i} {PROMPT}", "max_tokens": max_tokens, "stream": True,
+    prompt = [i] + list(range(1000, 1000 + PROMPT_IDS)) if PROMPT_IDS else f"{i} {PROMPT}"
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
             "temperature": 0, "ignore_eos": True}
     sent = time.perf_counter()
     times = []
@@ -149,33 +162,36 @@ def itl(results):
     return np.concatenate([g for _, _, g in results])
 
 
-async def measure_all(urls, proxy_pid, model, args):
-    """Per concurrency, interleaved ABBA rounds, each after an untimed warm-up batch; per path, per
-    round, (sent, ttft, itl gaps) per stream, and the proxy's CPU time over its rounds."""
+async def measure_all(urls, pids, model, args):
+    """Per concurrency, interleaved rounds (the paths in order in even rounds, reversed in odd ones:
+    ABBA for one proxy), each after an untimed warm-up batch; per path, per round, (sent, ttft, itl
+    gaps) per stream, and each proxy's CPU time (its writer process's included) over its rounds."""
     top = max(args.concurrency)
     clients = {name: httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(
         max_connections=top, max_keepalive_connections=top, keepalive_expiry=600)) for name, url in urls.items()}
     per_round = max(1, args.requests // args.rounds)
+    names = list(urls)
     measured = {}
     try:
         for concurrency in args.concurrency:
-            rounds = {"direct": [], "proxy": []}
-            cpu = np.zeros(2)
-            waits = {"direct": 0.0, "proxy": 0.0, "proxy_loop": 0.0}
+            rounds = {name: [] for name in names}
+            cpu = {name: np.zeros(2) for name in pids}
+            waits = {name: 0.0 for name in names} | {f"{name}_loop": 0.0 for name in pids}
             for r in range(args.rounds):
-                order = ("direct", "proxy") if r % 2 == 0 else ("proxy", "direct")
-                for name in order:
+                for name in (names if r % 2 == 0 else names[::-1]):
                     # untimed: this concurrency's connections open on every hop, whatever closed
                     # while the other path ran (aiohttp's pool: idle upstream connections after 15 s)
                     await batch(clients[name], model, concurrency, concurrency, 1, 10**6)
-                    before, proxy_wait = np.array(cpu_seconds(proxy_pid)), runqueue_seconds(proxy_pid)
+                    proxy = pids.get(name, ())
+                    before = sum((np.array(cpu_seconds(pid)) for pid in proxy), np.zeros(2))
+                    loop_wait = runqueue_seconds(proxy[0]) if proxy else 0.0
                     client_wait = runqueue_seconds("self")
                     rounds[name].append(await timed_batch(clients[name], model, per_round, concurrency,
                                                           args.max_tokens, (concurrency * args.rounds + r) * per_round))
                     waits[name] += runqueue_seconds("self") - client_wait
-                    if name == "proxy":
-                        cpu += np.array(cpu_seconds(proxy_pid)) - before
-                        waits["proxy_loop"] += runqueue_seconds(proxy_pid) - proxy_wait
+                    if proxy:
+                        cpu[name] += sum((np.array(cpu_seconds(pid)) for pid in proxy), np.zeros(2)) - before
+                        waits[f"{name}_loop"] += runqueue_seconds(proxy[0]) - loop_wait
             measured[concurrency] = rounds, cpu, waits
     finally:
         for client in clients.values():
@@ -190,16 +206,19 @@ def samples(measured) -> list[dict]:
             for r, streams in enumerate(per_path) for sent, t, gaps in streams]
 
 
-def report(concurrency, rounds, cpu, waits, args, rng) -> dict:
+def report(concurrency, name, rounds, cpu, waits, args, rng) -> dict:
     direct = [s for rnd in rounds["direct"] for s in rnd]
-    proxied = [s for rnd in rounds["proxy"] for s in rnd]
+    proxied = [s for rnd in rounds[name] for s in rnd]
     streams = len(proxied)
-    print(f"\nconcurrency {concurrency}: {streams} streams per path x {args.max_tokens} tokens, "
-          f"{args.rounds} interleaved rounds; proxy CPU {cpu.sum() / streams * 1e3:.2f} ms per stream "
+    cpu = cpu[name]
+    nice = f", niceness {args.proxy_nice[name]:+d} against the client's and upstream's" if name in args.proxy_nice else ""
+    print(f"\nconcurrency {concurrency}, {name} ({args.proxy[name] or 'the CLI defaults'}{nice}): {streams} streams per "
+          f"path x {args.max_tokens} tokens, {args.rounds} interleaved rounds; proxy CPU (its writer process, if any, "
+          f"included) {cpu.sum() / streams * 1e3:.2f} ms per stream "
           f"({cpu.sum() / (streams * args.max_tokens) * 1e6:.0f} us per token; user {cpu[0]:.2f} s, sys {cpu[1]:.2f} s)")
-    print(f"waiting for a CPU, per stream: the proxy's event loop {waits['proxy_loop'] / streams * 1e3:.2f} ms; "
+    print(f"waiting for a CPU, per stream: the proxy's event loop {waits[f'{name}_loop'] / streams * 1e3:.2f} ms; "
           f"the client {waits['direct'] / streams * 1e3:.2f} ms in direct rounds, "
-          f"{waits['proxy'] / streams * 1e3:.2f} ms in proxied rounds")
+          f"{waits[name] / streams * 1e3:.2f} ms in {name} rounds")
     print(f"{'metric':<6}{'samples':>9}{'direct P50':>12}{'proxy P50':>12}{'direct P99':>12}{'proxy P99':>12}"
           f"{'P99 delta':>12}{'95% interval':>20}{'ratio':>8}{'A/A delta':>11}  goal: P99 within max(1 ms, 1%)")
     out = {"cpu_wait_ms_per_stream": {k: v / streams * 1e3 for k, v in waits.items()}}
@@ -219,6 +238,17 @@ def report(concurrency, rounds, cpu, waits, args, rng) -> dict:
         print(f"{metric:<6}{min(len(d), len(p)):>9}{d50:>10.2f}ms{p50:>10.2f}ms{d99:>10.2f}ms{p99:>10.2f}ms{p99 - d99:>+10.2f}ms"
               f"{f'[{low:+.2f}, {high:+.2f}]':>20}{p99 / d99:>7.3f}x{aa:>+9.2f}ms  {verdict} (allowed +{allowed:.2f} ms){few}")
     return out
+
+
+def proxy_variants(given: list[str] | None) -> dict[str, str]:
+    """--proxy NAME=ARGS (repeatable): the proxies measured side by side, each with extra CLI arguments."""
+    variants = {}
+    for item in given or ["proxy="]:
+        name, sep, extra = item.partition("=")
+        if not sep or not name or name == "direct" or name in variants:
+            raise SystemExit(f"--proxy {item!r}: expected a new NAME=ARGS (NAME not 'direct')")
+        variants[name] = extra.strip()
+    return variants
 
 
 def wait_acknowledged(proxy: str, timeout: float = 15.0) -> dict:
@@ -243,7 +273,24 @@ def main() -> None:
     ap.add_argument("--vllm", action="store_true", help="start the real vLLM CPU server as the upstream")
     ap.add_argument("--upstream", help="an OpenAI-compatible server already running (with --model)")
     ap.add_argument("--model", help="the model name --upstream serves")
+    ap.add_argument("--proxy", action="append", metavar="NAME=ARGS",
+                    help="a proxy to measure, with extra `cachelab capture proxy` arguments (repeatable; all run "
+                         "against the same upstream in the same interleaved rounds), e.g. --proxy process= "
+                         "--proxy thread='--writer thread'; default: one proxy with the CLI's defaults")
+    ap.add_argument("--prompt-tokens", type=int, default=0,
+                    help="send prompts of this many token ids (the completions API's id prompt, so the upstream "
+                         "does not tokenize) instead of the short text prompt: every hop carries, and the "
+                         "recorder encodes, a long request")
+    ap.add_argument("--proxy-nice", action="append", default=[], metavar="NAME=N",
+                    help="run proxy NAME (and its writer process) at the bench's niceness + N (the client and the "
+                         "upstream keep the bench's): how much of its tail is waiting for a CPU")
     args = ap.parse_args()
+    args.proxy = proxy_variants(args.proxy)
+    args.proxy_nice = {name: int(n) for name, _, n in (item.partition("=") for item in args.proxy_nice)}
+    if set(args.proxy_nice) - set(args.proxy):
+        raise SystemExit(f"--proxy-nice names no --proxy: {sorted(set(args.proxy_nice) - set(args.proxy))}")
+    global PROMPT_IDS
+    PROMPT_IDS = max(0, args.prompt_tokens - 1)
 
     work = Path(tempfile.mkdtemp(prefix="bench-capture-"))
     procs, server = [], None
@@ -263,32 +310,47 @@ def main() -> None:
             upstream, model = f"http://127.0.0.1:{port}", "tiny"
             what = f"deterministic OpenAI server, {args.token_delay_ms:g} ms per token"
             wait_up(upstream + "/v1/models", procs[-1], "upstream")
-        pport = free_port()
         cli = Path(sys.executable).with_name("cachelab")
-        procs.append(subprocess.Popen([str(cli), "capture", "proxy", "--upstream", upstream, "--out",
-                                       str(work / "cap"), "--listen", f"127.0.0.1:{pport}"], stdout=subprocess.DEVNULL))
-        proxy = f"http://127.0.0.1:{pport}"
-        wait_up(proxy + "/capture/status", procs[-1], "proxy")
+        urls, pids = {"direct": upstream}, {}
+        for name, extra in args.proxy.items():
+            pport = free_port()
+            procs.append(subprocess.Popen([str(cli), "capture", "proxy", "--upstream", upstream, "--out",
+                                           str(work / f"cap-{name}"), "--listen", f"127.0.0.1:{pport}",
+                                           *shlex.split(extra)], stdout=subprocess.DEVNULL))
+            urls[name] = f"http://127.0.0.1:{pport}"
+            wait_up(urls[name] + "/capture/status", procs[-1], name)
+            writer = httpx.get(urls[name] + "/capture/status", timeout=10).json().get("writer_pid")
+            pids[name] = (procs[-1].pid,) + ((writer,) if writer else ())
+            if name in args.proxy_nice:  # every thread of the proxy (and its writer): setpriority is per thread
+                for pid in pids[name]:
+                    for tid in os.listdir(f"/proc/{pid}/task"):
+                        os.setpriority(os.PRIO_PROCESS, int(tid), os.getpriority(os.PRIO_PROCESS, 0)
+                                       + args.proxy_nice[name])
         load_before = os.getloadavg()
-        measured = asyncio.run(measure_all({"direct": upstream, "proxy": proxy}, procs[-1].pid, model, args))
+        measured = asyncio.run(measure_all(urls, pids, model, args))
         load_after = os.getloadavg()
-        status = wait_acknowledged(proxy)
+        status = {name: wait_acknowledged(urls[name]) for name in args.proxy}
     finally:
         for p in procs:
             p.terminate()
             p.wait(30)
         if server is not None:
             server.stop()
-    print(f"upstream: {what}; load average (1/5/15 min) {'/'.join(f'{v:.1f}' for v in load_before)} before, "
+        shutil.rmtree(work, ignore_errors=True)  # the capture and vLLM's model dir: nothing left in /tmp
+    print(f"upstream: {what}; prompts of {f'{PROMPT_IDS + 1} token ids' if PROMPT_IDS else 'about 24 tokens of text'}; load average (1/5/15 min) {'/'.join(f'{v:.1f}' for v in load_before)} before, "
           f"{'/'.join(f'{v:.1f}' for v in load_after)} after, on {os.cpu_count()} cores")
-    print(f"capture: {status['acknowledged']} of {status['submitted']} records acknowledged "
-          f"(fsync {status['fsync']}), {status['dropped']} dropped")
+    for name, st in status.items():
+        print(f"capture of {name}: {st['acknowledged']} of {st['submitted']} records acknowledged "
+              f"(fsync {st['fsync']}), {st['dropped']} dropped")
     if args.samples:
         args.samples.write_text(json.dumps(samples(measured)))
     rng = np.random.default_rng(args.seed)
-    out = {str(c): report(c, *measured[c], args, rng) for c in args.concurrency}
+    by_variant = {name: {str(c): report(c, name, *measured[c], args, rng) for c in args.concurrency}
+                  for name in args.proxy}
     if args.json:
-        print(json.dumps({"load_before": load_before, "load_after": load_after, "by_concurrency": out}))
+        first = next(iter(by_variant.values()))
+        print(json.dumps({"load_before": load_before, "load_after": load_after, "by_concurrency": first,
+                          "by_proxy": by_variant}))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from capture_upstream import ServerThread, Upstream, free_port
+from test_capture_writer import wait_gone
 from cachelab.capture.recorder import REQUESTS
 from cachelab.capture.segments import ReadStats, read_stream
 from cachelab.capture.to_trace import capture_to_trace
@@ -23,15 +24,15 @@ from cachelab.capture.to_trace import capture_to_trace
 KILLS = 4
 
 
-def _start_proxy(upstream: str, out, port: int) -> subprocess.Popen:
+def _start_proxy(upstream: str, out, port: int, writer: str) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "cachelab.cli", "capture", "proxy", "--upstream", upstream,
                              "--out", str(out), "--listen", f"127.0.0.1:{port}", "--fsync", "batch",
-                             "--rotate-mb", "0.05"],
+                             "--rotate-mb", "0.05", "--writer", writer],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
-            return proc, httpx.get(f"http://127.0.0.1:{port}/capture/status", timeout=1).json()["run"]
+            return proc, httpx.get(f"http://127.0.0.1:{port}/capture/status", timeout=1).json()
         except httpx.HTTPError:
             if proc.poll() is not None:
                 raise RuntimeError(proc.stderr.read().decode())
@@ -61,14 +62,16 @@ def _load(url: str, stop: threading.Event) -> None:
 
 
 @pytest.mark.slow
-def test_sigkill_under_load_loses_no_acknowledged_record(tmp_path):
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_sigkill_under_load_loses_no_acknowledged_record(tmp_path, writer):
     rng = random.Random(17)
     out = tmp_path / "cap"
     acked: dict[int, int] = {}
     with ServerThread(Upstream(token_delay_s=0.001).app) as upstream:
         for _ in range(KILLS):
             port = free_port()
-            proc, run = _start_proxy(upstream.url, out, port)
+            proc, status = _start_proxy(upstream.url, out, port, writer)
+            run = status["run"]
             stop = threading.Event()
             load = threading.Thread(target=_load, args=(f"http://127.0.0.1:{port}", stop), daemon=True)
             load.start()
@@ -83,6 +86,8 @@ def test_sigkill_under_load_loses_no_acknowledged_record(tmp_path):
                 time.sleep(rng.uniform(0.0, 0.05))
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(10)
+            if writer == "process":  # the writer writes what it was handed, then ends at its pipe's end
+                assert wait_gone(status["writer_pid"]), "the writer process outlived the proxy"
             stop.set()
             load.join(30)
             acked[run] = seen

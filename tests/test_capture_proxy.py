@@ -219,3 +219,26 @@ def test_200_concurrent_streams_all_captured(tmp_path):
     ok = table.filter(table["error"].is_null() & (table["status"] == 200))
     assert ok.height / n >= 0.999
     assert ok["output_ids"].list.len().to_list() == [8] * ok.height
+
+
+@pytest.mark.parametrize("body, added", [
+    (b'{"model":"tiny","prompt":"a }","stream":true}', {"return_token_ids": True,
+                                                      "stream_options": {"include_usage": True}}),
+    (b'{"model": "tiny", "prompt": "x"}\n', {"return_token_ids": True}),
+    (b'{"prompt":"x","return_token_ids":false}', {"return_token_ids": True}),  # a key the client set: serialised again
+    (b'{"prompt":"x","stream":true,"stream_options":{"continuous_usage_stats":true}}',
+     {"return_token_ids": True, "stream_options": {"continuous_usage_stats": True, "include_usage": True}}),
+    (b'{"prompt":"x","return_token_ids":true}', {}),
+])
+def test_prepare_adds_what_the_record_needs_and_keeps_the_rest(body, added):
+    from cachelab.capture.exchange import Exchange
+    from cachelab.capture.proxy import _prepare
+
+    x = Exchange(endpoint="/v1/completions", arrival_unix_ns=0, arrival=0.0)
+    sent = _prepare(body, x, ProxyConfig(upstream="http://u"))
+    assert json.loads(sent) == {**json.loads(body), **added}
+    if not added:
+        assert sent == body
+    elif b"false" not in body and b"stream_options" not in body:  # new keys only: the client's bytes kept as a prefix
+        assert sent.startswith(body.rstrip()[:-1])
+    assert x.injected_ids == ("return_token_ids" in added) and x.injected_usage == ("stream_options" in added)

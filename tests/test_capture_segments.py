@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import stat
+import subprocess
+import sys
 
 import msgpack
 import numpy as np
@@ -223,3 +225,15 @@ def test_cli_info_and_trace_build_from_capture(tmp_path):
     mixed = runner.invoke(app, ["trace", "build", "--from-capture", str(tmp_path / "cap"), "--arrivals", "gamma",
                                 "-o", str(tmp_path / "y.parquet")])
     assert mixed.exit_code == 2 and "--from-capture takes no spec" in mixed.output
+
+
+def test_hash_blocks_recorder_compiles_its_hash_before_the_first_record(tmp_path):
+    """The block hash is a numba kernel: compiled (or loaded from the cache) when the recorder starts,
+    not on the journal's thread while it holds the GIL and a proxy's event loop waits (0.2-3.4 s)."""
+    code = (f"from cachelab.capture.recorder import Recorder\n"
+            f"from cachelab.workload.prefix_cache.hashing import _chained as kernel\n"
+            f"r = Recorder({str(tmp_path / 'cap')!r}, hash_blocks=16)\n"
+            f"print(len(kernel.signatures))\n"
+            f"r.close()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert int(out.stdout.split()[-1]) >= 1

@@ -58,6 +58,7 @@ class Journal:
         self.build_errors = 0
         self.write_error: str | None = None
         self._seq = 0
+        self.on_commit: Callable[[], None] | None = None  # called on the writer thread after each commit
         self._thread = threading.Thread(target=self._run, name=f"capture-{stream}", daemon=True)
         self._thread.start()
 
@@ -114,6 +115,8 @@ class Journal:
                 if self.write_error is None:
                     self.acknowledged += len(payloads)
                 self._acked.notify_all()
+            if self.on_commit is not None:
+                self.on_commit()
         self._writer.close()
 
     def _commit(self, payloads: list[bytes]) -> None:
@@ -146,7 +149,11 @@ class Journal:
             self._queue.put(_STOP)
             self._thread.join(timeout)
 
+    @property
+    def segments_opened(self) -> int:
+        return self._writer.segments_opened
+
     def stats(self) -> dict[str, Any]:
         return {"submitted": self.submitted, "acknowledged": self.acknowledged, "dropped": self.dropped,
-                "build_errors": self.build_errors, "segments": self._writer.segments_opened,
+                "build_errors": self.build_errors, "segments": self.segments_opened,
                 "fsync": self.fsync, "run": self.run, "write_error": self.write_error}

@@ -40,6 +40,7 @@ from yarl import URL
 from cachelab.capture.exchange import Exchange, Restorer, strip_body, to_record
 from cachelab.capture.recorder import Recorder
 from cachelab.capture.tokens import FallbackTokenizer
+from cachelab.capture.writer import CaptureWriter
 
 RECORDED = ("/v1/completions", "/v1/chat/completions")
 HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
@@ -152,24 +153,30 @@ def _prepare(body: bytes, x: Exchange, config: ProxyConfig) -> bytes:
     x.session = x.session or (user if isinstance(user, str) else None)
     if not config.token_ids:
         return body
-    changed = dict(parsed)
+    added = {}
     if not parsed.get("return_token_ids"):
-        changed["return_token_ids"] = True
+        added["return_token_ids"] = True
         x.injected_ids = True
     options = parsed.get("stream_options")
     if x.stream and not (isinstance(options, dict) and options.get("include_usage")):
-        changed["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+        added["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
         x.injected_usage = True
-    return json.dumps(changed).encode() if changed != parsed else body
+    if not added:
+        return body
+    end = body.rfind(b"}")
+    if parsed and not any(key in parsed for key in added):
+        # new keys only: appended to the client's bytes (a long prompt is not serialised again)
+        return body[:end] + b"," + json.dumps(added, separators=(",", ":")).encode()[1:-1] + body[end:]
+    return json.dumps({**parsed, **added}).encode()
 
 
 class CaptureProxy:
     """The proxy as a bare ASGI app: its config, the upstream client, the recorder."""
 
-    def __init__(self, config: ProxyConfig, recorder: Recorder):
+    def __init__(self, config: ProxyConfig, recorder: Recorder | CaptureWriter):
         self.config = config
         self.recorder = recorder
-        self.tokenizer = FallbackTokenizer(config.tokenizer)
+        self.tokenizer = FallbackTokenizer(config.tokenizer)  # the in-process recorder's fallback
         self.upstream = config.upstream.rstrip("/")
         self.client: aiohttp.ClientSession | None = None
 
@@ -218,6 +225,9 @@ class CaptureProxy:
         return secrets.compare_digest(given.encode("latin-1"), f"Bearer {self.config.api_key}".encode())
 
     def submit(self, x: Exchange) -> None:
+        if isinstance(self.recorder, CaptureWriter):  # the writer process builds the record (its own tokenizer)
+            self.recorder.submit(x)
+            return
         tokenizer = self.tokenizer
         self.recorder.submit(lambda: to_record(x, tokenizer))
 
@@ -375,6 +385,6 @@ class CaptureProxy:
             self.submit(x)
 
 
-def create_app(config: ProxyConfig, recorder: Recorder) -> CaptureProxy:
+def create_app(config: ProxyConfig, recorder: Recorder | CaptureWriter) -> CaptureProxy:
     """The proxy as an ASGI app (its upstream client opens and closes with the app's lifespan)."""
     return CaptureProxy(config, recorder)

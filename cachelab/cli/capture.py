@@ -63,6 +63,11 @@ def proxy(
     max_response_mb: float = typer.Option(64.0, help="Cut upstream answers over this size (MiB)."),
     read_timeout: float = typer.Option(300.0, help="Cut an upstream answer silent this long (s)."),
     total_timeout: float = typer.Option(3600.0, help="Cut an upstream answer running this long (s)."),
+    writer: str = typer.Option("thread", help="Where records are built and written: `thread` (a thread of the "
+                               "proxy) or `process` (a child process: building a long record never holds the "
+                               "proxy's GIL; docs/capture.md, Overhead)."),
+    writer_nice: int = typer.Option(10, help="With --writer process: CPU niceness added to the writer, so that on "
+                                    "a busy machine the request path runs first and records wait."),
 ) -> None:
     """Record every completion and chat completion served through this proxy.
 
@@ -74,6 +79,7 @@ def proxy(
 
     from cachelab.capture.proxy import UVICORN_OPTIONS, ProxyConfig, create_app, freeze_startup_heap
     from cachelab.capture.recorder import Recorder
+    from cachelab.capture.writer import CaptureWriter
     from cachelab.live.launch import check_bind
 
     host, port = parse_listen(listen)
@@ -82,14 +88,20 @@ def proxy(
                          token_ids=token_ids, tokenizer=tokenizer, max_body_bytes=int(max_body_mb * 2**20),
                          max_response_bytes=int(max_response_mb * 2**20), read_timeout=read_timeout,
                          total_timeout=total_timeout)
-    recorder = Recorder(out, hash_blocks=hash_blocks, store_text=store_text, salt_file=salt_file, fsync=fsync,
-                        rotate_bytes=int(rotate_mb * 2**20), rotate_seconds=rotate_seconds)
+    if writer not in ("process", "thread"):
+        raise CachelabError(f"--writer {writer!r}: expected process or thread")
+    options = dict(hash_blocks=hash_blocks, store_text=store_text, salt_file=salt_file, fsync=fsync,
+                   rotate_bytes=int(rotate_mb * 2**20), rotate_seconds=rotate_seconds)
+    if writer == "process":
+        recorder = CaptureWriter(out, tokenizer=tokenizer, nice=writer_nice, **options)
+    else:
+        recorder = Recorder(out, **options)
     sock = _bound_socket(host, port)
     bound = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(create_app(config, recorder), log_level="warning", access_log=False,
                                            timeout_keep_alive=30, **UVICORN_OPTIONS))
     typer.echo(f"capture proxy on http://{host}:{bound} -> {upstream}, recording into {out} "
-               f"({recorder.privacy.mode}, fsync {fsync}); counts at GET /capture/status")
+               f"({recorder.privacy.mode}, fsync {fsync}, writer {writer}); counts at GET /capture/status")
     freeze_startup_heap()
     server.run(sockets=[sock])  # SIGINT / SIGTERM: the app's shutdown flushes the journal before exit
 

@@ -1,0 +1,283 @@
+"""The proxy's recorder in a child process (``cachelab capture proxy --writer process``).
+
+With the journal's thread inside the proxy (``Recorder``, the default), building a record
+(parsing the events, the tokenizer fallback, the privacy mode, msgpack) holds the proxy's
+GIL: about 0.1-0.2 ms for a short stream, but 2-3 ms for an 8k-token prompt or a 256-token
+answer and 5-10 ms at 32k tokens (measured here), during which an event that arrives for
+another stream waits (up to the interpreter's 5 ms switch interval at a time). On the
+short-stream benchmark the thread was not measurably worse (docs/capture.md, Overhead), so it
+stays the default. ``CaptureWriter`` moves all of it to a process of its own: the event loop
+pickles the raw ``Exchange`` (4 us for a 16-token stream) and appends it, length-prefixed, to
+a pipe with one non-blocking ``write``; the child (``python -m cachelab.capture.writer``) reads the pipe and
+runs the same ``Recorder`` (journal thread, fsync policy, rotation, privacy, tokenizer
+fallback) as before. It runs at a lower CPU priority (``nice``, default +10) so that, on a
+busy machine, the request path gets the core first and the records wait.
+
+Acknowledgement is unchanged: the child's journal counts a record acknowledged once the
+fsync policy has made it durable, and publishes its counters in a small shared memory block
+(a memfd, 8-byte words) that the proxy reads for ``/capture/status``. Records are numbered
+(``seq``) in the order the proxy submitted them, so the first ``acknowledged`` records of a
+run are on disk.
+
+Crashes: the child ignores SIGINT and SIGTERM (a Ctrl-C reaches the whole process group) and
+stops at the end of its pipe, after acknowledging everything it read: when the proxy exits,
+or is killed, the kernel closes the pipe's write end and what the proxy wrote before still
+gets written. A proxy whose writer died counts every later record as dropped and reports the
+writer's exit in ``write_error``. If the pipe is full (the writer is behind), the proxy keeps
+the frames in a bounded backlog and writes them when the pipe drains; past the bound it drops
+and counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import errno
+import fcntl
+import json
+import mmap
+import os
+import pickle
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from cachelab.capture.recorder import Privacy, load_salt
+from cachelab.capture.segments import FSYNC_POLICIES
+from cachelab.errors import CachelabError
+
+# Shared counters (int64 words of the memfd), written by the child only.
+READY, RUN, RECEIVED, ACKNOWLEDGED, DROPPED, BUILD_ERRORS, SEGMENTS, WRITE_ERROR = range(8)
+_WORDS = 8
+_FRAME = 4  # bytes of the little-endian length before each pickled exchange
+_PIPE_BYTES = 1 << 20
+
+
+def _counters(fd: int) -> tuple[mmap.mmap, list[ctypes.c_int64]]:
+    mm = mmap.mmap(fd, _WORDS * 8)
+    return mm, [ctypes.c_int64.from_buffer(mm, 8 * i) for i in range(_WORDS)]
+
+
+class CaptureWriter:
+    """The proxy's side: submit exchanges to the writer process, read its counters.
+
+    Same ``stats()`` keys as ``Recorder`` (``submitted``, ``acknowledged``, ``dropped``,
+    ``build_errors``, ``segments``, ``fsync``, ``run``, ``write_error``, ``privacy``).
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, hash_blocks: int = 0, store_text: bool = False,
+                 salt_file: str | os.PathLike | None = None, fsync: str = "batch", rotate_bytes: int = 256 << 20,
+                 rotate_seconds: float = 3600.0, tokenizer: str | None = None, nice: int = 10,
+                 max_backlog_bytes: int = 256 << 20, start_timeout: float = 60.0):
+        if fsync not in FSYNC_POLICIES:
+            raise CachelabError(f"--fsync {fsync!r}: expected one of {', '.join(FSYNC_POLICIES)}")
+        self.directory = Path(directory)
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.privacy = Privacy(load_salt(salt_file or self.directory / "salt"), hash_blocks, store_text)  # checked here
+        self.fsync = fsync
+        self.max_backlog_bytes = max_backlog_bytes
+        self.submitted = 0
+        self.dropped = 0
+        self.write_error: str | None = None
+        self._backlog = bytearray()
+        self._waiting_writable = False
+        self._shm = os.memfd_create("cachelab-capture-writer")
+        os.ftruncate(self._shm, _WORDS * 8)
+        self._mm, self._c = _counters(self._shm)
+        read_end, self._fd = os.pipe()
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+        except OSError:  # over the system's pipe-max-size: the default 64 KiB, a backlog absorbs bursts
+            pass
+        config = {"directory": str(directory), "hash_blocks": hash_blocks, "store_text": store_text,
+                  "salt_file": None if salt_file is None else str(salt_file), "fsync": fsync,
+                  "rotate_bytes": rotate_bytes, "rotate_seconds": rotate_seconds, "tokenizer": tokenizer,
+                  "nice": nice}
+        self.proc = subprocess.Popen([sys.executable, "-m", "cachelab.capture.writer", str(read_end), str(self._shm),
+                                      json.dumps(config)], pass_fds=(read_end, self._shm), stdin=subprocess.DEVNULL)
+        os.close(read_end)
+        os.set_blocking(self._fd, False)
+        deadline = time.monotonic() + start_timeout
+        while not self._c[READY].value:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                raise CachelabError(f"the capture writer process did not start (exit {self.proc.poll()}); "
+                                    "its error is above")
+            time.sleep(0.01)
+        self.run = self._c[RUN].value
+
+    # -- the event loop's side ------------------------------------------------------------
+    def submit(self, exchange) -> bool:
+        """Hand one exchange to the writer; never blocks. False (counted in ``dropped``) when
+        the writer is gone or the backlog is full."""
+        if self.write_error is not None or self._fd < 0:
+            self.dropped += 1
+            return False
+        payload = pickle.dumps(exchange, protocol=pickle.HIGHEST_PROTOCOL)
+        if len(self._backlog) + len(payload) > self.max_backlog_bytes:
+            self.dropped += 1
+            return False
+        self._backlog += len(payload).to_bytes(_FRAME, "little")
+        self._backlog += payload
+        self.submitted += 1
+        self._drain()
+        if self.write_error is not None:  # the writer died: this frame went with the backlog, counted dropped
+            return False
+        if self._backlog and not self._waiting_writable:
+            self._when_writable()
+        return True
+
+    def _drain(self) -> None:
+        while self._backlog:
+            try:
+                n = os.write(self._fd, self._backlog)
+            except BlockingIOError:
+                return
+            except OSError as exc:  # EPIPE: the writer is gone
+                self._fail(f"capture writer process gone ({errno.errorcode.get(exc.errno, exc.errno)}, "
+                           f"exit {self.proc.poll()})")
+                return
+            del self._backlog[:n]
+
+    def _fail(self, why: str) -> None:
+        self.write_error = self.write_error or why
+        frames, at = 0, 0  # the frames not written yet are lost: dropped, not submitted
+        while at + _FRAME <= len(self._backlog):
+            frames += 1
+            at += _FRAME + int.from_bytes(self._backlog[at:at + _FRAME], "little")
+        self.dropped += frames
+        self.submitted -= frames
+        self._backlog.clear()
+
+    def _when_writable(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a caller without an event loop: the next submit, flush or close retries
+            return
+        self._waiting_writable = True
+
+        def writable() -> None:
+            self._drain()
+            if not self._backlog:
+                loop.remove_writer(self._fd)
+                self._waiting_writable = False
+
+        loop.add_writer(self._fd, writable)
+
+    def _flush_backlog(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self._backlog and self.write_error is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or self.proc.poll() is not None:
+                break
+            select.select([], [self._fd], [], left)
+            self._drain()
+        return not self._backlog
+
+    # -- counters -------------------------------------------------------------------------
+    @property
+    def acknowledged(self) -> int:
+        return self._c[ACKNOWLEDGED].value
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until everything submitted so far is acknowledged (or the writer failed)."""
+        deadline = time.monotonic() + timeout
+        self._flush_backlog(timeout)
+        target = self.submitted
+        while self.acknowledged < target:
+            if self._c[WRITE_ERROR].value or self.proc.poll() is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+        return self.write_error is None and not self._c[WRITE_ERROR].value
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Write what is queued, end the pipe, and wait for the writer to acknowledge it and exit."""
+        if self._fd < 0:
+            return
+        try:
+            asyncio.get_running_loop().remove_writer(self._fd)
+        except RuntimeError:
+            pass
+        self._flush_backlog(timeout)
+        os.close(self._fd)
+        self._fd = -1
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.returncode != 0:
+            self.write_error = self.write_error or f"capture writer process exited with {self.proc.returncode}"
+
+    def stats(self) -> dict:
+        c = self._c
+        error = self.write_error
+        if error is None and c[WRITE_ERROR].value:
+            error = "the writer process could not write its segment (see its stderr)"
+        if error is None and self.proc.poll() not in (None, 0):
+            error = f"capture writer process exited with {self.proc.returncode}"
+        return {"submitted": self.submitted, "acknowledged": c[ACKNOWLEDGED].value,
+                "dropped": self.dropped + c[DROPPED].value, "build_errors": c[BUILD_ERRORS].value,
+                "segments": c[SEGMENTS].value, "fsync": self.fsync, "run": self.run, "write_error": error,
+                "privacy": self.privacy.mode, "writer_pid": self.proc.pid}
+
+
+# -- the child ------------------------------------------------------------------------------
+def _read_exactly(fd: int, n: int) -> bytes | None:
+    parts, left = [], n
+    while left:
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            return None  # the end of the pipe (a torn frame at the end is a proxy killed mid-write)
+        parts.append(chunk)
+        left -= len(chunk)
+    return b"".join(parts)
+
+
+def _child(read_fd: int, shm_fd: int, config: dict) -> int:
+    from cachelab.capture.exchange import to_record
+    from cachelab.capture.recorder import Recorder
+    from cachelab.capture.tokens import FallbackTokenizer
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # stop at the pipe's end, after the proxy
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if config["nice"]:
+        os.nice(config["nice"])
+    _mm, c = _counters(shm_fd)
+    tokenizer = FallbackTokenizer(config["tokenizer"]) if config["tokenizer"] else FallbackTokenizer()
+    recorder = Recorder(config["directory"], hash_blocks=config["hash_blocks"], store_text=config["store_text"],
+                        salt_file=config["salt_file"], fsync=config["fsync"], rotate_bytes=config["rotate_bytes"],
+                        rotate_seconds=config["rotate_seconds"])
+    journal = recorder.journal
+
+    def publish() -> None:  # called by the journal's thread after each commit
+        c[ACKNOWLEDGED].value = journal.acknowledged
+        c[DROPPED].value = journal.dropped
+        c[BUILD_ERRORS].value = journal.build_errors
+        c[SEGMENTS].value = journal.segments_opened
+        c[WRITE_ERROR].value = journal.write_error is not None
+
+    journal.on_commit = publish
+    c[RUN].value = journal.run
+    publish()
+    c[READY].value = 1
+    while True:
+        head = _read_exactly(read_fd, _FRAME)
+        if head is None:
+            break
+        body = _read_exactly(read_fd, int.from_bytes(head, "little"))
+        if body is None:
+            break
+        x = pickle.loads(body)
+        c[RECEIVED].value += 1
+        recorder.submit(lambda x=x: to_record(x, tokenizer))
+    recorder.close()
+    publish()
+    return 1 if journal.write_error else 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child(int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])))

@@ -1,0 +1,158 @@
+"""The proxy's recorder in a child process (``cachelab.capture.writer``): the same records as the
+in-process recorder, nothing submitted lost when the proxy is killed, a dead or stalled writer
+bounded and counted, never an exception on the proxy's path."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from cachelab.capture.exchange import Exchange
+from cachelab.capture.recorder import REQUESTS, Recorder
+from cachelab.capture.segments import ReadStats, read_stream
+from cachelab.capture.writer import CaptureWriter
+
+SALT = bytes(range(32))
+
+
+def exchange(i: int, stream: bool = True) -> Exchange:
+    """A streamed (or whole) completion with the upstream's token ids, as the proxy keeps it."""
+    x = Exchange(endpoint="/v1/completions", arrival_unix_ns=1_700_000_000_000_000_000 + i, arrival=100.0,
+                 body={"model": "tiny", "prompt": f"{i} the row cache", "stream": stream, "user": f"u{i % 3}"},
+                 session=None, stream=stream, status=200)
+    if stream:
+        for k in range(3):
+            chunk = {"id": f"cmpl-{i}", "model": "tiny", "choices": [
+                {"index": 0, "text": f" w{k}", "token_ids": [1000 + i + k],
+                 "prompt_token_ids": [1, 2, 3 + i] if k == 0 else None}]}
+            x.events.append(f"data: {json.dumps(chunk)}\n\n".encode())
+            x.event_times.append(100.01 + 0.01 * k)
+        x.events.append(b"data: [DONE]\n\n")
+        x.event_times.append(100.05)
+    else:
+        x.response = json.dumps({"id": f"cmpl-{i}", "model": "tiny", "prompt_token_ids": [1, 2, 3 + i],
+                                 "choices": [{"index": 0, "text": " a b", "token_ids": [7, 8 + i]}],
+                                 "usage": {"prompt_tokens": 3, "prompt_tokens_details": {"cached_tokens": 2}}}).encode()
+        x.response_time = 100.02
+    return x
+
+
+def wait_gone(pid: int, timeout: float = 60.0) -> bool:
+    """Whether process ``pid`` ended (gone, or a zombie nobody reaped yet) within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                return True
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def records(directory) -> tuple[list[dict], ReadStats]:
+    stats = ReadStats()
+    return [r for r in read_stream(directory, REQUESTS, stats) if r.get("kind") == "request"], stats
+
+
+def without_ids(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k not in ("seq", "run")}
+
+
+def test_writer_process_records_what_the_thread_recorder_records(tmp_path):
+    (tmp_path / "salt").write_bytes(SALT)
+    xs = [exchange(i, stream=i % 4 != 0) for i in range(40)]
+    thread = Recorder(tmp_path / "thread", salt_file=tmp_path / "salt")
+    from cachelab.capture.exchange import to_record
+    from cachelab.capture.tokens import FallbackTokenizer
+
+    tok = FallbackTokenizer()
+    for x in xs:
+        thread.submit(lambda x=x: to_record(x, tok))
+    thread.close()
+    writer = CaptureWriter(tmp_path / "process", salt_file=tmp_path / "salt")
+    try:
+        assert writer.stats()["run"] != 0 and writer.stats()["privacy"] == "ids"
+        assert all(writer.submit(x) for x in xs)
+        assert writer.flush(30)
+        st = writer.stats()
+        assert (st["submitted"], st["acknowledged"], st["dropped"], st["write_error"]) == (40, 40, 0, None)
+    finally:
+        writer.close()
+    assert writer.proc.returncode == 0
+    got, stats = records(tmp_path / "process")
+    want, _ = records(tmp_path / "thread")
+    assert [r["seq"] for r in got] == list(range(40))
+    assert {r["run"] for r in got} == {writer.run}
+    assert [without_ids(r) for r in got] == [without_ids(r) for r in want]
+    assert stats.torn_tails == 0 and stats.corrupt == 0
+    assert oct(os.stat(next((tmp_path / "process").glob("requests-*.seg"))).st_mode & 0o777) == "0o600"
+
+
+@pytest.mark.slow
+def test_proxy_killed_the_writer_still_writes_everything_submitted(tmp_path):
+    """SIGKILL the process that owns the writer right after it submitted: every record it handed
+    over (acknowledged or not yet) ends up on disk, and the writer exits by itself."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_capture_writer import exchange
+        from cachelab.capture.writer import CaptureWriter
+        w = CaptureWriter({str(tmp_path / 'cap')!r}, fsync="always")
+        for i in range(300):
+            assert w.submit(exchange(i))
+        print(w.proc.pid, w.stats()["acknowledged"], flush=True)
+        time.sleep(60)
+    """)
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    writer_pid, acked_before = map(int, owner.stdout.readline().split())
+    os.kill(owner.pid, signal.SIGKILL)
+    owner.wait(10)
+    assert wait_gone(writer_pid), "the writer did not exit after its owner was killed"
+    got, stats = records(tmp_path / "cap")
+    assert acked_before < 300, "the kill should come before the writer had acknowledged everything"
+    assert [r["seq"] for r in got] == list(range(300))
+    assert stats.torn_tails == 0 and stats.corrupt == 0
+
+
+def test_dead_writer_is_counted_not_raised(tmp_path):
+    writer = CaptureWriter(tmp_path / "cap")
+    try:
+        assert writer.submit(exchange(0)) and writer.flush(30)
+        writer.proc.kill()
+        writer.proc.wait(10)
+        results = [writer.submit(exchange(i)) for i in range(1, 50)]  # EPIPE on the first write after the death
+        st = writer.stats()
+        assert st["write_error"] is not None
+        assert results.count(False) == 49 and st["submitted"] + st["dropped"] == 50
+        assert st["acknowledged"] == 1
+        assert writer.flush(1) is False
+    finally:
+        writer.close()
+
+
+def test_stalled_writer_backlog_is_bounded_then_drains(tmp_path):
+    """A stopped writer: the pipe fills, the proxy's backlog takes the rest up to its bound, later
+    records are dropped and counted; once the writer runs again everything accepted is written."""
+    writer = CaptureWriter(tmp_path / "cap", max_backlog_bytes=64 << 10)
+    try:
+        os.kill(writer.proc.pid, signal.SIGSTOP)
+        t = time.perf_counter()
+        accepted = sum(writer.submit(exchange(i)) for i in range(3000))
+        assert time.perf_counter() - t < 5, "submit must not wait for the writer"
+        st = writer.stats()
+        assert 0 < accepted < 3000 and st["dropped"] == 3000 - accepted and st["submitted"] == accepted
+        os.kill(writer.proc.pid, signal.SIGCONT)
+        assert writer.flush(60)
+    finally:
+        os.kill(writer.proc.pid, signal.SIGCONT)
+        writer.close()
+    got, _ = records(tmp_path / "cap")
+    assert len(got) == accepted
