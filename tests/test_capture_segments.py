@@ -229,7 +229,7 @@ def test_cli_info_and_trace_build_from_capture(tmp_path):
 
 def test_hash_blocks_recorder_compiles_its_hash_before_the_first_record(tmp_path):
     """The block hash is a numba kernel: compiled (or loaded from the cache) when the recorder starts,
-    not on the journal's thread while it holds the GIL and a proxy's event loop waits (0.2-3.4 s)."""
+    not on the journal's thread while it holds the GIL and a proxy's event loop waits (0.5-4.3 s here)."""
     code = (f"from cachelab.capture.recorder import Recorder\n"
             f"from cachelab.workload.prefix_cache.hashing import _chained as kernel\n"
             f"r = Recorder({str(tmp_path / 'cap')!r}, hash_blocks=16)\n"

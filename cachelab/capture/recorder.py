@@ -165,7 +165,7 @@ class Recorder:
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.privacy = Privacy(load_salt(salt_file or self.directory / "salt"), hash_blocks, store_text)
         if hash_blocks:
-            # compiled (or loaded from numba's cache: 0.2-3.4 s here) now, not while the first record is
+            # compiled (or loaded from numba's cache: 0.5-4.3 s here) now, not while the first record is
             # built: the journal's thread would hold the GIL, and a proxy's event loop would wait for it
             self.privacy.block_hashes(np.zeros(hash_blocks, dtype=np.int64))
         self.journal = Journal(directory, REQUESTS, fsync=fsync, rotate_bytes=rotate_bytes,
