@@ -8,7 +8,9 @@ the calibrated model's plain prediction (the same every round) and its predictio
 engine CPU share each round measured (median over the rounds), the row-cache hit ratio live
 and predicted, the engine CPU share per round and the load average; then, per placement,
 row-cache size and overlap, which policy has the lowest median P99 TTFT and TPOT and the
-highest row-cache hit ratio, "clear" where its worst round beats every other policy's best.
+highest row-cache hit ratio, "clear" where its worst round beats every other policy's best;
+live over predicted P99; and per policy the predicted row-cache hit ratio's error against the
+live median.
 Writes the report's P99-against-overlap plot (``report_live.plot_p99_vs_overlap``) of the
 medians, one figure per placement (``--out`` for the first, ``NAME-PLACEMENT.png`` beside it
 for the others).
@@ -119,6 +121,11 @@ def main() -> None:
         print(f"{m}: live median / predicted {ratio['plain'].min():.2f} to {ratio['plain'].max():.2f} "
               f"(median {ratio['plain'].median():.2f}); / predicted at share {ratio['at_share'].min():.2f} to "
               f"{ratio['at_share'].max():.2f} (median {ratio['at_share'].median():.2f})")
+    hit = per.filter(pl.col(PRED_HIT).is_not_null() & (pl.col(f"median.{HIT}") > 0))
+    for (policy,), g in hit.group_by([POLICY], maintain_order=True):  # the row cache predicted, per policy
+        err = (g[PRED_HIT] - g[f"median.{HIT}"]) / g[f"median.{HIT}"]
+        print(f"row-cache hit ratio, {policy}: predicted against live median over {g.height} points: "
+              f"MAPE {err.abs().mean():.1%}, bias {err.mean():+.1%}")
     medians = per.drop([*PER_ROUND, "_cap"]).rename({f"median.{m}": m for m in PER_ROUND}).with_columns(
         pl.lit("live").alias("axis.kind"), pl.col(OVERLAP).cast(pl.Utf8))
     for i, (placement,) in enumerate(medians.select(PLACEMENT).unique(maintain_order=True).iter_rows()):
