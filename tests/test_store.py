@@ -161,7 +161,7 @@ def test_prefetch_row_and_the_bench_references_copy_the_same_rows():
     from cachelab.store.kernels import gather_pages
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from bench_store import _copy_rows, _touch_rows, mlp_bound
+    from bench_store import _copy_rows, _touch_rows, best_parallelism, mlp_bound
 
     rng = np.random.default_rng(5)
     pages = rng.integers(0, 256, (40, PAGE), dtype=np.uint8)
@@ -177,6 +177,10 @@ def test_prefetch_row_and_the_bench_references_copy_the_same_rows():
     assert _touch_rows(pages, rows, 15, 264) == int(want[:, lines].astype(np.int64).sum())
     bound = mlp_bound({"latency_ns": 200.0, "lines_in_flight": 20.0}, 264, 15)
     assert bound["lines_per_row"] == 5.0 and bound["ns_per_row"] == pytest.approx(50.0)
+    runs = [{"array_bytes": 1, "ns_per_load_by_chains": {1: 200.0, 8: 30.0, 16: 10.0}},
+            {"array_bytes": 1, "ns_per_load_by_chains": {1: 180.0, 8: 25.0, 16: 12.0}}]
+    mp = best_parallelism(*runs)  # chain count by chain count, the faster run's figure
+    assert mp["latency_ns"] == 180.0 and mp["fastest_ns_per_line"] == 10.0 and mp["lines_in_flight"] == 18.0
 
 
 @pytest.mark.parametrize("backing", ["dram", "mmap"])
