@@ -60,6 +60,6 @@ def test_measured_rates_cover_every_page_and_every_lookup(data_dir):
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     hits = [h for _, h in out["curve"]]
-    assert out["tokens"] >= 2000 and all(b >= a for a, b in zip(hits, hits[1:])) and 0 < hits[0] < hits[-1] < 1
+    assert out["tokens"] == 2000 and all(b >= a for a, b in zip(hits, hits[1:])) and 0 < hits[0] < hits[-1] < 1
     bad = runner.invoke(app, ["engram", "page-cache", "--max-tokens", "0"])
     assert bad.exit_code == 2 and "--max-tokens" in bad.output

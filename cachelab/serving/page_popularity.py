@@ -95,7 +95,9 @@ def measure(token_ids: Iterable[np.ndarray], layout: EngramConfig) -> PageRates:
 
 
 def corpus_tokens(corpus, tokenizer: str, max_tokens: int, batch: int = 256) -> list[np.ndarray]:
-    """Token ids of a corpus' documents (``documents()``, in order) up to ``max_tokens``."""
+    """Token ids of a corpus' documents (``documents()``, in order), ``max_tokens`` in all where
+    the corpus has that many: documents are tokenized a batch at a time, and the one that
+    crosses the limit is cut there."""
     out, texts, total = [], [], 0
     for doc in corpus.documents():
         texts.append(doc.text)
@@ -107,7 +109,13 @@ def corpus_tokens(corpus, tokenizer: str, max_tokens: int, batch: int = 256) -> 
                 break
     if texts and total < max_tokens:
         out += encode(texts, tokenizer)
-    return out
+    kept, total = [], 0
+    for ids in out:
+        if total >= max_tokens:
+            break
+        kept.append(ids[:max_tokens - total])
+        total += kept[-1].size
+    return kept
 
 
 def curve(rates: PageRates, fractions=FRACTIONS) -> list[tuple[float, float]]:
