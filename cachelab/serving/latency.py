@@ -81,8 +81,8 @@ class Efficiency:
     # between them); a piecewise step takes at least step_overhead_s + this x the layers it runs.
     # Derived, not fitted: the SSD recipe's runs measured a near-constant 2.6 ms per token more
     # median TPOT than pinned-DRAM UVA on the agentic sweep, largest where steps are short
-    # (SemiAnalysisAI/InferenceX analysis/ssd_offload/VLLM-PR-BODY.md); at one sequence, where the
-    # host binds, the floor is the UVA step plus 2.6 ms x the acceptance length
+    # (https://github.com/SemiAnalysisAI/InferenceX/blob/main/analysis/ssd_offload/VLLM-PR-BODY.md);
+    # at one sequence, where the host binds, the floor is the UVA step plus 2.6 ms x the acceptance length
     # (``studies.semianalysis.published_piecewise_layer_s``; this default is its value with the
     # efficiencies fitted on R1 1k/1k run 1).
     piecewise_layer_s: float = 350e-6
@@ -316,9 +316,8 @@ class LatencyModel:
             if self.placement == "hbm" and m.table_sharded_across_tp:  # all-gather of the gathered rows
                 gathered = tokens * m.rows_per_token_layer * m.row_bytes * (tp - 1) / tp
                 comm += len(m.engram_layers) * (e.allreduce_latency_s + gathered / (g.nvlink_bw * e.comm))
-        layers = m.layers + (m.draft_passes_per_step * m.draft_layers if m.speculative_tokens and batch.drafting > 0 else 0)
-        overhead = (e.step_overhead_s + e.layer_overhead_s * layers + e.cpu_per_sequence_s * batch.sequences
-                    + e.cpu_per_prefix_token_s * batch.prefix_tokens)
+        overhead = (e.step_overhead_s + e.layer_overhead_s * m.layers_launched(batch.drafting > 0)
+                    + e.cpu_per_sequence_s * batch.sequences + e.cpu_per_prefix_token_s * batch.prefix_tokens)
         parts = (dense, experts, attention, indexer, lm_head, draft)
         return GpuTime(*parts, comm, overhead, sum(parts) + comm + overhead)
 
@@ -348,9 +347,7 @@ class LatencyModel:
         step captured whole."""
         if not self.piecewise or batch.tokens <= 0:
             return 0.0
-        m, e = self.model, self.eff
-        layers = m.layers + (m.draft_passes_per_step * m.draft_layers if m.speculative_tokens and batch.drafting > 0 else 0)
-        return e.step_overhead_s + e.piecewise_layer_s * layers
+        return self.eff.step_overhead_s + self.eff.piecewise_layer_s * self.model.layers_launched(batch.drafting > 0)
 
     # -- the Engram fetch --------------------------------------------------------------------
     def fetch_parts(self, work: EngramStep) -> dict:

@@ -82,6 +82,11 @@ class ModelSpec:
     # (``cachelab.serving.page_popularity``); empty: none measured
     page_cache_curve: tuple[tuple[float, float], ...] = ()
 
+    def layers_launched(self, drafting: bool) -> int:
+        """Layers a step runs: the backbone's, and the draft model's passes when it drafts."""
+        return self.layers + (self.draft_passes_per_step * self.draft_layers
+                              if drafting and self.speculative_tokens else 0)
+
     @property
     def engram_layers(self) -> tuple[int, ...]:
         return tuple(self.layout.layers) if self.layout is not None else ()

@@ -72,13 +72,18 @@ def deployment(hardware: str, tp: int, placement: str, eff: Efficiency, model: s
 # concurrency, and "Median TPOT carries a near-constant offset of about 2.6 ms per token that does
 # not scale with batch size, so it dominates where steps are short and vanishes where they are not.
 # The offset is the per-step host round trip rather than device I/O".
-SSD_PR_SOURCE = "SemiAnalysisAI/InferenceX analysis/ssd_offload/VLLM-PR-BODY.md"
+SSD_PR_SOURCE = "https://github.com/SemiAnalysisAI/InferenceX/blob/main/analysis/ssd_offload/VLLM-PR-BODY.md"
 SSD_PR_TPOT_OFFSET_S = 2.6e-3
 SSD_PR_SWEEP = {1: (19_338, 12_272), 2: (25_059, 14_587), 4: (34_897, 24_453), 8: (61_151, 47_598),
                 16: (112_212, 101_218), 32: (226_006, 207_582), 64: (348_969, 330_709),
                 96: (222_396, 301_346), 128: (76_717, 112_567)}  # concurrency: (UVA baseline, disk) tok/s
 # past 64 clients both arms collapse (P90 TTFT 18-291 s: admission queues the steady state does not hold)
 SSD_PR_STEADY = (1, 2, 4, 8, 16, 32, 64)
+
+
+def decode_context(workload: Workload) -> float:
+    """A decoding sequence's mean context: its prompt (new and cached) and half its output."""
+    return float((workload.new_tokens + workload.cached_tokens).mean() + workload.output_tokens.mean() / 2)
 
 
 def published_piecewise_layer_s(eff: Efficiency, workload: Workload | None = None) -> float:
@@ -91,10 +96,9 @@ def published_piecewise_layer_s(eff: Efficiency, workload: Workload | None = Non
     workload = workload or agentic_workload()
     dep = deployment("B200", 4, "dram-uva", eff)
     m = dep.latency.model
-    ctx = float((workload.new_tokens + workload.cached_tokens).mean() + workload.output_tokens.mean() / 2)
+    ctx = decode_context(workload)
     floor = step_time(dep, 1.0, ctx).step_s + SSD_PR_TPOT_OFFSET_S * m.acceptance_length
-    layers = m.layers + m.draft_passes_per_step * m.draft_layers
-    return (floor - eff.step_overhead_s) / layers
+    return (floor - eff.step_overhead_s) / m.layers_launched(drafting=True)
 
 
 def with_published_piecewise(eff: Efficiency, workload: Workload | None = None) -> Efficiency:
@@ -113,7 +117,7 @@ def decode_decomposition(points: list[dict], eff: Efficiency, workload: Workload
     layer's window and the fetch parts of one rank (what the host or the link does), the stall
     the windows did not hide, the host floor of a piecewise step, and the step."""
     out = []
-    ctx = float((workload.new_tokens + workload.cached_tokens).mean() + workload.output_tokens.mean() / 2)
+    ctx = decode_context(workload)
     for row in points:
         if (row.get("hardware") != "B200" or not row.get("fits")
                 or row["concurrency"] not in DECOMPOSITION_CONCURRENCIES):
