@@ -125,3 +125,56 @@ def test_a_share_of_a_core_scales_every_fitted_time():
 def test_calibrate_names_a_folder_without_step_logs(tmp_path):
     res = runner.invoke(app, ["calibrate", "--step-log", str(tmp_path)])
     assert res.exit_code == 2 and "no steps-*.parquet" in res.output
+
+
+def _synthetic_run(eff, prompt: int, cached: int, requests: int = 6, outputs: int = 6) -> pl.DataFrame:
+    """A schedule that admits one request a step (its prompt after ``cached`` prefix tokens, whole)
+    and decodes the running ones, timed by the latency model at ``eff``: compute_s is its total,
+    attention_s its attention term (what the engine's operator clock would log if the model were exact)."""
+    from cachelab.live.config import model_config
+    from cachelab.serving.hardware import load_profile
+    from cachelab.serving.latency import Batch, LatencyModel
+
+    lat = LatencyModel(model_spec(model_config("tiny")), cpu_hardware(load_profile("H200"), 1), 1, "dram-copy",
+                       efficiency=eff)
+    pos, done, rows, t = {}, {}, [], 0.0
+    for k in range(requests + outputs):
+        reqs = [r for r in pos if done[r] < outputs]
+        starts = [pos[r] for r in reqs]
+        if k < requests:
+            reqs.append(k)
+            starts.append(cached)
+        stops = [s + 1 if r in pos else prompt for r, s in zip(reqs, starts)]
+        if not reqs:
+            break
+        gpu = lat.gpu_time(Batch(starts, np.array(stops, float), lm_rows=float(len(reqs))))
+        rows.append({"step": k, "start_s": t, "step_s": gpu.total_s, "compute_s": gpu.total_s, "stall_s": 0.0,
+                     "attention_s": gpu.attention_s, "requests": reqs, "starts": starts, "stops": stops,
+                     "num_prompt": [prompt] * len(reqs)})
+        t += gpu.total_s
+        for r, s in zip(reqs, stops):
+            pos[r], done[r] = s, done.get(r, 0) + 1
+    return pl.DataFrame(rows)
+
+
+def test_the_attention_column_identifies_the_attention_term():
+    """Fit runs of fresh prompts of one length cannot tell attention from prefill GEMM efficiency
+    by the step's compute; with the attention time logged apart the fit finds the attention
+    efficiency the steps were made with, and predicts prefills after a cached prefix."""
+    from cachelab.live.config import model_config
+    from cachelab.serving.hardware import load_profile
+    from cachelab.serving.live_calibration import PER_OPERATOR, STEP_TOTAL, calibrate
+
+    truth = replace(LIVE_BASE, mfu=0.05, prefill_mfu=0.3, mbu=0.9, attention_mfu=0.1, step_overhead_s=5e-3,
+                    cpu_per_sequence_s=2e-3)
+    runs = {"fit": _synthetic_run(truth, 256, 0), "held": _synthetic_run(truth, 384, 256)}
+    local = load_profile("H200")
+    r = calibrate(runs, model_config("tiny"), local, 1, ["fit"], 300, dispersion_draws=0)
+    assert r.fit_mode == PER_OPERATOR and set(r.fit_loss_by_operator) == {"attention", "rest"}
+    assert r.efficiency.attention_mfu == pytest.approx(0.1, rel=0.05)
+    assert r.summary["mean_ttft_ms"]["mape"] < 0.02
+    old = calibrate({n: f.drop("attention_s") for n, f in runs.items()}, model_config("tiny"), local, 1, ["fit"], 300,
+                    dispersion_draws=0)  # a step log from before the clock: fitted whole, and it says so
+    assert old.fit_mode == STEP_TOTAL and "attention_s" in old.fit_note and old.fit_loss_by_operator is None
+    # on the step's total the split is free: it lands elsewhere and mispredicts the cached-prefix prefills
+    assert old.efficiency.attention_mfu < 0.05 and old.summary["mean_ttft_ms"]["mape"] > 0.02

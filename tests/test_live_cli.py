@@ -64,3 +64,6 @@ def test_cachelab_serve_process_answers_the_openai_client(tmp_path):
     steps = pl.read_parquet(tmp_path / "steps" / "*.parquet")
     assert steps["tokens"].sum() == r.usage.prompt_tokens + 2  # the last token is sampled, never fed back
     assert {"compute_s", "stall_s", "engram_rows", "prefix_hit_tokens"} <= set(steps.columns)
+    # the engine timed its operators on the CPU: attention and the GEMMs are parts of the compute
+    assert (steps["attention_s"] > 0).all() and (steps["gemm_s"] > 0).all()
+    assert (steps["attention_s"] + steps["gemm_s"] < steps["compute_s"]).all()

@@ -27,7 +27,9 @@ def calibrate(
 ) -> None:
     """Fit the latency model of the live model (its preset's spec on `hw probe`'s CPU) to live
     runs' per-step compute: MFU, MBU and attention MFU, and the per-step and per-sequence
-    overheads, warm-up steps left out. Then replay each held-out run's schedule on the
+    overheads, warm-up steps left out. Step logs that time their operators (`attention_s`) are
+    fitted per operator: attention on the attention time, the GEMM terms on the rest of the
+    step; older logs on the step's compute whole (the JSON's `fit_mode` and `fit_note`). Then replay each held-out run's schedule on the
     predicted clock: live against predicted mean and P99 TTFT/TPOT per run, with MAPE, signed
     bias and Pearson r over the held-out runs. The engine CPU share (the engine thread's CPU
     over its wall time) says how much a run waited for a core or the GIL; the same errors are
@@ -39,7 +41,8 @@ def calibrate(
 
     from cachelab.live.config import model_config
     from cachelab.serving.hardware import load_profile
-    from cachelab.serving.live_calibration import METRICS, calibrate as run, find_runs, write_profile
+    from cachelab.serving.live_calibration import (METRICS, PER_OPERATOR, calibrate as run, find_runs,
+                                                   write_profile)
 
     runs = find_runs(step_log)
     local = load_profile(hardware)
@@ -49,6 +52,8 @@ def calibrate(
                      lambda done, total: progress.update(task, completed=done), warmup_requests, dispersion_draws)
     if out is not None:
         write_profile(result, local, threads, out)
+    if result.fit_mode != PER_OPERATOR or not as_json:  # which fit was used (stderr: the JSON stays clean)
+        Console(stderr=True).print(result.fit_note)
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))
         return
@@ -63,6 +68,8 @@ def calibrate(
         table.add_row(p["run"], p["role"], share, *(f"{p['live'][m]:.2f} / {p['predicted'][m]:.2f}" for m in METRICS))
     console = Console()
     console.print(table)
+    for part, op in (result.fit_loss_by_operator or {}).items():
+        console.print(f"fit, {part}: live {op['live_s']:.3f} s, predicted {op['predicted_s']:.3f} s, loss {op['loss']:.4f}")
     for label, summary in (("held-out", result.summary), ("held-out, at each run's CPU share", result.summary_at_share)):
         for m, e in (summary or {}).items():
             console.print(f"{label} {m}: MAPE {e['mape']:.1%}, bias {e['bias']:+.1%}, Pearson r {e['pearson_r']:.3f}")

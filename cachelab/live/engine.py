@@ -24,7 +24,7 @@ import torch
 
 from cachelab.engram import Addresser
 from cachelab.errors import CachelabError
-from cachelab.live.kv_cache import PagedKVCache, StepBatch
+from cachelab.live.kv_cache import NO_CLOCK, OpClock, PagedKVCache, StepBatch
 from cachelab.live.model import EngramLM
 from cachelab.live.sampling import Detokenizer, SamplingParams, sample
 from cachelab.live.steplog import StepLog
@@ -131,6 +131,8 @@ class LiveEngine:
         self._thread: threading.Thread | None = None
         self.counters = EngineCounters()
         self.step_log = StepLog(cfg.step_log) if cfg.step_log else None
+        # per-operator times for the step log, where a torch call returns when its work is done
+        self._time_ops = self.step_log is not None and torch.device(cfg.device).type == "cpu"
         self.on_step: Callable[[StepRecord, np.ndarray], None] | None = None  # (record, row ids) per step
         self.scorer = None  # cachelab.learning.online.OnlineScorer: scores for a learned row cache
         self.eos = tokenizer.token_to_id("<｜end▁of▁sentence｜>")
@@ -269,13 +271,16 @@ class LiveEngine:
             return rows.to(self.config.device, non_blocking=True)
 
         samples = [stop == self._live[r].req.num_known for r, stop in zip(rids, step.stops.tolist())]
+        clock = OpClock() if self._time_ops else NO_CLOCK
         batch = StepBatch.build(chunks, step.starts.tolist(), [self.pool.block_table(r) for r in rids], samples,
-                                self.config.block_size, self.config.device)
+                                self.config.block_size, self.config.device, clock)
         with torch.inference_mode():
             logits = self.model(batch, self.kv, engram_rows)
             sampled_rows = [self._live[r] for r, s in zip(rids, samples) if s]
             tokens = sample(logits, [x.params for x in sampled_rows], [x.generator for x in sampled_rows])
         t_done = time.perf_counter()
+        if self._time_ops:
+            fetch["attention_s"], fetch["gemm_s"] = clock.attention_s, clock.gemm_s
         sampled = {x.req.rid: int(t) for x, t in zip(sampled_rows, tokens)}
         stopped = {rid: self._stop_check(self._live[rid], tok) for rid, tok in sampled.items()}
         self.scheduler.complete(step, sampled, [r for r, why in stopped.items() if why is not None])

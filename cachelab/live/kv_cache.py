@@ -5,10 +5,13 @@ block ``b`` of the tensors is block ``b`` of the scheduler's ``BlockPrefixCache`
 pool hands a new request a cached block, the keys and values of that prefix are already here
 and its positions are not computed (vLLM's layout and protocol). ``StepBatch`` is one step's
 input laid out for the model: flat tokens, their cache slots, and per sequence its block table.
+``OpClock`` times the step's operators (the paged attention, the GEMMs) around their torch
+calls, for the per-step log.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +51,51 @@ class PagedKVCache:
         return keys, values, mask[:, None, None, :]
 
 
+class OpClock:
+    """Seconds one step spent in each operator family, timed around the torch calls on the
+    calling thread: exact on the CPU, where torch runs an operator to its end before returning
+    (on a GPU the calls only launch kernels; use ``NO_CLOCK`` there). ``attention_s``: the
+    paged attention (the KV-cache write, the block gather, the mask and the scaled dot-product
+    attention) of every layer; ``gemm_s``: the weight GEMMs (``qkv``, ``out``, the MLP's
+    ``gate_up`` and ``down``, Engram's ``wkv``, the output head). The model calls
+    ``t = clock.now()`` before an operator and ``t = clock.attention(t)`` / ``clock.gemm(t)``
+    after it (each adds the time since ``t`` and returns the new time)."""
+
+    __slots__ = ("attention_s", "gemm_s")
+
+    def __init__(self):
+        self.attention_s = self.gemm_s = 0.0
+
+    now = staticmethod(time.perf_counter)
+
+    def attention(self, since: float) -> float:
+        t = time.perf_counter()
+        self.attention_s += t - since
+        return t
+
+    def gemm(self, since: float) -> float:
+        t = time.perf_counter()
+        self.gemm_s += t - since
+        return t
+
+
+class _NoClock:
+    """An ``OpClock`` that reads no clock (the default: nothing timed, nothing kept)."""
+
+    __slots__ = ()
+
+    def now(self) -> float:
+        return 0.0
+
+    def attention(self, since: float) -> float:
+        return 0.0
+
+    gemm = attention
+
+
+NO_CLOCK = _NoClock()
+
+
 @dataclass
 class StepBatch:
     """One step's tokens for the model (see module doc); ``prefills`` holds per chunk its flat
@@ -61,12 +109,13 @@ class StepBatch:
     decode_lens: torch.Tensor
     prefills: list
     sample_idx: torch.Tensor
+    clock: OpClock | _NoClock = NO_CLOCK  # where the model adds its operators' times
 
     @classmethod
     def build(cls, chunks: list[np.ndarray], starts: list[int], tables: list[np.ndarray], samples: list[bool],
-              block_size: int, device: str = "cpu") -> "StepBatch":
+              block_size: int, device: str = "cpu", clock: OpClock | _NoClock = NO_CLOCK) -> "StepBatch":
         """From each sequence's new token ids ``chunks[i]`` at positions ``starts[i]`` on, its
-        block table, and whether its last position is sampled."""
+        block table, and whether its last position is sampled; ``clock`` times its operators."""
         lens = np.array([c.size for c in chunks], np.int64)
         ends = np.cumsum(lens)
         firsts = ends - lens
@@ -89,4 +138,4 @@ class StepBatch:
         return cls(input_ids=tensor(np.concatenate(chunks)), positions=tensor(positions), slots=tensor(slots),
                    decode_idx=tensor(firsts[dec]), decode_tables=tensor(padded[dec, :dec_width]),
                    decode_lens=tensor(dec_lens), prefills=prefills,
-                   sample_idx=tensor(ends[np.asarray(samples, bool)] - 1))
+                   sample_idx=tensor(ends[np.asarray(samples, bool)] - 1), clock=clock)

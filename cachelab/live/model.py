@@ -10,7 +10,8 @@ No short convolution (V4.1 dropped it).
 
 Attention reads and writes a paged KV cache (``cachelab.live.kv_cache``): every layer first
 writes the step's new keys and values into their slots, then attends over the blocks of each
-sequence, so prefix-cached blocks are read, never recomputed. Weights are seeded dummies by
+sequence, so prefix-cached blocks are read, never recomputed. The step's ``StepBatch.clock``
+times the paged attention and the weight GEMMs (``OpClock``) for the per-step log. Weights are seeded dummies by
 default (vLLM's ``--load-format dummy``) or a safetensors file with the same tensor names.
 """
 
@@ -26,7 +27,7 @@ from torch import nn
 
 from cachelab.errors import CachelabError
 from cachelab.live.config import ModelConfig
-from cachelab.live.kv_cache import PagedKVCache, StepBatch
+from cachelab.live.kv_cache import NO_CLOCK, PagedKVCache, StepBatch
 
 GATE_CLAMP = 1e-6  # the signed square root's floor on |s| (V4.1: s = 0 gives +sqrt(1e-6))
 
@@ -59,9 +60,13 @@ class Engram(nn.Module):
         s = torch.where(s >= 0, 1.0, -1.0) * s.abs().clamp_min(GATE_CLAMP).sqrt()
         return torch.sigmoid(s)
 
-    def forward(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, rows: torch.Tensor, clock=NO_CLOCK) -> torch.Tensor:
         """``h`` [T, streams, d] plus the gated value; ``rows`` [T, 24, 256] (dequantized)."""
-        kv = self.wkv(rows.reshape(rows.shape[0], -1).to(h.dtype)).view(-1, self.streams + 1, self.dim)
+        flat = rows.reshape(rows.shape[0], -1).to(h.dtype)
+        t = clock.now()
+        kv = self.wkv(flat)
+        clock.gemm(t)
+        kv = kv.view(-1, self.streams + 1, self.dim)
         key, value = kv[:, : self.streams], kv[:, self.streams]
         return h + self.gate(h.float(), key.float()).to(h.dtype).unsqueeze(-1) * value.unsqueeze(1)
 
@@ -74,10 +79,14 @@ class Attention(nn.Module):
         self.out = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
 
     def forward(self, x: torch.Tensor, batch: StepBatch, kv: PagedKVCache, rope) -> torch.Tensor:
-        hd, nh, nk = self.head_dim, self.heads, self.kv_heads
-        q, k, v = self.qkv(x).split([nh * hd, nk * hd, nk * hd], dim=-1)
+        hd, nh, nk, clock = self.head_dim, self.heads, self.kv_heads, batch.clock
+        t = clock.now()
+        qkv = self.qkv(x)
+        clock.gemm(t)
+        q, k, v = qkv.split([nh * hd, nk * hd, nk * hd], dim=-1)
         q = _rotate(q.view(-1, nh, hd), rope)
         k = _rotate(k.view(-1, nk, hd), rope)
+        t = clock.now()
         kv.write(self.index, batch.slots, k, v.view(-1, nk, hd))
         out = torch.empty_like(q)
         if batch.decode_idx.numel():
@@ -91,7 +100,10 @@ class Attention(nn.Module):
             o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask,
                                                enable_gqa=True)
             out[a:b] = o[0].transpose(0, 1)
-        return self.out(out.reshape(-1, nh * hd))
+        t = clock.attention(t)
+        out = self.out(out.reshape(-1, nh * hd))
+        clock.gemm(t)
+        return out
 
 
 def _rotate(x: torch.Tensor, rope) -> torch.Tensor:
@@ -108,9 +120,15 @@ class MLP(nn.Module):
         self.gate_up = nn.Linear(cfg.hidden, 2 * cfg.intermediate, bias=False)
         self.down = nn.Linear(cfg.intermediate, cfg.hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, clock=NO_CLOCK) -> torch.Tensor:
+        t = clock.now()
         g, u = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(g) * u)
+        clock.gemm(t)
+        act = F.silu(g) * u
+        t = clock.now()
+        out = self.down(act)
+        clock.gemm(t)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -129,11 +147,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h, batch, kv, rope, rows=None):
         if self.engram is not None:
-            h = self.engram(h, rows)
+            h = self.engram(h, rows, batch.clock)
         x = torch.einsum("tmd,m->td", h, self.hc_pre[0])
         h = h + self.hc_post[0][None, :, None] * self.attn(self.attn_norm(x), batch, kv, rope).unsqueeze(1)
         x = torch.einsum("tmd,m->td", h, self.hc_pre[1])
-        return h + self.hc_post[1][None, :, None] * self.mlp(self.mlp_norm(x)).unsqueeze(1)
+        return h + self.hc_post[1][None, :, None] * self.mlp(self.mlp_norm(x), batch.clock).unsqueeze(1)
 
 
 class EngramLM(nn.Module):
@@ -166,7 +184,10 @@ class EngramLM(nn.Module):
             h = layer(h, batch, kv, rope, rows[:, table[i]] if i in table else None)
         x = self.norm(h[batch.sample_idx].mean(1))
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight).float()
+        t = batch.clock.now()
+        logits = F.linear(x, weight)
+        batch.clock.gemm(t)
+        return logits.float()
 
 
 def dummy_weights(model: EngramLM, seed: int) -> EngramLM:

@@ -5,9 +5,14 @@ of them. The live model is described to the serving layer's own ``LatencyModel``
 backbone, no experts) on a hardware profile made from ``cachelab hw probe``'s local one: the
 CPU stands where the GPU would (its memcpy bandwidth as the memory bandwidth, a nominal FLOP
 rate the fitted fractions scale). The efficiency fields in ``FITTED`` are fitted on the fit
-runs' steps, warm-up steps left out: the three roofline fractions by ``pattern_search``, and for
+runs' steps, warm-up steps left out: the roofline fractions by ``pattern_search``, and for
 each candidate the per-step and per-sequence overheads by non-negative least squares (they
 enter linearly), minimising the squared relative error of predicted against live compute.
+Where the fit runs' step logs time the operators (``attention_s``, written since the engine's
+``OpClock``), the fit is per operator: the attention term and its overheads against the
+logged attention time, the GEMM terms and theirs against the rest of the step's compute (the
+sum of both losses), so the split between attention and GEMM efficiency is measured, not
+guessed; older logs are fitted on the step's compute as a whole (``fit_mode``).
 
 Validation replays each held-out run's own schedule on the predicted clock: every step keeps
 its requests and positions and the idle gap before it, its compute is the model's and its
@@ -52,14 +57,19 @@ LIVE_BASE = Efficiency(host_addressing=True, request_overhead_s=0.0, layer_overh
 # the tiny preset runs at ~100 GFLOP/s on this machine, over the 50 GFLOP/s once assumed here.
 NOMINAL_FLOPS_PER_CORE = 400e9
 STEP_COLUMNS = ("step", "start_s", "step_s", "compute_s", "stall_s", "requests", "starts", "stops", "num_prompt")
+# how the fit used the step log: per operator (the attention column apart) or the step's compute whole
+PER_OPERATOR, STEP_TOTAL = "per-operator", "step-total"
 METRICS = ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms")
 
 
-def model_spec(cfg: ModelConfig) -> ModelSpec:
+def model_spec(cfg: ModelConfig, block_size: int = 16) -> ModelSpec:
     """The live model as the latency model sees it: GQA attention and a SwiGLU MLP per layer,
     the (tied) output head, no experts, and its Engram modules: the layout's table layers at
     the model's own decoder layers (the prefetch windows), each with its ``wkv`` projection
-    (24 rows x 256 values in, one key per hyper-connection stream and a shared value out)."""
+    (24 rows x 256 values in, one key per hyper-connection stream and a shared value out).
+    Its attention is charged as the engine's kernel computes it: every new token against its
+    sequence's whole context gathered in KV blocks of ``block_size`` (`cachelab serve`'s
+    default 16), the masked pairs included (``ModelSpec.masked_attention_block``)."""
     from cachelab.engram import get_preset
 
     table = get_preset(cfg.layout)  # V4.1's hashing (multipliers seeded by its layer ids), the model's layers
@@ -77,7 +87,8 @@ def model_spec(cfg: ModelConfig) -> ModelSpec:
         index_key_bytes=0.0, draft_layers=0, draft_params=0.0, draft_active_params=0.0, draft_passes_per_step=1,
         speculative_tokens=0, acceptance_length=1.0,
         layout=layout,
-        wkv_params=float(cfg.engram_in * h * (cfg.hc_mult + 1)), table_sharded_across_tp=False)
+        wkv_params=float(cfg.engram_in * h * (cfg.hc_mult + 1)), table_sharded_across_tp=False,
+        masked_attention_block=block_size)
 
 
 def cpu_hardware(local: HardwareProfile, threads: int) -> HardwareProfile:
@@ -122,6 +133,12 @@ def _batches(frame: pl.DataFrame) -> list[Batch]:
 
 def predict_compute(lat: LatencyModel, batches: list[Batch]) -> np.ndarray:
     return np.array([lat.gpu_time(b).total_s for b in batches])
+
+
+def has_operator_times(frame: pl.DataFrame) -> bool:
+    """Whether a step log times its operators (``attention_s`` on every step: the engine's
+    ``OpClock``, on a CPU device)."""
+    return "attention_s" in frame.columns and frame["attention_s"].null_count() == 0
 
 
 def request_times(frame: pl.DataFrame, begin: np.ndarray, end: np.ndarray) -> pl.DataFrame:
@@ -169,11 +186,15 @@ class Calibration:
     warmup_requests: int = 0
     fit_cpu_share: float | None = None  # the engine CPU share of the fit runs' steps: the fitted times include it
     summary_at_share: dict | None = None  # the held-out errors of the share-adjusted predictions
+    fit_mode: str = STEP_TOTAL  # PER_OPERATOR: attention fitted on the logged attention time, GEMMs on the rest
+    fit_note: str = ""  # which fit was used and why, in words
+    fit_loss_by_operator: dict | None = None  # per operator: its loss, the overheads it took, its live / predicted
 
     def to_dict(self) -> dict:
         return {"efficiency": {k: getattr(self.efficiency, k) for k in FITTED}, "fit_loss": self.loss,
                 "fit_runs": self.fit_runs, "warmup_requests": self.warmup_requests, "fit_cpu_share": self.fit_cpu_share,
-                "points": self.points, "summary": self.summary, "summary_at_share": self.summary_at_share}
+                "points": self.points, "summary": self.summary, "summary_at_share": self.summary_at_share,
+                "fit_mode": self.fit_mode, "fit_note": self.fit_note, "fit_loss_by_operator": self.fit_loss_by_operator}
 
 
 def cpu_share(frame: pl.DataFrame, keep: np.ndarray | None = None) -> float | None:
@@ -241,19 +262,20 @@ def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, float]:
 def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwareProfile, threads: int,
               fit_runs: list[str] | None = None, max_evals: int = 150,
               progress: Callable[[int, int], None] | None = None, warmup_requests: int = 0,
-              dispersion_draws: int = 32) -> Calibration:
+              dispersion_draws: int = 32, masked_attention_block: int = 16) -> Calibration:
     """Fit ``FITTED`` on ``fit_runs`` (default: the first run by name), validate on the rest.
     The first ``warmup_requests`` requests of every run are warm-up: their steps are not
     fitted and they are left out of the TTFT/TPOT statistics. Means are the replay on the
     model's step times; P99s the mean over ``dispersion_draws`` replays whose every step is
     the model's times a ratio drawn from the fit steps' live / predicted (scaled to mean 1:
-    the spread, not the level); 0 draws: the P99 of the one replay."""
+    the spread, not the level); 0 draws: the P99 of the one replay. ``masked_attention_block``:
+    the runs' KV block size (``model_spec``; 0 charges a causal kernel's attention instead)."""
     names = sorted(runs)
     fit_runs = fit_runs or names[:1]
     unknown = sorted(set(fit_runs) - set(names))
     if unknown:
         raise CachelabError(f"--fit {unknown}: no such run; the runs are {names}")
-    spec, hw = model_spec(cfg), cpu_hardware(local, threads)
+    spec, hw = model_spec(cfg, masked_attention_block), cpu_hardware(local, threads)
     batches = {n: _batches(runs[n]) for n in names}
     warm = {n: warm_steps(runs[n], warmup_requests) for n in fit_runs}
     fit_batches = {n: [b for b, keep in zip(batches[n], warm[n]) if keep] for n in fit_runs}
@@ -261,16 +283,55 @@ def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwarePr
 
     y = np.concatenate([live[n] for n in fit_runs])
     seqs = np.array([b.sequences for n in fit_runs for b in fit_batches[n]])
+    lacking = [n for n in fit_runs if not has_operator_times(runs[n])]
+    mode = STEP_TOTAL if lacking else PER_OPERATOR
+    if lacking:
+        note = (f"step-total fit: the fit run(s) {lacking} have no attention_s column (step logs written before the "
+                "engine timed its operators), so attention and GEMM efficiency are fitted together on each step's "
+                "compute_s, and their split is not identified")
+    else:
+        note = ("per-operator fit: attention_mfu and its overheads on the logged attention_s, mfu, prefill_mfu and mbu "
+                "and theirs on compute_s less attention_s; the overheads are the sum of both parts'")
+    y_attn = np.concatenate([runs[n]["attention_s"].to_numpy()[warm[n]] for n in fit_runs]) if not lacking else None
 
-    def solve(eff: Efficiency) -> tuple[Efficiency, float]:
-        """The overheads that best fit the steps at these rates, and the loss."""
-        lat = LatencyModel(spec, hw, 1, "dram-copy", efficiency=eff)
-        roof = np.concatenate([predict_compute(lat, fit_batches[n]) for n in fit_runs])
-        coef, loss = nonnegative_lstsq(np.column_stack([1 / y, seqs / y]), 1 - roof / y)
-        return replace(eff, **{k: float(v) for k, v in zip(OVERHEADS, coef)}), loss
+    fit_steps = [b for n in fit_runs for b in fit_batches[n]]
+
+    def parts(lat: LatencyModel) -> tuple[np.ndarray, np.ndarray]:
+        """Per fit step: the model's total and attention seconds (overheads included in the total)."""
+        times = [lat.gpu_time(b) for b in fit_steps]
+        return np.array([t.total_s for t in times]), np.array([t.attention_s for t in times])
+
+    def overheads(live_s: np.ndarray, roof: np.ndarray) -> tuple[np.ndarray, float]:
+        """The per-step and per-sequence seconds that best close ``live_s - roof``, and the loss."""
+        return nonnegative_lstsq(np.column_stack([1 / live_s, seqs / live_s]), 1 - roof / live_s)
+
+    def solve(eff: Efficiency) -> tuple[Efficiency, float, dict]:
+        """The overheads that best fit the steps at these rates, the loss, and per operator its part."""
+        total, attn = parts(LatencyModel(spec, hw, 1, "dram-copy", efficiency=eff))
+        if mode == STEP_TOTAL:
+            coef, loss = overheads(y, total)
+            by_op = {}
+        else:  # the attention term against the attention clock, everything else against the rest
+            coef_a, loss_a = overheads(y_attn, attn)
+            coef_r, loss_r = overheads(y - y_attn, total - attn)
+            coef, loss = coef_a + coef_r, loss_a + loss_r
+            by_op = {"attention": {"loss": loss_a, **dict(zip(OVERHEADS, map(float, coef_a)))},
+                     "rest": {"loss": loss_r, **dict(zip(OVERHEADS, map(float, coef_r)))}}
+        return replace(eff, **{k: float(v) for k, v in zip(OVERHEADS, coef)}), loss, by_op
 
     rates, _ = pattern_search(lambda eff: solve(eff)[1], LIVE_BASE, RATES, max_evals, progress)
-    eff, best = solve(rates)
+    eff, best, by_operator = solve(rates)
+    if mode == PER_OPERATOR:  # each part's live and predicted seconds over the fit steps at the fitted model
+        total, attn = parts(LatencyModel(spec, hw, 1, "dram-copy", efficiency=eff))
+        op = by_operator["attention"]
+        attn = attn + op["step_overhead_s"] + op["cpu_per_sequence_s"] * seqs
+        op.update(live_s=float(y_attn.sum()), predicted_s=float(attn.sum()))
+        by_operator["rest"].update(live_s=float((y - y_attn).sum()), predicted_s=float((total - attn).sum()))
+        if all("gemm_s" in runs[n].columns for n in fit_runs):  # the GEMMs' own clock, against their roofline
+            lat = LatencyModel(spec, hw, 1, "dram-copy", efficiency=eff)
+            by_operator["rest"].update(
+                gemm_live_s=float(sum(runs[n]["gemm_s"].to_numpy()[warm[n]].sum() for n in fit_runs)),
+                gemm_predicted_s=float(sum(t.dense_s + t.lm_head_s for t in map(lat.gpu_time, fit_steps))))
     lat = LatencyModel(spec, hw, 1, "dram-copy", efficiency=eff)
     fit_frames = [runs[n].filter(pl.Series(warm[n])) for n in fit_runs]
     fit_share = cpu_share(pl.concat(fit_frames, how="diagonal_relaxed")) if fit_frames else None
@@ -306,7 +367,7 @@ def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwarePr
     held = [p for p in points if p["role"] == "held-out"]
     at_share = [{**p, "predicted": p["predicted_at_share"]} for p in held if "predicted_at_share" in p]
     return Calibration(eff, best, list(fit_runs), points, _errors(held), warmup_requests, fit_share,
-                       _errors(at_share) if at_share else None)
+                       _errors(at_share) if at_share else None, mode, note, by_operator or None)
 
 
 def write_profile(result: Calibration, hardware: HardwareProfile, threads: int, path: Path) -> Path:
@@ -315,7 +376,7 @@ def write_profile(result: Calibration, hardware: HardwareProfile, threads: int, 
     the held-out errors as comments above it."""
     hw = cpu_hardware(hardware, threads)
     lines = [f"# Fitted by `cachelab calibrate` on the live runs {result.fit_runs} ({threads} torch thread(s), "
-             f"{result.warmup_requests} warm-up request(s) per run left out)."]
+             f"{result.warmup_requests} warm-up request(s) per run left out); {result.fit_note}."]
     lines += [f"# held-out {m}: MAPE {e['mape']:.3f}, bias {e['bias']:+.3f}, r {e['pearson_r']:.3f}"
               for m, e in result.summary.items()]
     lines += [f'name = "{hw.name}-calibrated"', "", "[efficiency]"]

@@ -81,6 +81,11 @@ class ModelSpec:
     # (fraction of the table's pages cached, share of row reads served) measured on real text
     # (``cachelab.serving.page_popularity``); empty: none measured
     page_cache_curve: tuple[tuple[float, float], ...] = ()
+    # 0: a causal kernel, each query attends to the positions up to its own (FlashAttention skips
+    # the masked half). B: a masked kernel that computes every query against the whole gathered
+    # context, in whole blocks of B positions (the live CPU engine's paged attention: scaled
+    # dot-product attention with an explicit mask; benchmarks/live_operator_probe.py)
+    masked_attention_block: int = 0
 
     def layers_launched(self, drafting: bool) -> int:
         """Layers a step runs: the backbone's, and the draft model's passes when it drafts."""
@@ -156,6 +161,10 @@ class ModelSpec:
         """Sum over the queries at contexts ``(lo, hi]`` of the positions each attends to, over
         all layers (vectorised over sequences)."""
         if not self.compress_ratios:  # dense attention in every layer
+            if self.masked_attention_block:
+                b = self.masked_attention_block
+                hi = np.asarray(hi, np.float64)
+                return self.layers * (hi - np.asarray(lo, np.float64)) * np.ceil(hi / b) * b
             return self.layers * sum_min(lo, hi, 0)
         total = len(self.compress_ratios) * sum_min(lo, hi, self.sliding_window)
         for ratio, count in self._ratio_counts:
