@@ -173,6 +173,10 @@ def test_the_attention_column_identifies_the_attention_term():
     assert r.fit_mode == PER_OPERATOR and set(r.fit_loss_by_operator) == {"attention", "rest"}
     assert r.efficiency.attention_mfu == pytest.approx(0.1, rel=0.05)
     assert r.summary["mean_ttft_ms"]["mape"] < 0.02
+    ops = r.points[1]["operators"]  # the held-out run's compute by operator and phase, live against predicted
+    assert set(ops) == {"decode_steps", "prefill_steps"}
+    for part in ("attention_s", "rest_s"):
+        assert ops["prefill_steps"][part]["predicted"] == pytest.approx(ops["prefill_steps"][part]["live"], rel=0.02)
     old = calibrate({n: f.drop("attention_s") for n, f in runs.items()}, model_config("tiny"), local, 1, ["fit"], 300,
                     dispersion_draws=0)  # a step log from before the clock: fitted whole, and it says so
     assert old.fit_mode == STEP_TOTAL and "attention_s" in old.fit_note and old.fit_loss_by_operator is None

@@ -70,6 +70,12 @@ def calibrate(
     console.print(table)
     for part, op in (result.fit_loss_by_operator or {}).items():
         console.print(f"fit, {part}: live {op['live_s']:.3f} s, predicted {op['predicted_s']:.3f} s, loss {op['loss']:.4f}")
+    for p in result.points:  # where each run's compute went, by operator and phase (ms per step, live / predicted)
+        cells = [f"{phase.split('_')[0]}: " + ", ".join(f"{k[:-2]} {1e3 * v['live']:.1f} / {1e3 * v['predicted']:.1f}"
+                                                        for k, v in ops.items() if k != "steps")
+                 for phase, ops in p.get("operators", {}).items()]
+        if cells:
+            console.print(f"{p['run']} ms per step, live / predicted: " + "; ".join(cells))
     for label, summary in (("held-out", result.summary), ("held-out, at each run's CPU share", result.summary_at_share)):
         for m, e in (summary or {}).items():
             console.print(f"{label} {m}: MAPE {e['mape']:.1%}, bias {e['bias']:+.1%}, Pearson r {e['pearson_r']:.3f}")

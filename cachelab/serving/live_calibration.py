@@ -197,6 +197,38 @@ class Calibration:
                 "fit_mode": self.fit_mode, "fit_note": self.fit_note, "fit_loss_by_operator": self.fit_loss_by_operator}
 
 
+def operator_times(frame: pl.DataFrame, batches: list[Batch], lat: LatencyModel, attention_overheads: dict,
+                   keep: np.ndarray) -> dict:
+    """Where a run's compute went, live against predicted, per operator and phase: the mean
+    seconds per step of the attention (the model's attention term plus the attention part's
+    fitted overheads), of the rest of the compute, and of the GEMMs alone (their clock against
+    the model's dense and output-head rooflines), over the steps that only decode and over those
+    that prefill a chunk. Which term a held-out miss sits in, and whether it is the steps that
+    prefill or all of them (contention: everything slower) that miss."""
+    times = [lat.gpu_time(b) for b, k in zip(batches, keep) if k]
+    seqs = np.array([b.sequences for b, k in zip(batches, keep) if k])
+    attn = (np.array([t.attention_s for t in times]) + attention_overheads["step_overhead_s"]
+            + attention_overheads["cpu_per_sequence_s"] * seqs)
+    total = np.array([t.total_s for t in times])
+    gemm = np.array([t.dense_s + t.lm_head_s for t in times])
+    frame = frame.filter(pl.Series(keep))
+    prefill = np.array([bool((np.asarray(b) - np.asarray(a) > 1).any())
+                        for a, b in zip(frame["starts"].to_list(), frame["stops"].to_list())], bool)
+    live_attn, live_total = frame["attention_s"].to_numpy(), frame["compute_s"].to_numpy()
+    live_gemm = frame["gemm_s"].to_numpy() if "gemm_s" in frame.columns else None
+    out = {}
+    for phase, rows in (("decode_steps", ~prefill), ("prefill_steps", prefill)):
+        if not rows.any():
+            continue
+        out[phase] = {"steps": int(rows.sum()),
+                      "attention_s": {"live": float(live_attn[rows].mean()), "predicted": float(attn[rows].mean())},
+                      "rest_s": {"live": float((live_total - live_attn)[rows].mean()),
+                                 "predicted": float((total - attn)[rows].mean())}}
+        if live_gemm is not None:
+            out[phase]["gemm_s"] = {"live": float(live_gemm[rows].mean()), "predicted": float(gemm[rows].mean())}
+    return out
+
+
 def cpu_share(frame: pl.DataFrame, keep: np.ndarray | None = None) -> float | None:
     """The engine thread's CPU time over its steps' wall time (the step log's ``thread_cpu_s``):
     below 1, the engine waited for a core (machine load) or the GIL (the server's other threads)."""
@@ -363,6 +395,9 @@ def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwarePr
             point["engine_cpu_share"] = share
             if fit_share:  # the same model on an engine with this run's share of a core
                 point["predicted_at_share"] = predicted(fit_share / share)
+        if mode == PER_OPERATOR and has_operator_times(frame):
+            point["operators"] = operator_times(frame, batches[n], lat, by_operator["attention"],
+                                                warm_steps(frame, warmup_requests))
         points.append(point)
     held = [p for p in points if p["role"] == "held-out"]
     at_share = [{**p, "predicted": p["predicted_at_share"]} for p in held if "predicted_at_share" in p]
