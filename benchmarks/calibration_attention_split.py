@@ -26,8 +26,8 @@ import polars as pl
 
 from cachelab.live.config import PRESETS
 from cachelab.serving.latency import Batch, LatencyModel
-from cachelab.serving.live_calibration import (_batches, find_runs, load_calibration, model_spec, predict_compute,
-                                               warm_steps)
+from cachelab.serving.live_calibration import (_batches, calibration_spec, find_runs, load_calibration,
+                                               predict_compute, warm_steps)
 
 
 def main() -> None:
@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--factor", type=float, default=10.0, help="attention efficiency of the other split, x fitted")
     args = ap.parse_args()
     hw, eff = load_calibration(args.calibration)
-    spec = model_spec(PRESETS[args.preset])
+    spec = calibration_spec(args.calibration, PRESETS[args.preset])
 
     def model(e):
         return LatencyModel(spec, hw, 1, "dram-copy", efficiency=e)

@@ -102,6 +102,7 @@ def test_calibrate_fits_one_run_and_validates_the_other(step_logs, tmp_path):
     hw, eff = load_calibration(out)  # the written profile loads as a hardware profile with its efficiency
     assert hw.gpu.hbm_bw > 0 and eff.mfu == r["efficiency"]["mfu"] and eff.host_addressing
     # the fit run's engine CPU share is recorded: the held-out run predicted at its own share too
+    assert r["masked_attention_block"] == 16 and "masked_attention_block = 16" in out.read_text()
     assert fit_cpu_share(out) == pytest.approx(r["fit_cpu_share"]) == pytest.approx(r["points"][0]["engine_cpu_share"])
     assert set(r["summary_at_share"]) == set(r["summary"]) and set(held["predicted_at_share"]) == set(held["predicted"])
 
@@ -182,3 +183,20 @@ def test_the_attention_column_identifies_the_attention_term():
     assert old.fit_mode == STEP_TOTAL and "attention_s" in old.fit_note and old.fit_loss_by_operator is None
     # on the step's total the split is free: it lands elsewhere and mispredicts the cached-prefix prefills
     assert old.efficiency.attention_mfu < 0.05 and old.summary["mean_ttft_ms"]["mape"] > 0.02
+
+
+def test_a_calibration_file_says_how_its_attention_was_charged(tmp_path):
+    from cachelab.live.config import model_config
+    from cachelab.serving.live_calibration import calibration_spec
+
+    cfg, path = model_config("tiny"), tmp_path / "fitted.toml"
+    path.write_text("[calibration]\nfit_engine_cpu_share = 0.9\n")  # written before it was recorded: causal
+    assert calibration_spec(path, cfg).masked_attention_block == 0
+    path.write_text("[calibration]\nmasked_attention_block = 16\n")
+    spec = calibration_spec(path, cfg)
+    assert spec.masked_attention_block == 16
+    # a 256-token prompt after 256 cached: every new token against all 512 positions, not the triangle
+    assert float(spec.attended_positions(np.array([256.0]), np.array([512.0]))[0]) == cfg.layers * 256 * 512
+    path.write_text('[calibration]\nmasked_attention_block = "16"\n')
+    with pytest.raises(CachelabError, match="masked_attention_block"):
+        calibration_spec(path, cfg)

@@ -148,7 +148,7 @@ def predict_point(config: dict, workload: Workload, row_cache_rows: int, store_s
     (``live_calibration.at_cpu_share``), 1 for the plain prediction."""
     from cachelab.experiment.points import simulated_point
     from cachelab.live.launch import model_for
-    from cachelab.serving.live_calibration import at_cpu_share, load_calibration, model_spec
+    from cachelab.serving.live_calibration import at_cpu_share, calibration_spec, load_calibration
     from cachelab.serving.simulator import ServingConfig
 
     live, opts = config["live"], serve_options(config)
@@ -156,7 +156,7 @@ def predict_point(config: dict, workload: Workload, row_cache_rows: int, store_s
     _, eff = load_calibration(path)
     eff = eff if slowdown == 1.0 else at_cpu_share(eff, 1 / slowdown)
     cfg = model_for(opts)
-    spec = model_spec(cfg)
+    spec = calibration_spec(path, cfg)  # attention charged as the calibration was fitted
     placement = PLACEMENTS[live["placement"]]
     serving = ServingConfig(hardware=str(path), placement=placement, tp=1, concurrency=live["concurrency"],
                             max_num_batched_tokens=opts.max_num_batched_tokens, max_num_seqs=opts.max_num_seqs,

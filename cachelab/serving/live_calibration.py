@@ -189,12 +189,14 @@ class Calibration:
     fit_mode: str = STEP_TOTAL  # PER_OPERATOR: attention fitted on the logged attention time, GEMMs on the rest
     fit_note: str = ""  # which fit was used and why, in words
     fit_loss_by_operator: dict | None = None  # per operator: its loss, the overheads it took, its live / predicted
+    masked_attention_block: int = 16  # how the spec charged attention (``model_spec``): the profile is fitted for it
 
     def to_dict(self) -> dict:
         return {"efficiency": {k: getattr(self.efficiency, k) for k in FITTED}, "fit_loss": self.loss,
                 "fit_runs": self.fit_runs, "warmup_requests": self.warmup_requests, "fit_cpu_share": self.fit_cpu_share,
                 "points": self.points, "summary": self.summary, "summary_at_share": self.summary_at_share,
-                "fit_mode": self.fit_mode, "fit_note": self.fit_note, "fit_loss_by_operator": self.fit_loss_by_operator}
+                "fit_mode": self.fit_mode, "fit_note": self.fit_note, "fit_loss_by_operator": self.fit_loss_by_operator,
+                "masked_attention_block": self.masked_attention_block}
 
 
 def operator_times(frame: pl.DataFrame, batches: list[Batch], lat: LatencyModel, attention_overheads: dict,
@@ -402,7 +404,8 @@ def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwarePr
     held = [p for p in points if p["role"] == "held-out"]
     at_share = [{**p, "predicted": p["predicted_at_share"]} for p in held if "predicted_at_share" in p]
     return Calibration(eff, best, list(fit_runs), points, _errors(held), warmup_requests, fit_share,
-                       _errors(at_share) if at_share else None, mode, note, by_operator or None)
+                       _errors(at_share) if at_share else None, mode, note, by_operator or None,
+                       masked_attention_block)
 
 
 def write_profile(result: Calibration, hardware: HardwareProfile, threads: int, path: Path) -> Path:
@@ -417,8 +420,10 @@ def write_profile(result: Calibration, hardware: HardwareProfile, threads: int, 
     lines += [f'name = "{hw.name}-calibrated"', "", "[efficiency]"]
     lines += [f"{k} = {float(getattr(result.efficiency, k))!r}" for k in FITTED]
     lines.append("")
+    lines += ["[calibration]", f"masked_attention_block = {result.masked_attention_block}"]  # calibration_spec
     if result.fit_cpu_share is not None:  # what a share-adjusted prediction scales from (fit_cpu_share)
-        lines += ["[calibration]", f"fit_engine_cpu_share = {result.fit_cpu_share!r}", ""]
+        lines.append(f"fit_engine_cpu_share = {result.fit_cpu_share!r}")
+    lines.append("")
     for section in ("gpu", "host", "cpu", "ssd"):
         values = getattr(hw, section)
         if values is None:
@@ -450,6 +455,19 @@ def load_calibration(path: str | Path) -> tuple[HardwareProfile, Efficiency]:
     if bad:
         raise CachelabError(f"{path}: [efficiency] {bad[0]} must be a non-negative number, got {table[bad[0]]!r}")
     return hw, replace(LIVE_BASE, **{k: float(v) for k, v in table.items()})
+
+
+def calibration_spec(path: str | Path, cfg: ModelConfig) -> ModelSpec:
+    """The live spec a `cachelab calibrate --out` file's efficiency was fitted with: its attention
+    charged as recorded in ``[calibration] masked_attention_block`` (a file written before that
+    was recorded was fitted on the causal charging, 0)."""
+    import tomllib
+
+    value = tomllib.loads(Path(path).read_text(encoding="utf-8")).get("calibration", {}).get("masked_attention_block", 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CachelabError(f"{path}: [calibration] masked_attention_block must be a block size in tokens (0: causal), "
+                            f"got {value!r}")
+    return model_spec(cfg, value)
 
 
 def fit_cpu_share(path: str | Path) -> float | None:
