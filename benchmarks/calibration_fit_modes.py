@@ -11,7 +11,9 @@ ways, judged on the same held-out runs.
 Per way: the fitted attention and prefill GEMM efficiency, the held-out errors (MAPE, signed
 bias, Pearson r of mean and P99 TTFT and TPOT per run) over every held-out run and over the
 quiet ones (engine CPU share at least ``--quiet-share``), and over the steps that prefill after
-a cached prefix (the term in question) the live and predicted mean compute.
+a cached prefix (the term in question) the live and predicted mean compute. Last, over every
+run's steps, the engine's CPU share by the step's CPU time: whether long steps (prefills) get
+less of a core than short ones (decodes) on a loaded machine, which a run's one share hides.
 
     .venv/bin/python benchmarks/calibration_fit_modes.py --runs /tmp/calib/runs --fit r0-c1-o0.0 \
         --fit r0-c4-o0.0 --warmup-requests 2
@@ -76,6 +78,12 @@ def main() -> None:
                   f"prefill steps, live {1e3 * live.mean():.1f} ms, predicted {1e3 * pred.mean():.1f} ms "
                   f"({pred.mean() / live.mean() - 1:+.1%}); " + ", ".join(
                       f"{m} {p['predicted'][m] / p['live'][m] - 1:+.1%}" for m in METRICS))
+    steps = pl.concat([f.select("thread_cpu_s", "step_s") for f in runs.values() if "thread_cpu_s" in f.columns])
+    for lo, hi in ((0.0, 0.02), (0.02, 0.03), (0.03, 0.05), (0.05, 0.1), (0.1, np.inf)):
+        rows = steps.filter((pl.col("thread_cpu_s") >= lo) & (pl.col("thread_cpu_s") < hi))
+        if rows.height:
+            print(f"steps of {1e3 * lo:.0f} to {1e3 * hi:.0f} ms of engine CPU: {rows.height}, engine CPU share "
+                  f"{rows['thread_cpu_s'].sum() / rows['step_s'].sum():.2f} (their CPU time over their wall time)")
 
 
 if __name__ == "__main__":
