@@ -41,6 +41,17 @@ def test_warm_up_steps_are_those_of_the_first_requests():
     assert warm_steps(frame, 0).all()
 
 
+def test_fit_steps_leave_out_the_warm_up_and_the_contended_steps():
+    from cachelab.serving.live_calibration import fitted_steps
+
+    frame = pl.DataFrame({"requests": [[0], [1], [1], [2]], "step_s": [1.0, 1.0, 2.0, 1.0],
+                          "thread_cpu_s": [1.0, 0.95, 1.0, 0.5]})
+    assert fitted_steps(frame, 1).tolist() == [False, True, True, True]
+    assert fitted_steps(frame, 1, 0.9).tolist() == [False, True, False, False]  # shares 0.95, 0.5, 0.5
+    with pytest.raises(CachelabError, match="thread_cpu_s"):
+        fitted_steps(frame.drop("thread_cpu_s"), 0, 0.9)
+
+
 def test_nonnegative_least_squares():
     a = np.column_stack([np.ones(4), np.arange(4.0)])
     x, loss = nonnegative_lstsq(a, 2 + 3 * np.arange(4.0))

@@ -24,6 +24,9 @@ def calibrate(
     dispersion_draws: int = typer.Option(32, "--dispersion-draws", min=0, help="Predicted P99s: the mean over this "
                                          "many replays whose steps vary as the fit steps did about the model "
                                          "(0: the P99 of the one replay on the model's step times)."),
+    fit_min_step_share: float = typer.Option(0.0, "--fit-min-step-share", min=0.0, help="Fit only the fit runs' "
+                                             "steps whose engine thread got at least this share of a core (the "
+                                             "step log's thread_cpu_s over step_s; 0: every step)."),
 ) -> None:
     """Fit the latency model of the live model (its preset's spec on `hw probe`'s CPU) to live
     runs' per-step compute: MFU, MBU and attention MFU, and the per-step and per-sequence
@@ -49,7 +52,8 @@ def calibrate(
     with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
         task = progress.add_task("fitting", total=max_evals)
         result = run(runs, model_config(preset), local, threads, fit or None, max_evals,
-                     lambda done, total: progress.update(task, completed=done), warmup_requests, dispersion_draws)
+                     lambda done, total: progress.update(task, completed=done), warmup_requests, dispersion_draws,
+                     fit_min_step_share=fit_min_step_share)
     if out is not None:
         write_profile(result, local, threads, out)
     if result.fit_mode != PER_OPERATOR or not as_json:  # which fit was used (stderr: the JSON stays clean)

@@ -190,13 +190,14 @@ class Calibration:
     fit_note: str = ""  # which fit was used and why, in words
     fit_loss_by_operator: dict | None = None  # per operator: its loss, the overheads it took, its live / predicted
     masked_attention_block: int = 16  # how the spec charged attention (``model_spec``): the profile is fitted for it
+    fit_min_step_share: float = 0.0  # fit steps whose engine CPU share was below this were left out
 
     def to_dict(self) -> dict:
         return {"efficiency": {k: getattr(self.efficiency, k) for k in FITTED}, "fit_loss": self.loss,
                 "fit_runs": self.fit_runs, "warmup_requests": self.warmup_requests, "fit_cpu_share": self.fit_cpu_share,
                 "points": self.points, "summary": self.summary, "summary_at_share": self.summary_at_share,
                 "fit_mode": self.fit_mode, "fit_note": self.fit_note, "fit_loss_by_operator": self.fit_loss_by_operator,
-                "masked_attention_block": self.masked_attention_block}
+                "masked_attention_block": self.masked_attention_block, "fit_min_step_share": self.fit_min_step_share}
 
 
 def operator_times(frame: pl.DataFrame, batches: list[Batch], lat: LatencyModel, attention_overheads: dict,
@@ -274,6 +275,19 @@ def warm_steps(frame: pl.DataFrame, warmup_requests: int) -> np.ndarray:
     return ~frame["requests"].list.eval(pl.element() < warmup_requests).list.any().to_numpy()
 
 
+def fitted_steps(frame: pl.DataFrame, warmup_requests: int, min_step_share: float = 0.0) -> np.ndarray:
+    """The steps of a fit run that are fitted: not the warm-up's, and where ``min_step_share`` > 0
+    only those whose engine thread got at least that share of a core over the step (its
+    ``thread_cpu_s`` over its ``step_s``): on a loaded machine long steps wait for other jobs'
+    turns, and a fit on them learns the waiting as compute."""
+    keep = warm_steps(frame, warmup_requests)
+    if min_step_share > 0:
+        if "thread_cpu_s" not in frame.columns:
+            raise CachelabError("--fit-min-step-share needs the step log's thread_cpu_s (a newer `cachelab serve`)")
+        keep &= (frame["thread_cpu_s"] / frame["step_s"]).to_numpy() >= min_step_share
+    return keep
+
+
 def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, float]:
     """``min |a x - b|^2`` over ``x >= 0`` for a few columns: the best of the least-squares
     solutions on every subset of columns whose solution is non-negative (exact for a few)."""
@@ -296,14 +310,17 @@ def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, float]:
 def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwareProfile, threads: int,
               fit_runs: list[str] | None = None, max_evals: int = 150,
               progress: Callable[[int, int], None] | None = None, warmup_requests: int = 0,
-              dispersion_draws: int = 32, masked_attention_block: int = 16) -> Calibration:
+              dispersion_draws: int = 32, masked_attention_block: int = 16,
+              fit_min_step_share: float = 0.0) -> Calibration:
     """Fit ``FITTED`` on ``fit_runs`` (default: the first run by name), validate on the rest.
     The first ``warmup_requests`` requests of every run are warm-up: their steps are not
     fitted and they are left out of the TTFT/TPOT statistics. Means are the replay on the
     model's step times; P99s the mean over ``dispersion_draws`` replays whose every step is
     the model's times a ratio drawn from the fit steps' live / predicted (scaled to mean 1:
     the spread, not the level); 0 draws: the P99 of the one replay. ``masked_attention_block``:
-    the runs' KV block size (``model_spec``; 0 charges a causal kernel's attention instead)."""
+    the runs' KV block size (``model_spec``; 0 charges a causal kernel's attention instead).
+    ``fit_min_step_share``: fit only the steps that got at least this share of a core
+    (``fitted_steps``; the recorded fit share is then theirs)."""
     names = sorted(runs)
     fit_runs = fit_runs or names[:1]
     unknown = sorted(set(fit_runs) - set(names))
@@ -311,7 +328,11 @@ def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwarePr
         raise CachelabError(f"--fit {unknown}: no such run; the runs are {names}")
     spec, hw = model_spec(cfg, masked_attention_block), cpu_hardware(local, threads)
     batches = {n: _batches(runs[n]) for n in names}
-    warm = {n: warm_steps(runs[n], warmup_requests) for n in fit_runs}
+    warm = {n: fitted_steps(runs[n], warmup_requests, fit_min_step_share) for n in fit_runs}
+    empty = [n for n in fit_runs if not warm[n].any()]
+    if empty:
+        raise CachelabError(f"--fit {empty}: no step left to fit (warm-up requests {warmup_requests}, "
+                            f"minimum step share {fit_min_step_share})")
     fit_batches = {n: [b for b, keep in zip(batches[n], warm[n]) if keep] for n in fit_runs}
     live = {n: runs[n]["compute_s"].to_numpy()[warm[n]] for n in fit_runs}
 
@@ -405,7 +426,7 @@ def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwarePr
     at_share = [{**p, "predicted": p["predicted_at_share"]} for p in held if "predicted_at_share" in p]
     return Calibration(eff, best, list(fit_runs), points, _errors(held), warmup_requests, fit_share,
                        _errors(at_share) if at_share else None, mode, note, by_operator or None,
-                       masked_attention_block)
+                       masked_attention_block, fit_min_step_share)
 
 
 def write_profile(result: Calibration, hardware: HardwareProfile, threads: int, path: Path) -> Path:
@@ -414,7 +435,9 @@ def write_profile(result: Calibration, hardware: HardwareProfile, threads: int, 
     the held-out errors as comments above it."""
     hw = cpu_hardware(hardware, threads)
     lines = [f"# Fitted by `cachelab calibrate` on the live runs {result.fit_runs} ({threads} torch thread(s), "
-             f"{result.warmup_requests} warm-up request(s) per run left out); {result.fit_note}."]
+             f"{result.warmup_requests} warm-up request(s) per run left out"
+             + (f", steps under {result.fit_min_step_share} of a core left out" if result.fit_min_step_share else "")
+             + f"); {result.fit_note}."]
     lines += [f"# held-out {m}: MAPE {e['mape']:.3f}, bias {e['bias']:+.3f}, r {e['pearson_r']:.3f}"
               for m, e in result.summary.items()]
     lines += [f'name = "{hw.name}-calibrated"', "", "[efficiency]"]
