@@ -119,6 +119,7 @@ def main() -> None:
                     "of its wall time on a core is 'quiet' (summarised separately)")
     ap.add_argument("--max-evals", type=int, default=150)
     ap.add_argument("--dispersion-draws", type=int, default=32, help="`cachelab calibrate --dispersion-draws`")
+    ap.add_argument("--fit-min-step-share", type=float, default=0.0, help="`cachelab calibrate --fit-min-step-share`")
     ap.add_argument("--skip-runs", action="store_true", help="only fit and validate the runs already under --out")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -144,6 +145,7 @@ def main() -> None:
     res = subprocess.run([*CLI, "calibrate", "--step-log", str(out / "runs"), "--preset", args.preset, "--json",
                           "--warmup-requests", str(args.warmup), "--max-evals", str(args.max_evals),
                           "--dispersion-draws", str(args.dispersion_draws),
+                          "--fit-min-step-share", str(args.fit_min_step_share),
                           "--out", str(out / "fitted.toml"), *[x for f in fit for x in ("--fit", f)]],
                          cwd=ROOT, capture_output=True, text=True)
     if res.returncode:
