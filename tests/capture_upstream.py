@@ -162,6 +162,51 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ProxyThread:
+    """Runs ``cachelab.capture.proxy.CaptureProxy`` on 127.0.0.1 in a thread of this process (its own
+    event loop); leaving the block stops it as the CLI does (in-flight exchanges end, the recorder closes)."""
+
+    def __init__(self, config, recorder):
+        self.config, self.recorder = config, recorder
+        self.port = None
+        self.error: BaseException | None = None
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        from cachelab.capture.proxy import event_loop_factory, run_proxy
+
+        async def main():
+            self.loop, self.stop = asyncio.get_running_loop(), asyncio.Event()
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            sock.listen(1024)
+            self.port = sock.getsockname()[1]
+            self.loop.call_soon(self.started.set)
+            await run_proxy(self.config, self.recorder, sock, self.stop)
+
+        try:
+            with asyncio.Runner(loop_factory=event_loop_factory("auto")) as runner:
+                runner.run(main())
+        except BaseException as exc:  # noqa: BLE001 (reported to the test by __enter__)
+            self.error = exc
+            self.started.set()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self):
+        self.thread.start()
+        if not self.started.wait(20) or self.error is not None:
+            raise RuntimeError(f"proxy did not start: {self.error!r}")
+        return self
+
+    def __exit__(self, *exc):
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(30)
+
+
 class ServerThread:
     """Runs an ASGI app with uvicorn on 127.0.0.1 in a thread of this process."""
 

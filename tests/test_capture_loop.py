@@ -12,8 +12,8 @@ import openai
 import pytest
 from typer.testing import CliRunner
 
-from capture_upstream import ServerThread
-from cachelab.capture.proxy import ProxyConfig, create_app
+from capture_upstream import ProxyThread
+from cachelab.capture.proxy import ProxyConfig
 from cachelab.capture.recorder import Recorder
 from cachelab.capture.to_trace import read_requests
 from cachelab.cli import app
@@ -51,7 +51,7 @@ def test_serve_capture_train_evaluate_serve(tmp_path):
     opts = ServeOptions(port=0, kv_cache_tokens=16_384, capture=tmp_path / "served")
     with running_server(opts) as (url, _engine):
         recorder = Recorder(tmp_path / "cap")
-        with ServerThread(create_app(ProxyConfig(upstream=url), recorder)) as proxy:
+        with ProxyThread(ProxyConfig(upstream=url), recorder) as proxy:
             model = openai.OpenAI(base_url=url + "/v1", api_key="x").models.list().data[0].id
             _load(proxy.url, model)
             assert recorder.flush(30)

@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
-from capture_upstream import ServerThread, Upstream, free_port
-from cachelab.capture.proxy import UVICORN_OPTIONS, ProxyConfig, create_app
+from capture_upstream import ProxyThread, ServerThread, Upstream, free_port
+from cachelab.capture.proxy import ProxyConfig
 from cachelab.capture.recorder import Recorder
 from cachelab.capture.to_trace import capture_to_trace, read_requests
 
@@ -37,7 +37,7 @@ class Stack:
         self.direct.__enter__()
         self.upstream.__enter__()
         self.config.upstream = self.upstream.url
-        self.proxy = ServerThread(create_app(self.config, self.recorder), **UVICORN_OPTIONS).__enter__()
+        self.proxy = ProxyThread(self.config, self.recorder).__enter__()
         return self
 
     def __exit__(self, *exc):
@@ -156,7 +156,7 @@ def test_a_client_that_goes_away_ends_the_upstream_stream(stack):
 def test_unreachable_upstream_gives_502_and_a_record(tmp_path):
     recorder = Recorder(tmp_path)
     config = ProxyConfig(upstream=f"http://127.0.0.1:{free_port()}")
-    with ServerThread(create_app(config, recorder)) as proxy:
+    with ProxyThread(config, recorder) as proxy:
         status, body, _ = _raw(proxy.url, "/v1/completions", {"model": "tiny", "prompt": "hi"})
     assert status == 502 and b"upstream unreachable" in body
     rec = read_requests(tmp_path)[0].row(0, named=True)
@@ -242,3 +242,56 @@ def test_prepare_adds_what_the_record_needs_and_keeps_the_rest(body, added):
     elif b"false" not in body and b"stream_options" not in body:  # new keys only: the client's bytes kept as a prefix
         assert sent.startswith(body.rstrip()[:-1])
     assert x.injected_ids == ("return_token_ids" in added) and x.injected_usage == ("stream_options" in added)
+
+
+def _socket_exchange(url: str, *sends: bytes, pause: float = 0.0) -> bytes:
+    """Raw bytes over one connection (each send after ``pause`` s), read until the proxy closes it."""
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=20) as sock:
+        got = b""
+        for data in sends:
+            sock.sendall(data)
+            if pause:
+                time.sleep(pause)
+                got += sock.recv(65536)
+        while chunk := sock.recv(65536):
+            got += chunk
+    return got
+
+
+def _post_bytes(path: str, body: dict, *, version: bytes = b"1.1", extra: bytes = b"", close: bool = False) -> tuple:
+    data = json.dumps(body).encode()
+    head = (b"POST %s HTTP/%s\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s%s\r\n"
+            % (path.encode(), version, len(data), extra, b"connection: close\r\n" if close else b""))
+    return head, data
+
+
+def test_raw_http_pipelining_http10_expect_and_malformed(stack):
+    """What the hand-written HTTP/1.1 layer must get right beyond what httpx exercises."""
+    import re
+
+    def uncached(data: bytes) -> bytes:  # the two upstreams' prefix caches have seen different requests
+        return re.sub(rb'"cached_tokens":\d+', b'"cached_tokens":0', data)
+
+    whole = {"model": "tiny", "prompt": PROMPT, "max_tokens": 3}
+    want = uncached(_raw(stack.direct.url, "/v1/completions", whole)[1])
+    # Two requests in one write: two answers, in order, on the same connection.
+    first, second = _post_bytes("/v1/completions", whole), _post_bytes("/v1/completions", whole, close=True)
+    got = uncached(_socket_exchange(stack.proxy.url, b"".join(first + second)))
+    assert got.count(b"HTTP/1.1 200 OK\r\n") == 2 and got.count(want) == 2
+    # An HTTP/1.0 client gets the stream unchunked, ended by the close, byte for byte.
+    streamed = {**whole, "stream": True}
+    want = uncached(_raw(stack.direct.url, "/v1/completions", streamed)[1])
+    got = uncached(_socket_exchange(stack.proxy.url, b"".join(_post_bytes("/v1/completions", streamed, version=b"1.0"))))
+    assert got.startswith(b"HTTP/1.1 200 OK\r\n") and got.split(b"\r\n\r\n", 1)[1] == want
+    # Expect: 100-continue: the proxy asks for the body, then answers.
+    head, data = _post_bytes("/v1/completions", whole, extra=b"expect: 100-continue\r\n", close=True)
+    got = _socket_exchange(stack.proxy.url, head, data, pause=0.3)
+    assert got.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n")
+    # Not HTTP: a 400, and the proxy goes on serving.
+    assert _socket_exchange(stack.proxy.url, b"NOT HTTP AT ALL\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+    assert _socket_exchange(stack.proxy.url, b"GET /v1/models HTTP/1.1\r\nx: " + b"a" * (70 << 10)).startswith(
+        b"HTTP/1.1 431 ")
+    assert _raw(stack.proxy.url, "/v1/completions", whole)[0] == 200

@@ -150,7 +150,7 @@ def test_recorder_to_trace_sessions_and_privacy(tmp_path):
     with Recorder(tmp_path / "ids") as rec:
         rec.submit(_record(0, session="alice"))
         rec.submit(_record(1, session="bob"))
-        rec.submit(lambda: _record(2, session="alice"))
+        rec.submit(_record(2, session="alice"))
         rec.submit(_record(3, status=502, error="upstream unreachable"))
         rec.submit(_record(4))
     trace, report = capture_to_trace(tmp_path / "ids")

@@ -12,9 +12,9 @@ import httpx
 import numpy as np
 import pytest
 
-from capture_upstream import ServerThread
+from capture_upstream import ProxyThread
 from cachelab.capture.kv_events import KVEventSubscriber, read_kv_events
-from cachelab.capture.proxy import ProxyConfig, create_app
+from cachelab.capture.proxy import ProxyConfig
 from cachelab.capture.recorder import Recorder
 from cachelab.capture.to_trace import capture_to_trace, read_requests
 from cachelab.engram.vocab import load_tokenizer
@@ -54,7 +54,7 @@ def captured(vllm_server, tmp_path_factory):
     out = tmp_path_factory.mktemp("vllm-capture")
     sub = KVEventSubscriber(vllm_server.kv_events_endpoint, out, topic="kv").start()
     recorder = Recorder(out)
-    with ServerThread(create_app(ProxyConfig(upstream=vllm_server.base_url), recorder)) as proxy:
+    with ProxyThread(ProxyConfig(upstream=vllm_server.base_url), recorder) as proxy:
         yield vllm_server, proxy, recorder, sub, out
     sub.close()
 

@@ -70,12 +70,8 @@ def test_writer_process_records_what_the_thread_recorder_records(tmp_path):
     (tmp_path / "salt").write_bytes(SALT)
     xs = [exchange(i, stream=i % 4 != 0) for i in range(40)]
     thread = Recorder(tmp_path / "thread", salt_file=tmp_path / "salt")
-    from cachelab.capture.exchange import to_record
-    from cachelab.capture.tokens import FallbackTokenizer
-
-    tok = FallbackTokenizer()
     for x in xs:
-        thread.submit(lambda x=x: to_record(x, tok))
+        thread.submit(x)
     thread.close()
     writer = CaptureWriter(tmp_path / "process", salt_file=tmp_path / "salt")
     try:

@@ -1,14 +1,18 @@
 """One proxied OpenAI request as raw bytes, and the record it becomes (built off the hot path).
 
 The proxy keeps only what it must to stay byte-faithful while a response streams: the
-request body, each complete SSE event with its arrival time, or the whole JSON body. The
-recorder's thread later calls ``to_record``: it reads token ids from the upstream's answer
+request body, the complete SSE events of each upstream read (one or more events, as the
+upstream sent them) with the read's arrival time, or the whole JSON body. The recorder
+later calls ``Exchange.to_record`` (on its thread or in its process): it splits the reads
+into events, reads token ids from the upstream's answer
 (vLLM's ``return_token_ids``: ``prompt_token_ids`` and per-choice ``token_ids``), the cached
 prompt tokens from ``usage.prompt_tokens_details.cached_tokens``, and falls back to the
 model's tokenizer (``cachelab.capture.tokens``) when the upstream sent no ids. Only choice 0
 of a request with ``n > 1`` is recorded.
 
-``Restorer`` and ``strip_body`` undo what the proxy added to the request, on the bytes: vLLM
+``Restorer`` and ``strip_body`` undo what the proxy added to the request, on the bytes (a read
+of ordinary token events takes one regular-expression substitution, whatever the number of
+events in it; only a read holding a usage, a terminal or an id-only event is split): vLLM
 writes the token-id fields as ``null`` when they were not asked for, so an injected
 ``"token_ids":[...]`` becomes ``"token_ids":null`` again; a usage-only event the client did
 not ask for is dropped (its ``system_fingerprint`` goes back on the terminal chunk), and so
@@ -44,10 +48,15 @@ class Exchange:
     injected_usage: bool = False
     status: int = 0
     error: str | None = None
+    json_expected: bool = False         # a whole answer the upstream labelled application/json
     response: bytes = b""               # the JSON body of a non-streamed answer
     response_time: float | None = None  # perf_counter when it was complete
-    events: list[bytes] = field(default_factory=list)
-    event_times: list[float] = field(default_factory=list)
+    events: list[bytes] = field(default_factory=list)        # per upstream read: its complete SSE events
+    event_times: list[float] = field(default_factory=list)   # perf_counter of that read
+
+    def to_record(self, tokenizer) -> RequestRecord:
+        """The record of this exchange (tokenizer: ``FallbackTokenizer``, used only without upstream ids)."""
+        return to_record(self, tokenizer)
 
 
 class Restorer:
@@ -62,9 +71,19 @@ class Restorer:
 
     def __init__(self, exchange: Exchange):
         self.x = exchange
+        self.chat = exchange.endpoint.endswith("chat/completions")
         self.held: list[bytes] = []
 
-    def feed(self, event: bytes) -> list[bytes]:
+    def feed(self, block: bytes) -> bytes:
+        """What the client gets of ``block`` (one or more complete events of one upstream read)."""
+        x = self.x
+        if not self.held and b'"usage"' not in block and b'"finish_reason":"' not in block \
+                and not (self.chat and b'"delta":{}' in block):
+            # ordinary token events: nothing to drop or hold, the ids nulled in one pass
+            return _ID_FIELDS.sub(rb'"\1":null', block) if x.injected_ids else block
+        return b"".join(out for event in _split(block) for out in self._event(event + b"\n\n"))
+
+    def _event(self, event: bytes) -> list[bytes]:
         x = self.x
         if x.injected_usage and b'"choices":[]' in event and b'"usage"' in event:
             found = _FINGERPRINT.search(event)
@@ -72,7 +91,7 @@ class Restorer:
             return [_stamp(e, found.group(0)) for e in held] if found else held
         if x.injected_ids:
             event = _ID_FIELDS.sub(rb'"\1":null', event)
-            if x.endpoint.endswith("chat/completions") and all(m in event for m in _EMPTY_DELTA) \
+            if self.chat and all(m in event for m in _EMPTY_DELTA) \
                     and b'"logprobs":{' not in event and b'"usage"' not in event:
                 return []
         if x.injected_usage and (self.held or b'"finish_reason":"' in event):
@@ -80,9 +99,14 @@ class Restorer:
             return []
         return [event]
 
-    def close(self) -> list[bytes]:
+    def close(self) -> bytes:
         held, self.held = self.held, []
-        return held
+        return b"".join(held)
+
+
+def _split(block: bytes) -> list[bytes]:
+    """The events of a block of complete events, each without its blank-line delimiter."""
+    return block.split(b"\n\n")[:-1]
 
 
 def _stamp(event: bytes, fingerprint: bytes) -> bytes:
@@ -101,9 +125,10 @@ _SCAN = json.JSONDecoder().scan_once  # the C scanner: no per-call wrapper cost,
 
 
 def _sse_data(event: bytes) -> dict | None:
-    """The JSON of an SSE event's data lines (None for ``[DONE]``, comments or bad JSON)."""
-    if event.startswith(b"data: ") and event.find(b"\n") == len(event) - 2:  # vLLM's one-line event
-        data = event[6:-2]
+    """The JSON of an SSE event's data lines (None for ``[DONE]``, comments or bad JSON); ``event``
+    without its delimiter."""
+    if event.startswith(b"data: ") and b"\n" not in event:  # vLLM's one-line event
+        data = event[6:]
     else:
         data = b"\n".join(line[5:].lstrip() for line in event.splitlines() if line.startswith(b"data:"))
     if not data or data == b"[DONE]":
@@ -173,8 +198,13 @@ def to_record(x: Exchange, tokenizer) -> RequestRecord:
     texts: list[str] = []
     usage = None
     times, counts = [], []
-    messages = [(t, _sse_data(e)) for t, e in zip(x.event_times, x.events)] if x.stream \
-        else [(x.response_time, _json_body(x.response))]
+    if x.stream:
+        messages = [(t, _sse_data(e)) for t, block in zip(x.event_times, x.events) for e in _split(block)]
+    else:
+        whole = _json_body(x.response)
+        messages = [(x.response_time, whole if isinstance(whole, dict) else None)]
+        if whole is _NOT_JSON and x.json_expected and x.status == 200 and rec.error is None:
+            rec.error = "upstream answered 200 with a body that is not JSON"  # passed on as it came
     for when, message in messages:
         if message is None:
             continue
@@ -228,9 +258,11 @@ def to_record(x: Exchange, tokenizer) -> RequestRecord:
     return rec
 
 
-def _json_body(body: bytes) -> dict | None:
+_NOT_JSON = object()
+
+
+def _json_body(body: bytes):
     try:
-        parsed = json.loads(body) if body else None
+        return json.loads(body) if body else None
     except ValueError:
-        return None
-    return parsed if isinstance(parsed, dict) else None
+        return _NOT_JSON

@@ -5,23 +5,28 @@ path (``/v1/models``, ``/health``, ``/metrics``, ...) is passed through unrecord
 client's request goes upstream as sent, headers included (``Authorization`` too; no header
 is ever recorded), except that the proxy asks for token ids (``return_token_ids``) and, on a
 stream, for the final usage event (``stream_options.include_usage``) when the client did
-not, and strips both from what the client receives. The answer streams back event by
-event as the upstream sent it.
+not, and strips both from what the client receives. The answer streams back as the
+upstream sent it.
 
-The forward path does the least it can before the client's bytes go out: the app is a bare
-ASGI callable on uvicorn (uvloop, httptools) rather than a framework route, the upstream
-client is aiohttp (its C HTTP parser; httpx's pure-Python stack cost about twice the CPU per
-event, docs/capture.md), and an event is only split off the stream and, when the proxy
-injected something, restored on the bytes; parsing it into a record happens later on the
-journal's thread (``Recorder``).
+The forward path is HTTP/1.1 on raw asyncio protocols (uvloop when installed), with
+httptools' C parser on both sides: no framework, no ASGI messages, no per-event coroutine.
+An upstream read is handled inside the event loop's callback that received it: the parser
+hands over the body, the proxy cuts it after its last complete SSE event, keeps those bytes
+and the read's time for the record, restores what it injected (one regular-expression
+substitution for a read of ordinary token events) and writes them to the client as one
+chunk. Parsing the events into a record happens later, off the request's path, on the
+recorder's thread or in its process (``Exchange.to_record``). A request whose upstream
+connection is pooled goes upstream from the callback that parsed it. docs/capture.md,
+"Overhead", has the measurements that led here (the earlier proxy: uvicorn + aiohttp).
 
 Bounds: a request body over ``max_body_bytes`` is refused with 413 before anything goes
-upstream; an answer over ``max_response_bytes``, an event over ``max_event_bytes``
-without a delimiter, an answer slower than ``total_timeout`` or silent for
-``read_timeout`` ends the exchange: the client gets a 502/504 (or, mid-stream, the end of
-the stream) and the record says why. The proxy listens on loopback unless given a bearer
-token (``api_key``), which every client must then send (``cachelab.live.launch.check_bind``).
-A client that disconnects ends the upstream request.
+upstream; a request head over ``max_head_bytes`` with 431; an answer over
+``max_response_bytes``, an event over ``max_event_bytes`` without a delimiter, an answer
+slower than ``total_timeout`` or silent for ``read_timeout`` ends the exchange: the client
+gets a 502/504 (or, mid-stream, the end of the stream) and the record says why. The proxy
+listens on loopback unless given a bearer token (``api_key``), which every client must then
+send (``cachelab.live.launch.check_bind``). A client that disconnects ends the upstream
+request. Flow control: a client that reads slowly pauses the upstream connection's reads.
 """
 
 from __future__ import annotations
@@ -30,25 +35,28 @@ import asyncio
 import gc
 import json
 import secrets
+import socket
+import ssl
 import time
+from collections import deque
 from dataclasses import dataclass
+from http import HTTPStatus
+from urllib.parse import urlsplit
 
-import aiohttp
-from multidict import CIMultiDict
-from yarl import URL
+import httptools
 
-from cachelab.capture.exchange import Exchange, Restorer, strip_body, to_record
-from cachelab.capture.recorder import Recorder
-from cachelab.capture.tokens import FallbackTokenizer
-from cachelab.capture.writer import CaptureWriter
+from cachelab.capture.exchange import Exchange, Restorer, strip_body
+from cachelab.errors import CachelabError
 
-RECORDED = ("/v1/completions", "/v1/chat/completions")
+RECORDED = (b"/v1/completions", b"/v1/chat/completions")
+# Not forwarded in either direction: the hop's own framing and connection management (the
+# proxy frames each hop itself) and the client's Host (the upstream gets its own).
 HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
-              b"transfer-encoding", b"upgrade", b"host", b"content-length"}
-# uvicorn's own Date and Server headers would be sent beside the upstream's: the client gets the upstream's.
-UVICORN_OPTIONS = {"server_header": False, "date_header": False}
-# aiohttp adds these when absent; the upstream should see the client's headers, not the proxy's.
-NOT_AUTO = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
+              b"transfer-encoding", b"upgrade", b"host", b"content-length", b"expect"}
+STREAM, WHOLE, PASS = 0, 1, 2   # how an answer goes back: recorded SSE, recorded whole body, not recorded
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_LAST_CHUNK = b"0\r\n\r\n"
+_IDLE_SWEEP_S = 5.0
 
 
 @dataclass
@@ -60,28 +68,22 @@ class ProxyConfig:
     session_header: str = "x-session-id"
     token_ids: bool = True
     max_body_bytes: int = 8 << 20
+    max_head_bytes: int = 64 << 10
     max_response_bytes: int = 64 << 20
     max_event_bytes: int = 4 << 20
     connect_timeout: float = 10.0
     read_timeout: float = 300.0
     total_timeout: float = 3600.0
     max_connections: int = 1024
-    tokenizer: str = "deepseek-v4"
-
-
-class _TooLarge(Exception):
-    pass
-
-
-class _Disconnected(Exception):
-    pass
+    keep_alive_s: float = 30.0      # an idle client connection is closed after this long
+    shutdown_grace_s: float = 10.0  # on stop, exchanges in flight get this long to finish
 
 
 def freeze_startup_heap() -> None:
     """Exempt everything alive at startup from garbage collection (for a process that runs the proxy).
 
-    The proxy process holds about 117,000 container objects once its imports are done (the
-    CLI, uvicorn, aiohttp, numpy); a full collection scans them all, about 100 ms on the 2-core
+    The proxy process holds over 100,000 container objects once its imports are done (the
+    CLI, numpy, the recorder); a full collection scans them all, about 100 ms on the 2-core
     test machine, and the event loop, so every stream in flight, waits for it (docs/capture.md).
     Frozen, they are never scanned again: a later collection walks only what was allocated
     since, what the live requests hold.
@@ -90,53 +92,29 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-async def _read_body(scope, receive, limit: int) -> bytes:
-    declared = _header(scope, b"content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _TooLarge
-    parts, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _Disconnected
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise _TooLarge
-        parts.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(parts)
+def _no_delay(transport) -> None:
+    """TCP_NODELAY on a connection. uvloop sets it on every TCP handle; asyncio's own loop only
+    where the socket's protocol number says TCP, which an accepted socket of a listening socket
+    made with ``socket.socket(family, SOCK_STREAM)`` (proto 0) does not: without it, an event
+    written while the response head is not yet acknowledged waits for the client's delayed
+    ACK (Nagle), about 40 ms (measured: TTFT P50 44 ms against 13 ms at concurrency 8)."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def _header(scope, name: bytes) -> str | None:
-    for key, value in scope["headers"]:
-        if key.lower() == name:
-            return value.decode("latin-1")
-    return None
-
-
-def _forward_headers(scope, *, identity: bool) -> CIMultiDict:
-    out = CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
-                      if k.lower() not in HOP_BY_HOP)
-    if identity:
-        out["accept-encoding"] = "identity"
-    return out
-
-
-def _response_headers(raw_headers) -> list[tuple[bytes, bytes]]:
-    return [(k.lower(), v) for k, v in raw_headers if k.lower() not in HOP_BY_HOP]
-
-
-async def _respond(send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": headers + [(b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _error(send, status: int, message: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": "capture_proxy_error", "code": status}},
+def _error_body(status: int, message: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": "capture_proxy_error", "code": status}},
                       separators=(",", ":")).encode()
-    await _respond(send, status, body, [(b"content-type", b"application/json")])
+
+
+def _response(status: int, body: bytes, headers: bytes = b"content-type: application/json\r\n", *,
+              close: bool = False, reason: bytes | None = None) -> bytes:
+    """A whole response of the proxy's own (status line, ``headers`` lines, length, body)."""
+    if reason is None:
+        reason = HTTPStatus(status).phrase.encode()
+    return b"HTTP/1.1 %d %s\r\n%scontent-length: %d\r\n%s\r\n%s" % (
+        status, reason, headers, len(body), b"connection: close\r\n" if close else b"", body)
 
 
 def _prepare(body: bytes, x: Exchange, config: ProxyConfig) -> bytes:
@@ -170,221 +148,742 @@ def _prepare(body: bytes, x: Exchange, config: ProxyConfig) -> bytes:
     return json.dumps({**parsed, **added}).encode()
 
 
-class CaptureProxy:
-    """The proxy as a bare ASGI app: its config, the upstream client, the recorder."""
+class _Request:
+    """One request as the client's parser delivers it."""
 
-    def __init__(self, config: ProxyConfig, recorder: Recorder | CaptureWriter):
-        self.config = config
-        self.recorder = recorder
-        self.tokenizer = FallbackTokenizer(config.tokenizer)  # the in-process recorder's fallback
-        self.upstream = config.upstream.rstrip("/")
-        self.client: aiohttp.ClientSession | None = None
+    __slots__ = ("url", "headers", "body", "size", "method", "keep_alive", "http11", "too_large", "answered",
+                 "arrival", "arrival_unix_ns")
 
-    def open(self) -> None:
-        c = self.config
-        self.client = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=c.max_connections),
-            timeout=aiohttp.ClientTimeout(total=None, connect=c.connect_timeout, sock_read=c.read_timeout),
-            auto_decompress=False, skip_auto_headers=NOT_AUTO, cookie_jar=aiohttp.DummyCookieJar())
+    def __init__(self):
+        self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.body: list[bytes] = []
+        self.size = 0
+        self.method = b""
+        self.keep_alive = True
+        self.http11 = True
+        self.too_large = False
+        self.answered = False
+        self.arrival = 0.0
+        self.arrival_unix_ns = 0
 
-    async def close(self) -> None:
-        if self.client is not None:
-            await self.client.close()
-        self.recorder.close()
+    def header(self, name: bytes) -> bytes | None:
+        for key, value in self.headers:
+            if key.lower() == name:
+                return value
+        return None
 
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "lifespan":
-            return await self._lifespan(receive, send)
-        if scope["type"] != "http":
+
+class _Client(asyncio.Protocol):
+    """One client connection: parses its requests and serves them one at a time, in order."""
+
+    def __init__(self, proxy: "CaptureProxy"):
+        self.proxy = proxy
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.request: _Request | None = None    # the one being parsed
+        self.in_head = True                     # the next bytes are (part of) a request head
+        self.head_bytes = 0                     # received while in a head
+        self.queue: deque[_Request] = deque()   # parsed, waiting for the one being served (pipelining)
+        self.forward: _Forward | None = None    # the exchange being served
+        self.discard = 0                        # body bytes still accepted (and dropped) after a 413
+        self.closed = False
+        self.write_paused = False
+        self.idle_since = time.monotonic()
+
+    # -- transport callbacks ------------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.proxy.clients.add(self)
+        _no_delay(transport)
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        self.proxy.clients.discard(self)
+        if self.forward is not None:
+            self.forward.client_gone()
+
+    def data_received(self, data: bytes) -> None:
+        if self.in_head:
+            self.head_bytes += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._answer_and_close(_response(501, _error_body(501, "protocol upgrades are not proxied"), close=True))
+        except httptools.HttpParserError as exc:
+            self._answer_and_close(_response(400, _error_body(400, f"malformed HTTP request: {exc}"), close=True))
+        else:
+            if self.in_head and self.head_bytes > self.proxy.config.max_head_bytes:  # a head without an end
+                self._answer_and_close(_response(431, _error_body(431, "request head too large"), close=True))
+
+    def eof_received(self) -> bool:
+        return False  # a client that half-closes is gone (an exchange in flight is ended)
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        if self.forward is not None:
+            self.forward.pause_upstream()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self.forward is not None:
+            self.forward.resume_upstream()
+
+    # -- parser callbacks -----------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self.request = _Request()
+
+    def on_url(self, url: bytes) -> None:
+        self.request.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.request.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        r, limit = self.request, self.proxy.config.max_body_bytes
+        r.arrival, r.arrival_unix_ns = time.perf_counter(), time.time_ns()  # the request's arrival: its head is in
+        r.method = self.parser.get_method()
+        r.keep_alive = self.parser.should_keep_alive()
+        r.http11 = self.parser.get_http_version() == "1.1"
+        self.in_head = False
+        if len(r.url) + sum(len(k) + len(v) + 4 for k, v in r.headers) > self.proxy.config.max_head_bytes:
+            return self._answer_and_close(_response(431, _error_body(431, "request head too large"), close=True))
+        declared = r.header(b"content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+            self._too_large(r)
+        elif r.header(b"expect") is not None and r.header(b"expect").lower() == b"100-continue":
+            self.transport.write(_CONTINUE)
+
+    def on_body(self, body: bytes) -> None:
+        r = self.request
+        if r.too_large:
+            self.discard -= len(body)
+            if self.discard < 0:  # a client that keeps sending after its 413
+                self.transport.abort()
             return
-        if not self.authorized(scope):
-            return await _error(send, 401, "missing or wrong bearer token for the capture proxy")
-        path, method = scope["path"], scope["method"]
-        if method == "GET" and path == "/capture/status":
-            body = json.dumps(self.recorder.stats()).encode()
-            return await _respond(send, 200, body, [(b"content-type", b"application/json")])
-        if method == "POST" and path in RECORDED:
-            return await self.recorded(scope, receive, send)
-        return await self.passthrough(scope, receive, send)
+        r.size += len(body)
+        if r.size > self.proxy.config.max_body_bytes:
+            r.body.clear()
+            self._too_large(r)
+        else:
+            r.body.append(body)
 
-    async def _lifespan(self, receive, send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                self.open()
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await self.close()
-                await send({"type": "lifespan.shutdown.complete"})
+    def on_message_complete(self) -> None:
+        r, self.request = self.request, None
+        self.in_head, self.head_bytes = True, 0
+        if r is None or self.closed:
+            return
+        if r.answered:  # the 413, already sent: this connection is done
+            self.transport.close()
+            self.closed = True
+            return
+        self.queue.append(r)
+        if self.forward is None:
+            self.next()
+
+    # -- serving ----------------------------------------------------------------------------------
+    def _too_large(self, r: _Request) -> None:
+        r.too_large = True
+        r.keep_alive = False
+        self.discard = 16 * self.proxy.config.max_body_bytes
+        if self.forward is None and not self.queue:
+            # answered now, before the body has come (or while it comes); it is read and dropped
+            # before the connection closes, so that the client reads the 413 rather than a reset
+            r.answered = True
+            self.proxy.refuse_too_large(self, r)
+
+    def _answer_and_close(self, data: bytes) -> None:
+        if not self.closed:
+            self.transport.write(data)
+            self.transport.close()
+            self.closed = True
+
+    def respond(self, data: bytes, keep_alive: bool) -> None:
+        """Write a whole response; then serve the next request or close."""
+        self.transport.write(data)
+        self.done(keep_alive)
+
+    def done(self, keep_alive: bool) -> None:
+        self.forward = None
+        if self.closed:
+            return
+        if not keep_alive:
+            self.transport.close()
+            self.closed = True
+            return
+        self.idle_since = time.monotonic()
+        if self.queue:
+            self.next()
+
+    def next(self) -> None:
+        while self.forward is None and self.queue and not self.closed:
+            self.proxy.serve(self, self.queue.popleft())
+
+
+class _Upstream(asyncio.Protocol):
+    """One connection to the upstream; carries one ``_Forward`` at a time, then goes back to the pool."""
+
+    def __init__(self, pool: "_Pool"):
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.parser = None
+        self.forward: _Forward | None = None
+        self.usable = False
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.usable = True
+        _no_delay(transport)
+
+    def data_received(self, data: bytes) -> None:
+        forward = self.forward
+        if forward is None:  # nothing was asked: not a connection to reuse
+            self.usable = False
+            self.transport.close()
+            return
+        try:
+            self.parser.feed_data(data)
+        except Exception as exc:  # not HTTP, or a callback's failure: this exchange ends, the proxy goes on
+            forward.broken(f"{type(exc).__name__}: {exc}")
+            return
+        forward.after_read()
+
+    def eof_received(self) -> bool:
+        self.usable = False
+        return False
+
+    def connection_lost(self, exc) -> None:
+        self.usable = False
+        self.pool.lost(self)
+        if self.forward is not None:
+            self.forward.upstream_lost(exc)
+
+
+class _Pool:
+    """Keep-alive connections to the upstream: reused most recent first, at most ``limit`` open."""
+
+    def __init__(self, config: ProxyConfig):
+        parts = urlsplit(config.upstream)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise CachelabError(f"--upstream {config.upstream!r}: expected http://HOST[:PORT][/PREFIX] (or https)")
+        self.host = parts.hostname
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.ssl = ssl.create_default_context() if parts.scheme == "https" else None
+        self.host_header = parts.netloc.rpartition("@")[2].encode("idna")
+        self.prefix = parts.path.rstrip("/").encode()
+        self.limit = config.max_connections
+        self.connect_timeout = config.connect_timeout
+        self.idle: list[_Upstream] = []
+        self.count = 0
+        self.waiters: deque[asyncio.Future] = deque()
+
+    def take(self) -> _Upstream | None:
+        while self.idle:
+            conn = self.idle.pop()
+            if conn.usable:
+                return conn
+        return None
+
+    async def open(self) -> _Upstream:
+        loop = asyncio.get_running_loop()
+        while self.count >= self.limit:
+            waiter = loop.create_future()
+            self.waiters.append(waiter)
+            await waiter
+            conn = self.take()
+            if conn is not None:
+                return conn
+        self.count += 1
+        try:
+            _, conn = await asyncio.wait_for(loop.create_connection(
+                lambda: _Upstream(self), self.host, self.port, ssl=self.ssl,
+                server_hostname=self.host if self.ssl else None), self.connect_timeout)
+        except BaseException:
+            self.count -= 1
+            self._wake()
+            raise
+        return conn
+
+    def give_back(self, conn: _Upstream) -> None:
+        conn.forward = None
+        if conn.usable:
+            conn.transport.resume_reading()  # paused for a slow client of the last exchange
+            self.idle.append(conn)
+            self._wake()
+        else:
+            conn.transport.close()
+
+    def lost(self, conn: _Upstream) -> None:
+        self.count -= 1
+        if conn in self.idle:
+            self.idle.remove(conn)
+        self._wake()
+
+    def _wake(self) -> None:
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
                 return
 
-    def authorized(self, scope) -> bool:
-        if not self.config.api_key:
-            return True
-        given = _header(scope, b"authorization") or ""
-        return secrets.compare_digest(given.encode("latin-1"), f"Bearer {self.config.api_key}".encode())
+    def close(self) -> None:
+        for conn in self.idle:
+            conn.transport.close()
+        self.idle.clear()
 
-    def submit(self, x: Exchange) -> None:
-        if isinstance(self.recorder, CaptureWriter):  # the writer process builds the record (its own tokenizer)
-            self.recorder.submit(x)
-            return
-        tokenizer = self.tokenizer
-        self.recorder.submit(lambda: to_record(x, tokenizer))
 
-    def _url(self, scope) -> URL:
-        query = scope.get("query_string", b"")
-        return URL(self.upstream + scope["path"] + ("?" + query.decode("latin-1") if query else ""), encoded=True)
+class _Forward:
+    """One request sent upstream and its answer sent back: the upstream parser's protocol.
 
-    async def passthrough(self, scope, receive, send) -> None:
-        try:
-            body = await _read_body(scope, receive, self.config.max_body_bytes)
-        except _TooLarge:
-            return await _error(send, 413, f"request body over {self.config.max_body_bytes} bytes")
-        except _Disconnected:
-            return
-        try:
-            response = await self.client.request(scope["method"], self._url(scope), data=body,
-                                                 headers=_forward_headers(scope, identity=False),
-                                                 allow_redirects=False)
-        except TimeoutError:
-            return await _error(send, 504, "upstream timed out")
-        except aiohttp.ClientError as exc:
-            return await _error(send, 502, f"upstream unreachable: {type(exc).__name__}")
-        try:
-            await send({"type": "http.response.start", "status": response.status,
-                        "headers": _response_headers(response.raw_headers)})
-            async for chunk in response.content.iter_any():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b""})
-        except (TimeoutError, aiohttp.ClientError):
-            await send({"type": "http.response.body", "body": b""})
-        finally:
-            response.close()
+    ``x`` is the exchange being recorded (None on a passed-through path). Everything here runs
+    inside the event loop's callbacks; what goes to the client during one upstream read is
+    gathered in ``out`` and written once, after the read (``after_read``).
+    """
 
-    async def recorded(self, scope, receive, send) -> None:
-        c = self.config
-        x = Exchange(endpoint=scope["path"], arrival_unix_ns=time.time_ns(), arrival=time.perf_counter(),
-                     session=_header(scope, c.session_header.encode()))
-        try:
-            raw = await _read_body(scope, receive, c.max_body_bytes)
-        except _TooLarge:
-            x.status, x.error = 413, f"request body over {c.max_body_bytes} bytes"
-            self.submit(x)
-            return await _error(send, 413, x.error)
-        except _Disconnected:
-            x.status, x.error = 499, "client disconnected before sending its request"
-            self.submit(x)
-            return
-        body = _prepare(raw, x, c)
-        try:
-            response = await self.client.post(self._url(scope), data=body, headers=_forward_headers(scope, identity=True),
-                                              allow_redirects=False)
-        except TimeoutError:
-            x.status, x.error = 504, "upstream timed out before answering"
-        except aiohttp.ClientError as exc:
-            x.status, x.error = 502, f"upstream unreachable: {type(exc).__name__}: {exc}"
-        if x.error is not None:
-            self.submit(x)
-            return await _error(send, x.status, x.error)
-        x.status = response.status
-        if x.stream and response.headers.get("content-type", "").startswith("text/event-stream"):
-            return await self._until_disconnect(self._events(response, x, send), receive, x)
-        return await self._whole(response, x, send)
+    def __init__(self, proxy: "CaptureProxy", client: _Client, request: bytes, x: Exchange | None,
+                 keep_alive: bool, http11: bool, head: bool):
+        self.proxy, self.client, self.request, self.x = proxy, client, request, x
+        self.keep_alive, self.http11, self.head = keep_alive, http11, head
+        self.arrival = x.arrival if x is not None else time.perf_counter()
+        self.conn: _Upstream | None = None
+        self.task: asyncio.Task | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.last = self.arrival          # perf_counter of the last upstream activity
+        self.reason = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.status = 0
+        self.mode = -1                    # STREAM / WHOLE / PASS once the headers are in
+        self.framed = False               # the client's body is chunked (else: a length, or to the close)
+        self.by_close = False             # the upstream's body ends when its connection does
+        self.out: list[bytes] = []
+        self.size = 0
+        self.parts: list[bytes] = []      # WHOLE: the body; STREAM: the incomplete event so far
+        self.pending = 0
+        self.restorer: Restorer | None = None
+        self.complete = False
+        self.finished = False
 
-    async def _until_disconnect(self, forward, receive, x: Exchange) -> None:
-        """Run ``forward``; a client that goes away meanwhile cancels it (and so the upstream request)."""
-        task = asyncio.ensure_future(forward)
-        watch = asyncio.ensure_future(receive())
+    # -- going upstream -----------------------------------------------------------------------
+    def start(self) -> None:
+        conn = self.proxy.pool.take()
+        if conn is not None:
+            self.send(conn)
+        else:
+            self.task = asyncio.get_running_loop().create_task(self._connect())
+
+    async def _connect(self) -> None:
         try:
-            await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():  # the client's side ended first
-                x.error = x.error or "client disconnected"
-        finally:
-            task.cancel()
-            watch.cancel()
-        try:
-            await task
+            conn = await self.proxy.pool.open()
         except asyncio.CancelledError:
-            pass
+            return
+        except (TimeoutError, asyncio.TimeoutError):
+            return self.fail(504, "upstream timed out before answering")
+        except OSError as exc:
+            return self.fail(502, f"upstream unreachable: {type(exc).__name__}: {exc}")
+        self.task = None
+        if self.finished:  # the client went away meanwhile
+            self.proxy.pool.give_back(conn)
+            return
+        self.send(conn)
 
-    async def _whole(self, response: aiohttp.ClientResponse, x: Exchange, send) -> None:
-        c = self.config
-        parts, size = [], 0
-        try:
-            async for chunk in response.content.iter_any():
-                size += len(chunk)
-                if size > c.max_response_bytes:
-                    x.status, x.error = 502, f"upstream answer over {c.max_response_bytes} bytes"
-                    break
-                if time.perf_counter() - x.arrival > c.total_timeout:
-                    x.status, x.error = 504, f"upstream answer took over {c.total_timeout} s"
-                    break
-                parts.append(chunk)
-        except TimeoutError:
-            x.status, x.error = 504, f"upstream silent for {c.read_timeout} s"
-        except aiohttp.ClientError as exc:
-            x.status, x.error = 502, f"upstream answer broke off: {type(exc).__name__}"
-        finally:
-            response.close()
-        x.response_time = time.perf_counter()
-        if x.error is not None:  # cut by a bound: the client learns why
-            self.submit(x)
-            return await _error(send, x.status, x.error)
-        x.response = b"".join(parts)
-        if x.status == 200 and response.headers.get("content-type", "").startswith("application/json"):
-            try:
-                json.loads(x.response)
-            except ValueError:  # passed on as it came, recorded as what it is
-                x.error = "upstream answered 200 with a body that is not JSON"
-        self.submit(x)
-        await _respond(send, response.status, strip_body(x.response, x), _response_headers(response.raw_headers))
+    def send(self, conn: _Upstream) -> None:
+        self.conn = conn
+        conn.forward = self
+        conn.parser = httptools.HttpResponseParser(self)
+        conn.transport.write(self.request)
+        self.last = time.perf_counter()
+        self._arm(self.proxy.config.read_timeout)
+        if self.client.write_paused:
+            conn.transport.pause_reading()
 
-    async def _events(self, response: aiohttp.ClientResponse, x: Exchange, send) -> None:
-        """Forward the upstream's SSE events as they complete, timing each; bounded."""
-        c = self.config
-        pending = b""
-        size = 0
-        restorer = Restorer(x)
-        try:
-            await send({"type": "http.response.start", "status": response.status,
-                        "headers": _response_headers(response.raw_headers)})
-            async for chunk in response.content.iter_any():
-                now = time.perf_counter()
-                size += len(chunk)
-                if size > c.max_response_bytes:
-                    x.error = f"upstream stream over {c.max_response_bytes} bytes: cut"
-                    break
-                if now - x.arrival > c.total_timeout:
-                    x.error = f"upstream stream ran over {c.total_timeout} s: cut"
-                    break
-                pending += chunk
-                out = []
-                cut = pending.find(b"\n\n")
-                while cut >= 0:
-                    event, pending = pending[:cut + 2], pending[cut + 2:]
-                    x.events.append(event)
-                    x.event_times.append(now)
-                    out += restorer.feed(event)
-                    cut = pending.find(b"\n\n")
-                if out:  # every complete event of this read in one write
-                    await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
-                if len(pending) > c.max_event_bytes:
-                    x.error = f"upstream event over {c.max_event_bytes} bytes without an end: cut"
-                    break
+    # -- the upstream parser's callbacks ---------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self.complete:  # more than one answer to one request: not a connection to reuse
+            self.conn.usable = False
+
+    def on_status(self, reason: bytes) -> None:
+        self.reason += reason
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.status = status = self.conn.parser.get_status_code()
+        if status < 200:  # an interim answer: the real one follows
+            self.reason = b""
+            self.headers = []
+            return
+        x = self.x
+        content_type = length = b""
+        chunked = False
+        lines = []
+        for name, value in self.headers:
+            key = name.lower()
+            if key == b"content-type":
+                content_type = value
+            elif key == b"content-length":
+                length = value
+            elif key == b"transfer-encoding":
+                chunked = b"chunked" in value.lower()
+            if key not in HOP_BY_HOP:
+                lines.append(b"%s: %s\r\n" % (name, value))
+        bodiless = self.head or status in (204, 304)
+        if self.head:  # the parser cannot know that no body follows: the answer ends here
+            self.complete = True
+            self.conn.usable = False
+        self.by_close = not (chunked or length or bodiless)
+        if x is None:
+            self.mode = PASS
+        else:
+            x.status = status
+            if x.stream and content_type.startswith(b"text/event-stream"):
+                self.mode = STREAM
+                if x.injected_ids or x.injected_usage:
+                    self.restorer = Restorer(x)
             else:
-                pending = b"".join(restorer.close()) + pending
-            await send({"type": "http.response.body", "body": pending if x.error is None else b""})
-        except TimeoutError:
-            x.error = f"upstream stream silent for {c.read_timeout} s: cut"
-            await send({"type": "http.response.body", "body": b""})
-        except aiohttp.ClientError as exc:
-            x.error = f"upstream stream broke off: {type(exc).__name__}"
-            await send({"type": "http.response.body", "body": b""})
-        finally:
-            response.close()
-            self.submit(x)
+                self.mode = WHOLE
+                x.json_expected = content_type.startswith(b"application/json")
+                self.headers = lines  # written with the body's length once it is complete
+                return
+        if bodiless:
+            framing = b"content-length: %s\r\n" % length if length else b""
+        elif self.mode == PASS and length and not chunked:
+            framing = b"content-length: %s\r\n" % length
+        elif self.http11:
+            framing, self.framed = b"transfer-encoding: chunked\r\n", True
+        else:
+            framing, self.keep_alive = b"", False  # an HTTP/1.0 client: the body ends at the close
+        close = b"" if self.keep_alive else b"connection: close\r\n"
+        self.out.append(b"HTTP/1.1 %d %s\r\n%s%s%s\r\n" % (status, self.reason, b"".join(lines), framing, close))
+
+    def on_body(self, data: bytes) -> None:
+        if self.finished:  # cut during this read: the rest of it is dropped
+            return
+        now = time.perf_counter()
+        self.last = now
+        self.size += len(data)
+        mode, c = self.mode, self.proxy.config
+        if mode == STREAM:
+            if self.size > c.max_response_bytes:
+                return self.cut(f"upstream stream over {c.max_response_bytes} bytes: cut")
+            end = data.rfind(b"\n\n")
+            if self.parts:
+                if end < 0 and not (data[:1] == b"\n" and self.parts[-1][-1:] == b"\n"):
+                    self.parts.append(data)
+                    self.pending += len(data)
+                    if self.pending > c.max_event_bytes:
+                        self.cut(f"upstream event over {c.max_event_bytes} bytes without an end: cut")
+                    return
+                data = b"".join(self.parts) + data
+                self.parts, self.pending = [], 0
+                end = data.rfind(b"\n\n")
+            elif end < 0:
+                self.parts.append(data)
+                self.pending = len(data)
+                if self.pending > c.max_event_bytes:
+                    self.cut(f"upstream event over {c.max_event_bytes} bytes without an end: cut")
+                return
+            end += 2
+            if end < len(data):
+                self.parts.append(data[end:])
+                self.pending = len(data) - end
+                data = data[:end]
+            x = self.x
+            x.events.append(data)
+            x.event_times.append(now)
+            if self.restorer is not None:
+                data = self.restorer.feed(data)
+                if not data:
+                    return
+            self.out.append(b"%x\r\n%s\r\n" % (len(data), data) if self.framed else data)
+        elif mode == WHOLE:
+            if self.size > c.max_response_bytes:
+                return self.fail(502, f"upstream answer over {c.max_response_bytes} bytes")
+            self.parts.append(data)
+        elif self.framed:
+            self.out.append(b"%x\r\n%s\r\n" % (len(data), data))
+        else:
+            self.out.append(data)
+
+    def on_message_complete(self) -> None:
+        if self.status < 200:
+            return
+        self.complete = True
+
+    # -- after each upstream read ------------------------------------------------------------------
+    def after_read(self) -> None:
+        if self.finished:
+            return
+        if self.out:
+            self.client.transport.write(self.out[0] if len(self.out) == 1 else b"".join(self.out))
+            self.out.clear()
+        if self.complete:
+            self.finish()
+
+    def finish(self) -> None:
+        """The upstream's answer is complete: end the client's, reuse the connection, record."""
+        x, client = self.x, self.client
+        if self.mode == WHOLE:
+            x.response = b"".join(self.parts)
+            x.response_time = time.perf_counter()
+            body = strip_body(x.response, x)
+            data = b"HTTP/1.1 %d %s\r\n%scontent-length: %d\r\n%s\r\n%s" % (
+                self.status, self.reason, b"".join(self.headers), len(body),
+                b"" if self.keep_alive else b"connection: close\r\n", body)
+        else:
+            tail = b""
+            if self.mode == STREAM:
+                tail = (self.restorer.close() if self.restorer is not None else b"") + b"".join(self.parts)
+            if self.framed:
+                data = (b"%x\r\n%s\r\n" % (len(tail), tail) if tail else b"") + _LAST_CHUNK
+            else:
+                data = tail
+        self._end()
+        if not self.conn.parser.should_keep_alive() or self.by_close:
+            self.conn.usable = False
+        self.proxy.pool.give_back(self.conn)
+        if data:
+            client.transport.write(data)
+        if x is not None:
+            self.proxy.recorder.submit(x)
+        client.done(self.keep_alive)
+
+    # -- endings other than a complete answer ---------------------------------------------------
+    def _end(self) -> None:
+        self.finished = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.task is not None:
+            self.task.cancel()
+            self.task = None
+
+    def _drop_upstream(self) -> None:
+        conn = self.conn
+        if conn is not None:
+            conn.forward = None
+            conn.usable = False
+            conn.transport.close()
+
+    def fail(self, status: int, message: str) -> None:
+        """End the exchange before the client got anything of the answer: ``status`` and why."""
+        if self.finished:
+            return
+        self._end()
+        self._drop_upstream()
+        self.out.clear()
+        if self.x is not None:
+            self.x.status, self.x.error = status, message
+            self.proxy.recorder.submit(self.x)
+        self.client.respond(_response(status, _error_body(status, message), close=not self.keep_alive),
+                            self.keep_alive)
+
+    def cut(self, message: str) -> None:
+        """End a stream that had begun: the client's ends where it is, the record says why."""
+        if self.finished:
+            return
+        self._end()
+        self._drop_upstream()
+        if self.x is not None:
+            self.x.error = message
+            self.proxy.recorder.submit(self.x)
+        if self.framed:
+            self.out.append(_LAST_CHUNK)
+            self.client.transport.write(b"".join(self.out))
+            self.out.clear()
+            self.client.done(self.keep_alive)
+        else:  # a length or the close delimits the client's body: only closing ends it
+            if self.out:
+                self.client.transport.write(b"".join(self.out))
+            self.client.done(False)
+
+    def broken(self, why: str) -> None:
+        if self.mode == -1:
+            self.fail(502, f"upstream answer is not HTTP: {why}")
+        elif self.mode == WHOLE:
+            self.fail(502, f"upstream answer broke off: {why}")
+        else:
+            self.cut(f"upstream stream broke off: {why}")
+
+    def upstream_lost(self, exc) -> None:
+        if self.finished:
+            return
+        if self.mode != -1 and self.by_close and not self.complete:  # the close delimits the body
+            self.complete = True
+            self.after_read()
+            return
+        why = f"{type(exc).__name__}: {exc}" if exc is not None else "connection closed"
+        if self.mode == -1:
+            self.fail(502, f"upstream unreachable: closed the connection before answering ({why})")
+        else:
+            self.broken(why)
+
+    def client_gone(self, why: str = "client disconnected") -> None:
+        """End the exchange from the client's side (it went away, or the proxy is stopping)."""
+        if self.finished:
+            return
+        self._end()
+        self._drop_upstream()
+        if self.x is not None:
+            self.x.error = self.x.error or why
+            self.proxy.recorder.submit(self.x)
+        self.client.forward = None
+
+    def pause_upstream(self) -> None:
+        if self.conn is not None and not self.finished:
+            self.conn.transport.pause_reading()
+
+    def resume_upstream(self) -> None:
+        if self.conn is not None and not self.finished:
+            self.conn.transport.resume_reading()
+
+    # -- time bounds: one timer, re-armed lazily ---------------------------------------------------
+    def _arm(self, delay: float) -> None:
+        self.timer = asyncio.get_running_loop().call_later(max(delay, 0.001), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self.timer = None
+        if self.finished:
+            return
+        c = self.proxy.config
+        now = time.perf_counter()
+        silent, running = now - self.last, now - self.arrival
+        if running >= c.total_timeout:
+            if self.mode == -1:
+                return self.fail(504, "upstream timed out before answering")
+            return (self.fail(504, f"upstream answer took over {c.total_timeout} s") if self.mode == WHOLE
+                    else self.cut(f"upstream stream ran over {c.total_timeout} s: cut"))
+        if silent >= c.read_timeout:
+            if self.mode == -1:
+                return self.fail(504, "upstream timed out before answering")
+            return (self.fail(504, f"upstream silent for {c.read_timeout} s") if self.mode == WHOLE
+                    else self.cut(f"upstream stream silent for {c.read_timeout} s: cut"))
+        self._arm(min(c.read_timeout - silent, c.total_timeout - running))
 
 
-def create_app(config: ProxyConfig, recorder: Recorder | CaptureWriter) -> CaptureProxy:
-    """The proxy as an ASGI app (its upstream client opens and closes with the app's lifespan)."""
-    return CaptureProxy(config, recorder)
+class CaptureProxy:
+    """The proxy: its config, the upstream pool, the recorder, and its listening server.
+
+    ``recorder`` is a ``Recorder`` (a thread of this process) or a ``CaptureWriter`` (a child
+    process); both take the raw ``Exchange`` through ``submit`` and build the record off the
+    request's path.
+    """
+
+    def __init__(self, config: ProxyConfig, recorder):
+        self.config = config
+        self.recorder = recorder
+        self.pool = _Pool(config)
+        self.clients: set[_Client] = set()
+        self.server: asyncio.AbstractServer | None = None
+        self._session_header = config.session_header.lower().encode("latin-1")
+        self._token = f"Bearer {config.api_key}".encode() if config.api_key else None
+        self._sweeper: asyncio.Task | None = None
+
+    async def start(self, sock) -> None:
+        """Serve on a bound, listening socket."""
+        loop = asyncio.get_running_loop()
+        self.server = await loop.create_server(lambda: _Client(self), sock=sock, backlog=2048)
+        self._sweeper = loop.create_task(self._sweep_idle())
+
+    async def _sweep_idle(self) -> None:
+        """Close client connections idle for over ``keep_alive_s`` (one timer for all of them)."""
+        while True:
+            await asyncio.sleep(_IDLE_SWEEP_S)
+            limit = time.monotonic() - self.config.keep_alive_s
+            for client in [c for c in self.clients if c.forward is None and c.request is None and not c.queue
+                           and c.idle_since < limit]:
+                client.transport.close()
+
+    async def close(self) -> None:
+        """Stop listening, let exchanges in flight finish (``shutdown_grace_s``), end the rest, close
+        the recorder (which writes what it holds)."""
+        if self.server is not None:
+            self.server.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        deadline = time.monotonic() + self.config.shutdown_grace_s
+        while any(c.forward is not None for c in self.clients) and time.monotonic() < deadline:
+            for client in [c for c in self.clients if c.forward is None and c.request is None]:
+                client.transport.close()
+            await asyncio.sleep(0.05)
+        for client in list(self.clients):
+            if client.forward is not None:
+                client.forward.client_gone(f"proxy shut down (unfinished after {self.config.shutdown_grace_s} s)")
+            client.transport.close()
+        self.pool.close()
+        await asyncio.sleep(0)
+        self.recorder.close()
+
+    # -- requests -------------------------------------------------------------------------------
+    def serve(self, client: _Client, r: _Request) -> None:
+        if self._token is not None and not secrets.compare_digest(r.header(b"authorization") or b"", self._token):
+            return client.respond(_response(401, _error_body(401, "missing or wrong bearer token for the capture "
+                                                                  "proxy"), close=not r.keep_alive), r.keep_alive)
+        path = r.url.partition(b"?")[0]
+        if path[:1] != b"/":  # absolute form (http://host/path?query): only its path and query go on
+            parsed = httptools.parse_url(r.url)
+            path = parsed.path or b"/"
+            r.url = path + (b"?" + parsed.query if parsed.query else b"")
+        if r.too_large:
+            return self.refuse_too_large(client, r)
+        if r.method == b"GET" and path == b"/capture/status":
+            return client.respond(_response(200, json.dumps(self.recorder.stats()).encode(),
+                                            close=not r.keep_alive), r.keep_alive)
+        body = b"".join(r.body)
+        x = None
+        if r.method == b"POST" and path in RECORDED:
+            session = r.header(self._session_header)
+            x = Exchange(endpoint=path.decode("latin-1"), arrival_unix_ns=r.arrival_unix_ns, arrival=r.arrival,
+                         session=None if session is None else session.decode("latin-1"))
+            body = _prepare(body, x, self.config)
+        lines = [b"%s: %s\r\n" % (k, v) for k, v in r.headers
+                 if k.lower() not in HOP_BY_HOP and (x is None or k.lower() != b"accept-encoding")]
+        if x is not None:
+            lines.append(b"accept-encoding: identity\r\n")  # the proxy reads the answer
+        if body or r.method not in (b"GET", b"HEAD", b"DELETE", b"OPTIONS"):
+            lines.append(b"content-length: %d\r\n" % len(body))
+        request = b"%s %s%s HTTP/1.1\r\nhost: %s\r\n%s\r\n%s" % (
+            r.method, self.pool.prefix, r.url, self.pool.host_header, b"".join(lines), body)
+        forward = _Forward(self, client, request, x, r.keep_alive, r.http11, r.method == b"HEAD")
+        client.forward = forward
+        forward.start()
+
+    def refuse_too_large(self, client: _Client, r: _Request) -> None:
+        limit = self.config.max_body_bytes
+        path = r.url.partition(b"?")[0]
+        if r.method == b"POST" and path in RECORDED:
+            session = r.header(self._session_header)
+            x = Exchange(endpoint=path.decode("latin-1"), arrival_unix_ns=r.arrival_unix_ns, arrival=r.arrival,
+                         session=None if session is None else session.decode("latin-1"),
+                         status=413, error=f"request body over {limit} bytes")
+            self.recorder.submit(x)
+        data = _response(413, _error_body(413, f"request body over {limit} bytes"), close=True)
+        if r.answered:  # before the body was read: the connection closes once it has been
+            client.transport.write(data)
+        else:
+            client.respond(data, False)
+
+
+async def run_proxy(config: ProxyConfig, recorder, sock, stop: asyncio.Event) -> None:
+    """Run the proxy on ``sock`` until ``stop`` is set, then close it (and the recorder)."""
+    proxy = CaptureProxy(config, recorder)
+    await proxy.start(sock)
+    try:
+        await stop.wait()
+    finally:
+        await proxy.close()
+
+
+def event_loop_factory(kind: str):
+    """``auto``: uvloop when installed, else asyncio's own loop; ``uvloop`` or ``asyncio`` to choose."""
+    if kind not in ("auto", "uvloop", "asyncio"):
+        raise CachelabError(f"--loop {kind!r}: expected auto, uvloop or asyncio")
+    if kind != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if kind == "uvloop":
+                raise CachelabError("--loop uvloop: uvloop is not installed (pip install uvloop)") from None
+        else:
+            return uvloop.new_event_loop
+    return asyncio.new_event_loop

@@ -1,9 +1,11 @@
 """The recorder API: one durable record per served request, with the privacy mode applied.
 
 Used by ``cachelab capture proxy`` and by ``cachelab serve --capture DIR``. A server builds
-a ``RequestRecord`` (times, token ids, cached prompt tokens, status) and hands it, or a
-callable that builds it, to ``Recorder.submit``; the journal's thread applies the privacy
-mode and writes it (``cachelab.capture.journal``).
+a ``RequestRecord`` (times, token ids, cached prompt tokens, status) and hands it to
+``Recorder.submit``; the proxy hands its raw ``Exchange``, which the journal's thread parses
+into one (``Exchange.to_record``, with the recorder's fallback tokenizer). Both have
+``to_record(tokenizer)``: the journal's thread builds the record, applies the privacy mode
+and writes it (``cachelab.capture.journal``).
 
 Privacy modes (``Privacy``):
 
@@ -33,6 +35,8 @@ from typing import Any
 import numpy as np
 
 from cachelab.capture.journal import Journal
+from cachelab.capture.tokens import FallbackTokenizer
+from cachelab.engram.vocab import DEEPSEEK_V4
 from cachelab.errors import CachelabError
 from cachelab.workload.prefix_cache.hashing import chained_block_hashes
 
@@ -66,6 +70,10 @@ class RequestRecord:
     prompt_text: str | None = None
     output_text: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_record(self, tokenizer) -> "RequestRecord":
+        """Already a record (``Recorder.submit`` takes this or a proxy's ``Exchange``)."""
+        return self
 
 
 def _array_bytes(values, dtype) -> bytes | None:
@@ -152,16 +160,19 @@ def encode_record(record: RequestRecord, privacy: Privacy) -> dict:
 class Recorder:
     """Records requests into ``directory`` (segments of the ``requests`` stream).
 
-    ``submit`` takes a ``RequestRecord`` or a callable returning one; it never blocks and
-    never raises on the caller's path. ``stats()`` reports submitted / acknowledged /
-    dropped counts (``acknowledged``: durable under the fsync policy).
+    ``submit`` takes a ``RequestRecord`` or a proxy's ``Exchange`` (parsed on the journal's
+    thread, ``tokenizer`` the fallback for an upstream that sends no ids, loaded on first
+    use); it never blocks and never raises on the caller's path. ``stats()`` reports
+    submitted / acknowledged / dropped counts (``acknowledged``: durable under the fsync
+    policy).
     """
 
     def __init__(self, directory: str | os.PathLike, *, hash_blocks: int = 0, store_text: bool = False,
                  salt_file: str | os.PathLike | None = None, fsync: str = "batch",
                  rotate_bytes: int = 256 << 20, rotate_seconds: float = 3600.0, max_queue: int = 100_000,
-                 source: str = "capture"):
+                 source: str = "capture", tokenizer: str = DEEPSEEK_V4):
         self.directory = Path(directory)
+        self.tokenizer = FallbackTokenizer(tokenizer)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.privacy = Privacy(load_salt(salt_file or self.directory / "salt"), hash_blocks, store_text)
         if hash_blocks:
@@ -174,10 +185,11 @@ class Recorder:
                                        "store_text": store_text, "source": source})
 
     def submit(self, record) -> bool:
-        privacy = self.privacy
+        """Queue a ``RequestRecord`` or an ``Exchange`` (anything with ``to_record(tokenizer)``)."""
+        privacy, tokenizer = self.privacy, self.tokenizer
 
         def build() -> dict:
-            return encode_record(record() if callable(record) else record, privacy)
+            return encode_record(record.to_record(tokenizer), privacy)
 
         return self.journal.submit(build)
 

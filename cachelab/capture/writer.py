@@ -238,19 +238,17 @@ def _read_exactly(fd: int, n: int) -> bytes | None:
 
 
 def _child(read_fd: int, shm_fd: int, config: dict) -> int:
-    from cachelab.capture.exchange import to_record
     from cachelab.capture.recorder import Recorder
-    from cachelab.capture.tokens import FallbackTokenizer
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # stop at the pipe's end, after the proxy
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if config["nice"]:
         os.nice(config["nice"])
     _mm, c = _counters(shm_fd)
-    tokenizer = FallbackTokenizer(config["tokenizer"]) if config["tokenizer"] else FallbackTokenizer()
     recorder = Recorder(config["directory"], hash_blocks=config["hash_blocks"], store_text=config["store_text"],
                         salt_file=config["salt_file"], fsync=config["fsync"], rotate_bytes=config["rotate_bytes"],
-                        rotate_seconds=config["rotate_seconds"])
+                        rotate_seconds=config["rotate_seconds"],
+                        **({"tokenizer": config["tokenizer"]} if config["tokenizer"] else {}))
     journal = recorder.journal
 
     def publish() -> None:  # called by the journal's thread after each commit
@@ -273,7 +271,7 @@ def _child(read_fd: int, shm_fd: int, config: dict) -> int:
             break
         x = pickle.loads(body)
         c[RECEIVED].value += 1
-        recorder.submit(lambda x=x: to_record(x, tokenizer))
+        recorder.submit(x)
     recorder.close()
     publish()
     return 1 if journal.write_error else 0

@@ -68,6 +68,7 @@ def proxy(
                                "proxy's GIL; docs/capture.md, Overhead)."),
     writer_nice: int = typer.Option(10, help="With --writer process: CPU niceness added to the writer, so that on "
                                     "a busy machine the request path runs first and records wait."),
+    loop: str = typer.Option("auto", help="Event loop: auto (uvloop when installed), uvloop or asyncio."),
 ) -> None:
     """Record every completion and chat completion served through this proxy.
 
@@ -75,9 +76,9 @@ def proxy(
     then point clients at http://127.0.0.1:8100/v1. Stop it with Ctrl-C (queued records are
     flushed); `cachelab trace build --from-capture cap/ -o t.parquet` makes a trace of it.
     """
-    import uvicorn
+    import asyncio
 
-    from cachelab.capture.proxy import UVICORN_OPTIONS, ProxyConfig, create_app, freeze_startup_heap
+    from cachelab.capture.proxy import ProxyConfig, event_loop_factory, freeze_startup_heap, run_proxy
     from cachelab.capture.recorder import Recorder
     from cachelab.capture.writer import CaptureWriter
     from cachelab.live.launch import check_bind
@@ -85,25 +86,33 @@ def proxy(
     host, port = parse_listen(listen)
     check_bind(host, api_key, "--listen")
     config = ProxyConfig(upstream=upstream, api_key=api_key, session_header=session_header.lower(),
-                         token_ids=token_ids, tokenizer=tokenizer, max_body_bytes=int(max_body_mb * 2**20),
+                         token_ids=token_ids, max_body_bytes=int(max_body_mb * 2**20),
                          max_response_bytes=int(max_response_mb * 2**20), read_timeout=read_timeout,
                          total_timeout=total_timeout)
     if writer not in ("process", "thread"):
         raise CachelabError(f"--writer {writer!r}: expected process or thread")
+    new_loop = event_loop_factory(loop)
     options = dict(hash_blocks=hash_blocks, store_text=store_text, salt_file=salt_file, fsync=fsync,
-                   rotate_bytes=int(rotate_mb * 2**20), rotate_seconds=rotate_seconds)
+                   rotate_bytes=int(rotate_mb * 2**20), rotate_seconds=rotate_seconds, tokenizer=tokenizer)
     if writer == "process":
-        recorder = CaptureWriter(out, tokenizer=tokenizer, nice=writer_nice, **options)
+        recorder = CaptureWriter(out, nice=writer_nice, **options)
     else:
         recorder = Recorder(out, **options)
     sock = _bound_socket(host, port)
     bound = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(config, recorder), log_level="warning", access_log=False,
-                                           timeout_keep_alive=30, **UVICORN_OPTIONS))
     typer.echo(f"capture proxy on http://{host}:{bound} -> {upstream}, recording into {out} "
-               f"({recorder.privacy.mode}, fsync {fsync}, writer {writer}); counts at GET /capture/status")
+               f"({recorder.privacy.mode}, fsync {fsync}, writer {writer}, {new_loop.__module__.split('.')[0]} loop); "
+               "counts at GET /capture/status")
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # stop: finish what is in flight, flush the recorder, exit
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await run_proxy(config, recorder, sock, stop)
+
     freeze_startup_heap()
-    server.run(sockets=[sock])  # SIGINT / SIGTERM: the app's shutdown flushes the journal before exit
+    with asyncio.Runner(loop_factory=new_loop) as runner:
+        runner.run(main())
 
 
 @app.command("kv-events")
