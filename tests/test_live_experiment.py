@@ -93,11 +93,27 @@ def test_two_live_points_logged_with_their_prediction(tmp_path):
     assert by_overlap[0.0]["prefix_cache.cached_bytes_end"] > 0
 
 
-def test_every_cpu_placement_serves_live(tmp_path):
-    """The issue's placements that need no GPU (dram-copy, ssd-mmap, ssd-direct, and the store's
-    pread) each serve a point end to end with its prediction; hbm and dram-uva are refused here."""
+def test_every_cpu_placement_serves_live(tmp_path, monkeypatch):
+    """The issue's placements that need no GPU (hbm with the CPU's memory standing in, dram-copy,
+    ssd-mmap, ssd-direct, and the store's pread) each serve a point end to end with its
+    prediction; dram-uva is refused here. hbm: every step's rows bit-exact against the
+    reference rows, nothing over the host link, the table's footprint counted, predicted by
+    serve-sim's hbm placement (the table in the memory plan, its rows an HBM gather)."""
+    from cachelab.store import TieredStore
+    from cachelab.store.bench import check_rows
+
+    checked = []
+    step = TieredStore._step
+
+    def checking_step(self, row_ids, scores, out=None):
+        rows, counters = step(self, row_ids, scores, out)
+        if self.resident:
+            checked.append(check_rows(self, row_ids, rows))
+        return rows, counters
+
+    monkeypatch.setattr(TieredStore, "_step", checking_step)
     calibration = f'calibration = "{calibration_file(tmp_path / "fitted.toml")}"\n'
-    placements = '"live.placement" = ["dram-copy", "ssd-mmap", "pread", "ssd-direct"]'
+    placements = '"live.placement" = ["hbm", "dram-copy", "ssd-mmap", "pread", "ssd-direct"]'
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     run_experiment(small_spec(tmp_path, calibration, requests=3, sweep=placements), tracking_uri=uri,
                    runs_dir=tmp_path / "runs", quiet=True)
@@ -106,12 +122,63 @@ def test_every_cpu_placement_serves_live(tmp_path):
     runs = client.search_runs([exp.experiment_id], filter_string="tags.`cachelab.kind` = 'point' "
                               "and attributes.status = 'FINISHED'")
     by = {r.data.params["live.placement"]: r.data.metrics for r in runs}
-    assert sorted(by) == ["dram-copy", "pread", "ssd-direct", "ssd-mmap"]
+    params = {r.data.params["live.placement"]: r.data.params for r in runs}
+    assert sorted(by) == ["dram-copy", "hbm", "pread", "ssd-direct", "ssd-mmap"]
     for placement, m in by.items():
         assert m["completed"] == 3 and m["failed"] == 0 and m["predicted.p99_ttft_ms"] > 0, placement
-        assert m["row_cache.hbm.hits"] > 0 and m["link.dram_to_hbm_bytes"] > 0, placement
+        if placement != "hbm":
+            assert m["row_cache.hbm.hits"] > 0 and m["link.dram_to_hbm_bytes"] > 0, placement
+            assert m["predicted.memory.memory_plan_per_gpu.table_bytes"] == 0, placement
     # O_DIRECT reads pages from the file, bypassing the page cache: nothing is read from host DRAM
     assert by["ssd-direct"]["link.ssd_to_dram_bytes"] > 0 and by["ssd-direct"]["link.host_read_bytes"] == 0
     assert by["dram-copy"]["link.host_read_bytes"] > 0 and by["dram-copy"]["link.ssd_to_dram_bytes"] == 0
-    with pytest.raises(CachelabError, match="'hbm' needs a GPU"):
-        load_spec(small_spec(tmp_path, sweep='"live.placement" = ["dram", "hbm"]'))
+    assert by["dram-copy"]["table.dram_bytes"] > 0 and "table.hbm_bytes" not in by["dram-copy"]
+    hbm = by["hbm"]
+    assert checked and sum(checked) == 0  # every step of the point (warm-up included) bit-exact
+    assert "row_cache.hbm.hits" not in hbm and hbm["row_cache.dram_bytes"] == 0
+    assert hbm["link.hbm_read_bytes"] > 0
+    assert hbm["link.host_to_device_bytes"] == hbm["link.host_read_bytes"] == hbm["link.dram_to_hbm_bytes"] == 0
+    assert hbm["table.hbm_bytes"] == by["dram-copy"]["table.dram_bytes"] and "table.dram_bytes" not in hbm  # same pages
+    assert "CPU tensor stands in for HBM" in params["hbm"]["live.table_memory"]
+    # the prediction is serve-sim's hbm: the scaled table in the memory plan, its rows gathered in HBM, no copy
+    assert 0 < hbm["predicted.memory.memory_plan_per_gpu.table_bytes"] <= hbm["table.hbm_bytes"]
+    assert hbm["predicted.engram_fetch_parts_s.hbm_gather_s"] > 0
+    assert "predicted.engram_fetch_parts_s.h2d_copy_s" not in hbm
+    assert by["dram-copy"]["predicted.engram_fetch_parts_s.h2d_copy_s"] > 0
+    with pytest.raises(CachelabError, match="'dram-uva' needs a GPU"):
+        load_spec(small_spec(tmp_path, sweep='"live.placement" = ["dram", "dram-uva"]'))
+
+
+def test_warm_up_replayed_in_the_prediction(tmp_path, monkeypatch):
+    """The prediction serves the point's warm-up requests first, as they were served live
+    (prompts reversed, the live model's outputs), so the row cache and the prefix cache start
+    the measured run in the live state: at concurrency 1 (each step's batch is then the same live
+    and predicted, whatever the clocks) the predicted row-cache hits equal the live ones, and
+    the prefix cache's hit ratio too; the same prediction without the warm-up misses them."""
+    from cachelab.experiment import live as live_kind
+
+    calls = []
+    predict = live_kind.predict_point
+
+    def recording(*args, **kwargs):
+        calls.append((args, kwargs))
+        return predict(*args, **kwargs)
+
+    monkeypatch.setattr(live_kind, "predict_point", recording)
+    extra = f'calibration = "{calibration_file(tmp_path / "fitted.toml")}"\n'
+    spec = small_spec(tmp_path, extra, requests=4, sweep='"live.concurrency" = [1]\n"live.row_cache_capacity" = ["10%"]')
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", quiet=True)
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("live-sweep")
+    (run,) = client.search_runs([exp.experiment_id], filter_string="tags.`cachelab.kind` = 'point' "
+                                "and attributes.status = 'FINISHED'")
+    m, params = run.data.metrics, run.data.params
+    assert params["live.predicted_warmup"] == "served" and params["live.predicted_outputs"] == "served"
+    assert m["row_cache.hbm.hits"] > 0
+    assert m["predicted.row_cache.levels.hbm.served_rows"] == m["row_cache.hbm.hits"]
+    assert m["predicted.prefix_cache.hit_ratio"] == pytest.approx(m["prefix_cache.hit_ratio"], abs=1e-9)
+    args, kwargs = calls[0]
+    assert kwargs["warmup"] is not None and kwargs["warmup"].height == 2
+    cold = predict(*args, **{**kwargs, "warmup": None})
+    assert cold.metrics["row_cache.levels.hbm.served_rows"] < m["row_cache.hbm.hits"]

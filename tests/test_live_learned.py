@@ -113,6 +113,7 @@ def test_serving_simulator_predicts_the_learned_row_cache_step_by_step(model_dir
     cfg = ServingConfig(placement="dram-copy", row_cache_policy=POLICY, row_cache_model=str(model_dir),
                         row_cache_bytes=float(capacity * engine.rows.row_bytes),
                         store_scale=engine.rows.layout_tables.scale, **settings)
+    assert engine.counters.scorer_s > 0  # the engine times its scorer (step log column scorer_s)
     steps = ServingSimulator(trace, cfg).run().per_step
     hits = [s["hbm_hits"] for s in live]
     misses = [s["hbm_misses"] for s in live]
@@ -154,3 +155,54 @@ def test_live_kind_predicts_a_learned_row_cache_with_its_model(model_dir, tmp_pa
     got = predict_point({"live": live, "seed": 0}, Workload(None, 0, trace), 770, DEFAULT_STORE_SCALE).metrics
     assert got["row_cache.row_cache_bytes"] > 0
     assert 0 < got["row_cache.levels.hbm.hit_ratio_unique"] < 1
+    assert "scorer_ms_per_step" not in got  # no scorer cost given: none charged
+
+
+def test_scorer_cost_measured_and_charged_per_step(model_dir, tmp_path):
+    """``measure_cost`` times the online scorer on this machine and fits its four terms; the
+    simulator charges each step of a learned row cache that cost of the scorer's own counts of
+    the step, at the calibrated engine's share of a core, and every step is that much longer."""
+    import polars as pl
+
+    from cachelab.engram import encode, get_preset
+    from cachelab.experiment.live import predict_point
+    from cachelab.experiment.workload import Workload
+    from cachelab.learning.online import OnlineScorer, ScorerCost, measure_cost
+    from cachelab.live.launch import DEFAULT_STORE_SCALE
+    from test_live_experiment import calibration_file
+
+    measured = measure_cost(load(model_dir), "deepseek-v4.1-flash", repeats=1)
+    assert measured.calls > 100 and measured.per_lookup_s + measured.per_row_s > 0
+    assert measured.seconds((4, 192, 192)) < measured.seconds((4, 12_480, 12_000))  # a prefill costs more
+    texts = [d.text[:500] for d, _ in zip(StdlibCorpus().documents(), range(6))]
+    ps = [p[:64].tolist() for p in encode(texts, get_preset("deepseek-v4.1-flash").tokenizer, bos=True)]
+    trace = pl.DataFrame({"arrival_s": [0.0] * len(ps), "prompt_ids": ps,  # all at once: the steps need no clock
+                          "output_ids": [p[-4:] for p in ps]},
+                         schema={"arrival_s": pl.Float64, "prompt_ids": pl.List(pl.Int32),
+                                 "output_ids": pl.List(pl.Int32)})
+    live = dict(preset="tiny", placement="dram", row_cache_policy=POLICY, row_cache_capacity="1%", threads=1,
+                kv_cache_tokens=16_384, concurrency=2, row_cache_model=str(model_dir),
+                calibration=str(calibration_file(tmp_path / "fitted.toml")))  # fit share 0.9
+    counts = []
+    scores = OnlineScorer.scores
+
+    def counting(self, *args):
+        out = scores(self, *args)
+        counts.append(self.last_counts)
+        return out
+
+    cost = ScorerCost(1e-3, 1e-4, 1e-7, 1e-6)
+    point = Workload(None, 0, trace)
+    plain = predict_point({"live": live, "seed": 0}, point, 770, DEFAULT_STORE_SCALE)
+    OnlineScorer.scores = counting
+    try:
+        charged = predict_point({"live": live, "seed": 0}, point, 770, DEFAULT_STORE_SCALE, scorer=cost)
+    finally:
+        OnlineScorer.scores = scores
+    want = np.array([cost.seconds(c) for c in counts]) / 0.9  # CPU seconds on 0.9 of a core
+    steps = charged.tables["per_step"]
+    assert steps.height == len(counts) and np.allclose(steps["scorer_s"].to_numpy(), want)
+    assert np.allclose(steps["step_s"].to_numpy() - steps["scorer_s"].to_numpy(),
+                       plain.tables["per_step"]["step_s"].to_numpy())  # the same steps, each longer by its scorer
+    assert charged.metrics["scorer_ms_per_step"] == pytest.approx(1e3 * want.mean())
+    assert charged.metrics["mean_ttft_ms"] > plain.metrics["mean_ttft_ms"]

@@ -299,6 +299,24 @@ def test_no_cache_tiers_serve_from_the_backing(tables):
         assert store.tiers == [] and store.last_step["backing_rows"] == store.last_step["unique"]
 
 
+def test_hbm_backing_gathers_the_resident_table_on_its_device(tables):
+    """Backing ``hbm``: the whole table one torch tensor on the compute device (the CPU here,
+    its memory standing in for HBM), bit-exact reference rows, every row read from it and
+    nothing over the host link; no cache tier may sit in front."""
+    rows = full_rows(np.random.default_rng(6), 50)
+    with TieredStore.open(tables, backing="hbm", hbm_policy=None) as store:
+        table = store.backing.table
+        assert isinstance(table, torch.Tensor) and table.device == store.device and store.tiers == []
+        assert store.backing.nbytes == sum(p.stat().st_size - PAGE for p in store.paths)
+        for _ in range(2):
+            assert check_rows(store, rows, store.lookup(rows)) == 0
+            c = store.last_step
+            assert c["backing_rows"] == c["unique"] and c["hbm_read_bytes"] == c["unique"] * 264
+            assert c["host_to_device_bytes"] == c["host_read_bytes"] == c["dram_to_hbm_bytes"] == 0
+    with pytest.raises(CachelabError, match="backing 'hbm' holds the whole table"):
+        TieredStore.open(tables, backing="hbm", hbm_policy="lru", hbm_capacity=300)
+
+
 def test_policy_state_per_table_row_is_measured():
     assert 4 < policy_bytes_per_row("lru") < 64
 

@@ -27,7 +27,9 @@ def serve(
     port: int = typer.Option(8000, help="TCP port (0: any free port)."),
     api_key: str | None = typer.Option(None, help="Require 'Authorization: Bearer KEY' on /v1 routes."),
     placement: str = typer.Option("dram", help="Where the table lives (the store's backing): dram, mmap, pread, "
-                                  "direct; serve-sim's names dram-copy, ssd-mmap, ssd-direct (and dram-uva) name them too."),
+                                  "direct, or hbm (the whole table in the --device's memory, no row cache; on the "
+                                  "CPU, host memory standing in for HBM); serve-sim's names dram-copy, ssd-mmap, "
+                                  "ssd-direct (and dram-uva) name them too."),
     row_cache_policy: str | None = typer.Option(None, help="Policy of the HBM row cache (any registered policy)."),
     row_cache_capacity: str | None = typer.Option(None, help="HBM row cache size: rows, bytes ('64MiB') or a "
                                                   "share of the table ('1%')."),

@@ -12,7 +12,8 @@ rate and CPU utilization (its threads' /proc counters: every thread the server s
 the client's), and the DRAM the prefix cache (the KV pool's blocks) and the row cache (its
 slots and slot map) each hold. With ``live.calibration`` (a `cachelab calibrate --out` file)
 the serving simulator predicts the same requests on the calibrated model of this engine: the
-live preset's own model spec, the fitted CPU profile and efficiency (``predicted.*``); and,
+live preset's own model spec, the fitted CPU profile and efficiency, after replaying the same
+warm-up requests as they were served (``predicted.*``); and,
 where the file records the fit runs' engine CPU share, the same model at the share of a core
 the point's engine thread measured (``server.engine_cpu_share``; ``predicted_at_share.*``): a
 machine condition measured on the run, nothing fitted to it.
@@ -20,6 +21,7 @@ machine condition measured on the run, nothing fitted to it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -31,9 +33,11 @@ from cachelab.experiment.workload import Workload
 PERCENTILES = (50, 90, 99)
 # live.placement: the issue's names (serve-sim's) or the store's own backings, each with the
 # serving simulator's placement that predicts it. pread reads through the page cache as mmap does.
-PLACEMENTS = {"dram-copy": "dram-copy", "ssd-mmap": "ssd-mmap", "ssd-direct": "ssd-direct",
+# hbm: the whole table resident in the engine's compute device memory (the store's hbm backing), no
+# row cache in front; this kind's engine computes on the CPU, whose memory then stands in for HBM.
+PLACEMENTS = {"hbm": "hbm", "dram-copy": "dram-copy", "ssd-mmap": "ssd-mmap", "ssd-direct": "ssd-direct",
               "dram": "dram-copy", "mmap": "ssd-mmap", "pread": "ssd-mmap", "direct": "ssd-direct"}
-GPU_PLACEMENTS = ("hbm", "dram-uva")  # the engine of this kind runs on the CPU: no HBM to hold the table
+GPU_PLACEMENTS = ("dram-uva",)  # a GPU reading pinned host memory over its link: none here
 
 
 def live_point(config: dict, workload: Workload) -> PointOutput:
@@ -46,20 +50,24 @@ def live_point(config: dict, workload: Workload) -> PointOutput:
 
     live = config["live"]
     plan = plan_from_frame(workload.requests, "workload.trace")
-    warm = plan_from_frame(workload.requests.head(live["warmup_requests"]), "warm-up") if live["warmup_requests"] else None
-    if warm is not None:
-        warm.prompts[:] = [p[::-1].copy() for p in warm.prompts]
+    warm_frame = warmup_requests(workload, live["warmup_requests"])
+    warm = plan_from_frame(warm_frame, "warm-up") if warm_frame is not None else None
     opts = serve_options(config)
     before_threads = _task_ids()
     with running_server(opts) as (url, engine):
         server_threads = _task_ids() - before_threads
-        if warm is not None:
-            run_bench(BenchConfig(url, max_concurrency=live["concurrency"], server_metrics=False), warm)
+        warm_outputs = None
+        if warm is not None:  # its outputs too: the prediction replays the warm-up as it was served
+            warm_outputs = run_bench(BenchConfig(url, max_concurrency=live["concurrency"], server_metrics=False,
+                                                 return_token_ids=True), warm).outputs
         before, usage0, engine0 = engine.rows.totals.to_dict(), _usage(server_threads), _engine_cpu(engine)
+        scorer0 = (engine.counters.scorer_s, engine.counters.scorer_cpu_s, engine.counters.steps)
         load0 = os.getloadavg()[0]
         result = run_bench(BenchConfig(url, max_concurrency=live["concurrency"], server_metrics=False,
                                        return_token_ids=True), plan)
         after, usage1, engine1 = engine.rows.totals.to_dict(), _usage(server_threads), _engine_cpu(engine)
+        scorer1 = (engine.counters.scorer_s, engine.counters.scorer_cpu_s, engine.counters.steps)
+        learned = engine.scorer is not None
         load = (load0 + os.getloadavg()[0]) / 2  # the machine's 1-minute load average over the point
         tiers = tuple(engine.rows.totals.tiers)
         row_cache_rows = engine.rows.tiers[0].capacity if engine.rows.tiers and engine.rows.tiers[0].name == "hbm" else 0
@@ -69,6 +77,8 @@ def live_point(config: dict, workload: Workload) -> PointOutput:
                                                             / max(1, engine.pool.capacity_tokens)),
                      "row_cache.dram_bytes": float(sum(t.memory.nbytes + t.slot_of.nbytes for t in engine.rows.tiers
                                                        if not engine.rows.cuda or t.name != "hbm"))}
+        if engine.rows.backing.name in ("dram", "hbm"):  # the table resident in memory: DRAM, or the device's
+            footprint[f"table.{engine.rows.backing.name}_bytes"] = float(engine.rows.backing.nbytes)
     summary = result.summary()
     times = request_metrics(result.request_times(), failed=summary["failed"], duration=result.duration,
                             percentiles=PERCENTILES)
@@ -93,18 +103,44 @@ def live_point(config: dict, workload: Workload) -> PointOutput:
     share = (engine1[1] - engine0[1]) / (engine1[0] - engine0[0]) if engine1[0] > engine0[0] else None
     if share is not None:  # the engine thread's CPU over its steps' wall time: below 1 it waited for a core or the GIL
         metrics["server.engine_cpu_share"] = share
+    if learned and scorer1[2] > scorer0[2]:  # the learned row cache's scorer, timed per step by the engine
+        steps = scorer1[2] - scorer0[2]
+        metrics["server.scorer_ms_per_step"] = 1e3 * (scorer1[0] - scorer0[0]) / steps
+        metrics["server.scorer_cpu_ms_per_step"] = 1e3 * (scorer1[1] - scorer0[1]) / steps
     params = {"live.url": url, "live.errors": str(summary["errors_by_reason"] or "none")}
+    if live["placement"] == "hbm":
+        params["live.table_memory"] = engine.rows.hbm_device  # on the CPU: host memory standing in for HBM
+        params["live.row_cache"] = "none: the whole table is resident (placement hbm)"
     tables = {}
     if live.get("calibration"):
         workload, params["live.predicted_outputs"] = served_outputs(workload, result.outputs)
-        predicted = predict_point(config, workload, row_cache_rows, store_scale)
+        warm_served = None
+        if warm_frame is not None:  # the same warm-up, served first and measured nowhere
+            warm_served, params["live.predicted_warmup"] = served_outputs(
+                dataclasses.replace(workload, requests=warm_frame), warm_outputs)
+            warm_served = warm_served.requests
+        cost = scorer_cost(config) if learned else None
+        if cost is not None:
+            metrics.update({f"scorer_cost.{k}": float(v) for k, v in cost.to_dict().items()})
+        predicted = predict_point(config, workload, row_cache_rows, store_scale, warmup=warm_served, scorer=cost)
         metrics.update({f"predicted.{k}": v for k, v in predicted.metrics.items()})
         tables["predicted_per_request"] = predicted.tables["per_request"]
         fit_share = fit_cpu_share(calibration_path(live["calibration"]))
         if share and fit_share:  # the same model on an engine with the share of a core this point measured
-            at_share = predict_point(config, workload, row_cache_rows, store_scale, fit_share / share)
+            at_share = predict_point(config, workload, row_cache_rows, store_scale, fit_share / share,
+                                     warmup=warm_served, scorer=cost)
             metrics.update({f"predicted_at_share.{k}": v for k, v in at_share.metrics.items()})
     return PointOutput(metrics, params, tables)
+
+
+def warmup_requests(workload: Workload, n: int):
+    """The point's warm-up requests: the first ``n`` of the workload with their prompts reversed,
+    so they share no prefix blocks with the measured ones (None for none)."""
+    import polars as pl
+
+    if not n:
+        return None
+    return workload.requests.head(n).with_columns(pl.col("prompt_ids").list.reverse())
 
 
 def served_outputs(workload: Workload, outputs) -> tuple[Workload, str]:
@@ -112,12 +148,10 @@ def served_outputs(workload: Workload, outputs) -> tuple[Workload, str]:
     returned every one in full: a request's decode steps read the rows of the tokens it
     generates, and the dummy-weight model's tokens are not the trace's text. ("trace" where
     some output is missing: a failed request.)"""
-    import dataclasses
-
     import polars as pl
 
     lengths = workload.requests["output_ids"].cast(pl.List(pl.Int32)).list.len().to_list()
-    if any(o is None or len(o.token_ids) != n for o, n in zip(outputs, lengths)):
+    if outputs is None or any(o is None or len(o.token_ids) != n for o, n in zip(outputs, lengths)):
         return workload, "trace"
     ids = pl.Series("output_ids", [o.token_ids for o in outputs], dtype=pl.List(pl.Int32))
     return dataclasses.replace(workload, requests=workload.requests.with_columns(ids)), "served"
@@ -128,16 +162,36 @@ def serve_options(config: dict):
     from cachelab.live.launch import ServeOptions
 
     live = config["live"]
-    capacity = live["row_cache_capacity"]
-    learned = bool(live["row_cache_policy"] and _needs_scores(live["row_cache_policy"]))  # the model is its alone
+    resident = live["placement"] == "hbm"  # the whole table on the device: no row cache in front of it
+    capacity = None if resident else live["row_cache_capacity"]
+    policy = None if resident else live["row_cache_policy"]
+    learned = bool(policy and _needs_scores(policy))  # the model is its alone
     return ServeOptions(preset=live["preset"], port=0, placement=live["placement"],
-                        row_cache_policy=live["row_cache_policy"], row_cache_capacity=None if capacity is None else str(capacity),
+                        row_cache_policy=policy, row_cache_capacity=None if capacity is None else str(capacity),
                         threads=live["threads"], kv_cache_tokens=live["kv_cache_tokens"], seed=config.get("seed", 0),
                         row_cache_model=Path(live["row_cache_model"]) if learned else None)
 
 
+_SCORER_COSTS: dict = {}  # (predictor directory, layout) -> ScorerCost, measured once per process
+
+
+def scorer_cost(config: dict):
+    """The learned row cache's scorer cost, measured on this machine (``measure_cost``) the first
+    time a process predicts with this predictor, then reused."""
+    from cachelab.learning.online import measure_cost
+    from cachelab.learning.training import load
+    from cachelab.live.launch import model_for
+
+    opts = serve_options(config)
+    layout = model_for(opts).layout
+    key = (str(Path(opts.row_cache_model).resolve()), layout)
+    if key not in _SCORER_COSTS:
+        _SCORER_COSTS[key] = measure_cost(load(opts.row_cache_model), layout)
+    return _SCORER_COSTS[key]
+
+
 def predict_point(config: dict, workload: Workload, row_cache_rows: int, store_scale: float,
-                  slowdown: float = 1.0) -> PointOutput:
+                  slowdown: float = 1.0, warmup=None, scorer=None) -> PointOutput:
     """The serving simulator on the calibrated model of the live engine: the preset's model
     spec (``live_calibration.model_spec``), the fitted CPU profile and efficiency, the engine's
     scheduler limits and KV pool, and a row cache of the live one's rows over the rows of the
@@ -145,16 +199,25 @@ def predict_point(config: dict, workload: Workload, row_cache_rows: int, store_s
     row cache's; a learned policy reads the keep scores of the same model
     (``live.row_cache_model``), computed online per step as the live engine computes them.
     ``slowdown``: the fit runs' engine CPU share over the point's
-    (``live_calibration.at_cpu_share``), 1 for the plain prediction."""
+    (``live_calibration.at_cpu_share``), 1 for the plain prediction. ``warmup``: the warm-up
+    requests as served, replayed first so the measured run starts from the state they left.
+    ``scorer``: the learned policy's ``ScorerCost`` (CPU seconds on a whole core), charged per
+    step at the share of a core the model's engine gets: the fit runs' (the calibration's
+    ``fit_cpu_share``), times ``slowdown``."""
     from cachelab.experiment.points import simulated_point
     from cachelab.live.launch import model_for
-    from cachelab.serving.live_calibration import at_cpu_share, calibration_spec, load_calibration
+    from cachelab.serving.live_calibration import at_cpu_share, calibration_spec, fit_cpu_share, load_calibration
     from cachelab.serving.simulator import ServingConfig
 
     live, opts = config["live"], serve_options(config)
     path = calibration_path(live["calibration"])
     _, eff = load_calibration(path)
     eff = eff if slowdown == 1.0 else at_cpu_share(eff, 1 / slowdown)
+    learned = bool(row_cache_rows) and opts.row_cache_model is not None
+    cost = None
+    if learned and scorer is not None:  # CPU seconds -> wall seconds on the modelled engine's share of a core
+        wall = slowdown / (fit_cpu_share(path) or 1.0)
+        cost = tuple(wall * v for v in (scorer.per_call_s, scorer.per_sequence_s, scorer.per_lookup_s, scorer.per_row_s))
     cfg = model_for(opts)
     spec = calibration_spec(path, cfg)  # attention charged as the calibration was fitted
     placement = PLACEMENTS[live["placement"]]
@@ -163,10 +226,9 @@ def predict_point(config: dict, workload: Workload, row_cache_rows: int, store_s
                             model=spec, layout=cfg.layout, efficiency=eff, kv_cache_tokens=opts.kv_cache_tokens,
                             store_scale=store_scale, row_cache_bytes=float(row_cache_rows * spec.row_bytes),
                             row_cache_policy=live["row_cache_policy"] if row_cache_rows else "lru",
-                            row_cache_model=None if not row_cache_rows or opts.row_cache_model is None
-                            else str(opts.row_cache_model),
+                            row_cache_model=str(opts.row_cache_model) if learned else None, scorer_cost=cost,
                             warm_page_cache=placement == "ssd-mmap")  # the scaled store's file sits in the page cache
-    return simulated_point(workload, serving)
+    return simulated_point(workload, serving, warmup)
 
 
 def calibration_path(value: str) -> Path:

@@ -162,11 +162,12 @@ def serve_point(config: dict, workload: Workload) -> PointOutput:
     return simulated_point(workload, serving_config(config["serving"]))
 
 
-def simulated_point(workload: Workload, serving) -> PointOutput:
-    """``serve_point`` for a ``ServingConfig`` already made (the live kind's calibrated model)."""
+def simulated_point(workload: Workload, serving, warmup=None) -> PointOutput:
+    """``serve_point`` for a ``ServingConfig`` already made (the live kind's calibrated model);
+    ``warmup``: a request table served first and measured nowhere (the live point's warm-up)."""
     from cachelab.serving.simulator import simulate
 
-    result = simulate(workload.requests, serving)
+    result = simulate(workload.requests, serving, warmup=warmup)
     metrics = _numbers(result.metrics)
     for prefix, section in (("prefix_cache", result.prefix_cache), ("row_cache", result.rows),
                             ("memory", result.memory)):

@@ -114,7 +114,8 @@ class LiveSpec(Strict):
 
     preset: str = Field("tiny", description="`cachelab serve --preset`")
     placement: str = Field("dram", description="the store's backing: dram-copy, ssd-mmap, ssd-direct "
-                           "(or the store's names dram, mmap, pread, direct); hbm and dram-uva need a GPU")
+                           "(or the store's names dram, mmap, pread, direct), hbm (the whole table in the "
+                           "engine's device memory, no row cache); dram-uva needs a GPU")
     row_cache_policy: str | None = Field(None, description="policy of the HBM row cache (a registered policy)")
     row_cache_capacity: Annotated[int | str, BeforeValidator(_not_bool)] | None = Field(
         None, description="rows, bytes ('64MiB') or a share of the table")

@@ -16,11 +16,19 @@ the whole stream is known, a use by another request in between hides the later o
 (``prompt_lookahead``); online no other request's future is known, so nothing is hidden. On a
 stream whose prompts are prefilled one at a time (the learning streams' "prompts" steps) the
 two agree, and so do the scores, bit for bit (tested).
+
+The scorer runs on the serving thread before a step's fetch starts, so its time is part of
+every step a learned row cache serves. ``measure_cost`` times it on this machine (the calling
+thread's CPU time over a synthetic schedule of prefill and decode steps) and fits ``ScorerCost``:
+seconds per call, per scheduled sequence, per row looked up and per distinct row scored, which
+the serving simulator charges per step from the scorer's own counts (``last_counts``).
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 import numba as nb
@@ -92,6 +100,7 @@ class OnlineScorer:
         self.index = KeyIndex()
         self.state = FeatureState(1 << 16)
         self.prompts: OrderedDict[int, np.ndarray] = OrderedDict()  # rid -> sorted (key, position) of its prompt
+        self.last_counts = (0, 0, 0)  # the last call's scheduled sequences, rows looked up, distinct rows scored
         if self.model.prior.token_counts.size != self.vocab:
             raise CachelabError(f"the model's corpus prior covers {self.model.prior.token_counts.size} compressed "
                                 f"ids, layout {cfg.name!r} has {self.vocab}: a model trained on another layout")
@@ -120,6 +129,7 @@ class OnlineScorer:
         position = starts[which] + (np.arange(which.size) - np.repeat(np.cumsum(lengths) - lengths, lengths))
         keys = (np.arange(self.layers, dtype=np.int64)[None, :, None] << LAYER_SHIFT) | row_ids.astype(np.int64)
         inverse, uniq = compact(keys.reshape(-1))
+        self.last_counts = (int(lengths.size), int(inverse.size), int(uniq.size))
         first = np.empty(uniq.size, np.int64)
         first[inverse[::-1]] = np.arange(inverse.size)[::-1]  # last write wins = first lookup
         dense = self.index.ids(uniq)
@@ -190,3 +200,72 @@ class OnlineScorer:
             while len(self.prompts) > KEPT_PROMPTS:
                 self.prompts.popitem(last=False)
         return order
+
+
+@dataclass(frozen=True)
+class ScorerCost:
+    """The online scorer's time per call: ``per_call_s`` plus ``per_sequence_s``, ``per_lookup_s``
+    and ``per_row_s`` times the step's scheduled sequences, rows looked up (tokens x rows per
+    token) and distinct rows scored (``OnlineScorer.last_counts``), measured by ``measure_cost``
+    on the machine it ran on (CPU seconds of the calling thread: a thread given all of a core)."""
+
+    per_call_s: float
+    per_sequence_s: float
+    per_lookup_s: float
+    per_row_s: float
+    calls: int = 0  # the timed calls the fit used
+    rms_error: float = 0.0  # the fit's root-mean-square relative error per call
+
+    def seconds(self, counts: tuple[int, int, int]) -> float:
+        """Seconds of one call with ``counts`` (sequences, lookups, distinct rows)."""
+        sequences, lookups, rows = counts
+        return self.per_call_s + self.per_sequence_s * sequences + self.per_lookup_s * lookups + self.per_row_s * rows
+
+    def to_dict(self) -> dict:
+        return {"per_call_s": self.per_call_s, "per_sequence_s": self.per_sequence_s,
+                "per_lookup_s": self.per_lookup_s, "per_row_s": self.per_row_s, "calls": self.calls,
+                "rms_relative_error": self.rms_error}
+
+
+def measure_cost(model: Model, layout, seed: int = 0, repeats: int = 3) -> ScorerCost:
+    """Time ``OnlineScorer.scores`` on this machine and fit ``ScorerCost`` (non-negative least
+    squares on the four terms, of each call's relative error): a fresh scorer serves a synthetic
+    schedule of prompts of 16 to 512 tokens (half uniformly random token ids, half Zipf-skewed,
+    which repeat rows within a step), each prefilled in one step beside 0 to 15 decoding sequences,
+    and decode-only steps of 1 to 16 sequences (each call's CPU time the median of ``repeats``
+    runs of the whole schedule, after one untimed run that compiles and warms)."""
+    from scipy.optimize import nnls
+
+    addresser = Addresser(layout)
+    rng = np.random.default_rng(seed)
+    steps, live = [], []  # per call (requests, starts, stops, num_prompt, tokens); live: [rid, tokens, position, prompt]
+
+    def step(new: list, batch: list) -> None:
+        steps.append(([d[0] for d in new + batch], [0] * len(new) + [d[2] for d in batch],
+                      [d[3] for d in new] + [d[2] + 1 for d in batch], [d[3] for d in new + batch],
+                      [d[1] for d in new + batch]))
+        for d in batch:
+            d[2] += 1
+        live[:] = [d for d in live if d[2] < d[3] + 63] + new
+
+    for rid, prompt in enumerate(rng.permutation(np.repeat([16, 32, 64, 128, 256, 384, 512], 4)).tolist()):
+        ids = rng.integers(100, 90_000, prompt + 64) if rid % 2 else 100 + rng.zipf(1.3, prompt + 64) % 90_000
+        new = [rid, ids.astype(np.int64), prompt, prompt]  # 64 output tokens to decode
+        step([new], live[:int(rng.integers(0, 16))])
+        for size in (1, 4, 16):
+            step([], live[-size:])
+    rows = [np.concatenate([addresser.rows(np.asarray(t[:b], np.int64))[a:b] for t, a, b in zip(tok, st, sp)])
+            for _, st, sp, _, tok in steps]
+    times = np.empty((repeats + 1, len(steps)))
+    counts = np.empty((len(steps), 3))
+    for r in range(repeats + 1):
+        scorer = OnlineScorer(model, layout)
+        for i, (req, st, sp, npr, tok) in enumerate(steps):
+            t = time.thread_time()
+            scorer.scores(np.asarray(req), np.asarray(st), np.asarray(sp), np.asarray(npr), tok, rows[i])
+            times[r, i] = time.thread_time() - t
+            counts[i] = scorer.last_counts
+    y = np.median(times[1:], axis=0)
+    a = np.column_stack([np.ones(len(steps)), counts])
+    coef, _ = nnls(a / y[:, None], np.ones(len(steps)))  # relative error: a decode step counts as a prefill does
+    return ScorerCost(*map(float, coef), calls=len(steps), rms_error=float(np.sqrt(np.mean((a @ coef / y - 1) ** 2))))

@@ -101,6 +101,8 @@ class EngineCounters:
     engram_rows: int = 0
     engram_stall_s: float = 0.0
     engram_fetch_s: float = 0.0
+    scorer_s: float = 0.0  # the learned row cache's scorer, on the engine thread before each fetch
+    scorer_cpu_s: float = 0.0  # the engine thread's CPU time in it
     compute_s: float = 0.0
     step_s: float = 0.0  # wall time of the steps
     thread_cpu_s: float = 0.0  # the engine thread's CPU over them: over step_s, the share of a core it got
@@ -252,10 +254,13 @@ class LiveEngine:
         offsets = np.concatenate([[0], np.cumsum(step.stops - step.starts)])
         row_ids = self._stream.feed(np.concatenate(chunks), offsets, seq=[self._slot[r] for r in rids])
         scores = None
+        fetch = {"window_s": 0.0, "stall_s": 0.0, "fetch_s": 0.0, "scorer_s": 0.0, "scorer_cpu_s": 0.0}
         if self.scorer is not None:  # a learned row cache: keep scores from what was served so far
+            t_score, cpu_score = time.perf_counter(), time.thread_time()
             scores = self.scorer.scores(step.requests, step.starts, step.stops, step.num_prompt,
                                         [self._live[r].req.tokens for r in rids], row_ids)
-        fetch = {"window_s": 0.0, "stall_s": 0.0, "fetch_s": 0.0}
+            # on this thread, before the fetch starts: its wall time, and its CPU time
+            fetch["scorer_s"], fetch["scorer_cpu_s"] = time.perf_counter() - t_score, time.thread_time() - cpu_score
         handle = self.rows.prefetch(row_ids, scores) if self.config.prefetch else None
         t_fetch = time.perf_counter()
 
@@ -356,6 +361,8 @@ class LiveEngine:
         c.engram_rows += int(row_ids.size)
         c.engram_stall_s += fetch["stall_s"]
         c.engram_fetch_s += fetch["fetch_s"]
+        c.scorer_s += fetch["scorer_s"]
+        c.scorer_cpu_s += fetch["scorer_cpu_s"]
         c.compute_s += t_done - t0 - fetch["stall_s"]
         c.step_s += t_done - t0
         c.thread_cpu_s += fetch["thread_cpu_s"]

@@ -221,10 +221,13 @@ class LatencyModel:
     Args:
         placement: one of PLACEMENTS.
         row_cache_bytes: HBM per GPU for a row cache in front of the placement.
+        table_bytes: the Engram table's bytes where they are not the model layout's (a live
+            store's scaled tables); what placement ``hbm`` holds in HBM.
     """
 
     def __init__(self, model: ModelSpec, hardware: HardwareProfile, tp: int = 1, placement: str = "dram-uva",
-                 row_cache_bytes: float = 0.0, efficiency: Efficiency = Efficiency(), ep: int = 1):
+                 row_cache_bytes: float = 0.0, efficiency: Efficiency = Efficiency(), ep: int = 1,
+                 table_bytes: float | None = None):
         if placement not in PLACEMENTS:
             raise CachelabError(f"unknown placement {placement!r}; use one of {list(PLACEMENTS)}")
         if hardware.gpu is None or hardware.host is None:
@@ -239,6 +242,7 @@ class LatencyModel:
             raise CachelabError(f"expert parallelism {ep} must be 1 (experts sharded over TP) or the TP degree {tp}")
         self.model, self.hw, self.tp, self.placement, self.ep = model, hardware, int(tp), placement, int(ep)
         self.row_cache_bytes = float(row_cache_bytes)
+        self.table_bytes = model.table_bytes if table_bytes is None else float(table_bytes)
         self.eff = efficiency
         self.plan = self.memory_plan()
 
@@ -247,7 +251,7 @@ class LatencyModel:
         m, g, e = self.model, self.hw.gpu, self.eff
         usable = g.hbm_bytes * e.memory_utilization - e.activation_reserve_bytes
         weights = m.weight_bytes / self.tp
-        table = m.table_bytes / (self.tp if m.table_sharded_across_tp else 1) if self.placement == "hbm" else 0.0
+        table = self.table_bytes / (self.tp if m.table_sharded_across_tp else 1) if self.placement == "hbm" else 0.0
         kv = usable - weights - table - self.row_cache_bytes
         per_token = m.kv_bytes_per_token if m.kv_replicated_across_tp else m.kv_bytes_per_token / self.tp
         if kv <= 0:

@@ -12,6 +12,13 @@ the live engine's own scorer (``cachelab.learning.online.OnlineScorer``), fed wh
 engine feeds it: the step's requests, positions, tokens and full-layout row ids. Clients
 keep at most ``concurrency`` requests in flight (``vllm bench serve --max-concurrency``): a
 request is sent at its arrival time or when a slot frees, whichever is later.
+
+``warmup`` (a request table) is served first, as a live server's warm-up requests are before a
+measured run: through the same scheduler, prefix cache, address stream, row cache and scorer,
+counted nowhere; the measured requests then start from a fresh clock and client, with the
+state the warm-up left (cached prefix blocks, cached rows, the policy's and the scorer's
+history, the rows' first-use numbering), and request ids after the warm-up's, as the live
+engine numbers them.
 """
 
 from __future__ import annotations
@@ -57,6 +64,10 @@ class ServingConfig:
         row_cache_model: a predictor directory (``cachelab train --out``) whose keep scores a
             learned ``row_cache_policy`` reads, computed online step by step as the live engine
             computes them (``cachelab serve --model``).
+        scorer_cost: the scorer's seconds per call, per scheduled sequence, per row looked up
+            and per distinct row scored (``cachelab.learning.online.measure_cost``, measured on
+            the engine's machine): each step of a learned row cache is that much longer (the live
+            engine scores on its thread before the step's fetch starts). None: not charged.
         page_cache_bytes: host DRAM the OS page cache may use for ssd-mmap (None: half of the
             replica's host DRAM).
         sample_rate: spatial sampling of rows (1.0: every row).
@@ -80,6 +91,7 @@ class ServingConfig:
     row_cache_bytes: float = 0.0
     row_cache_policy: str = "lru"
     row_cache_model: str | None = None
+    scorer_cost: tuple[float, float, float, float] | None = None
     page_cache_bytes: float | None = None
     sample_rate: float = 1.0
     model: str | ModelSpec = "deepseek-v4.1-flash"  # a spec name or file, or a spec itself (the live model's)
@@ -105,6 +117,9 @@ class ServingConfig:
             raise CachelabError(f"row_cache_bytes must be >= 0, got {self.row_cache_bytes}")
         if self.store_scale is not None and not 0.0 < self.store_scale <= 1.0:
             raise CachelabError(f"store_scale must be in (0, 1], got {self.store_scale}")
+        if self.scorer_cost is not None and (len(self.scorer_cost) != 4 or min(self.scorer_cost) < 0):
+            raise CachelabError(f"scorer_cost must be 4 non-negative seconds (per call, sequence, lookup, row), "
+                                f"got {self.scorer_cost!r}")
         if self.row_cache_model is not None and not Path(self.row_cache_model).is_dir():
             raise CachelabError(f"row_cache_model: no directory {str(self.row_cache_model)!r} (a predictor "
                                 "directory from `cachelab train --out`)")
@@ -193,16 +208,25 @@ class ServingSimulator:
     """Replays ``trace`` (a request table, ``cachelab.trace.schema`` schema) under ``config``."""
 
     def __init__(self, trace: pl.DataFrame, config: ServingConfig, progress: bool = False,
-                 row_space: RowSpace | None = None):
+                 row_space: RowSpace | None = None, warmup: pl.DataFrame | None = None):
         config.check()
         self.config, self.progress = config, progress
         self.hw = load_profile(config.hardware)
         self.model = (config.model if isinstance(config.model, ModelSpec)
                       else load_model(config.model, layout=config.layout))
         rc = config.row_cache_bytes if config.placement != "hbm" else 0.0
-        self.latency = LatencyModel(self.model, self.hw, config.tp, config.placement, rc, config.efficiency)
         self.addresser = Addresser(self.model.layout)
+        self.tables = None if config.store_scale is None else TableLayout(self.addresser.config, config.store_scale)
+        table_bytes = None if self.tables is None else float(self.tables.table_rows.sum()) * self.model.row_bytes
+        self.latency = LatencyModel(self.model, self.hw, config.tp, config.placement, rc, config.efficiency,
+                                    table_bytes=table_bytes)
         self.seqs, self.plen, self.olen, self.arrival = _sequences(trace)
+        self.num_warmup = 0 if warmup is None else warmup.height  # served first, measured nowhere
+        if self.num_warmup:
+            seqs, plen, olen, arrival = _sequences(warmup)
+            self.seqs = seqs + self.seqs
+            self.plen, self.olen, self.arrival = (np.concatenate([a, b]) for a, b in
+                                                  ((plen, self.plen), (olen, self.olen), (arrival, self.arrival)))
         self.kv_tokens = kv_tokens = config.kv_cache_tokens or self.latency.plan.kv_tokens
         too_long = np.flatnonzero(self.plen + self.olen > kv_tokens)
         if too_long.size:
@@ -211,7 +235,6 @@ class ServingSimulator:
                                 f"{self.hw.name} TP{config.tp} {config.placement} holds {kv_tokens}")
         self.row_bytes = self.addresser.config.row_bytes
         self.rows_per_page = PAGE_BYTES // self.row_bytes
-        self.tables = None if config.store_scale is None else TableLayout(self.addresser.config, config.store_scale)
         sizes = self.addresser.config.table_rows if self.tables is None else self.tables.table_rows
         if row_space is None and config.sample_rate * float(sizes.sum()) <= TABLE_SPACE_ROWS:
             row_space = table_row_space(sizes, config.sample_rate, self.rows_per_page)
@@ -271,6 +294,7 @@ class ServingSimulator:
             from cachelab.learning.online import OnlineScorer
 
             scorer = OnlineScorer(self.learned, self.model.layout)
+        cost = None if scorer is None or cfg.scorer_cost is None else np.asarray(cfg.scorer_cost, np.float64)
         if cfg.warm_page_cache:
             replay.prewarm_page_cache()
         n_tiers = len(self.hierarchy.tiers)
@@ -287,18 +311,26 @@ class ServingSimulator:
         cached_first = np.zeros(n, np.int64)
         times: list[list[float]] = [[] for _ in range(n)]
 
-        pending = deque(np.argsort(self.arrival, kind="stable").tolist())
+        w = self.num_warmup
+        measured = (np.argsort(self.arrival[w:], kind="stable") + w).tolist()
+        pending = deque(np.argsort(self.arrival[:w], kind="stable").tolist() if w else measured)
         client = [0.0] * cfg.concurrency if cfg.concurrency else None  # heap of slot free times
-        clock, finished = 0.0, 0
+        clock, finished, measuring = 0.0, 0, not w
         steps: dict[str, list] = {k: [] for k in ("start_s", "step_s", "stall_s", "gpu_s", "tokens", "decodes",
                                                   "sequences", "fetch1_s", "fetch14_s", "rows_unique",
                                                   "row_cache_hits")}
+        if cost is not None:
+            steps["scorer_s"] = []
         peak_cached = 0
         fetch_parts: dict[str, float] = {}  # seconds per fetch part, summed over steps and layers
         scale = 1.0 / cfg.sample_rate
         with Progress(transient=True, disable=not self.progress) as bar:
-            task = bar.add_task("serving replay", total=n)
+            task = bar.add_task("serving replay", total=n - self.num_warmup)
             while finished < n:
+                if not measuring and finished == w:  # the warm-up served: the measured run starts afresh
+                    measuring, clock, pending = True, 0.0, deque(measured)
+                    scheduler.kv.reset_counts()
+                    client = [0.0] * cfg.concurrency if cfg.concurrency else None
                 while pending and self.arrival[pending[0]] <= clock and (client is None or (client and client[0] <= clock)):
                     r = pending.popleft()
                     t_free = heapq.heappop(client) if client is not None else 0.0
@@ -325,14 +357,17 @@ class ServingSimulator:
                 chunks = [self.seqs[r][a:b] for r, a, b in zip(ids, step.starts.tolist(), step.stops.tolist())]
                 offsets = np.concatenate([[0], np.cumsum(step.stops - step.starts)])
                 rows = stream.feed(np.concatenate(chunks), offsets, seq=slot_of[step.requests].tolist())
+                scorer_s = 0.0
                 if scorer is None:
                     keys = sampled_keys(fold_rows(rows, self.tables), cfg.sample_rate, self.rows_per_page)
-                    out = replay.step(keys, record=clock >= cfg.warmup_s)
+                    out = replay.step(keys, record=measuring and clock >= cfg.warmup_s)
                 else:  # the live engine's call (cachelab.live.engine), on the full-layout rows
                     scores = scorer.scores(step.requests, step.starts, step.stops, step.num_prompt,
                                            [self.seqs[r] for r in ids], rows)
+                    if cost is not None:  # on the engine thread before the fetch: the whole step waits
+                        scorer_s = float(cost[0] + cost[1:] @ scorer.last_counts)
                     keys, at = sampled_keys_at(fold_rows(rows, self.tables), cfg.sample_rate, self.rows_per_page)
-                    out = replay.step(keys, record=clock >= cfg.warmup_s, scores=scores.reshape(-1)[at])
+                    out = replay.step(keys, record=measuring and clock >= cfg.warmup_s, scores=scores.reshape(-1)[at])
                 tokens = int(offsets[-1])
                 work = []
                 for li in range(len(self.model.engram_layers)):
@@ -343,22 +378,25 @@ class ServingSimulator:
                         page_cache_rows=float(served[n_tiers]) if is_ssd else 0.0,
                         page_reads=float(out.page_reads[li] * scale)))
                 t = lat.step_time(Batch(step.starts, step.stops), work)
-                steps["start_s"].append(clock)
-                clock += t.step_s
-                steps["step_s"].append(t.step_s)
-                steps["stall_s"].append(t.stall_s)
-                steps["gpu_s"].append(t.gpu.total_s)
-                steps["tokens"].append(tokens)
-                steps["decodes"].append(step.decodes)
-                steps["sequences"].append(len(ids))
-                for f in t.fetches:
-                    fetch_parts["fetch_s"] = fetch_parts.get("fetch_s", 0.0) + f.fetch_s
-                    for part, value in f.parts.items():
-                        fetch_parts[part] = fetch_parts.get(part, 0.0) + value
-                steps["fetch1_s"].append(t.fetches[0].fetch_s)
-                steps["fetch14_s"].append(t.fetches[-1].fetch_s)
-                steps["rows_unique"].append(sum(w.unique for w in work))
-                steps["row_cache_hits"].append(sum(w.cache_hits for w in work))
+                if measuring:
+                    steps["start_s"].append(clock)
+                    steps["step_s"].append(t.step_s + scorer_s)
+                    steps["stall_s"].append(t.stall_s)
+                    steps["gpu_s"].append(t.gpu.total_s)
+                    steps["tokens"].append(tokens)
+                    steps["decodes"].append(step.decodes)
+                    steps["sequences"].append(len(ids))
+                    for f in t.fetches:
+                        fetch_parts["fetch_s"] = fetch_parts.get("fetch_s", 0.0) + f.fetch_s
+                        for part, value in f.parts.items():
+                            fetch_parts[part] = fetch_parts.get(part, 0.0) + value
+                    steps["fetch1_s"].append(t.fetches[0].fetch_s)
+                    steps["fetch14_s"].append(t.fetches[-1].fetch_s)
+                    steps["rows_unique"].append(sum(x.unique for x in work))
+                    steps["row_cache_hits"].append(sum(x.cache_hits for x in work))
+                    if cost is not None:
+                        steps["scorer_s"].append(scorer_s)
+                clock += t.step_s + scorer_s
                 # -- emit tokens, finish requests ------------------------------------------
                 done = scheduler.complete(step)
                 for r in step.emitted:
@@ -372,20 +410,23 @@ class ServingSimulator:
                     if client is not None:
                         heapq.heappush(client, clock)
                 finished += len(done)
-                if done:
+                if done and measuring:
                     bar.advance(task, len(done))
-                peak_cached = max(peak_cached, scheduler.kv.num_cached_tokens)
+                if measuring:
+                    peak_cached = max(peak_cached, scheduler.kv.num_cached_tokens)
                 if on_step is not None:
                     on_step(step)
-        preemptions = np.array([r.preemptions for r in requests], np.int64)
-        return self._result(scheduler.kv, replay, send, first, end, times, cached_first, preemptions, steps,
-                            peak_cached, fetch_parts)
+        preemptions = np.array([r.preemptions for r in requests[w:]], np.int64)
+        return self._result(scheduler.kv, replay, send[w:], first[w:], end[w:], times[w:], cached_first[w:],
+                            preemptions, steps, peak_cached, fetch_parts)
 
     def _result(self, cache, replay, send, first, end, times, cached_first, preemptions, steps, peak_cached,
                 fetch_parts):
+        """The measured requests' results (the warm-up's left out)."""
         cfg = self.config
+        plen, olen = self.plen[self.num_warmup:], self.olen[self.num_warmup:]
         counts = np.array([len(t) for t in times], np.int64)
-        rt = RequestTimes(send, first, end, self.plen, self.olen,
+        rt = RequestTimes(send, first, end, plen, olen,
                           np.concatenate([np.asarray(t) for t in times]) if times else np.zeros(0),
                           np.concatenate([[0], np.cumsum(counts)]))
         metrics = summarize(rt, cfg.tp, self.hw.usd_per_gpu_hour)
@@ -394,6 +435,8 @@ class ServingSimulator:
         metrics["mean_stall_ms"] = float(per_step["stall_s"].mean() * 1e3)
         metrics["stall_share"] = float(per_step["stall_s"].sum() / per_step["step_s"].sum())
         metrics["preemptions"] = int(preemptions.sum())
+        if "scorer_s" in per_step.columns:  # the learned row cache's scorer, charged per step
+            metrics["scorer_ms_per_step"] = float(per_step["scorer_s"].mean() * 1e3)
         metrics["engram_fetch_parts_s"] = fetch_parts  # where the fetch time went, summed over the run
         kv_bytes = self.model.kv_bytes_per_token
         prefix = {"kind": cfg.prefix_cache, "hit_ratio": cache.hit_ratio,
@@ -413,11 +456,12 @@ class ServingSimulator:
                 rows["row_cache_model"] = str(cfg.row_cache_model)
             rows["row_cache_resident_bytes"] = float(policy.resident().size / cfg.sample_rate * self.row_bytes)
         per_request = pl.DataFrame({"send_s": send, "first_token_s": first, "end_s": end,
-                                    "prompt_tokens": self.plen, "output_tokens": self.olen,
+                                    "prompt_tokens": plen, "output_tokens": olen,
                                     "cached_tokens": cached_first, "preemptions": preemptions})
         return ServingResult(cfg, metrics, prefix, rows, describe(self.latency), per_request, per_step)
 
 
-def simulate(trace: pl.DataFrame, config: ServingConfig, progress: bool = False) -> ServingResult:
-    """Run one serving replay (see ``ServingSimulator``)."""
-    return ServingSimulator(trace, config, progress).run()
+def simulate(trace: pl.DataFrame, config: ServingConfig, progress: bool = False,
+             warmup: pl.DataFrame | None = None) -> ServingResult:
+    """Run one serving replay (see ``ServingSimulator``; ``warmup``: requests served first, unmeasured)."""
+    return ServingSimulator(trace, config, progress, warmup=warmup).run()

@@ -1,6 +1,11 @@
 """The backing store: the whole table, in DRAM or read from the table files on SSD.
 
 - ``dram``: every layer's data pages loaded into one DRAM buffer; a miss is a row copy.
+- ``hbm``: every layer's data pages resident in the compute device's memory as one torch
+  tensor (serve-sim's ``hbm`` placement): rows are gathered there, nothing is staged or
+  copied from the host. With CUDA that is the GPU's HBM; on a CPU the compute device is the
+  CPU, so its memory, host DRAM, stands in for HBM (the same bytes as ``dram``; what differs is
+  that no cache tier may sit in front and the prediction is serve-sim's ``hbm``).
 - ``mmap``: the files mapped read-only; a miss is a row copy that may page-fault (the OS
   page cache is the DRAM tier in front of the SSD: SemiAnalysis' published path).
 - ``pread``: buffered ``pread`` of each 264-byte row, from compiled code on a thread pool
@@ -30,7 +35,7 @@ from cachelab.store.format import PAGE, TableLayout
 from cachelab.store.kernels import gather_pages, pread_rows
 from cachelab.workload.lookups import compact
 
-BACKINGS = ("dram", "mmap", "pread", "direct")
+BACKINGS = ("dram", "mmap", "pread", "direct", "hbm")
 
 
 HUGE_PAGE = 2 << 20
@@ -87,6 +92,46 @@ class DramBacking:
 
     def close(self) -> None:
         self.buf = self.pages = None
+
+
+class DeviceTable:
+    """Every layer's data pages resident in the compute device's memory (module doc, ``hbm``).
+
+    ``table``: the pages as a torch uint8 tensor ``[pages, 4096]`` on ``device``; ``pages``:
+    its NumPy view where the device is the CPU (the fused gather-dequantiser reads it there),
+    None on a GPU, where ``rows`` (``[page rows, row_bytes]``, the pages without their tail
+    padding) is what a gather indexes."""
+
+    name = "hbm"
+    on_ssd = False
+
+    def __init__(self, layout: TableLayout, paths: list[Path], device):
+        import torch
+
+        host = DramBacking(layout, paths)
+        self.layout, self.page_base, self.device = layout, host.page_base, torch.device(device)
+        if self.device.type == "cpu":  # the compute device's memory is host memory: the tensor is the buffer
+            self._host, self.table, self.pages, self.rows = host, torch.from_numpy(host.pages), host.pages, None
+        else:
+            rpp, rb = layout.rows_per_page, layout.row_bytes
+            self.table = torch.from_numpy(host.pages).to(self.device)
+            self.rows = self.table[:, :rpp * rb].reshape(-1, rb)  # a copy on the device, then the pages go
+            self.table, self.pages, self._host = None, None, None
+            host.close()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the table on the device."""
+        t = self.table if self.table is not None else self.rows
+        return int(t.numel() * t.element_size())
+
+    def read(self, layer, rows, out, dst):  # the store gathers from the device table itself
+        raise CachelabError("the hbm backing is gathered on its device, never read into host staging")
+
+    def close(self) -> None:
+        if self._host is not None:
+            self._host.close()
+        self.table = self.pages = self.rows = self._host = None
 
 
 class MmapBacking:
@@ -281,11 +326,13 @@ class DirectBacking:
 
 
 def open_backing(name: str, layout: TableLayout, paths: list[Path], io_threads: int | None = None,
-                 io_submit: str = "auto"):
+                 io_submit: str = "auto", device: str = "cpu"):
     if name not in BACKINGS:
         raise CachelabError(f"unknown backing {name!r}; choose one of {list(BACKINGS)}")
     if name == "dram":
         return DramBacking(layout, paths)
+    if name == "hbm":
+        return DeviceTable(layout, paths, device)
     if name == "mmap":
         return MmapBacking(layout, paths)
     threads = {} if io_threads is None else {"io_threads": io_threads}

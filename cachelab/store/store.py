@@ -16,7 +16,10 @@ simulator's replay uses, so every policy decides as it does there. Each policy a
 slot map is sized by the table's rows (``policy_bytes_per_row`` measures what that costs).
 Without CUDA the HBM tier is a CPU tensor standing in for HBM (``hbm_device`` says so) and
 the host staging is the device rows themselves; with CUDA it is device memory, the DRAM tier
-and staging are pinned, and dequantisation runs on the GPU with torch ops.
+and staging are pinned, and dequantisation runs on the GPU with torch ops. Backing ``hbm`` (serve-sim's placement)
+keeps the whole table in the compute device's memory as one torch tensor, with no tier in
+front: a step's rows are gathered and dequantised there, nothing staged or copied over the host
+link (on the CPU that memory is host DRAM standing in for HBM, as for the row cache).
 """
 
 from __future__ import annotations
@@ -137,7 +140,13 @@ class TieredStore:
         if bool(dram_policy) != bool(dram_rows):
             raise CachelabError(f"the DRAM cache needs both a policy and a capacity, got dram_policy={dram_policy!r}, "
                                 f"dram_capacity={dram_capacity!r}")
-        host_need = (dram_rows if dram_policy else 0) * self.row_bytes + (table_bytes if backing == "dram" else 0)
+        self.resident = backing == "hbm"  # the whole table in the compute device's memory
+        if self.resident and ((hbm_policy and hbm_rows) or (dram_policy and dram_rows)):
+            raise CachelabError(f"backing 'hbm' holds the whole table in the compute device's memory "
+                                f"({self.hbm_device}): no row cache or DRAM cache goes in front of it; "
+                                "give no hbm/dram cache policy and capacity")
+        host_need = (dram_rows if dram_policy else 0) * self.row_bytes
+        host_need += table_bytes if backing == "dram" or (self.resident and not self.cuda) else 0
         if not self.cuda:
             host_need += (hbm_rows if hbm_policy else 0) * self.row_bytes
         if host_need > available_memory():
@@ -148,6 +157,9 @@ class TieredStore:
             if hbm_rows * self.row_bytes > free:
                 raise CachelabError(f"hbm_capacity {hbm_capacity!r} = {hbm_rows * self.row_bytes:,} B is over the "
                                     f"{free:,} B free on {device}")
+        if self.cuda and self.resident and table_bytes > torch.cuda.mem_get_info(self.device)[0]:
+            raise CachelabError(f"backing 'hbm': the table's {table_bytes:,} B are over the "
+                                f"{torch.cuda.mem_get_info(self.device)[0]:,} B free on {device}")
         if hbm_policy and hbm_rows:
             mem = torch.empty((hbm_rows, self.row_bytes), dtype=torch.uint8, device=self.device)
             tiers.append(CacheTier("hbm", self._policy(hbm_policy), hbm_rows, self.num_keys,
@@ -158,11 +170,12 @@ class TieredStore:
         self.tiers = tiers
         self._hbm = tiers[0] if tiers and tiers[0].name == "hbm" else None
         self._dram = tiers[-1] if tiers and tiers[-1].name == "dram" else None
-        self.backing = open_backing(backing, lay, self.paths, io_threads, io_submit)
-        self._fused = not tiers and not self.cuda and backing == "dram"
+        self.backing = open_backing(backing, lay, self.paths, io_threads, io_submit, device)
+        # no tier keeps a row and the rows are where the dequantiser runs: gathered straight to BF16
+        self._fused = not tiers and not self.cuda and backing in ("dram", "hbm")
         # keys: the layout's fold; with the fused path, straight to page-table rows (a bijection
         # of the store's keys: dedup and counts are the same)
-        self._key_base = self.backing.page_base * lay.rows_per_page if self._fused else lay.layer_base
+        self._key_base = self.backing.page_base * lay.rows_per_page if self._fused or self.resident else lay.layer_base
         self._outputs = OutputPool()
         # id + 1 of each row seen (0: not yet), zero-filled so the OS maps only the pages of rows
         # in use: np.full(-1) wrote all 3.1 GB of the full V4.1 tables' map at open
@@ -286,7 +299,12 @@ class TieredStore:
             dram_hit, back = np.zeros(0, np.int64), np.arange(m, dtype=np.int64)
         t2 = clock()
         c["cache_lookup_s"] = t2 - t1
-        if self._fused:  # no tier keeps a row and no device: each row read once, straight to BF16
+        if self.resident and self.cuda:  # the table in HBM: one gather there, nothing staged or copied
+            h, written_hbm, file_bytes, pages = 0, 0, 0, 0
+            out = self._dequant(self.backing.rows, uniq[inverse], shape, out)  # uniq: the table's page rows
+            t8 = clock()
+            c["dequant_s"] = t8 - t2
+        elif self._fused:  # no tier keeps a row and no device: each row read once, straight to BF16
             h, written_hbm, file_bytes, pages = 0, 0, 0, 0
             res = self._output(shape, out)  # uniq: page-table rows here (the fold's base)
             flat = res.view(self.torch.int16).numpy().reshape(inverse.size, self.row_dim).view(np.uint16)
@@ -345,6 +363,9 @@ class TieredStore:
         c["host_to_device_bytes"] = int(m) * rb
         c["hbm_read_bytes"] = int(h) * rb
         c["host_read_bytes"] = int(dram_hit.size + (0 if self.backing.name == "direct" else back.size)) * rb
+        if self.resident:  # every row gathered where it lives: nothing crosses the host link
+            c["host_to_device_bytes"] = c["host_read_bytes"] = 0
+            c["hbm_read_bytes"] = int(n) * rb
         c["minor_faults"], c["major_faults"] = minor1 - minor0, major1 - major0
         c["step_s"] = t8 - t0
         return out

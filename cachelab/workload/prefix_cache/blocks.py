@@ -196,6 +196,10 @@ class BlockPrefixCache:
         """vLLM's prefix-cache hit rate: cached tokens / queried tokens."""
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
+    def reset_counts(self) -> None:
+        """Count hits afresh from here, the cached blocks kept (a measured run after a warm-up)."""
+        self.queried_tokens = self.hit_tokens = 0
+
     def prefix_key(self, tokens: np.ndarray) -> np.ndarray:
         """What ``match`` and ``admit`` take: the chained hashes of the full blocks."""
         return block_hashes(tokens, self.block_size)

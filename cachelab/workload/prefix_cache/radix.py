@@ -145,6 +145,10 @@ class RadixPrefixCache:
         total = self.new_tokens + self.cached_tokens
         return self.cached_tokens / total if total else 0.0
 
+    def reset_counts(self) -> None:
+        """Count hits afresh from here, the tree kept (a measured run after a warm-up)."""
+        self.new_tokens = self.cached_tokens = 0
+
     def prefix_key(self, tokens: np.ndarray) -> np.ndarray:
         """What ``match`` and ``admit`` take: the tokens themselves."""
         return np.asarray(tokens, dtype=np.int32)
