@@ -101,6 +101,21 @@ def test_model_spec_facts():
     assert MODEL.kv_bytes_per_token == 925 and MODEL.acceptance_length == 3.51  # the InferenceX recipe's synthetic acceptance
 
 
+def test_a_rank_holds_the_published_weight_fit_and_the_indexer_buffer_of_its_token_budget():
+    gib = 2**30
+    # InferenceX PR 3337: 256 GiB / TP + 17.2 GiB per rank (TP8 49.2, TP4 81.2, TP2 145.2 GiB)
+    for tp, published in ((8, 49.2), (4, 81.2), (2, 145.2)):
+        assert MODEL.rank_weight_bytes(tp) / gib == pytest.approx(published, abs=0.05)
+    r1 = load_model("deepseek-r1")  # no published fit: an even split of its weights, no indexer buffer
+    assert r1.rank_weight_bytes(8) == pytest.approx(r1.weight_bytes / 8) and r1.indexer_buffer_bytes(16384) == 0
+    assert MODEL.indexer_buffer_bytes(16384) == 32 * gib  # "32 GiB at the upstream 16384 batched tokens"
+    b200 = load_profile("B200")
+    small, big = (LatencyModel(MODEL, b200, tp=4, placement="dram-uva", max_num_batched_tokens=n).plan
+                  for n in (8192, 16384))
+    assert small.weight_bytes == MODEL.rank_weight_bytes(4) and big.indexer_buffer_bytes == 32 * gib
+    assert small.kv_bytes - big.kv_bytes == pytest.approx(16 * gib)
+
+
 def test_model_spec_takes_the_engram_tables_from_the_layout(tmp_path):
     from cachelab.engram import get_preset
 
@@ -130,7 +145,8 @@ def test_table_in_hbm_takes_kv_and_b300_tp2_does_not_fit():
     hbm = LatencyModel(MODEL, b300, tp=4, placement="hbm").plan
     assert dram.kv_bytes - hbm.kv_bytes == pytest.approx(MODEL.table_bytes / 4)
     assert LatencyModel(MODEL, b300, tp=2, placement="dram-uva").plan.kv_tokens > 0
-    with pytest.raises(CachelabError, match=r"does not fit B300 at TP2 with placement hbm.*\(-0\.6 GB\)"):
+    # weights 155.9 GB (256 GiB / 2 + 17.2 GiB), table 101.4 GB, indexer buffer 17.2 GB at 8192 tokens
+    with pytest.raises(CachelabError, match=r"does not fit B300 at TP2 with placement hbm.*\(-21\.3 GB\)"):
         LatencyModel(MODEL, b300, tp=2, placement="hbm")
     with pytest.raises(CachelabError, match="does not fit H100 at TP1"):
         LatencyModel(MODEL, load_profile("H100"), tp=1, placement="hbm")

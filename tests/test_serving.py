@@ -81,9 +81,9 @@ def test_prefix_cache_skips_lookups_and_reports_both_caches():
 def test_preemption_when_kv_runs_out_still_finishes_every_token():
     cfg = ServingConfig(hardware="B200", tp=8, max_num_batched_tokens=2048, prefix_cache="off")
     sim = ServingSimulator(_trace(30, spacing=0.0, out=(100, 200), shared=False), cfg)
-    usable, weights = sim.latency.plan.usable_bytes, sim.latency.plan.weight_bytes
-    small = Efficiency(activation_reserve_bytes=sim.latency.eff.activation_reserve_bytes
-                       + usable - weights - 4000 * sim.model.kv_bytes_per_token)
+    plan = sim.latency.plan
+    small = Efficiency(activation_reserve_bytes=sim.latency.eff.activation_reserve_bytes + plan.usable_bytes
+                       - plan.weight_bytes - plan.indexer_buffer_bytes - 4000 * sim.model.kv_bytes_per_token)
     res = simulate(_trace(30, spacing=0.0, out=(100, 200), shared=False),
                    ServingConfig(hardware="B200", tp=8, max_num_batched_tokens=2048, prefix_cache="off", efficiency=small))
     assert res.memory["memory_plan_per_gpu"]["kv_tokens"] < 4100

@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cachelab.cli import app
+from cachelab.errors import CachelabError
 from cachelab.serving.agentic import MEDIAN_OUTPUT, PREFIX_HIT, PREFIX_HIT_V01, agentic_workload
 from cachelab.serving.hardware import load_profile
 from cachelab.serving.latency import Efficiency, LatencyModel
@@ -74,6 +75,22 @@ def test_kv_capacity_caps_the_running_batch_and_the_rest_wait_for_admission():
     assert heavier["median_tpot_ms"] == pytest.approx(heavy["median_tpot_ms"], rel=0.02)
     assert heavier["tokens_per_s_per_gpu"] == pytest.approx(heavy["tokens_per_s_per_gpu"], rel=0.02)
     assert heavier["median_ttft_ms"] > 3 * heavy["median_ttft_ms"]
+
+
+def test_a_deployment_plans_hbm_for_its_own_token_budget():
+    with pytest.raises(CachelabError, match="token budget 16384 is not the one"):
+        Deployment(LatencyModel(load_model(), load_profile("B200"), 4, "dram-uva"), 16384)
+
+
+def test_the_v41_vllm_runs_use_their_published_token_budget():
+    from cachelab.serving.calibration import batched_tokens, deployment, v41_script_points
+    from cachelab.serving.studies.semianalysis import deployment as study_deployment
+
+    assert batched_tokens("deepseek-v4.1-flash", "vllm") == 16384  # the InferenceX V4.1 vLLM arms
+    assert batched_tokens("deepseek-r1", "vllm") == 8192 and batched_tokens("deepseek-r1", "sglang") == 16384
+    assert {deployment(p, Efficiency()).max_num_batched_tokens for p in v41_script_points()} == {16384}
+    dep = study_deployment("B300", 4, "hbm", Efficiency())
+    assert dep.max_num_batched_tokens == 16384 and dep.latency.plan.indexer_buffer_bytes == 32 * 2**30
 
 
 def test_the_page_cache_is_the_nodes_and_every_replica_shares_it():

@@ -55,6 +55,23 @@ V41_SCRIPT_PAIR = {"dram-uva": {"tokens_per_s_per_gpu": 13632 / 4, "median_tpot_
                    "ssd-mmap": {"tokens_per_s_per_gpu": 14168 / 4, "median_tpot_ms": (8.45 + 8.60) / 2,
                                 "p99_ttft_ms": 6000.0}}
 
+# The token budget per step (``--max-num-batched-tokens``) of a run: SGLang's chunked-prefill default
+# (16384) and vLLM's (8192), except the InferenceX DeepSeek-V4.1-Flash vLLM arms, which ran 16384: the
+# B300 arm passes it (benchmarks/single_node/agentic/dsv41flash_fp4_b300_vllm_mtp.sh), and the B200
+# arms, whose scripts keep "the upstream scheduler defaults" (dsv41flash_fp4_vllm_mtp.sh, and the SSD
+# recipe beside it), ran "the upstream 16384 batched tokens" until the TP2 arms capped it at 4096
+# after the article (https://github.com/SemiAnalysisAI/InferenceX/pull/3310, /pull/3320, /pull/3321).
+VLLM_BATCHED_TOKENS = 8192
+SGLANG_BATCHED_TOKENS = 16384
+V41_VLLM_BATCHED_TOKENS = {"deepseek-v4.1-flash": 16384}
+
+
+def batched_tokens(model: str, framework: str) -> int:
+    """The token budget per step a published run of ``model`` on ``framework`` used."""
+    if framework.startswith("sglang"):
+        return SGLANG_BATCHED_TOKENS
+    return V41_VLLM_BATCHED_TOKENS.get(model, VLLM_BATCHED_TOKENS)
+
 
 # DeepSeek's production V3/R1 service over 24 hours (deepseek-ai/open-infra-index,
 # 202502OpenSourceWeek/day_6_one_more_thing_deepseekV3R1_inference_system_overview.md): 608 B input
@@ -219,9 +236,9 @@ def with_fitted_think(points: list[Point]) -> tuple[list[Point], float]:
 
 
 def deployment(point: Point, eff: Efficiency) -> Deployment:
+    budget = batched_tokens(point.model, point.framework)
     lat = LatencyModel(load_model(point.model), load_profile(point.hardware), point.tp, point.placement, efficiency=eff,
-                       ep=point.ep)
-    budget = 16384 if point.framework.startswith("sglang") else 8192  # SGLang's chunked-prefill default vs vLLM's
+                       ep=point.ep, max_num_batched_tokens=budget)
     return Deployment(lat, budget, point.kv_offload_bytes, point.page_cache_bytes)
 
 

@@ -143,6 +143,7 @@ class MemoryPlan:
     row_cache_bytes: float
     kv_bytes: float
     kv_tokens: int
+    indexer_buffer_bytes: float = 0.0  # the sparse indexer's logits buffer at the step's token budget
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,11 +224,13 @@ class LatencyModel:
         row_cache_bytes: HBM per GPU for a row cache in front of the placement.
         table_bytes: the Engram table's bytes where they are not the model layout's (a live
             store's scaled tables); what placement ``hbm`` holds in HBM.
+        max_num_batched_tokens: the scheduler's token budget per step, for the HBM a model
+            reserves per batched token (V4.1's indexer logits buffer).
     """
 
     def __init__(self, model: ModelSpec, hardware: HardwareProfile, tp: int = 1, placement: str = "dram-uva",
                  row_cache_bytes: float = 0.0, efficiency: Efficiency = Efficiency(), ep: int = 1,
-                 table_bytes: float | None = None):
+                 table_bytes: float | None = None, max_num_batched_tokens: int = 8192):
         if placement not in PLACEMENTS:
             raise CachelabError(f"unknown placement {placement!r}; use one of {list(PLACEMENTS)}")
         if hardware.gpu is None or hardware.host is None:
@@ -243,6 +246,7 @@ class LatencyModel:
         self.model, self.hw, self.tp, self.placement, self.ep = model, hardware, int(tp), placement, int(ep)
         self.row_cache_bytes = float(row_cache_bytes)
         self.table_bytes = model.table_bytes if table_bytes is None else float(table_bytes)
+        self.max_num_batched_tokens = int(max_num_batched_tokens)
         self.eff = efficiency
         self.plan = self.memory_plan()
 
@@ -250,16 +254,18 @@ class LatencyModel:
     def memory_plan(self) -> MemoryPlan:
         m, g, e = self.model, self.hw.gpu, self.eff
         usable = g.hbm_bytes * e.memory_utilization - e.activation_reserve_bytes
-        weights = m.weight_bytes / self.tp
+        weights = m.rank_weight_bytes(self.tp)
         table = self.table_bytes / (self.tp if m.table_sharded_across_tp else 1) if self.placement == "hbm" else 0.0
-        kv = usable - weights - table - self.row_cache_bytes
+        buffer = m.indexer_buffer_bytes(self.max_num_batched_tokens)
+        kv = usable - weights - table - buffer - self.row_cache_bytes
         per_token = m.kv_bytes_per_token if m.kv_replicated_across_tp else m.kv_bytes_per_token / self.tp
         if kv <= 0:
             raise CachelabError(
                 f"{m.name} does not fit {self.hw.name} at TP{self.tp} with placement {self.placement}: per GPU "
                 f"{usable / 1e9:.1f} GB usable, weights {weights / 1e9:.1f} GB, table {table / 1e9:.1f} GB, "
+                f"indexer buffer {buffer / 1e9:.1f} GB ({self.max_num_batched_tokens} batched tokens), "
                 f"row cache {self.row_cache_bytes / 1e9:.1f} GB leave no KV cache ({kv / 1e9:+.1f} GB)")
-        return MemoryPlan(usable, weights, table, self.row_cache_bytes, kv, int(kv // per_token))
+        return MemoryPlan(usable, weights, table, self.row_cache_bytes, kv, int(kv // per_token), buffer)
 
     # -- compute -----------------------------------------------------------------------------
     def _roofline(self, compute_s: float, nbytes: float) -> float:

@@ -86,6 +86,23 @@ class ModelSpec:
     # context, in whole blocks of B positions (the live CPU engine's paged attention: scaled
     # dot-product attention with an explicit mask; benchmarks/live_operator_probe.py)
     masked_attention_block: int = 0
+    # [memory]: a rank's resident weights as the published fit states them (sharded / TP + replicated;
+    # 0: the spec's own count, weight_bytes / TP), and the indexer's logits buffer per batched token
+    rank_weights_sharded_bytes: float = 0.0
+    rank_weights_replicated_bytes: float = 0.0
+    indexer_buffer_bytes_per_batched_token: float = 0.0
+
+    def rank_weight_bytes(self, tp: int) -> float:
+        """Weights one of ``tp`` ranks holds in HBM (tables excluded): the spec's ``[memory]``
+        fit where it has one (the non-expert weights replicated on every rank), else an even
+        split of ``weight_bytes``."""
+        if self.rank_weights_sharded_bytes:
+            return self.rank_weights_sharded_bytes / tp + self.rank_weights_replicated_bytes
+        return self.weight_bytes / tp
+
+    def indexer_buffer_bytes(self, batched_tokens: int) -> float:
+        """HBM per rank the sparse indexer reserves for a step of ``batched_tokens`` tokens."""
+        return self.indexer_buffer_bytes_per_batched_token * batched_tokens
 
     def layers_launched(self, drafting: bool) -> int:
         """Layers a step runs: the backbone's, and the draft model's passes when it drafts."""
@@ -213,9 +230,11 @@ _OPTIONAL = {  # zero (or empty) when a spec leaves them out
                   "index_heads", "index_head_dim", "index_key_bytes"),
     "mtp": ("draft_layers", "draft_params", "draft_active_params", "draft_passes_per_step", "speculative_tokens"),
     "engram": ("wkv_params",),
+    "memory": ("rank_weights_sharded_bytes", "rank_weights_replicated_bytes", "indexer_buffer_bytes_per_batched_token"),
 }
 _OTHER = {"backbone": ("expert_precision",), "attention": ("kv_replicated_across_tp", "compress_ratios", "index_sources"),
-          "mtp": ("acceptance_length",), "engram": ("layout", "table_sharded_across_tp", "page_cache_curve")}
+          "mtp": ("acceptance_length",), "engram": ("layout", "table_sharded_across_tp", "page_cache_curve"),
+          "memory": ()}
 # [engram] keys an older spec restated; the layout derives them, so they may stay only if they agree.
 _DERIVED = ("layers", "rows_per_token_layer", "row_bytes", "table_rows")
 
@@ -248,7 +267,7 @@ def load_model(name: str | Path = "deepseek-v4.1-flash", layout: str | EngramCon
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise CachelabError(f"cannot read model spec {path}: {exc}") from None
     values: dict = {"name": data.get("name", path.stem)}
-    for section in ("backbone", "attention", "mtp", "engram"):
+    for section in ("backbone", "attention", "mtp", "engram", "memory"):
         block = data.get(section, {})
         if section in _NUMBERS and not isinstance(data.get(section), dict):
             raise CachelabError(f"{path}: missing section [{section}]")

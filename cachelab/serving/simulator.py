@@ -219,7 +219,7 @@ class ServingSimulator:
         self.tables = None if config.store_scale is None else TableLayout(self.addresser.config, config.store_scale)
         table_bytes = None if self.tables is None else float(self.tables.table_rows.sum()) * self.model.row_bytes
         self.latency = LatencyModel(self.model, self.hw, config.tp, config.placement, rc, config.efficiency,
-                                    table_bytes=table_bytes)
+                                    table_bytes=table_bytes, max_num_batched_tokens=config.max_num_batched_tokens)
         self.seqs, self.plen, self.olen, self.arrival = _sequences(trace)
         self.num_warmup = 0 if warmup is None else warmup.height  # served first, measured nowhere
         if self.num_warmup:

@@ -74,6 +74,11 @@ class Deployment:
     page_cache_bytes: float | None = None  # ssd-mmap: the node's DRAM left to the page cache (all its replicas share it)
     unique_row_fraction: float = 1.0  # distinct rows / lookups in a step (1: no repeats)
 
+    def __post_init__(self):
+        if self.max_num_batched_tokens != self.latency.max_num_batched_tokens:  # the memory plan reserved for it
+            raise CachelabError(f"the deployment's token budget {self.max_num_batched_tokens} is not the one its "
+                                f"latency model planned HBM for ({self.latency.max_num_batched_tokens})")
+
 
 def page_cache_hit(cache_bytes: float, model) -> float:
     """Share of row reads the page cache serves when it holds ``cache_bytes`` of the tables:

@@ -29,6 +29,7 @@ import polars as pl
 
 from cachelab.errors import CachelabError
 from cachelab.serving.agentic import agentic_workload
+from cachelab.serving.calibration import batched_tokens
 from cachelab.serving.hardware import load_profile
 from cachelab.serving.hardware.probe import peak_rss_mb
 from cachelab.serving.latency import Efficiency, LatencyModel
@@ -48,12 +49,16 @@ MODEL = "deepseek-v4.1-flash"
 
 
 def deployment(hardware: str, tp: int, placement: str, eff: Efficiency, model: str = MODEL,
-               spec: ModelSpec | None = None, page_cache_bytes: float | None = None) -> Deployment:
-    """One replica with InferenceX's host-memory plan (raises CachelabError if it does not fit);
-    ``spec`` and ``page_cache_bytes`` replace the named model and the planned page cache (what-ifs)."""
+               spec: ModelSpec | None = None, page_cache_bytes: float | None = None,
+               max_num_batched_tokens: int | None = None) -> Deployment:
+    """One replica with InferenceX's host-memory plan and its V4.1 vLLM arms' token budget per
+    step (16384, ``calibration.batched_tokens``; raises CachelabError if it does not fit);
+    ``spec``, ``page_cache_bytes`` and ``max_num_batched_tokens`` replace the named model, the
+    planned page cache and the budget (what-ifs)."""
     spec = spec or load_model(model)
     hw = load_profile(hardware)
-    lat = LatencyModel(spec, hw, tp, placement, efficiency=eff)
+    budget = max_num_batched_tokens or batched_tokens(model, "vllm")
+    lat = LatencyModel(spec, hw, tp, placement, efficiency=eff, max_num_batched_tokens=budget)
     host = hw.host.dram_bytes * tp
     pinned = spec.table_bytes if placement == "dram-uva" else 0.0
     pool = max(0.0, min(DRAM_UTILIZATION * host, host * (1 - OS_SHARE) - pinned))
@@ -63,7 +68,7 @@ def deployment(hardware: str, tp: int, placement: str, eff: Efficiency, model: s
     page_cache = max(0.0, replicas * (host * (1 - OS_SHARE) - pool)) if placement == "ssd-mmap" else None
     if page_cache is not None and page_cache_bytes is not None:
         page_cache = page_cache_bytes
-    return Deployment(lat, kv_offload_bytes=pool, page_cache_bytes=page_cache)
+    return Deployment(lat, budget, kv_offload_bytes=pool, page_cache_bytes=page_cache)
 
 
 # The SSD patch's PR body (SemiAnalysisAI/InferenceX analysis/ssd_offload/VLLM-PR-BODY.md): B200 TP4,
@@ -163,7 +168,7 @@ def run_points(workload: Workload, eff: Efficiency, configs=CONFIGS, concurrenci
                on_point: Callable[[dict], None] | None = None, **what_if) -> list[dict]:
     """Every (config, concurrency) point; ``on_point`` sees each as it finishes. A config that
     does not fit is one row with ``fits`` False and the reason. ``what_if``: ``deployment``'s
-    ``spec`` or ``page_cache_bytes``."""
+    ``spec``, ``page_cache_bytes`` or ``max_num_batched_tokens``."""
     rows = []
     for hardware, tp, placement in configs:
         base = {"hardware": hardware, "tp": tp, "placement": placement}
