@@ -77,6 +77,22 @@ def test_kv_capacity_caps_the_running_batch_and_the_rest_wait_for_admission():
     assert heavier["median_ttft_ms"] > 3 * heavy["median_ttft_ms"]
 
 
+def test_a_prompt_split_into_chunks_is_charged_its_own_tokens_once():
+    # an 8,192-token prompt beside 16 verifying sequences takes two chunks under an 8,192-token budget
+    # (8,096 + 96 tokens) and one under 16,384: the same prefill work either way (it was charged two
+    # full chunks, 16,192 tokens, under the smaller budget)
+    one = np.ones(1)
+    wl = Workload("8k/1k", one * 8192, one * 0, one * 1024, one * 0, requests_per_client=10)
+    got = {}
+    for budget in (8192, 16384):
+        lat = LatencyModel(load_model(), load_profile("B200"), 4, "dram-uva", max_num_batched_tokens=budget)
+        got[budget] = SteadyState(Deployment(lat, budget), wl).solve(16)
+    assert got[8192]["mixed_step_share"] == pytest.approx(2 * got[16384]["mixed_step_share"], rel=0.05)
+    prefill = {b: g["mixed_step_share"] * (g["mixed_step_ms"] - g["decode_step_ms"]) for b, g in got.items()}
+    assert prefill[8192] == pytest.approx(prefill[16384], rel=0.15)  # was 1.9x
+    assert got[8192]["tokens_per_s_per_gpu"] == pytest.approx(got[16384]["tokens_per_s_per_gpu"], rel=0.03)
+
+
 def test_a_deployment_plans_hbm_for_its_own_token_budget():
     with pytest.raises(CachelabError, match="token budget 16384 is not the one"):
         Deployment(LatencyModel(load_model(), load_profile("B200"), 4, "dram-uva"), 16384)

@@ -190,8 +190,11 @@ class SteadyState:
             for _ in range(40):
                 decoders = x * n_dec * t
                 room = max(budget - decoders * self.q, 1.0)
-                chunk = min(room, n_new)
+                # a prompt longer than the room takes ceil(n / room) chunks, all full but the last: the
+                # mean chunk is n / chunks (charging every chunk the full room counted an 8,192-token
+                # prompt under an 8,096-token room as 16,192 tokens of prefill)
                 chunks_per_req = max(1.0, np.ceil(n_new / room)) if n_new > 0 else 0.0
+                chunk = n_new / chunks_per_req if n_new > 0 else 0.0
                 f = min(1.0, x * chunks_per_req * t)
                 t_d, stall_d = step_seconds(dep, decoders, ctx, 0.0, 0.0)
                 t_m, stall_m = step_seconds(dep, decoders, ctx, chunk, chunk_ctx, kv_load / max(chunks_per_req, 1.0),
