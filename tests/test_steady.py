@@ -107,6 +107,8 @@ def test_the_v41_vllm_runs_use_their_published_token_budget():
     assert {deployment(p, Efficiency()).max_num_batched_tokens for p in v41_script_points()} == {16384}
     dep = study_deployment("B300", 4, "hbm", Efficiency())
     assert dep.max_num_batched_tokens == 16384 and dep.latency.plan.indexer_buffer_bytes == 32 * 2**30
+    capped = study_deployment("B300", 2, "dram-uva", Efficiency(), max_num_batched_tokens=4096)  # a budget what-if
+    assert capped.max_num_batched_tokens == 4096 and capped.latency.plan.indexer_buffer_bytes == 8 * 2**30
 
 
 def test_the_page_cache_is_the_nodes_and_every_replica_shares_it():

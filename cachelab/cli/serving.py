@@ -285,7 +285,8 @@ def study_semianalysis(
     out: Path = typer.Option(Path("study-semianalysis"), help="Folder for the points (streamed JSONL, then CSV)."),
     fit_evals: int = typer.Option(150, help="Loss evaluations of the efficiency fit (0: default efficiencies)."),
     sensitivity: bool = typer.Option(True, help="Also compute the tokens/$ elasticity of every fitted parameter, "
-                                     "and the what-ifs of the page-cache size and of V4.1's KV bytes per token."),
+                                     "and the what-ifs of the page-cache size, the SSD host offset, V4.1's KV bytes per token and "
+                                     "the token budget per step."),
     prefix_hit: float = typer.Option(0.858, help="The agentic trace's token hit ratio under an unbounded prefix cache "
                                      "(0.858: AgentX no-subagents dataset; 0.968: the older one)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
@@ -319,7 +320,7 @@ def study_semianalysis(
     if sensitivity:
         with console.status("sensitivity (tokens/$ elasticity of each fitted parameter and of prefill_mfu)"):
             result["sensitivity"] = elasticity(workload, eff, FITTED + ("prefill_mfu",))  # fitted, then cited
-        with console.status("what-ifs (page-cache size, KV bytes per token)"):
+        with console.status("what-ifs (page-cache size, host offset, KV bytes per token, token budget)"):
             result.update(what_ifs(workload, eff, result["b200_dram_tokens_per_dollar"]))
     if as_json:
         typer.echo(json.dumps(result, default=float))
@@ -343,6 +344,10 @@ def study_semianalysis(
                 + ", ".join(f"{k} {v:,.0f}" for k, v in a["v41_8k1k_ssd_tokens_per_s_per_gpu"].items()) + " tok/s/GPU)")
         c.print("TP2-DRAM over TP4-HBM if V4.1 kept this much KV per token: " + ", ".join(
             f"{k} B: {v['gain_max']:.2f}x" for k, v in result["b300_tp2_dram_gain_if_kv_bytes_per_token"].items()))
+        c.print("TP2-DRAM over TP4-HBM at these token budgets (the study: 16384): " + ", ".join(
+            f"{k}: {v['gain_max']:.2f}x" for k, v in result["b300_tp2_dram_gain_if_max_num_batched_tokens"].items())
+            + "; DRAM over SSD at 8192: "
+            f"{result['b200_dram_over_ssd_if_max_num_batched_tokens']['8192']['b200_dram_over_ssd']:.2f}x")
     if "sensitivity" in result:
         table = Table(title="tokens/$ elasticity (B200 DRAM-UVA at 125 tok/s/user)")
         for col in ("parameter", "value", "elasticity"):

@@ -21,7 +21,7 @@ import numpy as np
 from cachelab.errors import CachelabError
 from cachelab.serving.hardware import load_profile
 from cachelab.serving.latency import Efficiency, LatencyModel
-from cachelab.serving.model_spec import load_model
+from cachelab.serving.model_spec import ModelSpec, load_model
 from cachelab.serving.steady import Deployment, SteadyState, Workload, fixed_workload
 
 METRICS = ("tokens_per_s_per_gpu", "median_tpot_ms", "p99_tpot_ms", "median_ttft_ms", "p99_ttft_ms")
@@ -235,15 +235,16 @@ def with_fitted_think(points: list[Point]) -> tuple[list[Point], float]:
     return out, think
 
 
-def deployment(point: Point, eff: Efficiency) -> Deployment:
+def deployment(point: Point, eff: Efficiency, spec: ModelSpec | None = None) -> Deployment:
+    """The point's deployment; ``spec`` replaces its named model (a what-if)."""
     budget = batched_tokens(point.model, point.framework)
-    lat = LatencyModel(load_model(point.model), load_profile(point.hardware), point.tp, point.placement, efficiency=eff,
-                       ep=point.ep, max_num_batched_tokens=budget)
+    lat = LatencyModel(spec or load_model(point.model), load_profile(point.hardware), point.tp, point.placement,
+                       efficiency=eff, ep=point.ep, max_num_batched_tokens=budget)
     return Deployment(lat, budget, point.kv_offload_bytes, point.page_cache_bytes)
 
 
-def predict(point: Point, eff: Efficiency) -> dict:
-    return SteadyState(deployment(point, eff), point.workload).solve(point.concurrency)
+def predict(point: Point, eff: Efficiency, spec: ModelSpec | None = None) -> dict:
+    return SteadyState(deployment(point, eff, spec), point.workload).solve(point.concurrency)
 
 
 def _loss(points: list[Point], eff: Efficiency) -> float:

@@ -353,7 +353,74 @@ def what_ifs(workload: Workload, eff: Efficiency, dram_tokens_per_dollar: float)
               "source": SSD_PR_SOURCE}
     return {"b200_dram_over_ssd_if_page_cache_fraction": by_cache,
             "b300_tp2_dram_gain_if_kv_bytes_per_token": by_kv,
-            "b200_dram_over_ssd_if_host_offset_additive": offset}
+            "b200_dram_over_ssd_if_host_offset_additive": offset,
+            **budget_what_ifs(workload, eff), **replicated_stream_what_if(workload, eff)}
+
+
+def streaming_replicated_weights(spec: ModelSpec, tp: int) -> ModelSpec:
+    """``spec`` with every rank reading all of the non-expert weights each step (dense, Engram
+    wkv, LM head and draft), as a rank would that holds them replicated and runs them whole; the
+    expert stream and the memory plan are unchanged."""
+    from dataclasses import replace
+
+    return replace(spec, dense_bytes_per_param=spec.dense_bytes_per_param * tp, draft_params=spec.draft_params * tp)
+
+
+def replicated_stream_what_if(workload: Workload, eff: Efficiency) -> dict:
+    """If the non-expert weights that InferenceX PRs 3320/3321 say are replicated on every rank were
+    also read whole by every rank each step (the memory fit of PR 3337 says what a rank holds, not
+    what it reads): the B300 TP2-DRAM gain over TP4-HBM, and the held-out V4.1 8k/1k pair."""
+    from cachelab.serving.calibration import predict, v41_script_points
+
+    base = load_model(MODEL)
+    b300 = [c for c in CONFIGS if c[0] == "B300" and (c[1], c[2]) in ((2, "dram-uva"), (4, "hbm"))]
+    rows = [r for c in b300 for r in run_points(workload, eff, [c], WHAT_IF_CONCURRENCIES,
+                                                 spec=streaming_replicated_weights(base, c[1]))]
+    df = pl.DataFrame(rows, infer_schema_length=None).filter(pl.col("fits"))
+    gain, at = _gain(df.filter(pl.col("tp") == 2), df.filter(pl.col("tp") == 4))
+    pair = {}
+    for p in v41_script_points():
+        got = predict(p, eff, spec=streaming_replicated_weights(base, p.tp))["tokens_per_s_per_gpu"]
+        pair[p.placement] = {"model": got, "published": p.measured["tokens_per_s_per_gpu"],
+                             "error": got / p.measured["tokens_per_s_per_gpu"] - 1}
+    return {"if_non_expert_weights_streamed_per_rank": {
+        "b300_tp2_dram_gain_max": gain, "at_p90_interactivity": at, "v41_8k1k_tokens_per_s_per_gpu": pair,
+        "source": "https://github.com/SemiAnalysisAI/InferenceX/pull/3320"}}
+
+
+# Token budgets per step the InferenceX V4.1 vLLM arms ran besides the 16384 the study uses: the TP2
+# arms' cap of 4096 (PRs 3320/3321, after the article) and 8192 at B300 TP4 (the vLLM recipe's B300
+# override, https://github.com/vllm-project/recipes/blob/main/models/deepseek-ai/DeepSeek-V4.1-Flash.yaml),
+# by TP degree; which ones the article's runs used is not stated.
+BUDGET_WHAT_IFS = {"8192": {2: 8192, 4: 8192, 8: 8192}, "4096": {2: 4096, 4: 4096, 8: 4096},
+                   "tp2 4096, tp4 8192": {2: 4096, 4: 8192}, "tp2 4096, tp4 16384": {2: 4096, 4: 16384}}
+
+
+def budget_what_ifs(workload: Workload, eff: Efficiency) -> dict:
+    """The B300 TP2-DRAM gain over TP4-HBM, and B200 DRAM over SSD, under the other token budgets
+    the V4.1 arms ran (the budget sets the prefill chunk every mixed step carries and the
+    indexer buffer the memory plan reserves)."""
+    price = load_profile("B200").usd_per_gpu_hour
+
+    def points(configs, budgets: dict) -> pl.DataFrame:
+        rows = [r for c in configs for r in run_points(workload, eff, [c], WHAT_IF_CONCURRENCIES,
+                                                      max_num_batched_tokens=budgets[c[1]])]
+        return pl.DataFrame(rows, infer_schema_length=None).filter(pl.col("fits"))
+
+    b300 = [c for c in CONFIGS if c[0] == "B300" and (c[1], c[2]) in ((2, "dram-uva"), (4, "hbm"))]
+    by_budget = {}
+    for name, budgets in BUDGET_WHAT_IFS.items():
+        df = points(b300, budgets)
+        gain, at = _gain(df.filter(pl.col("tp") == 2), df.filter(pl.col("tp") == 4))
+        by_budget[name] = {"gain_max": gain, "at_p90_interactivity": at}
+    b200 = [c for c in CONFIGS if c[0] == "B200"]
+    df = points(b200, BUDGET_WHAT_IFS["8192"])
+    tpd = {p: throughput_at(_front(df.filter(pl.col("placement") == p)), TARGET, X, Y) * 3600 / price
+           for p in ("dram-uva", "ssd-mmap")}
+    return {"b300_tp2_dram_gain_if_max_num_batched_tokens": by_budget,
+            "b200_dram_over_ssd_if_max_num_batched_tokens": {
+                "8192": {"b200_dram_tokens_per_dollar": tpd["dram-uva"], "b200_ssd_tokens_per_dollar": tpd["ssd-mmap"],
+                         "b200_dram_over_ssd": tpd["dram-uva"] / tpd["ssd-mmap"]}}}
 
 
 SENSITIVITY_CONCURRENCIES = (8, 16, 24, 32, 48, 64, 96, 128)
