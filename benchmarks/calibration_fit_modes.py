@@ -13,7 +13,9 @@ bias, Pearson r of mean and P99 TTFT and TPOT per run) over every held-out run a
 quiet ones (engine CPU share at least ``--quiet-share``), and over the steps that prefill after
 a cached prefix (the term in question) the live and predicted mean compute. Last, over every
 run's steps, the engine's CPU share by the step's CPU time: whether long steps (prefills) get
-less of a core than short ones (decodes) on a loaded machine, which a run's one share hides.
+less of a core than short ones (decodes) on a loaded machine, which a run's one share hides;
+and per run, its prefill and decode steps' mean tokens, engine CPU time, compute wall time and
+share (in CPU time the prefill steps of different lengths lie on one line; in wall time, not).
 
     .venv/bin/python benchmarks/calibration_fit_modes.py --runs /tmp/calib/runs --fit r0-c1-o0.0 \
         --fit r0-c4-o0.0 --warmup-requests 2
@@ -78,6 +80,22 @@ def main() -> None:
                   f"prefill steps, live {1e3 * live.mean():.1f} ms, predicted {1e3 * pred.mean():.1f} ms "
                   f"({pred.mean() / live.mean() - 1:+.1%}); " + ", ".join(
                       f"{m} {p['predicted'][m] / p['live'][m] - 1:+.1%}" for m in METRICS))
+    for name, frame in runs.items():
+        if "thread_cpu_s" not in frame.columns:
+            continue
+        frame = frame.filter(pl.Series(warm_steps(frame, args.warmup_requests)))
+        chunk = np.array([float((np.asarray(b) - np.asarray(a)).sum()) for a, b in zip(frame["starts"].to_list(),
+                                                                                      frame["stops"].to_list())])
+        prefill = np.array([bool((np.asarray(b) - np.asarray(a) > 1).any())
+                            for a, b in zip(frame["starts"].to_list(), frame["stops"].to_list())])
+        cells = []
+        for label, rows in (("prefill", prefill), ("decode", ~prefill)):
+            if rows.any():
+                cpu, wall = frame["thread_cpu_s"].to_numpy()[rows], frame["compute_s"].to_numpy()[rows]
+                cells.append(f"{label} steps {int(rows.sum())}: {chunk[rows].mean():.0f} tokens, CPU "
+                             f"{1e3 * cpu.mean():.1f} ms, wall {1e3 * wall.mean():.1f} ms, share "
+                             f"{cpu.sum() / frame['step_s'].to_numpy()[rows].sum():.2f}")
+        print(f"{name}: " + "; ".join(cells))
     steps = pl.concat([f.select("thread_cpu_s", "step_s") for f in runs.values() if "thread_cpu_s" in f.columns])
     for lo, hi in ((0.0, 0.02), (0.02, 0.03), (0.03, 0.05), (0.05, 0.1), (0.1, np.inf)):
         rows = steps.filter((pl.col("thread_cpu_s") >= lo) & (pl.col("thread_cpu_s") < hi))

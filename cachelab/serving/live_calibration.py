@@ -9,10 +9,11 @@ runs' steps, warm-up steps left out: the roofline fractions by ``pattern_search`
 each candidate the per-step and per-sequence overheads by non-negative least squares (they
 enter linearly), minimising the squared relative error of predicted against live compute.
 Where the fit runs' step logs time the operators (``attention_s``, written since the engine's
-``OpClock``), the fit is per operator: the attention term and its overheads against the
-logged attention time, the GEMM terms and theirs against the rest of the step's compute (the
-sum of both losses), so the split between attention and GEMM efficiency is measured, not
-guessed; older logs are fitted on the step's compute as a whole (``fit_mode``).
+``OpClock``), the fit is per operator: the GEMM terms and their overheads against the rest of
+the step's compute first (its roofline has no attention in it), then the attention term and its
+overheads against the logged attention time (``fit_loss`` is the sum of both parts' losses), so
+the split between attention and GEMM efficiency is measured, not guessed; older logs are fitted
+on the step's compute as a whole (``fit_mode``).
 
 Validation replays each held-out run's own schedule on the predicted clock: every step keeps
 its requests and positions and the idle gap before it, its compute is the model's and its
@@ -345,8 +346,8 @@ def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwarePr
                 "engine timed its operators), so attention and GEMM efficiency are fitted together on each step's "
                 "compute_s, and their split is not identified")
     else:
-        note = ("per-operator fit: attention_mfu and its overheads on the logged attention_s, mfu, prefill_mfu and mbu "
-                "and theirs on compute_s less attention_s; the overheads are the sum of both parts'")
+        note = ("per-operator fit: mfu, prefill_mfu and mbu and their overheads on compute_s less attention_s, then "
+                "attention_mfu and its overheads on the logged attention_s; the overheads are the sum of both parts'")
     y_attn = np.concatenate([runs[n]["attention_s"].to_numpy()[warm[n]] for n in fit_runs]) if not lacking else None
 
     fit_steps = [b for n in fit_runs for b in fit_batches[n]]
@@ -374,7 +375,22 @@ def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwarePr
                      "rest": {"loss": loss_r, **dict(zip(OVERHEADS, map(float, coef_r)))}}
         return replace(eff, **{k: float(v) for k, v in zip(OVERHEADS, coef)}), loss, by_op
 
-    rates, _ = pattern_search(lambda eff: solve(eff)[1], LIVE_BASE, RATES, max_evals, progress)
+    if mode == STEP_TOTAL:
+        rates, _ = pattern_search(lambda eff: solve(eff)[1], LIVE_BASE, RATES, max_evals, progress)
+    else:  # the GEMM terms on the rest alone (its roofline has no attention in it), then attention on its own
+        gemm_evals = max_evals - max_evals // 4
+
+        def rest_loss(eff: Efficiency) -> float:
+            total, attn = parts(LatencyModel(spec, hw, 1, "dram-copy", efficiency=eff))
+            return overheads(y - y_attn, total - attn)[1]
+
+        def attention_loss(eff: Efficiency) -> float:
+            return overheads(y_attn, parts(LatencyModel(spec, hw, 1, "dram-copy", efficiency=eff))[1])[1]
+
+        rates, _ = pattern_search(rest_loss, LIVE_BASE, tuple(r for r in RATES if r != "attention_mfu"), gemm_evals,
+                                  progress)
+        rates, _ = pattern_search(attention_loss, rates, ("attention_mfu",), max_evals - gemm_evals,
+                                  progress and (lambda done, total: progress(gemm_evals + done, max_evals)))
     eff, best, by_operator = solve(rates)
     if mode == PER_OPERATOR:  # each part's live and predicted seconds over the fit steps at the fitted model
         total, attn = parts(LatencyModel(spec, hw, 1, "dram-copy", efficiency=eff))
