@@ -29,7 +29,8 @@ import numpy as np
 
 from cachelab.capture.recorder import RequestRecord
 
-_ID_FIELDS = re.compile(rb'"(prompt_token_ids|token_ids)":\[[^\]]*\]')
+_IDS = re.compile(rb'"token_ids":\[[^\]]*\]')
+_PROMPT_IDS = re.compile(rb'"prompt_token_ids":\[[^\]]*\]')
 _EMPTY_DELTA = (b'"delta":{}', b'"finish_reason":null')
 _FINGERPRINT = re.compile(rb'"system_fingerprint":"[^"]*"')
 
@@ -80,7 +81,7 @@ class Restorer:
         if not self.held and b'"usage"' not in block and b'"finish_reason":"' not in block \
                 and not (self.chat and b'"delta":{}' in block):
             # ordinary token events: nothing to drop or hold, the ids nulled in one pass
-            return _ID_FIELDS.sub(rb'"\1":null', block) if x.injected_ids else block
+            return null_ids(block) if x.injected_ids else block
         return b"".join(out for event in _split(block) for out in self._event(event + b"\n\n"))
 
     def _event(self, event: bytes) -> list[bytes]:
@@ -90,7 +91,7 @@ class Restorer:
             held, self.held = self.held, []
             return [_stamp(e, found.group(0)) for e in held] if found else held
         if x.injected_ids:
-            event = _ID_FIELDS.sub(rb'"\1":null', event)
+            event = null_ids(event)
             if self.chat and all(m in event for m in _EMPTY_DELTA) \
                     and b'"logprobs":{' not in event and b'"usage"' not in event:
                 return []
@@ -117,8 +118,17 @@ def _stamp(event: bytes, fingerprint: bytes) -> bytes:
     return event[:end] + b"," + fingerprint + event[end:] if end > 0 else event
 
 
+def null_ids(data: bytes) -> bytes:
+    """``"token_ids":[...]`` and ``"prompt_token_ids":[...]`` written as vLLM writes them when not
+    asked: ``null``. Two patterns with a literal start and a literal replacement (half the time
+    of one alternation with a group reference in the template, which costs a Python call per
+    ``sub``); the prompt's ids come once per answer."""
+    data = _IDS.sub(b'"token_ids":null', data)
+    return _PROMPT_IDS.sub(b'"prompt_token_ids":null', data) if b'"prompt_token_ids":[' in data else data
+
+
 def strip_body(body: bytes, exchange: Exchange) -> bytes:
-    return _ID_FIELDS.sub(rb'"\1":null', body) if exchange.injected_ids else body
+    return null_ids(body) if exchange.injected_ids else body
 
 
 _SCAN = json.JSONDecoder().scan_once  # the C scanner: no per-call wrapper cost, end offset checked
