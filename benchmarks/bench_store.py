@@ -9,12 +9,15 @@ Sections (each prints a ratio against its same-run reference):
   CPU caches as they do in a server). Bytes = distinct rows per step x 264 B read, the 512 B
   of BF16 written per requested row not counted; memcpy copies each step's bytes, from a hot
   source and from a cold one (the faster is the reference). Through ``TieredStore.lookup``
-  (fold, dedup, fused gather + dequantise: the path a caller runs; DRAM backing, no cache
-  tiers), with a fresh output and into a reused one (``out=``), and the kernels alone
-  (staged: gather then dequantise; fused). References in the same run: memcpy of the same
-  bytes as the same 264-byte rows (one memcpy per distinct row, the kernels' order, into a
-  staging buffer, at prefetch distances 0..32 rows, the fastest kept: ``ratio_to_memcpy_rows``
-  beside ``ratio_to_memcpy``), the random access alone (a compiled loop touching each line of
+  (fold, dedup count, gather + dequantise in one compiled call, ``lookup_dequant``: the path a
+  caller runs; DRAM backing, no cache tiers), with a fresh output and into a reused one
+  (``out=``), and the kernels alone on a step's precomputed distinct rows (staged: gather then
+  dequantise; fused). References in the same run: memcpy of the same bytes as the same
+  264-byte rows (one memcpy per distinct row, the kernels' order, into a staging buffer, at
+  prefetch distances 0..32 rows, the fastest kept: ``ratio_to_memcpy_rows`` beside
+  ``ratio_to_memcpy``), memcpy of every requested row in request order, repeats included
+  (``ratio_to_memcpy_requests``: both sides deliver each request's row; the candidates write
+  512 B of BF16 for it where the memcpy writes 264 B), the random access alone (a compiled loop touching each line of
   the same rows, and NumPy's ``np.take``), the DRAM latency of a dependent random load, and
   the memory-level-parallelism bound: random lines in flight measured with 1..64 independent
   load chains over as many bytes as the tables hold (Little's law; before and after the
@@ -187,11 +190,13 @@ def _steps_of(store, step_rows_list: list[np.ndarray]) -> list[dict]:
         inverse, uniq = compact(keys - lay.layer_base[layer] + store.backing.page_base[layer] * rpp)
         out_t = flat_out[: rows.size * lay.row_dim].view(*rows.shape, lay.row_dim)
         steps.append({"rows": rows, "keys": keys, "table_rows": uniq, "inverse": inverse, "out_t": out_t,
+                      "request_rows": uniq[inverse],
                       "out": out_t.view(torch.int16).numpy().reshape(rows.size, lay.row_dim).view(np.uint16)})
     return steps
 
 
 ROW_COPY_AHEAD = (0, 2, 4, 8, 16, 32)  # prefetch distances tried for the memcpy of rows; the best is the reference
+REQUEST_COPY_AHEAD = (4, 8, 16)  # the same for the memcpy of every requested row (the fastest distances above)
 
 
 def _time_steps(store, steps: list[dict], rounds: int) -> dict:
@@ -205,6 +210,7 @@ def _time_steps(store, steps: list[dict], rounds: int) -> dict:
     hot_src, dst = np.ones(uniq_max * rb, np.uint8), np.empty(uniq_max * rb, np.uint8)
     cold_src = np.ones(max(COLD_BYTES, uniq_max * rb), np.uint8)
     packed = np.empty((uniq_max, rb), np.uint8)
+    packed_requests = np.empty((max(s["request_rows"].size for s in steps), rb), np.uint8)
     ident = np.arange(uniq_max, dtype=np.int64)
     packed_table = np.ones((int(lay.table_rows.sum()), rb), np.uint8)
     take_out = np.empty((max(s["keys"].size for s in steps), rb), np.uint8)
@@ -236,6 +242,8 @@ def _time_steps(store, steps: list[dict], rounds: int) -> dict:
         "random_touch": each(lambda s: _touch_rows(pages, s["table_rows"], rpp, rb)),
         **{f"memcpy_rows_{d}": each(lambda s, d=d: _copy_rows(pages, s["table_rows"], rpp, rb, packed, d))
            for d in ROW_COPY_AHEAD},
+        **{f"memcpy_requests_{d}": each(lambda s, d=d: _copy_rows(pages, s["request_rows"], rpp, rb, packed_requests, d))
+           for d in REQUEST_COPY_AHEAD},
         "numpy_take": each(lambda s: np.take(packed_table, s["keys"] % packed_table.shape[0], axis=0,
                                              out=take_out[:s["keys"].size])),
         "lookup": lookup_stages,
@@ -269,12 +277,22 @@ def _time_steps(store, steps: list[dict], rounds: int) -> dict:
     res.update({"memcpy_rows_GBps": bw_rows / 1e9, "memcpy_rows_ns_per_row": by_ahead[ahead] / unique * 1e9,
                 "memcpy_rows_ahead": ahead,
                 "memcpy_rows_ns_per_row_by_ahead": {d: t / unique * 1e9 for d, t in by_ahead.items()}})
+    # memcpy of every requested row (repeats too) in request order: the same rows, counted as
+    # the candidates deliver them (each request's row), though a candidate writes 512 B of BF16
+    # per request where this copies 264 B
+    by_ahead_req = {d: best[f"memcpy_requests_{d}"] for d in REQUEST_COPY_AHEAD}
+    ahead_req = min(by_ahead_req, key=by_ahead_req.get)
+    t_req = by_ahead_req[ahead_req]
+    res.update({"memcpy_requests_GBps": requests * rb / t_req / 1e9, "memcpy_requests_ns_per_request": t_req / requests * 1e9,
+                "memcpy_requests_ahead": ahead_req,
+                "memcpy_requests_ns_per_request_by_ahead": {d: t / requests * 1e9 for d, t in by_ahead_req.items()}})
     for k in runs:
         if k.startswith("memcpy"):
             continue
         done = requests if k == "numpy_take" else unique  # np.take copies every request, not distinct rows
         res[k] = {"ns_per_row": best[k] / done * 1e9, "GBps": done * rb / best[k] / 1e9,
-                  "ratio_to_memcpy": done * rb / best[k] / bw, "ratio_to_memcpy_rows": done * rb / best[k] / bw_rows}
+                  "ratio_to_memcpy": done * rb / best[k] / bw, "ratio_to_memcpy_rows": done * rb / best[k] / bw_rows,
+                  "ratio_to_memcpy_requests": t_req / best[k]}  # both deliver every request's row
     return res
 
 
@@ -518,11 +536,14 @@ def _print(out: dict) -> None:
                   f"{r['memcpy_hot_GBps']:.2f}, cold {r['memcpy_cold_GBps']:.2f}); memcpy of the same "
                   f"{g['row_bytes']} B rows {r['memcpy_rows_GBps']:.2f} GB/s ({r['memcpy_rows_ns_per_row']:.1f} ns/row, "
                   f"best prefetch {r['memcpy_rows_ahead']} rows ahead; "
-                  + ", ".join(f"{d}: {v:.1f}" for d, v in r["memcpy_rows_ns_per_row_by_ahead"].items()) + ")")
+                  + ", ".join(f"{d}: {v:.1f}" for d, v in r["memcpy_rows_ns_per_row_by_ahead"].items()) + "); memcpy of "
+                  f"every requested row {r['memcpy_requests_ns_per_request']:.1f} ns/request (best prefetch "
+                  f"{r['memcpy_requests_ahead']} ahead)")
             for k in ("lookup", "lookup_out", "kernels_staged", "kernels_fused", "random_touch", "numpy_take"):
                 x = r[k]
                 print(f"  {k:>15}: {x['ns_per_row']:7.1f} ns/row {x['GBps']:6.3f} GB/s {x['ratio_to_memcpy']:.3f} x memcpy"
-                      f" {x['ratio_to_memcpy_rows']:.3f} x memcpy of rows")
+                      f" {x['ratio_to_memcpy_rows']:.3f} x memcpy of rows {x['ratio_to_memcpy_requests']:.3f} x memcpy of "
+                      "requested rows")
             if "mlp_bound_ratio_to_memcpy" in r:
                 print(f"  {'mlp bound':>15}: {g['mlp_bound']['ns_per_row']:7.1f} ns/row {g['mlp_bound']['GBps']:6.3f} GB/s "
                       f"{r['mlp_bound_ratio_to_memcpy']:.3f} x memcpy {r['mlp_bound_ratio_to_memcpy_rows']:.3f} x memcpy of rows")

@@ -183,6 +183,67 @@ def test_prefetch_row_and_the_bench_references_copy_the_same_rows():
     assert mp["latency_ns"] == 180.0 and mp["fastest_ns_per_line"] == 10.0 and mp["lines_in_flight"] == 18.0
 
 
+@pytest.mark.parametrize("work", [0, 1 << 40])  # the serial build, and the parallel one
+def test_lookup_dequant_folds_counts_distinct_rows_and_dequantises_repeats(work):
+    """The fused step kernel: every request (repeats included) gets its folded row's BF16 bits,
+    the distinct count is the step's, a later call (a new generation of the same set) counts
+    rows an earlier call saw, and a row id outside its head is reported by its index."""
+    from cachelab.store import kernels
+
+    rng = np.random.default_rng(11)
+    first, primes = np.array([0, 100, 1 << 41], np.int64), np.array([100, 1 << 40, 70], np.int64)  # residues to 2^40
+    size, key0 = np.array([7, 11, 5], np.int64), np.array([3, 10, 21], np.int64)  # 26 page-table rows in 2 pages
+    pages = rng.integers(0, 256, (2, PAGE), dtype=np.uint8)
+    packed = pages[:, :15 * 264].reshape(30, 264)
+    inv = 1.0 / size
+    seen = np.zeros(1 << 10, np.int64)
+
+    def step(tokens, generation):
+        rows = first[None] + rng.integers(0, primes[None], (tokens, 3))
+        keys = np.empty(rows.size, np.int64)
+        out = np.zeros((rows.size, 256), np.uint16)
+        distinct = kernels.lookup_dequant(rows.reshape(-1), first, primes, key0, size, inv, pages, 15, DEQUANT_TABLE, out,
+                                          seen, generation, 10, keys, work=work)
+        want = (key0[None] + (rows - first[None]) % size[None]).reshape(-1)
+        np.testing.assert_array_equal(keys, want)
+        assert distinct == np.unique(want).size < want.size  # repeats in the step
+        expect = DEQUANT_TABLE[np.repeat(packed[want, 256:], 32, axis=1), packed[want, :256]]
+        np.testing.assert_array_equal(out, expect)
+        return rows
+
+    a = step(40, 1)
+    step(40, 2)
+    b = a.copy()  # the same rows in a new generation: all distinct ones counted again
+    keys = np.empty(b.size, np.int64)
+    out = np.zeros((b.size, 256), np.uint16)
+    n = kernels.lookup_dequant(b.reshape(-1), first, primes, key0, size, inv, pages, 15, DEQUANT_TABLE, out, seen, 3, 10,
+                               keys, work=work)
+    assert n == np.unique(keys).size
+    b[5, 1] = first[1] + primes[1]  # one past head 1's last row id
+    assert kernels.lookup_dequant(b.reshape(-1), first, primes, key0, size, inv, pages, 15, DEQUANT_TABLE, out, seen, 4,
+                                  10, keys, work=work) == -1 - (5 * 3 + 1)
+
+
+def test_fused_lookup_counts_each_steps_distinct_rows(tables):
+    """The store's fused path (no tier, DRAM): repeated rows within a step come back in request
+    order and count once; the next step, sharing rows with it, counts its own distinct rows;
+    a larger step grows the set."""
+    from cachelab.workload.lookups import compact
+
+    rng = np.random.default_rng(12)
+    with TieredStore.open(tables, backing="dram", hbm_capacity=None) as store:
+        assert store._fused
+        a = full_rows(rng, 30, skew=1.05)
+        for rows in (a, np.concatenate([a[10:], full_rows(rng, 10)]), full_rows(rng, 400)):
+            got = store.lookup(rows)
+            assert check_rows(store, rows, got) == 0
+            distinct = compact(store.keys(rows).reshape(-1))[1].size
+            c = store.last_step
+            assert c["unique"] == c["backing_rows"] == distinct < c["requested"] == rows.size
+            assert c["host_read_bytes"] == distinct * 264
+        assert store.totals["steps"] == 3
+
+
 @pytest.mark.parametrize("backing", ["dram", "mmap"])
 def test_lookup_without_tiers_and_into_a_callers_tensor(tables, backing):
     """No cache tier (dram: the fused gather + dequantiser) and ``out=``: reference rows, the

@@ -20,11 +20,21 @@ faults, CPU dedup, gather and host-to-device copy is the bottleneck):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 TIME_KEYS = ("dedup_s", "cache_lookup_s", "ssd_read_s", "gather_s", "copy_s", "dequant_s", "stall_s", "step_s")
 LINK_KEYS = ("ssd_to_dram_bytes", "dram_to_hbm_bytes", "host_to_device_bytes", "hbm_read_bytes", "host_read_bytes")
 TIER_KEYS = ("hits", "misses", "admissions", "evictions")
+
+
+@functools.cache
+def _zeros(tiers: tuple[str, ...]) -> dict:
+    """Every counter of a store with these cache tiers, at zero (built once per tier set)."""
+    keys = ["steps", "requested", "unique", "backing_rows", "ssd_pages_read"]
+    keys += [f"{t}_{k}" for t in tiers for k in TIER_KEYS]
+    keys += list(LINK_KEYS) + ["minor_faults", "major_faults"]
+    return {**dict.fromkeys(keys, 0), **dict.fromkeys(TIME_KEYS, 0.0)}
 
 
 @dataclass
@@ -35,13 +45,8 @@ class Counters:
     values: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        keys = ["steps", "requested", "unique", "backing_rows", "ssd_pages_read"]
-        keys += [f"{t}_{k}" for t in self.tiers for k in TIER_KEYS]
-        keys += list(LINK_KEYS) + ["minor_faults", "major_faults"]
-        for k in keys:
-            self.values.setdefault(k, 0)
-        for k in TIME_KEYS:
-            self.values.setdefault(k, 0.0)
+        self.values = {**_zeros(tuple(self.tiers)), **self.values}  # a new step's counters: one dict copy
+
 
     def __getitem__(self, key: str):
         return self.values[key]

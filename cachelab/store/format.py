@@ -132,9 +132,7 @@ class TableLayout:
         base = self.layer_base if base is None else np.asarray(base, np.int64)
         if layer_index is None:
             n_layers, n_cols = off.shape
-            if rows.ndim < 2 or rows.shape[-2:] != (n_layers, n_cols):
-                raise CachelabError(f"row ids must be [tokens, {n_layers}, {n_cols}] for layout {cfg.name!r}, "
-                                    f"got shape {list(rows.shape)}")
+            self.check_shape(rows)
             rows = np.ascontiguousarray(rows)
             out = np.empty(rows.shape, np.int64)
             bad = _fold_rows(rows.reshape(-1, n_layers, n_cols), off.astype(np.int64), primes.astype(np.int64),
@@ -161,6 +159,25 @@ class TableLayout:
         if bad.any():
             self._out_of_range(rows, int(np.flatnonzero(bad.ravel())[0]))
         return new_off + residue % new_p
+
+    def check_shape(self, rows: np.ndarray) -> None:
+        """Row ids must be ``[..., layers, columns]`` of the layout (as the Addresser returns)."""
+        n_layers, n_cols = self.config.offsets.shape
+        if rows.ndim < 2 or rows.shape[-2:] != (n_layers, n_cols):
+            raise CachelabError(f"row ids must be [tokens, {n_layers}, {n_cols}] for layout {self.config.name!r}, "
+                                f"got shape {list(rows.shape)}")
+
+    def fold_heads(self, base: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+        """The fold of ``fold`` per head, flat in ``[layers, columns]`` order (int64, contiguous):
+        each head's first full-layout row and prime, its first key (``base`` per layer,
+        ``layer_base`` by default) and rows in the scaled table, and ``1 / rows`` (float64). Row
+        id ``r`` of head ``h`` folds to ``key[h] + (r - first[h]) mod rows[h]``; a compiled
+        kernel takes these once."""
+        base = self.layer_base if base is None else np.asarray(base, np.int64)
+        flat = lambda a: np.ascontiguousarray(a, np.int64).reshape(-1)  # noqa: E731
+        rows = flat(self.head_rows)
+        return (flat(self.config.offsets), flat(self.config.primes), flat(self.head_offsets + base[:, None]), rows,
+                1.0 / rows)
 
     def _out_of_range(self, rows: np.ndarray, i: int):
         raise CachelabError(f"row id {int(rows.ravel()[i])} is out of range for its head of layout "

@@ -30,7 +30,8 @@ from numba import types as nbt
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cachelab.compiled import copy_bytes, prefetch_at
+from cachelab.compiled import copy_bytes, prefetch, prefetch_at
+from cachelab.workload.lookups import _slot
 
 PAGE = 4096
 _AHEAD = 8  # rows between a row's prefetch and its copy
@@ -296,6 +297,69 @@ def gather_dequant(buf, rows, inverse, rows_per_page, table, out):
             prefetch_row(buf, r // rows_per_page, (r % rows_per_page) * rb, rb)
         r = rows[inverse[i]]
         _dequant_row(buf, r // rows_per_page, (r % rows_per_page) * rb, dim, table, out, i)
+
+
+_SEEN_AHEAD = 16  # lookups between a row id's fold (and its set slot's prefetch) and its probe
+SEEN_KEY_BITS = 40  # a set slot holds generation << 40 | key: keys (page-table rows) below 2^40
+SEEN_GENERATIONS = 1 << 23  # generations before the set must be cleared (the slot's top bits)
+
+
+@_serial_and_parallel
+def lookup_dequant(rows, first, primes, key0, size, inverse_size, buf, rows_per_page, table, out, seen, generation,
+                   bits, keys):
+    """A whole step of lookups on a page-format DRAM table in one call, no temporary array:
+    ``out[i] = bf16(table row of row id rows[i])`` in request order. Returns the number of
+    distinct rows, or ``-1 - i`` for the first row id ``i`` outside its head's slice.
+
+    First pass, the fold and the count of distinct rows. The fold (``TableLayout.fold_heads``,
+    per head ``h`` in ``[layers, columns]`` order): ``keys[i] = key0[h] + (rows[i] - first[h])
+    mod size[h]``, the page-table row, the modulo by a multiply with ``inverse_size[h] =
+    1 / size[h]`` and one correction (exact while row ids stay below 2^51; a division cost
+    more than the rest of the fold). ``seen`` is an open-addressing set of which this call uses
+    the first ``2^bits`` slots, each ``generation << SEEN_KEY_BITS | key``: a slot of another
+    generation is free, so a new call (a new generation) starts with an empty set without
+    clearing it. Row ids are folded ``_SEEN_AHEAD`` requests ahead of their probe and their
+    slots prefetched. Second pass: every request is dequantised from its row, the row
+    ``_AHEAD`` requests on prefetched, repeats included (a repeat's row is usually still in the
+    L2 or L3 cache: reading its 264 B again costs less than copying the 512 B its first
+    request wrote, measured in docs/store.md)."""
+    n = rows.size
+    heads = first.size
+    mask = (1 << bits) - 1
+    shift = np.uint64(64 - bits)
+    tag = generation << SEEN_KEY_BITS
+    distinct = 0
+    h = 0
+    for f in range(n + _SEEN_AHEAD):
+        if f < n:  # fold row id f
+            r = rows[f] - first[h]
+            if r < 0 or r >= primes[h]:
+                return -1 - f
+            p = size[h]
+            r -= np.int64(r * inverse_size[h]) * p
+            r += p if r < 0 else (-p if r >= p else 0)
+            keys[f] = key0[h] + r
+            prefetch(seen, _slot(keys[f], shift))
+            h = h + 1 if h + 1 < heads else 0
+        i = f - _SEEN_AHEAD
+        if i >= 0:  # count row id i's key if this step has not seen it
+            k = keys[i]
+            j = _slot(k, shift)
+            while seen[j] != tag | k:
+                if seen[j] >> SEEN_KEY_BITS != generation:
+                    seen[j] = tag | k
+                    distinct += 1
+                    break
+                j = (j + 1) & mask
+    dim = out.shape[1]
+    rb = dim + dim // 32
+    for i in nb.prange(n):
+        if i + _AHEAD < n:
+            r = keys[i + _AHEAD]
+            prefetch_row(buf, r // rows_per_page, (r % rows_per_page) * rb, rb)
+        r = keys[i]
+        _dequant_row(buf, r // rows_per_page, (r % rows_per_page) * rb, dim, table, out, i)
+    return distinct
 
 
 @_serial_and_parallel

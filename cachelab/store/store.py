@@ -40,7 +40,8 @@ from cachelab.policy import Policy
 from cachelab.store.backing import open_backing
 from cachelab.store.build import open_tables
 from cachelab.store.counters import Counters
-from cachelab.store.kernels import DEQUANT_TABLE, dequant_expand, gather_dequant
+from cachelab.store.kernels import (DEQUANT_TABLE, SEEN_GENERATIONS, SEEN_KEY_BITS, dequant_expand,
+                                    lookup_dequant)
 from cachelab.store.outputs import OutputPool
 from cachelab.store.source import RowSource
 from cachelab.store.tier import CacheTier
@@ -176,6 +177,12 @@ class TieredStore:
         # keys: the layout's fold; with the fused path, straight to page-table rows (a bijection
         # of the store's keys: dedup and counts are the same)
         self._key_base = self.backing.page_base * lay.rows_per_page if self._fused or self.resident else lay.layer_base
+        if self._fused:  # the fold per head, once; the set of a step's distinct rows, reused
+            self._fold_heads = lay.fold_heads(self._key_base)
+            self._seen, self._generation = np.zeros(0, np.int64), 0
+            if self.backing.pages.shape[0] * lay.rows_per_page >= 1 << SEEN_KEY_BITS:
+                raise CachelabError(f"{self.directory}: {self.backing.pages.shape[0]:,} pages of rows are over the "
+                                    f"2^{SEEN_KEY_BITS} keys the fused lookup's set holds")
         self._outputs = OutputPool()
         # id + 1 of each row seen (0: not yet), zero-filled so the OS maps only the pages of rows
         # in use: np.full(-1) wrote all 3.1 GB of the full V4.1 tables' map at open
@@ -265,6 +272,8 @@ class TieredStore:
             return rows, c
 
     def _serve(self, row_ids, scores, c: Counters, out=None):
+        if self._fused:
+            return self._serve_fused(row_ids, scores, c, out)
         clock = time.perf_counter
         t0 = clock()
         minor0, major0 = _faults()
@@ -302,15 +311,6 @@ class TieredStore:
         if self.resident and self.cuda:  # the table in HBM: one gather there, nothing staged or copied
             h, written_hbm, file_bytes, pages = 0, 0, 0, 0
             out = self._dequant(self.backing.rows, uniq[inverse], shape, out)  # uniq: the table's page rows
-            t8 = clock()
-            c["dequant_s"] = t8 - t2
-        elif self._fused:  # no tier keeps a row and no device: each row read once, straight to BF16
-            h, written_hbm, file_bytes, pages = 0, 0, 0, 0
-            res = self._output(shape, out)  # uniq: page-table rows here (the fold's base)
-            flat = res.view(self.torch.int16).numpy().reshape(inverse.size, self.row_dim).view(np.uint16)
-            gather_dequant(self.backing.pages, uniq, inverse, self.layout_tables.rows_per_page, DEQUANT_TABLE, flat,
-                           work=flat.nbytes)
-            out = res
             t8 = clock()
             c["dequant_s"] = t8 - t2
         else:
@@ -369,6 +369,41 @@ class TieredStore:
         c["minor_faults"], c["major_faults"] = minor1 - minor0, major1 - major0
         c["step_s"] = t8 - t0
         return out
+
+    def _serve_fused(self, row_ids, scores, c: Counters, out=None):
+        """No cache tier, no device, the table in host memory (``dram``, or ``hbm`` standing in on
+        the CPU): the whole step (fold, count of distinct rows, gather and dequantise) is one
+        compiled call, ``lookup_dequant``; its time is ``dequant_s``."""
+        t0 = time.perf_counter()
+        minor0, major0 = _faults()
+        lay = self.layout_tables
+        rows = np.ascontiguousarray(row_ids, dtype=np.int64)
+        lay.check_shape(rows)
+        if scores is not None and np.shape(scores) != rows.shape:  # no policy here to use them
+            raise CachelabError(f"scores has shape {list(np.shape(scores))}, expected one per row id {list(rows.shape)}")
+        n = rows.size
+        bits = max(10, (2 * n - 1).bit_length())  # the set at most half full
+        if self._seen.size < 1 << bits or self._generation + 1 == SEEN_GENERATIONS:
+            self._seen, self._generation = np.zeros(max(self._seen.size, 1 << bits), np.int64), 0
+        self._generation += 1
+        res = self._output(rows.shape, out)
+        flat = res.view(self.torch.int16).numpy().reshape(n, self.row_dim).view(np.uint16)
+        keys = self._buf("keys", n, 1, np.int64).reshape(-1)
+        distinct = lookup_dequant(rows.reshape(-1), *self._fold_heads, self.backing.pages, lay.rows_per_page,
+                                  DEQUANT_TABLE, flat, self._seen, self._generation, bits, keys, work=flat.nbytes)
+        if distinct < 0:
+            lay._out_of_range(rows, -1 - distinct)
+        t1 = time.perf_counter()
+        minor1, major1 = _faults()
+        rb = self.row_bytes
+        c["steps"], c["requested"], c["unique"], c["backing_rows"] = 1, n, distinct, distinct
+        if self.resident:  # every row gathered where it lives: nothing crosses the host link
+            c["hbm_read_bytes"] = distinct * rb
+        else:
+            c["host_to_device_bytes"] = c["host_read_bytes"] = distinct * rb
+        c["minor_faults"], c["major_faults"] = minor1 - minor0, major1 - major0
+        c["dequant_s"] = c["step_s"] = t1 - t0
+        return res
 
     def _device_rows(self, n: int):
         if not self.cuda:
