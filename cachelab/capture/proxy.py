@@ -35,27 +35,18 @@ import asyncio
 import gc
 import json
 import secrets
-import socket
-import ssl
 import time
-from collections import deque
 from dataclasses import dataclass
-from http import HTTPStatus
-from urllib.parse import urlsplit
 
 import httptools
 
+from cachelab.capture.connections import (HOP_BY_HOP, LAST_CHUNK, ClientConnection, Request, UpstreamConnection,
+                                          UpstreamPool, error_body, whole_response)
 from cachelab.capture.exchange import Exchange, Restorer, strip_body
 from cachelab.errors import CachelabError
 
 RECORDED = (b"/v1/completions", b"/v1/chat/completions")
-# Not forwarded in either direction: the hop's own framing and connection management (the
-# proxy frames each hop itself) and the client's Host (the upstream gets its own).
-HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
-              b"transfer-encoding", b"upgrade", b"host", b"content-length", b"expect"}
 STREAM, WHOLE, PASS = 0, 1, 2   # how an answer goes back: recorded SSE, recorded whole body, not recorded
-_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_LAST_CHUNK = b"0\r\n\r\n"
 _IDLE_SWEEP_S = 5.0
 
 
@@ -92,31 +83,6 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def _no_delay(transport) -> None:
-    """TCP_NODELAY on a connection. uvloop sets it on every TCP handle; asyncio's own loop only
-    where the socket's protocol number says TCP, which an accepted socket of a listening socket
-    made with ``socket.socket(family, SOCK_STREAM)`` (proto 0) does not: without it, an event
-    written while the response head is not yet acknowledged waits for the client's delayed
-    ACK (Nagle), about 40 ms (measured: TTFT P50 44 ms against 13 ms at concurrency 8)."""
-    sock = transport.get_extra_info("socket")
-    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-def _error_body(status: int, message: str) -> bytes:
-    return json.dumps({"error": {"message": message, "type": "capture_proxy_error", "code": status}},
-                      separators=(",", ":")).encode()
-
-
-def _response(status: int, body: bytes, headers: bytes = b"content-type: application/json\r\n", *,
-              close: bool = False, reason: bytes | None = None) -> bytes:
-    """A whole response of the proxy's own (status line, ``headers`` lines, length, body)."""
-    if reason is None:
-        reason = HTTPStatus(status).phrase.encode()
-    return b"HTTP/1.1 %d %s\r\n%scontent-length: %d\r\n%s\r\n%s" % (
-        status, reason, headers, len(body), b"connection: close\r\n" if close else b"", body)
-
-
 def _prepare(body: bytes, x: Exchange, config: ProxyConfig) -> bytes:
     """Parse the request; ask for what the record needs that the client did not ask for."""
     try:
@@ -148,291 +114,7 @@ def _prepare(body: bytes, x: Exchange, config: ProxyConfig) -> bytes:
     return json.dumps({**parsed, **added}).encode()
 
 
-class _Request:
-    """One request as the client's parser delivers it."""
-
-    __slots__ = ("url", "headers", "body", "size", "method", "keep_alive", "http11", "too_large", "answered",
-                 "arrival", "arrival_unix_ns")
-
-    def __init__(self):
-        self.url = b""
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.body: list[bytes] = []
-        self.size = 0
-        self.method = b""
-        self.keep_alive = True
-        self.http11 = True
-        self.too_large = False
-        self.answered = False
-        self.arrival = 0.0
-        self.arrival_unix_ns = 0
-
-    def header(self, name: bytes) -> bytes | None:
-        for key, value in self.headers:
-            if key.lower() == name:
-                return value
-        return None
-
-
-class _Client(asyncio.Protocol):
-    """One client connection: parses its requests and serves them one at a time, in order."""
-
-    def __init__(self, proxy: "CaptureProxy"):
-        self.proxy = proxy
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpRequestParser(self)
-        self.request: _Request | None = None    # the one being parsed
-        self.in_head = True                     # the next bytes are (part of) a request head
-        self.head_bytes = 0                     # received while in a head
-        self.queue: deque[_Request] = deque()   # parsed, waiting for the one being served (pipelining)
-        self.forward: _Forward | None = None    # the exchange being served
-        self.discard = 0                        # body bytes still accepted (and dropped) after a 413
-        self.closed = False
-        self.write_paused = False
-        self.idle_since = time.monotonic()
-
-    # -- transport callbacks ------------------------------------------------------------------
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        self.proxy.clients.add(self)
-        _no_delay(transport)
-
-    def connection_lost(self, exc) -> None:
-        self.closed = True
-        self.proxy.clients.discard(self)
-        if self.forward is not None:
-            self.forward.client_gone()
-
-    def data_received(self, data: bytes) -> None:
-        if self.in_head:
-            self.head_bytes += len(data)
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._answer_and_close(_response(501, _error_body(501, "protocol upgrades are not proxied"), close=True))
-        except httptools.HttpParserError as exc:
-            self._answer_and_close(_response(400, _error_body(400, f"malformed HTTP request: {exc}"), close=True))
-        else:
-            if self.in_head and self.head_bytes > self.proxy.config.max_head_bytes:  # a head without an end
-                self._answer_and_close(_response(431, _error_body(431, "request head too large"), close=True))
-
-    def eof_received(self) -> bool:
-        return False  # a client that half-closes is gone (an exchange in flight is ended)
-
-    def pause_writing(self) -> None:
-        self.write_paused = True
-        if self.forward is not None:
-            self.forward.pause_upstream()
-
-    def resume_writing(self) -> None:
-        self.write_paused = False
-        if self.forward is not None:
-            self.forward.resume_upstream()
-
-    # -- parser callbacks -----------------------------------------------------------------------
-    def on_message_begin(self) -> None:
-        self.request = _Request()
-
-    def on_url(self, url: bytes) -> None:
-        self.request.url += url
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.request.headers.append((name, value))
-
-    def on_headers_complete(self) -> None:
-        r, limit = self.request, self.proxy.config.max_body_bytes
-        r.arrival, r.arrival_unix_ns = time.perf_counter(), time.time_ns()  # the request's arrival: its head is in
-        r.method = self.parser.get_method()
-        r.keep_alive = self.parser.should_keep_alive()
-        r.http11 = self.parser.get_http_version() == "1.1"
-        self.in_head = False
-        if len(r.url) + sum(len(k) + len(v) + 4 for k, v in r.headers) > self.proxy.config.max_head_bytes:
-            return self._answer_and_close(_response(431, _error_body(431, "request head too large"), close=True))
-        declared = r.header(b"content-length")
-        if declared is not None and declared.strip().isdigit() and int(declared) > limit:
-            self._too_large(r)
-        elif r.header(b"expect") is not None and r.header(b"expect").lower() == b"100-continue":
-            self.transport.write(_CONTINUE)
-
-    def on_body(self, body: bytes) -> None:
-        r = self.request
-        if r.too_large:
-            self.discard -= len(body)
-            if self.discard < 0:  # a client that keeps sending after its 413
-                self.transport.abort()
-            return
-        r.size += len(body)
-        if r.size > self.proxy.config.max_body_bytes:
-            r.body.clear()
-            self._too_large(r)
-        else:
-            r.body.append(body)
-
-    def on_message_complete(self) -> None:
-        r, self.request = self.request, None
-        self.in_head, self.head_bytes = True, 0
-        if r is None or self.closed:
-            return
-        if r.answered:  # the 413, already sent: this connection is done
-            self.transport.close()
-            self.closed = True
-            return
-        self.queue.append(r)
-        if self.forward is None:
-            self.next()
-
-    # -- serving ----------------------------------------------------------------------------------
-    def _too_large(self, r: _Request) -> None:
-        r.too_large = True
-        r.keep_alive = False
-        self.discard = 16 * self.proxy.config.max_body_bytes
-        if self.forward is None and not self.queue:
-            # answered now, before the body has come (or while it comes); it is read and dropped
-            # before the connection closes, so that the client reads the 413 rather than a reset
-            r.answered = True
-            self.proxy.refuse_too_large(self, r)
-
-    def _answer_and_close(self, data: bytes) -> None:
-        if not self.closed:
-            self.transport.write(data)
-            self.transport.close()
-            self.closed = True
-
-    def respond(self, data: bytes, keep_alive: bool) -> None:
-        """Write a whole response; then serve the next request or close."""
-        self.transport.write(data)
-        self.done(keep_alive)
-
-    def done(self, keep_alive: bool) -> None:
-        self.forward = None
-        if self.closed:
-            return
-        if not keep_alive:
-            self.transport.close()
-            self.closed = True
-            return
-        self.idle_since = time.monotonic()
-        if self.queue:
-            self.next()
-
-    def next(self) -> None:
-        while self.forward is None and self.queue and not self.closed:
-            self.proxy.serve(self, self.queue.popleft())
-
-
-class _Upstream(asyncio.Protocol):
-    """One connection to the upstream; carries one ``_Forward`` at a time, then goes back to the pool."""
-
-    def __init__(self, pool: "_Pool"):
-        self.pool = pool
-        self.transport: asyncio.Transport | None = None
-        self.parser = None
-        self.forward: _Forward | None = None
-        self.usable = False
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        self.usable = True
-        _no_delay(transport)
-
-    def data_received(self, data: bytes) -> None:
-        forward = self.forward
-        if forward is None:  # nothing was asked: not a connection to reuse
-            self.usable = False
-            self.transport.close()
-            return
-        try:
-            self.parser.feed_data(data)
-        except Exception as exc:  # not HTTP, or a callback's failure: this exchange ends, the proxy goes on
-            forward.broken(f"{type(exc).__name__}: {exc}")
-            return
-        forward.after_read()
-
-    def eof_received(self) -> bool:
-        self.usable = False
-        return False
-
-    def connection_lost(self, exc) -> None:
-        self.usable = False
-        self.pool.lost(self)
-        if self.forward is not None:
-            self.forward.upstream_lost(exc)
-
-
-class _Pool:
-    """Keep-alive connections to the upstream: reused most recent first, at most ``limit`` open."""
-
-    def __init__(self, config: ProxyConfig):
-        parts = urlsplit(config.upstream)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise CachelabError(f"--upstream {config.upstream!r}: expected http://HOST[:PORT][/PREFIX] (or https)")
-        self.host = parts.hostname
-        self.port = parts.port or (443 if parts.scheme == "https" else 80)
-        self.ssl = ssl.create_default_context() if parts.scheme == "https" else None
-        self.host_header = parts.netloc.rpartition("@")[2].encode("idna")
-        self.prefix = parts.path.rstrip("/").encode()
-        self.limit = config.max_connections
-        self.connect_timeout = config.connect_timeout
-        self.idle: list[_Upstream] = []
-        self.count = 0
-        self.waiters: deque[asyncio.Future] = deque()
-
-    def take(self) -> _Upstream | None:
-        while self.idle:
-            conn = self.idle.pop()
-            if conn.usable:
-                return conn
-        return None
-
-    async def open(self) -> _Upstream:
-        loop = asyncio.get_running_loop()
-        while self.count >= self.limit:
-            waiter = loop.create_future()
-            self.waiters.append(waiter)
-            await waiter
-            conn = self.take()
-            if conn is not None:
-                return conn
-        self.count += 1
-        try:
-            _, conn = await asyncio.wait_for(loop.create_connection(
-                lambda: _Upstream(self), self.host, self.port, ssl=self.ssl,
-                server_hostname=self.host if self.ssl else None), self.connect_timeout)
-        except BaseException:
-            self.count -= 1
-            self._wake()
-            raise
-        return conn
-
-    def give_back(self, conn: _Upstream) -> None:
-        conn.forward = None
-        if conn.usable:
-            conn.transport.resume_reading()  # paused for a slow client of the last exchange
-            self.idle.append(conn)
-            self._wake()
-        else:
-            conn.transport.close()
-
-    def lost(self, conn: _Upstream) -> None:
-        self.count -= 1
-        if conn in self.idle:
-            self.idle.remove(conn)
-        self._wake()
-
-    def _wake(self) -> None:
-        while self.waiters:
-            waiter = self.waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
-
-    def close(self) -> None:
-        for conn in self.idle:
-            conn.transport.close()
-        self.idle.clear()
-
-
-class _Forward:
+class Forward:
     """One request sent upstream and its answer sent back: the upstream parser's protocol.
 
     ``x`` is the exchange being recorded (None on a passed-through path). Everything here runs
@@ -440,12 +122,12 @@ class _Forward:
     gathered in ``out`` and written once, after the read (``after_read``).
     """
 
-    def __init__(self, proxy: "CaptureProxy", client: _Client, request: bytes, x: Exchange | None,
+    def __init__(self, proxy: "CaptureProxy", client: ClientConnection, request: bytes, x: Exchange | None,
                  keep_alive: bool, http11: bool, head: bool):
         self.proxy, self.client, self.request, self.x = proxy, client, request, x
         self.keep_alive, self.http11, self.head = keep_alive, http11, head
         self.arrival = x.arrival if x is not None else time.perf_counter()
-        self.conn: _Upstream | None = None
+        self.conn: UpstreamConnection | None = None
         self.task: asyncio.Task | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.last = self.arrival          # perf_counter of the last upstream activity
@@ -486,7 +168,7 @@ class _Forward:
             return
         self.send(conn)
 
-    def send(self, conn: _Upstream) -> None:
+    def send(self, conn: UpstreamConnection) -> None:
         self.conn = conn
         conn.forward = self
         conn.parser = httptools.HttpResponseParser(self)
@@ -635,7 +317,7 @@ class _Forward:
             if self.mode == STREAM:
                 tail = (self.restorer.close() if self.restorer is not None else b"") + b"".join(self.parts)
             if self.framed:
-                data = (b"%x\r\n%s\r\n" % (len(tail), tail) if tail else b"") + _LAST_CHUNK
+                data = (b"%x\r\n%s\r\n" % (len(tail), tail) if tail else b"") + LAST_CHUNK
             else:
                 data = tail
         self._end()
@@ -675,7 +357,7 @@ class _Forward:
         if self.x is not None:
             self.x.status, self.x.error = status, message
             self.proxy.recorder.submit(self.x)
-        self.client.respond(_response(status, _error_body(status, message), close=not self.keep_alive),
+        self.client.respond(whole_response(status, error_body(status, message), close=not self.keep_alive),
                             self.keep_alive)
 
     def cut(self, message: str) -> None:
@@ -688,7 +370,7 @@ class _Forward:
             self.x.error = message
             self.proxy.recorder.submit(self.x)
         if self.framed:
-            self.out.append(_LAST_CHUNK)
+            self.out.append(LAST_CHUNK)
             self.client.transport.write(b"".join(self.out))
             self.out.clear()
             self.client.done(self.keep_alive)
@@ -772,8 +454,8 @@ class CaptureProxy:
     def __init__(self, config: ProxyConfig, recorder):
         self.config = config
         self.recorder = recorder
-        self.pool = _Pool(config)
-        self.clients: set[_Client] = set()
+        self.pool = UpstreamPool(config)
+        self.clients: set[ClientConnection] = set()
         self.server: asyncio.AbstractServer | None = None
         self._session_header = config.session_header.lower().encode("latin-1")
         self._token = f"Bearer {config.api_key}".encode() if config.api_key else None
@@ -782,7 +464,7 @@ class CaptureProxy:
     async def start(self, sock) -> None:
         """Serve on a bound, listening socket."""
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(lambda: _Client(self), sock=sock, backlog=2048)
+        self.server = await loop.create_server(lambda: ClientConnection(self), sock=sock, backlog=2048)
         self._sweeper = loop.create_task(self._sweep_idle())
 
     async def _sweep_idle(self) -> None:
@@ -815,9 +497,9 @@ class CaptureProxy:
         self.recorder.close()
 
     # -- requests -------------------------------------------------------------------------------
-    def serve(self, client: _Client, r: _Request) -> None:
+    def serve(self, client: ClientConnection, r: Request) -> None:
         if self._token is not None and not secrets.compare_digest(r.header(b"authorization") or b"", self._token):
-            return client.respond(_response(401, _error_body(401, "missing or wrong bearer token for the capture "
+            return client.respond(whole_response(401, error_body(401, "missing or wrong bearer token for the capture "
                                                                   "proxy"), close=not r.keep_alive), r.keep_alive)
         path = r.url.partition(b"?")[0]
         if path[:1] != b"/":  # absolute form (http://host/path?query): only its path and query go on
@@ -827,7 +509,7 @@ class CaptureProxy:
         if r.too_large:
             return self.refuse_too_large(client, r)
         if r.method == b"GET" and path == b"/capture/status":
-            return client.respond(_response(200, json.dumps(self.recorder.stats()).encode(),
+            return client.respond(whole_response(200, json.dumps(self.recorder.stats()).encode(),
                                             close=not r.keep_alive), r.keep_alive)
         body = b"".join(r.body)
         x = None
@@ -844,11 +526,11 @@ class CaptureProxy:
             lines.append(b"content-length: %d\r\n" % len(body))
         request = b"%s %s%s HTTP/1.1\r\nhost: %s\r\n%s\r\n%s" % (
             r.method, self.pool.prefix, r.url, self.pool.host_header, b"".join(lines), body)
-        forward = _Forward(self, client, request, x, r.keep_alive, r.http11, r.method == b"HEAD")
+        forward = Forward(self, client, request, x, r.keep_alive, r.http11, r.method == b"HEAD")
         client.forward = forward
         forward.start()
 
-    def refuse_too_large(self, client: _Client, r: _Request) -> None:
+    def refuse_too_large(self, client: ClientConnection, r: Request) -> None:
         limit = self.config.max_body_bytes
         path = r.url.partition(b"?")[0]
         if r.method == b"POST" and path in RECORDED:
@@ -857,7 +539,7 @@ class CaptureProxy:
                          session=None if session is None else session.decode("latin-1"),
                          status=413, error=f"request body over {limit} bytes")
             self.recorder.submit(x)
-        data = _response(413, _error_body(413, f"request body over {limit} bytes"), close=True)
+        data = whole_response(413, error_body(413, f"request body over {limit} bytes"), close=True)
         if r.answered:  # before the body was read: the connection closes once it has been
             client.transport.write(data)
         else:
