@@ -2,8 +2,10 @@
 
 Serves live points of experiments/live_sweep.toml (the sweep's workload: 24 gamma-arrival
 requests at 4/s, 256-token prompts, 16 output tokens, concurrency 4, 2 warm-up requests) for
-the learned policy and LRU, and predicts each one twice on the calibrated model: without the
-scorer's cost (before) and with it (after: ``measure_cost`` on this machine, charged per step).
+the learned policy and LRU, and reads each learned point's two predictions on the calibrated
+model: without the scorer's cost (before, ``predicted_without_scorer.*``) and with it (after,
+``predicted.*``: the simulator's own scorer calls timed on this machine, ``ScorerCost.fit``,
+charged per step).
 Prints per point the live and predicted mean and P99 TTFT and TPOT, live over predicted, the
 scorer's time per step as the live engine timed it (wall, and its thread's CPU) and as charged
 (the measured CPU cost at the calibration's fit share of a core), the engine's CPU share and
@@ -39,15 +41,6 @@ def main() -> None:
     from cachelab.experiment.sweep import expand
     from cachelab.experiment.workload import build_workload, load_workload
 
-    before = {}
-    predict = live_kind.predict_point
-
-    def both(config, workload, rows, scale, slowdown=1.0, warmup=None, scorer=None):
-        if slowdown == 1.0:  # the plain prediction, once more without the scorer's cost
-            before["metrics"] = predict(config, workload, rows, scale, slowdown, warmup, None).metrics
-        return predict(config, workload, rows, scale, slowdown, warmup, scorer)
-
-    live_kind.predict_point = both
     sweep = (f'sweep={{"live.row_cache_policy"={json.dumps(args.policies)},'
              f'"workload.trace.synthesis.prefix_overlap"={json.dumps(args.overlap)}}}')
     spec = load_spec(SPEC, [sweep, f'live.calibration="{args.calibration}"', f'live.row_cache_model="{args.model}"',
@@ -57,23 +50,24 @@ def main() -> None:
     for point in expand(spec):
         workload = load_workload(build_workload(WorkloadSpec(**point.config["workload"])))
         out = live_kind.live_point(point.config, workload).metrics
-        pre = before.pop("metrics")
         row = {"policy": point.config["live"]["row_cache_policy"],
                "overlap": point.config["workload"]["trace"]["synthesis"]["prefix_overlap"],
                "load_avg_1m": out["machine.load_avg_1m"], "engine_cpu_share": out.get("server.engine_cpu_share"),
                "live_scorer_ms_per_step": out.get("server.scorer_ms_per_step"),
                "live_scorer_cpu_ms_per_step": out.get("server.scorer_cpu_ms_per_step"),
                "predicted_scorer_ms_per_step": out.get("predicted.scorer_ms_per_step"),
+               "live_scorer_cpu_over_cost": out.get("server.scorer_cpu_over_cost"),
                **{k: v for k, v in out.items() if k.startswith("scorer_cost.")}}
         for m in METRICS:
-            row[f"live.{m}"], row[f"before.{m}"], row[f"after.{m}"] = out[m], pre[m], out[f"predicted.{m}"]
+            row[f"live.{m}"], row[f"after.{m}"] = out[m], out[f"predicted.{m}"]
+            row[f"before.{m}"] = out.get(f"predicted_without_scorer.{m}", out[f"predicted.{m}"])
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(f"\nload average now {os.getloadavg()[0]:.2f}\n")
     print("| policy | overlap | P99 TTFT live / before / after (ms) | live/pred before, after | "
           "mean TTFT live / before / after | P99 TPOT live / before / after | scorer ms/step live (CPU) / charged | "
-          "engine share | load |")
-    print("|---|---:|---|---|---|---|---|---:|---:|")
+          "live scorer CPU / its fitted cost | engine share | load |")
+    print("|---|---:|---|---|---|---|---|---:|---:|---:|")
     for r in rows:
         def trio(m):
             return f"{r[f'live.{m}']:.0f} / {r[f'before.{m}']:.0f} / {r[f'after.{m}']:.0f}"
@@ -82,9 +76,14 @@ def main() -> None:
                   f"{r['live_scorer_ms_per_step']:.2f} ({r['live_scorer_cpu_ms_per_step']:.2f}) / "
                   f"{r['predicted_scorer_ms_per_step']:.2f}")
         print(f"| {r['policy']} | {r['overlap']} | {trio('p99_ttft_ms')} | {ratio} | {trio('mean_ttft_ms')} | "
-              f"{trio('p99_tpot_ms')} | {scorer} | {r['engine_cpu_share']:.2f} | {r['load_avg_1m']:.1f} |")
+              f"{trio('p99_tpot_ms')} | {scorer} | {_num(r['live_scorer_cpu_over_cost'])} | "
+              f"{r['engine_cpu_share']:.2f} | {r['load_avg_1m']:.1f} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
+
+
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 if __name__ == "__main__":

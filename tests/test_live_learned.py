@@ -45,6 +45,10 @@ class Recording:
         self.steps.append((np.array(args[-1]), out.copy()))
         return out
 
+    @property
+    def last_counts(self):
+        return self.scorer.last_counts
+
 
 @pytest.mark.slow
 def test_served_learned_row_cache_equals_the_offline_replay(model_dir):
@@ -159,21 +163,19 @@ def test_live_kind_predicts_a_learned_row_cache_with_its_model(model_dir, tmp_pa
 
 
 def test_scorer_cost_measured_and_charged_per_step(model_dir, tmp_path):
-    """``measure_cost`` times the online scorer on this machine and fits its four terms; the
-    simulator charges each step of a learned row cache that cost of the scorer's own counts of
-    the step, at the calibrated engine's share of a core, and every step is that much longer."""
+    """The simulator times its own scorer calls (thread CPU, with each call's counts) and
+    ``ScorerCost.fit`` fits the four terms on them; charged, each step of a learned row cache is
+    that cost of the scorer's own counts for the step longer, at the calibrated engine's share
+    of a core."""
     import polars as pl
 
     from cachelab.engram import encode, get_preset
     from cachelab.experiment.live import predict_point
     from cachelab.experiment.workload import Workload
-    from cachelab.learning.online import OnlineScorer, ScorerCost, measure_cost
+    from cachelab.learning.online import OnlineScorer, ScorerCost
     from cachelab.live.launch import DEFAULT_STORE_SCALE
     from test_live_experiment import calibration_file
 
-    measured = measure_cost(load(model_dir), "deepseek-v4.1-flash", repeats=1)
-    assert measured.calls > 100 and measured.per_lookup_s + measured.per_row_s > 0
-    assert measured.seconds((4, 192, 192)) < measured.seconds((4, 12_480, 12_000))  # a prefill costs more
     texts = [d.text[:500] for d, _ in zip(StdlibCorpus().documents(), range(6))]
     ps = [p[:64].tolist() for p in encode(texts, get_preset("deepseek-v4.1-flash").tokenizer, bos=True)]
     trace = pl.DataFrame({"arrival_s": [0.0] * len(ps), "prompt_ids": ps,  # all at once: the steps need no clock
@@ -193,7 +195,18 @@ def test_scorer_cost_measured_and_charged_per_step(model_dir, tmp_path):
 
     cost = ScorerCost(1e-3, 1e-4, 1e-7, 1e-6)
     point = Workload(None, 0, trace)
-    plain = predict_point({"live": live, "seed": 0}, point, 770, DEFAULT_STORE_SCALE)
+    calls = []
+    plain = predict_point({"live": live, "seed": 0}, point, 770, DEFAULT_STORE_SCALE, scorer_calls=calls)
+    assert len(calls) == plain.tables["per_step"].height and all(c[0] > 0 and c[3] > 0 for c in calls)
+    # the fit recovers a cost from calls it explains exactly, and leaves out a call 10 times its cost
+    seen = [c[1:] for c in calls]
+    exact = [(cost.seconds(c), *c) for c in seen]
+    got = ScorerCost.fit(exact[:-1] + [(10 * exact[-1][0], *seen[-1])])
+    assert got.calls == len(calls) - 1 and got.rms_error < 1e-9
+    assert np.allclose([got.seconds(c) for c in seen], [e[0] for e in exact], rtol=1e-6)
+    assert ScorerCost.fit(calls).calls > 0  # the timed calls fit (their values are this machine's, under its load)
+    with pytest.raises(CachelabError, match="at least 4 timed calls"):
+        ScorerCost.fit(calls[:3])
     OnlineScorer.scores = counting
     try:
         charged = predict_point({"live": live, "seed": 0}, point, 770, DEFAULT_STORE_SCALE, scorer=cost)

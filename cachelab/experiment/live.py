@@ -61,12 +61,14 @@ def live_point(config: dict, workload: Workload) -> PointOutput:
             warm_outputs = run_bench(BenchConfig(url, max_concurrency=live["concurrency"], server_metrics=False,
                                                  return_token_ids=True), warm).outputs
         before, usage0, engine0 = engine.rows.totals.to_dict(), _usage(server_threads), _engine_cpu(engine)
-        scorer0 = (engine.counters.scorer_s, engine.counters.scorer_cpu_s, engine.counters.steps)
+        scorer0 = (engine.counters.scorer_s, engine.counters.scorer_cpu_s, engine.counters.steps,
+                   engine.counters.scorer_counts.copy())
         load0 = os.getloadavg()[0]
         result = run_bench(BenchConfig(url, max_concurrency=live["concurrency"], server_metrics=False,
                                        return_token_ids=True), plan)
         after, usage1, engine1 = engine.rows.totals.to_dict(), _usage(server_threads), _engine_cpu(engine)
-        scorer1 = (engine.counters.scorer_s, engine.counters.scorer_cpu_s, engine.counters.steps)
+        scorer1 = (engine.counters.scorer_s, engine.counters.scorer_cpu_s, engine.counters.steps,
+                   engine.counters.scorer_counts.copy())
         learned = engine.scorer is not None
         load = (load0 + os.getloadavg()[0]) / 2  # the machine's 1-minute load average over the point
         tiers = tuple(engine.rows.totals.tiers)
@@ -119,9 +121,20 @@ def live_point(config: dict, workload: Workload) -> PointOutput:
             warm_served, params["live.predicted_warmup"] = served_outputs(
                 dataclasses.replace(workload, requests=warm_frame), warm_outputs)
             warm_served = warm_served.requests
-        cost = scorer_cost(config) if learned else None
-        if cost is not None:
+        cost = None
+        if learned and row_cache_rows:  # the scorer timed on the prediction's own calls, then charged
+            from cachelab.learning.online import ScorerCost
+
+            calls = []
+            unscored = predict_point(config, workload, row_cache_rows, store_scale, warmup=warm_served,
+                                     scorer_calls=calls)
+            cost = ScorerCost.fit(calls)
             metrics.update({f"scorer_cost.{k}": float(v) for k, v in cost.to_dict().items()})
+            counts = scorer1[3] - scorer0[3]  # the live engine's calls: its scorer's CPU over the cost of their counts
+            if counts[0] and scorer1[1] > scorer0[1]:
+                metrics["server.scorer_cpu_over_cost"] = (scorer1[1] - scorer0[1]) / cost.total_s(*counts.tolist())
+            metrics.update({f"predicted_without_scorer.{k}": v for k, v in unscored.metrics.items()
+                            if k.endswith(("_ttft_ms", "_tpot_ms"))})
         predicted = predict_point(config, workload, row_cache_rows, store_scale, warmup=warm_served, scorer=cost)
         metrics.update({f"predicted.{k}": v for k, v in predicted.metrics.items()})
         tables["predicted_per_request"] = predicted.tables["per_request"]
@@ -172,26 +185,8 @@ def serve_options(config: dict):
                         row_cache_model=Path(live["row_cache_model"]) if learned else None)
 
 
-_SCORER_COSTS: dict = {}  # (predictor directory, layout) -> ScorerCost, measured once per process
-
-
-def scorer_cost(config: dict):
-    """The learned row cache's scorer cost, measured on this machine (``measure_cost``) the first
-    time a process predicts with this predictor, then reused."""
-    from cachelab.learning.online import measure_cost
-    from cachelab.learning.training import load
-    from cachelab.live.launch import model_for
-
-    opts = serve_options(config)
-    layout = model_for(opts).layout
-    key = (str(Path(opts.row_cache_model).resolve()), layout)
-    if key not in _SCORER_COSTS:
-        _SCORER_COSTS[key] = measure_cost(load(opts.row_cache_model), layout)
-    return _SCORER_COSTS[key]
-
-
 def predict_point(config: dict, workload: Workload, row_cache_rows: int, store_scale: float,
-                  slowdown: float = 1.0, warmup=None, scorer=None) -> PointOutput:
+                  slowdown: float = 1.0, warmup=None, scorer=None, scorer_calls: list | None = None) -> PointOutput:
     """The serving simulator on the calibrated model of the live engine: the preset's model
     spec (``live_calibration.model_spec``), the fitted CPU profile and efficiency, the engine's
     scheduler limits and KV pool, and a row cache of the live one's rows over the rows of the
@@ -203,7 +198,7 @@ def predict_point(config: dict, workload: Workload, row_cache_rows: int, store_s
     requests as served, replayed first so the measured run starts from the state they left.
     ``scorer``: the learned policy's ``ScorerCost`` (CPU seconds on a whole core), charged per
     step at the share of a core the model's engine gets: the fit runs' (the calibration's
-    ``fit_cpu_share``), times ``slowdown``."""
+    ``fit_cpu_share``), times ``slowdown``. ``scorer_calls``: gets the scorer's timed calls."""
     from cachelab.experiment.points import simulated_point
     from cachelab.live.launch import model_for
     from cachelab.serving.live_calibration import at_cpu_share, calibration_spec, fit_cpu_share, load_calibration
@@ -228,7 +223,7 @@ def predict_point(config: dict, workload: Workload, row_cache_rows: int, store_s
                             row_cache_policy=live["row_cache_policy"] if row_cache_rows else "lru",
                             row_cache_model=str(opts.row_cache_model) if learned else None, scorer_cost=cost,
                             warm_page_cache=placement == "ssd-mmap")  # the scaled store's file sits in the page cache
-    return simulated_point(workload, serving, warmup)
+    return simulated_point(workload, serving, warmup, scorer_calls)
 
 
 def calibration_path(value: str) -> Path:

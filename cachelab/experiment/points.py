@@ -162,12 +162,13 @@ def serve_point(config: dict, workload: Workload) -> PointOutput:
     return simulated_point(workload, serving_config(config["serving"]))
 
 
-def simulated_point(workload: Workload, serving, warmup=None) -> PointOutput:
+def simulated_point(workload: Workload, serving, warmup=None, scorer_calls: list | None = None) -> PointOutput:
     """``serve_point`` for a ``ServingConfig`` already made (the live kind's calibrated model);
-    ``warmup``: a request table served first and measured nowhere (the live point's warm-up)."""
+    ``warmup``: a request table served first and measured nowhere (the live point's warm-up);
+    ``scorer_calls``: gets the learned scorer's timed calls (``ServingSimulator.run``)."""
     from cachelab.serving.simulator import simulate
 
-    result = simulate(workload.requests, serving, warmup=warmup)
+    result = simulate(workload.requests, serving, warmup=warmup, scorer_calls=scorer_calls)
     metrics = _numbers(result.metrics)
     for prefix, section in (("prefix_cache", result.prefix_cache), ("row_cache", result.rows),
                             ("memory", result.memory)):

@@ -18,15 +18,15 @@ stream whose prompts are prefilled one at a time (the learning streams' "prompts
 two agree, and so do the scores, bit for bit (tested).
 
 The scorer runs on the serving thread before a step's fetch starts, so its time is part of
-every step a learned row cache serves. ``measure_cost`` times it on this machine (the calling
-thread's CPU time over a synthetic schedule of prefill and decode steps) and fits ``ScorerCost``:
-seconds per call, per scheduled sequence, per row looked up and per distinct row scored, which
-the serving simulator charges per step from the scorer's own counts (``last_counts``).
+every step a learned row cache serves. ``ScorerCost.fit`` fits it from timed calls (the calling
+thread's CPU time of each, with the call's ``last_counts``; the serving simulator times its own
+calls, the same calls on the same inputs as the live engine's): seconds per call, per scheduled
+sequence, per row looked up and per distinct row scored, which the simulator then charges per
+step from the scorer's own counts.
 """
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,8 +206,9 @@ class OnlineScorer:
 class ScorerCost:
     """The online scorer's time per call: ``per_call_s`` plus ``per_sequence_s``, ``per_lookup_s``
     and ``per_row_s`` times the step's scheduled sequences, rows looked up (tokens x rows per
-    token) and distinct rows scored (``OnlineScorer.last_counts``), measured by ``measure_cost``
-    on the machine it ran on (CPU seconds of the calling thread: a thread given all of a core)."""
+    token) and distinct rows scored (``OnlineScorer.last_counts``), fitted by ``fit`` on calls
+    timed on the machine they ran on (CPU seconds of the calling thread: a thread given all of
+    a core)."""
 
     per_call_s: float
     per_sequence_s: float
@@ -218,54 +219,34 @@ class ScorerCost:
 
     def seconds(self, counts: tuple[int, int, int]) -> float:
         """Seconds of one call with ``counts`` (sequences, lookups, distinct rows)."""
-        sequences, lookups, rows = counts
-        return self.per_call_s + self.per_sequence_s * sequences + self.per_lookup_s * lookups + self.per_row_s * rows
+        return self.total_s(1, *counts)
+
+    def total_s(self, calls: int, sequences: int, lookups: int, rows: int) -> float:
+        """Seconds of ``calls`` calls whose counts sum to ``sequences``, ``lookups`` and ``rows``."""
+        return self.per_call_s * calls + self.per_sequence_s * sequences + self.per_lookup_s * lookups + self.per_row_s * rows
 
     def to_dict(self) -> dict:
         return {"per_call_s": self.per_call_s, "per_sequence_s": self.per_sequence_s,
                 "per_lookup_s": self.per_lookup_s, "per_row_s": self.per_row_s, "calls": self.calls,
                 "rms_relative_error": self.rms_error}
 
+    @classmethod
+    def fit(cls, calls) -> "ScorerCost":
+        """The four terms by non-negative least squares of each call's relative error (a decode
+        step counts as much as a prefill step) over ``calls``, rows of ``(cpu_s, sequences,
+        lookups, rows)``; calls over 3 times the first fit's time (a first call's one-time
+        costs, a preempted thread) are left out of the second, final fit."""
+        from scipy.optimize import nnls
 
-def measure_cost(model: Model, layout, seed: int = 0, repeats: int = 3) -> ScorerCost:
-    """Time ``OnlineScorer.scores`` on this machine and fit ``ScorerCost`` (non-negative least
-    squares on the four terms, of each call's relative error): a fresh scorer serves a synthetic
-    schedule of prompts of 16 to 512 tokens (half uniformly random token ids, half Zipf-skewed,
-    which repeat rows within a step), each prefilled in one step beside 0 to 15 decoding sequences,
-    and decode-only steps of 1 to 16 sequences (each call's CPU time the median of ``repeats``
-    runs of the whole schedule, after one untimed run that compiles and warms)."""
-    from scipy.optimize import nnls
-
-    addresser = Addresser(layout)
-    rng = np.random.default_rng(seed)
-    steps, live = [], []  # per call (requests, starts, stops, num_prompt, tokens); live: [rid, tokens, position, prompt]
-
-    def step(new: list, batch: list) -> None:
-        steps.append(([d[0] for d in new + batch], [0] * len(new) + [d[2] for d in batch],
-                      [d[3] for d in new] + [d[2] + 1 for d in batch], [d[3] for d in new + batch],
-                      [d[1] for d in new + batch]))
-        for d in batch:
-            d[2] += 1
-        live[:] = [d for d in live if d[2] < d[3] + 63] + new
-
-    for rid, prompt in enumerate(rng.permutation(np.repeat([16, 32, 64, 128, 256, 384, 512], 4)).tolist()):
-        ids = rng.integers(100, 90_000, prompt + 64) if rid % 2 else 100 + rng.zipf(1.3, prompt + 64) % 90_000
-        new = [rid, ids.astype(np.int64), prompt, prompt]  # 64 output tokens to decode
-        step([new], live[:int(rng.integers(0, 16))])
-        for size in (1, 4, 16):
-            step([], live[-size:])
-    rows = [np.concatenate([addresser.rows(np.asarray(t[:b], np.int64))[a:b] for t, a, b in zip(tok, st, sp)])
-            for _, st, sp, _, tok in steps]
-    times = np.empty((repeats + 1, len(steps)))
-    counts = np.empty((len(steps), 3))
-    for r in range(repeats + 1):
-        scorer = OnlineScorer(model, layout)
-        for i, (req, st, sp, npr, tok) in enumerate(steps):
-            t = time.thread_time()
-            scorer.scores(np.asarray(req), np.asarray(st), np.asarray(sp), np.asarray(npr), tok, rows[i])
-            times[r, i] = time.thread_time() - t
-            counts[i] = scorer.last_counts
-    y = np.median(times[1:], axis=0)
-    a = np.column_stack([np.ones(len(steps)), counts])
-    coef, _ = nnls(a / y[:, None], np.ones(len(steps)))  # relative error: a decode step counts as a prefill does
-    return ScorerCost(*map(float, coef), calls=len(steps), rms_error=float(np.sqrt(np.mean((a @ coef / y - 1) ** 2))))
+        data = np.asarray(calls, np.float64).reshape(-1, 4)
+        data = data[data[:, 0] > 0]
+        if data.shape[0] < 4:
+            raise CachelabError(f"a scorer cost needs at least 4 timed calls, got {data.shape[0]}")
+        y, a = data[:, 0], np.column_stack([np.ones(data.shape[0]), data[:, 1:]])
+        for _ in range(2):
+            coef, _ = nnls(a / y[:, None], np.ones(y.size))
+            keep = y <= 3 * (a @ coef)
+            if keep.all():
+                break
+            y, a = y[keep], a[keep]
+        return cls(*map(float, coef), calls=int(y.size), rms_error=float(np.sqrt(np.mean((a @ coef / y - 1) ** 2))))

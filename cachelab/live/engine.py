@@ -103,6 +103,8 @@ class EngineCounters:
     engram_fetch_s: float = 0.0
     scorer_s: float = 0.0  # the learned row cache's scorer, on the engine thread before each fetch
     scorer_cpu_s: float = 0.0  # the engine thread's CPU time in it
+    # its calls, their scheduled sequences, rows looked up and distinct rows scored (ScorerCost's terms)
+    scorer_counts: np.ndarray = field(default_factory=lambda: np.zeros(4, np.int64))
     compute_s: float = 0.0
     step_s: float = 0.0  # wall time of the steps
     thread_cpu_s: float = 0.0  # the engine thread's CPU over them: over step_s, the share of a core it got
@@ -254,13 +256,15 @@ class LiveEngine:
         offsets = np.concatenate([[0], np.cumsum(step.stops - step.starts)])
         row_ids = self._stream.feed(np.concatenate(chunks), offsets, seq=[self._slot[r] for r in rids])
         scores = None
-        fetch = {"window_s": 0.0, "stall_s": 0.0, "fetch_s": 0.0, "scorer_s": 0.0, "scorer_cpu_s": 0.0}
+        fetch = {"window_s": 0.0, "stall_s": 0.0, "fetch_s": 0.0, "scorer_s": 0.0, "scorer_cpu_s": 0.0, "scorer_rows": 0}
         if self.scorer is not None:  # a learned row cache: keep scores from what was served so far
             t_score, cpu_score = time.perf_counter(), time.thread_time()
             scores = self.scorer.scores(step.requests, step.starts, step.stops, step.num_prompt,
                                         [self._live[r].req.tokens for r in rids], row_ids)
             # on this thread, before the fetch starts: its wall time, and its CPU time
             fetch["scorer_s"], fetch["scorer_cpu_s"] = time.perf_counter() - t_score, time.thread_time() - cpu_score
+            fetch["scorer_rows"] = self.scorer.last_counts[2]  # distinct rows scored
+            self.counters.scorer_counts += np.array([1, *self.scorer.last_counts])
         handle = self.rows.prefetch(row_ids, scores) if self.config.prefetch else None
         t_fetch = time.perf_counter()
 

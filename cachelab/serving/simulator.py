@@ -24,6 +24,7 @@ engine numbers them.
 from __future__ import annotations
 
 import heapq
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -65,9 +66,9 @@ class ServingConfig:
             learned ``row_cache_policy`` reads, computed online step by step as the live engine
             computes them (``cachelab serve --model``).
         scorer_cost: the scorer's seconds per call, per scheduled sequence, per row looked up
-            and per distinct row scored (``cachelab.learning.online.measure_cost``, measured on
-            the engine's machine): each step of a learned row cache is that much longer (the live
-            engine scores on its thread before the step's fetch starts). None: not charged.
+            and per distinct row scored (``cachelab.learning.online.ScorerCost``, fitted on calls
+            timed on the engine's machine): each step of a learned row cache is that much longer
+            (the live engine scores on its thread before the step's fetch starts). None: not charged.
         page_cache_bytes: host DRAM the OS page cache may use for ssd-mmap (None: half of the
             replica's host DRAM).
         sample_rate: spatial sampling of rows (1.0: every row).
@@ -281,8 +282,11 @@ class ServingSimulator:
         self.learned = load(Path(cfg.row_cache_model))
         return learned_policy(name, self.learned)
 
-    def run(self, on_step: Callable[[StepRecord], None] | None = None) -> ServingResult:
-        """Replay the trace; ``on_step`` sees every completed step record (for a lookup stream)."""
+    def run(self, on_step: Callable[[StepRecord], None] | None = None,
+            scorer_calls: list | None = None) -> ServingResult:
+        """Replay the trace; ``on_step`` sees every completed step record (for a lookup stream);
+        ``scorer_calls`` (a list) gets each learned-scorer call's ``(thread CPU seconds,
+        sequences, lookups, distinct rows)``, warm-up included (``ScorerCost.fit`` takes them)."""
         cfg, lat = self.config, self.latency
         n = len(self.seqs)
         scheduler = Scheduler(kv_pool(cfg.prefix_cache, self.kv_tokens, cfg.block_size),
@@ -362,8 +366,11 @@ class ServingSimulator:
                     keys = sampled_keys(fold_rows(rows, self.tables), cfg.sample_rate, self.rows_per_page)
                     out = replay.step(keys, record=measuring and clock >= cfg.warmup_s)
                 else:  # the live engine's call (cachelab.live.engine), on the full-layout rows
+                    cpu = time.thread_time()
                     scores = scorer.scores(step.requests, step.starts, step.stops, step.num_prompt,
                                            [self.seqs[r] for r in ids], rows)
+                    if scorer_calls is not None:
+                        scorer_calls.append((time.thread_time() - cpu, *scorer.last_counts))
                     if cost is not None:  # on the engine thread before the fetch: the whole step waits
                         scorer_s = float(cost[0] + cost[1:] @ scorer.last_counts)
                     keys, at = sampled_keys_at(fold_rows(rows, self.tables), cfg.sample_rate, self.rows_per_page)
@@ -462,6 +469,7 @@ class ServingSimulator:
 
 
 def simulate(trace: pl.DataFrame, config: ServingConfig, progress: bool = False,
-             warmup: pl.DataFrame | None = None) -> ServingResult:
-    """Run one serving replay (see ``ServingSimulator``; ``warmup``: requests served first, unmeasured)."""
-    return ServingSimulator(trace, config, progress, warmup=warmup).run()
+             warmup: pl.DataFrame | None = None, scorer_calls: list | None = None) -> ServingResult:
+    """Run one serving replay (see ``ServingSimulator``; ``warmup``: requests served first, unmeasured;
+    ``scorer_calls``: see ``ServingSimulator.run``)."""
+    return ServingSimulator(trace, config, progress, warmup=warmup).run(scorer_calls=scorer_calls)
