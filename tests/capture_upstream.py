@@ -8,7 +8,8 @@ usage event (``choices: []``) and moves ``system_fingerprint`` from the last chu
 through the proxy can be compared byte for byte with one straight from here. Prompts are
 tokenized with the DeepSeek-V4 tokenizer (as the fallback does); outputs are words that are
 one token each. The model name picks a hostile behaviour: ``bad-json``, ``endless``,
-``huge-chunk``, ``slow``, ``error-500``. The real reference upstream is vLLM (tests/vllm_peer.py);
+``huge-chunk``, ``slow``, ``error-500``, ``firehose`` (64 KiB events as fast as the
+connection takes them, counted in ``firehose_sent``: flow control). The real reference upstream is vLLM (tests/vllm_peer.py);
 this one exists for the failure modes vLLM cannot be made to produce and for speed.
 """
 
@@ -45,6 +46,7 @@ class Upstream:
         assert all(len(ids) == 1 for ids in self.word_ids), "every output word must be one token"
         self.seen_blocks: set[bytes] = set()
         self.requests = 0
+        self.firehose_sent = 0
         self.app = self._app()
 
     def _prompt(self, body: dict, chat: bool) -> list[int]:
@@ -124,6 +126,12 @@ class Upstream:
         obj = "chat.completion.chunk" if chat else "text_completion"
         if model == "huge-chunk":
             yield "data: " + "x" * (12 << 20)
+            return
+        if model == "firehose":
+            event = "data: " + "f" * (64 << 10) + "\n\n"
+            for _ in range(10_000):
+                yield event
+                self.firehose_sent += 1
             return
         i = 0
         while True:

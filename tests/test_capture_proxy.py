@@ -295,3 +295,23 @@ def test_raw_http_pipelining_http10_expect_and_malformed(stack):
     assert _socket_exchange(stack.proxy.url, b"GET /v1/models HTTP/1.1\r\nx: " + b"a" * (70 << 10)).startswith(
         b"HTTP/1.1 431 ")
     assert _raw(stack.proxy.url, "/v1/completions", whole)[0] == 200
+
+
+def test_a_client_that_does_not_read_pauses_the_upstream(tmp_path):
+    """Flow control: the proxy stops reading the upstream while the client's socket is full,
+    instead of buffering the answer (640 MiB here) in memory."""
+    import socket
+
+    with Stack(tmp_path, max_response_bytes=1 << 30) as s:
+        body = json.dumps({"model": "firehose", "prompt": "hi", "stream": True}).encode()
+        host, port = s.proxy.url.removeprefix("http://").split(":")
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((host, int(port)))
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            time.sleep(1.5)  # not reading: every buffer on the way fills, then the upstream waits
+            stalled = s.behind.firehose_sent
+            time.sleep(0.5)
+            assert s.behind.firehose_sent - stalled <= 2, "the upstream kept being read"
+            assert stalled < 1_000, f"{stalled} events of 64 KiB left the upstream for a client that read none"
