@@ -93,6 +93,18 @@ def test_a_prompt_split_into_chunks_is_charged_its_own_tokens_once():
     assert got[8192]["tokens_per_s_per_gpu"] == pytest.approx(got[16384]["tokens_per_s_per_gpu"], rel=0.03)
 
 
+def test_prompts_split_into_chunks_never_ask_the_prefill_slot_for_more_time_than_there_is():
+    from cachelab.serving.studies.semianalysis import deployment
+
+    wl = agentic_workload(samples=4096)  # mean 25.7k new tokens a request: two chunks of a 16,384 budget
+    dep = deployment("B300", 4, "hbm", Efficiency())
+    m = SteadyState(dep, wl).solve(512)  # saturated: the prefill slot is the bottleneck
+    room = dep.max_num_batched_tokens - m["decoders"] * 6
+    chunks = np.ceil(float(wl.new_tokens.mean()) / room)
+    assert m["prefill_utilization"] == pytest.approx(0.999, abs=0.01)
+    assert m["request_rate"] * chunks * m["mixed_step_ms"] / 1e3 <= 1.0  # was 1.21: the room's rate over-committed it
+
+
 def test_a_deployment_plans_hbm_for_its_own_token_budget():
     with pytest.raises(CachelabError, match="token budget 16384 is not the one"):
         Deployment(LatencyModel(load_model(), load_profile("B200"), 4, "dram-uva"), 16384)

@@ -205,7 +205,11 @@ class SteadyState:
                     break
                 t = 0.5 * (t + t_new)
             service = chunks_per_req * t_m
-            rho = min(x * n_new / (room / t_m), 0.999) if n_new else 0.0
+            # the prefill slot's load: a prompt that fits the room may share a step with others (its
+            # tokens over the room's rate); one split into chunks fills every step it takes, so its
+            # load is the time those steps take (the room's rate would let the slot run past 100%)
+            load = x * n_new / (room / t_m) if chunks_per_req <= 1 else x * chunks_per_req * t_m
+            rho = min(load, 0.999) if n_new else 0.0
             wait = rho / (1 - rho) * service / 2  # M/D/1 mean queueing wait for the prefill slot
             cycle = think + wait + service + lat.eff.request_overhead_s + n_dec * t
             return {"x": x, "t": t, "ctx": ctx, "t_d": t_d, "t_m": t_m, "f": f, "decoders": decoders, "service": service,
