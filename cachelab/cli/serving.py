@@ -348,6 +348,10 @@ def study_semianalysis(
             f"{k}: {v['gain_max']:.2f}x" for k, v in result["b300_tp2_dram_gain_if_max_num_batched_tokens"].items())
             + "; DRAM over SSD at 8192: "
             f"{result['b200_dram_over_ssd_if_max_num_batched_tokens']['8192']['b200_dram_over_ssd']:.2f}x")
+        r = result["if_non_expert_weights_streamed_per_rank"]
+        c.print(f"If every rank read the non-expert weights whole each step: TP2-DRAM over TP4-HBM "
+                f"{r['b300_tp2_dram_gain_max']:.2f}x; V4.1 8k/1k pair " + ", ".join(
+                    f"{k} {v['error']:+.1%}" for k, v in r["v41_8k1k_tokens_per_s_per_gpu"].items()))
     if "sensitivity" in result:
         table = Table(title="tokens/$ elasticity (B200 DRAM-UVA at 125 tok/s/user)")
         for col in ("parameter", "value", "elasticity"):
