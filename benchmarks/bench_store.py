@@ -15,7 +15,9 @@ Sections (each prints a ratio against its same-run reference):
   dequantise; fused). References in the same run: memcpy of the same bytes as the same
   264-byte rows (one memcpy per distinct row, the kernels' order, into a staging buffer, at
   prefetch distances 0..32 rows, the fastest kept: ``ratio_to_memcpy_rows`` beside
-  ``ratio_to_memcpy``), memcpy of every requested row in request order, repeats included
+  ``ratio_to_memcpy``), the output alone (``output_write``: every request's 512 B of BF16
+  written into the candidates' buffer, nothing read), memcpy of every requested row in
+  request order, repeats included
   (``ratio_to_memcpy_requests``: both sides deliver each request's row; the candidates write
   512 B of BF16 for it where the memcpy writes 264 B), the random access alone (a compiled loop touching each line of
   the same rows, and NumPy's ``np.take``), the DRAM latency of a dependent random load, and
@@ -84,6 +86,15 @@ def _touch_rows(pages, rows, rows_per_page, row_bytes):
         for line in range(0, row_bytes + 63, 64):  # pages[p, j], not pages[p][j]: no view, no reference count
             acc += pages[p, at + min(line, row_bytes - 1)]
     return acc
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _write_output(out):
+    """``out[i, j] = i + j``: every request's BF16 row written (512 B), nothing read: what the
+    candidates' output alone costs, in the same buffer they write."""
+    for i in range(out.shape[0]):
+        for j in range(out.shape[1]):
+            out[i, j] = i + j
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
@@ -240,6 +251,7 @@ def _time_steps(store, steps: list[dict], rounds: int) -> dict:
         "memcpy": each(lambda s: np.copyto(dst[:s["table_rows"].size * rb], hot_src[:s["table_rows"].size * rb])),
         "memcpy_cold": memcpy_cold,
         "random_touch": each(lambda s: _touch_rows(pages, s["table_rows"], rpp, rb)),
+        "output_write": each(lambda s: _write_output(s["out"])),
         **{f"memcpy_rows_{d}": each(lambda s, d=d: _copy_rows(pages, s["table_rows"], rpp, rb, packed, d))
            for d in ROW_COPY_AHEAD},
         **{f"memcpy_requests_{d}": each(lambda s, d=d: _copy_rows(pages, s["request_rows"], rpp, rb, packed_requests, d))
@@ -539,7 +551,8 @@ def _print(out: dict) -> None:
                   + ", ".join(f"{d}: {v:.1f}" for d, v in r["memcpy_rows_ns_per_row_by_ahead"].items()) + "); memcpy of "
                   f"every requested row {r['memcpy_requests_ns_per_request']:.1f} ns/request (best prefetch "
                   f"{r['memcpy_requests_ahead']} ahead)")
-            for k in ("lookup", "lookup_out", "kernels_staged", "kernels_fused", "random_touch", "numpy_take"):
+            for k in ("lookup", "lookup_out", "kernels_staged", "kernels_fused", "random_touch", "output_write",
+                      "numpy_take"):
                 x = r[k]
                 print(f"  {k:>15}: {x['ns_per_row']:7.1f} ns/row {x['GBps']:6.3f} GB/s {x['ratio_to_memcpy']:.3f} x memcpy"
                       f" {x['ratio_to_memcpy_rows']:.3f} x memcpy of rows {x['ratio_to_memcpy_requests']:.3f} x memcpy of "

@@ -161,7 +161,7 @@ def test_prefetch_row_and_the_bench_references_copy_the_same_rows():
     from cachelab.store.kernels import gather_pages
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from bench_store import _copy_rows, _touch_rows, best_parallelism, mlp_bound
+    from bench_store import _copy_rows, _touch_rows, _write_output, best_parallelism, mlp_bound
 
     rng = np.random.default_rng(5)
     pages = rng.integers(0, 256, (40, PAGE), dtype=np.uint8)
@@ -173,6 +173,9 @@ def test_prefetch_row_and_the_bench_references_copy_the_same_rows():
         got = np.zeros_like(want)
         _copy_rows(pages, rows, 15, 264, got, ahead)
         np.testing.assert_array_equal(got, want)
+    out = np.zeros((7, 256), np.uint16)
+    _write_output(out)  # every request's row written
+    np.testing.assert_array_equal(out, np.arange(7)[:, None] + np.arange(256)[None])
     lines = np.arange(0, 264 + 63, 64).clip(max=263)
     assert _touch_rows(pages, rows, 15, 264) == int(want[:, lines].astype(np.int64).sum())
     bound = mlp_bound({"latency_ns": 200.0, "lines_in_flight": 20.0}, 264, 15)
