@@ -57,6 +57,8 @@ def main() -> None:
                "live_scorer_cpu_ms_per_step": out.get("server.scorer_cpu_ms_per_step"),
                "predicted_scorer_ms_per_step": out.get("predicted.scorer_ms_per_step"),
                "live_scorer_cpu_over_cost": out.get("server.scorer_cpu_over_cost"),
+               "store_step_ms": out.get("server.store_step_ms"),
+               "store_cache_lookup_ms": out.get("server.store_cache_lookup_ms"),
                **{k: v for k, v in out.items() if k.startswith("scorer_cost.")}}
         for m in METRICS:
             row[f"live.{m}"], row[f"after.{m}"] = out[m], out[f"predicted.{m}"]
@@ -66,8 +68,8 @@ def main() -> None:
     print(f"\nload average now {os.getloadavg()[0]:.2f}\n")
     print("| policy | overlap | P99 TTFT live / before / after (ms) | live/pred before, after | "
           "mean TTFT live / before / after | P99 TPOT live / before / after | scorer ms/step live (CPU) / charged | "
-          "live scorer CPU / its fitted cost | engine share | load |")
-    print("|---|---:|---|---|---|---|---|---:|---:|---:|")
+          "live scorer CPU / its fitted cost | store ms/step (its policy's) | engine share | load |")
+    print("|---|---:|---|---|---|---|---|---:|---|---:|---:|")
     for r in rows:
         def trio(m):
             return f"{r[f'live.{m}']:.0f} / {r[f'before.{m}']:.0f} / {r[f'after.{m}']:.0f}"
@@ -77,6 +79,7 @@ def main() -> None:
                   f"{r['predicted_scorer_ms_per_step']:.2f}")
         print(f"| {r['policy']} | {r['overlap']} | {trio('p99_ttft_ms')} | {ratio} | {trio('mean_ttft_ms')} | "
               f"{trio('p99_tpot_ms')} | {scorer} | {_num(r['live_scorer_cpu_over_cost'])} | "
+              f"{_num(r['store_step_ms'])} ({_num(r['store_cache_lookup_ms'])}) | "
               f"{r['engine_cpu_share']:.2f} | {r['load_avg_1m']:.1f} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

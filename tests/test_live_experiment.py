@@ -128,6 +128,7 @@ def test_every_cpu_placement_serves_live(tmp_path, monkeypatch):
         assert m["completed"] == 3 and m["failed"] == 0 and m["predicted.p99_ttft_ms"] > 0, placement
         if placement != "hbm":
             assert m["row_cache.hbm.hits"] > 0 and m["link.dram_to_hbm_bytes"] > 0, placement
+            assert 0 < m["server.store_cache_lookup_ms"] < m["server.store_step_ms"], placement
             assert m["predicted.memory.memory_plan_per_gpu.table_bytes"] == 0, placement
     # O_DIRECT reads pages from the file, bypassing the page cache: nothing is read from host DRAM
     assert by["ssd-direct"]["link.ssd_to_dram_bytes"] > 0 and by["ssd-direct"]["link.host_read_bytes"] == 0

@@ -96,6 +96,10 @@ def live_point(config: dict, workload: Workload) -> PointOutput:
         if hits + misses:
             metrics[f"row_cache.{tier}.hit_ratio"] = hits / (hits + misses)
     metrics.update({f"link.{k}": float(after[k] - before[k]) for k in LINK_KEYS})
+    if after["steps"] > before["steps"]:  # the store's thread per step: the whole fetch, and its policies' part
+        steps = after["steps"] - before["steps"]
+        metrics["server.store_step_ms"] = 1e3 * (after["step_s"] - before["step_s"]) / steps
+        metrics["server.store_cache_lookup_ms"] = 1e3 * (after["cache_lookup_s"] - before["cache_lookup_s"]) / steps
     metrics.update(footprint)
     wall = usage1["wall_s"] - usage0["wall_s"]
     metrics["server.minor_faults_per_s"] = (usage1["minflt"] - usage0["minflt"]) / wall
