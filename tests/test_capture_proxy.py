@@ -87,6 +87,17 @@ def test_client_bytes_identical_with_and_without_proxy(stack, path, body, stream
         assert rec["tok_n"] == [1] * 12 and rec["ttft_s"] <= rec["last_s"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_record_is_submitted_before_the_client_has_its_answer(stack, stream):
+    """A client that flushes the recorder right after its answer must find the record in it: the
+    proxy hands the record over before it writes the answer's last bytes."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 3, "stream": stream}
+    for _ in range(20):
+        before = stack.recorder.stats()["submitted"]
+        assert _raw(stack.proxy.url, "/v1/completions", body)[0] == 200
+        assert stack.recorder.stats()["submitted"] == before + 1
+
+
 def test_client_that_asks_for_ids_and_usage_gets_them(stack):
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "stream": True, "return_token_ids": True,
             "stream_options": {"include_usage": True}}

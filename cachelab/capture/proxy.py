@@ -324,10 +324,10 @@ class Forward:
         if not self.conn.parser.should_keep_alive() or self.by_close:
             self.conn.usable = False
         self.proxy.pool.give_back(self.conn)
+        if x is not None:  # recorded before the client has its last byte: a flush after the answer sees it
+            self.proxy.recorder.submit(x)
         if data:
             client.transport.write(data)
-        if x is not None:
-            self.proxy.recorder.submit(x)
         client.done(self.keep_alive)
 
     # -- endings other than a complete answer ---------------------------------------------------
