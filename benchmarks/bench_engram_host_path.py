@@ -19,7 +19,7 @@ takes beyond it; the two stages are timed apart. The page walk of a first touch 
 page first (``--cold`` keeps the first touches in, one row per page). Timing-sensitive:
 run it under the machine-wide lock and report the load beside it:
 
-    flock /work/notes/bench.lock .venv/bin/python benchmarks/bench_engram_host_path.py --json
+    .venv/bin/python benchmarks/bench_engram_host_path.py --json
 """
 
 from __future__ import annotations

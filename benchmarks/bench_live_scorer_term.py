@@ -11,7 +11,7 @@ scorer's time per step as the live engine timed it (wall, and its thread's CPU) 
 (the measured CPU cost at the calibration's fit share of a core), the engine's CPU share and
 the load average; ``--json FILE`` keeps the numbers.
 
-    flock /work/notes/bench.lock .venv/bin/python benchmarks/bench_live_scorer_term.py \
+    .venv/bin/python benchmarks/bench_live_scorer_term.py \
         --calibration fitted.toml --model model-1pct --overlap 0.0 0.5 0.9
 """
 

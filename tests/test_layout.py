@@ -169,3 +169,22 @@ def test_docs_cite_only_files_a_clone_contains(doc):
                       for path in _expand(cited) if not _resolves(path, doc, files)})
     assert not missing, "cited files that a clone does not contain (cite the clone's path or a public URL):\n" + \
         "\n".join(missing)
+
+
+MACHINE_PATH = re.compile(r"(?:^|[^\w.~/-])(/(?:work|root|home)/[\w.-]+)")
+
+
+def test_no_file_names_a_path_of_a_working_machine():
+    """A clone runs anywhere: commands and docs name paths relative to the repository root
+    (or a placeholder), never the directories of the machine a change was made on."""
+    found = []
+    for rel in _clone_files():
+        path = ROOT / rel
+        if rel.startswith("tests/golden/") or not path.is_file():
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        found += [f"{rel}:{n}: {m}" for n, line in enumerate(text.splitlines(), 1) for m in MACHINE_PATH.findall(line)]
+    assert not found, "paths of a working machine:\n" + "\n".join(found)
