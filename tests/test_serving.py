@@ -6,6 +6,7 @@ import numpy as np
 import polars as pl
 import pytest
 
+from cachelab.errors import CachelabError
 from cachelab.serving.latency import Efficiency
 from cachelab.serving.metrics import RequestTimes, summarize
 from cachelab.serving.pareto import dominated, pareto_front, throughput_at
@@ -133,3 +134,17 @@ def test_the_simulator_drives_the_scheduler_and_its_steps_make_a_lookup_stream()
     assert sorted(r for s in steps for r in s.finished) == list(range(12))
     stream = step_stream(sim.addresser, sim.seqs, sim.plen, steps)
     assert stream.num_steps == res.metrics["steps"] and stream.num_lookups == res.rows["lookups"]
+
+
+def test_scorer_cost_from_a_spec_section_is_checked():
+    """``[serving.params] scorer_cost`` arrives from TOML as a list: four seconds are taken as
+    they are, anything else is refused with the key named."""
+    from cachelab.experiment.points import serving_config
+
+    section = {"hardware": "B200", "placement": "dram-copy", "tp": 1, "concurrency": 4}
+    ok = serving_config({**section, "params": {"scorer_cost": [1e-4, 2e-6, 3e-8, 4e-8]}})
+    ok.check()
+    assert list(ok.scorer_cost) == [1e-4, 2e-6, 3e-8, 4e-8]
+    for bad in ([1e-4, 2e-6], [1e-4, -1.0, 0.0, 0.0], ["fast", "x", "y", "z"], [float("nan"), 0, 0, 0]):
+        with pytest.raises(CachelabError, match="scorer_cost must be 4 non-negative seconds"):
+            serving_config({**section, "params": {"scorer_cost": bad}}).check()

@@ -118,12 +118,21 @@ class ServingConfig:
             raise CachelabError(f"row_cache_bytes must be >= 0, got {self.row_cache_bytes}")
         if self.store_scale is not None and not 0.0 < self.store_scale <= 1.0:
             raise CachelabError(f"store_scale must be in (0, 1], got {self.store_scale}")
-        if self.scorer_cost is not None and (len(self.scorer_cost) != 4 or min(self.scorer_cost) < 0):
+        if self.scorer_cost is not None and not _non_negative_seconds(self.scorer_cost, 4):
             raise CachelabError(f"scorer_cost must be 4 non-negative seconds (per call, sequence, lookup, row), "
                                 f"got {self.scorer_cost!r}")
         if self.row_cache_model is not None and not Path(self.row_cache_model).is_dir():
             raise CachelabError(f"row_cache_model: no directory {str(self.row_cache_model)!r} (a predictor "
                                 "directory from `cachelab train --out`)")
+
+
+def _non_negative_seconds(values, n: int) -> bool:
+    """``values`` is ``n`` real, finite, non-negative numbers (a TOML list or a tuple)."""
+    try:
+        v = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError):
+        return False
+    return v.shape == (n,) and bool(np.isfinite(v).all()) and bool((v >= 0).all())
 
 
 @dataclass
