@@ -175,8 +175,8 @@ MACHINE_PATH = re.compile(r"(?:^|[^\w.~/-])(/(?:work|root|home)/[\w.-]+)")
 
 
 def test_no_file_names_a_path_of_a_working_machine():
-    """A clone runs anywhere: commands and docs name paths relative to the repository root
-    (or a placeholder), never the directories of the machine a change was made on."""
+    """A clone runs anywhere: commands and docs name paths relative to the repository root or
+    a temporary directory, never the directories of the machine a change was made on."""
     found = []
     for rel in _clone_files():
         path = ROOT / rel

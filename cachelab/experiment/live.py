@@ -61,14 +61,12 @@ def live_point(config: dict, workload: Workload) -> PointOutput:
             warm_outputs = run_bench(BenchConfig(url, max_concurrency=live["concurrency"], server_metrics=False,
                                                  return_token_ids=True), warm).outputs
         before, usage0, engine0 = engine.rows.totals.to_dict(), _usage(server_threads), _engine_cpu(engine)
-        scorer0 = (engine.counters.scorer_s, engine.counters.scorer_cpu_s, engine.counters.steps,
-                   engine.counters.scorer_counts.copy())
+        scorer0 = _scorer_totals(engine)
         load0 = os.getloadavg()[0]
         result = run_bench(BenchConfig(url, max_concurrency=live["concurrency"], server_metrics=False,
                                        return_token_ids=True), plan)
         after, usage1, engine1 = engine.rows.totals.to_dict(), _usage(server_threads), _engine_cpu(engine)
-        scorer1 = (engine.counters.scorer_s, engine.counters.scorer_cpu_s, engine.counters.steps,
-                   engine.counters.scorer_counts.copy())
+        scorer1 = _scorer_totals(engine)
         learned = engine.scorer is not None
         load = (load0 + os.getloadavg()[0]) / 2  # the machine's 1-minute load average over the point
         tiers = tuple(engine.rows.totals.tiers)
@@ -247,6 +245,12 @@ def _needs_scores(policy: str) -> bool:
 def _engine_cpu(engine) -> tuple[float, float]:
     """The engine's step wall time and its thread's CPU time over those steps, so far."""
     return engine.counters.step_s, engine.counters.thread_cpu_s
+
+
+def _scorer_totals(engine) -> tuple:
+    """The engine's learned scorer so far: wall and CPU seconds, steps, and its call counts."""
+    c = engine.counters
+    return c.scorer_s, c.scorer_cpu_s, c.steps, c.scorer_counts.copy()
 
 
 def _task_ids() -> set[int]:

@@ -139,7 +139,7 @@ class TableLayout:
                              self.head_offsets + base[:, None], self.head_rows.astype(np.int64),
                              out.reshape(-1, n_layers, n_cols))
             if bad >= 0:
-                self._out_of_range(rows, bad)
+                self.out_of_range(rows, bad)
             return out
         else:
             layer_index = np.asarray(layer_index, dtype=np.int64)
@@ -157,7 +157,7 @@ class TableLayout:
         residue = rows - col_off
         bad = (residue < 0) | (residue >= col_p)
         if bad.any():
-            self._out_of_range(rows, int(np.flatnonzero(bad.ravel())[0]))
+            self.out_of_range(rows, int(np.flatnonzero(bad.ravel())[0]))
         return new_off + residue % new_p
 
     def check_shape(self, rows: np.ndarray) -> None:
@@ -179,7 +179,8 @@ class TableLayout:
         return (flat(self.config.offsets), flat(self.config.primes), flat(self.head_offsets + base[:, None]), rows,
                 1.0 / rows)
 
-    def _out_of_range(self, rows: np.ndarray, i: int):
+    def out_of_range(self, rows: np.ndarray, i: int):
+        """Raise the error for the flat index ``i`` of ``rows`` (the fold's kernels return it)."""
         raise CachelabError(f"row id {int(rows.ravel()[i])} is out of range for its head of layout "
                             f"{self.config.name!r} (index {np.unravel_index(i, rows.shape)})")
 

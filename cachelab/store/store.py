@@ -392,7 +392,7 @@ class TieredStore:
         distinct = lookup_dequant(rows.reshape(-1), *self._fold_heads, self.backing.pages, lay.rows_per_page,
                                   DEQUANT_TABLE, flat, self._seen, self._generation, bits, keys, work=flat.nbytes)
         if distinct < 0:
-            lay._out_of_range(rows, -1 - distinct)
+            lay.out_of_range(rows, -1 - distinct)
         t1 = time.perf_counter()
         minor1, major1 = _faults()
         rb = self.row_bytes
