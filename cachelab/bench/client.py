@@ -30,6 +30,7 @@ import numpy as np
 from cachelab.bench.plan import BenchPlan
 from cachelab.bench.server_metrics import Scrape, scrape
 from cachelab.errors import CachelabError
+from cachelab.heap import freeze_startup_heap
 from cachelab.serving.metrics import RequestTimes, request_metrics
 
 TIMEOUT_S = 6 * 3600  # vLLM's AIOHTTP_TIMEOUT: a request may wait long under load
@@ -260,8 +261,7 @@ def run_bench(config: BenchConfig, plan: BenchPlan,
     model = resolve_model(config)
     before = scrape(config.root) if config.server_metrics else None
     outputs: list[RequestOutput | None] = [None] * len(plan)
-    gc.collect()
-    gc.freeze()
+    freeze_startup_heap()
     clock = {"start": time.perf_counter()}
     interrupted = False
     try:

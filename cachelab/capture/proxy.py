@@ -32,7 +32,6 @@ request. Flow control: a client that reads slowly pauses the upstream connection
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import secrets
 import time
@@ -68,19 +67,6 @@ class ProxyConfig:
     max_connections: int = 1024
     keep_alive_s: float = 30.0      # an idle client connection is closed after this long
     shutdown_grace_s: float = 10.0  # on stop, exchanges in flight get this long to finish
-
-
-def freeze_startup_heap() -> None:
-    """Exempt everything alive at startup from garbage collection (for a process that runs the proxy).
-
-    The proxy process holds over 100,000 container objects once its imports are done (the
-    CLI, numpy, the recorder); a full collection scans them all, about 100 ms on the 2-core
-    test machine, and the event loop, so every stream in flight, waits for it (docs/capture.md).
-    Frozen, they are never scanned again: a later collection walks only what was allocated
-    since, what the live requests hold.
-    """
-    gc.collect()
-    gc.freeze()
 
 
 def _prepare(body: bytes, x: Exchange, config: ProxyConfig) -> bytes:

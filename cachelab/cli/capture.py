@@ -78,9 +78,10 @@ def proxy(
     """
     import asyncio
 
-    from cachelab.capture.proxy import ProxyConfig, event_loop_factory, freeze_startup_heap, run_proxy
+    from cachelab.capture.proxy import ProxyConfig, event_loop_factory, run_proxy
     from cachelab.capture.recorder import Recorder
     from cachelab.capture.writer import CaptureWriter
+    from cachelab.heap import freeze_startup_heap
     from cachelab.live.launch import check_bind
 
     host, port = parse_listen(listen)

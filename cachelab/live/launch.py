@@ -212,11 +212,14 @@ def serve(opts: ServeOptions, announce=print) -> None:
     """Run the server in the foreground until interrupted."""
     import uvicorn
 
+    from cachelab.heap import freeze_startup_heap
+
     check_bind(opts.host, opts.api_key)
     cfg = model_for(opts)
     engine = build_engine(opts).start()
     recorder = open_capture(opts)
     app = _app(opts, engine, recorder)
+    freeze_startup_heap()  # this process only serves: its model, tokenizer and imports stay unscanned
     announce(f"cachelab serve: model {model_name(opts)!r} ({cfg.name}, Engram at layers {list(cfg.engram_layers)}, "
              f"rows from {engine.rows.directory} ({PLACEMENTS.get(opts.placement, opts.placement)})) on "
              f"http://{opts.host}:{opts.port}/v1")
