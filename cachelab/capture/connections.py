@@ -273,6 +273,17 @@ class UpstreamConnection(asyncio.Protocol):
             self.forward.upstream_lost(exc)
 
 
+def upstream_prefix(path: str) -> bytes:
+    """What goes before a client's request path upstream: ``--upstream``'s path, without a trailing
+    ``/v1``. Clients send ``/v1/...`` themselves, so an upstream given as an OpenAI base URL
+    (``http://host:8000/v1``, ``https://gw/route/v1``) and one given as its root (``http://host:8000``,
+    ``https://gw/route``) are the same upstream; ``/health`` or ``/metrics`` go to the root."""
+    path = path.rstrip("/")
+    if path.endswith("/v1"):
+        path = path[:-3]
+    return path.encode()
+
+
 class UpstreamPool:
     """Keep-alive connections to the upstream: reused most recent first, at most ``limit`` open."""
 
@@ -282,9 +293,12 @@ class UpstreamPool:
             raise CachelabError(f"--upstream {config.upstream!r}: expected http://HOST[:PORT][/PREFIX] (or https)")
         self.host = parts.hostname
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
-        self.ssl = ssl.create_default_context() if parts.scheme == "https" else None
+        if config.upstream_ca and parts.scheme != "https":
+            raise CachelabError(f"--upstream-ca is for an https:// upstream, not {config.upstream!r}")
+        # the system's CA store, or only the given bundle (a private CA, a self-signed server)
+        self.ssl = ssl.create_default_context(cafile=config.upstream_ca) if parts.scheme == "https" else None
         self.host_header = parts.netloc.rpartition("@")[2].encode("idna")
-        self.prefix = parts.path.rstrip("/").encode()
+        self.prefix = upstream_prefix(parts.path)
         self.limit = config.max_connections
         self.connect_timeout = config.connect_timeout
         self.idle: list[UpstreamConnection] = []

@@ -55,6 +55,7 @@ class ProxyConfig:
 
     upstream: str
     api_key: str | None = None
+    upstream_ca: str | None = None  # PEM bundle that verifies an https upstream (else the system's CA store)
     session_header: str = "x-session-id"
     token_ids: bool = True
     max_body_bytes: int = 8 << 20

@@ -42,7 +42,12 @@ def _bound_socket(host: str, port: int) -> socket.socket:
 
 @app.command()
 def proxy(
-    upstream: str = typer.Option(..., help="The OpenAI-compatible server to front, e.g. http://127.0.0.1:8000."),
+    upstream: str = typer.Option(..., help="The OpenAI-compatible server to front, e.g. http://127.0.0.1:8000 "
+                                 "(https:// too; a path prefix, with or without a final /v1, goes before every "
+                                 "request's path)."),
+    upstream_ca: Path | None = typer.Option(None, exists=True, dir_okay=False,
+                                            help="PEM bundle that verifies an https upstream's certificate (a "
+                                            "private CA, a self-signed server), instead of the system's CA store."),
     out: Path = typer.Option(..., "--out", help="Capture directory (created 0700; segment files 0600)."),
     listen: str = typer.Option("127.0.0.1:8100", help="HOST:PORT to listen on (port 0: any free one). A "
                                "non-loopback host needs --api-key."),
@@ -86,7 +91,8 @@ def proxy(
 
     host, port = parse_listen(listen)
     check_bind(host, api_key, "--listen")
-    config = ProxyConfig(upstream=upstream, api_key=api_key, session_header=session_header.lower(),
+    config = ProxyConfig(upstream=upstream, api_key=api_key, upstream_ca=str(upstream_ca) if upstream_ca else None,
+                         session_header=session_header.lower(),
                          token_ids=token_ids, max_body_bytes=int(max_body_mb * 2**20),
                          max_response_bytes=int(max_response_mb * 2**20), read_timeout=read_timeout,
                          total_timeout=total_timeout)
