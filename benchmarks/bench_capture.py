@@ -35,9 +35,18 @@ NAME=N: how much of its tail is waiting for a CPU rather than its own code); --p
 sends long prompts (token ids, which the upstream does not tokenize). Everything the run
 wrote (captures, vLLM's model directory) is removed at the end.
 
+--pin measures every path twice in the same rounds: under the default placement ("shared":
+every process may run on every core) and "pinned": the upstream and the load generator on one
+core, every proxy (its threads and writer process) on another, the way a proxy deployed as a
+sidecar with a core of its own runs. The direct path keeps the same placement for the upstream
+and the client, so the two pinned paths differ only by the proxy hop. Which cores: --pin-cores
+A,B (default: the first two this process may use). Each placement is reported against its own
+direct path, with its own A/A spread; the proxy's, the client's and the upstream's time waiting
+for a CPU (schedstat) shows what the placement changed.
+
 Run: .venv/bin/python benchmarks/bench_capture.py [--requests 1024 --concurrency 1 8
 --max-tokens 32 --token-delay-ms 10 --rounds 4] [--vllm | --upstream URL --model M]
-[--proxy NAME=ARGS ...] [--proxy-nice NAME=N] [--prompt-tokens N]
+[--proxy NAME=ARGS ...] [--proxy-nice NAME=N] [--prompt-tokens N] [--pin [--pin-cores A,B]]
 """
 
 from __future__ import annotations
@@ -143,6 +152,34 @@ def runqueue_seconds(pid: int | str) -> float:
     return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
 
 
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` on ``cpus`` (sched_setaffinity is per thread; threads started later
+    inherit their creator's set)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, FileNotFoundError):  # a thread that ended meanwhile
+            pass
+
+
+class Placement:
+    """Where the bench's processes run: ``shared`` (every core for everyone) or ``pinned`` (the client
+    and the upstream on one core, the proxies on another)."""
+
+    def __init__(self, upstream_pid: int, proxy_pids: list[int], cores: tuple[int, int] | None):
+        self.upstream_pid, self.proxy_pids, self.cores = upstream_pid, proxy_pids, cores
+        self.all = os.sched_getaffinity(0)
+
+    def apply(self, placement: str) -> None:
+        if self.cores is None:  # one placement: the scheduler's
+            return
+        side, proxy = ({self.cores[0]}, {self.cores[1]}) if placement == "pinned" else (self.all, self.all)
+        for pid in (os.getpid(), self.upstream_pid):
+            pin_process(pid, side)
+        for pid in self.proxy_pids:
+            pin_process(pid, proxy)
+
+
 def pct(values, q):
     return float(np.percentile(values, q)) * 1e3
 
@@ -163,10 +200,11 @@ def itl(results):
     return np.concatenate([g for _, _, g in results])
 
 
-async def measure_all(urls, pids, model, args):
+async def measure_all(urls, pids, model, args, placement: Placement):
     """Per concurrency, interleaved rounds (the paths in order in even rounds, reversed in odd ones:
-    ABBA for one proxy), each after an untimed warm-up batch; per path, per round, (sent, ttft, itl
-    gaps) per stream, and each proxy's CPU time (its writer process's included) over its rounds."""
+    ABBA for one proxy; with --pin, the placements likewise), each after an untimed warm-up batch;
+    per placement, per path, per round, (sent, ttft, itl gaps) per stream, and each proxy's CPU time
+    (its writer process's included) over its rounds."""
     top = max(args.concurrency)
     clients = {name: httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(
         max_connections=top, max_keepalive_connections=top, keepalive_expiry=600)) for name, url in urls.items()}
@@ -175,47 +213,61 @@ async def measure_all(urls, pids, model, args):
     measured = {}
     try:
         for concurrency in args.concurrency:
-            rounds = {name: [] for name in names}
-            cpu = {name: np.zeros(2) for name in pids} | {f"{name}_loop": np.zeros(2) for name in pids}
-            waits = {name: 0.0 for name in names} | {f"{name}_loop": 0.0 for name in pids}
+            by_placement = {}
+            for where in args.placements:
+                by_placement[where] = ({name: [] for name in names},
+                                       {name: np.zeros(2) for name in pids} | {f"{name}_loop": np.zeros(2) for name in pids},
+                                       {name: 0.0 for name in names} | {f"{name}_loop": 0.0 for name in pids}
+                                       | {f"{name}_upstream": 0.0 for name in names})
             for r in range(args.rounds):
-                for name in (names if r % 2 == 0 else names[::-1]):
-                    # untimed: this concurrency's connections open on every hop, whatever closed
-                    # while the other path ran (an upstream closes idle keep-alive connections: vLLM after 5 s)
-                    await batch(clients[name], model, concurrency, concurrency, 1, 10**6)
-                    proxy = pids.get(name, ())
-                    before = sum((np.array(cpu_seconds(pid)) for pid in proxy), np.zeros(2))
-                    loop_before = np.array(cpu_seconds(f"{proxy[0]}/task/{proxy[0]}")) if proxy else 0
-                    loop_wait = runqueue_seconds(proxy[0]) if proxy else 0.0
-                    client_wait = runqueue_seconds("self")
-                    rounds[name].append(await timed_batch(clients[name], model, per_round, concurrency,
-                                                          args.max_tokens, (concurrency * args.rounds + r) * per_round))
-                    waits[name] += runqueue_seconds("self") - client_wait
-                    if proxy:
-                        cpu[name] += sum((np.array(cpu_seconds(pid)) for pid in proxy), np.zeros(2)) - before
-                        cpu[f"{name}_loop"] += np.array(cpu_seconds(f"{proxy[0]}/task/{proxy[0]}")) - loop_before
-                        waits[f"{name}_loop"] += runqueue_seconds(proxy[0]) - loop_wait
-            measured[concurrency] = rounds, cpu, waits
+                for where in (args.placements if r % 2 == 0 else args.placements[::-1]):
+                    placement.apply(where)
+                    rounds, cpu, waits = by_placement[where]
+                    for name in (names if r % 2 == 0 else names[::-1]):
+                        # untimed: this concurrency's connections open on every hop, whatever closed
+                        # while the other path ran (an upstream closes idle keep-alive connections: vLLM after 5 s)
+                        await batch(clients[name], model, concurrency, concurrency, 1, 10**6)
+                        proxy = pids.get(name, ())
+                        before = sum((np.array(cpu_seconds(pid)) for pid in proxy), np.zeros(2))
+                        loop_before = np.array(cpu_seconds(f"{proxy[0]}/task/{proxy[0]}")) if proxy else 0
+                        loop_wait = runqueue_seconds(proxy[0]) if proxy else 0.0
+                        client_wait = runqueue_seconds("self")
+                        upstream_wait = runqueue_seconds(placement.upstream_pid) if placement.upstream_pid else 0.0
+                        rounds[name].append(await timed_batch(clients[name], model, per_round, concurrency,
+                                                              args.max_tokens, (concurrency * args.rounds + r) * per_round))
+                        waits[name] += runqueue_seconds("self") - client_wait
+                        if placement.upstream_pid:
+                            waits[f"{name}_upstream"] += runqueue_seconds(placement.upstream_pid) - upstream_wait
+                        if proxy:
+                            cpu[name] += sum((np.array(cpu_seconds(pid)) for pid in proxy), np.zeros(2)) - before
+                            cpu[f"{name}_loop"] += np.array(cpu_seconds(f"{proxy[0]}/task/{proxy[0]}")) - loop_before
+                            waits[f"{name}_loop"] += runqueue_seconds(proxy[0]) - loop_wait
+            measured[concurrency] = by_placement
     finally:
+        placement.apply("shared")
         for client in clients.values():
             await client.aclose()
     return measured
 
 
 def samples(measured) -> list[dict]:
-    """Every stream as a row: to look at a tail (which round, when, which path)."""
-    return [{"path": name, "concurrency": c, "round": r, "sent": sent, "ttft_s": t, "itl_s": gaps.tolist()}
-            for c, (rounds, _, _) in measured.items() for name, per_path in rounds.items()
-            for r, streams in enumerate(per_path) for sent, t, gaps in streams]
+    """Every stream as a row: to look at a tail (which placement, round, when, which path)."""
+    return [{"path": name, "placement": where, "concurrency": c, "round": r, "sent": sent, "ttft_s": t,
+             "itl_s": gaps.tolist()}
+            for c, by_placement in measured.items() for where, (rounds, _, _) in by_placement.items()
+            for name, per_path in rounds.items() for r, streams in enumerate(per_path) for sent, t, gaps in streams]
 
 
-def report(concurrency, name, rounds, cpu, waits, args, rng) -> dict:
+def report(concurrency, name, rounds, cpu, waits, args, rng, where="shared") -> dict:
     direct = [s for rnd in rounds["direct"] for s in rnd]
     proxied = [s for rnd in rounds[name] for s in rnd]
     streams = len(proxied)
     cpu, loop_cpu = cpu[name], cpu[f"{name}_loop"]
     nice = f", niceness {args.proxy_nice[name]:+d} against the client's and upstream's" if name in args.proxy_nice else ""
-    print(f"\nconcurrency {concurrency}, {name} ({args.proxy[name] or 'the CLI defaults'}{nice}): {streams} streams per "
+    place = (f"; placement {where}" + (f": client and upstream on core {args.pin_cores[0]}, proxy on core "
+                                       f"{args.pin_cores[1]}" if where == "pinned" else ": every core for every process")
+             if len(args.placements) > 1 else "")
+    print(f"\nconcurrency {concurrency}, {name} ({args.proxy[name] or 'the CLI defaults'}{nice}{place}): {streams} streams per "
           f"path x {args.max_tokens} tokens, {args.rounds} interleaved rounds; proxy CPU (its writer process, if any, "
           f"included) {cpu.sum() / streams * 1e3:.2f} ms per stream "
           f"({cpu.sum() / (streams * args.max_tokens) * 1e6:.0f} us per token; user {cpu[0]:.2f} s, sys {cpu[1]:.2f} s), "
@@ -223,7 +275,9 @@ def report(concurrency, name, rounds, cpu, waits, args, rng) -> dict:
           f"(user {loop_cpu[0]:.2f} s, sys {loop_cpu[1]:.2f} s)")
     print(f"waiting for a CPU, per stream: the proxy's event loop {waits[f'{name}_loop'] / streams * 1e3:.2f} ms; "
           f"the client {waits['direct'] / streams * 1e3:.2f} ms in direct rounds, "
-          f"{waits[name] / streams * 1e3:.2f} ms in {name} rounds")
+          f"{waits[name] / streams * 1e3:.2f} ms in {name} rounds; the upstream "
+          f"{waits['direct_upstream'] / streams * 1e3:.2f} ms in direct rounds, "
+          f"{waits[f'{name}_upstream'] / streams * 1e3:.2f} ms in {name} rounds")
     print(f"{'metric':<6}{'samples':>9}{'direct P50':>12}{'proxy P50':>12}{'direct P99':>12}{'proxy P99':>12}"
           f"{'P99 delta':>12}{'95% interval':>20}{'ratio':>8}{'A/A delta':>11}  goal: P99 within max(1 ms, 1%)")
     out = {"cpu_wait_ms_per_stream": {k: v / streams * 1e3 for k, v in waits.items()},
@@ -291,8 +345,23 @@ def main() -> None:
     ap.add_argument("--proxy-nice", action="append", default=[], metavar="NAME=N",
                     help="run proxy NAME (and its writer process) at the bench's niceness + N (the client and the "
                          "upstream keep the bench's): how much of its tail is waiting for a CPU")
+    ap.add_argument("--pin", action="store_true",
+                    help="also measure every path pinned, in the same rounds: the client and the upstream on one "
+                         "core, the proxies on another (a sidecar proxy with a core of its own); each placement "
+                         "against its own direct path")
+    ap.add_argument("--pin-cores", default=None, metavar="A,B",
+                    help="with --pin: the client's and upstream's core, and the proxies' (default: the first two "
+                         "cores this process may use)")
     args = ap.parse_args()
     args.proxy = proxy_variants(args.proxy)
+    args.placements = ["shared", "pinned"] if args.pin else ["shared"]
+    allowed = sorted(os.sched_getaffinity(0))
+    args.pin_cores = tuple(int(c) for c in args.pin_cores.split(",")) if args.pin_cores else tuple(allowed[:2])
+    if args.pin and (args.upstream or args.vllm):
+        raise SystemExit("--pin places the bench's own upstream: not with --upstream or --vllm")
+    if args.pin and (len(args.pin_cores) != 2 or len(set(args.pin_cores)) != 2
+                     or not set(args.pin_cores) <= set(allowed)):
+        raise SystemExit(f"--pin needs two different cores this process may use (of {allowed}), got {args.pin_cores}")
     args.proxy_nice = {name: int(n) for name, _, n in (item.partition("=") for item in args.proxy_nice)}
     if set(args.proxy_nice) - set(args.proxy):
         raise SystemExit(f"--proxy-nice names no --proxy: {sorted(set(args.proxy_nice) - set(args.proxy))}")
@@ -333,8 +402,10 @@ def main() -> None:
                     for tid in os.listdir(f"/proc/{pid}/task"):
                         os.setpriority(os.PRIO_PROCESS, int(tid), os.getpriority(os.PRIO_PROCESS, 0)
                                        + args.proxy_nice[name])
+        placement = Placement(procs[0].pid if procs and not (args.upstream or args.vllm) else 0,
+                              [pid for proxy in pids.values() for pid in proxy], args.pin_cores if args.pin else None)
         load_before = os.getloadavg()
-        measured = asyncio.run(measure_all(urls, pids, model, args))
+        measured = asyncio.run(measure_all(urls, pids, model, args, placement))
         load_after = os.getloadavg()
         status = {name: wait_acknowledged(urls[name]) for name in args.proxy}
     finally:
@@ -352,12 +423,15 @@ def main() -> None:
     if args.samples:
         args.samples.write_text(json.dumps(samples(measured)))
     rng = np.random.default_rng(args.seed)
-    by_variant = {name: {str(c): report(c, name, *measured[c], args, rng) for c in args.concurrency}
-                  for name in args.proxy}
+    by_placement = {where: {name: {str(c): report(c, name, *measured[c][where], args, rng, where)
+                                   for c in args.concurrency} for name in args.proxy}
+                    for where in args.placements}
     if args.json:
+        by_variant = by_placement["shared"]
         first = next(iter(by_variant.values()))
         print(json.dumps({"load_before": load_before, "load_after": load_after, "by_concurrency": first,
-                          "by_proxy": by_variant}))
+                          "by_proxy": by_variant, "by_placement": by_placement,
+                          "pin_cores": list(args.pin_cores) if args.pin else None}))
 
 
 if __name__ == "__main__":
