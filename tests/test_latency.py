@@ -300,6 +300,34 @@ def test_ssd_workers_fetch_from_the_step_start_and_the_host_floors_short_steps()
     assert "host_floor_s" in short.to_dict()
 
 
+def test_an_inline_gather_is_exposed_in_full_on_the_gpu_and_on_the_hosts_launch():
+    from dataclasses import replace
+
+    b200 = load_profile("B200")
+    inline = LatencyModel(MODEL, b200, tp=4, placement="ssd-mmap", efficiency=replace(Efficiency(), host_gather_overlap=False))
+    worker = LatencyModel(MODEL, b200, tp=4, placement="ssd-mmap")
+    e = inline.eff
+    work = [EngramStep(8192 * 24, 8192 * 24)] * 2
+    chunk = Batch([0.0], [8192.0])
+    a, b = inline.step_time(chunk, work), worker.step_time(chunk, work)
+    f1, f14 = (x.fetch_s for x in a.fetches)
+    assert [x.fetch_s for x in b.fetches] == pytest.approx([f1, f14])  # the same host work, differently placed
+    assert [x.window_s for x in a.fetches] == [0.0, 0.0]  # nothing runs beside it
+    assert a.stall_s == pytest.approx(f1 + f14 + 2 * e.graph_break_s)
+    assert a.stall_s > b.stall_s  # the worker hid layer 14's behind the layers before it
+    assert a.step_s == pytest.approx(a.gpu.total_s + a.stall_s)
+    # a host-bound verify step of one sequence: the forward thread gathers before it launches the rest
+    one = Batch([1000.0], [1006.0], lm_rows=6, drafting=1)
+    small = [EngramStep(6 * 24, 6 * 24)] * 2
+    short, hidden = inline.step_time(one, small), worker.step_time(one, small)
+    assert hidden.step_s == pytest.approx(hidden.host_floor_s)
+    assert short.step_s == pytest.approx(short.host_floor_s + sum(x.fetch_s for x in short.fetches))
+    # GPU paths and steps captured whole do not have the option
+    uva = replace(Efficiency(), host_gather_overlap=False)
+    assert LatencyModel(MODEL, b200, tp=4, placement="dram-uva", efficiency=uva).step_time(one, small).step_s == \
+        pytest.approx(LatencyModel(MODEL, b200, tp=4, placement="dram-uva").step_time(one, small).step_s)
+
+
 def test_the_engram_host_path_bench_times_the_patchs_dedup_and_two_gathers(tmp_path):
     import importlib.util
 

@@ -123,6 +123,20 @@ def test_the_v41_vllm_runs_use_their_published_token_budget():
     assert capped.max_num_batched_tokens == 4096 and capped.latency.plan.indexer_buffer_bytes == 8 * 2**30
 
 
+def test_the_v41_pairs_disk_arm_ran_the_inline_gather_and_the_model_prices_the_overlap():
+    from dataclasses import replace
+
+    from cachelab.serving.calibration import deployment, ssd_builds, v41_script_points
+
+    builds = {p.placement: deployment(p, Efficiency()).latency.eff.host_gather_overlap for p in v41_script_points()}
+    assert builds == {"dram-uva": True, "ssd-mmap": False}
+    eff = replace(Efficiency(), **FITTED_R1)
+    got = ssd_builds(eff)
+    assert got["inline"]["median_tpot_ms"]["model"] > got["overlapped"]["median_tpot_ms"]["model"]
+    assert got["inline"]["tokens_per_s_per_gpu"]["model"] < got["overlapped"]["tokens_per_s_per_gpu"]["model"]
+    assert got["inline_minus_overlapped_tpot_ms"]["published"] == pytest.approx(8.71 - 8.42)
+
+
 def test_the_page_cache_is_the_nodes_and_every_replica_shares_it():
     from cachelab.serving.studies.semianalysis import deployment
 

@@ -338,6 +338,8 @@ def study_semianalysis(
     if "b200_dram_over_ssd_if_page_cache_fraction" in result:
         c.print("DRAM over SSD if the page cache held this fraction of the tables: " + ", ".join(
             f"{k}: {v:.2f}x" for k, v in result["b200_dram_over_ssd_if_page_cache_fraction"].items()))
+        g = result["b200_dram_over_ssd_if_gather_inline"]
+        c.print(f"DRAM over SSD if the SSD arm gathered inline (the patch's first build): {g['b200_dram_over_ssd']:.2f}x")
         a = result["b200_dram_over_ssd_if_host_offset_additive"]
         c.print(f"DRAM over SSD if the SSD host offset added {a['offset_s_per_step'] * 1e3:.1f} ms to every step "
                 f"instead of flooring it: {a['b200_dram_over_ssd']:.2f}x (8k/1k SSD point: "
@@ -376,7 +378,7 @@ def study_inferencex(
     names the subsets left out of the first and why. Example: `cachelab study inferencex --json`."""
     from cachelab.paths import data_root
     from cachelab.serving.calibration import (FIT_SUBSET, FITTED, THINK_SUBSET, fit, heldout_report, load_points, mape,
-                                              validate, with_fitted_think)
+                                              ssd_builds, validate, with_fitted_think)
     from cachelab.serving.studies.semianalysis import with_published_piecewise
 
     console = Console(stderr=True, quiet=as_json)
@@ -390,7 +392,7 @@ def study_inferencex(
               "think_subset": THINK_SUBSET, "agentic_think_s": think, "prefill_mfu": eff.prefill_mfu,
               "piecewise_layer_s": eff.piecewise_layer_s,
               "fit_mape": mape([r for r in rows if r["subset"] == FIT_SUBSET]), **heldout_report(rows),
-              "points": rows}
+              "v41_8k1k_ssd_builds": ssd_builds(eff), "points": rows}
     if out is not None:
         import polars as pl
 
@@ -416,3 +418,6 @@ def study_inferencex(
     for s, v in result["heldout_excluded"].items():
         c.print(f"not in heldout_mape: {s} ({v['points']} points): {v['reason']}")
     c.print("fitted: " + ", ".join(f"{k} = {v:.4g}" for k, v in result["fitted"].items()))
+    d = result["v41_8k1k_ssd_builds"]["inline_minus_overlapped_tpot_ms"]
+    c.print(f"V4.1 8k/1k SSD point, the patch's inline gather against its overlapped one: median TPOT "
+            f"{d['model']:+.2f} ms (published {d['published']:+.2f} ms, one run each)")

@@ -54,6 +54,14 @@ V41_SCRIPT_PAIR = {"dram-uva": {"tokens_per_s_per_gpu": 13632 / 4, "median_tpot_
                                 "p99_ttft_ms": 3900.0},
                    "ssd-mmap": {"tokens_per_s_per_gpu": 14168 / 4, "median_tpot_ms": (8.45 + 8.60) / 2,
                                 "p99_ttft_ms": 6000.0}}
+# Which build of the SSD patch the pair's disk arm ran: the inline gather (False), not the worker that
+# overlaps it with the decoder layers. The PR body measured both at this point, one run each, "an
+# otherwise identical inline build run back to back": inline 14,163 tok/s, median TPOT 8.71 ms;
+# overlapped 14,330 tok/s, 8.42 ms (https://github.com/SemiAnalysisAI/InferenceX/blob/main/analysis/
+# ssd_offload/VLLM-PR-BODY.md). The pair's three-run mean, 14,168 +/- 104, is the inline build's; the B200
+# recipe states the pair without the worker (its GB200 copy, dsv41flashssd_fp4_gb200_vllm_mtp.sh, adds
+# "The row gather runs on a worker while the decoder layers execute" above the same pair).
+V41_SCRIPT_SSD_OVERLAPPED = False
 
 # The token budget per step (``--max-num-batched-tokens``) of a run: SGLang's chunked-prefill default
 # (16384) and vLLM's (8192), except the InferenceX DeepSeek-V4.1-Flash vLLM arms, which ran 16384: the
@@ -134,6 +142,7 @@ class Point:
     observed_think_s: float | None = None  # single-client agentic runs: 1 / rate - mean E2EL
     client_gap_s: float | None = None  # agentic runs: concurrency / rate - mean E2EL (the trace's think time if steady)
     ep: int = 1  # expert parallelism as published (1: experts sharded over the TP ranks)
+    host_gather_overlap: bool | None = None  # the SSD patch build a point ran (None: the efficiency's)
 
 
 def _float(row: dict, key: str) -> float | None:
@@ -216,11 +225,35 @@ def load_points(root: Path) -> list[Point]:
 
 def v41_script_points() -> list[Point]:
     """The V4.1-Flash pair the InferenceX SSD recipe states (B200 TP4, 8k/1k, 16 clients, no KV
-    offload: the page cache has the node's ~1 TB less the server's 95 GB)."""
+    offload: the page cache has the node's ~1 TB less the server's 95 GB). The disk arm ran the
+    patch's inline gather (``V41_SCRIPT_SSD_OVERLAPPED``)."""
     return [Point(f"v41-b200-tp4-8k1k-c16-{placement}", "v41-b200-tp4-8k1k-script", "deepseek-v4.1-flash",
                   "B200", 4, placement, fixed_workload(8192, 1024), 16, dict(measured), SCRIPT, "vllm",
-                  page_cache_bytes=None if placement != "ssd-mmap" else 1000e9 - 95e9)
+                  page_cache_bytes=None if placement != "ssd-mmap" else 1000e9 - 95e9,
+                  host_gather_overlap=None if placement != "ssd-mmap" else V41_SCRIPT_SSD_OVERLAPPED)
             for placement, measured in V41_SCRIPT_PAIR.items()]
+
+
+# The PR body's two builds at the pair's SSD point, one run each (V41_SCRIPT_SSD_OVERLAPPED's source).
+V41_SSD_BUILDS = {"inline": {"tokens_per_s_per_gpu": 14163 / 4, "median_tpot_ms": 8.71},
+                  "overlapped": {"tokens_per_s_per_gpu": 14330 / 4, "median_tpot_ms": 8.42}}
+
+
+def ssd_builds(eff: Efficiency) -> dict:
+    """The 8k/1k SSD point under the patch's inline and overlapped builds, the model's against the
+    PR body's back-to-back runs: what hiding the host gather behind the layers before the Engram
+    layer is worth where steps read 576 rows per rank per layer (decode) or 49k (an 8k prompt).
+    A check of the host path's measured per-row costs; nothing is fitted to it."""
+    from dataclasses import replace
+
+    point = {p.placement: p for p in v41_script_points()}["ssd-mmap"]
+    out = {}
+    for build, overlap in (("inline", False), ("overlapped", True)):
+        got = predict(replace(point, host_gather_overlap=overlap), eff)
+        out[build] = {k: {"model": got[k], "published": v} for k, v in V41_SSD_BUILDS[build].items()}
+    out["inline_minus_overlapped_tpot_ms"] = {
+        k: out["inline"]["median_tpot_ms"][k] - out["overlapped"]["median_tpot_ms"][k] for k in ("model", "published")}
+    return out
 
 
 def with_fitted_think(points: list[Point]) -> tuple[list[Point], float]:
@@ -237,6 +270,10 @@ def with_fitted_think(points: list[Point]) -> tuple[list[Point], float]:
 
 def deployment(point: Point, eff: Efficiency, spec: ModelSpec | None = None) -> Deployment:
     """The point's deployment; ``spec`` replaces its named model (a what-if)."""
+    if point.host_gather_overlap is not None:
+        from dataclasses import replace
+
+        eff = replace(eff, host_gather_overlap=point.host_gather_overlap)
     budget = batched_tokens(point.model, point.framework)
     lat = LatencyModel(spec or load_model(point.model), load_profile(point.hardware), point.tp, point.placement,
                        efficiency=eff, ep=point.ep, max_num_batched_tokens=budget)

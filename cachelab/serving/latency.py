@@ -101,6 +101,14 @@ class Efficiency:
     # step runs as piecewise CUDA graphs (a host read is illegal during capture, InferenceX
     # dsv41flashssd script) and has the host floor
     graph_break_s: float = 50e-6  # the forward thread waited for a fetch: the GPU drained and waits for the relaunch
+    # Piecewise CPU paths: each Engram layer's host gather runs on its own worker from the start of
+    # the step, behind the layers before it (True: the InferenceX SSD patch's overlapped build), or
+    # inline on the forward thread when the step reaches the Engram layer (False: the patch's first
+    # build, "measured against an otherwise identical inline build run back to back",
+    # https://github.com/SemiAnalysisAI/InferenceX/blob/main/analysis/ssd_offload/VLLM-PR-BODY.md).
+    # Inline, nothing hides the fetch: the forward thread, which launches the rest of the piecewise
+    # step, waits for all of it (the ids' device-to-host copy, dedup, gather, copy back).
+    host_gather_overlap: bool = True
     activation_reserve_bytes: float = 6e9  # activations, CUDA graphs, NCCL buffers per GPU
 
 
@@ -434,16 +442,24 @@ class LatencyModel:
         and hands each layer's gather to that layer's one-thread pool, and the layer's ``embed``
         waits for it; a wait drains the GPU, which then waits ``graph_break_s`` for the relaunch.
         ``host_addressing`` (ids computed on the host ahead of the step) fetches on one thread.
+        Without ``host_gather_overlap`` (the patch's inline build) a CPU path's fetch starts when
+        the forward thread reaches the Engram layer and nothing hides it: the GPU waits for all of
+        it, and so does the host's launch of a host-bound step.
         """
         gpu = self.gpu_time(batch)
         layer_s = (gpu.total_s - gpu.overhead_s) / self.model.layers
         stall = 0.0
         fetch_done = 0.0
         fetches = []
+        inline = self.piecewise and not self.eff.host_gather_overlap
+        blocked = 0.0  # host time the forward thread spends gathering inline
         for layer, work in zip(self.model.engram_layers, engram):
             parts = self.fetch_parts(work)
             needed = layer * layer_s + stall  # main stream reaches layer L (after earlier stalls)
-            if self.piecewise:
+            if inline:
+                fetch_done = needed + parts["total_s"]  # on the forward thread, once it reaches layer L
+                blocked += parts["total_s"]
+            elif self.piecewise:
                 fetch_done = parts["total_s"]  # its own worker, from the start of the step
             else:
                 fetch_done += parts["total_s"]
@@ -451,11 +467,13 @@ class LatencyModel:
             if self.piecewise and wait > 0:
                 wait += self.eff.graph_break_s
             stall += wait
-            fetches.append(LayerFetch(layer, layer * layer_s, parts["total_s"],
+            fetches.append(LayerFetch(layer, 0.0 if inline else layer * layer_s, parts["total_s"],
                                       {k: v for k, v in parts.items() if k != "total_s"}))
         floor = self.host_floor_s(batch)
         offset = self.eff.piecewise_step_offset_s if floor > 0 else 0.0
-        return StepTime(gpu, tuple(fetches), stall, max(gpu.total_s + stall + offset, floor), floor)
+        # an inline gather blocks the thread that launches the step: a host-bound step waits for it too
+        host = floor + blocked if floor > 0 else 0.0
+        return StepTime(gpu, tuple(fetches), stall, max(gpu.total_s + stall + offset, host), floor)
 
 
 def describe(lat: LatencyModel) -> dict:

@@ -354,7 +354,27 @@ def what_ifs(workload: Workload, eff: Efficiency, dram_tokens_per_dollar: float)
     return {"b200_dram_over_ssd_if_page_cache_fraction": by_cache,
             "b300_tp2_dram_gain_if_kv_bytes_per_token": by_kv,
             "b200_dram_over_ssd_if_host_offset_additive": offset,
+            "b200_dram_over_ssd_if_gather_inline": inline_gather_what_if(workload, eff, dram_tokens_per_dollar),
             **budget_what_ifs(workload, eff), **replicated_stream_what_if(workload, eff)}
+
+
+def inline_gather_what_if(workload: Workload, eff: Efficiency, dram_tokens_per_dollar: float) -> dict:
+    """B200 DRAM over SSD if the SSD arm ran the patch's inline build (the held-out 8k/1k pair's disk
+    arm did): each Engram layer's host gather, which grows with the rows a step reads, exposed in
+    full instead of overlapped with the layers before it; and the PR body's agentic sweep (SSD over
+    UVA per concurrency) under it, the model's against the published."""
+    from dataclasses import replace
+
+    price = load_profile("B200").usd_per_gpu_hour
+    inline = replace(eff, host_gather_overlap=False)
+    b200 = [c for c in CONFIGS if c[0] == "B200"]
+    df = pl.DataFrame(run_points(workload, inline, [c for c in b200 if c[2] == "ssd-mmap"], WHAT_IF_CONCURRENCIES)
+                      + run_points(workload, eff, [("B200", 4, "dram-uva")], SSD_PR_STEADY), infer_schema_length=None)
+    ssd_tpd = throughput_at(_front(df.filter(pl.col("placement") == "ssd-mmap")), TARGET, X, Y) * 3600 / price
+    sweep = disk_over_uva(df)
+    return {"b200_ssd_tokens_per_dollar": ssd_tpd, "b200_dram_over_ssd": dram_tokens_per_dollar / ssd_tpd,
+            "b200_tp4_disk_over_uva": {k: v["model"] for k, v in sweep["by_concurrency"].items()},
+            "b200_tp4_disk_over_uva_held_out_mape": sweep["held_out_mape"], "source": SSD_PR_SOURCE}
 
 
 def streaming_replicated_weights(spec: ModelSpec, tp: int) -> ModelSpec:
