@@ -137,6 +137,30 @@ def test_the_v41_pairs_disk_arm_ran_the_inline_gather_and_the_model_prices_the_o
     assert got["inline_minus_overlapped_tpot_ms"]["published"] == pytest.approx(8.71 - 8.42)
 
 
+def test_the_inline_gather_what_if_runs_the_ssd_arm_inline_and_only_it():
+    from dataclasses import replace
+
+    import polars as pl
+
+    from cachelab.serving.pareto import pareto_front, throughput_at
+    from cachelab.serving.studies.semianalysis import (TARGET, WHAT_IF_CONCURRENCIES, X, Y, inline_gather_what_if,
+                                                       run_points)
+
+    eff = replace(Efficiency(), **FITTED_R1)
+    wl = agentic_workload()
+    got = inline_gather_what_if(wl, eff, dram_tokens_per_dollar=100e6)
+    ssd = [("B200", 4, "ssd-mmap"), ("B200", 8, "ssd-mmap")]
+    overlapped = pl.DataFrame(run_points(wl, eff, ssd, WHAT_IF_CONCURRENCIES), infer_schema_length=None)
+    price = load_profile("B200").usd_per_gpu_hour
+    base = throughput_at(pareto_front(overlapped, X, Y), TARGET, X, Y) * 3600 / price
+    # exposing the gather can only cost the SSD arm; the DRAM figure passed in is the denominator's
+    assert got["b200_ssd_tokens_per_dollar"] < base
+    assert got["b200_dram_over_ssd"] == pytest.approx(100e6 / got["b200_ssd_tokens_per_dollar"])
+    # the sweep pairs the inline SSD arm with the (unchanged) UVA arm at the PR body's concurrencies
+    assert set(got["b200_tp4_disk_over_uva"]) == {"1", "2", "4", "8", "16", "32", "64"}
+    assert all(0 < v < 1 for v in got["b200_tp4_disk_over_uva"].values())
+
+
 def test_the_page_cache_is_the_nodes_and_every_replica_shares_it():
     from cachelab.serving.studies.semianalysis import deployment
 
