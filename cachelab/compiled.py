@@ -6,7 +6,8 @@ than the CPU caches (a hash table over 10 M keys) waits on memory at every acces
 the slot of the access a few iterations ahead overlaps those waits (3x on the 10 M-lookup
 compaction of ``benchmarks/bench_engine.py``). ``prefetch_at(arr, i, j)`` fetches the line of
 ``arr[i, j]`` of a 2-D array: ``prefetch(arr[i], j)`` would build a view of the row, and with
-it a reference count taken and dropped (two calls) at every use.
+it a reference count taken and dropped (two calls) at every use. ``prefetch_write_at(arr, i, j)``
+fetches it for writing (``prefetchw``), for outputs larger than the caches.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 
-def _prefetch_ptr(builder, ptr) -> None:
-    """``llvm.prefetch`` of ``ptr`` for reading, temporal locality 3 (every cache level)."""
+def _prefetch_ptr(builder, ptr, write: bool = False) -> None:
+    """``llvm.prefetch`` of ``ptr`` for reading (or, ``write``, for writing: x86's ``prefetchw``,
+    the line fetched already owned), temporal locality 3 (every cache level)."""
     i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
                                         "llvm.prefetch.p0i8")
-    builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+    builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, int(write)), ir.Constant(i32, 3), ir.Constant(i32, 1)])
 
 
 @intrinsic
@@ -56,6 +58,27 @@ def prefetch_at(typingctx, arr, i, j):
         ary = context.make_array(aryty)(context, builder, args[0])
         ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1], args[2]])
         _prefetch_ptr(builder, ptr)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def prefetch_write_at(typingctx, arr, i, j):
+    """Prefetch the line of ``arr[i, j]`` of a 2-D array for writing (``prefetchw`` where the CPU
+    has it): a store to a line not in the cache first reads it from memory for ownership, and
+    a kernel writing rows far larger than the caches otherwise waits on those reads one store
+    at a time."""
+    if not (isinstance(arr, types.Array) and arr.ndim == 2 and isinstance(i, types.Integer)
+            and isinstance(j, types.Integer)):
+        return None
+    sig = types.void(arr, i, j)
+
+    def codegen(context, builder, signature, args):
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1], args[2]])
+        _prefetch_ptr(builder, ptr, write=True)
         return context.get_dummy_value()
 
     return sig, codegen

@@ -227,6 +227,42 @@ def test_lookup_dequant_folds_counts_distinct_rows_and_dequantises_repeats(work)
                                   10, keys, work=work) == -1 - (5 * 3 + 1)
 
 
+def test_dequantisers_prefetch_their_output_rows_for_writing():
+    """Each dequantising kernel prefetches the output rows it is about to write for ownership
+    (``llvm.prefetch`` with rw = 1: x86's ``prefetchw``), and an output that starts inside a
+    cache line (a caller's view) is still filled exactly."""
+    import re
+
+    import numba
+
+    from cachelab.store import kernels
+
+    rng = np.random.default_rng(13)
+    pages = rng.integers(0, 256, (3, PAGE), dtype=np.uint8)
+    packed = pages[:, :15 * 264].reshape(45, 264)
+    rows = rng.integers(0, 45, 30)
+    uniq, inverse = np.unique(rows, return_inverse=True)
+    expect = DEQUANT_TABLE[np.repeat(packed[rows, 256:], 32, axis=1), packed[rows, :256]]
+    for work in (0, 1 << 40):  # the serial build, and the parallel one
+        one = np.array([0], np.int64), np.array([45], np.int64), np.array([0], np.int64), np.array([45], np.int64)
+        for run in (lambda out: kernels.dequant_expand(packed, rows, DEQUANT_TABLE, out, work=work),
+                    lambda out: kernels.gather_dequant(pages, uniq, inverse, 15, DEQUANT_TABLE, out, work=work),
+                    lambda out: kernels.lookup_dequant(rows, *one, 1.0 / one[3], pages, 15, DEQUANT_TABLE, out,
+                                                       np.zeros(1 << 10, np.int64), 1, 10, np.empty(30, np.int64),
+                                                       work=work)):
+            out = np.zeros(rows.size * 256 + 33, np.uint16)[33:].reshape(rows.size, 256)  # 66 B into a line
+            run(out)
+            np.testing.assert_array_equal(out, expect)
+    # the code itself (a fresh compile of the same source: the cached builds cannot be inspected)
+    write = re.compile(r"llvm\.prefetch\.\w+\([^)]*, i32 1, i32 3, i32 1\)")
+    for name in ("dequant_expand", "gather_dequant", "lookup_dequant"):
+        build = getattr(kernels, name).serial
+        fresh = numba.njit(boundscheck=False)(build.py_func)
+        for sig in build.signatures:
+            fresh.compile(sig)
+        assert fresh.signatures and all(write.search(ir) for ir in fresh.inspect_llvm().values()), name
+
+
 def test_fused_lookup_counts_each_steps_distinct_rows(tables):
     """The store's fused path (no tier, DRAM): repeated rows within a step come back in request
     order and count once; the next step, sharing rows with it, counts its own distinct rows;

@@ -15,7 +15,10 @@ That is exact for scale bytes 10..246 (every result a normal BF16); a block with
 bit patterns (``fp8 x 2^(scale - 127)``, rounded to nearest even, computed once). Where the
 CPU has AVX-512 VBMI, a row whose scales all lie in that range goes through
 ``_dequant_row_lut`` instead: ``vpermi2b`` lookups of the scale-0 BF16 bits and an integer
-add to the exponent, a third of the instructions.
+add to the exponent, a third of the instructions. Every dequantising kernel writes 512 B of
+BF16 per request into an output far larger than the caches; each output row is prefetched for
+writing (``prefetchw``) ``_OUT_AHEAD`` requests before its stores, so the stores do not wait
+on reading their lines for ownership.
 """
 
 from __future__ import annotations
@@ -30,11 +33,12 @@ from numba import types as nbt
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cachelab.compiled import copy_bytes, prefetch, prefetch_at
+from cachelab.compiled import copy_bytes, prefetch, prefetch_at, prefetch_write_at
 from cachelab.workload.lookups import _slot
 
 PAGE = 4096
 _AHEAD = 8  # rows between a row's prefetch and its copy
+_OUT_AHEAD = 8  # requests between an output row's prefetch for writing and its stores
 PARALLEL_BYTES = 4 << 20  # below this much work a kernel runs on one thread: a parallel launch costs more
 
 
@@ -51,6 +55,7 @@ def _serial_and_parallel(fn):
         return (parallel if work >= PARALLEL_BYTES and nb.get_num_threads() > 1 else serial)(*args)
 
     call.__doc__, call.__name__ = fn.__doc__, fn.__name__
+    call.serial, call.parallel = serial, parallel
     return call
 
 
@@ -255,6 +260,20 @@ def prefetch_row(buf, p, at, nbytes):
         prefetch_at(buf, p, line)
 
 
+@nb.njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def prefetch_out_row(out, i):
+    """Prefetch the cache lines of ``out[i]`` for writing (``prefetchw``), one per 64 bytes from
+    the row's start. An output far larger than the caches (512 B of BF16 per request) otherwise
+    makes every first store to a line wait for that line to be read for ownership, one line at
+    a time behind the row reads. ``out`` holds BF16 bits (2 bytes a value: 32 to a line; taken
+    from ``out.itemsize`` the step was a division per line). The store's outputs are 64-byte
+    aligned; a row that starts inside a line (a caller's view) has its last line left to the
+    hardware, which costs time, never correctness (finding each row's offset cost 5-10 % of the
+    kernel's time)."""
+    for j in range(0, out.shape[1], 32):
+        prefetch_write_at(out, i, j)
+
+
 @_serial_and_parallel
 def dequant_expand(packed, inverse, table, out):
     """``out[i] = bf16(packed[inverse[i]])`` for every request ``i``: values x 2^(scale - 127)
@@ -265,6 +284,8 @@ def dequant_expand(packed, inverse, table, out):
     for i in nb.prange(n):
         if i + _AHEAD < n:  # a long prefill's distinct rows outgrow the L2 cache
             prefetch_row(packed, inverse[i + _AHEAD], 0, rb)
+        if i + _OUT_AHEAD < n:
+            prefetch_out_row(out, i + _OUT_AHEAD)
         _dequant_row(packed, inverse[i], 0, dim, table, out, i)
 
 
@@ -295,6 +316,8 @@ def gather_dequant(buf, rows, inverse, rows_per_page, table, out):
         if i + _AHEAD < n:
             r = rows[inverse[i + _AHEAD]]
             prefetch_row(buf, r // rows_per_page, (r % rows_per_page) * rb, rb)
+        if i + _OUT_AHEAD < n:
+            prefetch_out_row(out, i + _OUT_AHEAD)
         r = rows[inverse[i]]
         _dequant_row(buf, r // rows_per_page, (r % rows_per_page) * rb, dim, table, out, i)
 
@@ -320,7 +343,7 @@ def lookup_dequant(rows, first, primes, key0, size, inverse_size, buf, rows_per_
     generation is free, so a new call (a new generation) starts with an empty set without
     clearing it. Row ids are folded ``_SEEN_AHEAD`` requests ahead of their probe and their
     slots prefetched. Second pass: every request is dequantised from its row, the row
-    ``_AHEAD`` requests on prefetched, repeats included (a repeat's row is usually still in the
+    ``_AHEAD`` requests on prefetched (and the output row ``_OUT_AHEAD`` on, for writing), repeats included (a repeat's row is usually still in the
     L2 or L3 cache: reading its 264 B again costs less than copying the 512 B its first
     request wrote, measured in docs/store.md)."""
     n = rows.size
@@ -357,6 +380,8 @@ def lookup_dequant(rows, first, primes, key0, size, inverse_size, buf, rows_per_
         if i + _AHEAD < n:
             r = keys[i + _AHEAD]
             prefetch_row(buf, r // rows_per_page, (r % rows_per_page) * rb, rb)
+        if i + _OUT_AHEAD < n:
+            prefetch_out_row(out, i + _OUT_AHEAD)
         r = keys[i]
         _dequant_row(buf, r // rows_per_page, (r % rows_per_page) * rb, dim, table, out, i)
     return distinct
