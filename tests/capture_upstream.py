@@ -9,7 +9,9 @@ through the proxy can be compared byte for byte with one straight from here. Pro
 tokenized with the DeepSeek-V4 tokenizer (as the fallback does); outputs are words that are
 one token each. The model name picks a hostile behaviour: ``bad-json``, ``endless``,
 ``huge-chunk``, ``slow``, ``error-500``, ``firehose`` (64 KiB events as fast as the
-connection takes them, counted in ``firehose_sent``: flow control). The real reference upstream is vLLM (tests/vllm_peer.py);
+connection takes them, counted in ``firehose_sent``: flow control), ``conn-close`` (a whole
+answer with ``connection: close``). ``peers`` lists the client port of every completion request,
+so a test can tell which requests shared a connection. The real reference upstream is vLLM (tests/vllm_peer.py);
 this one exists for the failure modes vLLM cannot be made to produce and for speed.
 """
 
@@ -47,6 +49,7 @@ class Upstream:
         self.seen_blocks: set[bytes] = set()
         self.requests = 0
         self.firehose_sent = 0
+        self.peers: list[int] = []
         self.app = self._app()
 
     def _prompt(self, body: dict, chat: bool) -> list[int]:
@@ -94,6 +97,10 @@ class Upstream:
         body = await request.json()
         self.requests += 1
         model = body.get("model", "tiny")
+        self.peers.append(request.client.port if request.client else -1)
+        if model == "conn-close":
+            return JSONResponse({"id": "cmpl-close", "object": "text_completion", "choices": []},
+                                headers={"connection": "close"})
         if model == "error-500":
             return JSONResponse({"object": "error", "message": "boom", "code": 500}, status_code=500)
         if model == "slow":

@@ -98,6 +98,26 @@ def test_a_record_is_submitted_before_the_client_has_its_answer(stack, stream):
         assert stack.recorder.stats()["submitted"] == before + 1
 
 
+def test_upstream_connections_are_reused(tmp_path):
+    """One client's requests in turn go upstream on one kept-alive connection, streamed or not; an answer
+    with ``connection: close`` is not followed by another request on its connection. (httptools'
+    should_keep_alive, asked after the parser had reset, said False after every answer: every request
+    opened a new upstream connection.)"""
+    with Stack(tmp_path) as stack, httpx.Client(base_url=stack.proxy.url, timeout=30) as client:
+        for stream in (True, False, True, False):
+            r = client.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 3,
+                                                     "stream": stream})
+            assert r.status_code == 200
+        ports = stack.behind.peers[:]
+        assert len(ports) == 4 and len(set(ports)) == 1, ports
+        for _ in range(2):
+            assert client.post("/v1/completions", json={"model": "conn-close", "prompt": "x"}).status_code == 200
+        closing = stack.behind.peers[4:]
+        assert len(closing) == 2 and closing[0] != closing[1], closing
+        assert client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}).status_code == 200
+        assert stack.behind.peers[-1] not in closing
+
+
 def test_client_that_asks_for_ids_and_usage_gets_them(stack):
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "stream": True, "return_token_ids": True,
             "stream_options": {"include_usage": True}}

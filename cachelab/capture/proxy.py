@@ -130,6 +130,7 @@ class Forward:
         self.pending = 0
         self.restorer: Restorer | None = None
         self.complete = False
+        self.reusable = False             # the upstream keeps the connection open after this answer
         self.finished = False
 
     # -- going upstream -----------------------------------------------------------------------
@@ -278,6 +279,10 @@ class Forward:
         if self.status < 200:
             return
         self.complete = True
+        # asked here, where llhttp still has this answer's flags: once feed_data returns the parser has
+        # reset for the next message and says False, which closed every upstream connection after one
+        # exchange (each request then paid a new connection on both hops; docs/capture.md, Overhead)
+        self.reusable = self.conn.parser.should_keep_alive()
 
     # -- after each upstream read ------------------------------------------------------------------
     def after_read(self) -> None:
@@ -308,7 +313,7 @@ class Forward:
             else:
                 data = tail
         self._end()
-        if not self.conn.parser.should_keep_alive() or self.by_close:
+        if not self.reusable or self.by_close:
             self.conn.usable = False
         self.proxy.pool.give_back(self.conn)
         if x is not None:  # recorded before the client has its last byte: a flush after the answer sees it
