@@ -312,6 +312,18 @@ def proxy_variants(given: list[str] | None) -> dict[str, str]:
     return variants
 
 
+def proxy_command(extra: str) -> tuple[dict[str, str], list[str]]:
+    """A variant's ARGS: leading VAR=value words go to that proxy's environment (e.g. PYTHONPATH=DIR, a
+    checkout of another commit, to measure two versions of the proxy in the same rounds), the rest
+    are `cachelab capture proxy` arguments."""
+    words = shlex.split(extra)
+    env = {}
+    while words and "=" in words[0] and not words[0].startswith("-"):
+        key, _, value = words.pop(0).partition("=")
+        env[key] = value
+    return env, words
+
+
 def wait_acknowledged(proxy: str, timeout: float = 15.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
@@ -337,7 +349,8 @@ def main() -> None:
     ap.add_argument("--proxy", action="append", metavar="NAME=ARGS",
                     help="a proxy to measure, with extra `cachelab capture proxy` arguments (repeatable; all run "
                          "against the same upstream in the same interleaved rounds), e.g. --proxy process= "
-                         "--proxy thread='--writer thread'; default: one proxy with the CLI's defaults")
+                         "--proxy thread='--writer thread'; leading VAR=value words set that proxy's environment, "
+                         "e.g. --proxy old='PYTHONPATH=../old-checkout'; default: one proxy with the CLI's defaults")
     ap.add_argument("--prompt-tokens", type=int, default=0,
                     help="send prompts of this many token ids (the completions API's id prompt, so the upstream "
                          "does not tokenize) instead of the short text prompt: every hop carries, and the "
@@ -390,9 +403,10 @@ def main() -> None:
         urls, pids = {"direct": upstream}, {}
         for name, extra in args.proxy.items():
             pport = free_port()
+            env, extra_args = proxy_command(extra)
             procs.append(subprocess.Popen([str(cli), "capture", "proxy", "--upstream", upstream, "--out",
                                            str(work / f"cap-{name}"), "--listen", f"127.0.0.1:{pport}",
-                                           *shlex.split(extra)], stdout=subprocess.DEVNULL))
+                                           *extra_args], stdout=subprocess.DEVNULL, env={**os.environ, **env}))
             urls[name] = f"http://127.0.0.1:{pport}"
             wait_up(urls[name] + "/capture/status", procs[-1], name)
             writer = httpx.get(urls[name] + "/capture/status", timeout=10).json().get("writer_pid")
