@@ -119,7 +119,9 @@ def test_upstream_connections_are_reused(tmp_path):
 
 
 def test_client_that_asks_for_ids_and_usage_gets_them(stack):
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "stream": True, "return_token_ids": True,
+    # a prompt no other test sends: both upstreams report its cached tokens alike whatever ran before on
+    # this worker (other tests send PROMPT through the proxy alone, so only one upstream has its blocks)
+    body = {"model": "tiny", "prompt": "ids and usage: " + PROMPT, "max_tokens": 4, "stream": True, "return_token_ids": True,
             "stream_options": {"include_usage": True}}
     assert _raw(stack.proxy.url, "/v1/completions", body)[1] == _raw(stack.direct.url, "/v1/completions", body)[1]
 
