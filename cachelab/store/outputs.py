@@ -12,6 +12,7 @@ transparent huge pages (as fresh outputs were), and the pool keeps at most ``kee
 
 from __future__ import annotations
 
+import math
 import threading
 
 import numpy as np
@@ -45,7 +46,8 @@ class OutputPool:
         """An uninitialised bfloat16 CPU tensor of ``shape`` (contents: whatever a previous step left)."""
         import torch
 
-        nbytes = 2 * int(np.prod(shape))
+        values = int(math.prod(shape))  # not np.prod: 5 us a call, half the cost of a take
+        nbytes = 2 * values
         size = max(HUGE_PAGE, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)
         with self._lock:
             free = self._free.get(size)
@@ -55,9 +57,9 @@ class OutputPool:
         if buf is None:
             buf = aligned_empty(size, HUGE_PAGE)
             advise_huge_pages(buf.ctypes.data, size)
-        leased = buf.view(_Leased)
+        leased = buf.view(np.int16, _Leased)  # the BF16 bits, as few views as can be (each is a Python call)
         leased._pool = self
-        return torch.from_numpy(leased[:nbytes].view(np.int16)).view(torch.bfloat16).view(*shape)
+        return torch.from_numpy(leased[:values].reshape(shape)).view(torch.bfloat16)
 
     def _give_back(self, buf: np.ndarray) -> None:
         with self._lock:
