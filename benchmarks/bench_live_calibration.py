@@ -120,6 +120,7 @@ def main() -> None:
     ap.add_argument("--max-evals", type=int, default=150)
     ap.add_argument("--dispersion-draws", type=int, default=32, help="`cachelab calibrate --dispersion-draws`")
     ap.add_argument("--fit-min-step-share", type=float, default=0.0, help="`cachelab calibrate --fit-min-step-share`")
+    ap.add_argument("--dispersion-block", type=int, default=32, help="`cachelab calibrate --dispersion-block`")
     ap.add_argument("--skip-runs", action="store_true", help="only fit and validate the runs already under --out")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -146,6 +147,7 @@ def main() -> None:
                           "--warmup-requests", str(args.warmup), "--max-evals", str(args.max_evals),
                           "--dispersion-draws", str(args.dispersion_draws),
                           "--fit-min-step-share", str(args.fit_min_step_share),
+                          "--dispersion-block", str(args.dispersion_block),
                           "--out", str(out / "fitted.toml"), *[x for f in fit for x in ("--fit", f)]],
                          cwd=ROOT, capture_output=True, text=True)
     if res.returncode:

@@ -139,10 +139,12 @@ def test_calibrate_names_a_folder_without_step_logs(tmp_path):
     assert res.exit_code == 2 and "no steps-*.parquet" in res.output
 
 
-def _synthetic_run(eff, prompt: int, cached: int, requests: int = 6, outputs: int = 6) -> pl.DataFrame:
+def _synthetic_run(eff, prompt: int, cached: int, requests: int = 6, outputs: int = 6,
+                   gemm_clock: bool = False) -> pl.DataFrame:
     """A schedule that admits one request a step (its prompt after ``cached`` prefix tokens, whole)
     and decodes the running ones, timed by the latency model at ``eff``: compute_s is its total,
-    attention_s its attention term (what the engine's operator clock would log if the model were exact)."""
+    attention_s its attention term and, with ``gemm_clock``, gemm_s its GEMM terms (what the
+    engine's operator clock would log if the model were exact)."""
     from cachelab.live.config import model_config
     from cachelab.serving.hardware import load_profile
     from cachelab.serving.latency import Batch, LatencyModel
@@ -162,7 +164,7 @@ def _synthetic_run(eff, prompt: int, cached: int, requests: int = 6, outputs: in
         gpu = lat.gpu_time(Batch(starts, np.array(stops, float), lm_rows=float(len(reqs))))
         rows.append({"step": k, "start_s": t, "step_s": gpu.total_s, "compute_s": gpu.total_s, "stall_s": 0.0,
                      "attention_s": gpu.attention_s, "requests": reqs, "starts": starts, "stops": stops,
-                     "num_prompt": [prompt] * len(reqs)})
+                     "num_prompt": [prompt] * len(reqs)} | ({"gemm_s": gpu.dense_s + gpu.lm_head_s} if gemm_clock else {}))
         t += gpu.total_s
         for r, s in zip(reqs, stops):
             pos[r], done[r] = s, done.get(r, 0) + 1
@@ -211,3 +213,37 @@ def test_a_calibration_file_says_how_its_attention_was_charged(tmp_path):
     path.write_text('[calibration]\nmasked_attention_block = "16"\n')
     with pytest.raises(CachelabError, match="masked_attention_block"):
         calibration_spec(path, cfg)
+
+
+def test_the_gemm_clock_identifies_the_host_cost_per_token():
+    """With the GEMMs timed apart, the untimed rest of a step is host glue: the fit finds the
+    per-step, per-sequence and per-token costs the steps were made with, and the GEMM rates."""
+    from cachelab.live.config import model_config
+    from cachelab.serving.hardware import load_profile
+    from cachelab.serving.live_calibration import calibrate
+
+    truth = replace(LIVE_BASE, mfu=0.05, prefill_mfu=0.3, mbu=0.9, attention_mfu=0.1, step_overhead_s=2e-3,
+                    cpu_per_sequence_s=1e-3, cpu_per_token_s=40e-6)
+    runs = {"fit": _synthetic_run(truth, 256, 0, gemm_clock=True),
+            "held": _synthetic_run(truth, 384, 256, gemm_clock=True)}
+    r = calibrate(runs, model_config("tiny"), load_profile("H200"), 1, ["fit"], 300, dispersion_draws=0)
+    assert set(r.fit_loss_by_operator) == {"attention", "gemm", "other"} and "gemm_s" in r.fit_note
+    for k in ("step_overhead_s", "cpu_per_sequence_s", "cpu_per_token_s"):
+        assert getattr(r.efficiency, k) == pytest.approx(getattr(truth, k), rel=0.05), k
+    assert r.efficiency.prefill_mfu == pytest.approx(0.3, rel=0.05)
+    assert r.summary["mean_ttft_ms"]["mape"] < 0.02 and r.summary["mean_tpot_ms"]["mape"] < 0.02
+    assert "cpu_per_token_s" in r.to_dict()["efficiency"]
+
+
+def test_dispersion_ratios_are_drawn_as_stretches_of_consecutive_steps():
+    from cachelab.serving.live_calibration import block_ratios
+
+    segments = [np.arange(0.0, 10.0), np.arange(100.0, 105.0)]
+    draws = block_ratios(segments, 50, 4, np.random.default_rng(0))
+    assert draws.size == 50 and set(draws) <= set(np.concatenate(segments))
+    for k in range(0, 48, 4):  # every stretch of 4 is 4 consecutive steps of one run
+        assert (np.diff(draws[k:k + 4]) == 1).all()
+    whole = block_ratios(segments[1:], 12, 8, np.random.default_rng(1))  # a run shorter than the block: all of it
+    assert whole[:5].tolist() == segments[1].tolist()
+    single = block_ratios(segments, 400, 1, np.random.default_rng(2))  # block 1: independent steps
+    assert (np.diff(single) != 1).mean() > 0.5

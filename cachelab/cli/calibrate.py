@@ -27,12 +27,17 @@ def calibrate(
     fit_min_step_share: float = typer.Option(0.0, "--fit-min-step-share", min=0.0, help="Fit only the fit runs' "
                                              "steps whose engine thread got at least this share of a core (the "
                                              "step log's thread_cpu_s over step_s; 0: every step)."),
+    dispersion_block: int = typer.Option(32, "--dispersion-block", min=1, help="Predicted P99s: draw the fit steps' "
+                                         "variation in stretches of this many consecutive steps (a slow stretch of "
+                                         "a live run slows every token of the requests it spans; 1: steps drawn "
+                                         "independently)."),
 ) -> None:
     """Fit the latency model of the live model (its preset's spec on `hw probe`'s CPU) to live
-    runs' per-step compute: MFU, MBU and attention MFU, and the per-step and per-sequence
-    overheads, warm-up steps left out. Step logs that time their operators (`attention_s`) are
-    fitted per operator: attention on the attention time, the GEMM terms on the rest of the
-    step; older logs on the step's compute whole (the JSON's `fit_mode` and `fit_note`). Then replay each held-out run's schedule on the
+    runs' per-step compute: MFU, MBU and attention MFU, and the per-step, per-sequence and
+    per-token host overheads, warm-up steps left out. Step logs that time their operators are
+    fitted per operator: the GEMM rates on the GEMM time (`gemm_s`), attention on the
+    attention time (`attention_s`), the host overheads on the untimed rest of the step; older
+    logs on the step's compute whole (the JSON's `fit_mode` and `fit_note`). Then replay each held-out run's schedule on the
     predicted clock: live against predicted mean and P99 TTFT/TPOT per run, with MAPE, signed
     bias and Pearson r over the held-out runs. The engine CPU share (the engine thread's CPU
     over its wall time) says how much a run waited for a core or the GIL; the same errors are
@@ -53,7 +58,7 @@ def calibrate(
         task = progress.add_task("fitting", total=max_evals)
         result = run(runs, model_config(preset), local, threads, fit or None, max_evals,
                      lambda done, total: progress.update(task, completed=done), warmup_requests, dispersion_draws,
-                     fit_min_step_share=fit_min_step_share)
+                     fit_min_step_share=fit_min_step_share, dispersion_block=dispersion_block)
     if out is not None:
         write_profile(result, local, threads, out)
     if result.fit_mode != PER_OPERATOR or not as_json:  # which fit was used (stderr: the JSON stays clean)

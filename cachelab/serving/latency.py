@@ -76,6 +76,10 @@ class Efficiency:
     request_overhead_s: float = 20e-3  # per request: HTTP, tokenisation, admission; adds to TTFT
     cpu_per_sequence_s: float = 10e-6  # host work per scheduled sequence per step (batch building, detokenising)
     cpu_per_prefix_token_s: float = 20e-9  # hashing a prompt token's block for the prefix cache
+    # Host work per token the step computes (0 on a GPU, where it is in the kernels): on a CPU
+    # engine the per-token glue between the timed operators (embedding, norms, residual adds,
+    # activation copies), fitted by `cachelab calibrate` on the untimed remainder of the step.
+    cpu_per_token_s: float = 0.0
     expert_tile_rows: int = 16  # a touched expert's GEMM computes at least this many rows (swap-AB tiles)
     # Host time to launch one layer of a piecewise step (its graph pieces and the eager attention
     # between them); a piecewise step takes at least step_overhead_s + this x the layers it runs.
@@ -335,7 +339,8 @@ class LatencyModel:
                 gathered = tokens * m.rows_per_token_layer * m.row_bytes * (tp - 1) / tp
                 comm += len(m.engram_layers) * (e.allreduce_latency_s + gathered / (g.nvlink_bw * e.comm))
         overhead = (e.step_overhead_s + e.layer_overhead_s * m.layers_launched(batch.drafting > 0)
-                    + e.cpu_per_sequence_s * batch.sequences + e.cpu_per_prefix_token_s * batch.prefix_tokens)
+                    + e.cpu_per_sequence_s * batch.sequences + e.cpu_per_prefix_token_s * batch.prefix_tokens
+                    + e.cpu_per_token_s * tokens)
         parts = (dense, experts, attention, indexer, lm_head, draft)
         return GpuTime(*parts, comm, overhead, sum(parts) + comm + overhead)
 

@@ -8,12 +8,14 @@ rate the fitted fractions scale). The efficiency fields in ``FITTED`` are fitted
 runs' steps, warm-up steps left out: the roofline fractions by ``pattern_search``, and for
 each candidate the per-step and per-sequence overheads by non-negative least squares (they
 enter linearly), minimising the squared relative error of predicted against live compute.
-Where the fit runs' step logs time the operators (``attention_s``, written since the engine's
-``OpClock``), the fit is per operator: the GEMM terms and their overheads against the rest of
-the step's compute first (its roofline has no attention in it), then the attention term and its
-overheads against the logged attention time (``fit_loss`` is the sum of both parts' losses), so
-the split between attention and GEMM efficiency is measured, not guessed; older logs are fitted
-on the step's compute as a whole (``fit_mode``).
+Where the fit runs' step logs time the operators (``attention_s`` and ``gemm_s``, written by
+the engine's ``OpClock``), the fit is per operator: the GEMM rates against the GEMMs' own clock,
+the attention rate and its overheads against the attention clock, and the host overheads (per
+step, per sequence, per computed token) against the untimed rest of the step (norms, residual
+adds, copies); ``fit_loss`` is the sum of the three parts' losses, so the split between
+attention, GEMMs and host glue is measured, not guessed. Logs with an attention clock only fit
+the GEMM terms and their overheads on the step less attention; older logs are fitted on the
+step's compute as a whole (``fit_mode``).
 
 Validation replays each held-out run's own schedule on the predicted clock: every step keeps
 its requests and positions and the idle gap before it, its compute is the model's and its
@@ -22,7 +24,8 @@ one's). A request's TTFT is from its first scheduled step to the end of the step
 samples its first token (engine side: HTTP and queueing before admission are not in the log);
 its TPOT is the mean gap between its later tokens. A P99 is a tail one slow step can move, so
 the predicted P99s are the mean over replays whose steps vary about the model as the fit runs'
-steps did (their live / predicted ratios, scaled to mean 1). Live and predicted mean and P99
+steps did (their live / predicted ratios, scaled to mean 1, drawn in stretches of consecutive
+steps: a slow stretch of a live run slows every token of the requests it spans). Live and predicted mean and P99
 per run, MAPE, signed bias and Pearson r over the held-out runs; and the same at each run's
 measured engine CPU share (``at_cpu_share``).
 """
@@ -45,7 +48,9 @@ from cachelab.serving.model_spec import ModelSpec
 
 RATES = ("mfu", "prefill_mfu", "mbu", "attention_mfu")  # searched: where each operator sits on its roofline
 # (decode rows and prefill chunks have their own GEMM efficiency in LatencyModel)
-OVERHEADS = ("step_overhead_s", "cpu_per_sequence_s")  # solved for each candidate: linear, non-negative
+OVERHEADS = ("step_overhead_s", "cpu_per_sequence_s", "cpu_per_token_s")  # solved for each candidate: linear,
+# non-negative (the per-token one only where the GEMMs have their own clock: with GEMMs and glue in one column,
+# a per-token cost and the GEMM efficiency trade against each other and neither is identified)
 FITTED = RATES + OVERHEADS
 # What the live engine is, not fitted: it addresses rows on the host before the step (the fetch
 # starts with the step; no graph breaks), its TTFT here is engine side (no HTTP overhead), and
@@ -61,6 +66,10 @@ STEP_COLUMNS = ("step", "start_s", "step_s", "compute_s", "stall_s", "requests",
 # how the fit used the step log: per operator (the attention column apart) or the step's compute whole
 PER_OPERATOR, STEP_TOTAL = "per-operator", "step-total"
 METRICS = ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms")
+# ASSUMPTION: a step's deviation from the model persists over about this many steps (the fit runs'
+# live / predicted ratios keep a lag-1 autocorrelation of 0.5-0.66 and 0.2-0.5 at lag 16 on this
+# machine), so the P99 replays draw their ratios as stretches of this many consecutive fit steps.
+DISPERSION_BLOCK = 32
 
 
 def model_spec(cfg: ModelConfig, block_size: int = 16) -> ModelSpec:
@@ -136,10 +145,28 @@ def predict_compute(lat: LatencyModel, batches: list[Batch]) -> np.ndarray:
     return np.array([lat.gpu_time(b).total_s for b in batches])
 
 
-def has_operator_times(frame: pl.DataFrame) -> bool:
-    """Whether a step log times its operators (``attention_s`` on every step: the engine's
-    ``OpClock``, on a CPU device)."""
-    return "attention_s" in frame.columns and frame["attention_s"].null_count() == 0
+def has_operator_times(frame: pl.DataFrame, column: str = "attention_s") -> bool:
+    """Whether a step log times its operators (``column`` on every step: the engine's
+    ``OpClock``, on a CPU device, writes ``attention_s`` and ``gemm_s``)."""
+    return column in frame.columns and frame[column].null_count() == 0
+
+
+def block_ratios(segments: list[np.ndarray], n: int, block: int, rng: np.random.Generator) -> np.ndarray:
+    """``n`` ratios drawn as a moving-block bootstrap of ``segments`` (each a fit run's per-step
+    live / predicted, in step order): stretches of ``block`` consecutive steps (a whole segment
+    where it is shorter), each from a segment picked in proportion to its length. A slow stretch
+    of a live run (a colder cache, a neighbour's burst) slows consecutive steps, and a P99 over
+    requests that span many steps sees it only if the draws keep it together; ``block`` 1 draws
+    the steps independently."""
+    lengths = np.array([len(s) for s in segments], np.float64)
+    out, filled = np.empty(n), 0
+    while filled < n:
+        seg = segments[rng.choice(len(segments), p=lengths / lengths.sum())]
+        start = int(rng.integers(0, max(len(seg) - block, 0) + 1))
+        piece = seg[start:start + min(block, n - filled)]
+        out[filled:filled + len(piece)] = piece
+        filled += len(piece)
+    return out
 
 
 def request_times(frame: pl.DataFrame, begin: np.ndarray, end: np.ndarray) -> pl.DataFrame:
@@ -192,13 +219,15 @@ class Calibration:
     fit_loss_by_operator: dict | None = None  # per operator: its loss, the overheads it took, its live / predicted
     masked_attention_block: int = 16  # how the spec charged attention (``model_spec``): the profile is fitted for it
     fit_min_step_share: float = 0.0  # fit steps whose engine CPU share was below this were left out
+    dispersion_block: int = DISPERSION_BLOCK  # consecutive fit steps per draw of the P99 replays (``block_ratios``)
 
     def to_dict(self) -> dict:
         return {"efficiency": {k: getattr(self.efficiency, k) for k in FITTED}, "fit_loss": self.loss,
                 "fit_runs": self.fit_runs, "warmup_requests": self.warmup_requests, "fit_cpu_share": self.fit_cpu_share,
                 "points": self.points, "summary": self.summary, "summary_at_share": self.summary_at_share,
                 "fit_mode": self.fit_mode, "fit_note": self.fit_note, "fit_loss_by_operator": self.fit_loss_by_operator,
-                "masked_attention_block": self.masked_attention_block, "fit_min_step_share": self.fit_min_step_share}
+                "masked_attention_block": self.masked_attention_block, "fit_min_step_share": self.fit_min_step_share,
+                "dispersion_block": self.dispersion_block}
 
 
 def operator_times(frame: pl.DataFrame, batches: list[Batch], lat: LatencyModel, attention_overheads: dict,
@@ -209,10 +238,11 @@ def operator_times(frame: pl.DataFrame, batches: list[Batch], lat: LatencyModel,
     the model's dense and output-head rooflines), over the steps that only decode and over those
     that prefill a chunk. Which term a held-out miss sits in, and whether it is the steps that
     prefill or all of them (contention: everything slower) that miss."""
-    times = [lat.gpu_time(b) for b, k in zip(batches, keep) if k]
-    seqs = np.array([b.sequences for b, k in zip(batches, keep) if k])
+    kept = [b for b, k in zip(batches, keep) if k]
+    times = [lat.gpu_time(b) for b in kept]
     attn = (np.array([t.attention_s for t in times]) + attention_overheads["step_overhead_s"]
-            + attention_overheads["cpu_per_sequence_s"] * seqs)
+            + np.array([attention_overheads["cpu_per_sequence_s"] * b.sequences
+                        + attention_overheads["cpu_per_token_s"] * b.tokens for b in kept]))
     total = np.array([t.total_s for t in times])
     gemm = np.array([t.dense_s + t.lm_head_s for t in times])
     frame = frame.filter(pl.Series(keep))
@@ -312,13 +342,14 @@ def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwarePr
               fit_runs: list[str] | None = None, max_evals: int = 150,
               progress: Callable[[int, int], None] | None = None, warmup_requests: int = 0,
               dispersion_draws: int = 32, masked_attention_block: int = 16,
-              fit_min_step_share: float = 0.0) -> Calibration:
+              fit_min_step_share: float = 0.0, dispersion_block: int = DISPERSION_BLOCK) -> Calibration:
     """Fit ``FITTED`` on ``fit_runs`` (default: the first run by name), validate on the rest.
     The first ``warmup_requests`` requests of every run are warm-up: their steps are not
     fitted and they are left out of the TTFT/TPOT statistics. Means are the replay on the
     model's step times; P99s the mean over ``dispersion_draws`` replays whose every step is
     the model's times a ratio drawn from the fit steps' live / predicted (scaled to mean 1:
-    the spread, not the level); 0 draws: the P99 of the one replay. ``masked_attention_block``:
+    the spread, not the level) in stretches of ``dispersion_block`` consecutive steps
+    (``block_ratios``); 0 draws: the P99 of the one replay. ``masked_attention_block``:
     the runs' KV block size (``model_spec``; 0 charges a causal kernel's attention instead).
     ``fit_min_step_share``: fit only the steps that got at least this share of a core
     (``fitted_steps``; the recorded fit share is then theirs)."""
@@ -327,6 +358,8 @@ def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwarePr
     unknown = sorted(set(fit_runs) - set(names))
     if unknown:
         raise CachelabError(f"--fit {unknown}: no such run; the runs are {names}")
+    if dispersion_block < 1:
+        raise CachelabError(f"--dispersion-block must be at least 1 step, got {dispersion_block}")
     spec, hw = model_spec(cfg, masked_attention_block), cpu_hardware(local, threads)
     batches = {n: _batches(runs[n]) for n in names}
     warm = {n: fitted_steps(runs[n], warmup_requests, fit_min_step_share) for n in fit_runs}
@@ -335,38 +368,67 @@ def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwarePr
         raise CachelabError(f"--fit {empty}: no step left to fit (warm-up requests {warmup_requests}, "
                             f"minimum step share {fit_min_step_share})")
     fit_batches = {n: [b for b, keep in zip(batches[n], warm[n]) if keep] for n in fit_runs}
-    live = {n: runs[n]["compute_s"].to_numpy()[warm[n]] for n in fit_runs}
+    fit_steps = [b for n in fit_runs for b in fit_batches[n]]
 
-    y = np.concatenate([live[n] for n in fit_runs])
-    seqs = np.array([b.sequences for n in fit_runs for b in fit_batches[n]])
+    def fit_column(column: str) -> np.ndarray:
+        return np.concatenate([runs[n][column].to_numpy()[warm[n]] for n in fit_runs])
+
+    y = fit_column("compute_s")
+    seqs = np.array([b.sequences for b in fit_steps])
+    tokens = np.array([b.tokens for b in fit_steps])
     lacking = [n for n in fit_runs if not has_operator_times(runs[n])]
+    gemm_clock = not lacking and all(has_operator_times(runs[n], "gemm_s") for n in fit_runs)
     mode = STEP_TOTAL if lacking else PER_OPERATOR
     if lacking:
         note = (f"step-total fit: the fit run(s) {lacking} have no attention_s column (step logs written before the "
                 "engine timed its operators), so attention and GEMM efficiency are fitted together on each step's "
                 "compute_s, and their split is not identified")
+    elif gemm_clock:
+        note = ("per-operator fit: mfu, prefill_mfu and mbu on the logged gemm_s, attention_mfu and its overheads on "
+                "the logged attention_s, and the host overheads (per step, sequence and token) on the rest of "
+                "compute_s; the overheads are the sum of the attention's and the rest's")
     else:
         note = ("per-operator fit: mfu, prefill_mfu and mbu and their overheads on compute_s less attention_s, then "
                 "attention_mfu and its overheads on the logged attention_s; the overheads are the sum of both parts'")
-    y_attn = np.concatenate([runs[n]["attention_s"].to_numpy()[warm[n]] for n in fit_runs]) if not lacking else None
+    y_attn = fit_column("attention_s") if not lacking else None
+    y_gemm = fit_column("gemm_s") if gemm_clock else None
+    y_other = np.maximum(y - y_attn - y_gemm, 1e-5) if gemm_clock else None  # untimed glue: norms, adds, copies
+    # the per-token column only where GEMMs are apart from the glue (OVERHEADS' comment)
+    columns = np.column_stack([np.ones_like(seqs), seqs, tokens if gemm_clock else np.zeros_like(tokens)])
 
-    fit_steps = [b for n in fit_runs for b in fit_batches[n]]
-
-    def parts(lat: LatencyModel) -> tuple[np.ndarray, np.ndarray]:
-        """Per fit step: the model's total and attention seconds (overheads included in the total)."""
+    def parts(lat: LatencyModel) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per fit step: the model's total (overheads included), attention and GEMM seconds."""
         times = [lat.gpu_time(b) for b in fit_steps]
-        return np.array([t.total_s for t in times]), np.array([t.attention_s for t in times])
+        return (np.array([t.total_s for t in times]), np.array([t.attention_s for t in times]),
+                np.array([t.dense_s + t.lm_head_s for t in times]))
+
+    def at(eff: Efficiency) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return parts(LatencyModel(spec, hw, 1, "dram-copy", efficiency=eff))
 
     def overheads(live_s: np.ndarray, roof: np.ndarray) -> tuple[np.ndarray, float]:
-        """The per-step and per-sequence seconds that best close ``live_s - roof``, and the loss."""
-        return nonnegative_lstsq(np.column_stack([1 / live_s, seqs / live_s]), 1 - roof / live_s)
+        """The per-step, per-sequence and per-token seconds that best close ``live_s - roof``
+        (relative to ``live_s``), and the loss."""
+        return nonnegative_lstsq(columns / live_s[:, None], 1 - roof / live_s)
+
+    def gemm_loss(eff: Efficiency) -> float:
+        """The GEMMs' squared relative error against their own clock (no overhead: the clock
+        stops at the torch calls)."""
+        r = at(eff)[2] / y_gemm - 1
+        return float(r @ r)
 
     def solve(eff: Efficiency) -> tuple[Efficiency, float, dict]:
         """The overheads that best fit the steps at these rates, the loss, and per operator its part."""
-        total, attn = parts(LatencyModel(spec, hw, 1, "dram-copy", efficiency=eff))
+        total, attn, gemm = at(eff)
         if mode == STEP_TOTAL:
             coef, loss = overheads(y, total)
             by_op = {}
+        elif gemm_clock:  # each clock against its own term; the overheads sit in the attention and the glue
+            coef_a, loss_a = overheads(y_attn, attn)
+            coef_o, loss_o = overheads(y_other, np.zeros_like(y_other))
+            loss_g = gemm_loss(eff)
+            coef, loss = coef_a + coef_o, loss_a + loss_g + loss_o
+            by_op = {"attention": {"loss": loss_a, **dict(zip(OVERHEADS, map(float, coef_a)))},
+                     "gemm": {"loss": loss_g}, "other": {"loss": loss_o, **dict(zip(OVERHEADS, map(float, coef_o)))}}
         else:  # the attention term against the attention clock, everything else against the rest
             coef_a, loss_a = overheads(y_attn, attn)
             coef_r, loss_r = overheads(y - y_attn, total - attn)
@@ -375,40 +437,40 @@ def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwarePr
                      "rest": {"loss": loss_r, **dict(zip(OVERHEADS, map(float, coef_r)))}}
         return replace(eff, **{k: float(v) for k, v in zip(OVERHEADS, coef)}), loss, by_op
 
+    gemm_rates = tuple(r for r in RATES if r != "attention_mfu")
     if mode == STEP_TOTAL:
         rates, _ = pattern_search(lambda eff: solve(eff)[1], LIVE_BASE, RATES, max_evals, progress)
-    else:  # the GEMM terms on the rest alone (its roofline has no attention in it), then attention on its own
+    else:  # the GEMM terms on their own clock (or on the rest: its roofline has no attention), then attention
         gemm_evals = max_evals - max_evals // 4
 
         def rest_loss(eff: Efficiency) -> float:
-            total, attn = parts(LatencyModel(spec, hw, 1, "dram-copy", efficiency=eff))
+            total, attn, _ = at(eff)
             return overheads(y - y_attn, total - attn)[1]
 
         def attention_loss(eff: Efficiency) -> float:
-            return overheads(y_attn, parts(LatencyModel(spec, hw, 1, "dram-copy", efficiency=eff))[1])[1]
+            return overheads(y_attn, at(eff)[1])[1]
 
-        rates, _ = pattern_search(rest_loss, LIVE_BASE, tuple(r for r in RATES if r != "attention_mfu"), gemm_evals,
-                                  progress)
+        rates, _ = pattern_search(gemm_loss if gemm_clock else rest_loss, LIVE_BASE, gemm_rates, gemm_evals, progress)
         rates, _ = pattern_search(attention_loss, rates, ("attention_mfu",), max_evals - gemm_evals,
                                   progress and (lambda done, total: progress(gemm_evals + done, max_evals)))
     eff, best, by_operator = solve(rates)
     if mode == PER_OPERATOR:  # each part's live and predicted seconds over the fit steps at the fitted model
-        total, attn = parts(LatencyModel(spec, hw, 1, "dram-copy", efficiency=eff))
+        total, attn, gemm = at(eff)
         op = by_operator["attention"]
-        attn = attn + op["step_overhead_s"] + op["cpu_per_sequence_s"] * seqs
+        attn = attn + columns @ np.array([op[k] for k in OVERHEADS])
         op.update(live_s=float(y_attn.sum()), predicted_s=float(attn.sum()))
-        by_operator["rest"].update(live_s=float((y - y_attn).sum()), predicted_s=float((total - attn).sum()))
-        if all("gemm_s" in runs[n].columns for n in fit_runs):  # the GEMMs' own clock, against their roofline
-            lat = LatencyModel(spec, hw, 1, "dram-copy", efficiency=eff)
-            by_operator["rest"].update(
-                gemm_live_s=float(sum(runs[n]["gemm_s"].to_numpy()[warm[n]].sum() for n in fit_runs)),
-                gemm_predicted_s=float(sum(t.dense_s + t.lm_head_s for t in map(lat.gpu_time, fit_steps))))
+        if gemm_clock:
+            by_operator["gemm"].update(live_s=float(y_gemm.sum()), predicted_s=float(gemm.sum()))
+            by_operator["other"].update(live_s=float(y_other.sum()), predicted_s=float((total - attn - gemm).sum()))
+        else:
+            by_operator["rest"].update(live_s=float((y - y_attn).sum()), predicted_s=float((total - attn).sum()))
     lat = LatencyModel(spec, hw, 1, "dram-copy", efficiency=eff)
     fit_frames = [runs[n].filter(pl.Series(warm[n])) for n in fit_runs]
     fit_share = cpu_share(pl.concat(fit_frames, how="diagonal_relaxed")) if fit_frames else None
-    # the fit steps' live over predicted compute, scaled to mean 1: how much a step varies about the model
-    residuals = y / np.concatenate([predict_compute(lat, fit_batches[n]) for n in fit_runs])
-    residuals /= residuals.mean()
+    # each fit run's live over predicted compute, step by step, scaled to mean 1: how steps vary about the model
+    segments = [runs[n]["compute_s"].to_numpy()[warm[n]] / predict_compute(lat, fit_batches[n]) for n in fit_runs]
+    level = np.concatenate(segments).mean()
+    segments = [s / level for s in segments]
     points = []
     for n in names:
         frame = runs[n]
@@ -421,8 +483,8 @@ def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwarePr
             out = summarize(request_times(frame, *replay_clock(frame, compute * scale + stall)).filter(measured))
             rng = np.random.default_rng(0)  # P99s: the mean over replays whose steps vary as the fit steps did
             tails = [summarize(request_times(frame, *replay_clock(
-                frame, compute * scale * rng.choice(residuals, compute.size) + stall)).filter(measured))
-                for _ in range(dispersion_draws)]
+                frame, compute * scale * block_ratios(segments, compute.size, dispersion_block, rng) + stall))
+                .filter(measured)) for _ in range(dispersion_draws)]
             for m in ("p99_ttft_ms", "p99_tpot_ms") if tails else ():
                 out[m] = float(np.mean([t[m] for t in tails]))
             return out
@@ -442,7 +504,7 @@ def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwarePr
     at_share = [{**p, "predicted": p["predicted_at_share"]} for p in held if "predicted_at_share" in p]
     return Calibration(eff, best, list(fit_runs), points, _errors(held), warmup_requests, fit_share,
                        _errors(at_share) if at_share else None, mode, note, by_operator or None,
-                       masked_attention_block, fit_min_step_share)
+                       masked_attention_block, fit_min_step_share, dispersion_block)
 
 
 def write_profile(result: Calibration, hardware: HardwareProfile, threads: int, path: Path) -> Path:
