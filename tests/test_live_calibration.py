@@ -247,3 +247,11 @@ def test_dispersion_ratios_are_drawn_as_stretches_of_consecutive_steps():
     assert whole[:5].tolist() == segments[1].tolist()
     single = block_ratios(segments, 400, 1, np.random.default_rng(2))  # block 1: independent steps
     assert (np.diff(single) != 1).mean() > 0.5
+
+
+def test_the_cpu_streams_at_twice_its_copy_rate():
+    """A memcpy of N bytes reads N and writes N; the model's memory terms read (weights, KV)."""
+    from cachelab.serving.hardware import load_profile
+
+    local = load_profile("H200")
+    assert cpu_hardware(local, 2).gpu.hbm_bw == pytest.approx(2 * 2 * local.cpu.memcpy_bw)

@@ -102,11 +102,14 @@ def model_spec(cfg: ModelConfig, block_size: int = 16) -> ModelSpec:
 
 
 def cpu_hardware(local: HardwareProfile, threads: int) -> HardwareProfile:
-    """The probed host with its CPU in the GPU's place (``threads`` cores computing)."""
+    """The probed host with its CPU in the GPU's place (``threads`` cores computing). Its memory
+    bandwidth is what the model's memory terms need, a stream read (weights, KV): twice the
+    probe's memcpy rate, since a copy of N bytes reads N and writes N (with the roofline's
+    ``mbu`` at most 1, the copy rate itself capped every fit's decode GEMMs above the live ones)."""
     if local.host is None:
         raise CachelabError(f"hardware profile {local.source} has no [host] section; run `cachelab hw probe`")
     flops = NOMINAL_FLOPS_PER_CORE * threads
-    gpu = GPU(hbm_bytes=local.host.dram_bytes, hbm_bw=local.cpu.memcpy_bw * threads, fp8_flops=flops,
+    gpu = GPU(hbm_bytes=local.host.dram_bytes, hbm_bw=2 * local.cpu.memcpy_bw * threads, fp8_flops=flops,
               fp4_flops=flops, bf16_flops=flops, nvlink_bw=1.0, nvlink_domain=1)
     return HardwareProfile(local.name, None, gpu, local.host, local.cpu, local.ssd, local.source)
 
@@ -393,8 +396,10 @@ def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwarePr
     y_attn = fit_column("attention_s") if not lacking else None
     y_gemm = fit_column("gemm_s") if gemm_clock else None
     y_other = np.maximum(y - y_attn - y_gemm, 1e-5) if gemm_clock else None  # untimed glue: norms, adds, copies
-    # the per-token column only where GEMMs are apart from the glue (OVERHEADS' comment)
-    columns = np.column_stack([np.ones_like(seqs), seqs, tokens if gemm_clock else np.zeros_like(tokens)])
+    # per step, per sequence and per token; the per-token one only for the glue where GEMMs are apart from it
+    # (OVERHEADS' comment): on the attention clock a per-token cost would trade against attention_mfu
+    columns = np.column_stack([np.ones_like(seqs), seqs, np.zeros_like(tokens)])
+    glue_columns = np.column_stack([np.ones_like(seqs), seqs, tokens])
 
     def parts(lat: LatencyModel) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per fit step: the model's total (overheads included), attention and GEMM seconds."""
@@ -405,10 +410,10 @@ def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwarePr
     def at(eff: Efficiency) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return parts(LatencyModel(spec, hw, 1, "dram-copy", efficiency=eff))
 
-    def overheads(live_s: np.ndarray, roof: np.ndarray) -> tuple[np.ndarray, float]:
-        """The per-step, per-sequence and per-token seconds that best close ``live_s - roof``
+    def overheads(live_s: np.ndarray, roof: np.ndarray, cols: np.ndarray = columns) -> tuple[np.ndarray, float]:
+        """The overheads (per step, sequence, token: ``cols``) that best close ``live_s - roof``
         (relative to ``live_s``), and the loss."""
-        return nonnegative_lstsq(columns / live_s[:, None], 1 - roof / live_s)
+        return nonnegative_lstsq(cols / live_s[:, None], 1 - roof / live_s)
 
     def gemm_loss(eff: Efficiency) -> float:
         """The GEMMs' squared relative error against their own clock (no overhead: the clock
@@ -424,7 +429,7 @@ def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwarePr
             by_op = {}
         elif gemm_clock:  # each clock against its own term; the overheads sit in the attention and the glue
             coef_a, loss_a = overheads(y_attn, attn)
-            coef_o, loss_o = overheads(y_other, np.zeros_like(y_other))
+            coef_o, loss_o = overheads(y_other, np.zeros_like(y_other), glue_columns)
             loss_g = gemm_loss(eff)
             coef, loss = coef_a + coef_o, loss_a + loss_g + loss_o
             by_op = {"attention": {"loss": loss_a, **dict(zip(OVERHEADS, map(float, coef_a)))},
