@@ -12,8 +12,12 @@ log's per-operator clock costs a step.
    count with its worst relative error: the count whose line fits is the one the kernel pays.
 2. The clock: the time of one ``now()`` + ``gemm()`` pair, times the pairs a step makes, and
    whole forwards of the tiny model with the clock against without it (alternated).
+3. GEMM rows: the step's GEMM time (``OpClock.gemm_s`` over a whole forward) for a chunk of M
+   new tokens, M around 256, per row against M = 256: the latency model charges GEMMs linearly
+   in the rows, and the CPU's BF16 kernels do not (a 256-token chunk with three decode rows
+   beside it is M = 259).
 
-    .venv/bin/python benchmarks/live_operator_probe.py [--threads 1] [--reps 200]
+    .venv/bin/python benchmarks/live_operator_probe.py [--threads 1] [--reps 200] [--section gemm-rows]
 """
 
 from __future__ import annotations
@@ -107,14 +111,40 @@ def clock_overhead(reps: int) -> None:
               f"({(w - wo) * 1e6:+.1f} us, {(w - wo) / wo:+.2%}; medians of {reps} each, alternated)")
 
 
+def gemm_rows(reps: int, sizes=(256, 257, 259, 260, 264, 272, 288, 320)) -> None:
+    cfg = PRESETS["tiny"]
+    model = build_model(cfg)
+    kv = PagedKVCache(cfg.layers, 8 * 64, BLOCK, cfg.kv_heads, cfg.head_dim, getattr(torch, cfg.dtype))
+    rows = torch.zeros(1, len(cfg.engram_layers), 24, 256)
+    per_row = {}
+    with torch.inference_mode():
+        for m in sizes:
+            spent = []
+            for i in range(reps + 3):
+                clock = OpClock()
+                model(batch_for(m, m, 1, clock), kv, lambda e=rows.expand(m, -1, -1, -1): e)
+                if i >= 3:
+                    spent.append(clock.gemm_s)
+            per_row[m] = float(np.median(spent)) / m
+    print("| GEMM rows M | GEMM ms per step | per row against M = 256 |")
+    print("|---:|---:|---:|")
+    for m, t in per_row.items():
+        print(f"| {m} | {t * m * 1e3:.2f} | {t / per_row[sizes[0]]:.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--section", choices=("all", "attention", "clock", "gemm-rows"), default="all")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    attention_profile(args.reps)
-    clock_overhead(args.reps)
+    if args.section in ("all", "attention"):
+        attention_profile(args.reps)
+    if args.section in ("all", "clock"):
+        clock_overhead(args.reps)
+    if args.section in ("all", "gemm-rows"):
+        gemm_rows(args.reps)
 
 
 if __name__ == "__main__":
