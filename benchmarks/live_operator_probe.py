@@ -14,8 +14,8 @@ log's per-operator clock costs a step.
    whole forwards of the tiny model with the clock against without it (alternated).
 3. GEMM rows: the step's GEMM time (``OpClock.gemm_s`` over a whole forward) for a chunk of M
    new tokens, M around 256, per row against M = 256: the latency model charges GEMMs linearly
-   in the rows, and the CPU's BF16 kernels do not (a 256-token chunk with three decode rows
-   beside it is M = 259).
+   in the rows, and the CPU's BF16 kernels may not be linear at row counts off a multiple of 8
+   (a 256-token chunk with three decode rows beside it is M = 259).
 
     .venv/bin/python benchmarks/live_operator_probe.py [--threads 1] [--reps 200] [--section gemm-rows]
 """
