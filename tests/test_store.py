@@ -187,10 +187,12 @@ def test_prefetch_row_and_the_bench_references_copy_the_same_rows():
 
 
 @pytest.mark.parametrize("work", [0, 1 << 40])  # the serial build, and the parallel one
-def test_lookup_dequant_folds_counts_distinct_rows_and_dequantises_repeats(work):
+@pytest.mark.parametrize("counter", ["set", "bitmap"])
+def test_lookup_dequant_folds_counts_distinct_rows_and_dequantises_repeats(work, counter):
     """The fused step kernel: every request (repeats included) gets its folded row's BF16 bits,
-    the distinct count is the step's, a later call (a new generation of the same set) counts
-    rows an earlier call saw, and a row id outside its head is reported by its index."""
+    its key is the row's page and slot, the distinct count is the step's (in the set or in the
+    bitmap, which is all zero again after every call), a later call counts rows an earlier call
+    saw, and a row id outside its head is reported by its index with nothing written."""
     from cachelab.store import kernels
 
     rng = np.random.default_rng(11)
@@ -199,19 +201,26 @@ def test_lookup_dequant_folds_counts_distinct_rows_and_dequantises_repeats(work)
     pages = rng.integers(0, 256, (2, PAGE), dtype=np.uint8)
     packed = pages[:, :15 * 264].reshape(30, 264)
     inv = 1.0 / size
+    assert kernels.slot_bits(15) == 4
+    # the bitmap: 2 pages x 16 slots fit in word 0; more words than requests, so a call clears its own bits
     seen = np.zeros(1 << 10, np.int64)
+    bits = 10 if counter == "set" else 0
+
+    def call(rows, generation, keys, out):
+        return kernels.lookup_dequant(rows.reshape(-1), first, primes, key0, size, inv, pages, 15, DEQUANT_TABLE, out,
+                                      seen, generation, bits, keys, work=work)
 
     def step(tokens, generation):
         rows = first[None] + rng.integers(0, primes[None], (tokens, 3))
         keys = np.empty(rows.size, np.int64)
         out = np.zeros((rows.size, 256), np.uint16)
-        distinct = kernels.lookup_dequant(rows.reshape(-1), first, primes, key0, size, inv, pages, 15, DEQUANT_TABLE, out,
-                                          seen, generation, 10, keys, work=work)
+        distinct = call(rows, generation, keys, out)
         want = (key0[None] + (rows - first[None]) % size[None]).reshape(-1)
-        np.testing.assert_array_equal(keys, want)
+        np.testing.assert_array_equal(keys, want // 15 << 4 | want % 15)
         assert distinct == np.unique(want).size < want.size  # repeats in the step
         expect = DEQUANT_TABLE[np.repeat(packed[want, 256:], 32, axis=1), packed[want, :256]]
         np.testing.assert_array_equal(out, expect)
+        assert counter == "set" or not seen.any()
         return rows
 
     a = step(40, 1)
@@ -219,12 +228,14 @@ def test_lookup_dequant_folds_counts_distinct_rows_and_dequantises_repeats(work)
     b = a.copy()  # the same rows in a new generation: all distinct ones counted again
     keys = np.empty(b.size, np.int64)
     out = np.zeros((b.size, 256), np.uint16)
-    n = kernels.lookup_dequant(b.reshape(-1), first, primes, key0, size, inv, pages, 15, DEQUANT_TABLE, out, seen, 3, 10,
-                               keys, work=work)
-    assert n == np.unique(keys).size
+    assert call(b, 3, keys, out) == np.unique(keys).size
     b[5, 1] = first[1] + primes[1]  # one past head 1's last row id
-    assert kernels.lookup_dequant(b.reshape(-1), first, primes, key0, size, inv, pages, 15, DEQUANT_TABLE, out, seen, 4,
-                                  10, keys, work=work) == -1 - (5 * 3 + 1)
+    out[:] = 0
+    assert call(b, 4, keys, out) == -1 - (5 * 3 + 1)
+    assert not out.any() and (counter == "set" or not seen.any())
+    if counter == "bitmap":  # fewer words than requests: the call clears the whole bitmap
+        seen = np.zeros(1, np.int64)
+        step(40, 5)
 
 
 def test_dequantisers_prefetch_their_output_rows_for_writing():

@@ -323,8 +323,24 @@ def gather_dequant(buf, rows, inverse, rows_per_page, table, out):
 
 
 _SEEN_AHEAD = 16  # lookups between a row id's fold (and its set slot's prefetch) and its probe
-SEEN_KEY_BITS = 40  # a set slot holds generation << 40 | key: keys (page-table rows) below 2^40
+SEEN_KEY_BITS = 40  # a set slot holds generation << 40 | key: keys below 2^40
 SEEN_GENERATIONS = 1 << 23  # generations before the set must be cleared (the slot's top bits)
+BITMAP_BYTES = 4 << 20  # the largest bitmap of a table's keys the fused lookup counts in; the set above
+
+
+def slot_bits(rows_per_page: int) -> int:
+    """Bits of a page's row slot in the fused lookup's keys (``page << slot_bits | slot``)."""
+    return int(rows_per_page - 1).bit_length()
+
+
+@nb.njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _clear_bitmap(bitmap, keys, n):
+    """Zero the bits of ``keys[:n]`` in ``bitmap`` (the whole bitmap when that is fewer stores)."""
+    if bitmap.size <= n:
+        bitmap[:] = 0
+    else:
+        for i in range(n):
+            bitmap[keys[i] >> 6] = 0
 
 
 @_serial_and_parallel
@@ -332,22 +348,40 @@ def lookup_dequant(rows, first, primes, key0, size, inverse_size, buf, rows_per_
                    bits, keys):
     """A whole step of lookups on a page-format DRAM table in one call, no temporary array:
     ``out[i] = bf16(table row of row id rows[i])`` in request order. Returns the number of
-    distinct rows, or ``-1 - i`` for the first row id ``i`` outside its head's slice.
+    distinct rows, or ``-1 - i`` for the first row id ``i`` outside its head's slice (nothing
+    written to ``out`` then).
 
     First pass, the fold and the count of distinct rows. The fold (``TableLayout.fold_heads``,
-    per head ``h`` in ``[layers, columns]`` order): ``keys[i] = key0[h] + (rows[i] - first[h])
-    mod size[h]``, the page-table row, the modulo by a multiply with ``inverse_size[h] =
-    1 / size[h]`` and one correction (exact while row ids stay below 2^51; a division cost
-    more than the rest of the fold). ``seen`` is an open-addressing set of which this call uses
-    the first ``2^bits`` slots, each ``generation << SEEN_KEY_BITS | key``: a slot of another
-    generation is free, so a new call (a new generation) starts with an empty set without
-    clearing it. Row ids are folded ``_SEEN_AHEAD`` requests ahead of their probe and their
-    slots prefetched. Second pass: every request is dequantised from its row, the row
-    ``_AHEAD`` requests on prefetched (and the output row ``_OUT_AHEAD`` on, for writing), repeats included (a repeat's row is usually still in the
+    per head ``h`` in ``[layers, columns]`` order): page-table row ``key0[h] + (rows[i] -
+    first[h]) mod size[h]``, the modulo by a multiply with ``inverse_size[h] = 1 / size[h]`` and
+    one correction (exact while row ids stay below 2^51; a division cost more than the rest of
+    the fold), split the same way into its page and its slot there: ``keys[i] = page <<
+    slot_bits(rows_per_page) | slot``, so the dequantising pass finds each row with a shift
+    and a mask (two divisions per request there before). The distinct keys are counted
+    ``_SEEN_AHEAD`` requests behind the fold, in ``seen``, which is one of:
+
+    - ``bits == 0``: a bitmap of every key of the table (bit ``k`` of word ``k >> 6``), all
+      zero between calls: each count is one bit tested and set, no hash, no probe; the bits
+      the call set are cleared before it returns. The store uses it while the bitmap takes at
+      most ``BITMAP_BYTES`` (tables of up to 2 M pages, 8 GiB), small enough to stay in the
+      CPU's caches;
+    - ``bits > 0``: an open-addressing set of which this call uses the first ``2^bits``
+      slots, each ``generation << SEEN_KEY_BITS | key``: a slot of another generation is
+      free, so a new call (a new generation) starts with an empty set without clearing it.
+
+    The slot (or word) of a key is prefetched when it is folded. Second pass: every request is
+    dequantised from its row, the row ``_AHEAD`` requests on prefetched (and the output row
+    ``_OUT_AHEAD`` on, for writing), repeats included (a repeat's row is usually still in the
     L2 or L3 cache: reading its 264 B again costs less than copying the 512 B its first
     request wrote, measured in docs/store.md)."""
     n = rows.size
     heads = first.size
+    sb = 0
+    while (1 << sb) < rows_per_page:
+        sb += 1
+    slot_mask = (1 << sb) - 1
+    per_row = 1.0 / rows_per_page
+    bitmap = bits == 0
     mask = (1 << bits) - 1
     shift = np.uint64(64 - bits)
     tag = generation << SEEN_KEY_BITS
@@ -357,16 +391,36 @@ def lookup_dequant(rows, first, primes, key0, size, inverse_size, buf, rows_per_
         if f < n:  # fold row id f
             r = rows[f] - first[h]
             if r < 0 or r >= primes[h]:
+                if bitmap:
+                    _clear_bitmap(seen, keys, max(f - _SEEN_AHEAD, 0))
                 return -1 - f
             p = size[h]
             r -= np.int64(r * inverse_size[h]) * p
             r += p if r < 0 else (-p if r >= p else 0)
-            keys[f] = key0[h] + r
-            prefetch(seen, _slot(keys[f], shift))
+            r += key0[h]  # the page-table row: its page and slot
+            page = np.int64(r * per_row)
+            r -= page * rows_per_page
+            if r < 0:
+                page -= 1
+                r += rows_per_page
+            elif r >= rows_per_page:
+                page += 1
+                r -= rows_per_page
+            k = page << sb | r
+            keys[f] = k
+            prefetch(seen, k >> 6 if bitmap else _slot(k, shift))
             h = h + 1 if h + 1 < heads else 0
         i = f - _SEEN_AHEAD
         if i >= 0:  # count row id i's key if this step has not seen it
             k = keys[i]
+            if bitmap:
+                w = k >> 6
+                b = np.int64(1) << (k & 63)
+                x = seen[w]
+                if not x & b:
+                    seen[w] = x | b
+                    distinct += 1
+                continue
             j = _slot(k, shift)
             while seen[j] != tag | k:
                 if seen[j] >> SEEN_KEY_BITS != generation:
@@ -378,12 +432,14 @@ def lookup_dequant(rows, first, primes, key0, size, inverse_size, buf, rows_per_
     rb = dim + dim // 32
     for i in nb.prange(n):
         if i + _AHEAD < n:
-            r = keys[i + _AHEAD]
-            prefetch_row(buf, r // rows_per_page, (r % rows_per_page) * rb, rb)
+            k = keys[i + _AHEAD]
+            prefetch_row(buf, k >> sb, (k & slot_mask) * rb, rb)
         if i + _OUT_AHEAD < n:
             prefetch_out_row(out, i + _OUT_AHEAD)
-        r = keys[i]
-        _dequant_row(buf, r // rows_per_page, (r % rows_per_page) * rb, dim, table, out, i)
+        k = keys[i]
+        _dequant_row(buf, k >> sb, (k & slot_mask) * rb, dim, table, out, i)
+    if bitmap:
+        _clear_bitmap(seen, keys, n)
     return distinct
 
 
