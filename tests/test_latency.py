@@ -258,6 +258,23 @@ def test_v41_kv_read_is_bounded_while_r1_grows_with_context():
     assert r1.kv_read_bytes(1, 140_000) == pytest.approx(7 * r1.kv_read_bytes(1, 20_000))
 
 
+def test_v41s_indexer_runs_whole_on_every_tp_rank():
+    from dataclasses import replace
+
+    b = Batch([140_000.0], [148_000.0])  # an 8k prefill chunk after a 140k prefix
+    hw = load_profile("B300")
+    eff = Efficiency(mfu=0.1, prefill_mfu=0.1)
+    assert MODEL.index_replicated_across_tp and not load_model("deepseek-r1").index_replicated_across_tp
+    split = replace(MODEL, index_replicated_across_tp=False)
+    for tp in (2, 4):
+        whole = LatencyModel(MODEL, hw, tp, "dram-uva", efficiency=eff).gpu_time(b).indexer_s
+        shard = LatencyModel(split, hw, tp, "dram-uva", efficiency=eff).gpu_time(b).indexer_s
+        assert whole == pytest.approx(tp * shard)  # every rank scores every index head
+    # per GPU, a TP4 replica spends twice a TP2 replica's indexer time on the same chunk
+    per_gpu = {tp: tp * LatencyModel(MODEL, hw, tp, "dram-uva", efficiency=eff).gpu_time(b).indexer_s for tp in (2, 4)}
+    assert per_gpu[4] == pytest.approx(2 * per_gpu[2])
+
+
 def test_mtp_verify_costs_draft_and_more_tokens():
     lat = LatencyModel(MODEL, load_profile("B200"), tp=4, placement="dram-uva")
     plain = lat.gpu_time(Batch(np.full(16, 8000.0), np.full(16, 8001.0)))

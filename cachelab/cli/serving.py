@@ -300,14 +300,15 @@ def study_semianalysis(
     from cachelab.serving.agentic import agentic_workload
     from cachelab.serving.calibration import FITTED
     from cachelab.serving.studies.semianalysis import (run, sensitivity as elasticity, total_points, what_ifs,
-                                                       with_published_piecewise)
+                                                       with_fitted_piecewise)
 
     if not 0.0 <= prefix_hit < 1.0:
         raise CachelabError(f"--prefix-hit must be in [0, 1), got {prefix_hit}")
     console = Console(stderr=True, quiet=as_json)
     eff, loss = _efficiency(console, fit_evals)
     workload = agentic_workload(prefix_hit=prefix_hit)
-    eff = with_published_piecewise(eff, workload)  # the SSD path's host floor, from the PR body's TPOT offset
+    with console.status("fitting the SSD path's host floor on the PR body's agentic sweep (1-8 clients)"):
+        eff = with_fitted_piecewise(eff, workload)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console, transient=True, disable=as_json) as bar:
         task = bar.add_task("points", total=total_points())
@@ -379,14 +380,15 @@ def study_inferencex(
     from cachelab.paths import data_root
     from cachelab.serving.calibration import (FIT_SUBSET, FITTED, THINK_SUBSET, fit, heldout_report, load_points, mape,
                                               ssd_builds, validate, with_fitted_think)
-    from cachelab.serving.studies.semianalysis import with_published_piecewise
+    from cachelab.serving.studies.semianalysis import with_fitted_piecewise
 
     console = Console(stderr=True, quiet=as_json)
     points, think = with_fitted_think(load_points(data_root()))
     train = [p for p in points if p.subset == FIT_SUBSET]
     with console.status(f"fitting {', '.join(FITTED)} on {FIT_SUBSET} ({len(train)} points)"):
         eff, loss = fit(train, max_evals=fit_evals)
-    eff = with_published_piecewise(eff)  # the SSD path's host floor, from the SSD PR body's TPOT offset (not fitted)
+    with console.status("fitting the SSD path's host floor on the SSD PR body's agentic sweep (1-8 clients)"):
+        eff = with_fitted_piecewise(eff)
     rows = validate(points, eff)
     result = {"fit_subset": FIT_SUBSET, "fitted": {k: getattr(eff, k) for k in FITTED}, "fit_loss": loss,
               "think_subset": THINK_SUBSET, "agentic_think_s": think, "prefill_mfu": eff.prefill_mfu,

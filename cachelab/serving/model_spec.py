@@ -91,6 +91,9 @@ class ModelSpec:
     rank_weights_sharded_bytes: float = 0.0
     rank_weights_replicated_bytes: float = 0.0
     indexer_buffer_bytes_per_batched_token: float = 0.0
+    # the sparse indexer runs whole on every TP rank (its projections replicated, every index head's
+    # logits over every compressed position computed per rank) rather than split by heads
+    index_replicated_across_tp: bool = False
 
     def rank_weight_bytes(self, tp: int) -> float:
         """Weights one of ``tp`` ranks holds in HBM (tables excluded): the spec's ``[memory]``
@@ -232,7 +235,8 @@ _OPTIONAL = {  # zero (or empty) when a spec leaves them out
     "engram": ("wkv_params",),
     "memory": ("rank_weights_sharded_bytes", "rank_weights_replicated_bytes", "indexer_buffer_bytes_per_batched_token"),
 }
-_OTHER = {"backbone": ("expert_precision",), "attention": ("kv_replicated_across_tp", "compress_ratios", "index_sources"),
+_OTHER = {"backbone": ("expert_precision",), "attention": ("kv_replicated_across_tp", "compress_ratios", "index_sources",
+                                                           "index_replicated_across_tp"),
           "mtp": ("acceptance_length",), "engram": ("layout", "table_sharded_across_tp", "page_cache_curve"),
           "memory": ()}
 # [engram] keys an older spec restated; the layout derives them, so they may stay only if they agree.
@@ -287,6 +291,7 @@ def load_model(name: str | Path = "deepseek-v4.1-flash", layout: str | EngramCon
     if values["expert_precision"] not in ("fp4", "fp8"):
         raise CachelabError(f"{path}: [backbone] expert_precision must be 'fp4' or 'fp8', got {values['expert_precision']!r}")
     values["kv_replicated_across_tp"] = bool(attention.get("kv_replicated_across_tp", True))
+    values["index_replicated_across_tp"] = bool(attention.get("index_replicated_across_tp", False))
     values["compress_ratios"] = tuple(int(r) for r in attention.get("compress_ratios", ()))
     if values["compress_ratios"] and len(values["compress_ratios"]) != values["layers"]:
         raise CachelabError(f"{path}: [attention] compress_ratios has {len(values['compress_ratios'])} entries, "
