@@ -244,8 +244,7 @@ def operator_times(frame: pl.DataFrame, batches: list[Batch], lat: LatencyModel,
     kept = [b for b, k in zip(batches, keep) if k]
     times = [lat.gpu_time(b) for b in kept]
     attn = (np.array([t.attention_s for t in times]) + attention_overheads["step_overhead_s"]
-            + np.array([attention_overheads["cpu_per_sequence_s"] * b.sequences
-                        + attention_overheads["cpu_per_token_s"] * b.tokens for b in kept]))
+            + attention_overheads["cpu_per_sequence_s"] * np.array([b.sequences for b in kept]))
     total = np.array([t.total_s for t in times])
     gemm = np.array([t.dense_s + t.lm_head_s for t in times])
     frame = frame.filter(pl.Series(keep))
@@ -396,10 +395,10 @@ def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwarePr
     y_attn = fit_column("attention_s") if not lacking else None
     y_gemm = fit_column("gemm_s") if gemm_clock else None
     y_other = np.maximum(y - y_attn - y_gemm, 1e-5) if gemm_clock else None  # untimed glue: norms, adds, copies
-    # per step, per sequence and per token; the per-token one only for the glue where GEMMs are apart from it
-    # (OVERHEADS' comment): on the attention clock a per-token cost would trade against attention_mfu
-    columns = np.column_stack([np.ones_like(seqs), seqs, np.zeros_like(tokens)])
-    glue_columns = np.column_stack([np.ones_like(seqs), seqs, tokens])
+    # per step and per sequence; per token too only for the glue where GEMMs are apart from it (OVERHEADS'
+    # comment): on the attention clock a per-token cost would trade against attention_mfu
+    columns = np.column_stack([np.ones_like(seqs), seqs])
+    glue_columns = np.column_stack([columns, tokens])
 
     def parts(lat: LatencyModel) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per fit step: the model's total (overheads included), attention and GEMM seconds."""
@@ -411,9 +410,10 @@ def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwarePr
         return parts(LatencyModel(spec, hw, 1, "dram-copy", efficiency=eff))
 
     def overheads(live_s: np.ndarray, roof: np.ndarray, cols: np.ndarray = columns) -> tuple[np.ndarray, float]:
-        """The overheads (per step, sequence, token: ``cols``) that best close ``live_s - roof``
-        (relative to ``live_s``), and the loss."""
-        return nonnegative_lstsq(cols / live_s[:, None], 1 - roof / live_s)
+        """The overheads (``OVERHEADS`` in order; those ``cols`` lacks are 0) that best close
+        ``live_s - roof`` (relative to ``live_s``), and the loss."""
+        coef, loss = nonnegative_lstsq(cols / live_s[:, None], 1 - roof / live_s)
+        return np.pad(coef, (0, len(OVERHEADS) - coef.size)), loss
 
     def gemm_loss(eff: Efficiency) -> float:
         """The GEMMs' squared relative error against their own clock (no overhead: the clock
@@ -462,7 +462,7 @@ def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwarePr
     if mode == PER_OPERATOR:  # each part's live and predicted seconds over the fit steps at the fitted model
         total, attn, gemm = at(eff)
         op = by_operator["attention"]
-        attn = attn + columns @ np.array([op[k] for k in OVERHEADS])
+        attn = attn + columns @ np.array([op[k] for k in OVERHEADS[:columns.shape[1]]])
         op.update(live_s=float(y_attn.sum()), predicted_s=float(attn.sum()))
         if gemm_clock:
             by_operator["gemm"].update(live_s=float(y_gemm.sum()), predicted_s=float(gemm.sum()))
