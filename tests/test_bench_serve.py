@@ -177,8 +177,8 @@ def test_a_server_failing_midway_gives_counted_failures_and_keeps_the_rest(tmp_p
 
 @pytest.mark.slow
 def test_against_real_vllm_counts_match_its_metrics(vllm_server, tmp_path):
-    """Request and token counts equal the server's own counters; TTFT percentiles fall in the
-    buckets of its TTFT histogram; a prompt over the model's context is a counted failure."""
+    """Request and token counts equal the server's own counters; TTFTs contain the server's
+    (its TTFT histogram's buckets and sum); a prompt over the model's context is a counted failure."""
     lens = [40, 300, 120, 3000, 64, 200, 500, 90]  # 3000 > --max-model-len 2048
     trace = make_trace(tmp_path / "t.parquet", lens, output_len=6)
     out = tmp_path / "result.json"
@@ -198,18 +198,32 @@ def test_against_real_vllm_counts_match_its_metrics(vllm_server, tmp_path):
     assert server["generation_tokens"] == s["total_output_tokens"] and server["ttft_count"] == 7
     assert server["prefix_cache_queries"] == s["total_input_tokens"]
     assert server["prefix_cache_hits"] == s["prefix_cache_hit_tokens"]
-    # The client's TTFT of a request contains the server's (it adds the HTTP hop and the API
-    # server's queue), so no client percentile lies below the server's bucket for it. The median
-    # lies in that bucket or the one above. One request at a time: at concurrency 2 the API
-    # server streams one request while the engine core prefills the other, and on two cores
-    # shared with the suite's other worker that moved the client's median 28-60 ms past the
-    # server's 20-40 ms bucket in 1 of 8 runs (load 5.6); one at a time, 8 of 8 runs stayed in it
-    # (load 3.4). The P99 of seven requests is their slowest, where one hop delayed on a busy
-    # machine moved it 70 ms past its bucket: only its lower edge is a property of the tool.
-    lo, hi = server["p50_ttft_bucket_ms"]
-    assert lo <= s["p50_ttft_ms"] <= hi + (hi - lo), (s["p50_ttft_ms"], lo, hi)
-    lo, _ = server["p99_ttft_bucket_ms"]
-    assert lo <= s["p99_ttft_ms"], (s["p99_ttft_ms"], lo)
+    # The client's TTFT of a request contains the server's (vLLM times from the request's
+    # arrival in its API server to the engine's first output there; the client adds the HTTP
+    # hop and the streaming of the chunk), so the client's k-th fastest request is no faster
+    # than the server's: the median (the 4th of 7) lies at or above the lower edge of the
+    # server's median bucket, the slowest at or above that of its P99 bucket (rank 6.93 of 7),
+    # and the client's mean at or above the server's exact mean (the histogram's sum over its
+    # count); the same for the end-to-end latency. How far above is the machine's, not the
+    # tool's: with two busy processes beside the server (the suite's other worker), 34 runs of
+    # this bench saw the client's TTFT exceed the server's by up to 500 ms, every chunk of a
+    # stream arriving at once after a stall (a separate process sleeping in 5 ms steps saw
+    # stalls of 100-335 ms in the same minutes, none without vLLM running), and the client's
+    # median fell past the server's bucket and the one above in 5. So the upper side is checked
+    # where it is exact: one request at a time, each is sent after the previous one ended, so
+    # TTFT counts from the request's own send, not from the benchmark's start or a wait for the
+    # concurrency limit.
+    saved = json.loads(out.read_text())
+    done = [i for i, error in enumerate(saved["errors"]) if not error]
+    client_ttfts_ms = [1e3 * saved["ttfts"][i] for i in done]
+    assert s["p50_ttft_ms"] >= server["p50_ttft_bucket_ms"][0], (s["p50_ttft_ms"], server["p50_ttft_bucket_ms"])
+    assert max(client_ttfts_ms) >= server["p99_ttft_bucket_ms"][0], (client_ttfts_ms, server["p99_ttft_bucket_ms"])
+    assert s["mean_ttft_ms"] >= 1e3 * server["ttft_sum_s"] / server["ttft_count"]
+    assert s["mean_e2el_ms"] >= 1e3 * server["e2el_sum_s"] / server["e2el_count"]
+    for i in done:
+        assert 0 < saved["ttfts"][i] <= saved["latencies"][i]
+        if i + 1 < len(saved["start_times"]):
+            assert saved["start_times"][i + 1] >= saved["start_times"][i] + saved["latencies"][i]
 
 
 @pytest.mark.slow
