@@ -8,6 +8,8 @@ compaction of ``benchmarks/bench_engine.py``). ``prefetch_at(arr, i, j)`` fetche
 ``arr[i, j]`` of a 2-D array: ``prefetch(arr[i], j)`` would build a view of the row, and with
 it a reference count taken and dropped (two calls) at every use. ``prefetch_write_at(arr, i, j)``
 fetches it for writing (``prefetchw``), for outputs larger than the caches.
+``uint16_pointer(address)`` makes an integer address (a torch tensor's ``data_ptr()``) a
+pointer for ``numba.carray``, so a kernel writes a caller's tensor without a NumPy view of it.
 """
 
 from __future__ import annotations
@@ -101,5 +103,21 @@ def copy_bytes(typingctx, dst, di, dj, src, si, sj, nbytes):
         s_ptr = cgutils.get_item_pointer(context, builder, s_ty, s_ary, [args[4], args[5]])
         cgutils.raw_memcpy(builder, d_ptr, s_ptr, args[6], 1)
         return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def uint16_pointer(typingctx, address):
+    """``(uint16 *) address`` for ``numba.carray(uint16_pointer(a), shape)``: a kernel writes a
+    buffer given by its address (a tensor's ``data_ptr()``; viewing a torch tensor as a NumPy
+    array costs several microseconds a call). The caller keeps the buffer alive and checks its
+    size."""
+    if not isinstance(address, types.Integer):
+        return None
+    sig = types.CPointer(types.uint16)(address)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
 
     return sig, codegen

@@ -206,9 +206,12 @@ def test_lookup_dequant_folds_counts_distinct_rows_and_dequantises_repeats(work,
     seen = np.zeros(1 << 10, np.int64)
     bits = 10 if counter == "set" else 0
 
+    fold = np.stack([first, primes, key0, size])
+
     def call(rows, generation, keys, out):
-        return kernels.lookup_dequant(rows.reshape(-1), first, primes, key0, size, inv, pages, 15, DEQUANT_TABLE, out,
-                                      seen, generation, bits, keys, work=work)
+        assert out.shape == (rows.size, 256) and out.flags.c_contiguous
+        return kernels.lookup_dequant(rows.reshape(-1), fold, inv, pages, DEQUANT_TABLE, out.ctypes.data, 256, seen,
+                                      generation, bits, keys, work=work)
 
     def step(tokens, generation):
         rows = first[None] + rng.integers(0, primes[None], (tokens, 3))
@@ -229,10 +232,12 @@ def test_lookup_dequant_folds_counts_distinct_rows_and_dequantises_repeats(work,
     keys = np.empty(b.size, np.int64)
     out = np.zeros((b.size, 256), np.uint16)
     assert call(b, 3, keys, out) == np.unique(keys).size
-    b[5, 1] = first[1] + primes[1]  # one past head 1's last row id
-    out[:] = 0
-    assert call(b, 4, keys, out) == -1 - (5 * 3 + 1)
-    assert not out.any() and (counter == "set" or not seen.any())
+    for at, bad in (((5, 1), first[1] + primes[1]), ((0, 0), first[0] - 1), ((-1, 2), first[2] + primes[2])):
+        c = b.copy()  # one past head 1's last row id; one before head 0's first; the last request's
+        c[at] = bad
+        out[:] = 0
+        assert call(c, 4, keys, out) == -1 - np.ravel_multi_index(at, c.shape, mode="wrap")
+        assert not out.any() and (counter == "set" or not seen.any())
     if counter == "bitmap":  # fewer words than requests: the call clears the whole bitmap
         seen = np.zeros(1, np.int64)
         step(40, 5)
@@ -255,11 +260,11 @@ def test_dequantisers_prefetch_their_output_rows_for_writing():
     uniq, inverse = np.unique(rows, return_inverse=True)
     expect = DEQUANT_TABLE[np.repeat(packed[rows, 256:], 32, axis=1), packed[rows, :256]]
     for work in (0, 1 << 40):  # the serial build, and the parallel one
-        one = np.array([0], np.int64), np.array([45], np.int64), np.array([0], np.int64), np.array([45], np.int64)
+        one = np.array([[0], [45], [0], [45]], np.int64)  # one head: first row, prime, first key, size
         for run in (lambda out: kernels.dequant_expand(packed, rows, DEQUANT_TABLE, out, work=work),
                     lambda out: kernels.gather_dequant(pages, uniq, inverse, 15, DEQUANT_TABLE, out, work=work),
-                    lambda out: kernels.lookup_dequant(rows, *one, 1.0 / one[3], pages, 15, DEQUANT_TABLE, out,
-                                                       np.zeros(1 << 10, np.int64), 1, 10, np.empty(30, np.int64),
+                    lambda out: kernels.lookup_dequant(rows, one, 1.0 / one[3], pages, DEQUANT_TABLE, out.ctypes.data,
+                                                       256, np.zeros(1 << 10, np.int64), 1, 10, np.empty(30, np.int64),
                                                        work=work)):
             out = np.zeros(rows.size * 256 + 33, np.uint16)[33:].reshape(rows.size, 256)  # 66 B into a line
             run(out)
@@ -272,6 +277,26 @@ def test_dequantisers_prefetch_their_output_rows_for_writing():
         for sig in build.signatures:
             fresh.compile(sig)
         assert fresh.signatures and all(write.search(ir) for ir in fresh.inspect_llvm().values()), name
+
+
+def test_counters_by_name_summed_as_arrays():
+    """Counters are read and written by name, a step is summed into a run as arrays, an unknown
+    name is refused, and ``to_dict`` gives plain ints and floats (the metrics export keeps only
+    those) in the order of the names, the hit ratio per tier after them."""
+    from cachelab.store.counters import TIME_KEYS, Counters, count_keys
+
+    run, step = Counters(("hbm",)), Counters(("hbm",))
+    step["hbm_hits"], step["hbm_misses"], step["step_s"], step["minor_faults"] = 3, 1, 0.25, 7
+    run.add(step)
+    run.add(step)
+    run["stall_s"] += 0.5
+    assert run["hbm_hits"] == 6 and run["step_s"] == 0.5 and run["stall_s"] == 0.5 and run.hit_ratio("hbm") == 0.75
+    d = run.to_dict()
+    assert list(d) == [*count_keys(("hbm",)), *TIME_KEYS, "hbm_hit_ratio"]
+    assert type(d["hbm_hits"]) is int and type(d["minor_faults"]) is int and type(d["step_s"]) is float
+    assert d["minor_faults"] == 14 and d["hbm_hit_ratio"] == 0.75
+    with pytest.raises(KeyError, match="no counter 'dram_hits'"):
+        run["dram_hits"] = 1
 
 
 def test_fused_lookup_counts_each_steps_distinct_rows(tables):
@@ -290,7 +315,9 @@ def test_fused_lookup_counts_each_steps_distinct_rows(tables):
             distinct = compact(store.keys(rows).reshape(-1))[1].size
             c = store.last_step
             assert c["unique"] == c["backing_rows"] == distinct < c["requested"] == rows.size
-            assert c["host_read_bytes"] == distinct * 264
+            assert c["host_read_bytes"] == c["host_to_device_bytes"] == distinct * 264
+            assert c["steps"] == 1 and c["hbm_read_bytes"] == 0 and c["minor_faults"] >= 0 == c["major_faults"]
+            assert c["dequant_s"] == c["step_s"] > 0 and c["dedup_s"] == c["gather_s"] == 0
         assert store.totals["steps"] == 3
 
 

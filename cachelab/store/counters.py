@@ -21,7 +21,8 @@ faults, CPU dedup, gather and host-to-device copy is the bottleneck):
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+
+import numpy as np
 
 TIME_KEYS = ("dedup_s", "cache_lookup_s", "ssd_read_s", "gather_s", "copy_s", "dequant_s", "stall_s", "step_s")
 LINK_KEYS = ("ssd_to_dram_bytes", "dram_to_hbm_bytes", "host_to_device_bytes", "hbm_read_bytes", "host_read_bytes")
@@ -29,43 +30,56 @@ TIER_KEYS = ("hits", "misses", "admissions", "evictions")
 
 
 @functools.cache
-def _zeros(tiers: tuple[str, ...]) -> dict:
-    """Every counter of a store with these cache tiers, at zero (built once per tier set)."""
+def count_keys(tiers: tuple[str, ...]) -> tuple[str, ...]:
+    """The integer counters of a store with these cache tiers, in their order (the seconds,
+    ``TIME_KEYS``, follow them in ``to_dict``)."""
     keys = ["steps", "requested", "unique", "backing_rows", "ssd_pages_read"]
     keys += [f"{t}_{k}" for t in tiers for k in TIER_KEYS]
-    keys += list(LINK_KEYS) + ["minor_faults", "major_faults"]
-    return {**dict.fromkeys(keys, 0), **dict.fromkeys(TIME_KEYS, 0.0)}
+    return (*keys, *LINK_KEYS, "minor_faults", "major_faults")
 
 
-@dataclass
+@functools.cache
+def _index(tiers: tuple[str, ...]) -> dict:
+    """Counter name -> (is seconds, position in its array)."""
+    return {**{k: (False, i) for i, k in enumerate(count_keys(tiers))}, **{k: (True, i) for i, k in enumerate(TIME_KEYS)}}
+
+
 class Counters:
-    """Counts and seconds of one step or of a whole run (``add`` sums steps)."""
+    """Counts and seconds of one step or of a whole run (``add`` sums steps), read and written
+    by name. They live in two small arrays, ``counts`` (int64, in ``count_keys`` order) and
+    ``seconds`` (float64, ``TIME_KEYS``): a step's counters are two fresh arrays and adding a
+    step to a run two array adds (a dict per step, summed key by key, cost a lookup several
+    microseconds a step)."""
 
-    tiers: tuple[str, ...] = ()
-    values: dict = field(default_factory=dict)
+    __slots__ = ("tiers", "counts", "seconds", "_index")
 
-    def __post_init__(self) -> None:
-        self.values = {**_zeros(tuple(self.tiers)), **self.values}  # a new step's counters: one dict copy
-
+    def __init__(self, tiers: tuple[str, ...] = ()):
+        self.tiers = tuple(tiers)
+        self._index = _index(self.tiers)
+        self.counts = np.zeros(len(count_keys(self.tiers)), np.int64)
+        self.seconds = np.zeros(len(TIME_KEYS))
 
     def __getitem__(self, key: str):
-        return self.values[key]
+        is_time, i = self._index[key]
+        return float(self.seconds[i]) if is_time else int(self.counts[i])
 
     def __setitem__(self, key: str, value) -> None:
-        if key not in self.values:
+        if key not in self._index:
             raise KeyError(f"no counter {key!r}")
-        self.values[key] = value
+        is_time, i = self._index[key]
+        (self.seconds if is_time else self.counts)[i] = value
 
     def add(self, other: "Counters") -> None:
-        for k, v in other.values.items():
-            self.values[k] += v
+        self.counts += other.counts
+        self.seconds += other.seconds
 
     def hit_ratio(self, tier: str) -> float:
-        reached = self.values[f"{tier}_hits"] + self.values[f"{tier}_misses"]
-        return self.values[f"{tier}_hits"] / reached if reached else 0.0
+        hits, misses = self[f"{tier}_hits"], self[f"{tier}_misses"]
+        return hits / (hits + misses) if hits + misses else 0.0
 
     def to_dict(self) -> dict:
-        out = dict(self.values)
+        out = dict(zip(count_keys(self.tiers), self.counts.tolist()))
+        out.update(zip(TIME_KEYS, self.seconds.tolist()))
         for t in self.tiers:
             out[f"{t}_hit_ratio"] = self.hit_ratio(t)
         return out
