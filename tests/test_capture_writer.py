@@ -18,6 +18,7 @@ from cachelab.capture.exchange import Exchange
 from cachelab.capture.recorder import REQUESTS, Recorder
 from cachelab.capture.segments import ReadStats, read_stream
 from cachelab.capture.writer import CaptureWriter
+from cachelab.errors import CachelabError
 
 SALT = bytes(range(32))
 
@@ -116,6 +117,22 @@ def test_proxy_killed_the_writer_still_writes_everything_submitted(tmp_path):
     assert acked_before < 300, "the kill should come before the writer had acknowledged everything"
     assert [r["seq"] for r in got] == list(range(300))
     assert stats.torn_tails == 0 and stats.corrupt == 0
+
+
+def test_writer_runs_as_an_idle_task_unless_asked_otherwise(tmp_path):
+    """The writer's every thread (the journal's too) is SCHED_IDLE by default, so that a token's wake-up
+    never waits behind a record being built; ``sched="normal"`` keeps it an ordinary task; anything
+    else is refused with the option's name."""
+    for sched, policy in (("idle", os.SCHED_IDLE), ("normal", os.SCHED_OTHER)):
+        writer = CaptureWriter(tmp_path / sched, sched=sched)
+        try:
+            tasks = os.listdir(f"/proc/{writer.proc.pid}/task")
+            assert len(tasks) >= 2 and {os.sched_getscheduler(int(t)) for t in tasks} == {policy}
+            assert writer.submit(exchange(0)) and writer.flush(30)
+        finally:
+            writer.close()
+    with pytest.raises(CachelabError, match="--writer-sched 'fifo'"):
+        CaptureWriter(tmp_path / "fifo", sched="fifo")
 
 
 def test_dead_writer_is_counted_not_raised(tmp_path):

@@ -10,8 +10,13 @@ stays the default. ``CaptureWriter`` moves all of it to a process of its own: th
 pickles the raw ``Exchange`` (4 us for a 16-token stream) and appends it, length-prefixed, to
 a pipe with one non-blocking ``write``; the child (``python -m cachelab.capture.writer``) reads the pipe and
 runs the same ``Recorder`` (journal thread, fsync policy, rotation, privacy, tokenizer
-fallback) as before. It runs at a lower CPU priority (``nice``, default +10) so that, on a
-busy machine, the request path gets the core first and the records wait.
+fallback) as before. It runs under ``SCHED_IDLE`` by default (``sched="idle"``): the kernel
+lets any ordinary task that wakes up take the core from it at once, so a proxy, client or
+upstream woken by a token never waits behind a record being built (under ``sched="normal"``,
+at ``nice`` +10, a waking task can wait out the writer's time slice, up to a few ms on a busy
+core). The price: on a host whose every core is busy with ordinary work the idle writer gets
+almost no CPU, its records queue (the pipe, then the bounded backlog below) and are
+acknowledged once a core is free.
 
 Acknowledgement is unchanged: the child's journal counts a record acknowledged once the
 fsync policy has made it durable, and publishes its counters in a small shared memory block
@@ -54,6 +59,7 @@ READY, RUN, RECEIVED, ACKNOWLEDGED, DROPPED, BUILD_ERRORS, SEGMENTS, WRITE_ERROR
 _WORDS = 8
 _FRAME = 4  # bytes of the little-endian length before each pickled exchange
 _PIPE_BYTES = 1 << 20
+SCHED_POLICIES = ("idle", "normal")  # the writer's CPU scheduling policy: SCHED_IDLE or SCHED_OTHER at +nice
 
 
 def _counters(fd: int) -> tuple[mmap.mmap, list[ctypes.c_int64]]:
@@ -71,9 +77,11 @@ class CaptureWriter:
     def __init__(self, directory: str | os.PathLike, *, hash_blocks: int = 0, store_text: bool = False,
                  salt_file: str | os.PathLike | None = None, fsync: str = "batch", rotate_bytes: int = 256 << 20,
                  rotate_seconds: float = 3600.0, tokenizer: str | None = None, nice: int = 10,
-                 max_backlog_bytes: int = 256 << 20, start_timeout: float = 60.0):
+                 sched: str = "idle", max_backlog_bytes: int = 256 << 20, start_timeout: float = 60.0):
         if fsync not in FSYNC_POLICIES:
             raise CachelabError(f"--fsync {fsync!r}: expected one of {', '.join(FSYNC_POLICIES)}")
+        if sched not in SCHED_POLICIES:
+            raise CachelabError(f"--writer-sched {sched!r}: expected one of {', '.join(SCHED_POLICIES)}")
         self.directory = Path(directory)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.privacy = Privacy(load_salt(salt_file or self.directory / "salt"), hash_blocks, store_text)  # checked here
@@ -95,7 +103,7 @@ class CaptureWriter:
         config = {"directory": str(directory), "hash_blocks": hash_blocks, "store_text": store_text,
                   "salt_file": None if salt_file is None else str(salt_file), "fsync": fsync,
                   "rotate_bytes": rotate_bytes, "rotate_seconds": rotate_seconds, "tokenizer": tokenizer,
-                  "nice": nice}
+                  "nice": nice, "sched": sched}
         self.proc = subprocess.Popen([sys.executable, "-m", "cachelab.capture.writer", str(read_end), str(self._shm),
                                       json.dumps(config)], pass_fds=(read_end, self._shm), stdin=subprocess.DEVNULL)
         os.close(read_end)
@@ -244,6 +252,9 @@ def _child(read_fd: int, shm_fd: int, config: dict) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if config["nice"]:
         os.nice(config["nice"])
+    if config["sched"] == "idle":  # per thread: those started by imports (numpy's) too; the journal's inherits it
+        for tid in os.listdir("/proc/self/task"):
+            os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
     _mm, c = _counters(shm_fd)
     recorder = Recorder(config["directory"], hash_blocks=config["hash_blocks"], store_text=config["store_text"],
                         salt_file=config["salt_file"], fsync=config["fsync"], rotate_bytes=config["rotate_bytes"],

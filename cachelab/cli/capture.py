@@ -73,6 +73,11 @@ def proxy(
                                "proxy's GIL; docs/capture.md, Overhead)."),
     writer_nice: int = typer.Option(10, help="With --writer process: CPU niceness added to the writer, so that on "
                                     "a busy machine the request path runs first and records wait."),
+    writer_sched: str = typer.Option("idle", help="With --writer process: its CPU scheduling policy. `idle` "
+                                     "(SCHED_IDLE): any ordinary task that wakes takes the core from it at once, "
+                                     "so no token waits behind a record being built; on a host with no idle "
+                                     "core records queue (bounded) until one is free. `normal`: SCHED_OTHER at "
+                                     "--writer-nice."),
     loop: str = typer.Option("auto", help="Event loop: auto (uvloop when installed), uvloop or asyncio."),
 ) -> None:
     """Record every completion and chat completion served through this proxy.
@@ -102,7 +107,7 @@ def proxy(
     options = dict(hash_blocks=hash_blocks, store_text=store_text, salt_file=salt_file, fsync=fsync,
                    rotate_bytes=int(rotate_mb * 2**20), rotate_seconds=rotate_seconds, tokenizer=tokenizer)
     if writer == "process":
-        recorder = CaptureWriter(out, nice=writer_nice, **options)
+        recorder = CaptureWriter(out, nice=writer_nice, sched=writer_sched, **options)
     else:
         recorder = Recorder(out, **options)
     sock = _bound_socket(host, port)
