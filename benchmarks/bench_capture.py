@@ -180,6 +180,23 @@ class Placement:
             pin_process(pid, proxy)
 
 
+def scheduling() -> dict:
+    """The bench's CPU priority as the kernel applies it. With ``sched_autogroup_enabled`` = 1 every
+    session (setsid) is a scheduling group of its own and a task's niceness ranks it only inside its
+    group: a bench at niceness -20 started from a shell shares that shell's group's weight with it and
+    competes with every other session's group as an equal. To be ahead of them, start the bench in a
+    session of its own and raise that group (docs/capture.md, Overhead: ``setsid`` and
+    ``echo -20 > /proc/self/autogroup``)."""
+    def read(path):
+        try:
+            return Path(path).read_text().strip()
+        except OSError:
+            return None
+    return {"niceness": os.getpriority(os.PRIO_PROCESS, 0),
+            "autogroup_enabled": read("/proc/sys/kernel/sched_autogroup_enabled") == "1",
+            "autogroup": read("/proc/self/autogroup")}
+
+
 def pct(values, q):
     return float(np.percentile(values, q)) * 1e3
 
@@ -419,6 +436,7 @@ def main() -> None:
         placement = Placement(procs[0].pid if procs and not (args.upstream or args.vllm) else 0,
                               [pid for proxy in pids.values() for pid in proxy], args.pin_cores if args.pin else None)
         load_before = os.getloadavg()
+        sched = scheduling()
         measured = asyncio.run(measure_all(urls, pids, model, args, placement))
         load_after = os.getloadavg()
         status = {name: wait_acknowledged(urls[name]) for name in args.proxy}
@@ -431,6 +449,9 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)  # the capture and vLLM's model dir: nothing left in /tmp
     print(f"upstream: {what}; prompts of {f'{PROMPT_IDS + 1} token ids' if PROMPT_IDS else 'about 24 tokens of text'}; load average (1/5/15 min) {'/'.join(f'{v:.1f}' for v in load_before)} before, "
           f"{'/'.join(f'{v:.1f}' for v in load_after)} after, on {os.cpu_count()} cores")
+    print(f"scheduling: niceness {sched['niceness']:+d}" + (f", {sched['autogroup']} (sched_autogroup_enabled: the "
+                                                           "niceness ranks tasks only inside this group)"
+                                                           if sched["autogroup_enabled"] else ""))
     for name, st in status.items():
         print(f"capture of {name}: {st['acknowledged']} of {st['submitted']} records acknowledged "
               f"(fsync {st['fsync']}), {st['dropped']} dropped")
@@ -443,7 +464,8 @@ def main() -> None:
     if args.json:
         by_variant = by_placement["shared"]
         first = next(iter(by_variant.values()))
-        print(json.dumps({"load_before": load_before, "load_after": load_after, "by_concurrency": first,
+        print(json.dumps({"load_before": load_before, "load_after": load_after, "scheduling": sched,
+                          "by_concurrency": first,
                           "by_proxy": by_variant, "by_placement": by_placement,
                           "pin_cores": list(args.pin_cores) if args.pin else None}))
 
