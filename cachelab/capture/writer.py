@@ -1,14 +1,14 @@
-"""The proxy's recorder in a child process (``cachelab capture proxy --writer process``).
+"""The proxy's recorder in a child process (``cachelab capture proxy``, ``--writer process``).
 
-With the journal's thread inside the proxy (``Recorder``, the default), building a record
+With the journal's thread inside the proxy (``Recorder``, ``--writer thread``), building a record
 (parsing the events, the tokenizer fallback, the privacy mode, msgpack) holds the proxy's
 GIL: about 0.1-0.2 ms for a short stream, but 2-3 ms for an 8k-token prompt or a 256-token
 answer and 5-10 ms at 32k tokens (measured here), during which an event that arrives for
-another stream waits (up to the interpreter's 5 ms switch interval at a time). On the
-short-stream benchmark the thread was not measurably worse (docs/capture.md, Overhead), so it
-stays the default. ``CaptureWriter`` moves all of it to a process of its own: the event loop
-pickles the raw ``Exchange`` (4 us for a 16-token stream) and appends it, length-prefixed, to
-a pipe with one non-blocking ``write``; the child (``python -m cachelab.capture.writer``) reads the pipe and
+another stream waits (up to the interpreter's 5 ms switch interval at a time).
+``CaptureWriter`` (the CLI's default since it runs ``SCHED_IDLE``: docs/capture.md, Overhead)
+moves all of it to a process of its own: the event loop pickles the raw ``Exchange`` (4 us
+for a 16-token stream) and appends it, length-prefixed, to a pipe with one non-blocking
+``write``; the child (``python -m cachelab.capture.writer``) reads the pipe and
 runs the same ``Recorder`` (journal thread, fsync policy, rotation, privacy, tokenizer
 fallback) as before. It runs under ``SCHED_IDLE`` by default (``sched="idle"``): the kernel
 lets any ordinary task that wakes up take the core from it at once, so a proxy, client or

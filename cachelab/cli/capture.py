@@ -68,9 +68,10 @@ def proxy(
     max_response_mb: float = typer.Option(64.0, help="Cut upstream answers over this size (MiB)."),
     read_timeout: float = typer.Option(300.0, help="Cut an upstream answer silent this long (s)."),
     total_timeout: float = typer.Option(3600.0, help="Cut an upstream answer running this long (s)."),
-    writer: str = typer.Option("thread", help="Where records are built and written: `thread` (a thread of the "
-                               "proxy) or `process` (a child process: building a long record never holds the "
-                               "proxy's GIL; docs/capture.md, Overhead)."),
+    writer: str = typer.Option("process", help="Where records are built and written: `process` (a child process "
+                               "at --writer-sched: building a record never holds the proxy's GIL nor a core a "
+                               "token's wake-up needs; docs/capture.md, Overhead) or `thread` (a thread of the "
+                               "proxy: one process, the record built under the proxy's GIL)."),
     writer_nice: int = typer.Option(10, help="With --writer process: CPU niceness added to the writer, so that on "
                                     "a busy machine the request path runs first and records wait."),
     writer_sched: str = typer.Option("idle", help="With --writer process: its CPU scheduling policy. `idle` "
