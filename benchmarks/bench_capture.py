@@ -29,8 +29,8 @@ depend on how busy the machine is. --samples FILE writes every stream (path, con
 round, start, TTFT, ITL gaps) as JSON, to look at a tail.
 
 Several proxies can be measured against the same upstream in the same rounds (--proxy
-NAME=ARGS, repeatable: extra `cachelab capture proxy` arguments, e.g. --proxy thread=
---proxy process='--writer process'), one of them at another CPU priority (--proxy-nice
+NAME=ARGS, repeatable: extra `cachelab capture proxy` arguments, e.g. --proxy process=
+--proxy thread='--writer thread'), one of them at another CPU priority (--proxy-nice
 NAME=N: how much of its tail is waiting for a CPU rather than its own code); --prompt-tokens N
 sends long prompts (token ids, which the upstream does not tokenize). Everything the run
 wrote (captures, vLLM's model directory) is removed at the end.
