@@ -55,13 +55,48 @@ class Workload:
                 "mean_think_s": float(self.think_s.mean()), "source": self.source}
 
 
-def fixed_workload(isl: int, osl: int, requests_per_client: float = 10.0) -> Workload:
+# InferenceX's fixed-length runs draw every prompt's and every answer's length uniformly from
+# [int(L x 0.8), L] (`RANDOM_RANGE_RATIO: 0.8` in .github/workflows/benchmark-tmpl.yml, passed as
+# `--random-range-ratio` to utils/bench_serving/benchmark_serving.py, whose `sample_uniform` draws
+# `randint(int(L * ratio), L + 1)`; `--ignore-eos` makes the answer that long): a mean of 0.9 L, not L.
+RANDOM_RANGE_RATIO = 0.8
+LENGTH_SAMPLES = 33  # evenly spaced lengths standing for the uniform draw (the mean is exact)
+
+
+def fixed_workload(isl: int, osl: int, requests_per_client: float = 10.0,
+                   range_ratio: float = RANDOM_RANGE_RATIO) -> Workload:
     """InferenceX's fixed-length benchmark: random prompts (no reuse), no think time, all
     clients start at once, ``requests_per_client`` x C requests in all (InferenceX runs
-    10 x concurrency prompts: the calibration rows complete 160 at C=16, 1,280 at C=128)."""
-    one = np.ones(1)
-    return Workload(f"fixed {isl}/{osl}", one * isl, one * 0, one * osl, one * 0,
-                    "InferenceX fixed ISL/OSL, random prompts", requests_per_client)
+    10 x concurrency prompts, `--num-prompts "$((CONC * 10))"` in its single-node scripts: the
+    calibration rows complete 160 at C=16, 1,280 at C=128), each length uniform in
+    [int(L x ``range_ratio``), L] (1.0: every request exactly ``isl`` / ``osl``). Inputs run up
+    the range and outputs through it in a fixed shuffled order, so a request's two lengths are
+    unrelated, as the benchmark draws them."""
+    if not 0.0 < range_ratio <= 1.0:
+        raise CachelabError(f"range_ratio must be in (0, 1], got {range_ratio}")
+    n = LENGTH_SAMPLES if range_ratio < 1.0 else 1
+    inp = np.linspace(int(isl * range_ratio), isl, n)
+    out = np.random.default_rng(0).permutation(np.linspace(int(osl * range_ratio), osl, n))
+    return Workload(f"fixed {isl}/{osl}", inp, np.zeros(n), out, np.zeros(n),
+                    f"InferenceX fixed ISL/OSL, random prompts, lengths uniform in [{range_ratio:g} L, L]",
+                    requests_per_client)
+
+
+def finite_run_seconds(durations: np.ndarray, first_waits: np.ndarray, total: int) -> float:
+    """How long a benchmark of ``total`` requests takes on ``len(first_waits)`` client slots that
+    all start at once, each taking the next request the moment its last one finishes
+    (`benchmark_serving.py --max-concurrency C --request-rate inf`: a semaphore of C over the
+    request list). Request k lasts ``durations[k % len(durations)]``; slot c's first request also
+    waits ``first_waits[c]`` (the start burst's prefill queue). The run ends with its last
+    request, so the slots' uneven ends (a drain of up to one request) count in its duration."""
+    free = np.array(first_waits, np.float64)
+    slots = len(free)
+    ends = free.copy()
+    for k in range(total):  # at most 10 x C requests: the list schedule, earliest-free slot first
+        c = int(np.argmin(free)) if k >= slots else k
+        free[c] += durations[k % len(durations)]
+        ends[c] = free[c]
+    return float(ends.max())
 
 
 @dataclass(frozen=True)
@@ -269,6 +304,21 @@ class SteadyState:
                     burst = np.ceil(rank * float(compute.mean()) / budget) * t_p + lat.eff.request_overhead_s
                     out[f"p{p}_ttft_ms"] = max(out[f"p{p}_ttft_ms"], burst * 1e3)
             out["median_ttft_ms"] = out["p50_ttft_ms"]
+            # What the benchmark divides by: the run's duration, start burst and drain included, not the
+            # steady state's rate (InferenceX: total tokens / duration). A request lasts the steady
+            # cycle with its own number of verify steps; slot c's first request waits for the c prompts
+            # queued before it in the burst beyond its own chunks.
+            fixed = s["cycle"] - n_dec * s["t"]
+            steps = np.maximum(wl.output_tokens - 1, 0.0) / self.al + 1.0
+            own = float(np.ceil(compute.mean() / s["room"]))
+            waits = np.maximum(np.ceil(np.arange(1, concurrency + 1) * float(compute.mean()) / budget) - own, 0) * t_p
+            n_run = int(round(n_all))
+            seconds = finite_run_seconds(fixed + steps * s["t"], waits, n_run)
+            run = np.arange(n_run) % len(steps)  # the requests of the run, in order
+            out["steady_tokens_per_s_per_gpu"] = out["tokens_per_s_per_gpu"]
+            out["run_seconds"] = seconds
+            out["tokens_per_s_per_gpu"] = float((wl.context_tokens)[run].sum()) / seconds / tp
+            out["output_tokens_per_s_per_gpu"] = float(wl.output_tokens[run].sum()) / seconds / tp
         price = lat.hw.usd_per_gpu_hour
         if price:
             out["tokens_per_dollar"] = out["tokens_per_s_per_gpu"] * 3600 / price
