@@ -12,9 +12,9 @@ published measurements (``calibration``), over a dense concurrency sweep:
    DRAM over TP4 with it in HBM (published: up to 1.6x), where it peaks and what binds there.
 3. B300 TP4 HBM against TP4 DRAM-UVA (published: no difference beyond noise).
 
-Host memory follows InferenceX's agentic matrix: a KV offload pool of 80% of the replica's
-share of host DRAM, less the pinned table for DRAM-UVA; ssd-mmap's page cache gets what the
-pool leaves (10% kept for the OS and the server: an ASSUMPTION).
+Host memory follows the V4.1 scripts: no KV offload pool (each calls
+``require_agentic_kv_offload_none``), the pinned table for DRAM-UVA; ssd-mmap's page cache gets
+the node's DRAM (10% kept for the OS and the server: an ASSUMPTION).
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ TARGET = 125.0  # tok/s/user, P90 interactivity
 X = "p90_interactivity"
 Y = "tokens_per_s_per_gpu"
 CONCURRENCIES = (1, 2, 4, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 64, 96, 128, 192, 256, 384, 512)
-DRAM_UTILIZATION = 0.8  # InferenceX agentic README: dram-utilization 0.80
 OS_SHARE = 0.1  # ASSUMPTION: host DRAM kept for the OS, the server process and its buffers
 CONFIGS = (("B200", 4, "dram-uva"), ("B200", 8, "dram-uva"), ("B200", 4, "ssd-mmap"), ("B200", 8, "ssd-mmap"),
            ("B300", 2, "dram-uva"), ("B300", 4, "dram-uva"), ("B300", 4, "hbm"), ("B300", 2, "hbm"))
@@ -51,24 +50,29 @@ MODEL = "deepseek-v4.1-flash"
 def deployment(hardware: str, tp: int, placement: str, eff: Efficiency, model: str = MODEL,
                spec: ModelSpec | None = None, page_cache_bytes: float | None = None,
                max_num_batched_tokens: int | None = None) -> Deployment:
-    """One replica with InferenceX's host-memory plan and its V4.1 vLLM arms' token budget per
-    step (16384, ``calibration.batched_tokens``; raises CachelabError if it does not fit);
-    ``spec``, ``page_cache_bytes`` and ``max_num_batched_tokens`` replace the named model, the
-    planned page cache and the budget (what-ifs)."""
+    """One replica with its V4.1 vLLM arm's host-memory plan and token budget per step (16384,
+    ``calibration.batched_tokens``; raises CachelabError if it does not fit); ``spec``,
+    ``page_cache_bytes`` and ``max_num_batched_tokens`` replace the named model, the planned page
+    cache and the budget (what-ifs).
+
+    No KV offload pool: every V4.1 vLLM script the article's arms ran calls
+    ``require_agentic_kv_offload_none`` (InferenceX benchmarks/single_node/agentic/
+    dsv41flash_fp4_vllm_mtp.sh, the B200 DRAM-UVA arm; dsv41flash_fp4_b300_vllm_mtp.sh; and the SSD
+    recipe dsv41flashssd_fp4_vllm_mtp.sh without a KV_OFFLOAD_BACKEND), so the prefix cache is the
+    KV in HBM alone. (The study gave every arm the agentic matrix's 80% of host DRAM as a KV pool
+    before; those scripts refuse one.)"""
     spec = spec or load_model(model)
     hw = load_profile(hardware)
     budget = max_num_batched_tokens or batched_tokens(model, "vllm")
     lat = LatencyModel(spec, hw, tp, placement, efficiency=eff, max_num_batched_tokens=budget)
     host = hw.host.dram_bytes * tp
-    pinned = spec.table_bytes if placement == "dram-uva" else 0.0
-    pool = max(0.0, min(DRAM_UTILIZATION * host, host * (1 - OS_SHARE) - pinned))
     # The page cache belongs to the node, not the replica: every replica on it maps the same
-    # table file, so a page one faults in serves all (8 / TP replicas per node, each with its pool).
+    # table file, so a page one faults in serves all (8 / TP replicas per node).
     replicas = hw.gpu.nvlink_domain // tp
-    page_cache = max(0.0, replicas * (host * (1 - OS_SHARE) - pool)) if placement == "ssd-mmap" else None
+    page_cache = replicas * host * (1 - OS_SHARE) if placement == "ssd-mmap" else None
     if page_cache is not None and page_cache_bytes is not None:
         page_cache = page_cache_bytes
-    return Deployment(lat, budget, kv_offload_bytes=pool, page_cache_bytes=page_cache)
+    return Deployment(lat, budget, page_cache_bytes=page_cache)
 
 
 # The SSD patch's PR body (SemiAnalysisAI/InferenceX analysis/ssd_offload/VLLM-PR-BODY.md): B200 TP4,
@@ -260,7 +264,7 @@ def analyse(points: pl.DataFrame) -> dict:
         "b200_dram_over_ssd": tpd_dram / tpd_ssd if tpd_ssd else float("nan"),
         "b200_ssd_points_dominated": bool(dominated(ssd, dram, X, Y).all()),
         # the node's page cache over the tables' bytes: what the SSD result rests on (the what-if varies it)
-        "b200_ssd_page_cache_share_of_tables": float(ssd["page_cache_gb"].max() * 1e9 / load_model(MODEL).table_bytes)
+        "b200_ssd_page_cache_share_of_tables": min(1.0, float(ssd["page_cache_gb"].max() * 1e9 / load_model(MODEL).table_bytes))
         if ssd.height and "page_cache_gb" in ssd.columns else float("nan"),
         "b200_dram_p90_interactivity_wins_every_pair": bool((paired[X] > paired[X + "_ssd"]).all()),
         "b300_tp2_table_in_hbm_fits": bool(tp2_hbm["fits"].any()),
