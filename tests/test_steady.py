@@ -271,6 +271,22 @@ def test_the_ssd_host_floor_is_fitted_on_the_short_steps_of_the_pr_sweep():
     assert got["fit_concurrencies"] == list(SSD_PR_FIT)
 
 
+def test_the_ssd_floors_standard_error_and_the_ratio_across_it():
+    from dataclasses import replace
+
+    from cachelab.serving.studies.semianalysis import dram_over_ssd_across_floor, piecewise_standard_error
+
+    fitted = replace(Efficiency(), **FITTED_R1)
+    se = piecewise_standard_error(fitted)
+    assert 0 < se < 0.5 * fitted.piecewise_layer_s
+    got = dram_over_ssd_across_floor(agentic_workload(), fitted, 100e6, se=50e-6, concurrencies=(2, 4, 8, 12, 16, 24))
+    by = got["by_floor"]
+    assert by["minus_1se"]["piecewise_layer_s"] == pytest.approx(fitted.piecewise_layer_s - 50e-6)
+    ratios = [by[k]["b200_dram_over_ssd"] for k in ("minus_1se", "fitted", "plus_1se")]
+    # a higher floor costs the SSD arm: the ratio rises with it (or the SSD front no longer reaches the target)
+    assert ratios[0] is not None and (ratios[2] is None or ratios[0] < ratios[1] < ratios[2])
+
+
 def test_disk_over_uva_reads_the_tp4_pairs_against_the_pr_sweep():
     import polars as pl
 

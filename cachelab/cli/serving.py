@@ -299,8 +299,8 @@ def study_semianalysis(
 
     from cachelab.serving.agentic import agentic_workload
     from cachelab.serving.calibration import FITTED
-    from cachelab.serving.studies.semianalysis import (run, sensitivity as elasticity, total_points, what_ifs,
-                                                       with_fitted_piecewise)
+    from cachelab.serving.studies.semianalysis import (dram_over_ssd_across_floor, run, sensitivity as elasticity,
+                                                       total_points, what_ifs, with_fitted_piecewise)
 
     if not 0.0 <= prefix_hit < 1.0:
         raise CachelabError(f"--prefix-hit must be in [0, 1), got {prefix_hit}")
@@ -321,6 +321,9 @@ def study_semianalysis(
     if sensitivity:
         with console.status("sensitivity (tokens/$ elasticity of each fitted parameter and of prefill_mfu)"):
             result["sensitivity"] = elasticity(workload, eff, FITTED + ("prefill_mfu",))  # fitted, then cited
+        with console.status("DRAM over SSD across the SSD host floor's fit uncertainty (+-1 standard error)"):
+            result["b200_dram_over_ssd_floor_uncertainty"] = dram_over_ssd_across_floor(
+                workload, eff, result["b200_dram_tokens_per_dollar"])
         with console.status("what-ifs (page-cache size, host offset, KV bytes per token, token budget)"):
             result.update(what_ifs(workload, eff, result["b200_dram_tokens_per_dollar"]))
     if as_json:
@@ -355,6 +358,13 @@ def study_semianalysis(
         c.print(f"If every rank read the non-expert weights whole each step: TP2-DRAM over TP4-HBM "
                 f"{r['b300_tp2_dram_gain_max']:.2f}x; V4.1 8k/1k pair " + ", ".join(
                     f"{k} {v['error']:+.1%}" for k, v in r["v41_8k1k_tokens_per_s_per_gpu"].items()))
+    if "b200_dram_over_ssd_floor_uncertainty" in result:
+        u = result["b200_dram_over_ssd_floor_uncertainty"]
+        c.print(f"DRAM over SSD with the SSD host floor at its fit +-1 standard error "
+                f"({u['standard_error_s'] * 1e6:.0f} us a layer): " + ", ".join(
+                    f"{k} {v['piecewise_layer_s'] * 1e6:.0f} us: "
+                    + (f"{v['b200_dram_over_ssd']:.2f}x" if v["b200_dram_over_ssd"] else "SSD never reaches the target")
+                    for k, v in u["by_floor"].items()))
     if "sensitivity" in result:
         table = Table(title="tokens/$ elasticity (B200 DRAM-UVA at 125 tok/s/user)")
         for col in ("parameter", "value", "elasticity"):

@@ -112,6 +112,20 @@ def published_piecewise_layer_s(eff: Efficiency, workload: Workload | None = Non
     return (floor - eff.step_overhead_s) / m.layers_launched(drafting=True)
 
 
+def _piecewise_residuals(eff: Efficiency, workload: Workload) -> Callable[[Efficiency], np.ndarray]:
+    """The fit's residuals as a function of the efficiencies: per ``SSD_PR_FIT`` concurrency, the
+    log of the model's B200 TP4 SSD-mmap throughput less the log of the published SSD-over-UVA
+    ratio times the model's UVA throughput (which ``piecewise_layer_s`` does not move)."""
+    uva = SteadyState(deployment("B200", 4, "dram-uva", eff), workload)
+    target = np.array([np.log(SSD_PR_SWEEP[c][1] / SSD_PR_SWEEP[c][0] * uva.solve(c)[Y]) for c in SSD_PR_FIT])
+
+    def residuals(e: Efficiency) -> np.ndarray:
+        ssd = SteadyState(deployment("B200", 4, "ssd-mmap", e), workload)
+        return np.array([np.log(ssd.solve(c)[Y]) for c in SSD_PR_FIT]) - target
+
+    return residuals
+
+
 def fitted_piecewise_layer_s(eff: Efficiency, workload: Workload | None = None) -> float:
     """The host time per layer of a piecewise step, fitted on the PR body's agentic sweep where
     it says the offset dominates (``SSD_PR_FIT``: 1-8 clients, the short steps): least squares on
@@ -120,15 +134,44 @@ def fitted_piecewise_layer_s(eff: Efficiency, workload: Workload | None = None) 
     given. The sweep's 16-64 clients and the 8k/1k pair stay held out."""
     from cachelab.serving.calibration import pattern_search
 
-    workload = workload or agentic_workload()
-    uva = SteadyState(deployment("B200", 4, "dram-uva", eff), workload)
-    target = {c: np.log(SSD_PR_SWEEP[c][1] / SSD_PR_SWEEP[c][0] * uva.solve(c)[Y]) for c in SSD_PR_FIT}
+    residuals = _piecewise_residuals(eff, workload or agentic_workload())
+    return pattern_search(lambda e: float((residuals(e) ** 2).sum()), eff, ("piecewise_layer_s",))[0].piecewise_layer_s
 
-    def loss(e: Efficiency) -> float:
-        ssd = SteadyState(deployment("B200", 4, "ssd-mmap", e), workload)
-        return float(sum((np.log(ssd.solve(c)[Y]) - t) ** 2 for c, t in target.items()))
 
-    return pattern_search(loss, eff, ("piecewise_layer_s",))[0].piecewise_layer_s
+def piecewise_standard_error(eff: Efficiency, workload: Workload | None = None, rel_step: float = 0.02) -> float:
+    """The standard error of the fitted ``piecewise_layer_s`` (``eff``'s) from its fit's own
+    residuals: one parameter fitted on n points by least squares, se^2 = s^2 / sum(J^2), with
+    s^2 = sum(r^2) / (n - 1) and J the residuals' derivative (central difference, +-``rel_step``)."""
+    from dataclasses import replace
+
+    residuals = _piecewise_residuals(eff, workload or agentic_workload())
+    value = eff.piecewise_layer_s
+    r = residuals(eff)
+    up, down = (residuals(replace(eff, piecewise_layer_s=value * (1 + k * rel_step))) for k in (1, -1))
+    jac = (up - down) / (2 * rel_step * value)
+    s2 = float((r ** 2).sum()) / max(len(r) - 1, 1)
+    return float(np.sqrt(s2 / float((jac ** 2).sum()))) if (jac ** 2).sum() > 0 else float("inf")
+
+
+def dram_over_ssd_across_floor(workload: Workload, eff: Efficiency, dram_tokens_per_dollar: float,
+                               se: float | None = None, concurrencies=CONCURRENCIES) -> dict:
+    """B200 DRAM over SSD with the SSD arm's ``piecewise_layer_s`` at the fit's value and one
+    standard error either side (``piecewise_standard_error``): how much of the key the floor's fit
+    determines. None where the SSD front never reaches the target."""
+    from dataclasses import replace
+
+    se = piecewise_standard_error(eff, workload) if se is None else se
+    price = load_profile("B200").usd_per_gpu_hour
+    ssd = [c for c in CONFIGS if c[0] == "B200" and c[2] == "ssd-mmap"]
+    out = {}
+    for name, value in (("minus_1se", eff.piecewise_layer_s - se), ("fitted", eff.piecewise_layer_s),
+                        ("plus_1se", eff.piecewise_layer_s + se)):
+        df = pl.DataFrame(run_points(workload, replace(eff, piecewise_layer_s=value), ssd, concurrencies),
+                          infer_schema_length=None)
+        tpd = throughput_at(_front(df.filter(pl.col("fits"))), TARGET, X, Y) * 3600 / price  # NaN: never reached
+        out[name] = {"piecewise_layer_s": value, "b200_ssd_tokens_per_dollar": tpd if np.isfinite(tpd) else None,
+                     "b200_dram_over_ssd": dram_tokens_per_dollar / tpd if np.isfinite(tpd) else None}
+    return {"standard_error_s": se, "fit_concurrencies": list(SSD_PR_FIT), "by_floor": out}
 
 
 def with_fitted_piecewise(eff: Efficiency, workload: Workload | None = None) -> Efficiency:
