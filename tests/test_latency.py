@@ -212,8 +212,11 @@ def test_roofline_regimes():
     # one token touches 6 experts per layer: the expert time is their bytes at HBM bandwidth
     assert decode.experts_s == pytest.approx(float(MODEL.touched_expert_bytes(1)) / 8 / (g.hbm_bw * e.mbu))
     prefill = lat.gpu_time(Batch([0.0], [16_384.0]))
-    rows = 16_384 * 6  # every expert touched: FLOPs at the FP4 rate and prefill's GEMM efficiency
-    assert prefill.experts_s == pytest.approx(2 * 40 * MODEL.expert_params * rows / 8 / (g.fp4_flops * e.prefill_mfu))
+    # every expert touched: FLOPs at prefill's GEMM efficiency and the FP8 rate, where MXFP4 weights meet the MXFP8
+    # activations vLLM feeds them (W4A8), not at the FP4 rate
+    rows = 16_384 * 6
+    assert MODEL.expert_precision == "fp8" and MODEL.expert_bytes_per_param == 0.53125
+    assert prefill.experts_s == pytest.approx(2 * 40 * MODEL.expert_params * rows / 8 / (g.fp8_flops * e.prefill_mfu))
     # sparse attention: past the window and top-k a query attends 128 + 512 (ratio 1) or 128 + 512 (ratio 2) positions
     far = MODEL.attended_positions(np.array([100_000.0]), np.array([100_001.0]))
     assert float(far[0]) == 40 * 128 + 38 * 512
