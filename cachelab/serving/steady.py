@@ -89,14 +89,12 @@ def finite_run_seconds(durations: np.ndarray, first_waits: np.ndarray, total: in
     request list). Request k lasts ``durations[k % len(durations)]``; slot c's first request also
     waits ``first_waits[c]`` (the start burst's prefill queue). The run ends with its last
     request, so the slots' uneven ends (a drain of up to one request) count in its duration."""
-    free = np.array(first_waits, np.float64)
+    free = np.array(first_waits, np.float64)  # when each slot is next free: its last request's end
     slots = len(free)
-    ends = free.copy()
     for k in range(total):  # at most 10 x C requests: the list schedule, earliest-free slot first
         c = int(np.argmin(free)) if k >= slots else k
         free[c] += durations[k % len(durations)]
-        ends[c] = free[c]
-    return float(ends.max())
+    return float(free.max())
 
 
 @dataclass(frozen=True)
@@ -317,7 +315,7 @@ class SteadyState:
             run = np.arange(n_run) % len(steps)  # the requests of the run, in order
             out["steady_tokens_per_s_per_gpu"] = out["tokens_per_s_per_gpu"]
             out["run_seconds"] = seconds
-            out["tokens_per_s_per_gpu"] = float((wl.context_tokens)[run].sum()) / seconds / tp
+            out["tokens_per_s_per_gpu"] = float(wl.context_tokens[run].sum()) / seconds / tp
             out["output_tokens_per_s_per_gpu"] = float(wl.output_tokens[run].sum()) / seconds / tp
         price = lat.hw.usd_per_gpu_hour
         if price:
