@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from cachelab.trace.arrivals import arrival_frame
 from cachelab.cli import app
-from cachelab.serving.studies.semianalysis import analyse
+from cachelab.serving.studies.semianalysis import PUBLISHED_MAX_CONCURRENCY, analyse
 from cachelab.trace.schema import write_trace
 
 runner = CliRunner()
@@ -94,4 +94,11 @@ def test_study_analysis_reads_fronts():
     assert out["b300_tp2_dram_gain_at_p90_interactivity"] == pytest.approx(100.0)
     assert out["b300_tp4_hbm_vs_dram_max_diff"] == 0.0  # paired points identical on both axes
     assert out["b300_tp2_dram_gain_binding_term"]["dominant_operator"] == "experts"
+    # past the published sweeps' 128 clients the keys read nothing; the whole sweep's are beside them
+    beyond = points.vstack(pl.DataFrame(rows("B300", [("hbm", 4, 512, 50.0, 2000.0), ("dram-uva", 4, 512, 50.0, 2500.0)]),
+                                        schema=points.schema))
+    wide = analyse(beyond)
+    assert PUBLISHED_MAX_CONCURRENCY == 128 and wide["compared_concurrencies"] == {"max": 128, "sweep_max": 512}
+    assert wide["b300_tp4_hbm_vs_dram_max_diff"] == 0.0 and wide["b300_tp4_hbm_vs_dram_max_diff_full_sweep"] == pytest.approx(0.2)  # 2000 vs 2500
+    assert wide["b300_tp2_dram_gain_max"] == wide["b300_tp2_dram_gain_max_full_sweep"] == pytest.approx(1.5)
 

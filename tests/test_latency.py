@@ -278,6 +278,33 @@ def test_v41s_indexer_runs_whole_on_every_tp_rank():
     assert per_gpu[4] == pytest.approx(2 * per_gpu[2])
 
 
+def test_v41s_replicated_dense_layers_run_whole_on_every_tp_rank(tmp_path):
+    from dataclasses import replace
+
+    # vLLM's V4.1 attention keeps fused wq_a + wkv whole on every rank (the router and the indexer too)
+    # and splits the rest: 0.516 B of the 6.63 B dense parameters run whole
+    assert MODEL.dense_replicated_params == 5.16e8 and load_model("deepseek-r1").dense_replicated_params == 0
+    split = replace(MODEL, dense_replicated_params=0.0)
+    whole = MODEL.dense_params + MODEL.engram_params
+    for tp in (1, 2, 4, 8):
+        assert MODEL.rank_dense_params(tp) == pytest.approx((whole - 5.16e8) / tp + 5.16e8)
+        assert split.rank_dense_params(tp) == pytest.approx(whole / tp)
+    hw, eff = load_profile("B200"), Efficiency(mfu=0.1, prefill_mfu=0.1)
+    decode, chunk = Batch(np.full(8, 4000.0), np.full(8, 4001.0)), Batch([0.0], [8192.0])
+    for b in (decode, chunk):  # weight-bound and FLOP-bound alike: the dense term scales with the rank's share
+        got = LatencyModel(MODEL, hw, 4, "dram-uva", efficiency=eff).gpu_time(b).dense_s
+        even = LatencyModel(split, hw, 4, "dram-uva", efficiency=eff).gpu_time(b).dense_s
+        assert got == pytest.approx(even * MODEL.rank_dense_params(4) / split.rank_dense_params(4))
+    # without a published weight fit a rank also holds the replicated layers whole
+    bare = replace(MODEL, rank_weights_sharded_bytes=0.0, rank_weights_replicated_bytes=0.0)
+    assert bare.rank_weight_bytes(4) == pytest.approx(bare.weight_bytes / 4 + 5.16e8 * 0.75)
+    bad = tmp_path / "bad.toml"
+    bad.write_text((MODEL_DIR / "deepseek-v4.1-flash.toml").read_text().replace(
+        "dense_replicated_params = 5.16e8", "dense_replicated_params = 7e9"))
+    with pytest.raises(CachelabError, match=r"bad.toml: \[backbone\] dense_replicated_params 7000000000.0 exceeds"):
+        load_model(bad)
+
+
 def test_mtp_verify_costs_draft_and_more_tokens():
     lat = LatencyModel(MODEL, load_profile("B200"), tp=4, placement="dram-uva")
     plain = lat.gpu_time(Batch(np.full(16, 8000.0), np.full(16, 8001.0)))

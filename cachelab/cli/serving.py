@@ -338,7 +338,10 @@ def study_semianalysis(
     c.print(f"B300: TP2 with the table in HBM fits: {result['b300_tp2_table_in_hbm_fits']}; TP2-DRAM over TP4-HBM up to "
             f"{result['b300_tp2_dram_gain_max']:.2f}x at {result['b300_tp2_dram_gain_at_p90_interactivity']:.0f} tok/s/user "
             f"(published up to 1.6x); TP4 HBM vs DRAM differ by at most "
-            f"{result['b300_tp4_hbm_vs_dram_max_diff']:.1%} at any paired point")
+            f"{result['b300_tp4_hbm_vs_dram_max_diff']:.1%} at any paired point (clients up to "
+            f"{result['compared_concurrencies']['max']}, as published; the whole sweep to "
+            f"{result['compared_concurrencies']['sweep_max']}: {result['b300_tp2_dram_gain_max_full_sweep']:.2f}x, "
+            f"{result['b300_tp4_hbm_vs_dram_max_diff_full_sweep']:.1%})")
     if "b200_dram_over_ssd_if_page_cache_fraction" in result:
         c.print("DRAM over SSD if the page cache held this fraction of the tables: " + ", ".join(
             f"{k}: {v:.2f}x" for k, v in result["b200_dram_over_ssd_if_page_cache_fraction"].items()))
@@ -354,10 +357,6 @@ def study_semianalysis(
             f"{k}: {v['gain_max']:.2f}x" for k, v in result["b300_tp2_dram_gain_if_max_num_batched_tokens"].items())
             + "; DRAM over SSD at 8192: "
             f"{result['b200_dram_over_ssd_if_max_num_batched_tokens']['8192']['b200_dram_over_ssd']:.2f}x")
-        r = result["if_non_expert_weights_streamed_per_rank"]
-        c.print(f"If every rank read the non-expert weights whole each step: TP2-DRAM over TP4-HBM "
-                f"{r['b300_tp2_dram_gain_max']:.2f}x; V4.1 8k/1k pair " + ", ".join(
-                    f"{k} {v['error']:+.1%}" for k, v in r["v41_8k1k_tokens_per_s_per_gpu"].items()))
     if "b200_dram_over_ssd_floor_uncertainty" in result:
         u = result["b200_dram_over_ssd_floor_uncertainty"]
         c.print(f"DRAM over SSD with the SSD host floor at its fit +-1 standard error "

@@ -5,7 +5,8 @@ tensor-core rate of its precision and its bytes at HBM bandwidth, scaled by effi
 (GEMM FLOPs of decode rows at ``mfu``, of prefill chunks at ``prefill_mfu``; with expert
 parallelism a layer waits for the rank that holds the most touched experts):
 
-    dense       attention projections, shared experts, routers, Engram wkv (FP8)
+    dense       attention projections, shared experts, routers, Engram wkv (FP8); split over
+                the TP ranks except the layers a spec marks replicated, which every rank runs whole
     experts     grouped routed-expert GEMMs: FP4/FP8 FLOPs padded to a minimum tile per touched
                 expert (small per-expert batches waste the MMA), against the bytes of the
                 experts the step's tokens route to
@@ -88,7 +89,7 @@ class Efficiency:
     # at 1-8 clients, where the PR body says its host cost dominates (``studies.semianalysis.
     # fitted_piecewise_layer_s``, refitted after every efficiency fit); its 16-64 clients and the 8k/1k
     # pair are held out. This default is the fit with the efficiencies fitted on R1 1k/1k run 1.
-    piecewise_layer_s: float = 506e-6
+    piecewise_layer_s: float = 517e-6
     # A host cost every piecewise step pays on top of its GPU work (0: none). The PR body's offset
     # "does not scale with batch size"; read that way (additive at every step, not a floor) it is
     # 2.6 ms x the acceptance length: a what-if of the study, contradicted by the held-out 8k/1k
@@ -300,9 +301,9 @@ class LatencyModel:
         prefill = (hi - lo) > 1 + m.speculative_tokens  # a prefill chunk, not a decode / verify row
         chunk = float((w * (hi - lo))[prefill].sum())  # prefill-chunk tokens: GEMMs at prefill_mfu
         decode_share = 1.0 - chunk / tokens
-        dense_active = m.dense_params + m.engram_params
-        dense = self._roofline(self._gemm_s(2 * dense_active * tokens / tp, g.fp8_flops, decode_share),
-                               dense_active * m.dense_bytes_per_param / tp)
+        dense_rank = m.rank_dense_params(tp)  # replicated layers whole on every rank, the rest split
+        dense = self._roofline(self._gemm_s(2 * dense_rank * tokens, g.fp8_flops, decode_share),
+                               dense_rank * m.dense_bytes_per_param)
         # routed experts: touched experts, each padded to a tile of rows (the padding is decode's)
         touched = m.experts * (1.0 - (1.0 - m.experts_per_token / m.experts) ** tokens)
         rows = max(tokens * m.experts_per_token, touched * e.expert_tile_rows) if tokens else 0.0

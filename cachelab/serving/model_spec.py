@@ -94,14 +94,22 @@ class ModelSpec:
     # the sparse indexer runs whole on every TP rank (its projections replicated, every index head's
     # logits over every compressed position computed per rank) rather than split by heads
     index_replicated_across_tp: bool = False
+    # the part of ``dense_params`` every TP rank holds and multiplies through whole (replicated
+    # layers: it is not divided by TP); the rest is split over the ranks
+    dense_replicated_params: float = 0.0
+
+    def rank_dense_params(self, tp: int) -> float:
+        """Dense parameters (Engram wkv included) one of ``tp`` ranks holds and multiplies each
+        token through: the replicated part whole, the rest split."""
+        return (self.dense_params + self.engram_params - self.dense_replicated_params) / tp + self.dense_replicated_params
 
     def rank_weight_bytes(self, tp: int) -> float:
         """Weights one of ``tp`` ranks holds in HBM (tables excluded): the spec's ``[memory]``
         fit where it has one (the non-expert weights replicated on every rank), else an even
-        split of ``weight_bytes``."""
+        split of ``weight_bytes`` with the replicated dense layers whole."""
         if self.rank_weights_sharded_bytes:
             return self.rank_weights_sharded_bytes / tp + self.rank_weights_replicated_bytes
-        return self.weight_bytes / tp
+        return self.weight_bytes / tp + self.dense_replicated_params * self.dense_bytes_per_param * (1 - 1 / tp)
 
     def indexer_buffer_bytes(self, batched_tokens: int) -> float:
         """HBM per rank the sparse indexer reserves for a step of ``batched_tokens`` tokens."""
@@ -229,6 +237,7 @@ _NUMBERS = {
     "attention": ("heads", "qk_dim", "v_dim", "kv_bytes_per_token"),
 }
 _OPTIONAL = {  # zero (or empty) when a spec leaves them out
+    "backbone": ("dense_replicated_params",),
     "attention": ("prefill_qk_dim", "prefill_v_dim", "sliding_window", "window_bytes_per_position", "sparse_topk", "latent_bytes_per_position",
                   "index_heads", "index_head_dim", "index_key_bytes"),
     "mtp": ("draft_layers", "draft_params", "draft_active_params", "draft_passes_per_step", "speculative_tokens"),
@@ -287,6 +296,9 @@ def load_model(name: str | Path = "deepseek-v4.1-flash", layout: str | EngramCon
         for key in _OPTIONAL.get(section, ()):
             values[key] = _number(path, section, key, block.get(key, 0), allow_zero=True)
     backbone, attention, mtp, engram = (data.get(s, {}) for s in ("backbone", "attention", "mtp", "engram"))
+    if values["dense_replicated_params"] > values["dense_params"]:
+        raise CachelabError(f"{path}: [backbone] dense_replicated_params {values['dense_replicated_params']} exceeds "
+                            f"dense_params {values['dense_params']}")
     values["expert_precision"] = backbone.get("expert_precision", "fp8")
     if values["expert_precision"] not in ("fp4", "fp8"):
         raise CachelabError(f"{path}: [backbone] expert_precision must be 'fp4' or 'fp8', got {values['expert_precision']!r}")

@@ -279,8 +279,32 @@ def _gain(better: pl.DataFrame, worse: pl.DataFrame) -> tuple[float, float]:
     return float(ratios[i]), float(xs[i])
 
 
+# The highest concurrency the published V4.1 single-node AgentX sweeps ran without a host KV pool: the
+# B200 TP4 DRAM-UVA baseline the SSD PR body compares against, 1-128 clients (SSD_PR_SWEEP); the B200 TP2
+# vLLM arm, "c1-c128" (https://github.com/SemiAnalysisAI/InferenceX/pull/3310), and the GB200/GB300 TP2 arms'
+# first sweep up to c128 (/pull/3320, /pull/3321); the SGLang counterparts on B200/B300/GB200/GB300,
+# "concurrency 1-128" (/pull/3241, /pull/3242, /pull/3342 for B300 TP2/TP4). The only V4.1 sweeps listed up to
+# 512 clients are the Mooncake arms (/pull/2996, /pull/2997, /pull/2998 for B300 TP4: "concurrency 1-512", open,
+# "GPU validation pending"), which keep a DRAM KV pool the no-pool arms here do not have. The issue's keys
+# compare published fronts, so they are read over the points up to here; the 1-512 sweep's are kept beside
+# them (``*_full_sweep``).
+PUBLISHED_MAX_CONCURRENCY = 128
+
+
 def analyse(points: pl.DataFrame) -> dict:
-    """The issue's keys, each computed from the points (never set to the published value)."""
+    """The issue's keys over the concurrencies the published sweeps ran (``PUBLISHED_MAX_CONCURRENCY``),
+    each computed from the points (never set to the published value), with the B300 comparisons over
+    the whole sweep beside them."""
+    full = _keys(points)
+    keys = _keys(points.filter(pl.col("fits").not_() | (pl.col("concurrency") <= PUBLISHED_MAX_CONCURRENCY)))
+    for name in ("b300_tp2_dram_gain_max", "b300_tp2_dram_gain_at_p90_interactivity", "b300_tp4_hbm_vs_dram_max_diff"):
+        keys[f"{name}_full_sweep"] = full[name]
+    keys["compared_concurrencies"] = {"max": PUBLISHED_MAX_CONCURRENCY, "sweep_max": int(points["concurrency"].max())}
+    return keys
+
+
+def _keys(points: pl.DataFrame) -> dict:
+    """The issue's keys from these points."""
     fit = points.filter(pl.col("fits"))
     b200, b300 = fit.filter(pl.col("hardware") == "B200"), fit.filter(pl.col("hardware") == "B300")
     price = load_profile("B200").usd_per_gpu_hour
@@ -392,7 +416,7 @@ PAGE_CACHE_FRACTIONS = (0.9, 0.75, 0.5)  # of the tables, against the planned pa
 # against the spec's 925 B: about FP8 latents with cross-layer sharing (~2 KB) doubled; more than
 # per-layer FP8 caches without sharing (~18 KB)
 KV_BYTES_PER_TOKEN = (4_000.0, 32_000.0)
-WHAT_IF_CONCURRENCIES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256, 512)  # a coarser sweep
+WHAT_IF_CONCURRENCIES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # coarser, to the published range
 
 
 def what_ifs(workload: Workload, eff: Efficiency, dram_tokens_per_dollar: float) -> dict:
@@ -440,7 +464,7 @@ def what_ifs(workload: Workload, eff: Efficiency, dram_tokens_per_dollar: float)
             "b300_tp2_dram_gain_if_kv_bytes_per_token": by_kv,
             "b200_dram_over_ssd_if_host_offset_additive": offset,
             "b200_dram_over_ssd_if_gather_inline": inline_gather_what_if(workload, eff, dram_tokens_per_dollar),
-            **budget_what_ifs(workload, eff), **replicated_stream_what_if(workload, eff)}
+            **budget_what_ifs(workload, eff)}
 
 
 def inline_gather_what_if(workload: Workload, eff: Efficiency, dram_tokens_per_dollar: float) -> dict:
@@ -462,43 +486,13 @@ def inline_gather_what_if(workload: Workload, eff: Efficiency, dram_tokens_per_d
             "b200_tp4_disk_over_uva_held_out_mape": sweep["held_out_mape"], "source": SSD_PR_SOURCE}
 
 
-def streaming_replicated_weights(spec: ModelSpec, tp: int) -> ModelSpec:
-    """``spec`` with every rank reading all of the non-expert weights each step (dense, Engram
-    wkv, LM head and draft), as a rank would that holds them replicated and runs them whole; the
-    expert stream and the memory plan are unchanged."""
-    from dataclasses import replace
-
-    return replace(spec, dense_bytes_per_param=spec.dense_bytes_per_param * tp, draft_params=spec.draft_params * tp)
-
-
-def replicated_stream_what_if(workload: Workload, eff: Efficiency) -> dict:
-    """If the non-expert weights that InferenceX PRs 3320/3321 say are replicated on every rank were
-    also read whole by every rank each step (the memory fit of PR 3337 says what a rank holds, not
-    what it reads): the B300 TP2-DRAM gain over TP4-HBM, and the held-out V4.1 8k/1k pair."""
-    from cachelab.serving.calibration import predict, v41_script_points
-
-    base = load_model(MODEL)
-    b300 = [c for c in CONFIGS if c[0] == "B300" and (c[1], c[2]) in ((2, "dram-uva"), (4, "hbm"))]
-    rows = [r for c in b300 for r in run_points(workload, eff, [c], WHAT_IF_CONCURRENCIES,
-                                                 spec=streaming_replicated_weights(base, c[1]))]
-    df = pl.DataFrame(rows, infer_schema_length=None).filter(pl.col("fits"))
-    gain, at = _gain(df.filter(pl.col("tp") == 2), df.filter(pl.col("tp") == 4))
-    pair = {}
-    for p in v41_script_points():
-        got = predict(p, eff, spec=streaming_replicated_weights(base, p.tp))["tokens_per_s_per_gpu"]
-        pair[p.placement] = {"model": got, "published": p.measured["tokens_per_s_per_gpu"],
-                             "error": got / p.measured["tokens_per_s_per_gpu"] - 1}
-    return {"if_non_expert_weights_streamed_per_rank": {
-        "b300_tp2_dram_gain_max": gain, "at_p90_interactivity": at, "v41_8k1k_tokens_per_s_per_gpu": pair,
-        "source": "https://github.com/SemiAnalysisAI/InferenceX/pull/3320"}}
-
-
-# Token budgets per step the InferenceX V4.1 vLLM arms ran besides the 16384 the study uses: the TP2
-# arms' cap of 4096 (PRs 3320/3321, after the article) and 8192 at B300 TP4 (the vLLM recipe's B300
-# override, https://github.com/vllm-project/recipes/blob/main/models/deepseek-ai/DeepSeek-V4.1-Flash.yaml),
-# by TP degree; which ones the article's runs used is not stated.
-BUDGET_WHAT_IFS = {"8192": {2: 8192, 4: 8192, 8: 8192}, "4096": {2: 4096, 4: 4096, 8: 4096},
-                   "tp2 4096, tp4 8192": {2: 4096, 4: 8192}, "tp2 4096, tp4 16384": {2: 4096, 4: 16384}}
+# Token budgets per step other than the 16384 the study uses: 8192, the vLLM recipe's B300 override
+# (https://github.com/vllm-project/recipes/blob/main/models/deepseek-ai/DeepSeek-V4.1-Flash.yaml), and 4096,
+# the cap of the shared script's TP2 arms (https://github.com/SemiAnalysisAI/InferenceX/pull/3320, /pull/3321).
+# Not TP2 at 4096 against TP4 at 16384: the B300 arms run their own script, which passes
+# `--max-num-batched-tokens 16384` at every TP and does not source the shared one with the cap
+# (benchmarks/single_node/agentic/dsv41flash_fp4_b300_vllm_mtp.sh).
+BUDGET_WHAT_IFS = {"8192": {2: 8192, 4: 8192, 8: 8192}, "4096": {2: 4096, 4: 4096, 8: 4096}}
 
 
 def budget_what_ifs(workload: Workload, eff: Efficiency) -> dict:
