@@ -8,6 +8,11 @@ compaction of ``benchmarks/bench_engine.py``). ``prefetch_at(arr, i, j)`` fetche
 ``arr[i, j]`` of a 2-D array: ``prefetch(arr[i], j)`` would build a view of the row, and with
 it a reference count taken and dropped (two calls) at every use. ``prefetch_write_at(arr, i, j)``
 fetches it for writing (``prefetchw``), for outputs larger than the caches.
+``borrowed(arr)`` is ``arr`` without its reference count, for arrays a kernel hands to the
+``inline="always"`` helpers of its inner loop: Numba binds an inlined helper's arguments to
+new variables, each taking and dropping a reference (an atomic ``lock`` increment and
+decrement, which waits for the core's pending stores) every time the helper runs, and where
+the helper branches LLVM does not remove them.
 ``uint16_pointer(address)`` makes an integer address (a torch tensor's ``data_ptr()``) a
 pointer for ``numba.carray``, so a kernel writes a caller's tensor without a NumPy view of it.
 """
@@ -82,6 +87,24 @@ def prefetch_write_at(typingctx, arr, i, j):
         ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1], args[2]])
         _prefetch_ptr(builder, ptr, write=True)
         return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def borrowed(typingctx, arr):
+    """``arr`` (same type, same memory) without a reference to its memory: passing it on, or
+    binding it to a variable, takes no reference count. The caller keeps ``arr`` alive while
+    the view is in use (a kernel's own argument is, for the whole call)."""
+    if not isinstance(arr, types.Array):
+        return None
+    sig = arr(arr)
+
+    def codegen(context, builder, signature, args):
+        view = context.make_array(signature.args[0])(context, builder, args[0])  # a copy of the struct
+        view.meminfo = cgutils.get_null_value(view.meminfo.type)
+        view.parent = cgutils.get_null_value(view.parent.type)
+        return view._getvalue()
 
     return sig, codegen
 

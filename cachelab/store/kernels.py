@@ -15,7 +15,11 @@ That is exact for scale bytes 10..246 (every result a normal BF16); a block with
 bit patterns (``fp8 x 2^(scale - 127)``, rounded to nearest even, computed once). Where the
 CPU has AVX-512 VBMI, a row whose scales all lie in that range goes through
 ``_dequant_row_lut`` instead: ``vpermi2b`` lookups of the scale-0 BF16 bits and an integer
-add to the exponent, a third of the instructions. Every dequantising kernel writes 512 B of
+add to the exponent, a third of the instructions. The kernels hand ``borrowed`` views of their
+arrays (no reference count) to those inlined row helpers: given the arrays themselves, every row
+took and dropped two or three references, atomic ``lock`` instructions that wait for the
+core's pending stores (the row before's 512 B) to drain; without them a step on the trace takes
+0.84-1.00x the time (docs/store.md). Every dequantising kernel writes 512 B of
 BF16 per request into an output far larger than the caches; each output row is prefetched for
 writing (``prefetchw``) ``_OUT_AHEAD`` requests before its stores, so the stores do not wait
 on reading their lines for ownership.
@@ -33,7 +37,7 @@ from numba import types as nbt
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cachelab.compiled import copy_bytes, prefetch, prefetch_at, prefetch_write_at, uint16_pointer
+from cachelab.compiled import borrowed, copy_bytes, prefetch, prefetch_at, prefetch_write_at, uint16_pointer
 from cachelab.workload.lookups import _slot
 
 PAGE = 4096
@@ -281,6 +285,7 @@ def dequant_expand(packed, inverse, table, out):
     dim = out.shape[1]
     rb = packed.shape[1]
     n = inverse.size
+    packed, table, out = borrowed(packed), borrowed(table), borrowed(out)  # no reference counts per row
     for i in nb.prange(n):
         if i + _AHEAD < n:  # a long prefill's distinct rows outgrow the L2 cache
             prefetch_row(packed, inverse[i + _AHEAD], 0, rb)
@@ -312,6 +317,7 @@ def gather_dequant(buf, rows, inverse, rows_per_page, table, out):
     dim = out.shape[1]
     rb = dim + dim // 32
     n = inverse.size
+    buf, table, out = borrowed(buf), borrowed(table), borrowed(out)  # no reference counts per row
     for i in nb.prange(n):
         if i + _AHEAD < n:
             r = rows[inverse[i + _AHEAD]]
@@ -439,7 +445,8 @@ def lookup_dequant(rows, fold, inverse_size, buf, table, out_address, dim, seen,
                 distinct += 1
                 break
             j = (j + 1) & mask
-    out = nb.carray(uint16_pointer(out_address), (n, dim))
+    out = nb.carray(uint16_pointer(out_address), (n, dim))  # no reference count, as the views below
+    buf, table = borrowed(buf), borrowed(table)
     for i in nb.prange(n):
         if i + _AHEAD < n:
             k = keys[i + _AHEAD]
