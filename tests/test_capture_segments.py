@@ -6,6 +6,7 @@ import json
 import stat
 import subprocess
 import sys
+import time
 
 import msgpack
 import numpy as np
@@ -124,9 +125,34 @@ def test_journal_records_a_failed_build_as_an_error(tmp_path):
     assert got[0]["kind"] == "error" and "ZeroDivisionError" in got[0]["error"]
 
 
+def test_journal_commit_interval_gathers_records_into_one_commit(tmp_path):
+    commits = []
+    j = Journal(tmp_path, "s", commit_interval=0.4)
+    j.on_commit = lambda: commits.append((time.monotonic(), j.acknowledged))
+    j.submit({"i": 0})
+    deadline = time.monotonic() + 10
+    while not commits and time.monotonic() < deadline:  # the first record: committed at once
+        time.sleep(0.005)
+    for i in range(1, 6):  # inside the interval: they wait, then go in one commit
+        j.submit({"i": i})
+        time.sleep(0.02)
+    while j.acknowledged < 6 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert [n for _, n in commits] == [1, 6]
+    assert commits[1][0] - commits[0][0] >= 0.4 - 0.01
+    j.submit({"i": 6})  # flush does not wait for the interval's end
+    started = time.monotonic()
+    assert j.flush(30) and time.monotonic() - started < 0.3 and j.acknowledged == 7
+    j.close()
+    got, _ = _records(tmp_path)
+    assert [r["i"] for r in got] == list(range(7))
+
+
 def test_journal_refuses_unknown_policy(tmp_path):
     with pytest.raises(CachelabError, match="--fsync 'sometimes'"):
         Journal(tmp_path, "s", fsync="sometimes")
+    with pytest.raises(CachelabError, match="commit interval -1"):
+        Journal(tmp_path, "s", commit_interval=-1)
 
 
 def test_salt_file_is_private_and_stable(tmp_path):

@@ -26,6 +26,7 @@ from cachelab.errors import CachelabError
 
 Item = dict | Callable[[], dict]
 _STOP = object()
+_NOW = object()  # flush: commit what is built without waiting for the interval's end
 
 
 class Journal:
@@ -35,15 +36,22 @@ class Journal:
         directory: the capture directory (created 0700).
         stream: segment name prefix (``requests``, ``kv-events``).
         fsync: ``always``, ``batch`` (group commit) or ``never`` (see segments.py).
+        commit_interval: with ``batch`` or ``never``, seconds at least between the starts of two
+            commits: records are built as they come, and those that come within the interval after
+            a commit are written (and synced) together at its end; 0: commit whenever anything is
+            queued. ``flush`` and ``close`` commit at once.
         rotate_bytes / rotate_seconds: segment rotation limits.
         max_queue: items waiting at most; beyond it ``submit`` drops and counts.
     """
 
     def __init__(self, directory: str | os.PathLike, stream: str, *, fsync: str = "batch",
                  rotate_bytes: int = 256 << 20, rotate_seconds: float = 3600.0, max_queue: int = 100_000,
-                 header: dict | None = None):
+                 header: dict | None = None, commit_interval: float = 0.0):
         if fsync not in FSYNC_POLICIES:
             raise CachelabError(f"--fsync {fsync!r}: expected one of {', '.join(FSYNC_POLICIES)}")
+        if not commit_interval >= 0:
+            raise CachelabError(f"commit interval {commit_interval!r} s: expected a number >= 0")
+        self.commit_interval = 0.0 if fsync == "always" else commit_interval
         self.directory = Path(directory)
         self.fsync = fsync
         self.run = secrets.randbits(62)
@@ -88,24 +96,33 @@ class Journal:
 
     def _run(self) -> None:
         stop = False
+        payloads: list[bytes] = []
+        due = -float("inf")  # the next commit starts no earlier (the last one's start + the interval)
         while not stop:
+            at_once = False
             try:
-                first = self._queue.get(timeout=1.0)
+                item = self._queue.get(timeout=max(due - time.monotonic(), 0.0) if payloads else 1.0)
             except queue.Empty:
-                self._writer.rotate_if_due()
-                continue
-            items = [first]
+                if not payloads:
+                    self._writer.rotate_if_due()
+                    continue
+                item = None
+            items = [] if item is None else [item]
             while True:
                 try:
                     items.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            payloads = []
             for item in items:
                 if item is _STOP:
                     stop = True
+                elif item is _NOW:
+                    at_once = True
                 else:
                     payloads.append(self._build(item))
+            if not stop and (not payloads or not (at_once or time.monotonic() >= due)):
+                continue
+            due = time.monotonic() + self.commit_interval
             try:
                 self._commit(payloads)
             except OSError as exc:
@@ -115,6 +132,7 @@ class Journal:
                 if self.write_error is None:
                     self.acknowledged += len(payloads)
                 self._acked.notify_all()
+            payloads = []
             if self.on_commit is not None:
                 self.on_commit()
         self._writer.close()
@@ -135,6 +153,11 @@ class Journal:
         """Wait until everything submitted so far is acknowledged (or the journal failed)."""
         target = self.submitted
         deadline = time.monotonic() + timeout
+        if self.commit_interval:
+            try:
+                self._queue.put_nowait(_NOW)
+            except queue.Full:  # the thread is behind: what it takes next it commits at the interval's end
+                pass
         with self._acked:
             while self.acknowledged < target and self.write_error is None:
                 left = deadline - time.monotonic()

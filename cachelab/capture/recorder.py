@@ -170,7 +170,7 @@ class Recorder:
     def __init__(self, directory: str | os.PathLike, *, hash_blocks: int = 0, store_text: bool = False,
                  salt_file: str | os.PathLike | None = None, fsync: str = "batch",
                  rotate_bytes: int = 256 << 20, rotate_seconds: float = 3600.0, max_queue: int = 100_000,
-                 source: str = "capture", tokenizer: str = DEEPSEEK_V4):
+                 source: str = "capture", tokenizer: str = DEEPSEEK_V4, commit_interval: float = 0.0):
         self.directory = Path(directory)
         self.tokenizer = FallbackTokenizer(tokenizer)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -180,7 +180,7 @@ class Recorder:
             # built: the journal's thread would hold the GIL, and a proxy's event loop would wait for it
             self.privacy.block_hashes(np.zeros(hash_blocks, dtype=np.int64))
         self.journal = Journal(directory, REQUESTS, fsync=fsync, rotate_bytes=rotate_bytes,
-                               rotate_seconds=rotate_seconds, max_queue=max_queue,
+                               rotate_seconds=rotate_seconds, max_queue=max_queue, commit_interval=commit_interval,
                                header={"privacy": self.privacy.mode, "block_size": hash_blocks or None,
                                        "store_text": store_text, "source": source})
 

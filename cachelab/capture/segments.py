@@ -12,8 +12,10 @@ payloads are msgpack maps (``cachelab.capture.recorder`` defines them). A record
 *acknowledged* when the durability policy says it is:
 
 * ``always``: write and ``fsync`` each record on its own, then acknowledge it.
-* ``batch`` (default): group commit: everything queued while the previous ``fsync`` ran is
-  written with one ``write`` and made durable by one ``fsync``, then acknowledged together.
+* ``batch`` (default): group commit: everything queued while the previous ``fsync`` ran (and,
+  with a commit interval, until the interval since the previous commit has passed:
+  ``cachelab.capture.journal``) is written with one ``write`` and made durable by one
+  ``fsync``, then acknowledged together.
 * ``never``: acknowledged once written to the kernel: survives the death of the process
   (SIGKILL included: the data is in the page cache), not a power loss.
 

@@ -77,7 +77,8 @@ class CaptureWriter:
     def __init__(self, directory: str | os.PathLike, *, hash_blocks: int = 0, store_text: bool = False,
                  salt_file: str | os.PathLike | None = None, fsync: str = "batch", rotate_bytes: int = 256 << 20,
                  rotate_seconds: float = 3600.0, tokenizer: str | None = None, nice: int = 10,
-                 sched: str = "idle", max_backlog_bytes: int = 256 << 20, start_timeout: float = 60.0):
+                 sched: str = "idle", max_backlog_bytes: int = 256 << 20, start_timeout: float = 60.0,
+                 commit_interval: float = 0.0):
         if fsync not in FSYNC_POLICIES:
             raise CachelabError(f"--fsync {fsync!r}: expected one of {', '.join(FSYNC_POLICIES)}")
         if sched not in SCHED_POLICIES:
@@ -103,7 +104,7 @@ class CaptureWriter:
         config = {"directory": str(directory), "hash_blocks": hash_blocks, "store_text": store_text,
                   "salt_file": None if salt_file is None else str(salt_file), "fsync": fsync,
                   "rotate_bytes": rotate_bytes, "rotate_seconds": rotate_seconds, "tokenizer": tokenizer,
-                  "nice": nice, "sched": sched}
+                  "nice": nice, "sched": sched, "commit_interval": commit_interval}
         self.proc = subprocess.Popen([sys.executable, "-m", "cachelab.capture.writer", str(read_end), str(self._shm),
                                       json.dumps(config)], pass_fds=(read_end, self._shm), stdin=subprocess.DEVNULL)
         os.close(read_end)
@@ -258,7 +259,7 @@ def _child(read_fd: int, shm_fd: int, config: dict) -> int:
     _mm, c = _counters(shm_fd)
     recorder = Recorder(config["directory"], hash_blocks=config["hash_blocks"], store_text=config["store_text"],
                         salt_file=config["salt_file"], fsync=config["fsync"], rotate_bytes=config["rotate_bytes"],
-                        rotate_seconds=config["rotate_seconds"],
+                        rotate_seconds=config["rotate_seconds"], commit_interval=config["commit_interval"],
                         **({"tokenizer": config["tokenizer"]} if config["tokenizer"] else {}))
     journal = recorder.journal
 

@@ -62,6 +62,11 @@ def proxy(
                                    "(vLLM's return_token_ids); off: tokenize locally."),
     tokenizer: str = typer.Option("deepseek-v4", help="Fallback tokenizer: deepseek-v4 or a tokenizer.json."),
     fsync: str = typer.Option("batch", help=FSYNC_HELP),
+    commit_ms: float = typer.Option(1000.0, help="With --fsync batch or never: at least this long between two "
+                                    "commits (one write and one fsync each); records that come meanwhile are "
+                                    "acknowledged together at the next one. 0: a commit per record or burst, "
+                                    "whose kernel work stalls the next request's wake-ups (docs/capture.md, "
+                                    "Overhead)."),
     rotate_mb: float = typer.Option(256.0, help="Start a new segment past this size (MiB)."),
     rotate_seconds: float = typer.Option(3600.0, help="Start a new segment after this many seconds."),
     max_body_mb: float = typer.Option(8.0, help="Refuse request bodies over this size with 413 (MiB)."),
@@ -104,9 +109,12 @@ def proxy(
                          total_timeout=total_timeout)
     if writer not in ("process", "thread"):
         raise CachelabError(f"--writer {writer!r}: expected process or thread")
+    if not commit_ms >= 0:
+        raise CachelabError(f"--commit-ms {commit_ms}: expected 0 or more milliseconds")
     new_loop = event_loop_factory(loop)
     options = dict(hash_blocks=hash_blocks, store_text=store_text, salt_file=salt_file, fsync=fsync,
-                   rotate_bytes=int(rotate_mb * 2**20), rotate_seconds=rotate_seconds, tokenizer=tokenizer)
+                   rotate_bytes=int(rotate_mb * 2**20), rotate_seconds=rotate_seconds, tokenizer=tokenizer,
+                   commit_interval=commit_ms / 1e3)
     if writer == "process":
         recorder = CaptureWriter(out, nice=writer_nice, sched=writer_sched, **options)
     else:
