@@ -211,9 +211,13 @@ def test_roofline_regimes():
     g, e = lat.hw.gpu, lat.eff
     # one token touches 6 experts per layer: the expert time is their bytes at HBM bandwidth
     assert decode.experts_s == pytest.approx(float(MODEL.touched_expert_bytes(1)) / 8 / (g.hbm_bw * e.mbu))
-    prefill = lat.gpu_time(Batch([0.0], [16_384.0]))
-    # every expert touched: FLOPs at prefill's GEMM efficiency and the FP8 rate, where MXFP4 weights meet the MXFP8
-    # activations vLLM feeds them (W4A8), not at the FP4 rate
+    from dataclasses import replace
+
+    every_row = LatencyModel(MODEL, load_profile("B200"), tp=8, placement="hbm",
+                             efficiency=replace(Efficiency(), decoder_replay=False))
+    prefill = every_row.gpu_time(Batch([0.0], [16_384.0]))
+    # every expert touched (every layer on every row: no decoder replay): FLOPs at prefill's GEMM efficiency and
+    # the FP8 rate, where MXFP4 weights meet the MXFP8 activations vLLM feeds them (W4A8), not at the FP4 rate
     rows = 16_384 * 6
     assert MODEL.expert_precision == "fp8" and MODEL.expert_bytes_per_param == 0.53125
     assert prefill.experts_s == pytest.approx(2 * 40 * MODEL.expert_params * rows / 8 / (g.fp8_flops * e.prefill_mfu))
@@ -289,7 +293,8 @@ def test_v41s_replicated_dense_layers_run_whole_on_every_tp_rank(tmp_path):
     for tp in (1, 2, 4, 8):
         assert MODEL.rank_dense_params(tp) == pytest.approx((whole - 5.16e8) / tp + 5.16e8)
         assert split.rank_dense_params(tp) == pytest.approx(whole / tp)
-    hw, eff = load_profile("B200"), Efficiency(mfu=0.1, prefill_mfu=0.1)
+    # (every layer on every row: the decoder replay's early layers hold the Engram wkv, a share that does not scale)
+    hw, eff = load_profile("B200"), Efficiency(mfu=0.1, prefill_mfu=0.1, decoder_replay=False)
     decode, chunk = Batch(np.full(8, 4000.0), np.full(8, 4001.0)), Batch([0.0], [8192.0])
     for b in (decode, chunk):  # weight-bound and FLOP-bound alike: the dense term scales with the rank's share
         got = LatencyModel(MODEL, hw, 4, "dram-uva", efficiency=eff).gpu_time(b).dense_s
@@ -302,6 +307,54 @@ def test_v41s_replicated_dense_layers_run_whole_on_every_tp_rank(tmp_path):
     bad.write_text((MODEL_DIR / "deepseek-v4.1-flash.toml").read_text().replace(
         "dense_replicated_params = 5.16e8", "dense_replicated_params = 7e9"))
     with pytest.raises(CachelabError, match=r"bad.toml: \[backbone\] dense_replicated_params 7000000000.0 exceeds"):
+        load_model(bad)
+
+
+def test_v41s_decoder_replay_runs_the_layers_past_the_last_kv_source_on_each_prefills_last_window(tmp_path):
+    from dataclasses import replace
+
+    # kv_source_layer_ids [2, 8, 14, 20]: layers 21-39 own only sliding-window KV, so a prefill runs them on each
+    # request's last 128 rows (vLLM's V4.1 port, on in every V4.1 vLLM arm); layers 0-20 run on every row
+    assert MODEL.decoder_replay_start == 21 and MODEL.replayed_layers == 19 and MODEL.replayed_moe_layers == 19
+    assert Efficiency().decoder_replay and load_model("deepseek-r1").decoder_replay_start == 0
+    hw = load_profile("B200")
+    on = LatencyModel(MODEL, hw, 4, "dram-uva")
+    off = LatencyModel(MODEL, hw, 4, "dram-uva", efficiency=replace(Efficiency(), decoder_replay=False))
+    long = Batch([0.0], [16_384.0])
+    a, b = on.gpu_time(long), off.gpu_time(long)
+    # the dense GEMMs (FLOP-bound here): 19/40 of the per-layer weights meet 128 rows instead of 16,384; the
+    # Engram wkv (layers 1 and 14) meets every row
+    dense = MODEL.rank_dense_params(4)
+    per_layer = dense - MODEL.engram_params / 4
+    assert a.dense_s == pytest.approx(b.dense_s * (dense * 16_384 - 19 / 40 * per_layer * (16_384 - 128)) / (dense * 16_384))
+    # the whole step falls to the 21 early layers' share, plus the replayed layers' 128 rows (their experts
+    # padded to 16-row tiles), every operator but the LM head with it
+    assert 21 / 40 < a.total_s / b.total_s < 21 / 40 + 0.02
+    for part in ("dense_s", "experts_s", "attention_s", "indexer_s", "comm_s"):
+        assert getattr(a, part) < 0.9 * getattr(b, part), part
+    assert a.lm_head_s == b.lm_head_s
+    # per request: two requests' chunks keep 128 rows each, as two separate steps would
+    pair = Batch([0.0, 0.0], [8192.0, 8192.0])
+    assert on.gpu_time(pair).attention_s == pytest.approx(2 * on.gpu_time(Batch([0.0], [8192.0])).attention_s)
+    # nothing is trimmed in a prompt no longer than the window, in a decode step, or in R1
+    for short in (Batch([0.0], [128.0]), Batch([0.0], [100.0]), Batch(np.full(8, 4000.0), np.full(8, 4006.0))):
+        assert on.gpu_time(short) == off.gpu_time(short)
+    r1 = load_model("deepseek-r1")
+    assert (LatencyModel(r1, hw, 8, "hbm").gpu_time(long)
+            == LatencyModel(r1, hw, 8, "hbm", efficiency=replace(Efficiency(), decoder_replay=False)).gpu_time(long))
+    # the KV a prefill writes does not change: the memory plan is the same
+    assert on.plan == off.plan
+    # a replay must start after every Engram layer and know its index sources' layers
+    text = (MODEL_DIR / "deepseek-v4.1-flash.toml").read_text()
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text.replace("decoder_replay_start = 21", "decoder_replay_start = 10"))
+    with pytest.raises(CachelabError, match=r"bad.toml: \[attention\] decoder_replay_start 10 comes before Engram layer"):
+        load_model(bad)
+    bad.write_text(text.replace("index_source_layers = [2, 8, 14, 20, 24, 28, 32, 36]", "index_source_layers = [2, 8]"))
+    with pytest.raises(CachelabError, match=r"index_source_layers has 2 entries, index_sources 8"):
+        load_model(bad)
+    bad.write_text(text.replace("decoder_replay_start = 21", "decoder_replay_start = 40"))
+    with pytest.raises(CachelabError, match=r"decoder_replay_start must be a layer index in 0..39"):
         load_model(bad)
 
 

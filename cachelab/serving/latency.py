@@ -20,6 +20,11 @@ parallelism a layer waits for the rank that holds the most touched experts):
     overhead    a fixed cost per step, CPU costs per scheduled sequence and per prompt token
                 hashed for the prefix cache
 
+With a decoder SWA bounded replay (V4.1, ``Efficiency.decoder_replay``) a prefill chunk runs the
+layers past the last KV source on its last ``sliding_window`` rows only: their dense and expert
+GEMMs, attention, indexer and all-reduces are charged for those rows, the earlier layers' for every
+row; the KV written is the same.
+
 A step that runs as piecewise CUDA graphs (a CPU fetch path whose row ids come from the GPU:
 host work inside the forward is illegal during capture) is launched layer by layer from
 Python, so it also cannot be shorter than the host's launch of it (``host_floor_s``): the GPU
@@ -89,7 +94,7 @@ class Efficiency:
     # at 1-8 clients, where the PR body says its host cost dominates (``studies.semianalysis.
     # fitted_piecewise_layer_s``, refitted after every efficiency fit); its 16-64 clients and the 8k/1k
     # pair are held out. This default is the fit with the efficiencies fitted on R1 1k/1k run 1.
-    piecewise_layer_s: float = 517e-6
+    piecewise_layer_s: float = 495e-6
     # A host cost every piecewise step pays on top of its GPU work (0: none). The PR body's offset
     # "does not scale with batch size"; read that way (additive at every step, not a floor) it is
     # 2.6 ms x the acceptance length: a what-if of the study, contradicted by the held-out 8k/1k
@@ -113,6 +118,17 @@ class Efficiency:
     # Inline, nothing hides the fetch: the forward thread, which launches the rest of the piecewise
     # step, waits for all of it (the ids' device-to-host copy, dedup, gather, copy back).
     host_gather_overlap: bool = True
+    # Decoder SWA bounded replay: a prefill runs the layers from the spec's ``decoder_replay_start`` on
+    # each request's last ``sliding_window`` rows only, the layers before it on every row (vLLM's V4.1
+    # port: "layers 0-20 still run on every token", layers 21-39 "on each request's last 128 tokens
+    # only, cold prefills included", https://github.com/vllm-project/vllm/pull/56752 and its
+    # re-submission /pull/58132; DecoderReplayLayers in vllm/models/deepseek_v41/decoder_replay_layers.py).
+    # vLLM gates it on ``--swa-bounded-replay``, on by default for V4.1 (#56227, #57906), and on model
+    # runner V2, which DSpark forces ("DSpark is implemented only by the V2 GPU model runner ... so force
+    # V2 for it", vllm/config/vllm.py ``use_v2_model_runner``): every InferenceX V4.1 vLLM arm drafts with
+    # DSpark, so it is on in all of them. False: every layer on every row (SGLang's default, its
+    # ``--enable-decoder-swa-bounded-replay`` off). A no-op for a spec without ``decoder_replay_start``.
+    decoder_replay: bool = True
     activation_reserve_bytes: float = 6e9  # activations, CUDA graphs, NCCL buffers per GPU
 
 
@@ -302,25 +318,43 @@ class LatencyModel:
         chunk = float((w * (hi - lo))[prefill].sum())  # prefill-chunk tokens: GEMMs at prefill_mfu
         decode_share = 1.0 - chunk / tokens
         dense_rank = m.rank_dense_params(tp)  # replicated layers whole on every rank, the rest split
-        dense = self._roofline(self._gemm_s(2 * dense_rank * tokens, g.fp8_flops, decode_share),
-                               dense_rank * m.dense_bytes_per_param)
+        # with a bounded replay the replayed layers compute each row's last window only (late_lo)
+        late_lo = m.replay_lo(lo, hi) if e.decoder_replay and m.decoder_replay_start else None
+        if late_lo is not None and not np.any(late_lo > lo):
+            late_lo = None  # no row longer than the window: nothing is trimmed
+        if late_lo is None:
+            dense_flops = self._gemm_s(2 * dense_rank * tokens, g.fp8_flops, decode_share)
+            groups = [(m.moe_layers, tokens, chunk)]  # (MoE layers, tokens, prefill-chunk tokens) per group
+        else:
+            late_rows = w * (hi - late_lo)
+            late_tokens, late_chunk = float(late_rows.sum()), float(late_rows[prefill].sum())
+            late = m.replayed_layers / m.layers  # the Engram wkv sits in the early layers, with every row
+            per_layer = dense_rank - m.engram_params / tp
+            dense_flops = (self._gemm_s(2 * (dense_rank - late * per_layer) * tokens, g.fp8_flops, decode_share)
+                           + self._gemm_s(2 * late * per_layer * late_tokens, g.fp8_flops, 1.0 - late_chunk / late_tokens))
+            groups = [(m.moe_layers - m.replayed_moe_layers, tokens, chunk),
+                      (m.replayed_moe_layers, late_tokens, late_chunk)]
+        dense = self._roofline(dense_flops, dense_rank * m.dense_bytes_per_param)
         # routed experts: touched experts, each padded to a tile of rows (the padding is decode's)
-        touched = m.experts * (1.0 - (1.0 - m.experts_per_token / m.experts) ** tokens)
-        rows = max(tokens * m.experts_per_token, touched * e.expert_tile_rows) if tokens else 0.0
         expert_peak = g.fp4_flops if m.expert_precision == "fp4" else g.fp8_flops
-        experts = self._roofline(self._gemm_s(2 * m.moe_layers * m.expert_params * rows / tp, expert_peak,
-                                              1.0 - chunk * m.experts_per_token / rows if rows else 1.0),
-                                 float(m.touched_expert_bytes(tokens)) / tp * self.expert_imbalance(tokens))
-        positions = w * m.attended_positions(lo, hi)
+        expert_compute, expert_bytes = 0.0, 0.0
+        for layers, n, prefill_n in groups:
+            touched = m.experts * (1.0 - (1.0 - m.experts_per_token / m.experts) ** n)
+            rows = max(n * m.experts_per_token, touched * e.expert_tile_rows) if n else 0.0
+            expert_compute += self._gemm_s(2 * layers * m.expert_params * rows / tp, expert_peak,
+                                           1.0 - prefill_n * m.experts_per_token / rows if rows else 1.0)
+            expert_bytes += float(m.touched_expert_bytes(n, layers)) / tp * self.expert_imbalance(n)
+        experts = self._roofline(expert_compute, expert_bytes)
+        positions = w * m.attended_positions(lo, hi, late_lo)
         attn_flops = float(np.where(prefill, m.prefill_attn_flops_per_position, m.attn_flops_per_position)
                            @ positions) if positions.ndim else m.attn_flops_per_position * float(positions)
-        kv = float((w * m.kv_read_bytes(hi - lo, hi)).sum())
+        kv = float((w * m.kv_read_bytes(hi - lo, hi, None if late_lo is None else hi - late_lo)).sum())
         if not m.kv_replicated_across_tp:
             kv /= tp
         attention = self._roofline(attn_flops / (tp * g.bf16_flops * e.attention_mfu), kv)
         indexer = 0.0
         if m.index_sources:
-            scored = w * m.indexer_positions(lo, hi)
+            scored = w * m.indexer_positions(lo, hi, late_lo)
             total = float(scored.sum())
             shards = 1 if m.index_replicated_across_tp else tp  # a replicated indexer runs whole on every rank
             indexer = self._gemm_s(2.0 * m.index_heads * m.index_head_dim * total / shards, g.fp8_flops,
@@ -334,8 +368,10 @@ class LatencyModel:
                 2 * m.draft_active_params * drafted / (tp * m.draft_passes_per_step * fp8), m.draft_params / tp)
         comm = 0.0
         if tp > 1:
-            volume = 2.0 * (tp - 1) / tp * tokens * m.hidden * 2  # ring all-reduce of BF16 activations
-            comm = 2 * m.layers * (e.allreduce_latency_s + volume / (g.nvlink_bw * e.comm))
+            for layers, n in ((m.layers, tokens),) if late_lo is None else (
+                    (m.decoder_replay_start, tokens), (m.replayed_layers, late_tokens)):
+                volume = 2.0 * (tp - 1) / tp * n * m.hidden * 2  # ring all-reduce of BF16 activations
+                comm += 2 * layers * (e.allreduce_latency_s + volume / (g.nvlink_bw * e.comm))
             if self.placement == "hbm" and m.table_sharded_across_tp:  # all-gather of the gathered rows
                 gathered = tokens * m.rows_per_token_layer * m.row_bytes * (tp - 1) / tp
                 comm += len(m.engram_layers) * (e.allreduce_latency_s + gathered / (g.nvlink_bw * e.comm))

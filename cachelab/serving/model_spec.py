@@ -39,6 +39,12 @@ def sum_min(lo, hi, cap):
     return s(hi) - s(lo)
 
 
+def _ratio_counts(ratios) -> list[tuple[int, int]]:
+    """(ratio, how many layers have it) over the compressing layers among ``ratios``."""
+    compressing = [r for r in ratios if r > 0]
+    return [(r, compressing.count(r)) for r in sorted(set(compressing))]
+
+
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
     name: str
@@ -97,6 +103,27 @@ class ModelSpec:
     # the part of ``dense_params`` every TP rank holds and multiplies through whole (replicated
     # layers: it is not divided by TP); the rest is split over the ranks
     dense_replicated_params: float = 0.0
+    # The first layer a prefill may run on each request's last ``sliding_window`` rows only (0: none):
+    # the layers from here on own nothing but sliding-window KV, so only each prefill's trailing window
+    # of them is ever read (decoder SWA bounded replay; the engine switch is ``Efficiency.decoder_replay``)
+    decoder_replay_start: int = 0
+    # the layer of each ``index_sources`` entry (tells the replayed index sources from the rest)
+    index_source_layers: tuple[int, ...] = ()
+
+    def replay_lo(self, lo, hi):
+        """Where each row's queries start in the replayed layers: its last ``sliding_window``
+        rows (a decode or verify row, shorter than the window, keeps all of them)."""
+        return np.maximum(np.asarray(lo, np.float64), np.asarray(hi, np.float64) - self.sliding_window)
+
+    @property
+    def replayed_layers(self) -> int:
+        """Layers a bounded replay runs on the trailing window only (0 without one)."""
+        return self.layers - self.decoder_replay_start if self.decoder_replay_start else 0
+
+    @property
+    def replayed_moe_layers(self) -> int:
+        """The MoE layers among them (a DeepSeek model's dense layers come first)."""
+        return min(self.moe_layers, self.replayed_layers)
 
     def rank_dense_params(self, tp: int) -> float:
         """Dense parameters (Engram wkv included) one of ``tp`` ranks holds and multiplies each
@@ -178,50 +205,68 @@ class ModelSpec:
             return self.attn_flops_per_position
         return 2.0 * self.heads * (self.prefill_qk_dim + self.prefill_v_dim)
 
-    def touched_expert_bytes(self, tokens):
+    def touched_expert_bytes(self, tokens, layers: int | None = None):
         """Expert weight bytes a step of ``tokens`` tokens reads: the experts at least one token
-        routes to (expected count under uniform routing), every MoE layer."""
+        routes to (expected count under uniform routing), in ``layers`` MoE layers (default: every
+        one)."""
         tokens = np.asarray(tokens, np.float64)
         touched = self.experts * (1.0 - (1.0 - self.experts_per_token / self.experts) ** tokens)
-        return self.moe_layers * touched * self.expert_params * self.expert_bytes_per_param
+        n = self.moe_layers if layers is None else layers
+        return n * touched * self.expert_params * self.expert_bytes_per_param
 
-    def attended_positions(self, lo, hi):
+    def attended_positions(self, lo, hi, late_lo=None):
         """Sum over the queries at contexts ``(lo, hi]`` of the positions each attends to, over
-        all layers (vectorised over sequences)."""
+        all layers (vectorised over sequences); with ``late_lo``, the layers from
+        ``decoder_replay_start`` on run only the queries at ``(late_lo, hi]`` (a bounded replay)."""
         if not self.compress_ratios:  # dense attention in every layer
             if self.masked_attention_block:
                 b = self.masked_attention_block
                 hi = np.asarray(hi, np.float64)
                 return self.layers * (hi - np.asarray(lo, np.float64)) * np.ceil(hi / b) * b
             return self.layers * sum_min(lo, hi, 0)
-        total = len(self.compress_ratios) * sum_min(lo, hi, self.sliding_window)
-        for ratio, count in self._ratio_counts:
+        if late_lo is None or not self.decoder_replay_start:
+            return self._attended(self.compress_ratios, lo, hi)
+        r = self.decoder_replay_start
+        return self._attended(self.compress_ratios[:r], lo, hi) + self._attended(self.compress_ratios[r:], late_lo, hi)
+
+    def _attended(self, ratios, lo, hi):
+        """``attended_positions`` over the layers with compress ``ratios``."""
+        total = len(ratios) * sum_min(lo, hi, self.sliding_window)
+        for ratio, count in _ratio_counts(ratios):
             total = total + count * sum_min(lo, hi, ratio * self.sparse_topk) / ratio
         return total
 
-    @property
-    def _ratio_counts(self) -> list[tuple[int, int]]:
-        ratios = [r for r in self.compress_ratios if r > 0]
-        return [(r, ratios.count(r)) for r in sorted(set(ratios))]
-
-    def indexer_positions(self, lo, hi):
+    def indexer_positions(self, lo, hi, late_lo=None):
         """Sum over the queries at contexts ``(lo, hi]`` of the compressed keys the indexer scores
-        (every index-source layer; a capped source scores only the candidate pool)."""
+        (every index-source layer; a capped source scores only the candidate pool); with
+        ``late_lo``, the replayed sources score the queries at ``(late_lo, hi]`` only."""
         total = 0.0
-        for ratio, cap in self.index_sources:
-            total = total + sum_min(lo, hi, ratio * cap) / ratio
+        replayed = self._replayed_index_sources if late_lo is not None else ()
+        for i, (ratio, cap) in enumerate(self.index_sources):
+            total = total + sum_min(late_lo if i in replayed else lo, hi, ratio * cap) / ratio
         return total
 
-    def kv_read_bytes(self, queries, context):
+    @property
+    def _replayed_index_sources(self) -> tuple[int, ...]:
+        r = self.decoder_replay_start
+        return tuple(i for i, layer in enumerate(self.index_source_layers) if r and layer >= r)
+
+    def kv_read_bytes(self, queries, context, late_queries=None):
         """KV bytes one sequence's step reads: the whole latent cache (dense), or the window,
-        the sparse top-k gathers (at most the whole compressed cache) and the indexer keys."""
+        the sparse top-k gathers (at most the whole compressed cache) and the indexer keys; with
+        ``late_queries``, the replayed layers gather for that many queries only."""
         queries, context = np.asarray(queries, np.float64), np.asarray(context, np.float64)
         if not self.compress_ratios:
             return context * self.kv_bytes_per_token
         window = len(self.compress_ratios) * np.minimum(context, self.sliding_window) * self.window_bytes_per_position
+        groups = [(self.compress_ratios, queries)]
+        if late_queries is not None and self.decoder_replay_start:
+            r = self.decoder_replay_start
+            groups = [(self.compress_ratios[:r], queries), (self.compress_ratios[r:], np.asarray(late_queries, np.float64))]
         sparse = 0.0
-        for ratio, count in self._ratio_counts:
-            sparse = sparse + count * np.minimum(queries * self.sparse_topk, context / ratio) * self.latent_bytes_per_position
+        for ratios, q in groups:
+            for ratio, count in _ratio_counts(ratios):
+                sparse = sparse + count * np.minimum(q * self.sparse_topk, context / ratio) * self.latent_bytes_per_position
         index = sum(np.minimum(context / r, cap if cap else np.inf) for r, cap in self.index_sources) * self.index_key_bytes
         return window + sparse + index
 
@@ -245,7 +290,8 @@ _OPTIONAL = {  # zero (or empty) when a spec leaves them out
     "memory": ("rank_weights_sharded_bytes", "rank_weights_replicated_bytes", "indexer_buffer_bytes_per_batched_token"),
 }
 _OTHER = {"backbone": ("expert_precision",), "attention": ("kv_replicated_across_tp", "compress_ratios", "index_sources",
-                                                           "index_replicated_across_tp"),
+                                                           "index_replicated_across_tp", "index_source_layers",
+                                                           "decoder_replay_start"),
           "mtp": ("acceptance_length",), "engram": ("layout", "table_sharded_across_tp", "page_cache_curve"),
           "memory": ()}
 # [engram] keys an older spec restated; the layout derives them, so they may stay only if they agree.
@@ -313,6 +359,7 @@ def load_model(name: str | Path = "deepseek-v4.1-flash", layout: str | EngramCon
     values["index_sources"] = tuple((int(r), int(c)) for r, c in attention.get("index_sources", ()))
     if any(r < 1 for r, _ in values["index_sources"]):
         raise CachelabError(f"{path}: [attention] index_sources ratios must be >= 1")
+    values["index_source_layers"], values["decoder_replay_start"] = _replay(path, attention, values)
     values["acceptance_length"] = float(mtp.get("acceptance_length", 1.0))
     if not 1.0 <= values["acceptance_length"] <= values["speculative_tokens"] + 1:
         raise CachelabError(f"{path}: [mtp] acceptance_length {values['acceptance_length']} must be in "
@@ -320,7 +367,34 @@ def load_model(name: str | Path = "deepseek-v4.1-flash", layout: str | EngramCon
     values["table_sharded_across_tp"] = bool(engram.get("table_sharded_across_tp", True))
     values["page_cache_curve"] = _curve(path, engram.get("page_cache_curve", ()))
     values["layout"] = _layout(path, engram, layout) if engram or layout is not None else None
+    late = [layer for layer in (values["layout"].layers if values["layout"] is not None else ())
+            if values["decoder_replay_start"] and layer >= values["decoder_replay_start"]]
+    if late:
+        raise CachelabError(f"{path}: [attention] decoder_replay_start {values['decoder_replay_start']} comes before "
+                            f"Engram layer(s) {late}: a replay runs only the layers after every Engram layer")
     return ModelSpec(**values)
+
+
+def _replay(path: Path, attention: dict, values: dict) -> tuple[tuple[int, ...], int]:
+    """``[attention] index_source_layers`` and ``decoder_replay_start``, checked against the spec:
+    a replay needs a sliding window, starts inside the model and knows which index sources it
+    replays."""
+    layers = attention.get("index_source_layers", [])
+    if not isinstance(layers, list) or not all(isinstance(x, int) and 0 <= x < values["layers"] for x in layers):
+        raise CachelabError(f"{path}: [attention] index_source_layers must be a list of layer indices in "
+                            f"0..{values['layers'] - 1}, got {layers!r}")
+    if layers and len(layers) != len(values["index_sources"]):
+        raise CachelabError(f"{path}: [attention] index_source_layers has {len(layers)} entries, index_sources "
+                            f"{len(values['index_sources'])}")
+    start = attention.get("decoder_replay_start", 0)
+    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < values["layers"]:
+        raise CachelabError(f"{path}: [attention] decoder_replay_start must be a layer index in "
+                            f"0..{values['layers'] - 1} (0: no replay), got {start!r}")
+    if start and not values["sliding_window"]:
+        raise CachelabError(f"{path}: [attention] decoder_replay_start {start} needs a sliding_window")
+    if start and values["index_sources"] and not layers:
+        raise CachelabError(f"{path}: [attention] decoder_replay_start {start} needs index_source_layers")
+    return tuple(layers), start
 
 
 def _curve(path: Path, points) -> tuple[tuple[float, float], ...]:

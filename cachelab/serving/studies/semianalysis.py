@@ -401,7 +401,7 @@ def run(out_dir: Path, eff: Efficiency, workload: Workload | None = None,
     result["b200_decode_step_decomposition"] = decode_decomposition(rows, eff, workload)
     result["workload"] = workload.describe()
     result["efficiency"] = {k: getattr(eff, k) for k in ("mfu", "mbu", "layer_overhead_s", "cpu_per_sequence_s",
-                                                         "request_overhead_s", "piecewise_layer_s")}
+                                                         "request_overhead_s", "piecewise_layer_s", "decoder_replay")}
     result["piecewise_layer_s_fit"] = {
         "fitted": eff.piecewise_layer_s, "fit_concurrencies": list(SSD_PR_FIT),
         "host_floor_s": eff.step_overhead_s + eff.piecewise_layer_s * load_model(MODEL).layers_launched(drafting=True),
