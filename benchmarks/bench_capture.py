@@ -28,6 +28,10 @@ measured cost. The proxy process's CPU time per stream and per token (from /proc
 depend on how busy the machine is. --samples FILE writes every stream (path, concurrency,
 round, start, TTFT, ITL gaps) as JSON, to look at a tail.
 
+--relay adds a path through a TCP relay that only copies bytes both ways (no HTTP parsing, no
+recording; the proxy's event loop and TCP_NODELAY): what one more hop costs on this machine,
+whatever is done in it. It is reported against direct like a proxy, and each proxy against it.
+
 Several proxies can be measured against the same upstream in the same rounds (--proxy
 NAME=ARGS, repeatable: extra `cachelab capture proxy` arguments, e.g. --proxy process=
 --proxy thread='--writer thread'), one of them at another CPU priority (--proxy-nice
@@ -46,7 +50,7 @@ for a CPU (schedstat) shows what the placement changed.
 
 Run: .venv/bin/python benchmarks/bench_capture.py [--requests 1024 --concurrency 1 8
 --max-tokens 32 --token-delay-ms 10 --rounds 4] [--vllm | --upstream URL --model M]
-[--proxy NAME=ARGS ...] [--proxy-nice NAME=N] [--prompt-tokens N] [--pin [--pin-cores A,B]]
+[--proxy NAME=ARGS ...] [--proxy-nice NAME=N] [--prompt-tokens N] [--relay] [--pin [--pin-cores A,B]]
 """
 
 from __future__ import annotations
@@ -82,6 +86,62 @@ from capture_upstream import Upstream
 uvicorn.run(Upstream(token_delay_s={delay}).app, host="127.0.0.1", port={port}, log_level="warning",
             access_log=False, timeout_keep_alive=60)
 """
+
+# --relay: a TCP forwarder that copies bytes both ways and does nothing else (no HTTP parsing, no
+# recording), on the proxy's event loop (uvloop) with TCP_NODELAY on both sockets, flow control
+# both ways: what one more hop costs on this machine, whatever the proxy does in it.
+RELAY = """
+import asyncio, socket
+try:
+    from uvloop import new_event_loop
+except ImportError:
+    from asyncio import new_event_loop
+
+class Side(asyncio.Protocol):
+    def __init__(self, peer=None):
+        self.peer, self.transport, self.early = peer, None, []
+    def connection_made(self, transport):
+        self.transport = transport
+        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    def data_received(self, data):
+        if self.peer is None or self.peer.transport is None:
+            self.early.append(data)
+        else:
+            self.peer.transport.write(data)
+    def pause_writing(self):
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.pause_reading()
+    def resume_writing(self):
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.resume_reading()
+    def connection_lost(self, exc):
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.close()
+
+class Client(Side):
+    def connection_made(self, transport):
+        super().connection_made(transport)
+        asyncio.get_running_loop().create_task(self.link())
+    async def link(self):
+        try:
+            _, up = await asyncio.get_running_loop().create_connection(lambda: Side(self), "127.0.0.1", {up})
+        except OSError:
+            return self.transport.close()
+        self.peer = up
+        if self.transport.is_closing():
+            return up.transport.close()
+        for data in self.early:
+            up.transport.write(data)
+        self.early = []
+
+async def main():
+    server = await asyncio.get_running_loop().create_server(Client, "127.0.0.1", {port}, backlog=2048)
+    await server.serve_forever()
+
+loop = new_event_loop()
+loop.run_until_complete(main())
+"""
+RELAY_WHAT = "a TCP relay that only copies bytes: no HTTP, no recording"
 
 
 def wait_up(url: str, proc: subprocess.Popen, what: str, timeout: float = 120) -> None:
@@ -276,6 +336,7 @@ def samples(measured) -> list[dict]:
 
 
 def report(concurrency, name, rounds, cpu, waits, args, rng, where="shared") -> dict:
+    """One path against direct (and, for a capture proxy measured beside --relay, against the relay)."""
     direct = [s for rnd in rounds["direct"] for s in rnd]
     proxied = [s for rnd in rounds[name] for s in rnd]
     streams = len(proxied)
@@ -284,7 +345,8 @@ def report(concurrency, name, rounds, cpu, waits, args, rng, where="shared") -> 
     place = (f"; placement {where}" + (f": client and upstream on core {args.pin_cores[0]}, proxy on core "
                                        f"{args.pin_cores[1]}" if where == "pinned" else ": every core for every process")
              if len(args.placements) > 1 else "")
-    print(f"\nconcurrency {concurrency}, {name} ({args.proxy[name] or 'the CLI defaults'}{nice}{place}): {streams} streams per "
+    what = RELAY_WHAT if name == "relay" else args.proxy[name] or "the CLI defaults"
+    print(f"\nconcurrency {concurrency}, {name} ({what}{nice}{place}): {streams} streams per "
           f"path x {args.max_tokens} tokens, {args.rounds} interleaved rounds; proxy CPU (its writer process, if any, "
           f"included) {cpu.sum() / streams * 1e3:.2f} ms per stream "
           f"({cpu.sum() / (streams * args.max_tokens) * 1e6:.0f} us per token; user {cpu[0]:.2f} s, sys {cpu[1]:.2f} s), "
@@ -315,6 +377,16 @@ def report(concurrency, name, rounds, cpu, waits, args, rng, where="shared") -> 
         few = " (few samples: the P99 is one of the slowest 10)" if min(len(d), len(p)) < 1000 else ""
         print(f"{metric:<6}{min(len(d), len(p)):>9}{d50:>10.2f}ms{p50:>10.2f}ms{d99:>10.2f}ms{p99:>10.2f}ms{p99 - d99:>+10.2f}ms"
               f"{f'[{low:+.2f}, {high:+.2f}]':>20}{p99 / d99:>7.3f}x{aa:>+9.2f}ms  {verdict} (allowed +{allowed:.2f} ms){few}")
+    if "relay" in rounds and name != "relay":  # what the proxy costs beyond a hop that only copies bytes
+        relayed = [s for rnd in rounds["relay"] for s in rnd]
+        for metric, pick in (("TTFT", ttft), ("ITL", itl)):
+            r, p = pick(relayed), pick(proxied)
+            low, high = p99_delta_interval(r, p, rng)
+            out[metric] |= {"relay_p50_ms": pct(r, 50), "relay_p99_ms": pct(r, 99),
+                            "p99_delta_vs_relay_ms": pct(p, 99) - pct(r, 99), "p99_delta_vs_relay_ci_ms": [low, high]}
+            print(f"{metric:<6} against the relay of the same rounds: P50 {pct(r, 50):.2f} -> {pct(p, 50):.2f} ms, "
+                  f"P99 {pct(r, 99):.2f} -> {pct(p, 99):.2f} ms, delta {pct(p, 99) - pct(r, 99):+.2f} "
+                  f"[{low:+.2f}, {high:+.2f}] ms")
     return out
 
 
@@ -323,8 +395,8 @@ def proxy_variants(given: list[str] | None) -> dict[str, str]:
     variants = {}
     for item in given or ["proxy="]:
         name, sep, extra = item.partition("=")
-        if not sep or not name or name == "direct" or name in variants:
-            raise SystemExit(f"--proxy {item!r}: expected a new NAME=ARGS (NAME not 'direct')")
+        if not sep or not name or name in ("direct", "relay") or name in variants:
+            raise SystemExit(f"--proxy {item!r}: expected a new NAME=ARGS (NAME not 'direct' or 'relay')")
         variants[name] = extra.strip()
     return variants
 
@@ -375,6 +447,10 @@ def main() -> None:
     ap.add_argument("--proxy-nice", action="append", default=[], metavar="NAME=N",
                     help="run proxy NAME (and its writer process) at the bench's niceness + N (the client and the "
                          "upstream keep the bench's): how much of its tail is waiting for a CPU")
+    ap.add_argument("--relay", action="store_true",
+                    help="also measure, in the same rounds, a TCP relay that only copies bytes (no HTTP, no "
+                         "recording; the proxy's event loop and socket options): what one more hop costs here, "
+                         "and each proxy against it")
     ap.add_argument("--pin", action="store_true",
                     help="also measure every path pinned, in the same rounds: the client and the upstream on one "
                          "core, the proxies on another (a sidecar proxy with a core of its own); each placement "
@@ -433,6 +509,14 @@ def main() -> None:
                     for tid in os.listdir(f"/proc/{pid}/task"):
                         os.setpriority(os.PRIO_PROCESS, int(tid), os.getpriority(os.PRIO_PROCESS, 0)
                                        + args.proxy_nice[name])
+        if args.relay:
+            if not upstream.startswith("http://127.0.0.1:"):
+                raise SystemExit(f"--relay forwards to http://127.0.0.1:PORT only, not {upstream}")
+            rport, uport = free_port(), int(upstream.rsplit(":", 1)[1].split("/")[0])
+            procs.append(subprocess.Popen([sys.executable, "-c", RELAY.format(up=uport, port=rport)]))
+            urls["relay"] = f"http://127.0.0.1:{rport}"
+            wait_up(urls["relay"] + "/v1/models", procs[-1], "relay")
+            pids["relay"] = (procs[-1].pid,)
         placement = Placement(procs[0].pid if procs and not (args.upstream or args.vllm) else 0,
                               [pid for proxy in pids.values() for pid in proxy], args.pin_cores if args.pin else None)
         load_before = os.getloadavg()
@@ -459,7 +543,7 @@ def main() -> None:
         args.samples.write_text(json.dumps(samples(measured)))
     rng = np.random.default_rng(args.seed)
     by_placement = {where: {name: {str(c): report(c, name, *measured[c][where], args, rng, where)
-                                   for c in args.concurrency} for name in args.proxy}
+                                   for c in args.concurrency} for name in pids}
                     for where in args.placements}
     if args.json:
         by_variant = by_placement["shared"]
