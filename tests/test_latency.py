@@ -314,12 +314,13 @@ def test_v41s_decoder_replay_runs_the_layers_past_the_last_kv_source_on_each_pre
     from dataclasses import replace
 
     # kv_source_layer_ids [2, 8, 14, 20]: layers 21-39 own only sliding-window KV, so a prefill runs them on each
-    # request's last 128 rows (vLLM's V4.1 port, on in every V4.1 vLLM arm); layers 0-20 run on every row
+    # request's last 128 rows (vLLM's V4.1 port from #58132, which no published V4.1 run had: off by default);
+    # layers 0-20 run on every row
     assert MODEL.decoder_replay_start == 21 and MODEL.replayed_layers == 19 and MODEL.replayed_moe_layers == 19
-    assert Efficiency().decoder_replay and load_model("deepseek-r1").decoder_replay_start == 0
+    assert not Efficiency().decoder_replay and load_model("deepseek-r1").decoder_replay_start == 0
     hw = load_profile("B200")
-    on = LatencyModel(MODEL, hw, 4, "dram-uva")
-    off = LatencyModel(MODEL, hw, 4, "dram-uva", efficiency=replace(Efficiency(), decoder_replay=False))
+    on = LatencyModel(MODEL, hw, 4, "dram-uva", efficiency=replace(Efficiency(), decoder_replay=True))
+    off = LatencyModel(MODEL, hw, 4, "dram-uva")
     long = Batch([0.0], [16_384.0])
     a, b = on.gpu_time(long), off.gpu_time(long)
     # the dense GEMMs (FLOP-bound here): 19/40 of the per-layer weights meet 128 rows instead of 16,384; the
@@ -340,8 +341,8 @@ def test_v41s_decoder_replay_runs_the_layers_past_the_last_kv_source_on_each_pre
     for short in (Batch([0.0], [128.0]), Batch([0.0], [100.0]), Batch(np.full(8, 4000.0), np.full(8, 4006.0))):
         assert on.gpu_time(short) == off.gpu_time(short)
     r1 = load_model("deepseek-r1")
-    assert (LatencyModel(r1, hw, 8, "hbm").gpu_time(long)
-            == LatencyModel(r1, hw, 8, "hbm", efficiency=replace(Efficiency(), decoder_replay=False)).gpu_time(long))
+    assert (LatencyModel(r1, hw, 8, "hbm", efficiency=replace(Efficiency(), decoder_replay=True)).gpu_time(long)
+            == LatencyModel(r1, hw, 8, "hbm").gpu_time(long))
     # the KV a prefill writes does not change: the memory plan is the same
     assert on.plan == off.plan
     # a replay must start after every Engram layer and know its index sources' layers

@@ -94,7 +94,7 @@ class Efficiency:
     # at 1-8 clients, where the PR body says its host cost dominates (``studies.semianalysis.
     # fitted_piecewise_layer_s``, refitted after every efficiency fit); its 16-64 clients and the 8k/1k
     # pair are held out. This default is the fit with the efficiencies fitted on R1 1k/1k run 1.
-    piecewise_layer_s: float = 495e-6
+    piecewise_layer_s: float = 517e-6
     # A host cost every piecewise step pays on top of its GPU work (0: none). The PR body's offset
     # "does not scale with batch size"; read that way (additive at every step, not a floor) it is
     # 2.6 ms x the acceptance length: a what-if of the study, contradicted by the held-out 8k/1k
@@ -123,12 +123,17 @@ class Efficiency:
     # port: "layers 0-20 still run on every token", layers 21-39 "on each request's last 128 tokens
     # only, cold prefills included", https://github.com/vllm-project/vllm/pull/56752 and its
     # re-submission /pull/58132; DecoderReplayLayers in vllm/models/deepseek_v41/decoder_replay_layers.py).
-    # vLLM gates it on ``--swa-bounded-replay``, on by default for V4.1 (#56227, #57906), and on model
-    # runner V2, which DSpark forces ("DSpark is implemented only by the V2 GPU model runner ... so force
-    # V2 for it", vllm/config/vllm.py ``use_v2_model_runner``): every InferenceX V4.1 vLLM arm drafts with
-    # DSpark, so it is on in all of them. False: every layer on every row (SGLang's default, its
-    # ``--enable-decoder-swa-bounded-replay`` off). A no-op for a spec without ``decoder_replay_start``.
-    decoder_replay: bool = True
+    # Off (every layer on every row) by default, because no published V4.1 measurement ran a build that
+    # had it: #56752 was opened on 2026-09-14 stacked on the unmerged encoder side (#56227) and closed
+    # unmerged, #58132 was opened on 2026-09-22, and vLLM's V4.1 tracking issue (#57448) still lists the
+    # decoder side open that day; the 8k/1k pair ran a vLLM tree of 2026-09-13 (the InferenceX SSD
+    # patch, benchmarks/patches/vllm-dsv41flash-engram-ssd.patch, is cut against its
+    # models/deepseek_v4_1/ files), the agentic sweeps the 2026-09-15 nightly
+    # (vllm-project/recipes#981: vllm/vllm-openai:nightly-cd10ed6f9...), and the article is of
+    # 2026-09-18. True: a vLLM build carrying #58132 (gated there on ``--swa-bounded-replay`` and model
+    # runner V2, which DSpark forces) or SGLang with ``--enable-decoder-swa-bounded-replay``. A no-op
+    # for a spec without ``decoder_replay_start``.
+    decoder_replay: bool = False
     activation_reserve_bytes: float = 6e9  # activations, CUDA graphs, NCCL buffers per GPU
 
 
