@@ -19,6 +19,7 @@ from cachelab.store.format import PAGE, TableLayout
 from cachelab.store.kernels import DEQUANT_TABLE, dequant_expand
 from cachelab.store.store import policy_bytes_per_row
 from cachelab.workload.lookups import LookupStream, global_key
+from llvm_checks import fresh_llvm, increfs_past_entry
 
 SCALE = 2e-5  # ~7,700 rows per layer of the V4.1 layout, ~2 MB per file
 CFG = get_preset("deepseek-v4.1-flash")
@@ -249,8 +250,6 @@ def test_dequantisers_prefetch_their_output_rows_for_writing():
     cache line (a caller's view) is still filled exactly."""
     import re
 
-    import numba
-
     from cachelab.store import kernels
 
     rng = np.random.default_rng(13)
@@ -272,11 +271,8 @@ def test_dequantisers_prefetch_their_output_rows_for_writing():
     # the code itself (a fresh compile of the same source: the cached builds cannot be inspected)
     write = re.compile(r"llvm\.prefetch\.\w+\([^)]*, i32 1, i32 3, i32 1\)")
     for name in ("dequant_expand", "gather_dequant", "lookup_dequant"):
-        build = getattr(kernels, name).serial
-        fresh = numba.njit(boundscheck=False)(build.py_func)
-        for sig in build.signatures:
-            fresh.compile(sig)
-        assert fresh.signatures and all(write.search(ir) for ir in fresh.inspect_llvm().values()), name
+        irs = fresh_llvm(getattr(kernels, name).serial)
+        assert irs and all(write.search(ir) for ir in irs), name
 
 
 def test_dequantisers_take_no_reference_counts_per_row():
@@ -285,8 +281,6 @@ def test_dequantisers_take_no_reference_counts_per_row():
     requests (atomic increments and decrements per row: without them a step of the trace takes
     0.84-1.00x the time), and
     the views write the same bits as the reference, into an aligned and a misaligned output."""
-    import re
-
     import numba
 
     from cachelab.compiled import borrowed
@@ -322,13 +316,7 @@ def test_dequantisers_take_no_reference_counts_per_row():
     assert view_sum(a) == 11 and a[0] == 1  # the same memory, written through the view
     for name in ("dequant_expand", "gather_dequant", "lookup_dequant"):
         build = getattr(kernels, name).serial
-        fresh = numba.njit(boundscheck=False)(build.py_func)  # a fresh compile: the cached builds cannot be inspected
-        for sig in build.signatures:
-            fresh.compile(sig)
-        for ir in fresh.inspect_llvm().values():
-            fn = re.search(r"^define [^\n]*" + name + r".*?^}", ir, re.S | re.M).group(0)
-            blocks = re.split(r"\n(?=[\w.$-]+:)", fn)
-            assert sum("@NRT_incref" in b for b in blocks[2:]) == 0, name
+        assert increfs_past_entry(build) == [0] * len(build.signatures), name
 
 
 def test_counters_by_name_summed_as_arrays():
