@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachelab import registry
+from llvm_checks import increfs_past_entry
 
 M64 = (1 << 64) - 1
 
@@ -99,6 +100,23 @@ def test_lfu_admits_only_rows_at_least_as_frequent_as_the_set_minimum():
     p.step(np.array([500]))
     r = p.step(np.array([500]))  # count 3 ties the minimum: a tie replaces
     assert r.admitted.tolist() == [500] and r.evicted.size == 1
+
+
+def test_kernels_take_no_reference_counts_per_lookup():
+    """The kernels hand ``borrowed`` views (cachelab.compiled.borrowed) to the helpers they call
+    per lookup (the LRU kernel's admission filter) and per admitted row (``_place``), so every
+    ``NRT_incref`` of the compiled kernel is in its entry block. Given the arrays themselves,
+    those calls took and dropped references: four atomic ``lock`` operations per lookup and
+    about twenty per admitted row."""
+    keys = (np.arange(3_000) * 7919 % 997).astype(np.int64)
+    for name, params in (("fbgemm-lru", {}), ("fbgemm-lru", {"admission": "tinylfu"}), ("fbgemm-lfu", {})):
+        p = registry.get(registry.POLICIES, name)(**params)
+        p.reset(64, 997)
+        p.run(keys, np.arange(0, 3_001, 100))
+        p.step(keys[:100])
+    for name in ("fbgemm-lru", "fbgemm-lfu"):
+        kernel = registry.get(registry.POLICIES, name).kernel
+        assert increfs_past_entry(kernel) == [0] * len(kernel.signatures), name
 
 
 def test_capacity_not_a_multiple_of_32_is_never_exceeded():

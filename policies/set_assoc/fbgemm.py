@@ -23,6 +23,11 @@ count from a load factor; flooring keeps occupancy within ``capacity``, so ``cap
 rows are the engine's dense keys (FBGEMM hashes its linearised table indices). FBGEMM's
 prefetch-pipeline line locking is not modelled: a step's rows are all inserted before the
 next step begins.
+
+The kernels hand ``borrowed`` views of their arrays (``cachelab.compiled.borrowed``) to the
+helpers they call per lookup (the admission filter) and per admitted row (``_place``): given
+the arrays themselves, Numba took and dropped a reference to each at every call, atomic
+``lock`` instructions (docs/policies.md, FBGEMM's speed).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from cachelab.compiled import borrowed
 from cachelab.policy.admission import admission_admit, admission_record
 from cachelab.policy.kernel import KernelPolicy, note_admit, note_evict
 
@@ -107,6 +113,11 @@ def _fbgemm_lru_kernel(keys, offsets, slot_of, key_of, meta, stamp,
                        a_kind, a_counters, a_scores, a_meta, hits, record, adm, adm_slot, ev, counts):
     sets, ways = meta[SETS], meta[WAYS]
     order = np.empty(ways, np.int64)
+    # no reference counts per lookup or admitted row (module doc)
+    keys, slot_of, key_of, stamp, hits = (borrowed(keys), borrowed(slot_of), borrowed(key_of), borrowed(stamp),
+                                          borrowed(hits))
+    adm, adm_slot, ev, counts = borrowed(adm), borrowed(adm_slot), borrowed(ev), borrowed(counts)
+    a_counters, a_scores, a_meta = borrowed(a_counters), borrowed(a_scores), borrowed(a_meta)
     for s in range(offsets.size - 1):
         lo, hi = offsets[s], offsets[s + 1]
         meta[TIME] += 1
@@ -141,6 +152,10 @@ def _fbgemm_lfu_kernel(keys, offsets, slot_of, key_of, meta, freq, rank, cost,
     sets, ways = meta[SETS], meta[WAYS]
     order = np.empty(ways, np.int64)
     top = np.int64(1) << 39
+    # no reference counts per admitted row (module doc)
+    keys, slot_of, key_of, rank, hits = (borrowed(keys), borrowed(slot_of), borrowed(key_of), borrowed(rank),
+                                         borrowed(hits))
+    adm, adm_slot, ev, counts, cost = borrowed(adm), borrowed(adm_slot), borrowed(ev), borrowed(counts), borrowed(cost)
     for s in range(offsets.size - 1):
         lo, hi = offsets[s], offsets[s + 1]
         for i in range(lo, hi):
