@@ -377,8 +377,8 @@ def lookup_dequant(rows, fold, inverse_size, buf, table, out_address, dim, seen,
       zero between calls: each count is one bit read, added and set, no hash, no probe and
       no branch (a branch on whether the key is new mispredicted on the trace's repeats: the
       call took 1.04-1.10x the time); the bits the call set are cleared before it returns.
-      The store uses it while the bitmap takes at most ``BITMAP_BYTES`` (tables of up to 2 M pages, 8 GiB), small enough to stay in the
-      CPU's caches;
+      The store uses it while the bitmap takes at most ``BITMAP_BYTES`` (tables of up to 2 M
+      pages, 8 GiB), small enough to stay in the CPU's caches;
     - ``bits > 0``: an open-addressing set of which this call uses the first ``2^bits``
       slots, each ``generation << SEEN_KEY_BITS | key``: a slot of another generation is
       free, so a new call (a new generation) starts with an empty set without clearing it.
