@@ -206,16 +206,13 @@ def test_prefetch_window_hides_small_fetches_and_stall_is_the_rest():
 
 
 def test_roofline_regimes():
-    lat = LatencyModel(MODEL, load_profile("B200"), tp=8, placement="hbm")
+    # every layer on every row (no decoder replay), whichever the default
+    lat = LatencyModel(MODEL, load_profile("B200"), tp=8, placement="hbm", efficiency=Efficiency(decoder_replay=False))
     decode = lat.gpu_time(Batch([1000.0], [1001.0]))
     g, e = lat.hw.gpu, lat.eff
     # one token touches 6 experts per layer: the expert time is their bytes at HBM bandwidth
     assert decode.experts_s == pytest.approx(float(MODEL.touched_expert_bytes(1)) / 8 / (g.hbm_bw * e.mbu))
-    from dataclasses import replace
-
-    every_row = LatencyModel(MODEL, load_profile("B200"), tp=8, placement="hbm",
-                             efficiency=replace(Efficiency(), decoder_replay=False))
-    prefill = every_row.gpu_time(Batch([0.0], [16_384.0]))
+    prefill = lat.gpu_time(Batch([0.0], [16_384.0]))
     # every expert touched (every layer on every row: no decoder replay): FLOPs at prefill's GEMM efficiency and
     # the FP8 rate, where MXFP4 weights meet the MXFP8 activations vLLM feeds them (W4A8), not at the FP4 rate
     rows = 16_384 * 6
@@ -311,15 +308,13 @@ def test_v41s_replicated_dense_layers_run_whole_on_every_tp_rank(tmp_path):
 
 
 def test_v41s_decoder_replay_runs_the_layers_past_the_last_kv_source_on_each_prefills_last_window(tmp_path):
-    from dataclasses import replace
-
     # kv_source_layer_ids [2, 8, 14, 20]: layers 21-39 own only sliding-window KV, so a prefill runs them on each
     # request's last 128 rows (vLLM's V4.1 port from #58132, which no published V4.1 run had: off by default);
     # layers 0-20 run on every row
     assert MODEL.decoder_replay_start == 21 and MODEL.replayed_layers == 19 and MODEL.replayed_moe_layers == 19
     assert not Efficiency().decoder_replay and load_model("deepseek-r1").decoder_replay_start == 0
     hw = load_profile("B200")
-    on = LatencyModel(MODEL, hw, 4, "dram-uva", efficiency=replace(Efficiency(), decoder_replay=True))
+    on = LatencyModel(MODEL, hw, 4, "dram-uva", efficiency=Efficiency(decoder_replay=True))
     off = LatencyModel(MODEL, hw, 4, "dram-uva")
     long = Batch([0.0], [16_384.0])
     a, b = on.gpu_time(long), off.gpu_time(long)
@@ -341,7 +336,7 @@ def test_v41s_decoder_replay_runs_the_layers_past_the_last_kv_source_on_each_pre
     for short in (Batch([0.0], [128.0]), Batch([0.0], [100.0]), Batch(np.full(8, 4000.0), np.full(8, 4006.0))):
         assert on.gpu_time(short) == off.gpu_time(short)
     r1 = load_model("deepseek-r1")
-    assert (LatencyModel(r1, hw, 8, "hbm", efficiency=replace(Efficiency(), decoder_replay=True)).gpu_time(long)
+    assert (LatencyModel(r1, hw, 8, "hbm", efficiency=Efficiency(decoder_replay=True)).gpu_time(long)
             == LatencyModel(r1, hw, 8, "hbm").gpu_time(long))
     # the KV a prefill writes does not change: the memory plan is the same
     assert on.plan == off.plan
