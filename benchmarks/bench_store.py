@@ -27,7 +27,8 @@ Sections (each prints a ratio against its same-run reference):
 - ``direct``: random 4 KiB reads through the store's ``direct`` backing at queue depths
   1..64 (``io_threads`` = queue depth; each row in its own page), submitted through io_uring
   and through the thread pool of preads, against fio's ``randread`` with ``--direct=1
-  --ioengine=io_uring`` at the same depth on the same file (goal: at least 0.7 at QD >= 32).
+  --ioengine=io_uring`` at the same depth on the same file over as many reads, interleaved over
+  three rounds, best of each (goal: at least 0.7 at QD >= 32).
   Without fio (Debian: ``apt-get install fio``) the section says so.
 - ``modes``: ``cachelab store bench`` (the CLI, in a fresh process) with ``mmap``, ``pread``
   and ``direct`` on the same stream, policy and capacities, so at equal hit ratios, the page
@@ -365,26 +366,25 @@ def gather_section(directory: Path, trace: str | None, requests: int, steps_view
     return out
 
 
-def fio_iops(path: Path, depth: int, runtime: float) -> float | None:
-    """fio's random 4 KiB O_DIRECT read IOPS at ``depth`` on ``path``; None without fio."""
+def fio_iops(path: Path, depth: int, reads: int) -> float | None:
+    """fio's random 4 KiB O_DIRECT read IOPS at ``depth`` on ``path`` over ``reads`` reads (the
+    store's count, so both see the disk over the same stretch); None without fio."""
     if shutil.which("fio") is None:
         return None
-    res = subprocess.run(["fio", "--name=ref", f"--filename={path}", "--rw=randread", "--bs=4k", "--direct=1",
-                          "--ioengine=io_uring", f"--iodepth={depth}", "--numjobs=1", f"--runtime={runtime}",
-                          "--time_based", "--readonly", "--output-format=json"], capture_output=True, text=True)
-    if res.returncode != 0:
+    for engine in ("io_uring", "libaio"):
         res = subprocess.run(["fio", "--name=ref", f"--filename={path}", "--rw=randread", "--bs=4k", "--direct=1",
-                              "--ioengine=libaio", f"--iodepth={depth}", "--numjobs=1", f"--runtime={runtime}",
-                              "--time_based", "--readonly", "--output-format=json"], capture_output=True, text=True)
-    if res.returncode != 0:
-        return None
-    return float(json.loads(res.stdout)["jobs"][0]["read"]["iops"])
+                              f"--ioengine={engine}", f"--iodepth={depth}", "--numjobs=1", f"--number_ios={reads}",
+                              "--readonly", "--output-format=json"], capture_output=True, text=True)
+        if res.returncode == 0:
+            return float(json.loads(res.stdout)["jobs"][0]["read"]["iops"])
+    return None
 
 
-def direct_section(directory: Path, depths=(1, 4, 16, 32, 64), reads: int = 8000, runtime: float = 3.0,
+def direct_section(directory: Path, depths=(1, 4, 16, 32, 64), reads: int = 8000, rounds: int = 3,
                    seed: int = 0) -> dict:
     """Store ``direct`` page reads/s per queue depth, through io_uring and through the thread
-    pool of preads, against fio (io_uring) at the same depth on the same file."""
+    pool of preads, against fio (io_uring) at the same depth on the same file: the same number
+    of reads each, interleaved over ``rounds`` rounds, best of each (the best the disk gave)."""
     from cachelab.errors import CachelabError
     from cachelab.store.backing import DirectBacking
     from cachelab.store.build import open_tables
@@ -395,28 +395,44 @@ def direct_section(directory: Path, depths=(1, 4, 16, 32, 64), reads: int = 8000
     out = np.empty((reads, layout.row_bytes), np.uint8)
     dst = np.arange(reads, dtype=np.int64)
     layer = np.zeros(reads, np.int64)
-    result = {"fio": shutil.which("fio") is not None, "depths": {}, "load_average": os.getloadavg()[0]}
+    result = {"fio": shutil.which("fio") is not None, "depths": {}, "reads": reads, "rounds": rounds,
+              "load_average": os.getloadavg()[0]}
     if not result["fio"]:
         result["note"] = "fio not found (Debian: apt-get install fio): no reference, store figures only"
+
+    def store_iops(depth: int, submit: str) -> float | str:
+        # fresh pages per run, one row per page: every read is a distinct 4 KiB page
+        rows = rng.choice(pages, min(reads, pages), replace=False) * layout.rows_per_page
+        try:
+            backing = DirectBacking(layout, paths[:1], io_threads=depth, submit=submit)
+        except CachelabError as exc:
+            return str(exc)
+        try:
+            backing.read(layer[:64], rows[:64], out, dst[:64])
+            t = time.perf_counter()
+            backing.read(layer[: rows.size], rows, out, dst[: rows.size])
+            return rows.size / (time.perf_counter() - t)
+        finally:
+            backing.close()
+
     for depth in depths:
-        row = {"fio_iops": fio_iops(paths[0], depth, runtime)}
+        best: dict[str, float | None] = {"fio": None, "io_uring": None, "threads": None}
+        notes: dict[str, str] = {}
+        for r in range(rounds):
+            order = ("fio", "io_uring", "threads")[r % 3:] + ("fio", "io_uring", "threads")[: r % 3]
+            for who in order:
+                got = fio_iops(paths[0], depth, reads) if who == "fio" else store_iops(depth, who)
+                if isinstance(got, str):
+                    notes[who] = got
+                elif got is not None:
+                    best[who] = max(best[who] or 0.0, got)
+        row = {"fio_iops": best["fio"]}
         for submit in ("io_uring", "threads"):
-            # fresh pages per run, one row per page: every read is a distinct 4 KiB page
-            rows = rng.choice(pages, min(reads, pages), replace=False) * layout.rows_per_page
-            try:
-                backing = DirectBacking(layout, paths[:1], io_threads=depth, submit=submit)
-            except CachelabError as exc:
-                row[f"{submit}_iops"], row[f"{submit}_note"] = None, str(exc)
-                continue
-            try:
-                backing.read(layer[:64], rows[:64], out, dst[:64])
-                t = time.perf_counter()
-                backing.read(layer[: rows.size], rows, out, dst[: rows.size])
-                row[f"{submit}_iops"] = rows.size / (time.perf_counter() - t)
-            finally:
-                backing.close()
-            ref = row["fio_iops"]
-            row[f"{submit}_ratio"] = row[f"{submit}_iops"] / ref if ref else None
+            row[f"{submit}_iops"] = best[submit]
+            if submit in notes:
+                row[f"{submit}_note"] = notes[submit]
+            ref = best["fio"]
+            row[f"{submit}_ratio"] = best[submit] / ref if ref and best[submit] else None
         result["depths"][depth] = row
     return result
 
