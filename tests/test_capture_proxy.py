@@ -209,6 +209,71 @@ def test_bearer_token_required_when_set(tmp_path):
         assert b"proxy-token" not in raw
 
 
+class HeadUpstream:
+    """A raw HTTP/1.1 upstream that keeps every request head it reads and answers a fixed JSON body."""
+
+    def __init__(self):
+        import socket
+        import threading
+
+        self.heads: list[bytes] = []
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        import threading
+
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn):
+        body = b'{"id":"cmpl-h","object":"text_completion","choices":[]}'
+        data = b""
+        with conn:
+            while True:
+                while b"\r\n\r\n" not in data:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        return
+                    data += chunk
+                head, _, data = data.partition(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                while len(data) < length:
+                    data += conn.recv(65536)
+                data = data[length:]
+                self.heads.append(head)
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                             % (len(body), body))
+
+
+def test_request_headers_upstream_keep_their_case_and_lose_the_hop_by_hop_ones(tmp_path):
+    upstream = HeadUpstream()
+    sent = {"Authorization": "Bearer upstream-key", "X-Custom-Thing": "Kept As Sent", "Accept-Encoding": "gzip",
+            "Keep-Alive": "timeout=5", "TE": "trailers", "X-Session-Id": "user-7"}
+    with ProxyThread(ProxyConfig(upstream=upstream.url), Recorder(tmp_path)) as proxy:
+        with httpx.Client(base_url=proxy.url, timeout=30) as client:
+            assert client.post("/v1/completions", json={"model": "m", "prompt": "hi"}, headers=sent).status_code == 200
+            assert client.get("/v1/models", headers=sent).status_code == 200
+    upstream.sock.close()
+    recorded, passed = upstream.heads
+    for head in (recorded, passed):
+        lines = head.split(b"\r\n")[1:]
+        assert b"Authorization: Bearer upstream-key" in lines and b"X-Custom-Thing: Kept As Sent" in lines
+        assert b"X-Session-Id: user-7" in lines, "names go upstream as the client wrote them"
+        names = [line.split(b":")[0].lower() for line in lines]
+        assert not {b"keep-alive", b"te", b"connection"} & set(names), names
+        assert names.count(b"host") == 1
+    assert b"accept-encoding: identity" in recorded.split(b"\r\n") and b"gzip" not in recorded, \
+        "a recorded answer is asked for as identity: the proxy reads it"
+    assert b"Accept-Encoding: gzip" in passed.split(b"\r\n"), "a passed-through path keeps the client's"
+
+
 def test_non_loopback_listen_needs_a_token(tmp_path):
     out = subprocess.run([sys.executable, "-m", "cachelab.cli", "capture", "proxy", "--upstream", "http://x",
                           "--out", str(tmp_path / "cap"), "--listen", "0.0.0.0:0"], capture_output=True, text=True)
@@ -266,6 +331,8 @@ def test_200_concurrent_streams_all_captured(tmp_path):
     (b'{"prompt":"x","stream":true,"stream_options":{"continuous_usage_stats":true}}',
      {"return_token_ids": True, "stream_options": {"continuous_usage_stats": True, "include_usage": True}}),
     (b'{"prompt":"x","return_token_ids":true}', {}),
+    (b'{"prompt":"x","stream":true,"return_token_ids":true} ', {"stream_options": {"include_usage": True}}),
+    (b'{"prompt":"x","stream":true,"stream_options":{"include_usage":true}}', {"return_token_ids": True}),
 ])
 def test_prepare_adds_what_the_record_needs_and_keeps_the_rest(body, added):
     from cachelab.capture.exchange import Exchange
@@ -276,8 +343,9 @@ def test_prepare_adds_what_the_record_needs_and_keeps_the_rest(body, added):
     assert json.loads(sent) == {**json.loads(body), **added}
     if not added:
         assert sent == body
-    elif b"false" not in body and b"stream_options" not in body:  # new keys only: the client's bytes kept as a prefix
-        assert sent.startswith(body.rstrip()[:-1])
+    elif not any(key.encode() in body for key in added):  # new keys only: appended to the client's bytes, compact
+        end = body.rfind(b"}")
+        assert sent == body[:end] + b"," + json.dumps(added, separators=(",", ":")).encode()[1:-1] + body[end:]
     assert x.injected_ids == ("return_token_ids" in added) and x.injected_usage == ("stream_options" in added)
 
 
