@@ -1,5 +1,5 @@
-"""Reading compiled Numba kernels' LLVM: a fresh compile's IR, and the reference counts a
-kernel takes past its entry block."""
+"""Reading compiled Numba kernels' LLVM: a fresh compile's IR, the reference counts a kernel
+takes past its entry block, and the allocations it and the functions it calls make."""
 
 from __future__ import annotations
 
@@ -25,8 +25,23 @@ def increfs_past_entry(kernel) -> list[int]:
     name = kernel.py_func.__name__
     counts = []
     for ir in fresh_llvm(kernel):
-        fn = next(m.group(0) for m in re.finditer(r"^define [^\n]*" + name + r".*?^}", ir, re.S | re.M)
-                  if not re.search(r"@\"?(_ZN\d+cpython|cfunc\.)", m.group(0).partition("\n")[0]))  # not a wrapper
+        fn = next(f for f in _compiled_functions(ir) if name in f.partition("\n")[0])
         blocks = re.split(r"\n(?=[\w.$-]+:)", fn)  # [define line, entry block, the other blocks...]
         counts.append(sum(b.count("@NRT_incref") for b in blocks[2:]))
     return counts
+
+
+def allocations(kernel) -> list[int]:
+    """Calls to Numba's allocators (``NRT_MemInfo_alloc*``, ``NRT_MemInfo_new*``,
+    ``NRT_MemInfo_varsize_*``, ``NRT_Allocate*``) in ``kernel`` and every function it calls (their
+    code is linked into its module), one count per signature: an array or list built at run time."""
+    return [sum(len(_ALLOCATION.findall(f)) for f in _compiled_functions(ir)) for ir in fresh_llvm(kernel)]
+
+
+_ALLOCATION = re.compile(r"call [^\n]*@\"?NRT_(?:MemInfo_(?:alloc|new|varsize_alloc|varsize_realloc)|Allocate)")
+
+
+def _compiled_functions(ir: str) -> list[str]:
+    """The functions defined in a module's IR, less the Python and C wrappers around the kernel."""
+    return [m.group(0) for m in re.finditer(r"^define [^\n]*.*?^}", ir, re.S | re.M)
+            if not re.search(r"@\"?(_ZN\d+cpython|cfunc\.)", m.group(0).partition("\n")[0])]

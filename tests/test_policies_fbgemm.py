@@ -3,13 +3,15 @@ and agreement with a plain-Python model written from FBGEMM's kernels."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachelab import registry
-from llvm_checks import increfs_past_entry
+from llvm_checks import allocations, increfs_past_entry
 
 M64 = (1 << 64) - 1
 
@@ -42,6 +44,8 @@ class Model:
         self.freq, self.now = {}, 0
 
     def step(self, keys):
+        """The step's hits, and its admitted rows, their slots and the evicted rows, set by set in
+        ascending set order."""
         self.now += 1
         for k in keys:
             self.freq[k] = self.freq.get(k, 0) + 1
@@ -55,22 +59,28 @@ class Model:
         by_set = {}
         for k in misses:
             by_set.setdefault(fbgemm_cache_slot(k, self.sets), []).append(k)
-        for s, group in by_set.items():
+        admitted, slots, evicted = [], [], []
+        for s, group in sorted(by_set.items()):
             if self.kind == "lru":
                 ways = sorted(range(self.ways), key=lambda w: (self.cost[s][w], w))
+                placed = []
                 for w, k in zip(ways, group):
                     if self.cost[s][w] == self.now:
                         break
-                    self.tag[s][w], self.cost[s][w] = k, self.now
+                    placed.append((w, k))
+                    self.cost[s][w] = self.now
             else:
                 group.sort(key=lambda k: -self.freq[k])  # stable: ties in row order
                 cost = [self.freq[t] if t >= 0 else -1 for t in self.tag[s]]
                 ways = sorted(range(self.ways), key=lambda w: (cost[w], w))
-                for w, k in zip(ways, group):
-                    if cost[w] > self.freq[k]:
-                        break
-                    self.tag[s][w] = k
-        return hits
+                placed = list(itertools.takewhile(lambda wk: cost[wk[0]] <= self.freq[wk[1]], zip(ways, group)))
+            for w, k in placed:
+                if self.tag[s][w] >= 0:
+                    evicted.append(self.tag[s][w])
+                self.tag[s][w] = k
+                admitted.append(k)
+                slots.append(s * self.ways + w)
+        return hits, admitted, slots, evicted
 
 
 def test_sets_are_fbgemm_cache_slot():
@@ -108,15 +118,28 @@ def test_kernels_take_no_reference_counts_per_lookup():
     ``NRT_incref`` of the compiled kernel is in its entry block. Given the arrays themselves,
     those calls took and dropped references: four atomic ``lock`` operations per lookup and
     about twenty per admitted row."""
+    for name, kernel in _compiled_kernels():
+        assert increfs_past_entry(kernel) == [0] * len(kernel.signatures), name
+
+
+def test_kernels_allocate_nothing():
+    """A step's distinct misses are deduplicated and sorted by set in scratch the policy keeps
+    (``work``, grown with the longest step), so neither kernel nor anything it calls allocates.
+    They built several arrays a step (the misses, ``np.unique``'s sort and list, an argsort, a
+    gather), which on a stream of one lookup per step meant allocations at every lookup."""
+    for name, kernel in _compiled_kernels():
+        assert allocations(kernel) == [0] * len(kernel.signatures), name
+
+
+def _compiled_kernels():
+    """Both kernels, compiled for every signature a policy gives them (record or not, each filter)."""
     keys = (np.arange(3_000) * 7919 % 997).astype(np.int64)
     for name, params in (("fbgemm-lru", {}), ("fbgemm-lru", {"admission": "tinylfu"}), ("fbgemm-lfu", {})):
         p = registry.get(registry.POLICIES, name)(**params)
         p.reset(64, 997)
         p.run(keys, np.arange(0, 3_001, 100))
         p.step(keys[:100])
-    for name in ("fbgemm-lru", "fbgemm-lfu"):
-        kernel = registry.get(registry.POLICIES, name).kernel
-        assert increfs_past_entry(kernel) == [0] * len(kernel.signatures), name
+    return [(name, registry.get(registry.POLICIES, name).kernel) for name in ("fbgemm-lru", "fbgemm-lfu")]
 
 
 def test_capacity_not_a_multiple_of_32_is_never_exceeded():
@@ -130,11 +153,20 @@ def test_capacity_not_a_multiple_of_32_is_never_exceeded():
 @given(capacity=st.sampled_from([8, 32, 64, 100]), seed=st.integers(0, 2**32 - 1),
        step_len=st.integers(1, 60))
 def test_matches_a_model_of_fbgemms_kernels(name, capacity, seed, step_len):
+    """Hits, admitted rows (in order), their slots and evicted rows, step by step, and the hits of
+    ``run``. Steps of random lengths up to ``step_len``, empty ones among them, with rows looked up
+    more than once: the kernels' scratch for a step's misses grows with the longest step so far."""
     rng = np.random.default_rng(seed)
     keys = (rng.zipf(1.3, 1_500) % 400).astype(np.int64)
-    offsets = np.append(np.arange(0, keys.size, step_len), keys.size)
-    model = Model(name.split("-")[1], capacity)
-    expected = np.concatenate([model.step(keys[lo:hi].tolist()) for lo, hi in zip(offsets[:-1], offsets[1:])])
-    p = make(name, capacity, 400)
-    assert np.array_equal(p.run(keys, offsets), expected)
+    offsets = np.concatenate([[0], np.cumsum(rng.integers(0, step_len + 1, keys.size))])
+    offsets = np.append(offsets[offsets < keys.size], keys.size)
+    model, p = Model(name.split("-")[1], capacity), make(name, capacity, 400)
+    expected = []
+    for s, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:])):
+        hits, admitted, slots, evicted = model.step(keys[lo:hi].tolist())
+        r = p.step(keys[lo:hi])
+        got = (r.hits.tolist(), r.admitted.tolist(), r.slots.tolist(), r.evicted.tolist())
+        assert got == (hits, admitted, slots, evicted), f"step {s}"
+        expected += hits
     assert p.resident().tolist() == sorted(t for tags in model.tag for t in tags if t >= 0)
+    assert make(name, capacity, 400).run(keys, offsets).tolist() == expected

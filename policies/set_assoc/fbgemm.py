@@ -28,6 +28,12 @@ The kernels hand ``borrowed`` views of their arrays (``cachelab.compiled.borrowe
 helpers they call per lookup (the admission filter) and per admitted row (``_place``): given
 the arrays themselves, Numba took and dropped a reference to each at every call, atomic
 ``lock`` instructions (docs/policies.md, FBGEMM's speed).
+
+They allocate nothing. A step's distinct misses go to ``work``, scratch the policy keeps (four
+int64 rows as long as the longest step so far): a row missed twice in the step is marked in
+``slot_of`` (-2) while the misses are gathered, then the (set x 2^40 + rank, row) pairs are
+merge-sorted within ``work``. (``np.unique`` and an argsort built arrays at every step, on a
+stream of one lookup per step at every lookup.)
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ from cachelab.policy.kernel import KernelPolicy, note_admit, note_evict
 
 ASSOC = 32
 TIME, SETS, WAYS = 0, 1, 2  # meta: step counter, sets, ways per set
+KEY, ROW = 0, 1  # work: a step's misses' sort keys (set x 2^40 + rank) and rows; rows 2 and 3 spare
+RUN = 32  # the merge sort of a step's misses starts from runs of this length, sorted by insertion
 
 
 @nb.njit(cache=True, inline="always")
@@ -55,32 +63,70 @@ def cache_set(key, sets):
     return np.int64(h % np.uint64(sets))
 
 
+@nb.njit(cache=True, inline="always")
+def _before(work, p, i, j):
+    """Whether miss ``i`` sorts before miss ``j`` in ``work[p:p + 2]``: by key, then by row."""
+    return work[p, i] < work[p, j] or (work[p, i] == work[p, j] and work[p + 1, i] < work[p + 1, j])
+
+
 @nb.njit(cache=True)
-def _misses_by_set(keys, lo, hi, slot_of, sets, hits, rank, use_rank):
-    """Flag the step's hits; return its distinct misses grouped by set (ascending), ordered
-    within a set by row, or by ``rank`` (ascending) and then by row if ``use_rank``; and
-    their sets."""
-    n_miss = 0
+def _sort_misses(work, n):
+    """Sort the first ``n`` (key, row) pairs of ``work[KEY]``, ``work[ROW]`` by key, then by row, in
+    ``work`` itself (rows 2 and 3 are the merge's spare); return 0 or 2, the first of the two rows
+    of ``work`` that now hold them. Runs of ``RUN`` are sorted by insertion, then merged pairwise."""
+    for lo in range(0, n, RUN):
+        for a in range(lo + 1, min(lo + RUN, n)):
+            key, row = work[KEY, a], work[ROW, a]
+            b = a - 1
+            while b >= lo and (work[KEY, b] > key or (work[KEY, b] == key and work[ROW, b] > row)):
+                work[KEY, b + 1], work[ROW, b + 1] = work[KEY, b], work[ROW, b]
+                b -= 1
+            work[KEY, b + 1], work[ROW, b + 1] = key, row
+    src, width = 0, RUN
+    while width < n:
+        dst = 2 - src
+        for lo in range(0, n, 2 * width):
+            mid, hi = min(lo + width, n), min(lo + 2 * width, n)
+            i, j = lo, mid
+            for out in range(lo, hi):
+                if j >= hi or (i < mid and _before(work, src, i, j)):
+                    work[dst, out], work[dst + 1, out] = work[src, i], work[src + 1, i]
+                    i += 1
+                else:
+                    work[dst, out], work[dst + 1, out] = work[src, j], work[src + 1, j]
+                    j += 1
+        src, width = dst, 2 * width
+    return src
+
+
+@nb.njit(cache=True)
+def _misses_by_set(keys, lo, hi, slot_of, sets, hits, rank, use_rank, work):
+    """Flag the step's hits; put its distinct misses in ``work``, grouped by set (ascending),
+    ordered within a set by row, or by ``rank`` (ascending) and then by row if ``use_rank``.
+    Returns their number and ``p``: ``work[p + 1, :number]`` holds the rows in that order."""
+    n = 0
     for i in range(lo, hi):
-        hits[i] = slot_of[keys[i]] >= 0
-        if not hits[i]:
-            n_miss += 1
-    miss = np.empty(n_miss, np.int64)
-    j = 0
-    for i in range(lo, hi):
-        if not hits[i]:
-            miss[j] = keys[i]
-            j += 1
-    miss = np.unique(miss)  # a row looked up twice in a step is fetched once
-    n_miss = miss.size
-    order_key = np.empty(n_miss, np.int64)
-    for j in range(n_miss):
-        order_key[j] = cache_set(miss[j], sets) * (np.int64(1) << 40) + (rank[miss[j]] if use_rank else 0)
-    miss = miss[np.argsort(order_key, kind="mergesort")]
-    set_of = np.empty(n_miss, np.int64)
-    for j in range(n_miss):
-        set_of[j] = cache_set(miss[j], sets)
-    return miss, set_of
+        slot = slot_of[keys[i]]
+        hits[i] = slot >= 0
+        if slot == -1:  # a row looked up twice in a step is fetched once: marked taken until sorted
+            slot_of[keys[i]] = -2
+            work[ROW, n] = keys[i]
+            n += 1
+    for j in range(n):
+        row = work[ROW, j]
+        slot_of[row] = -1
+        work[KEY, j] = cache_set(row, sets) * (np.int64(1) << 40) + (rank[row] if use_rank else 0)
+    return n, _sort_misses(work, n)
+
+
+@nb.njit(cache=True, inline="always")
+def _set_end(work, p, n, j, sets):
+    """The end of the run of misses from ``j`` on in the same set: ``work[p + 1, j:end]``."""
+    s = cache_set(work[p + 1, j], sets)
+    end = j + 1
+    while end < n and cache_set(work[p + 1, end], sets) == s:
+        end += 1
+    return end
 
 
 @nb.njit(cache=True)
@@ -109,85 +155,92 @@ def _place(key, slot, slot_of, key_of, record, adm, adm_slot, ev, counts):
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)
-def _fbgemm_lru_kernel(keys, offsets, slot_of, key_of, meta, stamp,
+def _fbgemm_lru_kernel(keys, offsets, slot_of, key_of, meta, by_cost, work, stamp,
                        a_kind, a_counters, a_scores, a_meta, hits, record, adm, adm_slot, ev, counts):
     sets, ways = meta[SETS], meta[WAYS]
-    order = np.empty(ways, np.int64)
     # no reference counts per lookup or admitted row (module doc)
     keys, slot_of, key_of, stamp, hits = (borrowed(keys), borrowed(slot_of), borrowed(key_of), borrowed(stamp),
                                           borrowed(hits))
     adm, adm_slot, ev, counts = borrowed(adm), borrowed(adm_slot), borrowed(ev), borrowed(counts)
     a_counters, a_scores, a_meta = borrowed(a_counters), borrowed(a_scores), borrowed(a_meta)
+    by_cost, work = borrowed(by_cost), borrowed(work)
     for s in range(offsets.size - 1):
         lo, hi = offsets[s], offsets[s + 1]
         meta[TIME] += 1
         now = meta[TIME]
         for i in range(lo, hi):
             admission_record(a_kind, a_counters, a_scores, a_meta, keys[i])
-        miss, set_of = _misses_by_set(keys, lo, hi, slot_of, sets, hits, stamp, False)
+        n, p = _misses_by_set(keys, lo, hi, slot_of, sets, hits, stamp, False, work)
         for i in range(lo, hi):
             if hits[i]:
                 stamp[slot_of[keys[i]]] = now
         j = 0
-        while j < miss.size:
-            end = j
-            while end < miss.size and set_of[end] == set_of[j]:
-                end += 1
-            _ways_by_cost(stamp, set_of[j] * ways, ways, order)
+        while j < n:
+            end = _set_end(work, p, n, j, sets)
+            _ways_by_cost(stamp, cache_set(work[p + 1, j], sets) * ways, ways, by_cost)
             for l in range(min(end - j, ways)):
-                slot = order[l]
+                slot, row = by_cost[l], work[p + 1, j + l]
                 if stamp[slot] == now:
                     break  # every older way is in use this step: the rest stay uncached
                 victim = key_of[slot]
-                if victim >= 0 and not admission_admit(a_kind, a_counters, a_scores, a_meta, miss[j + l], victim):
+                if victim >= 0 and not admission_admit(a_kind, a_counters, a_scores, a_meta, row, victim):
                     continue
-                _place(miss[j + l], slot, slot_of, key_of, record, adm, adm_slot, ev, counts)
+                _place(row, slot, slot_of, key_of, record, adm, adm_slot, ev, counts)
                 stamp[slot] = now
             j = end
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)
-def _fbgemm_lfu_kernel(keys, offsets, slot_of, key_of, meta, freq, rank, cost,
+def _fbgemm_lfu_kernel(keys, offsets, slot_of, key_of, meta, by_cost, work, freq, rank, cost,
                        a_kind, a_counters, a_scores, a_meta, hits, record, adm, adm_slot, ev, counts):
     sets, ways = meta[SETS], meta[WAYS]
-    order = np.empty(ways, np.int64)
     top = np.int64(1) << 39
     # no reference counts per admitted row (module doc)
     keys, slot_of, key_of, rank, hits = (borrowed(keys), borrowed(slot_of), borrowed(key_of), borrowed(rank),
                                          borrowed(hits))
     adm, adm_slot, ev, counts, cost = borrowed(adm), borrowed(adm_slot), borrowed(ev), borrowed(counts), borrowed(cost)
+    by_cost, work = borrowed(by_cost), borrowed(work)
     for s in range(offsets.size - 1):
         lo, hi = offsets[s], offsets[s + 1]
         for i in range(lo, hi):
             freq[keys[i]] += 1
             rank[keys[i]] = top - freq[keys[i]]  # most frequent first
-        miss, set_of = _misses_by_set(keys, lo, hi, slot_of, sets, hits, rank, True)
+        n, p = _misses_by_set(keys, lo, hi, slot_of, sets, hits, rank, True, work)
         j = 0
-        while j < miss.size:
-            end = j
-            while end < miss.size and set_of[end] == set_of[j]:
-                end += 1
-            base = set_of[j] * ways
+        while j < n:
+            end = _set_end(work, p, n, j, sets)
+            base = cache_set(work[p + 1, j], sets) * ways
             for w in range(ways):
                 k = key_of[base + w]
                 cost[base + w] = freq[k] if k >= 0 else -1
-            _ways_by_cost(cost, base, ways, order)
+            _ways_by_cost(cost, base, ways, by_cost)
             for l in range(min(end - j, ways)):
-                slot = order[l]
-                if cost[slot] > freq[miss[j + l]]:
+                slot, row = by_cost[l], work[p + 1, j + l]
+                if cost[slot] > freq[row]:
                     break  # the rest of the misses are rarer and the rest of the ways more frequent
-                _place(miss[j + l], slot, slot_of, key_of, record, adm, adm_slot, ev, counts)
+                _place(row, slot, slot_of, key_of, record, adm, adm_slot, ev, counts)
             j = end
 
 
 class _SetAssociative(KernelPolicy):
-    """Sizing shared by both: ``capacity // 32`` sets of 32 ways (one set under 32 rows)."""
+    """Sizing shared by both: ``capacity // 32`` sets of 32 ways (one set under 32 rows), and the
+    kernels' scratch (module doc)."""
 
     batched = True
 
     def init_state(self, capacity, num_keys):
         ways = min(ASSOC, capacity)
         self.meta = np.array([0, capacity // ways, ways], dtype=np.int64)
+        self.by_cost = np.empty(ways, dtype=np.int64)  # a set's slots by cost
+        self.work = np.empty((4, 0), dtype=np.int64)  # a step's misses: key, row, and the merge's spare
+
+    def _launch(self, keys, extra, hits, record, adm, adm_slot, ev):
+        """Grow ``work`` to the call's longest step (a step has no more distinct misses than
+        lookups, nor than keys) before the kernel runs."""
+        longest = min(int(np.diff(extra[0]).max(initial=0)), self.num_keys)
+        if self.work.shape[1] < longest:
+            self.work = np.empty((4, longest), dtype=np.int64)
+        super()._launch(keys, extra, hits, record, adm, adm_slot, ev)
 
 
 class FbgemmLRU(_SetAssociative):
@@ -201,7 +254,7 @@ class FbgemmLRU(_SetAssociative):
         self.stamp = np.zeros(capacity, dtype=np.int64)  # step of each way's last use
 
     def state(self):
-        return (self.meta, self.stamp)
+        return (self.meta, self.by_cost, self.work, self.stamp)
 
 
 class FbgemmLFU(_SetAssociative):
@@ -222,4 +275,4 @@ class FbgemmLFU(_SetAssociative):
         self.cost = np.zeros(capacity, dtype=np.int64)
 
     def state(self):
-        return (self.meta, self.freq, self.rank, self.cost)
+        return (self.meta, self.by_cost, self.work, self.freq, self.rank, self.cost)
