@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cachelab.errors import CachelabError
+from cachelab.serving.agentic import PREFIX_HIT, PREFIX_HIT_V01
 from cachelab.serving.latency import PLACEMENTS
 
 hw_app = typer.Typer(no_args_is_help=True, help="Hardware profiles: list the built-ins, measure this machine.")
@@ -287,8 +288,8 @@ def study_semianalysis(
     sensitivity: bool = typer.Option(True, help="Also compute the tokens/$ elasticity of every fitted parameter, "
                                      "and the what-ifs of the page-cache size, the SSD host offset, V4.1's KV bytes per token and "
                                      "the token budget per step."),
-    prefix_hit: float = typer.Option(0.858, help="The agentic trace's token hit ratio under an unbounded prefix cache "
-                                     "(0.858: AgentX no-subagents dataset; 0.968: the older one)."),
+    prefix_hit: float = typer.Option(PREFIX_HIT, help="The agentic trace's token hit ratio under an unbounded prefix "
+                                     f"cache ({PREFIX_HIT}: AgentX no-subagents dataset; {PREFIX_HIT_V01}: the older one)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """DeepSeek-V4.1-Flash on the agentic workload: B200 DRAM-UVA vs SSD-mmap at 125 tok/s/user

@@ -1,17 +1,19 @@
 """The agentic workload SemiAnalysis ran (InferenceX "AgentX" trace replay), synthesized.
 
-The trace itself (semianalysisai/cc-traces-weka-042026, coding-agent sessions) is not on this
-machine, so requests are drawn from the published distribution summaries instead, and the
-study says so: median input about 142k tokens and median output 444 (issue 15, from the AgentX
-methodology), an infinite-prefix-cache token hit ratio of 85.8% (InferenceX issue #1632:
-semianalysisai/cc-traces-weka-no-subagents-051226, the newer, longer-trace AgentX dataset;
-the older cc-traces-weka-042026 gives 96.8% and, by that issue and InferenceX PR #1201,
-inflates hit rates; which version the September article replayed is not stated, so this is
-an ASSUMPTION and ``prefix_hit`` changes it), a 3,600 s window after warm-up
-(InferenceX agentic README: the matrix's default duration). Spreads and think times are
-ASSUMPTIONS: input and output lognormal (sigma 0.8 and 1.0), think time (tool execution between
-turns) lognormal with a 3 s median. Each request's cached tokens are the session's earlier
-context: the hit ratio of its input; the rest is new (tool output, the last answer).
+The September V4.1 runs replayed semianalysisai/cc-traces-weka-062126 (coding-agent sessions
+with subagents; InferenceX ``resolve_trace_source`` gives it to every ``dsv4*`` model since
+#1970, 2026-07-02). It is not on this machine, so requests are drawn from published summaries
+instead, and the study says so: median input about 142k tokens and median output 444 (issue
+15, from the AgentX methodology), an infinite-prefix-cache token hit ratio of 85.8% (InferenceX
+issue #1632, for the no-subagents corpus cc-traces-weka-no-subagents-051226; the older
+cc-traces-weka-042026 gives 96.8% and, by that issue and InferenceX PR #1201, inflates hit
+rates; no hit ratio of 062126 is published, so this is an ASSUMPTION and ``prefix_hit``
+changes it), a 3,600 s window after warm-up (InferenceX agentic README: the matrix's default
+duration). Spreads and think times are ASSUMPTIONS: input and output lognormal (sigma 0.8 and
+1.0), think time (tool execution between turns) lognormal with a 3 s median. Each request's
+cached tokens are the session's earlier context: the hit ratio of its input; the rest is new
+(tool output, the last answer). Subagent fan-out (more requests in flight than clients) is
+not modelled: each client holds one request.
 """
 
 from __future__ import annotations
