@@ -16,8 +16,9 @@ and the read's time for the record, restores what it injected (one regular-expre
 substitution for a read of ordinary token events) and writes them to the client as one
 chunk. Parsing the events into a record happens later, off the request's path, on the
 recorder's thread or in its process (``Exchange.to_record``). A request whose upstream
-connection is pooled goes upstream from the callback that parsed it. docs/capture.md,
-"Overhead", has the measurements that led here (the earlier proxy: uvicorn + aiohttp).
+connection is pooled goes upstream from the callback that parsed it. docs/capture.md, "History"
+and "Why the defaults", says what led here (the earlier proxies: FastAPI + httpx, then uvicorn
++ aiohttp) and what each default measured.
 
 Bounds: a request body over ``max_body_bytes`` is refused with 413 before anything goes
 upstream; a request head over ``max_head_bytes`` with 431; an answer over
@@ -281,7 +282,7 @@ class Forward:
         self.complete = True
         # asked here, where llhttp still has this answer's flags: once feed_data returns the parser has
         # reset for the next message and says False, which closed every upstream connection after one
-        # exchange (each request then paid a new connection on both hops; docs/capture.md, Overhead)
+        # exchange (each request then paid a new connection on both hops; docs/capture.md, Why the defaults)
         self.reusable = self.conn.parser.should_keep_alive()
 
     # -- after each upstream read ------------------------------------------------------------------

@@ -5,7 +5,7 @@ With the journal's thread inside the proxy (``Recorder``, ``--writer thread``), 
 GIL: about 0.1-0.2 ms for a short stream, but 2-3 ms for an 8k-token prompt or a 256-token
 answer and 5-10 ms at 32k tokens (measured here), during which an event that arrives for
 another stream waits (up to the interpreter's 5 ms switch interval at a time).
-``CaptureWriter`` (the CLI's default since it runs ``SCHED_IDLE``: docs/capture.md, Overhead)
+``CaptureWriter`` (the CLI's default since it runs ``SCHED_IDLE``: docs/capture.md, Why the defaults)
 moves all of it to a process of its own: the event loop pickles the raw ``Exchange`` (4 us
 for a 16-token stream) and appends it, length-prefixed, to a pipe with one non-blocking
 ``write``; the child (``python -m cachelab.capture.writer``) reads the pipe and
