@@ -112,6 +112,21 @@ def test_lfu_admits_only_rows_at_least_as_frequent_as_the_set_minimum():
     assert r.admitted.tolist() == [500] and r.evicted.size == 1
 
 
+@pytest.mark.parametrize("ways", [1, 8, 32])
+def test_a_sets_cheapest_ways_come_first_in_order_of_cost_then_way(ways):
+    """For every number of misses ``k``, the first ``k`` slots ``_ways_by_cost`` gives (picked one
+    by one for a few, sorted for more) are those of a stable sort by cost: ties by way."""
+    from policies.set_assoc.fbgemm import _ways_by_cost
+
+    rng = np.random.default_rng(ways)
+    for _ in range(50):
+        cost = rng.integers(-1, 4, 3 * ways)  # costs of three sets, many ties
+        for k in range(1, ways + 1):
+            order = np.empty(ways, np.int64)
+            _ways_by_cost(cost, ways, ways, order, k)
+            assert order[:k].tolist() == (ways + np.argsort(cost[ways:2 * ways], kind="stable")[:k]).tolist()
+
+
 def test_kernels_take_no_reference_counts_per_lookup():
     """The kernels hand ``borrowed`` views (cachelab.compiled.borrowed) to the helpers they call
     per lookup (the LRU kernel's admission filter) and per admitted row (``_place``), so every

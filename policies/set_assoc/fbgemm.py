@@ -48,6 +48,7 @@ from cachelab.policy.kernel import KernelPolicy, note_admit, note_evict
 ASSOC = 32
 TIME, SETS, WAYS = 0, 1, 2  # meta: step counter, sets, ways per set
 KEY, ROW = 0, 1  # work: a step's misses' sort keys (set x 2^40 + rank) and rows; rows 2 and 3 spare
+SELECT = 4  # a set with up to ways / SELECT misses picks its cheapest ways one by one; more sort all
 RUN = 32  # the merge sort of a step's misses starts from runs of this length, sorted by insertion
 
 
@@ -130,11 +131,22 @@ def _set_end(work, p, n, j, sets):
 
 
 @nb.njit(cache=True)
-def _ways_by_cost(cost, base, ways, order):
-    """``order[:ways]`` = the set's slots by ascending ``cost`` (ties: lower way first)."""
+def _ways_by_cost(cost, base, ways, order, k):
+    """``order[:k]`` = the set's ``k`` slots of lowest ``cost``, ascending (ties: lower way first):
+    ``k`` passes of selection for a few misses (one pass for one), an insertion sort of all the
+    ways for more."""
     for w in range(ways):
         order[w] = base + w
-    for a in range(1, ways):  # insertion sort: 32 entries
+    if k * SELECT <= ways:
+        for a in range(k):
+            best = a
+            for b in range(a + 1, ways):  # swaps reorder the rest: ties go by slot
+                c, d = cost[order[b]], cost[order[best]]
+                if c < d or (c == d and order[b] < order[best]):
+                    best = b
+            order[a], order[best] = order[best], order[a]
+        return
+    for a in range(1, ways):
         s = order[a]
         b = a - 1
         while b >= 0 and cost[order[b]] > cost[s]:
@@ -177,7 +189,7 @@ def _fbgemm_lru_kernel(keys, offsets, slot_of, key_of, meta, by_cost, work, stam
         j = 0
         while j < n:
             end = _set_end(work, p, n, j, sets)
-            _ways_by_cost(stamp, cache_set(work[p + 1, j], sets) * ways, ways, by_cost)
+            _ways_by_cost(stamp, cache_set(work[p + 1, j], sets) * ways, ways, by_cost, min(end - j, ways))
             for l in range(min(end - j, ways)):
                 slot, row = by_cost[l], work[p + 1, j + l]
                 if stamp[slot] == now:
@@ -213,7 +225,7 @@ def _fbgemm_lfu_kernel(keys, offsets, slot_of, key_of, meta, by_cost, work, freq
             for w in range(ways):
                 k = key_of[base + w]
                 cost[base + w] = freq[k] if k >= 0 else -1
-            _ways_by_cost(cost, base, ways, by_cost)
+            _ways_by_cost(cost, base, ways, by_cost, min(end - j, ways))
             for l in range(min(end - j, ways)):
                 slot, row = by_cost[l], work[p + 1, j + l]
                 if cost[slot] > freq[row]:
