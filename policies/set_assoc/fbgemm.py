@@ -31,7 +31,7 @@ the arrays themselves, Numba took and dropped a reference to each at every call,
 
 They allocate nothing. A step's distinct misses go to ``work``, scratch the policy keeps (four
 int64 rows as long as the longest step so far): a row missed twice in the step is marked in
-``slot_of`` (-2) while the misses are gathered, then the (set x 2^40 + rank, row) pairs are
+``slot_of`` (-2) while the misses are gathered, then the (set x 2^shift + rank, row) pairs are
 merge-sorted within ``work``. (``np.unique`` and an argsort built arrays at every step, on a
 stream of one lookup per step at every lookup.)
 """
@@ -46,8 +46,8 @@ from cachelab.policy.admission import admission_admit, admission_record
 from cachelab.policy.kernel import KernelPolicy, note_admit, note_evict
 
 ASSOC = 32
-TIME, SETS, WAYS = 0, 1, 2  # meta: step counter, sets, ways per set
-KEY, ROW = 0, 1  # work: a step's misses' sort keys (set x 2^40 + rank) and rows; rows 2 and 3 spare
+TIME, SETS, WAYS, SHIFT = 0, 1, 2, 3  # meta: step counter, sets, ways per set, sort-key shift
+KEY, ROW = 0, 1  # work: a step's misses' sort keys (set x 2^shift + rank) and rows; rows 2 and 3 spare
 SELECT = 4  # a set with up to ways / SELECT misses picks its cheapest ways one by one; more sort all
 RUN = 32  # the merge sort of a step's misses starts from runs of this length, sorted by insertion
 
@@ -62,6 +62,13 @@ def cache_set(key, sets):
     h *= np.uint64(0xC4CEB9FE1A85EC53)
     h ^= h >> np.uint64(33)
     return np.int64(h % np.uint64(sets))
+
+
+def sort_shift(sets: int) -> int:
+    """Bits left for the rank in a miss's sort key ``set << shift | rank``: as many as keep the
+    largest key in an int64 (a fixed 40 overflowed from 2^23 sets, 268 M slots, and misordered
+    the sets; the order within a set does not depend on the shift)."""
+    return 63 - int(sets).bit_length()
 
 
 @nb.njit(cache=True, inline="always")
@@ -101,9 +108,10 @@ def _sort_misses(work, n):
 
 
 @nb.njit(cache=True)
-def _misses_by_set(keys, lo, hi, slot_of, sets, hits, rank, use_rank, work):
+def _misses_by_set(keys, lo, hi, slot_of, sets, shift, hits, rank, use_rank, work):
     """Flag the step's hits; put its distinct misses in ``work``, grouped by set (ascending),
     ordered within a set by row, or by ``rank`` (ascending) and then by row if ``use_rank``.
+    ``rank`` is below ``2**shift`` and ``sets << shift`` fits an int64 (``sort_shift``).
     Returns their number and ``p``: ``work[p + 1, :number]`` holds the rows in that order."""
     n = 0
     for i in range(lo, hi):
@@ -116,7 +124,7 @@ def _misses_by_set(keys, lo, hi, slot_of, sets, hits, rank, use_rank, work):
     for j in range(n):
         row = work[ROW, j]
         slot_of[row] = -1
-        work[KEY, j] = cache_set(row, sets) * (np.int64(1) << 40) + (rank[row] if use_rank else 0)
+        work[KEY, j] = (cache_set(row, sets) << shift) + (rank[row] if use_rank else 0)
     return n, _sort_misses(work, n)
 
 
@@ -182,7 +190,7 @@ def _fbgemm_lru_kernel(keys, offsets, slot_of, key_of, meta, by_cost, work, stam
         now = meta[TIME]
         for i in range(lo, hi):
             admission_record(a_kind, a_counters, a_scores, a_meta, keys[i])
-        n, p = _misses_by_set(keys, lo, hi, slot_of, sets, hits, stamp, False, work)
+        n, p = _misses_by_set(keys, lo, hi, slot_of, sets, meta[SHIFT], hits, stamp, False, work)
         for i in range(lo, hi):
             if hits[i]:
                 stamp[slot_of[keys[i]]] = now
@@ -206,7 +214,7 @@ def _fbgemm_lru_kernel(keys, offsets, slot_of, key_of, meta, by_cost, work, stam
 def _fbgemm_lfu_kernel(keys, offsets, slot_of, key_of, meta, by_cost, work, freq, rank, cost,
                        a_kind, a_counters, a_scores, a_meta, hits, record, adm, adm_slot, ev, counts):
     sets, ways = meta[SETS], meta[WAYS]
-    top = np.int64(1) << 39
+    top = (np.int64(1) << meta[SHIFT]) - 1  # ranks below 2^shift while a count stays under it
     # no reference counts per admitted row (module doc)
     keys, slot_of, key_of, rank, hits = (borrowed(keys), borrowed(slot_of), borrowed(key_of), borrowed(rank),
                                          borrowed(hits))
@@ -217,7 +225,7 @@ def _fbgemm_lfu_kernel(keys, offsets, slot_of, key_of, meta, by_cost, work, freq
         for i in range(lo, hi):
             freq[keys[i]] += 1
             rank[keys[i]] = top - freq[keys[i]]  # most frequent first
-        n, p = _misses_by_set(keys, lo, hi, slot_of, sets, hits, rank, True, work)
+        n, p = _misses_by_set(keys, lo, hi, slot_of, sets, meta[SHIFT], hits, rank, True, work)
         j = 0
         while j < n:
             end = _set_end(work, p, n, j, sets)
@@ -242,7 +250,8 @@ class _SetAssociative(KernelPolicy):
 
     def init_state(self, capacity, num_keys):
         ways = min(ASSOC, capacity)
-        self.meta = np.array([0, capacity // ways, ways], dtype=np.int64)
+        sets = capacity // ways
+        self.meta = np.array([0, sets, ways, sort_shift(sets)], dtype=np.int64)
         self.by_cost = np.empty(ways, dtype=np.int64)  # a set's slots by cost
         self.work = np.empty((4, 0), dtype=np.int64)  # a step's misses: key, row, and the merge's spare
 
