@@ -93,22 +93,24 @@ def test_sets_are_fbgemm_cache_slot():
 
 @pytest.mark.parametrize("sets", [1, 7, 2**22 + 3, 2**24 + 5, 2**30 + 1, 2**40 + 9])
 def test_misses_group_by_set_at_any_set_count(sets):
-    """A step's distinct misses come out by set, then by rank, then by row, also past 2^23 sets
-    (a capacity of 268 M slots), where a fixed 40-bit rank field overflowed the sort key."""
+    """A step's distinct misses come out by set, then by count (most frequent first), then by row,
+    also past 2^23 sets (a capacity of 268 M slots), where a fixed 40-bit rank field overflowed
+    the sort key."""
     from policies.set_assoc.fbgemm import _misses_by_set, sort_shift
 
     rng = np.random.default_rng(sets % 1000)
     keys = rng.integers(0, 3_000, 4_000)
     shift = sort_shift(sets)
-    rank = rng.integers(0, 1 << min(shift, 20), 3_000)
-    rank[::5] = (1 << shift) - 2  # the largest rank an LFU count of 1 gives
-    for use_rank in (False, True):
+    freq = rng.integers(1, 1 << min(shift, 20), 3_000)
+    freq[::5] = 1  # the largest rank
+    freq[::11] = (1 << shift) - 1  # the largest count the key holds: rank 0
+    for by_freq in (False, True):
         slot_of = np.full(3_000, -1, np.int64)
         slot_of[::7] = 0  # cached: hits, not misses
         hits, work = np.zeros(keys.size, np.bool_), np.empty((4, keys.size), np.int64)
-        n, p = _misses_by_set(keys, 0, keys.size, slot_of, sets, shift, hits, rank, use_rank, work)
+        n, p = _misses_by_set(keys, 0, keys.size, slot_of, sets, shift, hits, freq, by_freq, work)
         misses = {int(k) for k in keys if k % 7}
-        want = sorted(misses, key=lambda k: (fbgemm_cache_slot(k, sets), rank[k] if use_rank else 0, k))
+        want = sorted(misses, key=lambda k: (fbgemm_cache_slot(k, sets), -freq[k] if by_freq else 0, k))
         assert list(work[p + 1, :n]) == want
         assert list(hits) == [k % 7 == 0 for k in keys]
 

@@ -108,10 +108,11 @@ def _sort_misses(work, n):
 
 
 @nb.njit(cache=True)
-def _misses_by_set(keys, lo, hi, slot_of, sets, shift, hits, rank, use_rank, work):
+def _misses_by_set(keys, lo, hi, slot_of, sets, shift, hits, freq, by_freq, work):
     """Flag the step's hits; put its distinct misses in ``work``, grouped by set (ascending),
-    ordered within a set by row, or by ``rank`` (ascending) and then by row if ``use_rank``.
-    ``rank`` is below ``2**shift`` and ``sets << shift`` fits an int64 (``sort_shift``).
+    ordered within a set by row, or by ``freq`` (descending) and then by row if ``by_freq``: the
+    rank ``2**shift - 1 - freq`` fills the key's low bits (``sort_shift``: ``sets << shift`` fits an
+    int64; counts stay below ``2**shift``).
     Returns their number and ``p``: ``work[p + 1, :number]`` holds the rows in that order."""
     n = 0
     for i in range(lo, hi):
@@ -124,7 +125,8 @@ def _misses_by_set(keys, lo, hi, slot_of, sets, shift, hits, rank, use_rank, wor
     for j in range(n):
         row = work[ROW, j]
         slot_of[row] = -1
-        work[KEY, j] = (cache_set(row, sets) << shift) + (rank[row] if use_rank else 0)
+        rank = ((np.int64(1) << shift) - 1 - freq[row]) if by_freq else 0  # most frequent first
+        work[KEY, j] = (cache_set(row, sets) << shift) + rank
     return n, _sort_misses(work, n)
 
 
@@ -211,21 +213,18 @@ def _fbgemm_lru_kernel(keys, offsets, slot_of, key_of, meta, by_cost, work, stam
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)
-def _fbgemm_lfu_kernel(keys, offsets, slot_of, key_of, meta, by_cost, work, freq, rank, cost,
+def _fbgemm_lfu_kernel(keys, offsets, slot_of, key_of, meta, by_cost, work, freq, cost,
                        a_kind, a_counters, a_scores, a_meta, hits, record, adm, adm_slot, ev, counts):
     sets, ways = meta[SETS], meta[WAYS]
-    top = (np.int64(1) << meta[SHIFT]) - 1  # ranks below 2^shift while a count stays under it
     # no reference counts per admitted row (module doc)
-    keys, slot_of, key_of, rank, hits = (borrowed(keys), borrowed(slot_of), borrowed(key_of), borrowed(rank),
-                                         borrowed(hits))
+    keys, slot_of, key_of, hits = borrowed(keys), borrowed(slot_of), borrowed(key_of), borrowed(hits)
     adm, adm_slot, ev, counts, cost = borrowed(adm), borrowed(adm_slot), borrowed(ev), borrowed(counts), borrowed(cost)
     by_cost, work = borrowed(by_cost), borrowed(work)
     for s in range(offsets.size - 1):
         lo, hi = offsets[s], offsets[s + 1]
         for i in range(lo, hi):
             freq[keys[i]] += 1
-            rank[keys[i]] = top - freq[keys[i]]  # most frequent first
-        n, p = _misses_by_set(keys, lo, hi, slot_of, sets, meta[SHIFT], hits, rank, True, work)
+        n, p = _misses_by_set(keys, lo, hi, slot_of, sets, meta[SHIFT], hits, freq, True, work)
         j = 0
         while j < n:
             end = _set_end(work, p, n, j, sets)
@@ -292,8 +291,7 @@ class FbgemmLFU(_SetAssociative):
     def init_state(self, capacity, num_keys):
         super().init_state(capacity, num_keys)
         self.freq = np.zeros(num_keys, dtype=np.int64)
-        self.rank = np.zeros(num_keys, dtype=np.int64)
         self.cost = np.zeros(capacity, dtype=np.int64)
 
     def state(self):
-        return (self.meta, self.by_cost, self.work, self.freq, self.rank, self.cost)
+        return (self.meta, self.by_cost, self.work, self.freq, self.cost)
