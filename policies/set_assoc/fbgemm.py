@@ -131,11 +131,12 @@ def _misses_by_set(keys, lo, hi, slot_of, sets, shift, hits, freq, by_freq, work
 
 
 @nb.njit(cache=True, inline="always")
-def _set_end(work, p, n, j, sets):
-    """The end of the run of misses from ``j`` on in the same set: ``work[p + 1, j:end]``."""
-    s = cache_set(work[p + 1, j], sets)
+def _set_end(work, p, n, j, shift):
+    """The end of the run of misses from ``j`` on in the same set (a key's bits above ``shift``):
+    ``work[p + 1, j:end]``."""
+    s = work[p, j] >> shift
     end = j + 1
-    while end < n and cache_set(work[p + 1, end], sets) == s:
+    while end < n and work[p, end] >> shift == s:
         end += 1
     return end
 
@@ -198,8 +199,8 @@ def _fbgemm_lru_kernel(keys, offsets, slot_of, key_of, meta, by_cost, work, stam
                 stamp[slot_of[keys[i]]] = now
         j = 0
         while j < n:
-            end = _set_end(work, p, n, j, sets)
-            _ways_by_cost(stamp, cache_set(work[p + 1, j], sets) * ways, ways, by_cost, min(end - j, ways))
+            end = _set_end(work, p, n, j, meta[SHIFT])
+            _ways_by_cost(stamp, (work[p, j] >> meta[SHIFT]) * ways, ways, by_cost, min(end - j, ways))
             for l in range(min(end - j, ways)):
                 slot, row = by_cost[l], work[p + 1, j + l]
                 if stamp[slot] == now:
@@ -227,8 +228,8 @@ def _fbgemm_lfu_kernel(keys, offsets, slot_of, key_of, meta, by_cost, work, freq
         n, p = _misses_by_set(keys, lo, hi, slot_of, sets, meta[SHIFT], hits, freq, True, work)
         j = 0
         while j < n:
-            end = _set_end(work, p, n, j, sets)
-            base = cache_set(work[p + 1, j], sets) * ways
+            end = _set_end(work, p, n, j, meta[SHIFT])
+            base = (work[p, j] >> meta[SHIFT]) * ways
             for w in range(ways):
                 k = key_of[base + w]
                 cost[base + w] = freq[k] if k >= 0 else -1
