@@ -29,7 +29,7 @@ Sections (each prints a ratio against its same-run reference):
   and through the thread pool of preads, against fio's ``randread`` with ``--direct=1
   --ioengine=io_uring`` at the same depth on the same file over as many reads, interleaved over
   three rounds, best of each (goal: at least 0.7 at QD >= 32).
-  Without fio (Debian: ``apt-get install fio``) the section says so.
+  Without fio (``scripts/setup`` installs it where apt is available) the section says so.
 - ``modes``: ``cachelab store bench`` (the CLI, in a fresh process) with ``mmap``, ``pread``
   and ``direct`` on the same stream, policy and capacities, so at equal hit ratios, the page
   cache dropped before each; step seconds and backing-read seconds, as ratios to ``direct``.
