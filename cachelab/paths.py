@@ -41,14 +41,6 @@ def data_root(required: bool = True) -> Path | None:
     return None
 
 
-def data_file(relative: str) -> Path:
-    """A file under the data root, with an error naming it when it is missing."""
-    path = data_root() / relative
-    if not path.exists():
-        raise CachelabError(f"data file not found: {path}")
-    return path
-
-
 def resolve_data_path(path: str, where: str = "spec", key: str = "path") -> Path:
     """A data file or folder a spec or flag names: absolute as given; relative, under the data
     root, else in the working directory. The error names ``where``, ``key`` and the path."""

@@ -186,12 +186,9 @@ class RowSpace:
     def num_rows(self) -> int:
         return int(self.keys.size)
 
-    def distinct_ids(self, keys: np.ndarray) -> np.ndarray:
-        """Dense ids of ``keys``' distinct values in first-occurrence order."""
-        return self.distinct_first(keys)[0]
-
     def distinct_first(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``distinct_ids`` and, for each, the index in ``keys`` of its first occurrence."""
+        """Dense ids of ``keys``' distinct values in first-occurrence order and, for each, the
+        index in ``keys`` of its first occurrence."""
         self._stamp += 1
         out, first = np.empty(keys.size, np.int64), np.empty(keys.size, np.int64)
         n = _distinct_ids(np.ascontiguousarray(keys, dtype=np.int64), self._table_keys, self._table_ids,

@@ -350,9 +350,9 @@ class TieredStore:
             new_pos = np.empty(n, np.int64)
             new_pos[hit_pos] = np.arange(h)
             new_pos[miss_pos] = h + np.arange(m)
-            written_dram = written_hbm = 0
+            written_hbm = 0
             if dram is not None:
-                written_dram = dram.commit(res1, host, _positions(ids1, res1.admitted))
+                dram.commit(res1, host, _positions(ids1, res1.admitted))
             if hbm is not None:
                 written_hbm = hbm.commit(res0, dev, new_pos[_positions(ids, res0.admitted)])
             t7 = clock()

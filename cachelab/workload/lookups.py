@@ -95,10 +95,6 @@ class LookupStream:
     def num_lookups(self) -> int:
         return self.keys.size
 
-    def step_ids(self) -> np.ndarray:
-        """The step of every lookup."""
-        return np.repeat(np.arange(self.num_steps, dtype=np.int64), np.diff(self.step_offsets))
-
     @classmethod
     def from_keys(cls, keys, row_bytes: int = 1) -> "LookupStream":
         """A plain key trace: every request is its own step (no deduplication)."""
