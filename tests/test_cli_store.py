@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from cachelab.cli import app
@@ -64,7 +65,9 @@ def test_bench_json_matches_the_simulator(tables, tmp_path):
         out = json.loads(res.output)
         assert out["matches_simulator"] is True and out["mismatches"] == 0
         assert out["store"]["hbm_hits"] == out["simulator"]["levels"]["hbm"]["served_unique"] > 0
-        assert "CPU tensor" in out["hbm_device"]
+        assert ("cuda" if torch.cuda.is_available() else "CPU tensor") in out["hbm_device"]  # --device auto
+    res = run("bench", "--dir", tables, "--trace", path, "--capacity", 150, "--device", "gpu")
+    assert res.exit_code == 2 and "device 'gpu': expected cpu, cuda or cuda:N" in res.output
 
 
 def test_bad_input_exits_2_naming_the_value(tables, tmp_path):

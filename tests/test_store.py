@@ -573,3 +573,40 @@ def test_pagecache_experiment_phases(tables):
     assert out["cold"]["table_pages_resident"] > 0
     assert out["reclaim"]["drops"] == 12  # interval 0: the pages go after every step
     assert "cgroup" not in out  # the cgroup phase (a child process) runs in benchmarks/bench_store.py
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo", "fbgemm-lru"])
+def test_a_tier_in_device_memory_moves_the_same_bytes_as_a_host_tier(policy):
+    """The HBM row cache on a GPU keeps its rows in a torch tensor and moves them with index
+    ops; a host tier with NumPy and the compiled loop. Driven by the same steps, the two hold
+    and return the same bytes, and every hit returns its own row. (A CPU tensor stands in for
+    device memory: the torch path is the same on CUDA; tests/test_store_cuda.py runs it there.)"""
+    from cachelab import registry
+    from cachelab.store.tier import CacheTier
+
+    rng = np.random.default_rng(11)
+    num_keys, capacity, rb = 5_000, 300, 264
+    row_of = rng.integers(0, 256, (num_keys, rb), dtype=np.uint8)  # each key's row contents
+    host = CacheTier("dram", registry.make_policy(policy), capacity, num_keys, np.zeros((capacity, rb), np.uint8))
+    dev = CacheTier("hbm", registry.make_policy(policy), capacity, num_keys, torch.zeros((capacity, rb), dtype=torch.uint8))
+    hits_seen = 0
+    for _ in range(40):
+        ids = np.unique(np.minimum(rng.zipf(1.3, 400), num_keys) - 1)
+        rng.shuffle(ids)
+        got = {}
+        for name, tier in (("host", host), ("dev", dev)):
+            hits, slots, res = tier.lookup(ids, None)
+            hit_pos, miss_pos = np.flatnonzero(hits), np.flatnonzero(~hits)
+            rows = np.zeros((ids.size, rb), np.uint8)
+            rows[miss_pos] = row_of[ids[miss_pos]]  # the misses, as read from below
+            step = rows if name == "host" else torch.from_numpy(rows.copy())
+            tier.gather(slots, hit_pos, step)
+            order = np.argsort(ids)
+            tier.commit(res, step, order[np.searchsorted(ids[order], res.admitted)])  # admitted rows' places
+            got[name] = (hits, np.asarray(step))
+        assert np.array_equal(got["host"][0], got["dev"][0])
+        assert np.array_equal(got["host"][1], got["dev"][1])
+        assert np.array_equal(got["host"][1], row_of[ids])  # hits returned their own rows
+        assert np.array_equal(host.memory, dev.memory.numpy())
+        hits_seen += int(got["host"][0].sum())
+    assert hits_seen > 1000

@@ -92,6 +92,8 @@ def bench(
                                   "is used."),
     compute_ms: float = typer.Option(0.0, "--compute-ms", help="Milliseconds the caller holds each step's rows "
                                      "(standing for the model's forward pass, which --prefetch overlaps)."),
+    device: str = typer.Option("auto", "--device", help="Where the HBM row cache and dequantisation run: cuda, "
+                               "cpu (a CPU tensor stands in for HBM), or auto: cuda where a GPU is present."),
     no_verify: bool = typer.Option(False, "--no-verify", help="Skip comparing every row with its reference."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
@@ -120,12 +122,22 @@ def bench(
         raise CachelabError("--dram-policy needs --dram-capacity")
     out = replay_store(directory, stream, backing, hbm, capacity, dram, dram_capacity, scores,
                        verify=not no_verify, prefetch=prefetch, io_threads=io_threads, io_submit=io_submit,
-                       progress=not as_json, max_lookups=max_lookups, compute_ms=compute_ms)
+                       progress=not as_json, max_lookups=max_lookups, compute_ms=compute_ms,
+                       device=_device(device))
     out["trace"] = trace
     if as_json:
         typer.echo(json.dumps(out))
         return
     _print(out)
+
+
+def _device(device: str) -> str:
+    """``--device``: ``auto`` is cuda where torch sees a GPU, else cpu."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _presets() -> set[str]:

@@ -23,6 +23,7 @@ from cachelab.engine.replay import replay
 from cachelab.engine.tiers import Hierarchy, SSDStore, Tier
 from cachelab.errors import CachelabError
 from cachelab.store.format import PAGE
+from cachelab.store.kernels import DEQUANT_TABLE, dequant_expand
 from cachelab.store.store import TieredStore
 from cachelab.workload.lookups import LookupStream, global_key, split_key
 
@@ -61,10 +62,10 @@ def check_rows(store: TieredStore, row_ids: np.ndarray, got) -> int:
     for li in range(lay.layer_base.size):
         sel = np.flatnonzero(layer == li)
         packed[sel] = store.source.rows(li, keys[sel] - lay.layer_base[li])
-    want = store._dequant(packed, np.arange(keys.size, dtype=np.int64), (keys.size,))
-    torch = store.torch
-    got = got.reshape(keys.size, -1).cpu()
-    return int((got.view(torch.int16) != want.view(torch.int16)).any(dim=1).sum())
+    want = np.empty((keys.size, lay.row_dim), np.uint16)  # the CPU's dequantiser, whatever the store's device
+    dequant_expand(packed, np.arange(keys.size, dtype=np.int64), DEQUANT_TABLE, want, work=want.nbytes)
+    got = got.reshape(keys.size, -1).cpu().view(store.torch.int16).numpy().view(np.uint16)
+    return int((got != want).any(axis=1).sum())
 
 
 def simulate(store: TieredStore, stream: LookupStream, folded: np.ndarray, specs: dict[str, PolicySpec],
@@ -106,7 +107,8 @@ def compare(store_totals: dict, sim: dict, tier_names, backing: str) -> dict[str
 def replay_store(directory, stream: LookupStream, backing: str, hbm: PolicySpec | None, hbm_capacity,
                  dram: PolicySpec | None = None, dram_capacity=None, scores: np.ndarray | None = None,
                  verify: bool = True, prefetch: bool = False, io_threads: int | None = None, io_submit: str = "auto",
-                 progress: bool = False, max_lookups: int | None = None, compute_ms: float = 0.0) -> dict:
+                 progress: bool = False, max_lookups: int | None = None, compute_ms: float = 0.0,
+                 device: str = "cpu") -> dict:
     """Replay ``stream`` through a store opened on ``directory``; the store's totals, the
     simulator's figures, the comparison and the row check, as one JSON-shaped dict.
 
@@ -123,7 +125,7 @@ def replay_store(directory, stream: LookupStream, backing: str, hbm: PolicySpec 
     mismatches = 0
     with TieredStore.open(directory, backing=backing, hbm_policy=hbm and hbm.make(), hbm_capacity=hbm_capacity,
                           dram_policy=dram and dram.make(), dram_capacity=dram_capacity,
-                          io_threads=io_threads, io_submit=io_submit) as store:
+                          io_threads=io_threads, io_submit=io_submit, device=device) as store:
         cfg = store.layout
         L, C = len(cfg.layers), cfg.columns
         folded = np.empty(stream.keys.size, np.int64)

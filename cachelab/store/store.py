@@ -129,6 +129,8 @@ class TieredStore:
         self.row_bytes, self.row_dim = lay.row_bytes, lay.row_dim
         self.num_keys = lay.num_keys
         self.layer_base = lay.layer_base
+        if device != "cpu" and not device.startswith("cuda"):
+            raise CachelabError(f"device {device!r}: expected cpu, cuda or cuda:N")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise CachelabError(f"device {device!r}: CUDA is not available here; use device='cpu'")
         self.device = torch.device(device)
@@ -207,7 +209,7 @@ class TieredStore:
         self._lock = threading.Lock()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="cachelab-store-prefetch")
         self._pending: Future | None = None
-        self._bufs: dict[str, np.ndarray] = {}
+        self._bufs: dict = {}  # reused buffers by name: NumPy arrays, and torch tensors with CUDA
 
     @cached_property
     def source(self) -> RowSource:
@@ -287,7 +289,7 @@ class TieredStore:
     def _serve(self, row_ids, scores, c: Counters, out=None):
         if self._fused:
             return self._serve_fused(row_ids, scores, c, out)
-        clock = time.perf_counter
+        clock = self._clock
         t0 = clock()
         minor0, major0 = _faults()
         keys = self.layout_tables.fold(row_ids, base=self._key_base)
@@ -331,7 +333,7 @@ class TieredStore:
             # the device rows themselves: with no device there is nothing to copy)
             h = hit_pos.size
             dev = self._device_rows(n)
-            host = self._buf("host", m) if self.cuda else dev[h:h + m]
+            host = self._host_staging(m) if self.cuda else dev[h:h + m]
             if dram is not None:
                 dram.gather(slots1, dram_hit, host)
             t3 = clock()
@@ -427,12 +429,30 @@ class TieredStore:
             self._bufs["device_cuda"] = buf
         return buf[:n]
 
+    def _clock(self) -> float:
+        """The time between stages. With CUDA it first waits for the work queued on the current
+        stream, so each stage's seconds hold its device work (copies and dequantisation run
+        asynchronously) and the stages add up to the step, as on the CPU."""
+        if self.cuda:
+            self.torch.cuda.current_stream(self.device).synchronize()
+        return time.perf_counter()
+
+    def _host_staging(self, m: int) -> np.ndarray:
+        """With CUDA: the pinned host rows a step's DRAM hits and backing reads land in, as a
+        NumPy view (free again once a step's copy is done: ``_clock`` waits for it)."""
+        buf = self._bufs.get("host_pinned")
+        if buf is None or buf.shape[0] < m:
+            rows = max(m, 1024, 0 if buf is None else 2 * buf.shape[0])
+            buf = self.torch.empty((rows, self.row_bytes), dtype=self.torch.uint8, pin_memory=True)
+            self._bufs["host_pinned"] = buf
+        return buf[:m].numpy()
+
     def _copy(self, host: np.ndarray, dev, h: int, m: int) -> None:
-        """Host staging -> device rows ``[h, h + m)`` (on the CPU the staging is those rows)."""
+        """Host staging -> device rows ``[h, h + m)``: an asynchronous copy from pinned memory
+        (on the CPU the staging is those rows: nothing to copy)."""
         if not m or not self.cuda:
             return
-        torch = self.torch
-        dev[h:h + m].copy_(torch.from_numpy(host[:m]).pin_memory(), non_blocking=True)
+        dev[h:h + m].copy_(self._bufs["host_pinned"][:m], non_blocking=True)
 
     def _output(self, shape, out):
         """The result tensor (``out`` checked, or a fresh CPU one from the pool of recycled

@@ -19,9 +19,10 @@ from cachelab.store.kernels import copy_rows
 
 
 class CacheTier:
-    """``capacity`` slots of ``row_bytes`` in ``memory`` (a NumPy view of the tier's buffer)."""
+    """``capacity`` slots of ``row_bytes`` in ``memory``: a NumPy view of the tier's host buffer,
+    or the torch tensor of a tier in device memory (with CUDA, the HBM row cache)."""
 
-    def __init__(self, name: str, policy: Policy, capacity: int, num_keys: int, memory: np.ndarray):
+    def __init__(self, name: str, policy: Policy, capacity: int, num_keys: int, memory):
         caps = policy.capabilities
         if caps.needs_future:
             raise CachelabError(f"policy {policy.name!r} ({name} tier) needs the future; a live store serves one "
@@ -47,9 +48,9 @@ class CacheTier:
                                 "(rows numbered by first use), which it never admitted")
         return res.hits, slots.astype(np.int64), res
 
-    def gather(self, slots: np.ndarray, dst: np.ndarray, out: np.ndarray) -> None:
-        if slots.size:
-            copy_rows(self.memory, slots, out, dst, work=slots.size * out.shape[1])
+    def gather(self, slots: np.ndarray, dst: np.ndarray, out) -> None:
+        """``out[dst[i]] = slot slots[i]``'s row."""
+        _move_rows(self.memory, slots, out, dst)
 
     def commit(self, res: StepResult, src: np.ndarray, src_index: np.ndarray) -> int:
         """Apply the step's admissions and evictions; admitted key ``res.admitted[i]``'s bytes
@@ -66,6 +67,20 @@ class CacheTier:
             return 0
         adm, slots, idx = adm[stays], slots[stays], src_index[stays]
         self.slot_of[adm] = slots
-        if slots.size:
-            copy_rows(src, idx, self.memory, slots.astype(np.int64), work=slots.size * src.shape[1])
+        _move_rows(src, idx, self.memory, slots.astype(np.int64))
         return int(slots.size)
+
+
+def _move_rows(src, src_index: np.ndarray, dst, dst_index: np.ndarray) -> None:
+    """``dst[dst_index[i]] = src[src_index[i]]``. Host rows (NumPy) move in a compiled loop; a
+    tier in device memory (a torch tensor: the HBM row cache on a GPU) moves them there with
+    index ops, its rows never crossing to the host."""
+    if not src_index.size:
+        return
+    if isinstance(src, np.ndarray) and isinstance(dst, np.ndarray):
+        copy_rows(src, src_index, dst, dst_index, work=src_index.size * src.shape[1])
+        return
+    import torch
+
+    rows = src.index_select(0, torch.from_numpy(src_index).to(src.device, non_blocking=True))
+    dst.index_copy_(0, torch.from_numpy(dst_index).to(dst.device, non_blocking=True), rows)

@@ -1,0 +1,63 @@
+"""The store on a GPU: the HBM row cache in device memory, pinned staging, the host -> device
+copy and dequantisation by torch ops. Runs where torch sees CUDA (a lent device) and is skipped
+elsewhere; on the CPU, tests/test_store.py runs the same tier logic with a CPU tensor."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cachelab.store import TieredStore, build_tables
+from cachelab.store.bench import PolicySpec, check_rows, replay_store
+from test_store import SCALE, full_rows, stream_of
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a GPU)")
+
+
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tables")
+    build_tables("deepseek-v4.1-flash", SCALE, d, seed=7, progress=False)
+    return d
+
+
+@pytest.mark.parametrize("backing", ["dram", "mmap", "pread", "direct"])
+def test_cuda_store_returns_the_cpu_stores_rows_and_counts(tables, backing):
+    rng = np.random.default_rng(2)
+    tiers = dict(backing=backing, hbm_policy="lru", hbm_capacity=300, dram_policy="s3fifo", dram_capacity="256KiB")
+    with TieredStore.open(tables, device="cuda", **tiers) as gpu, TieredStore.open(tables, **tiers) as cpu:
+        assert "cuda" in gpu.hbm_device and gpu.tiers[0].memory.is_cuda
+        for _ in range(6):
+            rows = full_rows(rng, 40)
+            got, want = gpu.lookup(rows), cpu.lookup(rows)
+            assert got.is_cuda and got.dtype == torch.bfloat16
+            assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16))
+            assert check_rows(gpu, rows, got) == 0
+            for key in ("unique", "hbm_hits", "dram_hits", "backing_rows", "host_to_device_bytes", "dram_to_hbm_bytes"):
+                assert gpu.last_step[key] == cpu.last_step[key], key
+            if gpu.last_step["hbm_misses"]:
+                assert gpu.last_step["copy_s"] > 0  # the stage waits for its copy
+        assert gpu.totals["hbm_hits"] > 0 and gpu.totals["dram_hits"] > 0
+
+
+def test_cuda_prefetch_and_the_resident_table(tables):
+    rng = np.random.default_rng(4)
+    with TieredStore.open(tables, device="cuda", hbm_policy="lru", hbm_capacity=500) as store:
+        for _ in range(3):
+            rows = full_rows(rng, 20)
+            assert check_rows(store, rows, store.prefetch(rows).wait()) == 0
+    with TieredStore.open(tables, backing="hbm", hbm_policy=None, device="cuda") as store:
+        assert store.backing.table.is_cuda
+        rows = full_rows(rng, 50)
+        assert check_rows(store, rows, store.lookup(rows)) == 0
+        assert store.last_step["host_to_device_bytes"] == 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo", "fbgemm-lru"])
+def test_cuda_store_bench_matches_the_simulator(tables, policy):
+    stream = stream_of(np.random.default_rng(3), steps=6, tokens=30)
+    out = replay_store(tables, stream, "direct", PolicySpec(policy, {}), 400, PolicySpec(policy, {}), 900,
+                       device="cuda")
+    assert out["mismatches"] == 0 and out["matches_simulator"], out["comparison"]
+    assert "cuda" in out["hbm_device"]
