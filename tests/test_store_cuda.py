@@ -61,3 +61,15 @@ def test_cuda_store_bench_matches_the_simulator(tables, policy):
                        device="cuda")
     assert out["mismatches"] == 0 and out["matches_simulator"], out["comparison"]
     assert "cuda" in out["hbm_device"]
+
+
+def test_a_prefetch_does_not_wait_for_the_callers_stream(tables):
+    """The store's steps run on its own stream: a prefetch started while the caller's stream is
+    busy (a forward pass; here a kernel that spins about a second) completes before it."""
+    rows = full_rows(np.random.default_rng(8), 20)
+    with TieredStore.open(tables, device="cuda", hbm_policy="lru", hbm_capacity=500) as store:
+        store.lookup(rows)  # warm: allocations and compilation out of the way
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU cycles on the caller's stream
+        got = store.prefetch(rows).wait()
+        assert not torch.cuda.current_stream().query()  # the caller's spin still running
+        assert check_rows(store, rows, got) == 0

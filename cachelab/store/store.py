@@ -110,7 +110,7 @@ class PrefetchHandle:
         if self.stall_seconds is None:
             self.stall_seconds = time.perf_counter() - t
             self._store._add_stall(counters, self.stall_seconds)
-        return rows
+        return self._store._hand_over(rows, self._store._caller_stream())
 
 
 class TieredStore:
@@ -210,6 +210,7 @@ class TieredStore:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="cachelab-store-prefetch")
         self._pending: Future | None = None
         self._bufs: dict = {}  # reused buffers by name: NumPy arrays, and torch tensors with CUDA
+        self._stream = torch.cuda.Stream(self.device) if self.cuda else None  # the steps' device work
 
     @cached_property
     def source(self) -> RowSource:
@@ -263,8 +264,8 @@ class TieredStore:
         pending = self._pending
         if pending is not None:
             pending.result()  # steps run in the order they were asked for
-        rows, _ = self._step(row_ids, scores, out)
-        return rows
+        rows = self._step(row_ids, scores, out)[0]
+        return self._hand_over(rows, self._caller_stream()) if self.cuda else rows
 
     def prefetch(self, row_ids, scores=None) -> PrefetchHandle:
         """Start the step for ``row_ids`` on the background thread; ``wait()`` on the handle."""
@@ -278,7 +279,29 @@ class TieredStore:
             counters["stall_s"] += seconds
             self.totals["stall_s"] += seconds
 
+    def _caller_stream(self):
+        """With CUDA, the current stream of the calling thread (None on the CPU)."""
+        return self.torch.cuda.current_stream(self.device) if self.cuda else None
+
+    def _hand_over(self, rows, stream):
+        """Rows made on the store's stream, handed to the caller's: their memory is not reused
+        until the work the caller queues on them is done."""
+        if stream is not None:
+            rows.record_stream(stream)
+        return rows
+
     def _step(self, row_ids, scores, out=None):
+        """One step under the lock. With CUDA it runs on the store's own stream, so its waits
+        (``_clock``) hold the store's work only, never a forward pass the caller runs beside a
+        prefetch; a caller's ``out=`` is written after what the caller queued before asking."""
+        if not self.cuda:
+            return self._step_here(row_ids, scores, out)
+        if out is not None:
+            self._stream.wait_stream(self._caller_stream())
+        with self.torch.cuda.stream(self._stream):
+            return self._step_here(row_ids, scores, out)
+
+    def _step_here(self, row_ids, scores, out):
         with self._lock:
             c = Counters(self.tier_names)
             rows = self._serve(row_ids, scores, c, out)
@@ -430,11 +453,11 @@ class TieredStore:
         return buf[:n]
 
     def _clock(self) -> float:
-        """The time between stages. With CUDA it first waits for the work queued on the current
-        stream, so each stage's seconds hold its device work (copies and dequantisation run
-        asynchronously) and the stages add up to the step, as on the CPU."""
+        """The time between stages. With CUDA it first waits for the store's stream, so each
+        stage's seconds hold its device work (copies and dequantisation run asynchronously),
+        the stages add up to the step, and the rows are complete when the step returns."""
         if self.cuda:
-            self.torch.cuda.current_stream(self.device).synchronize()
+            self._stream.synchronize()
         return time.perf_counter()
 
     def _host_staging(self, m: int) -> np.ndarray:
