@@ -1,4 +1,4 @@
-"""Where cachelab finds third-party data and keeps its own derived caches.
+"""Where cachelab finds third-party data, keeps its own derived caches and may write outputs.
 
 Nothing is downloaded: the data root is configured (``CACHELAB_DATA``) or found beside the
 checkout (``../shared/data``), and derived artefacts (the compressed-vocabulary map) live in
@@ -58,3 +58,31 @@ def resolve_data_path(path: str, where: str = "spec", key: str = "path") -> Path
         raise CachelabError(f"{where}: {key}: {path!r} needs the data root: "
                             "set CACHELAB_DATA to the folder holding traces/ and prompts/")
     raise CachelabError(f"{where}: {key}: data file not found: {root / given}")
+
+
+def output_file(path: Path, flag: str) -> Path:
+    """An output file a flag names, checked before the work that fills it: its folder must
+    exist and be writable and the path must not be a folder, so a long run does not fail at
+    its end with nothing written."""
+    path = Path(path)
+    folder = path.parent
+    if path.is_dir():
+        raise CachelabError(f"{flag} {path}: is a folder; give a file name")
+    if not folder.is_dir():
+        raise CachelabError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise CachelabError(f"{flag} {path}: the folder {folder} is not writable")
+    return path
+
+
+def output_folder(path: Path, flag: str) -> Path:
+    """An output folder a flag names, made before the work that fills it: a path that cannot
+    be one is named at once, not after the run."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CachelabError(f"{flag} {path}: cannot be made a folder ({exc.strerror or exc})") from None
+    if not os.access(path, os.W_OK):
+        raise CachelabError(f"{flag} {path}: the folder is not writable")
+    return path

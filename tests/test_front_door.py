@@ -261,6 +261,28 @@ def test_small_messages(keys):
 
 
 @pytest.mark.data
+def test_output_paths_are_checked_before_the_work_and_named(tmp_path):
+    """A folder that does not exist, or a folder where a file is wanted, stops the verb before
+    it computes anything."""
+    missing = tmp_path / "no" / "stream.npz"
+    res = invoke("trace", "lookups", "gsm8k", "--requests", 2, "-o", missing)
+    assert res.exit_code == 2 and f"--out {missing}: the folder {missing.parent} does not exist" in res.output
+    res = invoke("study", "inferencex", "--out", tmp_path)
+    assert res.exit_code == 2 and f"--out {tmp_path}: is a folder; give a file name" in res.output
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    res = invoke("study", "semianalysis", "--out", a_file / "points", "--fit-evals", 0, "--no-sensitivity")
+    assert res.exit_code == 2 and f"--out {a_file / 'points'}: cannot be made a folder (Not a directory)" in res.output
+    res = invoke("trace", "lookups", "gsm8k", "--requests", 2, "-o", a_file / "stream.npz")
+    assert res.exit_code == 2 and f"--out {a_file / 'stream.npz'}: the folder {a_file} does not exist" in res.output
+
+
+def test_a_path_the_os_refuses_is_named_not_a_traceback(tmp_path):
+    missing = tmp_path / "missing"
+    res = invoke("hw", "probe", "--directory", missing, "--json")  # the probe's temp file goes there
+    assert res.exit_code == 2 and f"error: {missing}/" in res.output and "No such file or directory" in res.output
+
+
 def test_docs_learned_commands_work_as_written(tmp_path, data_dir):
     """docs/learned.md: write the stream, train on it, simulate a learned policy over it; train and
     evaluate count its lookups alike."""

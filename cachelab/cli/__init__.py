@@ -10,14 +10,20 @@ from cachelab.errors import CachelabError
 
 
 class _Group(TyperGroup):
-    """Turns a CachelabError anywhere below into ``error: <message>`` and exit status 2, and
-    an exception raised inside a plug-in into an error naming the plug-in and the reason."""
+    """Turns a CachelabError anywhere below into ``error: <message>`` and exit status 2 (a path
+    that cannot be read or written too, named), and an exception raised inside a plug-in into
+    an error naming the plug-in and the reason."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except CachelabError as exc:
             typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(code=2) from None
+        except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as exc:
+            # a path the user gave that cannot be read or written: named, not a traceback
+            where = f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc)
+            typer.echo(f"error: {where}", err=True)
             raise typer.Exit(code=2) from None
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import typer
 
+from cachelab.paths import output_file
+
 
 def calibrate(
     step_log: Path = typer.Option(..., "--step-log", help="A `cachelab serve --step-log` directory, or a folder of "
@@ -43,6 +45,8 @@ def calibrate(
     over its wall time) says how much a run waited for a core or the GIL; the same errors are
     also given for the predictions at each run's measured share (the fitted times scaled by the
     fit runs' share over the run's)."""
+    if out is not None:
+        output_file(out, "--out")
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cachelab.errors import CachelabError
+from cachelab.paths import output_file, output_folder
 from cachelab.serving.agentic import PREFIX_HIT, PREFIX_HIT_V01
 from cachelab.serving.latency import PLACEMENTS
 
@@ -220,6 +221,8 @@ def hw_probe(
 
     from cachelab.serving.hardware.probe import probe, write_profile
 
+    if out is not None:
+        output_file(out, "--out")
     with Progress(transient=True, disable=as_json) as bar:
         task = bar.add_task("probe", total=5)
 
@@ -305,6 +308,7 @@ def study_semianalysis(
 
     if not 0.0 <= prefix_hit < 1.0:
         raise CachelabError(f"--prefix-hit must be in [0, 1), got {prefix_hit}")
+    output_folder(out, "--out")
     console = Console(stderr=True, quiet=as_json)
     eff, loss = _efficiency(console, fit_evals)
     workload = agentic_workload(prefix_hit=prefix_hit)
@@ -392,6 +396,8 @@ def study_inferencex(
                                               ssd_builds, validate, with_fitted_think)
     from cachelab.serving.studies.semianalysis import with_fitted_piecewise
 
+    if out is not None:
+        output_file(out, "--out")
     console = Console(stderr=True, quiet=as_json)
     points, think = with_fitted_think(load_points(data_root()))
     train = [p for p in points if p.subset == FIT_SUBSET]

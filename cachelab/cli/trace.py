@@ -15,6 +15,7 @@ from cachelab.learning.streams import STEP_VIEWS, load_trace
 from cachelab.trace.kinds import detect
 from cachelab.errors import CachelabError
 from cachelab.params import parse_pairs
+from cachelab.paths import output_file
 from cachelab.trace.keytrace import write_oracle_general
 from cachelab.workload.prefix_cache.hashing import sorted_distinct
 from cachelab.trace.schema import write_trace
@@ -78,6 +79,7 @@ def build(
 
     The spec format, every source and the synthesis rules: docs/traces.md.
     """
+    output_file(out, "--out")
     if from_capture is not None:
         _build_from_capture(from_capture, out, as_json, given=spec is not None or arrivals is not None or corpus is not None)
         return
@@ -192,6 +194,7 @@ def convert(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Convert between the trace schema and libCacheSim's oracleGeneral key format (unit sizes)."""
+    output_file(out, "OUT")
     if out.suffix == ".parquet":
         frame = oracle_to_trace(source)
         write_trace(frame, out)
@@ -226,6 +229,7 @@ def lookups(
 
     Example: `cachelab trace lookups gsm8k,humaneval --requests 150 -o stream.npz`.
     """
+    output_file(out, "--out")
     found = detect(trace)
     with Console(stderr=True, quiet=as_json).status(f"addressing {found}"):
         stream = load_trace(found, requests, seed, preset, steps, verb="trace lookups", tokens=False)
