@@ -106,7 +106,7 @@ def bench(
     layout, _ = load_layout(directory)
     if not trace.endswith(".npz") and layout.config.name not in _presets():
         raise CachelabError(f"tables of the custom layout {layout.config.name!r} replay a saved stream (.npz) only")
-    stream = load_trace(trace, requests, 0, layout.config.name)
+    stream = load_trace(trace, requests, 0, layout.config.name, verb="store bench")
     params = parse_pairs(param)
     scores = None
     if model is not None:
