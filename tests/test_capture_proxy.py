@@ -30,14 +30,13 @@ class Stack:
         self.behind = Upstream()
         self.upstream = ServerThread(self.behind.app)
         self.recorder = Recorder(tmp / "cap")
-        self.config = ProxyConfig(upstream="", **config)
+        self.options = config
         self.proxy = None
 
     def __enter__(self):
         self.direct.__enter__()
         self.upstream.__enter__()
-        self.config.upstream = self.upstream.url
-        self.proxy = ProxyThread(self.config, self.recorder).__enter__()
+        self.proxy = ProxyThread(ProxyConfig(upstream=self.upstream.url, **self.options), self.recorder).__enter__()
         return self
 
     def __exit__(self, *exc):
@@ -279,6 +278,18 @@ def test_non_loopback_listen_needs_a_token(tmp_path):
                           "--out", str(tmp_path / "cap"), "--listen", "0.0.0.0:0"], capture_output=True, text=True)
     assert out.returncode == 2 and "--listen '0.0.0.0' is not a loopback address" in out.stderr
     assert not (tmp_path / "cap").exists(), "refused before anything is created"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--upstream", "notaurl"], "--upstream 'notaurl': expected http://HOST[:PORT][/PREFIX] (or https)"),
+    (["--upstream", "http://127.0.0.1:99999"], "--upstream 'http://127.0.0.1:99999': expected http://HOST"),
+    (["--upstream", "http://x", "--listen", "127.0.0.1:99999"], "--listen: port 99999 is out of range (0-65535)"),
+])
+def test_a_bad_upstream_or_port_is_refused_before_anything_is_created(tmp_path, args, message):
+    out = subprocess.run([sys.executable, "-m", "cachelab.cli", "capture", "proxy", *args, "--out", str(tmp_path / "cap")],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "cap").exists() and "capture proxy on" not in out.stdout
 
 
 def test_tokenizer_fallback_matches_the_upstream(tmp_path):

@@ -29,6 +29,21 @@ def test_non_loopback_without_api_key_is_refused():
     assert out.returncode == 2 and "not a loopback address" in out.stderr
 
 
+def test_a_port_in_use_or_out_of_range_is_refused_before_start_up():
+    """The port is bound before the model is built or the server announced (a bad port once
+    printed the banner and hung)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for bad, message in ((port, f"cannot listen on 127.0.0.1:{port}"),
+                             (99999, "--port: port 99999 is out of range (0-65535)")):
+            out = subprocess.run([sys.executable, "-m", "cachelab.cli", "serve", "--preset", "tiny", "--port", str(bad)],
+                                 capture_output=True, text=True, timeout=120)
+            assert out.returncode == 2 and message in out.stderr, out.stderr[-500:]
+            assert "cachelab serve: model" not in out.stdout
+
+
 
 def test_a_store_that_is_not_there_is_named(tmp_path):
     with pytest.raises(CachelabError, match="no manifest.json there"):
@@ -80,7 +95,7 @@ def test_the_serving_process_exempts_its_startup_heap_from_collection(monkeypatc
     from cachelab.live.launch import serve
 
     frozen = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: frozen.append(gc.get_freeze_count()))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: frozen.append(gc.get_freeze_count()))
     try:
         serve(ServeOptions(preset="tiny", threads=1, port=_free_port()), announce=lambda line: None)
     finally:

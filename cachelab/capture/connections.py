@@ -24,7 +24,6 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from cachelab.errors import CachelabError
 
 if TYPE_CHECKING:
     from cachelab.capture.proxy import CaptureProxy, Forward, ProxyConfig
@@ -288,13 +287,9 @@ class UpstreamPool:
     """Keep-alive connections to the upstream: reused most recent first, at most ``limit`` open."""
 
     def __init__(self, config: ProxyConfig):
-        parts = urlsplit(config.upstream)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise CachelabError(f"--upstream {config.upstream!r}: expected http://HOST[:PORT][/PREFIX] (or https)")
+        parts = urlsplit(config.upstream)  # checked by ProxyConfig
         self.host = parts.hostname
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
-        if config.upstream_ca and parts.scheme != "https":
-            raise CachelabError(f"--upstream-ca is for an https:// upstream, not {config.upstream!r}")
         # the system's CA store, or only the given bundle (a private CA, a self-signed server)
         self.ssl = ssl.create_default_context(cafile=config.upstream_ca) if parts.scheme == "https" else None
         self.host_header = parts.netloc.rpartition("@")[2].encode("idna")

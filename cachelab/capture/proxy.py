@@ -37,6 +37,7 @@ import json
 import secrets
 import time
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import httptools
 
@@ -69,6 +70,18 @@ class ProxyConfig:
     max_connections: int = 1024
     keep_alive_s: float = 30.0      # an idle client connection is closed after this long
     shutdown_grace_s: float = 10.0  # on stop, exchanges in flight get this long to finish
+
+    def __post_init__(self) -> None:
+        """Refuse an upstream the proxy could not reach as given, before anything starts."""
+        parts = urlsplit(self.upstream)
+        try:
+            usable = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+        except ValueError:  # a port out of range or not a number
+            usable = False
+        if not usable:
+            raise CachelabError(f"--upstream {self.upstream!r}: expected http://HOST[:PORT][/PREFIX] (or https)")
+        if self.upstream_ca and parts.scheme != "https":
+            raise CachelabError(f"--upstream-ca is for an https:// upstream, not {self.upstream!r}")
 
 
 def _prepare(body: bytes, x: Exchange, config: ProxyConfig) -> bytes:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import threading
 from pathlib import Path
 
@@ -25,19 +24,6 @@ def parse_listen(listen: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not host:
         raise CachelabError(f"--listen {listen!r}: expected HOST:PORT, e.g. 127.0.0.1:8100")
     return host.strip("[]"), int(port)
-
-
-def _bound_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise CachelabError(f"cannot listen on {host}:{port}: {exc}") from None
-    sock.listen(2048)
-    return sock
 
 
 @app.command()
@@ -98,10 +84,11 @@ def proxy(
     from cachelab.capture.recorder import Recorder
     from cachelab.capture.writer import CaptureWriter
     from cachelab.heap import freeze_startup_heap
-    from cachelab.live.launch import check_bind
+    from cachelab.live.launch import bound_socket, check_bind
 
     host, port = parse_listen(listen)
     check_bind(host, api_key, "--listen")
+    sock = bound_socket(host, port, "--listen")  # before anything is created: a bad port leaves nothing behind
     config = ProxyConfig(upstream=upstream, api_key=api_key, upstream_ca=str(upstream_ca) if upstream_ca else None,
                          session_header=session_header.lower(),
                          token_ids=token_ids, max_body_bytes=int(max_body_mb * 2**20),
@@ -119,7 +106,6 @@ def proxy(
         recorder = CaptureWriter(out, nice=writer_nice, sched=writer_sched, **options)
     else:
         recorder = Recorder(out, **options)
-    sock = _bound_socket(host, port)
     bound = sock.getsockname()[1]
     typer.echo(f"capture proxy on http://{host}:{bound} -> {upstream}, recording into {out} "
                f"({recorder.privacy.mode}, fsync {fsync}, writer {writer}, {new_loop.__module__.split('.')[0]} loop); "

@@ -67,6 +67,23 @@ def check_bind(host: str, api_key: str | None, flag: str = "--host") -> None:
                             "--api-key KEY (clients then send 'Authorization: Bearer KEY')")
 
 
+def bound_socket(host: str, port: int, flag: str = "--port") -> socket.socket:
+    """A listening TCP socket on ``host:port`` (0: any free port), bound before anything is
+    announced or started, so a port in use or out of range is an error naming it."""
+    if not 0 <= port <= 65535:
+        raise CachelabError(f"{flag}: port {port} is out of range (0-65535)")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise CachelabError(f"cannot listen on {host}:{port}: {exc}") from None
+    sock.listen(2048)
+    return sock
+
+
 def model_for(opts: ServeOptions) -> ModelConfig:
     cfg = model_config(opts.preset)
     changes = {}
@@ -215,6 +232,7 @@ def serve(opts: ServeOptions, announce=print) -> None:
     from cachelab.heap import freeze_startup_heap
 
     check_bind(opts.host, opts.api_key)
+    sock = bound_socket(opts.host, opts.port)
     cfg = model_for(opts)
     engine = build_engine(opts).start()
     recorder = open_capture(opts)
@@ -222,10 +240,10 @@ def serve(opts: ServeOptions, announce=print) -> None:
     freeze_startup_heap()  # this process only serves: its model, tokenizer and imports stay unscanned
     announce(f"cachelab serve: model {model_name(opts)!r} ({cfg.name}, Engram at layers {list(cfg.engram_layers)}, "
              f"rows from {engine.rows.directory} ({PLACEMENTS.get(opts.placement, opts.placement)})) on "
-             f"http://{opts.host}:{opts.port}/v1")
+             f"http://{opts.host}:{sock.getsockname()[1]}/v1")
     app.router.add_event_handler("shutdown", engine.stop)  # uvicorn re-raises SIGTERM after its shutdown
     try:
-        uvicorn.run(app, host=opts.host, port=opts.port, log_level="warning", timeout_graceful_shutdown=1)
+        uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1)).run(sockets=[sock])
     finally:
         engine.stop()
         if recorder is not None:
