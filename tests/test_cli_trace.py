@@ -62,6 +62,8 @@ def test_spec_and_equal_flags_build_the_same_trace(tmp_path):
     ('[arrivals]\nsource = "arena-hard"', "is a corpus, not an arrival source"),
     ('[arrivals]\nsource = "gamma"\noptions = { num_requests = 3 }', "carry no lengths: give a [corpus]"),
     ('[arrivals\nsource = "gamma"', "not valid TOML"),
+    ('[arrivals]\nsource = "mooncake"\n[corpus]\nsource = "gsm8k"',
+     "workload 'mooncake' needs path (the arrivals file or folder: --arrivals-path, or arrivals.path in a spec)"),
 ])
 def test_bad_specs_are_clear_errors(tmp_path, spec, message):
     path = tmp_path / "bad.toml"
