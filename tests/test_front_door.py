@@ -273,6 +273,9 @@ def test_output_paths_are_checked_before_the_work_and_named(tmp_path):
     a_file.write_text("")
     res = invoke("study", "semianalysis", "--out", a_file / "points", "--fit-evals", 0, "--no-sensitivity")
     assert res.exit_code == 2 and f"--out {a_file / 'points'}: cannot be made a folder (Not a directory)" in res.output
+    res = invoke("bench", "serve", "--trace", "t.parquet", "--base-url", "http://127.0.0.1:1", "--model", "m",
+                 "--save-result", a_file / "result.json")
+    assert res.exit_code == 2 and f"--save-result {a_file}: cannot be made a folder" in res.output
     res = invoke("trace", "lookups", "gsm8k", "--requests", 2, "-o", a_file / "stream.npz")
     assert res.exit_code == 2 and f"--out {a_file / 'stream.npz'}: the folder {a_file} does not exist" in res.output
 

@@ -43,11 +43,14 @@ def serve(
     from cachelab.bench.client import BenchConfig, json_safe, run_bench
     from cachelab.bench.plan import plan_from_trace
     from cachelab.errors import CachelabError
+    from cachelab.paths import output_file, output_folder
     from cachelab.serving.metrics import parse_goodput
 
     if ctx.args and not goodput:
         raise CachelabError(f"unexpected argument(s) {ctx.args}")
     slos = parse_goodput([*(goodput or []), *ctx.args])  # vLLM's `--goodput ttft:MS tpot:MS` (several values)
+    if save_result is not None:
+        output_file(output_folder(save_result.parent, "--save-result") / save_result.name, "--save-result")
     plan = plan_from_trace(trace, num_prompts=num_prompts, request_rate=request_rate, burstiness=burstiness,
                            seed=seed)
     config = BenchConfig(base_url, model, max_concurrency, slos, ignore_eos)
