@@ -276,6 +276,8 @@ def test_output_paths_are_checked_before_the_work_and_named(tmp_path):
     res = invoke("bench", "serve", "--trace", "t.parquet", "--base-url", "http://127.0.0.1:1", "--model", "m",
                  "--save-result", a_file / "result.json")
     assert res.exit_code == 2 and f"--save-result {a_file}: cannot be made a folder" in res.output
+    res = invoke("train", "--trace", "gsm8k", "--requests", 5, "--out", a_file / "model")
+    assert res.exit_code == 2 and f"--out {a_file / 'model'}: cannot be made a folder" in res.output
     res = invoke("trace", "lookups", "gsm8k", "--requests", 2, "-o", a_file / "stream.npz")
     assert res.exit_code == 2 and f"--out {a_file / 'stream.npz'}: the folder {a_file} does not exist" in res.output
 

@@ -16,6 +16,7 @@ from cachelab.errors import CachelabError
 from cachelab.learning.training import TrainSpec, check_target, load, rolling_scores, save, train as train_model
 from cachelab.learning.evaluation import evaluate_capacities
 from cachelab.params import parse_pairs, parse_value
+from cachelab.paths import output_folder
 from cachelab.learning.streams import STEP_VIEWS, LearningView, load_trace
 from cachelab.trace.kinds import detect
 
@@ -67,6 +68,7 @@ def train(
                      capacity=_learning_capacity(capacity, preset, "--capacity"), lookahead=lookahead)
     spec.check()
     check_target(cls.task, spec)
+    output_folder(out, "--out")  # before the training it would hold
     stream = _view(trace, requests, seed, preset, steps, console, "train")
     with console.status(f"training {predictor}"):
         try:
