@@ -88,6 +88,10 @@ def test_report_command_prints_the_summary(quickstart):
                                                   / (row["best_heuristic_miss_ratio"] - row["bound_miss_ratio"]))
     res = cli("report", "nosuch", cwd=folder)
     assert res.returncode == 2 and "no experiment named 'nosuch'" in res.stderr
+    missing = folder / "elsewhere" / "mlflow.db"  # a mistyped store is named, never created empty
+    res = cli("report", "quickstart", "--tracking-uri", f"sqlite:///{missing}", cwd=folder)
+    assert res.returncode == 2 and f"no tracking store at sqlite:///{missing}" in res.stderr
+    assert not missing.parent.exists()
 
 
 def test_the_headline_is_printed_within_80_columns(quickstart):

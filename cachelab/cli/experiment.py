@@ -63,7 +63,7 @@ def report(
     from cachelab.experiment.tracking import Tracker
 
     name = _experiment_name(experiment)
-    data = load_experiment(Tracker(tracking_uri), name)
+    data = load_experiment(Tracker(tracking_uri, must_exist=True), name)
     out = out or Path("runs") / name / "report.html"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render_html(data), encoding="utf-8")

@@ -94,12 +94,22 @@ def _check_reachable(uri: str, timeout_s: float = 5.0) -> None:
     raise TrackingUnavailable(f"tracking server {uri} did not answer /health with 200")
 
 
-class Tracker:
-    """Explicit-id access to one tracking store."""
+def _check_exists(uri: str) -> None:
+    """A SQLite store a reader names must be there: MLflow would create an empty one at a
+    mistyped path and the reader would report nothing."""
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
+        raise CachelabError(f"no tracking store at {uri}: {uri[len('sqlite:///'):]} does not exist "
+                            "(`cachelab run` writes it; --tracking-uri names another)")
 
-    def __init__(self, uri: str | None = None):
+
+class Tracker:
+    """Explicit-id access to one tracking store (``must_exist``: a reader's, never created)."""
+
+    def __init__(self, uri: str | None = None, must_exist: bool = False):
         self.uri = resolve_uri(uri)
         _check_reachable(self.uri)
+        if must_exist:
+            _check_exists(self.uri)
         # A server that dies mid-sweep should fail a call in seconds, not retry for minutes.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
