@@ -48,6 +48,11 @@ def test_a_port_in_use_or_out_of_range_is_refused_before_start_up():
 def test_a_store_that_is_not_there_is_named(tmp_path):
     with pytest.raises(CachelabError, match="no manifest.json there"):
         open_rows(ServeOptions(store=tmp_path), "deepseek-v4.1-flash")
+    for flag, opts in (("--row-cache-capacity", ServeOptions(store=tmp_path, row_cache_capacity="abc")),
+                       ("--dram-cache-capacity", ServeOptions(store=tmp_path, dram_cache_policy="lru",
+                                                              dram_cache_capacity="12 parsecs"))):
+        with pytest.raises(CachelabError, match=f"^{flag}: '.*' is not a capacity"):  # the flag, not the store's name
+            open_rows(opts, "deepseek-v4.1-flash")
 
 
 @pytest.mark.slow

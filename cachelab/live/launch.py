@@ -99,10 +99,15 @@ def open_rows(opts: ServeOptions, layout: str):
     (built on first use in the cache directory, under a lock so two first runs build once)."""
     import fcntl
 
+    from cachelab.capacity import parse_capacity
     from cachelab.paths import cache_dir
     from cachelab.store import TieredStore, build_tables
     from cachelab.store.format import MANIFEST
 
+    for flag, value in (("--row-cache-capacity", opts.row_cache_capacity),
+                        ("--dram-cache-capacity", opts.dram_cache_capacity)):
+        if value not in (None, 0, "0"):
+            parse_capacity(value, flag)  # the flag named in a malformed value's error, not the store's argument
     directory = opts.store
     if directory is None:
         directory = cache_dir() / "live-store" / f"{layout}-{DEFAULT_STORE_SCALE:g}"
