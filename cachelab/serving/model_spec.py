@@ -270,11 +270,6 @@ class ModelSpec:
         index = sum(np.minimum(context / r, cap if cap else np.inf) for r, cap in self.index_sources) * self.index_key_bytes
         return window + sparse + index
 
-    @property
-    def window_bytes_per_sequence(self) -> float:
-        """The sliding-window ring every layer keeps per sequence (bounded, not per token)."""
-        return len(self.compress_ratios) * self.sliding_window * self.window_bytes_per_position
-
 
 _NUMBERS = {
     "backbone": ("layers", "hidden", "vocab", "dense_params", "moe_layers", "experts", "experts_per_token",
