@@ -78,3 +78,6 @@ def test_info_on_a_non_trace_is_a_clear_error(tmp_path):
     (tmp_path / "x.parquet").write_bytes(b"PAR1 nonsense")
     res = run("info", tmp_path / "x.parquet")
     assert res.exit_code == 2 and "not a Parquet file" in res.output
+    (tmp_path / "keys.txt").write_text("1\n2\n")
+    res = run("info", tmp_path / "keys.txt")  # another kind of trace is named as what it is
+    assert res.exit_code == 2 and "found a key trace" in res.output and "needs a request trace (.parquet)" in res.output

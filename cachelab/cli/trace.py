@@ -12,7 +12,7 @@ from rich.table import Table
 
 from cachelab.defaults import PRESET
 from cachelab.learning.streams import STEP_VIEWS, load_trace
-from cachelab.trace.kinds import detect
+from cachelab.trace.kinds import REQUESTS, detect, wrong_kind
 from cachelab.errors import CachelabError
 from cachelab.params import parse_pairs
 from cachelab.paths import output_file
@@ -152,6 +152,10 @@ def info(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Requests, sessions, duration, tokens, domains, prefix-block hit ratio and Engram skew."""
+    found = detect(str(trace), where="TRACE")
+    if found.kind != REQUESTS:
+        raise wrong_kind(found, "trace info", "a request trace (.parquet)",
+                         "`simulate`, `mrc` and `train` take the other kinds.", where="TRACE")
     with Progress(transient=True, disable=as_json) as progress:
         task = progress.add_task("read", total=None)
         result = summarize(trace, preset=preset, engram_tokens=engram_tokens,
