@@ -245,11 +245,14 @@ class TieredStore:
         """The store's keys (``layer_base + row`` of the scaled tables) of full-layout row ids."""
         return self.layout_tables.fold(row_ids)
 
-    def _buf(self, name: str, rows: int, cols: int | None = None, dtype=np.uint8) -> np.ndarray:
-        cols = self.row_bytes if cols is None else cols
+    def _buf(self, name: str, rows: int, **torch_memory):
+        """The first ``rows`` rows of a reused buffer of row bytes, grown by doubling: a NumPy
+        array, or with ``torch_memory`` (``device=`` or ``pin_memory=``) a torch tensor."""
         buf = self._bufs.get(name)
-        if buf is None or buf.shape[0] < rows or buf.shape[1] != cols:
-            buf = np.empty((max(rows, 1024, 0 if buf is None else 2 * buf.shape[0]), cols), dtype)
+        if buf is None or buf.shape[0] < rows:
+            shape = (max(rows, 1024, 0 if buf is None else 2 * buf.shape[0]), self.row_bytes)
+            buf = self.torch.empty(shape, dtype=self.torch.uint8, **torch_memory) if torch_memory \
+                else np.empty(shape, np.uint8)
             self._bufs[name] = buf
         return buf[:rows]
 
@@ -444,13 +447,7 @@ class TieredStore:
         return res
 
     def _device_rows(self, n: int):
-        if not self.cuda:
-            return self._buf("device", n)
-        buf = self._bufs.get("device_cuda")
-        if buf is None or buf.shape[0] < n:
-            buf = self.torch.empty((max(n, 1024), self.row_bytes), dtype=self.torch.uint8, device=self.device)
-            self._bufs["device_cuda"] = buf
-        return buf[:n]
+        return self._buf("device", n, device=self.device) if self.cuda else self._buf("device", n)
 
     def _clock(self) -> float:
         """The time between stages. With CUDA it first waits for the store's stream, so each
@@ -463,19 +460,14 @@ class TieredStore:
     def _host_staging(self, m: int) -> np.ndarray:
         """With CUDA: the pinned host rows a step's DRAM hits and backing reads land in, as a
         NumPy view (free again once a step's copy is done: ``_clock`` waits for it)."""
-        buf = self._bufs.get("host_pinned")
-        if buf is None or buf.shape[0] < m:
-            rows = max(m, 1024, 0 if buf is None else 2 * buf.shape[0])
-            buf = self.torch.empty((rows, self.row_bytes), dtype=self.torch.uint8, pin_memory=True)
-            self._bufs["host_pinned"] = buf
-        return buf[:m].numpy()
+        return self._buf("host", m, pin_memory=True).numpy()
 
     def _copy(self, host: np.ndarray, dev, h: int, m: int) -> None:
         """Host staging -> device rows ``[h, h + m)``: an asynchronous copy from pinned memory
         (on the CPU the staging is those rows: nothing to copy)."""
         if not m or not self.cuda:
             return
-        dev[h:h + m].copy_(self._bufs["host_pinned"][:m], non_blocking=True)
+        dev[h:h + m].copy_(self._bufs["host"][:m], non_blocking=True)
 
     def _output(self, shape, out):
         """The result tensor (``out`` checked, or a fresh CPU one from the pool of recycled
