@@ -50,7 +50,8 @@ def serve(
         raise CachelabError(f"unexpected argument(s) {ctx.args}")
     slos = parse_goodput([*(goodput or []), *ctx.args])  # vLLM's `--goodput ttft:MS tpot:MS` (several values)
     if save_result is not None:
-        output_file(output_folder(save_result.parent, "--save-result") / save_result.name, "--save-result")
+        output_folder(save_result.parent, "--save-result")
+        output_file(save_result, "--save-result")
     plan = plan_from_trace(trace, num_prompts=num_prompts, request_rate=request_rate, burstiness=burstiness,
                            seed=seed)
     config = BenchConfig(base_url, model, max_concurrency, slos, ignore_eos)

@@ -97,8 +97,9 @@ def _check_reachable(uri: str, timeout_s: float = 5.0) -> None:
 def _check_exists(uri: str) -> None:
     """A SQLite store a reader names must be there: MLflow would create an empty one at a
     mistyped path and the reader would report nothing."""
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
-        raise CachelabError(f"no tracking store at {uri}: {uri[len('sqlite:///'):]} does not exist "
+    path = uri.removeprefix("sqlite:///")
+    if path != uri and not Path(path).exists():
+        raise CachelabError(f"no tracking store at {uri}: {path} does not exist "
                             "(`cachelab run` writes it; --tracking-uri names another)")
 
 

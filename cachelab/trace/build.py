@@ -100,8 +100,7 @@ def instantiate(name: str, kwargs: dict[str, Any], optional: dict[str, Any], pat
     missing = [k for k, p in params.items() if p.default is p.empty and k not in kwargs and k not in extra
                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     if missing:
-        where = {"path": path_flag}
-        raise CachelabError(f"workload {name!r} needs " + ", ".join(f"{k} ({where[k]})" if k in where else k
+        raise CachelabError(f"workload {name!r} needs " + ", ".join(f"{k} ({path_flag})" if k == "path" else k
                                                                    for k in missing))
     try:
         return cls(**kwargs, **extra)
