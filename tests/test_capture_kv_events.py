@@ -165,3 +165,13 @@ def test_cli_records_until_its_duration(tmp_path):
     assert stats["batches"] > 0 and stats["gaps"] == 0 and stats["decode_errors"] == 0
     batches, _ = read_kv_events(tmp_path / "cap")
     assert len(batches) == stats["batches"] == stats["acknowledged"]
+
+
+@pytest.mark.parametrize("endpoint, replay, named", [("garbage", None, "garbage"),
+                                                     ("tcp://127.0.0.1:1", "nonsense", "--replay 'nonsense'")])
+def test_a_malformed_endpoint_is_named_and_leaves_no_capture(tmp_path, endpoint, replay, named):
+    from cachelab.errors import CachelabError
+
+    with pytest.raises(CachelabError, match=named):
+        KVEventSubscriber(endpoint, tmp_path / "cap", replay_endpoint=replay)
+    assert not (tmp_path / "cap").exists()  # no empty segment a later read would meet

@@ -108,8 +108,6 @@ class KVEventSubscriber:
                  rotate_bytes: int = 256 << 20, rotate_seconds: float = 3600.0):
         self.endpoint, self.topic, self.bind, self.replay_endpoint = endpoint, topic, bind, replay_endpoint
         self.keep_tokens = keep_tokens
-        self.journal = Journal(directory, KV_EVENTS, fsync=fsync, rotate_bytes=rotate_bytes,
-                               rotate_seconds=rotate_seconds, header={"endpoint": endpoint, "topic": topic})
         self._hashes = _Hashes()
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
@@ -121,6 +119,11 @@ class KVEventSubscriber:
             self._ctx.destroy(linger=0)
             raise CachelabError(f"cannot {'bind' if bind else 'connect'} the KV-event subscriber to {endpoint}: "
                                 f"{exc}") from None
+        if replay_endpoint is not None:
+            self._check_replay_endpoint(replay_endpoint)
+        # opened once both endpoints are good: a bad one leaves no segment behind
+        self.journal = Journal(directory, KV_EVENTS, fsync=fsync, rotate_bytes=rotate_bytes,
+                               rotate_seconds=rotate_seconds, header={"endpoint": endpoint, "topic": topic})
         self.batches = self.events = self.gaps = self.replayed = self.decode_errors = 0
         self.first_seq: int | None = None
         self.last_seq: int | None = None
@@ -145,6 +148,19 @@ class KVEventSubscriber:
         self.replayed += replayed
         self.journal.submit({"kind": "kv_batch", "pub_seq": seq, "received_ns": received, "replayed": replayed,
                              **batch})
+
+    def _check_replay_endpoint(self, endpoint: str) -> None:
+        """Connect a socket to the replay endpoint once, now: a malformed one would otherwise fail
+        only at the first gap, silently (``_replay`` recovers nothing and the gap is counted)."""
+        sock = self._ctx.socket(zmq.DEALER)
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError as exc:
+            self._ctx.destroy(linger=0)
+            raise CachelabError(f"--replay {endpoint!r}: not a ZMQ endpoint vLLM's replay socket could be "
+                                f"reached on ({exc})") from None
+        finally:
+            sock.close(linger=0)
 
     def _replay(self, start: int, stop: int) -> int:
         """Ask the publisher's replay socket for batches [start, stop); returns how many came."""
