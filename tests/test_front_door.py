@@ -233,6 +233,19 @@ def test_help_texts_render_their_brackets():
     assert checked >= 4
 
 
+def test_help_text_flows_in_paragraphs():
+    """A docstring's line breaks are not kept in --help: at 80 columns they left a ragged line
+    every other row, and the verb list showed `calibrate`'s whole docstring over 20 rows."""
+    import re
+
+    listing = invoke("--help", env=WIDE).stdout.split("Commands")[1]
+    rows = re.findall(r"│ (\S*) +\S", listing)  # a verb's name, or blank on its continuation rows
+    verbs = [i for i, name in enumerate(rows) if name]
+    assert len(verbs) >= 15 and max(b - a for a, b in zip(verbs, verbs[1:] + [len(rows)])) <= 3, listing
+    shown = " ".join(invoke("calibrate", "--help", env={"COLUMNS": "400"}).stdout.split("\n"))
+    assert "the fit sets its MFU, MBU and attention MFU, and the per-step, per-sequence" in shown
+
+
 def test_every_help_fits_80_columns_without_cutting_a_flag():
     """No verb's --help cuts a flag name or a default with "…" at 80 columns (Rich used to shrink
     ``--dram-cache-capacity`` to ``--dram-cache-capaci…`` beside a ``--no-...`` column)."""

@@ -76,6 +76,7 @@ def _register() -> None:
     app.add_typer(store.app, name="store")
     app.add_typer(bench.app, name="bench")
     app.command("calibrate")(calibrate.calibrate)
+    help_layout.flow_paragraphs(app)
 
 
 _register()

@@ -34,9 +34,11 @@ def calibrate(
                                          "a live run slows every token of the requests it spans; 1: steps drawn "
                                          "independently)."),
 ) -> None:
-    """Fit the latency model of the live model (its preset's spec on `hw probe`'s CPU) to live
-    runs' per-step compute: MFU, MBU and attention MFU, and the per-step, per-sequence and
-    per-token host overheads, warm-up steps left out. Step logs that time their operators are
+    """Fit the latency model to live runs' step logs and check it on the runs held out.
+
+    The live model is its preset's spec on `hw probe`'s CPU; the fit sets its MFU, MBU and
+    attention MFU, and the per-step, per-sequence and per-token host overheads, warm-up steps
+    left out. Step logs that time their operators are
     fitted per operator: the GEMM rates on the GEMM time (`gemm_s`), attention on the
     attention time (`attention_s`), the host overheads on the untimed rest of the step; older
     logs on the step's compute whole (the JSON's `fit_mode` and `fit_note`). Then replay each held-out run's schedule on the

@@ -104,7 +104,9 @@ def page_cache(
     max_tokens: int = typer.Option(4_000_000, help="Tokens of the corpus to address (documents in order)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    r"""The page-cache curve of a layout on real text: the share of row reads an LRU page cache
+    r"""The page-cache curve of a layout on real text.
+
+    The share of row reads an LRU page cache
     holding a fraction of the tables' 4 KiB pages serves (Che's approximation over the measured
     page popularity). Prints the `\[engram] page_cache_curve` line a model spec keeps.
     Example: `cachelab engram page-cache --corpus stdlib`."""

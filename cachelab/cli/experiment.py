@@ -82,8 +82,10 @@ def sync(
     tracking_uri: str = typer.Option(None, help=URI_HELP),
     runs_dir: Path = typer.Option(Path("runs"), help=RUNS_HELP),
 ) -> None:
-    """Send results that `cachelab run` kept locally (server unreachable) to the tracking server,
-    and close as KILLED the runs a killed sweep left RUNNING, where its process is proven gone."""
+    """Send the results `cachelab run` kept locally to the tracking server; close a killed sweep's runs.
+
+    Results are kept locally while the server is unreachable. A run a killed sweep left RUNNING
+    is closed as KILLED where its process is proven gone."""
     from cachelab.experiment.runner import outbox_for, sync
     from cachelab.experiment.tracking import Tracker
 

@@ -1,14 +1,22 @@
-"""Option tables in ``--help`` that never cut a flag name or a default.
+"""``--help`` that reads at any width: option tables that never cut a flag name or a default,
+and a verb's docstring shown in paragraphs, not in its source's line breaks.
 
 Rich sizes Typer's option table by shrinking its widest columns together, so at 80 columns a
 long flag (``--dram-cache-capacity``) beside a ``--no-...`` column was cut to ``--dram-cache-capaci…``
 and a long default to ``http://127.0.0.1:80…``. Here every column but the last (the help text)
 keeps its full width, and the help text wraps, folding a word longer than its column instead of
 cutting it. Typer builds its tables through ``typer.rich_utils.Table``, the one hook it offers.
+
+Typer's Rich markup mode prints a docstring's lines as written, so a docstring wrapped at 100
+columns came out ragged at 80, and the verb list showed a first paragraph's every line break.
 """
 
 from __future__ import annotations
 
+import inspect
+import re
+
+import typer
 import typer.rich_utils
 from rich.columns import Columns
 from rich.table import Table
@@ -31,3 +39,27 @@ class _UncutTable(Table):
 
 def install() -> None:
     typer.rich_utils.Table = _UncutTable
+
+
+def _flowed(doc: str) -> str:
+    """``doc`` with each paragraph's lines joined; a list item (``- x``, ``1. x``) keeps its own line."""
+    paragraphs = []
+    for paragraph in inspect.cleandoc(doc).split("\n\n"):
+        lines: list[str] = []
+        for line in paragraph.splitlines():
+            if lines and not re.match(r"\s*([-*]|\d+[.)])\s", line):
+                lines[-1] += " " + line.strip()
+            else:
+                lines.append(line)
+        paragraphs.append("\n".join(lines))
+    return "\n\n".join(paragraphs)
+
+
+def flow_paragraphs(app: typer.Typer) -> None:
+    """Give every command of ``app`` and of its groups its docstring's paragraphs as its help."""
+    for command in app.registered_commands:
+        doc = command.help or (command.callback.__doc__ if command.callback else None)
+        if doc:
+            command.help = _flowed(doc)
+    for group in app.registered_groups:
+        flow_paragraphs(group.typer_instance)

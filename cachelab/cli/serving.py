@@ -295,7 +295,9 @@ def study_semianalysis(
                                      f"cache ({PREFIX_HIT}: AgentX no-subagents dataset; {PREFIX_HIT_V01}: the older one)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """DeepSeek-V4.1-Flash on the agentic workload: B200 DRAM-UVA vs SSD-mmap at 125 tok/s/user
+    """SemiAnalysis' Engram placement study, computed by the model.
+
+    DeepSeek-V4.1-Flash on the agentic workload: B200 DRAM-UVA vs SSD-mmap at 125 tok/s/user
     P90 interactivity, B300 TP2 (table in DRAM) vs TP4 (table in HBM), TP4 HBM vs DRAM; every
     figure computed by the model. Each finished point is appended to OUT/semianalysis_points.jsonl
     as it finishes; a count and an ETA show progress. Example: `cachelab study semianalysis --json`."""
@@ -386,7 +388,9 @@ def study_inferencex(
     out: Path | None = typer.Option(None, help="Also write the per-point table here (CSV)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """Fit the latency model's efficiencies on one named subset of the published InferenceX
+    """Fit the serving model on published InferenceX measurements and predict the held-out rest.
+
+    The model's efficiencies are fitted on one named subset of the published InferenceX
     measurements (../shared/data/calibration), predict every other point, and report the error
     per point and as MAPE per metric: `heldout_mape` (metric -> fraction) over the held-out
     steady-state measurements, `heldout_mape_all` over every held-out point; `heldout_excluded`
