@@ -52,43 +52,33 @@ def prefetch(typingctx, arr, index):
     return sig, codegen
 
 
-@intrinsic
-def prefetch_at(typingctx, arr, i, j):
-    """Prefetch ``arr[i, j]`` of a 2-D array for reading (locality 3), no view built."""
-    if not (isinstance(arr, types.Array) and arr.ndim == 2 and isinstance(i, types.Integer)
-            and isinstance(j, types.Integer)):
-        return None
-    sig = types.void(arr, i, j)
+def _prefetch_2d(write: bool):
+    """The intrinsic that prefetches the line of ``arr[i, j]`` of a 2-D array, for reading or
+    for writing, without building a view of row ``i``."""
 
-    def codegen(context, builder, signature, args):
-        aryty = signature.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1], args[2]])
-        _prefetch_ptr(builder, ptr)
-        return context.get_dummy_value()
+    def typer(typingctx, arr, i, j):
+        if not (isinstance(arr, types.Array) and arr.ndim == 2 and isinstance(i, types.Integer)
+                and isinstance(j, types.Integer)):
+            return None
+        sig = types.void(arr, i, j)
 
-    return sig, codegen
+        def codegen(context, builder, signature, args):
+            aryty = signature.args[0]
+            ary = context.make_array(aryty)(context, builder, args[0])
+            ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1], args[2]])
+            _prefetch_ptr(builder, ptr, write=write)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    typer.__name__ = typer.__qualname__ = "prefetch_write_at" if write else "prefetch_at"
+    return intrinsic(typer)
 
 
-@intrinsic
-def prefetch_write_at(typingctx, arr, i, j):
-    """Prefetch the line of ``arr[i, j]`` of a 2-D array for writing (``prefetchw`` where the CPU
-    has it): a store to a line not in the cache first reads it from memory for ownership, and
-    a kernel writing rows far larger than the caches otherwise waits on those reads one store
-    at a time."""
-    if not (isinstance(arr, types.Array) and arr.ndim == 2 and isinstance(i, types.Integer)
-            and isinstance(j, types.Integer)):
-        return None
-    sig = types.void(arr, i, j)
-
-    def codegen(context, builder, signature, args):
-        aryty = signature.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1], args[2]])
-        _prefetch_ptr(builder, ptr, write=True)
-        return context.get_dummy_value()
-
-    return sig, codegen
+prefetch_at = _prefetch_2d(write=False)  # for reading, locality 3 (every cache level)
+# For writing: a store to a line not in the cache first reads it from memory for ownership, and
+# a kernel writing rows far larger than the caches otherwise waits on those reads one at a time.
+prefetch_write_at = _prefetch_2d(write=True)
 
 
 @intrinsic
