@@ -18,7 +18,7 @@ from cachelab.live.engine import EngineConfig, LiveEngine
 from cachelab.live.kv_cache import PagedKVCache, StepBatch
 from cachelab.live.model import Engram, build_model, save_weights
 from cachelab.live.launch import ServeOptions, open_rows
-from cachelab.live.sampling import Detokenizer, SamplingParams
+from cachelab.live.sampling import Detokenizer, SamplingParams, sample
 from cachelab.workload.prefix_cache import BlockPrefixCache
 from cachelab.workload.scheduler import Request, Scheduler
 
@@ -225,6 +225,15 @@ def test_detokenizer_holds_back_and_cuts_stop_strings():
         streamed += d.take()
     streamed += d.take(final=True)
     assert why == "end." and streamed == "Hello world, the "
+
+
+def test_a_temperature_near_zero_samples_instead_of_failing_the_step():
+    """vLLM raises a positive temperature under 0.01 to 0.01; dividing by 1e-40 overflowed the
+    logits to inf, the softmax gave NaN and torch.multinomial failed the whole batch's step."""
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0)) * 10
+    params = [SamplingParams(max_tokens=1, temperature=t) for t in (1e-40, 5e-324, 0.0)]
+    gens = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2), None]
+    assert sample(logits, params, gens).tolist() == logits.argmax(-1).tolist()
 
 
 def test_scheduler_abort_frees_blocks_of_running_and_drops_waiting():

@@ -2,9 +2,12 @@
 
 Greedy rows (temperature 0) take the argmax together; the others are scaled by their
 temperature, cut to their top-p nucleus and drawn from their own generator (seeded when the
-request gives a ``seed``). Text is decoded a window at a time (vLLM's prefix/read offsets),
-never emitting a half UTF-8 character, and held back by the longest stop string minus one
-character so a stop string is never streamed before it is recognised.
+request gives a ``seed``). A positive temperature under ``MIN_TEMPERATURE`` is raised to it,
+as vLLM does: float32 logits over a temperature near 0 overflow to inf, the softmax gives
+NaN, and the draw would fail the step of every request in the batch. Text is decoded a
+window at a time (vLLM's prefix/read offsets), never emitting a half UTF-8 character, and
+held back by the longest stop string minus one character so a stop string is never streamed
+before it is recognised.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 UNFINISHED_CHAR = "\ufffd"
+MIN_TEMPERATURE = 1e-2  # vllm/sampling_params.py _MAX_TEMP: a positive temperature below it is raised to it
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
     for i, (p, gen) in enumerate(zip(params, generators)):
         if p.temperature <= 0:
             continue
-        probs = torch.softmax(logits[i] / p.temperature, -1)
+        probs = torch.softmax(logits[i] / max(p.temperature, MIN_TEMPERATURE), -1)
         if p.top_p < 1.0:
             ordered, order = probs.sort(descending=True)
             cut = ordered.cumsum(0) - ordered > p.top_p  # keep the smallest set reaching top_p
