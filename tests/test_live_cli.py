@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from cachelab.live.launch import ServeOptions, check_bind, open_rows
+from cachelab.live.launch import ServeOptions, build_engine, check_bind, open_rows
 from cachelab.errors import CachelabError
 
 
@@ -53,6 +53,15 @@ def test_a_store_that_is_not_there_is_named(tmp_path):
                                                               dram_cache_capacity="12 parsecs"))):
         with pytest.raises(CachelabError, match=f"^{flag}: '.*' is not a capacity"):  # the flag, not the store's name
             open_rows(opts, "deepseek-v4.1-flash")
+
+
+def test_a_kv_cache_smaller_than_the_context_is_refused_before_start_up():
+    """A request as long as the context could never be scheduled in it: the scheduler raised on
+    the engine thread, and the engine stopped serving everyone (vLLM refuses it at start-up)."""
+    with pytest.raises(CachelabError, match=r"^--kv-cache-tokens 2047 holds 2032 tokens, less than .* \(2048, --max"):
+        build_engine(ServeOptions(kv_cache_tokens=2047))
+    with pytest.raises(CachelabError, match="--kv-cache-tokens 1024 holds 1024 tokens"):
+        build_engine(ServeOptions(kv_cache_tokens=1024, max_model_len=1040))
 
 
 @pytest.mark.slow

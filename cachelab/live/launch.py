@@ -166,6 +166,11 @@ def build_engine(opts: ServeOptions):
     if opts.threads is not None:  # process-wide: torch has one intra-op pool
         torch.set_num_threads(opts.threads)
     cfg = model_for(opts)
+    held = opts.kv_cache_tokens // EngineConfig.block_size * EngineConfig.block_size
+    if held < cfg.max_model_len:  # vLLM refuses this at start-up too
+        raise CachelabError(f"--kv-cache-tokens {opts.kv_cache_tokens} holds {held} tokens, less than one request of "
+                            f"the model's context ({cfg.max_model_len}, --max-model-len): such a request could never be "
+                            "scheduled and would stop the engine; give at least the context length")
     rows = open_rows(opts, cfg.layout)  # first: a bad --store fails before the model is built
     model = build_model(cfg, opts.weights, opts.seed, opts.device)
     engine_cfg = EngineConfig(kv_cache_tokens=opts.kv_cache_tokens, max_num_seqs=opts.max_num_seqs,
