@@ -12,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cachelab.live.launch import ServeOptions, running_server
+from cachelab.live.protocol import CompletionRequest
 
 MODEL = "cachelab-tiny"
 LABELS = {"model_name": MODEL, "engine": "0"}
@@ -164,6 +165,26 @@ def test_bad_input_gets_openai_shaped_errors(server):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="x")
     assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_a_seed_beyond_64_bits_is_a_400_and_an_unforeseen_error_a_json_500(server, monkeypatch):
+    """A seed of 2**64 reached torch.Generator.manual_seed and answered a plain-text 500 on a
+    reset connection; vLLM bounds the seed to 64 bits (400), and answers any unforeseen error
+    as a 500 in OpenAI's error shape."""
+    url, engine = server
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1, "temperature": 1.0}
+    r = httpx.post(f"{url}/v1/completions", json={**body, "seed": 2**64}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+    assert httpx.post(f"{url}/v1/completions", json={**body, "seed": 2**63 - 1}, timeout=30).status_code == 200
+    assert CompletionRequest.model_validate({**body, "seed": -1}).sampling(1).seed is None  # vLLM: -1 is no seed
+
+    def broken(*_):
+        raise RuntimeError("broken submit")
+
+    monkeypatch.setattr(engine, "submit", broken)
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 500 and r.json()["error"] == {"message": "RuntimeError: broken submit", "code": 500,
+                                                          "type": "InternalServerError", "param": None}
 
 
 def test_client_disconnect_mid_stream_frees_kv_blocks(server):

@@ -52,7 +52,7 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # vLLM's bounds: torch takes a 64-bit seed
     return_token_ids: bool = False
     ignore_eos: bool = False
     stop_token_ids: list[int] = []
@@ -68,8 +68,8 @@ class _Sampling(BaseModel):
     def sampling(self, max_tokens: int) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              seed=self.seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids),
-                              ignore_eos=self.ignore_eos)
+                              seed=None if self.seed == -1 else self.seed,  # vLLM: -1 is no seed
+                              stop=stop, stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos)
 
     @property
     def include_usage(self) -> bool:

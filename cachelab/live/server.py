@@ -57,6 +57,12 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
     async def api_error(_: Request, exc: APIError):
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception):
+        """vLLM's safety net: an unforeseen error is a 500 in OpenAI's shape (the traceback is
+        still logged), not a plain-text page a client cannot parse."""
+        return JSONResponse(APIError(500, f"{type(exc).__name__}: {exc}").body(), status_code=500)
+
     async def authenticate(request: Request) -> None:
         """The /v1 routes' key check (a dependency: an HTTP middleware would hide disconnects)."""
         if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
