@@ -74,8 +74,11 @@ class EngineMetrics:
         success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
                                       labels=LABELS + ("finished_reason",))
         for reason, n in c.finished.items():
-            success.add_metric(labels + [reason], n)
+            if reason != "abort":  # vLLM counts no aborted request here (its abort path records no stats)
+                success.add_metric(labels + [reason], n)
         yield success
+        yield counter("cachelab:requests_aborted", "Requests aborted: their client went away, or the engine stopped.",
+                      c.finished["abort"])
         yield counter("cachelab:engine_steps", "Scheduler steps the engine ran.", c.steps)
         yield counter("cachelab:engram_rows", "Engram rows read (tokens x table layers x 24).", c.engram_rows)
         yield counter("cachelab:engram_exposed_stall_seconds",
