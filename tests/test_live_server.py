@@ -187,6 +187,24 @@ def test_a_seed_beyond_64_bits_is_a_400_and_an_unforeseen_error_a_json_500(serve
                                                           "type": "InternalServerError", "param": None}
 
 
+def test_max_tokens_past_the_context_is_cut_to_what_the_prompt_leaves(server):
+    """vLLM (0.32, the peer) serves a prompt plus max_tokens over the context, its max_tokens cut
+    to the room left (get_max_tokens), and refuses only max_tokens over the whole context or a
+    prompt that leaves no room: a load generator's near-context requests are served, not 400s."""
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    prompt = list(range(1000, 1000 + 2040))
+    c = client.completions.create(model=MODEL, prompt=prompt, max_tokens=100, temperature=0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert c.choices[0].finish_reason == "length"
+    assert c.usage.completion_tokens == 8 == len(c.choices[0].model_dump()["token_ids"])
+    for body, param, message in (({"prompt": prompt, "max_tokens": 2049}, "max_tokens", "max_tokens=2049 cannot be"),
+                                 ({"prompt": prompt + list(range(8)), "max_tokens": 1}, "prompt",
+                                  "your prompt contains 2048 input tokens")):
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, **body}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param and message in r.json()["error"]["message"]
+
+
 def test_client_disconnect_mid_stream_frees_kv_blocks(server):
     url, engine = server
     wait_idle(engine)

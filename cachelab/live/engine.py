@@ -392,8 +392,10 @@ class RequestError(CachelabError):
         self.param = param
 
 
-def check_prompt(prompt_ids: Sequence[int], max_tokens: int, max_model_len: int, vocab_size: int) -> None:
-    """Refuse a request that cannot run, naming the numbers (vLLM's wording for the context)."""
+def check_prompt(prompt_ids: Sequence[int], max_tokens: int | None, max_model_len: int, vocab_size: int) -> int:
+    """Refuse a request that cannot run, naming the numbers; else its output budget: ``max_tokens``
+    (None: no limit) cut to what the context leaves after the prompt, as vLLM's
+    ``get_max_tokens`` cuts it (the answer then ends with finish_reason ``length``)."""
     n = len(prompt_ids)
     if n == 0:
         raise RequestError("the prompt is empty; send at least one token", "prompt")
@@ -401,10 +403,13 @@ def check_prompt(prompt_ids: Sequence[int], max_tokens: int, max_model_len: int,
     if ids.min() < 0 or ids.max() >= vocab_size:
         raise RequestError(f"prompt token ids must be in [0, {vocab_size}), got {int(ids.min())}..{int(ids.max())}",
                            "prompt")
-    if max_tokens < 1:
+    if max_tokens is not None and max_tokens < 1:
         raise RequestError(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
-    if n + max_tokens > max_model_len:
-        raise RequestError(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                           f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). "
-                           "Please reduce the length of the prompt or max_tokens.",
-                           "prompt" if n >= max_model_len else "max_tokens")
+    if max_tokens is not None and max_tokens > max_model_len:
+        raise RequestError(f"max_tokens={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+                           "Please request fewer output tokens.", "max_tokens")
+    if n >= max_model_len:
+        raise RequestError(f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+                           f"contains {n} input tokens, which leaves no room for any output token. Please reduce "
+                           "the length of the input prompt.", "prompt")
+    return max_model_len - n if max_tokens is None else min(max_tokens, max_model_len - n)

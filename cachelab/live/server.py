@@ -3,8 +3,9 @@
 Routes: ``/v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events or
 whole), ``/v1/models``, ``/health``, ``/metrics``. Every refusal is a 4xx in OpenAI's error
 shape before the engine sees the request: body over the size limit (413), malformed JSON or
-fields (400), unknown model (404), prompt plus ``max_tokens`` over the context (400), a
-missing or wrong API key (401). A client that disconnects, mid-stream or while waiting for a
+fields (400), unknown model (404), a prompt that fills the context or ``max_tokens`` over
+it (400; a ``max_tokens`` the prompt leaves no room for is cut, as vLLM cuts it), a missing
+or wrong API key (401). A client that disconnects, mid-stream or while waiting for a
 whole answer, has its request aborted: the engine frees its KV blocks before the next step.
 """
 
@@ -101,12 +102,10 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
         return req
 
     def prepare(prompt_ids: list[int], max_tokens: int | None, req):
-        max_tokens = limits.max_model_len - len(prompt_ids) if max_tokens is None else max_tokens
         try:
-            check_prompt(prompt_ids, max_tokens, limits.max_model_len, vocab)
+            return req.sampling(check_prompt(prompt_ids, max_tokens, limits.max_model_len, vocab))
         except RequestError as exc:
             raise APIError(400, str(exc), exc.param) from None
-        return req.sampling(max_tokens)
 
     async def run(request: Request, req, prompt_ids: list[int], params, chat: bool):
         if engine.error:
