@@ -205,6 +205,29 @@ def test_max_tokens_past_the_context_is_cut_to_what_the_prompt_leaves(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == param and message in r.json()["error"]["message"]
 
 
+def test_fields_vllm_refuses_or_would_answer_are_not_silently_dropped(server):
+    """What vLLM (0.32, probed) refuses is refused here too, with the field named; what it would
+    answer and this server cannot (logprobs, even a completion's logprobs: 0; a JSON response
+    format) is refused rather than ignored; a request that names no model gets the served one."""
+    url, _ = server
+    base = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    for extra, param in (({"logprobs": 0}, "logprobs"), ({"suffix": "y"}, "suffix"),
+                         ({"stream_options": {"include_usage": True}}, "stream_options"),
+                         ({"stop_token_ids": [1, 999_999]}, "stop_token_ids")):
+        r = httpx.post(f"{url}/v1/completions", json={**base, **extra}, timeout=30)
+        assert (r.status_code, r.json()["error"]["param"]) == (400, param), r.text
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    for extra, param in (({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"top_logprobs": 2}, "top_logprobs")):
+        r = httpx.post(f"{url}/v1/chat/completions", json={**chat, **extra}, timeout=30)
+        assert (r.status_code, r.json()["error"]["param"]) == (400, param), r.text
+    ok = httpx.post(f"{url}/v1/chat/completions", json={**chat, "response_format": {"type": "text"}, "logprobs": False},
+                    timeout=30)
+    assert ok.status_code == 200
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=30)
+    assert r.status_code == 200 and r.json()["model"] == MODEL
+
+
 def test_client_disconnect_mid_stream_frees_kv_blocks(server):
     url, engine = server
     wait_idle(engine)

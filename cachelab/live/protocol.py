@@ -44,7 +44,7 @@ class _Sampling(BaseModel):
     """What completions and chat completions share."""
 
     model_config = ConfigDict(extra="ignore")
-    model: str
+    model: str | None = None  # vLLM serves its model to a request that names none
     max_tokens: int | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -57,13 +57,23 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] = []
     logprobs: int | bool | None = None
+    top_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    response_format: dict | None = None
 
     def unsupported(self) -> list[str]:
-        """Fields set to something this server does not do (refused rather than ignored)."""
-        fields = ("logprobs", "presence_penalty", "frequency_penalty", "tools", "echo")
-        return [f for f in fields if getattr(self, f, None)]
+        """Fields set to something this server does not do (refused rather than ignored): any
+        logprobs asked for (a completion's ``logprobs: 0`` asks for the sampled token's), a
+        suffix (vLLM refuses it too without a fill-in-the-middle model), a response format
+        other than text."""
+        fields = ("presence_penalty", "frequency_penalty", "tools", "echo", "suffix", "top_logprobs")
+        refused = [f for f in fields if getattr(self, f, None)]
+        if self.logprobs is not None and self.logprobs is not False:
+            refused.insert(0, "logprobs")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            refused.append("response_format")
+        return refused
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -80,6 +90,7 @@ class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
+    suffix: str | None = None
 
 
 class ChatMessage(BaseModel):

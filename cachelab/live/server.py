@@ -92,10 +92,14 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
             err = exc.errors()[0]
             param = ".".join(str(p) for p in err["loc"])
             raise APIError(400, f"{param}: {err['msg']}", param) from None
-        if req.model != model_name:
+        if req.model is not None and req.model != model_name:
             raise APIError(404, f"The model `{req.model}` does not exist.", "model")
         if req.n != 1:
             raise APIError(400, f"n must be 1 (one choice per request), got {req.n}", "n")
+        if req.stream_options is not None and not req.stream:  # vLLM's check and words
+            raise APIError(400, "Stream options can only be defined when `stream=True`.", "stream_options")
+        if bad := [t for t in req.stop_token_ids if not 0 <= t < vocab]:
+            raise APIError(400, f"stop_token_ids must be in [0, {vocab}), got {bad}", "stop_token_ids")
         refused = req.unsupported()
         if refused:
             raise APIError(400, f"{refused[0]} is not supported by this server", refused[0])
