@@ -228,6 +228,39 @@ def test_fields_vllm_refuses_or_would_answer_are_not_silently_dropped(server):
     assert r.status_code == 200 and r.json()["model"] == MODEL
 
 
+def test_stop_token_ids_and_stop_strings_over_http_count_what_they_return(server):
+    """finish_reason/stop_reason as vLLM gives them; the stopping token is in token_ids and in
+    usage, its text (or the stop string) is not in the text; stream and whole agree."""
+    url, _ = server
+    body = {"model": MODEL, "prompt": list(range(2000, 2012)), "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "max_tokens": 8}
+    free = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    ids = free["token_ids"]
+    assert len(set(ids[:4])) == 4  # the seeded dummy model's greedy answer: the 4th token comes once
+    upto = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 3}, timeout=60).json()["choices"][0]["text"]
+    for stream in (False, True):
+        r = httpx.post(f"{url}/v1/completions", timeout=60,
+                       json={**body, "stop_token_ids": [ids[3]], "stream": stream,
+                             **({"stream_options": {"include_usage": True}} if stream else {})})
+        if stream:
+            events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+            assert r.text.rstrip().endswith("data: [DONE]")
+            choices = [e["choices"][0] for e in events if e["choices"]]
+            text, got = "".join(c["text"] for c in choices), [t for c in choices for t in c["token_ids"]]
+            last, use = choices[-1], events[-1]["usage"]
+        else:
+            last = r.json()["choices"][0]
+            text, got, use = last["text"], last["token_ids"], r.json()["usage"]
+        assert (last["finish_reason"], last["stop_reason"]) == ("stop", ids[3])
+        assert got == ids[:4] and use["completion_tokens"] == 4 and text == upto
+    stop = free["text"][len(upto):][:1]  # the first character after three tokens' text
+    assert stop and stop not in upto
+    r = httpx.post(f"{url}/v1/completions", json={**body, "stop": [stop]}, timeout=60).json()
+    choice = r["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop) and choice["text"] == upto
+    assert r["usage"]["completion_tokens"] == len(choice["token_ids"]) >= 4
+
+
 def test_client_disconnect_mid_stream_frees_kv_blocks(server):
     url, engine = server
     wait_idle(engine)
