@@ -36,10 +36,14 @@ def scrape(url) -> dict:
 
 
 def wait_idle(engine):
+    """Until no request is live: an abort takes the request out of the running list a moment
+    before it frees the blocks and counts the abort, and waiting on num_running alone let a
+    scrape in that moment (the engine thread off the GIL) read the blocks as held: a flaky
+    failure, not a leak."""
     import time
 
     for _ in range(1200):
-        if not engine.num_running and not engine.num_waiting:
+        if not engine.num_live and not engine.num_running and not engine.num_waiting:
             return
         time.sleep(0.05)
     raise AssertionError(f"engine did not go idle: {engine.num_running} running, {engine.num_waiting} waiting, "

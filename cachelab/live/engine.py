@@ -209,6 +209,12 @@ class LiveEngine:
             self._cv.notify()
 
     @property
+    def num_live(self) -> int:
+        """Requests taken in and not finished: 0 once the last one's blocks are free, its counts
+        made and its last output handed out (``num_running`` drops a moment before that)."""
+        return len(self._live)
+
+    @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
@@ -349,7 +355,6 @@ class LiveEngine:
 
     def _finish(self, live: _Live, reason: str, stop_reason, now: float, tokens: list[int] = ()) -> None:
         rid = live.req.rid
-        del self._live[rid]
         if rid in self._slot:
             self._free_slots.append(self._slot.pop(rid))
         self.counters.finished[reason] += 1
@@ -357,6 +362,7 @@ class LiveEngine:
             self.observer.finished(now - live.arrival)
         live.sink(RequestOutput(rid, list(tokens), live.detok.take(final=True), True, reason, stop_reason,
                                 live.req.num_prompt, live.req.num_output, max(live.cached_tokens, 0)))
+        del self._live[rid]  # last: a request leaves num_live once everything about it is done
 
     def _count(self, step: StepRecord, row_ids: np.ndarray, fetch: dict, t0: float, t_done: float) -> None:
         c = self.counters
