@@ -232,6 +232,17 @@ def test_fields_vllm_refuses_or_would_answer_are_not_silently_dropped(server):
     assert r.status_code == 200 and r.json()["model"] == MODEL
 
 
+def test_a_body_not_declared_as_json_is_a_400_as_in_vllm(server):
+    url, _ = server
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}).encode()
+    for headers in ({"content-type": "text/plain"}, {}, {"content-type": "application/x-www-form-urlencoded"}):
+        r = httpx.post(f"{url}/v1/completions", content=body, headers=headers, timeout=30)
+        assert r.status_code == 400 and "Only 'application/json' is allowed" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/completions", content=body, headers={"content-type": "Application/JSON; charset=utf-8"},
+                   timeout=30)
+    assert r.status_code == 200
+
+
 def test_stop_token_ids_and_stop_strings_over_http_count_what_they_return(server):
     """finish_reason/stop_reason as vLLM gives them; the stopping token is in token_ids and in
     usage, its text (or the stop string) is not in the text; stream and whole agree."""

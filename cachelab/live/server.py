@@ -72,6 +72,9 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
     v1 = {"dependencies": [Depends(authenticate)]}
 
     async def read_json(request: Request, model_cls):
+        media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if media_type != "application/json":  # vLLM's validate_json_request: a 400, its words
+            raise APIError(400, "Unsupported Media Type: Only 'application/json' is allowed")
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limits.max_body_bytes:
             raise APIError(413, f"request body of {declared} bytes is over the limit of {limits.max_body_bytes}")
