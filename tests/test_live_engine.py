@@ -236,6 +236,17 @@ def test_a_temperature_near_zero_samples_instead_of_failing_the_step():
     assert sample(logits, params, gens).tolist() == logits.argmax(-1).tolist()
 
 
+def test_top_k_draws_only_among_the_k_largest_logits():
+    """top_k was accepted and ignored (a client's top_k=1 still sampled the whole vocabulary)."""
+    logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(0)).expand(300, -1)
+    gen = torch.Generator().manual_seed(1)
+    top3 = set(logits[0].topk(3).indices.tolist())
+    for k, allowed in ((3, top3), (1, {int(logits[0].argmax())})):
+        drawn = sample(logits, [SamplingParams(max_tokens=1, temperature=5.0, top_k=k)] * 300, [gen] * 300)
+        assert set(drawn.tolist()) == allowed
+    assert len(set(sample(logits, [SamplingParams(max_tokens=1, temperature=5.0)] * 300, [gen] * 300).tolist())) > 100
+
+
 def test_scheduler_abort_frees_blocks_of_running_and_drops_waiting():
     pool = BlockPrefixCache(8, 4)
     sched = Scheduler(pool, max_num_batched_tokens=64, max_num_seqs=1)

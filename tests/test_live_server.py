@@ -222,11 +222,13 @@ def test_fields_vllm_refuses_or_would_answer_are_not_silently_dropped(server):
         assert (r.status_code, r.json()["error"]["param"]) == (400, param), r.text
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
     for extra, param in (({"response_format": {"type": "json_object"}}, "response_format"),
-                         ({"top_logprobs": 2}, "top_logprobs")):
+                         ({"top_logprobs": 2}, "top_logprobs"), ({"repetition_penalty": 1.2}, "repetition_penalty"),
+                         ({"min_p": 0.1}, "min_p"), ({"top_k": -2}, "top_k")):
         r = httpx.post(f"{url}/v1/chat/completions", json={**chat, **extra}, timeout=30)
         assert (r.status_code, r.json()["error"]["param"]) == (400, param), r.text
-    ok = httpx.post(f"{url}/v1/chat/completions", json={**chat, "response_format": {"type": "text"}, "logprobs": False},
-                    timeout=30)
+    ok = httpx.post(f"{url}/v1/chat/completions", timeout=30,
+                    json={**chat, "response_format": {"type": "text"}, "logprobs": False, "repetition_penalty": 1.0,
+                          "top_k": -1, "min_p": 0.0})
     assert ok.status_code == 200
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=30)
     assert r.status_code == 200 and r.json()["model"] == MODEL

@@ -48,6 +48,9 @@ class _Sampling(BaseModel):
     max_tokens: int | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # vLLM's: -1 or 0 is every token
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -66,18 +69,23 @@ class _Sampling(BaseModel):
         """Fields set to something this server does not do (refused rather than ignored): any
         logprobs asked for (a completion's ``logprobs: 0`` asks for the sampled token's), a
         suffix (vLLM refuses it too without a fill-in-the-middle model), a response format
-        other than text."""
+        other than text, min_p, a repetition penalty."""
         fields = ("presence_penalty", "frequency_penalty", "tools", "echo", "suffix", "top_logprobs")
         refused = [f for f in fields if getattr(self, f, None)]
         if self.logprobs is not None and self.logprobs is not False:
             refused.insert(0, "logprobs")
         if self.response_format and self.response_format.get("type", "text") != "text":
             refused.append("response_format")
+        if self.min_p:
+            refused.append("min_p")
+        if self.repetition_penalty != 1.0:  # 1.0 (vLLM bench's default) is no penalty
+            refused.append("repetition_penalty")
         return refused
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=max(self.top_k or 0, 0),
                               seed=None if self.seed == -1 else self.seed,  # vLLM: -1 is no seed
                               stop=stop, stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos)
 

@@ -1,7 +1,7 @@
 """Sampling and incremental detokenization, as vLLM does them for the OpenAI endpoints.
 
 Greedy rows (temperature 0) take the argmax together; the others are scaled by their
-temperature, cut to their top-p nucleus and drawn from their own generator (seeded when the
+temperature, cut to their top-k logits and then to their top-p nucleus (vLLM's order) and drawn from their own generator (seeded when the
 request gives a ``seed``). A positive temperature under ``MIN_TEMPERATURE`` is raised to it,
 as vLLM does: float32 logits over a temperature near 0 overflow to inf, the softmax gives
 NaN, and the draw would fail the step of every request in the batch. Text is decoded a
@@ -26,6 +26,7 @@ class SamplingParams:
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: every token (vLLM's "disabled")
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -38,7 +39,10 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
     for i, (p, gen) in enumerate(zip(params, generators)):
         if p.temperature <= 0:
             continue
-        probs = torch.softmax(logits[i] / max(p.temperature, MIN_TEMPERATURE), -1)
+        scaled = logits[i] / max(p.temperature, MIN_TEMPERATURE)
+        if 0 < p.top_k < scaled.numel():
+            scaled = scaled.masked_fill(scaled < scaled.topk(p.top_k).values[-1], float("-inf"))
+        probs = torch.softmax(scaled, -1)
         if p.top_p < 1.0:
             ordered, order = probs.sort(descending=True)
             cut = ordered.cumsum(0) - ordered > p.top_p  # keep the smallest set reaching top_p
