@@ -278,6 +278,37 @@ def test_stop_token_ids_and_stop_strings_over_http_count_what_they_return(server
     assert r["usage"]["completion_tokens"] == len(choice["token_ids"]) >= 4
 
 
+def test_requests_in_flight_when_the_engine_stops_get_an_error_not_a_200():
+    """A step that fails stops the engine; the requests it was running were answered 200 with
+    finish_reason "abort" and a cut text, which a client takes for an answer. vLLM answers an
+    error: a JSON error for a whole answer, an error event then [DONE] in a stream."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    opts = ServeOptions(port=0, kv_cache_tokens=4096, threads=1)
+    with running_server(opts) as (url, engine):
+        model, decodes = engine.model, []
+
+        def failing(*args):  # both requests decode a few tokens, then the device is lost
+            decodes.append(engine.num_running)
+            if decodes.count(2) > 3:
+                raise RuntimeError("device lost")
+            return model(*args)
+
+        engine.model = failing
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 200, "ignore_eos": True}
+        with ThreadPoolExecutor(1) as pool:
+            whole = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60)
+            with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+                events = [line for line in r.iter_lines() if line.startswith("data:")]
+            whole = whole.result()
+        assert r.status_code == 200 and events[-1] == "data: [DONE]"
+        error = json.loads(events[-2][5:])["error"]
+        assert error["code"] == 503 and "RuntimeError: device lost" in error["message"]
+        assert all(json.loads(e[5:])["choices"][0]["finish_reason"] is None for e in events[:-2])
+        assert whole.status_code == 503 and "RuntimeError: device lost" in whole.json()["error"]["message"]
+        assert httpx.get(f"{url}/health").status_code == 503
+
+
 def test_client_disconnect_mid_stream_frees_kv_blocks(server):
     url, engine = server
     wait_idle(engine)

@@ -195,6 +195,8 @@ async def _whole(engine, request: Request, rid: int, collector: _Collector, oid:
         raise
     finally:
         gone.cancel()
+    if out.finish_reason == "abort":  # not our client gone (returned above): the engine stopped under it
+        raise APIError(503, f"the engine stopped after an error: {engine.error}")
     return completion_body(oid, model, "".join(text), out.finish_reason, out.stop_reason,
                            tokens if req.return_token_ids else None, prompt_ids,
                            usage(out.num_prompt, out.num_output, out.cached_tokens), chat)
@@ -211,6 +213,10 @@ async def _stream(engine, rid: int, collector: _Collector, oid: str, model: str,
         while not finished:
             out = await collector.queue.get()
             finished = out.finished
+            if out.finish_reason == "abort":  # the engine stopped under a live stream: an error event, as vLLM sends
+                yield _sse(APIError(503, f"the engine stopped after an error: {engine.error}").body())
+                yield "data: [DONE]\n\n"
+                return
             ids = out.new_token_ids if req.return_token_ids else None
             yield _sse(chunk_body(oid, created, model, out.new_text, out.finish_reason, out.stop_reason, ids,
                                   prompt_ids if first else None, chat, first and chat))
