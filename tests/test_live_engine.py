@@ -130,6 +130,10 @@ def test_preemption_recomputes_and_changes_no_answer():
         tight.stop()
     assert tight.counters.preemptions > 0
     assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    # vllm:prefix_cache_queries/hits count a request once, at its first admission (vLLM's
+    # PrefixCacheStats.record leaves a preempted request's return out), as usage's cached_tokens does
+    assert tight.pool.queried_tokens == sum(len(p) for p in ps)
+    assert tight.pool.hit_tokens == sum(c.cached_tokens for c in got)
 
 
 def test_engine_reads_the_rows_the_serving_simulator_says():

@@ -181,7 +181,7 @@ class Scheduler:
             if not kv.extend(r.rid, hit + num):
                 kv.preempt(r.rid)
                 break
-            kv.record_query(known, hit)
+            kv.record_query(known, hit, preempted=r.preemptions > 0)
             self.waiting.popleft()
             running.append(r)
             r.num_computed = hit

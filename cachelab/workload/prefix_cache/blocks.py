@@ -225,8 +225,11 @@ class BlockPrefixCache:
         _touch(self._table, hashes, n, self._ref, self._prev, self._nxt, self._meta, blocks)
         self._req[rid] = [blocks, n, n, hashes]  # block table, blocks held, blocks published, hashes
 
-    def record_query(self, num_prompt: int, num_cached: int) -> None:
-        """Count one admitted request's prompt and cached tokens (vLLM's hit-rate terms)."""
+    def record_query(self, num_prompt: int, num_cached: int, preempted: bool = False) -> None:
+        """Count one admitted request's prompt and cached tokens (vLLM's hit-rate terms); a
+        preempted request's return is not counted (vLLM's ``PrefixCacheStats.record``)."""
+        if preempted:
+            return
         self.queried_tokens += num_prompt
         self.hit_tokens += num_cached
 

@@ -170,8 +170,9 @@ class RadixPrefixCache:
         self._lock(node, 1)
         self._req[rid] = (np.asarray(tokens), node, num_cached, num_cached)
 
-    def record_query(self, num_prompt: int, num_cached: int) -> None:
-        """Count one admitted request's new and cached prefill tokens (SGLang's terms)."""
+    def record_query(self, num_prompt: int, num_cached: int, preempted: bool = False) -> None:
+        """Count one admitted request's new and cached prefill tokens (SGLang's terms: a
+        retracted request's new prefill counts again, ``preempted`` or not)."""
         self.new_tokens += num_prompt - num_cached
         self.cached_tokens += num_cached
 
