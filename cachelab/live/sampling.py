@@ -1,8 +1,8 @@
 """Sampling and incremental detokenization, as vLLM does them for the OpenAI endpoints.
 
 Greedy rows (temperature 0) take the argmax together; the others are scaled by their
-temperature, cut to their top-k logits and then to their top-p nucleus (vLLM's order) and drawn from their own generator (seeded when the
-request gives a ``seed``). A positive temperature under ``MIN_TEMPERATURE`` is raised to it,
+temperature, cut to their top-k logits and then to their top-p nucleus (vLLM's order) and
+drawn from their own generator (seeded when the request gives a ``seed``). A positive temperature under ``MIN_TEMPERATURE`` is raised to it,
 as vLLM does: float32 logits over a temperature near 0 overflow to inf, the softmax gives
 NaN, and the draw would fail the step of every request in the batch. Text is decoded a
 window at a time (vLLM's prefix/read offsets), never emitting a half UTF-8 character, and
