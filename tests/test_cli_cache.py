@@ -62,6 +62,10 @@ def test_errors_exit_2_with_message(tmp_path):
     assert res.exit_code == 2 and "has no parameter 'colour'" in res.output
     res = runner.invoke(app, ["mrc", "--trace", str(tmp_path / "k.npy"), "--capacities", "10,x"])
     assert res.exit_code == 2 and "'x' is not a capacity" in res.output
+    for warmup in ("nan", "inf"):  # were a ValueError / OverflowError traceback
+        res = runner.invoke(app, ["simulate", "--trace", str(tmp_path / "k.npy"), "--policy", "lru", "--capacity", "5",
+                                  "--warmup", warmup])
+        assert res.exit_code == 2 and f"warm-up must be a number >= 0, got {warmup}" in res.output
 
 
 def test_mrc_sampled_and_simulated_methods(tmp_path):

@@ -34,8 +34,8 @@ __all__ = ["ReplayResult", "replay", "run_policy", "warmup_steps"]
 
 def warmup_steps(warmup: float, num_steps: int) -> int:
     """A warm-up given as a fraction of steps (``0 <= w < 1``) or a whole step count (``>= 1``)."""
-    if warmup < 0:
-        raise CachelabError(f"warm-up must be >= 0, got {warmup}")
+    if not 0 <= warmup < float("inf"):  # NaN and infinity are refused too
+        raise CachelabError(f"warm-up must be a number >= 0, got {warmup}")
     if warmup < 1:
         return int(np.floor(warmup * num_steps))
     if warmup != int(warmup):
