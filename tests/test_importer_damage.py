@@ -203,6 +203,20 @@ def test_azure_bom_header_and_mixed_utc_offsets(tmp_path):
         AzureTrace(str(path)).arrivals()
 
 
+@pytest.mark.parametrize("year", ["9999", "1700", "2100"])
+def test_azure_far_timestamp_is_a_bad_row_naming_its_line(tmp_path, year):
+    """A damaged year was taken: 9999 wrapped (a nanosecond parse) to an arrival of 6.6e9 s,
+    1700 overflowed to a negative one, blamed on the output file's row 0."""
+    path = tmp_path / "AzureLLMInferenceTrace_code.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9799600,10,1\n"
+                    f"{year}-11-16 18:17:04.1,20,2\n2023-11-16 18:17:05.5,30,3\n")
+    with pytest.raises(CachelabError, match=rf"_code.csv:3: field 'TIMESTAMP': '{year}-11-16 18:17:04.1' is not "
+                                            r"a timestamp like .* within 5e\+08 s of the file's median"):
+        AzureTrace(str(path)).arrivals()
+    source = AzureTrace(str(path), skip_bad=True)
+    assert source.arrivals()["arrival_s"].to_list() == pytest.approx([0.0, 1.52004]) and source.skipped_lines == [3]
+
+
 def _servegen_folder(tmp_path, trace: str, dataset: dict):
     folder = tmp_path / "reason" / "model"
     folder.mkdir(parents=True)

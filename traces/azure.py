@@ -6,39 +6,49 @@ hour each of a code and a conversation service; ``2023-11-16 18:17:03.9799600``)
 offset is applied (rows of different offsets land on one UTC clock); in a file whose
 timestamps carry offsets, a row without one is a bad row, never a guess at local time.
 Arrival times become seconds since the first request; there is no text and no prefix
-information.
+information. A timestamp more than ``MAX_SECONDS / 2`` from the file's median one is a bad
+row (a trace spans at most ``MAX_SECONDS``), so a damaged year never stretches the clock, nor
+overflows its nanoseconds.
 """
 
 from __future__ import annotations
 
+from datetime import datetime
 from pathlib import Path
 
 import polars as pl
 
 from cachelab.trace.arrivals import arrival_frame
 from cachelab.errors import CachelabError
-from cachelab.trace.ingest import Ingest, count_field
+from cachelab.trace.ingest import MAX_SECONDS, Ingest, count_field
 
 COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
 
 OFFSET = r"([+-])(\d\d):?(\d\d)$|Z$"
+FORMAT = "%Y-%m-%d %H:%M:%S%.f"
+HALF_SPAN_US = int(MAX_SECONDS / 2 * 1e6)
 
 
 def _timestamp(col: str, with_offset: bool) -> tuple[pl.Expr, str]:
     """The UTC time of each row; with ``with_offset`` (the file's timestamps carry UTC offsets)
-    a row without one is null, so it is a bad row."""
+    a row without one is null, so it is a bad row; so is one far from the median (module doc)."""
     raw = pl.col(col)
-    naive = raw.str.replace(OFFSET, "").str.replace("T", " ", literal=True) \
-        .str.to_datetime("%Y-%m-%d %H:%M:%S%.f", strict=False, time_unit="ns")
+    text = raw.str.replace(OFFSET, "").str.replace("T", " ", literal=True)
+    # checked in microseconds: a nanosecond parse wraps silently past 2262 (9999 became 1815)
+    wide = text.str.to_datetime(FORMAT, strict=False, time_unit="us")
+    plausible = wide.is_between(datetime(1678, 1, 1), datetime(2262, 1, 1))  # what nanoseconds hold
+    plausible &= (wide - wide.filter(plausible).median()).abs() <= pl.duration(microseconds=HALF_SPAN_US)
+    naive = pl.when(plausible).then(text.str.to_datetime(FORMAT, strict=False, time_unit="ns"))
+    near = f"within {MAX_SECONDS / 2:g} s of the file's median timestamp"
     if not with_offset:
-        return naive, "a timestamp like 2023-11-16 18:17:03.9799600"
+        return naive, f"a timestamp like 2023-11-16 18:17:03.9799600, {near}"
     sign = pl.when(raw.str.extract(OFFSET, 1) == "-").then(-1).otherwise(1)
     minutes = raw.str.extract(OFFSET, 2).cast(pl.Int64) * 60 + raw.str.extract(OFFSET, 3).cast(pl.Int64)
     offset = pl.when(raw.str.ends_with("Z")).then(0).otherwise(sign * minutes)
     utc = naive - pl.duration(minutes=offset)
     return (pl.when(raw.str.contains(OFFSET)).then(utc),
-            "a timestamp with a UTC offset like 2024-05-10 00:00:00.01+00:00 (as the file's other rows)")
+            f"a timestamp with a UTC offset like 2024-05-10 00:00:00.01+00:00 (as the file's other rows), {near}")
 
 
 def _domain_of(path: Path) -> str:
