@@ -102,6 +102,32 @@ def test_bad_inputs_are_clean_errors(tmp_path, content_trace):
     assert res.exit_code == 2 and "truncated oracleGeneral record 1" in res.output
 
 
+def test_only_oracle_general_becomes_a_request_trace(tmp_path, content_trace):
+    """Key text of 24 bytes was read as one record (exit 0, a nonsense trace); a request trace
+    as 'truncated oracleGeneral record 176'."""
+    (tmp_path / "keys.txt").write_text("1\n" * 12)
+    path, _ = content_trace
+    for source, found in ((tmp_path / "keys.txt", "a key trace (text, one key per line)"),
+                          (path, "a request trace (.parquet)")):
+        res = runner.invoke(app, ["trace", "convert", str(source), str(tmp_path / "o.parquet")])
+        assert res.exit_code == 2 and f"SOURCE {source}: found {found}" in res.output
+        assert "needs a libCacheSim oracleGeneral file" in res.output
+        assert not (tmp_path / "o.parquet").exists()
+
+
+def test_no_keys_writes_no_file(tmp_path, content_trace):
+    """--max-requests 0 (or -1) wrote a 0-byte oracleGeneral file and exited 0; every reader refuses it."""
+    path, _ = content_trace
+    for flag, value in (("--max-requests", "0"), ("--max-requests", "-1"), ("--block-size", "0")):
+        res = runner.invoke(app, ["trace", "convert", str(path), str(tmp_path / "o.bin"), flag, value])
+        assert res.exit_code == 2 and f"{flag} {value}: must be 1 or more" in res.output
+    empty = tmp_path / "empty.parquet"
+    write_trace(arrival_frame([0.0], [0], [4], domain="x", source="t"), empty)  # a request without prompt tokens
+    res = runner.invoke(app, ["trace", "convert", str(empty), str(tmp_path / "o.bin"), "--keys", "blocks"])
+    assert res.exit_code == 2 and "no blocks keys to write" in res.output
+    assert not (tmp_path / "o.bin").exists()
+
+
 @pytest.mark.data
 def test_cloudphysics_round_trip(data_dir, tmp_path):
     src = data_dir / "cache_traces/libcachesim_cloudphysics/cloudPhysicsIO.oracleGeneral.bin"

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from cachelab.defaults import PRESET
 from cachelab.learning.streams import STEP_VIEWS, load_trace
-from cachelab.trace.kinds import REQUESTS, detect, wrong_kind
+from cachelab.trace.kinds import KEY, REQUESTS, detect, wrong_kind
 from cachelab.errors import CachelabError
 from cachelab.params import parse_pairs
 from cachelab.paths import output_file
@@ -199,12 +199,18 @@ def convert(
 ) -> None:
     """Convert between the trace schema and libCacheSim's oracleGeneral key format (unit sizes)."""
     output_file(out, "OUT")
+    for flag, value in (("--block-size", block_size), ("--max-requests", max_requests)):
+        if value is not None and value < 1:
+            raise CachelabError(f"{flag} {value}: must be 1 or more")
     if out.suffix == ".parquet":
+        _refuse_other_than_oracle(source)
         frame = oracle_to_trace(source)
         write_trace(frame, out)
         result = {"out": str(out), "direction": "oracleGeneral->trace", "requests": frame.height}
     else:
         key_stream = trace_keys(source, keys, block_size=block_size, preset=preset, max_requests=max_requests)
+        if key_stream.size == 0:  # every reader refuses an empty oracleGeneral file: write none
+            raise CachelabError(f"{source}: no {keys} keys to write (no request has tokens to key); {out} not written")
         write_oracle_general(out, key_stream)
         result = {"out": str(out), "direction": "trace->oracleGeneral", "keys": keys,
                   "records": int(key_stream.size), "distinct": int(sorted_distinct(key_stream).size)}
@@ -212,6 +218,22 @@ def convert(
         typer.echo(json.dumps(result))
     else:
         Console().print(", ".join(f"{k}: {v}" for k, v in result.items()))
+
+
+def _refuse_other_than_oracle(source: Path) -> None:
+    """Only oracleGeneral becomes a request trace: another kind of file (a request trace, key
+    text whose size happens to be a multiple of 24 bytes) was read as records, into nonsense or
+    a 'truncated oracleGeneral record'. Content detection cannot always tell a real
+    oracleGeneral file (``sniff_format``); then the records are read and checked as before."""
+    try:
+        found = detect(str(source), where="SOURCE")
+    except CachelabError:
+        return
+    if found.kind != KEY or found.key_format != "oracle":
+        hint = ("To write oracleGeneral from it, give an OUT that is not .parquet." if found.kind == REQUESTS else
+                "`simulate` and `mrc` read it as it is.")
+        raise wrong_kind(found, "trace convert SOURCE OUT.parquet", "a libCacheSim oracleGeneral file", hint,
+                         where="SOURCE")
 
 
 @app.command()
