@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachelab import registry
+from cachelab.errors import CachelabError
 from cachelab.trace.keytrace import read_keys
 from cachelab.workload.lookups import LookupStream
 from cachelab.engine.mrc import miss_ratio_curve, stack_distances
@@ -60,6 +61,14 @@ def test_simulated_curve_is_deterministic_and_equals_single_runs():
     # LRU with parameters is simulated too, and agrees with the exact curve when they change nothing
     assert miss_ratio_curve(stream, caps, params={"admission": "always"}).miss_ratios == \
         miss_ratio_curve(stream, caps).miss_ratios
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo"])
+def test_an_empty_sample_is_an_error_not_a_zero_curve(policy):
+    """Four keys at rate 0.001 keep none: SHARDS (and a mini-simulation) reported 0.0 at every capacity."""
+    stream = LookupStream.from_keys(np.array([1, 2, 3, 1, 2, 3, 4]))
+    with pytest.raises(CachelabError, match="sample rate 0.001 keeps none of the 4 distinct keys' requests"):
+        miss_ratio_curve(stream, [1, 2], policy=policy, sample_rate=0.001, workers=1)
 
 
 @pytest.mark.data

@@ -182,6 +182,10 @@ def miss_ratio_curve(stream: LookupStream, capacities: list[int], policy: str = 
     if not capacities or capacities[0] < 1:
         raise CachelabError(f"capacities must be positive, got {capacities}")
     req = _requests(stream, warmup)
+    if sample_rate is not None and not sample_mask(req.keys[req.first:], sample_rate).any():
+        # an empty sample read as a miss ratio of 0.0 at every capacity
+        raise CachelabError(f"sample rate {sample_rate} keeps none of the {req.num_keys:,} distinct keys' requests "
+                            "after the warm-up: raise the rate")
     requests = int(req.weights[req.first:].sum())
     warm = int(req.weights[:req.first].sum())
     if policy == "lru" and not params:
