@@ -52,6 +52,19 @@ def test_corrupt_inputs_name_file_and_place(tmp_path):
         read_keys(tmp_path / "missing.txt")
 
 
+def test_zstd_input_is_named_as_such(tmp_path):
+    """The ARC traces ship as .lis.zst: the error asked for --format, or blamed line 1 for not being UTF-8."""
+    from cachelab.trace.ingest import Ingest
+
+    path = tmp_path / "k.txt.zst"
+    path.write_bytes(b"(\xb5/\xfd\x04X1\x00\x001\n2\n1\n\xc8\xe2\x1e\x07")  # `zstd` of "1\n2\n1\n"
+    for fmt in (None, "txt"):
+        with pytest.raises(CachelabError, match=r"k.txt.zst: zstd-compressed, which cachelab does not read"):
+            read_keys(path, fmt)
+    with pytest.raises(CachelabError, match=r"k.txt.zst: zstd-compressed"):
+        next(Ingest(path).lines())
+
+
 def test_text_in_other_encodings_is_read_as_text(tmp_path):
     """UTF-16 (with or without a BOM) and UTF-8 with a BOM are key lists, never oracleGeneral."""
     text = "\n".join(map(str, KEYS)) + "\n"

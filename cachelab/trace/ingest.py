@@ -6,7 +6,7 @@ line is skipped and counted, so a damaged file never yields silently fewer rows:
 non-blank line is a row out or a row skipped, and ``skipped_lines`` names each skipped one.
 A CSV is read one physical line per record (these traces hold no quoted line breaks), so a
 stray quote damages its own line only, and the error names that line. Gzip input is
-detected by its magic bytes; a UTF-8 byte-order mark is dropped.
+detected by its magic bytes (zstd is named and refused); a UTF-8 byte-order mark is dropped.
 """
 
 from __future__ import annotations
@@ -25,11 +25,23 @@ import polars as pl
 from cachelab.errors import CachelabError
 
 
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def refuse_zstd(path: Path, head: bytes) -> None:
+    """A zstd file (the ARC traces ship as ``.lis.zst``) is named as one: read as it is, it was
+    'not UTF-8' or a format to declare with ``--format``; no zstd decoder is installed."""
+    if head.startswith(ZSTD_MAGIC):
+        raise CachelabError(f"{path}: zstd-compressed, which cachelab does not read; decompress it first "
+                            f"(zstd -d {path})")
+
+
 def open_binary(path: Path):
     """The file's bytes, decompressed when it starts with the gzip magic."""
     with open(path, "rb") as probe:
-        magic = probe.read(2)
-    return gzip.open(path, "rb") if magic == b"\x1f\x8b" else open(path, "rb")
+        magic = probe.read(4)
+    refuse_zstd(path, magic)
+    return gzip.open(path, "rb") if magic[:2] == b"\x1f\x8b" else open(path, "rb")
 
 
 def _fields(text: str) -> list[str]:

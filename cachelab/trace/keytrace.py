@@ -4,8 +4,9 @@ Formats (``fmt``), declared or detected from the content by ``sniff_format``:
 
 - ``npy``: a NumPy ``.npy`` array of integers (any shape; flattened in C order).
 - ``txt``: text, one integer key per line; blank lines and LIRS ``*`` breakpoint lines are
-  skipped. gzip, bzip2 and xz compression are recognised by their magic bytes; UTF-8 with a
-  BOM and UTF-16 (with a BOM, or ASCII digits each followed or led by a NUL) are decoded.
+  skipped. gzip, bzip2 and xz compression are recognised by their magic bytes (zstd is named
+  and refused); UTF-8 with a BOM and UTF-16 (with a BOM, or ASCII digits each followed or
+  led by a NUL) are decoded.
 - ``oracle``: libCacheSim's oracleGeneral binary, 24-byte little-endian records
   ``<u4 time, <u8 id, <u4 size, <i8 next access (1-based request index, -1 if none)>``.
 
@@ -31,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from cachelab.errors import CachelabError
+from cachelab.trace.ingest import refuse_zstd
 from cachelab.workload.future import next_access
 from cachelab.policy import NO_NEXT
 
@@ -92,6 +94,7 @@ def sniff_format(path: Path) -> str:
         raise CachelabError(f"{path} is empty (0 bytes): a key trace needs at least one key")
     if head.startswith(_NPY_MAGIC):
         return "npy"
+    refuse_zstd(path, head)
     if any(head.startswith(m) for m in (*_COMPRESSED, *_BOMS)) or _is_text(head) or _utf16_order(head):
         return "txt"
     if "oraclegeneral" in path.name.lower() or _plausible_oracle(head, path.stat().st_size):
@@ -146,6 +149,7 @@ def _read_npy(path: Path) -> np.ndarray:
 
 def _decoded(path: Path, raw: bytes) -> bytes:
     """Key text as ASCII bytes: decompressed, and decoded from UTF-8 with a BOM or UTF-16."""
+    refuse_zstd(path, raw)
     for magic, decompress in _COMPRESSED.items():
         if raw.startswith(magic):
             try:
