@@ -2,7 +2,9 @@
 
 Occupancy never exceeds capacity; a hit is only ever a resident row; admissions take slots
 in range that ``resident()`` then shows; identical runs give identical results; the step
-path equals the compiled path; Belady with bypass never misses more than any policy.
+path equals the compiled path; Belady with bypass never misses more than any policy; LRU
+and Belady (stack algorithms) never miss more in a larger cache; a cache that holds every
+key misses each key once, whatever the policy.
 Every policy found in the ``cachelab.policies`` group is checked (with default
 hyper-parameters), plus the variants listed in ``VARIANTS``; policies that declare
 ``needs_future`` get ``next_access`` through their ``view_future``.
@@ -103,3 +105,18 @@ def test_belady_with_bypass_never_misses_more_than_any_policy(stream):
     misses = {f"{name}{params or ''}": int((~run(name, params, capacity, keys, step_len)[1]).sum())
               for name, params in POLICIES}
     assert all(misses["belady-bypass"] <= m for m in misses.values()), misses
+
+
+STACK = ["lru", "belady", "belady-bypass"]  # the inclusion property: a larger cache holds a superset
+
+
+@settings(max_examples=60, deadline=None)
+@given(stream=streams)
+def test_stack_policies_are_monotone_and_a_full_cache_misses_each_key_once(stream):
+    _, keys, step_len = stream
+    distinct = len(set(keys))
+    for name in STACK:
+        misses = [int((~run(name, {}, c, keys, step_len)[1]).sum()) for c in range(1, distinct + 2)]
+        assert all(a >= b for a, b in zip(misses, misses[1:])), (name, misses)
+    for name, params in POLICIES:  # one key per step: no policy has a reason to evict
+        assert int((~run(name, params, distinct, keys, 1)[1]).sum()) == distinct, (name, params)
