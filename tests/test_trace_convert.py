@@ -8,12 +8,14 @@ from collections import OrderedDict
 import numpy as np
 import polars as pl
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from cachelab.trace.arrivals import arrival_frame
 from cachelab.cli import app
 from cachelab.engram import Addresser, encode
-from cachelab.trace.keytrace import ORACLE_DTYPE, read_oracle_general
+from cachelab.trace.keytrace import ORACLE_DTYPE, read_oracle_general, write_oracle_general
 from cachelab.trace.schema import conform, write_trace
 from lcs_reference import lcs_miss_ratio
 
@@ -90,6 +92,25 @@ def test_oracle_round_trip_keeps_ids_times_and_next_access(tmp_path):
     convert(tmp_path / "t.parquet", tmp_path / "back.bin", "--keys", "blocks")
     back = np.fromfile(tmp_path / "back.bin", dtype=ORACLE_DTYPE)
     assert np.array_equal(back["id"], rec["id"]) and np.array_equal(back["next"], rec["next"])
+
+
+@settings(max_examples=15, deadline=None)
+@given(keys=st.lists(st.integers(0, 6) | st.integers(0, 2**63 - 1), min_size=1, max_size=50))
+def test_convert_info_simulate_keep_every_request(tmp_path_factory, keys):
+    """oracleGeneral -> trace -> oracleGeneral -> simulate: the request count survives every
+    step, and LRU of one row hits exactly the immediate repeats."""
+    tmp = tmp_path_factory.mktemp("rt")
+    src = write_oracle_general(tmp / "k.oracleGeneral.bin", keys)
+    assert convert(src, tmp / "t.parquet")["requests"] == len(keys)
+    info = runner.invoke(app, ["trace", "info", str(tmp / "t.parquet"), "--json", "--engram-tokens", "0"])
+    assert json.loads(info.stdout)["requests"] == len(keys)
+    back = convert(tmp / "t.parquet", tmp / "b.bin", "--keys", "blocks")
+    assert back["records"] == len(keys) and back["distinct"] == len(set(keys))
+    a, b = np.fromfile(src, dtype=ORACLE_DTYPE), np.fromfile(tmp / "b.bin", dtype=ORACLE_DTYPE)
+    assert np.array_equal(a["id"], b["id"]) and np.array_equal(a["next"], b["next"])
+    sim = runner.invoke(app, ["simulate", "--trace", str(tmp / "b.bin"), "--policy", "lru", "--capacity", "1", "--json"])
+    out = json.loads(sim.stdout)
+    assert out["requests"] == len(keys) and out["hits"] == sum(x == y for x, y in zip(keys, keys[1:]))
 
 
 def test_bad_inputs_are_clean_errors(tmp_path, content_trace):
