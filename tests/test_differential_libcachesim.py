@@ -56,6 +56,15 @@ CASES = [
     # rows libCacheSim's 1% window is empty and it refuses every row; ours keeps one row.
     Case("wtinylfu", "WTinyLFU", rel_tol=0.01, min_capacity=100),
 ]
+
+
+def capacities(unique: int) -> tuple[int, ...]:
+    """A tenth of a percent to a tenth of the distinct keys, and the edges: two rows, half the
+    keys, and one row short of them all (a cache that holds them all the engine replaces by
+    an unbounded one, so that size would compare nothing)."""
+    return 2, unique // 1000, unique // 100, unique // 10, unique // 2, unique - 1
+
+
 TRACES = ["cloudphysics", "lirs-sprite", "lirs-multi2", "engram-gsm8k-rows", "engram-arena-hard"]
 
 
@@ -84,7 +93,7 @@ def traces(data_dir, tmp_path_factory):
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_miss_counts_agree_with_libcachesim(traces, trace, case):
     stream, path, unique = traces[trace]
-    for capacity in sorted({max(case.min_capacity, c) for c in (unique // 1000, unique // 100, unique // 10)}):
+    for capacity in sorted({max(case.min_capacity, c) for c in capacities(unique)}):
         tier = Tier("hbm", registry.make_policy(case.ours, **case.params), capacity_rows=capacity)
         level = replay(stream, Hierarchy([tier], stream.row_bytes)).summary()["levels"]["hbm"]
         ours = level["requests_unique"] - level["served_unique"]
