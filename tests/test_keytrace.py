@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from cachelab.errors import CachelabError
-from cachelab.trace.keytrace import ORACLE_DTYPE, read_keys, read_oracle_general, sniff_format, write_oracle_general
+from cachelab.trace.keytrace import (FORMATS, ORACLE_DTYPE, read_keys, read_oracle_general, sniff_format,
+                                     write_oracle_general)
+from cachelab.workload.lookups import LookupStream
 
 KEYS = np.array([5, 0, 7, 5, 2**40, 7, 5], dtype=np.int64)
 
@@ -50,6 +52,24 @@ def test_corrupt_inputs_name_file_and_place(tmp_path):
         read_keys(tmp_path / "f.npy")
     with pytest.raises(CachelabError, match="trace not found"):
         read_keys(tmp_path / "missing.txt")
+
+
+def test_a_declared_format_that_does_not_fit_is_named(tmp_path):
+    """--format npy on a lookup stream (.npz) was an AttributeError traceback; on key text it
+    blamed 'pickled (object) data'; any --format on a .parquet read its bytes as keys."""
+    from typer.testing import CliRunner
+
+    from cachelab.cli import app
+
+    (tmp_path / "k.txt").write_text("1\n2\n")
+    with pytest.raises(CachelabError, match=r"k.txt is not a .npy array \(no NumPy magic bytes"):
+        read_keys(tmp_path / "k.txt", "npy")
+    stream = LookupStream(np.array([1, 2]), np.array([0, 2]), 264).save(tmp_path / "s.npz")
+    for fmt in FORMATS:
+        res = CliRunner().invoke(app, ["simulate", "--trace", str(stream), "--policy", "lru", "--capacity", "1",
+                                       "--format", fmt])
+        assert res.exit_code == 2, res.output
+        assert f"--format {fmt} declares a key trace, but this is a lookup stream (.npz)" in res.output
 
 
 def test_zstd_input_is_named_as_such(tmp_path):

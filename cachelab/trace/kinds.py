@@ -62,14 +62,16 @@ def detect(value: str | Path, fmt: str | None = None, where: str = "--trace") ->
     if path.is_dir():
         raise CachelabError(f"{where} {text}: is a folder; give a trace file or corpus names")
     if path.is_file():
-        if fmt is not None:
-            return Found(KEY, _FORMAT_NAMES.get(fmt, fmt), text, fmt)
         with open(path, "rb") as f:
             head = f.read(4)
-        if head == _PARQUET:
-            return Found(REQUESTS, ".parquet", text)
-        if head == _ZIP:
-            return Found(LOOKUPS, ".npz", text)
+        found = {_PARQUET: Found(REQUESTS, ".parquet", text), _ZIP: Found(LOOKUPS, ".npz", text)}.get(head)
+        if found is not None and fmt is not None:  # read as keys, its bytes made errors about line 1 or a pickle
+            raise CachelabError(f"{where} {text}: --format {fmt} declares a key trace, but this is {found}; "
+                                "leave --format out")
+        if fmt is not None:
+            return Found(KEY, _FORMAT_NAMES.get(fmt, fmt), text, fmt)
+        if found is not None:
+            return found
         key_format = sniff_format(path)
         return Found(KEY, _FORMAT_NAMES[key_format], text, key_format)
     names = [n.strip() for n in text.split(",") if n.strip()]
