@@ -101,7 +101,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_mlflow_server_gives_the_same_results(tmp_path, local):
+def test_mlflow_server_gives_the_same_results(tmp_path, local, capsys):
     port = _free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
@@ -120,9 +120,11 @@ def test_mlflow_server_gives_the_same_results(tmp_path, local):
             assert time.monotonic() < deadline, "mlflow server did not come up in 120 s"
             assert server.poll() is None, "mlflow server exited"
             time.sleep(0.5)
+        capsys.readouterr()
         summary = run_experiment(write_spec(tmp_path), tracking_uri=uri, runs_dir=tmp_path / "runs",
                                  workers=1, quiet=True)
         assert summary.ran == 4 and summary.outbox is None
+        assert capsys.readouterr().out == ""  # stdout is `--json`'s: no MLflow "View run" lines
         assert _metrics(uri, "tiny") == local[3].reference
         client = MlflowClient(tracking_uri=uri)
         run = _points(uri, "tiny")[0]

@@ -115,6 +115,9 @@ class Tracker:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+        # MLflow writes two "View run" lines to stdout per run it ends on a server: they would
+        # break `--json`'s one object (and cost a request each).
+        os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
         from mlflow import MlflowClient
 
         logging.getLogger("mlflow").setLevel(logging.WARNING)  # no schema-migration chatter
