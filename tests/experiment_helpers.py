@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import textwrap
 import tomllib
 from pathlib import Path
 
@@ -91,3 +92,14 @@ def listening(pids) -> set[tuple[int, str]]:
         except OSError:
             continue
     return out
+
+
+def install_site(folder: Path, files: dict[str, str], monkeypatch) -> None:
+    """Write a separately installed distribution (``files``: relative path -> text) under
+    ``folder/site`` and put it on ``sys.path`` (spawned pool workers inherit it); the caller
+    clears ``registry.discover``'s cache around its use."""
+    for rel, text in files.items():
+        path = Path(folder) / "site" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text).lstrip())
+    monkeypatch.syspath_prepend(str(Path(folder) / "site"))

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import ast
 import json
-import textwrap
 from pathlib import Path
 
 import pytest
-from experiment_helpers import write_spec
+from experiment_helpers import install_site, write_spec
 from typer.testing import CliRunner
 
 import cachelab.experiment
@@ -48,11 +47,7 @@ COUNTING = {
 @pytest.fixture()
 def count_kind(tmp_path, monkeypatch):
     """A separately installed distribution with one experiment kind and one broken entry."""
-    for rel, text in COUNTING.items():
-        path = tmp_path / "site" / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(text).lstrip())
-    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    install_site(tmp_path, COUNTING, monkeypatch)
     registry.discover.cache_clear()
     yield tmp_path
     registry.discover.cache_clear()

@@ -12,6 +12,11 @@ binds to), where Ray would otherwise bind the machine's public address or all in
 A pool worker ends with its parent, however the parent ends: on Linux the kernel kills it
 when the parent dies (``PR_SET_PDEATHSIG``), elsewhere a watchdog thread sees it reparented,
 so a SIGKILLed ``cachelab run`` leaves no worker (and so no resource tracker) behind.
+
+A pool worker that dies (the OOM killer, a SIGKILL) fails every point in its pool
+(``BrokenProcessPool``): the points the pool was running are rerun each alone, where a death
+is that point's own failure (``WorkerDied``, as Ray reports a dead worker), and the others go
+on in a fresh pool. A sweep that is interrupted (Ctrl-C) starts no further point.
 """
 
 from __future__ import annotations
@@ -24,8 +29,11 @@ import signal
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from functools import lru_cache
 
 from cachelab.errors import CachelabError
@@ -90,16 +98,59 @@ def die_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="cachelab-die-with-parent", daemon=True).start()
 
 
+class WorkerDied(RuntimeError):
+    """A point's worker process ended without an answer: killed (out of memory, a signal) or crashed."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Broken:
+    """A point a broken pool failed; ``started``: the pool was running it (a suspect)."""
+
+    started: bool
+
+
+POLL_S = 0.2  # how often the points a pool runs are noted, to tell a dead worker's points from the rest
+
+
 def _run_pool(tasks: list[Task], workers: int):
+    queue, suspects, breaks = list(tasks), [], Counter()
+    while queue:
+        again = []
+        for task, output in _pool_round(queue, workers):
+            if isinstance(output, _Broken):  # a point not seen running twice in a broken pool is a suspect too
+                breaks[task[0]] += 1
+                (suspects if output.started or breaks[task[0]] > 1 else again).append(task)
+            else:
+                yield task[0], output
+        queue = again
+    for task in suspects:  # each alone: a death now is this point's own
+        for _, output in _pool_round([task], 1):
+            if isinstance(output, _Broken):
+                output = WorkerDied("the worker process running this point died (killed, or out of memory)")
+            yield task[0], output
+
+
+def _pool_round(tasks: list[Task], workers: int):
+    """``(task, output)`` of each task from one process pool, ``_Broken`` where a dead worker broke it."""
     # spawn: a clean interpreter per worker (fork after MLflow/rich threads started is unsafe)
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=die_with_parent,
                              initargs=(os.getpid(),)) as pool:
-        pending = {pool.submit(_safe, config, path): key for key, config, path in tasks}
-        while pending:
-            done, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for fut in done:
-                yield pending.pop(fut), fut.result()
+        pending = {pool.submit(_safe, task[1], task[2]): task for task in tasks}
+        running = set()
+        try:
+            while pending:
+                done, _ = wait(pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
+                running.update(fut for fut in pending if fut.running())
+                for fut in done:
+                    task = pending.pop(fut)
+                    try:
+                        yield task, fut.result()
+                    except BrokenProcessPool:
+                        yield task, _Broken(fut in running)
+        finally:  # interrupted, or the caller stopped: the points not started are dropped, not run
+            for fut in pending:
+                fut.cancel()
 
 
 RAY_LOCAL_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": the node address is loopback (read at import)

@@ -1,0 +1,70 @@
+"""The local pool when a sweep is cut short: a dead worker fails only its own point, the
+others still run; an interrupted sweep starts no further point."""
+
+from __future__ import annotations
+
+import pytest
+from experiment_helpers import install_site
+
+from cachelab import registry
+from cachelab.experiment.backends import WorkerDied, run_tasks
+from cachelab.experiment.kinds import PointOutput
+from cachelab.experiment.spec import WorkloadSpec
+from cachelab.experiment.workload import build_workload
+
+POINTS = {
+    "poolkind/__init__.py": """
+        import os
+        import signal
+        import time
+        from pathlib import Path
+
+        from cachelab.experiment.kinds import ExperimentKind, PointOutput
+
+        def run(config, workload):
+            Path(config["log"], str(config["seed"])).touch()  # this point started
+            if config["die"]:
+                os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer ends a worker
+            time.sleep(config["sleep_s"])
+            return PointOutput({"seed": float(config["seed"])})
+
+        POOL = ExperimentKind(("workload",), run)
+        """,
+    "cachelab_poolkind-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: cachelab-poolkind\nVersion: 0.1\n",
+    "cachelab_poolkind-0.1.dist-info/entry_points.txt": "[cachelab.experiment_kinds]\npool-test = poolkind:POOL\n",
+}
+
+
+@pytest.fixture()
+def pool_kind(tmp_path, monkeypatch):
+    """A kind whose points touch a file when they start, sleep, or kill their own worker."""
+    install_site(tmp_path, POINTS, monkeypatch)
+    registry.discover.cache_clear()
+    (tmp_path / "log").mkdir()
+    workload = str(build_workload(WorkloadSpec(source="stdlib", params={"max_chars": 2000})))
+
+    def tasks(n: int, sleep_s: float, die=()):
+        return [(f"p{seed}", {"kind": "pool-test", "seed": seed, "log": str(tmp_path / "log"), "sleep_s": sleep_s,
+                              "die": seed in die}, workload) for seed in range(n)]
+
+    yield tasks, tmp_path / "log"
+    registry.discover.cache_clear()
+
+
+def test_a_dead_worker_fails_its_point_and_the_others_run(pool_kind):
+    tasks, _ = pool_kind
+    out = dict(run_tasks(tasks(6, 0.2, die={1}), workers=2))
+    assert set(out) == {f"p{i}" for i in range(6)}
+    assert isinstance(out.pop("p1"), WorkerDied)
+    assert all(isinstance(o, PointOutput) for o in out.values()), out
+    assert sorted(o.metrics["seed"] for o in out.values()) == [0, 2, 3, 4, 5]
+
+
+def test_an_interrupted_sweep_starts_no_further_point(pool_kind):
+    tasks, log = pool_kind
+    points = run_tasks(tasks(12, 1.0), workers=2)
+    next(points)
+    points.close()  # what a Ctrl-C in `cachelab run` does to the generator
+    started = len(list(log.iterdir()))
+    # at most the one done, two running and the pool's call queue (workers + 1), never the twelve
+    assert started <= 6, f"{started} of 12 points started after the sweep was stopped"
