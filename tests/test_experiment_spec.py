@@ -189,3 +189,14 @@ def test_a_field_added_with_its_default_keeps_the_point_hashes(tmp_path, monkeyp
         for model in (spec_module.HierarchySpec, spec_module.ExperimentSpec):
             model.model_rebuild(force=True)
     assert not set(changed) & set(before)  # a value set apart from the default is a new point
+
+
+def test_set_pins_a_swept_key_and_names_an_axis_with_its_dots(tmp_path):
+    path = write_spec(tmp_path)  # sweeps hierarchy.hbm.capacity (0.5%, 2%) x hierarchy.hbm.admission
+    pinned = expand(load_spec(path, ["hierarchy.hbm.capacity=2%"]))
+    assert sorted(p.config["hierarchy"]["tiers"][0]["capacity"] for p in pinned) == ["2%", "2%"]
+    assert {p.hash for p in pinned} <= {p.hash for p in expand(load_spec(path))}  # the same points, found again
+    axis = expand(load_spec(path, ['sweep.hierarchy.hbm.admission=["tinylfu"]']))
+    assert [p.config["hierarchy"]["tiers"][0]["admission"] for p in axis] == ["tinylfu", "tinylfu"]
+    with pytest.raises(CachelabError, match=r"sweep.hierarchy.hbm.admission: Input should be a valid list"):
+        load_spec(path, ["sweep.hierarchy.hbm.admission=tinylfu"])

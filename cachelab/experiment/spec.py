@@ -156,15 +156,23 @@ def load_spec(path: str | Path, overrides: list[str] | None = None) -> Experimen
     """Read, validate and check a spec file; every error names the file and the key.
 
     ``overrides`` are ``KEY=VALUE`` strings (``workload.params.max_chars=50000``), the value
-    typed by ``cachelab.params`` (a bare word is a string), applied before validation.
+    typed by ``cachelab.params`` (a bare word is a string), applied before validation. A key
+    the sweep varies is pinned to that one value (the axis would otherwise set it back on
+    every point); ``sweep.<axis>=[...]`` sets an axis's values, its name dots and all.
     """
     raw = read_toml(path)
     for item in overrides or []:
         key, value = parse_pair(item, "--set", "workload.params.max_chars=50000")
+        sweep = raw.get("sweep") if isinstance(raw.get("sweep"), dict) else {}
+        if key.startswith("sweep."):  # one axis, named with its dots
+            raw = {**raw, "sweep": {**sweep, key.removeprefix("sweep."): value}}
+            continue
         try:
             raw = set_key(raw, key, value)
         except KeyError as exc:
             raise CachelabError(f"--set {item!r}: {exc.args[0]}") from None
+        if key in sweep:  # a swept key: pinned to this one value
+            raw = {**raw, "sweep": {**sweep, key: [value]}}
     return parse_spec(raw, where=str(path))
 
 
