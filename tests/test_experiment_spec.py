@@ -96,6 +96,8 @@ def test_overrides_are_validated_like_the_file(tmp_path):
         load_spec(path, ["warmup=2"])
     with pytest.raises(CachelabError, match="expected KEY=VALUE"):
         load_spec(path, ["warmup"])
+    with pytest.raises(CachelabError, match="kind: name at least one experiment kind; allowed: "):
+        load_spec(path, ["kind=[]"])  # no points: the run would succeed having run nothing
 
 
 def test_capacity_forms():

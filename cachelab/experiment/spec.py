@@ -146,6 +146,8 @@ class ExperimentSpec(Strict):
     @classmethod
     def _registered(cls, value: str | list[str]) -> str | list[str]:
         allowed = kind_names()
+        if not value:  # an empty list would run nothing and report success
+            raise ValueError(f"name at least one experiment kind; allowed: {', '.join(allowed)}")
         for name in [value] if isinstance(value, str) else value:
             if name not in allowed:
                 raise ValueError(f"unknown experiment kind {name!r}; allowed: {', '.join(allowed)}")
