@@ -4,11 +4,13 @@ run and listed exactly as the built-ins are, and the experiment package has no i
 from __future__ import annotations
 
 import ast
+import html
 import json
 from pathlib import Path
 
 import pytest
 from experiment_helpers import install_site, write_spec
+from mlflow import MlflowClient
 from typer.testing import CliRunner
 
 import cachelab.experiment
@@ -16,6 +18,9 @@ from cachelab import registry
 from cachelab.cli import app
 from cachelab.errors import CachelabError
 from cachelab.experiment.backends import execute
+from cachelab.experiment.report import load_experiment, render_html
+from cachelab.experiment.runner import run_experiment
+from cachelab.experiment.tracking import ERROR, KIND, Tracker
 from cachelab.experiment.kinds import get_kind, kind_names
 from cachelab.experiment.spec import load_spec
 from cachelab.experiment.sweep import expand
@@ -26,6 +31,8 @@ COUNTING = {
         from cachelab.experiment.kinds import ExperimentKind, PointOutput
 
         def run(config, workload):
+            if config["seed"] == 1:
+                raise ValueError("seed 1 is refused")
             return PointOutput({"lookups": float(workload.stream.num_lookups), "seed": float(config["seed"])})
 
         def check(spec, where):
@@ -121,3 +128,22 @@ def test_the_experiment_package_has_no_import_cycle():
 
     cycles = sorted(m for m in graph if m in reach(m, set()))
     assert not cycles, f"modules on an import cycle: {cycles}"
+
+
+def test_a_failed_point_is_a_failed_run_with_its_error_and_the_report_counts_it_missing(count_kind):
+    spec_path = write_spec(count_kind, name="failing")
+    spec_path.write_text(spec_path.read_text().replace("seeds = [0]", 'seeds = [0, 1]\nkind = "count"'))
+    uri = f"sqlite:///{count_kind}/mlflow.db"
+    summary = run_experiment(spec_path, tracking_uri=uri, runs_dir=count_kind / "runs", workers=1, quiet=True)
+    assert (summary.ran, len(summary.failed)) == (1, 1) and "ValueError: seed 1 is refused" in summary.failed[0]
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("failing").experiment_id])
+    status = {(r.data.tags[KIND], r.data.tags.get("cachelab.axis.seed")): r.info.status for r in runs}
+    assert status == {("experiment", None): "FAILED", ("point", "0"): "FINISHED", ("point", "1"): "FAILED"}
+    failed = next(r for r in runs if r.info.status == "FAILED" and r.data.tags[KIND] == "point")
+    assert failed.data.tags[ERROR] == "ValueError: seed 1 is refused" and failed.data.params["seed"] == "1"
+    data = load_experiment(Tracker(uri), "failing")
+    assert (data.results.height, data.points_expected) == (1, 2)
+    assert "1 of the spec's 2 points have no finished run" in html.unescape(render_html(data))
+    again = run_experiment(spec_path, tracking_uri=uri, runs_dir=count_kind / "runs", workers=1, quiet=True)
+    assert (again.skipped, len(again.failed)) == (1, 1)  # the failed point is tried again, the finished one not

@@ -36,6 +36,15 @@ class ExperimentData:
     parent_metrics: dict[str, float] = field(default_factory=dict)
     tables: dict[str, pl.DataFrame] = field(default_factory=dict)  # the parent run's
     point_tables: dict[str, dict[str, pl.DataFrame]] = field(default_factory=dict)  # label -> name -> table
+    points_expected: int | None = None  # the spec's grid, where the parent's spec is readable
+
+    def missing_note(self) -> str:
+        """"" when every point of the spec finished, else how many did not (a partial report must say so)."""
+        missing = (self.points_expected or 0) - self.results.height
+        if missing <= 0:
+            return ""
+        return (f"{missing} of the spec's {self.points_expected} points have no finished run (failed, killed, "
+                "or not run yet); `cachelab run` on the spec runs only those.")
 
     def of_kind(self, kind: str) -> pl.DataFrame:
         """The results rows of one point kind (all rows for specs from before kinds were tagged)."""
@@ -74,10 +83,12 @@ def load_experiment(tracker, name: str, parent_id: str | None = None) -> Experim
                 path = tracker.download(run_id, f"{table}.parquet", Path(tmp))
                 if path is not None:
                     tables[table] = pl.read_parquet(path)
+    expected = None
     if parent is not None:
         hashes = set(_spec_point_hashes(spec))  # none matching: hashed by a cachelab from before defaults left the hash
-        if hashes and any(r.data.tags.get("cachelab.point_hash") in hashes for r in points):
-            points = [r for r in points if r.data.tags.get("cachelab.point_hash") in hashes]
+        matched = [r for r in points if r.data.tags.get("cachelab.point_hash") in hashes]
+        if matched or not points:
+            points, expected = matched, len(hashes) or None
     point_tables = {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in points:
@@ -90,7 +101,7 @@ def load_experiment(tracker, name: str, parent_id: str | None = None) -> Experim
                 if path is not None:
                     found[table] = pl.read_parquet(path)
             point_tables[r.info.run_name] = found
-    return ExperimentData(name, description, spec, results_table(points), metrics, tables, point_tables)
+    return ExperimentData(name, description, spec, results_table(points), metrics, tables, point_tables, expected)
 
 
 def results_table(runs: list) -> pl.DataFrame:
@@ -502,7 +513,8 @@ def report_json(data: ExperimentData, out: Path | None = None) -> dict:
             mine = best.filter(pl.col("point") == label).drop("point").to_dicts() if best.height else []
             points.append({"kind": "learned", "label": label, "capacities": mine})
     return {**({"report": str(out)} if out is not None else {}), "points": points,
-            "headline": best.to_dicts()}
+            "headline": best.to_dicts(), "points_finished": data.results.height,
+            "points_expected": data.points_expected}
 
 
 _CSS = """body{font-family:system-ui,sans-serif;margin:2rem auto;max-width:1150px;color:#222}
@@ -529,6 +541,8 @@ def render_html(data: ExperimentData) -> str:
              f"<style>{_CSS}</style></head><body>",
              f"<h1>{html.escape(data.name)}</h1><p>{html.escape(data.description)}</p>",
              f"<p>{data.results.height} finished point(s).</p>"]
+    if data.missing_note():
+        parts.append(f"<p><b>{html.escape(data.missing_note())}</b></p>")
     if best.height:
         parts.append(f"<h2>Headline: the learned policy against the best heuristic and Belady</h2>"
                      f"<p>{html.escape(HEADLINE_NOTE)}</p>{_html_table(best)}")

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from cachelab.experiment.backends import run_tasks
+from cachelab.experiment.kinds import PointOutput
 from cachelab.experiment.records import PARENT, Outbox, Record, now_ms
 from cachelab.experiment.report import results_table, write_report
 from cachelab.experiment.spec import ExperimentSpec, WorkloadSpec, load_spec
@@ -26,7 +27,7 @@ from cachelab.experiment.sweep import Point, config_hash, expand
 from cachelab.engine.mrc import miss_ratio_curve
 from cachelab.errors import CachelabError
 from cachelab.experiment.workload import build_workload, load_workload, workload_key, workload_stats
-from cachelab.experiment.tracking import Tracker, TrackingUnavailable, resolve_uri
+from cachelab.experiment.tracking import ERROR, Tracker, TrackingUnavailable, resolve_uri
 
 
 @dataclass
@@ -119,18 +120,20 @@ def run_experiment(spec_path: str | Path, *, backend: str = "local", address: st
         for key, output in run_tasks(tasks, backend, workers, address):
             point = by_hash[key]
             progress.advance(bar)
-            if isinstance(output, BaseException):
-                summary.failed.append(f"{point.label}: {type(output).__name__}: {output}")
-                console.print(f"[red]point failed[/] {point.label}: {output}")
-                continue
+            failed = isinstance(output, BaseException)
             record = _point_record(spec, point, output, started)
             started = record.end_ms
-            outbox.write(record)
-            summary.ran += 1
+            if failed:  # tracked as a FAILED run with its error; never outboxed: a rerun runs it again
+                summary.failed.append(f"{point.label}: {record.tags[ERROR]}")
+                console.print(f"[red]point failed[/] {point.label}: {output}")
+            else:
+                outbox.write(record)
+                summary.ran += 1
             if tracker is not None:
                 try:
                     tracker.log_point(exp_id, parent_id, record)
-                    outbox.remove(key)
+                    if not failed:
+                        outbox.remove(key)
                 except Exception as exc:  # the server went away mid-sweep: keep the rest local
                     console.print(f"[yellow]tracking failed ({exc}); results stay in {outbox.root}[/]")
                     outbox.write(parent, PARENT)
@@ -188,11 +191,16 @@ def lru_curve(workload, warmup: float) -> pl.DataFrame:
 
 
 def _point_record(spec: ExperimentSpec, point: Point, output, started: int) -> Record:
+    """A point's run: its outputs, or (``output`` the exception it raised) a FAILED run whose
+    ``cachelab.error`` tag says why."""
+    tags = {"cachelab.experiment": spec.name, **{f"cachelab.axis.{k}": json.dumps(v) for k, v in point.axes.items()}}
+    status = "FINISHED"
+    if isinstance(output, BaseException):
+        tags[ERROR] = f"{type(output).__name__}: {output}"[:5000]
+        output, status = PointOutput({}), "FAILED"
     params = {**flatten(point.config), **output.params}
-    record = Record(hash=point.hash, label=point.label, params=params, metrics=output.metrics,
-                    tags={"cachelab.experiment": spec.name,
-                          **{f"cachelab.axis.{k}": json.dumps(v) for k, v in point.axes.items()}},
-                    start_ms=started, end_ms=now_ms())
+    record = Record(hash=point.hash, label=point.label, params=params, metrics=output.metrics, tags=tags,
+                    start_ms=started, end_ms=now_ms(), status=status)
     record.artifacts["config.json"] = json.dumps(point.config, indent=1).encode()
     for name, table in output.tables.items():
         record.add_table(name, table)

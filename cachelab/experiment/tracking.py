@@ -30,6 +30,7 @@ from cachelab.experiment.records import Record
 DEFAULT_URI = "sqlite:///mlflow.db"
 KIND, SPEC_HASH, POINT_HASH = "cachelab.kind", "cachelab.spec_hash", "cachelab.point_hash"
 OWNER = "cachelab.owner"  # host:pid:start time (clock ticks) of the process that opened the run
+ERROR = "cachelab.error"  # a FAILED point run's exception: type and message
 PAGE = 1000
 
 
