@@ -191,3 +191,23 @@ def test_killed_sweep_resumes_without_running_a_point_twice(tmp_path):
     finished = [r.data.tags[POINT_HASH] for r in _points(uri, "killme")]
     assert len(finished) == 12 and len(set(finished)) == 12  # every point once, none twice
     assert _points(uri, "killme", "RUNNING") == []
+
+
+def test_ctrl_c_ends_the_parent_run_killed_and_keeps_the_finished_points(tmp_path, monkeypatch):
+    from cachelab.experiment import runner
+
+    real = runner.run_tasks
+
+    def interrupted(tasks, *args):  # one point finishes, then Ctrl-C
+        yield from real(tasks[:1], "local", 1)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "run_tasks", interrupted)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(write_spec(tmp_path, name="ctrlc"), tracking_uri=uri, runs_dir=tmp_path / "runs", quiet=True)
+    assert len(_points(uri, "ctrlc")) == 1
+    client = MlflowClient(tracking_uri=uri)
+    parents = client.search_runs([client.get_experiment_by_name("ctrlc").experiment_id],
+                                 "tags.`cachelab.kind` = 'experiment'")
+    assert [r.info.status for r in parents] == ["KILLED"]  # not RUNNING until a later run or sync

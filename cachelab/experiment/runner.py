@@ -9,6 +9,7 @@ run gets the results table (Parquet) and the HTML report.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,27 +118,33 @@ def run_experiment(spec_path: str | Path, *, backend: str = "local", address: st
         by_hash = {p.hash: p for p in todo}
         bar = progress.add_task("points", total=len(tasks))
         started = now_ms()
-        for key, output in run_tasks(tasks, backend, workers, address):
-            point = by_hash[key]
-            progress.advance(bar)
-            failed = isinstance(output, BaseException)
-            record = _point_record(spec, point, output, started)
-            started = record.end_ms
-            if failed:  # tracked as a FAILED run with its error; never outboxed: a rerun runs it again
-                summary.failed.append(f"{point.label}: {record.tags[ERROR]}")
-                console.print(f"[red]point failed[/] {point.label}: {output}")
-            else:
-                outbox.write(record)
-                summary.ran += 1
+        try:
+            for key, output in run_tasks(tasks, backend, workers, address):
+                point = by_hash[key]
+                progress.advance(bar)
+                failed = isinstance(output, BaseException)
+                record = _point_record(spec, point, output, started)
+                started = record.end_ms
+                if failed:  # tracked as a FAILED run with its error; never outboxed: a rerun runs it again
+                    summary.failed.append(f"{point.label}: {record.tags[ERROR]}")
+                    console.print(f"[red]point failed[/] {point.label}: {output}")
+                else:
+                    outbox.write(record)
+                    summary.ran += 1
+                if tracker is not None:
+                    try:
+                        tracker.log_point(exp_id, parent_id, record)
+                        if not failed:
+                            outbox.remove(key)
+                    except Exception as exc:  # the server went away mid-sweep: keep the rest local
+                        console.print(f"[yellow]tracking failed ({exc}); results stay in {outbox.root}[/]")
+                        outbox.write(parent, PARENT)
+                        tracker = None
+        except KeyboardInterrupt:  # Ctrl-C: the parent run ends KILLED now, not RUNNING until a later sync
             if tracker is not None:
-                try:
-                    tracker.log_point(exp_id, parent_id, record)
-                    if not failed:
-                        outbox.remove(key)
-                except Exception as exc:  # the server went away mid-sweep: keep the rest local
-                    console.print(f"[yellow]tracking failed ({exc}); results stay in {outbox.root}[/]")
-                    outbox.write(parent, PARENT)
-                    tracker = None
+                with contextlib.suppress(Exception):  # a store gone too: a later run or sync closes it
+                    tracker.end_run(parent_id, "KILLED")
+            raise
     if tracker is not None:
         _finish_parent(tracker, exp_id, parent_id, points, summary, runs_dir)
     if outbox.keys():
