@@ -14,6 +14,7 @@ import pytest
 from experiment_helpers import descendants, write_spec
 from mlflow import MlflowClient
 
+from cachelab.experiment.records import Record
 from cachelab.experiment.runner import outbox_for, sync
 from cachelab.experiment.tracking import OWNER, Tracker, owner, owner_is_dead
 
@@ -83,3 +84,17 @@ def test_sync_closes_only_runs_it_can_prove_dead(tmp_path):
     status = {name: tracker.client.get_run(run_id).info.status for name, run_id in runs.items()}
     assert status == {"dead": "KILLED", "alive": "RUNNING", "elsewhere": "RUNNING", "reused": "KILLED",
                       "untagged": "RUNNING"}
+
+
+def test_a_record_a_kill_cut_short_is_never_sent(tmp_path):
+    """A kill inside ``Outbox.write`` leaves its temporary folder (record.json, part of the
+    artifacts): it is not a waiting record, so sync sends no half-written run."""
+    outbox = outbox_for("cut", tmp_path / "runs")
+    whole = Record(hash="a" * 16, label="whole", params={}, metrics={"m": 1.0}, artifacts={"per_step.parquet": b"1"})
+    outbox.write(whole)
+    cut = outbox.write(Record(hash="b" * 16, label="cut", params={}, metrics={"m": 2.0}))
+    cut.rename(cut.with_name(f".{cut.name}.tmp"))  # as the kill left it: never renamed into place
+    assert outbox.keys() == [whole.hash]
+    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db")
+    tracker.parent_run(tracker.experiment_id("cut"), Record(hash="p", label="cut", params={}, metrics={}))
+    assert sync(tracker, outbox, "cut") == (1, 0)

@@ -75,10 +75,12 @@ class Outbox:
         return Record(**meta)
 
     def keys(self) -> list[str]:
-        """Point hashes waiting (the parent, if waiting, is ``PARENT`` and listed last)."""
+        """Point hashes waiting (the parent, if waiting, is ``PARENT`` and listed last). A
+        ``.<hash>.tmp`` folder is a write a kill cut short: never a record."""
         if not self.root.is_dir():
             return []
-        found = sorted(p.name for p in self.root.iterdir() if (p / "record.json").is_file())
+        found = sorted(p.name for p in self.root.iterdir()
+                       if not p.name.startswith(".") and (p / "record.json").is_file())
         return [k for k in found if k != PARENT] + ([PARENT] if PARENT in found else [])
 
     def remove(self, key: str) -> None:
