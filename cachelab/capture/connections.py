@@ -24,7 +24,6 @@ from urllib.parse import urlsplit
 
 import httptools
 
-
 if TYPE_CHECKING:
     from cachelab.capture.proxy import CaptureProxy, Forward, ProxyConfig
 

@@ -72,8 +72,8 @@ def report(
         typer.echo(json.dumps(report_json(data, out), default=str))
         return
     _show_all(data, name)
-    if data.missing_note():
-        typer.echo(data.missing_note())
+    if note := data.missing_note():
+        typer.echo(note)
     typer.echo(f"report: {out}")
     for path in saved:
         typer.echo(f"figure: {path}")

@@ -541,8 +541,8 @@ def render_html(data: ExperimentData) -> str:
              f"<style>{_CSS}</style></head><body>",
              f"<h1>{html.escape(data.name)}</h1><p>{html.escape(data.description)}</p>",
              f"<p>{data.results.height} finished point(s).</p>"]
-    if data.missing_note():
-        parts.append(f"<p><b>{html.escape(data.missing_note())}</b></p>")
+    if note := data.missing_note():
+        parts.append(f"<p><b>{html.escape(note)}</b></p>")
     if best.height:
         parts.append(f"<h2>Headline: the learned policy against the best heuristic and Belady</h2>"
                      f"<p>{html.escape(HEADLINE_NOTE)}</p>{_html_table(best)}")

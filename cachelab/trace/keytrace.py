@@ -137,7 +137,7 @@ def _refuse_negative(path: Path, keys: np.ndarray, unit: str, places: np.ndarray
 
 def _read_npy(path: Path) -> np.ndarray:
     with open(path, "rb") as f:  # np.load takes anything else for a pickle, or a .npz archive
-        if not f.read(len(_NPY_MAGIC)) == _NPY_MAGIC:
+        if f.read(len(_NPY_MAGIC)) != _NPY_MAGIC:
             raise CachelabError(f"{path} is not a .npy array (no NumPy magic bytes at its start)")
     try:
         arr = np.load(path, allow_pickle=False)
