@@ -18,7 +18,7 @@ from cachelab.live.engine import EngineConfig, LiveEngine
 from cachelab.live.kv_cache import PagedKVCache, StepBatch
 from cachelab.live.model import Engram, build_model, save_weights
 from cachelab.live.launch import ServeOptions, open_rows
-from cachelab.live.sampling import Detokenizer, SamplingParams, sample
+from cachelab.live.sampling import Detokenizer, SamplingParams, hold_stops, sample
 from cachelab.workload.prefix_cache import BlockPrefixCache
 from cachelab.workload.scheduler import Request, Scheduler
 
@@ -229,6 +229,39 @@ def test_detokenizer_holds_back_and_cuts_stop_strings():
         streamed += d.take()
     streamed += d.take(final=True)
     assert why == "end." and streamed == "Hello world, the "
+
+
+def test_detokenizer_min_tokens_and_kept_stop_strings_follow_vllm():
+    """vLLM's own case (tests/detokenizer/test_min_tokens.py): stop strings in the text of the
+    first ``min_tokens`` tokens do not stop; one straddling the boundary does; a kept stop
+    string stays in the text and nothing is held back for it; several stop strings in the
+    new text: the one that ends first wins."""
+    tok = load_tokenizer()
+    ids = tok.encode(" is Lee, and I'm a student in the college", add_special_tokens=False).ids
+
+    def run(**kw):
+        d, why = Detokenizer(tok, **kw), None
+        for t in ids:
+            why = why or d.add(t)
+        return why, d.take(final=True)
+
+    assert run(stop=("e",)) == ("e", " is L")
+    full, five = tok.decode(ids), tok.decode(ids[:5])
+    assert "e" in five
+    assert run(stop=("e",), min_tokens=5) == ("e", full[:full.index("e", len(five))])
+    assert run(stop=("e",), keep_stop=True) == ("e", " is Le")
+    assert run(stop=("Lee, and", "e,"))[1] == " is Le"  # "e," ends first though "Lee, and" starts first
+    d = Detokenizer(tok, stop=("student",), keep_stop=True)
+    assert d.hold == 0
+
+
+def test_min_tokens_masks_stop_tokens_and_eos_until_reached():
+    """hold_stops: the stops of a row still short of min_tokens can never be drawn."""
+    logits = torch.zeros(2, 10)
+    logits[:, 3] = logits[:, 7] = 5.0
+    hold_stops(logits, [(0, (3, 7))])
+    assert sample(logits, [SamplingParams(max_tokens=4, temperature=0)] * 2, [None, None]).tolist()[0] not in (3, 7)
+    assert logits[1, 3] == 5.0
 
 
 def test_a_temperature_near_zero_samples_instead_of_failing_the_step():

@@ -223,12 +223,18 @@ def test_fields_vllm_refuses_or_would_answer_are_not_silently_dropped(server):
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
     for extra, param in (({"response_format": {"type": "json_object"}}, "response_format"),
                          ({"top_logprobs": 2}, "top_logprobs"), ({"repetition_penalty": 1.2}, "repetition_penalty"),
-                         ({"min_p": 0.1}, "min_p"), ({"top_k": -2}, "top_k")):
+                         ({"min_p": 0.1}, "min_p"), ({"top_k": -2}, "top_k"),
+                         ({"logit_bias": {"5": 100}}, "logit_bias"), ({"allowed_token_ids": [5]}, "allowed_token_ids"),
+                         ({"bad_words": ["x"]}, "bad_words"), ({"prompt_logprobs": 0}, "prompt_logprobs"),
+                         ({"use_beam_search": True}, "use_beam_search"),
+                         ({"truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
+                         ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+                         ({"skip_special_tokens": False}, "skip_special_tokens")):
         r = httpx.post(f"{url}/v1/chat/completions", json={**chat, **extra}, timeout=30)
         assert (r.status_code, r.json()["error"]["param"]) == (400, param), r.text
     ok = httpx.post(f"{url}/v1/chat/completions", timeout=30,
                     json={**chat, "response_format": {"type": "text"}, "logprobs": False, "repetition_penalty": 1.0,
-                          "top_k": -1, "min_p": 0.0})
+                          "top_k": -1, "min_p": 0.0, "logit_bias": {}, "bad_words": [], "use_beam_search": False})
     assert ok.status_code == 200
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=30)
     assert r.status_code == 200 and r.json()["model"] == MODEL
@@ -276,6 +282,34 @@ def test_stop_token_ids_and_stop_strings_over_http_count_what_they_return(server
     choice = r["choices"][0]
     assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop) and choice["text"] == upto
     assert r["usage"]["completion_tokens"] == len(choice["token_ids"]) >= 4
+    kept = httpx.post(f"{url}/v1/completions", json={**body, "stop": [stop], "include_stop_str_in_output": True},
+                      timeout=60).json()["choices"][0]
+    assert kept["text"] == upto + stop and kept["stop_reason"] == stop
+
+
+def test_min_tokens_keeps_stops_out_until_reached_and_usage_streams_in_every_chunk(server):
+    """min_tokens and stream_options.continuous_usage_stats were accepted and ignored. As vLLM:
+    a stop token cannot be drawn before min_tokens (so the answer runs on past it), a
+    min_tokens above max_tokens is a 400, and continuous usage puts the counts so far on every
+    chunk (the role chunk of a chat counts none)."""
+    url, _ = server
+    body = {"model": MODEL, "prompt": list(range(2000, 2012)), "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "max_tokens": 8}
+    ids = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["token_ids"]
+    held = httpx.post(f"{url}/v1/completions", json={**body, "stop_token_ids": [ids[3]], "min_tokens": 6},
+                      timeout=60).json()["choices"][0]
+    assert ids[3] not in held["token_ids"][:6] and len(held["token_ids"]) >= 6
+    r = httpx.post(f"{url}/v1/completions", json={**body, "min_tokens": 9}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+    assert "min_tokens must be less than or equal to max_tokens=8, got 9." in r.json()["error"]["message"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True,
+                                                                   "continuous_usage_stats": True}}
+    r = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert counts[0] == 0 and counts[-2] == counts[-1] == 4 and counts == sorted(counts)
+    assert all(e["usage"]["prompt_tokens"] == events[-1]["usage"]["prompt_tokens"] for e in events)
 
 
 def test_requests_in_flight_when_the_engine_stops_get_an_error_not_a_200():

@@ -26,7 +26,7 @@ from cachelab.engram import Addresser
 from cachelab.errors import CachelabError
 from cachelab.live.kv_cache import NO_CLOCK, OpClock, PagedKVCache, StepBatch
 from cachelab.live.model import EngramLM
-from cachelab.live.sampling import Detokenizer, SamplingParams, sample
+from cachelab.live.sampling import Detokenizer, SamplingParams, hold_stops, sample
 from cachelab.live.steplog import StepLog
 from cachelab.workload.prefix_cache import BlockPrefixCache
 from cachelab.workload.scheduler import Request, Scheduler, StepRecord
@@ -140,6 +140,7 @@ class LiveEngine:
         self.on_step: Callable[[StepRecord, np.ndarray], None] | None = None  # (record, row ids) per step
         self.scorer = None  # cachelab.learning.online.OnlineScorer: scores for a learned row cache
         self.eos = tokenizer.token_to_id("<｜end▁of▁sentence｜>")
+        self._eos_ids = () if self.eos is None else (self.eos,)
 
     # -- the caller's side -------------------------------------------------------------------
     def start(self) -> "LiveEngine":
@@ -174,7 +175,8 @@ class LiveEngine:
                 if p.temperature > 0:
                     gen = torch.Generator().manual_seed(p.seed if p.seed is not None else int(np.random.randint(2**62)))
                 live = _Live(Request(rid, ids, int(ids.size), p.max_tokens), p, sink,
-                             Detokenizer(self.tokenizer, p.stop), gen, now)
+                             Detokenizer(self.tokenizer, p.stop, p.min_tokens, p.include_stop_str_in_output),
+                             gen, now)
                 self._inbox.append(("add", live))
                 new.append(rid)
             self._cv.notify()
@@ -292,6 +294,8 @@ class LiveEngine:
         with torch.inference_mode():
             logits = self.model(batch, self.kv, engram_rows)
             sampled_rows = [self._live[r] for r, s in zip(rids, samples) if s]
+            hold_stops(logits, [(i, (*x.params.stop_token_ids, *self._eos_ids)) for i, x in enumerate(sampled_rows)
+                                if x.req.num_output < x.params.min_tokens])
             tokens = sample(logits, [x.params for x in sampled_rows], [x.generator for x in sampled_rows])
         t_done = time.perf_counter()
         if self._time_ops:
@@ -323,6 +327,8 @@ class LiveEngine:
         """Why ``live`` stops after ``token`` (a stop token id, a stop string, "eos"), or None."""
         p = live.params
         if token in p.stop_token_ids:
+            if p.include_stop_str_in_output:  # vLLM then keeps the stop token's text
+                live.detok.add(token, final=True)
             return token
         if token == self.eos and not p.ignore_eos:
             live.detok.add(token, final=True)

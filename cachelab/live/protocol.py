@@ -4,7 +4,8 @@ Field names are OpenAI's, plus vLLM's extensions where vLLM has one: ``return_to
 (``prompt_token_ids`` and ``token_ids`` in each choice of a completion; ``prompt_token_ids``
 at the top of a chat completion and ``token_ids`` in its choice; in a stream the prompt ids
 come once, in the first chunk, and each chunk carries its new ids), ``ignore_eos``,
-``stop_token_ids``, and ``usage.prompt_tokens_details.cached_tokens``. Errors have OpenAI's
+``stop_token_ids``, ``min_tokens``, ``include_stop_str_in_output``, ``stream_options.
+continuous_usage_stats`` (usage in every chunk) and ``usage.prompt_tokens_details.cached_tokens``. Errors have OpenAI's
 shape: ``{"error": {"message", "type", "param", "code"}}``.
 """
 
@@ -38,6 +39,7 @@ class APIError(Exception):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk too (with include_usage)
 
 
 class _Sampling(BaseModel):
@@ -59,19 +61,35 @@ class _Sampling(BaseModel):
     return_token_ids: bool = False
     ignore_eos: bool = False
     stop_token_ids: list[int] = []
+    min_tokens: int = Field(0, ge=0)
+    include_stop_str_in_output: bool = False
     logprobs: int | bool | None = None
     top_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     response_format: dict | None = None
+    # vLLM's extensions that change the answer; this server does none of them (see unsupported)
+    logit_bias: dict | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    use_beam_search: bool = False
+    truncate_prompt_tokens: int | None = None
+    structured_outputs: dict | None = None
+    skip_special_tokens: bool = True
 
     def unsupported(self) -> list[str]:
         """Fields set to something this server does not do (refused rather than ignored): any
         logprobs asked for (a completion's ``logprobs: 0`` asks for the sampled token's), a
         suffix (vLLM refuses it too without a fill-in-the-middle model), a response format
-        other than text, min_p, a repetition penalty."""
-        fields = ("presence_penalty", "frequency_penalty", "tools", "echo", "suffix", "top_logprobs")
+        other than text, min_p, a repetition penalty, and vLLM's extensions that bias, restrict
+        or truncate (an empty ``bad_words`` or ``logit_bias`` is no change, so it passes)."""
+        fields = ("presence_penalty", "frequency_penalty", "tools", "echo", "suffix", "top_logprobs", "logit_bias",
+                  "allowed_token_ids", "bad_words", "use_beam_search", "structured_outputs")
         refused = [f for f in fields if getattr(self, f, None)]
+        refused += [f for f in ("prompt_logprobs", "truncate_prompt_tokens") if getattr(self, f) is not None]
+        if not self.skip_special_tokens:  # the text always leaves special tokens out
+            refused.append("skip_special_tokens")
         if self.logprobs is not None and self.logprobs is not False:
             refused.insert(0, "logprobs")
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -83,11 +101,19 @@ class _Sampling(BaseModel):
         return refused
 
     def sampling(self, max_tokens: int) -> SamplingParams:
+        if self.min_tokens > max_tokens:  # vLLM's check and words
+            raise APIError(400, f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
+                                f"got {self.min_tokens}.", "min_tokens")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=max(self.top_k or 0, 0),
                               seed=None if self.seed == -1 else self.seed,  # vLLM: -1 is no seed
-                              stop=stop, stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos)
+                              stop=stop, stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
+                              min_tokens=self.min_tokens, include_stop_str_in_output=self.include_stop_str_in_output)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     @property
     def include_usage(self) -> bool:
@@ -142,9 +168,11 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(num_prompt: int, num_output: int, cached: int) -> dict:
-    return {"prompt_tokens": num_prompt, "total_tokens": num_prompt + num_output, "completion_tokens": num_output,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+def usage(num_prompt: int, num_output: int, cached: int | None = None) -> dict:
+    use = {"prompt_tokens": num_prompt, "total_tokens": num_prompt + num_output, "completion_tokens": num_output}
+    if cached is not None:
+        use["prompt_tokens_details"] = {"cached_tokens": cached}
+    return use
 
 
 def _body(rid: str, created: int, model: str, obj: str, chat: bool, content: dict, finish, stop_reason, token_ids,

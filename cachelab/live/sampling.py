@@ -4,10 +4,12 @@ Greedy rows (temperature 0) take the argmax together; the others are scaled by t
 temperature, cut to their top-k logits and then to their top-p nucleus (vLLM's order) and
 drawn from their own generator (seeded when the request gives a ``seed``). A positive temperature under ``MIN_TEMPERATURE`` is raised to it,
 as vLLM does: float32 logits over a temperature near 0 overflow to inf, the softmax gives
-NaN, and the draw would fail the step of every request in the batch. Text is decoded a
-window at a time (vLLM's prefix/read offsets), never emitting a half UTF-8 character, and
-held back by the longest stop string minus one character so a stop string is never streamed
-before it is recognised.
+NaN, and the draw would fail the step of every request in the batch. Until a request has
+``min_tokens`` output tokens its stop token ids and EOS are masked out of its logits and its
+text is not searched for stop strings (vLLM's MinTokensLogitsProcessor and detokenizer). Text
+is decoded a window at a time (vLLM's prefix/read offsets), never emitting a half UTF-8
+character, and held back by the longest stop string minus one character so a stop string is
+never streamed before it is recognised (no hold when the stop string stays in the output).
 """
 
 from __future__ import annotations
@@ -31,6 +33,15 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+
+
+def hold_stops(logits: torch.Tensor, rows: Sequence[tuple[int, Sequence[int]]]) -> None:
+    """Mask the token ids of each ``(row, ids)`` out of ``logits`` in place: the stops of a
+    request still short of its ``min_tokens``."""
+    for row, ids in rows:
+        logits[row, list(ids)] = float("-inf")
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence) -> torch.Tensor:
@@ -55,10 +66,11 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
 class Detokenizer:
     """One request's output text, built token by token (see module doc)."""
 
-    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+    def __init__(self, tokenizer, stop: Sequence[str] = (), min_tokens: int = 0, keep_stop: bool = False):
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.hold = 0 if keep_stop else max((len(s) for s in self.stop), default=1) - 1
+        self.min_tokens, self.keep_stop = min_tokens, keep_stop
         self.ids: list[int] = []
         self.text = ""
         self.sent = 0  # characters of text already handed out
@@ -74,13 +86,17 @@ class Detokenizer:
         before = decode(self.ids[self._prefix:self._read], skip_special_tokens=True)
         after = decode(self.ids[self._prefix:], skip_special_tokens=True)
         if len(after) > len(before) and (final or not after.endswith(UNFINISHED_CHAR)):
-            start = max(len(self.text) - self.hold, 0)
+            new_from = len(self.text)
             self.text += after[len(before):]
             self._prefix, self._read = self._read, len(self.ids)
-            hits = [(at, s) for s in self.stop if (at := self.text.find(s, start)) >= 0]
+            if len(self.ids) <= self.min_tokens:
+                return None
+            # the stop string ending earliest in the new text, ties to the first listed (vLLM's check_stop_strings)
+            hits = [(at + len(s), i, at, s) for i, s in enumerate(self.stop)
+                    if (at := self.text.find(s, max(new_from - len(s) + 1, 0))) >= 0]
             if hits:
-                at, s = min(hits)
-                self.text = self.text[:at]
+                end, _, at, s = min(hits)
+                self.text = self.text[:end if self.keep_stop else at]
                 self._stopped = True
                 return s
         return None

@@ -125,7 +125,7 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
         oid = new_id("chatcmpl" if chat else "cmpl")
         ids = prompt_ids if req.return_token_ids else None
         if req.stream:
-            return StreamingResponse(_stream(engine, rid, collector, oid, model_name, ids, req, chat),
+            return StreamingResponse(_stream(engine, rid, collector, oid, model_name, ids, req, chat, len(prompt_ids)),
                                      media_type="text/event-stream")
         return JSONResponse(await _whole(engine, request, rid, collector, oid, model_name, ids, req, chat))
 
@@ -202,13 +202,17 @@ async def _whole(engine, request: Request, rid: int, collector: _Collector, oid:
                            usage(out.num_prompt, out.num_output, out.cached_tokens), chat)
 
 
-async def _stream(engine, rid: int, collector: _Collector, oid: str, model: str, prompt_ids, req, chat: bool):
+async def _stream(engine, rid: int, collector: _Collector, oid: str, model: str, prompt_ids, req, chat: bool,
+                  num_prompt: int):
     """Server-sent events: one chunk per step that produced text or ids, then usage, then [DONE]."""
     created, first, finished = int(time.time()), True, False
     try:
         if chat:  # the role comes first, as OpenAI sends it
-            yield _sse(chunk_body(oid, created, model, "", None, None, [] if req.return_token_ids else None,
-                                  prompt_ids, chat, True))
+            body = chunk_body(oid, created, model, "", None, None, [] if req.return_token_ids else None,
+                              prompt_ids, chat, True)
+            if req.continuous_usage:
+                body["usage"] = usage(num_prompt, 0)
+            yield _sse(body)
             first = False
         while not finished:
             out = await collector.queue.get()
@@ -218,8 +222,11 @@ async def _stream(engine, rid: int, collector: _Collector, oid: str, model: str,
                 yield "data: [DONE]\n\n"
                 return
             ids = out.new_token_ids if req.return_token_ids else None
-            yield _sse(chunk_body(oid, created, model, out.new_text, out.finish_reason, out.stop_reason, ids,
-                                  prompt_ids if first else None, chat, first and chat))
+            body = chunk_body(oid, created, model, out.new_text, out.finish_reason, out.stop_reason, ids,
+                              prompt_ids if first else None, chat, first and chat)
+            if req.continuous_usage:  # vLLM's: the counts so far, no details
+                body["usage"] = usage(out.num_prompt, out.num_output)
+            yield _sse(body)
             first = False
         if req.include_usage:
             yield _sse(usage_chunk(oid, created, model, usage(out.num_prompt, out.num_output, out.cached_tokens),
