@@ -147,3 +147,27 @@ def test_a_failed_point_is_a_failed_run_with_its_error_and_the_report_counts_it_
     assert "1 of the spec's 2 points have no finished run" in html.unescape(render_html(data))
     again = run_experiment(spec_path, tracking_uri=uri, runs_dir=count_kind / "runs", workers=1, quiet=True)
     assert (again.skipped, len(again.failed)) == (1, 1)  # the failed point is tried again, the finished one not
+
+
+def test_a_point_that_failed_offline_leaves_the_synced_parent_failed(count_kind):
+    """Offline, the parent waits in the outbox; the sync that sends it gives it the results
+    table and report, and ends it FAILED when a point failed, as a tracked sweep does."""
+    import socket
+
+    from cachelab.experiment.records import Outbox
+    from cachelab.experiment.runner import sync
+
+    spec_path = write_spec(count_kind, name="failing-offline")
+    spec_path.write_text(spec_path.read_text().replace("seeds = [0]", 'seeds = [0, 1]\nkind = "count"'))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    runs = count_kind / "runs-offline"
+    summary = run_experiment(spec_path, tracking_uri=dead, runs_dir=runs, workers=1, quiet=True)
+    assert (summary.ran, len(summary.failed)) == (1, 1) and summary.outbox
+    uri = f"sqlite:///{count_kind}/offline.db"
+    assert sync(Tracker(uri), Outbox(Path(summary.outbox)), "failing-offline") == (1, 0)
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("failing-offline").experiment_id])
+    parent = next(r for r in runs if r.data.tags[KIND] == "experiment")
+    assert parent.info.status == "FAILED" and parent.data.metrics["points.finished"] == 1

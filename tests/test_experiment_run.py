@@ -93,6 +93,29 @@ def test_unreachable_server_keeps_results_and_sync_sends_them(tmp_path, local):
     assert res.returncode == 0 and "sent 4 point run(s)" in res.stdout, res.stderr
     assert _metrics(uri, "tiny") == local[3].reference  # same points, same numbers
     assert os.listdir(summary.outbox) == []
+    # the parent gets what a tracked run's parent gets (it was ended bare, without results or report)
+    client = MlflowClient(tracking_uri=uri)
+    parent = client.get_run(_points(uri, "tiny")[0].data.tags["mlflow.parentRunId"])
+    assert parent.info.status == "FINISHED" and parent.data.metrics["points.finished"] == 4
+    assert {"results.parquet", "report.html"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert (tmp_path / "runs" / "tiny" / "report.html").is_file()
+
+
+def test_a_second_run_or_sync_of_an_experiment_is_refused_while_one_holds_it(tmp_path):
+    """Two `cachelab run` of one spec both ran every unfinished point (each saw it unfinished):
+    duplicate point runs, and a sync beside them sent records the run was still tracking."""
+    from cachelab.errors import CachelabError
+    from cachelab.experiment.runner import outbox_for
+
+    spec = write_spec(tmp_path)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    with outbox_for("tiny", tmp_path / "runs").held("cachelab run tiny"):
+        with pytest.raises(CachelabError, match=r"`cachelab run tiny` \(pid \d+\) is using .*tiny"):
+            run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", workers=1, quiet=True)
+        res = cli("sync", "tiny", "--tracking-uri", uri, "--runs-dir", str(tmp_path / "runs"), cwd=tmp_path)
+        assert res.returncode != 0 and f"pid {os.getpid()}" in res.stderr, res.stderr
+    assert _points(uri, "tiny") == []  # nothing ran
+    assert run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", workers=1, quiet=True).ran == 4
 
 
 def _free_port() -> int:

@@ -23,7 +23,7 @@ from cachelab.experiment.backends import run_tasks
 from cachelab.experiment.kinds import PointOutput
 from cachelab.experiment.records import PARENT, Outbox, Record, now_ms
 from cachelab.experiment.report import results_table, write_report
-from cachelab.experiment.spec import ExperimentSpec, WorkloadSpec, load_spec
+from cachelab.experiment.spec import ExperimentSpec, WorkloadSpec, load_spec, parse_spec
 from cachelab.experiment.sweep import Point, config_hash, expand
 from cachelab.engine.mrc import miss_ratio_curve
 from cachelab.errors import CachelabError
@@ -63,6 +63,9 @@ def flatten(config: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
+POINTS_FAILED = "cachelab.points_failed"  # on a parent record that waits in the outbox
+
+
 def outbox_for(name: str, runs_dir: Path) -> Outbox:
     return Outbox(Path(runs_dir) / name / "outbox")
 
@@ -88,9 +91,15 @@ def run_experiment(spec_path: str | Path, *, backend: str = "local", address: st
                    overrides: list[str] | None = None) -> RunSummary:
     spec = load_spec(spec_path, overrides)  # every check happens here, before any work
     workers = _serial_workers(spec, workers)
-    console = Console(stderr=True, quiet=quiet)
-    points = list({p.hash: p for p in expand(spec)}.values())
     outbox = outbox_for(spec.name, Path(runs_dir))
+    with outbox.held(f"cachelab run {spec.name}"):
+        return _sweep(spec, Path(spec_path), overrides, outbox, backend, address, tracking_uri, workers, quiet)
+
+
+def _sweep(spec: ExperimentSpec, spec_path: Path, overrides: list[str] | None, outbox: Outbox, backend: str,
+           address: str | None, tracking_uri: str | None, workers: int | None, quiet: bool) -> RunSummary:
+    console = Console(stderr=True, quiet=quiet)
+    points = grid(spec)
     uri = resolve_uri(tracking_uri)
     tracker, exp_id = _connect(uri, spec.name, console)
     if tracker is not None and outbox.keys():
@@ -107,7 +116,7 @@ def run_experiment(spec_path: str | Path, *, backend: str = "local", address: st
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, disable=quiet) as progress:
         paths = _build_workloads(spec, todo, progress)
-        parent = _parent_record(spec, Path(spec_path), overrides, paths[workload_key(spec.workload)])
+        parent = _parent_record(spec, spec_path, overrides, paths[workload_key(spec.workload)])
         parent_id = None
         if tracker is not None:
             parent_id = tracker.parent_run(exp_id, parent)
@@ -146,7 +155,11 @@ def run_experiment(spec_path: str | Path, *, backend: str = "local", address: st
                     tracker.end_run(parent_id, "KILLED")
             raise
     if tracker is not None:
-        _finish_parent(tracker, exp_id, parent_id, points, summary, runs_dir)
+        summary.report = _finish_parent(tracker, spec.name, exp_id, parent_id, [p.hash for p in points],
+                                        outbox.root.parent / "report.html", failed=bool(summary.failed))
+    else:  # the parent waits in the outbox: sync ends it FAILED too if a point failed here
+        parent.tags[POINTS_FAILED] = str(len(summary.failed))
+        outbox.write(parent, PARENT)
     if outbox.keys():
         summary.outbox = str(outbox.root)
         console.print(f"[yellow]{len(outbox.keys())} record(s) saved in {outbox.root}[/]; when {uri} is "
@@ -215,33 +228,42 @@ def _point_record(spec: ExperimentSpec, point: Point, output, started: int) -> R
     return record
 
 
-def _finish_parent(tracker: Tracker, exp_id: str, parent_id: str, points: list[Point],
-                   summary: RunSummary, runs_dir) -> None:
+def grid(spec: ExperimentSpec) -> list[Point]:
+    """The spec's distinct points, in grid order."""
+    return list({p.hash: p for p in expand(spec)}.values())
+
+
+def _finish_parent(tracker: Tracker, name: str, exp_id: str, parent_id: str, hashes: list[str], out: Path,
+                   failed: bool) -> str:
+    """Give the parent run its results table and report (also written to ``out``) and end
+    it; returns the report's path."""
     finished = tracker.finished_points(exp_id)
-    ours = [tracker.client.get_run(finished[p.hash]) for p in points if p.hash in finished]
-    table = results_table(ours)
+    ours = [tracker.client.get_run(finished[h]) for h in hashes if h in finished]
     record = Record(hash="", label="", params={}, metrics={"points.finished": len(ours)})
-    record.add_table("results", table)
+    record.add_table("results", results_table(ours))
     tracker.log_record(parent_id, record)
-    out = Path(runs_dir) / summary.experiment / "report.html"
+    report = None
     try:
-        summary.report = str(write_report(tracker, summary.experiment, out, parent_id=parent_id))
-        tracker.client.log_artifact(parent_id, summary.report)
+        report = str(write_report(tracker, name, out, parent_id=parent_id))
+        tracker.client.log_artifact(parent_id, report)
     finally:  # every point is tracked already: a report error must not leave the parent RUNNING
-        tracker.end_run(parent_id, "FAILED" if summary.failed or summary.report is None else "FINISHED")
+        tracker.end_run(parent_id, "FAILED" if failed or report is None else "FINISHED")
+    return report
 
 
 def sync(tracker: Tracker, outbox: Outbox, name: str) -> tuple[int, int]:
     """``cachelab sync``: send the outbox's records, then close the experiment's runs whose
     sweep is proven dead (``Tracker.close_stale``). Returns (points sent, runs closed)."""
-    sent = sync_outbox(tracker, outbox, name)
+    with outbox.held(f"cachelab sync {name}"):
+        sent = sync_outbox(tracker, outbox, name)
     exp_id = tracker.experiment_id(name, create=False)
     return sent, (tracker.close_stale(exp_id) if exp_id is not None else 0)
 
 
 def sync_outbox(tracker: Tracker, outbox: Outbox, name: str) -> int:
     """Send every waiting record to ``tracker``; points already FINISHED there are dropped.
-    Returns how many point records were sent."""
+    A parent that waited gets its results table and report once its points are in, as a
+    tracked run would. Returns how many point records were sent."""
     keys = outbox.keys()
     if not keys:
         return 0
@@ -263,6 +285,9 @@ def sync_outbox(tracker: Tracker, outbox: Outbox, name: str) -> int:
             sent += 1
         outbox.remove(key)
     if parent is not None:
-        tracker.end_run(parent_id)
+        spec = parse_spec(json.loads(parent.artifacts["spec/resolved.json"]),
+                          where=f"{outbox.root / PARENT} (spec/resolved.json)")
+        _finish_parent(tracker, name, exp_id, parent_id, [p.hash for p in grid(spec)], outbox.root.parent / "report.html",
+                       failed=parent.tags.get(POINTS_FAILED, "0") != "0")
         outbox.remove(PARENT)
     return sent
