@@ -7,7 +7,9 @@ checkout (``../shared/data``), and derived artefacts (the compressed-vocabulary 
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from cachelab.errors import CachelabError
@@ -73,6 +75,20 @@ def output_file(path: Path, flag: str) -> Path:
     if not os.access(folder, os.W_OK):
         raise CachelabError(f"{flag} {path}: the folder {folder} is not writable")
     return path
+
+
+@contextlib.contextmanager
+def replacing(path: str | os.PathLike) -> Iterator[Path]:
+    """A scratch file beside ``path`` to write; it becomes ``path`` only when the block ends
+    without an error, so a kill or an error mid-write never leaves a cut file under the name
+    (a reader could take a cut file for a shorter whole one) and an older file stays whole."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.partial")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def output_folder(path: Path, flag: str) -> Path:

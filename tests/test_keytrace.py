@@ -139,3 +139,26 @@ def test_cli_refuses_an_empty_key_trace(tmp_path):
     res = CliRunner().invoke(app, ["simulate", "--trace", str(tmp_path / "k.npy"), "--policy", "lru",
                                    "--capacity", "4"])
     assert res.exit_code == 2 and "k.npy is empty" in res.output
+
+
+def test_a_write_cut_short_leaves_the_old_file_whole_and_no_scratch(tmp_path, monkeypatch):
+    """write_oracle_general wrote in place: a kill mid-write left a cut file whose size can be
+    a whole number of records, which a reader takes for a shorter trace."""
+    from cachelab.trace import keytrace
+
+    path = write_oracle_general(tmp_path / "t.oracleGeneral.bin", [1, 2, 1])
+    before = path.read_bytes()
+
+    def cut(self, file):  # the process dies after one record
+        with open(file, "wb") as f:
+            f.write(self[:1].tobytes())
+        raise KeyboardInterrupt
+
+    class Records(np.ndarray):
+        tofile = cut
+
+    real_empty = np.empty
+    monkeypatch.setattr(keytrace.np, "empty", lambda *a, **k: real_empty(*a, **k).view(Records))
+    with pytest.raises(KeyboardInterrupt):
+        write_oracle_general(path, [5, 6, 7, 8])
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == [path.name]

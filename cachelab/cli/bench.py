@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from cachelab.paths import replacing
 
 app = typer.Typer(no_args_is_help=True, help="Benchmark live servers (load generator, server metrics).")
 
@@ -82,9 +83,8 @@ def serve(
 def _write_json(path: Path, data: dict) -> None:
     """Atomically: an existing file is replaced only by a complete one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.partial")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=1))
 
 
 def _print_summary(s: dict, console: Console) -> None:

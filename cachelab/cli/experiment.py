@@ -59,14 +59,12 @@ def report(
     figures: Path = typer.Option(None, "--figures", help="Also write every plot as a PNG file in this folder."),
 ) -> None:
     """Write one self-contained HTML page of an experiment's plots and print its summary."""
-    from cachelab.experiment.report import load_experiment, render_html, report_json, save_figures
+    from cachelab.experiment.report import load_experiment, report_json, save_figures, write_html
     from cachelab.experiment.tracking import Tracker
 
     name = _experiment_name(experiment)
     data = load_experiment(Tracker(tracking_uri, must_exist=True), name)
-    out = out or Path("runs") / name / "report.html"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_html(data), encoding="utf-8")
+    out = write_html(data, out or Path("runs") / name / "report.html")
     saved = save_figures(data, figures) if figures is not None else []
     if as_json:
         typer.echo(json.dumps(report_json(data, out), default=str))

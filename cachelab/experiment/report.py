@@ -18,6 +18,7 @@ from pathlib import Path
 import polars as pl
 
 from cachelab.errors import CachelabError
+from cachelab.paths import replacing
 from cachelab.experiment.kinds import get_kind, kind_names
 from cachelab.experiment import plot_parts
 from cachelab.experiment.report_live import LIVE_COLUMNS, plot_p99_vs_overlap
@@ -561,8 +562,13 @@ def _fmt(v) -> str:
 
 
 def write_report(tracker, name: str, out: Path, parent_id: str | None = None) -> Path:
-    data = load_experiment(tracker, name, parent_id)
+    return write_html(load_experiment(tracker, name, parent_id), out)
+
+
+def write_html(data: ExperimentData, out: Path) -> Path:
+    """The report page at ``out``, whole or not at all."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_html(data), encoding="utf-8")
+    with replacing(out) as tmp:
+        tmp.write_text(render_html(data), encoding="utf-8")
     return out

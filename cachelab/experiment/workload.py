@@ -56,8 +56,7 @@ def build_workload(spec: WorkloadSpec, progress: Progress | None = None) -> Path
     stream = with_tokens(LookupStream.from_sequences(addresser, sequences, spec.tokens_per_step, prompt_lengths,
                                                      domains), addresser, sequences)
     path.with_suffix(".json").write_text(json.dumps({"distinct_rows": distinct_count(stream.keys)}))
-    tmp = stream.save(path.with_name(path.stem + ".tmp.npz"))
-    tmp.replace(path)  # atomic, and last: the .npz exists only once the build is whole
+    stream.save(path)  # atomic, and last: the .npz exists only once the build is whole
     return path
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from cachelab.errors import CachelabError
+from cachelab.paths import replacing
 from cachelab.trace.ingest import refuse_zstd
 from cachelab.workload.future import next_access
 from cachelab.policy import NO_NEXT
@@ -231,5 +232,6 @@ def write_oracle_general(path: str | Path, keys) -> Path:
     nxt = next_access(keys)
     rec["next"] = np.where(nxt == NO_NEXT, -1, nxt + 1)
     path = Path(path)
-    rec.tofile(path)
+    with replacing(path) as tmp:
+        rec.tofile(tmp)
     return path

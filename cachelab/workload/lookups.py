@@ -21,6 +21,7 @@ import numpy as np
 
 from cachelab.compiled import prefetch
 from cachelab.errors import CachelabError
+from cachelab.paths import replacing
 
 LAYER_SHIFT = 32
 ROW_MASK = (1 << LAYER_SHIFT) - 1
@@ -218,11 +219,13 @@ class LookupStream:
     def save(self, path: str | Path) -> Path:
         """Write the stream as one ``.npz`` (uncompressed: loads at memory speed)."""
         path = Path(path)
+        path = path if path.suffix == ".npz" else path.with_name(path.name + ".npz")
         arrays = {f"meta_{k}": v for k, v in self.meta.items()}
-        np.savez(path, version=np.int64(FORMAT_VERSION), keys=self.keys, step_offsets=self.step_offsets,
-                 row_bytes=np.int64(self.row_bytes), layers=np.asarray(self.layers, dtype=np.int64),
-                 domains=np.asarray(self.domains, dtype=str), **arrays)
-        return path if path.suffix == ".npz" else path.with_name(path.name + ".npz")
+        with replacing(path) as tmp, open(tmp, "wb") as f:
+            np.savez(f, version=np.int64(FORMAT_VERSION), keys=self.keys, step_offsets=self.step_offsets,
+                     row_bytes=np.int64(self.row_bytes), layers=np.asarray(self.layers, dtype=np.int64),
+                     domains=np.asarray(self.domains, dtype=str), **arrays)
+        return path
 
     @classmethod
     def load(cls, path: str | Path) -> "LookupStream":
