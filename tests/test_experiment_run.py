@@ -80,6 +80,13 @@ def test_rerun_skips_every_finished_point(local):
     bigger = write_spec(folder, capacities=("0.5%", "2%", "8%"))  # one more capacity: only it runs
     grown = run_experiment(bigger, tracking_uri=uri, runs_dir=folder / "runs", workers=1, quiet=True)
     assert (grown.ran, grown.skipped) == (2, 4)
+    # `cachelab report` shows the spec run last: the first spec's parent (reused, started first), not the bigger one's
+    from cachelab.experiment.report import load_experiment
+    from cachelab.experiment.tracking import Tracker
+
+    assert load_experiment(Tracker(uri), "tiny").points_expected == 6
+    run_experiment(write_spec(folder), tracking_uri=uri, runs_dir=folder / "runs", workers=1, quiet=True)
+    assert load_experiment(Tracker(uri), "tiny").points_expected == 4
 
 
 def test_unreachable_server_keeps_results_and_sync_sends_them(tmp_path, local):

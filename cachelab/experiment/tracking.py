@@ -204,8 +204,9 @@ class Tracker:
         self.client.set_terminated(run_id, status=status)
 
     def experiment_runs(self, name: str) -> tuple[object | None, list]:
-        """The latest parent run and every FINISHED point run of experiment ``name``
-        (one per hash: the latest)."""
+        """The parent run used last (a rerun of an older spec reuses its parent, whose start
+        time stays old, so last use is its end) and every FINISHED point run of experiment
+        ``name`` (one per hash: the latest)."""
         exp_id = self.experiment_id(name, create=False)
         if exp_id is None:
             names = sorted(e.name for e in self.client.search_experiments())
@@ -216,7 +217,8 @@ class Tracker:
         latest = {}
         for r in points:
             latest.setdefault(r.data.tags[POINT_HASH], r)
-        return (parents[0] if parents else None), list(latest.values())
+        last = max(parents, key=lambda r: r.info.end_time or r.info.start_time or 0, default=None)
+        return last, list(latest.values())
 
     def download(self, run_id: str, path: str, dst: Path) -> Path | None:
         """An artifact of a run, or None if the run has none at ``path``."""
