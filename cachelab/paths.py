@@ -92,13 +92,21 @@ def replacing(path: str | os.PathLike) -> Iterator[Path]:
 
 
 def output_folder(path: Path, flag: str) -> Path:
-    """An output folder a flag names, made before the work that fills it: a path that cannot
-    be one is named at once, not after the run."""
+    """An output folder a flag names, checked before the work that fills it: a path that
+    cannot be one is named at once, not after the run. The check makes the folders (the one
+    true test on any file system) and removes those it made: the writer makes them again, so
+    a run that fails leaves no empty folder behind."""
     path = Path(path)
+    made = [p for p in (path, *path.parents) if not p.exists()]  # deepest first
     try:
         path.mkdir(parents=True, exist_ok=True)
+        writable = os.access(path, os.W_OK)
     except OSError as exc:
         raise CachelabError(f"{flag} {path}: cannot be made a folder ({exc.strerror or exc})") from None
-    if not os.access(path, os.W_OK):
+    finally:
+        for folder in made:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+    if not writable:
         raise CachelabError(f"{flag} {path}: the folder is not writable")
     return path

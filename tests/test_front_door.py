@@ -291,6 +291,9 @@ def test_output_paths_are_checked_before_the_work_and_named(tmp_path):
     assert res.exit_code == 2 and f"--save-result {a_file}: cannot be made a folder" in res.output
     res = invoke("train", "--trace", "gsm8k", "--requests", 5, "--out", a_file / "model")
     assert res.exit_code == 2 and f"--out {a_file / 'model'}: cannot be made a folder" in res.output
+    # a run that fails after the check leaves no empty folder behind (the writer makes it)
+    res = invoke("train", "--trace", "gsm8k", "--requests", 2, "--out", tmp_path / "new" / "model")
+    assert res.exit_code == 2 and "too short for horizon" in res.output and not (tmp_path / "new").exists()
     res = invoke("trace", "lookups", "gsm8k", "--requests", 2, "-o", a_file / "stream.npz")
     assert res.exit_code == 2 and f"--out {a_file / 'stream.npz'}: the folder {a_file} does not exist" in res.output
 
