@@ -21,9 +21,11 @@ _UNION_TAG = re.compile(r"^(int|str|float|bool|none|.*\[.*)$")  # pydantic's nam
 
 
 class Strict(BaseModel):
-    """A spec section: unknown keys are errors, values are coerced where unambiguous."""
+    """A spec section: unknown keys are errors and values must have the type asked for (TOML's
+    types are exact; only an integer passes for a float): lax coercion took ``seeds = [true]``
+    for seed 1 and ``"8"`` for 8."""
 
-    model_config = ConfigDict(extra="forbid", strict=False, frozen=False)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=False)
 
 
 def validate(model: type[M], data: dict, where: str) -> M:

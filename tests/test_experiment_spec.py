@@ -44,6 +44,9 @@ def test_valid_spec_expands_to_a_hashed_grid(tmp_path):
     ("warmup = 0.1", "warmup = 1.5", "warmup: Input should be less than 1"),
     ("tokens_per_step = 512", "tokens_per_step = -4", "workload.tokens_per_step: Input should be greater than 0"),
     ("seeds = [0]", 'seeds = "zero"', "seeds: Input should be a valid list"),
+    ("seeds = [0]", "seeds = [true]", "seeds[0]: Input should be a valid integer (got True)"),  # was seed 1
+    ("tokens_per_step = 512", 'tokens_per_step = "512"', "workload.tokens_per_step: Input should be a valid integer"),
+    ("warmup = 0.1", "warmup = false", "warmup: Input should be a valid number (got False)"),
     ('source = "stdlib"', 'source = "nope"', "workload.source: unknown workload 'nope'; allowed: "),
     ("tokens_per_step = 512", "tokens_per_step = 512\nsauce = 1", "workload.sauce: unknown key"),
     ('name = "tiny"', 'name = "a b"', "name: String should match pattern"),
