@@ -155,6 +155,30 @@ def test_journal_refuses_unknown_policy(tmp_path):
         Journal(tmp_path, "s", commit_interval=-1)
 
 
+def test_a_capture_directory_that_cannot_take_a_segment_is_an_error_at_start(tmp_path):
+    # A directory whose segment paths are over PATH_MAX: open(2) fails there even for root, which
+    # file modes do not stop. The salt lives elsewhere, so nothing else is written into it first.
+    deep = str(tmp_path)
+    while len(deep) < 4080:
+        deep += "/" + "d" * min(200, 4080 - len(deep) - 1)
+    with pytest.raises(CachelabError, match="cannot create segment .*requests-000000.seg"):
+        Recorder(deep, salt_file=tmp_path / "salt")
+
+
+def test_journal_that_cannot_open_its_next_segment_says_so(tmp_path):
+    import shutil
+
+    j = Journal(tmp_path / "cap", "s", rotate_bytes=1)  # every commit starts a new segment
+    j.submit({"i": 0})
+    assert j.flush(10)
+    shutil.rmtree(tmp_path / "cap")  # e.g. a clean-up job removed the capture directory
+    j.submit({"i": 1})
+    assert not j.flush(10)
+    assert "cannot create segment" in j.write_error and "s-000002.seg" in j.write_error
+    assert not j.submit({"i": 2}) and j.dropped == 1  # counted, not queued for a writer that is gone
+    j.close()
+
+
 def test_salt_file_is_private_and_stable(tmp_path):
     salt = load_salt(tmp_path / "salt")
     assert stat.S_IMODE((tmp_path / "salt").stat().st_mode) == 0o600

@@ -57,6 +57,7 @@ class Journal:
         self.run = secrets.randbits(62)
         self._writer = SegmentWriter(directory, stream, rotate_bytes=rotate_bytes, rotate_seconds=rotate_seconds,
                                      header={"run": self.run, "fsync": fsync, **(header or {})})
+        self._writer.open()  # now: a directory the journal cannot write to is an error at start, naming it
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._lock = threading.Lock()
         self._acked = threading.Condition(self._lock)
@@ -125,6 +126,9 @@ class Journal:
             due = time.monotonic() + self.commit_interval
             try:
                 self._commit(payloads)
+            except CachelabError as exc:  # the next segment could not be created (it names itself)
+                self.write_error = str(exc)
+                stop = True
             except OSError as exc:
                 self.write_error = f"{self._writer.path}: {exc}"
                 stop = True

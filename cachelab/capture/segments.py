@@ -104,22 +104,27 @@ class SegmentWriter:
         self.opened_at = 0.0
         self.segments_opened = 0
 
-    def _open(self) -> None:
+    def open(self) -> None:
+        """Start the next segment (closing the current one). A segment that cannot be created or
+        written (no such directory, no permission, disk full) is a ``CachelabError`` naming it."""
         self._close_current()
         index = self._next_index
         self._next_index += 1
         path = self.directory / _segment_name(self.stream, index)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise CachelabError(f"cannot create segment {path}: {exc}") from None
-        os.fchmod(fd, 0o600)
         head = {"kind": "segment", "stream": self.stream, "index": index, "created_unix": time.time(),
                 **self.header}
         data = MAGIC + frame(msgpack.packb(head))
-        os.write(fd, data)
-        os.fsync(fd)
-        _fsync_dir(self.directory)
+        fd = None
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o600)
+            os.fchmod(fd, 0o600)
+            os.write(fd, data)
+            os.fsync(fd)
+            _fsync_dir(self.directory)
+        except OSError as exc:
+            if fd is not None:
+                os.close(fd)
+            raise CachelabError(f"cannot create segment {path}: {exc}") from None
         self._fd, self.path, self.size, self.opened_at = fd, path, len(data), time.monotonic()
         self.segments_opened += 1
 
@@ -131,7 +136,7 @@ class SegmentWriter:
     def write(self, payloads: list[bytes]) -> None:
         """Append records with one ``write`` (rotating first when the segment is due)."""
         if self._fd is None or self.due():
-            self._open()
+            self.open()
         data = b"".join(frame(p) for p in payloads)
         view = memoryview(data)
         while view:

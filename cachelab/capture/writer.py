@@ -257,10 +257,14 @@ def _child(read_fd: int, shm_fd: int, config: dict) -> int:
         for tid in os.listdir("/proc/self/task"):
             os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
     _mm, c = _counters(shm_fd)
-    recorder = Recorder(config["directory"], hash_blocks=config["hash_blocks"], store_text=config["store_text"],
-                        salt_file=config["salt_file"], fsync=config["fsync"], rotate_bytes=config["rotate_bytes"],
-                        rotate_seconds=config["rotate_seconds"], commit_interval=config["commit_interval"],
-                        **({"tokenizer": config["tokenizer"]} if config["tokenizer"] else {}))
+    try:
+        recorder = Recorder(config["directory"], hash_blocks=config["hash_blocks"], store_text=config["store_text"],
+                            salt_file=config["salt_file"], fsync=config["fsync"], rotate_bytes=config["rotate_bytes"],
+                            rotate_seconds=config["rotate_seconds"], commit_interval=config["commit_interval"],
+                            **({"tokenizer": config["tokenizer"]} if config["tokenizer"] else {}))
+    except CachelabError as exc:  # e.g. a capture directory it cannot write to: said once, not as a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     journal = recorder.journal
 
     def publish() -> None:  # called by the journal's thread after each commit
