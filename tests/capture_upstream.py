@@ -7,8 +7,9 @@ usage event (``choices: []``) and moves ``system_fingerprint`` from the last chu
 16-token blocks seen before. Answers are deterministic (ids, ``created``, tokens), so a stream
 through the proxy can be compared byte for byte with one straight from here. Prompts are
 tokenized with the DeepSeek-V4 tokenizer (as the fallback does); outputs are words that are
-one token each. The model name picks a hostile behaviour: ``bad-json``, ``endless``,
-``huge-chunk``, ``slow``, ``error-500``, ``firehose`` (64 KiB events as fast as the
+one token each. The model name picks a hostile behaviour: ``bad-json``, ``html`` (a 200 page that
+is not JSON), ``bad-usage`` (``cached_tokens`` not a number), ``no-done`` (a stream that ends
+without ``[DONE]``), ``endless``, ``huge-chunk``, ``slow``, ``error-500``, ``firehose`` (64 KiB events as fast as the
 connection takes them, counted in ``firehose_sent``: flow control), ``conn-close`` (a whole
 answer with ``connection: close``). ``peers`` lists the client port of every completion request,
 so a test can tell which requests shared a connection. The real reference upstream is vLLM (tests/vllm_peer.py);
@@ -26,7 +27,7 @@ import time
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from cachelab.engram.vocab import load_tokenizer
 
@@ -107,6 +108,8 @@ class Upstream:
             await asyncio.sleep(5)
         if model == "bad-json":
             return Response(b'{"id": "cmpl-x", "choices": [', media_type="application/json")
+        if model == "html":
+            return HTMLResponse("<html><body>down for maintenance</body></html>")
         prompt_ids = self._prompt(body, chat)
         cached = self._cached(prompt_ids)
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
@@ -116,7 +119,7 @@ class Upstream:
         want_ids = bool(body.get("return_token_ids"))
         rid = ("chatcmpl-" if chat else "cmpl-") + hashlib.sha1(str(prompt_ids).encode()).hexdigest()[:16]
         usage = {"prompt_tokens": len(prompt_ids), "total_tokens": len(prompt_ids) + n, "completion_tokens": n,
-                 "prompt_tokens_details": {"cached_tokens": cached}}
+                 "prompt_tokens_details": {"cached_tokens": "lots" if model == "bad-usage" else cached}}
         obj = "chat.completion" if chat else "text_completion"
         if not body.get("stream"):
             text = "".join(WORDS[p] for p in picks)
@@ -168,7 +171,8 @@ class Upstream:
             last = {"id": rid, "object": obj, "created": 1700000000, "model": model, "choices": [], "usage": usage,
                     "system_fingerprint": FINGERPRINT}
             yield f"data: {_json(last)}\n\n"
-        yield "data: [DONE]\n\n"
+        if model != "no-done":
+            yield "data: [DONE]\n\n"
 
 
 def free_port() -> int:

@@ -166,6 +166,10 @@ def test_oversized_body_is_refused_with_413(stack):
     ("huge-chunk", True, 200, "over"),
     ("slow", False, 504, "timed out"),
     ("error-500", False, 500, "boom"),
+    ("error-500", True, 500, "boom"),  # a stream asked for, an error answered whole: its message is kept
+    ("html", False, 200, "not JSON"),
+    ("no-done", True, 200, "without [DONE]"),
+    ("bad-usage", False, 200, "record not built: ValueError"),  # still a record, failed, with why
 ])
 def test_hostile_upstream_is_bounded_and_recorded(stack, model, stream, status, error):
     got = _raw(stack.proxy.url, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 4, "stream": stream})

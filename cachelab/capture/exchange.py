@@ -49,9 +49,8 @@ class Exchange:
     injected_usage: bool = False
     status: int = 0
     error: str | None = None
-    json_expected: bool = False         # a whole answer the upstream labelled application/json
-    response: bytes = b""               # the JSON body of a non-streamed answer
-    response_time: float | None = None  # perf_counter when it was complete
+    response: bytes = b""               # the body of an answer that was not an event stream
+    response_time: float | None = None  # perf_counter when it was complete (None: events, or no answer)
     events: list[bytes] = field(default_factory=list)        # per upstream read: its complete SSE events
     event_times: list[float] = field(default_factory=list)   # perf_counter of that read
 
@@ -208,12 +207,14 @@ def to_record(x: Exchange, tokenizer) -> RequestRecord:
     texts: list[str] = []
     usage = None
     times, counts = [], []
-    if x.stream:
+    if x.response_time is None:  # an event stream (or no answer at all)
         messages = [(t, _sse_data(e)) for t, block in zip(x.event_times, x.events) for e in _split(block)]
-    else:
+        if x.status == 200 and rec.error is None and not _ends_done(x.events):
+            rec.error = "upstream stream ended without [DONE]"  # e.g. closed where only its close ended the body
+    else:  # a whole body: the answer to a request that did not stream, or an error answer to one that did
         whole = _json_body(x.response)
         messages = [(x.response_time, whole if isinstance(whole, dict) else None)]
-        if whole is _NOT_JSON and x.json_expected and x.status == 200 and rec.error is None:
+        if not isinstance(whole, dict) and x.status == 200 and rec.error is None:
             rec.error = "upstream answered 200 with a body that is not JSON"  # passed on as it came
     for when, message in messages:
         if message is None:
@@ -268,11 +269,15 @@ def to_record(x: Exchange, tokenizer) -> RequestRecord:
     return rec
 
 
-_NOT_JSON = object()
-
-
 def _json_body(body: bytes):
     try:
         return json.loads(body) if body else None
     except ValueError:
-        return _NOT_JSON
+        return None
+
+
+def _ends_done(events: list[bytes]) -> bool:
+    """Whether the stream's last event is ``data: [DONE]``, which every OpenAI-compatible server
+    writes last: without it the stream was cut, however its connection ended."""
+    last = events[-1].rstrip().rpartition(b"\n")[2] if events else b""
+    return last.startswith(b"data:") and last[5:].strip() == b"[DONE]"

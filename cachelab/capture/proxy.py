@@ -226,7 +226,6 @@ class Forward:
                     self.restorer = Restorer(x)
             else:
                 self.mode = WHOLE
-                x.json_expected = content_type.startswith(b"application/json")
                 self.headers = lines  # written with the body's length once it is complete
                 return
         if bodiless:

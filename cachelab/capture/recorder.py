@@ -186,10 +186,16 @@ class Recorder:
 
     def submit(self, record) -> bool:
         """Queue a ``RequestRecord`` or an ``Exchange`` (anything with ``to_record(tokenizer)``)."""
-        privacy, tokenizer = self.privacy, self.tokenizer
+        privacy, tokenizer, journal = self.privacy, self.tokenizer, self.journal
 
         def build() -> dict:
-            return encode_record(record.to_record(tokenizer), privacy)
+            try:
+                return encode_record(record.to_record(tokenizer), privacy)
+            except Exception as exc:  # an answer this cannot read (a field of the wrong type): the request is
+                journal.build_errors += 1  # still recorded, as failed, with why
+                failed = RequestRecord(endpoint=record.endpoint, arrival_unix_ns=record.arrival_unix_ns,
+                                       status=record.status, error=f"record not built: {type(exc).__name__}: {exc}")
+                return encode_record(failed, privacy)
 
         return self.journal.submit(build)
 
