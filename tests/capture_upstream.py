@@ -9,7 +9,7 @@ through the proxy can be compared byte for byte with one straight from here. Pro
 tokenized with the DeepSeek-V4 tokenizer (as the fallback does); outputs are words that are
 one token each. The model name picks a hostile behaviour: ``bad-json``, ``html`` (a 200 page that
 is not JSON), ``bad-usage`` (``cached_tokens`` not a number), ``no-done`` (a stream that ends
-without ``[DONE]``), ``endless``, ``huge-chunk``, ``slow``, ``error-500``, ``firehose`` (64 KiB events as fast as the
+without ``[DONE]``), ``crlf`` (events whose lines end with CRLF, sse-starlette's default), ``endless``, ``huge-chunk``, ``slow``, ``error-500``, ``firehose`` (64 KiB events as fast as the
 connection takes them, counted in ``firehose_sent``: flow control), ``conn-close`` (a whole
 answer with ``connection: close``). ``peers`` lists the client port of every completion request,
 so a test can tell which requests shared a connection. The real reference upstream is vLLM (tests/vllm_peer.py);
@@ -129,8 +129,10 @@ class Upstream:
                    "usage": usage, "prompt_token_ids": prompt_ids if want_ids else None}
             return Response(_json(out), media_type="application/json")
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(self.events(model, rid, chat, prompt_ids, picks, out_ids, want_ids,
-                                             include_usage, usage), media_type="text/event-stream")
+        events = self.events(model, rid, chat, prompt_ids, picks, out_ids, want_ids, include_usage, usage)
+        if model == "crlf":
+            events = (e.replace("\n\n", "\r\n\r\n") async for e in events)
+        return StreamingResponse(events, media_type="text/event-stream")
 
     async def events(self, model, rid, chat, prompt_ids, picks, out_ids, want_ids, include_usage, usage):
         obj = "chat.completion.chunk" if chat else "text_completion"

@@ -180,6 +180,22 @@ def test_hostile_upstream_is_bounded_and_recorded(stack, model, stream, status, 
     assert _raw(stack.proxy.url, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2})[0] == 200
 
 
+def test_an_upstream_whose_lines_end_with_crlf_streams_and_is_recorded(stack):
+    # SSE allows CRLF line endings (sse-starlette writes them): events are still found one by one
+    body = {"model": "crlf", "prompt": PROMPT, "max_tokens": 6, "stream": True}
+    stack.behind.token_delay_s = 0.05
+    try:
+        with httpx.stream("POST", stack.proxy.url + "/v1/completions", json=body, timeout=30) as r:
+            reads = list(r.iter_raw())
+    finally:
+        stack.behind.token_delay_s = 0.0
+    assert b"".join(reads) == _raw(stack.direct.url, "/v1/completions", body)[1]
+    assert b"".join(reads).endswith(b"data: [DONE]\r\n\r\n") and len(reads) >= 6, "streamed as it came"
+    rec = stack.records().row(-1, named=True)
+    assert rec["error"] is None and rec["token_source"] == "upstream" and len(rec["output_ids"]) == 6, rec
+    assert len(rec["tok_t"]) == 6
+
+
 def test_a_client_that_goes_away_ends_the_upstream_stream(stack):
     body = {"model": "endless", "prompt": "hi", "stream": True}
     with httpx.stream("POST", stack.proxy.url + "/v1/completions", json=body, timeout=30) as r:

@@ -52,6 +52,7 @@ class Exchange:
     response: bytes = b""               # the body of an answer that was not an event stream
     response_time: float | None = None  # perf_counter when it was complete (None: events, or no answer)
     events: list[bytes] = field(default_factory=list)        # per upstream read: its complete SSE events
+    delim: bytes = b"\n\n"             # what ends an event: b"\r\n\r\n" where the upstream ends lines with CRLF
     event_times: list[float] = field(default_factory=list)   # perf_counter of that read
 
     def to_record(self, tokenizer) -> RequestRecord:
@@ -81,7 +82,8 @@ class Restorer:
                 and not (self.chat and b'"delta":{}' in block):
             # ordinary token events: nothing to drop or hold, the ids nulled in one pass
             return null_ids(block) if x.injected_ids else block
-        return b"".join(out for event in _split(block) for out in self._event(event + b"\n\n"))
+        delim = x.delim
+        return b"".join(out for event in _split(block, delim) for out in self._event(event + delim))
 
     def _event(self, event: bytes) -> list[bytes]:
         x = self.x
@@ -104,9 +106,9 @@ class Restorer:
         return b"".join(held)
 
 
-def _split(block: bytes) -> list[bytes]:
+def _split(block: bytes, delim: bytes) -> list[bytes]:
     """The events of a block of complete events, each without its blank-line delimiter."""
-    return block.split(b"\n\n")[:-1]
+    return block.split(delim)[:-1]
 
 
 def _stamp(event: bytes, fingerprint: bytes) -> bytes:
@@ -208,7 +210,8 @@ def to_record(x: Exchange, tokenizer) -> RequestRecord:
     usage = None
     times, counts = [], []
     if x.response_time is None:  # an event stream (or no answer at all)
-        messages = [(t, _sse_data(e)) for t, block in zip(x.event_times, x.events) for e in _split(block)]
+        messages = [(t, _sse_data(e)) for t, block in zip(x.event_times, x.events)
+                    for e in _split(block, x.delim)]
         if x.status == 200 and rec.error is None and not _ends_done(x.events):
             rec.error = "upstream stream ended without [DONE]"  # e.g. closed where only its close ended the body
     else:  # a whole body: the answer to a request that did not stream, or an error answer to one that did

@@ -141,6 +141,8 @@ class Forward:
         self.out: list[bytes] = []
         self.size = 0
         self.parts: list[bytes] = []      # WHOLE: the body; STREAM: the incomplete event so far
+        self.edge = b""                   # STREAM: the last bytes of the incomplete event (a delimiter may straddle)
+        self.delim: bytes | None = None   # STREAM: what ends an event, once the first line has shown it
         self.pending = 0
         self.restorer: Restorer | None = None
         self.complete = False
@@ -249,27 +251,39 @@ class Forward:
         if mode == STREAM:
             if self.size > c.max_response_bytes:
                 return self.cut(f"upstream stream over {c.max_response_bytes} bytes: cut")
-            end = data.rfind(b"\n\n")
+            delim = self.delim
+            if delim is None:  # the stream's line ending, from its first line: LF (vLLM) or CRLF (sse-starlette)
+                i = data.find(b"\n")
+                if i < 0:
+                    delim = b"\n\n"  # not found in this read either way
+                else:
+                    crlf = (data[i - 1:i] if i else self.edge[-1:]) == b"\r"
+                    delim = self.delim = self.x.delim = b"\r\n\r\n" if crlf else b"\n\n"
+            end = data.rfind(delim)
             if self.parts:
-                if end < 0 and not (data[:1] == b"\n" and self.parts[-1][-1:] == b"\n"):
+                if end < 0 and delim not in self.edge + data[:len(delim) - 1]:  # nor across the reads' edge
                     self.parts.append(data)
                     self.pending += len(data)
+                    self.edge = (self.edge + data)[-3:]
                     if self.pending > c.max_event_bytes:
                         self.cut(f"upstream event over {c.max_event_bytes} bytes without an end: cut")
                     return
                 data = b"".join(self.parts) + data
                 self.parts, self.pending = [], 0
-                end = data.rfind(b"\n\n")
+                end = data.rfind(delim)
             elif end < 0:
                 self.parts.append(data)
                 self.pending = len(data)
+                self.edge = data[-3:]
                 if self.pending > c.max_event_bytes:
                     self.cut(f"upstream event over {c.max_event_bytes} bytes without an end: cut")
                 return
-            end += 2
+            end += len(delim)
             if end < len(data):
-                self.parts.append(data[end:])
-                self.pending = len(data) - end
+                rest = data[end:]
+                self.parts.append(rest)
+                self.pending = len(rest)
+                self.edge = rest[-3:]
                 data = data[:end]
             x = self.x
             x.events.append(data)
