@@ -180,6 +180,20 @@ def test_hostile_upstream_is_bounded_and_recorded(stack, model, stream, status, 
     assert _raw(stack.proxy.url, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2})[0] == 200
 
 
+def test_a_long_prompts_ids_the_proxy_asked_for_are_not_cut_as_an_oversized_event(stack, tmp_path):
+    # vLLM writes the prompt's ids in the first event; here 64 KiB events at most and a 600 KB prompt of ids,
+    # whose first event comes in several reads
+    config = ProxyConfig(upstream=stack.upstream.url, max_event_bytes=64 << 10, max_body_bytes=1 << 20)
+    body = {"model": "tiny", "prompt": [100 + i % 900 for i in range(150_000)], "max_tokens": 4, "stream": True}
+    recorder = Recorder(tmp_path)
+    with ProxyThread(config, recorder) as proxy:
+        got = _raw(proxy.url, "/v1/completions", body)
+    assert got[1] == _raw(stack.direct.url, "/v1/completions", body)[1]
+    assert recorder.flush(30)
+    rec = read_requests(tmp_path)[0].row(-1, named=True)
+    assert rec["error"] is None and rec["prompt_ids"] == body["prompt"] and len(rec["output_ids"]) == 4
+
+
 def test_an_upstream_whose_lines_end_with_crlf_streams_and_is_recorded(stack):
     # SSE allows CRLF line endings (sse-starlette writes them): events are still found one by one
     body = {"model": "crlf", "prompt": PROMPT, "max_tokens": 6, "stream": True}

@@ -128,6 +128,9 @@ class Forward:
         self.proxy, self.client, self.request, self.x = proxy, client, request, x
         self.keep_alive, self.http11, self.head = keep_alive, http11, head
         self.arrival = x.arrival if x is not None else time.perf_counter()
+        # the prompt's ids the proxy asked for come in one event (vLLM's first): a JSON id per token, at most 8
+        # bytes per byte of the request, on top of the event bound (a 5 MiB prompt's ids are over 4 MiB)
+        self.max_event = proxy.config.max_event_bytes + (8 * len(request) if x is not None and x.injected_ids else 0)
         self.conn: UpstreamConnection | None = None
         self.task: asyncio.Task | None = None
         self.timer: asyncio.TimerHandle | None = None
@@ -265,8 +268,8 @@ class Forward:
                     self.parts.append(data)
                     self.pending += len(data)
                     self.edge = (self.edge + data)[-3:]
-                    if self.pending > c.max_event_bytes:
-                        self.cut(f"upstream event over {c.max_event_bytes} bytes without an end: cut")
+                    if self.pending > self.max_event:
+                        self.cut(f"upstream event over {self.max_event} bytes without an end: cut")
                     return
                 data = b"".join(self.parts) + data
                 self.parts, self.pending = [], 0
@@ -275,8 +278,8 @@ class Forward:
                 self.parts.append(data)
                 self.pending = len(data)
                 self.edge = data[-3:]
-                if self.pending > c.max_event_bytes:
-                    self.cut(f"upstream event over {c.max_event_bytes} bytes without an end: cut")
+                if self.pending > self.max_event:
+                    self.cut(f"upstream event over {self.max_event} bytes without an end: cut")
                 return
             end += len(delim)
             if end < len(data):
