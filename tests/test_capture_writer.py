@@ -119,6 +119,25 @@ def test_proxy_killed_the_writer_still_writes_everything_submitted(tmp_path):
     assert stats.torn_tails == 0 and stats.corrupt == 0
 
 
+def test_a_writer_still_at_work_when_the_proxy_stops_finishes_on_its_own(tmp_path):
+    """A clean stop whose writer is behind (here: stopped) neither kills it nor loses what it was handed:
+    the writer writes it once it runs again, and exits at the pipe's end; what it never took is counted."""
+    writer = CaptureWriter(tmp_path / "cap", max_backlog_bytes=64 << 20)
+    pid = writer.proc.pid
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        accepted = sum(writer.submit(exchange(i)) for i in range(6000))  # more than the pipe holds
+        writer.close(timeout=0.5)
+        st = writer.stats()
+        assert st["dropped"] > 0 and st["submitted"] + st["dropped"] == accepted == 6000
+        assert "did not take" in st["write_error"]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert wait_gone(pid), "the writer did not exit at the end of its pipe"
+    got, stats = records(tmp_path / "cap")
+    assert [r["seq"] for r in got] == list(range(st["submitted"])) and stats.torn_tails == 0
+
+
 def test_writer_runs_as_an_idle_task_unless_asked_otherwise(tmp_path):
     """The writer's every thread (the journal's too) is SCHED_IDLE by default, so that a token's wake-up
     never waits behind a record being built; ``sched="normal"`` keeps it an ordinary task; anything

@@ -48,6 +48,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 from cachelab.capture.recorder import Privacy, load_salt
@@ -92,6 +93,8 @@ class CaptureWriter:
         self.dropped = 0
         self.write_error: str | None = None
         self._backlog = bytearray()
+        self._frames: deque[int] = deque()  # the byte size of each frame in the backlog, in order
+        self._first_written = 0             # bytes of the first of them already in the pipe
         self._waiting_writable = False
         self._shm = os.memfd_create("cachelab-capture-writer")
         os.ftruncate(self._shm, _WORDS * 8)
@@ -131,6 +134,7 @@ class CaptureWriter:
             return False
         self._backlog += len(payload).to_bytes(_FRAME, "little")
         self._backlog += payload
+        self._frames.append(_FRAME + len(payload))
         self.submitted += 1
         self._drain()
         if self.write_error is not None:  # the writer died: this frame went with the backlog, counted dropped
@@ -150,16 +154,19 @@ class CaptureWriter:
                            f"exit {self.proc.poll()})")
                 return
             del self._backlog[:n]
+            n += self._first_written
+            while self._frames and n >= self._frames[0]:
+                n -= self._frames.popleft()
+            self._first_written = n
 
     def _fail(self, why: str) -> None:
         self.write_error = self.write_error or why
-        frames, at = 0, 0  # the frames not written yet are lost: dropped, not submitted
-        while at + _FRAME <= len(self._backlog):
-            frames += 1
-            at += _FRAME + int.from_bytes(self._backlog[at:at + _FRAME], "little")
-        self.dropped += frames
+        frames = len(self._frames)  # not (wholly) in the pipe: lost, dropped and not submitted (a frame cut
+        self.dropped += frames      # short at the pipe's end is discarded by the writer)
         self.submitted -= frames
         self._backlog.clear()
+        self._frames.clear()
+        self._first_written = 0
 
     def _when_writable(self) -> None:
         try:
@@ -203,21 +210,24 @@ class CaptureWriter:
         return self.write_error is None and not self._c[WRITE_ERROR].value
 
     def close(self, timeout: float = 30.0) -> None:
-        """Write what is queued, end the pipe, and wait for the writer to acknowledge it and exit."""
+        """Hand the writer what is queued, end the pipe, and wait up to ``timeout`` for it to write
+        everything and exit. A writer still at work then (behind, at ``SCHED_IDLE`` on a busy host) is
+        left to finish on its own, as after the proxy's SIGKILL: killing it lost every record it had
+        been handed and not yet written. Frames it never took (the backlog) are counted dropped."""
         if self._fd < 0:
             return
         try:
             asyncio.get_running_loop().remove_writer(self._fd)
         except RuntimeError:
             pass
-        self._flush_backlog(timeout)
+        if not self._flush_backlog(timeout):
+            self._fail(f"capture writer did not take the last records within {timeout} s")
         os.close(self._fd)
         self._fd = -1
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            return  # it stops at the pipe's end, having written what it read
         if self.proc.returncode != 0:
             self.write_error = self.write_error or f"capture writer process exited with {self.proc.returncode}"
 

@@ -120,6 +120,9 @@ def proxy(
     freeze_startup_heap()
     with asyncio.Runner(loop_factory=new_loop) as runner:
         runner.run(main())
+    if writer == "process" and recorder.proc.poll() is None:
+        typer.echo(f"the capture writer (pid {recorder.proc.pid}) is still writing what it was handed; "
+                   "it exits when done", err=True)
 
 
 @app.command("kv-events")
