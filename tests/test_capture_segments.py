@@ -78,6 +78,13 @@ def test_any_truncation_is_a_counted_torn_tail(tmp_path_factory, cut, n):
     assert stats.torn_tails in (0, 1) and stats.corrupt == 0
     if cut == len(data):
         assert stats.torn_tails == 0 and len(got) == n
+    if stats.torn_tails:  # located: the file, and the offset where the cut record starts
+        starts, at = [0], len(MAGIC)
+        while at < len(data):
+            starts.append(at)
+            at += 12 + int.from_bytes(data[at + 4:at + 8], "little")
+        at = max((x for x in starts if x < cut), default=0)
+        assert stats.damaged == [f"{path.name}@{at}: torn tail, {cut - at} bytes"]
 
 
 def test_corruption_in_the_middle_is_skipped_and_counted(tmp_path):
@@ -93,6 +100,8 @@ def test_corruption_in_the_middle_is_skipped_and_counted(tmp_path):
     got, stats = _records(tmp_path)
     assert [r["i"] for r in got] == [0, 1, 2, 3, 4, 6, 7, 8, 9]
     assert stats.corrupt == 1 and stats.torn_tails == 0
+    skipped = 12 + len(msgpack.packb({"i": 5, "pad": "y" * 50}))
+    assert stats.damaged == [f"{path.name}@{middle - 12}: corrupt, {skipped} bytes skipped"]
 
 
 def test_foreign_and_empty_files(tmp_path):

@@ -21,8 +21,8 @@ payloads are msgpack maps (``cachelab.capture.recorder`` defines them). A record
 
 On read, a record whose header or payload is cut short at the end of a file is a *torn
 tail* (a writer killed mid-write); a record whose checksum does not match is *corrupt*, and
-the reader resynchronises on the next ``REC1`` that checks out. Both are counted and
-skipped, never raised.
+the reader resynchronises on the next ``REC1`` that checks out. Both are counted, located
+(file and offset) and skipped, never raised.
 """
 
 from __future__ import annotations
@@ -167,7 +167,8 @@ class SegmentWriter:
 
 @dataclass
 class ReadStats:
-    """What a read found: segments, good records, torn tails and corrupt stretches (skipped)."""
+    """What a read found: segments, good records, torn tails and corrupt stretches (skipped);
+    ``damaged`` says where each of the latter is (``FILE@OFFSET: what``)."""
 
     segments: int = 0
     records: int = 0
@@ -175,24 +176,29 @@ class ReadStats:
     corrupt: int = 0
     skipped_bytes: int = 0
     bad_files: list[str] = field(default_factory=list)
+    damaged: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"segments": self.segments, "records": self.records, "torn_tails": self.torn_tails,
-                "corrupt": self.corrupt, "skipped_bytes": self.skipped_bytes, "bad_files": self.bad_files}
+                "corrupt": self.corrupt, "skipped_bytes": self.skipped_bytes, "bad_files": self.bad_files,
+                "damaged": self.damaged}
+
+    def torn(self, name: str, at: int, size: int) -> None:
+        self.torn_tails += 1
+        self.skipped_bytes += size
+        self.damaged.append(f"{name}@{at}: torn tail, {size} bytes")
 
 
-def _scan(data: bytes, stats: ReadStats) -> Iterator[bytes]:
+def _scan(data: bytes, stats: ReadStats, name: str) -> Iterator[bytes]:
     pos, end = len(MAGIC), len(data)
     while pos < end:
         if end - pos < _HEAD.size:
-            stats.torn_tails += 1
-            stats.skipped_bytes += end - pos
+            stats.torn(name, pos, end - pos)
             return
         sync, length, crc = _HEAD.unpack_from(data, pos)
         body = pos + _HEAD.size
         if sync == SYNC and length <= MAX_RECORD_BYTES and body + length > end:
-            stats.torn_tails += 1
-            stats.skipped_bytes += end - pos
+            stats.torn(name, pos, end - pos)
             return
         if sync == SYNC and length <= MAX_RECORD_BYTES:
             payload = data[body:body + length]
@@ -205,11 +211,11 @@ def _scan(data: bytes, stats: ReadStats) -> Iterator[bytes]:
         nxt = data.find(SYNC, pos + 1)
         if nxt < 0:
             # The damage runs to the end of the file: a torn tail if it is the last record.
-            stats.torn_tails += 1
-            stats.skipped_bytes += end - pos
+            stats.torn(name, pos, end - pos)
             return
         stats.corrupt += 1
         stats.skipped_bytes += nxt - pos
+        stats.damaged.append(f"{name}@{pos}: corrupt, {nxt - pos} bytes skipped")
         pos = nxt
 
 
@@ -232,13 +238,12 @@ def read_stream(directory: str | os.PathLike, stream: str, stats: ReadStats | No
             continue
         if len(data) < len(MAGIC):
             # Created but killed before the magic was complete: an empty torn segment.
-            stats.torn_tails += 1
-            stats.skipped_bytes += len(data)
+            stats.torn(path.name, 0, len(data))
             continue
         if data[:len(MAGIC)] != MAGIC:
             stats.bad_files.append(f"{path.name}: not a cachelab capture segment")
             continue
-        for payload in _scan(data, stats):
+        for payload in _scan(data, stats, path.name):
             try:
                 record = msgpack.unpackb(payload, raw=False, strict_map_key=False)
             except (ValueError, msgpack.UnpackException) as exc:

@@ -70,6 +70,7 @@ class CaptureBuild:
     torn_tails: int
     corrupt_records: int
     segments: int
+    damaged: list[str]  # where each torn tail or corrupt stretch is: FILE@OFFSET
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -133,7 +134,7 @@ def capture_to_trace(directory: str | os.PathLike) -> tuple[pl.DataFrame, Captur
         requests=n, tokens_in=int(trace["prompt_len"].sum()), tokens_out=int(trace["output_len"].sum()),
         sessions=int(trace["session_id"].n_unique()), failed_requests=failed, without_tokens=ok.height - n,
         **server_cache(trace),
-        torn_tails=stats.torn_tails, corrupt_records=stats.corrupt, segments=stats.segments)
+        torn_tails=stats.torn_tails, corrupt_records=stats.corrupt, segments=stats.segments, damaged=stats.damaged)
     return trace, report
 
 

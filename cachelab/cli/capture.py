@@ -189,3 +189,5 @@ def info(
     for name, s in (("requests", stats), ("kv-events", kv_stats)):
         console.print(f"{name}: {s.segments} segments, {s.records} records, {s.torn_tails} torn tails, "
                       f"{s.corrupt} corrupt" + (f", bad files {s.bad_files}" if s.bad_files else ""))
+        for where in s.damaged:
+            console.print(f"  {where}")

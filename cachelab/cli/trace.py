@@ -142,6 +142,8 @@ def _build_from_capture(directory: Path, out: Path, as_json: bool, given: bool) 
                 "torn tails": report.torn_tails, "corrupt records": report.corrupt_records}
     if any(left_out.values()):
         console.print("[yellow]left out: " + ", ".join(f"{v:,} {k}" for k, v in left_out.items() if v) + "[/]")
+    for where in report.damaged:
+        console.print(f"[yellow]  {where}[/]")
 
 
 @app.command()
