@@ -378,6 +378,8 @@ def test_200_concurrent_streams_all_captured(tmp_path):
     (b'{"prompt":"x","return_token_ids":true}', {}),
     (b'{"prompt":"x","stream":true,"return_token_ids":true} ', {"stream_options": {"include_usage": True}}),
     (b'{"prompt":"x","stream":true,"stream_options":{"include_usage":true}}', {"return_token_ids": True}),
+    ('{"prompt":"x"}'.encode("utf-16"), {"return_token_ids": True}),  # JSON in UTF-16: not appended to in UTF-8
+    (b'\xef\xbb\xbf{"prompt":"x"}', {"return_token_ids": True}),  # UTF-8 with a byte order mark
 ])
 def test_prepare_adds_what_the_record_needs_and_keeps_the_rest(body, added):
     from cachelab.capture.exchange import Exchange
@@ -388,7 +390,7 @@ def test_prepare_adds_what_the_record_needs_and_keeps_the_rest(body, added):
     assert json.loads(sent) == {**json.loads(body), **added}
     if not added:
         assert sent == body
-    elif not any(key.encode() in body for key in added):  # new keys only: appended to the client's bytes, compact
+    elif not any(key.encode() in body for key in added) and body[:1] != b"\xff":  # new keys, UTF-8: appended, compact
         end = body.rfind(b"}")
         assert sent == body[:end] + b"," + json.dumps(added, separators=(",", ":")).encode()[1:-1] + body[end:]
     assert x.injected_ids == ("return_token_ids" in added) and x.injected_usage == ("stream_options" in added)

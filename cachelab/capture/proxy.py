@@ -109,8 +109,9 @@ def _prepare(body: bytes, x: Exchange, config: ProxyConfig) -> bytes:
     if not added:
         return body
     end = body.rfind(b"}")
-    if parsed and not any(key in parsed for key in added):
-        # new keys only: appended to the client's bytes (a long prompt is not serialised again)
+    if parsed and not any(key in parsed for key in added) and json.detect_encoding(body).startswith("utf-8"):
+        # new keys only: appended to the client's bytes (a long prompt is not serialised again); a UTF-16
+        # or UTF-32 body, which JSON parsers such as vLLM's take too, is serialised again (as UTF-8)
         return body[:end] + b"," + json.dumps(added, separators=(",", ":")).encode()[1:-1] + body[end:]
     return json.dumps({**parsed, **added}).encode()
 
