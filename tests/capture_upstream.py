@@ -9,7 +9,8 @@ through the proxy can be compared byte for byte with one straight from here. Pro
 tokenized with the DeepSeek-V4 tokenizer (as the fallback does); outputs are words that are
 one token each. The model name picks a hostile behaviour: ``bad-json``, ``html`` (a 200 page that
 is not JSON), ``bad-usage`` (``cached_tokens`` not a number), ``no-done`` (a stream that ends
-without ``[DONE]``), ``crlf`` (events whose lines end with CRLF, sse-starlette's default), ``endless``, ``huge-chunk``, ``slow``, ``error-500``, ``firehose`` (64 KiB events as fast as the
+without ``[DONE]``), ``crlf`` (events whose lines end with CRLF, sse-starlette's default), ``gzip`` (a gzip answer, whatever
+the request's ``accept-encoding``), ``endless``, ``huge-chunk``, ``slow``, ``error-500``, ``firehose`` (64 KiB events as fast as the
 connection takes them, counted in ``firehose_sent``: flow control), ``conn-close`` (a whole
 answer with ``connection: close``). ``peers`` lists the client port of every completion request,
 so a test can tell which requests shared a connection. The real reference upstream is vLLM (tests/vllm_peer.py);
@@ -19,6 +20,7 @@ this one exists for the failure modes vLLM cannot be made to produce and for spe
 from __future__ import annotations
 
 import asyncio
+import gzip
 import hashlib
 import json
 import socket
@@ -110,6 +112,11 @@ class Upstream:
             return Response(b'{"id": "cmpl-x", "choices": [', media_type="application/json")
         if model == "html":
             return HTMLResponse("<html><body>down for maintenance</body></html>")
+        if model == "gzip":
+            media = "text/event-stream" if body.get("stream") else "application/json"
+            return Response(gzip.compress(b'data: {"id":"cmpl-z"}\n\ndata: [DONE]\n\n' if body.get("stream")
+                                          else b'{"id":"cmpl-z"}'), media_type=media,
+                            headers={"content-encoding": "gzip"})
         prompt_ids = self._prompt(body, chat)
         cached = self._cached(prompt_ids)
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)

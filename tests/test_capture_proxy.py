@@ -170,6 +170,7 @@ def test_oversized_body_is_refused_with_413(stack):
     ("html", False, 200, "not JSON"),
     ("no-done", True, 200, "without [DONE]"),
     ("bad-usage", False, 200, "record not built: ValueError"),  # still a record, failed, with why
+    ("gzip", True, 200, "content-encoding gzip"),  # compressed though asked for identity: passed on, said so
 ])
 def test_hostile_upstream_is_bounded_and_recorded(stack, model, stream, status, error):
     got = _raw(stack.proxy.url, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 4, "stream": stream})

@@ -204,7 +204,7 @@ class Forward:
             self.headers = []
             return
         x = self.x
-        content_type = length = b""
+        content_type = length = encoding = b""
         chunked = False
         lines = []
         for name, value in self.headers:
@@ -215,6 +215,8 @@ class Forward:
                 length = value
             elif key == b"transfer-encoding":
                 chunked = b"chunked" in value.lower()
+            elif key == b"content-encoding":
+                encoding = value.strip().lower()
             if key not in HOP_BY_HOP:
                 lines.append(b"%s: %s\r\n" % (name, value))
         bodiless = self.head or status in (204, 304)
@@ -223,6 +225,11 @@ class Forward:
             self.conn.usable = False
         self.by_close = not (chunked or length or bodiless)
         if x is None:
+            self.mode = PASS
+        elif encoding not in (b"", b"identity"):  # asked for identity, answered compressed: passed on as it came
+            x.status = status
+            x.error = f"upstream answered with content-encoding {encoding.decode('latin-1')} though asked for " \
+                      "identity: passed on, not read"
             self.mode = PASS
         else:
             x.status = status
