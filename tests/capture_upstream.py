@@ -10,7 +10,7 @@ tokenized with the DeepSeek-V4 tokenizer (as the fallback does); outputs are wor
 one token each. The model name picks a hostile behaviour: ``bad-json``, ``html`` (a 200 page that
 is not JSON), ``bad-usage`` (``cached_tokens`` not a number), ``no-done`` (a stream that ends
 without ``[DONE]``), ``crlf`` (events whose lines end with CRLF, sse-starlette's default), ``gzip`` (a gzip answer, whatever
-the request's ``accept-encoding``), ``endless``, ``huge-chunk``, ``slow``, ``error-500``, ``firehose`` (64 KiB events as fast as the
+the request's ``accept-encoding``), ``bad-utf8`` (a byte that is not UTF-8 in every event's text), ``endless``, ``huge-chunk``, ``slow``, ``error-500``, ``firehose`` (64 KiB events as fast as the
 connection takes them, counted in ``firehose_sent``: flow control), ``conn-close`` (a whole
 answer with ``connection: close``). ``peers`` lists the client port of every completion request,
 so a test can tell which requests shared a connection. The real reference upstream is vLLM (tests/vllm_peer.py);
@@ -139,6 +139,8 @@ class Upstream:
         events = self.events(model, rid, chat, prompt_ids, picks, out_ids, want_ids, include_usage, usage)
         if model == "crlf":
             events = (e.replace("\n\n", "\r\n\r\n") async for e in events)
+        if model == "bad-utf8":
+            events = (e.encode().replace(b'"text":"', b'"text":"\xff') async for e in events)
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def events(self, model, rid, chat, prompt_ids, picks, out_ids, want_ids, include_usage, usage):

@@ -211,6 +211,14 @@ def test_an_upstream_whose_lines_end_with_crlf_streams_and_is_recorded(stack):
     assert len(rec["tok_t"]) == 6
 
 
+def test_a_byte_that_is_not_utf8_in_an_event_does_not_lose_its_ids(stack):
+    body = {"model": "bad-utf8", "prompt": PROMPT, "max_tokens": 5, "stream": True}
+    got = _raw(stack.proxy.url, "/v1/completions", body)[1]
+    assert got == _raw(stack.direct.url, "/v1/completions", body)[1] and b"\xff" in got
+    rec = stack.records().row(-1, named=True)
+    assert rec["error"] is None and rec["token_source"] == "upstream" and len(rec["output_ids"]) == 5, rec
+
+
 def test_a_client_that_goes_away_ends_the_upstream_stream(stack):
     body = {"model": "endless", "prompt": "hi", "stream": True}
     with httpx.stream("POST", stack.proxy.url + "/v1/completions", json=body, timeout=30) as r:

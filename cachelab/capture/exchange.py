@@ -145,7 +145,7 @@ def _sse_data(event: bytes) -> dict | None:
     if not data or data == b"[DONE]":
         return None
     try:
-        text = data.decode()
+        text = data.decode(errors="replace")  # a stray byte in a text field must not hide the event's ids
         parsed, end = _SCAN(text, 0)
     except (ValueError, StopIteration):
         return None
