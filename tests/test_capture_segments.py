@@ -184,7 +184,8 @@ def test_journal_that_cannot_open_its_next_segment_says_so(tmp_path):
     j.submit({"i": 1})
     assert not j.flush(10)
     assert "cannot create segment" in j.write_error and "s-000002.seg" in j.write_error
-    assert not j.submit({"i": 2}) and j.dropped == 1  # counted, not queued for a writer that is gone
+    assert j.acknowledged == 1 and j.dropped == 1  # the record of the failed commit: counted, not lost unseen
+    assert not j.submit({"i": 2}) and j.dropped == 2  # and every later one
     j.close()
 
 

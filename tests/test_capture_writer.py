@@ -170,6 +170,25 @@ def test_dead_writer_is_counted_not_raised(tmp_path):
         writer.close()
 
 
+def test_a_writer_that_can_no_longer_write_says_why_and_counts_what_it_loses(tmp_path, capfd):
+    import shutil
+
+    writer = CaptureWriter(tmp_path / "cap", rotate_bytes=1)  # a new segment at every commit
+    try:
+        assert writer.submit(exchange(0)) and writer.flush(30)
+        shutil.rmtree(tmp_path / "cap")  # the next segment cannot be created
+        for i in range(1, 6):
+            writer.submit(exchange(i))
+        deadline = time.monotonic() + 30
+        while writer.stats()["dropped"] < 5 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        st = writer.stats()
+        assert st["acknowledged"] == 1 and st["dropped"] == 5 and st["write_error"] is not None
+    finally:
+        writer.close()
+    assert "error: capture writer: cannot create segment" in capfd.readouterr().err  # the stderr it points to
+
+
 def test_stalled_writer_backlog_is_bounded_then_drains(tmp_path):
     """A stopped writer: the pipe fills, the proxy's backlog takes the rest up to its bound, later
     records are dropped and counted; once the writer runs again everything accepted is written."""

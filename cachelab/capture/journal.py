@@ -67,6 +67,7 @@ class Journal:
         self.build_errors = 0
         self.write_error: str | None = None
         self._seq = 0
+        self._durable = 0  # records of the last commit made durable
         self.on_commit: Callable[[], None] | None = None  # called on the writer thread after each commit
         self._thread = threading.Thread(target=self._run, name=f"capture-{stream}", daemon=True)
         self._thread.start()
@@ -75,12 +76,14 @@ class Journal:
         """Enqueue without blocking; False (and counted in ``dropped``) when the queue is full
         or the journal can no longer write."""
         if self.write_error is not None:
-            self.dropped += 1
+            with self._lock:
+                self.dropped += 1
             return False
         try:
             self._queue.put_nowait(item)
         except queue.Full:
-            self.dropped += 1
+            with self._lock:
+                self.dropped += 1
             return False
         self.submitted += 1
         return True
@@ -105,7 +108,8 @@ class Journal:
                 item = self._queue.get(timeout=max(due - time.monotonic(), 0.0) if payloads else 1.0)
             except queue.Empty:
                 if not payloads:
-                    self._writer.rotate_if_due()
+                    if self.write_error is None:
+                        self._writer.rotate_if_due()
                     continue
                 item = None
             items = [] if item is None else [item]
@@ -114,13 +118,21 @@ class Journal:
                     items.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
+            lost = 0
             for item in items:
                 if item is _STOP:
                     stop = True
                 elif item is _NOW:
                     at_once = True
+                elif self.write_error is not None:  # queued before the failure: it will never be written
+                    lost += 1
                 else:
                     payloads.append(self._build(item))
+            if lost:
+                with self._lock:
+                    self.dropped += lost
+                if self.on_commit is not None:
+                    self.on_commit()
             if not stop and (not payloads or not (at_once or time.monotonic() >= due)):
                 continue
             due = time.monotonic() + self.commit_interval
@@ -128,30 +140,36 @@ class Journal:
                 self._commit(payloads)
             except CachelabError as exc:  # the next segment could not be created (it names itself)
                 self.write_error = str(exc)
-                stop = True
             except OSError as exc:
                 self.write_error = f"{self._writer.path}: {exc}"
-                stop = True
             with self._acked:
-                if self.write_error is None:
-                    self.acknowledged += len(payloads)
+                self.acknowledged += self._durable
+                self.dropped += len(payloads) - self._durable  # those of a commit that failed
                 self._acked.notify_all()
             payloads = []
             if self.on_commit is not None:
                 self.on_commit()
-        self._writer.close()
+        try:
+            self._writer.close()
+        except OSError as exc:  # its last sync
+            self.write_error = self.write_error or f"{self._writer.path}: {exc}"
 
     def _commit(self, payloads: list[bytes]) -> None:
+        """Write ``payloads`` and make them durable; ``_durable`` counts those that are, even when this
+        fails midway (``always`` syncs one at a time)."""
+        self._durable = 0
         if not payloads:
             return
         if self.fsync == "always":
             for payload in payloads:
                 self._writer.write([payload])
                 self._writer.sync()
+                self._durable += 1
             return
         self._writer.write(payloads)
         if self.fsync == "batch":
             self._writer.sync()
+        self._durable = len(payloads)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until everything submitted so far is acknowledged (or the journal failed)."""

@@ -277,11 +277,14 @@ def _child(read_fd: int, shm_fd: int, config: dict) -> int:
         return 2
     journal = recorder.journal
 
-    def publish() -> None:  # called by the journal's thread after each commit
+    def publish() -> None:  # called by the journal's thread after each commit, and after a drop
         c[ACKNOWLEDGED].value = journal.acknowledged
         c[DROPPED].value = journal.dropped
         c[BUILD_ERRORS].value = journal.build_errors
         c[SEGMENTS].value = journal.segments_opened
+        if journal.write_error is not None and not c[WRITE_ERROR].value:  # said once, on the proxy's stderr
+            print(f"error: capture writer: {journal.write_error}; later records are dropped", file=sys.stderr,
+                  flush=True)
         c[WRITE_ERROR].value = journal.write_error is not None
 
     journal.on_commit = publish
@@ -297,7 +300,8 @@ def _child(read_fd: int, shm_fd: int, config: dict) -> int:
             break
         x = pickle.loads(body)
         c[RECEIVED].value += 1
-        recorder.submit(x)
+        if not recorder.submit(x):
+            publish()
     recorder.close()
     publish()
     return 1 if journal.write_error else 0
