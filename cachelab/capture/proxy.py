@@ -391,7 +391,10 @@ class Forward:
                             self.keep_alive)
 
     def cut(self, message: str) -> None:
-        """End a stream that had begun: the client's ends where it is, the record says why."""
+        """End a stream that had begun: the client's ends where it is, the record says why. Its
+        connection closes without the body's end (no last chunk, or short of its length), so that
+        the client sees a cut answer, as it would from the upstream itself: ended cleanly, an
+        OpenAI client took the first tokens of a broken stream for a whole answer."""
         if self.finished:
             return
         self._end()
@@ -399,15 +402,10 @@ class Forward:
         if self.x is not None:
             self.x.error = message
             self.proxy.recorder.submit(self.x)
-        if self.framed:
-            self.out.append(LAST_CHUNK)
+        if self.out:
             self.client.transport.write(b"".join(self.out))
             self.out.clear()
-            self.client.done(self.keep_alive)
-        else:  # a length or the close delimits the client's body: only closing ends it
-            if self.out:
-                self.client.transport.write(b"".join(self.out))
-            self.client.done(False)
+        self.client.done(False)
 
     def broken(self, why: str) -> None:
         if self.mode == -1:
