@@ -235,6 +235,17 @@ def test_a_stream_the_upstream_breaks_off_is_broken_for_the_client_too(stack):
     assert rec["model"] == "break" and "upstream stream broke off" in rec["error"], rec
 
 
+def test_a_stream_asked_for_with_a_truthy_value_is_streamed_and_recorded(stack):
+    # "stream": 1 streams on a server that reads it leniently (vLLM's pydantic, this upstream): the answer
+    # is an event stream, and the proxy goes by that, not by the request's literal true
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "stream": 1}
+    got = _raw(stack.proxy.url, "/v1/completions", body)
+    assert got[2]["content-type"].startswith("text/event-stream")
+    assert got[1] == _raw(stack.direct.url, "/v1/completions", body)[1]
+    rec = stack.records().row(-1, named=True)
+    assert rec["error"] is None and rec["stream"] and len(rec["output_ids"]) == 6 and len(rec["tok_t"]) >= 1, rec
+
+
 def test_a_client_that_goes_away_ends_the_upstream_stream(stack):
     body = {"model": "endless", "prompt": "hi", "stream": True}
     with httpx.stream("POST", stack.proxy.url + "/v1/completions", json=body, timeout=30) as r:

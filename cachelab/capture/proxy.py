@@ -233,7 +233,8 @@ class Forward:
             self.mode = PASS
         else:
             x.status = status
-            if x.stream and content_type.startswith(b"text/event-stream"):
+            if content_type.startswith(b"text/event-stream"):  # also for a "stream": 1 the upstream took as true
+                x.stream = True
                 self.mode = STREAM
                 if x.injected_ids or x.injected_usage:
                     self.restorer = Restorer(x)
