@@ -30,6 +30,17 @@ def test_vllm_metric_definitions_by_hand():
     assert m["tokens_per_dollar"] == pytest.approx(154 / 3 * 3600 / 2.0)
 
 
+def test_interactivity_is_inferencex_1000_over_tpot_at_each_statistic():
+    # InferenceX's utils/process_result.py: p90_intvty = 1000 / p90_tpot_ms. Two 3-token answers:
+    # TPOT 100 and 200 ms; their ITL gaps 100, 100 and 50, 350 (pooled P90 275 ms, TPOT P90 190 ms)
+    times = RequestTimes(send_s=np.zeros(2), first_token_s=np.array([0.1, 0.1]), end_s=np.array([0.3, 0.5]),
+                         prompt_tokens=np.array([10, 10]), output_tokens=np.array([3, 3]),
+                         token_times=np.array([0.1, 0.2, 0.3, 0.1, 0.15, 0.5]), token_offsets=np.array([0, 3, 6]))
+    m = summarize(times, num_gpus=1, usd_per_gpu_hour=None)
+    assert m["p90_tpot_ms"] == pytest.approx(190.0) and m["p90_itl_ms"] == pytest.approx(275.0)
+    assert m["interactivity"] == pytest.approx(1000.0 / 150.0)
+    assert m["p90_interactivity"] == pytest.approx(1000.0 / 190.0)
+
 def test_pareto_front_and_reading_it():
     pts = pl.DataFrame({"interactivity": [10.0, 20.0, 30.0, 15.0, 30.0],
                         "tokens_per_s_per_gpu": [1000.0, 800.0, 300.0, 700.0, 200.0], "name": list("abcde")})

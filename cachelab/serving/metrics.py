@@ -5,9 +5,11 @@ TPOT = (E2EL - TTFT) / (output tokens - 1), over requests with more than one out
 ITL = every gap between consecutive tokens (live: streamed chunks) of a request, pooled over
 requests; percentiles by linear interpolation (NumPy's default); throughputs over the
 benchmark duration (first send to last completion); failed requests are counted, never
-averaged; goodput = requests per second that meet every SLO given. InferenceX: throughput per GPU = total (input + output) tokens/s
-/ GPUs; interactivity = 1000 / TPOT_ms (median); P90 interactivity = 1000 / P90 ITL_ms; cost
-per million tokens = $/GPU-hour / (tok/s/GPU x 3600 / 1e6); tokens per dollar its inverse.
+averaged; goodput = requests per second that meet every SLO given. InferenceX
+(utils/process_result.py): throughput per GPU = total (input + output) tokens/s / GPUs;
+interactivity = 1000 / median TPOT_ms, P90 interactivity = 1000 / P90 TPOT_ms (never ITL: an
+ITL is a gap between chunks, and an MTP chunk carries several tokens); cost per million tokens
+= $/GPU-hour / (tok/s/GPU x 3600 / 1e6); tokens per dollar its inverse.
 """
 
 from __future__ import annotations
@@ -111,10 +113,9 @@ def summarize(times: RequestTimes, num_gpus: int, usd_per_gpu_hour: float | None
     out["num_gpus"] = num_gpus
     out["tokens_per_s_per_gpu"] = per_gpu
     out["output_tokens_per_s_per_gpu"] = out["output_throughput"] / num_gpus
-    median_tpot = out.get("median_tpot_ms", float("nan"))
-    out["interactivity"] = 1000.0 / median_tpot if median_tpot and np.isfinite(median_tpot) else float("nan")
-    p90_itl = out.get("p90_itl_ms", float("nan"))
-    out["p90_interactivity"] = 1000.0 / p90_itl if p90_itl and np.isfinite(p90_itl) else float("nan")
+    for key, stat in (("interactivity", "median"), ("p90_interactivity", "p90")):
+        tpot = out.get(f"{stat}_tpot_ms", float("nan"))
+        out[key] = 1000.0 / tpot if tpot and np.isfinite(tpot) else float("nan")
     if usd_per_gpu_hour:
         out["usd_per_gpu_hour"] = usd_per_gpu_hour
         out["cost_per_million_tokens"] = usd_per_gpu_hour / (per_gpu * 3600 / 1e6) if per_gpu else float("inf")
