@@ -72,6 +72,19 @@ def test_goodput_and_failures_follow_vllm():
             parse_goodput(bad)
 
 
+def test_a_statistic_of_no_values_keeps_its_keys():
+    # only one-token answers: no TPOT and no ITL; every key of a full result is still there, NaN
+    one = RequestTimes(send_s=np.zeros(2), first_token_s=np.array([0.1, 0.2]), end_s=np.array([0.1, 0.2]),
+                       prompt_tokens=np.array([5, 5]), output_tokens=np.array([1, 1]),
+                       token_times=np.array([0.1, 0.2]), token_offsets=np.array([0, 1, 2]))
+    two = RequestTimes(send_s=np.zeros(1), first_token_s=np.array([0.1]), end_s=np.array([0.2]),
+                       prompt_tokens=np.array([5]), output_tokens=np.array([2]),
+                       token_times=np.array([0.1, 0.2]), token_offsets=np.array([0, 2]))
+    m = request_metrics(one)
+    assert list(m) == list(request_metrics(two))
+    assert all(np.isnan(m[f"{s}_{name}_ms"]) for s in ("mean", "median", "std", "p50", "p99") for name in ("tpot", "itl"))
+    assert m["median_ttft_ms"] == pytest.approx(150.0)
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -5,7 +5,9 @@ TPOT = (E2EL - TTFT) / (output tokens - 1), over requests with more than one out
 ITL = every gap between consecutive tokens (live: streamed chunks) of a request, pooled over
 requests; percentiles by linear interpolation (NumPy's default); throughputs over the
 benchmark duration (first send to last completion); failed requests are counted, never
-averaged; goodput = requests per second that meet every SLO given. InferenceX
+averaged; goodput = requests per second that meet every SLO given. A statistic of no values
+(only one-token answers: no TPOT, no ITL) is NaN under each of its keys, so a result always
+has the same keys (vLLM prints 0 there). InferenceX
 (utils/process_result.py): throughput per GPU = total (input + output) tokens/s / GPUs;
 interactivity = 1000 / median TPOT_ms, P90 interactivity = 1000 / P90 TPOT_ms (never ITL: an
 ITL is a gap between chunks, and an MTP chunk carries several tokens); cost per million tokens
@@ -39,7 +41,7 @@ class RequestTimes:
 
 def _stats(name: str, values_ms: np.ndarray, percentiles) -> dict:
     if values_ms.size == 0:
-        return {f"mean_{name}_ms": float("nan"), **{f"p{p}_{name}_ms": float("nan") for p in percentiles}}
+        return {f"{stat}_{name}_ms": float("nan") for stat in ("mean", "median", "std", *(f"p{p}" for p in percentiles))}
     out = {f"mean_{name}_ms": float(values_ms.mean()), f"median_{name}_ms": float(np.median(values_ms)),
            f"std_{name}_ms": float(values_ms.std())}
     for p in percentiles:
