@@ -63,6 +63,11 @@ def _trace(n=40, seed=0, spacing=0.02, out=(2, 60), shared=True):
     return pl.DataFrame(rows)
 
 
+def test_an_empty_trace_is_a_clear_error():
+    empty = _trace(n=1).clear()
+    with pytest.raises(CachelabError, match="the trace holds no requests"):
+        simulate(empty, ServingConfig(hardware="B200", tp=4))
+
 def test_single_request_timeline():
     trace = pl.DataFrame({"arrival_s": [0.0], "prompt_ids": [list(range(1000, 1300))], "output_ids": [list(range(5))]})
     res = simulate(trace, ServingConfig(hardware="B200", tp=4, max_num_batched_tokens=128))

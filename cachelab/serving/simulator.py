@@ -164,6 +164,8 @@ def _sequences(trace: pl.DataFrame) -> tuple[list[np.ndarray], np.ndarray, np.nd
     missing = sorted(need - set(trace.columns))
     if missing:
         raise CachelabError(f"trace lacks column(s) {missing}; a request trace has {sorted(need)} (cachelab.trace.schema)")
+    if trace.height == 0:
+        raise CachelabError("the trace holds no requests: nothing to replay")
     trace = trace.sort("arrival_s", maintain_order=True)
     plen = trace["prompt_ids"].list.len().to_numpy().astype(np.int64)
     olen = trace["output_ids"].list.len().fill_null(0).to_numpy().astype(np.int64)
