@@ -152,6 +152,13 @@ def test_the_simulator_drives_the_scheduler_and_its_steps_make_a_lookup_stream()
     assert stream.num_steps == res.metrics["steps"] and stream.num_lookups == res.rows["lookups"]
 
 
+@pytest.mark.parametrize("field", ["row_cache_bytes", "page_cache_bytes", "warmup_s"])
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])
+def test_sizes_and_times_must_be_finite_and_non_negative(field, value):
+    # NaN slipped through `< 0` and failed later as "cannot convert float NaN to integer"
+    with pytest.raises(CachelabError, match=f"{field} must be a finite number >= 0, got {value}"):
+        ServingConfig(**{field: value}).check()
+
 def test_scorer_cost_from_a_spec_section_is_checked():
     """``[serving.params] scorer_cost`` arrives from TOML as a list: four seconds are taken as
     they are, anything else is refused with the key named."""

@@ -114,8 +114,10 @@ class ServingConfig:
             raise CachelabError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise CachelabError(f"kv_cache_tokens must be at least one block ({self.block_size}), got {self.kv_cache_tokens}")
-        if self.row_cache_bytes < 0:
-            raise CachelabError(f"row_cache_bytes must be >= 0, got {self.row_cache_bytes}")
+        for name in ("row_cache_bytes", "page_cache_bytes", "warmup_s"):  # NaN passes a plain `< 0`
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < float("inf"):
+                raise CachelabError(f"{name} must be a finite number >= 0, got {value}")
         if self.store_scale is not None and not 0.0 < self.store_scale <= 1.0:
             raise CachelabError(f"store_scale must be in (0, 1], got {self.store_scale}")
         if self.scorer_cost is not None and not _non_negative_seconds(self.scorer_cost, 4):
