@@ -36,6 +36,17 @@ def test_bad_profile_names_the_key(tmp_path):
     bad.write_text((PROFILE_DIR / "B200.toml").read_text().replace("hbm_bw = 8.0e12", "hbm_bw = -1"))
     with pytest.raises(CachelabError, match=r"\[gpu\] hbm_bw must be a positive number"):
         load_profile(bad)
+    for value in ("nan", "inf"):  # TOML numbers: NaN vanished in the rooflines' max() and gave finite figures
+        bad.write_text((PROFILE_DIR / "B200.toml").read_text().replace("hbm_bw = 8.0e12", f"hbm_bw = {value}"))
+        with pytest.raises(CachelabError, match=rf"\[gpu\] hbm_bw must be a positive number, got {value}"):
+            load_profile(bad)
+        bad.write_text((PROFILE_DIR / "B200.toml").read_text().replace("usd_per_gpu_hour = 1.95", f"usd_per_gpu_hour = {value}"))
+        with pytest.raises(CachelabError, match=f"usd_per_gpu_hour must be a positive number, got {value}"):
+            load_profile(bad)
+        spec = tmp_path / "spec.toml"
+        spec.write_text((MODEL_DIR / "deepseek-v4.1-flash.toml").read_text().replace("hidden = 5120", f"hidden = {value}"))
+        with pytest.raises(CachelabError, match=rf"\[backbone\] hidden must be a positive number, got {value}"):
+            load_model(spec)
     with pytest.raises(CachelabError, match="unknown hardware 'nope'"):
         load_profile("nope")
 

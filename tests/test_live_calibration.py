@@ -134,6 +134,16 @@ def test_a_share_of_a_core_scales_every_fitted_time():
         at_cpu_share(eff, 0.0)
 
 
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_calibration_file_refuses_a_fitted_value_that_is_not_a_number(tmp_path, value):
+    from cachelab.serving.hardware import PROFILE_DIR
+    from cachelab.serving.live_calibration import load_calibration
+
+    path = tmp_path / "fitted.toml"  # NaN passed `< 0` and reached the latency model
+    path.write_text((PROFILE_DIR / "H200.toml").read_text() + f"\n[efficiency]\nmfu = {value}\n")
+    with pytest.raises(CachelabError, match=f"fitted.toml: \\[efficiency\\] mfu must be a non-negative number, got {value}"):
+        load_calibration(path)
+
 def test_calibrate_names_a_folder_without_step_logs(tmp_path):
     res = runner.invoke(app, ["calibrate", "--step-log", str(tmp_path)])
     assert res.exit_code == 2 and "no steps-*.parquet" in res.output

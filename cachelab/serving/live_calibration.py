@@ -557,7 +557,8 @@ def load_calibration(path: str | Path) -> tuple[HardwareProfile, Efficiency]:
     unknown = sorted(set(table) - set(FITTED))
     if unknown:
         raise CachelabError(f"{path}: [efficiency] unknown key(s) {unknown}; allowed: {list(FITTED)}")
-    bad = [k for k, v in table.items() if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0]
+    bad = [k for k, v in table.items() if isinstance(v, bool) or not isinstance(v, (int, float))
+           or not 0 <= v < float("inf")]  # TOML spells nan and inf
     if bad:
         raise CachelabError(f"{path}: [efficiency] {bad[0]} must be a non-negative number, got {table[bad[0]]!r}")
     return hw, replace(LIVE_BASE, **{k: float(v) for k, v in table.items()})

@@ -298,7 +298,8 @@ def builtin_models() -> list[str]:
 
 
 def _number(path, section, key, value, allow_zero=False):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (value == 0 and not allow_zero):
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf")
+            or (value == 0 and not allow_zero)):  # TOML spells nan and inf
         raise CachelabError(f"{path}: [{section}] {key} must be a {'non-negative' if allow_zero else 'positive'} "
                             f"number, got {value!r}")
     return value

@@ -8,6 +8,7 @@ is selected by name (``B200``), by path (``my.toml``), or as ``local`` (the last
 
 from __future__ import annotations
 
+import math
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -92,7 +93,7 @@ def _section(cls, data: dict, path: Path, name: str):
         if f.type == "str":
             if not isinstance(v, str):
                 raise CachelabError(f"{path}: [{name}] {f.name} must be a string, got {v!r}")
-        elif isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+        elif isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:  # TOML spells nan, inf
             raise CachelabError(f"{path}: [{name}] {f.name} must be a positive number, got {v!r}")
         values[f.name] = int(v) if f.type == "int" else v
     if name == "host" and values["link"] not in ("pcie", "c2c"):
@@ -132,7 +133,7 @@ def load_profile(name: str | Path) -> HardwareProfile:
     parts = {key: _section(cls, data[key] if key != "cpu" else merged["cpu"], path, key)
              if key in data or key == "cpu" else None for key, cls in SECTIONS.items()}
     price = data.get("usd_per_gpu_hour")
-    if price is not None and (not isinstance(price, (int, float)) or price <= 0):
+    if price is not None and (isinstance(price, bool) or not isinstance(price, (int, float)) or not 0 < price < math.inf):
         raise CachelabError(f"{path}: usd_per_gpu_hour must be a positive number, got {price!r}")
     return HardwareProfile(name=str(data.get("name", path.stem)), usd_per_gpu_hour=price,
                            source=str(path), **parts)
