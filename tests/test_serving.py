@@ -7,6 +7,7 @@ import polars as pl
 import pytest
 
 from cachelab.errors import CachelabError
+from cachelab.serving.grid import serving_grid
 from cachelab.serving.latency import Efficiency
 from cachelab.serving.metrics import RequestTimes, summarize
 from cachelab.serving.pareto import dominated, pareto_front, throughput_at
@@ -67,6 +68,15 @@ def test_an_empty_trace_is_a_clear_error():
     empty = _trace(n=1).clear()
     with pytest.raises(CachelabError, match="the trace holds no requests"):
         simulate(empty, ServingConfig(hardware="B200", tp=4))
+
+def test_a_grid_without_values_or_with_a_bad_length_is_named():
+    trace, base = _trace(n=4), ServingConfig()
+    # an empty axis (`--concurrency ""`) failed after the grid as a polars ColumnNotFoundError
+    with pytest.raises(CachelabError, match="the grid has no concurrency value"):
+        serving_grid(trace, base, ["B200"], [4], ["dram-uva"], [])
+    for bad in (float("nan"), -1.0):  # NaN: int() failed; -1: head(8 - C) silently
+        with pytest.raises(CachelabError, match=f"requests_per_client must be a finite number > 0.*got {bad}"):
+            serving_grid(trace, base, ["B200"], [4], ["dram-uva"], [4], requests_per_client=bad)
 
 def test_single_request_timeline():
     trace = pl.DataFrame({"arrival_s": [0.0], "prompt_ids": [list(range(1000, 1300))], "output_ids": [list(range(5))]})

@@ -28,6 +28,12 @@ def serving_grid(trace: pl.DataFrame, base: ServingConfig, hardware: Sequence[st
           progress: Callable[[str], None] | None = None) -> pl.DataFrame:
     """Run every grid point; ``requests_per_client``: use only the first ``C x that + 8``
     requests of the trace at concurrency C (a closed-loop benchmark's length)."""
+    for name, axis in (("hardware", hardware), ("tp", tps), ("placement", placements), ("concurrency", concurrencies)):
+        if not axis:
+            raise CachelabError(f"the grid has no {name} value: give at least one")
+    if requests_per_client is not None and not 0 < requests_per_client < float("inf"):
+        raise CachelabError(f"requests_per_client must be a finite number > 0 (None: every request), "
+                            f"got {requests_per_client}")
     rows = []
     for hw, tp, placement, conc in itertools.product(hardware, tps, placements, concurrencies):
         cfg = replace(base, hardware=hw, tp=tp, placement=placement, concurrency=conc)
