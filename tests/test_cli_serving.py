@@ -64,6 +64,13 @@ def test_pareto_prints_the_front_and_writes_a_plot(trace_path, tmp_path):
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_pareto_names_a_plot_it_cannot_write_before_running_the_grid(trace_path, tmp_path):
+    plot = tmp_path / "missing" / "p.png"
+    res = runner.invoke(app, ["pareto", "--trace", str(trace_path), "--hardware", "B200", "--placement", "dram-uva",
+                              "--tp", "4", "--concurrency", "2", "--plot", str(plot)])
+    assert res.exit_code == 2 and f"--plot {plot}: the folder {plot.parent} does not exist" in res.output
+    assert "running" not in res.output  # no point was simulated first
+
 def test_hw_list_json():
     res = runner.invoke(app, ["hw", "list", "--json"])
     assert res.exit_code == 0

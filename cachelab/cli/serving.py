@@ -179,6 +179,7 @@ def pareto(
     from cachelab.serving.simulator import ServingConfig
     from cachelab.serving.grid import serving_grid
 
+    output_file(plot, "--plot")  # before the grid, which can take hours
     df = _read(trace, None, "pareto")
     bad = sorted(set(placement) - set(PLACEMENTS))
     if bad:
