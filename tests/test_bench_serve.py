@@ -85,6 +85,22 @@ def test_a_statistic_of_no_values_keeps_its_keys():
     assert all(np.isnan(m[f"{s}_{name}_ms"]) for s in ("mean", "median", "std", "p50", "p99") for name in ("tpot", "itl"))
     assert m["median_ttft_ms"] == pytest.approx(150.0)
 
+def test_the_comparison_with_vllm_sends_both_tools_the_same_prompts():
+    """``benchmarks/bench_serve_vs_vllm.py`` (docs/bench.md's table): each prompt's text, which
+    vLLM's benchmark sends, encodes to exactly the ids cachelab sends."""
+    import sys
+    from pathlib import Path
+
+    from cachelab.engram.vocab import load_tokenizer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_serve_vs_vllm import prompts
+
+    ids, texts, outputs = prompts(4, 64, seed=0)
+    tok = load_tokenizer()
+    assert len(ids) == len(texts) == outputs.size == 4 and all(8 <= len(i) <= 64 for i in ids)
+    assert [tok.encode(t, add_special_tokens=False).ids for t in texts] == ids
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
