@@ -84,9 +84,10 @@ def test_single_request_timeline():
     steps = res.per_step
     assert steps.height == 3 + 4  # ceil(300 / 128) prefill chunks, then 4 decode steps
     assert steps["tokens"].to_list() == [128, 128, 44, 1, 1, 1, 1]
-    m = res.metrics
-    assert m["mean_ttft_ms"] == pytest.approx(steps["step_s"][:3].sum() * 1e3)
-    assert m["mean_e2el_ms"] == pytest.approx(steps["step_s"].sum() * 1e3)
+    m, overhead = res.metrics, Efficiency().request_overhead_s  # HTTP and tokenisation before the engine
+    assert steps["start_s"][0] == pytest.approx(overhead)
+    assert m["mean_ttft_ms"] == pytest.approx((overhead + steps["step_s"][:3].sum()) * 1e3)
+    assert m["mean_e2el_ms"] == pytest.approx((overhead + steps["step_s"].sum()) * 1e3)
     assert m["mean_tpot_ms"] == pytest.approx(steps["step_s"][3:].sum() * 1e3 / 4)
     assert res.rows["lookups"] == (300 + 4) * 48
 

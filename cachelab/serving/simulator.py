@@ -11,7 +11,9 @@ advances by it. A learned row cache (``row_cache_model``) gets each step's keep 
 the live engine's own scorer (``cachelab.learning.online.OnlineScorer``), fed what the
 engine feeds it: the step's requests, positions, tokens and full-layout row ids. Clients
 keep at most ``concurrency`` requests in flight (``vllm bench serve --max-concurrency``): a
-request is sent at its arrival time or when a slot frees, whichever is later.
+request is sent at its arrival time or when a slot frees, whichever is later, and reaches the
+scheduler the latency model's ``request_overhead_s`` later (HTTP, tokenisation, admission), so
+its TTFT is the client's, from the send, as vLLM's benchmark and the steady-state model count it.
 
 ``warmup`` (a request table) is served first, as a live server's warm-up requests are before a
 measured run: through the same scheduler, prefix cache, address stream, row cache and scorer,
@@ -332,6 +334,8 @@ class ServingSimulator:
         measured = (np.argsort(self.arrival[w:], kind="stable") + w).tolist()
         pending = deque(np.argsort(self.arrival[:w], kind="stable").tolist() if w else measured)
         client = [0.0] * cfg.concurrency if cfg.concurrency else None  # heap of slot free times
+        transit: deque[int] = deque()  # sent, reaching the engine ``request_overhead_s`` later (in send order)
+        overhead = lat.eff.request_overhead_s
         clock, finished, measuring = 0.0, 0, not w
         steps: dict[str, list] = {k: [] for k in ("start_s", "step_s", "stall_s", "gpu_s", "tokens", "decodes",
                                                   "sequences", "fetch1_s", "fetch14_s", "rows_unique",
@@ -352,10 +356,14 @@ class ServingSimulator:
                     r = pending.popleft()
                     t_free = heapq.heappop(client) if client is not None else 0.0
                     send[r] = max(self.arrival[r], t_free)
-                    scheduler.add(requests[r])
+                    transit.append(r)
+                while transit and send[transit[0]] + overhead <= clock:  # HTTP, tokenisation: then the engine
+                    scheduler.add(requests[transit.popleft()])
                 if not scheduler.num_unfinished:
-                    nxt = self.arrival[pending[0]]
-                    clock = max(clock, nxt, client[0] if client else nxt)
+                    nxt = [send[transit[0]] + overhead] if transit else []
+                    if pending and (client is None or client):  # else every slot waits on a request in transit
+                        nxt.append(max(self.arrival[pending[0]], client[0] if client else 0.0))
+                    clock = max(clock, min(nxt))
                     continue
                 step = scheduler.schedule()
                 for r in step.preempted:
