@@ -149,6 +149,14 @@ def test_calibrate_names_a_folder_without_step_logs(tmp_path):
     assert res.exit_code == 2 and "no steps-*.parquet" in res.output
 
 
+def test_calibrate_names_a_damaged_step_log_part(tmp_path):
+    part = tmp_path / "c1" / "steps-00000.parquet"  # a polars ComputeError traceback before
+    part.parent.mkdir()
+    part.write_bytes(b"PAR1 cut short")
+    res = runner.invoke(app, ["calibrate", "--step-log", str(tmp_path)])
+    assert res.exit_code == 2 and f"{part}: not a readable step-log part" in res.output
+
+
 def _synthetic_run(eff, prompt: int, cached: int, requests: int = 6, outputs: int = 6,
                    gemm_clock: bool = False) -> pl.DataFrame:
     """A schedule that admits one request a step (its prompt after ``cached`` prefix tokens, whole)

@@ -118,11 +118,19 @@ def load_run(directory: Path) -> pl.DataFrame:
     parts = sorted(Path(directory).glob("steps-*.parquet"))
     if not parts:
         raise CachelabError(f"{directory}: no steps-*.parquet (a `cachelab serve --step-log` directory)")
-    frame = pl.concat([pl.read_parquet(p) for p in parts], how="diagonal_relaxed").sort("start_s")
+    frame = pl.concat([_read_part(p) for p in parts], how="diagonal_relaxed").sort("start_s")
     missing = [c for c in STEP_COLUMNS if c not in frame.columns]
     if missing:
         raise CachelabError(f"{directory}: the step log lacks {missing} (written by an older `cachelab serve`)")
     return frame
+
+
+def _read_part(path: Path) -> pl.DataFrame:
+    try:
+        return pl.read_parquet(path)
+    except Exception as exc:  # polars raises several error types for a damaged file
+        raise CachelabError(f"{path}: not a readable step-log part ({type(exc).__name__}: {str(exc)[:160]}); "
+                            "remove it or rerun `cachelab serve --step-log`") from None
 
 
 def find_runs(root: Path) -> dict[str, pl.DataFrame]:
