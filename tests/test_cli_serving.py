@@ -52,6 +52,9 @@ def test_serve_sim_errors_are_clean(trace_path):
     assert res.exit_code == 2 and "unknown placement 'nvme'" in res.output
     res = runner.invoke(app, ["serve-sim", "--trace", str(trace_path), "--hardware", "H100", "--placement", "hbm", "--tp", "1"])
     assert res.exit_code == 2 and "does not fit H100 at TP1" in res.output
+    res = runner.invoke(app, ["serve-sim", "--trace", str(trace_path), "--hardware", "B200", "--placement", "dram-uva",
+                              "--max-requests", "0"])  # replayed the whole trace before
+    assert res.exit_code == 2 and "--max-requests" in res.output and "greater than or equal to" in res.output
 
 
 def test_pareto_prints_the_front_and_writes_a_plot(trace_path, tmp_path):

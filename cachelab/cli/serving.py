@@ -65,7 +65,7 @@ def serve_sim(
     max_num_batched_tokens: int = typer.Option(8192, help="Token budget per step (chunked prefill)."),
     max_num_seqs: int = typer.Option(256, help="Sequences per step at most."),
     sample_rate: float = typer.Option(1.0, help="Spatial row sampling rate (0.01 = 1% of pages)."),
-    max_requests: int | None = typer.Option(None, help="Replay only the first N requests."),
+    max_requests: int | None = typer.Option(None, min=1, help="Replay only the first N requests."),
     overlap: bool = typer.Option(False, "--overlap", help="Also replay with the prefix cache off, to show the row cache's overlap with it."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
