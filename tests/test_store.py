@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -468,6 +469,47 @@ def test_prefetch_returns_the_same_rows_and_reports_stall(tables):
             assert torch.equal(got.view(torch.int16), want.view(torch.int16))
             assert handle.stall_seconds >= 0 and b.last_step["stall_s"] == handle.stall_seconds
         assert a.totals["hbm_hits"] == b.totals["hbm_hits"]
+
+
+class _PrefetchRace(TieredStore):
+    """A store on which another thread's prefetch lands right after a prefetch records itself as
+    the pending step, before its handle is made: a race under threads, forced."""
+
+    @property
+    def _pending(self):
+        return self.__dict__["pending"]
+
+    @_pending.setter
+    def _pending(self, future):
+        self.__dict__["pending"] = future
+        rows, self.__dict__["theirs"] = self.__dict__.get("theirs"), None
+        if future is not None and rows is not None:
+            thread = threading.Thread(target=lambda: self.__dict__.setdefault("other", self.prefetch(rows)))
+            thread.start()
+            thread.join()
+
+
+def test_a_prefetch_handle_waits_for_its_own_step_when_threads_prefetch(tables):
+    rng = np.random.default_rng(8)
+    mine, theirs = full_rows(rng, 2), full_rows(rng, 3)
+    with _PrefetchRace.open(tables, backing="mmap", hbm_capacity=100) as store:
+        store.__dict__["theirs"] = theirs
+        got = store.prefetch(mine).wait()
+        assert got.shape[0] == 2 and check_rows(store, mine, got) == 0
+        assert store.__dict__["other"].wait().shape[0] == 3
+
+
+@pytest.mark.parametrize("hbm_capacity", [100, None])
+def test_a_failed_prefetch_fails_its_handle_not_the_next_lookups(tables, hbm_capacity):
+    rng = np.random.default_rng(9)
+    bad, good = full_rows(rng, 2), full_rows(rng, 2)
+    bad[0, 0, 0] = -1
+    with TieredStore.open(tables, backing="mmap", hbm_capacity=hbm_capacity) as store:
+        handle = store.prefetch(bad)
+        with pytest.raises(CachelabError, match="row id -1 is out of range"):
+            handle.wait()
+        for _ in range(2):
+            assert check_rows(store, good, store.lookup(good)) == 0
 
 
 def test_no_cache_tiers_serve_from_the_backing(tables):

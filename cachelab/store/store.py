@@ -27,7 +27,7 @@ from __future__ import annotations
 import resource
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
 from functools import cached_property
 from pathlib import Path
 
@@ -265,8 +265,8 @@ class TieredStore:
         tensor of that shape on the store's device to write the rows into (a caller reusing one
         saves allocating, and on the CPU first-touch faulting, 512 B per requested row)."""
         pending = self._pending
-        if pending is not None:
-            pending.result()  # steps run in the order they were asked for
+        if pending is not None:  # steps run in the order they were asked for; a prefetch's error
+            wait_futures([pending])  # is its handle's, not this step's
         rows = self._step(row_ids, scores, out)[0]
         return self._hand_over(rows, self._caller_stream()) if self.cuda else rows
 
@@ -274,8 +274,9 @@ class TieredStore:
         """Start the step for ``row_ids`` on the background thread; ``wait()`` on the handle."""
         row_ids = np.array(row_ids, copy=True)
         scores = None if scores is None else np.array(scores, copy=True)
-        self._pending = self._worker.submit(self._step, row_ids, scores)
-        return PrefetchHandle(self._pending, self)
+        future = self._worker.submit(self._step, row_ids, scores)
+        self._pending = future  # another thread may replace it before this returns: hand out our own
+        return PrefetchHandle(future, self)
 
     def _add_stall(self, counters: Counters, seconds: float) -> None:
         with self._lock:
