@@ -512,6 +512,18 @@ def test_a_failed_prefetch_fails_its_handle_not_the_next_lookups(tables, hbm_cap
             assert check_rows(store, good, store.lookup(good)) == 0
 
 
+@pytest.mark.parametrize("backing", ["mmap", "direct"])
+def test_a_closed_store_refuses_steps_and_closes_once(tables, backing):
+    rng = np.random.default_rng(10)
+    store = TieredStore.open(tables, backing=backing, hbm_capacity=100)
+    store.lookup(full_rows(rng, 2))
+    store.close()
+    for step in (store.lookup, store.prefetch):
+        with pytest.raises(CachelabError, match="is closed"):
+            step(full_rows(rng, 2))
+    store.close()
+
+
 def test_no_cache_tiers_serve_from_the_backing(tables):
     rows = full_rows(np.random.default_rng(5), 10)
     with TieredStore.open(tables, backing="mmap", hbm_capacity=None) as store:

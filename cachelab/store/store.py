@@ -209,6 +209,7 @@ class TieredStore:
         self._lock = threading.Lock()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="cachelab-store-prefetch")
         self._pending: Future | None = None
+        self._closed = False
         self._bufs: dict = {}  # reused buffers by name: NumPy arrays, and torch tensors with CUDA
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None  # the steps' device work
 
@@ -272,6 +273,7 @@ class TieredStore:
 
     def prefetch(self, row_ids, scores=None) -> PrefetchHandle:
         """Start the step for ``row_ids`` on the background thread; ``wait()`` on the handle."""
+        self._check_open()
         row_ids = np.array(row_ids, copy=True)
         scores = None if scores is None else np.array(scores, copy=True)
         future = self._worker.submit(self._step, row_ids, scores)
@@ -307,6 +309,7 @@ class TieredStore:
 
     def _step_here(self, row_ids, scores, out):
         with self._lock:
+            self._check_open()
             c = Counters(self.tier_names)
             rows = self._serve(row_ids, scores, c, out)
             self.last_step = c
@@ -498,14 +501,20 @@ class TieredStore:
         return res if out is None else self._output(shape, out)[0].copy_(res)
 
     def close(self) -> None:
-        if self._pending is not None:
-            try:
-                self._pending.result()
-            except Exception:  # noqa: BLE001 - the caller saw it from wait(); closing must go on
-                pass
-        self._worker.shutdown()
-        self.backing.close()
-        self._outputs.clear()
+        """Run the prefetches asked for, wait for a step under way on another thread, then let
+        the tables go. A closed store refuses every step (an unmapped ``mmap`` table read
+        nothing and handed back a stale buffer as rows); closing twice does nothing."""
+        self._worker.shutdown()  # a prefetch's error stays its handle's
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.backing.close()
+            self._outputs.clear()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CachelabError(f"the store on {self.directory} is closed")
 
     def __enter__(self) -> "TieredStore":
         return self
