@@ -583,6 +583,20 @@ def test_wrong_row_size_or_layout_hash_is_refused(tmp_path):
         TieredStore.open(tmp_path / "b")
 
 
+def test_a_file_of_another_build_or_a_damaged_header_is_refused(tmp_path):
+    build_tables("deepseek-v4.1-flash", 1e-6, tmp_path / "a", seed=1, progress=False)
+    build_tables("deepseek-v4.1-flash", 1e-6, tmp_path / "b", seed=2, progress=False)
+    (tmp_path / "a" / "layer1.tbl").write_bytes((tmp_path / "b" / "layer1.tbl").read_bytes())  # same layout
+    with pytest.raises(CachelabError, match="layer1.tbl: rows of seed 2, the manifest's build has seed 1"):
+        TieredStore.open(tmp_path / "a", backing="mmap")
+    path = tmp_path / "b" / "layer14.tbl"
+    data = bytearray(path.read_bytes())
+    data[2000] = 0x5A  # the header page's padding
+    path.write_bytes(bytes(data))
+    with pytest.raises(CachelabError, match="layer14.tbl: header byte 2000 is 0x5a, a build writes 0x00"):
+        verify_tables(tmp_path / "b")
+
+
 @pytest.mark.parametrize("hbm_capacity", [10, None])  # a tier, and the fused path (page-table rows)
 def test_row_id_out_of_range_and_capacity_over_memory(tables, hbm_capacity):
     with TieredStore.open(tables, hbm_capacity=hbm_capacity) as store:

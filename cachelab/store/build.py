@@ -119,7 +119,7 @@ def open_tables(directory) -> tuple[TableLayout, dict, list[Path]]:
     layout, manifest = load_layout(directory)
     paths = [table_path(directory, layout, li) for li in range(len(layout.config.layers))]
     for li, path in enumerate(paths):
-        check_header(path, layout, li)
+        check_header(path, layout, li, int(manifest.get("seed", 0)))
     return layout, manifest, paths
 
 

@@ -208,17 +208,19 @@ def pack_header(layout: TableLayout, layer: int, seed: int) -> bytes:
     return head + bytes(PAGE - len(head))
 
 
-def check_header(path: Path, layout: TableLayout, layer: int) -> dict:
-    """Read ``path``'s header; a clear error names the file and the field that does not fit."""
+def check_header(path: Path, layout: TableLayout, layer: int, seed: int) -> dict:
+    """Read ``path``'s header page; a clear error names the file and the field that does not fit
+    the manifest's build (``layout``, ``seed``): a file copied in from another build, even one of
+    the same layout, is refused before any of its rows is served."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
-            raw = f.read(HEADER.size)
+            raw = f.read(PAGE)
     except FileNotFoundError:
         raise CachelabError(f"{path}: table file missing (rebuild with `cachelab store build`)") from None
     if len(raw) < HEADER.size:
         raise CachelabError(f"{path}: truncated: {size} B, shorter than the {HEADER.size}-B header")
-    magic, version, header_bytes, lhash, rows, row_bytes, rpp, li, lid, seed, scale = HEADER.unpack(raw)
+    magic, version, header_bytes, lhash, rows, row_bytes, rpp, li, lid, file_seed, scale = HEADER.unpack_from(raw)
     if magic != MAGIC:
         raise CachelabError(f"{path}: not a cachelab table (magic {magic!r}, expected {MAGIC!r})")
     if version != VERSION:
@@ -233,9 +235,20 @@ def check_header(path: Path, layout: TableLayout, layer: int) -> dict:
                             f"{int(layout.table_rows[layer])} rows of layer index {layer}")
     if header_bytes != PAGE or rpp != layout.rows_per_page:
         raise CachelabError(f"{path}: page geometry {header_bytes}/{rpp} differs from {PAGE}/{layout.rows_per_page}")
+    if lid != int(layout.config.layers[layer]):
+        raise CachelabError(f"{path}: layer id {lid}, the manifest's layer index {layer} is layer "
+                            f"{int(layout.config.layers[layer])}")
+    if file_seed != seed:
+        raise CachelabError(f"{path}: rows of seed {file_seed}, the manifest's build has seed {seed}: "
+                            "the file belongs to another build")
     if size != layout.file_bytes(layer):
         raise CachelabError(f"{path}: truncated or padded: {size} B, expected {layout.file_bytes(layer)} B")
-    return {"rows": rows, "seed": seed, "layer_id": lid}
+    want = pack_header(layout, layer, seed)
+    if raw != want:
+        at = next(i for i in range(PAGE) if raw[i] != want[i])
+        raise CachelabError(f"{path}: header byte {at} is {raw[at]:#04x}, a build writes {want[at]:#04x}: "
+                            "the header page is damaged")
+    return {"rows": rows, "seed": file_seed, "layer_id": lid}
 
 
 @nb.njit(cache=True, inline="always")
