@@ -79,8 +79,11 @@ def test_bad_input_exits_2_naming_the_value(tables, tmp_path):
     assert res.exit_code == 2
 
 
-def test_a_build_killed_midway_leaves_no_table(tables, tmp_path):
+@pytest.mark.parametrize("before", [False, True])  # a fresh directory; one holding a build
+def test_a_build_killed_midway_leaves_no_table(tables, tmp_path, before):
     target = tmp_path / "t"
+    if before:
+        assert run("build", "--scale", "1e-6", "--dir", target, "--seed", 4, "--json").exit_code == 0
     proc = subprocess.Popen([sys.executable, "-m", "cachelab.cli", "store", "build", "--scale", "1e-3",
                              "--dir", str(target)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
@@ -88,6 +91,11 @@ def test_a_build_killed_midway_leaves_no_table(tables, tmp_path):
         time.sleep(0.01)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
+    if before:  # the previous build whole, nothing of the killed one
+        res = run("verify", "--dir", target, "--json")
+        assert res.exit_code == 0 and json.loads(res.output) == {"rows_checked": 816, "mismatches": 0}
+        assert json.loads((target / "manifest.json").read_text())["scale"] == 1e-6
+        return
     assert not (target / "manifest.json").exists()
     for verb in (["verify", "--dir", target], ["bench", "--dir", target, "--trace", "x.npz", "--capacity", 1]):
         res = run(*verb)

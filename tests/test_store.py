@@ -3,6 +3,7 @@ to the simulator's, and clear errors on bad input. Tables are scaled (a few MB) 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import threading
@@ -612,20 +613,27 @@ def test_row_id_out_of_range_and_capacity_over_memory(tables, hbm_capacity):
         TieredStore.open(tables, hbm_capacity=10, dram_policy="lru")
 
 
-def test_a_killed_build_leaves_nothing_readable(tmp_path, monkeypatch):
-    build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, progress=False)
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, OSError(errno.ENOSPC, "No space left on device")])
+def test_a_rebuild_that_stops_midway_leaves_the_previous_build(tmp_path, monkeypatch, failure):
+    build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, seed=1, progress=False)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     from cachelab.store import build as build_mod
 
-    def die(*args):
-        raise KeyboardInterrupt
+    fill, calls = build_mod.fill_pages, []
 
-    monkeypatch.setattr(build_mod, "fill_pages", die)
-    with pytest.raises(KeyboardInterrupt):
-        build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, progress=False)
-    with pytest.raises(CachelabError, match="no complete table build"):
-        verify_tables(tmp_path)
-    with pytest.raises(CachelabError, match="no complete table build"):
-        TieredStore.open(tmp_path)
+    def second_layer_fails(*args):  # the first layer is written whole, the second stops
+        calls.append(1)
+        if len(calls) == 2:
+            raise failure
+        return fill(*args)
+
+    monkeypatch.setattr(build_mod, "fill_pages", second_layer_fails)
+    with pytest.raises(KeyboardInterrupt if failure is KeyboardInterrupt else CachelabError) as err:
+        build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, seed=2, progress=False)
+    if failure is not KeyboardInterrupt:
+        assert ".layer14.tbl.tmp: No space left on device: the build stopped" in str(err.value)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no .tmp left, nothing replaced
+    assert verify_tables(tmp_path)["mismatches"] == 0
 
 
 def test_pagecache_experiment_phases(tables):

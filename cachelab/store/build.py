@@ -1,9 +1,11 @@
 """``cachelab store build`` and ``verify``: table files written whole or not at all, and checked.
 
-A build removes any old manifest first, writes each layer to ``.layer<id>.tbl.tmp`` and
-renames it when complete, and writes ``manifest.json`` last: a build killed or out of disk
-midway leaves no manifest, and every reader (``verify``, ``TieredStore.open``, ``bench``)
-refuses a directory without one, so nothing half-written is ever served.
+A build writes every layer to ``.layer<id>.tbl.tmp`` (fsynced) while the directory's previous
+build stays as it was; only when all are written does it remove the old manifest, rename the
+layers into place and write ``manifest.json`` last. Every reader (``verify``,
+``TieredStore.open``, ``bench``) refuses a directory without a manifest, so nothing
+half-written is ever served, and a build killed, interrupted or out of disk while writing
+leaves the previous build (or none) readable as it was.
 """
 
 from __future__ import annotations
@@ -62,44 +64,62 @@ def build_tables(layout: str | EngramConfig, scale: float, directory, seed: int 
     table = TableLayout(config, float(scale))
     source = RowSource(table, seed, from_safetensors)  # a checkpoint is checked before anything is removed
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / MANIFEST).unlink(missing_ok=True)  # the old build is gone from here on
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CachelabError(f"{directory}: cannot make the table directory ({exc.strerror or exc})") from None
     total = sum(table.file_bytes(li) for li in range(len(config.layers)))
     free = os.statvfs(directory)
     if free.f_bavail * free.f_frsize < total:
         raise CachelabError(f"{directory}: {total:,} B needed, {free.f_bavail * free.f_frsize:,} B free")
-    buf = np.empty(CHUNK_PAGES * PAGE, np.uint8)
-    columns = [TextColumn("[bold]store build"), TextColumn("{task.description}"), BarColumn(),
-               TransferSpeedColumn(), TimeRemainingColumn()]
-    files = []
-    with Progress(*columns, disable=not progress, transient=True) as bar:
-        task = bar.add_task(config.name, total=total)
-        for li in range(len(config.layers)):
-            final = table_path(directory, table, li)
-            tmp = final.with_name(f".{final.name}.tmp")
-            rows = int(table.table_rows[li])
-            pages = table.file_pages(li)
-            with open(tmp, "wb") as f:
-                f.write(pack_header(table, li, seed))
-                for first in range(0, pages, CHUNK_PAGES):
-                    n = min(CHUNK_PAGES, pages - first)
-                    if source.kind == "splitmix64":
-                        fill_pages(seed, li, first, n, rows, config.row_dim, buf)
-                    else:
-                        _fill_from(source, li, first, n, rows, buf)
-                    f.write(memoryview(buf)[: n * PAGE])
-                    bar.advance(task, n * PAGE)
-                f.flush()
-                os.fsync(f.fileno())
-            tmp.replace(final)
-            files.append(final.name)
+    finals = [table_path(directory, table, li) for li in range(len(config.layers))]
+    tmps = [final.with_name(f".{final.name}.tmp") for final in finals]
+    try:
+        _write_layers(table, source, seed, tmps, total, progress)
+    except BaseException:  # interrupted or out of disk: the previous build stays whole
+        for tmp in tmps:
+            tmp.unlink(missing_ok=True)
+        raise
+    (directory / MANIFEST).unlink(missing_ok=True)  # the old build is gone from here on
+    for tmp, final in zip(tmps, finals):
+        tmp.replace(final)
     manifest = {"format": "cachelab-engram-tables", "version": 1, "layout": config.name, "scale": table.scale,
                 "seed": int(seed), "row_bytes": table.row_bytes, "rows_per_page": table.rows_per_page,
-                "page_bytes": PAGE, "table_rows": table.table_rows.tolist(), "files": files,
+                "page_bytes": PAGE, "table_rows": table.table_rows.tolist(), "files": [f.name for f in finals],
                 "layout_hash": table.hash().hex(), "config": _config_dict(config),
                 "fold": "per-head modulo: off'_j + (row - off_j) mod ceil(scale * P_j)", "source": source.describe()}
     write_manifest(directory, manifest)
     return manifest
+
+
+def _write_layers(table: TableLayout, source: RowSource, seed: int, tmps: list[Path], total: int,
+                  progress: bool) -> None:
+    """Every layer's file (header page, data pages) to its path in ``tmps``, fsynced."""
+    config = table.config
+    buf = np.empty(CHUNK_PAGES * PAGE, np.uint8)
+    columns = [TextColumn("[bold]store build"), TextColumn("{task.description}"), BarColumn(),
+               TransferSpeedColumn(), TimeRemainingColumn()]
+    with Progress(*columns, disable=not progress, transient=True) as bar:
+        task = bar.add_task(config.name, total=total)
+        for li, tmp in enumerate(tmps):
+            rows = int(table.table_rows[li])
+            pages = table.file_pages(li)
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(pack_header(table, li, seed))
+                    for first in range(0, pages, CHUNK_PAGES):
+                        n = min(CHUNK_PAGES, pages - first)
+                        if source.kind == "splitmix64":
+                            fill_pages(seed, li, first, n, rows, config.row_dim, buf)
+                        else:
+                            _fill_from(source, li, first, n, rows, buf)
+                        f.write(memoryview(buf)[: n * PAGE])
+                        bar.advance(task, n * PAGE)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as exc:  # a full disk, a read-only mount, a file size limit
+                raise CachelabError(f"{tmp}: {exc.strerror or exc}: the build stopped and keeps nothing; the "
+                                    "directory's previous build, if any, is untouched") from None
 
 
 def _fill_from(source: RowSource, layer: int, first: int, pages: int, rows: int, buf: np.ndarray) -> None:

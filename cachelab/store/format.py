@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -300,9 +301,20 @@ def reference_rows(seed, layer, rows, dim, out):
 
 
 def write_manifest(directory: Path, data: dict) -> None:
+    """``manifest.json`` written and renamed into place, then the directory synced: after a crash
+    the manifest is whole or absent, and never present without the table files renamed before it."""
     tmp = directory / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
-    tmp.replace(directory / MANIFEST)
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(data, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the layers' renames first
+        tmp.replace(directory / MANIFEST)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_manifest(directory: Path) -> dict:
