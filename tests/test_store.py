@@ -65,8 +65,13 @@ def test_verify_finds_a_flipped_byte(tmp_path):
     path = tmp_path / "layer14.tbl"
     data = bytearray(path.read_bytes())
     data[PAGE + 264 * 3 + 5] ^= 0x10  # row 3 of layer 14
+    data[2 * PAGE + 264 * 2 + 7] ^= 0x01  # row 17
     path.write_bytes(bytes(data))
-    assert verify_tables(tmp_path)["mismatches"] == 1
+    where = {"file": "layer14.tbl", "layer": 14, "row": 3, "offset": PAGE + 264 * 3 + 5}
+    assert verify_tables(tmp_path) == {"rows_checked": 816, "mismatches": 2, "first_mismatch": where}
+    assert verify_tables(tmp_path, sample=1000)["first_mismatch"] == where  # sampled: every row of 408
+    with pytest.raises(CachelabError, match="--sample must be at least 1 row per layer, got 0"):
+        verify_tables(tmp_path, sample=0)  # checking nothing is not a pass
 
 
 def test_fold_keeps_each_head_slice():

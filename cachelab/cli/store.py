@@ -60,7 +60,11 @@ def verify(
     from cachelab.store import verify_tables
 
     out = verify_tables(directory, sample)
-    typer.echo(json.dumps(out) if as_json else f"rows_checked {out['rows_checked']:,}, mismatches {out['mismatches']:,}")
+    first = out.get("first_mismatch")
+    where = f"; the first in {first['file']} (layer {first['layer']}), row {first['row']:,}, at byte offset " \
+        f"{first['offset']:,}" if first else ""
+    typer.echo(json.dumps(out) if as_json else f"rows_checked {out['rows_checked']:,}, mismatches "
+               f"{out['mismatches']:,}{where}")
     if out["mismatches"]:
         raise typer.Exit(code=1)
 

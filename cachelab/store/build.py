@@ -146,11 +146,15 @@ def open_tables(directory) -> tuple[TableLayout, dict, list[Path]]:
 def verify_tables(directory, sample: int | None = None, seed: int = 0) -> dict:
     """Re-read rows (all, or ``sample`` per layer at random) and compare them with their
     source (the recompute, or the checkpoint they were built from, as the manifest says):
-    ``{"rows_checked": n, "mismatches": m}``."""
+    ``{"rows_checked": n, "mismatches": m}``, and where m > 0 ``"first_mismatch"``: the file,
+    layer id, row and file offset of the first byte that differs (in file order)."""
+    if sample is not None and sample < 1:
+        raise CachelabError(f"--sample must be at least 1 row per layer, got {sample}")
     layout, manifest, paths = open_tables(directory)
     source = RowSource.of_manifest(layout, manifest)
     rb, rpp = layout.row_bytes, layout.rows_per_page
     checked = mismatches = 0
+    first = None
     rng = np.random.default_rng(seed)
     for li, path in enumerate(paths):
         n = int(layout.table_rows[li])
@@ -161,8 +165,16 @@ def verify_tables(directory, sample: int | None = None, seed: int = 0) -> dict:
             rows = todo[lo:lo + step]
             pages = data.reshape(-1, PAGE)[rows // rpp]
             got = pages[np.arange(rows.size)[:, None], (rows % rpp)[:, None] * rb + np.arange(rb)]
-            want = source.rows(li, rows)
-            mismatches += int((got != want).any(axis=1).sum())
+            differ = got != source.rows(li, rows)
+            bad = np.flatnonzero(differ.any(axis=1))
+            if bad.size and first is None:
+                r, col = int(rows[bad[0]]), int(np.flatnonzero(differ[bad[0]])[0])
+                first = {"file": path.name, "layer": int(layout.config.layers[li]), "row": r,
+                         "offset": PAGE * (1 + r // rpp) + (r % rpp) * rb + col}
+            mismatches += int(bad.size)
             checked += rows.size
         del data
-    return {"rows_checked": checked, "mismatches": mismatches}
+    out = {"rows_checked": checked, "mismatches": mismatches}
+    if first is not None:
+        out["first_mismatch"] = first
+    return out
