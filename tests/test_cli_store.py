@@ -77,6 +77,12 @@ def test_bad_input_exits_2_naming_the_value(tables, tmp_path):
     assert res.exit_code == 2 and "--scale must be in (0, 1], got 2.0" in res.output
     res = run("bench", "--dir", tables, "--trace", "x.npz", "--capacity", 10, "--backing", "tape")
     assert res.exit_code == 2
+    rows = CFG.offsets[None]  # one token: each head's first row
+    keys = global_key(np.broadcast_to(np.arange(2)[None, :, None], rows.shape), rows).reshape(-1)
+    path = LookupStream(keys, np.array([0, 48]), 264, CFG.layers).save(tmp_path / "one.npz")
+    for flag, value in (("--compute-ms", -1), ("--max-lookups", 0)):  # a traceback after the first step; one step
+        res = run("bench", "--dir", tables, "--trace", path, "--capacity", 10, flag, value)
+        assert res.exit_code == 2 and "--compute-ms must be 0 or more and --max-lookups at least 1" in res.output
 
 
 @pytest.mark.parametrize("before", [False, True])  # a fresh directory; one holding a build
