@@ -19,6 +19,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn, 
 
 from cachelab.engram.config import EngramConfig, get_preset
 from cachelab.errors import CachelabError
+from cachelab.paths import output_folder
 from cachelab.store.format import (MANIFEST, PAGE, TableLayout, check_header, fill_pages, pack_header,
                                    read_manifest, write_manifest)
 from cachelab.store.source import RowSource
@@ -64,10 +65,8 @@ def build_tables(layout: str | EngramConfig, scale: float, directory, seed: int 
     table = TableLayout(config, float(scale))
     source = RowSource(table, seed, from_safetensors)  # a checkpoint is checked before anything is removed
     directory = Path(directory)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise CachelabError(f"{directory}: cannot make the table directory ({exc.strerror or exc})") from None
+    output_folder(directory, "--dir")
+    directory.mkdir(parents=True, exist_ok=True)
     total = sum(table.file_bytes(li) for li in range(len(config.layers)))
     free = os.statvfs(directory)
     if free.f_bavail * free.f_frsize < total:

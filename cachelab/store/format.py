@@ -40,6 +40,7 @@ import numpy as np
 
 from cachelab.engram.config import EngramConfig
 from cachelab.errors import CachelabError
+from cachelab.paths import replacing
 
 MAGIC = b"CLENGRAM"
 VERSION = 1
@@ -301,17 +302,16 @@ def reference_rows(seed, layer, rows, dim, out):
 
 
 def write_manifest(directory: Path, data: dict) -> None:
-    """``manifest.json`` written and renamed into place, then the directory synced: after a crash
-    the manifest is whole or absent, and never present without the table files renamed before it."""
-    tmp = directory / (MANIFEST + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(data, indent=1))
-        f.flush()
-        os.fsync(f.fileno())
+    """``manifest.json`` written whole, fsynced and renamed into place after the directory is
+    synced: after a crash it is whole or absent, never present before the table files'
+    renames."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)  # the layers' renames first
-        tmp.replace(directory / MANIFEST)
+        with replacing(directory / MANIFEST) as tmp, open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(data, indent=1))
+            f.flush()
+            os.fsync(f.fileno())
         os.fsync(fd)
     finally:
         os.close(fd)
