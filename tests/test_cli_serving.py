@@ -47,6 +47,33 @@ def test_serve_sim_json_has_metrics_both_caches_and_memory(trace_path):
         out["prefix_cache_off"]["row_cache"]["levels"]["hbm"]["hit_ratio_unique"]
 
 
+def _strict(text: str):
+    """JSON as RFC 8259 has it: a bare NaN or Infinity is refused (jq and JavaScript refuse it)."""
+    def refuse(constant):
+        raise ValueError(f"non-standard JSON constant {constant}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_outputs_are_strict_when_a_figure_has_no_values(tmp_path):
+    """One-token answers have no TPOT: serve-sim and pareto printed a bare NaN before."""
+    n = 6
+    frame = arrival_frame(np.arange(n) * 0.01, np.full(n, 64), np.full(n, 1), domain="test", source="test")
+    rng = np.random.default_rng(2)
+    frame = frame.with_columns(
+        pl.Series("prompt_ids", [rng.integers(1000, 50_000, 64).tolist() for _ in range(n)], dtype=pl.List(pl.Int32)),
+        pl.Series("output_ids", [[7] for _ in range(n)], dtype=pl.List(pl.Int32)))
+    path = tmp_path / "one_token.parquet"
+    write_trace(frame, path)
+    res = runner.invoke(app, ["serve-sim", "--trace", str(path), "--hardware", "B200", "--placement", "dram-uva",
+                              "--tp", "4", "--json"])
+    assert res.exit_code == 0, res.output
+    assert _strict(res.stdout)["metrics"]["p99_tpot_ms"] is None
+    res = runner.invoke(app, ["pareto", "--trace", str(path), "--hardware", "B200", "--placement", "dram-uva",
+                              "--tp", "4", "--concurrency", "2", "--plot", str(tmp_path / "p.png"), "--json"])
+    assert res.exit_code == 0, res.output
+    _strict(res.stdout)
+
+
 def test_serve_sim_errors_are_clean(trace_path):
     res = runner.invoke(app, ["serve-sim", "--trace", str(trace_path), "--hardware", "B200", "--placement", "nvme"])
     assert res.exit_code == 2 and "unknown placement 'nvme'" in res.output
@@ -55,6 +82,17 @@ def test_serve_sim_errors_are_clean(trace_path):
     res = runner.invoke(app, ["serve-sim", "--trace", str(trace_path), "--hardware", "B200", "--placement", "dram-uva",
                               "--max-requests", "0"])  # replayed the whole trace before
     assert res.exit_code == 2 and "--max-requests" in res.output and "greater than or equal to" in res.output
+
+
+def test_an_empty_trace_is_named(tmp_path):
+    frame = arrival_frame(np.zeros(0), np.zeros(0, int), np.zeros(0, int), domain="test", source="test")
+    frame = frame.with_columns(pl.Series("prompt_ids", [], dtype=pl.List(pl.Int32)),
+                               pl.Series("output_ids", [], dtype=pl.List(pl.Int32)))
+    path = tmp_path / "empty.parquet"
+    write_trace(frame, path)
+    for verb in (["serve-sim"], ["pareto", "--concurrency", "2"]):
+        res = runner.invoke(app, [*verb, "--trace", str(path), "--hardware", "B200", "--placement", "dram-uva"])
+        assert res.exit_code == 2 and f"--trace {path}: the trace holds no requests" in res.output, res.output
 
 
 def test_pareto_prints_the_front_and_writes_a_plot(trace_path, tmp_path):

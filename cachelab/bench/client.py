@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
-import math
 import time
 import urllib.error
 import urllib.request
@@ -281,14 +280,3 @@ def run_bench(config: BenchConfig, plan: BenchPlan,
             after = None
         server = after.minus(before) if after is not None else None
     return BenchResult(config, model, plan, kept, duration, interrupted, server)
-
-
-def json_safe(value):
-    """NaN and infinities as null, so the result is strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from cachelab import strict_json
 from cachelab.paths import replacing
 
 app = typer.Typer(no_args_is_help=True, help="Benchmark live servers (load generator, server metrics).")
@@ -41,7 +41,7 @@ def serve(
     """Replay a trace's prompts (as token ids) and arrivals against a live server and report
     vllm bench serve's metrics: TTFT, TPOT, ITL and E2EL percentiles, throughputs, goodput.
     Failed requests are counted with their reasons, never dropped; Ctrl-C keeps what finished."""
-    from cachelab.bench.client import BenchConfig, json_safe, run_bench
+    from cachelab.bench.client import BenchConfig, run_bench
     from cachelab.bench.plan import plan_from_trace
     from cachelab.errors import CachelabError
     from cachelab.paths import output_file, output_folder
@@ -70,10 +70,10 @@ def serve(
 
         result = run_bench(config, plan, on_done=done)
     if save_result is not None:
-        _write_json(save_result, json_safe(result.to_json()))
-    summary = json_safe(result.summary())
+        _write_json(save_result, result.to_json())
+    summary = strict_json.json_safe(result.summary())
     if as_json:
-        typer.echo(json.dumps(summary, indent=2))
+        typer.echo(strict_json.dumps(summary, indent=2))
     else:
         _print_summary(summary, console=Console())
     if result.interrupted:
@@ -84,7 +84,7 @@ def _write_json(path: Path, data: dict) -> None:
     """Atomically: an existing file is replaced only by a complete one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with replacing(path) as tmp:
-        tmp.write_text(json.dumps(data, indent=1))
+        tmp.write_text(strict_json.dumps(data, indent=1))
 
 
 def _print_summary(s: dict, console: Console) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import numpy as np
 import typer
 from rich.console import Console
 
+from cachelab import strict_json
 from cachelab import registry
 from cachelab.capacity import Capacity, parse_capacities, parse_capacity
 from cachelab.errors import CachelabError
@@ -108,7 +108,7 @@ def simulate(
         "unique_requests": stats.unique_rows, "unique_miss_ratio": 1.0 - level.hit_ratio_unique,
     }
     if as_json:
-        typer.echo(json.dumps(out))
+        typer.echo(strict_json.dumps(out))
         return
     console = Console()
     console.print(f"{trace}: {found}")
@@ -148,7 +148,7 @@ def mrc(
     out = {"policy": policy, **curve.to_dict(), "trace": str(trace), "trace_kind": found.kind,
            "seconds": round(time.perf_counter() - started, 3)}
     if as_json:
-        typer.echo(json.dumps(out))
+        typer.echo(strict_json.dumps(out))
         return
     console = Console()
     console.print(f"{trace}: {found}")

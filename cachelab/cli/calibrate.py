@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
 
+from cachelab import strict_json
 from cachelab.paths import output_file
 
 
@@ -70,7 +70,7 @@ def calibrate(
     if result.fit_mode != PER_OPERATOR or not as_json:  # which fit was used (stderr: the JSON stays clean)
         Console(stderr=True).print(result.fit_note)
     if as_json:
-        typer.echo(json.dumps(result.to_dict(), indent=2))
+        typer.echo(strict_json.dumps(result.to_dict(), indent=2))
         return
     table = Table(title=f"live vs predicted (fit on {', '.join(result.fit_runs)})")
     table.add_column("run")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import threading
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from cachelab import strict_json
 from cachelab.errors import CachelabError
 
 app = typer.Typer(no_args_is_help=True, help="Capture live serving: an OpenAI-compatible recording proxy, "
@@ -156,7 +156,7 @@ def kv_events(
     sub.close()
     stats = sub.stats()
     if as_json:
-        typer.echo(json.dumps(stats))
+        typer.echo(strict_json.dumps(stats))
     else:
         Console().print(", ".join(f"{k}: {v}" for k, v in stats.items()))
 
@@ -181,7 +181,7 @@ def info(
     }
     result["token_sources"] = {str(k): v for k, v in result["token_sources"].items()}
     if as_json:
-        typer.echo(json.dumps(result))
+        typer.echo(strict_json.dumps(result))
         return
     console = Console()
     console.print(f"[bold]{directory}[/]: {result['requests']:,} requests ({result['ok']:,} ok, "

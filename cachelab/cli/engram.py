@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from cachelab import strict_json
 from cachelab.defaults import PRESET
 from cachelab.engram import Addresser, encode, get_preset, load_tokenizer
 from cachelab.errors import CachelabError
@@ -46,7 +46,7 @@ def rows(
     result = addresser.rows(ids)
     compressed = addresser.compress(ids)
     if as_json:
-        typer.echo(json.dumps({"preset": preset, "token_ids": ids.tolist(),
+        typer.echo(strict_json.dumps({"preset": preset, "token_ids": ids.tolist(),
                                "compressed_ids": compressed.tolist(), "rows": result.tolist()}))
         return
     tok = load_tokenizer(addresser.config.tokenizer)
@@ -83,7 +83,7 @@ def info(
         "note": cfg.note,
     }
     if as_json:
-        typer.echo(json.dumps(data))
+        typer.echo(strict_json.dumps(data))
         return
     console = Console()
     console.print(f"[bold]{cfg.name}[/]: layers {data['layers']}, orders {data['orders']}, "
@@ -128,7 +128,7 @@ def page_cache(
     result = {"preset": cfg.name, "corpus": corpus, "tokens": rates.tokens, "pages": rates.total_pages,
               "singleton_share": rates.singleton_share, "curve": [[f, h] for f, h in points]}
     if as_json:
-        typer.echo(json.dumps(result))
+        typer.echo(strict_json.dumps(result))
         return
     console = Console()
     console.print(f"{cfg.name} on {rates.tokens:,} tokens of {corpus}: {rates.total_pages:,.0f} pages; "

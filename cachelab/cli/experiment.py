@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from cachelab import strict_json
 from cachelab.errors import CachelabError
 
 URI_HELP = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)."
@@ -40,7 +40,7 @@ def run_and_print(spec: Path, *, as_json: bool, **options) -> None:
 
     summary = run_experiment(spec, quiet=as_json, **options)
     if as_json:
-        typer.echo(json.dumps(summary.to_dict()))
+        typer.echo(strict_json.dumps(summary.to_dict()))
     else:
         if summary.report:
             _print_summary(summary.experiment, summary.tracking_uri)
@@ -67,7 +67,7 @@ def report(
     out = write_html(data, out or Path("runs") / name / "report.html")
     saved = save_figures(data, figures) if figures is not None else []
     if as_json:
-        typer.echo(json.dumps(report_json(data, out), default=str))
+        typer.echo(strict_json.dumps(report_json(data, out), default=str))
         return
     _show_all(data, name)
     if note := data.missing_note():

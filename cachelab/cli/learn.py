@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from cachelab import strict_json
 from cachelab import defaults, registry
 from cachelab.capacity import parse_capacities, parse_capacity
 from cachelab.engram import get_preset
@@ -82,7 +82,7 @@ def train(
     result = {"predictor": predictor, "trace": trace, "lookups": int(stream.inverse.size), "fetches": len(stream),
               "out": str(out), **metrics}
     if as_json:
-        typer.echo(json.dumps(result))
+        typer.echo(strict_json.dumps(result))
         return
     out_console = Console()
     out_console.print(f"[bold]{predictor}[/] on {result['lookups']:,} lookups ({len(stream):,} fetches: each "
@@ -152,7 +152,7 @@ def evaluate(
     evaluation = evaluate_capacities(stream, fitted, caps, warmup, progress=not as_json, scores=scores, policy=policy)
     result = {"trace": trace, "model": str(model), **evaluation.to_dict()}
     if as_json:
-        typer.echo(json.dumps(result))
+        typer.echo(strict_json.dumps(result))
         return
     out = Console()
     out.print(f"[bold]miss ratios[/] on {result['lookups']:,} lookups ({result['unique_rows']:,} unique rows), "

@@ -7,13 +7,13 @@ it came from; a broken plug-in is listed with its reason instead of breaking the
 from __future__ import annotations
 
 import inspect
-import json
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from cachelab import strict_json
 from cachelab import registry
 
 plugins_app = typer.Typer(no_args_is_help=True, help="Installed plug-ins of every cachelab entry-point group.")
@@ -42,7 +42,7 @@ def plugins_list(as_json: bool = typer.Option(False, "--json", help="Print a JSO
     cachelab.experiment_kinds, with its source distribution and version; broken ones with the reason."""
     rows = [_row(p) for group in registry.GROUPS for p in registry.discover(group)]
     if as_json:
-        typer.echo(json.dumps(rows))
+        typer.echo(strict_json.dumps(rows))
         return
     table = Table("group", _name_column(rows), "from", "version", "status")
     for r in rows:
@@ -74,7 +74,7 @@ def policies_list(as_json: bool = typer.Option(False, "--json", help="Print a JS
                 row.update(status="broken", error=f"cannot be described: {type(exc).__name__}: {exc}")
         rows.append(row)
     if as_json:
-        typer.echo(json.dumps(rows, default=str))
+        typer.echo(strict_json.dumps(rows, default=str))
         return
     table = Table(_name_column(rows), "needs", "what it is; parameters (defaults); origin", show_lines=True)
     for r in rows:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from cachelab import strict_json
 from cachelab.errors import CachelabError
 from cachelab.paths import output_file, output_folder
 from cachelab.serving.agentic import PREFIX_HIT, PREFIX_HIT_V01
@@ -38,6 +38,8 @@ def _read(trace: str, max_requests: int | None, verb: str):
                          f"num_requests=200 --corpus {corpus} -o t.parquet`, or import real arrivals "
                          "(--arrivals mooncake, azure, burstgpt, servegen) with --corpus.")
     df = read_trace(found.path)
+    if df.height == 0:
+        raise CachelabError(f"--trace {found.path}: the trace holds no requests: nothing to replay")
     return df.head(max_requests) if max_requests else df
 
 
@@ -102,7 +104,7 @@ def serve_sim(
         off = simulate(df, replace(cfg, prefix_cache="off"), progress=not as_json).to_dict()
         result["prefix_cache_off"] = {"metrics": off["metrics"], "row_cache": off["row_cache"]}
     if as_json:
-        typer.echo(json.dumps(result, default=float))
+        typer.echo(strict_json.dumps(result))
         return
     _print_result(result)
 
@@ -193,7 +195,7 @@ def pareto(
     front = pareto_front(fits)
     plot_fronts(fits, "config", plot, f"Pareto fronts: {Path(trace).name}")
     if as_json:
-        typer.echo(json.dumps({"front": front.to_dicts(), "points": points.to_dicts(), "plot": str(plot)}, default=float))
+        typer.echo(strict_json.dumps({"front": front.to_dicts(), "points": points.to_dicts(), "plot": str(plot)}))
         return
     table = Table(title="Pareto front (interactivity vs tokens/s/GPU)")
     table.add_column("config", overflow="fold")
@@ -235,7 +237,7 @@ def hw_probe(
     path = write_profile(result, out)
     result["saved"] = str(path)
     if as_json:
-        typer.echo(json.dumps(result))
+        typer.echo(strict_json.dumps(result))
         return
     console = Console()
     cpu, ssd = result["cpu"], result["ssd"]
@@ -256,7 +258,7 @@ def hw_list(as_json: bool = typer.Option(False, "--json", help="Print one JSON o
 
     profiles = {n: load_profile(n) for n in builtin_names()}
     if as_json:
-        typer.echo(json.dumps({n: {**asdict(p)} for n, p in profiles.items()}))
+        typer.echo(strict_json.dumps({n: {**asdict(p)} for n, p in profiles.items()}))
         return
     table = Table(title="hardware profiles (per GPU)")
     for col in ("name", "HBM GB", "HBM TB/s", "FP8 PFLOPS", "host link GB/s", "$/GPU-h"):
@@ -335,7 +337,7 @@ def study_semianalysis(
         with console.status("what-ifs (page-cache size, host offset, KV bytes per token, token budget)"):
             result.update(what_ifs(workload, eff, result["b200_dram_tokens_per_dollar"]))
     if as_json:
-        typer.echo(json.dumps(result, default=float))
+        typer.echo(strict_json.dumps(result))
         return
     c = Console()
     c.print(f"B200 at {result['interactivity_target']:.0f} tok/s/user P90: DRAM-UVA "
@@ -423,7 +425,7 @@ def study_inferencex(
                        "predicted": r["predicted"][k], "error": r["error"][k]} for r in rows for k in r["measured"]]
                      ).write_csv(out)
     if as_json:
-        typer.echo(json.dumps(result, default=float))
+        typer.echo(strict_json.dumps(result))
         return
     table = Table(title=f"held-out MAPE (fitted on {FIT_SUBSET})")
     labels = {"tokens_per_s_per_gpu": "tok/s/GPU", "median_tpot_ms": "TPOT p50", "p99_tpot_ms": "TPOT p99",

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from cachelab import strict_json
 from cachelab import defaults
 from cachelab.errors import CachelabError
 from cachelab.params import parse_pairs
@@ -42,7 +42,7 @@ def build(
     manifest = build_tables(layout, scale, directory, seed=seed, progress=not as_json,
                             from_safetensors=from_safetensors)
     if as_json:
-        typer.echo(json.dumps({k: v for k, v in manifest.items() if k != "config"}))
+        typer.echo(strict_json.dumps({k: v for k, v in manifest.items() if k != "config"}))
         return
     rows = sum(manifest["table_rows"])
     Console().print(f"[bold]{manifest['layout']}[/] at scale {manifest['scale']}: {rows:,} rows of "
@@ -63,7 +63,7 @@ def verify(
     first = out.get("first_mismatch")
     where = f"; the first in {first['file']} (layer {first['layer']}), row {first['row']:,}, at byte offset " \
         f"{first['offset']:,}" if first else ""
-    typer.echo(json.dumps(out) if as_json else f"rows_checked {out['rows_checked']:,}, mismatches "
+    typer.echo(strict_json.dumps(out) if as_json else f"rows_checked {out['rows_checked']:,}, mismatches "
                f"{out['mismatches']:,}{where}")
     if out["mismatches"]:
         raise typer.Exit(code=1)
@@ -130,7 +130,7 @@ def bench(
                        device=_device(device))
     out["trace"] = trace
     if as_json:
-        typer.echo(json.dumps(out))
+        typer.echo(strict_json.dumps(out))
         return
     _print(out)
 

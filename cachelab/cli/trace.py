@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
@@ -10,6 +9,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from cachelab import strict_json
 from cachelab.defaults import PRESET
 from cachelab.learning.streams import STEP_VIEWS, load_trace
 from cachelab.trace.kinds import KEY, REQUESTS, detect, wrong_kind
@@ -113,7 +113,7 @@ def build(
         report = build_trace(trace_spec, out, _Stages(progress))
     result = {"out": str(out), **report.to_dict()}
     if as_json:
-        typer.echo(json.dumps(result))
+        typer.echo(strict_json.dumps(result))
         return
     console = Console()
     console.print(f"wrote {out}: {report.requests:,} requests, {report.tokens_in:,} prompt tokens, "
@@ -130,7 +130,7 @@ def _build_from_capture(directory: Path, out: Path, as_json: bool, given: bool) 
     report = build_from_capture(directory, out)
     result = {"out": str(out), **report.to_dict()}
     if as_json:
-        typer.echo(json.dumps(result))
+        typer.echo(strict_json.dumps(result))
         return
     console = Console()
     console.print(f"wrote {out}: {report.requests:,} requests in {report.sessions:,} sessions, "
@@ -163,7 +163,7 @@ def info(
         result = summarize(trace, preset=preset, engram_tokens=engram_tokens,
                            progress=lambda n: progress.advance(task, n))
     if as_json:
-        typer.echo(json.dumps(result))
+        typer.echo(strict_json.dumps(result))
         return
     console = Console()
     console.print(f"[bold]{trace}[/]: {result['requests']:,} requests in {result['sessions']:,} sessions over "
@@ -217,7 +217,7 @@ def convert(
         result = {"out": str(out), "direction": "trace->oracleGeneral", "keys": keys,
                   "records": int(key_stream.size), "distinct": int(sorted_distinct(key_stream).size)}
     if as_json:
-        typer.echo(json.dumps(result))
+        typer.echo(strict_json.dumps(result))
     else:
         Console().print(", ".join(f"{k}: {v}" for k, v in result.items()))
 
@@ -266,7 +266,7 @@ def lookups(
               "steps": stream.num_steps, "distinct_rows": int(sorted_distinct(stream.keys).size),
               "row_bytes": stream.row_bytes, "token_metadata": "token" in stream.meta}
     if as_json:
-        typer.echo(json.dumps(result))
+        typer.echo(strict_json.dumps(result))
         return
     Console().print(f"wrote {path}: {result['lookups']:,} lookups in {result['steps']:,} steps, "
                     f"{result['distinct_rows']:,} distinct rows, from {found}")

@@ -19,7 +19,6 @@ the node's DRAM (10% kept for the OS and the server: an ASSUMPTION).
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
+from cachelab import strict_json
 from cachelab.errors import CachelabError
 from cachelab.serving.agentic import agentic_workload
 from cachelab.serving.calibration import batched_tokens
@@ -364,7 +364,7 @@ class _Stream:
         self.file = open(path, "w", encoding="utf-8")
 
     def __call__(self, row: dict) -> None:
-        self.file.write(json.dumps(row, default=float) + "\n")
+        self.file.write(strict_json.dumps(row) + "\n")
         self.file.flush()
 
     def close(self) -> None:
