@@ -17,6 +17,7 @@ from cachelab.engine.cascade import run_policy
 from cachelab.policy.unbounded import Unbounded
 from cachelab.trace.keytrace import write_oracle_general
 from cachelab.trace.kinds import CORPORA, KEY, LOOKUPS, REQUESTS, detect
+from cachelab.trace.schema import read_trace, write_trace
 from cachelab.workload.lookups import LookupStream
 
 WIDE = {"COLUMNS": "80"}
@@ -158,6 +159,15 @@ def test_a_wrong_kind_says_what_was_found_and_what_the_verb_needs(traces):
     assert res.exit_code == 2 and "found a key trace" in res.output and "cachelab trace lookups" in res.output
     res = invoke("trace", "lookups", traces["lengths"], "-o", "x.npz")
     assert res.exit_code == 2 and "lengths only" in res.output and "--corpus" in res.output
+
+
+def test_an_empty_request_trace_is_called_empty_not_lengths_only(traces, tmp_path):
+    empty = tmp_path / "empty.parquet"
+    write_trace(read_trace(traces["requests"]).head(0), empty)
+    for verb in (["simulate", "--policy", "lru", "--capacity", "10"], ["mrc", "--capacities", "10"],
+                 ["train", "--out", str(tmp_path / "m")]):
+        res = invoke(*verb, "--trace", empty)
+        assert res.exit_code == 2 and "holds no requests" in res.output and "lengths only" not in res.output, res.output
 
 
 def test_trace_lookups_writes_the_stream_a_request_trace_holds(traces, tmp_path):

@@ -120,6 +120,8 @@ def _trace_stream(found, max_requests: int, preset: str, steps: str, verb: str) 
     from cachelab.trace.schema import read_trace
 
     table = read_trace(found.path).sort("arrival_s", maintain_order=True)
+    if table.height == 0:
+        raise CachelabError(f"{found.value}: the trace holds no requests: nothing to replay")
     table = table.head(max_requests) if max_requests else table
     table = table.filter(table["prompt_ids"].list.len() > 0)
     if table.height == 0:
