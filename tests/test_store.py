@@ -603,6 +603,36 @@ def test_a_file_of_another_build_or_a_damaged_header_is_refused(tmp_path):
         verify_tables(tmp_path / "b")
 
 
+def test_a_build_never_overwrites_a_manifest_it_did_not_write(tmp_path):
+    """A directory holding a ``cachelab train`` model (its manifest.json seals its files) or any
+    other manifest.json is refused by name before anything is written; readers refuse it too."""
+    from cachelab.learning.predictor import seal, verify
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "metadata.json").write_text(json.dumps({"predictor": "lgbm"}))
+    (model / "model.txt").write_text("tree\n")
+    seal(model)  # what `cachelab train` writes last
+    before = {p.name: p.read_bytes() for p in model.iterdir()}
+    with pytest.raises(CachelabError, match=r"model/manifest.json: not the manifest of a table build \(a `cachelab "
+                       r"train` model's manifest.*it wrote nothing"):
+        build_tables("deepseek-v4.1-flash", 1e-6, model, progress=False)
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before and verify(model)
+    with pytest.raises(CachelabError, match="manifest.json: not the manifest of a table build"):
+        TieredStore.open(model)
+    (model / "manifest.json").write_text("[1, 2")
+    with pytest.raises(CachelabError, match="manifest.json: not valid JSON.*it wrote nothing"):
+        build_tables("deepseek-v4.1-flash", 1e-6, model, progress=False)
+    (model / "manifest.json").write_text('{"format": "other"}')
+    with pytest.raises(CachelabError, match="manifest.json: not the manifest of a table build \\(format 'other'"):
+        build_tables("deepseek-v4.1-flash", 1e-6, model, progress=False)
+    assert sorted(p.name for p in model.iterdir()) == ["manifest.json", "metadata.json", "model.txt"]
+    for seed in (-1, 1 << 64):  # the header holds 8 bytes
+        with pytest.raises(CachelabError, match=f"--seed must be in \\[0, 2\\^64\\), got {seed}"):
+            build_tables("deepseek-v4.1-flash", 1e-6, tmp_path / "t", seed=seed, progress=False)
+    assert not (tmp_path / "t").exists()
+
+
 @pytest.mark.parametrize("hbm_capacity", [10, None])  # a tier, and the fused path (page-table rows)
 def test_row_id_out_of_range_and_capacity_over_memory(tables, hbm_capacity):
     with TieredStore.open(tables, hbm_capacity=hbm_capacity) as store:

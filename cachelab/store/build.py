@@ -20,8 +20,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn, 
 from cachelab.engram.config import EngramConfig, get_preset
 from cachelab.errors import CachelabError
 from cachelab.paths import output_folder
-from cachelab.store.format import (MANIFEST, PAGE, TableLayout, check_header, fill_pages, pack_header,
-                                   read_manifest, write_manifest)
+from cachelab.store.format import (MANIFEST, MANIFEST_FORMAT, PAGE, TableLayout, check_header, fill_pages,
+                                   pack_header, read_manifest, write_manifest)
 from cachelab.store.source import RowSource
 
 CHUNK_PAGES = 4096  # 16 MiB per write
@@ -61,11 +61,19 @@ def build_tables(layout: str | EngramConfig, scale: float, directory, seed: int 
 
     Rows are the SplitMix64 contents for ``seed``, or, with ``from_safetensors`` (a file or a
     directory of shards), the checkpoint's Engram tensors in the row format (cachelab/store/source.py)."""
+    if not 0 <= seed < 1 << 64:  # the header's 8 bytes
+        raise CachelabError(f"--seed must be in [0, 2^64), got {seed}")
     config = get_preset(layout) if isinstance(layout, str) else layout
     table = TableLayout(config, float(scale))
     source = RowSource(table, seed, from_safetensors)  # a checkpoint is checked before anything is removed
     directory = Path(directory)
     output_folder(directory, "--dir")
+    if os.path.lexists(directory / MANIFEST):  # only a previous build is replaced
+        try:
+            read_manifest(directory)
+        except CachelabError as exc:
+            raise CachelabError(f"{exc}: a build replaces only a previous table build; it wrote nothing "
+                                "(give another --dir)") from None
     directory.mkdir(parents=True, exist_ok=True)
     total = sum(table.file_bytes(li) for li in range(len(config.layers)))
     free = os.statvfs(directory)
@@ -82,7 +90,7 @@ def build_tables(layout: str | EngramConfig, scale: float, directory, seed: int 
     (directory / MANIFEST).unlink(missing_ok=True)  # the old build is gone from here on
     for tmp, final in zip(tmps, finals):
         tmp.replace(final)
-    manifest = {"format": "cachelab-engram-tables", "version": 1, "layout": config.name, "scale": table.scale,
+    manifest = {"format": MANIFEST_FORMAT, "version": 1, "layout": config.name, "scale": table.scale,
                 "seed": int(seed), "row_bytes": table.row_bytes, "rows_per_page": table.rows_per_page,
                 "page_bytes": PAGE, "table_rows": table.table_rows.tolist(), "files": [f.name for f in finals],
                 "layout_hash": table.hash().hex(), "config": _config_dict(config),

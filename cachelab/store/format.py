@@ -48,6 +48,7 @@ PAGE = 4096
 HEADER = struct.Struct("<8sII32sQIIIIQd")  # magic, version, header bytes, layout hash, rows, row bytes,
 #                                            rows per page, layer index, layer id, seed, scale
 MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "cachelab-engram-tables"  # the manifest's "format": what tells a table build's apart
 BLOCK = 32  # values per UE8M0 scale byte
 
 
@@ -318,13 +319,25 @@ def write_manifest(directory: Path, data: dict) -> None:
 
 
 def read_manifest(directory: Path) -> dict:
+    """A table build's manifest. Any other ``manifest.json`` (a ``cachelab train`` model seals
+    its files with one) is refused by name: nothing reads it as tables, nor replaces it."""
     path = Path(directory) / MANIFEST
     if not Path(directory).is_dir():
         raise CachelabError(f"{directory}: no such table directory (build one with `cachelab store build`)")
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise CachelabError(f"{path}: missing: {directory} holds no complete table build "
                             "(a build writes its manifest last)")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise CachelabError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CachelabError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
+        if isinstance(data, dict) and data.get("format") == 1 and isinstance(data.get("files"), dict):
+            what = "a `cachelab train` model's manifest"
+        else:
+            what = f"format {data.get('format')!r}" if isinstance(data, dict) else f"a JSON {type(data).__name__}"
+        raise CachelabError(f"{path}: not the manifest of a table build ({what}, expected format "
+                            f"{MANIFEST_FORMAT!r})")
+    return data
