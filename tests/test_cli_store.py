@@ -66,6 +66,8 @@ def test_bench_json_matches_the_simulator(tables, tmp_path):
         assert out["matches_simulator"] is True and out["mismatches"] == 0
         assert out["store"]["hbm_hits"] == out["simulator"]["levels"]["hbm"]["served_unique"] > 0
         assert ("cuda" if torch.cuda.is_available() else "CPU tensor") in out["hbm_device"]  # --device auto
+    res = run("bench", "--dir", tables, "--trace", path, "--capacity", "1e9", "--no-verify", "--device", "cpu")
+    assert res.exit_code == 0 and "hbm capacity 1,000,000,000 rows clamped to the table's 7,728 rows" in res.output
     res = run("bench", "--dir", tables, "--trace", path, "--capacity", 150, "--device", "gpu")
     assert res.exit_code == 2 and "device 'gpu': expected cpu, cuda or cuda:N" in res.output
 

@@ -463,6 +463,27 @@ def test_counts_equal_the_simulators_for_any_capacities(tables, seed, hbm, dram,
     assert out["matches_simulator"] and out["mismatches"] == 0, out["comparison"]
 
 
+@pytest.mark.parametrize("policy", ["lru", "fbgemm-lru"])
+def test_a_capacity_above_the_tables_rows_is_clamped_and_holds_every_row(tables, policy):
+    """Past the table's rows a tier holds every row: its capacity (and memory) is clamped to
+    them, the store says so, and it is the simulator's infinite cache (a set-associative policy
+    there would still miss on a full set)."""
+    num_keys = int(TableLayout(CFG, SCALE).num_keys)
+    with TieredStore.open(tables, hbm_policy=policy, hbm_capacity=100_000, dram_policy="lru",
+                          dram_capacity="100%") as store:
+        assert [(t.capacity, t.memory.shape[0]) for t in store.tiers] == [(num_keys, num_keys)] * 2
+        assert store.clamped == {"hbm": {"asked": 100_000, "rows": num_keys}}  # 100% is the table's rows
+        rows = full_rows(np.random.default_rng(14), 40)
+        assert check_rows(store, rows, store.lookup(rows)) == 0
+    stream = stream_of(np.random.default_rng(15), steps=8, tokens=400)
+    out = replay_store(tables, stream, "dram", PolicySpec(policy, {}), "100%")
+    assert out["capacities"] == {"hbm": num_keys} and out["clamped_capacities"] == {}
+    assert out["matches_simulator"] and out["mismatches"] == 0, out["comparison"]
+    assert out["simulator"]["levels"]["hbm"]["infinite"]
+    distinct = np.unique(TableLayout(CFG, SCALE).fold(full_rows(np.random.default_rng(15), 8 * 400))).size
+    assert out["comparison"]["hbm_misses"]["store"] == distinct  # each row missed once, on its first use
+
+
 def test_prefetch_returns_the_same_rows_and_reports_stall(tables):
     rng = np.random.default_rng(4)
     steps = [full_rows(rng, 20) for _ in range(3)]
@@ -634,7 +655,7 @@ def test_a_build_never_overwrites_a_manifest_it_did_not_write(tmp_path):
 
 
 @pytest.mark.parametrize("hbm_capacity", [10, None])  # a tier, and the fused path (page-table rows)
-def test_row_id_out_of_range_and_capacity_over_memory(tables, hbm_capacity):
+def test_row_id_out_of_range_and_capacity_over_memory(tables, hbm_capacity, monkeypatch):
     with TieredStore.open(tables, hbm_capacity=hbm_capacity) as store:
         rows = full_rows(np.random.default_rng(6), 2)
         rows[1, 0, 5] = CFG.offsets[0, 6]  # the next head's first row: outside head 5
@@ -642,8 +663,11 @@ def test_row_id_out_of_range_and_capacity_over_memory(tables, hbm_capacity):
             store.lookup(rows)
         with pytest.raises(CachelabError, match=r"must be \[tokens, 2, 24\]"):
             store.lookup(rows[:, :1])
-    with pytest.raises(CachelabError, match="capacity over the memory available"):
-        TieredStore.open(tables, hbm_capacity="64TiB")
+    from cachelab.store import store as store_mod
+
+    monkeypatch.setattr(store_mod, "available_memory", lambda: 1 << 20)  # a capacity is at most the table's rows
+    with pytest.raises(CachelabError, match="capacity over the memory available: the tiers and table need 4,067,712 B"):
+        TieredStore.open(tables, backing="mmap", hbm_capacity="64TiB")  # 15,408 rows of 264 B
     with pytest.raises(CachelabError, match="needs both a policy and a capacity"):
         TieredStore.open(tables, hbm_capacity=10, dram_policy="lru")
 

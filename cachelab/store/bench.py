@@ -160,7 +160,7 @@ def replay_store(directory, stream: LookupStream, backing: str, hbm: PolicySpec 
         out = {"backing": backing, "hbm_device": store.hbm_device, "steps": steps, "prefetch": prefetch,
                "io_submission": getattr(store.backing, "submission", None),
                "compute_ms": compute_ms,
-               "lookups": int(stream.keys.size), "capacities": capacities,
+               "lookups": int(stream.keys.size), "capacities": capacities, "clamped_capacities": store.clamped,
                "policies": {k: v.name for k, v in specs.items()},
                "store": totals, "simulator": sim,
                "comparison": {k: {"store": int(a), "simulator": int(b)} for k, (a, b) in figures.items()},

@@ -114,7 +114,10 @@ class PrefetchHandle:
 
 
 class TieredStore:
-    """Engram tables behind an HBM row cache and a DRAM warm cache, each run by a policy."""
+    """Engram tables behind an HBM row cache and a DRAM warm cache, each run by a policy.
+
+    A tier's capacity above the table's rows is clamped to them (``clamped``: per tier, the rows
+    asked for and kept): that tier holds every row, as the simulator's infinite cache does."""
 
     def __init__(self, directory, backing: str = "dram", hbm_policy: Policy | str | None = "lru",
                  hbm_capacity=None, dram_policy: Policy | str | None = None, dram_capacity=None,
@@ -138,8 +141,10 @@ class TieredStore:
         self.hbm_device = f"{device} (HBM)" if self.cuda else "cpu (a CPU tensor stands in for HBM: no GPU)"
         table_bytes = sum(p.stat().st_size for p in self.paths)
         tiers = []
-        hbm_rows = self._rows(hbm_capacity, "hbm_capacity")
-        dram_rows = self._rows(dram_capacity, "dram_capacity")
+        asked = {"hbm": self._rows(hbm_capacity, "hbm_capacity"), "dram": self._rows(dram_capacity, "dram_capacity")}
+        # a tier of the table's rows holds every row (the simulator's infinite cache): slots past
+        # them could never fill, so a larger capacity is clamped, not allocated
+        hbm_rows, dram_rows = (min(rows, self.num_keys) for rows in asked.values())
         if bool(dram_policy) != bool(dram_rows):
             raise CachelabError(f"the DRAM cache needs both a policy and a capacity, got dram_policy={dram_policy!r}, "
                                 f"dram_capacity={dram_capacity!r}")
@@ -171,6 +176,8 @@ class TieredStore:
             mem = torch.empty((dram_rows, self.row_bytes), dtype=torch.uint8, pin_memory=self.cuda)
             tiers.append(CacheTier("dram", self._policy(dram_policy), dram_rows, self.num_keys, mem.numpy()))
         self.tiers = tiers
+        self.clamped = {t.name: {"asked": asked[t.name], "rows": t.capacity} for t in tiers
+                        if asked[t.name] > t.capacity}
         self._hbm = tiers[0] if tiers and tiers[0].name == "hbm" else None
         self._dram = tiers[-1] if tiers and tiers[-1].name == "dram" else None
         self.backing = open_backing(backing, lay, self.paths, io_threads, io_submit, device)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from cachelab.engine.cascade import sized
 from cachelab.errors import CachelabError
 from cachelab.policy import Policy, StepResult
 from cachelab.store.kernels import copy_rows
@@ -27,8 +28,8 @@ class CacheTier:
         if caps.needs_future:
             raise CachelabError(f"policy {policy.name!r} ({name} tier) needs the future; a live store serves one "
                                 "step at a time and cannot give it")
-        self.name, self.policy, self.capacity, self.memory = name, policy, int(capacity), memory
-        policy.reset(self.capacity, num_keys)
+        self.name, self.capacity, self.memory = name, int(capacity), memory
+        self.policy = sized(policy, self.capacity, num_keys)  # holding every row: the simulator's infinite cache
         self.slot_of = np.full(num_keys, -1, np.int32 if num_keys < 2**31 else np.int64)
 
     @property
