@@ -596,6 +596,36 @@ def test_missing_and_truncated_files_are_named(tmp_path):
         TieredStore.open(tmp_path / "nowhere")
 
 
+def test_a_table_file_truncated_after_its_header_check_is_named_by_every_backing(tmp_path):
+    """A file shorter than its header says once the store has checked it is named by every
+    backing: ``dram`` and ``hbm`` loading it (not rows of the buffer's leftovers), ``mmap``
+    mapping it and at every later step (a row past the end would be a SIGBUS), ``pread`` and
+    ``direct`` reading past its end."""
+    from cachelab.store.backing import open_backing
+    from cachelab.store.build import open_tables
+
+    build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, progress=False)
+    layout, _, paths = open_tables(tmp_path)
+    path, full = paths[1], paths[1].stat().st_size  # layer14.tbl: 408 rows in 28 data pages
+    short = full - PAGE  # the last data page (rows 405..407) gone
+    last_row = full_rows(np.random.default_rng(16), 3)
+    last_row[0, 1, 23] = CFG.offsets[1, 23] + 16  # the last head's 17th row: table row 407
+    os.truncate(path, short)
+    for name in ("dram", "hbm"):
+        with pytest.raises(CachelabError, match=f"layer14.tbl: read of 4096 B at offset {short} failed"):
+            open_backing(name, layout, paths)
+    with pytest.raises(CachelabError, match=f"layer14.tbl: {short:,} B mapped, {full:,} B expected"):
+        open_backing("mmap", layout, paths)
+    for backing, at in (("mmap", None), ("pread", f"read of 264 B at offset {short + 2 * 264}"),
+                        ("direct", f"read of 4096 B at offset {short}")):
+        os.truncate(path, full)
+        with TieredStore.open(tmp_path, backing=backing, hbm_capacity=None) as store:
+            os.truncate(path, short)
+            rows = CFG.offsets[None].copy() if at is None else last_row  # mmap: none on the lost page
+            with pytest.raises(CachelabError, match=f"layer14.tbl: {at or f'truncated to {short:,} B under'}"):
+                store.lookup(rows)
+
+
 def test_wrong_row_size_or_layout_hash_is_refused(tmp_path):
     build_tables("deepseek-v4.1-flash", 1e-6, tmp_path / "a", progress=False)
     build_tables("deepseek-v4.1-flash", 2e-6, tmp_path / "b", progress=False)

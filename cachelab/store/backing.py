@@ -74,10 +74,8 @@ class DramBacking:
         self.buf = aligned_empty(sum(pages) * PAGE, HUGE_PAGE)
         advise_huge_pages(self.buf.ctypes.data, self.buf.nbytes)
         for li, path in enumerate(paths):
-            with open(path, "rb") as f:
-                f.seek(PAGE)
-                lo = int(self.page_base[li]) * PAGE
-                f.readinto(memoryview(self.buf)[lo:lo + pages[li] * PAGE])
+            lo = int(self.page_base[li]) * PAGE
+            _read_whole(path, PAGE, memoryview(self.buf)[lo:lo + pages[li] * PAGE])
         self.pages = self.buf.reshape(-1, PAGE)
 
     @property
@@ -92,6 +90,23 @@ class DramBacking:
 
     def close(self) -> None:
         self.buf = self.pages = None
+
+
+def _read_whole(path: Path, offset: int, view: memoryview) -> None:
+    """``view`` filled from ``path`` at ``offset``, read after read (one returns at most 2 GiB):
+    a file that ends first (truncated since its header was checked) or fails is an error naming
+    it, never rows of whatever the buffer held."""
+    done = 0
+    with open(path, "rb", buffering=0) as f:
+        f.seek(offset)
+        while done < len(view):
+            try:
+                n = f.readinto(view[done:])
+            except OSError:
+                n = 0
+            if not n:
+                _read_failed(path, len(view) - done, offset + done)
+            done += n
 
 
 class DeviceTable:
@@ -143,11 +158,21 @@ class MmapBacking:
     def __init__(self, layout: TableLayout, paths: list[Path]):
         self.layout, self.paths = layout, paths
         self.maps, self.views = [], []
-        for path in paths:
-            with open(path, "rb") as f:
-                m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            m.madvise(mmap.MADV_RANDOM)  # rows are hashed: readahead would only pollute the page cache
+        self.sizes = [layout.file_bytes(li) for li in range(len(paths))]
+        for path, size in zip(paths, self.sizes):
+            try:
+                with open(path, "rb") as f:
+                    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as exc:  # ValueError: an empty file
+                self.close()
+                raise CachelabError(f"{path}: cannot be mapped ({exc})") from None
             self.maps.append(m)
+            if len(m) != size:
+                mapped = len(m)
+                self.close()
+                raise CachelabError(f"{path}: {mapped:,} B mapped, {size:,} B expected: the file changed since its "
+                                    "header was checked")
+            m.madvise(mmap.MADV_RANDOM)  # rows are hashed: readahead would only pollute the page cache
             self.views.append(np.frombuffer(m, np.uint8)[PAGE:].reshape(-1, PAGE))
 
     def read(self, layer: np.ndarray, rows: np.ndarray, out: np.ndarray, dst: np.ndarray) -> tuple[int, int]:
@@ -155,9 +180,19 @@ class MmapBacking:
         for li, view in enumerate(self.views):
             sel = np.flatnonzero(layer == li)
             if sel.size:
+                self._check_size(li)
                 gather_pages(view, rows[sel], dst[sel], out, lay.rows_per_page, lay.row_bytes,
                              work=sel.size * lay.row_bytes)
         return int(rows.size) * lay.row_bytes, 0
+
+    def _check_size(self, layer: int) -> None:
+        """A file truncated in place under its mapping is refused before a step touches it (an
+        ``fstat``, 0.4 us): a row past its new end would end the process with
+        SIGBUS. One truncated while a step reads it still does (docs/store.md)."""
+        size = self.maps[layer].size()
+        if size < self.sizes[layer]:
+            raise CachelabError(f"{self.paths[layer]}: truncated to {size:,} B under the store's mapping "
+                                f"({self.sizes[layer]:,} B): rebuild the tables and open the store again")
 
     def close(self) -> None:
         self.views = []
