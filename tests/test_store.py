@@ -626,6 +626,18 @@ def test_a_table_file_truncated_after_its_header_check_is_named_by_every_backing
                 store.lookup(rows)
 
 
+def test_a_damaged_manifest_is_named_with_its_field(tmp_path):
+    build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, progress=False)
+    path = tmp_path / "manifest.json"
+    good = json.loads(path.read_text())
+    for key, value, why in (("scale", "abc", "could not convert string to float: 'abc'"),
+                            ("seed", "x", "seed 'x' is not an integer"),
+                            ("source", {"kind": "safetensors"}, "source {'kind': 'safetensors'}: expected")):
+        path.write_text(json.dumps({**good, key: value}))
+        with pytest.raises(CachelabError, match=f"manifest.json: malformed manifest \\({why}"):
+            verify_tables(tmp_path)
+
+
 def test_wrong_row_size_or_layout_hash_is_refused(tmp_path):
     build_tables("deepseek-v4.1-flash", 1e-6, tmp_path / "a", progress=False)
     build_tables("deepseek-v4.1-flash", 2e-6, tmp_path / "b", progress=False)

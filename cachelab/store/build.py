@@ -48,7 +48,13 @@ def load_layout(directory: Path) -> tuple[TableLayout, dict]:
             cfg[key] = tuple(cfg[key])
         cfg["multipliers"] = tuple(tuple(m) for m in cfg["multipliers"])
         layout = TableLayout(EngramConfig(**cfg), float(manifest["scale"]))
-    except (KeyError, TypeError) as exc:
+        if type(manifest.get("seed", 0)) is not int:
+            raise TypeError(f"seed {manifest['seed']!r} is not an integer")
+        source = manifest.get("source", {})
+        if not isinstance(source, dict) or (source.get("kind") == "safetensors" and "path" not in source):
+            raise TypeError(f"source {source!r}: expected {{'kind': 'splitmix64', ...}} or "
+                            "{'kind': 'safetensors', 'path': ...}")
+    except (KeyError, TypeError, ValueError) as exc:
         raise CachelabError(f"{Path(directory) / MANIFEST}: malformed manifest ({exc})") from None
     if layout.hash().hex() != manifest.get("layout_hash"):
         raise CachelabError(f"{Path(directory) / MANIFEST}: layout hash does not match its own layout")
