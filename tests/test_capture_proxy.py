@@ -503,3 +503,62 @@ def test_a_client_that_does_not_read_pauses_the_upstream(tmp_path):
             time.sleep(0.5)
             assert s.behind.firehose_sent - stalled <= 2, "the upstream kept being read"
             assert stalled < 1_000, f"{stalled} events of 64 KiB left the upstream for a client that read none"
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_pool_waiter_woken_and_then_cancelled_passes_the_connection_on(loop):
+    """A request waiting for an upstream connection at the pool's limit is woken when one is given back;
+    if its client goes away before it runs (its task cancelled), the next waiter gets the connection
+    (it waited for ever: the wake-up went with the cancelled task)."""
+    import socket
+
+    from cachelab.capture.connections import UpstreamPool
+    from cachelab.capture.proxy import event_loop_factory
+
+    with socket.create_server(("127.0.0.1", 0)) as server:  # the kernel accepts; nothing is ever answered
+        async def main():
+            pool = UpstreamPool(ProxyConfig(upstream=f"http://127.0.0.1:{server.getsockname()[1]}",
+                                            max_connections=1))
+            conn = await pool.open()
+            first, second = asyncio.create_task(pool.open()), asyncio.create_task(pool.open())
+            await asyncio.sleep(0.05)  # both wait for the one connection
+            pool.give_back(conn)       # the end of an answer wakes the first ...
+            first.cancel()             # ... whose client leaves in the same turn of the loop
+            try:
+                assert await asyncio.wait_for(second, 5) is conn
+            finally:
+                pool.close()
+
+        with asyncio.Runner(loop_factory=event_loop_factory(loop)) as runner:
+            runner.run(main())
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_connection_cancelled_as_it_is_made_is_counted_once(loop, monkeypatch):
+    """A client that leaves just as its upstream connection is made: the connection is closed and the pool's
+    count goes back to 0 (it was taken off twice, by the failed open and by the connection's loss, and the
+    pool then opened more than its limit)."""
+    import socket
+
+    from cachelab.capture import connections
+    from cachelab.capture.proxy import event_loop_factory
+
+    made = connections.UpstreamConnection.connection_made
+    opening: list[asyncio.Task] = []
+
+    def made_then_cancelled(self, transport):
+        made(self, transport)
+        opening[0].cancel()
+
+    monkeypatch.setattr(connections.UpstreamConnection, "connection_made", made_then_cancelled)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        async def main():
+            pool = connections.UpstreamPool(ProxyConfig(upstream=f"http://127.0.0.1:{server.getsockname()[1]}"))
+            opening.append(asyncio.create_task(pool.open()))
+            with pytest.raises(asyncio.CancelledError):
+                await opening[0]
+            await asyncio.sleep(0.1)  # the closed connection's connection_lost
+            assert pool.count == 0
+
+        with asyncio.Runner(loop_factory=event_loop_factory(loop)) as runner:
+            runner.run(main())

@@ -241,6 +241,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.parser = None
         self.forward: Forward | None = None
         self.usable = False
+        self.counted = True  # holds a place in the pool's count until it is lost (``UpstreamPool._release``)
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -307,22 +308,36 @@ class UpstreamPool:
         return None
 
     async def open(self) -> UpstreamConnection:
+        """An idle connection once one is given back, or a new one while under ``limit``. A caller
+        cancelled here (its client went away) passes a wake-up it was given on to the next waiter."""
         loop = asyncio.get_running_loop()
         while self.count >= self.limit:
             waiter = loop.create_future()
             self.waiters.append(waiter)
-            await waiter
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():  # woken, then cancelled before it ran
+                    self._wake()
+                raise
             conn = self.take()
             if conn is not None:
                 return conn
         self.count += 1
+        made: list[UpstreamConnection] = []
+
+        def protocol() -> UpstreamConnection:
+            made.append(UpstreamConnection(self))
+            return made[-1]
+
         try:
             _, conn = await asyncio.wait_for(loop.create_connection(
-                lambda: UpstreamConnection(self), self.host, self.port, ssl=self.ssl,
+                protocol, self.host, self.port, ssl=self.ssl,
                 server_hostname=self.host if self.ssl else None), self.connect_timeout)
         except BaseException:
-            self.count -= 1
-            self._wake()
+            # cancelled as the connection was made: asyncio's loop then reports its loss as well, uvloop's
+            # does not; the place is given back once either way
+            self._release(made[0] if made else None)
             raise
         return conn
 
@@ -336,9 +351,17 @@ class UpstreamPool:
             conn.transport.close()
 
     def lost(self, conn: UpstreamConnection) -> None:
-        self.count -= 1
         if conn in self.idle:
             self.idle.remove(conn)
+        self._release(conn)
+
+    def _release(self, conn: UpstreamConnection | None) -> None:
+        """Give back the place under ``limit`` that ``conn`` held (None: a connection never made), once."""
+        if conn is not None:
+            if not conn.counted:
+                return
+            conn.counted = False
+        self.count -= 1
         self._wake()
 
     def _wake(self) -> None:
