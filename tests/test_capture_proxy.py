@@ -246,17 +246,95 @@ def test_a_stream_asked_for_with_a_truthy_value_is_streamed_and_recorded(stack):
     assert rec["error"] is None and rec["stream"] and len(rec["output_ids"]) == 6 and len(rec["tok_t"]) >= 1, rec
 
 
-def test_a_client_that_goes_away_ends_the_upstream_stream(stack):
-    body = {"model": "endless", "prompt": "hi", "stream": True}
-    with httpx.stream("POST", stack.proxy.url + "/v1/completions", json=body, timeout=30) as r:
-        next(r.iter_raw())  # the stream has begun; leaving the block drops the connection
+def _new_records(stack, before: int, n: int = 1):
+    """The records after the first ``before``, once there are ``n`` of them (20 s at most)."""
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        rec = stack.records().row(-1, named=True)
-        if rec["model"] == "endless":
-            break
+    while True:
+        table = stack.records()
+        if table.height >= before + n or time.monotonic() > deadline:
+            return table[before:]
         time.sleep(0.1)
-    assert rec["model"] == "endless" and rec["error"] == "client disconnected", rec
+
+
+@pytest.mark.parametrize("model", ["endless", "slow"])  # the answer had begun, or not yet (recorded as status 0)
+def test_a_client_that_goes_away_is_recorded_as_499_and_ends_the_upstream_request(stack, model):
+    before = stack.records().height
+    body = {"model": model, "prompt": "hi", "stream": True}
+    if model == "endless":
+        with httpx.stream("POST", stack.proxy.url + "/v1/completions", json=body, timeout=30) as r:
+            next(r.iter_raw())  # the stream has begun; leaving the block drops the connection
+    else:
+        with pytest.raises(httpx.ReadTimeout):  # the upstream answers after 5 s; the client leaves first
+            httpx.post(stack.proxy.url + "/v1/completions", json=body, timeout=0.5)
+    rec = _new_records(stack, before).row(0, named=True)
+    assert rec["model"] == model and rec["status"] == 499 and rec["error"] == "client disconnected", rec
+
+
+def test_pipelined_requests_of_a_client_that_goes_away_are_recorded(stack):
+    """Requests the client sent whole behind one in flight, then left: each recorded as 499, none lost
+    (they were dropped without a record)."""
+    import socket
+
+    before = stack.records().height
+    first = _post_bytes("/v1/completions", {"model": "slow", "prompt": "hi"})
+    second = _post_bytes("/v1/completions", {"model": "behind-slow", "prompt": "hi", "max_tokens": 2},
+                         extra=b"x-session-id: piped\r\n")
+    host, port = stack.proxy.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=20) as sock:
+        sock.sendall(b"".join(first + second))
+        time.sleep(0.5)  # both parsed; the first waits for the upstream
+    rows = _new_records(stack, before, 2)
+    assert rows.height == 2, rows
+    assert rows["model"].to_list() == ["slow", "behind-slow"] and rows["status"].to_list() == [499, 499]
+    assert rows["error"].to_list() == ["client disconnected", "client disconnected before it was served"]
+    assert rows["session"][1] is not None
+
+
+def test_a_capture_with_clients_that_went_away_reads_back_and_builds(tmp_path):
+    """499 records are failed requests to every reader: `capture info` counts them, the trace leaves them out."""
+    from typer.testing import CliRunner
+
+    from cachelab.cli import app
+
+    with Stack(tmp_path) as s:
+        assert _raw(s.proxy.url, "/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 3})[0] == 200
+        with httpx.stream("POST", s.proxy.url + "/v1/completions", json={"model": "endless", "prompt": "hi",
+                                                                          "stream": True}, timeout=30) as r:
+            next(r.iter_raw())
+        rows = _new_records(s, 0, 2)
+    assert rows["status"].to_list() == [200, 499]
+    trace, report = capture_to_trace(s.recorder.directory)
+    assert trace.height == report.requests == 1 and report.failed_requests == 1
+    info = CliRunner().invoke(app, ["capture", "info", str(s.recorder.directory), "--json"])
+    assert info.exit_code == 0, info.output
+    got = json.loads(info.stdout)
+    assert got["requests"] == 2 and got["ok"] == 1 and got["failed"] == 1
+
+
+def test_a_request_still_unanswered_at_shutdown_gets_503(tmp_path):
+    """Stopping the proxy with a request whose upstream has not answered: the client gets a 503 saying so
+    and the record has it (the connection was closed on the client and the record said status 0)."""
+    import threading
+
+    got = {}
+
+    def ask(url):
+        try:
+            got["r"] = httpx.post(url + "/v1/completions", json={"model": "slow", "prompt": "hi"}, timeout=30)
+        except httpx.HTTPError as exc:
+            got["r"] = exc
+
+    with Stack(tmp_path, shutdown_grace_s=0.3) as s:
+        client = threading.Thread(target=ask, args=(s.proxy.url,))
+        client.start()
+        deadline = time.monotonic() + 10
+        while s.behind.requests == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    client.join(30)
+    assert isinstance(got["r"], httpx.Response) and got["r"].status_code == 503, got["r"]
+    assert "proxy shut down" in got["r"].json()["error"]["message"]
+    rec = read_requests(s.recorder.directory)[0].row(0, named=True)
+    assert rec["status"] == 503 and "proxy shut down" in rec["error"], rec
 
 
 def test_unreachable_upstream_gives_502_and_a_record(tmp_path):
@@ -343,6 +421,53 @@ def test_request_headers_upstream_keep_their_case_and_lose_the_hop_by_hop_ones(t
     assert b"Accept-Encoding: gzip" in passed.split(b"\r\n"), "a passed-through path keeps the client's"
 
 
+def test_credentials_in_the_upstream_url_are_sent_as_basic_and_never_shown(tmp_path):
+    """`--upstream http://user:password@host`: the proxy authenticates with them (HTTP Basic) where the client
+    sent no Authorization, and neither the startup line, an error, the capture files nor /capture/status
+    holds them (the startup line printed the URL whole)."""
+    import base64
+
+    upstream = HeadUpstream()
+    secret = "s3cret-Pw"
+    url = upstream.url.replace("http://", f"http://capuser:{secret}@") + "/v1"
+    ca = tmp_path / "ca.pem"
+    ca.write_text("not used")
+    cli = [sys.executable, "-m", "cachelab.cli", "capture", "proxy", "--out", str(tmp_path / "cap")]
+    for args in (["--upstream", url.replace("/v1", ":1/v1")], ["--upstream", url, "--upstream-ca", str(ca)]):
+        refused = subprocess.run([*cli, *args], capture_output=True, text=True)
+        assert refused.returncode == 2 and "http://***@127.0.0.1:" in refused.stderr, refused.stderr
+        assert secret not in refused.stdout + refused.stderr and "capuser" not in refused.stdout + refused.stderr
+    port = free_port()
+    proc = subprocess.Popen([*cli, "--upstream", url, "--listen", f"127.0.0.1:{port}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                status = httpx.get(base + "/capture/status", timeout=2).text
+                break
+            except httpx.HTTPError:
+                assert proc.poll() is None and time.monotonic() < deadline, "the proxy did not start"
+                time.sleep(0.2)
+        body = {"model": "m", "prompt": "hi"}
+        assert httpx.post(base + "/v1/completions", json=body, timeout=30).status_code == 200
+        assert httpx.post(base + "/v1/completions", json=body, headers={"Authorization": "Bearer client-key"},
+                          timeout=30).status_code == 200
+    finally:
+        proc.terminate()
+        out, err = proc.communicate(timeout=60)
+    assert f"-> http://***@{upstream.url.removeprefix('http://')}/v1," in out, out
+    assert secret not in out + err + status and "capuser" not in out + err + status
+    raw = b"".join(f.read_bytes() for f in (tmp_path / "cap").iterdir())
+    assert secret.encode() not in raw and b"capuser" not in raw
+    upstream.sock.close()
+    basic, bearer = (head.split(b"\r\n") for head in upstream.heads)
+    assert b"authorization: Basic " + base64.b64encode(f"capuser:{secret}".encode()) in basic
+    assert b"Authorization: Bearer client-key" in bearer and not any(b"Basic" in line for line in bearer), \
+        "the client's own Authorization goes upstream as sent"
+
+
 def test_non_loopback_listen_needs_a_token(tmp_path):
     out = subprocess.run([sys.executable, "-m", "cachelab.cli", "capture", "proxy", "--upstream", "http://x",
                           "--out", str(tmp_path / "cap"), "--listen", "0.0.0.0:0"], capture_output=True, text=True)
@@ -354,6 +479,10 @@ def test_non_loopback_listen_needs_a_token(tmp_path):
     (["--upstream", "notaurl"], "--upstream 'notaurl': expected http://HOST[:PORT][/PREFIX] (or https)"),
     (["--upstream", "http://127.0.0.1:99999"], "--upstream 'http://127.0.0.1:99999': expected http://HOST"),
     (["--upstream", "http://x", "--listen", "127.0.0.1:99999"], "--listen: port 99999 is out of range (0-65535)"),
+    (["--upstream", "http://x", "--read-timeout", "0"], "--read-timeout 0.0: expected a number above 0"),
+    (["--upstream", "http://x", "--total-timeout", "nan"], "--total-timeout nan: expected a number above 0"),
+    (["--upstream", "http://x", "--max-body-mb", "-1"], "--max-body-mb -1.0: expected a number above 0"),
+    (["--upstream", "http://x", "--max-response-mb", "0"], "--max-response-mb 0.0: expected a number above 0"),
 ])
 def test_a_bad_upstream_or_port_is_refused_before_anything_is_created(tmp_path, args, message):
     out = subprocess.run([sys.executable, "-m", "cachelab.cli", "capture", "proxy", *args, "--out", str(tmp_path / "cap")],
@@ -419,10 +548,10 @@ def test_200_concurrent_streams_all_captured(tmp_path):
 ])
 def test_prepare_adds_what_the_record_needs_and_keeps_the_rest(body, added):
     from cachelab.capture.exchange import Exchange
-    from cachelab.capture.proxy import _prepare
+    from cachelab.capture.exchange import prepare
 
     x = Exchange(endpoint="/v1/completions", arrival_unix_ns=0, arrival=0.0)
-    sent = _prepare(body, x, ProxyConfig(upstream="http://u"))
+    sent = prepare(body, x, True)
     assert json.loads(sent) == {**json.loads(body), **added}
     if not added:
         assert sent == body

@@ -13,6 +13,7 @@ pauses the upstream connection's reads (``pause_writing``).
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import socket
 import ssl
@@ -20,7 +21,7 @@ import time
 from collections import deque
 from http import HTTPStatus
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import httptools
 
@@ -85,6 +86,16 @@ class Request:
                 return value
         return None
 
+    def origin_path(self) -> bytes:
+        """The request's path; an absolute-form target (``http://host/path?query``) becomes its path
+        and query, which is all that goes on."""
+        path = self.url.partition(b"?")[0]
+        if path[:1] != b"/":
+            parsed = httptools.parse_url(self.url)
+            path = parsed.path or b"/"
+            self.url = path + (b"?" + parsed.query if parsed.query else b"")
+        return path
+
 
 class ClientConnection(asyncio.Protocol):
     """One client connection: parses its requests and serves them one at a time, in order."""
@@ -110,10 +121,15 @@ class ClientConnection(asyncio.Protocol):
         no_delay(transport)
 
     def connection_lost(self, exc) -> None:
+        gone = not self.closed  # the client closed it (the proxy sets ``closed`` before it closes one)
         self.closed = True
         self.proxy.clients.discard(self)
         if self.forward is not None:
             self.forward.client_gone()
+        if gone:  # pipelined requests it sent whole and left before they were served
+            for r in self.queue:
+                self.proxy.abandoned(r)
+        self.queue.clear()
 
     def data_received(self, data: bytes) -> None:
         if self.in_head:
@@ -283,6 +299,15 @@ def upstream_prefix(path: str) -> bytes:
     return path.encode()
 
 
+def shown_url(url: str) -> str:
+    """``url`` as it may be printed: credentials before an ``@`` (``user:password@``) replaced by
+    ``***``. Works on any string, a malformed URL too (it goes into error messages)."""
+    scheme, sep, rest = url.partition("//")
+    if not sep:
+        scheme, rest = "", url
+    return scheme + sep + "***@" + rest.rpartition("@")[2] if "@" in rest else url
+
+
 class UpstreamPool:
     """Keep-alive connections to the upstream: reused most recent first, at most ``limit`` open."""
 
@@ -293,6 +318,9 @@ class UpstreamPool:
         # the system's CA store, or only the given bundle (a private CA, a self-signed server)
         self.ssl = ssl.create_default_context(cafile=config.upstream_ca) if parts.scheme == "https" else None
         self.host_header = parts.netloc.rpartition("@")[2].encode("idna")
+        # credentials in the URL (user:password@): sent as HTTP Basic for a request without an Authorization
+        self.authorization = None if parts.username is None else b"authorization: Basic %s\r\n" % base64.b64encode(
+            f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode())
         self.prefix = upstream_prefix(parts.path)
         self.limit = config.max_connections
         self.connect_timeout = config.connect_timeout

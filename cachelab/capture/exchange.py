@@ -10,7 +10,8 @@ prompt tokens from ``usage.prompt_tokens_details.cached_tokens``, and falls back
 model's tokenizer (``cachelab.capture.tokens``) when the upstream sent no ids. Only choice 0
 of a request with ``n > 1`` is recorded.
 
-``Restorer`` and ``strip_body`` undo what the proxy added to the request, on the bytes (a read
+``prepare`` adds to the request what the record needs (token ids, a stream's usage) and the
+client did not ask for; ``Restorer`` and ``strip_body`` undo it, on the bytes (a read
 of ordinary token events takes one regular-expression substitution, whatever the number of
 events in it; only a read holding a usage, a terminal or an id-only event is split): vLLM
 writes the token-id fields as ``null`` when they were not asked for, so an injected
@@ -58,6 +59,39 @@ class Exchange:
     def to_record(self, tokenizer) -> RequestRecord:
         """The record of this exchange (tokenizer: ``FallbackTokenizer``, used only without upstream ids)."""
         return to_record(self, tokenizer)
+
+
+def prepare(body: bytes, x: Exchange, token_ids: bool) -> bytes:
+    """Parse the request into ``x``; with ``token_ids``, ask for what the record needs that the
+    client did not ask for (the ids, a stream's usage)."""
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(parsed, dict):
+        return body
+    x.body = parsed
+    x.stream = parsed.get("stream") is True
+    user = parsed.get("user")
+    x.session = x.session or (user if isinstance(user, str) else None)
+    if not token_ids:
+        return body
+    added = {}
+    if not parsed.get("return_token_ids"):
+        added["return_token_ids"] = True
+        x.injected_ids = True
+    options = parsed.get("stream_options")
+    if x.stream and not (isinstance(options, dict) and options.get("include_usage")):
+        added["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+        x.injected_usage = True
+    if not added:
+        return body
+    end = body.rfind(b"}")
+    if parsed and not any(key in parsed for key in added) and json.detect_encoding(body).startswith("utf-8"):
+        # new keys only: appended to the client's bytes (a long prompt is not serialised again); a UTF-16
+        # or UTF-32 body, which JSON parsers such as vLLM's take too, is serialised again (as UTF-8)
+        return body[:end] + b"," + json.dumps(added, separators=(",", ":")).encode()[1:-1] + body[end:]
+    return json.dumps({**parsed, **added}).encode()
 
 
 class Restorer:

@@ -26,8 +26,11 @@ upstream; a request head over ``max_head_bytes`` with 431; an answer over
 slower than ``total_timeout`` or silent for ``read_timeout`` ends the exchange: the client
 gets a 502/504 (or, mid-stream, the end of the stream) and the record says why. The proxy
 listens on loopback unless given a bearer token (``api_key``), which every client must then
-send (``cachelab.live.launch.check_bind``). A client that disconnects ends the upstream
-request. Flow control: a client that reads slowly pauses the upstream connection's reads.
+send (``cachelab.live.launch.check_bind``). Credentials in the upstream's URL
+(``http://user:password@host``) go upstream as HTTP Basic and are never shown
+(``connections.shown_url``). A client that disconnects ends the upstream request and is recorded
+as 499, nginx's "client closed request", whether or not its answer had begun. Flow control: a
+client that reads slowly pauses the upstream connection's reads.
 """
 
 from __future__ import annotations
@@ -42,13 +45,15 @@ from urllib.parse import urlsplit
 import httptools
 
 from cachelab.capture.connections import (HOP_BY_HOP, LAST_CHUNK, ClientConnection, Request, UpstreamConnection,
-                                          UpstreamPool, error_body, whole_response)
-from cachelab.capture.exchange import Exchange, Restorer, strip_body
+                                          UpstreamPool, error_body, shown_url, whole_response)
+from cachelab.capture.exchange import Exchange, Restorer, prepare, strip_body
 from cachelab.errors import CachelabError
 
 RECORDED = (b"/v1/completions", b"/v1/chat/completions")
 STREAM, WHOLE, PASS = 0, 1, 2   # how an answer goes back: recorded SSE, recorded whole body, not recorded
 _IDLE_SWEEP_S = 5.0
+CLIENT_CLOSED = 499  # nginx's "client closed request": the client went away before its answer was complete
+CLIENT_GONE = "client disconnected"
 
 
 @dataclass
@@ -79,41 +84,10 @@ class ProxyConfig:
         except ValueError:  # a port out of range or not a number
             usable = False
         if not usable:
-            raise CachelabError(f"--upstream {self.upstream!r}: expected http://HOST[:PORT][/PREFIX] (or https)")
+            raise CachelabError(f"--upstream {shown_url(self.upstream)!r}: expected http://HOST[:PORT][/PREFIX] "
+                                "(or https)")
         if self.upstream_ca and parts.scheme != "https":
-            raise CachelabError(f"--upstream-ca is for an https:// upstream, not {self.upstream!r}")
-
-
-def _prepare(body: bytes, x: Exchange, config: ProxyConfig) -> bytes:
-    """Parse the request; ask for what the record needs that the client did not ask for."""
-    try:
-        parsed = json.loads(body)
-    except ValueError:
-        return body
-    if not isinstance(parsed, dict):
-        return body
-    x.body = parsed
-    x.stream = parsed.get("stream") is True
-    user = parsed.get("user")
-    x.session = x.session or (user if isinstance(user, str) else None)
-    if not config.token_ids:
-        return body
-    added = {}
-    if not parsed.get("return_token_ids"):
-        added["return_token_ids"] = True
-        x.injected_ids = True
-    options = parsed.get("stream_options")
-    if x.stream and not (isinstance(options, dict) and options.get("include_usage")):
-        added["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
-        x.injected_usage = True
-    if not added:
-        return body
-    end = body.rfind(b"}")
-    if parsed and not any(key in parsed for key in added) and json.detect_encoding(body).startswith("utf-8"):
-        # new keys only: appended to the client's bytes (a long prompt is not serialised again); a UTF-16
-        # or UTF-32 body, which JSON parsers such as vLLM's take too, is serialised again (as UTF-8)
-        return body[:end] + b"," + json.dumps(added, separators=(",", ":")).encode()[1:-1] + body[end:]
-    return json.dumps({**parsed, **added}).encode()
+            raise CachelabError(f"--upstream-ca is for an https:// upstream, not {shown_url(self.upstream)!r}")
 
 
 class Forward:
@@ -429,16 +403,28 @@ class Forward:
         else:
             self.broken(why)
 
-    def client_gone(self, why: str = "client disconnected") -> None:
-        """End the exchange from the client's side (it went away, or the proxy is stopping)."""
+    def client_gone(self) -> None:
+        """The client went away before its answer was complete: the upstream request ends, the
+        record says 499 (nginx's "client closed request"), whatever the upstream had answered."""
         if self.finished:
             return
         self._end()
         self._drop_upstream()
-        if self.x is not None:
-            self.x.error = self.x.error or why
-            self.proxy.recorder.submit(self.x)
+        x = self.x
+        if x is not None:
+            x.status = CLIENT_CLOSED
+            x.error = CLIENT_GONE if x.error is None else f"{x.error}; {CLIENT_GONE}"
+            self.proxy.recorder.submit(x)
         self.client.forward = None
+
+    def shut_down(self, message: str) -> None:
+        """End the exchange because the proxy is stopping: a client that has nothing of its answer
+        yet gets a 503 with ``message``, one whose answer had begun has it cut (``cut``)."""
+        if self.mode in (-1, WHOLE):
+            self.keep_alive = False
+            self.fail(503, message)
+        else:
+            self.cut(message)
 
     def pause_upstream(self) -> None:
         if self.conn is not None and not self.finished:
@@ -519,7 +505,8 @@ class CaptureProxy:
             await asyncio.sleep(0.05)
         for client in list(self.clients):
             if client.forward is not None:
-                client.forward.client_gone(f"proxy shut down (unfinished after {self.config.shutdown_grace_s} s)")
+                client.forward.shut_down(f"proxy shut down (unfinished after {self.config.shutdown_grace_s} s)")
+            client.closed = True  # by the proxy: requests still queued on it were not served, and are not recorded
             client.transport.close()
         self.pool.close()
         await asyncio.sleep(0)
@@ -530,27 +517,22 @@ class CaptureProxy:
         if self._token is not None and not secrets.compare_digest(r.header(b"authorization") or b"", self._token):
             return client.respond(whole_response(401, error_body(401, "missing or wrong bearer token for the capture "
                                                                   "proxy"), close=not r.keep_alive), r.keep_alive)
-        path = r.url.partition(b"?")[0]
-        if path[:1] != b"/":  # absolute form (http://host/path?query): only its path and query go on
-            parsed = httptools.parse_url(r.url)
-            path = parsed.path or b"/"
-            r.url = path + (b"?" + parsed.query if parsed.query else b"")
+        path = r.origin_path()
         if r.too_large:
             return self.refuse_too_large(client, r)
         if r.method == b"GET" and path == b"/capture/status":
             return client.respond(whole_response(200, json.dumps(self.recorder.stats()).encode(),
                                             close=not r.keep_alive), r.keep_alive)
         body = b"".join(r.body)
-        x = None
-        if r.method == b"POST" and path in RECORDED:
-            session = r.header(self._session_header)
-            x = Exchange(endpoint=path.decode("latin-1"), arrival_unix_ns=r.arrival_unix_ns, arrival=r.arrival,
-                         session=None if session is None else session.decode("latin-1"))
-            body = _prepare(body, x, self.config)
+        x = self._exchange(r, path)
+        if x is not None:
+            body = prepare(body, x, self.config.token_ids)
         lines = [b"%s: %s\r\n" % (k, v) for k, v in r.headers
                  if k.lower() not in HOP_BY_HOP and (x is None or k.lower() != b"accept-encoding")]
         if x is not None:
             lines.append(b"accept-encoding: identity\r\n")  # the proxy reads the answer
+        if self.pool.authorization is not None and r.header(b"authorization") is None:
+            lines.append(self.pool.authorization)  # the --upstream URL's credentials, for a client that sent none
         if body or r.method not in (b"GET", b"HEAD", b"DELETE", b"OPTIONS"):
             lines.append(b"content-length: %d\r\n" % len(body))
         request = b"%s %s%s HTTP/1.1\r\nhost: %s\r\n%s\r\n%s" % (
@@ -559,14 +541,28 @@ class CaptureProxy:
         client.forward = forward
         forward.start()
 
+    def _exchange(self, r: Request, path: bytes, **fields) -> Exchange | None:
+        """The exchange to record of a request on a recorded path (None on any other path)."""
+        if r.method != b"POST" or path not in RECORDED:
+            return None
+        session = r.header(self._session_header)
+        return Exchange(endpoint=path.decode("latin-1"), arrival_unix_ns=r.arrival_unix_ns, arrival=r.arrival,
+                        session=None if session is None else session.decode("latin-1"), **fields)
+
+    def abandoned(self, r: Request) -> None:
+        """Record a request the client sent whole and went away from before it was served (pipelined
+        behind another): 499, like the one in flight. One the proxy would have refused with 401 is not."""
+        if self._token is not None and not secrets.compare_digest(r.header(b"authorization") or b"", self._token):
+            return
+        x = self._exchange(r, r.origin_path(), status=CLIENT_CLOSED, error=f"{CLIENT_GONE} before it was served")
+        if x is not None:
+            prepare(b"".join(r.body), x, self.config.token_ids)  # the model and session, as a served request's
+            self.recorder.submit(x)
+
     def refuse_too_large(self, client: ClientConnection, r: Request) -> None:
         limit = self.config.max_body_bytes
-        path = r.url.partition(b"?")[0]
-        if r.method == b"POST" and path in RECORDED:
-            session = r.header(self._session_header)
-            x = Exchange(endpoint=path.decode("latin-1"), arrival_unix_ns=r.arrival_unix_ns, arrival=r.arrival,
-                         session=None if session is None else session.decode("latin-1"),
-                         status=413, error=f"request body over {limit} bytes")
+        x = self._exchange(r, r.origin_path(), status=413, error=f"request body over {limit} bytes")
+        if x is not None:
             self.recorder.submit(x)
         data = whole_response(413, error_body(413, f"request body over {limit} bytes"), close=True)
         if r.answered:  # before the body was read: the connection closes once it has been

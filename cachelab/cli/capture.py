@@ -30,7 +30,8 @@ def parse_listen(listen: str) -> tuple[str, int]:
 def proxy(
     upstream: str = typer.Option(..., help="The OpenAI-compatible server to front, e.g. http://127.0.0.1:8000 "
                                  "(https:// too; a path prefix, with or without a final /v1, goes before every "
-                                 "request's path)."),
+                                 "request's path; USER:PASSWORD@ before the host: HTTP Basic credentials for "
+                                 "requests that carry no Authorization, never printed)."),
     upstream_ca: Path | None = typer.Option(None, exists=True, dir_okay=False,
                                             help="PEM bundle that verifies an https upstream's certificate (a "
                                             "private CA, a self-signed server), instead of the system's CA store."),
@@ -80,12 +81,17 @@ def proxy(
     """
     import asyncio
 
+    from cachelab.capture.connections import shown_url
     from cachelab.capture.proxy import ProxyConfig, event_loop_factory, run_proxy
     from cachelab.capture.recorder import Recorder
     from cachelab.capture.writer import CaptureWriter
     from cachelab.heap import freeze_startup_heap
     from cachelab.live.launch import bound_socket, check_bind
 
+    for flag, value in (("--max-body-mb", max_body_mb), ("--max-response-mb", max_response_mb),
+                        ("--read-timeout", read_timeout), ("--total-timeout", total_timeout)):
+        if not value > 0:  # 0 or below (or nan) refused every body, cut every answer, timed out every request
+            raise CachelabError(f"{flag} {value}: expected a number above 0")
     host, port = parse_listen(listen)
     check_bind(host, api_key, "--listen")
     sock = bound_socket(host, port, "--listen")  # before anything is created: a bad port leaves nothing behind
@@ -107,7 +113,7 @@ def proxy(
     else:
         recorder = Recorder(out, **options)
     bound = sock.getsockname()[1]
-    typer.echo(f"capture proxy on http://{host}:{bound} -> {upstream}, recording into {out} "
+    typer.echo(f"capture proxy on http://{host}:{bound} -> {shown_url(upstream)}, recording into {out} "
                f"({recorder.privacy.mode}, fsync {fsync}, writer {writer}, {new_loop.__module__.split('.')[0]} loop); "
                "counts at GET /capture/status")
 
