@@ -81,3 +81,13 @@ def test_info_on_a_non_trace_is_a_clear_error(tmp_path):
     (tmp_path / "keys.txt").write_text("1\n2\n")
     res = run("info", tmp_path / "keys.txt")  # another kind of trace is named as what it is
     assert res.exit_code == 2 and "found a key trace" in res.output and "needs a request trace (.parquet)" in res.output
+
+
+@pytest.mark.parametrize("name", ["t.csv", "t.jsonl", "t"])
+def test_a_trace_out_not_named_parquet_is_refused_before_any_work(tmp_path, name):
+    """It was written as Parquet under any name: `-o t.csv` made a Parquet file called t.csv."""
+    out = tmp_path / name
+    res = runner.invoke(app, ["trace", "build", "--arrivals", "gamma", "--arrival-option", "rate=2",
+                              "--arrival-option", "num_requests=3", "--corpus", "gsm8k", "-o", str(out)])
+    assert res.exit_code == 2 and f"--out {out}: a trace is written as Parquet" in res.output, res.output
+    assert not out.exists()

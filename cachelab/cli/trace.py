@@ -80,6 +80,9 @@ def build(
     The spec format, every source and the synthesis rules: docs/traces.md.
     """
     output_file(out, "--out")
+    if out.suffix != ".parquet":  # written as Parquet whatever the name: a.csv held Parquet
+        raise CachelabError(f"--out {out}: a trace is written as Parquet; name it *.parquet "
+                            "(`cachelab trace convert` writes libCacheSim's oracleGeneral)")
     if from_capture is not None:
         _build_from_capture(from_capture, out, as_json, given=spec is not None or arrivals is not None or corpus is not None)
         return
