@@ -58,7 +58,7 @@ def contract_error(group: str, obj) -> str | None:
     if group == POLICIES:
         from cachelab.policy import Policy as base
 
-        required = ("reset", "step", "resident", "run", "view_future", "get_params")
+        required = ("reset", "step", "resident", "run", "view_future", "holds_every_key", "get_params")
     elif group == PREDICTORS:
         from cachelab.learning.predictor import Predictor as base
 

@@ -209,3 +209,63 @@ def test_matches_a_model_of_fbgemms_kernels(name, capacity, seed, step_len):
         expected += hits
     assert p.resident().tolist() == sorted(t for tags in model.tag for t in tags if t >= 0)
     assert make(name, capacity, 400).run(keys, offsets).tolist() == expected
+
+
+@pytest.mark.parametrize("num_keys,sets", [(1, 1), (100, 3), (1_000, 31), (3_870, 125), (50, 200), (37, 10**9)])
+def test_fullest_set_counts_the_keys_of_the_fullest_set(num_keys, sets):
+    """Per set where there are no more sets than keys, by sorting past that (memory follows the
+    keys, not the capacity); both against ``cache_slot`` in Python integers."""
+    from policies.set_assoc.fbgemm import fullest_set
+
+    want = max(np.unique([fbgemm_cache_slot(k, sets) for k in range(num_keys)], return_counts=True)[1])
+    assert fullest_set(num_keys, sets) == want
+
+
+def _distinct_steps(rng, num_keys: int, length: int):
+    """Zipf-skewed keys over ``[0, num_keys)``, every key used, in steps of distinct keys."""
+    keys = np.concatenate([rng.permutation(num_keys), (rng.zipf(1.2, length) - 1) % num_keys])
+    out, offsets, pos = [], [0], 0
+    while pos < keys.size:
+        step = list(dict.fromkeys(keys[pos:pos + int(rng.integers(1, 200))].tolist()))
+        pos += len(step)
+        out.extend(step)
+        offsets.append(len(out))
+    return np.array(out, np.int64), np.array(offsets, np.int64)
+
+
+@pytest.mark.parametrize("name", ["fbgemm-lru", "fbgemm-lfu"])
+@settings(max_examples=25, deadline=None)
+@given(num_keys=st.integers(1, 3_000), over=st.floats(1.0, 3.0), seed=st.integers(0, 2**32 - 1))
+def test_a_capacity_past_the_keys_replays_as_the_kernel_at_that_capacity(name, num_keys, over, seed):
+    """At a capacity of at least the keys the replay (``run_policy``: ``sized``) gives the hits of
+    the kernel itself at that capacity, the ground truth: the infinite cache only where no set
+    gets more keys than its ways, the set-associative cache, conflict misses and all, elsewhere."""
+    from cachelab.engine.cascade import run_policy, sized
+    from cachelab.policy.unbounded import Unbounded
+
+    capacity = int(num_keys * over)
+    keys, offsets = _distinct_steps(np.random.default_rng(seed), num_keys, 6_000)
+    truth = make(name, capacity, num_keys).run(keys, offsets)
+    assert np.array_equal(run_policy(registry.make_policy(name), keys, offsets, capacity, num_keys), truth)
+    if isinstance(sized(registry.make_policy(name), capacity, num_keys), Unbounded):
+        assert (~truth).sum() == num_keys  # each key missed once, on its first request
+
+
+@pytest.mark.parametrize("name", ["fbgemm-lru", "fbgemm-lfu"])
+def test_conflict_misses_past_the_keys_are_replayed(name):
+    """3,870 keys in 4,000 rows (125 sets of 32 ways, the fullest with 47 keys): the cache misses
+    more than once per key, and the replay says so instead of reporting an infinite cache; at
+    10**9 rows no set overflows and the replay is the infinite cache, its memory following the keys."""
+    from cachelab.engine.cascade import run_policy, sized
+    from cachelab.policy.unbounded import Unbounded
+
+    keys, offsets = _distinct_steps(np.random.default_rng(5), 3_870, 40_000)
+    policy = registry.make_policy(name)
+    assert not policy.holds_every_key(4_000, 3_870) and policy.holds_every_key(10**9, 3_870)
+    truth = make(name, 4_000, 3_870).run(keys, offsets)
+    assert (~truth).sum() > 3_870 + 100  # conflict misses on the sets with more than 32 keys
+    assert np.array_equal(run_policy(registry.make_policy(name), keys, offsets, 4_000, 3_870), truth)
+    assert not isinstance(sized(registry.make_policy(name), 4_000, 3_870), Unbounded)
+    infinite = sized(registry.make_policy(name), 10**9, 3_870)
+    assert isinstance(infinite, Unbounded) and infinite.name == name
+    assert (~run_policy(registry.make_policy(name), keys, offsets, 10**9, 3_870)).sum() == 3_870

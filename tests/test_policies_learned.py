@@ -85,6 +85,20 @@ def test_learned_admission_needs_a_filtered_base():
         policy.reset(10, 10)
 
 
+def test_learned_admission_holds_every_key_as_its_base():
+    """The base evicts, so it says when a capacity holds every key: a set-associative base
+    (4,000 rows are 125 sets, some with more than 32 of 3,870 keys) does not at 4,000 rows, and
+    the replay runs it there (conflict misses) instead of the infinite cache."""
+    from cachelab.engine.cascade import sized
+    from cachelab.policy.unbounded import Unbounded
+
+    make = registry.get(registry.POLICIES, "learned-admission")
+    assert make(base="lru").holds_every_key(4_000, 3_870) and make(base="fbgemm-lru").holds_every_key(10**9, 3_870)
+    assert not make(base="fbgemm-lru").holds_every_key(4_000, 3_870)
+    assert not isinstance(sized(make(base="fbgemm-lru"), 4_000, 3_870), Unbounded)
+    assert isinstance(sized(make(base="lru"), 4_000, 3_870), Unbounded)
+
+
 def _keep_scores(kept, horizon):
     """A classifier's keep scores (chance ``kept``) as ``cachelab.learning.training.keep_scores`` makes them."""
     return -(np.arange(kept.size, dtype=np.float64) + horizon * (1.0 - kept))

@@ -465,13 +465,14 @@ def test_counts_equal_the_simulators_for_any_capacities(tables, seed, hbm, dram,
 
 @pytest.mark.parametrize("policy", ["lru", "fbgemm-lru"])
 def test_a_capacity_above_the_tables_rows_is_clamped_and_holds_every_row(tables, policy):
-    """Past the table's rows a tier holds every row: its capacity (and memory) is clamped to
-    them, the store says so, and it is the simulator's infinite cache (a set-associative policy
-    there would still miss on a full set)."""
+    """Past the table's rows a tier whose policy holds every row (no set of 100,000 rows' 3,125
+    gets more than 32 of the 15,408) keeps only the table's rows of memory, the store says so,
+    and it is the simulator's infinite cache."""
     num_keys = int(TableLayout(CFG, SCALE).num_keys)
     with TieredStore.open(tables, hbm_policy=policy, hbm_capacity=100_000, dram_policy="lru",
                           dram_capacity="100%") as store:
-        assert [(t.capacity, t.memory.shape[0]) for t in store.tiers] == [(num_keys, num_keys)] * 2
+        assert [(t.capacity, t.rows, t.memory.shape[0]) for t in store.tiers] == [
+            (100_000, num_keys, num_keys), (num_keys, num_keys, num_keys)]
         assert store.clamped == {"hbm": {"asked": 100_000, "rows": num_keys}}  # 100% is the table's rows
         rows = full_rows(np.random.default_rng(14), 40)
         assert check_rows(store, rows, store.lookup(rows)) == 0
@@ -479,9 +480,31 @@ def test_a_capacity_above_the_tables_rows_is_clamped_and_holds_every_row(tables,
     out = replay_store(tables, stream, "dram", PolicySpec(policy, {}), "100%")
     assert out["capacities"] == {"hbm": num_keys} and out["clamped_capacities"] == {}
     assert out["matches_simulator"] and out["mismatches"] == 0, out["comparison"]
-    assert out["simulator"]["levels"]["hbm"]["infinite"]
     distinct = np.unique(TableLayout(CFG, SCALE).fold(full_rows(np.random.default_rng(15), 8 * 400))).size
-    assert out["comparison"]["hbm_misses"]["store"] == distinct  # each row missed once, on its first use
+    misses = out["comparison"]["hbm_misses"]["store"]
+    # the table's rows hold the stream's 14,580 for LRU (each missed once, on its first use), not
+    # for fbgemm-lru, whose 481 sets of 32 ways get up to 46 of them: conflict misses, in both
+    assert out["simulator"]["levels"]["hbm"]["infinite"] == (policy == "lru") == (misses == distinct)
+
+
+@pytest.mark.parametrize("policy", ["fbgemm-lru", "fbgemm-lfu"])
+def test_a_set_associative_tier_past_the_streams_rows_misses_as_the_simulator(tables, policy):
+    """Between the stream's 3,870 distinct rows and the table's 15,408 a set-associative tier
+    still has conflict misses where more than 32 rows share a set (4,000 rows: 125 sets, the
+    fullest with 47 of the stream's rows): the simulator runs the policy there too, not the
+    infinite cache, and counts them as the store does; a capacity that fits them holds every
+    row and gets the memory it asked for, not clamped."""
+    stream = stream_of(np.random.default_rng(3), steps=6, tokens=30)
+    distinct = np.unique(TableLayout(CFG, SCALE).fold(full_rows(np.random.default_rng(3), 6 * 30))).size
+    conflicts = 0
+    for capacity in (4_000, 4_400, 5_000, 20_000):
+        out = replay_store(tables, stream, "dram", PolicySpec(policy, {}), capacity)
+        assert out["matches_simulator"] and out["mismatches"] == 0, (capacity, out["comparison"])
+        assert out["capacities"] == {"hbm": capacity} and out["clamped_capacities"] == {}
+        misses = out["comparison"]["hbm_misses"]["store"]
+        assert out["simulator"]["levels"]["hbm"]["infinite"] == (misses == distinct) == (capacity == 20_000)
+        conflicts += misses - distinct
+    assert distinct == 3_870 and conflicts > 0
 
 
 def test_prefetch_returns_the_same_rows_and_reports_stall(tables):

@@ -92,7 +92,28 @@ def test_capacity_overflow_is_caught():
 def test_phantom_hits_are_caught():
     failed = failures(check_policy(PhantomHits))
     assert "phantom hit" in failed["check_hits_only_on_resident"]
-    assert set(failed) == {"check_hits_only_on_resident"}
+    assert "did not miss exactly on their first request" in failed["check_holds_every_key"]  # row 0's first
+    assert set(failed) == {"check_hits_only_on_resident", "check_holds_every_key"}
+
+
+def test_evicting_where_holds_every_key_says_it_cannot_is_caught():
+    """A policy that evicts before it is full (as a set-associative cache's full set does) keeps
+    the default ``holds_every_key`` at its peril: the engine would replay it as the infinite cache."""
+
+    class Reserving(PyFIFO):
+        def reset(self, capacity, num_keys):
+            super().reset(capacity, num_keys)
+            self.capacity = max(1, capacity * 3 // 4)  # a quarter of the slots kept free
+
+    assert "yet step" in failures(check_policy(Reserving))["check_holds_every_key"]
+
+    class Honest(Reserving):
+        def holds_every_key(self, capacity, num_keys):
+            return capacity * 3 // 4 >= num_keys
+
+    assert failures(check_policy(Honest)) == {}
+    duck = type("Duck", (), {k: v for k, v in vars(PyFIFO).items() if k in ("reset", "step", "resident", "victim")})
+    assert "the engine asks every policy" in failures(check_policy(duck))["check_holds_every_key"]
 
 
 def test_nondeterminism_is_caught():

@@ -22,17 +22,17 @@ from cachelab import registry
 from cachelab.errors import CachelabError
 from cachelab.engine.tiers import Hierarchy, SSDStore
 from cachelab.policy import Policy
-from cachelab.policy.unbounded import Unbounded, holds_every_key
+from cachelab.policy.unbounded import Unbounded
 from cachelab.workload.future import next_access
 from cachelab.workload.lookups import StepDedup, StepDeduper
 
 
 def sized(policy: Policy, capacity: int, num_keys: int) -> Policy:
-    """``policy`` reset to ``capacity`` rows over ``num_keys`` keys, or, when the capacity holds
-    every key, the infinite cache it then is (``cachelab.policy.unbounded``): its state would be
-    sized by a capacity the keys can never fill."""
+    """``policy`` reset to ``capacity`` rows over ``num_keys`` keys, or, when the policy says that
+    capacity holds every key (``Policy.holds_every_key``), the infinite cache it then is
+    (``cachelab.policy.unbounded``): its state would be sized by a capacity the keys can never fill."""
     num_keys = max(num_keys, 1)  # an empty stream still makes a valid cache
-    if holds_every_key(capacity, num_keys):
+    if policy.holds_every_key(capacity, num_keys):
         policy = Unbounded(policy)
     policy.reset(capacity, num_keys)
     return policy

@@ -83,6 +83,17 @@ class Policy(ABC):
         """
         return next_access
 
+    def holds_every_key(self, capacity: int, num_keys: int) -> bool:
+        """Whether, reset to ``capacity`` rows over ``num_keys`` keys, this policy can never evict
+        on any stream of keys in ``[0, num_keys)``: the engine then runs the tier as the infinite
+        cache (``cachelab.policy.unbounded``) instead of building state sized by the capacity.
+
+        The default, a capacity of at least ``num_keys`` rows, is exact for a policy that evicts
+        only to make room (every fully associative one). A policy that can evict sooner (a
+        set-associative cache's full set) overrides it; False is always exact, since the policy
+        itself then runs."""
+        return int(capacity) >= max(int(num_keys), 1)
+
     @abstractmethod
     def reset(self, capacity: int, num_keys: int) -> None:
         """Empty the cache: ``capacity`` slots for keys in ``[0, num_keys)``."""

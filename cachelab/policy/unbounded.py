@@ -1,18 +1,16 @@
-"""The cache that holds every key: what any policy becomes once its capacity covers the keys.
+"""The cache that holds every key: what a policy is once it can never evict.
 
 A tier of ``capacity >= num_keys`` slots can hold every key it will ever see, so a policy
-that evicts only to make room (every fully associative policy cachelab ships) never evicts:
+that evicts only to make room (every fully associative policy cachelab ships, 2Q included:
+its Am overflows only on a ghost hit, and a ghost only follows an eviction) never evicts:
 each key misses once, on its first request, and hits ever after, whatever the policy.
-The engine (``cachelab.engine.cascade``) replaces such a tier's policy by ``Unbounded``
-instead of building the policy's state, because that state is sized by the capacity (a
-slot array, queues, a frequency sketch): a capacity of 10**9 rows on a trace of 50 000
-keys would allocate gigabytes for slots that can never fill. ``Unbounded`` keeps one flag
-per key, so memory follows the trace, not the argument.
-
-Two built-ins can still miss at such a capacity and are replaced all the same, which
-reports say: a set-associative cache (``fbgemm-*``) can have conflicts within a set, and
-2Q bounds its LRU part to 75% of the capacity. Both tend to the infinite cache as the
-capacity grows; at ``capacity >= num_keys`` cachelab reports that bound.
+A policy says when that is so (``Policy.holds_every_key``: that rule by default; a
+set-associative ``fbgemm-*`` cache also needs no set to get more keys than its ways, or a
+full set evicts while the cache has room). The engine (``cachelab.engine.cascade``) then
+replaces the tier's policy by ``Unbounded`` instead of building the policy's state, because
+that state is sized by the capacity (a slot array, queues, a frequency sketch): a capacity of
+10**9 rows on a trace of 50 000 keys would allocate gigabytes for slots that can never fill.
+``Unbounded`` keeps one flag per key, so memory follows the trace, not the argument.
 """
 
 from __future__ import annotations
@@ -20,11 +18,6 @@ from __future__ import annotations
 import numpy as np
 
 from cachelab.policy.contract import Policy, StepResult, check_capacity, check_keys
-
-
-def holds_every_key(capacity: int, num_keys: int) -> bool:
-    """Whether a tier of ``capacity`` rows can hold all ``num_keys`` keys at once."""
-    return int(capacity) >= max(int(num_keys), 1)
 
 
 class Unbounded(Policy):

@@ -116,8 +116,9 @@ class PrefetchHandle:
 class TieredStore:
     """Engram tables behind an HBM row cache and a DRAM warm cache, each run by a policy.
 
-    A tier's capacity above the table's rows is clamped to them (``clamped``: per tier, the rows
-    asked for and kept): that tier holds every row, as the simulator's infinite cache does."""
+    A tier whose policy holds every row at its capacity (``Policy.holds_every_key``) runs as the
+    simulator's infinite cache, and a capacity above the table's rows then keeps only their
+    slots (``clamped``: per tier, the rows asked for and kept)."""
 
     def __init__(self, directory, backing: str = "dram", hbm_policy: Policy | str | None = "lru",
                  hbm_capacity=None, dram_policy: Policy | str | None = None, dram_capacity=None,
@@ -142,9 +143,14 @@ class TieredStore:
         table_bytes = sum(p.stat().st_size for p in self.paths)
         tiers = []
         asked = {"hbm": self._rows(hbm_capacity, "hbm_capacity"), "dram": self._rows(dram_capacity, "dram_capacity")}
-        # a tier of the table's rows holds every row (the simulator's infinite cache): slots past
-        # them could never fill, so a larger capacity is clamped, not allocated
-        hbm_rows, dram_rows = (min(rows, self.num_keys) for rows in asked.values())
+        policies = {name: self._policy(spec) for name, spec in (("hbm", hbm_policy), ("dram", dram_policy))
+                    if spec and asked[name]}
+        # a tier that holds every row (the simulator's infinite cache) never fills slots past the
+        # table's rows, so a larger capacity is clamped, not allocated; a set-associative policy
+        # can evict before that (a full set) and keeps the capacity asked for
+        hbm_rows, dram_rows = (min(rows, self.num_keys) if name in policies
+                               and policies[name].holds_every_key(rows, self.num_keys) else rows
+                               for name, rows in asked.items())
         if bool(dram_policy) != bool(dram_rows):
             raise CachelabError(f"the DRAM cache needs both a policy and a capacity, got dram_policy={dram_policy!r}, "
                                 f"dram_capacity={dram_capacity!r}")
@@ -170,14 +176,13 @@ class TieredStore:
                                 f"{torch.cuda.mem_get_info(self.device)[0]:,} B free on {device}")
         if hbm_policy and hbm_rows:
             mem = torch.empty((hbm_rows, self.row_bytes), dtype=torch.uint8, device=self.device)
-            tiers.append(CacheTier("hbm", self._policy(hbm_policy), hbm_rows, self.num_keys,
+            tiers.append(CacheTier("hbm", policies["hbm"], asked["hbm"], self.num_keys,
                                    mem if self.cuda else mem.numpy()))
         if dram_policy and dram_rows:
             mem = torch.empty((dram_rows, self.row_bytes), dtype=torch.uint8, pin_memory=self.cuda)
-            tiers.append(CacheTier("dram", self._policy(dram_policy), dram_rows, self.num_keys, mem.numpy()))
+            tiers.append(CacheTier("dram", policies["dram"], asked["dram"], self.num_keys, mem.numpy()))
         self.tiers = tiers
-        self.clamped = {t.name: {"asked": asked[t.name], "rows": t.capacity} for t in tiers
-                        if asked[t.name] > t.capacity}
+        self.clamped = {t.name: {"asked": t.capacity, "rows": t.rows} for t in tiers if t.rows < t.capacity}
         self._hbm = tiers[0] if tiers and tiers[0].name == "hbm" else None
         self._dram = tiers[-1] if tiers and tiers[-1].name == "dram" else None
         self.backing = open_backing(backing, lay, self.paths, io_threads, io_submit, device)

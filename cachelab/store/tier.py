@@ -20,15 +20,17 @@ from cachelab.store.kernels import copy_rows
 
 
 class CacheTier:
-    """``capacity`` slots of ``row_bytes`` in ``memory``: a NumPy view of the tier's host buffer,
-    or the torch tensor of a tier in device memory (with CUDA, the HBM row cache)."""
+    """A policy of ``capacity`` rows over slots of ``row_bytes`` in ``memory``: a NumPy view of the
+    tier's host buffer, or the torch tensor of a tier in device memory (with CUDA, the HBM row
+    cache). ``rows``, the slots, is the capacity, or fewer where the policy holds every row at
+    that capacity and runs as the infinite cache (its slots fill in order, one per row)."""
 
     def __init__(self, name: str, policy: Policy, capacity: int, num_keys: int, memory):
         caps = policy.capabilities
         if caps.needs_future:
             raise CachelabError(f"policy {policy.name!r} ({name} tier) needs the future; a live store serves one "
                                 "step at a time and cannot give it")
-        self.name, self.capacity, self.memory = name, int(capacity), memory
+        self.name, self.capacity, self.memory, self.rows = name, int(capacity), memory, int(memory.shape[0])
         self.policy = sized(policy, self.capacity, num_keys)  # holding every row: the simulator's infinite cache
         self.slot_of = np.full(num_keys, -1, np.int32 if num_keys < 2**31 else np.int64)
 

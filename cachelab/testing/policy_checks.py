@@ -239,9 +239,32 @@ def check_step_matches_run(cls, **params):
             raise ConformanceError(f"capacity {capacity}: run() and step() end with different rows resident")
 
 
+def check_holds_every_key(cls, **params):
+    """Where ``holds_every_key`` says a capacity holds every key (the engine then runs the
+    infinite cache instead), the policy itself never evicts there: each key misses once."""
+    if not callable(getattr(cls, "holds_every_key", None)):
+        raise ConformanceError("no holds_every_key(capacity, num_keys): the engine asks every policy "
+                               "(subclass cachelab.policy.Policy for the default, capacity >= num_keys)")
+    checked = [c for c in (NUM_KEYS, NUM_KEYS + 1, 2 * NUM_KEYS, 4 * NUM_KEYS)
+               if cls(**params).holds_every_key(c, NUM_KEYS)]
+    if not checked:
+        raise Skip(f"no capacity up to {4 * NUM_KEYS} holds every key")
+    for capacity in checked:
+        seen = set()
+        for s, batch, _, r, _ in _Run(cls, params, capacity).steps():
+            if len(r.evicted):
+                raise ConformanceError(f"capacity {capacity} holds every one of {NUM_KEYS} keys (holds_every_key), "
+                                       f"yet step {s} evicted {sorted(np.asarray(r.evicted).tolist())}")
+            missed = [k for k, hit in zip(batch.tolist(), np.asarray(r.hits).tolist()) if hit == (k not in seen)]
+            if missed:
+                raise ConformanceError(f"capacity {capacity} holds every key (holds_every_key), yet at step {s} "
+                                       f"keys {missed} did not miss exactly on their first request")
+            seen.update(batch.tolist())
+
+
 POLICY_CHECKS = (check_interface, check_get_params, check_bad_arguments, check_capacity_respected,
                  check_hits_only_on_resident, check_slots_consistent, check_determinism, check_reset,
-                 check_step_matches_run)
+                 check_step_matches_run, check_holds_every_key)
 
 
 def check_policy(cls, **params):

@@ -26,13 +26,20 @@ class LearnedAdmission(Policy):
     def __init__(self, base: str = "lru"):
         self.base = base
 
-    def reset(self, capacity: int, num_keys: int) -> None:
+    def _make_base(self) -> Policy:
         cls = registry.get(registry.POLICIES, self.base)
         try:
-            self.base_ = cls(admission="scores")
+            return cls(admission="scores")
         except TypeError:
             raise CachelabError(f"policy {self.base!r} takes no admission filter, so learned admission "
                                 "cannot sit in front of it") from None
+
+    def holds_every_key(self, capacity: int, num_keys: int) -> bool:
+        """The base's answer: the base evicts (a set-associative one before it is full)."""
+        return self._make_base().holds_every_key(capacity, num_keys)
+
+    def reset(self, capacity: int, num_keys: int) -> None:
+        self.base_ = self._make_base()
         self.base_.reset(capacity, num_keys)
         flt = getattr(self.base_, "filter", None)
         if flt is None or int(flt[0]) != SCORES:

@@ -24,6 +24,11 @@ rows are the engine's dense keys (FBGEMM hashes its linearised table indices). F
 prefetch-pipeline line locking is not modelled: a step's rows are all inserted before the
 next step begins.
 
+A capacity of at least the keys still misses where more keys hash to a set than it has ways
+(about 3,870 keys in 4,000 rows' 125 sets: a few sets get 33 or more), so such a capacity
+holds every key (``holds_every_key``: the engine may run the infinite cache instead) only
+when no set of the keys ``[0, num_keys)`` has more than its ways (``fullest_set``).
+
 The kernels hand ``borrowed`` views of their arrays (``cachelab.compiled.borrowed``) to the
 helpers they call per lookup (the admission filter) and per admitted row (``_place``): given
 the arrays themselves, Numba took and dropped a reference to each at every call, atomic
@@ -37,6 +42,8 @@ stream of one lookup per step at every lookup.)
 """
 
 from __future__ import annotations
+
+import functools
 
 import numba as nb
 import numpy as np
@@ -69,6 +76,40 @@ def sort_shift(sets: int) -> int:
     largest key in an int64 (a fixed 40 overflowed from 2^23 sets, 268 M slots, and misordered
     the sets; the order within a set does not depend on the shift)."""
     return 63 - int(sets).bit_length()
+
+
+def geometry(capacity: int) -> tuple[int, int]:
+    """(sets, ways) of a cache of ``capacity`` rows: ``capacity // 32`` sets of 32 ways, one set
+    of ``capacity`` ways under 32 rows."""
+    ways = min(ASSOC, int(capacity))
+    return int(capacity) // ways, ways
+
+
+@functools.lru_cache(maxsize=16)
+def fullest_set(num_keys: int, sets: int) -> int:
+    """The most of the keys ``[0, num_keys)`` that share one of ``sets`` sets (cached: a tier is
+    asked twice, by the store and by ``sized``)."""
+    return int(_fullest_set(int(num_keys), int(sets)))
+
+
+@nb.njit(cache=True)
+def _fullest_set(num_keys, sets):
+    """Counted per set when there are no more sets than keys, else by sorting the keys' sets:
+    memory follows the keys, never the capacity."""
+    if sets <= num_keys:
+        counts = np.zeros(sets, np.int64)
+        for key in range(num_keys):
+            counts[cache_set(key, sets)] += 1
+        return counts.max()
+    of = np.empty(num_keys, np.int64)
+    for key in range(num_keys):
+        of[key] = cache_set(key, sets)
+    of.sort()
+    best = run = 1
+    for i in range(1, num_keys):
+        run = run + 1 if of[i] == of[i - 1] else 1
+        best = max(best, run)
+    return best
 
 
 @nb.njit(cache=True, inline="always")
@@ -248,9 +289,15 @@ class _SetAssociative(KernelPolicy):
 
     batched = True
 
+    def holds_every_key(self, capacity, num_keys):
+        """Room for every key, and no set with more keys than ways (module doc)."""
+        if not super().holds_every_key(capacity, num_keys):
+            return False
+        sets, ways = geometry(capacity)
+        return fullest_set(max(int(num_keys), 1), sets) <= ways
+
     def init_state(self, capacity, num_keys):
-        ways = min(ASSOC, capacity)
-        sets = capacity // ways
+        sets, ways = geometry(capacity)
         self.meta = np.array([0, sets, ways, sort_shift(sets)], dtype=np.int64)
         self.by_cost = np.empty(ways, dtype=np.int64)  # a set's slots by cost
         self.work = np.empty((4, 0), dtype=np.int64)  # a step's misses: key, row, and the merge's spare
