@@ -103,7 +103,16 @@ def test_mrc_marks_the_capacities_that_hold_every_key(keys):
     out = json.loads(res.stdout)
     assert out["distinct_keys"] == distinct and out["trace_kind"] == KEY
     assert out["miss_ratios"][1] == out["miss_ratios"][2] == pytest.approx(distinct / np.load(keys).size)
+    assert out["infinite"] == [False, True, True]
     assert invoke("mrc", "--trace", keys, "--capacities", f"10,{10 * distinct}").stdout.count("infinite") >= 2
+    # a set-associative cache of as many rows as keys still has full sets: not marked, and it misses more
+    res = invoke("mrc", "--trace", keys, "--policy", "fbgemm-lru", "--capacities", f"{distinct},{10 * distinct}",
+                 "--workers", 1, "--json")
+    out = json.loads(res.stdout)
+    assert out["infinite"] == [False, True]
+    assert out["miss_ratios"][0] > out["miss_ratios"][1] == pytest.approx(distinct / np.load(keys).size)
+    shown = invoke("mrc", "--trace", keys, "--policy", "fbgemm-lru", "--capacities", distinct, "--workers", 1).stdout
+    assert "infinite" not in shown
 
 
 # ---- 4. one meaning of --trace ----

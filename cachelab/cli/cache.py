@@ -153,8 +153,7 @@ def mrc(
     console = Console()
     console.print(f"{trace}: {found}")
     console.print(f"[bold]{policy}[/] miss-ratio curve ({curve.method}, {curve.requests:,} requests)")
-    for c, m in zip(curve.capacities, curve.miss_ratios):
-        infinite = "  infinite" if c >= curve.distinct_keys else ""
-        console.print(f"  {c:>12,}  {m:.4f}  {'#' * int(np.round(m * 50))}{infinite}")
-    if curve.capacities[-1] >= curve.distinct_keys:
+    for c, m, infinite in zip(curve.capacities, curve.miss_ratios, curve.infinite):
+        console.print(f"  {c:>12,}  {m:.4f}  {'#' * int(np.round(m * 50))}{'  infinite' if infinite else ''}")
+    if any(curve.infinite):
         console.print(f"  (infinite: the capacity holds all {curve.distinct_keys:,} distinct keys; each misses once)")

@@ -93,12 +93,13 @@ class Curve:
     method: str  # exact-stack | shards | simulation | mini-simulation
     sample_rate: float | None = None
     warmup_requests: int = 0
-    distinct_keys: int = 0  # a capacity of at least this many is an infinite cache
+    distinct_keys: int = 0
+    infinite: list[bool] | None = None  # per capacity: the policy holds every distinct key there
 
     def to_dict(self) -> dict:
         return {"capacities": self.capacities, "miss_ratios": self.miss_ratios, "requests": self.requests,
                 "method": self.method, "sample_rate": self.sample_rate, "warmup_requests": self.warmup_requests,
-                "distinct_keys": self.distinct_keys}
+                "distinct_keys": self.distinct_keys, "infinite": self.infinite}
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,7 @@ def miss_ratio_curve(stream: LookupStream, capacities: list[int], policy: str = 
     any other policy (or LRU with parameters) runs once per capacity in ``workers`` processes.
     """
     params = dict(params or {})
-    registry.make_policy(policy, **params)  # fail fast on an unknown policy or parameter
+    probe = registry.make_policy(policy, **params)  # fail fast on an unknown policy or parameter
     capacities = sorted({int(c) for c in capacities})
     if not capacities or capacities[0] < 1:
         raise CachelabError(f"capacities must be positive, got {capacities}")
@@ -188,10 +189,11 @@ def miss_ratio_curve(stream: LookupStream, capacities: list[int], policy: str = 
                             "after the warm-up: raise the rate")
     requests = int(req.weights[req.first:].sum())
     warm = int(req.weights[:req.first].sum())
+    infinite = [probe.holds_every_key(c, req.num_keys) for c in capacities]  # as ``sized`` decides
     if policy == "lru" and not params:
         method = "exact-stack" if sample_rate is None else "shards"
         return Curve(capacities, _lru_curve(req, capacities, sample_rate), requests, method, sample_rate, warm,
-                     req.num_keys)
+                     req.num_keys, infinite)
     _SHARED.update(req=req, policy=policy, params=params, rate=sample_rate)
     workers = max(1, min(len(capacities), workers or os.cpu_count() or 1))
     with Progress(transient=True, disable=not progress) as bar:
@@ -209,4 +211,4 @@ def miss_ratio_curve(stream: LookupStream, capacities: list[int], policy: str = 
                 ratios = [f.result() for f in futures]
     _SHARED.clear()
     method = "simulation" if sample_rate is None else "mini-simulation"
-    return Curve(capacities, [float(r) for r in ratios], requests, method, sample_rate, warm, req.num_keys)
+    return Curve(capacities, [float(r) for r in ratios], requests, method, sample_rate, warm, req.num_keys, infinite)
