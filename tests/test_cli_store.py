@@ -66,6 +66,10 @@ def test_bench_json_matches_the_simulator(tables, tmp_path):
         assert out["matches_simulator"] is True and out["mismatches"] == 0
         assert out["store"]["hbm_hits"] == out["simulator"]["levels"]["hbm"]["served_unique"] > 0
         assert ("cuda" if torch.cuda.is_available() else "CPU tensor") in out["hbm_device"]  # --device auto
+        assert out["policies"] == {"hbm": "s3fifo", "dram": "s3fifo"}
+    res = run("bench", "--dir", tables, "--trace", path, "--capacity", 0, "--backing", "hbm", "--device", "cpu",
+              "--json")
+    assert res.exit_code == 0 and json.loads(res.output)["policies"] == {}  # no tier runs a policy
     res = run("bench", "--dir", tables, "--trace", path, "--capacity", "1e9", "--no-verify", "--device", "cpu")
     assert res.exit_code == 0 and "hbm capacity 1,000,000,000 rows clamped to the table's 7,728 rows" in res.output
     res = run("bench", "--dir", tables, "--trace", path, "--capacity", 150, "--device", "gpu")

@@ -161,7 +161,7 @@ def replay_store(directory, stream: LookupStream, backing: str, hbm: PolicySpec 
                "io_submission": getattr(store.backing, "submission", None),
                "compute_ms": compute_ms,
                "lookups": int(stream.keys.size), "capacities": capacities, "clamped_capacities": store.clamped,
-               "policies": {k: v.name for k, v in specs.items()},
+               "policies": {t: specs[t].name for t in store.tier_names},  # the tiers that run
                "store": totals, "simulator": sim,
                "comparison": {k: {"store": int(a), "simulator": int(b)} for k, (a, b) in figures.items()},
                "matches_simulator": all(int(a) == int(b) for a, b in figures.values())}
