@@ -8,6 +8,7 @@ checkout (``../shared/data``), and derived artefacts (the compressed-vocabulary 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -89,6 +90,27 @@ def replacing(path: str | os.PathLike) -> Iterator[Path]:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def held(lock: Path, what: str, why: str) -> Iterator[None]:
+    """The folder of the lock file ``lock`` for ``what`` alone until the block ends; a second
+    holder is refused at once, told who holds it and ``why`` two at once would be wrong (the
+    lock is the kernel's: a killed holder frees it)."""
+    lock = Path(lock)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise CachelabError(f"{holder} is using {lock.parent} now; wait for it to end ({why})") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"`{what}` (pid {os.getpid()})")
+        f.flush()
+        yield
 
 
 def output_folder(path: Path, flag: str) -> Path:

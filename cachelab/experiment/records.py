@@ -10,11 +10,8 @@ would run, or send, the same points twice.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import io
 import json
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -22,7 +19,7 @@ from pathlib import Path
 
 import polars as pl
 
-from cachelab.errors import CachelabError
+from cachelab.paths import held
 
 PARENT = "_parent"
 
@@ -93,22 +90,6 @@ class Outbox:
     def remove(self, key: str) -> None:
         shutil.rmtree(self.root / key, ignore_errors=True)
 
-    @contextlib.contextmanager
     def held(self, what: str):
-        """This experiment's folder for ``what`` alone, until the block ends; a second holder
-        is refused at once, told who holds it (the lock is the kernel's: a killed holder frees it)."""
-        path = self.root.parent / ".lock"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a+") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                lock.seek(0)
-                holder = lock.read().strip() or "another process"
-                raise CachelabError(f"{path.parent.name}: {holder} is using {path.parent} now; wait for it to end "
-                                    "(running both would run or send the same points twice)") from None
-            lock.seek(0)
-            lock.truncate()
-            lock.write(f"`{what}` (pid {os.getpid()})")
-            lock.flush()
-            yield
+        """This experiment's folder for ``what`` alone, until the block ends (``paths.held``)."""
+        return held(self.root.parent / ".lock", what, "running both would run or send the same points twice")
