@@ -91,6 +91,15 @@ def test_bad_input_exits_2_naming_the_value(tables, tmp_path):
         assert res.exit_code == 2 and "--compute-ms must be 0 or more and --max-lookups at least 1" in res.output
 
 
+def test_build_into_a_directory_another_build_holds_exits_2_naming_it(tables):
+    from cachelab.paths import held
+
+    with held(tables / ".build.lock", "cachelab store build", "a test holds it"):
+        res = run("build", "--scale", "1e-5", "--dir", tables, "--seed", 3)
+    assert res.exit_code == 2 and f"`cachelab store build` (pid {os.getpid()}) is using {tables} now" in res.output
+    assert run("verify", "--dir", tables, "--json").exit_code == 0
+
+
 @pytest.mark.parametrize("before", [False, True])  # a fresh directory; one holding a build
 def test_a_build_killed_midway_leaves_no_table(tables, tmp_path, before):
     target = tmp_path / "t"

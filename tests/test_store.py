@@ -649,6 +649,90 @@ def test_a_table_file_truncated_after_its_header_check_is_named_by_every_backing
                 store.lookup(rows)
 
 
+def test_a_file_truncated_between_its_header_check_and_verify_mapping_it_is_named(tmp_path, monkeypatch):
+    """``verify`` mapped a file cut short after its header check and died of an IndexError."""
+    from cachelab.store import build as build_mod
+
+    build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, progress=False)
+    path = tmp_path / "layer14.tbl"
+    full, check = path.stat().st_size, build_mod.check_header
+    for short, why in ((full - PAGE, f"{full - PAGE:,} B mapped, {full:,} B expected"),
+                       (100, f"cannot be mapped \\(.*\\), {full:,} B expected")):
+        def then_cut(p, *args, short=short):
+            out = check(p, *args)
+            if p == path:
+                os.truncate(path, short)
+            return out
+
+        monkeypatch.setattr(build_mod, "check_header", then_cut)
+        os.truncate(path, full)
+        with pytest.raises(CachelabError, match=f"layer14.tbl: {why}: the file changed since its header was checked"):
+            verify_tables(tmp_path)
+
+
+def test_a_second_build_into_a_directory_is_refused_while_one_writes_it(tmp_path, monkeypatch):
+    """Two builds into one directory wrote the same ``.tmp`` files and could mix their layers;
+    a reader beside a build reads the previous build, whole."""
+    from cachelab.store import build as build_mod
+
+    build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, seed=1, progress=False)
+    fill, writing, go = build_mod.fill_pages, threading.Event(), threading.Event()
+
+    def second_layer_waits(*args):  # the first build stops midway, its first layer written
+        if args[1] == 1:
+            writing.set()
+            go.wait(60)
+        return fill(*args)
+
+    monkeypatch.setattr(build_mod, "fill_pages", second_layer_waits)
+    first = threading.Thread(target=build_tables, args=("deepseek-v4.1-flash", 1e-6, tmp_path),
+                             kwargs={"seed": 2, "progress": False})
+    first.start()
+    try:
+        assert writing.wait(60)
+        with pytest.raises(CachelabError, match=rf"`cachelab store build` \(pid {os.getpid()}\) is using {tmp_path} "
+                           "now; wait for it to end"):
+            build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, seed=3, progress=False)
+        assert verify_tables(tmp_path) == {"rows_checked": 816, "mismatches": 0}
+        with TieredStore.open(tmp_path, backing="pread") as store:
+            assert store.manifest["seed"] == 1
+    finally:
+        go.set()
+        first.join()
+    assert json.loads((tmp_path / "manifest.json").read_text())["seed"] == 2
+    assert verify_tables(tmp_path)["mismatches"] == 0
+
+
+@pytest.mark.parametrize("where", ["headers", "verify", "store"])
+def test_files_a_build_replaced_while_a_reader_opened_them_are_refused(tmp_path, monkeypatch, where):
+    """A build renaming its files in while a reader opened them gave the reader a mix of two
+    builds: served as the manifest's rows (``verify``: every row a mismatch), or named damaged."""
+    from cachelab.store import build as build_mod, store as store_mod
+
+    build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, seed=1, progress=False)
+    done = []
+
+    def then_rebuild(real):
+        def wrapped(*args):
+            out = real(*args)
+            if not done:  # once the reader has its manifest and the first header (or all of them)
+                done.append(build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, seed=2, progress=False))
+            return out
+        return wrapped
+
+    module, name = {"headers": (build_mod, "check_header"), "verify": (build_mod, "open_tables"),
+                    "store": (store_mod, "open_tables")}[where]
+    monkeypatch.setattr(module, name, then_rebuild(getattr(module, name)))
+    with pytest.raises(CachelabError, match="another `cachelab store build` replaced the tables while they were "
+                       "being opened; open them again"):
+        if where == "store":
+            TieredStore.open(tmp_path, backing="mmap").close()
+        else:
+            verify_tables(tmp_path)
+    monkeypatch.undo()
+    assert verify_tables(tmp_path)["mismatches"] == 0  # opened again: the new build
+
+
 def test_a_damaged_manifest_is_named_with_its_field(tmp_path):
     build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, progress=False)
     path = tmp_path / "manifest.json"

@@ -35,6 +35,7 @@ def build(
     """Write the Engram tables of a layout as packed FP8 rows (264 B each for V4.1), one file per layer.
 
     Files are written under a temporary name and renamed when complete; manifest.json comes last.
+    A second build into a --dir while one runs there is refused, naming the one running.
     `verify` then compares every row with its source: the recompute for --seed, or the checkpoint.
     """
     from cachelab.store import build_tables

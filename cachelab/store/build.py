@@ -6,11 +6,17 @@ layers into place and write ``manifest.json`` last. Every reader (``verify``,
 ``TieredStore.open``, ``bench``) refuses a directory without a manifest, so nothing
 half-written is ever served, and a build killed, interrupted or out of disk while writing
 leaves the previous build (or none) readable as it was.
+
+One build at a time holds a directory (``.build.lock``): a second is refused, told which
+process builds there. Readers take no lock: each manifest carries its own ``build_id``, and a
+reader that finds the same manifest before and after opening the files has opened one build's
+(a build removes the manifest before its first rename and writes its own after its last).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 from dataclasses import asdict
 from pathlib import Path
 
@@ -19,12 +25,13 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn, 
 
 from cachelab.engram.config import EngramConfig, get_preset
 from cachelab.errors import CachelabError
-from cachelab.paths import output_folder
+from cachelab.paths import held, output_folder
 from cachelab.store.format import (MANIFEST, MANIFEST_FORMAT, PAGE, TableLayout, check_header, fill_pages,
                                    pack_header, read_manifest, write_manifest)
 from cachelab.store.source import RowSource
 
 CHUNK_PAGES = 4096  # 16 MiB per write
+LOCK = ".build.lock"
 
 
 def table_path(directory: Path, layout: TableLayout, layer: int) -> Path:
@@ -81,6 +88,14 @@ def build_tables(layout: str | EngramConfig, scale: float, directory, seed: int 
             raise CachelabError(f"{exc}: a build replaces only a previous table build; it wrote nothing "
                                 "(give another --dir)") from None
     directory.mkdir(parents=True, exist_ok=True)
+    with held(directory / LOCK, "cachelab store build", "two builds at once would write the same .tmp files and "
+              "mix their layers"):
+        return _build(table, source, seed, directory, progress)
+
+
+def _build(table: TableLayout, source: RowSource, seed: int, directory: Path, progress: bool) -> dict:
+    """The files of ``table`` written under temporary names, then swapped in (module doc)."""
+    config = table.config
     total = sum(table.file_bytes(li) for li in range(len(config.layers)))
     free = os.statvfs(directory)
     if free.f_bavail * free.f_frsize < total:
@@ -97,9 +112,9 @@ def build_tables(layout: str | EngramConfig, scale: float, directory, seed: int 
     for tmp, final in zip(tmps, finals):
         tmp.replace(final)
     manifest = {"format": MANIFEST_FORMAT, "version": 1, "layout": config.name, "scale": table.scale,
-                "seed": int(seed), "row_bytes": table.row_bytes, "rows_per_page": table.rows_per_page,
-                "page_bytes": PAGE, "table_rows": table.table_rows.tolist(), "files": [f.name for f in finals],
-                "layout_hash": table.hash().hex(), "config": _config_dict(config),
+                "seed": int(seed), "build_id": secrets.token_hex(8), "row_bytes": table.row_bytes,
+                "rows_per_page": table.rows_per_page, "page_bytes": PAGE, "table_rows": table.table_rows.tolist(),
+                "files": [f.name for f in finals], "layout_hash": table.hash().hex(), "config": _config_dict(config),
                 "fold": "per-head modulo: off'_j + (row - off_j) mod ceil(scale * P_j)", "source": source.describe()}
     write_manifest(directory, manifest)
     return manifest
@@ -148,12 +163,43 @@ def _fill_from(source: RowSource, layer: int, first: int, pages: int, rows: int,
 
 
 def open_tables(directory) -> tuple[TableLayout, dict, list[Path]]:
-    """A built directory's layout, manifest and table files, every header checked."""
+    """A built directory's layout, manifest and table files, every header checked. A reader
+    that opens the files after this calls ``same_build`` once they are open."""
     layout, manifest = load_layout(directory)
     paths = [table_path(directory, layout, li) for li in range(len(layout.config.layers))]
-    for li, path in enumerate(paths):
-        check_header(path, layout, li, int(manifest.get("seed", 0)))
+    try:
+        for li, path in enumerate(paths):
+            check_header(path, layout, li, int(manifest.get("seed", 0)))
+    except CachelabError:  # a file of a build that replaced this one is not a damaged file
+        same_build(directory, manifest)
+        raise
     return layout, manifest, paths
+
+
+def same_build(directory, manifest: dict) -> None:
+    """Refuse files opened while another build replaced ``manifest``'s: the manifest there now
+    must still be ``manifest`` (module doc)."""
+    try:
+        now = read_manifest(directory)
+    except CachelabError:
+        now = None
+    if now != manifest:
+        raise CachelabError(f"{directory}: another `cachelab store build` replaced the tables while they were "
+                            "being opened; open them again")
+
+
+def _map_pages(path: Path, size: int) -> np.ndarray:
+    """``path``'s data pages, mapped read-only; a file not ``size`` B (changed since its header
+    check) is named, never indexed past its end."""
+    try:
+        data = np.memmap(path, np.uint8, mode="r", offset=PAGE)
+    except (OSError, ValueError, OverflowError) as exc:  # OverflowError: nothing past the header
+        raise CachelabError(f"{path}: cannot be mapped ({exc}), {size:,} B expected: the file changed since its "
+                            "header was checked") from None
+    if PAGE + data.size != size:
+        raise CachelabError(f"{path}: {PAGE + data.size:,} B mapped, {size:,} B expected: the file changed since "
+                            "its header was checked")
+    return data.reshape(-1, PAGE)
 
 
 def verify_tables(directory, sample: int | None = None, seed: int = 0) -> dict:
@@ -164,6 +210,8 @@ def verify_tables(directory, sample: int | None = None, seed: int = 0) -> dict:
     if sample is not None and sample < 1:
         raise CachelabError(f"--sample must be at least 1 row per layer, got {sample}")
     layout, manifest, paths = open_tables(directory)
+    maps = [_map_pages(path, layout.file_bytes(li)) for li, path in enumerate(paths)]
+    same_build(directory, manifest)
     source = RowSource.of_manifest(layout, manifest)
     rb, rpp = layout.row_bytes, layout.rows_per_page
     checked = mismatches = 0
@@ -171,12 +219,12 @@ def verify_tables(directory, sample: int | None = None, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     for li, path in enumerate(paths):
         n = int(layout.table_rows[li])
-        data = np.memmap(path, np.uint8, mode="r", offset=PAGE)
+        data, maps[li] = maps[li], None
         step = 1 << 18
         todo = np.arange(n, dtype=np.int64) if sample is None else np.sort(rng.choice(n, min(sample, n), replace=False))
         for lo in range(0, todo.size, step):
             rows = todo[lo:lo + step]
-            pages = data.reshape(-1, PAGE)[rows // rpp]
+            pages = data[rows // rpp]
             got = pages[np.arange(rows.size)[:, None], (rows % rpp)[:, None] * rb + np.arange(rb)]
             differ = got != source.rows(li, rows)
             bad = np.flatnonzero(differ.any(axis=1))

@@ -38,7 +38,7 @@ from cachelab.capacity import parse_capacity
 from cachelab.errors import CachelabError
 from cachelab.policy import Policy
 from cachelab.store.backing import open_backing
-from cachelab.store.build import open_tables
+from cachelab.store.build import open_tables, same_build
 from cachelab.store.counters import TIME_KEYS, Counters, count_keys
 from cachelab.store.kernels import (BITMAP_BYTES, DEQUANT_TABLE, SEEN_GENERATIONS, SEEN_KEY_BITS, dequant_expand,
                                     lookup_dequant, slot_bits)
@@ -186,6 +186,11 @@ class TieredStore:
         self._hbm = tiers[0] if tiers and tiers[0].name == "hbm" else None
         self._dram = tiers[-1] if tiers and tiers[-1].name == "dram" else None
         self.backing = open_backing(backing, lay, self.paths, io_threads, io_submit, device)
+        try:
+            same_build(self.directory, self.manifest)  # no build replaced the files while they were opened
+        except CachelabError:
+            self.backing.close()
+            raise
         # no tier keeps a row and the rows are where the dequantiser runs: gathered straight to BF16
         self._fused = not tiers and not self.cuda and backing in ("dram", "hbm")
         # keys: the layout's fold; with the fused path, straight to page-table rows (a bijection
