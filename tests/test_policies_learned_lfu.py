@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, example, given, settings, strategies as st
 
 from cachelab import registry
 from cachelab.errors import CachelabError
@@ -15,8 +15,9 @@ from stream_fixtures import zipf_keys
 
 
 def _reference(keys, capacity, scores, weight, horizon):
-    """The module doc's rules, one access at a time, over dicts."""
-    count, chance, resident, hits = {}, {}, set(), []
+    """The module doc's rules, one access at a time, over dicts; and whether a victim was ambiguous
+    (two residents of the lowest priority: the rules name no order between them, the heap picks one)."""
+    count, chance, resident, hits, ambiguous = {}, {}, set(), [], False
     for i, key in enumerate(keys.tolist()):
         chance[key] = float(np.float32(min(max(1.0 - (-scores[i] - i) / horizon, 0.0), 1.0)))  # kept as float32
         count[key] = count.get(key, 0) + 1
@@ -32,21 +33,26 @@ def _reference(keys, capacity, scores, weight, horizon):
             continue
         victim = min(resident, key=priority)
         if priority(key) >= priority(victim):
+            ambiguous |= sum(priority(k) == priority(victim) for k in resident) > 1
             resident.remove(victim)
             resident.add(key)
-    return np.array(hits), resident
+    return np.array(hits), resident, ambiguous
 
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), capacity=st.integers(1, 12), weight=st.sampled_from([0.5, 1.0, 3.0]))
+@example(seed=456, capacity=5, weight=0.5)
 def test_kernel_matches_the_rules(seed, capacity, weight):
     rng = np.random.default_rng(seed)
     keys = rng.integers(0, 30, 400)
-    scores = -(np.arange(400) + rng.uniform(0, 100, 400))  # distinct chances: no ties to break
+    scores = -(np.arange(400) + rng.uniform(0, 100, 400))
+    want, resident, ambiguous = _reference(keys, capacity, scores, weight, 100)
+    # distinct chances still tie where the fixed point truncates them alike (seed 456, capacity 5,
+    # weight 0.5: keys 14 and 23 both at 223,334 when key 29 came in)
+    assume(not ambiguous)
     policy = registry.get(registry.POLICIES, "learned-lfu")(weight=weight, horizon=100)
     policy.reset(capacity, 30)
     hits = policy.run(keys, np.arange(0, 401, 7).tolist() + [400], None, scores)
-    want, resident = _reference(keys, capacity, scores, weight, 100)
     np.testing.assert_array_equal(hits, want)
     assert set(policy.resident().tolist()) == resident
 
