@@ -812,13 +812,17 @@ def test_row_id_out_of_range_and_capacity_over_memory(tables, hbm_capacity, monk
             store.lookup(rows)
         with pytest.raises(CachelabError, match=r"must be \[tokens, 2, 24\]"):
             store.lookup(rows[:, :1])
+    with TieredStore.open(tables, hbm_capacity=10, dram_policy="lru", dram_capacity=0) as store:
+        assert [t.name for t in store.tiers] == ["hbm"], "a DRAM capacity of 0 is no DRAM tier, as for HBM"
     from cachelab.store import store as store_mod
 
     monkeypatch.setattr(store_mod, "available_memory", lambda: 1 << 20)  # a capacity is at most the table's rows
     with pytest.raises(CachelabError, match="capacity over the memory available: the tiers and table need 4,067,712 B"):
         TieredStore.open(tables, backing="mmap", hbm_capacity="64TiB")  # 15,408 rows of 264 B
-    with pytest.raises(CachelabError, match="needs both a policy and a capacity"):
+    with pytest.raises(CachelabError, match="dram_policy 'lru' needs a dram_capacity"):
         TieredStore.open(tables, hbm_capacity=10, dram_policy="lru")
+    with pytest.raises(CachelabError, match="dram_capacity 100 needs a DRAM cache policy"):
+        TieredStore.open(tables, hbm_capacity=10, dram_capacity=100)
 
 
 @pytest.mark.parametrize("failure", [KeyboardInterrupt, OSError(errno.ENOSPC, "No space left on device")])

@@ -151,9 +151,11 @@ class TieredStore:
         hbm_rows, dram_rows = (min(rows, self.num_keys) if name in policies
                                and policies[name].holds_every_key(rows, self.num_keys) else rows
                                for name, rows in asked.items())
-        if bool(dram_policy) != bool(dram_rows):
-            raise CachelabError(f"the DRAM cache needs both a policy and a capacity, got dram_policy={dram_policy!r}, "
-                                f"dram_capacity={dram_capacity!r}")
+        if dram_rows and not dram_policy:
+            raise CachelabError(f"dram_capacity {dram_capacity!r} needs a DRAM cache policy (dram_policy)")
+        if dram_policy and dram_capacity is None:  # a capacity of 0 is no tier, for DRAM as for HBM
+            raise CachelabError(f"dram_policy {getattr(dram_policy, 'name', dram_policy)!r} needs a dram_capacity "
+                                "(0: no DRAM cache)")
         self.resident = backing == "hbm"  # the whole table in the compute device's memory
         if self.resident and ((hbm_policy and hbm_rows) or (dram_policy and dram_rows)):
             raise CachelabError(f"backing 'hbm' holds the whole table in the compute device's memory "
