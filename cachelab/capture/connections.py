@@ -26,7 +26,8 @@ from urllib.parse import unquote, urlsplit
 import httptools
 
 if TYPE_CHECKING:
-    from cachelab.capture.proxy import CaptureProxy, Forward, ProxyConfig
+    from cachelab.capture.forward import Forward
+    from cachelab.capture.proxy import CaptureProxy, ProxyConfig
 
 # Not forwarded in either direction: the hop's own framing and connection management (the
 # proxy frames each hop itself) and the client's Host (the upstream gets its own).

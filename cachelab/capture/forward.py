@@ -1,0 +1,395 @@
+"""One request sent upstream and its answer sent back (``Forward``): the capture proxy's forward path.
+
+``cachelab.capture.proxy.CaptureProxy.serve`` makes a ``Forward`` per request; it is the upstream
+parser's protocol, so an upstream read is handled in the event loop's callback that received it
+(the answer cut after its last complete SSE event, restored, written to the client as one
+chunk). It also ends an exchange that does not finish: a bound, a timeout, the upstream's close,
+the client's leaving (499) or the proxy's shutdown (503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import httptools
+
+from cachelab.capture.connections import (HOP_BY_HOP, LAST_CHUNK, ClientConnection, UpstreamConnection, error_body,
+                                          whole_response)
+from cachelab.capture.exchange import Exchange, Restorer, strip_body
+
+if TYPE_CHECKING:
+    from cachelab.capture.proxy import CaptureProxy
+
+STREAM, WHOLE, PASS = 0, 1, 2   # how an answer goes back: recorded SSE, recorded whole body, not recorded
+CLIENT_CLOSED = 499  # nginx's "client closed request": the client went away before its answer was complete
+CLIENT_GONE = "client disconnected"
+
+
+class Forward:
+    """One request sent upstream and its answer sent back: the upstream parser's protocol.
+
+    ``x`` is the exchange being recorded (None on a passed-through path). Everything here runs
+    inside the event loop's callbacks; what goes to the client during one upstream read is
+    gathered in ``out`` and written once, after the read (``after_read``).
+    """
+
+    def __init__(self, proxy: "CaptureProxy", client: ClientConnection, request: bytes, x: Exchange | None,
+                 keep_alive: bool, http11: bool, head: bool):
+        self.proxy, self.client, self.request, self.x = proxy, client, request, x
+        self.keep_alive, self.http11, self.head = keep_alive, http11, head
+        self.arrival = x.arrival if x is not None else time.perf_counter()
+        # the prompt's ids the proxy asked for come in one event (vLLM's first): a JSON id per token, at most 8
+        # bytes per byte of the request, on top of the event bound (a 5 MiB prompt's ids are over 4 MiB)
+        self.max_event = proxy.config.max_event_bytes + (8 * len(request) if x is not None and x.injected_ids else 0)
+        self.conn: UpstreamConnection | None = None
+        self.task: asyncio.Task | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.last = self.arrival          # perf_counter of the last upstream activity
+        self.reason = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.status = 0
+        self.mode = -1                    # STREAM / WHOLE / PASS once the headers are in
+        self.framed = False               # the client's body is chunked (else: a length, or to the close)
+        self.by_close = False             # the upstream's body ends when its connection does
+        self.out: list[bytes] = []
+        self.size = 0
+        self.parts: list[bytes] = []      # WHOLE: the body; STREAM: the incomplete event so far
+        self.edge = b""                   # STREAM: the last bytes of the incomplete event (a delimiter may straddle)
+        self.delim: bytes | None = None   # STREAM: what ends an event, once the first line has shown it
+        self.pending = 0
+        self.restorer: Restorer | None = None
+        self.complete = False
+        self.reusable = False             # the upstream keeps the connection open after this answer
+        self.finished = False
+
+    # -- going upstream -----------------------------------------------------------------------
+    def start(self) -> None:
+        conn = self.proxy.pool.take()
+        if conn is not None:
+            self.send(conn)
+        else:
+            self.task = asyncio.get_running_loop().create_task(self._connect())
+
+    async def _connect(self) -> None:
+        try:
+            conn = await self.proxy.pool.open()
+        except asyncio.CancelledError:
+            return
+        except (TimeoutError, asyncio.TimeoutError):
+            return self.fail(504, "upstream timed out before answering")
+        except OSError as exc:
+            return self.fail(502, f"upstream unreachable: {type(exc).__name__}: {exc}")
+        self.task = None
+        if self.finished:  # the client went away meanwhile
+            self.proxy.pool.give_back(conn)
+            return
+        self.send(conn)
+
+    def send(self, conn: UpstreamConnection) -> None:
+        self.conn = conn
+        conn.forward = self
+        conn.parser = httptools.HttpResponseParser(self)
+        conn.transport.write(self.request)
+        self.last = time.perf_counter()
+        self._arm(self.proxy.config.read_timeout)
+        if self.client.write_paused:
+            conn.transport.pause_reading()
+
+    # -- the upstream parser's callbacks ---------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self.complete:  # more than one answer to one request: not a connection to reuse
+            self.conn.usable = False
+
+    def on_status(self, reason: bytes) -> None:
+        self.reason += reason
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.status = status = self.conn.parser.get_status_code()
+        if status < 200:  # an interim answer: the real one follows
+            self.reason = b""
+            self.headers = []
+            return
+        x = self.x
+        content_type = length = encoding = b""
+        chunked = False
+        lines = []
+        for name, value in self.headers:
+            key = name.lower()
+            if key == b"content-type":
+                content_type = value
+            elif key == b"content-length":
+                length = value
+            elif key == b"transfer-encoding":
+                chunked = b"chunked" in value.lower()
+            elif key == b"content-encoding":
+                encoding = value.strip().lower()
+            if key not in HOP_BY_HOP:
+                lines.append(b"%s: %s\r\n" % (name, value))
+        bodiless = self.head or status in (204, 304)
+        if self.head:  # the parser cannot know that no body follows: the answer ends here
+            self.complete = True
+            self.conn.usable = False
+        self.by_close = not (chunked or length or bodiless)
+        if x is None:
+            self.mode = PASS
+        elif encoding not in (b"", b"identity"):  # asked for identity, answered compressed: passed on as it came
+            x.status = status
+            x.error = f"upstream answered with content-encoding {encoding.decode('latin-1')} though asked for " \
+                      "identity: passed on, not read"
+            self.mode = PASS
+        else:
+            x.status = status
+            if content_type.startswith(b"text/event-stream"):  # also for a "stream": 1 the upstream took as true
+                x.stream = True
+                self.mode = STREAM
+                if x.injected_ids or x.injected_usage:
+                    self.restorer = Restorer(x)
+            else:
+                self.mode = WHOLE
+                self.headers = lines  # written with the body's length once it is complete
+                return
+        if bodiless:
+            framing = b"content-length: %s\r\n" % length if length else b""
+        elif self.mode == PASS and length and not chunked:
+            framing = b"content-length: %s\r\n" % length
+        elif self.http11:
+            framing, self.framed = b"transfer-encoding: chunked\r\n", True
+        else:
+            framing, self.keep_alive = b"", False  # an HTTP/1.0 client: the body ends at the close
+        close = b"" if self.keep_alive else b"connection: close\r\n"
+        self.out.append(b"HTTP/1.1 %d %s\r\n%s%s%s\r\n" % (status, self.reason, b"".join(lines), framing, close))
+
+    def on_body(self, data: bytes) -> None:
+        if self.finished:  # cut during this read: the rest of it is dropped
+            return
+        now = time.perf_counter()
+        self.last = now
+        self.size += len(data)
+        mode, c = self.mode, self.proxy.config
+        if mode == STREAM:
+            if self.size > c.max_response_bytes:
+                return self.cut(f"upstream stream over {c.max_response_bytes} bytes: cut")
+            delim = self.delim
+            if delim is None:  # the stream's line ending, from its first line: LF (vLLM) or CRLF (sse-starlette)
+                i = data.find(b"\n")
+                if i < 0:
+                    delim = b"\n\n"  # not found in this read either way
+                else:
+                    crlf = (data[i - 1:i] if i else self.edge[-1:]) == b"\r"
+                    delim = self.delim = self.x.delim = b"\r\n\r\n" if crlf else b"\n\n"
+            end = data.rfind(delim)
+            if self.parts:
+                if end < 0 and delim not in self.edge + data[:len(delim) - 1]:  # nor across the reads' edge
+                    self.parts.append(data)
+                    self.pending += len(data)
+                    self.edge = (self.edge + data)[-3:]
+                    if self.pending > self.max_event:
+                        self.cut(f"upstream event over {self.max_event} bytes without an end: cut")
+                    return
+                data = b"".join(self.parts) + data
+                self.parts, self.pending = [], 0
+                end = data.rfind(delim)
+            elif end < 0:
+                self.parts.append(data)
+                self.pending = len(data)
+                self.edge = data[-3:]
+                if self.pending > self.max_event:
+                    self.cut(f"upstream event over {self.max_event} bytes without an end: cut")
+                return
+            end += len(delim)
+            if end < len(data):
+                rest = data[end:]
+                self.parts.append(rest)
+                self.pending = len(rest)
+                self.edge = rest[-3:]
+                data = data[:end]
+            x = self.x
+            x.events.append(data)
+            x.event_times.append(now)
+            if self.restorer is not None:
+                data = self.restorer.feed(data)
+                if not data:
+                    return
+            self.out.append(b"%x\r\n%s\r\n" % (len(data), data) if self.framed else data)
+        elif mode == WHOLE:
+            if self.size > c.max_response_bytes:
+                return self.fail(502, f"upstream answer over {c.max_response_bytes} bytes")
+            self.parts.append(data)
+        elif self.framed:
+            self.out.append(b"%x\r\n%s\r\n" % (len(data), data))
+        else:
+            self.out.append(data)
+
+    def on_message_complete(self) -> None:
+        if self.status < 200:
+            return
+        self.complete = True
+        # asked here, where llhttp still has this answer's flags: once feed_data returns the parser has
+        # reset for the next message and says False, which closed every upstream connection after one
+        # exchange (each request then paid a new connection on both hops; docs/capture.md, Why the defaults)
+        self.reusable = self.conn.parser.should_keep_alive()
+
+    # -- after each upstream read ------------------------------------------------------------------
+    def after_read(self) -> None:
+        if self.finished:
+            return
+        if self.out:
+            self.client.transport.write(self.out[0] if len(self.out) == 1 else b"".join(self.out))
+            self.out.clear()
+        if self.complete:
+            self.finish()
+
+    def finish(self) -> None:
+        """The upstream's answer is complete: end the client's, reuse the connection, record."""
+        x, client = self.x, self.client
+        if self.mode == WHOLE:
+            x.response = b"".join(self.parts)
+            x.response_time = time.perf_counter()
+            body = strip_body(x.response, x)
+            data = b"HTTP/1.1 %d %s\r\n%scontent-length: %d\r\n%s\r\n%s" % (
+                self.status, self.reason, b"".join(self.headers), len(body),
+                b"" if self.keep_alive else b"connection: close\r\n", body)
+        else:
+            tail = b""
+            if self.mode == STREAM:
+                tail = (self.restorer.close() if self.restorer is not None else b"") + b"".join(self.parts)
+            if self.framed:
+                data = (b"%x\r\n%s\r\n" % (len(tail), tail) if tail else b"") + LAST_CHUNK
+            else:
+                data = tail
+        self._end()
+        if not self.reusable or self.by_close:
+            self.conn.usable = False
+        self.proxy.pool.give_back(self.conn)
+        if x is not None:  # recorded before the client has its last byte: a flush after the answer sees it
+            self.proxy.recorder.submit(x)
+        if data:
+            client.transport.write(data)
+        client.done(self.keep_alive)
+
+    # -- endings other than a complete answer ---------------------------------------------------
+    def _end(self) -> None:
+        self.finished = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.task is not None:
+            self.task.cancel()
+            self.task = None
+
+    def _drop_upstream(self) -> None:
+        conn = self.conn
+        if conn is not None:
+            conn.forward = None
+            conn.usable = False
+            conn.transport.close()
+
+    def fail(self, status: int, message: str) -> None:
+        """End the exchange before the client got anything of the answer: ``status`` and why."""
+        if self.finished:
+            return
+        self._end()
+        self._drop_upstream()
+        self.out.clear()
+        if self.x is not None:
+            self.x.status, self.x.error = status, message
+            self.proxy.recorder.submit(self.x)
+        self.client.respond(whole_response(status, error_body(status, message), close=not self.keep_alive),
+                            self.keep_alive)
+
+    def cut(self, message: str) -> None:
+        """End a stream that had begun: the client's ends where it is, the record says why. Its
+        connection closes without the body's end (no last chunk, or short of its length), so that
+        the client sees a cut answer, as it would from the upstream itself: ended cleanly, an
+        OpenAI client took the first tokens of a broken stream for a whole answer."""
+        if self.finished:
+            return
+        self._end()
+        self._drop_upstream()
+        if self.x is not None:
+            self.x.error = message
+            self.proxy.recorder.submit(self.x)
+        if self.out:
+            self.client.transport.write(b"".join(self.out))
+            self.out.clear()
+        self.client.done(False)
+
+    def broken(self, why: str) -> None:
+        if self.mode == -1:
+            self.fail(502, f"upstream answer is not HTTP: {why}")
+        elif self.mode == WHOLE:
+            self.fail(502, f"upstream answer broke off: {why}")
+        else:
+            self.cut(f"upstream stream broke off: {why}")
+
+    def upstream_lost(self, exc) -> None:
+        if self.finished:
+            return
+        if self.mode != -1 and self.by_close and not self.complete:  # the close delimits the body
+            self.complete = True
+            self.after_read()
+            return
+        why = f"{type(exc).__name__}: {exc}" if exc is not None else "connection closed"
+        if self.mode == -1:
+            self.fail(502, f"upstream unreachable: closed the connection before answering ({why})")
+        else:
+            self.broken(why)
+
+    def client_gone(self) -> None:
+        """The client went away before its answer was complete: the upstream request ends, the
+        record says 499 (nginx's "client closed request"), whatever the upstream had answered."""
+        if self.finished:
+            return
+        self._end()
+        self._drop_upstream()
+        x = self.x
+        if x is not None:
+            x.status = CLIENT_CLOSED
+            x.error = CLIENT_GONE if x.error is None else f"{x.error}; {CLIENT_GONE}"
+            self.proxy.recorder.submit(x)
+        self.client.forward = None
+
+    def shut_down(self, message: str) -> None:
+        """End the exchange because the proxy is stopping: a client that has nothing of its answer
+        yet gets a 503 with ``message``, one whose answer had begun has it cut (``cut``)."""
+        if self.mode in (-1, WHOLE):
+            self.keep_alive = False
+            self.fail(503, message)
+        else:
+            self.cut(message)
+
+    def pause_upstream(self) -> None:
+        if self.conn is not None and not self.finished:
+            self.conn.transport.pause_reading()
+
+    def resume_upstream(self) -> None:
+        if self.conn is not None and not self.finished:
+            self.conn.transport.resume_reading()
+
+    # -- time bounds: one timer, re-armed lazily ---------------------------------------------------
+    def _arm(self, delay: float) -> None:
+        self.timer = asyncio.get_running_loop().call_later(max(delay, 0.001), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self.timer = None
+        if self.finished:
+            return
+        c = self.proxy.config
+        now = time.perf_counter()
+        silent, running = now - self.last, now - self.arrival
+        if running >= c.total_timeout:
+            if self.mode == -1:
+                return self.fail(504, "upstream timed out before answering")
+            return (self.fail(504, f"upstream answer took over {c.total_timeout} s") if self.mode == WHOLE
+                    else self.cut(f"upstream stream ran over {c.total_timeout} s: cut"))
+        if silent >= c.read_timeout:
+            if self.mode == -1:
+                return self.fail(504, "upstream timed out before answering")
+            return (self.fail(504, f"upstream silent for {c.read_timeout} s") if self.mode == WHOLE
+                    else self.cut(f"upstream stream silent for {c.read_timeout} s: cut"))
+        self._arm(min(c.read_timeout - silent, c.total_timeout - running))
