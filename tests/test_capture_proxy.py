@@ -483,10 +483,18 @@ def test_non_loopback_listen_needs_a_token(tmp_path):
     (["--upstream", "http://x", "--total-timeout", "nan"], "--total-timeout nan: expected a number above 0"),
     (["--upstream", "http://x", "--max-body-mb", "-1"], "--max-body-mb -1.0: expected a number above 0"),
     (["--upstream", "http://x", "--max-response-mb", "0"], "--max-response-mb 0.0: expected a number above 0"),
+    # under one byte: a segment per record, every body refused (the writer refused it after creating the directory)
+    (["--upstream", "http://x", "--rotate-mb", "1e-9"], "--rotate-mb 1e-09: under one byte"),
+    (["--upstream", "http://x", "--max-body-mb", "1e-7"], "--max-body-mb 1e-07: under one byte"),
+    (["--upstream", "http://x", "--rotate-mb", "nan"], "--rotate-mb nan: expected a number above 0"),  # a traceback
+    (["--upstream", "http://x", "--max-body-mb", "inf"], "--max-body-mb inf: expected a finite number"),  # a traceback
+    (["--upstream", "http://x", "--rotate-seconds", "0"], "--rotate-seconds 0.0: expected a number above 0"),
+    (["--upstream", "http://x", "--rotate-seconds", "nan"], "--rotate-seconds nan: expected a number above 0"),
+    (["--upstream", "http://x", "--hash-blocks", "-1"], "--hash-blocks -1: expected 0"),  # after creating it
 ])
 def test_a_bad_upstream_or_port_is_refused_before_anything_is_created(tmp_path, args, message):
     out = subprocess.run([sys.executable, "-m", "cachelab.cli", "capture", "proxy", *args, "--out", str(tmp_path / "cap")],
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, timeout=60)  # a flag accepted: the proxy serves on
     assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "cap").exists() and "capture proxy on" not in out.stdout
 

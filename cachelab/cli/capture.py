@@ -18,6 +18,18 @@ app = typer.Typer(no_args_is_help=True, help="Capture live serving: an OpenAI-co
 FSYNC_HELP = "When a record counts as acknowledged: always (fsync each), batch (group commit), never (kernel only)."
 
 
+def mib_bytes(flag: str, mib: float) -> int:
+    """``mib`` MiB in bytes; refused, naming the flag, unless it is finite and at least one byte."""
+    if not mib > 0:  # 0 or below (or nan) refused every body, cut every answer, or made a segment per record
+        raise CachelabError(f"{flag} {mib}: expected a number above 0")
+    if mib == float("inf"):
+        raise CachelabError(f"{flag} {mib}: expected a finite number of MiB")
+    size = int(mib * 2**20)
+    if size < 1:
+        raise CachelabError(f"{flag} {mib}: under one byte; expected at least {2**-20:.3g} (MiB)")
+    return size
+
+
 def parse_listen(listen: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[::1]:PORT`` for IPv6) -> (host, port)."""
     host, sep, port = listen.rpartition(":")
@@ -88,17 +100,22 @@ def proxy(
     from cachelab.heap import freeze_startup_heap
     from cachelab.live.launch import bound_socket, check_bind
 
-    for flag, value in (("--max-body-mb", max_body_mb), ("--max-response-mb", max_response_mb),
-                        ("--read-timeout", read_timeout), ("--total-timeout", total_timeout)):
-        if not value > 0:  # 0 or below (or nan) refused every body, cut every answer, timed out every request
+    max_body_bytes, max_response_bytes, rotate_bytes = (
+        mib_bytes("--max-body-mb", max_body_mb), mib_bytes("--max-response-mb", max_response_mb),
+        mib_bytes("--rotate-mb", rotate_mb))
+    for flag, value in (("--read-timeout", read_timeout), ("--total-timeout", total_timeout),
+                        ("--rotate-seconds", rotate_seconds)):
+        if not value > 0:  # 0 or below (or nan) timed out every request or made a segment per record
             raise CachelabError(f"{flag} {value}: expected a number above 0")
+    if hash_blocks < 0:
+        raise CachelabError(f"--hash-blocks {hash_blocks}: expected 0 (keep ids) or a block size in tokens")
     host, port = parse_listen(listen)
     check_bind(host, api_key, "--listen")
     sock = bound_socket(host, port, "--listen")  # before anything is created: a bad port leaves nothing behind
     config = ProxyConfig(upstream=upstream, api_key=api_key, upstream_ca=str(upstream_ca) if upstream_ca else None,
                          session_header=session_header.lower(),
-                         token_ids=token_ids, max_body_bytes=int(max_body_mb * 2**20),
-                         max_response_bytes=int(max_response_mb * 2**20), read_timeout=read_timeout,
+                         token_ids=token_ids, max_body_bytes=max_body_bytes,
+                         max_response_bytes=max_response_bytes, read_timeout=read_timeout,
                          total_timeout=total_timeout)
     if writer not in ("process", "thread"):
         raise CachelabError(f"--writer {writer!r}: expected process or thread")
@@ -106,7 +123,7 @@ def proxy(
         raise CachelabError(f"--commit-ms {commit_ms}: expected 0 or more milliseconds")
     new_loop = event_loop_factory(loop)
     options = dict(hash_blocks=hash_blocks, store_text=store_text, salt_file=salt_file, fsync=fsync,
-                   rotate_bytes=int(rotate_mb * 2**20), rotate_seconds=rotate_seconds, tokenizer=tokenizer,
+                   rotate_bytes=rotate_bytes, rotate_seconds=rotate_seconds, tokenizer=tokenizer,
                    commit_interval=commit_ms / 1e3)
     if writer == "process":
         recorder = CaptureWriter(out, nice=writer_nice, sched=writer_sched, **options)
