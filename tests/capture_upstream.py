@@ -197,10 +197,11 @@ def free_port() -> int:
 
 class ProxyThread:
     """Runs ``cachelab.capture.proxy.CaptureProxy`` on 127.0.0.1 in a thread of this process (its own
-    event loop); leaving the block stops it as the CLI does (in-flight exchanges end, the recorder closes)."""
+    event loop, ``loop`` as ``--loop`` takes it); leaving the block stops it as the CLI does (in-flight
+    exchanges end, the recorder closes)."""
 
-    def __init__(self, config, recorder):
-        self.config, self.recorder = config, recorder
+    def __init__(self, config, recorder, loop: str = "auto"):
+        self.config, self.recorder, self.loop_kind = config, recorder, loop
         self.port = None
         self.error: BaseException | None = None
         self.started = threading.Event()
@@ -219,7 +220,7 @@ class ProxyThread:
             await run_proxy(self.config, self.recorder, sock, self.stop)
 
         try:
-            with asyncio.Runner(loop_factory=event_loop_factory("auto")) as runner:
+            with asyncio.Runner(loop_factory=event_loop_factory(self.loop_kind)) as runner:
                 runner.run(main())
         except BaseException as exc:  # noqa: BLE001 (reported to the test by __enter__)
             self.error = exc

@@ -357,12 +357,20 @@ def test_bearer_token_required_when_set(tmp_path):
 
 
 class HeadUpstream:
-    """A raw HTTP/1.1 upstream that keeps every request head it reads and answers a fixed JSON body."""
+    """A raw HTTP/1.1 upstream that keeps every request head it reads and answers a fixed JSON body.
 
-    def __init__(self):
+    To close connections as upstreams do: it answers ``answers`` requests of a connection, then closes
+    it as the next request comes, unanswered; ``at_accept``: as soon as it is made, before
+    any request; ``reset``: with a reset (RST) rather than a close (FIN); ``idle_s``: a connection idle
+    this long is closed (uvicorn's keep-alive timeout, vLLM's 5 s). Counts connections and requests."""
+
+    def __init__(self, answers: float = float("inf"), *, at_accept: bool = False, reset: bool = False,
+                 idle_s: float | None = None):
         import socket
         import threading
 
+        self.answers, self.at_accept, self.reset, self.idle_s = answers, at_accept, reset, idle_s
+        self.connections = self.requests = 0
         self.heads: list[bytes] = []
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
@@ -376,18 +384,31 @@ class HeadUpstream:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
+            self.connections += 1
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn):
+        import socket
+        import struct
+
         body = b'{"id":"cmpl-h","object":"text_completion","choices":[]}'
-        data = b""
+        if self.reset:
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.settimeout(self.idle_s)
+        data, answered = b"", 0
         with conn:
-            while True:
-                while b"\r\n\r\n" not in data:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        return
-                    data += chunk
+            while not self.at_accept:
+                try:
+                    while b"\r\n\r\n" not in data:
+                        chunk = conn.recv(65536)
+                        if not chunk:
+                            return
+                        data += chunk
+                except TimeoutError:  # idle for idle_s: closed
+                    return
+                self.requests += 1
+                if answered >= self.answers:
+                    return  # the request came as the connection closed: unanswered
                 head, _, data = data.partition(b"\r\n\r\n")
                 length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
                                if line.lower().startswith(b"content-length:")), 0)
@@ -397,6 +418,109 @@ class HeadUpstream:
                 self.heads.append(head)
                 conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
                              % (len(body), body))
+                answered += 1
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("reset", [False, True])
+@pytest.mark.parametrize("at_accept", [True, False])
+def test_a_new_connection_closed_unanswered_is_a_502_at_once(tmp_path, monkeypatch, loop, at_accept, reset):
+    """An upstream that closes (or resets) a new connection before the request was written on it (here:
+    as soon as it is made, the request written 0.2 s after), or after the request came and before any
+    byte of an answer: a 502 at once, recorded with what happened, not sent again. (Closed before the
+    write, it hung for ever with uvloop, the write on the closed connection raising in the connecting
+    task, and was a 504 after --read-timeout with asyncio's loop.)"""
+    from cachelab.capture.connections import UpstreamPool
+
+    opened = UpstreamPool.open
+
+    async def open_slowly(self):
+        conn = await opened(self)
+        await asyncio.sleep(0.2)  # the upstream's close or reset comes meanwhile
+        return conn
+
+    if at_accept:
+        monkeypatch.setattr(UpstreamPool, "open", open_slowly)
+    upstream = HeadUpstream(answers=0, at_accept=at_accept, reset=reset)
+    recorder = Recorder(tmp_path)
+    with ProxyThread(ProxyConfig(upstream=upstream.url, read_timeout=5.0), recorder, loop) as proxy:
+        started = time.monotonic()
+        r = httpx.post(proxy.url + "/v1/completions", json={"model": "m", "prompt": "hi"}, timeout=15)
+        took = time.monotonic() - started
+        assert r.status_code == 502 and took < 2.5, (r.status_code, r.text, took)
+    upstream.sock.close()
+    message = r.json()["error"]["message"]
+    reset_connecting = at_accept and reset and message.startswith("upstream unreachable: ConnectionResetError")
+    assert message.startswith("upstream closed the connection before answering (") or reset_connecting, message
+    assert ("Error" in message) == reset, "a reset is named (ConnectionResetError), a close said so"
+    assert upstream.connections == 1, "a new connection's loss is not retried"
+    rec = read_requests(tmp_path)[0].row(0, named=True)
+    assert rec["status"] == 502 and rec["error"] == message, rec
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_kept_alive_connection_the_upstream_closed_is_retried_once_on_a_new_one(tmp_path, loop):
+    """The keep-alive race: the upstream closes an idle connection as the proxy sends it a request.
+    Nothing of the answer came, so a completion (or an idempotent request) goes again, once, on a new
+    connection; any other request is a 502 naming it; a retry that fails too is a 502 saying so."""
+    upstream = HeadUpstream(answers=1)  # each connection answers one request and closes on the next
+    recorder = Recorder(tmp_path)
+    body = {"model": "m", "prompt": "hi"}
+    with ProxyThread(ProxyConfig(upstream=upstream.url, read_timeout=5.0), recorder, loop) as proxy, \
+            httpx.Client(base_url=proxy.url, timeout=15) as client:
+        assert client.post("/v1/completions", json=body).status_code == 200
+        assert client.post("/v1/completions", json=body).status_code == 200, "retried on a new connection"
+        assert (upstream.connections, upstream.requests) == (2, 3)
+        r = client.post("/v1/other", json=body)  # passed through, and a POST: may not go twice
+        assert r.status_code == 502 and "closed the kept-alive connection before answering" in r.text, r.text
+        assert upstream.connections == 2
+        assert client.get("/v1/models").status_code == 200
+        assert client.get("/v1/models").status_code == 200, "an idempotent request is retried too"
+        assert (upstream.connections, upstream.requests) == (4, 7)
+        upstream.answers = 0  # from now on a new connection is closed unanswered too
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 502 and "closed a kept-alive connection, then a new one," in r.text, r.text
+        assert upstream.connections == 5, "retried once only"
+    upstream.sock.close()
+    rows = read_requests(tmp_path)[0]
+    assert rows["status"].to_list() == [200, 200, 502] and rows["error"][:2].to_list() == [None, None]
+    assert "then a new one" in rows["error"][2]
+
+
+def test_a_connection_the_upstream_closes_when_idle_is_not_reused(tmp_path):
+    """An upstream that closes idle keep-alive connections after a short timeout (uvicorn's, 50 ms here):
+    requests sent around that moment all get their answer, whether the proxy saw the close in time
+    (a new connection) or wrote on the closing connection (sent again on a new one)."""
+    upstream = HeadUpstream(idle_s=0.05)
+    recorder = Recorder(tmp_path)
+    with ProxyThread(ProxyConfig(upstream=upstream.url, read_timeout=5.0), recorder) as proxy, \
+            httpx.Client(base_url=proxy.url, timeout=15) as client:
+        statuses = []
+        for i in range(41):
+            statuses.append(client.post("/v1/completions", json={"model": "m", "prompt": "hi"}).status_code)
+            time.sleep(0.04 + i * 0.0005)  # 40 to 60 ms idle: either side of the upstream's timeout
+    upstream.sock.close()
+    assert statuses == [200] * 41, statuses
+    assert upstream.connections > 1, "the upstream's idle timeout closed connections"
+
+
+def test_a_request_waiting_for_a_pool_place_is_bounded(tmp_path):
+    """At the pool's limit a request waits for an upstream connection at most --read-timeout: then a 503
+    saying so, recorded (it waited until a connection was given back, for ever if none was)."""
+    with Stack(tmp_path, max_connections=1, read_timeout=1.0) as s:
+        with httpx.stream("POST", s.proxy.url + "/v1/completions", timeout=30,
+                          json={"model": "endless", "prompt": "hi", "stream": True}) as held:
+            chunks = held.iter_raw()
+            next(chunks)  # the one upstream connection streams on (while the iterator lives)
+            started = time.monotonic()
+            r = httpx.post(s.proxy.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
+                           timeout=15)
+            took = time.monotonic() - started
+        assert r.status_code == 503 and 0.9 < took < 3, (r.status_code, r.text, took)
+        assert r.json()["error"]["message"] == "all 1 upstream connections busy for 1.0 s: not sent upstream"
+        rows = _new_records(s, 0, 2)
+        assert 503 in rows["status"].to_list() and "busy for 1.0 s" in rows.filter(rows["status"] == 503)["error"][0]
+        assert _raw(s.proxy.url, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2})[0] == 200
 
 
 def test_request_headers_upstream_keep_their_case_and_lose_the_hop_by_hop_ones(tmp_path):

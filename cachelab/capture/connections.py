@@ -259,6 +259,8 @@ class UpstreamConnection(asyncio.Protocol):
         self.forward: Forward | None = None
         self.usable = False
         self.counted = True  # holds a place in the pool's count until it is lost (``UpstreamPool._release``)
+        self.reused = False  # has carried an answer and waited idle in the pool since
+        self.lost: str | None = None  # once it is lost: how (a close, a reset, ...)
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -284,9 +286,10 @@ class UpstreamConnection(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.usable = False
+        self.lost = f"{type(exc).__name__}: {exc}" if exc is not None else "connection closed"
         self.pool.lost(self)
         if self.forward is not None:
-            self.forward.upstream_lost(exc)
+            self.forward.upstream_lost(self.lost)
 
 
 def upstream_prefix(path: str) -> bytes:
@@ -374,6 +377,7 @@ class UpstreamPool:
         conn.forward = None
         if conn.usable:
             conn.transport.resume_reading()  # paused for a slow client of the last exchange
+            conn.reused = True
             self.idle.append(conn)
             self._wake()
         else:

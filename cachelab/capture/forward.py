@@ -3,8 +3,9 @@
 ``cachelab.capture.proxy.CaptureProxy.serve`` makes a ``Forward`` per request; it is the upstream
 parser's protocol, so an upstream read is handled in the event loop's callback that received it
 (the answer cut after its last complete SSE event, restored, written to the client as one
-chunk). It also ends an exchange that does not finish: a bound, a timeout, the upstream's close,
-the client's leaving (499) or the proxy's shutdown (503).
+chunk). It also ends an exchange that does not finish: a bound, a timeout, the upstream's close
+(a kept-alive connection closed unanswered is retried once, ``Forward.upstream_lost``), the
+client's leaving (499) or the proxy's shutdown (503).
 """
 
 from __future__ import annotations
@@ -36,9 +37,12 @@ class Forward:
     """
 
     def __init__(self, proxy: "CaptureProxy", client: ClientConnection, request: bytes, x: Exchange | None,
-                 keep_alive: bool, http11: bool, head: bool):
+                 keep_alive: bool, http11: bool, head: bool, replayable: bool):
         self.proxy, self.client, self.request, self.x = proxy, client, request, x
         self.keep_alive, self.http11, self.head = keep_alive, http11, head
+        self.replayable = replayable      # may go upstream twice (``upstream_lost``)
+        self.retried = False
+        self.queued = False               # waited for a place in the pool at its limit
         self.arrival = x.arrival if x is not None else time.perf_counter()
         # the prompt's ids the proxy asked for come in one event (vLLM's first): a JSON id per token, at most 8
         # bytes per byte of the request, on top of the event bound (a 5 MiB prompt's ids are over 4 MiB)
@@ -60,6 +64,7 @@ class Forward:
         self.delim: bytes | None = None   # STREAM: what ends an event, once the first line has shown it
         self.pending = 0
         self.restorer: Restorer | None = None
+        self.answered = False             # a byte of the upstream's answer has come
         self.complete = False
         self.reusable = False             # the upstream keeps the connection open after this answer
         self.finished = False
@@ -70,11 +75,14 @@ class Forward:
         if conn is not None:
             self.send(conn)
         else:
+            self._arm(min(self.proxy.config.read_timeout, self.proxy.config.total_timeout))  # bounds the wait too
             self.task = asyncio.get_running_loop().create_task(self._connect())
 
     async def _connect(self) -> None:
+        pool = self.proxy.pool
+        self.queued = pool.count >= pool.limit
         try:
-            conn = await self.proxy.pool.open()
+            conn = await pool.open()
         except asyncio.CancelledError:
             return
         except (TimeoutError, asyncio.TimeoutError):
@@ -91,14 +99,20 @@ class Forward:
         self.conn = conn
         conn.forward = self
         conn.parser = httptools.HttpResponseParser(self)
-        conn.transport.write(self.request)
         self.last = time.perf_counter()
-        self._arm(self.proxy.config.read_timeout)
+        if self.timer is None:
+            self._arm(self.proxy.config.read_timeout)
+        if conn.transport.is_closing():  # the upstream closed it since it was made: its loss ends the exchange
+            if conn.lost is not None:    # reported already, while no request was on it (else it is to come)
+                self.upstream_lost(conn.lost)
+            return
+        conn.transport.write(self.request)
         if self.client.write_paused:
             conn.transport.pause_reading()
 
     # -- the upstream parser's callbacks ---------------------------------------------------------
     def on_message_begin(self) -> None:
+        self.answered = True
         if self.complete:  # more than one answer to one request: not a connection to reuse
             self.conn.usable = False
 
@@ -327,18 +341,30 @@ class Forward:
         else:
             self.cut(f"upstream stream broke off: {why}")
 
-    def upstream_lost(self, exc) -> None:
+    def upstream_lost(self, why: str) -> None:
+        """The upstream connection ended (``why``: a close, a reset). A kept-alive one that ended with
+        no byte of an answer was most likely closed by the upstream while idle (uvicorn closes idle
+        connections after its keep-alive timeout, vLLM's 5 s) as the request went: a request that
+        may go twice goes again, once, on a new connection. Else the client gets a 502 now."""
         if self.finished:
             return
         if self.mode != -1 and self.by_close and not self.complete:  # the close delimits the body
             self.complete = True
             self.after_read()
             return
-        why = f"{type(exc).__name__}: {exc}" if exc is not None else "connection closed"
-        if self.mode == -1:
-            self.fail(502, f"upstream unreachable: closed the connection before answering ({why})")
+        if self.mode != -1:
+            return self.broken(why)
+        conn, self.conn = self.conn, None
+        conn.forward = None
+        if conn.reused and not self.answered and self.replayable and not self.retried:
+            self.retried = True
+            self.task = asyncio.get_running_loop().create_task(self._connect())
+            return
+        if self.retried:
+            which = "a kept-alive connection, then a new one,"
         else:
-            self.broken(why)
+            which = "the kept-alive connection" if conn.reused else "the connection"
+        self.fail(502, f"upstream closed {which} before answering ({why})")
 
     def client_gone(self) -> None:
         """The client went away before its answer was complete: the upstream request ends, the
@@ -382,6 +408,12 @@ class Forward:
         c = self.proxy.config
         now = time.perf_counter()
         silent, running = now - self.last, now - self.arrival
+        if self.conn is None and self.queued:  # still waiting for a place in the pool
+            bound = min(c.read_timeout, c.total_timeout)
+            if running < bound:
+                return self._arm(bound - running)
+            return self.fail(503, f"all {self.proxy.pool.limit} upstream connections busy for {bound} s: "
+                                  "not sent upstream")
         if running >= c.total_timeout:
             if self.mode == -1:
                 return self.fail(504, "upstream timed out before answering")

@@ -24,7 +24,11 @@ Bounds: a request body over ``max_body_bytes`` is refused with 413 before anythi
 upstream; a request head over ``max_head_bytes`` with 431; an answer over
 ``max_response_bytes``, an event over ``max_event_bytes`` without a delimiter, an answer
 slower than ``total_timeout`` or silent for ``read_timeout`` ends the exchange: the client
-gets a 502/504 (or, mid-stream, the end of the stream) and the record says why. The proxy
+gets a 502/504 (or, mid-stream, the end of the stream) and the record says why; a request
+waiting for a place in the upstream pool at its limit waits ``read_timeout`` at most (503). An
+upstream connection closed before any byte of the answer is a 502 at once, or, for a kept-alive
+one (the upstream's keep-alive timeout racing the request), the request goes again once on a
+new connection where it may (``cachelab.capture.forward``). The proxy
 listens on loopback unless given a bearer token (``api_key``), which every client must then
 send (``cachelab.live.launch.check_bind``). Credentials in the upstream's URL
 (``http://user:password@host``) go upstream as HTTP Basic and are never shown
@@ -49,6 +53,7 @@ from cachelab.capture.forward import CLIENT_CLOSED, CLIENT_GONE, Forward
 from cachelab.errors import CachelabError
 
 RECORDED = (b"/v1/completions", b"/v1/chat/completions")
+IDEMPOTENT = {b"GET", b"HEAD", b"PUT", b"DELETE", b"OPTIONS", b"TRACE"}  # RFC 9110, 9.2.2
 _IDLE_SWEEP_S = 5.0
 
 
@@ -165,7 +170,9 @@ class CaptureProxy:
             lines.append(b"content-length: %d\r\n" % len(body))
         request = b"%s %s%s HTTP/1.1\r\nhost: %s\r\n%s\r\n%s" % (
             r.method, self.pool.prefix, r.url, self.pool.host_header, b"".join(lines), body)
-        forward = Forward(self, client, request, x, r.keep_alive, r.http11, r.method == b"HEAD")
+        # a completion asked again changes nothing upstream (OpenAI clients retry them on a lost connection)
+        forward = Forward(self, client, request, x, r.keep_alive, r.http11, r.method == b"HEAD",
+                          x is not None or r.method in IDEMPOTENT)
         client.forward = forward
         forward.start()
 
