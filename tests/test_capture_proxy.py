@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -558,7 +559,7 @@ def test_credentials_in_the_upstream_url_are_sent_as_basic_and_never_shown(tmp_p
     ca.write_text("not used")
     cli = [sys.executable, "-m", "cachelab.cli", "capture", "proxy", "--out", str(tmp_path / "cap")]
     for args in (["--upstream", url.replace("/v1", ":1/v1")], ["--upstream", url, "--upstream-ca", str(ca)]):
-        refused = subprocess.run([*cli, *args], capture_output=True, text=True)
+        refused = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=60)
         assert refused.returncode == 2 and "http://***@127.0.0.1:" in refused.stderr, refused.stderr
         assert secret not in refused.stdout + refused.stderr and "capuser" not in refused.stdout + refused.stderr
     port = free_port()
@@ -617,8 +618,13 @@ def test_non_loopback_listen_needs_a_token(tmp_path):
     (["--upstream", "http://x", "--hash-blocks", "-1"], "--hash-blocks -1: expected 0"),  # after creating it
 ])
 def test_a_bad_upstream_or_port_is_refused_before_anything_is_created(tmp_path, args, message):
-    out = subprocess.run([sys.executable, "-m", "cachelab.cli", "capture", "proxy", *args, "--out", str(tmp_path / "cap")],
-                         capture_output=True, text=True, timeout=60)  # a flag accepted: the proxy serves on
+    with socket.socket() as busy:  # the flag is named even where the port is taken: checked before the bind
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        listen = [] if "--listen" in args else ["--listen", f"127.0.0.1:{busy.getsockname()[1]}"]
+        out = subprocess.run([sys.executable, "-m", "cachelab.cli", "capture", "proxy", *args, *listen,
+                              "--out", str(tmp_path / "cap")],
+                             capture_output=True, text=True, timeout=60)  # a flag accepted: the proxy serves on
     assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "cap").exists() and "capture proxy on" not in out.stdout
 

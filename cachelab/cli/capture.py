@@ -111,7 +111,6 @@ def proxy(
         raise CachelabError(f"--hash-blocks {hash_blocks}: expected 0 (keep ids) or a block size in tokens")
     host, port = parse_listen(listen)
     check_bind(host, api_key, "--listen")
-    sock = bound_socket(host, port, "--listen")  # before anything is created: a bad port leaves nothing behind
     config = ProxyConfig(upstream=upstream, api_key=api_key, upstream_ca=str(upstream_ca) if upstream_ca else None,
                          session_header=session_header.lower(),
                          token_ids=token_ids, max_body_bytes=max_body_bytes,
@@ -122,6 +121,9 @@ def proxy(
     if not commit_ms >= 0:
         raise CachelabError(f"--commit-ms {commit_ms}: expected 0 or more milliseconds")
     new_loop = event_loop_factory(loop)
+    # after every check (a refused flag never depends on the port being free), before anything is
+    # created (a port in use leaves nothing behind)
+    sock = bound_socket(host, port, "--listen")
     options = dict(hash_blocks=hash_blocks, store_text=store_text, salt_file=salt_file, fsync=fsync,
                    rotate_bytes=rotate_bytes, rotate_seconds=rotate_seconds, tokenizer=tokenizer,
                    commit_interval=commit_ms / 1e3)
