@@ -616,6 +616,8 @@ def test_non_loopback_listen_needs_a_token(tmp_path):
     (["--upstream", "http://x", "--rotate-seconds", "0"], "--rotate-seconds 0.0: expected a number above 0"),
     (["--upstream", "http://x", "--rotate-seconds", "nan"], "--rotate-seconds nan: expected a number above 0"),
     (["--upstream", "http://x", "--hash-blocks", "-1"], "--hash-blocks -1: expected 0"),  # after creating it
+    # the fallback loads on first use: a missing file showed only at the first request without ids
+    (["--upstream", "http://x", "--tokenizer", "missing.json"], "tokenizer file not found: missing.json"),
 ])
 def test_a_bad_upstream_or_port_is_refused_before_anything_is_created(tmp_path, args, message):
     with socket.socket() as busy:  # the flag is named even where the port is taken: checked before the bind

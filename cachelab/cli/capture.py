@@ -98,6 +98,7 @@ def proxy(
     from cachelab.capture.recorder import Recorder
     from cachelab.capture.writer import CaptureWriter
     from cachelab.heap import freeze_startup_heap
+    from cachelab.engram.vocab import DEEPSEEK_V4, load_tokenizer
     from cachelab.live.launch import bound_socket, check_bind
 
     max_body_bytes, max_response_bytes, rotate_bytes = (
@@ -109,6 +110,8 @@ def proxy(
             raise CachelabError(f"{flag} {value}: expected a number above 0")
     if hash_blocks < 0:
         raise CachelabError(f"--hash-blocks {hash_blocks}: expected 0 (keep ids) or a block size in tokens")
+    if tokenizer != DEEPSEEK_V4:  # a missing or malformed file showed only at the first request that needed it
+        load_tokenizer(tokenizer)
     host, port = parse_listen(listen)
     check_bind(host, api_key, "--listen")
     config = ProxyConfig(upstream=upstream, api_key=api_key, upstream_ca=str(upstream_ca) if upstream_ca else None,
