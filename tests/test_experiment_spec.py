@@ -58,6 +58,8 @@ def test_valid_spec_expands_to_a_hashed_grid(tmp_path):
     ('"always", "tinylfu"', '"always", 7', "sweep.'hierarchy.hbm.admission'[1]: hierarchy.tiers[0].admission: "
                                           "Input should be a valid string"),
     ('"hierarchy.hbm.capacity"', '"hierarchy.l3.capacity"', "no tier named 'l3' in hierarchy.tiers"),
+    ('"always", "tinylfu"', '"always", "tinylfu", "always"',  # ran once, silently: fewer points than the grid
+     "sweep.'hierarchy.hbm.admission'[2]: 'always' is listed already (at [0]); each point runs once"),
     ("seeds = [0]", 'seeds = [0]\nkind = "dance"', "kind: unknown experiment kind 'dance'; allowed: learned, live, replay, serve"),
     ("seeds = [0]", 'seeds = [0]\nkind = "learned"', "predictor: kind 'learned' needs a [predictor] section"),
 ])

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -185,7 +186,12 @@ def parse_spec(raw: dict, where: str = "spec") -> ExperimentSpec:
     for key, values in spec.sweep.items():
         if not values:
             raise CachelabError(f"{where}: sweep.{key!r}: an axis needs at least one value")
+        seen: dict[str, int] = {}
         for i, value in enumerate(values):
+            first = seen.setdefault(json.dumps(value, sort_keys=True, default=str), i)
+            if first != i:  # ran once, silently: a 29-point grid reported 25 points
+                raise CachelabError(f"{where}: sweep.{key!r}[{i}]: {value!r} is listed already (at [{first}]); "
+                                    "each point runs once")
             try:
                 point = set_key(raw, key, value)
             except KeyError as exc:
