@@ -89,6 +89,8 @@ def test_bad_input_exits_2_naming_the_value(tables, tmp_path):
     for flag, value in (("--compute-ms", -1), ("--max-lookups", 0)):  # a traceback after the first step; one step
         res = run("bench", "--dir", tables, "--trace", path, "--capacity", 10, flag, value)
         assert res.exit_code == 2 and "--compute-ms must be 0 or more and --max-lookups at least 1" in res.output
+    res = run("bench", "--dir", tables, "--trace", path, "--capacity", 10, "--backing", "hbm", "--device", "cpu")
+    assert res.exit_code == 2 and "`cachelab store bench --capacity 0`" in res.output  # said "give no policy"
 
 
 def test_build_into_a_directory_another_build_holds_exits_2_naming_it(tables):

@@ -160,7 +160,8 @@ class TieredStore:
         if self.resident and ((hbm_policy and hbm_rows) or (dram_policy and dram_rows)):
             raise CachelabError(f"backing 'hbm' holds the whole table in the compute device's memory "
                                 f"({self.hbm_device}): no row cache or DRAM cache goes in front of it; "
-                                "give no hbm/dram cache policy and capacity")
+                                "give hbm_capacity=0 and no DRAM cache (`cachelab store bench --capacity 0`, "
+                                "no --dram-capacity)")
         host_need = (dram_rows if dram_policy else 0) * self.row_bytes
         host_need += table_bytes if backing == "dram" or (self.resident and not self.cuda) else 0
         if not self.cuda:
