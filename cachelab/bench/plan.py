@@ -19,7 +19,7 @@ import numpy as np
 import polars as pl
 
 from cachelab.errors import CachelabError
-from cachelab.trace.schema import read_trace
+from cachelab.trace.schema import has_requests, read_trace
 
 
 @dataclass(frozen=True)
@@ -78,8 +78,7 @@ def plan_from_frame(df: pl.DataFrame, path: str, *, num_prompts: int | None = No
         if num_prompts > df.height:
             raise CachelabError(f"{path}: --num-prompts {num_prompts} but the trace holds {df.height} requests")
         df = df.head(num_prompts)
-    if df.height == 0:
-        raise CachelabError(f"{path}: the trace holds no requests")
+    has_requests(df, str(path))
     empty = df.select((pl.col("prompt_ids").list.len() == 0).arg_true().first()).item()
     if empty is not None:
         raise CachelabError(f"{path}: row {empty} has no prompt token ids (an arrival-only trace); give it "

@@ -9,8 +9,7 @@ import numpy as np
 import typer
 from rich.console import Console
 
-from cachelab import strict_json
-from cachelab import registry
+from cachelab import registry, strict_json
 from cachelab.capacity import Capacity, parse_capacities, parse_capacity
 from cachelab.errors import CachelabError
 from cachelab.params import parse_pairs

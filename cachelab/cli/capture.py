@@ -97,8 +97,8 @@ def proxy(
     from cachelab.capture.proxy import ProxyConfig, event_loop_factory, run_proxy
     from cachelab.capture.recorder import Recorder
     from cachelab.capture.writer import CaptureWriter
-    from cachelab.heap import freeze_startup_heap
     from cachelab.engram.vocab import DEEPSEEK_V4, load_tokenizer
+    from cachelab.heap import freeze_startup_heap
     from cachelab.live.launch import bound_socket, check_bind
 
     max_body_bytes, max_response_bytes, rotate_bytes = (

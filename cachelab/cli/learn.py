@@ -8,8 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from cachelab import strict_json
-from cachelab import defaults, registry
+from cachelab import defaults, registry, strict_json
 from cachelab.capacity import parse_capacities, parse_capacity
 from cachelab.engram import get_preset
 from cachelab.errors import CachelabError

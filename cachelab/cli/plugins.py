@@ -13,8 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from cachelab import strict_json
-from cachelab import registry
+from cachelab import registry, strict_json
 
 plugins_app = typer.Typer(no_args_is_help=True, help="Installed plug-ins of every cachelab entry-point group.")
 policies_app = typer.Typer(no_args_is_help=True, help="Installed cache policies (built-in and plug-in).")

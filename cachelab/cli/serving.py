@@ -28,7 +28,7 @@ REQUEST_TRACE_HELP = ("Request trace (.parquet from `cachelab trace build`, with
 def _read(trace: str, max_requests: int | None, verb: str):
     """The request trace ``--trace`` names; any other kind is answered with what it is and how to get one."""
     from cachelab.trace.kinds import CORPORA, REQUESTS, detect, wrong_kind
-    from cachelab.trace.schema import read_trace
+    from cachelab.trace.schema import has_requests, read_trace
 
     found = detect(trace)
     if found.kind != REQUESTS:
@@ -37,9 +37,7 @@ def _read(trace: str, max_requests: int | None, verb: str):
                          f"Build one: `cachelab trace build --arrivals gamma --arrival-option rate=2 --arrival-option "
                          f"num_requests=200 --corpus {corpus} -o t.parquet`, or import real arrivals "
                          "(--arrivals mooncake, azure, burstgpt, servegen) with --corpus.")
-    df = read_trace(found.path)
-    if df.height == 0:
-        raise CachelabError(f"--trace {found.path}: the trace holds no requests: nothing to replay")
+    df = has_requests(read_trace(found.path), f"--trace {found.path}")
     return df.head(max_requests) if max_requests else df
 
 

@@ -8,8 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from cachelab import strict_json
-from cachelab import defaults
+from cachelab import defaults, strict_json
 from cachelab.errors import CachelabError
 from cachelab.params import parse_pairs
 

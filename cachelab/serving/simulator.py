@@ -45,6 +45,7 @@ from cachelab.serving.metrics import RequestTimes, summarize
 from cachelab.serving.model_spec import ModelSpec, load_model
 from cachelab.store.format import TableLayout
 from cachelab.workload.prefix_cache import block_hashes
+from cachelab.trace.schema import has_requests
 from cachelab.workload.scheduler import (MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, PREFIX_CACHES, Request, Scheduler,
                                          StepRecord, kv_pool)
 from cachelab.engine.stepper import KeySet, RowSpace, StepReplay, sampled_keys, sampled_keys_at, table_row_space
@@ -168,9 +169,7 @@ def _sequences(trace: pl.DataFrame) -> tuple[list[np.ndarray], np.ndarray, np.nd
     missing = sorted(need - set(trace.columns))
     if missing:
         raise CachelabError(f"trace lacks column(s) {missing}; a request trace has {sorted(need)} (cachelab.trace.schema)")
-    if trace.height == 0:
-        raise CachelabError("the trace holds no requests: nothing to replay")
-    trace = trace.sort("arrival_s", maintain_order=True)
+    trace = has_requests(trace).sort("arrival_s", maintain_order=True)
     plen = trace["prompt_ids"].list.len().to_numpy().astype(np.int64)
     olen = trace["output_ids"].list.len().fill_null(0).to_numpy().astype(np.int64)
     empty = np.flatnonzero(plen == 0)

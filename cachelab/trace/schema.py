@@ -147,6 +147,14 @@ def read_trace(path: str | os.PathLike) -> pl.DataFrame:
     return validate(collect(pl.scan_parquet(path), path), str(path))
 
 
+def has_requests(df: pl.DataFrame, where: str | None = None) -> pl.DataFrame:
+    """``df``, refused (naming ``where``, the file) when it holds no requests: a replay of none
+    has no figures. An empty trace is valid to hold and to ``trace info``, not to replay."""
+    if df.height == 0:
+        raise CachelabError(f"{where + ': ' if where else ''}the trace holds no requests: nothing to replay")
+    return df
+
+
 def scan_trace(path: str | os.PathLike) -> pl.LazyFrame:
     """A lazy view; the version and column types are checked now, row values by ``read_trace``."""
     path = Path(path)
