@@ -831,3 +831,23 @@ def test_a_connection_cancelled_as_it_is_made_is_counted_once(loop, monkeypatch)
 
         with asyncio.Runner(loop_factory=event_loop_factory(loop)) as runner:
             runner.run(main())
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("http://u:pw@h:8000/v1", "http://***@h:8000/v1"),
+    ("https://token@h/route/v1", "https://***@h/route/v1"),
+    # an @ in the path or query is no credential (the whole URL from the host on was hidden)
+    ("http://h:8000/route@v2/v1", "http://h:8000/route@v2/v1"),
+    ("http://u:pw@h/team@x/v1", "http://***@h/team@x/v1"),
+    ("http://h/v1?tenant=a@b", "http://h/v1?tenant=a@b"),
+    ("http://[::1]:8000/a@b", "http://[::1]:8000/a@b"),
+    # malformed: a password with a raw / (or ?, #) ends the host early; hidden up to the last @ all the same
+    ("http://user:pa/ss@host/v1", "http://***@host/v1"),
+    ("http://user:p?ss@host", "http://***@host"),
+    ("user:pw@host", "***@host"),
+    ("http://h:8000", "http://h:8000"),
+])
+def test_shown_url_hides_the_userinfo_only(url, shown):
+    from cachelab.capture.connections import shown_url
+
+    assert shown_url(url) == shown

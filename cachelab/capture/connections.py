@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import socket
 import ssl
 import time
@@ -303,13 +304,25 @@ def upstream_prefix(path: str) -> bytes:
     return path.encode()
 
 
+_HOST_PORT = re.compile(r"(\[[^\]]*\]|[^:@\[\]]*)(:\d*)?")
+
+
 def shown_url(url: str) -> str:
-    """``url`` as it may be printed: credentials before an ``@`` (``user:password@``) replaced by
-    ``***``. Works on any string, a malformed URL too (it goes into error messages)."""
+    """``url`` as it may be printed: the userinfo before the host (``user:password@``) replaced by
+    ``***``; an ``@`` in the path or query (``http://gw/route@v2``) is no credential and is kept. Works
+    on any string, a malformed URL too (it goes into error messages): where what comes before the
+    first ``/`` is no ``HOST[:PORT]`` (a password holding a raw ``/``: ``http://user:pa/ss@host``),
+    everything up to the last ``@`` is hidden."""
     scheme, sep, rest = url.partition("//")
     if not sep:
         scheme, rest = "", url
-    return scheme + sep + "***@" + rest.rpartition("@")[2] if "@" in rest else url
+    end = min([i for i in map(rest.find, "/?#") if i >= 0] or [len(rest)])
+    authority, tail = rest[:end], rest[end:]
+    if "@" in authority:
+        return scheme + sep + "***@" + authority.rpartition("@")[2] + tail
+    if "@" in tail and not _HOST_PORT.fullmatch(authority):
+        return scheme + sep + "***@" + rest.rpartition("@")[2]
+    return url
 
 
 class UpstreamPool:
