@@ -606,6 +606,7 @@ def test_non_loopback_listen_needs_a_token(tmp_path):
     (["--upstream", "http://x", "--listen", "127.0.0.1:99999"], "--listen: port 99999 is out of range (0-65535)"),
     (["--upstream", "http://x", "--read-timeout", "0"], "--read-timeout 0.0: expected a number above 0"),
     (["--upstream", "http://x", "--total-timeout", "nan"], "--total-timeout nan: expected a number above 0"),
+    (["--upstream", "http://x", "--connect-timeout", "0"], "--connect-timeout 0.0: expected a number above 0"),
     (["--upstream", "http://x", "--max-body-mb", "-1"], "--max-body-mb -1.0: expected a number above 0"),
     (["--upstream", "http://x", "--max-response-mb", "0"], "--max-response-mb 0.0: expected a number above 0"),
     # under one byte: a segment per record, every body refused (the writer refused it after creating the directory)
@@ -851,3 +852,41 @@ def test_shown_url_hides_the_userinfo_only(url, shown):
     from cachelab.capture.connections import shown_url
 
     assert shown_url(url) == shown
+
+
+def _unanswered_listener():
+    """A listening socket whose accept queue is full, so that a connection to it is never made (the
+    kernel drops the SYN): an upstream that does not accept."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(0)
+    fillers = []
+    for _ in range(3):
+        filler = socket.socket()
+        filler.setblocking(False)
+        filler.connect_ex(server.getsockname())
+        fillers.append(filler)
+    return server, fillers
+
+
+@pytest.mark.parametrize("connect_timeout, read_timeout", [(0.5, 5.0), (5.0, 0.5)])
+def test_a_connect_timeout_names_the_upstream_and_the_bound(tmp_path, connect_timeout, read_timeout):
+    """An upstream that accepts no connection: a 504 saying so, naming the upstream (its credentials
+    hidden) and the bound that ran out, the connect timeout or, where shorter, the read timeout (it said
+    "upstream timed out before answering", whichever it was)."""
+    server, fillers = _unanswered_listener()
+    port = server.getsockname()[1]
+    recorder = Recorder(tmp_path)
+    config = ProxyConfig(upstream=f"http://capuser:pw-77@127.0.0.1:{port}/v1", connect_timeout=connect_timeout,
+                         read_timeout=read_timeout)
+    try:
+        with ProxyThread(config, recorder) as proxy:
+            started = time.monotonic()
+            r = httpx.post(proxy.url + "/v1/completions", json={"model": "m", "prompt": "hi"}, timeout=15)
+            took = time.monotonic() - started
+    finally:
+        for s in (server, *fillers):
+            s.close()
+    message = f"connecting to upstream http://***@127.0.0.1:{port}/v1 timed out after 0.5 s"
+    assert r.status_code == 504 and r.json()["error"]["message"] == message and 0.4 < took < 2.5, (r.text, took)
+    assert read_requests(tmp_path)[0].row(0, named=True)["error"] == message

@@ -339,6 +339,7 @@ class UpstreamPool:
         self.authorization = None if parts.username is None else b"authorization: Basic %s\r\n" % base64.b64encode(
             f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode())
         self.prefix = upstream_prefix(parts.path)
+        self.shown = shown_url(config.upstream)  # for error messages
         self.limit = config.max_connections
         self.connect_timeout = config.connect_timeout
         self.idle: list[UpstreamConnection] = []

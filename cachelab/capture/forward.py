@@ -85,8 +85,8 @@ class Forward:
             conn = await pool.open()
         except asyncio.CancelledError:
             return
-        except (TimeoutError, asyncio.TimeoutError):
-            return self.fail(504, "upstream timed out before answering")
+        except (TimeoutError, asyncio.TimeoutError):  # only the connect is bounded in ``open``
+            return self.fail(504, self._no_connection(pool.connect_timeout))
         except OSError as exc:
             return self.fail(502, f"upstream unreachable: {type(exc).__name__}: {exc}")
         self.task = None
@@ -397,6 +397,9 @@ class Forward:
         if self.conn is not None and not self.finished:
             self.conn.transport.resume_reading()
 
+    def _no_connection(self, seconds: float) -> str:
+        return f"connecting to upstream {self.proxy.pool.shown} timed out after {seconds} s"
+
     # -- time bounds: one timer, re-armed lazily ---------------------------------------------------
     def _arm(self, delay: float) -> None:
         self.timer = asyncio.get_running_loop().call_later(max(delay, 0.001), self._on_timer)
@@ -414,6 +417,9 @@ class Forward:
                 return self._arm(bound - running)
             return self.fail(503, f"all {self.proxy.pool.limit} upstream connections busy for {bound} s: "
                                   "not sent upstream")
+        if self.conn is None and (running >= c.total_timeout or silent >= c.read_timeout):  # still connecting
+            bound = c.total_timeout if running >= c.total_timeout else c.read_timeout
+            return self.fail(504, self._no_connection(bound))
         if running >= c.total_timeout:
             if self.mode == -1:
                 return self.fail(504, "upstream timed out before answering")

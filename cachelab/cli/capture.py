@@ -72,6 +72,8 @@ def proxy(
     max_response_mb: float = typer.Option(64.0, help="Cut upstream answers over this size (MiB)."),
     read_timeout: float = typer.Option(300.0, help="Cut an upstream answer silent this long (s)."),
     total_timeout: float = typer.Option(3600.0, help="Cut an upstream answer running this long (s)."),
+    connect_timeout: float = typer.Option(10.0, help="Give up connecting to the upstream after this long (s): "
+                                          "the client gets a 504 naming the upstream and the timeout."),
     writer: str = typer.Option("process", help="Where records are built and written: `process` (a child process "
                                "at --writer-sched: building a record never holds the proxy's GIL nor a core a "
                                "token's wake-up needs; docs/capture.md, Overhead) or `thread` (a thread of the "
@@ -105,7 +107,7 @@ def proxy(
         mib_bytes("--max-body-mb", max_body_mb), mib_bytes("--max-response-mb", max_response_mb),
         mib_bytes("--rotate-mb", rotate_mb))
     for flag, value in (("--read-timeout", read_timeout), ("--total-timeout", total_timeout),
-                        ("--rotate-seconds", rotate_seconds)):
+                        ("--connect-timeout", connect_timeout), ("--rotate-seconds", rotate_seconds)):
         if not value > 0:  # 0 or below (or nan) timed out every request or made a segment per record
             raise CachelabError(f"{flag} {value}: expected a number above 0")
     if hash_blocks < 0:
@@ -118,7 +120,7 @@ def proxy(
                          session_header=session_header.lower(),
                          token_ids=token_ids, max_body_bytes=max_body_bytes,
                          max_response_bytes=max_response_bytes, read_timeout=read_timeout,
-                         total_timeout=total_timeout)
+                         total_timeout=total_timeout, connect_timeout=connect_timeout)
     if writer not in ("process", "thread"):
         raise CachelabError(f"--writer {writer!r}: expected process or thread")
     if not commit_ms >= 0:
