@@ -21,13 +21,17 @@ this one exists for the failure modes vLLM cannot be made to produce and for spe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import hashlib
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 
+import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
@@ -239,6 +243,31 @@ class ProxyThread:
     def __exit__(self, *exc):
         self.loop.call_soon_threadsafe(self.stop.set)
         self.thread.join(30)
+
+
+@contextlib.contextmanager
+def cli_proxy(upstream: str, out, *args: str, env: dict | None = None):
+    """``cachelab capture proxy --upstream UPSTREAM --out OUT ARGS`` in a process of its own on a free
+    port, the command a user runs; yields its base URL once ``/capture/status`` answers, and stops it
+    (SIGTERM) on leaving."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "cachelab.cli", "capture", "proxy", "--upstream", upstream,
+                             "--out", str(out), "--listen", f"127.0.0.1:{port}", *args], env=env,
+                            stdout=subprocess.DEVNULL)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(base + "/capture/status", timeout=2)
+                break
+            except httpx.HTTPError:
+                assert proc.poll() is None and time.monotonic() < deadline, "the proxy did not start"
+                time.sleep(0.2)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 class ServerThread:

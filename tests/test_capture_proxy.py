@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from capture_upstream import ProxyThread, ServerThread, Upstream, free_port
+from capture_upstream import ProxyThread, ServerThread, Upstream, cli_proxy, free_port
 from cachelab.capture.proxy import ProxyConfig
 from cachelab.capture.recorder import Recorder
 from cachelab.capture.to_trace import capture_to_trace, read_requests
@@ -524,6 +524,20 @@ def test_a_request_waiting_for_a_pool_place_is_bounded(tmp_path):
         assert _raw(s.proxy.url, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2})[0] == 200
 
 
+def test_max_connections_is_a_flag(tmp_path):
+    """`cachelab capture proxy --max-connections 1`: the pool's bound, which the library had and the CLI did
+    not take (1,024 whatever the upstream could carry): the second request waits and gets the 503."""
+    with ServerThread(Upstream().app) as upstream, \
+            cli_proxy(upstream.url, tmp_path / "cap", "--max-connections", "1", "--read-timeout", "1") as base:
+        with httpx.stream("POST", base + "/v1/completions", timeout=30,
+                          json={"model": "endless", "prompt": "hi", "stream": True}) as held:
+            chunks = held.iter_raw()
+            next(chunks)  # the one upstream connection streams on
+            r = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=15)
+        assert r.status_code == 503 and r.json()["error"]["message"] == \
+            "all 1 upstream connections busy for 1.0 s: not sent upstream", r.text
+
+
 def test_request_headers_upstream_keep_their_case_and_lose_the_hop_by_hop_ones(tmp_path):
     upstream = HeadUpstream()
     sent = {"Authorization": "Bearer upstream-key", "X-Custom-Thing": "Kept As Sent", "Accept-Encoding": "gzip",
@@ -607,6 +621,7 @@ def test_non_loopback_listen_needs_a_token(tmp_path):
     (["--upstream", "http://x", "--read-timeout", "0"], "--read-timeout 0.0: expected a number above 0"),
     (["--upstream", "http://x", "--total-timeout", "nan"], "--total-timeout nan: expected a number above 0"),
     (["--upstream", "http://x", "--connect-timeout", "0"], "--connect-timeout 0.0: expected a number above 0"),
+    (["--upstream", "http://x", "--max-connections", "0"], "--max-connections 0: expected 1 or more"),
     (["--upstream", "http://x", "--max-body-mb", "-1"], "--max-body-mb -1.0: expected a number above 0"),
     (["--upstream", "http://x", "--max-response-mb", "0"], "--max-response-mb 0.0: expected a number above 0"),
     # under one byte: a segment per record, every body refused (the writer refused it after creating the directory)

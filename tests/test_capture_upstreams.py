@@ -11,16 +11,13 @@ import ipaddress
 import json
 import os
 import ssl
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 from fastapi import FastAPI
 
-from capture_upstream import ProxyThread, ServerThread, Upstream, free_port
+from capture_upstream import ProxyThread, ServerThread, Upstream, cli_proxy
 from cachelab.capture.proxy import ProxyConfig
 from cachelab.capture.recorder import Recorder
 from cachelab.capture.to_trace import read_requests
@@ -117,29 +114,13 @@ def test_https_upstream_certificate_is_verified(tls, tmp_path):
 def test_https_upstream_through_the_cli(tls, tmp_path):
     """`cachelab capture proxy --upstream https://... --upstream-ca cert.pem`, the command a user runs."""
     url, cert = tls
-    port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[1]),
                                                                     os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.Popen([sys.executable, "-m", "cachelab.cli", "capture", "proxy", "--upstream", url,
-                             "--upstream-ca", str(cert), "--out", str(tmp_path / "cap"),
-                             "--listen", f"127.0.0.1:{port}"], env=env, stdout=subprocess.DEVNULL)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                httpx.get(base + "/capture/status", timeout=2)
-                break
-            except httpx.HTTPError:
-                assert proc.poll() is None and time.monotonic() < deadline, "the proxy did not start"
-                time.sleep(0.2)
+    with cli_proxy(url, tmp_path / "cap", "--upstream-ca", str(cert), env=env) as base:
         req = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "stream": True}
         assert _raw(base, "/v1/completions", req) == _raw(url, "/v1/completions", req, cert)
         status = httpx.get(base + "/capture/status", timeout=10).json()
         assert status["submitted"] == 1
-    finally:
-        proc.terminate()
-        proc.wait(30)
     assert read_requests(tmp_path / "cap")[0]["status"].to_list() == [200]
 
 

@@ -74,6 +74,9 @@ def proxy(
     total_timeout: float = typer.Option(3600.0, help="Cut an upstream answer running this long (s)."),
     connect_timeout: float = typer.Option(10.0, help="Give up connecting to the upstream after this long (s): "
                                           "the client gets a 504 naming the upstream and the timeout."),
+    max_connections: int = typer.Option(1024, help="At most this many connections to the upstream at once (the "
+                                        "pool's bound, in use and idle). A request past it waits for one to be "
+                                        "given back, --read-timeout at most (then a 503)."),
     writer: str = typer.Option("process", help="Where records are built and written: `process` (a child process "
                                "at --writer-sched: building a record never holds the proxy's GIL nor a core a "
                                "token's wake-up needs; docs/capture.md, Overhead) or `thread` (a thread of the "
@@ -110,6 +113,8 @@ def proxy(
                         ("--connect-timeout", connect_timeout), ("--rotate-seconds", rotate_seconds)):
         if not value > 0:  # 0 or below (or nan) timed out every request or made a segment per record
             raise CachelabError(f"{flag} {value}: expected a number above 0")
+    if max_connections < 1:  # 0 sent nothing upstream: every request waited, then a 503
+        raise CachelabError(f"--max-connections {max_connections}: expected 1 or more")
     if hash_blocks < 0:
         raise CachelabError(f"--hash-blocks {hash_blocks}: expected 0 (keep ids) or a block size in tokens")
     if tokenizer != DEEPSEEK_V4:  # a missing or malformed file showed only at the first request that needed it
@@ -120,7 +125,8 @@ def proxy(
                          session_header=session_header.lower(),
                          token_ids=token_ids, max_body_bytes=max_body_bytes,
                          max_response_bytes=max_response_bytes, read_timeout=read_timeout,
-                         total_timeout=total_timeout, connect_timeout=connect_timeout)
+                         total_timeout=total_timeout, connect_timeout=connect_timeout,
+                         max_connections=max_connections)
     if writer not in ("process", "thread"):
         raise CachelabError(f"--writer {writer!r}: expected process or thread")
     if not commit_ms >= 0:
