@@ -362,15 +362,18 @@ class HeadUpstream:
 
     To close connections as upstreams do: it answers ``answers`` requests of a connection, then closes
     it as the next request comes, unanswered; ``at_accept``: as soon as it is made, before
-    any request; ``reset``: with a reset (RST) rather than a close (FIN); ``idle_s``: a connection idle
-    this long is closed (uvicorn's keep-alive timeout, vLLM's 5 s). Counts connections and requests."""
+    any request; ``reset``: with a reset (RST) rather than a close (FIN); ``silent``: neither answers nor
+    closes it, reading on (a peer gone without a FIN or RST: a host down, a NAT entry dropped); ``idle_s``:
+    a connection idle this long is closed (uvicorn's keep-alive timeout, vLLM's 5 s). Counts connections
+    and requests."""
 
     def __init__(self, answers: float = float("inf"), *, at_accept: bool = False, reset: bool = False,
-                 idle_s: float | None = None):
+                 silent: bool = False, idle_s: float | None = None):
         import socket
         import threading
 
         self.answers, self.at_accept, self.reset, self.idle_s = answers, at_accept, reset, idle_s
+        self.silent = silent
         self.connections = self.requests = 0
         self.heads: list[bytes] = []
         self.sock = socket.create_server(("127.0.0.1", 0))
@@ -409,6 +412,8 @@ class HeadUpstream:
                     return
                 self.requests += 1
                 if answered >= self.answers:
+                    while self.silent and conn.recv(65536):  # until the proxy closes it
+                        pass
                     return  # the request came as the connection closed: unanswered
                 head, _, data = data.partition(b"\r\n\r\n")
                 length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
@@ -503,6 +508,30 @@ def test_a_connection_the_upstream_closes_when_idle_is_not_reused(tmp_path):
     upstream.sock.close()
     assert statuses == [200] * 41, statuses
     assert upstream.connections > 1, "the upstream's idle timeout closed connections"
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_pooled_connection_idle_past_the_bound_is_not_reused(tmp_path, loop):
+    """An upstream connection that went silent while idle in the pool (no FIN or RST comes: the peer
+    stopped answering on it) is not reused once idle for over --upstream-idle-timeout: the next request
+    goes on a new connection and is answered at once. (It went on the dead one and waited out
+    --read-timeout: a 504.) Within the bound the idle connection is reused."""
+    upstream = HeadUpstream(answers=2, silent=True)  # each connection answers two requests, then nothing
+    recorder = Recorder(tmp_path)
+    config = ProxyConfig(upstream=upstream.url, read_timeout=3.0, upstream_idle_timeout=0.3)
+    with ProxyThread(config, recorder, loop) as proxy, httpx.Client(base_url=proxy.url, timeout=15) as client:
+        body = {"model": "m", "prompt": "hi"}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        assert client.post("/v1/completions", json=body).status_code == 200
+        assert upstream.connections == 1, "reused within the bound"
+        time.sleep(0.5)  # idle past the bound; the upstream has gone silent on that connection
+        started = time.monotonic()
+        r = client.post("/v1/completions", json=body)
+        took = time.monotonic() - started
+        assert r.status_code == 200 and took < 1.5, (r.status_code, r.text, took)
+        assert (upstream.connections, upstream.requests) == (2, 3), "not written on the stale connection"
+    upstream.sock.close()
+    assert read_requests(tmp_path)[0]["status"].to_list() == [200, 200, 200]
 
 
 def test_a_request_waiting_for_a_pool_place_is_bounded(tmp_path):
@@ -622,6 +651,8 @@ def test_non_loopback_listen_needs_a_token(tmp_path):
     (["--upstream", "http://x", "--total-timeout", "nan"], "--total-timeout nan: expected a number above 0"),
     (["--upstream", "http://x", "--connect-timeout", "0"], "--connect-timeout 0.0: expected a number above 0"),
     (["--upstream", "http://x", "--max-connections", "0"], "--max-connections 0: expected 1 or more"),
+    (["--upstream", "http://x", "--upstream-idle-timeout", "-1"], "--upstream-idle-timeout -1.0: expected 0 or more"),
+    (["--upstream", "http://x", "--upstream-idle-timeout", "nan"], "--upstream-idle-timeout nan: expected 0 or more"),
     (["--upstream", "http://x", "--max-body-mb", "-1"], "--max-body-mb -1.0: expected a number above 0"),
     (["--upstream", "http://x", "--max-response-mb", "0"], "--max-response-mb 0.0: expected a number above 0"),
     # under one byte: a segment per record, every body refused (the writer refused it after creating the directory)

@@ -261,6 +261,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.usable = False
         self.counted = True  # holds a place in the pool's count until it is lost (``UpstreamPool._release``)
         self.reused = False  # has carried an answer and waited idle in the pool since
+        self.idle_since = 0.0  # time.monotonic() when it was last given back
         self.lost: str | None = None  # once it is lost: how (a close, a reset, ...)
 
     def connection_made(self, transport) -> None:
@@ -326,7 +327,8 @@ def shown_url(url: str) -> str:
 
 
 class UpstreamPool:
-    """Keep-alive connections to the upstream: reused most recent first, at most ``limit`` open."""
+    """Keep-alive connections to the upstream: reused most recent first, at most ``limit`` open, none
+    once idle for over ``idle_timeout`` (``expire``)."""
 
     def __init__(self, config: ProxyConfig):
         parts = urlsplit(config.upstream)  # checked by ProxyConfig
@@ -342,16 +344,39 @@ class UpstreamPool:
         self.shown = shown_url(config.upstream)  # for error messages
         self.limit = config.max_connections
         self.connect_timeout = config.connect_timeout
+        self.idle_timeout = config.upstream_idle_timeout
         self.idle: list[UpstreamConnection] = []
         self.count = 0
         self.waiters: deque[asyncio.Future] = deque()
 
     def take(self) -> UpstreamConnection | None:
+        self.expire()
         while self.idle:
             conn = self.idle.pop()
             if conn.usable:
                 return conn
         return None
+
+    def expire(self) -> None:
+        """Close the idle connections idle for over ``idle_timeout``. A connection the upstream closed
+        while idle is known lost only once its FIN or RST has come; one that a peer stopped answering
+        on (a host gone, a NAT or firewall entry dropped) never says so, and a request written on it
+        waits out ``read_timeout``. So, as HTTP clients do (httpx after 5 s idle, aiohttp 15 s), an
+        idle connection is not reused past a bound, by default under the upstream's own keep-alive
+        timeout (uvicorn's, vLLM's: 5 s), so that the proxy closes it first. ``idle`` is in the
+        order connections were given back: the expired ones lead."""
+        idle = self.idle
+        if not idle:
+            return
+        limit = time.monotonic() - self.idle_timeout
+        n = 0
+        while n < len(idle) and idle[n].idle_since < limit:
+            n += 1
+        if n:
+            stale, self.idle = idle[:n], idle[n:]
+            for conn in stale:
+                conn.usable = False
+                conn.transport.close()
 
     async def open(self) -> UpstreamConnection:
         """An idle connection once one is given back, or a new one while under ``limit``. A caller
@@ -392,6 +417,7 @@ class UpstreamPool:
         if conn.usable:
             conn.transport.resume_reading()  # paused for a slow client of the last exchange
             conn.reused = True
+            conn.idle_since = time.monotonic()
             self.idle.append(conn)
             self._wake()
         else:

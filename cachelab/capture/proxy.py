@@ -74,6 +74,7 @@ class ProxyConfig:
     read_timeout: float = 300.0
     total_timeout: float = 3600.0
     max_connections: int = 1024
+    upstream_idle_timeout: float = 4.0  # an upstream connection idle this long is not reused (closed)
     keep_alive_s: float = 30.0      # an idle client connection is closed after this long
     shutdown_grace_s: float = 10.0  # on stop, exchanges in flight get this long to finish
 
@@ -116,9 +117,11 @@ class CaptureProxy:
         self._sweeper = loop.create_task(self._sweep_idle())
 
     async def _sweep_idle(self) -> None:
-        """Close client connections idle for over ``keep_alive_s`` (one timer for all of them)."""
+        """Close client connections idle for over ``keep_alive_s`` and upstream ones idle for over
+        ``upstream_idle_timeout`` (one timer for all of them)."""
         while True:
             await asyncio.sleep(_IDLE_SWEEP_S)
+            self.pool.expire()
             limit = time.monotonic() - self.config.keep_alive_s
             for client in [c for c in self.clients if c.forward is None and c.request is None and not c.queue
                            and c.idle_since < limit]:

@@ -77,6 +77,11 @@ def proxy(
     max_connections: int = typer.Option(1024, help="At most this many connections to the upstream at once (the "
                                         "pool's bound, in use and idle). A request past it waits for one to be "
                                         "given back, --read-timeout at most (then a 503)."),
+    upstream_idle_timeout: float = typer.Option(4.0, help="An upstream connection idle this long is not reused "
+                                                "but closed (s): under the upstream's own keep-alive timeout "
+                                                "(uvicorn's, so vLLM's: 5 s), so that no request goes on a "
+                                                "connection it closed or that a peer dropped silently. 0: none "
+                                                "is reused."),
     writer: str = typer.Option("process", help="Where records are built and written: `process` (a child process "
                                "at --writer-sched: building a record never holds the proxy's GIL nor a core a "
                                "token's wake-up needs; docs/capture.md, Overhead) or `thread` (a thread of the "
@@ -113,6 +118,8 @@ def proxy(
                         ("--connect-timeout", connect_timeout), ("--rotate-seconds", rotate_seconds)):
         if not value > 0:  # 0 or below (or nan) timed out every request or made a segment per record
             raise CachelabError(f"{flag} {value}: expected a number above 0")
+    if not upstream_idle_timeout >= 0:
+        raise CachelabError(f"--upstream-idle-timeout {upstream_idle_timeout}: expected 0 or more seconds")
     if max_connections < 1:  # 0 sent nothing upstream: every request waited, then a 503
         raise CachelabError(f"--max-connections {max_connections}: expected 1 or more")
     if hash_blocks < 0:
@@ -126,7 +133,7 @@ def proxy(
                          token_ids=token_ids, max_body_bytes=max_body_bytes,
                          max_response_bytes=max_response_bytes, read_timeout=read_timeout,
                          total_timeout=total_timeout, connect_timeout=connect_timeout,
-                         max_connections=max_connections)
+                         max_connections=max_connections, upstream_idle_timeout=upstream_idle_timeout)
     if writer not in ("process", "thread"):
         raise CachelabError(f"--writer {writer!r}: expected process or thread")
     if not commit_ms >= 0:
