@@ -364,16 +364,17 @@ class HeadUpstream:
     it as the next request comes, unanswered; ``at_accept``: as soon as it is made, before
     any request; ``reset``: with a reset (RST) rather than a close (FIN); ``silent``: neither answers nor
     closes it, reading on (a peer gone without a FIN or RST: a host down, a NAT entry dropped); ``idle_s``:
-    a connection idle this long is closed (uvicorn's keep-alive timeout, vLLM's 5 s). Counts connections
-    and requests."""
+    a connection idle this long is closed (uvicorn's keep-alive timeout, vLLM's 5 s); ``head``: the
+    answer's header lines (bytes) besides its length. Counts connections and requests."""
 
     def __init__(self, answers: float = float("inf"), *, at_accept: bool = False, reset: bool = False,
-                 silent: bool = False, idle_s: float | None = None):
+                 silent: bool = False, idle_s: float | None = None,
+                 head: bytes = b"content-type: application/json\r\n"):
         import socket
         import threading
 
         self.answers, self.at_accept, self.reset, self.idle_s = answers, at_accept, reset, idle_s
-        self.silent = silent
+        self.silent, self.head = silent, head
         self.connections = self.requests = 0
         self.heads: list[bytes] = []
         self.sock = socket.create_server(("127.0.0.1", 0))
@@ -422,8 +423,7 @@ class HeadUpstream:
                     data += conn.recv(65536)
                 data = data[length:]
                 self.heads.append(head)
-                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                             % (len(body), body))
+                conn.sendall(b"HTTP/1.1 200 OK\r\n%scontent-length: %d\r\n\r\n%s" % (self.head, len(body), body))
                 answered += 1
 
 
@@ -565,6 +565,48 @@ def test_max_connections_is_a_flag(tmp_path):
             r = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=15)
         assert r.status_code == 503 and r.json()["error"]["message"] == \
             "all 1 upstream connections busy for 1.0 s: not sent upstream", r.text
+
+
+class EndlessHead:
+    """An upstream whose answer's head never ends: header lines, 64 KiB every 20 ms, until the proxy leaves."""
+
+    def __init__(self):
+        import threading
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.sent = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        conn, _ = self.sock.accept()
+        with conn:
+            while b"\r\n\r\n" not in conn.recv(65536):
+                pass
+            try:
+                conn.sendall(b"HTTP/1.1 200 OK\r\n")
+                while self.sent < 64 << 20:
+                    conn.sendall(b"x-pad: %s\r\n" % (b"a" * 1014) * 64)
+                    self.sent += 64 << 10
+                    time.sleep(0.02)
+            except OSError:
+                return
+
+
+def test_an_upstream_head_without_an_end_is_bounded(tmp_path):
+    """A hostile upstream that sends header lines for ever: a 502 once the head is over 64 KiB, recorded.
+    (The proxy kept every line until --read-timeout, which the lines did not count as silence either way:
+    memory without a bound at the upstream's pace, then a 504 'upstream timed out before answering'.)"""
+    upstream = EndlessHead()
+    recorder = Recorder(tmp_path)
+    with ProxyThread(ProxyConfig(upstream=upstream.url, read_timeout=3.0), recorder) as proxy:
+        started = time.monotonic()
+        r = httpx.post(proxy.url + "/v1/completions", json={"model": "m", "prompt": "hi"}, timeout=15)
+        took = time.monotonic() - started
+    upstream.sock.close()
+    message = "upstream answer head over 65536 bytes without an end"
+    assert r.status_code == 502 and r.json()["error"]["message"] == message and took < 1.5, (r.text, took)
+    assert read_requests(tmp_path)[0].row(0, named=True)["error"] == message
 
 
 def test_request_headers_upstream_keep_their_case_and_lose_the_hop_by_hop_ones(tmp_path):

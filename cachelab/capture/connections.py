@@ -280,6 +280,11 @@ class UpstreamConnection(asyncio.Protocol):
         except Exception as exc:  # not HTTP, or a callback's failure: this exchange ends, the proxy goes on
             forward.broken(f"{type(exc).__name__}: {exc}")
             return
+        if forward.mode == -1:  # no head of a final answer yet (the parser keeps a header's bytes until its end)
+            forward.head_bytes += len(data)
+            limit = forward.proxy.config.max_head_bytes
+            if forward.head_bytes > limit:
+                return forward.fail(502, f"upstream answer head over {limit} bytes without an end")
         forward.after_read()
 
     def eof_received(self) -> bool:

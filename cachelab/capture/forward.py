@@ -55,6 +55,7 @@ class Forward:
         self.headers: list[tuple[bytes, bytes]] = []
         self.status = 0
         self.mode = -1                    # STREAM / WHOLE / PASS once the headers are in
+        self.head_bytes = 0               # upstream bytes read before that (``UpstreamConnection.data_received``)
         self.framed = False               # the client's body is chunked (else: a length, or to the close)
         self.by_close = False             # the upstream's body ends when its connection does
         self.out: list[bytes] = []

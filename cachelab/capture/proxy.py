@@ -21,7 +21,7 @@ and "Why the defaults", says what led here (the earlier proxies: FastAPI + httpx
 + aiohttp) and what each default measured.
 
 Bounds: a request body over ``max_body_bytes`` is refused with 413 before anything goes
-upstream; a request head over ``max_head_bytes`` with 431; an answer over
+upstream; a request head over ``max_head_bytes`` with 431, an answer head over it is a 502; an answer over
 ``max_response_bytes``, an event over ``max_event_bytes`` without a delimiter, an answer
 slower than ``total_timeout`` or silent for ``read_timeout`` ends the exchange: the client
 gets a 502/504 (or, mid-stream, the end of the stream) and the record says why; a request
