@@ -610,21 +610,27 @@ def test_an_upstream_head_without_an_end_is_bounded(tmp_path):
 
 
 def test_request_headers_upstream_keep_their_case_and_lose_the_hop_by_hop_ones(tmp_path):
-    upstream = HeadUpstream()
+    """Both ways: the hop-by-hop headers, and those a Connection header names (RFC 9110, 7.6.1), stay on
+    their hop (the named ones went on); every other header goes on as written."""
+    upstream = HeadUpstream(head=b"content-type: application/json\r\nConnection: keep-alive, X-Upstream-Hop\r\n"
+                                 b"X-Upstream-Hop: 1\r\nX-End-To-End: 2\r\n")
     sent = {"Authorization": "Bearer upstream-key", "X-Custom-Thing": "Kept As Sent", "Accept-Encoding": "gzip",
-            "Keep-Alive": "timeout=5", "TE": "trailers", "X-Session-Id": "user-7"}
+            "Keep-Alive": "timeout=5", "TE": "trailers", "X-Session-Id": "user-7",
+            "Connection": "keep-alive, X-Client-Hop", "X-Client-Hop": "1"}
     with ProxyThread(ProxyConfig(upstream=upstream.url), Recorder(tmp_path)) as proxy:
         with httpx.Client(base_url=proxy.url, timeout=30) as client:
-            assert client.post("/v1/completions", json={"model": "m", "prompt": "hi"}, headers=sent).status_code == 200
-            assert client.get("/v1/models", headers=sent).status_code == 200
+            answers = [client.post("/v1/completions", json={"model": "m", "prompt": "hi"}, headers=sent),
+                       client.get("/v1/models", headers=sent)]
     upstream.sock.close()
+    for r in answers:
+        assert r.status_code == 200 and r.headers["x-end-to-end"] == "2" and "x-upstream-hop" not in r.headers
     recorded, passed = upstream.heads
     for head in (recorded, passed):
         lines = head.split(b"\r\n")[1:]
         assert b"Authorization: Bearer upstream-key" in lines and b"X-Custom-Thing: Kept As Sent" in lines
         assert b"X-Session-Id: user-7" in lines, "names go upstream as the client wrote them"
         names = [line.split(b":")[0].lower() for line in lines]
-        assert not {b"keep-alive", b"te", b"connection"} & set(names), names
+        assert not {b"keep-alive", b"te", b"connection", b"x-client-hop"} & set(names), names
         assert names.count(b"host") == 1
     assert b"accept-encoding: identity" in recorded.split(b"\r\n") and b"gzip" not in recorded, \
         "a recorded answer is asked for as identity: the proxy reads it"

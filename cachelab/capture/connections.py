@@ -32,8 +32,20 @@ if TYPE_CHECKING:
 
 # Not forwarded in either direction: the hop's own framing and connection management (the
 # proxy frames each hop itself) and the client's Host (the upstream gets its own).
-HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
-              b"transfer-encoding", b"upgrade", b"host", b"content-length", b"expect"}
+HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+                        b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length", b"expect"})
+
+
+def hop_by_hop(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
+    """The header names (lower case) of a message not to forward: ``HOP_BY_HOP`` and every name its
+    ``Connection`` header lists (RFC 9110, 7.6.1: ``Connection: close, X-Hop-Trace`` makes
+    ``X-Hop-Trace`` a header of this hop alone)."""
+    listed = [value for key, value in headers if key.lower() == b"connection"]
+    if not listed:
+        return HOP_BY_HOP
+    return HOP_BY_HOP | {name.strip().lower() for value in listed for name in value.split(b",")}
+
+
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 LAST_CHUNK = b"0\r\n\r\n"
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import httptools
 
-from cachelab.capture.connections import (HOP_BY_HOP, LAST_CHUNK, ClientConnection, UpstreamConnection, error_body,
+from cachelab.capture.connections import (LAST_CHUNK, ClientConnection, UpstreamConnection, error_body, hop_by_hop,
                                           whole_response)
 from cachelab.capture.exchange import Exchange, Restorer, strip_body
 
@@ -133,6 +133,7 @@ class Forward:
         content_type = length = encoding = b""
         chunked = False
         lines = []
+        drop = hop_by_hop(self.headers)
         for name, value in self.headers:
             key = name.lower()
             if key == b"content-type":
@@ -143,7 +144,7 @@ class Forward:
                 chunked = b"chunked" in value.lower()
             elif key == b"content-encoding":
                 encoding = value.strip().lower()
-            if key not in HOP_BY_HOP:
+            if key not in drop:
                 lines.append(b"%s: %s\r\n" % (name, value))
         bodiless = self.head or status in (204, 304)
         if self.head:  # the parser cannot know that no body follows: the answer ends here

@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from cachelab.capture.connections import HOP_BY_HOP, ClientConnection, Request, UpstreamPool, error_body, shown_url, \
+from cachelab.capture.connections import ClientConnection, Request, UpstreamPool, error_body, hop_by_hop, shown_url, \
     whole_response
 from cachelab.capture.exchange import Exchange, prepare
 from cachelab.capture.forward import CLIENT_CLOSED, CLIENT_GONE, Forward
@@ -163,8 +163,9 @@ class CaptureProxy:
         x = self._exchange(r, path)
         if x is not None:
             body = prepare(body, x, self.config.token_ids)
+        drop = hop_by_hop(r.headers)
         lines = [b"%s: %s\r\n" % (k, v) for k, v in r.headers
-                 if k.lower() not in HOP_BY_HOP and (x is None or k.lower() != b"accept-encoding")]
+                 if k.lower() not in drop and (x is None or k.lower() != b"accept-encoding")]
         if x is not None:
             lines.append(b"accept-encoding: identity\r\n")  # the proxy reads the answer
         if self.pool.authorization is not None and r.header(b"authorization") is None:
