@@ -849,6 +849,42 @@ def test_raw_http_pipelining_http10_expect_and_malformed(stack):
     assert _raw(stack.proxy.url, "/v1/completions", whole)[0] == 200
 
 
+def test_expect_100_continue_behind_an_answer_waits_for_its_turn(tmp_path):
+    """A request that asks for `Expect: 100-continue` while the answer before it on the connection is still
+    streaming gets its 100 once that answer is complete, not in the middle of it (it was written at once,
+    into the chunked body of the answer in progress: a broken answer for any client)."""
+    import re
+
+    with Stack(tmp_path) as s:
+        s.behind.token_delay_s = 0.02  # 30 tokens: an answer of about 0.6 s
+        streamed = {"model": "tiny", "prompt": PROMPT, "max_tokens": 30, "stream": True}
+        want = _raw(s.direct.url, "/v1/completions", streamed)[1]
+        head, data = _post_bytes("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2},
+                                 extra=b"expect: 100-continue\r\n", close=True)
+        host, port = s.proxy.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=20) as sock:
+            sock.sendall(b"".join(_post_bytes("/v1/completions", streamed)))
+            got = b""
+            while b"data: " not in got:  # the first answer streams
+                got += sock.recv(65536)
+            sock.sendall(head)  # the second request's head, then wait for the 100 as a client does
+            while b"\r\n0\r\n\r\n" not in got or not got.endswith(b"100 Continue\r\n\r\n"):
+                chunk = sock.recv(65536)
+                assert chunk, got
+                got += chunk
+                assert b"100 Continue" not in got.partition(b"\r\n0\r\n\r\n")[0], "a 100 inside the answer"
+            first, _, rest = got.partition(b"\r\n0\r\n\r\n")
+            assert rest == b"HTTP/1.1 100 Continue\r\n\r\n" and b"100 Continue" not in first, got
+            sock.sendall(data)
+            while chunk := sock.recv(65536):
+                rest += chunk
+    body = first.partition(b"\r\n\r\n")[2] + b"\r\n"
+    unchunked = b"".join(re.findall(rb"[0-9a-f]+\r\n(.*?)\r\n", body, re.S))
+    cached = lambda b: re.sub(rb'"cached_tokens":\d+', b"", b)  # noqa: E731
+    assert cached(unchunked) == cached(want), "the first answer whole, byte for byte"
+    assert rest.count(b"HTTP/1.1 200 OK\r\n") == 1
+
+
 def test_a_client_that_does_not_read_pauses_the_upstream(tmp_path):
     """Flow control: the proxy stops reading the upstream while the client's socket is full,
     instead of buffering the answer (640 MiB here) in memory."""

@@ -79,7 +79,7 @@ class Request:
     """One request as the client's parser delivers it."""
 
     __slots__ = ("url", "headers", "body", "size", "method", "keep_alive", "http11", "too_large", "answered",
-                 "arrival", "arrival_unix_ns")
+                 "arrival", "arrival_unix_ns", "wants_continue")
 
     def __init__(self):
         self.url = b""
@@ -93,6 +93,7 @@ class Request:
         self.answered = False
         self.arrival = 0.0
         self.arrival_unix_ns = 0
+        self.wants_continue = False  # sent ``Expect: 100-continue`` behind an answer in progress
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.headers:
@@ -194,7 +195,10 @@ class ClientConnection(asyncio.Protocol):
         if declared is not None and declared.strip().isdigit() and int(declared) > limit:
             self._too_large(r)
         elif r.header(b"expect") is not None and r.header(b"expect").lower() == b"100-continue":
-            self.transport.write(CONTINUE)
+            if self.forward is None and not self.queue:
+                self.transport.write(CONTINUE)
+            else:  # pipelined behind an answer still being written: its 100 waits for its turn (``done``)
+                r.wants_continue = True
 
     def on_body(self, body: bytes) -> None:
         r = self.request
@@ -256,6 +260,10 @@ class ClientConnection(asyncio.Protocol):
         self.idle_since = time.monotonic()
         if self.queue:
             self.next()
+        elif self.request is not None and self.request.wants_continue:  # its turn: the body may come
+            self.request.wants_continue = False
+            if not self.request.size:  # unless the client has stopped waiting and sends it already
+                self.transport.write(CONTINUE)
 
     def next(self) -> None:
         while self.forward is None and self.queue and not self.closed:
