@@ -885,6 +885,33 @@ def test_expect_100_continue_behind_an_answer_waits_for_its_turn(tmp_path):
     assert rest.count(b"HTTP/1.1 200 OK\r\n") == 1
 
 
+def test_a_client_pipelining_faster_than_it_is_served_is_read_no_further(tmp_path):
+    """Requests pipelined behind one the upstream takes long over are parsed and held up to a bound (16
+    requests, or their bodies over --max-body-mb); past it the proxy stops reading the connection until
+    the queue drains, so the client's writes block. (It read and held all of them: 32 MiB here, any
+    amount a client sent.)"""
+    with Stack(tmp_path, max_body_bytes=1 << 20, shutdown_grace_s=1.0) as s:
+        slow = b"".join(_post_bytes("/v1/completions", {"model": "slow", "prompt": "hi"}))
+        piped = b"".join(_post_bytes("/v1/completions", {"model": "tiny", "prompt": "x" * (512 << 10)}))
+        host, port = s.proxy.url.removeprefix("http://").split(":")
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+            sock.connect((host, int(port)))
+            sock.sendall(slow)
+            sock.setblocking(False)
+            data, sent, deadline = piped * 64, 0, time.monotonic() + 3
+            while sent < len(data) and time.monotonic() < deadline:
+                try:
+                    sent += sock.send(data[sent:sent + (256 << 10)])
+                except BlockingIOError:
+                    time.sleep(0.01)
+        assert sent < 16 << 20, f"{sent >> 20} MiB of pipelined requests read while the first was served"
+        # past the bound and back: 40 requests in one write are all answered, in order
+        small = {"model": "tiny", "prompt": "hi", "max_tokens": 1}
+        many = b"".join(b"".join(_post_bytes("/v1/completions", small, close=i == 39)) for i in range(40))
+        assert _socket_exchange(s.proxy.url, many).count(b"HTTP/1.1 200 OK\r\n") == 40
+
+
 def test_a_client_that_does_not_read_pauses_the_upstream(tmp_path):
     """Flow control: the proxy stops reading the upstream while the client's socket is full,
     instead of buffering the answer (640 MiB here) in memory."""

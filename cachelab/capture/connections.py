@@ -2,7 +2,8 @@
 
 ``ClientConnection`` parses a client's requests (keep-alive, pipelining: answered in order,
 ``Expect: 100-continue``, HTTP/1.0), bounds their heads and bodies (431, 413: sent at once,
-the rest of the body read and dropped so that the client reads it) and hands each complete
+the rest of the body read and dropped so that the client reads it) and the requests it holds
+pipelined behind the one being served (``MAX_PIPELINED``), and hands each complete
 request to the proxy (``cachelab.capture.proxy.CaptureProxy.serve``). ``UpstreamConnection``
 feeds an upstream answer to the exchange that asked for it (the parser's protocol is the
 exchange itself, so an upstream read costs one parser call and the exchange's callbacks);
@@ -47,6 +48,9 @@ def hop_by_hop(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
 
 
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# requests parsed and waiting behind the one being served on a connection (pipelining) before the proxy
+# stops reading it, which it also does once their bodies are over max_body_bytes: what one client can hold
+MAX_PIPELINED = 16
 LAST_CHUNK = b"0\r\n\r\n"
 
 
@@ -123,6 +127,8 @@ class ClientConnection(asyncio.Protocol):
         self.in_head = True                     # the next bytes are (part of) a request head
         self.head_bytes = 0                     # received while in a head
         self.queue: deque[Request] = deque()   # parsed, waiting for the one being served (pipelining)
+        self.queued_bytes = 0                   # their bodies' bytes
+        self.read_paused = False                # the queue is at its bound (``MAX_PIPELINED``, ``max_body_bytes``)
         self.forward: Forward | None = None    # the exchange being served
         self.discard = 0                        # body bytes still accepted (and dropped) after a 413
         self.closed = False
@@ -224,8 +230,13 @@ class ClientConnection(asyncio.Protocol):
             self.closed = True
             return
         self.queue.append(r)
+        self.queued_bytes += r.size
         if self.forward is None:
             self.next()
+        elif len(self.queue) >= MAX_PIPELINED or self.queued_bytes > self.proxy.config.max_body_bytes:
+            # a client pipelining faster than it is served is read no further until the queue drains
+            self.transport.pause_reading()
+            self.read_paused = True
 
     # -- serving ----------------------------------------------------------------------------------
     def _too_large(self, r: Request) -> None:
@@ -267,7 +278,13 @@ class ClientConnection(asyncio.Protocol):
 
     def next(self) -> None:
         while self.forward is None and self.queue and not self.closed:
-            self.proxy.serve(self, self.queue.popleft())
+            r = self.queue.popleft()
+            self.queued_bytes -= r.size
+            self.proxy.serve(self, r)
+        if self.read_paused and not self.closed and len(self.queue) < MAX_PIPELINED \
+                and self.queued_bytes <= self.proxy.config.max_body_bytes:
+            self.read_paused = False
+            self.transport.resume_reading()
 
 
 class UpstreamConnection(asyncio.Protocol):
