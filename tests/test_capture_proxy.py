@@ -914,10 +914,11 @@ def test_a_client_pipelining_faster_than_it_is_served_is_read_no_further(tmp_pat
 
 def test_a_client_that_does_not_read_pauses_the_upstream(tmp_path):
     """Flow control: the proxy stops reading the upstream while the client's socket is full,
-    instead of buffering the answer (640 MiB here) in memory."""
+    instead of buffering the answer (640 MiB here) in memory. Once that has lasted --read-timeout the
+    stream is cut, and the record says the client read nothing (it said the upstream had been silent)."""
     import socket
 
-    with Stack(tmp_path, max_response_bytes=1 << 30) as s:
+    with Stack(tmp_path, read_timeout=3.0, max_response_bytes=1 << 30) as s:
         body = json.dumps({"model": "firehose", "prompt": "hi", "stream": True}).encode()
         host, port = s.proxy.url.removeprefix("http://").split(":")
         with socket.socket() as sock:
@@ -930,6 +931,8 @@ def test_a_client_that_does_not_read_pauses_the_upstream(tmp_path):
             time.sleep(0.5)
             assert s.behind.firehose_sent - stalled <= 2, "the upstream kept being read"
             assert stalled < 1_000, f"{stalled} events of 64 KiB left the upstream for a client that read none"
+            rec = _new_records(s, 0).row(0, named=True)
+    assert rec["status"] == 200 and rec["error"] == "client read nothing for 3.0 s: cut", rec
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
