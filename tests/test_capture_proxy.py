@@ -885,6 +885,23 @@ def test_expect_100_continue_behind_an_answer_waits_for_its_turn(tmp_path):
     assert rest.count(b"HTTP/1.1 200 OK\r\n") == 1
 
 
+def test_an_http10_keep_alive_client_gets_connection_close(stack):
+    """An HTTP/1.0 client that asks for keep-alive: the answer says `connection: close` and the connection
+    closes, as uvicorn (vLLM) does directly. (It was kept open without a word, and a client that reads to
+    the close, as HTTP/1.0 allows, waited for the proxy's 30 s idle sweep.)"""
+    for path, body in (("/v1/models", b""), ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": 2}')):
+        host, port = stack.proxy.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            method = b"POST" if body else b"GET"
+            sock.sendall(b"%s %s HTTP/1.0\r\nconnection: keep-alive\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (method, path.encode(), len(body), body))
+            got = b""
+            while chunk := sock.recv(65536):  # to the close
+                got += chunk
+        head = got.partition(b"\r\n\r\n")[0].lower().split(b"\r\n")
+        assert head[0] == b"http/1.1 200 ok" and b"connection: close" in head, got
+
+
 def test_a_client_pipelining_faster_than_it_is_served_is_read_no_further(tmp_path):
     """Requests pipelined behind one the upstream takes long over are parsed and held up to a bound (16
     requests, or their bodies over --max-body-mb); past it the proxy stops reading the connection until

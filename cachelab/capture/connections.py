@@ -192,8 +192,11 @@ class ClientConnection(asyncio.Protocol):
         r, limit = self.request, self.proxy.config.max_body_bytes
         r.arrival, r.arrival_unix_ns = time.perf_counter(), time.time_ns()  # the request's arrival: its head is in
         r.method = self.parser.get_method()
-        r.keep_alive = self.parser.should_keep_alive()
         r.http11 = self.parser.get_http_version() == "1.1"
+        # an HTTP/1.0 client's `connection: keep-alive` is not taken up (as uvicorn does): the answer says
+        # `connection: close` and the connection closes (kept open unannounced, a client that reads an
+        # HTTP/1.0 answer to its close waited for the 30 s idle sweep)
+        r.keep_alive = r.http11 and self.parser.should_keep_alive()
         self.in_head = False
         if len(r.url) + sum(len(k) + len(v) + 4 for k, v in r.headers) > self.proxy.config.max_head_bytes:
             return self._answer_and_close(whole_response(431, error_body(431, "request head too large"), close=True))
