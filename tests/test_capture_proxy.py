@@ -562,7 +562,8 @@ def test_max_connections_is_a_flag(tmp_path):
                           json={"model": "endless", "prompt": "hi", "stream": True}) as held:
             chunks = held.iter_raw()
             next(chunks)  # the one upstream connection streams on
-            r = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=15)
+            r = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
+                           timeout=15)
         assert r.status_code == 503 and r.json()["error"]["message"] == \
             "all 1 upstream connections busy for 1.0 s: not sent upstream", r.text
 
@@ -900,6 +901,27 @@ def test_an_http10_keep_alive_client_gets_connection_close(stack):
                 got += chunk
         head = got.partition(b"\r\n\r\n")[0].lower().split(b"\r\n")
         assert head[0] == b"http/1.1 200 ok" and b"connection: close" in head, got
+
+
+def test_a_request_that_stalls_before_it_is_whole_is_timed_out(tmp_path):
+    """A head or a body that stops coming (slowloris) gets a 408 and the close after the client keep-alive
+    timeout, like an idle connection; it held its connection and bytes for ever (the sweep closed idle
+    connections only). An idle connection is still closed without a word."""
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    with Stack(tmp_path, keep_alive_s=0.5) as s:
+        host, port = s.proxy.url.removeprefix("http://").split(":")
+        stalled_body = head + b"content-length: 100\r\n\r\n{\"model\""
+        for sent, answer in ((head, b"HTTP/1.1 408 "), (stalled_body, b"HTTP/1.1 408 "), (b"", b"")):
+            with socket.create_connection((host, int(port)), timeout=5) as sock:
+                sock.sendall(sent)
+                started, got = time.monotonic(), b""
+                while chunk := sock.recv(65536):
+                    got += chunk
+                took = time.monotonic() - started
+            assert got.startswith(answer) and 0.4 < took < 2.5, (sent, got, took)
+            if answer:
+                assert json.loads(got.partition(b"\r\n\r\n")[2])["error"]["message"] == \
+                    "request not complete within 0.5 s"
 
 
 def test_a_client_pipelining_faster_than_it_is_served_is_read_no_further(tmp_path):

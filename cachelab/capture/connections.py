@@ -181,6 +181,7 @@ class ClientConnection(asyncio.Protocol):
     # -- parser callbacks -----------------------------------------------------------------------
     def on_message_begin(self) -> None:
         self.request = Request()
+        self.idle_since = time.monotonic()  # from now on, the time the request takes to come whole
 
     def on_url(self, url: bytes) -> None:
         self.request.url += url
@@ -251,6 +252,16 @@ class ClientConnection(asyncio.Protocol):
             # before the connection closes, so that the client reads the 413 rather than a reset
             r.answered = True
             self.proxy.refuse_too_large(self, r)
+
+    def time_out(self, seconds: float) -> None:
+        """Close a connection on which nothing moved for ``seconds`` (the proxy's sweep): idle since its
+        last answer, or a request begun and not complete (a head or body that stalls: a 408)."""
+        r = self.request
+        if r is not None and not r.answered:
+            self._answer_and_close(whole_response(408, error_body(408, f"request not complete within {seconds} s"),
+                                                  close=True))
+        else:
+            self.transport.close()
 
     def _answer_and_close(self, data: bytes) -> None:
         if not self.closed:

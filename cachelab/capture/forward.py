@@ -430,7 +430,7 @@ class Forward:
         if silent >= c.read_timeout:
             if self.mode == -1:
                 return self.fail(504, "upstream timed out before answering")
-            if self.client.write_paused:  # the upstream is not read while its client reads nothing: the client's silence
+            if self.client.write_paused:  # the upstream is not read while its client reads nothing: its silence
                 return self.cut(f"client read nothing for {c.read_timeout} s: cut")
             return (self.fail(504, f"upstream silent for {c.read_timeout} s") if self.mode == WHOLE
                     else self.cut(f"upstream stream silent for {c.read_timeout} s: cut"))

@@ -117,15 +117,16 @@ class CaptureProxy:
         self._sweeper = loop.create_task(self._sweep_idle())
 
     async def _sweep_idle(self) -> None:
-        """Close client connections idle for over ``keep_alive_s`` and upstream ones idle for over
-        ``upstream_idle_timeout`` (one timer for all of them)."""
+        """Close client connections idle, or whose request has not come whole, for over ``keep_alive_s``
+        (a head or body that stalls held a connection and its bytes for ever), and upstream ones idle
+        for over ``upstream_idle_timeout`` (one timer for all of them)."""
+        keep_alive = self.config.keep_alive_s
         while True:
-            await asyncio.sleep(_IDLE_SWEEP_S)
+            await asyncio.sleep(min(_IDLE_SWEEP_S, keep_alive))
             self.pool.expire()
-            limit = time.monotonic() - self.config.keep_alive_s
-            for client in [c for c in self.clients if c.forward is None and c.request is None and not c.queue
-                           and c.idle_since < limit]:
-                client.transport.close()
+            limit = time.monotonic() - keep_alive
+            for client in [c for c in self.clients if c.forward is None and not c.queue and c.idle_since < limit]:
+                client.time_out(keep_alive)
 
     async def close(self) -> None:
         """Stop listening, let exchanges in flight finish (``shutdown_grace_s``), end the rest, close
