@@ -574,6 +574,70 @@ def test_a_closed_store_refuses_steps_and_closes_once(tables, backing):
     store.close()
 
 
+@pytest.mark.parametrize("backing, failure", [("pread", "truncated"), ("direct", "truncated"),
+                                              ("dram", OSError(errno.EIO, "Input/output error")),
+                                              ("mmap", KeyboardInterrupt())])
+def test_a_step_failing_midway_leaves_the_store_serving_reference_rows(tmp_path, backing, failure):
+    """A backing read failing after the policies had stepped left them holding rows whose bytes
+    never reached a slot (and slots they had freed still mapped): the steps after it returned
+    another row's bytes as a hit, or were refused for a hit the policy 'never admitted'. A step
+    that fails midway now empties both caches and counts nothing; the steps after it serve
+    their reference rows."""
+    build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, progress=False)  # 408 rows a layer
+    rng = np.random.default_rng(17)
+    steps = [full_rows(rng, 4) for _ in range(40)]
+    path = tmp_path / "layer14.tbl"
+    with TieredStore.open(tmp_path, backing=backing, hbm_policy="lru", hbm_capacity=40, dram_policy="s3fifo",
+                          dram_capacity=90) as store:
+        for rows in steps[:10]:
+            assert check_rows(store, rows, store.lookup(rows)) == 0
+        before, last = store.totals.to_dict(), store.last_step.to_dict()
+        if failure == "truncated":  # a real short read: the file cut to its header, then restored
+            data = path.read_bytes()
+            os.truncate(path, PAGE)
+            with pytest.raises(CachelabError, match="layer14.tbl: read of .* failed"):
+                store.lookup(steps[10])
+            path.write_bytes(data)  # in place: the store's descriptors see it again
+        else:
+            read = store.backing.read
+
+            def fails_once(*args):
+                store.backing.read = read
+                if isinstance(failure, KeyboardInterrupt):  # ctrl-C once the rows were read
+                    read(*args)
+                raise failure
+
+            store.backing.read = fails_once
+            with pytest.raises(type(failure)):
+                store.lookup(steps[10])
+        assert store.totals.to_dict() == before and store.last_step.to_dict() == last  # nothing counted
+        assert all(t.policy.resident().size == 0 and (t.slot_of < 0).all() for t in store.tiers)
+        for rows in steps[10:]:
+            assert check_rows(store, rows, store.lookup(rows)) == 0
+        assert store.totals["steps"] == 40 and store.totals["hbm_hits"] > before["hbm_hits"]
+
+
+def test_a_step_refused_for_its_arguments_changes_nothing(tables):
+    """A step refused for scores its DRAM tier needs had already run the HBM tier's policy, and
+    one refused for its ``out=`` had run and committed both: the store after them counted and
+    held other rows than one never asked. Both are now refused before anything changes."""
+    rng = np.random.default_rng(18)
+    steps = [full_rows(rng, 6) for _ in range(8)]
+    kwargs = dict(backing="dram", hbm_policy="lru", hbm_capacity=120, dram_policy="learned-s3fifo",
+                  dram_capacity=300)
+    with TieredStore.open(tables, **kwargs) as plain, TieredStore.open(tables, **kwargs) as refused:
+        for rows in steps:
+            scores = rng.random(rows.shape)
+            with pytest.raises(CachelabError, match="needs predictor scores"):
+                refused.lookup(rows)
+            with pytest.raises(CachelabError, match="out= must be a contiguous bfloat16 tensor"):
+                refused.lookup(rows, scores, out=torch.empty(1, dtype=torch.bfloat16))
+            got = refused.lookup(rows, scores)
+            assert torch.equal(got, plain.lookup(rows, scores)) and check_rows(refused, rows, got) == 0
+        counts = [k for k in plain.totals.to_dict() if not k.endswith(("_s", "_faults", "_ratio"))]
+        assert [refused.totals[k] for k in counts] == [plain.totals[k] for k in counts]
+
+
 def test_no_cache_tiers_serve_from_the_backing(tables):
     rows = full_rows(np.random.default_rng(5), 10)
     with TieredStore.open(tables, backing="mmap", hbm_capacity=None) as store:

@@ -230,6 +230,7 @@ class TieredStore:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="cachelab-store-prefetch")
         self._pending: Future | None = None
         self._closed = False
+        self._unsettled = False  # a step is between its policies' steps and its end (``_serve``)
         self._bufs: dict = {}  # reused buffers by name: NumPy arrays, and torch tensors with CUDA
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None  # the steps' device work
 
@@ -331,12 +332,23 @@ class TieredStore:
         with self._lock:
             self._check_open()
             c = Counters(self.tier_names)
-            rows = self._serve(row_ids, scores, c, out)
+            try:
+                rows = self._serve(row_ids, scores, c, out)
+            except BaseException:  # a backing read error, an interrupt: see _serve
+                if self._unsettled:
+                    for tier in self.tiers:
+                        tier.clear()
+                    self._unsettled = False
+                raise
             self.last_step = c
             self.totals.add(c)
             return rows, c
 
     def _serve(self, row_ids, scores, c: Counters, out=None):
+        """One step. Its arguments are checked before any tier's policy steps; a step failing
+        after that (``_unsettled``) leaves policies holding rows whose bytes never reached their
+        slots, so ``_step_here`` empties the tiers: the steps after it serve correct rows from
+        cold caches, and the failed step counts nothing (docs/store.md)."""
         if self._fused:
             return self._serve_fused(row_ids, scores, c, out)
         clock = self._clock
@@ -344,6 +356,10 @@ class TieredStore:
         minor0, major0 = _faults()
         keys = self.layout_tables.fold(row_ids, base=self._key_base)
         shape = keys.shape
+        if out is not None:
+            self._output(shape, out)  # checked now, not once the tiers have stepped
+        for tier in self.tiers:
+            tier.check_scores(scores)
         inverse, uniq = compact(keys.reshape(-1))
         d_scores = None
         if scores is not None:
@@ -359,6 +375,7 @@ class TieredStore:
         c["dedup_s"] = t1 - t0
         # cache lookups: each tier sees the misses of the tier above
         hbm, dram = self._hbm, self._dram
+        self._unsettled = bool(self.tiers)  # until the step is done: the policies step here
         if hbm is not None:
             hits0, slots0, res0 = hbm.lookup(ids, d_scores)
             hit_pos, miss_pos = np.flatnonzero(hits0), np.flatnonzero(~hits0)
@@ -433,6 +450,7 @@ class TieredStore:
             c["hbm_read_bytes"] = int(n) * rb
         c["minor_faults"], c["major_faults"] = minor1 - minor0, major1 - major0
         c["step_s"] = t8 - t0
+        self._unsettled = False
         return out
 
     def _serve_fused(self, row_ids, scores, c: Counters, out=None):

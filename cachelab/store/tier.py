@@ -38,11 +38,14 @@ class CacheTier:
     def needs_scores(self) -> bool:
         return self.policy.capabilities.needs_scores
 
-    def lookup(self, keys: np.ndarray, scores: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, StepResult]:
-        """The policy's step on ``keys`` (distinct); returns (hit mask, hit slots, result)."""
+    def check_scores(self, scores) -> None:
+        """Refuse a step without the scores this tier's policy needs, before any tier steps."""
         if self.needs_scores and scores is None:
             raise CachelabError(f"policy {self.policy.name!r} ({self.name} tier) needs predictor scores: "
                                 "pass scores= to lookup/prefetch")
+
+    def lookup(self, keys: np.ndarray, scores: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, StepResult]:
+        """The policy's step on ``keys`` (distinct); returns (hit mask, hit slots, result)."""
         res = self.policy.step(keys, None, scores if self.needs_scores else None)
         slots = self.slot_of[keys[res.hits]]
         if slots.size and slots.min() < 0:
@@ -72,6 +75,13 @@ class CacheTier:
         self.slot_of[adm] = slots
         _move_rows(src, idx, self.memory, slots.astype(np.int64))
         return int(slots.size)
+
+    def clear(self) -> None:
+        """Empty the tier: its policy reset, every slot forgotten. After a step failed between
+        the policy's ``step`` and the ``commit`` (a backing read error, an interrupt), the policy
+        holds rows whose bytes never reached their slots; nothing short of this undoes it."""
+        self.policy.reset(self.capacity, self.slot_of.size)
+        self.slot_of.fill(-1)
 
 
 def _move_rows(src, src_index: np.ndarray, dst, dst_index: np.ndarray) -> None:
