@@ -330,11 +330,12 @@ def gather_section(directory: Path, trace: str | None, requests: int, steps_view
     rng = np.random.default_rng(seed)
     out: dict = {"row_bytes": None, "bytes_counted": "distinct rows per step x row_bytes read",
                  "load_average_start": os.getloadavg()[0]}
-    from cachelab.store.build import open_tables
+    from cachelab.store.build import load_layout
 
     # random lines over as many bytes as the tables hold (at least 512 MiB): the same TLB reach;
-    # measured before the streams and after them, the faster kept
-    layout_tables = open_tables(directory)[0]
+    # measured before the streams and after them, the faster kept (the manifest's layout: the
+    # store below opens the files, checked)
+    layout_tables = load_layout(directory)[0]
     mlp_bytes = max(512 << 20, int(layout_tables.table_rows.sum()) * layout_tables.row_bytes)
     mlp_before = memory_parallelism(mlp_bytes)
     with TieredStore.open(directory, backing="dram", hbm_capacity=None) as store:
@@ -387,9 +388,9 @@ def direct_section(directory: Path, depths=(1, 4, 16, 32, 64), reads: int = 8000
     of reads each, interleaved over ``rounds`` rounds, best of each (the best the disk gave)."""
     from cachelab.errors import CachelabError
     from cachelab.store.backing import DirectBacking
-    from cachelab.store.build import open_tables
+    from cachelab.store.build import open_tables, same_build
 
-    layout, _, paths = open_tables(directory)
+    layout, manifest, paths = open_tables(directory)
     rng = np.random.default_rng(seed)
     pages = layout.file_pages(0)
     out = np.empty((reads, layout.row_bytes), np.uint8)
@@ -407,6 +408,7 @@ def direct_section(directory: Path, depths=(1, 4, 16, 32, 64), reads: int = 8000
             backing = DirectBacking(layout, paths[:1], io_threads=depth, submit=submit)
         except CachelabError as exc:
             return str(exc)
+        same_build(directory, manifest, backing)  # the file opened is the one whose layout is read
         try:
             backing.read(layer[:64], rows[:64], out, dst[:64])
             t = time.perf_counter()
@@ -438,10 +440,12 @@ def direct_section(directory: Path, depths=(1, 4, 16, 32, 64), reads: int = 8000
 
 
 def cli_bench(directory: Path, trace: str, requests: int, backing: str, extra: list[str]) -> dict:
-    from cachelab.store.build import open_tables
+    from cachelab.store.build import open_tables, same_build
     from cachelab.store.pagecache import drop_pages
 
-    drop_pages(open_tables(directory)[2])
+    _, manifest, paths = open_tables(directory)
+    drop_pages(paths)
+    same_build(directory, manifest)  # the pages dropped were this build's (the CLI checks what it opens)
     args = CLI + ["store", "bench", "--dir", str(directory), "--trace", trace, "--requests", str(requests),
                   "--policy", "lru", "--capacity", "1%", "--dram-capacity", "4%", "--backing", backing,
                   "--no-verify", "--json", *extra]

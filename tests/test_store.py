@@ -927,6 +927,44 @@ def test_pagecache_experiment_phases(tables):
     assert "cgroup" not in out  # the cgroup phase (a child process) runs in benchmarks/bench_store.py
 
 
+def test_the_page_cache_experiment_and_the_direct_bench_refuse_files_a_build_replaced(tmp_path, monkeypatch):
+    """The page-cache experiment dropped pages by file name, and ``bench_store.py``'s ``direct``
+    section read a file it opened, with no check that another build had not renamed its files
+    in meanwhile: the experiment's 'cold' pass could start on another build's cached pages,
+    the bench could time a file of another layout. Both now check as every reader does."""
+    import sys
+    from pathlib import Path
+
+    from cachelab.store import backing as backing_mod, pagecache
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_store import direct_section
+
+    build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, seed=1, progress=False)
+    done = []
+
+    def then_rebuild(real):
+        def wrapped(*args, **kwargs):
+            out = real(*args, **kwargs)
+            if not done:  # once the first file's pages are dropped, or the bench's file is open
+                done.append(build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, seed=2, progress=False))
+            return out
+        return wrapped
+
+    replaced = "another `cachelab store build` replaced the tables while they were being opened"
+    monkeypatch.setattr(pagecache, "drop_cache", then_rebuild(pagecache.drop_cache))
+    with pytest.raises(CachelabError, match=replaced):
+        pagecache.pagecache_experiment(tmp_path, stream_of(np.random.default_rng(8), 2, 2), 2, cgroup=False)
+    monkeypatch.undo()
+    done.clear()
+    monkeypatch.setattr(backing_mod.DirectBacking, "__init__", then_rebuild(backing_mod.DirectBacking.__init__))
+    monkeypatch.setattr("bench_store.fio_iops", lambda *args: None)
+    with pytest.raises(CachelabError, match=replaced):
+        direct_section(tmp_path, depths=(1,), reads=16, rounds=1)
+    monkeypatch.undo()
+    assert direct_section(tmp_path, depths=(1,), reads=16, rounds=1)["depths"][1]["threads_iops"] > 0
+
+
 @pytest.mark.parametrize("policy", ["lru", "s3fifo", "fbgemm-lru"])
 def test_a_tier_in_device_memory_moves_the_same_bytes_as_a_host_tier(policy):
     """The HBM row cache on a GPU keeps its rows in a torch tensor and moves them with index

@@ -176,14 +176,17 @@ def open_tables(directory) -> tuple[TableLayout, dict, list[Path]]:
     return layout, manifest, paths
 
 
-def same_build(directory, manifest: dict) -> None:
+def same_build(directory, manifest: dict, opened=None) -> None:
     """Refuse files opened while another build replaced ``manifest``'s: the manifest there now
-    must still be ``manifest`` (module doc)."""
+    must still be ``manifest`` (module doc). ``opened``, what the reader opened (anything with
+    ``close``), is closed before the refusal."""
     try:
         now = read_manifest(directory)
     except CachelabError:
         now = None
     if now != manifest:
+        if opened is not None:
+            opened.close()
         raise CachelabError(f"{directory}: another `cachelab store build` replaced the tables while they were "
                             "being opened; open them again")
 

@@ -12,7 +12,9 @@ A lookup stream replays through a store whose backing is ``mmap`` in four condit
   headroom plus a share of the table, so the kernel reclaims the table's pages as it goes. Where no cgroup can be made, the reason is reported.
 
 Each gives step-time P50/P99, faults, the resident set (VmRSS, RssFile), and the table pages
-the page cache holds (``mincore`` over a mapping of each file).
+the page cache holds (``mincore`` over the store's own mappings). Pages are dropped by file
+name, so each drop is followed by ``same_build``: a build that renamed other files in under
+those names since the store opened its own is refused, not measured as the store's.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import numpy as np
 
 from cachelab.serving.hardware.probe import _drop_cache as drop_cache
 from cachelab.store.bench import step_rows
-from cachelab.store.build import open_tables
+from cachelab.store.build import same_build
 from cachelab.store.store import TieredStore
 from cachelab.workload.lookups import LookupStream
 
@@ -46,21 +48,27 @@ def drop_pages(paths) -> None:
         drop_cache(path)
 
 
-def resident_pages(paths) -> tuple[int, int]:
-    """(pages of the files in the page cache, pages in all), by mincore."""
+def drop_store_pages(store: TieredStore) -> None:
+    """Drop ``store``'s table files from the page cache (by name: refused if a build renamed
+    others in under those names since the store opened its own)."""
+    drop_pages(store.paths)
+    same_build(store.directory, store.manifest)
+
+
+def resident_pages(store: TieredStore) -> tuple[int, int]:
+    """(pages of the store's table files in the page cache, pages in all), by mincore over the
+    store's own mappings (``mmap`` backing): the files it serves, whatever their names hold now."""
     resident = total = 0
-    for path in paths:
-        size = os.path.getsize(path)
-        pages = -(-size // mmap.PAGESIZE)
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            vec = np.zeros(pages, np.uint8)
-            view = np.frombuffer(m, np.uint8)
-            ok = _libc.mincore(view.__array_interface__["data"][0], size, vec.__array_interface__["data"][0])
-            del view  # the mapping closes only once nothing exports it
-            if ok != 0:
-                raise OSError(ctypes.get_errno(), f"mincore failed on {path}")
-            resident += int((vec & 1).sum())
-            total += pages
+    for path, m in zip(store.paths, store.backing.maps):
+        pages = -(-len(m) // mmap.PAGESIZE)
+        vec = np.zeros(pages, np.uint8)
+        view = np.frombuffer(m, np.uint8)
+        ok = _libc.mincore(view.__array_interface__["data"][0], len(m), vec.__array_interface__["data"][0])
+        del view  # the mapping closes only once nothing exports it
+        if ok != 0:
+            raise OSError(ctypes.get_errno(), f"mincore failed on {path}")
+        resident += int((vec & 1).sum())
+        total += pages
     return resident, total
 
 
@@ -89,7 +97,7 @@ def run_phase(store: TieredStore, stream: LookupStream, steps: int, between=None
         minor += c["minor_faults"]
         major += c["major_faults"]
     t = np.asarray(times)
-    resident, total = resident_pages(store.paths)
+    resident, total = resident_pages(store)
     return {"steps": steps, "step_p50_ms": float(np.percentile(t, 50) * 1e3),
             "step_p99_ms": float(np.percentile(t, 99) * 1e3), "minor_faults": int(minor), "major_faults": int(major),
             "table_pages_resident": resident, "table_pages": total, **memory_status()}
@@ -97,20 +105,20 @@ def run_phase(store: TieredStore, stream: LookupStream, steps: int, between=None
 
 class Reclaimer:
     """Drops the tables' pages whenever ``interval_s`` has passed, checked between steps: unmaps
-    them from ``maps`` (the store's mappings), then drops them from the page cache. (A thread
-    on a timer dropped nothing when a warm phase's 600 steps took less than its first turn.)"""
+    them from the store's mappings, then drops them from the page cache. (A thread on a timer
+    dropped nothing when a warm phase's 600 steps took less than its first turn.)"""
 
-    def __init__(self, paths, maps, interval_s: float):
-        self.paths, self.maps, self.interval_s = paths, maps, interval_s
+    def __init__(self, store: TieredStore, interval_s: float):
+        self.store, self.interval_s = store, interval_s
         self.drops = 0
         self._last = time.perf_counter()
 
     def __call__(self) -> None:
         if time.perf_counter() - self._last < self.interval_s:
             return
-        for m in self.maps:
+        for m in self.store.backing.maps:
             m.madvise(mmap.MADV_DONTNEED)
-        drop_pages(self.paths)
+        drop_store_pages(self.store)
         self.drops += 1
         self._last = time.perf_counter()
 
@@ -172,9 +180,8 @@ def child_phase(cgroup, directory, stream_path, steps, hbm_policy: str, hbm_capa
     ``table_share_bytes``, drop the tables' pages, and replay cold."""
     cgroup = Path(cgroup)
     stream = LookupStream.load(stream_path)
-    _, _, paths = open_tables(directory)
     with TieredStore.open(directory, **_store_kwargs(hbm_policy, hbm_capacity)) as store:
-        drop_pages(paths)
+        drop_store_pages(store)
         limit = _usage(cgroup) + int(table_share_bytes)
         _limit_file(cgroup).write_text(str(limit))
         return {"limit_bytes": limit, **run_phase(store, stream, int(steps))}
@@ -186,16 +193,15 @@ def pagecache_experiment(directory, stream: LookupStream, steps: int, hbm_policy
     """All four phases; the cgroup's limit is what the child uses once its store is open, plus
     ``headroom`` for what the replay itself allocates, plus ``cgroup_share`` of the table's bytes."""
     steps = min(steps, stream.num_steps)
-    _, _, paths = open_tables(directory)
-    table_bytes = sum(os.path.getsize(p) for p in paths)
-    out: dict = {"table_bytes": table_bytes, "steps": steps, "reclaim_interval_s": interval_s}
-    drop_pages(paths)
     with TieredStore.open(directory, **_store_kwargs(hbm_policy, hbm_capacity)) as store:
-        out["cold"] = run_phase(store, stream, steps)
+        drop_store_pages(store)  # mapped, nothing touched yet: every page goes
+        table_bytes = sum(len(m) for m in store.backing.maps)
+        cold = run_phase(store, stream, steps)
+    out: dict = {"table_bytes": table_bytes, "steps": steps, "reclaim_interval_s": interval_s, "cold": cold}
     with TieredStore.open(directory, **_store_kwargs(hbm_policy, hbm_capacity)) as store:
         out["warm"] = run_phase(store, stream, steps)
     with TieredStore.open(directory, **_store_kwargs(hbm_policy, hbm_capacity)) as store:
-        reclaimer = Reclaimer(paths, store.backing.maps, interval_s)
+        reclaimer = Reclaimer(store, interval_s)
         out["reclaim"] = run_phase(store, stream, steps, between=reclaimer)
         out["reclaim"]["drops"] = reclaimer.drops
     if not cgroup:

@@ -189,11 +189,7 @@ class TieredStore:
         self._hbm = tiers[0] if tiers and tiers[0].name == "hbm" else None
         self._dram = tiers[-1] if tiers and tiers[-1].name == "dram" else None
         self.backing = open_backing(backing, lay, self.paths, io_threads, io_submit, device)
-        try:
-            same_build(self.directory, self.manifest)  # no build replaced the files while they were opened
-        except CachelabError:
-            self.backing.close()
-            raise
+        same_build(self.directory, self.manifest, self.backing)  # no build replaced the files while they were opened
         # no tier keeps a row and the rows are where the dequantiser runs: gathered straight to BF16
         self._fused = not tiers and not self.cuda and backing in ("dram", "hbm")
         # keys: the layout's fold; with the fused path, straight to page-table rows (a bijection
