@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
+import pytest
 from typer.testing import CliRunner
 
 from cachelab.cli import app
@@ -75,3 +77,21 @@ def test_mrc_sampled_and_simulated_methods(tmp_path):
     sim = _json(["mrc", "--trace", str(tmp_path / "k.npy"), "--policy", "fifo", "--capacities", "20,100",
                  "--workers", "1", "--json"])
     assert sim["method"] == "simulation" and sim["miss_ratios"][0] > sim["miss_ratios"][1]
+
+
+def test_a_bad_sample_rate_is_refused_naming_the_flag_before_the_trace_loads(tmp_path):
+    """``--sample-rate`` was checked only once the trace had loaded, with no flag named; a rate
+    under the hash's resolution was read as an empty sample of this trace."""
+    missing = str(tmp_path / "not-yet.npy")  # the rate is refused first
+    for rate, why in (("nan", "must be in \\(0, 1\\], got nan"), ("inf", "must be in \\(0, 1\\], got inf"),
+                      ("-inf", "must be in \\(0, 1\\], got -inf"), ("0", "must be in \\(0, 1\\], got 0.0"),
+                      ("-0.1", "must be in \\(0, 1\\], got -0.1"), ("1.5", "must be in \\(0, 1\\], got 1.5"),
+                      ("1e-9", "1e-09 is under the sampling hash's resolution \\(2\\^-24 = 5.96e-08\\): it keeps "
+                       "no key")):
+        res = runner.invoke(app, ["mrc", "--trace", missing, "--capacities", "10", "--sample-rate", rate, "--json"])
+        assert res.exit_code == 2 and re.search(f"--sample-rate {why}", res.output), (rate, res.output)
+    np.save(tmp_path / "k.npy", KEYS)
+    out = _json(["mrc", "--trace", str(tmp_path / "k.npy"), "--capacities", "20,1000", "--sample-rate", "1", "--json"])
+    exact = _json(["mrc", "--trace", str(tmp_path / "k.npy"), "--capacities", "20,1000", "--json"])
+    assert out["sample_rate"] == 1.0 and out["miss_ratios"] == pytest.approx(exact["miss_ratios"], rel=1e-12)
+    assert out["infinite"] == exact["infinite"] == [False, True]

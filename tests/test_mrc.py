@@ -83,3 +83,22 @@ def test_shards_one_percent_within_001_of_exact_on_10m_engram_lookups(engram_str
     gaps = np.abs(np.array(exact.miss_ratios) - np.array(sampled.miss_ratios))
     assert gaps.max() <= 0.01, list(zip(caps, exact.miss_ratios, sampled.miss_ratios))
     assert exact.miss_ratios[0] > exact.miss_ratios[-1]  # a real curve, not a flat line
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo"])
+def test_a_sampled_curve_marks_and_reports_the_infinite_cache_as_the_exact_one(policy):
+    """``infinite`` says a capacity holds every key, so each misses once; a sampled curve (SHARDS,
+    a mini-simulation) reported there, and at capacities below it, an estimate under that floor
+    or over it. Every sampled point is now at least the floor, and an infinite one is it."""
+    keys = (np.random.default_rng(4).zipf(1.1, 30_000) % 5_000).astype(np.int64)
+    stream = LookupStream(keys, np.arange(0, keys.size + 1, 4), 264)
+    distinct = np.unique(keys).size
+    caps = [distinct // 2, distinct - 50, distinct, 2 * distinct]
+    exact = miss_ratio_curve(stream, caps, policy=policy, warmup=0.1, workers=1)
+    floor = exact.miss_ratios[-1]
+    assert exact.infinite == [False, False, True, True] and exact.miss_ratios[2] == floor
+    for rate in (0.05, 0.3):
+        sampled = miss_ratio_curve(stream, caps, policy=policy, sample_rate=rate, warmup=0.1, workers=1)
+        assert sampled.infinite == exact.infinite
+        assert sampled.miss_ratios[2] == sampled.miss_ratios[3] == pytest.approx(floor, rel=1e-12)
+        assert min(sampled.miss_ratios) == sampled.miss_ratios[3]

@@ -20,6 +20,7 @@ from cachelab.trace.keytrace import FORMATS
 from cachelab.trace.kinds import Found, detect
 from cachelab.workload.lookups import LookupStream
 from cachelab.engine.replay import replay
+from cachelab.engine.sampling import check_rate
 from cachelab.workload.prefix_cache.hashing import sorted_distinct
 
 TRACE_HELP = ("A key trace (.npy of integers, text with one key per line, libCacheSim oracleGeneral), a lookup "
@@ -139,6 +140,8 @@ def mrc(
     from cachelab.engine.mrc import miss_ratio_curve
 
     started = time.perf_counter()
+    if sample_rate is not None:  # before the trace loads
+        check_rate(sample_rate, "--sample-rate")
     found, stream = load_stream(trace, fmt, requests, steps, "mrc", as_json)
     caps = sorted(set(capacity_rows(parse_capacities(capacities), stream, "--capacities")))
     curve = miss_ratio_curve(stream, caps, policy=policy, sample_rate=sample_rate, warmup=warmup,

@@ -192,7 +192,8 @@ def miss_ratio_curve(stream: LookupStream, capacities: list[int], policy: str = 
     infinite = [probe.holds_every_key(c, req.num_keys) for c in capacities]  # as ``sized`` decides
     if policy == "lru" and not params:
         method = "exact-stack" if sample_rate is None else "shards"
-        return Curve(capacities, _lru_curve(req, capacities, sample_rate), requests, method, sample_rate, warm,
+        ratios = _lru_curve(req, capacities, sample_rate)
+        return Curve(capacities, _bounded(req, ratios, infinite, sample_rate), requests, method, sample_rate, warm,
                      req.num_keys, infinite)
     _SHARED.update(req=req, policy=policy, params=params, rate=sample_rate)
     workers = max(1, min(len(capacities), workers or os.cpu_count() or 1))
@@ -211,4 +212,19 @@ def miss_ratio_curve(stream: LookupStream, capacities: list[int], policy: str = 
                 ratios = [f.result() for f in futures]
     _SHARED.clear()
     method = "simulation" if sample_rate is None else "mini-simulation"
-    return Curve(capacities, [float(r) for r in ratios], requests, method, sample_rate, warm, req.num_keys, infinite)
+    return Curve(capacities, _bounded(req, [float(r) for r in ratios], infinite, sample_rate), requests, method,
+                 sample_rate, warm, req.num_keys, infinite)
+
+
+def _bounded(req: _Requests, ratios: list[float], infinite: list[bool], rate: float | None) -> list[float]:
+    """A sampled curve held to what the full stream fixes: no cache misses less than once per
+    key (its first request), and a capacity marked ``infinite`` misses exactly that. (A sample
+    reported an infinite cache, and the capacities below it, under that floor or over it.)
+    Unsampled curves are exact already."""
+    if rate is None:
+        return ratios
+    first = np.zeros(req.ids.size, np.bool_)
+    first[np.unique(req.ids, return_index=True)[1]] = True  # each key's first entry misses
+    total = req.weights[req.first:].sum()
+    floor = float(1.0 - req.weights[req.first:][~first[req.first:]].sum() / total) if total else 0.0  # as a run counts
+    return [floor if inf else max(r, floor) for r, inf in zip(ratios, infinite)]

@@ -40,10 +40,20 @@ def keeps(key, threshold, salt):
     return (mix(key, salt) >> _SHIFT) < np.uint64(threshold)
 
 
+def check_rate(rate: float, where: str = "sample rate") -> None:
+    """Refuse a rate outside (0, 1] (NaN and infinities included), or one under the hash's
+    resolution, whose threshold rounds to 0: it keeps no key of any trace. ``where`` names it
+    (a CLI flag)."""
+    if not 0 < rate <= 1:
+        raise CachelabError(f"{where} must be in (0, 1], got {rate}")
+    if round(rate * (1 << SAMPLE_BITS)) == 0:
+        raise CachelabError(f"{where} {rate} is under the sampling hash's resolution (2^-{SAMPLE_BITS} = "
+                            f"{2.0 ** -SAMPLE_BITS:.3g}): it keeps no key")
+
+
 def threshold(rate: float) -> int:
     """The hash threshold of a sample at ``rate`` (0 < rate <= 1; 1 keeps every key)."""
-    if not 0 < rate <= 1:
-        raise CachelabError(f"sample rate must be in (0, 1], got {rate}")
+    check_rate(rate)
     return int(round(rate * (1 << SAMPLE_BITS)))
 
 
