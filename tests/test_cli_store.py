@@ -86,11 +86,49 @@ def test_bad_input_exits_2_naming_the_value(tables, tmp_path):
     rows = CFG.offsets[None]  # one token: each head's first row
     keys = global_key(np.broadcast_to(np.arange(2)[None, :, None], rows.shape), rows).reshape(-1)
     path = LookupStream(keys, np.array([0, 48]), 264, CFG.layers).save(tmp_path / "one.npz")
-    for flag, value in (("--compute-ms", -1), ("--max-lookups", 0)):  # a traceback after the first step; one step
+    for flag, value, why in (("--compute-ms", -1, "a finite number of milliseconds, 0 or more, got -1.0"),
+                             ("--compute-ms", "nan", "a finite number of milliseconds, 0 or more, got nan"),
+                             ("--compute-ms", "inf", "a finite number of milliseconds, 0 or more, got inf"),
+                             ("--max-lookups", 0, "at least 1, got 0")):  # nan and inf were a traceback
         res = run("bench", "--dir", tables, "--trace", path, "--capacity", 10, flag, value)
-        assert res.exit_code == 2 and "--compute-ms must be 0 or more and --max-lookups at least 1" in res.output
+        assert res.exit_code == 2 and f"{flag} must be {why}" in res.output, res.output
     res = run("bench", "--dir", tables, "--trace", path, "--capacity", 10, "--backing", "hbm", "--device", "cpu")
     assert res.exit_code == 2 and "`cachelab store bench --capacity 0`" in res.output  # said "give no policy"
+
+
+def test_bench_refuses_what_it_ignored_or_named_in_python_terms(tables, tmp_path):
+    """A demanding user's flags: an unknown --io-submit or --io-threads below 1 passed in silence
+    with a backing that does not read through them; a learned policy without --model was told
+    to 'pass scores= to lookup/prefetch' once the trace had loaded; a --dir that is a file was
+    'no such table directory'."""
+    missing = tmp_path / "not-yet.npz"  # refused before the trace is read
+    for backing in ("dram", "mmap"):
+        res = run("bench", "--dir", tables, "--trace", path_of_one(tmp_path), "--capacity", 10, "--backing", backing,
+                  "--io-submit", "uring")
+        assert res.exit_code == 2 and "unknown io submission 'uring'" in res.output, res.output
+        res = run("bench", "--dir", tables, "--trace", path_of_one(tmp_path), "--capacity", 10, "--backing", backing,
+                  "--io-threads", 0)
+        assert res.exit_code == 2 and "io_threads must be at least 1, got 0" in res.output, res.output
+    for flags, flag in ((["--capacity", 10], "--policy"), (["--capacity", 0, "--dram-capacity", 10], "--policy"),
+                        (["--capacity", 10, "--dram-policy", "learned-s3fifo", "--dram-capacity", 10], "--dram-policy")):
+        policy = [] if flag == "--dram-policy" else ["--policy", "learned-s3fifo"]
+        res = run("bench", "--dir", tables, "--trace", missing, *policy, *flags)
+        assert res.exit_code == 2 and (f"{flag} 'learned-s3fifo' needs predictor scores: pass --model DIR "
+                                       "(from `cachelab train`)") in res.output, res.output
+    res = run("bench", "--dir", tables, "--trace", path_of_one(tmp_path), "--policy", "learned-s3fifo", "--capacity", 0,
+              "--backing", "hbm", "--device", "cpu", "--no-verify", "--json")
+    assert res.exit_code == 0 and json.loads(res.output)["policies"] == {}  # no tier: nothing needs scores
+    (tmp_path / "a-file").write_text("")
+    for verb in (["verify"], ["bench", "--trace", missing, "--capacity", 10]):
+        res = run(verb[0], "--dir", tmp_path / "a-file", *verb[1:])
+        assert res.exit_code == 2 and "a-file: not a directory" in res.output, res.output
+
+
+def path_of_one(folder):
+    """A saved stream of one token (each head's first row)."""
+    rows = CFG.offsets[None]
+    keys = global_key(np.broadcast_to(np.arange(2)[None, :, None], rows.shape), rows).reshape(-1)
+    return LookupStream(keys, np.array([0, 48]), 264, CFG.layers).save(folder / "one.npz")
 
 
 def test_build_into_a_directory_another_build_holds_exits_2_naming_it(tables):

@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from cachelab import defaults, strict_json
+from cachelab import defaults, registry, strict_json
 from cachelab.errors import CachelabError
 from cachelab.params import parse_pairs
 
@@ -110,11 +110,18 @@ def bench(
     layout, _ = load_layout(directory)
     if not trace.endswith(".npz") and layout.config.name not in _presets():
         raise CachelabError(f"tables of the custom layout {layout.config.name!r} replay a saved stream (.npz) only")
+    if dram_policy is not None and dram_capacity is None:
+        raise CachelabError("--dram-policy needs --dram-capacity")
+    if model is None:  # before the trace loads; the store's own error names its Python argument
+        dram_flag = "--dram-policy" if dram_policy else "--policy"
+        tiers = (("--policy", policy, capacity), (dram_flag, dram_policy or policy, dram_capacity))
+        for flag, name, rows in tiers:  # a capacity of 0 is no tier
+            if rows not in (None, "0") and registry.make_policy(name).capabilities.needs_scores:
+                raise CachelabError(f"{flag} {name!r} needs predictor scores: pass --model DIR (from `cachelab train`)")
     stream = load_trace(trace, requests, 0, layout.config.name, verb="store bench")
     params = parse_pairs(param)
     scores = None
     if model is not None:
-        from cachelab import registry
         from cachelab.learning.training import lookup_scores, policy_params
 
         scores, fitted = lookup_scores(model, stream)
@@ -122,8 +129,6 @@ def bench(
     hbm = PolicySpec(policy, params)
     dram_name = dram_policy or policy
     dram = PolicySpec(dram_name, params if dram_name == policy else {}) if dram_capacity is not None else None
-    if dram_policy is not None and dram_capacity is None:
-        raise CachelabError("--dram-policy needs --dram-capacity")
     out = replay_store(directory, stream, backing, hbm, capacity, dram, dram_capacity, scores,
                        verify=not no_verify, prefetch=prefetch, io_threads=io_threads, io_submit=io_submit,
                        progress=not as_json, max_lookups=max_lookups, compute_ms=compute_ms,

@@ -222,8 +222,6 @@ class _PreadPool(_Files):
     """Compiled preads split over a thread pool: ``threads`` reads in flight."""
 
     def __init__(self, paths: list[Path], threads: int, flags: int = 0):
-        if threads < 1:
-            raise CachelabError(f"io_threads must be at least 1, got {threads}")
         super().__init__(paths, flags)
         self.threads = threads
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="cachelab-store-io")
@@ -283,6 +281,15 @@ class _UringIO(_Files):
 SUBMITS = ("auto", "io_uring", "threads")
 
 
+def check_io(threads: int | None, submit: str) -> None:
+    """Refuse reads in flight below 1 or an unknown submission, whichever backing is asked for
+    (``dram`` and ``mmap`` ignore both, but a bad value is not passed over in silence)."""
+    if submit not in SUBMITS:
+        raise CachelabError(f"unknown io submission {submit!r}; choose one of {list(SUBMITS)}")
+    if threads is not None and threads < 1:
+        raise CachelabError(f"io_threads must be at least 1, got {threads}")  # the queue depth's flag
+
+
 class PreadBacking:
     """Buffered pread of each row, on a thread pool."""
 
@@ -308,10 +315,7 @@ def open_reader(paths: list[Path], depth: int, flags: int, submit: str = "auto")
     """A reader of fixed-size blocks with ``depth`` reads in flight, and how it submits them:
     one io_uring (``io_uring``), a pool of compiled preads (``threads``), or ``auto`` (io_uring
     where the kernel allows it, else threads, with the reason)."""
-    if submit not in SUBMITS:
-        raise CachelabError(f"unknown io submission {submit!r}; choose one of {list(SUBMITS)}")
-    if depth < 1:
-        raise CachelabError(f"io_threads must be at least 1, got {depth}")  # the queue depth's flag
+    check_io(depth, submit)
     submission = "threads"
     if submit != "threads":
         try:
@@ -364,6 +368,7 @@ def open_backing(name: str, layout: TableLayout, paths: list[Path], io_threads: 
                  io_submit: str = "auto", device: str = "cpu"):
     if name not in BACKINGS:
         raise CachelabError(f"unknown backing {name!r}; choose one of {list(BACKINGS)}")
+    check_io(io_threads, io_submit)
     if name == "dram":
         return DramBacking(layout, paths)
     if name == "hbm":

@@ -12,6 +12,7 @@ buffered modes read through the OS page cache, which the comparison leaves out.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -114,9 +115,10 @@ def replay_store(directory, stream: LookupStream, backing: str, hbm: PolicySpec 
 
     ``compute_ms``: the caller holds each step's rows this long (sleeping, the GIL released),
     standing for the model's forward pass that a prefetch of the next step overlaps."""
-    if compute_ms < 0 or (max_lookups is not None and max_lookups < 1):
-        raise CachelabError(f"--compute-ms must be 0 or more and --max-lookups at least 1, got {compute_ms} and "
-                            f"{max_lookups}")
+    if not 0 <= compute_ms < math.inf:  # NaN and infinity were a traceback from the first step's sleep
+        raise CachelabError(f"--compute-ms must be a finite number of milliseconds, 0 or more, got {compute_ms}")
+    if max_lookups is not None and max_lookups < 1:
+        raise CachelabError(f"--max-lookups must be at least 1, got {max_lookups}")
     specs = {k: v for k, v in (("hbm", hbm), ("dram", dram)) if v is not None}
     steps = stream.num_steps
     if max_lookups is not None:

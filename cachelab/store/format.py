@@ -323,7 +323,8 @@ def read_manifest(directory: Path) -> dict:
     its files with one) is refused by name: nothing reads it as tables, nor replaces it."""
     path = Path(directory) / MANIFEST
     if not Path(directory).is_dir():
-        raise CachelabError(f"{directory}: no such table directory (build one with `cachelab store build`)")
+        what = "not a directory" if os.path.lexists(directory) else "no such table directory"
+        raise CachelabError(f"{directory}: {what} (build one with `cachelab store build`)")
     if not os.path.lexists(path):
         raise CachelabError(f"{path}: missing: {directory} holds no complete table build "
                             "(a build writes its manifest last)")
