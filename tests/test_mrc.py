@@ -102,3 +102,5 @@ def test_a_sampled_curve_marks_and_reports_the_infinite_cache_as_the_exact_one(p
         assert sampled.infinite == exact.infinite
         assert sampled.miss_ratios[2] == sampled.miss_ratios[3] == pytest.approx(floor, rel=1e-12)
         assert min(sampled.miss_ratios) == sampled.miss_ratios[3]
+    # a capacity past int64 (an IndexError from the exact curve) is the infinite cache too
+    assert miss_ratio_curve(stream, [10**30], policy=policy, warmup=0.1, workers=1).miss_ratios == [floor]

@@ -136,7 +136,7 @@ def _lru_curve(req: _Requests, capacities: list[int], rate: float | None) -> lis
     caps = np.asarray(capacities, dtype=np.float64)
     if rate is None:
         hit_w = np.concatenate([[0.0], np.cumsum(np.bincount(d[d >= 0], weights[d >= 0]))])
-        hits = hit_w[np.minimum(caps.astype(np.int64), hit_w.size - 1)]
+        hits = hit_w[np.minimum(caps, hit_w.size - 1).astype(np.int64)]  # clipped first: 1e19 rows overflowed int64
         return (1.0 - hits / total).tolist() if total else [0.0] * len(capacities)
     # SHARDS: a sampled distance d stands for d / rate; hit at c iff d / rate < c.
     expected = rate * total
