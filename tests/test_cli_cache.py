@@ -81,7 +81,8 @@ def test_mrc_sampled_and_simulated_methods(tmp_path):
 
 def test_a_bad_sample_rate_is_refused_naming_the_flag_before_the_trace_loads(tmp_path):
     """``--sample-rate`` was checked only once the trace had loaded, with no flag named; a rate
-    under the hash's resolution was read as an empty sample of this trace."""
+    under the hash's resolution was read as an empty sample of this trace; ``--workers`` below 1
+    passed in silence."""
     missing = str(tmp_path / "not-yet.npy")  # the rate is refused first
     for rate, why in (("nan", "must be in \\(0, 1\\], got nan"), ("inf", "must be in \\(0, 1\\], got inf"),
                       ("-inf", "must be in \\(0, 1\\], got -inf"), ("0", "must be in \\(0, 1\\], got 0.0"),
@@ -90,6 +91,9 @@ def test_a_bad_sample_rate_is_refused_naming_the_flag_before_the_trace_loads(tmp
                        "no key")):
         res = runner.invoke(app, ["mrc", "--trace", missing, "--capacities", "10", "--sample-rate", rate, "--json"])
         assert res.exit_code == 2 and re.search(f"--sample-rate {why}", res.output), (rate, res.output)
+    for workers in (0, -2):  # ran on all cores, on one
+        res = runner.invoke(app, ["mrc", "--trace", missing, "--capacities", "10", "--workers", str(workers)])
+        assert res.exit_code == 2 and f"--workers must be at least 1, got {workers}" in res.output, res.output
     np.save(tmp_path / "k.npy", KEYS)
     out = _json(["mrc", "--trace", str(tmp_path / "k.npy"), "--capacities", "20,1000", "--sample-rate", "1", "--json"])
     exact = _json(["mrc", "--trace", str(tmp_path / "k.npy"), "--capacities", "20,1000", "--json"])

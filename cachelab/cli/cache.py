@@ -142,6 +142,8 @@ def mrc(
     started = time.perf_counter()
     if sample_rate is not None:  # before the trace loads
         check_rate(sample_rate, "--sample-rate")
+    if workers is not None and workers < 1:  # 0 ran on all cores, a negative count on one
+        raise CachelabError(f"--workers must be at least 1, got {workers}")
     found, stream = load_stream(trace, fmt, requests, steps, "mrc", as_json)
     caps = sorted(set(capacity_rows(parse_capacities(capacities), stream, "--capacities")))
     curve = miss_ratio_curve(stream, caps, policy=policy, sample_rate=sample_rate, warmup=warmup,
