@@ -912,6 +912,29 @@ def test_a_rebuild_that_stops_midway_leaves_the_previous_build(tmp_path, monkeyp
     assert verify_tables(tmp_path)["mismatches"] == 0
 
 
+
+def test_ctrl_c_while_a_build_swaps_its_files_in_is_delivered_once_the_new_build_is_whole(tmp_path, monkeypatch):
+    """Between removing the old manifest and writing the new one a directory holds no build; a
+    ctrl-C there lost the old build and kept no new one. It is now held back until the new
+    manifest is written, then raised."""
+    import signal
+
+    from cachelab.store import build as build_mod
+
+    build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, seed=1, progress=False)
+    write = build_mod.write_manifest
+
+    def interrupted(*args):  # the old manifest gone, the new layers renamed in
+        signal.raise_signal(signal.SIGINT)
+        return write(*args)
+
+    monkeypatch.setattr(build_mod, "write_manifest", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, seed=2, progress=False)
+    assert verify_tables(tmp_path) == {"rows_checked": 816, "mismatches": 0}
+    assert json.loads((tmp_path / "manifest.json").read_text())["seed"] == 2
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
 def test_pagecache_experiment_phases(tables):
     from cachelab.store.pagecache import pagecache_experiment
 

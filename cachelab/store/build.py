@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
+import threading
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -108,16 +111,39 @@ def _build(table: TableLayout, source: RowSource, seed: int, directory: Path, pr
         for tmp in tmps:
             tmp.unlink(missing_ok=True)
         raise
-    (directory / MANIFEST).unlink(missing_ok=True)  # the old build is gone from here on
-    for tmp, final in zip(tmps, finals):
-        tmp.replace(final)
-    manifest = {"format": MANIFEST_FORMAT, "version": 1, "layout": config.name, "scale": table.scale,
-                "seed": int(seed), "build_id": secrets.token_hex(8), "row_bytes": table.row_bytes,
-                "rows_per_page": table.rows_per_page, "page_bytes": PAGE, "table_rows": table.table_rows.tolist(),
-                "files": [f.name for f in finals], "layout_hash": table.hash().hex(), "config": _config_dict(config),
-                "fold": "per-head modulo: off'_j + (row - off_j) mod ceil(scale * P_j)", "source": source.describe()}
-    write_manifest(directory, manifest)
+    with _uninterrupted():  # the old build is gone until the new manifest is written
+        (directory / MANIFEST).unlink(missing_ok=True)
+        for tmp, final in zip(tmps, finals):
+            tmp.replace(final)
+        manifest = {"format": MANIFEST_FORMAT, "version": 1, "layout": config.name, "scale": table.scale,
+                    "seed": int(seed), "build_id": secrets.token_hex(8), "row_bytes": table.row_bytes,
+                    "rows_per_page": table.rows_per_page, "page_bytes": PAGE, "table_rows": table.table_rows.tolist(),
+                    "files": [f.name for f in finals], "layout_hash": table.hash().hex(),
+                    "config": _config_dict(config),
+                    "fold": "per-head modulo: off'_j + (row - off_j) mod ceil(scale * P_j)",
+                    "source": source.describe()}
+        write_manifest(directory, manifest)
     return manifest
+
+
+@contextmanager
+def _uninterrupted():
+    """Ctrl-C and SIGTERM held back until the block ends, then delivered: swapping the old build
+    for the new leaves no build in between (a ctrl-C there lost the old build and kept no new
+    one). Python runs signal handlers on the main thread only: a build on another is not
+    interrupted by them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    before = {sig: signal.signal(sig, lambda sig, frame: caught.append(sig)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        for sig in caught[:1]:
+            signal.raise_signal(sig)
 
 
 def _write_layers(table: TableLayout, source: RowSource, seed: int, tmps: list[Path], total: int,
