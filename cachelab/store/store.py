@@ -24,6 +24,7 @@ link (on the CPU that memory is host DRAM standing in for HBM, as for the row ca
 
 from __future__ import annotations
 
+import re
 import resource
 import threading
 import time
@@ -133,10 +134,14 @@ class TieredStore:
         self.row_bytes, self.row_dim = lay.row_bytes, lay.row_dim
         self.num_keys = lay.num_keys
         self.layer_base = lay.layer_base
-        if device != "cpu" and not device.startswith("cuda"):
+        cuda = re.fullmatch(r"cuda(?::(\d+))?", device)
+        if device != "cpu" and not cuda:  # 'cuda:x' was a RuntimeError from torch on a GPU machine
             raise CachelabError(f"device {device!r}: expected cpu, cuda or cuda:N")
-        if device.startswith("cuda") and not torch.cuda.is_available():
+        if cuda and not torch.cuda.is_available():
             raise CachelabError(f"device {device!r}: CUDA is not available here; use device='cpu'")
+        if cuda and int(cuda[1] or 0) >= torch.cuda.device_count():
+            raise CachelabError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                                "cuda:0 onwards")
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.hbm_device = f"{device} (HBM)" if self.cuda else "cpu (a CPU tensor stands in for HBM: no GPU)"
