@@ -49,8 +49,8 @@ class Plugin:
 
 def contract_error(group: str, obj) -> str | None:
     """Why ``obj`` cannot serve in ``group`` (None if it can): the methods it lacks. A class that
-    does not subclass the base must quack like all of it: every method the framework calls,
-    and a policy's ``capabilities``."""
+    does not subclass the base must quack like all of it: every method the framework calls;
+    and a policy's ``capabilities`` must be a ``Capabilities``, subclass or not."""
     if group == EXPERIMENT_KINDS:  # an ExperimentKind (cachelab.experiment.kinds), by its shape
         if not isinstance(getattr(obj, "sections", None), tuple) or not callable(getattr(obj, "run", None)):
             return f"wrong interface: {obj!r} is not an ExperimentKind (sections, run)"
@@ -67,17 +67,21 @@ def contract_error(group: str, obj) -> str | None:
         return None
     if not isinstance(obj, type):
         return f"wrong interface: {obj!r} is not a class"
+    if group == POLICIES:  # read by every comparison (cachelab.learning.lineup): a subclass may override it
+        from cachelab.policy import Capabilities
+
+        caps = getattr(obj, "capabilities", None)
+        if issubclass(obj, base) and not isinstance(caps, Capabilities):
+            return (f"wrong interface: {obj.__name__}.capabilities is {caps!r:.80}, "
+                    "not a cachelab.policy.Capabilities")
     if issubclass(obj, base):
         if inspect.isabstract(obj):
             return (f"wrong interface: {obj.__name__} does not implement "
                     f"{sorted(obj.__abstractmethods__)}")
         return None
     missing = [m for m in required if not callable(getattr(obj, m, None))]
-    if group == POLICIES:
-        from cachelab.policy import Capabilities
-
-        if not isinstance(getattr(obj, "capabilities", None), Capabilities):
-            missing.append("capabilities (a cachelab.policy.Capabilities)")
+    if group == POLICIES and not isinstance(getattr(obj, "capabilities", None), Capabilities):
+        missing.append("capabilities (a cachelab.policy.Capabilities)")
     if missing:
         return (f"wrong interface: {obj.__name__} is not a {base.__module__}.{base.__name__} "
                 f"and lacks {', '.join(missing)}")

@@ -73,6 +73,12 @@ BROKEN = {
             def view_future(self, next_access, step_offsets): ...
             def get_params(self): return {}
         """,
+    "brokenpkg/oddcaps.py": """
+        from policies.linked.fifo import FIFO
+
+        class OddCaps(FIFO):  # a Policy whose capabilities are not a Capabilities
+            capabilities = {"needs_scores": True}
+        """,
     "cachelab_broken-0.0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: cachelab-broken\nVersion: 0.0.1\n",
     "cachelab_broken-0.0.1.dist-info/entry_points.txt": """
         [cachelab.policies]
@@ -82,6 +88,7 @@ BROKEN = {
         exits = brokenpkg.exits:Anything
         chatty = brokenpkg.chatty:Chatty
         duck = brokenpkg.duck:Duck
+        odd-caps = brokenpkg.oddcaps:OddCaps
         """,
 }
 
@@ -143,6 +150,16 @@ def test_import_time_exits_output_and_duck_typing_break_nothing(broken_plugins, 
     np.save(tmp_path / "k.npy", np.arange(50) % 7)
     ok = _json(["simulate", "--trace", str(tmp_path / "k.npy"), "--policy", "lru", "--capacity", "4", "--json"])
     assert ok["requests"] == 50
+
+
+def test_a_policy_subclass_with_odd_capabilities_is_broken_not_a_crash_of_every_comparison(broken_plugins):
+    from cachelab.learning.lineup import lineup
+
+    rows = {r["name"]: r for r in _json(["plugins", "list", "--json"])}
+    assert rows["odd-caps"]["status"] == "broken"
+    assert "OddCaps.capabilities is {'needs_scores': True}" in rows["odd-caps"]["error"]
+    found = lineup()  # every comparison reads each policy's capabilities: the odd one is left out, named
+    assert "odd-caps" in found.unavailable and "LRU" in found.heuristics
 
 
 def test_printing_at_import_never_reaches_stdout(tmp_path):
