@@ -136,6 +136,20 @@ def test_promote_is_tuned_on_the_training_window_alone():
     assert policy_params(registry.get(registry.POLICIES, "learned"), model) == {}  # takes neither
 
 
+def test_a_nan_prediction_is_refused_naming_the_predictor():
+    from cachelab.learning.training import TrainSpec, keep_scores, train
+    from predictors.lightgbm_model import LightGBMReuse
+
+    view = synthetic_stream(zipf_keys(6000, 800, seed=6))
+    model, _ = train(view, LightGBMReuse(n_estimators=5, num_threads=1), TrainSpec(horizon=200, max_samples=5000))
+    assert np.isfinite(keep_scores(model, view)).all()
+    predict = model.predictor.predict  # a plug-in's model that diverged on some rows
+    model.predictor.predict = lambda x: np.where(np.arange(len(x)) % 7 == 3, np.nan, predict(x))
+    with pytest.raises(CachelabError, match=r"predictor 'lightgbm-reuse' predicted NaN for 857 of 6,000 entries "
+                                            r"\(the first is entry 3\)"):
+        keep_scores(model, view)
+
+
 def test_rolling_retraining_never_sees_the_future_of_what_it_scores():
     from cachelab.learning.training import TrainSpec, rolling_scores
     from predictors.lightgbm_model import LightGBM

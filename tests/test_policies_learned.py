@@ -59,6 +59,21 @@ def test_needs_scores(name):
         policy.run(np.arange(5), np.array([0, 5]))
 
 
+@pytest.mark.parametrize("name", LEARNED)
+def test_nan_scores_are_refused_naming_the_policy(name):
+    """A NaN compares false with everything: the kernels took it as some priority, silently."""
+    keys = zipf_keys(3000, 400, seed=3)
+    scores = _oracle_scores(keys)
+    scores[5::3] = np.nan
+    policy = registry.get(registry.POLICIES, name)()
+    policy.reset(50, 400)
+    with pytest.raises(CachelabError, match=f"policy '{name}': 999 of 3,000 scores are NaN \\(the first at access 5\\)"):
+        policy.run(keys, np.arange(0, keys.size + 1, 10), None, scores)
+    policy.reset(50, 400)
+    with pytest.raises(CachelabError, match=f"policy '{name}': 2 of 10 scores are NaN"):
+        policy.step(keys[:10], None, scores[:10])
+
+
 def test_oracle_scores_beat_lru_and_near_belady():
     keys = zipf_keys(40_000, 5000, alpha=0.9, seed=4)
     scores = _oracle_scores(keys)

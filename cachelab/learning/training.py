@@ -339,7 +339,14 @@ def keep_scores(model: Model, stream, x: np.ndarray | None = None, offset: int =
 
 def as_scores(model: Model, raw: np.ndarray, offset: int) -> np.ndarray:
     """The predictions of entries ``offset, offset + 1, ...`` as scores: minus the predicted
-    next-access position."""
+    next-access position. A NaN prediction is refused here, naming the predictor, before a
+    policy ranks rows by it."""
+    raw = np.asarray(raw, dtype=np.float64)
+    nan = np.isnan(raw)
+    if nan.any():
+        raise CachelabError(f"predictor {model.predictor.name!r} predicted NaN for {int(nan.sum()):,} of "
+                            f"{raw.size:,} entries (the first is entry {offset + int(nan.argmax()):,}); "
+                            "its scores cannot rank rows")
     t = offset + np.arange(raw.size, dtype=np.float64)
     if model.predictor.task == "regression":
         wait = np.expm1(np.clip(-raw, 0.0, None))

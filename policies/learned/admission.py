@@ -57,10 +57,11 @@ class LearnedAdmission(Policy):
 
     def run(self, keys, step_offsets, next_access=None, scores=None) -> np.ndarray:
         keys = np.asarray(keys, dtype=np.int64)
+        scores = checked_scores(self.name, keys, scores)  # once for the stream: its errors count the stream
         hits = np.empty(keys.size, dtype=np.bool_)
         for s in range(step_offsets.size - 1):
             lo, hi = int(step_offsets[s]), int(step_offsets[s + 1])
-            part = self._load(keys[lo:hi], None if scores is None else scores[lo:hi])
+            part = self._load(keys[lo:hi], scores[lo:hi])
             hits[lo:hi] = self.base_.run(part, np.array([0, hi - lo]),
                                          None if next_access is None else next_access[lo:hi])
         return hits
