@@ -65,6 +65,9 @@ def test_bad_inputs_are_clear_errors(tmp_path, trained):
     res = runner.invoke(app, ["train", "--trace", "nosuch", "--out", str(tmp_path)])
     assert res.exit_code == 2 and "nosuch" in res.output
     out, _ = trained
+    res = runner.invoke(app, ["evaluate", *TRACE, "--model", str(out), "--preset", "engram-27b-demo"])
+    assert res.exit_code == 2, res.output  # the same vocabulary: it was scored as if its rows were the model's
+    assert "trained on Engram layout 'deepseek-v4.1-flash', these rows are of layout 'engram-27b-demo'" in res.output
     meta = json.loads((out / "metadata.json").read_text())
     meta["feature_names"] = meta["feature_names"][::-1]
     bad = tmp_path / "bad"

@@ -55,6 +55,29 @@ def test_online_scores_equal_offline_scores_bit_for_bit(served):
     assert not scorer.prompts  # every prompt's rows dropped once its prefill ended
 
 
+def test_rows_of_another_layout_are_refused_naming_what_differs(served):
+    """The presets share a compressed vocabulary, so the prior's size let any of them through."""
+    from cachelab.engram import get_preset
+
+    stream, prompts, outputs, model, _ = served
+    assert model.metadata["spec"]["layout"]["name"] == LAYOUT
+    with pytest.raises(CachelabError, match=r"trained on Engram layout 'deepseek-v4.1-flash', these rows are of layout "
+                                            r"'engram-27b-demo' \(model / rows: max_ngram 4 / 3, base_sizes "
+                                            r"\[16000000, 16000000, 16000000\] / \[646400, 646400\], multipliers\)"):
+        OnlineScorer(model, "engram-27b-demo")
+    tables = get_preset(LAYOUT).with_(name="other-tables", base_sizes=(1_000_000,) * 3)  # the same layers, other rows
+    with pytest.raises(CachelabError, match=r"base_sizes \[16000000, 16000000, 16000000\] / \[1000000, "):
+        OnlineScorer(model, tables)
+    moved = get_preset(LAYOUT).with_(layers=(1, 3), multipliers=get_preset(LAYOUT).multipliers)  # as a live model's
+    OnlineScorer(model, moved)  # other decoder layers read the tables, the rows are the same: accepted
+    other = request_stream(prompts[:4], outputs[:4], ["chat"] * 4, "engram-27b-demo", tokens_per_step=64)
+    with pytest.raises(CachelabError, match=r"2 table layers of 128-byte rows, but layout 'deepseek-v4.1-flash', "
+                                            r"which it is read as, has 2 of 264 bytes"):
+        LearningView.of(other)  # read as the default layout
+    with pytest.raises(CachelabError, match="trained on Engram layout 'deepseek-v4.1-flash', these rows are of"):
+        keep_scores(model, LearningView.of(other, "engram-27b-demo"))
+
+
 def test_key_index_numbers_keys_in_first_arrival_order_and_grows():
     index = KeyIndex(bits=4)
     keys = np.random.default_rng(0).integers(0, 1 << 40, 5000)

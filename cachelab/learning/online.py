@@ -37,8 +37,8 @@ import numpy as np
 from cachelab.engram import Addresser
 from cachelab.errors import CachelabError
 from cachelab.learning.features import NEVER, FeatureState, _hash_fill, _home, featurise
-from cachelab.learning.streams import LearningView
-from cachelab.learning.training import Model, as_scores, load
+from cachelab.learning.streams import LearningView, layout_signature
+from cachelab.learning.training import Model, as_scores, check_layout, load
 from cachelab.workload.lookups import LAYER_SHIFT, compact
 
 POSITION_BITS = 21  # a prompt's positions in the low bits of its (key, position) sort keys
@@ -101,6 +101,7 @@ class OnlineScorer:
         self.state = FeatureState(1 << 16)
         self.prompts: OrderedDict[int, np.ndarray] = OrderedDict()  # rid -> sorted (key, position) of its prompt
         self.last_counts = (0, 0, 0)  # the last call's scheduled sequences, rows looked up, distinct rows scored
+        check_layout(model, layout_signature(cfg))
         if self.model.prior.token_counts.size != self.vocab:
             raise CachelabError(f"the model's corpus prior covers {self.model.prior.token_counts.size} compressed "
                                 f"ids, layout {cfg.name!r} has {self.vocab}: a model trained on another layout")

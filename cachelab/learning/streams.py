@@ -10,7 +10,8 @@ the engine's metadata (column, request, position, phase, domain) every lookup ca
 ``LearningView`` is what a policy sees of such a stream: each step's distinct rows in
 first-occurrence order (exactly what the replay fetches), as dense ids, with each entry's
 metadata and its n-gram's compressed token ids (newest first; -1 before the request start
-or where a position was not looked up).
+or where a position was not looked up), and the signature of the Engram layout it was read
+with (``layout_signature``), which a model records and is checked against before it scores.
 """
 
 from __future__ import annotations
@@ -149,6 +150,7 @@ class LearningView:
     domains: list[str]
     heads: int
     vocab: int
+    layout: dict | None = None  # layout_signature of the layout read with; None: a hand-built view
 
     @property
     def num_keys(self) -> int:
@@ -168,6 +170,11 @@ class LearningView:
             raise CachelabError(f"the lookup stream lacks per-lookup metadata {missing}; learned policies need "
                                 f"{list(REQUIRED_META)} (give corpus names, --trace gsm8k,humaneval, or a stream from `cachelab trace lookups`)")
         cfg = get_preset(preset)
+        if (len(stream.layers), stream.row_bytes) != (len(cfg.layers), cfg.row_bytes):
+            raise CachelabError(f"the lookup stream has {len(stream.layers)} table layers of {stream.row_bytes}-byte rows, "
+                                f"but layout {cfg.name!r}, which it is read as, has {len(cfg.layers)} of "
+                                f"{cfg.row_bytes} bytes: the stream was built with another layout (give that "
+                                "layout's --preset, or a model trained on it)")
         dd, uniq = compact_steps(stream.keys, stream.step_offsets)
         first = np.empty(dd.keys.size, np.int64)
         first[dd.inverse[::-1]] = np.arange(dd.inverse.size)[::-1]  # last write wins = first lookup
@@ -176,7 +183,17 @@ class LearningView:
                    stream.step_offsets, uniq.astype(np.int64), (stream.keys[first] >> LAYER_SHIFT).astype(np.int8),
                    m["column"].astype(np.int8), m["position"].astype(np.int32), m["phase"] != PREFILL,
                    m["domain"].astype(np.int16), m["request"].astype(np.int32), _ngrams(stream, first, cfg.max_ngram),
-                   list(stream.domains), cfg.heads, cfg.compressed_vocab)
+                   list(stream.domains), cfg.heads, cfg.compressed_vocab, layout_signature(cfg))
+
+
+def layout_signature(cfg) -> dict:
+    """What a model's features depend on of an Engram layout (an ``EngramConfig``): which rows a
+    token n-gram reads (table layers, orders, heads, table sizes, multipliers, look-back pad) and
+    the compressed vocabulary its corpus prior counts. Not the decoder layers that read the
+    tables (a live model moves them, keeping the multipliers, so the rows); ``name`` labels it."""
+    return {"name": cfg.name, "table_layers": len(cfg.layers), "max_ngram": cfg.max_ngram, "heads": cfg.heads,
+            "base_sizes": list(cfg.base_sizes), "compressed_vocab": cfg.compressed_vocab, "pad_id": cfg.pad_id,
+            "multipliers": cfg.multiplier_array.tolist()}
 
 
 def _ngrams(stream: LookupStream, first: np.ndarray, max_ngram: int) -> np.ndarray:

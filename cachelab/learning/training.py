@@ -124,6 +124,8 @@ def train(stream, predictor: Predictor, spec: TrainSpec, progress=None, tune: bo
     samples = fit_window(stream, x, 0, end, predictor, spec, progress)
     meta_spec = {**asdict(spec), "train_end": end, "prior_end": prior_end, "lookups": n,
                  "domains": domains, "train_samples": samples}
+    if stream.layout is not None:
+        meta_spec["layout"] = stream.layout
     if spec.capacity:
         meta_spec["capacity_rows"] = rows_for(spec.capacity, stream.num_keys)
     model = Model(predictor, prior, domains, spec.horizon, {"spec": meta_spec}, spec.lookahead)
@@ -291,7 +293,26 @@ def _scoring_spec(spec: dict, where: Path) -> tuple[int, list[str], bool]:
         raise CachelabError(f"{where}: spec.domains must be a list of domain names, got {domains!r:.80}")
     if not isinstance(lookahead, bool):
         raise CachelabError(f"{where}: spec.lookahead must be true or false, got {lookahead!r:.80}")
+    if not isinstance(spec.get("layout", {}), dict):
+        raise CachelabError(f"{where}: spec.layout must be an object (an Engram layout's signature), "
+                            f"got {spec['layout']!r:.80}")
     return horizon, domains, lookahead
+
+
+def check_layout(model: Model, layout: dict | None) -> None:
+    """Refuse to score rows of another Engram layout than the model's training trace (``layout``:
+    ``streams.layout_signature`` of the rows to score), naming what differs: its features (layer,
+    n-gram order, head) and its prior's row counts would mean other rows. A model saved before
+    layouts were recorded, or a hand-built view, is not checked."""
+    trained = model.metadata.get("spec", {}).get("layout")
+    if trained is None or layout is None:
+        return
+    differ = [k for k in layout if k != "name" and trained.get(k) != layout[k]]
+    if differ:
+        shown = ", ".join(k if k == "multipliers" else f"{k} {trained.get(k)} / {layout[k]}" for k in differ)
+        raise CachelabError(f"the model was trained on Engram layout {trained.get('name')!r}, these rows are of layout "
+                            f"{layout['name']!r} (model / rows: {shown}): score rows of the model's layout "
+                            "(--preset), or train a model on theirs")
 
 
 def load(directory: Path) -> Model:
@@ -325,6 +346,7 @@ def keep_scores(model: Model, stream, x: np.ndarray | None = None, offset: int =
     stream is featurised and scored ``CHUNK`` entries at a time (the feature state carried
     over), so memory holds one chunk's feature matrix, not the stream's.
     """
+    check_layout(model, stream.layout)
     if x is None:
         state = FeatureState(stream.num_keys)
         ahead = prompt_lookahead(stream) if model.lookahead else False
