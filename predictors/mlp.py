@@ -45,6 +45,8 @@ class MLP(Predictor):
         xt = torch.from_numpy((x - self.mean_) / self.scale_)
         yt = torch.from_numpy(np.asarray(labels, dtype=np.float32))
         self.net_ = self._net(x.shape[1])
+        with torch.no_grad():  # start at the labels' mean: a few hundred steps do not climb to log1p(horizon) from 0
+            self.net_[-1].bias.fill_(float(yt.mean()))
         opt = torch.optim.Adam(self.net_.parameters(), lr=self.lr)
         gen = torch.Generator().manual_seed(self.seed)
         for _ in range(self.epochs):
