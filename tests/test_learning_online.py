@@ -78,6 +78,21 @@ def test_rows_of_another_layout_are_refused_naming_what_differs(served):
         keep_scores(model, LearningView.of(other, "engram-27b-demo"))
 
 
+def test_a_saved_model_scores_a_stream_as_the_layout_it_was_trained_on(served, tmp_path):
+    """``lookup_scores`` (simulate and store bench --model) reads the stream as the model's layout:
+    `train`'s preset, or an experiment's workload preset (read as the default layout before)."""
+    from cachelab.learning.training import lookup_scores, save
+
+    _, prompts, outputs, _, _ = served
+    other = request_stream(prompts, outputs, ["chat"] * len(prompts), "engram-27b-demo", tokens_per_step=64)
+    view = LearningView.of(other, "engram-27b-demo")
+    predictor = registry.get(registry.PREDICTORS, "lightgbm-reuse")(n_estimators=6, num_leaves=7)
+    model, _ = train(view, predictor, TrainSpec(horizon=2000, capacity=300), tune=False)
+    save(model, tmp_path, {"workload": {"source": "x", "preset": "engram-27b-demo"}})  # as an experiment saves it
+    scores, _ = lookup_scores(tmp_path, other)
+    np.testing.assert_array_equal(scores, view.per_lookup(keep_scores(model, view)))
+
+
 def test_key_index_numbers_keys_in_first_arrival_order_and_grows():
     index = KeyIndex(bits=4)
     keys = np.random.default_rng(0).integers(0, 1 << 40, 5000)

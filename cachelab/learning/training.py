@@ -312,7 +312,7 @@ def check_layout(model: Model, layout: dict | None) -> None:
         shown = ", ".join(k if k == "multipliers" else f"{k} {trained.get(k)} / {layout[k]}" for k in differ)
         raise CachelabError(f"the model was trained on Engram layout {trained.get('name')!r}, these rows are of layout "
                             f"{layout['name']!r} (model / rows: {shown}): score rows of the model's layout "
-                            "(--preset), or train a model on theirs")
+                            f"(evaluate: --preset {trained.get('name')}), or train a model on theirs")
 
 
 def load(directory: Path) -> Model:
@@ -382,7 +382,11 @@ def lookup_scores(directory: Path, stream) -> tuple[np.ndarray, Model]:
     from cachelab.learning.streams import LearningView
 
     model = load(directory)
-    view = LearningView.of(stream, model.metadata.get("spec", {}).get("preset", "deepseek-v4.1-flash"))
+    spec = model.metadata.get("spec", {})  # the layout it was trained on: `train`'s preset, or an experiment's
+    workload = spec.get("workload")
+    preset = spec.get("preset") or (workload.get("preset") if isinstance(workload, dict) else None) \
+        or "deepseek-v4.1-flash"
+    view = LearningView.of(stream, preset)
     return view.per_lookup(keep_scores(model, view)), model
 
 
