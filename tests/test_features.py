@@ -136,7 +136,7 @@ def test_promote_is_tuned_on_the_training_window_alone():
     assert policy_params(registry.get(registry.POLICIES, "learned"), model) == {}  # takes neither
 
 
-def test_a_nan_prediction_is_refused_naming_the_predictor():
+def test_a_nan_or_misshapen_prediction_is_refused_naming_the_predictor():
     from cachelab.learning.training import TrainSpec, keep_scores, train
     from predictors.lightgbm_model import LightGBMReuse
 
@@ -148,6 +148,10 @@ def test_a_nan_prediction_is_refused_naming_the_predictor():
     with pytest.raises(CachelabError, match=r"predictor 'lightgbm-reuse' predicted NaN for 857 of 6,000 entries "
                                             r"\(the first is entry 3\)"):
         keep_scores(model, view)
+    model.predictor.predict = lambda x: predict(x)[:, None]  # [n, 1]: it broadcast into an [n, n] matrix of scores
+    with pytest.raises(CachelabError, match=r"predictor 'lightgbm-reuse' returned predictions of shape \(6000, 1\) "
+                                            r"for 6,000 rows"):
+        keep_scores(model, view, extract(view, 0, len(view), FeatureState(view.num_keys), model.prior, model.domains))
 
 
 def test_rolling_retraining_never_sees_the_future_of_what_it_scores():

@@ -38,7 +38,7 @@ from cachelab.engram import Addresser
 from cachelab.errors import CachelabError
 from cachelab.learning.features import NEVER, FeatureState, _hash_fill, _home, featurise
 from cachelab.learning.streams import LearningView, layout_signature
-from cachelab.learning.training import Model, as_scores, check_layout, load
+from cachelab.learning.training import Model, as_scores, check_layout, load, predictions
 from cachelab.workload.lookups import LAYER_SHIFT, compact
 
 POSITION_BITS = 21  # a prompt's positions in the low bits of its (key, position) sort keys
@@ -150,7 +150,7 @@ class OnlineScorer:
             if self.model.lookahead else None
         offset = self.clock
         x = featurise(view, 0, dense.size, self.state, self.model.prior, self.model.domains, ahead)
-        out = as_scores(self.model, self.model.predictor.predict(x), offset)
+        out = as_scores(self.model, predictions(self.model, x, offset), offset)
         return out[inverse].reshape(row_ids.shape)
 
     def _ngrams(self, tokens, starts, stops, which, position) -> np.ndarray:

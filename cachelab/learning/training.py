@@ -249,7 +249,7 @@ def validate(model: Model, stream, x: np.ndarray, start: int, spec: TrainSpec | 
         raise CachelabError(f"validation part of {keys.size} lookups is shorter than the horizon "
                             f"{model.horizon}: lower --horizon or raise the trace length")
     xv = x[start:start + stop]
-    pred = model.predictor.predict(xv)
+    pred = predictions(model, xv, start)
     reuse = reuse_labels(keys, model.horizon)[:stop]
     out = {"validation_lookups": int(stop), "reuse_rate": float(reuse.mean())}
     if len(np.unique(reuse)) == 2:
@@ -353,22 +353,32 @@ def keep_scores(model: Model, stream, x: np.ndarray | None = None, offset: int =
         raw = np.empty(len(stream), dtype=np.float64)
         for lo in range(0, len(stream), CHUNK):
             hi = min(lo + CHUNK, len(stream))
-            raw[lo:hi] = model.predictor.predict(extract(stream, lo, hi, state, model.prior, model.domains, ahead))
+            raw[lo:hi] = predictions(model, extract(stream, lo, hi, state, model.prior, model.domains, ahead), lo)
     else:
-        raw = np.concatenate([model.predictor.predict(x[i:i + CHUNK]) for i in range(0, x.shape[0], CHUNK)])
+        raw = np.concatenate([predictions(model, x[i:i + CHUNK], offset + i) for i in range(0, x.shape[0], CHUNK)])
     return as_scores(model, raw, offset)
+
+
+def predictions(model: Model, x: np.ndarray, offset: int = 0) -> np.ndarray:
+    """The model's predictions for features ``x`` (entries ``offset, offset + 1, ...``), one number
+    per row, or an error naming the predictor: a NaN cannot rank rows, and a result of another
+    shape would broadcast where scores are made (an ``[n, 1]`` array into an ``[n, n]`` matrix)."""
+    name = model.predictor.name or type(model.predictor).__name__
+    raw = model.predictor.predict(x)
+    if np.shape(raw) != (x.shape[0],):
+        raise CachelabError(f"predictor {name!r} returned predictions of shape {np.shape(raw)} for {x.shape[0]:,} "
+                            f"rows of features; predict must return one number per row, shape ({x.shape[0]},)")
+    raw = np.asarray(raw, dtype=np.float64)
+    nan = np.isnan(raw)
+    if nan.any():
+        raise CachelabError(f"predictor {name!r} predicted NaN for {int(nan.sum()):,} of {raw.size:,} entries "
+                            f"(the first is entry {offset + int(nan.argmax()):,}); its scores cannot rank rows")
+    return raw
 
 
 def as_scores(model: Model, raw: np.ndarray, offset: int) -> np.ndarray:
     """The predictions of entries ``offset, offset + 1, ...`` as scores: minus the predicted
-    next-access position. A NaN prediction is refused here, naming the predictor, before a
-    policy ranks rows by it."""
-    raw = np.asarray(raw, dtype=np.float64)
-    nan = np.isnan(raw)
-    if nan.any():
-        raise CachelabError(f"predictor {model.predictor.name!r} predicted NaN for {int(nan.sum()):,} of "
-                            f"{raw.size:,} entries (the first is entry {offset + int(nan.argmax()):,}); "
-                            "its scores cannot rank rows")
+    next-access position."""
     t = offset + np.arange(raw.size, dtype=np.float64)
     if model.predictor.task == "regression":
         wait = np.expm1(np.clip(-raw, 0.0, None))
