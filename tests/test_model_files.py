@@ -196,6 +196,14 @@ def test_wrong_plugin_is_never_blamed(models):
     assert blame(exc.value).name == "hgb"
 
 
+def test_a_loader_that_returns_no_predictor_is_refused_naming_it(models, monkeypatch):
+    """A plug-in's load_model that hands back something else (its library's raw model, None)."""
+    cls = registry.get(registry.PREDICTORS, "logistic")
+    monkeypatch.setattr(cls, "load_model", classmethod(lambda c, directory, metadata: {"coef": [1.0]}))
+    with pytest.raises(CachelabError, match="predictor 'logistic''s load_model returned dict, not a Logistic"):
+        load(models["logistic"][0])
+
+
 # --- the fuzz -------------------------------------------------------------------------------
 
 FILES = {"lightgbm": "model.txt", "hgb": "model.safetensors", "logistic": "model.safetensors",

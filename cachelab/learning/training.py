@@ -334,6 +334,9 @@ def load(directory: Path) -> Model:
     except Exception as exc:  # a plug-in's loader: name it and the file, not a traceback
         raise CachelabError(f"model at {directory}: predictor {name!r} could not load it: "
                             f"{type(exc).__name__}: {exc}") from None
+    if not isinstance(predictor, cls):
+        raise CachelabError(f"model at {directory}: predictor {name!r}'s load_model returned "
+                            f"{type(predictor).__name__}, not a {cls.__name__}")
     prior = CorpusPrior.from_tensors(read_tensors(directory / PRIOR, dict.fromkeys(PRIOR_TENSORS, 1)),
                                      directory / PRIOR)
     return Model(predictor, prior, domains, horizon, meta, lookahead)
@@ -363,8 +366,8 @@ def predictions(model: Model, x: np.ndarray, offset: int = 0) -> np.ndarray:
     """The model's predictions for features ``x`` (entries ``offset, offset + 1, ...``), one number
     per row, or an error naming the predictor: a NaN cannot rank rows, and a result of another
     shape would broadcast where scores are made (an ``[n, 1]`` array into an ``[n, n]`` matrix)."""
-    name = model.predictor.name or type(model.predictor).__name__
     raw = model.predictor.predict(x)
+    name = getattr(model.predictor, "name", "") or type(model.predictor).__name__
     if np.shape(raw) != (x.shape[0],):
         raise CachelabError(f"predictor {name!r} returned predictions of shape {np.shape(raw)} for {x.shape[0]:,} "
                             f"rows of features; predict must return one number per row, shape ({x.shape[0]},)")
