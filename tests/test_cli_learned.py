@@ -64,7 +64,16 @@ def test_bad_inputs_are_clear_errors(tmp_path, trained):
     assert res.exit_code == 2 and "metadata.json is missing" in res.output
     res = runner.invoke(app, ["train", "--trace", "nosuch", "--out", str(tmp_path)])
     assert res.exit_code == 2 and "nosuch" in res.output
+    for flags, message in ((["--max-samples", "0"], "max_samples must be at least 1 training sample, got 0"),
+                           (["--seed", "-1"], "seed must be a whole number >= 0, got -1"),  # numpy's traceback
+                           (["--param", "n_estimators=abc"], "--param.n_estimators must be an integer, got 'abc'"),
+                           (["--param", "nope=1"], "'lightgbm' has no parameter 'nope'; it takes [")):
+        res = runner.invoke(app, ["train", *TRACE, "--horizon", "2048", "--out", str(tmp_path / "m"), *flags])
+        assert res.exit_code == 2 and message in res.output, (flags, res.output)
+        assert "corpus names" not in res.output and "plug-in" not in res.output  # before the stream; not blamed
     out, _ = trained
+    res = runner.invoke(app, ["evaluate", *TRACE, "--model", str(out), "--seed", "-1"])
+    assert res.exit_code == 2 and "the seed of the request order must be a whole number >= 0, got -1" in res.output
     res = runner.invoke(app, ["evaluate", *TRACE, "--model", str(out), "--preset", "engram-27b-demo"])
     assert res.exit_code == 2, res.output  # the same vocabulary: it was scored as if its rows were the model's
     assert "trained on Engram layout 'deepseek-v4.1-flash', these rows are of layout 'engram-27b-demo'" in res.output

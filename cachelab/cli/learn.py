@@ -14,7 +14,7 @@ from cachelab.engram import get_preset
 from cachelab.errors import CachelabError
 from cachelab.learning.training import TrainSpec, check_target, load, rolling_scores, save, train as train_model
 from cachelab.learning.evaluation import evaluate_capacities
-from cachelab.params import parse_pairs, parse_value
+from cachelab.params import check_params, parse_pairs, parse_value
 from cachelab.paths import output_folder
 from cachelab.learning.streams import STEP_VIEWS, LearningView, load_trace
 from cachelab.trace.kinds import detect
@@ -67,13 +67,15 @@ def train(
                      capacity=_learning_capacity(capacity, preset, "--capacity"), lookahead=lookahead)
     spec.check()
     check_target(cls.task, spec)
+    params = parse_pairs(param)
+    check_params(cls, params, "--param")
+    try:  # before the stream is built: a bad value costs no minutes
+        fresh = cls(**params)
+    except TypeError as exc:
+        raise CachelabError(f"predictor {predictor!r}: {exc}") from None
     output_folder(out, "--out")  # before the training it would hold
     stream = _view(trace, requests, seed, preset, steps, console, "train")
     with console.status(f"training {predictor}"):
-        try:
-            fresh = cls(**parse_pairs(param))
-        except TypeError as exc:
-            raise CachelabError(f"predictor {predictor!r}: {exc}") from None
         model, metrics = train_model(stream, fresh, spec)
     save(model, out, {"trace": trace, "requests": requests, "preset": preset, "steps": steps})
     # lookups as `evaluate` counts them (every row read); fetches: each step's distinct rows, which

@@ -42,6 +42,8 @@ def prompt_stream(sources: list[str], per_source: int, seed: int = 0, preset: st
         raise CachelabError(f"unknown step view {steps!r}; choose one of {list(STEP_VIEWS)}")
     if per_source < 1:
         raise CachelabError(f"requests per source must be at least 1, got {per_source}")
+    if seed < 0:
+        raise CachelabError(f"the seed of the request order must be a whole number >= 0, got {seed}")
     docs = []
     for name in sources:
         corpus = registry.get(registry.WORKLOADS, name)()

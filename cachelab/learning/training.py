@@ -59,6 +59,10 @@ class TrainSpec:
             raise CachelabError(f"train_fraction must lie in (0, 1), got {self.train_fraction}")
         if self.horizon < 1:
             raise CachelabError(f"horizon must be at least 1 lookup, got {self.horizon}")
+        if self.max_samples < 1:
+            raise CachelabError(f"max_samples must be at least 1 training sample, got {self.max_samples}")
+        if self.seed < 0:
+            raise CachelabError(f"seed must be a whole number >= 0, got {self.seed}")
 
 
 def rows_for(capacity: float | str, unique: int) -> int:
