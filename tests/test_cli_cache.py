@@ -62,6 +62,10 @@ def test_errors_exit_2_with_message(tmp_path):
     res = runner.invoke(app, ["simulate", "--trace", str(tmp_path / "k.npy"), "--policy", "lru", "--capacity", "5",
                               "--param", "colour=red"])
     assert res.exit_code == 2 and "has no parameter 'colour'" in res.output
+    res = runner.invoke(app, ["simulate", "--trace", str(tmp_path / "k.npy"), "--policy", "s3fifo", "--capacity", "5",
+                              "--param", "small_size_ratio=abc"])  # was blamed on s3fifo as a failing plug-in
+    assert res.exit_code == 2 and "--param.small_size_ratio must be a number, got 'abc'" in res.output
+    assert "plug-in" not in res.output
     res = runner.invoke(app, ["mrc", "--trace", str(tmp_path / "k.npy"), "--capacities", "10,x"])
     assert res.exit_code == 2 and "'x' is not a capacity" in res.output
     for warmup in ("nan", "inf"):  # were a ValueError / OverflowError traceback

@@ -12,7 +12,7 @@ from rich.console import Console
 from cachelab import registry, strict_json
 from cachelab.capacity import Capacity, parse_capacities, parse_capacity
 from cachelab.errors import CachelabError
-from cachelab.params import parse_pairs
+from cachelab.params import check_params, parse_pairs
 from cachelab.engine.tiers import Hierarchy, Tier
 from cachelab.defaults import PRESET
 from cachelab.learning.streams import STEP_VIEWS, load_trace
@@ -82,6 +82,8 @@ def simulate(
     The miss ratio counts every request after the warm-up.
     """
     started = time.perf_counter()
+    # each --param's name and type, before the stream is read (a wrong type raised inside the policy)
+    check_params(registry.get(registry.POLICIES, policy.split("+")[0]), parse_pairs(param), "--param")
     found, stream = load_stream(trace, fmt, requests, steps, "simulate", as_json)
     scores = None
     if model is not None:
