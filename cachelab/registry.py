@@ -50,7 +50,8 @@ class Plugin:
 def contract_error(group: str, obj) -> str | None:
     """Why ``obj`` cannot serve in ``group`` (None if it can): the methods it lacks. A class that
     does not subclass the base must quack like all of it: every method the framework calls;
-    and a policy's ``capabilities`` must be a ``Capabilities``, subclass or not."""
+    and what a class declares as data (``_declaration``: a policy's ``capabilities``, a
+    predictor's ``task``) must be valid, subclass or not."""
     if group == EXPERIMENT_KINDS:  # an ExperimentKind (cachelab.experiment.kinds), by its shape
         if not isinstance(getattr(obj, "sections", None), tuple) or not callable(getattr(obj, "run", None)):
             return f"wrong interface: {obj!r} is not an ExperimentKind (sections, run)"
@@ -67,25 +68,33 @@ def contract_error(group: str, obj) -> str | None:
         return None
     if not isinstance(obj, type):
         return f"wrong interface: {obj!r} is not a class"
-    if group == POLICIES:  # read by every comparison (cachelab.learning.lineup): a subclass may override it
-        from cachelab.policy import Capabilities
-
-        caps = getattr(obj, "capabilities", None)
-        if issubclass(obj, base) and not isinstance(caps, Capabilities):
-            return (f"wrong interface: {obj.__name__}.capabilities is {caps!r:.80}, "
-                    "not a cachelab.policy.Capabilities")
+    attr, expected, valid = _declaration(group)  # read wherever the class is used; a subclass may override it
+    value = getattr(obj, attr, None)
     if issubclass(obj, base):
         if inspect.isabstract(obj):
             return (f"wrong interface: {obj.__name__} does not implement "
                     f"{sorted(obj.__abstractmethods__)}")
-        return None
+        return None if valid(value) else f"wrong interface: {obj.__name__}.{attr} is {value!r:.80}, not {expected}"
     missing = [m for m in required if not callable(getattr(obj, m, None))]
-    if group == POLICIES and not isinstance(getattr(obj, "capabilities", None), Capabilities):
-        missing.append("capabilities (a cachelab.policy.Capabilities)")
+    if not valid(value):
+        missing.append(f"{attr} ({expected})")
     if missing:
         return (f"wrong interface: {obj.__name__} is not a {base.__module__}.{base.__name__} "
                 f"and lacks {', '.join(missing)}")
     return None
+
+
+def _declaration(group: str):
+    """The attribute a class of ``group`` declares as data, what it must be, and the test of it:
+    a policy's ``capabilities``, a predictor's ``task`` (which labels it learns, how its
+    predictions become scores)."""
+    if group == POLICIES:
+        from cachelab.policy import Capabilities
+
+        return "capabilities", "a cachelab.policy.Capabilities", lambda v: isinstance(v, Capabilities)
+    from cachelab.learning.predictor import TASKS
+
+    return "task", f"one of {list(TASKS)}", lambda v: isinstance(v, str) and v in TASKS
 
 
 def _disabled() -> set[str]:

@@ -79,6 +79,12 @@ BROKEN = {
         class OddCaps(FIFO):  # a Policy whose capabilities are not a Capabilities
             capabilities = {"needs_scores": True}
         """,
+    "brokenpkg/oddtask.py": """
+        from predictors.lightgbm_model import LightGBM
+
+        class OddTask(LightGBM):  # neither labels nor scores are defined for it
+            task = "ranking"
+        """,
     "cachelab_broken-0.0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: cachelab-broken\nVersion: 0.0.1\n",
     "cachelab_broken-0.0.1.dist-info/entry_points.txt": """
         [cachelab.policies]
@@ -89,6 +95,8 @@ BROKEN = {
         chatty = brokenpkg.chatty:Chatty
         duck = brokenpkg.duck:Duck
         odd-caps = brokenpkg.oddcaps:OddCaps
+        [cachelab.predictors]
+        odd-task = brokenpkg.oddtask:OddTask
         """,
 }
 
@@ -152,7 +160,7 @@ def test_import_time_exits_output_and_duck_typing_break_nothing(broken_plugins, 
     assert ok["requests"] == 50
 
 
-def test_a_policy_subclass_with_odd_capabilities_is_broken_not_a_crash_of_every_comparison(broken_plugins):
+def test_a_subclass_declaring_odd_capabilities_or_task_is_broken_not_used(broken_plugins):
     from cachelab.learning.lineup import lineup
 
     rows = {r["name"]: r for r in _json(["plugins", "list", "--json"])}
@@ -160,6 +168,10 @@ def test_a_policy_subclass_with_odd_capabilities_is_broken_not_a_crash_of_every_
     assert "OddCaps.capabilities is {'needs_scores': True}" in rows["odd-caps"]["error"]
     found = lineup()  # every comparison reads each policy's capabilities: the odd one is left out, named
     assert "odd-caps" in found.unavailable and "LRU" in found.heuristics
+    # a predictor's task: a "ranking" model was trained on classification labels, its outputs clipped to [0, 1]
+    assert "OddTask.task is 'ranking', not one of ['regression', 'classification']" in rows["odd-task"]["error"]
+    res = runner.invoke(app, ["train", "--trace", "gsm8k", "--predictor", "odd-task", "--out", "unused"])
+    assert res.exit_code == 2 and "plug-in 'odd-task' from cachelab-broken failed to load" in res.output
 
 
 def test_printing_at_import_never_reaches_stdout(tmp_path):

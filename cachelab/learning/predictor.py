@@ -28,6 +28,7 @@ from cachelab.errors import CachelabError
 
 METADATA = "metadata.json"
 MANIFEST = "manifest.json"
+TASKS = ("regression", "classification")  # a predictor's ``task``
 
 
 class Predictor(ABC):

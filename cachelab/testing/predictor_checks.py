@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from cachelab.errors import CachelabError
-from cachelab.learning.predictor import check_features, read_metadata
+from cachelab.learning.predictor import TASKS, check_features, read_metadata
 from cachelab.testing.results import ConformanceError, run_checks
 
 FEATURES = ["age", "count", "last_gap", "order"]
@@ -43,7 +43,7 @@ def check_predictor_interface(cls, **params):
     if missing:
         raise ConformanceError(f"{getattr(cls, '__name__', cls)} lacks {missing}: subclass "
                                "cachelab.learning.Predictor")
-    if getattr(cls, "task", None) not in ("regression", "classification"):
+    if getattr(cls, "task", None) not in TASKS:
         raise ConformanceError(f"task must be 'regression' or 'classification', got {getattr(cls, 'task', None)!r}")
     cls(**params)
 
