@@ -23,7 +23,8 @@ TRACE_HELP = ("Prompt corpora (cachelab.workloads), comma-separated and interlea
               "gutenberg, mt-bench, ...; or a lookup stream with token metadata (.npz, `cachelab trace lookups`), "
               "or a request trace with token ids (.parquet, e.g. a capture of live serving). The kind is detected and "
               "printed.")
-PRESET_HELP = "Engram layout preset of the stream."
+PRESET_HELP = ("Engram layout of the stream: a preset (deepseek-v4.1-flash, engram-27b-demo) or a layout .toml/.json "
+               "(`cachelab engram info`). A model scores only rows of the layout it was trained on.")
 STEPS_HELP = (f"How corpora become serving steps, one of {list(STEP_VIEWS)}: each prompt alone, chunk by chunk "
               "(prompts), or batched by the serving scheduler (serving: continuous batching, chunked prefill, "
               "prefix-cache hits skipped). A saved .npz keeps its own steps.")
@@ -117,8 +118,9 @@ def evaluate(
     trace: str = typer.Option(..., help=TRACE_HELP),
     model: Path = typer.Option(..., help="A directory written by `cachelab train`."),
     capacities: str = typer.Option("0.001,0.01,0.05",
-                                   help="Cache sizes: fractions of the unique rows (< 1), rows (>= 1), "
-                                        "percentages ('5%') or bytes ('64MiB')."),
+                                   help="Cache sizes, comma-separated: fractions of the unique rows (< 1), rows "
+                                        "(>= 1), percentages ('5%') or bytes ('64MiB'). A keep model (`train "
+                                        "--capacity`) is trained for one size: evaluate it at that size."),
     requests: int = typer.Option(200, help="Requests per corpus, or of a .parquet trace."),
     preset: str = typer.Option(defaults.PRESET, help=PRESET_HELP),
     steps: str = typer.Option("prompts", help=STEPS_HELP),
