@@ -100,8 +100,10 @@ def test_bad_input_exits_2_naming_the_value(tables, tmp_path):
 def test_bench_refuses_what_it_ignored_or_named_in_python_terms(tables, tmp_path):
     """A demanding user's flags: an unknown --io-submit or --io-threads below 1 passed in silence
     with a backing that does not read through them; a learned policy without --model was told
-    to 'pass scores= to lookup/prefetch' once the trace had loaded; a stream of another layout
-    was 'not whole tokens'; a --dir that is a file was 'no such table directory'."""
+    to 'pass scores= to lookup/prefetch' once the trace had loaded, a bad capacity named as
+    'hbm_capacity' or 'dram_capacity'; a stream of another layout was 'not whole tokens'; a
+    --seed beside --from-safetensors meant nothing; a --dir that is a file was 'no such table
+    directory'."""
     missing = tmp_path / "not-yet.npz"  # refused before the trace is read
     for backing in ("dram", "mmap"):
         res = run("bench", "--dir", tables, "--trace", path_of_one(tmp_path), "--capacity", 10, "--backing", backing,
@@ -123,6 +125,13 @@ def test_bench_refuses_what_it_ignored_or_named_in_python_terms(tables, tmp_path
     res = run("bench", "--dir", tables, "--trace", other, "--capacity", 10)  # was "step 0 ... not whole tokens"
     assert res.exit_code == 2 and ("demo.npz: lookups of Engram layers [1, 15] in 128-byte rows; the tables in "
                                    f"{tables} hold layers [1, 14] in 264-byte rows (deepseek-v4.1-flash)") in res.output
+    for flags, why in ((["--capacity", "abc"], "--capacity: 'abc' is not a capacity"),  # was 'hbm_capacity: ...'
+                       (["--capacity", 10, "--dram-capacity", "0.0"], "--dram-capacity: '0.0' is less than one row")):
+        res = run("bench", "--dir", tables, "--trace", missing, *flags)
+        assert res.exit_code == 2 and why in res.output, res.output
+    res = run("build", "--scale", "1e-6", "--dir", tmp_path / "t", "--seed", 0, "--from-safetensors", missing)
+    assert res.exit_code == 2 and "--seed 0 and --from-safetensors: the rows are the checkpoint's" in res.output
+    assert not (tmp_path / "t").exists()
     (tmp_path / "a-file").write_text("")
     for verb in (["verify"], ["bench", "--trace", missing, "--capacity", 10]):
         res = run(verb[0], "--dir", tmp_path / "a-file", *verb[1:])

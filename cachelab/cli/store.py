@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cachelab import defaults, registry, strict_json
+from cachelab.capacity import parse_capacity
 from cachelab.errors import CachelabError
 from cachelab.params import parse_pairs
 
@@ -24,7 +25,8 @@ def build(
     scale: float = typer.Option(..., "--scale", help="Fraction of each table's rows to write, in (0, 1]; "
                                 "full-layout row ids fold into the smaller tables per hash head."),
     directory: Path = typer.Option(..., "--dir", help="Directory for the table files and manifest.json."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the deterministic row contents."),
+    seed: int | None = typer.Option(None, "--seed", help="Seed of the deterministic row contents (default 0; "
+                                    "not with --from-safetensors, whose rows are the checkpoint's)."),
     from_safetensors: Path | None = typer.Option(None, "--from-safetensors", help="Take the rows from a "
                                                  "checkpoint (a .safetensors file or a directory of shards): "
                                                  "layers.{L}.engram.embed.weight, FP8 E4M3 with UE8M0 scales or "
@@ -39,7 +41,9 @@ def build(
     """
     from cachelab.store import build_tables
 
-    manifest = build_tables(layout, scale, directory, seed=seed, progress=not as_json,
+    if seed is not None and from_safetensors is not None:  # the seed was accepted and meant nothing
+        raise CachelabError(f"--seed {seed} and --from-safetensors: the rows are the checkpoint's; give one")
+    manifest = build_tables(layout, scale, directory, seed=seed or 0, progress=not as_json,
                             from_safetensors=from_safetensors)
     if as_json:
         typer.echo(strict_json.dumps({k: v for k, v in manifest.items() if k != "config"}))
@@ -112,12 +116,16 @@ def bench(
         raise CachelabError(f"tables of the custom layout {layout.config.name!r} replay a saved stream (.npz) only")
     if dram_policy is not None and dram_capacity is None:
         raise CachelabError("--dram-policy needs --dram-capacity")
-    if model is None:  # before the trace loads; the store's own error names its Python argument
-        dram_flag = "--dram-policy" if dram_policy else "--policy"
-        tiers = (("--policy", policy, capacity), (dram_flag, dram_policy or policy, dram_capacity))
-        for flag, name, rows in tiers:  # a capacity of 0 is no tier
-            if rows not in (None, "0") and registry.make_policy(name).capabilities.needs_scores:
-                raise CachelabError(f"{flag} {name!r} needs predictor scores: pass --model DIR (from `cachelab train`)")
+    # each tier checked by its flags before the trace loads (the store's errors name its Python arguments)
+    dram_flag = "--dram-policy" if dram_policy else "--policy"
+    tiers = (("--capacity", capacity, "--policy", policy), ("--dram-capacity", dram_capacity, dram_flag,
+                                                            dram_policy or policy))
+    for rows_flag, rows, flag, name in tiers:
+        if rows in (None, "0"):  # a capacity of 0 is no tier
+            continue
+        parse_capacity(rows, rows_flag)
+        if model is None and registry.make_policy(name).capabilities.needs_scores:
+            raise CachelabError(f"{flag} {name!r} needs predictor scores: pass --model DIR (from `cachelab train`)")
     stream = load_trace(trace, requests, 0, layout.config.name, verb="store bench")
     cfg = layout.config
     if (tuple(stream.layers), stream.row_bytes) != (tuple(cfg.layers), cfg.row_bytes):  # read as this layout's rows
