@@ -66,6 +66,12 @@ def test_errors_exit_2_with_message(tmp_path):
                               "--param", "small_size_ratio=abc"])  # was blamed on s3fifo as a failing plug-in
     assert res.exit_code == 2 and "--param.small_size_ratio must be a number, got 'abc'" in res.output
     assert "plug-in" not in res.output
+    for flags in (["--policy", "lru", "--admission", "scores"], ["--policy", "lru+scores"]):
+        # the filter compares scores only a learned policy writes: unfed, the cache froze once full
+        res = runner.invoke(app, ["simulate", "--trace", str(tmp_path / "k.npy"), "--capacity", "5", *flags])
+        assert res.exit_code == 2, res.output
+        assert "policy 'lru' reads no predictor scores" in res.output
+        assert "learned-admission --param base=lru" in res.output
     res = runner.invoke(app, ["mrc", "--trace", str(tmp_path / "k.npy"), "--capacities", "10,x"])
     assert res.exit_code == 2 and "'x' is not a capacity" in res.output
     for warmup in ("nan", "inf"):  # were a ValueError / OverflowError traceback

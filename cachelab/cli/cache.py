@@ -63,7 +63,9 @@ def simulate(
     policy: str = typer.Option(..., "--policy", help="Registry name (see `cachelab policies list`), e.g. lru."),
     capacity: str = typer.Option(..., "--capacity", help="Cache capacity: objects (rows for a lookup stream), a "
                                  "fraction (0.01) or percentage ('5%') of the distinct keys, or bytes ('512MiB')."),
-    admission: str | None = typer.Option(None, "--admission", help="Admission filter: always, tinylfu, scores."),
+    admission: str | None = typer.Option(None, "--admission", help="Admission filter: always, tinylfu, or scores "
+                                         "(for a learned policy; in front of another: --policy learned-admission "
+                                         "--param base=NAME)."),
     warmup: float = typer.Option(0.0, "--warmup", help=WARMUP_HELP),
     param: list[str] = typer.Option([], "--param", help=PARAM_HELP),
     fmt: str | None = typer.Option(None, "--format", help=FORMAT_HELP),
