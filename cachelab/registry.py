@@ -228,9 +228,9 @@ def make_policy(name: str, **params):
     if unknown and not takes_any:
         raise CachelabError(f"policy {name!r} has no parameter {', '.join(map(repr, unknown))}; "
                             f"it takes {known or 'none'}")
-    if params.get("admission") == "scores" and not cls.capabilities.needs_scores:
-        # the filter compares per-row scores that only a learned policy writes into it: unfed, every
-        # candidate ties the victim at 0 and is refused, so the cache froze once full
-        raise CachelabError(f"policy {name!r} reads no predictor scores, so the scores admission filter would "
-                            f"compare zeros; use --policy learned-admission --param base={name} with --model DIR")
+    if params.get("admission") == "scores" and not getattr(cls, "feeds_scores_filter", False):
+        # the filter compares per-row scores that only a policy declaring feeds_scores_filter writes into it:
+        # unfed, every candidate ties the victim at 0 and is refused, so the cache froze once full
+        raise CachelabError(f"policy {name!r} writes no predictor scores into the scores admission filter, which "
+                            f"would compare zeros; use --policy learned-admission --param base={name} with --model DIR")
     return cls(**params)

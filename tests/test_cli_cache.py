@@ -70,7 +70,7 @@ def test_errors_exit_2_with_message(tmp_path):
         # the filter compares scores only a learned policy writes: unfed, the cache froze once full
         res = runner.invoke(app, ["simulate", "--trace", str(tmp_path / "k.npy"), "--capacity", "5", *flags])
         assert res.exit_code == 2, res.output
-        assert "policy 'lru' reads no predictor scores" in res.output
+        assert "policy 'lru' writes no predictor scores into the scores admission filter" in res.output
         assert "learned-admission --param base=lru" in res.output
     res = runner.invoke(app, ["mrc", "--trace", str(tmp_path / "k.npy"), "--capacities", "10,x"])
     assert res.exit_code == 2 and "'x' is not a capacity" in res.output

@@ -74,6 +74,17 @@ def test_nan_scores_are_refused_naming_the_policy(name):
         policy.step(keys[:10], None, scores[:10])
 
 
+@pytest.mark.parametrize("name,ok", [("learned", True), ("learned-eviction", True), ("learned-s3fifo", False),
+                                     ("s3fifo", False)])
+def test_only_a_policy_that_feeds_the_scores_filter_takes_it(name, ok):
+    """The filter's table is written by learned and learned-eviction only; any other compared zeros."""
+    if ok:
+        assert registry.make_policy(name, admission="scores").get_params()["admission"] == "scores"
+    else:
+        with pytest.raises(CachelabError, match=f"learned-admission --param base={name}"):
+            registry.make_policy(name, admission="scores")
+
+
 def test_oracle_scores_beat_lru_and_near_belady():
     keys = zipf_keys(40_000, 5000, alpha=0.9, seed=4)
     scores = _oracle_scores(keys)

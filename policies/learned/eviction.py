@@ -87,6 +87,7 @@ class LearnedEviction(SlotPolicy):
 
     name = "learned-eviction"
     capabilities = Capabilities(needs_scores=True, compiled=True)
+    feeds_scores_filter = True  # its victim hook writes the scores admission filter's table (cachelab.registry)
     State = LearnedState
     hooks = Hooks(on_access=_on_access, on_hit=_on_insert, victim=_victim, on_insert=_on_insert)
 
