@@ -91,3 +91,14 @@ def test_a_trace_out_not_named_parquet_is_refused_before_any_work(tmp_path, name
                               "--arrival-option", "num_requests=3", "--corpus", "gsm8k", "-o", str(out)])
     assert res.exit_code == 2 and f"--out {out}: a trace is written as Parquet" in res.output, res.output
     assert not out.exists()
+
+
+def test_token_totals_past_int32_are_exact(tmp_path):
+    """The schema's counts are int32; their sum over a large trace is not (two rows wrapped to -2)."""
+    csv = tmp_path / "AzureLLMInferenceTrace_code.csv"
+    csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                   "2023-11-16 18:17:03.0,2147483647,2147483647\n2023-11-16 18:17:04.0,2147483647,1\n")
+    res = run("build", "--arrivals", "azure", "--arrivals-path", csv, "-o", tmp_path / "t.parquet", "--json")
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert report["tokens_in"] == 2 * (2**31 - 1) and report["tokens_out"] == 2**31

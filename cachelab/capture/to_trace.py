@@ -131,7 +131,8 @@ def capture_to_trace(directory: str | os.PathLike) -> tuple[pl.DataFrame, Captur
         "cached_tokens": _cached_tokens(usable, hash_mode),
     }))
     report = CaptureBuild(
-        requests=n, tokens_in=int(trace["prompt_len"].sum()), tokens_out=int(trace["output_len"].sum()),
+        requests=n, tokens_in=int(trace["prompt_len"].cast(pl.Int64).sum()),
+        tokens_out=int(trace["output_len"].cast(pl.Int64).sum()),
         sessions=int(trace["session_id"].n_unique()), failed_requests=failed, without_tokens=ok.height - n,
         **server_cache(trace),
         torn_tails=stats.torn_tails, corrupt_records=stats.corrupt, segments=stats.segments, damaged=stats.damaged)

@@ -35,6 +35,7 @@ import os
 import time
 from typing import Any
 
+import polars as pl
 from pydantic import Field
 
 from cachelab import registry
@@ -146,8 +147,8 @@ def build(spec: TraceSpec, out: str | os.PathLike, progress=None) -> BuildReport
         if not source.has_lengths:
             raise CachelabError(f"arrivals {spec.arrivals.source!r} carry no lengths: give a [corpus] to synthesize")
         write_trace(arrivals, out)
-        return BuildReport(requests=arrivals.height, tokens_in=int(arrivals["prompt_len"].sum()),
-                           tokens_out=int(arrivals["output_len"].sum()), chunks=1, skipped_rows=skipped,
+        return BuildReport(requests=arrivals.height, tokens_in=int(arrivals["prompt_len"].cast(pl.Int64).sum()),
+                           tokens_out=int(arrivals["output_len"].cast(pl.Int64).sum()), chunks=1, skipped_rows=skipped,
                            seconds=round(time.perf_counter() - started, 3))
     corpus = make_corpus(spec)
     if progress:

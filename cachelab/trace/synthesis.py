@@ -387,8 +387,8 @@ def synthesize(stream: TokenStream, plan: Plan, path, *, source: str, chunk_toke
             frame = materialize(stream, plan, rows, source)
             writer.write(frame)
             report.requests += frame.height
-            report.tokens_in += int(frame["prompt_len"].sum())
-            report.tokens_out += int(frame["output_len"].sum())
+            report.tokens_in += int(frame["prompt_len"].cast(pl.Int64).sum())  # int32 sums wrap
+            report.tokens_out += int(frame["output_len"].cast(pl.Int64).sum())
             report.chunks += 1
             if progress:
                 progress(frame.height, int(sizes[rows].sum()))
