@@ -179,3 +179,15 @@ def test_a_corrupt_data_page_is_a_clear_error(content_trace, tmp_path, verb):
     res = runner.invoke(app, args)
     assert res.exit_code == 2, res.output
     assert f"{bad}: damaged Parquet data" in res.output and "Traceback" not in res.output
+
+
+def test_block_size_is_not_ignored_on_a_lengths_only_trace(tmp_path):
+    """A content-less trace's block_hashes cannot be re-cut: --block-size 4 on blocks of 1 wrote
+    the 1-blocks as if they were 4-blocks, exit 0."""
+    src = write_oracle_general(tmp_path / "k.oracleGeneral.bin", [5, 6, 5])
+    convert(src, tmp_path / "t.parquet")
+    res = runner.invoke(app, ["trace", "convert", str(tmp_path / "t.parquet"), str(tmp_path / "b.bin"),
+                              "--keys", "blocks", "--block-size", "4"])
+    assert res.exit_code == 2 and "--block-size 4 needs token content" in res.output
+    assert "at 1 tokens per block" in res.output and not (tmp_path / "b.bin").exists()
+    assert convert(tmp_path / "t.parquet", tmp_path / "b.bin", "--keys", "blocks", "--block-size", "1")["records"] == 3

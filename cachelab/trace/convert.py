@@ -65,6 +65,11 @@ def trace_keys(path: str | os.PathLike, kind: str = "rows", *, block_size: int |
         elif not has_content or block_size is None and frame["block_hashes"].null_count() == 0:
             if frame["block_hashes"].null_count():
                 raise CachelabError(f"{path}: block keys need token content or block_hashes")
+            given = sorted(set(frame["block_size"].drop_nulls().to_list()) - {block_size})
+            if block_size is not None and given:  # the source's blocks cannot be re-cut without content
+                raise CachelabError(f"{path}: --block-size {block_size} needs token content; this trace has "
+                                    f"lengths only and its block_hashes are at {given[0]} tokens per block "
+                                    "(leave --block-size out, or synthesize it with a corpus first)")
             parts.append(frame["block_hashes"].explode().drop_nulls().to_numpy().astype(np.int64))
         else:
             prompts = batch.column("prompt_ids")
