@@ -155,11 +155,32 @@ def test_rows_in_equal_rows_out_plus_rows_skipped(tmp_path, case):
     lines = [int(str(x).rsplit(":", 1)[-1]) for x in skipped_lines]
     assert rows + skipped == len(expected), "every data line is a row out or a row skipped"
     assert len(lines) == skipped and len(set(lines)) == skipped and set(lines) <= set(expected)
+    assert lines == sorted(lines), "skips are named in file order"
     if lines:  # without --skip-bad, the first skipped line is the one the error names
         with pytest.raises(CachelabError, match=rf"{file}:{lines[0]}: "):
             read(path, False)
     else:
         assert read(path, False)[0] == rows
+
+
+def test_the_first_bad_line_is_named_whatever_is_wrong_with_it(tmp_path):
+    """A short row (line 4) was reported while the file was read, before the bad values found
+    after it (line 2): the error named line 4, and --skip-bad listed 4 before 2."""
+    lines = azure(5).splitlines()
+    lines[1] = lines[1].rsplit(",", 1)[0] + ",NaN"
+    lines[3] = lines[3].rsplit(",", 1)[0]
+    path = tmp_path / "AzureLLMInferenceTrace_code.csv"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(CachelabError, match=r"_code.csv:2: field 'GeneratedTokens': 'NaN'"):
+        AzureTrace(str(path)).arrivals()
+    res = runner.invoke(app, ["trace", "build", "--arrivals", "azure", "--arrivals-path", str(path), "--skip-bad",
+                              "-o", str(tmp_path / "t.parquet"), "--json"])
+    report = json.loads(res.stdout)
+    assert report["skipped_rows"] == 2 and report["skipped_lines"] == [f"{path.name}:2", f"{path.name}:4"]
+    assert report["skipped_first"].startswith(f"{path}:2: field 'GeneratedTokens'")
+    res = runner.invoke(app, ["trace", "build", "--arrivals", "azure", "--arrivals-path", str(path), "--skip-bad",
+                              "-o", str(tmp_path / "t.parquet")])
+    assert "skipped 2 bad input rows" in res.output and "GeneratedTokens" in res.output
 
 
 def test_azure_stray_quote_damages_its_own_line_only(tmp_path):
@@ -241,7 +262,9 @@ def test_servegen_window_skips_are_counted(tmp_path):
     res = runner.invoke(app, ["trace", "build", "--arrivals", "servegen", "--arrivals-path", str(folder),
                               "--arrival-option", "duration_s=1200", "--skip-bad", "-o", str(out), "--json"])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.stdout)["skipped_rows"] == 1
+    report = json.loads(res.stdout)
+    assert report["skipped_rows"] == 1 and report["skipped_lines"] == source.skipped_lines
+    assert report["skipped_first"].startswith(f"{folder / 'chunk-0-dataset.json'}:")
 
 
 def test_servegen_duplicate_window_start_is_an_error(tmp_path):

@@ -45,6 +45,7 @@ def _number(col: str, positive: bool = False) -> tuple[pl.Expr, str]:
 def read_windows(ingest: Ingest) -> pl.DataFrame:
     """The rate windows of one client: start, rate, pattern, shape, scale (idle windows kept)."""
     rows, lines = [], []
+    ingest.hold()
     for number, text in ingest.lines():
         if not text.strip():
             continue
@@ -201,6 +202,7 @@ class ServeGenWorkload:
         self.domain = domain or self.path.parent.name
         self.skipped = 0
         self.skipped_lines: list[str] = []  # FILE:LINE of every skipped row, trace and dataset windows
+        self.first_skipped: str | None = None
 
     def client_files(self) -> dict[int, Path]:
         found = {int(m.group(1)): p for p in self.path.iterdir() if (m := _CLIENT.match(p.name))}
@@ -223,6 +225,7 @@ class ServeGenWorkload:
         pmfs = read_pmfs(pmf_ingest)
         for one in (ingest, pmf_ingest):
             self.skipped += one.skipped
+            self.first_skipped = self.first_skipped or one.first_skipped
             self.skipped_lines += [f"{one.path.name}:{line}" for line in one.skipped_lines]
         rng = np.random.default_rng([self.seed, client])
         starts = windows["start_s"].to_numpy()

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -122,7 +123,8 @@ def build(
     console.print(f"wrote {out}: {report.requests:,} requests, {report.tokens_in:,} prompt tokens, "
                   f"{report.tokens_out:,} output tokens")
     if report.skipped_rows:
-        console.print(f"[yellow]skipped {report.skipped_rows:,} bad input rows[/]")
+        console.print(f"[yellow]skipped {report.skipped_rows:,} bad input rows (--json lists them); "
+                      f"the first: {escape(report.skipped_first or '')}[/]")
 
 
 def _build_from_capture(directory: Path, out: Path, as_json: bool, given: bool) -> None:

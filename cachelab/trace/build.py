@@ -142,13 +142,13 @@ def build(spec: TraceSpec, out: str | os.PathLike, progress=None) -> BuildReport
     arrivals = source.arrivals()
     if spec.arrivals.max_requests:
         arrivals = arrivals.head(spec.arrivals.max_requests)
-    skipped = int(getattr(source, "skipped", 0))
+    skipped = _skipped(source)
     if spec.corpus is None:
         if not source.has_lengths:
             raise CachelabError(f"arrivals {spec.arrivals.source!r} carry no lengths: give a [corpus] to synthesize")
         write_trace(arrivals, out)
         return BuildReport(requests=arrivals.height, tokens_in=int(arrivals["prompt_len"].cast(pl.Int64).sum()),
-                           tokens_out=int(arrivals["output_len"].cast(pl.Int64).sum()), chunks=1, skipped_rows=skipped,
+                           tokens_out=int(arrivals["output_len"].cast(pl.Int64).sum()), chunks=1, **skipped,
                            seconds=round(time.perf_counter() - started, 3))
     corpus = make_corpus(spec)
     if progress:
@@ -167,6 +167,16 @@ def build(spec: TraceSpec, out: str | os.PathLike, progress=None) -> BuildReport
     report = synthesize(stream, plan, out, source=f"{spec.arrivals.source}+{spec.corpus.source}",
                         chunk_tokens=spec.synthesis.chunk_tokens,
                         progress=(lambda n, _tokens: progress.advance(n)) if progress else None)
-    report.skipped_rows = skipped
+    for key, value in skipped.items():
+        setattr(report, key, value)
     report.seconds = round(time.perf_counter() - started, 3)
     return report
+
+
+def _skipped(source) -> dict[str, Any]:
+    """The rows ``source`` skipped under skip_bad, as ``BuildReport`` fields: a one-file importer
+    names them by line number, ServeGen (many files) by ``FILE:LINE``."""
+    name = os.path.basename(str(getattr(source, "path", "")))
+    lines = [at if isinstance(at, str) else f"{name}:{at}" for at in getattr(source, "skipped_lines", [])]
+    return {"skipped_rows": int(getattr(source, "skipped", 0)), "skipped_lines": lines,
+            "skipped_first": getattr(source, "first_skipped", None)}

@@ -3,7 +3,8 @@
 Importers parse each line themselves and call ``Ingest.bad`` on anything they cannot use:
 by default that raises a CachelabError ``FILE:LINE: what is wrong``; with ``skip_bad`` the
 line is skipped and counted, so a damaged file never yields silently fewer rows: every
-non-blank line is a row out or a row skipped, and ``skipped_lines`` names each skipped one.
+non-blank line is a row out or a row skipped, ``skipped_lines`` names each skipped one (in file
+order) and ``first_skipped`` says what was wrong with the first.
 A CSV is read one physical line per record (these traces hold no quoted line breaks), so a
 stray quote damages its own line only, and the error names that line. Gzip input is
 detected by its magic bytes (zstd is named and refused); a UTF-8 byte-order mark is dropped.
@@ -61,6 +62,12 @@ class Ingest:
     first_skipped: str | None = None
     lines_read: int = field(default=0)
     skipped_lines: list[int] = field(default_factory=list)
+    held: dict[int, str] | None = field(default=None, init=False)  # see hold
+
+    def hold(self) -> None:
+        """Hold the bad lines found from now on until ``convert``, which reports them with the bad
+        values in file order, so the error (or ``first_skipped``) names the first bad line."""
+        self.held = {}
 
     def __post_init__(self) -> None:
         self.path = Path(os.fspath(self.path))
@@ -69,6 +76,9 @@ class Ingest:
 
     def bad(self, line: int, message: str) -> None:
         """Report line ``line`` (1-based) as unusable: raise, or count it under ``skip_bad``."""
+        if self.held is not None:
+            self.held.setdefault(line, message)
+            return
         where = f"{self.path}:{line}: {message}"
         if not self.skip_bad:
             raise CachelabError(f"{where} (pass --skip-bad to skip such rows and count them)")
@@ -117,6 +127,7 @@ class Ingest:
         """
         rows = ((number, text) for number, text in self.lines() if text.strip())
         first = next(rows, None)
+        self.hold()
         if first is None:
             raise CachelabError(f"{self.path}: empty file (no header, no requests)")
         header_line, header = first[0], [h.strip() for h in _fields(first[1])]
@@ -142,21 +153,22 @@ class Ingest:
         return frame, np.asarray(lines, dtype=np.int64)
 
     def convert(self, raw: pl.DataFrame, lines: np.ndarray, conversions: dict[str, tuple[pl.Expr, str]]) -> pl.DataFrame:
-        """Apply each column's conversion; a row whose value converts to null is a bad row.
+        """Apply each column's conversion; a row whose value converts to null is a bad row. The
+        bad values and the lines held since ``hold`` are reported together, in file order.
 
         Args:
             conversions: column -> (expression giving the typed value or null, what was expected).
         """
         typed = raw.select(expr.alias(col) for col, (expr, _) in conversions.items())
         bad = np.zeros(raw.height, dtype=bool)
-        reasons: dict[int, str] = {}
+        reasons, self.held = self.held or {}, None
         for col, (_, expected) in conversions.items():
             failed = typed[col].is_null().to_numpy()
             for row in np.flatnonzero(failed & ~bad):
-                reasons[int(row)] = f"field {col!r}: {raw[col][int(row)]!r} is not {expected}"
+                reasons[int(lines[row])] = f"field {col!r}: {raw[col][int(row)]!r} is not {expected}"
             bad |= failed
-        for row in sorted(reasons, key=lambda r: lines[r]):
-            self.bad(int(lines[row]), reasons[row])
+        for line in sorted(reasons):
+            self.bad(line, reasons[line])
         if not bad.any():
             return typed
         return typed.filter(pl.Series(~bad))

@@ -298,9 +298,12 @@ class BuildReport:
     chunks: int = 0
     seconds: float = 0.0
     skipped_rows: int = 0
+    skipped_first: str | None = None  # FILE:LINE: why, of the first row skipped under skip_bad
+    skipped_lines: list[str] = field(default_factory=list)  # FILE:LINE of every skipped row
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("requests", "tokens_in", "tokens_out", "chunks", "seconds", "skipped_rows")}
+        return {k: getattr(self, k) for k in ("requests", "tokens_in", "tokens_out", "chunks", "seconds", "skipped_rows",
+                                              "skipped_first", "skipped_lines")}
 
 
 def _chunks(token_counts: np.ndarray, chunk_tokens: int) -> Iterator[np.ndarray]:
