@@ -191,3 +191,12 @@ def test_block_size_is_not_ignored_on_a_lengths_only_trace(tmp_path):
     assert res.exit_code == 2 and "--block-size 4 needs token content" in res.output
     assert "at 1 tokens per block" in res.output and not (tmp_path / "b.bin").exists()
     assert convert(tmp_path / "t.parquet", tmp_path / "b.bin", "--keys", "blocks", "--block-size", "1")["records"] == 3
+
+
+def test_oracle_import_takes_max_requests_and_refuses_block_size(tmp_path):
+    """Both were ignored reading oracleGeneral: --max-requests 2 wrote all 3 records, exit 0."""
+    src = write_oracle_general(tmp_path / "k.oracleGeneral.bin", [5, 6, 5])
+    assert convert(src, tmp_path / "t.parquet", "--max-requests", "2")["requests"] == 2
+    assert convert(tmp_path / "t.parquet", tmp_path / "b.bin", "--keys", "blocks")["records"] == 2
+    res = runner.invoke(app, ["trace", "convert", str(src), str(tmp_path / "u.parquet"), "--block-size", "4"])
+    assert res.exit_code == 2 and "--block-size 4" in res.output and not (tmp_path / "u.parquet").exists()

@@ -201,17 +201,27 @@ def convert(
     block_size: int | None = typer.Option(None, help="--keys blocks on content: tokens per block (default: the "
                                                      "trace's block_hashes, else 16)."),
     preset: str = typer.Option(PRESET, help="Engram layout for --keys rows."),
-    max_requests: int | None = typer.Option(None, help="Convert only the first N requests."),
+    max_requests: int | None = typer.Option(None, help="Convert only the first N requests (records of an oracleGeneral "
+                                                       "SOURCE)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """Convert between the trace schema and libCacheSim's oracleGeneral key format (unit sizes)."""
+    """Convert between the trace schema and libCacheSim's oracleGeneral key format (unit sizes).
+
+    Trace to oracleGeneral: `cachelab trace convert mc.parquet mc.bin --keys blocks`.
+
+    oracleGeneral to trace (one request per record): `cachelab trace convert cp.oracleGeneral.bin cp.parquet`.
+    """
     output_file(out, "OUT")
     for flag, value in (("--block-size", block_size), ("--max-requests", max_requests)):
         if value is not None and value < 1:
             raise CachelabError(f"{flag} {value}: must be 1 or more")
     if out.suffix == ".parquet":
         _refuse_other_than_oracle(source)
+        if block_size is not None:  # every record becomes one block of its own id
+            raise CachelabError(f"--block-size {block_size}: an oracleGeneral file becomes a trace of one block per "
+                                "record; --block-size applies to --keys blocks when writing oracleGeneral")
         frame = oracle_to_trace(source)
+        frame = frame if max_requests is None else frame.head(max_requests)
         write_trace(frame, out)
         result = {"out": str(out), "direction": "oracleGeneral->trace", "requests": frame.height}
     else:
