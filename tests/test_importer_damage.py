@@ -224,6 +224,20 @@ def test_azure_bom_header_and_mixed_utc_offsets(tmp_path):
         AzureTrace(str(path)).arrivals()
 
 
+def test_one_row_with_a_utc_offset_is_the_bad_one(tmp_path):
+    """One offset row in a 2023 file made it a file of offsets: its 9 other rows became bad rows,
+    and --skip-bad kept the odd one alone; it is the bad row now, its offset never ignored."""
+    real = azure(10).splitlines()
+    real[5] = real[5].split(",", 1)[0] + "+01:00," + real[5].split(",", 1)[1]
+    path = tmp_path / "AzureLLMInferenceTrace_code.csv"
+    path.write_text("\n".join(real) + "\n")
+    with pytest.raises(CachelabError, match=r"_code.csv:6: field 'TIMESTAMP': .*\+01:00' is not a timestamp like "
+                                            r".* without a UTC offset"):
+        AzureTrace(str(path)).arrivals()
+    source = AzureTrace(str(path), skip_bad=True)
+    assert source.arrivals().height == 9 and source.skipped_lines == [6]
+
+
 @pytest.mark.parametrize("year", ["9999", "1700", "2100"])
 def test_azure_far_timestamp_is_a_bad_row_naming_its_line(tmp_path, year):
     """A damaged year was taken: 9999 wrapped (a nanosecond parse) to an arrival of 6.6e9 s,

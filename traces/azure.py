@@ -3,8 +3,9 @@
 CSV with ``TIMESTAMP,ContextTokens,GeneratedTokens``: the 2023 release (Splitwise, about one
 hour each of a code and a conversation service; ``2023-11-16 18:17:03.9799600``) and the
 2024 week-long release (same columns, timestamps with a UTC offset). A timestamp's UTC
-offset is applied (rows of different offsets land on one UTC clock); in a file whose
-timestamps carry offsets, a row without one is a bad row, never a guess at local time.
+offset is applied (rows of different offsets land on one UTC clock). Most rows of a file (or
+half) say whether its timestamps carry offsets; a row that differs is a bad row, never a guess
+at local time, and one damaged row does not turn the file's others into bad rows.
 Arrival times become seconds since the first request; there is no text and no prefix
 information. A timestamp more than ``MAX_SECONDS / 2`` from the file's median one is a bad
 row (a trace spans at most ``MAX_SECONDS``), so a damaged year never stretches the clock, nor
@@ -31,8 +32,9 @@ HALF_SPAN_US = int(MAX_SECONDS / 2 * 1e6)
 
 
 def _timestamp(col: str, with_offset: bool) -> tuple[pl.Expr, str]:
-    """The UTC time of each row; with ``with_offset`` (the file's timestamps carry UTC offsets)
-    a row without one is null, so it is a bad row; so is one far from the median (module doc)."""
+    """The UTC time of each row; a row with a UTC offset where the file's timestamps carry none
+    (``with_offset``), or without one where they do, is null, so it is a bad row; so is one far
+    from the median (module doc)."""
     raw = pl.col(col)
     text = raw.str.replace(OFFSET, "").str.replace("T", " ", literal=True)
     # checked in microseconds: a nanosecond parse wraps silently past 2262 (9999 became 1815)
@@ -42,7 +44,8 @@ def _timestamp(col: str, with_offset: bool) -> tuple[pl.Expr, str]:
     naive = pl.when(plausible).then(text.str.to_datetime(FORMAT, strict=False, time_unit="ns"))
     near = f"within {MAX_SECONDS / 2:g} s of the file's median timestamp"
     if not with_offset:
-        return naive, f"a timestamp like 2023-11-16 18:17:03.9799600, {near}"
+        return (pl.when(~raw.str.contains(OFFSET)).then(naive),
+                f"a timestamp like 2023-11-16 18:17:03.9799600 without a UTC offset (as the file's other rows), {near}")
     sign = pl.when(raw.str.extract(OFFSET, 1) == "-").then(-1).otherwise(1)
     minutes = raw.str.extract(OFFSET, 2).cast(pl.Int64) * 60 + raw.str.extract(OFFSET, 3).cast(pl.Int64)
     offset = pl.when(raw.str.ends_with("Z")).then(0).otherwise(sign * minutes)
@@ -83,7 +86,7 @@ class AzureTrace:
     def arrivals(self) -> pl.DataFrame:
         ingest = Ingest(self.path, self.skip_bad)
         raw, lines = ingest.csv(COLUMNS)
-        with_offset = bool(raw["TIMESTAMP"].str.contains(OFFSET).any())
+        with_offset = 2 * int(raw["TIMESTAMP"].str.contains(OFFSET).sum()) >= raw.height  # as most (or half)
         typed = ingest.convert(raw, lines, {"TIMESTAMP": _timestamp("TIMESTAMP", with_offset),
                                             "ContextTokens": count_field("ContextTokens"),
                                             "GeneratedTokens": count_field("GeneratedTokens")})
