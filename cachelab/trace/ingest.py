@@ -6,15 +6,18 @@ line is skipped and counted, so a damaged file never yields silently fewer rows:
 non-blank line is a row out or a row skipped, ``skipped_lines`` names each skipped one (in file
 order) and ``first_skipped`` says what was wrong with the first.
 A CSV is read one physical line per record (these traces hold no quoted line breaks), so a
-stray quote damages its own line only, and the error names that line. Gzip input is
-detected by its magic bytes (zstd is named and refused); a UTF-8 byte-order mark is dropped.
+stray quote damages its own line only, and the error names that line. Gzip, bzip2 and xz
+input is detected by its magic bytes (zstd is named and refused); a UTF-8 byte-order mark is
+dropped.
 """
 
 from __future__ import annotations
 
+import bz2
 import csv
 import gzip
 import json
+import lzma
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +30,8 @@ from cachelab.errors import CachelabError
 
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+COMPRESSED = {b"\x1f\x8b": gzip.open, b"BZh": bz2.open, b"\xfd7zXZ\x00": lzma.open}  # magic -> opener
+DECOMPRESS_ERRORS = (OSError, EOFError, lzma.LZMAError)  # corrupt or truncated streams
 
 
 def refuse_zstd(path: Path, head: bytes) -> None:
@@ -38,11 +43,12 @@ def refuse_zstd(path: Path, head: bytes) -> None:
 
 
 def open_binary(path: Path):
-    """The file's bytes, decompressed when it starts with the gzip magic."""
+    """The file's bytes, decompressed when it starts with the gzip, bzip2 or xz magic."""
     with open(path, "rb") as probe:
-        magic = probe.read(4)
+        magic = probe.read(6)
     refuse_zstd(path, magic)
-    return gzip.open(path, "rb") if magic[:2] == b"\x1f\x8b" else open(path, "rb")
+    opener = next((o for m, o in COMPRESSED.items() if magic.startswith(m)), open)
+    return opener(path, "rb")
 
 
 def _fields(text: str) -> list[str]:
@@ -100,7 +106,7 @@ class Ingest:
                     if number == 1:
                         text = text.removeprefix("\ufeff")
                     yield number, text.rstrip("\r\n")
-        except (OSError, EOFError) as exc:  # truncated gzip stream, unreadable file
+        except DECOMPRESS_ERRORS as exc:  # a truncated or corrupt compressed stream, an unreadable file
             raise CachelabError(f"{self.path}:{self.lines_read + 1}: unreadable ({exc})") from None
         if self.lines_read == 0:
             raise CachelabError(f"{self.path}: empty file (no requests)")

@@ -23,9 +23,6 @@ negative), ``read_oracle_records`` / ``read_oracle_general`` / ``write_oracle_ge
 
 from __future__ import annotations
 
-import bz2
-import gzip
-import lzma
 import re
 from pathlib import Path
 
@@ -33,14 +30,13 @@ import numpy as np
 
 from cachelab.errors import CachelabError
 from cachelab.paths import replacing
-from cachelab.trace.ingest import refuse_zstd
+from cachelab.trace.ingest import COMPRESSED, DECOMPRESS_ERRORS, open_binary, refuse_zstd
 from cachelab.workload.future import next_access
 from cachelab.policy import NO_NEXT
 
 ORACLE_DTYPE = np.dtype([("time", "<u4"), ("id", "<u8"), ("size", "<u4"), ("next", "<i8")])
 FORMATS = ("npy", "txt", "oracle")
 _NPY_MAGIC = b"\x93NUMPY"
-_COMPRESSED = {b"\x1f\x8b": gzip.decompress, b"BZh": bz2.decompress, b"\xfd7zXZ\x00": lzma.decompress}
 _BOMS = {b"\xef\xbb\xbf": "utf-8-sig", b"\xff\xfe": "utf-16", b"\xfe\xff": "utf-16"}
 _KEY_TEXT = frozenset(b"0123456789+-* \t\r\n")
 _CONTROL = re.compile(rb"[\x00-\x08\x0b\x0e-\x1f\x7f]")  # bytes no text holds
@@ -96,7 +92,7 @@ def sniff_format(path: Path) -> str:
     if head.startswith(_NPY_MAGIC):
         return "npy"
     refuse_zstd(path, head)
-    if any(head.startswith(m) for m in (*_COMPRESSED, *_BOMS)) or _is_text(head) or _utf16_order(head):
+    if any(head.startswith(m) for m in (*COMPRESSED, *_BOMS)) or _is_text(head) or _utf16_order(head):
         return "txt"
     if "oraclegeneral" in path.name.lower() or _plausible_oracle(head, path.stat().st_size):
         return "oracle"
@@ -151,16 +147,13 @@ def _read_npy(path: Path) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int64).reshape(-1)
 
 
-def _decoded(path: Path, raw: bytes) -> bytes:
+def _decoded(path: Path) -> bytes:
     """Key text as ASCII bytes: decompressed, and decoded from UTF-8 with a BOM or UTF-16."""
-    refuse_zstd(path, raw)
-    for magic, decompress in _COMPRESSED.items():
-        if raw.startswith(magic):
-            try:
-                raw = decompress(raw)
-            except Exception as exc:
-                raise CachelabError(f"{path}: corrupt compressed data: {exc}") from None
-            break
+    try:
+        with open_binary(path) as f:
+            raw = f.read()
+    except DECOMPRESS_ERRORS as exc:
+        raise CachelabError(f"{path}: corrupt compressed data: {exc}") from None
     encoding = next((e for bom, e in _BOMS.items() if raw.startswith(bom)), None) or _utf16_order(raw[:_HEAD])
     if encoding is None:
         return raw
@@ -171,7 +164,7 @@ def _decoded(path: Path, raw: bytes) -> bytes:
 
 
 def _read_text(path: Path) -> np.ndarray:
-    raw = _decoded(path, path.read_bytes())
+    raw = _decoded(path)
     lines = raw.splitlines()
     stripped = np.char.strip(np.array(lines, dtype=bytes)) if lines else np.zeros(0, dtype="S1")
     keep = (stripped != b"") & (stripped != b"*")
