@@ -19,6 +19,7 @@ import gzip
 import json
 import lzma
 import os
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,7 @@ from cachelab.errors import CachelabError
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 COMPRESSED = {b"\x1f\x8b": gzip.open, b"BZh": bz2.open, b"\xfd7zXZ\x00": lzma.open}  # magic -> opener
 DECOMPRESS_ERRORS = (OSError, EOFError, lzma.LZMAError)  # corrupt or truncated streams
+_NOT_PLAIN = re.compile(rb"[^\t\n\r\x20\x21\x23-\x7e]")  # a byte other than printable ASCII (no quote), tab, CR, LF
 
 
 def refuse_zstd(path: Path, head: bytes) -> None:
@@ -129,17 +131,53 @@ class Ingest:
     def csv(self, required: Sequence[str]) -> tuple[pl.DataFrame, np.ndarray]:
         """The ``required`` columns of a CSV with a header, as strings, and each row's line number.
 
-        Rows with the wrong number of fields (a truncated or run-on line) are bad rows.
+        Rows with the wrong number of fields (a truncated or run-on line) are bad rows. A file of
+        printable ASCII without quotes (every published trace) is split by Polars; any other is
+        read line by line, so each damaged line is named.
         """
+        text = self._plain_text()
+        if text is None:
+            return self._csv_lines(required)
+        pieces = pl.Series("text", [text]).str.split("\n").explode()
+        frame = (pl.DataFrame({"text": pieces.str.strip_chars_end("\r")}).with_row_index("line", offset=1)
+                 .filter(pl.col("text").str.strip_chars() != ""))
+        if frame.height == 0:
+            raise CachelabError(f"{self.path}: empty file (no header, no requests)")
+        header = self._header(frame["line"][0], frame["text"][0], required)
+        self.hold()
+        body = frame.slice(1).with_columns(pl.col("text").str.split(","))
+        width = body["text"].list.len()
+        for line, count in zip(body["line"].filter(width != len(header)), width.filter(width != len(header))):
+            self.bad(line, f"{count} fields, expected {len(header)} ({', '.join(header)})")
+        body = body.filter(width == len(header))
+        fields = body.select(pl.col("text").list.get(header.index(c)).str.strip_chars().alias(c) for c in required)
+        return fields, body["line"].to_numpy().astype(np.int64)
+
+    def _plain_text(self) -> str | None:
+        """The whole file as text if it is plain (see ``csv``), else None."""
+        try:
+            with open_binary(self.path) as fh:
+                data = fh.read().removeprefix(b"\xef\xbb\xbf")
+        except DECOMPRESS_ERRORS:
+            return None  # read line by line, the damage is named where it is
+        return data.decode("ascii") if data and _NOT_PLAIN.search(data) is None else None
+
+    def _header(self, line: int, text: str, required: Sequence[str]) -> list[str]:
+        """The header's column names; a required one missing is an error naming the line."""
+        header = [h.strip() for h in _fields(text)]
+        missing = [c for c in required if c not in header]
+        if missing:
+            raise CachelabError(f"{self.path}:{line}: missing column(s) {missing}; the header has {header}")
+        return header
+
+    def _csv_lines(self, required: Sequence[str]) -> tuple[pl.DataFrame, np.ndarray]:
+        """``csv`` one line at a time, for a file that is not plain."""
         rows = ((number, text) for number, text in self.lines() if text.strip())
         first = next(rows, None)
         self.hold()
         if first is None:
             raise CachelabError(f"{self.path}: empty file (no header, no requests)")
-        header_line, header = first[0], [h.strip() for h in _fields(first[1])]
-        missing = [c for c in required if c not in header]
-        if missing:
-            raise CachelabError(f"{self.path}:{header_line}: missing column(s) {missing}; the header has {header}")
+        header = self._header(first[0], first[1], required)
         index = [header.index(c) for c in required]
         columns: list[list[str]] = [[] for _ in required]
         lines: list[int] = []
