@@ -12,6 +12,7 @@ from cachelab import registry
 from cachelab.errors import CachelabError
 from cachelab.trace.keytrace import read_keys
 from cachelab.workload.lookups import LookupStream
+from cachelab.engine import mrc, sampling
 from cachelab.engine.mrc import miss_ratio_curve, stack_distances
 from cachelab.engine.tiers import Hierarchy, Tier
 from cachelab.engine.replay import replay
@@ -61,6 +62,26 @@ def test_simulated_curve_is_deterministic_and_equals_single_runs():
     # LRU with parameters is simulated too, and agrees with the exact curve when they change nothing
     assert miss_ratio_curve(stream, caps, params={"admission": "always"}).miss_ratios == \
         miss_ratio_curve(stream, caps).miss_ratios
+
+
+@pytest.mark.parametrize("policy, capacity", [("lru", 9_000_000), ("fifo", 13_000_000)])
+def test_a_sample_scales_by_the_rate_its_hash_keeps(monkeypatch, policy, capacity):
+    """At 1e-7 the hash keeps 2 / 2^24 = 1.19e-7 of the keys (threshold / 2^24, SHARDS' R = T / P);
+    scaling by the asked 1e-7 put a sampled distance 1 at 10 M rows (not 8.4 M) and a
+    mini-simulation at round(13 M x 1e-7) = 1 row (not 2): both read 1.0 where 0.5 is right."""
+    a, b = 5_618_432, 28_530_871  # the two smallest keys the hash keeps at 1e-7
+    assert sampling.sample_mask(np.array([a, b]), 1e-7).all()
+    rate = sampling.effective_rate(1e-7)
+    assert rate == 2 / 2**24
+    filler = 2**25 - 4  # a row outside the sample, requested twice; R x its weight + 4 = 4 sampled requests
+    req = mrc._Requests(ids=np.array([0, 0, 1, 2, 1, 2]), keys=np.array([0, 0, a, b, a, b]),
+                        offsets=np.arange(7), weights=np.array([filler, filler, 1, 1, 1, 1]), first=1,
+                        num_keys=2**24)  # the stream this sample stands for: no capacity here holds it all
+    monkeypatch.setattr(mrc, "_requests", lambda stream, warmup: req)
+    curve = miss_ratio_curve(LookupStream.from_keys(np.arange(1)), [capacity], policy=policy, sample_rate=1e-7,
+                             workers=1)
+    assert curve.miss_ratios == [pytest.approx(0.5, abs=1e-6)]  # a, b miss once each and hit once each
+    assert curve.sample_rate == 1e-7 and curve.to_dict()["effective_sample_rate"] == rate
 
 
 @pytest.mark.parametrize("policy", ["lru", "fifo"])

@@ -80,3 +80,17 @@ def test_every_sampler_uses_the_one_hash(rate):
 def test_a_sample_rate_outside_zero_one_is_named():
     with pytest.raises(CachelabError, match="sample rate must be in"):
         sampling.sample_mask(np.arange(4), 0.0)
+
+
+def test_a_sampled_replay_scales_by_the_rate_its_hash_keeps():
+    """At 1e-7 the hash keeps 2 / 2^24 of the pages: 50 M rows stand for 6 sampled rows (5 at the
+    asked rate), and a sampled row counts as 2^23 rows (1e7 at the asked rate)."""
+    page = 5_618_432  # the first page of layer 0 the hash keeps at 1e-7
+    keys = global_key(0, np.arange(page * 15, page * 15 + 15))
+    assert sample_mask(keys, 1e-7, 15).all()
+    hierarchy = Hierarchy([Tier("hbm", "lru", capacity_rows=50_000_000)], 264, "dram")
+    inc = StepReplay(hierarchy, RowSpace(keys, 15), 1, rate=1e-7)
+    assert inc.capacities == [6]
+    inc.step(keys[:1])
+    stats = inc.summary()
+    assert stats.sample_rate == 1e-7 and stats.lookups == 2**23

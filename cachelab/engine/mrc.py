@@ -6,11 +6,11 @@
   O(log n), so one pass gives the miss ratio at every capacity.
 - SHARDS (Waldspurger et al., FAST'15), fixed rate: keep the keys whose hash falls under
   ``rate`` (the one hash of ``cachelab.engine.sampling``); a sampled stack distance ``d``
-  stands for ``d / rate``. SHARDS-adj adds the gap
+  stands for ``d / R``, R the rate the hash keeps (``effective_rate``). SHARDS-adj adds the gap
   between the expected and the actual sampled count to the first bucket.
 - Other policies: one simulation per capacity, in a process pool (forked workers share the
   stream; results are collected by capacity, so the curve is deterministic). With a sample
-  rate, each simulation runs on the sampled keys at ``rate * capacity`` (mini-simulation,
+  rate, each simulation runs on the sampled keys at ``R * capacity`` (mini-simulation,
   Waldspurger et al., ATC'17).
 
 Curves are over the per-step deduplicated request stream (what a tier sees); miss ratios are
@@ -32,7 +32,7 @@ from cachelab import registry
 from cachelab.errors import CachelabError
 from cachelab.engine.cascade import run_policy
 from cachelab.engine.replay import warmup_steps
-from cachelab.engine.sampling import sample_mask
+from cachelab.engine.sampling import effective_rate, sample_mask
 from cachelab.workload.lookups import LookupStream, compact, compact_steps
 
 __all__ = ["COLD", "Curve", "miss_ratio_curve", "sample_mask", "stack_distances"]
@@ -95,11 +95,13 @@ class Curve:
     warmup_requests: int = 0
     distinct_keys: int = 0
     infinite: list[bool] | None = None  # per capacity: the policy holds every distinct key there
+    effective_sample_rate: float | None = None  # the rate the hash keeps, which scales the sample
 
     def to_dict(self) -> dict:
         return {"capacities": self.capacities, "miss_ratios": self.miss_ratios, "requests": self.requests,
                 "method": self.method, "sample_rate": self.sample_rate, "warmup_requests": self.warmup_requests,
-                "distinct_keys": self.distinct_keys, "infinite": self.infinite}
+                "distinct_keys": self.distinct_keys, "infinite": self.infinite,
+                "effective_sample_rate": self.effective_sample_rate}
 
 
 @dataclass(frozen=True)
@@ -187,15 +189,16 @@ def miss_ratio_curve(stream: LookupStream, capacities: list[int], policy: str = 
         # an empty sample read as a miss ratio of 0.0 at every capacity
         raise CachelabError(f"sample rate {sample_rate} keeps none of the {req.num_keys:,} distinct keys' requests "
                             "after the warm-up: raise the rate")
+    rate = None if sample_rate is None else effective_rate(sample_rate)  # keeps the same keys, scales truly
     requests = int(req.weights[req.first:].sum())
     warm = int(req.weights[:req.first].sum())
     infinite = [probe.holds_every_key(c, req.num_keys) for c in capacities]  # as ``sized`` decides
     if policy == "lru" and not params:
         method = "exact-stack" if sample_rate is None else "shards"
-        ratios = _lru_curve(req, capacities, sample_rate)
-        return Curve(capacities, _bounded(req, ratios, infinite, sample_rate), requests, method, sample_rate, warm,
-                     req.num_keys, infinite)
-    _SHARED.update(req=req, policy=policy, params=params, rate=sample_rate)
+        ratios = _lru_curve(req, capacities, rate)
+        return Curve(capacities, _bounded(req, ratios, infinite, rate), requests, method, sample_rate, warm,
+                     req.num_keys, infinite, rate)
+    _SHARED.update(req=req, policy=policy, params=params, rate=rate)
     workers = max(1, min(len(capacities), workers or os.cpu_count() or 1))
     with Progress(transient=True, disable=not progress) as bar:
         task = bar.add_task(f"{policy}: {len(capacities)} capacities", total=len(capacities))
@@ -212,8 +215,8 @@ def miss_ratio_curve(stream: LookupStream, capacities: list[int], policy: str = 
                 ratios = [f.result() for f in futures]
     _SHARED.clear()
     method = "simulation" if sample_rate is None else "mini-simulation"
-    return Curve(capacities, _bounded(req, [float(r) for r in ratios], infinite, sample_rate), requests, method,
-                 sample_rate, warm, req.num_keys, infinite)
+    return Curve(capacities, _bounded(req, [float(r) for r in ratios], infinite, rate), requests, method,
+                 sample_rate, warm, req.num_keys, infinite, rate)
 
 
 def _bounded(req: _Requests, ratios: list[float], infinite: list[bool], rate: float | None) -> list[float]:

@@ -13,7 +13,7 @@ whole-stream replay and the live store number them. A tier whose policy needs pr
 scores takes one per lookup; a row looked up twice in a step keeps its first lookup's score.
 Spatial sampling (SHARDS-style) keeps the rows of a page when the engine's sampling hash
 (``cachelab.engine.sampling``) of the page id falls under the rate, and scales every capacity
-by the rate; counts divided by the rate estimate the full-scale ones. Sampling whole pages
+by the rate the hash keeps (``effective_rate``); counts divided by it estimate the full-scale ones. Sampling whole pages
 keeps the page cache's amplification intact.
 """
 
@@ -218,11 +218,13 @@ class StepReplay:
         hierarchy: tiers (policies, capacities) and the backing store, as the engine takes them.
         space: the run's row space (already sampled).
         num_layers: Engram layer tables (counts are kept per layer).
-        rate: the sampling rate the space was built with; capacities are scaled by it.
+        rate: the sampling rate the space was built with; capacities and counts are scaled by
+            the rate its hash keeps (``sampling.effective_rate``).
     """
 
     def __init__(self, hierarchy: Hierarchy, space: RowSpace, num_layers: int, rate: float = 1.0):
         self.hierarchy, self.space, self.num_layers, self.rate = hierarchy, space, num_layers, rate
+        rate = self.kept = sampling.effective_rate(rate)
         self.capacities = [max(1, int(round(tier.rows(hierarchy.row_bytes) * rate))) for tier in hierarchy.tiers]
         page_capacity = 0
         if isinstance(hierarchy.backing, SSDStore):
@@ -303,7 +305,7 @@ class StepReplay:
         """Hit ratios per level (per unique row reaching it) and bytes, scaled to full size."""
         unique = self.totals_unique.sum(axis=0)
         reach = unique[::-1].cumsum()[::-1]
-        scale = 1.0 / self.rate
+        scale = 1.0 / self.kept
         rb = self.hierarchy.row_bytes
         levels = {name: SampledLevel(float(unique[i] / reach[i]) if reach[i] else 0.0, float(unique[i] * scale),
                                      float(unique[i] * scale * rb))

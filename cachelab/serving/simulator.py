@@ -39,6 +39,7 @@ from rich.progress import Progress
 from cachelab.engram import Addresser
 from cachelab.errors import CachelabError
 from cachelab.serving.hardware import load_profile
+from cachelab.engine.sampling import effective_rate
 from cachelab.engine.tiers import DRAMStore, Hierarchy, SSDStore, Tier
 from cachelab.serving.latency import Batch, Efficiency, EngramStep, LatencyModel, describe
 from cachelab.serving.metrics import RequestTimes, summarize
@@ -343,7 +344,7 @@ class ServingSimulator:
             steps["scorer_s"] = []
         peak_cached = 0
         fetch_parts: dict[str, float] = {}  # seconds per fetch part, summed over steps and layers
-        scale = 1.0 / cfg.sample_rate
+        scale = 1.0 / effective_rate(cfg.sample_rate)  # the rate the hash keeps
         with Progress(transient=True, disable=not self.progress) as bar:
             task = bar.add_task("serving replay", total=n - self.num_warmup)
             while finished < n:
@@ -481,7 +482,7 @@ class ServingSimulator:
             rows["row_cache_policy"] = policy.name
             if cfg.row_cache_model is not None:
                 rows["row_cache_model"] = str(cfg.row_cache_model)
-            rows["row_cache_resident_bytes"] = float(policy.resident().size / cfg.sample_rate * self.row_bytes)
+            rows["row_cache_resident_bytes"] = float(policy.resident().size / replay.kept * self.row_bytes)
         per_request = pl.DataFrame({"send_s": send, "first_token_s": first, "end_s": end,
                                     "prompt_tokens": plen, "output_tokens": olen,
                                     "cached_tokens": cached_first, "preemptions": preemptions})
