@@ -123,8 +123,9 @@ def test_bench_refuses_what_it_ignored_or_named_in_python_terms(tables, tmp_path
     assert res.exit_code == 0 and json.loads(res.output)["policies"] == {}  # no tier: nothing needs scores
     other = LookupStream(np.arange(32, dtype=np.int64), np.array([0, 32]), 128, (1, 15)).save(tmp_path / "demo.npz")
     res = run("bench", "--dir", tables, "--trace", other, "--capacity", 10)  # was "step 0 ... not whole tokens"
-    assert res.exit_code == 2 and ("demo.npz: lookups of Engram layers [1, 15] in 128-byte rows; the tables in "
-                                   f"{tables} hold layers [1, 14] in 264-byte rows (deepseek-v4.1-flash)") in res.output
+    assert res.exit_code == 2 and ("demo.npz has 2 table layers of 128-byte rows, but layout 'deepseek-v4.1-flash', "
+                                   f"which it is read as, has 2 of 264 bytes: the tables in {tables} are of that "
+                                   "layout") in res.output, res.output
     for flags, why in ((["--capacity", "abc"], "--capacity: 'abc' is not a capacity"),  # was 'hbm_capacity: ...'
                        (["--capacity", 10, "--dram-capacity", "0.0"], "--dram-capacity: '0.0' is less than one row")):
         res = run("bench", "--dir", tables, "--trace", missing, *flags)
@@ -143,6 +144,17 @@ def path_of_one(folder):
     rows = CFG.offsets[None]
     keys = global_key(np.broadcast_to(np.arange(2)[None, :, None], rows.shape), rows).reshape(-1)
     return LookupStream(keys, np.array([0, 48]), 264, CFG.layers).save(folder / "one.npz")
+
+
+def test_bench_checks_a_stream_s_layout_as_the_learning_view_does(tables, tmp_path):
+    """The bench compared the stream's decoder layer ids, the learning view its table count: a
+    stream whose tables other decoder layers read (a live model moves them; the rows stay) was
+    refused by the bench and read by the view. One check (LookupStream.check_tables) now."""
+    one = LookupStream.load(path_of_one(tmp_path))
+    moved = LookupStream(one.keys, one.step_offsets, 264, (1, 3)).save(tmp_path / "moved.npz")
+    res = run("bench", "--dir", tables, "--trace", moved, "--capacity", 10, "--device", "cpu", "--no-verify", "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["lookups"] == 48
 
 
 def test_build_into_a_directory_another_build_holds_exits_2_naming_it(tables):

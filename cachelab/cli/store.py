@@ -128,11 +128,8 @@ def bench(
             raise CachelabError(f"{flag} {name!r} needs predictor scores: pass --model DIR (from `cachelab train`)")
     stream = load_trace(trace, requests, 0, layout.config.name, verb="store bench")
     cfg = layout.config
-    if (tuple(stream.layers), stream.row_bytes) != (tuple(cfg.layers), cfg.row_bytes):  # read as this layout's rows
-        raise CachelabError(f"--trace {trace}: lookups of Engram layers {list(stream.layers)} in "
-                            f"{stream.row_bytes}-byte rows; the tables in {directory} hold layers {list(cfg.layers)} "
-                            f"in {cfg.row_bytes}-byte rows ({cfg.name}): write the stream for that layout "
-                            f"(`cachelab trace lookups ... --preset {cfg.name}`)")
+    stream.check_tables(cfg, f"--trace {trace}", f"the tables in {directory} are of that layout; write the stream "
+                        f"for it (`cachelab trace lookups ... --preset {cfg.name}`)")
     params = parse_pairs(param)
     scores = None
     if model is not None:

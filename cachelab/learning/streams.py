@@ -172,11 +172,8 @@ class LearningView:
             raise CachelabError(f"the lookup stream lacks per-lookup metadata {missing}; learned policies need "
                                 f"{list(REQUIRED_META)} (give corpus names, --trace gsm8k,humaneval, or a stream from `cachelab trace lookups`)")
         cfg = get_preset(preset)
-        if (len(stream.layers), stream.row_bytes) != (len(cfg.layers), cfg.row_bytes):
-            raise CachelabError(f"the lookup stream has {len(stream.layers)} table layers of {stream.row_bytes}-byte rows, "
-                                f"but layout {cfg.name!r}, which it is read as, has {len(cfg.layers)} of "
-                                f"{cfg.row_bytes} bytes: the stream was built with another layout (give that "
-                                "layout's --preset, or a model trained on it)")
+        stream.check_tables(cfg, "the lookup stream", "the stream was built with another layout (give that "
+                            "layout's --preset, or a model trained on it)")
         dd, uniq = compact_steps(stream.keys, stream.step_offsets)
         first = np.empty(dd.keys.size, np.int64)
         first[dd.inverse[::-1]] = np.arange(dd.inverse.size)[::-1]  # last write wins = first lookup

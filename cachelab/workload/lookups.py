@@ -88,6 +88,16 @@ class LookupStream:
         object.__setattr__(self, "meta", meta)
         object.__setattr__(self, "domains", tuple(self.domains))
 
+    def check_tables(self, config, source: str, remedy: str) -> None:
+        """Refuse to read this stream as ``config``'s rows (an ``EngramConfig``) when its table
+        count or row size differ: its keys then address other tables. The decoder layers that
+        read the tables are not compared (a live model moves them; the rows stay). ``source``
+        names the stream (a flag and path) and ``remedy`` says what to give instead."""
+        if (len(self.layers), self.row_bytes) != (len(config.layers), config.row_bytes):
+            raise CachelabError(f"{source} has {len(self.layers)} table layers of {self.row_bytes}-byte rows, but "
+                                f"layout {config.name!r}, which it is read as, has {len(config.layers)} of "
+                                f"{config.row_bytes} bytes: {remedy}")
+
     @property
     def num_steps(self) -> int:
         return self.step_offsets.size - 1
