@@ -11,7 +11,7 @@ from rich.table import Table
 from cachelab import defaults, registry, strict_json
 from cachelab.capacity import parse_capacity
 from cachelab.errors import CachelabError
-from cachelab.params import parse_pairs
+from cachelab.params import check_params, parse_pairs
 
 app = typer.Typer(no_args_is_help=True, help="The live tiered Engram store: table files, verify, bench (docs/store.md).")
 
@@ -108,9 +108,18 @@ def bench(
     """Replay a trace's row stream through the store; per-tier hits, misses and bytes, stage
     times, and the simulator's figures for the same stream, policies and capacities."""
     from cachelab.learning.streams import load_trace
-    from cachelab.store.bench import PolicySpec, replay_store
+    from cachelab.store.backing import check_io
+    from cachelab.store.bench import PolicySpec, check_run, replay_store
     from cachelab.store.build import load_layout
+    from cachelab.store.store import check_device
 
+    # every flag before the tables and the trace load (--backing and --device were checked ~1.6 s after)
+    check_io(io_threads, io_submit, backing, "--io-threads")
+    check_run(compute_ms, max_lookups)
+    device = _device(device)
+    check_device(device, "--device")
+    params = parse_pairs(param)
+    check_params(registry.get(registry.POLICIES, policy.split("+")[0]), params, "--param")
     layout, _ = load_layout(directory)
     if not trace.endswith(".npz") and layout.config.name not in _presets():
         raise CachelabError(f"tables of the custom layout {layout.config.name!r} replay a saved stream (.npz) only")
@@ -130,7 +139,6 @@ def bench(
     cfg = layout.config
     stream.check_tables(cfg, f"--trace {trace}", f"the tables in {directory} are of that layout; write the stream "
                         f"for it (`cachelab trace lookups ... --preset {cfg.name}`)")
-    params = parse_pairs(param)
     scores = None
     if model is not None:
         from cachelab.learning.training import lookup_scores, policy_params
@@ -143,7 +151,7 @@ def bench(
     out = replay_store(directory, stream, backing, hbm, capacity, dram, dram_capacity, scores,
                        verify=not no_verify, prefetch=prefetch, io_threads=io_threads, io_submit=io_submit,
                        progress=not as_json, max_lookups=max_lookups, compute_ms=compute_ms,
-                       device=_device(device))
+                       device=device)
     out["trace"] = trace
     if as_json:
         typer.echo(strict_json.dumps(out))

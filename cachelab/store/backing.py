@@ -281,13 +281,22 @@ class _UringIO(_Files):
 SUBMITS = ("auto", "io_uring", "threads")
 
 
-def check_io(threads: int | None, submit: str) -> None:
-    """Refuse reads in flight below 1 or an unknown submission, whichever backing is asked for
-    (``dram`` and ``mmap`` ignore both, but a bad value is not passed over in silence)."""
+def check_io(threads: int | None, submit: str, backing: str = "direct", flag: str = "io_threads") -> None:
+    """Refuse an unknown backing or submission, or reads in flight below 1, whichever backing
+    is asked for (``dram`` and ``mmap`` ignore both, but a bad value is not passed over in
+    silence); and, where ``direct`` may submit through io_uring, more reads in flight than a
+    ring holds (the kernel's refusal read as 'io_uring is not available', and ``auto`` fell
+    back to a pool of that many threads). ``flag`` names the reads in flight (a CLI flag)."""
+    from cachelab.store.uring import MAX_ENTRIES
+    if backing not in BACKINGS:
+        raise CachelabError(f"unknown backing {backing!r}; choose one of {list(BACKINGS)}")
     if submit not in SUBMITS:
         raise CachelabError(f"unknown io submission {submit!r}; choose one of {list(SUBMITS)}")
     if threads is not None and threads < 1:
-        raise CachelabError(f"io_threads must be at least 1, got {threads}")  # the queue depth's flag
+        raise CachelabError(f"{flag} must be at least 1, got {threads}")
+    if threads is not None and threads > MAX_ENTRIES and backing == "direct" and submit != "threads":
+        raise CachelabError(f"{flag} {threads:,} is over io_uring's limit of {MAX_ENTRIES:,} entries (reads in "
+                            f"flight): give at most {MAX_ENTRIES:,}, or io submission 'threads' for a pool of preads")
 
 
 class PreadBacking:
@@ -366,9 +375,7 @@ class DirectBacking:
 
 def open_backing(name: str, layout: TableLayout, paths: list[Path], io_threads: int | None = None,
                  io_submit: str = "auto", device: str = "cpu"):
-    if name not in BACKINGS:
-        raise CachelabError(f"unknown backing {name!r}; choose one of {list(BACKINGS)}")
-    check_io(io_threads, io_submit)
+    check_io(io_threads, io_submit, name)
     if name == "dram":
         return DramBacking(layout, paths)
     if name == "hbm":

@@ -105,6 +105,15 @@ def compare(store_totals: dict, sim: dict, tier_names, backing: str) -> dict[str
     return out
 
 
+def check_run(compute_ms: float, max_lookups: int | None) -> None:
+    """Refuse a hold per step that is negative, NaN or infinite (a traceback from the first
+    step's sleep) and a lookup budget below 1; named by the bench's flags."""
+    if not 0 <= compute_ms < math.inf:
+        raise CachelabError(f"--compute-ms must be a finite number of milliseconds, 0 or more, got {compute_ms}")
+    if max_lookups is not None and max_lookups < 1:
+        raise CachelabError(f"--max-lookups must be at least 1, got {max_lookups}")
+
+
 def replay_store(directory, stream: LookupStream, backing: str, hbm: PolicySpec | None, hbm_capacity,
                  dram: PolicySpec | None = None, dram_capacity=None, scores: np.ndarray | None = None,
                  verify: bool = True, prefetch: bool = False, io_threads: int | None = None, io_submit: str = "auto",
@@ -115,10 +124,7 @@ def replay_store(directory, stream: LookupStream, backing: str, hbm: PolicySpec 
 
     ``compute_ms``: the caller holds each step's rows this long (sleeping, the GIL released),
     standing for the model's forward pass that a prefetch of the next step overlaps."""
-    if not 0 <= compute_ms < math.inf:  # NaN and infinity were a traceback from the first step's sleep
-        raise CachelabError(f"--compute-ms must be a finite number of milliseconds, 0 or more, got {compute_ms}")
-    if max_lookups is not None and max_lookups < 1:
-        raise CachelabError(f"--max-lookups must be at least 1, got {max_lookups}")
+    check_run(compute_ms, max_lookups)
     specs = {k: v for k, v in (("hbm", hbm), ("dram", dram)) if v is not None}
     steps = stream.num_steps
     if max_lookups is not None:

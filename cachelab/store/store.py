@@ -114,6 +114,22 @@ class PrefetchHandle:
         return self._store._hand_over(rows, self._store._caller_stream())
 
 
+def check_device(device: str, where: str = "device") -> None:
+    """Refuse a device the HBM tier cannot live on: not cpu, cuda or cuda:N ('cuda:x' was a
+    RuntimeError from torch on a GPU machine), CUDA missing, or an index past the devices.
+    ``where`` names it (a CLI flag)."""
+    import torch
+
+    cuda = re.fullmatch(r"cuda(?::(\d+))?", device)
+    if device != "cpu" and not cuda:
+        raise CachelabError(f"{where} {device!r}: expected cpu, cuda or cuda:N")
+    if cuda and not torch.cuda.is_available():
+        raise CachelabError(f"{where} {device!r}: CUDA is not available here; use cpu")
+    if cuda and int(cuda[1] or 0) >= torch.cuda.device_count():
+        raise CachelabError(f"{where} {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                            "cuda:0 onwards")
+
+
 class TieredStore:
     """Engram tables behind an HBM row cache and a DRAM warm cache, each run by a policy.
 
@@ -134,14 +150,7 @@ class TieredStore:
         self.row_bytes, self.row_dim = lay.row_bytes, lay.row_dim
         self.num_keys = lay.num_keys
         self.layer_base = lay.layer_base
-        cuda = re.fullmatch(r"cuda(?::(\d+))?", device)
-        if device != "cpu" and not cuda:  # 'cuda:x' was a RuntimeError from torch on a GPU machine
-            raise CachelabError(f"device {device!r}: expected cpu, cuda or cuda:N")
-        if cuda and not torch.cuda.is_available():
-            raise CachelabError(f"device {device!r}: CUDA is not available here; use device='cpu'")
-        if cuda and int(cuda[1] or 0) >= torch.cuda.device_count():
-            raise CachelabError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
-                                "cuda:0 onwards")
+        check_device(device)
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.hbm_device = f"{device} (HBM)" if self.cuda else "cpu (a CPU tensor stands in for HBM: no GPU)"

@@ -29,6 +29,7 @@ _OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
 _OP_READ = 22
 _ENTER_GETEVENTS = 1
 _FEAT_SINGLE_MMAP = 1
+MAX_ENTRIES = 32768  # IORING_MAX_ENTRIES: io_uring_setup refuses a deeper ring (EINVAL)
 
 
 class _SQOffsets(ctypes.Structure):
