@@ -190,6 +190,34 @@ def test_io_threads_over_io_uring_s_ring_are_refused_naming_the_flag(tables, tmp
         TieredStore.open(tables, backing="direct", io_threads=40000)
 
 
+def test_ctrl_c_in_a_build_says_what_the_directory_kept(tmp_path, monkeypatch):
+    """Ctrl-C exited 130 with nothing said: the previous build stays whole (or there is none)
+    and the partial files are gone, and one line now says so."""
+    from cachelab.store import build as build_mod
+
+    real, calls = build_mod.fill_pages, []
+
+    def interrupted(*args):  # ctrl-C once the first chunk is written
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(build_mod, "fill_pages", interrupted)
+    d = tmp_path / "t"
+    res = run("build", "--scale", "1e-3", "--dir", d)
+    assert res.exit_code == 130
+    assert res.output.strip() == f"store build interrupted: {d} holds no build; the partial files were removed"
+    assert run("build", "--scale", "1e-6", "--dir", d, "--seed", 4).exit_code == 0  # past the second call: whole
+    old = (d / "manifest.json").read_text()
+    calls.clear()
+    res = run("build", "--scale", "1e-3", "--dir", d)
+    assert res.exit_code == 130 and res.output.strip() == (f"store build interrupted: {d} keeps its previous "
+                                                           "build, whole; the partial files were removed")
+    assert (d / "manifest.json").read_text() == old and not list(d.glob(".*.tmp"))
+    assert run("verify", "--dir", d).exit_code == 0
+
+
 def test_build_into_a_directory_another_build_holds_exits_2_naming_it(tables):
     from cachelab.paths import held
 

@@ -43,14 +43,36 @@ def build(
 
     if seed is not None and from_safetensors is not None:  # the seed was accepted and meant nothing
         raise CachelabError(f"--seed {seed} and --from-safetensors: the rows are the checkpoint's; give one")
-    manifest = build_tables(layout, scale, directory, seed=seed or 0, progress=not as_json,
-                            from_safetensors=from_safetensors)
+    before = _build_id(directory)
+    try:
+        manifest = build_tables(layout, scale, directory, seed=seed or 0, progress=not as_json,
+                                from_safetensors=from_safetensors)
+    except KeyboardInterrupt:  # exited 130 saying nothing of what the directory holds
+        after = _build_id(directory)
+        if after is not None and after != before:  # held back while the files were swapped in
+            kept = f"the new build in {directory} is whole (the interrupt came as it finished)"
+        elif before is not None:
+            kept = f"{directory} keeps its previous build, whole; the partial files were removed"
+        else:
+            kept = f"{directory} holds no build; the partial files were removed"
+        typer.echo(f"store build interrupted: {kept}", err=True)
+        raise typer.Exit(130) from None
     if as_json:
         typer.echo(strict_json.dumps({k: v for k, v in manifest.items() if k != "config"}))
         return
     rows = sum(manifest["table_rows"])
     Console().print(f"[bold]{manifest['layout']}[/] at scale {manifest['scale']}: {rows:,} rows of "
                     f"{manifest['row_bytes']} B in {', '.join(manifest['files'])} under {directory}")
+
+
+def _build_id(directory: Path) -> str | None:
+    """The id of the build ``directory`` holds (None: none)."""
+    from cachelab.store.format import read_manifest
+
+    try:
+        return read_manifest(directory).get("build_id", "")  # "": a build from before build ids
+    except CachelabError:
+        return None
 
 
 @app.command("verify")
