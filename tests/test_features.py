@@ -113,6 +113,29 @@ def test_belady_keep_labels_train_a_classifier_and_refuse_a_regressor():
         TrainSpec(capacity=-1).check()
 
 
+@pytest.mark.parametrize("as_json", [True, False])
+def test_train_keeps_an_undefined_auc_as_null_and_says_why(tmp_path, monkeypatch, as_json):
+    """Every validation fetch reused and kept: both AUCs are undefined, yet their keys stay (they were dropped)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from cachelab.cli import app, learn
+
+    monkeypatch.setattr(learn, "_view", lambda *a, **k: synthetic_stream(np.tile(np.arange(10), 600)))
+    res = CliRunner().invoke(app, ["train", "--trace", "x", "--predictor", "lightgbm-reuse", "--capacity", "20",
+                                   "--horizon", "200", "--param", "n_estimators=5", "--out", str(tmp_path / "m"),
+                                   *(["--json"] if as_json else [])])
+    assert res.exit_code == 0, res.output
+    if as_json:
+        result = json.loads(res.stdout)
+        assert result["auc"] is None and result["auc_belady"] is None and result["reuse_rate"] == 1.0
+    else:
+        text = " ".join(res.output.split())  # rich wraps at the terminal width
+        assert "auc: undefined (the validation fetches are all one class: 100% reused within the horizon)" in text
+        assert "auc_belady: undefined (the validation fetches are all one class: 100% kept by Belady)" in text
+
+
 def test_promote_is_tuned_on_the_training_window_alone():
     from cachelab.learning.training import TrainSpec, policy_params, tune_promote
     from cachelab.learning.evaluation import learned_policy

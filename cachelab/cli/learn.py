@@ -90,8 +90,14 @@ def train(
     out_console.print(f"[bold]{predictor}[/] on {result['lookups']:,} lookups ({len(stream):,} fetches: each "
                       f"step's distinct rows), validated on {metrics['validation_lookups']:,} held-out fetches; "
                       f"saved to {out}")
+    # an AUC is undefined (NaN; null in --json) where its labels are all one class
+    one_class = {"auc": ("reuse_rate", "reused within the horizon"), "auc_belady": ("belady_keep_rate", "kept by Belady")}
     for key in ("auc", "auc_belady", "belady_keep_rate", "rmse", "rmse_constant", "reuse_rate"):
-        if key in metrics:
+        if key in metrics and metrics[key] != metrics[key]:
+            rate, what = one_class[key]
+            out_console.print(f"  {key}: undefined (the validation fetches are all one class: "
+                              f"{metrics[rate]:.0%} {what})")
+        elif key in metrics:
             out_console.print(f"  {key}: {metrics[key]:.4f}")
     table = Table("feature", "importance")
     for name, value in list(metrics.get("importances", {}).items())[:12]:

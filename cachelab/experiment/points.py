@@ -9,6 +9,8 @@ about a kind.
 
 from __future__ import annotations
 
+import math
+
 import polars as pl
 
 from cachelab.capacity import capacity_rows, parse_capacity
@@ -107,7 +109,8 @@ def learned_point(config: dict, workload: Workload) -> PointOutput:
     importances, files = [], {}
     for cap, (model, fit) in zip(first["capacities"] if p["belady_labels"] else [None], fits):
         tag = "" if cap is None else f".{cap['rows']}rows"
-        metrics.update({f"{k}{tag}": v for k, v in fit.items() if isinstance(v, (int, float))})
+        metrics.update({f"{k}{tag}": v for k, v in fit.items()
+                        if isinstance(v, (int, float)) and math.isfinite(v)})  # an undefined AUC is NaN
         importances += [{"capacity": tag.lstrip("."), "feature": k, "importance": v}
                         for k, v in fit.get("importances", {}).items()]
         with tempfile.TemporaryDirectory() as tmp:
@@ -178,8 +181,6 @@ def simulated_point(workload: Workload, serving, warmup=None, scorer_calls: list
 
 def _numbers(d: dict, prefix: str = "") -> dict[str, float]:
     """The finite numbers of a nested dict, with dotted keys (MLflow metrics are floats)."""
-    import math
-
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):

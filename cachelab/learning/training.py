@@ -21,6 +21,7 @@ horizon read as an expected wait).
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -244,7 +245,8 @@ def validate(model: Model, stream, x: np.ndarray, start: int, spec: TrainSpec | 
     """Metrics on lookups after ``start`` whose labels are settled within the stream.
 
     ``auc`` is against reuse within the horizon; with Belady keep labels, ``auc_belady``
-    is against Belady's decisions on the whole stream (what the classifier imitates)."""
+    is against Belady's decisions on the whole stream (what the classifier imitates). An AUC
+    whose labels are all one class is undefined: NaN (null in JSON), the key kept for scripts."""
     from sklearn.metrics import roc_auc_score
 
     keys = stream.keys[start:]
@@ -256,13 +258,11 @@ def validate(model: Model, stream, x: np.ndarray, start: int, spec: TrainSpec | 
     pred = predictions(model, xv, start)
     reuse = reuse_labels(keys, model.horizon)[:stop]
     out = {"validation_lookups": int(stop), "reuse_rate": float(reuse.mean())}
-    if len(np.unique(reuse)) == 2:
-        out["auc"] = float(roc_auc_score(reuse, pred))
+    out["auc"] = float(roc_auc_score(reuse, pred)) if len(np.unique(reuse)) == 2 else math.nan
     if spec is not None and spec.capacity:
         kept = labels(stream, 0, len(stream), model.predictor.task, spec)[start:start + stop]
         out["belady_keep_rate"] = float(kept.mean())
-        if len(np.unique(kept)) == 2:
-            out["auc_belady"] = float(roc_auc_score(kept, pred))
+        out["auc_belady"] = float(roc_auc_score(kept, pred)) if len(np.unique(kept)) == 2 else math.nan
     if model.predictor.task == "regression":
         y = regression_labels(keys, model.horizon)[:stop]
         out["rmse"] = float(np.sqrt(np.mean((-pred - y) ** 2)))
