@@ -107,3 +107,32 @@ def test_scores_refuse_row_ids_of_another_shape(served):
     _, _, _, model, _ = served
     with pytest.raises(CachelabError, match="row ids of shape"):
         OnlineScorer(model, LAYOUT).scores([0], [0], [4], [10], [np.arange(10)], np.zeros((3, 2, 24), np.int32))
+
+
+def test_a_saved_stream_keeps_its_layout_and_is_refused_as_another(served, tmp_path):
+    """Other multipliers, the same table layers and row size: a saved stream passed the size check as the preset."""
+    import dataclasses
+    import json
+
+    from cachelab.engram import get_preset
+    from cachelab.learning.streams import unchecked_layout
+    from cachelab.workload.lookups import LookupStream
+
+    _, prompts, outputs, model, _ = served
+    cfg = get_preset(LAYOUT)
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    custom = tmp_path / "other-multipliers.json"
+    custom.write_text(json.dumps({**fields, "name": "other-multipliers", "multipliers": (cfg.multiplier_array + 2).tolist()}))
+    path = request_stream(prompts[:4], outputs[:4], ["chat"] * 4, str(custom), tokens_per_step=64).save(tmp_path / "s")
+    loaded = LookupStream.load(path)
+    assert loaded.layout["name"] == "other-multipliers" and unchecked_layout(loaded) is None
+    with pytest.raises(CachelabError, match=r"built with Engram layout 'other-multipliers', but it is read as layout "
+                                            r"'deepseek-v4.1-flash' \(stream / read as: multipliers\)"):
+        LearningView.of(loaded, LAYOUT)
+    with pytest.raises(CachelabError, match=r"these rows are of layout 'other-multipliers' \(model / rows: multipliers\)"):
+        keep_scores(model, LearningView.of(loaded, str(custom)))  # read as its own layout: the model's check
+    with np.load(path) as z:  # a stream saved before layouts were recorded still reads, named as unchecked
+        np.savez(tmp_path / "old.npz", **{k: z[k] for k in z.files if k != "layout"})
+    old = LookupStream.load(tmp_path / "old.npz")
+    assert old.layout is None and "records no Engram layout" in unchecked_layout(old)
+    assert LearningView.of(old, LAYOUT).layout["name"] == LAYOUT

@@ -15,7 +15,7 @@ from cachelab.errors import CachelabError
 from cachelab.params import check_params, parse_pairs
 from cachelab.engine.tiers import Hierarchy, Tier
 from cachelab.defaults import PRESET
-from cachelab.learning.streams import STEP_VIEWS, load_trace
+from cachelab.learning.streams import STEP_VIEWS, load_trace, unchecked_layout
 from cachelab.trace.keytrace import FORMATS
 from cachelab.trace.kinds import Found, detect
 from cachelab.workload.lookups import LookupStream
@@ -91,6 +91,8 @@ def simulate(
     if model is not None:
         from cachelab.learning.training import lookup_scores, policy_params
 
+        if note := unchecked_layout(stream):
+            Console(stderr=True, quiet=as_json).print(f"{trace}: {note}")
         scores, fitted = lookup_scores(model, stream)
         from_model = policy_params(registry.get(registry.POLICIES, policy.split("+")[0]), fitted)
         param = [f"{k}={v}" for k, v in from_model.items()] + list(param)  # --param still overrides

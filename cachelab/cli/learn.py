@@ -16,7 +16,7 @@ from cachelab.learning.training import TrainSpec, check_target, load, rolling_sc
 from cachelab.learning.evaluation import evaluate_capacities
 from cachelab.params import check_params, parse_pairs, parse_value
 from cachelab.paths import output_folder
-from cachelab.learning.streams import STEP_VIEWS, LearningView, load_trace
+from cachelab.learning.streams import STEP_VIEWS, LearningView, load_trace, unchecked_layout
 from cachelab.trace.kinds import detect
 
 TRACE_HELP = ("Prompt corpora (cachelab.workloads), comma-separated and interleaved: arena-hard, gsm8k, humaneval, "
@@ -35,7 +35,10 @@ def _view(trace: str, requests: int, seed: int, preset: str, steps: str, console
     found = detect(trace)
     console.print(f"{trace}: {found}")
     with console.status("building the Engram lookup stream"):
-        return LearningView.of(load_trace(found, requests, seed, preset, steps, verb=verb), preset)
+        stream = load_trace(found, requests, seed, preset, steps, verb=verb)
+    if note := unchecked_layout(stream):
+        console.print(f"{trace}: {note}")
+    return LearningView.of(stream, preset)
 
 
 def train(

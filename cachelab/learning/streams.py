@@ -16,7 +16,7 @@ with (``layout_signature``), which a model records and is checked against before
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numba as nb
 import numpy as np
@@ -84,14 +84,15 @@ def request_stream(prompts: list[np.ndarray], outputs: list[np.ndarray], domains
 def _sequence_stream(addresser, seqs, prompt_lens, domains, steps: str, tokens_per_step: int) -> LookupStream:
     """Token sequences (prompt first) as a learning stream: each lookup with its compressed token."""
     if steps == "serving":  # the step producer already carries the compressed token of each lookup
-        return scheduled_stream(addresser, seqs, prompt_lens, domains)
+        return replace(scheduled_stream(addresser, seqs, prompt_lens, domains),
+                       layout=layout_signature(addresser.config))
     stream = LookupStream.from_sequences(addresser, seqs, tokens_per_step, prompt_lens, domains)
     starts = np.concatenate([[0], np.cumsum([s.size for s in seqs])[:-1]])
     compressed = addresser.compress(np.concatenate(seqs))
     meta = stream.meta
     token = compressed[starts[meta["request"]] + meta["position"]].astype(np.int32)
     return LookupStream(stream.keys, stream.step_offsets, stream.row_bytes, stream.layers,
-                        {**meta, "token": token}, stream.domains)
+                        {**meta, "token": token}, stream.domains, layout_signature(addresser.config))
 
 
 def load_trace(trace, per_source: int, seed: int, preset: str, steps: str = "prompts", *,
@@ -174,6 +175,10 @@ class LearningView:
         cfg = get_preset(preset)
         stream.check_tables(cfg, "the lookup stream", "the stream was built with another layout (give that "
                             "layout's --preset, or a model trained on it)")
+        if stream.layout is not None and (shown := layout_differences(stream.layout, layout_signature(cfg))):
+            raise CachelabError(f"the lookup stream was built with Engram layout {stream.layout.get('name')!r}, "
+                                f"but it is read as layout {cfg.name!r} (stream / read as: {shown}): give the "
+                                "stream's layout as --preset, or a model trained on it")
         dd, uniq = compact_steps(stream.keys, stream.step_offsets)
         first = np.empty(dd.keys.size, np.int64)
         first[dd.inverse[::-1]] = np.arange(dd.inverse.size)[::-1]  # last write wins = first lookup
@@ -193,6 +198,23 @@ def layout_signature(cfg) -> dict:
     return {"name": cfg.name, "table_layers": len(cfg.layers), "max_ngram": cfg.max_ngram, "heads": cfg.heads,
             "base_sizes": list(cfg.base_sizes), "compressed_vocab": cfg.compressed_vocab, "pad_id": cfg.pad_id,
             "multipliers": cfg.multiplier_array.tolist()}
+
+
+def layout_differences(recorded: dict, layout: dict) -> str:
+    """What of ``layout`` (a ``layout_signature``) differs from a recorded signature, as
+    "key recorded / layout, ..." (the multipliers by name alone); empty where they match, the
+    names aside (a custom copy of a preset reads the same rows)."""
+    differ = [k for k in layout if k != "name" and recorded.get(k) != layout[k]]
+    return ", ".join(k if k == "multipliers" else f"{k} {recorded.get(k)} / {layout[k]}" for k in differ)
+
+
+def unchecked_layout(stream: LookupStream) -> str | None:
+    """A note where a stream with tokens records no layout (saved before layouts were): read as
+    a layout, one of the same table layers and row size but other multipliers passes unseen."""
+    if stream.layout is None and "token" in stream.meta:
+        return ("the lookup stream records no Engram layout (saved by an older cachelab): its layout is "
+                "unchecked beyond its table layers and row size")
+    return None
 
 
 def _ngrams(stream: LookupStream, first: np.ndarray, max_ngram: int) -> np.ndarray:

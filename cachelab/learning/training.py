@@ -32,6 +32,7 @@ from cachelab.capacity import capacity_rows, parse_capacity
 from cachelab.defaults import HORIZON, MAX_SAMPLES, TRAIN_FRACTION
 from cachelab.errors import CachelabError
 from cachelab.learning.lineup import lineup, tuned_params
+from cachelab.learning.streams import layout_differences
 from cachelab.learning.predictor import (METADATA, Predictor, check_features, read_metadata, read_tensors,
                                          verify)
 from cachelab.params import check_params
@@ -311,9 +312,8 @@ def check_layout(model: Model, layout: dict | None) -> None:
     trained = model.metadata.get("spec", {}).get("layout")
     if trained is None or layout is None:
         return
-    differ = [k for k in layout if k != "name" and trained.get(k) != layout[k]]
-    if differ:
-        shown = ", ".join(k if k == "multipliers" else f"{k} {trained.get(k)} / {layout[k]}" for k in differ)
+    shown = layout_differences(trained, layout)
+    if shown:
         raise CachelabError(f"the model was trained on Engram layout {trained.get('name')!r}, these rows are of layout "
                             f"{layout['name']!r} (model / rows: {shown}): score rows of the model's layout "
                             f"(evaluate: --preset {trained.get('name')}), or train a model on theirs")

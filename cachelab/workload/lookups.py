@@ -12,6 +12,7 @@ looked up twice in one step is fetched once (``dedup_steps``).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,10 @@ class LookupStream:
         layers: the Engram layer ids behind layer indices 0, 1, ...
         meta: optional per-lookup arrays, each ``keys.size`` long (see META_DTYPES).
         domains: names behind ``meta["domain"]`` codes.
+        layout: the signature of the Engram layout that addressed the rows
+            (``cachelab.learning.streams.layout_signature``), saved with the stream so that it
+            is checked where it is read as a layout; None: not recorded (a key trace, or a
+            stream saved before layouts were).
     """
 
     keys: np.ndarray
@@ -62,6 +67,7 @@ class LookupStream:
     layers: tuple = (0,)
     meta: Mapping[str, np.ndarray] = field(default_factory=dict)
     domains: tuple[str, ...] = ()
+    layout: dict | None = None
 
     def __post_init__(self) -> None:
         keys = np.ascontiguousarray(self.keys, dtype=np.int64)
@@ -75,6 +81,8 @@ class LookupStream:
             raise CachelabError(f"keys must be non-negative, found {int(keys.min())}")
         if int(self.row_bytes) < 1:
             raise CachelabError(f"row_bytes must be positive, got {self.row_bytes}")
+        if self.layout is not None and not isinstance(self.layout, dict):
+            raise CachelabError(f"layout must be an Engram layout's signature (an object), got {self.layout!r:.80}")
         meta = {}
         for name, arr in self.meta.items():
             arr = np.ascontiguousarray(arr, dtype=META_DTYPES.get(name))
@@ -231,6 +239,8 @@ class LookupStream:
         path = Path(path)
         path = path if path.suffix == ".npz" else path.with_name(path.name + ".npz")
         arrays = {f"meta_{k}": v for k, v in self.meta.items()}
+        if self.layout is not None:
+            arrays["layout"] = np.asarray(json.dumps(self.layout))
         with replacing(path) as tmp, open(tmp, "wb") as f:
             np.savez(f, version=np.int64(FORMAT_VERSION), keys=self.keys, step_offsets=self.step_offsets,
                      row_bytes=np.int64(self.row_bytes), layers=np.asarray(self.layers, dtype=np.int64),
@@ -255,9 +265,13 @@ class LookupStream:
             raise CachelabError(f"{path}: format version {int(files['version'])}, this cachelab reads {FORMAT_VERSION}")
         meta = {k[5:]: v for k, v in files.items() if k.startswith("meta_")}
         try:
+            layout = json.loads(str(files["layout"])) if "layout" in files else None
+        except ValueError as exc:
+            raise CachelabError(f"{path}: field 'layout' is not JSON: {exc}") from None
+        try:
             return cls(files["keys"], files["step_offsets"], int(files["row_bytes"]),
                        tuple(int(x) for x in files["layers"]), meta,
-                       tuple(str(x) for x in files.get("domains", ())))
+                       tuple(str(x) for x in files.get("domains", ())), layout)
         except CachelabError as exc:
             raise CachelabError(f"{path}: {exc}") from None
 
