@@ -80,6 +80,15 @@ def test_errors_exit_2_with_message(tmp_path):
         assert res.exit_code == 2 and f"warm-up must be a number >= 0, got {warmup}" in res.output
 
 
+def test_mrc_checks_params_before_the_trace_loads(tmp_path):
+    """As simulate: a wrong --param name or type was found only once the trace had loaded."""
+    missing = str(tmp_path / "not-yet.npy")
+    for param, why in (("colour=red", "has no parameter 'colour'"),
+                       ("small_size_ratio=abc", "--param.small_size_ratio must be a number, got 'abc'")):
+        res = runner.invoke(app, ["mrc", "--trace", missing, "--policy", "s3fifo", "--capacities", "10", "--param", param])
+        assert res.exit_code == 2 and why in res.output, res.output
+
+
 def test_mrc_sampled_and_simulated_methods(tmp_path):
     np.save(tmp_path / "k.npy", KEYS)
     shards = _json(["mrc", "--trace", str(tmp_path / "k.npy"), "--capacities", "20,100", "--sample-rate", "0.5", "--json"])

@@ -150,6 +150,7 @@ def mrc(
         check_rate(sample_rate, "--sample-rate")
     if workers is not None and workers < 1:  # 0 ran on all cores, a negative count on one
         raise CachelabError(f"--workers must be at least 1, got {workers}")
+    check_params(registry.get(registry.POLICIES, policy.split("+")[0]), parse_pairs(param), "--param")  # as simulate
     found, stream = load_stream(trace, fmt, requests, steps, "mrc", as_json)
     caps = sorted(set(capacity_rows(parse_capacities(capacities), stream, "--capacities")))
     curve = miss_ratio_curve(stream, caps, policy=policy, sample_rate=sample_rate, warmup=warmup,
