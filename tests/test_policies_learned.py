@@ -97,6 +97,19 @@ def test_oracle_scores_beat_lru_and_near_belady():
     assert adm < lru
 
 
+@pytest.mark.parametrize("base", ["lru", "fifo", "fbgemm-lru"])
+def test_learned_admission_does_not_defend_an_overdue_victim(base):
+    """Key 0 is predicted back at position 1 and never comes; key 1 then repeats, each time
+    predicted back at the next position. Once key 0 is overdue the filter lets key 1 in (it
+    bypassed for ever: every candidate is due after a position already past)."""
+    keys = np.array([0] + [1] * 20, dtype=np.int64)
+    scores = -(np.arange(keys.size) + 1.0)
+    policy = registry.get(registry.POLICIES, "learned-admission")(base=base)
+    policy.reset(1, 2)
+    hits = policy.run(keys, np.arange(keys.size + 1), None, scores)
+    assert hits[1:].sum() == keys.size - 3  # key 1 misses at 1 (key 0 not yet overdue) and at 2
+
+
 def test_deterministic_for_a_seed_and_seed_matters():
     keys = zipf_keys(20_000, 3000, seed=5)
     scores = _oracle_scores(keys) + np.random.default_rng(0).normal(0, 2000, keys.size)

@@ -10,7 +10,12 @@ by configuration (``--admission tinylfu``). Filters:
 - ``tinylfu``: a frequency sketch with periodic halving (aging); admit iff the candidate's
   estimated frequency beats the victim's (Einziger et al., TinyLFU, ACM ToS 2017).
 - ``scores``: admit iff the candidate's latest predicted score beats the victim's
-  (learned admission; ``scores[key]`` is written by the replay from a predictor).
+  (learned admission; ``scores[key]`` is written by the replay from a predictor: minus the
+  predicted position of the key's next access). A victim whose predicted next access is
+  already past (it was expected back and is not) is not defended: its prediction has failed,
+  so any candidate replaces it. The filter counts accesses for that (``meta[ADDITIONS]``);
+  without it a base policy froze once its victims' predictions fell due, every candidate
+  then predicted later than a past position.
 
 The sketch is one array of counters read through ``hashes`` positions per key by double
 hashing (``a + i * b``, as libCacheSim's minimalIncrementCBF does), estimate = the minimum
@@ -34,7 +39,7 @@ from cachelab.errors import CachelabError
 
 ALWAYS, TINYLFU, SCORES = 0, 1, 2
 KINDS = {"always": ALWAYS, "tinylfu": TINYLFU, "scores": SCORES}
-# meta: [counters, additions since the last halving, sample size, counter max, hashes]
+# meta: [counters, additions since the last halving (scores: accesses so far), sample size, counter max, hashes]
 WIDTH, ADDITIONS, SAMPLE, CMAX, HASHES = 0, 1, 2, 3, 4
 _MASK32 = np.uint64(0xFFFFFFFF)
 # xxHash64 primes, and the two seeds libCacheSim's counting Bloom filter hashes with
@@ -116,7 +121,10 @@ def sketch_age(counters, meta):
 
 @nb.njit(cache=True)
 def admission_record(kind, counters, scores, meta, key):
-    """Count one access of ``key`` (TinyLFU); a no-op for the other filters."""
+    """Count one access of ``key``: in the sketch (TinyLFU), on the clock (scores)."""
+    if kind == SCORES:
+        meta[ADDITIONS] += 1
+        return
     if kind != TINYLFU:
         return
     sketch_add(counters, meta, key)
@@ -130,7 +138,8 @@ def admission_admit(kind, counters, scores, meta, candidate, victim):
         return True
     if kind == TINYLFU:
         return sketch_estimate(counters, meta, candidate) > sketch_estimate(counters, meta, victim)
-    return scores[candidate] > scores[victim]
+    now = meta[ADDITIONS] - 1  # the candidate's access
+    return scores[victim] > -now or scores[candidate] > scores[victim]  # an overdue victim is not defended
 
 
 def make_admission(name: str, capacity: int, num_keys: int, sample_factor: int = 10,
