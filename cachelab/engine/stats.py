@@ -107,7 +107,8 @@ class SampledLevel(_Flat):
 
 @dataclass(frozen=True, slots=True)
 class SampledStats:
-    """Totals of a stepped (optionally sampled) replay, counts divided by the sample rate."""
+    """Totals of a stepped (optionally sampled) replay, counts divided by the rate the sample
+    keeps (``sampling.effective_rate``; ``sample_rate`` is the rate asked for)."""
 
     sample_rate: float
     lookups: float
