@@ -39,7 +39,6 @@ from rich.progress import Progress
 from cachelab.engram import Addresser
 from cachelab.errors import CachelabError
 from cachelab.serving.hardware import load_profile
-from cachelab.engine.sampling import effective_rate
 from cachelab.engine.tiers import DRAMStore, Hierarchy, SSDStore, Tier
 from cachelab.serving.latency import Batch, Efficiency, EngramStep, LatencyModel, describe
 from cachelab.serving.metrics import RequestTimes, summarize
@@ -344,7 +343,7 @@ class ServingSimulator:
             steps["scorer_s"] = []
         peak_cached = 0
         fetch_parts: dict[str, float] = {}  # seconds per fetch part, summed over steps and layers
-        scale = 1.0 / effective_rate(cfg.sample_rate)  # the rate the hash keeps
+        scale = 1.0 / replay.kept  # the rate the hash keeps
         with Progress(transient=True, disable=not self.progress) as bar:
             task = bar.add_task("serving replay", total=n - self.num_warmup)
             while finished < n:
