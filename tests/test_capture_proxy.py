@@ -338,14 +338,20 @@ def test_a_request_still_unanswered_at_shutdown_gets_503(tmp_path):
     assert rec["status"] == 503 and "proxy shut down" in rec["error"], rec
 
 
-def test_unreachable_upstream_gives_502_and_a_record(tmp_path):
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_unreachable_upstream_gives_502_naming_it_and_a_record(tmp_path, loop):
+    """A refused connection: a 502 that names the upstream (credentials hidden). uvloop's refusal, like a
+    name that does not resolve, did not say where the proxy had tried to go."""
     recorder = Recorder(tmp_path)
-    config = ProxyConfig(upstream=f"http://127.0.0.1:{free_port()}")
-    with ProxyThread(config, recorder) as proxy:
+    upstream = f"http://capuser:pw-77@127.0.0.1:{free_port()}/v1"
+    with ProxyThread(ProxyConfig(upstream=upstream), recorder, loop) as proxy:
         status, body, _ = _raw(proxy.url, "/v1/completions", {"model": "tiny", "prompt": "hi"})
-    assert status == 502 and b"upstream unreachable" in body
+    message = json.loads(body)["error"]["message"]
+    shown = upstream.replace("capuser:pw-77", "***")
+    assert status == 502 and message.startswith("upstream unreachable: ") and message.endswith(
+        f" (connecting to {shown})"), message
     rec = read_requests(tmp_path)[0].row(0, named=True)
-    assert rec["status"] == 502 and "unreachable" in rec["error"]
+    assert rec["status"] == 502 and rec["error"] == message
 
 
 def test_bearer_token_required_when_set(tmp_path):

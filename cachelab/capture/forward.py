@@ -89,7 +89,9 @@ class Forward:
         except (TimeoutError, asyncio.TimeoutError):  # only the connect is bounded in ``open``
             return self.fail(504, self._no_connection(pool.connect_timeout))
         except OSError as exc:
-            return self.fail(502, f"upstream unreachable: {type(exc).__name__}: {exc}")
+            # uvloop's message and a name that does not resolve do not say where the proxy tried to go
+            return self.fail(502, f"upstream unreachable: {type(exc).__name__}: {exc} (connecting to "
+                                  f"{self.proxy.pool.shown})")
         self.task = None
         if self.finished:  # the client went away meanwhile
             self.proxy.pool.give_back(conn)
