@@ -363,6 +363,44 @@ def test_bearer_token_required_when_set(tmp_path):
         assert b"proxy-token" not in raw
 
 
+def test_a_request_without_the_token_that_expects_100_continue_gets_its_401_at_once(tmp_path):
+    """With --api-key, a request that waits for `100 Continue` without the token gets its 401 at once, no
+    100, and nothing goes upstream (the proxy asked for the body, read it, then refused it); a body sent
+    all the same is read and dropped before the close. With the token it gets its 100, as before, also
+    behind an answer on the same connection."""
+    upstream = HeadUpstream()
+    with ProxyThread(ProxyConfig(upstream=upstream.url, api_key="proxy-token"), Recorder(tmp_path)) as proxy:
+        host, port = proxy.url.removeprefix("http://").split(":")
+        head, data = _post_bytes("/v1/completions", {"model": "m", "prompt": "hi"}, extra=b"expect: 100-continue\r\n")
+        for body_anyway in (False, True):
+            with socket.create_connection((host, int(port)), timeout=5) as sock:
+                sock.sendall(head)
+                got = sock.recv(65536)
+                assert got.startswith(b"HTTP/1.1 401 ") and b"connection: close\r\n" in got, got
+                if body_anyway:
+                    sock.sendall(data)
+                while chunk := sock.recv(65536):  # the close
+                    got += chunk
+            assert b"100 Continue" not in got and got.count(b"HTTP/1.1 ") == 1, got
+        token = b"authorization: Bearer proxy-token\r\n"
+        first = b"".join(_post_bytes("/v1/completions", {"model": "m", "prompt": "hi"}, extra=token))
+        head, data = _post_bytes("/v1/completions", {"model": "m", "prompt": "hi"}, close=True,
+                                 extra=b"expect: 100-continue\r\n" + token)
+        got = _socket_exchange(proxy.url, head, data, pause=0.3)
+        assert got.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n"), got
+        got = _socket_exchange(proxy.url, first + head, data, pause=0.3)  # the 100 after the first answer
+        assert got.count(b"HTTP/1.1 200 OK\r\n") == 2 and got.count(b"100 Continue") == 1, got
+        head, _ = _post_bytes("/v1/completions", {"model": "m", "prompt": "hi"}, extra=b"expect: 100-continue\r\n")
+        got = _socket_exchange(proxy.url, first + head)  # without the token: its 401 after the first answer
+        assert got.count(b"HTTP/1.1 200 OK\r\n") == 1 and got.index(b"HTTP/1.1 401 ") > got.index(b"200 OK"), got
+        assert b"100 Continue" not in got
+        # a 413 before the body is read (its declared length) closes at once too, where it waited for the sweep
+        huge = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n%s\r\n" % (9 << 20, token)
+        assert _socket_exchange(proxy.url, huge).startswith(b"HTTP/1.1 413 ")
+    upstream.sock.close()
+    assert upstream.requests == 4, "nothing of a refused request goes upstream"
+
+
 class HeadUpstream:
     """A raw HTTP/1.1 upstream that keeps every request head it reads and answers a fixed JSON body.
 

@@ -79,6 +79,11 @@ def whole_response(status: int, body: bytes, headers: bytes = b"content-type: ap
         status, reason, headers, len(body), b"connection: close\r\n" if close else b"", body)
 
 
+def unauthorized(close: bool) -> bytes:
+    """The 401 of a request without the proxy's bearer token."""
+    return whole_response(401, error_body(401, "missing or wrong bearer token for the capture proxy"), close=close)
+
+
 class Request:
     """One request as the client's parser delivers it."""
 
@@ -94,7 +99,7 @@ class Request:
         self.keep_alive = True
         self.http11 = True
         self.too_large = False
-        self.answered = False
+        self.answered = False  # refused before its body was read (413, 401): the body is dropped, then the close
         self.arrival = 0.0
         self.arrival_unix_ns = 0
         self.wants_continue = False  # sent ``Expect: 100-continue`` behind an answer in progress
@@ -206,13 +211,13 @@ class ClientConnection(asyncio.Protocol):
             self._too_large(r)
         elif r.header(b"expect") is not None and r.header(b"expect").lower() == b"100-continue":
             if self.forward is None and not self.queue:
-                self.transport.write(CONTINUE)
+                self._continue(r)
             else:  # pipelined behind an answer still being written: its 100 waits for its turn (``done``)
                 r.wants_continue = True
 
     def on_body(self, body: bytes) -> None:
         r = self.request
-        if r.too_large:
+        if r.too_large or r.answered:
             self.discard -= len(body)
             if self.discard < 0:  # a client that keeps sending after its 413
                 self.transport.abort()
@@ -229,7 +234,7 @@ class ClientConnection(asyncio.Protocol):
         self.in_head, self.head_bytes = True, 0
         if r is None or self.closed:
             return
-        if r.answered:  # the 413, already sent: this connection is done
+        if r.answered:  # its 413 or 401, already sent: this connection is done
             self.transport.close()
             self.closed = True
             return
@@ -252,6 +257,26 @@ class ClientConnection(asyncio.Protocol):
             # before the connection closes, so that the client reads the 413 rather than a reset
             r.answered = True
             self.proxy.refuse_too_large(self, r)
+
+    def _continue(self, r: Request) -> None:
+        """Ask for the body of a request that waits for it (``Expect: 100-continue``), unless the proxy
+        refuses the request whatever its body: one without the bearer token gets its 401 instead, and
+        its body, if it comes all the same, is read and dropped before the connection closes (as after
+        a 413; where the next request would begin is not known)."""
+        if self.proxy.authorized(r):
+            self.transport.write(CONTINUE)
+            return
+        r.answered, r.keep_alive = True, False
+        self.discard = 16 * self.proxy.config.max_body_bytes
+        self.refuse_early(unauthorized(close=True))
+
+    def refuse_early(self, data: bytes) -> None:
+        """Send the refusal of a request whose body has not been read (``Request.answered``), then end the
+        connection's sending side: a client that sends no body after it sees the close at once (it waited
+        for the 30 s sweep), one that sends it anyway has it read and dropped, then the close."""
+        self.transport.write(data)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
 
     def time_out(self, seconds: float) -> None:
         """Close a connection on which nothing moved for ``seconds`` (the proxy's sweep): idle since its
@@ -288,7 +313,7 @@ class ClientConnection(asyncio.Protocol):
         elif self.request is not None and self.request.wants_continue:  # its turn: the body may come
             self.request.wants_continue = False
             if not self.request.size:  # unless the client has stopped waiting and sends it already
-                self.transport.write(CONTINUE)
+                self._continue(self.request)
 
     def next(self) -> None:
         while self.forward is None and self.queue and not self.closed:

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from cachelab.capture.connections import ClientConnection, Request, UpstreamPool, error_body, hop_by_hop, shown_url, \
-    whole_response
+    unauthorized, whole_response
 from cachelab.capture.exchange import Exchange, prepare
 from cachelab.capture.forward import CLIENT_CLOSED, CLIENT_GONE, Forward
 from cachelab.errors import CachelabError
@@ -150,10 +150,13 @@ class CaptureProxy:
         self.recorder.close()
 
     # -- requests -------------------------------------------------------------------------------
+    def authorized(self, r: Request) -> bool:
+        """Whether the request carries the bearer token, where one is required."""
+        return self._token is None or secrets.compare_digest(r.header(b"authorization") or b"", self._token)
+
     def serve(self, client: ClientConnection, r: Request) -> None:
-        if self._token is not None and not secrets.compare_digest(r.header(b"authorization") or b"", self._token):
-            return client.respond(whole_response(401, error_body(401, "missing or wrong bearer token for the capture "
-                                                                  "proxy"), close=not r.keep_alive), r.keep_alive)
+        if not self.authorized(r):
+            return client.respond(unauthorized(close=not r.keep_alive), r.keep_alive)
         path = r.origin_path()
         if r.too_large:
             return self.refuse_too_large(client, r)
@@ -192,7 +195,7 @@ class CaptureProxy:
     def abandoned(self, r: Request) -> None:
         """Record a request the client sent whole and went away from before it was served (pipelined
         behind another): 499, like the one in flight. One the proxy would have refused with 401 is not."""
-        if self._token is not None and not secrets.compare_digest(r.header(b"authorization") or b"", self._token):
+        if not self.authorized(r):
             return
         x = self._exchange(r, r.origin_path(), status=CLIENT_CLOSED, error=f"{CLIENT_GONE} before it was served")
         if x is not None:
@@ -206,7 +209,7 @@ class CaptureProxy:
             self.recorder.submit(x)
         data = whole_response(413, error_body(413, f"request body over {limit} bytes"), close=True)
         if r.answered:  # before the body was read: the connection closes once it has been
-            client.transport.write(data)
+            client.refuse_early(data)
         else:
             client.respond(data, False)
 
