@@ -930,6 +930,38 @@ def test_expect_100_continue_behind_an_answer_waits_for_its_turn(tmp_path):
     assert rest.count(b"HTTP/1.1 200 OK\r\n") == 1
 
 
+@pytest.mark.parametrize("bad, status", [
+    (b"NOT HTTP AT ALL\r\n\r\n", b"400"),
+    (b"GET /v1/models HTTP/1.1\r\nx: " + b"a" * (70 << 10), b"431"),
+    (b"GET /v1/models HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: websocket\r\n\r\n", b"501"),
+])
+def test_a_bad_request_pipelined_behind_answers_is_answered_after_them(tmp_path, bad, status):
+    """A request the proxy cannot serve (not HTTP, a head too large, an upgrade) sent while the answers to
+    the requests before it on the connection are still being written: its 400/431/501 comes after
+    them, whole and in order, then the close. It was written into the middle of the streaming answer,
+    whose end the close then cut; an upgrade request also went upstream before its 501."""
+    import re
+
+    with Stack(tmp_path) as s:
+        s.behind.token_delay_s = 0.02  # 20 tokens: an answer of about 0.4 s
+        streamed = {"model": "tiny", "prompt": PROMPT, "max_tokens": 20, "stream": True}
+        whole = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+        host, port = s.proxy.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=20) as sock:
+            sock.sendall(b"".join(_post_bytes("/v1/completions", streamed) + _post_bytes("/v1/completions", whole)))
+            got = b""
+            while b"data: " not in got:  # the first answer streams
+                got += sock.recv(65536)
+            sock.sendall(bad)
+            while chunk := sock.recv(65536):  # to the close
+                got += chunk
+        first, _, rest = got.partition(b"\r\n0\r\n\r\n")
+        assert first.count(b"data: ") == 21 and first.endswith(b"data: [DONE]\n\n"), "the stream whole"
+        assert re.fullmatch(rb"HTTP/1.1 200 OK\r\n.*?\r\n\r\n\{.*\}HTTP/1.1 %s [^\r]*\r\n.*" % status, rest, re.S), rest
+        assert s.behind.requests == 2, "nothing of the bad request goes upstream"
+        assert _raw(s.proxy.url, "/v1/completions", whole)[0] == 200
+
+
 def test_an_http10_keep_alive_client_gets_connection_close(stack):
     """An HTTP/1.0 client that asks for keep-alive: the answer says `connection: close` and the connection
     closes, as uvicorn (vLLM) does directly. (It was kept open without a word, and a client that reads to

@@ -136,6 +136,7 @@ class ClientConnection(asyncio.Protocol):
         self.read_paused = False                # the queue is at its bound (``MAX_PIPELINED``, ``max_body_bytes``)
         self.forward: Forward | None = None    # the exchange being served
         self.discard = 0                        # body bytes still accepted (and dropped) after a 413
+        self.final: bytes | None = None         # the answer that ends the connection once those before it are sent
         self.closed = False
         self.write_paused = False
         self.idle_since = time.monotonic()
@@ -217,6 +218,8 @@ class ClientConnection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         r = self.request
+        if self.final is not None:  # after a request refused whole (a 431 head): nothing more is kept
+            return
         if r.too_large or r.answered:
             self.discard -= len(body)
             if self.discard < 0:  # a client that keeps sending after its 413
@@ -232,8 +235,8 @@ class ClientConnection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         r, self.request = self.request, None
         self.in_head, self.head_bytes = True, 0
-        if r is None or self.closed:
-            return
+        if r is None or self.closed or self.final is not None or self.parser.should_upgrade():
+            return  # an upgrade (or CONNECT) is not served: its 501 follows (``data_received``)
         if r.answered:  # its 413 or 401, already sent: this connection is done
             self.transport.close()
             self.closed = True
@@ -289,10 +292,20 @@ class ClientConnection(asyncio.Protocol):
             self.transport.close()
 
     def _answer_and_close(self, data: bytes) -> None:
-        if not self.closed:
+        """Answer a request that ends the connection (not HTTP: 400, a head too large: 431, an upgrade:
+        501, a stalled one: 408), then close it: at once, or, behind requests still being answered, after
+        their answers, in order (it was written into the middle of the answer being streamed, which the
+        close then cut). The connection is read no further."""
+        if self.closed or self.final is not None:
+            return
+        if self.forward is None and not self.queue:
             self.transport.write(data)
             self.transport.close()
             self.closed = True
+        else:
+            self.final = data
+            self.transport.pause_reading()
+            self.read_paused = True
 
     def respond(self, data: bytes, keep_alive: bool) -> None:
         """Write a whole response; then serve the next request or close."""
@@ -308,7 +321,7 @@ class ClientConnection(asyncio.Protocol):
             self.closed = True
             return
         self.idle_since = time.monotonic()
-        if self.queue:
+        if self.queue or self.final is not None:
             self.next()
         elif self.request is not None and self.request.wants_continue:  # its turn: the body may come
             self.request.wants_continue = False
@@ -320,6 +333,11 @@ class ClientConnection(asyncio.Protocol):
             r = self.queue.popleft()
             self.queued_bytes -= r.size
             self.proxy.serve(self, r)
+        if self.final is not None:
+            if self.forward is None and not self.queue:
+                final, self.final = self.final, None
+                self._answer_and_close(final)
+            return
         if self.read_paused and not self.closed and len(self.queue) < MAX_PIPELINED \
                 and self.queued_bytes <= self.proxy.config.max_body_bytes:
             self.read_paused = False
