@@ -193,7 +193,8 @@ class ClientConnection(asyncio.Protocol):
         self.request.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.request.headers.append((name, value))
+        if self.in_head:  # a trailer field, after a chunked body, is dropped (RFC 9112 7.1.2), not sent as a header
+            self.request.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         r, limit = self.request, self.proxy.config.max_body_bytes

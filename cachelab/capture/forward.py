@@ -123,7 +123,8 @@ class Forward:
         self.reason += reason
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
+        if self.mode == -1:  # a trailer field, after a chunked body, is dropped (RFC 9112 7.1.2: the proxy re-frames)
+            self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         self.status = status = self.conn.parser.get_status_code()
