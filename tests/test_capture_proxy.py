@@ -501,6 +501,27 @@ def test_trailer_fields_are_dropped_both_ways(tmp_path, model):
         assert read_requests(tmp_path)[0].row(0, named=True)["status"] == 200
 
 
+@pytest.mark.parametrize("prefix", ["", "/route/v1"])
+def test_options_asterisk_goes_upstream_as_it_is_and_other_targets_are_checked(tmp_path, prefix):
+    """`OPTIONS *` asks about the server as a whole (RFC 9112 3.2.4): it goes upstream as `*`, whatever the
+    upstream's path prefix (it went as `OPTIONS /route*`), as does `OPTIONS http://host`, a proxy's form of
+    it; a `*` target with another method, or `*x`, is not HTTP: a 400, nothing upstream (they went as
+    `/route*x`). Origin-form targets get the prefix as before."""
+    upstream = HeadUpstream()
+    sent = [(b"OPTIONS * HTTP/1.1", b"200", b"OPTIONS * HTTP/1.1"),
+            (b"OPTIONS http://example.com HTTP/1.1", b"200", b"OPTIONS * HTTP/1.1"),
+            (b"OPTIONS /v1/models?x=1 HTTP/1.1", b"200", b"OPTIONS %s/v1/models?x=1 HTTP/1.1" % prefix[:-3].encode()),
+            (b"GET * HTTP/1.1", b"400", None), (b"OPTIONS *x HTTP/1.1", b"400", None)]
+    with ProxyThread(ProxyConfig(upstream=upstream.url + prefix), Recorder(tmp_path)) as proxy:
+        for line, status, upstream_line in sent:
+            before = len(upstream.heads)
+            got = _socket_exchange(proxy.url, line + b"\r\nhost: x\r\nconnection: close\r\n\r\n")
+            assert got.startswith(b"HTTP/1.1 %s " % status), (line, got)
+            heads = upstream.heads[before:]
+            assert [h.partition(b"\r\n")[0] for h in heads] == ([upstream_line] if upstream_line else []), (line, heads)
+    upstream.sock.close()
+
+
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 @pytest.mark.parametrize("reset", [False, True])
 @pytest.mark.parametrize("at_accept", [True, False])

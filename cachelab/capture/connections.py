@@ -112,13 +112,25 @@ class Request:
 
     def origin_path(self) -> bytes:
         """The request's path; an absolute-form target (``http://host/path?query``) becomes its path
-        and query, which is all that goes on."""
+        and query, which is all that goes on (``OPTIONS http://host``, no path or query: ``*``, RFC
+        9112 3.2.4)."""
         path = self.url.partition(b"?")[0]
-        if path[:1] != b"/":
+        if path[:1] != b"/" and path != b"*":
             parsed = httptools.parse_url(self.url)
+            if parsed.schema and not parsed.path and not parsed.query and self.method == b"OPTIONS":
+                self.url = b"*"
+                return self.url
             path = parsed.path or b"/"
             self.url = path + (b"?" + parsed.query if parsed.query else b"")
         return path
+
+    def target(self, prefix: bytes) -> bytes | None:
+        """The request target upstream: ``prefix`` and the path and query (``origin_path`` first); for
+        ``OPTIONS *`` (the server as a whole, RFC 9112 3.2.4) ``*`` alone, whatever the prefix; None
+        for any other form (``*`` with another method, ``*x``), which is not HTTP."""
+        if self.url[:1] == b"/":
+            return prefix + self.url
+        return self.url if self.url == b"*" and self.method == b"OPTIONS" else None
 
 
 class ClientConnection(asyncio.Protocol):

@@ -160,6 +160,11 @@ class CaptureProxy:
         path = r.origin_path()
         if r.too_large:
             return self.refuse_too_large(client, r)
+        target = r.target(self.pool.prefix)
+        if target is None:
+            message = f"request target {r.url.decode('latin-1')!r}: expected /PATH, an absolute URL or OPTIONS *"
+            return client.respond(whole_response(400, error_body(400, message), close=not r.keep_alive),
+                                  r.keep_alive)
         if r.method == b"GET" and path == b"/capture/status":
             return client.respond(whole_response(200, json.dumps(self.recorder.stats()).encode(),
                                             close=not r.keep_alive), r.keep_alive)
@@ -176,8 +181,8 @@ class CaptureProxy:
             lines.append(self.pool.authorization)  # the --upstream URL's credentials, for a client that sent none
         if body or r.method not in (b"GET", b"HEAD", b"DELETE", b"OPTIONS"):
             lines.append(b"content-length: %d\r\n" % len(body))
-        request = b"%s %s%s HTTP/1.1\r\nhost: %s\r\n%s\r\n%s" % (
-            r.method, self.pool.prefix, r.url, self.pool.host_header, b"".join(lines), body)
+        request = b"%s %s HTTP/1.1\r\nhost: %s\r\n%s\r\n%s" % (
+            r.method, target, self.pool.host_header, b"".join(lines), body)
         # a completion asked again changes nothing upstream (OpenAI clients retry them on a lost connection)
         forward = Forward(self, client, request, x, r.keep_alive, r.http11, r.method == b"HEAD",
                           x is not None or r.method in IDEMPOTENT)
