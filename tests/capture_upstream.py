@@ -271,10 +271,13 @@ def cli_proxy(upstream: str, out, *args: str, env: dict | None = None):
 
 
 class ServerThread:
-    """Runs an ASGI app with uvicorn on 127.0.0.1 in a thread of this process."""
+    """Runs an ASGI app with uvicorn on 127.0.0.1 in a thread of this process. Without uvicorn's proxy
+    headers: a request's client is its connection's peer (``Upstream.peers``), not the address the
+    capture proxy adds in X-Forwarded-For."""
 
     def __init__(self, app, port: int | None = None, **options):
         self.port = port or free_port()
+        options = {"proxy_headers": False, **options}
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                                     access_log=False, lifespan="on", timeout_graceful_shutdown=1,
                                                     timeout_keep_alive=60, **options))

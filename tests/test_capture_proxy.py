@@ -707,12 +707,14 @@ def test_an_upstream_head_without_an_end_is_bounded(tmp_path):
 
 def test_request_headers_upstream_keep_their_case_and_lose_the_hop_by_hop_ones(tmp_path):
     """Both ways: the hop-by-hop headers, and those a Connection header names (RFC 9110, 7.6.1), stay on
-    their hop (the named ones went on); every other header goes on as written."""
+    their hop (the named ones went on); every other header goes on as written. Upstream, the proxy adds
+    its Via (RFC 9110 7.6.3) and the client's address to X-Forwarded-For (it added neither)."""
     upstream = HeadUpstream(head=b"content-type: application/json\r\nConnection: keep-alive, X-Upstream-Hop\r\n"
                                  b"X-Upstream-Hop: 1\r\nX-End-To-End: 2\r\n")
     sent = {"Authorization": "Bearer upstream-key", "X-Custom-Thing": "Kept As Sent", "Accept-Encoding": "gzip",
             "Keep-Alive": "timeout=5", "TE": "trailers", "X-Session-Id": "user-7",
-            "Connection": "keep-alive, X-Client-Hop", "X-Client-Hop": "1"}
+            "Connection": "keep-alive, X-Client-Hop", "X-Client-Hop": "1", "Via": "1.0 fred",
+            "X-Forwarded-For": "10.1.2.3"}
     with ProxyThread(ProxyConfig(upstream=upstream.url), Recorder(tmp_path)) as proxy:
         with httpx.Client(base_url=proxy.url, timeout=30) as client:
             answers = [client.post("/v1/completions", json={"model": "m", "prompt": "hi"}, headers=sent),
@@ -728,6 +730,9 @@ def test_request_headers_upstream_keep_their_case_and_lose_the_hop_by_hop_ones(t
         names = [line.split(b":")[0].lower() for line in lines]
         assert not {b"keep-alive", b"te", b"connection", b"x-client-hop"} & set(names), names
         assert names.count(b"host") == 1
+        # the proxy's Via after the client's (RFC 9110 7.6.3), the client's address after its X-Forwarded-For
+        assert [line for line in lines if line.lower().startswith((b"via:", b"x-forwarded-for:"))] == [
+            b"Via: 1.0 fred", b"via: 1.1 cachelab-capture", b"x-forwarded-for: 10.1.2.3, 127.0.0.1"], lines
     assert b"accept-encoding: identity" in recorded.split(b"\r\n") and b"gzip" not in recorded, \
         "a recorded answer is asked for as identity: the proxy reads it"
     assert b"Accept-Encoding: gzip" in passed.split(b"\r\n"), "a passed-through path keeps the client's"

@@ -152,12 +152,15 @@ class ClientConnection(asyncio.Protocol):
         self.closed = False
         self.write_paused = False
         self.idle_since = time.monotonic()
+        self.peer = b"unknown"
 
     # -- transport callbacks ------------------------------------------------------------------
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.proxy.clients.add(self)
         no_delay(transport)
+        peer = transport.get_extra_info("peername")
+        self.peer = peer[0].encode() if isinstance(peer, tuple) else b"unknown"  # its address, for X-Forwarded-For
 
     def connection_lost(self, exc) -> None:
         gone = not self.closed  # the client closed it (the proxy sets ``closed`` before it closes one)

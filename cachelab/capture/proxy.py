@@ -3,7 +3,7 @@
 Completions and chat completions are recorded (``cachelab.capture.exchange``); every other
 path (``/v1/models``, ``/health``, ``/metrics``, ...) is passed through unrecorded. The
 client's request goes upstream as sent, headers included (``Authorization`` too; no header
-is ever recorded), except that the proxy asks for token ids (``return_token_ids``) and, on a
+is ever recorded; the proxy adds its ``Via`` and the client's address to ``X-Forwarded-For``), except that the proxy asks for token ids (``return_token_ids``) and, on a
 stream, for the final usage event (``stream_options.include_usage``) when the client did
 not, and strips both from what the client receives. The answer streams back as the
 upstream sent it.
@@ -55,6 +55,9 @@ from cachelab.errors import CachelabError
 RECORDED = (b"/v1/completions", b"/v1/chat/completions")
 IDEMPOTENT = {b"GET", b"HEAD", b"PUT", b"DELETE", b"OPTIONS", b"TRACE"}  # RFC 9110, 9.2.2
 _IDLE_SWEEP_S = 5.0
+_REPLACED = frozenset({b"x-forwarded-for"})  # request headers the proxy writes itself, the client's value first
+_REPLACED_RECORDED = _REPLACED | {b"accept-encoding"}
+_VIA_11, _VIA_10 = b"via: 1.1 cachelab-capture\r\n", b"via: 1.0 cachelab-capture\r\n"
 
 
 @dataclass
@@ -172,11 +175,15 @@ class CaptureProxy:
         x = self._exchange(r, path)
         if x is not None:
             body = prepare(body, x, self.config.token_ids)
-        drop = hop_by_hop(r.headers)
-        lines = [b"%s: %s\r\n" % (k, v) for k, v in r.headers
-                 if k.lower() not in drop and (x is None or k.lower() != b"accept-encoding")]
+        drop = hop_by_hop(r.headers) | (_REPLACED_RECORDED if x is not None else _REPLACED)
+        lines = [b"%s: %s\r\n" % (k, v) for k, v in r.headers if k.lower() not in drop]
         if x is not None:
             lines.append(b"accept-encoding: identity\r\n")  # the proxy reads the answer
+        # a gateway's Via (RFC 9110 7.6.3: the protocol it received, after any Via the client sent), and the
+        # client's address after any X-Forwarded-For it sent (what uvicorn, vLLM's server, logs as the client)
+        lines.append(_VIA_11 if r.http11 else _VIA_10)
+        lines.append(b"x-forwarded-for: %s\r\n" % b", ".join(
+            [v for k, v in r.headers if k.lower() == b"x-forwarded-for"] + [client.peer]))
         if self.pool.authorization is not None and r.header(b"authorization") is None:
             lines.append(self.pool.authorization)  # the --upstream URL's credentials, for a client that sent none
         if body or r.method not in (b"GET", b"HEAD", b"DELETE", b"OPTIONS"):
