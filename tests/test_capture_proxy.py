@@ -629,6 +629,29 @@ def test_a_pooled_connection_idle_past_the_bound_is_not_reused(tmp_path, loop):
     assert read_requests(tmp_path)[0]["status"].to_list() == [200, 200, 200]
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_an_upstream_keep_alive_timeout_shorter_than_the_bound_is_honoured(tmp_path, loop):
+    """An upstream that announces `Keep-Alive: timeout=2` closes connections idle for 2 s: the proxy reuses
+    one for a second less at most, so that it does not write a request as the upstream closes (a 502 for
+    a request that may not go twice); it reused it for --upstream-idle-timeout (4 s) whatever the upstream
+    said. Within the bound it is reused."""
+    from cachelab.capture.connections import keep_alive_bound
+
+    assert [keep_alive_bound(v, 4.0) for v in (b"timeout=5, max=100", b"max=9, Timeout=2", b"timeout=1", b"max=3",
+                                               b"timeout=x")] == [4.0, 1.0, 0.0, 4.0, 4.0]
+    upstream = HeadUpstream(head=b"content-type: application/json\r\nkeep-alive: timeout=2, max=100\r\n")
+    with ProxyThread(ProxyConfig(upstream=upstream.url), Recorder(tmp_path), loop) as proxy, \
+            httpx.Client(base_url=proxy.url, timeout=15) as client:
+        assert client.get("/v1/models").status_code == 200
+        time.sleep(0.2)
+        assert client.get("/v1/models").status_code == 200
+        assert upstream.connections == 1, "reused within the upstream's timeout, less a second"
+        time.sleep(1.2)
+        assert client.get("/v1/models").status_code == 200
+        assert upstream.connections == 2, "not reused past it"
+    upstream.sock.close()
+
+
 def test_a_request_waiting_for_a_pool_place_is_bounded(tmp_path):
     """At the pool's limit a request waits for an upstream connection at most --read-timeout: then a 503
     saying so, recorded (it waited until a connection was given back, for ever if none was)."""

@@ -372,6 +372,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.counted = True  # holds a place in the pool's count until it is lost (``UpstreamPool._release``)
         self.reused = False  # has carried an answer and waited idle in the pool since
         self.idle_since = 0.0  # time.monotonic() when it was last given back
+        self.keep_for = pool.idle_timeout  # reused while idle no longer than this (``keep_alive_bound``)
         self.lost: str | None = None  # once it is lost: how (a close, a reset, ...)
 
     def connection_made(self, transport) -> None:
@@ -441,9 +442,24 @@ def shown_url(url: str) -> str:
     return url
 
 
+def keep_alive_bound(value: bytes, bound: float) -> float:
+    """How long an upstream connection may wait idle and still be reused, given the ``Keep-Alive`` header
+    of its last answer (``timeout=5, max=100``, RFC 2068 19.7.1.1): ``bound`` (``--upstream-idle-timeout``),
+    or a second less than the timeout the upstream announces where that is shorter, so that the proxy
+    stops reusing the connection before the upstream closes it (the margin: the answer's time on the way
+    and the timers' slack). A request written as the upstream closes is the keep-alive race: sent again if
+    it may go twice (``Forward.upstream_lost``), else a 502."""
+    for part in value.split(b","):
+        name, _, seconds = part.partition(b"=")
+        if name.strip().lower() == b"timeout" and seconds.strip().isdigit():
+            return min(bound, max(int(seconds) - 1.0, 0.0))
+    return bound
+
+
 class UpstreamPool:
     """Keep-alive connections to the upstream: reused most recent first, at most ``limit`` open, none
-    once idle for over ``idle_timeout`` (``expire``)."""
+    once idle for over ``idle_timeout`` (``expire``) or the upstream's own keep-alive timeout, less a
+    second, where its answers announce a shorter one (``keep_alive_bound``)."""
 
     def __init__(self, config: ProxyConfig):
         parts = urlsplit(config.upstream)  # checked by ProxyConfig
@@ -466,10 +482,14 @@ class UpstreamPool:
 
     def take(self) -> UpstreamConnection | None:
         self.expire()
+        now = time.monotonic()
         while self.idle:
             conn = self.idle.pop()
-            if conn.usable:
+            if conn.usable and now - conn.idle_since < conn.keep_for:
                 return conn
+            if conn.usable:  # past the upstream's announced keep-alive timeout: about to be closed by it
+                conn.usable = False
+                conn.transport.close()
         return None
 
     def expire(self) -> None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import httptools
 
 from cachelab.capture.connections import (LAST_CHUNK, ClientConnection, UpstreamConnection, error_body, hop_by_hop,
-                                          whole_response)
+                                          keep_alive_bound, whole_response)
 from cachelab.capture.exchange import Exchange, Restorer, strip_body
 
 if TYPE_CHECKING:
@@ -147,6 +147,8 @@ class Forward:
                 chunked = b"chunked" in value.lower()
             elif key == b"content-encoding":
                 encoding = value.strip().lower()
+            elif key == b"keep-alive":
+                self.conn.keep_for = keep_alive_bound(value, self.proxy.pool.idle_timeout)
             if key not in drop:
                 lines.append(b"%s: %s\r\n" % (name, value))
         bodiless = self.head or status in (204, 304)
