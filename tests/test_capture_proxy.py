@@ -531,7 +531,7 @@ def test_a_new_connection_closed_unanswered_is_a_502_at_once(tmp_path, monkeypat
     byte of an answer: a 502 at once, recorded with what happened, not sent again. (Closed before the
     write, it hung for ever with uvloop, the write on the closed connection raising in the connecting
     task, and was a 504 after --read-timeout with asyncio's loop.)"""
-    from cachelab.capture.connections import UpstreamPool
+    from cachelab.capture.upstream import UpstreamPool
 
     opened = UpstreamPool.open
 
@@ -635,7 +635,7 @@ def test_an_upstream_keep_alive_timeout_shorter_than_the_bound_is_honoured(tmp_p
     one for a second less at most, so that it does not write a request as the upstream closes (a 502 for
     a request that may not go twice); it reused it for --upstream-idle-timeout (4 s) whatever the upstream
     said. Within the bound it is reused."""
-    from cachelab.capture.connections import keep_alive_bound
+    from cachelab.capture.upstream import keep_alive_bound
 
     assert [keep_alive_bound(v, 4.0) for v in (b"timeout=5, max=100", b"max=9, Timeout=2", b"timeout=1", b"max=3",
                                                b"timeout=x")] == [4.0, 1.0, 0.0, 4.0, 4.0]
@@ -1136,7 +1136,7 @@ def test_a_pool_waiter_woken_and_then_cancelled_passes_the_connection_on(loop):
     (it waited for ever: the wake-up went with the cancelled task)."""
     import socket
 
-    from cachelab.capture.connections import UpstreamPool
+    from cachelab.capture.upstream import UpstreamPool
     from cachelab.capture.proxy import event_loop_factory
 
     with socket.create_server(("127.0.0.1", 0)) as server:  # the kernel accepts; nothing is ever answered
@@ -1164,20 +1164,20 @@ def test_a_connection_cancelled_as_it_is_made_is_counted_once(loop, monkeypatch)
     pool then opened more than its limit)."""
     import socket
 
-    from cachelab.capture import connections
+    from cachelab.capture import upstream
     from cachelab.capture.proxy import event_loop_factory
 
-    made = connections.UpstreamConnection.connection_made
+    made = upstream.UpstreamConnection.connection_made
     opening: list[asyncio.Task] = []
 
     def made_then_cancelled(self, transport):
         made(self, transport)
         opening[0].cancel()
 
-    monkeypatch.setattr(connections.UpstreamConnection, "connection_made", made_then_cancelled)
+    monkeypatch.setattr(upstream.UpstreamConnection, "connection_made", made_then_cancelled)
     with socket.create_server(("127.0.0.1", 0)) as server:
         async def main():
-            pool = connections.UpstreamPool(ProxyConfig(upstream=f"http://127.0.0.1:{server.getsockname()[1]}"))
+            pool = upstream.UpstreamPool(ProxyConfig(upstream=f"http://127.0.0.1:{server.getsockname()[1]}"))
             opening.append(asyncio.create_task(pool.open()))
             with pytest.raises(asyncio.CancelledError):
                 await opening[0]
@@ -1203,7 +1203,7 @@ def test_a_connection_cancelled_as_it_is_made_is_counted_once(loop, monkeypatch)
     ("http://h:8000", "http://h:8000"),
 ])
 def test_shown_url_hides_the_userinfo_only(url, shown):
-    from cachelab.capture.connections import shown_url
+    from cachelab.capture.upstream import shown_url
 
     assert shown_url(url) == shown
 

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 
 import httptools
 
-from cachelab.capture.connections import (LAST_CHUNK, ClientConnection, UpstreamConnection, error_body, hop_by_hop,
-                                          keep_alive_bound, whole_response)
+from cachelab.capture.connections import LAST_CHUNK, ClientConnection, error_body, hop_by_hop, whole_response
 from cachelab.capture.exchange import Exchange, Restorer, strip_body
+from cachelab.capture.upstream import UpstreamConnection, keep_alive_bound
 
 if TYPE_CHECKING:
     from cachelab.capture.proxy import CaptureProxy

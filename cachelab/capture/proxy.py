@@ -32,7 +32,7 @@ new connection where it may (``cachelab.capture.forward``). The proxy
 listens on loopback unless given a bearer token (``api_key``), which every client must then
 send (``cachelab.live.launch.check_bind``). Credentials in the upstream's URL
 (``http://user:password@host``) go upstream as HTTP Basic and are never shown
-(``connections.shown_url``). A client that disconnects ends the upstream request and is recorded
+(``upstream.shown_url``). A client that disconnects ends the upstream request and is recorded
 as 499, nginx's "client closed request", whether or not its answer had begun. Flow control: a
 client that reads slowly pauses the upstream connection's reads.
 """
@@ -46,10 +46,11 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from cachelab.capture.connections import ClientConnection, Request, UpstreamPool, error_body, hop_by_hop, shown_url, \
-    unauthorized, whole_response
+from cachelab.capture.connections import ClientConnection, Request, error_body, hop_by_hop, unauthorized, \
+    whole_response
 from cachelab.capture.exchange import Exchange, prepare
 from cachelab.capture.forward import CLIENT_CLOSED, CLIENT_GONE, Forward
+from cachelab.capture.upstream import UpstreamPool, shown_url
 from cachelab.errors import CachelabError
 
 RECORDED = (b"/v1/completions", b"/v1/chat/completions")

@@ -103,7 +103,7 @@ def proxy(
     """
     import asyncio
 
-    from cachelab.capture.connections import shown_url
+    from cachelab.capture.upstream import shown_url
     from cachelab.capture.proxy import ProxyConfig, event_loop_factory, run_proxy
     from cachelab.capture.recorder import Recorder
     from cachelab.capture.writer import CaptureWriter
