@@ -652,6 +652,39 @@ def test_an_upstream_keep_alive_timeout_shorter_than_the_bound_is_honoured(tmp_p
     upstream.sock.close()
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_both_hops_have_tcp_keepalive(tmp_path, loop):
+    """Every connection, the client's and the upstream's, is probed once silent for --tcp-keepalive (7 s
+    here: probes every 2 s, three of them), so that a peer gone without a FIN or RST is noticed; none
+    was, and a client that vanished while its answer was generated held the upstream request to its
+    end, recorded as served. (Seen in a network namespace whose client address was removed mid-request:
+    docs/capture.md, HTTP.) 0 leaves the sockets as they were."""
+    from cachelab.capture.proxy import CaptureProxy, event_loop_factory
+
+    upstream = HeadUpstream()
+
+    async def options(keepalive_s: float) -> list[tuple[int, ...]]:
+        proxy = CaptureProxy(ProxyConfig(upstream=upstream.url, tcp_keepalive_s=keepalive_s), Recorder(tmp_path))
+        listener = socket.create_server(("127.0.0.1", 0))
+        await proxy.start(listener)
+        reader, writer = await asyncio.open_connection(*listener.getsockname())
+        writer.write(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n")
+        await reader.readuntil(b'"choices":[]}')
+        transports = [c.transport for c in proxy.clients] + [c.transport for c in proxy.pool.idle]
+        socks = [t.get_extra_info("socket") for t in transports]
+        got = [(s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) != 0,
+                *(s.getsockopt(socket.IPPROTO_TCP, o) for o in (socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL,
+                                                                 socket.TCP_KEEPCNT))) for s in socks]
+        writer.close()
+        await proxy.close()
+        return got
+
+    with asyncio.Runner(loop_factory=event_loop_factory(loop)) as runner:
+        assert runner.run(options(7.0)) == [(True, 7, 2, 3)] * 2, "the client's connection, the upstream's"
+        assert [on for on, *_ in runner.run(options(0.0))] == [False, False]
+    upstream.sock.close()
+
+
 def test_a_request_waiting_for_a_pool_place_is_bounded(tmp_path):
     """At the pool's limit a request waits for an upstream connection at most --read-timeout: then a 503
     saying so, recorded (it waited until a connection was given back, for ever if none was)."""
@@ -825,6 +858,7 @@ def test_non_loopback_listen_needs_a_token(tmp_path):
     (["--upstream", "http://x", "--max-connections", "0"], "--max-connections 0: expected 1 or more"),
     (["--upstream", "http://x", "--upstream-idle-timeout", "-1"], "--upstream-idle-timeout -1.0: expected 0 or more"),
     (["--upstream", "http://x", "--upstream-idle-timeout", "nan"], "--upstream-idle-timeout nan: expected 0 or more"),
+    (["--upstream", "http://x", "--tcp-keepalive", "-1"], "--tcp-keepalive -1.0: expected 0 (off) to 32767 seconds"),
     (["--upstream", "http://x", "--max-body-mb", "-1"], "--max-body-mb -1.0: expected a number above 0"),
     (["--upstream", "http://x", "--max-response-mb", "0"], "--max-response-mb 0.0: expected a number above 0"),
     # under one byte: a segment per record, every body refused (the writer refused it after creating the directory)

@@ -79,6 +79,7 @@ class ProxyConfig:
     total_timeout: float = 3600.0
     max_connections: int = 1024
     upstream_idle_timeout: float = 4.0  # an upstream connection idle this long is not reused (closed)
+    tcp_keepalive_s: float = 30.0   # TCP keep-alive on both hops: a peer gone silently is dropped ~2x this after
     keep_alive_s: float = 30.0      # an idle client connection is closed after this long
     shutdown_grace_s: float = 10.0  # on stop, exchanges in flight get this long to finish
 

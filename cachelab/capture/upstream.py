@@ -18,7 +18,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
-from cachelab.capture.connections import no_delay
+from cachelab.capture.connections import no_delay, probe_when_idle
 
 if TYPE_CHECKING:
     from cachelab.capture.forward import Forward
@@ -44,6 +44,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.transport = transport
         self.usable = True
         no_delay(transport)
+        probe_when_idle(transport, self.pool.keepalive_s)
 
     def data_received(self, data: bytes) -> None:
         forward = self.forward
@@ -141,6 +142,7 @@ class UpstreamPool:
         self.limit = config.max_connections
         self.connect_timeout = config.connect_timeout
         self.idle_timeout = config.upstream_idle_timeout
+        self.keepalive_s = config.tcp_keepalive_s
         self.idle: list[UpstreamConnection] = []
         self.count = 0
         self.waiters: deque[asyncio.Future] = deque()

@@ -82,6 +82,10 @@ def proxy(
                                                 "(uvicorn's, so vLLM's: 5 s), so that no request goes on a "
                                                 "connection it closed or that a peer dropped silently. 0: none "
                                                 "is reused."),
+    tcp_keepalive: float = typer.Option(30.0, help="TCP keep-alive on every connection, both hops: one silent "
+                                        "this long is probed, and given up after three probes unanswered "
+                                        "(about twice this in all), so that a client or upstream gone without "
+                                        "a word is noticed (s; 0: off)."),
     writer: str = typer.Option("process", help="Where records are built and written: `process` (a child process "
                                "at --writer-sched: building a record never holds the proxy's GIL nor a core a "
                                "token's wake-up needs; docs/capture.md, Overhead) or `thread` (a thread of the "
@@ -120,6 +124,8 @@ def proxy(
             raise CachelabError(f"{flag} {value}: expected a number above 0")
     if not upstream_idle_timeout >= 0:
         raise CachelabError(f"--upstream-idle-timeout {upstream_idle_timeout}: expected 0 or more seconds")
+    if not 0 <= tcp_keepalive <= 32767:  # Linux's bound on the idle time a socket takes
+        raise CachelabError(f"--tcp-keepalive {tcp_keepalive}: expected 0 (off) to 32767 seconds")
     if max_connections < 1:  # 0 sent nothing upstream: every request waited, then a 503
         raise CachelabError(f"--max-connections {max_connections}: expected 1 or more")
     if hash_blocks < 0:
@@ -133,7 +139,8 @@ def proxy(
                          token_ids=token_ids, max_body_bytes=max_body_bytes,
                          max_response_bytes=max_response_bytes, read_timeout=read_timeout,
                          total_timeout=total_timeout, connect_timeout=connect_timeout,
-                         max_connections=max_connections, upstream_idle_timeout=upstream_idle_timeout)
+                         max_connections=max_connections, upstream_idle_timeout=upstream_idle_timeout,
+                         tcp_keepalive_s=tcp_keepalive)
     if writer not in ("process", "thread"):
         raise CachelabError(f"--writer {writer!r}: expected process or thread")
     if not commit_ms >= 0:
