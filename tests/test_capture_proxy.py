@@ -363,7 +363,7 @@ def test_bearer_token_required_when_set(tmp_path):
         assert b"proxy-token" not in raw
 
 
-def test_a_request_without_the_token_that_expects_100_continue_gets_its_401_at_once(tmp_path):
+def test_a_request_without_the_token_that_expects_100_continue_gets_its_401_at_once(tmp_path, caplog):
     """With --api-key, a request that waits for `100 Continue` without the token gets its 401 at once, no
     100, and nothing goes upstream (the proxy asked for the body, read it, then refused it); a body sent
     all the same is read and dropped before the close. With the token it gets its 100, as before, also
@@ -397,6 +397,11 @@ def test_a_request_without_the_token_that_expects_100_continue_gets_its_401_at_o
         # a 413 before the body is read (its declared length) closes at once too, where it waited for the sweep
         huge = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n%s\r\n" % (9 << 20, token)
         assert _socket_exchange(proxy.url, huge).startswith(b"HTTP/1.1 413 ")
+        # a body that is not HTTP after the 401: the close, no second answer (its write failed: a logged traceback)
+        chunked = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\nexpect: 100-continue\r\n\r\n"
+        got = _socket_exchange(proxy.url, chunked, b"5\r\nhello\r\nnot a chunk\r\n", pause=0.3)
+        assert got.startswith(b"HTTP/1.1 401 ") and got.count(b"HTTP/1.1 ") == 1, got
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
     upstream.sock.close()
     assert upstream.requests == 4, "nothing of a refused request goes upstream"
 

@@ -326,7 +326,8 @@ class ClientConnection(asyncio.Protocol):
         if self.closed or self.final is not None:
             return
         if self.forward is None and not self.queue:
-            self.transport.write(data)
+            if self.request is None or not self.request.answered:  # else refused already, its sending side ended
+                self.transport.write(data)
             self.transport.close()
             self.closed = True
         else:
