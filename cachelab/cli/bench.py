@@ -7,10 +7,11 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from cachelab import strict_json
 from cachelab.paths import replacing
+from cachelab.progress import progress_bar
 
 app = typer.Typer(no_args_is_help=True, help="Benchmark live servers (load generator, server metrics).")
 
@@ -56,10 +57,9 @@ def serve(
     plan = plan_from_trace(trace, num_prompts=num_prompts, request_rate=request_rate, burstiness=burstiness,
                            seed=seed)
     config = BenchConfig(base_url, model, max_concurrency, slos, ignore_eos)
-    console = Console(stderr=True)
     columns = [TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("failed {task.fields[failed]}"), TimeElapsedColumn()]
-    with Progress(*columns, console=console, transient=True, disable=as_json) as progress:
+    with progress_bar(*columns) as progress:
         task = progress.add_task("requests", total=len(plan), failed=0)
         failed = 0
 

@@ -13,6 +13,7 @@ from cachelab import registry, strict_json
 from cachelab.capacity import Capacity, parse_capacities, parse_capacity
 from cachelab.errors import CachelabError
 from cachelab.params import check_params, parse_pairs
+from cachelab.progress import spinner
 from cachelab.engine.tiers import Hierarchy, Tier
 from cachelab.defaults import PRESET
 from cachelab.learning.streams import STEP_VIEWS, load_trace, unchecked_layout
@@ -35,12 +36,11 @@ WARMUP_HELP = ("Warm-up excluded from the statistics: a fraction of the steps (0
                "in a key trace every request is a step.")
 
 
-def load_stream(trace: str, fmt: str | None, requests: int, steps: str, verb: str,
-                quiet: bool) -> tuple[Found, LookupStream]:
+def load_stream(trace: str, fmt: str | None, requests: int, steps: str, verb: str) -> tuple[Found, LookupStream]:
     """What ``--trace`` names (``cachelab.trace.kinds``) and its lookup stream: a key trace is one
     request per step; corpus names and a request trace's tokens become Engram row lookups."""
     found = detect(trace, fmt)
-    with Console(stderr=True, quiet=quiet).status(f"reading {found}"):
+    with spinner(f"reading {found}"):
         return found, load_trace(found, requests, 0, PRESET, steps, verb=verb, tokens=False)
 
 
@@ -86,7 +86,7 @@ def simulate(
     started = time.perf_counter()
     # each --param's name and type, before the stream is read (a wrong type raised inside the policy)
     check_params(registry.get(registry.POLICIES, policy.split("+")[0]), parse_pairs(param), "--param")
-    found, stream = load_stream(trace, fmt, requests, steps, "simulate", as_json)
+    found, stream = load_stream(trace, fmt, requests, steps, "simulate")
     scores = None
     if model is not None:
         from cachelab.learning.training import lookup_scores, policy_params
@@ -101,7 +101,7 @@ def simulate(
     hierarchy = Hierarchy([Tier("cache", cache, capacity_rows=capacity, location="gpu")], stream.row_bytes)
     if cache.capabilities.needs_scores and model is None:
         raise CachelabError(f"policy {policy!r} needs predictor scores: pass --model DIR (from `cachelab train`)")
-    stats = replay(stream, hierarchy, warmup=warmup, progress=not as_json, scores=scores).stats()
+    stats = replay(stream, hierarchy, warmup=warmup, progress=True, scores=scores).stats()
     level = stats.levels["cache"]
     requests = stats.lookups
     hits = level.served_lookups
@@ -151,11 +151,11 @@ def mrc(
     if workers is not None and workers < 1:  # 0 ran on all cores, a negative count on one
         raise CachelabError(f"--workers must be at least 1, got {workers}")
     check_params(registry.get(registry.POLICIES, policy.split("+")[0]), parse_pairs(param), "--param")  # as simulate
-    found, stream = load_stream(trace, fmt, requests, steps, "mrc", as_json)
+    found, stream = load_stream(trace, fmt, requests, steps, "mrc")
     caps = sorted(set(capacity_rows(parse_capacities(capacities), stream, "--capacities")))
     curve = miss_ratio_curve(stream, caps, policy=policy, sample_rate=sample_rate, warmup=warmup,
                              params={**parse_pairs(param), **({"admission": admission} if admission else {})},
-                             workers=workers, progress=not as_json)
+                             workers=workers, progress=True)
     out = {"policy": policy, **curve.to_dict(), "trace": str(trace), "trace_kind": found.kind,
            "seconds": round(time.perf_counter() - started, 3)}
     if as_json:

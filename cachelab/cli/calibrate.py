@@ -8,6 +8,7 @@ import typer
 
 from cachelab import strict_json
 from cachelab.paths import output_file
+from cachelab.progress import progress_bar
 
 
 def calibrate(
@@ -50,7 +51,6 @@ def calibrate(
     if out is not None:
         output_file(out, "--out")
     from rich.console import Console
-    from rich.progress import Progress
     from rich.table import Table
 
     from cachelab.live.config import model_config
@@ -60,7 +60,7 @@ def calibrate(
 
     runs = find_runs(step_log)
     local = load_profile(hardware)
-    with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
+    with progress_bar() as progress:
         task = progress.add_task("fitting", total=max_evals)
         result = run(runs, model_config(preset), local, threads, fit or None, max_evals,
                      lambda done, total: progress.update(task, completed=done), warmup_requests, dispersion_draws,

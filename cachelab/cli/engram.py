@@ -12,6 +12,7 @@ from cachelab import strict_json
 from cachelab.defaults import PRESET
 from cachelab.engram import Addresser, encode, get_preset, load_tokenizer
 from cachelab.errors import CachelabError
+from cachelab.progress import progress_bar
 
 app = typer.Typer(no_args_is_help=True, help="Engram addressing: row ids of a text, and a layout's tables.")
 
@@ -110,7 +111,7 @@ def page_cache(
     holding a fraction of the tables' 4 KiB pages serves (Che's approximation over the measured
     page popularity). Prints the `\[engram] page_cache_curve` line a model spec keeps.
     Example: `cachelab engram page-cache --corpus stdlib`."""
-    from rich.progress import Progress, SpinnerColumn, TextColumn
+    from rich.progress import SpinnerColumn, TextColumn
 
     from cachelab import registry
     from cachelab.serving.page_popularity import corpus_tokens, curve, measure
@@ -121,7 +122,7 @@ def page_cache(
     source = registry.get(registry.WORKLOADS, corpus)()
     if not hasattr(source, "documents"):
         raise CachelabError(f"--corpus {corpus!r} is not a text corpus (it has no documents)")
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), transient=True, disable=as_json) as bar:
+    with progress_bar(SpinnerColumn(), TextColumn("{task.description}")) as bar:
         bar.add_task(f"tokenizing and addressing up to {max_tokens:,} tokens of {corpus}")
         rates = measure(corpus_tokens(source, cfg.tokenizer, max_tokens), cfg)
         points = curve(rates)

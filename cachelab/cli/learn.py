@@ -16,6 +16,7 @@ from cachelab.learning.training import TrainSpec, check_target, load, rolling_sc
 from cachelab.learning.evaluation import evaluate_capacities
 from cachelab.params import check_params, parse_pairs, parse_value
 from cachelab.paths import output_folder
+from cachelab.progress import spinner
 from cachelab.learning.streams import STEP_VIEWS, LearningView, load_trace, unchecked_layout
 from cachelab.trace.kinds import detect
 
@@ -34,7 +35,7 @@ def _view(trace: str, requests: int, seed: int, preset: str, steps: str, console
           verb: str) -> LearningView:
     found = detect(trace)
     console.print(f"{trace}: {found}")
-    with console.status("building the Engram lookup stream"):
+    with spinner("building the Engram lookup stream"):
         stream = load_trace(found, requests, seed, preset, steps, verb=verb)
     if note := unchecked_layout(stream):
         console.print(f"{trace}: {note}")
@@ -79,7 +80,7 @@ def train(
         raise CachelabError(f"predictor {predictor!r}: {exc}") from None
     output_folder(out, "--out")  # before the training it would hold
     stream = _view(trace, requests, seed, preset, steps, console, "train")
-    with console.status(f"training {predictor}"):
+    with spinner(f"training {predictor}"):
         model, metrics = train_model(stream, fresh, spec)
     save(model, out, {"trace": trace, "requests": requests, "preset": preset, "steps": steps})
     # lookups as `evaluate` counts them (every row read); fetches: each step's distinct rows, which
@@ -155,13 +156,13 @@ def evaluate(
         spec = fitted.metadata.get("spec", {})
         cls, params = type(fitted.predictor), fitted.predictor.get_params()
         window = retrain_window or int(spec.get("train_end", len(stream) // 2))
-        with console.status(f"retraining every {retrain_every:,} lookups on windows of {window:,}"):
+        with spinner(f"retraining every {retrain_every:,} lookups on windows of {window:,}"):
             scores = rolling_scores(stream, lambda: cls(**params),
                                     TrainSpec(horizon=fitted.horizon, seed=int(spec.get("seed", 0)),
                                               capacity=spec.get("capacity", 0.0),
                                               lookahead=fitted.lookahead),
                                     retrain_every, window)
-    evaluation = evaluate_capacities(stream, fitted, caps, warmup, progress=not as_json, scores=scores, policy=policy)
+    evaluation = evaluate_capacities(stream, fitted, caps, warmup, progress=True, scores=scores, policy=policy)
     result = {"trace": trace, "model": str(model), **evaluation.to_dict()}
     if as_json:
         typer.echo(strict_json.dumps(result))

@@ -12,6 +12,7 @@ from rich.table import Table
 from cachelab import strict_json
 from cachelab.errors import CachelabError
 from cachelab.paths import output_file, output_folder
+from cachelab.progress import progress_bar, spinner
 from cachelab.serving.agentic import PREFIX_HIT, PREFIX_HIT_V01
 from cachelab.serving.latency import PLACEMENTS
 
@@ -92,14 +93,14 @@ def serve_sim(
                         page_cache_bytes=page_cache_bytes,
                         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                         sample_rate=sample_rate)
-    result = simulate(df, cfg, progress=not as_json).to_dict()
+    result = simulate(df, cfg, progress=True).to_dict()
     from cachelab.trace.stats import server_cache
 
     result["prefix_cache"].update(server_cache(df))  # a captured trace: the real server's, beside the simulated
     if overlap:
         from dataclasses import replace
 
-        off = simulate(df, replace(cfg, prefix_cache="off"), progress=not as_json).to_dict()
+        off = simulate(df, replace(cfg, prefix_cache="off"), progress=True).to_dict()
         result["prefix_cache_off"] = {"metrics": off["metrics"], "row_cache": off["row_cache"]}
     if as_json:
         typer.echo(strict_json.dumps(result))
@@ -184,10 +185,14 @@ def pareto(
     bad = sorted(set(placement) - set(PLACEMENTS))
     if bad:
         raise CachelabError(f"unknown placement(s) {bad}; use {list(PLACEMENTS)}")
-    console = Console(stderr=True, quiet=as_json)
-    points = serving_grid(df, ServingConfig(prefix_cache=prefix_cache), hardware, _ints(tp, "--tp"), placement,
-                   _ints(concurrency, "--concurrency"), requests_per_client or None,
-                   lambda msg: console.print(f"running {msg}"))
+    with spinner("the grid") as status:
+        def running(point: str) -> None:
+            status.update(f"running {point}")
+            if not as_json:  # a line per point as well, kept where stderr is a log
+                status.console.print(f"running {point}")
+
+        points = serving_grid(df, ServingConfig(prefix_cache=prefix_cache), hardware, _ints(tp, "--tp"), placement,
+                              _ints(concurrency, "--concurrency"), requests_per_client or None, running)
     fits = points.filter(pl.col("fits")).with_columns(
         (pl.col("hardware") + " " + pl.col("placement") + " TP" + pl.col("tp").cast(pl.String)).alias("config"))
     front = pareto_front(fits)
@@ -218,13 +223,11 @@ def hw_probe(
 ) -> None:
     """Measure this machine: memcpy bandwidth, random row gather and dedup rates, minor and
     major page-fault cost, random 4 KiB O_DIRECT read latency and IOPS; save it as a profile (`--hardware local`)."""
-    from rich.progress import Progress
-
     from cachelab.serving.hardware.probe import probe, write_profile
 
     if out is not None:
         output_file(out, "--out")
-    with Progress(transient=True, disable=as_json) as bar:
+    with progress_bar() as bar:
         task = bar.add_task("probe", total=5)
 
         def step(name: str) -> None:
@@ -281,7 +284,7 @@ def _efficiency(console: Console, evals: int):
     except CachelabError as exc:
         console.print(f"[yellow]{exc}; using the default (unfitted) efficiencies[/]")
         return Efficiency(), None
-    with console.status(f"fitting efficiencies on {FIT_SUBSET} ({len(points)} points)"):
+    with spinner(f"fitting efficiencies on {FIT_SUBSET} ({len(points)} points)"):
         return fit(points, max_evals=evals)
 
 
@@ -302,7 +305,7 @@ def study_semianalysis(
     P90 interactivity, B300 TP2 (table in DRAM) vs TP4 (table in HBM), TP4 HBM vs DRAM; every
     figure computed by the model. Each finished point is appended to OUT/semianalysis_points.jsonl
     as it finishes; a count and an ETA show progress. Example: `cachelab study semianalysis --json`."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
 
     from cachelab.serving.agentic import agentic_workload
     from cachelab.serving.calibration import FITTED
@@ -315,10 +318,10 @@ def study_semianalysis(
     console = Console(stderr=True, quiet=as_json)
     eff, loss = _efficiency(console, fit_evals)
     workload = agentic_workload(prefix_hit=prefix_hit)
-    with console.status("fitting the SSD path's host floor on the PR body's agentic sweep (1-8 clients)"):
+    with spinner("fitting the SSD path's host floor on the PR body's agentic sweep (1-8 clients)"):
         eff = with_fitted_piecewise(eff, workload)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=console, transient=True, disable=as_json) as bar:
+    with progress_bar(*columns) as bar:
         task = bar.add_task("points", total=total_points())
 
         def step(row: dict) -> None:
@@ -327,12 +330,12 @@ def study_semianalysis(
         result = run(out, eff, workload, progress=step)
     result["efficiency_fit_loss"] = loss
     if sensitivity:
-        with console.status("sensitivity (tokens/$ elasticity of each fitted parameter and of prefill_mfu)"):
+        with spinner("sensitivity (tokens/$ elasticity of each fitted parameter and of prefill_mfu)"):
             result["sensitivity"] = elasticity(workload, eff, FITTED + ("prefill_mfu",))  # fitted, then cited
-        with console.status("DRAM over SSD across the SSD host floor's fit uncertainty (+-1 standard error)"):
+        with spinner("DRAM over SSD across the SSD host floor's fit uncertainty (+-1 standard error)"):
             result["b200_dram_over_ssd_floor_uncertainty"] = dram_over_ssd_across_floor(
                 workload, eff, result["b200_dram_tokens_per_dollar"])
-        with console.status("what-ifs (page-cache size, host offset, KV bytes per token, token budget)"):
+        with spinner("what-ifs (page-cache size, host offset, KV bytes per token, token budget)"):
             result.update(what_ifs(workload, eff, result["b200_dram_tokens_per_dollar"]))
     if as_json:
         typer.echo(strict_json.dumps(result))
@@ -403,12 +406,11 @@ def study_inferencex(
 
     if out is not None:
         output_file(out, "--out")
-    console = Console(stderr=True, quiet=as_json)
     points, think = with_fitted_think(load_points(data_root()))
     train = [p for p in points if p.subset == FIT_SUBSET]
-    with console.status(f"fitting {', '.join(FITTED)} on {FIT_SUBSET} ({len(train)} points)"):
+    with spinner(f"fitting {', '.join(FITTED)} on {FIT_SUBSET} ({len(train)} points)"):
         eff, loss = fit(train, max_evals=fit_evals)
-    with console.status("fitting the SSD path's host floor on the SSD PR body's agentic sweep (1-8 clients)"):
+    with spinner("fitting the SSD path's host floor on the SSD PR body's agentic sweep (1-8 clients)"):
         eff = with_fitted_piecewise(eff)
     rows = validate(points, eff)
     result = {"fit_subset": FIT_SUBSET, "fitted": {k: getattr(eff, k) for k in FITTED}, "fit_loss": loss,

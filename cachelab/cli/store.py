@@ -45,7 +45,7 @@ def build(
         raise CachelabError(f"--seed {seed} and --from-safetensors: the rows are the checkpoint's; give one")
     before = _build_id(directory)
     try:
-        manifest = build_tables(layout, scale, directory, seed=seed or 0, progress=not as_json,
+        manifest = build_tables(layout, scale, directory, seed=seed or 0, progress=True,
                                 from_safetensors=from_safetensors)
     except KeyboardInterrupt:  # exited 130 saying nothing of what the directory holds
         after = _build_id(directory)
@@ -172,7 +172,7 @@ def bench(
     dram = PolicySpec(dram_name, params if dram_name == policy else {}) if dram_capacity is not None else None
     out = replay_store(directory, stream, backing, hbm, capacity, dram, dram_capacity, scores,
                        verify=not no_verify, prefetch=prefetch, io_threads=io_threads, io_submit=io_submit,
-                       progress=not as_json, max_lookups=max_lookups, compute_ms=compute_ms,
+                       progress=True, max_lookups=max_lookups, compute_ms=compute_ms,
                        device=device)
     out["trace"] = trace
     if as_json:

@@ -17,6 +17,7 @@ from cachelab.trace.kinds import KEY, REQUESTS, detect, wrong_kind
 from cachelab.errors import CachelabError
 from cachelab.params import parse_pairs
 from cachelab.paths import output_file
+from cachelab.progress import progress_bar, spinner
 from cachelab.trace.keytrace import write_oracle_general
 from cachelab.workload.prefix_cache.hashing import sorted_distinct
 from cachelab.trace.schema import write_trace
@@ -113,7 +114,7 @@ def build(
     data.setdefault("synthesis", {}).update({k: v for k, v in synthesis.items() if v is not None})
     trace_spec: TraceSpec = parse_spec(data, str(spec) if spec else "flags")
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
-    with Progress(*columns, transient=True, disable=as_json) as progress:
+    with progress_bar(*columns) as progress:
         report = build_trace(trace_spec, out, _Stages(progress))
     result = {"out": str(out), **report.to_dict()}
     if as_json:
@@ -163,7 +164,7 @@ def info(
     if found.kind != REQUESTS:
         raise wrong_kind(found, "trace info", "a request trace (.parquet)",
                          "`simulate`, `mrc` and `train` take the other kinds.", where="TRACE")
-    with Progress(transient=True, disable=as_json) as progress:
+    with progress_bar() as progress:
         task = progress.add_task("read", total=None)
         result = summarize(trace, preset=preset, engram_tokens=engram_tokens,
                            progress=lambda n: progress.advance(task, n))
@@ -274,7 +275,7 @@ def lookups(
     """
     output_file(out, "--out")
     found = detect(trace)
-    with Console(stderr=True, quiet=as_json).status(f"addressing {found}"):
+    with spinner(f"addressing {found}"):
         stream = load_trace(found, requests, seed, preset, steps, verb="trace lookups", tokens=False)
         path = stream.save(out)
     result = {"out": str(path), "trace": trace, "trace_kind": found.kind, "lookups": stream.num_lookups,

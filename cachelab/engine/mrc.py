@@ -26,13 +26,13 @@ from dataclasses import dataclass
 
 import numba as nb
 import numpy as np
-from rich.progress import Progress
 
 from cachelab import registry
 from cachelab.errors import CachelabError
 from cachelab.engine.cascade import run_policy
 from cachelab.engine.replay import warmup_steps
 from cachelab.engine.sampling import effective_rate, sample_mask
+from cachelab.progress import progress_bar
 from cachelab.workload.lookups import LookupStream, compact, compact_steps
 
 __all__ = ["COLD", "Curve", "miss_ratio_curve", "sample_mask", "stack_distances"]
@@ -200,7 +200,7 @@ def miss_ratio_curve(stream: LookupStream, capacities: list[int], policy: str = 
                      req.num_keys, infinite, rate)
     _SHARED.update(req=req, policy=policy, params=params, rate=rate)
     workers = max(1, min(len(capacities), workers or os.cpu_count() or 1))
-    with Progress(transient=True, disable=not progress) as bar:
+    with progress_bar(enabled=progress) as bar:
         task = bar.add_task(f"{policy}: {len(capacities)} capacities", total=len(capacities))
         if workers == 1:
             ratios = []

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import polars as pl
-from rich.progress import Progress
 
 from cachelab.errors import CachelabError
 from cachelab.engine.cascade import Cascade, run_policy
 from cachelab.engine.stats import LinkBytes, ReplayStats, TierStats
 from cachelab.engine.tiers import Hierarchy, SSDStore
 from cachelab.policy.unbounded import Unbounded
+from cachelab.progress import progress_bar
 from cachelab.workload.lookups import LookupStream, compact, compact_steps, global_key, split_key
 
 __all__ = ["ReplayResult", "replay", "run_policy", "warmup_steps"]
@@ -143,7 +143,7 @@ def replay(stream: LookupStream, hierarchy: Hierarchy, warmup: float = 0.0, prog
     if scores is not None and np.shape(scores) != stream.keys.shape:
         raise CachelabError(f"scores has shape {np.shape(scores)}, expected one per lookup {stream.keys.shape}")
     w = warmup_steps(warmup, stream.num_steps)
-    with Progress(transient=True, disable=not progress) as bar:
+    with progress_bar(enabled=progress) as bar:
         task = bar.add_task("replay: dedup", total=2)
         dd, uniq = compact_steps(stream.keys, stream.step_offsets)
         d_scores = None

@@ -29,6 +29,7 @@ from cachelab.engine.mrc import miss_ratio_curve
 from cachelab.errors import CachelabError
 from cachelab.experiment.workload import build_workload, load_workload, workload_key, workload_stats
 from cachelab.experiment.tracking import ERROR, Tracker, TrackingUnavailable, resolve_uri
+from cachelab.progress import progress_bar
 
 
 @dataclass
@@ -114,7 +115,7 @@ def _sweep(spec: ExperimentSpec, spec_path: Path, overrides: list[str] | None, o
     console.print(f"[bold]{spec.name}[/]: {len(points)} points, {summary.skipped} already finished, "
                   f"{len(todo)} to run ({backend})")
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, disable=quiet) as progress:
+    with progress_bar(*columns, transient=quiet) as progress:
         paths = _build_workloads(spec, todo, progress)
         parent = _parent_record(spec, spec_path, overrides, paths[workload_key(spec.workload)])
         parent_id = None

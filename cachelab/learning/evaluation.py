@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import numpy as np
-from rich.progress import Progress
 
 from cachelab import registry
 from cachelab.errors import CachelabError
@@ -26,6 +25,7 @@ from cachelab.learning.lineup import Lineup, judged_default, lineup
 from cachelab.learning.training import Model, keep_scores, policy_params, rows_for
 from cachelab.learning.streams import LearningView
 from cachelab.engine.replay import run_policy, warmup_steps
+from cachelab.progress import progress_bar
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +83,7 @@ def evaluate_capacities(view: LearningView, model: Model, capacities: list[float
     runs += [(label, registry.get(registry.POLICIES, name))
              for label, name in {**found.heuristics, **found.oracles}.items()]
     rows = []
-    with Progress(transient=True, disable=not progress) as bar:
+    with progress_bar(enabled=progress) as bar:
         task = bar.add_task("replaying", total=len(capacities) * len(runs))
         for cap in capacities:
             n_rows = rows_for(cap, view.num_keys)

@@ -34,10 +34,10 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
-from rich.progress import Progress
 
 from cachelab.engram import Addresser
 from cachelab.errors import CachelabError
+from cachelab.progress import progress_bar
 from cachelab.serving.hardware import load_profile
 from cachelab.engine.tiers import DRAMStore, Hierarchy, SSDStore, Tier
 from cachelab.serving.latency import Batch, Efficiency, EngramStep, LatencyModel, describe
@@ -195,7 +195,7 @@ def build_row_space(addresser: Addresser, seqs, plen, olen, rate: float, rows_pe
     """
     seen: set[int] = set()
     found = KeySet()
-    with Progress(transient=True, disable=not progress) as bar:
+    with progress_bar(enabled=progress) as bar:
         task = bar.add_task("row space", total=len(seqs))
         for i, seq in enumerate(seqs):
             end = int(plen[i] + olen[i] - 1)  # the last output token is never fed back
@@ -344,7 +344,7 @@ class ServingSimulator:
         peak_cached = 0
         fetch_parts: dict[str, float] = {}  # seconds per fetch part, summed over steps and layers
         scale = 1.0 / replay.kept  # the rate the hash keeps
-        with Progress(transient=True, disable=not self.progress) as bar:
+        with progress_bar(enabled=self.progress) as bar:
             task = bar.add_task("serving replay", total=n - self.num_warmup)
             while finished < n:
                 if not measuring and finished == w:  # the warm-up served: the measured run starts afresh

@@ -17,12 +17,12 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from rich.progress import Progress
 
 from cachelab import registry
 from cachelab.engine.replay import replay
 from cachelab.engine.tiers import Hierarchy, SSDStore, Tier
 from cachelab.errors import CachelabError
+from cachelab.progress import progress_bar
 from cachelab.store.format import PAGE
 from cachelab.store.kernels import DEQUANT_TABLE, dequant_expand
 from cachelab.store.store import TieredStore
@@ -140,7 +140,7 @@ def replay_store(directory, stream: LookupStream, backing: str, hbm: PolicySpec 
         cfg = store.layout
         L, C = len(cfg.layers), cfg.columns
         folded = np.empty(stream.keys.size, np.int64)
-        with Progress(transient=True, disable=not progress) as bar:
+        with progress_bar(enabled=progress) as bar:
             task = bar.add_task(f"store bench ({backing})", total=steps)
             ahead = None
             for s in range(steps):

@@ -24,11 +24,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.progress import BarColumn, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from cachelab.engram.config import EngramConfig, get_preset
 from cachelab.errors import CachelabError
 from cachelab.paths import held, output_folder
+from cachelab.progress import progress_bar
 from cachelab.store.format import (MANIFEST, MANIFEST_FORMAT, PAGE, TableLayout, check_header, fill_pages,
                                    pack_header, read_manifest, write_manifest)
 from cachelab.store.source import RowSource
@@ -153,7 +154,7 @@ def _write_layers(table: TableLayout, source: RowSource, seed: int, tmps: list[P
     buf = np.empty(CHUNK_PAGES * PAGE, np.uint8)
     columns = [TextColumn("[bold]store build"), TextColumn("{task.description}"), BarColumn(),
                TransferSpeedColumn(), TimeRemainingColumn()]
-    with Progress(*columns, disable=not progress, transient=True) as bar:
+    with progress_bar(*columns, enabled=progress) as bar:
         task = bar.add_task(config.name, total=total)
         for li, tmp in enumerate(tmps):
             rows = int(table.table_rows[li])
