@@ -240,6 +240,24 @@ def test_fields_vllm_refuses_or_would_answer_are_not_silently_dropped(server):
     assert r.status_code == 200 and r.json()["model"] == MODEL
 
 
+def test_openai_nullable_fields_sent_as_null_mean_their_default(server):
+    """The openai client sends an argument given as None as null, and OpenAI's API (and vLLM,
+    its fields ``X | None``) takes null as the default; these were 400s ("Input should be a
+    valid number")."""
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                          temperature=None, top_p=None, presence_penalty=None,
+                                          frequency_penalty=None, n=None)
+    assert chat.usage.completion_tokens == 2
+    nulls = {f: None for f in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                               "frequency_penalty", "n", "stream", "stop_token_ids", "return_token_ids", "echo")}
+    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, **nulls}, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "ignore_eos": None}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "ignore_eos"  # not nullable in vLLM either
+
+
 def test_a_body_not_declared_as_json_is_a_400_as_in_vllm(server):
     url, _ = server
     body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}).encode()

@@ -15,7 +15,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cachelab.live.sampling import SamplingParams
 
@@ -42,10 +42,23 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk too (with include_usage)
 
 
+# Fields OpenAI's API (and vLLM's, as ``X | None``) lets a client send as null, meaning the default:
+# the openai client sends an argument given as None as null
+NULL_IS_DEFAULT = frozenset({"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                             "frequency_penalty", "n", "stream", "stop_token_ids", "return_token_ids", "echo"})
+
+
 class _Sampling(BaseModel):
     """What completions and chat completions share."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in NULL_IS_DEFAULT}
+        return data
     model: str | None = None  # vLLM serves its model to a request that names none
     max_tokens: int | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
