@@ -132,6 +132,19 @@ def test_bad_trace_and_flags_are_named(tmp_path):
     assert res.exit_code == 2 and "row 0 has no prompt token ids" in res.output
 
 
+def test_bad_flags_are_named_before_the_trace_is_read(tmp_path):
+    """A bad --max-concurrency, --request-rate, --burstiness, --num-prompts or --base-url was
+    found only after the whole trace had been read (or hidden behind its 'trace not found')."""
+    missing = str(tmp_path / "none.parquet")
+    for flags, message in ((["--max-concurrency", "0"], "--max-concurrency must be >= 1, got 0"),
+                           (["--request-rate", "0"], "--request-rate must be > 0"),
+                           (["--request-rate", "2", "--burstiness", "0"], "--burstiness must be > 0"),
+                           (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+                           (["--base-url", "localhost:8000"], "--base-url 'localhost:8000': expected http://")):
+        res = runner.invoke(app, ["bench", "serve", "--base-url", "http://x", "--trace", missing, *flags])
+        assert res.exit_code == 2 and message in res.output, (flags, res.output)
+
+
 class BreakingServer:
     """An OpenAI-style streaming server that answers the first requests, then fails each
     later one differently: an HTTP 500, a stream cut after one token, a refused stream."""

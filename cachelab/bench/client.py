@@ -19,6 +19,7 @@ import gc
 import json
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import Counter
 from collections.abc import Callable
@@ -62,6 +63,14 @@ class BenchConfig:
     server_metrics: bool = True
     timeout_s: float = TIMEOUT_S
     return_token_ids: bool = False  # ask for the output's token ids (vLLM's extension; `cachelab serve` has it)
+
+    def __post_init__(self):
+        """Bad options are refused when the config is made, before a trace is read or a request sent."""
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise CachelabError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+        url = urllib.parse.urlsplit(self.base_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise CachelabError(f"--base-url {self.base_url!r}: expected http://HOST:PORT or https://HOST:PORT")
 
     @property
     def root(self) -> str:
@@ -255,8 +264,6 @@ def run_bench(config: BenchConfig, plan: BenchPlan,
     imported torch and MLflow scans ~400k objects (~250 ms on the 2-core test machine), and the
     event loop, so every stream's timing, would wait for it (the client measuring itself).
     """
-    if config.max_concurrency is not None and config.max_concurrency < 1:
-        raise CachelabError(f"--max-concurrency must be >= 1, got {config.max_concurrency}")
     model = resolve_model(config)
     before = scrape(config.root) if config.server_metrics else None
     outputs: list[RequestOutput | None] = [None] * len(plan)

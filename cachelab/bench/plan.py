@@ -39,17 +39,27 @@ class BenchPlan:
         return np.array([p.size for p in self.prompts], dtype=np.int64)
 
 
-def send_offsets(arrival_s: np.ndarray, request_rate: float | None = None, burstiness: float = 1.0,
-                 seed: int = 0) -> np.ndarray:
-    """Send times from the benchmark's start: the trace's arrivals (``request_rate`` None),
-    all at once (``inf``), or vLLM's gamma process at ``request_rate`` per second."""
-    n = arrival_s.size
+def check_options(num_prompts: int | None = None, request_rate: float | None = None, burstiness: float = 1.0) -> None:
+    """Refuse a bad ``--num-prompts``, ``--request-rate`` or ``--burstiness`` (the latter only
+    with a rate), naming the flag: checked before a trace is read."""
+    if num_prompts is not None and num_prompts < 1:
+        raise CachelabError(f"--num-prompts must be >= 1, got {num_prompts}")
     if request_rate is None:
-        return arrival_s - arrival_s[0] if n else arrival_s.copy()
+        return
     if not request_rate > 0:
         raise CachelabError(f"--request-rate must be > 0 (or inf), got {request_rate}")
     if not burstiness > 0:
         raise CachelabError(f"--burstiness must be > 0, got {burstiness}")
+
+
+def send_offsets(arrival_s: np.ndarray, request_rate: float | None = None, burstiness: float = 1.0,
+                 seed: int = 0) -> np.ndarray:
+    """Send times from the benchmark's start: the trace's arrivals (``request_rate`` None),
+    all at once (``inf``), or vLLM's gamma process at ``request_rate`` per second."""
+    check_options(request_rate=request_rate, burstiness=burstiness)
+    n = arrival_s.size
+    if request_rate is None:
+        return arrival_s - arrival_s[0] if n else arrival_s.copy()
     if math.isinf(request_rate):
         return np.zeros(n)
     if math.isinf(burstiness):
@@ -64,7 +74,9 @@ def send_offsets(arrival_s: np.ndarray, request_rate: float | None = None, burst
 
 def plan_from_trace(path: str | os.PathLike, *, num_prompts: int | None = None, request_rate: float | None = None,
                     burstiness: float = 1.0, seed: int = 0) -> BenchPlan:
-    """The first ``num_prompts`` requests of a cachelab trace (all by default), as a plan."""
+    """The first ``num_prompts`` requests of a cachelab trace (all by default), as a plan; the
+    options are checked before the trace is read."""
+    check_options(num_prompts, request_rate, burstiness)
     return plan_from_frame(read_trace(path), str(path), num_prompts=num_prompts, request_rate=request_rate,
                            burstiness=burstiness, seed=seed)
 
@@ -72,9 +84,8 @@ def plan_from_trace(path: str | os.PathLike, *, num_prompts: int | None = None, 
 def plan_from_frame(df: pl.DataFrame, path: str, *, num_prompts: int | None = None, request_rate: float | None = None,
                     burstiness: float = 1.0, seed: int = 0) -> BenchPlan:
     """The same from a trace already read (``path`` names it in errors)."""
+    check_options(num_prompts, request_rate, burstiness)
     if num_prompts is not None:
-        if num_prompts < 1:
-            raise CachelabError(f"--num-prompts must be >= 1, got {num_prompts}")
         if num_prompts > df.height:
             raise CachelabError(f"{path}: --num-prompts {num_prompts} but the trace holds {df.height} requests")
         df = df.head(num_prompts)

@@ -54,9 +54,9 @@ def serve(
     if save_result is not None:
         output_folder(save_result.parent, "--save-result")
         output_file(save_result, "--save-result")
+    config = BenchConfig(base_url, model, max_concurrency, slos, ignore_eos)  # its options checked first
     plan = plan_from_trace(trace, num_prompts=num_prompts, request_rate=request_rate, burstiness=burstiness,
                            seed=seed)
-    config = BenchConfig(base_url, model, max_concurrency, slos, ignore_eos)
     columns = [TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("failed {task.fields[failed]}"), TimeElapsedColumn()]
     with progress_bar(*columns) as progress:
