@@ -147,10 +147,11 @@ def test_bad_flags_are_named_before_the_trace_is_read(tmp_path):
 
 class BreakingServer:
     """An OpenAI-style streaming server that answers the first requests, then fails each
-    later one differently: an HTTP 500, a stream cut after one token, a refused stream."""
+    later one differently: an HTTP 500, a stream cut after one token, a refused stream (with
+    ``malformed``, a chunk not of OpenAI's shape instead of the cut)."""
 
-    def __init__(self, good: int):
-        self.good, self.seen, self.port = good, 0, _free_port()
+    def __init__(self, good: int, malformed: bool = False):
+        self.good, self.seen, self.port, self.malformed = good, 0, _free_port(), malformed
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.ready = threading.Event()
@@ -172,7 +173,9 @@ class BreakingServer:
             for _ in range(tokens):
                 await resp.write(b'data: {"choices": [{"text": "x"}]}\n\n')
                 await asyncio.sleep(0.002)
-            if i >= self.good:
+            if i >= self.good and self.malformed:
+                await resp.write(b'data: {"choices": ["x"]}\n\n')  # valid JSON, not OpenAI's shape
+            elif i >= self.good:
                 request.transport.close()  # the server dies mid-answer
                 return resp
             usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": tokens}
@@ -215,6 +218,20 @@ def test_a_server_failing_midway_gives_counted_failures_and_keeps_the_rest(tmp_p
     saved = json.loads(out.read_text())
     assert saved["completed"] == 6 and len(saved["errors"]) == 10 and saved["errors"][:6] == [""] * 6
     assert all(np.isfinite(saved["ttfts"][:6]))
+
+
+def test_a_chunk_not_of_openais_shape_fails_its_request_not_the_run(tmp_path):
+    """A chunk of valid JSON but not OpenAI's shape raised AttributeError out of the run: the
+    traceback, no result, every finished request lost. vLLM's client fails that request only."""
+    trace = make_trace(tmp_path / "t.parquet", [12] * 4, output_len=3)
+    with BreakingServer(good=2, malformed=True) as url:
+        res = runner.invoke(app, ["bench", "serve", "--base-url", url, "--trace", str(trace), "--max-concurrency", "1",
+                                  "--json"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)
+    assert (summary["completed"], summary["failed"]) == (2, 2)
+    assert list(summary["errors_by_reason"]) == ["HTTP 500: engine overloaded", "AttributeError: 'str' object has "
+                                                 "no attribute 'get'"]
 
 
 @pytest.mark.slow

@@ -7,7 +7,8 @@ server produces exactly that many tokens), timed as ``vllm bench serve`` times i
 (after the concurrency limit lets it go), every streamed chunk that carries a choice is a
 token arrival, the first is TTFT, the last ends the request; token counts come from the
 final ``usage`` chunk. A request that fails (refused connection, an HTTP error, a stream
-cut short, no token) is kept with its error and counted in ``failed``; an interrupted run
+cut short, no token, a chunk not of OpenAI's shape) is kept with its error and counted in
+``failed``, as vLLM's client catches any exception of a request; an interrupted run
 (Ctrl-C) keeps every request that finished. The metrics are ``cachelab.serving.metrics``',
 the same code the simulator reports with.
 """
@@ -168,8 +169,6 @@ def resolve_model(config: BenchConfig) -> str:
 
 async def _send(session, url: str, payload: dict, out: RequestOutput) -> None:
     """One streamed completion, timed per chunk; every failure lands in ``out.error``."""
-    import aiohttp
-
     out.send_s = time.perf_counter()
     try:
         async with session.post(url, json=payload) as response:
@@ -202,7 +201,7 @@ async def _send(session, url: str, payload: dict, out: RequestOutput) -> None:
             return
         out.output_tokens = out.output_tokens or len(out.chunk_s)
         out.success = True
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+    except Exception as exc:  # vLLM's client too: a request's failure, never the run's
         out.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
