@@ -305,3 +305,4 @@ def test_against_cachelab_serve_counts_match_its_metrics(tmp_path):
     assert server["requests"] == 5 and server["prompt_tokens"] == s["total_input_tokens"]
     assert server["generation_tokens"] == s["total_output_tokens"]
     assert server["prefix_cache_hits"] == s["prefix_cache_hit_tokens"]
+    assert server["tpot_count"] == 5 and len(server["p99_tpot_bucket_ms"]) == 2  # the TPOT histogram is served

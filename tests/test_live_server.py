@@ -111,6 +111,19 @@ def test_64_concurrent_requests_and_metrics_equal_engine(server):
     assert delta[("vllm:prefix_cache_hits_total",)] == sum(u.prompt_tokens_details.cached_tokens for u in usages)
     assert delta[("vllm:request_success_total", ("finished_reason", "length"))] == 64
     assert delta[("vllm:time_to_first_token_seconds_count",)] == 64
+    # vLLM's per-finished-request histograms (bench serve reads the TPOT one; they were missing)
+    phases = ("e2e_request_latency", "request_time_per_output_token", "request_queue_time", "request_prefill_time",
+              "request_decode_time", "request_inference_time")
+    assert all(delta[(f"vllm:{p}_seconds_count",)] == 64 for p in phases)
+    assert delta[("vllm:request_generation_tokens_sum",)] == sum(u.completion_tokens for u in usages)
+    assert delta[("vllm:request_prompt_tokens_sum",)] == sum(u.prompt_tokens for u in usages)
+    assert after[("vllm:request_prompt_tokens_bucket", ("le", "2000.0"))] == after[("vllm:request_prompt_tokens_count",)]
+    assert ("vllm:request_prompt_tokens_bucket", ("le", "5000.0")) not in after  # 1-2-5 up to the 2,048 context
+    secs = {p: delta[(f"vllm:{p}_seconds_sum",)] for p in phases}
+    assert secs["request_queue_time"] + secs["request_inference_time"] == pytest.approx(secs["e2e_request_latency"])
+    assert secs["request_prefill_time"] + secs["request_decode_time"] == pytest.approx(secs["request_inference_time"])
+    # each answer has 4 to 7 tokens: its TPOT is its decode time over 3 to 6 gaps
+    assert secs["request_decode_time"] / 6 <= secs["request_time_per_output_token"] <= secs["request_decode_time"] / 3
     c = engine.counters
     assert after[("vllm:generation_tokens_total",)] == c.generation_tokens
     assert after[("vllm:prompt_tokens_total",)] == c.prompt_tokens

@@ -65,6 +65,21 @@ class RequestOutput:
     cached_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class FinishedRequest:
+    """A request that finished (not aborted), as the observer's ``finished`` gets it: its times
+    on ``time.perf_counter``'s clock (taken in, first scheduled, first and last token, finished)
+    and its token counts, vLLM's FinishedRequestStats."""
+
+    arrival: float
+    scheduled: float
+    first_token: float
+    last_token: float
+    finished: float
+    num_prompt: int
+    num_output: int
+
+
 @dataclass
 class Completion:
     """A whole answer, as ``generate`` returns it."""
@@ -85,6 +100,7 @@ class _Live:
     generator: torch.Generator | None
     arrival: float
     cached_tokens: int = -1  # prefix-cache hit at first admission
+    scheduled: float | None = None  # first admission (a preemption's readmission leaves it)
     first_token: float | None = None
     last_token: float | None = None
 
@@ -111,8 +127,8 @@ class EngineCounters:
 
 
 class LiveEngine:
-    """See module doc. ``observer`` (optional) gets ``first_token``, ``token_gap`` and
-    ``finished`` latency events (the server's Prometheus histograms)."""
+    """See module doc. ``observer`` (optional) gets ``first_token`` and ``token_gap`` latencies
+    and a ``FinishedRequest`` per finished request (the server's Prometheus histograms)."""
 
     def __init__(self, model: EngramLM, rows, tokenizer, config: EngineConfig = EngineConfig(), observer=None):
         cfg, mcfg = config, model.config
@@ -258,7 +274,7 @@ class LiveEngine:
         """Schedule, fetch, compute, sample and complete one step."""
         t0, cpu0 = time.perf_counter(), time.thread_time()
         step = self.scheduler.schedule()
-        self._assign_slots(step)
+        self._assign_slots(step, t0)
         rids = step.requests.tolist()
         chunks = [self._live[r].req.tokens[a:b] for r, a, b in zip(rids, step.starts.tolist(), step.stops.tolist())]
         offsets = np.concatenate([[0], np.cumsum(step.stops - step.starts)])
@@ -310,8 +326,9 @@ class LiveEngine:
             self.on_step(step, row_ids)
         return step
 
-    def _assign_slots(self, step: StepRecord) -> None:
-        """Address-stream slots exactly as the serving simulator keeps them."""
+    def _assign_slots(self, step: StepRecord, now: float) -> None:
+        """Address-stream slots exactly as the serving simulator keeps them; a request's first
+        admission is its scheduled time."""
         hist = self.addresser.history_len
         for r in step.preempted:
             self._free_slots.append(self._slot.pop(r))
@@ -321,7 +338,7 @@ class LiveEngine:
             if hit:
                 self._stream.feed(self._live[r].req.tokens[max(0, hit - hist):hit], seq=[slot])
             if self._live[r].cached_tokens < 0:
-                self._live[r].cached_tokens = hit
+                self._live[r].cached_tokens, self._live[r].scheduled = hit, now
 
     def _stop_check(self, live: _Live, token: int) -> int | str | None:
         """Why ``live`` stops after ``token`` (a stop token id, a stop string, "eos"), or None."""
@@ -365,7 +382,8 @@ class LiveEngine:
             self._free_slots.append(self._slot.pop(rid))
         self.counters.finished[reason] += 1
         if self.observer is not None and reason != "abort":
-            self.observer.finished(now - live.arrival)
+            self.observer.finished(FinishedRequest(live.arrival, live.scheduled, live.first_token, live.last_token,
+                                                   now, live.req.num_prompt, live.req.num_output))
         live.sink(RequestOutput(rid, list(tokens), live.detok.take(final=True), True, reason, stop_reason,
                                 live.req.num_prompt, live.req.num_output, max(live.cached_tokens, 0)))
         del self._live[rid]  # last: a request leaves num_live once everything about it is done

@@ -2,8 +2,11 @@
 
 Counters and gauges are read from the engine at scrape time (its ``EngineCounters``, its
 scheduler and its KV pool), so what ``/metrics`` says is what the engine counted, never a
-second tally. Latency histograms (TTFT, inter-token latency, end-to-end) are observed by the
-engine thread as tokens are emitted, with vLLM's bucket boundaries. ``cachelab:`` metrics
+second tally. Histograms are observed by the engine thread with vLLM's bucket boundaries: TTFT
+and inter-token latency as tokens are emitted; per finished request (vLLM's
+FinishedRequestStats: an aborted request is in none) its end-to-end latency, time per output
+token (decode time over the tokens after the first, 0 for one token), queue, prefill, decode
+and inference times, and its prompt and generation token counts. ``cachelab:`` metrics
 cover what vLLM has no name for: Engram rows, the row source's counters per tier, fetch and
 exposed stall time. Labels are vLLM's: ``model_name`` and ``engine``.
 """
@@ -21,6 +24,28 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
 LABELS = ("model_name", "engine")
+# per finished request: name, help (vLLM's), buckets (a token count's are 1-2-5 up to the context)
+REQUEST_HISTOGRAMS = (
+    ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", E2E_BUCKETS),
+    ("vllm:request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.",
+     ITL_BUCKETS),
+    ("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", E2E_BUCKETS),
+    ("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", E2E_BUCKETS),
+    ("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", E2E_BUCKETS),
+    ("vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.", E2E_BUCKETS),
+    ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", None),
+    ("vllm:request_generation_tokens", "Number of generation tokens processed.", None))
+
+
+def token_buckets(max_model_len: int) -> tuple[int, ...]:
+    """vLLM's request_tokens buckets: 1, 2, 5, 10, 20, 50, ... up to ``max_model_len``."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
 
 class EngineMetrics:
@@ -29,11 +54,13 @@ class EngineMetrics:
     def __init__(self, engine, model_name: str):
         self.engine, self.labels = engine, (model_name, "0")
         self.registry = CollectorRegistry()
+        tokens = token_buckets(engine.model.config.max_model_len)
         hist = [("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS),
                 ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS),
-                ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", E2E_BUCKETS)]
-        self._ttft, self._itl, self._e2e = (
-            Histogram(name, doc, LABELS, registry=self.registry, buckets=b).labels(*self.labels) for name, doc, b in hist)
+                *REQUEST_HISTOGRAMS]
+        self._ttft, self._itl, *self._request = (
+            Histogram(name, doc, LABELS, registry=self.registry, buckets=b or tokens).labels(*self.labels)
+            for name, doc, b in hist)
         self.registry.register(self)
         engine.observer = self
 
@@ -44,8 +71,14 @@ class EngineMetrics:
     def token_gap(self, seconds: float) -> None:
         self._itl.observe(seconds)
 
-    def finished(self, seconds: float) -> None:
-        self._e2e.observe(seconds)
+    def finished(self, r) -> None:
+        """``r``: a ``cachelab.live.engine.FinishedRequest``; vLLM's per-request observations."""
+        decode = r.last_token - r.first_token
+        values = (r.finished - r.arrival, decode / (r.num_output - 1) if r.num_output > 1 else 0.0,
+                  r.scheduled - r.arrival, r.first_token - r.scheduled, decode, r.last_token - r.scheduled,
+                  r.num_prompt, r.num_output)
+        for hist, value in zip(self._request, values, strict=True):
+            hist.observe(value)
 
     # -- a prometheus collector --------------------------------------------------------------
     def collect(self):
