@@ -1,8 +1,10 @@
 """``cachelab serve`` as a user runs it: a real process, a real port, refusals before start-up."""
 
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -64,21 +66,27 @@ def test_a_kv_cache_smaller_than_the_context_is_refused_before_start_up():
         build_engine(ServeOptions(kv_cache_tokens=1024, max_model_len=1040))
 
 
+def _serve_process(port: int, *flags: str) -> subprocess.Popen:
+    """`cachelab serve` on ``port``, once /health answers."""
+    proc = subprocess.Popen([sys.executable, "-m", "cachelab.cli", "serve", "--preset", "tiny", "--port", str(port),
+                             "--threads", "1", *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            time.sleep(0.5)
+    proc.kill()
+    raise AssertionError("cachelab serve did not start within 240 s")
+
+
 @pytest.mark.slow
 def test_cachelab_serve_process_answers_the_openai_client(tmp_path):
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "cachelab.cli", "serve", "--preset", "tiny", "--port", str(port),
-                             "--api-key", "k", "--threads", "1", "--step-log", str(tmp_path / "steps")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = _serve_process(port, "--api-key", "k", "--step-log", str(tmp_path / "steps"))
     try:
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.5)
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0).models.list()
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k")
@@ -96,6 +104,37 @@ def test_cachelab_serve_process_answers_the_openai_client(tmp_path):
     # the engine timed its operators on the CPU: attention and the GEMMs are parts of the compute
     assert (steps["attention_s"] > 0).all() and (steps["gemm_s"] > 0).all()
     assert (steps["attention_s"] + steps["gemm_s"] < steps["compute_s"]).all()
+
+
+@pytest.mark.slow
+def test_sigterm_aborts_a_stream_in_flight_with_an_error_event_and_done():
+    """SIGTERM left a stream to uvicorn's graceful timeout, then cut it without [DONE] (and a
+    whole answer got a 500 with a CancelledError traceback); it is aborted first, as vLLM's
+    default shutdown aborts it: an error event, then [DONE]; the process exits cleanly."""
+    port = _free_port()
+    proc = _serve_process(port)
+    events, first = [], threading.Event()
+
+    def stream():
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                          json={"prompt": "x", "max_tokens": 1500, "ignore_eos": True, "stream": True}) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data:"):
+                    events.append(line)
+                    first.set()
+
+    reader = threading.Thread(target=stream)
+    try:
+        reader.start()
+        assert first.wait(60)
+        proc.terminate()
+        reader.join(60)
+        assert proc.wait(timeout=60) == -signal.SIGTERM  # uvicorn re-raises the signal once it has shut down
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert events[-1] == "data: [DONE]" and "shutting down" in events[-2], events[-3:]
+    assert "Traceback" not in proc.stdout.read()
 
 
 def test_the_serving_process_exempts_its_startup_heap_from_collection(monkeypatch):

@@ -374,6 +374,35 @@ def test_requests_in_flight_when_the_engine_stops_get_an_error_not_a_200():
         assert httpx.get(f"{url}/health").status_code == 503
 
 
+def test_a_server_shutting_down_aborts_its_requests_with_a_503():
+    """Shutting down (SIGTERM, Ctrl-C: uvicorn's shutdown) left the requests in flight to the
+    graceful timeout, then cancelled them: a whole answer got a 500 (a CancelledError traceback
+    in the log), a stream was cut without [DONE]. They are aborted first, as vLLM's default
+    shutdown aborts them: a JSON 503, or an error event then [DONE]."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1500, "ignore_eos": True}
+
+    def stream(url):
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            return [line for line in r.iter_lines() if line.startswith("data:")]
+
+    with ThreadPoolExecutor(2) as pool:
+        with running_server(ServeOptions(port=0, kv_cache_tokens=4096, threads=1)) as (url, engine):
+            whole, streamed = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60), pool.submit(
+                stream, url)
+            for _ in range(1200):
+                if engine.num_running == 2 and engine.counters.generation_tokens > 4:
+                    break
+                time.sleep(0.05)
+            assert engine.num_running == 2
+        whole, events = whole.result(), streamed.result()
+    assert whole.status_code == 503 and "shutting down" in whole.json()["error"]["message"], whole.text
+    assert events[-1] == "data: [DONE]" and "shutting down" in json.loads(events[-2][5:])["error"]["message"]
+    assert engine.counters.finished["abort"] == 2 and engine.closed
+
+
 def test_client_disconnect_mid_stream_frees_kv_blocks(server):
     url, engine = server
     wait_idle(engine)

@@ -148,6 +148,7 @@ class LiveEngine:
         self._next_rid = 0
         self._stopping = False
         self.error: str | None = None  # set when a step failed and the engine stopped
+        self.closed = False  # set by abort_all: the server is shutting down, new requests are refused
         self._thread: threading.Thread | None = None
         self.counters = EngineCounters()
         self.step_log = StepLog(cfg.step_log) if cfg.step_log else None
@@ -184,6 +185,8 @@ class LiveEngine:
         now = time.perf_counter()
         new = []
         with self._cv:
+            if self.closed:
+                raise CachelabError("the server is shutting down")
             for prompt, p, sink in zip(prompts, params, sinks, strict=True):
                 rid, self._next_rid = self._next_rid, self._next_rid + 1
                 ids = np.asarray(prompt, np.int64)
@@ -226,6 +229,14 @@ class LiveEngine:
             self._inbox.append(("abort", rid))
             self._cv.notify()
 
+    def abort_all(self) -> None:
+        """Shutting down, as vLLM does by default: every request taken in is aborted (its last
+        output has finish_reason "abort") and new ones are refused (``closed``)."""
+        with self._cv:
+            self.closed = True
+            self._inbox.append(("abort", None))
+            self._cv.notify()
+
     @property
     def num_live(self) -> int:
         """Requests taken in and not finished: 0 once the last one's blocks are free, its counts
@@ -258,8 +269,10 @@ class LiveEngine:
                 if kind == "add":
                     self._live[item.req.rid] = item
                     self.scheduler.add(item.req)
-                elif item in self._live and self.scheduler.abort(item):
-                    self._finish(self._live[item], "abort", None, time.perf_counter())
+                else:  # an abort: of one request, or (None) of all
+                    for rid in list(self._live) if item is None else [item]:
+                        if rid in self._live and self.scheduler.abort(rid):
+                            self._finish(self._live[rid], "abort", None, time.perf_counter())
             if self.scheduler.num_unfinished:
                 try:
                     self.step()

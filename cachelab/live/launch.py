@@ -213,11 +213,13 @@ def running_server(opts: ServeOptions, engine=None):
     runs uvicorn in the foreground with ``serve``)."""
     import uvicorn
 
+    from cachelab.live.server import Server
+
     check_bind(opts.host, opts.api_key)
     engine = (engine or build_engine(opts)).start()
     recorder = open_capture(opts)
-    server = uvicorn.Server(uvicorn.Config(_app(opts, engine, recorder), host=opts.host, port=opts.port,
-                                           log_level="warning", timeout_graceful_shutdown=1))
+    server = Server(uvicorn.Config(_app(opts, engine, recorder), host=opts.host, port=opts.port,
+                                   log_level="warning", timeout_graceful_shutdown=1), engine)
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
     try:
@@ -240,6 +242,7 @@ def serve(opts: ServeOptions, announce=print) -> None:
     import uvicorn
 
     from cachelab.heap import freeze_startup_heap
+    from cachelab.live.server import Server
 
     check_bind(opts.host, opts.api_key)
     sock = bound_socket(opts.host, opts.port)
@@ -253,7 +256,7 @@ def serve(opts: ServeOptions, announce=print) -> None:
              f"http://{opts.host}:{sock.getsockname()[1]}/v1")
     app.router.add_event_handler("shutdown", engine.stop)  # uvicorn re-raises SIGTERM after its shutdown
     try:
-        uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1)).run(sockets=[sock])
+        Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1), engine).run(sockets=[sock])
     finally:
         engine.stop()
         if recorder is not None:

@@ -7,6 +7,8 @@ fields (400), unknown model (404), a prompt that fills the context or ``max_toke
 it (400; a ``max_tokens`` the prompt leaves no room for is cut, as vLLM cuts it), a missing
 or wrong API key (401). A client that disconnects, mid-stream or while waiting for a
 whole answer, has its request aborted: the engine frees its KV blocks before the next step.
+A server shutting down (SIGTERM, Ctrl-C) aborts every request first (vLLM's default shutdown):
+each client gets a 503 at once (in a stream, an error event and ``[DONE]``).
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import json
 import time
 from dataclasses import dataclass
 
+import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from cachelab.errors import CachelabError
 from cachelab.live.engine import LiveEngine, RequestError, RequestOutput, check_prompt
 from cachelab.live.metrics import EngineMetrics
 from cachelab.live.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_prompt, chunk_body,
@@ -115,13 +119,14 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
             raise APIError(400, str(exc), exc.param) from None
 
     async def run(request: Request, req, prompt_ids: list[int], params, chat: bool):
-        if engine.error:
-            raise APIError(503, f"the engine stopped after an error: {engine.error}")
         collector = _Collector(asyncio.get_running_loop())
         sink = collector if recorder is None else recorder.timeline(
             collector, endpoint=request.url.path, prompt_ids=prompt_ids, model=model_name, stream=req.stream,
             session=request.headers.get("x-session-id") or getattr(req, "user", None))
-        rid = engine.submit([prompt_ids], [params], [sink])[0]
+        try:
+            rid = engine.submit([prompt_ids], [params], [sink])[0]
+        except CachelabError as exc:  # the engine stopped after an error, or the server is shutting down
+            raise APIError(503, str(exc)) from None
         oid = new_id("chatcmpl" if chat else "cmpl")
         ids = prompt_ids if req.return_token_ids else None
         if req.stream:
@@ -196,7 +201,7 @@ async def _whole(engine, request: Request, rid: int, collector: _Collector, oid:
     finally:
         gone.cancel()
     if out.finish_reason == "abort":  # not our client gone (returned above): the engine stopped under it
-        raise APIError(503, f"the engine stopped after an error: {engine.error}")
+        raise _aborted(engine)
     return completion_body(oid, model, "".join(text), out.finish_reason, out.stop_reason,
                            tokens if req.return_token_ids else None, prompt_ids,
                            usage(out.num_prompt, out.num_output, out.cached_tokens), chat)
@@ -218,7 +223,7 @@ async def _stream(engine, rid: int, collector: _Collector, oid: str, model: str,
             out = await collector.queue.get()
             finished = out.finished
             if out.finish_reason == "abort":  # the engine stopped under a live stream: an error event, as vLLM sends
-                yield _sse(APIError(503, f"the engine stopped after an error: {engine.error}").body())
+                yield _sse(_aborted(engine).body())
                 yield "data: [DONE]\n\n"
                 return
             ids = out.new_token_ids if req.return_token_ids else None
@@ -235,6 +240,27 @@ async def _stream(engine, rid: int, collector: _Collector, oid: str, model: str,
     finally:
         if not finished:  # the client went away (or the server is stopping): free its KV blocks
             engine.abort(rid)
+
+
+def _aborted(engine) -> APIError:
+    """Why the engine aborted a request whose client is still there."""
+    if engine.error:
+        return APIError(503, f"the engine stopped after an error: {engine.error}")
+    return APIError(503, "the server is shutting down; the request was aborted")
+
+
+class Server(uvicorn.Server):
+    """uvicorn that, shutting down, first aborts the engine's requests (``LiveEngine.abort_all``):
+    they were left to the graceful timeout, then cancelled (a 500 and a CancelledError traceback
+    for a whole answer, a stream cut without ``[DONE]``)."""
+
+    def __init__(self, config: uvicorn.Config, engine: LiveEngine):
+        super().__init__(config)
+        self.engine = engine
+
+    async def shutdown(self, sockets=None) -> None:
+        self.engine.abort_all()
+        await super().shutdown(sockets)
 
 
 def _sse(body: dict) -> str:
