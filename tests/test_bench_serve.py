@@ -165,8 +165,9 @@ class BreakingServer:
         async def completions(request):
             body = await request.json()
             i, self.seen = self.seen, self.seen + 1
-            if i >= self.good and (i - self.good) % 3 == 0:
-                return web.json_response({"error": {"message": "engine overloaded"}}, status=500)
+            if i >= self.good and (i - self.good) % 3 == 0:  # with the fields vLLM adds, past 300 characters
+                return web.json_response({"error": {"message": "engine overloaded", "type": "InternalServerError",
+                                                    "param": None, "code": 500, "detail": "." * 300}}, status=500)
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             tokens = body["max_tokens"] if i < self.good else 1

@@ -35,6 +35,7 @@ from cachelab.heap import freeze_startup_heap
 from cachelab.serving.metrics import RequestTimes, request_metrics
 
 TIMEOUT_S = 6 * 3600  # vLLM's AIOHTTP_TIMEOUT: a request may wait long under load
+MAX_ERROR_CHARS = 500  # of an error's message kept per request (an HTML error page can be megabytes)
 
 
 @dataclass
@@ -173,8 +174,8 @@ async def _send(session, url: str, payload: dict, out: RequestOutput) -> None:
     try:
         async with session.post(url, json=payload) as response:
             if response.status != 200:
-                body = (await response.text())[:300].strip()
-                out.error = f"HTTP {response.status}: {_message(body)}"
+                message = _message((await response.text()).strip())  # the whole body: a cut one is not JSON
+                out.error = f"HTTP {response.status}: {message[:MAX_ERROR_CHARS]}"
                 return
             async for raw in response.content:
                 line = raw.strip()
