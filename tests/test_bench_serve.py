@@ -85,6 +85,24 @@ def test_a_statistic_of_no_values_keeps_its_keys():
     assert all(np.isnan(m[f"{s}_{name}_ms"]) for s in ("mean", "median", "std", "p50", "p99") for name in ("tpot", "itl"))
     assert m["median_ttft_ms"] == pytest.approx(150.0)
 
+def test_peak_tokens_per_second_and_concurrency_as_vllm_counts_them():
+    """vllm bench serve's max_output_tokens_per_s and max_concurrent_requests were missing from
+    the result; one-second buckets from the first send, chunks as tokens, a request active from
+    its send's bucket to its end's."""
+    from cachelab.bench.client import BenchConfig, BenchResult, RequestOutput
+    from cachelab.bench.plan import BenchPlan
+
+    outputs = [RequestOutput(0, True, send_s=10.0, chunk_s=[10.2, 10.5, 11.1, 11.2], output_tokens=4),
+               RequestOutput(1, True, send_s=10.9, chunk_s=[11.3, 12.05], output_tokens=2),
+               RequestOutput(2, False, "HTTP 500: x", send_s=10.0)]
+    plan = BenchPlan([np.arange(3)] * 3, np.array([4, 2, 2]), np.zeros(3))
+    s = BenchResult(BenchConfig("http://x"), "m", plan, outputs, duration=2.1).summary()
+    # buckets from 10.0: chunks 2 | 3 | 1; requests active 2 | 2 | 1
+    assert (s["max_output_tokens_per_s"], s["max_concurrent_requests"]) == (3.0, 2)
+    none = BenchResult(BenchConfig("http://x"), "m", plan, outputs[2:], duration=1.0).summary()
+    assert (none["max_output_tokens_per_s"], none["max_concurrent_requests"]) == (0.0, 0)
+
+
 def test_the_comparison_with_vllm_sends_both_tools_the_same_prompts():
     """``benchmarks/bench_serve_vs_vllm.py`` (docs/bench.md's table): each prompt's text, which
     vLLM's benchmark sends, encodes to exactly the ids cachelab sends."""

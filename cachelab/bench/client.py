@@ -32,7 +32,7 @@ from cachelab.bench.plan import BenchPlan
 from cachelab.bench.server_metrics import Scrape, scrape
 from cachelab.errors import CachelabError
 from cachelab.heap import freeze_startup_heap
-from cachelab.serving.metrics import RequestTimes, request_metrics
+from cachelab.serving.metrics import RequestTimes, peak_per_second, request_metrics
 
 TIMEOUT_S = 6 * 3600  # vLLM's AIOHTTP_TIMEOUT: a request may wait long under load
 MAX_ERROR_CHARS = 500  # of an error's message kept per request (an HTML error page can be megabytes)
@@ -118,8 +118,10 @@ class BenchResult:
         out = {"model": self.model, "base_url": self.config.base_url, "trace": self.plan.source,
                "num_prompts": len(self.plan), "max_concurrency": self.config.max_concurrency,
                "interrupted": self.interrupted}
-        out.update(request_metrics(self.request_times(), failed=len(self.outputs) - len(self.completed),
-                                   duration=self.duration, goodput=self.config.goodput or None))
+        times = self.request_times()
+        out.update(request_metrics(times, failed=len(self.outputs) - len(self.completed), duration=self.duration,
+                                   goodput=self.config.goodput or None))
+        out.update(peak_per_second(times))
         out["errors_by_reason"] = dict(Counter(o.error for o in self.outputs if not o.success).most_common())
         cached = [o.cached_tokens for o in self.completed if o.cached_tokens is not None]
         if cached:

@@ -106,6 +106,22 @@ def request_metrics(times: RequestTimes, *, failed: int = 0, duration: float | N
     return out
 
 
+def peak_per_second(times: RequestTimes) -> dict:
+    """``vllm bench serve``'s ``max_output_tokens_per_s`` and ``max_concurrent_requests``: in
+    one-second buckets from the earliest send of a completed request, the most token arrivals
+    (streamed chunks, as vLLM counts them) in one bucket, and the most requests active in one (a
+    request is active in every bucket from its send's to its end's). 0 without a request."""
+    if times.send_s.size == 0:
+        return {"max_output_tokens_per_s": 0.0, "max_concurrent_requests": 0}
+    t0 = times.send_s.min()
+    n = int(np.ceil(times.end_s.max() - t0)) + 1
+    tokens = np.bincount((times.token_times - t0).astype(np.int64), minlength=n)[:n]
+    active = np.zeros(n + 1, dtype=np.int64)
+    np.add.at(active, (times.send_s - t0).astype(np.int64), 1)
+    np.add.at(active, (times.end_s - t0).astype(np.int64) + 1, -1)
+    return {"max_output_tokens_per_s": float(tokens.max()), "max_concurrent_requests": int(np.cumsum(active).max())}
+
+
 def summarize(times: RequestTimes, num_gpus: int, usd_per_gpu_hour: float | None,
               percentiles=PERCENTILES) -> dict:
     """The vLLM bench serve result dict plus InferenceX's per-GPU and cost figures."""
