@@ -96,9 +96,12 @@ class _Sampling(BaseModel):
         logprobs asked for (a completion's ``logprobs: 0`` asks for the sampled token's), a
         suffix (vLLM refuses it too without a fill-in-the-middle model), a response format
         other than text, min_p, a repetition penalty, and vLLM's extensions that bias, restrict
-        or truncate (an empty ``bad_words`` or ``logit_bias`` is no change, so it passes)."""
+        or truncate (an empty ``bad_words`` or ``logit_bias`` is no change, so it passes), and
+        those of a chat that change its prompt (vLLM's ``echo``, ``continue_final_message``,
+        ``add_generation_prompt: false``, a ``chat_template``, its kwargs, ``documents``)."""
         fields = ("presence_penalty", "frequency_penalty", "tools", "echo", "suffix", "top_logprobs", "logit_bias",
-                  "allowed_token_ids", "bad_words", "use_beam_search", "structured_outputs")
+                  "allowed_token_ids", "bad_words", "use_beam_search", "structured_outputs", "continue_final_message",
+                  "chat_template", "chat_template_kwargs", "documents")
         refused = [f for f in fields if getattr(self, f, None)]
         refused += [f for f in ("prompt_logprobs", "truncate_prompt_tokens") if getattr(self, f) is not None]
         if not self.skip_special_tokens:  # the text always leaves special tokens out
@@ -111,6 +114,8 @@ class _Sampling(BaseModel):
             refused.append("min_p")
         if self.repetition_penalty != 1.0:  # 1.0 (vLLM bench's default) is no penalty
             refused.append("repetition_penalty")
+        if getattr(self, "add_generation_prompt", True) is False:  # the template always ends with the tag
+            refused.append("add_generation_prompt")
         return refused
 
     def sampling(self, max_tokens: int) -> SamplingParams:
@@ -161,6 +166,13 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     tools: list[dict] | None = None
+    # vLLM's chat extensions that change the prompt; this server's template does none (see unsupported)
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
+    documents: list[dict] | None = None
 
 
 def chat_prompt(messages: list[ChatMessage]) -> str:
