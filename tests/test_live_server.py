@@ -132,6 +132,48 @@ def test_64_concurrent_requests_and_metrics_equal_engine(server):
     assert after[("vllm:num_requests_running",)] == 0 and after[("vllm:kv_cache_usage_perc",)] == 0.0
 
 
+def test_n_choices_as_vllm_samples_them(server):
+    """n > 1 was refused; vLLM samples each choice as its own request, choice i seeded seed + i,
+    the prompt counted once in usage, every choice's tokens summed; greedy with n > 1 is refused
+    in vLLM's words. Streamed, each choice's chunks carry its index (a chat's role first)."""
+    url, engine = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    body = dict(model=MODEL, prompt=list(range(4000, 4012)), max_tokens=5, temperature=1.0,
+                extra_body={"ignore_eos": True, "return_token_ids": True})
+    three = client.completions.create(n=3, seed=11, **body)
+    singles = [client.completions.create(seed=11 + i, **body).choices[0] for i in range(3)]
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert [c.model_dump()["token_ids"] for c in three.choices] == [c.model_dump()["token_ids"] for c in singles]
+    assert [c.text for c in three.choices] == [c.text for c in singles]
+    assert all(c.model_dump()["prompt_token_ids"] == body["prompt"] for c in three.choices)
+    assert (three.usage.prompt_tokens, three.usage.completion_tokens) == (12, 15)
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "two answers"}], max_tokens=4, temperature=1.0,
+                seed=3, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(n=2, **chat)
+    chunks = list(client.chat.completions.create(n=2, stream=True, stream_options={"include_usage": True}, **chat))
+    roles = [c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role == "assistant"]
+    assert roles == [0, 1]
+    texts = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+             for i in range(2)]
+    assert texts == [c.message.content for c in whole.choices]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"] * 2
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 8
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    for n, temperature, message in ((2, 0.0, "n must be 1 when using greedy sampling, got 2."),
+                                    (0, 1.0, "n must be at least 1, got 0.")):
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "n": n, "temperature": temperature},
+                       timeout=30)
+        assert (r.status_code, r.json()["error"]["param"], r.json()["error"]["message"]) == (400, "n", message)
+    wait_idle(engine)
+    aborted = engine.counters.finished["abort"]
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={**body, **body.pop("extra_body"), "n": 2,
+                                                                         "max_tokens": 1500, "stream": True}) as r:
+        next(line for line in r.iter_lines() if line.startswith("data:"))  # a first token: hang up
+    wait_idle(engine)
+    assert engine.counters.finished["abort"] == aborted + 2  # both choices freed
+    assert scrape(url)[("vllm:kv_cache_usage_perc",)] == 0.0
+
+
 def test_repeated_prompt_is_served_from_the_prefix_cache(server):
     url, _ = server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")

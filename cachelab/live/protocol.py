@@ -200,38 +200,44 @@ def usage(num_prompt: int, num_output: int, cached: int | None = None) -> dict:
     return use
 
 
-def _body(rid: str, created: int, model: str, obj: str, chat: bool, content: dict, finish, stop_reason, token_ids,
-          prompt_ids) -> dict:
-    choice = {"index": 0, **content, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}
-    body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
-    if prompt_ids is not None:  # vLLM: top level of a chat completion, in the choice of a completion
-        (body if chat else choice)["prompt_token_ids"] = prompt_ids
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
+def _body(rid: str, created: int, model: str, obj: str, chat: bool, choices, prompt_ids) -> dict:
+    """``choices``: (index, content, finish_reason, stop_reason, token_ids) each; ``prompt_ids``
+    where vLLM puts them: at the top of a chat completion, in each choice of a completion."""
+    body = {"id": rid, "object": obj, "created": created, "model": model, "choices": []}
+    if prompt_ids is not None and chat:
+        body["prompt_token_ids"] = prompt_ids
+    for index, content, finish, stop_reason, token_ids in choices:
+        choice = {"index": index, **content, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}
+        if prompt_ids is not None and not chat:
+            choice["prompt_token_ids"] = prompt_ids
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        body["choices"].append(choice)
     return body
 
 
-def completion_body(rid: str, model: str, text: str, finish, stop_reason, token_ids, prompt_ids, use: dict,
-                    chat: bool) -> dict:
-    """A whole (non-streamed) completion or chat completion."""
-    content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-    body = _body(rid, int(time.time()), model, "chat.completion" if chat else "text_completion", chat, content,
-                 finish, stop_reason, token_ids, prompt_ids)
+def completion_body(rid: str, model: str, answers, prompt_ids, use: dict, chat: bool) -> dict:
+    """A whole (non-streamed) completion or chat completion; ``answers``: (text, finish_reason,
+    stop_reason, token_ids) per choice, in index order."""
+    choices = [(i, {"message": {"role": "assistant", "content": text}} if chat else {"text": text}, finish, stop,
+                tokens) for i, (text, finish, stop, tokens) in enumerate(answers)]
+    body = _body(rid, int(time.time()), model, "chat.completion" if chat else "text_completion", chat, choices,
+                 prompt_ids)
     body["usage"] = use
     return body
 
 
-def chunk_body(rid: str, created: int, model: str, text: str | None, finish, stop_reason, token_ids, prompt_ids,
-               chat: bool, first: bool) -> dict:
-    """One streamed chunk; ``prompt_ids`` only in the first (vLLM's placement); a chat's
-    first chunk carries the assistant's role."""
+def chunk_body(rid: str, created: int, model: str, index: int, text: str | None, finish, stop_reason, token_ids,
+               prompt_ids, chat: bool, first: bool) -> dict:
+    """One streamed chunk of choice ``index``; ``prompt_ids`` only in a choice's first (vLLM's
+    placement); a chat's first chunk of a choice carries the assistant's role."""
     if chat:
         delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
         content = {"delta": delta}
     else:
         content = {"text": text or ""}
-    return _body(rid, created, model, "chat.completion.chunk" if chat else "text_completion", chat, content, finish,
-                 stop_reason, token_ids, prompt_ids)
+    return _body(rid, created, model, "chat.completion.chunk" if chat else "text_completion", chat,
+                 [(index, content, finish, stop_reason, token_ids)], prompt_ids)
 
 
 def usage_chunk(rid: str, created: int, model: str, use: dict, chat: bool) -> dict:

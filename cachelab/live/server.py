@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
@@ -29,6 +29,9 @@ from cachelab.live.metrics import EngineMetrics
 from cachelab.live.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_prompt, chunk_body,
                                     completion_body, new_id, usage, usage_chunk)
 
+
+
+MAX_N = 16_384  # choices per request at most, vLLM's VLLM_MAX_N_SEQUENCES
 
 
 @dataclass(frozen=True)
@@ -101,8 +104,9 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
             raise APIError(400, f"{param}: {err['msg']}", param) from None
         if req.model is not None and req.model != model_name:
             raise APIError(404, f"The model `{req.model}` does not exist.", "model")
-        if req.n != 1:
-            raise APIError(400, f"n must be 1 (one choice per request), got {req.n}", "n")
+        if not 1 <= req.n <= MAX_N:  # vLLM's bounds and words (VLLM_MAX_N_SEQUENCES)
+            raise APIError(400, f"n must be at least 1, got {req.n}." if req.n < 1 else
+                           f"n must be at most {MAX_N}, got {req.n}.", "n")
         if req.stream_options is not None and not req.stream:  # vLLM's check and words
             raise APIError(400, "Stream options can only be defined when `stream=True`.", "stream_options")
         if bad := [t for t in req.stop_token_ids if not 0 <= t < vocab]:
@@ -119,20 +123,27 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
             raise APIError(400, str(exc), exc.param) from None
 
     async def run(request: Request, req, prompt_ids: list[int], params, chat: bool):
+        """Submit the request's ``n`` choices (one engine request each, vLLM's parallel sampling:
+        choice i seeded ``seed + i``) and answer them whole or streamed."""
+        n = req.n
+        if n > 1 and params.temperature == 0:  # vLLM's check and words
+            raise APIError(400, f"n must be 1 when using greedy sampling, got {n}.", "n")
         collector = _Collector(asyncio.get_running_loop())
-        sink = collector if recorder is None else recorder.timeline(
+        session = request.headers.get("x-session-id") or getattr(req, "user", None)
+        sinks = [collector if recorder is None else recorder.timeline(
             collector, endpoint=request.url.path, prompt_ids=prompt_ids, model=model_name, stream=req.stream,
-            session=request.headers.get("x-session-id") or getattr(req, "user", None))
+            session=session) for _ in range(n)]
+        choices = [params if params.seed is None else replace(params, seed=params.seed + i) for i in range(n)]
         try:
-            rid = engine.submit([prompt_ids], [params], [sink])[0]
+            rids = engine.submit([prompt_ids] * n, choices, sinks)
         except CachelabError as exc:  # the engine stopped after an error, or the server is shutting down
             raise APIError(503, str(exc)) from None
         oid = new_id("chatcmpl" if chat else "cmpl")
         ids = prompt_ids if req.return_token_ids else None
         if req.stream:
-            return StreamingResponse(_stream(engine, rid, collector, oid, model_name, ids, req, chat, len(prompt_ids)),
+            return StreamingResponse(_stream(engine, rids, collector, oid, model_name, ids, req, chat, len(prompt_ids)),
                                      media_type="text/event-stream")
-        return JSONResponse(await _whole(engine, request, rid, collector, oid, model_name, ids, req, chat))
+        return JSONResponse(await _whole(engine, request, rids, collector, oid, model_name, ids, req, chat))
 
     @app.post("/v1/completions", **v1)
     async def completions(request: Request):
@@ -177,69 +188,84 @@ async def _client_gone(request: Request) -> None:
         pass
 
 
-async def _whole(engine, request: Request, rid: int, collector: _Collector, oid: str, model: str, prompt_ids, req,
-                 chat: bool) -> dict:
-    """Wait for every output of ``rid``; abort it if the client goes away meanwhile."""
-    tokens, text = [], []
+async def _whole(engine, request: Request, rids: list[int], collector: _Collector, oid: str, model: str, prompt_ids,
+                 req, chat: bool) -> dict:
+    """Wait for every output of ``rids`` (the choices); abort them if the client goes away meanwhile."""
+    index = {rid: i for i, rid in enumerate(rids)}
+    tokens, text, last = [[] for _ in rids], [[] for _ in rids], [None] * len(rids)
     gone = asyncio.ensure_future(_client_gone(request))
     try:
-        while True:
+        while None in last:
             get = asyncio.ensure_future(collector.queue.get())
             await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not get.done():
                 get.cancel()
-                engine.abort(rid)
+                _abort(engine, rids, last)
                 return {}
             out = get.result()
-            tokens += out.new_token_ids
-            text.append(out.new_text)
+            i = index[out.rid]
+            tokens[i] += out.new_token_ids
+            text[i].append(out.new_text)
             if out.finished:
-                break
+                last[i] = out
     except asyncio.CancelledError:
-        engine.abort(rid)
+        _abort(engine, rids, last)
         raise
     finally:
         gone.cancel()
-    if out.finish_reason == "abort":  # not our client gone (returned above): the engine stopped under it
+    if any(out.finish_reason == "abort" for out in last):  # not our client gone: the engine stopped under it
         raise _aborted(engine)
-    return completion_body(oid, model, "".join(text), out.finish_reason, out.stop_reason,
-                           tokens if req.return_token_ids else None, prompt_ids,
-                           usage(out.num_prompt, out.num_output, out.cached_tokens), chat)
+    answers = [("".join(t), out.finish_reason, out.stop_reason, ids if req.return_token_ids else None)
+               for t, out, ids in zip(text, last, tokens)]
+    return completion_body(oid, model, answers, prompt_ids, _usage(last), chat)
 
 
-async def _stream(engine, rid: int, collector: _Collector, oid: str, model: str, prompt_ids, req, chat: bool,
+async def _stream(engine, rids: list[int], collector: _Collector, oid: str, model: str, prompt_ids, req, chat: bool,
                   num_prompt: int):
-    """Server-sent events: one chunk per step that produced text or ids, then usage, then [DONE]."""
-    created, first, finished = int(time.time()), True, False
+    """Server-sent events: per choice, one chunk per step that produced text or ids; then usage,
+    then [DONE]."""
+    created, index, last = int(time.time()), {rid: i for i, rid in enumerate(rids)}, [None] * len(rids)
+    first = [not chat] * len(rids)  # a completion's first chunk of a choice carries the prompt ids
     try:
-        if chat:  # the role comes first, as OpenAI sends it
-            body = chunk_body(oid, created, model, "", None, None, [] if req.return_token_ids else None,
+        for i in range(len(rids) if chat else 0):  # each choice's role comes first, as OpenAI sends it
+            body = chunk_body(oid, created, model, i, "", None, None, [] if req.return_token_ids else None,
                               prompt_ids, chat, True)
             if req.continuous_usage:
                 body["usage"] = usage(num_prompt, 0)
             yield _sse(body)
-            first = False
-        while not finished:
+        while None in last:
             out = await collector.queue.get()
-            finished = out.finished
+            i = index[out.rid]
+            if out.finished:
+                last[i] = out
             if out.finish_reason == "abort":  # the engine stopped under a live stream: an error event, as vLLM sends
                 yield _sse(_aborted(engine).body())
                 yield "data: [DONE]\n\n"
                 return
             ids = out.new_token_ids if req.return_token_ids else None
-            body = chunk_body(oid, created, model, out.new_text, out.finish_reason, out.stop_reason, ids,
-                              prompt_ids if first else None, chat, first and chat)
-            if req.continuous_usage:  # vLLM's: the counts so far, no details
+            body = chunk_body(oid, created, model, i, out.new_text, out.finish_reason, out.stop_reason, ids,
+                              prompt_ids if first[i] else None, chat, False)
+            if req.continuous_usage:  # vLLM's: the choice's counts so far, no details
                 body["usage"] = usage(out.num_prompt, out.num_output)
             yield _sse(body)
-            first = False
+            first[i] = False
         if req.include_usage:
-            yield _sse(usage_chunk(oid, created, model, usage(out.num_prompt, out.num_output, out.cached_tokens),
-                                   chat))
+            yield _sse(usage_chunk(oid, created, model, _usage(last), chat))
         yield "data: [DONE]\n\n"
-    finally:
-        if not finished:  # the client went away (or the server is stopping): free its KV blocks
+    finally:  # the client went away (or the server is stopping): free their KV blocks
+        _abort(engine, rids, last)
+
+
+def _abort(engine, rids: list[int], last: list) -> None:
+    """Abort the choices that have not finished."""
+    for rid, out in zip(rids, last):
+        if out is None:
             engine.abort(rid)
+
+
+def _usage(last: list[RequestOutput]) -> dict:
+    """A request's usage from its choices' last outputs: the prompt once, every choice's tokens (vLLM's)."""
+    return usage(last[0].num_prompt, sum(out.num_output for out in last), last[0].cached_tokens)
 
 
 def _aborted(engine) -> APIError:
