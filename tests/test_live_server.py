@@ -217,6 +217,12 @@ def test_bad_input_gets_openai_shaped_errors(server):
     assert r.status_code == 400 and "prompt token ids must be in" in r.json()["error"]["message"]
     r = post("completions", json={"model": MODEL, "prompt": "x", "temperature": "hot"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    # a union field's error names the field and the item, not pydantic's branch ("stop.str", "prompt.list[int].1")
+    for body, param, message in ((({"stop": 5}), "stop", "stop: Input should be a valid string"),
+                                 ({"stop": ["a", 3]}, "stop.1", "stop.1: Input should be a valid string"),
+                                 ({"prompt": [1, "a"]}, "prompt.1", "prompt.1: Input should be a valid integer")):
+        r = post("completions", json={"model": MODEL, "prompt": "x", **body})
+        assert (r.status_code, r.json()["error"]["param"]) == (400, param) and message in r.json()["error"]["message"]
     r = post("completions", content=json.dumps({"model": MODEL, "prompt": "x" * 70_000}).encode(),
              headers={"content-type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == 413

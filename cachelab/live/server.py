@@ -99,8 +99,8 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
         try:
             req = model_cls.model_validate(data)
         except ValidationError as exc:
-            err = exc.errors()[0]
-            param = ".".join(str(p) for p in err["loc"])
+            err = max(exc.errors(), key=lambda e: len(e["loc"]))  # the deepest: inside the branch the value took
+            param = _param(err["loc"])
             raise APIError(400, f"{param}: {err['msg']}", param) from None
         if req.model is not None and req.model != model_name:
             raise APIError(404, f"The model `{req.model}` does not exist.", "model")
@@ -180,6 +180,15 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+_BRANCHES = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})  # pydantic's union-branch names
+
+
+def _param(loc: tuple) -> str:
+    """A validation error's field path without pydantic's union-branch markers (``stop.list[str].1``
+    -> ``stop.1``), as vLLM's clean_loc_for_param names it."""
+    return ".".join(str(p) for p in loc if not (isinstance(p, str) and ("[" in p or p in _BRANCHES)))
 
 
 async def _client_gone(request: Request) -> None:
