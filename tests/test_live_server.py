@@ -220,7 +220,9 @@ def test_bad_input_gets_openai_shaped_errors(server):
     # a union field's error names the field and the item, not pydantic's branch ("stop.str", "prompt.list[int].1")
     for body, param, message in ((({"stop": 5}), "stop", "stop: Input should be a valid string"),
                                  ({"stop": ["a", 3]}, "stop.1", "stop.1: Input should be a valid string"),
-                                 ({"prompt": [1, "a"]}, "prompt.1", "prompt.1: Input should be a valid integer")):
+                                 ({"prompt": [1, "a"]}, "prompt.1", "prompt.1: Input should be a valid integer"),
+                                 # more than OpenAI's (and vLLM's) 4 stop strings: refused there, served here
+                                 ({"stop": list("abcde")}, "stop", "stop: List should have at most 4 items")):
         r = post("completions", json={"model": MODEL, "prompt": "x", **body})
         assert (r.status_code, r.json()["error"]["param"]) == (400, param) and message in r.json()["error"]["message"]
     r = post("completions", content=json.dumps({"model": MODEL, "prompt": "x" * 70_000}).encode(),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -42,6 +42,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk too (with include_usage)
 
 
+MAX_STOP_STRINGS = 4  # OpenAI's limit, and vLLM's (VLLM_MAX_STOP_STRINGS)
 # Fields OpenAI's API (and vLLM's, as ``X | None``) lets a client send as null, meaning the default:
 # the openai client sends an argument given as None as null
 NULL_IS_DEFAULT = frozenset({"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -69,7 +70,7 @@ class _Sampling(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # vLLM's bounds: torch takes a 64-bit seed
     return_token_ids: bool = False
     ignore_eos: bool = False

@@ -99,7 +99,8 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
         try:
             req = model_cls.model_validate(data)
         except ValidationError as exc:
-            err = max(exc.errors(), key=lambda e: len(e["loc"]))  # the deepest: inside the branch the value took
+            # the deepest error, and not a mere type mismatch: inside the union branch the value took
+            err = max(exc.errors(), key=lambda e: (len(e["loc"]), not e["type"].endswith("_type")))
             param = _param(err["loc"])
             raise APIError(400, f"{param}: {err['msg']}", param) from None
         if req.model is not None and req.model != model_name:
