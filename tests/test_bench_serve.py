@@ -304,6 +304,24 @@ def test_against_real_vllm_counts_match_its_metrics(vllm_server, tmp_path):
             assert saved["start_times"][i + 1] >= saved["start_times"][i] + saved["latencies"][i]
 
 
+def test_a_server_with_an_api_key_is_measured_with_it(tmp_path, monkeypatch):
+    """bench serve sent no key: against `cachelab serve --api-key` (required off loopback) every
+    request was a 401. vLLM's bench sends $OPENAI_API_KEY; --api-key, or that variable, is sent."""
+    from cachelab.live.launch import ServeOptions, running_server
+
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    trace = make_trace(tmp_path / "t.parquet", [12, 20], output_len=2)
+    with running_server(ServeOptions(port=0, threads=1, kv_cache_tokens=4096, api_key="k")) as (url, _engine):
+        bench = ["bench", "serve", "--base-url", url, "--trace", str(trace), "--json"]
+        refused = runner.invoke(app, [*bench, "--model", "cachelab-tiny"])
+        keyed = runner.invoke(app, [*bench, "--api-key", "k"])
+        from_env = runner.invoke(app, bench, env={"OPENAI_API_KEY": "k"})
+    assert refused.exit_code == 2 and "answered HTTP 401: give the server's API key with --api-key" in refused.output
+    for res in (keyed, from_env):
+        assert res.exit_code == 0, res.output
+        assert (json.loads(res.stdout)["completed"], json.loads(res.stdout)["failed"]) == (2, 0)
+
+
 @pytest.mark.slow
 def test_against_cachelab_serve_counts_match_its_metrics(tmp_path):
     """The same contract against `cachelab serve` (tiny preset, in this process)."""

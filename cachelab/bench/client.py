@@ -65,6 +65,7 @@ class BenchConfig:
     server_metrics: bool = True
     timeout_s: float = TIMEOUT_S
     return_token_ids: bool = False  # ask for the output's token ids (vLLM's extension; `cachelab serve` has it)
+    api_key: str | None = None  # sent as 'Authorization: Bearer KEY' (vLLM's bench sends $OPENAI_API_KEY so)
 
     def __post_init__(self):
         """Bad options are refused when the config is made, before a trace is read or a request sent."""
@@ -73,6 +74,10 @@ class BenchConfig:
         url = urllib.parse.urlsplit(self.base_url)
         if url.scheme not in ("http", "https") or not url.hostname:
             raise CachelabError(f"--base-url {self.base_url!r}: expected http://HOST:PORT or https://HOST:PORT")
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     @property
     def root(self) -> str:
@@ -151,9 +156,12 @@ def resolve_model(config: BenchConfig) -> str:
     """``--model``, else the first model the server lists; a clear error if it cannot be reached."""
     url = f"{config.root}/v1/models"
     try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=config.headers), timeout=10) as resp:
             listing = json.loads(resp.read())
     except urllib.error.HTTPError as exc:
+        if exc.code == 401:  # every request would fail the same way
+            raise CachelabError(f"{url} answered HTTP 401: give the server's API key with --api-key (or "
+                                f"OPENAI_API_KEY){' (the one given was refused)' if config.api_key else ''}") from None
         if config.model:
             return config.model  # a server without the listing route can still serve
         raise CachelabError(f"{url} answered HTTP {exc.code}; give --model") from None
@@ -244,7 +252,7 @@ async def _replay(config: BenchConfig, model: str, plan: BenchPlan, outputs: lis
             on_done(out)
 
     connector = aiohttp.TCPConnector(limit=config.max_concurrency or 0, keepalive_timeout=60)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=config.headers) as session:
         start = clock["start"] = time.perf_counter()  # vLLM's benchmark_start_time
         tasks = []
         for i, offset in enumerate(plan.send_offsets):

@@ -35,6 +35,9 @@ def serve(
     seed: int = typer.Option(0, "--seed", help="Seed of the --request-rate arrival draws."),
     ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos",
                                     help="Ask for exactly the trace's output length (ignore_eos)."),
+    api_key: str = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY",
+                                help="Sent as 'Authorization: Bearer KEY' (a server started with --api-key); "
+                                     "default $OPENAI_API_KEY, as vllm bench serve reads it."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (vllm bench serve's key names)."),
     save_result: Path = typer.Option(None, "--save-result", help="Write the result JSON, per-request lists "
                                                                   "included, to FILE (kept even if interrupted)."),
@@ -54,7 +57,7 @@ def serve(
     if save_result is not None:
         output_folder(save_result.parent, "--save-result")
         output_file(save_result, "--save-result")
-    config = BenchConfig(base_url, model, max_concurrency, slos, ignore_eos)  # its options checked first
+    config = BenchConfig(base_url, model, max_concurrency, slos, ignore_eos, api_key=api_key)  # checked first
     plan = plan_from_trace(trace, num_prompts=num_prompts, request_rate=request_rate, burstiness=burstiness,
                            seed=seed)
     columns = [TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
