@@ -174,6 +174,31 @@ def test_n_choices_as_vllm_samples_them(server):
     assert scrape(url)[("vllm:kv_cache_usage_perc",)] == 0.0
 
 
+def test_a_batch_of_prompts_as_vllm_answers_it(server):
+    """A completion's list of prompts was refused ("send one prompt per request"); vLLM answers
+    n choices per prompt, prompt k's at indices k*n .. k*n+n-1, each with its prompt's ids, the
+    prompts' tokens summed in usage; more than 1,024 prompts is refused in vLLM's words."""
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    prompts = [list(range(5000, 5007)), list(range(6000, 6004))]
+    common = dict(model=MODEL, max_tokens=3, temperature=1.0, seed=21,
+                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    batch = client.completions.create(prompt=prompts, n=2, **common)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    for k, prompt in enumerate(prompts):
+        single = client.completions.create(prompt=prompt, n=2, **common)
+        assert [c.model_dump()["token_ids"] for c in batch.choices[2 * k:2 * k + 2]] == [
+            c.model_dump()["token_ids"] for c in single.choices]
+        assert all(c.model_dump()["prompt_token_ids"] == prompt for c in batch.choices[2 * k:2 * k + 2])
+    assert (batch.usage.prompt_tokens, batch.usage.completion_tokens) == (11, 12)
+    chunks = list(client.completions.create(prompt=["one", "two words"], stream=True,
+                                            stream_options={"include_usage": True}, **common))
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1} and chunks[-1].usage.completion_tokens == 6
+    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": ["x"] * 1025, "max_tokens": 1}, timeout=30)
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "prompt")
+    assert r.json()["error"]["message"] == "prompt list length 1025 exceeds the maximum allowed count of 1024."
+
+
 def test_repeated_prompt_is_served_from_the_prefix_cache(server):
     url, _ = server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")

@@ -3,7 +3,7 @@
 Field names are OpenAI's, plus vLLM's extensions where vLLM has one: ``return_token_ids``
 (``prompt_token_ids`` and ``token_ids`` in each choice of a completion; ``prompt_token_ids``
 at the top of a chat completion and ``token_ids`` in its choice; in a stream the prompt ids
-come once, in the first chunk, and each chunk carries its new ids), ``ignore_eos``,
+come once per choice, in its first chunk, and each chunk carries its new ids), ``ignore_eos``,
 ``stop_token_ids``, ``min_tokens``, ``include_stop_str_in_output``, ``stream_options.
 continuous_usage_stats`` (usage in every chunk) and ``usage.prompt_tokens_details.cached_tokens``. Errors have OpenAI's
 shape: ``{"error": {"message", "type", "param", "code"}}``.
@@ -201,29 +201,27 @@ def usage(num_prompt: int, num_output: int, cached: int | None = None) -> dict:
     return use
 
 
-def _body(rid: str, created: int, model: str, obj: str, chat: bool, choices, prompt_ids) -> dict:
-    """``choices``: (index, content, finish_reason, stop_reason, token_ids) each; ``prompt_ids``
-    where vLLM puts them: at the top of a chat completion, in each choice of a completion."""
+def _body(rid: str, created: int, model: str, obj: str, chat: bool, choices) -> dict:
+    """``choices``: (index, content, finish_reason, stop_reason, token_ids, prompt_ids) each; the
+    prompt ids where vLLM puts them: at the top of a chat completion (its one prompt), in each
+    choice of a completion."""
     body = {"id": rid, "object": obj, "created": created, "model": model, "choices": []}
-    if prompt_ids is not None and chat:
-        body["prompt_token_ids"] = prompt_ids
-    for index, content, finish, stop_reason, token_ids in choices:
+    for index, content, finish, stop_reason, token_ids, prompt_ids in choices:
         choice = {"index": index, **content, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}
-        if prompt_ids is not None and not chat:
-            choice["prompt_token_ids"] = prompt_ids
+        if prompt_ids is not None:
+            (body if chat else choice)["prompt_token_ids"] = prompt_ids
         if token_ids is not None:
             choice["token_ids"] = token_ids
         body["choices"].append(choice)
     return body
 
 
-def completion_body(rid: str, model: str, answers, prompt_ids, use: dict, chat: bool) -> dict:
+def completion_body(rid: str, model: str, answers, use: dict, chat: bool) -> dict:
     """A whole (non-streamed) completion or chat completion; ``answers``: (text, finish_reason,
-    stop_reason, token_ids) per choice, in index order."""
+    stop_reason, token_ids, prompt_ids) per choice, in index order."""
     choices = [(i, {"message": {"role": "assistant", "content": text}} if chat else {"text": text}, finish, stop,
-                tokens) for i, (text, finish, stop, tokens) in enumerate(answers)]
-    body = _body(rid, int(time.time()), model, "chat.completion" if chat else "text_completion", chat, choices,
-                 prompt_ids)
+                tokens, prompt) for i, (text, finish, stop, tokens, prompt) in enumerate(answers)]
+    body = _body(rid, int(time.time()), model, "chat.completion" if chat else "text_completion", chat, choices)
     body["usage"] = use
     return body
 
@@ -238,7 +236,7 @@ def chunk_body(rid: str, created: int, model: str, index: int, text: str | None,
     else:
         content = {"text": text or ""}
     return _body(rid, created, model, "chat.completion.chunk" if chat else "text_completion", chat,
-                 [(index, content, finish, stop_reason, token_ids)], prompt_ids)
+                 [(index, content, finish, stop_reason, token_ids, prompt_ids)])
 
 
 def usage_chunk(rid: str, created: int, model: str, use: dict, chat: bool) -> dict:

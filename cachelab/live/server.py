@@ -29,9 +29,8 @@ from cachelab.live.metrics import EngineMetrics
 from cachelab.live.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_prompt, chunk_body,
                                     completion_body, new_id, usage, usage_chunk)
 
-
-
-MAX_N = 16_384  # choices per request at most, vLLM's VLLM_MAX_N_SEQUENCES
+MAX_N = 16_384  # choices per prompt at most, vLLM's VLLM_MAX_N_SEQUENCES
+MAX_PROMPTS = 1024  # prompts per completion request at most, vLLM's VLLM_MAX_COMPLETION_PROMPTS
 
 
 @dataclass(frozen=True)
@@ -123,46 +122,48 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
         except RequestError as exc:
             raise APIError(400, str(exc), exc.param) from None
 
-    async def run(request: Request, req, prompt_ids: list[int], params, chat: bool):
-        """Submit the request's ``n`` choices (one engine request each, vLLM's parallel sampling:
-        choice i seeded ``seed + i``) and answer them whole or streamed."""
+    async def run(request: Request, req, prompts: list[list[int]], params: list, chat: bool):
+        """Submit ``n`` choices per prompt (one engine request each, vLLM's parallel sampling:
+        choice j of a prompt seeded ``seed + j``; prompt k's choices are indices k*n .. k*n+n-1)
+        and answer them whole or streamed."""
         n = req.n
-        if n > 1 and params.temperature == 0:  # vLLM's check and words
+        if n > 1 and params[0].temperature == 0:  # vLLM's check and words
             raise APIError(400, f"n must be 1 when using greedy sampling, got {n}.", "n")
+        jobs = [(ids, p if p.seed is None else replace(p, seed=p.seed + j))
+                for ids, p in zip(prompts, params, strict=True) for j in range(n)]
         collector = _Collector(asyncio.get_running_loop())
         session = request.headers.get("x-session-id") or getattr(req, "user", None)
         sinks = [collector if recorder is None else recorder.timeline(
-            collector, endpoint=request.url.path, prompt_ids=prompt_ids, model=model_name, stream=req.stream,
-            session=session) for _ in range(n)]
-        choices = [params if params.seed is None else replace(params, seed=params.seed + i) for i in range(n)]
+            collector, endpoint=request.url.path, prompt_ids=ids, model=model_name, stream=req.stream,
+            session=session) for ids, _ in jobs]
         try:
-            rids = engine.submit([prompt_ids] * n, choices, sinks)
+            rids = engine.submit([ids for ids, _ in jobs], [p for _, p in jobs], sinks)
         except CachelabError as exc:  # the engine stopped after an error, or the server is shutting down
             raise APIError(503, str(exc)) from None
+        choices = _Choices(rids, [ids for ids, _ in jobs], n, req.return_token_ids)
         oid = new_id("chatcmpl" if chat else "cmpl")
-        ids = prompt_ids if req.return_token_ids else None
         if req.stream:
-            return StreamingResponse(_stream(engine, rids, collector, oid, model_name, ids, req, chat, len(prompt_ids)),
+            return StreamingResponse(_stream(engine, choices, collector, oid, model_name, req, chat),
                                      media_type="text/event-stream")
-        return JSONResponse(await _whole(engine, request, rids, collector, oid, model_name, ids, req, chat))
+        return JSONResponse(await _whole(engine, request, choices, collector, oid, model_name, req, chat))
 
     @app.post("/v1/completions", **v1)
     async def completions(request: Request):
         req = await read_json(request, CompletionRequest)
         prompt = req.prompt
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise APIError(400, f"send one prompt per request, got a batch of {len(prompt)}", "prompt")
-            prompt = prompt[0]
-        ids = tokenizer.encode(prompt, add_special_tokens=False).ids if isinstance(prompt, str) else list(prompt)
-        return await run(request, req, ids, prepare(ids, req.max_tokens, req), chat=False)
+        batch = [prompt] if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else prompt
+        if len(batch) > MAX_PROMPTS:  # vLLM's bound and words (VLLM_MAX_COMPLETION_PROMPTS)
+            raise APIError(400, f"prompt list length {len(batch)} exceeds the maximum allowed count of {MAX_PROMPTS}.",
+                           "prompt")
+        prompts = [tokenizer.encode(p, add_special_tokens=False).ids if isinstance(p, str) else list(p) for p in batch]
+        return await run(request, req, prompts, [prepare(ids, req.max_tokens, req) for ids in prompts], chat=False)
 
     @app.post("/v1/chat/completions", **v1)
     async def chat_completions(request: Request):
         req = await read_json(request, ChatCompletionRequest)
         ids = tokenizer.encode(chat_prompt(req.messages), add_special_tokens=False).ids
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return await run(request, req, ids, prepare(ids, max_tokens, req), chat=True)
+        return await run(request, req, [ids], [prepare(ids, max_tokens, req)], chat=True)
 
     @app.get("/v1/models", **v1)
     async def models():
@@ -198,9 +199,37 @@ async def _client_gone(request: Request) -> None:
         pass
 
 
-async def _whole(engine, request: Request, rids: list[int], collector: _Collector, oid: str, model: str, prompt_ids,
-                 req, chat: bool) -> dict:
-    """Wait for every output of ``rids`` (the choices); abort them if the client goes away meanwhile."""
+@dataclass(frozen=True)
+class _Choices:
+    """One API request's engine requests, in choice order: their ids, each one's prompt, the
+    choices per prompt (``n``), and whether the answer shows prompt and output token ids."""
+
+    rids: list[int]
+    prompts: list[list[int]]
+    n: int
+    show_ids: bool
+
+    def prompt_ids(self, i: int) -> list[int] | None:
+        return self.prompts[i] if self.show_ids else None
+
+    def abort(self, engine, last: list) -> None:
+        """Abort the choices that have not finished."""
+        for rid, out in zip(self.rids, last):
+            if out is None:
+                engine.abort(rid)
+
+    def usage(self, last: list[RequestOutput]) -> dict:
+        """The request's usage from its choices' last outputs: each prompt once (its cached tokens
+        too), every choice's tokens (vLLM's)."""
+        firsts = last[::self.n]
+        return usage(sum(out.num_prompt for out in firsts), sum(out.num_output for out in last),
+                     sum(out.cached_tokens for out in firsts))
+
+
+async def _whole(engine, request: Request, choices: _Choices, collector: _Collector, oid: str, model: str, req,
+                 chat: bool) -> dict:
+    """Wait for every output of the choices; abort them if the client goes away meanwhile."""
+    rids = choices.rids
     index = {rid: i for i, rid in enumerate(rids)}
     tokens, text, last = [[] for _ in rids], [[] for _ in rids], [None] * len(rids)
     gone = asyncio.ensure_future(_client_gone(request))
@@ -210,7 +239,7 @@ async def _whole(engine, request: Request, rids: list[int], collector: _Collecto
             await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not get.done():
                 get.cancel()
-                _abort(engine, rids, last)
+                choices.abort(engine, last)
                 return {}
             out = get.result()
             i = index[out.rid]
@@ -219,29 +248,29 @@ async def _whole(engine, request: Request, rids: list[int], collector: _Collecto
             if out.finished:
                 last[i] = out
     except asyncio.CancelledError:
-        _abort(engine, rids, last)
+        choices.abort(engine, last)
         raise
     finally:
         gone.cancel()
     if any(out.finish_reason == "abort" for out in last):  # not our client gone: the engine stopped under it
         raise _aborted(engine)
-    answers = [("".join(t), out.finish_reason, out.stop_reason, ids if req.return_token_ids else None)
-               for t, out, ids in zip(text, last, tokens)]
-    return completion_body(oid, model, answers, prompt_ids, _usage(last), chat)
+    answers = [("".join(t), out.finish_reason, out.stop_reason, ids if req.return_token_ids else None,
+                choices.prompt_ids(i)) for i, (t, out, ids) in enumerate(zip(text, last, tokens))]
+    return completion_body(oid, model, answers, choices.usage(last), chat)
 
 
-async def _stream(engine, rids: list[int], collector: _Collector, oid: str, model: str, prompt_ids, req, chat: bool,
-                  num_prompt: int):
+async def _stream(engine, choices: _Choices, collector: _Collector, oid: str, model: str, req, chat: bool):
     """Server-sent events: per choice, one chunk per step that produced text or ids; then usage,
     then [DONE]."""
+    rids = choices.rids
     created, index, last = int(time.time()), {rid: i for i, rid in enumerate(rids)}, [None] * len(rids)
-    first = [not chat] * len(rids)  # a completion's first chunk of a choice carries the prompt ids
+    first = [not chat] * len(rids)  # a completion's first chunk of a choice carries its prompt ids
     try:
         for i in range(len(rids) if chat else 0):  # each choice's role comes first, as OpenAI sends it
             body = chunk_body(oid, created, model, i, "", None, None, [] if req.return_token_ids else None,
-                              prompt_ids, chat, True)
+                              choices.prompt_ids(i), chat, True)
             if req.continuous_usage:
-                body["usage"] = usage(num_prompt, 0)
+                body["usage"] = usage(len(choices.prompts[i]), 0)
             yield _sse(body)
         while None in last:
             out = await collector.queue.get()
@@ -254,28 +283,16 @@ async def _stream(engine, rids: list[int], collector: _Collector, oid: str, mode
                 return
             ids = out.new_token_ids if req.return_token_ids else None
             body = chunk_body(oid, created, model, i, out.new_text, out.finish_reason, out.stop_reason, ids,
-                              prompt_ids if first[i] else None, chat, False)
+                              choices.prompt_ids(i) if first[i] else None, chat, False)
             if req.continuous_usage:  # vLLM's: the choice's counts so far, no details
                 body["usage"] = usage(out.num_prompt, out.num_output)
             yield _sse(body)
             first[i] = False
         if req.include_usage:
-            yield _sse(usage_chunk(oid, created, model, _usage(last), chat))
+            yield _sse(usage_chunk(oid, created, model, choices.usage(last), chat))
         yield "data: [DONE]\n\n"
     finally:  # the client went away (or the server is stopping): free their KV blocks
-        _abort(engine, rids, last)
-
-
-def _abort(engine, rids: list[int], last: list) -> None:
-    """Abort the choices that have not finished."""
-    for rid, out in zip(rids, last):
-        if out is None:
-            engine.abort(rid)
-
-
-def _usage(last: list[RequestOutput]) -> dict:
-    """A request's usage from its choices' last outputs: the prompt once, every choice's tokens (vLLM's)."""
-    return usage(last[0].num_prompt, sum(out.num_output for out in last), last[0].cached_tokens)
+        choices.abort(engine, last)
 
 
 def _aborted(engine) -> APIError:
