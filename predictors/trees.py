@@ -33,11 +33,13 @@ from dataclasses import dataclass, field
 import numba as nb
 import numpy as np
 
+from cachelab.compiled import serial_and_parallel
 from cachelab.errors import CachelabError
 
 INT32 = np.iinfo(np.int32)
 COMPILED_NODES = 4096  # larger forests take the loop: compiling their code would take minutes
 COMPILE_ROWS = 1 << 20  # a batch this large pays for compiling a new forest's code (seconds, once)
+PARALLEL_WALKS = 1 << 20  # rows x trees under which the loop runs on one thread (a live decode step's rows)
 
 
 @dataclass(slots=True)
@@ -113,7 +115,7 @@ class FlatForest:
             self.compiled()(x, out)
         else:
             _forest_predict(x, self.feature, self.threshold, self.left, self.right, self.value, self.roots,
-                            self.base, out)
+                            self.base, out, work=x.shape[0] * self.roots.size)
         return out
 
     def source(self) -> str:
@@ -173,7 +175,7 @@ def _number(v) -> str:
     return repr(v) if np.isfinite(v) else ("np.inf" if v > 0 else "-np.inf")
 
 
-@nb.njit(cache=True, nogil=True, parallel=True, boundscheck=False)
+@serial_and_parallel(PARALLEL_WALKS)
 def _forest_predict(x, feature, threshold, left, right, value, roots, base, out):
     for i in nb.prange(x.shape[0]):
         acc = base

@@ -136,3 +136,22 @@ def test_a_saved_stream_keeps_its_layout_and_is_refused_as_another(served, tmp_p
     old = LookupStream.load(tmp_path / "old.npz")
     assert old.layout is None and "records no Engram layout" in unchecked_layout(old)
     assert LearningView.of(old, LAYOUT).layout["name"] == LAYOUT
+
+
+def test_a_step_of_many_requests_reads_each_tokens_own_n_gram(served):
+    """A decode step batches many requests, and a prefill chunk may sit beside them: each token's
+    n-gram is its own request's tokens before it (compressed), -1 before the request's start."""
+    from cachelab.engram import Addresser
+
+    _, _, _, model, _ = served
+    scorer, cmap = OnlineScorer(model, LAYOUT), Addresser(LAYOUT).cmap
+    rng = np.random.default_rng(5)
+    tokens = [rng.integers(1000, 60_000, int(rng.integers(1, 40))) for _ in range(12)]
+    starts = np.array([int(rng.integers(0, t.size)) for t in tokens])
+    stops = np.array([int(rng.integers(s + 1, t.size + 1)) for s, t in zip(starts, tokens)])
+    which = np.repeat(np.arange(starts.size), stops - starts)
+    position = np.concatenate([np.arange(a, b) for a, b in zip(starts, stops)])
+    got = scorer._ngrams(tokens, starts, stops, which, position)
+    want = [[cmap[tokens[r][p - k]] if p >= k else -1 for k in range(scorer.max_ngram)] for r, p in zip(which, position)]
+    np.testing.assert_array_equal(got, np.array(want, np.int32))
+    assert scorer._ngrams([], starts[:0], stops[:0], which[:0], position[:0]).shape == (0, scorer.max_ngram)

@@ -94,9 +94,11 @@ def test_compiled_forest_code_equals_the_loop_bit_for_bit(tmp_path, monkeypatch)
     forest = from_lightgbm_text(booster.model_to_string())[0]
     x[::7, 0] = np.nan  # NaN goes right in both
     x = x.astype(np.float32)
-    loop, code = np.empty(x.shape[0]), np.empty(x.shape[0])
-    _forest_predict(x, forest.feature, forest.threshold, forest.left, forest.right, forest.value, forest.roots,
-                    forest.base, loop)
+    loop, threads, code = np.empty(x.shape[0]), np.empty(x.shape[0]), np.empty(x.shape[0])
+    args = (x, forest.feature, forest.threshold, forest.left, forest.right, forest.value, forest.roots, forest.base)
+    _forest_predict.serial(*args, loop)
+    _forest_predict.parallel(*args, threads)  # a batch of 2^20 walks or more (one thread below: a live step's)
+    np.testing.assert_array_equal(threads, loop)
     forest.compiled()(x, code)
     np.testing.assert_array_equal(code, loop)
     again = from_lightgbm_text(booster.model_to_string())[0]

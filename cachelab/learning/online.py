@@ -156,15 +156,12 @@ class OnlineScorer:
     def _ngrams(self, tokens, starts, stops, which, position) -> np.ndarray:
         """Compressed ids of each step token and the ``max_ngram - 1`` before it in its request
         (-1 before the request's start)."""
-        out = np.empty((which.size, self.max_ngram), np.int32)
+        lo = np.maximum(starts - self.max_ngram + 1, 0)  # each request's window: the step's tokens and those before
+        known = self.addresser.compress(np.concatenate(
+            [np.empty(0, np.int64), *(np.asarray(tokens[i][lo[i]:stops[i]], np.int64) for i in range(starts.size))]))
+        window = np.cumsum(stops - lo) - (stops - lo) - lo  # known[window[i] + p] is request i's position p
         back = position[:, None] - np.arange(self.max_ngram)[None, :]
-        for i in range(starts.size):
-            lo = max(0, int(starts[i]) - self.max_ngram + 1)
-            known = self.addresser.compress(np.asarray(tokens[i][lo:int(stops[i])], np.int64))
-            m = which == i
-            at = back[m]
-            out[m] = np.where(at >= 0, known[np.maximum(at - lo, 0)], -1)
-        return out
+        return np.where(back >= 0, known[np.maximum(window[which][:, None] + back, 0)], -1).astype(np.int32)
 
     def _lookahead(self, requests, stops, num_prompt, tokens, req, pos, decode, uniq) -> np.ndarray:
         """The two lookahead columns of the step's entries (module doc)."""

@@ -28,7 +28,6 @@ on reading their lines for ownership.
 from __future__ import annotations
 
 import ctypes
-import types
 
 import numba as nb
 import numpy as np
@@ -37,30 +36,14 @@ from numba import types as nbt
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cachelab.compiled import borrowed, copy_bytes, prefetch, prefetch_at, prefetch_write_at, uint16_pointer
+from cachelab.compiled import (borrowed, copy_bytes, prefetch, prefetch_at, prefetch_write_at, serial_and_parallel,
+                               uint16_pointer)
 from cachelab.workload.lookups import _slot
 
 PAGE = 4096
 _AHEAD = 8  # rows between a row's prefetch and its copy
 _OUT_AHEAD = 8  # requests between an output row's prefetch for writing and its stores
-PARALLEL_BYTES = 4 << 20  # below this much work a kernel runs on one thread: a parallel launch costs more
-
-
-def _serial_and_parallel(fn):
-    """``fn`` compiled twice; a call passes ``work=`` (bytes it moves) and runs the parallel
-    build only when that is large enough to pay for starting the threads (and more than one
-    thread is allowed: on one thread the parallel build only adds its scheduling)."""
-    twin = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_parallel", fn.__defaults__, fn.__closure__)
-    twin.__qualname__ = twin.__name__  # its own on-disk cache entry
-    serial = nb.njit(cache=True, nogil=True, boundscheck=False)(fn)
-    parallel = nb.njit(cache=True, nogil=True, parallel=True, boundscheck=False)(twin)
-
-    def call(*args, work: int):
-        return (parallel if work >= PARALLEL_BYTES and nb.get_num_threads() > 1 else serial)(*args)
-
-    call.__doc__, call.__name__ = fn.__doc__, fn.__name__
-    call.serial, call.parallel = serial, parallel
-    return call
+PARALLEL_BYTES = 4 << 20  # below this many bytes moved a kernel runs on one thread: a parallel launch costs more
 
 
 def _fp8_e4m3_values() -> np.ndarray:
@@ -278,7 +261,7 @@ def prefetch_out_row(out, i):
         prefetch_write_at(out, i, j)
 
 
-@_serial_and_parallel
+@serial_and_parallel(PARALLEL_BYTES)
 def dequant_expand(packed, inverse, table, out):
     """``out[i] = bf16(packed[inverse[i]])`` for every request ``i``: values x 2^(scale - 127)
     (``table`` is ``DEQUANT_TABLE``, for the scales outside ``FAST_SCALES``)."""
@@ -294,7 +277,7 @@ def dequant_expand(packed, inverse, table, out):
         _dequant_row(packed, inverse[i], 0, dim, table, out, i)
 
 
-@_serial_and_parallel
+@serial_and_parallel(PARALLEL_BYTES)
 def gather_pages(buf, rows, dst, out, rows_per_page, row_bytes):
     """``out[dst[i]] = row rows[i]`` of a page-format table ``buf`` ([pages, 4096], data pages only).
 
@@ -309,7 +292,7 @@ def gather_pages(buf, rows, dst, out, rows_per_page, row_bytes):
         copy_bytes(out, dst[i], 0, buf, r // rows_per_page, (r % rows_per_page) * row_bytes, row_bytes)
 
 
-@_serial_and_parallel
+@serial_and_parallel(PARALLEL_BYTES)
 def gather_dequant(buf, rows, inverse, rows_per_page, table, out):
     """``out[i] = bf16(row rows[inverse[i]])`` of a page-format table ``buf`` ([pages, 4096]):
     the gather and the dequantiser fused, for requests no cache tier will keep (rows read
@@ -349,7 +332,7 @@ def _clear_bitmap(bitmap, keys, n):
             bitmap[keys[i] >> 6] = 0
 
 
-@_serial_and_parallel
+@serial_and_parallel(PARALLEL_BYTES)
 def lookup_dequant(rows, fold, inverse_size, buf, table, out_address, dim, seen, generation, bits, keys):
     """A whole step of lookups on a page-format DRAM table in one call, no temporary array:
     the BF16 bits of the table row of row id ``rows[i]``, for every request ``i`` in order,
@@ -462,7 +445,7 @@ def lookup_dequant(rows, fold, inverse_size, buf, table, out_address, dim, seen,
     return distinct
 
 
-@_serial_and_parallel
+@serial_and_parallel(PARALLEL_BYTES)
 def copy_rows(src, src_index, dst, dst_index):
     """``dst[dst_index[i]] = src[src_index[i]]``: hits out of cache slots, admitted rows into them."""
     rb = src.shape[1]
