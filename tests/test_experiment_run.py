@@ -241,3 +241,54 @@ def test_ctrl_c_ends_the_parent_run_killed_and_keeps_the_finished_points(tmp_pat
     parents = client.search_runs([client.get_experiment_by_name("ctrlc").experiment_id],
                                  "tags.`cachelab.kind` = 'experiment'")
     assert [r.info.status for r in parents] == ["KILLED"]  # not RUNNING until a later run or sync
+
+
+HELD_OUT = """
+name = "held"
+kind = "learned"
+warmup = 0.1
+[workload]
+source = "stdlib"
+params = { max_chars = 30000 }
+tokens_per_step = 512
+[predictor]
+name = "lightgbm-reuse"
+params = { n_estimators = 5, num_leaves = 7, num_threads = 1 }
+horizon = 4096
+max_samples = 10000
+capacities = ["1%"]
+[[predictor.holdout]]
+source = "stdlib"
+params = { max_chars = 20000 }
+domains = ["code", "docstring"]
+tokens_per_step = 512
+[[predictor.holdout]]
+source = "stdlib"
+params = { max_chars = 20000 }
+tokens_per_step = 512
+[[predictor.holdout]]
+source = "stdlib"
+params = { max_chars = 10000 }
+tokens_per_step = 512
+"""
+
+
+def test_held_out_workloads_are_tracked_each_under_its_own_name(tmp_path):
+    """Two domains of one held-out workload made a metric key MLflow refuses ('+'), which
+    failed the point's tracking and every later run's sync; two held-out workloads of one corpus
+    shared a name, and the later one's results replaced the earlier's."""
+    spec = tmp_path / "held.toml"
+    spec.write_text(HELD_OUT)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    summary = run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", workers=1, quiet=True)
+    assert (summary.ran, summary.failed, summary.outbox) == (1, [], None)
+    [point] = _points(uri, "held")
+    lookups = {k.removeprefix("eval.lookups."): v for k, v in point.data.metrics.items()
+               if k.startswith("eval.lookups.")}
+    assert set(lookups) == {"stdlib/code_docstring", "stdlib_1", "stdlib_2"}  # '+' and '#': MLflow refuses them
+    assert lookups["stdlib_1"] > lookups["stdlib_2"] > 0  # each its own workload: 20 000 and 10 000 characters
+    import polars as pl
+
+    table = pl.read_parquet(MlflowClient(tracking_uri=uri).download_artifacts(point.info.run_id, "learned_eval.parquet",
+                                                                              str(tmp_path)))
+    assert set(table["domain"]) == {"stdlib/code+docstring", "stdlib#1", "stdlib#2"}

@@ -10,6 +10,7 @@ about a kind.
 from __future__ import annotations
 
 import math
+import re
 
 import polars as pl
 
@@ -91,8 +92,8 @@ def learned_point(config: dict, workload: Workload) -> PointOutput:
                   replace(spec, capacity=caps[0] if p["belady_labels"] else 0.0)) for caps in targets]
     held = p["holdout"] if isinstance(p["holdout"], list) else [] if p["holdout"] is None else [p["holdout"]]
     # each held-out workload is built once, then found in the workload cache by every later point
-    parts = [(_domain(h), LearningView.of(load_workload(build_workload(WorkloadSpec(**h))).stream, preset),
-              config["warmup"]) for h in held]
+    parts = [(name, LearningView.of(load_workload(build_workload(WorkloadSpec(**h))).stream, preset),
+              config["warmup"]) for name, h in zip(_domains(held), held)]
     parts = parts or [("later part", view, max(config["warmup"], p["train_fraction"]))]
     results = {}
     for domain, part, warmup in parts:
@@ -102,7 +103,7 @@ def learned_point(config: dict, workload: Workload) -> PointOutput:
     first = next(iter(results.values()))
     metrics, rows = {}, []
     for domain, result in results.items():
-        suffix = f".{domain}" if len(results) > 1 else ""
+        suffix = f".{_metric_name(domain)}" if len(results) > 1 else ""
         metrics.update({f"eval.lookups{suffix}": result["lookups"], f"eval.counted_lookups{suffix}":
                         result["counted_lookups"], f"eval.distinct_rows{suffix}": result["unique_rows"]})
         rows += _learned_rows(domain if held else None, result, metrics, suffix)
@@ -125,9 +126,19 @@ def learned_point(config: dict, workload: Workload) -> PointOutput:
     return PointOutput(metrics, params, tables, files)
 
 
-def _domain(holdout: dict) -> str:
-    """A held-out workload's name in tables and metric keys: its corpus, and its domains if chosen."""
-    return holdout["source"] + (f"/{'+'.join(holdout['domains'])}" if holdout.get("domains") else "")
+def _domains(held: list[dict]) -> list[str]:
+    """Each held-out workload's name in tables and metric keys: its corpus, and its domains if
+    chosen; workloads that would share a name (one corpus at two sizes) get their index in
+    ``predictor.holdout`` (``stdlib#1``), where the later one's results replaced the earlier's."""
+    names = [h["source"] + (f"/{'+'.join(h['domains'])}" if h.get("domains") else "") for h in held]
+    return [f"{name}#{i}" if names.count(name) > 1 else name for i, name in enumerate(names)]
+
+
+def _metric_name(text: str) -> str:
+    """``text`` as an MLflow metric key: spaces become ``_``, parentheses go, and any other
+    character MLflow refuses (``+`` of ``stdlib/code+docstring``) becomes ``_``; a refused key
+    failed the whole point's tracking, and every later sync of it."""
+    return re.sub(r"[^\w./:-]", "_", text.replace("(", "").replace(")", ""))
 
 
 def _learned_rows(domain: str | None, result: dict, metrics: dict, suffix: str) -> list[dict]:
@@ -140,8 +151,7 @@ def _learned_rows(domain: str | None, result: dict, metrics: dict, suffix: str) 
             rows.append({**({"domain": domain} if domain else {}), "capacity": str(cap["capacity"]),
                          "capacity_rows": cap["rows"],
                          "policy": policy, "miss_ratio": miss})
-            key = f"miss_ratio.{policy}.{tag}{suffix}"
-            metrics[key.replace(" ", "_").replace("(", "").replace(")", "")] = miss
+            metrics[_metric_name(f"miss_ratio.{policy}.{tag}{suffix}")] = miss
         if cap["gap_closed"] is not None:
             metrics[f"gap_closed.{tag}{suffix}"] = cap["gap_closed"]
     return rows
