@@ -33,6 +33,8 @@ COUNTING = {
         def run(config, workload):
             if config["seed"] == 1:
                 raise ValueError("seed 1 is refused")
+            if config["seed"] == 2:
+                return PointOutput({"lookups+1": 1.0})
             return PointOutput({"lookups": float(workload.stream.num_lookups), "seed": float(config["seed"])})
 
         def check(spec, where):
@@ -171,3 +173,21 @@ def test_a_point_that_failed_offline_leaves_the_synced_parent_failed(count_kind)
     runs = client.search_runs([client.get_experiment_by_name("failing-offline").experiment_id])
     parent = next(r for r in runs if r.data.tags[KIND] == "experiment")
     assert parent.info.status == "FAILED" and parent.data.metrics["points.finished"] == 1
+
+
+def test_a_point_with_a_key_mlflow_refuses_fails_alone_and_the_experiment_stays_usable(count_kind):
+    """A metric key MLflow refuses ('lookups+1') failed the sweep's tracking (the rest went to
+    the outbox) and then every later run, whose sync of that record raised."""
+    spec_path = write_spec(count_kind, name="badkey")
+    spec_path.write_text(spec_path.read_text().replace("seeds = [0]", 'seeds = [0, 2, 3]\nkind = "count"'))
+    uri = f"sqlite:///{count_kind}/mlflow.db"
+    summary = run_experiment(spec_path, tracking_uri=uri, runs_dir=count_kind / "runs", workers=1, quiet=True)
+    assert summary.ran == 2 and summary.outbox is None
+    assert summary.failed == ["kind=count seed=2: CachelabError: kind 'count' returned metric 'lookups+1': "
+                              "MLflow takes only letters, digits, _ - . / : and spaces"]
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("badkey").experiment_id], "tags.`cachelab.kind` = 'point'")
+    assert sorted((r.data.tags["cachelab.axis.seed"], r.info.status) for r in runs) == [
+        ("0", "FINISHED"), ("2", "FAILED"), ("3", "FINISHED")]
+    again = run_experiment(spec_path, tracking_uri=uri, runs_dir=count_kind / "runs", workers=1, quiet=True)
+    assert (again.skipped, len(again.failed)) == (2, 1)

@@ -28,7 +28,7 @@ from cachelab.experiment.sweep import Point, config_hash, expand
 from cachelab.engine.mrc import miss_ratio_curve
 from cachelab.errors import CachelabError
 from cachelab.experiment.workload import build_workload, load_workload, workload_key, workload_stats
-from cachelab.experiment.tracking import ERROR, Tracker, TrackingUnavailable, resolve_uri
+from cachelab.experiment.tracking import ERROR, Tracker, TrackingUnavailable, refused_key, resolve_uri
 from cachelab.progress import progress_bar
 
 
@@ -132,6 +132,7 @@ def _sweep(spec: ExperimentSpec, spec_path: Path, overrides: list[str] | None, o
             for key, output in run_tasks(tasks, backend, workers, address):
                 point = by_hash[key]
                 progress.advance(bar)
+                output = _named_for_mlflow(point, output)
                 failed = isinstance(output, BaseException)
                 record = _point_record(spec, point, output, started)
                 started = record.end_ms
@@ -227,6 +228,19 @@ def _point_record(spec: ExperimentSpec, point: Point, output, started: int) -> R
         record.add_table(name, table)
     record.artifacts.update(output.files)
     return record
+
+
+def _named_for_mlflow(point: Point, output: PointOutput | BaseException) -> PointOutput | BaseException:
+    """``output``, or the error that fails its point when a metric or param key is one MLflow
+    refuses: tracked, it failed the sweep's tracking, and from the outbox every later run's sync."""
+    if isinstance(output, BaseException):
+        return output
+    for what, keys in (("metric", output.metrics), ("param", output.params)):
+        for key in keys:
+            why = refused_key(key)
+            if why is not None:
+                return CachelabError(f"kind {point.config['kind']!r} returned {what} {key!r}: {why}")
+    return output
 
 
 def grid(spec: ExperimentSpec) -> list[Point]:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import logging
 import os
+import posixpath
+import re
 import socket
 import tempfile
 import urllib.error
@@ -32,6 +34,21 @@ KIND, SPEC_HASH, POINT_HASH = "cachelab.kind", "cachelab.spec_hash", "cachelab.p
 OWNER = "cachelab.owner"  # host:pid:start time (clock ticks) of the process that opened the run
 ERROR = "cachelab.error"  # a FAILED point run's exception: type and message
 PAGE = 1000
+KEY_CHARS = re.compile(r"[/\w.\- :]*")  # MLflow's metric and param names (mlflow.utils.validation)
+MAX_KEY = 250
+
+
+def refused_key(name: str) -> str | None:
+    """Why MLflow would refuse ``name`` as a metric or param key, or None: a refused key fails
+    the whole run's logging, on the server as after any later sync."""
+    if len(name) > MAX_KEY:
+        return f"longer than {MAX_KEY} characters"
+    if not KEY_CHARS.fullmatch(name):
+        return "MLflow takes only letters, digits, _ - . / : and spaces"
+    norm = posixpath.normpath(name)
+    if norm != name or norm == "." or norm.startswith(("..", "/")):
+        return "it is not a plain relative path, as MLflow may store it as one"
+    return None
 
 
 def _started(pid: int) -> str | None:
