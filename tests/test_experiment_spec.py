@@ -105,6 +105,29 @@ def test_overrides_are_validated_like_the_file(tmp_path):
         load_spec(path, ["kind=[]"])  # no points: the run would succeed having run nothing
 
 
+def test_an_override_inside_a_swept_table_reaches_every_point(tmp_path):
+    """An axis over a table (``predictor.params``) replaced the whole table on every point, so
+    ``--set predictor.params.num_threads=1`` inside it was silently lost."""
+    def spec(axis: str):
+        path = write_spec(tmp_path, extra=f'"predictor.params" = {axis}\n[predictor]\nname = "lightgbm"\n')
+        path.write_text(path.read_text().replace("seeds = [0]", 'seeds = [0]\nkind = "learned"'))
+        return path
+
+    path = spec("[{ n_estimators = 10 }, { n_estimators = 20, num_leaves = 7 }]")
+    points = expand(load_spec(path, ["predictor.params.num_threads=1"]))
+    assert [p.config["predictor"]["params"] for p in points] == [
+        {"n_estimators": 10, "num_threads": 1}, {"n_estimators": 20, "num_leaves": 7, "num_threads": 1}]
+    points = expand(load_spec(path, ["predictor.params.n_estimators=5"]))  # the axis's values stay apart
+    assert [p.config["predictor"]["params"] for p in points] == [{"n_estimators": 5},
+                                                                 {"n_estimators": 5, "num_leaves": 7}]
+    points = expand(load_spec(spec("[{ n_estimators = 10 }, { n_estimators = 20 }]"), ["predictor.params.n_estimators=5"]))
+    assert [p.config["predictor"]["params"] for p in points] == [{"n_estimators": 5}]  # made equal: runs once
+    path = write_spec(tmp_path, extra='"workload.domains" = [["code"], ["docstring"]]\n')
+    with pytest.raises(CachelabError, match=r"--set 'workload.domains.x=1': sweep.'workload.domains'\[0\]: "
+                       r"\['code'\] is not a table"):
+        load_spec(path, ["workload.domains.x=1"])
+
+
 def test_capacity_forms():
     assert capacity_rows(1000, 50, 264) == 1000
     assert capacity_rows("2%", 5000, 264) == 100

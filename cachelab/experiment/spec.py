@@ -161,7 +161,8 @@ def load_spec(path: str | Path, overrides: list[str] | None = None) -> Experimen
     ``overrides`` are ``KEY=VALUE`` strings (``workload.params.max_chars=50000``), the value
     typed by ``cachelab.params`` (a bare word is a string), applied before validation. A key
     the sweep varies is pinned to that one value (the axis would otherwise set it back on
-    every point); ``sweep.<axis>=[...]`` sets an axis's values, its name dots and all.
+    every point), and one inside a table the sweep varies is set in each of its tables;
+    ``sweep.<axis>=[...]`` sets an axis's values, its name dots and all.
     """
     raw = read_toml(path)
     for item in overrides or []:
@@ -176,7 +177,25 @@ def load_spec(path: str | Path, overrides: list[str] | None = None) -> Experimen
             raise CachelabError(f"--set {item!r}: {exc.args[0]}") from None
         if key in sweep:  # a swept key: pinned to this one value
             raw = {**raw, "sweep": {**sweep, key: [value]}}
+        for axis in [a for a in sweep if key.startswith(f"{a}.")]:  # inside a swept table: set in each value
+            raw = {**raw, "sweep": {**sweep, axis: _set_in_values(sweep[axis], key.removeprefix(f"{axis}."),
+                                                                    value, f"--set {item!r}: sweep.{axis!r}")}}
     return parse_spec(raw, where=str(path))
+
+
+def _set_in_values(values: list, key: str, value, where: str) -> list:
+    """An axis of tables with ``key`` set in each (the axis would otherwise replace the whole
+    table, and the override with it, on every point); values made equal run once."""
+    out: dict[str, Any] = {}
+    for i, table in enumerate(values):
+        if not isinstance(table, dict):
+            raise CachelabError(f"{where}[{i}]: {table!r} is not a table, so it has no key {key!r}")
+        try:
+            table = set_key(table, key, value)
+        except KeyError as exc:
+            raise CachelabError(f"{where}[{i}]: {exc.args[0]}") from None
+        out.setdefault(json.dumps(table, sort_keys=True, default=str), table)
+    return list(out.values())
 
 
 def parse_spec(raw: dict, where: str = "spec") -> ExperimentSpec:
