@@ -113,6 +113,18 @@ def held(lock: Path, what: str, why: str) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def one_builder(lock: Path) -> Iterator[None]:
+    """The lock file ``lock`` held until the block ends, waiting while another process holds it:
+    processes that would build the same cached artefact at once (the points of one sweep, two
+    sweeps) build it once, each later one finding it made (the kernel frees a killed holder's)."""
+    lock = Path(lock)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 def output_folder(path: Path, flag: str) -> Path:
     """An output folder a flag names, checked before the work that fills it: a path that
     cannot be one is named at once, not after the run. The check makes the folders (the one

@@ -292,3 +292,37 @@ def test_held_out_workloads_are_tracked_each_under_its_own_name(tmp_path):
     table = pl.read_parquet(MlflowClient(tracking_uri=uri).download_artifacts(point.info.run_id, "learned_eval.parquet",
                                                                               str(tmp_path)))
     assert set(table["domain"]) == {"stdlib/code+docstring", "stdlib#1", "stdlib#2"}
+
+
+def test_a_workload_wanted_by_two_points_at_once_is_built_once(tmp_path, monkeypatch):
+    """Two learned points of a pool building one held-out workload at once wrote the same
+    scratch file: one renamed the other's half-written file into place, whose own rename then
+    failed (both points failed on a fresh cache, two runs in three)."""
+    import cachelab.experiment.workload as wl
+    from cachelab.experiment.spec import WorkloadSpec
+
+    monkeypatch.setenv("CACHELAB_CACHE_DIR", str(tmp_path))
+    built, read = [], wl._from_corpus
+
+    def slow(*args):  # both builders are past the cache check before either has written
+        built.append(1)
+        time.sleep(0.5)
+        return read(*args)
+
+    monkeypatch.setattr(wl, "_from_corpus", slow)
+    spec = WorkloadSpec(source="stdlib", params={"max_chars": 3000}, tokens_per_step=512)
+    paths, errors = [], []
+
+    def build():
+        try:
+            paths.append(wl.build_workload(spec))
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert (errors, len(built), len(set(paths))) == ([], 1, 1)
+    assert wl.load_workload(paths[0]).stream.num_lookups > 0

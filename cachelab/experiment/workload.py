@@ -25,7 +25,7 @@ from cachelab.errors import CachelabError
 from cachelab.experiment.spec import WorkloadSpec
 from cachelab.experiment.sweep import config_hash
 from cachelab.workload.lookups import LookupStream, split_key
-from cachelab.paths import cache_dir, resolve_data_path
+from cachelab.paths import cache_dir, one_builder, resolve_data_path
 
 ENCODE_BATCH = 256
 
@@ -39,11 +39,19 @@ def workload_key(spec: WorkloadSpec | dict) -> str:
 
 
 def build_workload(spec: WorkloadSpec, progress: Progress | None = None) -> Path:
-    """Build (or find in the cache) the lookup stream of ``spec``; returns its ``.npz`` path."""
+    """Build (or find in the cache) the lookup stream of ``spec``; returns its ``.npz`` path.
+    One process builds it while any other wanting it waits: two points building a held-out
+    workload at once wrote the same scratch files, and both failed."""
     path = cache_dir() / "workloads" / f"{workload_key(spec)}.npz"
     if path.exists() and path.with_suffix(".json").exists():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
+    with one_builder(path.with_suffix(".lock")):
+        if not (path.exists() and path.with_suffix(".json").exists()):
+            _build(spec, path, progress)
+    return path
+
+
+def _build(spec: WorkloadSpec, path: Path, progress: Progress | None) -> None:
     addresser = Addresser(get_preset(spec.preset))
     if spec.trace is not None:
         sequences, prompt_lengths, domains = _from_trace(spec, path.with_suffix(".trace.parquet"))
@@ -57,7 +65,6 @@ def build_workload(spec: WorkloadSpec, progress: Progress | None = None) -> Path
                                                      domains), addresser, sequences)
     path.with_suffix(".json").write_text(json.dumps({"distinct_rows": distinct_count(stream.keys)}))
     stream.save(path)  # atomic, and last: the .npz exists only once the build is whole
-    return path
 
 
 def with_tokens(stream: LookupStream, addresser: Addresser, sequences) -> LookupStream:

@@ -97,10 +97,8 @@ def model_for(opts: ServeOptions) -> ModelConfig:
 def open_rows(opts: ServeOptions, layout: str):
     """The Engram row source: the live store at ``opts.store``, or the default scaled store
     (built on first use in the cache directory, under a lock so two first runs build once)."""
-    import fcntl
-
     from cachelab.capacity import parse_capacity
-    from cachelab.paths import cache_dir
+    from cachelab.paths import cache_dir, one_builder
     from cachelab.store import TieredStore, build_tables
     from cachelab.store.format import MANIFEST
 
@@ -111,9 +109,7 @@ def open_rows(opts: ServeOptions, layout: str):
     directory = opts.store
     if directory is None:
         directory = cache_dir() / "live-store" / f"{layout}-{DEFAULT_STORE_SCALE:g}"
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        with open(directory.parent / f"{directory.name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with one_builder(directory.parent / f"{directory.name}.lock"):
             if not (directory / MANIFEST).exists():
                 build_tables(layout, DEFAULT_STORE_SCALE, directory)
     elif not (Path(directory) / MANIFEST).exists():
