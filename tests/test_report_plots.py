@@ -114,3 +114,27 @@ def test_save_figures_writes_each_plot_as_png(tmp_path):
     paths = save_figures(ExperimentData("live", "", "{}", pl.DataFrame(rows)), tmp_path / "figs")
     assert [p.name for p in paths] == ["live-p99_vs_prefix_overlap__live_and_predicted.png"]
     assert paths[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_kind_of_point_is_in_the_summary_and_the_json():
+    """With several kinds (replay and serve, or a plug-in's) only the first kind's points were
+    in the summary and in `report --json`'s points; the others' were dropped."""
+    rows = [{"axis.kind": "replay", "axis.hbm.policy": p, "param.hbm.capacity_rows": "10", "hbm.miss_ratio": 0.5}
+            for p in ("lru", "arc")]
+    rows += [{"axis.kind": "serve", "axis.serving.concurrency": c, "p99_ttft_ms": 10.0 * c} for c in (2, 8)]
+    rows += [{"axis.kind": "count", "axis.seed": s, "lookups": 7.0 + s, "run_id": "r", "point_hash": "h"}
+             for s in (0, 1)]
+    data = ExperimentData("mixed", "", '{"hierarchy": {"tiers": [{"name": "hbm"}]}}',
+                          pl.DataFrame(rows, infer_schema_length=None))
+    points = report_json(data)["points"]
+    assert [(p["kind"], p.get("p99_ttft_ms"), p.get("lookups")) for p in points] == [
+        ("replay", None, None), ("replay", None, None), ("serve", 20.0, None), ("serve", 80.0, None),
+        ("count", None, 7.0), ("count", None, 8.0)]
+    from cachelab.experiment.report import render_html, summary_tables
+
+    tables = summary_tables(data)
+    assert {k: t.columns for k, t in tables.items()} == {
+        "replay": ["axis.hbm.policy", "param.hbm.capacity_rows", "hbm.miss_ratio"],
+        "serve": ["axis.serving.concurrency", "p99_ttft_ms"], "count": ["axis.seed", "lookups"]}
+    page = render_html(data)
+    assert all(f"Summary: {k} points" in page for k in tables)

@@ -120,10 +120,12 @@ def _print_summary(name: str, uri: str) -> None:
 
 def _show_all(data, name: str) -> None:
     """Every point's summary row, then the headline (learned policy, best heuristic, bound, gap closed)."""
-    from cachelab.experiment.report import HEADLINE_NOTE, headline, summary_table
+    from cachelab.experiment.report import HEADLINE_NOTE, headline, summary_tables
 
     console = Console()
-    _show(console, summary_table(data), name)
+    tables = summary_tables(data)
+    for kind, table in tables.items():
+        _show(console, table, f"{name}: {kind} points" if len(tables) > 1 else name)
     best = headline(data)
     if best.height:
         table = Table(title="headline: " + ", ".join(sorted(set(best["learned"]))) + " vs the best heuristic and "

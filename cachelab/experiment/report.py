@@ -427,37 +427,52 @@ def save_figures(data: ExperimentData, directory: Path) -> list[Path]:
     return paths
 
 
-def summary_columns(data: ExperimentData) -> list[str]:
+def summary_columns(data: ExperimentData, results: pl.DataFrame | None = None) -> list[str]:
     """The columns a person scans first: varying axes, then per-tier ratios and bytes."""
-    cols = [c for c in data.axes() if data.results[c].cast(pl.Utf8).n_unique() > 1 and c != "axis.kind"]
+    results = data.results if results is None else results
+    cols = [c for c in data.axes() if c in results.columns and c != "axis.kind"
+            and results[c].cast(pl.Utf8).n_unique() > 1]
     for t in data.tiers():
-        cols += [c for c in (f"param.{t}.capacity_rows", f"{t}.miss_ratio") if c in data.results.columns]
-    cols += [c for c in ("bytes.host_to_gpu",) if c in data.results.columns]
-    return cols or [c for c in data.results.columns if c not in ("run_id", "point_hash")][:8]
+        cols += [c for c in (f"param.{t}.capacity_rows", f"{t}.miss_ratio") if c in results.columns]
+    cols += [c for c in ("bytes.host_to_gpu",) if c in results.columns]
+    return cols or [c for c in results.columns if c not in ("run_id", "point_hash")][:8]
 
 
 SERVE_COLUMNS = ("p99_ttft_ms", "p99_tpot_ms", "interactivity", "tokens_per_s_per_gpu", "tokens_per_dollar",
                  "prefix_cache.hit_ratio", "row_cache.levels.hbm.hit_ratio_lookup", "stall_share")
+KIND_COLUMNS = {"serve": SERVE_COLUMNS, "live": LIVE_COLUMNS}
+OTHER_COLUMNS = 8  # a plug-in kind's first metrics in its summary
 
 
-def summary_table(data: ExperimentData) -> pl.DataFrame:
-    """The replay points' key columns, else the serving points' (learned points have their
-    own plot and tables)."""
-    results = data.of_kind("replay")
+def summary_table(data: ExperimentData, kind: str | None = None) -> pl.DataFrame:
+    """The key columns of one kind's points; without ``kind``, the replay points', else the
+    serving points', else the live ones' (learned points have their own plot and tables)."""
+    if kind is None:
+        kind = next((k for k in ("replay", "serve") if data.of_kind(k).height), "live")
+    results = data.of_kind(kind)
     if results.is_empty():
-        serve, columns = data.of_kind("serve"), SERVE_COLUMNS
-        if serve.is_empty():
-            serve, columns = data.of_kind("live"), LIVE_COLUMNS
-        if serve.is_empty():
-            return serve
-        cols = [c for c in data.axes() if c != "axis.kind" and serve[c].cast(pl.Utf8).n_unique() > 1]
-        return serve.select(cols + [c for c in columns if c in serve.columns]).sort(cols or [])
-    cols = [c for c in summary_columns(data) if c in results.columns]
+        return results
+    results = results.select([c for c in results.columns if results[c].null_count() < results.height])
+    if kind != "replay":  # another kind's columns: its varying axes, then its metrics
+        cols = [c for c in summary_columns(data, results) if c.startswith("axis.")]
+        metrics = [c for c in KIND_COLUMNS[kind] if c in results.columns] if kind in KIND_COLUMNS else [
+            c for c in results.columns if c not in ("run_id", "label", "point_hash")
+            and not c.startswith(("axis.", "param."))][:OTHER_COLUMNS]
+        return results.select(cols + metrics).sort(cols or [])
+    cols = summary_columns(data, results)
     df = results.select(cols)
     caps = [c for c in cols if c.endswith(".capacity_rows")]
     df = df.with_columns([pl.col(c).cast(pl.Int64) for c in caps])
     order = [c for c in cols if c.startswith("axis.") and not c.endswith(".capacity")] + caps
     return df.sort(order or cols[:1])
+
+
+def summary_tables(data: ExperimentData) -> dict[str, pl.DataFrame]:
+    """One summary table per kind of point the experiment ran (learned points: the headline)."""
+    if "axis.kind" not in data.results.columns:  # points recorded before kinds were tagged
+        return {"replay": summary_table(data)} if data.results.height else {}
+    kinds = [k for k in data.results["axis.kind"].unique(maintain_order=True).to_list() if k != "learned"]
+    return {k: summary_table(data, k) for k in kinds}
 
 
 # ---- the headline: the learned policy against the best heuristic and the bound ----
@@ -506,8 +521,7 @@ def headline(data: ExperimentData) -> pl.DataFrame:
 def report_json(data: ExperimentData, out: Path | None = None) -> dict:
     """What ``cachelab report --json`` prints: every point (a replay point's summary row, a
     learned point with its headline per capacity) and the headline."""
-    kind = next((k for k in ("replay", "serve", "live") if data.of_kind(k).height), "serve")
-    points = [{"kind": kind, **row} for row in summary_table(data).to_dicts()]
+    points = [{"kind": kind, **row} for kind, table in summary_tables(data).items() for row in table.to_dicts()]
     best = headline(data)
     for label in data.point_tables:
         if "learned_eval" in data.point_tables[label]:
@@ -547,7 +561,10 @@ def render_html(data: ExperimentData) -> str:
     if best.height:
         parts.append(f"<h2>Headline: the learned policy against the best heuristic and Belady</h2>"
                      f"<p>{html.escape(HEADLINE_NOTE)}</p>{_html_table(best)}")
-    parts.append(f"<h2>Summary</h2>{_html_table(summary_table(data))}")
+    tables = summary_tables(data)
+    for kind, table in tables.items():
+        title = f"Summary: {kind} points" if len(tables) > 1 else "Summary"
+        parts.append(f"<h2>{html.escape(title)}</h2>{_html_table(table)}")
     for title, png in figures(data):
         parts.append(f"<h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' "
                      f"src='data:image/png;base64,{png}'>")
