@@ -17,6 +17,7 @@ import pytest
 from experiment_helpers import cli, descendants, listening, write_spec
 from mlflow import MlflowClient
 
+from cachelab.errors import CachelabError
 from cachelab.experiment.runner import run_experiment
 from cachelab.experiment.tracking import POINT_HASH
 
@@ -326,3 +327,14 @@ def test_a_workload_wanted_by_two_points_at_once_is_built_once(tmp_path, monkeyp
         t.join()
     assert (errors, len(built), len(set(paths))) == ([], 1, 1)
     assert wl.load_workload(paths[0]).stream.num_lookups > 0
+
+
+def test_a_held_out_workload_is_built_before_any_point_and_a_bad_one_named(tmp_path):
+    """A held-out workload was built inside its learned point, after the training: one whose
+    domains match nothing failed the point late, as 'workload yields no tokens', naming no key."""
+    spec = tmp_path / "held.toml"
+    spec.write_text(HELD_OUT.replace('domains = ["code", "docstring"]', 'domains = ["nope"]'))
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    with pytest.raises(CachelabError, match=r"held.toml: predictor.holdout\[0\]: workload 'stdlib' yields no tokens"):
+        run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", workers=1, quiet=True)
+    assert _points(uri, "held") == [] and _points(uri, "held", "FAILED") == []

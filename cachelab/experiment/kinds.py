@@ -41,6 +41,9 @@ class ExperimentKind:
     ``check(spec, where)``: checks beyond types, raising ``CachelabError`` naming the key.
     ``tables``: the point tables ``cachelab report`` reads back for its plots. ``serial``: its
     points time real work on this machine's cores, so they run one at a time (``--workers 1``).
+    ``workloads(config) -> [(key, workload section)]``: further workloads a point reads (held-out
+    ones), which the runner builds before any point runs, so that a bad one is named first and
+    the build shows its progress.
     """
 
     sections: tuple[str, ...]
@@ -48,6 +51,7 @@ class ExperimentKind:
     check: Callable[..., None] | None = None
     tables: tuple[str, ...] = ()
     serial: bool = False
+    workloads: Callable[[dict], list[tuple[str, dict]]] | None = None
 
 
 def get_kind(name: str) -> ExperimentKind:

@@ -90,8 +90,8 @@ def learned_point(config: dict, workload: Workload) -> PointOutput:
     targets = [[c] for c in capacities] if p["belady_labels"] else [capacities]
     fits = [train(view, registry.get(registry.PREDICTORS, p["name"])(**p["params"]),
                   replace(spec, capacity=caps[0] if p["belady_labels"] else 0.0)) for caps in targets]
-    held = p["holdout"] if isinstance(p["holdout"], list) else [] if p["holdout"] is None else [p["holdout"]]
-    # each held-out workload is built once, then found in the workload cache by every later point
+    held = [h for _, h in held_out(config)]
+    # each held-out workload is built once (by the runner, before any point), then found in the workload cache
     parts = [(name, LearningView.of(load_workload(build_workload(WorkloadSpec(**h))).stream, preset),
               config["warmup"]) for name, h in zip(_domains(held), held)]
     parts = parts or [("later part", view, max(config["warmup"], p["train_fraction"]))]
@@ -124,6 +124,16 @@ def learned_point(config: dict, workload: Workload) -> PointOutput:
     params = {"eval.workload": ",".join(results) if held else "later part of the training workload",
               "eval.missing_policies": ",".join(first["missing"])}
     return PointOutput(metrics, params, tables, files)
+
+
+def held_out(config: dict) -> list[tuple[str, dict]]:
+    """A learned point's held-out workloads, each with its spec key (``predictor.holdout[1]``)."""
+    held = config["predictor"]["holdout"]
+    if held is None:
+        return []
+    if isinstance(held, list):
+        return [(f"predictor.holdout[{i}]", h) for i, h in enumerate(held)]
+    return [("predictor.holdout", held)]
 
 
 def _domains(held: list[dict]) -> list[str]:
@@ -259,5 +269,5 @@ def _check_serve(spec: ExperimentSpec, where: str) -> None:
 
 REPLAY = ExperimentKind(("workload", "hierarchy", "warmup"), replay_point, _check_replay)
 LEARNED = ExperimentKind(("workload", "predictor", "warmup"), learned_point, _check_learned,
-                         ("learned_eval", "importances"))
+                         ("learned_eval", "importances"), workloads=held_out)
 SERVE = ExperimentKind(("workload", "serving"), serve_point, _check_serve, ("per_request",))

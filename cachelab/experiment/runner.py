@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from cachelab.experiment.backends import run_tasks
-from cachelab.experiment.kinds import PointOutput
+from cachelab.experiment.kinds import PointOutput, get_kind
 from cachelab.experiment.records import PARENT, Outbox, Record, now_ms
 from cachelab.experiment.report import results_table, write_report
 from cachelab.experiment.spec import ExperimentSpec, WorkloadSpec, load_spec, parse_spec
@@ -116,7 +116,7 @@ def _sweep(spec: ExperimentSpec, spec_path: Path, overrides: list[str] | None, o
                   f"{len(todo)} to run ({backend})")
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with progress_bar(*columns, transient=quiet) as progress:
-        paths = _build_workloads(spec, todo, progress)
+        paths = _build_workloads(spec, spec_path, todo, progress)
         parent = _parent_record(spec, spec_path, overrides, paths[workload_key(spec.workload)])
         parent_id = None
         if tracker is not None:
@@ -178,11 +178,24 @@ def _connect(uri: str, name: str, console: Console):
         return None, None
 
 
-def _build_workloads(spec: ExperimentSpec, todo: list[Point], progress: Progress) -> dict[str, Path]:
-    specs = {workload_key(spec.workload): spec.workload}
+def _build_workloads(spec: ExperimentSpec, spec_path: Path, todo: list[Point], progress: Progress) -> dict[str, Path]:
+    """Every workload the points to run read, built (or found in the cache) before any point
+    runs, an error naming its spec key; the points' own workloads by key."""
+    specs = {workload_key(spec.workload): ("workload", spec.workload)}
     for p in todo:
-        specs.setdefault(workload_key(p.config["workload"]), WorkloadSpec(**p.config["workload"]))
-    return {key: build_workload(ws, progress) for key, ws in specs.items()}
+        specs.setdefault(workload_key(p.config["workload"]), ("workload", WorkloadSpec(**p.config["workload"])))
+    further = {}
+    for p in todo:
+        kind = get_kind(p.config["kind"])
+        for key, section in kind.workloads(p.config) if kind.workloads else []:
+            further.setdefault(workload_key(section), (key, WorkloadSpec(**section)))
+    paths = {}
+    for digest, (key, ws) in [*specs.items(), *further.items()]:
+        try:
+            paths[digest] = build_workload(ws, progress)
+        except CachelabError as exc:
+            raise CachelabError(f"{spec_path}: {key}: {exc}") from None
+    return paths
 
 
 def _parent_record(spec: ExperimentSpec, spec_path: Path, overrides: list[str] | None,
