@@ -230,3 +230,44 @@ def test_set_pins_a_swept_key_and_names_an_axis_with_its_dots(tmp_path):
     assert [p.config["hierarchy"]["tiers"][0]["admission"] for p in axis] == ["tinylfu", "tinylfu"]
     with pytest.raises(CachelabError, match=r"sweep.hierarchy.hbm.admission: Input should be a valid list"):
         load_spec(path, ["sweep.hierarchy.hbm.admission=tinylfu"])
+
+
+SERVE_SPEC = """
+name = "hw"
+kind = "serve"
+[workload.trace]
+seed = 0
+arrivals = {{ source = "gamma", options = {{ rate = 4.0, num_requests = 4 }} }}
+corpus = {{ source = "stdlib", options = {{ max_chars = 20000 }} }}
+synthesis = {{ prompt_tokens = 64, output_tokens = 4 }}
+[serving]
+hardware = "{hardware}"
+placement = "dram-uva"
+"""
+
+
+def test_a_file_a_point_reads_is_in_its_hash(tmp_path):
+    """A point hashed only the path of a hardware profile (or a calibration, a learned row
+    cache's model): rewritten in place, its finished points were reused with stale results."""
+    from cachelab.experiment.live import live_inputs
+    from cachelab.experiment.points import serve_inputs
+    from cachelab.serving.hardware import PROFILE_DIR
+
+    profile = tmp_path / "mine.toml"
+    profile.write_text((PROFILE_DIR / "B200.toml").read_text())
+    spec = tmp_path / "hw.toml"
+    spec.write_text(SERVE_SPEC.format(hardware=profile.as_posix()))
+    [first] = expand(load_spec(spec))
+    assert [p.hash for p in expand(load_spec(spec))] == [first.hash]  # unchanged file, same point
+    profile.write_text(profile.read_text().replace("usd_per_gpu_hour = 1.95", "usd_per_gpu_hour = 2.5"))
+    [edited] = expand(load_spec(spec))
+    assert edited.hash != first.hash and edited.config == first.config
+    spec.write_text(SERVE_SPEC.format(hardware="B200"))  # a built-in profile: hashed as it always was
+    [builtin] = expand(load_spec(spec))
+    assert serve_inputs(builtin.config) == []
+    model = tmp_path / "model"
+    model.mkdir()
+    live = {"placement": "dram", "row_cache_policy": "learned-lfu-adaptive", "row_cache_model": str(model),
+            "calibration": str(profile)}
+    assert live_inputs({"live": live}) == [profile, model]
+    assert live_inputs({"live": {**live, "row_cache_policy": "lru"}}) == [profile]  # a heuristic ignores the model

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import polars as pl
 
@@ -43,7 +44,9 @@ class ExperimentKind:
     points time real work on this machine's cores, so they run one at a time (``--workers 1``).
     ``workloads(config) -> [(key, workload section)]``: further workloads a point reads (held-out
     ones), which the runner builds before any point runs, so that a bad one is named first and
-    the build shows its progress.
+    the build shows its progress. ``inputs(config) -> [path]``: files or folders a point's result
+    depends on beyond its config (a calibration, a model, a hardware profile): their contents join
+    the point's hash, so one rewritten in place reruns its points rather than reusing stale ones.
     """
 
     sections: tuple[str, ...]
@@ -52,6 +55,7 @@ class ExperimentKind:
     tables: tuple[str, ...] = ()
     serial: bool = False
     workloads: Callable[[dict], list[tuple[str, dict]]] | None = None
+    inputs: Callable[[dict], list[Path]] | None = None
 
 
 def get_kind(name: str) -> ExperimentKind:

@@ -305,4 +305,16 @@ def _check_live(spec: ExperimentSpec, where: str) -> None:
             raise CachelabError(f"{where}: live.calibration: {exc}") from None
 
 
-LIVE = ExperimentKind(("workload", "live"), live_point, _check_live, ("predicted_per_request",), serial=True)
+def live_inputs(config: dict) -> list[Path]:
+    """The files a live point reads beyond its config: the calibration its prediction rests on,
+    and the predictor directory of a learned row cache (refitted in place, they change the point)."""
+    live = config["live"]
+    policy = None if live["placement"] == "hbm" else live["row_cache_policy"]
+    out = [Path(os.path.expanduser(live["calibration"]))] if live["calibration"] else []
+    if live["row_cache_model"] and policy and _needs_scores(policy):
+        out.append(Path(live["row_cache_model"]))
+    return out
+
+
+LIVE = ExperimentKind(("workload", "live"), live_point, _check_live, ("predicted_per_request",), serial=True,
+                      inputs=live_inputs)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
 import polars as pl
 
@@ -74,7 +75,6 @@ def learned_point(config: dict, workload: Workload) -> PointOutput:
     policy; the report's headline reads the study's table from it)."""
     import tempfile
     from dataclasses import replace
-    from pathlib import Path
 
     from cachelab import registry
     from cachelab.learning.training import TrainSpec, save, train
@@ -270,4 +270,15 @@ def _check_serve(spec: ExperimentSpec, where: str) -> None:
 REPLAY = ExperimentKind(("workload", "hierarchy", "warmup"), replay_point, _check_replay)
 LEARNED = ExperimentKind(("workload", "predictor", "warmup"), learned_point, _check_learned,
                          ("learned_eval", "importances"), workloads=held_out)
-SERVE = ExperimentKind(("workload", "serving"), serve_point, _check_serve, ("per_request",))
+def serve_inputs(config: dict) -> list[Path]:
+    """A serve point's hardware profile when it is a file of the user's (a TOML path, or the
+    ``local`` profile `cachelab hw probe` writes): edited in place, it changes the point."""
+    from cachelab.serving.hardware import builtin_names, local_profile_path
+
+    hardware = config["serving"]["hardware"]
+    if hardware.lower() in {n.lower() for n in builtin_names()}:
+        return []
+    return [local_profile_path() if hardware.lower() == "local" else Path(hardware)]
+
+
+SERVE = ExperimentKind(("workload", "serving"), serve_point, _check_serve, ("per_request",), inputs=serve_inputs)

@@ -4,7 +4,8 @@ A point's hash is over its fully resolved config (the spec with that point's val
 the sweep removed, the seed in), so a finished point is recognised across reruns, across
 backends, and across specs that share it. Values equal to their field's default are left out
 of the hash, so a field a later cachelab adds (whose default keeps the old behaviour) leaves
-the points already run recognised.
+the points already run recognised. The contents of the files a point reads beyond its config
+(``ExperimentKind.inputs``: a calibration, a model) are in the hash too.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import hashlib
 import itertools
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from cachelab.experiment.kinds import get_kind
 from cachelab.experiment.spec import ExperimentSpec, kinds, set_key
@@ -42,8 +44,9 @@ def expand(spec: ExperimentSpec) -> list[Point]:
     base = spec.model_dump(mode="json")
     keys = list(spec.sweep)
     points: dict[str, Point] = {}
+    digests: dict[Path, str] = {}
     for kind in kinds(spec):
-        sections = get_kind(kind).sections
+        sections, inputs = get_kind(kind).sections, get_kind(kind).inputs
         for values in itertools.product(*(spec.sweep[k] for k in keys)):
             raw = base
             for key, value in zip(keys, values):
@@ -55,12 +58,29 @@ def expand(spec: ExperimentSpec) -> list[Point]:
             for seed in spec.seeds:
                 config = {"kind": kind, **{k: resolved[k] for k in sections}, "seed": seed}
                 hashed = {"kind": kind, **{k: set_apart.get(k, {}) for k in sections}, "seed": seed}
+                read = inputs(config) if inputs else []
+                if read:  # none: the hash points had before inputs joined it
+                    hashed["inputs"] = [digests.get(p) or digests.setdefault(p, content_digest(p)) for p in read]
                 axes = {_short(k): v for k, v in zip(keys, values) if k.split(".")[0] in sections}
                 axes = {"kind": kind, **axes, "seed": seed}
                 label = " ".join(f"{k}={v}" for k, v in axes.items())
                 point = Point(config, config_hash(hashed), label, axes)
                 points.setdefault(point.hash, point)
     return list(points.values())
+
+
+def content_digest(path: Path) -> str:
+    """SHA-256 of a file, or of a folder's files (names and contents); "missing" when absent."""
+    path = Path(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path] if path.is_file() else []
+    if not files:
+        return "missing"
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.relative_to(path).as_posix().encode() if f != path else b"")
+        with open(f, "rb") as handle:
+            digest.update(hashlib.file_digest(handle, "sha256").digest())
+    return digest.hexdigest()[:16]
 
 
 def _short(key: str) -> str:
