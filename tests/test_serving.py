@@ -78,6 +78,23 @@ def test_a_grid_without_values_or_with_a_bad_length_is_named():
         with pytest.raises(CachelabError, match=f"requests_per_client must be a finite number > 0.*got {bad}"):
             serving_grid(trace, base, ["B200"], [4], ["dram-uva"], [4], requests_per_client=bad)
 
+def test_a_grid_names_a_bad_axis_value_before_any_point_and_lists_a_tp_past_the_nvlink_domain():
+    trace, base, ran = _trace(n=4), ServingConfig(), []
+    # a misspelt profile, a concurrency or TP of 0 were found when the grid reached them, after the points before
+    for hw, tps, concs, match in ((["B200", "B2OO"], [4], [2], "unknown hardware 'B2OO'"),
+                                  (["B200"], [4], [2, 0], r"concurrency value\(s\) \[0\]"),
+                                  (["B200"], [4, 0], [2], r"TP degree value\(s\) \[0\]")):
+        with pytest.raises(CachelabError, match=match):
+            serving_grid(trace, base, hw, tps, ["dram-uva"], concs, progress=ran.append)
+    assert ran == []
+    # B200's NVLink domain is 8 GPUs, GB200's 72: TP16 is a point of the one and not the other (it ended the grid)
+    points = serving_grid(trace, base, ["GB200", "B200"], [16], ["dram-uva"], [2])
+    fits = dict(zip(points["hardware"], points["fits"]))
+    assert fits == {"GB200": True, "B200": False}
+    assert points.filter(pl.col("hardware") == "B200")["reason"][0] == \
+        "TP16 spans more GPUs than the NVLink domain of B200 (8)"
+
+
 def test_single_request_timeline():
     trace = pl.DataFrame({"arrival_s": [0.0], "prompt_ids": [list(range(1000, 1300))], "output_ids": [list(range(5))]})
     res = simulate(trace, ServingConfig(hardware="B200", tp=4, max_num_batched_tokens=128))
