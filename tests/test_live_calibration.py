@@ -273,3 +273,15 @@ def test_the_cpu_streams_at_twice_its_copy_rate():
 
     local = load_profile("H200")
     assert cpu_hardware(local, 2).gpu.hbm_bw == pytest.approx(2 * 2 * local.cpu.memcpy_bw)
+
+
+def test_threads_and_warm_up_out_of_range_are_named_before_the_fit(tmp_path):
+    """--threads 0 ended in a ZeroDivisionError traceback and --threads -1 fitted on negative FLOP
+    rates and bandwidth without a word; --warmup-requests -1 was recorded in the profile as given."""
+    from cachelab.serving.hardware import load_profile
+
+    for flag, value in (("--threads", "0"), ("--threads", "-1"), ("--warmup-requests", "-1"), ("--max-evals", "0")):
+        res = runner.invoke(app, ["calibrate", "--step-log", str(tmp_path), "--hardware", "H200", flag, value])
+        assert res.exit_code == 2 and flag in res.output, res.output
+    with pytest.raises(CachelabError, match="--threads must be at least 1"):
+        cpu_hardware(load_profile("H200"), 0)

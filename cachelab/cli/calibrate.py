@@ -19,10 +19,10 @@ def calibrate(
     fit: list[str] = typer.Option(None, "--fit", help="Run(s) to fit on (default: the first by name); every "
                                   "other run is held out for validation."),
     preset: str = typer.Option("tiny", "--preset", help="The model preset the runs served (`cachelab serve --preset`)."),
-    threads: int = typer.Option(1, "--threads", help="Torch threads the runs used (`cachelab serve --threads`)."),
+    threads: int = typer.Option(1, "--threads", min=1, help="Torch threads the runs used (`cachelab serve --threads`)."),
     hardware: str = typer.Option("local", "--hardware", help="Starting profile: 'local' (`cachelab hw probe`) or a file."),
-    max_evals: int = typer.Option(150, "--max-evals", help="Loss evaluations the fit may spend."),
-    warmup_requests: int = typer.Option(0, "--warmup-requests", help="The first N requests of every run are the "
+    max_evals: int = typer.Option(150, "--max-evals", min=1, help="Loss evaluations the fit may spend."),
+    warmup_requests: int = typer.Option(0, "--warmup-requests", min=0, help="The first N requests of every run are the "
                                         "server's warm-up: their steps are not fitted, their times not counted."),
     dispersion_draws: int = typer.Option(32, "--dispersion-draws", min=0, help="Predicted P99s: the mean over this "
                                          "many replays whose steps vary as the fit steps did about the model "

@@ -108,6 +108,8 @@ def cpu_hardware(local: HardwareProfile, threads: int) -> HardwareProfile:
     ``mbu`` at most 1, the copy rate itself capped every fit's decode GEMMs above the live ones)."""
     if local.host is None:
         raise CachelabError(f"hardware profile {local.source} has no [host] section; run `cachelab hw probe`")
+    if threads < 1:  # 0 divided by zero in the first step's roofline; below it every rate was negative
+        raise CachelabError(f"--threads must be at least 1 (torch threads the runs used), got {threads}")
     flops = NOMINAL_FLOPS_PER_CORE * threads
     gpu = GPU(hbm_bytes=local.host.dram_bytes, hbm_bw=2 * local.cpu.memcpy_bw * threads, fp8_flops=flops,
               fp4_flops=flops, bf16_flops=flops, nvlink_bw=1.0, nvlink_domain=1)
