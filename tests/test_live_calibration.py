@@ -35,6 +35,19 @@ def test_request_times_from_a_schedule():
     assert end.tolist() == [1.0, 3.5, 5.0]
 
 
+def test_a_preempted_requests_recompute_samples_no_token_until_it_passes_what_it_had():
+    """Request 0 (prompt 4) samples at steps 0 and 1, is preempted at step 2 and recomputes its 5
+    known positions as [0, 5) at step 3 (no token: stops 5 >= its prompt was counted as one, so
+    its TPOT was divided by 4 gaps for 3) and [5, 6) at step 4, then decodes at step 5."""
+    frame = pl.DataFrame({"start_s": [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], "step_s": [1.0] * 6,
+                          "requests": [[0], [0], [1], [0], [0], [0]], "stops": [[4], [5], [3], [5], [6], [7]],
+                          "num_prompt": [[4], [4], [3], [4], [4], [4]]})
+    begin, end = replay_clock(frame, frame["step_s"].to_numpy())
+    t = request_times(frame, begin, end)
+    assert t["ttft_ms"].to_list() == [1000.0, 1000.0]
+    assert t["tpot_ms"].to_list()[0] == pytest.approx((6000 - 1000) / 3)  # tokens at steps 0, 1, 4 and 5
+
+
 def test_warm_up_steps_are_those_of_the_first_requests():
     frame = pl.DataFrame({"requests": [[0], [0, 1], [1, 2], [2], [3]]})
     assert warm_steps(frame, 2).tolist() == [False, False, False, True, True]

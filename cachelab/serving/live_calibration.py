@@ -185,10 +185,12 @@ def block_ratios(segments: list[np.ndarray], n: int, block: int, rng: np.random.
 def request_times(frame: pl.DataFrame, begin: np.ndarray, end: np.ndarray) -> pl.DataFrame:
     """Per request: TTFT and TPOT (ms) on a clock where step ``i`` (the frame's rows in order)
     runs from ``begin[i]`` to ``end[i]``. A step samples a token for a request whose computed
-    positions reach its prompt's end."""
+    positions reach its prompt's end and pass all it computed before (a preempted request's
+    recompute samples only where it reaches one past what it had)."""
     rows = (frame.with_columns(pl.Series("begin", begin), pl.Series("end", end))
             .select("begin", "end", "requests", "stops", "num_prompt").explode("requests", "stops", "num_prompt"))
-    sampled = pl.col("stops") >= pl.col("num_prompt")
+    before = pl.col("stops").cum_max().shift(1).over("requests").fill_null(0)  # in step order: the rows' order
+    sampled = (pl.col("stops") >= pl.col("num_prompt")) & (pl.col("stops") > before)
     per = rows.group_by("requests").agg(
         pl.col("begin").min().alias("first_scheduled"), pl.col("end").filter(sampled).min().alias("first_token"),
         pl.col("end").filter(sampled).max().alias("last_token"), sampled.sum().alias("tokens"))
