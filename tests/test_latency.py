@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -56,7 +57,8 @@ def test_probe_measures_and_round_trips(tmp_path):
     path = tmp_path / "f.bin"
     path.write_bytes(b"\1" * (4 << 20))
     faults = page_faults(path)
-    assert 0 < faults["minor_fault_s"] < 1e-3 and faults["major_fault_s"] > 0
+    assert 0 < faults["minor_fault_s"] < 1e-3
+    assert faults["major_fault_s"] > 0 if faults["major_faults_seen"] else faults["major_fault_s"] is None
     result = {"name": "local", "host": {"link": "pcie", "link_bw": 1e10, "link_latency_s": 2e-6, "dram_bytes": 1e10,
                                         "cpu_cores": 2},
               "cpu": {"minor_fault_s": 1e-6, "major_fault_s": 1e-4, "gather_rows_per_s": 1e6, "dedup_rows_per_s": 1e6,
@@ -66,6 +68,31 @@ def test_probe_measures_and_round_trips(tmp_path):
     assert prof.gpu is None and prof.cpu.gather_rows_per_s == 1e6 and prof.ssd.iops_4k == 1e5
     with pytest.raises(CachelabError, match="no \\[gpu\\]"):
         LatencyModel(MODEL, prof)
+
+
+def test_a_probe_that_sees_no_major_fault_keeps_the_common_cost(tmp_path):
+    """On tmpfs the file cannot leave memory: no major fault happens, and the probe saved the time of
+    4,096 minor faults as the cost of one major fault (3.4 ms here, against 53 us measured on disk)."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no /dev/shm")
+    path = shm / f"cachelab-faults-{os.getpid()}.bin"
+    try:
+        path.write_bytes(os.urandom(8 << 20))
+        faults = page_faults(path)
+    finally:
+        path.unlink(missing_ok=True)
+    if faults["major_faults_seen"]:
+        pytest.skip("/dev/shm here is not kept in memory")
+    assert faults["major_fault_s"] is None
+    result = {"name": "local", "host": {"link": "pcie", "link_bw": 1e10, "link_latency_s": 2e-6, "dram_bytes": 1e10,
+                                        "cpu_cores": 2},
+              "cpu": {"minor_fault_s": faults["minor_fault_s"], "major_fault_s": None, "gather_rows_per_s": 1e6,
+                      "dedup_rows_per_s": 1e6, "memcpy_bw": 1e10, "round_trip_s": 2e-5, "threads": 2},
+              "ssd": {"iops_4k": 1e5, "latency_s": 1e-4}}
+    prof = load_profile(write_profile(result, tmp_path / "local.toml"))
+    common = tomllib.loads((PROFILE_DIR / "common.toml").read_text())["cpu"]["major_fault_s"]
+    assert prof.cpu.major_fault_s == common
 
 
 @pytest.mark.parametrize("folder", ["tmp", "/dev/shm"])

@@ -241,8 +241,9 @@ def hw_probe(
     cpu, ssd = result["cpu"], result["ssd"]
     console.print(f"memcpy {cpu['memcpy_bw'] / 1e9:.1f} GB/s; gather {cpu['gather_rows_per_s'] / 1e6:.1f} M rows/s; "
                   f"dedup {cpu['dedup_rows_per_s'] / 1e6:.1f} M ids/s (one thread)")
-    console.print(f"page faults: minor {cpu['minor_fault_s'] * 1e6:.2f} us, major {cpu['major_fault_s'] * 1e6:.1f} us "
-                  f"({result['notes']['major_faults_seen']} major faults seen)")
+    major = ("not measured (no major fault seen; common.toml's value kept)" if cpu["major_fault_s"] is None
+             else f"{cpu['major_fault_s'] * 1e6:.1f} us ({result['notes']['major_faults_seen']} major faults seen)")
+    console.print(f"page faults: minor {cpu['minor_fault_s'] * 1e6:.2f} us, major {major}")
     console.print(f"random 4 KiB reads: {ssd['iops_4k']:,.0f} IOPS, {ssd['latency_s'] * 1e6:.1f} us each "
                   f"({result['notes']['ssd_reads']}); saved {path}")
 

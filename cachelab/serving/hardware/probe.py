@@ -96,6 +96,9 @@ def _touch_pages(path: Path, pages: np.ndarray) -> tuple[float, int, int]:
 
 
 def page_faults(path: Path, seed: int = 0) -> dict:
+    """Seconds per minor and per major fault. Where the file could not be dropped from memory
+    (tmpfs keeps it there) no major fault happens and ``major_fault_s`` is None: the time of the
+    sample's minor faults is not a major fault's cost."""
     pages = path.stat().st_size // PAGE
     order = np.random.default_rng(seed).permutation(pages)
     seconds, minor, major = _touch_pages(path, order)  # file in the page cache: minor faults
@@ -103,7 +106,7 @@ def page_faults(path: Path, seed: int = 0) -> dict:
     _drop_cache(path)
     sample = order[: min(pages, 4096)]
     seconds, _, major = _touch_pages(path, sample)
-    return {"minor_fault_s": minor_s, "major_fault_s": seconds / max(major, 1), "major_faults_seen": major}
+    return {"minor_fault_s": minor_s, "major_fault_s": seconds / major if major else None, "major_faults_seen": major}
 
 
 def random_reads(path: Path, n: int = 20_000, depth: int = 32, seed: int = 0) -> dict:
@@ -176,6 +179,9 @@ def probe(directory: Path | None = None, file_bytes: int = 256 << 20, progress=N
     result["ssd"] = {"iops_4k": reads["iops_4k"], "latency_s": reads["latency_s"]}
     result["notes"] = {"major_faults_seen": faults["major_faults_seen"], "ssd_reads": reads["method"],
                        "page_cache_dropped": faults["major_faults_seen"] > 0}
+    if faults["major_fault_s"] is None:
+        result["notes"]["major_fault_s"] = ("not measured: no major fault happened (the test file stayed in memory, "
+                                            "as on tmpfs); the profile keeps common.toml's value")
     return result
 
 
@@ -189,6 +195,8 @@ def write_profile(result: dict, path: Path | None = None) -> Path:
     for section in ("host", "cpu", "ssd"):
         lines.append(f"[{section}]")
         for key, value in result[section].items():
+            if value is None:  # not measured: load_profile takes common.toml's value
+                continue
             lines.append(f'{key} = "{value}"' if isinstance(value, str) else f"{key} = {value!r}")
         lines.append("")
     tmp = path.with_suffix(".tmp")
