@@ -95,6 +95,22 @@ def test_a_grid_names_a_bad_axis_value_before_any_point_and_lists_a_tp_past_the_
         "TP16 spans more GPUs than the NVLink domain of B200 (8)"
 
 
+def test_a_bad_row_cache_policy_is_named_before_the_row_space_is_built(monkeypatch):
+    """The row space addresses every token of the trace (minutes on the Mooncake hour); a misspelt
+    --row-cache-policy or a model it cannot take was named only after it."""
+    import cachelab.serving.simulator as sim
+
+    built = []
+    monkeypatch.setattr(sim, "build_row_space", lambda *a, **k: built.append(1))
+    for cfg, match in ((ServingConfig(hardware="B200", tp=4, row_cache_bytes=2e8, row_cache_policy="lruu"),
+                        "unknown policy 'lruu'"),
+                       (ServingConfig(hardware="B200", tp=4, row_cache_bytes=2e8, row_cache_policy="learned-lfu-adaptive"),
+                        "needs predictor scores")):
+        with pytest.raises(CachelabError, match=match):
+            ServingSimulator(_trace(n=2), cfg)
+    assert built == []
+
+
 def test_single_request_timeline():
     trace = pl.DataFrame({"arrival_s": [0.0], "prompt_ids": [list(range(1000, 1300))], "output_ids": [list(range(5))]})
     res = simulate(trace, ServingConfig(hardware="B200", tp=4, max_num_batched_tokens=128))

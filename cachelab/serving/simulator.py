@@ -250,13 +250,13 @@ class ServingSimulator:
                                 f"{self.hw.name} TP{config.tp} {config.placement} holds {kv_tokens}")
         self.row_bytes = self.addresser.config.row_bytes
         self.rows_per_page = PAGE_BYTES // self.row_bytes
+        self.learned = None  # the learned row cache's model (cachelab.learning.training.Model)
+        self.hierarchy = self._hierarchy(rc)  # before the row space: a bad policy or model is named at once
         sizes = self.addresser.config.table_rows if self.tables is None else self.tables.table_rows
         if row_space is None and config.sample_rate * float(sizes.sum()) <= TABLE_SPACE_ROWS:
             row_space = table_row_space(sizes, config.sample_rate, self.rows_per_page)
         self.space = row_space or build_row_space(self.addresser, self.seqs, self.plen, self.olen,
                                                   config.sample_rate, self.rows_per_page, progress, self.tables)
-        self.learned = None  # the learned row cache's model (cachelab.learning.training.Model)
-        self.hierarchy = self._hierarchy(rc)
 
     def _hierarchy(self, row_cache_bytes: float) -> Hierarchy:
         cfg = self.config
