@@ -114,8 +114,10 @@ def test_serving_simulator_predicts_the_learned_row_cache_step_by_step(model_dir
     trace = pl.DataFrame({"arrival_s": [0.0] * len(ps), "prompt_ids": ps, "output_ids": [c.token_ids for c in outs]},
                          schema={"arrival_s": pl.Float64, "prompt_ids": pl.List(pl.Int32),
                                  "output_ids": pl.List(pl.Int32)})
-    cfg = ServingConfig(placement="dram-copy", row_cache_policy=POLICY, row_cache_model=str(model_dir),
-                        row_cache_bytes=float(capacity * engine.rows.row_bytes),
+    # the live store is one cache of every row; the replay's V4.1 at TP8 splits the tables by head and
+    # gives each GPU its own shard's cache, so a GPU's eighth makes the same cache
+    cfg = ServingConfig(placement="dram-copy", row_cache_policy=POLICY, row_cache_model=str(model_dir), tp=8,
+                        row_cache_bytes=float(capacity * engine.rows.row_bytes) / 8,
                         store_scale=engine.rows.layout_tables.scale, **settings)
     assert engine.counters.scorer_s > 0  # the engine times its scorer (step log column scorer_s)
     steps = ServingSimulator(trace, cfg).run().per_step
@@ -126,7 +128,7 @@ def test_serving_simulator_predicts_the_learned_row_cache_step_by_step(model_dir
     assert steps["row_cache_hits"].to_list() == hits
     assert (steps["rows_unique"] - steps["row_cache_hits"]).to_list() == misses
     # the scores decide: LRU of the same capacity on the same steps hits otherwise
-    lru = ServingSimulator(trace, ServingConfig(placement="dram-copy", row_cache_policy="lru",
+    lru = ServingSimulator(trace, ServingConfig(placement="dram-copy", row_cache_policy="lru", tp=8,
                                                 row_cache_bytes=cfg.row_cache_bytes, store_scale=cfg.store_scale,
                                                 **settings)).run().per_step
     assert lru["row_cache_hits"].to_list() != hits

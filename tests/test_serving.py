@@ -111,6 +111,21 @@ def test_a_bad_row_cache_policy_is_named_before_the_row_space_is_built(monkeypat
     assert built == []
 
 
+def test_the_row_cache_is_per_gpu_and_each_rank_caches_its_own_shard():
+    """V4.1's tables are split across the TP ranks by head, and each GPU spends row_cache_bytes of
+    its HBM on its own heads' rows; the replay held row_cache_bytes over every head, TP times too
+    little. One request after another (concurrency 1) makes the same steps at any TP: TP4 at 2e7
+    bytes a GPU and TP8 at 1e7 are the same 8e7 over the replica, and hit alike (the shared prompt
+    heads, recomputed with the prefix cache off: 0.65 of the rows; 0.00004 and 0 before)."""
+    trace = _trace(n=12, out=(2, 6))
+    res = {tp: simulate(trace, ServingConfig(hardware="B200", tp=tp, concurrency=1, prefix_cache="off",
+                                             row_cache_bytes=8e7 / tp)) for tp in (4, 8)}
+    hits = {tp: r.rows["levels"]["hbm"]["hit_ratio_unique"] for tp, r in res.items()}
+    assert hits[4] > 0.5 and hits[4] == pytest.approx(hits[8], abs=1e-12)
+    for tp, r in res.items():  # resident bytes per GPU, beside the per-GPU size
+        assert 0 < r.rows["row_cache_resident_bytes"] <= r.rows["row_cache_bytes"] == 8e7 / tp
+
+
 def test_single_request_timeline():
     trace = pl.DataFrame({"arrival_s": [0.0], "prompt_ids": [list(range(1000, 1300))], "output_ids": [list(range(5))]})
     res = simulate(trace, ServingConfig(hardware="B200", tp=4, max_num_batched_tokens=128))

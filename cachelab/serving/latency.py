@@ -288,7 +288,7 @@ class LatencyModel:
         m, g, e = self.model, self.hw.gpu, self.eff
         usable = g.hbm_bytes * e.memory_utilization - e.activation_reserve_bytes
         weights = m.rank_weight_bytes(self.tp)
-        table = self.table_bytes / (self.tp if m.table_sharded_across_tp else 1) if self.placement == "hbm" else 0.0
+        table = self.table_bytes / self.table_shards if self.placement == "hbm" else 0.0
         buffer = m.indexer_buffer_bytes(self.max_num_batched_tokens)
         kv = usable - weights - table - buffer - self.row_cache_bytes
         per_token = m.kv_bytes_per_token if m.kv_replicated_across_tp else m.kv_bytes_per_token / self.tp
@@ -466,15 +466,21 @@ class LatencyModel:
         ssd = self.hw.ssd
         return ssd.latency_s * min(1.0, pages) + pages / ssd.iops_4k
 
+    @property
+    def table_shards(self) -> int:
+        """The ranks an Engram table is split across: the TP degree where the model shards it
+        by hash head, else 1 (every rank holds and reads every row)."""
+        return self.tp if self.model.table_sharded_across_tp else 1
+
     def rank_share(self, work: EngramStep) -> EngramStep:
         """One TP rank's part of a layer's rows. vLLM splits each Engram table across the TP
         ranks by hash head (8 heads x 3 n-gram orders = 24 rows per token; a rank holds and
         gathers its heads' rows: vllm-project/vllm#56757, and the InferenceX SSD recipe's 23.60 GiB
         per rank per layer at TP4), so every placement's per-GPU work is 1/TP of the replica's
         and the ranks fetch in parallel, each on its own link and host thread."""
-        if not self.model.table_sharded_across_tp or self.tp == 1:
+        if self.table_shards == 1:
             return work
-        s = 1.0 / self.tp
+        s = 1.0 / self.table_shards
         return EngramStep(work.lookups * s, work.unique * s, work.cache_hits * s, work.page_cache_rows * s,
                           work.page_reads * s)
 

@@ -64,7 +64,9 @@ class ServingConfig:
         concurrency: client-side cap on requests in flight (None: no cap).
         max_num_batched_tokens / max_num_seqs: the scheduler's per-step budget and cap.
         prefix_cache: ``vllm`` (hash-chained blocks), ``sglang`` (radix tree) or ``off``.
-        row_cache_bytes: an HBM row cache (``row_cache_policy``) in front of the placement.
+        row_cache_bytes: an HBM row cache (``row_cache_policy``) in front of the placement, per
+            GPU; where the table is split across the TP ranks by head, each rank caches its own
+            heads' rows, so the replica's cache holds ``row_cache_bytes x TP`` of them.
         row_cache_model: a predictor directory (``cachelab train --out``) whose keep scores a
             learned ``row_cache_policy`` reads, computed online step by step as the live engine
             computes them (``cachelab serve --model``).
@@ -261,8 +263,9 @@ class ServingSimulator:
     def _hierarchy(self, row_cache_bytes: float) -> Hierarchy:
         cfg = self.config
         tiers = []
-        if row_cache_bytes > 0:
-            tiers.append(Tier("hbm", self._row_cache_policy(), capacity_bytes=int(row_cache_bytes)))
+        if row_cache_bytes > 0:  # each rank caches its own shard's rows: the replica's cache is every rank's
+            tiers.append(Tier("hbm", self._row_cache_policy(),
+                              capacity_bytes=int(row_cache_bytes * self.latency.table_shards)))
         if cfg.placement in ("ssd-mmap", "ssd-direct"):
             cache = 0.0 if cfg.placement == "ssd-direct" else cfg.page_cache_bytes
             if cache is None:
@@ -481,7 +484,8 @@ class ServingSimulator:
             rows["row_cache_policy"] = policy.name
             if cfg.row_cache_model is not None:
                 rows["row_cache_model"] = str(cfg.row_cache_model)
-            rows["row_cache_resident_bytes"] = float(policy.resident().size / replay.kept * self.row_bytes)
+            rows["row_cache_resident_bytes"] = float(policy.resident().size / replay.kept * self.row_bytes
+                                                     / self.latency.table_shards)  # per GPU, as row_cache_bytes
         per_request = pl.DataFrame({"send_s": send, "first_token_s": first, "end_s": end,
                                     "prompt_tokens": plen, "output_tokens": olen,
                                     "cached_tokens": cached_first, "preemptions": preemptions})
