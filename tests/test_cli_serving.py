@@ -150,3 +150,13 @@ def test_study_analysis_reads_fronts():
     assert wide["b300_tp4_hbm_vs_dram_max_diff"] == 0.0 and wide["b300_tp4_hbm_vs_dram_max_diff_full_sweep"] == pytest.approx(0.2)  # 2000 vs 2500
     assert wide["b300_tp2_dram_gain_max"] == wide["b300_tp2_dram_gain_max_full_sweep"] == pytest.approx(1.5)
 
+
+
+def test_the_hardware_help_offers_only_profiles_a_replay_can_serve_on():
+    """The help offered `local`, which has no GPU: `run cachelab hw probe first`, and after the
+    probe, `has no [gpu] or [host] section`."""
+    from cachelab.cli.serving import HARDWARE_HELP
+    from cachelab.serving.hardware import builtin_names, load_profile
+
+    offered = HARDWARE_HELP.split(": ", 1)[1].split(", or a TOML file")[0].split(", ")
+    assert sorted(offered) == builtin_names() and all(load_profile(n).gpu is not None for n in offered)

@@ -19,7 +19,8 @@ from cachelab.serving.latency import PLACEMENTS
 hw_app = typer.Typer(no_args_is_help=True, help="Hardware profiles: list the built-ins, measure this machine.")
 study_app = typer.Typer(no_args_is_help=True, help="Studies that reproduce published results from the model.")
 
-HARDWARE_HELP = "Hardware profile: H100, H200, B200, B300, GB200, GH200, local, or a TOML file."
+HARDWARE_HELP = ("GPU hardware profile (`cachelab hw list`): H100, H200, B200, B300, GB200, GH200, or a TOML file "
+                 "with gpu and host sections (`hw probe`'s `local` measures a host only: no GPU to serve on).")
 PLACEMENT_HELP = f"Where the Engram table lives: {', '.join(PLACEMENTS)}."
 GIB = 2**30
 REQUEST_TRACE_HELP = ("Request trace (.parquet from `cachelab trace build`, with token ids: built with --corpus). "
@@ -55,7 +56,8 @@ def serve_sim(
     tp: int = typer.Option(8, help="Tensor-parallel degree (GPUs of the replica)."),
     concurrency: int | None = typer.Option(None, help="At most this many requests in flight (vllm bench --max-concurrency)."),
     prefix_cache: str = typer.Option("vllm", help="Prefix cache: vllm (hash-chained blocks), sglang (radix tree), off."),
-    row_cache_gib: float = typer.Option(0.0, help="HBM row cache per GPU (GiB, LRU) in front of the placement."),
+    row_cache_gib: float = typer.Option(0.0, help="HBM row cache per GPU (GiB; its policy: --row-cache-policy) in front "
+                                  "of the placement."),
     row_cache_policy: str = typer.Option("lru", help="The row cache's policy (any registered policy)."),
     row_cache_model: Path | None = typer.Option(None, help="A predictor directory (`cachelab train --out`) scoring "
                                                 "rows for a learned --row-cache-policy, online, step by step."),
