@@ -31,6 +31,17 @@ def test_vllm_metric_definitions_by_hand():
     assert m["tokens_per_dollar"] == pytest.approx(154 / 3 * 3600 / 2.0)
 
 
+def test_the_cost_keys_are_there_without_a_price():
+    """A profile without usd_per_gpu_hour (a user's TOML) left the three cost keys out of the
+    result, and so out of serve-sim --json; NaN (null in --json) is the convention for no value."""
+    times = RequestTimes(send_s=np.zeros(1), first_token_s=np.array([0.1]), end_s=np.array([0.3]),
+                         prompt_tokens=np.array([10]), output_tokens=np.array([3]),
+                         token_times=np.array([0.1, 0.2, 0.3]), token_offsets=np.array([0, 3]))
+    priced, unpriced = summarize(times, 1, 2.0), summarize(times, 1, None)
+    assert set(unpriced) == set(priced)
+    assert all(np.isnan(unpriced[k]) for k in ("usd_per_gpu_hour", "cost_per_million_tokens", "tokens_per_dollar"))
+
+
 def test_interactivity_is_inferencex_1000_over_tpot_at_each_statistic():
     # InferenceX's utils/process_result.py: p90_intvty = 1000 / p90_tpot_ms. Two 3-token answers:
     # TPOT 100 and 200 ms; their ITL gaps 100, 100 and 50, 350 (pooled P90 275 ms, TPOT P90 190 ms)

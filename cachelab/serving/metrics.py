@@ -124,7 +124,8 @@ def peak_per_second(times: RequestTimes) -> dict:
 
 def summarize(times: RequestTimes, num_gpus: int, usd_per_gpu_hour: float | None,
               percentiles=PERCENTILES) -> dict:
-    """The vLLM bench serve result dict plus InferenceX's per-GPU and cost figures."""
+    """The vLLM bench serve result dict plus InferenceX's per-GPU and cost figures (NaN where the
+    hardware has no price: the keys are always there)."""
     out = request_metrics(times, percentiles=percentiles)
     out["duration_s"] = out["duration"]
     per_gpu = out["total_token_throughput"] / num_gpus
@@ -134,6 +135,7 @@ def summarize(times: RequestTimes, num_gpus: int, usd_per_gpu_hour: float | None
     for key, stat in (("interactivity", "median"), ("p90_interactivity", "p90")):
         tpot = out.get(f"{stat}_tpot_ms", float("nan"))
         out[key] = 1000.0 / tpot if tpot and np.isfinite(tpot) else float("nan")
+    out["usd_per_gpu_hour"] = out["cost_per_million_tokens"] = out["tokens_per_dollar"] = float("nan")  # no price
     if usd_per_gpu_hour:
         out["usd_per_gpu_hour"] = usd_per_gpu_hour
         out["cost_per_million_tokens"] = usd_per_gpu_hour / (per_gpu * 3600 / 1e6) if per_gpu else float("inf")
