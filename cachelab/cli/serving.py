@@ -11,7 +11,7 @@ from rich.table import Table
 
 from cachelab import strict_json
 from cachelab.errors import CachelabError
-from cachelab.paths import output_file, output_folder
+from cachelab.paths import output_file, output_folder, replacing
 from cachelab.progress import progress_bar, spinner
 from cachelab.serving.agentic import PREFIX_HIT, PREFIX_HIT_V01
 from cachelab.serving.latency import PLACEMENTS
@@ -421,9 +421,10 @@ def study_inferencex(
     if out is not None:
         import polars as pl
 
-        pl.DataFrame([{"id": r["id"], "subset": r["subset"], "metric": k, "measured": r["measured"][k],
-                       "predicted": r["predicted"][k], "error": r["error"][k]} for r in rows for k in r["measured"]]
-                     ).write_csv(out)
+        with replacing(out) as tmp:
+            pl.DataFrame([{"id": r["id"], "subset": r["subset"], "metric": k, "measured": r["measured"][k],
+                           "predicted": r["predicted"][k], "error": r["error"][k]}
+                          for r in rows for k in r["measured"]]).write_csv(tmp)
     if as_json:
         typer.echo(strict_json.dumps(result))
         return

@@ -41,6 +41,7 @@ import polars as pl
 
 from cachelab.errors import CachelabError
 from cachelab.live.config import ModelConfig
+from cachelab.paths import replacing
 from cachelab.serving.calibration import pattern_search
 from cachelab.serving.hardware import GPU, HardwareProfile
 from cachelab.serving.latency import Batch, Efficiency, LatencyModel
@@ -542,16 +543,13 @@ def write_profile(result: Calibration, hardware: HardwareProfile, threads: int, 
     if result.fit_cpu_share is not None:  # what a share-adjusted prediction scales from (fit_cpu_share)
         lines.append(f"fit_engine_cpu_share = {result.fit_cpu_share!r}")
     lines.append("")
-    for section in ("gpu", "host", "cpu", "ssd"):
-        values = getattr(hw, section)
-        if values is None:
-            continue
+    for section, values in ((s, getattr(hw, s)) for s in ("gpu", "host", "cpu", "ssd") if getattr(hw, s) is not None):
         lines.append(f"[{section}]")
         lines += [f'{k} = "{v}"' if isinstance(v, str) else f"{k} = {v!r}" for k, v in asdict(values).items()]
         lines.append("")
-    path = Path(path)
-    path.write_text("\n".join(lines), encoding="utf-8")
-    return path
+    with replacing(path) as tmp:
+        tmp.write_text("\n".join(lines), encoding="utf-8")
+    return Path(path)
 
 
 def load_calibration(path: str | Path) -> tuple[HardwareProfile, Efficiency]:

@@ -8,8 +8,12 @@ at equal interactivity.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import polars as pl
+
+from cachelab.paths import replacing
 
 
 def pareto_front(points: pl.DataFrame, x: str = "interactivity", y: str = "tokens_per_s_per_gpu") -> pl.DataFrame:
@@ -66,5 +70,6 @@ def plot_fronts(points: pl.DataFrame, group: str, path, title: str, mark_interac
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
+    with replacing(path) as tmp:  # the format from the name asked for, not the scratch file's
+        fig.savefig(tmp, format=Path(path).suffix[1:] or plt.rcParams["savefig.format"])
     plt.close(fig)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cachelab.paths import replacing
 from cachelab.serving.hardware import local_profile_path
 
 PAGE = 4096
@@ -204,7 +205,6 @@ def write_profile(result: dict, path: Path | None = None) -> Path:
                 continue
             lines.append(f'{key} = "{value}"' if isinstance(value, str) else f"{key} = {value!r}")
         lines.append("")
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("\n".join(lines), encoding="utf-8")
-    tmp.replace(path)
+    with replacing(path) as tmp:
+        tmp.write_text("\n".join(lines), encoding="utf-8")
     return path
