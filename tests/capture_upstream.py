@@ -267,7 +267,7 @@ def cli_proxy(upstream: str, out, *args: str, env: dict | None = None):
         yield base
     finally:
         proc.terminate()
-        proc.wait(30)
+        proc.wait(60)  # its stop: up to 10 s for exchanges in flight, then up to 30 s for its writer (SCHED_IDLE)
 
 
 class ServerThread:
