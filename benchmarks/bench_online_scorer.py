@@ -58,10 +58,11 @@ def measure(model_dir: Path, rounds: int) -> dict[int, float]:
     from cachelab.learning.online import OnlineScorer
 
     addresser = Addresser("deepseek-v4.1-flash")
+    pool = _requests(max(SIZES))  # tokenized and addressed once; each size takes its first n
+    pool_rows = [addresser.rows(r[:POSITION + 1])[POSITION:] for r in pool]
     out = {}
     for n in SIZES:
-        requests = _requests(n)
-        rows = np.concatenate([addresser.rows(r[:POSITION + 1])[POSITION:] for r in requests])
+        requests, rows = pool[:n], np.concatenate(pool_rows[:n])
         scorer = OnlineScorer.open(model_dir, "deepseek-v4.1-flash")  # as the server keeps one
         times = []
         for r in range(rounds + 3):  # the same step again: its rows now seen before, as a decode step's mostly are
