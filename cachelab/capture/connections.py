@@ -234,6 +234,10 @@ class ClientConnection(asyncio.Protocol):
         self.in_head = False
         if len(r.url) + sum(len(k) + len(v) + 4 for k, v in r.headers) > self.proxy.config.max_head_bytes:
             return self._answer_and_close(whole_response(431, error_body(431, "request head too large"), close=True))
+        hosts = sum(key.lower() == b"host" for key, _ in r.headers)
+        if hosts > 1 or (r.http11 and not hosts):  # RFC 9112 3.2: a server MUST answer 400
+            return self._answer_and_close(whole_response(400, error_body(
+                400, f"an HTTP/1.1 request needs exactly one Host header; this one has {hosts}"), close=True))
         declared = r.header(b"content-length")
         if declared is not None and declared.strip().isdigit() and int(declared) > limit:
             self._too_large(r)
