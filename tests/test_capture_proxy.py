@@ -663,7 +663,8 @@ def test_both_hops_have_tcp_keepalive(tmp_path, loop):
     here: probes every 2 s, three of them), so that a peer gone without a FIN or RST is noticed; none
     was, and a client that vanished while its answer was generated held the upstream request to its
     end, recorded as served. (Seen in a network namespace whose client address was removed mid-request:
-    docs/capture.md, HTTP.) 0 leaves the sockets as they were."""
+    docs/capture.md, HTTP.) Unacknowledged bytes are given up after the same 14 s (TCP_USER_TIMEOUT), not
+    the kernel's 15 minutes of retransmissions. 0 leaves the sockets as they were."""
     from cachelab.capture.proxy import CaptureProxy, event_loop_factory
 
     upstream = HeadUpstream()
@@ -679,14 +680,15 @@ def test_both_hops_have_tcp_keepalive(tmp_path, loop):
         socks = [t.get_extra_info("socket") for t in transports]
         got = [(s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) != 0,
                 *(s.getsockopt(socket.IPPROTO_TCP, o) for o in (socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL,
-                                                                 socket.TCP_KEEPCNT))) for s in socks]
+                                                                 socket.TCP_KEEPCNT, socket.TCP_USER_TIMEOUT)))
+               for s in socks]
         writer.close()
         await proxy.close()
         return got
 
     with asyncio.Runner(loop_factory=event_loop_factory(loop)) as runner:
-        assert runner.run(options(7.0)) == [(True, 7, 2, 3)] * 2, "the client's connection, the upstream's"
-        assert [on for on, *_ in runner.run(options(0.0))] == [False, False]
+        assert runner.run(options(7.0)) == [(True, 7, 2, 3, 14000)] * 2, "the client's connection, the upstream's"
+        assert [(on, user) for on, *_, user in runner.run(options(0.0))] == [(False, 0)] * 2
     upstream.sock.close()
 
 

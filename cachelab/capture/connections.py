@@ -65,7 +65,10 @@ def probe_when_idle(transport, idle_s: float) -> None:
     third of that and gives the connection up after three probes unanswered, about ``2 * idle_s`` in all.
     A peer gone without a FIN or RST (a client's host or network down, a NAT entry dropped) is otherwise
     never noticed while nothing is written to it: a client that vanished while its answer was being
-    generated held the upstream request to its end, recorded as served (200)."""
+    generated held the upstream request to its end, recorded as served (200). Probes go only on a silent
+    connection; one with bytes written and never acknowledged (a peer gone while its answer streams) is
+    given up by ``TCP_USER_TIMEOUT``, set to the same ``2 * idle_s``: else the kernel retransmits for
+    about 15 minutes (``tcp_retries2``), the upstream paused behind the full buffer all that while."""
     sock = transport.get_extra_info("socket")
     if idle_s > 0 and sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -73,6 +76,7 @@ def probe_when_idle(transport, idle_s: float) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, round(idle_s)))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, round(idle_s / 3)))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, round(2000 * idle_s)))
 
 
 def error_body(status: int, message: str) -> bytes:
