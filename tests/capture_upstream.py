@@ -248,12 +248,12 @@ class ProxyThread:
 @contextlib.contextmanager
 def cli_proxy(upstream: str, out, *args: str, env: dict | None = None):
     """``cachelab capture proxy --upstream UPSTREAM --out OUT ARGS`` in a process of its own on a free
-    port, the command a user runs; yields its base URL once ``/capture/status`` answers, and stops it
-    (SIGTERM) on leaving."""
+    port, the command a user runs; yields its base URL and process once ``/capture/status`` answers, and
+    stops it (SIGTERM) on leaving. Its stderr is a pipe (read it once it has exited)."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "cachelab.cli", "capture", "proxy", "--upstream", upstream,
                              "--out", str(out), "--listen", f"127.0.0.1:{port}", *args], env=env,
-                            stdout=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
@@ -264,10 +264,11 @@ def cli_proxy(upstream: str, out, *args: str, env: dict | None = None):
             except httpx.HTTPError:
                 assert proc.poll() is None and time.monotonic() < deadline, "the proxy did not start"
                 time.sleep(0.2)
-        yield base
+        yield base, proc
     finally:
-        proc.terminate()
-        proc.wait(60)  # its stop: up to 10 s for exchanges in flight, then up to 30 s for its writer (SCHED_IDLE)
+        if proc.returncode is None:  # not waited for by the test
+            proc.terminate()
+            proc.communicate(timeout=60)  # its stop: up to 10 s for exchanges in flight, then up to 30 s for its writer (SCHED_IDLE)
 
 
 class ServerThread:

@@ -715,7 +715,7 @@ def test_max_connections_is_a_flag(tmp_path):
     """`cachelab capture proxy --max-connections 1`: the pool's bound, which the library had and the CLI did
     not take (1,024 whatever the upstream could carry): the second request waits and gets the 503."""
     with ServerThread(Upstream().app) as upstream, \
-            cli_proxy(upstream.url, tmp_path / "cap", "--max-connections", "1", "--read-timeout", "1") as base:
+            cli_proxy(upstream.url, tmp_path / "cap", "--max-connections", "1", "--read-timeout", "1") as (base, _):
         with httpx.stream("POST", base + "/v1/completions", timeout=30,
                           json={"model": "endless", "prompt": "hi", "stream": True}) as held:
             chunks = held.iter_raw()
@@ -1288,3 +1288,27 @@ def test_a_connect_timeout_names_the_upstream_and_the_bound(tmp_path, connect_ti
     message = f"connecting to upstream http://***@127.0.0.1:{port}/v1 timed out after 0.5 s"
     assert r.status_code == 504 and r.json()["error"]["message"] == message and 0.4 < took < 2.5, (r.text, took)
     assert read_requests(tmp_path)[0].row(0, named=True)["error"] == message
+
+
+def test_a_second_ctrl_c_ends_exchanges_in_flight_at_once(tmp_path):
+    """`cachelab capture proxy`, stopped while a stream is in flight: the first Ctrl-C gives it the grace
+    (10 s) and says so on stderr, a second ends it at once, recorded as the proxy's shutdown; the proxy
+    exits well within the grace. (A second Ctrl-C did nothing: the stop waited out the grace whatever.)"""
+    import signal
+
+    with ServerThread(Upstream().app) as upstream, cli_proxy(upstream.url, tmp_path / "cap") as (base, proc):
+        with httpx.stream("POST", base + "/v1/completions", timeout=30,
+                          json={"model": "endless", "prompt": "hi", "stream": True}) as held:
+            chunks = held.iter_raw()
+            next(chunks)
+            proc.send_signal(signal.SIGINT)
+            time.sleep(1.0)
+            assert proc.poll() is None, "the first Ctrl-C waits for the stream"
+            started = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=60)
+            took = time.monotonic() - started
+    assert proc.returncode == 0 and took < 8, (proc.returncode, took, err)
+    assert "Ctrl-C again ends them now" in err, err
+    rec = read_requests(tmp_path / "cap")[0].row(0, named=True)
+    assert "proxy shut down (asked to stop again)" in rec["error"], rec

@@ -116,7 +116,7 @@ def test_https_upstream_through_the_cli(tls, tmp_path):
     url, cert = tls
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[1]),
                                                                     os.environ.get("PYTHONPATH")) if p)}
-    with cli_proxy(url, tmp_path / "cap", "--upstream-ca", str(cert), env=env) as base:
+    with cli_proxy(url, tmp_path / "cap", "--upstream-ca", str(cert), env=env) as (base, _):
         req = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "stream": True}
         assert _raw(base, "/v1/completions", req) == _raw(url, "/v1/completions", req, cert)
         status = httpx.get(base + "/capture/status", timeout=10).json()

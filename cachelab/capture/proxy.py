@@ -133,21 +133,24 @@ class CaptureProxy:
             for client in [c for c in self.clients if c.forward is None and not c.queue and c.idle_since < limit]:
                 client.time_out(keep_alive)
 
-    async def close(self) -> None:
-        """Stop listening, let exchanges in flight finish (``shutdown_grace_s``), end the rest, close
-        the recorder (which writes what it holds)."""
+    async def close(self, hurry: asyncio.Event | None = None) -> None:
+        """Stop listening, let exchanges in flight finish (``shutdown_grace_s``, cut short once ``hurry``
+        is set: a second Ctrl-C), end the rest, close the recorder (which writes what it holds)."""
         if self.server is not None:
             self.server.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
         deadline = time.monotonic() + self.config.shutdown_grace_s
-        while any(c.forward is not None for c in self.clients) and time.monotonic() < deadline:
+        while any(c.forward is not None for c in self.clients) and time.monotonic() < deadline \
+                and not (hurry is not None and hurry.is_set()):
             for client in [c for c in self.clients if c.forward is None and c.request is None]:
                 client.transport.close()
             await asyncio.sleep(0.05)
+        why = "asked to stop again" if hurry is not None and hurry.is_set() else \
+            f"unfinished after {self.config.shutdown_grace_s} s"
         for client in list(self.clients):
             if client.forward is not None:
-                client.forward.shut_down(f"proxy shut down (unfinished after {self.config.shutdown_grace_s} s)")
+                client.forward.shut_down(f"proxy shut down ({why})")
             client.closed = True  # by the proxy: requests still queued on it were not served, and are not recorded
             client.transport.close()
         self.pool.close()
@@ -228,14 +231,16 @@ class CaptureProxy:
             client.respond(data, False)
 
 
-async def run_proxy(config: ProxyConfig, recorder, sock, stop: asyncio.Event) -> None:
-    """Run the proxy on ``sock`` until ``stop`` is set, then close it (and the recorder)."""
+async def run_proxy(config: ProxyConfig, recorder, sock, stop: asyncio.Event,
+                    hurry: asyncio.Event | None = None) -> None:
+    """Run the proxy on ``sock`` until ``stop`` is set, then close it (and the recorder); ``hurry`` set
+    meanwhile ends the exchanges still in flight without waiting out their grace."""
     proxy = CaptureProxy(config, recorder)
     await proxy.start(sock)
     try:
         await stop.wait()
     finally:
-        await proxy.close()
+        await proxy.close(hurry)
 
 
 def event_loop_factory(kind: str):

@@ -162,10 +162,19 @@ def proxy(
                "counts at GET /capture/status")
 
     async def main() -> None:
-        stop = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):  # stop: finish what is in flight, flush the recorder, exit
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        await run_proxy(config, recorder, sock, stop)
+        stop, hurry = asyncio.Event(), asyncio.Event()
+
+        def on_signal() -> None:  # the first: finish what is in flight, flush the recorder, exit; again: end it now
+            if stop.is_set():
+                hurry.set()
+                return
+            stop.set()
+            typer.echo(f"stopping: exchanges in flight get up to {config.shutdown_grace_s:g} s to finish "
+                       "(Ctrl-C again ends them now; what was recorded is written either way)", err=True)
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, on_signal)
+        await run_proxy(config, recorder, sock, stop, hurry)
 
     freeze_startup_heap()
     with asyncio.Runner(loop_factory=new_loop) as runner:
