@@ -12,11 +12,13 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from experiment_helpers import cli, descendants, listening, write_spec
 from mlflow import MlflowClient
 
+import cachelab
 from cachelab.errors import CachelabError
 from cachelab.experiment.runner import run_experiment
 from cachelab.experiment.tracking import POINT_HASH
@@ -57,6 +59,16 @@ def test_runs_metrics_and_artifacts_read_back_through_mlflow(local):
     parent = client.get_run(parent_ids.pop())
     assert parent.info.status == "FINISHED" and parent.data.metrics["points.finished"] == 4
     assert parent.data.metrics["workload.tokens"] > 1000
+    # what code made them: cachelab's version and commit (MLflow's own tag), every plug-in's distribution
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(cachelab.__file__).parent, capture_output=True,
+                          text=True)
+    for run in (parent, *points):
+        tags = run.data.tags
+        assert tags["cachelab.version"] == cachelab.__version__
+        assert json.loads(tags["cachelab.plugins"])["cachelab"] == cachelab.__version__
+        if head.returncode == 0:
+            assert tags["mlflow.source.git.commit"] == head.stdout.strip()
+            assert tags["cachelab.source_dirty"] in ("true", "false")
     parent_files = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"addressing.parquet", "mrc.parquet", "results.parquet", "report.html", "spec"} <= parent_files
     for run in points:

@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from cachelab.experiment.backends import run_tasks
 from cachelab.experiment.kinds import PointOutput, get_kind
+from cachelab.experiment.provenance import provenance_tags
 from cachelab.experiment.records import PARENT, Outbox, Record, now_ms
 from cachelab.experiment.report import results_table, write_report
 from cachelab.experiment.spec import ExperimentSpec, WorkloadSpec, load_spec, parse_spec
@@ -206,7 +207,7 @@ def _parent_record(spec: ExperimentSpec, spec_path: Path, overrides: list[str] |
     record = Record(hash=config_hash(dump), label=spec.name,
                     params={k: v for k, v in flatten(dump).items() if k not in ("description",)},
                     metrics=metrics, tags={"mlflow.note.content": spec.description,
-                                           "cachelab.experiment": spec.name},
+                                           "cachelab.experiment": spec.name, **provenance_tags()},
                     start_ms=now_ms())
     record.artifacts["spec/" + spec_path.name] = spec_path.read_bytes()
     if overrides:
@@ -228,7 +229,8 @@ def lru_curve(workload, warmup: float) -> pl.DataFrame:
 def _point_record(spec: ExperimentSpec, point: Point, output, started: int) -> Record:
     """A point's run: its outputs, or (``output`` the exception it raised) a FAILED run whose
     ``cachelab.error`` tag says why."""
-    tags = {"cachelab.experiment": spec.name, **{f"cachelab.axis.{k}": json.dumps(v) for k, v in point.axes.items()}}
+    tags = {"cachelab.experiment": spec.name, **{f"cachelab.axis.{k}": json.dumps(v) for k, v in point.axes.items()},
+            **provenance_tags()}
     status = "FINISHED"
     if isinstance(output, BaseException):
         tags[ERROR] = f"{type(output).__name__}: {output}"[:5000]
