@@ -271,3 +271,24 @@ def test_a_file_a_point_reads_is_in_its_hash(tmp_path):
             "calibration": str(profile)}
     assert live_inputs({"live": live}) == [profile, model]
     assert live_inputs({"live": {**live, "row_cache_policy": "lru"}}) == [profile]  # a heuristic ignores the model
+
+
+def test_a_workload_data_file_is_in_the_hash_and_the_build_key(tmp_path, data_dir):
+    """A trace a workload reads, captured again into the same path: its points and its built workload were
+    keyed by the path alone, so `cachelab run` reused both with the old trace's results."""
+    from cachelab.experiment.workload import workload_key
+
+    lines = (data_dir / "traces/mooncake_fast25/conversation_trace.jsonl").read_text().splitlines()
+    trace = tmp_path / "captured.jsonl"
+    trace.write_text("\n".join(lines[:20]) + "\n")
+    spec = tmp_path / "replay.toml"
+    spec.write_text(SERVE_SPEC.format(hardware="B200").replace(
+        'arrivals = { source = "gamma", options = { rate = 4.0, num_requests = 4 } }',
+        f'arrivals = {{ source = "mooncake", path = "{trace.as_posix()}" }}'))
+    [first] = expand(load_spec(spec))
+    key = workload_key(first.config["workload"])
+    assert [p.hash for p in expand(load_spec(spec))] == [first.hash]  # unchanged file, same point
+    trace.write_text("\n".join(lines[20:40]) + "\n")
+    [again] = expand(load_spec(spec))
+    assert again.hash != first.hash and again.config == first.config
+    assert workload_key(again.config["workload"]) != key

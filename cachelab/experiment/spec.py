@@ -17,6 +17,7 @@ built), or bytes (``"64 MiB"``, ``"2 GB"``). ``kind`` names registered experimen
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import json
@@ -35,7 +36,7 @@ from cachelab.validation import Strict, read_toml, validate
 
 __all__ = ["ExperimentSpec", "HierarchySpec", "PredictorSpec", "ServingSpec", "TierSpec", "WorkloadSpec",
            "capacity_rows", "check_spec", "kinds", "load_spec", "make_tier_policy", "page_cache_bytes",
-           "parse_spec", "resolve_data_path", "set_key"]
+           "parse_spec", "resolve_data_path", "set_key", "workload_files"]
 _SINGULAR = {registry.POLICIES: "policy", registry.PREDICTORS: "predictor", registry.WORKLOADS: "workload"}
 
 
@@ -315,6 +316,21 @@ def _check_workload(w: WorkloadSpec, where: str, key: str = "workload") -> None:
     except (CachelabError, TypeError) as exc:
         raise CachelabError(f"{where}: {key}.params: {w.source!r}: {exc}") from None
     _table(w.preset, where)
+
+
+def workload_files(workload: dict) -> list[Path]:
+    """The data files and folders a workload section (``WorkloadSpec``'s fields) reads: its ``path``
+    and ``data``, and a trace's arrivals and corpus paths; one that does not resolve is left to the
+    checks that name it."""
+    trace = workload.get("trace") or {}
+    named = [workload.get("path"), *workload.get("data", []), (trace.get("arrivals") or {}).get("path"),
+             ((trace.get("corpus") or {}).get("options") or {}).get("path")]
+    out = []
+    for rel in named:
+        if isinstance(rel, str):
+            with contextlib.suppress(CachelabError):
+                out.append(resolve_data_path(rel))
+    return out
 
 
 def _check_trace(trace: dict, where: str, key: str) -> None:

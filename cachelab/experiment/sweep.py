@@ -5,7 +5,8 @@ the sweep removed, the seed in), so a finished point is recognised across reruns
 backends, and across specs that share it. Values equal to their field's default are left out
 of the hash, so a field a later cachelab adds (whose default keeps the old behaviour) leaves
 the points already run recognised. The contents of the files a point reads beyond its config
-(``ExperimentKind.inputs``: a calibration, a model) are in the hash too.
+(``ExperimentKind.inputs``: a calibration, a model; its workloads' data files: a trace captured
+again into the same path) are in the hash too.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import hashlib
 import itertools
 import json
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from cachelab.experiment.kinds import get_kind
-from cachelab.experiment.spec import ExperimentSpec, kinds, set_key
+from cachelab.experiment.spec import ExperimentSpec, kinds, set_key, workload_files
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,9 +46,8 @@ def expand(spec: ExperimentSpec) -> list[Point]:
     base = spec.model_dump(mode="json")
     keys = list(spec.sweep)
     points: dict[str, Point] = {}
-    digests: dict[Path, str] = {}
     for kind in kinds(spec):
-        sections, inputs = get_kind(kind).sections, get_kind(kind).inputs
+        sections, inputs, workloads = get_kind(kind).sections, get_kind(kind).inputs, get_kind(kind).workloads
         for values in itertools.product(*(spec.sweep[k] for k in keys)):
             raw = base
             for key, value in zip(keys, values):
@@ -60,13 +61,22 @@ def expand(spec: ExperimentSpec) -> list[Point]:
                 hashed = {"kind": kind, **{k: set_apart.get(k, {}) for k in sections}, "seed": seed}
                 read = inputs(config) if inputs else []
                 if read:  # none: the hash points had before inputs joined it
-                    hashed["inputs"] = [digests.get(p) or digests.setdefault(p, content_digest(p)) for p in read]
+                    hashed["inputs"] = [content_digest(p) for p in read]
+                data = data_digests([config["workload"]] * ("workload" in sections)
+                                    + [w for _, w in (workloads(config) if workloads else [])])
+                if data:  # none (the stdlib corpus, a generated trace): the hash points had before
+                    hashed["data"] = data
                 axes = {_short(k): v for k, v in zip(keys, values) if k.split(".")[0] in sections}
                 axes = {"kind": kind, **axes, "seed": seed}
                 label = " ".join(f"{k}={v}" for k, v in axes.items())
                 point = Point(config, config_hash(hashed), label, axes)
                 points.setdefault(point.hash, point)
     return list(points.values())
+
+
+def data_digests(workloads: list[dict]) -> list[str]:
+    """The contents' digests of the data files the workload sections read (``workload_files``)."""
+    return [content_digest(p) for w in workloads for p in workload_files(w)]
 
 
 def content_digest(path: Path) -> str:
@@ -78,9 +88,17 @@ def content_digest(path: Path) -> str:
     digest = hashlib.sha256()
     for f in files:
         digest.update(f.relative_to(path).as_posix().encode() if f != path else b"")
-        with open(f, "rb") as handle:
-            digest.update(hashlib.file_digest(handle, "sha256").digest())
+        stat = f.stat()
+        digest.update(_file_digest(f.resolve(), stat.st_size, stat.st_mtime_ns))
     return digest.hexdigest()[:16]
+
+
+@lru_cache(maxsize=4096)
+def _file_digest(path: Path, size: int, mtime_ns: int) -> bytes:
+    """A file's SHA-256, read once per process while its size and modification time stay (every
+    point of a sweep names its workload's files; a trace of gigabytes is not read per point)."""
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").digest()
 
 
 def _short(key: str) -> str:

@@ -23,7 +23,7 @@ from cachelab.engram import Addresser, encode, get_preset
 from cachelab.engram.stats import skew
 from cachelab.errors import CachelabError
 from cachelab.experiment.spec import WorkloadSpec
-from cachelab.experiment.sweep import config_hash
+from cachelab.experiment.sweep import config_hash, data_digests
 from cachelab.workload.lookups import LookupStream, split_key
 from cachelab.paths import cache_dir, one_builder, resolve_data_path
 
@@ -34,8 +34,11 @@ BUILD_VERSION = 2  # bump when what a build stores changes, so stale cache entri
 
 
 def workload_key(spec: WorkloadSpec | dict) -> str:
+    """The build's cache key: its section, the build version and its data files' contents (a trace
+    rewritten in place is built again)."""
     data = spec.model_dump(mode="json") if isinstance(spec, WorkloadSpec) else dict(spec)
-    return config_hash({**data, "build_version": BUILD_VERSION})
+    files = data_digests([data])
+    return config_hash({**data, "build_version": BUILD_VERSION, **({"data": files} if files else {})})
 
 
 def build_workload(spec: WorkloadSpec, progress: Progress | None = None) -> Path:
