@@ -5,6 +5,7 @@ test_capture_vllm.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import subprocess
@@ -1292,8 +1293,9 @@ def test_a_connect_timeout_names_the_upstream_and_the_bound(tmp_path, connect_ti
 
 def test_a_second_ctrl_c_ends_exchanges_in_flight_at_once(tmp_path):
     """`cachelab capture proxy`, stopped while a stream is in flight: the first Ctrl-C gives it the grace
-    (10 s) and says so on stderr, a second ends it at once, recorded as the proxy's shutdown; the proxy
-    exits well within the grace. (A second Ctrl-C did nothing: the stop waited out the grace whatever.)"""
+    (10 s) and says so on stderr, a second ends the stream at once, recorded as the proxy's shutdown.
+    (A second Ctrl-C did nothing: the stream ran the whole grace.) The proxy's exit then waits for its
+    writer, which runs at SCHED_IDLE: not timed here."""
     import signal
 
     with ServerThread(Upstream().app) as upstream, cli_proxy(upstream.url, tmp_path / "cap") as (base, proc):
@@ -1302,12 +1304,15 @@ def test_a_second_ctrl_c_ends_exchanges_in_flight_at_once(tmp_path):
             chunks = held.iter_raw()
             next(chunks)
             proc.send_signal(signal.SIGINT)
+            started = time.monotonic()
             time.sleep(1.0)
             assert proc.poll() is None, "the first Ctrl-C waits for the stream"
-            started = time.monotonic()
             proc.send_signal(signal.SIGINT)
-            _, err = proc.communicate(timeout=60)
+            with contextlib.suppress(httpx.HTTPError):  # cut short of its end: no last chunk
+                for _ in chunks:
+                    pass
             took = time.monotonic() - started
+        _, err = proc.communicate(timeout=90)
     assert proc.returncode == 0 and took < 8, (proc.returncode, took, err)
     assert "Ctrl-C again ends them now" in err, err
     rec = read_requests(tmp_path / "cap")[0].row(0, named=True)
