@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import polars as pl
 import pytest
 from typer.testing import CliRunner
 
@@ -185,6 +186,27 @@ def test_trace_lookups_writes_the_stream_a_request_trace_holds(traces, tmp_path)
     out = json.loads(res.stdout)
     assert out["trace_kind"] == REQUESTS and out["token_metadata"]
     assert LookupStream.load(tmp_path / "r.npz").num_lookups == out["lookups"] > 0
+
+
+def test_a_request_with_prompt_ids_but_no_output_ids_is_never_addressed_as_its_prompt_alone(traces, tmp_path):
+    """output_len > 0 with empty output_ids: the lookups dropped its decode tokens silently."""
+    table = read_trace(traces["requests"])
+    assert (table["output_len"] > 0).all() and (table["output_ids"].list.len() > 0).all()
+    cut = tmp_path / "cut.parquet"
+    write_trace(table.with_columns(output_ids=pl.when(pl.int_range(pl.len()) == 2).then(pl.lit([], pl.List(pl.Int32)))
+                                   .otherwise(pl.col("output_ids"))), cut)
+    where = "row 2, field 'output_ids' = []: empty while output_len ="
+    for verb in (["trace", "lookups", cut, "--requests", "0", "-o", tmp_path / "x.npz"],
+                 ["trace", "convert", cut, tmp_path / "x.bin"],
+                 ["simulate", "--trace", cut, "--policy", "lru", "--capacity", "10", "--requests", "0"],
+                 ["serve-sim", "--trace", cut, "--hardware", "B200", "--placement", "dram-uva"]):
+        res = invoke(*verb)
+        assert res.exit_code == 2 and where in res.output and str(cut) in res.output, (verb, res.output)
+    res = invoke("trace", "lookups", cut, "--requests", "2", "-o", tmp_path / "two.npz")  # rows 0-1 are whole
+    assert res.exit_code == 0, res.output
+    res = invoke("trace", "info", cut, "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["engram"]["requests_without_output_ids"] == 1
+    assert "prompt ids but no output ids" in invoke("trace", "info", cut).output
 
 
 # ---- 5. serve-sim on a lengths-only trace ----

@@ -30,7 +30,7 @@ REQUEST_TRACE_HELP = ("Request trace (.parquet from `cachelab trace build`, with
 def _read(trace: str, max_requests: int | None, verb: str):
     """The request trace ``--trace`` names; any other kind is answered with what it is and how to get one."""
     from cachelab.trace.kinds import CORPORA, REQUESTS, detect, wrong_kind
-    from cachelab.trace.schema import has_requests, read_trace
+    from cachelab.trace.schema import has_requests, read_trace, require_outputs
 
     found = detect(trace)
     if found.kind != REQUESTS:
@@ -40,7 +40,7 @@ def _read(trace: str, max_requests: int | None, verb: str):
                          f"num_requests=200 --corpus {corpus} -o t.parquet`, or import real arrivals "
                          "(--arrivals mooncake, azure, burstgpt, servegen) with --corpus.")
     df = has_requests(read_trace(found.path), f"--trace {found.path}")
-    return df.head(max_requests) if max_requests else df
+    return require_outputs(df.head(max_requests) if max_requests else df, f"--trace {found.path}")
 
 
 def _fmt(v) -> str:

@@ -191,6 +191,9 @@ def info(
             table.add_row(str(s["layer"]), str(s["order"] or "all"), f"{s['lookups']:,}",
                           f"{s['unique_rows']:,}", f"{s['top1pct_share']:.1%}")
         console.print(table)
+        if e["requests_without_output_ids"]:
+            console.print(f"[yellow]{e['requests_without_output_ids']:,} of the addressed requests have prompt ids but "
+                          "no output ids (output_len > 0): addressed as their prompts alone[/]")
 
 
 @app.command()

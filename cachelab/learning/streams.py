@@ -121,10 +121,10 @@ def load_trace(trace, per_source: int, seed: int, preset: str, steps: str = "pro
 def _trace_stream(found, max_requests: int, preset: str, steps: str, verb: str) -> LookupStream:
     """A request trace's first ``max_requests`` requests (all if 0) in arrival order, those with token ids."""
     from cachelab.trace.kinds import REQUESTS, Found, wrong_kind
-    from cachelab.trace.schema import has_requests, read_trace
+    from cachelab.trace.schema import has_requests, read_trace, require_outputs
 
     table = has_requests(read_trace(found.path), found.value).sort("arrival_s", maintain_order=True)
-    table = table.head(max_requests) if max_requests else table
+    table = require_outputs(table.head(max_requests) if max_requests else table, found.value)
     table = table.filter(table["prompt_ids"].list.len() > 0)
     if table.height == 0:
         raise wrong_kind(Found(REQUESTS, ".parquet, lengths only: no token ids", found.value), verb,

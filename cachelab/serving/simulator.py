@@ -45,7 +45,7 @@ from cachelab.serving.metrics import RequestTimes, summarize
 from cachelab.serving.model_spec import ModelSpec, load_model
 from cachelab.store.format import TableLayout
 from cachelab.workload.prefix_cache import block_hashes
-from cachelab.trace.schema import has_requests
+from cachelab.trace.schema import has_requests, require_outputs
 from cachelab.workload.scheduler import (MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, PREFIX_CACHES, Request, Scheduler,
                                          StepRecord, kv_pool)
 from cachelab.engine.stepper import KeySet, RowSpace, StepReplay, sampled_keys, sampled_keys_at, table_row_space
@@ -172,6 +172,8 @@ def _sequences(trace: pl.DataFrame) -> tuple[list[np.ndarray], np.ndarray, np.nd
     if missing:
         raise CachelabError(f"trace lacks column(s) {missing}; a request trace has {sorted(need)} (cachelab.trace.schema)")
     trace = has_requests(trace).sort("arrival_s", maintain_order=True)
+    if "output_len" in trace.columns:
+        require_outputs(trace, "trace (rows by arrival)")
     plen = trace["prompt_ids"].list.len().to_numpy().astype(np.int64)
     olen = trace["output_ids"].list.len().fill_null(0).to_numpy().astype(np.int64)
     empty = np.flatnonzero(plen == 0)

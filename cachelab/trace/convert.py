@@ -24,7 +24,7 @@ from cachelab.errors import CachelabError
 from cachelab.trace.keytrace import read_oracle_records
 from cachelab.workload.lookups import LookupStream
 from cachelab.workload.prefix_cache.hashing import chained_block_hashes
-from cachelab.trace.schema import iter_batches, list_series, scan_trace, validate
+from cachelab.trace.schema import iter_batches, list_series, require_outputs, scan_trace, validate
 
 KEY_KINDS = ("rows", "blocks")
 BATCH_ROWS = 256
@@ -32,7 +32,7 @@ _MASK63 = np.int64(0x7FFF_FFFF_FFFF_FFFF)
 
 
 def _batches(path: str | os.PathLike, max_requests: int | None):
-    """Validated record batches of the trace, up to ``max_requests`` rows."""
+    """Validated record batches of the trace, up to ``max_requests`` rows, each with its first row."""
     scan_trace(path)
     seen = 0
     for batch in iter_batches(path, BATCH_ROWS):
@@ -41,8 +41,8 @@ def _batches(path: str | os.PathLike, max_requests: int | None):
         if max_requests is not None:
             batch = batch.slice(0, max_requests - seen)
         validate(pl.from_arrow(batch), str(path), first_row=seen)
+        yield batch, seen
         seen += batch.num_rows
-        yield batch
 
 
 def trace_keys(path: str | os.PathLike, kind: str = "rows", *, block_size: int | None = None,
@@ -52,13 +52,14 @@ def trace_keys(path: str | os.PathLike, kind: str = "rows", *, block_size: int |
         raise CachelabError(f"key kind {kind!r}: choose one of {list(KEY_KINDS)}")
     addresser = Addresser(get_preset(preset)) if kind == "rows" else None
     parts = []
-    for batch in _batches(path, max_requests):
+    for batch, first_row in _batches(path, max_requests):
         frame = pl.from_arrow(batch)
         has_content = bool(((frame["prompt_ids"].list.len() == frame["prompt_len"]) | (frame["prompt_len"] == 0)).all())
         if kind == "rows":
             if not has_content:
                 raise CachelabError(f"{path}: row keys need token content; this trace has lengths only "
                                     "(synthesize it with a corpus first, or convert --keys blocks)")
+            require_outputs(frame, str(path), first_row=first_row)
             sequences = [np.concatenate([p, o]) for p, o in zip(frame["prompt_ids"].to_numpy(),
                                                                   frame["output_ids"].to_numpy())]
             parts.append(LookupStream.from_sequences(addresser, sequences, tokens_per_step=None).keys)

@@ -155,6 +155,26 @@ def has_requests(df: pl.DataFrame, where: str | None = None) -> pl.DataFrame:
     return df
 
 
+def outputs_unknown(df: pl.DataFrame) -> pl.Series:
+    """Per row: prompt token ids given but no output ids though ``output_len`` > 0. Such a
+    row is valid to hold (each id list is checked on its own), but its decode tokens are
+    unknown, so addressing it as prompt then output would silently drop its output lookups."""
+    return (df["prompt_ids"].list.len() > 0) & (df["output_ids"].list.len() == 0) & (df["output_len"] > 0)
+
+
+def require_outputs(df: pl.DataFrame, where: str, *, first_row: int = 0) -> pl.DataFrame:
+    """``df``, refused naming ``where``, the row and the field where ``outputs_unknown``."""
+    unknown = outputs_unknown(df)
+    if unknown.any():
+        row = int(unknown.arg_true()[0])
+        raise CachelabError(
+            f"{where}: row {first_row + row}, field 'output_ids' = []: empty while output_len = "
+            f"{df['output_len'][row]} and prompt_ids are given ({int(unknown.sum()):,} of {df.height:,} rows): the output's "
+            "tokens are unknown, so its Engram lookups cannot be addressed; give every such request its output "
+            "ids, or set its output_len to 0 to replay the prompt alone")
+    return df
+
+
 def scan_trace(path: str | os.PathLike) -> pl.LazyFrame:
     """A lazy view; the version and column types are checked now, row values by ``read_trace``."""
     path = Path(path)

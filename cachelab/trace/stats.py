@@ -19,7 +19,7 @@ from cachelab.defaults import PRESET
 from cachelab.engram import Addresser, get_preset
 from cachelab.engram.stats import row_skew
 from cachelab.workload.prefix_cache.hashing import DistinctCounter, chained_block_hashes
-from cachelab.trace.schema import collect, iter_batches, scan_trace, validate
+from cachelab.trace.schema import collect, iter_batches, outputs_unknown, scan_trace, validate
 
 SMALL_BLOCK = 16
 BATCH_ROWS = 256
@@ -64,7 +64,7 @@ def summarize(path: str | os.PathLike, *, preset: str = PRESET, engram_tokens: i
     counters = {s: DistinctCounter() for s in sizes}
     hash_counter = DistinctCounter()
     addresser = Addresser(get_preset(preset)) if engram_tokens > 0 else None
-    engram_rows, addressed = [], 0
+    engram_rows, addressed, without_outputs = [], 0, 0
     content = hashes = True  # until a batch shows otherwise
     seen = 0
     for batch in iter_batches(path, BATCH_ROWS):
@@ -78,7 +78,8 @@ def summarize(path: str | os.PathLike, *, preset: str = PRESET, engram_tokens: i
             for s in sizes:
                 counters[s].add(chained_block_hashes(tokens, offsets, s)[0])
             if addresser is not None and addressed < engram_tokens:
-                rows, n = _address(addresser, batch, engram_tokens - addressed)
+                rows, n, requests = _address(addresser, batch, engram_tokens - addressed)
+                without_outputs += int(outputs_unknown(frame.head(requests)).sum())
                 engram_rows.append(rows)
                 addressed += n
         if hashes:
@@ -95,7 +96,7 @@ def summarize(path: str | os.PathLike, *, preset: str = PRESET, engram_tokens: i
     engram = None
     if engram_rows and content:
         rows = np.concatenate(engram_rows)
-        engram = {"preset": preset, "tokens": int(rows.shape[0]),
+        engram = {"preset": preset, "tokens": int(rows.shape[0]), "requests_without_output_ids": without_outputs,
                   "skew": [s.to_dict() for s in row_skew(rows, addresser.config)]}
     return {
         "path": str(path),
@@ -114,8 +115,9 @@ def summarize(path: str | os.PathLike, *, preset: str = PRESET, engram_tokens: i
     }
 
 
-def _address(addresser: Addresser, batch, budget: int) -> tuple[np.ndarray, int]:
-    """Rows of each request's prompt followed by its output, up to ``budget`` tokens."""
+def _address(addresser: Addresser, batch, budget: int) -> tuple[np.ndarray, int, int]:
+    """Rows of each request's prompt followed by its output, up to ``budget`` tokens; the tokens
+    and the requests addressed."""
     prompt, p_off = _flat(batch.column("prompt_ids"))
     output, o_off = _flat(batch.column("output_ids"))
     seqs, total = [], 0
@@ -128,4 +130,4 @@ def _address(addresser: Addresser, batch, budget: int) -> tuple[np.ndarray, int]
     lengths = np.asarray([s.size for s in seqs], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     tokens = np.concatenate(seqs) if seqs else np.empty(0, np.int64)
-    return addresser.rows(tokens, offsets), total
+    return addresser.rows(tokens, offsets), total, len(seqs)
