@@ -188,6 +188,23 @@ def test_trace_lookups_writes_the_stream_a_request_trace_holds(traces, tmp_path)
     assert LookupStream.load(tmp_path / "r.npz").num_lookups == out["lookups"] > 0
 
 
+def test_trace_lookups_of_a_key_trace_keeps_its_first_keys_and_refuses_what_does_not_apply(traces, tmp_path):
+    res = invoke("trace", "lookups", traces["npy"], "--requests", "7", "-o", tmp_path / "k.npz", "--json")
+    assert res.exit_code == 0, res.output
+    stream = LookupStream.load(tmp_path / "k.npz")  # --requests was ignored: all 20,000 keys
+    assert json.loads(res.stdout)["lookups"] == stream.num_steps == 7
+    assert np.array_equal(stream.keys, np.load(traces["npy"])[:7])
+    res = invoke("trace", "lookups", traces["npy"], "-o", tmp_path / "all.npz", "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["lookups"] == 20_000  # the default keeps every key
+    for kind, flags, named in (("npy", ["--steps", "serving"], "--steps does not apply"),
+                               ("txt", ["--seed", "3", "--preset", "engram-27b-demo"], "--seed, --preset do not"),
+                               ("requests", ["--seed", "3"], "--seed does not apply"),
+                               ("stream", ["--requests", "3"], "saved as it is")):
+        res = invoke("trace", "lookups", traces[kind], *flags, "-o", tmp_path / "x.npz")
+        assert res.exit_code == 2 and named in res.output and "Traceback" not in res.output, res.output
+        assert not (tmp_path / "x.npz").exists()
+
+
 def test_a_request_with_prompt_ids_but_no_output_ids_is_never_addressed_as_its_prompt_alone(traces, tmp_path):
     """output_len > 0 with empty output_ids: the lookups dropped its decode tokens silently."""
     table = read_trace(traces["requests"])
