@@ -15,8 +15,9 @@ from typer.testing import CliRunner
 from cachelab.trace.arrivals import arrival_frame
 from cachelab.cli import app
 from cachelab.engram import Addresser, encode
-from cachelab.trace.keytrace import ORACLE_DTYPE, read_oracle_general, write_oracle_general
-from cachelab.trace.schema import conform, write_trace
+from cachelab.trace.keytrace import ORACLE_DTYPE, oracle_times, read_oracle_general, write_oracle_general
+from cachelab.trace.kinds import detect
+from cachelab.trace.schema import conform, read_trace, write_trace
 from lcs_reference import lcs_miss_ratio
 
 runner = CliRunner()
@@ -92,6 +93,28 @@ def test_oracle_round_trip_keeps_ids_times_and_next_access(tmp_path):
     convert(tmp_path / "t.parquet", tmp_path / "back.bin", "--keys", "blocks")
     back = np.fromfile(tmp_path / "back.bin", dtype=ORACLE_DTYPE)
     assert np.array_equal(back["id"], rec["id"]) and np.array_equal(back["next"], rec["next"])
+
+
+def test_a_uint32_time_wrap_is_undone_and_a_step_back_is_named(tmp_path):
+    """libCacheSim stores the clock modulo 2^32 and reads it as a bare uint32: a wrap is time
+    going on (it was 'goes back in time', and sniffing refused a file not named oracleGeneral)."""
+    rec = np.zeros(4, dtype=ORACLE_DTYPE)
+    rec["time"] = [2**32 - 6, 2**32 - 1, 3, 10]
+    rec["id"], rec["size"], rec["next"] = [1, 2, 1, 2], 1, [3, 4, -1, -1]
+    src = tmp_path / "wrapped.bin"  # no 'oracleGeneral' in the name: found by its plausible records
+    rec.tofile(src)
+    assert detect(str(src)).key_format == "oracle"
+    assert convert(src, tmp_path / "t.parquet")["requests"] == 4
+    assert read_trace(tmp_path / "t.parquet")["arrival_s"].to_list() == [0, 5, 9, 16]
+    rec["time"] = [100, 90, 110, 120]
+    rec.tofile(src)
+    res = runner.invoke(app, ["trace", "convert", str(src), str(tmp_path / "u.parquet")])
+    assert res.exit_code == 2 and "record 1: time 90 goes back in time from 100" in res.output, res.output
+
+
+def test_the_time_of_the_writer_past_2_32_requests_reads_back_in_order():
+    wrapped = np.arange(2**32 - 2, 2**32 + 2, dtype=np.uint32)  # what write_oracle_general stores there
+    assert oracle_times(wrapped).tolist() == list(range(2**32 - 2, 2**32 + 2))
 
 
 @settings(max_examples=15, deadline=None)

@@ -7,7 +7,8 @@ layer-major global keys), for differential tests of the cache engine against lib
 import, else the chained hashes of the prompt at ``block_size``, masked to 63 bits), for
 prefix-cache studies in libCacheSim. An oracleGeneral file becomes a content-less trace
 with one request per record: ``block_hashes = [id]`` at block size 1, ``arrival_s`` from
-the record's time, so a round trip keeps every id.
+the record's time (its uint32 wraps undone, ``keytrace.oracle_times``), so a round trip keeps
+every id.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from cachelab.trace.arrivals import arrival_frame
 from cachelab.defaults import PRESET
 from cachelab.engram import Addresser, get_preset
 from cachelab.errors import CachelabError
-from cachelab.trace.keytrace import read_oracle_records
+from cachelab.trace.keytrace import oracle_times, read_oracle_records
 from cachelab.workload.lookups import LookupStream
 from cachelab.workload.prefix_cache.hashing import chained_block_hashes
 from cachelab.trace.schema import iter_batches, list_series, require_outputs, scan_trace, validate
@@ -92,10 +93,12 @@ def oracle_to_trace(path: str | os.PathLike) -> pl.DataFrame:
     if ids.max() > np.iinfo(np.int64).max:
         bad = int(np.flatnonzero(ids > np.iinfo(np.int64).max)[0])
         raise CachelabError(f"{path}, record {bad}: id {int(ids[bad])} does not fit in int64")
-    time = records["time"].astype(np.float64)
+    time = oracle_times(records["time"])
     if np.any(np.diff(time) < 0):
         bad = int(np.flatnonzero(np.diff(time) < 0)[0]) + 1
-        raise CachelabError(f"{path}, record {bad}: time {int(time[bad])} goes back in time")
+        raise CachelabError(f"{path}, record {bad}: time {int(records['time'][bad])} goes back in time from "
+                            f"{int(records['time'][bad - 1])} (by less than 2^31, so not a uint32 wrap)")
+    time = time.astype(np.float64)
     n = ids.size
     hashes = list_series("block_hashes", np.arange(n + 1, dtype=np.int32), ids.astype(np.int64))
     return arrival_frame(time - time[0], np.ones(n, np.int64), np.zeros(n, np.int64), domain="oraclegeneral",

@@ -18,7 +18,8 @@ CachelabErrors naming the file and the record or line.
 
 Public: ``sniff_format(path) -> "npy" | "txt" | "oracle"`` (raises CachelabError when the
 content is none of them), ``read_keys(path, fmt=None) -> int64 keys`` (never empty, never
-negative), ``read_oracle_records`` / ``read_oracle_general`` / ``write_oracle_general``.
+negative), ``read_oracle_records`` / ``read_oracle_general`` / ``write_oracle_general``,
+``oracle_times`` (the time column with its uint32 wraps undone).
 """
 
 from __future__ import annotations
@@ -68,15 +69,27 @@ def _utf16_order(head: bytes) -> str | None:
     return None
 
 
+def oracle_times(time: np.ndarray) -> np.ndarray:
+    """An oracleGeneral ``time`` column as int64 with its uint32 wraps undone.
+
+    libCacheSim reads the field as a bare ``uint32`` and its writers store the clock modulo
+    2^32 (as ``write_oracle_general`` stores request indices past 2^32), so a step back by more
+    than 2^31 is a wrap and counts as 2^32 forward; a smaller step back is out of order.
+    """
+    t = time.astype(np.int64)
+    wraps = np.concatenate([[0], np.cumsum(np.diff(t) < -(2**31))])
+    return t + (wraps << 32)
+
+
 def _plausible_oracle(head: bytes, size: int) -> bool:
-    """Whole 24-byte records whose times never decrease and whose next accesses lie after them,
-    inside the file."""
+    """Whole 24-byte records whose times never decrease (``oracle_times``) and whose next
+    accesses lie after them, inside the file."""
     if size % ORACLE_DTYPE.itemsize or len(head) < ORACLE_DTYPE.itemsize:
         return False
     rec = np.frombuffer(head[:len(head) - len(head) % ORACLE_DTYPE.itemsize], dtype=ORACLE_DTYPE)
     index = np.arange(1, rec.size + 1)
     nxt, records = rec["next"], size // ORACLE_DTYPE.itemsize
-    return bool((np.diff(rec["time"].astype(np.int64)) >= 0).all()
+    return bool((np.diff(oracle_times(rec["time"])) >= 0).all()
                 and ((nxt == -1) | (nxt == np.iinfo(np.int64).max) | ((nxt >= index) & (nxt <= records))).all())
 
 
@@ -212,7 +225,8 @@ def read_oracle_general(path: str | Path) -> np.ndarray:
 def write_oracle_general(path: str | Path, keys) -> Path:
     """Write ``keys`` as oracleGeneral with unit sizes (capacities then count objects).
 
-    ``time`` is the request index, ``next`` the 1-based index of the key's next request
+    ``time`` is the request index (modulo 2^32, the field's width; ``oracle_times`` undoes the
+    wraps), ``next`` the 1-based index of the key's next request
     (-1 if none), as libCacheSim's trace converter writes it, so Belady can read the future.
     """
     keys = np.asarray(keys, dtype=np.int64)
