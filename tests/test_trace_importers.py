@@ -96,6 +96,19 @@ def test_burstgpt_reads_back_every_row(tmp_path, rows):
         assert gpt4.arrivals().height == sum(r[1] == "GPT-4" for r in rows)
 
 
+
+def test_burstgpt_models_take_one_bare_name_and_refuse_one_no_row_has(tmp_path):
+    """--arrival-option models=GPT-4 arrives as text: it was taken for a column name (a plug-in
+    failure), and a misspelt model in a list silently gave a smaller trace."""
+    path = tmp_path / "BurstGPT.csv"
+    path.write_text(burstgpt_text([(0.0, "ChatGPT", 5, 1, "API log"), (1.0, "GPT-4", 6, 2, "API log")]))
+    assert BurstGPTTrace(str(path), models="GPT-4").arrivals()["prompt_len"].to_list() == [6]
+    with pytest.raises(CachelabError, match=r"BurstGPT.csv: field 'Model': no row has 'GPT4'; the file's models are "
+                                            r"\['ChatGPT', 'GPT-4'\]"):
+        BurstGPTTrace(str(path), models=["ChatGPT", "GPT4"]).arrivals()
+    with pytest.raises(CachelabError, match="models = 3: expected a list of model names"):
+        BurstGPTTrace(str(path), models=3).arrivals()
+
 GOOD = {
     "mooncake": ("c_trace.jsonl", MooncakeTrace, mooncake_text(
         [{"timestamp": i * 10, "input_length": 600, "output_length": 5, "hash_ids": [0, i + 1]} for i in range(4)])),
