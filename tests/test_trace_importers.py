@@ -11,16 +11,19 @@ import gzip
 import json
 import lzma
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from typer.testing import CliRunner
 
 from cachelab.cli import app
 from cachelab.errors import CachelabError
+from cachelab.trace.ingest import Ingest
 from cachelab.trace.schema import validate
 from traces.azure import AzureTrace
 from traces.burstgpt import BurstGPTTrace
-from traces.mooncake import MooncakeTrace
+from traces.mooncake import MooncakeTrace, infer_sessions
+from traces.mooncake import _read_all as read_all
 
 runner = CliRunner()
 counts = st.integers(0, 100_000)
@@ -186,6 +189,89 @@ def test_sessions_are_inferred_from_contained_prompts(tmp_path):
     plain = MooncakeTrace(str(path), infer_sessions=False).arrivals()
     assert plain["session_id"].to_list() == [0, 1, 2, 3, 4]
 
+
+
+def sessions_one_request_at_a_time(arrival, input_length, offsets, flat, block_size):
+    """The prefix rule of traces/mooncake.py as a plain loop over requests in arrival order: the
+    reference the vectorised ``infer_sessions`` must equal."""
+    n = arrival.size
+    session, turn = np.arange(n), np.zeros(n, dtype=np.int64)
+    ends = {}  # id of the last full block of a request -> that request
+    for i in np.argsort(arrival, kind="stable").tolist():
+        ids = flat[offsets[i]:offsets[i + 1]].tolist()
+        for j in range(len(ids) - 1, 1, -1):  # a proper prefix of at least two blocks
+            parent = ends.get(ids[j - 1])
+            if parent is not None:
+                session[i], turn[i] = session[parent], turn[parent] + 1
+                break
+        full = len(ids) if input_length[i] % block_size == 0 else len(ids) - 1
+        if full > 0:
+            ends[ids[full - 1]] = i
+    return session, turn
+
+
+@st.composite
+def conversations(draw):
+    """Requests that often continue an earlier one's prompt (a shared first block, turns, forks,
+    equal arrival times, partial and full last blocks, block sizes 1 to 4)."""
+    block = draw(st.integers(1, 4))
+    prompts, rows, fresh = [], [], 1
+    for _ in range(draw(st.integers(1, 30))):
+        base = draw(st.sampled_from(prompts)) if prompts and draw(st.booleans()) else [0]
+        keep = draw(st.integers(1, len(base)))
+        new = draw(st.integers(0 if keep > 1 else 1, 4))
+        ids = base[:keep] + list(range(fresh, fresh + new))
+        fresh += new
+        tokens = (len(ids) - 1) * block + draw(st.integers(1, block))
+        prompts.append(ids)
+        rows.append({"timestamp": draw(st.integers(0, 20)), "input_length": tokens, "output_length": 1,
+                     "hash_ids": ids})
+    return block, rows
+
+
+@SETTINGS
+@given(case=conversations())
+def test_vectorised_sessions_equal_the_loop_over_requests(case):
+    block, rows = case
+    arrival = np.array([r["timestamp"] for r in rows], dtype=np.float64)
+    n_in = np.array([r["input_length"] for r in rows])
+    offsets = np.concatenate([[0], np.cumsum([len(r["hash_ids"]) for r in rows])]).astype(np.int32)
+    flat = np.array([h for r in rows for h in r["hash_ids"]], dtype=np.int64)
+    got = infer_sessions(arrival, n_in, offsets, flat, block)
+    want = sessions_one_request_at_a_time(arrival, n_in, offsets, flat, block)
+    assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+
+
+def test_real_mooncake_takes_the_arrow_reader_and_reads_as_line_by_line(data_dir, tmp_path):
+    """Arrow's reader reads the published files whole (not a silent fall back to the line
+    reader); the same rows with CRLF line ends, which it leaves to the line reader, give the
+    same table, and its sessions are the loop's."""
+    source = data_dir / "traces/mooncake_fast25/conversation_trace.jsonl"
+    rows = read_all(source, 512)
+    assert rows is not None and rows[0].size == 12_031
+    crlf = tmp_path / "crlf" / source.name
+    crlf.parent.mkdir()
+    crlf.write_bytes(source.read_bytes().replace(b"\n", b"\r\n"))
+    assert read_all(crlf, 512) is None
+    whole, lines = MooncakeTrace(str(source)).arrivals(), MooncakeTrace(str(crlf)).arrivals()
+    assert whole.equals(lines)
+    session, turn = sessions_one_request_at_a_time(rows[0] / 1000, rows[1], rows[3], rows[4], 512)
+    by_id = whole.sort("request_id")
+    assert by_id["session_id"].to_list() == session.tolist() and by_id["turn"].to_list() == turn.tolist()
+    assert whole["session_id"].n_unique() == 8_056 and whole["turn"].max() == 42
+
+
+@SETTINGS
+@given(rows=st.lists(mooncake_rows(), min_size=1, max_size=20), spaced=st.booleans())
+def test_arrow_reader_and_line_reader_give_the_same_rows(tmp_path, rows, spaced):
+    path = tmp_path / "x_trace.jsonl"
+    text = mooncake_text(rows)
+    path.write_text(text if spaced else text.replace(", ", ",").replace(": ", ":"))
+    whole = read_all(path, 512)
+    assert whole is not None
+    by_line = MooncakeTrace(str(path))._read_lines(Ingest(path))
+    for a, b in zip(whole, by_line):
+        assert a.tolist() == b.tolist()
 
 @SETTINGS
 @given(data=st.binary(max_size=400), fmt=st.sampled_from(sorted(GOOD)), skip=st.booleans())

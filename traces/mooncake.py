@@ -12,6 +12,10 @@ and that shares more than the first block with it (the first block of the conver
 trace is one system prompt that all 12,031 requests share): the later prompt contains the
 earlier one, as a conversation's next turn does. ``turn`` counts the steps from the
 session's first request.
+
+A file that is plainly one valid record per line (every published one) is read whole by
+Arrow's JSON reader; any other is read line by line, so the first bad line is named (or,
+with ``skip_bad``, skipped) exactly as before. Sessions are inferred with array operations.
 """
 
 from __future__ import annotations
@@ -20,14 +24,18 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
+import pyarrow.json as pa_json
 
 from cachelab.trace.arrivals import arrival_frame
 from cachelab.errors import CachelabError
-from cachelab.trace.ingest import MAX_COUNT, MAX_SECONDS, Ingest
+from cachelab.trace.ingest import DECOMPRESS_ERRORS, MAX_COUNT, MAX_SECONDS, Ingest, open_binary
 from cachelab.trace.schema import list_series
 
 BLOCK_SIZE = 512
 FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+ARROW_SCHEMA = pa.schema([("timestamp", pa.float64()), ("input_length", pa.int64()), ("output_length", pa.int64()),
+                          ("hash_ids", pa.list_(pa.int64()))])
 
 
 def _count(value) -> bool:
@@ -83,6 +91,20 @@ class MooncakeTrace:
 
     def arrivals(self) -> pl.DataFrame:
         ingest = Ingest(self.path, self.skip_bad)
+        rows = _read_all(self.path, self.block_size) or self._read_lines(ingest)
+        self.skipped, self.first_skipped, self.skipped_lines = ingest.skipped, ingest.first_skipped, ingest.skipped_lines
+        ts, n_in, n_out, offsets, flat = rows
+        if ts.size == 0:
+            raise CachelabError(f"{self.path}: no usable requests ({ingest.skipped} bad lines skipped)")
+        hashes = list_series("block_hashes", offsets, flat)
+        arrival = ts / 1000.0
+        session, turn = infer_sessions(arrival, n_in, offsets, flat, self.block_size) if self.infer_sessions \
+            else (None, None)
+        return arrival_frame(arrival, n_in, n_out, domain=self.domain, source=self.name, block_hashes=hashes,
+                             block_size=self.block_size, session_id=session, turn=turn)
+
+    def _read_lines(self, ingest: Ingest) -> tuple:
+        """The rows line by line, each bad line named (or skipped) as ``Ingest`` says."""
         ts, n_in, n_out, counts, flat = [], [], [], [], []
         for line_no, record in ingest.json_lines():
             parsed = _parse(record, self.block_size)
@@ -94,34 +116,95 @@ class MooncakeTrace:
             n_out.append(parsed[2])
             counts.append(len(parsed[3]))
             flat.extend(parsed[3])
-        self.skipped, self.first_skipped, self.skipped_lines = ingest.skipped, ingest.first_skipped, ingest.skipped_lines
-        if not ts:
-            raise CachelabError(f"{self.path}: no usable requests ({ingest.skipped} bad lines skipped)")
         offsets = np.zeros(len(counts) + 1, dtype=np.int32)
         np.cumsum(counts, out=offsets[1:])
-        hashes = list_series("block_hashes", offsets, np.asarray(flat, dtype=np.int64))
-        arrival = np.asarray(ts, dtype=np.float64) / 1000.0
-        session, turn = infer_sessions(arrival, n_in, offsets, flat, self.block_size) if self.infer_sessions \
-            else (None, None)
-        return arrival_frame(arrival, n_in, n_out, domain=self.domain, source=self.name, block_hashes=hashes,
-                             block_size=self.block_size, session_id=session, turn=turn)
+        return (np.asarray(ts, dtype=np.float64), np.asarray(n_in, dtype=np.int64), np.asarray(n_out, dtype=np.int64),
+                offsets, np.asarray(flat, dtype=np.int64))
 
 
-def infer_sessions(arrival: np.ndarray, input_length: list[int], offsets: np.ndarray, flat: list[int],
+def _read_all(path: Path, block_size: int) -> tuple | None:
+    """Every row at once with Arrow's JSON reader, when the file is plainly one valid record per
+    line (ASCII, each line one ``{...}`` object, every field present, typed and in range, as
+    ``_parse`` checks); else None, and the line reader reads it, naming the first bad line
+    exactly as before. So both give the same rows, and an error still names file and line."""
+    try:
+        with open_binary(path) as fh:
+            data = fh.read()
+    except DECOMPRESS_ERRORS:
+        return None
+    lines = _object_lines(data)
+    if lines == 0:
+        return None
+    try:
+        table = pa_json.read_json(pa.BufferReader(data), parse_options=pa_json.ParseOptions(
+            explicit_schema=ARROW_SCHEMA, unexpected_field_behavior="ignore"))
+    except pa.ArrowException:  # a wrong type, a duplicate field, malformed JSON: the line reader names it
+        return None
+    ids = table["hash_ids"].combine_chunks()
+    if table.num_rows != lines or any(c.null_count for c in table.columns) or ids.values.null_count:
+        return None  # a line of two objects, a missing or null field
+    ts, n_in, n_out = (table[f].to_numpy() for f in FIELDS[:3])
+    offsets = ids.offsets.to_numpy() - ids.offsets[0].as_py()
+    flat = ids.values.to_numpy()[ids.offsets[0].as_py():][:offsets[-1]]
+    ok = (np.isfinite(ts) & (ts >= 0) & (ts <= MAX_SECONDS * 1000)).all()
+    ok &= ((n_in >= 0) & (n_in <= MAX_COUNT) & (n_out >= 0) & (n_out <= MAX_COUNT)).all()
+    ok &= (flat >= 0).all() and (np.diff(offsets) == -(-n_in // block_size)).all()
+    return (ts, n_in, n_out, offsets.astype(np.int32), flat) if ok else None
+
+
+def _object_lines(data: bytes) -> int:
+    """The number of lines if every line of ``data`` is ASCII from ``{`` to ``}`` (no blank line,
+    no CR), else 0."""
+    if not data or not data.isascii():
+        return 0
+    buf = np.frombuffer(data, dtype=np.uint8)
+    ends = np.flatnonzero(buf == 10)
+    if data[-1:] != b"\n":
+        ends = np.append(ends, buf.size)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    if (ends <= starts).any() or (buf[starts] != ord("{")).any() or (buf[ends - 1] != ord("}")).any():
+        return 0
+    return int(ends.size)
+
+
+def infer_sessions(arrival: np.ndarray, input_length: np.ndarray, offsets: np.ndarray, flat: np.ndarray,
                    block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(session id, turn) per request by the prefix rule of the module docstring."""
-    n = arrival.size
-    session, turn = np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
-    ends: dict[int, int] = {}  # id of the last full block of a request -> that request
-    for i in np.argsort(arrival, kind="stable").tolist():
-        ids = flat[offsets[i]:offsets[i + 1]]
-        for j in range(len(ids) - 1, 1, -1):  # a proper prefix of at least two blocks
-            parent = ends.get(ids[j - 1])
-            if parent is not None:
-                session[i], turn[i] = session[parent], turn[parent] + 1
-                break
-        full = len(ids) if input_length[i] % block_size == 0 else len(ids) - 1
-        if full > 0:
-            ends[ids[full - 1]] = i
-    return session, turn
+    """(session id, turn) per request by the prefix rule of the module docstring, vectorised.
 
+    In arrival order, request r *registers* the id of its last full block; request i's parent
+    is the latest earlier registrant of the longest of its prefix ids ``ids[1:-1]`` (a proper
+    prefix of at least two blocks) that has one. Events sorted by (id, arrival rank, query
+    before registration) put, before each query, the latest registration of its id; the
+    session is the root of the parent chain and the turn its length.
+    """
+    n = arrival.size
+    rank = np.empty(n, dtype=np.int64)
+    rank[np.argsort(arrival, kind="stable")] = np.arange(n)
+    counts = np.diff(offsets).astype(np.int64)
+    full = np.where(input_length % block_size == 0, counts, counts - 1)
+    registrant = np.flatnonzero(full > 0)
+    registered = flat[offsets[registrant] + full[registrant] - 1]
+    owner = np.repeat(np.arange(n), counts)
+    position = np.arange(flat.size) - np.repeat(offsets[:-1].astype(np.int64), counts)
+    query = np.flatnonzero((position >= 1) & (position <= counts[owner] - 2))
+    query = query[np.isin(flat[query], registered)]  # an id no request ends at is no parent's
+    ids = np.unique(registered)
+    key = np.searchsorted(ids, np.concatenate([flat[query], registered]))  # one sort key: (id, rank, kind)
+    who = np.concatenate([owner[query], registrant])
+    is_reg = np.concatenate([np.zeros(query.size, dtype=np.int64), np.ones(registrant.size, dtype=np.int64)])
+    order = np.argsort((key * n + rank[who]) * 2 + is_reg)
+    key, who, is_reg = key[order], who[order], is_reg[order]
+    latest = np.maximum.accumulate(np.where(is_reg == 1, np.arange(order.size), -1))
+    found = (is_reg == 0) & (latest >= 0)
+    found[found] = key[latest[found]] == key[found]
+    parent_of = np.full(query.size, -1, dtype=np.int64)  # events below query.size are the queries
+    parent_of[order[found]] = who[latest[found]]
+    hit = parent_of >= 0
+    asking, parents = owner[query[hit]], parent_of[hit]  # in (request, position) order
+    longest = np.ones(asking.size, dtype=bool)  # the last hit of each request: its longest prefix
+    longest[:-1] = asking[1:] != asking[:-1]
+    parent, turn = np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    parent[asking[longest]], turn[asking[longest]] = parents[longest], 1
+    while (parent[parent] != parent).any():  # pointer jumping: log2(turns) rounds
+        turn, parent = turn + turn[parent], parent[parent]
+    return parent, turn

@@ -1,0 +1,98 @@
+"""Mooncake import through the CLI: Arrow's JSON reader against the line-by-line reader.
+
+Writes the Mooncake conversation trace ``--copies`` times over into one JSONL file (each copy
+later in time and with its own hash ids, so its sessions stay its own), then times
+``cachelab trace build --arrivals mooncake`` on it, each run a fresh process. The reference,
+measured in the same run, is the same command on the same rows with CRLF line ends, which
+the importer reads line by line (``json.loads`` and a check per line: the reader of every
+file before Arrow's; it remains the reader of any file that is not plainly one record per
+line, so every error still names its line). Both must write the same trace. Also printed:
+``json.loads`` of every line alone, in this process, the floor of any per-line reader. The
+ratio is of CPU time, the wall time beside it.
+
+Run: .venv/bin/python benchmarks/bench_mooncake_import.py [--copies N] [--repeat R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import polars as pl
+
+from cachelab.paths import data_root
+
+MOONCAKE = "traces/mooncake_fast25/conversation_trace.jsonl"
+
+
+def write_copies(source: Path, copies: int, out: Path) -> int:
+    """``copies`` of the trace one after another; returns the rows written."""
+    base = pl.read_ndjson(source)
+    span = int(base["timestamp"].max()) + 1
+    ids = int(base["hash_ids"].explode().max()) + 1
+    frames = [base.with_columns(pl.col("timestamp") + k * span, pl.col("hash_ids").list.eval(pl.element() + k * ids))
+              for k in range(copies)]
+    pl.concat(frames).write_ndjson(out)
+    return base.height * copies
+
+
+def cli_build(path: Path, out: Path) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of ``cachelab trace build`` on ``path`` in a fresh process.
+    CPU time (user + system of the child) is what the ratio uses: on a shared machine the
+    wall time of one command varied 4.1-7.5 s from run to run."""
+    command = [sys.executable, "-m", "cachelab.cli", "trace", "build", "--arrivals", "mooncake",
+               "--arrivals-path", str(path), "-o", str(out), "--json"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=os.environ)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode:
+        sys.exit(done.stderr)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def best(runs: list[tuple[float, float]]) -> tuple[float, float]:
+    return min(w for w, _ in runs), min(c for _, c in runs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--copies", type=int, default=40, help="copies of the 12,031-request trace")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each; the best is kept")
+    args = parser.parse_args()
+    source = data_root() / MOONCAKE
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        (tmp / "lf").mkdir(), (tmp / "crlf").mkdir()  # one file name: the domain comes from it
+        lf, crlf = tmp / "lf" / "conversation_trace.jsonl", tmp / "crlf" / "conversation_trace.jsonl"
+        rows = write_copies(source, args.copies, lf)
+        crlf.write_bytes(lf.read_bytes().replace(b"\n", b"\r\n"))
+        arrow = best([cli_build(lf, tmp / "a.parquet") for _ in range(args.repeat)])
+        lines = best([cli_build(crlf, tmp / "b.parquet") for _ in range(args.repeat)])
+        if not pl.read_parquet(tmp / "a.parquet").equals(pl.read_parquet(tmp / "b.parquet")):
+            sys.exit("the two readers wrote different traces")
+        start = time.process_time()
+        with open(lf, "rb") as fh:
+            for line in fh:
+                json.loads(line)
+        floor = time.process_time() - start
+        size = lf.stat().st_size / 2**20
+    print(f"{rows:,} requests, {size:,.0f} MiB of JSONL ({args.copies} x {MOONCAKE}); best of {args.repeat}, "
+          "each a fresh `cachelab trace build` process; CPU s (user + system), wall s beside")
+    print(f"reference: line by line (CRLF copy)  CPU {lines[1]:6.2f} s  {rows / lines[1] / 1e3:5.0f} k requests/s"
+          f"  (wall {lines[0]:.2f} s)")
+    print(f"Arrow JSON reader                    CPU {arrow[1]:6.2f} s  {rows / arrow[1] / 1e3:5.0f} k requests/s"
+          f"  (wall {arrow[0]:.2f} s)  {lines[1] / arrow[1]:.2f}x the reference")
+    print(f"json.loads per line alone (floor)    CPU {floor:6.2f} s  {rows / floor / 1e3:5.0f} k requests/s")
+
+
+if __name__ == "__main__":
+    main()
