@@ -74,6 +74,31 @@ def test_bad_specs_are_clear_errors(tmp_path, spec, message):
     assert not (tmp_path / "o.parquet").exists()
 
 
+MOONCAKE = ["--arrivals", "mooncake", "--arrivals-path", "traces/mooncake_fast25/conversation_trace.jsonl",
+            "--max-requests", "5"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prefixes", "3"], "synthesis.prefixes (--prefixes): apply to synthesis, and this build imports 'mooncake'"),
+    (["--output-tokens", "9", "--no-lengths"], "synthesis.output_tokens (--output-tokens), arrivals.use_lengths = "
+                                                "false (--no-lengths): apply to synthesis"),
+    (["--seed", "4"], "seed (--seed): apply to synthesis"),
+    (["--corpus", "gsm8k", "--prompt-tokens", "64"], "synthesis.prompt_tokens (--prompt-tokens): apply to a "
+                                                     "shared-prefix workload only"),
+])
+def test_build_settings_it_would_not_read_are_refused(tmp_path, data_dir, flags, message):
+    """Each was ignored: the import wrote the very trace it writes without them, exit 0."""
+    res = run("build", *MOONCAKE, *flags, "-o", tmp_path / "o.parquet")
+    assert res.exit_code == 2 and message in res.output, res.output
+    assert not (tmp_path / "o.parquet").exists()
+    spec = tmp_path / "s.toml"  # a spec is held to it too
+    spec.write_text('seed = 1\n[arrivals]\nsource = "azure"\npath = "traces/azure_llm_2023/AzureLLMInferenceTrace_code.csv"'
+                    '\n[synthesis]\nturn_gap_s = 2.0\n')
+    res = run("build", spec, "-o", tmp_path / "o.parquet")
+    assert res.exit_code == 2 and "synthesis.turn_gap_s, seed (--seed): apply to synthesis" in res.output, res.output
+    res = run("build", *MOONCAKE, "-o", tmp_path / "o.parquet", "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["requests"] == 5
+
 def test_info_on_a_non_trace_is_a_clear_error(tmp_path):
     (tmp_path / "x.parquet").write_bytes(b"PAR1 nonsense")
     res = run("info", tmp_path / "x.parquet")

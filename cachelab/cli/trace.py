@@ -89,7 +89,7 @@ def build(
     if from_capture is not None:
         _build_from_capture(from_capture, out, as_json, given=spec is not None or arrivals is not None or corpus is not None)
         return
-    data = load_spec(spec).model_dump() if spec is not None else {}
+    data = load_spec(spec).model_dump(exclude_unset=True) if spec is not None else {}  # what it sets, no more
     if arrivals is not None:
         data["arrivals"] = {"source": arrivals}
     a = data.setdefault("arrivals", {})

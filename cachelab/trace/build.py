@@ -137,6 +137,7 @@ def build(spec: TraceSpec, out: str | os.PathLike, progress=None) -> BuildReport
     """
     started = time.perf_counter()
     source = make_arrivals(spec)
+    _refuse_unused(spec, source)
     if progress:
         progress.stage(f"read {spec.arrivals.source}", None)
     arrivals = source.arrivals()
@@ -171,6 +172,33 @@ def build(spec: TraceSpec, out: str | os.PathLike, progress=None) -> BuildReport
         setattr(report, key, value)
     report.seconds = round(time.perf_counter() - started, 3)
     return report
+
+
+FLAGS = {"synthesis.prefix_overlap": "--prefix-overlap", "synthesis.prefixes": "--prefixes",
+         "synthesis.prompt_tokens": "--prompt-tokens", "synthesis.output_tokens": "--output-tokens",
+         "arrivals.use_lengths = false": "--no-lengths", "seed": "--seed"}
+
+
+def _refuse_unused(spec: TraceSpec, source) -> None:
+    """A setting this build would not read is an error naming it (and its flag), not silently
+    ignored (an import given --prefixes 3 or --seed 4 wrote the very same trace)."""
+    syn = spec.synthesis
+    if spec.corpus is None:
+        unused = [f"synthesis.{k}" for k in sorted(syn.model_fields_set)]
+        unused += ["arrivals.use_lengths = false"] if not spec.arrivals.use_lengths else []
+        takes_seed = "seed" in inspect.signature(type(source)).parameters
+        unused += ["seed"] if "seed" in spec.model_fields_set and not takes_seed else []
+        why = (f"apply to synthesis, and this build imports {spec.arrivals.source!r} as it is (no corpus); give "
+               "a corpus (--corpus) or leave them out")
+    elif syn.prefix_overlap is None:
+        unused = [f"synthesis.{k}" for k in ("prefixes", "prompt_tokens") if k in syn.model_fields_set]
+        why = "apply to a shared-prefix workload only; give synthesis.prefix_overlap (--prefix-overlap) or leave them out"
+    else:
+        unused = ["synthesis.turn_gap_s"] if "turn_gap_s" in syn.model_fields_set else []
+        why = "a shared-prefix workload (prefix_overlap) has no sessions, so no gap between turns; leave it out"
+    if unused:
+        named = ", ".join(f"{k} ({FLAGS[k]})" if k in FLAGS else k for k in unused)
+        raise CachelabError(f"{named}: {why}")
 
 
 def _skipped(source) -> dict[str, Any]:
