@@ -223,3 +223,20 @@ def test_oracle_import_takes_max_requests_and_refuses_block_size(tmp_path):
     assert convert(tmp_path / "t.parquet", tmp_path / "b.bin", "--keys", "blocks")["records"] == 2
     res = runner.invoke(app, ["trace", "convert", str(src), str(tmp_path / "u.parquet"), "--block-size", "4"])
     assert res.exit_code == 2 and "--block-size 4" in res.output and not (tmp_path / "u.parquet").exists()
+
+
+def test_convert_refuses_the_flags_its_direction_and_key_kind_do_not_read(tmp_path, content_trace):
+    """Each was ignored, exit 0: --block-size with --keys rows, --preset with --keys blocks,
+    --keys and --preset reading oracleGeneral."""
+    content_trace = content_trace[0]
+    src = write_oracle_general(tmp_path / "k.oracleGeneral.bin", [5, 6, 5])
+    for args, message in (([content_trace, tmp_path / "x.bin", "--block-size", "4"],
+                           "--block-size 4: does not apply to --keys rows"),
+                          ([content_trace, tmp_path / "x.bin", "--keys", "blocks", "--preset", "engram-27b-demo"],
+                           "--preset engram-27b-demo: does not apply to --keys blocks"),
+                          ([src, tmp_path / "x.parquet", "--keys", "blocks", "--preset", "engram-27b-demo"],
+                           "--keys blocks, --preset engram-27b-demo: an oracleGeneral file becomes a trace of one")):
+        res = runner.invoke(app, ["trace", "convert", *map(str, args)])
+        assert res.exit_code == 2 and message in res.output, res.output
+        assert not (tmp_path / "x.bin").exists() and not (tmp_path / "x.parquet").exists()
+    assert convert(content_trace, tmp_path / "r.bin", "--preset", "engram-27b-demo")["keys"] == "rows"

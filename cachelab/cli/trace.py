@@ -202,10 +202,11 @@ def convert(
     source: Path = typer.Argument(..., help="A cachelab trace (.parquet), or an oracleGeneral file."),
     out: Path = typer.Argument(..., help="OUT.parquet: import an oracleGeneral file; anything else: "
                                          "write the trace's keys as oracleGeneral."),
-    keys: str = typer.Option("rows", help="rows: Engram row keys of every token; blocks: prefix-block keys."),
+    keys: str | None = typer.Option(None, help="rows (default): Engram row keys of every token; blocks: "
+                                    "prefix-block keys."),
     block_size: int | None = typer.Option(None, help="--keys blocks on content: tokens per block (default: the "
                                                      "trace's block_hashes, else 16)."),
-    preset: str = typer.Option(PRESET, help="Engram layout for --keys rows."),
+    preset: str | None = typer.Option(None, help=f"Engram layout for --keys rows (default {PRESET})."),
     max_requests: int | None = typer.Option(None, help="Convert only the first N requests (records of an oracleGeneral "
                                                        "SOURCE)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
@@ -222,15 +223,24 @@ def convert(
             raise CachelabError(f"{flag} {value}: must be 1 or more")
     if out.suffix == ".parquet":
         _refuse_other_than_oracle(source)
-        if block_size is not None:  # every record becomes one block of its own id
-            raise CachelabError(f"--block-size {block_size}: an oracleGeneral file becomes a trace of one block per "
-                                "record; --block-size applies to --keys blocks when writing oracleGeneral")
+        given = [f"{f} {v}" for f, v in (("--keys", keys), ("--block-size", block_size), ("--preset", preset))
+                 if v is not None]
+        if given:  # every record becomes one block of its own id
+            raise CachelabError(f"{', '.join(given)}: an oracleGeneral file becomes a trace of one block per "
+                                f"record; {'they apply' if len(given) > 1 else 'it applies'} when writing "
+                                "oracleGeneral from a trace (an OUT that is not .parquet)")
         frame = oracle_to_trace(source)
         frame = frame if max_requests is None else frame.head(max_requests)
         write_trace(frame, out)
         result = {"out": str(out), "direction": "oracleGeneral->trace", "requests": frame.height}
     else:
-        key_stream = trace_keys(source, keys, block_size=block_size, preset=preset, max_requests=max_requests)
+        keys = keys or "rows"
+        wrong = ("--block-size", block_size) if keys == "rows" else ("--preset", preset)
+        if wrong[1] is not None:
+            raise CachelabError(f"{wrong[0]} {wrong[1]}: does not apply to --keys {keys} "
+                                f"({'--block-size applies to --keys blocks' if keys == 'rows' else '--preset applies to --keys rows'})")
+        key_stream = trace_keys(source, keys, block_size=block_size, preset=preset or PRESET,
+                                max_requests=max_requests)
         if key_stream.size == 0:  # every reader refuses an empty oracleGeneral file: write none
             raise CachelabError(f"{source}: no {keys} keys to write (no request has tokens to key); {out} not written")
         write_oracle_general(out, key_stream)
