@@ -273,7 +273,7 @@ def lookups(
     trace: str = typer.Argument(..., help="Corpus names (gsm8k,humaneval), a request trace with text (.parquet), "
                                 "or a key trace (.npy, text, oracleGeneral: one key per step)."),
     out: Path = typer.Option(..., "-o", "--out", help="Output lookup stream (.npz)."),
-    requests: int | None = typer.Option(None, help="Corpus names: requests per corpus (default 200); a request "
+    requests: int | None = typer.Option(None, min=0, help="Corpus names: requests per corpus (default 200); a request "
                                         "trace: its first N (default 200; 0: all); a key trace: its first N keys "
                                         "(default and 0: all)."),
     seed: int | None = typer.Option(None, help="Corpus names: seed of the order in which their requests interleave "

@@ -123,6 +123,8 @@ def _trace_stream(found, max_requests: int, preset: str, steps: str, verb: str) 
     from cachelab.trace.kinds import REQUESTS, Found, wrong_kind
     from cachelab.trace.schema import has_requests, read_trace, require_outputs
 
+    if max_requests < 0:  # polars' head(-n) is every row but the last n
+        raise CachelabError(f"--requests {max_requests}: a request trace takes its first N requests, N >= 1 (0: all)")
     table = has_requests(read_trace(found.path), found.value).sort("arrival_s", maintain_order=True)
     table = require_outputs(table.head(max_requests) if max_requests else table, found.value)
     table = table.filter(table["prompt_ids"].list.len() > 0)
