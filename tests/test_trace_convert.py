@@ -112,6 +112,23 @@ def test_a_uint32_time_wrap_is_undone_and_a_step_back_is_named(tmp_path):
     assert res.exit_code == 2 and "record 1: time 90 goes back in time from 100" in res.output, res.output
 
 
+def test_records_of_size_0_are_no_requests_as_libcachesim_reads_them(tmp_path):
+    """libCacheSim's reader skips them (ignore_size_zero_req): LRU of one object missed 5 of 5
+    requests here, libCacheSim 1 of 3."""
+    rec = np.zeros(5, dtype=ORACLE_DTYPE)
+    rec["time"], rec["id"], rec["size"], rec["next"] = np.arange(5), [1, 2, 1, 2**63 + 5, 1], [1, 0, 1, 0, 1], -1
+    src = tmp_path / "z.oracleGeneral.bin"
+    rec.tofile(src)  # record 3's id does not fit in int64, but it is no request
+    sim = json.loads(runner.invoke(app, ["simulate", "--trace", str(src), "--policy", "lru", "--capacity", "1",
+                                         "--json"]).stdout)
+    assert sim["requests"] == 3 and sim["miss_ratio"] == pytest.approx(lcs_miss_ratio(src, "LRU", 1)) == 1 / 3
+    assert convert(src, tmp_path / "t.parquet")["requests"] == 3
+    assert read_trace(tmp_path / "t.parquet")["arrival_s"].to_list() == [0, 2, 4]
+    rec["size"] = 0
+    rec.tofile(src)
+    res = runner.invoke(app, ["simulate", "--trace", str(src), "--policy", "lru", "--capacity", "1"])
+    assert res.exit_code == 2 and "every record has size 0, which libCacheSim skips" in res.output, res.output
+
 def test_the_time_of_the_writer_past_2_32_requests_reads_back_in_order():
     wrapped = np.arange(2**32 - 2, 2**32 + 2, dtype=np.uint32)  # what write_oracle_general stores there
     assert oracle_times(wrapped).tolist() == list(range(2**32 - 2, 2**32 + 2))

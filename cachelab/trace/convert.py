@@ -6,7 +6,7 @@ layer-major global keys), for differential tests of the cache engine against lib
 ``blocks`` are the requests' prefix blocks (the source's ``block_hashes`` of a content-less
 import, else the chained hashes of the prompt at ``block_size``, masked to 63 bits), for
 prefix-cache studies in libCacheSim. An oracleGeneral file becomes a content-less trace
-with one request per record: ``block_hashes = [id]`` at block size 1, ``arrival_s`` from
+with one request per record (of size > 0, as libCacheSim reads it): ``block_hashes = [id]`` at block size 1, ``arrival_s`` from
 the record's time (its uint32 wraps undone, ``keytrace.oracle_times``), so a round trip keeps
 every id.
 """
@@ -22,7 +22,7 @@ from cachelab.trace.arrivals import arrival_frame
 from cachelab.defaults import PRESET
 from cachelab.engram import Addresser, get_preset
 from cachelab.errors import CachelabError
-from cachelab.trace.keytrace import oracle_times, read_oracle_records
+from cachelab.trace.keytrace import oracle_times, read_oracle_requests
 from cachelab.workload.lookups import LookupStream
 from cachelab.workload.prefix_cache.hashing import chained_block_hashes
 from cachelab.trace.schema import iter_batches, list_series, require_outputs, scan_trace, validate
@@ -86,20 +86,17 @@ def trace_keys(path: str | os.PathLike, kind: str = "rows", *, block_size: int |
 
 def oracle_to_trace(path: str | os.PathLike) -> pl.DataFrame:
     """A content-less trace of an oracleGeneral file: one request per record (see module doc)."""
-    records = read_oracle_records(path)
+    records, number = read_oracle_requests(path)
     if records.size == 0:
-        raise CachelabError(f"{path}: empty oracleGeneral trace")
-    ids = records["id"]
-    if ids.max() > np.iinfo(np.int64).max:
-        bad = int(np.flatnonzero(ids > np.iinfo(np.int64).max)[0])
-        raise CachelabError(f"{path}, record {bad}: id {int(ids[bad])} does not fit in int64")
+        raise CachelabError(f"{path}: empty oracleGeneral trace (no record of size > 0: libCacheSim skips size 0)")
+    ids = records["id"].astype(np.int64)
     time = oracle_times(records["time"])
     if np.any(np.diff(time) < 0):
         bad = int(np.flatnonzero(np.diff(time) < 0)[0]) + 1
-        raise CachelabError(f"{path}, record {bad}: time {int(records['time'][bad])} goes back in time from "
-                            f"{int(records['time'][bad - 1])} (by less than 2^31, so not a uint32 wrap)")
+        raise CachelabError(f"{path}, record {int(number[bad])}: time {int(records['time'][bad])} goes back in "
+                            f"time from {int(records['time'][bad - 1])} (by less than 2^31, so not a uint32 wrap)")
     time = time.astype(np.float64)
     n = ids.size
-    hashes = list_series("block_hashes", np.arange(n + 1, dtype=np.int32), ids.astype(np.int64))
+    hashes = list_series("block_hashes", np.arange(n + 1, dtype=np.int32), ids)
     return arrival_frame(time - time[0], np.ones(n, np.int64), np.zeros(n, np.int64), domain="oraclegeneral",
                          source="oraclegeneral", block_hashes=hashes, block_size=1)

@@ -8,7 +8,8 @@ Formats (``fmt``), declared or detected from the content by ``sniff_format``:
   and refused); UTF-8 with a BOM and UTF-16 (with a BOM, or ASCII digits each followed or
   led by a NUL) are decoded.
 - ``oracle``: libCacheSim's oracleGeneral binary, 24-byte little-endian records
-  ``<u4 time, <u8 id, <u4 size, <i8 next access (1-based request index, -1 if none)>``.
+  ``<u4 time, <u8 id, <u4 size, <i8 next access (1-based request index, -1 if none)>``; a
+  record of size 0 is no request, as libCacheSim's reader skips it.
 
 Detection cannot take text for binary: a head of UTF-8 without control bytes is text (and
 a line that is no key is then an error naming it); anything else is oracleGeneral only if its records are plausible (whole
@@ -18,7 +19,8 @@ CachelabErrors naming the file and the record or line.
 
 Public: ``sniff_format(path) -> "npy" | "txt" | "oracle"`` (raises CachelabError when the
 content is none of them), ``read_keys(path, fmt=None) -> int64 keys`` (never empty, never
-negative), ``read_oracle_records`` / ``read_oracle_general`` / ``write_oracle_general``,
+negative), ``read_oracle_records`` / ``read_oracle_requests`` / ``read_oracle_general`` /
+``write_oracle_general``,
 ``oracle_times`` (the time column with its uint32 wraps undone).
 """
 
@@ -130,7 +132,8 @@ def read_keys(path: str | Path, fmt: str | None = None) -> np.ndarray:
     else:
         raise CachelabError(f"unknown trace format {fmt!r}; use one of {list(FORMATS)}")
     if keys.size == 0:
-        raise CachelabError(f"{path} holds no keys ({fmt}): a key trace needs at least one")
+        why = "; every record has size 0, which libCacheSim skips" if fmt == "oracle" and path.stat().st_size else ""
+        raise CachelabError(f"{path} holds no keys ({fmt}{why}): a key trace needs at least one")
     _refuse_negative(path, keys, unit)
     return keys
 
@@ -212,14 +215,25 @@ def read_oracle_records(path: str | Path) -> np.ndarray:
     return np.fromfile(path, dtype=ORACLE_DTYPE)
 
 
-def read_oracle_general(path: str | Path) -> np.ndarray:
-    """The ``id`` field of every record of an oracleGeneral trace, as int64."""
+def read_oracle_requests(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """The records that are requests, and each one's 0-based record number in the file: those
+    of size 0 are skipped, as libCacheSim's reader does (``ignore_size_zero_req``, on in every
+    tool of it), so a trace with them gives libCacheSim's request count and miss ratios. An id
+    past int64 is an error naming its record."""
     path = Path(path)
-    ids = read_oracle_records(path)["id"]
-    too_big = np.flatnonzero(ids > np.iinfo(np.int64).max)
+    records = read_oracle_records(path)
+    number = np.flatnonzero(records["size"] != 0)
+    records = records if number.size == records.size else records[number]
+    too_big = np.flatnonzero(records["id"] > np.iinfo(np.int64).max)
     if too_big.size:
-        raise CachelabError(f"{path}, record {int(too_big[0])}: id {int(ids[too_big[0]])} does not fit in int64")
-    return ids.astype(np.int64)
+        raise CachelabError(f"{path}, record {int(number[too_big[0]])}: id {int(records['id'][too_big[0]])} does "
+                            "not fit in int64")
+    return records, number
+
+
+def read_oracle_general(path: str | Path) -> np.ndarray:
+    """The ``id`` of every request of an oracleGeneral trace (``read_oracle_requests``), as int64."""
+    return read_oracle_requests(path)[0]["id"].astype(np.int64)
 
 
 def write_oracle_general(path: str | Path, keys) -> Path:
