@@ -108,6 +108,15 @@ def test_info_on_a_non_trace_is_a_clear_error(tmp_path):
     assert res.exit_code == 2 and "found a key trace" in res.output and "needs a request trace (.parquet)" in res.output
 
 
+def test_info_refuses_a_negative_engram_token_count(tmp_path):
+    """--engram-tokens -3 reported no skew, as 0 does, exit 0."""
+    res = run("build", "--arrivals", "gamma", "--arrival-option", "rate=2", "--arrival-option", "num_requests=2",
+              "--corpus", "gsm8k", "-o", tmp_path / "g.parquet")
+    assert res.exit_code == 0, res.output
+    res = run("info", tmp_path / "g.parquet", "--engram-tokens", "-3")
+    assert res.exit_code == 2 and "--engram-tokens" in res.output, res.output
+
+
 @pytest.mark.parametrize("name", ["t.csv", "t.jsonl", "t"])
 def test_a_trace_out_not_named_parquet_is_refused_before_any_work(tmp_path, name):
     """It was written as Parquet under any name: `-o t.csv` made a Parquet file called t.csv."""

@@ -157,7 +157,7 @@ def _build_from_capture(directory: Path, out: Path, as_json: bool, given: bool) 
 def info(
     trace: Path = typer.Argument(..., help="A cachelab trace (.parquet)."),
     preset: str = typer.Option(PRESET, help="Engram layout for the skew columns."),
-    engram_tokens: int = typer.Option(500_000, help="Tokens to address for the Engram skew (0: skip)."),
+    engram_tokens: int = typer.Option(500_000, min=0, help="Tokens to address for the Engram skew (0: skip)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Requests, sessions, duration, tokens, domains, prefix-block hit ratio and Engram skew."""
