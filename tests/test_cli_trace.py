@@ -99,6 +99,16 @@ def test_build_settings_it_would_not_read_are_refused(tmp_path, data_dir, flags,
     res = run("build", *MOONCAKE, "-o", tmp_path / "o.parquet", "--json")
     assert res.exit_code == 0 and json.loads(res.stdout)["requests"] == 5
 
+def test_from_capture_and_a_source_without_input_refuse_the_flags_they_ignore(tmp_path):
+    """--from-capture DIR --max-requests 3 wrote every request of the capture; --skip-bad on
+    gamma arrivals (no input file) did nothing; both exit 0."""
+    res = run("build", "--from-capture", tmp_path, "--max-requests", "3", "--seed", "1", "-o", tmp_path / "o.parquet")
+    assert res.exit_code == 2 and "(--seed, --max-requests given)" in res.output, res.output
+    res = run("build", "--arrivals", "gamma", "--arrival-option", "rate=2", "--arrival-option", "num_requests=3",
+              "--corpus", "gsm8k", "--skip-bad", "-o", tmp_path / "o.parquet")
+    assert res.exit_code == 2 and "arrivals.skip_bad (--skip-bad): 'gamma' reads no input rows" in res.output
+    assert not (tmp_path / "o.parquet").exists()
+
 def test_info_on_a_non_trace_is_a_clear_error(tmp_path):
     (tmp_path / "x.parquet").write_bytes(b"PAR1 nonsense")
     res = run("info", tmp_path / "x.parquet")

@@ -87,7 +87,12 @@ def build(
         raise CachelabError(f"--out {out}: a trace is written as Parquet; name it *.parquet "
                             "(`cachelab trace convert` writes libCacheSim's oracleGeneral)")
     if from_capture is not None:
-        _build_from_capture(from_capture, out, as_json, given=spec is not None or arrivals is not None or corpus is not None)
+        given = {"a spec": spec, "--arrivals": arrivals, "--arrivals-path": arrivals_path,
+                 "--arrival-option": arrival_option, "--corpus": corpus, "--corpus-option": corpus_option,
+                 "--seed": seed, "--max-requests": max_requests, "--skip-bad": skip_bad, "--no-lengths": no_lengths,
+                 "--prefix-overlap": prefix_overlap, "--prefixes": prefixes, "--prompt-tokens": prompt_tokens,
+                 "--output-tokens": output_tokens}
+        _build_from_capture(from_capture, out, as_json, given=[k for k, v in given.items() if v not in (None, [], False)])
         return
     data = load_spec(spec).model_dump(exclude_unset=True) if spec is not None else {}  # what it sets, no more
     if arrivals is not None:
@@ -129,11 +134,12 @@ def build(
                       f"the first: {escape(report.skipped_first or '')}[/]")
 
 
-def _build_from_capture(directory: Path, out: Path, as_json: bool, given: bool) -> None:
+def _build_from_capture(directory: Path, out: Path, as_json: bool, given: list[str]) -> None:
     from cachelab.capture.to_trace import build_from_capture
 
-    if given:
-        raise CachelabError("--from-capture takes no spec, --arrivals or --corpus: the capture is the trace")
+    if given:  # each was ignored: --max-requests 5 wrote every request
+        raise CachelabError(f"--from-capture takes no spec and no other build flag ({', '.join(given)} given): the "
+                            "capture is the trace")
     report = build_from_capture(directory, out)
     result = {"out": str(out), **report.to_dict()}
     if as_json:

@@ -183,6 +183,9 @@ def _refuse_unused(spec: TraceSpec, source) -> None:
     """A setting this build would not read is an error naming it (and its flag), not silently
     ignored (an import given --prefixes 3 or --seed 4 wrote the very same trace)."""
     syn = spec.synthesis
+    if spec.arrivals.skip_bad and "skip_bad" not in inspect.signature(type(source)).parameters:
+        raise CachelabError(f"arrivals.skip_bad (--skip-bad): {spec.arrivals.source!r} reads no input rows to skip; "
+                            "leave it out")
     if spec.corpus is None:
         unused = [f"synthesis.{k}" for k in sorted(syn.model_fields_set)]
         unused += ["arrivals.use_lengths = false"] if not spec.arrivals.use_lengths else []
