@@ -292,3 +292,19 @@ def test_a_workload_data_file_is_in_the_hash_and_the_build_key(tmp_path, data_di
     [again] = expand(load_spec(spec))
     assert again.hash != first.hash and again.config == first.config
     assert workload_key(again.config["workload"]) != key
+
+
+def test_each_seed_samples_its_own_trace(tmp_path):
+    """`seeds = [0, 1, 2]` on a synthesized trace: each seed's points read a trace synthesized with the
+    trace's seed offset by it (they all read one trace: a serve point gave the same numbers per seed);
+    seed 0 is the trace as written, its point's hash unchanged."""
+    from cachelab.experiment.workload import workload_key
+
+    spec = tmp_path / "seeds.toml"
+    spec.write_text(SERVE_SPEC.format(hardware="B200").replace("seed = 0\n", "seed = 5\n"))
+    [alone] = expand(load_spec(spec))
+    spec.write_text(SERVE_SPEC.format(hardware="B200").replace("seed = 0\n", "seed = 5\n")
+                    .replace('kind = "serve"', 'kind = "serve"\nseeds = [0, 1, 2]'))
+    points = expand(load_spec(spec))
+    assert [p.config["workload"]["trace"]["seed"] for p in points] == [5, 6, 7]
+    assert points[0].hash == alone.hash and len({workload_key(p.config["workload"]) for p in points}) == 3

@@ -1,8 +1,8 @@
 """A spec's grid: every combination of the sweep axes, crossed with the seeds, each hashed.
 
 A point's hash is over its fully resolved config (the spec with that point's values set,
-the sweep removed, the seed in), so a finished point is recognised across reruns, across
-backends, and across specs that share it. Values equal to their field's default are left out
+the sweep removed, the seed in: it also offsets a workload trace's seed), so a finished point
+is recognised across reruns, across backends, and across specs that share it. Values equal to their field's default are left out
 of the hash, so a field a later cachelab adds (whose default keeps the old behaviour) leaves
 the points already run recognised. The contents of the files a point reads beyond its config
 (``ExperimentKind.inputs``: a calibration, a model; its workloads' data files: a trace captured
@@ -59,6 +59,9 @@ def expand(spec: ExperimentSpec) -> list[Point]:
             for seed in spec.seeds:
                 config = {"kind": kind, **{k: resolved[k] for k in sections}, "seed": seed}
                 hashed = {"kind": kind, **{k: set_apart.get(k, {}) for k in sections}, "seed": seed}
+                if "workload" in sections:
+                    config["workload"], hashed["workload"] = (_seeded(w, seed) for w in (config["workload"],
+                                                                                         hashed["workload"]))
                 read = inputs(config) if inputs else []
                 if read:  # none: the hash points had before inputs joined it
                     hashed["inputs"] = [content_digest(p) for p in read]
@@ -72,6 +75,16 @@ def expand(spec: ExperimentSpec) -> list[Point]:
                 point = Point(config, config_hash(hashed), label, axes)
                 points.setdefault(point.hash, point)
     return list(points.values())
+
+
+def _seeded(workload: dict, seed: int) -> dict:
+    """A workload section whose trace's seed is offset by the point's: the seeds of a spec sample
+    different arrivals and prompts where the trace is synthesized (they repeated one trace, so
+    every seed of a serve point gave the same numbers). Seed 0 leaves it as written."""
+    trace = workload.get("trace")
+    if not seed or trace is None:
+        return workload
+    return {**workload, "trace": {**trace, "seed": trace.get("seed", 0) + seed}}
 
 
 def data_digests(workloads: list[dict]) -> list[str]:
