@@ -119,6 +119,16 @@ def test_64_concurrent_requests_and_metrics_equal_engine(server):
     assert delta[("vllm:request_prompt_tokens_sum",)] == sum(u.prompt_tokens for u in usages)
     assert after[("vllm:request_prompt_tokens_bucket", ("le", "2000.0"))] == after[("vllm:request_prompt_tokens_count",)]
     assert ("vllm:request_prompt_tokens_bucket", ("le", "5000.0")) not in after  # 1-2-5 up to the 2,048 context
+    # tokens per engine step (prompt positions computed plus tokens sampled), per request its max_tokens,
+    # preemptions and prompt tokens computed: vLLM's, which dashboards read (they were missing)
+    prompt, cached = sum(u.prompt_tokens for u in usages), sum(u.prompt_tokens_details.cached_tokens for u in usages)
+    assert delta[("vllm:num_preemptions_total",)] == 0  # else recomputed positions count as prompt ones too
+    assert delta[("vllm:iteration_tokens_total_sum",)] == prompt - cached + sum(u.completion_tokens for u in usages)
+    assert delta[("vllm:iteration_tokens_total_count",)] == delta[("cachelab:engine_steps_total",)]
+    assert delta[("vllm:request_params_max_tokens_sum",)] == sum(4 + i % 4 for i in range(64))
+    assert (delta[("vllm:request_num_preemptions_count",)], delta[("vllm:request_num_preemptions_sum",)]) == (64, 0)
+    assert delta[("vllm:request_prefill_kv_computed_tokens_sum",)] == prompt - cached
+    assert delta[("vllm:prompt_tokens_cached_total",)] == cached
     secs = {p: delta[(f"vllm:{p}_seconds_sum",)] for p in phases}
     assert secs["request_queue_time"] + secs["request_inference_time"] == pytest.approx(secs["e2e_request_latency"])
     assert secs["request_prefill_time"] + secs["request_decode_time"] == pytest.approx(secs["request_inference_time"])
@@ -528,3 +538,22 @@ def test_client_gone_while_waiting_for_a_whole_answer_is_aborted(server):
     wait_idle(engine)
     assert engine.counters.finished["abort"] == aborted + 1
     assert scrape(url)[("vllm:kv_cache_usage_perc",)] == 0.0
+
+
+@pytest.mark.slow
+def test_vllm_metric_families_are_the_real_servers(server, vllm_server):
+    """Every `vllm:` family `cachelab serve` exposes is one the real vLLM server exposes, of the same type
+    and with the same label names, so a dashboard or `cachelab bench` built for vLLM reads it alike."""
+    url, _ = server
+    httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=60)
+    httpx.post(f"{vllm_server.base_url}/v1/completions", json={"model": vllm_server.model, "prompt": "hi",
+                                                                "max_tokens": 2}, timeout=120)
+
+    def families(text: str) -> dict:
+        return {f.name: (f.type, {k for s in f.samples for k in s.labels if k != "le"})
+                for f in text_string_to_metric_families(text) if f.name.startswith("vllm:")}
+
+    ours, theirs = families(httpx.get(f"{url}/metrics").text), families(vllm_server.metrics())
+    assert len(ours) >= 25, len(ours)
+    assert {name: kind for name, kind in ours.items() if theirs.get(name) != kind} == {}, \
+        {name: theirs.get(name) for name in ours if theirs.get(name) != ours[name]}

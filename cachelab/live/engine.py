@@ -78,6 +78,9 @@ class FinishedRequest:
     finished: float
     num_prompt: int
     num_output: int
+    max_tokens: int  # its output budget (vLLM's max_tokens_param: the request's, or what the context left)
+    preemptions: int
+    cached_tokens: int  # prefix-cache hit at its first admission
 
 
 @dataclass
@@ -333,6 +336,8 @@ class LiveEngine:
         stopped = {rid: self._stop_check(self._live[rid], tok) for rid, tok in sampled.items()}
         self.scheduler.complete(step, sampled, [r for r, why in stopped.items() if why is not None])
         self._emit(step, sampled, stopped, t_done)
+        if self.observer is not None:  # vLLM's iteration tokens: prompt positions computed plus tokens sampled
+            self.observer.step_tokens(step.num_tokens - step.decodes + len(sampled))
         fetch["thread_cpu_s"] = time.thread_time() - cpu0  # the engine thread's CPU: step_s over it is the load
         self._count(step, row_ids, fetch, t0, t_done)
         if self.on_step is not None:
@@ -396,7 +401,8 @@ class LiveEngine:
         self.counters.finished[reason] += 1
         if self.observer is not None and reason != "abort":
             self.observer.finished(FinishedRequest(live.arrival, live.scheduled, live.first_token, live.last_token,
-                                                   now, live.req.num_prompt, live.req.num_output))
+                                                   now, live.req.num_prompt, live.req.num_output, live.req.max_output,
+                                                   live.req.preemptions, max(live.cached_tokens, 0)))
         live.sink(RequestOutput(rid, list(tokens), live.detok.take(final=True), True, reason, stop_reason,
                                 live.req.num_prompt, live.req.num_output, max(live.cached_tokens, 0)))
         del self._live[rid]  # last: a request leaves num_live once everything about it is done

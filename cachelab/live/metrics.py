@@ -3,10 +3,11 @@
 Counters and gauges are read from the engine at scrape time (its ``EngineCounters``, its
 scheduler and its KV pool), so what ``/metrics`` says is what the engine counted, never a
 second tally. Histograms are observed by the engine thread with vLLM's bucket boundaries: TTFT
-and inter-token latency as tokens are emitted; per finished request (vLLM's
-FinishedRequestStats: an aborted request is in none) its end-to-end latency, time per output
-token (decode time over the tokens after the first, 0 for one token), queue, prefill, decode
-and inference times, and its prompt and generation token counts. ``cachelab:`` metrics
+and inter-token latency as tokens are emitted; tokens per engine step (prompt positions
+computed plus tokens sampled); per finished request (vLLM's FinishedRequestStats: an aborted
+request is in none) its end-to-end latency, time per output token (decode time over the tokens
+after the first, 0 for one token), queue, prefill, decode and inference times, its prompt and
+generation token counts, its max_tokens, preemptions and prompt tokens computed (not cached). ``cachelab:`` metrics
 cover what vLLM has no name for: Engram rows, the row source's counters per tier, fetch and
 exposed stall time. Labels are vLLM's: ``model_name`` and ``engine``.
 """
@@ -23,6 +24,8 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 LABELS = ("model_name", "engine")
 # per finished request: name, help (vLLM's), buckets (a token count's are 1-2-5 up to the context)
 REQUEST_HISTOGRAMS = (
@@ -34,7 +37,12 @@ REQUEST_HISTOGRAMS = (
     ("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", E2E_BUCKETS),
     ("vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.", E2E_BUCKETS),
     ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", None),
-    ("vllm:request_generation_tokens", "Number of generation tokens processed.", None))
+    ("vllm:request_generation_tokens", "Number of generation tokens processed.", None),
+    ("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", None),
+    ("vllm:request_num_preemptions", "Histogram of the number of preemptions per finished request.",
+     PREEMPTION_BUCKETS),
+    ("vllm:request_prefill_kv_computed_tokens",
+     "Histogram of new KV tokens computed during prefill (excluding cached tokens).", None))
 
 
 def token_buckets(max_model_len: int) -> tuple[int, ...]:
@@ -57,8 +65,9 @@ class EngineMetrics:
         tokens = token_buckets(engine.model.config.max_model_len)
         hist = [("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS),
                 ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS),
+                ("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", ITERATION_BUCKETS),
                 *REQUEST_HISTOGRAMS]
-        self._ttft, self._itl, *self._request = (
+        self._ttft, self._itl, self._iteration, *self._request = (
             Histogram(name, doc, LABELS, registry=self.registry, buckets=b or tokens).labels(*self.labels)
             for name, doc, b in hist)
         self.registry.register(self)
@@ -71,12 +80,15 @@ class EngineMetrics:
     def token_gap(self, seconds: float) -> None:
         self._itl.observe(seconds)
 
+    def step_tokens(self, tokens: int) -> None:
+        self._iteration.observe(tokens)
+
     def finished(self, r) -> None:
         """``r``: a ``cachelab.live.engine.FinishedRequest``; vLLM's per-request observations."""
         decode = r.last_token - r.first_token
         values = (r.finished - r.arrival, decode / (r.num_output - 1) if r.num_output > 1 else 0.0,
                   r.scheduled - r.arrival, r.first_token - r.scheduled, decode, r.last_token - r.scheduled,
-                  r.num_prompt, r.num_output)
+                  r.num_prompt, r.num_output, r.max_tokens, r.preemptions, r.num_prompt - r.cached_tokens)
         for hist, value in zip(self._request, values, strict=True):
             hist.observe(value)
 
@@ -100,6 +112,9 @@ class EngineMetrics:
         yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
                       e.pool.queried_tokens)
         yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                      e.pool.hit_tokens)
+        # vLLM counts it at admission, as the hits above: with no external cache the two are one count
+        yield counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
                       e.pool.hit_tokens)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", c.prompt_tokens)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", c.generation_tokens)
