@@ -496,6 +496,43 @@ def test_a_server_shutting_down_aborts_its_requests_with_a_503():
     assert engine.counters.finished["abort"] == 2 and engine.closed
 
 
+@pytest.mark.parametrize("drain_s, finished", [(120.0, "length"), (0.5, "abort")])
+def test_a_shutdown_timeout_lets_requests_in_flight_finish(drain_s, finished):
+    """`--shutdown-timeout S` (vLLM's): shutting down, requests in flight run on for up to S seconds
+    and those that finish end as usual ([DONE] after a finish_reason); those still running then are
+    aborted as without it; requests arriving meanwhile are refused (the server stops listening)."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    max_tokens = 40 if finished == "length" else 1500
+    body = {"model": MODEL, "prompt": "x", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+
+    def stream(url):
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            return [line for line in r.iter_lines() if line.startswith("data:")]
+
+    with ThreadPoolExecutor(1) as pool:
+        opts = ServeOptions(port=0, kv_cache_tokens=4096, threads=1, shutdown_timeout=drain_s)
+        with running_server(opts) as (url, engine):
+            streamed = pool.submit(stream, url)
+            for _ in range(1200):
+                if engine.counters.generation_tokens > 2:
+                    break
+                time.sleep(0.05)
+            started = time.monotonic()
+        took, events = time.monotonic() - started, streamed.result()
+    assert events[-1] == "data: [DONE]"
+    if finished == "length":
+        assert [json.loads(e[5:])["choices"][0]["finish_reason"] for e in events[-2:-1]] == ["length"], events[-3:]
+        assert len(events) - 1 == max_tokens  # one event a token, the last with its finish_reason
+        assert engine.counters.finished == {"stop": 0, "length": 1, "abort": 0}
+    else:
+        assert "shutting down" in json.loads(events[-2][5:])["error"]["message"] and took < 30, (took, events[-2:])
+        assert engine.counters.finished["abort"] == 1
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/health", timeout=5)
+
+
 def test_client_disconnect_mid_stream_frees_kv_blocks(server):
     url, engine = server
     wait_idle(engine)

@@ -59,6 +59,9 @@ def serve(
     served_model_name: str | None = typer.Option(None, help="The model name clients send (default cachelab-PRESET)."),
     capture: Path | None = typer.Option(None, help="Record every request served into this capture directory "
                                         "(token ids, times, cached tokens; docs/capture.md)."),
+    shutdown_timeout: float = typer.Option(0.0, help="At SIGTERM/Ctrl-C, let requests in flight finish for up to "
+                                           "this long (s) before aborting the rest, new ones refused meanwhile; 0: "
+                                           "abort them at once (vLLM's --shutdown-timeout and its default)."),
 ) -> None:
     """Serve an Engram model over HTTP: /v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics (vLLM's metric names).
@@ -75,4 +78,5 @@ def serve(
                      kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                      max_body_bytes=max_body_bytes, prefetch=prefetch, prefix_caching=prefix_caching, device=device,
-                     threads=threads, served_model_name=served_model_name, capture=capture), announce=typer.echo)
+                     threads=threads, served_model_name=served_model_name, capture=capture,
+                     shutdown_timeout=shutdown_timeout), announce=typer.echo)

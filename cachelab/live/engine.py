@@ -240,6 +240,12 @@ class LiveEngine:
             self._inbox.append(("abort", None))
             self._cv.notify()
 
+    def refuse_new(self) -> None:
+        """Shutting down with a drain (``--shutdown-timeout``): new requests are refused, those taken
+        in run on (``abort_all`` ends what is left when the drain is over)."""
+        with self._cv:
+            self.closed = True
+
     @property
     def num_live(self) -> int:
         """Requests taken in and not finished: 0 once the last one's blocks are free, its counts

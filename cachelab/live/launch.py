@@ -52,6 +52,7 @@ class ServeOptions:
     threads: int | None = None
     served_model_name: str | None = None
     capture: Path | None = None
+    shutdown_timeout: float = 0.0  # s requests in flight get to finish at shutdown (0: aborted at once)
 
 
 def check_bind(host: str, api_key: str | None, flag: str = "--host") -> None:
@@ -159,6 +160,8 @@ def build_engine(opts: ServeOptions):
 
     import torch
 
+    if not opts.shutdown_timeout >= 0:
+        raise CachelabError(f"--shutdown-timeout {opts.shutdown_timeout}: expected 0 (abort at once) or more seconds")
     if opts.threads is not None:  # process-wide: torch has one intra-op pool
         torch.set_num_threads(opts.threads)
     cfg = model_for(opts)
@@ -215,7 +218,7 @@ def running_server(opts: ServeOptions, engine=None):
     engine = (engine or build_engine(opts)).start()
     recorder = open_capture(opts)
     server = Server(uvicorn.Config(_app(opts, engine, recorder), host=opts.host, port=opts.port,
-                                   log_level="warning", timeout_graceful_shutdown=1), engine)
+                                   log_level="warning", timeout_graceful_shutdown=1), engine, opts.shutdown_timeout)
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
     try:
@@ -252,7 +255,8 @@ def serve(opts: ServeOptions, announce=print) -> None:
              f"http://{opts.host}:{sock.getsockname()[1]}/v1")
     app.router.add_event_handler("shutdown", engine.stop)  # uvicorn re-raises SIGTERM after its shutdown
     try:
-        Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1), engine).run(sockets=[sock])
+        Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1), engine,
+               opts.shutdown_timeout).run(sockets=[sock])
     finally:
         engine.stop()
         if recorder is not None:

@@ -8,7 +8,8 @@ it (400; a ``max_tokens`` the prompt leaves no room for is cut, as vLLM cuts it)
 or wrong API key (401). A client that disconnects, mid-stream or while waiting for a
 whole answer, has its request aborted: the engine frees its KV blocks before the next step.
 A server shutting down (SIGTERM, Ctrl-C) aborts every request first (vLLM's default shutdown):
-each client gets a 503 at once (in a stream, an error event and ``[DONE]``).
+each client gets a 503 at once (in a stream, an error event and ``[DONE]``); with a
+``--shutdown-timeout`` it first lets them finish for up to that long, as vLLM's drain does.
 """
 
 from __future__ import annotations
@@ -305,13 +306,22 @@ def _aborted(engine) -> APIError:
 class Server(uvicorn.Server):
     """uvicorn that, shutting down, first aborts the engine's requests (``LiveEngine.abort_all``):
     they were left to the graceful timeout, then cancelled (a 500 and a CancelledError traceback
-    for a whole answer, a stream cut without ``[DONE]``)."""
+    for a whole answer, a stream cut without ``[DONE]``). With ``drain_s`` (vLLM's
+    ``--shutdown-timeout``) it stops listening and refuses new requests, lets those in flight run
+    up to that long (cut short by a second Ctrl-C), then aborts what is left."""
 
-    def __init__(self, config: uvicorn.Config, engine: LiveEngine):
+    def __init__(self, config: uvicorn.Config, engine: LiveEngine, drain_s: float = 0.0):
         super().__init__(config)
-        self.engine = engine
+        self.engine, self.drain_s = engine, drain_s
 
     async def shutdown(self, sockets=None) -> None:
+        if self.drain_s > 0:
+            for server in self.servers:
+                server.close()
+            self.engine.refuse_new()
+            deadline = time.monotonic() + self.drain_s
+            while self.engine.num_live and time.monotonic() < deadline and not self.force_exit:
+                await asyncio.sleep(0.05)
         self.engine.abort_all()
         await super().shutdown(sockets)
 
