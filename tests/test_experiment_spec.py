@@ -239,7 +239,7 @@ kind = "serve"
 seed = 0
 arrivals = {{ source = "gamma", options = {{ rate = 4.0, num_requests = 4 }} }}
 corpus = {{ source = "stdlib", options = {{ max_chars = 20000 }} }}
-synthesis = {{ prompt_tokens = 64, output_tokens = 4 }}
+synthesis = {{ output_tokens = 4 }}
 [serving]
 hardware = "{hardware}"
 placement = "dram-uva"
@@ -308,3 +308,10 @@ def test_each_seed_samples_its_own_trace(tmp_path):
     points = expand(load_spec(spec))
     assert [p.config["workload"]["trace"]["seed"] for p in points] == [5, 6, 7]
     assert points[0].hash == alone.hash and len({workload_key(p.config["workload"]) for p in points}) == 3
+    # a trace imported as it is (no corpus, a source that draws nothing): no seed changes it, and a set
+    # seed is refused by its build, so every seed's point reads the trace as written
+    spec.write_text(spec.read_text().replace('corpus = { source = "stdlib", options = { max_chars = 20000 } }\n', "")
+                    .replace("synthesis = { output_tokens = 4 }\n", "")
+                    .replace('{ source = "gamma", options = { rate = 4.0, num_requests = 4 } }',
+                             '{ source = "mooncake", path = "traces/mooncake_fast25/conversation_trace.jsonl" }'))
+    assert [p.config["workload"]["trace"]["seed"] for p in expand(load_spec(spec))] == [5, 5, 5]

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from cachelab.experiment.kinds import get_kind
 from cachelab.experiment.spec import ExperimentSpec, kinds, set_key, workload_files
+from cachelab.trace.build import draws_with_seed, parse_spec as parse_trace_spec
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,9 +81,10 @@ def expand(spec: ExperimentSpec) -> list[Point]:
 def _seeded(workload: dict, seed: int) -> dict:
     """A workload section whose trace's seed is offset by the point's: the seeds of a spec sample
     different arrivals and prompts where the trace is synthesized (they repeated one trace, so
-    every seed of a serve point gave the same numbers). Seed 0 leaves it as written."""
+    every seed of a serve point gave the same numbers). Seed 0, and a trace imported as it is
+    (which no seed changes), are left as written."""
     trace = workload.get("trace")
-    if not seed or trace is None:
+    if not seed or trace is None or not draws_with_seed(parse_trace_spec(trace, "workload.trace")):
         return workload
     return {**workload, "trace": {**trace, "seed": trace.get("seed", 0) + seed}}
 

@@ -179,6 +179,13 @@ FLAGS = {"synthesis.prefix_overlap": "--prefix-overlap", "synthesis.prefixes": "
          "arrivals.use_lengths = false": "--no-lengths", "seed": "--seed"}
 
 
+def draws_with_seed(spec: TraceSpec) -> bool:
+    """Whether ``seed`` changes what the build writes: synthesis samples its corpus with it, and an
+    arrival source may draw with it (gamma); an import of a file as it is does not."""
+    source = registry.get(registry.WORKLOADS, spec.arrivals.source)
+    return spec.corpus is not None or "seed" in inspect.signature(source).parameters
+
+
 def _refuse_unused(spec: TraceSpec, source) -> None:
     """A setting this build would not read is an error naming it (and its flag), not silently
     ignored (an import given --prefixes 3 or --seed 4 wrote the very same trace)."""
@@ -189,8 +196,7 @@ def _refuse_unused(spec: TraceSpec, source) -> None:
     if spec.corpus is None:
         unused = [f"synthesis.{k}" for k in sorted(syn.model_fields_set)]
         unused += ["arrivals.use_lengths = false"] if not spec.arrivals.use_lengths else []
-        takes_seed = "seed" in inspect.signature(type(source)).parameters
-        unused += ["seed"] if "seed" in spec.model_fields_set and not takes_seed else []
+        unused += ["seed"] if "seed" in spec.model_fields_set and not draws_with_seed(spec) else []
         why = (f"apply to synthesis, and this build imports {spec.arrivals.source!r} as it is (no corpus); give "
                "a corpus (--corpus) or leave them out")
     elif syn.prefix_overlap is None:
