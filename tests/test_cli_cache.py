@@ -118,3 +118,25 @@ def test_a_bad_sample_rate_is_refused_naming_the_flag_before_the_trace_loads(tmp
     exact = _json(["mrc", "--trace", str(tmp_path / "k.npy"), "--capacities", "20,1000", "--json"])
     assert out["sample_rate"] == 1.0 and out["miss_ratios"] == pytest.approx(exact["miss_ratios"], rel=1e-12)
     assert out["infinite"] == exact["infinite"] == [False, True]
+
+
+def test_requests_and_steps_apply_where_the_trace_takes_them(tmp_path):
+    """simulate/mrc --requests N on a key trace replays its first N keys (default: all), as `trace lookups`
+    does; --steps on a key trace and either flag on a lookup stream are refused, naming the flag. (The
+    key trace's --requests was ignored, every key replayed, exit 0; --steps serving likewise.)"""
+    np.save(tmp_path / "k.npy", KEYS)
+    key = str(tmp_path / "k.npy")
+    first = _json(["simulate", "--trace", key, "--policy", "lru", "--capacity", "50", "--requests", "1000", "--json"])
+    assert first["requests"] == 1_000
+    head = tmp_path / "head.npy"
+    np.save(head, KEYS[:1000])
+    assert first["hits"] == _json(["simulate", "--trace", str(head), "--policy", "lru", "--capacity", "50",
+                                   "--json"])["hits"]
+    curve = _json(["mrc", "--trace", key, "--capacities", "10,50", "--requests", "1000", "--json"])
+    assert curve["requests"] == 1_000
+    stream = LookupStream.from_keys(KEYS).save(tmp_path / "s.npz")
+    for verb in (["simulate", "--policy", "lru", "--capacity", "50"], ["mrc", "--capacities", "10,50"]):
+        for trace, flags, named in ((key, ["--steps", "serving"], "--steps does not apply"),
+                                    (str(stream), ["--requests", "3"], "--requests does not apply")):
+            res = runner.invoke(app, [*verb, "--trace", trace, *flags])
+            assert res.exit_code == 2 and named in res.output, res.output

@@ -18,7 +18,7 @@ from cachelab.engine.tiers import Hierarchy, Tier
 from cachelab.defaults import PRESET
 from cachelab.learning.streams import STEP_VIEWS, load_trace, unchecked_layout
 from cachelab.trace.keytrace import FORMATS
-from cachelab.trace.kinds import Found, detect
+from cachelab.trace.kinds import Found, detect, refuse_unused, requests_or_default
 from cachelab.workload.lookups import LookupStream
 from cachelab.engine.replay import replay
 from cachelab.engine.sampling import check_rate
@@ -27,21 +27,26 @@ from cachelab.workload.prefix_cache.hashing import sorted_distinct
 TRACE_HELP = ("A key trace (.npy of integers, text with one key per line, libCacheSim oracleGeneral), a lookup "
               "stream (.npz, `cachelab trace lookups`), a request trace with text (.parquet: the Engram rows of "
               "its tokens), or corpus names (gsm8k,humaneval); the kind is detected and printed.")
-REQUESTS_HELP = "Corpus names: requests per corpus; a request trace: its first N requests (0: all)."
+REQUESTS_HELP = ("Corpus names: requests per corpus (default 200); a request trace: its first N (default 200; 0: "
+                 "all); a key trace: its first N keys (default and 0: all).")
 FORMAT_HELP = f"Key trace format, one of {list(FORMATS)}; sniffed from the content when omitted."
 PARAM_HELP = "A policy hyper-parameter as key=value (repeatable), e.g. --param window=0.01."
 STEPS_HELP = (f"Corpus names and request traces: how requests become serving steps, one of {list(STEP_VIEWS)} "
-              "(as `cachelab train --steps`).")
+              "(as `cachelab train --steps`; default prompts).")
 WARMUP_HELP = ("Warm-up excluded from the statistics: a fraction of the steps (0..1) or a step count; "
                "in a key trace every request is a step.")
 
 
-def load_stream(trace: str, fmt: str | None, requests: int, steps: str, verb: str) -> tuple[Found, LookupStream]:
+def load_stream(trace: str, fmt: str | None, requests: int | None, steps: str | None,
+                verb: str) -> tuple[Found, LookupStream]:
     """What ``--trace`` names (``cachelab.trace.kinds``) and its lookup stream: a key trace is one
-    request per step; corpus names and a request trace's tokens become Engram row lookups."""
+    request per step; corpus names and a request trace's tokens become Engram row lookups.
+    ``--requests`` and ``--steps`` where the kind takes no such thing are refused."""
     found = detect(trace, fmt)
+    refuse_unused(found, {"--requests": requests, "--steps": steps})
     with spinner(f"reading {found}"):
-        return found, load_trace(found, requests, 0, PRESET, steps, verb=verb, tokens=False)
+        return found, load_trace(found, requests_or_default(found, requests), 0, PRESET, steps or "prompts",
+                                 verb=verb, tokens=False)
 
 
 def capacity_rows(capacities: list[Capacity], stream: LookupStream, where: str) -> list[int]:
@@ -69,8 +74,8 @@ def simulate(
     warmup: float = typer.Option(0.0, "--warmup", help=WARMUP_HELP),
     param: list[str] = typer.Option([], "--param", help=PARAM_HELP),
     fmt: str | None = typer.Option(None, "--format", help=FORMAT_HELP),
-    requests: int = typer.Option(200, "--requests", help=REQUESTS_HELP),
-    steps: str = typer.Option("prompts", "--steps", help=STEPS_HELP),
+    requests: int | None = typer.Option(None, "--requests", help=REQUESTS_HELP),
+    steps: str | None = typer.Option(None, "--steps", help=STEPS_HELP),
     model: Path | None = typer.Option(None, "--model", help="A predictor directory from `cachelab train`, "
                                       "scoring every lookup for a learned policy (e.g. --policy learned)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
@@ -138,8 +143,8 @@ def mrc(
     param: list[str] = typer.Option([], "--param", help=PARAM_HELP),
     workers: int | None = typer.Option(None, "--workers", help="Processes for simulated curves (default: all cores)."),
     fmt: str | None = typer.Option(None, "--format", help=FORMAT_HELP),
-    requests: int = typer.Option(200, "--requests", help=REQUESTS_HELP),
-    steps: str = typer.Option("prompts", "--steps", help=STEPS_HELP),
+    requests: int | None = typer.Option(None, "--requests", help=REQUESTS_HELP),
+    steps: str | None = typer.Option(None, "--steps", help=STEPS_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Miss ratio at many capacities: exact one-pass LRU, SHARDS sampling, or one run per capacity."""

@@ -13,13 +13,12 @@ from rich.table import Table
 from cachelab import strict_json
 from cachelab.defaults import PRESET
 from cachelab.learning.streams import STEP_VIEWS, load_trace
-from cachelab.trace.kinds import CORPORA, KEY, LOOKUPS, REQUESTS, Found, detect, wrong_kind
+from cachelab.trace.kinds import KEY, REQUESTS, detect, refuse_unused, requests_or_default, wrong_kind
 from cachelab.errors import CachelabError
 from cachelab.params import parse_pairs
 from cachelab.paths import output_file
 from cachelab.progress import progress_bar, spinner
-from cachelab.trace.keytrace import read_keys, write_oracle_general
-from cachelab.workload.lookups import LookupStream
+from cachelab.trace.keytrace import write_oracle_general
 from cachelab.workload.prefix_cache.hashing import sorted_distinct
 from cachelab.trace.schema import write_trace
 from cachelab.trace.convert import oracle_to_trace, trace_keys
@@ -299,13 +298,10 @@ def lookups(
     """
     output_file(out, "--out")
     found = detect(trace)
-    _refuse_unused(found, {"--requests": requests, "--seed": seed, "--preset": preset, "--steps": steps})
+    refuse_unused(found, {"--requests": requests, "--seed": seed, "--preset": preset, "--steps": steps})
     with spinner(f"addressing {found}"):
-        if found.kind == KEY:  # the first N keys, each its own step (load_trace reads them all)
-            stream = LookupStream.from_keys(read_keys(found.path, found.key_format)[:requests or None])
-        else:
-            stream = load_trace(found, 200 if requests is None else requests, seed or 0, preset or PRESET,
-                                steps or "prompts", verb="trace lookups", tokens=False)
+        stream = load_trace(found, requests_or_default(found, requests), seed or 0, preset or PRESET,
+                            steps or "prompts", verb="trace lookups", tokens=False)
         path = stream.save(out)
     result = {"out": str(path), "trace": trace, "trace_kind": found.kind, "lookups": stream.num_lookups,
               "steps": stream.num_steps, "distinct_rows": int(sorted_distinct(stream.keys).size),
@@ -315,18 +311,3 @@ def lookups(
         return
     Console().print(f"wrote {path}: {result['lookups']:,} lookups in {result['steps']:,} steps, "
                     f"{result['distinct_rows']:,} distinct rows, from {found}")
-
-
-_APPLIES = {CORPORA: {"--requests", "--seed", "--preset", "--steps"}, REQUESTS: {"--requests", "--preset", "--steps"},
-            KEY: {"--requests"}, LOOKUPS: set()}
-
-
-def _refuse_unused(found: Found, given: dict) -> None:
-    """A flag that does nothing for this kind of trace is an error, not silently ignored (a key
-    trace's --requests 5 wrote every key; --steps serving wrote one key per step)."""
-    unused = [flag for flag, value in given.items() if value is not None and flag not in _APPLIES[found.kind]]
-    if unused:
-        takes = (f"it takes only {', '.join(sorted(_APPLIES[found.kind]))}" if _APPLIES[found.kind]
-                 else "a lookup stream is saved as it is")
-        raise CachelabError(f"TRACE {found.value}: {found}: {', '.join(unused)} "
-                            f"{'does' if len(unused) == 1 else 'do'} not apply to it ({takes})")

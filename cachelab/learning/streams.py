@@ -100,7 +100,7 @@ def load_trace(trace, per_source: int, seed: int, preset: str, steps: str = "pro
     """Any ``--trace`` (``cachelab.trace.kinds``) as a lookup stream: a saved stream (its steps as
     saved), corpus names (``per_source`` documents each, grouped as ``steps`` says), a request
     trace with token ids (its first ``per_source`` requests), or, unless ``tokens`` (a predictor
-    needs them), a key trace (one request per step)."""
+    needs them), a key trace (its first ``per_source`` keys, one a step; 0: all)."""
     from cachelab.trace.keytrace import read_keys
     from cachelab.trace.kinds import CORPORA, KEY, LOOKUPS, Found, detect, wrong_kind
 
@@ -114,7 +114,8 @@ def load_trace(trace, per_source: int, seed: int, preset: str, steps: str = "pro
             raise wrong_kind(found, verb, "Engram lookups with their tokens (corpus names, a lookup stream or a "
                              "request trace with text)", "A key trace holds no tokens; `cachelab trace lookups "
                              "gsm8k,humaneval -o stream.npz` writes a lookup stream.")
-        return LookupStream.from_keys(read_keys(found.path, found.key_format))
+        keys = read_keys(found.path, found.key_format)
+        return LookupStream.from_keys(keys[:per_source] if per_source else keys)  # the first N, each its own step
     return _trace_stream(found, per_source, preset, steps, verb)
 
 

@@ -87,3 +87,28 @@ def detect(value: str | Path, fmt: str | None = None, where: str = "--trace") ->
 def wrong_kind(found: Found, verb: str, needs: str, hint: str, where: str = "--trace") -> CachelabError:
     """The error for a trace of a kind ``verb`` cannot use: what was found, what it needs, how to get it."""
     return CachelabError(f"{where} {found.value}: found {found}; `cachelab {verb}` needs {needs}. {hint}")
+
+
+# the flags that shape how each kind becomes a lookup stream (`trace lookups`, simulate, mrc)
+APPLIES = {CORPORA: {"--requests", "--seed", "--preset", "--steps"}, REQUESTS: {"--requests", "--preset", "--steps"},
+           KEY: {"--requests"}, LOOKUPS: set()}
+
+
+def refuse_unused(found: Found, given: dict) -> None:
+    """A flag that does nothing for this kind of trace (``given``: flag -> value, None when not
+    given) is an error, not silently ignored (a key trace's --requests 5 replayed every key;
+    --steps serving one key per step all the same)."""
+    unused = [flag for flag, value in given.items() if value is not None and flag not in APPLIES[found.kind]]
+    if unused:
+        takes = (f"it takes only {', '.join(sorted(APPLIES[found.kind]))}" if APPLIES[found.kind]
+                 else "a lookup stream is saved as it is")
+        raise CachelabError(f"TRACE {found.value}: {found}: {', '.join(unused)} "
+                            f"{'does' if len(unused) == 1 else 'do'} not apply to it ({takes})")
+
+
+def requests_or_default(found: Found, requests: int | None) -> int:
+    """``--requests`` as given, else its default for the kind: every key of a key trace (0), 200
+    requests otherwise (per corpus, or a request trace's first)."""
+    if requests is not None:
+        return requests
+    return 0 if found.kind == KEY else 200
