@@ -106,6 +106,23 @@ def test_live_p99_against_overlap_draws_live_and_predicted_per_series():
     assert table.height == 6 and "predicted.p99_ttft_ms" in table.columns
 
 
+def test_a_live_sweep_without_the_overlap_axis_gets_bars_of_live_and_predicted():
+    """A live sweep over row-cache policies at one prefix overlap had no latency plot at all (the one
+    live plot needs two overlaps): bars per point, live beside predicted, seed-averaged."""
+    from cachelab.experiment.report import figures
+    from cachelab.experiment.report_live import plot_live_vs_predicted
+
+    rows = [{"axis.kind": "live", "axis.live.row_cache_policy": p, "axis.seed": seed,
+             "p99_ttft_ms": 100.0 + i + seed, "predicted.p99_ttft_ms": 90.0, "p99_tpot_ms": 30.0 + i,
+             "predicted.p99_tpot_ms": 28.0} for i, p in enumerate(("lru", "arc", "s3fifo")) for seed in (0, 2)]
+    data = ExperimentData("live", "", "{}", pl.DataFrame(rows))
+    ttft, tpot = plot_live_vs_predicted(data).axes
+    assert [t.get_text() for t in ttft.get_xticklabels()] == [f"live.row_cache_policy={p}" for p in ("arc", "lru", "s3fifo")]
+    heights = [round(b.get_height(), 6) for b in ttft.patches]
+    assert heights == [102.0, 101.0, 103.0, 90.0, 90.0, 90.0]  # live (seed-averaged), then predicted
+    assert [title for title, _ in figures(data)] == ["P99 per point, live and predicted"]
+
+
 def test_save_figures_writes_each_plot_as_png(tmp_path):
     from cachelab.experiment.report import save_figures
 

@@ -21,7 +21,7 @@ from cachelab.errors import CachelabError
 from cachelab.paths import replacing
 from cachelab.experiment.kinds import get_kind, kind_names
 from cachelab.experiment import plot_parts
-from cachelab.experiment.report_live import LIVE_COLUMNS, plot_p99_vs_overlap
+from cachelab.experiment.report_live import LIVE_COLUMNS, plot_live_vs_predicted, plot_p99_vs_overlap
 from cachelab.experiment.spec import ExperimentSpec
 from cachelab.experiment.sweep import expand
 
@@ -393,6 +393,7 @@ PLOTS = [
     ("Latency CDFs", plot_latency_cdfs),
     ("P99 vs load", plot_p99_vs_load),
     ("P99 vs prefix overlap, live and predicted", plot_p99_vs_overlap),
+    ("P99 per point, live and predicted", plot_live_vs_predicted),
     ("Pareto front: interactivity vs throughput per GPU", plot_pareto),
 ]
 

@@ -4,7 +4,8 @@ One row of panels per metric (P99 TTFT, P99 TPOT) and one column per row-cache c
 varying axis named ``*capacity``), prefix overlap on x, one colour per series (every other
 varying axis: row-cache policy, placement, concurrency), the live values solid, the
 calibrated model's prediction of the same point dashed in the same colour and, where the point
-measured its engine's CPU share, the same model at that share dotted.
+measured its engine's CPU share, the same model at that share dotted. A sweep that does not vary
+the overlap gets bars instead: per point (seed-averaged), live beside predicted.
 """
 
 from __future__ import annotations
@@ -21,15 +22,53 @@ LIVE_COLUMNS = ("p99_ttft_ms", "predicted.p99_ttft_ms", "predicted_at_share.p99_
                 "server.minor_faults_per_s", "prefix_cache.dram_bytes", "row_cache.dram_bytes", "total_token_throughput")
 
 
+def _overlaps(results: pl.DataFrame) -> int:
+    return results[OVERLAP].cast(pl.Float64).n_unique() if OVERLAP in results.columns else 0
+
+
+def plot_live_vs_predicted(data):
+    """P99 TTFT and TPOT per live point, live beside predicted, where the overlap does not vary
+    (``plot_p99_vs_overlap`` draws them otherwise): without it such a sweep had no plot at all."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    results = data.of_kind("live")
+    if results.is_empty() or "p99_ttft_ms" not in results.columns or _overlaps(results) >= 2:
+        return None
+    keys = plot_parts.series_keys(data, {"axis.kind"}, results)
+    values = [c for m in METRICS for c in (m, *(f"{p}.{m}" for p in ("predicted", "predicted_at_share")))
+              if c in results.columns]
+    df = plot_parts.numeric_capacity_order(plot_parts.mean_over_seeds(results, keys, values), keys) if keys \
+        else results.select(values).mean()
+    labels = [plot_parts.label(r, keys) for r in df.iter_rows(named=True)]
+    fig, axs = plt.subplots(1, 2, figsize=(max(8.0, 1.1 * len(labels) + 4), 4.5))
+    x = np.arange(len(labels))
+    for ax, metric in zip(axs, METRICS):
+        bars = [(c, name) for c, name in ((metric, "live"), (f"predicted.{metric}", "predicted"),
+                                          (f"predicted_at_share.{metric}", "predicted at the CPU share"))
+                if c in df.columns]
+        width = 0.8 / len(bars)
+        for i, (column, name) in enumerate(bars):
+            ax.bar(x + (i - (len(bars) - 1) / 2) * width, df[column].to_list(), width, label=name,
+                   hatch=("", "//", "..")[i], alpha=(1.0, 0.6, 0.6)[i], color="C0")
+        ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=7)
+        ax.set_ylim(bottom=0)  # bars from zero: their lengths compare
+        ax.set_ylabel(f"{metric.removesuffix('_ms').replace('_', ' ').upper()} (ms)")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=7, loc="lower right", framealpha=0.9)
+    fig.tight_layout()
+    return fig
+
+
 def plot_p99_vs_overlap(data):
     import matplotlib.pyplot as plt
 
     results = data.of_kind("live")
     if results.is_empty() or OVERLAP not in results.columns or "p99_ttft_ms" not in results.columns:
         return None
-    df = results.with_columns(pl.col(OVERLAP).cast(pl.Float64).alias("_overlap"))
-    if df["_overlap"].n_unique() < 2:
+    if _overlaps(results) < 2:
         return None
+    df = results.with_columns(pl.col(OVERLAP).cast(pl.Float64).alias("_overlap"))
     keys = plot_parts.series_keys(data, {"axis.kind", OVERLAP}, df)
     panels = [k for k in keys if k.endswith("capacity")][:1]
     keys = [k for k in keys if k not in panels]
