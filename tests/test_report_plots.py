@@ -88,6 +88,17 @@ def test_bytes_chart_orders_capacities_as_numbers(data):
     assert order == sorted(order, key=lambda c: float(c.rstrip("%")))
 
 
+def test_bytes_chart_counts_points_after_the_seeds_are_averaged():
+    """20 points x 4 seeds: 80 rows, 20 bars. The chart was left out above 60 rows, seeds counted."""
+    rows = [{"axis.kind": "replay", "axis.hbm.capacity": f"{c}%", "axis.seed": seed, "param.hbm.capacity_rows": str(c),
+             "hbm.miss_ratio": 0.5, "hbm.served_unique": 10.0 + seed, "dram_table.served_unique": 90.0}
+            for c in range(1, 21) for seed in range(4)]
+    data = ExperimentData("seeds", "", '{"hierarchy": {"tiers": [{"name": "hbm"}]}}', pl.DataFrame(rows),
+                          {"workload.row_bytes": 264.0})
+    fig = plot_tier_bytes(data)
+    assert fig is not None and len(fig.axes[0].get_yticklabels()) == 20
+
+
 def test_live_p99_against_overlap_draws_live_and_predicted_per_series():
     from cachelab.experiment.report import summary_table
     from cachelab.experiment.report_live import plot_p99_vs_overlap
