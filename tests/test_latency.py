@@ -80,6 +80,23 @@ def test_the_probe_times_the_dedup_the_ssd_patch_calls(monkeypatch):
     assert calls and all(dtype == np.int64 and kw == {"return_inverse": True} for dtype, kw in calls)
 
 
+def test_the_probe_saves_the_one_fetch_thread_the_model_charges(tmp_path, monkeypatch):
+    """Its rates are one thread's, and the fetch they cost runs on one host thread per GPU worker
+    (common.toml); the probe saved threads = os.cpu_count(), so `--hardware local` divided every
+    dedup, gather and fault cost by the machine's cores."""
+    from cachelab.serving.hardware import probe as probe_module
+
+    for name in ("memcpy_bw", "gather_rows_per_s", "dedup_rows_per_s"):
+        monkeypatch.setattr(probe_module, name, lambda: 1e9)
+    monkeypatch.setattr(probe_module, "page_faults", lambda path: {"minor_fault_s": 1e-6, "major_fault_s": 1e-4,
+                                                                   "major_faults_seen": 9})
+    monkeypatch.setattr(probe_module, "random_reads", lambda path: {"iops_4k": 1e5, "latency_s": 1e-4, "method": "x"})
+    monkeypatch.setattr(probe_module.os, "cpu_count", lambda: 16)
+    result = probe_module.probe(tmp_path, file_bytes=16 << 20)
+    assert result["cpu"]["threads"] == 1 and result["host"]["cpu_cores"] == 16
+    assert load_profile(write_profile(result, tmp_path / "local.toml")).cpu.threads == 1
+
+
 def test_a_probe_that_sees_no_major_fault_keeps_the_common_cost(tmp_path):
     """On tmpfs the file cannot leave memory: no major fault happens, and the probe saved the time of
     4,096 minor faults as the cost of one major fault (3.4 ms here, against 53 us measured on disk)."""

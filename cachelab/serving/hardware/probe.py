@@ -179,9 +179,11 @@ def probe(directory: Path | None = None, file_bytes: int = 256 << 20, progress=N
         reads = random_reads(path)
     result["host"] = {"link": "pcie", "link_bw": bw, "link_latency_s": 2e-6,
                       "dram_bytes": _dram_bytes(), "cpu_cores": os.cpu_count() or 1}
+    # threads: not a property of the machine but of the fetch the model charges, one host thread per
+    # GPU worker (common.toml's; vLLM's workers set OMP_NUM_THREADS=1): the rates above are one thread's
     result["cpu"] = {"minor_fault_s": faults["minor_fault_s"], "major_fault_s": faults["major_fault_s"],
                      "gather_rows_per_s": gather, "dedup_rows_per_s": dedup, "memcpy_bw": bw,
-                     "round_trip_s": 20e-6, "threads": os.cpu_count() or 1}
+                     "round_trip_s": 20e-6, "threads": 1}
     result["ssd"] = {"iops_4k": reads["iops_4k"], "latency_s": reads["latency_s"]}
     result["notes"] = {"major_faults_seen": faults["major_faults_seen"], "ssd_reads": reads["method"],
                        "page_cache_dropped": faults["major_faults_seen"] > 0}
