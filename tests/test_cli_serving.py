@@ -160,3 +160,17 @@ def test_the_hardware_help_offers_only_profiles_a_replay_can_serve_on():
 
     offered = HARDWARE_HELP.split(": ", 1)[1].split(", or a TOML file")[0].split(", ")
     assert sorted(offered) == builtin_names() and all(load_profile(n).gpu is not None for n in offered)
+
+
+def test_serve_sim_refuses_a_tp_degree_vllm_refuses(trace_path):
+    """TP3 was replayed, though vLLM refuses a TP degree that does not divide the attention heads."""
+    res = runner.invoke(app, ["serve-sim", "--trace", str(trace_path), "--hardware", "B200", "--placement", "dram-uva",
+                              "--tp", "3"])
+    assert res.exit_code == 2 and "--tp 3: deepseek-v4.1-flash's 64 attention heads do not split evenly" in res.output
+
+
+def test_pareto_refuses_a_tp_degree_the_model_cannot_split_before_the_grid(trace_path, tmp_path):
+    res = runner.invoke(app, ["pareto", "--trace", str(trace_path), "--hardware", "B200", "--placement", "dram-uva",
+                              "--tp", "4,6", "--concurrency", "2", "--plot", str(tmp_path / "p.png")])
+    assert res.exit_code == 2 and "--tp 6: deepseek-v4.1-flash's 64 attention heads" in res.output, res.output
+    assert "running" not in res.output

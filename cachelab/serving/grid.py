@@ -21,6 +21,7 @@ import polars as pl
 from cachelab.errors import CachelabError
 from cachelab.serving.hardware import load_profile
 from cachelab.serving.latency import PLACEMENTS
+from cachelab.serving.model_spec import ModelSpec, load_model
 from cachelab.serving.simulator import ServingConfig, simulate
 
 COLUMNS = ("hardware", "tp", "placement", "concurrency", "fits", "reason", "interactivity", "p90_interactivity",
@@ -46,6 +47,9 @@ def serving_grid(trace: pl.DataFrame, base: ServingConfig, hardware: Sequence[st
         if bad:
             raise CachelabError(f"the grid's {name} value(s) {bad}: {allowed}")
     replace(base, concurrency=None).check()
+    model = base.model if isinstance(base.model, ModelSpec) else load_model(base.model, layout=base.layout)
+    for tp in tps:  # vLLM's rule, every profile alike: before the first point
+        model.check_tp(tp)
     rows = []
     for hw, tp, placement, conc in itertools.product(hardware, tps, placements, concurrencies):
         cfg = replace(base, hardware=hw, tp=tp, placement=placement, concurrency=conc)

@@ -272,6 +272,7 @@ class LatencyModel:
         if tp < 1 or tp > hardware.gpu.nvlink_domain:
             raise CachelabError(f"--tp {tp} is outside 1..{hardware.gpu.nvlink_domain}, "
                                 f"the NVLink domain of {hardware.name}")
+        model.check_tp(tp)
         if placement.startswith("ssd") and hardware.ssd is None:
             raise CachelabError(f"placement {placement!r} needs an [ssd] section in {hardware.source}")
         if ep not in (1, tp):

@@ -125,6 +125,15 @@ class ModelSpec:
         """The MoE layers among them (a DeepSeek model's dense layers come first)."""
         return min(self.moe_layers, self.replayed_layers)
 
+    def check_tp(self, tp: int) -> None:
+        """Refuse a TP degree vLLM refuses: the attention heads must split evenly over the ranks
+        (``ModelConfig.verify_with_parallel_config``: "Total number of attention heads must be
+        divisible by tensor parallel size")."""
+        if tp < 1 or self.heads % tp:
+            fits = [d for d in range(1, self.heads + 1) if self.heads % d == 0]
+            raise CachelabError(f"--tp {tp}: {self.name}'s {self.heads} attention heads do not split evenly over "
+                                f"{tp} ranks (vLLM refuses it); use one of {fits}")
+
     def rank_dense_params(self, tp: int) -> float:
         """Dense parameters (Engram wkv included) one of ``tp`` ranks holds and multiplies each
         token through: the replicated part whole, the rest split."""
