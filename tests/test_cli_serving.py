@@ -174,3 +174,17 @@ def test_pareto_refuses_a_tp_degree_the_model_cannot_split_before_the_grid(trace
                               "--tp", "4,6", "--concurrency", "2", "--plot", str(tmp_path / "p.png")])
     assert res.exit_code == 2 and "--tp 6: deepseek-v4.1-flash's 64 attention heads" in res.output, res.output
     assert "running" not in res.output
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--placement", "hbm", "--row-cache-gib", "1"], "placement 'hbm' holds the whole table in HBM"),
+    (["--placement", "dram-uva", "--row-cache-policy", "s3fifo"], "--row-cache-policy without a row cache"),
+    (["--placement", "ssd-mmap", "--page-cache", "1GiB", "--row-cache-model", "."], "--row-cache-model without a row cache"),
+    (["--placement", "dram-uva", "--page-cache-gib", "4"], "only placement 'ssd-mmap' reads the table through"),
+    (["--placement", "ssd-direct", "--page-cache", "4GiB"], "only placement 'ssd-mmap' reads the table through"),
+])
+def test_serve_sim_refuses_a_flag_it_would_ignore(trace_path, flags, message):
+    """A row cache in front of a table wholly in HBM, a row-cache policy or model with no row cache, a
+    page cache where nothing reads through one: each was dropped without a word."""
+    res = runner.invoke(app, ["serve-sim", "--trace", str(trace_path), "--hardware", "B200", *flags])
+    assert res.exit_code == 2 and message in res.output, res.output

@@ -58,10 +58,12 @@ def serve_sim(
     prefix_cache: str = typer.Option("vllm", help="Prefix cache: vllm (hash-chained blocks), sglang (radix tree), off."),
     row_cache_gib: float = typer.Option(0.0, help="HBM row cache per GPU (GiB; its policy: --row-cache-policy) in front "
                                   "of the placement."),
-    row_cache_policy: str = typer.Option("lru", help="The row cache's policy (any registered policy)."),
+    row_cache_policy: str | None = typer.Option(None, help="The row cache's policy (any registered policy; default "
+                                                "lru). Needs a row cache (--row-cache or --row-cache-gib)."),
     row_cache_model: Path | None = typer.Option(None, help="A predictor directory (`cachelab train --out`) scoring "
                                                 "rows for a learned --row-cache-policy, online, step by step."),
-    page_cache_gib: float | None = typer.Option(None, help="Page cache for ssd-mmap (GiB; default half the host DRAM)."),
+    page_cache_gib: float | None = typer.Option(None, help="Page cache for ssd-mmap, the one placement that reads "
+                                                "through it (GiB; default half the host DRAM)."),
     row_cache: str | None = typer.Option(None, help="The row cache as rows or bytes ('512MiB', '2 GiB'), "
                                          "instead of --row-cache-gib."),
     page_cache: str | None = typer.Option(None, help="The page cache as bytes ('64GiB'), instead of --page-cache-gib."),
@@ -83,18 +85,20 @@ def serve_sim(
     from cachelab.engram import get_preset
     from cachelab.serving.simulator import ServingConfig, simulate
 
-    df = _read(trace, max_requests, "serve-sim")
     row_bytes = get_preset(ServingConfig.layout).row_bytes
     row_cache_bytes = row_cache_gib * GIB if row_cache is None else \
         float(parse_capacity(row_cache, "--row-cache").bytes(row_bytes, "--row-cache"))
     page_cache_bytes = (None if page_cache_gib is None else page_cache_gib * GIB) if page_cache is None else \
         float(parse_capacity(page_cache, "--page-cache").bytes(1, "--page-cache"))
+    _applies(placement, row_cache_bytes, row_cache_policy, row_cache_model, page_cache_bytes)
     cfg = ServingConfig(hardware=hardware, placement=placement, tp=tp, concurrency=concurrency,
-                        prefix_cache=prefix_cache, row_cache_bytes=row_cache_bytes, row_cache_policy=row_cache_policy,
+                        prefix_cache=prefix_cache, row_cache_bytes=row_cache_bytes,
+                        row_cache_policy=row_cache_policy or "lru",
                         row_cache_model=None if row_cache_model is None else str(row_cache_model),
                         page_cache_bytes=page_cache_bytes,
                         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                         sample_rate=sample_rate)
+    df = _read(trace, max_requests, "serve-sim")
     result = simulate(df, cfg, progress=True).to_dict()
     from cachelab.trace.stats import server_cache
 
@@ -108,6 +112,20 @@ def serve_sim(
         typer.echo(strict_json.dumps(result))
         return
     _print_result(result)
+
+
+def _applies(placement: str, row_cache_bytes: float, row_cache_policy: str | None, row_cache_model: Path | None,
+             page_cache_bytes: float | None) -> None:
+    """Refuse a cache flag the placement or the other flags leave without effect (each was ignored)."""
+    if row_cache_bytes and placement == "hbm":
+        raise CachelabError("--row-cache: placement 'hbm' holds the whole table in HBM; no row cache goes in front of "
+                            "it (leave the row cache out, or pick another placement)")
+    if not row_cache_bytes and (row_cache_policy is not None or row_cache_model is not None):
+        flag = "--row-cache-policy" if row_cache_policy is not None else "--row-cache-model"
+        raise CachelabError(f"{flag} without a row cache: give its size (--row-cache '2 GiB' or --row-cache-gib 2)")
+    if page_cache_bytes is not None and placement != "ssd-mmap":
+        raise CachelabError(f"--page-cache: only placement 'ssd-mmap' reads the table through the OS page cache, "
+                            f"not {placement!r}")
 
 
 def _print_result(result: dict) -> None:
