@@ -188,3 +188,24 @@ def test_serve_sim_refuses_a_flag_it_would_ignore(trace_path, flags, message):
     page cache where nothing reads through one: each was dropped without a word."""
     res = runner.invoke(app, ["serve-sim", "--trace", str(trace_path), "--hardware", "B200", *flags])
     assert res.exit_code == 2 and message in res.output, res.output
+
+
+def test_serve_sim_counts_goodput_as_vllm_bench_does(trace_path):
+    """`--goodput ttft:MS tpot:MS` as `vllm bench serve` and `cachelab bench serve` take it (the flag
+    was missing: serve-sim had no goodput)."""
+    base = ["serve-sim", "--trace", str(trace_path), "--hardware", "B200", "--placement", "dram-uva", "--tp", "4",
+            "--concurrency", "8", "--json"]
+    res = runner.invoke(app, [*base, "--goodput", "ttft:1e9", "tpot:1e9"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    m = out["metrics"]
+    assert out["goodput_slos_ms"] == {"ttft": 1e9, "tpot": 1e9}
+    assert m["request_goodput"] == pytest.approx(m["request_throughput"])  # every request meets both
+    ttft = m["median_ttft_ms"]  # about half the requests meet a TTFT SLO at the median
+    res = runner.invoke(app, [*base, "--goodput", f"ttft:{ttft}", "--goodput", "e2el:1e9"])
+    assert res.exit_code == 0, res.output
+    m = json.loads(res.stdout)["metrics"]
+    assert 0 < m["request_goodput"] < m["request_throughput"]
+    assert "request_goodput" in m and json.loads(runner.invoke(app, base).stdout)["metrics"]["request_goodput"] is None
+    res = runner.invoke(app, [*base, "--goodput", "itl:5"])
+    assert res.exit_code == 2 and "expected NAME:MS with NAME one of ttft, tpot, e2el" in res.output

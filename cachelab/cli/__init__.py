@@ -63,7 +63,7 @@ def _register() -> None:
     app.command("quickstart")(quickstart.quickstart)
     app.command("simulate")(cache.simulate)
     app.command("mrc")(cache.mrc)
-    app.command("serve-sim")(serving.serve_sim)
+    app.command("serve-sim", context_settings={"allow_extra_args": True})(serving.serve_sim)
     app.command("serve")(live.serve)
     app.command("pareto")(serving.pareto)
     app.add_typer(serving.hw_app, name="hw")

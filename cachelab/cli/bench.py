@@ -16,6 +16,21 @@ from cachelab.progress import progress_bar
 app = typer.Typer(no_args_is_help=True, help="Benchmark live servers (load generator, server metrics).")
 
 
+GOODPUT_HELP = ("SLOs NAME:MS (ttft, tpot, e2el), as vLLM takes them: --goodput ttft:500 tpot:50; request_goodput "
+                "counts requests meeting all.")
+
+
+def goodput_slos(ctx: typer.Context, goodput: list[str] | None) -> dict[str, float]:
+    """``--goodput``'s SLOs, vLLM's form (``--goodput ttft:MS tpot:MS``: the values after the first
+    arrive as extra arguments; the command allows them) or repeated; any other extra argument is refused."""
+    from cachelab.errors import CachelabError
+    from cachelab.serving.metrics import parse_goodput
+
+    if ctx.args and not goodput:
+        raise CachelabError(f"unexpected argument(s) {ctx.args}")
+    return parse_goodput([*(goodput or []), *ctx.args])
+
+
 @app.command("serve", context_settings={"allow_extra_args": True})
 def serve(
     ctx: typer.Context,
@@ -28,9 +43,7 @@ def serve(
                                             "Default: the trace's own arrival times."),
     burstiness: float = typer.Option(1.0, "--burstiness", help="Gamma shape of the gaps with --request-rate: "
                                                                 "1 is Poisson, < 1 burstier, > 1 more even."),
-    goodput: list[str] = typer.Option(None, "--goodput", help="SLOs NAME:MS (ttft, tpot, e2el), as vLLM takes them: "
-                                                              "--goodput ttft:500 tpot:50; request_goodput counts "
-                                                              "requests meeting all."),
+    goodput: list[str] = typer.Option(None, "--goodput", help=GOODPUT_HELP),
     num_prompts: int = typer.Option(None, "--num-prompts", help="Send the trace's first N requests (default all)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the --request-rate arrival draws."),
     ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos",
@@ -47,13 +60,9 @@ def serve(
     Failed requests are counted with their reasons, never dropped; Ctrl-C keeps what finished."""
     from cachelab.bench.client import BenchConfig, run_bench
     from cachelab.bench.plan import plan_from_trace
-    from cachelab.errors import CachelabError
     from cachelab.paths import output_file, output_folder
-    from cachelab.serving.metrics import parse_goodput
 
-    if ctx.args and not goodput:
-        raise CachelabError(f"unexpected argument(s) {ctx.args}")
-    slos = parse_goodput([*(goodput or []), *ctx.args])  # vLLM's `--goodput ttft:MS tpot:MS` (several values)
+    slos = goodput_slos(ctx, goodput)
     if save_result is not None:
         output_folder(save_result.parent, "--save-result")
         output_file(save_result, "--save-result")

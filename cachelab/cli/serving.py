@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cachelab import strict_json
+from cachelab.cli.bench import GOODPUT_HELP, goodput_slos
 from cachelab.errors import CachelabError
 from cachelab.paths import output_file, output_folder, replacing
 from cachelab.progress import progress_bar, spinner
@@ -50,6 +51,7 @@ def _fmt(v) -> str:
 
 
 def serve_sim(
+    ctx: typer.Context,
     trace: str = typer.Option(..., help=REQUEST_TRACE_HELP),
     hardware: str = typer.Option(..., help=HARDWARE_HELP),
     placement: str = typer.Option(..., help=PLACEMENT_HELP),
@@ -72,6 +74,7 @@ def serve_sim(
     sample_rate: float = typer.Option(1.0, help="Spatial row sampling rate (0.01 = 1% of pages)."),
     max_requests: int | None = typer.Option(None, min=1, help="Replay only the first N requests."),
     overlap: bool = typer.Option(False, "--overlap", help="Also replay with the prefix cache off, to show the row cache's overlap with it."),
+    goodput: list[str] = typer.Option(None, "--goodput", help=GOODPUT_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Replay a trace through the scheduler, prefix cache, Engram rows and latency model.
@@ -85,6 +88,7 @@ def serve_sim(
     from cachelab.engram import get_preset
     from cachelab.serving.simulator import ServingConfig, simulate
 
+    slos = goodput_slos(ctx, goodput)
     row_bytes = get_preset(ServingConfig.layout).row_bytes
     row_cache_bytes = row_cache_gib * GIB if row_cache is None else \
         float(parse_capacity(row_cache, "--row-cache").bytes(row_bytes, "--row-cache"))
@@ -99,14 +103,16 @@ def serve_sim(
                         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                         sample_rate=sample_rate)
     df = _read(trace, max_requests, "serve-sim")
-    result = simulate(df, cfg, progress=True).to_dict()
+    result = simulate(df, cfg, progress=True, goodput=slos).to_dict()
+    if slos:
+        result["goodput_slos_ms"] = slos
     from cachelab.trace.stats import server_cache
 
     result["prefix_cache"].update(server_cache(df))  # a captured trace: the real server's, beside the simulated
     if overlap:
         from dataclasses import replace
 
-        off = simulate(df, replace(cfg, prefix_cache="off"), progress=True).to_dict()
+        off = simulate(df, replace(cfg, prefix_cache="off"), progress=True, goodput=slos).to_dict()
         result["prefix_cache_off"] = {"metrics": off["metrics"], "row_cache": off["row_cache"]}
     if as_json:
         typer.echo(strict_json.dumps(result))
@@ -144,6 +150,9 @@ def _print_result(result: dict) -> None:
                   f"interactivity {m['interactivity']:.1f} tok/s/user (P90 {m['p90_interactivity']:.1f}); "
                   f"${m.get('cost_per_million_tokens', float('nan')):.3f} per M tokens, "
                   f"{m.get('tokens_per_dollar', float('nan')) / 1e6:.1f} M tokens/$; stall {m['stall_share']:.1%} of step time")
+    if "goodput_slos_ms" in result:
+        slos = ", ".join(f"{k.upper()} <= {v:g} ms" for k, v in result["goodput_slos_ms"].items())
+        console.print(f"goodput {m['request_goodput']:.3f} req/s of {m['request_throughput']:.3f} ({slos})")
     p = result["prefix_cache"]
     console.print(f"prefix cache ({p['kind']}): hit ratio {p['hit_ratio']:.3f} ({p['hit_ratio_definition']}), "
                   f"peak footprint {p['cached_tokens_peak']:,} tokens = {p['footprint_bytes_peak'] / GIB:.2f} GiB "

@@ -123,10 +123,11 @@ def peak_per_second(times: RequestTimes) -> dict:
 
 
 def summarize(times: RequestTimes, num_gpus: int, usd_per_gpu_hour: float | None,
-              percentiles=PERCENTILES) -> dict:
-    """The vLLM bench serve result dict plus InferenceX's per-GPU and cost figures (NaN where the
-    hardware has no price: the keys are always there)."""
-    out = request_metrics(times, percentiles=percentiles)
+              percentiles=PERCENTILES, goodput: dict[str, float] | None = None) -> dict:
+    """The vLLM bench serve result dict (``goodput``: its SLOs, see ``request_metrics``) plus
+    InferenceX's per-GPU and cost figures (NaN where the hardware has no price: the keys are
+    always there)."""
+    out = request_metrics(times, percentiles=percentiles, goodput=goodput)
     out["duration_s"] = out["duration"]
     per_gpu = out["total_token_throughput"] / num_gpus
     out["num_gpus"] = num_gpus

@@ -302,10 +302,12 @@ class ServingSimulator:
         return learned_policy(name, self.learned)
 
     def run(self, on_step: Callable[[StepRecord], None] | None = None,
-            scorer_calls: list | None = None) -> ServingResult:
+            scorer_calls: list | None = None, goodput: dict[str, float] | None = None) -> ServingResult:
         """Replay the trace; ``on_step`` sees every completed step record (for a lookup stream);
         ``scorer_calls`` (a list) gets each learned-scorer call's ``(thread CPU seconds,
-        sequences, lookups, distinct rows)``, warm-up included (``ScorerCost.fit`` takes them)."""
+        sequences, lookups, distinct rows)``, warm-up included (``ScorerCost.fit`` takes them);
+        ``goodput``: SLOs in ms by metric, as ``vllm bench serve --goodput`` takes them
+        (``metrics.parse_goodput``), counted in ``request_goodput``."""
         cfg, lat = self.config, self.latency
         n = len(self.seqs)
         scheduler = Scheduler(kv_pool(cfg.prefix_cache, self.kv_tokens, cfg.block_size),
@@ -450,10 +452,10 @@ class ServingSimulator:
                     on_step(step)
         preemptions = np.array([r.preemptions for r in requests[w:]], np.int64)
         return self._result(scheduler.kv, replay, send[w:], first[w:], end[w:], times[w:], cached_first[w:],
-                            preemptions, steps, peak_cached, fetch_parts)
+                            preemptions, steps, peak_cached, fetch_parts, goodput)
 
     def _result(self, cache, replay, send, first, end, times, cached_first, preemptions, steps, peak_cached,
-                fetch_parts):
+                fetch_parts, goodput):
         """The measured requests' results (the warm-up's left out)."""
         cfg = self.config
         plen, olen = self.plen[self.num_warmup:], self.olen[self.num_warmup:]
@@ -461,7 +463,7 @@ class ServingSimulator:
         rt = RequestTimes(send, first, end, plen, olen,
                           np.concatenate([np.asarray(t) for t in times]) if times else np.zeros(0),
                           np.concatenate([[0], np.cumsum(counts)]))
-        metrics = summarize(rt, cfg.tp, self.hw.usd_per_gpu_hour)
+        metrics = summarize(rt, cfg.tp, self.hw.usd_per_gpu_hour, goodput=goodput)
         per_step = pl.DataFrame(steps)
         metrics["steps"] = per_step.height
         metrics["mean_stall_ms"] = float(per_step["stall_s"].mean() * 1e3)
@@ -495,7 +497,8 @@ class ServingSimulator:
 
 
 def simulate(trace: pl.DataFrame, config: ServingConfig, progress: bool = False,
-             warmup: pl.DataFrame | None = None, scorer_calls: list | None = None) -> ServingResult:
+             warmup: pl.DataFrame | None = None, scorer_calls: list | None = None,
+             goodput: dict[str, float] | None = None) -> ServingResult:
     """Run one serving replay (see ``ServingSimulator``; ``warmup``: requests served first, unmeasured;
-    ``scorer_calls``: see ``ServingSimulator.run``)."""
-    return ServingSimulator(trace, config, progress, warmup=warmup).run(scorer_calls=scorer_calls)
+    ``scorer_calls``, ``goodput``: see ``ServingSimulator.run``)."""
+    return ServingSimulator(trace, config, progress, warmup=warmup).run(scorer_calls=scorer_calls, goodput=goodput)
