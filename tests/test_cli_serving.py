@@ -209,3 +209,15 @@ def test_serve_sim_counts_goodput_as_vllm_bench_does(trace_path):
     assert "request_goodput" in m and json.loads(runner.invoke(app, base).stdout)["metrics"]["request_goodput"] is None
     res = runner.invoke(app, [*base, "--goodput", "itl:5"])
     assert res.exit_code == 2 and "expected NAME:MS with NAME one of ttft, tpot, e2el" in res.output
+
+
+def test_serve_sim_reports_the_rate_its_sample_kept(trace_path):
+    """The hash's threshold rounds the rate asked for; the counts are scaled by the rate it keeps,
+    which --json did not show."""
+    from cachelab.engine.sampling import effective_rate
+
+    res = runner.invoke(app, ["serve-sim", "--trace", str(trace_path), "--hardware", "B200", "--placement", "dram-uva",
+                              "--tp", "4", "--sample-rate", "0.3", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)["row_cache"]
+    assert rows["sample_rate"] == 0.3 and rows["effective_sample_rate"] == effective_rate(0.3) != 0.3

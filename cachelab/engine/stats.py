@@ -108,15 +108,18 @@ class SampledLevel(_Flat):
 @dataclass(frozen=True, slots=True)
 class SampledStats:
     """Totals of a stepped (optionally sampled) replay, counts divided by the rate the sample
-    keeps (``sampling.effective_rate``; ``sample_rate`` is the rate asked for)."""
+    keeps (``effective_sample_rate``, ``sampling.effective_rate``: the hash's threshold rounds
+    ``sample_rate``, the rate asked for)."""
 
     sample_rate: float
+    effective_sample_rate: float
     lookups: float
     unique_rows: float
     page_reads: float
     levels: dict[str, SampledLevel] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {"sample_rate": self.sample_rate, "lookups": self.lookups, "unique_rows": self.unique_rows,
+        return {"sample_rate": self.sample_rate, "effective_sample_rate": self.effective_sample_rate,
+                "lookups": self.lookups, "unique_rows": self.unique_rows,
                 "levels": {name: level.to_dict() for name, level in self.levels.items()},
                 "page_reads": self.page_reads}

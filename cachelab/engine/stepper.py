@@ -310,5 +310,5 @@ class StepReplay:
         levels = {name: SampledLevel(float(unique[i] / reach[i]) if reach[i] else 0.0, float(unique[i] * scale),
                                      float(unique[i] * scale * rb))
                   for i, name in enumerate(self.hierarchy.levels)}
-        return SampledStats(self.rate, float(self.totals_lookups.sum() * scale), float(unique.sum() * scale),
+        return SampledStats(self.rate, self.kept, float(self.totals_lookups.sum() * scale), float(unique.sum() * scale),
                             float(self.total_page_reads.sum() * scale), levels)
