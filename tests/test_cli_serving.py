@@ -221,3 +221,6 @@ def test_serve_sim_reports_the_rate_its_sample_kept(trace_path):
     assert res.exit_code == 0, res.output
     rows = json.loads(res.stdout)["row_cache"]
     assert rows["sample_rate"] == 0.3 and rows["effective_sample_rate"] == effective_rate(0.3) != 0.3
+    res = runner.invoke(app, ["serve-sim", "--trace", str(trace_path), "--hardware", "B200", "--placement", "dram-uva",
+                              "--tp", "4", "--sample-rate", "0.3"])
+    assert res.exit_code == 0 and f"[sampled at 0.3: the hash kept {effective_rate(0.3):.8g}]" in " ".join(res.output.split())

@@ -177,8 +177,8 @@ def _print_rows(console: Console, title: str, rows: dict) -> None:
                 f"resident {rows['row_cache_resident_bytes'] / GIB:.2f} GiB"
     console.print(f"{title}: {rows['lookups']:,.0f} lookups, {rows['unique_rows']:,.0f} unique per step; "
                   f"hit ratio per level (per unique row) {levels}; {rows['page_reads']:,.0f} SSD page reads{extra}"
-                  + (f" [sampled at {rows['sample_rate']}: the hash kept {rows['effective_sample_rate']:.6g}]"
-                     if rows["sample_rate"] < 1 else ""))
+                  + (f" \\[sampled at {rows['sample_rate']}: the hash kept {rows['effective_sample_rate']:.8g}]"
+                     if rows["sample_rate"] < 1 else ""))  # \\[: a bracket, not rich markup (which ate the note)
 
 
 def _ints(text: str, flag: str) -> list[int]:
