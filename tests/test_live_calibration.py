@@ -131,6 +131,23 @@ def test_calibrate_fits_one_run_and_validates_the_other(step_logs, tmp_path):
     assert set(r["summary_at_share"]) == set(r["summary"]) and set(held["predicted_at_share"]) == set(held["predicted"])
 
 
+def test_pearson_r_needs_three_held_out_runs():
+    """Through two points any line passes: r was +-1 with two held-out runs, whatever the model."""
+    from cachelab import strict_json
+    from cachelab.serving.live_calibration import METRICS, _errors, pearson_text
+
+    def run(live, predicted):
+        return {"live": dict.fromkeys(METRICS, live), "predicted": dict.fromkeys(METRICS, predicted)}
+
+    two = _errors([run(10.0, 30.0), run(20.0, 11.0)])  # predicted falls as live rises: r was -1
+    for e in two.values():
+        assert np.isnan(e["pearson_r"]) and e["points"] == 2 and e["mape"] == pytest.approx((2.0 + 0.45) / 2)
+        assert pearson_text(e) == "r n/a (2 held-out run(s): r needs 3)"
+    three = _errors([run(10.0, 30.0), run(20.0, 11.0), run(30.0, 35.0)])
+    assert all(np.isfinite(e["pearson_r"]) and abs(e["pearson_r"]) < 1 for e in three.values())
+    assert all(e["pearson_r"] is None for e in json.loads(strict_json.dumps(two)).values())  # null in --json
+
+
 def test_a_share_of_a_core_scales_every_fitted_time():
     from cachelab.live.config import model_config
     from cachelab.serving.hardware import load_profile

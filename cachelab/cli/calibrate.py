@@ -44,7 +44,7 @@ def calibrate(
     attention time (`attention_s`), the host overheads on the untimed rest of the step; older
     logs on the step's compute whole (the JSON's `fit_mode` and `fit_note`). Then replay each held-out run's schedule on the
     predicted clock: live against predicted mean and P99 TTFT/TPOT per run, with MAPE, signed
-    bias and Pearson r over the held-out runs. The engine CPU share (the engine thread's CPU
+    bias and Pearson r over the held-out runs (from three on; null below). The engine CPU share (the engine thread's CPU
     over its wall time) says how much a run waited for a core or the GIL; the same errors are
     also given for the predictions at each run's measured share (the fitted times scaled by the
     fit runs' share over the run's)."""
@@ -55,7 +55,7 @@ def calibrate(
 
     from cachelab.live.config import model_config
     from cachelab.serving.hardware import load_profile
-    from cachelab.serving.live_calibration import (METRICS, PER_OPERATOR, calibrate as run, find_runs,
+    from cachelab.serving.live_calibration import (METRICS, PER_OPERATOR, calibrate as run, find_runs, pearson_text,
                                                    write_profile)
 
     runs = find_runs(step_log)
@@ -93,4 +93,4 @@ def calibrate(
             console.print(f"{p['run']} ms per step, live / predicted: " + "; ".join(cells))
     for label, summary in (("held-out", result.summary), ("held-out, at each run's CPU share", result.summary_at_share)):
         for m, e in (summary or {}).items():
-            console.print(f"{label} {m}: MAPE {e['mape']:.1%}, bias {e['bias']:+.1%}, Pearson r {e['pearson_r']:.3f}")
+            console.print(f"{label} {m}: MAPE {e['mape']:.1%}, bias {e['bias']:+.1%}, Pearson {pearson_text(e)}")

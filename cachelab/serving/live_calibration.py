@@ -26,8 +26,9 @@ its TPOT is the mean gap between its later tokens. A P99 is a tail one slow step
 the predicted P99s are the mean over replays whose steps vary about the model as the fit runs'
 steps did (their live / predicted ratios, scaled to mean 1, drawn in stretches of consecutive
 steps: a slow stretch of a live run slows every token of the requests it spans). Live and predicted mean and P99
-per run, MAPE, signed bias and Pearson r over the held-out runs; and the same at each run's
-measured engine CPU share (``at_cpu_share``).
+per run, MAPE, signed bias and Pearson r over the held-out runs (r from three runs on: through
+two points it is +-1 whatever the model); and the same at each run's measured engine CPU share
+(``at_cpu_share``).
 """
 
 from __future__ import annotations
@@ -298,8 +299,12 @@ def at_cpu_share(eff: Efficiency, factor: float) -> Efficiency:
                    **{k: getattr(eff, k) / factor for k in OVERHEADS})
 
 
+MIN_POINTS_FOR_R = 3  # through two points any line passes: their Pearson r is +-1 whatever the model
+
+
 def _errors(points: list[dict]) -> dict:
-    """Per metric over the points: MAPE and signed bias (fractions of live) and Pearson r."""
+    """Per metric over the points: MAPE and signed bias (fractions of live) and Pearson r (NaN,
+    null in JSON, over fewer than ``MIN_POINTS_FOR_R`` points or where either side is constant)."""
     out = {}
     for m in METRICS:
         pairs = np.array([(p["live"][m], p["predicted"][m]) for p in points
@@ -307,9 +312,19 @@ def _errors(points: list[dict]) -> dict:
         if not len(pairs):
             continue
         rel = (pairs[:, 1] - pairs[:, 0]) / pairs[:, 0]
-        r = float(np.corrcoef(pairs[:, 0], pairs[:, 1])[0, 1]) if len(pairs) > 1 and pairs.std(0).all() else float("nan")
+        r = (float(np.corrcoef(pairs[:, 0], pairs[:, 1])[0, 1]) if len(pairs) >= MIN_POINTS_FOR_R and pairs.std(0).all()
+             else float("nan"))
         out[m] = {"mape": float(np.abs(rel).mean()), "bias": float(rel.mean()), "pearson_r": r, "points": len(pairs)}
     return out
+
+
+def pearson_text(errors: dict) -> str:
+    """``errors``' Pearson r as text, or why there is none."""
+    if np.isfinite(errors["pearson_r"]):
+        return f"r {errors['pearson_r']:.3f}"
+    if errors["points"] < MIN_POINTS_FOR_R:
+        return f"r n/a ({errors['points']} held-out run(s): r needs {MIN_POINTS_FOR_R})"
+    return "r n/a (live or predicted constant over the runs)"
 
 
 def warm_steps(frame: pl.DataFrame, warmup_requests: int) -> np.ndarray:
@@ -534,7 +549,7 @@ def write_profile(result: Calibration, hardware: HardwareProfile, threads: int, 
              f"{result.warmup_requests} warm-up request(s) per run left out"
              + (f", steps under {result.fit_min_step_share} of a core left out" if result.fit_min_step_share else "")
              + f"); {result.fit_note}."]
-    lines += [f"# held-out {m}: MAPE {e['mape']:.3f}, bias {e['bias']:+.3f}, r {e['pearson_r']:.3f}"
+    lines += [f"# held-out {m}: MAPE {e['mape']:.3f}, bias {e['bias']:+.3f}, {pearson_text(e)}"
               for m, e in result.summary.items()]
     lines += [f'name = "{hw.name}-calibrated"', "", "[efficiency]"]
     lines += [f"{k} = {float(getattr(result.efficiency, k))!r}" for k in FITTED]
