@@ -224,3 +224,12 @@ def test_serve_sim_reports_the_rate_its_sample_kept(trace_path):
     res = runner.invoke(app, ["serve-sim", "--trace", str(trace_path), "--hardware", "B200", "--placement", "dram-uva",
                               "--tp", "4", "--sample-rate", "0.3"])
     assert res.exit_code == 0 and f"[sampled at 0.3: the hash kept {effective_rate(0.3):.8g}]" in " ".join(res.output.split())
+
+
+def test_pareto_names_a_plot_format_matplotlib_cannot_write_before_the_grid(trace_path, tmp_path):
+    """`--plot front.txt` ran the whole grid, then ended in matplotlib's ValueError traceback."""
+    plot = tmp_path / "front.txt"
+    res = runner.invoke(app, ["pareto", "--trace", str(trace_path), "--hardware", "B200", "--placement", "dram-uva",
+                              "--tp", "4", "--concurrency", "2", "--plot", str(plot)])
+    assert res.exit_code == 2 and f"--plot {plot}: not an image format matplotlib writes ('txt')" in res.output
+    assert "running" not in res.output and not plot.exists()

@@ -206,11 +206,12 @@ def pareto(
     --placement ssd-mmap --tp 4,8`."""
     import polars as pl
 
-    from cachelab.serving.pareto import pareto_front, plot_fronts
+    from cachelab.serving.pareto import pareto_front, plot_fronts, plot_format
     from cachelab.serving.simulator import ServingConfig
     from cachelab.serving.grid import serving_grid
 
     output_file(plot, "--plot")  # before the grid, which can take hours
+    plot_format(plot)
     df = _read(trace, None, "pareto")
     with spinner("the grid") as status:
         def running(point: str) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
+from cachelab.errors import CachelabError
 from cachelab.paths import replacing
 
 
@@ -47,6 +48,20 @@ def dominated(points: pl.DataFrame, by: pl.DataFrame, x: str = "interactivity", 
     return np.any((bx >= px) & (by_ >= py) & ((bx > px) | (by_ > py)), axis=1)
 
 
+def plot_format(path, flag: str = "--plot") -> str:
+    """The image format ``path``'s suffix names (matplotlib's default, PNG, without one); a
+    suffix matplotlib cannot write is refused, so a caller can check it before the work."""
+    from matplotlib import rcParams
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    fmt = Path(path).suffix[1:].lower() or rcParams["savefig.format"]
+    supported = FigureCanvasBase.get_supported_filetypes()
+    if fmt not in supported:
+        raise CachelabError(f"{flag} {path}: not an image format matplotlib writes ({fmt!r}); name it .png, or "
+                            f"one of {sorted(supported)}")
+    return fmt
+
+
 def plot_fronts(points: pl.DataFrame, group: str, path, title: str, mark_interactivity: float | None = None,
                 x: str = "interactivity", y: str = "tokens_per_s_per_gpu",
                 xlabel: str = "interactivity (tok/s/user = 1000 / median TPOT ms)") -> None:
@@ -71,5 +86,5 @@ def plot_fronts(points: pl.DataFrame, group: str, path, title: str, mark_interac
     ax.legend(fontsize=8)
     fig.tight_layout()
     with replacing(path) as tmp:  # the format from the name asked for, not the scratch file's
-        fig.savefig(tmp, format=Path(path).suffix[1:] or plt.rcParams["savefig.format"])
+        fig.savefig(tmp, format=plot_format(path))
     plt.close(fig)
