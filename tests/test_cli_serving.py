@@ -233,3 +233,15 @@ def test_pareto_names_a_plot_format_matplotlib_cannot_write_before_the_grid(trac
                               "--tp", "4", "--concurrency", "2", "--plot", str(plot)])
     assert res.exit_code == 2 and f"--plot {plot}: not an image format matplotlib writes ('txt')" in res.output
     assert "running" not in res.output and not plot.exists()
+
+
+def test_serve_sim_refuses_a_row_cache_policy_that_needs_the_future_before_the_row_space(trace_path, monkeypatch):
+    """Belady needs each row's next use, which a step-by-step replay cannot see: it was refused at the
+    first step, after the pass that addresses the whole trace (minutes on the Mooncake hour)."""
+    from cachelab.serving import simulator
+
+    monkeypatch.setattr(simulator, "build_row_space", lambda *a, **k: pytest.fail("the row space was built first"))
+    monkeypatch.setattr(simulator, "TABLE_SPACE_ROWS", 0)  # the space from the trace's tokens, as unsampled runs do
+    res = runner.invoke(app, ["serve-sim", "--trace", str(trace_path), "--hardware", "B200", "--placement", "dram-uva",
+                              "--tp", "4", "--row-cache", "200", "--row-cache-policy", "belady"])
+    assert res.exit_code == 2 and "row_cache_policy 'belady' needs each row's next use" in res.output, res.output

@@ -286,6 +286,9 @@ class ServingSimulator:
         cfg = self.config
         name = cfg.row_cache_policy
         policy = registry.make_policy(name)
+        if policy.capabilities.needs_future:  # before the row space pass, not at the first step
+            raise CachelabError(f"row_cache_policy {name!r} needs each row's next use (it declares needs_future): a "
+                                "serving replay decides step by step and cannot see it; use an online policy")
         needs = policy.capabilities.needs_scores
         if needs and cfg.row_cache_model is None:
             raise CachelabError(f"row_cache_policy {name!r} needs predictor scores: give row_cache_model (a "
