@@ -182,10 +182,15 @@ def test_pareto_refuses_a_tp_degree_the_model_cannot_split_before_the_grid(trace
     (["--placement", "ssd-mmap", "--page-cache", "1GiB", "--row-cache-model", "."], "--row-cache-model without a row cache"),
     (["--placement", "dram-uva", "--page-cache-gib", "4"], "only placement 'ssd-mmap' reads the table through"),
     (["--placement", "ssd-direct", "--page-cache", "4GiB"], "only placement 'ssd-mmap' reads the table through"),
+    (["--placement", "ssd-mmap", "--row-cache-gib", "1", "--row-cache", "2GiB"],
+     "--row-cache-gib 1 and --row-cache '2GiB' both size the row cache: give one"),
+    (["--placement", "ssd-mmap", "--page-cache-gib", "1", "--page-cache", "2GiB"],
+     "--page-cache-gib 1 and --page-cache '2GiB' both size the page cache: give one"),
 ])
 def test_serve_sim_refuses_a_flag_it_would_ignore(trace_path, flags, message):
     """A row cache in front of a table wholly in HBM, a row-cache policy or model with no row cache, a
-    page cache where nothing reads through one: each was dropped without a word."""
+    page cache where nothing reads through one, a size given twice (--row-cache won): each was
+    dropped without a word."""
     res = runner.invoke(app, ["serve-sim", "--trace", str(trace_path), "--hardware", "B200", *flags])
     assert res.exit_code == 2 and message in res.output, res.output
 

@@ -58,8 +58,8 @@ def serve_sim(
     tp: int = typer.Option(8, help="Tensor-parallel degree (GPUs of the replica)."),
     concurrency: int | None = typer.Option(None, help="At most this many requests in flight (vllm bench --max-concurrency)."),
     prefix_cache: str = typer.Option("vllm", help="Prefix cache: vllm (hash-chained blocks), sglang (radix tree), off."),
-    row_cache_gib: float = typer.Option(0.0, help="HBM row cache per GPU (GiB; its policy: --row-cache-policy) in front "
-                                  "of the placement."),
+    row_cache_gib: float | None = typer.Option(None, help="HBM row cache per GPU (GiB; its policy: --row-cache-policy) "
+                                               "in front of the placement (default none)."),
     row_cache_policy: str | None = typer.Option(None, help="The row cache's policy (any registered policy; default "
                                                 "lru). Needs a row cache (--row-cache or --row-cache-gib)."),
     row_cache_model: Path | None = typer.Option(None, help="A predictor directory (`cachelab train --out`) scoring "
@@ -90,7 +90,11 @@ def serve_sim(
 
     slos = goodput_slos(ctx, goodput)
     row_bytes = get_preset(ServingConfig.layout).row_bytes
-    row_cache_bytes = row_cache_gib * GIB if row_cache is None else \
+    for name, gib, text in (("row", row_cache_gib, row_cache), ("page", page_cache_gib, page_cache)):
+        if gib is not None and text is not None:  # one was ignored
+            raise CachelabError(f"--{name}-cache-gib {gib:g} and --{name}-cache {text!r} both size the {name} cache: "
+                                "give one")
+    row_cache_bytes = (row_cache_gib or 0.0) * GIB if row_cache is None else \
         float(parse_capacity(row_cache, "--row-cache").bytes(row_bytes, "--row-cache"))
     page_cache_bytes = (None if page_cache_gib is None else page_cache_gib * GIB) if page_cache is None else \
         float(parse_capacity(page_cache, "--page-cache").bytes(1, "--page-cache"))
