@@ -13,8 +13,9 @@ from typer.testing import CliRunner
 
 from cachelab.cli import app
 from cachelab.errors import CachelabError
+from cachelab.serving.calibration import nonnegative_lstsq
 from cachelab.serving.live_calibration import (LIVE_BASE, at_cpu_share, cpu_hardware, fit_cpu_share, model_spec,
-                                               nonnegative_lstsq, replay_clock, request_times, warm_steps)
+                                               replay_clock, request_times, warm_steps)
 from test_bench_serve import make_trace
 
 runner = CliRunner()

@@ -299,6 +299,25 @@ def fit(points: list[Point], start: Efficiency = Efficiency(), max_evals: int = 
     return pattern_search(lambda eff: _loss(points, eff), start, FITTED, max_evals, progress)
 
 
+def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, float]:
+    """``min |a x - b|^2`` over ``x >= 0`` for a few columns: the best of the least-squares
+    solutions on every subset of columns whose solution is non-negative (exact for a few)."""
+    from itertools import combinations
+
+    best_x, best = np.zeros(a.shape[1]), float(b @ b)
+    for k in range(1, a.shape[1] + 1):
+        for cols in combinations(range(a.shape[1]), k):
+            x_sub = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
+            if (x_sub < 0).any():
+                continue
+            x = np.zeros(a.shape[1])
+            x[list(cols)] = x_sub
+            r = a @ x - b
+            if float(r @ r) < best:
+                best_x, best = x, float(r @ r)
+    return best_x, best
+
+
 def pattern_search(loss_of: Callable[[Efficiency], float], start: Efficiency, names: tuple[str, ...],
                    max_evals: int = 150, progress: Callable[[int, int], None] | None = None) -> tuple[Efficiency, float]:
     """Pattern search on the log of each named ``Efficiency`` field: try x2^(+-step) for each in

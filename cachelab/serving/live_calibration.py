@@ -43,7 +43,7 @@ import polars as pl
 from cachelab.errors import CachelabError
 from cachelab.live.config import ModelConfig
 from cachelab.paths import replacing
-from cachelab.serving.calibration import pattern_search
+from cachelab.serving.calibration import nonnegative_lstsq, pattern_search
 from cachelab.serving.hardware import GPU, HardwareProfile
 from cachelab.serving.latency import Batch, Efficiency, LatencyModel
 from cachelab.serving.model_spec import ModelSpec
@@ -320,11 +320,9 @@ def _errors(points: list[dict]) -> dict:
 
 def pearson_text(errors: dict) -> str:
     """``errors``' Pearson r as text, or why there is none."""
-    if np.isfinite(errors["pearson_r"]):
-        return f"r {errors['pearson_r']:.3f}"
-    if errors["points"] < MIN_POINTS_FOR_R:
-        return f"r n/a ({errors['points']} held-out run(s): r needs {MIN_POINTS_FOR_R})"
-    return "r n/a (live or predicted constant over the runs)"
+    r, n = errors["pearson_r"], errors["points"]
+    return (f"r {r:.3f}" if np.isfinite(r) else f"r n/a ({n} held-out run(s): r needs {MIN_POINTS_FOR_R})"
+            if n < MIN_POINTS_FOR_R else "r n/a (live or predicted constant over the runs)")
 
 
 def warm_steps(frame: pl.DataFrame, warmup_requests: int) -> np.ndarray:
@@ -347,25 +345,6 @@ def fitted_steps(frame: pl.DataFrame, warmup_requests: int, min_step_share: floa
             raise CachelabError("--fit-min-step-share needs the step log's thread_cpu_s (a newer `cachelab serve`)")
         keep &= (frame["thread_cpu_s"] / frame["step_s"]).to_numpy() >= min_step_share
     return keep
-
-
-def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, float]:
-    """``min |a x - b|^2`` over ``x >= 0`` for a few columns: the best of the least-squares
-    solutions on every subset of columns whose solution is non-negative (exact for a few)."""
-    from itertools import combinations
-
-    best_x, best = np.zeros(a.shape[1]), float(b @ b)
-    for k in range(1, a.shape[1] + 1):
-        for cols in combinations(range(a.shape[1]), k):
-            x_sub = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
-            if (x_sub < 0).any():
-                continue
-            x = np.zeros(a.shape[1])
-            x[list(cols)] = x_sub
-            r = a @ x - b
-            if float(r @ r) < best:
-                best_x, best = x, float(r @ r)
-    return best_x, best
 
 
 def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwareProfile, threads: int,
