@@ -44,6 +44,26 @@ def test_step_replay_equals_engine_replay(backing, policy):
         assert out.lookups.sum() == whole["lookups"][s]
 
 
+def test_the_row_space_numbers_rows_by_first_use_across_its_stamps_wrapping():
+    """The space's table marks a row seen in a step with the step's stamp (32 bits) beside its number:
+    when the stamps run out they are all forgotten, and a later replay over the same space numbers
+    its rows from 0 again (its policies see them as a fresh replay does)."""
+    stream = _stream()
+    space = RowSpace(stream.keys, 15)
+    steps = [stream.keys[stream.step_offsets[s]:stream.step_offsets[s + 1]] for s in range(stream.num_steps)]
+    want = [space.distinct_first(k) for k in steps]
+    numbers = np.concatenate([d for d, _ in want])
+    values, first_seen = np.unique(numbers, return_index=True)
+    assert np.array_equal(values, np.arange(space.used)) and np.all(np.diff(first_seen) > 0)  # by first use
+    space.restart()
+    space._stamp = (1 << 32) - 3  # three steps before the stamps run out
+    for k, (distinct, first) in zip(steps, want):
+        got = space.distinct_first(k)
+        assert np.array_equal(got[0], distinct) and np.array_equal(got[1], first)
+    with pytest.raises(CachelabError, match="outside the run's row space"):
+        space.distinct_first(np.array([global_key(1, 999_999)]))
+
+
 def test_sampling_keeps_whole_pages_at_the_rate():
     keys = global_key(np.repeat([0, 1], 150_000), np.tile(np.arange(150_000), 2))
     keep = sample_mask(keys, 0.01, 15)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from cachelab.compiled import prefetch
 from cachelab.errors import CachelabError
 from cachelab.engine import sampling
 from cachelab.engine.cascade import Cascade
@@ -31,6 +32,8 @@ from cachelab.workload.lookups import LAYER_SHIFT, global_key, split_key
 
 EMPTY = np.int64(-1)
 _SALT = sampling.salt(0)
+_STAMP = np.int64((1 << 32) - 1)  # the low word of a RowSpace slot's second half
+_AHEAD = 16  # lookups between a slot's prefetch and its use
 
 
 def page_keys(keys: np.ndarray, rows_per_page: int) -> np.ndarray:
@@ -96,6 +99,8 @@ def _insert(keys, table, n):
     """Add ``keys`` to the open-addressing set ``table`` holding ``n`` keys; the new count."""
     mask = table.size - 1
     for i in range(keys.size):
+        if i + _AHEAD < keys.size:
+            prefetch(table, np.int64(sampling.mix(keys[i + _AHEAD], _SALT) & np.uint64(mask)))
         h = np.int64(sampling.mix(keys[i], _SALT) & np.uint64(mask))
         while table[h] != EMPTY and table[h] != keys[i]:
             h = (h + 1) & mask
@@ -129,73 +134,103 @@ class KeySet:
 
 
 @nb.njit(cache=True, nogil=True)
-def _build_table(keys, table_keys, table_ids):
-    mask = table_keys.size - 1
+def _build_table(keys, slots):
+    """A slot ``[key, 0]`` per key (no number, no stamp yet)."""
+    mask = slots.shape[0] - 1
     for i in range(keys.size):
+        if i + _AHEAD < keys.size:
+            prefetch(slots, np.int64(sampling.mix(keys[i + _AHEAD], _SALT) & np.uint64(mask)))
         h = np.int64(sampling.mix(keys[i], _SALT) & np.uint64(mask))
-        while table_keys[h] != EMPTY:
+        while slots[h, 0] != EMPTY:
             h = (h + 1) & mask
-        table_keys[h] = keys[i]
-        table_ids[h] = i
+        slots[h, 0] = keys[i]
+        slots[h, 1] = 0
 
 
 @nb.njit(cache=True, nogil=True)
-def _distinct_ids(keys, table_keys, table_ids, mark, stamp, out, first):
-    """Dense ids of a step's keys, each once, in first-occurrence order, and the index of that
-    first occurrence in ``first``; -1 - i if key i is unknown."""
-    mask = table_keys.size - 1
+def _distinct_ids(keys, slots, stamp, used, out, first):
+    """Ids of a step's keys, each once, in first-occurrence order (a key seen for the first time
+    takes the next id: ``used`` so far), and the index of that first occurrence in ``first``;
+    returns (distinct keys, ids used), or (-1 - i, _) if key i is unknown. A slot holds its key
+    and, in one word, its id + 1 and the stamp of the last step that saw it, so a lookup touches
+    one cache line; the slot ``_AHEAD`` keys on is prefetched (the table is far larger than the
+    caches)."""
+    mask = slots.shape[0] - 1
     n = 0
     for i in range(keys.size):
-        h = np.int64(sampling.mix(keys[i], _SALT) & np.uint64(mask))
-        while table_keys[h] != keys[i]:
-            if table_keys[h] == EMPTY:
-                return -1 - i
+        if i + _AHEAD < keys.size:
+            prefetch(slots, np.int64(sampling.mix(keys[i + _AHEAD], _SALT) & np.uint64(mask)))
+        key = keys[i]
+        h = np.int64(sampling.mix(key, _SALT) & np.uint64(mask))
+        while slots[h, 0] != key:
+            if slots[h, 0] == EMPTY:
+                return -1 - i, used
             h = (h + 1) & mask
-        k = table_ids[h]
-        if mark[k] != stamp:
-            mark[k] = stamp
-            out[n] = k
+        v = slots[h, 1]
+        if (v & _STAMP) != stamp:
+            number = v >> 32
+            if number == 0:
+                used += 1
+                number = used
+            slots[h, 1] = (number << 32) | stamp
+            out[n] = number - 1
             first[n] = i
             n += 1
-    return n
+    return n, used
 
 
 class RowSpace:
-    """The distinct (sampled) row keys of a run, and their pages, as dense ids.
+    """The distinct (sampled) row keys of a run, and their pages; the rows numbered by first use.
 
-    Lookup is an open-addressing hash table (compiled), so a step's keys map to dense ids
-    in one pass, deduplicated on the way.
+    Lookup is an open-addressing hash table (compiled), so a step's keys map to their numbers
+    in one pass, deduplicated on the way. One numbering at a time: ``restart`` begins another.
     """
 
     def __init__(self, keys: np.ndarray, rows_per_page: int):
         self.keys = sorted_unique(keys)
         self.rows_per_page = rows_per_page
         pages = page_keys(self.keys, rows_per_page)  # sorted, since keys are
-        first = np.r_[True, pages[1:] != pages[:-1]] if pages.size else np.zeros(0, np.bool_)
-        self.pages = pages[first]
-        self.page_of = np.cumsum(first) - 1
-        self.layer_of = (self.keys >> LAYER_SHIFT).astype(np.int64)
+        self.pages = pages[np.r_[True, pages[1:] != pages[:-1]]] if pages.size else pages
         size = 1 << max(4, int(2 * max(self.keys.size, 1) - 1).bit_length())
-        self._table_keys = np.full(size, EMPTY, np.int64)
-        self._table_ids = np.zeros(size, np.int64)
-        _build_table(self.keys, self._table_keys, self._table_ids)
-        self._mark = np.full(max(self.keys.size, 1), -1, np.int64)
+        self._slots = np.full((size, 2), EMPTY, np.int64)  # [key, (number + 1) << 32 | stamp of the last step seeing it]
+        _build_table(self.keys, self._slots)
         self._stamp = 0
+        self.used = 0  # rows numbered so far
 
     @property
     def num_rows(self) -> int:
         return int(self.keys.size)
 
+    def restart(self) -> None:
+        """Forget every number and stamp: the next step's rows are numbered from 0 again."""
+        self._slots[:, 1] = 0
+        self._stamp = self.used = 0
+
+    def page_index(self, keys: np.ndarray) -> np.ndarray:
+        """Each row key's page, as an index into ``pages``. The pages are searched in sorted order:
+        a search then starts where the last ended (10x faster for 300 k keys than in their order)."""
+        pages = page_keys(np.asarray(keys, dtype=np.int64), self.rows_per_page)
+        order = np.argsort(pages)
+        out = np.empty(pages.size, np.int64)
+        out[order] = np.searchsorted(self.pages, pages[order])
+        return out
+
     def distinct_first(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Dense ids of ``keys``' distinct values in first-occurrence order and, for each, the
-        index in ``keys`` of its first occurrence."""
+        """The numbers of ``keys``' distinct values in first-occurrence order (a row never seen
+        before takes the next number, ``used`` before the call and on) and, for each, the index
+        in ``keys`` of its first occurrence."""
+        if self._stamp == _STAMP:  # every stamp used: forget them all (one pass in 2^32 - 1 steps)
+            self._slots[:, 1] &= ~_STAMP
+            self._stamp = 0
         self._stamp += 1
         out, first = np.empty(keys.size, np.int64), np.empty(keys.size, np.int64)
-        n = _distinct_ids(np.ascontiguousarray(keys, dtype=np.int64), self._table_keys, self._table_ids,
-                          self._mark, self._stamp, out, first)
+        n, used = _distinct_ids(np.ascontiguousarray(keys, dtype=np.int64), self._slots, np.int64(self._stamp),
+                                np.int64(self.used), out, first)
         if n < 0:
+            self.restart()  # the numbering is cut mid-step
             raise CachelabError(f"row key {int(keys[-1 - n])} is outside the run's row space: build the RowSpace "
                                 "from every token the run addresses")
+        self.used = int(used)
         return out[:n], first[:n]
 
 
@@ -234,10 +269,13 @@ class StepReplay:
             page_capacity = int(ssd.page_cache_bytes // ssd.page_bytes * rate)
         self.cascade = Cascade(hierarchy, self.capacities, space.num_rows, page_of=self._page_of,
                                num_pages=space.pages.size, page_capacity=page_capacity)
-        wide = np.int32 if space.num_rows < 2**31 - 1 else np.int64
-        self._id_of = np.zeros(space.num_rows, wide)  # space id -> 1 + the policies' id (0: not seen yet)
-        self._space_of = np.zeros(space.num_rows, wide)  # the policies' id -> space id
-        self._next_id = 0
+        # The policies see rows numbered by first use in this replay, as the live store (``TieredStore``)
+        # and the whole-stream replay number them, so a policy deciding by id (a hashed set, a
+        # miniature's key sample) decides alike; the space numbers them as it looks them up.
+        space.restart()
+        self._ssd = isinstance(hierarchy.backing, SSDStore)
+        wide = np.int32 if space.pages.size < 2**31 else np.int64
+        self._page_of_id = np.zeros(space.num_rows if self._ssd else 0, wide)  # a row's page (in space.pages) by number
         levels = len(hierarchy.levels)
         self.totals_unique = np.zeros((num_layers, levels), np.int64)
         self.totals_lookups = np.zeros(num_layers, np.int64)
@@ -259,20 +297,8 @@ class StepReplay:
             pages = np.arange(self.space.pages.size, dtype=np.int64)
             self.page_policy.run(pages, np.array([0, pages.size], np.int64))
 
-    def _number(self, distinct: np.ndarray) -> np.ndarray:
-        """The policies' id of each distinct row: rows numbered by first use, as the live store
-        (``TieredStore``) and the whole-stream replay number them, so a policy whose decisions
-        depend on the ids (a hashed set, a miniature's key sample) decides alike."""
-        ids = self._id_of[distinct].astype(np.int64) - 1
-        new = np.flatnonzero(ids < 0)
-        ids[new] = self._next_id + np.arange(new.size)
-        self._id_of[distinct[new]] = ids[new] + 1
-        self._space_of[ids[new]] = distinct[new]
-        self._next_id += new.size
-        return ids
-
     def _page_of(self, ids: np.ndarray) -> np.ndarray:
-        return self.space.page_of[self._space_of[ids]]
+        return self._page_of_id[ids]
 
     def step(self, keys: np.ndarray, record: bool = True, scores: np.ndarray | None = None) -> StepCounts:
         """Serve one step's sampled row keys; per layer: lookups, unique rows served per level
@@ -282,19 +308,24 @@ class StepReplay:
         more than once in the step is served once, with the score of its first lookup (as the
         live store reduces them)."""
         L = self.num_layers
+        keys = np.asarray(keys, dtype=np.int64)
+        before = self.space.used
         distinct, first = self.space.distinct_first(keys)
+        if self._ssd:  # the pages of the rows numbered in this step
+            new = distinct >= before
+            self._page_of_id[distinct[new]] = self.space.page_index(keys[first[new]])
         d_scores = None
         if scores is not None:
             scores = np.asarray(scores, dtype=np.float64).reshape(-1)
             if scores.size != np.size(keys):
                 raise CachelabError(f"{scores.size} scores for a step of {np.size(keys)} row keys: give one per key")
             d_scores = scores[first]
-        out = self.cascade.serve(self._number(distinct), np.array([0, distinct.size], np.int64), d_scores)
+        out = self.cascade.serve(distinct, np.array([0, distinct.size], np.int64), d_scores)
         page_reads = np.bincount(self.space.pages[out.pages_read()] >> LAYER_SHIFT, minlength=L)[:L]
-        layer = self.space.layer_of[distinct]
+        layer = keys[first] >> LAYER_SHIFT  # from the step's own keys: no gather over the whole space
         levels = len(self.hierarchy.levels)
         by_level = np.bincount(layer * levels + out.level, minlength=L * levels).reshape(L, levels)
-        lookups = np.bincount(np.asarray(keys, dtype=np.int64) >> LAYER_SHIFT, minlength=L)[:L]
+        lookups = np.bincount(keys >> LAYER_SHIFT, minlength=L)[:L]
         if record:
             self.totals_unique += by_level
             self.totals_lookups += lookups
