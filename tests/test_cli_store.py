@@ -184,10 +184,44 @@ def test_io_threads_over_io_uring_s_ring_are_refused_naming_the_flag(tables, tmp
         assert res.exit_code == 2 and ("--io-threads 40,000 is over io_uring's limit of 32,768 entries (reads in "
                                        "flight)") in res.output, res.output
     check_io(32768, "auto", "direct")  # a full ring is allowed
-    check_io(40000, "threads", "direct")  # a pool of preads has no ring
-    check_io(40000, "auto", "pread")  # pread never submits through io_uring
+    check_io(40000, "auto", "mmap")  # mmap reads through no pool and no ring
     with pytest.raises(CachelabError, match="io_threads 40,000 is over io_uring's limit"):
         TieredStore.open(tables, backing="direct", io_threads=40000)
+
+
+def test_io_threads_over_a_pool_s_limit_are_refused_naming_the_flag(tables, tmp_path):
+    """A pool of preads (pread, direct with threads) took any --io-threads: 100,000 started 386
+    OS threads for one step of 53 K rows and took 70 times as long as 8 threads; more would
+    exhaust the process's threads. Refused, naming the flag and the bound, before the trace loads."""
+    from cachelab.store.backing import MAX_POOL_THREADS, check_io
+
+    missing = tmp_path / "not-yet.npz"
+    for backing, submit in (("pread", "auto"), ("pread", "threads"), ("direct", "threads")):
+        res = run("bench", "--dir", tables, "--trace", missing, "--capacity", 10, "--backing", backing,
+                  "--io-threads", 100000, "--io-submit", submit)
+        assert res.exit_code == 2 and ("--io-threads 100,000 is over the limit of 1,024 for a pool of preads "
+                                       f"(backing '{backing}'") in res.output, res.output
+    check_io(MAX_POOL_THREADS, "threads", "direct")
+    check_io(MAX_POOL_THREADS, "auto", "pread")
+    with pytest.raises(CachelabError, match="io_threads 1,025 is over the limit of 1,024 for a pool of preads"):
+        TieredStore.open(tables, backing="pread", io_threads=MAX_POOL_THREADS + 1)
+
+
+def test_auto_does_not_fall_back_to_a_pool_over_its_limit(tables, monkeypatch):
+    """Where io_uring is refused, auto fell back to a pool of preads as deep as the ring asked for."""
+    from cachelab.store import backing
+
+    def refused(*args):
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(backing, "_UringIO", refused)
+    paths = sorted(tables.glob("layer*.tbl"))
+    reader, how = backing.open_reader(paths, 64, 0, "auto")
+    assert how.startswith("threads (io_uring unavailable") and reader.threads == 64
+    reader.close()
+    with pytest.raises(CachelabError, match="io_uring is not available here .*, and 2,000 reads in flight are over "
+                                            "the limit of 1,024 for the pool of preads"):
+        backing.open_reader(paths, 2000, 0, "auto")
 
 
 def test_ctrl_c_in_a_build_says_what_the_directory_kept(tmp_path, monkeypatch):
