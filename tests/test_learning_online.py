@@ -155,3 +155,51 @@ def test_a_step_of_many_requests_reads_each_tokens_own_n_gram(served):
     want = [[cmap[tokens[r][p - k]] if p >= k else -1 for k in range(scorer.max_ngram)] for r, p in zip(which, position)]
     np.testing.assert_array_equal(got, np.array(want, np.int32))
     assert scorer._ngrams([], starts[:0], stops[:0], which[:0], position[:0]).shape == (0, scorer.max_ngram)
+
+
+def test_store_bench_refuses_a_model_or_stream_of_another_layout_than_its_tables(served, tmp_path):
+    """`store bench --model` read the stream as the model's layout and never compared either with
+    the tables': a model and stream of the preset replayed silently through tables of a layout
+    with other multipliers (the same table count and row size), the scores ranking rows those
+    tables do not hold; a stream of the tables' layout beside that model was refused as 'give
+    the stream's layout as --preset', a flag bench does not have."""
+    import dataclasses
+    import json
+
+    from typer.testing import CliRunner
+
+    from cachelab.cli import app
+    from cachelab.engram import get_preset
+    from cachelab.learning.training import save
+    from cachelab.store import build_tables
+
+    stream, prompts, outputs, model, _ = served
+    cfg = get_preset(LAYOUT)
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    custom = tmp_path / "other-multipliers.json"
+    custom.write_text(json.dumps({**fields, "name": "other-multipliers", "multipliers": (cfg.multiplier_array + 2).tolist()}))
+    build_tables(LAYOUT, 1e-5, tmp_path / "preset", progress=False)
+    build_tables(str(custom), 1e-5, tmp_path / "custom", progress=False)
+    save(model, tmp_path / "model")
+    preset_stream = stream.save(tmp_path / "preset.npz")
+    custom_stream = request_stream(prompts[:4], outputs[:4], ["chat"] * 4, str(custom),
+                                   tokens_per_step=64).save(tmp_path / "custom.npz")
+
+    def bench(tables, trace, *model_flags):
+        return CliRunner().invoke(app, ["store", "bench", "--dir", str(tmp_path / tables), "--trace", str(trace),
+                                        "--capacity", "50", "--no-verify", "--device", "cpu", "--json",
+                                        *model_flags])
+
+    learned = ("--policy", "learned-lfu", "--model", str(tmp_path / "model"))
+    res = bench("preset", preset_stream, *learned)
+    assert res.exit_code == 0 and json.loads(res.output)["matches_simulator"] is True, res.output
+    for trace in (preset_stream, custom_stream):
+        res = bench("custom", trace, *learned)
+        assert res.exit_code == 2 and ("the model was trained on Engram layout 'deepseek-v4.1-flash', but the tables "
+                                       f"in {tmp_path / 'custom'} are of layout 'other-multipliers' (model / tables: "
+                                       "multipliers)") in res.output, res.output
+    res = bench("custom", preset_stream)  # a heuristic: the stream's rows are another layout's
+    assert res.exit_code == 2 and (f"--trace {preset_stream} was built with Engram layout 'deepseek-v4.1-flash', but "
+                                   "it is read as layout 'other-multipliers' (stream / read as: multipliers): the "
+                                   f"tables in {tmp_path / 'custom'} are of that layout") in res.output, res.output
+    assert bench("custom", custom_stream).exit_code == 0

@@ -129,7 +129,7 @@ def bench(
 ) -> None:
     """Replay a trace's row stream through the store; per-tier hits, misses and bytes, stage
     times, and the simulator's figures for the same stream, policies and capacities."""
-    from cachelab.learning.streams import load_trace
+    from cachelab.learning.streams import check_stream_layout, layout_signature, load_trace
     from cachelab.store.backing import check_io
     from cachelab.store.bench import PolicySpec, check_run, replay_store
     from cachelab.store.build import load_layout
@@ -157,15 +157,21 @@ def bench(
         parse_capacity(rows, rows_flag)
         if model is None and registry.make_policy(name).capabilities.needs_scores:
             raise CachelabError(f"{flag} {name!r} needs predictor scores: pass --model DIR (from `cachelab train`)")
-    stream = load_trace(trace, requests, 0, layout.config.name, verb="store bench")
     cfg = layout.config
-    stream.check_tables(cfg, f"--trace {trace}", f"the tables in {directory} are of that layout; write the stream "
-                        f"for it (`cachelab trace lookups ... --preset {cfg.name}`)")
+    fitted = None
+    if model is not None:  # a model of another layout would score rows these tables do not hold
+        from cachelab.learning.training import check_layout, load
+
+        fitted = load(model)
+        check_layout(fitted, layout_signature(cfg), f"the tables in {directory}")
+    stream = load_trace(trace, requests, 0, layout.config.name, verb="store bench")
+    check_stream_layout(stream, cfg, f"--trace {trace}", f"the tables in {directory} are of that layout; write the "
+                        f"stream for it (`cachelab trace lookups ... --preset {cfg.name}`)")
     scores = None
-    if model is not None:
+    if fitted is not None:
         from cachelab.learning.training import lookup_scores, policy_params
 
-        scores, fitted = lookup_scores(model, stream)
+        scores, fitted = lookup_scores(fitted, stream, cfg)
         params = {**policy_params(registry.get(registry.POLICIES, policy.split("+")[0]), fitted), **params}
     hbm = PolicySpec(policy, params)
     dram_name = dram_policy or policy

@@ -22,7 +22,7 @@ import numba as nb
 import numpy as np
 
 from cachelab import registry
-from cachelab.engram import Addresser, encode, get_preset
+from cachelab.engram import Addresser, EngramConfig, encode, get_preset
 from cachelab.errors import CachelabError
 from cachelab.workload.lookups import LAYER_SHIFT, PREFILL, LookupStream, compact_steps
 from cachelab.workload.steps import scheduled_stream
@@ -170,18 +170,16 @@ class LearningView:
         return values[self.inverse]
 
     @classmethod
-    def of(cls, stream: LookupStream, preset: str = "deepseek-v4.1-flash") -> "LearningView":
+    def of(cls, stream: LookupStream, preset: str | EngramConfig = "deepseek-v4.1-flash") -> "LearningView":
+        """The view of ``stream`` read as the rows of ``preset`` (a preset name, a layout file or
+        an ``EngramConfig``), refused where the stream was built with another layout."""
         missing = [m for m in REQUIRED_META if m not in stream.meta]
         if missing:
             raise CachelabError(f"the lookup stream lacks per-lookup metadata {missing}; learned policies need "
                                 f"{list(REQUIRED_META)} (give corpus names, --trace gsm8k,humaneval, or a stream from `cachelab trace lookups`)")
-        cfg = get_preset(preset)
-        stream.check_tables(cfg, "the lookup stream", "the stream was built with another layout (give that "
-                            "layout's --preset, or a model trained on it)")
-        if stream.layout is not None and (shown := layout_differences(stream.layout, layout_signature(cfg))):
-            raise CachelabError(f"the lookup stream was built with Engram layout {stream.layout.get('name')!r}, "
-                                f"but it is read as layout {cfg.name!r} (stream / read as: {shown}): give the "
-                                "stream's layout as --preset, or a model trained on it")
+        cfg = preset if isinstance(preset, EngramConfig) else get_preset(preset)
+        check_stream_layout(stream, cfg, "the lookup stream", "give the stream's layout as --preset, or a model "
+                            "trained on it")
         dd, uniq = compact_steps(stream.keys, stream.step_offsets)
         first = np.empty(dd.keys.size, np.int64)
         first[dd.inverse[::-1]] = np.arange(dd.inverse.size)[::-1]  # last write wins = first lookup
@@ -201,6 +199,17 @@ def layout_signature(cfg) -> dict:
     return {"name": cfg.name, "table_layers": len(cfg.layers), "max_ngram": cfg.max_ngram, "heads": cfg.heads,
             "base_sizes": list(cfg.base_sizes), "compressed_vocab": cfg.compressed_vocab, "pad_id": cfg.pad_id,
             "multipliers": cfg.multiplier_array.tolist()}
+
+
+def check_stream_layout(stream: LookupStream, cfg, source: str, remedy: str) -> None:
+    """Refuse to read ``stream`` as the rows of layout ``cfg`` (an ``EngramConfig``) when its table
+    count or row size differ (``LookupStream.check_tables``) or, where the stream records the
+    layout it was built with, anything of its ``layout_signature``: its ids then name other rows
+    of tables of the same shape. ``source`` names the stream, ``remedy`` says what to give instead."""
+    stream.check_tables(cfg, source, remedy)
+    if stream.layout is not None and (shown := layout_differences(stream.layout, layout_signature(cfg))):
+        raise CachelabError(f"{source} was built with Engram layout {stream.layout.get('name')!r}, but it is read "
+                            f"as layout {cfg.name!r} (stream / read as: {shown}): {remedy}")
 
 
 def layout_differences(recorded: dict, layout: dict) -> str:

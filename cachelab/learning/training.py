@@ -304,15 +304,20 @@ def _scoring_spec(spec: dict, where: Path) -> tuple[int, list[str], bool]:
     return horizon, domains, lookahead
 
 
-def check_layout(model: Model, layout: dict | None) -> None:
+def check_layout(model: Model, layout: dict | None, rows: str = "") -> None:
     """Refuse to score rows of another Engram layout than the model's training trace (``layout``:
     ``streams.layout_signature`` of the rows to score), naming what differs: its features (layer,
     n-gram order, head) and its prior's row counts would mean other rows. A model saved before
-    layouts were recorded, or a hand-built view, is not checked."""
+    layouts were recorded, or a hand-built view, is not checked. ``rows`` names where the rows
+    live (a store's tables), for the error."""
     trained = model.metadata.get("spec", {}).get("layout")
     if trained is None or layout is None:
         return
     shown = layout_differences(trained, layout)
+    if shown and rows:
+        raise CachelabError(f"the model was trained on Engram layout {trained.get('name')!r}, but {rows} are of "
+                            f"layout {layout['name']!r} (model / tables: {shown}): its scores would rank rows these "
+                            "tables do not hold; give tables of the model's layout, or a model trained on theirs")
     if shown:
         raise CachelabError(f"the model was trained on Engram layout {trained.get('name')!r}, these rows are of layout "
                             f"{layout['name']!r} (model / rows: {shown}): score rows of the model's layout "
@@ -394,16 +399,20 @@ def as_scores(model: Model, raw: np.ndarray, offset: int) -> np.ndarray:
     return -(t + wait)
 
 
-def lookup_scores(directory: Path, stream) -> tuple[np.ndarray, Model]:
-    """Scores per lookup of an engine ``LookupStream`` from the model saved in ``directory``, and the model."""
+def lookup_scores(model: Path | Model, stream, layout=None) -> tuple[np.ndarray, Model]:
+    """Scores per lookup of an engine ``LookupStream`` from ``model`` (or the model saved in that
+    directory), and the model. The stream is read as the rows of ``layout`` (an ``EngramConfig``:
+    the tables a store serves them from), so the model is checked against it; by default as the
+    layout the model was trained on."""
     from cachelab.learning.streams import LearningView
 
-    model = load(directory)
-    spec = model.metadata.get("spec", {})  # the layout it was trained on: `train`'s preset, or an experiment's
-    workload = spec.get("workload")
-    preset = spec.get("preset") or (workload.get("preset") if isinstance(workload, dict) else None) \
-        or "deepseek-v4.1-flash"
-    view = LearningView.of(stream, preset)
+    model = model if isinstance(model, Model) else load(model)
+    if layout is None:
+        spec = model.metadata.get("spec", {})  # the layout it was trained on: `train`'s preset, or an experiment's
+        workload = spec.get("workload")
+        layout = spec.get("preset") or (workload.get("preset") if isinstance(workload, dict) else None) \
+            or "deepseek-v4.1-flash"
+    view = LearningView.of(stream, layout)
     return view.per_lookup(keep_scores(model, view)), model
 
 
