@@ -255,3 +255,52 @@ def test_fuzzed_model_files_never_crash_hang_or_traceback(models, case):
         outcome = _outcome(d)
         if not reseal and damaged != (models[name][0] / file).read_bytes():
             assert outcome == "refused", "the manifest must catch every change"
+
+
+def test_a_save_that_fails_leaves_the_model_it_replaces_whole(models, tmp_path, monkeypatch):
+    """A save wrote the prior, then the predictor's files, over the old model in place: one that
+    failed midway (a full disk, a plug-in's save_model raising) left the new prior beside the old
+    files, the old manifest refusing them all: the good model was lost, and a new folder kept a
+    prior and no model. It now writes into a scratch folder and moves the files in whole."""
+    directory, want = models["lightgbm"]
+    kept = _copy(directory, tmp_path / "kept")
+    before = {p.name: p.read_bytes() for p in kept.iterdir()}
+    other = load(models["hgb"][0])  # another model to save over it
+    cls = type(other.predictor)
+
+    def fails(self, where):
+        (Path(where) / "half-written").write_bytes(b"\0" * 10)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cls, "save_model", fails)
+    for target in (kept, tmp_path / "new"):
+        with pytest.raises(OSError, match="No space left"):
+            save(other, target)
+    assert {p.name: p.read_bytes() for p in kept.iterdir()} == before
+    np.testing.assert_array_equal(load(kept).predictor.predict(_x()), want)
+    assert not (tmp_path / "new").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]  # no scratch folder left behind
+    monkeypatch.undo()
+    save(other, kept)  # replaced whole: the old model's files gone, the new one's sealed
+    assert "model.txt" not in {p.name for p in kept.iterdir()}
+    np.testing.assert_array_equal(load(kept).predictor.predict(_x()), models["hgb"][1])
+
+
+def test_a_model_is_never_saved_over_other_files(models, tmp_path):
+    """`cachelab train --out` a table build's folder overwrote its manifest.json (the tables lost)
+    and sealed every file it found, the tables included, into the model; refused now, before the
+    training, naming the folder."""
+    from typer.testing import CliRunner
+
+    from cachelab.cli import app
+    from cachelab.store import build_tables
+
+    tables = tmp_path / "tables"
+    build_tables("deepseek-v4.1-flash", 1e-5, tables, progress=False)
+    before = {p.name: p.read_bytes() for p in tables.iterdir()}
+    res = CliRunner().invoke(app, ["train", "--trace", str(tmp_path / "not-yet.npz"), "--out", str(tables)])
+    assert res.exit_code == 2 and (f"--out {tables}: holds files that are not a cachelab model (.build.lock, "
+                                   "layer1.tbl, layer14.tbl, manifest.json)") in res.output, res.output
+    with pytest.raises(CachelabError, match="holds files that are not a cachelab model"):
+        save(load(models["logistic"][0]), tables)
+    assert {p.name: p.read_bytes() for p in tables.iterdir()} == before

@@ -14,6 +14,7 @@ from cachelab.engram import get_preset
 from cachelab.errors import CachelabError
 from cachelab.learning.training import TrainSpec, check_target, load, rolling_scores, save, train as train_model
 from cachelab.learning.evaluation import evaluate_capacities
+from cachelab.learning.predictor import model_folder
 from cachelab.params import check_params, parse_pairs, parse_value
 from cachelab.paths import output_folder
 from cachelab.progress import spinner
@@ -78,7 +79,7 @@ def train(
         fresh = cls(**params)
     except TypeError as exc:
         raise CachelabError(f"predictor {predictor!r}: {exc}") from None
-    output_folder(out, "--out")  # before the training it would hold
+    model_folder(output_folder(out, "--out"), "--out")  # before the training it would hold
     stream = _view(trace, requests, seed, preset, steps, console, "train")
     with spinner(f"training {predictor}"):
         model, metrics = train_model(stream, fresh, spec)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import os
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import ClassVar
@@ -73,6 +74,55 @@ class Predictor(ABC):
         (directory / METADATA).write_text(json.dumps(meta, indent=2, default=str))
         seal(directory)
         return directory
+
+
+def model_folder(directory: Path, flag: str) -> Path:
+    """A folder a model may be saved into, checked before the training that fills it: new, empty,
+    or a model (which the save replaces whole). Anything else is refused by name: a save sealed
+    every file it found into the model, and a table build's ``manifest.json`` was overwritten."""
+    directory = Path(directory)
+    if not directory.is_dir() or not any(directory.iterdir()) or _is_model(directory):
+        return directory
+    names = sorted(p.name for p in directory.iterdir())
+    found = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+    raise CachelabError(f"{flag} {directory}: holds files that are not a cachelab model ({found}); give a new or "
+                        "empty folder, or a model's folder to replace the model")
+
+
+def _is_model(directory: Path) -> bool:
+    """Whether ``directory`` holds a saved model (its metadata, and a manifest listing files)."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_bytes())
+    except (OSError, ValueError):
+        return False
+    return (directory / METADATA).is_file() and isinstance(manifest, dict) and "files" in manifest \
+        and manifest.get("format") == 1
+
+
+def install(scratch: Path, directory: Path) -> None:
+    """Move the sealed model in ``scratch`` into ``directory`` (new, empty or a model's, as
+    ``model_folder`` allows), its manifest last: the old manifest goes first, so while the files
+    move no reader takes the folder for a model (it is refused as having no manifest), the old
+    model's other files go, and the new manifest makes the new model whole."""
+    directory = Path(directory)
+    model_folder(directory, "model folder")
+    directory.mkdir(parents=True, exist_ok=True)
+    old = set()
+    if _is_model(directory):
+        old = set(json.loads((directory / MANIFEST).read_bytes())["files"])
+    new = [p.name for p in scratch.iterdir() if p.name != MANIFEST]
+    (directory / MANIFEST).unlink(missing_ok=True)
+    for name in new:
+        os.replace(scratch / name, directory / name)
+    for name in old - set(new):
+        if Path(name).name == name:
+            (directory / name).unlink(missing_ok=True)
+    os.replace(scratch / MANIFEST, directory / MANIFEST)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _sha256(path: Path) -> str:

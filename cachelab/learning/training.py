@@ -33,8 +33,8 @@ from cachelab.defaults import HORIZON, MAX_SAMPLES, TRAIN_FRACTION
 from cachelab.errors import CachelabError
 from cachelab.learning.lineup import lineup, tuned_params
 from cachelab.learning.streams import layout_differences
-from cachelab.learning.predictor import (METADATA, Predictor, check_features, read_metadata, read_tensors,
-                                         verify)
+from cachelab.learning.predictor import (METADATA, Predictor, check_features, install, model_folder, read_metadata,
+                                         read_tensors, verify)
 from cachelab.params import check_params
 from cachelab.learning.features import (FEATURE_NAMES, PRIOR_TENSORS, CorpusPrior, FeatureState, apply_prior, belady_labels, extract,
                                  prompt_lookahead, regression_labels, reuse_labels)
@@ -275,14 +275,26 @@ def validate(model: Model, stream, x: np.ndarray, start: int, spec: TrainSpec | 
 
 
 def save(model: Model, directory: Path, extra: dict | None = None) -> Path:
-    """Write the prior, then the predictor (whose ``save`` seals the directory's manifest)."""
+    """Write the prior, then the predictor (whose ``save`` seals the manifest), into a scratch
+    folder beside ``directory``, and move them in whole (``predictor.install``): a save that
+    fails leaves nothing of itself and the model ``directory`` held as it was (it was written
+    file by file over the old one). ``directory`` must be new, empty or a model's."""
+    import shutil
+    import tempfile
+
     from safetensors.numpy import save_file
 
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    model_folder(directory, "model folder")
+    directory.parent.mkdir(parents=True, exist_ok=True)
     spec = {**model.metadata["spec"], **(extra or {}), "prior": PRIOR}
-    save_file(model.prior.tensors(), str(directory / PRIOR))
-    model.predictor.save(directory, spec)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".partial", dir=directory.parent))
+    try:
+        save_file(model.prior.tensors(), str(scratch / PRIOR))
+        model.predictor.save(scratch, spec)
+        install(scratch, directory)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     return directory
 
 
