@@ -872,7 +872,10 @@ def test_row_id_out_of_range_and_capacity_over_memory(tables, hbm_capacity, monk
     with TieredStore.open(tables, hbm_capacity=hbm_capacity) as store:
         rows = full_rows(np.random.default_rng(6), 2)
         rows[1, 0, 5] = CFG.offsets[0, 6]  # the next head's first row: outside head 5
-        with pytest.raises(CachelabError, match=f"row id {CFG.offsets[0, 6]} is out of range"):
+        # the place named as token, layer and column (it was numpy's repr: "(np.int64(1), np.int64(0), ...)")
+        with pytest.raises(CachelabError, match=fr"row id {CFG.offsets[0, 6]} is out of range for its head of layout "
+                                                fr"'deepseek-v4.1-flash' \(token 1, table layer 0 \(layer id 1\), column "
+                                                fr"5: rows {CFG.offsets[0, 5]} to {CFG.offsets[0, 6] - 1}\)"):
             store.lookup(rows)
         with pytest.raises(CachelabError, match=r"must be \[tokens, 2, 24\]"):
             store.lookup(rows[:, :1])

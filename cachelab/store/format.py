@@ -184,8 +184,12 @@ class TableLayout:
 
     def out_of_range(self, rows: np.ndarray, i: int):
         """Raise the error for the flat index ``i`` of ``rows`` (the fold's kernels return it)."""
+        *token, layer, column = (int(j) for j in np.unravel_index(i, rows.shape))
+        first, prime = int(self.config.offsets[layer, column]), int(self.config.primes[layer, column])
+        where = f"token {token[0] if len(token) == 1 else tuple(token)}, " if token else ""
         raise CachelabError(f"row id {int(rows.ravel()[i])} is out of range for its head of layout "
-                            f"{self.config.name!r} (index {np.unravel_index(i, rows.shape)})")
+                            f"{self.config.name!r} ({where}table layer {layer} (layer id {self.config.layers[layer]}), "
+                            f"column {column}: rows {first} to {first + prime - 1})")
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)
