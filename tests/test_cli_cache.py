@@ -140,3 +140,12 @@ def test_requests_and_steps_apply_where_the_trace_takes_them(tmp_path):
                                     (str(stream), ["--requests", "3"], "--requests does not apply")):
             res = runner.invoke(app, [*verb, "--trace", trace, *flags])
             assert res.exit_code == 2 and named in res.output, res.output
+
+
+def test_a_model_beside_a_policy_that_reads_no_scores_is_refused(tmp_path):
+    """simulate --model with a heuristic scored the whole stream and replayed without the
+    scores, saying nothing (serve refuses it); refused now before the trace or model is read."""
+    res = runner.invoke(app, ["simulate", "--trace", str(tmp_path / "not-yet.npz"), "--policy", "lru",
+                              "--capacity", "5", "--model", str(tmp_path / "no-model")])
+    assert res.exit_code == 2 and ("--policy lru reads no predictor scores; --model is for a learned policy"
+                                   in res.output), res.output

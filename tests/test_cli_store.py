@@ -141,6 +141,19 @@ def test_bench_refuses_what_it_ignored_or_named_in_python_terms(tables, tmp_path
         assert res.exit_code == 2 and "a-file: not a directory" in res.output, res.output
 
 
+def test_bench_refuses_a_model_no_tier_reads(tables, tmp_path):
+    """store bench --model with heuristics only loaded the model, scored the stream and replayed
+    without the scores, saying nothing; refused now, naming the tiers, before anything loads."""
+    missing, model = tmp_path / "not-yet.npz", tmp_path / "no-model"
+    for flags, running in ((["--policy", "lru", "--capacity", 10], "--policy lru"),
+                           (["--capacity", 10, "--dram-policy", "fifo", "--dram-capacity", 10],
+                            "--policy lru, --dram-policy fifo"),
+                           (["--capacity", 0, "--backing", "hbm"], "no cache tier")):
+        res = run("bench", "--dir", tables, "--trace", missing, "--model", model, *flags)
+        assert res.exit_code == 2 and (f"--model scores rows for a learned policy, and no tier runs one ({running})"
+                                       in res.output), res.output
+
+
 def path_of_one(folder):
     """A saved stream of one token (each head's first row)."""
     rows = CFG.offsets[None]

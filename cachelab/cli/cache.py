@@ -91,6 +91,9 @@ def simulate(
     started = time.perf_counter()
     # each --param's name and type, before the stream is read (a wrong type raised inside the policy)
     check_params(registry.get(registry.POLICIES, policy.split("+")[0]), parse_pairs(param), "--param")
+    if model is not None and not registry.make_policy(policy).capabilities.needs_scores:  # scored for nothing
+        raise CachelabError(f"--policy {policy} reads no predictor scores; --model is for a learned policy "
+                            "(e.g. learned-lfu-adaptive)")
     found, stream = load_stream(trace, fmt, requests, steps, "simulate")
     scores = None
     if model is not None:

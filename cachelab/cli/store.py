@@ -151,12 +151,20 @@ def bench(
     dram_flag = "--dram-policy" if dram_policy else "--policy"
     tiers = (("--capacity", capacity, "--policy", policy), ("--dram-capacity", dram_capacity, dram_flag,
                                                             dram_policy or policy))
+    learned = []
     for rows_flag, rows, flag, name in tiers:
         if rows in (None, "0"):  # a capacity of 0 is no tier
             continue
         parse_capacity(rows, rows_flag)
-        if model is None and registry.make_policy(name).capabilities.needs_scores:
+        if not registry.make_policy(name).capabilities.needs_scores:
+            continue
+        learned.append(name)
+        if model is None:
             raise CachelabError(f"{flag} {name!r} needs predictor scores: pass --model DIR (from `cachelab train`)")
+    if model is not None and not learned:  # scored the whole stream for nothing, and said nothing
+        running = [f"{flag} {name}" for rows_flag, rows, flag, name in tiers if rows not in (None, "0")]
+        raise CachelabError(f"--model scores rows for a learned policy, and no tier runs one ("
+                            f"{', '.join(running) or 'no cache tier'}): name one, e.g. --policy learned-lfu-adaptive")
     cfg = layout.config
     fitted = None
     if model is not None:  # a model of another layout would score rows these tables do not hold
