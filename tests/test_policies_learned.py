@@ -97,6 +97,25 @@ def test_oracle_scores_beat_lru_and_near_belady():
     assert adm < lru
 
 
+def test_learned_admission_at_a_capacity_over_the_horizon_is_its_base():
+    """Why learned-admission is LRU at 1-5 % in docs/learned.md: a classifier's score puts a
+    row's next use at most ``horizon`` after its access; an LRU victim has been idle for at least
+    the capacity's accesses, so past the horizon every victim is overdue and every candidate
+    enters, whatever the model says. Below the horizon the scores decide."""
+    keys = zipf_keys(30_000, 4000, alpha=0.9, seed=5)
+    steps = np.arange(keys.size + 1)
+    horizon = 300
+    chance = np.random.default_rng(5).random(keys.size)
+    scores = -(np.arange(keys.size) + horizon * (1.0 - chance))  # as_scores of a classifier
+    for capacity, same in ((horizon + 1, True), (2 * horizon, True), (horizon // 3, False)):
+        lru = registry.get(registry.POLICIES, "lru")()
+        lru.reset(capacity, 4000)
+        adm = registry.get(registry.POLICIES, "learned-admission")()
+        adm.reset(capacity, 4000)
+        hits = adm.run(keys, steps, None, scores)
+        assert np.array_equal(hits, lru.run(keys, steps)) is same, capacity
+
+
 @pytest.mark.parametrize("base", ["lru", "fifo", "fbgemm-lru"])
 def test_learned_admission_does_not_defend_an_overdue_victim(base):
     """Key 0 is predicted back at position 1 and never comes; key 1 then repeats, each time
