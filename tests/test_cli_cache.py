@@ -149,3 +149,12 @@ def test_a_model_beside_a_policy_that_reads_no_scores_is_refused(tmp_path):
                               "--capacity", "5", "--model", str(tmp_path / "no-model")])
     assert res.exit_code == 2 and ("--policy lru reads no predictor scores; --model is for a learned policy"
                                    in res.output), res.output
+
+
+def test_mrc_of_a_learned_policy_says_mrc_takes_no_model(tmp_path):
+    """mrc --policy learned-lfu read the trace, then failed in the replay with 'none were given to
+    the replay', a flag it does not have left unsaid."""
+    res = runner.invoke(app, ["mrc", "--trace", str(tmp_path / "not-yet.npz"), "--policy", "learned-lfu",
+                              "--capacities", "5,10"])
+    assert res.exit_code == 2 and ("--policy learned-lfu needs predictor scores, and mrc takes no model: "
+                                   "`cachelab simulate --model DIR`") in res.output, res.output

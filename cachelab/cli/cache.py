@@ -159,6 +159,9 @@ def mrc(
     if workers is not None and workers < 1:  # 0 ran on all cores, a negative count on one
         raise CachelabError(f"--workers must be at least 1, got {workers}")
     check_params(registry.get(registry.POLICIES, policy.split("+")[0]), parse_pairs(param), "--param")  # as simulate
+    if registry.make_policy(policy).capabilities.needs_scores:  # was "none were given to the replay", trace loaded
+        raise CachelabError(f"--policy {policy} needs predictor scores, and mrc takes no model: `cachelab simulate "
+                            "--model DIR` runs it at one capacity, `cachelab evaluate --model DIR` at several")
     found, stream = load_stream(trace, fmt, requests, steps, "mrc")
     caps = sorted(set(capacity_rows(parse_capacities(capacities), stream, "--capacities")))
     curve = miss_ratio_curve(stream, caps, policy=policy, sample_rate=sample_rate, warmup=warmup,
