@@ -884,8 +884,14 @@ def test_row_id_out_of_range_and_capacity_over_memory(tables, hbm_capacity, monk
     from cachelab.store import store as store_mod
 
     monkeypatch.setattr(store_mod, "available_memory", lambda: 1 << 20)  # a capacity is at most the table's rows
-    with pytest.raises(CachelabError, match="capacity over the memory available: the tiers and table need 4,067,712 B"):
+    with pytest.raises(CachelabError, match=r"capacity over the memory available: the tiers and table need 4,067,712 B "
+                                            r"of host memory \(hbm_capacity '64TiB' \(15,408 rows, a CPU tensor\) "
+                                            r"4,067,712 B\), 1,048,576 B are available"):
         TieredStore.open(tables, backing="mmap", hbm_capacity="64TiB")  # 15,408 rows of 264 B
+    with pytest.raises(CachelabError, match=r"need 4,749,520 B of host memory \(dram_capacity 2000 \(2,000 rows\) "
+                                            r"528,000 B, hbm_capacity 10 \(10 rows, a CPU tensor\) 2,640 B, the table "
+                                            r"in memory \(backing 'dram'\) 4,218,880 B\)"):  # which of them: unsaid
+        TieredStore.open(tables, backing="dram", hbm_capacity=10, dram_policy="lru", dram_capacity=2000)
     with pytest.raises(CachelabError, match="dram_policy 'lru' needs a dram_capacity"):
         TieredStore.open(tables, hbm_capacity=10, dram_policy="lru")
     with pytest.raises(CachelabError, match="dram_capacity 100 needs a DRAM cache policy"):

@@ -176,13 +176,18 @@ class TieredStore:
                                 f"({self.hbm_device}): no row cache or DRAM cache goes in front of it; "
                                 "give hbm_capacity=0 and no DRAM cache (`cachelab store bench --capacity 0`, "
                                 "no --dram-capacity)")
-        host_need = (dram_rows if dram_policy else 0) * self.row_bytes
-        host_need += table_bytes if backing == "dram" or (self.resident and not self.cuda) else 0
-        if not self.cuda:
-            host_need += (hbm_rows if hbm_policy else 0) * self.row_bytes
-        if host_need > available_memory():
+        parts = {}  # what needs host memory, named by the argument and value that ask for it
+        if dram_policy and dram_rows:
+            parts[f"dram_capacity {dram_capacity!r} ({dram_rows:,} rows)"] = dram_rows * self.row_bytes
+        if not self.cuda and hbm_policy and hbm_rows:
+            parts[f"hbm_capacity {hbm_capacity!r} ({hbm_rows:,} rows, a CPU tensor)"] = hbm_rows * self.row_bytes
+        if backing == "dram" or (self.resident and not self.cuda):
+            parts[f"the table in memory (backing {backing!r})"] = table_bytes
+        host_need, free = sum(parts.values()), available_memory()
+        if host_need > free:
+            shown = ", ".join(f"{what} {nbytes:,} B" for what, nbytes in parts.items())
             raise CachelabError(f"capacity over the memory available: the tiers and table need {host_need:,} B of "
-                                f"host memory, {available_memory():,} B are available (MemAvailable)")
+                                f"host memory ({shown}), {free:,} B are available (MemAvailable)")
         if self.cuda and hbm_policy and hbm_rows:
             free = torch.cuda.mem_get_info(self.device)[0]
             if hbm_rows * self.row_bytes > free:
