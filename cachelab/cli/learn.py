@@ -151,6 +151,12 @@ def evaluate(
     if not 0.0 <= warmup < 1.0:
         raise CachelabError(f"--warmup must lie in [0, 1), got {warmup}")
     fitted = load(model)
+    # before the stream is built (minutes on long traces): each was refused once it had been
+    if retrain_every < 0:
+        raise CachelabError(f"--retrain-every must be a number of lookups >= 1 (0: no retraining), got {retrain_every}")
+    if retrain_window < 0 or (retrain_every and retrain_window and retrain_window <= 2 * fitted.horizon):
+        raise CachelabError(f"--retrain-window must exceed twice the model's horizon ({2 * fitted.horizon:,} lookups; "
+                            f"0: the model's training window), got {retrain_window:,}")
     stream = _view(trace, requests, seed, preset, steps, console, "evaluate")
     scores = None
     if retrain_every:
