@@ -135,3 +135,17 @@ def test_evaluate_checks_retraining_flags_before_the_stream(trained, tmp_path):
         res = CliRunner().invoke(app, ["evaluate", "--trace", str(tmp_path / "not-yet.npz"), "--model", str(out),
                                        *flags])
         assert res.exit_code == 2 and message in res.output and "not-yet" not in res.output, res.output
+
+
+def test_simulate_addresses_corpora_in_the_model_s_layout(tmp_path):
+    """simulate --model built corpus streams in the default layout whatever the model's, so a
+    model of engram-27b-demo was refused on its own corpora ('264-byte rows ... give the
+    stream's layout as --preset', a flag simulate does not have)."""
+    runner = CliRunner()
+    res = runner.invoke(app, ["train", *TRACE, "--preset", "engram-27b-demo", "--horizon", "2048", "--param",
+                              "n_estimators=5", "--out", str(tmp_path / "demo"), "--json"])
+    assert res.exit_code == 0, res.output
+    lookups = json.loads(res.stdout)["lookups"]  # 36 rows a token in this layout, 48 in the default
+    res = runner.invoke(app, ["simulate", *TRACE, "--policy", "learned-lfu", "--capacity", "1%", "--model",
+                              str(tmp_path / "demo"), "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["requests"] == lookups, res.output

@@ -38,14 +38,14 @@ WARMUP_HELP = ("Warm-up excluded from the statistics: a fraction of the steps (0
 
 
 def load_stream(trace: str, fmt: str | None, requests: int | None, steps: str | None,
-                verb: str) -> tuple[Found, LookupStream]:
+                verb: str, preset: str = PRESET) -> tuple[Found, LookupStream]:
     """What ``--trace`` names (``cachelab.trace.kinds``) and its lookup stream: a key trace is one
-    request per step; corpus names and a request trace's tokens become Engram row lookups.
-    ``--requests`` and ``--steps`` where the kind takes no such thing are refused."""
+    request per step; corpus names and a request trace's tokens become Engram row lookups of
+    layout ``preset``. ``--requests`` and ``--steps`` where the kind takes no such thing are refused."""
     found = detect(trace, fmt)
     refuse_unused(found, {"--requests": requests, "--steps": steps})
     with spinner(f"reading {found}"):
-        return found, load_trace(found, requests_or_default(found, requests), 0, PRESET, steps or "prompts",
+        return found, load_trace(found, requests_or_default(found, requests), 0, preset, steps or "prompts",
                                  verb=verb, tokens=False)
 
 
@@ -94,14 +94,22 @@ def simulate(
     if model is not None and not registry.make_policy(policy).capabilities.needs_scores:  # scored for nothing
         raise CachelabError(f"--policy {policy} reads no predictor scores; --model is for a learned policy "
                             "(e.g. learned-lfu-adaptive)")
-    found, stream = load_stream(trace, fmt, requests, steps, "simulate")
-    scores = None
+    fitted = None
     if model is not None:
+        from cachelab.learning.training import load, trained_layout
+
+        fitted = load(model)
+    # corpus names and request traces are addressed in the model's layout (they were the
+    # default layout's, refused as rows of another layout with a --preset simulate lacks)
+    found, stream = load_stream(trace, fmt, requests, steps, "simulate",
+                                PRESET if fitted is None else trained_layout(fitted))
+    scores = None
+    if fitted is not None:
         from cachelab.learning.training import lookup_scores, policy_params
 
         if note := unchecked_layout(stream):
             Console(stderr=True, quiet=as_json).print(f"{trace}: {note}")
-        scores, fitted = lookup_scores(model, stream)
+        scores, fitted = lookup_scores(fitted, stream)
         from_model = policy_params(registry.get(registry.POLICIES, policy.split("+")[0]), fitted)
         param = [f"{k}={v}" for k, v in from_model.items()] + list(param)  # --param still overrides
     cache = build_policy(policy, admission, param)

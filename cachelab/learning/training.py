@@ -419,13 +419,17 @@ def lookup_scores(model: Path | Model, stream, layout=None) -> tuple[np.ndarray,
     from cachelab.learning.streams import LearningView
 
     model = model if isinstance(model, Model) else load(model)
-    if layout is None:
-        spec = model.metadata.get("spec", {})  # the layout it was trained on: `train`'s preset, or an experiment's
-        workload = spec.get("workload")
-        layout = spec.get("preset") or (workload.get("preset") if isinstance(workload, dict) else None) \
-            or "deepseek-v4.1-flash"
-    view = LearningView.of(stream, layout)
+    view = LearningView.of(stream, trained_layout(model) if layout is None else layout)
     return view.per_lookup(keep_scores(model, view)), model
+
+
+def trained_layout(model: Model) -> str:
+    """The Engram layout (a preset or layout file) a model was trained on: `train`'s preset, or
+    an experiment's workload preset; the default layout for a model that records neither."""
+    spec = model.metadata.get("spec", {})
+    workload = spec.get("workload")
+    return spec.get("preset") or (workload.get("preset") if isinstance(workload, dict) else None) \
+        or "deepseek-v4.1-flash"
 
 
 def policy_params(policy_cls, model: Model) -> dict:
