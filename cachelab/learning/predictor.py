@@ -90,13 +90,18 @@ def model_folder(directory: Path, flag: str) -> Path:
 
 
 def _is_model(directory: Path) -> bool:
-    """Whether ``directory`` holds a saved model (its metadata, and a manifest listing files)."""
+    """Whether ``directory`` holds a model: its metadata, sealed or not (a model saved before
+    manifests, or one whose save was killed as its files moved in, is retrained in place)."""
+    return (directory / METADATA).is_file()
+
+
+def _listed(directory: Path) -> set[str]:
+    """The files a model folder's manifest lists (none where it has no readable one)."""
     try:
-        manifest = json.loads((directory / MANIFEST).read_bytes())
-    except (OSError, ValueError):
-        return False
-    return (directory / METADATA).is_file() and isinstance(manifest, dict) and "files" in manifest \
-        and manifest.get("format") == 1
+        files = json.loads((directory / MANIFEST).read_bytes()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return set()
+    return set(files) if isinstance(files, dict) else set()
 
 
 def install(scratch: Path, directory: Path) -> None:
@@ -107,9 +112,7 @@ def install(scratch: Path, directory: Path) -> None:
     directory = Path(directory)
     model_folder(directory, "model folder")
     directory.mkdir(parents=True, exist_ok=True)
-    old = set()
-    if _is_model(directory):
-        old = set(json.loads((directory / MANIFEST).read_bytes())["files"])
+    old = _listed(directory)
     new = [p.name for p in scratch.iterdir() if p.name != MANIFEST]
     (directory / MANIFEST).unlink(missing_ok=True)
     for name in new:
