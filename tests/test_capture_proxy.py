@@ -1295,10 +1295,12 @@ def test_a_second_ctrl_c_ends_exchanges_in_flight_at_once(tmp_path):
     """`cachelab capture proxy`, stopped while a stream is in flight: the first Ctrl-C gives it the grace
     (10 s) and says so on stderr, a second ends the stream at once, recorded as the proxy's shutdown.
     (A second Ctrl-C did nothing: the stream ran the whole grace.) The proxy's exit then waits for its
-    writer, which runs at SCHED_IDLE: not timed here."""
+    writer, which runs at SCHED_IDLE: not timed here. The stream runs at 100 tokens/s: `endless` at its
+    default 2,000 events/s kept the proxy and this process busy enough on a loaded machine (a full suite
+    beside other work) that the end came 13 s after the first signal."""
     import signal
 
-    with ServerThread(Upstream().app) as upstream, cli_proxy(upstream.url, tmp_path / "cap") as (base, proc):
+    with ServerThread(Upstream(token_delay_s=0.01).app) as upstream, cli_proxy(upstream.url, tmp_path / "cap") as (base, proc):
         with httpx.stream("POST", base + "/v1/completions", timeout=30,
                           json={"model": "endless", "prompt": "hi", "stream": True}) as held:
             chunks = held.iter_raw()
