@@ -97,6 +97,9 @@ def test_bad_input_exits_2_naming_the_value(tables, tmp_path):
         assert res.exit_code == 2 and f"{flag} must be {why}" in res.output, res.output
     res = run("bench", "--dir", tables, "--trace", path, "--capacity", 10, "--backing", "hbm", "--device", "cpu")
     assert res.exit_code == 2 and "`cachelab store bench --capacity 0`" in res.output  # said "give no policy"
+    # a saved stream is replayed whole: --requests was ignored without a word
+    res = run("bench", "--dir", tables, "--trace", path, "--capacity", 10, "--requests", 3)
+    assert res.exit_code == 2 and "--requests does not apply to it" in res.output, res.output
 
 
 def test_bench_refuses_what_it_ignored_or_named_in_python_terms(tables, tmp_path):

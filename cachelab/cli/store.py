@@ -112,7 +112,8 @@ def bench(
                                       "every lookup for a learned policy."),
     param: list[str] = typer.Option([], "--param", help="A hyper-parameter of --policy as key=value (repeatable; "
                                     "the DRAM cache takes them too when it runs the same policy)."),
-    requests: int = typer.Option(50, "--requests", help="Requests per corpus when --trace names corpora."),
+    requests: int | None = typer.Option(None, "--requests", help="Corpus names: requests per corpus; a request "
+                                        "trace: its first N (0: all); default 50. A saved stream is replayed whole."),
     max_lookups: int | None = typer.Option(None, "--max-lookups", help="Stop after the step that reaches this many "
                                            "lookups."),
     io_threads: int | None = typer.Option(None, "--io-threads", help="Reads in flight for pread/direct."),
@@ -134,6 +135,7 @@ def bench(
     from cachelab.store.bench import PolicySpec, check_run, replay_store
     from cachelab.store.build import load_layout
     from cachelab.store.store import check_device
+    from cachelab.trace.kinds import detect, refuse_unused
 
     # every flag before the tables and the trace load (--backing and --device were checked ~1.6 s after)
     check_io(io_threads, io_submit, backing, "--io-threads")
@@ -172,7 +174,9 @@ def bench(
 
         fitted = load(model)
         check_layout(fitted, layout_signature(cfg), f"the tables in {directory}")
-    stream = load_trace(trace, requests, 0, layout.config.name, verb="store bench")
+    found = detect(trace)
+    refuse_unused(found, {"--requests": requests})  # a saved stream is replayed as it was saved
+    stream = load_trace(found, 50 if requests is None else requests, 0, layout.config.name, verb="store bench")
     check_stream_layout(stream, cfg, f"--trace {trace}", f"the tables in {directory} are of that layout; write the "
                         f"stream for it (`cachelab trace lookups ... --preset {cfg.name}`)")
     scores = None
