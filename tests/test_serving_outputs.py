@@ -64,3 +64,23 @@ def test_a_plot_fails_whole(tmp_path, monkeypatch):
     with pytest.raises(DiskFull):
         plot_fronts(points, "config", plot, "fronts")
     assert plot.read_bytes() == before
+
+
+def test_the_semianalysis_points_csv_fails_whole(tmp_path, monkeypatch):
+    """`cachelab study semianalysis` writes its points as CSV once the sweep is done: a write that failed
+    left a cut CSV, which reads as a study of fewer points (the streamed JSONL is unaffected)."""
+    from cachelab.serving.studies import semianalysis
+
+    monkeypatch.setattr(semianalysis, "run_points", lambda workload, eff, on_point: [{"id": 1}, {"id": 2}])
+    before = "id\n1\n2\n3\n"
+    (tmp_path / "semianalysis_points.csv").write_text(before)
+
+    def cut(self, path, **kwargs):
+        Path(path).write_text("id\n1\n")
+        raise DiskFull("no space left on device")
+
+    monkeypatch.setattr(pl.DataFrame, "write_csv", cut)
+    with pytest.raises(DiskFull):
+        semianalysis.run(tmp_path, Efficiency())
+    assert (tmp_path / "semianalysis_points.csv").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []

@@ -28,6 +28,7 @@ import polars as pl
 
 from cachelab import strict_json
 from cachelab.errors import CachelabError
+from cachelab.paths import replacing
 from cachelab.serving.agentic import agentic_workload
 from cachelab.serving.calibration import batched_tokens
 from cachelab.serving.hardware import load_profile
@@ -390,7 +391,8 @@ def run(out_dir: Path, eff: Efficiency, workload: Workload | None = None,
     finally:
         stream.close()
     points = pl.DataFrame(rows, infer_schema_length=None)
-    points.write_csv(out_dir / "semianalysis_points.csv")
+    with replacing(out_dir / "semianalysis_points.csv") as tmp:  # a cut CSV would read as fewer points
+        points.write_csv(tmp)
     fits = points.filter(pl.col("fits")).with_columns(
         (pl.col("placement") + " TP" + pl.col("tp").cast(pl.String)).alias("config"))
     for hw in ("B200", "B300"):
