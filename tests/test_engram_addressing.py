@@ -138,6 +138,34 @@ def test_rows_stay_inside_their_head_slice(addresser):
     assert (rows >= lo).all() and (rows < lo + V41.primes[None]).all()
 
 
+def _reference_rows(addresser, ids):
+    """ENGRAM.md §3.6 in Python integers, one position at a time."""
+    cfg = addresser.config
+    cids = addresser.compress(ids).tolist()
+    pad = int(addresser.pad)
+    out = np.empty((len(cids), len(cfg.layers), cfg.columns), np.int64)
+    for t in range(len(cids)):
+        tau = [cids[t - k] if t - k >= 0 else pad for k in range(cfg.max_ngram)]
+        for li in range(len(cfg.layers)):
+            mults = cfg.multiplier_array[li].tolist()
+            acc = tau[0] * mults[0]
+            for k in range(1, cfg.max_ngram):
+                acc ^= tau[k] * mults[k]
+                for h in range(cfg.heads):
+                    j = (k - 1) * cfg.heads + h
+                    out[t, li, j] = int(cfg.offsets[li, j]) + acc % int(cfg.primes[li, j])
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(base=st.integers(1, 1 << 20), ids=st.lists(st.integers(0, 129_279), min_size=1, max_size=12))
+def test_rows_equal_the_reference_for_any_table_size(base, ids):
+    """A small table (a custom layout's) is addressed exactly too: its prime is far below
+    the range where the reciprocal-multiply quotient is off by at most one."""
+    addresser = Addresser(V41.with_(name="tiny", base_sizes=(base, base + 1, 2 * base)))
+    assert (addresser.rows(np.array(ids)) == _reference_rows(addresser, ids)).all()
+
+
 def test_bad_token_id_names_value(addresser):
     with pytest.raises(CachelabError, match="token id 129280 at position 1"):
         addresser.rows(np.array([5, 129_280]))

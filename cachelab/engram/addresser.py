@@ -4,8 +4,9 @@ One compiled kernel serves prefill and decode: it walks each sequence chunk with
 look-back history (the last N-1 compressed ids, -1 where the look-back is blocked by a
 sequence start or a DEAD token), so a sequence fed in one piece, in chunks or token by token
 gives the same rows. The modulo by each head's prime is a multiply by its precomputed
-reciprocal plus one exact integer correction: the quotient estimate is off by at most one
-because mix < 2^63 and primes < 2^53.
+reciprocal plus one exact integer correction: for mix < 2^63 the float quotient is off by
+less than 3 * 2^10 / prime, so at most one for a prime above ``_EXACT_BELOW``; a smaller
+prime (a custom layout's tiny table) takes the integer ``%`` instead.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import numpy as np
 from cachelab.engram.config import EngramConfig, get_preset
 from cachelab.engram.vocab import compressed_map
 from cachelab.errors import CachelabError
+
+_EXACT_BELOW = 1 << 16  # primes below this take the integer modulo (see the module doc)
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)
@@ -44,11 +47,14 @@ def _address_chunks(cids, dead, chunk_offsets, chunk_seq, history, mults, primes
                     for h in range(heads):
                         j = base + h
                         p = primes[layer, j]
-                        r = acc - np.int64(facc * inv_primes[layer, j]) * p
-                        if r < 0:
-                            r += p
-                        elif r >= p:
-                            r -= p
+                        if p < _EXACT_BELOW:
+                            r = acc % p
+                        else:
+                            r = acc - np.int64(facc * inv_primes[layer, j]) * p
+                            if r < 0:
+                                r += p
+                            elif r >= p:
+                                r -= p
                         out[t, layer, j] = offsets[layer, j] + r
             for k in range(n_max - 2, 0, -1):
                 hist[k] = hist[k - 1]
