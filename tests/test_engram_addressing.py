@@ -197,6 +197,29 @@ def test_custom_layout_from_toml(tmp_path):
         get_preset(str(spec))
 
 
+@pytest.mark.parametrize("extra, message", [
+    # one multiplier list for two layers: the kernel read the second layer's past the array
+    ("multipliers = [[3, 5, 7]]", r"multipliers needs one list of max_ngram = 3 per layer of \[1, 2\]"),
+    ("multipliers = [[3, 5], [7, 9]]", r"multipliers needs one list of max_ngram = 3"),
+    ("multipliers = [[3, 5, 7], [9, 11, 93078876567784]]", r"multipliers: 93078876567784 is not an integer between"),
+    ("multipliers = [1, 2]", "multipliers must be a list, got 1"),
+    ("row_dim = 40", "row_dim 40 is not a multiple of 32"),
+    ('heads = "2"', "heads: '2' is not an integer >= 1"),
+    ("pad_id = -1", "pad_id: -1 is not an integer >= 0"),
+    ('tokenizer = 5', "tokenizer must be 'deepseek-v4' or a path, got 5"),
+    ("layers = 5", "layers must be a list, got 5"),
+    ("base_sizes = [10.5, 2000]", "base_sizes: 10.5 is not an integer >= 1"),
+])
+def test_bad_layout_file_names_the_file_field_and_value(tmp_path, extra, message):
+    spec = tmp_path / "bad.toml"
+    lines = {"layers": "[1, 2]", "max_ngram": "3", "heads": "2", "base_sizes": "[1000, 2000]", "compressed_vocab": "99092"}
+    key = extra.split(" = ")[0]
+    lines[key] = extra.split(" = ", 1)[1]
+    spec.write_text("".join(f"{k} = {v}\n" for k, v in lines.items()))
+    with pytest.raises(CachelabError, match=rf"^{spec}: {message}"):
+        get_preset(str(spec))
+
+
 def test_other_tokenizer_by_path(data_dir):
     """Any HF tokenizer.json is accepted: the DeepSeek-V3 one shares V4's BPE."""
     path = data_dir / "tokenizers" / "deepseek-v3" / "tokenizer.json"

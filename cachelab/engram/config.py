@@ -57,18 +57,28 @@ class EngramConfig:
     note: str = ""
 
     def __post_init__(self) -> None:
-        if self.max_ngram < 2:
-            raise CachelabError(f"max_ngram must be >= 2, got {self.max_ngram}")
-        if self.heads < 1:
-            raise CachelabError(f"heads must be >= 1, got {self.heads}")
+        for name, low in (("max_ngram", 2), ("heads", 1), ("compressed_vocab", 1), ("pad_id", 0), ("row_dim", 1)):
+            _check_ints(name, [getattr(self, name)], low)
+        _check_ints("layers", self.layers, 0)
+        _check_ints("base_sizes", self.base_sizes, 1)
         if len(self.base_sizes) != self.max_ngram - 1:
             raise CachelabError(
                 f"base_sizes needs one size per order 2..{self.max_ngram}, got {list(self.base_sizes)}"
             )
         if self.row_dtype not in ROW_DTYPES:
             raise CachelabError(f"row_dtype {self.row_dtype!r} unknown; use one of {sorted(ROW_DTYPES)}")
+        if self.row_dtype == "fp8_e4m3_ue8m0" and self.row_dim % 32:
+            raise CachelabError(f"row_dim {self.row_dim} is not a multiple of 32, as fp8_e4m3_ue8m0 rows "
+                                "(one scale per 32 values) need")
         if not self.layers or len(set(self.layers)) != len(self.layers):
             raise CachelabError(f"layers must be distinct and non-empty, got {list(self.layers)}")
+        if self.multipliers is not None:
+            if len(self.multipliers) != len(self.layers) or any(len(m) != self.max_ngram for m in self.multipliers):
+                raise CachelabError(f"multipliers needs one list of max_ngram = {self.max_ngram} per layer of "
+                                    f"{list(self.layers)}, got {[list(m) for m in self.multipliers]}")
+            # token * multiplier stays below 2^63 for every compressed id (ENGRAM.md §3.1)
+            for m in self.multipliers:
+                _check_ints("multipliers", m, 1, (2**63 - 1) // self.compressed_vocab)
 
     @property
     def columns(self) -> int:
@@ -105,6 +115,14 @@ class EngramConfig:
         if "multipliers" not in changes and ({"layers", "max_ngram", "compressed_vocab"} & set(changes)):
             changes["multipliers"] = None
         return replace(self, **changes)
+
+
+def _check_ints(name: str, values, low: int, high: int | None = None) -> None:
+    """Refuse a field that is not integers in [low, high], naming the field and the value."""
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low or (high is not None and v > high):
+            within = f"between {low} and {high}" if high is not None else f">= {low}"
+            raise CachelabError(f"{name}: {v!r} is not an integer {within}")
 
 
 def derive_multipliers(layers, max_ngram: int, compressed_vocab: int) -> np.ndarray:
@@ -209,23 +227,34 @@ def load_config(path: Path) -> EngramConfig:
         data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         raise CachelabError(f"{path}: not valid {path.suffix[1:].upper()}: {exc}") from None
+    if not isinstance(data, dict):
+        raise CachelabError(f"{path}: expected a table of layout fields, got {type(data).__name__}")
     unknown = set(data) - CONFIG_KEYS
     if unknown:
         raise CachelabError(f"{path}: unknown key(s) {sorted(unknown)}; allowed: {sorted(CONFIG_KEYS)}")
     data.setdefault("name", path.stem)
-    if "compressed_vocab" not in data:
-        from cachelab.engram.vocab import compressed_map
-
-        data["compressed_vocab"] = int(compressed_map(data.get("tokenizer", DEEPSEEK_V4)).max()) + 1
-    for key in ("layers", "base_sizes"):
-        if key in data:
-            data[key] = tuple(data[key])
-    if data.get("multipliers") is not None:
-        data["multipliers"] = tuple(tuple(m) for m in data["multipliers"])
     try:
+        for key in ("layers", "base_sizes"):
+            if key in data:
+                data[key] = tuple(_listed(key, data[key]))
+        if data.get("multipliers") is not None:
+            rows = _listed("multipliers", data["multipliers"])
+            data["multipliers"] = tuple(tuple(_listed("multipliers", m)) for m in rows)
+        if not isinstance(data.get("tokenizer", DEEPSEEK_V4), str):
+            raise CachelabError(f"tokenizer must be {DEEPSEEK_V4!r} or a path, got {data['tokenizer']!r}")
+        if "compressed_vocab" not in data:
+            from cachelab.engram.vocab import compressed_map
+
+            data["compressed_vocab"] = int(compressed_map(data.get("tokenizer", DEEPSEEK_V4)).max()) + 1
         return EngramConfig(**data)
-    except TypeError as exc:
+    except (TypeError, CachelabError) as exc:
         raise CachelabError(f"{path}: {exc}") from None
+
+
+def _listed(key: str, value) -> list:
+    if not isinstance(value, list):
+        raise CachelabError(f"{key} must be a list, got {value!r}")
+    return value
 
 
 def get_preset(name: str) -> EngramConfig:
