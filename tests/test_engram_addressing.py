@@ -32,6 +32,24 @@ def test_compressed_map_size_checksum_and_vectors():
     assert set(cmap[[223, 262, 201]].tolist()) == {174}
 
 
+@pytest.mark.parametrize("damage", ["meta", "npy"])
+def test_a_cut_map_cache_is_rebuilt(tmp_path, monkeypatch, damage):
+    """A cache file cut by a kill, or read while another process writes it, is rebuilt, not a crash."""
+    from cachelab.engram import vocab
+
+    monkeypatch.setenv("CACHELAB_CACHE_DIR", str(tmp_path))
+    vocab.compressed_map.cache_clear()
+    try:
+        vocab.compressed_map()
+        (cut,) = tmp_path.glob(f"compressed-map-*.{'json' if damage == 'meta' else 'npy'}")
+        cut.write_bytes(cut.read_bytes()[:20])
+        vocab.compressed_map.cache_clear()
+        assert map_sha256(vocab.compressed_map()) == DEEPSEEK_V4_MAP_SHA256
+        assert map_sha256(np.load(next(tmp_path.glob("compressed-map-*.npy")))) == DEEPSEEK_V4_MAP_SHA256
+    finally:
+        vocab.compressed_map.cache_clear()
+
+
 def test_multipliers_rederived_from_pcg64():
     for name in ("deepseek-v4.1-flash", "engram-27b-demo"):
         cfg = get_preset(name)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from cachelab.errors import CachelabError
-from cachelab.paths import cache_dir
+from cachelab.paths import cache_dir, replacing
 
 DEEPSEEK_V4 = "deepseek-v4"
 # SHA-256 of the DeepSeek-V4/V4.1 map as little-endian int32 (ENGRAM.md §1.2).
@@ -96,14 +96,17 @@ def _cache_key(source: str) -> str:
 
 @lru_cache(maxsize=8)
 def compressed_map(source: str = DEEPSEEK_V4) -> np.ndarray:
-    """The cached map, rebuilt when missing or when its checksum does not verify."""
+    """The cached map, rebuilt when missing, unreadable or when its checksum does not verify."""
     stem = cache_dir() / _cache_key(source)
     npy, meta = stem.with_suffix(".npy"), stem.with_suffix(".json")
     expected = DEEPSEEK_V4_MAP_SHA256 if source == DEEPSEEK_V4 else None
     if npy.exists() and meta.exists():
-        cmap = np.load(npy)
-        recorded = json.loads(meta.read_text())["sha256"]
-        if map_sha256(cmap) == recorded and (expected is None or recorded == expected):
+        try:
+            cmap = np.load(npy, allow_pickle=False)
+            recorded = json.loads(meta.read_text())["sha256"]
+        except (OSError, ValueError, KeyError, TypeError):  # cut by a kill or another process: rebuilt
+            cmap, recorded = None, None
+        if recorded is not None and map_sha256(cmap) == recorded and (expected is None or recorded == expected):
             cmap.setflags(write=False)
             return cmap
     cmap = build_compressed_map(source)
@@ -113,12 +116,11 @@ def compressed_map(source: str = DEEPSEEK_V4) -> np.ndarray:
             f"compressed map of {tokenizer_path(source)} has SHA-256 {digest}, expected {expected}: "
             "the tokenizer file or the tokenizers library differs from DeepSeek's"
         )
-    tmp = npy.with_suffix(".tmp.npy")
-    np.save(tmp, cmap)
-    tmp.replace(npy)
-    meta.write_text(json.dumps({"sha256": digest, "source": str(tokenizer_path(source)),
-                                "raw_vocab": int(cmap.size),
-                                "compressed_vocab": int(cmap.max()) + 1}))
+    with replacing(npy) as tmp, open(tmp, "wb") as f:
+        np.save(f, cmap)
+    with replacing(meta) as tmp:
+        tmp.write_text(json.dumps({"sha256": digest, "source": str(tokenizer_path(source)),
+                                   "raw_vocab": int(cmap.size), "compressed_vocab": int(cmap.max()) + 1}))
     cmap.setflags(write=False)
     return cmap
 
