@@ -8,7 +8,8 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
-from cachelab.workload.prefix_cache import BlockPrefixCache, RadixPrefixCache, block_hashes, replay_sequential
+from cachelab.workload.prefix_cache import (BlockPrefixCache, RadixPrefixCache, block_hashes, replay_sequential,
+                                            sequential_hits)
 
 
 def _start(cache, rid, tokens, num_prompt=None):
@@ -44,6 +45,19 @@ def test_vllm_hits_free_queue_order_and_eviction():
     cache.free(2)
     assert _start(cache, 3, a) == 4  # only a's first block is still cached
     assert cache.hit_ratio == pytest.approx(12 / 42)
+
+
+def test_vllm_keeps_a_hash_while_any_copy_of_its_block_lives():
+    """vLLM does not deduplicate blocks: a repeated 64-token prompt recomputes its last block
+    (past the hit limit) into a second block under the same hash. Evicting the first copy
+    leaves the second one hit. Hits as vLLM 0.32's KVCacheManager gives them, driven the same
+    way (8 usable blocks)."""
+    a, c = np.arange(64), np.arange(1000, 1064)
+    prompts = [a, a, c, np.arange(80)]
+    cache = BlockPrefixCache(8, 16)
+    assert sequential_hits(cache, [block_hashes(p, 16) for p in prompts], [p.size for p in prompts]).tolist() == [
+        0, 48, 0, 64]  # c took a's first copy of block 3; its second copy is still cached
+    assert cache.num_cached_tokens == 8 * 16  # the copy counts: it holds KV
 
 
 def test_vllm_recomputes_the_last_prompt_token():

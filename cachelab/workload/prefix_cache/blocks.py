@@ -14,6 +14,10 @@ As vLLM v1's KV-cache manager does it (vllm/v1/core/block_pool.py, kv_cache_mana
   A freed block that holds no hash (a partial block, or one never filled) can never be hit,
   so it goes to the *head* instead, to be reused first (vLLM 0.32 ``BlockPool.free_blocks``:
   ``prepend_n`` for blocks without a hash, ``append_n`` for the rest).
+- Blocks are not deduplicated: a prefix computed again (its last block past the hit limit,
+  say) is published under the same hash by a second block, and a hit takes the first of them
+  still cached, so evicting one copy leaves the hash cached while another copy lives
+  (``BlockHashToBlockMap``: a hash maps to every block that holds it, in insertion order).
 
 Hit rate is vLLM's: cached tokens / queried (prompt) tokens, counted once per admission.
 
@@ -31,7 +35,7 @@ from numba.typed import Dict
 from cachelab.errors import CachelabError
 from cachelab.workload.prefix_cache.hashing import chained_block_hashes
 
-HEAD, TAIL, NUM_FREE, EVICTIONS = 0, 1, 2, 3
+HEAD, TAIL, NUM_FREE, EVICTIONS, NUM_CACHED = 0, 1, 2, 3, 4
 
 
 @nb.njit(cache=True, nogil=True)
@@ -70,35 +74,51 @@ def _touch(table, hashes, n, ref, prev, nxt, meta, out):
 
 
 @nb.njit(cache=True, nogil=True)
-def _take(n, ref, prev, nxt, meta, block_hash, cached, hashed, table, out):
+def _take(n, ref, prev, nxt, meta, block_hash, cached, dup_prev, dup_next, table, out):
     """Pop ``n`` blocks from the free queue's head, evicting the hashes they held."""
     for i in range(n):
         b = meta[HEAD]
         _unlink(b, prev, nxt, meta)
         if cached[b]:
-            table.pop(block_hash[b])
+            p, q = dup_prev[b], dup_next[b]
+            if p >= 0:
+                dup_next[p] = q
+            elif q >= 0:
+                table[block_hash[b]] = q  # the next copy now answers for the hash
+            else:
+                table.pop(block_hash[b])
+            if q >= 0:
+                dup_prev[q] = p
+            dup_prev[b] = -1
+            dup_next[b] = -1
             cached[b] = False
             meta[EVICTIONS] += 1
-        hashed[b] = False
+            meta[NUM_CACHED] -= 1
         ref[b] = 1
         out[i] = b
 
 
 @nb.njit(cache=True, nogil=True)
-def _cache(blocks, hashes, block_hash, cached, hashed, table):
-    """Publish newly full blocks; a hash another block already holds stays with that block
-    (the duplicate still carries the hash, so it is freed like a cached block)."""
+def _cache(blocks, hashes, block_hash, cached, dup_prev, dup_next, table, meta):
+    """Publish newly full blocks; a block whose hash is cached already joins the end of that
+    hash's list of copies (``table`` maps a hash to its first copy)."""
     for i in range(blocks.size):
-        h = hashes[i]
-        block_hash[blocks[i]] = h
-        hashed[blocks[i]] = True
-        if h not in table:
-            table[h] = blocks[i]
-            cached[blocks[i]] = True
+        b, h = blocks[i], hashes[i]
+        block_hash[b] = h
+        cached[b] = True
+        meta[NUM_CACHED] += 1
+        if h in table:
+            t = table[h]
+            while dup_next[t] >= 0:
+                t = dup_next[t]
+            dup_next[t] = b
+            dup_prev[b] = t
+        else:
+            table[h] = b
 
 
 @nb.njit(cache=True, nogil=True)
-def _free(blocks, ref, prev, nxt, meta, hashed):
+def _free(blocks, ref, prev, nxt, meta, cached):
     """Drop one reference per block, in the order given; unreferenced blocks with a hash join
     the tail in that order, those without one the head (the first given ends up first)."""
     first = np.empty(blocks.size, np.int64)
@@ -108,7 +128,7 @@ def _free(blocks, ref, prev, nxt, meta, hashed):
         ref[b] -= 1
         if ref[b] == 0:
             meta[NUM_FREE] += 1
-            if not hashed[b]:
+            if not cached[b]:
                 first[n_first] = b
                 n_first += 1
                 continue
@@ -164,10 +184,11 @@ class BlockPrefixCache:
         self._prev = np.arange(-1, n - 1, dtype=np.int64)
         self._nxt = np.arange(1, n + 1, dtype=np.int64)
         self._nxt[-1] = -1
-        self._meta = np.array([0, n - 1, n, 0], dtype=np.int64)
+        self._meta = np.array([0, n - 1, n, 0, 0], dtype=np.int64)
         self._block_hash = np.zeros(n, np.int64)
-        self._cached = np.zeros(n, np.bool_)  # the block owns its hash's table entry
-        self._hashed = np.zeros(n, np.bool_)  # the block carries a hash (owner or duplicate)
+        self._cached = np.zeros(n, np.bool_)  # the block holds a published hash
+        self._dup_prev = np.full(n, -1, np.int64)  # the copies of one hash, in publication order
+        self._dup_next = np.full(n, -1, np.int64)
         self._table = Dict.empty(key_type=types.int64, value_type=types.int64)
         self._req: dict[int, list] = {}
         self.queried_tokens = 0
@@ -184,8 +205,9 @@ class BlockPrefixCache:
 
     @property
     def num_cached_tokens(self) -> int:
-        """Tokens whose blocks are published in the prefix cache (the cache's footprint)."""
-        return len(self._table) * self.block_size
+        """Tokens in blocks published in the prefix cache (the cache's footprint; a prefix
+        computed twice holds two blocks)."""
+        return int(self._meta[NUM_CACHED]) * self.block_size
 
     @property
     def evictions(self) -> int:
@@ -244,13 +266,13 @@ class BlockPrefixCache:
             if held + need > blocks.size:
                 blocks = state[0] = np.resize(blocks, held + need)
             _take(need, self._ref, self._prev, self._nxt, self._meta, self._block_hash, self._cached,
-                  self._hashed, self._table, blocks[held:held + need])
+                  self._dup_prev, self._dup_next, self._table, blocks[held:held + need])
             state[1] = held + need
         if self.enable_caching:
             full = min(num_tokens // self.block_size, hashes.size)
             if full > published:
-                _cache(blocks[published:full], hashes[published:full], self._block_hash, self._cached, self._hashed,
-                       self._table)
+                _cache(blocks[published:full], hashes[published:full], self._block_hash, self._cached,
+                       self._dup_prev, self._dup_next, self._table, self._meta)
                 state[2] = full
         return True
 
@@ -272,6 +294,6 @@ class BlockPrefixCache:
     def free(self, rid: int) -> None:
         """Release ``rid``'s blocks, tail first; full ones stay cached until evicted."""
         blocks, held, _, _ = self._req.pop(rid)
-        _free(blocks[:held][::-1].copy(), self._ref, self._prev, self._nxt, self._meta, self._hashed)
+        _free(blocks[:held][::-1].copy(), self._ref, self._prev, self._nxt, self._meta, self._cached)
 
     preempt = free  # vLLM frees a preempted request's blocks the same way; it recomputes later
