@@ -60,6 +60,32 @@ def test_vllm_keeps_a_hash_while_any_copy_of_its_block_lives():
     assert cache.num_cached_tokens == 8 * 16  # the copy counts: it holds KV
 
 
+def test_vllm_a_refused_admission_leaves_the_lru_order_alone():
+    """A waiting request that does not fit takes nothing, its cached prefix included: vLLM's
+    allocate_slots checks the room before it touches a block. Hits as vLLM 0.32's
+    KVCacheManager gives them (8 usable blocks of 16)."""
+    cache = BlockPrefixCache(8, 16)
+
+    def run(rid, tokens, keep=False):
+        key = block_hashes(tokens, 16)
+        hit = cache.match(key, tokens.size)
+        cache.admit(rid, key, tokens.size, hit)
+        if not cache.extend(rid, tokens.size):
+            cache.preempt(rid)
+            return None
+        if not keep:
+            cache.free(rid)
+        return hit
+
+    x, y = np.arange(32), np.arange(500, 532)
+    assert [run(0, x), run(1, y), run(2, np.arange(2000, 2048), keep=True)] == [0, 0, 0]  # 3 blocks held
+    assert run(3, np.r_[x, np.arange(3000, 3064)]) is None  # x's 2 blocks + 4 new > 5 free: refused
+    # x is still the least recently freed: the next 3 blocks evict it (before, the refused
+    # admission had moved x's blocks to the tail, and y went instead)
+    assert run(4, np.arange(4000, 4048)) == 0
+    assert [run(5, np.r_[x, np.arange(32, 48)]), run(6, np.r_[y, np.arange(532, 548)])] == [0, 0]
+
+
 def test_vllm_recomputes_the_last_prompt_token():
     cache = BlockPrefixCache(num_blocks=8, block_size=4)
     replay_sequential(cache, [cache.prefix_key(np.arange(8))], [8])

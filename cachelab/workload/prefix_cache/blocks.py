@@ -63,6 +63,16 @@ def _unlink(b, prev, nxt, meta):
 
 
 @nb.njit(cache=True, nogil=True)
+def _evictable(table, hashes, n, ref):
+    """How many of the cached blocks of ``hashes[:n]`` sit in the free queue (a touch takes them out)."""
+    k = 0
+    for i in range(n):
+        if ref[table[hashes[i]]] == 0:
+            k += 1
+    return k
+
+
+@nb.njit(cache=True, nogil=True)
 def _touch(table, hashes, n, ref, prev, nxt, meta, out):
     """Reuse the cached blocks of ``hashes[:n]``: out of the free queue, one more reference."""
     for i in range(n):
@@ -234,7 +244,8 @@ class BlockPrefixCache:
         return _match(self._table, hashes, limit) * self.block_size
 
     def admit(self, rid: int, hashes: np.ndarray, num_prompt: int, num_cached: int) -> None:
-        """Start request ``rid`` with ``num_cached`` tokens served from the cache (from ``match``).
+        """Start request ``rid`` with ``num_cached`` tokens served from the cache (from ``match``);
+        their blocks are taken by the first ``extend``, with the new ones or not at all.
 
         Args:
             hashes: int64 chained hashes of every full block of the request's tokens (all the
@@ -244,8 +255,8 @@ class BlockPrefixCache:
             raise CachelabError(f"request {rid} is already admitted")
         n = num_cached // self.block_size
         blocks = np.empty(hashes.size + 1, np.int64)  # room for every full block and a partial one
-        _touch(self._table, hashes, n, self._ref, self._prev, self._nxt, self._meta, blocks)
-        self._req[rid] = [blocks, n, n, hashes]  # block table, blocks held, blocks published, hashes
+        # block table, blocks held, blocks published, hashes, cached blocks the first extend takes
+        self._req[rid] = [blocks, 0, n, hashes, n]
 
     def record_query(self, num_prompt: int, num_cached: int, preempted: bool = False) -> None:
         """Count one admitted request's prompt and cached tokens (vLLM's hit-rate terms); a
@@ -256,10 +267,20 @@ class BlockPrefixCache:
         self.hit_tokens += num_cached
 
     def extend(self, rid: int, num_tokens: int) -> bool:
-        """Hold blocks for the first ``num_tokens`` tokens of ``rid``; False if the pool is short."""
+        """Hold blocks for the first ``num_tokens`` tokens of ``rid``; False if the pool is short.
+
+        The first call after ``admit`` takes the cached blocks too, and only if everything
+        fits (vLLM's ``allocate_slots``): a refused admission leaves the free queue's order
+        as it was, so a request waiting for room does not keep its prefix fresh."""
         state = self._req[rid]
-        blocks, held, published, hashes = state
-        need = -(-num_tokens // self.block_size) - held
+        blocks, held, published, hashes, hit = state
+        need = -(-num_tokens // self.block_size) - held - hit
+        if hit:
+            if max(need, 0) + _evictable(self._table, hashes, hit, self._ref) > self._meta[NUM_FREE]:
+                return False
+            _touch(self._table, hashes, hit, self._ref, self._prev, self._nxt, self._meta, blocks)
+            held = state[1] = hit
+            state[4] = 0
         if need > 0:
             if need > self._meta[NUM_FREE]:
                 return False
@@ -288,12 +309,12 @@ class BlockPrefixCache:
     def block_table(self, rid: int) -> np.ndarray:
         """The KV blocks ``rid`` holds, in position order (block ``i`` holds its tokens
         ``i * block_size`` to ``(i + 1) * block_size - 1``): a paged KV cache's block table."""
-        blocks, held, _, _ = self._req[rid]
+        blocks, held = self._req[rid][:2]
         return blocks[:held]
 
     def free(self, rid: int) -> None:
         """Release ``rid``'s blocks, tail first; full ones stay cached until evicted."""
-        blocks, held, _, _ = self._req.pop(rid)
+        blocks, held = self._req.pop(rid)[:2]
         _free(blocks[:held][::-1].copy(), self._ref, self._prev, self._nxt, self._meta, self._cached)
 
     preempt = free  # vLLM frees a preempted request's blocks the same way; it recomputes later
