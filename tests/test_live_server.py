@@ -184,6 +184,36 @@ def test_n_choices_as_vllm_samples_them(server):
     assert scrape(url)[("vllm:kv_cache_usage_perc",)] == 0.0
 
 
+def test_n_and_the_longest_choice_are_observed_per_prompt_as_in_vllm(server):
+    """vLLM's vllm:request_params_n and vllm:request_max_num_generation_tokens were missing: once all
+    of a prompt's n choices finished, its n and its longest choice's tokens are observed (a batch of
+    prompts: once per prompt)."""
+    url, engine = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    args = dict(model=MODEL, prompt=list(range(7000, 7010)), n=3, max_tokens=12, seed=5)
+    probe = [c.model_dump()["token_ids"] for c in client.completions.create(
+        **args, extra_body={"ignore_eos": True, "return_token_ids": True}).choices]
+
+    def lengths(stop):  # each choice's tokens with ``stop`` as a stop token (seeded: the same draws)
+        return [ids.index(stop) + 1 if stop in ids else len(ids) for ids in probe]
+
+    stop = next(t for ids in probe for t in ids if len(set(lengths(t))) > 1)  # the choices end apart
+    wait_idle(engine)
+    before = scrape(url)
+    three = client.completions.create(**args, extra_body={"ignore_eos": True, "stop_token_ids": [stop],
+                                                           "return_token_ids": True})
+    batch = client.completions.create(model=MODEL, prompt=[[7100, 7101], [7200, 7201, 7202]], n=2, max_tokens=3,
+                                      seed=9, extra_body={"ignore_eos": True})
+    wait_idle(engine)
+    delta = {k: v - before.get(k, 0) for k, v in scrape(url).items()}
+    longest = max(len(c.model_dump()["token_ids"]) for c in three.choices)
+    assert batch.usage.completion_tokens == 12 and three.usage.completion_tokens < 3 * longest, three.usage
+    assert (delta[("vllm:request_params_n_count",)], delta[("vllm:request_params_n_sum",)]) == (3, 3 + 2 + 2)
+    assert delta[("vllm:request_params_n_bucket", ("le", "2.0"))] == 2
+    assert delta[("vllm:request_max_num_generation_tokens_count",)] == 3
+    assert delta[("vllm:request_max_num_generation_tokens_sum",)] == longest + 3 + 3
+
+
 def test_a_batch_of_prompts_as_vllm_answers_it(server):
     """A completion's list of prompts was refused ("send one prompt per request"); vLLM answers
     n choices per prompt, prompt k's at indices k*n .. k*n+n-1, each with its prompt's ids, the

@@ -95,6 +95,16 @@ class Completion:
 
 
 @dataclass(eq=False)
+class _Parent:
+    """The ``n`` requests of one prompt (an API request's choices, vLLM's parallel sampling's
+    parent): ``left`` not finished yet, the most tokens one of them has output."""
+
+    n: int
+    left: int
+    max_output: int = 0
+
+
+@dataclass(eq=False)
 class _Live:
     req: Request
     params: SamplingParams
@@ -102,6 +112,7 @@ class _Live:
     detok: Detokenizer
     generator: torch.Generator | None
     arrival: float
+    parent: _Parent
     cached_tokens: int = -1  # prefix-cache hit at first admission
     scheduled: float | None = None  # first admission (a preemption's readmission leaves it)
     first_token: float | None = None
@@ -130,8 +141,9 @@ class EngineCounters:
 
 
 class LiveEngine:
-    """See module doc. ``observer`` (optional) gets ``first_token`` and ``token_gap`` latencies
-    and a ``FinishedRequest`` per finished request (the server's Prometheus histograms)."""
+    """See module doc. ``observer`` (optional) gets ``first_token`` and ``token_gap`` latencies,
+    a ``FinishedRequest`` per finished request, and ``finished_prompt(n, max_output)`` once all
+    ``n`` requests of a prompt finished (the server's Prometheus histograms)."""
 
     def __init__(self, model: EngramLM, rows, tokenizer, config: EngineConfig = EngineConfig(), observer=None):
         cfg, mcfg = config, model.config
@@ -181,16 +193,22 @@ class LiveEngine:
         self.rows.close()
 
     def submit(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
-               sinks: Sequence[Callable[[RequestOutput], None]]) -> list[int]:
-        """Queue requests together (they reach the scheduler in the same step); their ids."""
+               sinks: Sequence[Callable[[RequestOutput], None]], n: int = 1) -> list[int]:
+        """Queue requests together (they reach the scheduler in the same step); their ids. Each
+        ``n`` in a row are one prompt's choices (vLLM's parallel sampling: its ``n`` and the
+        longest choice are observed once, when all of them finished)."""
         if self.error:
             raise CachelabError(f"the engine stopped after an error: {self.error}")
+        if len(prompts) % n:
+            raise CachelabError(f"submit: {len(prompts)} requests are not whole groups of n={n}")
         now = time.perf_counter()
         new = []
         with self._cv:
             if self.closed:
                 raise CachelabError("the server is shutting down")
-            for prompt, p, sink in zip(prompts, params, sinks, strict=True):
+            for k, (prompt, p, sink) in enumerate(zip(prompts, params, sinks, strict=True)):
+                if k % n == 0:
+                    parent = _Parent(n, n)
                 rid, self._next_rid = self._next_rid, self._next_rid + 1
                 ids = np.asarray(prompt, np.int64)
                 gen = None
@@ -198,7 +216,7 @@ class LiveEngine:
                     gen = torch.Generator().manual_seed(p.seed if p.seed is not None else int(np.random.randint(2**62)))
                 live = _Live(Request(rid, ids, int(ids.size), p.max_tokens), p, sink,
                              Detokenizer(self.tokenizer, p.stop, p.min_tokens, p.include_stop_str_in_output),
-                             gen, now)
+                             gen, now, parent)
                 self._inbox.append(("add", live))
                 new.append(rid)
             self._cv.notify()
@@ -409,6 +427,11 @@ class LiveEngine:
             self.observer.finished(FinishedRequest(live.arrival, live.scheduled, live.first_token, live.last_token,
                                                    now, live.req.num_prompt, live.req.num_output, live.req.max_output,
                                                    live.req.preemptions, max(live.cached_tokens, 0)))
+            parent = live.parent  # an aborted choice leaves its prompt unobserved, as in vLLM
+            parent.left -= 1
+            parent.max_output = max(parent.max_output, live.req.num_output)
+            if not parent.left:
+                self.observer.finished_prompt(parent.n, parent.max_output)
         live.sink(RequestOutput(rid, list(tokens), live.detok.take(final=True), True, reason, stop_reason,
                                 live.req.num_prompt, live.req.num_output, max(live.cached_tokens, 0)))
         del self._live[rid]  # last: a request leaves num_live once everything about it is done

@@ -7,7 +7,8 @@ and inter-token latency as tokens are emitted; tokens per engine step (prompt po
 computed plus tokens sampled); per finished request (vLLM's FinishedRequestStats: an aborted
 request is in none) its end-to-end latency, time per output token (decode time over the tokens
 after the first, 0 for one token), queue, prefill, decode and inference times, its prompt and
-generation token counts, its max_tokens, preemptions and prompt tokens computed (not cached). ``cachelab:`` metrics
+generation token counts, its max_tokens, preemptions and prompt tokens computed (not cached);
+per prompt once all its ``n`` choices finished, ``n`` and the longest choice's tokens. ``cachelab:`` metrics
 cover what vLLM has no name for: Engram rows, the row source's counters per tier, fetch and
 exposed stall time. Labels are vLLM's: ``model_name`` and ``engine``.
 """
@@ -26,6 +27,7 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                480.0, 960.0, 1920.0, 7680.0)
 ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
+N_BUCKETS = (1, 2, 5, 10, 20)
 LABELS = ("model_name", "engine")
 # per finished request: name, help (vLLM's), buckets (a token count's are 1-2-5 up to the context)
 REQUEST_HISTOGRAMS = (
@@ -67,7 +69,10 @@ class EngineMetrics:
                 ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS),
                 ("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", ITERATION_BUCKETS),
                 *REQUEST_HISTOGRAMS]
-        self._ttft, self._itl, self._iteration, *self._request = (
+        hist += [("vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS),
+                 ("vllm:request_max_num_generation_tokens", "Histogram of maximum number of requested generation "
+                  "tokens.", None)]
+        self._ttft, self._itl, self._iteration, *self._request, self._n, self._max_generation = (
             Histogram(name, doc, LABELS, registry=self.registry, buckets=b or tokens).labels(*self.labels)
             for name, doc, b in hist)
         self.registry.register(self)
@@ -91,6 +96,11 @@ class EngineMetrics:
                   r.num_prompt, r.num_output, r.max_tokens, r.preemptions, r.num_prompt - r.cached_tokens)
         for hist, value in zip(self._request, values, strict=True):
             hist.observe(value)
+
+    def finished_prompt(self, n: int, max_output: int) -> None:
+        """All ``n`` choices of a prompt finished; the most tokens one output (vLLM's ParentRequest)."""
+        self._n.observe(n)
+        self._max_generation.observe(max_output)
 
     # -- a prometheus collector --------------------------------------------------------------
     def collect(self):

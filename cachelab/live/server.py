@@ -138,7 +138,7 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
             collector, endpoint=request.url.path, prompt_ids=ids, model=model_name, stream=req.stream,
             session=session) for ids, _ in jobs]
         try:
-            rids = engine.submit([ids for ids, _ in jobs], [p for _, p in jobs], sinks)
+            rids = engine.submit([ids for ids, _ in jobs], [p for _, p in jobs], sinks, n)
         except CachelabError as exc:  # the engine stopped after an error, or the server is shutting down
             raise APIError(503, str(exc)) from None
         choices = _Choices(rids, [ids for ids, _ in jobs], n, req.return_token_ids)
