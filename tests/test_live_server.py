@@ -239,6 +239,45 @@ def test_a_batch_of_prompts_as_vllm_answers_it(server):
     assert r.json()["error"]["message"] == "prompt list length 1025 exceeds the maximum allowed count of 1024."
 
 
+def cached_tokens_of_batches(base_url: str, model: str, first_id: int) -> list[int]:
+    """usage.prompt_tokens_details.cached_tokens of batches of 200-token prompts (A cached by a first
+    request; B to G fresh), whole and streamed, as a server reports them."""
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    a, b, c, d, e, f, g = (list(range(first_id + 1000 * k, first_id + 1000 * k + 200)) for k in range(7))
+    common = dict(model=model, max_tokens=2, temperature=0)
+
+    def whole(prompt, **kw):
+        return client.completions.create(prompt=prompt, **{**common, **kw}).usage.prompt_tokens_details.cached_tokens
+
+    def stream(prompt, **kw):
+        chunks = list(client.completions.create(prompt=prompt, stream=True, stream_options={"include_usage": True},
+                                                **{**common, **kw}))
+        return chunks[-1].usage.prompt_tokens_details.cached_tokens
+
+    sampled = dict(n=2, temperature=1.0, seed=1)
+    return [whole(a), whole([a, b]), whole([c, a]), stream([a, d]), stream([e, a]), whole(f, **sampled),
+            stream(g, **sampled)]
+
+
+def test_cached_tokens_of_a_batch_are_reported_as_vllm_reports_them(server):
+    """usage summed every prompt's cached tokens; vLLM reports one output's: whole, the last prompt's
+    (its choice that finished last: a second choice of a new prompt hits the blocks the first computes
+    in the same step); streamed, the first output's (prompt 0's first choice)."""
+    url, _ = server
+    hit = 192  # (200 - 1) // 16 blocks of 16
+    assert cached_tokens_of_batches(url, MODEL, 60_000) == [0, 0, hit, hit, 0, hit, 0]
+
+
+@pytest.mark.slow
+def test_cached_tokens_of_a_batch_follow_the_real_vllm(server, vllm_server):
+    """The same batches on the real vLLM server: the same prompts report a hit (its CPU backend's
+    blocks are 128 tokens, so a 200-token prompt's hit is 128 there)."""
+    url, _ = server
+    ours = cached_tokens_of_batches(url, MODEL, 70_000)
+    theirs = cached_tokens_of_batches(vllm_server.base_url, vllm_server.model, 70_000)
+    assert [n > 0 for n in ours] == [n > 0 for n in theirs], (ours, theirs)
+
+
 def test_repeated_prompt_is_served_from_the_prefix_cache(server):
     url, _ = server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")

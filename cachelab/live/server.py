@@ -219,20 +219,22 @@ class _Choices:
             if out is None:
                 engine.abort(rid)
 
-    def usage(self, last: list[RequestOutput]) -> dict:
-        """The request's usage from its choices' last outputs: each prompt once (its cached tokens
-        too), every choice's tokens (vLLM's)."""
-        firsts = last[::self.n]
-        return usage(sum(out.num_prompt for out in firsts), sum(out.num_output for out in last),
-                     sum(out.cached_tokens for out in firsts))
+    def usage(self, last: list[RequestOutput], cached: int) -> dict:
+        """The request's usage from its choices' last outputs: each prompt once, every choice's
+        tokens; ``cached``: the one output's cached tokens vLLM reports (see ``_whole``, ``_stream``)."""
+        return usage(sum(out.num_prompt for out in last[::self.n]), sum(out.num_output for out in last), cached)
 
 
 async def _whole(engine, request: Request, choices: _Choices, collector: _Collector, oid: str, model: str, req,
                  chat: bool) -> dict:
-    """Wait for every output of the choices; abort them if the client goes away meanwhile."""
+    """Wait for every output of the choices; abort them if the client goes away meanwhile. The
+    cached tokens in usage are the last prompt's, from whichever of its choices finished last:
+    vLLM reports its last prompt's aggregate, made when that prompt's last choice finished (a
+    later choice of a new prompt hits the blocks the first one computes in the same step)."""
     rids = choices.rids
     index = {rid: i for i, rid in enumerate(rids)}
     tokens, text, last = [[] for _ in rids], [[] for _ in rids], [None] * len(rids)
+    cached = 0
     gone = asyncio.ensure_future(_client_gone(request))
     try:
         while None in last:
@@ -248,6 +250,8 @@ async def _whole(engine, request: Request, choices: _Choices, collector: _Collec
             text[i].append(out.new_text)
             if out.finished:
                 last[i] = out
+                if i >= len(rids) - choices.n:  # the last prompt's
+                    cached = out.cached_tokens
     except asyncio.CancelledError:
         choices.abort(engine, last)
         raise
@@ -257,14 +261,16 @@ async def _whole(engine, request: Request, choices: _Choices, collector: _Collec
         raise _aborted(engine)
     answers = [("".join(t), out.finish_reason, out.stop_reason, ids if req.return_token_ids else None,
                 choices.prompt_ids(i)) for i, (t, out, ids) in enumerate(zip(text, last, tokens))]
-    return completion_body(oid, model, answers, choices.usage(last), chat)
+    return completion_body(oid, model, answers, choices.usage(last, cached), chat)
 
 
 async def _stream(engine, choices: _Choices, collector: _Collector, oid: str, model: str, req, chat: bool):
     """Server-sent events: per choice, one chunk per step that produced text or ids; then usage,
-    then [DONE]."""
+    then [DONE]. The cached tokens in usage are those of the first output to come, whichever
+    prompt and choice it is of, as vLLM streams them."""
     rids = choices.rids
     created, index, last = int(time.time()), {rid: i for i, rid in enumerate(rids)}, [None] * len(rids)
+    cached = None
     first = [not chat] * len(rids)  # a completion's first chunk of a choice carries its prompt ids
     try:
         for i in range(len(rids) if chat else 0):  # each choice's role comes first, as OpenAI sends it
@@ -276,6 +282,7 @@ async def _stream(engine, choices: _Choices, collector: _Collector, oid: str, mo
         while None in last:
             out = await collector.queue.get()
             i = index[out.rid]
+            cached = out.cached_tokens if cached is None else cached
             if out.finished:
                 last[i] = out
             if out.finish_reason == "abort":  # the engine stopped under a live stream: an error event, as vLLM sends
@@ -290,7 +297,7 @@ async def _stream(engine, choices: _Choices, collector: _Collector, oid: str, mo
             yield _sse(body)
             first[i] = False
         if req.include_usage:
-            yield _sse(usage_chunk(oid, created, model, choices.usage(last), chat))
+            yield _sse(usage_chunk(oid, created, model, choices.usage(last, cached), chat))
         yield "data: [DONE]\n\n"
     finally:  # the client went away (or the server is stopping): free their KV blocks
         choices.abort(engine, last)
