@@ -558,7 +558,8 @@ def test_a_new_connection_closed_unanswered_is_a_502_at_once(tmp_path, monkeypat
     upstream.sock.close()
     message = r.json()["error"]["message"]
     reset_connecting = at_accept and reset and message.startswith("upstream unreachable: ConnectionResetError")
-    assert message.startswith("upstream closed the connection before answering (") or reset_connecting, message
+    assert message.startswith(f"upstream {upstream.url}: closed the connection before answering (") \
+        or reset_connecting, message
     assert ("Error" in message) == reset, "a reset is named (ConnectionResetError), a close said so"
     assert upstream.connections == 1, "a new connection's loss is not retried"
     rec = read_requests(tmp_path)[0].row(0, named=True)
@@ -764,7 +765,7 @@ def test_an_upstream_head_without_an_end_is_bounded(tmp_path):
         r = httpx.post(proxy.url + "/v1/completions", json={"model": "m", "prompt": "hi"}, timeout=15)
         took = time.monotonic() - started
     upstream.sock.close()
-    message = "upstream answer head over 65536 bytes without an end"
+    message = f"upstream {upstream.url}: answer head over 65536 bytes without an end"
     assert r.status_code == 502 and r.json()["error"]["message"] == message and took < 1.5, (r.text, took)
     assert read_requests(tmp_path)[0].row(0, named=True)["error"] == message
 
@@ -1288,6 +1289,26 @@ def test_a_connect_timeout_names_the_upstream_and_the_bound(tmp_path, connect_ti
             s.close()
     message = f"connecting to upstream http://***@127.0.0.1:{port}/v1 timed out after 0.5 s"
     assert r.status_code == 504 and r.json()["error"]["message"] == message and 0.4 < took < 2.5, (r.text, took)
+    assert read_requests(tmp_path)[0].row(0, named=True)["error"] == message
+
+
+def test_an_upstream_that_connects_and_never_answers_is_a_504_naming_it(tmp_path):
+    """A connection made and no answer in --read-timeout: a 504 naming the upstream (its credentials
+    hidden) as the connect errors do; it said "upstream timed out before answering", leaving a client of
+    several proxies to guess which upstream."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)  # the kernel completes the handshake; nobody reads
+    port = server.getsockname()[1]
+    recorder = Recorder(tmp_path)
+    config = ProxyConfig(upstream=f"http://capuser:pw-77@127.0.0.1:{port}/v1", read_timeout=0.5)
+    try:
+        with ProxyThread(config, recorder) as proxy:
+            r = httpx.post(proxy.url + "/v1/completions", json={"model": "m", "prompt": "hi"}, timeout=15)
+    finally:
+        server.close()
+    message = f"upstream http://***@127.0.0.1:{port}/v1: timed out before answering"
+    assert r.status_code == 504 and r.json()["error"]["message"] == message, r.text
     assert read_requests(tmp_path)[0].row(0, named=True)["error"] == message
 
 

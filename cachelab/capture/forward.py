@@ -239,7 +239,7 @@ class Forward:
             self.out.append(b"%x\r\n%s\r\n" % (len(data), data) if self.framed else data)
         elif mode == WHOLE:
             if self.size > c.max_response_bytes:
-                return self.fail(502, f"upstream answer over {c.max_response_bytes} bytes")
+                return self.upstream_failed(502, f"answer over {c.max_response_bytes} bytes")
             self.parts.append(data)
         elif self.framed:
             self.out.append(b"%x\r\n%s\r\n" % (len(data), data))
@@ -323,6 +323,11 @@ class Forward:
         self.client.respond(whole_response(status, error_body(status, message), close=not self.keep_alive),
                             self.keep_alive)
 
+    def upstream_failed(self, status: int, what: str) -> None:
+        """``fail`` for the upstream's fault (502, 504), the message naming it as the connect errors
+        do (``upstream http://HOST:PORT: what``, credentials hidden): it said only "upstream"."""
+        self.fail(status, f"upstream {self.proxy.pool.shown}: {what}")
+
     def cut(self, message: str) -> None:
         """End a stream that had begun: the client's ends where it is, the record says why. Its
         connection closes without the body's end (no last chunk, or short of its length), so that
@@ -342,9 +347,9 @@ class Forward:
 
     def broken(self, why: str) -> None:
         if self.mode == -1:
-            self.fail(502, f"upstream answer is not HTTP: {why}")
+            self.upstream_failed(502, f"answer is not HTTP: {why}")
         elif self.mode == WHOLE:
-            self.fail(502, f"upstream answer broke off: {why}")
+            self.upstream_failed(502, f"answer broke off: {why}")
         else:
             self.cut(f"upstream stream broke off: {why}")
 
@@ -371,7 +376,7 @@ class Forward:
             which = "a kept-alive connection, then a new one,"
         else:
             which = "the kept-alive connection" if conn.reused else "the connection"
-        self.fail(502, f"upstream closed {which} before answering ({why})")
+        self.upstream_failed(502, f"closed {which} before answering ({why})")
 
     def client_gone(self) -> None:
         """The client went away before its answer was complete: the upstream request ends, the
@@ -429,14 +434,14 @@ class Forward:
             return self.fail(504, self._no_connection(bound))
         if running >= c.total_timeout:
             if self.mode == -1:
-                return self.fail(504, "upstream timed out before answering")
-            return (self.fail(504, f"upstream answer took over {c.total_timeout} s") if self.mode == WHOLE
+                return self.upstream_failed(504, "timed out before answering")
+            return (self.upstream_failed(504, f"answer took over {c.total_timeout} s") if self.mode == WHOLE
                     else self.cut(f"upstream stream ran over {c.total_timeout} s: cut"))
         if silent >= c.read_timeout:
             if self.mode == -1:
-                return self.fail(504, "upstream timed out before answering")
+                return self.upstream_failed(504, "timed out before answering")
             if self.client.write_paused:  # the upstream is not read while its client reads nothing: its silence
                 return self.cut(f"client read nothing for {c.read_timeout} s: cut")
-            return (self.fail(504, f"upstream silent for {c.read_timeout} s") if self.mode == WHOLE
+            return (self.upstream_failed(504, f"silent for {c.read_timeout} s") if self.mode == WHOLE
                     else self.cut(f"upstream stream silent for {c.read_timeout} s: cut"))
         self._arm(min(c.read_timeout - silent, c.total_timeout - running))

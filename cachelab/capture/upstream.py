@@ -61,7 +61,7 @@ class UpstreamConnection(asyncio.Protocol):
             forward.head_bytes += len(data)
             limit = forward.proxy.config.max_head_bytes
             if forward.head_bytes > limit:
-                return forward.fail(502, f"upstream answer head over {limit} bytes without an end")
+                return forward.upstream_failed(502, f"answer head over {limit} bytes without an end")
         forward.after_read()
 
     def eof_received(self) -> bool:
