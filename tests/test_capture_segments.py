@@ -287,6 +287,25 @@ def test_cli_info_and_trace_build_from_capture(tmp_path):
     assert mixed.exit_code == 2 and "--from-capture takes no spec" in mixed.output
 
 
+def test_trace_build_from_capture_names_a_segment_it_could_not_read(tmp_path):
+    """A segment the read cannot take at all (not a segment: overwritten, or unreadable) was dropped with
+    every request in it and said nowhere in the build's report; it is listed as left out."""
+    from typer.testing import CliRunner
+
+    from cachelab.cli import app
+
+    with Recorder(tmp_path / "cap") as rec:
+        for i in range(3):
+            rec.submit(_record(i))
+    (tmp_path / "cap" / "requests-000001.seg").write_bytes(b"not a segment at all")
+    trace, report = capture_to_trace(tmp_path / "cap")
+    assert trace.height == 3 and report.unreadable == ["requests-000001.seg: not a cachelab capture segment"]
+    built = CliRunner().invoke(app, ["trace", "build", "--from-capture", str(tmp_path / "cap"), "-o",
+                                     str(tmp_path / "t.parquet")])
+    assert built.exit_code == 0, built.output
+    assert "1 unreadable segments or records" in built.output and "requests-000001.seg" in built.output
+
+
 def test_hash_blocks_recorder_compiles_its_hash_before_the_first_record(tmp_path):
     """The block hash is a numba kernel: compiled (or loaded from the cache) when the recorder starts,
     not on the journal's thread while it holds the GIL and a proxy's event loop waits (0.5-4.3 s here)."""

@@ -5,7 +5,9 @@ corrupt records counted, never raised); ``capture_to_trace`` turns the successfu
 into the project's request table (``cachelab.trace.schema``): arrivals in seconds from the
 first request, sessions from the salted session key (a session is named by the request id
 of its first request, turns counted in arrival order), prompt and output token ids, or in
-``hash-blocks`` mode content-less rows with the salted ``block_hashes``.
+``hash-blocks`` mode content-less rows with the salted ``block_hashes``. What the read could not
+take (torn tails, corrupt stretches, segments it could not read at all) is reported, never
+dropped unsaid.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class CaptureBuild:
     corrupt_records: int
     segments: int
     damaged: list[str]  # where each torn tail or corrupt stretch is: FILE@OFFSET
+    unreadable: list[str]  # segments not read at all (an I/O error, not a segment) and undecodable records
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -135,7 +138,8 @@ def capture_to_trace(directory: str | os.PathLike) -> tuple[pl.DataFrame, Captur
         tokens_out=int(trace["output_len"].cast(pl.Int64).sum()),
         sessions=int(trace["session_id"].n_unique()), failed_requests=failed, without_tokens=ok.height - n,
         **server_cache(trace),
-        torn_tails=stats.torn_tails, corrupt_records=stats.corrupt, segments=stats.segments, damaged=stats.damaged)
+        torn_tails=stats.torn_tails, corrupt_records=stats.corrupt, segments=stats.segments, damaged=stats.damaged,
+        unreadable=stats.bad_files)
     return trace, report
 
 

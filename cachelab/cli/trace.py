@@ -151,11 +151,12 @@ def _build_from_capture(directory: Path, out: Path, as_json: bool, given: list[s
         console.print(f"server prefix cache: {report.server_cached_tokens:,} cached prompt tokens "
                       f"({report.server_prefix_hit_ratio:.3f} of the prompt tokens)")
     left_out = {"failed requests": report.failed_requests, "requests without token ids": report.without_tokens,
-                "torn tails": report.torn_tails, "corrupt records": report.corrupt_records}
+                "torn tails": report.torn_tails, "corrupt records": report.corrupt_records,
+                "unreadable segments or records": len(report.unreadable)}
     if any(left_out.values()):
         console.print("[yellow]left out: " + ", ".join(f"{v:,} {k}" for k, v in left_out.items() if v) + "[/]")
-    for where in report.damaged:
-        console.print(f"[yellow]  {where}[/]")
+    for where in (*report.damaged, *report.unreadable):
+        console.print(f"[yellow]  {escape(where)}[/]")
 
 
 @app.command()
