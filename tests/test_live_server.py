@@ -278,6 +278,41 @@ def test_cached_tokens_of_a_batch_follow_the_real_vllm(server, vllm_server):
     assert [n > 0 for n in ours] == [n > 0 for n in theirs], (ours, theirs)
 
 
+def test_a_client_behind_the_capture_proxy_gets_the_stream_it_would_get_direct(server, tmp_path):
+    """The capture proxy asks for ids and usage and restores the client's stream on vLLM's bytes
+    (``"token_ids":[...]`` nulled, the ``"choices":[]`` usage event dropped). `cachelab serve` wrote its
+    events with json's spaced separators, so behind the proxy a client got a usage chunk and token ids
+    it had not asked for; and a chat chunk whose token made no text had an empty delta, which the proxy
+    drops as an ids-only event. Its events are now vLLM's: compact, ids ``null`` when not asked for, a
+    chat delta's content always there."""
+    from capture_upstream import ProxyThread
+
+    from cachelab.capture.proxy import ProxyConfig
+    from cachelab.capture.recorder import Recorder
+    from cachelab.capture.to_trace import read_requests
+
+    url, _ = server
+    recorder = Recorder(tmp_path / "cap")
+    requests = [("completions", {"prompt": "Engram rows", "max_tokens": 6}),
+                ("chat/completions", {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 6})]
+
+    def events(base: str, path: str, body: dict) -> list:
+        body = {"model": MODEL, "temperature": 0, "stream": True, **body}
+        with httpx.stream("POST", f"{base}/v1/{path}", json=body, timeout=60) as r:
+            got = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        return [{k: v for k, v in e.items() if k not in ("id", "created")} for e in got]
+
+    with ProxyThread(ProxyConfig(upstream=url), recorder) as proxy:
+        for path, body in requests:
+            direct, proxied = events(url, path, body), events(proxy.url, path, body)
+            assert proxied == direct and all(e["choices"] for e in direct), (path, proxied, direct)
+            assert all("content" in e["choices"][0]["delta"] for e in direct if path.startswith("chat"))
+        assert recorder.flush(30)
+    rows, _ = read_requests(tmp_path / "cap")
+    assert rows.height == 2 and set(rows["token_source"]) == {"upstream"}, rows
+    assert rows["output_ids"].list.len().to_list() == [6, 6]
+
+
 def test_repeated_prompt_is_served_from_the_prefix_cache(server):
     url, _ = server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")

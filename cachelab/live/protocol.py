@@ -201,17 +201,19 @@ def usage(num_prompt: int, num_output: int, cached: int | None = None) -> dict:
     return use
 
 
-def _body(rid: str, created: int, model: str, obj: str, chat: bool, choices) -> dict:
+def _body(rid: str, created: int, model: str, obj: str, chat: bool, choices, prompt_at_top: bool = True) -> dict:
     """``choices``: (index, content, finish_reason, stop_reason, token_ids, prompt_ids) each; the
-    prompt ids where vLLM puts them: at the top of a chat completion (its one prompt), in each
-    choice of a completion."""
+    ids as vLLM writes them, ``null`` where not asked for (the capture proxy restores the client's
+    bytes on that form): the prompt's at the top of a chat completion (only in a stream's first
+    chunks, ``prompt_at_top``), in each choice of a completion."""
     body = {"id": rid, "object": obj, "created": created, "model": model, "choices": []}
     for index, content, finish, stop_reason, token_ids, prompt_ids in choices:
         choice = {"index": index, **content, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}
-        if prompt_ids is not None:
-            (body if chat else choice)["prompt_token_ids"] = prompt_ids
-        if token_ids is not None:
-            choice["token_ids"] = token_ids
+        if not chat:
+            choice["prompt_token_ids"] = prompt_ids
+        elif prompt_at_top:
+            body["prompt_token_ids"] = prompt_ids
+        choice["token_ids"] = token_ids
         body["choices"].append(choice)
     return body
 
@@ -229,14 +231,14 @@ def completion_body(rid: str, model: str, answers, use: dict, chat: bool) -> dic
 def chunk_body(rid: str, created: int, model: str, index: int, text: str | None, finish, stop_reason, token_ids,
                prompt_ids, chat: bool, first: bool) -> dict:
     """One streamed chunk of choice ``index``; ``prompt_ids`` only in a choice's first (vLLM's
-    placement); a chat's first chunk of a choice carries the assistant's role."""
+    placement); a chat's first chunk of a choice carries the assistant's role, and every chunk
+    its content, ``""`` included (vLLM's delta without a reasoning or tool parser)."""
     if chat:
-        delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-        content = {"delta": delta}
+        content = {"delta": {"role": "assistant", "content": text or ""} if first else {"content": text or ""}}
     else:
         content = {"text": text or ""}
     return _body(rid, created, model, "chat.completion.chunk" if chat else "text_completion", chat,
-                 [(index, content, finish, stop_reason, token_ids, prompt_ids)])
+                 [(index, content, finish, stop_reason, token_ids, prompt_ids)], prompt_at_top=first)
 
 
 def usage_chunk(rid: str, created: int, model: str, use: dict, chat: bool) -> dict:

@@ -334,4 +334,7 @@ class Server(uvicorn.Server):
 
 
 def _sse(body: dict) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+    """One event, its JSON compact as vLLM (pydantic) and Starlette's JSONResponse write it: the
+    capture proxy finds the fields it restores for its client (``"token_ids":[``, ``"choices":[]``)
+    in those bytes."""
+    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
