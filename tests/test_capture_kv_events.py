@@ -40,12 +40,15 @@ def test_decode_both_encodings_and_hash_widths():
     assert np.frombuffer(stored["tokens"], "<i4").tolist() == list(range(32))
     assert removed["type"] == "removed" and np.frombuffer(removed["hashes"], "<i8").tolist() == [7]
     # Older vLLM: tagged arrays; 32-byte sha256 hashes are cut to 8 bytes and counted.
+    # A removal's fields are its own (block_hashes, medium): they were read as a stored block's, its
+    # medium taken for a parent hash and lost.
     old = msgpack.packb([1.0, [["BlockStored", [b"\x01" * 32], None, [5, 6], 2, None, "GPU"],
-                               ["AllBlocksCleared"]], 3])
+                               ["BlockRemoved", [9], "CPU"], ["AllBlocksCleared"]], 3])
     got = decode_batch(old, hashes, keep_tokens=False)
-    assert got["dp_rank"] == 3 and "tokens" not in got["events"][0]
+    assert got["dp_rank"] == 3 and "tokens" not in got["events"][0] and got["events"][0]["medium"] == "GPU"
     assert np.frombuffer(got["events"][0]["hashes"], "<i8").tolist() == [0x0101010101010101]
-    assert got["events"][1] == {"type": "cleared"} and hashes.truncated == 1
+    assert got["events"][1]["medium"] == "CPU" and np.frombuffer(got["events"][1]["hashes"], "<i8").tolist() == [9]
+    assert got["events"][2] == {"type": "cleared"} and hashes.truncated == 1
 
 
 class Publisher:

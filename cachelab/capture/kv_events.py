@@ -34,7 +34,9 @@ from cachelab.errors import CachelabError
 
 KV_EVENTS = "kv-events"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
+# an older vLLM's tagged-array events: their fields in order, after the tag
+_ARRAY_FIELDS = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"),
+                 "BlockRemoved": ("block_hashes", "medium")}
 
 
 class _Hashes:
@@ -55,12 +57,12 @@ class _Hashes:
         return np.array([self.one(h) for h in hashes or []], dtype="<i8").tobytes()
 
 
-def _fields(event, names: tuple[str, ...]) -> tuple[str, dict]:
-    """(type, fields) of a tagged map or a tagged array event."""
+def _fields(event) -> tuple[str, dict]:
+    """(type, fields) of a tagged map or a tagged array event (each type's own field order)."""
     if isinstance(event, dict):
         return str(event.get("type", "")), event
     if isinstance(event, (list, tuple)) and event:
-        return str(event[0]), dict(zip(names, event[1:]))
+        return str(event[0]), dict(zip(_ARRAY_FIELDS.get(str(event[0]), ()), event[1:]))
     raise CachelabError(f"KV event of an unknown shape: {type(event).__name__}")
 
 
@@ -77,7 +79,7 @@ def decode_batch(payload: bytes, hashes: _Hashes, keep_tokens: bool = True) -> d
         raise CachelabError("KV event batch without an event list")
     out = []
     for event in events:
-        kind, f = _fields(event, _STORED_FIELDS)
+        kind, f = _fields(event)
         if kind == "BlockStored":
             item = {"type": "stored", "hashes": hashes.many(f.get("block_hashes")),
                     "parent": hashes.one(f.get("parent_block_hash")), "block_size": f.get("block_size"),
