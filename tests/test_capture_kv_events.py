@@ -133,6 +133,39 @@ def test_gaps_counted_or_replayed(tmp_path, replay):
     assert set(seqs) == expected and len(seqs) == len(expected)
 
 
+def test_a_restarted_publisher_is_counted_and_its_gaps_too(tmp_path):
+    """vLLM restarted while the subscriber runs: its new publisher counts from 0 again. Its numbers were
+    compared with the old run's last one (and that one kept), so no gap of the new run was counted; now
+    the restart is counted and the new run's missing batches are gaps, those before the join included."""
+    endpoint = f"ipc://{tmp_path}/events"
+    sub = KVEventSubscriber(endpoint, tmp_path / "cap", topic="kv").start()
+    try:
+        old = Publisher(endpoint, bind=True)
+        end = _publish_until_joined(old, sub)
+        for s in range(end, end + 20):
+            old.publish(s)
+        _wait(lambda: sub.last_seq == end + 19)
+        old.close()
+        new = Publisher(endpoint, bind=True)
+        joined = sub.batches
+        seq = 0
+        while sub.batches == joined and seq < 500:  # the subscriber reconnects: the first ones are lost
+            new.publish(seq)
+            seq += 1
+            time.sleep(0.02)
+        for s in range(seq, seq + 10):
+            new.publish(s, send=s not in (seq + 3, seq + 4))
+        _wait(lambda: sub.last_seq == seq + 9)
+        new.close()
+    finally:
+        sub.close()
+    stats = sub.stats()
+    seqs = [b["pub_seq"] for b in read_kv_events(tmp_path / "cap")[0]]
+    again = next(i for i in range(1, len(seqs)) if seqs[i] < seqs[i - 1])  # where the new run's batches begin
+    assert stats["restarts"] == 1 and stats["last_seq"] == seq + 9 and seq + 3 not in seqs[again:], stats
+    assert stats["gaps"] == seq + 10 - len(seqs[again:]) >= 2, (stats, seqs[again:])
+
+
 def test_bind_side_for_a_connecting_publisher(tmp_path):
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     sub = KVEventSubscriber(endpoint, tmp_path, bind=True).start()   # vLLM given a concrete address connects

@@ -14,7 +14,10 @@ and *connects* for any other (``tcp://127.0.0.1:5557``). So the subscriber conne
 default, and binds (``bind=True``) when vLLM was given a concrete address. A PUB socket
 drops what it sends before a subscriber is joined, so batches published before the
 subscription took hold are missed; every gap in ``seq`` is counted, and with the
-publisher's ``replay_endpoint`` the subscriber asks for the missing batches and gets them.
+publisher's ``replay_endpoint`` the subscriber asks for the missing batches and gets them. A
+publisher started again (vLLM restarted) counts from 0 again: that is counted (``restarts``) and
+its numbers are checked for gaps from 0 (they were compared with the old run's last number, so
+no gap of the new run was counted until it passed it).
 """
 
 from __future__ import annotations
@@ -126,7 +129,7 @@ class KVEventSubscriber:
         # opened once both endpoints are good: a bad one leaves no segment behind
         self.journal = Journal(directory, KV_EVENTS, fsync=fsync, rotate_bytes=rotate_bytes,
                                rotate_seconds=rotate_seconds, header={"endpoint": endpoint, "topic": topic})
-        self.batches = self.events = self.gaps = self.replayed = self.decode_errors = 0
+        self.batches = self.events = self.gaps = self.replayed = self.decode_errors = self.restarts = 0
         self.first_seq: int | None = None
         self.last_seq: int | None = None
         self._stop = threading.Event()
@@ -199,6 +202,9 @@ class KVEventSubscriber:
                 self.decode_errors += 1
                 continue
             seq = int.from_bytes(frames[1], "big")
+            if self.last_seq is not None and seq <= self.last_seq:  # a new publisher (vLLM restarted): from 0 again
+                self.restarts += 1
+                self.last_seq = -1  # its batches before this one are gaps too (or replayed)
             if self.last_seq is not None and seq > self.last_seq + 1:
                 missing = seq - self.last_seq - 1
                 recovered = self._replay(self.last_seq + 1, seq) if self.replay_endpoint else 0
@@ -208,11 +214,11 @@ class KVEventSubscriber:
                 if seq > 0 and self.replay_endpoint:
                     self._replay(0, seq)
             self._journal(seq, frames[2], False)
-            self.last_seq = seq if self.last_seq is None else max(self.last_seq, seq)
+            self.last_seq = seq
 
     def stats(self) -> dict[str, Any]:
         return {"endpoint": self.endpoint, "bind": self.bind, "batches": self.batches, "events": self.events,
-                "first_seq": self.first_seq, "last_seq": self.last_seq, "gaps": self.gaps,
+                "first_seq": self.first_seq, "last_seq": self.last_seq, "gaps": self.gaps, "restarts": self.restarts,
                 "replayed": self.replayed, "decode_errors": self.decode_errors,
                 "truncated_hashes": self._hashes.truncated, "acknowledged": self.journal.acknowledged}
 
