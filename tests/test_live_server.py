@@ -450,6 +450,19 @@ def test_fields_vllm_refuses_or_would_answer_are_not_silently_dropped(server):
     assert r.status_code == 200 and r.json()["model"] == MODEL
 
 
+def test_an_empty_stop_string_is_refused_as_in_vllm(server):
+    """An empty stop string was accepted and ignored; vLLM refuses it (its words), alone or in a list."""
+    url, _ = server
+    for path, body in (("completions", {"prompt": "x"}), ("chat/completions", {"messages": [{"role": "user",
+                                                                                          "content": "x"}]})):
+        for stop in ("", ["a", ""]):
+            r = httpx.post(f"{url}/v1/{path}", json={"model": MODEL, "max_tokens": 1, "stop": stop, **body}, timeout=30)
+            assert (r.status_code, r.json()["error"]["param"], r.json()["error"]["message"]) == \
+                (400, "stop", "stop cannot contain an empty string."), r.text
+    assert httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1, "stop": []},
+                      timeout=30).status_code == 200
+
+
 def test_openai_nullable_fields_sent_as_null_mean_their_default(server):
     """The openai client sends an argument given as None as null, and OpenAI's API (and vLLM,
     its fields ``X | None``) takes null as the default; these were 400s ("Input should be a

@@ -110,6 +110,8 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
                            f"n must be at most {MAX_N}, got {req.n}.", "n")
         if req.stream_options is not None and not req.stream:  # vLLM's check and words
             raise APIError(400, "Stream options can only be defined when `stream=True`.", "stream_options")
+        if req.stop == "" or "" in (req.stop or ()):  # vLLM's check and words (it was accepted and ignored)
+            raise APIError(400, "stop cannot contain an empty string.", "stop")
         if bad := [t for t in req.stop_token_ids if not 0 <= t < vocab]:
             raise APIError(400, f"stop_token_ids must be in [0, {vocab}), got {bad}", "stop_token_ids")
         refused = req.unsupported()
