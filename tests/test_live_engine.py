@@ -185,6 +185,35 @@ def test_engine_reads_the_rows_the_serving_simulator_says():
     assert full.rows["levels"]["hbm"]["served_rows"] != store["hbm_hits"]
 
 
+def test_a_steps_cpu_time_spans_the_step_it_is_logged_with(tmp_path):
+    """thread_cpu_s was read after the step's outputs were handed out (stop checks, the scheduler's
+    completion, the sinks), step_s before: a sink's work was CPU the step never timed, and thread_cpu_s
+    over step_s, the share of a core `cachelab calibrate` filters and reports by, came out above 1."""
+    import threading
+    import time
+
+    engine = make_engine(step_log=str(tmp_path / "log"))
+    done = threading.Event()
+
+    def busy(out):  # a slow sink: 30 ms of this thread's CPU per output
+        t = time.thread_time()
+        while time.thread_time() - t < 0.03:
+            pass
+        if out.finished:
+            done.set()
+
+    engine.start()
+    try:
+        engine.submit([prompts(1)[0]], [GREEDY], [busy])
+        assert done.wait(120)
+    finally:
+        engine.stop()
+    log = pl.read_parquet(tmp_path / "log" / "*.parquet")
+    assert log.height == GREEDY.max_tokens
+    assert (log["thread_cpu_s"] <= log["step_s"] + 0.005).all(), log.select("step_s", "thread_cpu_s")
+    assert engine.counters.thread_cpu_s <= engine.counters.step_s + 0.005 * log.height
+
+
 def test_engram_gate_is_v41_signed_sqrt_sigmoid():
     cfg = F32
     module = Engram(cfg)

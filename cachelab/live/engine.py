@@ -354,6 +354,9 @@ class LiveEngine:
                                 if x.req.num_output < x.params.min_tokens])
             tokens = sample(logits, [x.params for x in sampled_rows], [x.generator for x in sampled_rows])
         t_done = time.perf_counter()
+        # the engine thread's CPU over the same span as step_s (step_s over it is the load): read after the
+        # outputs were handed out, the sinks' work counted as CPU the step never timed (a share above 1)
+        fetch["thread_cpu_s"] = time.thread_time() - cpu0
         if self._time_ops:
             fetch["attention_s"], fetch["gemm_s"] = clock.attention_s, clock.gemm_s
         sampled = {x.req.rid: int(t) for x, t in zip(sampled_rows, tokens)}
@@ -362,7 +365,6 @@ class LiveEngine:
         self._emit(step, sampled, stopped, t_done)
         if self.observer is not None:  # vLLM's iteration tokens: prompt positions computed plus tokens sampled
             self.observer.step_tokens(step.num_tokens - step.decodes + len(sampled))
-        fetch["thread_cpu_s"] = time.thread_time() - cpu0  # the engine thread's CPU: step_s over it is the load
         self._count(step, row_ids, fetch, t0, t_done)
         if self.on_step is not None:
             self.on_step(step, row_ids)
