@@ -313,6 +313,31 @@ def test_a_client_behind_the_capture_proxy_gets_the_stream_it_would_get_direct(s
     assert rows["output_ids"].list.len().to_list() == [6, 6]
 
 
+def test_a_chat_streams_its_role_with_the_first_token_as_vllm_does(server):
+    """vLLM sends a chat's role chunk with the first output, and vLLM's bench (as most clients) takes
+    the first chunk with choices as the first token. The role chunk went out before the request was
+    even scheduled: such a client's TTFT was its HTTP round trip, shorter than the engine's own."""
+    import time
+
+    url, engine = server
+    wait_idle(engine)
+    before = scrape(url)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Engram rows " * 400}], "max_tokens": 2,
+            "stream": True, "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
+        events = []
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append((time.perf_counter() - started, json.loads(line[6:])))
+    first_chunk = next(t for t, e in events if e["choices"])  # vLLM bench's TTFT
+    engine_ttft = scrape(url)[("vllm:time_to_first_token_seconds_sum",)] - \
+        before[("vllm:time_to_first_token_seconds_sum",)]
+    assert events[-1][1]["usage"]["prompt_tokens"] > 1000
+    assert events[0][1]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert first_chunk >= engine_ttft > 0, (first_chunk, engine_ttft)
+
+
 def test_repeated_prompt_is_served_from_the_prefix_cache(server):
     url, _ = server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")

@@ -275,16 +275,17 @@ async def _stream(engine, choices: _Choices, collector: _Collector, oid: str, mo
     cached = None
     first = [not chat] * len(rids)  # a completion's first chunk of a choice carries its prompt ids
     try:
-        for i in range(len(rids) if chat else 0):  # each choice's role comes first, as OpenAI sends it
-            body = chunk_body(oid, created, model, i, "", None, None, [] if req.return_token_ids else None,
-                              choices.prompt_ids(i), chat, True)
-            if req.continuous_usage:
-                body["usage"] = usage(len(choices.prompts[i]), 0)
-            yield _sse(body)
         while None in last:
             out = await collector.queue.get()
+            if cached is None:  # the first output: a chat sends each choice's role first, as vLLM does, now (sent
+                for i in range(len(rids) if chat else 0):  # before the request ran, a client's TTFT was its round trip)
+                    body = chunk_body(oid, created, model, i, "", None, None, [] if req.return_token_ids else None,
+                                      choices.prompt_ids(i), chat, True)
+                    if req.continuous_usage:
+                        body["usage"] = usage(len(choices.prompts[i]), 0)
+                    yield _sse(body)
+                cached = out.cached_tokens
             i = index[out.rid]
-            cached = out.cached_tokens if cached is None else cached
             if out.finished:
                 last[i] = out
             if out.finish_reason == "abort":  # the engine stopped under a live stream: an error event, as vLLM sends
