@@ -114,3 +114,15 @@ def test_a_sampled_replay_scales_by_the_rate_its_hash_keeps():
     inc.step(keys[:1])
     stats = inc.summary()
     assert stats.sample_rate == 1e-7 and stats.lookups == 2**23
+
+
+@pytest.mark.parametrize("pages, rate, want", [(1000, 0.01, 10), (2000, 0.02, 40), (50, 0.01, 1), (0, 0.01, 0),
+                                               (40, 1.0, 40)])
+def test_a_sampled_page_cache_is_scaled_as_the_tiers_are(pages, rate, want):
+    """The page cache is the nearest whole number of pages at the kept rate, at least one when there
+    is one: it was floored, so 1,000 pages at 1 % (kept rate 0.0099999905) became 9, and 50 none."""
+    keys = global_key(0, np.arange(15 * 64))
+    hierarchy = Hierarchy([Tier("hbm", "lru", capacity_rows=1000)], 264, SSDStore(page_cache_bytes=pages * 4096))
+    inc = StepReplay(hierarchy, RowSpace(keys, 15), 1, rate=rate)
+    assert inc.cascade.page_capacity == want
+    assert inc.capacities == [round(1000 * sampling.effective_rate(rate))]

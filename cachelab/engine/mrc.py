@@ -31,7 +31,7 @@ from cachelab import registry
 from cachelab.errors import CachelabError
 from cachelab.engine.cascade import run_policy
 from cachelab.engine.replay import warmup_steps
-from cachelab.engine.sampling import effective_rate, sample_mask
+from cachelab.engine.sampling import effective_rate, sample_mask, scaled_capacity
 from cachelab.progress import progress_bar
 from cachelab.workload.lookups import LookupStream, compact, compact_steps
 
@@ -164,7 +164,7 @@ def _simulate_one(capacity: int) -> float:
         offsets = np.concatenate([[0], np.cumsum(keep)])[offsets]
         weights, positions = weights[keep], positions[keep]
         num_keys = int(ids.max()) + 1 if ids.size else 1
-        capacity = max(1, int(round(capacity * rate)))
+        capacity = scaled_capacity(capacity, rate)
     hits = run_policy(registry.make_policy(policy, **params), ids, offsets, capacity, num_keys)
     counted = positions >= first
     total = weights[counted].sum()

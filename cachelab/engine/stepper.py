@@ -260,13 +260,14 @@ class StepReplay:
     def __init__(self, hierarchy: Hierarchy, space: RowSpace, num_layers: int, rate: float = 1.0):
         self.hierarchy, self.space, self.num_layers, self.rate = hierarchy, space, num_layers, rate
         rate = self.kept = sampling.effective_rate(rate)
-        self.capacities = [max(1, int(round(tier.rows(hierarchy.row_bytes) * rate))) for tier in hierarchy.tiers]
+        self.capacities = [sampling.scaled_capacity(tier.rows(hierarchy.row_bytes), rate) for tier in hierarchy.tiers]
         page_capacity = 0
         if isinstance(hierarchy.backing, SSDStore):
             ssd = hierarchy.backing
             if ssd.rows_per_page(hierarchy.row_bytes) != space.rows_per_page:
                 raise CachelabError("the row space was built with another page size than the SSD store's")
-            page_capacity = int(ssd.page_cache_bytes // ssd.page_bytes * rate)
+            pages = ssd.page_cache_bytes // ssd.page_bytes
+            page_capacity = sampling.scaled_capacity(pages, rate) if pages else 0
         self.cascade = Cascade(hierarchy, self.capacities, space.num_rows, page_of=self._page_of,
                                num_pages=space.pages.size, page_capacity=page_capacity)
         # The policies see rows numbered by first use in this replay, as the live store (``TieredStore``)
