@@ -80,6 +80,23 @@ def test_errors_exit_2_with_message(tmp_path):
         assert res.exit_code == 2 and f"warm-up must be a number >= 0, got {warmup}" in res.output
 
 
+def test_json_says_which_policy_parameters_and_filter_ran(tmp_path):
+    """mrc --json named the policy alone: `--policy lru --admission tinylfu` read as a plain LRU curve, and
+    neither verb said which --param values (or a model's) the policy ran with."""
+    np.save(tmp_path / "k.npy", KEYS)
+    trace = ["--trace", str(tmp_path / "k.npy")]
+    for policy, flags, admission in (("lru", ["--admission", "tinylfu"], "tinylfu"), ("lru+tinylfu", [], "tinylfu"),
+                                     ("s3fifo", ["--param", "small_size_ratio=0.2"], "always")):
+        curve = _json(["mrc", *trace, "--policy", policy, "--capacities", "20,100", "--workers", "1", *flags, "--json"])
+        sim = _json(["simulate", *trace, "--policy", policy, "--capacity", "20", *flags, "--json"])
+        assert curve["admission"] == sim["admission"] == admission
+        assert curve["params"] == sim["params"] and curve["params"]["admission"] == admission
+        assert sim["miss_ratio"] == curve["miss_ratios"][0]
+    assert curve["params"]["small_size_ratio"] == 0.2
+    plain = _json(["mrc", *trace, "--capacities", "20", "--json"])
+    assert plain["method"] == "exact-stack" and plain["admission"] == "always"
+
+
 def test_mrc_checks_params_before_the_trace_loads(tmp_path):
     """As simulate: a wrong --param name or type was found only once the trace had loaded."""
     missing = str(tmp_path / "not-yet.npy")

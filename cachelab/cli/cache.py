@@ -125,7 +125,7 @@ def simulate(
         "policy": policy, "capacity": capacity, "infinite": level.infinite, "requests": requests, "hits": hits,
         "miss_ratio": 1.0 - hits / requests if requests else 0.0,
         "seconds": round(time.perf_counter() - started, 3),
-        "admission": admission or cache.get_params().get("admission", "always"),
+        "admission": admission or cache.get_params().get("admission", "always"), "params": cache.get_params(),
         "warmup_requests": stats.warmup_lookups, "trace": str(trace), "trace_kind": found.kind,
         "unique_requests": stats.unique_rows, "unique_miss_ratio": 1.0 - level.hit_ratio_unique,
     }
@@ -170,13 +170,14 @@ def mrc(
     if registry.make_policy(policy).capabilities.needs_scores:  # was "none were given to the replay", trace loaded
         raise CachelabError(f"--policy {policy} needs predictor scores, and mrc takes no model: `cachelab simulate "
                             "--model DIR` runs it at one capacity, `cachelab evaluate --model DIR` at several")
+    params = {**parse_pairs(param), **({"admission": admission} if admission else {})}
+    ran = build_policy(policy, admission, param).get_params()  # what each capacity runs (the report says)
     found, stream = load_stream(trace, fmt, requests, steps, "mrc")
     caps = sorted(set(capacity_rows(parse_capacities(capacities), stream, "--capacities")))
-    curve = miss_ratio_curve(stream, caps, policy=policy, sample_rate=sample_rate, warmup=warmup,
-                             params={**parse_pairs(param), **({"admission": admission} if admission else {})},
+    curve = miss_ratio_curve(stream, caps, policy=policy, sample_rate=sample_rate, warmup=warmup, params=params,
                              workers=workers, progress=True)
-    out = {"policy": policy, **curve.to_dict(), "trace": str(trace), "trace_kind": found.kind,
-           "seconds": round(time.perf_counter() - started, 3)}
+    out = {"policy": policy, "admission": ran.get("admission", "always"), "params": ran, **curve.to_dict(),
+           "trace": str(trace), "trace_kind": found.kind, "seconds": round(time.perf_counter() - started, 3)}
     if as_json:
         typer.echo(strict_json.dumps(out))
         return
