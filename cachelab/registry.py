@@ -219,7 +219,9 @@ def make_policy(name: str, **params):
     """
     if "+" in name:
         name, admission = name.split("+", 1)
-        params.setdefault("admission", admission)
+        if params.setdefault("admission", admission) != admission:  # one of the two was dropped in silence
+            raise CachelabError(f"policy {name}+{admission} names the admission filter {admission!r}, and "
+                                f"admission={params['admission']!r} another: give one of them")
     cls = get(POLICIES, name)
     sig = inspect.signature(cls)
     takes_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())

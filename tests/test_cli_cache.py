@@ -97,6 +97,20 @@ def test_json_says_which_policy_parameters_and_filter_ran(tmp_path):
     assert plain["method"] == "exact-stack" and plain["admission"] == "always"
 
 
+def test_a_filter_named_twice_two_ways_is_refused(tmp_path):
+    """`--policy lru+tinylfu --admission always` ran plain LRU: the flag won and the name's filter was
+    dropped in silence. The same filter named twice still runs."""
+    np.save(tmp_path / "k.npy", KEYS)
+    trace = ["--trace", str(tmp_path / "k.npy")]
+    for verb in (["simulate", "--capacity", "20"], ["mrc", "--capacities", "20"]):
+        for flag in (["--admission", "always"], ["--param", "admission=always"]):
+            res = runner.invoke(app, [verb[0], *trace, "--policy", "lru+tinylfu", *verb[1:], *flag])
+            assert res.exit_code == 2, res.output
+            assert "policy lru+tinylfu names the admission filter 'tinylfu', and admission='always' another" in res.output
+    same = _json(["simulate", *trace, "--policy", "lru+tinylfu", "--admission", "tinylfu", "--capacity", "20", "--json"])
+    assert same["params"]["admission"] == "tinylfu"
+
+
 def test_mrc_checks_params_before_the_trace_loads(tmp_path):
     """As simulate: a wrong --param name or type was found only once the trace had loaded."""
     missing = str(tmp_path / "not-yet.npy")
