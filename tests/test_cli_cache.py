@@ -111,6 +111,13 @@ def test_a_filter_named_twice_two_ways_is_refused(tmp_path):
     assert same["params"]["admission"] == "tinylfu"
 
 
+def test_mrc_sample_rate_help_says_what_it_samples():
+    """The help said 'LRU only'; every other policy runs sampled too, as mini-simulations."""
+    res = runner.invoke(app, ["mrc", "--help"], env={"COLUMNS": "200"})
+    text = " ".join(re.sub(r"[│\s]+", " ", res.output).split())
+    assert "LRU only" not in text and "any other policy by mini-simulations at rate x capacity" in text
+
+
 def test_mrc_checks_params_before_the_trace_loads(tmp_path):
     """As simulate: a wrong --param name or type was found only once the trace had loaded."""
     missing = str(tmp_path / "not-yet.npy")

@@ -148,7 +148,8 @@ def mrc(
     capacities: str = typer.Option(..., "--capacities", help="Comma-separated capacities, e.g. 100,1000,10000 "
                                    "(objects; or shares '1%', 0.01, or bytes '64MiB', as --capacity)."),
     sample_rate: float | None = typer.Option(None, "--sample-rate",
-                                             help="SHARDS spatial sampling rate (0..1], LRU only, e.g. 0.01."),
+                                             help="Spatial sampling rate (0..1], e.g. 0.01: plain LRU's curve by SHARDS, "
+                                             "any other policy by mini-simulations at rate x capacity."),
     warmup: float = typer.Option(0.0, "--warmup", help=WARMUP_HELP),
     admission: str | None = typer.Option(None, "--admission", help="Admission filter (simulated curves)."),
     param: list[str] = typer.Option([], "--param", help=PARAM_HELP),
