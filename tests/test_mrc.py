@@ -85,6 +85,29 @@ def test_a_sample_scales_by_the_rate_its_hash_keeps(monkeypatch, policy, capacit
 
 
 @pytest.mark.parametrize("policy", ["lru", "fifo"])
+def test_a_sample_refuses_the_capacities_it_cannot_resolve(policy):
+    """Under 1 / R rows a sample holds under one row: SHARDS hit such a cache at sampled distance 0
+    alone and a mini-simulation ran one sampled row, so every capacity up to 1 / R read as 1 / R
+    (here, at R = 1 %, capacity 10 read the miss ratio of 100 rows, not its own)."""
+    keys = (np.random.default_rng(0).zipf(1.2, 200_000) % 20_000).astype(np.int64)
+    stream = LookupStream.from_keys(keys)
+    rate = sampling.effective_rate(0.01)
+    with pytest.raises(CachelabError, match=r"capacities 10, 50, 100 hold under one row of a sample at rate 0.01 \(its "
+                                            r"hash keeps 0.0099999905 of the keys, one in 100.0001\), so each would read "
+                                            r"as 100.0001 rows; drop them, or sample at a rate of at least 0.10000002$"):
+        miss_ratio_curve(stream, [10, 50, 100, 1000], policy=policy, sample_rate=0.01, workers=1)
+    assert 101 * rate >= 1 > 100 * rate  # the kept rate is just under 1 %: 101 rows is the first it resolves
+    with pytest.raises(CachelabError, match=r"capacities 100 hold .* at least 0.01000005$"):  # its hash keeps 1 / 100
+        miss_ratio_curve(stream, [100], policy=policy, sample_rate=0.01, workers=1)
+    assert sampling.effective_rate(0.01000005) * 100 >= 1
+    assert miss_ratio_curve(stream, [101, 1000], policy=policy, sample_rate=0.01, workers=1).capacities == [101, 1000]
+    # a capacity holding every key is exact at any rate (3 keys, 10 rows, under 1 / R = 20 rows)
+    small = LookupStream.from_keys(np.array([10, 11, 12] * 20))  # the sample keeps 10
+    curve = miss_ratio_curve(small, [10], policy=policy, sample_rate=0.05, workers=1)
+    assert curve.infinite == [True] and curve.miss_ratios == [pytest.approx(3 / 60)]
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo"])
 def test_an_empty_sample_is_an_error_not_a_zero_curve(policy):
     """Four keys at rate 0.001 keep none: SHARDS (and a mini-simulation) reported 0.0 at every capacity."""
     stream = LookupStream.from_keys(np.array([1, 2, 3, 1, 2, 3, 4]))
