@@ -62,6 +62,10 @@ def test_simulated_curve_is_deterministic_and_equals_single_runs():
     # LRU with parameters is simulated too, and agrees with the exact curve when they change nothing
     assert miss_ratio_curve(stream, caps, params={"admission": "always"}).miss_ratios == \
         miss_ratio_curve(stream, caps).miss_ratios
+    # a policy counting each row's lookups in a step (fbgemm-lfu) gets them in a curve as in a replay
+    big = [64, 256, 1024]
+    assert miss_ratio_curve(stream, big, policy="fbgemm-lfu", workers=1).miss_ratios == \
+        [_run(stream, registry.make_policy("fbgemm-lfu"), c) for c in big]
 
 
 @pytest.mark.parametrize("policy, capacity", [("lru", 9_000_000), ("fifo", 13_000_000)])

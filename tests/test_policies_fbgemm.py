@@ -211,6 +211,37 @@ def test_matches_a_model_of_fbgemms_kernels(name, capacity, seed, step_len):
     assert make(name, capacity, 400).run(keys, offsets).tolist() == expected
 
 
+@pytest.mark.parametrize("name", ["fbgemm-lru", "fbgemm-lfu"])
+@settings(max_examples=30, deadline=None)
+@given(capacity=st.sampled_from([8, 32, 64]), seed=st.integers(0, 2**32 - 1), step_len=st.integers(2, 60))
+def test_the_engine_replays_each_lookup_as_fbgemm_counts_it(name, capacity, seed, step_len):
+    """The engine hands a policy each step's distinct rows; FBGEMM's LFU raises a row's count by
+    every lookup of it in the batch (``lfu_update_counts`` adds ``unique_indices_count``), so the
+    replay passes each row's lookups (``needs_counts``). It raised them once per step: a row read
+    by many tokens of a step counted as one read by one, and the replay parted from the model of
+    FBGEMM's kernels fed the same lookups, and from the kernel itself."""
+    from cachelab.engine.replay import replay
+    from cachelab.engine.stepper import RowSpace, StepReplay
+    from cachelab.engine.tiers import Hierarchy, Tier
+    from cachelab.workload.lookups import LookupStream, compact
+
+    rng = np.random.default_rng(seed)
+    keys = (rng.zipf(1.3, 1_500) % 300).astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(rng.integers(1, step_len + 1, keys.size))])
+    offsets = np.append(offsets[offsets < keys.size], keys.size)
+    ids = compact(keys)[0]  # the engine's dense ids: rows numbered by first use
+    model, expected = Model(name.split("-")[1], capacity), []
+    for lo, hi in zip(offsets[:-1], offsets[1:]):
+        expected += model.step(ids[lo:hi].tolist())[0]
+    stream = LookupStream(keys, offsets, 264)
+    hierarchy = Hierarchy([Tier("hbm", name, capacity_rows=capacity)], 264)
+    assert replay(stream, hierarchy).served_by_lookup.tolist() == [0 if h else 1 for h in expected]
+    assert make(name, capacity, 300).run(ids, offsets).tolist() == expected  # the kernel, fed every lookup
+    stepped = StepReplay(Hierarchy([Tier("hbm", name, capacity_rows=capacity)], 264), RowSpace(keys, 15), 1)
+    served = [stepped.step(keys[lo:hi]).served[0, 0] for lo, hi in zip(offsets[:-1], offsets[1:])]
+    assert sum(served) == replay(stream, hierarchy).stats().levels["hbm"].served_unique
+
+
 @pytest.mark.parametrize("num_keys,sets", [(1, 1), (100, 3), (1_000, 31), (3_870, 125), (50, 200), (37, 10**9)])
 def test_fullest_set_counts_the_keys_of_the_fullest_set(num_keys, sets):
     """Per set where there are no more sets than keys, by sorting past that (memory follows the

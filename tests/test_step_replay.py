@@ -27,7 +27,7 @@ def _hierarchy(backing, policy="lru"):
 
 
 # fbgemm hashes its ids: both replays must number rows alike (by first use)
-@pytest.mark.parametrize("policy", ["lru", "fbgemm-lru"])
+@pytest.mark.parametrize("policy", ["lru", "fbgemm-lru", "fbgemm-lfu"])  # fbgemm-lfu: a row's lookups in a step count
 @pytest.mark.parametrize("backing", ["dram", SSDStore(page_cache_bytes=40 * 4096)])
 def test_step_replay_equals_engine_replay(backing, policy):
     stream = _stream()

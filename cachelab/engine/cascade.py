@@ -39,24 +39,26 @@ def sized(policy: Policy, capacity: int, num_keys: int) -> Policy:
 
 
 def run_policy(policy: Policy, keys: np.ndarray, step_offsets: np.ndarray, capacity: int, num_keys: int,
-               scores: np.ndarray | None = None) -> np.ndarray:
+               scores: np.ndarray | None = None, counts: np.ndarray | None = None) -> np.ndarray:
     """Reset ``policy`` to ``capacity`` (``sized``) and replay dense ``keys``; a hit flag per key.
 
     The policy gets ``next_access`` on this very stream, through its ``view_future`` (a
-    lookahead policy censors it), if it declares ``needs_future``, and ``scores`` if it
-    declares ``needs_scores`` (an error names the policy otherwise).
+    lookahead policy censors it), if it declares ``needs_future``, ``scores`` if it declares
+    ``needs_scores`` (an error names the policy otherwise), and ``counts`` (each key's lookups in
+    its step; 1 each when None) if it declares ``needs_counts``.
     """
     if policy.capabilities.needs_scores and scores is None:
         raise CachelabError(f"policy {policy.name!r} needs predictor scores; none were given to the replay")
-    return _run(sized(policy, capacity, num_keys), keys, step_offsets, scores, future=True)
+    return _run(sized(policy, capacity, num_keys), keys, step_offsets, scores, future=True, counts=counts)
 
 
-def _run(policy: Policy, keys, step_offsets, scores, future: bool) -> np.ndarray:
+def _run(policy: Policy, keys, step_offsets, scores, future: bool, counts=None) -> np.ndarray:
     caps = policy.capabilities
     if caps.needs_scores and scores is None:
         raise CachelabError(f"policy {policy.name!r} needs predictor scores; none were given to the replay")
     nxt = policy.view_future(next_access(keys), step_offsets) if future and caps.needs_future else None
-    return policy.run(keys, step_offsets, nxt, scores if caps.needs_scores else None)
+    more = {"counts": counts} if caps.needs_counts and counts is not None else {}  # as a plug-in's run takes it
+    return policy.run(keys, step_offsets, nxt, scores if caps.needs_scores else None, **more)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,11 +119,13 @@ class Cascade:
         return sized(registry.make_policy(self.hierarchy.backing.page_policy), self.page_capacity, num_pages)
 
     def serve(self, keys: np.ndarray, offsets: np.ndarray, scores: np.ndarray | None = None,
-              row_pages: Callable[[np.ndarray], tuple[np.ndarray, int]] | None = None) -> Served:
+              row_pages: Callable[[np.ndarray], tuple[np.ndarray, int]] | None = None,
+              counts: np.ndarray | None = None) -> Served:
         """Serve the requests ``keys`` (dense ids, distinct per step) of the steps ``offsets``.
 
         Args:
             scores: per request, for policies that declare ``needs_scores``.
+            counts: per request, its lookups in the step, for policies that declare ``needs_counts``.
             row_pages: without ``page_of``: rows -> (dense page ids numbered by first request,
                 page count) for the rows that reach an SSD backing.
         """
@@ -133,7 +137,7 @@ class Cascade:
             if keys_t.size == 0:
                 break
             hits = _run(policy, keys_t, offsets, None if scores is None else (scores if cur is None else scores[cur]),
-                        self.future)
+                        self.future, None if counts is None else (counts if cur is None else counts[cur]))
             miss = ~hits
             if cur is None:
                 level[hits] = t

@@ -166,7 +166,7 @@ def _simulate_one(capacity: int) -> float:
         weights, positions = weights[keep], positions[keep]
         num_keys = int(ids.max()) + 1 if ids.size else 1
         capacity = scaled_capacity(capacity, rate)
-    hits = run_policy(registry.make_policy(policy, **params), ids, offsets, capacity, num_keys)
+    hits = run_policy(registry.make_policy(policy, **params), ids, offsets, capacity, num_keys, counts=weights)
     counted = positions >= first
     total = weights[counted].sum()
     return 1.0 - weights[counted & hits].sum() / total if total else 0.0

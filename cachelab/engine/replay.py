@@ -167,7 +167,8 @@ def replay(stream: LookupStream, hierarchy: Hierarchy, warmup: float = 0.0, prog
             ids, pages = compact(global_key(layer, row // rpp))
             return ids, pages.size
 
-        out = cascade.serve(dd.keys, dd.offsets, d_scores, row_pages)
+        counted = any(p.capabilities.needs_counts for p in cascade.policies)  # a bincount over every lookup
+        out = cascade.serve(dd.keys, dd.offsets, d_scores, row_pages, counts=dd.counts if counted else None)
         bar.advance(task)
     tiers = [{"policy": t.policy.name, "capacity_rows": c, "infinite": isinstance(p, Unbounded)}
              for t, c, p in zip(hierarchy.tiers, capacities, cascade.policies)]

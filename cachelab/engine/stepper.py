@@ -270,6 +270,7 @@ class StepReplay:
             page_capacity = sampling.scaled_capacity(pages, rate) if pages else 0
         self.cascade = Cascade(hierarchy, self.capacities, space.num_rows, page_of=self._page_of,
                                num_pages=space.pages.size, page_capacity=page_capacity)
+        self._counted = any(p.capabilities.needs_counts for p in self.cascade.policies)
         # The policies see rows numbered by first use in this replay, as the live store (``TieredStore``)
         # and the whole-stream replay number them, so a policy deciding by id (a hashed set, a
         # miniature's key sample) decides alike; the space numbers them as it looks them up.
@@ -321,7 +322,11 @@ class StepReplay:
             if scores.size != np.size(keys):
                 raise CachelabError(f"{scores.size} scores for a step of {np.size(keys)} row keys: give one per key")
             d_scores = scores[first]
-        out = self.cascade.serve(distinct, np.array([0, distinct.size], np.int64), d_scores)
+        counts = None
+        if self._counted:  # each distinct row's lookups in the step, in first-occurrence order
+            uniq, n = np.unique(keys, return_counts=True)
+            counts = n[np.searchsorted(uniq, keys[first])]
+        out = self.cascade.serve(distinct, np.array([0, distinct.size], np.int64), d_scores, counts=counts)
         page_reads = np.bincount(self.space.pages[out.pages_read()] >> LAYER_SHIFT, minlength=L)[:L]
         layer = keys[first] >> LAYER_SHIFT  # from the step's own keys: no gather over the whole space
         levels = len(self.hierarchy.levels)

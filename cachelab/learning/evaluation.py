@@ -82,6 +82,7 @@ def evaluate_capacities(view: LearningView, model: Model, capacities: list[float
     runs = [(label, lambda name=name: learned_policy(name, model)) for label, name in found.learned.items()]
     runs += [(label, registry.get(registry.POLICIES, name))
              for label, name in {**found.heuristics, **found.oracles}.items()]
+    lookups = np.bincount(view.inverse, minlength=len(view))  # each entry's lookups, for needs_counts
     rows = []
     with progress_bar(enabled=progress) as bar:
         task = bar.add_task("replaying", total=len(capacities) * len(runs))
@@ -89,7 +90,8 @@ def evaluate_capacities(view: LearningView, model: Model, capacities: list[float
             n_rows = rows_for(cap, view.num_keys)
             miss, by_order = {}, {}
             for label, cls in runs:
-                hits = view.per_lookup(run_policy(cls(), view.keys, view.step_offsets, n_rows, view.num_keys, scores))
+                hits = view.per_lookup(run_policy(cls(), view.keys, view.step_offsets, n_rows, view.num_keys, scores,
+                                                  lookups))
                 miss[label] = float(1.0 - hits[start:].mean())
                 by_order[label] = {int(o): float(1.0 - hits[start:][order[start:] == o].mean())
                                    for o in np.unique(order[start:])}

@@ -34,6 +34,9 @@ class Capabilities:
     needs_future: wants ``next_access`` (position of each key's next use, NO_NEXT if none),
         as seen through ``Policy.view_future``.
     needs_scores: wants predictor ``scores`` per access (higher = more worth keeping).
+    needs_counts: wants ``counts`` per access: how many lookups of its step the key stands for
+        (the engine passes each step's distinct keys), as a cache that counts every lookup of
+        a batch does (FBGEMM's LFU); 1 each where no caller says.
     compiled: ``run`` is a compiled kernel, not the step loop.
     optimal: the offline optimum: no policy misses less on the same stream (with
         ``needs_future``); learning takes its keep decisions as labels (``cachelab.learning``).
@@ -41,6 +44,7 @@ class Capabilities:
 
     needs_future: bool = False
     needs_scores: bool = False
+    needs_counts: bool = False
     compiled: bool = False
     optimal: bool = False
 
@@ -108,14 +112,16 @@ class Policy(ABC):
         """The keys in the cache now (sorted), for checks and for the live store."""
 
     def run(self, keys: np.ndarray, step_offsets: np.ndarray, next_access: np.ndarray | None = None,
-            scores: np.ndarray | None = None) -> np.ndarray:
-        """Replay many steps; return a hit flag per key. Built-ins override with a kernel."""
+            scores: np.ndarray | None = None, counts: np.ndarray | None = None) -> np.ndarray:
+        """Replay many steps; return a hit flag per key. Built-ins override with a kernel.
+        ``counts`` is given only to a policy that declares ``needs_counts`` (its ``step`` takes it)."""
         hits = np.empty(keys.size, dtype=np.bool_)
         for s in range(step_offsets.size - 1):
             lo, hi = step_offsets[s], step_offsets[s + 1]
+            more = {} if counts is None else {"counts": counts[lo:hi]}
             res = self.step(keys[lo:hi],
                             None if next_access is None else next_access[lo:hi],
-                            None if scores is None else scores[lo:hi])
+                            None if scores is None else scores[lo:hi], **more)
             hits[lo:hi] = res.hits
         return hits
 

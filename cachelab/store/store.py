@@ -386,20 +386,22 @@ class TieredStore:
             d_scores = scores.reshape(-1)[first]
         n = uniq.size
         ids = self._number(uniq) if self.tiers else uniq
+        d_counts = np.bincount(inverse, minlength=n) if any(t.needs_counts for t in self.tiers) else None
         t1 = clock()
         c["dedup_s"] = t1 - t0
         # cache lookups: each tier sees the misses of the tier above
         hbm, dram = self._hbm, self._dram
         self._unsettled = bool(self.tiers)  # until the step is done: the policies step here
         if hbm is not None:
-            hits0, slots0, res0 = hbm.lookup(ids, d_scores)
+            hits0, slots0, res0 = hbm.lookup(ids, d_scores, d_counts)
             hit_pos, miss_pos = np.flatnonzero(hits0), np.flatnonzero(~hits0)
         else:
             hit_pos, miss_pos = np.zeros(0, np.int64), np.arange(n, dtype=np.int64)
         keys1, ids1 = uniq[miss_pos], ids[miss_pos]
         m = keys1.size
         if dram is not None:
-            hits1, slots1, res1 = dram.lookup(ids1, None if d_scores is None else d_scores[miss_pos])
+            hits1, slots1, res1 = dram.lookup(ids1, None if d_scores is None else d_scores[miss_pos],
+                                              None if d_counts is None else d_counts[miss_pos])
             dram_hit, back = np.flatnonzero(hits1), np.flatnonzero(~hits1)
         else:
             dram_hit, back = np.zeros(0, np.int64), np.arange(m, dtype=np.int64)

@@ -38,15 +38,22 @@ class CacheTier:
     def needs_scores(self) -> bool:
         return self.policy.capabilities.needs_scores
 
+    @property
+    def needs_counts(self) -> bool:
+        return self.policy.capabilities.needs_counts
+
     def check_scores(self, scores) -> None:
         """Refuse a step without the scores this tier's policy needs, before any tier steps."""
         if self.needs_scores and scores is None:
             raise CachelabError(f"policy {self.policy.name!r} ({self.name} tier) needs predictor scores: "
                                 "pass scores= to lookup/prefetch")
 
-    def lookup(self, keys: np.ndarray, scores: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, StepResult]:
-        """The policy's step on ``keys`` (distinct); returns (hit mask, hit slots, result)."""
-        res = self.policy.step(keys, None, scores if self.needs_scores else None)
+    def lookup(self, keys: np.ndarray, scores: np.ndarray | None,
+               counts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, StepResult]:
+        """The policy's step on ``keys`` (distinct; ``counts``: each one's lookups in the step, for a
+        policy that declares ``needs_counts``); returns (hit mask, hit slots, result)."""
+        more = {"counts": counts} if self.needs_counts and counts is not None else {}
+        res = self.policy.step(keys, None, scores if self.needs_scores else None, **more)
         slots = self.slot_of[keys[res.hits]]
         if slots.size and slots.min() < 0:
             bad = keys[res.hits][np.flatnonzero(slots < 0)[0]]

@@ -12,7 +12,9 @@ once, so a step here is one batch:
   from the oldest stamp up; a way stamped by this very step is never taken, so misses beyond
   the set's free-or-stale ways stay uncached for the step (FBGEMM's "conflict misses").
 - ``fbgemm-lfu`` (lfu_cache_find.cu, lfu_cache_populate.cu): a count per row for *all* rows
-  (``lfu_state``), raised once per step the row appears in. The step's misses of one set,
+  (``lfu_state``), raised by every lookup of the row (``lfu_update_counts`` adds each unique
+  index's count in the batch; the engine passes a step's distinct rows with their lookups,
+  ``Capabilities(needs_counts=True)``). The step's misses of one set,
   most frequent first, meet that set's ways least frequent first (empty ways first); the
   l-th miss replaces the l-th way unless that way's count is larger (a tie replaces),
   and the first refusal ends the set's insertions.
@@ -49,6 +51,7 @@ import numba as nb
 import numpy as np
 
 from cachelab.compiled import borrowed
+from cachelab.policy import Capabilities
 from cachelab.policy.admission import admission_admit, admission_record
 from cachelab.policy.kernel import KernelPolicy, note_admit, note_evict
 
@@ -255,17 +258,18 @@ def _fbgemm_lru_kernel(keys, offsets, slot_of, key_of, meta, by_cost, work, stam
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)
-def _fbgemm_lfu_kernel(keys, offsets, slot_of, key_of, meta, by_cost, work, freq, cost,
+def _fbgemm_lfu_kernel(keys, offsets, lookups, slot_of, key_of, meta, by_cost, work, freq, cost,
                        a_kind, a_counters, a_scores, a_meta, hits, record, adm, adm_slot, ev, counts):
     sets, ways = meta[SETS], meta[WAYS]
     # no reference counts per admitted row (module doc)
     keys, slot_of, key_of, hits = borrowed(keys), borrowed(slot_of), borrowed(key_of), borrowed(hits)
+    lookups = borrowed(lookups)
     adm, adm_slot, ev, counts, cost = borrowed(adm), borrowed(adm_slot), borrowed(ev), borrowed(counts), borrowed(cost)
     by_cost, work = borrowed(by_cost), borrowed(work)
     for s in range(offsets.size - 1):
         lo, hi = offsets[s], offsets[s + 1]
         for i in range(lo, hi):
-            freq[keys[i]] += 1
+            freq[keys[i]] += lookups[i]
         n, p = _misses_by_set(keys, lo, hi, slot_of, sets, meta[SHIFT], hits, freq, True, work)
         j = 0
         while j < n:
@@ -330,6 +334,7 @@ class FbgemmLFU(_SetAssociative):
     frequent way unless that way is more frequent. Its admission is the count comparison."""
 
     name = "fbgemm-lfu"
+    capabilities = Capabilities(needs_counts=True, compiled=True)  # FBGEMM counts every lookup of a batch
     kernel = staticmethod(_fbgemm_lfu_kernel)
     admission = "always"  # the count comparison is its admission
 
