@@ -55,6 +55,11 @@ def test_bad_hierarchies_are_named():
         Hierarchy([Tier("hbm", "lru", capacity_bytes=100)], ROW)
     with pytest.raises(CachelabError, match="unknown backing"):
         Hierarchy([Tier("hbm", "lru", capacity_rows=4)], ROW, backing="tape")
+    # one policy object in two tiers was one cache state reset twice: the HBM tier ran at DRAM's
+    # capacity and each tier's lookups moved the other's queue, in silence
+    lru = registry.make_policy("lru")
+    with pytest.raises(CachelabError, match="tiers 'hbm' and 'dram' are given the same policy object"):
+        Hierarchy([Tier("hbm", lru, capacity_rows=4), Tier("dram", lru, capacity_rows=8)], ROW)
 
 
 def _model(steps, caps, page_cap, rows_per_page=15):

@@ -114,6 +114,11 @@ class Hierarchy:
             raise CachelabError(f"tier names must be unique, got {names}")
         for t in self.tiers:
             t.rows(self.row_bytes)  # validate capacities now, naming the tier
+        for i, t in enumerate(self.tiers):  # one object for two tiers is one cache state for both
+            shared = [u.name for u in self.tiers[i + 1:] if u.policy is t.policy]
+            if shared:
+                raise CachelabError(f"tiers {t.name!r} and {shared[0]!r} are given the same policy object; each tier "
+                                    "needs its own (a registry name, or a new instance per tier)")
 
     @property
     def backing_levels(self) -> list[str]:
