@@ -127,6 +127,20 @@ def test_mrc_checks_params_before_the_trace_loads(tmp_path):
         assert res.exit_code == 2 and why in res.output, res.output
 
 
+@pytest.mark.parametrize("verb", [["simulate", "--capacity", "10"], ["mrc", "--capacities", "10"]])
+@pytest.mark.parametrize("policy, flags, why", [
+    ("s3fifo", ["--param", "small_size_ratio=2"], "s3fifo small_size_ratio must be in (0, 1), got 2"),
+    ("belady-lookahead", ["--param", "window=-1"], "belady-lookahead: window must be >= 0 steps, got -1"),
+    ("wtinylfu", ["--param", "window=1.5"], "wtinylfu: window must be in [0, 1), got 1.5"),
+    ("lru", ["--admission", "bogus"], "unknown admission 'bogus'")])
+def test_parameter_values_are_checked_before_the_trace_loads(tmp_path, verb, policy, flags, why):
+    """A value out of range (or an unknown filter) was found as the policy built its state, once the
+    trace had loaded: here the trace does not exist, and the value is named first."""
+    missing = str(tmp_path / "not-yet.npy")
+    res = runner.invoke(app, [verb[0], "--trace", missing, "--policy", policy, *verb[1:], *flags])
+    assert res.exit_code == 2 and why in res.output and "not-yet" not in res.output, res.output
+
+
 def test_mrc_sampled_and_simulated_methods(tmp_path):
     np.save(tmp_path / "k.npy", KEYS)
     shards = _json(["mrc", "--trace", str(tmp_path / "k.npy"), "--capacities", "20,100", "--sample-rate", "0.5", "--json"])

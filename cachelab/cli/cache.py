@@ -63,6 +63,15 @@ def build_policy(policy: str, admission: str | None, params: list[str]):
     return registry.make_policy(policy, **kwargs)
 
 
+def checked_policy(policy: str, admission: str | None, params: list[str]):
+    """``build_policy``, its hyper-parameters' values checked before a trace loads: a policy checks
+    them as it builds its state, so a cache of one row over one key is built and dropped (a bad
+    value was found once the trace had loaded and been compacted)."""
+    built = build_policy(policy, admission, params)
+    built.reset(1, 1)
+    return built
+
+
 def simulate(
     trace: str = typer.Option(..., "--trace", help=TRACE_HELP),
     policy: str = typer.Option(..., "--policy", help="Registry name (see `cachelab policies list`), e.g. lru."),
@@ -91,6 +100,7 @@ def simulate(
     started = time.perf_counter()
     # each --param's name and type, before the stream is read (a wrong type raised inside the policy)
     check_params(registry.get(registry.POLICIES, policy.split("+")[0]), parse_pairs(param), "--param")
+    checked_policy(policy, admission, param)  # and their values
     if model is not None and not registry.make_policy(policy).capabilities.needs_scores:  # scored for nothing
         raise CachelabError(f"--policy {policy} reads no predictor scores; --model is for a learned policy "
                             "(e.g. learned-lfu-adaptive)")
@@ -172,7 +182,7 @@ def mrc(
         raise CachelabError(f"--policy {policy} needs predictor scores, and mrc takes no model: `cachelab simulate "
                             "--model DIR` runs it at one capacity, `cachelab evaluate --model DIR` at several")
     params = {**parse_pairs(param), **({"admission": admission} if admission else {})}
-    ran = build_policy(policy, admission, param).get_params()  # what each capacity runs (the report says)
+    ran = checked_policy(policy, admission, param).get_params()  # what each capacity runs (the report says)
     found, stream = load_stream(trace, fmt, requests, steps, "mrc")
     caps = sorted(set(capacity_rows(parse_capacities(capacities), stream, "--capacities")))
     curve = miss_ratio_curve(stream, caps, policy=policy, sample_rate=sample_rate, warmup=warmup, params=params,
