@@ -334,3 +334,34 @@ def test_mooncake_absurd_timestamps_are_bad_rows(tmp_path, stamp):
         MooncakeTrace(str(path)).arrivals()
     source = MooncakeTrace(str(path), skip_bad=True)
     assert source.arrivals().height == 3 and source.skipped_lines == [4]
+
+
+@pytest.mark.parametrize("name, field", [("azure", "ContextTokens"), ("burstgpt", "Request tokens"),
+                                         ("mooncake", "input_length")])
+def test_a_request_of_no_prompt_tokens_is_a_bad_row(tmp_path, name, field):
+    """A prompt of 0 tokens imported as a request no server accepts (vLLM: "the decoder prompt
+    cannot be empty"): a replay of the trace failed at that request, not the import at its line."""
+    file, make, header, read = IMPORTERS[name]
+    lines = make(4).splitlines()
+    if name == "mooncake":
+        record = json.loads(lines[2])
+        lines[2] = json.dumps({**record, "input_length": 0, "hash_ids": []})
+    else:
+        cells = lines[2].split(",")
+        cells[2 if name == "burstgpt" else 1] = "0"
+        if name == "burstgpt":
+            cells[4] = cells[3]
+        lines[2] = ",".join(cells)
+    path = tmp_path / file
+    path.write_text("\n".join(lines) + "\n")
+    line = 3
+    with pytest.raises(CachelabError, match=rf"{file}:{line}: field '{field}'"):
+        read(path, False)
+    assert read(path, True)[1:] == (1, [line])
+
+
+def test_servegen_input_pmf_of_empty_prompts_is_a_bad_window(tmp_path):
+    folder = _servegen_folder(tmp_path, "0,2.0,1.0,Gamma,1,1\n600,2.0,1.0,Gamma,1,1\n",
+                              {"0": PMF, "600": {**PMF, "input_tokens": "{0: 0.5, 100: 0.5}"}})
+    with pytest.raises(CachelabError, match=r"window 600, field 'input_tokens': token count 0 \(the least is 1\)"):
+        ServeGenWorkload(str(folder), duration_s=1200).arrivals()

@@ -88,7 +88,7 @@ class AzureTrace:
         raw, lines = ingest.csv(COLUMNS)
         with_offset = 2 * int(raw["TIMESTAMP"].str.contains(OFFSET).sum()) >= raw.height  # as most (or half)
         typed = ingest.convert(raw, lines, {"TIMESTAMP": _timestamp("TIMESTAMP", with_offset),
-                                            "ContextTokens": count_field("ContextTokens"),
+                                            "ContextTokens": count_field("ContextTokens", least=1),
                                             "GeneratedTokens": count_field("GeneratedTokens")})
         self.skipped, self.first_skipped, self.skipped_lines = ingest.skipped, ingest.first_skipped, ingest.skipped_lines
         if typed.height == 0:

@@ -52,7 +52,8 @@ class BurstGPTTrace:
         raw, lines = ingest.csv(COLUMNS)
         conversions = {"Timestamp": seconds_field("Timestamp"), "Model": _label("Model"),
                        "Log Type": _label("Log Type")}
-        conversions |= {c: count_field(c) for c in ("Request tokens", "Response tokens", "Total tokens")}
+        conversions |= {c: count_field(c, least=1 if c == "Request tokens" else 0) for c in
+                        ("Request tokens", "Response tokens", "Total tokens")}
         typed = ingest.convert(raw, lines, conversions)
         self.skipped, self.first_skipped, self.skipped_lines = ingest.skipped, ingest.first_skipped, ingest.skipped_lines
         if self.models is not None:

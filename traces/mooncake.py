@@ -38,8 +38,8 @@ ARROW_SCHEMA = pa.schema([("timestamp", pa.float64()), ("input_length", pa.int64
                           ("hash_ids", pa.list_(pa.int64()))])
 
 
-def _count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT
+def _count(value, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and least <= value <= MAX_COUNT
 
 
 def _parse(record, block_size: int) -> str | tuple:
@@ -52,9 +52,9 @@ def _parse(record, block_size: int) -> str | tuple:
     ts, n_in, n_out, ids = (record[f] for f in FIELDS)
     if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not 0 <= ts <= MAX_SECONDS * 1000:
         return f"field 'timestamp': expected milliseconds from 0 to {MAX_SECONDS * 1000:g}, got {str(ts)[:40]}"
-    for name, value in (("input_length", n_in), ("output_length", n_out)):
-        if not _count(value):
-            return f"field {name!r}: expected an integer from 0 to {MAX_COUNT}, got {value!r}"
+    for name, value, least in (("input_length", n_in, 1), ("output_length", n_out, 0)):  # no empty prompt
+        if not _count(value, least):
+            return f"field {name!r}: expected an integer from {least} to {MAX_COUNT}, got {value!r}"
     if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 2**63
                                             for h in ids):
         return f"field 'hash_ids': expected a list of integers from 0 to 2^63 - 1, got {str(ids)[:60]}"
@@ -147,7 +147,7 @@ def _read_all(path: Path, block_size: int) -> tuple | None:
     offsets = ids.offsets.to_numpy() - ids.offsets[0].as_py()
     flat = ids.values.to_numpy()[ids.offsets[0].as_py():][:offsets[-1]]
     ok = (np.isfinite(ts) & (ts >= 0) & (ts <= MAX_SECONDS * 1000)).all()
-    ok &= ((n_in >= 0) & (n_in <= MAX_COUNT) & (n_out >= 0) & (n_out <= MAX_COUNT)).all()
+    ok &= ((n_in >= 1) & (n_in <= MAX_COUNT) & (n_out >= 0) & (n_out <= MAX_COUNT)).all()
     ok &= (flat >= 0).all() and (np.diff(offsets) == -(-n_in // block_size)).all()
     return (ts, n_in, n_out, offsets.astype(np.int32), flat) if ok else None
 

@@ -148,7 +148,11 @@ def read_pmfs(ingest: Ingest) -> dict[int, dict[str, tuple[np.ndarray, np.ndarra
             except (TypeError, ValueError, OverflowError):
                 problem = (where, f"window {ts}, field {name!r}: keys must be token counts, values probabilities")
                 break
-            if values.min() < 0 or probs.min() < 0 or not math.isclose(probs.sum(), 1.0, abs_tol=1e-6):
+            least = 1 if name == "input_tokens" else 0  # no request has an empty prompt
+            if values.min() < least:
+                problem = (where, f"window {ts}, field {name!r}: token count {values.min()} (the least is {least})")
+                break
+            if probs.min() < 0 or not math.isclose(probs.sum(), 1.0, abs_tol=1e-6):
                 problem = (where, f"window {ts}, field {name!r}: not a PMF over token counts (sum {probs.sum():.6f})")
                 break
             pmfs[name] = (values, np.cumsum(probs / probs.sum()))

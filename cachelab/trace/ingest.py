@@ -221,10 +221,11 @@ class Ingest:
 MAX_COUNT = 2**31 - 1  # token counts are int32 in the trace schema
 
 
-def count_field(col: str) -> tuple[pl.Expr, str]:
-    """A token count: an integer from 0 to 2^31 - 1."""
+def count_field(col: str, least: int = 0) -> tuple[pl.Expr, str]:
+    """A token count: an integer from ``least`` to 2^31 - 1 (a prompt's least is 1: a request of no
+    prompt tokens is one no server accepts, vLLM's "the decoder prompt cannot be empty")."""
     value = pl.col(col).cast(pl.Int64, strict=False)
-    return pl.when((value >= 0) & (value <= MAX_COUNT)).then(value), "an integer from 0 to 2^31 - 1"
+    return pl.when((value >= least) & (value <= MAX_COUNT)).then(value), f"an integer from {least} to 2^31 - 1"
 
 
 MAX_SECONDS = 1e9  # about 31.7 years: a longer trace clock is damage, not data

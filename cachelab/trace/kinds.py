@@ -89,7 +89,7 @@ def wrong_kind(found: Found, verb: str, needs: str, hint: str, where: str = "--t
     return CachelabError(f"{where} {found.value}: found {found}; `cachelab {verb}` needs {needs}. {hint}")
 
 
-# the flags that shape how each kind becomes a lookup stream (`trace lookups`, simulate, mrc)
+# the flags that shape how each kind becomes a lookup stream (`trace lookups`, simulate, mrc, store bench)
 APPLIES = {CORPORA: {"--requests", "--seed", "--preset", "--steps"}, REQUESTS: {"--requests", "--preset", "--steps"},
            KEY: {"--requests"}, LOOKUPS: set()}
 
