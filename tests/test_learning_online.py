@@ -202,4 +202,6 @@ def test_store_bench_refuses_a_model_or_stream_of_another_layout_than_its_tables
     assert res.exit_code == 2 and (f"--trace {preset_stream} was built with Engram layout 'deepseek-v4.1-flash', but "
                                    "it is read as layout 'other-multipliers' (stream / read as: multipliers): the "
                                    f"tables in {tmp_path / 'custom'} are of that layout") in res.output, res.output
+    # a custom layout goes by its file: `--preset other-multipliers` would be refused as no preset
+    assert "--preset FILE (the .toml/.json file of layout 'other-multipliers')" in res.output, res.output
     assert bench("custom", custom_stream).exit_code == 0

@@ -130,6 +130,7 @@ def bench(
 ) -> None:
     """Replay a trace's row stream through the store; per-tier hits, misses and bytes, stage
     times, and the simulator's figures for the same stream, policies and capacities."""
+    from cachelab.engram.config import preset_flag
     from cachelab.learning.streams import check_stream_layout, layout_signature, load_trace
     from cachelab.store.backing import check_io
     from cachelab.store.bench import PolicySpec, check_run, replay_store
@@ -178,7 +179,7 @@ def bench(
     refuse_unused(found, {"--requests": requests})  # a saved stream is replayed as it was saved
     stream = load_trace(found, 50 if requests is None else requests, 0, layout.config.name, verb="store bench")
     check_stream_layout(stream, cfg, f"--trace {trace}", f"the tables in {directory} are of that layout; write the "
-                        f"stream for it (`cachelab trace lookups ... --preset {cfg.name}`)")
+                        f"stream for it (`cachelab trace lookups ... {preset_flag(cfg.name)}`)")
     scores = None
     if fitted is not None:
         from cachelab.learning.training import lookup_scores, policy_params

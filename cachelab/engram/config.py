@@ -267,3 +267,9 @@ def get_preset(name: str) -> EngramConfig:
             raise CachelabError(f"layout file not found: {path} (a preset is one of {sorted(PRESETS)})")
         return load_config(path)
     raise CachelabError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)} or a layout .toml/.json file")
+
+
+def preset_flag(name: str) -> str:
+    """How advice names layout ``name`` on the command line: ``--preset NAME`` for a preset; a
+    custom layout goes by the file it was loaded from, which its name alone does not give."""
+    return f"--preset {name}" if name in PRESETS else f"--preset FILE (the .toml/.json file of layout {name!r})"

@@ -30,6 +30,7 @@ import numpy as np
 from cachelab import registry
 from cachelab.capacity import capacity_rows, parse_capacity
 from cachelab.defaults import HORIZON, MAX_SAMPLES, TRAIN_FRACTION
+from cachelab.engram.config import preset_flag
 from cachelab.errors import CachelabError
 from cachelab.learning.lineup import lineup, tuned_params
 from cachelab.learning.streams import layout_differences
@@ -333,7 +334,7 @@ def check_layout(model: Model, layout: dict | None, rows: str = "") -> None:
     if shown:
         raise CachelabError(f"the model was trained on Engram layout {trained.get('name')!r}, these rows are of layout "
                             f"{layout['name']!r} (model / rows: {shown}): score rows of the model's layout "
-                            f"(evaluate: --preset {trained.get('name')}), or train a model on theirs")
+                            f"(evaluate: {preset_flag(trained.get('name'))}), or train a model on theirs")
 
 
 def load(directory: Path) -> Model:
