@@ -27,6 +27,22 @@ def test_from_rows_rejects_decreasing_steps():
         LookupStream.from_rows(np.zeros((2, 1, 1), np.int32), np.array([1, 0]), 264, (1,))
 
 
+def test_metadata_that_its_dtype_cannot_hold_is_refused_not_wrapped():
+    # a layout of 8 heads x 17 orders: 136 columns per layer; int8 wrapped column 128 to -128
+    with pytest.raises(CachelabError, match="136 columns per layer; the column metadata holds at most 128"):
+        LookupStream.from_rows(np.zeros((1, 1, 136), np.int32), np.array([0]), 264, (1,))
+    assert LookupStream.from_rows(np.zeros((1, 1, 128), np.int32), np.array([0]), 264, (1,)).meta["column"][-1] == 127
+    keys, steps = np.array([1, 2]), np.array([0, 2])
+    with pytest.raises(CachelabError, match="meta field 'request' holds 4294967296, not an integer that its int32"):
+        LookupStream(keys, steps, 264, meta={"request": np.array([0, 2**32])})
+    with pytest.raises(CachelabError, match="meta field 'phase' holds 0.5"):
+        LookupStream(keys, steps, 264, meta={"phase": np.array([0.5, 1.0])})
+    assert LookupStream(keys, steps, 264, meta={"phase": np.array([0.0, 1.0])}).meta["phase"].tolist() == [0, 1]
+    with pytest.raises(CachelabError, match="32769 distinct domains; the domain metadata holds at most 32768"):
+        LookupStream.from_request_rows(_FakeAddresser.config, np.zeros((32769, 1, 2), np.int32), np.zeros(32769),
+                                       {"request": np.arange(32769)}, [str(i) for i in range(32769)], 32769)
+
+
 class _FakeAddresser:
     """Row = token id + column, one layer of 2 columns: enough to check step bookkeeping."""
 

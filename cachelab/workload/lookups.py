@@ -85,7 +85,12 @@ class LookupStream:
             raise CachelabError(f"layout must be an Engram layout's signature (an object), got {self.layout!r:.80}")
         meta = {}
         for name, arr in self.meta.items():
-            arr = np.ascontiguousarray(arr, dtype=META_DTYPES.get(name))
+            arr, given = np.ascontiguousarray(arr, dtype=META_DTYPES.get(name)), np.asarray(arr)
+            if arr.dtype != given.dtype and arr.shape == given.shape and not np.array_equal(arr, given):
+                bad = given.reshape(-1)[np.flatnonzero(arr.reshape(-1) != given.reshape(-1))[0]]
+                info = np.iinfo(arr.dtype)
+                raise CachelabError(f"meta field {name!r} holds {bad.item()!r}, not an integer that its {arr.dtype} "
+                                    f"holds ({info.min}..{info.max}); it would be stored as another value")
             if arr.shape != keys.shape:
                 raise CachelabError(f"meta field {name!r} has shape {arr.shape}, expected {keys.shape}")
             meta[name] = arr
@@ -143,6 +148,9 @@ class LookupStream:
             raise CachelabError(f"token_step has shape {token_step.shape}, expected ({t},)")
         if t and (token_step[0] < 0 or np.any(np.diff(token_step) < 0)):
             raise CachelabError("token_step must be non-negative and non-decreasing (tokens in step order)")
+        if n_cols > np.iinfo(META_DTYPES["column"]).max + 1:
+            raise CachelabError(f"rows has {n_cols} columns per layer; the column metadata holds at most "
+                                f"{np.iinfo(META_DTYPES['column']).max + 1} ((max_ngram - 1) * heads)")
         keys = global_key(np.arange(n_layers)[None, :, None], rows).reshape(-1)
         per_token = n_layers * n_cols
         steps = int(token_step[-1]) + 1 if t else 0
@@ -206,6 +214,9 @@ class LookupStream:
             if len(domains) != num_requests:
                 raise CachelabError(f"domains has {len(domains)} labels for {num_requests} sequences")
             labels, codes = np.unique(np.asarray(domains, dtype=str), return_inverse=True)
+            if labels.size > np.iinfo(META_DTYPES["domain"]).max + 1:
+                raise CachelabError(f"{labels.size} distinct domains; the domain metadata holds at most "
+                                    f"{np.iinfo(META_DTYPES['domain']).max + 1}")
             meta["domain"] = codes.astype(np.int16)[meta["request"]]
             names = tuple(str(x) for x in labels)
         return cls.from_rows(rows, token_step, config.row_bytes, config.layers, meta, names)
