@@ -53,6 +53,19 @@ def test_budget_and_sequence_cap_hold_every_step():
         assert own[-1][1] == seqs[i].size - 1
 
 
+def test_a_waiting_request_starts_only_when_all_it_knows_fits():
+    """vLLM 0.32 admits a waiting request only if the KV pool holds its whole prompt (its
+    default ``scheduler_reserve_full_isl``), not just the first chunk. Steps as vLLM's own V1
+    Scheduler gives them (driven offline, 4 usable blocks of 16, budget 32)."""
+    seqs = [np.arange(100, 127), np.arange(200, 249)]
+    reqs = [Request(i, s, p, s.size - p) for i, (s, p) in enumerate(zip(seqs, [24, 48]))]
+    steps = scheduled_steps(Scheduler(kv_pool("vllm", 64, 16), 32, 4), reqs)
+    # before, request 1 started with 8 tokens in step 0 and was preempted in step 1
+    assert [[(int(r), int(a), int(b)) for r, a, b in zip(s.requests, s.starts, s.stops)] for s in steps] == [
+        [(0, 0, 24)], [(0, 24, 25)], [(0, 25, 26)], [(1, 0, 32)], [(1, 32, 48)]]
+    assert not any(s.preempted for s in steps)
+
+
 def test_prefix_hits_are_not_computed_and_are_recorded():
     seqs, plen = _seqs(2, seed=2, shared=160)
     sched = Scheduler(BlockPrefixCache(1000, 16))

@@ -2,8 +2,10 @@
 
 vLLM v1's outline (vllm/v1/core/sched/scheduler.py): continuous batching with chunked
 prefill under a token budget and a sequence cap per step; running requests first (a decode
-token or their next prefill chunk), then waiting ones in arrival order while KV blocks last;
-when a running request cannot grow, the most recently admitted one is preempted (its KV
+token or their next prefill chunk), then waiting ones in arrival order while KV blocks last
+(a waiting request starts only if the pool could hold all it knows, not just its first chunk:
+vLLM 0.32's default ``scheduler_reserve_full_isl``); when a running request cannot grow, the
+most recently admitted one is preempted (its KV
 freed; it is recomputed later, as vLLM does). The KV pool is a prefix cache
 (``cachelab.workload.prefix_cache``): cached prompt tokens are not computed.
 
@@ -178,7 +180,7 @@ class Scheduler:
             hit = kv.match(key, known)
             num = min(known - hit, budget)
             kv.admit(r.rid, key, known, hit)
-            if not kv.extend(r.rid, hit + num):
+            if not (kv.fits(r.rid, known) and kv.extend(r.rid, hit + num)):  # all it knows must fit
                 kv.preempt(r.rid)
                 break
             kv.record_query(known, hit, preempted=r.preemptions > 0)

@@ -2,8 +2,8 @@
 
 Both are also the KV-cache manager of the serving replay: the same pool holds the running
 requests' KV and the cached prefixes, so a bigger batch leaves less room for reuse. Both
-follow one protocol: ``match`` -> ``admit`` -> ``extend`` ... -> ``free`` (or ``preempt``), and
-``record_query`` once a request is admitted for good (the hit-rate terms).
+follow one protocol: ``match`` -> ``admit`` -> (``fits``) ``extend`` ... -> ``free`` (or
+``preempt``), and ``record_query`` once a request is admitted for good (the hit-rate terms).
 """
 
 from cachelab.workload.prefix_cache.blocks import BlockPrefixCache, block_hashes

@@ -297,6 +297,15 @@ class BlockPrefixCache:
                 state[2] = full
         return True
 
+    def fits(self, rid: int, num_tokens: int) -> bool:
+        """Whether blocks for the first ``num_tokens`` tokens of ``rid`` could be held now, its
+        cached prefix counted (vLLM's ``full_sequence_must_fit`` admission check); no change."""
+        _, held, _, hashes, hit = self._req[rid]
+        need = max(-(-num_tokens // self.block_size) - held - hit, 0)
+        if hit:
+            need += _evictable(self._table, hashes, hit, self._ref)
+        return need <= self._meta[NUM_FREE]
+
     def extend_key(self, rid: int, hashes: np.ndarray) -> None:
         """Give ``rid`` a longer hash chain (``prefix_key`` of its tokens so far): a live
         request learns its tokens as it samples them, and its output blocks are then

@@ -176,6 +176,11 @@ class RadixPrefixCache:
         self.new_tokens += num_prompt - num_cached
         self.cached_tokens += num_cached
 
+    def fits(self, rid: int, num_tokens: int) -> bool:
+        """Always: SGLang's own admission (its ``PrefillAdder`` budget of input and expected
+        output tokens) is not modelled; a request starts when its first chunk fits."""
+        return True
+
     def extend(self, rid: int, num_tokens: int) -> bool:
         tokens, node, cached, held = self._req[rid]
         need = num_tokens - held
