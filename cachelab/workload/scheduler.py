@@ -27,8 +27,11 @@ from cachelab.errors import CachelabError
 from cachelab.workload.prefix_cache import BlockPrefixCache, RadixPrefixCache
 
 PREFIX_CACHES = ("vllm", "sglang", "off")
-MAX_NUM_BATCHED_TOKENS = 8192  # vLLM's per-step token budget for online serving
-MAX_NUM_SEQS = 256  # vLLM's cap on sequences per step
+# vLLM 0.32's OpenAI-server defaults depend on the GPU (engine/arg_utils.py): 8192 tokens and
+# 1024 sequences per step on H100/H200, 16384 and 1024 from 160 GiB (B200), 2048 and 256 below
+# 70 GiB. These are one fixed pair for every profile: H100's budget, the smaller GPUs' cap.
+MAX_NUM_BATCHED_TOKENS = 8192
+MAX_NUM_SEQS = 256
 
 
 def kv_pool(kind: str, kv_tokens: int, block_size: int = 16):
