@@ -313,6 +313,31 @@ def test_a_client_behind_the_capture_proxy_gets_the_stream_it_would_get_direct(s
     assert rows["output_ids"].list.len().to_list() == [6, 6]
 
 
+def test_the_capture_proxy_keeps_no_cached_count_that_is_another_choices(server, tmp_path):
+    """A whole answer of n choices reports, as vLLM's, one engine request's cached tokens: its last
+    finished choice's, which for a fresh prompt hit the blocks the first choice computed in the same
+    step. The proxy records choice 0 only, and recorded that hit as its own: a fresh prompt read as
+    served from the cache (the trace's cached_tokens, the server's prefix hit ratio). It records none."""
+    from capture_upstream import ProxyThread
+
+    from cachelab.capture.proxy import ProxyConfig
+    from cachelab.capture.recorder import Recorder
+    from cachelab.capture.to_trace import read_requests
+
+    url, _ = server
+    recorder = Recorder(tmp_path / "cap")
+    prompt = list(range(80_000, 80_200))
+    with ProxyThread(ProxyConfig(upstream=url), recorder) as proxy:
+        client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="unused", max_retries=0)
+        two = client.completions.create(model=MODEL, prompt=prompt, n=2, max_tokens=2, seed=1)
+        again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        assert recorder.flush(30)
+    assert two.usage.prompt_tokens_details.cached_tokens == 192  # choice 1's hit on choice 0's blocks
+    rows, _ = read_requests(tmp_path / "cap")
+    assert rows["cached"].to_list() == [None, again.usage.prompt_tokens_details.cached_tokens], rows
+    assert rows["prompt_ids"].list.len().to_list() == [200, 200]
+
+
 def test_a_chat_streams_its_role_with_the_first_token_as_vllm_does(server):
     """vLLM sends a chat's role chunk with the first output, and vLLM's bench (as most clients) takes
     the first chunk with choices as the first token. The role chunk went out before the request was

@@ -8,7 +8,8 @@ into events, reads token ids from the upstream's answer
 (vLLM's ``return_token_ids``: ``prompt_token_ids`` and per-choice ``token_ids``), the cached
 prompt tokens from ``usage.prompt_tokens_details.cached_tokens``, and falls back to the
 model's tokenizer (``cachelab.capture.tokens``) when the upstream sent no ids. Only choice 0
-of a request with ``n > 1`` is recorded.
+of a request with ``n > 1`` or a batch of prompts is recorded (prompt 0's first), without the
+server's cached tokens, which are another choice's there.
 
 ``prepare`` adds to the request what the record needs (token ids, a stream's usage) and the
 client did not ask for; ``Restorer`` and ``strip_body`` undo it, on the bytes (a read
@@ -243,6 +244,7 @@ def to_record(x: Exchange, tokenizer) -> RequestRecord:
     texts: list[str] = []
     usage = None
     times, counts = [], []
+    choices = 0  # how many the answer has (index + 1 of the highest seen)
     if x.response_time is None:  # an event stream (or no answer at all)
         messages = [(t, _sse_data(e)) for t, block in zip(x.event_times, x.events)
                     for e in _split(block, x.delim)]
@@ -263,6 +265,8 @@ def to_record(x: Exchange, tokenizer) -> RequestRecord:
             usage = message["usage"]
         if prompt_ids is None and message.get("prompt_token_ids"):
             prompt_ids = message["prompt_token_ids"]
+        choices = max([choices, *(c.get("index", 0) + 1 for c in message.get("choices") or []
+                                  if isinstance(c, dict) and isinstance(c.get("index", 0), int))])
         choice = _choice0(message)
         if choice is None:
             continue
@@ -287,7 +291,10 @@ def to_record(x: Exchange, tokenizer) -> RequestRecord:
         rec.prompt_tokens = usage.get("prompt_tokens")
         rec.completion_tokens = usage.get("completion_tokens")
         details = usage.get("prompt_tokens_details")
-        if isinstance(details, dict) and details.get("cached_tokens") is not None:
+        # one engine request's figure, not necessarily choice 0's where there are several (n > 1, a batch of
+        # prompts): vLLM reports its last prompt's last-finished choice's in a whole answer, so a fresh prompt
+        # whose second choice hit the first's blocks read as cached
+        if isinstance(details, dict) and details.get("cached_tokens") is not None and choices <= 1:
             rec.cached_tokens = int(details["cached_tokens"])
     if prompt_ids is not None and have_output_ids:
         rec.token_source = "upstream"
