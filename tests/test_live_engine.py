@@ -214,6 +214,20 @@ def test_a_steps_cpu_time_spans_the_step_it_is_logged_with(tmp_path):
     assert engine.counters.thread_cpu_s <= engine.counters.step_s + 0.005 * log.height
 
 
+def test_a_step_log_never_writes_over_an_earlier_runs_part(tmp_path):
+    """The next part was numbered by counting the parts there: with one removed (steps-00001 of three),
+    a new run wrote steps-00002 over the earlier run's last part."""
+    from cachelab.live.steplog import StepLog
+
+    for part in (0, 2):
+        pl.DataFrame({"step": [part]}).write_parquet(tmp_path / f"steps-{part:05d}.parquet")
+    log = StepLog(tmp_path)
+    log.append({"step": 99})
+    log.close()
+    assert pl.read_parquet(tmp_path / "steps-00002.parquet")["step"].to_list() == [2]
+    assert pl.read_parquet(tmp_path / "steps-00003.parquet")["step"].to_list() == [99]
+
+
 def test_engram_gate_is_v41_signed_sqrt_sigmoid():
     cfg = F32
     module = Engram(cfg)

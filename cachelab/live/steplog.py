@@ -9,11 +9,14 @@ directory with ``polars.read_parquet(dir / "*.parquet")``.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import polars as pl
 
 from cachelab.errors import CachelabError
+
+_PART = re.compile(r"steps-(\d+)\.parquet")
 
 
 class StepLog:
@@ -25,7 +28,10 @@ class StepLog:
             raise CachelabError(f"--step-log: cannot create {self.directory}: {exc}") from None
         self.flush_every = flush_every
         self._rows: list[dict] = []
-        self._part = len(list(self.directory.glob("steps-*.parquet")))  # never overwrite an earlier run's parts
+        # after the highest part there (never over an earlier run's: counting them wrote over the last one
+        # once a part was removed)
+        self._part = max((int(m.group(1)) + 1 for p in self.directory.iterdir() if (m := _PART.fullmatch(p.name))),
+                         default=0)
 
     def append(self, row: dict) -> None:
         self._rows.append(row)
