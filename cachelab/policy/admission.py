@@ -19,9 +19,10 @@ by configuration (``--admission tinylfu``). Filters:
 
 The sketch is one array of counters read through ``hashes`` positions per key by double
 hashing (``a + i * b``, as libCacheSim's minimalIncrementCBF does), estimate = the minimum
-of those counters. ``make_admission`` sizes it two ways: by default as Caffeine's
-FrequencySketch (4 positions, 4-bit counters saturating at 15, about 4 counters per
-cached row, halving after 10 x capacity additions); with ``error`` as libCacheSim's
+of those counters. ``make_admission`` sizes it two ways: by default with Caffeine's
+FrequencySketch rules (4 positions, 4-bit counters saturating at 15, halving after 10 x
+capacity additions) but a narrower table, 4 counters per cached row rounded up to a power of
+two (Caffeine keeps 16: one 64-bit word of 4-bit counters per row); with ``error`` as libCacheSim's
 counting Bloom filter (``-ln(error) / ln(2)^2`` counters per entry, ``ceil(ln 2 x that)``
 positions, unbounded counters), which W-TinyLFU uses to agree with libCacheSim.
 The sketch primitives are public so a policy with its own counting rules (W-TinyLFU)
@@ -151,7 +152,7 @@ def make_admission(name: str, capacity: int, num_keys: int, sample_factor: int =
             additions (Caffeine: 10; libCacheSim's W-TinyLFU: 32).
         counter_max: counters saturate here (Caffeine's 4-bit counters: 15).
         error: if given, size the sketch as libCacheSim's counting Bloom filter for this
-            false-positive rate instead of Caffeine's 4 counters per row.
+            false-positive rate instead of 4 counters per row.
     """
     if name not in KINDS:
         raise CachelabError(f"unknown admission {name!r}; choose one of {sorted(KINDS)}")
