@@ -257,3 +257,27 @@ def test_convert_refuses_the_flags_its_direction_and_key_kind_do_not_read(tmp_pa
         assert res.exit_code == 2 and message in res.output, res.output
         assert not (tmp_path / "x.bin").exists() and not (tmp_path / "x.parquet").exists()
     assert convert(content_trace, tmp_path / "r.bin", "--preset", "engram-27b-demo")["keys"] == "rows"
+
+
+def test_hashed_64_bit_ids_are_read_as_their_ranks_and_replay_as_libcachesim_does(tmp_path):
+    """oracleGeneral ids are unsigned 64-bit, and hashed ones (libCacheSim's Twitter and Meta
+    traces) lie past int64 half the time: such a trace was refused at its first such record."""
+    rng = np.random.default_rng(0)
+    objects = rng.integers(0, 2**64, size=300, dtype=np.uint64)
+    ids = objects[np.minimum(rng.zipf(1.2, 5_000), 300) - 1]
+    rec = np.zeros(ids.size, dtype=ORACLE_DTYPE)
+    rec["time"], rec["id"], rec["size"], rec["next"] = np.arange(ids.size), ids, 1, -1
+    src = tmp_path / "hashed.oracleGeneral.bin"
+    rec.tofile(src)
+    keys = read_oracle_general(src)
+    assert keys.min() >= 0 and np.array_equal(np.unique(keys, return_inverse=True)[1],
+                                              np.unique(ids, return_inverse=True)[1])
+    for policy, theirs in (("lru", "LRU"), ("s3fifo", "S3FIFO")):
+        sim = json.loads(runner.invoke(app, ["simulate", "--trace", str(src), "--policy", policy, "--capacity", "40",
+                                             "--json"]).stdout)
+        assert sim["miss_ratio"] == pytest.approx(lcs_miss_ratio(src, theirs, 40)), policy
+    assert convert(src, tmp_path / "t.parquet")["requests"] == ids.size
+    np.save(tmp_path / "k.npy", ids)  # a .npy of uint64 ids reads the same way
+    sim = json.loads(runner.invoke(app, ["simulate", "--trace", str(tmp_path / "k.npy"), "--policy", "lru",
+                                         "--capacity", "40", "--json"]).stdout)
+    assert sim["miss_ratio"] == pytest.approx(lcs_miss_ratio(src, "LRU", 40))

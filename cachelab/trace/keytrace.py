@@ -20,7 +20,7 @@ CachelabErrors naming the file and the record or line.
 Public: ``sniff_format(path) -> "npy" | "txt" | "oracle"`` (raises CachelabError when the
 content is none of them), ``read_keys(path, fmt=None) -> int64 keys`` (never empty, never
 negative), ``read_oracle_records`` / ``read_oracle_requests`` / ``read_oracle_general`` /
-``write_oracle_general``,
+``write_oracle_general``, ``dense_ids`` (unsigned 64-bit ids as keys),
 ``oracle_times`` (the time column with its uint32 wraps undone).
 """
 
@@ -158,9 +158,18 @@ def _read_npy(path: Path) -> np.ndarray:
         raise CachelabError(f"{path} is not a readable .npy array: {exc}") from None
     if not np.issubdtype(arr.dtype, np.integer):
         raise CachelabError(f"{path}: keys must be integers, got dtype {arr.dtype}")
-    if arr.dtype == np.uint64 and arr.size and arr.max() > np.iinfo(np.int64).max:
-        raise CachelabError(f"{path}: key {int(arr.max())} does not fit in int64")
+    if arr.dtype == np.uint64:
+        return dense_ids(arr.reshape(-1))
     return np.ascontiguousarray(arr, dtype=np.int64).reshape(-1)
+
+
+def dense_ids(ids: np.ndarray) -> np.ndarray:
+    """Unsigned 64-bit ids as int64 keys: as they are when all fit, else each id's rank among
+    the distinct ids. Hashed ids (libCacheSim's Twitter and Meta traces) lie past int64 half the
+    time, and a replay uses only a key's identity, which the ranks keep."""
+    if ids.size and ids.max() > np.iinfo(np.int64).max:
+        return np.unique(ids, return_inverse=True)[1].astype(np.int64).reshape(-1)
+    return ids.astype(np.int64)
 
 
 def _decoded(path: Path) -> bytes:
@@ -218,16 +227,14 @@ def read_oracle_records(path: str | Path) -> np.ndarray:
 def read_oracle_requests(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     """The records that are requests, and each one's 0-based record number in the file: those
     of size 0 are skipped, as libCacheSim's reader does (``ignore_size_zero_req``, on in every
-    tool of it), so a trace with them gives libCacheSim's request count and miss ratios. An id
-    past int64 is an error naming its record."""
+    tool of it), so a trace with them gives libCacheSim's request count and miss ratios. Ids
+    past int64 make every id its rank (``dense_ids``)."""
     path = Path(path)
     records = read_oracle_records(path)
     number = np.flatnonzero(records["size"] != 0)
     records = records if number.size == records.size else records[number]
-    too_big = np.flatnonzero(records["id"] > np.iinfo(np.int64).max)
-    if too_big.size:
-        raise CachelabError(f"{path}, record {int(number[too_big[0]])}: id {int(records['id'][too_big[0]])} does "
-                            "not fit in int64")
+    if records.size and records["id"].max() > np.iinfo(np.int64).max:
+        records["id"] = dense_ids(records["id"])  # the records are this call's own
     return records, number
 
 
