@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -78,13 +79,20 @@ def output_file(path: Path, flag: str) -> Path:
     return path
 
 
+def scratch_beside(path: Path) -> Path:
+    """A hidden name beside ``path`` no other writer uses (process id and a random token): two
+    processes writing one output at once each write their own scratch file, the last rename
+    wins whole, where a shared scratch name let one truncate or rename the other's half."""
+    return path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.partial")
+
+
 @contextlib.contextmanager
 def replacing(path: str | os.PathLike) -> Iterator[Path]:
     """A scratch file beside ``path`` to write; it becomes ``path`` only when the block ends
     without an error, so a kill or an error mid-write never leaves a cut file under the name
     (a reader could take a cut file for a shorter whole one) and an older file stays whole."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.partial")
+    tmp = scratch_beside(path)
     try:
         yield tmp
         os.replace(tmp, path)

@@ -118,3 +118,31 @@ def test_chained_hashes_count_exactly_the_shared_prefixes(prompts, block):
         counter.add(hashes[hash_off[lo]:hash_off[min(lo + 3, len(prompts))]])
     expected = naive_hit_ratio(prompts, block)
     assert counter.hit_ratio == (None if expected is None else pytest.approx(expected))
+
+
+def test_two_writers_of_one_trace_at_once_each_write_their_own_scratch_file(tmp_path):
+    """Two processes writing one output (two sweeps, a rerun beside a run) each leave it whole:
+    with one shared scratch name the second writer truncated the first's half-written file and
+    renamed it away under it."""
+    from cachelab.trace.schema import TraceWriter
+
+    path = tmp_path / "t.parquet"
+    first, second = TraceWriter(path), TraceWriter(path)
+    first.write(table())
+    second.write(table(request_id=[7, 8]))
+    second.close()
+    first.close()
+    assert read_trace(path).equals(table())
+    assert [p.name for p in tmp_path.iterdir()] == ["t.parquet"]
+
+
+def test_replacing_gives_each_writer_its_own_scratch_file(tmp_path):
+    from cachelab.paths import replacing
+
+    path = tmp_path / "out.csv"
+    with replacing(path) as outer:
+        outer.write_text("outer, whole\n")
+        with replacing(path) as inner:
+            inner.write_text("inner\n")
+    assert path.read_text() == "outer, whole\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.csv"]

@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cachelab.errors import CachelabError
+from cachelab.paths import scratch_beside
 
 SCHEMA_VERSION = "1"
 VERSION_KEY = b"cachelab.trace.schema_version"
@@ -246,7 +247,7 @@ class TraceWriter:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp = self.path.with_name(f".{self.path.name}.partial")
+        self._tmp = scratch_beside(self.path)
         self._writer = pq.ParquetWriter(self._tmp, SCHEMA, compression="zstd")
         self._last_arrival = 0.0
         self._last_id = -1
