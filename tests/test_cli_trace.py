@@ -146,3 +146,19 @@ def test_token_totals_past_int32_are_exact(tmp_path):
     assert res.exit_code == 0, res.output
     report = json.loads(res.stdout)
     assert report["tokens_in"] == 2 * (2**31 - 1) and report["tokens_out"] == 2**31
+
+
+def test_info_skew_addresses_what_serving_feeds_through_the_model(tmp_path):
+    """Each request's prompt and every output token but the last (emitted, never fed back: the
+    serving streams have no lookups for it), so the skew counts the rows serving reads."""
+    import polars as pl
+
+    from cachelab.trace.schema import conform, write_trace
+
+    write_trace(conform(pl.DataFrame({
+        "request_id": [0, 1], "session_id": [0, 1], "turn": [0, 0], "arrival_s": [0.0, 1.0], "domain": ["code"] * 2,
+        "prompt_ids": [[1, 2, 3], [4, 5, 6, 7, 8]], "output_ids": [[9], [10, 11]], "prompt_len": [3, 5],
+        "output_len": [1, 2], "block_hashes": [None, None], "block_size": [None, None], "source": ["test"] * 2})),
+        tmp_path / "t.parquet")
+    info = json.loads(run("info", tmp_path / "t.parquet", "--json").stdout)
+    assert info["engram"]["tokens"] == 3 + 0 + 5 + 1

@@ -4,7 +4,9 @@ The prefix-block hit ratio is the infinite-cache one (every repeated chained blo
 hit, ``cachelab.workload.prefix_cache.hashing``). With token content it is computed from the prompts at any
 block size; a content-less import (Mooncake) has it only at its own block size, from its
 ``block_hashes``. Engram skew (unique rows and the hottest 1% share per layer and n-gram
-order) addresses each request's prompt then output, over the first ``engram_tokens`` tokens.
+order) addresses each request's prompt then output as serving feeds them through the model (all
+but the last output token, which is emitted and never fed back), over the first ``engram_tokens``
+tokens.
 """
 
 from __future__ import annotations
@@ -116,13 +118,14 @@ def summarize(path: str | os.PathLike, *, preset: str = PRESET, engram_tokens: i
 
 
 def _address(addresser: Addresser, batch, budget: int) -> tuple[np.ndarray, int, int]:
-    """Rows of each request's prompt followed by its output, up to ``budget`` tokens; the tokens
-    and the requests addressed."""
+    """Rows of each request's prompt followed by its output but the last token (module doc), up
+    to ``budget`` tokens; the tokens and the requests addressed."""
     prompt, p_off = _flat(batch.column("prompt_ids"))
     output, o_off = _flat(batch.column("output_ids"))
     seqs, total = [], 0
     for i in range(batch.num_rows):
-        seq = np.concatenate([prompt[p_off[i]:p_off[i + 1]], output[o_off[i]:o_off[i + 1]]])[:budget - total]
+        fed = output[o_off[i]:max(o_off[i + 1] - 1, o_off[i])]
+        seq = np.concatenate([prompt[p_off[i]:p_off[i + 1]], fed])[:budget - total]
         seqs.append(seq)
         total += seq.size
         if total >= budget:
