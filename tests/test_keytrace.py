@@ -45,8 +45,11 @@ def test_corrupt_inputs_name_file_and_place(tmp_path):
     with pytest.raises(CachelabError, match=r"t.txt, line 3: b'three' is not an integer key"):
         read_keys(tmp_path / "t.txt")
     (tmp_path / "big.txt").write_text("1\n" + str(2**70) + "\n")
-    with pytest.raises(CachelabError, match=r"big.txt, line 2: key .* does not fit in int64"):
+    with pytest.raises(CachelabError, match=r"big.txt, line 2: key .* does not fit in 64 bits"):
         read_keys(tmp_path / "big.txt")
+    (tmp_path / "mixed.txt").write_text(f"{2**64 - 1}\n4\n-3\n")  # past int64 and negative: the negative named
+    with pytest.raises(CachelabError, match=r"mixed.txt, line 3: key -3 is negative"):
+        read_keys(tmp_path / "mixed.txt")
     np.save(tmp_path / "f.npy", np.array([1.5]))
     with pytest.raises(CachelabError, match="f.npy: keys must be integers"):
         read_keys(tmp_path / "f.npy")

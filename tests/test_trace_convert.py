@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from cachelab.trace.arrivals import arrival_frame
 from cachelab.cli import app
 from cachelab.engram import Addresser, encode
-from cachelab.trace.keytrace import ORACLE_DTYPE, oracle_times, read_oracle_general, write_oracle_general
+from cachelab.trace.keytrace import ORACLE_DTYPE, oracle_times, read_keys, read_oracle_general, write_oracle_general
 from cachelab.trace.kinds import detect
 from cachelab.trace.schema import conform, read_trace, write_trace
 from lcs_reference import lcs_miss_ratio
@@ -281,3 +281,5 @@ def test_hashed_64_bit_ids_are_read_as_their_ranks_and_replay_as_libcachesim_doe
     sim = json.loads(runner.invoke(app, ["simulate", "--trace", str(tmp_path / "k.npy"), "--policy", "lru",
                                          "--capacity", "40", "--json"]).stdout)
     assert sim["miss_ratio"] == pytest.approx(lcs_miss_ratio(src, "LRU", 40))
+    np.savetxt(tmp_path / "k.txt", ids, fmt="%d")  # and so does text: the same ids written one per line
+    assert np.array_equal(read_keys(tmp_path / "k.txt"), read_keys(tmp_path / "k.npy"))

@@ -2,11 +2,12 @@
 
 Formats (``fmt``), declared or detected from the content by ``sniff_format``:
 
-- ``npy``: a NumPy ``.npy`` array of integers (any shape; flattened in C order).
-- ``txt``: text, one integer key per line; blank lines and LIRS ``*`` breakpoint lines are
-  skipped. gzip, bzip2 and xz compression are recognised by their magic bytes (zstd is named
-  and refused); UTF-8 with a BOM and UTF-16 (with a BOM, or ASCII digits each followed or
-  led by a NUL) are decoded.
+- ``npy``: a NumPy ``.npy`` array of integers (any shape; flattened in C order); unsigned
+  64-bit ids past int64 are read as their ranks (``dense_ids``).
+- ``txt``: text, one integer key per line (ids past int64 as in ``npy``); blank lines and LIRS
+  ``*`` breakpoint lines are skipped. gzip, bzip2 and xz compression are recognised by their
+  magic bytes (zstd is named and refused); UTF-8 with a BOM and UTF-16 (with a BOM, or ASCII
+  digits each followed or led by a NUL) are decoded.
 - ``oracle``: libCacheSim's oracleGeneral binary, 24-byte little-endian records
   ``<u4 time, <u8 id, <u4 size, <i8 next access (1-based request index, -1 if none)>``; a
   record of size 0 is no request, as libCacheSim's reader skips it.
@@ -200,14 +201,20 @@ def _read_text(path: Path) -> np.ndarray:
     else:
         _refuse_negative(path, keys, "line", np.flatnonzero(keep))
         return keys
+    try:  # past int64: unsigned 64-bit ids, as the hashed ids of oracleGeneral traces written out
+        return dense_ids(stripped[keep].astype(np.uint64))
+    except (ValueError, OverflowError):
+        pass
     line_no = np.flatnonzero(keep)
     for i in line_no:  # error path only: find the first offending line
         try:
-            int(stripped[i])
+            key = int(stripped[i])
         except ValueError:
             raise CachelabError(f"{path}, line {i + 1}: {stripped[i][:40]!r} is not an integer key") from None
-        if not -(2**63) <= int(stripped[i]) < 2**63:
-            raise CachelabError(f"{path}, line {i + 1}: key {int(stripped[i])} does not fit in int64") from None
+        if key < 0:
+            raise CachelabError(f"{path}, line {i + 1}: key {key} is negative; keys are ids >= 0") from None
+        if key >= 2**64:
+            raise CachelabError(f"{path}, line {i + 1}: key {key} does not fit in 64 bits") from None
     raise CachelabError(f"{path}: unreadable keys")
 
 
