@@ -97,6 +97,8 @@ def test_vllm_caching_off_never_hits():
     cache = BlockPrefixCache(num_blocks=8, block_size=4, enable_caching=False)
     prompt = np.arange(12)
     assert replay_sequential(cache, [cache.prefix_key(prompt)] * 3, [12] * 3) == 0.0
+    # and queries nothing: vLLM skips the lookup and its stats, so vllm:prefix_cache_queries stays 0
+    assert cache.queried_tokens == cache.hit_tokens == 0
 
 
 def _lru_blocks_reference(hash_lists, lengths, block_size, capacity_blocks):

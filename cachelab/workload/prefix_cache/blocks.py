@@ -260,8 +260,9 @@ class BlockPrefixCache:
 
     def record_query(self, num_prompt: int, num_cached: int, preempted: bool = False) -> None:
         """Count one admitted request's prompt and cached tokens (vLLM's hit-rate terms); a
-        preempted request's return is not counted (vLLM's ``PrefixCacheStats.record``)."""
-        if preempted:
+        preempted request's return is not counted (vLLM's ``PrefixCacheStats.record``), nor any
+        request with caching off (vLLM skips the lookup and its stats: its queries counter stays 0)."""
+        if preempted or not self.enable_caching:
             return
         self.queried_tokens += num_prompt
         self.hit_tokens += num_cached
