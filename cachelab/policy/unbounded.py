@@ -15,9 +15,22 @@ that state is sized by the capacity (a slot array, queues, a frequency sketch): 
 
 from __future__ import annotations
 
+import numba as nb
 import numpy as np
 
 from cachelab.policy.contract import Policy, StepResult, check_capacity, check_keys
+
+
+@nb.njit(cache=True)
+def _first_sight(keys, seen):
+    """Hit flags of ``keys`` in order, marking each key seen: a key misses at its first request
+    ever, and only there (one pass; a sort of the step's keys took a quarter of a serving replay)."""
+    hits = np.empty(keys.size, dtype=np.bool_)
+    for i in range(keys.size):
+        k = keys[i]
+        hits[i] = seen[k]
+        seen[k] = True
+    return hits
 
 
 class Unbounded(Policy):
@@ -37,10 +50,7 @@ class Unbounded(Policy):
         """Hit flags of ``keys`` in order, and the keys that entered (each key's first request)."""
         keys = np.ascontiguousarray(keys, dtype=np.int64)
         check_keys(keys, self.num_keys)
-        first = np.zeros(keys.size, dtype=np.bool_)
-        first[np.unique(keys, return_index=True)[1]] = True
-        hits = ~(first & ~self.seen[keys])
-        self.seen[keys] = True
+        hits = _first_sight(keys, self.seen)
         return hits, keys[~hits]
 
     def step(self, keys, next_access=None, scores=None) -> StepResult:
