@@ -42,15 +42,6 @@ def run(case: dict, model_config: ModelConfig) -> dict:
     sched = Scheduler(vllm_config=config, kv_cache_config=kv, block_size=bs, log_stats=True,
                       structured_output_manager=StructuredOutputManager(config))
     totals = {"queries": 0, "hits": 0}
-    record = sched.kv_cache_manager.record_prefix_cache_stats
-
-    def counted(request, num_hits):
-        if caching and request.num_preemptions <= 0:
-            totals["queries"] += request.num_tokens
-            totals["hits"] += num_hits
-        return record(request, num_hits)
-
-    sched.kv_cache_manager.record_prefix_cache_stats = counted
     hasher = get_request_block_hasher(bs, sha256) if caching else None
     seqs = case["seqs"]
     for i, (seq, p) in enumerate(zip(seqs, case["prompts"])):
@@ -59,6 +50,9 @@ def run(case: dict, model_config: ModelConfig) -> dict:
     steps = []
     while sched.has_unfinished_requests():
         out = sched.schedule()
+        stats = sched.kv_cache_manager.make_prefix_cache_stats()  # vLLM's own counts of the step (and reset)
+        totals["queries"] += stats.queries
+        totals["hits"] += stats.hits
         ids, step, sampled = list(out.num_scheduled_tokens), [], []
         for rid in ids:
             r, n = sched.requests[rid], out.num_scheduled_tokens[rid]
