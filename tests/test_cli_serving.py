@@ -250,3 +250,19 @@ def test_serve_sim_refuses_a_row_cache_policy_that_needs_the_future_before_the_r
     res = runner.invoke(app, ["serve-sim", "--trace", str(trace_path), "--hardware", "B200", "--placement", "dram-uva",
                               "--tp", "4", "--row-cache", "200", "--row-cache-policy", "belady"])
     assert res.exit_code == 2 and "row_cache_policy 'belady' needs each row's next use" in res.output, res.output
+
+
+def test_serve_sim_takes_the_vllm_servers_batch_defaults_for_its_gpu(trace_path):
+    """Unless given, the step's token budget and sequence cap are those vLLM's server takes on the
+    profile's GPU (a fixed 8192 / 256 for every GPU was H100's budget and the small GPUs' cap), and
+    the JSON's config says which ran; the flags still win."""
+    def config(*flags):
+        res = runner.invoke(app, ["serve-sim", "--trace", str(trace_path), "--placement", "dram-uva", "--tp", "4",
+                                  "--concurrency", "8", "--json", *flags])
+        assert res.exit_code == 0, res.output
+        cfg = json.loads(res.stdout)["config"]
+        return cfg["max_num_batched_tokens"], cfg["max_num_seqs"]
+
+    assert config("--hardware", "B200") == (16384, 1024)
+    assert config("--hardware", "H200") == (8192, 1024)
+    assert config("--hardware", "B200", "--max-num-batched-tokens", "4096", "--max-num-seqs", "64") == (4096, 64)

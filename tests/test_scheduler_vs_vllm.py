@@ -73,3 +73,25 @@ def test_scheduler_steps_and_prefix_hits_equal_vllms_own(tmp_path):
             f"case {i}: step {steps}: cachelab {mine['steps'][steps] if steps is not None else len(mine['steps'])}, "
             f"vLLM {vllm['steps'][steps] if steps is not None else len(vllm['steps'])}")
         assert (mine["queries"], mine["hits"]) == (vllm["queries"], vllm["hits"]), f"case {i}"  # caching off: 0, 0
+
+
+@pytest.mark.slow
+def test_per_gpu_batch_defaults_equal_vllms_own():
+    """A serving replay's default budget and cap per hardware profile are those vLLM 0.32's
+    server takes on that GPU (16384 / 1024 on B200 and B300, 8192 / 1024 on H100 and H200)."""
+    from vllm_peer import VENV_PYTHON, available
+
+    from cachelab.serving.hardware import builtin_names, load_profile
+    from cachelab.workload.scheduler import vllm_batch_defaults
+
+    if not available():
+        pytest.skip("vLLM's CPU build is not installed (run scripts/setup-vllm)")
+    memory = {f"NVIDIA {p.name}": p.gpu.hbm_bytes for p in map(load_profile, builtin_names()) if p.gpu is not None}
+    memory["NVIDIA L40S"] = 48e9  # below 70 GiB, no profile
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    done = subprocess.run([str(VENV_PYTHON), str(Path(__file__).with_name("vllm_batch_defaults_peer.py")),
+                           json.dumps(memory)], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    theirs = json.loads(done.stdout.strip().splitlines()[-1])
+    assert {name: list(vllm_batch_defaults(m)) for name, m in memory.items()} == theirs
+    assert theirs["NVIDIA B200"] == [16384, 1024] and theirs["NVIDIA H100"] == [8192, 1024]

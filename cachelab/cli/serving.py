@@ -69,8 +69,11 @@ def serve_sim(
     row_cache: str | None = typer.Option(None, help="The row cache as rows or bytes ('512MiB', '2 GiB'), "
                                          "instead of --row-cache-gib."),
     page_cache: str | None = typer.Option(None, help="The page cache as bytes ('64GiB'), instead of --page-cache-gib."),
-    max_num_batched_tokens: int = typer.Option(8192, help="Token budget per step (chunked prefill)."),
-    max_num_seqs: int = typer.Option(256, help="Sequences per step at most."),
+    max_num_batched_tokens: int | None = typer.Option(None, help="Token budget per step (chunked prefill); default "
+                                                      "the vLLM server's for the GPU: 16384 on B200/B300, 8192 on "
+                                                      "H100/H200, 2048 below 70 GiB."),
+    max_num_seqs: int | None = typer.Option(None, help="Sequences per step at most; default the vLLM server's for "
+                                            "the GPU: 1024 from 70 GiB, 256 below."),
     sample_rate: float = typer.Option(1.0, help="Spatial row sampling rate (0.01 = 1% of pages)."),
     max_requests: int | None = typer.Option(None, min=1, help="Replay only the first N requests."),
     overlap: bool = typer.Option(False, "--overlap", help="Also replay with the prefix cache off, to show the row cache's overlap with it."),

@@ -29,7 +29,7 @@ import heapq
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -46,8 +46,7 @@ from cachelab.serving.model_spec import ModelSpec, load_model
 from cachelab.store.format import TableLayout
 from cachelab.workload.prefix_cache import block_hashes
 from cachelab.trace.schema import has_requests, require_outputs
-from cachelab.workload.scheduler import (MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, PREFIX_CACHES, Request, Scheduler,
-                                         StepRecord, kv_pool)
+from cachelab.workload.scheduler import PREFIX_CACHES, Request, Scheduler, StepRecord, kv_pool, vllm_batch_defaults
 from cachelab.engine.stepper import KeySet, RowSpace, StepReplay, sampled_keys, sampled_keys_at, table_row_space
 
 PAGE_BYTES = 4096
@@ -62,7 +61,9 @@ class ServingConfig:
         hardware: profile name or TOML path; placement: see ``latency.PLACEMENTS``.
         tp: tensor-parallel degree (GPUs of the one replica simulated).
         concurrency: client-side cap on requests in flight (None: no cap).
-        max_num_batched_tokens / max_num_seqs: the scheduler's per-step budget and cap.
+        max_num_batched_tokens / max_num_seqs: the scheduler's per-step budget and cap (None:
+            the vLLM server's default for the hardware's GPU memory, ``vllm_batch_defaults``;
+            the replay's ``config`` holds the values it ran).
         prefix_cache: ``vllm`` (hash-chained blocks), ``sglang`` (radix tree) or ``off``.
         row_cache_bytes: an HBM row cache (``row_cache_policy``) in front of the placement, per
             GPU; where the table is split across the TP ranks by head, each rank caches its own
@@ -90,8 +91,8 @@ class ServingConfig:
     placement: str = "dram-uva"
     tp: int = 8
     concurrency: int | None = None
-    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
-    max_num_seqs: int = MAX_NUM_SEQS
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
     prefix_cache: str = "vllm"
     block_size: int = 16
     row_cache_bytes: float = 0.0
@@ -115,8 +116,10 @@ class ServingConfig:
             raise CachelabError(f"sample_rate must be in (0, 1], got {self.sample_rate}")
         if self.concurrency is not None and self.concurrency < 1:
             raise CachelabError(f"concurrency must be >= 1, got {self.concurrency}")
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
-            raise CachelabError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise CachelabError(f"{name} must be >= 1, got {value}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise CachelabError(f"kv_cache_tokens must be at least one block ({self.block_size}), got {self.kv_cache_tokens}")
         for name in ("row_cache_bytes", "page_cache_bytes", "warmup_s"):  # NaN passes a plain `< 0`
@@ -229,8 +232,11 @@ class ServingSimulator:
     def __init__(self, trace: pl.DataFrame, config: ServingConfig, progress: bool = False,
                  row_space: RowSpace | None = None, warmup: pl.DataFrame | None = None):
         config.check()
-        self.config, self.progress = config, progress
         self.hw = load_profile(config.hardware)
+        tokens, seqs = vllm_batch_defaults(self.hw.gpu.hbm_bytes if self.hw.gpu is not None else 0.0)
+        config = replace(config, max_num_batched_tokens=config.max_num_batched_tokens or tokens,
+                         max_num_seqs=config.max_num_seqs or seqs)
+        self.config, self.progress = config, progress
         self.model = (config.model if isinstance(config.model, ModelSpec)
                       else load_model(config.model, layout=config.layout))
         rc = config.row_cache_bytes if config.placement != "hbm" else 0.0

@@ -27,11 +27,23 @@ from cachelab.errors import CachelabError
 from cachelab.workload.prefix_cache import BlockPrefixCache, RadixPrefixCache
 
 PREFIX_CACHES = ("vllm", "sglang", "off")
-# vLLM 0.32's OpenAI-server defaults depend on the GPU (engine/arg_utils.py): 8192 tokens and
-# 1024 sequences per step on H100/H200, 16384 and 1024 from 160 GiB (B200), 2048 and 256 below
-# 70 GiB. These are one fixed pair for every profile: H100's budget, the smaller GPUs' cap.
+# A scheduler's budget and cap where no GPU is named (a lookup stream of queued requests): H100's
+# budget, the smaller GPUs' cap. A serving replay takes its GPU's (``vllm_batch_defaults``).
 MAX_NUM_BATCHED_TOKENS = 8192
 MAX_NUM_SEQS = 256
+GIB = 1 << 30
+
+
+def vllm_batch_defaults(device_memory_bytes: float) -> tuple[int, int]:
+    """vLLM 0.32's OpenAI-server ``max_num_batched_tokens`` and ``max_num_seqs`` for a GPU of this
+    much memory (``EngineArgs.get_batch_defaults``): 16384 and 1024 from 160 GiB (B200, B300),
+    8192 and 1024 from 70 GiB (H100, H200; vLLM also excludes A100 there, which no profile is),
+    2048 and 256 below."""
+    if device_memory_bytes >= 160 * GIB:
+        return 16384, 1024
+    if device_memory_bytes >= 70 * GIB:
+        return 8192, 1024
+    return 2048, 256
 
 
 def kv_pool(kind: str, kv_tokens: int, block_size: int = 16):
