@@ -15,7 +15,12 @@ time, and by the CPU time of each whole process (user + system: on a machine sha
 other jobs the steadiest of the three). Each runs with one thread, best of ``--repeats``; cachelab's Numba cache is warmed first by
 a run on a small trace. ``ratio`` = libCacheSim seconds / cachelab seconds (above 1: cachelab
 is faster), ``wall ratio`` the same for whole processes. Both report the miss ratio, which
-must agree for identical policies.
+must agree for identical policies: a row whose miss counts differ says so.
+
+The capacity is ``--capacity-share`` of a stream's distinct keys, raised where needed to the
+smallest at which every libCacheSim policy compared is its policy (tests/lcs_reference.py's
+``min_capacity``: S3-FIFO's small FIFO of 10% must hold two objects, so 20), the same for
+every policy of the stream; a stream too small for it (``--requests`` too low) is refused.
 
 By default the five policies of issue 13's must-show (LRU, FIFO, SIEVE, S3-FIFO, Belady);
 ``--policies all`` takes every registered policy whose name matches a libCacheSim class
@@ -36,6 +41,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from lcs_reference import min_capacity  # noqa: E402
 
 ALIASES = {"2q": "twoq"}
 
@@ -76,6 +84,18 @@ def zipf_requests(n: int, objects: int = 1_000_000, alpha: float = 0.99) -> np.n
     rng = np.random.default_rng(0)
     ranks = np.searchsorted(cdf, rng.random(n) * cdf[-1])
     return rng.permutation(objects)[ranks].astype(np.int64)  # popularity not ordered by key
+
+
+def stream_capacity(distinct: int, share: float, classes: list[str]) -> int:
+    """``share`` of ``distinct`` keys, at least every libCacheSim class's ``min_capacity``; refused
+    where that cache would hold every key (nothing would be compared)."""
+    floor = max([min_capacity(c) for c in classes] or [1])
+    capacity = max(floor, int(distinct * share))
+    if capacity >= distinct:
+        raise SystemExit(f"bench_engine.py: the stream has {distinct:,} distinct keys, and a cache of {capacity:,} "
+                         f"(at least {floor} for libCacheSim's {', '.join(classes)}) would hold them all: "
+                         "raise --requests")
+    return capacity
 
 
 def worker(policy: str, trace: Path, capacity: int) -> dict:
@@ -170,9 +190,12 @@ def main() -> None:
             trace = Path(tmp) / f"{stream}.oracleGeneral"
             np.save(trace.with_suffix(".npy"), keys)
             write_oracle_general(trace, keys)
-            capacity = max(1, int(np.unique(keys).size * args.capacity_share))
+            distinct = np.unique(keys).size
+            capacity = stream_capacity(distinct, args.capacity_share, [theirs for _, theirs in pairs])
             if not args.json:
-                print(f"{stream}: {keys.size:,} requests, {np.unique(keys).size:,} distinct, capacity {capacity:,}")
+                raised = capacity > int(distinct * args.capacity_share)
+                print(f"{stream}: {keys.size:,} requests, {distinct:,} distinct, capacity {capacity:,}"
+                      + (f" (raised from {args.capacity_share:g} of the keys: libCacheSim's minimum)" if raised else ""))
             for ours, theirs in pairs:
                 warm_numba_cache(ours, Path(tmp))
                 a = measure(lambda: cachelab_run(ours, trace.with_suffix(".npy"), capacity), args.repeats)
@@ -182,7 +205,8 @@ def main() -> None:
                        "libcachesim_seconds": b["seconds"], "libcachesim_wall_s": b["wall_seconds"],
                        "ratio": b["seconds"] / a["seconds"], "wall_ratio": b["wall_seconds"] / a["wall_seconds"],
                        "cpu_ratio": b["cpu_seconds"] / a["cpu_seconds"],
-                       "cachelab_miss_ratio": a["miss_ratio"], "libcachesim_miss_ratio": b["miss_ratio"]}
+                       "cachelab_miss_ratio": a["miss_ratio"], "libcachesim_miss_ratio": b["miss_ratio"],
+                       "miss_counts_equal": round(a["miss_ratio"] * keys.size) == round(b["miss_ratio"] * keys.size)}
                 if args.baseline:
                     warm_numba_cache(ours, Path(tmp), args.baseline)
                     c = measure(lambda: cachelab_run(ours, trace.with_suffix(".npy"), capacity, args.baseline),
@@ -195,6 +219,7 @@ def main() -> None:
                           f"libCacheSim {theirs} {b['seconds']:5.2f} s ({b['wall_seconds']:5.2f} s wall)  "
                           f"ratio {row['ratio']:.2f}x (wall {row['wall_ratio']:.2f}x, process CPU {row['cpu_ratio']:.2f}x)  "
                           f"miss {a['miss_ratio']:.4f} / {b['miss_ratio']:.4f}"
+                          + ("" if row["miss_counts_equal"] else " (miss counts DIFFER)")
                           + (f"  baseline {row['baseline_seconds']:5.2f} s, ratio {row['baseline_ratio']:.2f}x"
                              if args.baseline else ""), flush=True)
     if args.json:

@@ -13,7 +13,19 @@ from cachelab.trace.keytrace import ORACLE_DTYPE, read_keys, read_oracle_general
 from cachelab.workload.lookups import compact
 
 __all__ = ["cloudphysics_keys", "engram_row_keys", "engram_stream", "lcs_miss_ratio", "lcs_misses",
-           "lirs_keys", "write_oracle_general"]
+           "lirs_keys", "min_capacity", "write_oracle_general"]
+
+MIN_CAPACITY = {  # libCacheSim class: below this many objects it caches otherwise than the paper's policy
+    "TwoQ": 4,  # A1in of 25% must hold one object
+    "S3FIFO": 20,  # its small FIFO of 10% must hold two (below 10 objects it refuses to start: a FIFO of 0 bytes)
+    "WTinyLFU": 100,  # its 1% window must hold one object (empty, it refuses every object)
+}
+
+
+def min_capacity(policy: str) -> int:
+    """The smallest capacity (objects) at which libCacheSim's ``policy`` is comparable: two
+    objects, or more where a fixed share of the cache must hold one (``MIN_CAPACITY``)."""
+    return MIN_CAPACITY.get(policy, 2)
 
 
 def lcs_miss_ratio(trace_path: Path, policy: str, capacity: int, **params) -> float:

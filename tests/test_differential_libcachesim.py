@@ -2,7 +2,8 @@
 
 To add a policy, add a row to CASES: our registry name and parameters, libCacheSim's class
 name and parameters, and the relative tolerance on the miss count (0: identical). A
-non-zero tolerance needs a comment saying why the two differ.
+non-zero tolerance needs a comment saying why the two differ. Capacities below the class's
+``lcs_reference.min_capacity`` (where a share of libCacheSim's cache holds no object) are left out.
 
 Traces: the cloudPhysics block trace shipped with libCacheSim, the LIRS ``sprite`` and
 ``multi2`` traces shipped with Caffeine's simulator, one layer's Engram rows of real GSM8K
@@ -23,7 +24,8 @@ from cachelab import registry
 from cachelab.engine.tiers import Hierarchy, Tier
 from cachelab.workload.lookups import LookupStream, compact, dedup_steps
 from cachelab.engine.replay import replay
-from lcs_reference import cloudphysics_keys, engram_row_keys, engram_stream, lcs_misses, lirs_keys, write_oracle_general
+from lcs_reference import (cloudphysics_keys, engram_row_keys, engram_stream, lcs_misses, lirs_keys, min_capacity,
+                           write_oracle_general)
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,6 @@ class Case:
     params: dict = field(default_factory=dict)
     lcs_params: dict = field(default_factory=dict)
     rel_tol: float = 0.0
-    min_capacity: int = 2  # capacities below this are left out (the Case says why)
 
     def __str__(self) -> str:
         return self.ours + "".join(f"-{k}={v}" for k, v in self.params.items())
@@ -48,13 +49,13 @@ CASES = [
     Case("belady", "Belady"),
     Case("lfu", "LFU"),
     Case("arc", "ARC"),
-    Case("twoq", "TwoQ", min_capacity=4),  # A1in of 25% must hold one object
-    Case("s3fifo", "S3FIFO", min_capacity=20),  # its small FIFO of 10% must hold two
+    Case("twoq", "TwoQ"),
+    Case("s3fifo", "S3FIFO"),
     # Identical where both see the same ids (test_policies_wtinylfu.py). Here the sketch hashes
     # the ids each sees: ours the engine's compacted ids, libCacheSim the raw Engram row ids,
     # so sketch collisions differ on the Engram streams (measured gap under 0.2%). Below 100
     # rows libCacheSim's 1% window is empty and it refuses every row; ours keeps one row.
-    Case("wtinylfu", "WTinyLFU", rel_tol=0.01, min_capacity=100),
+    Case("wtinylfu", "WTinyLFU", rel_tol=0.01),
 ]
 
 
@@ -93,7 +94,7 @@ def traces(data_dir, tmp_path_factory):
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_miss_counts_agree_with_libcachesim(traces, trace, case):
     stream, path, unique = traces[trace]
-    for capacity in sorted({max(case.min_capacity, c) for c in capacities(unique)}):
+    for capacity in sorted({max(min_capacity(case.theirs), c) for c in capacities(unique)}):
         tier = Tier("hbm", registry.make_policy(case.ours, **case.params), capacity_rows=capacity)
         level = replay(stream, Hierarchy([tier], stream.row_bytes)).summary()["levels"]["hbm"]
         ours = level["requests_unique"] - level["served_unique"]
