@@ -55,6 +55,31 @@ def test_lfu_breaks_ties_by_age_and_forgets_evicted_counts():
     assert p.resident().tolist() == [3, 4]
 
 
+def lfu_model(keys, capacity):
+    """Plain LFU the obvious way: evict the lowest count, the row that reached it first."""
+    count, reached, evicted = {}, {}, []
+    for t, key in enumerate(keys.tolist()):
+        if key not in count:
+            if len(count) == capacity:
+                gone = min(count, key=lambda k: (count[k], reached[k]))
+                evicted.append(gone)
+                del count[gone], reached[gone]
+            count[key] = 0
+        count[key] += 1
+        reached[key] = t
+    return evicted
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_lfu_evicts_as_the_obvious_model(seed):
+    """The per-count FIFOs (O(1) per access) against the model: same victims in the same order."""
+    rng = np.random.default_rng(seed)
+    keys = rng.zipf(1.3, 3000) % int(rng.integers(5, 200))
+    capacity = int(rng.integers(1, 40))
+    p = make("lfu", capacity, int(keys.max()) + 1)
+    assert p.step(keys).evicted.tolist() == lfu_model(keys, capacity)
+
+
 def test_lfuda_ages_out_a_once_popular_row():
     stale = np.array([1] * 5)
     scan = np.arange(2, 40)
