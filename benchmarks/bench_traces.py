@@ -6,7 +6,8 @@ memory. The reference, measured in the same run, is the DeepSeek-V4 tokenizer al
 same corpus: the build must run far faster than tokenizing its tokens would, and its peak
 memory must not grow with the workload (chunks are written as they are made).
 
-Run: .venv/bin/python benchmarks/bench_traces.py [--small N] [--large N]   (N = requests)
+Run: .venv/bin/python benchmarks/bench_traces.py [--small N] [--large N]   (N = requests; a quick
+run: --small 100 --large 400)
 """
 
 from __future__ import annotations
@@ -77,8 +78,8 @@ def main() -> None:
     small, large = rows
     print(f"workload grew {large['tokens'] / small['tokens']:.1f}x; peak memory grew "
           f"{large['peak_rss_mib'] / small['peak_rss_mib']:.2f}x")
-    if small["tokens"] < 10_000_000:
-        sys.exit("the smaller build is under 10 M tokens: raise --small")
+    if small["tokens"] < 10_000_000:  # a quick run: the figures are not the ones docs/traces.md quotes
+        print("the smaller build is under 10 M tokens: a quick run (the default --small 1000 is the measurement)")
 
 
 if __name__ == "__main__":

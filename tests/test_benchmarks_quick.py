@@ -1,0 +1,47 @@
+"""The benchmarks under ``benchmarks/`` run in their quick modes (small arguments), to the end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def run(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True)
+
+
+def bench_engine(*args: str) -> subprocess.CompletedProcess:
+    return run("bench_engine.py", "--streams", "zipf", "--repeats", "1", *args)
+
+
+@pytest.mark.slow
+def test_a_small_run_raises_the_capacity_to_libcachesims_minimum_and_the_miss_counts_agree():
+    """At 1% of a small stream's keys libCacheSim's S3-FIFO refused to start (a small FIFO of
+    0 bytes) or, at 10-19 objects, cached nothing; the capacity is raised to 20 for every policy."""
+    pytest.importorskip("libcachesim")
+    done = bench_engine("--requests", "400", "--policies", "lru,s3fifo", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [(r["policy"], r["capacity"], r["miss_counts_equal"]) for r in rows] == [("lru", 20, True),
+                                                                                    ("s3fifo", 20, True)]
+
+
+def test_a_stream_too_small_for_the_minimum_is_refused_by_name():
+    pytest.importorskip("libcachesim")
+    done = bench_engine("--requests", "15", "--policies", "s3fifo")
+    assert done.returncode == 1 and "would hold them all: raise --requests" in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.data
+def test_bench_traces_quick_run_ends_well_and_says_it_is_quick(data_dir):
+    """Builds under 10 M tokens stopped with exit status 1 after printing every figure."""
+    done = run("bench_traces.py", "--small", "5", "--large", "10")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "a quick run" in done.stdout and "x the tokenizer" in done.stdout
