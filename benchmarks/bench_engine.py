@@ -21,6 +21,8 @@ The capacity is ``--capacity-share`` of a stream's distinct keys, raised where n
 smallest at which every libCacheSim policy compared is its policy (tests/lcs_reference.py's
 ``min_capacity``: S3-FIFO's small FIFO of 10% must hold two objects, so 20), the same for
 every policy of the stream; a stream too small for it (``--requests`` too low) is refused.
+With ``--share`` cachelab is given the share (``--capacity 0.01``, as a user may write it),
+so its time includes counting the distinct keys; libCacheSim always gets the rows.
 
 By default the five policies of issue 13's must-show (LRU, FIFO, SIEVE, S3-FIFO, Belady);
 ``--policies all`` takes every registered policy whose name matches a libCacheSim class
@@ -90,7 +92,7 @@ def stream_capacity(distinct: int, share: float, classes: list[str]) -> int:
     """``share`` of ``distinct`` keys, at least every libCacheSim class's ``min_capacity``; refused
     where that cache would hold every key (nothing would be compared)."""
     floor = max([min_capacity(c) for c in classes] or [1])
-    capacity = max(floor, int(distinct * share))
+    capacity = max(floor, round(distinct * share))  # as cachelab resolves a share
     if capacity >= distinct:
         raise SystemExit(f"bench_engine.py: the stream has {distinct:,} distinct keys, and a cache of {capacity:,} "
                          f"(at least {floor} for libCacheSim's {', '.join(classes)}) would hold them all: "
@@ -123,11 +125,11 @@ def _child(cmd: list[str], path: str | None = None) -> dict:
     if status != 0:
         raise RuntimeError(f"{' '.join(cmd[1:5])} failed:\n{stderr[-2000:]}")
     out = json.loads(stdout.strip().splitlines()[-1])
-    return {"seconds": out["seconds"], "miss_ratio": out["miss_ratio"], "wall_seconds": wall,
+    return {"seconds": out["seconds"], "miss_ratio": out["miss_ratio"], "capacity": out.get("capacity"), "wall_seconds": wall,
             "cpu_seconds": usage.ru_utime + usage.ru_stime}
 
 
-def cachelab_run(policy: str, keys: Path, capacity: int, path: str | None = None) -> dict:
+def cachelab_run(policy: str, keys: Path, capacity: int | str, path: str | None = None) -> dict:
     """``cachelab simulate --json`` in a fresh process, as a user runs it (from ``path``: another checkout)."""
     return _child([sys.executable, "-m", "cachelab.cli", "simulate", "--trace", str(keys), "--policy", policy,
                    "--capacity", str(capacity), "--json"], path)
@@ -161,6 +163,9 @@ def main() -> None:
     ap.add_argument("--policies", default=MUST_SHOW,
                     help=f"comma-separated cachelab names, or 'all' shared with libCacheSim (default {MUST_SHOW})")
     ap.add_argument("--capacity-share", type=float, default=0.01, help="capacity as a share of distinct keys")
+    ap.add_argument("--share", action="store_true",
+                    help="give cachelab the share (`--capacity 0.01`, as a user may), so its time includes "
+                         "counting the distinct keys; libCacheSim still gets the rows")
     ap.add_argument("--repeats", type=int, default=3, help="fresh-process runs per measurement; the fastest counts")
     ap.add_argument("--baseline", default=None,
                     help="a folder holding another cachelab (e.g. `git archive main cachelab policies` unpacked): "
@@ -192,13 +197,18 @@ def main() -> None:
             write_oracle_general(trace, keys)
             distinct = np.unique(keys).size
             capacity = stream_capacity(distinct, args.capacity_share, [theirs for _, theirs in pairs])
+            raised = capacity > round(distinct * args.capacity_share)
+            given = f"{args.capacity_share!r}" if args.share and not raised else capacity
             if not args.json:
-                raised = capacity > int(distinct * args.capacity_share)
                 print(f"{stream}: {keys.size:,} requests, {distinct:,} distinct, capacity {capacity:,}"
-                      + (f" (raised from {args.capacity_share:g} of the keys: libCacheSim's minimum)" if raised else ""))
+                      + (f" (raised from {args.capacity_share:g} of the keys: libCacheSim's minimum)" if raised else "")
+                      + (f" (given to cachelab as --capacity {given})" if given != capacity else ""))
             for ours, theirs in pairs:
                 warm_numba_cache(ours, Path(tmp))
-                a = measure(lambda: cachelab_run(ours, trace.with_suffix(".npy"), capacity), args.repeats)
+                a = measure(lambda: cachelab_run(ours, trace.with_suffix(".npy"), given), args.repeats)
+                if a["capacity"] != capacity:
+                    raise SystemExit(f"cachelab resolved --capacity {given} to {a['capacity']} rows, "
+                                     f"libCacheSim gets {capacity}")
                 b = measure(lambda: libcachesim_run(theirs, trace, capacity), args.repeats)
                 row = {"stream": stream, "policy": ours, "libcachesim": theirs, "requests": int(keys.size),
                        "capacity": capacity, "cachelab_seconds": a["seconds"], "cachelab_wall_s": a["wall_seconds"],
@@ -209,7 +219,7 @@ def main() -> None:
                        "miss_counts_equal": round(a["miss_ratio"] * keys.size) == round(b["miss_ratio"] * keys.size)}
                 if args.baseline:
                     warm_numba_cache(ours, Path(tmp), args.baseline)
-                    c = measure(lambda: cachelab_run(ours, trace.with_suffix(".npy"), capacity, args.baseline),
+                    c = measure(lambda: cachelab_run(ours, trace.with_suffix(".npy"), given, args.baseline),
                                 args.repeats)
                     row.update(baseline_seconds=c["seconds"], baseline_wall_s=c["wall_seconds"],
                                baseline_ratio=b["seconds"] / c["seconds"], baseline_miss_ratio=c["miss_ratio"])

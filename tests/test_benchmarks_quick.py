@@ -32,6 +32,16 @@ def test_a_small_run_raises_the_capacity_to_libcachesims_minimum_and_the_miss_co
                                                                                     ("s3fifo", 20, True)]
 
 
+@pytest.mark.slow
+def test_bench_engine_share_gives_cachelab_the_share_and_libcachesim_the_same_rows():
+    """``--share`` times `simulate --capacity 0.01`, the distinct count included; the bench checks
+    that cachelab resolved it to the rows libCacheSim gets (cachelab rounds a share)."""
+    pytest.importorskip("libcachesim")
+    done = bench_engine("--requests", "6000", "--policies", "lru", "--share")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "(given to cachelab as --capacity 0.01)" in done.stdout and "DIFFER" not in done.stdout
+
+
 def test_a_stream_too_small_for_the_minimum_is_refused_by_name():
     pytest.importorskip("libcachesim")
     done = bench_engine("--requests", "15", "--policies", "s3fifo")
@@ -45,3 +55,4 @@ def test_bench_traces_quick_run_ends_well_and_says_it_is_quick(data_dir):
     done = run("bench_traces.py", "--small", "5", "--large", "10")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "a quick run" in done.stdout and "x the tokenizer" in done.stdout
+

@@ -19,7 +19,7 @@ from cachelab.defaults import PRESET
 from cachelab.learning.streams import STEP_VIEWS, load_trace, unchecked_layout
 from cachelab.trace.keytrace import FORMATS
 from cachelab.trace.kinds import Found, detect, refuse_unused, requests_or_default
-from cachelab.workload.lookups import LookupStream
+from cachelab.workload.lookups import LookupStream, compact
 from cachelab.engine.replay import replay
 from cachelab.engine.sampling import check_rate
 from cachelab.workload.prefix_cache.hashing import sorted_distinct
@@ -52,7 +52,7 @@ def load_stream(trace: str, fmt: str | None, requests: int | None, steps: str | 
 def capacity_rows(capacities: list[Capacity], stream: LookupStream, where: str) -> list[int]:
     """Rows of each capacity for ``stream``: shares of its distinct keys, bytes over its row size
     (a key trace's objects count one byte each)."""
-    unique = sorted_distinct(stream.keys).size if any(c.is_share for c in capacities) else None
+    unique = compact(stream.keys)[1].size if any(c.is_share for c in capacities) else None  # hashing: 2-3x a sort's speed
     return [c.rows(unique, stream.row_bytes, where) for c in capacities]
 
 
