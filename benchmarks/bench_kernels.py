@@ -6,6 +6,7 @@ by hand as one Numba loop over the same int32 arrays; the template's LRU should 
 process, measurements interleaved, the fastest of ``--repeats`` counts (the machine is shared).
 A policy that decides a step at once (``fbgemm-*``) sees the stream in steps of ``--step`` lookups
 (about a 256-token prefill step's distinct rows: 12,000); the others decide lookup by lookup.
+A policy that reads the future (``belady``) gets the stream's next accesses, computed outside the clock.
 
     CACHELAB_DATA=../shared/data .venv/bin/python benchmarks/bench_kernels.py [--requests N] [--policies lru,fifo] [--step N]
 """
@@ -70,12 +71,14 @@ def _time_hand(ids, capacity, num_keys):
 
 def _time_policy(name, ids, capacity, num_keys, step):
     from cachelab import registry
+    from cachelab.workload.future import next_access
 
     policy = registry.make_policy(name)
     policy.reset(capacity, num_keys)
     offsets = np.minimum(np.arange(0, ids.size + step, step), ids.size) if step else np.array([0, ids.size])
+    future = policy.view_future(next_access(ids), offsets) if policy.capabilities.needs_future else None
     started = time.perf_counter()
-    hits = policy.run(ids, offsets)
+    hits = policy.run(ids, offsets, future)
     return time.perf_counter() - started, int(hits.sum())
 
 

@@ -56,3 +56,11 @@ def test_bench_traces_quick_run_ends_well_and_says_it_is_quick(data_dir):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "a quick run" in done.stdout and "x the tokenizer" in done.stdout
 
+
+@pytest.mark.slow
+@pytest.mark.data
+def test_bench_kernels_times_a_policy_that_reads_the_future(data_dir):
+    """``--policies belady`` stopped: the benchmark gave no policy its next accesses."""
+    done = run("bench_kernels.py", "--requests", "20000", "--policies", "lru,belady", "--repeats", "1")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "belady:" in done.stdout
