@@ -64,3 +64,13 @@ def test_bench_kernels_times_a_policy_that_reads_the_future(data_dir):
     done = run("bench_kernels.py", "--requests", "20000", "--policies", "lru,belady", "--repeats", "1")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "belady:" in done.stdout
+
+
+def test_bench_engine_pairs_only_policies_that_are_the_same_rule():
+    """``--policies all`` paired lfuda with libCacheSim's LFUDA, another rule (its miss ratios differ)."""
+    pytest.importorskip("libcachesim")
+    sys.path.insert(0, str(BENCHMARKS))
+    from bench_engine import shared_policies
+
+    pairs = dict(shared_policies())
+    assert pairs["lfu"] == "LFU" and pairs["s3fifo"] == "S3FIFO" and "lfuda" not in pairs

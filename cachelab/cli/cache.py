@@ -52,7 +52,8 @@ def load_stream(trace: str, fmt: str | None, requests: int | None, steps: str | 
 def capacity_rows(capacities: list[Capacity], stream: LookupStream, where: str) -> list[int]:
     """Rows of each capacity for ``stream``: shares of its distinct keys, bytes over its row size
     (a key trace's objects count one byte each)."""
-    unique = compact(stream.keys)[1].size if any(c.is_share for c in capacities) else None  # hashing: 2-3x a sort's speed
+    # counted by hashing (compact), 2-3x faster than sorting every key
+    unique = compact(stream.keys)[1].size if any(c.is_share for c in capacities) else None
     return [c.rows(unique, stream.row_bytes, where) for c in capacities]
 
 

@@ -254,7 +254,8 @@ class LFU(SlotPolicy):
             return LFUState(np.array([0, 0, 0], dtype=np.int64),
                             *(np.zeros(capacity, dtype=np.int64) for _ in range(5)))
         nodes = capacity + 1  # a hit may take a node before its old one empties
-        return BucketState(np.array([-1, nodes], dtype=np.int64), *(np.zeros(capacity, dtype=np.int64) for _ in range(4)),
+        return BucketState(np.array([-1, nodes], dtype=np.int64),
+                           *(np.zeros(capacity, dtype=np.int64) for _ in range(4)),
                            *(np.zeros(nodes, dtype=np.int64) for _ in range(5)), np.arange(nodes, dtype=np.int64))
 
 
