@@ -126,6 +126,26 @@ def test_journal_acknowledges_in_order(tmp_path, fsync):
     assert [r["seq"] for r in got] == list(range(500))
 
 
+@pytest.mark.parametrize("fsync", ["always", "batch"])
+def test_an_item_of_several_records_is_one_submission_made_durable_at_once(tmp_path, fsync):
+    """A proxied exchange of several choices builds several records: they share its ``seq`` and are
+    written and synced together (one ``fsync`` for the three under ``always``), acknowledged as one."""
+    j = Journal(tmp_path, "s", fsync=fsync)
+    syncs, sync = [], j._writer.sync
+    j._writer.sync = lambda: (syncs.append(1), sync())
+    j.submit({"i": 0})
+    j.submit(lambda: [{"i": 1, "index": k} for k in range(3)])
+    j.submit({"i": 2})
+    assert j.flush(30) and j.acknowledged == j.submitted == 3
+    committed = len(syncs)
+    j.close()
+    got, _ = _records(tmp_path)
+    assert [(r["seq"], r["i"], r.get("index")) for r in got] == [(0, 0, None), (1, 1, 0), (1, 1, 1), (1, 1, 2),
+                                                                   (2, 2, None)]
+    if fsync == "always":
+        assert committed == 3
+
+
 def test_journal_records_a_failed_build_as_an_error(tmp_path):
     j = Journal(tmp_path, "s")
     j.submit(lambda: 1 / 0)

@@ -131,3 +131,32 @@ def test_kv_events_record_every_published_batch(captured):
     assert read.torn_tails == 0
     _, report = capture_to_trace(out)
     assert report.requests >= 1 and report.server_cached_tokens is not None
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_every_prompt_and_choice_of_a_batch_is_recorded_with_the_servers_ids(captured, stream):
+    """A batch of two prompts with n = 2: four records, by index, each with the prompt and output
+    ids vLLM gave that choice (the client asked for them too, and compares)."""
+    server, proxy, recorder, sub, out = captured
+    prompts = [PROMPT, "A second prompt, for the batch: " + PROMPT[:80]]
+    req = {"model": server.model, "prompt": prompts, "n": 2, "temperature": 1.0, "seed": 11, "max_tokens": 5,
+           "ignore_eos": True, "return_token_ids": True, "stream": stream}
+    status, raw = _post(proxy.url, "/v1/completions", req)
+    assert status == 200, raw
+    bodies = [json.loads(e.removeprefix(b"data: ")) for e in raw.split(b"\n\n") if e.startswith(b"data: {")] \
+        if stream else [json.loads(raw)]
+    prompt_ids, output_ids = {}, {}
+    for body in bodies:
+        for c in body["choices"]:
+            prompt_ids.setdefault(c["index"], c.get("prompt_token_ids"))
+            output_ids.setdefault(c["index"], []).extend(c["token_ids"] or [])
+    assert recorder.flush(30)
+    table, _ = read_requests(out)
+    rows = sorted((r for r in table.iter_rows(named=True) if r["upstream_id"] == bodies[0]["id"]),
+                  key=lambda r: r["index"])
+    assert [r["index"] for r in rows] == [0, 1, 2, 3] and {r["token_source"] for r in rows} == {"upstream"}
+    assert [r["prompt_ids"] for r in rows] == [prompt_ids[i] for i in range(4)]
+    assert [r["output_ids"] for r in rows] == [output_ids[i] for i in range(4)]
+    assert rows[0]["prompt_ids"] == rows[1]["prompt_ids"] != rows[2]["prompt_ids"] == rows[3]["prompt_ids"]
+    if stream:
+        assert all(sum(r["tok_n"]) == 5 for r in rows)

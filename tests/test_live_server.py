@@ -316,8 +316,8 @@ def test_a_client_behind_the_capture_proxy_gets_the_stream_it_would_get_direct(s
 def test_the_capture_proxy_keeps_no_cached_count_that_is_another_choices(server, tmp_path):
     """A whole answer of n choices reports, as vLLM's, one engine request's cached tokens: its last
     finished choice's, which for a fresh prompt hit the blocks the first choice computed in the same
-    step. The proxy records choice 0 only, and recorded that hit as its own: a fresh prompt read as
-    served from the cache (the trace's cached_tokens, the server's prefix hit ratio). It records none."""
+    step. The proxy recorded that hit as choice 0's own: a fresh prompt read as served from the cache
+    (the trace's cached_tokens, the server's prefix hit ratio). It records none for either choice."""
     from capture_upstream import ProxyThread
 
     from cachelab.capture.proxy import ProxyConfig
@@ -334,8 +334,8 @@ def test_the_capture_proxy_keeps_no_cached_count_that_is_another_choices(server,
         assert recorder.flush(30)
     assert two.usage.prompt_tokens_details.cached_tokens == 192  # choice 1's hit on choice 0's blocks
     rows, _ = read_requests(tmp_path / "cap")
-    assert rows["cached"].to_list() == [None, again.usage.prompt_tokens_details.cached_tokens], rows
-    assert rows["prompt_ids"].list.len().to_list() == [200, 200]
+    assert rows["cached"].to_list() == [None, None, again.usage.prompt_tokens_details.cached_tokens], rows
+    assert rows["prompt_ids"].list.len().to_list() == [200, 200, 200]
 
 
 def test_a_chat_streams_its_role_with_the_first_token_as_vllm_does(server):

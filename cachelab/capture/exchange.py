@@ -3,13 +3,15 @@
 The proxy keeps only what it must to stay byte-faithful while a response streams: the
 request body, the complete SSE events of each upstream read (one or more events, as the
 upstream sent them) with the read's arrival time, or the whole JSON body. The recorder
-later calls ``Exchange.to_record`` (on its thread or in its process): it splits the reads
+later calls ``Exchange.to_records`` (on its thread or in its process): it splits the reads
 into events, reads token ids from the upstream's answer
 (vLLM's ``return_token_ids``: ``prompt_token_ids`` and per-choice ``token_ids``), the cached
 prompt tokens from ``usage.prompt_tokens_details.cached_tokens``, and falls back to the
-model's tokenizer (``cachelab.capture.tokens``) when the upstream sent no ids. Only choice 0
-of a request with ``n > 1`` or a batch of prompts is recorded (prompt 0's first), without the
-server's cached tokens, which are another choice's there.
+model's tokenizer (``cachelab.capture.tokens``) when the upstream sent no ids. An exchange is
+one record per choice (every prompt of a batch, each of its ``n`` choices, numbered by the
+answer's ``index`` as ``cachelab serve --capture`` numbers its own), each with its own ids and
+token times; those of an answer of several choices carry none of the server's cached tokens,
+which are one engine request's there, not each choice's.
 
 ``prepare`` adds to the request what the record needs (token ids, a stream's usage) and the
 client did not ask for; ``Restorer`` and ``strip_body`` undo it, on the bytes (a read
@@ -35,6 +37,7 @@ _IDS = re.compile(rb'"token_ids":\[[^\]]*\]')
 _PROMPT_IDS = re.compile(rb'"prompt_token_ids":\[[^\]]*\]')
 _EMPTY_DELTA = (b'"delta":{}', b'"finish_reason":null')
 _FINGERPRINT = re.compile(rb'"system_fingerprint":"[^"]*"')
+MAX_RECORDS = 1 << 16  # records of one exchange at most for choices the answer never reached (a cut stream)
 
 
 @dataclass
@@ -57,9 +60,10 @@ class Exchange:
     delim: bytes = b"\n\n"             # what ends an event: b"\r\n\r\n" where the upstream ends lines with CRLF
     event_times: list[float] = field(default_factory=list)   # perf_counter of that read
 
-    def to_record(self, tokenizer) -> RequestRecord:
-        """The record of this exchange (tokenizer: ``FallbackTokenizer``, used only without upstream ids)."""
-        return to_record(self, tokenizer)
+    def to_records(self, tokenizer) -> list[RequestRecord]:
+        """The records of this exchange, one per choice (tokenizer: ``FallbackTokenizer``, used only
+        without upstream ids)."""
+        return to_records(self, tokenizer)
 
 
 def prepare(body: bytes, x: Exchange, token_ids: bool) -> bytes:
@@ -187,13 +191,6 @@ def _sse_data(event: bytes) -> dict | None:
     return parsed if isinstance(parsed, dict) and (end == len(text) or text[end:].isspace()) else None
 
 
-def _choice0(message: dict) -> dict | None:
-    for choice in message.get("choices") or []:
-        if isinstance(choice, dict) and choice.get("index", 0) == 0:
-            return choice
-    return None
-
-
 def _choice_text(choice: dict) -> str:
     if "text" in choice:
         return choice.get("text") or ""
@@ -211,15 +208,30 @@ def _error_text(message: dict) -> str | None:
     return str(text)[:300]
 
 
-def _request_prompt(body: dict) -> tuple[str | None, list[int] | None]:
-    """The prompt as text, or as token ids when the client sent ids."""
+@dataclass
+class _Choice:
+    """What the answer said of one choice (its ``index``): vLLM numbers prompt k's choices k*n .. k*n+n-1."""
+
+    prompt_ids: list | None = None
+    ids: list[int] = field(default_factory=list)
+    have_ids: bool = True  # every event of it carried its token ids
+    texts: list[str] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+
+
+def _request_prompts(body: dict) -> list[tuple[str | None, list[int] | None]]:
+    """Each prompt of the request, as text or as token ids when the client sent ids: a completion's
+    string, ids, or a batch of either; a chat's messages as ``role: content`` lines."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return None, prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
     if isinstance(prompt, str):
-        return prompt, None
+        return [(prompt, None)]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return [(None, prompt)]
+    if isinstance(prompt, list) and prompt:
+        return [(p, None) if isinstance(p, str) else
+                (None, p) if isinstance(p, list) and all(isinstance(t, int) for t in p) else (None, None)
+                for p in prompt]
     messages = body.get("messages")
     if isinstance(messages, list):
         parts = []
@@ -228,89 +240,99 @@ def _request_prompt(body: dict) -> tuple[str | None, list[int] | None]:
             if isinstance(content, list):  # content parts: keep the text ones
                 content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
             parts.append(f"{m.get('role', '')}: {content or ''}" if isinstance(m, dict) else "")
-        return "\n".join(parts), None
-    return None, None
+        return [("\n".join(parts), None)]
+    return []
 
 
-def to_record(x: Exchange, tokenizer) -> RequestRecord:
-    """Parse what the upstream answered into a ``RequestRecord`` (tokenizer: ``FallbackTokenizer``)."""
+def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
+    """Parse what the upstream answered into one ``RequestRecord`` per choice (tokenizer:
+    ``FallbackTokenizer``): every prompt of a batch and every one of its ``n`` choices, each with
+    its ``index``, its prompt's ids, its own output ids and token times; an answer without any
+    choice (an error, no answer at all) is one record."""
     body = x.body or {}
-    rec = RequestRecord(endpoint=x.endpoint, arrival_unix_ns=x.arrival_unix_ns, status=x.status, error=x.error,
-                        model=body.get("model") if isinstance(body.get("model"), str) else None,
-                        stream=x.stream, session=x.session)
-    prompt_ids = None
-    output_ids: list[int] = []
-    have_output_ids = True
-    texts: list[str] = []
-    usage = None
-    times, counts = [], []
-    choices = 0  # how many the answer has (index + 1 of the highest seen)
+    model = body.get("model") if isinstance(body.get("model"), str) else None
+    error, upstream_id, usage, top_prompt = x.error, None, None, None
+    choices: dict[int, _Choice] = {}
     if x.response_time is None:  # an event stream (or no answer at all)
         messages = [(t, _sse_data(e)) for t, block in zip(x.event_times, x.events)
                     for e in _split(block, x.delim)]
-        if x.status == 200 and rec.error is None and not _ends_done(x.events):
-            rec.error = "upstream stream ended without [DONE]"  # e.g. closed where only its close ended the body
+        if x.status == 200 and error is None and not _ends_done(x.events):
+            error = "upstream stream ended without [DONE]"  # e.g. closed where only its close ended the body
     else:  # a whole body: the answer to a request that did not stream, or an error answer to one that did
         whole = _json_body(x.response)
         messages = [(x.response_time, whole if isinstance(whole, dict) else None)]
-        if not isinstance(whole, dict) and x.status == 200 and rec.error is None:
-            rec.error = "upstream answered 200 with a body that is not JSON"  # passed on as it came
+        if not isinstance(whole, dict) and x.status == 200 and error is None:
+            error = "upstream answered 200 with a body that is not JSON"  # passed on as it came
     for when, message in messages:
         if message is None:
             continue
-        rec.error = rec.error or _error_text(message)
-        rec.upstream_id = rec.upstream_id or message.get("id")
-        rec.model = message.get("model") or rec.model
+        error = error or _error_text(message)
+        upstream_id = upstream_id or message.get("id")
+        model = message.get("model") or model
         if message.get("usage"):
             usage = message["usage"]
-        if prompt_ids is None and message.get("prompt_token_ids"):
-            prompt_ids = message["prompt_token_ids"]
-        choices = max([choices, *(c.get("index", 0) + 1 for c in message.get("choices") or []
-                                  if isinstance(c, dict) and isinstance(c.get("index", 0), int))])
-        choice = _choice0(message)
-        if choice is None:
-            continue
-        if prompt_ids is None and choice.get("prompt_token_ids"):
-            prompt_ids = choice["prompt_token_ids"]
-        ids = choice.get("token_ids")
-        text = _choice_text(choice)
-        if ids is None:
-            have_output_ids = False
-        else:
-            output_ids.extend(ids)
-        texts.append(text)
-        n = len(ids) if ids is not None else (len(tokenizer.encode(text)) if text else 0)
-        if n and when is not None:
-            times.append(when - x.arrival)
-            counts.append(n)
-    if rec.status != 200 and rec.error is None:
-        rec.error = f"upstream answered HTTP {rec.status}"
-    output_text = "".join(texts)
-    prompt_text, request_ids = _request_prompt(body)
-    if isinstance(usage, dict):
-        rec.prompt_tokens = usage.get("prompt_tokens")
-        rec.completion_tokens = usage.get("completion_tokens")
-        details = usage.get("prompt_tokens_details")
-        # one engine request's figure, not necessarily choice 0's where there are several (n > 1, a batch of
-        # prompts): vLLM reports its last prompt's last-finished choice's in a whole answer, so a fresh prompt
-        # whose second choice hit the first's blocks read as cached
-        if isinstance(details, dict) and details.get("cached_tokens") is not None and choices <= 1:
-            rec.cached_tokens = int(details["cached_tokens"])
-    if prompt_ids is not None and have_output_ids:
-        rec.token_source = "upstream"
-    elif rec.status == 200 and rec.error is None and (prompt_text is not None or request_ids is not None):
-        rec.token_source = "tokenizer"
-        prompt_ids = request_ids if request_ids is not None else tokenizer.encode(prompt_text, prompt=True)
-        output_ids = tokenizer.encode(output_text)
-    if rec.token_source is not None:
-        rec.prompt_ids = np.asarray(prompt_ids, dtype=np.int32)
-        rec.output_ids = np.asarray(output_ids, dtype=np.int32)
-    if times:
-        rec.token_times_s = np.asarray(times)
-        rec.token_counts = np.asarray(counts, dtype=np.int32)
-        rec.first_token_s, rec.last_token_s = times[0], times[-1]
-    rec.prompt_text, rec.output_text = prompt_text, output_text
-    return rec
+        if top_prompt is None and message.get("prompt_token_ids"):
+            top_prompt = message["prompt_token_ids"]  # a chat's, at the top
+        for choice in message.get("choices") or []:
+            index = choice.get("index", 0) if isinstance(choice, dict) else None
+            if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+                continue
+            c = choices.setdefault(index, _Choice())
+            if c.prompt_ids is None and choice.get("prompt_token_ids"):
+                c.prompt_ids = choice["prompt_token_ids"]  # a completion's, in each choice's first
+            ids = choice.get("token_ids")
+            text = _choice_text(choice)
+            if ids is None:
+                c.have_ids = False
+            else:
+                c.ids.extend(ids)
+            c.texts.append(text)
+            n = len(ids) if ids is not None else (len(tokenizer.encode(text)) if text else 0)
+            if n and when is not None:
+                c.times.append(when - x.arrival)
+                c.counts.append(n)
+    if x.status != 200 and error is None:
+        error = f"upstream answered HTTP {x.status}"
+    prompts = _request_prompts(body)
+    n = body.get("n") if isinstance(body.get("n"), int) and not isinstance(body.get("n"), bool) \
+        and body.get("n") > 0 else 1
+    # the choices asked for that the answer never reached (a stream cut after prompt 0's) are failed requests too
+    indices = sorted(choices.keys() | range(min(len(prompts) * n, MAX_RECORDS))) if choices else [None]
+    records = []
+    for index in indices:
+        c = choices.get(index) or _Choice()
+        rec = RequestRecord(endpoint=x.endpoint, arrival_unix_ns=x.arrival_unix_ns, status=x.status, error=error,
+                            model=model, stream=x.stream, session=x.session, upstream_id=upstream_id,
+                            index=index)
+        k = 0 if index is None else index // n
+        prompt_text, request_ids = prompts[k] if k < len(prompts) else (None, None)
+        prompt_ids, output_ids = c.prompt_ids or top_prompt, c.ids
+        output_text = "".join(c.texts)
+        if isinstance(usage, dict) and len(indices) == 1:
+            # the answer's totals, and one engine request's cached tokens: with several choices (n > 1, a batch)
+            # they are not this choice's (vLLM reports its last prompt's last-finished choice's in a whole answer)
+            rec.prompt_tokens = usage.get("prompt_tokens")
+            rec.completion_tokens = usage.get("completion_tokens")
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and details.get("cached_tokens") is not None:
+                rec.cached_tokens = int(details["cached_tokens"])
+        if prompt_ids is not None and c.have_ids:
+            rec.token_source = "upstream"
+        elif x.status == 200 and error is None and (prompt_text is not None or request_ids is not None):
+            rec.token_source = "tokenizer"
+            prompt_ids = request_ids if request_ids is not None else tokenizer.encode(prompt_text, prompt=True)
+            output_ids = tokenizer.encode(output_text)
+        if rec.token_source is not None:
+            rec.prompt_ids = np.asarray(prompt_ids, dtype=np.int32)
+            rec.output_ids = np.asarray(output_ids, dtype=np.int32)
+        if c.times:
+            rec.token_times_s = np.asarray(c.times)
+            rec.token_counts = np.asarray(c.counts, dtype=np.int32)
+            rec.first_token_s, rec.last_token_s = c.times[0], c.times[-1]
+        rec.prompt_text, rec.output_text = prompt_text, output_text
+        records.append(rec)
+    return records
+
 
 
 def _json_body(body: bytes):

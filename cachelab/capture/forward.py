@@ -18,14 +18,13 @@ import httptools
 
 from cachelab.capture.connections import LAST_CHUNK, ClientConnection, error_body, hop_by_hop, whole_response
 from cachelab.capture.exchange import Exchange, Restorer, strip_body
+from cachelab.capture.recorder import CLIENT_CLOSED, CLIENT_GONE
 from cachelab.capture.upstream import UpstreamConnection, keep_alive_bound
 
 if TYPE_CHECKING:
     from cachelab.capture.proxy import CaptureProxy
 
 STREAM, WHOLE, PASS = 0, 1, 2   # how an answer goes back: recorded SSE, recorded whole body, not recorded
-CLIENT_CLOSED = 499  # nginx's "client closed request": the client went away before its answer was complete
-CLIENT_GONE = "client disconnected"
 
 
 class Forward:

@@ -1,11 +1,14 @@
 """A durable journal: one writer thread that turns submitted items into acknowledged records.
 
 Callers (the proxy's event loop, the KV-event subscriber, ``cachelab serve``) only enqueue:
-an item is a payload ``dict`` or a zero-argument callable that builds one, so parsing,
-tokenizing and hashing happen on the writer thread, off the request's path. The thread
-writes each batch to a ``SegmentWriter`` and applies the durability policy
-(``cachelab.capture.segments``); ``acknowledged`` counts records that policy has made safe,
-in submission order, so the first ``acknowledged`` records of a run are on disk.
+an item is a payload ``dict`` or a zero-argument callable that builds one, or several (a
+proxied exchange of several choices), so parsing, tokenizing and hashing happen on the writer
+thread, off the request's path. The thread writes each batch to a ``SegmentWriter`` and
+applies the durability policy (``cachelab.capture.segments``). The records of one item share
+its ``seq`` (its number in submission order), go into one segment with one ``write`` and are
+made durable by one ``fsync``: ``acknowledged`` counts items all of whose records that policy
+has made safe, in submission order, so the records of the first ``acknowledged`` items of a
+run (``seq`` below it) are on disk.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import msgpack
 from cachelab.capture.segments import FSYNC_POLICIES, SegmentWriter
 from cachelab.errors import CachelabError
 
-Item = dict | Callable[[], dict]
+Item = dict | Callable[[], dict | list[dict]]
 _STOP = object()
 _NOW = object()  # flush: commit what is built without waiting for the interval's end
 
@@ -88,19 +91,21 @@ class Journal:
         self.submitted += 1
         return True
 
-    def _build(self, item: Item) -> bytes:
+    def _build(self, item: Item) -> list[bytes]:
+        """The item's records, numbered with its ``seq``."""
         try:
-            payload = item() if callable(item) else item
+            payloads = item() if callable(item) else item
         except Exception as exc:  # a record we cannot build is still recorded, as an error
             self.build_errors += 1
-            payload = {"kind": "error", "error": f"record not built: {type(exc).__name__}: {exc}"}
-        payload = {"seq": self._seq, "run": self.run, **payload}
+            payloads = {"kind": "error", "error": f"record not built: {type(exc).__name__}: {exc}"}
+        head = {"seq": self._seq, "run": self.run}
         self._seq += 1
-        return msgpack.packb(payload, use_bin_type=True)
+        return [msgpack.packb({**head, **p}, use_bin_type=True)
+                for p in (payloads if isinstance(payloads, list) else [payloads])]
 
     def _run(self) -> None:
         stop = False
-        payloads: list[bytes] = []
+        payloads: list[list[bytes]] = []  # per item, its records
         due = -float("inf")  # the next commit starts no earlier (the last one's start + the interval)
         while not stop:
             at_once = False
@@ -154,19 +159,19 @@ class Journal:
         except OSError as exc:  # its last sync
             self.write_error = self.write_error or f"{self._writer.path}: {exc}"
 
-    def _commit(self, payloads: list[bytes]) -> None:
-        """Write ``payloads`` and make them durable; ``_durable`` counts those that are, even when this
-        fails midway (``always`` syncs one at a time)."""
+    def _commit(self, payloads: list[list[bytes]]) -> None:
+        """Write the items' records and make them durable; ``_durable`` counts the items that are, even
+        when this fails midway (``always`` syncs one item's records at a time)."""
         self._durable = 0
         if not payloads:
             return
         if self.fsync == "always":
-            for payload in payloads:
-                self._writer.write([payload])
+            for records in payloads:
+                self._writer.write(records)
                 self._writer.sync()
                 self._durable += 1
             return
-        self._writer.write(payloads)
+        self._writer.write([record for records in payloads for record in records])
         if self.fsync == "batch":
             self._writer.sync()
         self._durable = len(payloads)

@@ -15,7 +15,7 @@ hands over the body, the proxy cuts it after its last complete SSE event, keeps 
 and the read's time for the record, restores what it injected (one regular-expression
 substitution for a read of ordinary token events) and writes them to the client as one
 chunk. Parsing the events into a record happens later, off the request's path, on the
-recorder's thread or in its process (``Exchange.to_record``). A request whose upstream
+recorder's thread or in its process (``Exchange.to_records``). A request whose upstream
 connection is pooled goes upstream from the callback that parsed it. docs/capture.md, "History"
 and "Why the defaults", says what led here (the earlier proxies: FastAPI + httpx, then uvicorn
 + aiohttp) and what each default measured.
@@ -49,7 +49,8 @@ from urllib.parse import urlsplit
 from cachelab.capture.connections import ClientConnection, Request, error_body, hop_by_hop, unauthorized, \
     whole_response
 from cachelab.capture.exchange import Exchange, prepare
-from cachelab.capture.forward import CLIENT_CLOSED, CLIENT_GONE, Forward
+from cachelab.capture.forward import Forward
+from cachelab.capture.recorder import CLIENT_CLOSED, CLIENT_GONE
 from cachelab.capture.upstream import UpstreamPool, shown_url
 from cachelab.errors import CachelabError
 

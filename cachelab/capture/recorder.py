@@ -1,11 +1,11 @@
-"""The recorder API: one durable record per served request, with the privacy mode applied.
+"""The recorder API: one durable record per request served (each choice), with the privacy mode applied.
 
 Used by ``cachelab capture proxy`` and by ``cachelab serve --capture DIR``. A server builds
 a ``RequestRecord`` (times, token ids, cached prompt tokens, status) and hands it to
 ``Recorder.submit``; the proxy hands its raw ``Exchange``, which the journal's thread parses
-into one (``Exchange.to_record``, with the recorder's fallback tokenizer). Both have
-``to_record(tokenizer)``: the journal's thread builds the record, applies the privacy mode
-and writes it (``cachelab.capture.journal``).
+into one record per choice (``Exchange.to_records``, with the recorder's fallback tokenizer).
+Both have ``to_records(tokenizer)``: the journal's thread builds the records, applies the
+privacy mode and writes them, one submission's together (``cachelab.capture.journal``).
 
 Privacy modes (``Privacy``):
 
@@ -41,6 +41,8 @@ from cachelab.errors import CachelabError
 from cachelab.workload.prefix_cache.hashing import chained_block_hashes
 
 REQUESTS = "requests"
+CLIENT_CLOSED = 499  # nginx's "client closed request": the client went away before its answer was complete
+CLIENT_GONE = "client disconnected"  # such a record's error
 RECORD_VERSION = 1
 _MASK63 = (1 << 63) - 1
 
@@ -57,6 +59,7 @@ class RequestRecord:
     stream: bool = False
     session: str | None = None
     upstream_id: str | None = None
+    index: int | None = None                  # the choice's index in the answer (prompt k's: k*n .. k*n+n-1)
     first_token_s: float | None = None
     last_token_s: float | None = None
     token_times_s: np.ndarray | None = None   # offset of every event that carried tokens
@@ -71,9 +74,9 @@ class RequestRecord:
     output_text: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def to_record(self, tokenizer) -> "RequestRecord":
+    def to_records(self, tokenizer) -> list["RequestRecord"]:
         """Already a record (``Recorder.submit`` takes this or a proxy's ``Exchange``)."""
-        return self
+        return [self]
 
 
 def _array_bytes(values, dtype) -> bytes | None:
@@ -136,7 +139,7 @@ def encode_record(record: RequestRecord, privacy: Privacy) -> dict:
     out: dict[str, Any] = {
         "kind": "request", "v": RECORD_VERSION, "endpoint": record.endpoint, "model": record.model,
         "arrival_ns": int(record.arrival_unix_ns), "status": int(record.status), "error": record.error,
-        "stream": bool(record.stream), "upstream_id": record.upstream_id,
+        "stream": bool(record.stream), "upstream_id": record.upstream_id, "index": record.index,
         "session": None if record.session is None else privacy.keyed(record.session.encode()),
         "ttft_s": record.first_token_s, "last_s": record.last_token_s,
         "tok_t": _array_bytes(record.token_times_s, "<f8"), "tok_n": _array_bytes(record.token_counts, "<i4"),
@@ -161,10 +164,10 @@ class Recorder:
     """Records requests into ``directory`` (segments of the ``requests`` stream).
 
     ``submit`` takes a ``RequestRecord`` or a proxy's ``Exchange`` (parsed on the journal's
-    thread, ``tokenizer`` the fallback for an upstream that sends no ids, loaded on first
-    use); it never blocks and never raises on the caller's path. ``stats()`` reports
-    submitted / acknowledged / dropped counts (``acknowledged``: durable under the fsync
-    policy).
+    thread into a record per choice, ``tokenizer`` the fallback for an upstream that sends no
+    ids, loaded on first use); it never blocks and never raises on the caller's path.
+    ``stats()`` reports submitted / acknowledged / dropped counts of submissions
+    (``acknowledged``: every record of it durable under the fsync policy).
     """
 
     def __init__(self, directory: str | os.PathLike, *, hash_blocks: int = 0, store_text: bool = False,
@@ -185,24 +188,32 @@ class Recorder:
                                        "store_text": store_text, "source": source})
 
     def submit(self, record) -> bool:
-        """Queue a ``RequestRecord`` or an ``Exchange`` (anything with ``to_record(tokenizer)``)."""
+        """Queue a ``RequestRecord`` or an ``Exchange`` (anything with ``to_records(tokenizer)``)."""
         privacy, tokenizer, journal = self.privacy, self.tokenizer, self.journal
 
-        def build() -> dict:
+        def build() -> list[dict]:
             try:
-                return encode_record(record.to_record(tokenizer), privacy)
+                return [encode_record(r, privacy) for r in record.to_records(tokenizer)]
             except Exception as exc:  # an answer this cannot read (a field of the wrong type): the request is
                 journal.build_errors += 1  # still recorded, as failed, with why
                 failed = RequestRecord(endpoint=record.endpoint, arrival_unix_ns=record.arrival_unix_ns,
                                        status=record.status, error=f"record not built: {type(exc).__name__}: {exc}")
-                return encode_record(failed, privacy)
+                return [encode_record(failed, privacy)]
 
         return self.journal.submit(build)
 
-    def timeline(self, sink, *, endpoint: str, prompt_ids, model: str | None, stream: bool,
-                 session: str | None) -> "Timeline":
+    def submit_refusal(self, endpoint: str, arrival_unix_ns: int, status: int, error: str, *, model: str | None,
+                       stream: bool, session: str | None) -> bool:
+        """Record a request a server answered with an error before running it (one record, no ids)."""
+        return self.submit(RequestRecord(endpoint=endpoint, arrival_unix_ns=arrival_unix_ns, status=status,
+                                         error=error[:300], model=model, stream=stream, session=session))
+
+    def timeline(self, sink, *, endpoint: str, prompt_ids, model: str | None, stream: bool, session: str | None,
+                 index: int | None = None, upstream_id: str | None = None, arrival: tuple[int, float] | None = None,
+                 aborted=None) -> "Timeline":
         """A wrapper for a server's per-request output sink that records the request as it runs."""
-        return Timeline(self, sink, endpoint, prompt_ids, model, stream, session)
+        return Timeline(self, sink, endpoint, prompt_ids, model, stream, session, index=index,
+                        upstream_id=upstream_id, arrival=arrival, aborted=aborted)
 
     def flush(self, timeout: float = 30.0) -> bool:
         return self.journal.flush(timeout)
@@ -223,14 +234,25 @@ class Recorder:
 class Timeline:
     """One request inside a server (``cachelab serve --capture``): the server hands every output
     (``new_token_ids``, ``finished``, ``finish_reason``, ``cached_tokens``) to this sink, which
-    times it, passes it on, and submits the record when the request finishes or is aborted."""
+    times it, passes it on, and submits the record when the request finishes or is aborted.
 
-    def __init__(self, recorder: Recorder, sink, endpoint: str, prompt_ids, model, stream: bool, session):
-        self.recorder, self.sink = recorder, sink
-        self.arrival_ns, self.t0 = time.time_ns(), time.perf_counter()
+    ``index`` and ``upstream_id``: the choice's index and the answer's id, as the client sees them
+    (and the capture proxy records them); ``arrival``: the API request's (Unix ns, perf_counter),
+    shared by its choices. An aborted request is recorded as what its client got: 499 (nginx's
+    "client closed request", as the proxy records it) once the server has said the client went
+    away (``client_gone``), else the server's own abort (shutting down, the engine stopped), which
+    ``aborted()`` describes: a 503 for a whole answer, an error event in a streamed one (200).
+    """
+
+    def __init__(self, recorder: Recorder, sink, endpoint: str, prompt_ids, model, stream: bool, session, *,
+                 index: int | None = None, upstream_id: str | None = None,
+                 arrival: tuple[int, float] | None = None, aborted=None):
+        self.recorder, self.sink, self.aborted = recorder, sink, aborted
+        self.arrival_ns, self.t0 = arrival or (time.time_ns(), time.perf_counter())
+        self.client_gone = False
         self.record = RequestRecord(endpoint=endpoint, arrival_unix_ns=self.arrival_ns, model=model, stream=stream,
-                                    session=session, prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
-                                    token_source="server")
+                                    session=session, upstream_id=upstream_id, index=index,
+                                    prompt_ids=np.asarray(prompt_ids, dtype=np.int32), token_source="server")
         self.times: list[float] = []
         self.counts: list[int] = []
         self.output: list[int] = []
@@ -248,6 +270,9 @@ class Timeline:
                 rec.token_times_s, rec.token_counts = np.asarray(self.times), np.asarray(self.counts, dtype=np.int32)
                 rec.first_token_s, rec.last_token_s = self.times[0], self.times[-1]
             if out.finish_reason == "abort":
-                rec.status, rec.error = 499, "aborted (the client went away or the engine stopped)"
+                if self.client_gone or self.aborted is None:
+                    rec.status, rec.error = CLIENT_CLOSED, CLIENT_GONE
+                else:
+                    rec.status, rec.error = 200 if rec.stream else 503, self.aborted()
             self.recorder.submit(rec)
         self.sink(out)

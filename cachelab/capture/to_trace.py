@@ -26,7 +26,7 @@ from cachelab.trace.schema import conform, list_series, write_trace
 from cachelab.trace.stats import server_cache
 
 _SCALARS = {"seq": pl.Int64, "run": pl.Int64, "endpoint": pl.String, "model": pl.String, "arrival_ns": pl.Int64,
-            "status": pl.Int32, "error": pl.String, "stream": pl.Boolean, "session": pl.Int64,
+            "status": pl.Int32, "error": pl.String, "stream": pl.Boolean, "session": pl.Int64, "upstream_id": pl.String, "index": pl.Int64,
             "ttft_s": pl.Float64, "last_s": pl.Float64, "prompt_len": pl.Int64, "output_len": pl.Int64,
             "cached": pl.Int64, "token_source": pl.String, "privacy": pl.String, "block_size": pl.Int32}
 _ARRAYS = {"prompt_ids": ("<i4", pl.Int32), "output_ids": ("<i4", pl.Int32), "blocks": ("<i8", pl.Int64),
@@ -100,7 +100,8 @@ def capture_to_trace(directory: str | os.PathLike) -> tuple[pl.DataFrame, Captur
     hashed = ok["privacy"] == "hash-blocks"
     has_tokens = pl.when(hashed).then(pl.col("blocks").is_not_null() & pl.col("prompt_len").is_not_null()) \
         .otherwise(pl.col("prompt_ids").is_not_null() & pl.col("output_ids").is_not_null())
-    usable = ok.filter(has_tokens).sort(["arrival_ns", "run", "seq"])
+    # the choices of one request (the proxy's: one submission, cachelab serve's: one each) in index order
+    usable = ok.filter(has_tokens).sort(["arrival_ns", "run", "index", "seq"])
     if usable.height == 0:
         raise CachelabError(f"{directory}: {table.height} request records, none usable "
                             f"({failed} failed, {ok.height} without token ids)")

@@ -91,6 +91,7 @@ class _Sampling(BaseModel):
     truncate_prompt_tokens: int | None = None
     structured_outputs: dict | None = None
     skip_special_tokens: bool = True
+    user: str | None = None  # OpenAI's end-user id: the session key of --capture when no X-Session-Id is sent
 
     def unsupported(self) -> list[str]:
         """Fields set to something this server does not do (refused rather than ignored): any

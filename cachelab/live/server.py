@@ -32,6 +32,7 @@ from cachelab.live.protocol import (APIError, ChatCompletionRequest, CompletionR
 
 MAX_N = 16_384  # choices per prompt at most, vLLM's VLLM_MAX_N_SEQUENCES
 MAX_PROMPTS = 1024  # prompts per completion request at most, vLLM's VLLM_MAX_COMPLETION_PROMPTS
+RECORDED = ("/v1/completions", "/v1/chat/completions")  # the routes --capture records
 
 
 @dataclass(frozen=True)
@@ -55,24 +56,41 @@ class _Collector:
 def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str | None = None,
                recorder=None) -> FastAPI:
     """The app; the engine must be started (and is stopped by the caller). ``recorder``: a
-    ``cachelab.capture.Recorder`` that records every request the engine runs (``--capture``)."""
+    ``cachelab.capture.Recorder`` that records every completion request answered (``--capture``):
+    one record per choice the engine ran, one for a request refused before it ran."""
     app = FastAPI(title="cachelab serve", docs_url=None, redoc_url=None)
     metrics = EngineMetrics(engine, model_name)
     app.state.engine, app.state.metrics = engine, metrics
     tokenizer, vocab = engine.tokenizer, engine.model.config.vocab_size
 
+    def record_refusal(request: Request, exc: APIError) -> None:
+        """With ``--capture``: a completion the server answered with an error before the engine
+        took it (refused, or the engine would not take it: 503) is recorded as what the client got."""
+        if recorder is None or request.url.path not in RECORDED or getattr(request.state, "recorded", True):
+            return
+        body = getattr(request.state, "body", None) or {}
+        user, model = body.get("user"), body.get("model")
+        recorder.submit_refusal(request.url.path, request.state.arrival[0], exc.status, exc.message,
+                                model=model if isinstance(model, str) else None, stream=body.get("stream") is True,
+                                session=request.headers.get("x-session-id") or (user if isinstance(user, str) else None))
+
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError):
+    async def api_error(request: Request, exc: APIError):
+        record_refusal(request, exc)
         return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception):
+    async def internal_error(request: Request, exc: Exception):
         """vLLM's safety net: an unforeseen error is a 500 in OpenAI's shape (the traceback is
         still logged), not a plain-text page a client cannot parse."""
-        return JSONResponse(APIError(500, f"{type(exc).__name__}: {exc}").body(), status_code=500)
+        error = APIError(500, f"{type(exc).__name__}: {exc}")
+        record_refusal(request, error)
+        return JSONResponse(error.body(), status_code=500)
 
     async def authenticate(request: Request) -> None:
-        """The /v1 routes' key check (a dependency: an HTTP middleware would hide disconnects)."""
+        """The /v1 routes' key check (a dependency: an HTTP middleware would hide disconnects); it
+        runs first, so it also notes the request's arrival (``--capture``)."""
+        request.state.arrival, request.state.recorded = (time.time_ns(), time.perf_counter()), False
         if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
             raise APIError(401, "Unauthorized: send the server's API key as a Bearer token")
 
@@ -96,6 +114,7 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
             raise APIError(400, f"request body is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
             raise APIError(400, "request body must be a JSON object")
+        request.state.body = data
         try:
             req = model_cls.model_validate(data)
         except ValidationError as exc:
@@ -136,15 +155,17 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
                 for ids, p in zip(prompts, params, strict=True) for j in range(n)]
         collector = _Collector(asyncio.get_running_loop())
         session = request.headers.get("x-session-id") or getattr(req, "user", None)
-        sinks = [collector if recorder is None else recorder.timeline(
-            collector, endpoint=request.url.path, prompt_ids=ids, model=model_name, stream=req.stream,
-            session=session) for ids, _ in jobs]
+        oid = new_id("chatcmpl" if chat else "cmpl")
+        timelines = [] if recorder is None else [recorder.timeline(
+            collector, endpoint=request.url.path, prompt_ids=ids, model=model_name, stream=req.stream, session=session,
+            index=i, upstream_id=oid, arrival=request.state.arrival, aborted=lambda: _aborted(engine).message)
+            for i, (ids, _) in enumerate(jobs)]
         try:
-            rids = engine.submit([ids for ids, _ in jobs], [p for _, p in jobs], sinks, n)
+            rids = engine.submit([ids for ids, _ in jobs], [p for _, p in jobs], timelines or [collector] * len(jobs), n)
         except CachelabError as exc:  # the engine stopped after an error, or the server is shutting down
             raise APIError(503, str(exc)) from None
-        choices = _Choices(rids, [ids for ids, _ in jobs], n, req.return_token_ids)
-        oid = new_id("chatcmpl" if chat else "cmpl")
+        request.state.recorded = True  # by the timelines from now on
+        choices = _Choices(rids, [ids for ids, _ in jobs], n, req.return_token_ids, timelines)
         if req.stream:
             return StreamingResponse(_stream(engine, choices, collector, oid, model_name, req, chat),
                                      media_type="text/event-stream")
@@ -211,14 +232,17 @@ class _Choices:
     prompts: list[list[int]]
     n: int
     show_ids: bool
+    timelines: list  # their recorders (``--capture``), else empty
 
     def prompt_ids(self, i: int) -> list[int] | None:
         return self.prompts[i] if self.show_ids else None
 
-    def abort(self, engine, last: list) -> None:
-        """Abort the choices that have not finished."""
-        for rid, out in zip(self.rids, last):
+    def abort(self, engine, last: list, client_gone: bool = True) -> None:
+        """Abort the choices that have not finished (their client went away, unless told otherwise)."""
+        for i, (rid, out) in enumerate(zip(self.rids, last)):
             if out is None:
+                if client_gone and self.timelines:
+                    self.timelines[i].client_gone = True
                 engine.abort(rid)
 
     def usage(self, last: list[RequestOutput], cached: int) -> dict:
@@ -274,6 +298,7 @@ async def _stream(engine, choices: _Choices, collector: _Collector, oid: str, mo
     created, index, last = int(time.time()), {rid: i for i, rid in enumerate(rids)}, [None] * len(rids)
     cached = None
     first = [not chat] * len(rids)  # a completion's first chunk of a choice carries its prompt ids
+    ended = False  # the answer ended here (whole, or on the engine's abort), not by the client going away
     try:
         while None in last:
             out = await collector.queue.get()
@@ -289,6 +314,7 @@ async def _stream(engine, choices: _Choices, collector: _Collector, oid: str, mo
             if out.finished:
                 last[i] = out
             if out.finish_reason == "abort":  # the engine stopped under a live stream: an error event, as vLLM sends
+                ended = True
                 yield _sse(_aborted(engine).body())
                 yield "data: [DONE]\n\n"
                 return
@@ -299,11 +325,12 @@ async def _stream(engine, choices: _Choices, collector: _Collector, oid: str, mo
                 body["usage"] = usage(out.num_prompt, out.num_output)
             yield _sse(body)
             first[i] = False
+        ended = True
         if req.include_usage:
             yield _sse(usage_chunk(oid, created, model, choices.usage(last, cached), chat))
         yield "data: [DONE]\n\n"
     finally:  # the client went away (or the server is stopping): free their KV blocks
-        choices.abort(engine, last)
+        choices.abort(engine, last, client_gone=not ended)
 
 
 def _aborted(engine) -> APIError:

@@ -1,0 +1,187 @@
+"""Every choice recorded: a batch of prompts and an ``n > 1`` answer through the capture proxy in
+front of ``cachelab serve --capture``, streamed and whole, make one record per (prompt, choice) on
+both sides, with the same index, answer id and token ids; and ``serve --capture`` records what its
+client got (a refusal, an abort it answered with 503, a client gone: 499)."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from capture_upstream import ProxyThread
+from cachelab.capture.proxy import ProxyConfig
+from cachelab.capture.recorder import Recorder
+from cachelab.capture.to_trace import capture_to_trace, read_requests
+from cachelab.capture.tokens import FallbackTokenizer
+from cachelab.live.launch import ServeOptions, running_server
+
+MODEL = "cachelab-tiny"
+PROMPTS = ["The row cache keeps", "Engram rows are hashed", "A third prompt of the batch"]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """``cachelab serve --capture`` and two proxies in front of it: one asks for ids, one tokenizes."""
+    tmp = tmp_path_factory.mktemp("choices")
+    opts = ServeOptions(port=0, kv_cache_tokens=16_384, threads=1, capture=tmp / "served")
+    with running_server(opts) as (url, engine):
+        ids, text = Recorder(tmp / "cap"), Recorder(tmp / "text")
+        with ProxyThread(ProxyConfig(upstream=url), ids) as proxy, \
+                ProxyThread(ProxyConfig(upstream=url, token_ids=False), text) as tokenizing:
+            yield url, engine, proxy, ids, tokenizing, text, tmp
+
+
+def _post(base: str, path: str, body: dict) -> tuple[int, bytes]:
+    with httpx.stream("POST", f"{base}/v1/{path}", json=body, timeout=60) as r:
+        return r.status_code, b"".join(r.iter_raw())
+
+
+def _rows(directory, upstream_id: str, wait: int = 0) -> list[dict]:
+    """The records of one answer, by index (waiting up to 10 s for ``wait`` of them)."""
+    deadline = time.monotonic() + 10
+    while True:
+        table, _ = read_requests(directory)
+        rows = sorted((r for r in table.iter_rows(named=True) if r["upstream_id"] == upstream_id),
+                      key=lambda r: r["index"])
+        if len(rows) >= wait or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.05)
+
+
+def _answer_id(raw: bytes) -> str:
+    return raw.split(b'"id":"', 1)[1].split(b'"', 1)[0].decode()
+
+
+CASES = {
+    "batch": ("completions", {"prompt": PROMPTS, "temperature": 0}, 3),
+    "batch-of-ids": ("completions", {"prompt": [[11, 12, 13, 14], [21, 22, 23], [31, 32]], "temperature": 0}, 3),
+    "n=2": ("completions", {"prompt": PROMPTS[0], "n": 2, "temperature": 1.0, "seed": 3}, 2),
+    "chat n=2": ("chat/completions", {"messages": [{"role": "user", "content": PROMPTS[1]}], "n": 2,
+                                      "temperature": 1.0, "seed": 5}, 2),
+    "batch n=2": ("completions", {"prompt": PROMPTS[:2], "n": 2, "temperature": 1.0, "seed": 7}, 4),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_prompt_and_choice_is_a_record_on_both_sides(served, case, stream):
+    url, _, proxy, recorder, _, _, tmp = served
+    path, body, count = CASES[case]
+    status, raw = _post(proxy.url, path, {"model": MODEL, "max_tokens": 5, "stream": stream, **body})
+    assert status == 200, raw
+    answer = _answer_id(raw)
+    assert recorder.flush(30)
+    proxied, own = _rows(tmp / "cap", answer), _rows(tmp / "served", answer, count)
+    assert [r["index"] for r in proxied] == [r["index"] for r in own] == list(range(count)), (proxied, own)
+    n = body.get("n", 1)
+    for p, s in zip(proxied, own):
+        assert p["status"] == s["status"] == 200 and p["error"] is None and s["error"] is None
+        assert p["token_source"] == "upstream" and s["token_source"] == "server"
+        assert p["prompt_ids"] == s["prompt_ids"] and p["output_ids"] == s["output_ids"] and len(p["output_ids"]) == 5
+        assert p["prompt_ids"] == own[p["index"] // n * n]["prompt_ids"]  # a prompt's choices share it
+        assert p["seq"] == proxied[0]["seq"] and p["arrival_ns"] == proxied[0]["arrival_ns"]  # one submission
+        assert p["cached"] is None and s["cached"] is not None  # the answer's cached tokens are no one choice's
+        if stream:  # each choice's own token events, from the SSE chunks of its index
+            assert p["tok_n"] is not None and sum(p["tok_n"]) == 5 and len(p["tok_t"]) == len(p["tok_n"])
+            assert p["ttft_s"] == p["tok_t"][0] and p["last_s"] == p["tok_t"][-1]
+    if case.startswith("batch"):
+        assert len({tuple(r["prompt_ids"]) for r in proxied}) == count // n  # every prompt, not prompt 0 again
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_the_tokenizer_fallback_tokenizes_each_prompt(served, stream):
+    """An upstream that answers text only: each prompt of the batch tokenized on its own, each choice's
+    output text on its own."""
+    _, _, _, _, tokenizing, recorder, tmp = served
+    status, raw = _post(tokenizing.url, "completions", {"model": MODEL, "prompt": PROMPTS, "max_tokens": 4,
+                                                        "temperature": 0, "stream": stream})
+    assert status == 200 and b'"token_ids":[' not in raw
+    assert recorder.flush(30)
+    rows = _rows(tmp / "text", _answer_id(raw))
+    own = _rows(tmp / "served", _answer_id(raw), 3)
+    tok = FallbackTokenizer()
+    assert [r["index"] for r in rows] == [0, 1, 2] and {r["token_source"] for r in rows} == {"tokenizer"}
+    assert [r["prompt_ids"] for r in rows] == [tok.encode(p, prompt=True) for p in PROMPTS]
+    assert [r["output_ids"] for r in rows] == [tok.encode(tok._tok.decode(s["output_ids"])) for s in own]
+
+
+def test_the_trace_makes_the_same_requests_from_either_capture(tmp_path):
+    """``trace build --from-capture``: the proxy's capture and the server's give the same requests, in
+    the same order (a request's choices by index), whatever the order its choices finished in."""
+    opts = ServeOptions(port=0, kv_cache_tokens=16_384, threads=1, capture=tmp_path / "served")
+    with running_server(opts) as (url, _):
+        recorder = Recorder(tmp_path / "cap")
+        with ProxyThread(ProxyConfig(upstream=url), recorder) as proxy:
+            for stream in (False, True):
+                assert _post(proxy.url, "completions", {"model": MODEL, "prompt": PROMPTS, "max_tokens": 3, "n": 2,
+                                                        "temperature": 1.0, "seed": 1, "stream": stream,
+                                                        "user": "one-session"})[0] == 200
+            assert recorder.flush(30)
+    proxied, report = capture_to_trace(tmp_path / "cap")
+    own, _ = capture_to_trace(tmp_path / "served")
+    assert proxied.height == own.height == 12 and report.sessions == 1
+    for column in ("session_id", "turn", "domain", "prompt_ids", "output_ids"):
+        assert proxied[column].to_list() == own[column].to_list(), column
+
+
+def _served_rows(tmp, before: int, wait: int) -> list[dict]:
+    deadline = time.monotonic() + 10
+    while True:
+        rows = list(read_requests(tmp / "served")[0].iter_rows(named=True))[before:]
+        if len(rows) >= wait or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.05)
+
+
+def test_serve_records_a_request_it_refuses(served):
+    """A completion refused before the engine ran it is recorded with the status and message the
+    client got: by the server's checks (400), and by the engine at submit (503: shutting down)."""
+    url, engine, *_, tmp = served
+    before = read_requests(tmp / "served")[0].height
+    greedy = _post(url, "completions", {"model": MODEL, "prompt": "x", "n": 2, "temperature": 0, "user": "u1"})
+    assert greedy[0] == 400
+    engine.refuse_new()
+    try:
+        closed = _post(url, "chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                 "stream": True})
+    finally:
+        engine.closed = False
+    assert closed[0] == 503
+    rows = _served_rows(tmp, before, 2)
+    assert [(r["status"], r["endpoint"], r["stream"]) for r in rows] == [
+        (400, "/v1/completions", False), (503, "/v1/chat/completions", True)], rows
+    assert rows[0]["error"] == "n must be 1 when using greedy sampling, got 2." and rows[0]["session"] is not None
+    assert rows[1]["error"] == "the server is shutting down" and rows[1]["index"] is None
+
+
+def test_serve_records_an_abort_as_what_its_client_got(tmp_path):
+    """The server aborting requests whose clients are still there (shutting down) answers them 503
+    (a whole answer) or with an error event (a stream, 200): recorded so, not as 499; a client
+    that went away is still 499."""
+    opts = ServeOptions(port=0, kv_cache_tokens=16_384, threads=1, capture=tmp_path / "served")
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2000, "n": 2, "temperature": 1.0, "ignore_eos": True}
+    with running_server(opts) as (url, engine):
+        with pytest.raises(httpx.ReadTimeout):  # a whole answer's client gives up
+            httpx.post(f"{url}/v1/completions", json=body, timeout=0.5)
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            next(r.iter_raw())  # a stream's client reads its first event and goes
+        gone = _served_rows(tmp_path, 0, 4)
+        with ThreadPoolExecutor(1) as pool:
+            whole = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60)
+            with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+                events = r.iter_raw()
+                streamed = next(events)
+                while engine.num_live < 4:  # both requests' choices running
+                    time.sleep(0.01)
+                engine.abort_all()
+                streamed += b"".join(events)
+            whole = whole.result()
+        rows = _served_rows(tmp_path, 4, 4)
+    assert [(r["status"], r["error"]) for r in gone] == [(499, "client disconnected")] * 4, gone
+    assert whole.status_code == 503 and b"the server is shutting down" in streamed
+    aborted = "the server is shutting down; the request was aborted"
+    assert sorted((r["stream"], r["status"], r["error"]) for r in rows) == \
+        [(False, 503, aborted)] * 2 + [(True, 200, aborted)] * 2, rows
