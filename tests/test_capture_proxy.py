@@ -947,6 +947,8 @@ def test_200_concurrent_streams_all_captured(tmp_path):
     (b'{"prompt":"x","stream":true,"stream_options":{"include_usage":true}}', {"return_token_ids": True}),
     ('{"prompt":"x"}'.encode("utf-16"), {"return_token_ids": True}),  # JSON in UTF-16: not appended to in UTF-8
     (b'\xef\xbb\xbf{"prompt":"x"}', {"return_token_ids": True}),  # UTF-8 with a byte order mark
+    (b'{"prompt":"x","echo":true}', {}),  # vLLM would leave the echoed prompt out of the text: no ids asked
+    (b'{"prompt":"x","echo":true,"stream":true}', {"stream_options": {"include_usage": True}}),
 ])
 def test_prepare_adds_what_the_record_needs_and_keeps_the_rest(body, added):
     from cachelab.capture.exchange import Exchange

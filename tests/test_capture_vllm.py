@@ -17,6 +17,7 @@ from cachelab.capture.kv_events import KVEventSubscriber, read_kv_events
 from cachelab.capture.proxy import ProxyConfig
 from cachelab.capture.recorder import Recorder
 from cachelab.capture.to_trace import capture_to_trace, read_requests
+from cachelab.capture.tokens import FallbackTokenizer
 from cachelab.engram.vocab import load_tokenizer
 
 PROMPT = ("Engram keeps hash-addressed n-gram rows in a table far larger than HBM; "
@@ -160,3 +161,27 @@ def test_every_prompt_and_choice_of_a_batch_is_recorded_with_the_servers_ids(cap
     assert rows[0]["prompt_ids"] == rows[1]["prompt_ids"] != rows[2]["prompt_ids"] == rows[3]["prompt_ids"]
     if stream:
         assert all(sum(r["tok_n"]) == 5 for r in rows)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_an_echoing_completion_gets_its_prompt_echoed_and_is_recorded_by_the_tokenizer(captured, stream):
+    """vLLM leaves the echoed prompt's text out of a completion that asks for token ids: the proxy,
+    asking for them on the client's behalf, took the echo from the client's answer. It asks for none
+    there; the record tokenizes the prompt and what follows its echo."""
+    server, proxy, recorder, sub, out = captured
+    req = {"model": server.model, "prompt": PROMPT, "echo": True, "max_tokens": 4, "temperature": 0,
+           "ignore_eos": True, "stream": stream}
+    direct, proxied = _post(server.base_url, "/v1/completions", req), _post(proxy.url, "/v1/completions", req)
+    assert proxied[0] == direct[0] == 200
+    if stream:
+        assert _stream_content(proxied[1]) == _stream_content(direct[1])
+        text = _stream_content(proxied[1])[0]
+    else:
+        assert _normalize(proxied[1]) == _normalize(direct[1])
+        text = json.loads(proxied[1])["choices"][0]["text"]
+    assert text.startswith(PROMPT) and len(text) > len(PROMPT)
+    assert recorder.flush(30)
+    last = read_requests(out)[0].row(-1, named=True)
+    tok = FallbackTokenizer()
+    assert last["token_source"] == "tokenizer" and last["prompt_ids"] == tok.encode(PROMPT, prompt=True)
+    assert last["output_ids"] == tok.encode(text[len(PROMPT):])

@@ -82,7 +82,7 @@ def prepare(body: bytes, x: Exchange, token_ids: bool) -> bytes:
     if not token_ids:
         return body
     added = {}
-    if not parsed.get("return_token_ids"):
+    if not parsed.get("return_token_ids") and not _echoes(parsed, x.endpoint):
         added["return_token_ids"] = True
         x.injected_ids = True
     options = parsed.get("stream_options")
@@ -97,6 +97,12 @@ def prepare(body: bytes, x: Exchange, token_ids: bool) -> bytes:
         # or UTF-32 body, which JSON parsers such as vLLM's take too, is serialised again (as UTF-8)
         return body[:end] + b"," + json.dumps(added, separators=(",", ":")).encode()[1:-1] + body[end:]
     return json.dumps({**parsed, **added}).encode()
+
+
+def _echoes(body: dict, endpoint: str) -> bool:
+    """A completion that echoes its prompt: vLLM leaves the prompt's text out of the answer of one that
+    asks for ids, so the proxy asks for none there (the record tokenizes the answer instead)."""
+    return bool(body.get("echo")) and not endpoint.endswith("chat/completions")
 
 
 class Restorer:
@@ -294,6 +300,7 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
     if x.status != 200 and error is None:
         error = f"upstream answered HTTP {x.status}"
     prompts = _request_prompts(body)
+    echo = _echoes(body, x.endpoint)
     n = body.get("n") if isinstance(body.get("n"), int) and not isinstance(body.get("n"), bool) \
         and body.get("n") > 0 else 1
     # the choices asked for that the answer never reached (a stream cut after prompt 0's) are failed requests too
@@ -308,6 +315,8 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
         prompt_text, request_ids = prompts[k] if k < len(prompts) else (None, None)
         prompt_ids, output_ids = c.prompt_ids or top_prompt, c.ids
         output_text = "".join(c.texts)
+        if echo and prompt_text and output_text.startswith(prompt_text):  # the prompt echoed before the output
+            output_text = output_text[len(prompt_text):]
         if isinstance(usage, dict) and len(indices) == 1:
             # the answer's totals, and one engine request's cached tokens: with several choices (n > 1, a batch)
             # they are not this choice's (vLLM reports its last prompt's last-finished choice's in a whole answer)
