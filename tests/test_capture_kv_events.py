@@ -166,6 +166,28 @@ def test_a_restarted_publisher_is_counted_and_its_gaps_too(tmp_path):
     assert stats["gaps"] == seq + 10 - len(seqs[again:]) >= 2, (stats, seqs[again:])
 
 
+def test_a_batch_that_cannot_be_read_is_counted_and_the_next_ones_recorded(tmp_path):
+    """A batch of the right shape whose fields are not what vLLM writes (a number where the hashes'
+    list goes, a token id over int32, a map for a hash) raised a TypeError or OverflowError on the
+    subscriber's thread, which ended it: every later batch was lost, unsaid. Each is a decode error."""
+    endpoint = f"ipc://{tmp_path}/events"
+    pub = Publisher(endpoint, bind=True)
+    sub = KVEventSubscriber(endpoint, tmp_path / "cap", topic="kv").start()
+    bad = [_stored(5, None, [1]), _stored([1], None, [2**40]), {"type": "BlockRemoved", "block_hashes": [{"a": 1}]}]
+    try:
+        seq = _publish_until_joined(pub, sub)
+        for i, event in enumerate(bad):
+            pub.pub.send_multipart((b"kv", (seq + i).to_bytes(8, "big"), msgpack.packb([1.0, [event]])))
+        pub.publish(seq + len(bad))
+        _wait(lambda: sub.last_seq == seq + len(bad))
+    finally:
+        sub.close()
+        pub.close()
+    stats = sub.stats()
+    assert stats["decode_errors"] == len(bad) and stats["last_seq"] == seq + len(bad) and stats["gaps"] == 0, stats
+    assert read_kv_events(tmp_path / "cap")[0][-1]["pub_seq"] == seq + len(bad)
+
+
 def test_bind_side_for_a_connecting_publisher(tmp_path):
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     sub = KVEventSubscriber(endpoint, tmp_path, bind=True).start()   # vLLM given a concrete address connects
