@@ -5,6 +5,7 @@ client got (a refusal, an abort it answered with 503, a client gone: 499)."""
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -185,3 +186,23 @@ def test_serve_records_an_abort_as_what_its_client_got(tmp_path):
     aborted = "the server is shutting down; the request was aborted"
     assert sorted((r["stream"], r["status"], r["error"]) for r in rows) == \
         [(False, 503, aborted)] * 2 + [(True, 200, aborted)] * 2, rows
+
+
+def test_a_stream_asking_for_continuous_usage_alone_gets_no_usage_through_the_proxy(served):
+    """``continuous_usage_stats`` without ``include_usage`` asks for no usage (vLLM's should_include_usage,
+    and cachelab serve's). The proxy added ``include_usage`` and kept the client's flag: the upstream then
+    put usage in every chunk, and the client got it in every chunk through the proxy."""
+    url, _, proxy, recorder, _, _, tmp = served
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "stream": True,
+            "stream_options": {"continuous_usage_stats": True}}
+
+    def events(base: str) -> list:
+        raw = _post(base, "completions", body)[1]
+        return [{k: v for k, v in json.loads(e[6:]).items() if k not in ("id", "created")}
+                for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
+
+    direct, proxied = events(url), events(proxy.url)
+    assert proxied == direct and not any("usage" in e for e in direct), proxied
+    assert recorder.flush(30)
+    last = read_requests(tmp / "cap")[0].row(-1, named=True)
+    assert len(last["output_ids"]) == 4 and last["cached"] is not None

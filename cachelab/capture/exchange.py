@@ -87,7 +87,10 @@ def prepare(body: bytes, x: Exchange, token_ids: bool) -> bytes:
         x.injected_ids = True
     options = parsed.get("stream_options")
     if x.stream and not (isinstance(options, dict) and options.get("include_usage")):
-        added["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+        options = options if isinstance(options, dict) else {}
+        # continuous_usage_stats without include_usage asks for nothing; with it, for usage in every chunk
+        added["stream_options"] = {**options, "include_usage": True,
+                                   **({"continuous_usage_stats": False} if options.get("continuous_usage_stats") else {})}
         x.injected_usage = True
     if not added:
         return body
