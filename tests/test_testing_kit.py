@@ -7,8 +7,9 @@ import random
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-from cachelab.policy import Policy, StepResult, check_capacity, check_keys
+from cachelab.policy import Capabilities, Policy, StepResult, check_capacity, check_keys
 from cachelab.learning import Predictor
 from cachelab.testing import check_policy, check_predictor
 
@@ -79,33 +80,174 @@ def failures(results):
     return {r.check: r.reason for r in results if r.status == "failed"}
 
 
+def _reported(r, hits=None, admitted=None, slots=None, evicted=None):
+    """``r`` with some of its fields replaced (lists become int64 arrays)."""
+    def arr(x, default):
+        return default if x is None else np.asarray(x, dtype=np.int64)
+
+    return StepResult(r.hits if hits is None else hits, arr(admitted, r.admitted), arr(slots, r.slots),
+                      arr(evicted, r.evicted))
+
+
+class SharedSlot(PyFIFO):
+    """Reports every admitted row in slot 0: a live store would write them over each other."""
+
+    def step(self, keys, next_access=None, scores=None):
+        r = super().step(keys)
+        return _reported(r, slots=np.zeros_like(r.slots))
+
+
+class SlotPastTheEnd(PyFIFO):
+    def step(self, keys, next_access=None, scores=None):
+        r = super().step(keys)
+        return _reported(r, slots=r.slots + self.capacity)
+
+
+class EvictsAStranger(PyFIFO):
+    """Reports row 63 evicted while it is not cached."""
+
+    def step(self, keys, next_access=None, scores=None):
+        r = super().step(keys)
+        return _reported(r, evicted=list(r.evicted) + ([] if 63 in self.slot else [63]))
+
+
+class EvictsTwice(PyFIFO):
+    """Reports each eviction twice: a store would free the row's bytes twice."""
+
+    def step(self, keys, next_access=None, scores=None):
+        r = super().step(keys)
+        return _reported(r, evicted=np.concatenate([r.evicted, r.evicted]))
+
+
+class AdmitsAHit(PyFIFO):
+    """Reports its hits as admitted again, in their own slots."""
+
+    def step(self, keys, next_access=None, scores=None):
+        before = dict(self.slot)
+        r = super().step(keys)
+        hit = [k for k, h in zip(np.asarray(keys).tolist(), r.hits.tolist()) if h]
+        return _reported(r, admitted=list(r.admitted) + hit, slots=list(r.slots) + [before[k] for k in hit])
+
+
+class AdmitsWithoutKeeping(PyFIFO):
+    """Reports the last miss of each step admitted, but forgets it."""
+
+    def step(self, keys, next_access=None, scores=None):
+        r = super().step(keys)
+        if r.admitted.size and len(self.order) > 1:
+            key = int(r.admitted[-1])
+            self.order.remove(key)
+            self.slot.pop(key)
+        return r
+
+
+class EvictsSilently(PyFIFO):
+    """Does not report its evictions of rows cached before the step."""
+
+    def step(self, keys, next_access=None, scores=None):
+        before = set(self.slot)
+        r = super().step(keys)
+        return _reported(r, evicted=[k for k in r.evicted.tolist() if k not in before])
+
+
+class ParamsMisreported(PyFIFO):
+    """Stores its hyper-parameter doubled, so get_params() does not give it back."""
+
+    def __init__(self, window: int = 3):
+        self.window = 2 * window
+
+
+class AcceptsCapacityZero(PyFIFO):
+    def reset(self, capacity, num_keys):
+        super().reset(max(capacity, 1), num_keys)
+
+
+class ResetKeepsRows(PyFIFO):
+    def reset(self, capacity, num_keys):
+        if not hasattr(self, "order"):
+            super().reset(capacity, num_keys)
+
+
+class ResetRemembers(PyFIFO):
+    """Empties on reset but keeps evicting one row earlier each time it is reset."""
+
+    resets = 0
+
+    def reset(self, capacity, num_keys):
+        super().reset(capacity, num_keys)
+        self.resets += 1
+        self.capacity = max(1, capacity - self.resets + 1)
+
+
+class RunMisses(PyFIFO):
+    """A ``run`` that disagrees with ``step``: it reports every access a miss."""
+
+    def run(self, keys, step_offsets, next_access=None, scores=None, counts=None):
+        return np.zeros(np.asarray(keys).size, dtype=bool)
+
+
+class Reserving(PyFIFO):
+    """Keeps a quarter of its slots free, yet keeps the default ``holds_every_key``."""
+
+    def reset(self, capacity, num_keys):
+        super().reset(capacity, num_keys)
+        self.capacity = max(1, capacity * 3 // 4)
+
+
+class NotAPolicy:
+    pass
+
+
+# (broken policy, its params, the check that must fail it, words of the reason)
+BROKEN = [
+    (NotAPolicy, {}, "check_interface", "lacks ['reset', 'step', 'resident']"),
+    (ParamsMisreported, {"window": 3}, "check_get_params", "get_params()['window'] is 6, constructed with 3"),
+    (AcceptsCapacityZero, {}, "check_bad_arguments", "reset with capacity 0 must raise ValueError"),
+    (Overflowing, {}, "check_capacity_respected", "rows resident after step"),
+    (PhantomHits, {}, "check_hits_only_on_resident", "phantom hit"),
+    (SharedSlot, {}, "check_slots_consistent", "resident rows share slots"),
+    (SlotPastTheEnd, {}, "check_slots_consistent", "out of [0, 1)"),
+    (EvictsAStranger, {}, "check_slots_consistent", "evicted rows [63] were never resident"),
+    (EvictsTwice, {}, "check_slots_consistent", "minus evictions is not resident after"),
+    (AdmitsAHit, {}, "check_slots_consistent", "are not this step's misses"),
+    (AdmitsWithoutKeeping, {}, "check_slots_consistent", "minus evictions is not resident after"),
+    (EvictsSilently, {}, "check_slots_consistent", "left without being reported as evicted"),
+    (Nondeterministic, {}, "check_determinism", "two identical runs differ at step"),
+    (ResetKeepsRows, {}, "check_reset", "right after reset is ["),
+    (ResetRemembers, {}, "check_reset", "the rerun differs from a fresh run"),
+    (RunMisses, {}, "check_step_matches_run", "run() and step() disagree first at access"),
+    (Reserving, {}, "check_holds_every_key", "yet step"),
+]
+
+
+@pytest.mark.parametrize("cls,params,check,reason", BROKEN, ids=[f"{b[0].__name__}-{b[2]}" for b in BROKEN])
+def test_each_check_fails_a_policy_that_breaks_it(cls, params, check, reason):
+    failed = failures(check_policy(cls, **params))
+    assert check in failed, failed
+    assert reason in failed[check]
+
+
+def test_every_policy_check_is_shown_failing():
+    from cachelab.testing import POLICY_CHECKS
+
+    assert {b[2] for b in BROKEN} == {c.__name__ for c in POLICY_CHECKS}
+
+
 def test_a_correct_policy_passes():
     assert failures(check_policy(PyFIFO)) == {}
-
-
-def test_capacity_overflow_is_caught():
-    failed = failures(check_policy(Overflowing))
-    assert "check_capacity_respected" in failed
-    assert "rows resident after step" in failed["check_capacity_respected"]
 
 
 def test_phantom_hits_are_caught():
     failed = failures(check_policy(PhantomHits))
     assert "phantom hit" in failed["check_hits_only_on_resident"]
     assert "did not miss exactly on their first request" in failed["check_holds_every_key"]  # row 0's first
-    assert set(failed) == {"check_hits_only_on_resident", "check_holds_every_key"}
+    assert "admitted rows [0] are not this step's misses" in failed["check_slots_consistent"]  # hit and admitted
+    assert set(failed) == {"check_hits_only_on_resident", "check_holds_every_key", "check_slots_consistent"}
 
 
 def test_evicting_where_holds_every_key_says_it_cannot_is_caught():
     """A policy that evicts before it is full (as a set-associative cache's full set does) keeps
     the default ``holds_every_key`` at its peril: the engine would replay it as the infinite cache."""
-
-    class Reserving(PyFIFO):
-        def reset(self, capacity, num_keys):
-            super().reset(capacity, num_keys)
-            self.capacity = max(1, capacity * 3 // 4)  # a quarter of the slots kept free
-
-    assert "yet step" in failures(check_policy(Reserving))["check_holds_every_key"]
 
     class Honest(Reserving):
         def holds_every_key(self, capacity, num_keys):
@@ -116,18 +258,52 @@ def test_evicting_where_holds_every_key_says_it_cannot_is_caught():
     assert "the engine asks every policy" in failures(check_policy(duck))["check_holds_every_key"]
 
 
-def test_nondeterminism_is_caught():
-    failed = failures(check_policy(Nondeterministic))
-    assert "two identical runs differ at step" in failed["check_determinism"]
-
-
 def test_a_class_without_the_interface_stops_at_the_first_check():
-    class NotAPolicy:
-        pass
-
     results = check_policy(NotAPolicy)
     assert [r.check for r in results] == ["check_interface"]
     assert "lacks ['reset', 'step', 'resident']" in results[0].reason
+
+
+class FrequentFIFO(PyFIFO):
+    """FIFO that admits a row once it has been looked up twice (``counts``: lookups per step key)."""
+
+    capabilities = Capabilities(needs_counts=True)
+
+    def holds_every_key(self, capacity, num_keys):
+        return False  # a row looked up once misses again: no capacity is the infinite cache
+
+    def reset(self, capacity, num_keys):
+        super().reset(capacity, num_keys)
+        self.seen = np.zeros(num_keys, dtype=np.int64)
+
+    def step(self, keys, next_access=None, scores=None, counts=None):
+        keys = np.asarray(keys, dtype=np.int64)
+        check_keys(keys, self.num_keys)
+        self.seen[keys] += 1 if counts is None else np.asarray(counts)
+        hits = np.array([k in self.slot for k in keys.tolist()], dtype=bool)
+        frequent = keys[hits | (self.seen[keys] >= 2)]
+        r = super().step(frequent)
+        kept = np.zeros(keys.size, dtype=bool)
+        kept[np.flatnonzero(hits | (self.seen[keys] >= 2))] = r.hits
+        return StepResult(kept, r.admitted, r.slots, r.evicted)
+
+
+def test_a_policy_that_declares_needs_counts_is_given_them():
+    """The engine passes ``counts=`` to such a policy's ``step`` and ``run``; the kit does too, so a
+    policy whose ``step`` cannot take them, or whose ``run`` drops them, fails it (it passed before)."""
+    assert failures(check_policy(FrequentFIFO)) == {}
+
+    class TakesNoCounts(PyFIFO):
+        capabilities = Capabilities(needs_counts=True)
+
+    failed = failures(check_policy(TakesNoCounts))
+    assert "unexpected keyword argument 'counts'" in failed["check_capacity_respected"]
+
+    class RunDropsCounts(FrequentFIFO):
+        def run(self, keys, step_offsets, next_access=None, scores=None, counts=None):
+            return super().run(keys, step_offsets, next_access, scores)
+
+    assert "run() and step() disagree" in failures(check_policy(RunDropsCounts))["check_step_matches_run"]
 
 
 def test_unchecked_keys_are_caught():

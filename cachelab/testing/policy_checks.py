@@ -9,6 +9,7 @@ step and the keys at fault.
 from __future__ import annotations
 
 import inspect
+from collections import Counter
 
 import numpy as np
 
@@ -36,7 +37,9 @@ def _stream(seed: int = 0, length: int = 1200):
 
 
 class _Run:
-    """One policy instance over one stream, with what it may know (future, scores)."""
+    """One policy instance over one stream, with what it may know (future, scores) and, for a
+    policy that declares ``needs_counts``, each key's lookups in its step (1 to 3), as the
+    engine passes them."""
 
     def __init__(self, cls, params, capacity, seed=0):
         self.policy = cls(**params)
@@ -51,6 +54,11 @@ class _Run:
             self.nxt = view(full, self.offsets) if view is not None else full
         self.scores = (np.random.default_rng(seed + 1).random(self.keys.size)
                        if caps is not None and caps.needs_scores else None)
+        self.counts = (np.random.default_rng(seed + 2).integers(1, 4, self.keys.size)
+                       if caps is not None and caps.needs_counts else None)
+
+    def _more(self, lo, hi):
+        return {} if self.counts is None else {"counts": self.counts[lo:hi]}
 
     def steps(self):
         """Yield (step index, keys, residency before, result, residency after)."""
@@ -59,12 +67,13 @@ class _Run:
             batch = self.keys[lo:hi]
             before = _resident(self.policy, self.capacity, s)
             r = self.policy.step(batch, None if self.nxt is None else self.nxt[lo:hi],
-                                 None if self.scores is None else self.scores[lo:hi])
+                                 None if self.scores is None else self.scores[lo:hi], **self._more(lo, hi))
             _shape(r, batch, s)
             yield s, batch, before, r, _resident(self.policy, self.capacity, s)
 
     def run(self):
-        return np.asarray(self.policy.run(self.keys, self.offsets, self.nxt, self.scores))
+        return np.asarray(self.policy.run(self.keys, self.offsets, self.nxt, self.scores,
+                                          **self._more(0, self.keys.size)))
 
 
 def _resident(policy, capacity, s):
@@ -164,16 +173,23 @@ def check_hits_only_on_resident(cls, **params):
 
 
 def check_slots_consistent(cls, **params):
-    """Admitted rows take slots in [0, capacity); residency changes only as reported; no two
-    resident rows share a slot (a live store moves bytes by slot)."""
+    """Admitted rows are the step's misses, each once, in slots in [0, capacity); residency
+    changes only as reported, each admission and eviction once (a live store copies bytes
+    for each); no two resident rows share a slot (it moves bytes by slot)."""
     for capacity in CAPACITIES:
         slot_of = {}
         for s, batch, before, r, after in _Run(cls, params, capacity).steps():
             adm, slots = np.asarray(r.admitted).tolist(), np.asarray(r.slots).tolist()
-            evicted = set(np.asarray(r.evicted).tolist())
+            ev = np.asarray(r.evicted).tolist()
+            evicted = set(ev)
             bad = [x for x in slots if not 0 <= x < capacity]
             if bad:
                 raise ConformanceError(f"capacity {capacity}, step {s}: slots {bad} out of [0, {capacity})")
+            missed = {k for k, hit in zip(batch.tolist(), np.asarray(r.hits).tolist()) if not hit}
+            foreign = sorted(k for k, n in Counter(adm).items() if k not in missed or n > 1)
+            if foreign:
+                raise ConformanceError(f"capacity {capacity}, step {s}: admitted rows {foreign} are not this step's "
+                                       f"misses, each admitted once (keys {batch.tolist()}, admitted {adm})")
             if not after - before <= set(adm):
                 raise ConformanceError(f"capacity {capacity}, step {s}: rows {sorted(after - before - set(adm))} "
                                        "became resident without being reported as admitted")
@@ -183,6 +199,13 @@ def check_slots_consistent(cls, **params):
             if not evicted <= before | set(adm):
                 raise ConformanceError(f"capacity {capacity}, step {s}: evicted rows "
                                        f"{sorted(evicted - before - set(adm))} were never resident")
+            # per row, resident before + admissions - evictions = resident after (one evicted twice came back between)
+            unbalanced = sorted(k for k in evicted | set(adm)
+                                if (k in before) + adm.count(k) - ev.count(k) != (k in after))
+            if unbalanced:
+                raise ConformanceError(f"capacity {capacity}, step {s}: rows {unbalanced}: resident before, plus "
+                                       f"admissions, minus evictions is not resident after (admitted {adm}, "
+                                       f"evicted {ev}, resident after: {sorted(after & set(unbalanced))})")
             slot_of.update(zip(adm, slots))
             slot_of = {k: v for k, v in slot_of.items() if k in after}
             taken = list(slot_of.values())
@@ -212,7 +235,8 @@ def check_reset(cls, **params):
     first, run = _trace(cls, params, capacity)
     run.policy.reset(capacity, NUM_KEYS)
     if len(run.policy.resident()):
-        raise ConformanceError(f"resident() right after reset is {list(run.policy.resident())}, not empty")
+        raise ConformanceError(f"resident() right after reset is {np.asarray(run.policy.resident()).tolist()}, "
+                               "not empty")
     again = _Run.__new__(_Run)
     again.__dict__.update(run.__dict__)
     second = [(np.asarray(r.hits).tolist(), np.asarray(r.admitted).tolist(), np.asarray(r.slots).tolist(),
