@@ -32,6 +32,16 @@ def _victim_typo(s, x, i, key, slot):
     return s.lats[0]
 
 
+@nb.njit(cache=True, inline="always")
+def _victim_past_the_end(s, x, i, key, slot):
+    return s.last[0] + 1000  # a slot no row holds: the loop writes by it with bounds checks off
+
+
+@nb.njit(cache=True, inline="always")
+def _overflow_free_slot(s, x, i, key, slot):
+    return 1 if s.last[0] == 0 else -1  # slot 1 while it is still free
+
+
 class MRU(SlotPolicy):
     """Most recently used: evict the row used last (good on loops larger than the cache)."""
 
@@ -91,6 +101,26 @@ def test_a_state_field_that_is_not_an_array_fails_naming_it():
         Listed().reset(2, 10)
 
 
+def test_a_hook_choosing_a_slot_no_row_holds_fails_naming_it():
+    """The compiled loop runs without bounds checks: a victim past the last slot wrote past the
+    arrays (a replay that went on with a corrupt cache, or a segfault), and an overflow that
+    chose a free slot unbound the key at index -1. Both now stop the call, named."""
+
+    class PastTheEnd(MRU):
+        hooks = Hooks(on_hit=_touch, victim=_victim_past_the_end, on_insert=_touch)
+
+    class FreeOverflow(MRU):
+        hooks = Hooks(on_hit=_touch, victim=_victim, on_insert=_touch, overflow=_overflow_free_slot)
+
+    for cls, slot in ((PastTheEnd, 1002), (FreeOverflow, 1)):
+        p = cls()
+        p.reset(3, 10)
+        with pytest.raises(CachelabError, match=rf"{cls.__qualname__}: its victim or overflow hook chose slot "
+                                                rf"{slot} for key \d+ .* which holds no row \(slots are 0 to 2"):
+            p.run(np.array([1, 2, 3, 4, 5]), np.array([0, 5]))
+    assert "check_capacity_respected" in [r.check for r in check_policy(PastTheEnd) if not r.ok]
+
+
 def test_state_fields_read_as_attributes():
     p = MRU()
     p.reset(2, 10)
@@ -125,6 +155,51 @@ class PythonLRU(PythonPolicy):
 def test_a_python_policy_keeps_every_contract():
     failed = [str(r) for r in check_policy(PythonLRU) if not r.ok]
     assert not failed, failed
+
+
+def test_a_python_policy_victim_that_is_no_slot_fails_naming_the_policy():
+    """It raised NumPy's IndexError from the framework's own code, so the command line named
+    neither the plug-in nor the hook."""
+
+    class PastTheEnd(PythonLRU):
+        def victim(self, key):
+            return self.capacity + 3
+
+    class NotANumber(PythonLRU):
+        def victim(self, key):
+            return None
+
+    for cls, answer in ((PastTheEnd, "7"), (NotANumber, "None")):
+        p = cls()
+        p.reset(4, 10)
+        with pytest.raises(CachelabError, match=rf"test_policies_template\..*{cls.__name__}\.victim\(key=4\) "
+                                                rf"returned {answer}, not a slot \(0 to 3\)"):
+            p.step(np.arange(6))
+
+
+def test_a_python_policy_that_needs_counts_reads_them_per_access():
+    """``PythonPolicy.step`` took no ``counts``, so one declaring ``needs_counts`` failed with a
+    TypeError in every replay (``run`` and the store pass them)."""
+    from cachelab.policy import Capabilities
+
+    class CountedLRU(PythonLRU):
+        capabilities = Capabilities(needs_counts=True)
+
+        def init_state(self, capacity, num_keys):
+            super().init_state(capacity, num_keys)
+            self.seen = []
+
+        def on_insert(self, key, slot):
+            super().on_insert(key, slot)
+            self.seen.append(self.count)
+
+    p = CountedLRU()
+    p.reset(4, 10)
+    p.run(np.array([1, 2, 3]), np.array([0, 2, 3]), counts=np.array([5, 1, 2]))
+    assert p.seen == [5, 1, 2]
+    p.step(np.array([4]))
+    assert p.seen[-1] is None  # no counts given
+    assert not [str(r) for r in check_policy(CountedLRU) if not r.ok]
 
 
 def test_a_python_policy_agrees_with_the_compiled_lru():

@@ -4,18 +4,21 @@
 2, ...), answers ``resident``, checks arguments and builds each ``StepResult``. A subclass
 builds its own state in ``init_state`` and implements ``victim`` (and, where it keeps
 order or counts, ``on_hit``, ``on_insert``, ``on_evict``): the same hooks as the compiled
-template (``cachelab.policy.template``), as methods. Per access, ``self.next_use`` and
-``self.score`` hold its ``next_access`` and predictor score (None when not given).
+template (``cachelab.policy.template``), as methods. Per access, ``self.next_use``,
+``self.score`` and ``self.count`` hold its ``next_access``, predictor score and lookups in
+the step (``needs_counts``; None when not given).
 It runs one Python call per access: for a first policy, a prototype or a test oracle; a
 policy for long streams is written on the template.
 """
 
 from __future__ import annotations
 
+import operator
 from abc import abstractmethod
 
 import numpy as np
 
+from cachelab.errors import CachelabError
 from cachelab.policy.contract import Policy, StepResult, check_capacity, check_keys
 
 
@@ -46,7 +49,7 @@ class PythonPolicy(Policy):
         self.used = 0
         self.init_state(self.capacity, self.num_keys)
 
-    def step(self, keys, next_access=None, scores=None) -> StepResult:
+    def step(self, keys, next_access=None, scores=None, counts=None) -> StepResult:
         keys = np.asarray(keys, dtype=np.int64)
         check_keys(keys, self.num_keys)
         hits = np.zeros(keys.size, dtype=bool)
@@ -54,6 +57,7 @@ class PythonPolicy(Policy):
         for i, key in enumerate(keys.tolist()):
             self.next_use = None if next_access is None else int(next_access[i])
             self.score = None if scores is None else float(scores[i])
+            self.count = None if counts is None else int(counts[i])
             slot = int(self.slot_of[key])
             if slot >= 0:
                 hits[i] = True
@@ -62,7 +66,7 @@ class PythonPolicy(Policy):
             if self.used < self.capacity:  # a free slot
                 slot, self.used = self.used, self.used + 1
             else:
-                slot = int(self.victim(key))
+                slot = self._checked(self.victim(key), key)
                 if slot < 0:
                     continue
                 gone = int(self.key_of[slot])
@@ -75,6 +79,17 @@ class PythonPolicy(Policy):
             self.on_insert(key, slot)
         return StepResult(hits, np.array(admitted, dtype=np.int64), np.array(slots, dtype=np.int64),
                           np.array(evicted, dtype=np.int64))
+
+    def _checked(self, answer, key: int) -> int:
+        """``victim``'s answer as a slot, or an error naming the policy, the key and the answer."""
+        try:
+            slot = operator.index(answer)
+        except TypeError:
+            slot = self.capacity
+        if slot >= self.capacity:
+            raise CachelabError(f"{type(self).__module__}.{type(self).__qualname__}.victim(key={key}) returned "
+                                f"{answer!r:.40}, not a slot (0 to {self.capacity - 1}) nor -1 (keep the key out)")
+        return slot
 
     def resident(self) -> np.ndarray:
         return np.sort(self.key_of[self.key_of >= 0])

@@ -19,7 +19,9 @@ admissions and evictions. Per access the loop calls
 The loop is specialised when compiled: on whether a filter other than ``always`` is set,
 on whether ``step`` records admissions and evictions, and on whether ``overflow`` exists,
 so a plain policy pays for none of them. It also prefetches the residency of the key a few
-accesses ahead: a row stream's keys are random, and that load is the loop's cache miss.
+accesses ahead: a row stream's keys are random, and that load is the loop's cache miss. It
+runs without bounds checks, so a ``victim`` or ``overflow`` slot that no row holds (past the
+last slot, or a free one) stops it before any write by that slot, and the call raises naming it.
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ def _template(salt):
         slot_of, key_of, free = r.slot_of, r.key_of, r.free
         kind, counters, table, ameta = flt
         top, n_adm, n_ev, n = r.top[0], 0, 0, keys.size
+        cap, bad, bad_slot = key_of.size, -1, -1
         for i in range(n):
             key = keys[i]
             if i + AHEAD < n:
@@ -116,12 +119,18 @@ def _template(salt):
             on_miss(s, x, i, key, -1)
             if top == 0:
                 slot = victim(s, x, i, key, -1)
+                if slot >= cap:  # no row's slot: stop before reading or writing past the arrays
+                    bad, bad_slot = i, slot
+                    break
                 if slot < 0 or (FILTERED and not admission_admit(kind, counters, table, ameta, key, key_of[slot])):
                     continue  # the newcomer bypasses the cache; the victim stays
             else:
                 slot = overflow(s, x, i, key, -1)
             replaced = slot >= 0
             while slot >= 0:
+                if slot >= cap or key_of[slot] < 0:  # overflow chose a slot past the end, or a free one
+                    bad, bad_slot = i, slot
+                    break
                 gone = key_of[slot]
                 on_evict(s, x, i, gone, slot)
                 slot_of[gone] = -1
@@ -134,6 +143,8 @@ def _template(salt):
                 free[top] = slot
                 top += 1
                 slot = overflow(s, x, i, key, -1)
+            if bad >= 0:
+                break
             if OVERFLOW or not replaced:
                 top -= 1
                 slot = free[top]
@@ -150,6 +161,7 @@ def _template(salt):
         r.top[0] = top
         counts[0] = n_adm
         counts[1] = n_ev
+        return bad, bad_slot
 
     return slot_loop
 
@@ -226,7 +238,11 @@ class SlotPolicy(KernelPolicy):
 
     def _launch(self, keys, extra, hits, record, adm, adm_slot, ev):
         loop = compile_loop(self.hooks, bool(self.filter[0] != ALWAYS), record)
-        loop(keys, extra, self.state_, self.residency, self.filter, hits, adm, adm_slot, ev, self._counts)
+        bad, slot = loop(keys, extra, self.state_, self.residency, self.filter, hits, adm, adm_slot, ev, self._counts)
+        if bad >= 0:
+            raise CachelabError(f"{type(self).__module__}.{type(self).__qualname__}: its victim or overflow hook chose "
+                                f"slot {slot} for key {int(keys[bad])} (access {bad} of the call), which holds no row "
+                                f"(slots are 0 to {self.capacity - 1}; -1 means none); reset the policy before reuse")
 
 
 _NO_INPUT = np.zeros(0, dtype=np.int64)
