@@ -46,6 +46,15 @@ class Plugin:
     obj: object | None = None
     error: str | None = None
 
+    @property
+    def origin(self) -> str:
+        """Where it is declared, for errors: its group, its entry point, its distribution."""
+        return f"{self.group} entry point {self.value}, from {self.distribution} {self.version}"
+
+    def load_failure(self) -> str:
+        """Why using it fails, naming it and its origin."""
+        return f"plug-in {self.name!r} ({self.origin}) failed to load: {self.error}"
+
 
 def contract_error(group: str, obj) -> str | None:
     """Why ``obj`` cannot serve in ``group`` (None if it can): the methods it lacks. A class that
@@ -196,18 +205,25 @@ def blame(exc: BaseException) -> Plugin | None:
     return culprit
 
 
+def resolved(group: str) -> dict[str, Plugin]:
+    """One entry point per name of ``group``, by name: where one distribution's is switched off
+    (``CACHELAB_DISABLE_PLUGINS=dist:name``) and another's loads, the one that loads."""
+    out: dict[str, Plugin] = {}
+    for p in discover(group):
+        if p.name not in out or out[p.name].error is not None:
+            out[p.name] = p
+    return out
+
+
 def get(group: str, name: str):
     """The loaded object registered as ``name`` in ``group``, or a clear error."""
-    plugins = {}
-    for p in discover(group):  # a name switched off from one distribution may live on in another
-        if p.name not in plugins or plugins[p.name].error is not None:
-            plugins[p.name] = p
+    plugins = resolved(group)
     plugin = plugins.get(name)
     if plugin is None:
         kind = group.split(".")[-1].removesuffix("s").replace("policie", "policy").replace("_", " ")
         raise CachelabError(f"unknown {kind} {name!r}; installed: {sorted(plugins) or 'none'}")
     if plugin.error is not None:
-        raise CachelabError(f"plug-in {name!r} from {plugin.distribution} failed to load: {plugin.error}")
+        raise CachelabError(plugin.load_failure())
     return plugin.obj
 
 

@@ -11,8 +11,12 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from experiment_helpers import write_spec
+
 from cachelab import registry
 from cachelab.cli import app
+from cachelab.experiment.spec import load_spec
+from cachelab.learning.lineup import lineup
 
 runner = CliRunner()
 
@@ -145,8 +149,12 @@ def test_broken_plugins_never_break_unrelated_commands(broken_plugins, tmp_path)
     assert shape.exit_code == 2 and "broken-shape" in shape.output and "wrong interface" in shape.output
     boom = runner.invoke(app, ["simulate", "--trace", trace, "--policy", "boom", "--capacity", "4"])
     assert boom.exit_code == 2
-    assert "plug-in 'boom'" in boom.output and "cachelab-broken 0.0.1" in boom.output
-    assert "failed at run time: RuntimeError: kaboom" in boom.output
+    assert ("plug-in 'boom' (cachelab.policies entry point brokenpkg.boom:Boom, from cachelab-broken 0.0.1) "
+            "failed at run time: RuntimeError: kaboom") in boom.output
+    missing = runner.invoke(app, ["simulate", "--trace", trace, "--policy", "broken-import", "--capacity", "4"])
+    assert missing.exit_code == 2 and ("plug-in 'broken-import' (cachelab.policies entry point "
+                                       "brokenpkg.imports:Anything, from cachelab-broken 0.0.1) failed to load: "
+                                       "ModuleNotFoundError") in missing.output
 
 
 def test_import_time_exits_output_and_duck_typing_break_nothing(broken_plugins, tmp_path):
@@ -172,7 +180,8 @@ def test_a_subclass_declaring_odd_capabilities_or_task_is_broken_not_used(broken
     # a predictor's task: a "ranking" model was trained on classification labels, its outputs clipped to [0, 1]
     assert "OddTask.task is 'ranking', not one of ['regression', 'classification']" in rows["odd-task"]["error"]
     res = runner.invoke(app, ["train", "--trace", "gsm8k", "--predictor", "odd-task", "--out", "unused"])
-    assert res.exit_code == 2 and "plug-in 'odd-task' from cachelab-broken failed to load" in res.output
+    assert res.exit_code == 2 and ("plug-in 'odd-task' (cachelab.predictors entry point brokenpkg.oddtask:OddTask, "
+                                   "from cachelab-broken 0.0.1) failed to load") in res.output
 
 
 def test_printing_at_import_never_reaches_stdout(tmp_path):
@@ -204,6 +213,12 @@ def test_two_distributions_claiming_one_name_is_an_error_naming_both(tmp_path, m
         monkeypatch.setenv("CACHELAB_DISABLE_PLUGINS", "cachelab-claim:lru")  # switch one claimant off
         registry.discover.cache_clear()
         assert registry.get(registry.POLICIES, "lru").__module__ == "policies.linked.lru"
+        # an experiment spec and the policy line-up resolve the name as get does (they took the
+        # switched-off entry: "plug-in 'lru' ... failed to load: disabled", lru listed unavailable)
+        spec = load_spec(write_spec(tmp_path))
+        assert spec.hierarchy.tiers[0].policy == "lru"
+        found = lineup()
+        assert "lru" not in found.unavailable and found.heuristics["LRU"] == "lru"
     finally:
         registry.discover.cache_clear()
 

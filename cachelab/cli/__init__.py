@@ -33,8 +33,8 @@ class _Group(TyperGroup):
             plugin = registry.blame(exc)
             if plugin is None:
                 raise
-            typer.echo(f"error: plug-in {plugin.name!r} ({plugin.group}, from {plugin.distribution} "
-                       f"{plugin.version}) failed at run time: {type(exc).__name__}: {exc}", err=True)
+            typer.echo(f"error: plug-in {plugin.name!r} ({plugin.origin}) failed at run time: "
+                       f"{type(exc).__name__}: {exc}", err=True)
             raise typer.Exit(code=2) from None
 
 

@@ -345,14 +345,13 @@ def _check_trace(trace: dict, where: str, key: str) -> None:
 
 
 def _check_plugin(group: str, key: str, name: str, where: str):
-    plugins = {p.name: p for p in registry.discover(group)}
-    if name not in plugins:
+    plugins = registry.resolved(group)
+    plugin = plugins.get(name)
+    if plugin is None:
         kind = _SINGULAR[group]
         raise CachelabError(f"{where}: {key}: unknown {kind} {name!r}; allowed: {', '.join(sorted(plugins))}")
-    plugin = plugins[name]
     if plugin.error is not None:
-        raise CachelabError(f"{where}: {key}: plug-in {name!r} from {plugin.distribution} failed to load: "
-                            f"{plugin.error}")
+        raise CachelabError(f"{where}: {key}: {plugin.load_failure()}")
     return plugin.obj
 
 

@@ -60,7 +60,7 @@ def lineup() -> Lineup:
     """Every loadable registered policy in its role; a class registered twice counts once."""
     roles: tuple[dict[str, str], dict[str, str], dict[str, str]] = ({}, {}, {})
     unavailable, owner, classes = [], {}, set()
-    for plugin in registry.discover(registry.POLICIES):
+    for plugin in registry.resolved(registry.POLICIES).values():
         if plugin.error is not None:
             unavailable.append(plugin.name)
             continue
