@@ -57,6 +57,21 @@ def test_kernel_matches_the_rules(seed, capacity, weight):
     assert set(policy.resident().tolist()) == resident
 
 
+def test_a_row_counts_once_per_step_however_many_lookups_read_it():
+    """As the module doc says; it said "as FBGEMM counts", which is per lookup (``fbgemm-lfu``
+    takes each row's lookups, ``needs_counts``); this policy is given none and keeps its rule."""
+    cls = registry.get(registry.POLICIES, "learned-lfu")
+    assert not cls.capabilities.needs_counts and registry.get(registry.POLICIES, "fbgemm-lfu").capabilities.needs_counts
+    rng = np.random.default_rng(0)
+    keys, scores, offsets = rng.integers(0, 30, 400), -np.arange(400.0), np.arange(0, 401, 8)
+    runs = []
+    for counts in (None, rng.integers(1, 50, 400)):
+        policy = cls(weight=0.0)
+        policy.reset(6, 30)
+        runs.append(policy.run(keys, offsets, None, scores, counts=counts))
+    np.testing.assert_array_equal(*runs)
+
+
 def test_belady_keep_labels_beat_the_counts_alone():
     keys = zipf_keys(30_000, 4000, alpha=0.9, seed=6)
     offsets = np.arange(0, keys.size + 1, 10)

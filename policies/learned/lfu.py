@@ -5,8 +5,9 @@ On Engram's n-gram rows the strongest heuristic is FBGEMM's LFU (``fbgemm-lfu``)
 reaches that of the row it would replace. Frequency is the signal n-gram rows reward; a
 learned signal belongs beside it, not beside a recency base (issue 19). Here:
 
-- every row's count is raised once per access (the engine replays each step's distinct rows,
-  so once per step, as FBGEMM counts);
+- every row's count is raised once per access: the engine replays each step's distinct rows,
+  so once per step, however many of the step's lookups read the row (it declares no
+  ``needs_counts``; FBGEMM's LFU, ``fbgemm-lfu``, raises it by every lookup);
 - a row's priority is ``count + weight x p``, where ``p`` is the keep chance the predictor
   gave at the row's latest access (a classifier trained on Belady's keep decisions; a score
   is minus the predicted next-use position, turned back into a chance with ``horizon``);
