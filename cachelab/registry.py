@@ -5,7 +5,8 @@
 plug-in is checked against its group's contract at load time (a policy must subclass or
 quack like ``cachelab.policy.Policy``: reset, step, resident; a predictor like
 ``cachelab.learning.Predictor``; an experiment kind like
-``cachelab.experiment.kinds.ExperimentKind``: sections, run). A plug-in that fails to load
+``cachelab.experiment.kinds.ExperimentKind``: sections, run; a policy's or predictor's
+``name`` is its entry point's). A plug-in that fails to load
 or to match is recorded with its reason and skipped, so one broken package never breaks
 unrelated commands; ``blame`` names the plug-in behind an exception raised at run time.
 A plug-in's import may fail in any way (an exception, ``SystemExit``) or print (sent to
@@ -56,11 +57,13 @@ class Plugin:
         return f"plug-in {self.name!r} ({self.origin}) failed to load: {self.error}"
 
 
-def contract_error(group: str, obj) -> str | None:
+def contract_error(group: str, obj, name: str | None = None) -> str | None:
     """Why ``obj`` cannot serve in ``group`` (None if it can): the methods it lacks. A class that
     does not subclass the base must quack like all of it: every method the framework calls;
-    and what a class declares as data (``_declaration``: a policy's ``capabilities``, a
-    predictor's ``task``) must be valid, subclass or not."""
+    what a class declares as data (``_declaration``: a policy's ``capabilities``, a
+    predictor's ``task``) must be valid, subclass or not; and its ``name`` must be the ``name``
+    it is registered as: a saved model records it to be loaded back by it, and replays report
+    it (a subclass that kept its base's name was saved as, and loaded back into, the base)."""
     if group == EXPERIMENT_KINDS:  # an ExperimentKind (cachelab.experiment.kinds), by its shape
         if not isinstance(getattr(obj, "sections", None), tuple) or not callable(getattr(obj, "run", None)):
             return f"wrong interface: {obj!r} is not an ExperimentKind (sections, run)"
@@ -83,13 +86,19 @@ def contract_error(group: str, obj) -> str | None:
         if inspect.isabstract(obj):
             return (f"wrong interface: {obj.__name__} does not implement "
                     f"{sorted(obj.__abstractmethods__)}")
-        return None if valid(value) else f"wrong interface: {obj.__name__}.{attr} is {value!r:.80}, not {expected}"
-    missing = [m for m in required if not callable(getattr(obj, m, None))]
-    if not valid(value):
-        missing.append(f"{attr} ({expected})")
-    if missing:
-        return (f"wrong interface: {obj.__name__} is not a {base.__module__}.{base.__name__} "
-                f"and lacks {', '.join(missing)}")
+        if not valid(value):
+            return f"wrong interface: {obj.__name__}.{attr} is {value!r:.80}, not {expected}"
+    else:
+        missing = [m for m in required if not callable(getattr(obj, m, None))]
+        if not valid(value):
+            missing.append(f"{attr} ({expected})")
+        if missing:
+            return (f"wrong interface: {obj.__name__} is not a {base.__module__}.{base.__name__} "
+                    f"and lacks {', '.join(missing)}")
+    declared = getattr(obj, "name", None)
+    if name is not None and declared != name:
+        return (f"wrong interface: {obj.__name__}.name is {declared!r:.80}, but it is registered as {name!r}; "
+                f"set name = {name!r} in the class")
     return None
 
 
@@ -169,7 +178,7 @@ def discover(group: str) -> tuple[Plugin, ...]:
             continue
         obj, error = _load(ep)
         if error is None:
-            error = contract_error(group, obj)
+            error = contract_error(group, obj, ep.name)
         found.append(Plugin(group, ep.name, ep.value, dist, version, None if error else obj, error))
     return tuple(sorted(_claims(found) + off, key=lambda p: p.name))
 

@@ -55,6 +55,8 @@ BROKEN = {
         from cachelab.policy import Policy
 
         class Boom(Policy):
+            name = "boom"
+
             def reset(self, capacity, num_keys): ...
             def resident(self): ...
             def step(self, keys, next_access=None, scores=None):
@@ -67,7 +69,20 @@ BROKEN = {
         import os
         print("hello from a chatty plug-in")
         os.write(1, b"and from its C side\\n")
-        from policies.linked.fifo import FIFO as Chatty
+        from policies.linked.fifo import FIFO
+
+        class Chatty(FIFO):
+            name = "chatty"
+        """,
+    "brokenpkg/renamed.py": """
+        from policies.linked.fifo import FIFO
+        from predictors.sklearn_models import Logistic
+
+        class KeptFIFOsName(FIFO):  # registered under another name: its reports and models would say fifo
+            pass
+
+        class KeptLogisticsName(Logistic):  # a model saved as 'logistic' was loaded back as Logistic
+            pass
         """,
     "brokenpkg/duck.py": """
         class Duck:  # quacks like a Policy but declares no capabilities
@@ -100,8 +115,10 @@ BROKEN = {
         chatty = brokenpkg.chatty:Chatty
         duck = brokenpkg.duck:Duck
         odd-caps = brokenpkg.oddcaps:OddCaps
+        renamed-fifo = brokenpkg.renamed:KeptFIFOsName
         [cachelab.predictors]
         odd-task = brokenpkg.oddtask:OddTask
+        renamed-logistic = brokenpkg.renamed:KeptLogisticsName
         """,
 }
 
@@ -182,6 +199,18 @@ def test_a_subclass_declaring_odd_capabilities_or_task_is_broken_not_used(broken
     res = runner.invoke(app, ["train", "--trace", "gsm8k", "--predictor", "odd-task", "--out", "unused"])
     assert res.exit_code == 2 and ("plug-in 'odd-task' (cachelab.predictors entry point brokenpkg.oddtask:OddTask, "
                                    "from cachelab-broken 0.0.1) failed to load") in res.output
+
+
+def test_a_class_not_named_as_it_is_registered_is_broken_naming_both(broken_plugins):
+    """A subclass that kept its base's ``name`` was saved by ``train`` as the base, and
+    ``evaluate`` then loaded the base's class from that model; replays reported the base."""
+    rows = {r["name"]: r for r in _json(["plugins", "list", "--json"])}
+    for entry, cls, base in (("renamed-fifo", "KeptFIFOsName", "fifo"), ("renamed-logistic", "KeptLogisticsName",
+                                                                          "logistic")):
+        assert rows[entry]["status"] == "broken"
+        assert (f"{cls}.name is '{base}', but it is registered as '{entry}'; set name = '{entry}'"
+                in rows[entry]["error"])
+    assert rows["fifo"]["status"] == rows["chatty"]["status"] == "ok"
 
 
 def test_printing_at_import_never_reaches_stdout(tmp_path):

@@ -36,6 +36,7 @@ class Predictor(ABC):
     """Base class of every hotness predictor.
 
     Constructor: hyper-parameters only. Learned state ends in ``_`` (``feature_names_``).
+    ``name`` is the registry name (the registry checks it): a saved model records it.
     ``task`` is ``"regression"`` (labels: log1p steps to next access, censored) or
     ``"classification"`` (labels: 0/1 reuse within a window).
     """

@@ -63,9 +63,10 @@ class Policy(ABC):
     """Base class of every admission/eviction policy.
 
     The constructor takes hyper-parameters only (keyword arguments stored unchanged);
-    state is built in ``reset``. ``name`` is the registry name; ``label``, if the class itself
-    sets it (a subclass is another policy, so it is not inherited), is what reports call the
-    policy (``cachelab evaluate``'s keys), else they use ``name``.
+    state is built in ``reset``. ``name`` is the registry name (the registry checks it);
+    ``label``, if the class itself sets it (a subclass is another policy, so it is not
+    inherited), is what reports call the policy (``cachelab evaluate``'s keys), else they use
+    ``name``.
     """
 
     name: ClassVar[str] = ""
