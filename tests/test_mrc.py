@@ -43,6 +43,31 @@ def test_one_pass_curve_equals_per_capacity_lru_runs(keys, step, warmup):
     assert curve.miss_ratios == [_run(stream, "lru", c, warmup) for c in caps]
 
 
+def test_the_exact_curve_is_chosen_by_the_class_not_the_name(tmp_path, monkeypatch):
+    """The one-pass curve went to whatever was asked for as "lru": with the built-in switched off
+    (CACHELAB_DISABLE_PLUGINS=cachelab:lru) for a plug-in's own "lru", mrc reported the built-in
+    LRU's curve while simulate ran the plug-in. Now the class itself declares ``stack_curve``."""
+    (tmp_path / "mylru.py").write_text("from policies.linked.fifo import FIFO\n\n\n"
+                                       "class MyLRU(FIFO):\n    name = 'lru'\n")
+    info = tmp_path / "my_lru-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-lru\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[cachelab.policies]\nlru = mylru:MyLRU\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("CACHELAB_DISABLE_PLUGINS", "cachelab:lru")
+    registry.discover.cache_clear()
+    try:
+        keys = (np.random.default_rng(2).zipf(1.2, 5_000) % 300).astype(np.int64)
+        stream = LookupStream(keys, np.arange(keys.size + 1), 264)
+        theirs = miss_ratio_curve(stream, [10, 40], workers=1)
+        assert theirs.method == "simulation"
+        assert theirs.miss_ratios == [_run(stream, registry.make_policy("fifo"), c) for c in (10, 40)]
+        exact = miss_ratio_curve(stream, [10, 40], policy=None)  # LRU's own curve, whatever "lru" names
+        assert exact.method == "exact-stack" and exact.miss_ratios != theirs.miss_ratios
+    finally:
+        registry.discover.cache_clear()
+
+
 @pytest.mark.data
 def test_one_pass_curve_equals_lru_runs_on_a_real_trace(data_dir):
     keys = read_keys(data_dir / "cache_traces/caffeine_sim_samples/lirs/sprite.trace.gz")
@@ -59,9 +84,13 @@ def test_simulated_curve_is_deterministic_and_equals_single_runs():
     inline = miss_ratio_curve(stream, caps, policy="fifo", workers=1)
     assert pooled.method == "simulation" and pooled.miss_ratios == inline.miss_ratios
     assert pooled.miss_ratios == [_run(stream, registry.make_policy("fifo"), c) for c in caps]
-    # LRU with parameters is simulated too, and agrees with the exact curve when they change nothing
+    # LRU at its defaults takes the exact curve, given as parameters or not; other parameters are simulated
     assert miss_ratio_curve(stream, caps, params={"admission": "always"}).miss_ratios == \
         miss_ratio_curve(stream, caps).miss_ratios
+    for name, params in (("lru+tinylfu", {}), ("lru", {"admission": "tinylfu"})):
+        tiny = miss_ratio_curve(stream, caps, policy=name, params=params, workers=1)
+        assert tiny.method == "simulation"
+        assert tiny.miss_ratios == [_run(stream, registry.make_policy("lru", admission="tinylfu"), c) for c in caps]
     # a policy counting each row's lookups in a step (fbgemm-lfu) gets them in a curve as in a replay
     big = [64, 256, 1024]
     assert miss_ratio_curve(stream, big, policy="fbgemm-lfu", workers=1).miss_ratios == \

@@ -172,16 +172,19 @@ def _simulate_one(capacity: int) -> float:
     return 1.0 - weights[counted & hits].sum() / total if total else 0.0
 
 
-def miss_ratio_curve(stream: LookupStream, capacities: list[int], policy: str = "lru",
+def miss_ratio_curve(stream: LookupStream, capacities: list[int], policy: str | None = "lru",
                      sample_rate: float | None = None, warmup: float = 0.0, params: dict | None = None,
                      workers: int | None = None, progress: bool = False) -> Curve:
-    """The miss ratio of ``policy`` at each capacity (objects / rows) over ``stream``.
+    """The miss ratio of ``policy`` (a registry name) at each capacity (objects / rows) over ``stream``.
 
-    Plain LRU uses the one-pass stack-distance curve (exact, or SHARDS with ``sample_rate``);
-    any other policy (or LRU with parameters) runs once per capacity in ``workers`` processes.
+    A policy whose class itself declares ``stack_curve`` (the built-in LRU), at its default
+    parameters, takes the one-pass stack-distance curve (exact, or SHARDS with
+    ``sample_rate``), and so does ``policy=None``: LRU's curve without a registry name; any
+    other policy runs once per capacity in ``workers`` processes. (Decided by the class, not
+    the name: a plug-in registered as ``lru`` in place of the built-in is simulated.)
     """
     params = dict(params or {})
-    probe = registry.make_policy(policy, **params)  # fail fast on an unknown policy or parameter
+    probe = None if policy is None else registry.make_policy(policy, **params)  # fails fast on a bad name or parameter
     capacities = sorted({int(c) for c in capacities})
     if not capacities or capacities[0] < 1:
         raise CachelabError(f"capacities must be positive, got {capacities}")
@@ -193,10 +196,11 @@ def miss_ratio_curve(stream: LookupStream, capacities: list[int], policy: str = 
     rate = None if sample_rate is None else effective_rate(sample_rate)  # keeps the same keys, scales truly
     requests = int(req.weights[req.first:].sum())
     warm = int(req.weights[:req.first].sum())
-    infinite = [probe.holds_every_key(c, req.num_keys) for c in capacities]  # as ``sized`` decides
+    infinite = [c >= max(req.num_keys, 1) if probe is None else probe.holds_every_key(c, req.num_keys)
+                for c in capacities]  # as ``sized`` decides
     if rate is not None:
         _refuse_unresolved(capacities, infinite, sample_rate, rate)
-    if policy == "lru" and not params:
+    if probe is None or _stack_curve(probe):
         method = "exact-stack" if sample_rate is None else "shards"
         ratios = _lru_curve(req, capacities, rate)
         return Curve(capacities, _bounded(req, ratios, infinite, rate), requests, method, sample_rate, warm,
@@ -220,6 +224,13 @@ def miss_ratio_curve(stream: LookupStream, capacities: list[int], policy: str = 
     method = "simulation" if sample_rate is None else "mini-simulation"
     return Curve(capacities, _bounded(req, [float(r) for r in ratios], infinite, rate), requests, method,
                  sample_rate, warm, req.num_keys, infinite, rate)
+
+
+def _stack_curve(probe) -> bool:
+    """Whether ``probe``'s miss ratios are the stack-distance curve: its class itself (not a base)
+    declares ``stack_curve``, and it runs at its defaults (``lru+tinylfu`` is another policy)."""
+    cls = type(probe)
+    return bool(vars(cls).get("stack_curve", False)) and probe.get_params() == cls().get_params()
 
 
 def _refuse_unresolved(capacities: list[int], infinite: list[bool], asked: float, rate: float) -> None:

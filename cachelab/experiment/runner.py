@@ -221,7 +221,7 @@ def _parent_record(spec: ExperimentSpec, spec_path: Path, overrides: list[str] |
 def lru_curve(workload, warmup: float) -> pl.DataFrame:
     """The exact LRU miss-ratio curve of the workload at every scale (one stack-distance pass)."""
     capacities = np.unique(np.geomspace(1, max(workload.distinct_rows, 2), 48).astype(np.int64)).tolist()
-    curve = miss_ratio_curve(workload.stream, capacities, "lru", warmup=warmup)
+    curve = miss_ratio_curve(workload.stream, capacities, None, warmup=warmup)
     return pl.DataFrame({"curve": "lru (exact, one tier)", "capacity": curve.capacities,
                          "miss_ratio": curve.miss_ratios})
 

@@ -46,6 +46,7 @@ class LRU(SlotPolicy):
 
     name = "lru"
     label = "LRU"
+    stack_curve = True  # its miss ratio at every capacity is one pass of stack distances (cachelab.engine.mrc)
     State = LRUState
     hooks = Hooks(on_hit=_on_hit, victim=_victim, on_evict=_on_evict, on_insert=_on_insert)
 
