@@ -315,34 +315,111 @@ def test_unchecked_keys_are_caught():
     assert "must raise ValueError naming the key" in failures(check_policy(Unchecked))["check_bad_arguments"]
 
 
-class Pickled(Predictor):
-    """Saves its state with pickle, which the contract forbids."""
+class Linear(Predictor):
+    """A correct predictor: least squares, saved as .npy; the base the broken ones start from."""
 
-    name = "pickled"
+    name = "linear"
 
     def __init__(self, alpha: float = 0.0):
         self.alpha = alpha
 
     def fit(self, features, labels, feature_names):
-        self.mean_ = float(np.mean(labels))
+        x = np.c_[np.asarray(features, dtype=np.float64), np.ones(len(features))]
+        self.coef_ = np.linalg.lstsq(x, np.asarray(labels, dtype=np.float64), rcond=None)[0]
         self.feature_names_ = list(feature_names)
         return self
 
     def predict(self, features):
-        return np.full(len(features), -self.mean_)
+        return -(np.asarray(features, dtype=np.float64) @ self.coef_[:-1] + self.coef_[-1])
 
     def save_model(self, directory):
-        (Path(directory) / "model.bin").write_bytes(pickle.dumps(self.mean_))
+        np.save(Path(directory) / "coef.npy", self.coef_)
 
     @classmethod
     def load_model(cls, directory, metadata):
         model = cls(**metadata["params"])
-        model.mean_ = pickle.loads((Path(directory) / "model.bin").read_bytes())
+        model.coef_ = np.load(Path(directory) / "coef.npy")
         model.feature_names_ = metadata["feature_names"]
         return model
 
 
-def test_a_pickled_predictor_is_caught():
-    failed = failures(check_predictor(Pickled))
-    assert set(failed) == {"check_save_load_round_trip"}
-    assert "a pickle" in failed["check_save_load_round_trip"]
+class Pickled(Linear):
+    """Saves its state with pickle, which the contract forbids."""
+
+    def save_model(self, directory):
+        (Path(directory) / "model.bin").write_bytes(pickle.dumps(self.coef_))
+
+    @classmethod
+    def load_model(cls, directory, metadata):
+        model = cls(**metadata["params"])
+        model.coef_ = pickle.loads((Path(directory) / "model.bin").read_bytes())
+        model.feature_names_ = metadata["feature_names"]
+        return model
+
+
+class NoTask(Linear):
+    task = "ranking"
+
+
+class AlphaMisreported(Linear):
+    def __init__(self, alpha: float = 0.0):
+        self.alpha = alpha + 1
+
+
+class FitReturnsNothing(Linear):
+    def fit(self, features, labels, feature_names):
+        super().fit(features, labels, feature_names)
+
+
+class ColumnScores(Linear):
+    """Returns scores as a column, [n, 1]."""
+
+    def predict(self, features):
+        return super().predict(features)[:, None]
+
+
+class Unseeded(Linear):
+    def fit(self, features, labels, feature_names):
+        super().fit(features, labels, feature_names)
+        self.coef_ = self.coef_ + random.random()
+        return self
+
+
+class ForgetsTheFeatureOrder(Linear):
+    """Records its features reversed, so a model of other features is taken for its own."""
+
+    def save(self, directory, spec=None):
+        self.feature_names_ = self.feature_names_[::-1]
+        return super().save(directory, spec)
+
+
+BROKEN_PREDICTORS = [
+    (NoTask, "check_predictor_interface", "task must be 'regression' or 'classification', got 'ranking'"),
+    (AlphaMisreported, "check_predictor_get_params", "cls(**get_params()).get_params() differs"),
+    (FitReturnsNothing, "check_fit_returns_self", "fit returned None, not self"),
+    (ColumnScores, "check_predict_shape", "returned shape (600, 1)"),
+    (Unseeded, "check_predictor_determinism", "two fits on identical data predict different scores"),
+    (Pickled, "check_save_load_round_trip", "a pickle"),
+    (ForgetsTheFeatureOrder, "check_load_refuses_other_features", "would be accepted"),
+]
+
+
+def test_a_correct_predictor_passes():
+    assert failures(check_predictor(Linear)) == {}
+
+
+@pytest.mark.parametrize("cls,check,reason", BROKEN_PREDICTORS, ids=[b[0].__name__ for b in BROKEN_PREDICTORS])
+def test_each_predictor_check_fails_a_predictor_that_breaks_it(cls, check, reason):
+    failed = failures(check_predictor(cls))
+    assert check in failed, failed
+    assert reason in failed[check]
+
+
+def test_every_predictor_check_is_shown_failing():
+    from cachelab.testing import PREDICTOR_CHECKS
+
+    assert {b[1] for b in BROKEN_PREDICTORS} == {c.__name__ for c in PREDICTOR_CHECKS}
+
+
+def test_a_pickled_predictor_fails_that_check_alone():
+    assert set(failures(check_predictor(Pickled))) == {"check_save_load_round_trip"}
