@@ -271,11 +271,17 @@ def test_cached_tokens_of_a_batch_are_reported_as_vllm_reports_them(server):
 @pytest.mark.slow
 def test_cached_tokens_of_a_batch_follow_the_real_vllm(server, vllm_server):
     """The same batches on the real vLLM server: the same prompts report a hit (its CPU backend's
-    blocks are 128 tokens, so a 200-token prompt's hit is 128 there)."""
+    blocks are 128 tokens, so a 200-token prompt's hit is 128 there). A streamed batch is the
+    exception: vLLM reports the first output it takes from ``merge_async_iterators``, which picks
+    among the prompts ready in one step from a set, so either prompt's (a test that held it to
+    prompt 0's failed now and then); there it must be one of the two."""
     url, _ = server
     ours = cached_tokens_of_batches(url, MODEL, 70_000)
     theirs = cached_tokens_of_batches(vllm_server.base_url, vllm_server.model, 70_000)
-    assert [n > 0 for n in ours] == [n > 0 for n in theirs], (ours, theirs)
+    streamed = (3, 4)  # stream([a, d]), stream([e, a]): a cached, d and e fresh
+    assert [n > 0 for i, n in enumerate(ours) if i not in streamed] == \
+        [n > 0 for i, n in enumerate(theirs) if i not in streamed], (ours, theirs)
+    assert all(theirs[i] in (0, theirs[2]) for i in streamed) and theirs[2] > 0, (ours, theirs)
 
 
 def test_a_client_behind_the_capture_proxy_gets_the_stream_it_would_get_direct(server, tmp_path):
