@@ -9,7 +9,6 @@ cache files older than the newest source file of the repository are removed.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 from hypothesis import settings
