@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import os
 import secrets
 from collections.abc import Iterator
@@ -82,8 +83,24 @@ def output_file(path: Path, flag: str) -> Path:
 def scratch_beside(path: Path) -> Path:
     """A hidden name beside ``path`` no other writer uses (process id and a random token): two
     processes writing one output at once each write their own scratch file, the last rename
-    wins whole, where a shared scratch name let one truncate or rename the other's half."""
+    wins whole, where a shared scratch name let one truncate or rename the other's half. The
+    scratch files a killed writer left beside ``path`` (its process gone) are removed first, as
+    the shared name was overwritten by the next write."""
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.*-*.partial"):
+        pid = stale.name[len(path.name) + 2:].partition("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            stale.unlink(missing_ok=True)
     return path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.partial")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 @contextlib.contextmanager

@@ -146,3 +146,24 @@ def test_replacing_gives_each_writer_its_own_scratch_file(tmp_path):
             inner.write_text("inner\n")
     assert path.read_text() == "outer, whole\n"
     assert [p.name for p in tmp_path.iterdir()] == ["out.csv"]
+
+
+def test_a_killed_writers_scratch_file_is_removed_by_the_next_write(tmp_path):
+    """Each writer's scratch name is its own, so a writer killed mid-write would leave one hidden
+    file per kill; the next write of that output removes those of processes that are gone, and
+    leaves a live writer's alone."""
+    import os
+    import subprocess
+    import sys
+
+    from cachelab.paths import replacing
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    path = tmp_path / "out.csv"
+    stale = tmp_path / f".out.csv.{int(gone.stdout)}-0badc0de.partial"
+    live = tmp_path / f".out.csv.{os.getpid()}-00000000.partial"
+    stale.write_text("cut")
+    live.write_text("being written")
+    with replacing(path) as tmp:
+        tmp.write_text("whole\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "out.csv"]
