@@ -294,7 +294,7 @@ def test_a_workload_data_file_is_in_the_hash_and_the_build_key(tmp_path, data_di
     assert workload_key(again.config["workload"]) != key
 
 
-def test_each_seed_samples_its_own_trace(tmp_path):
+def test_each_seed_samples_its_own_trace(tmp_path, data_dir):  # the Mooncake import reads the data root
     """`seeds = [0, 1, 2]` on a synthesized trace: each seed's points read a trace synthesized with the
     trace's seed offset by it (they all read one trace: a serve point gave the same numbers per seed);
     seed 0 is the trace as written, its point's hash unchanged."""
