@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from cachelab.errors import CachelabError
+from cachelab.owners import owner, owner_is_dead
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,26 +82,18 @@ def output_file(path: Path, flag: str) -> Path:
 
 
 def scratch_beside(path: Path) -> Path:
-    """A hidden name beside ``path`` no other writer uses (process id and a random token): two
+    """A hidden name beside ``path`` no other writer uses (its owner and a random token): two
     processes writing one output at once each write their own scratch file, the last rename
     wins whole, where a shared scratch name let one truncate or rename the other's half. The
-    scratch files a killed writer left beside ``path`` (its process gone) are removed first, as
-    the shared name was overwritten by the next write."""
-    for stale in path.parent.glob(f".{glob.escape(path.name)}.*-*.partial"):
-        pid = stale.name[len(path.name) + 2:].partition("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+    scratch files beside ``path`` whose writer is proven gone (``owners.owner_is_dead``: a
+    writer killed mid-write) are removed first, as the shared name was overwritten by the next
+    write; another host's (a shared file system) are left alone."""
+    head, tail = f".{path.name}.", ".partial"
+    for stale in path.parent.glob(f"{glob.escape(head)}*{tail}"):
+        tag = stale.name[len(head):-len(tail)].rpartition(".")[0]
+        if owner_is_dead(tag):
             stale.unlink(missing_ok=True)
-    return path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.partial")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
+    return path.with_name(f"{head}{owner()}.{secrets.token_hex(4)}{tail}")
 
 
 @contextlib.contextmanager

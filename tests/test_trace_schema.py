@@ -151,19 +151,21 @@ def test_replacing_gives_each_writer_its_own_scratch_file(tmp_path):
 def test_a_killed_writers_scratch_file_is_removed_by_the_next_write(tmp_path):
     """Each writer's scratch name is its own, so a writer killed mid-write would leave one hidden
     file per kill; the next write of that output removes those of processes that are gone, and
-    leaves a live writer's alone."""
-    import os
+    leaves a live writer's alone, and another host's (a shared file system)."""
     import subprocess
     import sys
 
+    from cachelab.owners import owner
     from cachelab.paths import replacing
 
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = subprocess.run([sys.executable, "-c", "from cachelab.owners import owner; print(owner())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
     path = tmp_path / "out.csv"
-    stale = tmp_path / f".out.csv.{int(gone.stdout)}-0badc0de.partial"
-    live = tmp_path / f".out.csv.{os.getpid()}-00000000.partial"
-    stale.write_text("cut")
-    live.write_text("being written")
+    stale = tmp_path / f".out.csv.{gone}.0badc0de.partial"
+    live = tmp_path / f".out.csv.{owner()}.00000000.partial"
+    elsewhere = tmp_path / f".out.csv.another-host:{gone.split(':')[1]}:1.00000000.partial"
+    for f in (stale, live, elsewhere):
+        f.write_text("cut")
     with replacing(path) as tmp:
         tmp.write_text("whole\n")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "out.csv"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, elsewhere.name, "out.csv"])

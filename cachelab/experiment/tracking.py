@@ -20,13 +20,13 @@ import logging
 import os
 import posixpath
 import re
-import socket
 import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 from cachelab.errors import CachelabError
+from cachelab.owners import owner, owner_is_dead
 from cachelab.experiment.records import Record
 
 DEFAULT_URI = "sqlite:///mlflow.db"
@@ -49,45 +49,6 @@ def refused_key(name: str) -> str | None:
     if norm != name or norm == "." or norm.startswith(("..", "/")):
         return "it is not a plain relative path, as MLflow may store it as one"
     return None
-
-
-def _started(pid: int) -> str | None:
-    """The start time of process ``pid`` in clock ticks since boot (Linux), "" where there is no
-    /proc to read it from, None if there is no such process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        if Path("/proc/self/stat").exists():
-            return None
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            pass
-        return ""
-    except OSError:
-        return ""
-    return stat.rsplit(")", 1)[1].split()[19]  # field 22 of proc(5), after the command name
-
-
-def owner() -> str:
-    """This process as a run's owner: ``host:pid:start``."""
-    return f"{socket.gethostname()}:{os.getpid()}:{_started(os.getpid()) or ''}"
-
-
-def owner_is_dead(tag: str | None) -> bool:
-    """True only when ``tag`` names a process of this host that no longer runs (its pid is free,
-    or taken by a process that started at another time)."""
-    try:
-        host, pid, start = (tag or "").rsplit(":", 2)
-        pid_number = int(pid)
-    except ValueError:
-        return False
-    if host != socket.gethostname():
-        return False
-    now = _started(pid_number)
-    return now is None or (bool(start) and bool(now) and now != start)
 
 
 class TrackingUnavailable(CachelabError):
