@@ -206,3 +206,37 @@ def test_a_stream_asking_for_continuous_usage_alone_gets_no_usage_through_the_pr
     assert recorder.flush(30)
     last = read_requests(tmp / "cap")[0].row(-1, named=True)
     assert len(last["output_ids"]) == 4 and last["cached"] is not None
+
+
+def _timed_events(base: str, path: str, body: dict) -> list[tuple[float, dict]]:
+    """A stream's events, each with the time its last byte reached the client."""
+    events, buffer = [], b""
+    with httpx.stream("POST", f"{base}/v1/{path}", json=body, timeout=60) as r:
+        for piece in r.iter_raw():
+            now = time.perf_counter()
+            *done, buffer = (buffer + piece).split(b"\n\n")
+            events += [(now, json.loads(e[6:])) for e in done if e.startswith(b"data: {")]
+    return events
+
+
+def test_the_choices_of_a_stream_reach_the_client_as_they_come(served):
+    """n = 2, choice 0 stopped early (a stop token from its own output), choice 1 running on: the
+    client gets choice 1's later events as the upstream sends them. The proxy asked for usage, to
+    drop its event again, and held every event after choice 0's terminal chunk until that usage
+    event, the answer's end: the client's inter-token times through the proxy were wrong."""
+    url, _, proxy, recorder, _, _, tmp = served
+    body = {"model": MODEL, "prompt": PROMPTS[2], "n": 2, "temperature": 1.0, "seed": 13, "max_tokens": 96,
+            "ignore_eos": True}
+    probe = json.loads(_post(url, "completions", {**body, "return_token_ids": True})[1])
+    first, second = (c["token_ids"] for c in sorted(probe["choices"], key=lambda c: c["index"]))
+    stop = next(t for i, t in enumerate(first[1:8], 1) if t not in second and t not in first[:i])
+    events = _timed_events(proxy.url, "completions", {**body, "stop_token_ids": [stop], "stream": True})
+    assert not any("usage" in e for _, e in events)  # not asked for by the client: none came
+    choices = [e["choices"][0] for _, e in events]
+    ended = next(i for i, c in enumerate(choices) if c["index"] == 0 and c["finish_reason"])
+    later = [t for (t, _), c in zip(events[ended + 1:], choices[ended + 1:]) if c["index"] == 1]
+    assert recorder.flush(30)
+    zero, one = _rows(tmp / "cap", events[0][1]["id"])
+    upstream = one["last_s"] - zero["last_s"]  # how long the upstream took over choice 1's later events
+    assert len(later) > 40 and upstream > 0.02, (len(later), upstream)
+    assert later[-1] - events[ended][0] > upstream / 2, (later[-1] - events[ended][0], upstream)

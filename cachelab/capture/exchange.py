@@ -86,7 +86,9 @@ def prepare(body: bytes, x: Exchange, token_ids: bool) -> bytes:
         added["return_token_ids"] = True
         x.injected_ids = True
     options = parsed.get("stream_options")
-    if x.stream and not (isinstance(options, dict) and options.get("include_usage")):
+    # usage only for one choice: of several it says nothing the record keeps (one engine request's cached
+    # tokens, the answer's totals), and dropping its event holds every event after a terminal chunk back
+    if x.stream and _one_choice(parsed) and not (isinstance(options, dict) and options.get("include_usage")):
         options = options if isinstance(options, dict) else {}
         # continuous_usage_stats without include_usage asks for nothing; with it, for usage in every chunk
         added["stream_options"] = {**options, "include_usage": True,
@@ -102,6 +104,19 @@ def prepare(body: bytes, x: Exchange, token_ids: bool) -> bytes:
     return json.dumps({**parsed, **added}).encode()
 
 
+def _n(body: dict) -> int:
+    """The request's ``n``: choices per prompt (1 where absent or not a positive integer)."""
+    n = body.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+
+
+def _one_choice(body: dict) -> bool:
+    """Whether the request asks for one choice: ``n`` = 1 and one prompt (a completion's batch of
+    several prompts, strings or id lists, asks for ``n`` each)."""
+    prompt = body.get("prompt")
+    return _n(body) == 1 and not (isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int))
+
+
 def _echoes(body: dict, endpoint: str) -> bool:
     """A completion that echoes its prompt: vLLM leaves the prompt's text out of the answer of one that
     asks for ids, so the proxy asks for none there (the record tokenizes the answer instead)."""
@@ -114,8 +129,8 @@ class Restorer:
     Besides nulling injected ids and dropping the injected usage event, it keeps vLLM's
     ``system_fingerprint`` where vLLM puts it: on the terminal chunk (a non-null
     ``finish_reason``) when no usage event follows, and only on the usage event otherwise. So
-    when the proxy asked for usage, a terminal chunk and what follows it wait (for n = 1 no
-    model time: the usage event is the next thing vLLM writes) and get the fingerprint back.
+    when the proxy asked for usage (``prepare``: only of a request for one choice), the terminal
+    chunk waits for the usage event, the next thing vLLM writes, and gets the fingerprint back.
     """
 
     def __init__(self, exchange: Exchange):
@@ -304,8 +319,7 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
         error = f"upstream answered HTTP {x.status}"
     prompts = _request_prompts(body)
     echo = _echoes(body, x.endpoint)
-    n = body.get("n") if isinstance(body.get("n"), int) and not isinstance(body.get("n"), bool) \
-        and body.get("n") > 0 else 1
+    n = _n(body)
     # the choices asked for that the answer never reached (a stream cut after prompt 0's) are failed requests too
     indices = sorted(choices.keys() | range(min(len(prompts) * n, MAX_RECORDS))) if choices else [None]
     records = []

@@ -4,8 +4,8 @@ Completions and chat completions are recorded (``cachelab.capture.exchange``); e
 path (``/v1/models``, ``/health``, ``/metrics``, ...) is passed through unrecorded. The
 client's request goes upstream as sent, headers included (``Authorization`` too; no header
 is ever recorded; the proxy adds its ``Via`` and the client's address to ``X-Forwarded-For``), except that the proxy asks for token ids (``return_token_ids``) and, on a
-stream, for the final usage event (``stream_options.include_usage``) when the client did
-not, and strips both from what the client receives. The answer streams back as the
+stream for one choice, for the final usage event (``stream_options.include_usage``) when the
+client did not, and strips both from what the client receives. The answer streams back as the
 upstream sent it.
 
 The forward path is HTTP/1.1 on raw asyncio protocols (uvloop when installed), with
