@@ -164,13 +164,18 @@ def test_every_prompt_and_choice_of_a_batch_is_recorded_with_the_servers_ids(cap
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-def test_an_echoing_completion_gets_its_prompt_echoed_and_is_recorded_by_the_tokenizer(captured, stream):
+@pytest.mark.parametrize("as_ids", [False, True], ids=["text", "ids"])
+def test_an_echoing_completion_gets_its_prompt_echoed_and_is_recorded_by_the_tokenizer(captured, stream, as_ids):
     """vLLM leaves the echoed prompt's text out of a completion that asks for token ids: the proxy,
     asking for them on the client's behalf, took the echo from the client's answer. It asks for none
-    there; the record tokenizes the prompt and what follows its echo."""
+    there; the record tokenizes the prompt and what follows its echo: the prompt's text, or for a
+    prompt sent as ids vLLM's decoding of them (the record kept that echo in its output ids)."""
     server, proxy, recorder, sub, out = captured
-    req = {"model": server.model, "prompt": PROMPT, "echo": True, "max_tokens": 4, "temperature": 0,
-           "ignore_eos": True, "stream": stream}
+    tok = FallbackTokenizer()
+    prompt_ids = tok.encode(PROMPT, prompt=True)
+    req = {"model": server.model, "prompt": prompt_ids if as_ids else PROMPT, "echo": True, "max_tokens": 4,
+           "temperature": 0, "ignore_eos": True, "stream": stream}
+    _post(server.base_url, "/v1/completions", req)  # warm: both then see the prompt in the prefix cache
     direct, proxied = _post(server.base_url, "/v1/completions", req), _post(proxy.url, "/v1/completions", req)
     assert proxied[0] == direct[0] == 200
     if stream:
@@ -179,9 +184,9 @@ def test_an_echoing_completion_gets_its_prompt_echoed_and_is_recorded_by_the_tok
     else:
         assert _normalize(proxied[1]) == _normalize(direct[1])
         text = json.loads(proxied[1])["choices"][0]["text"]
-    assert text.startswith(PROMPT) and len(text) > len(PROMPT)
+    echoed = tok.decode(prompt_ids) if as_ids else PROMPT
+    assert text.startswith(echoed) and len(text) > len(echoed)
     assert recorder.flush(30)
     last = read_requests(out)[0].row(-1, named=True)
-    tok = FallbackTokenizer()
-    assert last["token_source"] == "tokenizer" and last["prompt_ids"] == tok.encode(PROMPT, prompt=True)
-    assert last["output_ids"] == tok.encode(text[len(PROMPT):])
+    assert last["token_source"] == "tokenizer" and last["prompt_ids"] == prompt_ids
+    assert last["output_ids"] == tok.encode(text[len(echoed):])

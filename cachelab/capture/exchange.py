@@ -331,9 +331,12 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
         k = 0 if index is None else index // n
         prompt_text, request_ids = prompts[k] if k < len(prompts) else (None, None)
         prompt_ids, output_ids = c.prompt_ids or top_prompt, c.ids
+        upstream_ids = prompt_ids is not None and c.have_ids
         output_text = "".join(c.texts)
-        if echo and prompt_text and output_text.startswith(prompt_text):  # the prompt echoed before the output
-            output_text = output_text[len(prompt_text):]
+        if echo:  # the prompt echoed before the output: its text, or the server's decoding of the ids sent
+            echoed = prompt_text if request_ids is None or upstream_ids else tokenizer.decode(request_ids)
+            if echoed and output_text.startswith(echoed):
+                output_text = output_text[len(echoed):]
         if isinstance(usage, dict) and len(indices) == 1:
             # the answer's totals, and one engine request's cached tokens: with several choices (n > 1, a batch)
             # they are not this choice's (vLLM reports its last prompt's last-finished choice's in a whole answer)
@@ -342,7 +345,7 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
             details = usage.get("prompt_tokens_details")
             if isinstance(details, dict) and details.get("cached_tokens") is not None:
                 rec.cached_tokens = int(details["cached_tokens"])
-        if prompt_ids is not None and c.have_ids:
+        if upstream_ids:
             rec.token_source = "upstream"
         elif x.status == 200 and error is None and (prompt_text is not None or request_ids is not None):
             rec.token_source = "tokenizer"

@@ -21,7 +21,14 @@ class FallbackTokenizer:
         self.source = source
         self._tok = None
 
-    def encode(self, text: str, prompt: bool = False) -> list[int]:
+    def _loaded(self):
         if self._tok is None:
             self._tok = load_tokenizer(self.source)
-        return self._tok.encode(text, add_special_tokens=prompt).ids
+        return self._tok
+
+    def encode(self, text: str, prompt: bool = False) -> list[int]:
+        return self._loaded().encode(text, add_special_tokens=prompt).ids
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids`` without special tokens, as a server decodes a prompt sent as ids to echo it."""
+        return self._loaded().decode(ids)
