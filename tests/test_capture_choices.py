@@ -128,10 +128,11 @@ def test_the_trace_makes_the_same_requests_from_either_capture(tmp_path):
         assert proxied[column].to_list() == own[column].to_list(), column
 
 
-def _served_rows(tmp, before: int, wait: int) -> list[dict]:
+def _new_rows(directory, before: int, wait: int) -> list[dict]:
+    """The records after the first ``before`` (waiting up to 10 s for ``wait`` of them)."""
     deadline = time.monotonic() + 10
     while True:
-        rows = list(read_requests(tmp / "served")[0].iter_rows(named=True))[before:]
+        rows = list(read_requests(directory)[0].iter_rows(named=True))[before:]
         if len(rows) >= wait or time.monotonic() > deadline:
             return rows
         time.sleep(0.05)
@@ -151,11 +152,27 @@ def test_serve_records_a_request_it_refuses(served):
     finally:
         engine.closed = False
     assert closed[0] == 503
-    rows = _served_rows(tmp, before, 2)
+    rows = _new_rows(tmp / "served", before, 2)
     assert [(r["status"], r["endpoint"], r["stream"]) for r in rows] == [
         (400, "/v1/completions", False), (503, "/v1/chat/completions", True)], rows
     assert rows[0]["error"] == "n must be 1 when using greedy sampling, got 2." and rows[0]["session"] is not None
     assert rows[1]["error"] == "the server is shutting down" and rows[1]["index"] is None
+
+
+def test_a_client_gone_before_any_answer_is_a_record_per_choice_on_both_sides(served):
+    """A batch of two prompts with n = 2 whose client gives up before any of its answer: the server
+    records a 499 for each of the four choices it ran, and the proxy in front of it (which recorded
+    one, without an index) does the same."""
+    url, _, proxy, recorder, _, _, tmp = served
+    before = {side: read_requests(tmp / side)[0].height for side in ("cap", "served")}
+    body = {"model": MODEL, "prompt": PROMPTS[:2], "n": 2, "temperature": 1.0, "max_tokens": 2000,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=0.5)
+    proxied, own = (_new_rows(tmp / side, before[side], 4) for side in ("cap", "served"))
+    assert [(r["index"], r["status"], r["error"]) for r in proxied] == \
+        sorted((r["index"], r["status"], r["error"]) for r in own) == \
+        [(i, 499, "client disconnected") for i in range(4)], (proxied, own)
 
 
 def test_serve_records_an_abort_as_what_its_client_got(tmp_path):
@@ -169,7 +186,7 @@ def test_serve_records_an_abort_as_what_its_client_got(tmp_path):
             httpx.post(f"{url}/v1/completions", json=body, timeout=0.5)
         with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
             next(r.iter_raw())  # a stream's client reads its first event and goes
-        gone = _served_rows(tmp_path, 0, 4)
+        gone = _new_rows(tmp_path / "served", 0, 4)
         with ThreadPoolExecutor(1) as pool:
             whole = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60)
             with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
@@ -180,7 +197,7 @@ def test_serve_records_an_abort_as_what_its_client_got(tmp_path):
                 engine.abort_all()
                 streamed += b"".join(events)
             whole = whole.result()
-        rows = _served_rows(tmp_path, 4, 4)
+        rows = _new_rows(tmp_path / "served", 4, 4)
     assert [(r["status"], r["error"]) for r in gone] == [(499, "client disconnected")] * 4, gone
     assert whole.status_code == 503 and b"the server is shutting down" in streamed
     aborted = "the server is shutting down; the request was aborted"

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cachelab.capture.recorder import RequestRecord
+from cachelab.capture.recorder import CLIENT_CLOSED, RequestRecord
 
 _IDS = re.compile(rb'"token_ids":\[[^\]]*\]')
 _PROMPT_IDS = re.compile(rb'"prompt_token_ids":\[[^\]]*\]')
@@ -320,8 +320,11 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
     prompts = _request_prompts(body)
     echo = _echoes(body, x.endpoint)
     n = _n(body)
-    # the choices asked for that the answer never reached (a stream cut after prompt 0's) are failed requests too
-    indices = sorted(choices.keys() | range(min(len(prompts) * n, MAX_RECORDS))) if choices else [None]
+    # the choices asked for that the answer never reached (a stream cut after prompt 0's) are failed requests too,
+    # and so is each one a client withdrew before any came (499, as cachelab serve --capture records them);
+    # an answer of none (an error, the upstream's or the proxy's) is one record
+    asked = range(min(len(prompts) * n, MAX_RECORDS))
+    indices = sorted(choices.keys() | asked) if choices or (x.status == CLIENT_CLOSED and asked) else [None]
     records = []
     for index in indices:
         c = choices.get(index) or _Choice()
