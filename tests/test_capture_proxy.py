@@ -893,6 +893,32 @@ def test_a_bad_upstream_or_port_is_refused_before_anything_is_created(tmp_path, 
     assert not (tmp_path / "cap").exists() and "capture proxy on" not in out.stdout
 
 
+@pytest.mark.parametrize("command", ["proxy", "serve"])
+def test_a_capture_directory_or_salt_others_can_get_into_is_refused_at_start(tmp_path, command):
+    """``capture proxy --out`` and ``serve --capture`` given an existing directory that others can
+    enter, or a salt file that others can read: each stops with an error naming the path, its mode
+    and the fix, and writes nothing. Both used them as they were (the capture files were 0600, but
+    in a directory others could write, and the salt that keys every hash was readable by anyone)."""
+    open_dir, salt = tmp_path / "open", tmp_path / "salt"
+    open_dir.mkdir(mode=0o755)
+    open_dir.chmod(0o755)
+    salt.write_bytes(bytes(range(32)))
+    salt.chmod(0o644)
+    cases = [([str(open_dir)], f"capture directory {open_dir} is mode 0755", f"chmod 700 {open_dir}")]
+    if command == "proxy":  # serve --capture keeps its salt in the directory
+        cases.append(([str(tmp_path / "cap"), "--salt-file", str(salt)], f"salt file {salt} is mode 0644",
+                      f"chmod 600 {salt}"))
+    for out, *messages in cases:
+        args = ["capture", "proxy", "--upstream", "http://127.0.0.1:9", "--listen", "127.0.0.1:0", "--out", *out] \
+            if command == "proxy" else ["serve", "--port", "0", "--capture", *out]
+        done = subprocess.run([sys.executable, "-m", "cachelab.cli", *args], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 2 and all(m in done.stderr for m in messages), done.stderr
+        assert "Traceback" not in done.stderr
+    assert list(open_dir.iterdir()) == [] and salt.read_bytes() == bytes(range(32))
+    assert not (tmp_path / "cap").exists() or not any(p.name.endswith(".seg") for p in (tmp_path / "cap").iterdir())
+
+
 def test_tokenizer_fallback_matches_the_upstream(tmp_path):
     with Stack(tmp_path, token_ids=False) as s:
         for path, body in CASES[:1]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import stat
 import subprocess
 import sys
@@ -214,8 +215,54 @@ def test_salt_file_is_private_and_stable(tmp_path):
     assert stat.S_IMODE((tmp_path / "salt").stat().st_mode) == 0o600
     assert load_salt(tmp_path / "salt") == salt and len(salt) == 32
     (tmp_path / "short").write_bytes(b"abc")
+    (tmp_path / "short").chmod(0o600)
     with pytest.raises(CachelabError, match="at least 16 bytes"):
         load_salt(tmp_path / "short")
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o602], ids=oct)
+def test_a_salt_file_others_can_read_or_write_is_refused(tmp_path, mode):
+    """Read as it was, whatever its mode: a salt others can read lets them test guessed prompts and user
+    names against the hashes, one they can write lets them choose it."""
+    salt = tmp_path / "salt"
+    salt.write_bytes(bytes(range(32)))
+    salt.chmod(mode)
+    with pytest.raises(CachelabError, match=rf"salt file {salt} is mode {mode:04o}: .*chmod 600 {salt}"):
+        load_salt(salt)
+    with pytest.raises(CachelabError, match=f"mode {mode:04o}"):
+        Recorder(tmp_path / "cap", salt_file=salt)
+    assert not (tmp_path / "cap").exists() or not any((tmp_path / "cap").iterdir())
+
+
+def test_a_salt_path_that_is_no_file_is_an_error_not_a_hang_or_a_traceback(tmp_path):
+    """A FIFO blocked the start for ever, a device was read for ever, a dangling link or a directory
+    raised a bare OSError."""
+    os.mkfifo(tmp_path / "fifo", 0o600)
+    (tmp_path / "dir").mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    for name in ("fifo", "dir"):
+        with pytest.raises(CachelabError, match=f"salt file {tmp_path / name} is not a regular file"):
+            load_salt(tmp_path / name)
+    with pytest.raises(CachelabError, match=f"cannot read salt file {tmp_path / 'link'}"):
+        load_salt(tmp_path / "link")
+    with pytest.raises(CachelabError, match="salt file /dev/zero is not a regular file"):
+        load_salt("/dev/zero")
+
+
+@pytest.mark.parametrize("mode", [0o755, 0o750, 0o701, 0o777], ids=oct)
+def test_an_existing_capture_directory_others_can_get_into_is_refused(tmp_path, mode):
+    """The directory kept its own mode (an existing ``--out`` was used as it was): refused, naming it,
+    before anything is written into it; a private one is used."""
+    out = tmp_path / "cap"
+    out.mkdir()
+    out.chmod(mode)
+    for make in (lambda: Recorder(out), lambda: Journal(out, "kv-events")):
+        with pytest.raises(CachelabError, match=rf"capture directory {out} is mode {mode:04o}: .*chmod 700 {out}"):
+            make()
+    assert list(out.iterdir()) == []
+    out.chmod(0o700)
+    Recorder(out).close()
+    assert sorted(p.name for p in out.iterdir()) == ["requests-000000.seg", "salt"]
 
 
 def _record(i, session=None, ids=True, **kw):

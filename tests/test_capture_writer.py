@@ -69,6 +69,7 @@ def without_ids(record: dict) -> dict:
 
 def test_writer_process_records_what_the_thread_recorder_records(tmp_path):
     (tmp_path / "salt").write_bytes(SALT)
+    (tmp_path / "salt").chmod(0o600)
     xs = [exchange(i, stream=i % 4 != 0) for i in range(40)]
     thread = Recorder(tmp_path / "thread", salt_file=tmp_path / "salt")
     for x in xs:

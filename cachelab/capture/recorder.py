@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from cachelab.capture.journal import Journal
+from cachelab.capture.segments import private_directory
 from cachelab.capture.tokens import FallbackTokenizer
 from cachelab.engram.vocab import DEEPSEEK_V4
 from cachelab.errors import CachelabError
@@ -84,15 +86,15 @@ def _array_bytes(values, dtype) -> bytes | None:
 
 
 def load_salt(path: str | os.PathLike) -> bytes:
-    """The capture's salt: read it, or create 32 random bytes there (0600)."""
+    """The capture's salt: read it, or create 32 random bytes there (0600). An existing salt file
+    other users can read or write is refused, naming its mode: whoever reads it can test guessed
+    prompts and user names against the hashes, whoever writes it choose them. Only the first 64
+    bytes count (BLAKE2b's longest key)."""
     path = Path(path)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        salt = path.read_bytes()
-        if len(salt) < 16:
-            raise CachelabError(f"{path}: a salt file holds at least 16 bytes, found {len(salt)}") from None
-        return salt
+        return _read_salt(path)
     except OSError as exc:
         raise CachelabError(f"cannot create salt file {path}: {exc}") from None
     salt = secrets.token_bytes(32)
@@ -101,6 +103,23 @@ def load_salt(path: str | os.PathLike) -> bytes:
         os.fsync(fd)
     finally:
         os.close(fd)
+    return salt
+
+
+def _read_salt(path: Path) -> bytes:
+    try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):  # a FIFO blocked the start, a device (/dev/zero) was read for ever
+            raise CachelabError(f"salt file {path} is not a regular file")
+        if mode & 0o077:
+            raise CachelabError(f"salt file {path} is mode {mode & 0o777:04o}: other users can read or change it, "
+                                f"which defeats the salted hashes; chmod 600 {path} (or use a new salt)")
+        with open(path, "rb") as f:
+            salt = f.read(64)
+    except OSError as exc:  # a dangling link, a directory, no permission
+        raise CachelabError(f"cannot read salt file {path}: {exc}") from None
+    if len(salt) < 16:
+        raise CachelabError(f"{path}: a salt file holds at least 16 bytes, found {len(salt)}")
     return salt
 
 
@@ -174,9 +193,8 @@ class Recorder:
                  salt_file: str | os.PathLike | None = None, fsync: str = "batch",
                  rotate_bytes: int = 256 << 20, rotate_seconds: float = 3600.0, max_queue: int = 100_000,
                  source: str = "capture", tokenizer: str = DEEPSEEK_V4, commit_interval: float = 0.0):
-        self.directory = Path(directory)
+        self.directory = private_directory(directory)
         self.tokenizer = FallbackTokenizer(tokenizer)
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.privacy = Privacy(load_salt(salt_file or self.directory / "salt"), hash_blocks, store_text)
         if hash_blocks:
             # compiled (or loaded from numba's cache: 0.5-4.3 s here) now, not while the first record is

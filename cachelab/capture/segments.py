@@ -1,7 +1,8 @@
 """Append-only segment files: length-prefixed, checksummed records; rotation; torn-tail recovery.
 
 A capture directory holds segment files named ``{stream}-{index:06d}.seg`` (``requests``,
-``kv-events``), created 0600 in a 0700 directory and only ever appended to: a restarted
+``kv-events``), created 0600 in a 0700 directory (an existing one others can get into is
+refused, ``private_directory``) and only ever appended to: a restarted
 writer opens the next index, never an old file. A file is the 8-byte magic ``CLCAPSG1``
 followed by records::
 
@@ -68,6 +69,23 @@ def segment_files(directory: str | os.PathLike, stream: str) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def private_directory(directory: str | os.PathLike) -> Path:
+    """The capture directory, created 0700 where it is new. One that exists is refused if other users
+    can read, enter or write it (its files are 0600, but a directory others can write lets them
+    delete or replace segments and plant the salt before it is made): a clear error with the fix,
+    never a silent ``chmod`` of a directory the user chose."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        mode = directory.stat().st_mode
+    except OSError as exc:
+        raise CachelabError(f"cannot create capture directory {directory}: {exc}") from None
+    if mode & 0o077:
+        raise CachelabError(f"capture directory {directory} is mode {mode & 0o777:04o}: other users can get into "
+                            f"it; make it private (chmod 700 {directory}) or give a new directory")
+    return directory
+
+
 def _fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
@@ -91,10 +109,7 @@ class SegmentWriter:
         self.stream = stream
         self.rotate_bytes, self.rotate_seconds = rotate_bytes, rotate_seconds
         self.header = dict(header or {})
-        try:
-            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        except OSError as exc:
-            raise CachelabError(f"cannot create capture directory {self.directory}: {exc}") from None
+        private_directory(self.directory)
         existing = segment_files(self.directory, stream)
         self._next_index = int(existing[-1].name.rsplit("-", 1)[1].split(".")[0]) + 1 if existing else 0
         self._fd: int | None = None

@@ -49,10 +49,9 @@ import subprocess
 import sys
 import time
 from collections import deque
-from pathlib import Path
 
 from cachelab.capture.recorder import Privacy, load_salt
-from cachelab.capture.segments import FSYNC_POLICIES
+from cachelab.capture.segments import FSYNC_POLICIES, private_directory
 from cachelab.errors import CachelabError
 
 # Shared counters (int64 words of the memfd), written by the child only.
@@ -84,8 +83,7 @@ class CaptureWriter:
             raise CachelabError(f"--fsync {fsync!r}: expected one of {', '.join(FSYNC_POLICIES)}")
         if sched not in SCHED_POLICIES:
             raise CachelabError(f"--writer-sched {sched!r}: expected one of {', '.join(SCHED_POLICIES)}")
-        self.directory = Path(directory)
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.directory = private_directory(directory)
         self.privacy = Privacy(load_salt(salt_file or self.directory / "salt"), hash_blocks, store_text)  # checked here
         self.fsync = fsync
         self.max_backlog_bytes = max_backlog_bytes
