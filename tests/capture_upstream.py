@@ -13,7 +13,7 @@ without ``[DONE]``), ``crlf`` (events whose lines end with CRLF, sse-starlette's
 the request's ``accept-encoding``), ``bad-utf8`` (a byte that is not UTF-8 in every event's text), ``break`` (a stream whose
 server fails after two events: its connection closes short of the body's end), ``endless``, ``huge-chunk``, ``slow``, ``error-500``, ``firehose`` (64 KiB events as fast as the
 connection takes them, counted in ``firehose_sent``: flow control), ``conn-close`` (a whole
-answer with ``connection: close``). ``peers`` lists the client port of every completion request,
+answer with ``connection: close``), ``many-choices`` (a whole answer of ``MANY_CHOICES`` choices). ``peers`` lists the client port of every completion request,
 so a test can tell which requests shared a connection. The real reference upstream is vLLM (tests/vllm_peer.py);
 this one exists for the failure modes vLLM cannot be made to produce and for speed.
 """
@@ -42,6 +42,7 @@ WORDS = [" the", " cache", " row", " table", " memory", " token", " layer", " ha
          " serve", " model", " data", " time", " rate", " load"]
 BLOCK = 16
 FINGERPRINT = "fp-cachelab-test"
+MANY_CHOICES = 70_000  # the ``many-choices`` answer's: over the capture's bound on one exchange's records
 
 
 def _json(obj) -> str:
@@ -109,6 +110,11 @@ class Upstream:
         if model == "conn-close":
             return JSONResponse({"id": "cmpl-close", "object": "text_completion", "choices": []},
                                 headers={"connection": "close"})
+        if model == "many-choices":  # far more choices than asked for, each a token
+            return Response(_json({"id": "cmpl-many", "object": "text_completion", "model": model, "choices": [
+                {"index": i, "text": " the", "finish_reason": "length",
+                 "token_ids": [1] if body.get("return_token_ids") else None} for i in range(MANY_CHOICES)]}),
+                media_type="application/json")
         if model == "error-500":
             return JSONResponse({"object": "error", "message": "boom", "code": 500}, status_code=500)
         if model == "slow":

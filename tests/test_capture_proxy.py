@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from capture_upstream import ProxyThread, ServerThread, Upstream, cli_proxy, free_port
+from cachelab.capture.exchange import MAX_RECORDS
 from cachelab.capture.proxy import ProxyConfig
 from cachelab.capture.recorder import Recorder
 from cachelab.capture.to_trace import capture_to_trace, read_requests
@@ -917,6 +918,20 @@ def test_a_capture_directory_or_salt_others_can_get_into_is_refused_at_start(tmp
         assert "Traceback" not in done.stderr
     assert list(open_dir.iterdir()) == [] and salt.read_bytes() == bytes(range(32))
     assert not (tmp_path / "cap").exists() or not any(p.name.endswith(".seg") for p in (tmp_path / "cap").iterdir())
+
+
+def test_an_answer_of_more_choices_than_one_exchange_may_record_is_bounded(tmp_path):
+    """An upstream answering far more choices than asked for (70,000 to a request for one): the
+    client gets the answer as it came; the capture keeps ``MAX_RECORDS`` records of it, each saying
+    why, where it made a record per choice (13 MB of such an answer took 9 s and 0.9 GB to build,
+    64 MiB would take GBs in the writer)."""
+    with Stack(tmp_path) as s:
+        direct = _raw(s.direct.url, "/v1/completions", {"model": "many-choices", "prompt": "x"})
+        proxied = _raw(s.proxy.url, "/v1/completions", {"model": "many-choices", "prompt": "x"})
+        assert proxied[0] == direct[0] == 200 and proxied[1] == direct[1]
+        table = s.records()
+    assert table.height == MAX_RECORDS and table["index"].to_list() == list(range(MAX_RECORDS))
+    assert set(table["error"]) == {f"upstream answered over {MAX_RECORDS} choices: the rest not recorded"}
 
 
 def test_tokenizer_fallback_matches_the_upstream(tmp_path):

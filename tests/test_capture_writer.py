@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import tracemalloc
 
 import pytest
 
@@ -208,3 +209,24 @@ def test_stalled_writer_backlog_is_bounded_then_drains(tmp_path):
         writer.close()
     got, _ = records(tmp_path / "cap")
     assert len(got) == accepted
+
+
+def test_a_stream_of_many_tiny_events_builds_its_record_in_memory_that_does_not_grow_with_them():
+    """A hostile upstream's 400,000 empty events (9 MB): the writer parsed every event of the
+    exchange into one list before reading it, about 16 times the stream's bytes (145 MB here; a
+    64 MiB answer took over a GB), where one event at a time is enough."""
+    from cachelab.capture.tokens import FallbackTokenizer
+
+    block = b'data: {"choices":[]}\n\n' * 10_000
+    x = Exchange(endpoint="/v1/completions", arrival_unix_ns=0, arrival=0.0, body={"prompt": "x", "stream": True},
+                 stream=True, status=200, events=[block] * 40 + [b"data: [DONE]\n\n"], event_times=[1.0] * 41)
+    tokenizer = FallbackTokenizer()
+    tokenizer.encode("x")  # loaded before the measure
+    tracemalloc.start()
+    try:
+        [record] = x.to_records(tokenizer)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert record.status == 200 and record.error is None
+    assert peak < len(block) * 40 / 4, peak

@@ -37,7 +37,7 @@ _IDS = re.compile(rb'"token_ids":\[[^\]]*\]')
 _PROMPT_IDS = re.compile(rb'"prompt_token_ids":\[[^\]]*\]')
 _EMPTY_DELTA = (b'"delta":{}', b'"finish_reason":null')
 _FINGERPRINT = re.compile(rb'"system_fingerprint":"[^"]*"')
-MAX_RECORDS = 1 << 16  # records of one exchange at most for choices the answer never reached (a cut stream)
+MAX_RECORDS = 1 << 16  # records of one exchange at most: choices answered, or asked for and never reached
 
 
 @dataclass
@@ -278,8 +278,8 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
     error, upstream_id, usage, top_prompt = x.error, None, None, None
     choices: dict[int, _Choice] = {}
     if x.response_time is None:  # an event stream (or no answer at all)
-        messages = [(t, _sse_data(e)) for t, block in zip(x.event_times, x.events)
-                    for e in _split(block, x.delim)]
+        # parsed one at a time (a list of every parsed event of a stream of tiny ones took ~40x its bytes)
+        messages = ((t, _sse_data(e)) for t, block in zip(x.event_times, x.events) for e in _split(block, x.delim))
         if x.status == 200 and error is None and not _ends_done(x.events):
             error = "upstream stream ended without [DONE]"  # e.g. closed where only its close ended the body
     else:  # a whole body: the answer to a request that did not stream, or an error answer to one that did
@@ -301,7 +301,12 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
             index = choice.get("index", 0) if isinstance(choice, dict) else None
             if not isinstance(index, int) or isinstance(index, bool) or index < 0:
                 continue
-            c = choices.setdefault(index, _Choice())
+            c = choices.get(index)
+            if c is None:
+                if len(choices) >= MAX_RECORDS:  # a hostile answer of millions of choices: a record each took GBs
+                    error = error or f"upstream answered over {MAX_RECORDS} choices: the rest not recorded"
+                    continue
+                c = choices[index] = _Choice()
             if c.prompt_ids is None and choice.get("prompt_token_ids"):
                 c.prompt_ids = choice["prompt_token_ids"]  # a completion's, in each choice's first
             ids = choice.get("token_ids")
@@ -324,7 +329,7 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
     # and so is each one a client withdrew before any came (499, as cachelab serve --capture records them);
     # an answer of none (an error, the upstream's or the proxy's) is one record
     asked = range(min(len(prompts) * n, MAX_RECORDS))
-    indices = sorted(choices.keys() | asked) if choices or (x.status == CLIENT_CLOSED and asked) else [None]
+    indices = sorted(choices.keys() | asked)[:MAX_RECORDS] if choices or (x.status == CLIENT_CLOSED and asked) else [None]
     records = []
     for index in indices:
         c = choices.get(index) or _Choice()
