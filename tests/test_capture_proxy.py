@@ -417,16 +417,18 @@ class HeadUpstream:
     closes it, reading on (a peer gone without a FIN or RST: a host down, a NAT entry dropped); ``idle_s``:
     a connection idle this long is closed (uvicorn's keep-alive timeout, vLLM's 5 s); ``head``: the
     answer's header lines (bytes) besides its length; ``trailer``: the answer chunked, with these trailer
-    lines. Counts connections and requests; keeps every request's head and body."""
+    lines; ``body``: the answer's body; ``extra``: bytes written right after each answer, in the same
+    write. Counts connections and requests; keeps every request's head and body."""
 
     def __init__(self, answers: float = float("inf"), *, at_accept: bool = False, reset: bool = False,
                  silent: bool = False, idle_s: float | None = None,
-                 head: bytes = b"content-type: application/json\r\n", trailer: bytes | None = None):
+                 head: bytes = b"content-type: application/json\r\n", trailer: bytes | None = None,
+                 body: bytes = b'{"id":"cmpl-h","object":"text_completion","choices":[]}', extra: bytes = b""):
         import socket
         import threading
 
         self.answers, self.at_accept, self.reset, self.idle_s = answers, at_accept, reset, idle_s
-        self.silent, self.head, self.trailer = silent, head, trailer
+        self.silent, self.head, self.trailer, self.body, self.extra = silent, head, trailer, body, extra
         self.connections = self.requests = 0
         self.heads: list[bytes] = []
         self.bodies: list[bytes] = []
@@ -449,7 +451,7 @@ class HeadUpstream:
         import socket
         import struct
 
-        body = b'{"id":"cmpl-h","object":"text_completion","choices":[]}'
+        body = self.body
         if self.reset:
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         conn.settimeout(self.idle_s)
@@ -478,11 +480,39 @@ class HeadUpstream:
                 data = data[length:]
                 self.heads.append(head)
                 if self.trailer is None:
-                    conn.sendall(b"HTTP/1.1 200 OK\r\n%scontent-length: %d\r\n\r\n%s" % (self.head, len(body), body))
+                    conn.sendall(b"HTTP/1.1 200 OK\r\n%scontent-length: %d\r\n\r\n%s%s"
+                                 % (self.head, len(body), body, self.extra))
                 else:
-                    conn.sendall(b"HTTP/1.1 200 OK\r\n%stransfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n%s\r\n"
-                                 % (self.head, len(body), body, self.trailer))
+                    conn.sendall(b"HTTP/1.1 200 OK\r\n%stransfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n%s\r\n%s"
+                                 % (self.head, len(body), body, self.trailer, self.extra))
                 answered += 1
+
+
+@pytest.mark.parametrize("extra", [b"HTTP/1.1 500 Oops\r\ncontent-type: application/json\r\ncontent-length: 2\r\n"
+                                   b"\r\n{}", b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+                                   b"not HTTP at all\r\n\r\n"], ids=["500", "chunked", "garbage"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_what_an_upstream_sends_after_a_whole_answer_is_not_the_clients(tmp_path, stream, extra):
+    """An upstream that writes a second answer (or bytes that are not HTTP) right after the whole answer to
+    a request: the client gets that answer as it came, recorded as it is, and the connection is not used
+    again. The parser went on into the second answer within the same read: a whole answer became a 502
+    (``answer broke off: HttpParserCallbackError``), a stream had the second answer's head and body written
+    into its own, or broke off."""
+    events = b'data: {"id":"cmpl-s","object":"text_completion","choices":[{"index":0,"text":"hi",' \
+             b'"finish_reason":"length"}]}\n\ndata: [DONE]\n\n'
+    head = b"content-type: text/event-stream\r\n" if stream else b"content-type: application/json\r\n"
+    body = events if stream else b'{"id":"cmpl-h","object":"text_completion","choices":[{"index":0,"text":"hi"}]}'
+    upstream = HeadUpstream(head=head, body=body, extra=extra)
+    recorder = Recorder(tmp_path)
+    with ProxyThread(ProxyConfig(upstream=upstream.url, token_ids=False), recorder) as proxy:
+        for _ in range(2):
+            status, got, _ = _raw(proxy.url, "/v1/completions", {"model": "m", "prompt": "x", "stream": stream})
+            assert status == 200 and got == body, got
+    upstream.sock.close()
+    assert upstream.connections == 2, "a connection that carried a second answer is not used again"
+    assert recorder.flush(10)
+    rows = read_requests(tmp_path)[0]
+    assert rows["status"].to_list() == [200, 200] and rows["error"].to_list() == [None, None], rows
 
 
 @pytest.mark.parametrize("model", ["m", "tiny"])

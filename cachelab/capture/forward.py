@@ -115,8 +115,9 @@ class Forward:
     # -- the upstream parser's callbacks ---------------------------------------------------------
     def on_message_begin(self) -> None:
         self.answered = True
-        if self.complete:  # more than one answer to one request: not a connection to reuse
-            self.conn.usable = False
+        if self.complete:  # more than one answer to one request: none of this exchange's (its answer is whole),
+            self.conn.usable = False  # nor a connection to reuse; the parser stops here (the read's callbacks
+            raise ValueError("a second answer to one request")  # had mixed it into the first's: a 502 or bytes)
 
     def on_status(self, reason: bytes) -> None:
         self.reason += reason

@@ -55,8 +55,12 @@ class UpstreamConnection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except Exception as exc:  # not HTTP, or a callback's failure: this exchange ends, the proxy goes on
-            forward.broken(f"{type(exc).__name__}: {exc}")
-            return
+            if not forward.complete:
+                forward.broken(f"{type(exc).__name__}: {exc}")
+                return
+            # after a whole answer (a second one, bytes that are not HTTP): dropped with the connection, which
+            # is not reused; the answer goes to the client as it came
+            self.usable = False
         if forward.mode == -1:  # no head of a final answer yet (the parser keeps a header's bytes until its end)
             forward.head_bytes += len(data)
             limit = forward.proxy.config.max_head_bytes
