@@ -257,3 +257,21 @@ def test_the_choices_of_a_stream_reach_the_client_as_they_come(served):
     upstream = one["last_s"] - zero["last_s"]  # how long the upstream took over choice 1's later events
     assert len(later) > 40 and upstream > 0.02, (len(later), upstream)
     assert later[-1] - events[ended][0] > upstream / 2, (later[-1] - events[ended][0], upstream)
+
+
+def test_a_request_nested_deeper_than_json_reads_goes_upstream_as_it_came(served):
+    """A body nested deeper than Python's json can read (a client's, or a hostile one): the proxy sends it
+    on as it came, as any body it cannot parse, and records the answer. Parsing it raised RecursionError
+    in the parser's callback: the proxy answered 400 `malformed HTTP request` itself and recorded nothing."""
+    url, _, proxy, recorder, _, _, tmp = served
+    body = b'{"model":"%s","prompt":"x","nested":%s%s}' % (MODEL.encode(), b"[" * 100_000, b"]" * 100_000)
+    before = read_requests(tmp / "cap")[0].height
+
+    def post(base: str) -> httpx.Response:
+        return httpx.post(f"{base}/v1/completions", content=body, headers={"content-type": "application/json"},
+                          timeout=60)
+
+    direct, proxied = post(url), post(proxy.url)
+    assert (proxied.status_code, proxied.content) == (direct.status_code, direct.content), proxied.content
+    [row] = _new_rows(tmp / "cap", before, 1)
+    assert row["status"] == direct.status_code and row["error"] == direct.json()["error"]["message"][:300], row

@@ -230,3 +230,24 @@ def test_a_stream_of_many_tiny_events_builds_its_record_in_memory_that_does_not_
         tracemalloc.stop()
     assert record.status == 200 and record.error is None
     assert peak < len(block) * 40 / 4, peak
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_an_answer_nested_deeper_than_json_reads_is_recorded_as_unreadable_not_as_a_failed_build(stream):
+    """An upstream's answer (or one event of its stream) nested deeper than Python's json can read is
+    what a body that is not JSON is: an event skipped, a whole answer recorded as not JSON. It raised
+    RecursionError, and the exchange was recorded as ``record not built``."""
+    from cachelab.capture.tokens import FallbackTokenizer
+
+    deep = b'{"x":%s%s}' % (b"[" * 100_000, b"]" * 100_000)
+    x = exchange(0, stream=stream)
+    if stream:
+        x.events.insert(1, b"data: " + deep + b"\n\n")
+        x.event_times.insert(1, 100.015)
+    else:
+        x.response = deep
+    [record] = x.to_records(FallbackTokenizer())
+    if stream:
+        assert record.error is None and record.output_ids.tolist() == [1000, 1001, 1002]
+    else:
+        assert record.error == "upstream answered 200 with a body that is not JSON"

@@ -71,7 +71,7 @@ def prepare(body: bytes, x: Exchange, token_ids: bool) -> bytes:
     client did not ask for (the ids, a stream's usage)."""
     try:
         parsed = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than json can go: sent as it came
         return body
     if not isinstance(parsed, dict):
         return body
@@ -210,7 +210,7 @@ def _sse_data(event: bytes) -> dict | None:
     try:
         text = data.decode(errors="replace")  # a stray byte in a text field must not hide the event's ids
         parsed, end = _SCAN(text, 0)
-    except (ValueError, StopIteration):
+    except (ValueError, StopIteration, RecursionError):
         return None
     return parsed if isinstance(parsed, dict) and (end == len(text) or text[end:].isspace()) else None
 
@@ -375,7 +375,7 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
 def _json_body(body: bytes):
     try:
         return json.loads(body) if body else None
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 
