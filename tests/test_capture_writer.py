@@ -251,3 +251,16 @@ def test_an_answer_nested_deeper_than_json_reads_is_recorded_as_unreadable_not_a
         assert record.error is None and record.output_ids.tolist() == [1000, 1001, 1002]
     else:
         assert record.error == "upstream answered 200 with a body that is not JSON"
+
+
+def test_an_echoing_request_of_ids_the_tokenizer_cannot_decode_is_recorded_with_its_answer():
+    """A completion with ``echo`` whose prompt ids are out of range, refused by the upstream: recorded
+    with the upstream's status and message. Its ids were decoded to find the echo in an answer that has
+    none, which raised OverflowError: ``record not built``."""
+    from cachelab.capture.tokens import FallbackTokenizer
+
+    x = Exchange(endpoint="/v1/completions", arrival_unix_ns=0, arrival=0.0, status=400, response_time=1.0,
+                 body={"model": "tiny", "prompt": [-1], "echo": True},
+                 response=b'{"object":"error","message":"token id -1 is out of vocabulary","code":400}')
+    [record] = x.to_records(FallbackTokenizer())
+    assert (record.status, record.error) == (400, "token id -1 is out of vocabulary")

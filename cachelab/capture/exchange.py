@@ -341,7 +341,7 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
         prompt_ids, output_ids = c.prompt_ids or top_prompt, c.ids
         upstream_ids = prompt_ids is not None and c.have_ids
         output_text = "".join(c.texts)
-        if echo:  # the prompt echoed before the output: its text, or the server's decoding of the ids sent
+        if echo and output_text:  # the prompt echoed before the output: its text, or the server's decoding of the ids
             echoed = prompt_text if request_ids is None or upstream_ids else tokenizer.decode(request_ids)
             if echoed and output_text.startswith(echoed):
                 output_text = output_text[len(echoed):]
