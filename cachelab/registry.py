@@ -8,7 +8,8 @@ quack like ``cachelab.policy.Policy``: reset, step, resident; a predictor like
 ``cachelab.experiment.kinds.ExperimentKind``: sections, run; a policy's or predictor's
 ``name`` is its entry point's). A plug-in that fails to load
 or to match is recorded with its reason and skipped, so one broken package never breaks
-unrelated commands; ``blame`` names the plug-in behind an exception raised at run time.
+unrelated commands; ``blame`` names the plug-in behind an exception raised at run time
+(``attributed`` turns it into a message that crosses a worker's process boundary).
 A plug-in's import may fail in any way (an exception, ``SystemExit``) or print (sent to
 stderr, so ``--json`` stays clean) without affecting the others; a name that two
 distributions claim is an error naming both, so a built-in never silently loses its name.
@@ -55,6 +56,15 @@ class Plugin:
     def load_failure(self) -> str:
         """Why using it fails, naming it and its origin."""
         return f"plug-in {self.name!r} ({self.origin}) failed to load: {self.error}"
+
+    def run_failure(self, exc: BaseException) -> str:
+        """What ``exc``, raised inside its code, means for a user: it, its origin, the reason."""
+        return f"plug-in {self.name!r} ({self.origin}) failed at run time: {type(exc).__name__}: {exc}"
+
+
+class PluginFailed(CachelabError):
+    """An exception a plug-in's code raised, as a message naming the plug-in and its entry point:
+    it crosses a process boundary (a pool or Ray worker) that the traceback ``blame`` reads does not."""
 
 
 def contract_error(group: str, obj, name: str | None = None) -> str | None:
@@ -212,6 +222,13 @@ def blame(exc: BaseException) -> Plugin | None:
                 culprit = _frame_plugin(tb.tb_frame, plugins)
         tb = tb.tb_next
     return culprit
+
+
+def attributed(exc: Exception) -> Exception:
+    """``exc`` as a ``PluginFailed`` naming the plug-in that raised it (``blame``), else ``exc``:
+    for a worker to return, where the caller sees the message without the traceback."""
+    plugin = blame(exc)
+    return exc if plugin is None or isinstance(exc, PluginFailed) else PluginFailed(plugin.run_failure(exc))
 
 
 def resolved(group: str) -> dict[str, Plugin]:

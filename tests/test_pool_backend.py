@@ -1,5 +1,6 @@
 """The local pool when a sweep is cut short: a dead worker fails only its own point, the
-others still run; an interrupted sweep starts no further point."""
+others still run; an interrupted sweep starts no further point. A plug-in that raises in a
+worker is named, with its entry point, in the point's error."""
 
 from __future__ import annotations
 
@@ -68,3 +69,44 @@ def test_an_interrupted_sweep_starts_no_further_point(pool_kind):
     started = len(list(log.iterdir()))
     # at most the one done, two running and the pool's call queue (workers + 1), never the twelve
     assert started <= 6, f"{started} of 12 points started after the sweep was stopped"
+
+
+BOOM = {
+    "boompolicy/__init__.py": """
+        from policies.linked.fifo import FIFO
+
+        class Boom(FIFO):
+            name = "boom"
+
+            def run(self, keys, step_offsets, next_access=None, scores=None, counts=None):
+                raise RuntimeError("kaboom in run")
+        """,
+    "cachelab_boom-0.2.dist-info/METADATA": "Metadata-Version: 2.1\nName: cachelab-boom\nVersion: 0.2\n",
+    "cachelab_boom-0.2.dist-info/entry_points.txt": "[cachelab.policies]\nboom = boompolicy:Boom\n",
+}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_plugin_failing_in_a_point_is_named_with_its_entry_point(tmp_path, monkeypatch, workers):
+    """In a pool worker the traceback that names the plug-in stays behind: the point's error
+    said only 'kaboom in run'. It names the policy and its entry point, in process or not."""
+    from experiment_helpers import write_spec
+
+    from cachelab.experiment.runner import grid
+    from cachelab.experiment.spec import load_spec
+
+    install_site(tmp_path, BOOM, monkeypatch)
+    registry.discover.cache_clear()
+    try:
+        spec = write_spec(tmp_path, capacities=("2%",))
+        spec.write_text(spec.read_text().replace('policy = "lru"', 'policy = "boom"', 1))
+        points = grid(load_spec(spec))
+        workload = str(build_workload(WorkloadSpec(**points[0].config["workload"])))
+        out = dict(run_tasks([(p.hash, p.config, workload) for p in points], workers=workers))
+        assert len(out) == len(points) == 2
+        for error in out.values():
+            assert isinstance(error, registry.PluginFailed), error
+            assert str(error) == ("plug-in 'boom' (cachelab.policies entry point boompolicy:Boom, from cachelab-boom "
+                                  "0.2) failed at run time: RuntimeError: kaboom in run")
+    finally:
+        registry.discover.cache_clear()

@@ -33,8 +33,7 @@ class _Group(TyperGroup):
             plugin = registry.blame(exc)
             if plugin is None:
                 raise
-            typer.echo(f"error: plug-in {plugin.name!r} ({plugin.origin}) failed at run time: "
-                       f"{type(exc).__name__}: {exc}", err=True)
+            typer.echo(f"error: {plugin.run_failure(exc)}", err=True)
             raise typer.Exit(code=2) from None
 
 

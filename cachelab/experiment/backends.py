@@ -36,6 +36,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from functools import lru_cache
 
+from cachelab import registry
 from cachelab.errors import CachelabError
 from cachelab.experiment.kinds import PointOutput, get_kind
 from cachelab.experiment.workload import Workload, load_workload
@@ -59,7 +60,7 @@ def _safe(config, workload) -> PointOutput | BaseException:
     try:
         return execute(config, workload)
     except Exception as exc:  # reported per point; one bad point must not sink the sweep
-        return exc
+        return registry.attributed(exc)  # named here: the traceback that names a plug-in stays in the worker
 
 
 def run_tasks(tasks: list[Task], backend: str = "local", workers: int | None = None,
