@@ -287,3 +287,39 @@ def test_the_example_package_is_found_simulated_and_conforms(example_installed, 
     assert abs(ours["miss_ratio"] - lru["miss_ratio"]) < 0.1  # random eviction is near LRU on Zipf
     assert all(r.ok for r in check_policy(registry.get(registry.POLICIES, "example-random")))
     assert all(r.ok for r in check_predictor(registry.get(registry.PREDICTORS, "example-ridge")))
+
+
+PAST_THE_END = {  # the kit's compiled FIFO that writes one past an array (tests/test_testing_kit.py), as a package
+    "pastpkg/__init__.py": "from test_testing_kit import StampsPastTheEnd\n",
+    "cachelab_past-0.3.dist-info/METADATA": "Metadata-Version: 2.1\nName: cachelab-past\nVersion: 0.3\n",
+    "cachelab_past-0.3.dist-info/entry_points.txt": "[cachelab.policies]\nstamps-past-the-end = pastpkg:StampsPastTheEnd\n",
+}
+
+
+def test_policies_check_runs_the_kit_on_an_installed_policy(tmp_path, monkeypatch):
+    """A plug-in author had to write pytest to run the kit: the verb runs it on a registered
+    policy, each check with its status and reason, and exits 1 where one fails."""
+    ok = _json(["policies", "check", "lru", "--json"])
+    assert ok["passed"] and ok["entry_point"] == "policies.linked.lru:LRU" and ok["distribution"] == "cachelab"
+    statuses = {c["check"]: c["status"] for c in ok["checks"]}
+    from cachelab.testing import POLICY_CHECKS
+
+    assert list(statuses) == [c.__name__ for c in POLICY_CHECKS] and statuses["check_bounds"] == "passed"
+    _install(PAST_THE_END, tmp_path, monkeypatch)
+    try:
+        res = runner.invoke(app, ["policies", "check", "stamps-past-the-end", "--json"])
+        assert res.exit_code == 1, res.output
+        out = json.loads(res.stdout)
+        assert not out["passed"] and (out["distribution"], out["version"]) == ("cachelab-past", "0.3")
+        failed = {c["check"]: c["reason"] for c in out["checks"] if c["status"] == "failed"}
+        assert list(failed) == ["check_bounds"] and "indexed an array out of bounds" in failed["check_bounds"]
+        text = runner.invoke(app, ["policies", "check", "stamps-past-the-end"])
+        words = " ".join(text.stdout.split())  # as wrapped at the terminal's width
+        assert text.exit_code == 1 and "FAILED check_bounds: capacity 1, step" in words
+        assert "passed check_slots_consistent" in words and "11 checks, 1 failed (check_bounds)" in words
+        unknown = runner.invoke(app, ["policies", "check", "no-such-policy"])
+        assert unknown.exit_code == 2 and "unknown policy 'no-such-policy'" in unknown.output
+        bad = runner.invoke(app, ["policies", "check", "lru", "--param", "windwo=3"])
+        assert bad.exit_code == 2 and "windwo" in bad.output
+    finally:
+        registry.discover.cache_clear()

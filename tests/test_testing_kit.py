@@ -6,10 +6,12 @@ import pickle
 import random
 from pathlib import Path
 
+import numba as nb
 import numpy as np
 import pytest
 
 from cachelab.policy import Capabilities, Policy, StepResult, check_capacity, check_keys
+from cachelab.policy.kernel import KernelPolicy, note_admit, note_evict
 from cachelab.learning import Predictor
 from cachelab.testing import check_policy, check_predictor
 
@@ -198,6 +200,43 @@ class NotAPolicy:
     pass
 
 
+@nb.njit
+def _fifo_stamping_past_the_end(keys, slot_of, key_of, hand, stamp, kind, counters, scores, meta, hits, record,
+                                adm, adm_slot, ev, counts):
+    """A compiled FIFO (a hand over the slots) that notes each admission at ``stamp[key + 1]``:
+    one past the end for the last key, which Numba's loops never check."""
+    for i in range(keys.size):
+        key = keys[i]
+        hits[i] = slot_of[key] >= 0
+        if hits[i]:
+            continue
+        slot = hand[0] % key_of.size
+        hand[0] += 1
+        gone = key_of[slot]
+        if gone >= 0:
+            slot_of[gone] = -1
+            note_evict(record, ev, counts, gone)
+        key_of[slot], slot_of[key] = key, slot
+        note_admit(record, adm, adm_slot, counts, key, slot)
+        stamp[key + 1] = i
+
+
+class StampsPastTheEnd(KernelPolicy):
+    """A custom kernel that writes one element past an array; otherwise a correct FIFO."""
+
+    name = "stamps-past-the-end"
+    kernel = staticmethod(_fifo_stamping_past_the_end)
+
+    def init_state(self, capacity, num_keys):
+        self.hand = np.zeros(1, np.int64)
+        # a view of a longer array: the stray write lands in memory of its own, so the other
+        # checks run safely in this process (a real bug's write lands in some other object)
+        self.stamp = np.zeros(num_keys + 1, np.int64)[:num_keys]
+
+    def state(self):
+        return self.hand, self.stamp
+
+
 # (broken policy, its params, the check that must fail it, words of the reason)
 BROKEN = [
     (NotAPolicy, {}, "check_interface", "lacks ['reset', 'step', 'resident']"),
@@ -217,6 +256,7 @@ BROKEN = [
     (ResetRemembers, {}, "check_reset", "the rerun differs from a fresh run"),
     (RunMisses, {}, "check_step_matches_run", "run() and step() disagree first at access"),
     (Reserving, {}, "check_holds_every_key", "yet step"),
+    (StampsPastTheEnd, {}, "check_bounds", "compiled code indexed an array out of bounds (index is out of bounds"),
 ]
 
 
@@ -235,6 +275,14 @@ def test_every_policy_check_is_shown_failing():
 
 def test_a_correct_policy_passes():
     assert failures(check_policy(PyFIFO)) == {}
+
+
+def test_a_compiled_write_past_an_array_is_caught_by_the_bounds_check_alone():
+    """Every other check passes it: the stray write changes nothing they observe."""
+    failed = failures(check_policy(StampsPastTheEnd))
+    assert set(failed) == {"check_bounds"}, failed
+    assert failed["check_bounds"].startswith("capacity 1, step ")  # the first capacity, the step and its keys
+    assert "63" in failed["check_bounds"].split("):")[0]  # the last key, whose stamp is past the end
 
 
 def test_phantom_hits_are_caught():

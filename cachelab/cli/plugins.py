@@ -1,7 +1,9 @@
-"""``cachelab plugins list`` and ``cachelab policies list``: what the entry points provide.
+"""``cachelab plugins list``, ``cachelab policies list`` and ``cachelab policies check``: what the
+entry points provide, and whether a policy keeps the contract.
 
 Built-ins and third-party packages are listed alike, each with the distribution and version
 it came from; a broken plug-in is listed with its reason instead of breaking the command.
+``policies check`` runs the conformance kit (``cachelab.testing``) on one installed policy.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from cachelab import registry, strict_json
+from cachelab.params import check_params, parse_pairs
 
 plugins_app = typer.Typer(no_args_is_help=True, help="Installed plug-ins of every cachelab entry-point group.")
 policies_app = typer.Typer(no_args_is_help=True, help="Installed cache policies (built-in and plug-in).")
@@ -85,3 +88,46 @@ def policies_list(as_json: bool = typer.Option(False, "--json", help="Print a JS
         origin = f"{r['distribution']} {r['version']}, {'compiled' if r['compiled'] else 'Python'}"
         table.add_row(r["name"], needs, escape(f"{r['summary']}\nparameters: {params}\n{origin}"))
     Console().print(table)
+
+
+@policies_app.command("check")
+def policies_check(
+    name: str = typer.Argument(..., help="A registered policy's name, as `cachelab policies list` shows it."),
+    param: list[str] = typer.Option([], "--param", help="A hyper-parameter to check the policy with, as "
+                                    "key=value (repeatable), e.g. --param admission=tinylfu."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object: the policy, its entry point "
+                                 "and each check's status and reason."),
+) -> None:
+    """Run the conformance kit (docs/plugins.md) on an installed policy: each check passed,
+    failed with the reason, or skipped with why. Exit status 1 if any check failed.
+
+    The checks replay small streams at capacities 1, 5 and 24 and hold the policy to the
+    contract every command relies on (capacity, hits, slots, determinism, reset, step vs run,
+    no index past an array in compiled code, which reruns it in a fresh process for a few
+    seconds). Example: `cachelab policies check my-policy --param window=8`."""
+    from cachelab.testing import iter_policy_checks
+
+    cls = registry.get(registry.POLICIES, name)
+    plugin = registry.resolved(registry.POLICIES)[name]
+    params = parse_pairs(param)
+    check_params(cls, params, "--param")
+    console = Console()
+    if not as_json:
+        console.print(f"checking {name} ({escape(plugin.origin)})" + (f" with {params}" if params else ""))
+    results = []
+    for result in iter_policy_checks(cls, **params):
+        results.append(result)
+        if not as_json:
+            mark = {"passed": "[green]passed[/] ", "failed": "[red]FAILED[/] ", "skipped": "[yellow]skipped[/]"}
+            console.print(f"{mark[result.status]} {result.check}" + (f": {escape(result.reason)}" if result.reason else ""))
+    failed = [r.check for r in results if r.status == "failed"]
+    if as_json:
+        typer.echo(strict_json.dumps({"policy": name, "entry_point": plugin.value, "distribution": plugin.distribution,
+                                      "version": plugin.version, "params": params, "passed": not failed,
+                                      "checks": [{"check": r.check, "status": r.status, "reason": r.reason}
+                                                 for r in results]}, default=str))
+    else:
+        console.print(f"{name}: {len(results)} checks, {len(failed)} failed"
+                      + (f" ({', '.join(failed)})" if failed else ""))
+    if failed:
+        raise typer.Exit(code=1)

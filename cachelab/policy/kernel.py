@@ -10,7 +10,8 @@ its slot and every evicted key
 so the two paths execute the very same code. ``slot_of[key]`` (-1 if absent) and
 ``key_of[slot]`` (-1 if free) are the residency every policy keeps; ``state`` is the
 policy's own arrays. Keys are checked against ``num_keys`` here, once per call, because
-the kernels index arrays by key without bounds checks.
+the kernels index arrays by key without bounds checks (the conformance kit's ``check_bounds``
+reruns a policy with them on).
 """
 
 from __future__ import annotations

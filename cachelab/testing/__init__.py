@@ -4,7 +4,9 @@ In the spirit of scikit-learn's ``check_estimator``: small, named ``check_*`` fu
 each raising ``AssertionError`` with a readable message when the contract is broken, run
 on small deterministic streams (or data sets). ``check_policy(PolicyClass, **params)`` and
 ``check_predictor(PredictorClass, **params)`` run them all and return one ``CheckResult``
-per check; ``parametrize_with_checks`` turns the same checks into pytest cases::
+per check (``iter_policy_checks`` yields each as it finishes; ``cachelab policies check NAME``
+runs them on a registered policy, no test to write); ``parametrize_with_checks`` turns the
+same checks into pytest cases::
 
     from cachelab.testing import check_policy, parametrize_with_checks
 
@@ -19,11 +21,11 @@ per check; ``parametrize_with_checks`` turns the same checks into pytest cases::
 from __future__ import annotations
 
 from cachelab.testing.results import CheckResult, ConformanceError, run_checks
-from cachelab.testing.policy_checks import POLICY_CHECKS, check_policy
+from cachelab.testing.policy_checks import POLICY_CHECKS, check_policy, iter_policy_checks
 from cachelab.testing.predictor_checks import PREDICTOR_CHECKS, check_predictor
 
 __all__ = ["CheckResult", "ConformanceError", "POLICY_CHECKS", "PREDICTOR_CHECKS", "check_policy",
-           "check_predictor", "parametrize_with_checks", "run_checks"]
+           "check_predictor", "iter_policy_checks", "parametrize_with_checks", "run_checks"]
 
 
 def _checks_for(cls):

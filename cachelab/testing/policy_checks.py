@@ -3,16 +3,23 @@
 Every check takes the policy class and its hyper-parameters, builds fresh instances, drives
 them over small deterministic streams (skewed keys in steps of distinct keys, as the engine
 passes them) at a few capacities, and raises ``ConformanceError`` naming the capacity, the
-step and the keys at fault.
+step and the keys at fault. ``check_bounds`` drives them in a fresh process with Numba's
+bounds checks on, since compiled loops run without them.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import json
+import os
+import subprocess
+import sys
 from collections import Counter
 
 import numpy as np
 
+from cachelab.paths import cache_dir
 from cachelab.workload.future import next_access
 from cachelab.policy import NO_NEXT, Policy
 from cachelab.testing.results import ConformanceError, Skip, run_checks
@@ -286,14 +293,81 @@ def check_holds_every_key(cls, **params):
             seen.update(batch.tolist())
 
 
+BOUNDS_TIMEOUT_S = 900  # a fresh process compiles every kernel the policy runs, with bounds checks
+
+
+def check_bounds(cls, **params):
+    """No compiled code indexes past an array: the streams of the other checks (``step`` and
+    ``run``, each capacity) rerun in a fresh process with Numba's bounds checks on for every
+    compiled function (``NUMBA_BOUNDSCHECK=1``: the policy's kernel or hooks, the helpers they
+    call, inlined or not, and cachelab's loop; compiled into a cache of their own). Without
+    them an index past an array's end reads or writes whatever memory follows, silently. A
+    negative index is read from the end (Numba does as NumPy), so it is not caught."""
+    target = f"{cls.__module__}:{cls.__qualname__}"
+    if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
+        raise Skip(f"{target} cannot be imported by the fresh process that checks bounds: "
+                   "define the class at the top level of an importable module")
+    try:
+        given = json.dumps(params)
+    except TypeError as exc:
+        raise Skip(f"the fresh process that checks bounds takes JSON params: {exc}") from None
+    env = {**os.environ, "NUMBA_BOUNDSCHECK": "1", "NUMBA_CACHE_DIR": str(cache_dir() / "numba-boundscheck"),
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    code = "from cachelab.testing.policy_checks import bounds_child; bounds_child()"
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, target, given], env=env, capture_output=True,
+                              text=True, timeout=BOUNDS_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise ConformanceError(f"the rerun with bounds checks did not finish in {BOUNDS_TIMEOUT_S} s") from None
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-1:] or [f"status {proc.returncode}"]
+        raise ConformanceError(f"the rerun with Numba's bounds checks on failed: {tail[0]}")
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    if found:
+        raise ConformanceError(f"capacity {found['capacity']}, {found['where']}: compiled code indexed an array "
+                               f"out of bounds ({found['error']}, under NUMBA_BOUNDSCHECK=1); without the check "
+                               "that read or write lands in other memory and corrupts it silently")
+
+
+def bounds_child() -> None:
+    """``check_bounds``'s fresh process: argv is ``module:qualname`` and the params as JSON; prints
+    one JSON line, the first out-of-bounds index (capacity, where, Numba's message) or ``{}``."""
+    module, qualname = sys.argv[1].split(":")
+    cls = importlib.import_module(module)
+    for part in qualname.split("."):
+        cls = getattr(cls, part)
+    params = json.loads(sys.argv[2])
+    for capacity in CAPACITIES:
+        where = "reset"
+        try:
+            run = _Run(cls, params, capacity)
+            steps = run.steps()
+            for s in range(run.offsets.size - 1):
+                where = f"step {s} (keys {run.keys[run.offsets[s]:run.offsets[s + 1]].tolist()})"
+                next(steps)  # runs step s
+            where = "run() over every step"
+            _Run(cls, params, capacity).run()
+        except IndexError as exc:
+            print(json.dumps({"capacity": capacity, "where": where, "error": str(exc)}))
+            return
+    print(json.dumps({}))
+
+
 POLICY_CHECKS = (check_interface, check_get_params, check_bad_arguments, check_capacity_respected,
                  check_hits_only_on_resident, check_slots_consistent, check_determinism, check_reset,
-                 check_step_matches_run, check_holds_every_key)
+                 check_step_matches_run, check_holds_every_key, check_bounds)
+
+
+def iter_policy_checks(cls, **params):
+    """Each policy check's ``CheckResult`` on ``cls(**params)`` as it finishes (the bounds check
+    takes seconds: ``cachelab policies check`` shows each at once)."""
+    for i, check in enumerate(POLICY_CHECKS):
+        (result,) = run_checks((check,), cls, params)
+        yield result
+        if i == 0 and not result.ok:  # not a policy class: nothing else can run
+            return
 
 
 def check_policy(cls, **params):
     """Run every policy check on ``cls(**params)``; one ``CheckResult`` per check."""
-    results = run_checks(POLICY_CHECKS[:1], cls, params)
-    if not results[0].ok:  # nothing else can run
-        return results
-    return results + run_checks(POLICY_CHECKS[1:], cls, params)
+    return list(iter_policy_checks(cls, **params))
