@@ -256,7 +256,7 @@ BROKEN = [
     (ResetRemembers, {}, "check_reset", "the rerun differs from a fresh run"),
     (RunMisses, {}, "check_step_matches_run", "run() and step() disagree first at access"),
     (Reserving, {}, "check_holds_every_key", "yet step"),
-    (StampsPastTheEnd, {}, "check_bounds", "compiled code indexed an array out of bounds (index is out of bounds"),
+    (StampsPastTheEnd, {}, "check_bounds", "an array was indexed out of bounds (index is out of bounds)"),
 ]
 
 
@@ -275,6 +275,19 @@ def test_every_policy_check_is_shown_failing():
 
 def test_a_correct_policy_passes():
     assert failures(check_policy(PyFIFO)) == {}
+
+
+def test_the_bounds_check_skips_a_class_its_fresh_process_cannot_import():
+    from cachelab.testing import run_checks
+    from cachelab.testing.policy_checks import check_bounds
+
+    class Inner(StampsPastTheEnd):
+        pass
+
+    elsewhere = type("Elsewhere", (StampsPastTheEnd,), {"__module__": "a_module_no_process_finds"})
+    ((inner,), (far,)) = (run_checks((check_bounds,), cls, {}) for cls in (Inner, elsewhere))
+    assert inner.status == "skipped" and "define the class at the top level of an importable module" in inner.reason
+    assert far.status == "skipped" and "cannot import a_module_no_process_finds:Elsewhere" in far.reason
 
 
 def test_a_compiled_write_past_an_array_is_caught_by_the_bounds_check_alone():
