@@ -143,7 +143,10 @@ def test_a_failed_point_is_a_failed_run_with_its_error_and_the_report_counts_it_
     status = {(r.data.tags[KIND], r.data.tags.get("cachelab.axis.seed")): r.info.status for r in runs}
     assert status == {("experiment", None): "FAILED", ("point", "0"): "FINISHED", ("point", "1"): "FAILED"}
     failed = next(r for r in runs if r.info.status == "FAILED" and r.data.tags[KIND] == "point")
-    assert failed.data.tags[ERROR] == "ValueError: seed 1 is refused" and failed.data.params["seed"] == "1"
+    assert failed.data.tags[ERROR] == ("PluginFailed: plug-in 'count' (cachelab.experiment_kinds entry point "
+                                       "countkind:COUNT, from cachelab-countkind 0.1) failed at run time: ValueError: "
+                                       "seed 1 is refused")  # the kind's a plug-in: named with its entry point
+    assert failed.data.params["seed"] == "1"
     data = load_experiment(Tracker(uri), "failing")
     assert (data.results.height, data.points_expected) == (1, 2)
     assert "1 of the spec's 2 points have no finished run" in html.unescape(render_html(data))
