@@ -218,25 +218,36 @@ class SteadyState:
         budget = float(dep.max_num_batched_tokens)
         chunk_ctx = float((wl.new_tokens + wl.cached_tokens).mean())
 
+        def step(x: float, t: float) -> tuple:
+            """The mean step time that a step time of ``t`` at request rate ``x`` implies."""
+            decoders = x * n_dec * t
+            room = max(budget - decoders * self.q, 1.0)
+            # a prompt longer than the room takes ceil(n / room) chunks, all full but the last: the
+            # mean chunk is n / chunks (charging every chunk the full room counted an 8,192-token
+            # prompt under an 8,096-token room as 16,192 tokens of prefill)
+            chunks_per_req = max(1.0, np.ceil(n_new / room)) if n_new > 0 else 0.0
+            chunk = n_new / chunks_per_req if n_new > 0 else 0.0
+            f = min(1.0, x * chunks_per_req * t)
+            t_d, stall_d = step_seconds(dep, decoders, ctx, 0.0, 0.0)
+            t_m, stall_m = step_seconds(dep, decoders, ctx, chunk, chunk_ctx, kv_load / max(chunks_per_req, 1.0),
+                                        hashed=chunk_ctx / max(chunks_per_req, 1.0))
+            return f * t_m + (1 - f) * t_d, (decoders, room, chunks_per_req, f, t_d, stall_d, t_m, stall_m)
+
         def state(x: float) -> dict:
             t = 0.02
-            for _ in range(40):
-                decoders = x * n_dec * t
-                room = max(budget - decoders * self.q, 1.0)
-                # a prompt longer than the room takes ceil(n / room) chunks, all full but the last: the
-                # mean chunk is n / chunks (charging every chunk the full room counted an 8,192-token
-                # prompt under an 8,096-token room as 16,192 tokens of prefill)
-                chunks_per_req = max(1.0, np.ceil(n_new / room)) if n_new > 0 else 0.0
-                chunk = n_new / chunks_per_req if n_new > 0 else 0.0
-                f = min(1.0, x * chunks_per_req * t)
-                t_d, stall_d = step_seconds(dep, decoders, ctx, 0.0, 0.0)
-                t_m, stall_m = step_seconds(dep, decoders, ctx, chunk, chunk_ctx, kv_load / max(chunks_per_req, 1.0),
-                                            hashed=chunk_ctx / max(chunks_per_req, 1.0))
-                t_new = f * t_m + (1 - f) * t_d
-                if abs(t_new - t) < 1e-6 * t:
-                    t = t_new
+            for _ in range(20):
+                t1, at = step(x, t)
+                if abs(t1 - t) < 1e-6 * t:
+                    t = t1
                     break
-                t = 0.5 * (t + t_new)
+                t2, at = step(x, t1)
+                if abs(t2 - t1) < 1e-6 * t1:
+                    t = t2
+                    break
+                bend = t2 - 2 * t1 + t
+                guess = t - (t1 - t) ** 2 / bend if bend else t2
+                t = guess if 0 < guess < 1e6 and np.isfinite(guess) else t2
+            decoders, room, chunks_per_req, f, t_d, stall_d, t_m, stall_m = at
             service = chunks_per_req * t_m
             # the prefill slot's load: a prompt that fits the room may share a step with others (its
             # tokens over the room's rate); one split into chunks fills every step it takes, so its
@@ -254,7 +265,7 @@ class SteadyState:
         # other clients wait for admission, which lengthens TTFT but not TPOT.
         max_running = self.hbm_tokens / ctx
         lo, hi = 0.0, 1.0
-        while state(hi)["x"] * state(hi)["cycle"] < concurrency and hi < 1e6:
+        while hi * state(hi)["cycle"] < concurrency and hi < 1e6:
             hi *= 2
         for _ in range(32):
             mid = 0.5 * (lo + hi)
