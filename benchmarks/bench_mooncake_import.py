@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +25,7 @@ from pathlib import Path
 import polars as pl
 
 from cachelab.paths import data_root
+from timed_cli import timed_cli
 
 MOONCAKE = "traces/mooncake_fast25/conversation_trace.jsonl"
 
@@ -44,19 +42,10 @@ def write_copies(source: Path, copies: int, out: Path) -> int:
 
 
 def cli_build(path: Path, out: Path) -> tuple[float, float]:
-    """(wall seconds, CPU seconds) of ``cachelab trace build`` on ``path`` in a fresh process.
-    CPU time (user + system of the child) is what the ratio uses: on a shared machine the
-    wall time of one command varied 4.1-7.5 s from run to run."""
-    command = [sys.executable, "-m", "cachelab.cli", "trace", "build", "--arrivals", "mooncake",
-               "--arrivals-path", str(path), "-o", str(out), "--json"]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, check=False, env=os.environ)
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if done.returncode:
-        sys.exit(done.stderr)
-    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    """(wall seconds, CPU seconds) of ``cachelab trace build`` on ``path`` in a fresh process."""
+    _, wall, cpu = timed_cli(["trace", "build", "--arrivals", "mooncake", "--arrivals-path", str(path), "-o", str(out),
+                              "--json"])
+    return wall, cpu
 
 
 def best(runs: list[tuple[float, float]]) -> tuple[float, float]:

@@ -17,35 +17,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import polars as pl
 
 from bench_serving import workload
 from cachelab.trace.schema import write_trace
+from timed_cli import timed_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def serve_sim(tree: Path, trace: Path, args: argparse.Namespace) -> tuple[dict, float, float]:
     """The result, wall seconds and CPU seconds of one `serve-sim --json` under ``tree``."""
-    cmd = [sys.executable, "-m", "cachelab.cli", "serve-sim", "--trace", str(trace), "--hardware", args.hardware,
-           "--tp", str(args.tp), "--placement", args.placement, "--row-cache", args.row_cache,
-           "--page-cache", args.page_cache, "--json"]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    started = time.perf_counter()
-    done = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True, cwd=tree)
-    wall = time.perf_counter() - started
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if done.returncode:
-        raise SystemExit(f"serve-sim under {tree} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return json.loads(done.stdout), wall, cpu
+    stdout, wall, cpu = timed_cli(["serve-sim", "--trace", str(trace), "--hardware", args.hardware, "--tp", str(args.tp),
+                                   "--placement", args.placement, "--row-cache", args.row_cache,
+                                   "--page-cache", args.page_cache, "--json"], tree)
+    return json.loads(stdout), wall, cpu
 
 
 def differences(a, b, where: str = "") -> tuple[list[str], list[str]]:

@@ -137,6 +137,16 @@ def test_study_analysis_reads_fronts():
     assert out["b200_dram_tokens_per_dollar"] == pytest.approx(2500 * 3600 / 1.95)
     assert out["b200_ssd_tokens_per_dollar"] == pytest.approx((1200 - 65 / 90 * 700) * 3600 / 1.95)
     assert out["b200_ssd_points_dominated"] and out["b200_dram_p90_interactivity_wins_every_pair"]
+    assert out["b200_arms_tie_from_concurrency"] == {"4": None}
+    # an SSD point the DRAM arm matches within the solve's tolerance is a tie, neither dominated nor lost
+    tied = points.with_columns(
+        pl.when((pl.col("placement") == "ssd-mmap") & (pl.col("concurrency") == 64))
+        .then(pl.lit(100.0 * (1 - 1e-7))).otherwise(pl.col("p90_interactivity")).alias("p90_interactivity"),
+        pl.when((pl.col("placement") == "ssd-mmap") & (pl.col("concurrency") == 64))
+        .then(pl.lit(3000.0)).otherwise(pl.col("tokens_per_s_per_gpu")).alias("tokens_per_s_per_gpu"))
+    tie = analyse(tied)
+    assert not tie["b200_ssd_points_dominated"] and not tie["b200_dram_p90_interactivity_wins_every_pair"]
+    assert tie["b200_arms_tie_from_concurrency"] == {"4": 64}
     assert out["b300_tp2_table_in_hbm_fits"] is False
     assert out["b300_tp2_dram_gain_max"] == pytest.approx(1.5)  # 3000 vs 2000 at 100 tok/s/user
     assert out["b300_tp2_dram_gain_at_p90_interactivity"] == pytest.approx(100.0)

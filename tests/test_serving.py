@@ -61,6 +61,9 @@ def test_pareto_front_and_reading_it():
     assert throughput_at(front, 25.0) == pytest.approx(550.0)
     assert throughput_at(front, 5.0) == 1000.0 and np.isnan(throughput_at(front, 31.0))
     assert dominated(pts, front).tolist() == [False, False, False, True, True]
+    # a point a hair behind another (closer than rtol) ties with it: not dominated
+    hair = pl.DataFrame({"interactivity": [30.0 * (1 - 1e-7)], "tokens_per_s_per_gpu": [300.0]})
+    assert dominated(hair, front).tolist() == [True] and dominated(hair, front, rtol=1e-4).tolist() == [False]
 
 
 def _trace(n=40, seed=0, spacing=0.02, out=(2, 60), shared=True):

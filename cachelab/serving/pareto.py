@@ -40,12 +40,15 @@ def throughput_at(front: pl.DataFrame, interactivity: float, x: str = "interacti
     return float(np.interp(interactivity, xs, ys))
 
 
-def dominated(points: pl.DataFrame, by: pl.DataFrame, x: str = "interactivity", y: str = "tokens_per_s_per_gpu") -> np.ndarray:
+def dominated(points: pl.DataFrame, by: pl.DataFrame, x: str = "interactivity", y: str = "tokens_per_s_per_gpu",
+              rtol: float = 0.0) -> np.ndarray:
     """For each row of ``points``, whether some row of ``by`` is at least as good on both axes
-    and strictly better on one."""
+    and strictly better on one; values within ``rtol`` of each other (relative) are a tie, so a
+    model solved to a tolerance does not rank its own rounding."""
     px, py = points[x].to_numpy()[:, None], points[y].to_numpy()[:, None]
     bx, by_ = by[x].to_numpy()[None, :], by[y].to_numpy()[None, :]
-    return np.any((bx >= px) & (by_ >= py) & ((bx > px) | (by_ > py)), axis=1)
+    lo, hi = 1.0 - rtol, 1.0 + rtol
+    return np.any((bx >= px * lo) & (by_ >= py * lo) & ((bx > px * hi) | (by_ > py * hi)), axis=1)
 
 
 def plot_format(path, flag: str = "--plot") -> str:

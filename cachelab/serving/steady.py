@@ -7,8 +7,9 @@ loop in its steady state (a fluid model, as capacity planners and the Vidur-styl
 do for throughput): C clients each cycle through think time, queueing for prefill, prefill in
 chunks beside the decoding batch, and decode at one verify step per ``acceptance_length``
 tokens. The request rate X is found by bisection on Little's law, ``X x cycle(X) = C``; inside,
-the step time is the latency model's, for a step holding the decoders and (in a fraction of
-steps) a prefill chunk. Requests in service hold their KV in HBM, so at most KV tokens / context
+the step time is the fixed point of the latency model's step for the decoders and the share of
+mixed steps that step time implies (solved to ``STEP_RTOL``: under load the map's slope nears 1,
+so plain iteration crawls and Steffensen's acceleration is used). Requests in service hold their KV in HBM, so at most KV tokens / context
 of them run at once; the other clients wait for admission (TTFT grows, TPOT does not). Percentiles come from stated approximations: a request's TPOT mixes
 decode-only and mixed steps binomially; TTFT is its own chunks plus an exponential queueing
 wait (M/D/1 mean). Every input a point uses is in ``Workload`` and ``Deployment``.
@@ -25,6 +26,7 @@ from cachelab.serving.latency import Batch, EngramStep, LatencyModel, StepTime
 from cachelab.serving.page_popularity import interpolate
 
 Z = {50: 0.0, 90: 1.2816, 99: 2.3263}  # standard normal quantiles
+STEP_RTOL = 1e-6  # the step time's fixed point, relative: figures derived from it agree to about this
 
 
 @dataclass(frozen=True)
@@ -237,11 +239,11 @@ class SteadyState:
             t = 0.02
             for _ in range(20):
                 t1, at = step(x, t)
-                if abs(t1 - t) < 1e-6 * t:
+                if abs(t1 - t) < STEP_RTOL * t:
                     t = t1
                     break
                 t2, at = step(x, t1)
-                if abs(t2 - t1) < 1e-6 * t1:
+                if abs(t2 - t1) < STEP_RTOL * t1:
                     t = t2
                     break
                 bend = t2 - 2 * t1 + t

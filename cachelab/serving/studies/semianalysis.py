@@ -36,7 +36,7 @@ from cachelab.serving.hardware.probe import peak_rss_mb
 from cachelab.serving.latency import Efficiency, LatencyModel
 from cachelab.serving.model_spec import ModelSpec, load_model
 from cachelab.serving.pareto import dominated, pareto_front, plot_fronts, throughput_at
-from cachelab.serving.steady import Deployment, SteadyState, Workload, step_time
+from cachelab.serving.steady import STEP_RTOL, Deployment, SteadyState, Workload, step_time
 
 TARGET = 125.0  # tok/s/user, P90 interactivity
 X = "p90_interactivity"
@@ -46,6 +46,10 @@ OS_SHARE = 0.1  # ASSUMPTION: host DRAM kept for the OS, the server process and 
 CONFIGS = (("B200", 4, "dram-uva"), ("B200", 8, "dram-uva"), ("B200", 4, "ssd-mmap"), ("B200", 8, "ssd-mmap"),
            ("B300", 2, "dram-uva"), ("B300", 4, "dram-uva"), ("B300", 4, "hbm"), ("B300", 2, "hbm"))
 MODEL = "deepseek-v4.1-flash"
+# Two points closer than this (relative, either axis) are a tie: the steady state is solved to
+# STEP_RTOL, and a comparison finer than the solve ranks its rounding (where the SSD arm's floor
+# hides under the GPU's step the two arms are the same model).
+TIE_RTOL = 100 * STEP_RTOL
 
 
 def deployment(hardware: str, tp: int, placement: str, eff: Efficiency, model: str = MODEL,
@@ -304,6 +308,20 @@ def analyse(points: pl.DataFrame) -> dict:
     return keys
 
 
+def _ties_from(paired: pl.DataFrame) -> dict[str, int | None]:
+    """Per TP, the fewest clients from which every paired DRAM and SSD point ties on both axes
+    (``TIE_RTOL``): where the decode step outgrows the SSD arm's host floor; None if the arms
+    never tie up to the end of the sweep."""
+    out = {}
+    for (tp,), pairs in sorted(paired.group_by("tp"), key=lambda g: g[0][0]):
+        pairs = pairs.sort("concurrency")
+        tied = ((pairs[X] / pairs[X + "_ssd"] - 1).abs() <= TIE_RTOL) & ((pairs[Y] / pairs[Y + "_ssd"] - 1).abs() <= TIE_RTOL)
+        apart = np.flatnonzero(~tied.to_numpy())
+        first = int(apart[-1]) + 1 if apart.size else 0
+        out[str(tp)] = int(pairs["concurrency"][first]) if first < pairs.height else None
+    return out
+
+
 def _keys(points: pl.DataFrame) -> dict:
     """The issue's keys from these points."""
     fit = points.filter(pl.col("fits"))
@@ -330,11 +348,12 @@ def _keys(points: pl.DataFrame) -> dict:
         "b200_dram_tokens_per_dollar": tpd_dram,
         "b200_ssd_tokens_per_dollar": tpd_ssd,
         "b200_dram_over_ssd": tpd_dram / tpd_ssd if tpd_ssd else float("nan"),
-        "b200_ssd_points_dominated": bool(dominated(ssd, dram, X, Y).all()),
+        "b200_ssd_points_dominated": bool(dominated(ssd, dram, X, Y, rtol=TIE_RTOL).all()),
         # the node's page cache over the tables' bytes: what the SSD result rests on (the what-if varies it)
         "b200_ssd_page_cache_share_of_tables": min(1.0, float(ssd["page_cache_gb"].max() * 1e9 / load_model(MODEL).table_bytes))
         if ssd.height and "page_cache_gb" in ssd.columns else float("nan"),
-        "b200_dram_p90_interactivity_wins_every_pair": bool((paired[X] > paired[X + "_ssd"]).all()),
+        "b200_dram_p90_interactivity_wins_every_pair": bool((paired[X] > paired[X + "_ssd"] * (1 + TIE_RTOL)).all()),
+        "b200_arms_tie_from_concurrency": _ties_from(paired),
         "b300_tp2_table_in_hbm_fits": bool(tp2_hbm["fits"].any()),
         "b300_tp2_table_in_hbm_reason": tp2_hbm["reason"][0] if tp2_hbm.height else "",
         "b300_tp2_dram_gain_max": gain,
