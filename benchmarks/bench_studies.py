@@ -32,9 +32,10 @@ def run_study(tree: Path, argv: list[str], out: Path) -> tuple[dict, float, floa
 
 
 def numbers(value, where: str = "") -> dict[str, float]:
-    """Every numeric leaf of a JSON result by its path (booleans and timings left out)."""
+    """Every numeric leaf of a JSON result by its path (booleans, timings and the relative errors
+    of predictions, which the predictions already show, left out)."""
     if isinstance(value, dict):
-        return {k: v for key, item in value.items() if key not in ("run", "seconds")
+        return {k: v for key, item in value.items() if key not in ("run", "seconds", "error")
                 for k, v in numbers(item, f"{where}.{key}").items()}
     if isinstance(value, list):
         return {k: v for i, item in enumerate(value) for k, v in numbers(item, f"{where}[{i}]").items()}
