@@ -11,6 +11,8 @@ import socket
 import subprocess
 import sys
 import time
+import tracemalloc
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -962,6 +964,35 @@ def test_an_answer_of_more_choices_than_one_exchange_may_record_is_bounded(tmp_p
         table = s.records()
     assert table.height == MAX_RECORDS and table["index"].to_list() == list(range(MAX_RECORDS))
     assert set(table["error"]) == {f"upstream answered over {MAX_RECORDS} choices: the rest not recorded"}
+
+
+def test_a_request_holds_its_body_not_every_object_parsed_from_it(tmp_path):
+    """Requests waiting for their answers, each with a 3 MiB field of empty objects no record reads:
+    the proxy holds about their bytes, not the parsed field. The exchange kept the whole parsed body
+    until it was recorded, about 25 times its bytes (four such requests held 300 MB in the proxy,
+    and again in the writer's queue), so a client could hold the proxy's memory at that many times
+    ``--max-body-mb`` for every request it kept waiting."""
+    junk = b"[" + b",".join([b"{}"] * (1 << 20)) + b"]"
+    bodies = [b'{"model":"m","prompt":"hi %d","junk":%s}' % (i, junk) for i in range(4)]
+    upstream = HeadUpstream(answers=0, silent=True)  # reads every request, answers none
+    recorder = Recorder(tmp_path)
+    with ProxyThread(ProxyConfig(upstream=upstream.url, max_body_bytes=8 << 20), recorder) as proxy:
+        tracemalloc.start()
+        try:
+            with ThreadPoolExecutor(4) as pool:
+                waiting = [pool.submit(httpx.post, proxy.url + "/v1/completions", content=b, timeout=5,
+                                       headers={"content-type": "application/json"}) for b in bodies]
+                deadline = time.monotonic() + 10
+                while upstream.requests < 4 and time.monotonic() < deadline:  # all four sent upstream
+                    time.sleep(0.05)
+                held = tracemalloc.get_traced_memory()[0]
+                assert all(isinstance(w.exception(), httpx.ReadTimeout) for w in waiting)  # then they give up
+        finally:
+            tracemalloc.stop()
+        assert recorder.flush(30)
+    upstream.sock.close()
+    assert read_requests(tmp_path)[0]["status"].to_list() == [499] * 4
+    assert held < 4 * sum(map(len, bodies)), held
 
 
 def test_tokenizer_fallback_matches_the_upstream(tmp_path):
