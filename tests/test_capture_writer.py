@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -264,3 +265,34 @@ def test_an_echoing_request_of_ids_the_tokenizer_cannot_decode_is_recorded_with_
                  response=b'{"object":"error","message":"token id -1 is out of vocabulary","code":400}')
     [record] = x.to_records(FallbackTokenizer())
     assert (record.status, record.error) == (400, "token id -1 is out of vocabulary")
+
+
+def test_the_writer_process_reads_no_further_ahead_of_its_records_than_its_bound(tmp_path):
+    """Exchanges whose records are slow to build (every token of a 150,000-token prompt hashed as a
+    block of its own): the writer reads at most ``max_ahead_bytes`` of them ahead of what it has
+    written, and leaves the rest in the pipe and the proxy's bounded backlog. It read the pipe to its
+    end into its journal's queue, however far behind the records were: its memory was bounded by
+    nothing but the queue's 100,000 exchanges."""
+    from cachelab.capture.writer import ACKNOWLEDGED, RECEIVED
+
+    ids = list(range(150_000))
+    xs = []
+    for i in range(24):
+        x = exchange(i, stream=False)
+        x.response = json.dumps({"id": f"cmpl-{i}", "prompt_token_ids": ids,
+                                 "choices": [{"index": 0, "text": " a", "token_ids": [7]}]}).encode()
+        xs.append(x)
+    frame = len(pickle.dumps(xs[0], protocol=pickle.HIGHEST_PROTOCOL))
+    writer = CaptureWriter(tmp_path, hash_blocks=1, sched="normal", max_ahead_bytes=2 * frame)
+    try:
+        assert all(writer.submit(x) for x in xs)
+        ahead = []
+        while writer.acknowledged < len(xs) and writer.proc.poll() is None:
+            writer._drain()
+            ahead.append(writer._c[RECEIVED].value - writer._c[ACKNOWLEDGED].value)
+            time.sleep(0.005)
+        assert writer.flush(60)
+    finally:
+        writer.close()
+    assert len(records(tmp_path)[0]) == len(xs)
+    assert max(ahead) <= 4, ahead  # what it read past the bound, and the one it was building

@@ -30,7 +30,8 @@ or is killed, the kernel closes the pipe's write end and what the proxy wrote be
 gets written. A proxy whose writer died counts every later record as dropped and reports the
 writer's exit in ``write_error``. If the pipe is full (the writer is behind), the proxy keeps
 the frames in a bounded backlog and writes them when the pipe drains; past the bound it drops
-and counts.
+and counts. The child reads at most ``max_ahead_bytes`` of exchanges ahead of what its journal has
+written, so its memory is bounded too.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class CaptureWriter:
                  salt_file: str | os.PathLike | None = None, fsync: str = "batch", rotate_bytes: int = 256 << 20,
                  rotate_seconds: float = 3600.0, tokenizer: str | None = None, nice: int = 10,
                  sched: str = "idle", max_backlog_bytes: int = 256 << 20, start_timeout: float = 60.0,
-                 commit_interval: float = 0.0):
+                 commit_interval: float = 0.0, max_ahead_bytes: int = 256 << 20):
         if fsync not in FSYNC_POLICIES:
             raise CachelabError(f"--fsync {fsync!r}: expected one of {', '.join(FSYNC_POLICIES)}")
         if sched not in SCHED_POLICIES:
@@ -105,7 +106,7 @@ class CaptureWriter:
         config = {"directory": str(directory), "hash_blocks": hash_blocks, "store_text": store_text,
                   "salt_file": None if salt_file is None else str(salt_file), "fsync": fsync,
                   "rotate_bytes": rotate_bytes, "rotate_seconds": rotate_seconds, "tokenizer": tokenizer,
-                  "nice": nice, "sched": sched, "commit_interval": commit_interval}
+                  "nice": nice, "sched": sched, "commit_interval": commit_interval, "max_ahead_bytes": max_ahead_bytes}
         self.proc = subprocess.Popen([sys.executable, "-m", "cachelab.capture.writer", str(read_end), str(self._shm),
                                       json.dumps(config)], pass_fds=(read_end, self._shm), stdin=subprocess.DEVNULL)
         os.close(read_end)
@@ -289,6 +290,7 @@ def _child(read_fd: int, shm_fd: int, config: dict) -> int:
     c[RUN].value = journal.run
     publish()
     c[READY].value = 1
+    ahead = 0  # bytes of the exchanges handed to the journal since it last had all of them written
     while True:
         head = _read_exactly(read_fd, _FRAME)
         if head is None:
@@ -298,8 +300,16 @@ def _child(read_fd: int, shm_fd: int, config: dict) -> int:
             break
         x = pickle.loads(body)
         c[RECEIVED].value += 1
-        if not recorder.submit(x):
+        if recorder.submit(x):
+            ahead += len(body)
+        else:
             publish()
+        if ahead > config["max_ahead_bytes"]:
+            # the pipe is read no further until they are written: it fills, then the proxy's bounded backlog
+            # (it was read to its end into the journal's queue, as fast as records were slow to build)
+            while not recorder.flush() and journal.write_error is None:
+                pass
+            ahead = 0
     recorder.close()
     publish()
     return 1 if journal.write_error else 0
