@@ -20,7 +20,8 @@ from typer.testing import CliRunner
 
 from cachelab.cli import app
 from cachelab.errors import CachelabError
-from cachelab.trace.ingest import COMPRESSED, Ingest
+from cachelab.trace.compressed import COMPRESSED
+from cachelab.trace.ingest import Ingest
 from traces.azure import COLUMNS as AZURE_COLUMNS, AzureTrace
 from traces.burstgpt import BurstGPTTrace
 from traces.mooncake import MooncakeTrace

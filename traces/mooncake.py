@@ -29,7 +29,8 @@ import pyarrow.json as pa_json
 
 from cachelab.trace.arrivals import arrival_frame
 from cachelab.errors import CachelabError
-from cachelab.trace.ingest import DECOMPRESS_ERRORS, MAX_COUNT, MAX_SECONDS, Ingest, open_binary
+from cachelab.trace.compressed import DECOMPRESS_ERRORS, open_binary
+from cachelab.trace.ingest import MAX_COUNT, MAX_SECONDS, Ingest
 from cachelab.trace.schema import list_series
 
 BLOCK_SIZE = 512

@@ -17,9 +17,9 @@ Semantics (docs/engine.md):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import polars as pl
 
 from cachelab.errors import CachelabError
 from cachelab.engine.cascade import Cascade, run_policy
@@ -28,6 +28,9 @@ from cachelab.engine.tiers import Hierarchy, SSDStore
 from cachelab.policy.unbounded import Unbounded
 from cachelab.progress import progress_bar
 from cachelab.workload.lookups import LookupStream, compact, compact_steps, global_key, split_key
+
+if TYPE_CHECKING:  # Polars only for per_step: a replay's statistics need none (simulate imports no Polars)
+    import polars as pl
 
 __all__ = ["ReplayResult", "replay", "run_policy", "warmup_steps"]
 
@@ -72,6 +75,8 @@ class ReplayResult:
     @property
     def per_step(self) -> pl.DataFrame:
         """One row per step: lookups, unique rows, rows served per level, bytes per link."""
+        import polars as pl
+
         steps = self.step_offsets.size - 1
         n_levels = len(self.levels)
         d_step = np.repeat(np.arange(steps, dtype=np.int64), np.diff(self.distinct_offsets))

@@ -5,10 +5,19 @@ reads and writes traces as before the restructure), ``build`` (a workload spec a
 build), ``synthesis``, ``convert`` (oracleGeneral), ``stats``, ``keytrace`` (plain key
 traces), ``ingest`` (line-by-line readers), and the plug-in contracts ``corpus`` and
 ``arrivals``.
-"""
 
-from cachelab.trace.schema import (COLUMNS, SCHEMA, SCHEMA_VERSION, TraceWriter, conform, read_trace,
-                                   scan_trace, validate, write_chunks, write_trace)
+The re-exports import ``schema`` (Arrow and Polars) on first use, not with the package: a
+module of the layer that needs neither (``keytrace``, read by ``cachelab simulate`` on every
+key trace) is imported without them.
+"""
 
 __all__ = ["COLUMNS", "SCHEMA", "SCHEMA_VERSION", "TraceWriter", "conform", "read_trace", "scan_trace",
            "validate", "write_chunks", "write_trace"]
+
+
+def __getattr__(name: str):
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from cachelab.trace import schema
+
+    return getattr(schema, name)

@@ -7,17 +7,13 @@ non-blank line is a row out or a row skipped, ``skipped_lines`` names each skipp
 order) and ``first_skipped`` says what was wrong with the first.
 A CSV is read one physical line per record (these traces hold no quoted line breaks), so a
 stray quote damages its own line only, and the error names that line. Gzip, bzip2 and xz
-input is detected by its magic bytes (zstd is named and refused); a UTF-8 byte-order mark is
-dropped.
+input is opened by ``cachelab.trace.compressed``; a UTF-8 byte-order mark is dropped.
 """
 
 from __future__ import annotations
 
-import bz2
 import csv
-import gzip
 import json
-import lzma
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -28,29 +24,9 @@ import numpy as np
 import polars as pl
 
 from cachelab.errors import CachelabError
+from cachelab.trace.compressed import DECOMPRESS_ERRORS, open_binary
 
-
-ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-COMPRESSED = {b"\x1f\x8b": gzip.open, b"BZh": bz2.open, b"\xfd7zXZ\x00": lzma.open}  # magic -> opener
-DECOMPRESS_ERRORS = (OSError, EOFError, lzma.LZMAError)  # corrupt or truncated streams
 _NOT_PLAIN = re.compile(rb"[^\t\n\r\x20\x21\x23-\x7e]")  # a byte other than printable ASCII (no quote), tab, CR, LF
-
-
-def refuse_zstd(path: Path, head: bytes) -> None:
-    """A zstd file (the ARC traces ship as ``.lis.zst``) is named as one: read as it is, it was
-    'not UTF-8' or a format to declare with ``--format``; no zstd decoder is installed."""
-    if head.startswith(ZSTD_MAGIC):
-        raise CachelabError(f"{path}: zstd-compressed, which cachelab does not read; decompress it first "
-                            f"(zstd -d {path})")
-
-
-def open_binary(path: Path):
-    """The file's bytes, decompressed when it starts with the gzip, bzip2 or xz magic."""
-    with open(path, "rb") as probe:
-        magic = probe.read(6)
-    refuse_zstd(path, magic)
-    opener = next((o for m, o in COMPRESSED.items() if magic.startswith(m)), open)
-    return opener(path, "rb")
 
 
 def _fields(text: str) -> list[str]:

@@ -34,7 +34,7 @@ import numpy as np
 
 from cachelab.errors import CachelabError
 from cachelab.paths import replacing
-from cachelab.trace.ingest import COMPRESSED, DECOMPRESS_ERRORS, open_binary, refuse_zstd
+from cachelab.trace.compressed import COMPRESSED, DECOMPRESS_ERRORS, open_binary, refuse_zstd
 from cachelab.workload.future import next_access
 from cachelab.policy import NO_NEXT
 
