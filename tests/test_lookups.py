@@ -131,6 +131,32 @@ def test_compact_steps_is_compact_then_dedup_in_one_pass(steps):
         assert np.array_equal(getattr(got, name), getattr(want, name)), name
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(-3, 40), max_size=60))
+def test_a_key_trace_dedups_without_arrays_of_its_size(keys):
+    """One lookup per step: the general pass's answer, its offsets and inverse the steps' own."""
+    keys = np.array(keys, dtype=np.int64) << 33
+    offsets = np.arange(keys.size + 1, dtype=np.int64)
+    got, uniq = compact_steps(keys, offsets)
+    ids, want_uniq = compact(keys)
+    assert np.array_equal(uniq, want_uniq) and np.array_equal(got.keys, ids)
+    assert np.array_equal(got.offsets, offsets) and np.array_equal(got.inverse, offsets[:-1])
+    assert np.shares_memory(got.offsets, offsets) and (keys.size == 0 or np.shares_memory(got.inverse, offsets))
+    if keys.size > 1:  # two lookups in one step, once: the general pass
+        merged = np.concatenate([[0], offsets[2:]])
+        dd, _ = compact_steps(keys, merged)
+        assert dd.offsets[1] == (1 if keys[0] == keys[1] else 2)
+
+
+def test_compaction_grows_its_table_past_a_repetitive_prefix():
+    """A prefix of one key sizes the table small; the distinct keys after it make it grow."""
+    keys = np.concatenate([np.zeros(1 << 20, np.int64), np.arange(1, 300_001, dtype=np.int64) * 7919])
+    ids, uniq = compact(keys)
+    assert uniq.size == 300_001 and np.array_equal(uniq[ids], keys)
+    dd, uniq_steps = compact_steps(keys, np.arange(keys.size + 1))
+    assert np.array_equal(uniq_steps, uniq) and np.array_equal(dd.keys, ids)
+
+
 def test_a_deduper_carries_its_marks_from_call_to_call():
     ids = np.array([3, 1, 3, 1, 2, 2, 0, 3], dtype=np.int64)
     offsets = np.array([0, 3, 3, 6, 8])
