@@ -45,7 +45,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
 from lcs_reference import min_capacity  # noqa: E402
 
 ALIASES = {"2q": "twoq"}
@@ -113,13 +114,17 @@ def worker(policy: str, trace: Path, capacity: int) -> dict:
 
 
 def _child(cmd: list[str], path: str | None = None) -> dict:
-    """Run ``cmd`` with one thread (and ``path`` first on PYTHONPATH); its ``seconds`` and miss
-    ratio (last stdout line, JSON) and wall time."""
+    """Run ``cmd`` with one thread (and, in ``path``, that checkout's cachelab); its ``seconds`` and
+    miss ratio (last stdout line, JSON) and wall time.
+
+    The child runs in the checkout it measures: ``python -m`` puts its working directory first on
+    the module path, so from this repository's root a ``--baseline`` run imported this checkout."""
     env = {**os.environ, "NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     if path:
         env["PYTHONPATH"] = path
     started = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=path or ROOT)
     stdout = proc.stdout.read()
     stderr = proc.stderr.read()
     _, status, usage = os.wait4(proc.pid, 0)
@@ -176,6 +181,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.baseline:  # the child runs there, and finds its cachelab through PYTHONPATH
+        args.baseline = str(Path(args.baseline).resolve())
     if args.worker:
         policy, trace, capacity = args.worker
         print(json.dumps(worker(policy, Path(trace), int(capacity))))
@@ -233,7 +240,8 @@ def main() -> None:
                           f"ratio {row['ratio']:.2f}x (wall {row['wall_ratio']:.2f}x, process CPU {row['cpu_ratio']:.2f}x)  "
                           f"miss {a['miss_ratio']:.4f} / {b['miss_ratio']:.4f}"
                           + ("" if row["miss_counts_equal"] else " (miss counts DIFFER)")
-                          + (f"  baseline {row['baseline_seconds']:5.2f} s, ratio {row['baseline_ratio']:.2f}x"
+                          + (f"  baseline {row['baseline_seconds']:5.2f} s ({row['baseline_wall_s']:5.2f} s wall), "
+                             f"ratio {row['baseline_ratio']:.2f}x"
                              if args.baseline else ""), flush=True)
     if args.json:
         print(json.dumps(rows))

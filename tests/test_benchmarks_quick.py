@@ -74,3 +74,24 @@ def test_bench_engine_pairs_only_policies_that_are_the_same_rule():
 
     pairs = dict(shared_policies())
     assert pairs["lfu"] == "LFU" and pairs["s3fifo"] == "S3FIFO" and "lfuda" not in pairs
+
+
+def test_bench_engine_baseline_times_the_baseline_checkout(tmp_path):
+    """``--baseline DIR`` ran ``python -m cachelab.cli`` in the bench's working directory, which
+    ``-m`` puts first on the module path: run from the repository's root it timed this checkout
+    twice. A stand-in baseline that reports 12.5 s proves which one ran."""
+    pytest.importorskip("libcachesim")
+    fake = tmp_path / "baseline" / "cachelab" / "cli"
+    fake.mkdir(parents=True)
+    (fake.parent / "__init__.py").write_text("")
+    (fake / "__init__.py").write_text("")
+    (fake / "__main__.py").write_text(
+        "import json, sys\n"
+        "capacity = int(sys.argv[sys.argv.index('--capacity') + 1])\n"
+        "print(json.dumps({'seconds': 12.5, 'miss_ratio': 0.5, 'capacity': capacity}))\n")
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "bench_engine.py"), "--streams", "zipf", "--repeats", "1",
+                           "--requests", "400", "--policies", "lru", "--json", "--baseline", str(fake.parents[1])],
+                          capture_output=True, text=True, cwd=BENCHMARKS.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    [row] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert row["baseline_seconds"] == 12.5 and row["cachelab_seconds"] != 12.5
