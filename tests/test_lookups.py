@@ -148,9 +148,20 @@ def test_a_key_trace_dedups_without_arrays_of_its_size(keys):
         assert dd.offsets[1] == (1 if keys[0] == keys[1] else 2)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-5, 60), max_size=40), st.sampled_from([0, 1, 40, 2**62]))
+def test_dense_and_hashed_keys_get_the_same_first_occurrence_ids(keys, spread):
+    """Keys within a small range take the array-indexed pass, spread ones the hash table; both
+    number the keys in the order they first occur."""
+    keys = np.array(keys, dtype=np.int64) * max(spread, 1)
+    first = list(dict.fromkeys(keys.tolist()))
+    ids, uniq = compact(keys)
+    assert uniq.tolist() == first and ids.tolist() == [first.index(k) for k in keys.tolist()]
+
+
 def test_compaction_grows_its_table_past_a_repetitive_prefix():
     """A prefix of one key sizes the table small; the distinct keys after it make it grow."""
-    keys = np.concatenate([np.zeros(1 << 20, np.int64), np.arange(1, 300_001, dtype=np.int64) * 7919])
+    keys = np.concatenate([np.zeros(1 << 20, np.int64), np.arange(1, 300_001, dtype=np.int64) * 7919 << 20])
     ids, uniq = compact(keys)
     assert uniq.size == 300_001 and np.array_equal(uniq[ids], keys)
     dd, uniq_steps = compact_steps(keys, np.arange(keys.size + 1))
