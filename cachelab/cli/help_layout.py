@@ -17,7 +17,6 @@ import inspect
 import re
 
 import typer
-import typer.rich_utils
 from rich.columns import Columns
 from rich.table import Table
 from rich.text import Text
@@ -38,6 +37,8 @@ class _UncutTable(Table):
 
 
 def install() -> None:
+    import typer.rich_utils  # here: a run that prints no help does without it (cachelab.cli.main)
+
     typer.rich_utils.Table = _UncutTable
 
 
