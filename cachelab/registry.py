@@ -180,9 +180,11 @@ def discover(group: str) -> tuple[Plugin, ...]:
     """Every entry point of ``group``, loaded and checked; failures carry their reason."""
     found, off = [], []
     disabled = _disabled()
+    named: dict[int, tuple[str, str]] = {}  # each distribution's name and version, parsed once
     for ep in sorted(entry_points(group=group), key=lambda e: (e.name, e.value)):
-        dist = ep.dist.metadata["Name"] if ep.dist is not None else "?"
-        version = ep.dist.version if ep.dist is not None else "?"
+        if ep.dist is not None and id(ep.dist) not in named:  # its metadata file is parsed per access
+            named[id(ep.dist)] = (ep.dist.metadata["Name"], ep.dist.version)
+        dist, version = named[id(ep.dist)] if ep.dist is not None else ("?", "?")
         if ep.name in disabled or f"{dist}:{ep.name}" in disabled:
             off.append(Plugin(group, ep.name, ep.value, dist, version, None, "disabled by CACHELAB_DISABLE_PLUGINS"))
             continue
