@@ -398,6 +398,9 @@ def test_bad_input_gets_openai_shaped_errors(server):
     post = lambda path, **kw: httpx.post(f"{url}/v1/{path}", timeout=30, **kw)  # noqa: E731
     r = post("completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    deep = b'{"prompt": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"  # past the parser's recursion limit: was a 500
+    r = post("completions", content=deep, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "nested deeper" in r.json()["error"]["message"]
     r = post("completions", json={"model": "nope", "prompt": "x"})
     assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
     r = post("completions", json={"model": MODEL, "prompt": list(range(5, 2100)), "max_tokens": 1})

@@ -112,6 +112,8 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise APIError(400, f"request body is not valid JSON: {exc}") from None
+        except RecursionError:  # the parser's own stack limit: client input, not a server fault
+            raise APIError(400, "request body is not valid JSON: nested deeper than the parser goes") from None
         if not isinstance(data, dict):
             raise APIError(400, "request body must be a JSON object")
         request.state.body = data
