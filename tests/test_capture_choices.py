@@ -275,3 +275,22 @@ def test_a_request_nested_deeper_than_json_reads_goes_upstream_as_it_came(served
     assert (proxied.status_code, proxied.content) == (direct.status_code, direct.content), proxied.content
     [row] = _new_rows(tmp / "cap", before, 1)
     assert row["status"] == direct.status_code and row["error"] == direct.json()["error"]["message"][:300], row
+
+
+def test_a_refused_capture_directory_stops_serve_before_its_model_loads(tmp_path, monkeypatch):
+    """`serve --capture` opens its capture before it builds the engine: a directory others can enter
+    is refused without the model load (about 7 s) the old order paid first, and without an engine
+    left running behind the error."""
+    from cachelab.errors import CachelabError
+    from cachelab.live import launch
+
+    def build_engine(opts):
+        raise AssertionError("the engine was built before the capture was opened")
+
+    monkeypatch.setattr(launch, "build_engine", build_engine)
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o755)
+    with pytest.raises(CachelabError, match="is mode 0755"):
+        with running_server(ServeOptions(port=0, capture=open_dir)):
+            pass

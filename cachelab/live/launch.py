@@ -193,6 +193,18 @@ def open_capture(opts: ServeOptions):
     return Recorder(opts.capture, source="cachelab-serve")
 
 
+def _capture_then_engine(opts: ServeOptions, engine=None):
+    """``(recorder, started engine)``: the capture opened first, so a refused capture directory
+    costs no model load, and closed again if the engine fails to start."""
+    recorder = open_capture(opts)
+    try:
+        return recorder, (engine or build_engine(opts)).start()
+    except BaseException:
+        if recorder is not None:
+            recorder.close()
+        raise
+
+
 def model_name(opts: ServeOptions) -> str:
     return opts.served_model_name or f"cachelab-{Path(opts.preset).stem}"
 
@@ -215,8 +227,7 @@ def running_server(opts: ServeOptions, engine=None):
     from cachelab.live.server import Server
 
     check_bind(opts.host, opts.api_key)
-    engine = (engine or build_engine(opts)).start()
-    recorder = open_capture(opts)
+    recorder, engine = _capture_then_engine(opts, engine)
     server = Server(uvicorn.Config(_app(opts, engine, recorder), host=opts.host, port=opts.port,
                                    log_level="warning", timeout_graceful_shutdown=1), engine, opts.shutdown_timeout)
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
@@ -246,8 +257,7 @@ def serve(opts: ServeOptions, announce=print) -> None:
     check_bind(opts.host, opts.api_key)
     sock = bound_socket(opts.host, opts.port)
     cfg = model_for(opts)
-    engine = build_engine(opts).start()
-    recorder = open_capture(opts)
+    recorder, engine = _capture_then_engine(opts)
     app = _app(opts, engine, recorder)
     freeze_startup_heap()  # this process only serves: its model, tokenizer and imports stay unscanned
     announce(f"cachelab serve: model {model_name(opts)!r} ({cfg.name}, Engram at layers {list(cfg.engram_layers)}, "
