@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numba as nb
@@ -201,6 +204,19 @@ class NotAPolicy:
 
 
 @nb.njit
+def _fifo_admit(key, slot_of, key_of, hand, record, adm, adm_slot, ev, counts):
+    """A compiled FIFO's miss: the hand's slot takes ``key``, its row evicted."""
+    slot = hand[0] % key_of.size
+    hand[0] += 1
+    gone = key_of[slot]
+    if gone >= 0:
+        slot_of[gone] = -1
+        note_evict(record, ev, counts, gone)
+    key_of[slot], slot_of[key] = key, slot
+    note_admit(record, adm, adm_slot, counts, key, slot)
+
+
+@nb.njit
 def _fifo_stamping_past_the_end(keys, slot_of, key_of, hand, stamp, kind, counters, scores, meta, hits, record,
                                 adm, adm_slot, ev, counts):
     """A compiled FIFO (a hand over the slots) that notes each admission at ``stamp[key + 1]``:
@@ -208,17 +224,9 @@ def _fifo_stamping_past_the_end(keys, slot_of, key_of, hand, stamp, kind, counte
     for i in range(keys.size):
         key = keys[i]
         hits[i] = slot_of[key] >= 0
-        if hits[i]:
-            continue
-        slot = hand[0] % key_of.size
-        hand[0] += 1
-        gone = key_of[slot]
-        if gone >= 0:
-            slot_of[gone] = -1
-            note_evict(record, ev, counts, gone)
-        key_of[slot], slot_of[key] = key, slot
-        note_admit(record, adm, adm_slot, counts, key, slot)
-        stamp[key + 1] = i
+        if not hits[i]:
+            _fifo_admit(key, slot_of, key_of, hand, record, adm, adm_slot, ev, counts)
+            stamp[key + 1] = i
 
 
 class StampsPastTheEnd(KernelPolicy):
@@ -235,6 +243,34 @@ class StampsPastTheEnd(KernelPolicy):
 
     def state(self):
         return self.hand, self.stamp
+
+
+@nb.njit
+def _fifo_counting_at_the_empty_slot(keys, slot_of, key_of, hand, uses, kind, counters, scores, meta, hits, record,
+                                     adm, adm_slot, ev, counts):
+    """A compiled FIFO that counts each request at ``uses[slot_of[key]]`` before asking whether the
+    key is resident: a miss counts at slot -1, the last slot's counter, which bounds checks pass
+    (Numba, like NumPy, reads a negative index from the end)."""
+    for i in range(keys.size):
+        key = keys[i]
+        uses[slot_of[key]] += 1
+        hits[i] = slot_of[key] >= 0
+        if not hits[i]:
+            _fifo_admit(key, slot_of, key_of, hand, record, adm, adm_slot, ev, counts)
+
+
+class CountsAtTheEmptySlot(KernelPolicy):
+    """A custom kernel that indexes by an empty slot's -1; otherwise a correct FIFO."""
+
+    name = "counts-at-the-empty-slot"
+    kernel = staticmethod(_fifo_counting_at_the_empty_slot)
+
+    def init_state(self, capacity, num_keys):
+        self.hand = np.zeros(1, np.int64)
+        self.uses = np.zeros(capacity, np.int64)
+
+    def state(self):
+        return self.hand, self.uses
 
 
 # (broken policy, its params, the check that must fail it, words of the reason)
@@ -296,6 +332,43 @@ def test_a_compiled_write_past_an_array_is_caught_by_the_bounds_check_alone():
     assert set(failed) == {"check_bounds"}, failed
     assert failed["check_bounds"].startswith("capacity 1, step ")  # the first capacity, the step and its keys
     assert "63" in failed["check_bounds"].split("):")[0]  # the last key, whose stamp is past the end
+
+
+def test_an_empty_slot_used_as_an_index_is_caught_by_the_bounds_check_alone():
+    """Read from the end it lands in the array's own last element: only the bounds check sees it,
+    and only because its process leaves an index computed at run time unwrapped."""
+    failed = failures(check_policy(CountsAtTheEmptySlot))
+    assert set(failed) == {"check_bounds"}, failed
+    assert failed["check_bounds"].startswith("capacity 1, step 0 ")
+    assert "index is out of bounds" in failed["check_bounds"]
+
+
+def test_the_bounds_check_lets_a_literal_negative_index_read_from_the_end():
+    """``a[-1]`` is meant: the check's process still reads it from the end (and a run-time -1 fails)."""
+    code = """if True:
+        import numba as nb, numpy as np
+        from cachelab.testing.policy_checks import _refuse_negative_indices
+        _refuse_negative_indices()
+
+        @nb.njit
+        def last_of_each(rows):
+            total = 0
+            for r in range(rows.shape[0]):
+                total += rows[r, -1] + rows[-1, r]
+            return total + rows[0][-1]
+
+        @nb.njit
+        def at(rows, i):
+            return rows[0, i]
+
+        rows = np.arange(9).reshape(3, 3)
+        print(last_of_each(rows), flush=True)
+        at(rows, -1)
+    """
+    env = {**os.environ, "NUMBA_BOUNDSCHECK": "1", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.stdout.split() == [str((2 + 5 + 8) + (6 + 7 + 8) + 2)]
+    assert proc.returncode != 0 and "IndexError: index is out of bounds" in proc.stderr
 
 
 def test_phantom_hits_are_caught():

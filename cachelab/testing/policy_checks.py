@@ -302,7 +302,8 @@ def check_bounds(cls, **params):
     compiled function (``NUMBA_BOUNDSCHECK=1``: the policy's kernel or hooks, the helpers they
     call, inlined or not, and cachelab's loop; compiled into a cache of their own). Without
     them an index past an array's end reads or writes whatever memory follows, silently. A
-    negative index is read from the end (Numba does as NumPy), so it is not caught."""
+    negative index computed at run time fails it too (``_refuse_negative_indices``); a literal
+    one (``a[-1]``) still reads from the end."""
     target = f"{cls.__module__}:{cls.__qualname__}"
     if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
         raise Skip(f"{target} cannot be imported by the fresh process that checks bounds: "
@@ -311,7 +312,7 @@ def check_bounds(cls, **params):
         given = json.dumps(params)
     except TypeError as exc:
         raise Skip(f"the fresh process that checks bounds takes JSON params: {exc}") from None
-    env = {**os.environ, "NUMBA_BOUNDSCHECK": "1", "NUMBA_CACHE_DIR": str(cache_dir() / "numba-boundscheck"),
+    env = {**os.environ, "NUMBA_BOUNDSCHECK": "1", "NUMBA_CACHE_DIR": str(cache_dir() / "numba-bounds-unwrapped"),
            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     code = "from cachelab.testing.policy_checks import bounds_child; bounds_child()"
     try:
@@ -331,9 +332,44 @@ def check_bounds(cls, **params):
                                "compiled code runs without them, so there it reads or writes other memory, silently")
 
 
+def _is_literal(value) -> bool:
+    """Whether an LLVM index value is a constant, directly or packed in the index tuple that
+    ``a[i, -1]`` builds (insertvalue, then extractvalue)."""
+    from llvmlite import ir
+
+    while isinstance(value, ir.ExtractValue):
+        packed = value.aggregate
+        while isinstance(packed, ir.InsertValue) and packed.indices != value.indices:
+            packed = packed.aggregate
+        if not isinstance(packed, ir.InsertValue):
+            return False
+        value = packed.value
+    return isinstance(value, ir.Constant)
+
+
+def _refuse_negative_indices() -> None:
+    """Numba, like NumPy, reads a negative index from the end, so an empty slot's -1 used as an
+    index reads or overwrites an array's last element, silently, and bounds checks pass it.
+    In ``check_bounds``'s process only, an integer index computed at run time is left as it is
+    (the bounds check then fails it below 0); a literal one, ``a[-1]``, still wraps, as its
+    author meant. This replaces the function Numba's array indexing calls to wrap an index."""
+    from numba.core import types
+    from numba.np import arrayobj
+
+    wrap = arrayobj.fix_integer_index
+
+    def fix_index(context, builder, idxty, idx, size):
+        if _is_literal(idx):
+            return wrap(context, builder, idxty, idx, size)
+        return context.cast(builder, idx, idxty, types.intp if idxty.signed else types.uintp)
+
+    arrayobj.fix_integer_index = fix_index
+
+
 def bounds_child() -> None:
     """``check_bounds``'s fresh process: argv is ``module:qualname`` and the params as JSON; prints
     one JSON line, the first out-of-bounds index (capacity, where, Numba's message) or ``{}``."""
+    _refuse_negative_indices()  # before anything is compiled
     module, qualname = sys.argv[1].split(":")
     try:
         cls = importlib.import_module(module)
