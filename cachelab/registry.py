@@ -255,17 +255,23 @@ def get(group: str, name: str):
     return plugin.obj
 
 
-def make_policy(name: str, **params):
-    """A policy instance by registry name; unknown hyper-parameters are named in the error.
+def policy_name_params(name: str, params: dict) -> tuple[str, dict]:
+    """The registered policy and parameters ``name`` stands for: ``policy+filter``
+    (``lru+tinylfu``), the derived-name convention for eviction x admission variants, is
+    ``policy`` with ``admission=filter``."""
+    if "+" not in name:
+        return name, params
+    name, admission = name.split("+", 1)
+    if params.get("admission", admission) != admission:  # one of the two would be dropped in silence
+        raise CachelabError(f"policy {name}+{admission} names the admission filter {admission!r}, and "
+                            f"admission={params['admission']!r} another: give one of them")
+    return name, {**params, "admission": admission}
 
-    ``name`` may carry an admission filter as ``policy+filter`` (``lru+tinylfu``), the
-    derived-name convention for eviction x admission variants.
-    """
-    if "+" in name:
-        name, admission = name.split("+", 1)
-        if params.setdefault("admission", admission) != admission:  # one of the two was dropped in silence
-            raise CachelabError(f"policy {name}+{admission} names the admission filter {admission!r}, and "
-                                f"admission={params['admission']!r} another: give one of them")
+
+def make_policy(name: str, **params):
+    """A policy instance by registry name (``policy+filter`` too: ``policy_name_params``);
+    unknown hyper-parameters are named in the error."""
+    name, params = policy_name_params(name, params)
     cls = get(POLICIES, name)
     sig = inspect.signature(cls)
     takes_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())

@@ -296,6 +296,16 @@ PAST_THE_END = {  # the kit's compiled FIFO that writes one past an array (tests
 }
 
 
+def test_policies_check_takes_a_policy_with_its_admission_filter():
+    """``lru+tinylfu`` names a policy everywhere else (simulate, experiments); the verb took only
+    the plain name, so the variant a user runs could not be checked by the name they run it by."""
+    out = _json(["policies", "check", "lru+tinylfu", "--json"])
+    assert out["passed"] and out["policy"] == "lru+tinylfu" and out["params"] == {"admission": "tinylfu"}
+    assert out["entry_point"] == "policies.linked.lru:LRU"
+    both = runner.invoke(app, ["policies", "check", "lru+tinylfu", "--param", "admission=doorkeeper"])
+    assert both.exit_code == 2 and "names the admission filter 'tinylfu', and admission='doorkeeper'" in both.output
+
+
 def test_policies_check_runs_the_kit_on_an_installed_policy(tmp_path, monkeypatch):
     """A plug-in author had to write pytest to run the kit: the verb runs it on a registered
     policy, each check with its status and reason, and exits 1 where one fails."""

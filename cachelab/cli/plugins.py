@@ -92,7 +92,8 @@ def policies_list(as_json: bool = typer.Option(False, "--json", help="Print a JS
 
 @policies_app.command("check")
 def policies_check(
-    name: str = typer.Argument(..., help="A registered policy's name, as `cachelab policies list` shows it."),
+    name: str = typer.Argument(..., help="A registered policy's name, as `cachelab policies list` shows it, "
+                               "or one with its admission filter, as `lru+tinylfu`."),
     param: list[str] = typer.Option([], "--param", help="A hyper-parameter to check the policy with, as "
                                     "key=value (repeatable), e.g. --param admission=tinylfu."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: the policy, its entry point "
@@ -107,9 +108,9 @@ def policies_check(
     seconds). Example: `cachelab policies check my-policy --param window=8`."""
     from cachelab.testing import iter_policy_checks
 
-    cls = registry.get(registry.POLICIES, name)
-    plugin = registry.resolved(registry.POLICIES)[name]
-    params = parse_pairs(param)
+    registered, params = registry.policy_name_params(name, parse_pairs(param))
+    cls = registry.get(registry.POLICIES, registered)
+    plugin = registry.resolved(registry.POLICIES)[registered]
     check_params(cls, params, "--param")
     console = Console()
     if not as_json:
