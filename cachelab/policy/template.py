@@ -32,12 +32,10 @@ import types
 from pathlib import Path
 from typing import Callable, ClassVar, NamedTuple
 
-import llvmlite.ir as llir
 import numba as nb
 import numpy as np
-from numba.core import cgutils
-from numba.extending import intrinsic
 
+from cachelab import compiled
 from cachelab.errors import CachelabError
 from cachelab.policy.admission import ALWAYS, admission_admit, admission_record
 from cachelab.policy.kernel import KernelPolicy, free_stack
@@ -78,22 +76,6 @@ class Residency(NamedTuple):
     top: np.ndarray  # [number of free slots on the stack]
 
 
-@intrinsic
-def prefetch(typingctx, arr, index):
-    """Ask the CPU to start loading ``arr[index]`` (LLVM's prefetch: read, keep in all caches)."""
-
-    def codegen(context, builder, signature, args):
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, signature.args[0], ary, [args[1]])
-        i8p, i32 = llir.IntType(8).as_pointer(), llir.IntType(32)
-        fn = cgutils.get_or_insert_function(builder.module, llir.FunctionType(llir.VoidType(), [i8p, i32, i32, i32]),
-                                            "llvm.prefetch.p0i8")
-        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
-        return context.get_dummy_value()
-
-    return nb.types.void(arr, index), codegen
-
-
 def _template(salt):
     """Holds the loop's code; ``salt`` (a hash of the hooks' files) keys Numba's cache."""
 
@@ -106,7 +88,7 @@ def _template(salt):
         for i in range(n):
             key = keys[i]
             if i + AHEAD < n:
-                prefetch(slot_of, keys[i + AHEAD])
+                compiled.prefetch(slot_of, keys[i + AHEAD])
             if FILTERED:
                 admission_record(kind, counters, table, ameta, key)
             slot = slot_of[key]
@@ -172,9 +154,10 @@ _LOOPS: dict = {}
 
 def _salt(hooks: Hooks, filtered: bool, record: bool) -> str:
     """Numba keys a cached function by its file, its code and its closure, not by the globals it
-    calls; the hooks are globals (so they inline), so the salt hashes their files and this layer's."""
+    calls; the hooks are globals (so they inline), so the salt hashes their files, this layer's
+    and the prefetch's."""
     files = {Path(h.py_func.__code__.co_filename) for h in hooks if h is not None}
-    files |= set(Path(__file__).parent.glob("*.py"))
+    files |= set(Path(__file__).parent.glob("*.py")) | {Path(compiled.__file__)}
     digest = hashlib.sha256()
     for path in sorted(files):
         digest.update(path.read_bytes())
