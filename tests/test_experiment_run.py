@@ -310,6 +310,32 @@ def test_held_out_workloads_are_tracked_each_under_its_own_name(tmp_path):
     assert set(table["domain"]) == {"stdlib/code+docstring", "stdlib#1", "stdlib#2"}
 
 
+
+def test_the_later_part_is_judged_only_after_the_training_window(tmp_path, monkeypatch):
+    """The later part was counted from ``train_fraction`` of the steps, but the training window is
+    that share of the distinct rows looked up, rounded up to a step: on this workload the model
+    trained on steps 0-12 of 23 and was judged on steps 11-22, two of them its own training data."""
+    import tomllib
+
+    import numpy as np
+
+    from cachelab.experiment.points import learned_point
+    from cachelab.experiment.spec import parse_spec
+    from cachelab.experiment.sweep import expand
+    from cachelab.experiment.workload import build_workload, load_workload
+    from cachelab.learning.streams import LearningView
+
+    monkeypatch.setenv("CACHELAB_CACHE_DIR", str(tmp_path))
+    spec = parse_spec(tomllib.loads(HELD_OUT.split("[[predictor.holdout]]")[0]))
+    [point] = expand(spec)
+    workload = load_workload(build_workload(spec.workload))
+    out = learned_point(point.config, workload)
+    [meta] = [json.loads(data) for name, data in out.files.items() if name.endswith("metadata.json")]
+    view = LearningView.of(workload.stream, spec.workload.preset)
+    trained = int(np.searchsorted(view.step_offsets, meta["spec"]["train_end"]))
+    assert trained > (view.step_offsets.size - 1) // 2  # the case: the window ends past half the steps
+    assert out.metrics["eval.counted_lookups"] == view.lookup_offsets[-1] - view.lookup_offsets[trained]
+
 def test_a_workload_wanted_by_two_points_at_once_is_built_once(tmp_path, monkeypatch):
     """Two learned points of a pool building one held-out workload at once wrote the same
     scratch file: one renamed the other's half-written file into place, whose own rename then
