@@ -178,6 +178,19 @@ def test_held_out_domains_are_a_list_and_a_bad_one_is_named_by_index(tmp_path):
         load_spec(path)
 
 
+
+def test_a_held_out_workload_of_another_layout_is_refused_before_any_work(tmp_path):
+    """A held-out workload on another Engram preset (or none, where the training workload names one)
+    passed the checks and failed its point after the training, reading its rows as the model's
+    layout; a bad held-out preset was named as workload.preset."""
+    held = ('\n[predictor]\nname = "lightgbm-reuse"\n[[predictor.holdout]]\nsource = "stdlib"\n'
+            'preset = "engram-27b-demo"\n')
+    with pytest.raises(CachelabError, match=r"tiny.toml: predictor.holdout\[0\].preset: 'engram-27b-demo' is not "
+                       r"workload.preset 'deepseek-v4.1-flash': .* give predictor.holdout\[0\] preset = "):
+        _load(tmp_path, extra=held)
+    with pytest.raises(CachelabError, match=r"tiny.toml: predictor.holdout\[0\].preset: unknown preset 'nope'"):
+        _load(tmp_path, extra=held.replace("engram-27b-demo", "nope"))
+
 def test_list_valued_axes_become_table_cells():
     from types import SimpleNamespace
 

@@ -293,11 +293,14 @@ def _check_predictor(p: PredictorSpec, preset: str, where: str) -> None:
     table_rows, row_bytes = _table(preset, where)
     for i, cap in enumerate(p.capacities):
         capacity_rows(cap, table_rows, row_bytes, f"{where}: predictor.capacities[{i}]")
-    if isinstance(p.holdout, list):
-        for i, held in enumerate(p.holdout):
-            _check_workload(held, where, f"predictor.holdout[{i}]")
-    elif p.holdout is not None:
-        _check_workload(p.holdout, where, "predictor.holdout")
+    held = p.holdout if isinstance(p.holdout, list) else [] if p.holdout is None else [p.holdout]
+    for i, workload in enumerate(held):
+        key = f"predictor.holdout[{i}]" if isinstance(p.holdout, list) else "predictor.holdout"
+        _check_workload(workload, where, key)
+        if workload.preset != preset:  # the point failed after training, reading these rows as the model's layout
+            raise CachelabError(f"{where}: {key}.preset: {workload.preset!r} is not workload.preset {preset!r}: a "
+                                f"model scores rows of the Engram layout it was trained on; give {key} preset = "
+                                f"{preset!r}")
 
 
 def _check_workload(w: WorkloadSpec, where: str, key: str = "workload") -> None:
@@ -315,7 +318,7 @@ def _check_workload(w: WorkloadSpec, where: str, key: str = "workload") -> None:
         cls(**kwargs)  # a constructor stores and checks its arguments; reading data waits for the run
     except (CachelabError, TypeError) as exc:
         raise CachelabError(f"{where}: {key}.params: {w.source!r}: {exc}") from None
-    _table(w.preset, where)
+    _table(w.preset, where, f"{key}.preset")
 
 
 def workload_files(workload: dict) -> list[Path]:
@@ -383,11 +386,11 @@ def page_cache_bytes(value: int | str, where: str) -> int:
     return parse_capacity(value, where).bytes(row_bytes=1, where=where)
 
 
-def _table(preset: str, where: str = "spec") -> tuple[int, int]:
+def _table(preset: str, where: str = "spec", key: str = "workload.preset") -> tuple[int, int]:
     from cachelab.engram import get_preset
 
     try:
         cfg = get_preset(preset)
     except CachelabError as exc:
-        raise CachelabError(f"{where}: workload.preset: {exc}") from None
+        raise CachelabError(f"{where}: {key}: {exc}") from None
     return int(cfg.table_rows.sum()), int(cfg.row_bytes)
