@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from capture_upstream import free_port
-from cachelab.capture.kv_events import KVEventSubscriber, _Hashes, decode_batch, read_kv_events
+from cachelab.capture.kv_events import KVEventSubscriber, _Hashes, decode_batch, loss_counts, read_kv_events
 
 
 def _stored(hashes, parent, tokens, block_size=16):
@@ -107,6 +107,12 @@ def _wait(cond, timeout=10):
         time.sleep(0.02)
 
 
+def _records(directory):
+    losses = []
+    batches, _ = read_kv_events(directory, losses)
+    return batches, losses
+
+
 @pytest.mark.parametrize("replay", [False, True])
 def test_gaps_counted_or_replayed(tmp_path, replay):
     endpoint = f"ipc://{tmp_path}/events"
@@ -178,14 +184,18 @@ def test_a_batch_that_cannot_be_read_is_counted_and_the_next_ones_recorded(tmp_p
         seq = _publish_until_joined(pub, sub)
         for i, event in enumerate(bad):
             pub.pub.send_multipart((b"kv", (seq + i).to_bytes(8, "big"), msgpack.packb([1.0, [event]])))
+        pub.pub.send_multipart((b"kv", b"not a seq"))  # no sequence number: recorded too (it was only counted)
         pub.publish(seq + len(bad))
         _wait(lambda: sub.last_seq == seq + len(bad))
     finally:
         sub.close()
         pub.close()
     stats = sub.stats()
-    assert stats["decode_errors"] == len(bad) and stats["last_seq"] == seq + len(bad) and stats["gaps"] == 0, stats
-    assert read_kv_events(tmp_path / "cap")[0][-1]["pub_seq"] == seq + len(bad)
+    assert stats["decode_errors"] == len(bad) + 1 and stats["last_seq"] == seq + len(bad) and stats["gaps"] == 0, stats
+    batches, losses = _records(tmp_path / "cap")
+    assert batches[-1]["pub_seq"] == seq + len(bad)
+    assert [r["pub_seq"] for r in losses] == [seq, seq + 1, seq + 2, None]
+    assert losses[-1]["error"].startswith("a message of 2 frames (2, 9 bytes)")
 
 
 def test_bind_side_for_a_connecting_publisher(tmp_path):
@@ -233,3 +243,130 @@ def test_a_malformed_endpoint_is_named_and_leaves_no_capture(tmp_path, endpoint,
     with pytest.raises(CachelabError, match=named):
         KVEventSubscriber(endpoint, tmp_path / "cap", replay_endpoint=replay)
     assert not (tmp_path / "cap").exists()  # no empty segment a later read would meet
+
+
+def test_an_oversized_message_is_refused_recorded_as_a_disconnect_and_a_gap_and_the_rest_recorded(tmp_path):
+    """A message over ``max_batch_bytes`` (ZMQ's MAXMSGSIZE) ends its connection, and libzmq never
+    connects a connecting socket again after that: the subscriber does, and the refused batch is a
+    gap, with a ``kv_disconnect`` and a ``kv_gap`` record saying so. There was no MAXMSGSIZE (nor an
+    RCVHWM): a message of any size was taken in whole."""
+    endpoint = f"ipc://{tmp_path}/events"
+    pub = Publisher(endpoint, bind=True)
+    sub = KVEventSubscriber(endpoint, tmp_path / "cap", topic="kv", max_batch_bytes=4096,
+                            buffer_bytes=1 << 20).start()
+    try:
+        seq = _publish_until_joined(pub, sub)
+        pub.pub.send_multipart((b"kv", seq.to_bytes(8, "big"), msgpack.packb([1.0, [_stored([1], None, [0] * 9000)]])))
+        end = seq + 1
+        while sub.last_seq is None or sub.last_seq <= seq:  # the reconnect's first batches are missed too
+            pub.publish(end)
+            end += 1
+            time.sleep(0.02)
+            assert end < seq + 500, sub.stats()
+        for s in range(end, end + 5):
+            pub.publish(s)
+        _wait(lambda: sub.last_seq == end + 4)
+    finally:
+        sub.close()
+        pub.close()
+    stats = sub.stats()
+    batches, losses = _records(tmp_path / "cap")
+    seqs = {b["pub_seq"] for b in batches}
+    assert seq not in seqs and set(range(end, end + 5)) <= seqs and stats["disconnects"] == 1, stats
+    assert stats["gaps"] == (sub.last_seq - sub.first_seq + 1) - len(seqs) >= 1 and stats["batches"] == len(seqs)
+    [disconnect] = [r for r in losses if r["kind"] == "kv_disconnect"]
+    assert "over 4096 bytes" in disconnect["error"]
+    [gap] = [r for r in losses if r["kind"] == "kv_gap"]
+    assert gap["first_seq"] == seq and gap["missing"] == stats["gaps"] and gap["recovered"] == 0
+    assert loss_counts(losses) == {"gaps": stats["gaps"], "lost": 0, "disconnects": 1, "errors": 0}
+
+
+def test_batches_past_the_buffer_are_dropped_counted_and_recorded(tmp_path):
+    """The journal's thread held up (a slow disk): the payloads waiting for it stop at ``buffer_bytes``,
+    and each batch past that is a ``kv_lost`` record and counted; every batch received is either
+    recorded or so. Nothing bounded what waited: a publisher faster than the disk grew the process."""
+    endpoint = f"ipc://{tmp_path}/events"
+    pub = Publisher(endpoint, bind=True)
+    size = max(len(_batch(s)) for s in range(1000))
+    sub = KVEventSubscriber(endpoint, tmp_path / "cap", topic="kv", max_batch_bytes=size,
+                            buffer_bytes=5 * size).start()
+    gate = threading.Event()
+    try:
+        seq = _publish_until_joined(pub, sub)
+        sub.journal.submit(lambda: gate.wait(10) and {"kind": "test"})  # the journal's thread waits here
+        for s in range(seq, seq + 20):
+            pub.publish(s)
+        _wait(lambda: sub.last_seq == seq + 19)
+        gate.set()
+    finally:
+        sub.close()
+        pub.close()
+    stats = sub.stats()
+    batches, losses = _records(tmp_path / "cap")
+    kept, pending = [], 0
+    for s in range(seq, seq + 20):  # what fits in the buffer while nothing is taken from it
+        if pending + len(_batch(s)) <= 5 * size:
+            kept.append(s)
+            pending += len(_batch(s))
+    lost = [r["pub_seq"] for r in losses if r["kind"] == "kv_lost"]
+    assert stats["lost"] == len(lost) == 20 - len(kept) >= 14 and stats["gaps"] == stats["disconnects"] == 0, stats
+    assert sorted(lost + kept) == list(range(seq, seq + 20))
+    assert [b["pub_seq"] for b in batches] == list(range(sub.first_seq, seq)) + kept
+
+
+def test_a_replay_endpoint_answering_outside_the_range_is_given_up_and_its_gap_counted(tmp_path, monkeypatch):
+    """A replay endpoint that answers a request with one batch of the range again and again, then with
+    batches outside it for ever: the subscriber takes the batch once, stops asking after ``REPLAY_S``,
+    counts the batch it could not recover as a gap and records why. It looped until the endpoint
+    fell silent (here 6 s, a hostile one never), counted each repeat as recovered (the gaps went
+    negative) and journaled it again each time."""
+    from cachelab.capture import kv_events
+
+    monkeypatch.setattr(kv_events, "REPLAY_S", 1.0)
+    endpoint, replay = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
+    pub = Publisher(endpoint, bind=True)
+    router = pub.ctx.socket(zmq.ROUTER)
+    router.bind(replay)
+    missing, done = [], threading.Event()
+
+    def serve():
+        while True:  # the replay of what preceded the join (from 0) answered with nothing
+            while not router.poll(50):
+                if done.is_set():
+                    return
+            client, _, start = router.recv_multipart()
+            if missing and int.from_bytes(start, "big") == missing[0]:
+                break
+            router.send_multipart((client, b"", kv_events.END_SEQ, b""))
+        deadline = time.monotonic() + 6
+        for i in range(5):
+            router.send_multipart((client, b"", missing[0].to_bytes(8, "big"), _batch(missing[0])))
+        while time.monotonic() < deadline and not done.is_set():
+            router.send_multipart((client, b"", (missing[0] - 1).to_bytes(8, "big"), _batch(0)))  # received already
+            time.sleep(0.01)
+
+    sub = KVEventSubscriber(endpoint, tmp_path / "cap", topic="kv", replay_endpoint=replay).start()
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        seq = _publish_until_joined(pub, sub)
+        missing[:] = [seq + 1, seq + 2]
+        pub.publish(seq)
+        for s in missing:
+            pub.publish(s, send=False)
+        started = time.monotonic()
+        pub.publish(seq + 3)
+        _wait(lambda: sub.last_seq == seq + 3, timeout=4)
+        took = time.monotonic() - started
+    finally:
+        done.set()
+        sub.close()
+        thread.join()
+        pub.close()
+    stats = sub.stats()
+    assert stats["last_seq"] == seq + 3 and took < 3, (took, stats)
+    batches, losses = _records(tmp_path / "cap")
+    assert [b["pub_seq"] for b in batches].count(seq + 1) == 1 and stats["gaps"] == 1 and stats["replayed"] == 1
+    [gap] = [r for r in losses if r["kind"] == "kv_gap"]
+    assert (gap["first_seq"], gap["missing"], gap["recovered"]) == (seq + 1, 2, 1)
+    assert gap["error"].startswith("gave up after 1 s") and "repeated, ignored" in gap["error"]

@@ -18,6 +18,13 @@ publisher's ``replay_endpoint`` the subscriber asks for the missing batches and 
 publisher started again (vLLM restarted) counts from 0 again: that is counted (``restarts``) and
 its numbers are checked for gaps from 0 (they were compared with the old run's last number, so
 no gap of the new run was counted until it passed it).
+
+Bounded: ZMQ refuses a message over ``max_batch_bytes`` (16 MiB) by dropping its connection and
+queues ``buffer_bytes // max_batch_bytes`` messages per connection, and the payloads waiting for
+the journal's thread (which decodes them) are ``buffer_bytes`` (256 MiB) at most; what does not
+fit is dropped, counted and recorded, as is every other loss (``KVEventSubscriber``). Its
+``RCVHWM`` was 0 (no limit) and a message any size: a publisher faster than the journal, or
+one hostile, grew the process without bound.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from cachelab.capture.journal import Journal
 from cachelab.capture.segments import ReadStats, read_stream
@@ -37,6 +45,11 @@ from cachelab.errors import CachelabError
 
 KV_EVENTS = "kv-events"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+MAX_BATCH_BYTES = 16 << 20  # a message at most (vLLM's are KBs; a 128k-token prefill step's about 1 MiB)
+BUFFER_BYTES = 256 << 20    # payloads received and not yet taken by the journal's thread, at most
+REPLAY_WAIT_S = 2.0         # a replay socket silent this long is done
+REPLAY_S = 10.0             # one replay takes this long at most
+LOSSES = ("kv_gap", "kv_lost", "kv_disconnect", "kv_error")  # the records of what the subscriber lost
 # an older vLLM's tagged-array events: their fields in order, after the tag
 _ARRAY_FIELDS = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"),
                  "BlockRemoved": ("block_hashes", "medium")}
@@ -103,21 +116,35 @@ def decode_batch(payload: bytes, hashes: _Hashes, keep_tokens: bool = True) -> d
 class KVEventSubscriber:
     """Receives vLLM's KV-event batches on a thread and journals each one (``kv-events`` stream).
 
-    ``stats()`` reports batches and events received, the first and last sequence numbers,
-    gaps (batches missed between two received ones), batches recovered by replay, and
-    decode errors.
+    The receiving thread only checks sequence numbers and hands each payload to the journal,
+    whose thread decodes it: what is held is bounded (``max_batch_bytes`` a message, ZMQ's
+    receive queue ``buffer_bytes // max_batch_bytes`` messages, and ``buffer_bytes`` of payloads
+    waiting for the journal), and every loss is a record in the stream as well as a count:
+    ``kv_gap`` (batches missing between two received ones, with what replay recovered),
+    ``kv_lost`` (a batch dropped because the buffer was full), ``kv_disconnect`` (the
+    connection dropped: a message over ``max_batch_bytes``, which ZMQ refuses by disconnecting,
+    or the publisher gone; the subscriber connects again) and ``kv_error`` (a message it could
+    not read). ``stats()`` reports the counts.
     """
 
     def __init__(self, endpoint: str, directory: str | os.PathLike, *, topic: str = "", bind: bool = False,
                  replay_endpoint: str | None = None, keep_tokens: bool = True, fsync: str = "batch",
-                 rotate_bytes: int = 256 << 20, rotate_seconds: float = 3600.0):
+                 rotate_bytes: int = 256 << 20, rotate_seconds: float = 3600.0,
+                 max_batch_bytes: int = MAX_BATCH_BYTES, buffer_bytes: int = BUFFER_BYTES):
+        if not 1 <= max_batch_bytes <= buffer_bytes:
+            raise CachelabError(f"KV-event bounds: a batch of at most {max_batch_bytes} bytes, a buffer of "
+                                f"{buffer_bytes}: expected 1 <= max batch <= buffer (--max-batch-mb, --buffer-mb)")
         self.endpoint, self.topic, self.bind, self.replay_endpoint = endpoint, topic, bind, replay_endpoint
         self.keep_tokens = keep_tokens
+        self.max_batch_bytes, self.buffer_bytes = max_batch_bytes, buffer_bytes
+        self._hwm = max(1, buffer_bytes // max_batch_bytes)  # messages ZMQ queues per connection
         self._hashes = _Hashes()
         self._ctx = zmq.Context()
-        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub = self._bounded(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        self._sub.setsockopt(zmq.RCVHWM, 0)
+        # a message over MAXMSGSIZE ends its connection (libzmq then never reconnects a connecting socket
+        # by itself): the monitor says so, and _disconnected connects again
+        self._monitor = self._sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             (self._sub.bind if bind else self._sub.connect)(endpoint)
         except zmq.ZMQError as exc:
@@ -130,8 +157,11 @@ class KVEventSubscriber:
         self.journal = Journal(directory, KV_EVENTS, fsync=fsync, rotate_bytes=rotate_bytes,
                                rotate_seconds=rotate_seconds, header={"endpoint": endpoint, "topic": topic})
         self.batches = self.events = self.gaps = self.replayed = self.decode_errors = self.restarts = 0
+        self.lost = self.disconnects = 0
         self.first_seq: int | None = None
         self.last_seq: int | None = None
+        self._pending = 0  # payload bytes handed to the journal and not yet taken by its thread
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="capture-kv-events", daemon=True)
 
@@ -139,21 +169,56 @@ class KVEventSubscriber:
         self._thread.start()
         return self
 
-    def _journal(self, seq: int, payload: bytes, replayed: bool) -> None:
-        received = time.time_ns()
+    def _bounded(self, kind: int) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_batch_bytes)
+        sock.setsockopt(zmq.RCVHWM, self._hwm)
+        return sock
+
+    def _note(self, record: dict) -> None:
+        """Journal a record of a loss (small: no payload)."""
+        self.journal.submit({"received_ns": time.time_ns(), **record})
+
+    def _submit(self, seq: int, payload: bytes, replayed: bool) -> bool:
+        """Hand one batch to the journal's thread, which decodes it; False (a ``kv_lost`` record) when
+        the payloads waiting for it would exceed ``buffer_bytes``."""
+        size, received = len(payload), time.time_ns()
+        with self._lock:
+            full = self._pending + size > self.buffer_bytes and self.journal.write_error is None
+            if not full:
+                self._pending += size
+        if full:
+            self.lost += 1
+            self._note({"kind": "kv_lost", "pub_seq": seq, "replayed": replayed, "bytes": size,
+                        "error": f"batch dropped: {self.buffer_bytes} bytes of batches already wait to be written "
+                                 "(--buffer-mb)"})
+            return False
+        if not self.journal.submit(lambda: self._decode(seq, payload, replayed, received, size)):
+            self._release(size)  # counted in the journal's dropped
+            return False
+        return True
+
+    def _release(self, size: int) -> None:
+        with self._lock:
+            self._pending -= size
+
+    def _decode(self, seq: int, payload: bytes, replayed: bool, received: int, size: int) -> dict:
+        """The record of one batch (on the journal's thread)."""
+        self._release(size)
         try:
             batch = decode_batch(payload, self._hashes, self.keep_tokens)
         except Exception as exc:  # noqa: BLE001 (a publisher's bytes: whatever fails to read is a counted error,
-            # not the end of the subscriber's thread, as a list where a number goes or a token id over int32 was)
-            self.decode_errors += 1
-            self.journal.submit({"kind": "kv_error", "pub_seq": seq, "received_ns": received,
-                                 "error": f"{type(exc).__name__}: {exc}"[:300]})
-            return
+            # not the end of the journal's thread, as a list where a number goes or a token id over int32 was)
+            return self._error(seq, received, f"{type(exc).__name__}: {exc}")
         self.batches += 1
         self.events += len(batch["events"])
         self.replayed += replayed
-        self.journal.submit({"kind": "kv_batch", "pub_seq": seq, "received_ns": received, "replayed": replayed,
-                             **batch})
+        return {"kind": "kv_batch", "pub_seq": seq, "received_ns": received, "replayed": replayed, **batch}
+
+    def _error(self, seq: int | None, received: int, error: str) -> dict:
+        self.decode_errors += 1
+        return {"kind": "kv_error", "pub_seq": seq, "received_ns": received, "error": error[:300]}
 
     def _check_replay_endpoint(self, endpoint: str) -> None:
         """Connect a socket to the replay endpoint once, now: a malformed one would otherwise fail
@@ -168,72 +233,140 @@ class KVEventSubscriber:
         finally:
             sock.close(linger=0)
 
-    def _replay(self, start: int, stop: int) -> int:
-        """Ask the publisher's replay socket for batches [start, stop); returns how many came."""
+    def _replay(self, start: int, stop: int) -> tuple[int, str]:
+        """Ask the publisher's replay socket for batches [start, stop): (how many came, how it ended).
+
+        vLLM answers with every batch it still buffers from ``start`` on, in order, then an end
+        marker. The exchange ends at that marker, once every batch asked for came, at the first
+        batch past the range (none of it follows), after ``REPLAY_WAIT_S`` without a reply or
+        ``REPLAY_S`` in all: an endpoint that answers with batches outside the range (or the same
+        ones again) for ever held the subscriber's thread in this loop."""
         # A DEALER, not a REQ: the publisher's ROUTER streams many replies to one request.
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, 2000)
-        got = 0
+        sock = self._bounded(zmq.DEALER)
+        got: set[int] = set()
+        ignored = 0
+        deadline = time.monotonic() + REPLAY_S
+        ended = f"gave up after {REPLAY_S:g} s"
         try:
             sock.connect(self.replay_endpoint)
             sock.send_multipart([b"", start.to_bytes(8, "big")])
-            while True:
+            while len(got) < stop - start and not self._stop.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                if not sock.poll(min(left, REPLAY_WAIT_S) * 1e3):
+                    if left > REPLAY_WAIT_S:
+                        ended = f"no reply for {REPLAY_WAIT_S:g} s"
+                    break
                 frames = sock.recv_multipart()
                 if len(frames) < 3 or frames[-2] == END_SEQ:
+                    ended = "the publisher's replay ended"
                     break
-                seq = int.from_bytes(frames[-2], "big")
-                if start <= seq < stop:
-                    self._journal(seq, frames[-1], True)
-                    got += 1
-        except zmq.ZMQError:
-            pass
+                seq = int.from_bytes(frames[-2], "big") if len(frames[-2]) == 8 else -1
+                if start <= seq < stop and seq not in got:
+                    got.add(seq)
+                    self._submit(seq, frames[-1], True)
+                elif seq >= stop:
+                    ended = "the publisher's replay went past the range"
+                    break
+                else:
+                    ignored += 1
+        except zmq.ZMQError as exc:
+            ended = f"replay socket: {exc}"
         finally:
             sock.close(linger=0)
-        return got
+        if len(got) == stop - start:
+            ended = "complete"
+        return len(got), ended + (f"; {ignored} replies outside the range or repeated, ignored" if ignored else "")
+
+    def _disconnected(self) -> None:
+        """A connection to a publisher dropped: noted, and a connecting subscriber connects again."""
+        recv_monitor_message(self._monitor)
+        self.disconnects += 1
+        self._note({"kind": "kv_disconnect", "endpoint": self.endpoint,
+                    "error": f"connection lost (a message over {self.max_batch_bytes} bytes, --max-batch-mb, "
+                             "or the publisher gone): what it sent meanwhile is a gap"})
+        if not self.bind:
+            try:
+                self._sub.disconnect(self.endpoint)
+            except zmq.ZMQError:  # already forgotten by ZMQ
+                pass
+            self._sub.connect(self.endpoint)
+
+    def _receive(self, frames: list[bytes]) -> None:
+        received = time.time_ns()
+        if len(frames) != 3 or len(frames[1]) != 8:
+            error = f"a message of {len(frames)} frames ({', '.join(str(len(f)) for f in frames[:4])} bytes): " \
+                    "expected topic, an 8-byte sequence number and a payload"
+            self.journal.submit(lambda: self._error(None, received, error))
+            return
+        seq = int.from_bytes(frames[1], "big")
+        if self.last_seq is not None and seq <= self.last_seq:  # a new publisher (vLLM restarted): from 0 again
+            self.restarts += 1
+            self.last_seq = -1  # its batches before this one are gaps too (or replayed)
+        if self.last_seq is not None and seq > self.last_seq + 1:
+            first, missing = self.last_seq + 1, seq - self.last_seq - 1
+            recovered, ended = self._replay(first, seq) if self.replay_endpoint else (0, "no --replay")
+            self.gaps += missing - recovered
+            self._note({"kind": "kv_gap", "first_seq": first, "missing": missing, "recovered": recovered,
+                        "error": ended})
+        if self.first_seq is None:
+            self.first_seq = seq
+            if seq > 0 and self.replay_endpoint:
+                self._replay(0, seq)
+        self._submit(seq, frames[2], False)
+        self.last_seq = seq
 
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sub, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(200):
-                continue
-            frames = self._sub.recv_multipart()
-            if len(frames) != 3 or len(frames[1]) != 8:
-                self.decode_errors += 1
-                continue
-            seq = int.from_bytes(frames[1], "big")
-            if self.last_seq is not None and seq <= self.last_seq:  # a new publisher (vLLM restarted): from 0 again
-                self.restarts += 1
-                self.last_seq = -1  # its batches before this one are gaps too (or replayed)
-            if self.last_seq is not None and seq > self.last_seq + 1:
-                missing = seq - self.last_seq - 1
-                recovered = self._replay(self.last_seq + 1, seq) if self.replay_endpoint else 0
-                self.gaps += missing - recovered
-            if self.first_seq is None:
-                self.first_seq = seq
-                if seq > 0 and self.replay_endpoint:
-                    self._replay(0, seq)
-            self._journal(seq, frames[2], False)
-            self.last_seq = seq
+            ready = dict(poller.poll(200))
+            if self._monitor in ready:
+                self._disconnected()
+            if self._sub in ready:
+                self._receive(self._sub.recv_multipart())
 
     def stats(self) -> dict[str, Any]:
+        journal = self.journal.stats()
         return {"endpoint": self.endpoint, "bind": self.bind, "batches": self.batches, "events": self.events,
                 "first_seq": self.first_seq, "last_seq": self.last_seq, "gaps": self.gaps, "restarts": self.restarts,
-                "replayed": self.replayed, "decode_errors": self.decode_errors,
-                "truncated_hashes": self._hashes.truncated, "acknowledged": self.journal.acknowledged}
+                "replayed": self.replayed, "decode_errors": self.decode_errors, "lost": self.lost,
+                "disconnects": self.disconnects, "truncated_hashes": self._hashes.truncated,
+                "acknowledged": journal["acknowledged"], "dropped": journal["dropped"],
+                "write_error": journal["write_error"]}
 
     def close(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(5)
+            self._thread.join(REPLAY_WAIT_S + 5)
+        self._sub.disable_monitor()
+        self._monitor.close(linger=0)
         self._sub.close(linger=0)
         self._ctx.term()
         self.journal.close()
 
 
-def read_kv_events(directory: str | os.PathLike) -> tuple[list[dict], ReadStats]:
-    """Every journaled batch (``kind == "kv_batch"``) in order of receipt, and what the read skipped."""
+def read_kv_events(directory: str | os.PathLike,
+                   losses: list[dict] | None = None) -> tuple[list[dict], ReadStats]:
+    """Every journaled batch (``kind == "kv_batch"``) in order of receipt, and what the read skipped;
+    the records of the subscriber's losses (``LOSSES``) are appended to ``losses`` when given."""
     stats = ReadStats()
-    batches = [r for r in read_stream(directory, KV_EVENTS, stats) if r.get("kind") == "kv_batch"]
+    batches = []
+    for record in read_stream(directory, KV_EVENTS, stats):
+        if record.get("kind") == "kv_batch":
+            batches.append(record)
+        elif losses is not None and record.get("kind") in LOSSES:
+            losses.append(record)
     return batches, stats
+
+
+def loss_counts(losses: list[dict]) -> dict[str, int]:
+    """What the loss records of a capture say: batches missing (gaps less what replay recovered),
+    dropped (buffer full), disconnects and unreadable messages."""
+    kinds = [r.get("kind") for r in losses]
+    return {"gaps": sum(int(r.get("missing") or 0) - int(r.get("recovered") or 0)
+                        for r in losses if r.get("kind") == "kv_gap"),
+            "lost": kinds.count("kv_lost"), "disconnects": kinds.count("kv_disconnect"),
+            "errors": kinds.count("kv_error")}

@@ -194,6 +194,12 @@ def kv_events(
     replay: str | None = typer.Option(None, help="vLLM's replay_endpoint, to fetch batches missed in a gap."),
     no_tokens: bool = typer.Option(False, "--no-tokens", help="Drop the token ids vLLM sends with stored blocks."),
     fsync: str = typer.Option("batch", help=FSYNC_HELP),
+    max_batch_mb: float = typer.Option(16.0, help="A message over this size (MiB) is refused (ZMQ drops its "
+                                       "connection; the subscriber connects again): recorded and counted as a "
+                                       "disconnect, the batch as a gap. vLLM's are KBs."),
+    buffer_mb: float = typer.Option(256.0, help="Batches received and not yet written, at most this much (MiB): "
+                                    "past it a batch is dropped, recorded and counted (`lost`). ZMQ queues up to "
+                                    "buffer / max batch messages more per connection."),
     duration: float | None = typer.Option(None, help="Stop after this many seconds (default: at Ctrl-C/SIGTERM)."),
     as_json: bool = typer.Option(False, "--json", help="Print the final counts as one JSON object."),
 ) -> None:
@@ -205,7 +211,9 @@ def kv_events(
     from cachelab.capture.kv_events import KVEventSubscriber
 
     sub = KVEventSubscriber(endpoint, out, topic=topic, bind=bind, replay_endpoint=replay,
-                            keep_tokens=not no_tokens, fsync=fsync).start()
+                            keep_tokens=not no_tokens, fsync=fsync,
+                            max_batch_bytes=mib_bytes("--max-batch-mb", max_batch_mb),
+                            buffer_bytes=mib_bytes("--buffer-mb", buffer_mb)).start()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -226,16 +234,18 @@ def info(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """What a capture holds: requests (ok / failed, per token source), KV batches, torn tails."""
-    from cachelab.capture.kv_events import read_kv_events
+    from cachelab.capture.kv_events import loss_counts, read_kv_events
     from cachelab.capture.to_trace import read_requests
 
     table, stats = read_requests(directory)
-    batches, kv_stats = read_kv_events(directory)
+    losses: list[dict] = []
+    batches, kv_stats = read_kv_events(directory, losses)
     ok = table.filter((table["status"] == 200) & table["error"].is_null()) if table.height else table
     result = {
         "directory": str(directory), "requests": table.height, "ok": ok.height, "failed": table.height - ok.height,
         "token_sources": dict(table.group_by("token_source").len().iter_rows()) if table.height else {},
         "kv_batches": len(batches), "kv_events": sum(len(b["events"]) for b in batches),
+        "kv_losses": loss_counts(losses),
         "requests_read": stats.to_dict(), "kv_read": kv_stats.to_dict(),
     }
     result["token_sources"] = {str(k): v for k, v in result["token_sources"].items()}
@@ -245,6 +255,10 @@ def info(
     console = Console()
     console.print(f"[bold]{directory}[/]: {result['requests']:,} requests ({result['ok']:,} ok, "
                   f"{result['failed']:,} failed), {result['kv_batches']:,} KV batches / {result['kv_events']:,} events")
+    kv = result["kv_losses"]
+    if any(kv.values()):
+        console.print(f"KV events lost: {kv['gaps']:,} batches missing (gaps), {kv['lost']:,} dropped (buffer full), "
+                      f"{kv['disconnects']:,} disconnects, {kv['errors']:,} unreadable")
     for name, s in (("requests", stats), ("kv-events", kv_stats)):
         console.print(f"{name}: {s.segments} segments, {s.records} records, {s.torn_tails} torn tails, "
                       f"{s.corrupt} corrupt" + (f", bad files {s.bad_files}" if s.bad_files else ""))
