@@ -32,6 +32,14 @@ _STOP = object()
 _NOW = object()  # flush: commit what is built without waiting for the interval's end
 
 
+def _packs(value) -> bool:
+    try:
+        msgpack.packb(value, use_bin_type=True, unicode_errors="replace")
+    except (OverflowError, TypeError, ValueError):
+        return False
+    return True
+
+
 class Journal:
     """Queue + writer thread + segment files of one stream.
 
@@ -100,8 +108,21 @@ class Journal:
             payloads = {"kind": "error", "error": f"record not built: {type(exc).__name__}: {exc}"}
         head = {"seq": self._seq, "run": self.run}
         self._seq += 1
-        return [msgpack.packb({**head, **p}, use_bin_type=True)
-                for p in (payloads if isinstance(payloads, list) else [payloads])]
+        return [self._pack({**head, **p}) for p in (payloads if isinstance(payloads, list) else [payloads])]
+
+    def _pack(self, record: dict) -> bytes:
+        """The record's bytes. A field msgpack cannot take (an integer past 64 bits, as a hostile
+        upstream's ``"id"`` can be) is written as null and named in ``not_recorded`` (counted in
+        ``build_errors``): it raised on this thread, which ended it, and every later record was
+        lost uncounted. A string with a lone surrogate (JSON's ``"\\ud800"``) has it replaced."""
+        try:
+            return msgpack.packb(record, use_bin_type=True, unicode_errors="replace")
+        except (OverflowError, TypeError, ValueError) as exc:
+            self.build_errors += 1
+            bad = [key for key, value in record.items() if not _packs(value)]
+            kept = {key: None if key in bad else value for key, value in record.items()}
+            kept["not_recorded"] = f"{', '.join(map(str, bad))}: {type(exc).__name__}: {exc}"[:300]
+            return msgpack.packb(kept, use_bin_type=True, unicode_errors="replace")
 
     def _run(self) -> None:
         stop = False
