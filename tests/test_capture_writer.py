@@ -318,3 +318,70 @@ def test_an_answer_field_msgpack_cannot_take_is_named_and_every_record_still_wri
     assert [r["upstream_id"] for r in got] == [None, "cmpl-1", "cmpl-2"]
     assert got[0]["not_recorded"].startswith("upstream_id: OverflowError") and got[0]["status"] == 200
     assert got[0]["output_ids"] is not None and got[1]["model"] == "m?" and "not_recorded" not in got[1]
+
+
+class CountingTokenizer:
+    """The fallback tokenizer, counting how often it tokenizes a prompt."""
+
+    def __init__(self):
+        from cachelab.capture.tokens import FallbackTokenizer
+
+        self.inner, self.prompts = FallbackTokenizer(), 0
+
+    def encode(self, text, prompt=False):
+        self.prompts += prompt
+        return self.inner.encode(text, prompt)
+
+    def decode(self, ids, special=False):
+        return self.inner.decode(ids, special)
+
+
+def test_the_fallback_tokenizes_a_prompt_once_for_all_its_choices():
+    """An upstream without ids answering ``n`` = 8 choices of one prompt: the prompt was tokenized
+    once per choice, 8 times (a long prompt's tokenizing is most of the writer's work)."""
+    x = Exchange(endpoint="/v1/completions", arrival_unix_ns=0, arrival=0.0, status=200, response_time=1.0,
+                 body={"model": "tiny", "prompt": "the row cache " * 50, "n": 8},
+                 response=json.dumps({"id": "c", "choices": [{"index": i, "text": f" w{i}"} for i in range(8)]}).encode())
+    tokenizer = CountingTokenizer()
+    got = x.to_records(tokenizer)
+    assert [r.index for r in got] == list(range(8)) and {r.token_source for r in got} == {"tokenizer"}
+    assert all(r.prompt_ids.tolist() == tokenizer.inner.encode("the row cache " * 50, prompt=True) for r in got)
+    assert tokenizer.prompts == 1
+
+
+def test_a_streamed_echo_keeps_the_servers_prompt_ids_and_counts_no_echoed_token_as_output():
+    """vLLM sends a streamed echo's prompt ids with it (``prompt_token_ids`` in each choice's first
+    chunk) even where no ids were asked for: the record took the fallback's tokens of the text instead,
+    and counted the echoed prompt's tokens in the first event's ``tok_n``."""
+    prompt = "Engram keeps hash-addressed rows"
+    server_ids = [11, 12, 13, 14]  # not what the fallback makes of the text: the server's are kept
+    x = Exchange(endpoint="/v1/completions", arrival_unix_ns=0, arrival=100.0, status=200, stream=True,
+                 body={"model": "tiny", "prompt": prompt, "echo": True, "stream": True})
+    for t, choice in ((100.01, {"text": prompt + " in", "prompt_token_ids": server_ids}), (100.02, {"text": " HBM"})):
+        x.events.append(b"data: " + json.dumps({"id": "c", "choices": [{"index": 0, "token_ids": None, **choice}]}).encode()
+                        + b"\n\n")
+        x.event_times.append(t)
+    x.events.append(b"data: [DONE]\n\n")
+    x.event_times.append(100.03)
+    tokenizer = CountingTokenizer()
+    [record] = x.to_records(tokenizer)
+    assert record.token_source == "tokenizer" and record.prompt_ids.tolist() == server_ids
+    assert record.output_text == " in HBM" and record.output_ids.tolist() == tokenizer.encode(" in HBM")
+    assert record.token_counts.tolist() == [len(tokenizer.encode(" in")), len(tokenizer.encode(" HBM"))]
+    assert tokenizer.prompts == 0
+
+
+def test_an_echo_of_ids_with_special_tokens_is_found_as_vllm_decodes_it():
+    """A prompt sent as ids that hold special tokens (a chat template's, say) is echoed by vLLM with
+    them written out; the record looked for the echo without them, did not find it, and kept the
+    whole echoed prompt as output."""
+    tokenizer = CountingTokenizer()
+    ids = [0, *tokenizer.encode("hello world"), 1]
+    echoed = tokenizer.decode(ids, special=True)
+    assert echoed != tokenizer.decode(ids)
+    x = Exchange(endpoint="/v1/completions", arrival_unix_ns=0, arrival=0.0, status=200, response_time=1.0,
+                 body={"model": "tiny", "prompt": ids, "echo": True},
+                 response=json.dumps({"id": "c", "choices": [{"index": 0, "text": echoed + " out"}]}).encode())
+    [record] = x.to_records(tokenizer)
+    assert record.prompt_ids.tolist() == ids and record.output_text == " out"
+    assert record.output_ids.tolist() == tokenizer.encode(" out") and record.token_counts.tolist() == [1]

@@ -243,7 +243,7 @@ class _Choice:
     have_ids: bool = True  # every event of it carried its token ids
     texts: list[str] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
-    counts: list[int] = field(default_factory=list)
+    counts: list[int | str] = field(default_factory=list)  # an event's ids, or its text (tokenized at the end)
 
 
 def _request_prompts(body: dict) -> list[tuple[str | None, list[int] | None]]:
@@ -268,6 +268,46 @@ def _request_prompts(body: dict) -> list[tuple[str | None, list[int] | None]]:
             parts.append(f"{m.get('role', '')}: {content or ''}" if isinstance(m, dict) else "")
         return [("\n".join(parts), None)]
     return []
+
+
+class _Fallback:
+    """The fallback tokenizer's work on a request's prompts, done once per prompt, not once per choice
+    (``n`` choices of one prompt tokenized it ``n`` times)."""
+
+    def __init__(self, tokenizer, prompts: list[tuple[str | None, list[int] | None]]):
+        self.tokenizer, self.prompts = tokenizer, prompts
+        self._prompt: dict[int, list[int]] = {}
+        self._echoes: dict[int, list[str]] = {}
+
+    def prompt(self, k: int) -> list[int]:
+        """Prompt ``k``'s tokens (its text, with the tokenizer's special tokens)."""
+        if k not in self._prompt:
+            self._prompt[k] = self.tokenizer.encode(self.prompts[k][0], prompt=True)
+        return self._prompt[k]
+
+    def echoes(self, k: int) -> list[str]:
+        """What a server echoes of prompt ``k``: its text, or for ids its decoding, special tokens kept
+        (vLLM's) or left out; the echo of ids was found only where the server left them out."""
+        if k not in self._echoes:
+            text, ids = self.prompts[k] if k < len(self.prompts) else (None, None)
+            self._echoes[k] = [text] if ids is None else \
+                list(dict.fromkeys(self.tokenizer.decode(ids, special=keep) for keep in (True, False)))
+        return self._echoes[k]
+
+
+def _token_events(c: _Choice, echoed: int, tokenizer) -> tuple[list[float], list[int]]:
+    """The choice's token-bearing events and their token counts; an event of text (no ids) is tokenized
+    without the echoed prompt's first ``echoed`` characters (its tokens were counted as output)."""
+    times, counts = [], []
+    for when, count in zip(c.times, c.counts):
+        if isinstance(count, str):
+            cut = min(echoed, len(count))
+            echoed -= cut
+            count = len(tokenizer.encode(count[cut:])) if len(count) > cut else 0
+        if count:
+            times.append(when)
+            counts.append(count)
+    return times, counts
 
 
 def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
@@ -318,10 +358,9 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
             else:
                 c.ids.extend(ids)
             c.texts.append(text)
-            n = len(ids) if ids is not None else (len(tokenizer.encode(text)) if text else 0)
-            if n and when is not None:
+            if (text if ids is None else ids) and when is not None:
                 c.times.append(when - x.arrival)
-                c.counts.append(n)
+                c.counts.append(text if ids is None else len(ids))
     if x.status != 200 and error is None:
         error = f"upstream answered HTTP {x.status}"
     prompts = _request_prompts(body)
@@ -332,6 +371,7 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
     # an answer of none (an error, the upstream's or the proxy's) is one record
     asked = range(min(len(prompts) * n, MAX_RECORDS))
     indices = sorted(choices.keys() | asked)[:MAX_RECORDS] if choices or (x.status == CLIENT_CLOSED and asked) else [None]
+    fallback = _Fallback(tokenizer, prompts)
     records = []
     for index in indices:
         c = choices.get(index) or _Choice()
@@ -340,13 +380,13 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
                             index=index)
         k = 0 if index is None else index // n
         prompt_text, request_ids = prompts[k] if k < len(prompts) else (None, None)
-        prompt_ids, output_ids = c.prompt_ids or top_prompt, c.ids
-        upstream_ids = prompt_ids is not None and c.have_ids
+        server_prompt, output_ids = c.prompt_ids or top_prompt, c.ids
+        upstream_ids = server_prompt is not None and c.have_ids
         output_text = "".join(c.texts)
-        if echo and output_text:  # the prompt echoed before the output: its text, or the server's decoding of the ids
-            echoed = prompt_text if request_ids is None or upstream_ids else tokenizer.decode(request_ids)
-            if echoed and output_text.startswith(echoed):
-                output_text = output_text[len(echoed):]
+        echoed = 0  # characters of the echoed prompt before the output (vLLM echoes no text where it sends ids)
+        if echo and output_text and not upstream_ids:
+            echoed = next((len(e) for e in fallback.echoes(k) if e and output_text.startswith(e)), 0)
+            output_text = output_text[echoed:]
         if isinstance(usage, dict) and len(indices) == 1:
             # the answer's totals, and one engine request's cached tokens: with several choices (n > 1, a batch)
             # they are not this choice's (vLLM reports its last prompt's last-finished choice's in a whole answer)
@@ -355,19 +395,25 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
             details = usage.get("prompt_tokens_details")
             if isinstance(details, dict) and details.get("cached_tokens") is not None:
                 rec.cached_tokens = int(details["cached_tokens"])
+        prompt_ids = server_prompt
         if upstream_ids:
             rec.token_source = "upstream"
-        elif x.status == 200 and error is None and (prompt_text is not None or request_ids is not None):
+        elif x.status == 200 and error is None and (server_prompt is not None or prompt_text is not None
+                                                    or request_ids is not None):
+            # the output's ids are the fallback's; the prompt's the server's where it sent them (vLLM does with
+            # a streamed echo), else the client's ids or the fallback's tokens of its text
             rec.token_source = "tokenizer"
-            prompt_ids = request_ids if request_ids is not None else tokenizer.encode(prompt_text, prompt=True)
+            if prompt_ids is None:
+                prompt_ids = request_ids if request_ids is not None else fallback.prompt(k)
             output_ids = tokenizer.encode(output_text)
         if rec.token_source is not None:
             rec.prompt_ids = np.asarray(prompt_ids, dtype=np.int32)
             rec.output_ids = np.asarray(output_ids, dtype=np.int32)
-        if c.times:
-            rec.token_times_s = np.asarray(c.times)
-            rec.token_counts = np.asarray(c.counts, dtype=np.int32)
-            rec.first_token_s, rec.last_token_s = c.times[0], c.times[-1]
+        times, counts = _token_events(c, echoed, tokenizer)
+        if times:
+            rec.token_times_s = np.asarray(times)
+            rec.token_counts = np.asarray(counts, dtype=np.int32)
+            rec.first_token_s, rec.last_token_s = times[0], times[-1]
         rec.prompt_text, rec.output_text = prompt_text, output_text
         records.append(rec)
     return records

@@ -29,6 +29,7 @@ class FallbackTokenizer:
     def encode(self, text: str, prompt: bool = False) -> list[int]:
         return self._loaded().encode(text, add_special_tokens=prompt).ids
 
-    def decode(self, ids: list[int]) -> str:
-        """The text of ``ids`` without special tokens, as a server decodes a prompt sent as ids to echo it."""
-        return self._loaded().decode(ids)
+    def decode(self, ids: list[int], special: bool = False) -> str:
+        """The text of ``ids``, as a server decodes a prompt sent as ids to echo it: vLLM keeps the
+        special tokens (``special``), a bare ``tokenizers`` decode leaves them out."""
+        return self._loaded().decode(ids, skip_special_tokens=not special)
