@@ -155,6 +155,29 @@ def test_journal_records_a_failed_build_as_an_error(tmp_path):
     assert got[0]["kind"] == "error" and "ZeroDivisionError" in got[0]["error"]
 
 
+def test_a_journal_closed_while_still_writing_says_so_and_counts_what_it_gives_up(tmp_path):
+    """A close whose journal is still building (a slow build, a writer at SCHED_IDLE on a busy host)
+    returned after its timeout with nothing said, and the process's exit then lost every record
+    not yet written, uncounted. Now ``write_error`` says how many were not durable, and those not
+    yet built are counted dropped: ``acknowledged`` + ``dropped`` = ``submitted``."""
+    import threading
+
+    gate = threading.Event()
+    journal = Journal(tmp_path, "t")
+    journal.submit(lambda: gate.wait(10) and {"kind": "slow"})
+    for i in range(3):
+        journal.submit({"kind": "x", "i": i})
+    time.sleep(0.1)  # the thread is in the slow build
+    journal.close(timeout=0.2)
+    assert journal.write_error == ("closed while still writing: 4 submissions not yet durable after 0.2 s; "
+                                   "those not yet built are dropped")
+    gate.set()
+    journal._thread.join(10)
+    st = journal.stats()
+    assert (st["submitted"], st["acknowledged"], st["dropped"]) == (4, 1, 3), st
+    assert [r["kind"] for r in read_stream(tmp_path, "t")] == ["segment", "slow"]
+
+
 def test_journal_commit_interval_gathers_records_into_one_commit(tmp_path):
     commits = []
     j = Journal(tmp_path, "s", commit_interval=0.4)

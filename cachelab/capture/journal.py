@@ -214,11 +214,20 @@ class Journal:
                 self._acked.wait(left)
         return self.write_error is None
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Acknowledge what is queued, then stop the thread and close the segment."""
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Acknowledge what is queued, then stop the thread and close the segment. A thread still at
+        work after ``timeout`` (None: no bound) is given up: ``write_error`` says how many submissions
+        were not yet durable, and the thread counts those it had not built in ``dropped`` rather than
+        write them. It was left to the process's exit, which lost them with no count."""
         if self._thread.is_alive():
             self._queue.put(_STOP)
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                with self._lock:
+                    left = self.submitted - self.acknowledged - self.dropped
+                self.write_error = self.write_error or \
+                    f"closed while still writing: {left} submissions not yet durable after {timeout} s; " \
+                    "those not yet built are dropped"
 
     @property
     def segments_opened(self) -> int:

@@ -236,8 +236,8 @@ class Recorder:
     def flush(self, timeout: float = 30.0) -> bool:
         return self.journal.flush(timeout)
 
-    def close(self) -> None:
-        self.journal.close()
+    def close(self, timeout: float | None = 30.0) -> None:
+        self.journal.close(timeout)
 
     def stats(self) -> dict:
         return {**self.journal.stats(), "privacy": self.privacy.mode}

@@ -310,7 +310,7 @@ def _child(read_fd: int, shm_fd: int, config: dict) -> int:
             while not recorder.flush() and journal.write_error is None:
                 pass
             ahead = 0
-    recorder.close()
+    recorder.close(timeout=None)  # all it read, however long that takes: its exit lost what a bound left behind
     publish()
     return 1 if journal.write_error else 0
 

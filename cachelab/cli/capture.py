@@ -179,6 +179,8 @@ def proxy(
     freeze_startup_heap()
     with asyncio.Runner(loop_factory=new_loop) as runner:
         runner.run(main())
+    if recorder.stats()["write_error"]:  # e.g. the thread writer still at work when its close gave up
+        typer.echo(f"capture: {recorder.stats()['write_error']}", err=True)
     if writer == "process" and recorder.proc.poll() is None:
         typer.echo(f"the capture writer (pid {recorder.proc.pid}) is still writing what it was handed; "
                    "it exits when done", err=True)
