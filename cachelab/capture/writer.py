@@ -127,7 +127,7 @@ class CaptureWriter:
         if self.write_error is not None or self._fd < 0:
             self.dropped += 1
             return False
-        payload = pickle.dumps(exchange, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = _pickled(exchange)
         if len(self._backlog) + len(payload) > self.max_backlog_bytes:
             self.dropped += 1
             return False
@@ -241,6 +241,30 @@ class CaptureWriter:
                 "dropped": self.dropped + c[DROPPED].value, "build_errors": c[BUILD_ERRORS].value,
                 "segments": c[SEGMENTS].value, "fsync": self.fsync, "run": self.run, "write_error": error,
                 "privacy": self.privacy.mode, "writer_pid": self.proc.pid}
+
+
+def _pickled(exchange) -> bytes:
+    """The exchange's bytes for the pipe. A request field nested too deep for pickle (a prompt of
+    nested lists that the JSON parser still took: pickle's recursion goes one level deeper) is left
+    out, and named in the record's error: its RecursionError escaped into the event loop's callback,
+    which left the client's answer unfinished for ever and the exchange unrecorded, uncounted."""
+    try:
+        return pickle.dumps(exchange, protocol=pickle.HIGHEST_PROTOCOL)
+    except RecursionError:
+        body = exchange.body or {}
+        deep = [key for key, value in body.items() if not _pickles(value)]
+        exchange.body = {key: value for key, value in body.items() if key not in deep}
+        note = f"request {', '.join(deep)} nested too deep to record"
+        exchange.error = f"{exchange.error}; {note}" if exchange.error else note
+        return pickle.dumps(exchange, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _pickles(value) -> bool:
+    try:
+        pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except RecursionError:
+        return False
+    return True
 
 
 # -- the child ------------------------------------------------------------------------------
