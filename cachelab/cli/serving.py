@@ -389,6 +389,8 @@ def study_semianalysis(
             f"{result['compared_concurrencies']['max']}, as published; the whole sweep to "
             f"{result['compared_concurrencies']['sweep_max']}: {result['b300_tp2_dram_gain_max_full_sweep']:.2f}x, "
             f"{result['b300_tp4_hbm_vs_dram_max_diff_full_sweep']:.1%})")
+    if result["points_without_steady_state"]:
+        c.print("no steady state, left off every front: " + ", ".join(result["points_without_steady_state"]))
     if "b200_dram_over_ssd_if_page_cache_fraction" in result:
         c.print("DRAM over SSD if the page cache held this fraction of the tables: " + ", ".join(
             f"{k}: {v:.2f}x" for k, v in result["b200_dram_over_ssd_if_page_cache_fraction"].items()))

@@ -22,7 +22,7 @@ from cachelab.errors import CachelabError
 from cachelab.serving.hardware import load_profile
 from cachelab.serving.latency import Efficiency, LatencyModel
 from cachelab.serving.model_spec import ModelSpec, load_model
-from cachelab.serving.steady import Deployment, SteadyState, Workload, fixed_workload
+from cachelab.serving.steady import Deployment, NoSteadyState, SteadyState, Workload, fixed_workload
 
 METRICS = ("tokens_per_s_per_gpu", "median_tpot_ms", "p99_tpot_ms", "median_ttft_ms", "p99_ttft_ms")
 FIT_METRICS = ("tokens_per_s_per_gpu", "median_tpot_ms", "median_ttft_ms")  # P99s of 160-2,560 requests are too noisy to fit
@@ -323,7 +323,8 @@ def pattern_search(loss_of: Callable[[Efficiency], float], start: Efficiency, na
     """Pattern search on the log of each named ``Efficiency`` field: try x2^(+-step) for each in
     turn, keep any improvement (the step stays), halve the step after a pass without one; stop
     at ``max_evals`` loss evaluations or a step below 2^(1/64). Deterministic (fractions of peak
-    stay at most 1). Returns the best efficiency and its loss."""
+    stay at most 1). A trial where some point has no steady state (``NoSteadyState``) is no
+    improvement; at ``start`` it raises. Returns the best efficiency and its loss."""
     from dataclasses import replace
 
     eff, best = start, loss_of(start)
@@ -336,7 +337,10 @@ def pattern_search(loss_of: Callable[[Efficiency], float], start: Efficiency, na
                 if name in ("mbu", "mfu", "prefill_mfu", "attention_mfu") and value > 1:
                     continue
                 trial = replace(eff, **{name: value})
-                loss = loss_of(trial)
+                try:
+                    loss = loss_of(trial)
+                except NoSteadyState:  # a point has no steady state there: not a better fit
+                    loss = math.inf
                 evals += 1
                 if progress:
                     progress(evals, max_evals)
@@ -354,7 +358,10 @@ def validate(points: list[Point], eff: Efficiency) -> list[dict]:
     """Per point: measured, predicted and relative error per metric."""
     out = []
     for p in points:
-        got = predict(p, eff)
+        try:
+            got = predict(p, eff)
+        except NoSteadyState as exc:
+            raise NoSteadyState(f"published point {p.id} ({p.source}): {exc}") from None
         errors = {k: abs(got[k] - v) / v for k, v in p.measured.items()}
         out.append({"id": p.id, "subset": p.subset, "model": p.model, "hardware": p.hardware, "tp": p.tp,
                     "placement": p.placement, "concurrency": p.concurrency, "workload": p.workload.name,

@@ -9,7 +9,8 @@ chunks beside the decoding batch, and decode at one verify step per ``acceptance
 tokens. The request rate X is found by bisection on Little's law, ``X x cycle(X) = C``; inside,
 the step time is the fixed point of the latency model's step for the decoders and the share of
 mixed steps that step time implies (solved to ``STEP_RTOL``: under load the map's slope nears 1,
-so plain iteration crawls and Steffensen's acceleration is used). Requests in service hold their KV in HBM, so at most KV tokens / context
+so plain iteration crawls and Steffensen's acceleration is used; a point whose step time does not
+converge raises ``NoSteadyState``, never a figure). Requests in service hold their KV in HBM, so at most KV tokens / context
 of them run at once; the other clients wait for admission (TTFT grows, TPOT does not). Percentiles come from stated approximations: a request's TPOT mixes
 decode-only and mixed steps binomially; TTFT is its own chunks plus an exponential queueing
 wait (M/D/1 mean). Every input a point uses is in ``Workload`` and ``Deployment``.
@@ -27,6 +28,7 @@ from cachelab.serving.page_popularity import interpolate
 
 Z = {50: 0.0, 90: 1.2816, 99: 2.3263}  # standard normal quantiles
 STEP_RTOL = 1e-6  # the step time's fixed point, relative: figures derived from it agree to about this
+FIXED_POINT_ROUNDS = 20  # Steffensen rounds (two steps each) before a rate counts as having no fixed point
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,11 @@ def step_seconds(dep: Deployment, decoders: float, ctx: float, chunk: float, chu
     return t.step_s + load, t.stall_s
 
 
+class NoSteadyState(CachelabError):
+    """A point whose step time has no fixed point at the request rate it solves to: a sweep records
+    it as not solved, a fit rejects the trial that led there (``calibration.pattern_search``)."""
+
+
 def _binomial_quantile(n: float, f: float, q: int) -> float:
     if n <= 0:
         return f
@@ -206,8 +213,12 @@ class SteadyState:
         return wl.new_tokens + wl.cached_tokens * (1 - found), found, from_host
 
     def solve(self, concurrency: int) -> dict:
-        """The steady state at ``concurrency`` clients: rates, step times, latency percentiles."""
+        """The steady state at ``concurrency`` clients: rates, step times, latency percentiles.
+        Raises CachelabError for fewer than one client, and ``NoSteadyState`` where the request
+        rate the bisection ends on has no converged step time (never reported as a result)."""
         dep, wl, lat = self.dep, self.wl, self.dep.latency
+        if isinstance(concurrency, bool) or int(concurrency) != concurrency or concurrency < 1:
+            raise CachelabError(f"{wl.name}: concurrency must be a whole number of clients >= 1, got {concurrency!r}")
         m = lat.model
         compute, found, from_host = self._prefix(concurrency)
         n_new = float(compute.mean())
@@ -236,15 +247,19 @@ class SteadyState:
             return f * t_m + (1 - f) * t_d, (decoders, room, chunks_per_req, f, t_d, stall_d, t_m, stall_m)
 
         def state(x: float) -> dict:
-            t = 0.02
-            for _ in range(20):
+            """The loop at request rate ``x``; ``converged`` False: the step time reached no fixed
+            point in ``FIXED_POINT_ROUNDS`` (past the rate the replica sustains it grows without
+            bound; where the prefill slot saturates it creeps at a slope near 1; where a prompt's
+            chunk count changes it jumps across the diagonal): no steady state solved there."""
+            t, converged = 0.02, False
+            for _ in range(FIXED_POINT_ROUNDS):
                 t1, at = step(x, t)
                 if abs(t1 - t) < STEP_RTOL * t:
-                    t = t1
+                    t, converged = t1, True
                     break
                 t2, at = step(x, t1)
                 if abs(t2 - t1) < STEP_RTOL * t1:
-                    t = t2
+                    t, converged = t2, True
                     break
                 bend = t2 - 2 * t1 + t
                 guess = t - (t1 - t) ** 2 / bend if bend else t2
@@ -260,11 +275,14 @@ class SteadyState:
             cycle = think + wait + service + lat.eff.request_overhead_s + n_dec * t
             return {"x": x, "t": t, "ctx": ctx, "t_d": t_d, "t_m": t_m, "f": f, "decoders": decoders, "service": service,
                     "wait": wait, "rho": rho, "cycle": cycle, "chunks": chunks_per_req, "room": room,
-                    "stall": f * stall_m + (1 - f) * stall_d, "running": x * (service + n_dec * t)}
+                    "stall": f * stall_m + (1 - f) * stall_d, "running": x * (service + n_dec * t),
+                    "converged": converged}
 
         # Requests in service hold their KV in HBM: at most ``max_running`` of them run at once
         # (vLLM admits a request only while blocks last and preempts when they run out); the
-        # other clients wait for admission, which lengthens TTFT but not TPOT.
+        # other clients wait for admission, which lengthens TTFT but not TPOT. While bisecting, a
+        # rate whose step time has not converged is judged by its last iterate (one that grows
+        # without bound reads as too fast); the rate the search ends on must have converged.
         max_running = self.hbm_tokens / ctx
         lo, hi = 0.0, 1.0
         while hi * state(hi)["cycle"] < concurrency and hi < 1e6:
@@ -277,8 +295,14 @@ class SteadyState:
             else:
                 hi = mid
         s = state(lo)
+        if lo == 0.0 or not s["converged"]:
+            raise NoSteadyState(f"{wl.name} on {lat.hw.name} TP{lat.tp} {lat.placement}, {concurrency} clients: no "
+                                f"steady state: at {lo:.4g} requests/s the step time does not converge (still "
+                                f"{s['t'] * 1e3:.4g} ms after {FIXED_POINT_ROUNDS} rounds; {s['chunks']:.0f} chunks a "
+                                f"prompt): the prefill slot saturates, a prompt's chunk count changes there, the "
+                                f"rate is past what the replica sustains, or a latency input is not finite")
         s["kv_bound"] = s["running"] >= 0.99 * max_running
-        s["admission_wait"] = max(0.0, concurrency / lo - s["cycle"]) if lo > 0 and s["kv_bound"] else 0.0
+        s["admission_wait"] = max(0.0, concurrency / lo - s["cycle"]) if s["kv_bound"] else 0.0
         return self._metrics(concurrency, s, compute, found, n_dec)
 
     def _metrics(self, concurrency: int, s: dict, compute: np.ndarray, found: float, n_dec: float) -> dict:

@@ -36,7 +36,7 @@ from cachelab.serving.hardware.probe import peak_rss_mb
 from cachelab.serving.latency import Efficiency, LatencyModel
 from cachelab.serving.model_spec import ModelSpec, load_model
 from cachelab.serving.pareto import dominated, pareto_front, plot_fronts, throughput_at
-from cachelab.serving.steady import STEP_RTOL, Deployment, SteadyState, Workload, step_time
+from cachelab.serving.steady import STEP_RTOL, Deployment, NoSteadyState, SteadyState, Workload, step_time
 
 TARGET = 125.0  # tok/s/user, P90 interactivity
 X = "p90_interactivity"
@@ -243,7 +243,8 @@ def _dominant(point: dict) -> str:
 def run_points(workload: Workload, eff: Efficiency, configs=CONFIGS, concurrencies=CONCURRENCIES,
                on_point: Callable[[dict], None] | None = None, **what_if) -> list[dict]:
     """Every (config, concurrency) point; ``on_point`` sees each as it finishes. A config that
-    does not fit is one row with ``fits`` False and the reason. ``what_if``: ``deployment``'s
+    does not fit is one row with ``fits`` False and the reason; so is a point with no steady state
+    (``NoSteadyState``), which no front or key then reads. ``what_if``: ``deployment``'s
     ``spec``, ``page_cache_bytes`` or ``max_num_batched_tokens``."""
     rows = []
     for hardware, tp, placement in configs:
@@ -258,10 +259,14 @@ def run_points(workload: Workload, eff: Efficiency, configs=CONFIGS, concurrenci
                 on_point(row)
             continue
         for c in concurrencies:
-            m = model.solve(int(c))
-            row = {**base, "fits": True, "reason": "", **m, "kv_tokens": dep.latency.plan.kv_tokens,
-                   "kv_offload_gb": dep.kv_offload_bytes / 1e9,
-                   "page_cache_gb": (dep.page_cache_bytes or 0.0) / 1e9}
+            try:
+                m = model.solve(int(c))
+            except NoSteadyState as exc:  # a row with its reason, off every front, as a config that does not fit
+                row = {**base, "concurrency": int(c), "fits": False, "reason": str(exc)}
+            else:
+                row = {**base, "fits": True, "reason": "", **m, "kv_tokens": dep.latency.plan.kv_tokens,
+                       "kv_offload_gb": dep.kv_offload_bytes / 1e9,
+                       "page_cache_gb": (dep.page_cache_bytes or 0.0) / 1e9}
             rows.append(row)
             if on_point:
                 on_point(row)
@@ -419,6 +424,9 @@ def run(out_dir: Path, eff: Efficiency, workload: Workload | None = None,
                     f"{hw}: DeepSeek-V4.1-Flash, {workload.name}", TARGET, X, Y,
                     "P90 interactivity (tok/s/user = 1000 / P90 TPOT ms)")
     result = analyse(points)
+    result["points_without_steady_state"] = [  # off every front (``run_points``)
+        f"{r['hardware']} TP{r['tp']} {r['placement']} C={r['concurrency']}" for r in rows
+        if not r["fits"] and "concurrency" in r]
     result["b200_decode_step_decomposition"] = decode_decomposition(rows, eff, workload)
     result["workload"] = workload.describe()
     result["efficiency"] = {k: getattr(eff, k) for k in ("mfu", "mbu", "layer_overhead_s", "cpu_per_sequence_s",
