@@ -52,6 +52,45 @@ def test_bad_profile_names_the_key(tmp_path):
         load_profile("nope")
 
 
+@pytest.mark.parametrize("old, new, message", [
+    ("[cpu]\n", "[cpu]\nthreads = 0.5\n", r"\[cpu\] threads must be a whole number >= 1, got 0.5"),  # int(0.5): 0
+    ("nvlink_domain = 8 ", "nvlink_domain = 7.5 ", r"\[gpu\] nvlink_domain must be a whole number >= 1, got 7.5"),
+    ('name = "B200"', "name = [1]", r"name must be a string, got \[1\]"),
+])
+def test_a_profile_count_that_is_not_whole_or_a_name_that_is_not_text_is_refused(tmp_path, old, new, message):
+    text = (PROFILE_DIR / "B200.toml").read_text()
+    bad = tmp_path / "x.toml"
+    assert old in text
+    bad.write_text(text.replace(old, new))
+    with pytest.raises(CachelabError, match=rf"x.toml: {message}"):  # 0.5 threads was a ZeroDivisionError
+        load_profile(bad)
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ("kv_replicated_across_tp = true", 'kv_replicated_across_tp = "false"',
+     r"\[attention\] kv_replicated_across_tp must be true or false, got 'false'"),  # bool('false') was True
+    ("table_sharded_across_tp = true", "table_sharded_across_tp = 0",
+     r"\[engram\] table_sharded_across_tp must be true or false, got 0"),
+    ("compress_ratios = [0, 0, 2,", "compress_ratios = [0, -1, 2,",
+     r"\[attention\] compress_ratios must be a list of whole numbers >= 0"),  # -1 was read as no compression
+    ("compress_ratios = [0, 0, 2,", 'compress_ratios = ["0", 0, 2,',
+     r"\[attention\] compress_ratios must be a list of whole numbers >= 0"),
+    ("index_sources = [[2, 0],", "index_sources = [2, [2, 0],",
+     r"\[attention\] index_sources must be a list of \[a, b\] pairs"),  # were tracebacks
+    ("acceptance_length = 3.51", 'acceptance_length = "3.51"', r"\[mtp\] acceptance_length must be a positive number"),
+    ("draft_passes_per_step = 1 ", "draft_passes_per_step = 0 ",
+     r"\[mtp\] speculative_tokens 5 needs draft_passes_per_step >= 1"),  # was a ZeroDivisionError per step
+])
+def test_a_model_spec_value_of_the_wrong_kind_is_refused_naming_the_key(tmp_path, old, new, message):
+    text = (MODEL_DIR / "deepseek-v4.1-flash.toml").read_text()
+    assert old in text
+    spec = tmp_path / "spec.toml"
+    spec.write_text(text.replace(old, new, 1))
+    with pytest.raises(CachelabError, match=rf"spec.toml: {message}"):
+        LatencyModel(load_model(spec), load_profile("B200"), 4, "dram-uva").step_time(
+            Batch([1000.0], [1006.0], [8.0], lm_rows=48, drafting=8), [])
+
+
 def test_probe_measures_and_round_trips(tmp_path):
     assert memcpy_bw(8 << 20) > 1e8 and gather_rows_per_s(8 << 20, 1 << 14) > 1e4 and dedup_rows_per_s(1 << 14) > 1e4
     path = tmp_path / "f.bin"

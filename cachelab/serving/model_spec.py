@@ -314,6 +314,25 @@ def _number(path, section, key, value, allow_zero=False):
     return value
 
 
+def _flag(path, section, block, key, default: bool) -> bool:
+    value = block.get(key, default)
+    if not isinstance(value, bool):  # bool("false") is True
+        raise CachelabError(f"{path}: [{section}] {key} must be true or false, got {value!r}")
+    return value
+
+
+def _whole_numbers(path, section, key, value, pairs: bool = False) -> tuple:
+    """``[section] key``: a list of whole numbers >= 0, or of [a, b] pairs of them."""
+    def whole(v):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if not isinstance(value, list) or not all(
+            isinstance(x, list) and len(x) == 2 and all(map(whole, x)) if pairs else whole(x) for x in value):
+        shape = "[a, b] pairs of whole numbers >= 0" if pairs else "whole numbers >= 0"
+        raise CachelabError(f"{path}: [{section}] {key} must be a list of {shape}, got {value!r}")
+    return tuple(tuple(x) for x in value) if pairs else tuple(value)
+
+
 def load_model(name: str | Path = "deepseek-v4.1-flash", layout: str | EngramConfig | None = None) -> ModelSpec:
     """A model spec by built-in name or TOML path; errors name the file and the key.
 
@@ -353,23 +372,27 @@ def load_model(name: str | Path = "deepseek-v4.1-flash", layout: str | EngramCon
     values["expert_precision"] = backbone.get("expert_precision", "fp8")
     if values["expert_precision"] not in ("fp4", "fp8"):
         raise CachelabError(f"{path}: [backbone] expert_precision must be 'fp4' or 'fp8', got {values['expert_precision']!r}")
-    values["kv_replicated_across_tp"] = bool(attention.get("kv_replicated_across_tp", True))
-    values["index_replicated_across_tp"] = bool(attention.get("index_replicated_across_tp", False))
-    values["compress_ratios"] = tuple(int(r) for r in attention.get("compress_ratios", ()))
+    values["kv_replicated_across_tp"] = _flag(path, "attention", attention, "kv_replicated_across_tp", True)
+    values["index_replicated_across_tp"] = _flag(path, "attention", attention, "index_replicated_across_tp", False)
+    values["compress_ratios"] = _whole_numbers(path, "attention", "compress_ratios", attention.get("compress_ratios", []))
     if values["compress_ratios"] and len(values["compress_ratios"]) != values["layers"]:
         raise CachelabError(f"{path}: [attention] compress_ratios has {len(values['compress_ratios'])} entries, "
                             f"the model {values['layers']} layers")
     if values["compress_ratios"] and not values["sparse_topk"]:
         raise CachelabError(f"{path}: [attention] compress_ratios needs sparse_topk > 0")
-    values["index_sources"] = tuple((int(r), int(c)) for r, c in attention.get("index_sources", ()))
+    values["index_sources"] = _whole_numbers(path, "attention", "index_sources", attention.get("index_sources", []),
+                                             pairs=True)
     if any(r < 1 for r, _ in values["index_sources"]):
         raise CachelabError(f"{path}: [attention] index_sources ratios must be >= 1")
     values["index_source_layers"], values["decoder_replay_start"] = _replay(path, attention, values)
-    values["acceptance_length"] = float(mtp.get("acceptance_length", 1.0))
+    values["acceptance_length"] = float(_number(path, "mtp", "acceptance_length", mtp.get("acceptance_length", 1.0)))
     if not 1.0 <= values["acceptance_length"] <= values["speculative_tokens"] + 1:
         raise CachelabError(f"{path}: [mtp] acceptance_length {values['acceptance_length']} must be in "
                             f"[1, speculative_tokens + 1 = {values['speculative_tokens'] + 1}]")
-    values["table_sharded_across_tp"] = bool(engram.get("table_sharded_across_tp", True))
+    if values["speculative_tokens"] and not values["draft_passes_per_step"]:
+        raise CachelabError(f"{path}: [mtp] speculative_tokens {values['speculative_tokens']} needs "
+                            "draft_passes_per_step >= 1 (the sequential draft forwards of a step)")
+    values["table_sharded_across_tp"] = _flag(path, "engram", engram, "table_sharded_across_tp", True)
     values["page_cache_curve"] = _curve(path, engram.get("page_cache_curve", ()))
     values["layout"] = _layout(path, engram, layout) if engram or layout is not None else None
     late = [layer for layer in (values["layout"].layers if values["layout"] is not None else ())

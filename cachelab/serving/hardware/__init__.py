@@ -95,6 +95,8 @@ def _section(cls, data: dict, path: Path, name: str):
                 raise CachelabError(f"{path}: [{name}] {f.name} must be a string, got {v!r}")
         elif isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:  # TOML spells nan, inf
             raise CachelabError(f"{path}: [{name}] {f.name} must be a positive number, got {v!r}")
+        elif f.type == "int" and v != int(v):  # int(0.5) threads would be none
+            raise CachelabError(f"{path}: [{name}] {f.name} must be a whole number >= 1, got {v!r}")
         values[f.name] = int(v) if f.type == "int" else v
     if name == "host" and values["link"] not in ("pcie", "c2c"):
         raise CachelabError(f"{path}: [host] link must be 'pcie' or 'c2c', got {values['link']!r}")
@@ -132,6 +134,8 @@ def load_profile(name: str | Path) -> HardwareProfile:
     merged = {"cpu": {**common["cpu"], **data.get("cpu", {})}}
     parts = {key: _section(cls, data[key] if key != "cpu" else merged["cpu"], path, key)
              if key in data or key == "cpu" else None for key, cls in SECTIONS.items()}
+    if not isinstance(data.get("name", ""), str):
+        raise CachelabError(f"{path}: name must be a string, got {data['name']!r}")
     price = data.get("usd_per_gpu_hour")
     if price is not None and (isinstance(price, bool) or not isinstance(price, (int, float)) or not 0 < price < math.inf):
         raise CachelabError(f"{path}: usd_per_gpu_hour must be a positive number, got {price!r}")
