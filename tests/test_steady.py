@@ -80,10 +80,32 @@ def test_a_latency_input_that_is_not_finite_has_no_steady_state():
         SteadyState(Deployment(lat), fixed_workload(1024, 1024)).solve(4)
 
 
-@pytest.mark.parametrize("concurrency", [0, -3, 2.5])
-def test_a_concurrency_below_one_client_or_fractional_is_refused(concurrency):
-    with pytest.raises(CachelabError, match=f"concurrency must be a whole number of clients >= 1, got {concurrency}"):
-        SteadyState(_r1(), fixed_workload(1024, 1024)).solve(concurrency)  # 0 was a point of 0 tok/s
+@pytest.mark.parametrize("concurrency", [0, -3, 2.5, 10**12])
+def test_a_concurrency_below_one_client_fractional_or_absurd_is_refused(concurrency):
+    # 0 was a ZeroDivisionError, 10**12 a MemoryError (the finite run's schedule)
+    with pytest.raises(CachelabError, match=rf"concurrency must be a whole number of clients in 1\.\.1,000,000, "
+                                            rf"got {concurrency}"):
+        SteadyState(_r1(), fixed_workload(1024, 1024)).solve(concurrency)
+
+
+def test_the_finite_runs_schedule_is_the_earliest_free_slot_lowest_first():
+    """A heap, not an argmin over every slot per request (at the million-client bound that took an
+    hour): the same schedule, ties to the lowest slot, on random durations with many ties."""
+    from cachelab.serving.steady import finite_run_seconds
+
+    def argmin_schedule(durations, first_waits, total):
+        free = np.array(first_waits, np.float64)
+        for k in range(total):
+            c = int(np.argmin(free)) if k >= len(free) else k
+            free[c] += durations[k % len(durations)]
+        return float(free.max())
+
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        durations = rng.choice([0.5, 1.0, 1.5], size=int(rng.integers(1, 8)))
+        waits = rng.choice([0.0, 0.5], size=int(rng.integers(1, 30)))
+        total = int(rng.integers(0, 300))
+        assert finite_run_seconds(durations, waits, total) == argmin_schedule(durations, waits, total)
 
 
 def test_a_sweep_records_a_point_without_a_steady_state_and_a_fit_steps_around_it(monkeypatch):
@@ -410,6 +432,80 @@ def test_page_cache_hit_without_a_measured_curve_is_zipf_and_bounded():
     m = replace(load_model(), page_cache_curve=())
     assert page_cache_hit(0, m) == 0.0 and page_cache_hit(1e15, m) == 1.0
     assert 0.95 < page_cache_hit(m.table_bytes / 2, m) < 1.0  # ln(k) / ln(N): half the table serves most reads
+
+
+def _calibration_files(root, change=None):
+    """One valid row a file, as the loader's filters keep them; ``change``: (file, column, value),
+    value None to drop the column."""
+    import csv
+
+    from cachelab.serving.calibration import AGENTIC_COLUMNS, DBDUMP_COLUMNS, FIXED_COLUMNS
+
+    rows = {"inferencex_fixed_seq_points.csv": (FIXED_COLUMNS + ("ep",), {
+                "model": "nvidia/DeepSeek-R1-0528-FP4", "spec_decoding": "none", "source_path": "a.json",
+                "source_repo": "r", "framework": "sglang", "concurrency": "16", "tp": "8", "isl": "1024", "osl": "1024",
+                "tput_per_gpu_total": "269.0", "tpot_median_ms": "14.8", "tpot_p99_ms": "", "ttft_median_ms": "349.6",
+                "ttft_p99_ms": "2563.2", "ep": "8"}),
+            "inferencex_dbdump_slice_20260720.csv": (DBDUMP_COLUMNS + ("config_decode_ep",), {
+                "config_model": "dsr1", "benchmark_type": "single_turn", "config_disagg": "f", "config_spec_method": "none",
+                "config_hardware": "b200", "config_decode_tp": "4", "conc": "1", "isl": "1024", "osl": "1024",
+                "metrics_tput_per_gpu": "100.0", "source_repo": "r", "source_path": "b.csv", "config_framework": "sglang",
+                "config_decode_ep": "1"}),
+            "inferencex_agentic_offload_points.csv": (AGENTIC_COLUMNS + ("ep",), {
+                "model": "DeepSeek-R1 (dsr1, FP4 checkpoint)", "kv_offload": "off", "status": "SUCCESS",
+                "throughput_rps": "0.1", "sys_input_tput_tok_s": "5000", "sys_output_tput_tok_s": "200",
+                "gpu_prefix_hit_rate": "80.5", "tp": "4", "concurrency_users": "12", "latency_mean_ms": "60000",
+                "total_tput_per_gpu": "1300", "tpot_p50_ms": "20", "tpot_p99_ms": "40", "ttft_p50_ms": "800",
+                "ttft_p99_ms": "5000", "source_repo": "r", "source_path": "c.json", "framework": "vllm", "ep": "4"})}
+    (root / "calibration").mkdir(exist_ok=True)
+    for name, (columns, row) in rows.items():
+        row = dict(row)
+        if change and change[0] == name:
+            if change[2] is None:
+                columns = tuple(c for c in columns if c != change[1])
+                row.pop(change[1])
+            else:
+                row[change[1]] = change[2]
+        with open(root / "calibration" / name, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns)
+            writer.writeheader()
+            writer.writerow(row)
+
+
+FIXED, DBDUMP, AGENTIC = ("inferencex_fixed_seq_points.csv", "inferencex_dbdump_slice_20260720.csv",
+                          "inferencex_agentic_offload_points.csv")
+
+
+@pytest.mark.parametrize("change, message", [
+    ((FIXED, "isl", None), rf"{FIXED}: no column\(s\) \['isl'\]"),  # KeyError
+    ((FIXED, "concurrency", "abc"), rf"{FIXED}:2: concurrency = 'abc' is not a whole number >= 1"),  # ValueError
+    ((DBDUMP, "conc", "nan"), rf"{DBDUMP}:2: conc = 'nan' is not a whole number >= 1"),  # ValueError
+    ((FIXED, "ep", "inf"), rf"{FIXED}:2: ep = 'inf' is not a whole number >= 1"),  # OverflowError
+    ((FIXED, "tpot_median_ms", "-5"), rf"{FIXED}:2: tpot_median_ms = '-5' is not a positive number"),  # dropped
+    ((DBDUMP, "metrics_tput_per_gpu", "n/a"), rf"{DBDUMP}:2: metrics_tput_per_gpu = 'n/a' is not a positive"),  # TypeError
+    ((AGENTIC, "throughput_rps", "0"), rf"{AGENTIC}:2: throughput_rps = '0' is not a positive number"),  # row skipped
+    ((AGENTIC, "gpu_prefix_hit_rate", "1e12"), rf"{AGENTIC}:2: gpu_prefix_hit_rate = '1e12' is not a share"),  # hit 1e10
+    ((AGENTIC, "gpu_prefix_hit_rate", "-5"), rf"{AGENTIC}:2: gpu_prefix_hit_rate = '-5' is not a share"),  # hit 0
+])
+def test_a_calibration_row_the_model_cannot_read_names_file_line_column_and_value(tmp_path, change, message):
+    from cachelab.serving.calibration import load_points
+
+    _calibration_files(tmp_path, change)
+    with pytest.raises(CachelabError, match=message):
+        load_points(tmp_path)
+
+
+def test_valid_calibration_rows_load_and_an_empty_cell_is_not_measured(tmp_path):
+    from cachelab.serving.calibration import load_points
+
+    _calibration_files(tmp_path)
+    points = {p.subset: p for p in load_points(tmp_path)}
+    fixed = points["r1-b200-sglang-tp8-1k1k-run1"]
+    assert fixed.concurrency == 16 and fixed.ep == 8 and "p99_tpot_ms" not in fixed.measured  # the empty cell
+    agentic = points["r1-b200-vllm-agentic"]
+    assert float(agentic.workload.cached_tokens[0]) == pytest.approx(5000 / 0.1 * 0.805)  # 80.5: a percent
+    _calibration_files(tmp_path, (AGENTIC, "throughput_rps", ""))  # an agentic row without its rate: no point
+    assert "r1-b200-vllm-agentic" not in {p.subset for p in load_points(tmp_path)}
 
 
 @pytest.mark.data

@@ -145,81 +145,130 @@ class Point:
     host_gather_overlap: bool | None = None  # the SSD patch build a point ran (None: the efficiency's)
 
 
-def _float(row: dict, key: str) -> float | None:
-    try:
-        v = float(row.get(key) or "nan")
-    except ValueError:
-        return None
-    return v if math.isfinite(v) and v > 0 else None
+class _Row:
+    """One row of a calibration file: each field read that is not what the loader needs is an
+    error naming the file, line, column and value (an empty cell: the source does not give it)."""
+
+    def __init__(self, fields: dict, where: str):
+        self.fields, self.where = fields, where
+
+    def __getitem__(self, key: str) -> str:
+        return self.fields[key] or ""  # a short row's missing cells are None
+
+    def _bad(self, key: str, what: str) -> CachelabError:
+        return CachelabError(f"{self.where}: {key} = {self.fields[key]!r} is not {what}")
+
+    def _parse(self, key: str) -> float | None:
+        text = self[key].strip()
+        if not text:
+            return None
+        try:
+            return float(text)
+        except ValueError:
+            return math.nan
+
+    def number(self, key: str) -> float | None:
+        """A positive finite measurement, None where the cell is empty."""
+        v = self._parse(key)
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise self._bad(key, "a positive number (leave the cell empty where the source gives none)")
+        return v
+
+    def count(self, key: str) -> int:
+        """A whole number >= 1 ("16" or "16.0")."""
+        v = self._parse(key)
+        if v is None or not (math.isfinite(v) and v >= 1 and v == int(v)):
+            raise self._bad(key, "a whole number >= 1")
+        return int(v)
+
+    def share(self, key: str) -> float:
+        """A share given as a fraction in [0, 1] or a percent in (1, 100]; 0 where the cell is empty."""
+        v = self._parse(key)
+        if v is not None and not 0 <= v <= 100:  # NaN fails too
+            raise self._bad(key, "a share in [0, 1] or a percent in [0, 100]")
+        return 0.0 if v is None else v / 100 if v > 1 else v
+
+    def ep(self, key: str, tp: int) -> int:
+        """The published expert-parallel degree: the TP degree when the row says EP = TP, else 1."""
+        return tp if key in self.fields and self[key].strip() and self.count(key) == tp and tp > 1 else 1
 
 
-def _ep(value, tp: int) -> int:
-    """The published expert-parallel degree: the TP degree when the row says EP = TP, else 1."""
-    try:
-        return tp if int(float(value)) == tp and tp > 1 else 1
-    except (TypeError, ValueError):
-        return 1
-
-
-def _rows(root: Path, name: str) -> list[dict]:
+def _rows(root: Path, name: str, columns: tuple[str, ...]) -> list[_Row]:
+    """The rows of ``calibration/name``; a file without one of ``columns`` is refused, naming it."""
     path = root / "calibration" / name
     if not path.is_file():
         raise CachelabError(f"no {path}: the calibration data lives under the data root (CACHELAB_DATA or ../shared/data)")
     with open(path, newline="", encoding="utf-8") as f:
-        return list(csv.DictReader(f))
+        reader = csv.DictReader(f)
+        missing = [c for c in columns if c not in (reader.fieldnames or ())]
+        if missing:
+            raise CachelabError(f"{path}: no column(s) {missing} (the loader reads {list(columns)})")
+        return [_Row(row, f"{path}:{reader.line_num}") for row in reader]
+
+
+FIXED_COLUMNS = ("model", "spec_decoding", "source_path", "source_repo", "framework", "concurrency", "tp", "isl", "osl",
+                 "tput_per_gpu_total", "tpot_median_ms", "tpot_p99_ms", "ttft_median_ms", "ttft_p99_ms")
+DBDUMP_COLUMNS = ("config_model", "benchmark_type", "config_disagg", "config_spec_method", "config_hardware",
+                  "config_decode_tp", "conc", "isl", "osl", "metrics_tput_per_gpu", "source_repo", "source_path",
+                  "config_framework")
+AGENTIC_COLUMNS = ("model", "kv_offload", "status", "throughput_rps", "sys_input_tput_tok_s", "sys_output_tput_tok_s",
+                   "gpu_prefix_hit_rate", "tp", "concurrency_users", "latency_mean_ms", "total_tput_per_gpu",
+                   "tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "source_repo", "source_path", "framework")
 
 
 def load_points(root: Path) -> list[Point]:
-    """Every published point the built-in specs cover (DeepSeek-R1 and V4.1-Flash)."""
+    """Every published point the built-in specs cover (DeepSeek-R1 and V4.1-Flash). A row the
+    filters keep must hold what the model reads: whole counts, positive measurements or empty
+    cells (not measured), a hit share in [0, 1] or percent; anything else names file, line,
+    column and value. An agentic row without its rates is not a point."""
     points: list[Point] = []
-    for row in _rows(root, "inferencex_fixed_seq_points.csv"):
+    for row in _rows(root, "inferencex_fixed_seq_points.csv", FIXED_COLUMNS):
         if "DeepSeek-R1" not in row["model"] or row["spec_decoding"] not in ("", "none"):
             continue
         run = "run2" if "/sglang/dsr1-fp4/" in row["source_path"] else "run1"
-        conc = int(float(row["concurrency"]))
-        measured = {"tokens_per_s_per_gpu": _float(row, "tput_per_gpu_total"),
-                    "median_tpot_ms": _float(row, "tpot_median_ms"), "p99_tpot_ms": _float(row, "tpot_p99_ms"),
-                    "median_ttft_ms": _float(row, "ttft_median_ms"), "p99_ttft_ms": _float(row, "ttft_p99_ms")}
-        points.append(Point(f"r1-b200-sglang-tp{row['tp']}-{run}-c{conc}", f"r1-b200-sglang-tp{row['tp']}-1k1k-{run}",
-                            "deepseek-r1", "B200", int(row["tp"]), "hbm",
-                            fixed_workload(int(row["isl"]), int(row["osl"])), conc,
+        conc, tp = row.count("concurrency"), row.count("tp")
+        measured = {"tokens_per_s_per_gpu": row.number("tput_per_gpu_total"),
+                    "median_tpot_ms": row.number("tpot_median_ms"), "p99_tpot_ms": row.number("tpot_p99_ms"),
+                    "median_ttft_ms": row.number("ttft_median_ms"), "p99_ttft_ms": row.number("ttft_p99_ms")}
+        points.append(Point(f"r1-b200-sglang-tp{tp}-{run}-c{conc}", f"r1-b200-sglang-tp{tp}-1k1k-{run}",
+                            "deepseek-r1", "B200", tp, "hbm",
+                            fixed_workload(row.count("isl"), row.count("osl")), conc,
                             {k: v for k, v in measured.items() if v}, f"{row['source_repo']} {row['source_path']}",
-                            row["framework"], ep=_ep(row.get("ep"), int(row["tp"]))))
-    for row in _rows(root, "inferencex_dbdump_slice_20260720.csv"):
+                            row["framework"], ep=row.ep("ep", tp)))
+    for row in _rows(root, "inferencex_dbdump_slice_20260720.csv", DBDUMP_COLUMNS):
         if (row["config_model"] != "dsr1" or row["benchmark_type"] != "single_turn" or row["config_disagg"] != "f"
                 or row["config_spec_method"] != "none"):
             continue
-        hw, tp, conc = row["config_hardware"].upper(), int(row["config_decode_tp"]), int(float(row["conc"]))
+        hw, tp, conc = row["config_hardware"].upper(), row.count("config_decode_tp"), row.count("conc")
+        measured = {"tokens_per_s_per_gpu": row.number("metrics_tput_per_gpu")}
         points.append(Point(f"r1-{hw.lower()}-dbdump-tp{tp}-c{conc}", "r1-dbdump-single-turn", "deepseek-r1", hw, tp,
-                            "hbm", fixed_workload(int(float(row["isl"])), int(float(row["osl"]))), conc,
-                            {"tokens_per_s_per_gpu": _float(row, "metrics_tput_per_gpu")},
-                            f"{row['source_repo']} {row['source_path']}", row["config_framework"],
-                            ep=_ep(row.get("config_decode_ep"), tp)))
-    for row in _rows(root, "inferencex_agentic_offload_points.csv"):
+                            "hbm", fixed_workload(row.count("isl"), row.count("osl")), conc,
+                            {k: v for k, v in measured.items() if v}, f"{row['source_repo']} {row['source_path']}",
+                            row["config_framework"], ep=row.ep("config_decode_ep", tp)))
+    for row in _rows(root, "inferencex_agentic_offload_points.csv", AGENTIC_COLUMNS):
         if "DeepSeek-R1" not in row["model"] or row["kv_offload"] != "off" or row["status"] != "SUCCESS":
             continue
-        rps = _float(row, "throughput_rps")
-        ins, outs = _float(row, "sys_input_tput_tok_s"), _float(row, "sys_output_tput_tok_s")
+        rps = row.number("throughput_rps")
+        ins, outs = row.number("sys_input_tput_tok_s"), row.number("sys_output_tput_tok_s")
         if not (rps and ins and outs):
             continue
-        hit = _float(row, "gpu_prefix_hit_rate") or 0.0
-        hit = hit / 100 if hit > 1 else hit
+        hit = row.share("gpu_prefix_hit_rate")
         isl, osl = ins / rps, outs / rps  # the run's mean request (a workload fact, not an outcome)
         one = np.ones(1)
         wl = Workload("agentic (per-point means)", one * isl * (1 - hit), one * isl * hit, one * osl, one * 0.0,
                       "the point's own mean ISL/OSL and GPU prefix hit rate")
-        tp, conc = int(row["tp"]), int(row["concurrency_users"])
-        e2el = _float(row, "latency_mean_ms")
+        tp, conc = row.count("tp"), row.count("concurrency_users")
+        e2el = row.number("latency_mean_ms")
         gap = conc / rps - e2el / 1e3 if e2el else None
         think = gap if conc == 1 else None
-        measured = {"tokens_per_s_per_gpu": _float(row, "total_tput_per_gpu"), "median_tpot_ms": _float(row, "tpot_p50_ms"),
-                    "p99_tpot_ms": _float(row, "tpot_p99_ms"), "median_ttft_ms": _float(row, "ttft_p50_ms"),
-                    "p99_ttft_ms": _float(row, "ttft_p99_ms")}
+        measured = {"tokens_per_s_per_gpu": row.number("total_tput_per_gpu"), "median_tpot_ms": row.number("tpot_p50_ms"),
+                    "p99_tpot_ms": row.number("tpot_p99_ms"), "median_ttft_ms": row.number("ttft_p50_ms"),
+                    "p99_ttft_ms": row.number("ttft_p99_ms")}
         points.append(Point(f"r1-b200-agentic-tp{tp}-c{conc}-{len(points)}",
                             THINK_SUBSET if conc == 1 else AGENTIC_SUBSET, "deepseek-r1",
                             "B200", tp, "hbm", wl, conc, {k: v for k, v in measured.items() if v},
                             f"{row['source_repo']} {row['source_path']}", row["framework"], observed_think_s=think,
-                            client_gap_s=gap, ep=_ep(row.get("ep"), tp)))
+                            client_gap_s=gap, ep=row.ep("ep", tp)))
     return points + v41_script_points()
 
 

@@ -18,6 +18,7 @@ wait (M/D/1 mean). Every input a point uses is in ``Workload`` and ``Deployment`
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,9 @@ from cachelab.serving.page_popularity import interpolate
 
 Z = {50: 0.0, 90: 1.2816, 99: 2.3263}  # standard normal quantiles
 STEP_RTOL = 1e-6  # the step time's fixed point, relative: figures derived from it agree to about this
+# A million clients on one replica: 2,000x the largest published sweep; a fixed-length run of C clients
+# is scheduled request by request (``finite_run_seconds``), so 1e12 of them asked for terabytes.
+MAX_CONCURRENCY = 1_000_000
 FIXED_POINT_ROUNDS = 20  # Steffensen rounds (two steps each) before a rate counts as having no fixed point
 
 
@@ -93,12 +97,15 @@ def finite_run_seconds(durations: np.ndarray, first_waits: np.ndarray, total: in
     request list). Request k lasts ``durations[k % len(durations)]``; slot c's first request also
     waits ``first_waits[c]`` (the start burst's prefill queue). The run ends with its last
     request, so the slots' uneven ends (a drain of up to one request) count in its duration."""
-    free = np.array(first_waits, np.float64)  # when each slot is next free: its last request's end
+    free = [(float(w), c) for c, w in enumerate(first_waits)]  # (when the slot is next free, the slot)
     slots = len(free)
-    for k in range(total):  # at most 10 x C requests: the list schedule, earliest-free slot first
-        c = int(np.argmin(free)) if k >= slots else k
-        free[c] += durations[k % len(durations)]
-    return float(free.max())
+    for k in range(min(total, slots)):  # the first C requests start at once, one a slot
+        free[k] = (free[k][0] + durations[k % len(durations)], k)
+    heapq.heapify(free)
+    for k in range(slots, total):  # the list schedule: the earliest-free slot (the lowest on a tie) next
+        end, c = free[0]
+        heapq.heapreplace(free, (end + durations[k % len(durations)], c))
+    return max(end for end, _ in free)
 
 
 @dataclass(frozen=True)
@@ -214,11 +221,13 @@ class SteadyState:
 
     def solve(self, concurrency: int) -> dict:
         """The steady state at ``concurrency`` clients: rates, step times, latency percentiles.
-        Raises CachelabError for fewer than one client, and ``NoSteadyState`` where the request
+        Raises CachelabError for a count of clients outside 1..``MAX_CONCURRENCY``, and ``NoSteadyState`` where the request
         rate the bisection ends on has no converged step time (never reported as a result)."""
         dep, wl, lat = self.dep, self.wl, self.dep.latency
-        if isinstance(concurrency, bool) or int(concurrency) != concurrency or concurrency < 1:
-            raise CachelabError(f"{wl.name}: concurrency must be a whole number of clients >= 1, got {concurrency!r}")
+        if (isinstance(concurrency, bool) or not np.isfinite(concurrency) or int(concurrency) != concurrency
+                or not 1 <= concurrency <= MAX_CONCURRENCY):
+            raise CachelabError(f"{wl.name}: concurrency must be a whole number of clients in 1..{MAX_CONCURRENCY:,}, "
+                                f"got {concurrency!r}")
         m = lat.model
         compute, found, from_host = self._prefix(concurrency)
         n_new = float(compute.mean())
