@@ -176,7 +176,9 @@ def evaluate(
         return
     out = Console()
     out.print(f"[bold]miss ratios[/] on {result['lookups']:,} lookups ({result['unique_rows']:,} unique rows), "
-              f"counted after {warmup:.0%} warm-up")
+              f"counted after {warmup:.0%} warm-up" + (f" and the model's training window ({evaluation.training_window_steps:,} "
+              f"steps at the stream's start)" if evaluation.training_window_steps
+              and evaluation.counted_from_step == evaluation.training_window_steps else ""))
     if result["missing"]:
         out.print(f"registered but not loaded, so not compared: {', '.join(result['missing'])}")
     rows = result["capacities"]

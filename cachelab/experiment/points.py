@@ -13,7 +13,6 @@ import math
 import re
 from pathlib import Path
 
-import numpy as np
 import polars as pl
 
 from cachelab.capacity import capacity_rows, parse_capacity
@@ -22,7 +21,7 @@ from cachelab.experiment.kinds import ExperimentKind, PointOutput
 from cachelab.experiment.spec import ExperimentSpec, ServingSpec, WorkloadSpec, make_tier_policy, page_cache_bytes
 from cachelab.engine.tiers import Hierarchy, SSDStore, Tier
 from cachelab.experiment.workload import Workload, build_workload, load_workload
-from cachelab.engine.replay import replay, warmup_steps
+from cachelab.engine.replay import replay
 
 __all__ = ["LEARNED", "REPLAY", "SERVE", "PointOutput", "learned_point", "make_hierarchy", "replay_point",
            "serve_point", "serving_config"]
@@ -95,7 +94,7 @@ def learned_point(config: dict, workload: Workload) -> PointOutput:
     # each held-out workload is built once (by the runner, before any point), then found in the workload cache
     parts = [(name, LearningView.of(load_workload(build_workload(WorkloadSpec(**h))).stream, preset),
               config["warmup"]) for name, h in zip(_domains(held), held)]
-    parts = parts or [("later part", view, _after_training(view, [model for model, _ in fits], config["warmup"]))]
+    parts = parts or [("later part", view, config["warmup"])]  # counted past the training window (trained_through)
     results = {}
     for domain, part, warmup in parts:
         evals = [evaluate_capacities(part, model, caps, warmup, progress=False).to_dict()
@@ -125,17 +124,6 @@ def learned_point(config: dict, workload: Workload) -> PointOutput:
     params = {"eval.workload": ",".join(results) if held else "later part of the training workload",
               "eval.missing_policies": ",".join(first["missing"])}
     return PointOutput(metrics, params, tables, files)
-
-
-def _after_training(view, models: list, warmup: float) -> int:
-    """The first step a learned point judges the later part of its training workload on: past the
-    warm-up (a share of steps) and past every model's training window (``train_end``, a share of the
-    view's entries rounded up to a step). Counted from ``train_fraction`` of the steps instead, the
-    judged part held steps the models were trained on wherever early steps hold fewer distinct rows
-    than later ones: 7 of the quickstart's 54 training steps, 16% of the lookups it counted (52% at
-    ``--max-chars 40000``)."""
-    end = max(int(model.metadata["spec"]["train_end"]) for model in models)
-    return max(warmup_steps(warmup, view.lookup_offsets.size - 1), int(np.searchsorted(view.step_offsets, end)))
 
 
 def held_out(config: dict) -> list[tuple[str, dict]]:

@@ -2,7 +2,8 @@
 
 All policies replay the same stream from an empty cache, through the engine's ``run_policy``
 on each step's distinct rows (as ``cachelab simulate`` does); a lookup misses when its
-step's fetch of the row missed; misses are counted after the warm-up steps.
+step's fetch of the row missed; misses are counted after the warm-up steps, and after the
+model's training window where the stream starts with it (``trained_through``).
 Which policies take part, and in which role, comes from the registry (``lineup``): every
 learned policy is replayed with the model's scores, every heuristic and oracle without.
 Per capacity the best heuristic is the lowest of *all* heuristics (a short list would
@@ -22,7 +23,7 @@ import numpy as np
 from cachelab import registry
 from cachelab.errors import CachelabError
 from cachelab.learning.lineup import Lineup, judged_default, lineup
-from cachelab.learning.training import Model, keep_scores, policy_params, rows_for
+from cachelab.learning.training import Model, keep_scores, policy_params, rows_for, trained_through
 from cachelab.learning.streams import LearningView
 from cachelab.engine.replay import run_policy, warmup_steps
 from cachelab.progress import progress_bar
@@ -53,6 +54,8 @@ class Evaluation:
     warmup: float
     learned_policy: str
     counted_lookups: int
+    counted_from_step: int  # the warm-up's end, or the model's training window's where the stream starts with it
+    training_window_steps: int  # the steps of that window found at the stream's start (0: none)
     missing: list[str]  # registered policies that could not be loaded, so were not compared
     capacities: list[CapacityResult]
 
@@ -78,7 +81,12 @@ def evaluate_capacities(view: LearningView, model: Model, capacities: list[float
                             f"got {policy!r}")
     scores = keep_scores(model, view) if scores is None else scores
     order = view.per_lookup(2 + view.column.astype(np.int64) // view.heads)
-    start = int(view.lookup_offsets[warmup_steps(warmup, view.lookup_offsets.size - 1)])
+    trained = trained_through(view, model)
+    first = max(warmup_steps(warmup, view.lookup_offsets.size - 1), trained)
+    start = int(view.lookup_offsets[first])
+    if start >= view.inverse.size:
+        raise CachelabError(f"nothing to judge: the stream's {view.lookup_offsets.size - 1:,} steps are all the "
+                            "model's training window; evaluate it on a longer stream or another one")
     runs = [(label, lambda name=name: learned_policy(name, model)) for label, name in found.learned.items()]
     runs += [(label, registry.get(registry.POLICIES, name))
              for label, name in {**found.heuristics, **found.oracles}.items()]
@@ -97,8 +105,8 @@ def evaluate_capacities(view: LearningView, model: Model, capacities: list[float
                                    for o in np.unique(order[start:])}
                 bar.advance(task)
             rows.append(CapacityResult(cap, n_rows, miss, by_order, *_gap(miss, found, found.label_of(policy))))
-    return Evaluation(int(view.inverse.size), view.num_keys, warmup, policy, int(view.inverse.size - start),
-                      found.unavailable, rows)
+    return Evaluation(int(view.inverse.size), view.num_keys, warmup, policy, int(view.inverse.size - start), first,
+                      trained, found.unavailable, rows)
 
 
 def _gap(miss: dict, found: Lineup, judged: str) -> tuple[str | None, float | None, dict]:

@@ -20,6 +20,7 @@ horizon read as an expected wait).
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import math
 from dataclasses import asdict, dataclass
@@ -109,6 +110,27 @@ def features(stream, model_prior: CorpusPrior, domains: list[str], lookahead: bo
     return extract(stream, 0, len(stream), state, model_prior, domains, lookahead)
 
 
+def window_digest(view, end: int) -> str:
+    """A digest of a view's first ``end`` entries (their rows' global keys and the step bounds up
+    to there): a model keeps its training window's, so an evaluation can tell that the stream it
+    judges starts with what the model learned from (``trained_through``)."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(np.ascontiguousarray(view.raw_keys[view.keys[:end]], dtype=np.int64).tobytes())
+    digest.update(np.ascontiguousarray(view.step_offsets[view.step_offsets <= end], dtype=np.int64).tobytes())
+    return digest.hexdigest()
+
+
+def trained_through(view, model: Model) -> int:
+    """The first step of ``view`` past ``model``'s training window where the view starts with that
+    window (its ``train_digest``), else 0: a model judged on the stream it was trained on from the
+    warm-up alone would be scored on lookups it learned from wherever its window ends later."""
+    spec = model.metadata.get("spec", {})
+    end, digest = spec.get("train_end"), spec.get("train_digest")
+    if digest is None or end is None or not 0 < int(end) <= len(view) or window_digest(view, int(end)) != digest:
+        return 0
+    return int(np.searchsorted(view.step_offsets, int(end)))
+
+
 def train(stream, predictor: Predictor, spec: TrainSpec, progress=None, tune: bool = True) -> tuple[Model, dict]:
     """Fit ``predictor`` on the training window of ``stream``; return the model and validation metrics.
 
@@ -129,8 +151,8 @@ def train(stream, predictor: Predictor, spec: TrainSpec, progress=None, tune: bo
     prior = CorpusPrior.from_window(stream, 0, prior_end)
     x = features(stream, prior, domains, spec.lookahead)
     samples = fit_window(stream, x, 0, end, predictor, spec, progress)
-    meta_spec = {**asdict(spec), "train_end": end, "prior_end": prior_end, "lookups": n,
-                 "domains": domains, "train_samples": samples}
+    meta_spec = {**asdict(spec), "train_end": end, "train_digest": window_digest(stream, end), "prior_end": prior_end,
+                 "lookups": n, "domains": domains, "train_samples": samples}
     if stream.layout is not None:
         meta_spec["layout"] = stream.layout
     if spec.capacity:

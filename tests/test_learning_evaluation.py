@@ -1,0 +1,69 @@
+"""``evaluate_capacities`` never counts lookups a model was trained on (cachelab.learning.evaluation)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cachelab import registry
+from cachelab.errors import CachelabError
+from cachelab.learning.evaluation import evaluate_capacities
+from cachelab.learning.streams import LearningView, request_stream
+from cachelab.learning.training import Model, TrainSpec, train, window_digest
+
+LAYOUT = "deepseek-v4.1-flash"
+
+
+def _view(lengths, seed: int) -> LearningView:
+    """Requests of the given prompt lengths over a small alphabet (n-grams repeat), one step each."""
+    rng = np.random.default_rng(seed)
+    alphabet = rng.choice(np.arange(1000, 60_000), 120, replace=False)
+    prompts = [alphabet[rng.zipf(1.4, n) % alphabet.size] for n in lengths]
+    outputs = [alphabet[rng.zipf(1.4, 4) % alphabet.size] for _ in lengths]
+    return LearningView.of(request_stream(prompts, outputs, ["chat"] * len(lengths), LAYOUT, steps="prompts"))
+
+
+def _model(view: LearningView) -> Model:
+    predictor = registry.get(registry.PREDICTORS, "lightgbm-reuse")(n_estimators=4, num_leaves=7)
+    model, _ = train(view, predictor, TrainSpec(horizon=500), tune=False)
+    return model
+
+
+@pytest.fixture(scope="module")
+def growing():
+    """Short requests first, long ones later: half the lookups (the training window) ends past
+    half the steps (the warm-up)."""
+    view = _view([40] * 30 + [200] * 30, seed=5)
+    return view, _model(view)
+
+
+def test_the_stream_a_model_was_trained_on_is_counted_past_its_training_window(growing):
+    view, model = growing
+    steps = view.lookup_offsets.size - 1
+    trained = int(np.searchsorted(view.step_offsets, model.metadata["spec"]["train_end"]))
+    assert trained > steps // 2  # the case: the window ends past the warm-up
+    result = evaluate_capacities(view, model, [0.05], 0.5, progress=False)
+    assert result.counted_from_step == result.training_window_steps == trained
+    assert result.counted_lookups == view.lookup_offsets[-1] - view.lookup_offsets[trained]
+    late = evaluate_capacities(view, model, [0.05], 0.9, progress=False)  # a warm-up past the window
+    assert late.counted_from_step == int(0.9 * steps) and late.training_window_steps == trained
+
+
+def test_another_stream_and_a_model_without_the_window_digest_count_from_the_warm_up(growing):
+    view, model = growing
+    other = _view([40] * 30 + [200] * 30, seed=6)
+    assert evaluate_capacities(other, model, [0.05], 0.5, progress=False).training_window_steps == 0
+    spec = {k: v for k, v in model.metadata["spec"].items() if k != "train_digest"}  # saved before the digest
+    old = Model(model.predictor, model.prior, model.domains, model.horizon, {**model.metadata, "spec": spec},
+                model.lookahead)
+    result = evaluate_capacities(view, old, [0.05], 0.5, progress=False)
+    assert result.training_window_steps == 0 and result.counted_from_step == (view.lookup_offsets.size - 1) // 2
+
+
+def test_a_stream_that_is_all_training_window_is_refused(growing):
+    view, model = growing
+    whole = {**model.metadata["spec"], "train_end": len(view), "train_digest": window_digest(view, len(view))}
+    model = Model(model.predictor, model.prior, model.domains, model.horizon, {**model.metadata, "spec": whole},
+                  model.lookahead)
+    with pytest.raises(CachelabError, match="nothing to judge: the stream's 300 steps are all the model's training"):
+        evaluate_capacities(view, model, [0.05], 0.5, progress=False)
