@@ -62,6 +62,13 @@ def test_valid_spec_expands_to_a_hashed_grid(tmp_path):
      "sweep.'hierarchy.hbm.admission'[2]: 'always' is listed already (at [0]); each point runs once"),
     ("seeds = [0]", 'seeds = [0]\nkind = "dance"', "kind: unknown experiment kind 'dance'; allowed: learned, live, replay, serve"),
     ("seeds = [0]", 'seeds = [0]\nkind = "learned"', "predictor: kind 'learned' needs a [predictor] section"),
+    # a learned point refused a negative seed at run time; a seed listed twice ran once, silently
+    ("seeds = [0]", "seeds = [0, -1]", "tiny.toml: seeds[1]: Input should be greater than or equal to 0 (got -1)"),
+    ("seeds = [0]", "seeds = [0, 1, 0]", "tiny.toml: seeds[2]: 0 is listed already (at [0]); each point runs once"),
+    # an axis over a key no point reads passed, and every point ran as if it were not there
+    ('"hierarchy.hbm.admission"', '"kind"', "tiny.toml: sweep.'kind': not a key a point reads; list the kinds in kind"),
+    ('"hierarchy.hbm.admission"', '"seeds"', "sweep.'seeds': not a key a point reads; list them in seeds = [...]"),
+    ('"hierarchy.hbm.admission"', '"name"', "sweep.'name': not a key a point reads; it names the experiment"),
 ])
 def test_bad_spec_names_the_key(tmp_path, old, new, expected):
     assert expected in _error(tmp_path, old, new)

@@ -135,7 +135,8 @@ class ExperimentSpec(Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     description: str = ""
     kind: str | list[str] = Field("replay", description="registered experiment kinds (cachelab.experiment_kinds)")
-    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    seeds: list[Annotated[int, Field(ge=0)]] = Field(default_factory=lambda: [0], min_length=1, description=(
+        "each point runs once per seed; >= 0, as a learned point's sampling and a trace's draws take them"))
     warmup: float = Field(0.0, ge=0, lt=1, description="fraction of steps excluded from the metrics")
     workload: WorkloadSpec = Field(default_factory=WorkloadSpec)
     hierarchy: HierarchySpec | None = None
@@ -199,25 +200,40 @@ def _set_in_values(values: list, key: str, value, where: str) -> list:
     return list(out.values())
 
 
+# Keys of the spec as a whole, which no point reads: an axis over one was dropped from every point.
+_NOT_AXES = {"kind": "list the kinds in kind = [...] instead: each runs every point of the grid",
+             "seeds": "list them in seeds = [...] instead: every point runs once per seed",
+             "name": "it names the experiment, not a point", "description": "it describes the experiment, not a point",
+             "sweep": "an axis is a key a point reads"}
+
+
 def parse_spec(raw: dict, where: str = "spec") -> ExperimentSpec:
     """Validate a spec given as a dict (what the TOML file holds)."""
     spec = _validate(raw, where)
     check_spec(spec, where)
+    _once(spec.seeds, f"{where}: seeds")
     for key, values in spec.sweep.items():
         if not values:
             raise CachelabError(f"{where}: sweep.{key!r}: an axis needs at least one value")
-        seen: dict[str, int] = {}
+        if key.split(".")[0] in _NOT_AXES:  # the grid ran as if the axis were not there
+            raise CachelabError(f"{where}: sweep.{key!r}: not a key a point reads; {_NOT_AXES[key.split('.')[0]]}")
+        _once(values, f"{where}: sweep.{key!r}")
         for i, value in enumerate(values):
-            first = seen.setdefault(json.dumps(value, sort_keys=True, default=str), i)
-            if first != i:  # ran once, silently: a 29-point grid reported 25 points
-                raise CachelabError(f"{where}: sweep.{key!r}[{i}]: {value!r} is listed already (at [{first}]); "
-                                    "each point runs once")
             try:
                 point = set_key(raw, key, value)
             except KeyError as exc:
                 raise CachelabError(f"{where}: sweep.{key!r}: {exc.args[0]}") from None
             check_spec(_validate(point, f"{where}: sweep.{key!r}[{i}]"), f"{where}: sweep.{key!r}[{i}]")
     return spec
+
+
+def _once(values: list, where: str) -> None:
+    """Refuse a value listed twice: it ran once, silently (a 29-point grid reported 25 points)."""
+    seen: dict[str, int] = {}
+    for i, value in enumerate(values):
+        first = seen.setdefault(json.dumps(value, sort_keys=True, default=str), i)
+        if first != i:
+            raise CachelabError(f"{where}[{i}]: {value!r} is listed already (at [{first}]); each point runs once")
 
 
 def _validate(raw: dict, where: str) -> ExperimentSpec:
