@@ -239,16 +239,21 @@ def test_killed_sweep_resumes_without_running_a_point_twice(tmp_path):
     assert _points(uri, "killme", "RUNNING") == []
 
 
-def test_ctrl_c_ends_the_parent_run_killed_and_keeps_the_finished_points(tmp_path, monkeypatch):
+@pytest.fixture()
+def ctrl_c(monkeypatch):
+    """A sweep whose first point finishes, then Ctrl-C."""
     from cachelab.experiment import runner
 
     real = runner.run_tasks
 
-    def interrupted(tasks, *args):  # one point finishes, then Ctrl-C
+    def interrupted(tasks, *args):
         yield from real(tasks[:1], "local", 1)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(runner, "run_tasks", interrupted)
+
+
+def test_ctrl_c_ends_the_parent_run_killed_and_keeps_the_finished_points(tmp_path, ctrl_c):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     with pytest.raises(KeyboardInterrupt):
         run_experiment(write_spec(tmp_path, name="ctrlc"), tracking_uri=uri, runs_dir=tmp_path / "runs", quiet=True)
@@ -379,3 +384,20 @@ def test_a_held_out_workload_is_built_before_any_point_and_a_bad_one_named(tmp_p
     with pytest.raises(CachelabError, match=r"held.toml: predictor.holdout\[0\]: workload 'stdlib' yields no tokens"):
         run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", workers=1, quiet=True)
     assert _points(uri, "held") == [] and _points(uri, "held", "FAILED") == []
+
+
+def test_ctrl_c_while_offline_ends_the_parent_killed_when_it_is_sent(tmp_path, ctrl_c):
+    """Stopped while the tracking server was unreachable, the sweep left its parent waiting in the
+    outbox as a whole sweep's: the sync that sent it ended it FINISHED (tracked, it ends KILLED)."""
+    from cachelab.experiment import runner
+    from cachelab.experiment.tracking import Tracker
+
+    dead = f"http://127.0.0.1:{_free_port()}"
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(write_spec(tmp_path, name="ctrlc"), tracking_uri=dead, runs_dir=tmp_path / "runs", quiet=True)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    assert runner.sync(Tracker(uri), runner.outbox_for("ctrlc", tmp_path / "runs"), "ctrlc") == (1, 0)
+    client = MlflowClient(tracking_uri=uri)
+    [parent] = client.search_runs([client.get_experiment_by_name("ctrlc").experiment_id],
+                                  "tags.`cachelab.kind` = 'experiment'")
+    assert parent.info.status == "KILLED" and "cachelab.interrupted" not in parent.data.tags

@@ -66,6 +66,7 @@ def flatten(config: dict, prefix: str = "") -> dict[str, str]:
 
 
 POINTS_FAILED = "cachelab.points_failed"  # on a parent record that waits in the outbox
+INTERRUPTED = "cachelab.interrupted"  # on a waiting parent record whose sweep was stopped (Ctrl-C)
 
 
 def outbox_for(name: str, runs_dir: Path) -> Outbox:
@@ -156,6 +157,9 @@ def _sweep(spec: ExperimentSpec, spec_path: Path, overrides: list[str] | None, o
             if tracker is not None:
                 with contextlib.suppress(Exception):  # a store gone too: a later run or sync closes it
                     tracker.end_run(parent_id, "KILLED")
+            else:  # waiting in the outbox: the sync that sends it ends it KILLED (it ended FINISHED)
+                parent.tags.update({INTERRUPTED: "1", POINTS_FAILED: str(len(summary.failed))})
+                outbox.write(parent, PARENT)
             raise
     if tracker is not None:
         summary.report = _finish_parent(tracker, spec.name, exp_id, parent_id, [p.hash for p in points],
@@ -264,9 +268,9 @@ def grid(spec: ExperimentSpec) -> list[Point]:
 
 
 def _finish_parent(tracker: Tracker, name: str, exp_id: str, parent_id: str, hashes: list[str], out: Path,
-                   failed: bool) -> str:
+                   failed: bool, interrupted: bool = False) -> str:
     """Give the parent run its results table and report (also written to ``out``) and end
-    it; returns the report's path."""
+    it (KILLED where its sweep was stopped); returns the report's path."""
     finished = tracker.finished_points(exp_id)
     ours = [tracker.client.get_run(finished[h]) for h in hashes if h in finished]
     record = Record(hash="", label="", params={}, metrics={"points.finished": len(ours)})
@@ -277,7 +281,7 @@ def _finish_parent(tracker: Tracker, name: str, exp_id: str, parent_id: str, has
         report = str(write_report(tracker, name, out, parent_id=parent_id))
         tracker.client.log_artifact(parent_id, report)
     finally:  # every point is tracked already: a report error must not leave the parent RUNNING
-        tracker.end_run(parent_id, "FAILED" if failed or report is None else "FINISHED")
+        tracker.end_run(parent_id, "KILLED" if interrupted else "FAILED" if failed or report is None else "FINISHED")
     return report
 
 
@@ -300,6 +304,7 @@ def sync_outbox(tracker: Tracker, outbox: Outbox, name: str) -> int:
     exp_id = tracker.experiment_id(name)
     finished = tracker.finished_points(exp_id)
     parent = outbox.read(PARENT) if PARENT in keys else None
+    interrupted = parent is not None and parent.tags.pop(INTERRUPTED, None) is not None
     parent_id = tracker.parent_run(exp_id, parent) if parent else None
     if parent is not None:
         tracker.log_record(parent_id, parent)
@@ -318,6 +323,6 @@ def sync_outbox(tracker: Tracker, outbox: Outbox, name: str) -> int:
         spec = parse_spec(json.loads(parent.artifacts["spec/resolved.json"]),
                           where=f"{outbox.root / PARENT} (spec/resolved.json)")
         _finish_parent(tracker, name, exp_id, parent_id, [p.hash for p in grid(spec)], outbox.root.parent / "report.html",
-                       failed=parent.tags.get(POINTS_FAILED, "0") != "0")
+                       failed=parent.tags.get(POINTS_FAILED, "0") != "0", interrupted=interrupted)
         outbox.remove(PARENT)
     return sent
