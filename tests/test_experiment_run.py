@@ -239,21 +239,16 @@ def test_killed_sweep_resumes_without_running_a_point_twice(tmp_path):
     assert _points(uri, "killme", "RUNNING") == []
 
 
-@pytest.fixture()
-def ctrl_c(monkeypatch):
-    """A sweep whose first point finishes, then Ctrl-C."""
+def test_ctrl_c_ends_the_parent_run_killed_and_keeps_the_finished_points(tmp_path, monkeypatch):
     from cachelab.experiment import runner
 
     real = runner.run_tasks
 
-    def interrupted(tasks, *args):
+    def interrupted(tasks, *args):  # one point finishes, then Ctrl-C
         yield from real(tasks[:1], "local", 1)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(runner, "run_tasks", interrupted)
-
-
-def test_ctrl_c_ends_the_parent_run_killed_and_keeps_the_finished_points(tmp_path, ctrl_c):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     with pytest.raises(KeyboardInterrupt):
         run_experiment(write_spec(tmp_path, name="ctrlc"), tracking_uri=uri, runs_dir=tmp_path / "runs", quiet=True)
@@ -341,6 +336,24 @@ def test_the_later_part_is_judged_only_after_the_training_window(tmp_path, monke
     assert trained > (view.step_offsets.size - 1) // 2  # the case: the window ends past half the steps
     assert out.metrics["eval.counted_lookups"] == view.lookup_offsets[-1] - view.lookup_offsets[trained]
 
+
+@pytest.mark.parametrize("old, new, why", [("horizon = 4096", "horizon = 400000", "training window of "),
+                                           ("horizon = 4096", "horizon = 4096\ntrain_fraction = 0.99",
+                                            "validation part of ")])
+def test_a_horizon_the_workload_is_too_short_for_is_refused_before_any_point_runs(tmp_path, old, new, why):
+    """A learned point whose training window was too short for its horizon, or left too little to
+    validate on, failed at run time (its error naming --horizon), after the sweep's other points had
+    run and been tracked."""
+    spec = tmp_path / "held.toml"
+    spec.write_text(HELD_OUT.split("[[predictor.holdout]]")[0].replace(old, new)
+                    .replace('kind = "learned"', 'kind = ["learned", "replay"]')
+                    + '[[hierarchy.tiers]]\nname = "hbm"\ncapacity = "1%"\n')
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    with pytest.raises(CachelabError, match=rf"held.toml: point kind=learned seed=0: predictor.horizon: \d+ with "
+                       rf"predictor.train_fraction 0.\d+: {why}"):
+        run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", workers=1, quiet=True)
+    assert _points(uri, "held") == [] and _points(uri, "held", "FAILED") == []  # the replay point did not run either
+
 def test_a_workload_wanted_by_two_points_at_once_is_built_once(tmp_path, monkeypatch):
     """Two learned points of a pool building one held-out workload at once wrote the same
     scratch file: one renamed the other's half-written file into place, whose own rename then
@@ -384,20 +397,3 @@ def test_a_held_out_workload_is_built_before_any_point_and_a_bad_one_named(tmp_p
     with pytest.raises(CachelabError, match=r"held.toml: predictor.holdout\[0\]: workload 'stdlib' yields no tokens"):
         run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", workers=1, quiet=True)
     assert _points(uri, "held") == [] and _points(uri, "held", "FAILED") == []
-
-
-def test_ctrl_c_while_offline_ends_the_parent_killed_when_it_is_sent(tmp_path, ctrl_c):
-    """Stopped while the tracking server was unreachable, the sweep left its parent waiting in the
-    outbox as a whole sweep's: the sync that sent it ended it FINISHED (tracked, it ends KILLED)."""
-    from cachelab.experiment import runner
-    from cachelab.experiment.tracking import Tracker
-
-    dead = f"http://127.0.0.1:{_free_port()}"
-    with pytest.raises(KeyboardInterrupt):
-        run_experiment(write_spec(tmp_path, name="ctrlc"), tracking_uri=dead, runs_dir=tmp_path / "runs", quiet=True)
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    assert runner.sync(Tracker(uri), runner.outbox_for("ctrlc", tmp_path / "runs"), "ctrlc") == (1, 0)
-    client = MlflowClient(tracking_uri=uri)
-    [parent] = client.search_runs([client.get_experiment_by_name("ctrlc").experiment_id],
-                                  "tags.`cachelab.kind` = 'experiment'")
-    assert parent.info.status == "KILLED" and "cachelab.interrupted" not in parent.data.tags

@@ -47,6 +47,9 @@ class ExperimentKind:
     the build shows its progress. ``inputs(config) -> [path]``: files or folders a point's result
     depends on beyond its config (a calibration, a model, a hardware profile): their contents join
     the point's hash, so one rewritten in place reruns its points rather than reusing stale ones.
+    ``ready(config, workload)``: checks that need the point's built workload (a learned point's
+    training window against its horizon), run on every point to run once the workloads are built and
+    before any point runs, raising ``CachelabError`` naming the key.
     """
 
     sections: tuple[str, ...]
@@ -56,6 +59,7 @@ class ExperimentKind:
     serial: bool = False
     workloads: Callable[[dict], list[tuple[str, dict]]] | None = None
     inputs: Callable[[dict], list[Path]] | None = None
+    ready: Callable[..., None] | None = None
 
 
 def get_kind(name: str) -> ExperimentKind:

@@ -260,6 +260,21 @@ def need_trace(spec: ExperimentSpec, where: str, kind: str, why: str) -> None:
                             "(a `cachelab trace build` spec, e.g. with prefix_overlap)")
 
 
+def learned_ready(config: dict, workload: Workload) -> None:
+    """A learned point's training window holds samples for its horizon and leaves a part to validate
+    on, checked before any point runs (it failed its point after the others had run)."""
+    from cachelab.learning.streams import LearningView
+    from cachelab.learning.training import TrainSpec, window_end
+
+    p = config["predictor"]
+    try:
+        window_end(LearningView.of(workload.stream, config["workload"]["preset"]),
+                   TrainSpec(horizon=p["horizon"], train_fraction=p["train_fraction"]))
+    except CachelabError as exc:
+        raise CachelabError(f"predictor.horizon: {p['horizon']} with predictor.train_fraction {p['train_fraction']}: "
+                            f"{exc}") from None
+
+
 def _check_serve(spec: ExperimentSpec, where: str) -> None:
     if spec.serving is None:
         raise CachelabError(f"{where}: serving: kind 'serve' needs a [serving] section")
@@ -269,7 +284,7 @@ def _check_serve(spec: ExperimentSpec, where: str) -> None:
 
 REPLAY = ExperimentKind(("workload", "hierarchy", "warmup"), replay_point, _check_replay)
 LEARNED = ExperimentKind(("workload", "predictor", "warmup"), learned_point, _check_learned,
-                         ("learned_eval", "importances"), workloads=held_out)
+                         ("learned_eval", "importances"), workloads=held_out, ready=learned_ready)
 def serve_inputs(config: dict) -> list[Path]:
     """A serve point's hardware profile when it is a file of the user's (a TOML path, or the
     ``local`` profile `cachelab hw probe` writes): edited in place, it changes the point."""

@@ -66,7 +66,6 @@ def flatten(config: dict, prefix: str = "") -> dict[str, str]:
 
 
 POINTS_FAILED = "cachelab.points_failed"  # on a parent record that waits in the outbox
-INTERRUPTED = "cachelab.interrupted"  # on a waiting parent record whose sweep was stopped (Ctrl-C)
 
 
 def outbox_for(name: str, runs_dir: Path) -> Outbox:
@@ -119,6 +118,7 @@ def _sweep(spec: ExperimentSpec, spec_path: Path, overrides: list[str] | None, o
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with progress_bar(*columns, transient=quiet) as progress:
         paths = _build_workloads(spec, spec_path, todo, progress)
+        _check_ready(spec_path, todo, paths)
         parent = _parent_record(spec, spec_path, overrides, paths[workload_key(spec.workload)])
         parent_id = None
         if tracker is not None:
@@ -157,9 +157,6 @@ def _sweep(spec: ExperimentSpec, spec_path: Path, overrides: list[str] | None, o
             if tracker is not None:
                 with contextlib.suppress(Exception):  # a store gone too: a later run or sync closes it
                     tracker.end_run(parent_id, "KILLED")
-            else:  # waiting in the outbox: the sync that sends it ends it KILLED (it ended FINISHED)
-                parent.tags.update({INTERRUPTED: "1", POINTS_FAILED: str(len(summary.failed))})
-                outbox.write(parent, PARENT)
             raise
     if tracker is not None:
         summary.report = _finish_parent(tracker, spec.name, exp_id, parent_id, [p.hash for p in points],
@@ -201,6 +198,21 @@ def _build_workloads(spec: ExperimentSpec, spec_path: Path, todo: list[Point], p
         except CachelabError as exc:
             raise CachelabError(f"{spec_path}: {key}: {exc}") from None
     return paths
+
+
+def _check_ready(spec_path: Path, todo: list[Point], paths: dict[str, Path]) -> None:
+    """Each point's checks that need its built workload (``ExperimentKind.ready``), before any point
+    runs: an error names the spec, the point and the key."""
+    loaded = {}
+    for p in todo:
+        ready = get_kind(p.config["kind"]).ready
+        if ready is None:
+            continue
+        path = paths[workload_key(p.config["workload"])]
+        try:
+            ready(p.config, loaded.get(path) or loaded.setdefault(path, load_workload(path)))
+        except CachelabError as exc:
+            raise CachelabError(f"{spec_path}: point {p.label}: {exc}") from None
 
 
 def _parent_record(spec: ExperimentSpec, spec_path: Path, overrides: list[str] | None,
@@ -268,9 +280,9 @@ def grid(spec: ExperimentSpec) -> list[Point]:
 
 
 def _finish_parent(tracker: Tracker, name: str, exp_id: str, parent_id: str, hashes: list[str], out: Path,
-                   failed: bool, interrupted: bool = False) -> str:
+                   failed: bool) -> str:
     """Give the parent run its results table and report (also written to ``out``) and end
-    it (KILLED where its sweep was stopped); returns the report's path."""
+    it; returns the report's path."""
     finished = tracker.finished_points(exp_id)
     ours = [tracker.client.get_run(finished[h]) for h in hashes if h in finished]
     record = Record(hash="", label="", params={}, metrics={"points.finished": len(ours)})
@@ -281,7 +293,7 @@ def _finish_parent(tracker: Tracker, name: str, exp_id: str, parent_id: str, has
         report = str(write_report(tracker, name, out, parent_id=parent_id))
         tracker.client.log_artifact(parent_id, report)
     finally:  # every point is tracked already: a report error must not leave the parent RUNNING
-        tracker.end_run(parent_id, "KILLED" if interrupted else "FAILED" if failed or report is None else "FINISHED")
+        tracker.end_run(parent_id, "FAILED" if failed or report is None else "FINISHED")
     return report
 
 
@@ -304,7 +316,6 @@ def sync_outbox(tracker: Tracker, outbox: Outbox, name: str) -> int:
     exp_id = tracker.experiment_id(name)
     finished = tracker.finished_points(exp_id)
     parent = outbox.read(PARENT) if PARENT in keys else None
-    interrupted = parent is not None and parent.tags.pop(INTERRUPTED, None) is not None
     parent_id = tracker.parent_run(exp_id, parent) if parent else None
     if parent is not None:
         tracker.log_record(parent_id, parent)
@@ -323,6 +334,6 @@ def sync_outbox(tracker: Tracker, outbox: Outbox, name: str) -> int:
         spec = parse_spec(json.loads(parent.artifacts["spec/resolved.json"]),
                           where=f"{outbox.root / PARENT} (spec/resolved.json)")
         _finish_parent(tracker, name, exp_id, parent_id, [p.hash for p in grid(spec)], outbox.root.parent / "report.html",
-                       failed=parent.tags.get(POINTS_FAILED, "0") != "0", interrupted=interrupted)
+                       failed=parent.tags.get(POINTS_FAILED, "0") != "0")
         outbox.remove(PARENT)
     return sent

@@ -142,11 +142,8 @@ def train(stream, predictor: Predictor, spec: TrainSpec, progress=None, tune: bo
     spec.check()
     check_target(predictor.task, spec)
     n = len(stream)
-    end = int(stream.step_offsets[np.searchsorted(stream.step_offsets, int(n * spec.train_fraction))])
+    end = window_end(stream, spec)
     prior_end = end // 2
-    if end - spec.horizon <= prior_end:
-        raise CachelabError(f"training window of {end} lookups is too short for horizon {spec.horizon} "
-                            f"(needs more than {2 * spec.horizon}); lower --horizon or use a longer trace")
     domains = list(stream.domains)
     prior = CorpusPrior.from_window(stream, 0, prior_end)
     x = features(stream, prior, domains, spec.lookahead)
@@ -164,6 +161,28 @@ def train(stream, predictor: Predictor, spec: TrainSpec, progress=None, tune: bo
         meta_spec.update(chosen)
         metrics.update({**{f"{param}_misses": misses for param, misses in tried.items()}, **chosen})
     return model, metrics
+
+
+def window_end(view, spec: TrainSpec) -> int:
+    """The end of the training window of ``view`` (a ``LearningView``): its first ``train_fraction``
+    of entries, rounded up to a step; refused where the horizon leaves no training sample or
+    too little to validate on after the window."""
+    n = len(view)
+    end = int(view.step_offsets[np.searchsorted(view.step_offsets, int(n * spec.train_fraction))])
+    if end - spec.horizon <= end // 2:
+        raise CachelabError(f"training window of {end} lookups is too short for horizon {spec.horizon} "
+                            f"(needs more than {2 * spec.horizon}); lower the horizon or use a longer trace")
+    _validation_part(n - end, spec.horizon)
+    return end
+
+
+def _validation_part(lookups: int, horizon: int) -> int:
+    """How many of the ``lookups`` after the training window are validated (their labels settle
+    within the stream), refused when under 100."""
+    if lookups - horizon < 100:
+        raise CachelabError(f"validation part of {lookups} lookups is shorter than the horizon "
+                            f"{horizon}: lower the horizon or use a longer trace")
+    return lookups - horizon
 
 
 def _declared_grids() -> dict[str, dict[str, tuple]]:
@@ -274,10 +293,7 @@ def validate(model: Model, stream, x: np.ndarray, start: int, spec: TrainSpec | 
     from sklearn.metrics import roc_auc_score
 
     keys = stream.keys[start:]
-    stop = keys.size - model.horizon
-    if stop < 100:
-        raise CachelabError(f"validation part of {keys.size} lookups is shorter than the horizon "
-                            f"{model.horizon}: lower --horizon or raise the trace length")
+    stop = _validation_part(keys.size, model.horizon)
     xv = x[start:start + stop]
     pred = predictions(model, xv, start)
     reuse = reuse_labels(keys, model.horizon)[:stop]
