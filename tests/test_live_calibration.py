@@ -4,6 +4,7 @@ real sockets), driven by `cachelab bench serve` at two concurrencies; and the re
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -186,6 +187,26 @@ def test_calibrate_names_a_damaged_step_log_part(tmp_path):
     part.write_bytes(b"PAR1 cut short")
     res = runner.invoke(app, ["calibrate", "--step-log", str(tmp_path)])
     assert res.exit_code == 2 and f"{part}: not a readable step-log part" in res.output
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda f: f.with_columns(pl.when(pl.col("step") == 3).then(float("nan")).otherwise(pl.col("step_s")).alias("step_s")),
+     r"step 3 has step_s = nan; a step's times must be finite"),  # was NaN TTFTs, null in the JSON
+    (lambda f: f.with_columns(pl.when(pl.col("step") == 2).then(-1.0).otherwise(pl.col("stall_s")).alias("stall_s")),
+     r"step 2 has stall_s = -1.0"),
+    (lambda f: f.with_columns(pl.col("step_s").cast(pl.String)), "step-log column step_s holds String, not seconds"),
+    (lambda f: f.with_columns(pl.Series("requests", [[]] * f.height, dtype=f["requests"].dtype)),
+     r"step 0 has requests/starts/stops/num_prompt lengths = \[0, 1, 1, 1\]"),  # was a polars ShapeError
+    (lambda f: f.with_columns(pl.col("stops").list.eval(-pl.element())), r"step 0 has stops = \[-64\]"),
+])
+def test_a_step_log_the_fit_cannot_read_names_the_step_column_and_value(tmp_path, change, message):
+    from cachelab.serving.latency import Efficiency
+
+    part = tmp_path / "c1" / "steps-00000.parquet"
+    part.parent.mkdir()
+    change(_synthetic_run(Efficiency(), 64, 0)).write_parquet(part)
+    res = runner.invoke(app, ["calibrate", "--step-log", str(tmp_path), "--hardware", "H200"])
+    assert res.exit_code == 2 and re.search(f"{tmp_path / 'c1'}: {message}", res.output), res.output
 
 
 def _synthetic_run(eff, prompt: int, cached: int, requests: int = 6, outputs: int = 6,

@@ -126,7 +126,37 @@ def load_run(directory: Path) -> pl.DataFrame:
     missing = [c for c in STEP_COLUMNS if c not in frame.columns]
     if missing:
         raise CachelabError(f"{directory}: the step log lacks {missing} (written by an older `cachelab serve`)")
+    _check_steps(frame, directory)
     return frame
+
+
+def _check_steps(frame: pl.DataFrame, directory: Path) -> None:
+    """Refuse a step log the fit would read as NaN or nonsense, naming the step, column and value:
+    times finite (durations >= 0), one start, stop and prompt length per request of a step, and
+    0 <= start <= stop, prompt >= 1."""
+    def refuse(i: int, column: str, value, rule: str) -> CachelabError:
+        return CachelabError(f"{directory}: step {frame['step'][i]} has {column} = {value!r}; {rule}")
+
+    for col in ("start_s", "step_s", "compute_s", "stall_s"):
+        if not frame[col].dtype.is_numeric():
+            raise CachelabError(f"{directory}: step-log column {col} holds {frame[col].dtype}, not seconds")
+        values = frame[col].cast(pl.Float64).fill_null(float("nan")).to_numpy()
+        bad = ~np.isfinite(values) | ((values < 0) if col != "start_s" else False)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise refuse(i, col, float(values[i]), "a step's times must be finite, its durations >= 0")
+    lists = ("requests", "starts", "stops", "num_prompt")
+    lengths = frame.select(pl.col(c).list.len() for c in lists).to_numpy()
+    uneven = np.flatnonzero((lengths != lengths[:, :1]).any(axis=1))
+    if uneven.size:
+        i = int(uneven[0])
+        raise refuse(i, "requests/starts/stops/num_prompt lengths", lengths[i].tolist(), "one each per request")
+    owner = np.repeat(np.arange(frame.height), lengths[:, 0])  # the step of each request's entry
+    starts, stops, prompt = (frame[c].explode().drop_nulls().to_numpy() for c in ("starts", "stops", "num_prompt"))
+    for col, bad in (("starts", starts < 0), ("stops", stops < starts), ("num_prompt", prompt < 1)):
+        if bad.any():
+            i = int(owner[np.flatnonzero(bad)[0]])
+            raise refuse(i, col, frame[col][i].to_list(), "need 0 <= start <= stop and a prompt of >= 1 token")
 
 
 def _read_part(path: Path) -> pl.DataFrame:
