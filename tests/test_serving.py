@@ -187,6 +187,13 @@ def test_concurrency_cap_serialises_clients():
     assert np.all(req["send_s"].to_numpy()[1:] >= req["end_s"].to_numpy()[:-1] - 1e-12)
 
 
+def test_more_clients_than_requests_never_bind():
+    trace = _trace(8, spacing=0.0)  # 10**12 clients asked for a heap of 10**12 free times: a MemoryError
+    huge = simulate(trace, ServingConfig(hardware="B200", tp=4, concurrency=10**12))
+    for capped in (huge, simulate(trace, ServingConfig(hardware="B200", tp=4, concurrency=8))):
+        assert capped.metrics == simulate(trace, ServingConfig(hardware="B200", tp=4)).metrics
+
+
 def test_ssd_mmap_stalls_where_uva_hides():
     trace = _trace(20)
     uva = simulate(trace, ServingConfig(hardware="B200", tp=4, placement="dram-uva"))

@@ -348,7 +348,9 @@ class ServingSimulator:
         w = self.num_warmup
         measured = (np.argsort(self.arrival[w:], kind="stable") + w).tolist()
         pending = deque(np.argsort(self.arrival[:w], kind="stable").tolist() if w else measured)
-        client = [0.0] * cfg.concurrency if cfg.concurrency else None  # heap of slot free times
+        # the clients' heap of slot free times; more slots than requests never bind (10**12 asked for terabytes)
+        slots = min(cfg.concurrency, n) if cfg.concurrency else 0
+        client = [0.0] * slots if cfg.concurrency else None
         transit: deque[int] = deque()  # sent, reaching the engine ``request_overhead_s`` later (in send order)
         overhead = lat.eff.request_overhead_s
         clock, finished, measuring = 0.0, 0, not w
@@ -366,7 +368,7 @@ class ServingSimulator:
                 if not measuring and finished == w:  # the warm-up served: the measured run starts afresh
                     measuring, clock, pending = True, 0.0, deque(measured)
                     scheduler.kv.reset_counts()
-                    client = [0.0] * cfg.concurrency if cfg.concurrency else None
+                    client = [0.0] * slots if cfg.concurrency else None
                 while pending and self.arrival[pending[0]] <= clock and (client is None or (client and client[0] <= clock)):
                     r = pending.popleft()
                     t_free = heapq.heappop(client) if client is not None else 0.0
