@@ -136,6 +136,18 @@ def test_a_sweep_records_a_point_without_a_steady_state_and_a_fit_steps_around_i
     assert best.mbu == pytest.approx(0.5, rel=0.05) and value < 1e-3
 
 
+def test_one_token_answers_have_no_tpot_as_vllm_counts_it():
+    m = SteadyState(_r1(), fixed_workload(1024, 1, range_ratio=1.0)).solve(4)  # was a TPOT of a decode step
+    assert all(np.isnan(m[k]) for k in ("median_tpot_ms", "p90_tpot_ms", "p99_tpot_ms", "interactivity"))
+    assert m["median_ttft_ms"] > 0 and m["tokens_per_s_per_gpu"] > 0
+
+
+def test_a_study_fit_of_no_evaluations_is_refused():
+    for study, least in (("inferencex", 1), ("semianalysis", 0)):  # inferencex ran unfitted and called it fitted
+        res = runner.invoke(app, ["study", study, "--fit-evals", str(least - 1)])
+        assert res.exit_code == 2 and f"greater than or equal to {least}" in res.output
+
+
 def test_mtp_divides_the_step_by_the_acceptance_length():
     dep = Deployment(LatencyModel(load_model(), load_profile("B200"), 4, "dram-uva"))
     m = SteadyState(dep, fixed_workload(1024, 1024, requests_per_client=0)).solve(8)
@@ -564,6 +576,24 @@ def test_semianalysis_study_streams_points_and_prints_the_keys(tmp_path):
     assert len({json.dumps(json.loads(x), sort_keys=True) for x in lines}) == len(lines)  # no point twice
     assert out["run"]["peak_rss_mb"] < 512
     assert (tmp_path / "semianalysis_b200.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_read_off_past_a_front_is_reported_as_none_never_extrapolated(tmp_path, monkeypatch):
+    from cachelab.serving.studies import semianalysis
+
+    sweep = semianalysis.run_points
+    monkeypatch.setattr(semianalysis, "run_points", lambda *a, **k: sweep(*a, concurrencies=(1, 64), **k))
+    monkeypatch.setattr(semianalysis, "with_fitted_piecewise", lambda eff, workload=None: eff)
+    monkeypatch.setattr(semianalysis, "TARGET", 1000.0)  # past the SSD front's most interactive point
+    args = ["study", "semianalysis", "--fit-evals", "0", "--no-sensitivity", "--out", str(tmp_path)]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    assert "SSD-mmap none (its front stops at" in text and "DRAM over SSD n/a" in text and "nan" not in text  # was "nan M"
+    out = json.loads(runner.invoke(app, args + ["--json"]).stdout)
+    reach = out["b200_front_reach_p90_interactivity"]["ssd-mmap"]
+    assert out["b200_ssd_tokens_per_dollar"] is None and out["b200_dram_over_ssd"] is None and reach < 1000
+    assert f"stops at {reach:.0f} tok/s/user" in text
 
 
 def test_bad_prefix_hit_is_refused():

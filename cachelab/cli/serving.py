@@ -306,6 +306,12 @@ def hw_list(as_json: bool = typer.Option(False, "--json", help="Print one JSON o
     Console().print(table)
 
 
+def _times(ratio: float) -> str:
+    """A ratio of two read-offs, or why there is none: a front that does not reach the target
+    interactivity (or two fronts that share none) is never extrapolated."""
+    return f"{ratio:.2f}x" if math.isfinite(ratio) else "n/a (a front stops short of the read-off)"
+
+
 def _efficiency(console: Console, evals: int):
     """(efficiency, fit loss): fitted on the named calibration subset, or the defaults (said
     so) when ``evals`` is 0 or the calibration data is absent."""
@@ -327,7 +333,7 @@ def _efficiency(console: Console, evals: int):
 @study_app.command("semianalysis")
 def study_semianalysis(
     out: Path = typer.Option(Path("study-semianalysis"), help="Folder for the points (streamed JSONL, then CSV)."),
-    fit_evals: int = typer.Option(150, help="Loss evaluations of the efficiency fit (0: default efficiencies)."),
+    fit_evals: int = typer.Option(150, min=0, help="Loss evaluations of the efficiency fit (0: default efficiencies)."),
     sensitivity: bool = typer.Option(True, help="Also compute the tokens/$ elasticity of every fitted parameter, "
                                      "and the what-ifs of the page-cache size, the SSD host offset, V4.1's KV bytes per token and "
                                      "the token budget per step."),
@@ -377,35 +383,43 @@ def study_semianalysis(
         typer.echo(strict_json.dumps(result))
         return
     c = Console()
-    c.print(f"B200 at {result['interactivity_target']:.0f} tok/s/user P90: DRAM-UVA "
-            f"{result['b200_dram_tokens_per_dollar'] / 1e6:.1f} M tok/$, SSD-mmap {result['b200_ssd_tokens_per_dollar'] / 1e6:.1f} M "
-            f"({result['b200_dram_over_ssd']:.2f}x; published 121 M vs 52 M, 2.3x); every SSD point dominated: "
+    target, reach = result["interactivity_target"], result["b200_front_reach_p90_interactivity"]
+
+    def per_dollar(key: str, placement: str) -> str:  # a front that stops short is said so, never extrapolated
+        v = result[key]
+        return f"{v / 1e6:.1f} M" if math.isfinite(v) else f"none (its front stops at {reach[placement]:.0f} tok/s/user)"
+
+    c.print(f"B200 at {target:.0f} tok/s/user P90: DRAM-UVA {per_dollar('b200_dram_tokens_per_dollar', 'dram-uva')} "
+            f"tok/$, SSD-mmap {per_dollar('b200_ssd_tokens_per_dollar', 'ssd-mmap')} "
+            f"(DRAM over SSD {_times(result['b200_dram_over_ssd'])}; published 121 M vs 52 M, 2.3x); every SSD point "
+            f"dominated: "
             f"{result['b200_ssd_points_dominated']}; DRAM ahead on P90 interactivity at every pair: "
             f"{result['b200_dram_p90_interactivity_wins_every_pair']}")
+    at = result["b300_tp2_dram_gain_at_p90_interactivity"]
     c.print(f"B300: TP2 with the table in HBM fits: {result['b300_tp2_table_in_hbm_fits']}; TP2-DRAM over TP4-HBM up to "
-            f"{result['b300_tp2_dram_gain_max']:.2f}x at {result['b300_tp2_dram_gain_at_p90_interactivity']:.0f} tok/s/user "
-            f"(published up to 1.6x); TP4 HBM vs DRAM differ by at most "
+            f"{_times(result['b300_tp2_dram_gain_max'])}" + (f" at {at:.0f} tok/s/user" if math.isfinite(at) else "")
+            + f" (published up to 1.6x); TP4 HBM vs DRAM differ by at most "
             f"{result['b300_tp4_hbm_vs_dram_max_diff']:.1%} at any paired point (clients up to "
             f"{result['compared_concurrencies']['max']}, as published; the whole sweep to "
-            f"{result['compared_concurrencies']['sweep_max']}: {result['b300_tp2_dram_gain_max_full_sweep']:.2f}x, "
+            f"{result['compared_concurrencies']['sweep_max']}: {_times(result['b300_tp2_dram_gain_max_full_sweep'])}, "
             f"{result['b300_tp4_hbm_vs_dram_max_diff_full_sweep']:.1%})")
     if result["points_without_steady_state"]:
         c.print("no steady state, left off every front: " + ", ".join(result["points_without_steady_state"]))
     if "b200_dram_over_ssd_if_page_cache_fraction" in result:
         c.print("DRAM over SSD if the page cache held this fraction of the tables: " + ", ".join(
-            f"{k}: {v:.2f}x" for k, v in result["b200_dram_over_ssd_if_page_cache_fraction"].items()))
+            f"{k}: {_times(v)}" for k, v in result["b200_dram_over_ssd_if_page_cache_fraction"].items()))
         g = result["b200_dram_over_ssd_if_gather_inline"]
-        c.print(f"DRAM over SSD if the SSD arm gathered inline (the patch's first build): {g['b200_dram_over_ssd']:.2f}x")
+        c.print(f"DRAM over SSD if the SSD arm gathered inline (the patch's first build): {_times(g['b200_dram_over_ssd'])}")
         a = result["b200_dram_over_ssd_if_host_offset_additive"]
         c.print(f"DRAM over SSD if the SSD host offset added {a['offset_s_per_step'] * 1e3:.1f} ms to every step "
-                f"instead of flooring it: {a['b200_dram_over_ssd']:.2f}x (8k/1k SSD point: "
+                f"instead of flooring it: {_times(a['b200_dram_over_ssd'])} (8k/1k SSD point: "
                 + ", ".join(f"{k} {v:,.0f}" for k, v in a["v41_8k1k_ssd_tokens_per_s_per_gpu"].items()) + " tok/s/GPU)")
         c.print("TP2-DRAM over TP4-HBM if V4.1 kept this much KV per token: " + ", ".join(
-            f"{k} B: {v['gain_max']:.2f}x" for k, v in result["b300_tp2_dram_gain_if_kv_bytes_per_token"].items()))
+            f"{k} B: {_times(v['gain_max'])}" for k, v in result["b300_tp2_dram_gain_if_kv_bytes_per_token"].items()))
         c.print("TP2-DRAM over TP4-HBM at these token budgets (the study: 16384): " + ", ".join(
-            f"{k}: {v['gain_max']:.2f}x" for k, v in result["b300_tp2_dram_gain_if_max_num_batched_tokens"].items())
+            f"{k}: {_times(v['gain_max'])}" for k, v in result["b300_tp2_dram_gain_if_max_num_batched_tokens"].items())
             + "; DRAM over SSD at 8192: "
-            f"{result['b200_dram_over_ssd_if_max_num_batched_tokens']['8192']['b200_dram_over_ssd']:.2f}x")
+            + _times(result['b200_dram_over_ssd_if_max_num_batched_tokens']['8192']['b200_dram_over_ssd']))
     if "b200_dram_over_ssd_floor_uncertainty" in result:
         u = result["b200_dram_over_ssd_floor_uncertainty"]
         c.print(f"DRAM over SSD with the SSD host floor at its fit +-1 standard error "
@@ -426,7 +440,7 @@ def study_semianalysis(
 
 @study_app.command("inferencex")
 def study_inferencex(
-    fit_evals: int = typer.Option(150, help="Loss evaluations of the efficiency fit."),
+    fit_evals: int = typer.Option(150, min=1, help="Loss evaluations of the efficiency fit (at least 1: the start)."),
     out: Path | None = typer.Option(None, help="Also write the per-point table here (CSV)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:

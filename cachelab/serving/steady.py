@@ -327,10 +327,12 @@ class SteadyState:
                "mixed_step_share": s["f"], "decoders": s["decoders"], "prefill_utilization": s["rho"],
                "prefix_found_share": found, "stall_ms": s["stall"] * 1e3, "kv_bound": bool(s["kv_bound"]),
                "admission_wait_ms": s["admission_wait"] * 1e3, **parts}
+        # vLLM's TPOT counts only requests of more than one output token: none, no TPOT (NaN, as metrics.py)
+        decoding = bool((wl.output_tokens > 1).any())
         for p in (50, 90, 99):
             share = _binomial_quantile(n_dec, s["f"], p)
             step = s["t_d"] + (s["t_m"] - s["t_d"]) * share
-            out[f"p{p}_tpot_ms"] = step / self.al * 1e3
+            out[f"p{p}_tpot_ms"] = step / self.al * 1e3 if decoding else float("nan")
             own = np.percentile(np.maximum(1.0, np.ceil(compute / s["room"])), p) * s["t_m"]
             out[f"p{p}_ttft_ms"] = (own + s["wait"] * np.log(100 / (100 - p)) + s["admission_wait"]
                                     + lat.eff.request_overhead_s) * 1e3

@@ -353,6 +353,9 @@ def _keys(points: pl.DataFrame) -> dict:
         "b200_dram_tokens_per_dollar": tpd_dram,
         "b200_ssd_tokens_per_dollar": tpd_ssd,
         "b200_dram_over_ssd": tpd_dram / tpd_ssd if tpd_ssd else float("nan"),
+        # how far each front reaches: a read-off past it is NaN (null in JSON), never extrapolated
+        "b200_front_reach_p90_interactivity": {p: float(df[X].max()) if df.height else float("nan")
+                                               for p, df in (("dram-uva", dram), ("ssd-mmap", ssd))},
         "b200_ssd_points_dominated": bool(dominated(ssd, dram, X, Y, rtol=TIE_RTOL).all()),
         # the node's page cache over the tables' bytes: what the SSD result rests on (the what-if varies it)
         "b200_ssd_page_cache_share_of_tables": min(1.0, float(ssd["page_cache_gb"].max() * 1e9 / load_model(MODEL).table_bytes))
