@@ -32,8 +32,9 @@ import polars as pl
 from cachelab.live.config import model_config
 from cachelab.serving.hardware import load_profile
 from cachelab.serving.latency import LatencyModel
-from cachelab.serving.live_calibration import (METRICS, _batches, _errors, calibrate, cpu_hardware, find_runs,
-                                               model_spec, predict_compute, warm_steps)
+from cachelab.serving.live_calibration import (METRICS, _batches, _errors, calibrate, cpu_hardware, model_spec,
+                                               predict_compute, warm_steps)
+from cachelab.serving.step_log import find_runs
 
 
 def cached_prefills(frame: pl.DataFrame) -> np.ndarray:

@@ -64,7 +64,6 @@ LIVE_BASE = Efficiency(host_addressing=True, request_overhead_s=0.0, layer_overh
 # x ~3 GHz), so the fitted mfu (at most 1) can reach what the core does: a 256-token prefill of
 # the tiny preset runs at ~100 GFLOP/s on this machine, over the 50 GFLOP/s once assumed here.
 NOMINAL_FLOPS_PER_CORE = 400e9
-STEP_COLUMNS = ("step", "start_s", "step_s", "compute_s", "stall_s", "requests", "starts", "stops", "num_prompt")
 # how the fit used the step log: per operator (the attention column apart) or the step's compute whole
 PER_OPERATOR, STEP_TOTAL = "per-operator", "step-total"
 METRICS = ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms")
@@ -116,66 +115,6 @@ def cpu_hardware(local: HardwareProfile, threads: int) -> HardwareProfile:
     gpu = GPU(hbm_bytes=local.host.dram_bytes, hbm_bw=2 * local.cpu.memcpy_bw * threads, fp8_flops=flops,
               fp4_flops=flops, bf16_flops=flops, nvlink_bw=1.0, nvlink_domain=1)
     return HardwareProfile(local.name, None, gpu, local.host, local.cpu, local.ssd, local.source)
-
-
-def load_run(directory: Path) -> pl.DataFrame:
-    parts = sorted(Path(directory).glob("steps-*.parquet"))
-    if not parts:
-        raise CachelabError(f"{directory}: no steps-*.parquet (a `cachelab serve --step-log` directory)")
-    frame = pl.concat([_read_part(p) for p in parts], how="diagonal_relaxed").sort("start_s")
-    missing = [c for c in STEP_COLUMNS if c not in frame.columns]
-    if missing:
-        raise CachelabError(f"{directory}: the step log lacks {missing} (written by an older `cachelab serve`)")
-    _check_steps(frame, directory)
-    return frame
-
-
-def _check_steps(frame: pl.DataFrame, directory: Path) -> None:
-    """Refuse a step log the fit would read as NaN or nonsense, naming the step, column and value:
-    times finite (durations >= 0), one start, stop and prompt length per request of a step, and
-    0 <= start <= stop, prompt >= 1."""
-    def refuse(i: int, column: str, value, rule: str) -> CachelabError:
-        return CachelabError(f"{directory}: step {frame['step'][i]} has {column} = {value!r}; {rule}")
-
-    for col in ("start_s", "step_s", "compute_s", "stall_s"):
-        if not frame[col].dtype.is_numeric():
-            raise CachelabError(f"{directory}: step-log column {col} holds {frame[col].dtype}, not seconds")
-        values = frame[col].cast(pl.Float64).fill_null(float("nan")).to_numpy()
-        bad = ~np.isfinite(values) | ((values < 0) if col != "start_s" else False)
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise refuse(i, col, float(values[i]), "a step's times must be finite, its durations >= 0")
-    lists = ("requests", "starts", "stops", "num_prompt")
-    lengths = frame.select(pl.col(c).list.len() for c in lists).to_numpy()
-    uneven = np.flatnonzero((lengths != lengths[:, :1]).any(axis=1))
-    if uneven.size:
-        i = int(uneven[0])
-        raise refuse(i, "requests/starts/stops/num_prompt lengths", lengths[i].tolist(), "one each per request")
-    owner = np.repeat(np.arange(frame.height), lengths[:, 0])  # the step of each request's entry
-    starts, stops, prompt = (frame[c].explode().drop_nulls().to_numpy() for c in ("starts", "stops", "num_prompt"))
-    for col, bad in (("starts", starts < 0), ("stops", stops < starts), ("num_prompt", prompt < 1)):
-        if bad.any():
-            i = int(owner[np.flatnonzero(bad)[0]])
-            raise refuse(i, col, frame[col][i].to_list(), "need 0 <= start <= stop and a prompt of >= 1 token")
-
-
-def _read_part(path: Path) -> pl.DataFrame:
-    try:
-        return pl.read_parquet(path)
-    except Exception as exc:  # polars raises several error types for a damaged file
-        raise CachelabError(f"{path}: not a readable step-log part ({type(exc).__name__}: {str(exc)[:160]}); "
-                            "remove it or rerun `cachelab serve --step-log`") from None
-
-
-def find_runs(root: Path) -> dict[str, pl.DataFrame]:
-    """Every step-log directory under ``root`` (``root`` itself if it is one), by name."""
-    root = Path(root)
-    if not root.is_dir():
-        raise CachelabError(f"--step-log {root}: not a directory")
-    dirs = sorted({p.parent for p in root.rglob("steps-*.parquet")})
-    if not dirs:
-        raise CachelabError(f"--step-log {root}: no steps-*.parquet under it")
-    return {str(d.relative_to(root)) if d != root else root.name: load_run(d) for d in dirs}
 
 
 def _batches(frame: pl.DataFrame) -> list[Batch]:
