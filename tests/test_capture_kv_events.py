@@ -281,6 +281,36 @@ def test_an_oversized_message_is_refused_recorded_as_a_disconnect_and_a_gap_and_
     assert loss_counts(losses) == {"gaps": stats["gaps"], "lost": 0, "disconnects": 1, "errors": 0}
 
 
+def test_a_peer_that_is_no_publisher_makes_no_disconnect_records(tmp_path):
+    """An endpoint whose peer accepts each connection and closes it (no ZMQ publisher: a wrong port):
+    libzmq reports every reconnect's end as a disconnect, about 7 a second, and each was a
+    ``kv_disconnect`` record. Only a connection past its handshake counts."""
+    import socket as sockets
+
+    server = sockets.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve():
+        server.settimeout(0.05)
+        while not stop.is_set():
+            try:
+                server.accept()[0].close()
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    sub = KVEventSubscriber(f"tcp://127.0.0.1:{server.getsockname()[1]}", tmp_path / "cap").start()
+    try:
+        time.sleep(1.5)
+    finally:
+        sub.close()
+        stop.set()
+        thread.join()
+        server.close()
+    assert sub.stats()["disconnects"] == 0 and _records(tmp_path / "cap") == ([], [])
+
+
 def test_batches_past_the_buffer_are_dropped_counted_and_recorded(tmp_path):
     """The journal's thread held up (a slow disk): the payloads waiting for it stop at ``buffer_bytes``,
     and each batch past that is a ``kv_lost`` record and counted; every batch received is either

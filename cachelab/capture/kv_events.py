@@ -144,7 +144,8 @@ class KVEventSubscriber:
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         # a message over MAXMSGSIZE ends its connection (libzmq then never reconnects a connecting socket
         # by itself): the monitor says so, and _disconnected connects again
-        self._monitor = self._sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = self._sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self._talking = 0  # connections past their handshake: a publisher's
         try:
             (self._sub.bind if bind else self._sub.connect)(endpoint)
         except zmq.ZMQError as exc:
@@ -279,9 +280,16 @@ class KVEventSubscriber:
             ended = "complete"
         return len(got), ended + (f"; {ignored} replies outside the range or repeated, ignored" if ignored else "")
 
-    def _disconnected(self) -> None:
-        """A connection to a publisher dropped: noted, and a connecting subscriber connects again."""
-        recv_monitor_message(self._monitor)
+    def _monitored(self) -> None:
+        """A connection to a publisher began or dropped. A drop is noted, and a connecting subscriber
+        connects again; only that of a connection past its handshake (a peer that is no ZMQ publisher,
+        closing each connection as it comes, would make a record every reconnect, 7 a second)."""
+        if recv_monitor_message(self._monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._talking += 1
+            return
+        if not self._talking:
+            return
+        self._talking -= 1
         self.disconnects += 1
         self._note({"kind": "kv_disconnect", "endpoint": self.endpoint,
                     "error": f"connection lost (a message over {self.max_batch_bytes} bytes, --max-batch-mb, "
@@ -324,7 +332,7 @@ class KVEventSubscriber:
         while not self._stop.is_set():
             ready = dict(poller.poll(200))
             if self._monitor in ready:
-                self._disconnected()
+                self._monitored()
             if self._sub in ready:
                 self._receive(self._sub.recv_multipart())
 
