@@ -243,7 +243,12 @@ class ClientConnection(asyncio.Protocol):
             return self._answer_and_close(whole_response(400, error_body(
                 400, f"an HTTP/1.1 request needs exactly one Host header; this one has {hosts}"), close=True))
         declared = r.header(b"content-length")
-        if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        if self.forward is None and not self.queue and not self.proxy.authorized(r):
+            # refused now, before its body is read: an unauthenticated client's body was held whole (up to
+            # --max-body-mb on each of any number of connections) until its 401, and a body declared over the
+            # limit was recorded as a 413
+            self._unauthorized(r)
+        elif declared is not None and declared.strip().isdigit() and int(declared) > limit:
             self._too_large(r)
         elif r.header(b"expect") is not None and r.header(b"expect").lower() == b"100-continue":
             if self.forward is None and not self.queue:
@@ -303,7 +308,12 @@ class ClientConnection(asyncio.Protocol):
         a 413; where the next request would begin is not known)."""
         if self.proxy.authorized(r):
             self.transport.write(CONTINUE)
-            return
+        else:
+            self._unauthorized(r)
+
+    def _unauthorized(self, r: Request) -> None:
+        """The 401 of a request without the bearer token, before its body is read (which is then read
+        and dropped before the connection closes, as after a 413)."""
         r.answered, r.keep_alive = True, False
         self.discard = 16 * self.proxy.config.max_body_bytes
         self.refuse_early(unauthorized(close=True))
