@@ -406,3 +406,27 @@ def test_a_request_nested_too_deep_to_pickle_is_recorded_without_it(tmp_path):
     got, _ = records(tmp_path)
     assert got[0]["error"] == "request prompt nested too deep to record" and got[0]["upstream_id"] == "cmpl-0"
     assert got[1]["error"] is None
+
+
+def test_the_thread_writer_bounds_what_waits_for_its_journal(tmp_path):
+    """``--writer thread``: the exchanges waiting for the journal's thread (behind slow builds: long
+    prompts hashed in small blocks, a slow disk) were bounded by their number alone, 100,000 answers
+    of up to ``--max-response-mb`` each. Past ``max_pending_bytes`` (the CLI's 256 MiB, as the writer
+    process's backlog) an exchange is dropped and counted."""
+    import threading
+
+    xs = [exchange(i, stream=False) for i in range(10, 20)]
+    assert len({x.held_bytes() for x in xs}) == 1
+    recorder = Recorder(tmp_path, max_pending_bytes=4 * xs[0].held_bytes())
+    gate = threading.Event()
+    try:
+        recorder.journal.submit(lambda: gate.wait(10) and {"kind": "gate"})  # the journal's thread waits here
+        accepted = [recorder.submit(x) for x in xs]
+        gate.set()
+        assert recorder.flush(30)
+        st = recorder.stats()
+    finally:
+        recorder.close()
+    assert accepted == [True] * 4 + [False] * 6
+    assert (st["submitted"], st["acknowledged"], st["dropped"]) == (5, 5, 6), st
+    assert [r["upstream_id"] for r in records(tmp_path)[0]] == [f"cmpl-{i}" for i in range(10, 14)]

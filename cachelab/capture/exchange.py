@@ -66,6 +66,10 @@ class Exchange:
         without upstream ids)."""
         return to_records(self, tokenizer)
 
+    def held_bytes(self) -> int:
+        """The answer's bytes it holds (its request's fields are bounded by ``--max-body-mb``)."""
+        return len(self.response) + sum(map(len, self.events))
+
 
 def prepare(body: bytes, x: Exchange, token_ids: bool) -> bytes:
     """Parse the request into ``x``; with ``token_ids``, ask for what the record needs that the

@@ -53,11 +53,13 @@ class Journal:
             queued. ``flush`` and ``close`` commit at once.
         rotate_bytes / rotate_seconds: segment rotation limits.
         max_queue: items waiting at most; beyond it ``submit`` drops and counts.
+        max_pending_bytes: the sizes ``submit`` is given of the items waiting to be built, at most
+            (None: no bound); beyond it ``submit`` drops and counts (``over_budget`` too).
     """
 
     def __init__(self, directory: str | os.PathLike, stream: str, *, fsync: str = "batch",
                  rotate_bytes: int = 256 << 20, rotate_seconds: float = 3600.0, max_queue: int = 100_000,
-                 header: dict | None = None, commit_interval: float = 0.0):
+                 header: dict | None = None, commit_interval: float = 0.0, max_pending_bytes: int | None = None):
         if fsync not in FSYNC_POLICIES:
             raise CachelabError(f"--fsync {fsync!r}: expected one of {', '.join(FSYNC_POLICIES)}")
         if not commit_interval >= 0:
@@ -76,6 +78,9 @@ class Journal:
         self.acknowledged = 0
         self.dropped = 0
         self.build_errors = 0
+        self.over_budget = 0
+        self.max_pending_bytes = max_pending_bytes
+        self._pending = 0  # the sizes of the items queued and not yet taken to be built
         self.write_error: str | None = None
         self._seq = 0
         self._durable = 0  # records of the last commit made durable
@@ -83,17 +88,24 @@ class Journal:
         self._thread = threading.Thread(target=self._run, name=f"capture-{stream}", daemon=True)
         self._thread.start()
 
-    def submit(self, item: Item) -> bool:
-        """Enqueue without blocking; False (and counted in ``dropped``) when the queue is full
-        or the journal can no longer write."""
-        if self.write_error is not None:
-            with self._lock:
+    def submit(self, item: Item, size: int = 0) -> bool:
+        """Enqueue without blocking; False (and counted in ``dropped``) when the queue is full, the
+        items waiting would hold over ``max_pending_bytes`` with this one's ``size``, or the journal
+        can no longer write."""
+        with self._lock:
+            if self.write_error is not None:
                 self.dropped += 1
-            return False
+                return False
+            if self.max_pending_bytes is not None and self._pending + size > self.max_pending_bytes:
+                self.dropped += 1
+                self.over_budget += 1
+                return False
+            self._pending += size
         try:
-            self._queue.put_nowait(item)
+            self._queue.put_nowait((item, size))
         except queue.Full:
             with self._lock:
+                self._pending -= size
                 self.dropped += 1
             return False
         self.submitted += 1
@@ -150,10 +162,14 @@ class Journal:
                     stop = True
                 elif item is _NOW:
                     at_once = True
-                elif self.write_error is not None:  # queued before the failure: it will never be written
-                    lost += 1
                 else:
-                    payloads.append(self._build(item))
+                    item, size = item
+                    with self._lock:
+                        self._pending -= size
+                    if self.write_error is not None:  # queued before the failure: it will never be written
+                        lost += 1
+                    else:
+                        payloads.append(self._build(item))
             if lost:
                 with self._lock:
                     self.dropped += lost

@@ -156,13 +156,12 @@ class KVEventSubscriber:
             self._check_replay_endpoint(replay_endpoint)
         # opened once both endpoints are good: a bad one leaves no segment behind
         self.journal = Journal(directory, KV_EVENTS, fsync=fsync, rotate_bytes=rotate_bytes,
-                               rotate_seconds=rotate_seconds, header={"endpoint": endpoint, "topic": topic})
+                               rotate_seconds=rotate_seconds, header={"endpoint": endpoint, "topic": topic},
+                               max_pending_bytes=buffer_bytes)
         self.batches = self.events = self.gaps = self.replayed = self.decode_errors = self.restarts = 0
         self.lost = self.disconnects = 0
         self.first_seq: int | None = None
         self.last_seq: int | None = None
-        self._pending = 0  # payload bytes handed to the journal and not yet taken by its thread
-        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="capture-kv-events", daemon=True)
 
@@ -184,29 +183,18 @@ class KVEventSubscriber:
     def _submit(self, seq: int, payload: bytes, replayed: bool) -> bool:
         """Hand one batch to the journal's thread, which decodes it; False (a ``kv_lost`` record) when
         the payloads waiting for it would exceed ``buffer_bytes``."""
-        size, received = len(payload), time.time_ns()
-        with self._lock:
-            full = self._pending + size > self.buffer_bytes and self.journal.write_error is None
-            if not full:
-                self._pending += size
-        if full:
+        received, over = time.time_ns(), self.journal.over_budget
+        if self.journal.submit(lambda: self._decode(seq, payload, replayed, received), len(payload)):
+            return True
+        if self.journal.over_budget > over:  # else counted in the journal's dropped (its queue full, or failed)
             self.lost += 1
-            self._note({"kind": "kv_lost", "pub_seq": seq, "replayed": replayed, "bytes": size,
+            self._note({"kind": "kv_lost", "pub_seq": seq, "replayed": replayed, "bytes": len(payload),
                         "error": f"batch dropped: {self.buffer_bytes} bytes of batches already wait to be written "
                                  "(--buffer-mb)"})
-            return False
-        if not self.journal.submit(lambda: self._decode(seq, payload, replayed, received, size)):
-            self._release(size)  # counted in the journal's dropped
-            return False
-        return True
+        return False
 
-    def _release(self, size: int) -> None:
-        with self._lock:
-            self._pending -= size
-
-    def _decode(self, seq: int, payload: bytes, replayed: bool, received: int, size: int) -> dict:
+    def _decode(self, seq: int, payload: bytes, replayed: bool, received: int) -> dict:
         """The record of one batch (on the journal's thread)."""
-        self._release(size)
         try:
             batch = decode_batch(payload, self._hashes, self.keep_tokens)
         except Exception as exc:  # noqa: BLE001 (a publisher's bytes: whatever fails to read is a counted error,

@@ -80,6 +80,10 @@ class RequestRecord:
         """Already a record (``Recorder.submit`` takes this or a proxy's ``Exchange``)."""
         return [self]
 
+    def held_bytes(self) -> int:
+        return sum(a.nbytes for a in (self.token_times_s, self.token_counts, self.prompt_ids, self.output_ids)
+                   if a is not None)
+
 
 def _array_bytes(values, dtype) -> bytes | None:
     return None if values is None else np.ascontiguousarray(values, dtype=dtype).tobytes()
@@ -186,13 +190,15 @@ class Recorder:
     thread into a record per choice, ``tokenizer`` the fallback for an upstream that sends no
     ids, loaded on first use); it never blocks and never raises on the caller's path.
     ``stats()`` reports submitted / acknowledged / dropped counts of submissions
-    (``acknowledged``: every record of it durable under the fsync policy).
+    (``acknowledged``: every record of it durable under the fsync policy). ``max_pending_bytes``
+    bounds what the submissions waiting to be built hold (``Journal``).
     """
 
     def __init__(self, directory: str | os.PathLike, *, hash_blocks: int = 0, store_text: bool = False,
                  salt_file: str | os.PathLike | None = None, fsync: str = "batch",
                  rotate_bytes: int = 256 << 20, rotate_seconds: float = 3600.0, max_queue: int = 100_000,
-                 source: str = "capture", tokenizer: str = DEEPSEEK_V4, commit_interval: float = 0.0):
+                 source: str = "capture", tokenizer: str = DEEPSEEK_V4, commit_interval: float = 0.0,
+                 max_pending_bytes: int | None = None):
         self.directory = private_directory(directory)
         self.tokenizer = FallbackTokenizer(tokenizer)
         self.privacy = Privacy(load_salt(salt_file or self.directory / "salt"), hash_blocks, store_text)
@@ -202,11 +208,13 @@ class Recorder:
             self.privacy.block_hashes(np.zeros(hash_blocks, dtype=np.int64))
         self.journal = Journal(directory, REQUESTS, fsync=fsync, rotate_bytes=rotate_bytes,
                                rotate_seconds=rotate_seconds, max_queue=max_queue, commit_interval=commit_interval,
+                               max_pending_bytes=max_pending_bytes,
                                header={"privacy": self.privacy.mode, "block_size": hash_blocks or None,
                                        "store_text": store_text, "source": source})
 
     def submit(self, record) -> bool:
-        """Queue a ``RequestRecord`` or an ``Exchange`` (anything with ``to_records(tokenizer)``)."""
+        """Queue a ``RequestRecord`` or an ``Exchange`` (anything with ``to_records(tokenizer)`` and
+        ``held_bytes()``)."""
         privacy, tokenizer, journal = self.privacy, self.tokenizer, self.journal
 
         def build() -> list[dict]:
@@ -218,7 +226,7 @@ class Recorder:
                                        status=record.status, error=f"record not built: {type(exc).__name__}: {exc}")
                 return [encode_record(failed, privacy)]
 
-        return self.journal.submit(build)
+        return self.journal.submit(build, record.held_bytes())
 
     def submit_refusal(self, endpoint: str, arrival_unix_ns: int, status: int, error: str, *, model: str | None,
                        stream: bool, session: str | None) -> bool:

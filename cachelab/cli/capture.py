@@ -154,8 +154,8 @@ def proxy(
                    commit_interval=commit_ms / 1e3)
     if writer == "process":
         recorder = CaptureWriter(out, nice=writer_nice, sched=writer_sched, **options)
-    else:
-        recorder = Recorder(out, **options)
+    else:  # exchanges waiting for the journal's thread: bounded as the writer process's backlog is
+        recorder = Recorder(out, max_pending_bytes=256 << 20, **options)
     bound = sock.getsockname()[1]
     typer.echo(f"capture proxy on http://{host}:{bound} -> {shown_url(upstream)}, recording into {out} "
                f"({recorder.privacy.mode}, fsync {fsync}, writer {writer}, {new_loop.__module__.split('.')[0]} loop); "
