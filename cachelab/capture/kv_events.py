@@ -143,7 +143,7 @@ class KVEventSubscriber:
         self._sub = self._bounded(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         # a message over MAXMSGSIZE ends its connection (libzmq then never reconnects a connecting socket
-        # by itself): the monitor says so, and _disconnected connects again
+        # by itself): the monitor says so, and _monitored connects again
         self._monitor = self._sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self._talking = 0  # connections past their handshake: a publisher's
         try:
