@@ -59,6 +59,27 @@ def test_regressors_fit_the_level_of_labels_far_from_zero(name):
     assert rmse < 0.5 * float(np.std(y[5000:])), rmse
 
 
+def test_the_mlp_is_one_model_for_a_seed_whatever_torch_threads_the_process_runs():
+    """A one-thread Ray worker and a pool worker with every core fitted different MLPs for one seed
+    (a product split between more threads sums in another order); the predictor fixes its own."""
+    import torch
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(20_000, 23)).astype(np.float32)
+    y = (2 * x[:, 0] + rng.normal(size=x.shape[0])).astype(np.float32)
+    cls, before, scores = registry.get(registry.PREDICTORS, "mlp"), torch.get_num_threads(), []
+    try:
+        for threads in (1, 4):
+            torch.set_num_threads(threads)
+            scores.append(cls(epochs=1, hidden=16, batch_size=256).fit(x, y, [f"f{i}" for i in range(23)]).predict(x))
+            assert torch.get_num_threads() == threads  # the process's own setting is put back
+    finally:
+        torch.set_num_threads(before)
+    np.testing.assert_array_equal(scores[0], scores[1])
+    with pytest.raises(CachelabError, match="num_threads must be a whole number >= 1, got 0"):
+        cls(num_threads=0)
+
+
 def test_metadata_with_other_features_is_refused(tmp_path):
     (tmp_path / "metadata.json").write_text(json.dumps({"feature_names": ["a", "b"]}))
     seal(tmp_path)
