@@ -231,6 +231,8 @@ def test_journal_that_cannot_open_its_next_segment_says_so(tmp_path):
     assert j.acknowledged == 1 and j.dropped == 1  # the record of the failed commit: counted, not lost unseen
     assert not j.submit({"i": 2}) and j.dropped == 2  # and every later one
     j.close()
+    st = j.stats()  # every submission is either acknowledged or dropped: the refused one was not counted
+    assert (st["submitted"], st["acknowledged"], st["dropped"]) == (3, 1, 2), st
 
 
 def test_salt_file_is_private_and_stable(tmp_path):

@@ -55,6 +55,10 @@ class Journal:
         max_queue: items waiting at most; beyond it ``submit`` drops and counts.
         max_pending_bytes: the sizes ``submit`` is given of the items waiting to be built, at most
             (None: no bound); beyond it ``submit`` drops and counts (``over_budget`` too).
+
+    Counters: ``submitted`` every call of ``submit``, accepted or not; ``acknowledged`` those made
+    durable; ``dropped`` those refused or lost. ``submitted`` = ``acknowledged`` + ``dropped`` + those
+    still in flight.
     """
 
     def __init__(self, directory: str | os.PathLike, stream: str, *, fsync: str = "batch",
@@ -93,6 +97,7 @@ class Journal:
         items waiting would hold over ``max_pending_bytes`` with this one's ``size``, or the journal
         can no longer write."""
         with self._lock:
+            self.submitted += 1
             if self.write_error is not None:
                 self.dropped += 1
                 return False
@@ -108,7 +113,6 @@ class Journal:
                 self._pending -= size
                 self.dropped += 1
             return False
-        self.submitted += 1
         return True
 
     def _build(self, item: Item) -> list[bytes]:
@@ -214,7 +218,8 @@ class Journal:
         self._durable = len(payloads)
 
     def flush(self, timeout: float = 30.0) -> bool:
-        """Wait until everything submitted so far is acknowledged (or the journal failed)."""
+        """Wait until everything submitted so far is acknowledged or dropped; True when the journal
+        has not failed."""
         target = self.submitted
         deadline = time.monotonic() + timeout
         if self.commit_interval:
@@ -223,7 +228,7 @@ class Journal:
             except queue.Full:  # the thread is behind: what it takes next it commits at the interval's end
                 pass
         with self._acked:
-            while self.acknowledged < target and self.write_error is None:
+            while self.acknowledged + self.dropped < target and self.write_error is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False

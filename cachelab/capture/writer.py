@@ -88,7 +88,7 @@ class CaptureWriter:
         self.privacy = Privacy(load_salt(salt_file or self.directory / "salt"), hash_blocks, store_text)  # checked here
         self.fsync = fsync
         self.max_backlog_bytes = max_backlog_bytes
-        self.submitted = 0
+        self._accepted = 0  # frames handed over (in the backlog, the pipe or the writer) and not lost
         self.dropped = 0
         self.write_error: str | None = None
         self._backlog = bytearray()
@@ -134,7 +134,7 @@ class CaptureWriter:
         self._backlog += len(payload).to_bytes(_FRAME, "little")
         self._backlog += payload
         self._frames.append(_FRAME + len(payload))
-        self.submitted += 1
+        self._accepted += 1
         self._drain()
         if self.write_error is not None:  # the writer died: this frame went with the backlog, counted dropped
             return False
@@ -160,9 +160,9 @@ class CaptureWriter:
 
     def _fail(self, why: str) -> None:
         self.write_error = self.write_error or why
-        frames = len(self._frames)  # not (wholly) in the pipe: lost, dropped and not submitted (a frame cut
-        self.dropped += frames      # short at the pipe's end is discarded by the writer)
-        self.submitted -= frames
+        frames = len(self._frames)  # not (wholly) in the pipe: lost, dropped (a frame cut short at the
+        self.dropped += frames      # pipe's end is discarded by the writer)
+        self._accepted -= frames
         self._backlog.clear()
         self._frames.clear()
         self._first_written = 0
@@ -198,11 +198,12 @@ class CaptureWriter:
         return self._c[ACKNOWLEDGED].value
 
     def flush(self, timeout: float = 30.0) -> bool:
-        """Wait until everything submitted so far is acknowledged (or the writer failed)."""
+        """Wait until everything submitted so far is acknowledged or dropped; True when the writer
+        has not failed."""
         deadline = time.monotonic() + timeout
         self._flush_backlog(timeout)
-        target = self.submitted
-        while self.acknowledged < target:
+        target = self._accepted
+        while self.acknowledged + self._c[DROPPED].value < target:
             if self._c[WRITE_ERROR].value or self.proc.poll() is not None or time.monotonic() > deadline:
                 return False
             time.sleep(0.002)
@@ -237,7 +238,7 @@ class CaptureWriter:
             error = "the writer process could not write its segment (see its stderr)"
         if error is None and self.proc.poll() not in (None, 0):
             error = f"capture writer process exited with {self.proc.returncode}"
-        return {"submitted": self.submitted, "acknowledged": c[ACKNOWLEDGED].value,
+        return {"submitted": self._accepted + self.dropped, "acknowledged": c[ACKNOWLEDGED].value,
                 "dropped": self.dropped + c[DROPPED].value, "build_errors": c[BUILD_ERRORS].value,
                 "segments": c[SEGMENTS].value, "fsync": self.fsync, "run": self.run, "write_error": error,
                 "privacy": self.privacy.mode, "writer_pid": self.proc.pid}
