@@ -9,8 +9,9 @@ chunks beside the decoding batch, and decode at one verify step per ``acceptance
 tokens. The request rate X is found by bisection on Little's law, ``X x cycle(X) = C``; inside,
 the step time is the fixed point of the latency model's step for the decoders and the share of
 mixed steps that step time implies (solved to ``STEP_RTOL``: under load the map's slope nears 1,
-so plain iteration crawls and Steffensen's acceleration is used; a point whose step time does not
-converge raises ``NoSteadyState``, never a figure). Requests in service hold their KV in HBM, so at most KV tokens / context
+so plain iteration crawls and Steffensen's acceleration is used, then bisection on the step time
+where its rounds do not reach the fixed point; a point whose step time has none raises
+``NoSteadyState``, never a figure). Requests in service hold their KV in HBM, so at most KV tokens / context
 of them run at once; the other clients wait for admission (TTFT grows, TPOT does not). Percentiles come from stated approximations: a request's TPOT mixes
 decode-only and mixed steps binomially; TTFT is its own chunks plus an exponential queueing
 wait (M/D/1 mean). Every input a point uses is in ``Workload`` and ``Deployment``.
@@ -32,7 +33,7 @@ STEP_RTOL = 1e-6  # the step time's fixed point, relative: figures derived from 
 # A million clients on one replica: 2,000x the largest published sweep; a fixed-length run of C clients
 # is scheduled request by request (``finite_run_seconds``), so 1e12 of them asked for terabytes.
 MAX_CONCURRENCY = 1_000_000
-FIXED_POINT_ROUNDS = 20  # Steffensen rounds (two steps each) before a rate counts as having no fixed point
+FIXED_POINT_ROUNDS = 20  # Steffensen rounds (two steps each) before the step time is bisected instead
 
 
 @dataclass(frozen=True)
@@ -255,11 +256,29 @@ class SteadyState:
                                         hashed=chunk_ctx / max(chunks_per_req, 1.0))
             return f * t_m + (1 - f) * t_d, (decoders, room, chunks_per_req, f, t_d, stall_d, t_m, stall_m)
 
+        def bracket(x: float, last: float) -> tuple:
+            """The least fixed point by bisection where Steffensen's rounds did not reach one: the
+            first step time on a geometric scan whose map falls below it, then 60 halvings. Not
+            converged where the map never falls below the diagonal (no fixed point: ``last``) or
+            jumps across it (a prompt's chunk count changing there)."""
+            lo = 1e-6
+            hi = lo
+            while step(x, hi)[0] > hi:
+                lo, hi = hi, hi * 1.5
+                if hi > 1e4 or not np.isfinite(hi):
+                    return last, step(x, last)[1], False
+            for _ in range(60):
+                mid = 0.5 * (lo + hi)
+                lo, hi = (mid, hi) if step(x, mid)[0] > mid else (lo, mid)
+            t1, at = step(x, hi)
+            return hi, at, abs(t1 - hi) < STEP_RTOL * hi
+
         def state(x: float) -> dict:
-            """The loop at request rate ``x``; ``converged`` False: the step time reached no fixed
-            point in ``FIXED_POINT_ROUNDS`` (past the rate the replica sustains it grows without
-            bound; where the prefill slot saturates it creeps at a slope near 1; where a prompt's
-            chunk count changes it jumps across the diagonal): no steady state solved there."""
+            """The loop at request rate ``x``; ``converged`` False: the step time has no fixed point
+            (past the rate the replica sustains it grows without bound; where a prompt's chunk
+            count changes it jumps across the diagonal): no steady state solved there. Where the
+            prefill slot saturates the map's slope nears 1 and Steffensen's rounds creep; ``bracket``
+            finds the fixed point there."""
             t, converged = 0.02, False
             for _ in range(FIXED_POINT_ROUNDS):
                 t1, at = step(x, t)
@@ -273,6 +292,8 @@ class SteadyState:
                 bend = t2 - 2 * t1 + t
                 guess = t - (t1 - t) ** 2 / bend if bend else t2
                 t = guess if 0 < guess < 1e6 and np.isfinite(guess) else t2
+            if not converged:
+                t, at, converged = bracket(x, t)
             decoders, room, chunks_per_req, f, t_d, stall_d, t_m, stall_m = at
             service = chunks_per_req * t_m
             # the prefill slot's load: a prompt that fits the room may share a step with others (its
@@ -290,8 +311,8 @@ class SteadyState:
         # Requests in service hold their KV in HBM: at most ``max_running`` of them run at once
         # (vLLM admits a request only while blocks last and preempts when they run out); the
         # other clients wait for admission, which lengthens TTFT but not TPOT. While bisecting, a
-        # rate whose step time has not converged is judged by its last iterate (one that grows
-        # without bound reads as too fast); the rate the search ends on must have converged.
+        # rate whose step time has no fixed point is judged by the step time its search stopped at
+        # (one that grows without bound reads as too fast); the rate the search ends on must have one.
         max_running = self.hbm_tokens / ctx
         lo, hi = 0.0, 1.0
         while hi * state(hi)["cycle"] < concurrency and hi < 1e6:
@@ -306,10 +327,10 @@ class SteadyState:
         s = state(lo)
         if lo == 0.0 or not s["converged"]:
             raise NoSteadyState(f"{wl.name} on {lat.hw.name} TP{lat.tp} {lat.placement}, {concurrency} clients: no "
-                                f"steady state: at {lo:.4g} requests/s the step time does not converge (still "
-                                f"{s['t'] * 1e3:.4g} ms after {FIXED_POINT_ROUNDS} rounds; {s['chunks']:.0f} chunks a "
-                                f"prompt): the prefill slot saturates, a prompt's chunk count changes there, the "
-                                f"rate is past what the replica sustains, or a latency input is not finite")
+                                f"steady state: at {lo:.4g} requests/s the step time has no fixed point ({s['t'] * 1e3:.4g} "
+                                f"ms where the search stopped; {s['chunks']:.0f} chunks a prompt): a prompt's chunk "
+                                f"count changes there, the rate is past what the replica sustains, or a latency "
+                                f"input is not finite")
         s["kv_bound"] = s["running"] >= 0.99 * max_running
         s["admission_wait"] = max(0.0, concurrency / lo - s["cycle"]) if s["kv_bound"] else 0.0
         return self._metrics(concurrency, s, compute, found, n_dec)
