@@ -13,11 +13,18 @@ The kernel reads the submission ring only inside ``io_uring_enter`` (no SQPOLL t
 entries written before the call are seen whole; completions are read after the tail, in
 order (x86-64 keeps loads in order; the loop's control dependency keeps the compiler from
 reading an entry before the tail that covers it).
+
+A call leaves the ring as it found it: a wait interrupted by a signal (EINTR) is entered
+again, and a failed ``io_uring_enter`` takes back the entries the kernel never took and waits
+for the reads it did take before raising, so no read lands in a buffer after the call and no
+completion is left for the next call (which counted them as its own and returned rows whose
+pages it never read).
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 
@@ -52,39 +59,61 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
 _enter = ctypes.CFUNCTYPE(ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long,
                           ctypes.c_long, ctypes.c_long, ctypes.c_long)(ctypes.cast(_syscall, ctypes.c_void_p).value)
+# errno of the calling thread, read in compiled code right after the syscall that set it
+_errno_location = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_int))(
+    ctypes.cast(_libc.__errno_location, ctypes.c_void_p).value)
+_EINTR = errno.EINTR
 
 
 @nb.njit(cache=False, nogil=True, boundscheck=False)
 def _run(ring_fd, sq, sq_head, sq_tail, sq_mask, sq_array, sqes, cq, cq_head, cq_tail, cq_mask, cqes,
-         fds, offsets, size, addresses, depth):
+         fds, offsets, size, addresses, depth, state):
     """Every read ``i``: ``size`` bytes of ``fds[i]`` at ``offsets[i]`` into ``addresses[i]``.
     Returns the first failed read's index, or -1 (``sq``/``cq``: the rings as uint32 words,
-    ``sqes``: uint64 [entries, 8], ``cqes``: uint32 [entries, 4])."""
+    ``sqes``: uint64 [entries, 8], ``cqes``: uint32 [entries, 4]).
+
+    ``io_uring_enter`` interrupted by a signal (EINTR: any handled signal, ctrl-C or a timer,
+    while it waits) is entered again, as CPython retries an interrupted read. Any other failure
+    sets ``state[0]`` to its errno and stops the call only once every read the kernel took is
+    complete (entries it never took are taken back), so no read lands in a buffer after the
+    call returns and no completion is left for the next call to count as its own; ``state[1]``
+    is 1 where that wait failed too."""
     n = offsets.size
-    submitted = done = 0
+    written = sent = done = 0  # entries written to the ring; taken by the kernel; completed
     bad = -1
     while done < n:
         tail = sq[sq_tail]
-        queued = 0
-        while submitted < n and submitted - done < depth:
-            idx = tail & sq_mask
-            e = sqes[idx]
-            e[0] = np.uint64(_OP_READ) | (np.uint64(fds[submitted] & 0xFFFFFFFF) << np.uint64(32))
-            e[1] = np.uint64(offsets[submitted])
-            e[2] = np.uint64(addresses[submitted])
-            e[3] = np.uint64(size)  # len; rw_flags 0
-            e[4] = np.uint64(submitted)  # user_data
-            e[5] = 0
-            e[6] = 0
-            e[7] = 0
-            sq[sq_array + idx] = idx
-            tail = (tail + 1) & 0xFFFFFFFF
-            submitted += 1
-            queued += 1
+        if state[0] == 0:
+            while written < n and written - done < depth:
+                idx = tail & sq_mask
+                e = sqes[idx]
+                e[0] = np.uint64(_OP_READ) | (np.uint64(fds[written] & 0xFFFFFFFF) << np.uint64(32))
+                e[1] = np.uint64(offsets[written])
+                e[2] = np.uint64(addresses[written])
+                e[3] = np.uint64(size)  # len; rw_flags 0
+                e[4] = np.uint64(written)  # user_data
+                e[5] = 0
+                e[6] = 0
+                e[7] = 0
+                sq[sq_array + idx] = idx
+                tail = (tail + 1) & 0xFFFFFFFF
+                written += 1
+        elif written > sent:  # failed: the entries the kernel never took are taken back
+            tail = (tail - (written - sent)) & 0xFFFFFFFF
+            written = sent
         sq[sq_tail] = tail
-        ret = _enter(_SYS_ENTER, ring_fd, queued, 1, _ENTER_GETEVENTS, 0, 0)
-        if ret < 0:
-            return -2  # errno: the caller reports it
+        if written == done:  # failed with nothing in flight
+            break
+        ret = _enter(_SYS_ENTER, ring_fd, written - sent, 1, _ENTER_GETEVENTS, 0, 0)
+        if ret >= 0:
+            sent += ret
+        else:
+            err = nb.carray(_errno_location(), 1)[0]
+            if err != _EINTR:
+                if state[0] != 0:  # the wait for the reads in flight failed as well
+                    state[1] = 1
+                    break
+                state[0] = err
         head = cq[cq_head]
         while head != cq[cq_tail]:
             c = cqes[head & cq_mask]
@@ -107,6 +136,7 @@ class UringReader:
             err = ctypes.get_errno()
             raise OSError(err, f"io_uring_setup: {os.strerror(err)}")
         self.fd, self.depth = fd, int(params.sq_entries)
+        self.broken = ""  # why this ring reads nothing more (``read``)
         sq_off, cq_off = params.sq_off, params.cq_off
         sq_bytes = sq_off.array + params.sq_entries * 4
         cq_bytes = cq_off.cqes + params.cq_entries * 16
@@ -126,12 +156,19 @@ class UringReader:
 
     def read(self, fds: np.ndarray, offsets: np.ndarray, size: int, addresses: np.ndarray) -> int:
         """The reads, ``depth`` in flight; the first failed read's index, or -1."""
+        if self.broken:
+            raise OSError(self.broken)
         (sh, st, sm, sa), (ch, ct, cm) = self.sq_idx, self.cq_idx
+        state = np.zeros(2, np.int64)
         bad = _run(self.fd, self.sq, sh, st, sm, sa, self.sqes, self.cq, ch, ct, cm, self.cqes,
                    np.ascontiguousarray(fds, np.int64), np.ascontiguousarray(offsets, np.int64), int(size),
-                   np.ascontiguousarray(addresses, np.int64), self.depth)
-        if bad == -2:
-            raise OSError("io_uring_enter failed")
+                   np.ascontiguousarray(addresses, np.int64), self.depth, state)
+        if state[0]:
+            err = int(state[0])
+            if state[1]:  # reads may still land in their buffers: this ring reads nothing more
+                self.broken = (f"io_uring: reads left in flight after io_uring_enter failed "
+                               f"({os.strerror(err)}); open the store again")
+            raise OSError(err, f"io_uring_enter: {os.strerror(err)}")
         return int(bad)
 
     def close(self) -> None:
