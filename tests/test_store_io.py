@@ -16,6 +16,7 @@ from cachelab.store import TieredStore, build_tables
 from cachelab.store.backing import aligned_empty
 from cachelab.store.bench import check_rows
 from cachelab.store.format import PAGE
+from cachelab.store.pagecache import drop_pages
 
 CFG = get_preset("deepseek-v4.1-flash")
 
@@ -91,3 +92,48 @@ def test_a_failed_io_uring_enter_leaves_the_ring_for_the_next_read(tables):
             os.close(fd)
         rows = _uniform_rows(np.random.default_rng(1), 30)
         assert check_rows(store, rows, store.lookup(rows)) == 0
+
+
+def _read_bytes() -> int | None:
+    """What the kernel has fetched from storage for this process (None: it keeps no count)."""
+    try:
+        with open("/proc/self/io") as f:
+            return int(next(line for line in f if line.startswith("read_bytes:")).split()[1])
+    except OSError:
+        return None
+
+
+def _storage_fetches(path) -> bool:
+    """Whether reading ``path`` after dropping its pages shows in /proc/self/io (a file system on
+    a block device: not tmpfs; a kernel with task I/O accounting)."""
+    if _read_bytes() is None:
+        return False
+    drop_pages([path])
+    before = _read_bytes()
+    with open(path, "rb", buffering=0) as f:
+        os.pread(f.fileno(), 1, 3 * PAGE)
+    return _read_bytes() > before
+
+
+@pytest.mark.parametrize("backing", ["mmap", "pread"])
+def test_buffered_backings_count_the_bytes_fetched_from_storage(tmp_path, backing):
+    """``ssd_to_dram_bytes`` of ``mmap`` and ``pread`` counted the rows' bytes copied out of the
+    page cache (264 B a row) as the SSD -> DRAM link, whatever crossed it: a cold step whose
+    misses read 1,764 pages from the disk counted 122 pages' worth, and the same step warm,
+    reading nothing, counted as much again. It is now what the kernel fetched from storage."""
+    build_tables("deepseek-v4.1-flash", 2e-5, tmp_path, seed=4, progress=False)
+    if not _storage_fetches(tmp_path / "layer1.tbl"):
+        pytest.skip("reads of these files fetch nothing from storage here (tmpfs, or no task I/O accounting)")
+    rows = _uniform_rows(np.random.default_rng(2), 40)
+    with TieredStore.open(tmp_path, backing=backing, hbm_capacity=None) as store:
+        lay = store.layout_tables
+        keys = store.keys(rows).reshape(-1)
+        layer = np.searchsorted(lay.layer_base, keys, "right") - 1
+        pages = np.unique(layer << 40 | (keys - lay.layer_base[layer]) // lay.rows_per_page).size
+        drop_pages(store.paths)
+        store.lookup(rows)
+        cold = store.last_step["ssd_to_dram_bytes"]
+        assert cold >= pages * PAGE > store.last_step["backing_rows"] * lay.row_bytes
+        store.lookup(rows)
+        assert store.last_step["ssd_to_dram_bytes"] == 0  # every page in the page cache now
+        assert store.totals["ssd_to_dram_bytes"] == cold

@@ -7,7 +7,8 @@ faults, CPU dedup, gather and host-to-device copy is the bottleneck):
   ``<tier>_misses`` per cache tier, ``<tier>_admissions`` / ``<tier>_evictions``,
   ``backing_rows`` (rows the backing store served), ``ssd_pages_read`` (``direct`` only:
   4 KiB pages read from the file; the buffered modes read through the page cache);
-- bytes per link: ``ssd_to_dram_bytes`` (read from the table file), ``dram_to_hbm_bytes``
+- bytes per link: ``ssd_to_dram_bytes`` (fetched from storage: the pages ``direct`` reads, or
+  what the kernel read into the page cache for ``mmap`` and ``pread``), ``dram_to_hbm_bytes``
   (rows written into the HBM row cache), ``host_to_device_bytes`` (every row the HBM cache
   missed), ``hbm_read_bytes`` (rows served by the HBM cache), ``host_read_bytes`` (rows read
   from host DRAM: the DRAM cache, the DRAM table, or the page cache);
