@@ -884,18 +884,45 @@ def test_row_id_out_of_range_and_capacity_over_memory(tables, hbm_capacity, monk
     from cachelab.store import store as store_mod
 
     monkeypatch.setattr(store_mod, "available_memory", lambda: 1 << 20)  # a capacity is at most the table's rows
-    with pytest.raises(CachelabError, match=r"capacity over the memory available: the tiers and table need 4,067,712 B "
+    with pytest.raises(CachelabError, match=r"capacity over the memory available: the tiers and table need 4,206,384 B "
                                             r"of host memory \(hbm_capacity '64TiB' \(15,408 rows, a CPU tensor\) "
-                                            r"4,067,712 B\), 1,048,576 B are available"):
+                                            r"4,067,712 B, the hbm tier's index \('lru', 5 B per table row\) 77,040 B, "
+                                            r"the first-use map \(4 B per table row\) 61,632 B\), 1,048,576 B are "
+                                            r"available"):
         TieredStore.open(tables, backing="mmap", hbm_capacity="64TiB")  # 15,408 rows of 264 B
-    with pytest.raises(CachelabError, match=r"need 4,749,520 B of host memory \(dram_capacity 2000 \(2,000 rows\) "
+    with pytest.raises(CachelabError, match=r"need 5,057,680 B of host memory \(dram_capacity 2000 \(2,000 rows\) "
                                             r"528,000 B, hbm_capacity 10 \(10 rows, a CPU tensor\) 2,640 B, the table "
-                                            r"in memory \(backing 'dram'\) 4,218,880 B\)"):  # which of them: unsaid
+                                            r"in memory \(backing 'dram'\) 4,218,880 B, the hbm tier's index "
+                                            r"\('lru', 8 B per table row\) 123,264 B, the dram tier's index \('lru', 8 B "
+                                            r"per table row\) 123,264 B, the first-use map \(4 B per table row\) "
+                                            r"61,632 B\)"):  # which of them: unsaid
         TieredStore.open(tables, backing="dram", hbm_capacity=10, dram_policy="lru", dram_capacity=2000)
     with pytest.raises(CachelabError, match="dram_policy 'lru' needs a dram_capacity"):
         TieredStore.open(tables, hbm_capacity=10, dram_policy="lru")
     with pytest.raises(CachelabError, match="dram_capacity 100 needs a DRAM cache policy"):
         TieredStore.open(tables, hbm_capacity=10, dram_capacity=100)
+
+
+def test_the_policies_index_counts_against_the_memory_available(tables, monkeypatch):
+    """A live store sizes each tier's policy state and slot map by the table's rows (5-40 B a row
+    per tier, and a 4-B first-use map), not by its capacity: on the full V4.1 tables (768 M rows)
+    behind ``mmap``, an LRU HBM tier and an S3-FIFO DRAM tier of a few thousand rows need 22 GB
+    of index. The check against MemAvailable counted the slots alone, so such a store passed it
+    and was killed, or died of a MemoryError, allocating its index; the index now counts, each
+    part named."""
+    from cachelab.store import store as store_mod
+
+    monkeypatch.setattr(store_mod, "available_memory", lambda: 100_000)  # the slots (29,040 B) fit
+    with pytest.raises(CachelabError, match=r"need 475,872 B of host memory \(dram_capacity 100 \(100 rows\) "
+                                            r"26,400 B, hbm_capacity 10 \(10 rows, a CPU tensor\) 2,640 B, the hbm "
+                                            r"tier's index \('lru', 8 B per table row\) 123,264 B, the dram tier's "
+                                            r"index \('s3fifo', 17 B per table row\) 261,936 B, the first-use map "
+                                            r"\(4 B per table row\) 61,632 B\), 100,000 B are available"):
+        TieredStore.open(tables, backing="mmap", hbm_capacity=10, dram_policy="s3fifo", dram_capacity=100)
+    monkeypatch.setattr(store_mod, "available_memory", lambda: 475_872)
+    with TieredStore.open(tables, backing="mmap", hbm_capacity=10, dram_policy="s3fifo", dram_capacity=100) as store:
+        rows = full_rows(np.random.default_rng(8), 4)
+        assert check_rows(store, rows, store.lookup(rows)) == 0
 
 
 @pytest.mark.parametrize("failure", [KeyboardInterrupt, OSError(errno.ENOSPC, "No space left on device")])

@@ -38,6 +38,7 @@ from cachelab import registry
 from cachelab.capacity import parse_capacity
 from cachelab.errors import CachelabError
 from cachelab.policy import Policy
+from cachelab.policy.unbounded import Unbounded
 from cachelab.store.backing import open_backing
 from cachelab.store.build import open_tables, same_build
 from cachelab.store.counters import TIME_KEYS, Counters, count_keys
@@ -162,9 +163,8 @@ class TieredStore:
         # a tier that holds every row (the simulator's infinite cache) never fills slots past the
         # table's rows, so a larger capacity is clamped, not allocated; a set-associative policy
         # can evict before that (a full set) and keeps the capacity asked for
-        hbm_rows, dram_rows = (min(rows, self.num_keys) if name in policies
-                               and policies[name].holds_every_key(rows, self.num_keys) else rows
-                               for name, rows in asked.items())
+        holds = {name: policy.holds_every_key(asked[name], self.num_keys) for name, policy in policies.items()}
+        hbm_rows, dram_rows = (min(rows, self.num_keys) if holds.get(name) else rows for name, rows in asked.items())
         if dram_rows and not dram_policy:
             raise CachelabError(f"dram_capacity {dram_capacity!r} needs a DRAM cache policy (dram_policy)")
         if dram_policy and dram_capacity is None:  # a capacity of 0 is no tier, for DRAM as for HBM
@@ -183,6 +183,15 @@ class TieredStore:
             parts[f"hbm_capacity {hbm_capacity!r} ({hbm_rows:,} rows, a CPU tensor)"] = hbm_rows * self.row_bytes
         if backing == "dram" or (self.resident and not self.cuda):
             parts[f"the table in memory (backing {backing!r})"] = table_bytes
+        # a live store's policies are sized by the table's rows, not the capacity (docs/store.md): on
+        # large tables on SSD these indexes, not the slots, are what outgrows the host
+        for name, policy in policies.items():
+            per_row = policy_bytes_per_row(Unbounded(policy) if holds[name] else policy, num_keys=1 << 16)
+            parts[f"the {name} tier's index ({policy.name!r}, {per_row:g} B per table row)"] = \
+                int(per_row * self.num_keys)
+        id_dtype = np.dtype(np.int32 if self.num_keys < 2**31 - 1 else np.int64)  # the first-use map's
+        if policies:
+            parts[f"the first-use map ({id_dtype.itemsize} B per table row)"] = id_dtype.itemsize * self.num_keys
         host_need, free = sum(parts.values()), available_memory()
         if host_need > free:
             shown = ", ".join(f"{what} {nbytes:,} B" for what, nbytes in parts.items())
@@ -229,7 +238,7 @@ class TieredStore:
         self._outputs = OutputPool()
         # id + 1 of each row seen (0: not yet), zero-filled so the OS maps only the pages of rows
         # in use: np.full(-1) wrote all 3.1 GB of the full V4.1 tables' map at open
-        self._id_of = np.zeros(self.num_keys if tiers else 0, np.int32 if self.num_keys < 2**31 - 1 else np.int64)
+        self._id_of = np.zeros(self.num_keys if tiers else 0, id_dtype)
         self._next_id = 0
         self.tier_names = tuple(t.name for t in tiers)
         self.totals = Counters(self.tier_names)
