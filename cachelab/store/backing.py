@@ -28,6 +28,7 @@ import ctypes
 import gc
 import mmap
 import os
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -163,6 +164,7 @@ class StorageReads:
             self.fd: int | None = os.open("/proc/self/io", os.O_RDONLY)
         except OSError:
             self.fd = None
+        self._closer = _closing(self, [] if self.fd is None else [self.fd])
 
     def __call__(self) -> int | None:
         if self.fd is None:
@@ -177,9 +179,8 @@ class StorageReads:
         return rows * row_bytes if before is None else self() - before
 
     def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        self._closer()
+        self.fd = None
 
 
 class MmapBacking:
@@ -241,16 +242,35 @@ class MmapBacking:
         self.maps = []
 
 
+def _closing(owner, fds: list[int]) -> weakref.finalize:
+    """A call closing ``fds`` once: from the owner's ``close()``, or when the owner is collected
+    unclosed (a store dropped without ``close()`` kept its descriptors for the life of the
+    process: 3 for each ``pread`` or ``direct`` store)."""
+    return weakref.finalize(owner, _close_all, fds)
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
 class _Files:
     """The table files open for reading (``flags``: O_DIRECT or not), one fd per layer."""
 
     def __init__(self, paths: list[Path], flags: int):
         self.paths = paths
-        self.fds = np.array([os.open(p, os.O_RDONLY | flags) for p in paths], np.int64)
+        fds: list[int] = []
+        try:
+            for path in paths:
+                fds.append(os.open(path, os.O_RDONLY | flags))
+        except BaseException:  # those opened before the failure are not left open
+            _close_all(fds)
+            raise
+        self.fds = np.array(fds, np.int64)
+        self._closer = _closing(self, fds)
 
     def close(self) -> None:
-        for fd in self.fds:
-            os.close(int(fd))
+        self._closer()
         self.fds = np.zeros(0, np.int64)
 
 

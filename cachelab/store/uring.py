@@ -27,6 +27,7 @@ import ctypes
 import errno
 import mmap
 import os
+import weakref
 
 import numba as nb
 import numpy as np
@@ -136,6 +137,7 @@ class UringReader:
             err = ctypes.get_errno()
             raise OSError(err, f"io_uring_setup: {os.strerror(err)}")
         self.fd, self.depth = fd, int(params.sq_entries)
+        self._closer = weakref.finalize(self, os.close, fd)  # closed once: by close(), or when collected
         self.broken = ""  # why this ring reads nothing more (``read``)
         sq_off, cq_off = params.sq_off, params.cq_off
         sq_bytes = sq_off.array + params.sq_entries * 4
@@ -175,4 +177,4 @@ class UringReader:
         self.sq = self.cq = self.sqes = self.cqes = None
         for m in {id(x): x for x in (self.sq_map, self.cq_map, self.sqe_map)}.values():
             m.close()
-        os.close(self.fd)
+        self._closer()
