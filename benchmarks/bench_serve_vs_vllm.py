@@ -52,7 +52,7 @@ def prompts(num: int, max_prompt: int, seed: int) -> tuple[list[list[int]], list
     name = "arena-hard" if data_root(required=False) is not None else "stdlib"
     tok = load_tokenizer()
     ids_out, texts = [], []
-    for doc in instantiate(name, {}, {}, "the data root (CACHELAB_DATA)").documents():
+    for doc in instantiate(name, {}, {}, "the data root (CACHELAB_DATA)", "corpus.options").documents():
         ids = tok.encode(doc.user_turns[0], add_special_tokens=False).ids[:max_prompt]
         text = tok.decode(ids, skip_special_tokens=False)
         again = tok.encode(text, add_special_tokens=False).ids

@@ -58,6 +58,17 @@ def test_spec_and_equal_flags_build_the_same_trace(tmp_path):
     ('[arrivals]\nsource = "gamma"\nrate = 2', "arrivals.rate: unknown key"),
     ('seed = "x"\n[arrivals]\nsource = "gamma"', "seed: Input should be a valid integer"),
     ('[arrivals]\nsource = "gamma"\noptions = { speed = 2 }', "takes no option(s) ['speed']"),
+    # an option of the wrong type reached the source: a plug-in's TypeError, or true read as 1 request
+    ('[arrivals]\nsource = "gamma"\noptions = { num_requests = 2.5 }\n[corpus]\nsource = "gsm8k"',
+     "arrivals.options.num_requests must be an integer or none, got 2.5"),
+    ('[arrivals]\nsource = "gamma"\noptions = { num_requests = true }\n[corpus]\nsource = "gsm8k"',
+     "arrivals.options.num_requests must be an integer or none, got True"),
+    ('[arrivals]\nsource = "gamma"\noptions = { rate = "2", num_requests = 3 }\n[corpus]\nsource = "gsm8k"',
+     "arrivals.options.rate must be a number, got '2'"),
+    ('[arrivals]\nsource = "gamma"\noptions = { duration_s = inf }\n[corpus]\nsource = "gsm8k"',
+     "duration_s must be a finite number of seconds > 0"),
+    ('[arrivals]\nsource = "gamma"\noptions = { num_requests = 3 }\n[corpus]\nsource = "stdlib"\n'
+     'options = { max_chars = "many" }', "corpus.options.max_chars must be an integer or none, got 'many'"),
     ('[arrivals]\nsource = "nope"', "unknown workload 'nope'"),
     ('[arrivals]\nsource = "arena-hard"', "is a corpus, not an arrival source"),
     ('[arrivals]\nsource = "gamma"\noptions = { num_requests = 3 }', "carry no lengths: give a [corpus]"),

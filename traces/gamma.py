@@ -40,8 +40,9 @@ class GammaArrivals:
             raise CachelabError("gamma arrivals: give exactly one of num_requests or duration_s")
         if num_requests is not None and num_requests <= 0:
             raise CachelabError(f"gamma arrivals: num_requests must be > 0, got {num_requests}")
-        if duration_s is not None and (not duration_s > 0 or math.isinf(rate)):
-            raise CachelabError("gamma arrivals: duration_s must be > 0 with a finite rate")
+        if duration_s is not None and (not 0 < duration_s < math.inf or math.isinf(rate)):
+            raise CachelabError(f"gamma arrivals: duration_s must be a finite number of seconds > 0 with a finite "
+                                f"rate, got duration_s {duration_s} at rate {rate}")
         self.rate, self.burstiness = rate, burstiness
         self.num_requests, self.duration_s, self.seed = num_requests, duration_s, seed
 

@@ -40,6 +40,7 @@ from pydantic import Field
 
 from cachelab import registry
 from cachelab.errors import CachelabError
+from cachelab.params import check_params
 from cachelab.paths import resolve_data_path
 from cachelab.trace.overlap import plan_overlap
 from cachelab.trace.synthesis import BuildReport, TokenStream, make_plan, synthesize
@@ -89,14 +90,16 @@ def load_spec(path: str | os.PathLike) -> TraceSpec:
     return parse_spec(read_toml(path, "trace spec"), str(path))
 
 
-def instantiate(name: str, kwargs: dict[str, Any], optional: dict[str, Any], path_flag: str):
-    """The registered workload ``name`` built with ``kwargs`` (all must be accepted) plus the
-    ``optional`` ones its constructor takes; ``path_flag`` says where a user gives its path."""
+def instantiate(name: str, kwargs: dict[str, Any], optional: dict[str, Any], path_flag: str, where: str):
+    """The registered workload ``name`` built with ``kwargs`` (all must be accepted, each of its
+    parameter's type, named as ``where.KEY``) plus the ``optional`` ones its constructor takes;
+    ``path_flag`` says where a user gives its path."""
     cls = registry.get(registry.WORKLOADS, name)
     params = inspect.signature(cls).parameters
     unknown = sorted(set(kwargs) - set(params))
     if unknown:
         raise CachelabError(f"workload {name!r} takes no option(s) {unknown}; it takes {sorted(params)}")
+    check_params(cls, kwargs, where)  # num_requests = 2.5 was a plug-in's TypeError, true one request
     extra = {k: v for k, v in optional.items() if k in params and k not in kwargs}
     missing = [k for k, p in params.items() if p.default is p.empty and k not in kwargs and k not in extra
                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
@@ -115,7 +118,7 @@ def make_arrivals(spec: TraceSpec):
     if a.path is not None:
         kwargs["path"] = str(resolve_data_path(a.path, "trace spec", "arrivals.path"))
     source = instantiate(a.source, kwargs, {"skip_bad": a.skip_bad, "seed": spec.seed},
-                         "the arrivals file or folder: --arrivals-path, or arrivals.path in a spec")
+                         "the arrivals file or folder: --arrivals-path, or arrivals.path in a spec", "arrivals.options")
     if not hasattr(source, "arrivals"):
         raise CachelabError(f"workload {a.source!r} is a corpus, not an arrival source (it has no arrivals())")
     return source
@@ -123,7 +126,7 @@ def make_arrivals(spec: TraceSpec):
 
 def make_corpus(spec: TraceSpec):
     corpus = instantiate(spec.corpus.source, dict(spec.corpus.options), {},
-                         "--corpus-option path=..., or corpus.options.path in a spec")
+                         "--corpus-option path=..., or corpus.options.path in a spec", "corpus.options")
     if not hasattr(corpus, "documents"):
         raise CachelabError(f"workload {spec.corpus.source!r} is an arrival source, not a corpus (it has no documents())")
     return corpus
