@@ -15,7 +15,8 @@ LAYOUT = "deepseek-v4.1-flash"
 
 
 def _view(lengths, seed: int) -> LearningView:
-    """Requests of the given prompt lengths over a small alphabet (n-grams repeat), one step each."""
+    """Requests of the given prompt lengths over a small alphabet (n-grams repeat), each a prompt step
+    and 3 decodes (its 4th output token is never fed back)."""
     rng = np.random.default_rng(seed)
     alphabet = rng.choice(np.arange(1000, 60_000), 120, replace=False)
     prompts = [alphabet[rng.zipf(1.4, n) % alphabet.size] for n in lengths]
@@ -65,5 +66,5 @@ def test_a_stream_that_is_all_training_window_is_refused(growing):
     whole = {**model.metadata["spec"], "train_end": len(view), "train_digest": window_digest(view, len(view))}
     model = Model(model.predictor, model.prior, model.domains, model.horizon, {**model.metadata, "spec": whole},
                   model.lookahead)
-    with pytest.raises(CachelabError, match="nothing to judge: the stream's 300 steps are all the model's training"):
+    with pytest.raises(CachelabError, match="nothing to judge: the stream.s 240 steps are all the model.s training"):
         evaluate_capacities(view, model, [0.05], 0.5, progress=False)

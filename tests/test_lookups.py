@@ -57,12 +57,13 @@ def test_from_sequences_chunks_prefill_then_decodes_one_token_per_step():
     seqs = [np.arange(5), np.arange(100, 103)]
     s = LookupStream.from_sequences(_FakeAddresser(), seqs, tokens_per_step=2, prompt_lengths=[3, 3],
                                     domains=["code", "math"])
-    # request 0: prefill [0,1] [2], decode [3] [4]; request 1: prefill [100,101] [102]
-    assert (np.diff(s.step_offsets) // 2).tolist() == [2, 1, 1, 1, 2, 1]
+    # request 0: prefill [0,1] [2], decode [3] (4, the last output, is never fed back); request 1: prefill
+    # [100,101] [102]
+    assert (np.diff(s.step_offsets) // 2).tolist() == [2, 1, 1, 2, 1]
     tok_phase = s.meta["phase"][::2].tolist()
-    assert tok_phase == [0, 0, 0, 1, 1, 0, 0, 0]
-    assert s.meta["position"][::2].tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
-    assert s.domains == ("code", "math") and s.meta["domain"][::2].tolist() == [0] * 5 + [1] * 3
+    assert tok_phase == [0, 0, 0, 1, 0, 0, 0]
+    assert s.meta["position"][::2].tolist() == [0, 1, 2, 3, 0, 1, 2]
+    assert s.domains == ("code", "math") and s.meta["domain"][::2].tolist() == [0] * 4 + [1] * 3
 
 
 def test_save_load_round_trip_and_errors(tmp_path):
@@ -175,3 +176,27 @@ def test_a_deduper_carries_its_marks_from_call_to_call():
     deduper = StepDeduper(4)
     parts = [deduper.dedup(ids[offsets[s]:offsets[s + 1]], [0, offsets[s + 1] - offsets[s]]) for s in range(4)]
     assert np.concatenate([p.keys for p in parts]).tolist() == whole.keys.tolist() == [3, 1, 1, 2, 0, 3]
+
+
+def test_the_prompt_view_never_addresses_a_last_output_token_as_serving_never_feeds_it_back():
+    """A request of P prompt and K output tokens runs P prefill positions and K - 1 decodes (the
+    K-th token is sampled from the last and the request ends): the prompt view addressed one
+    decode more per request than the scheduler's view, ``trace info`` and the serving replay."""
+    from cachelab.engram import Addresser
+    from cachelab.workload.steps import scheduled_stream
+
+    addresser = Addresser("deepseek-v4.1-flash")
+    rng = np.random.default_rng(5)
+    seqs = [rng.integers(3, 128_000, int(n)) for n in (40, 33, 20, 50)]
+    prompts = [30, 33, 19, 7]  # outputs of 10, 0, 1 and 43 tokens
+    alone = LookupStream.from_sequences(addresser, seqs, tokens_per_step=8, prompt_lengths=prompts)
+    batched = scheduled_stream(addresser, seqs, prompts, prefix_cache="off")
+
+    def positions(stream):
+        m = stream.meta
+        return sorted({(int(r), int(p)) for r, p in zip(m["request"], m["position"])})
+
+    fed = [max(len(s) - 1, p) for s, p in zip(seqs, prompts)]  # every token but an output's last
+    assert positions(alone) == positions(batched) == [(r, p) for r, n in enumerate(fed) for p in range(n)]
+    assert alone.num_lookups == sum(fed) * 48
+    assert alone.num_steps == sum(-(-p // 8) + n - p for p, n in zip(prompts, fed))

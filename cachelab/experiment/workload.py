@@ -30,7 +30,7 @@ from cachelab.paths import cache_dir, one_builder, resolve_data_path
 ENCODE_BATCH = 256
 
 
-BUILD_VERSION = 2  # bump when what a build stores changes, so stale cache entries are not reused
+BUILD_VERSION = 3  # bump when what a build stores changes, so stale cache entries are not reused
 
 
 def workload_key(spec: WorkloadSpec | dict) -> str:

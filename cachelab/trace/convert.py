@@ -1,8 +1,8 @@
 """Between request traces and libCacheSim's oracleGeneral key traces.
 
 A trace becomes one key per lookup: ``rows`` are the Engram row keys every token of every
-request reads (``LookupStream.from_sequences``: prompt then output, request by request,
-layer-major global keys), for differential tests of the cache engine against libCacheSim;
+request reads (``LookupStream.from_sequences``: prompt then output but its last token, which
+serving never feeds back, request by request, layer-major global keys), for differential tests of the cache engine against libCacheSim;
 ``blocks`` are the requests' prefix blocks (the source's ``block_hashes`` of a content-less
 import, else the chained hashes of the prompt at ``block_size``, masked to 63 bits), for
 prefix-cache studies in libCacheSim. An oracleGeneral file becomes a content-less trace
@@ -61,9 +61,10 @@ def trace_keys(path: str | os.PathLike, kind: str = "rows", *, block_size: int |
                 raise CachelabError(f"{path}: row keys need token content; this trace has lengths only "
                                     "(synthesize it with a corpus first, or convert --keys blocks)")
             require_outputs(frame, str(path), first_row=first_row)
-            sequences = [np.concatenate([p, o]) for p, o in zip(frame["prompt_ids"].to_numpy(),
-                                                                  frame["output_ids"].to_numpy())]
-            parts.append(LookupStream.from_sequences(addresser, sequences, tokens_per_step=None).keys)
+            prompts = frame["prompt_ids"].to_numpy()
+            sequences = [np.concatenate([p, o]) for p, o in zip(prompts, frame["output_ids"].to_numpy())]
+            parts.append(LookupStream.from_sequences(addresser, sequences, tokens_per_step=None,
+                                                     prompt_lengths=[p.size for p in prompts]).keys)
         elif not has_content or block_size is None and frame["block_hashes"].null_count() == 0:
             if frame["block_hashes"].null_count():
                 raise CachelabError(f"{path}: block keys need token content or block_hashes")

@@ -172,9 +172,11 @@ class LookupStream:
 
         Step semantics: a request's prompt (the first ``prompt_lengths[i]`` tokens; all of
         them by default) is prefilled in chunks of ``tokens_per_step`` tokens, each chunk one
-        step (``None``: the whole prompt in one step); every later token is a decode step of
-        one token. A step never mixes requests; a serving scheduler that batches requests
-        builds its steps with ``from_rows`` instead.
+        step (``None``: the whole prompt in one step); every later token but the last is a
+        decode step of one token. The last output token is sampled by the step before and the
+        request ends: serving never feeds it back, so it has no lookups (as in
+        ``cachelab.workload.steps.scheduled_stream``). A step never mixes requests; a serving
+        scheduler that batches requests builds its steps with ``from_rows`` instead.
 
         Args:
             addresser: a ``cachelab.engram.Addresser``.
@@ -183,13 +185,15 @@ class LookupStream:
         """
         if tokens_per_step is not None and tokens_per_step < 1:
             raise CachelabError(f"tokens_per_step must be at least 1 (or None), got {tokens_per_step}")
-        lengths = np.array([len(s) for s in sequences], dtype=np.int64)
-        n = int(lengths.sum())
-        prompt = lengths if prompt_lengths is None else np.asarray(prompt_lengths, dtype=np.int64)
-        if prompt.shape != lengths.shape or np.any((prompt < 0) | (prompt > lengths)):
+        full = np.array([len(s) for s in sequences], dtype=np.int64)
+        prompt = full if prompt_lengths is None else np.asarray(prompt_lengths, dtype=np.int64)
+        if prompt.shape != full.shape or np.any((prompt < 0) | (prompt > full)):
             raise CachelabError("prompt_lengths must give, per sequence, a length between 0 and its token count")
+        lengths = full - (full > prompt)  # the tokens fed: every one but an output's last
+        n = int(lengths.sum())
         seq_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        tokens = np.concatenate([np.asarray(s, dtype=np.int64) for s in sequences]) if n else np.zeros(0, np.int64)
+        tokens = (np.concatenate([np.asarray(s[:k], dtype=np.int64) for s, k in zip(sequences, lengths.tolist())])
+                  if n else np.zeros(0, np.int64))
         rows = addresser.rows(tokens, seq_offsets)
         request = np.repeat(np.arange(lengths.size, dtype=np.int32), lengths)
         position = (np.arange(n, dtype=np.int64) - seq_offsets[request]).astype(np.int32)
