@@ -324,3 +324,41 @@ def test_azure_2024_timestamps_with_utc_offset(tmp_path):
                     "2024-05-10 00:00:01.509930+00:00,3180,8\n")
     df = AzureTrace(str(path)).arrivals()
     assert df["arrival_s"].to_list() == pytest.approx([0.0, 1.5]) and df["domain"][0] == "conversation"
+
+
+CORPORA = {  # corpus: (file under the root, a good record)
+    "arena-hard": ("prompts/arena_hard/arena-hard-v2.0_question.jsonl",
+                   {"uid": "a1", "category": "hard", "subcategory": "coding", "prompt": "Write a sort."}),
+    "mt-bench": ("prompts/mt_bench/question.jsonl",
+                 {"question_id": 81, "category": "writing", "turns": ["Hi.", "More."], "reference": ["A.", "B."]}),
+    "gsm8k": ("prompts/gsm8k/test.jsonl", {"question": "What is 2+2?", "answer": "4"}),
+    "humaneval": ("prompts/humaneval/HumanEval.jsonl.gz",
+                  {"task_id": "HumanEval/0", "prompt": "def f():\n", "canonical_solution": "    return 1\n"}),
+    "alpaca-seed": ("prompts/alpaca_seed/seed_tasks.jsonl",
+                    {"id": "seed_task_0", "instruction": "Say hi.", "instances": [{"input": "", "output": "Hi."}]}),
+}
+
+
+@pytest.mark.parametrize("corpus, field, value", [
+    ("arena-hard", "prompt", 5), ("arena-hard", "subcategory", ["coding"]), ("mt-bench", "turns", "Hi."),
+    ("mt-bench", "turns", []), ("mt-bench", "reference", "A."), ("mt-bench", "category", None),
+    ("gsm8k", "question", None), ("gsm8k", "answer", 4), ("humaneval", "canonical_solution", {"code": 1}),
+    ("alpaca-seed", "instruction", 1.5), ("alpaca-seed", "instances", [{"input": 3, "output": "x"}]),
+    ("alpaca-seed", "instances", "Hi."),
+])
+def test_a_corpus_record_of_the_wrong_type_is_named_by_file_line_and_field(tmp_path, corpus, field, value):
+    """A prompt of 5, a string of turns or a null answer reached the tokenizer (a TypeError traceback), or
+    was read letter by letter (a reference "A." became the answers 'A' and '.')."""
+    from cachelab import registry
+
+    name, good = CORPORA[corpus]
+    path = tmp_path / name
+    path.parent.mkdir(parents=True)
+    text = json.dumps(good) + "\n" + json.dumps({**good, field: value}) + "\n"
+    path.write_bytes(gzip.compress(text.encode()) if name.endswith(".gz") else text.encode())
+    with pytest.raises(CachelabError, match=rf"{path.name}:2: field {field!r}: expected .*, got "):
+        list(registry.get(registry.WORKLOADS, corpus)(root=str(tmp_path)).documents())
+    path.write_bytes(gzip.compress((text.splitlines()[0] + "\n").encode()) if name.endswith(".gz")
+                     else (text.splitlines()[0] + "\n").encode())
+    docs = list(registry.get(registry.WORKLOADS, corpus)(root=str(tmp_path)).documents())
+    assert len(docs) == 1 and all(isinstance(t, str) for t in (docs[0].text, *docs[0].turns, *docs[0].answers))

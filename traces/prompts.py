@@ -20,12 +20,38 @@ def _root(root: str | None) -> Path:
     return Path(root) if root else data_root()
 
 
-def _records(path: Path, fields: tuple[str, ...]) -> Iterator[tuple[int, dict]]:
-    """JSON objects of a JSONL file with the required ``fields``; errors name file and line."""
+def _is_text(value) -> bool:
+    return isinstance(value, str)
+
+
+def _is_texts(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, str) for v in value)
+
+
+def _is_instances(value) -> bool:
+    """Alpaca's ``instances``: a list of objects whose ``input`` and ``output`` are text where given."""
+    return isinstance(value, list) and all(isinstance(i, dict) and all(isinstance(i.get(k, ""), str)
+                                                                       for k in ("input", "output")) for i in value)
+
+
+_KINDS = {_is_text: "text", _is_texts: "a non-empty list of texts", _is_instances:
+          "a list of objects with text input and output", None: "an id"}
+
+
+def _records(path: Path, fields: dict, optional: dict | None = None) -> Iterator[tuple[int, dict]]:
+    """JSON objects of a JSONL file with the required ``fields``, each passing its check (None: any
+    value but null), and the ``optional`` ones passing theirs where given and not null; errors name
+    file, line and field (a prompt of 5 reached the tokenizer as a TypeError traceback, a string
+    of turns was read letter by letter)."""
     ingest = Ingest(path)
     for line, record in ingest.json_lines():
         if not isinstance(record, dict) or any(f not in record for f in fields):
             ingest.bad(line, f"expected an object with fields {list(fields)}")
+            continue
+        checks = {**fields, **{k: c for k, c in (optional or {}).items() if record.get(k) is not None}}
+        wrong = next((k for k, c in checks.items() if record[k] is None or (c is not None and not c(record[k]))), None)
+        if wrong is not None:
+            ingest.bad(line, f"field {wrong!r}: expected {_KINDS[checks[wrong]]}, got {str(record[wrong])[:60]!r}")
             continue
         yield line, record
 
@@ -49,7 +75,8 @@ class ArenaHard:
     def documents(self) -> Iterator[Document]:
         versions = list(self.FILES) if self.version == "all" else [self.version]
         for version in versions:
-            for _, r in _records(_root(self.root) / self.FILES[version], ("uid", "prompt")):
+            for _, r in _records(_root(self.root) / self.FILES[version], {"uid": None, "prompt": _is_text},
+                                 {"category": _is_text, "subcategory": _is_text}):
                 domain = r.get("subcategory") or ("hard_prompt" if version == "v0.1" else r.get("category", "chat"))
                 yield Document(f"arena-hard-{version}/{r['uid']}", domain, r["prompt"])
 
@@ -64,7 +91,8 @@ class _FastChatBench:
         self.root = root
 
     def documents(self) -> Iterator[Document]:
-        for _, r in _records(_root(self.root) / self.FILE, ("question_id", "category", "turns")):
+        for _, r in _records(_root(self.root) / self.FILE, {"question_id": None, "category": _is_text,
+                                                          "turns": _is_texts}, {"reference": _is_texts}):
             turns = tuple(r["turns"])
             yield Document(f"{self.name}/{r['question_id']}", r["category"], turns[0], turns=turns,
                            answers=tuple(r.get("reference") or ()))
@@ -96,7 +124,7 @@ class GSM8K:
 
     def documents(self) -> Iterator[Document]:
         path = _root(self.root) / f"prompts/gsm8k/{self.split}.jsonl"
-        for line, r in _records(path, ("question", "answer")):
+        for line, r in _records(path, {"question": _is_text, "answer": _is_text}):
             yield Document(f"gsm8k-{self.split}/{line}", "math", r["question"], answers=(r["answer"],))
 
 
@@ -110,7 +138,7 @@ class HumanEval:
 
     def documents(self) -> Iterator[Document]:
         path = _root(self.root) / "prompts/humaneval/HumanEval.jsonl.gz"
-        for _, r in _records(path, ("task_id", "prompt", "canonical_solution")):
+        for _, r in _records(path, {"task_id": None, "prompt": _is_text, "canonical_solution": _is_text}):
             yield Document(r["task_id"], "code", r["prompt"], answers=(r["canonical_solution"],))
 
 
@@ -124,7 +152,7 @@ class AlpacaSeed:
 
     def documents(self) -> Iterator[Document]:
         path = _root(self.root) / "prompts/alpaca_seed/seed_tasks.jsonl"
-        for _, r in _records(path, ("id", "instruction", "instances")):
+        for _, r in _records(path, {"id": None, "instruction": _is_text, "instances": _is_instances}):
             first = (r["instances"] or [{}])[0]
             prompt = r["instruction"] + (f"\n\n{first['input']}" if first.get("input") else "")
             yield Document(r["id"], "instruction", prompt,
