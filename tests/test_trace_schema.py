@@ -169,3 +169,34 @@ def test_a_killed_writers_scratch_file_is_removed_by_the_next_write(tmp_path):
     with replacing(path) as tmp:
         tmp.write_text("whole\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, elsewhere.name, "out.csv"])
+
+
+@pytest.mark.parametrize("fault, message", [
+    ("back", "row 256, field 'arrival_s' = 1.0: goes back in time"),
+    ("repeat", "row 300, field 'request_id' = 3: is a duplicate"),
+])
+def test_batch_readers_refuse_what_spans_two_batches_as_read_trace_does(tmp_path, fault, message):
+    """``trace info`` and ``trace convert`` validate a file batch by batch (256 rows): a step back in
+    time or a repeated request id between two batches passed both (a foreign writer's file), and
+    ``read_trace`` refused it."""
+    from cachelab.trace.convert import trace_keys
+    from cachelab.trace.stats import summarize
+
+    n = 600
+    arrival = np.arange(n, dtype=np.float64)
+    ids = np.arange(n)
+    if fault == "back":
+        arrival[256:] -= 255.0  # row 255 at 255 s, row 256 at 1 s: the first row of the second batch
+    else:
+        ids[300] = 3
+    frame = conform(pl.DataFrame({
+        "request_id": ids, "session_id": np.arange(n), "turn": np.zeros(n, np.int32), "arrival_s": arrival,
+        "domain": ["chat"] * n, "prompt_ids": [[]] * n, "output_ids": [[]] * n, "prompt_len": np.full(n, 600),
+        "output_len": np.ones(n, np.int64), "block_hashes": [[i, i + 1] for i in range(n)],
+        "block_size": np.full(n, 512), "source": ["test"] * n}))
+    path = tmp_path / "t.parquet"
+    pq.write_table(frame.to_arrow().cast(SCHEMA), path)  # not through write_trace, which refuses it
+    for read in (read_trace, summarize, lambda p: trace_keys(p, "blocks")):
+        with pytest.raises(CachelabError, match=message):
+            read(path)
+    assert trace_keys(path, "blocks", max_requests=256 if fault == "back" else 300).size  # the rows before it

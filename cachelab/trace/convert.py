@@ -25,7 +25,8 @@ from cachelab.errors import CachelabError
 from cachelab.trace.keytrace import oracle_times, read_oracle_requests
 from cachelab.workload.lookups import LookupStream
 from cachelab.workload.prefix_cache.hashing import chained_block_hashes
-from cachelab.trace.schema import iter_batches, list_series, require_outputs, scan_trace, validate
+from cachelab.trace.schema import (check_across_rows, iter_batches, list_series, require_outputs, scan_trace,
+                                   validate)
 
 KEY_KINDS = ("rows", "blocks")
 BATCH_ROWS = 256
@@ -34,7 +35,8 @@ _MASK63 = np.int64(0x7FFF_FFFF_FFFF_FFFF)
 
 def _batches(path: str | os.PathLike, max_requests: int | None):
     """Validated record batches of the trace, up to ``max_requests`` rows, each with its first row."""
-    scan_trace(path)
+    lazy = scan_trace(path)
+    check_across_rows(lazy if max_requests is None else lazy.head(max_requests), path)  # each batch: validate
     seen = 0
     for batch in iter_batches(path, BATCH_ROWS):
         if max_requests is not None and seen >= max_requests:

@@ -60,17 +60,25 @@ OPTIONAL = ("cached_tokens",)  # may be absent from a file or a producer's frame
 REQUIRED = tuple(c for c in COLUMNS if c not in OPTIONAL)
 
 
+def _unique_ids() -> tuple[str, pl.Expr, str]:
+    return "request_id", pl.col("request_id").is_first_distinct(), "is a duplicate"
+
+
+def _in_order() -> tuple[str, pl.Expr, str]:
+    return "arrival_s", pl.col("arrival_s").diff().fill_null(0) >= 0, "goes back in time (rows must be in arrival order)"
+
+
 def _checks() -> list[tuple[str, pl.Expr, str]]:
     """(field, condition that must hold on every row, what it means), vectorised."""
     col = pl.col
     has_blocks = col("block_hashes").is_not_null()
     return [
         ("request_id", col("request_id") >= 0, "must be >= 0"),
-        ("request_id", col("request_id").is_first_distinct(), "is a duplicate"),
+        _unique_ids(),
         ("session_id", col("session_id") >= 0, "must be >= 0"),
         ("turn", col("turn") >= 0, "must be >= 0"),
         ("arrival_s", col("arrival_s").is_finite() & (col("arrival_s") >= 0), "must be finite and >= 0"),
-        ("arrival_s", col("arrival_s").diff().fill_null(0) >= 0, "goes back in time (rows must be in arrival order)"),
+        _in_order(),
         ("prompt_len", col("prompt_len") >= 0, "must be >= 0"),
         ("output_len", col("output_len") >= 0, "must be >= 0"),
         ("prompt_ids", (col("prompt_ids").list.len() == 0) | (col("prompt_ids").list.len() == col("prompt_len")),
@@ -115,7 +123,13 @@ def validate(df: pl.DataFrame, where: str, *, first_row: int = 0) -> pl.DataFram
         if count:
             row = df.select(pl.col(name).is_null().arg_true().first()).item()
             raise CachelabError(f"{where}: row {first_row + row}, field {name!r}: null (the field is required)")
-    checks = _checks()
+    _first_violation(df, _checks(), where, first_row)
+    return df
+
+
+def _first_violation(df: pl.DataFrame, checks, where: str, first_row: int = 0) -> None:
+    """Raise for the first of ``checks`` some row of ``df`` fails, naming ``where``, the row,
+    the field and its value."""
     ok = df.select(cond.all().alias(str(i)) for i, (_, cond, _) in enumerate(checks)).row(0)
     for passed, (name, cond, meaning) in zip(ok, checks):
         if not passed:
@@ -123,7 +137,15 @@ def validate(df: pl.DataFrame, where: str, *, first_row: int = 0) -> pl.DataFram
             value = df[name][row]
             shown = value.to_list()[:8] if isinstance(value, pl.Series) else value
             raise CachelabError(f"{where}: row {first_row + row}, field {name!r} = {shown!r}: {meaning}")
-    return df
+
+
+def check_across_rows(lazy: pl.LazyFrame, path: str | os.PathLike) -> None:
+    """``validate``'s checks that span rows (request ids unique, arrivals in order) over the
+    whole of ``lazy``, a trace file, read on those two scalar columns alone: a reader that
+    validates it batch by batch (``iter_batches``) sees neither a repeat nor a step back
+    between two batches."""
+    _first_violation(collect(lazy.select("request_id", "arrival_s"), Path(path)), [_unique_ids(), _in_order()],
+                     str(path))
 
 
 def _check_file_schema(path: Path) -> None:

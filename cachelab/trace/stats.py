@@ -21,7 +21,8 @@ from cachelab.defaults import PRESET
 from cachelab.engram import Addresser, get_preset
 from cachelab.engram.stats import row_skew
 from cachelab.workload.prefix_cache.hashing import DistinctCounter, chained_block_hashes
-from cachelab.trace.schema import collect, iter_batches, outputs_unknown, scan_trace, validate
+from cachelab.trace.schema import (check_across_rows, collect, iter_batches, outputs_unknown, scan_trace,
+                                   validate)
 
 SMALL_BLOCK = 16
 BATCH_ROWS = 256
@@ -51,6 +52,7 @@ def summarize(path: str | os.PathLike, *, preset: str = PRESET, engram_tokens: i
               progress: Callable[[int], None] | None = None) -> dict:
     """The ``trace info`` report of one trace file (validated first)."""
     lazy = scan_trace(path)
+    check_across_rows(lazy, path)  # the batches below are validated each on its own
     agg = lazy.select(  # scalar columns only: the token lists are read once, batch by batch, below
         pl.len().alias("requests"), pl.col("session_id").n_unique().alias("sessions"),
         (pl.col("arrival_s").max() - pl.col("arrival_s").min()).alias("duration_s"),
