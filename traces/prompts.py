@@ -43,7 +43,7 @@ def _records(path: Path, fields: dict, optional: dict | None = None) -> Iterator
     value but null), and the ``optional`` ones passing theirs where given and not null; errors name
     file, line and field (a prompt of 5 reached the tokenizer as a TypeError traceback, a string
     of turns was read letter by letter)."""
-    ingest = Ingest(path)
+    ingest = Ingest(path, skippable=False)  # --skip-bad skips arrival rows, never a corpus's
     for line, record in ingest.json_lines():
         if not isinstance(record, dict) or any(f not in record for f in fields):
             ingest.bad(line, f"expected an object with fields {list(fields)}")

@@ -42,6 +42,7 @@ class Ingest:
 
     path: Path
     skip_bad: bool = False
+    skippable: bool = True  # the reader's bad lines can be skipped (--skip-bad: an arrival file, not a corpus)
     skipped: int = 0
     first_skipped: str | None = None
     lines_read: int = field(default=0)
@@ -65,7 +66,7 @@ class Ingest:
             return
         where = f"{self.path}:{line}: {message}"
         if not self.skip_bad:
-            raise CachelabError(f"{where} (pass --skip-bad to skip such rows and count them)")
+            raise CachelabError(where + (" (pass --skip-bad to skip such rows and count them)" if self.skippable else ""))
         self.skipped += 1
         self.skipped_lines.append(line)
         self.first_skipped = self.first_skipped or where
