@@ -211,6 +211,24 @@ def test_bind_side_for_a_connecting_publisher(tmp_path):
     assert sub.batches >= 1 and sub.decode_errors == 0
 
 
+@pytest.mark.parametrize("host", ["*", "0.0.0.0", "[::]", "eth0", "192.0.2.1"])
+def test_a_bind_other_hosts_reach_is_refused_unless_allowed(tmp_path, host):
+    """A bound SUB socket takes any publisher that reaches it, with no credentials: a wildcard bind let
+    any host on the network publish into the capture and open connections without bound. Refused,
+    named, before anything is written; ``--allow-remote-publishers`` opts in."""
+    from typer.testing import CliRunner
+
+    from cachelab.cli import app
+
+    endpoint = f"tcp://{host}:{free_port()}"
+    res = CliRunner().invoke(app, ["capture", "kv-events", "--endpoint", endpoint, "--bind",
+                                   "--out", str(tmp_path / "cap"), "--duration", "0"])
+    assert res.exit_code != 0 and f"--bind {endpoint}: not a loopback or ipc endpoint" in res.output
+    assert not (tmp_path / "cap").exists()
+    if host == "*":
+        KVEventSubscriber(endpoint, tmp_path / "allowed", bind=True, allow_remote=True).start().close()
+
+
 def test_cli_records_until_its_duration(tmp_path):
     import json
     import subprocess

@@ -29,6 +29,7 @@ one hostile, grew the process without bound.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import threading
 import time
@@ -113,6 +114,23 @@ def decode_batch(payload: bytes, hashes: _Hashes, keep_tokens: bool = True) -> d
     return {"ts": ts, "dp_rank": rank, "events": out}
 
 
+def _local_endpoint(endpoint: str) -> bool:
+    """Whether a bound endpoint takes connections from this machine only: ipc:// (file
+    permissions) or tcp:// on a loopback address (``localhost`` included); a wildcard, an
+    interface name or any other address is reachable from elsewhere."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://"):].rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class KVEventSubscriber:
     """Receives vLLM's KV-event batches on a thread and journals each one (``kv-events`` stream).
 
@@ -130,7 +148,13 @@ class KVEventSubscriber:
     def __init__(self, endpoint: str, directory: str | os.PathLike, *, topic: str = "", bind: bool = False,
                  replay_endpoint: str | None = None, keep_tokens: bool = True, fsync: str = "batch",
                  rotate_bytes: int = 256 << 20, rotate_seconds: float = 3600.0,
-                 max_batch_bytes: int = MAX_BATCH_BYTES, buffer_bytes: int = BUFFER_BYTES):
+                 max_batch_bytes: int = MAX_BATCH_BYTES, buffer_bytes: int = BUFFER_BYTES,
+                 allow_remote: bool = False):
+        if bind and not allow_remote and not _local_endpoint(endpoint):
+            raise CachelabError(f"--bind {endpoint}: not a loopback or ipc endpoint, so any host that reaches it "
+                                "could publish into the capture (ZMQ asks no credentials) and open connections "
+                                "without bound; bind tcp://127.0.0.1:P, or pass --allow-remote-publishers on a "
+                                "trusted network")
         if not 1 <= max_batch_bytes <= buffer_bytes:
             raise CachelabError(f"KV-event bounds: a batch of at most {max_batch_bytes} bytes, a buffer of "
                                 f"{buffer_bytes}: expected 1 <= max batch <= buffer (--max-batch-mb, --buffer-mb)")

@@ -192,6 +192,9 @@ def kv_events(
     out: Path = typer.Option(..., "--out", help="Capture directory (the requests' one, to keep them together)."),
     bind: bool = typer.Option(False, "--bind", help="Bind instead of connect: needed when vLLM was given a "
                               "concrete address (it then connects); a tcp://*:P endpoint binds on vLLM's side."),
+    allow_remote: bool = typer.Option(False, "--allow-remote-publishers", help="With --bind, take an endpoint "
+                                      "other hosts reach (a wildcard or a non-loopback address): ZMQ asks no "
+                                      "credentials, so only on a trusted network."),
     topic: str = typer.Option("", help="Topic prefix to subscribe to (vLLM's kv_events_config topic)."),
     replay: str | None = typer.Option(None, help="vLLM's replay_endpoint, to fetch batches missed in a gap."),
     no_tokens: bool = typer.Option(False, "--no-tokens", help="Drop the token ids vLLM sends with stored blocks."),
@@ -212,8 +215,8 @@ def kv_events(
     """
     from cachelab.capture.kv_events import KVEventSubscriber
 
-    sub = KVEventSubscriber(endpoint, out, topic=topic, bind=bind, replay_endpoint=replay,
-                            keep_tokens=not no_tokens, fsync=fsync,
+    sub = KVEventSubscriber(endpoint, out, topic=topic, bind=bind, allow_remote=allow_remote,
+                            replay_endpoint=replay, keep_tokens=not no_tokens, fsync=fsync,
                             max_batch_bytes=mib_bytes("--max-batch-mb", max_batch_mb),
                             buffer_bytes=mib_bytes("--buffer-mb", buffer_mb)).start()
     stop = threading.Event()
