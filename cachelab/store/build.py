@@ -251,9 +251,10 @@ def verify_tables(directory, sample: int | None = None, seed: int = 0) -> dict:
         n = int(layout.table_rows[li])
         data, maps[li] = maps[li], None
         step = 1 << 18
-        todo = np.arange(n, dtype=np.int64) if sample is None else np.sort(rng.choice(n, min(sample, n), replace=False))
-        for lo in range(0, todo.size, step):
-            rows = todo[lo:lo + step]
+        # every row a slice at a time: an index of a whole layer is 3 GB of int64 on V4.1's tables
+        todo = None if sample is None else np.sort(rng.choice(n, min(sample, n), replace=False))
+        for lo in range(0, n if todo is None else todo.size, step):
+            rows = np.arange(lo, min(lo + step, n), dtype=np.int64) if todo is None else todo[lo:lo + step]
             pages = data[rows // rpp]
             got = pages[np.arange(rows.size)[:, None], (rows % rpp)[:, None] * rb + np.arange(rb)]
             differ = got != source.rows(li, rows)
