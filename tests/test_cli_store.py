@@ -69,9 +69,21 @@ def test_bench_json_matches_the_simulator(tables, tmp_path):
         assert out["store"]["hbm_hits"] == out["simulator"]["levels"]["hbm"]["served_unique"] > 0
         assert ("cuda" if torch.cuda.is_available() else "CPU tensor") in out["hbm_device"]  # --device auto
         assert out["policies"] == {"hbm": "s3fifo", "dram": "s3fifo"}
+    copy = tmp_path / "corrupt"  # every row of the first layer wrong: printed, and the exit status says so
+    copy.mkdir()
+    for f in tables.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    data = np.fromfile(copy / "layer1.tbl", np.uint8)
+    data[4096:] ^= 1
+    data.tofile(copy / "layer1.tbl")
+    res = run("bench", "--dir", copy, "--trace", path, "--capacity", 150, "--device", "cpu", "--json")
+    assert res.exit_code == 1 and "rows differ from their reference" in res.stderr, res.output
+    assert json.loads(res.stdout)["mismatches"] > 0  # it was exit 0: a script took the run as good
     res = run("bench", "--dir", tables, "--trace", path, "--capacity", 0, "--backing", "hbm", "--device", "cpu",
               "--json")
-    assert res.exit_code == 0 and json.loads(res.output)["policies"] == {}  # no tier runs a policy
+    out = json.loads(res.stdout)  # no tier runs a policy; the table's rows are HBM reads on both sides
+    assert res.exit_code == 0 and out["policies"] == {} and out["matches_simulator"] is True, out["comparison"]
+    assert out["comparison"]["hbm_read_bytes"]["simulator"] == out["store"]["unique"] * 264
     res = run("bench", "--dir", tables, "--trace", path, "--capacity", "1e9", "--no-verify", "--device", "cpu")
     assert res.exit_code == 0 and "hbm capacity 1,000,000,000 rows clamped to the table's 7,728 rows" in res.output
     for device in ("gpu", "cuda:x", "cudax"):  # 'cuda...' was taken for CUDA: torch's RuntimeError on a GPU machine

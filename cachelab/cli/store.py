@@ -129,7 +129,8 @@ def bench(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Replay a trace's row stream through the store; per-tier hits, misses and bytes, stage
-    times, and the simulator's figures for the same stream, policies and capacities."""
+    times, and the simulator's figures for the same stream, policies and capacities. Exits 1
+    where a row differs from its reference or the store's figures from the simulator's."""
     from cachelab.engram.config import preset_flag
     from cachelab.learning.streams import check_stream_layout, layout_signature, load_trace
     from cachelab.store.backing import check_io
@@ -196,8 +197,15 @@ def bench(
     out["trace"] = trace
     if as_json:
         typer.echo(strict_json.dumps(out))
-        return
-    _print(out)
+    else:
+        _print(out)
+    wrong = [why for why, bad in ((f"{out.get('mismatches', 0):,} rows differ from their reference",
+                                   out.get("mismatches", 0)),
+                                  ("the store's figures differ from the simulator's", not out["matches_simulator"]))
+             if bad]
+    if wrong:  # a script sees it in the exit status, as `store verify` says a mismatch
+        typer.echo(f"store bench: {'; '.join(wrong)}", err=True)
+        raise typer.Exit(code=1)
 
 
 def _device(device: str) -> str:

@@ -95,8 +95,11 @@ def compare(store_totals: dict, sim: dict, tier_names, backing: str) -> dict[str
     out["backing_rows"] = (store_totals["backing_rows"], sum(levels[n]["served_unique"] for n in backing_levels))
     out["unique"] = (store_totals["unique"], sim["unique_rows"])
     out["requested"] = (store_totals["requested"], sim["lookups"])
-    out["hbm_read_bytes"] = (store_totals["hbm_read_bytes"], sim["bytes"]["hbm_read"])
-    out["host_to_device_bytes"] = (store_totals["host_to_device_bytes"], sim["bytes"]["host_to_gpu"])
+    hbm_read, host_to_gpu = sim["bytes"]["hbm_read"], sim["bytes"]["host_to_gpu"]
+    if backing == "hbm":  # the engine's backing is in host memory; here the table is on the device
+        hbm_read, host_to_gpu = hbm_read + host_to_gpu, 0
+    out["hbm_read_bytes"] = (store_totals["hbm_read_bytes"], hbm_read)
+    out["host_to_device_bytes"] = (store_totals["host_to_device_bytes"], host_to_gpu)
     if backing == "dram":
         out["host_read_bytes"] = (store_totals["host_read_bytes"], sim["bytes"]["host_read"])
     if backing == "direct":
