@@ -154,3 +154,33 @@ def test_the_serving_process_exempts_its_startup_heap_from_collection(monkeypatc
     finally:
         gc.unfreeze()
     assert frozen and frozen[0] > 50_000  # torch, the tokenizer, the model: all exempt before serving
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_serve_closes_its_capture_and_tells_why_a_record_was_not_written(tmp_path, sig):
+    """`serve --capture` closed its recorder only after uvicorn returned, which SIGTERM never lets
+    it do (uvicorn re-raises the signal: the process ends), and it never told the recorder's
+    write error, as the capture proxy tells it. The capture's file is cut short once a record is
+    in (RLIMIT_FSIZE of the running server: no file of the engine's is written after start-up)."""
+    import errno
+    import os
+    import resource
+
+    port = _free_port()
+    proc = _serve_process(port, "--capture", str(tmp_path / "cap"))
+    try:
+        args = {"prompt": "y", "max_tokens": 20, "ignore_eos": True}
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=args, timeout=60).status_code == 200
+        segment = tmp_path / "cap" / "requests-000000.seg"
+        deadline = time.time() + 30
+        while (size := segment.stat().st_size) < 100 and time.time() < deadline:  # the first record is in
+            time.sleep(0.05)
+        resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (size + 16, resource.RLIM_INFINITY))
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=args, timeout=60).status_code == 200
+        proc.send_signal(sig)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    out = proc.stdout.read()
+    assert f"capture: {segment}: [Errno {errno.EFBIG}] {os.strerror(errno.EFBIG)}" in out, out[-2000:]

@@ -257,6 +257,14 @@ class Recorder:
         self.close()
 
 
+def report_write_error(recorder, echo) -> None:
+    """At exit: tell ``echo`` why what was handed to ``recorder`` (a ``Recorder`` or a
+    ``CaptureWriter``) was not all written, e.g. a thread writer still at work when its close gave up."""
+    error = recorder.stats()["write_error"]
+    if error:
+        echo(f"capture: {error}")
+
+
 class Timeline:
     """One request inside a server (``cachelab serve --capture``): the server hands every output
     (``new_token_ids``, ``finished``, ``finish_reason``, ``cached_tokens``) to this sink, which

@@ -109,7 +109,7 @@ def proxy(
 
     from cachelab.capture.upstream import shown_url
     from cachelab.capture.proxy import ProxyConfig, event_loop_factory, run_proxy
-    from cachelab.capture.recorder import Recorder
+    from cachelab.capture.recorder import Recorder, report_write_error
     from cachelab.capture.writer import CaptureWriter
     from cachelab.engram.vocab import DEEPSEEK_V4, load_tokenizer
     from cachelab.heap import freeze_startup_heap
@@ -179,8 +179,7 @@ def proxy(
     freeze_startup_heap()
     with asyncio.Runner(loop_factory=new_loop) as runner:
         runner.run(main())
-    if recorder.stats()["write_error"]:  # e.g. the thread writer still at work when its close gave up
-        typer.echo(f"capture: {recorder.stats()['write_error']}", err=True)
+    report_write_error(recorder, lambda line: typer.echo(line, err=True))
     if writer == "process" and recorder.proc.poll() is None:
         typer.echo(f"the capture writer (pid {recorder.proc.pid}) is still writing what it was handed; "
                    "it exits when done", err=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import sys
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -216,6 +217,16 @@ def _app(opts: ServeOptions, engine, recorder=None):
     return create_app(engine, model_name(opts), limits, opts.api_key, recorder)
 
 
+def _close_capture(recorder) -> None:
+    """Close the recorder (what it holds is written, 30 s at most, as the capture proxy's) and say
+    on stderr, as the proxy does, why anything handed to it was not written."""
+    from cachelab.capture.recorder import report_write_error
+
+    if recorder is not None:
+        recorder.close()
+        report_write_error(recorder, lambda line: print(line, file=sys.stderr))
+
+
 @contextmanager
 def running_server(opts: ServeOptions, engine=None):
     """A started engine and a uvicorn server on a thread; yields ``(base_url, engine)``.
@@ -243,8 +254,7 @@ def running_server(opts: ServeOptions, engine=None):
         server.should_exit = True
         thread.join()
         engine.stop()
-        if recorder is not None:
-            recorder.close()
+        _close_capture(recorder)
 
 
 def serve(opts: ServeOptions, announce=print) -> None:
@@ -263,11 +273,18 @@ def serve(opts: ServeOptions, announce=print) -> None:
     announce(f"cachelab serve: model {model_name(opts)!r} ({cfg.name}, Engram at layers {list(cfg.engram_layers)}, "
              f"rows from {engine.rows.directory} ({PLACEMENTS.get(opts.placement, opts.placement)})) on "
              f"http://{opts.host}:{sock.getsockname()[1]}/v1")
-    app.router.add_event_handler("shutdown", engine.stop)  # uvicorn re-raises SIGTERM after its shutdown
+    done = []
+
+    def shut_down() -> None:
+        if not done:
+            done.append(True)
+            engine.stop()
+            _close_capture(recorder)
+    # at the app's shutdown: uvicorn re-raises SIGTERM after it, which ends the process before any `finally`
+    # (the capture was never closed nor its write error told)
+    app.router.add_event_handler("shutdown", shut_down)
     try:
         Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1), engine,
                opts.shutdown_timeout).run(sockets=[sock])
     finally:
-        engine.stop()
-        if recorder is not None:
-            recorder.close()
+        shut_down()
