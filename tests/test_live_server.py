@@ -643,6 +643,55 @@ def test_requests_in_flight_when_the_engine_stops_get_an_error_not_a_200():
         assert httpx.get(f"{url}/health").status_code == 503
 
 
+def test_connections_are_bounded_and_one_that_stalls_before_its_request_is_closed():
+    """uvicorn bounded neither the connections it held nor how long one may take to send its
+    request: connections that sent nothing, half a head, or a body that never came whole were
+    held for ever (a file descriptor each: enough of them and the server could open no file nor
+    accept). One over ``max_connections`` gets a 503 in OpenAI's shape and is closed; one without
+    a whole head within ``header_timeout`` of opening or of its last answer is closed; a body not
+    whole by then is a 408."""
+    import socket
+    import time
+
+    def closed_by_server(sock) -> bool:
+        sock.settimeout(10)
+        try:
+            return sock.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+    opts = ServeOptions(port=0, kv_cache_tokens=4096, threads=1, max_connections=4, header_timeout=0.5)
+    with running_server(opts) as (url, _):
+        address = url[len("http://"):].split(":")
+        address = (address[0], int(address[1]))
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        silent = [socket.create_connection(address) for _ in range(4)]
+        with pytest.raises(openai.InternalServerError) as refused:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=1)
+        assert refused.value.status_code == 503 and refused.value.body["code"] == 503
+        assert "holds at most 4" in refused.value.body["message"]
+        t0 = time.monotonic()
+        assert all(closed_by_server(s) for s in silent) and time.monotonic() - t0 < 5
+        head = "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n".encode()
+        half_head, slow_body, kept_alive = (socket.create_connection(address) for _ in range(3))
+        half_head.sendall(head)
+        slow_body.sendall(head + b"content-length: 100\r\n\r\n{\"prompt\": ")
+        body = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
+        kept_alive.sendall(head + b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        kept_alive.settimeout(30)
+        assert kept_alive.recv(65536).startswith(b"HTTP/1.1 200")
+        kept_alive.sendall(head)  # the next request's head stalls: uvicorn's keep-alive timer stopped at its bytes
+        slow_body.settimeout(10)
+        answer = slow_body.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 408")
+        error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+        assert error["code"] == 408 and "did not come whole within 0.5 s" in error["message"]
+        assert closed_by_server(half_head) and closed_by_server(kept_alive)
+        assert client.completions.create(model=MODEL, prompt="x", max_tokens=1).usage.completion_tokens == 1
+        for s in (*silent, half_head, slow_body, kept_alive):
+            s.close()
+
+
 def test_a_server_shutting_down_aborts_its_requests_with_a_503():
     """Shutting down (SIGTERM, Ctrl-C: uvicorn's shutdown) left the requests in flight to the
     graceful timeout, then cancelled them: a whole answer got a 500 (a CancelledError traceback

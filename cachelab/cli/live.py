@@ -49,6 +49,11 @@ def serve(
     max_num_seqs: int = typer.Option(64, help="Sequences per step at most."),
     max_num_batched_tokens: int = typer.Option(2048, help="Token budget per step (chunked prefill)."),
     max_body_bytes: int = typer.Option(1 << 20, help="Largest request body accepted (413 above)."),
+    max_connections: int = typer.Option(4096, help="Client connections open at once; one more is answered with a "
+                                        "503 and closed (each holds a file descriptor)."),
+    header_timeout: float = typer.Option(30.0, help="Seconds a connection may take to send a request head (from "
+                                         "its opening or its last answer; then it is closed), and a request its "
+                                         "body (then a 408)."),
     prefetch: bool = typer.Option(True, "--prefetch/--no-prefetch", help="Fetch a step's Engram rows while the "
                                   "layers before the first Engram layer compute."),
     prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching", help="vLLM's automatic "
@@ -77,6 +82,7 @@ def serve(
                      step_log=step_log, weights=weights, seed=seed, engram_layers=_layers(engram_layers),
                      kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                     max_body_bytes=max_body_bytes, prefetch=prefetch, prefix_caching=prefix_caching, device=device,
+                     max_body_bytes=max_body_bytes, max_connections=max_connections, header_timeout=header_timeout,
+                     prefetch=prefetch, prefix_caching=prefix_caching, device=device,
                      threads=threads, served_model_name=served_model_name, capture=capture,
                      shutdown_timeout=shutdown_timeout), announce=typer.echo)

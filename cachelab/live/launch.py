@@ -47,6 +47,8 @@ class ServeOptions:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     max_body_bytes: int = 1 << 20
+    max_connections: int = 4096
+    header_timeout: float = 30.0  # s a connection may take to send a request head, a request its body
     prefetch: bool = True
     prefix_caching: bool = True
     device: str = "cpu"
@@ -210,11 +212,21 @@ def model_name(opts: ServeOptions) -> str:
     return opts.served_model_name or f"cachelab-{Path(opts.preset).stem}"
 
 
-def _app(opts: ServeOptions, engine, recorder=None):
-    from cachelab.live.server import Limits, create_app
+def _limits(opts: ServeOptions):
+    from cachelab.live.server import Limits
 
-    limits = Limits(opts.max_body_bytes, model_for(opts).max_model_len)
-    return create_app(engine, model_name(opts), limits, opts.api_key, recorder)
+    return Limits(opts.max_body_bytes, model_for(opts).max_model_len, opts.max_connections, opts.header_timeout)
+
+
+def _uvicorn_config(opts: ServeOptions, engine, recorder=None, **kwargs):
+    """The app over the engine, on uvicorn's HTTP protocol with the connection bounds."""
+    import uvicorn
+
+    from cachelab.live.server import create_app, http_protocol
+
+    limits = _limits(opts)
+    app = create_app(engine, model_name(opts), limits, opts.api_key, recorder)
+    return uvicorn.Config(app, http=http_protocol(limits), log_level="warning", timeout_graceful_shutdown=1, **kwargs)
 
 
 def _close_capture(recorder) -> None:
@@ -233,14 +245,13 @@ def running_server(opts: ServeOptions, engine=None):
 
     Port 0 picks a free port. Stops both on exit (tests and benchmarks use this; the CLI
     runs uvicorn in the foreground with ``serve``)."""
-    import uvicorn
-
     from cachelab.live.server import Server
 
     check_bind(opts.host, opts.api_key)
+    _limits(opts)  # bad bounds refused before the engine starts
     recorder, engine = _capture_then_engine(opts, engine)
-    server = Server(uvicorn.Config(_app(opts, engine, recorder), host=opts.host, port=opts.port,
-                                   log_level="warning", timeout_graceful_shutdown=1), engine, opts.shutdown_timeout)
+    server = Server(_uvicorn_config(opts, engine, recorder, host=opts.host, port=opts.port), engine,
+                    opts.shutdown_timeout)
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
     try:
@@ -259,16 +270,16 @@ def running_server(opts: ServeOptions, engine=None):
 
 def serve(opts: ServeOptions, announce=print) -> None:
     """Run the server in the foreground until interrupted."""
-    import uvicorn
-
     from cachelab.heap import freeze_startup_heap
     from cachelab.live.server import Server
 
     check_bind(opts.host, opts.api_key)
+    _limits(opts)  # bad bounds refused before the engine starts
     sock = bound_socket(opts.host, opts.port)
     cfg = model_for(opts)
     recorder, engine = _capture_then_engine(opts)
-    app = _app(opts, engine, recorder)
+    config = _uvicorn_config(opts, engine, recorder)
+    app = config.app
     freeze_startup_heap()  # this process only serves: its model, tokenizer and imports stay unscanned
     announce(f"cachelab serve: model {model_name(opts)!r} ({cfg.name}, Engram at layers {list(cfg.engram_layers)}, "
              f"rows from {engine.rows.directory} ({PLACEMENTS.get(opts.placement, opts.placement)})) on "
@@ -284,7 +295,6 @@ def serve(opts: ServeOptions, announce=print) -> None:
     # (the capture was never closed nor its write error told)
     app.router.add_event_handler("shutdown", shut_down)
     try:
-        Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1), engine,
-               opts.shutdown_timeout).run(sockets=[sock])
+        Server(config, engine, opts.shutdown_timeout).run(sockets=[sock])
     finally:
         shut_down()

@@ -21,7 +21,7 @@ from cachelab.live.sampling import SamplingParams
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 408: "RequestTimeoutError",
                413: "RequestEntityTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 

@@ -5,8 +5,13 @@ whole), ``/v1/models``, ``/health``, ``/metrics``. Every refusal is a 4xx in Ope
 shape before the engine sees the request: body over the size limit (413), malformed JSON or
 fields (400), unknown model (404), a prompt that fills the context or ``max_tokens`` over
 it (400; a ``max_tokens`` the prompt leaves no room for is cut, as vLLM cuts it), a missing
-or wrong API key (401). A client that disconnects, mid-stream or while waiting for a
-whole answer, has its request aborted: the engine frees its KV blocks before the next step.
+or wrong API key (401), a body that has not come whole within ``--header-timeout`` (408).
+Connections are bounded (``--max-connections``): one over the bound is answered with a 503 and
+closed as it opens, and one that has not sent a whole request head within ``--header-timeout``
+of opening or of its last answer is closed (uvicorn bounds neither: idle or trickling
+connections held a file descriptor each for ever). A client that disconnects, mid-stream or
+while waiting for a whole answer, has its request aborted: the engine frees its KV blocks
+before the next step.
 A server shutting down (SIGTERM, Ctrl-C) aborts every request first (vLLM's default shutdown):
 each client gets a 503 at once (in a stream, an error event and ``[DONE]``); with a
 ``--shutdown-timeout`` it first lets them finish for up to that long, as vLLM's drain does.
@@ -37,10 +42,67 @@ RECORDED = ("/v1/completions", "/v1/chat/completions")  # the routes --capture r
 
 @dataclass(frozen=True)
 class Limits:
-    """Args: max_body_bytes: request body size (413 above); max_model_len: prompt + output tokens."""
+    """Args: max_body_bytes: request body size (413 above); max_model_len: prompt + output tokens;
+    max_connections: client connections open at once (one more is refused with a 503);
+    header_timeout_s: how long a connection may take to send a request head (from its opening
+    or its last answer; then it is closed), and a request its body (then a 408)."""
 
     max_body_bytes: int = 1 << 20
     max_model_len: int = 2048
+    max_connections: int = 4096
+    header_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1:
+            raise CachelabError(f"--max-connections {self.max_connections}: expected at least 1")
+        if not self.header_timeout_s > 0:
+            raise CachelabError(f"--header-timeout {self.header_timeout_s}: expected a positive number of seconds")
+
+
+def http_protocol(limits: Limits):
+    """uvicorn's HTTP protocol (httptools, else h11) with the connection bounds of ``limits``
+    (see module doc), for ``uvicorn.Config(http=...)``."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    error = APIError(503, f"too many connections: this server holds at most {limits.max_connections} at once; "
+                          "retry later").body()
+    body = json.dumps(error).encode()
+    refusal = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+               b"content-length: %d\r\nconnection: close\r\nretry-after: 1\r\n\r\n%s" % (len(body), body))
+
+    class BoundedHTTP(AutoHTTPProtocol):
+        _head_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > limits.max_connections:
+                transport.write(refusal)
+                transport.close()
+                return
+            self._await_head()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self.cycle.response_complete and not self.transport.is_closing():  # no pipelined request next
+                self._await_head()
+
+        def connection_lost(self, exc) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            super().connection_lost(exc)
+
+        def _await_head(self) -> None:
+            """Close the connection unless a new request head (a new cycle) has come in time."""
+            waiting_on = self.cycle
+
+            def expire() -> None:
+                if self.cycle is waiting_on and not self.transport.is_closing():
+                    self.transport.close()
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            self._head_timer = self.loop.call_later(limits.header_timeout_s, expire)
+
+    return BoundedHTTP
 
 
 class _Collector:
@@ -104,10 +166,15 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
         if declared and declared.isdigit() and int(declared) > limits.max_body_bytes:
             raise APIError(413, f"request body of {declared} bytes is over the limit of {limits.max_body_bytes}")
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limits.max_body_bytes:
-                raise APIError(413, f"request body is over the limit of {limits.max_body_bytes} bytes")
+        try:
+            async with asyncio.timeout(limits.header_timeout_s):
+                async for chunk in request.stream():
+                    body += chunk
+                    if len(body) > limits.max_body_bytes:
+                        raise APIError(413, f"request body is over the limit of {limits.max_body_bytes} bytes")
+        except TimeoutError:
+            raise APIError(408, f"the request body did not come whole within {limits.header_timeout_s:g} s "
+                                f"({len(body)} bytes came)") from None
         try:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
