@@ -643,7 +643,15 @@ def test_requests_in_flight_when_the_engine_stops_get_an_error_not_a_200():
         assert httpx.get(f"{url}/health").status_code == 503
 
 
-def test_connections_are_bounded_and_one_that_stalls_before_its_request_is_closed():
+@pytest.fixture(scope="module")
+def bounded_server():
+    opts = ServeOptions(port=0, kv_cache_tokens=4096, threads=1, max_connections=4, header_timeout=0.5,
+                        max_requests_in_flight=4)
+    with running_server(opts) as (url, engine):
+        yield url, engine
+
+
+def test_connections_are_bounded_and_one_that_stalls_before_its_request_is_closed(bounded_server):
     """uvicorn bounded neither the connections it held nor how long one may take to send its
     request: connections that sent nothing, half a head, or a body that never came whole were
     held for ever (a file descriptor each: enough of them and the server could open no file nor
@@ -660,36 +668,57 @@ def test_connections_are_bounded_and_one_that_stalls_before_its_request_is_close
         except ConnectionResetError:
             return True
 
-    opts = ServeOptions(port=0, kv_cache_tokens=4096, threads=1, max_connections=4, header_timeout=0.5)
-    with running_server(opts) as (url, _):
-        address = url[len("http://"):].split(":")
-        address = (address[0], int(address[1]))
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        silent = [socket.create_connection(address) for _ in range(4)]
-        with pytest.raises(openai.InternalServerError) as refused:
-            client.completions.create(model=MODEL, prompt="x", max_tokens=1)
-        assert refused.value.status_code == 503 and refused.value.body["code"] == 503
-        assert "holds at most 4" in refused.value.body["message"]
-        t0 = time.monotonic()
-        assert all(closed_by_server(s) for s in silent) and time.monotonic() - t0 < 5
-        head = "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n".encode()
-        half_head, slow_body, kept_alive = (socket.create_connection(address) for _ in range(3))
-        half_head.sendall(head)
-        slow_body.sendall(head + b"content-length: 100\r\n\r\n{\"prompt\": ")
-        body = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
-        kept_alive.sendall(head + b"content-length: %d\r\n\r\n%s" % (len(body), body))
-        kept_alive.settimeout(30)
-        assert kept_alive.recv(65536).startswith(b"HTTP/1.1 200")
-        kept_alive.sendall(head)  # the next request's head stalls: uvicorn's keep-alive timer stopped at its bytes
-        slow_body.settimeout(10)
-        answer = slow_body.recv(65536)
-        assert answer.startswith(b"HTTP/1.1 408")
-        error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
-        assert error["code"] == 408 and "did not come whole within 0.5 s" in error["message"]
-        assert closed_by_server(half_head) and closed_by_server(kept_alive)
+    url, _ = bounded_server
+    address = url[len("http://"):].split(":")
+    address = (address[0], int(address[1]))
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    silent = [socket.create_connection(address) for _ in range(4)]
+    with pytest.raises(openai.InternalServerError) as refused:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1)
+    assert refused.value.status_code == 503 and refused.value.body["code"] == 503
+    assert "holds at most 4" in refused.value.body["message"]
+    t0 = time.monotonic()
+    assert all(closed_by_server(s) for s in silent) and time.monotonic() - t0 < 5
+    head = "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n".encode()
+    half_head, slow_body, kept_alive = (socket.create_connection(address) for _ in range(3))
+    half_head.sendall(head)
+    slow_body.sendall(head + b"content-length: 100\r\n\r\n{\"prompt\": ")
+    body = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
+    kept_alive.sendall(head + b"content-length: %d\r\n\r\n%s" % (len(body), body))
+    kept_alive.settimeout(30)
+    assert kept_alive.recv(65536).startswith(b"HTTP/1.1 200")
+    kept_alive.sendall(head)  # the next request's head stalls: uvicorn's keep-alive timer stopped at its bytes
+    slow_body.settimeout(10)
+    answer = slow_body.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 408")
+    error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+    assert error["code"] == 408 and "did not come whole within 0.5 s" in error["message"]
+    assert closed_by_server(half_head) and closed_by_server(kept_alive)
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=1).usage.completion_tokens == 1
+    for s in (*silent, half_head, slow_body, kept_alive):
+        s.close()
+
+
+def test_choices_in_flight_are_bounded(bounded_server):
+    """Requests were taken in without bound: one request of 1,024 prompts x n=16,384 (a few KB)
+    made 16.7 M engine requests (each with its generator and detokenizer: the memory of a few
+    hundred tiny servers, hours of steps). Choices over ``max_requests_in_flight`` on their own
+    are a 400 naming it; ones that would take the engine over it while others run are a 503."""
+    url, engine = bounded_server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as too_many:
+        client.completions.create(model=MODEL, prompt=[[1], [2]], n=3, max_tokens=1)
+    assert too_many.value.body["param"] == "n" and "2 prompt(s) x n=3 choices" in too_many.value.body["message"]
+    assert "more than this server takes in at once (4, --max-requests-in-flight)" in too_many.value.body["message"]
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1500, "ignore_eos": True, "n": 3, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as running:
+        next(line for line in running.iter_lines() if line.startswith("data:"))  # 3 choices in flight
+        with pytest.raises(openai.InternalServerError) as full:
+            client.completions.create(model=MODEL, prompt="x", n=2, max_tokens=1)
+        assert full.value.status_code == 503 and "3 requests in flight, at most 4" in full.value.body["message"]
         assert client.completions.create(model=MODEL, prompt="x", max_tokens=1).usage.completion_tokens == 1
-        for s in (*silent, half_head, slow_body, kept_alive):
-            s.close()
+    wait_idle(engine)
+    assert len(client.completions.create(model=MODEL, prompt="x", n=4, max_tokens=1).choices) == 4
 
 
 def test_a_server_shutting_down_aborts_its_requests_with_a_503():

@@ -54,6 +54,8 @@ def serve(
     header_timeout: float = typer.Option(30.0, help="Seconds a connection may take to send a request head (from "
                                          "its opening or its last answer; then it is closed), and a request its "
                                          "body (then a 408)."),
+    max_requests_in_flight: int = typer.Option(16_384, help="Engine requests (a choice of n each) taken in and not "
+                                               "finished; a request whose choices would go over it gets a 503."),
     prefetch: bool = typer.Option(True, "--prefetch/--no-prefetch", help="Fetch a step's Engram rows while the "
                                   "layers before the first Engram layer compute."),
     prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching", help="vLLM's automatic "
@@ -83,6 +85,7 @@ def serve(
                      kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                      max_body_bytes=max_body_bytes, max_connections=max_connections, header_timeout=header_timeout,
+                     max_requests_in_flight=max_requests_in_flight,
                      prefetch=prefetch, prefix_caching=prefix_caching, device=device,
                      threads=threads, served_model_name=served_model_name, capture=capture,
                      shutdown_timeout=shutdown_timeout), announce=typer.echo)

@@ -161,6 +161,7 @@ class LiveEngine:
         self._inbox: list[tuple[str, object]] = []
         self._cv = threading.Condition()
         self._next_rid = 0
+        self._in_flight = 0  # requests submitted and not finished (``submit``'s bound counts them)
         self._stopping = False
         self.error: str | None = None  # set when a step failed and the engine stopped
         self.closed = False  # set by abort_all: the server is shutting down, new requests are refused
@@ -193,10 +194,12 @@ class LiveEngine:
         self.rows.close()
 
     def submit(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
-               sinks: Sequence[Callable[[RequestOutput], None]], n: int = 1) -> list[int]:
+               sinks: Sequence[Callable[[RequestOutput], None]], n: int = 1,
+               max_in_flight: int | None = None) -> list[int]:
         """Queue requests together (they reach the scheduler in the same step); their ids. Each
         ``n`` in a row are one prompt's choices (vLLM's parallel sampling: its ``n`` and the
-        longest choice are observed once, when all of them finished)."""
+        longest choice are observed once, when all of them finished). With ``max_in_flight``,
+        requests that would take the engine's unfinished ones over it are refused."""
         if self.error:
             raise CachelabError(f"the engine stopped after an error: {self.error}")
         if len(prompts) % n:
@@ -206,6 +209,10 @@ class LiveEngine:
         with self._cv:
             if self.closed:
                 raise CachelabError("the server is shutting down")
+            if max_in_flight is not None and self._in_flight + len(prompts) > max_in_flight:
+                raise CachelabError(f"{self._in_flight} requests in flight, at most {max_in_flight}: "
+                                 f"{len(prompts)} more must wait; retry later")
+            self._in_flight += len(prompts)
             for k, (prompt, p, sink) in enumerate(zip(prompts, params, sinks, strict=True)):
                 if k % n == 0:
                     parent = _Parent(n, n)
@@ -437,6 +444,8 @@ class LiveEngine:
         live.sink(RequestOutput(rid, list(tokens), live.detok.take(final=True), True, reason, stop_reason,
                                 live.req.num_prompt, live.req.num_output, max(live.cached_tokens, 0)))
         del self._live[rid]  # last: a request leaves num_live once everything about it is done
+        with self._cv:
+            self._in_flight -= 1
 
     def _count(self, step: StepRecord, row_ids: np.ndarray, fetch: dict, t0: float, t_done: float) -> None:
         c = self.counters

@@ -49,6 +49,7 @@ class ServeOptions:
     max_body_bytes: int = 1 << 20
     max_connections: int = 4096
     header_timeout: float = 30.0  # s a connection may take to send a request head, a request its body
+    max_requests_in_flight: int = 16_384  # engine requests (choices) taken in and not finished
     prefetch: bool = True
     prefix_caching: bool = True
     device: str = "cpu"
@@ -215,7 +216,8 @@ def model_name(opts: ServeOptions) -> str:
 def _limits(opts: ServeOptions):
     from cachelab.live.server import Limits
 
-    return Limits(opts.max_body_bytes, model_for(opts).max_model_len, opts.max_connections, opts.header_timeout)
+    return Limits(opts.max_body_bytes, model_for(opts).max_model_len, opts.max_connections, opts.header_timeout,
+                  opts.max_requests_in_flight)
 
 
 def _uvicorn_config(opts: ServeOptions, engine, recorder=None, **kwargs):

@@ -5,7 +5,9 @@ whole), ``/v1/models``, ``/health``, ``/metrics``. Every refusal is a 4xx in Ope
 shape before the engine sees the request: body over the size limit (413), malformed JSON or
 fields (400), unknown model (404), a prompt that fills the context or ``max_tokens`` over
 it (400; a ``max_tokens`` the prompt leaves no room for is cut, as vLLM cuts it), a missing
-or wrong API key (401), a body that has not come whole within ``--header-timeout`` (408).
+or wrong API key (401), a body that has not come whole within ``--header-timeout`` (408),
+choices (prompts x ``n``) that would take the engine over ``--max-requests-in-flight`` (503;
+400 when they alone are more: one request of 1,024 prompts x ``n`` 16,384 was taken in whole).
 Connections are bounded (``--max-connections``): one over the bound is answered with a 503 and
 closed as it opens, and one that has not sent a whole request head within ``--header-timeout``
 of opening or of its last answer is closed (uvicorn bounds neither: idle or trickling
@@ -45,16 +47,21 @@ class Limits:
     """Args: max_body_bytes: request body size (413 above); max_model_len: prompt + output tokens;
     max_connections: client connections open at once (one more is refused with a 503);
     header_timeout_s: how long a connection may take to send a request head (from its opening
-    or its last answer; then it is closed), and a request its body (then a 408)."""
+    or its last answer; then it is closed), and a request its body (then a 408);
+    max_requests_in_flight: engine requests (a choice each) taken in and not finished (a request
+    whose choices would go over it: a 503, or a 400 if they alone are more)."""
 
     max_body_bytes: int = 1 << 20
     max_model_len: int = 2048
     max_connections: int = 4096
     header_timeout_s: float = 30.0
+    max_requests_in_flight: int = MAX_N
 
     def __post_init__(self) -> None:
         if self.max_connections < 1:
             raise CachelabError(f"--max-connections {self.max_connections}: expected at least 1")
+        if self.max_requests_in_flight < 1:
+            raise CachelabError(f"--max-requests-in-flight {self.max_requests_in_flight}: expected at least 1")
         if not self.header_timeout_s > 0:
             raise CachelabError(f"--header-timeout {self.header_timeout_s}: expected a positive number of seconds")
 
@@ -220,6 +227,9 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
         n = req.n
         if n > 1 and params[0].temperature == 0:  # vLLM's check and words
             raise APIError(400, f"n must be 1 when using greedy sampling, got {n}.", "n")
+        if len(prompts) * n > limits.max_requests_in_flight:  # before a choice is made: 1024 x 16,384 of them
+            raise APIError(400, f"{len(prompts)} prompt(s) x n={n} choices are more than this server takes in at "
+                                f"once ({limits.max_requests_in_flight}, --max-requests-in-flight)", "n")
         jobs = [(ids, p if p.seed is None else replace(p, seed=p.seed + j))
                 for ids, p in zip(prompts, params, strict=True) for j in range(n)]
         collector = _Collector(asyncio.get_running_loop())
@@ -230,8 +240,9 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
             index=i, upstream_id=oid, arrival=request.state.arrival, aborted=lambda: _aborted(engine).message)
             for i, (ids, _) in enumerate(jobs)]
         try:
-            rids = engine.submit([ids for ids, _ in jobs], [p for _, p in jobs], timelines or [collector] * len(jobs), n)
-        except CachelabError as exc:  # the engine stopped after an error, or the server is shutting down
+            rids = engine.submit([ids for ids, _ in jobs], [p for _, p in jobs], timelines or [collector] * len(jobs), n,
+                                 limits.max_requests_in_flight)
+        except CachelabError as exc:  # too many in flight, the engine stopped after an error, or it is shutting down
             raise APIError(503, str(exc)) from None
         request.state.recorded = True  # by the timelines from now on
         choices = _Choices(rids, [ids for ids, _ in jobs], n, req.return_token_ids, timelines)
