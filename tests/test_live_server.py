@@ -643,10 +643,13 @@ def test_requests_in_flight_when_the_engine_stops_get_an_error_not_a_200():
         assert httpx.get(f"{url}/health").status_code == 503
 
 
+KEY = "bounded-server-key"
+
+
 @pytest.fixture(scope="module")
 def bounded_server():
     opts = ServeOptions(port=0, kv_cache_tokens=4096, threads=1, max_connections=4, header_timeout=0.5,
-                        max_requests_in_flight=4)
+                        max_requests_in_flight=4, api_key=KEY)
     with running_server(opts) as (url, engine):
         yield url, engine
 
@@ -671,7 +674,7 @@ def test_connections_are_bounded_and_one_that_stalls_before_its_request_is_close
     url, _ = bounded_server
     address = url[len("http://"):].split(":")
     address = (address[0], int(address[1]))
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
     silent = [socket.create_connection(address) for _ in range(4)]
     with pytest.raises(openai.InternalServerError) as refused:
         client.completions.create(model=MODEL, prompt="x", max_tokens=1)
@@ -679,7 +682,8 @@ def test_connections_are_bounded_and_one_that_stalls_before_its_request_is_close
     assert "holds at most 4" in refused.value.body["message"]
     t0 = time.monotonic()
     assert all(closed_by_server(s) for s in silent) and time.monotonic() - t0 < 5
-    head = "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n".encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n" \
+           f"authorization: Bearer {KEY}\r\n".encode()
     half_head, slow_body, kept_alive = (socket.create_connection(address) for _ in range(3))
     half_head.sendall(head)
     slow_body.sendall(head + b"content-length: 100\r\n\r\n{\"prompt\": ")
@@ -705,13 +709,14 @@ def test_choices_in_flight_are_bounded(bounded_server):
     hundred tiny servers, hours of steps). Choices over ``max_requests_in_flight`` on their own
     are a 400 naming it; ones that would take the engine over it while others run are a 503."""
     url, engine = bounded_server
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
     with pytest.raises(openai.BadRequestError) as too_many:
         client.completions.create(model=MODEL, prompt=[[1], [2]], n=3, max_tokens=1)
     assert too_many.value.body["param"] == "n" and "2 prompt(s) x n=3 choices" in too_many.value.body["message"]
     assert "more than this server takes in at once (4, --max-requests-in-flight)" in too_many.value.body["message"]
     body = {"model": MODEL, "prompt": "x", "max_tokens": 1500, "ignore_eos": True, "n": 3, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as running:
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60,
+                      headers={"authorization": f"Bearer {KEY}".encode()}) as running:
         next(line for line in running.iter_lines() if line.startswith("data:"))  # 3 choices in flight
         with pytest.raises(openai.InternalServerError) as full:
             client.completions.create(model=MODEL, prompt="x", n=2, max_tokens=1)
@@ -719,6 +724,27 @@ def test_choices_in_flight_are_bounded(bounded_server):
         assert client.completions.create(model=MODEL, prompt="x", max_tokens=1).usage.completion_tokens == 1
     wait_idle(engine)
     assert len(client.completions.create(model=MODEL, prompt="x", n=4, max_tokens=1).choices) == 4
+
+
+def test_the_api_key_is_checked_as_vllm_checks_it(bounded_server, monkeypatch):
+    """The key was compared with ``!=`` (a timing attack learns a guess's correct prefix) and
+    only after a ``Bearer`` spelled so: vLLM takes the scheme in any case (RFC 9110) and compares
+    digests in constant time."""
+    import secrets
+
+    url, _ = bounded_server
+    compared = []
+    real = secrets.compare_digest
+    monkeypatch.setattr(secrets, "compare_digest", lambda a, b: compared.append((a, b)) or real(a, b))
+    key = KEY.encode()
+    for scheme, value, status in (("Bearer", key, 200), ("bearer", key, 200), ("BEARER", key, 200),
+                                  ("Bearer", key[:-1], 401), ("Basic", key, 401), ("Bearer", b"\xff" * 3, 401)):
+        r = httpx.get(f"{url}/v1/models", headers={"authorization": scheme.encode() + b" " + value})
+        assert r.status_code == status, (scheme, value, r.text)
+        if status == 401:
+            assert r.json()["error"]["type"] == "AuthenticationError"
+    assert len(compared) == 6 and all(len(a) == len(b) == 32 for a, b in compared)  # digests, never the keys
+    assert httpx.get(f"{url}/v1/models").status_code == 401
 
 
 def test_a_server_shutting_down_aborts_its_requests_with_a_503():
