@@ -152,12 +152,15 @@ def test_bad_trace_and_flags_are_named(tmp_path):
 
 def test_bad_flags_are_named_before_the_trace_is_read(tmp_path):
     """A bad --max-concurrency, --request-rate, --burstiness, --num-prompts or --base-url was
-    found only after the whole trace had been read (or hidden behind its 'trace not found')."""
+    found only after the whole trace had been read (or hidden behind its 'trace not found'); a
+    --seed outside NumPy's legacy range was NumPy's traceback after it (seen by helper-100)."""
     missing = str(tmp_path / "none.parquet")
     for flags, message in ((["--max-concurrency", "0"], "--max-concurrency must be >= 1, got 0"),
                            (["--request-rate", "0"], "--request-rate must be > 0"),
                            (["--request-rate", "2", "--burstiness", "0"], "--burstiness must be > 0"),
                            (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+                           (["--request-rate", "2", "--seed", "-1"], "--seed must be in 0..4294967295"),  # was
+                           (["--request-rate", "2", "--seed", str(2**32)], "got 4294967296"),  # NumPy's traceback
                            (["--base-url", "localhost:8000"], "--base-url 'localhost:8000': expected http://")):
         res = runner.invoke(app, ["bench", "serve", "--base-url", "http://x", "--trace", missing, *flags])
         assert res.exit_code == 2 and message in res.output, (flags, res.output)

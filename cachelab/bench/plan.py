@@ -39,9 +39,13 @@ class BenchPlan:
         return np.array([p.size for p in self.prompts], dtype=np.int64)
 
 
-def check_options(num_prompts: int | None = None, request_rate: float | None = None, burstiness: float = 1.0) -> None:
-    """Refuse a bad ``--num-prompts``, ``--request-rate`` or ``--burstiness`` (the latter only
-    with a rate), naming the flag: checked before a trace is read."""
+MAX_SEED = 2**32 - 1  # NumPy's legacy seeding (np.random.seed, vLLM's) takes 0 .. 2**32 - 1
+
+
+def check_options(num_prompts: int | None = None, request_rate: float | None = None, burstiness: float = 1.0,
+                  seed: int = 0) -> None:
+    """Refuse a bad ``--num-prompts``, ``--request-rate``, ``--burstiness`` or ``--seed`` (the
+    latter two only with a rate), naming the flag: checked before a trace is read."""
     if num_prompts is not None and num_prompts < 1:
         raise CachelabError(f"--num-prompts must be >= 1, got {num_prompts}")
     if request_rate is None:
@@ -50,13 +54,15 @@ def check_options(num_prompts: int | None = None, request_rate: float | None = N
         raise CachelabError(f"--request-rate must be > 0 (or inf), got {request_rate}")
     if not burstiness > 0:
         raise CachelabError(f"--burstiness must be > 0, got {burstiness}")
+    if not 0 <= seed <= MAX_SEED:
+        raise CachelabError(f"--seed must be in 0..{MAX_SEED} (NumPy's legacy seed, as vLLM seeds it), got {seed}")
 
 
 def send_offsets(arrival_s: np.ndarray, request_rate: float | None = None, burstiness: float = 1.0,
                  seed: int = 0) -> np.ndarray:
     """Send times from the benchmark's start: the trace's arrivals (``request_rate`` None),
     all at once (``inf``), or vLLM's gamma process at ``request_rate`` per second."""
-    check_options(request_rate=request_rate, burstiness=burstiness)
+    check_options(request_rate=request_rate, burstiness=burstiness, seed=seed)
     n = arrival_s.size
     if request_rate is None:
         return arrival_s - arrival_s[0] if n else arrival_s.copy()
@@ -76,7 +82,7 @@ def plan_from_trace(path: str | os.PathLike, *, num_prompts: int | None = None, 
                     burstiness: float = 1.0, seed: int = 0) -> BenchPlan:
     """The first ``num_prompts`` requests of a cachelab trace (all by default), as a plan; the
     options are checked before the trace is read."""
-    check_options(num_prompts, request_rate, burstiness)
+    check_options(num_prompts, request_rate, burstiness, seed)
     return plan_from_frame(read_trace(path), str(path), num_prompts=num_prompts, request_rate=request_rate,
                            burstiness=burstiness, seed=seed)
 
@@ -84,7 +90,7 @@ def plan_from_trace(path: str | os.PathLike, *, num_prompts: int | None = None, 
 def plan_from_frame(df: pl.DataFrame, path: str, *, num_prompts: int | None = None, request_rate: float | None = None,
                     burstiness: float = 1.0, seed: int = 0) -> BenchPlan:
     """The same from a trace already read (``path`` names it in errors)."""
-    check_options(num_prompts, request_rate, burstiness)
+    check_options(num_prompts, request_rate, burstiness, seed)
     if num_prompts is not None:
         if num_prompts > df.height:
             raise CachelabError(f"{path}: --num-prompts {num_prompts} but the trace holds {df.height} requests")
