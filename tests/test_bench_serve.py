@@ -192,8 +192,11 @@ class BreakingServer:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             tokens = body["max_tokens"] if i < self.good else 1
-            for _ in range(tokens):
-                await resp.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+            for t in range(tokens):
+                choice = {"text": "x"}
+                if body.get("return_token_ids"):  # vLLM's: the prompt's ids in a choice's first chunk
+                    choice.update(token_ids=[t], **({"prompt_token_ids": body["prompt"]} if t == 0 else {}))
+                await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
                 await asyncio.sleep(0.002)
             if i >= self.good and self.malformed:
                 await resp.write(b'data: {"choices": ["x"]}\n\n')  # valid JSON, not OpenAI's shape
@@ -254,6 +257,22 @@ def test_a_chunk_not_of_openais_shape_fails_its_request_not_the_run(tmp_path):
     assert (summary["completed"], summary["failed"]) == (2, 2)
     assert list(summary["errors_by_reason"]) == ["HTTP 500: engine overloaded", "AttributeError: 'str' object has "
                                                  "no attribute 'get'"]
+
+
+def test_a_stream_line_over_aiohttps_line_limit_is_read():
+    """With return_token_ids (the live experiment's client) a completion's first chunk carries
+    the prompt's ids: a prompt of 80k six-digit ids is a 640 KB line, over aiohttp's 512 KiB line
+    reader, and every such request failed with LineTooLong (seen by helper-100)."""
+    from cachelab.bench.client import BenchConfig, run_bench
+    from cachelab.bench.plan import BenchPlan
+
+    prompt = np.arange(100_000, 180_000)
+    plan = BenchPlan([prompt, prompt[:50]], np.array([3, 3]), np.zeros(2))
+    with BreakingServer(good=2) as url:
+        result = run_bench(BenchConfig(url, server_metrics=False, return_token_ids=True), plan)
+    assert [(o.success, o.error) for o in result.outputs] == [(True, "")] * 2
+    assert [(o.prompt_tokens, o.output_tokens, o.token_ids) for o in result.outputs] == [(80_000, 3, [0, 1, 2]),
+                                                                                         (50, 3, [0, 1, 2])]
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ the same code the simulator reports with.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import time
@@ -23,7 +24,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -187,26 +188,21 @@ async def _send(session, url: str, payload: dict, out: RequestOutput) -> None:
                 message = _message((await response.text()).strip())  # the whole body: a cut one is not JSON
                 out.error = f"HTTP {response.status}: {message[:MAX_ERROR_CHARS]}"
                 return
-            async for raw in response.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue  # blank separators and SSE comments
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                chunk = json.loads(data)
-                if chunk.get("choices"):
-                    out.chunk_s.append(time.perf_counter())
-                    out.token_ids.extend(chunk["choices"][0].get("token_ids") or ())
-                if usage := chunk.get("usage"):
-                    out.output_tokens = int(usage.get("completion_tokens") or 0)
-                    out.prompt_tokens = int(usage.get("prompt_tokens") or out.prompt_tokens)
-                    details = usage.get("prompt_tokens_details") or {}
-                    if details.get("cached_tokens") is not None:
-                        out.cached_tokens = int(details["cached_tokens"])
-                if "error" in chunk:
-                    out.error = f"stream error: {_message(json.dumps(chunk['error']))}"
-                    return
+            async with contextlib.aclosing(_events(response.content)) as events:
+                async for data in events:
+                    chunk = json.loads(data)
+                    if chunk.get("choices"):
+                        out.chunk_s.append(time.perf_counter())
+                        out.token_ids.extend(chunk["choices"][0].get("token_ids") or ())
+                    if usage := chunk.get("usage"):
+                        out.output_tokens = int(usage.get("completion_tokens") or 0)
+                        out.prompt_tokens = int(usage.get("prompt_tokens") or out.prompt_tokens)
+                        details = usage.get("prompt_tokens_details") or {}
+                        if details.get("cached_tokens") is not None:
+                            out.cached_tokens = int(details["cached_tokens"])
+                    if "error" in chunk:
+                        out.error = f"stream error: {_message(json.dumps(chunk['error']))}"
+                        return
         if not out.chunk_s:
             out.error = "the stream ended before a first token"
             return
@@ -214,6 +210,29 @@ async def _send(session, url: str, payload: dict, out: RequestOutput) -> None:
         out.success = True
     except Exception as exc:  # vLLM's client too: a request's failure, never the run's
         out.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+async def _events(content) -> AsyncIterator[bytes]:
+    """A stream's ``data:`` payloads up to ``[DONE]`` (blank separators and SSE comments
+    skipped), of any length. aiohttp's own line reader fails a line over 512 KiB
+    (``LineTooLong``), and with ``return_token_ids`` a completion's first chunk carries the whole
+    prompt's ids (vLLM, `cachelab serve`: ~7 bytes a token, so every prompt over ~75k tokens
+    failed); vLLM's client splits the stream itself too (``StreamedResponseHandler``)."""
+    pieces, buffer, searched, ended = content.iter_any(), bytearray(), 0, False
+    while not ended:
+        piece = await anext(pieces, None)
+        ended = piece is None
+        buffer += b"\n" if ended else piece  # the end of the stream ends its last line
+        start = 0
+        while (end := buffer.find(b"\n", searched)) != -1:
+            line = bytes(buffer[start:end]).strip()
+            start = searched = end + 1
+            if line.startswith(b"data:"):
+                if (data := line[5:].strip()) == b"[DONE]":
+                    return
+                yield data
+        del buffer[:start]
+        searched = len(buffer)
 
 
 def _message(body: str) -> str:
