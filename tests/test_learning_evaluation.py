@@ -68,3 +68,47 @@ def test_a_stream_that_is_all_training_window_is_refused(growing):
                   model.lookahead)
     with pytest.raises(CachelabError, match="nothing to judge: the stream.s 240 steps are all the model.s training"):
         evaluate_capacities(view, model, [0.05], 0.5, progress=False)
+
+
+def test_requests_the_model_trained_on_are_not_counted_in_a_stream_that_reorders_them():
+    """The same requests in another order (`evaluate --seed 1`, or more `--requests`) do not start
+    with the model's training window, so its digest finds none; its requests are found by their
+    tokens and replayed, never counted (they were, from the warm-up on: the model judged on what it
+    learned from)."""
+    from cachelab.engine.replay import run_policy
+
+    rng = np.random.default_rng(5)
+    alphabet = rng.choice(np.arange(1000, 60_000), 120, replace=False)
+    lengths = [40] * 30 + [200] * 30
+    prompts = [alphabet[rng.zipf(1.4, n) % alphabet.size] for n in lengths]
+    outputs = [alphabet[rng.zipf(1.4, 4) % alphabet.size] for _ in lengths]
+    fresh = [alphabet[rng.zipf(1.4, 120) % alphabet.size] for _ in range(20)]  # requests it never saw
+
+    def stream(order, extra=()):
+        return request_stream([prompts[i] for i in order] + list(extra), [outputs[i] for i in order]
+                              + [outputs[0]] * len(extra), ["chat"] * (len(order) + len(extra)), LAYOUT,
+                              steps="prompts")
+
+    trained_on = LearningView.of(stream(range(60)))
+    model = _model(trained_on)
+    end = model.metadata["spec"]["train_end"]
+    seen = set(np.unique(trained_on.request[:end]).tolist())  # original request indices in the window
+    assert 0 < len(seen) < 60
+    assert evaluate_capacities(trained_on, model, [0.05], 0.5, progress=False).training_requests == 0
+
+    order = np.random.default_rng(1).permutation(60)
+    raw = stream(order, fresh)
+    view = LearningView.of(raw)
+    result = evaluate_capacities(view, model, [0.05], 0.5, progress=False)
+    assert result.training_window_steps == 0
+    start = int(view.lookup_offsets[result.counted_from_step])
+    original = np.concatenate([order, np.full(len(fresh), -1)])[raw.meta["request"][start:]]
+    counted = ~np.isin(original, list(seen))  # one request a step here, so a lookup's request is its entry's
+    assert result.training_requests == len(seen & set(original.tolist())) > 0
+    assert result.counted_lookups == int(counted.sum()) < raw.meta["request"].size - start
+    hits = view.per_lookup(run_policy(registry.make_policy("lru"), view.keys, view.step_offsets,
+                                      result.capacities[0].rows, view.num_keys))[start:]
+    assert result.capacities[0].miss_ratio["LRU"] == pytest.approx(1.0 - hits[counted].mean(), abs=1e-12)
+
+    with pytest.raises(CachelabError, match="every request after the warm-up is one the model was trained on"):
+        evaluate_capacities(LearningView.of(stream(sorted(seen)[::-1])), model, [0.05], 0.5, progress=False)

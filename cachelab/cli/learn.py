@@ -179,6 +179,9 @@ def evaluate(
               f"counted after {warmup:.0%} warm-up" + (f" and the model's training window ({evaluation.training_window_steps:,} "
               f"steps at the stream's start)" if evaluation.training_window_steps
               and evaluation.counted_from_step == evaluation.training_window_steps else ""))
+    if evaluation.training_requests:
+        out.print(f"{evaluation.training_requests:,} requests after the warm-up repeat the model's training requests "
+                  "(the same tokens; this stream does not start with its training window): replayed, not counted")
     if result["missing"]:
         out.print(f"registered but not loaded, so not compared: {', '.join(result['missing'])}")
     rows = result["capacities"]

@@ -3,7 +3,9 @@
 All policies replay the same stream from an empty cache, through the engine's ``run_policy``
 on each step's distinct rows (as ``cachelab simulate`` does); a lookup misses when its
 step's fetch of the row missed; misses are counted after the warm-up steps, and after the
-model's training window where the stream starts with it (``trained_through``).
+model's training window where the stream starts with it (``trained_through``); where it does not,
+the lookups of requests that repeat one of the window's (the same tokens: the same corpora in
+another order or number, ``trained_requests``) are replayed but not counted.
 Which policies take part, and in which role, comes from the registry (``lineup``): every
 learned policy is replayed with the model's scores, every heuristic and oracle without.
 Per capacity the best heuristic is the lowest of *all* heuristics (a short list would
@@ -23,7 +25,8 @@ import numpy as np
 from cachelab import registry
 from cachelab.errors import CachelabError
 from cachelab.learning.lineup import Lineup, judged_default, lineup
-from cachelab.learning.training import Model, keep_scores, policy_params, rows_for, trained_through
+from cachelab.learning.training import (Model, keep_scores, policy_params, rows_for, trained_requests,
+                                        trained_through)
 from cachelab.learning.streams import LearningView
 from cachelab.engine.replay import run_policy, warmup_steps
 from cachelab.progress import progress_bar
@@ -56,6 +59,7 @@ class Evaluation:
     counted_lookups: int
     counted_from_step: int  # the warm-up's end, or the model's training window's where the stream starts with it
     training_window_steps: int  # the steps of that window found at the stream's start (0: none)
+    training_requests: int  # requests elsewhere in the stream that repeat the window's: replayed, never counted
     missing: list[str]  # registered policies that could not be loaded, so were not compared
     capacities: list[CapacityResult]
 
@@ -87,10 +91,19 @@ def evaluate_capacities(view: LearningView, model: Model, capacities: list[float
     if start >= view.inverse.size:
         raise CachelabError(f"nothing to judge: the stream's {view.lookup_offsets.size - 1:,} steps are all the "
                             "model's training window; evaluate it on a longer stream or another one")
+    repeats = trained_requests(view, model, trained)
+    counted = np.ones(view.inverse.size - start, dtype=bool)
+    if repeats.any():
+        counted = ~view.per_lookup(repeats[view.request])[start:]
+        if not counted.any():
+            raise CachelabError(f"nothing to judge: every request after the warm-up is one the model was trained on "
+                                f"({int(repeats.sum()):,} of the stream's requests repeat its training window's); "
+                                "evaluate it on the stream it was trained on, or on requests it never saw")
     runs = [(label, lambda name=name: learned_policy(name, model)) for label, name in found.learned.items()]
     runs += [(label, registry.get(registry.POLICIES, name))
              for label, name in {**found.heuristics, **found.oracles}.items()]
     lookups = np.bincount(view.inverse, minlength=len(view))  # each entry's lookups, for needs_counts
+    judged = order[start:][counted]
     rows = []
     with progress_bar(enabled=progress) as bar:
         task = bar.add_task("replaying", total=len(capacities) * len(runs))
@@ -99,14 +112,13 @@ def evaluate_capacities(view: LearningView, model: Model, capacities: list[float
             miss, by_order = {}, {}
             for label, cls in runs:
                 hits = view.per_lookup(run_policy(cls(), view.keys, view.step_offsets, n_rows, view.num_keys, scores,
-                                                  lookups))
-                miss[label] = float(1.0 - hits[start:].mean())
-                by_order[label] = {int(o): float(1.0 - hits[start:][order[start:] == o].mean())
-                                   for o in np.unique(order[start:])}
+                                                  lookups))[start:][counted]
+                miss[label] = float(1.0 - hits.mean())
+                by_order[label] = {int(o): float(1.0 - hits[judged == o].mean()) for o in np.unique(judged)}
                 bar.advance(task)
             rows.append(CapacityResult(cap, n_rows, miss, by_order, *_gap(miss, found, found.label_of(policy))))
-    return Evaluation(int(view.inverse.size), view.num_keys, warmup, policy, int(view.inverse.size - start), first,
-                      trained, found.unavailable, rows)
+    return Evaluation(int(view.inverse.size), view.num_keys, warmup, policy, int(counted.sum()), first,
+                      trained, int(np.unique(view.request[view.inverse[start:][~counted]]).size), found.unavailable, rows)
 
 
 def _gap(miss: dict, found: Lineup, judged: str) -> tuple[str | None, float | None, dict]:

@@ -157,6 +157,7 @@ class LearningView:
     heads: int
     vocab: int
     layout: dict | None = None  # layout_signature of the layout read with; None: a hand-built view
+    content: np.ndarray | None = None  # uint64 [requests] digest of each request's tokens (``request_content``)
 
     @property
     def num_keys(self) -> int:
@@ -181,14 +182,23 @@ class LearningView:
         check_stream_layout(stream, cfg, "the lookup stream", "give the stream's layout as --preset, or a model "
                             "trained on it")
         dd, uniq = compact_steps(stream.keys, stream.step_offsets)
+        table, base = token_table(stream)
         first = np.empty(dd.keys.size, np.int64)
         first[dd.inverse[::-1]] = np.arange(dd.inverse.size)[::-1]  # last write wins = first lookup
         m = {k: stream.meta[k][first] for k in REQUIRED_META}
         return cls(dd.keys.astype(np.int64), dd.offsets.astype(np.int64), dd.inverse.astype(np.int64),
                    stream.step_offsets, uniq.astype(np.int64), (stream.keys[first] >> LAYER_SHIFT).astype(np.int8),
                    m["column"].astype(np.int8), m["position"].astype(np.int32), m["phase"] != PREFILL,
-                   m["domain"].astype(np.int16), m["request"].astype(np.int32), _ngrams(stream, first, cfg.max_ngram),
-                   list(stream.domains), cfg.heads, cfg.compressed_vocab, layout_signature(cfg))
+                   m["domain"].astype(np.int16), m["request"].astype(np.int32),
+                   _ngrams(stream, first, cfg.max_ngram, table, base), list(stream.domains), cfg.heads,
+                   cfg.compressed_vocab, layout_signature(cfg), request_content(table, base))
+
+    def contents(self, lo: int, hi: int) -> list[str]:
+        """The content digests (hex, sorted) of the requests with an entry in ``[lo, hi)``; empty for a
+        view built without them."""
+        if self.content is None:
+            return []
+        return [f"{d:016x}" for d in np.unique(self.content[np.unique(self.request[lo:hi])])]
 
 
 def layout_signature(cfg) -> dict:
@@ -229,28 +239,54 @@ def unchecked_layout(stream: LookupStream) -> str | None:
     return None
 
 
-def _ngrams(stream: LookupStream, first: np.ndarray, max_ngram: int) -> np.ndarray:
+def request_content(table: np.ndarray, base: np.ndarray) -> np.ndarray:
+    """A 64-bit digest (BLAKE2b) of each request's compressed tokens by position (``token_table``),
+    indexed by request id: the same prompt and answer give the same digest in any order, step
+    grouping or stream, which is how an evaluation finds requests a model trained on
+    (``cachelab.learning.evaluation``). One hash call per request, none per lookup."""
+    import hashlib
+
+    return np.array([int.from_bytes(hashlib.blake2b(table[base[r]:base[r + 1]].tobytes(), digest_size=8).digest(),
+                                    "little") for r in range(base.size - 1)], dtype=np.uint64)
+
+
+def token_table(stream: LookupStream) -> tuple[np.ndarray, np.ndarray]:
+    """Each request's compressed tokens laid out by position (-1 where no lookup carried one):
+    request ``r``'s are ``table[base[r]:base[r + 1]]``."""
+    request = stream.meta["request"].astype(np.int64)
+    if request.size == 0:
+        return np.zeros(0, np.int32), np.zeros(1, np.int64)
+    return _table_kernel(request, stream.meta["position"].astype(np.int64), stream.meta["token"].astype(np.int32))
+
+
+@nb.njit(cache=True, nogil=True, boundscheck=False)
+def _table_kernel(request, position, token):
+    span = np.zeros(request.max() + 1, np.int64)
+    for i in range(request.size):
+        span[request[i]] = max(span[request[i]], position[i] + 1)
+    base = np.zeros(span.size + 1, np.int64)
+    for r in range(span.size):
+        base[r + 1] = base[r] + span[r]
+    table = np.full(base[-1], -1, np.int32)
+    for i in range(request.size):
+        table[base[request[i]] + position[i]] = token[i]
+    return table, base
+
+
+def _ngrams(stream: LookupStream, first: np.ndarray, max_ngram: int, table: np.ndarray,
+            base: np.ndarray) -> np.ndarray:
     """Compressed ids of each entry's token and the ``max_ngram - 1`` before it in its request."""
     out = np.empty((first.size, max_ngram), np.int32)
     if first.size:
-        _ngram_kernel(stream.meta["request"].astype(np.int64), stream.meta["position"].astype(np.int64),
-                      stream.meta["token"].astype(np.int32), first, out)
+        _ngram_kernel(stream.meta["request"].astype(np.int64), stream.meta["position"].astype(np.int64), table, base,
+                      first, out)
     return out
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)
-def _ngram_kernel(request, position, token, first, out):
-    """Tokens laid out per request by position (-1 where no lookup carried one), then read back
-    ``out.shape[1]`` positions at a time ending at each entry's first lookup."""
-    span = np.zeros(request.max() + 1, np.int64)
-    for i in range(request.size):
-        span[request[i]] = max(span[request[i]], position[i] + 1)
-    base = np.zeros(span.size, np.int64)
-    for r in range(1, span.size):
-        base[r] = base[r - 1] + span[r - 1]
-    table = np.full(base[-1] + span[-1], -1, np.int32)
-    for i in range(request.size):
-        table[base[request[i]] + position[i]] = token[i]
+def _ngram_kernel(request, position, table, base, first, out):
+    """The token table (``token_table``) read back ``out.shape[1]`` positions at a time ending at
+    each entry's first lookup."""
     for e in range(first.size):
         i = first[e]
         for k in range(out.shape[1]):

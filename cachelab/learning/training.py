@@ -42,6 +42,7 @@ from cachelab.learning.features import (FEATURE_NAMES, PRIOR_TENSORS, CorpusPrio
                                  prompt_lookahead, regression_labels, reuse_labels)
 
 PRIOR = "prior.safetensors"
+HEX = "0123456789abcdef"
 CHUNK = 1 << 20  # entries featurised and scored together (a 104 MB feature matrix, not the stream's)
 
 
@@ -131,6 +132,18 @@ def trained_through(view, model: Model) -> int:
     return int(np.searchsorted(view.step_offsets, int(end)))
 
 
+def trained_requests(view, model: Model, trained: int) -> np.ndarray:
+    """Per request id of ``view``: whether it repeats a request of ``model``'s training window (the
+    same tokens, ``LearningView.content``) without being that window's own (``trained``, from
+    ``trained_through``, is 0: the view does not start with the window). Such a request, in another
+    order (``--seed``) or a longer or other stream, is one the model learned from; where the view
+    starts with the window, a later repeat is a request served again after it, as in serving."""
+    seen = model.metadata.get("spec", {}).get("train_requests")
+    if trained or not seen or view.content is None:
+        return np.zeros(0 if view.content is None else view.content.size, dtype=bool)
+    return np.isin(view.content, np.array([int(d, 16) for d in seen], dtype=np.uint64))
+
+
 def train(stream, predictor: Predictor, spec: TrainSpec, progress=None, tune: bool = True) -> tuple[Model, dict]:
     """Fit ``predictor`` on the training window of ``stream``; return the model and validation metrics.
 
@@ -149,7 +162,8 @@ def train(stream, predictor: Predictor, spec: TrainSpec, progress=None, tune: bo
     x = features(stream, prior, domains, spec.lookahead)
     samples = fit_window(stream, x, 0, end, predictor, spec, progress)
     meta_spec = {**asdict(spec), "train_end": end, "train_digest": window_digest(stream, end), "prior_end": prior_end,
-                 "lookups": n, "domains": domains, "train_samples": samples}
+                 "lookups": n, "domains": domains, "train_samples": samples,
+                 "train_requests": stream.contents(0, end)}
     if stream.layout is not None:
         meta_spec["layout"] = stream.layout
     if spec.capacity:
@@ -349,6 +363,10 @@ def _scoring_spec(spec: dict, where: Path) -> tuple[int, list[str], bool]:
         raise CachelabError(f"{where}: spec.domains must be a list of domain names, got {domains!r:.80}")
     if not isinstance(lookahead, bool):
         raise CachelabError(f"{where}: spec.lookahead must be true or false, got {lookahead!r:.80}")
+    seen = spec.get("train_requests", [])
+    if not isinstance(seen, list) or not all(isinstance(d, str) and len(d) == 16 and set(d) <= set(HEX) for d in seen):
+        raise CachelabError(f"{where}: spec.train_requests must be a list of 16-digit hex request digests, "
+                            f"got {seen!r:.80}")
     if not isinstance(spec.get("layout", {}), dict):
         raise CachelabError(f"{where}: spec.layout must be an object (an Engram layout's signature), "
                             f"got {spec['layout']!r:.80}")
