@@ -15,6 +15,7 @@ import numpy as np
 
 from cachelab.errors import CachelabError
 from cachelab.learning import Predictor
+from cachelab.learning.predictor import in_range
 from predictors.trees import from_lightgbm_text
 
 MODEL_FILE = "model.txt"
@@ -28,6 +29,10 @@ class LightGBM(Predictor):
 
     def __init__(self, n_estimators: int = 100, num_leaves: int = 31, learning_rate: float = 0.1,
                  min_child_samples: int = 50, seed: int = 0, num_threads: int = 2):
+        for key, value, low in (("n_estimators", n_estimators, 1), ("num_leaves", num_leaves, 2),
+                                ("min_child_samples", min_child_samples, 0)):
+            in_range(self.name, key, value, low)
+        in_range(self.name, "learning_rate", learning_rate, 0, above=True)
         self.n_estimators = n_estimators
         self.num_leaves = num_leaves
         self.learning_rate = learning_rate

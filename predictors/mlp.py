@@ -9,7 +9,7 @@ import numpy as np
 
 from cachelab.errors import CachelabError
 from cachelab.learning import Predictor
-from cachelab.learning.predictor import read_tensors
+from cachelab.learning.predictor import in_range, read_tensors
 
 TENSORS = "model.safetensors"
 
@@ -42,6 +42,8 @@ class MLP(Predictor):
                  seed: int = 0, num_threads: int = 1):
         if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1:
             raise CachelabError(f"mlp: num_threads must be a whole number >= 1, got {num_threads!r}")
+        in_range(self.name, "batch_size", batch_size, 1)  # what torch refuses when fitting, no more
+        in_range(self.name, "lr", lr, 0)
         self.hidden = hidden
         self.epochs = epochs
         self.batch_size = batch_size

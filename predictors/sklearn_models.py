@@ -14,7 +14,7 @@ import numpy as np
 
 from cachelab.errors import CachelabError
 from cachelab.learning import Predictor
-from cachelab.learning.predictor import read_tensors
+from cachelab.learning.predictor import in_range, read_tensors
 from predictors.trees import FlatForest, from_hist_gradient_boosting
 
 TENSORS = "model.safetensors"
@@ -38,6 +38,8 @@ class Logistic(Predictor):
     task = "classification"
 
     def __init__(self, C: float = 1.0, max_iter: int = 200):
+        in_range(self.name, "C", C, 0, above=True)
+        in_range(self.name, "max_iter", max_iter, 0)
         self.C = C
         self.max_iter = max_iter
 
@@ -89,6 +91,9 @@ class HistGradientBoosting(Predictor):
     task = "regression"
 
     def __init__(self, max_iter: int = 100, max_leaf_nodes: int = 31, learning_rate: float = 0.1, seed: int = 0):
+        in_range(self.name, "max_iter", max_iter, 1)
+        in_range(self.name, "max_leaf_nodes", max_leaf_nodes, 2)
+        in_range(self.name, "learning_rate", learning_rate, 0, above=True)
         self.max_iter = max_iter
         self.max_leaf_nodes = max_leaf_nodes
         self.learning_rate = learning_rate

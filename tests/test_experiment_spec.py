@@ -78,6 +78,11 @@ def test_bad_spec_names_the_key(tmp_path, old, new, expected):
     ('{ n_estimators = "many" }', "predictor.params.n_estimators must be an integer, got 'many'"),
     ("{ n_trees = 5 }", "predictor.params: 'lightgbm' has no parameter 'n_trees'"),
     ("{ learning_rate = true }", "predictor.params.learning_rate must be a number, got True"),
+    # in range too: LightGBM refused these only when fitting, after the features were made
+    ("{ n_estimators = 0 }", "predictor.params: lightgbm: n_estimators must be a finite number >= 1, got 0"),
+    ("{ num_leaves = 1 }", "predictor.params: lightgbm: num_leaves must be a finite number >= 2, got 1"),
+    ("{ learning_rate = -0.1 }", "predictor.params: lightgbm: learning_rate must be a finite number > 0, got -0.1"),
+    ("{ learning_rate = inf }", "predictor.params: lightgbm: learning_rate must be a finite number > 0, got inf"),
 ])
 def test_predictor_params_are_typed_before_any_work(tmp_path, params, expected):
     """n_estimators = "many" used to fail after two points had run."""

@@ -135,3 +135,32 @@ def test_compiled_forest_code_equals_the_loop_bit_for_bit(tmp_path, monkeypatch)
     sys.modules.pop(f"cachelab_{path.stem}")
     third = from_lightgbm_text(booster.model_to_string())[0]
     np.testing.assert_array_equal(third.raw_predict(x), loop)
+
+
+@pytest.mark.parametrize("name, params, expected", [
+    ("lightgbm", {"n_estimators": 0}, "lightgbm: n_estimators must be a finite number >= 1, got 0"),
+    ("lightgbm-reuse", {"num_leaves": 1}, "lightgbm-reuse: num_leaves must be a finite number >= 2, got 1"),
+    ("lightgbm", {"min_child_samples": -5}, "min_child_samples must be a finite number >= 0, got -5"),
+    ("lightgbm", {"learning_rate": float("nan")}, "learning_rate must be a finite number > 0, got nan"),
+    ("hgb", {"max_iter": 0}, "hgb: max_iter must be a finite number >= 1, got 0"),
+    ("hgb", {"max_leaf_nodes": 1}, "hgb: max_leaf_nodes must be a finite number >= 2, got 1"),
+    ("hgb", {"learning_rate": 0.0}, "hgb: learning_rate must be a finite number > 0, got 0.0"),
+    ("logistic", {"C": 0.0}, "logistic: C must be a finite number > 0, got 0.0"),
+    ("logistic", {"max_iter": -1}, "logistic: max_iter must be a finite number >= 0, got -1"),
+    ("mlp", {"batch_size": 0}, "mlp: batch_size must be a finite number >= 1, got 0"),
+    ("mlp", {"lr": -1.0}, "mlp: lr must be a finite number >= 0, got -1.0"),
+])
+def test_hyper_parameters_out_of_range_are_refused_as_the_predictor_is_made(name, params, expected):
+    """Before a stream is built, the values each library refuses when fitting (and no others: a model
+    saved with any other still loads): LightGBM refused n_estimators = 0 or num_leaves = 1, and torch
+    a batch of 0, only in fit, once the features had been made."""
+    with pytest.raises(CachelabError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        registry.get(registry.PREDICTORS, name)(**params)
+
+
+def test_train_refuses_a_bad_hyper_parameter_before_the_stream_is_built(tmp_path):
+    from experiment_helpers import cli
+
+    res = cli("train", "--trace", "absent.npz", "--param", "n_estimators=0", "--out", "m", cwd=tmp_path)
+    assert res.returncode == 2  # an error, as every refused flag
+    assert "n_estimators must be a finite number >= 1, got 0" in res.stderr and "absent.npz" not in res.stderr

@@ -306,6 +306,10 @@ def kinds(spec: ExperimentSpec) -> list[str]:
 def _check_predictor(p: PredictorSpec, preset: str, where: str) -> None:
     cls = _check_plugin(registry.PREDICTORS, "predictor.name", p.name, where)
     check_params(cls, p.params, f"{where}: predictor.params")
+    try:  # its ranges: a value the library refuses failed the point after training features were made
+        cls(**p.params)
+    except (CachelabError, TypeError, ValueError) as exc:
+        raise CachelabError(f"{where}: predictor.params: {exc}") from None
     table_rows, row_bytes = _table(preset, where)
     for i, cap in enumerate(p.capacities):
         capacity_rows(cap, table_rows, row_bytes, f"{where}: predictor.capacities[{i}]")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import math
 import os
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -75,6 +76,17 @@ class Predictor(ABC):
         (directory / METADATA).write_text(json.dumps(meta, indent=2, default=str))
         seal(directory)
         return directory
+
+
+def in_range(predictor: str, name: str, value, low: float, above: bool = False) -> None:
+    """Refuse a hyper-parameter below ``low`` (at or below it with ``above``), or not a finite
+    number, naming it: a predictor checks them as it is made, before a stream is built, where the
+    library refused them only when fitting, once the features were made (minutes in; in a sweep, a
+    point failed after the others had run)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not number or value < low or (above and value == low):
+        raise CachelabError(f"{predictor}: {name} must be a finite number {'>' if above else '>='} {low:g}, "
+                            f"got {value!r}")
 
 
 def model_folder(directory: Path, flag: str) -> Path:
