@@ -149,3 +149,27 @@ def test_simulate_addresses_corpora_in_the_model_s_layout(tmp_path):
     res = runner.invoke(app, ["simulate", *TRACE, "--policy", "learned-lfu", "--capacity", "1%", "--model",
                               str(tmp_path / "demo"), "--json"])
     assert res.exit_code == 0 and json.loads(res.stdout)["requests"] == lookups, res.output
+
+
+def test_retraining_samples_as_the_model_was_trained(trained, tmp_path, monkeypatch):
+    """`evaluate --retrain-every` refits the model's predictor with the model's own training spec: it
+    took the default max_samples (2,000,000), whatever `train --max-samples` the model was fitted with."""
+    import shutil
+
+    import cachelab.cli.learn as learn
+
+    out = tmp_path / "m"
+    shutil.copytree(trained[0], out)
+    meta = json.loads((out / "metadata.json").read_text())
+    meta["spec"]["max_samples"], meta["spec"]["seed"] = 5000, 3
+    (out / "metadata.json").write_text(json.dumps(meta))
+    seal(out)
+    seen = []
+
+    def rolling(view, make, spec, every, window):
+        seen.append(spec)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(learn, "rolling_scores", rolling)
+    CliRunner().invoke(app, ["evaluate", *TRACE, "--model", str(out), "--retrain-every", "50000", "--json"])
+    assert [(s.max_samples, s.seed, s.horizon) for s in seen] == [(5000, 3, 2048)]

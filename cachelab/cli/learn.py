@@ -166,6 +166,7 @@ def evaluate(
         with spinner(f"retraining every {retrain_every:,} lookups on windows of {window:,}"):
             scores = rolling_scores(stream, lambda: cls(**params),
                                     TrainSpec(horizon=fitted.horizon, seed=int(spec.get("seed", 0)),
+                                              max_samples=int(spec.get("max_samples", defaults.MAX_SAMPLES)),
                                               capacity=spec.get("capacity", 0.0),
                                               lookahead=fitted.lookahead),
                                     retrain_every, window)
