@@ -110,3 +110,54 @@ def test_a_plugin_failing_in_a_point_is_named_with_its_entry_point(tmp_path, mon
                                   "0.2) failed at run time: RuntimeError: kaboom in run")
     finally:
         registry.discover.cache_clear()
+
+
+SLEEPER = {
+    "sleepkind/__init__.py": """
+        import time
+
+        from cachelab.experiment.kinds import ExperimentKind, PointOutput
+
+        def run(config, workload):
+            time.sleep(1.0)
+            if config["seed"] == 3:
+                raise ValueError("point 3 fails")
+            return PointOutput({"seed": float(config["seed"])})
+
+        SLEEP = ExperimentKind(("workload",), run)
+        """,
+    "cachelab_sleepkind-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: cachelab-sleepkind\nVersion: 0.1\n",
+    "cachelab_sleepkind-0.1.dist-info/entry_points.txt": "[cachelab.experiment_kinds]\nsleep-test = sleepkind:SLEEP\n",
+}
+
+
+def test_each_point_run_is_tracked_with_the_times_its_point_ran(tmp_path, monkeypatch):
+    """A run's start and end are when its point ran in its worker. They were the previous point's
+    end and this one's arrival, so of two points a pool ran side by side for a second each, the
+    second tracked a run of a few milliseconds, and the first one the pool's start-up too."""
+    import time
+
+    from mlflow import MlflowClient
+
+    from cachelab.experiment.runner import run_experiment
+
+    install_site(tmp_path, SLEEPER, monkeypatch)
+    monkeypatch.chdir(tmp_path)  # MLflow's artifacts (./mlruns)
+    registry.discover.cache_clear()
+    try:
+        spec = tmp_path / "sleep.toml"
+        spec.write_text('name = "sleep"\nkind = "sleep-test"\nseeds = [0, 1, 2, 3]\n'
+                        '[workload]\nsource = "stdlib"\nparams = { max_chars = 2000 }\n')
+        uri = f"sqlite:///{tmp_path}/mlflow.db"
+        began = time.time() * 1000
+        summary = run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", workers=2, quiet=True)
+        assert (summary.ran, len(summary.failed)) == (3, 1)
+    finally:
+        registry.discover.cache_clear()
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("sleep").experiment_id],
+                              filter_string="tags.`cachelab.kind` = 'point'")
+    assert sorted(r.info.status for r in runs) == ["FAILED", "FINISHED", "FINISHED", "FINISHED"]
+    for run in runs:  # each ran for its second (and a worker's first point its imports too), within the sweep
+        assert run.info.end_time - run.info.start_time >= 1000, run.data.tags
+        assert began <= run.info.start_time <= run.info.end_time <= time.time() * 1000

@@ -21,6 +21,7 @@ on in a fresh pool. A sweep that is interrupted (Ctrl-C) starts no further point
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ipaddress
 import multiprocessing
@@ -39,6 +40,7 @@ from functools import lru_cache
 from cachelab import registry
 from cachelab.errors import CachelabError
 from cachelab.experiment.kinds import PointOutput, get_kind
+from cachelab.experiment.records import now_ms
 from cachelab.experiment.workload import Workload, load_workload
 
 BACKENDS = ("local", "ray")
@@ -57,10 +59,16 @@ def execute(config: dict, workload: Workload | str) -> PointOutput:
 
 
 def _safe(config, workload) -> PointOutput | BaseException:
+    """The point's output, or the exception it raised, with when it ran (``ran_ms``, measured here in
+    the worker: the runner sees points finish, not start, and in a pool or on Ray they overlap)."""
+    start = now_ms()
     try:
-        return execute(config, workload)
+        output = execute(config, workload)
     except Exception as exc:  # reported per point; one bad point must not sink the sweep
-        return registry.attributed(exc)  # named here: the traceback that names a plug-in stays in the worker
+        output = registry.attributed(exc)  # named here: the traceback that names a plug-in stays in the worker
+    with contextlib.suppress(AttributeError):  # an exception without a __dict__ keeps the runner's estimate
+        output.ran_ms = (start, now_ms())
+    return output
 
 
 def run_tasks(tasks: list[Task], backend: str = "local", workers: int | None = None,

@@ -31,6 +31,7 @@ class PointOutput:
     params: dict[str, str] = field(default_factory=dict)
     tables: dict[str, pl.DataFrame] = field(default_factory=dict)
     files: dict[str, bytes] = field(default_factory=dict)
+    ran_ms: tuple[int, int] | None = None  # when the point function ran (epoch ms), set by the backend that ran it
 
 
 @dataclass(frozen=True, slots=True)

@@ -137,7 +137,7 @@ def _sweep(spec: ExperimentSpec, spec_path: Path, overrides: list[str] | None, o
                 output = _named_for_mlflow(point, output)
                 failed = isinstance(output, BaseException)
                 record = _point_record(spec, point, output, started)
-                started = record.end_ms
+                started = now_ms()
                 if failed:  # tracked as a FAILED run with its error; never outboxed: a rerun runs it again
                     summary.failed.append(f"{point.label}: {record.tags[ERROR]}")
                     console.print(f"[red]point failed[/] {point.label}: {output}")
@@ -244,16 +244,18 @@ def lru_curve(workload, warmup: float) -> pl.DataFrame:
 
 def _point_record(spec: ExperimentSpec, point: Point, output, started: int) -> Record:
     """A point's run: its outputs, or (``output`` the exception it raised) a FAILED run whose
-    ``cachelab.error`` tag says why."""
+    ``cachelab.error`` tag says why. Its times are when the point ran (``ran_ms``, from its worker);
+    a point whose worker died has none, and gets ``started`` (the previous point's end) to now."""
     tags = {"cachelab.experiment": spec.name, **{f"cachelab.axis.{k}": json.dumps(v) for k, v in point.axes.items()},
             **provenance_tags()}
+    start, end = getattr(output, "ran_ms", None) or (started, now_ms())
     status = "FINISHED"
     if isinstance(output, BaseException):
         tags[ERROR] = f"{type(output).__name__}: {output}"[:5000]
         output, status = PointOutput({}), "FAILED"
     params = {**flatten(point.config), **output.params}
     record = Record(hash=point.hash, label=point.label, params=params, metrics=output.metrics, tags=tags,
-                    start_ms=started, end_ms=now_ms(), status=status)
+                    start_ms=start, end_ms=end, status=status)
     record.artifacts["config.json"] = json.dumps(point.config, indent=1).encode()
     for name, table in output.tables.items():
         record.add_table(name, table)
@@ -270,7 +272,9 @@ def _named_for_mlflow(point: Point, output: PointOutput | BaseException) -> Poin
         for key in keys:
             why = refused_key(key)
             if why is not None:
-                return CachelabError(f"kind {point.config['kind']!r} returned {what} {key!r}: {why}")
+                error = CachelabError(f"kind {point.config['kind']!r} returned {what} {key!r}: {why}")
+                error.ran_ms = output.ran_ms
+                return error
     return output
 
 
