@@ -397,3 +397,13 @@ def test_a_held_out_workload_is_built_before_any_point_and_a_bad_one_named(tmp_p
     with pytest.raises(CachelabError, match=r"held.toml: predictor.holdout\[0\]: workload 'stdlib' yields no tokens"):
         run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", workers=1, quiet=True)
     assert _points(uri, "held") == [] and _points(uri, "held", "FAILED") == []
+
+
+def test_a_sweep_logged_to_a_file_says_each_point_as_it_finishes(tmp_path, capsys):
+    """Off a terminal (a log file, nohup, CI) the progress bar draws nothing until the sweep ends:
+    an hour's sweep logged only its first line until then."""
+    spec = write_spec(tmp_path)
+    run_experiment(spec, tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", runs_dir=tmp_path / "runs", workers=1)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("point ")]
+    assert [line.split(" finished: ")[0] for line in lines] == [f"point {i}/4" for i in range(1, 5)]
+    assert all(line.endswith(" s)") and "seed=0" in line for line in lines), lines

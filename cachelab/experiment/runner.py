@@ -144,6 +144,9 @@ def _sweep(spec: ExperimentSpec, spec_path: Path, overrides: list[str] | None, o
                 else:
                     outbox.write(record)
                     summary.ran += 1
+                    if not console.is_terminal:  # a log sees no bar: a line per point shows the sweep moving
+                        console.print(f"point {summary.ran + len(summary.failed)}/{len(tasks)} finished: {point.label} "
+                                      f"({(record.end_ms - record.start_ms) / 1000:.1f} s)", soft_wrap=True)
                 if tracker is not None:
                     try:
                         tracker.log_point(exp_id, parent_id, record)
