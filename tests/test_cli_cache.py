@@ -46,6 +46,17 @@ def test_simulate_lookup_stream_counts_lookups_with_step_dedup(tmp_path):
     assert out["requests"] == 6 and out["hits"] == 1 and out["unique_requests"] == 4
 
 
+def test_a_stream_of_no_lookups_misses_neither_per_lookup_nor_per_row(tmp_path):
+    """Both ratios of no requests are 0, as mrc reports them: unique_miss_ratio was 1.0 beside a
+    miss_ratio of 0.0 (1 minus the hit ratio a level that saw nothing reports)."""
+    path = LookupStream(np.zeros(0, np.int64), np.array([0, 0, 0]), 264).save(tmp_path / "none.npz")
+    out = _json(["simulate", "--trace", str(path), "--policy", "lru", "--capacity", "4", "--json"])
+    assert out["requests"] == out["unique_requests"] == 0
+    assert out["miss_ratio"] == out["unique_miss_ratio"] == 0.0
+    curve = _json(["mrc", "--trace", str(path), "--policy", "lru", "--capacities", "4", "--json"])
+    assert curve["miss_ratios"] == [out["miss_ratio"]]
+
+
 def test_mrc_exact_matches_simulate(tmp_path):
     np.save(tmp_path / "k.npy", KEYS)
     curve = _json(["mrc", "--trace", str(tmp_path / "k.npy"), "--policy", "lru", "--capacities", "10,50,200", "--json"])

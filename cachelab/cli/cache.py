@@ -138,7 +138,8 @@ def simulate(
         "seconds": round(time.perf_counter() - started, 3),
         "admission": admission or cache.get_params().get("admission", "always"), "params": cache.get_params(),
         "warmup_requests": stats.warmup_lookups, "trace": str(trace), "trace_kind": found.kind,
-        "unique_requests": stats.unique_rows, "unique_miss_ratio": 1.0 - level.hit_ratio_unique,
+        "unique_requests": stats.unique_rows,
+        "unique_miss_ratio": 1.0 - level.hit_ratio_unique if stats.unique_rows else 0.0,  # as miss_ratio counts none
     }
     if as_json:
         typer.echo(strict_json.dumps(out))
