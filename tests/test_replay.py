@@ -55,6 +55,15 @@ def test_bad_hierarchies_are_named():
         Hierarchy([Tier("hbm", "lru", capacity_bytes=100)], ROW)
     with pytest.raises(CachelabError, match="unknown backing"):
         Hierarchy([Tier("hbm", "lru", capacity_rows=4)], ROW, backing="tape")
+    # a row of 0 B was a ZeroDivisionError under a capacity in bytes, a negative one 'holds no row'
+    for row_bytes in (0, -264):
+        with pytest.raises(CachelabError, match=f"row_bytes must be at least 1, got {row_bytes}"):
+            Hierarchy([Tier("hbm", "lru", capacity_bytes=4096)], row_bytes)
+    # a negative page cache ran as none (direct reads), in silence
+    with pytest.raises(CachelabError, match="page_cache_bytes must be at least 0 .*, got -4096"):
+        SSDStore(page_cache_bytes=-4096)
+    with pytest.raises(CachelabError, match="page_bytes must be at least 1, got 0"):
+        SSDStore(page_bytes=0)
     # one policy object in two tiers was one cache state reset twice: the HBM tier ran at DRAM's
     # capacity and each tier's lookups moved the other's queue, in silence
     lru = registry.make_policy("lru")

@@ -88,6 +88,14 @@ class SSDStore:
     page_policy: str = "lru"
     name: str = "ssd"
 
+    def __post_init__(self) -> None:
+        # a negative page cache read as none: a spec's page_cache = -4096 ran as direct reads
+        if not self.page_bytes >= 1:
+            raise CachelabError(f"SSD store: page_bytes must be at least 1, got {self.page_bytes!r}")
+        if not self.page_cache_bytes >= 0:  # NaN too
+            raise CachelabError(f"SSD store: page_cache_bytes must be at least 0 (0: every page read goes to "
+                                f"the SSD), got {self.page_cache_bytes!r}")
+
     def rows_per_page(self, row_bytes: int) -> int:
         rpp = self.page_bytes // row_bytes
         if rpp < 1:
@@ -106,6 +114,8 @@ class Hierarchy:
             if backing not in BACKINGS:
                 raise CachelabError(f"unknown backing store {backing!r}; use one of {sorted(BACKINGS)}")
             backing = BACKINGS[backing]()
+        if not row_bytes >= 1:  # capacity_bytes // 0 was a ZeroDivisionError, a negative size 'holds no row'
+            raise CachelabError(f"row_bytes must be at least 1, got {row_bytes!r}")
         self.tiers = list(tiers)
         self.row_bytes = int(row_bytes)
         self.backing = backing

@@ -402,6 +402,8 @@ def make_tier_policy(tier: TierSpec | dict):
 def page_cache_bytes(value: int | str, where: str) -> int:
     """SSD page-cache bytes: an integer counts bytes, as does a bare number in text."""
     if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:  # text cannot be negative (the capacity grammar has no sign)
+            raise CachelabError(f"{where}: {value} bytes: a page cache holds 0 bytes or more")
         return value
     return parse_capacity(value, where).bytes(row_bytes=1, where=where)
 
