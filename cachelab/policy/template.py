@@ -17,8 +17,10 @@ admissions and evictions. Per access the loop calls
     on_insert / on_fill                        the newcomer took a vacated / a free slot
 
 The loop is specialised when compiled: on whether a filter other than ``always`` is set,
-on whether ``step`` records admissions and evictions, and on whether ``overflow`` exists,
-so a plain policy pays for none of them. It also prefetches the residency of the key a few
+on whether ``step`` records admissions and evictions, on whether ``overflow`` exists, and on
+whether a ``feed`` loads the ``scores`` filter's table at each step's first access (``run_fed``:
+learned admission in front of a base, one call for many steps), so a plain policy pays for none
+of them. It also prefetches the residency of the key a few
 accesses ahead: a row stream's keys are random, and that load is the loop's cache miss. It
 runs without bounds checks, so a ``victim`` or ``overflow`` slot that no row holds (past the
 last slot, or a free one) stops it before any write by that slot, and the call raises naming it.
@@ -37,10 +39,11 @@ import numpy as np
 
 from cachelab import compiled
 from cachelab.errors import CachelabError
-from cachelab.policy.admission import ALWAYS, admission_admit, admission_record
+from cachelab.policy.admission import ALWAYS, SCORES, admission_admit, admission_record
 from cachelab.policy.kernel import KernelPolicy, free_stack
 
 AHEAD = 12  # accesses between a key's prefetch and its lookup
+_NO_FEED = (np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.float64))  # no step loads the filter's table
 
 
 @nb.njit(cache=True, inline="always")
@@ -79,14 +82,21 @@ class Residency(NamedTuple):
 def _template(salt):
     """Holds the loop's code; ``salt`` (a hash of the hooks' files) keys Numba's cache."""
 
-    def slot_loop(keys, x, s, r, flt, hits, adm, adm_slot, ev, counts):
+    def slot_loop(keys, x, s, r, flt, feed, hits, adm, adm_slot, ev, counts):
         salt  # noqa: B018 -- part of the cache key, see compile_loop
         slot_of, key_of, free = r.slot_of, r.key_of, r.free
         kind, counters, table, ameta = flt
         top, n_adm, n_ev, n = r.top[0], 0, 0, keys.size
         cap, bad, bad_slot = key_of.size, -1, -1
+        step_offsets, fed_scores = feed
+        step = 0
         for i in range(n):
             key = keys[i]
+            if FED:  # a step begins: its keys' scores into the filter's table, as one batch predicts them
+                while step + 1 < step_offsets.size and step_offsets[step] <= i:
+                    for j in range(step_offsets[step], step_offsets[step + 1]):
+                        table[keys[j]] = fed_scores[j]
+                    step += 1
             if i + AHEAD < n:
                 compiled.prefetch(slot_of, keys[i + AHEAD])
             if FILTERED:
@@ -152,7 +162,7 @@ _LOOP = next(c for c in _template.__code__.co_consts if isinstance(c, types.Code
 _LOOPS: dict = {}
 
 
-def _salt(hooks: Hooks, filtered: bool, record: bool) -> str:
+def _salt(hooks: Hooks, filtered: bool, record: bool, fed: bool = False) -> str:
     """Numba keys a cached function by its file, its code and its closure, not by the globals it
     calls; the hooks are globals (so they inline), so the salt hashes their files, this layer's
     and the prefetch's."""
@@ -162,18 +172,18 @@ def _salt(hooks: Hooks, filtered: bool, record: bool) -> str:
     for path in sorted(files):
         digest.update(path.read_bytes())
     names = ",".join(f"{h.py_func.__module__}.{h.py_func.__qualname__}" if h is not None else "-" for h in hooks)
-    return f"{digest.hexdigest()}|{names}|{filtered}|{record}"
+    return f"{digest.hexdigest()}|{names}|{filtered}|{record}|{fed}"
 
 
-def compile_loop(hooks: Hooks, filtered: bool, record: bool):
+def compile_loop(hooks: Hooks, filtered: bool, record: bool, fed: bool = False):
     """The shared loop with ``hooks`` bound in, compiled (and cached on disk) once per variant."""
-    key = (hooks, filtered, record)
+    key = (hooks, filtered, record, fed)
     if key not in _LOOPS:
-        names = dict(globals(), FILTERED=filtered, RECORD=record, OVERFLOW=hooks.overflow is not None,
+        names = dict(globals(), FILTERED=filtered, RECORD=record, FED=fed, OVERFLOW=hooks.overflow is not None,
                      on_access=hooks.on_access, on_hit=hooks.on_hit, on_miss=hooks.on_miss, victim=hooks.victim,
                      on_evict=hooks.on_evict, overflow=hooks.overflow or no_overflow, on_insert=hooks.on_insert,
                      on_fill=hooks.on_fill or hooks.on_insert)
-        salt = _salt(hooks, filtered, record)
+        salt = _salt(hooks, filtered, record, fed)
         fn = types.FunctionType(_LOOP, names, "slot_loop", None, (types.CellType(salt),))
         # one cache index per policy and variant: an index unpickles every state class it names, so
         # a policy whose state class cannot be imported elsewhere must not share one with the others
@@ -192,6 +202,7 @@ class SlotPolicy(KernelPolicy):
 
     State: ClassVar[type]
     hooks: ClassVar[Hooks]
+    _feed = _NO_FEED  # (step offsets, scores) while run_fed runs
 
     @abstractmethod
     def make_state(self, capacity: int, num_keys: int):
@@ -219,9 +230,29 @@ class SlotPolicy(KernelPolicy):
     def inputs(self, keys, next_access, scores):
         return _NO_INPUT
 
+    def run_fed(self, keys, step_offsets, scores, next_access=None) -> np.ndarray:
+        """``run`` with the ``scores`` filter's table loaded, at each step's first access, with that
+        step's ``scores`` (one per key): learned admission (policies/learned/admission.py) over many
+        steps in one call, as one ``step`` per step after loading its scores gives."""
+        if int(self.filter[0]) != SCORES:
+            raise CachelabError(f"{type(self).__name__}: run_fed loads a scores filter; this one runs "
+                                f"admission {self.admission!r}")
+        feed = (np.ascontiguousarray(step_offsets, dtype=np.int64), np.ascontiguousarray(scores, dtype=np.float64))
+        offsets, n = feed[0], np.size(keys)
+        if offsets.ndim != 1 or offsets.size < 1 or offsets[0] != 0 or offsets[-1] != n or np.any(np.diff(offsets) < 0):
+            raise CachelabError(f"step_offsets must rise from 0 to the key count {n}")  # the loop reads by them
+        if feed[1].shape != np.shape(keys):
+            raise CachelabError(f"scores has shape {feed[1].shape}, expected one per key {np.shape(keys)}")
+        self._feed = feed
+        try:
+            return self.run(keys, step_offsets, next_access)
+        finally:
+            self._feed = _NO_FEED
+
     def _launch(self, keys, extra, hits, record, adm, adm_slot, ev):
-        loop = compile_loop(self.hooks, bool(self.filter[0] != ALWAYS), record)
-        bad, slot = loop(keys, extra, self.state_, self.residency, self.filter, hits, adm, adm_slot, ev, self._counts)
+        loop = compile_loop(self.hooks, bool(self.filter[0] != ALWAYS), record, self._feed is not _NO_FEED)
+        bad, slot = loop(keys, extra, self.state_, self.residency, self.filter, self._feed, hits, adm, adm_slot, ev,
+                         self._counts)
         if bad >= 0:
             raise CachelabError(f"{type(self).__module__}.{type(self).__qualname__}: its victim or overflow hook chose "
                                 f"slot {slot} for key {int(keys[bad])} (access {bad} of the call), which holds no row "
