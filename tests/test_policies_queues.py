@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from cachelab import registry
+from cachelab.errors import CachelabError
+from stream_fixtures import zipf_keys
 
 
 def make(name, capacity, num_keys, **params):
@@ -53,3 +55,21 @@ def test_tinylfu_admission_guards_every_policy_against_a_scan(name):
     # and kept the hot set far better (FIFO and S3-FIFO least: their victim is a hot row once
     # it reaches the queue's end, and a 64-row sketch mistakes some scan rows for hot ones)
     assert b.hits[is_hot].mean() >= max(0.5, a.hits[is_hot].mean() + 0.3)
+
+
+@pytest.mark.parametrize("name, ratio", [("s3fifo", "ghost_size_ratio"), ("twoq", "aout_size_ratio")])
+def test_a_ghost_queue_of_any_size_is_refused_or_held_to_the_keys(name, ratio):
+    """A ghost ratio of NaN or infinity is refused naming it, and a huge one is a ghost of every key
+    (it was int(capacity x ratio) in an int64: OverflowError at 1e30, ValueError at NaN)."""
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(CachelabError, match=f"{name} {ratio} must be a number"):
+            registry.make_policy(name, **{ratio: bad}).reset(10, 100)
+    keys = zipf_keys(20_000, 500, alpha=0.8, seed=3)
+    steps = np.arange(keys.size + 1)
+    misses = []
+    for r in (1e30, 500 / 10):  # a ghost of every one of the 500 keys, two ways
+        policy = registry.make_policy(name, **{ratio: r})
+        policy.reset(10, 500)
+        misses.append(int((~policy.run(keys, steps)).sum()))
+    assert misses[0] == misses[1]
+

@@ -41,6 +41,12 @@ GHOST_HIT, HAS_EVICTED, SMALL_CAP, MAIN_CAP, GHOST_CAP, THRESHOLD, CLOCK = 0, 1,
 NO_SCORES = np.zeros(0, dtype=np.float64)
 
 
+def ghost_rows(capacity: int, ratio: float, num_keys: int) -> int:
+    """A ghost queue of ``ratio`` x ``capacity`` keys, held to ``num_keys``: no more keys can ever
+    be ghosts, so a larger one is the same queue (``ghost_size_ratio=1e30`` overflowed an int64)."""
+    return num_keys if capacity * ratio >= num_keys else int(capacity * ratio)
+
+
 class S3FIFOState(NamedTuple):
     meta: np.ndarray  # GHOST_HIT (of the miss in progress) ... CLOCK (accesses so far)
     within: np.ndarray  # [the predicted-wait bound of learned promotion; -1: off]
@@ -144,13 +150,13 @@ class S3FIFO(SlotPolicy):
     def make_state(self, capacity, num_keys):
         if not 0.0 < self.small_size_ratio < 1.0:
             raise CachelabError(f"s3fifo small_size_ratio must be in (0, 1), got {self.small_size_ratio}")
-        if self.ghost_size_ratio < 0.0:
-            raise CachelabError(f"s3fifo ghost_size_ratio must be >= 0, got {self.ghost_size_ratio}")
+        if not 0.0 <= self.ghost_size_ratio < float("inf"):  # NaN too: int() of it was a bare ValueError
+            raise CachelabError(f"s3fifo ghost_size_ratio must be a number >= 0, got {self.ghost_size_ratio}")
         if not 1 <= int(self.move_to_main_threshold) <= 3:
             raise CachelabError(f"s3fifo move_to_main_threshold must be in [1, 3], "
                                 f"got {self.move_to_main_threshold}")
-        meta = np.array([0, 0, 0, 0, int(capacity * self.ghost_size_ratio), self.move_to_main_threshold, 0],
-                        dtype=np.int64)
+        meta = np.array([0, 0, 0, 0, ghost_rows(capacity, self.ghost_size_ratio, num_keys), self.move_to_main_threshold,
+                         0], dtype=np.int64)
         # within = -1: no predicted promotion (learned-s3fifo sets it)
         state = S3FIFOState(meta, np.array([-1.0]), np.zeros(capacity, dtype=np.int64), self.wait_array(capacity),
                             *make_queues(2, capacity), *make_queues(1, num_keys))

@@ -24,6 +24,7 @@ import numpy as np
 from cachelab.errors import CachelabError
 from cachelab.policy.queues import SIZE, TAIL, make_queues, move_head, pop_tail, push_head, unlink
 from cachelab.policy.template import Hooks, SlotPolicy
+from policies.two_queue.s3fifo import ghost_rows
 
 AIN, AM = 0, 1  # queues of slots
 AOUT = 0  # the queue of ghost keys
@@ -101,9 +102,9 @@ class TwoQ(SlotPolicy):
     def make_state(self, capacity, num_keys):
         if not 0.0 < self.ain_size_ratio < 1.0:
             raise CachelabError(f"twoq ain_size_ratio must be in (0, 1), got {self.ain_size_ratio}")
-        if self.aout_size_ratio <= 0.0:
-            raise CachelabError(f"twoq aout_size_ratio must be > 0, got {self.aout_size_ratio}")
+        if not 0.0 < self.aout_size_ratio < float("inf"):  # NaN too: int() of it was a bare ValueError
+            raise CachelabError(f"twoq aout_size_ratio must be a number > 0, got {self.aout_size_ratio}")
         ain = max(1, int(capacity * self.ain_size_ratio))
-        meta = np.array([0, ain, max(1, int(capacity * self.aout_size_ratio)), max(1, capacity - ain)],
+        meta = np.array([0, ain, max(1, ghost_rows(capacity, self.aout_size_ratio, num_keys)), max(1, capacity - ain)],
                         dtype=np.int64)
         return TwoQState(meta, *make_queues(2, capacity), *make_queues(1, num_keys))
