@@ -430,3 +430,37 @@ def test_the_thread_writer_bounds_what_waits_for_its_journal(tmp_path):
     assert accepted == [True] * 4 + [False] * 6
     assert (st["submitted"], st["acknowledged"], st["dropped"]) == (11, 5, 6), st
     assert [r["upstream_id"] for r in records(tmp_path)[0]] == [f"cmpl-{i}" for i in range(10, 14)]
+
+
+def test_the_fallback_tokenizer_lets_the_proxys_event_loop_run_while_it_works():
+    """The journal's thread tokenizes what an upstream answered as text; ``Tokenizer.encode`` held the
+    GIL throughout, so the proxy's event loop, and every stream through it, stalled for as long as a
+    long prompt took (0.55 s a MiB). A thread ticking every millisecond now keeps ticking; the ids
+    are ``encode``'s."""
+    import threading
+
+    from cachelab.capture.tokens import FallbackTokenizer
+
+    fallback = FallbackTokenizer()
+    text = "Engram rows are addressed by the hashes of the last tokens, " * 17_000  # about 1 MiB
+    ticks, stop = [0], threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0.001)
+
+    assert fallback.decode(fallback.encode("warm up")) == "warm up"
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        time.sleep(0.05)
+        before, t0 = ticks[0], time.perf_counter()
+        ids = fallback.encode(text, prompt=True)
+        took, ticked = time.perf_counter() - t0, ticks[0] - before
+        text_again = fallback.decode(ids)
+    finally:
+        stop.set()
+        ticker.join()
+    assert ids == fallback._loaded().encode(text, add_special_tokens=True).ids and text_again.strip() == text.strip()
+    assert ticked >= 20 and ticked > took * 1000 / 10, (ticked, took)  # the old code: 1 or 2 ticks in 0.5 s

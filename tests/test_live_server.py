@@ -878,3 +878,38 @@ def test_vllm_metric_families_are_the_real_servers(server, vllm_server):
     assert len(ours) >= 25, len(ours)
     assert {name: kind for name, kind in ours.items() if theirs.get(name) != kind} == {}, \
         {name: theirs.get(name) for name in ours if theirs.get(name) != ours[name]}
+
+
+def test_a_long_prompt_is_tokenized_without_holding_up_other_requests(bounded_server):
+    """The server tokenized a prompt on its event loop with ``Tokenizer.encode``, which holds the GIL:
+    while a 1 MB prompt was tokenized (half a second) no other request was answered and no stream
+    moved. It now tokenizes as vLLM does, on a worker thread, and without the GIL: ``/health`` keeps
+    answering meanwhile. (The prompt is then refused as longer than the context.)"""
+    import threading
+    import time
+
+    from cachelab.engram.vocab import load_tokenizer
+
+    url, _ = bounded_server
+    text = "Engram rows are addressed by the hashes of the last tokens, " * 16_000  # under the 1 MiB body limit
+    t0 = time.perf_counter()
+    load_tokenizer().encode(text, add_special_tokens=False)
+    encode_s = time.perf_counter() - t0
+    answer = {}
+
+    def long_prompt():
+        answer["r"] = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": 1},
+                                 headers={"authorization": f"Bearer {KEY}"}, timeout=60)
+
+    waits = []
+    with httpx.Client(timeout=60) as health:
+        health.get(f"{url}/health")
+        sender = threading.Thread(target=long_prompt)
+        sender.start()
+        while sender.is_alive():
+            t0 = time.perf_counter()
+            assert health.get(f"{url}/health").status_code == 200
+            waits.append(time.perf_counter() - t0)
+        sender.join()
+    assert answer["r"].status_code == 400 and "context" in answer["r"].json()["error"]["message"]
+    assert len(waits) >= 5 and max(waits) < encode_s / 3, (encode_s, len(waits), max(waits))

@@ -11,7 +11,7 @@ and the record says ``token_source = "tokenizer"``.
 
 from __future__ import annotations
 
-from cachelab.engram.vocab import DEEPSEEK_V4, load_tokenizer
+from cachelab.engram.vocab import DEEPSEEK_V4, load_tokenizer, token_ids
 
 
 class FallbackTokenizer:
@@ -27,9 +27,10 @@ class FallbackTokenizer:
         return self._tok
 
     def encode(self, text: str, prompt: bool = False) -> list[int]:
-        return self._loaded().encode(text, add_special_tokens=prompt).ids
+        """Off the proxy's event loop (the journal's thread), and without the GIL (``token_ids``)."""
+        return token_ids(self._loaded(), [text], add_special_tokens=prompt)[0]
 
     def decode(self, ids: list[int], special: bool = False) -> str:
         """The text of ``ids``, as a server decodes a prompt sent as ids to echo it: vLLM keeps the
         special tokens (``special``), a bare ``tokenizers`` decode leaves them out."""
-        return self._loaded().decode(ids, skip_special_tokens=not special)
+        return self._loaded().decode_batch([ids], skip_special_tokens=not special)[0]  # the GIL let go, as encode
