@@ -359,10 +359,17 @@ def test_unreachable_upstream_gives_502_naming_it_and_a_record(tmp_path, loop):
 
 
 def test_bearer_token_required_when_set(tmp_path):
+    """The token checked as vLLM (and ``cachelab serve``) check theirs: the scheme in any case (RFC
+    9110's); the proxy took only ``Bearer`` as written, refusing a client its upstream accepts."""
     with Stack(tmp_path, api_key="proxy-token") as s:
         assert _raw(s.proxy.url, "/v1/completions", {"model": "tiny", "prompt": "hi"})[0] == 401
-        assert _raw(s.proxy.url, "/v1/completions", {"model": "tiny", "prompt": "hi"},
-                    {"Authorization": "Bearer proxy-token"})[0] == 200
+        for scheme in ("Bearer", "bearer", "BEARER"):
+            assert _raw(s.proxy.url, "/v1/completions", {"model": "tiny", "prompt": "hi"},
+                        {"Authorization": f"{scheme} proxy-token"})[0] == 200
+        for wrong in ("Bearer proxy-token2", "Bearer proxy-toke", "Basic proxy-token", "Bearer  proxy-token",
+                      "proxy-token", "Bearer"):
+            assert _raw(s.proxy.url, "/v1/completions", {"model": "tiny", "prompt": "hi"},
+                        {"Authorization": wrong})[0] == 401, wrong
         raw = b"".join(p.read_bytes() for p in s.recorder.directory.iterdir())
         assert b"proxy-token" not in raw
 

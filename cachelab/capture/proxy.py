@@ -41,11 +41,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from cachelab.api_key import ApiKey
 from cachelab.capture.connections import ClientConnection, Request, error_body, hop_by_hop, unauthorized, \
     whole_response
 from cachelab.capture.exchange import Exchange, prepare
@@ -113,7 +113,7 @@ class CaptureProxy:
         self.clients: set[ClientConnection] = set()
         self.server: asyncio.AbstractServer | None = None
         self._session_header = config.session_header.lower().encode("latin-1")
-        self._token = f"Bearer {config.api_key}".encode() if config.api_key else None
+        self._key = ApiKey(config.api_key) if config.api_key else None
         self._sweeper: asyncio.Task | None = None
 
     async def start(self, sock) -> None:
@@ -160,8 +160,8 @@ class CaptureProxy:
 
     # -- requests -------------------------------------------------------------------------------
     def authorized(self, r: Request) -> bool:
-        """Whether the request carries the bearer token, where one is required."""
-        return self._token is None or secrets.compare_digest(r.header(b"authorization") or b"", self._token)
+        """Whether the request carries the bearer token, where one is required (checked as vLLM checks it)."""
+        return self._key is None or self._key.accepts(r.header(b"authorization"))
 
     def serve(self, client: ClientConnection, r: Request) -> None:
         if not self.authorized(r):

@@ -22,9 +22,7 @@ each client gets a 503 at once (in a stream, an error event and ``[DONE]``); wit
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
-import secrets
 import time
 from dataclasses import dataclass, replace
 
@@ -33,6 +31,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from cachelab.api_key import ApiKey
 from cachelab.engram.vocab import token_ids
 from cachelab.errors import CachelabError
 from cachelab.live.engine import LiveEngine, RequestError, RequestOutput, check_prompt
@@ -159,19 +158,13 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
         record_refusal(request, error)
         return JSONResponse(error.body(), status_code=500)
 
-    key_digest = hashlib.sha256(api_key.encode()).digest() if api_key else None
+    key = ApiKey(api_key) if api_key else None
 
     async def authenticate(request: Request) -> None:
         """The /v1 routes' key check (a dependency: an HTTP middleware would hide disconnects); it
-        runs first, so it also notes the request's arrival (``--capture``). As vLLM checks it: the
-        scheme in any case (RFC 9110's), the keys' digests compared in constant time (a plain ``!=``
-        told a timing attacker how much of a guess was right)."""
+        runs first, so it also notes the request's arrival (``--capture``). As vLLM checks it (``ApiKey``)."""
         request.state.arrival, request.state.recorded = (time.time_ns(), time.perf_counter()), False
-        if key_digest is None:
-            return
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        digest = hashlib.sha256(key.encode("latin-1")).digest()  # the header's own bytes
-        if not (secrets.compare_digest(digest, key_digest) and scheme.lower() == "bearer"):
+        if key is not None and not key.accepts(request.headers.get("authorization")):
             raise APIError(401, "Unauthorized: send the server's API key as a Bearer token")
 
     v1 = {"dependencies": [Depends(authenticate)]}
