@@ -784,18 +784,32 @@ def test_a_server_shutting_down_aborts_its_requests_with_a_503():
 def test_a_shutdown_timeout_lets_requests_in_flight_finish(drain_s, finished):
     """`--shutdown-timeout S` (vLLM's): shutting down, requests in flight run on for up to S seconds
     and those that finish end as usual ([DONE] after a finish_reason); those still running then are
-    aborted as without it; requests arriving meanwhile are refused (the server stops listening)."""
+    aborted as without it; requests arriving meanwhile are refused (the server stops listening).
+    ``/health`` on a connection held from before (a load balancer's keep-alive probe) is a 503 from
+    the drain's start: it answered 200, and the balancer went on sending requests that got 503s."""
+    import threading
     import time
     from concurrent.futures import ThreadPoolExecutor
 
     max_tokens = 40 if finished == "length" else 1500
     body = {"model": MODEL, "prompt": "x", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
 
+    statuses, probing = [], threading.Event()
+
     def stream(url):
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
             return [line for line in r.iter_lines() if line.startswith("data:")]
 
-    with ThreadPoolExecutor(1) as pool:
+    def probe(client: httpx.Client, url: str):
+        try:
+            while True:
+                statuses.append(client.get(f"{url}/health").status_code)
+                probing.set()
+                time.sleep(0.01)
+        except httpx.HTTPError:  # the server closed the connection at the end of its shutdown
+            pass
+
+    with ThreadPoolExecutor(2) as pool, httpx.Client(timeout=30) as client:
         opts = ServeOptions(port=0, kv_cache_tokens=4096, threads=1, shutdown_timeout=drain_s)
         with running_server(opts) as (url, engine):
             streamed = pool.submit(stream, url)
@@ -803,9 +817,14 @@ def test_a_shutdown_timeout_lets_requests_in_flight_finish(drain_s, finished):
                 if engine.counters.generation_tokens > 2:
                     break
                 time.sleep(0.05)
+            probed = pool.submit(probe, client, url)
+            assert probing.wait(30)
             started = time.monotonic()
         took, events = time.monotonic() - started, streamed.result()
+        probed.result()
     assert events[-1] == "data: [DONE]"
+    assert statuses[0] == 200 and 503 in statuses, statuses
+    assert set(statuses[statuses.index(503):]) == {503}  # from the drain's start to the end
     if finished == "length":
         assert [json.loads(e[5:])["choices"][0]["finish_reason"] for e in events[-2:-1]] == ["length"], events[-3:]
         assert len(events) - 1 == max_tokens  # one event a token, the last with its finish_reason
@@ -913,3 +932,4 @@ def test_a_long_prompt_is_tokenized_without_holding_up_other_requests(bounded_se
         sender.join()
     assert answer["r"].status_code == 400 and "context" in answer["r"].json()["error"]["message"]
     assert len(waits) >= 5 and max(waits) < encode_s / 3, (encode_s, len(waits), max(waits))
+

@@ -287,8 +287,13 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
 
     @app.get("/health")
     async def health():
+        """200 while the server takes requests; 503 once it refuses them: its engine stopped, or it is
+        draining (``--shutdown-timeout``) and a 200 told a load balancer still holding a connection to
+        send requests that would each get a 503 (vLLM's drain mode answers every path with a 503)."""
         if engine.error:
             return JSONResponse(APIError(503, f"engine stopped: {engine.error}").body(), status_code=503)
+        if engine.closed:
+            return JSONResponse(APIError(503, "the server is shutting down").body(), status_code=503)
         return Response(status_code=200)
 
     @app.get("/metrics")
