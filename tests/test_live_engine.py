@@ -371,3 +371,33 @@ def test_chunked_prefill_over_scattered_blocks_equals_one_shot(float32_model, le
 def float32_model():
     torch.set_num_threads(1)
     return build_model(F32)
+
+
+def test_iteration_tokens_are_observed_per_step_with_outputs_as_vllm_observes_them():
+    """vLLM's ``vllm:iteration_tokens_total`` observes, per step that hands out tokens, the prompt
+    tokens computed (less the prefix-cache hit) of each request given its first token plus the tokens
+    sampled; a step that only computed a prefill chunk is not observed. It observed each step's
+    chunk: a 200-token prompt in 64-token chunks gave 64, 64, 64, 8 + 1 where vLLM gives 200 + 1."""
+
+    class Observer:
+        def __init__(self):
+            self.steps = []
+
+        def step_tokens(self, tokens):
+            self.steps.append(tokens)
+
+        def __getattr__(self, name):  # the per-request observations: not this test's
+            return lambda *args: None
+
+    engine = make_engine(max_num_seqs=1, max_num_batched_tokens=64, kv_cache_tokens=4096)
+    engine.observer = observer = Observer()
+    [long_prompt] = prompts(1, length=200, seed=7)
+    engine.start()
+    try:
+        engine.generate([long_prompt], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        engine.generate([long_prompt], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    finally:
+        engine.stop()
+    hit = (200 - 1) // 16 * 16  # the second time: the whole blocks but the last token's
+    assert observer.steps == [200 + 1, 1, 1, 200 - hit + 1, 1, 1]
+    assert engine.counters.steps == 4 + 2 + 1 + 2

@@ -5,6 +5,7 @@ One server (tiny preset, dummy weights) serves the whole module; every test talk
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -40,7 +41,6 @@ def wait_idle(engine):
     before it frees the blocks and counts the abort, and waiting on num_running alone let a
     scrape in that moment (the engine thread off the GIL) read the blocks as held: a flaky
     failure, not a leak."""
-    import time
 
     for _ in range(1200):
         if not engine.num_live and not engine.num_running and not engine.num_waiting:
@@ -119,12 +119,12 @@ def test_64_concurrent_requests_and_metrics_equal_engine(server):
     assert delta[("vllm:request_prompt_tokens_sum",)] == sum(u.prompt_tokens for u in usages)
     assert after[("vllm:request_prompt_tokens_bucket", ("le", "2000.0"))] == after[("vllm:request_prompt_tokens_count",)]
     assert ("vllm:request_prompt_tokens_bucket", ("le", "5000.0")) not in after  # 1-2-5 up to the 2,048 context
-    # tokens per engine step (prompt positions computed plus tokens sampled), per request its max_tokens,
+    # tokens per engine step with outputs (prompt tokens computed plus tokens sampled), per request its max_tokens,
     # preemptions and prompt tokens computed: vLLM's, which dashboards read (they were missing)
     prompt, cached = sum(u.prompt_tokens for u in usages), sum(u.prompt_tokens_details.cached_tokens for u in usages)
     assert delta[("vllm:num_preemptions_total",)] == 0  # else recomputed positions count as prompt ones too
     assert delta[("vllm:iteration_tokens_total_sum",)] == prompt - cached + sum(u.completion_tokens for u in usages)
-    assert delta[("vllm:iteration_tokens_total_count",)] == delta[("cachelab:engine_steps_total",)]
+    assert delta[("vllm:iteration_tokens_total_count",)] <= delta[("cachelab:engine_steps_total",)]
     assert delta[("vllm:request_params_max_tokens_sum",)] == sum(4 + i % 4 for i in range(64))
     assert (delta[("vllm:request_num_preemptions_count",)], delta[("vllm:request_num_preemptions_sum",)]) == (64, 0)
     assert delta[("vllm:request_prefill_kv_computed_tokens_sum",)] == prompt - cached
@@ -268,6 +268,56 @@ def test_cached_tokens_of_a_batch_are_reported_as_vllm_reports_them(server):
     assert cached_tokens_of_batches(url, MODEL, 60_000) == [0, 0, hit, hit, 0, hit, 0]
 
 
+def iteration_tokens_of_a_repeated_prompt(base_url: str, model: str, first_id: int) -> dict[str, float]:
+    """What a server's token counters and ``vllm:iteration_tokens_total`` grow by over a 600-token
+    prompt sent twice (the second time a prefix-cache hit), 3 tokens each."""
+    names = ("vllm:prompt_tokens_total", "vllm:prompt_tokens_cached_total", "vllm:generation_tokens_total",
+             "vllm:iteration_tokens_total_sum", "vllm:iteration_tokens_total_count")
+
+    def totals() -> dict[str, float]:
+        families = text_string_to_metric_families(httpx.get(f"{base_url}/metrics").text)
+        samples = [s for family in families for s in family.samples if s.name in names]
+        return {name: sum(s.value for s in samples if s.name == name) for name in names}
+
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    before = totals()
+    for _ in range(2):
+        client.completions.create(model=model, prompt=list(range(first_id, first_id + 600)), max_tokens=3,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    for _ in range(100):  # vLLM records a step's figures just after it hands the outputs out
+        delta = {name: value - before[name] for name, value in totals().items()}
+        if delta["vllm:iteration_tokens_total_count"] >= 6:
+            break
+        time.sleep(0.05)
+    return delta
+
+
+def test_iteration_tokens_count_prompts_at_their_first_token_as_vllm_does(server):
+    """vLLM's ``vllm:iteration_tokens_total`` observes, per step that has outputs, the prompt tokens
+    computed of each request given its first token plus the tokens sampled (tests/test_live_engine.py
+    has the chunked prefill); here: each request's prefill step and its two decode steps."""
+    url, engine = server
+    wait_idle(engine)
+    delta = iteration_tokens_of_a_repeated_prompt(url, MODEL, 80_000)
+    hit = (600 - 1) // 16 * 16
+    assert delta == {"vllm:prompt_tokens_total": 1200, "vllm:prompt_tokens_cached_total": hit,
+                     "vllm:generation_tokens_total": 6, "vllm:iteration_tokens_total_sum": 1200 - hit + 6,
+                     "vllm:iteration_tokens_total_count": 6}
+
+
+@pytest.mark.slow
+def test_iteration_tokens_follow_the_real_vllm(server, vllm_server):
+    """The same two requests on the real vLLM server grow its counters by the same rule (its CPU
+    backend's blocks are 128 tokens: its hit is 512 where ours is 592)."""
+    url, _ = server
+    for delta in (iteration_tokens_of_a_repeated_prompt(vllm_server.base_url, vllm_server.model, 81_000),
+                  iteration_tokens_of_a_repeated_prompt(url, MODEL, 81_000)):
+        cached = delta["vllm:prompt_tokens_cached_total"]
+        assert cached > 0 and delta["vllm:iteration_tokens_total_sum"] == 1200 - cached + 6, delta
+        assert (delta["vllm:prompt_tokens_total"], delta["vllm:generation_tokens_total"],
+                delta["vllm:iteration_tokens_total_count"]) == (1200, 6, 6), delta
+
+
 @pytest.mark.slow
 def test_cached_tokens_of_a_batch_follow_the_real_vllm(server, vllm_server):
     """The same batches on the real vLLM server: the same prompts report a hit (its CPU backend's
@@ -348,7 +398,6 @@ def test_a_chat_streams_its_role_with_the_first_token_as_vllm_does(server):
     """vLLM sends a chat's role chunk with the first output, and vLLM's bench (as most clients) takes
     the first chunk with choices as the first token. The role chunk went out before the request was
     even scheduled: such a client's TTFT was its HTTP round trip, shorter than the engine's own."""
-    import time
 
     url, engine = server
     wait_idle(engine)
@@ -662,7 +711,6 @@ def test_connections_are_bounded_and_one_that_stalls_before_its_request_is_close
     a whole head within ``header_timeout`` of opening or of its last answer is closed; a body not
     whole by then is a 408."""
     import socket
-    import time
 
     def closed_by_server(sock) -> bool:
         sock.settimeout(10)
@@ -756,7 +804,6 @@ def test_a_server_shutting_down_aborts_its_requests_with_a_503():
     graceful timeout, then cancelled them: a whole answer got a 500 (a CancelledError traceback
     in the log), a stream was cut without [DONE]. They are aborted first, as vLLM's default
     shutdown aborts them: a JSON 503, or an error event then [DONE]."""
-    import time
     from concurrent.futures import ThreadPoolExecutor
 
     body = {"model": MODEL, "prompt": "x", "max_tokens": 1500, "ignore_eos": True}
@@ -788,7 +835,6 @@ def test_a_shutdown_timeout_lets_requests_in_flight_finish(drain_s, finished):
     ``/health`` on a connection held from before (a load balancer's keep-alive probe) is a 503 from
     the drain's start: it answered 200, and the balancer went on sending requests that got 503s."""
     import threading
-    import time
     from concurrent.futures import ThreadPoolExecutor
 
     max_tokens = 40 if finished == "length" else 1500
@@ -858,7 +904,6 @@ def test_client_disconnect_mid_stream_frees_kv_blocks(server):
 
 def test_client_gone_while_waiting_for_a_whole_answer_is_aborted(server):
     import socket
-    import time
     from urllib.parse import urlparse
 
     url, engine = server
@@ -905,7 +950,6 @@ def test_a_long_prompt_is_tokenized_without_holding_up_other_requests(bounded_se
     moved. It now tokenizes as vLLM does, on a worker thread, and without the GIL: ``/health`` keeps
     answering meanwhile. (The prompt is then refused as longer than the context.)"""
     import threading
-    import time
 
     from cachelab.engram.vocab import load_tokenizer
 

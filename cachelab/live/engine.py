@@ -369,9 +369,10 @@ class LiveEngine:
         sampled = {x.req.rid: int(t) for x, t in zip(sampled_rows, tokens)}
         stopped = {rid: self._stop_check(self._live[rid], tok) for rid, tok in sampled.items()}
         self.scheduler.complete(step, sampled, [r for r, why in stopped.items() if why is not None])
-        self._emit(step, sampled, stopped, t_done)
-        if self.observer is not None:  # vLLM's iteration tokens: prompt positions computed plus tokens sampled
-            self.observer.step_tokens(step.num_tokens - step.decodes + len(sampled))
+        prefilled = self._emit(step, sampled, stopped, t_done)
+        if self.observer is not None and sampled:  # vLLM's iteration tokens, per step with outputs: the prompt
+            # tokens computed (less the prefix-cache hit) of the requests it gave a first token, plus the tokens sampled
+            self.observer.step_tokens(prefilled + len(sampled))
         self._count(step, row_ids, fetch, t0, t_done)
         if self.on_step is not None:
             self.on_step(step, row_ids)
@@ -403,14 +404,16 @@ class LiveEngine:
             return "eos"
         return live.detok.add(token, final=live.req.num_output + 1 >= live.req.max_output)
 
-    def _emit(self, step: StepRecord, sampled: dict, stopped: dict, now: float) -> None:
-        finished = set(step.finished)
+    def _emit(self, step: StepRecord, sampled: dict, stopped: dict, now: float) -> int:
+        """Hands out the step's tokens; returns the prompt tokens computed of the requests given their first."""
+        finished, prefilled = set(step.finished), 0
         for rid, token in sampled.items():
             live = self._live[rid]
             self.counters.generation_tokens += 1
             if live.first_token is None:
                 live.first_token = now
                 self.counters.prompt_tokens += live.req.num_prompt
+                prefilled += live.req.num_prompt - max(live.cached_tokens, 0)
                 if self.observer is not None:
                     self.observer.first_token(now - live.arrival)
             elif self.observer is not None:
@@ -426,6 +429,7 @@ class LiveEngine:
                     self.pool.extend_key(rid, self.pool.prefix_key(req.tokens[: req.num_known]))  # a block filled
                 live.sink(RequestOutput(rid, [token], live.detok.take(), num_prompt=live.req.num_prompt,
                                         num_output=live.req.num_output, cached_tokens=live.cached_tokens))
+        return prefilled
 
     def _finish(self, live: _Live, reason: str, stop_reason, now: float, tokens: list[int] = ()) -> None:
         rid = live.req.rid
