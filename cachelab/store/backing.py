@@ -376,6 +376,8 @@ class PreadBacking:
     def __init__(self, layout: TableLayout, paths: list[Path], io_threads: int = 8):
         self.layout = layout
         self.io = _PreadPool(paths, io_threads)
+        for fd in self.io.fds.tolist():  # rows are hashed: readahead fetched pages no step asked for, as
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # mmap's MADV_RANDOM (RocksDB's advise_random_on_open)
         self.storage = StorageReads()
 
     def read(self, layer: np.ndarray, rows: np.ndarray, out: np.ndarray, dst: np.ndarray) -> tuple[int, int]:
