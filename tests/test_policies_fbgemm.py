@@ -242,7 +242,8 @@ def test_the_engine_replays_each_lookup_as_fbgemm_counts_it(name, capacity, seed
     assert sum(served) == replay(stream, hierarchy).stats().levels["hbm"].served_unique
 
 
-@pytest.mark.parametrize("num_keys,sets", [(1, 1), (100, 3), (1_000, 31), (3_870, 125), (50, 200), (37, 10**9)])
+@pytest.mark.parametrize("num_keys,sets", [(1, 1), (100, 3), (1_000, 31), (3_870, 125), (50, 200), (37, 10**9),
+                                            (1_000, 2**63 + 12_345), (1_000, 2**64 - 1), (1_000, 2**64), (50, 10**30)])
 def test_fullest_set_counts_the_keys_of_the_fullest_set(num_keys, sets):
     """Per set where there are no more sets than keys, by sorting past that (memory follows the
     keys, not the capacity); both against ``cache_slot`` in Python integers."""
@@ -250,6 +251,17 @@ def test_fullest_set_counts_the_keys_of_the_fullest_set(num_keys, sets):
 
     want = max(np.unique([fbgemm_cache_slot(k, sets) for k in range(num_keys)], return_counts=True)[1])
     assert fullest_set(num_keys, sets) == want
+
+
+@pytest.mark.parametrize("name", ["fbgemm-lru", "fbgemm-lfu"])
+def test_any_capacity_past_2_to_the_68_rows_is_the_infinite_cache(name):
+    """2^63 sets or more (a capacity of 2^68 rows, 1e30 say) failed to compile: the set count went
+    to the kernel as an int64."""
+    from cachelab.engine.cascade import sized
+    from cachelab.policy.unbounded import Unbounded
+
+    for capacity in (2**68, 2**69 - 32, 2**69, 10**30):
+        assert isinstance(sized(registry.make_policy(name), capacity, 3_870), Unbounded)
 
 
 def _distinct_steps(rng, num_keys: int, length: int):

@@ -91,8 +91,12 @@ def geometry(capacity: int) -> tuple[int, int]:
 @functools.lru_cache(maxsize=16)
 def fullest_set(num_keys: int, sets: int) -> int:
     """The most of the keys ``[0, num_keys)`` that share one of ``sets`` sets (cached: a tier is
-    asked twice, by the store and by ``sized``)."""
-    return int(_fullest_set(int(num_keys), int(sets)))
+    asked twice, by the store and by ``sized``). From 2^64 sets on, the modulo leaves each key's
+    64-bit hash as it is, a bijection, so no set holds two keys; from 2^63 the count is unsigned
+    (an int64 could not hold it: a capacity of 2^68 rows or more, 1e30 say, failed to compile)."""
+    if sets >= 1 << 64:
+        return min(int(num_keys), 1)
+    return int(_fullest_set(int(num_keys), np.uint64(sets) if sets >= 1 << 63 else int(sets)))
 
 
 @nb.njit(cache=True)
