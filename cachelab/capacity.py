@@ -84,7 +84,8 @@ def parse_capacity(value: int | float | str | Capacity, where: str = "capacity")
         unit = (m.group(2) or "").lower() if m else None
         if m is None or unit not in ("", "%", "row", "rows", *UNITS):
             raise CachelabError(f"{where}: {value!r} is not a capacity; write {FORMS}")
-        amount = float(m.group(1))
+        number = m.group(1)  # whole digits stay an exact int: 9007199254740993 rows were 9007199254740992 as a float
+        amount = int(number) if number.isdigit() else float(number)
         if unit == "%":
             if not 0 < amount <= 100:
                 raise CachelabError(f"{where}: {value!r}: a share must be in (0%, 100%]")

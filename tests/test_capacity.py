@@ -110,3 +110,14 @@ def test_a_share_needs_the_workload_and_bytes_need_the_row_size():
         capacity_rows("64MiB", unique_rows=10)
     with pytest.raises(CachelabError, match="not a share"):
         parse_capacity("1%").bytes(264)
+
+
+def test_whole_numbers_in_text_are_exact():
+    """A count in text went through a float: 2^53 + 1 rows ran (and were reported) as 2^53, and
+    bytes past 2^53 likewise."""
+    for n in (2**53 + 1, 2**63 - 1, 10**30 + 7):
+        assert capacity_rows(str(n)) == capacity_rows(f"{n} rows") == capacity_rows(n) == n
+        assert parse_capacity(f"{n} B").bytes(row_bytes=1) == n
+        assert capacity_rows(f"{n}KiB", row_bytes=3) == n * 1024 // 3
+    assert capacity_rows("2.5e3") == 2500 and capacity_rows("2000.0") == 2000
+
