@@ -133,7 +133,7 @@ def test_learned_admission_does_not_defend_an_overdue_victim(base):
                                   "fbgemm-lru"])
 def test_learned_admission_runs_many_steps_in_one_base_call_as_step_by_step(base):
     """``run`` over a template base is one kernel call whose loop loads each step's scores as the
-    step begins (it was a base kernel call per step: 200 us a step, 225 times LRU's time on a
+    step begins (it was a base kernel call per step: 32 us a step, 36 times LRU's time on a
     stream of one-token decode steps); its hits are those of ``step`` after step, steps of several
     keys and empty ones included, where a victim's score may come from its access later in the
     step."""

@@ -6,8 +6,8 @@ victim with its latest prediction as of the step (its own last access, or its ac
 the same step: one batch is predicted at once). A base written on the policy template
 (``cachelab.policy.template``) replays many steps in one call, its loop loading each step's
 scores as the step begins (``SlotPolicy.run_fed``); any other base (``fbgemm-lru``) runs one
-kernel call per step, which on a stream of one-token decode steps cost some 200 us a step,
-225 times LRU's time.
+kernel call per step, which on a stream of one-token decode steps cost some 32 us a step,
+36 times LRU's time (one call for all: 2.2 times).
 """
 
 from __future__ import annotations
