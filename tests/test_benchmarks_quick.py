@@ -95,3 +95,14 @@ def test_bench_engine_baseline_times_the_baseline_checkout(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     [row] = json.loads(done.stdout.strip().splitlines()[-1])
     assert row["baseline_seconds"] == 12.5 and row["cachelab_seconds"] != 12.5
+
+
+def test_bench_client_overhead_measures_the_client_against_an_exact_stub():
+    """benchmarks/bench_client_overhead.py (docs/bench.md, "The client's own overhead"): every
+    request completes with the stub's output length, at about the stub's gap."""
+    done = run("bench_client_overhead.py", "--requests", "3", "--prompt-tokens", "200", "--output-tokens", "4",
+               "--request-rate", "10", "--gap-ms", "20", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout)
+    assert (out["completed"], out["failed"]) == (3, 0)
+    assert out["median_itl_ms"] >= 15.0 and out["median_tpot_ms"] >= 15.0  # a stall may bunch a few chunks
