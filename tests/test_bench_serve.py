@@ -170,10 +170,11 @@ def test_bad_flags_are_named_before_the_trace_is_read(tmp_path):
 class BreakingServer:
     """An OpenAI-style streaming server that answers the first requests, then fails each
     later one differently: an HTTP 500, a stream cut after one token, a refused stream (with
-    ``malformed``, a chunk not of OpenAI's shape instead of the cut)."""
+    ``malformed``, a chunk not of OpenAI's shape instead of the cut). With ``burst`` a good
+    answer is written at once (its chunks arrive in one read)."""
 
-    def __init__(self, good: int, malformed: bool = False):
-        self.good, self.seen, self.port, self.malformed = good, 0, _free_port(), malformed
+    def __init__(self, good: int, malformed: bool = False, burst: bool = False):
+        self.good, self.seen, self.port, self.malformed, self.burst = good, 0, _free_port(), malformed, burst
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.ready = threading.Event()
@@ -193,20 +194,23 @@ class BreakingServer:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             tokens = body["max_tokens"] if i < self.good else 1
+            held = []
             for t in range(tokens):
                 choice = {"text": "x"}
                 if body.get("return_token_ids"):  # vLLM's: the prompt's ids in a choice's first chunk
                     choice.update(token_ids=[t], **({"prompt_token_ids": body["prompt"]} if t == 0 else {}))
-                await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
-                await asyncio.sleep(0.002)
+                held.append(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+                if not (self.burst and i < self.good):
+                    await resp.write(held.pop())
+                    await asyncio.sleep(0.002)
             if i >= self.good and self.malformed:
                 await resp.write(b'data: {"choices": ["x"]}\n\n')  # valid JSON, not OpenAI's shape
             elif i >= self.good:
                 request.transport.close()  # the server dies mid-answer
                 return resp
             usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": tokens}
-            await resp.write(f'data: {json.dumps({"choices": [], "usage": usage})}\n\n'.encode())
-            await resp.write(b"data: [DONE]\n\n")
+            held.append(f'data: {json.dumps({"choices": [], "usage": usage})}\n\n'.encode())
+            await resp.write(b"".join(held) + b"data: [DONE]\n\n")
             return resp
 
         app_ = web.Application()
@@ -296,6 +300,27 @@ def test_request_bodies_are_encoded_before_the_clock_starts():
         result = run_bench(BenchConfig(url, server_metrics=False), plan)
     assert [o.success for o in result.outputs] == [True] * 3 and len(encoded) == 3
     assert max(encoded) < min(o.send_s for o in result.outputs)
+
+
+def test_a_chunk_is_timed_at_its_arrival_not_after_parsing(monkeypatch):
+    """A chunk was timed after the client had parsed it and every chunk before it: its JSON
+    (with return_token_ids a first chunk holds the prompt's ids, milliseconds of it) added to
+    TTFT and ITL. Chunks that arrive in one read are timed at that read (seen by helper-100)."""
+    from types import SimpleNamespace
+
+    from cachelab.bench import client
+    from cachelab.bench.plan import BenchPlan
+
+    def slow_loads(data):
+        time.sleep(0.5)
+        return json.loads(data)
+
+    monkeypatch.setattr(client, "json", SimpleNamespace(loads=slow_loads, dumps=json.dumps))
+    plan = BenchPlan([np.arange(20)], np.array([3]), np.zeros(1))
+    with BreakingServer(good=1, burst=True) as url:
+        (out,) = client.run_bench(client.BenchConfig(url, server_metrics=False), plan).outputs
+    assert out.success and len(out.chunk_s) == 3
+    assert np.diff(out.chunk_s).tolist() == [0.0, 0.0] and out.chunk_s[0] - out.send_s < 0.5
 
 
 @pytest.mark.slow

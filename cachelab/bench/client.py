@@ -6,7 +6,7 @@ server produces exactly that many tokens), timed as ``vllm bench serve`` times i
 (vllm/benchmarks/lib/endpoint_request_func.py): the clock starts when the request is sent
 (after the concurrency limit lets it go; every body is encoded before the benchmark starts, so
 no encoding runs beside the streams it would delay), every streamed chunk that carries a choice is a
-token arrival, the first is TTFT, the last ends the request; token counts come from the
+token arrival (at the read that brought it, before it is parsed), the first is TTFT, the last ends the request; token counts come from the
 final ``usage`` chunk. A request that fails (refused connection, an HTTP error, a stream
 cut short, no token, a chunk not of OpenAI's shape) is kept with its error and counted in
 ``failed``, as vLLM's client catches any exception of a request; an interrupted run
@@ -205,10 +205,10 @@ async def _send(session, url: str, body: bytes, out: RequestOutput) -> None:
                 out.error = f"HTTP {response.status}: {message[:MAX_ERROR_CHARS]}"
                 return
             async with contextlib.aclosing(_events(response.content)) as events:
-                async for data in events:
+                async for data, arrived in events:
                     chunk = json.loads(data)
                     if chunk.get("choices"):
-                        out.chunk_s.append(time.perf_counter())
+                        out.chunk_s.append(arrived)
                         out.token_ids.extend(chunk["choices"][0].get("token_ids") or ())
                     if usage := chunk.get("usage"):
                         out.output_tokens = int(usage.get("completion_tokens") or 0)
@@ -228,15 +228,18 @@ async def _send(session, url: str, body: bytes, out: RequestOutput) -> None:
         out.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-async def _events(content) -> AsyncIterator[bytes]:
+async def _events(content) -> AsyncIterator[tuple[bytes, float]]:
     """A stream's ``data:`` payloads up to ``[DONE]`` (blank separators and SSE comments
-    skipped), of any length. aiohttp's own line reader fails a line over 512 KiB
-    (``LineTooLong``), and with ``return_token_ids`` a completion's first chunk carries the whole
-    prompt's ids (vLLM, `cachelab serve`: ~7 bytes a token, so every prompt over ~75k tokens
-    failed); vLLM's client splits the stream itself too (``StreamedResponseHandler``)."""
+    skipped), of any length, each with the time the read that completed it returned: its
+    arrival, not the end of the client's parsing of it and of the payloads before it (with
+    ``return_token_ids`` a first chunk carries the prompt's ids, milliseconds of JSON). aiohttp's
+    own line reader fails a line over 512 KiB (``LineTooLong``), and such a chunk is ~7 bytes a
+    token (vLLM, `cachelab serve`: every prompt over ~75k tokens failed); vLLM's client splits
+    the stream itself too (``StreamedResponseHandler``)."""
     pieces, buffer, searched, ended = content.iter_any(), bytearray(), 0, False
     while not ended:
         piece = await anext(pieces, None)
+        arrived = time.perf_counter()
         ended = piece is None
         buffer += b"\n" if ended else piece  # the end of the stream ends its last line
         start = 0
@@ -246,7 +249,7 @@ async def _events(content) -> AsyncIterator[bytes]:
             if line.startswith(b"data:"):
                 if (data := line[5:].strip()) == b"[DONE]":
                     return
-                yield data
+                yield data, arrived
         del buffer[:start]
         searched = len(buffer)
 
