@@ -170,11 +170,13 @@ def test_bad_flags_are_named_before_the_trace_is_read(tmp_path):
 class BreakingServer:
     """An OpenAI-style streaming server that answers the first requests, then fails each
     later one differently: an HTTP 500, a stream cut after one token, a refused stream (with
-    ``malformed``, a chunk not of OpenAI's shape instead of the cut). With ``burst`` a good
-    answer is written at once (its chunks arrive in one read)."""
+    ``malformed``, a chunk not of OpenAI's shape instead of the cut; with ``gateway``, a proxy's
+    HTML 502 page not in UTF-8 instead of the 500). With ``burst`` a good answer is written at
+    once (its chunks arrive in one read)."""
 
-    def __init__(self, good: int, malformed: bool = False, burst: bool = False):
+    def __init__(self, good: int, malformed: bool = False, burst: bool = False, gateway: bool = False):
         self.good, self.seen, self.port, self.malformed, self.burst = good, 0, _free_port(), malformed, burst
+        self.gateway = gateway
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.ready = threading.Event()
@@ -188,6 +190,8 @@ class BreakingServer:
         async def completions(request):
             body = await request.json()
             i, self.seen = self.seen, self.seen + 1
+            if i >= self.good and (i - self.good) % 3 == 0 and self.gateway:
+                return web.Response(status=502, body=b"<html>\xff Bad Gateway</html>", content_type="text/html")
             if i >= self.good and (i - self.good) % 3 == 0:  # with the fields vLLM adds, past 300 characters
                 return web.json_response({"error": {"message": "engine overloaded", "type": "InternalServerError",
                                                     "param": None, "code": 500, "detail": "." * 300}}, status=500)
@@ -321,6 +325,18 @@ def test_a_chunk_is_timed_at_its_arrival_not_after_parsing(monkeypatch):
         (out,) = client.run_bench(client.BenchConfig(url, server_metrics=False), plan).outputs
     assert out.success and len(out.chunk_s) == 3
     assert np.diff(out.chunk_s).tolist() == [0.0, 0.0] and out.chunk_s[0] - out.send_s < 0.5
+
+
+def test_an_error_page_not_in_utf8_keeps_its_status():
+    """A proxy's 502 page in another encoding failed the decoding of the body, and the request's
+    reason was 'UnicodeDecodeError: ...', its status lost (seen by helper-100)."""
+    from cachelab.bench.client import BenchConfig, run_bench
+    from cachelab.bench.plan import BenchPlan
+
+    plan = BenchPlan([np.arange(5)], np.array([2]), np.zeros(1))
+    with BreakingServer(good=0, gateway=True) as url:
+        (out,) = run_bench(BenchConfig(url, server_metrics=False), plan).outputs
+    assert (out.success, out.error) == (False, "HTTP 502: <html>\ufffd Bad Gateway</html>")
 
 
 @pytest.mark.slow

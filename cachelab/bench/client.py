@@ -201,7 +201,9 @@ async def _send(session, url: str, body: bytes, out: RequestOutput) -> None:
     try:
         async with session.post(url, data=body, headers=JSON_HEADERS) as response:
             if response.status != 200:
-                message = _message((await response.text()).strip())  # the whole body: a cut one is not JSON
+                # the whole body (a cut one is not JSON), undecodable bytes replaced: a proxy's error page in
+                # another encoding failed the decoding, and the reason was a UnicodeDecodeError without the status
+                message = _message((await response.read()).decode("utf-8", errors="replace").strip())
                 out.error = f"HTTP {response.status}: {message[:MAX_ERROR_CHARS]}"
                 return
             async with contextlib.aclosing(_events(response.content)) as events:
