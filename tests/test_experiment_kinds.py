@@ -194,3 +194,38 @@ def test_a_point_with_a_key_mlflow_refuses_fails_alone_and_the_experiment_stays_
         ("0", "FINISHED"), ("2", "FAILED"), ("3", "FINISHED")]
     again = run_experiment(spec_path, tracking_uri=uri, runs_dir=count_kind / "runs", workers=1, quiet=True)
     assert (again.skipped, len(again.failed)) == (2, 1)
+
+
+def test_a_learned_point_seeds_its_predictor_with_its_own_seed(tmp_path, monkeypatch):
+    """seeds = [0, 1, 2] fitted three models from one init (the MLP's weights, HGB's binning
+    sample), varying only the drawn samples; the point's seed now offsets the predictor's, as it
+    offsets a trace's. Seed 0 keeps the params as written."""
+    import cachelab.learning.training as training
+    from cachelab.experiment.points import learned_point, seeded_params
+    from cachelab.experiment.spec import WorkloadSpec, load_spec
+    from cachelab.experiment.sweep import expand
+    from cachelab.experiment.workload import build_workload, load_workload
+    from predictors.lightgbm_model import LightGBM
+    from predictors.mlp import MLP
+    from predictors.sklearn_models import Logistic
+
+    assert seeded_params(MLP, {"hidden": 8}, 2) == {"hidden": 8, "seed": 2}
+    assert seeded_params(LightGBM, {"seed": 5}, 1) == {"seed": 6}
+    assert seeded_params(MLP, {"hidden": 8}, 0) == {"hidden": 8}
+    assert seeded_params(Logistic, {"C": 2.0}, 3) == {"C": 2.0}  # takes no seed
+
+    spec = tmp_path / "s.toml"
+    spec.write_text('name = "s"\nkind = "learned"\nseeds = [0, 2]\n[workload]\nsource = "stdlib"\n'
+                    'params = { max_chars = 2000 }\n[predictor]\nname = "mlp"\nparams = { hidden = 8 }\n')
+    workload = load_workload(build_workload(WorkloadSpec(source="stdlib", params={"max_chars": 2000})))
+    fitted = []
+
+    def train(view, predictor, spec, *args, **kwargs):
+        fitted.append(predictor.get_params())
+        raise KeyboardInterrupt  # the predictor is all this test wants
+
+    monkeypatch.setattr(training, "train", train)
+    for point in expand(load_spec(spec)):
+        with pytest.raises(KeyboardInterrupt):
+            learned_point(point.config, workload)
+    assert [(f["hidden"], f["seed"]) for f in fitted] == [(8, 0), (8, 2)]

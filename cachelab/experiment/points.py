@@ -9,6 +9,7 @@ about a kind.
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from pathlib import Path
@@ -88,8 +89,10 @@ def learned_point(config: dict, workload: Workload) -> PointOutput:
     capacities = [_learned_capacity(c, workload.stream.row_bytes) for c in p["capacities"]]
     # One model for every capacity, or with Belady keep labels one model per capacity.
     targets = [[c] for c in capacities] if p["belady_labels"] else [capacities]
-    fits = [train(view, registry.get(registry.PREDICTORS, p["name"])(**p["params"]),
-                  replace(spec, capacity=caps[0] if p["belady_labels"] else 0.0)) for caps in targets]
+    cls = registry.get(registry.PREDICTORS, p["name"])
+    fit_params = seeded_params(cls, p["params"], config["seed"])
+    fits = [train(view, cls(**fit_params), replace(spec, capacity=caps[0] if p["belady_labels"] else 0.0))
+            for caps in targets]
     held = [h for _, h in held_out(config)]
     # each held-out workload is built once (by the runner, before any point), then found in the workload cache
     parts = [(name, LearningView.of(load_workload(build_workload(WorkloadSpec(**h))).stream, preset),
@@ -123,8 +126,20 @@ def learned_point(config: dict, workload: Workload) -> PointOutput:
     if importances:
         tables["importances"] = pl.DataFrame(importances)
     params = {"eval.workload": ",".join(results) if held else "later part of the training workload",
-              "eval.missing_policies": ",".join(first["missing"])}
+              "eval.missing_policies": ",".join(first["missing"]),
+              **({"predictor.fitted_seed": str(fit_params["seed"])} if "seed" in fit_params else {})}
     return PointOutput(metrics, params, tables, files)
+
+
+def seeded_params(cls, params: dict, seed: int) -> dict:
+    """A predictor's params with its ``seed`` (where it takes one) offset by the point's: the seeds of a
+    spec fitted one model init (the MLP's weights, HGB's binning sample) and only drew other samples.
+    Seed 0 leaves the params as written."""
+    takes = inspect.signature(cls).parameters
+    if not seed or "seed" not in takes:
+        return dict(params)
+    default = takes["seed"].default
+    return {**params, "seed": params.get("seed", 0 if default is inspect.Parameter.empty else default) + seed}
 
 
 def held_out(config: dict) -> list[tuple[str, dict]]:
