@@ -343,3 +343,36 @@ def test_each_seed_samples_its_own_trace(tmp_path, data_dir):  # the Mooncake im
                     .replace('{ source = "gamma", options = { rate = 4.0, num_requests = 4 } }',
                              '{ source = "mooncake", path = "traces/mooncake_fast25/conversation_trace.jsonl" }'))
     assert [p.config["workload"]["trace"]["seed"] for p in expand(load_spec(spec))] == [5, 5, 5]
+
+
+def test_a_standard_library_workload_is_another_under_another_python(tmp_path, monkeypatch):
+    """The stdlib corpus reads the running Python's standard library, which no hash held: after a
+    Python upgrade its workload was found in the cache and its finished points skipped, results of
+    another corpus. Its fingerprint (the Python's version) joins the point hash and the cache key."""
+    import platform
+
+    from cachelab.experiment.workload import workload_key
+
+    def hashes():
+        points = expand(_load(tmp_path))
+        return [p.hash for p in points], workload_key(points[0].config["workload"])
+
+    before, key = hashes()
+    assert hashes() == (before, key)  # stable for one Python
+    monkeypatch.setattr(platform, "python_version", lambda: "3.99.0")
+    after, other = hashes()
+    assert other != key and not set(after) & set(before)
+    trace = {"arrivals": {"source": "gamma", "options": {"num_requests": 4}}, "corpus": {"source": "stdlib"}}
+    from cachelab.experiment.spec import workload_sources
+
+    assert workload_sources({"source": "arena-hard", "trace": trace}) == ["stdlib of CPython 3.99.0"]
+    assert workload_sources({"source": "gsm8k"}) == []  # a corpus of data files: their contents are hashed
+    root = tmp_path / "lib"
+    (root / "pkg").mkdir(parents=True)
+    (root / "pkg" / "a.py").write_text("x = 1\n")
+    first = workload_sources({"source": "stdlib", "params": {"root": str(root)}})
+    (root / "pkg" / "b.py").write_text("y = 2\n")
+    from traces.stdlib import _tree_digest
+
+    _tree_digest.cache_clear()
+    assert workload_sources({"source": "stdlib", "params": {"root": str(root)}}) != first

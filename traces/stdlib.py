@@ -8,14 +8,25 @@ given Python version; test packages are skipped (generated data, not representat
 from __future__ import annotations
 
 import ast
+import hashlib
+import platform
 import sysconfig
 from collections.abc import Iterator
+from functools import lru_cache
 from pathlib import Path
 
 from cachelab.errors import CachelabError
 from cachelab.trace.corpus import Document
 
 SKIP_PARTS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3"}
+
+
+@lru_cache(maxsize=16)
+def _tree_digest(root: Path) -> str:
+    """SHA-256 of the names and sizes of the sources a corpus rooted at ``root`` reads, once a process."""
+    corpus = StdlibCorpus(root=str(root))
+    listing = "\n".join(f"{p.relative_to(root).as_posix()} {p.stat().st_size}" for p in corpus.files())
+    return hashlib.sha256(listing.encode()).hexdigest()[:16]
 
 
 class StdlibCorpus:
@@ -27,7 +38,17 @@ class StdlibCorpus:
         if max_chars is not None and not max_chars > 0:
             raise CachelabError(f"max_chars must be a number of characters > 0, got {max_chars!r}")
         self.max_chars = max_chars
+        self.given_root = root
         self.root = Path(root or sysconfig.get_paths()["stdlib"])
+
+    def fingerprint(self) -> str:
+        """What the corpus reads beyond its arguments, for an experiment's hashes
+        (``cachelab.experiment.spec.workload_sources``): this Python's standard library (its version:
+        another Python reads other sources), or the sources under a ``root`` given (names and sizes)."""
+        python = f"{platform.python_implementation()} {platform.python_version()}"
+        if self.given_root is None:
+            return f"stdlib of {python}"
+        return f"{python} {self.root}: {_tree_digest(self.root)}"
 
     def files(self) -> list[Path]:
         paths = [p for p in self.root.rglob("*.py") if not SKIP_PARTS & set(p.relative_to(self.root).parts)]

@@ -36,7 +36,7 @@ from cachelab.validation import Strict, read_toml, validate
 
 __all__ = ["ExperimentSpec", "HierarchySpec", "PredictorSpec", "ServingSpec", "TierSpec", "WorkloadSpec",
            "capacity_rows", "check_spec", "kinds", "load_spec", "make_tier_policy", "page_cache_bytes",
-           "parse_spec", "resolve_data_path", "set_key", "workload_files"]
+           "parse_spec", "resolve_data_path", "set_key", "workload_files", "workload_sources"]
 _SINGULAR = {registry.POLICIES: "policy", registry.PREDICTORS: "predictor", registry.WORKLOADS: "workload"}
 
 
@@ -353,6 +353,30 @@ def workload_files(workload: dict) -> list[Path]:
         if isinstance(rel, str):
             with contextlib.suppress(CachelabError):
                 out.append(resolve_data_path(rel))
+    return out
+
+
+def workload_sources(workload: dict) -> list[str]:
+    """What the corpus a workload section reads (its ``source``, or its trace's corpus) says of the
+    sources it reads beyond its files and arguments: its ``fingerprint()``, where it has one (the
+    standard library's names its Python, whose sources it reads). They join a point's hash and the
+    workload cache's key: a Python upgrade reused the workloads and finished points of another
+    standard library. A corpus that cannot be made is left to the checks that name it."""
+    trace = workload.get("trace") or {}
+    corpus = trace.get("corpus") or {}
+    if trace:
+        named = [(corpus["source"], dict(corpus.get("options") or {}))] if corpus.get("source") else []
+    else:
+        path = workload.get("path")
+        named = [(workload.get("source"), {**(workload.get("params") or {}), **({"path": path} if path else {})})]
+    out = []
+    for source, kwargs in named:
+        with contextlib.suppress(CachelabError, TypeError):
+            cls = registry.get(registry.WORKLOADS, source)
+            if callable(getattr(cls, "fingerprint", None)):
+                if "path" in kwargs:
+                    kwargs["path"] = str(resolve_data_path(kwargs["path"]))
+                out.append(str(cls(**kwargs).fingerprint()))
     return out
 
 

@@ -19,7 +19,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from cachelab.experiment.kinds import get_kind
-from cachelab.experiment.spec import ExperimentSpec, kinds, set_key, workload_files
+from cachelab.experiment.spec import ExperimentSpec, kinds, set_key, workload_files, workload_sources
 from cachelab.trace.build import draws_with_seed, parse_spec as parse_trace_spec
 
 
@@ -90,8 +90,10 @@ def _seeded(workload: dict, seed: int) -> dict:
 
 
 def data_digests(workloads: list[dict]) -> list[str]:
-    """The contents' digests of the data files the workload sections read (``workload_files``)."""
-    return [content_digest(p) for w in workloads for p in workload_files(w)]
+    """The contents' digests of the data files the workload sections read (``workload_files``), and
+    what their corpora say of the sources they read beyond them (``workload_sources``)."""
+    return [content_digest(p) for w in workloads for p in workload_files(w)] + \
+        [source for w in workloads for source in workload_sources(w)]
 
 
 def content_digest(path: Path) -> str:
