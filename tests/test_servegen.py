@@ -93,3 +93,26 @@ def test_arbitrary_trace_bytes_give_requests_or_a_clean_error(tmp_path, data, sk
     except CachelabError:
         return
     validate(df, "fuzz")
+
+
+def test_a_windows_requests_do_not_depend_on_the_span_taken(tmp_path):
+    """One generator ran through the windows taken in turn, so a window's requests depended on
+    which windows came before it: hours 1200-1800 of a trace from 0 and of one from 1200 differed.
+    Each window now draws whole from its own generator (seed, client, window), then is cut to
+    the span: the same requests, and a span that ends inside a window keeps a prefix of them."""
+    folder = client(tmp_path)
+    whole = ServeGenWorkload(str(folder), duration_s=1800, seed=1).arrivals()
+    late = ServeGenWorkload(str(folder), duration_s=600, start_s=1200, seed=1).arrivals()
+    tail = whole.filter(whole["arrival_s"] >= 1200)
+    assert late.height > 100
+    np.testing.assert_allclose(late["arrival_s"].to_numpy() + 1200, tail["arrival_s"].to_numpy())
+    assert late["prompt_len"].to_list() == tail["prompt_len"].to_list()
+    cut = ServeGenWorkload(str(folder), duration_s=1500, seed=1).arrivals()
+    assert cut.equals(whole.filter(whole["arrival_s"] < 1500))
+
+
+def test_a_length_pmf_of_fractional_token_counts_is_refused(tmp_path):
+    """A PMF key of 12.5 tokens was cut to 12 without a word."""
+    dataset = json.dumps({"0": {"input_tokens": "{10: 0.5, 12.5: 0.5}", "output_tokens": "{5: 1.0}"}})
+    with pytest.raises(CachelabError, match="window 0, field 'input_tokens': keys must be whole token counts"):
+        ServeGenWorkload(str(client(tmp_path, dataset=dataset))).arrivals()

@@ -143,10 +143,12 @@ def read_pmfs(ingest: Ingest) -> dict[int, dict[str, tuple[np.ndarray, np.ndarra
             if not pmf:
                 break  # an empty PMF: ServeGen skips the window
             values, probs = np.asarray(list(pmf), dtype=object), np.asarray(list(pmf.values()), dtype=object)
-            try:
+            try:  # a key of 12.5 tokens was cut to 12: only whole counts are token counts
+                if not all(type(v) is int for v in values):
+                    raise TypeError
                 values, probs = values.astype(np.int64), probs.astype(np.float64)
             except (TypeError, ValueError, OverflowError):
-                problem = (where, f"window {ts}, field {name!r}: keys must be token counts, values probabilities")
+                problem = (where, f"window {ts}, field {name!r}: keys must be whole token counts, values probabilities")
                 break
             least = 1 if name == "input_tokens" else 0  # no request has an empty prompt
             if values.min() < least:
@@ -231,7 +233,6 @@ class ServeGenWorkload:
             self.skipped += one.skipped
             self.first_skipped = self.first_skipped or one.first_skipped
             self.skipped_lines += [f"{one.path.name}:{line}" for line in one.skipped_lines]
-        rng = np.random.default_rng([self.seed, client])
         starts = windows["start_s"].to_numpy()
         ends = np.append(starts[1:], starts[-1] + (starts[-1] - starts[-2] if starts.size > 1 else 600)) \
             if starts.size else starts
@@ -247,19 +248,22 @@ class ServeGenWorkload:
                 continue
             if rate <= 0:
                 continue
-            t, drawn = float(start), []
-            while t < hi:
-                arrivals = t + np.cumsum(_gaps(rng, pattern, rate, cv, int(rate * (hi - t) * 1.1) + 16))
+            # the whole window drawn, from its own generator, then cut to [lo, hi): a window's requests
+            # are the same whatever start_s and duration_s take in (they depended on the windows before)
+            rng, t, drawn = np.random.default_rng([self.seed, client, start]), float(start), []
+            while t < end:
+                arrivals = t + np.cumsum(_gaps(rng, pattern, rate, cv, int(rate * (end - start) * 1.1) + 16))
                 drawn.append(arrivals)
                 t = float(arrivals[-1])
             arrivals = np.concatenate(drawn)
-            arrivals = arrivals[(arrivals >= lo) & (arrivals < hi)]
+            arrivals = arrivals[arrivals < end]
             pmf = pmfs[int(pmf_starts[which])]
-            times.append(arrivals - self.start_s)
+            keep = (arrivals >= lo) & (arrivals < hi)
+            times.append(arrivals[keep] - self.start_s)
             for out, name in ((n_in, "input_tokens"), (n_out, "output_tokens")):
                 values, cdf = pmf[name]
                 out.append(values[np.minimum(np.searchsorted(cdf, rng.random(arrivals.size), side="right"),
-                                             values.size - 1)])
+                                             values.size - 1)][keep])
         if not times:
             return np.empty(0), np.empty(0, np.int64), np.empty(0, np.int64)
         return np.concatenate(times), np.concatenate(n_in), np.concatenate(n_out)
