@@ -176,6 +176,18 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict | None = None
     documents: list[dict] | None = None
 
+    def check(self) -> None:
+        """vLLM's refusals of a chat its schema takes: an empty ``tools`` list, and a null content
+        in any message but an assistant's (its message types let only that one be null; a message
+        without content is an empty one)."""
+        if self.tools == []:  # vLLM's words
+            raise APIError(400, "`tools` must not be an empty array. Either provide at least one tool or omit the "
+                                "field entirely.", "tools")
+        for i, m in enumerate(self.messages):
+            if m.content is None and "content" in m.model_fields_set and m.role != "assistant":
+                raise APIError(400, f"messages.{i}.content: a {m.role} message's content cannot be null",
+                               f"messages.{i}.content")
+
 
 def chat_prompt(messages: list[ChatMessage]) -> str:
     """DeepSeek's chat format: BOS, system text, then ``<｜User｜>``/``<｜Assistant｜>`` turns

@@ -275,6 +275,7 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
     @app.post("/v1/chat/completions", **v1)
     async def chat_completions(request: Request):
         req = await read_json(request, ChatCompletionRequest)
+        req.check()
         ids, = await tokenized([chat_prompt(req.messages)])
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         return await run(request, req, [ids], [prepare(ids, max_tokens, req)], chat=True)
