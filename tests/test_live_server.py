@@ -272,12 +272,16 @@ def iteration_tokens_of_a_repeated_prompt(base_url: str, model: str, first_id: i
     """What a server's token counters and ``vllm:iteration_tokens_total`` grow by over a 600-token
     prompt sent twice (the second time a prefix-cache hit), 3 tokens each."""
     names = ("vllm:prompt_tokens_total", "vllm:prompt_tokens_cached_total", "vllm:generation_tokens_total",
-             "vllm:iteration_tokens_total_sum", "vllm:iteration_tokens_total_count")
+             "vllm:iteration_tokens_total_sum", "vllm:iteration_tokens_total_count",
+             "vllm:prompt_tokens_by_source_total", "vllm:prompt_tokens_cached_by_source_total")
 
-    def totals() -> dict[str, float]:
+    def totals() -> dict[str, float]:  # a labelled counter per source: "name/source"
         families = text_string_to_metric_families(httpx.get(f"{base_url}/metrics").text)
-        samples = [s for family in families for s in family.samples if s.name in names]
-        return {name: sum(s.value for s in samples if s.name == name) for name in names}
+        out = {}
+        for s in (s for family in families for s in family.samples if s.name in names):
+            key = f"{s.name}/{s.labels['source']}" if "source" in s.labels else s.name
+            out[key] = out.get(key, 0) + s.value
+        return out
 
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
     before = totals()
@@ -302,18 +306,28 @@ def test_iteration_tokens_count_prompts_at_their_first_token_as_vllm_does(server
     hit = (600 - 1) // 16 * 16
     assert delta == {"vllm:prompt_tokens_total": 1200, "vllm:prompt_tokens_cached_total": hit,
                      "vllm:generation_tokens_total": 6, "vllm:iteration_tokens_total_sum": 1200 - hit + 6,
-                     "vllm:iteration_tokens_total_count": 6}
+                     "vllm:iteration_tokens_total_count": 6,
+                     **{f"vllm:prompt_tokens_by_source_total/{s}": n for s, n in
+                        (("local_compute", 1200 - hit), ("local_cache_hit", hit), ("external_kv_transfer", 0))},
+                     **{f"vllm:prompt_tokens_cached_by_source_total/{s}": hit if s == "device" else 0
+                        for s in ("device", "host", "p2p", "disk", "external_unspecified")}}
 
 
 @pytest.mark.slow
 def test_iteration_tokens_follow_the_real_vllm(server, vllm_server):
     """The same two requests on the real vLLM server grow its counters by the same rule (its CPU
-    backend's blocks are 128 tokens: its hit is 512 where ours is 592)."""
+    backend's blocks are 128 tokens: its hit is 512 where ours is 592), the prompt tokens by source
+    and the cache hits by tier included (they were missing)."""
     url, _ = server
-    for delta in (iteration_tokens_of_a_repeated_prompt(vllm_server.base_url, vllm_server.model, 81_000),
-                  iteration_tokens_of_a_repeated_prompt(url, MODEL, 81_000)):
+    theirs = iteration_tokens_of_a_repeated_prompt(vllm_server.base_url, vllm_server.model, 81_000)
+    ours = iteration_tokens_of_a_repeated_prompt(url, MODEL, 81_000)
+    assert set(ours) == set(theirs), set(ours) ^ set(theirs)
+    for delta in (theirs, ours):
         cached = delta["vllm:prompt_tokens_cached_total"]
         assert cached > 0 and delta["vllm:iteration_tokens_total_sum"] == 1200 - cached + 6, delta
+        assert (delta["vllm:prompt_tokens_by_source_total/local_compute"],
+                delta["vllm:prompt_tokens_by_source_total/local_cache_hit"],
+                delta["vllm:prompt_tokens_cached_by_source_total/device"]) == (1200 - cached, cached, cached), delta
         assert (delta["vllm:prompt_tokens_total"], delta["vllm:generation_tokens_total"],
                 delta["vllm:iteration_tokens_total_count"]) == (1200, 6, 6), delta
 

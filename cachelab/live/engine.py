@@ -125,6 +125,7 @@ class EngineCounters:
 
     steps: int = 0
     prompt_tokens: int = 0
+    prompt_tokens_computed: int = 0  # of those, not a prefix-cache hit (vLLM's local_compute source)
     generation_tokens: int = 0
     preemptions: int = 0
     finished: dict = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
@@ -429,6 +430,7 @@ class LiveEngine:
                     self.pool.extend_key(rid, self.pool.prefix_key(req.tokens[: req.num_known]))  # a block filled
                 live.sink(RequestOutput(rid, [token], live.detok.take(), num_prompt=live.req.num_prompt,
                                         num_output=live.req.num_output, cached_tokens=live.cached_tokens))
+        self.counters.prompt_tokens_computed += prefilled
         return prefilled
 
     def _finish(self, live: _Live, reason: str, stop_reason, now: float, tokens: list[int] = ()) -> None:

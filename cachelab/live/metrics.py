@@ -127,6 +127,18 @@ class EngineMetrics:
         yield counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
                       e.pool.hit_tokens)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", c.prompt_tokens)
+        # vLLM's breakdowns of the two above (counted as they are): no KV comes from elsewhere
+        by_source = CounterMetricFamily("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
+                                        labels=LABELS + ("source",))
+        for source, n in (("local_compute", c.prompt_tokens_computed),
+                          ("local_cache_hit", c.prompt_tokens - c.prompt_tokens_computed), ("external_kv_transfer", 0)):
+            by_source.add_metric(labels + [source], n)
+        yield by_source
+        hit_source = CounterMetricFamily("vllm:prompt_tokens_cached_by_source", "Prefix-cache hit tokens by the cache "
+                                         "tier that supplied them.", labels=LABELS + ("source",))
+        for source in ("device", "host", "p2p", "disk", "external_unspecified"):
+            hit_source.add_metric(labels + [source], e.pool.hit_tokens if source == "device" else 0)
+        yield hit_source
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", c.generation_tokens)
         yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", c.preemptions)
         success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
