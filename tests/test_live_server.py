@@ -129,6 +129,9 @@ def test_64_concurrent_requests_and_metrics_equal_engine(server):
     assert (delta[("vllm:request_num_preemptions_count",)], delta[("vllm:request_num_preemptions_sum",)]) == (64, 0)
     assert delta[("vllm:request_prefill_kv_computed_tokens_sum",)] == prompt - cached
     assert delta[("vllm:prompt_tokens_cached_total",)] == cached
+    waiting = after[("vllm:num_requests_waiting",)]
+    assert (after[("vllm:num_requests_waiting_by_reason", ("reason", "capacity"))],
+            after[("vllm:num_requests_waiting_by_reason", ("reason", "deferred"))]) == (waiting, 0)
     secs = {p: delta[(f"vllm:{p}_seconds_sum",)] for p in phases}
     assert secs["request_queue_time"] + secs["request_inference_time"] == pytest.approx(secs["e2e_request_latency"])
     assert secs["request_prefill_time"] + secs["request_decode_time"] == pytest.approx(secs["request_inference_time"])

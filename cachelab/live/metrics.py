@@ -118,6 +118,11 @@ class EngineMetrics:
 
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", e.num_running)
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", e.num_waiting)
+        waiting = GaugeMetricFamily("vllm:num_requests_waiting_by_reason", "Number of waiting requests by reason.",
+                                    labels=LABELS + ("reason",))
+        waiting.add_metric(labels + ["capacity"], e.num_waiting)  # nothing here defers a request
+        waiting.add_metric(labels + ["deferred"], 0)
+        yield waiting
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", e.kv_usage)
         yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
                       e.pool.queried_tokens)
