@@ -98,3 +98,28 @@ def test_a_record_a_kill_cut_short_is_never_sent(tmp_path):
     tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db")
     tracker.parent_run(tracker.experiment_id("cut"), Record(hash="p", label="cut", params={}, metrics={}))
     assert sync(tracker, outbox, "cut") == (1, 0)
+
+
+def test_a_record_being_replaced_when_a_kill_comes_is_kept(tmp_path, monkeypatch):
+    """The parent's record is rewritten as a sweep goes (tracking lost, the end); a kill between
+    removing the old folder and moving the new one in left no parent, and a later sync sent its
+    points under no parent run (or raised, with none in the store)."""
+    outbox = outbox_for("swap", tmp_path / "runs")
+    first = Record(hash="p", label="first", params={"a": "1"}, metrics={}, artifacts={"spec/x.toml": b"x"})
+    outbox.write(first, "_parent")
+    real = Path.rename
+
+    def killed(self, target):
+        if self.name.endswith(".tmp"):  # the new record, about to move in
+            raise KeyboardInterrupt
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", killed)
+    with pytest.raises(KeyboardInterrupt):
+        outbox.write(Record(hash="p", label="second", params={"a": "1"}, metrics={"points.failed": 1.0}), "_parent")
+    monkeypatch.undo()
+    assert outbox.keys() == ["_parent"]
+    kept = outbox.read("_parent")
+    assert kept.label == "first" and kept.artifacts == {"spec/x.toml": b"x"}
+    outbox.write(Record(hash="p", label="second", params={}, metrics={}), "_parent")  # and a replacement goes on
+    assert outbox.read("_parent").label == "second" and sorted(p.name for p in outbox.root.iterdir()) == ["_parent"]

@@ -55,8 +55,12 @@ class Outbox:
         self.root = Path(root)
 
     def write(self, record: Record, key: str | None = None) -> Path:
-        final = self.root / (key or record.hash)
-        tmp = self.root / f".{key or record.hash}.tmp"
+        """Write ``record`` whole beside the outbox, then move it in. One that replaces a waiting
+        record (the parent's, rewritten as a sweep goes) moves the old one aside first, and
+        ``keys`` puts it back if a kill comes before the new one is in: the old folder was deleted
+        first, and a kill then left the outbox without the parent its points are sent under."""
+        name = key or record.hash
+        final, tmp, old = self.root / name, self.root / f".{name}.tmp", self.root / f".{name}.old"
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "artifacts").mkdir(parents=True)
         meta = asdict(record)
@@ -66,8 +70,11 @@ class Outbox:
             dst = tmp / "artifacts" / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
             dst.write_bytes(data)
-        shutil.rmtree(final, ignore_errors=True)
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
         tmp.rename(final)  # a record is whole or absent
+        shutil.rmtree(old, ignore_errors=True)
         return final
 
     def read(self, key: str) -> Record:
@@ -80,9 +87,14 @@ class Outbox:
 
     def keys(self) -> list[str]:
         """Point hashes waiting (the parent, if waiting, is ``PARENT`` and listed last). A
-        ``.<hash>.tmp`` folder is a write a kill cut short: never a record."""
+        ``.<hash>.tmp`` folder is a write a kill cut short: never a record; a ``.<hash>.old`` one
+        without its ``<hash>`` is the record such a write was replacing, put back."""
         if not self.root.is_dir():
             return []
+        for old in self.root.glob(".*.old"):  # a replacement a kill cut short: the record it replaced
+            final = self.root / old.name[1:-len(".old")]
+            if not final.exists():
+                old.rename(final)
         found = sorted(p.name for p in self.root.iterdir()
                        if not p.name.startswith(".") and (p / "record.json").is_file())
         return [k for k in found if k != PARENT] + ([PARENT] if PARENT in found else [])
