@@ -160,6 +160,21 @@ def test_learned_admission_runs_many_steps_in_one_base_call_as_step_by_step(base
         assert len(calls) == (1 if base != "fbgemm-lru" else offsets.size - 1)  # fbgemm-lru's own kernel: per step
 
 
+@pytest.mark.parametrize("name, params, same", [("learned-lfu", {"horizon": 10**30}, {"horizon": 10**40}),
+                                                ("learned-eviction", {"sample": 2**64}, {"sample": 100})])
+def test_a_knob_past_an_int64_runs_as_its_largest_meaningful_value(name, params, same):
+    """A horizon past 2^63 lookups made the knobs an object array (Numba failed to type it) and a
+    sample of 2^64 overflowed np.int64; a sample beyond the capacity samples the capacity's slots,
+    and horizons that far out give every score a chance of 1 (float32) alike."""
+    keys = zipf_keys(5_000, 400, seed=2)
+    scores = _oracle_scores(keys)
+    big, small = registry.make_policy(name, **params), registry.make_policy(name, **same)
+    for policy in (big, small):
+        policy.reset(100, 400)
+    steps = np.arange(keys.size + 1)
+    assert np.array_equal(big.run(keys, steps, None, scores), small.run(keys, steps, None, scores))
+
+
 def test_deterministic_for_a_seed_and_seed_matters():
     keys = zipf_keys(20_000, 3000, seed=5)
     scores = _oracle_scores(keys) + np.random.default_rng(0).normal(0, 2000, keys.size)

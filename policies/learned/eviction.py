@@ -101,7 +101,8 @@ class LearnedEviction(SlotPolicy):
             raise CachelabError(f"sample must be at least 1 candidate, got {self.sample}")
         kind, _, table, _ = self.filter
         meta = np.array([0, (int(self.seed) * 0x9E3779B97F4A7C15 + 1) & 0x7FFFFFFFFFFFFFFF or 1], dtype=np.int64)
-        return LearnedState(np.int64(self.sample), bool(kind == SCORES), table, self.key_of, meta,
+        # a sample of more than the capacity samples the capacity's slots, as the victim hook takes them
+        return LearnedState(np.int64(min(int(self.sample), capacity)), bool(kind == SCORES), table, self.key_of, meta,
                             np.zeros(capacity, dtype=np.float64), np.zeros(capacity, dtype=np.int64))
 
     def inputs(self, keys, next_access, scores):

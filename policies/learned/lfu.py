@@ -108,7 +108,8 @@ class LearnedLFU(SlotPolicy):
         if int(self.horizon) < 1:
             raise CachelabError(f"learned-lfu horizon must be at least 1 lookup, got {self.horizon}")
         heap, hpri, where = make_heap(capacity)
-        return LearnedLFUState(np.zeros(2, dtype=np.int64), np.array([float(self.weight) * ONE, int(self.horizon)]),
+        return LearnedLFUState(np.zeros(2, dtype=np.int64), np.array([float(self.weight) * ONE, int(self.horizon)],
+                                                                         dtype=np.float64),
                                np.zeros(num_keys, dtype=np.int32), np.zeros(num_keys, dtype=np.float32),
                                heap, hpri, where)
 
