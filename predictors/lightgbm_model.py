@@ -66,7 +66,10 @@ class LightGBM(Predictor):
 
     def predict(self, features) -> np.ndarray:
         raw = self.forest_.raw_predict(features)
-        return -raw if self.task == "regression" else 1.0 / (1.0 + np.exp(-raw))
+        if self.task == "regression":
+            return -raw
+        with np.errstate(over="ignore"):  # exp(-raw) of a raw score below -709 is inf: a chance of 0, as it should be
+            return 1.0 / (1.0 + np.exp(-raw))
 
     def importances(self) -> dict[str, float]:
         """Share of the total split gain per feature (LightGBM's ``importance_type="gain"``; read

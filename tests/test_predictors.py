@@ -164,3 +164,16 @@ def test_train_refuses_a_bad_hyper_parameter_before_the_stream_is_built(tmp_path
     res = cli("train", "--trace", "absent.npz", "--param", "n_estimators=0", "--out", "m", cwd=tmp_path)
     assert res.returncode == 2  # an error, as every refused flag
     assert "n_estimators must be a finite number >= 1, got 0" in res.stderr and "absent.npz" not in res.stderr
+
+
+def test_a_keep_chance_of_an_extreme_raw_score_is_0_or_1_without_a_warning():
+    """exp(-raw) overflows below a raw score of -709: the chance was right (0) but every such batch
+    printed NumPy's 'overflow encountered in exp' RuntimeWarning through train and evaluate."""
+    import warnings
+    from types import SimpleNamespace
+
+    model = registry.get(registry.PREDICTORS, "lightgbm-reuse")()
+    model.forest_ = SimpleNamespace(raw_predict=lambda x: np.array([-1000.0, 0.0, 1000.0]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert model.predict(np.zeros((3, 2), np.float32)).tolist() == [0.0, 0.5, 1.0]
