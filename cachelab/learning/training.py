@@ -404,6 +404,10 @@ def load(directory: Path) -> Model:
     cls = registry.get(registry.PREDICTORS, name)
     where = directory / METADATA
     check_params(cls, meta.get("params", {}), f"{where}: params")
+    try:  # and their ranges (the predictor's constructor), named with the file
+        cls(**meta.get("params", {}))
+    except (CachelabError, TypeError, ValueError) as exc:
+        raise CachelabError(f"{where}: params: {exc}") from None
     horizon, domains, lookahead = _scoring_spec(meta.get("spec", {}), where)
     try:
         predictor = cls.load_model(directory, meta)
