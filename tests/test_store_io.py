@@ -129,6 +129,8 @@ def test_buffered_backings_count_the_bytes_fetched_from_storage(tmp_path, backin
         pytest.skip("reads of these files fetch nothing from storage here (tmpfs, or no task I/O accounting)")
     rows = _uniform_rows(np.random.default_rng(2), 40)
     with TieredStore.open(tmp_path, backing=backing, hbm_capacity=None) as store:
+        store.lookup(rows)  # a first call's imports and kernel loads, which may read files, out of the way
+    with TieredStore.open(tmp_path, backing=backing, hbm_capacity=None) as store:
         lay = store.layout_tables
         keys = store.keys(rows).reshape(-1)
         layer = np.searchsorted(lay.layer_base, keys, "right") - 1
@@ -136,7 +138,10 @@ def test_buffered_backings_count_the_bytes_fetched_from_storage(tmp_path, backin
         drop_pages(store.paths)
         store.lookup(rows)
         cold = store.last_step["ssd_to_dram_bytes"]
-        assert cold == pages * PAGE > store.last_step["backing_rows"] * lay.row_bytes  # no page read ahead
+        # the pages the misses touch and no more: read_bytes is the process's, so a stray page something
+        # else read during the step may join them (a fresh clone's CI saw one); readahead added 150 here
+        assert pages * PAGE <= cold <= (pages + 4) * PAGE, (cold // PAGE, pages)
+        assert cold > store.last_step["backing_rows"] * lay.row_bytes
         store.lookup(rows)
         assert store.last_step["ssd_to_dram_bytes"] == 0  # every page in the page cache now
         assert store.totals["ssd_to_dram_bytes"] == cold
