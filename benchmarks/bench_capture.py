@@ -74,7 +74,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from capture_upstream import free_port  # noqa: E402
+from loopback import free_port  # noqa: E402
 
 PROMPT = "Which Engram rows should stay in HBM when the table is 189 GiB and the batch is large? "
 PROMPT_IDS = 0  # --prompt-tokens: a prompt of that many token ids instead of PROMPT

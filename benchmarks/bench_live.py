@@ -24,10 +24,10 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -38,6 +38,9 @@ from cachelab.engram import Addresser
 from cachelab.live.launch import ServeOptions, build_engine, open_rows
 from cachelab.live.model import build_model
 from cachelab.live.sampling import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from loopback import free_port  # noqa: E402
 
 PROMPT = 64
 
@@ -67,12 +70,6 @@ def bare_decode(batch: int, steps: int) -> tuple[float, float]:
         for _ in range(steps):
             model(step, kv, lambda: rows)
     return batch * steps / (time.perf_counter() - t), 1e3 * (time.process_time() - cpu) / (batch * steps)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _stream_itls(url: str, batch: int, tokens: int) -> list[float]:
@@ -111,7 +108,7 @@ def _ttft(url: str, prompt: list[int]) -> tuple[float, int]:
 def server_decode(batches: list[int], tokens: int, threads: int | None) -> tuple[dict[int, float], list]:
     """Decode tok/s per batch size through a `cachelab serve` process, and the TTFT of
     1,200-token prompts sent once and then again (the second served from the prefix cache)."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "cachelab.cli", "serve", "--preset", "tiny", "--port", str(port),
            "--max-num-seqs", str(max(batches))] + (["--threads", str(threads)] if threads else [])
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,12 +36,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [str(Path(sys.executable).parent / "cachelab")]
+sys.path.insert(0, str(ROOT / "tests"))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from loopback import free_port  # noqa: E402
 
 
 def build_trace(out: Path, overlap: float, requests: int, prompt_tokens: int, output_tokens: int) -> Path:

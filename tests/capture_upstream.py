@@ -35,6 +35,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from loopback import free_port
 
 from cachelab.engram.vocab import load_tokenizer
 
@@ -197,12 +198,6 @@ class Upstream:
             yield f"data: {_json(last)}\n\n"
         if model != "no-done":
             yield "data: [DONE]\n\n"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ProxyThread:

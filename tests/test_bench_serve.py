@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 
 import numpy as np
 import polars as pl
 import pytest
+from loopback import free_port
 from typer.testing import CliRunner
 
 from cachelab.bench.plan import send_offsets
@@ -120,15 +120,9 @@ def test_the_comparison_with_vllm_sends_both_tools_the_same_prompts():
     assert len(ids) == len(texts) == outputs.size == 4 and all(8 <= len(i) <= 64 for i in ids)
     assert [tok.encode(t, add_special_tokens=False).ids for t in texts] == ids
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_unreachable_server_is_a_clear_error(tmp_path):
     trace = make_trace(tmp_path / "t.parquet", [20, 30])
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     res = runner.invoke(app, ["bench", "serve", "--base-url", url, "--trace", str(trace)])
     assert res.exit_code == 2
     assert f"cannot reach the server at {url}" in res.output
@@ -175,7 +169,7 @@ class BreakingServer:
     once (its chunks arrive in one read)."""
 
     def __init__(self, good: int, malformed: bool = False, burst: bool = False, gateway: bool = False):
-        self.good, self.seen, self.port, self.malformed, self.burst = good, 0, _free_port(), malformed, burst
+        self.good, self.seen, self.port, self.malformed, self.burst = good, 0, free_port(), malformed, burst
         self.gateway = gateway
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._serve, daemon=True)

@@ -15,7 +15,8 @@ import time
 import httpx
 import pytest
 
-from capture_upstream import ServerThread, Upstream, free_port
+from capture_upstream import ServerThread, Upstream
+from loopback import free_port
 from test_capture_writer import wait_gone
 from cachelab.capture.recorder import REQUESTS
 from cachelab.capture.segments import ReadStats, read_stream

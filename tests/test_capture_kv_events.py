@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import zmq
 
-from capture_upstream import free_port
+from loopback import free_port
 from cachelab.capture.kv_events import KVEventSubscriber, _Hashes, decode_batch, loss_counts, read_kv_events
 
 

@@ -6,7 +6,6 @@ import ipaddress
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from experiment_helpers import cli, descendants, listening, write_spec
+from loopback import free_port
 from mlflow import MlflowClient
 
 import cachelab
@@ -104,7 +104,7 @@ def test_rerun_skips_every_finished_point(local):
 
 def test_unreachable_server_keeps_results_and_sync_sends_them(tmp_path, local):
     spec = write_spec(tmp_path)
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     summary = run_experiment(spec, tracking_uri=dead, runs_dir=tmp_path / "runs", workers=1, quiet=True)
     assert summary.ran == 4 and summary.outbox is not None
     assert len(os.listdir(summary.outbox)) == 5  # four points and the parent, nothing lost
@@ -138,14 +138,8 @@ def test_a_second_run_or_sync_of_an_experiment_is_refused_while_one_holds_it(tmp
     assert run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", workers=1, quiet=True).ran == 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_mlflow_server_gives_the_same_results(tmp_path, local, capsys):
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
          "--backend-store-uri", f"sqlite:///{tmp_path}/server.db", "--artifacts-destination", str(tmp_path / "art")],

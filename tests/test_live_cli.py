@@ -10,15 +10,10 @@ import time
 import httpx
 import openai
 import pytest
+from loopback import free_port
 
 from cachelab.live.launch import ServeOptions, build_engine, check_bind, open_rows
 from cachelab.errors import CachelabError
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_non_loopback_without_api_key_is_refused():
@@ -84,7 +79,7 @@ def _serve_process(port: int, *flags: str) -> subprocess.Popen:
 
 @pytest.mark.slow
 def test_cachelab_serve_process_answers_the_openai_client(tmp_path):
-    port = _free_port()
+    port = free_port()
     proc = _serve_process(port, "--api-key", "k", "--step-log", str(tmp_path / "steps"))
     try:
         with pytest.raises(openai.AuthenticationError):
@@ -111,7 +106,7 @@ def test_sigterm_aborts_a_stream_in_flight_with_an_error_event_and_done():
     """SIGTERM left a stream to uvicorn's graceful timeout, then cut it without [DONE] (and a
     whole answer got a 500 with a CancelledError traceback); it is aborted first, as vLLM's
     default shutdown aborts it: an error event, then [DONE]; the process exits cleanly."""
-    port = _free_port()
+    port = free_port()
     proc = _serve_process(port)
     events, first = [], threading.Event()
 
@@ -150,7 +145,7 @@ def test_the_serving_process_exempts_its_startup_heap_from_collection(monkeypatc
     frozen = []
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: frozen.append(gc.get_freeze_count()))
     try:
-        serve(ServeOptions(preset="tiny", threads=1, port=_free_port()), announce=lambda line: None)
+        serve(ServeOptions(preset="tiny", threads=1, port=free_port()), announce=lambda line: None)
     finally:
         gc.unfreeze()
     assert frozen and frozen[0] > 50_000  # torch, the tokenizer, the model: all exempt before serving
@@ -166,7 +161,7 @@ def test_serve_closes_its_capture_and_tells_why_a_record_was_not_written(tmp_pat
     import os
     import resource
 
-    port = _free_port()
+    port = free_port()
     proc = _serve_process(port, "--capture", str(tmp_path / "cap"))
     try:
         args = {"prompt": "y", "max_tokens": 20, "ignore_eos": True}

@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pytest
+from loopback import free_port
 
 from cachelab.paths import REPO_ROOT
 
@@ -74,12 +74,6 @@ def write_model_dir(directory: Path) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(package / name, directory / name)
     return directory
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
