@@ -21,39 +21,49 @@ import json
 import multiprocessing
 import re
 import socket
+import sys
 import time
+import urllib.request
+from pathlib import Path
 
 import numpy as np
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from loopback import free_port  # noqa: E402
 
 
 def serve(port: int, gap_s: float) -> None:
-    """The stub: ``/v1/models`` and a streamed ``/v1/completions`` on an exact clock."""
+    """The stub: ``/v1/models``, a streamed ``/v1/completions`` on an exact clock, and ``/stats``:
+    the TTFTs (request read to first write) and ITLs (write to write) it really achieved."""
     from aiohttp import web
+
+    ttfts, itls = [], []
 
     async def models(request):
         return web.json_response({"data": [{"id": "stub"}]})
+
+    async def stats(request):
+        return web.json_response({"ttft_s": ttfts, "itl_s": itls})
 
     async def completions(request):
         body = await request.read()
         tokens = int(re.search(rb'"max_tokens": *(\d+)', body).group(1))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        t0 = time.perf_counter()
+        t0 = last = time.perf_counter()
         for i in range(tokens):
             await asyncio.sleep(max(0.0, t0 + gap_s * (i + 1) - time.perf_counter()))
             await resp.write(b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n')
+            now = time.perf_counter()
+            (itls if i else ttfts).append(now - last)
+            last = now
         usage = {"prompt_tokens": body.count(b",") + 1, "completion_tokens": tokens}
         await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
         return resp
 
     app = web.Application(client_max_size=1 << 30)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/stats", stats)
     app.router.add_post("/v1/completions", completions)
     web.run_app(app, host="127.0.0.1", port=port, print=None)
 
@@ -86,6 +96,8 @@ def main() -> None:
         plan = BenchPlan([rng.integers(0, 129_000, args.prompt_tokens) for _ in range(args.requests)],
                          np.full(args.requests, args.output_tokens), np.arange(args.requests) / args.request_rate)
         s = run_bench(BenchConfig(url, server_metrics=False), plan).summary()
+        with urllib.request.urlopen(f"{url}/stats") as answer:
+            served = json.load(answer)
     finally:
         server.terminate()
         server.join()
@@ -93,11 +105,18 @@ def main() -> None:
                                       for stat in ("median", "p90", "p99")]
     out = {"gap_ms": args.gap_ms, "prompt_tokens": args.prompt_tokens, "request_rate": args.request_rate,
            **{k: s[k] for k in keys}}
+    # The reference, measured in the same run: what the stub itself achieved, so a ratio above 1
+    # is the client's overhead and the machine's scheduling, not the stub's.
+    for metric in ("itl", "ttft"):
+        for stat, q in (("median", 50), ("p99", 99)):
+            server_ms = float(np.percentile(served[f"{metric}_s"], q)) * 1e3
+            out[f"server_{stat}_{metric}_ms"] = server_ms
+            out[f"{stat}_{metric}_x_server"] = s[f"{stat}_{metric}_ms"] / server_ms
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         for k, v in out.items():
-            print(f"{k:>16} {v:.2f}" if isinstance(v, float) else f"{k:>16} {v}")
+            print(f"{k:>22} {v:.2f}" if isinstance(v, float) else f"{k:>22} {v}")
 
 
 if __name__ == "__main__":

@@ -99,10 +99,15 @@ def test_bench_engine_baseline_times_the_baseline_checkout(tmp_path):
 
 def test_bench_client_overhead_measures_the_client_against_an_exact_stub():
     """benchmarks/bench_client_overhead.py (docs/bench.md, "The client's own overhead"): every
-    request completes with the stub's output length, at about the stub's gap."""
+    request completes with the stub's output length, at about the stub's gap, and the client's
+    figures are printed as ratios over what the stub measured it sent."""
     done = run("bench_client_overhead.py", "--requests", "3", "--prompt-tokens", "200", "--output-tokens", "4",
                "--request-rate", "10", "--gap-ms", "20", "--json")
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout)
     assert (out["completed"], out["failed"]) == (3, 0)
     assert out["median_itl_ms"] >= 15.0 and out["median_tpot_ms"] >= 15.0  # a stall may bunch a few chunks
+    # the reference is the stub's own measured gaps (about 20 ms), and each ratio is the client's over it
+    assert out["server_median_itl_ms"] >= 19.0
+    for key in ("median_itl", "p99_itl", "median_ttft", "p99_ttft"):
+        assert out[f"{key}_x_server"] == out[f"{key}_ms"] / out[f"server_{key}_ms"]
