@@ -300,6 +300,32 @@ def test_request_bodies_are_encoded_before_the_clock_starts():
     assert max(encoded) < min(o.send_s for o in result.outputs)
 
 
+def test_the_wait_for_the_concurrency_limit_is_reported_as_vllm_reports_it():
+    """vLLM 0.32's bench reports, with --max-concurrency, each request's wait for the limit
+    (client_queue_time: scheduled send to send) and E2EL with it (unless the rate is inf);
+    cachelab's had neither, so a saturated client's queueing showed nowhere."""
+    from cachelab.bench.client import BenchConfig, run_bench
+    from cachelab.bench.plan import BenchPlan
+
+    prompts, tokens = [np.arange(20)] * 3, np.array([20, 20, 20])  # each answer >= 40 ms (2 ms a token)
+    with BreakingServer(good=9) as url:
+        limited = run_bench(BenchConfig(url, max_concurrency=1, server_metrics=False),
+                            BenchPlan(prompts, tokens, np.zeros(3)))
+        at_once = run_bench(BenchConfig(url, max_concurrency=1, server_metrics=False),
+                            BenchPlan(prompts, tokens, np.zeros(3), request_rate=float("inf")))
+        free = run_bench(BenchConfig(url, server_metrics=False), BenchPlan(prompts, tokens, np.zeros(3)))
+    q = [o.queue_s for o in limited.outputs]
+    assert all(o.success for o in limited.outputs) and q[1] > 0.04 and q[2] > q[1] + 0.04  # each waits for the last
+    s = limited.summary()
+    assert s["mean_client_queue_time_ms"] == pytest.approx(np.mean(q) * 1e3)
+    assert s["p99_client_queue_time_ms"] == pytest.approx(np.percentile(q, 99) * 1e3)
+    e2el = [(o.chunk_s[-1] - o.send_s) * 1e3 for o in limited.outputs]
+    assert s["median_e2el_including_client_queue_ms"] == pytest.approx(np.median(np.add(e2el, np.multiply(q, 1e3))))
+    assert limited.to_json()["queue_times"] == q
+    assert "mean_client_queue_time_ms" in at_once.summary() and "mean_e2el_including_client_queue_ms" not in at_once.summary()
+    assert not any("client_queue" in k for k in free.summary())
+
+
 def test_a_chunk_is_timed_at_its_arrival_not_after_parsing(monkeypatch):
     """A chunk was timed after the client had parsed it and every chunk before it: its JSON
     (with return_token_ids a first chunk holds the prompt's ids, milliseconds of it) added to

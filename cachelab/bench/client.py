@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import math
 import time
 import urllib.error
 import urllib.parse
@@ -34,7 +35,7 @@ from cachelab.bench.plan import BenchPlan
 from cachelab.bench.server_metrics import Scrape, scrape
 from cachelab.errors import CachelabError
 from cachelab.heap import freeze_startup_heap
-from cachelab.serving.metrics import RequestTimes, peak_per_second, request_metrics
+from cachelab.serving.metrics import RequestTimes, peak_per_second, request_metrics, stats_ms
 
 TIMEOUT_S = 6 * 3600  # vLLM's AIOHTTP_TIMEOUT: a request may wait long under load
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -49,6 +50,7 @@ class RequestOutput:
     success: bool = False
     error: str = ""
     send_s: float = 0.0
+    queue_s: float = 0.0  # vLLM's client_queue_time: from its scheduled send to the concurrency limit letting it go
     chunk_s: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -130,6 +132,12 @@ class BenchResult:
         out.update(request_metrics(times, failed=len(self.outputs) - len(self.completed), duration=self.duration,
                                    goodput=self.config.goodput or None))
         out.update(peak_per_second(times))
+        if self.config.max_concurrency is not None:  # as vLLM: the client's wait for its own limit
+            queued = np.array([o.queue_s for o in self.completed]) * 1e3
+            out.update(stats_ms("client_queue_time", queued))
+            if self.plan.request_rate is None or math.isfinite(self.plan.request_rate):
+                e2el = (times.end_s - times.send_s) * 1e3
+                out.update(stats_ms("e2el_including_client_queue", e2el + queued))
         out["errors_by_reason"] = dict(Counter(o.error for o in self.outputs if not o.success).most_common())
         cached = [o.cached_tokens for o in self.completed if o.cached_tokens is not None]
         if cached:
@@ -149,6 +157,7 @@ class BenchResult:
             "itls": [np.diff(o.chunk_s).tolist() if o.success else [] for o in self.outputs],
             "latencies": [o.chunk_s[-1] - o.send_s if o.success else 0.0 for o in self.outputs],
             "start_times": [o.send_s for o in self.outputs],
+            "queue_times": [o.queue_s for o in self.outputs],
             "cached_tokens": [o.cached_tokens for o in self.outputs],
             "errors": [o.error for o in self.outputs],
         })
@@ -278,11 +287,13 @@ async def _replay(config: BenchConfig, model: str, plan: BenchPlan, outputs: lis
 
     async def one(i: int) -> None:
         out = RequestOutput(i, prompt_tokens=int(plan.prompts[i].size))
+        arrived = time.perf_counter()  # vLLM's request_arrival_time
         if limit is None:
             await _send(session, url, bodies[i], out)
         else:
             async with limit:
                 await _send(session, url, bodies[i], out)
+        out.queue_s = out.send_s - arrived
         outputs[i] = out
         if on_done:
             on_done(out)

@@ -30,6 +30,7 @@ class BenchPlan:
     output_lens: np.ndarray
     send_offsets: np.ndarray
     source: str = ""
+    request_rate: float | None = None  # the rate the send times were drawn at (None: the trace's arrivals)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -105,4 +106,4 @@ def plan_from_frame(df: pl.DataFrame, path: str, *, num_prompts: int | None = No
     prompts = [flat[bounds[i]:bounds[i + 1]] for i in range(df.height)]
     output_lens = np.maximum(df["output_len"].to_numpy().astype(np.int64), 1)
     offsets = send_offsets(df["arrival_s"].to_numpy(), request_rate, burstiness, seed)
-    return BenchPlan(prompts, output_lens, offsets, path)
+    return BenchPlan(prompts, output_lens, offsets, path, request_rate)

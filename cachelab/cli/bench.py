@@ -113,7 +113,9 @@ def _print_summary(s: dict, console: Console) -> None:
         rows.append(("Request goodput (req/s)", s["request_goodput"]))
     if "prefix_cache_hit_ratio" in s:
         rows.append(("Prefix-cache hit ratio (server-reported)", s["prefix_cache_hit_ratio"]))
-    for name, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL")):
+    for name, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL"),
+                        ("client_queue_time", "Client Queue Time"),
+                        ("e2el_including_client_queue", "E2EL incl. Client Queue")):
         for stat in ("mean", "median", "p90", "p99"):
             key = f"{stat}_{name}_ms"
             if key in s:

@@ -39,7 +39,8 @@ class RequestTimes:
     token_offsets: np.ndarray
 
 
-def _stats(name: str, values_ms: np.ndarray, percentiles) -> dict:
+def stats_ms(name: str, values_ms: np.ndarray, percentiles=PERCENTILES) -> dict:
+    """``vllm bench serve``'s keys for one metric in milliseconds: mean, median, std and each percentile."""
     if values_ms.size == 0:
         return {f"{stat}_{name}_ms": float("nan") for stat in ("mean", "median", "std", *(f"p{p}" for p in percentiles))}
     out = {f"mean_{name}_ms": float(values_ms.mean()), f"median_{name}_ms": float(np.median(values_ms)),
@@ -102,7 +103,7 @@ def request_metrics(times: RequestTimes, *, failed: int = 0, duration: float | N
            "total_output_tokens": total_out, "request_throughput": rate(n), "request_goodput": good,
            "output_throughput": rate(total_out), "total_token_throughput": rate(total_in + total_out)}
     for name, values in (("ttft", ttft), ("tpot", all_tpot[multi]), ("itl", itl), ("e2el", e2el)):
-        out.update(_stats(name, values, percentiles))
+        out.update(stats_ms(name, values, percentiles))
     return out
 
 
