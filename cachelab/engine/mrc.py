@@ -11,7 +11,10 @@
 - Other policies: one simulation per capacity, in a process pool (forked workers share the
   stream; results are collected by capacity, so the curve is deterministic). With a sample
   rate, each simulation runs on the sampled keys at ``R * capacity`` (mini-simulation,
-  Waldspurger et al., ATC'17).
+  Waldspurger et al., ATC'17), and its misses stand for ``misses / R`` over the whole stream
+  (libCacheSim's MINISIM profiler), not for a share of the sampled requests: a skewed stream's
+  hottest keys fall in or out of a sample, so the sample's request count strays far from ``R``
+  of the stream's while its misses, mostly of cold keys, scale with the keys it holds.
 
 Curves are over the per-step deduplicated request stream (what a tier sees); miss ratios are
 per request (lookup), each distinct row weighted by the lookups it stands for.
@@ -159,6 +162,7 @@ def _simulate_one(capacity: int) -> float:
     req, policy, params, rate = _SHARED["req"], _SHARED["policy"], _SHARED["params"], _SHARED["rate"]
     ids, offsets, weights, first, num_keys = req.ids, req.offsets, req.weights, req.first, req.num_keys
     positions = np.arange(ids.size)
+    total = weights[first:].sum()
     if rate is not None:
         keep = sample_mask(req.keys, rate)
         ids, _ = compact(ids[keep])
@@ -168,8 +172,11 @@ def _simulate_one(capacity: int) -> float:
         capacity = scaled_capacity(capacity, rate)
     hits = run_policy(registry.make_policy(policy, **params), ids, offsets, capacity, num_keys, counts=weights)
     counted = positions >= first
-    total = weights[counted].sum()
-    return 1.0 - weights[counted & hits].sum() / total if total else 0.0
+    if not total:
+        return 0.0
+    if rate is not None:  # the sample's misses stand for misses / R over the whole stream (libCacheSim's MINISIM)
+        return min(1.0, weights[counted & ~hits].sum() / (rate * total))
+    return 1.0 - weights[counted & hits].sum() / total
 
 
 def miss_ratio_curve(stream: LookupStream, capacities: list[int], policy: str | None = "lru",
