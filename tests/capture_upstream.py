@@ -37,6 +37,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from loopback import free_port
 
+# How long a test waits for a stopped `capture proxy` to close its output: up to 10 s for exchanges in
+# flight and up to 30 s for its writer, whose process then holds the inherited pipes until it has written
+# what it was handed. At SCHED_IDLE on a machine whose every core is busy (the suite on two cores) that
+# writer gets almost no CPU (docs/capture.md): a suite run waited over 60 s for one that had two records.
+PROXY_EXIT_S = 300
+
 from cachelab.engram.vocab import load_tokenizer
 
 WORDS = [" the", " cache", " row", " table", " memory", " token", " layer", " hash", " block", " prefix",
@@ -269,7 +275,7 @@ def cli_proxy(upstream: str, out, *args: str, env: dict | None = None):
     finally:
         if proc.returncode is None:  # not waited for by the test
             proc.terminate()
-            proc.communicate(timeout=60)  # its stop: up to 10 s for exchanges in flight, then up to 30 s for its writer (SCHED_IDLE)
+            proc.communicate(timeout=PROXY_EXIT_S)
 
 
 class ServerThread:

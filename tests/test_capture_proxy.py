@@ -18,7 +18,8 @@ import httpx
 import openai
 import pytest
 
-from capture_upstream import ProxyThread, ServerThread, Upstream, cli_proxy, free_port
+from capture_upstream import PROXY_EXIT_S, ProxyThread, ServerThread, Upstream, cli_proxy
+from loopback import free_port
 from cachelab.capture.exchange import MAX_RECORDS
 from cachelab.capture.proxy import ProxyConfig
 from cachelab.capture.recorder import Recorder
@@ -900,7 +901,7 @@ def test_credentials_in_the_upstream_url_are_sent_as_basic_and_never_shown(tmp_p
                           timeout=30).status_code == 200
     finally:
         proc.terminate()
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=PROXY_EXIT_S)
     assert f"-> http://***@{upstream.url.removeprefix('http://')}/v1," in out, out
     assert secret not in out + err + status and "capuser" not in out + err + status
     raw = b"".join(f.read_bytes() for f in (tmp_path / "cap").iterdir())
@@ -1468,7 +1469,7 @@ def test_a_second_ctrl_c_ends_exchanges_in_flight_at_once(tmp_path):
                 for _ in chunks:
                     pass
             took = time.monotonic() - started
-        _, err = proc.communicate(timeout=90)
+        _, err = proc.communicate(timeout=PROXY_EXIT_S)
     assert proc.returncode == 0 and took < 8, (proc.returncode, took, err)
     assert "Ctrl-C again ends them now" in err, err
     rec = read_requests(tmp_path / "cap")[0].row(0, named=True)
