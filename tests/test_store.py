@@ -124,6 +124,24 @@ def test_dequant_kernels_equal_the_table_for_every_scale_and_value():
     np.testing.assert_array_equal(out, expect[index])
 
 
+def test_the_devices_dequantiser_equals_the_table_for_every_scale_and_value():
+    """The torch dequantiser a GPU runs (here on CPU tensors) gives the CPU kernels' bits for
+    every (scale byte, FP8 byte) pair: UE8M0 255 is NaN, not +-inf, and the E4M3 NaN bytes
+    the table's NaN, so a checkpoint's rows holding them pass the row check on a GPU."""
+    from cachelab.store.kernels import dequant_rows_torch
+
+    packed = np.zeros((257, 264), np.uint8)
+    packed[:256, :256] = np.arange(256, dtype=np.uint8)[None]
+    packed[:256, 256:] = np.arange(256, dtype=np.uint8)[:, None]
+    packed[256, :256] = np.arange(256, dtype=np.uint8)
+    packed[256, 256:] = [0, 255, 10, 127, 246, 247, 1, 254]  # a scale per block
+    table = torch.from_numpy(DEQUANT_TABLE.view(np.int16).reshape(-1))
+    got = dequant_rows_torch(torch.from_numpy(packed), 256, table)
+    assert got.dtype == torch.bfloat16 and tuple(got.shape) == (257, 256)
+    expect = DEQUANT_TABLE[np.repeat(packed[:, 256:], 32, axis=1), packed[:, :256]]
+    np.testing.assert_array_equal(got.view(torch.int16).numpy().view(np.uint16), expect)
+
+
 def test_dequant_lut_rows_with_a_scale_per_block_equal_the_table():
     """Rows whose eight blocks each have their own scale (the LUT path applies each block's
     exponent add; a row with one scale outside ``FAST_SCALES`` goes block by block), through

@@ -77,6 +77,19 @@ def _dequant_table() -> np.ndarray:
 DEQUANT_TABLE = _dequant_table()
 
 
+def dequant_rows_torch(rows, dim, table):
+    """BF16 ``[n, dim]`` of packed rows ``rows`` (a uint8 tensor ``[n, dim + dim / 32]``,
+    any device): one lookup per value in ``table`` (``DEQUANT_TABLE`` as int16, on the rows'
+    device), so a GPU's rows are the CPU kernels' bit for bit. The float product it replaces,
+    ``fp8 x exp2(scale - 127)``, gave +-inf, not NaN, for UE8M0's NaN scale 255 and 0xFFFF, not
+    the table's 0x7FC0, for the E4M3 NaN bytes: a checkpoint's rows holding either failed the
+    row check on a GPU (tests/test_store.py)."""
+    import torch
+
+    index = (rows[:, dim:].to(torch.int32) << 8).repeat_interleave(32, dim=1) | rows[:, :dim].to(torch.int32)
+    return table.index_select(0, index.reshape(-1)).view(torch.bfloat16).reshape(rows.shape[0], dim)
+
+
 FAST_SCALES = (10, 246)  # scale bytes whose every product is a normal BF16: the vector path is exact
 
 

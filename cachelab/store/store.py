@@ -16,7 +16,7 @@ simulator's replay uses, so every policy decides as it does there. Each policy a
 slot map is sized by the table's rows (``policy_bytes_per_row`` measures what that costs).
 Without CUDA the HBM tier is a CPU tensor standing in for HBM (``hbm_device`` says so) and
 the host staging is the device rows themselves; with CUDA it is device memory, the DRAM tier
-and staging are pinned, and dequantisation runs on the GPU with torch ops. Backing ``hbm`` (serve-sim's placement)
+and staging are pinned, and dequantisation runs on the GPU (a torch lookup in the CPU kernels' table). Backing ``hbm`` (serve-sim's placement)
 keeps the whole table in the compute device's memory as one torch tensor, with no tier in
 front: a step's rows are gathered and dequantised there, nothing staged or copied over the host
 link (on the CPU that memory is host DRAM standing in for HBM, as for the row cache).
@@ -43,7 +43,7 @@ from cachelab.store.backing import open_backing
 from cachelab.store.build import open_tables, same_build
 from cachelab.store.counters import TIME_KEYS, Counters, count_keys
 from cachelab.store.kernels import (BITMAP_BYTES, DEQUANT_TABLE, SEEN_GENERATIONS, SEEN_KEY_BITS, dequant_expand,
-                                    lookup_dequant, slot_bits)
+                                    dequant_rows_torch, lookup_dequant, slot_bits)
 from cachelab.store.outputs import OutputPool
 from cachelab.store.source import RowSource
 from cachelab.store.tier import CacheTier
@@ -257,6 +257,9 @@ class TieredStore:
         self._unsettled = False  # a step is between its policies' steps and its end (``_serve``)
         self._bufs: dict = {}  # reused buffers by name: NumPy arrays, and torch tensors with CUDA
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None  # the steps' device work
+        # the CPU kernels' table on the device: its dequantiser looks the rows up in it (dequant_rows_torch)
+        self._device_table = torch.from_numpy(DEQUANT_TABLE.view(np.int16).reshape(-1)).to(self.device) \
+            if self.cuda else None
 
     @cached_property
     def source(self) -> RowSource:
@@ -558,10 +561,7 @@ class TieredStore:
             dequant_expand(dev, index, DEQUANT_TABLE, flat, work=flat.nbytes)
             return res
         idx = torch.from_numpy(index).to(self.device, non_blocking=True)
-        rows = dev.index_select(0, idx)
-        vals = rows[:, :dim].view(torch.float8_e4m3fn).to(torch.float32)
-        scale = torch.exp2(rows[:, dim:].to(torch.float32) - 127).repeat_interleave(32, dim=1)
-        res = (vals * scale).to(torch.bfloat16).reshape(*shape, dim)
+        res = dequant_rows_torch(dev.index_select(0, idx), dim, self._device_table).reshape(*shape, dim)
         return res if out is None else self._output(shape, out)[0].copy_(res)
 
     def close(self) -> None:
