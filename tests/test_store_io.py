@@ -165,3 +165,38 @@ def test_a_store_dropped_unclosed_gives_back_its_descriptors(tables, backing):
         del store
     gc.collect()
     assert fds() == before
+
+
+@pytest.mark.parametrize("backing, submit", [("pread", "auto"), ("direct", "io_uring"), ("direct", "threads")])
+def test_a_failed_read_names_the_kernels_reason(tmp_path, backing, submit):
+    """A pread or io_uring read that failed was reported as 'failed (file shrunk or device
+    error)' whatever the kernel said: the error now gives its errno (here EISDIR: a directory
+    put in the table file's descriptor's place) or, for a read that came back short, where the
+    file ended."""
+    build_tables("deepseek-v4.1-flash", 1e-6, tmp_path / "t", progress=False)  # 408 rows a layer
+    try:
+        store = TieredStore.open(tmp_path / "t", backing=backing, hbm_capacity=None, io_submit=submit)
+    except CachelabError as exc:  # io_uring disabled here (kernel, seccomp) or no O_DIRECT
+        pytest.skip(str(exc))
+    rows = _uniform_rows(np.random.default_rng(5), 4)
+    with store:
+        fds = store.backing.io.fds.tolist()
+        saved = [os.dup(fd) for fd in fds]
+        folder = os.open(tmp_path, os.O_RDONLY)
+        try:
+            for fd in fds:
+                os.dup2(folder, fd)
+            with pytest.raises(CachelabError, match=r"layer1\.tbl: read of \d+ B at offset \d+ failed: Is a "
+                                                    r"directory \(EISDIR\)"):
+                store.lookup(rows)
+        finally:
+            for fd, old in zip(fds, saved):
+                os.dup2(old, fd)
+                os.close(old)
+            os.close(folder)
+        assert check_rows(store, rows, store.lookup(rows)) == 0
+        path = tmp_path / "t" / "layer1.tbl"
+        os.truncate(path, PAGE)  # the header left: every row read past the end
+        with pytest.raises(CachelabError, match=r"layer1\.tbl: read of \d+ B at offset \d+ failed: the file ends "
+                                                r"after 0 B of it"):
+            store.lookup(rows)

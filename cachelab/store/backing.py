@@ -25,6 +25,7 @@ readahead, nothing on a warm cache; not the rows' bytes they copy.
 from __future__ import annotations
 
 import ctypes
+import errno
 import gc
 import mmap
 import os
@@ -106,10 +107,10 @@ def _read_whole(path: Path, offset: int, view: memoryview) -> None:
         while done < len(view):
             try:
                 n = f.readinto(view[done:])
-            except OSError:
-                n = 0
+            except OSError as exc:
+                _read_failed(path, len(view) - done, offset + done, -(exc.errno or 0))
             if not n:
-                _read_failed(path, len(view) - done, offset + done)
+                _read_failed(path, len(view) - done, offset + done, 0)
             done += n
 
 
@@ -293,25 +294,31 @@ class _PreadPool(_Files):
 
         def run(lo, hi):
             # one fd per chunk call: split further where a chunk spans layers
-            out = -1
+            out, result = -1, np.zeros(1, np.int64)
             for fd in np.unique(fds[lo:hi]):
                 sel = np.flatnonzero(fds[lo:hi] == fd) + lo
-                bad = pread_rows(int(fd), offsets[sel], sizes[sel], addresses[sel])
+                bad = pread_rows(int(fd), offsets[sel], sizes[sel], addresses[sel], result)
                 if bad >= 0:
                     out = int(sel[bad])
-            return out
+            return out, int(result[0])
 
-        for bad in self.pool.map(run, bounds[:-1], bounds[1:]):
+        for bad, result in self.pool.map(run, bounds[:-1], bounds[1:]):
             if bad >= 0:
-                _read_failed(self.paths[int(fd_index[bad])], size, int(offsets[bad]))
+                _read_failed(self.paths[int(fd_index[bad])], size, int(offsets[bad]), result)
 
     def close(self) -> None:
         self.pool.shutdown()
         super().close()
 
 
-def _read_failed(path: Path, size: int, offset: int):
-    raise CachelabError(f"{path}: read of {size} B at offset {offset} failed (file shrunk or device error)")
+def _read_failed(path: Path, size: int, offset: int, result: int):
+    """Raise the error of a read that gave ``result`` (the bytes it read, or ``-errno``): the
+    reason itself, where it was 'file shrunk or device error' whatever the kernel said."""
+    if result < 0:
+        why = f"{os.strerror(-result)} ({errno.errorcode.get(-result, f'errno {-result}')})"
+    else:
+        why = f"the file ends after {result} B of it (it shrank since its header was checked)"
+    raise CachelabError(f"{path}: read of {size} B at offset {offset} failed: {why}")
 
 
 class _UringIO(_Files):
@@ -327,7 +334,7 @@ class _UringIO(_Files):
         if offsets.size:
             bad = self.ring.read(self.fds[fd_index], offsets, size, addresses)
             if bad >= 0:
-                _read_failed(self.paths[int(fd_index[bad])], size, int(offsets[bad]))
+                _read_failed(self.paths[int(fd_index[bad])], size, int(offsets[bad]), self.ring.failed)
 
     def close(self) -> None:
         self.ring.close()

@@ -470,12 +470,19 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _pread = _libc.pread
 _pread.restype = ctypes.c_ssize_t
 _pread.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int64]  # buffer as an address
+# errno of the calling thread, read in compiled code right after the call that set it
+errno_location = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_int))(
+    ctypes.cast(_libc.__errno_location, ctypes.c_void_p).value)
 
 
 @nb.njit(cache=False, nogil=True, boundscheck=False)
-def pread_rows(fd, offsets, sizes, addresses):
-    """``pread(fd, addresses[i], sizes[i], offsets[i])`` for each i; the first failing i, or -1."""
+def pread_rows(fd, offsets, sizes, addresses, result):
+    """``pread(fd, addresses[i], sizes[i], offsets[i])`` for each i; the first i that did not
+    read its ``sizes[i]`` bytes, or -1. ``result[0]`` is then what that pread gave: the bytes it
+    read (fewer: the file ended) or ``-errno``, for the error to name."""
     for i in range(offsets.size):
-        if _pread(fd, addresses[i], sizes[i], offsets[i]) != sizes[i]:
+        got = _pread(fd, addresses[i], sizes[i], offsets[i])
+        if got != sizes[i]:
+            result[0] = got if got >= 0 else -np.int64(nb.carray(errno_location(), 1)[0])
             return i
     return -1

@@ -32,6 +32,8 @@ import weakref
 import numba as nb
 import numpy as np
 
+from cachelab.store.kernels import errno_location
+
 _SYS_SETUP, _SYS_ENTER = 425, 426
 _OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
 _OP_READ = 22
@@ -60,9 +62,6 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
 _enter = ctypes.CFUNCTYPE(ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long,
                           ctypes.c_long, ctypes.c_long, ctypes.c_long)(ctypes.cast(_syscall, ctypes.c_void_p).value)
-# errno of the calling thread, read in compiled code right after the syscall that set it
-_errno_location = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_int))(
-    ctypes.cast(_libc.__errno_location, ctypes.c_void_p).value)
 _EINTR = errno.EINTR
 
 
@@ -70,8 +69,9 @@ _EINTR = errno.EINTR
 def _run(ring_fd, sq, sq_head, sq_tail, sq_mask, sq_array, sqes, cq, cq_head, cq_tail, cq_mask, cqes,
          fds, offsets, size, addresses, depth, state):
     """Every read ``i``: ``size`` bytes of ``fds[i]`` at ``offsets[i]`` into ``addresses[i]``.
-    Returns the first failed read's index, or -1 (``sq``/``cq``: the rings as uint32 words,
-    ``sqes``: uint64 [entries, 8], ``cqes``: uint32 [entries, 4]).
+    Returns the first failed read's index, or -1, and sets ``state[2]`` to that read's result:
+    the bytes it read (fewer: the file ended) or ``-errno`` (``sq``/``cq``: the rings as uint32
+    words, ``sqes``: uint64 [entries, 8], ``cqes``: uint32 [entries, 4]).
 
     ``io_uring_enter`` interrupted by a signal (EINTR: any handled signal, ctrl-C or a timer,
     while it waits) is entered again, as CPython retries an interrupted read. Any other failure
@@ -109,7 +109,7 @@ def _run(ring_fd, sq, sq_head, sq_tail, sq_mask, sq_array, sqes, cq, cq_head, cq
         if ret >= 0:
             sent += ret
         else:
-            err = nb.carray(_errno_location(), 1)[0]
+            err = nb.carray(errno_location(), 1)[0]
             if err != _EINTR:
                 if state[0] != 0:  # the wait for the reads in flight failed as well
                     state[1] = 1
@@ -121,6 +121,7 @@ def _run(ring_fd, sq, sq_head, sq_tail, sq_mask, sq_array, sqes, cq, cq_head, cq
             res = np.int32(c[2])
             if res != size and bad < 0:
                 bad = np.int64(c[0])
+                state[2] = res
             head = (head + 1) & 0xFFFFFFFF
             done += 1
         cq[cq_head] = head
@@ -139,6 +140,7 @@ class UringReader:
         self.fd, self.depth = fd, int(params.sq_entries)
         self._closer = weakref.finalize(self, os.close, fd)  # closed once: by close(), or when collected
         self.broken = ""  # why this ring reads nothing more (``read``)
+        self.failed = 0  # what the last call's first failed read gave (``read``)
         sq_off, cq_off = params.sq_off, params.cq_off
         sq_bytes = sq_off.array + params.sq_entries * 4
         cq_bytes = cq_off.cqes + params.cq_entries * 16
@@ -157,11 +159,12 @@ class UringReader:
         self.cq_idx = (cq_off.head // 4, cq_off.tail // 4, int(self.cq[cq_off.ring_mask // 4]))
 
     def read(self, fds: np.ndarray, offsets: np.ndarray, size: int, addresses: np.ndarray) -> int:
-        """The reads, ``depth`` in flight; the first failed read's index, or -1."""
+        """The reads, ``depth`` in flight; the first failed read's index, or -1 (``failed``: what
+        that read gave, the bytes it read or ``-errno``)."""
         if self.broken:
             raise OSError(self.broken)
         (sh, st, sm, sa), (ch, ct, cm) = self.sq_idx, self.cq_idx
-        state = np.zeros(2, np.int64)
+        state = np.zeros(3, np.int64)
         bad = _run(self.fd, self.sq, sh, st, sm, sa, self.sqes, self.cq, ch, ct, cm, self.cqes,
                    np.ascontiguousarray(fds, np.int64), np.ascontiguousarray(offsets, np.int64), int(size),
                    np.ascontiguousarray(addresses, np.int64), self.depth, state)
@@ -171,6 +174,7 @@ class UringReader:
                 self.broken = (f"io_uring: reads left in flight after io_uring_enter failed "
                                f"({os.strerror(err)}); open the store again")
             raise OSError(err, f"io_uring_enter: {os.strerror(err)}")
+        self.failed = int(state[2])
         return int(bad)
 
     def close(self) -> None:
