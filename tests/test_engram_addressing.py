@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from cachelab.engram import Addresser, compressed_map, encode, get_preset
 from cachelab.engram.config import derive_multipliers, derive_primes, is_prime
-from cachelab.engram.vocab import DEEPSEEK_V4_MAP_SHA256, map_sha256
+from cachelab.engram.vocab import DEEPSEEK_V4_MAP_SHA256, bos_ids, map_sha256
 from cachelab.errors import CachelabError
 
 V41 = get_preset("deepseek-v4.1-flash")
@@ -236,6 +236,30 @@ def test_bad_layout_file_names_the_file_field_and_value(tmp_path, extra, message
     spec.write_text("".join(f"{k} = {v}\n" for k, v in lines.items()))
     with pytest.raises(CachelabError, match=rf"^{spec}: {message}"):
         get_preset(str(spec))
+
+
+@pytest.mark.data
+def test_bos_is_the_tokenizers_own(data_dir, tmp_path):
+    """``encode(bos=True)`` put id 0 first whatever the tokenizer: DeepSeek's BOS, but Llama's
+    ``!`` in the R1 distill (whose BOS is 128000), and a token Qwen2.5 never starts a prompt with.
+    It is the ``bos_token`` of the tokenizer_config.json beside the tokenizer.json."""
+    import shutil
+    import zipfile
+
+    assert bos_ids() == (0,) and encode(["hi"], bos=True)[0][0] == 0
+    assert bos_ids(str(data_dir / "tokenizers" / "deepseek-v3" / "tokenizer.json")) == (0,)
+    for name, bos in (("deepseek-r1-distill-llama-8b", (128000,)), ("qwen-2.5", ())):
+        folder = tmp_path / name
+        zipfile.ZipFile(data_dir / "tokenizers" / name / "tokenizer.json.zip").extractall(folder)
+        shutil.copy(data_dir / "tokenizers" / name / "tokenizer_config.json", folder)
+        path = str(folder / "tokenizer.json")
+        assert bos_ids(path) == bos
+        assert encode(["hi"], path, bos=True)[0].tolist() == [*bos, *encode(["hi"], path)[0].tolist()]
+    (folder / "tokenizer_config.json").unlink()
+    bos_ids.cache_clear()
+    with pytest.raises(CachelabError, match="no tokenizer_config.json beside it to name its BOS token"):
+        encode(["hi"], str(folder / "tokenizer.json"), bos=True)
+    assert encode(["hi"], str(folder / "tokenizer.json"))[0].size  # no BOS asked: no config needed
 
 
 def test_other_tokenizer_by_path(data_dir):

@@ -38,7 +38,7 @@ def rows(
     preset: str = typer.Option(PRESET, help=PRESET_HELP),
     text: str | None = typer.Option(None, help="Text to tokenize."),
     text_file: Path | None = typer.Option(None, help="UTF-8 file, tokenized exactly as stored."),
-    bos: bool = typer.Option(False, "--bos", help="Prepend token id 0 (begin of sentence)."),
+    bos: bool = typer.Option(False, "--bos", help="Prepend the tokenizer's BOS token (its tokenizer_config.json's bos_token: id 0 for DeepSeek's)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     r"""Row ids of every position of a text, indexed \[position]\[layer]\[column]."""

@@ -132,7 +132,31 @@ def token_ids(tok, texts: list[str], add_special_tokens: bool = False) -> list[l
     return [e.ids for e in tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
 
+@lru_cache(maxsize=8)
+def bos_ids(source: str = DEEPSEEK_V4) -> tuple[int, ...]:
+    """The id a prompt starts with for this tokenizer: the ``bos_token`` of the tokenizer_config.json
+    beside its tokenizer.json (DeepSeek's ``<｜begin▁of▁sentence｜>``: 0 in V3 and V4, 128000 in the
+    Llama-based R1 distills), none where it names none (Qwen2.5). Always id 0 before, the right id
+    for DeepSeek's tokenizers only."""
+    path = tokenizer_path(source)
+    config = path.with_name("tokenizer_config.json")
+    try:
+        token = json.loads(config.read_text(encoding="utf-8")).get("bos_token")
+    except FileNotFoundError:
+        raise CachelabError(f"{path}: no tokenizer_config.json beside it to name its BOS token (bos_token)") from None
+    except (OSError, ValueError, AttributeError) as exc:
+        raise CachelabError(f"{config}: not a readable tokenizer config ({exc})") from None
+    if token is None:
+        return ()
+    text = token.get("content") if isinstance(token, dict) else token
+    bos = load_tokenizer(source).token_to_id(text) if isinstance(text, str) else None
+    if bos is None:
+        raise CachelabError(f"{config}: bos_token {token!r} is not a token of {path}")
+    return (bos,)
+
+
 def encode(texts: list[str], source: str = DEEPSEEK_V4, bos: bool = False) -> list[np.ndarray]:
-    """Raw token ids of each text, exactly as stored (no added specials unless ``bos``)."""
-    prefix = [0] if bos else []
+    """Raw token ids of each text, exactly as stored (no added specials unless ``bos``: the
+    tokenizer's BOS first, as a chat template starts a prompt)."""
+    prefix = list(bos_ids(source)) if bos else []
     return [np.asarray(prefix + ids, dtype=np.int64) for ids in token_ids(load_tokenizer(source), texts)]
