@@ -842,6 +842,10 @@ def test_a_damaged_manifest_is_named_with_its_field(tmp_path):
         path.write_text(json.dumps({**good, key: value}))
         with pytest.raises(CachelabError, match=f"manifest.json: malformed manifest \\({why}"):
             verify_tables(tmp_path)
+    path.write_text(json.dumps({**good, "version": 2}))  # a later format's build was read as version 1's
+    for read in (verify_tables, TieredStore.open):
+        with pytest.raises(CachelabError, match="manifest.json: table build version 2, this cachelab reads version 1"):
+            read(tmp_path)
 
 
 def test_wrong_row_size_or_layout_hash_is_refused(tmp_path):

@@ -30,7 +30,7 @@ from cachelab.engram.config import EngramConfig, get_preset
 from cachelab.errors import CachelabError
 from cachelab.paths import held, output_folder
 from cachelab.progress import progress_bar
-from cachelab.store.format import (MANIFEST, MANIFEST_FORMAT, PAGE, TableLayout, check_header, fill_pages,
+from cachelab.store.format import (MANIFEST, MANIFEST_FORMAT, PAGE, VERSION, TableLayout, check_header, fill_pages,
                                    pack_header, read_manifest, write_manifest)
 from cachelab.store.source import RowSource
 
@@ -53,6 +53,9 @@ def _config_dict(config: EngramConfig) -> dict:
 def load_layout(directory: Path) -> tuple[TableLayout, dict]:
     """The layout a directory's tables were built for, from its manifest, and the manifest."""
     manifest = read_manifest(directory)
+    if manifest.get("version") != VERSION:  # a later format's manifest was read as this one's
+        raise CachelabError(f"{Path(directory) / MANIFEST}: table build version {manifest.get('version')!r}, this "
+                            f"cachelab reads version {VERSION} (rebuild with this cachelab's `cachelab store build`)")
     try:
         cfg = dict(manifest["config"])
         for key in ("layers", "base_sizes"):
@@ -116,7 +119,7 @@ def _build(table: TableLayout, source: RowSource, seed: int, directory: Path, pr
         (directory / MANIFEST).unlink(missing_ok=True)
         for tmp, final in zip(tmps, finals):
             tmp.replace(final)
-        manifest = {"format": MANIFEST_FORMAT, "version": 1, "layout": config.name, "scale": table.scale,
+        manifest = {"format": MANIFEST_FORMAT, "version": VERSION, "layout": config.name, "scale": table.scale,
                     "seed": int(seed), "build_id": secrets.token_hex(8), "row_bytes": table.row_bytes,
                     "rows_per_page": table.rows_per_page, "page_bytes": PAGE, "table_rows": table.table_rows.tolist(),
                     "files": [f.name for f in finals], "layout_hash": table.hash().hex(),
