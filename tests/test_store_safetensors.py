@@ -117,3 +117,29 @@ def test_bad_checkpoints_name_the_tensor_and_file(tmp_path):
     res = runner.invoke(app, ["store", "build", "--layout", "deepseek-v4.1-flash", "--scale", "1e-6", "--dir",
                               str(tmp_path / "c"), "--from-safetensors", str(tmp_path / "junk.safetensors")])
     assert res.exit_code == 2 and "junk.safetensors: not a safetensors file" in res.output
+
+
+def test_f32_scales_are_read_as_ue8m0_bytes_across_the_whole_range(tmp_path):
+    """F32 scales: 2^-127 (float32's one subnormal power of two in UE8M0's range) is byte 0 and
+    2^127 byte 254; 0.0 and +inf passed as bytes 0 and 255 (2^-127 and UE8M0's NaN) and 2^-127
+    was refused; now those, NaN, negatives and non-powers are refused, naming the value."""
+    good = fp8_tensors(np.random.default_rng(3))
+    key = "model.layers.1.engram.embed.weight_scale_inv"
+
+    def saved(name, first):
+        tensors = {k: torch.from_numpy(v).view(torch.float8_e4m3fn) if k.endswith(".weight") else
+                   torch.exp2(torch.from_numpy(v).float() - 127) for k, v in good.items()}
+        tensors[key][0, :2] = torch.tensor(first, dtype=torch.float32)
+        save_torch(tensors, tmp_path / f"{name}.safetensors")
+        return tmp_path / f"{name}.safetensors"
+
+    d = tmp_path / "ends"
+    build_tables(TINY, 1.0, d, progress=False, from_safetensors=saved("ends", [2.0**-127, 2.0**127]))
+    assert (d / "layer1.tbl").read_bytes()[PAGE + 256: PAGE + 258] == bytes([0, 254])
+    assert verify_tables(d)["mismatches"] == 0
+    for name, value in (("zero", 0.0), ("inf", float("inf")), ("nan", float("nan")), ("negative", -2.0),
+                        ("three-eighths", 0.375)):
+        with pytest.raises(CachelabError, match=fr"{name}\.safetensors: scale tensor '{key}' holds {value!r} \(row 0, "
+                                                r"block 1\): a UE8M0 scale is a power of two from 2\^-127 to 2\^127"):
+            build_tables(TINY, 1.0, tmp_path / name, progress=False, from_safetensors=saved(name, [1.0, value]))
+        assert not (tmp_path / name / "manifest.json").exists()

@@ -140,13 +140,25 @@ class LayerTensors:
         out[:, :dim] = self.values[source_rows]
         s = scales[source_rows]
         if sdtype == "F32":
-            bits = np.ascontiguousarray(s).view(np.uint32)
-            if (bits & 0x807FFFFF).any():
-                raise CachelabError(f"{self.file}: scale tensor {name!r} holds a value that is not a positive power "
-                                    "of two (UE8M0 scales are)")
-            s = (bits >> 23).astype(np.uint8)
+            s = _ue8m0_of_f32(s, f"{self.file}: scale tensor {name!r}", source_rows)
         out[:, dim:] = s
         return out
+
+
+def _ue8m0_of_f32(scales: np.ndarray, what: str, source_rows: np.ndarray) -> np.ndarray:
+    """F32 scales -> UE8M0 bytes: ``2^(e - 127)`` is byte ``e``, 2^-126..2^127 float32's normal
+    powers of two (their exponent field) and 2^-127 its one subnormal power in range (byte 0).
+    Anything else is refused, naming it: 0.0 and +inf passed as bytes 0 (2^-127) and 255
+    (UE8M0's NaN), and 2^-127 itself was refused."""
+    bits = np.ascontiguousarray(scales).view(np.uint32)
+    exp = bits >> 23  # the sign bit included: a negative value's field is past 255
+    tiny = bits == 0x00400000
+    ok = ((bits & 0x7FFFFF) == 0) & (exp >= 1) & (exp <= 254) | tiny
+    if not ok.all():
+        r, c = (int(i) for i in np.argwhere(~ok)[0])
+        raise CachelabError(f"{what} holds {float(scales[r, c])!r} (row {int(source_rows[r])}, block {c}): a UE8M0 "
+                            "scale is a power of two from 2^-127 to 2^127")
+    return np.where(tiny, 0, exp).astype(np.uint8)
 
 
 def quantize_rows(values: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
