@@ -200,3 +200,53 @@ def test_a_failed_read_names_the_kernels_reason(tmp_path, backing, submit):
         with pytest.raises(CachelabError, match=r"layer1\.tbl: read of \d+ B at offset \d+ failed: the file ends "
                                                 r"after 0 B of it"):
             store.lookup(rows)
+
+
+def test_a_failed_pread_chunk_fails_the_read_only_once_every_chunk_is_done(tmp_path, monkeypatch):
+    """A pool of preads raised at the first chunk that failed while the other chunks' preads went
+    on writing into the caller's buffer: rows of a failed step landing in the buffer the next step
+    reuses. The read now fails once every chunk has ended, and a ctrl-C while it waits is raised
+    once the reads in flight have ended too."""
+    import threading
+    import time
+
+    from cachelab.store import backing
+
+    build_tables("deepseek-v4.1-flash", 1e-6, tmp_path / "t", progress=False)
+    real, running, slow_started = backing.pread_rows, [], threading.Event()
+    with TieredStore.open(tmp_path / "t", backing="pread", hbm_capacity=None, io_threads=2) as store:
+        io = store.backing.io
+        slow_fd = int(io.fds[1])
+
+        def slow(fd, *args):  # layer14.tbl's chunk reads after layer1.tbl's has failed
+            running.append(threading.get_ident())
+            try:
+                if fd == slow_fd:
+                    slow_started.set()
+                    time.sleep(0.3)
+                return real(fd, *args)
+            finally:
+                running.remove(threading.get_ident())
+
+        monkeypatch.setattr(backing, "pread_rows", slow)
+        os.truncate(tmp_path / "t" / "layer1.tbl", PAGE)
+        buf = np.zeros((8, 264), np.uint8)
+        layer = np.array([0, 0, 0, 0, 1, 1, 1, 1])  # chunk 0: layer1.tbl (cut short), chunk 1: layer14.tbl
+        with pytest.raises(CachelabError, match=r"layer1\.tbl: read of 264 B at offset 4096 failed"):
+            io.read(layer, PAGE + np.arange(8) * 264, 264, buf.ctypes.data + np.arange(8) * 264)
+        assert running == []  # no pread of the failed read still writing into buf
+        assert buf[4:].any()  # layer14.tbl's rows were read, before the error
+        real_wait, calls = backing.wait, []
+
+        def interrupted(futures):  # ctrl-C while the step waits for its chunks, one of them reading
+            calls.append(1)
+            if len(calls) == 1:
+                assert slow_started.wait(5)
+                raise KeyboardInterrupt
+            return real_wait(futures)
+
+        monkeypatch.setattr(backing, "wait", interrupted)
+        slow_started.clear()
+        with pytest.raises(KeyboardInterrupt):
+            io.read(layer, PAGE + np.arange(8) * 264, 264, buf.ctypes.data + np.arange(8) * 264)
+        assert running == []

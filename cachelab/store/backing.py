@@ -30,7 +30,7 @@ import gc
 import mmap
 import os
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
@@ -302,7 +302,16 @@ class _PreadPool(_Files):
                     out = int(sel[bad])
             return out, int(result[0])
 
-        for bad, result in self.pool.map(run, bounds[:-1], bounds[1:]):
+        chunks = [self.pool.submit(run, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
+        try:
+            wait(chunks)
+        finally:  # interrupted (ctrl-C): the reads in flight still end before the step fails
+            for chunk in chunks:
+                chunk.cancel()
+            wait(chunks)
+        # raised only once every chunk is done: raised at the first failed chunk, the step failed
+        # while the others' preads still wrote into the caller's buffer, which the next step reuses
+        for bad, result in (chunk.result() for chunk in chunks):
             if bad >= 0:
                 _read_failed(self.paths[int(fd_index[bad])], size, int(offsets[bad]), result)
 
