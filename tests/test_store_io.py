@@ -250,3 +250,15 @@ def test_a_failed_pread_chunk_fails_the_read_only_once_every_chunk_is_done(tmp_p
         with pytest.raises(KeyboardInterrupt):
             io.read(layer, PAGE + np.arange(8) * 264, 264, buf.ctypes.data + np.arange(8) * 264)
         assert running == []
+
+
+def test_io_uring_keeps_the_reads_in_flight_asked_for(tables):
+    """The kernel rounds a ring up to a power of two, and the reader kept its size as the reads in
+    flight: --io-threads 20 ran 32 through io_uring (20 through the pool of preads). It keeps 20,
+    and reads as before."""
+    with _direct_uring(tables, 20) as store:
+        ring = store.backing.io.ring
+        assert (ring.depth, ring.entries) == (20, 32)
+        rows = _uniform_rows(np.random.default_rng(2), 30)
+        assert check_rows(store, rows, store.lookup(rows)) == 0
+        assert store.last_step["ssd_pages_read"] > 20

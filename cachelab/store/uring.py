@@ -129,7 +129,8 @@ def _run(ring_fd, sq, sq_head, sq_tail, sq_mask, sq_array, sqes, cq, cq_head, cq
 
 
 class UringReader:
-    """One io_uring of ``depth`` entries reading fixed-size blocks (``read`` as ``_PreadPool``'s)."""
+    """One io_uring reading fixed-size blocks, ``depth`` in flight (``read`` as ``_PreadPool``'s);
+    its ring holds ``entries`` (``depth`` rounded up to a power of two)."""
 
     def __init__(self, depth: int):
         params = _Params()
@@ -137,7 +138,9 @@ class UringReader:
         if fd < 0:
             err = ctypes.get_errno()
             raise OSError(err, f"io_uring_setup: {os.strerror(err)}")
-        self.fd, self.depth = fd, int(params.sq_entries)
+        # the kernel rounds the ring up to a power of two; the reads in flight stay as asked (20
+        # put 32 in flight where the pool of preads, and the flag, said 20)
+        self.fd, self.depth, self.entries = fd, int(depth), int(params.sq_entries)
         self._closer = weakref.finalize(self, os.close, fd)  # closed once: by close(), or when collected
         self.broken = ""  # why this ring reads nothing more (``read``)
         self.failed = 0  # what the last call's first failed read gave (``read``)
