@@ -498,6 +498,27 @@ def test_counts_equal_the_simulators_for_any_capacities(tables, seed, hbm, dram,
     assert out["matches_simulator"] and out["mismatches"] == 0, out["comparison"]
 
 
+def _live_policies() -> list[str]:
+    from cachelab import registry
+
+    return sorted(n for n in registry.resolved(registry.POLICIES)
+                  if not registry.make_policy(n).capabilities.needs_future)
+
+
+@pytest.mark.parametrize("policy", _live_policies())
+def test_every_registered_policy_counts_as_the_simulator_in_both_tiers(tables, policy):
+    """Every registered policy a live store can run (all but those needing the future), learned
+    ones scored, as a 60-row HBM row cache over a DRAM cache of its own kind larger than the
+    stream's distinct rows: the store's counts equal the simulator's, every row its reference.
+    (tests above hold seven policies to more capacities and streams.)"""
+    rng = np.random.default_rng(4)
+    stream = stream_of(rng, steps=4, tokens=12)
+    out = replay_store(tables, stream, "dram", PolicySpec(policy, {}), 60, PolicySpec(policy, {}), 3000,
+                       scores=rng.random(stream.keys.size))
+    assert out["matches_simulator"] and out["mismatches"] == 0, out["comparison"]
+    assert 0 < out["comparison"]["dram_hits"]["store"] and np.unique(stream.keys).size < 3000
+
+
 @pytest.mark.parametrize("policy", ["lru", "fbgemm-lru"])
 def test_a_capacity_above_the_tables_rows_is_clamped_and_holds_every_row(tables, policy):
     """Past the table's rows a tier whose policy holds every row (no set of 100,000 rows' 3,125
