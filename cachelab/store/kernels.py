@@ -4,7 +4,8 @@ No Python runs per row. Gathers copy 264-byte rows out of page-format buffers (a
 of a table, an mmap of it, or pages read with O_DIRECT); the dequantiser expands each
 step's distinct rows back to request order while it converts them; ``pread_rows`` calls
 libc's pread from compiled code with the GIL released, so a thread pool of them keeps
-several reads in flight.
+several reads in flight. On a GPU the rows are dequantised by ``dequant_rows_torch``, torch ops
+looking each value up in the same table the kernels use, so both give the same bits.
 
 Dequantisation works on 32 values (one UE8M0 block) at a time in 16-bit vector lanes
 (``_dequant_block``, LLVM IR: Numba widens small integers to 64 bits, which made its own loop
