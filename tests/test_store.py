@@ -1009,6 +1009,27 @@ def test_a_rebuild_that_stops_midway_leaves_the_previous_build(tmp_path, monkeyp
 
 
 
+def test_a_rebuild_after_a_killed_build_counts_its_tmp_files_as_free_space(tmp_path, monkeypatch):
+    """A build killed while writing (SIGKILL) leaves its ``.tmp`` files; the next build counted the
+    space they hold as used and refused a rebuild that fits once they are gone (on V4.1's 189 GiB
+    that is most of a disk). The next build removes them (it holds the lock: they are a dead
+    build's), then checks the free space."""
+    from types import SimpleNamespace
+
+    build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, seed=1, progress=False)
+    lay = TableLayout(CFG, 1e-6)
+    need = sum(lay.file_bytes(li) for li in range(2))
+    for name in (".layer1.tbl.tmp", ".layer14.tbl.tmp", ".layer7.tbl.tmp"):  # a killed build's, any layout's
+        (tmp_path / name).write_bytes(bytes(lay.file_bytes(0)))
+
+    def disk(path):  # room for the new build once the killed build's files are gone, no more
+        return SimpleNamespace(f_frsize=1, f_bavail=need - sum(p.stat().st_size for p in tmp_path.glob(".*.tmp")))
+
+    monkeypatch.setattr(os, "statvfs", disk)
+    build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, seed=2, progress=False)
+    assert not list(tmp_path.glob(".*.tmp")) and verify_tables(tmp_path)["mismatches"] == 0
+
+
 def test_ctrl_c_while_a_build_swaps_its_files_in_is_delivered_once_the_new_build_is_whole(tmp_path, monkeypatch):
     """Between removing the old manifest and writing the new one a directory holds no build; a
     ctrl-C there lost the old build and kept no new one. It is now held back until the new

@@ -104,6 +104,11 @@ def _build(table: TableLayout, source: RowSource, seed: int, directory: Path, pr
     """The files of ``table`` written under temporary names, then swapped in (module doc)."""
     config = table.config
     total = sum(table.file_bytes(li) for li in range(len(config.layers)))
+    # a build killed while writing (SIGKILL, a crash) left its .tmp files, which the free space
+    # below counted as used: a full-size rebuild after one was refused for the space they hold.
+    # Only a build holds the lock, so these are a dead build's
+    for stale in directory.glob(".layer*.tbl.tmp"):
+        stale.unlink(missing_ok=True)
     free = os.statvfs(directory)
     if free.f_bavail * free.f_frsize < total:
         raise CachelabError(f"{directory}: {total:,} B needed, {free.f_bavail * free.f_frsize:,} B free")
