@@ -143,3 +143,18 @@ def test_f32_scales_are_read_as_ue8m0_bytes_across_the_whole_range(tmp_path):
                                                 r"block 1\): a UE8M0 scale is a power of two from 2\^-127 to 2\^127"):
             build_tables(TINY, 1.0, tmp_path / name, progress=False, from_safetensors=saved(name, [1.0, value]))
         assert not (tmp_path / name / "manifest.json").exists()
+
+
+def test_a_non_finite_value_in_a_bf16_checkpoint_is_named_with_its_file_tensor_and_row(tmp_path):
+    """A BF16 table holding a NaN or an infinity was refused with 'the table holds NaN or infinite
+    values', naming neither the checkpoint, the tensor nor where; now all three."""
+    rng = np.random.default_rng(4)
+    tensors = {f"layers.{lid}.engram.embed.weight": torch.from_numpy(
+        rng.standard_normal((int(TINY.table_rows[li]), 256)).astype(np.float32)).to(torch.bfloat16)
+        for li, lid in enumerate(TINY.layers)}
+    tensors["layers.3.engram.embed.weight"][5, 7] = float("inf")
+    save_torch(tensors, tmp_path / "bf16.safetensors")
+    with pytest.raises(CachelabError, match=r"bf16\.safetensors: tensor 'layers\.3\.engram\.embed\.weight' holds inf "
+                                            r"at row 5, column 7: the FP8 row format cannot carry NaN"):
+        build_tables(TINY, 1.0, tmp_path / "t", progress=False, from_safetensors=tmp_path / "bf16.safetensors")
+    assert not (tmp_path / "t" / "manifest.json").exists()

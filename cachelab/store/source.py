@@ -134,7 +134,8 @@ class LayerTensors:
         dim = self.values.shape[1]
         out = np.empty((source_rows.size, dim + dim // BLOCK), np.uint8)
         if self.scales is None:
-            out[:, :dim], out[:, dim:] = quantize_rows(self.values[source_rows], self.dtype)
+            out[:, :dim], out[:, dim:] = quantize_rows(self.values[source_rows], self.dtype,
+                                                       f"{self.file}: tensor {self.name!r}", source_rows)
             return out
         name, scales, sdtype = self.scales
         out[:, :dim] = self.values[source_rows]
@@ -161,8 +162,11 @@ def _ue8m0_of_f32(scales: np.ndarray, what: str, source_rows: np.ndarray) -> np.
     return np.where(tiny, 0, exp).astype(np.uint8)
 
 
-def quantize_rows(values: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """BF16/F16/F32 rows -> (FP8 E4M3 bytes, UE8M0 scale bytes), per block of 32 values."""
+def quantize_rows(values: np.ndarray, dtype: str, what: str = "the table",
+                  source_rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """BF16/F16/F32 rows -> (FP8 E4M3 bytes, UE8M0 scale bytes), per block of 32 values. A NaN or
+    infinity is refused, naming ``what`` (the file and tensor) and the row (``source_rows[i]``
+    for row ``i`` where given) and column."""
     import torch
 
     x = torch.from_numpy(np.ascontiguousarray(values))
@@ -170,8 +174,12 @@ def quantize_rows(values: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarra
     x = x.to(torch.float32)
     n, dim = x.shape
     blocks = x.reshape(n, dim // BLOCK, BLOCK)
-    if not torch.isfinite(blocks).all():
-        raise CachelabError("the table holds NaN or infinite values, which the FP8 row format cannot carry")
+    finite = torch.isfinite(x)
+    if not finite.all():
+        r, c = (int(i) for i in torch.nonzero(~finite)[0])
+        row = r if source_rows is None else int(source_rows[r])
+        raise CachelabError(f"{what} holds {float(x[r, c])} at row {row}, column {c}: the FP8 row format "
+                            "cannot carry NaN or infinite values")
     amax = blocks.abs().amax(dim=2)
     mant, exp = torch.frexp(amax / E4M3_MAX)  # amax / 448 = mant x 2^exp, mant in [0.5, 1)
     up = torch.where(mant > 0.5, exp, exp - 1)  # ceil(log2(amax / 448))
