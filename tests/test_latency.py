@@ -466,6 +466,37 @@ def test_mtp_verify_costs_draft_and_more_tokens():
     assert verify.total_s > plain.total_s and verify.total_s < 6 * plain.total_s
 
 
+def test_a_draft_pass_reads_only_the_draft_experts_its_tokens_route_to(tmp_path):
+    """DSpark's draft layers are MoE (128 experts, top-3): like a backbone layer, a pass loads the
+    experts its tokens route to, not all 7.71 GB (read whole, one sequence's draft cost 6x its bytes)."""
+    lat = LatencyModel(MODEL, load_profile("B200"), tp=4, placement="dram-uva")
+    e, g, m = lat.eff, lat.hw.gpu, MODEL
+    expert = m.expert_params * m.expert_bytes_per_param
+    touched = 128 * (1 - (1 - 3 / 128) ** 5)  # the 5 tokens one sequence drafts, per draft layer: 14.3
+    read = m.draft_params - 3 * 128 * expert + 3 * touched * expert
+    assert read == pytest.approx(1.298e9, rel=1e-3)
+    one = lat.gpu_time(Batch([1000.0], [1006.0], lm_rows=6, drafting=1))
+    assert one.draft_s == pytest.approx(read / 4 / (g.hbm_bw * e.mbu))  # weight-bound, split over 4 ranks
+    # more drafting sequences touch more of them, up to all: then the whole draft is read, as before
+    many = lat.gpu_time(Batch(np.full(400, 1000.0), np.full(400, 1006.0), lm_rows=2400, drafting=400))
+    assert many.draft_s >= m.draft_params / 4 / (g.hbm_bw * e.mbu) * 0.999
+    # a spec that declares no draft experts reads its draft whole; a bad count names the key
+    text = (MODEL_DIR / "deepseek-v4.1-flash.toml").read_text()
+    plain = tmp_path / "plain.toml"
+    plain.write_text(text.replace("draft_experts = 128 ", "draft_experts = 0 ").replace(
+        "draft_experts_per_token = 3 ", "draft_experts_per_token = 0 "))
+    whole = LatencyModel(load_model(plain), load_profile("B200"), tp=4, placement="dram-uva")
+    assert whole.gpu_time(Batch([1000.0], [1006.0], lm_rows=6, drafting=1)).draft_s == pytest.approx(
+        m.draft_params / 4 / (g.hbm_bw * e.mbu))
+    for old, new, message in (("draft_experts_per_token = 3 ", "draft_experts_per_token = 200 ",
+                               r"draft_experts_per_token 200 must be in 1..draft_experts \(128\)"),
+                              ("draft_experts = 128 ", "draft_experts = 1.5 ", r"\[mtp\] draft_experts must be a whole"),
+                              ("draft_params = 7.71e9 ", "draft_params = 1e9 ", r"more than draft_params")):
+        plain.write_text(text.replace(old, new))
+        with pytest.raises(CachelabError, match=message):
+            load_model(plain)
+
+
 def test_ssd_workers_fetch_from_the_step_start_and_the_host_floors_short_steps():
     from dataclasses import replace
 

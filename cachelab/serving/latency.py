@@ -94,7 +94,7 @@ class Efficiency:
     # at 1-8 clients, where the PR body says its host cost dominates (``studies.semianalysis.
     # fitted_piecewise_layer_s``, refitted after every efficiency fit); its 16-64 clients and the 8k/1k
     # pair are held out. This default is the fit with the efficiencies fitted on R1 1k/1k run 1.
-    piecewise_layer_s: float = 517e-6
+    piecewise_layer_s: float = 495e-6
     # A host cost every piecewise step pays on top of its GPU work (0: none). The PR body's offset
     # "does not scale with batch size"; read that way (additive at every step, not a floor) it is
     # 2.6 ms x the acceptance length: a what-if of the study, contradicted by the held-out 8k/1k
@@ -370,8 +370,9 @@ class LatencyModel:
         draft = 0.0
         if m.speculative_tokens and batch.drafting > 0:
             drafted = batch.drafting * m.speculative_tokens
+            per_pass = drafted / m.draft_passes_per_step  # tokens one draft pass computes
             draft = m.draft_passes_per_step * self._roofline(
-                2 * m.draft_active_params * drafted / (tp * m.draft_passes_per_step * fp8), m.draft_params / tp)
+                2 * m.draft_active_params * per_pass / (tp * fp8), float(m.draft_read_bytes(per_pass)) / tp)
         comm = 0.0
         if tp > 1:
             for layers, n in ((m.layers, tokens),) if late_lo is None else (

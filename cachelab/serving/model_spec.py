@@ -39,6 +39,12 @@ def sum_min(lo, hi, cap):
     return s(hi) - s(lo)
 
 
+def touched_experts(experts: int, per_token: int, tokens):
+    """Expected experts of ``experts`` that at least one of ``tokens`` tokens routes to, each token
+    picking ``per_token`` of them (uniform routing; vectorised over ``tokens``)."""
+    return experts * (1.0 - (1.0 - per_token / experts) ** np.asarray(tokens, np.float64))
+
+
 def _ratio_counts(ratios) -> list[tuple[int, int]]:
     """(ratio, how many layers have it) over the compressing layers among ``ratios``."""
     compressing = [r for r in ratios if r > 0]
@@ -109,6 +115,11 @@ class ModelSpec:
     decoder_replay_start: int = 0
     # the layer of each ``index_sources`` entry (tells the replayed index sources from the rest)
     index_source_layers: tuple[int, ...] = ()
+    # routed experts in each draft layer and how many a drafted token picks (0: the draft has none,
+    # or its experts are read whole); each is a backbone-sized expert (``expert_params`` at
+    # ``expert_bytes_per_param``), and its bytes are part of ``draft_params``
+    draft_experts: int = 0
+    draft_experts_per_token: int = 0
 
     def replay_lo(self, lo, hi):
         """Where each row's queries start in the replayed layers: its last ``sliding_window``
@@ -218,10 +229,24 @@ class ModelSpec:
         """Expert weight bytes a step of ``tokens`` tokens reads: the experts at least one token
         routes to (expected count under uniform routing), in ``layers`` MoE layers (default: every
         one)."""
-        tokens = np.asarray(tokens, np.float64)
-        touched = self.experts * (1.0 - (1.0 - self.experts_per_token / self.experts) ** tokens)
+        touched = touched_experts(self.experts, self.experts_per_token, tokens)
         n = self.moe_layers if layers is None else layers
         return n * touched * self.expert_params * self.expert_bytes_per_param
+
+    @property
+    def draft_expert_bytes(self) -> float:
+        """Bytes of the draft layers' routed experts (part of ``draft_params``)."""
+        return self.draft_layers * self.draft_experts * self.expert_params * self.expert_bytes_per_param
+
+    def draft_read_bytes(self, tokens):
+        """Draft weight bytes one draft pass of ``tokens`` tokens reads: its dense weights whole, and
+        of its routed experts only those the tokens route to, as a backbone MoE layer reads them
+        (a grouped GEMM loads no expert without tokens)."""
+        if not self.draft_experts:
+            return self.draft_params
+        touched = touched_experts(self.draft_experts, self.draft_experts_per_token, tokens)
+        return self.draft_params - self.draft_expert_bytes + (
+            self.draft_layers * touched * self.expert_params * self.expert_bytes_per_param)
 
     def attended_positions(self, lo, hi, late_lo=None):
         """Sum over the queries at contexts ``(lo, hi]`` of the positions each attends to, over
@@ -296,7 +321,7 @@ _OPTIONAL = {  # zero (or empty) when a spec leaves them out
 _OTHER = {"backbone": ("expert_precision",), "attention": ("kv_replicated_across_tp", "compress_ratios", "index_sources",
                                                            "index_replicated_across_tp", "index_source_layers",
                                                            "decoder_replay_start"),
-          "mtp": ("acceptance_length",), "engram": ("layout", "table_sharded_across_tp", "page_cache_curve"),
+          "mtp": ("acceptance_length", "draft_experts", "draft_experts_per_token"), "engram": ("layout", "table_sharded_across_tp", "page_cache_curve"),
           "memory": ()}
 # [engram] keys an older spec restated; the layout derives them, so they may stay only if they agree.
 _DERIVED = ("layers", "rows_per_token_layer", "row_bytes", "table_rows")
@@ -392,6 +417,7 @@ def load_model(name: str | Path = "deepseek-v4.1-flash", layout: str | EngramCon
     if values["speculative_tokens"] and not values["draft_passes_per_step"]:
         raise CachelabError(f"{path}: [mtp] speculative_tokens {values['speculative_tokens']} needs "
                             "draft_passes_per_step >= 1 (the sequential draft forwards of a step)")
+    values["draft_experts"], values["draft_experts_per_token"] = _draft_experts(path, mtp, values)
     values["table_sharded_across_tp"] = _flag(path, "engram", engram, "table_sharded_across_tp", True)
     values["page_cache_curve"] = _curve(path, engram.get("page_cache_curve", ()))
     values["layout"] = _layout(path, engram, layout) if engram or layout is not None else None
@@ -401,6 +427,26 @@ def load_model(name: str | Path = "deepseek-v4.1-flash", layout: str | EngramCon
         raise CachelabError(f"{path}: [attention] decoder_replay_start {values['decoder_replay_start']} comes before "
                             f"Engram layer(s) {late}: a replay runs only the layers after every Engram layer")
     return ModelSpec(**values)
+
+
+def _draft_experts(path: Path, mtp: dict, values: dict) -> tuple[int, int]:
+    """``[mtp] draft_experts`` and ``draft_experts_per_token``: whole numbers, both or neither, at
+    most as many picked as there are, in draft layers whose ``draft_params`` hold their bytes."""
+    counts = []
+    for key in ("draft_experts", "draft_experts_per_token"):
+        v = mtp.get(key, 0)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise CachelabError(f"{path}: [mtp] {key} must be a whole number >= 0, got {v!r}")
+        counts.append(v)
+    experts, per_token = counts
+    if bool(experts) != bool(per_token) or per_token > experts:
+        raise CachelabError(f"{path}: [mtp] draft_experts_per_token {per_token} must be in 1..draft_experts "
+                            f"({experts}), or both 0")
+    nbytes = values["draft_layers"] * experts * values["expert_params"] * values["expert_bytes_per_param"]
+    if experts and not (values["draft_layers"] and nbytes <= values["draft_params"]):
+        raise CachelabError(f"{path}: [mtp] draft_experts {experts} in {values['draft_layers']} draft layers take "
+                            f"{nbytes:.4g} B, more than draft_params {values['draft_params']:.4g}, which holds them")
+    return experts, per_token
 
 
 def _replay(path: Path, attention: dict, values: dict) -> tuple[tuple[int, ...], int]:
