@@ -165,6 +165,34 @@ def test_mtp_divides_the_step_by_the_acceptance_length():
     assert m["median_tpot_ms"] == pytest.approx(m["decode_step_ms"] / dep.latency.model.acceptance_length, rel=0.05)
 
 
+def test_the_tpot_percentiles_are_over_requests_each_with_its_own_step_count():
+    """A request's share of mixed steps is binomial over its own verify steps; the P90 over requests is
+    that of the mixture. Taken at the mean step count, two workloads of the same mean output but
+    different spreads had the same P90 TPOT; the short answers' wider spread raises it."""
+    from statistics import NormalDist
+
+    dep = Deployment(LatencyModel(load_model(), load_profile("B200"), 4, "dram-uva"))
+    one = np.ones(2)
+
+    def workload(out):
+        return Workload("w", one * 4000, one * 20000, np.array(out, np.float64), one * 2.0)
+
+    even, spread = SteadyState(dep, workload([400, 400])).solve(8), SteadyState(dep, workload([40, 760])).solve(8)
+    for k in ("mixed_step_share", "decode_step_ms", "mixed_step_ms", "median_tpot_ms"):  # the same steady state
+        assert spread[k] == pytest.approx(even[k], rel=1e-9)
+    f, al = even["mixed_step_share"], dep.latency.model.acceptance_length
+    assert 0.01 < f < 0.5
+    for m, outs in ((even, (400,)), (spread, (40, 760))):
+        sds = [np.sqrt(f * (1 - f) / ((o - 1) / al + 1)) for o in outs]
+        lo, hi = 0.0, 1.0  # the share s that 10% of the requests exceed, by the exact normal tail
+        for _ in range(60):
+            s = (lo + hi) / 2
+            lo, hi = (s, hi) if np.mean([1 - NormalDist(f, sd).cdf(s) for sd in sds]) > 0.1 else (lo, s)
+        step = m["decode_step_ms"] + (m["mixed_step_ms"] - m["decode_step_ms"]) * s
+        assert m["p90_tpot_ms"] == pytest.approx(step / al, rel=1e-4)
+    assert spread["p90_tpot_ms"] > even["p90_tpot_ms"] * 1.02 and spread["p99_tpot_ms"] > even["p99_tpot_ms"]
+
+
 def test_agentic_workload_matches_the_published_summaries():
     wl = agentic_workload(samples=8192)
     inp = wl.new_tokens + wl.cached_tokens

@@ -28,7 +28,6 @@ from cachelab.errors import CachelabError
 from cachelab.serving.latency import Batch, EngramStep, LatencyModel, StepTime
 from cachelab.serving.page_popularity import interpolate
 
-Z = {50: 0.0, 90: 1.2816, 99: 2.3263}  # standard normal quantiles
 STEP_RTOL = 1e-6  # the step time's fixed point, relative: figures derived from it agree to about this
 # A million clients on one replica: 2,000x the largest published sweep; a fixed-length run of C clients
 # is scheduled request by request (``finite_run_seconds``), so 1e12 of them asked for terabytes.
@@ -186,10 +185,37 @@ class NoSteadyState(CachelabError):
     it as not solved, a fit rejects the trial that led there (``calibration.pattern_search``)."""
 
 
-def _binomial_quantile(n: float, f: float, q: int) -> float:
-    if n <= 0:
-        return f
-    return float(np.clip(f + Z[q] * np.sqrt(max(f * (1 - f), 0.0) / n), 0.0, 1.0))
+def _normal_sf(x: np.ndarray) -> np.ndarray:
+    """The standard normal's upper tail P(Z > x), vectorised (Abramowitz & Stegun 26.2.17, error < 7.5e-8)."""
+    a = np.abs(x)
+    t = 1.0 / (1.0 + 0.2316419 * a)
+    poly = t * (0.319381530 + t * (-0.356563782 + t * (1.781477937 + t * (-1.821255978 + t * 1.330274429))))
+    tail = np.exp(-a * a / 2) / np.sqrt(2 * np.pi) * poly
+    return np.where(x >= 0, tail, 1.0 - tail)
+
+
+def _share_quantile(steps: np.ndarray, f: float, q: int) -> float:
+    """The ``q``-th percentile over requests of the share of a request's verify steps that are mixed
+    steps. Each request's share is binomial over its own ``steps`` (normal approximation, mean ``f``),
+    so the percentile is that of their mixture: a request with few steps spreads widest, and with
+    lengths spread (the agentic outputs) the tail lies above the one of a request of the mean count."""
+    var = f * (1 - f)
+    if var <= 0 or steps.size == 0:
+        return float(np.clip(f, 0.0, 1.0))
+    n, count = np.unique(steps, return_counts=True)
+    sd, w = np.sqrt(var / n), count / count.sum()
+    tail = 1 - q / 100
+
+    def above(s: float) -> float:  # the share of requests whose share exceeds s
+        return float(w @ _normal_sf((s - f) / sd))
+
+    if above(1.0) >= tail:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if above(mid) > tail else (lo, mid)
+    return 0.5 * (lo + hi)
 
 
 class SteadyState:
@@ -350,8 +376,10 @@ class SteadyState:
                "admission_wait_ms": s["admission_wait"] * 1e3, **parts}
         # vLLM's TPOT counts only requests of more than one output token: none, no TPOT (NaN, as metrics.py)
         decoding = bool((wl.output_tokens > 1).any())
+        # the verify steps of each request that has a TPOT (as ``n_dec``, per request)
+        verify_steps = np.maximum(wl.output_tokens[wl.output_tokens > 1] - 1, 0.0) / self.al + 1.0
         for p in (50, 90, 99):
-            share = _binomial_quantile(n_dec, s["f"], p)
+            share = _share_quantile(verify_steps, s["f"], p)
             step = s["t_d"] + (s["t_m"] - s["t_d"]) * share
             out[f"p{p}_tpot_ms"] = step / self.al * 1e3 if decoding else float("nan")
             own = np.percentile(np.maximum(1.0, np.ceil(compute / s["room"])), p) * s["t_m"]
