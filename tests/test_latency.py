@@ -390,10 +390,10 @@ def test_v41s_replicated_dense_layers_run_whole_on_every_tp_rank(tmp_path):
     # and splits the rest: 0.516 B of the 6.63 B dense parameters run whole
     assert MODEL.dense_replicated_params == 5.16e8 and load_model("deepseek-r1").dense_replicated_params == 0
     split = replace(MODEL, dense_replicated_params=0.0)
-    whole = MODEL.dense_params + MODEL.engram_params
+    dense, wkv = MODEL.dense_params, MODEL.engram_params  # the Engram wkv is whole on every rank too (its own test)
     for tp in (1, 2, 4, 8):
-        assert MODEL.rank_dense_params(tp) == pytest.approx((whole - 5.16e8) / tp + 5.16e8)
-        assert split.rank_dense_params(tp) == pytest.approx(whole / tp)
+        assert MODEL.rank_dense_params(tp) == pytest.approx((dense - 5.16e8) / tp + 5.16e8 + wkv)
+        assert split.rank_dense_params(tp) == pytest.approx(dense / tp + wkv)
     # (every layer on every row: the decoder replay's early layers hold the Engram wkv, a share that does not scale)
     hw, eff = load_profile("B200"), Efficiency(mfu=0.1, prefill_mfu=0.1, decoder_replay=False)
     decode, chunk = Batch(np.full(8, 4000.0), np.full(8, 4001.0)), Batch([0.0], [8192.0])
@@ -403,11 +403,43 @@ def test_v41s_replicated_dense_layers_run_whole_on_every_tp_rank(tmp_path):
         assert got == pytest.approx(even * MODEL.rank_dense_params(4) / split.rank_dense_params(4))
     # without a published weight fit a rank also holds the replicated layers whole
     bare = replace(MODEL, rank_weights_sharded_bytes=0.0, rank_weights_replicated_bytes=0.0)
-    assert bare.rank_weight_bytes(4) == pytest.approx(bare.weight_bytes / 4 + 5.16e8 * 0.75)
+    assert bare.rank_weight_bytes(4) == pytest.approx(bare.weight_bytes / 4 + (5.16e8 + wkv) * 0.75)
     bad = tmp_path / "bad.toml"
     bad.write_text((MODEL_DIR / "deepseek-v4.1-flash.toml").read_text().replace(
         "dense_replicated_params = 5.16e8", "dense_replicated_params = 7e9"))
     with pytest.raises(CachelabError, match=r"bad.toml: \[backbone\] dense_replicated_params 7000000000.0 exceeds"):
+        load_model(bad)
+
+
+def test_the_engram_rows_are_all_gathered_in_every_placement_and_the_wkv_runs_whole_on_every_rank(tmp_path):
+    """vLLM splits each table by head over the TP ranks; a rank looks its heads' rows up wherever they
+    live, dequantized to BF16, and the ranks all-gather them for a wkv every rank holds whole
+    (ParallelEngramEmbedding.forward; `self.wkv = ReplicatedLinear` in the module the SSD patch is cut
+    against). The exchange was charged to the HBM placement only, at the FP8 row's 264 B, and the wkv
+    was split over the ranks."""
+    from dataclasses import replace
+
+    hw, e = load_profile("B300"), Efficiency()
+    assert MODEL.wkv_replicated_across_tp and MODEL.gathered_row_bytes == 2 * 256
+    tokens = 8 * 6
+    verify = Batch(np.full(8, 4000.0), np.full(8, 4006.0), lm_rows=48, drafting=8)
+    comm = {p: LatencyModel(MODEL, hw, 4, p).gpu_time(verify).comm_s for p in ("hbm", "dram-uva", "ssd-mmap")}
+    assert comm["dram-uva"] == pytest.approx(comm["hbm"]) and comm["ssd-mmap"] == pytest.approx(comm["hbm"])
+    alone = replace(MODEL, table_sharded_across_tp=False)  # the same step without the exchange (a host table)
+    exchange = 2 * (e.allreduce_latency_s + tokens * 24 * 512 * 3 / 4 / (hw.gpu.nvlink_bw * e.comm))
+    assert comm["dram-uva"] == pytest.approx(LatencyModel(alone, hw, 4, "dram-uva").gpu_time(verify).comm_s + exchange)
+    # the wkv: whole on every rank, in FLOPs (a chunk) and in bytes (a decode step)
+    split = replace(MODEL, wkv_replicated_across_tp=False)
+    assert MODEL.rank_dense_params(4) - split.rank_dense_params(4) == pytest.approx(0.75 * MODEL.engram_params)
+    chunk = Batch([0.0], [8192.0])
+    for b in (verify, chunk):
+        got = LatencyModel(MODEL, hw, 4, "dram-uva").gpu_time(b).dense_s
+        even = LatencyModel(split, hw, 4, "dram-uva").gpu_time(b).dense_s
+        assert got == pytest.approx(even * MODEL.rank_dense_params(4) / split.rank_dense_params(4))
+    bad = tmp_path / "bad.toml"
+    bad.write_text((MODEL_DIR / "deepseek-v4.1-flash.toml").read_text().replace(
+        "wkv_replicated_across_tp = true", 'wkv_replicated_across_tp = "yes"'))
+    with pytest.raises(CachelabError, match=r"\[engram\] wkv_replicated_across_tp must be true or false"):
         load_model(bad)
 
 
@@ -425,11 +457,12 @@ def test_v41s_decoder_replay_runs_the_layers_past_the_last_kv_source_on_each_pre
     # the dense GEMMs (FLOP-bound here): 19/40 of the per-layer weights meet 128 rows instead of 16,384; the
     # Engram wkv (layers 1 and 14) meets every row
     dense = MODEL.rank_dense_params(4)
-    per_layer = dense - MODEL.engram_params / 4
+    per_layer = dense - MODEL.engram_params  # the wkv, whole on every rank
     assert a.dense_s == pytest.approx(b.dense_s * (dense * 16_384 - 19 / 40 * per_layer * (16_384 - 128)) / (dense * 16_384))
     # the whole step falls to the 21 early layers' share, plus the replayed layers' 128 rows (their experts
-    # padded to 16-row tiles), every operator but the LM head with it
-    assert 21 / 40 < a.total_s / b.total_s < 21 / 40 + 0.02
+    # padded to 16-row tiles) and the Engram wkv (whole on every rank, in layers 1 and 14), every operator
+    # but the LM head with it
+    assert 21 / 40 < a.total_s / b.total_s < 21 / 40 + 0.035
     for part in ("dense_s", "experts_s", "attention_s", "indexer_s", "comm_s"):
         assert getattr(a, part) < 0.9 * getattr(b, part), part
     assert a.lm_head_s == b.lm_head_s

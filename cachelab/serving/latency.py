@@ -16,7 +16,8 @@ parallelism a layer waits for the rank that holds the most touched experts):
     indexer     V4.1's sparse indexer scoring the compressed keys (FP8)
     lm_head     logits for every verified or final position
     draft       MTP / DSpark draft passes for decoding sequences
-    comm        two all-reduces per layer over NVLink
+    comm        two all-reduces per layer over NVLink, and with a table split across the TP ranks
+                the all-gather of each Engram layer's looked-up rows (BF16), whatever the placement
     overhead    a fixed cost per step, CPU costs per scheduled sequence and per prompt token
                 hashed for the prefix cache
 
@@ -94,7 +95,7 @@ class Efficiency:
     # at 1-8 clients, where the PR body says its host cost dominates (``studies.semianalysis.
     # fitted_piecewise_layer_s``, refitted after every efficiency fit); its 16-64 clients and the 8k/1k
     # pair are held out. This default is the fit with the efficiencies fitted on R1 1k/1k run 1.
-    piecewise_layer_s: float = 495e-6
+    piecewise_layer_s: float = 506e-6
     # A host cost every piecewise step pays on top of its GPU work (0: none). The PR body's offset
     # "does not scale with batch size"; read that way (additive at every step, not a floor) it is
     # 2.6 ms x the acceptance length: a what-if of the study, contradicted by the held-out 8k/1k
@@ -335,7 +336,7 @@ class LatencyModel:
             late_rows = w * (hi - late_lo)
             late_tokens, late_chunk = float(late_rows.sum()), float(late_rows[prefill].sum())
             late = m.replayed_layers / m.layers  # the Engram wkv sits in the early layers, with every row
-            per_layer = dense_rank - m.engram_params / tp
+            per_layer = dense_rank - m.rank_engram_params(tp)
             dense_flops = (self._gemm_s(2 * (dense_rank - late * per_layer) * tokens, g.fp8_flops, decode_share)
                            + self._gemm_s(2 * late * per_layer * late_tokens, g.fp8_flops, 1.0 - late_chunk / late_tokens))
             groups = [(m.moe_layers - m.replayed_moe_layers, tokens, chunk),
@@ -379,8 +380,8 @@ class LatencyModel:
                     (m.decoder_replay_start, tokens), (m.replayed_layers, late_tokens)):
                 volume = 2.0 * (tp - 1) / tp * n * m.hidden * 2  # ring all-reduce of BF16 activations
                 comm += 2 * layers * (e.allreduce_latency_s + volume / (g.nvlink_bw * e.comm))
-            if self.placement == "hbm" and m.table_sharded_across_tp:  # all-gather of the gathered rows
-                gathered = tokens * m.rows_per_token_layer * m.row_bytes * (tp - 1) / tp
+            if m.table_sharded_across_tp and m.engram_layers:  # all-gather of the gathered rows, every placement
+                gathered = tokens * m.rows_per_token_layer * m.gathered_row_bytes * (tp - 1) / tp
                 comm += len(m.engram_layers) * (e.allreduce_latency_s + gathered / (g.nvlink_bw * e.comm))
         overhead = (e.step_overhead_s + e.layer_overhead_s * m.layers_launched(batch.drafting > 0)
                     + e.cpu_per_sequence_s * batch.sequences + e.cpu_per_prefix_token_s * batch.prefix_tokens

@@ -120,6 +120,9 @@ class ModelSpec:
     # ``expert_bytes_per_param``), and its bytes are part of ``draft_params``
     draft_experts: int = 0
     draft_experts_per_token: int = 0
+    # the Engram wkv projection whole on every TP rank (it takes every head's rows, which the ranks
+    # all-gather after their lookups) rather than split over the ranks
+    wkv_replicated_across_tp: bool = False
 
     def replay_lo(self, lo, hi):
         """Where each row's queries start in the replayed layers: its last ``sliding_window``
@@ -148,7 +151,17 @@ class ModelSpec:
     def rank_dense_params(self, tp: int) -> float:
         """Dense parameters (Engram wkv included) one of ``tp`` ranks holds and multiplies each
         token through: the replicated part whole, the rest split."""
-        return (self.dense_params + self.engram_params - self.dense_replicated_params) / tp + self.dense_replicated_params
+        return (self.dense_params - self.dense_replicated_params) / tp + self.dense_replicated_params + self.rank_engram_params(tp)
+
+    def rank_engram_params(self, tp: int) -> float:
+        """Engram ``wkv`` parameters one of ``tp`` ranks holds and multiplies each token through."""
+        return self.engram_params if self.wkv_replicated_across_tp else self.engram_params / tp
+
+    @property
+    def gathered_row_bytes(self) -> int:
+        """Bytes of one row as the lookup hands it on: dequantized to BF16 (``row_dim`` values), the
+        tensor the TP ranks all-gather (0 without Engram)."""
+        return 2 * self.layout.row_dim if self.layout is not None else 0
 
     def rank_weight_bytes(self, tp: int) -> float:
         """Weights one of ``tp`` ranks holds in HBM (tables excluded): the spec's ``[memory]``
@@ -156,7 +169,8 @@ class ModelSpec:
         split of ``weight_bytes`` with the replicated dense layers whole."""
         if self.rank_weights_sharded_bytes:
             return self.rank_weights_sharded_bytes / tp + self.rank_weights_replicated_bytes
-        return self.weight_bytes / tp + self.dense_replicated_params * self.dense_bytes_per_param * (1 - 1 / tp)
+        replicated = self.dense_replicated_params + (self.engram_params if self.wkv_replicated_across_tp else 0.0)
+        return self.weight_bytes / tp + replicated * self.dense_bytes_per_param * (1 - 1 / tp)
 
     def indexer_buffer_bytes(self, batched_tokens: int) -> float:
         """HBM per rank the sparse indexer reserves for a step of ``batched_tokens`` tokens."""
@@ -321,7 +335,8 @@ _OPTIONAL = {  # zero (or empty) when a spec leaves them out
 _OTHER = {"backbone": ("expert_precision",), "attention": ("kv_replicated_across_tp", "compress_ratios", "index_sources",
                                                            "index_replicated_across_tp", "index_source_layers",
                                                            "decoder_replay_start"),
-          "mtp": ("acceptance_length", "draft_experts", "draft_experts_per_token"), "engram": ("layout", "table_sharded_across_tp", "page_cache_curve"),
+          "mtp": ("acceptance_length", "draft_experts", "draft_experts_per_token"), "engram": ("layout", "table_sharded_across_tp", "wkv_replicated_across_tp",
+                                                            "page_cache_curve"),
           "memory": ()}
 # [engram] keys an older spec restated; the layout derives them, so they may stay only if they agree.
 _DERIVED = ("layers", "rows_per_token_layer", "row_bytes", "table_rows")
@@ -419,6 +434,7 @@ def load_model(name: str | Path = "deepseek-v4.1-flash", layout: str | EngramCon
                             "draft_passes_per_step >= 1 (the sequential draft forwards of a step)")
     values["draft_experts"], values["draft_experts_per_token"] = _draft_experts(path, mtp, values)
     values["table_sharded_across_tp"] = _flag(path, "engram", engram, "table_sharded_across_tp", True)
+    values["wkv_replicated_across_tp"] = _flag(path, "engram", engram, "wkv_replicated_across_tp", False)
     values["page_cache_curve"] = _curve(path, engram.get("page_cache_curve", ()))
     values["layout"] = _layout(path, engram, layout) if engram or layout is not None else None
     late = [layer for layer in (values["layout"].layers if values["layout"] is not None else ())
