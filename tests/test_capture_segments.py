@@ -105,6 +105,31 @@ def test_corruption_in_the_middle_is_skipped_and_counted(tmp_path):
     assert stats.damaged == [f"{path.name}@{middle - 12}: corrupt, {skipped} bytes skipped"]
 
 
+@settings(max_examples=80, deadline=None)
+@given(k=st.integers(0, 8), byte=st.integers(0, 11), flip=st.integers(1, 255))
+def test_a_damaged_record_head_in_the_middle_loses_that_record_alone(tmp_path_factory, k, byte, flip):
+    """Its sync word, length or checksum damaged: the records after it are read back. A length damaged
+    to run past the end of the file was taken for a torn tail, and every record behind it was lost."""
+    directory = tmp_path_factory.mktemp("head")
+    w = SegmentWriter(directory, "s")
+    for i in range(10):
+        w.write([msgpack.packb({"i": i, "ids": list(range(i * 5))})])
+    w.close()
+    path = segment_files(directory, "s")[0]
+    data = bytearray(path.read_bytes())
+    starts, at = [], len(MAGIC)
+    while at < len(data):
+        starts.append(at)
+        at += 12 + int.from_bytes(data[at + 4:at + 8], "little")
+    at = starts[k + 1]  # record k (after the segment's header)
+    data[at + byte] ^= flip
+    path.write_bytes(bytes(data))
+    got, stats = _records(directory)
+    assert [r["i"] for r in got] == [i for i in range(10) if i != k]
+    assert stats.corrupt == 1 and stats.torn_tails == 0
+    assert stats.damaged == [f"{path.name}@{at}: corrupt, {starts[k + 2] - at} bytes skipped"]
+
+
 def test_foreign_and_empty_files(tmp_path):
     (tmp_path / "s-000000.seg").write_bytes(b"hello world, not a segment")
     (tmp_path / "s-000001.seg").write_bytes(MAGIC[:3])

@@ -21,8 +21,9 @@ payloads are msgpack maps (``cachelab.capture.recorder`` defines them). A record
   (SIGKILL included: the data is in the page cache), not a power loss.
 
 On read, a record whose header or payload is cut short at the end of a file is a *torn
-tail* (a writer killed mid-write); a record whose checksum does not match is *corrupt*, and
-the reader resynchronises on the next ``REC1`` that checks out. Both are counted, located
+tail* (a writer killed mid-write: no whole record follows it); a record whose checksum does
+not match, or whose length runs past intact records, is *corrupt*, and the reader resynchronises
+on the next ``REC1`` whose record checks out. Both are counted, located
 (file and offset) and skipped, never raised.
 """
 
@@ -204,6 +205,24 @@ class ReadStats:
         self.damaged.append(f"{name}@{at}: torn tail, {size} bytes")
 
 
+def _intact(data: bytes, at: int) -> bool:
+    """Whether a whole record that checks out starts at ``at``."""
+    if len(data) - at < _HEAD.size:
+        return False
+    sync, length, crc = _HEAD.unpack_from(data, at)
+    body = at + _HEAD.size
+    return sync == SYNC and body + length <= len(data) and _crc(data[at + 4:at + 8], data[body:body + length]) == crc
+
+
+def _resync(data: bytes, pos: int) -> int:
+    """The offset of the next record after ``pos`` that checks out, or -1: a ``REC1`` inside a damaged
+    record's payload is passed over, not counted as one more damaged record."""
+    nxt = data.find(SYNC, pos + 1)
+    while nxt >= 0 and not _intact(data, nxt):
+        nxt = data.find(SYNC, nxt + 1)
+    return nxt
+
+
 def _scan(data: bytes, stats: ReadStats, name: str) -> Iterator[bytes]:
     pos, end = len(MAGIC), len(data)
     while pos < end:
@@ -212,20 +231,18 @@ def _scan(data: bytes, stats: ReadStats, name: str) -> Iterator[bytes]:
             return
         sync, length, crc = _HEAD.unpack_from(data, pos)
         body = pos + _HEAD.size
-        if sync == SYNC and length <= MAX_RECORD_BYTES and body + length > end:
-            stats.torn(name, pos, end - pos)
-            return
-        if sync == SYNC and length <= MAX_RECORD_BYTES:
+        if sync == SYNC and length <= MAX_RECORD_BYTES and body + length <= end:
             payload = data[body:body + length]
             if _crc(data[pos + 4:pos + 8], payload) == crc:
                 stats.records += 1
                 yield payload
                 pos = body + length
                 continue
-        # Damaged record: resynchronise on the next sync word whose record checks out.
-        nxt = data.find(SYNC, pos + 1)
+        # Damaged, or running past the end of the file: resynchronise on the next record that checks out.
+        # None: the damage runs to the end, a torn tail (a length running past the end with good records
+        # after it is a damaged length: read as a torn tail, it lost every record behind it).
+        nxt = _resync(data, pos)
         if nxt < 0:
-            # The damage runs to the end of the file: a torn tail if it is the last record.
             stats.torn(name, pos, end - pos)
             return
         stats.corrupt += 1
