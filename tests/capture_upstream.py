@@ -10,7 +10,8 @@ tokenized with the DeepSeek-V4 tokenizer (as the fallback does); outputs are wor
 one token each. The model name picks a hostile behaviour: ``bad-json``, ``html`` (a 200 page that
 is not JSON), ``bad-usage`` (``cached_tokens`` not a number), ``no-done`` (a stream that ends
 without ``[DONE]``), ``crlf`` (events whose lines end with CRLF, sse-starlette's default), ``gzip`` (a gzip answer, whatever
-the request's ``accept-encoding``), ``bad-utf8`` (a byte that is not UTF-8 in every event's text), ``break`` (a stream whose
+the request's ``accept-encoding``), ``bad-utf8`` (a byte that is not UTF-8 in every event's text), ``bad-event`` (a stream with one
+event between its tokens whose data is not JSON), ``break`` (a stream whose
 server fails after two events: its connection closes short of the body's end), ``endless``, ``huge-chunk``, ``slow``, ``error-500``, ``firehose`` (64 KiB events as fast as the
 connection takes them, counted in ``firehose_sent``: flow control), ``conn-close`` (a whole
 answer with ``connection: close``), ``many-choices`` (a whole answer of ``MANY_CHOICES`` choices). ``peers`` lists the client port of every completion request,
@@ -195,6 +196,8 @@ class Upstream:
             if finish and not include_usage:  # vLLM stamps the last chunk only when no usage event follows
                 chunk["system_fingerprint"] = FINGERPRINT
             yield f"data: {_json(chunk)}\n\n"
+            if model == "bad-event" and i == 0:
+                yield 'data: {"id": "cmpl-oops", "choices": [\n\n'
             i += 1
             if model == "break" and i == 2:
                 raise ConnectionAbortedError("the upstream broke off")  # uvicorn ends the connection, unchunked

@@ -168,6 +168,7 @@ def test_oversized_body_is_refused_with_413(stack):
 
 @pytest.mark.parametrize("model,stream,status,error", [
     ("bad-json", False, 200, "not JSON"),
+    ("bad-event", True, 200, "1 event whose data is not JSON"),  # passed on, and not taken for a whole answer
     ("endless", True, 200, "over 1048576 bytes"),
     ("huge-chunk", True, 200, "over"),
     ("slow", False, 504, "timed out"),

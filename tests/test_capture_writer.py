@@ -236,8 +236,9 @@ def test_a_stream_of_many_tiny_events_builds_its_record_in_memory_that_does_not_
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_an_answer_nested_deeper_than_json_reads_is_recorded_as_unreadable_not_as_a_failed_build(stream):
     """An upstream's answer (or one event of its stream) nested deeper than Python's json can read is
-    what a body that is not JSON is: an event skipped, a whole answer recorded as not JSON. It raised
-    RecursionError, and the exchange was recorded as ``record not built``."""
+    what a body that is not JSON is: an event not read (the record failed, saying so, its other events'
+    ids kept), a whole answer recorded as not JSON. It raised RecursionError, and the exchange was
+    recorded as ``record not built``."""
     from cachelab.capture.tokens import FallbackTokenizer
 
     deep = b'{"x":%s%s}' % (b"[" * 100_000, b"]" * 100_000)
@@ -249,7 +250,8 @@ def test_an_answer_nested_deeper_than_json_reads_is_recorded_as_unreadable_not_a
         x.response = deep
     [record] = x.to_records(FallbackTokenizer())
     if stream:
-        assert record.error is None and record.output_ids.tolist() == [1000, 1001, 1002]
+        assert record.error == "upstream stream had 1 event whose data is not JSON"
+        assert record.output_ids.tolist() == [1000, 1001, 1002]
     else:
         assert record.error == "upstream answered 200 with a body that is not JSON"
 

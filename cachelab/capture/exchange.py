@@ -202,11 +202,12 @@ def strip_body(body: bytes, exchange: Exchange) -> bytes:
 
 
 _SCAN = json.JSONDecoder().scan_once  # the C scanner: no per-call wrapper cost, end offset checked
+_NOT_JSON = object()  # ``_sse_data`` of an event whose data is not a JSON object
 
 
-def _sse_data(event: bytes) -> dict | None:
-    """The JSON of an SSE event's data lines (None for ``[DONE]``, comments or bad JSON); ``event``
-    without its delimiter."""
+def _sse_data(event: bytes) -> dict | object | None:
+    """The JSON of an SSE event's data lines: None for ``[DONE]`` or an event without data (a comment),
+    ``_NOT_JSON`` for data that is not a JSON object; ``event`` without its delimiter."""
     if event.startswith(b"data: ") and b"\n" not in event:  # vLLM's one-line event
         data = event[6:]
     else:
@@ -217,8 +218,8 @@ def _sse_data(event: bytes) -> dict | None:
         text = data.decode(errors="replace")  # a stray byte in a text field must not hide the event's ids
         parsed, end = _SCAN(text, 0)
     except (ValueError, StopIteration, RecursionError):
-        return None
-    return parsed if isinstance(parsed, dict) and (end == len(text) or text[end:].isspace()) else None
+        return _NOT_JSON
+    return parsed if isinstance(parsed, dict) and (end == len(text) or text[end:].isspace()) else _NOT_JSON
 
 
 def _choice_text(choice: dict) -> str:
@@ -333,8 +334,10 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
         messages = [(x.response_time, whole if isinstance(whole, dict) else None)]
         if not isinstance(whole, dict) and x.status == 200 and error is None:
             error = "upstream answered 200 with a body that is not JSON"  # passed on as it came
+    not_json = 0  # events whose data is not JSON: passed on to the client, and the record failed, saying so
     for when, message in messages:
-        if message is None:
+        if message is None or message is _NOT_JSON:
+            not_json += message is _NOT_JSON
             continue
         error = error or _error_text(message)
         upstream_id = upstream_id or message.get("id")
@@ -365,6 +368,8 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
             if (text if ids is None else ids) and when is not None:
                 c.times.append(when - x.arrival)
                 c.counts.append(text if ids is None else len(ids))
+    if not_json and error is None:  # its tokens, if any, are not in the record: it is no whole answer
+        error = f"upstream stream had {not_json} event{'s' if not_json > 1 else ''} whose data is not JSON"
     if x.status != 200 and error is None:
         error = f"upstream answered HTTP {x.status}"
     prompts = _request_prompts(body)
