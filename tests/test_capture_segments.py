@@ -51,6 +51,23 @@ def test_a_new_writer_never_reopens_an_old_segment(tmp_path):
     assert [r["run"] for r in _records(tmp_path)[0]] == [0, 1, 2]
 
 
+def test_two_writers_of_one_stream_pass_over_the_segments_the_other_took(tmp_path):
+    """A killed proxy's writer process still writing beside the restarted proxy's writer: each rotation
+    takes the next free index. The rotation that came second failed on the other's file (O_EXCL), which
+    ended its journal and dropped every later record."""
+    old, new = (Journal(tmp_path, "s", rotate_bytes=400) for _ in range(2))
+    for i in range(60):
+        for j, journal in enumerate((old, new)):
+            journal.submit({"j": j, "i": i, "pad": "z" * 40})
+            assert journal.flush(10), journal.write_error
+    for journal in (old, new):
+        journal.close()
+        assert journal.write_error is None and journal.acknowledged == 60 and journal.dropped == 0
+    got, stats = _records(tmp_path)
+    assert sorted((r["j"], r["i"]) for r in got) == [(j, i) for j in range(2) for i in range(60)]
+    assert stats.segments == old.segments_opened + new.segments_opened > 4 and stats.torn_tails == 0
+
+
 def test_time_rotation(tmp_path, monkeypatch):
     w = SegmentWriter(tmp_path, "s", rotate_seconds=5.0)
     clock = [100.0]

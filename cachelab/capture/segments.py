@@ -111,8 +111,7 @@ class SegmentWriter:
         self.rotate_bytes, self.rotate_seconds = rotate_bytes, rotate_seconds
         self.header = dict(header or {})
         private_directory(self.directory)
-        existing = segment_files(self.directory, stream)
-        self._next_index = int(existing[-1].name.rsplit("-", 1)[1].split(".")[0]) + 1 if existing else 0
+        self._next_index = self._after_existing()
         self._fd: int | None = None
         self._dirty = False
         self.path: Path | None = None
@@ -120,26 +119,39 @@ class SegmentWriter:
         self.opened_at = 0.0
         self.segments_opened = 0
 
+    def _after_existing(self) -> int:
+        """The index after the stream's last segment in the directory (0: none)."""
+        existing = segment_files(self.directory, self.stream)
+        return int(existing[-1].name.rsplit("-", 1)[1].split(".")[0]) + 1 if existing else 0
+
     def open(self) -> None:
         """Start the next segment (closing the current one). A segment that cannot be created or
-        written (no such directory, no permission, disk full) is a ``CachelabError`` naming it."""
+        written (no such directory, no permission, disk full) is a ``CachelabError`` naming it. An
+        index another writer of the stream has taken meanwhile (a killed proxy's writer process still
+        writing what it was handed, beside the restarted proxy's) is passed over: that ended the
+        journal whose rotation came second, and every record after it was dropped."""
         self._close_current()
-        index = self._next_index
-        self._next_index += 1
-        path = self.directory / _segment_name(self.stream, index)
+        while True:
+            index = self._next_index
+            self._next_index += 1
+            path = self.directory / _segment_name(self.stream, index)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o600)
+                break
+            except FileExistsError:
+                self._next_index = max(self._next_index, self._after_existing())
+            except OSError as exc:
+                raise CachelabError(f"cannot create segment {path}: {exc}") from None
         head = {"kind": "segment", "stream": self.stream, "index": index, "created_unix": time.time(),
                 **self.header}
         data = MAGIC + frame(msgpack.packb(head))
-        fd = None
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o600)
             os.fchmod(fd, 0o600)
             os.write(fd, data)
             os.fsync(fd)
             _fsync_dir(self.directory)
         except OSError as exc:
-            if fd is not None:
-                os.close(fd)
+            os.close(fd)
             raise CachelabError(f"cannot create segment {path}: {exc}") from None
         self._fd, self.path, self.size, self.opened_at = fd, path, len(data), time.monotonic()
         self.segments_opened += 1
