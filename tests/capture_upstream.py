@@ -2,7 +2,8 @@
 
 It answers ``/v1/completions`` and ``/v1/chat/completions`` the way vLLM's server does where
 the proxy depends on it: ``return_token_ids`` gives ``prompt_token_ids`` / ``token_ids``, and
-without it those fields are written as ``null``; ``stream_options.include_usage`` adds a final
+without it those fields are written as ``null``; a chat stream begins with the role alone
+(no ``token_ids``, the prompt's at the top); ``stream_options.include_usage`` adds a final
 usage event (``choices: []``) and moves ``system_fingerprint`` from the last chunk onto it; ``usage.prompt_tokens_details.cached_tokens`` counts the prompt's
 16-token blocks seen before. Answers are deterministic (ids, ``created``, tokens), so a stream
 through the proxy can be compared byte for byte with one straight from here. Prompts are
@@ -173,6 +174,10 @@ class Upstream:
                 yield event
                 self.firehose_sent += 1
             return
+        if chat:  # vLLM's first chat event: the role alone, no token_ids (the prompt's at the top)
+            yield "data: " + _json({"id": rid, "object": obj, "created": 1700000000, "model": model, "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+                "prompt_token_ids": prompt_ids if want_ids else None}) + "\n\n"
         i = 0
         while True:
             if model != "endless" and i >= len(picks):
@@ -186,8 +191,6 @@ class Upstream:
                 choice = {"index": 0, "delta": {"content": WORDS[p]}, "logprobs": None, "finish_reason": finish,
                           "token_ids": tok}
                 chunk = {"id": rid, "object": obj, "created": 1700000000, "model": model, "choices": [choice]}
-                if i == 0:
-                    chunk["prompt_token_ids"] = prompt_ids if want_ids else None
             else:
                 choice = {"index": 0, "text": WORDS[p], "logprobs": None, "finish_reason": finish,
                           "stop_reason": None, "token_ids": tok,

@@ -245,10 +245,19 @@ class _Choice:
 
     prompt_ids: list | None = None
     ids: list[int] = field(default_factory=list)
-    have_ids: bool = True  # every event of it carried its token ids
+    with_ids: bool = False     # an event of it carried token ids
+    without_ids: bool = False  # an event of it carried none: vLLM's first chat event (the role alone) never does
+    text_without_ids: bool = False  # an event carried text and no ids: the server's ids do not cover the output
     texts: list[str] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
     counts: list[int | str] = field(default_factory=list)  # an event's ids, or its text (tokenized at the end)
+
+    @property
+    def have_ids(self) -> bool:
+        """Whether the server's ids are the whole output: every event with text carried them, and some event
+        did (or none lacked them). Any event without ids counted against it, so a chat stream from vLLM, whose
+        role event carries no ``token_ids``, had its output ids taken from the fallback tokenizer."""
+        return not self.text_without_ids and (self.with_ids or not self.without_ids)
 
 
 def _request_prompts(body: dict) -> list[tuple[str | None, list[int] | None]]:
@@ -361,8 +370,10 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
             ids = choice.get("token_ids")
             text = _choice_text(choice)
             if ids is None:
-                c.have_ids = False
+                c.without_ids = True
+                c.text_without_ids = c.text_without_ids or bool(text)
             else:
+                c.with_ids = True
                 c.ids.extend(ids)
             c.texts.append(text)
             if (text if ids is None else ids) and when is not None:
