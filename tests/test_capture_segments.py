@@ -8,6 +8,7 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -66,6 +67,21 @@ def test_two_writers_of_one_stream_pass_over_the_segments_the_other_took(tmp_pat
     got, stats = _records(tmp_path)
     assert sorted((r["j"], r["i"]) for r in got) == [(j, i) for j in range(2) for i in range(60)]
     assert stats.segments == old.segments_opened + new.segments_opened > 4 and stats.torn_tails == 0
+
+
+def test_a_capture_directory_made_new_has_its_entry_made_durable(tmp_path, monkeypatch):
+    """Every directory created for a capture has its parent fsynced, so that a power loss cannot take
+    the directory, and the acknowledged records in it, away: only the capture directory itself was."""
+    from cachelab.capture import segments
+
+    synced = []
+    real = segments._fsync_dir
+    monkeypatch.setattr(segments, "_fsync_dir", lambda d: (synced.append(Path(d)), real(d)))
+    j = Journal(tmp_path / "a" / "cap", "s", fsync="always")
+    j.submit({"i": 0})
+    assert j.flush(10)
+    j.close()
+    assert {tmp_path, tmp_path / "a", tmp_path / "a" / "cap"} <= set(synced)
 
 
 def test_time_rotation(tmp_path, monkeypatch):

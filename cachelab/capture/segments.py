@@ -74,10 +74,15 @@ def private_directory(directory: str | os.PathLike) -> Path:
     """The capture directory, created 0700 where it is new. One that exists is refused if other users
     can read, enter or write it (its files are 0600, but a directory others can write lets them
     delete or replace segments and plant the salt before it is made): a clear error with the fix,
-    never a silent ``chmod`` of a directory the user chose."""
+    never a silent ``chmod`` of a directory the user chose. Each directory it creates has its entry
+    made durable (its parent fsynced): segments fsynced in a directory whose own entry was not could
+    be lost with it at a power loss, which ``--fsync always`` and ``batch`` promise to survive."""
     directory = Path(directory)
     try:
+        new = [p for p in (directory, *directory.parents) if not p.exists()]
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for made in reversed(new):
+            _fsync_dir(made.parent)
         mode = directory.stat().st_mode
     except OSError as exc:
         raise CachelabError(f"cannot create capture directory {directory}: {exc}") from None
