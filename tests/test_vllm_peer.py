@@ -1,14 +1,17 @@
-"""The reference peer behaves as ../shared/docs/VLLM_PEER.md measured: token ids and prefix hits."""
+"""The reference peer behaves as ../shared/docs/VLLM_PEER.md measured: token ids and prefix hits; and its
+life cycle in a test session (tests/vllm_peer.py)."""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
 
-pytestmark = pytest.mark.slow
+import vllm_peer
 
 
 def _post(url: str, body: dict) -> dict:
@@ -21,6 +24,7 @@ def _counter(metrics: str, name: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", metrics, re.M))
 
 
+@pytest.mark.slow
 def test_prefix_cache_hits_and_token_ids(vllm_server):
     prompt = list(range(1000, 1400))  # 400 token ids: 25 blocks of 16, 24 of them full before the last token
     before = vllm_server.metrics()
@@ -35,3 +39,32 @@ def test_prefix_cache_hits_and_token_ids(vllm_server):
     queries = _counter(after, "vllm:prefix_cache_queries_total") - _counter(before, "vllm:prefix_cache_queries_total")
     hits = _counter(after, "vllm:prefix_cache_hits_total") - _counter(before, "vllm:prefix_cache_hits_total")
     assert (queries, hits) == (800, 384)
+
+
+def test_a_peer_given_by_its_directory_outlives_the_session_and_one_made_here_does_not(tmp_path, monkeypatch):
+    """A server started by hand and given by CACHELAB_VLLM_PEER_DIR is reused and left running: the first
+    session that reused it stopped it and deleted its directory. The directory a session made itself
+    goes with the session."""
+    server = subprocess.Popen(["sleep", "60"], start_new_session=True)  # stands for the server's process group
+    kv = tmp_path / "vllm-kv-test"
+    kv.mkdir()
+    try:
+        given = tmp_path / "peer"
+        given.mkdir()
+        (given / "server.json").write_text(json.dumps({
+            "base_url": "http://127.0.0.1:9", "model": "m", "port": 9, "pid": server.pid,
+            "kv_events_endpoint": f"ipc://{kv}/events", "log_path": str(tmp_path / "log")}))
+        monkeypatch.setenv("CACHELAB_VLLM_PEER_DIR", str(given))
+        monkeypatch.setattr(vllm_peer, "_owns_state", [], raising=False)
+        config = SimpleNamespace()
+        vllm_peer.configure(config)
+        vllm_peer.finish(config)
+        assert server.poll() is None and (given / "server.json").exists() and kv.is_dir()
+    finally:
+        server.kill()
+    monkeypatch.delenv("CACHELAB_VLLM_PEER_DIR")
+    vllm_peer.configure(config)
+    made = vllm_peer._state_dir()
+    assert made.is_dir() and made != given
+    vllm_peer.finish(config)
+    assert not made.exists()

@@ -100,7 +100,9 @@ class VllmServer:
 
     def stop(self) -> None:
         _kill_group(self.pid)
-        shutil.rmtree(Path(self.kv_events_endpoint.removeprefix("ipc://")).parent, ignore_errors=True)
+        made = Path(self.kv_events_endpoint.removeprefix("ipc://")).parent
+        if made.name.startswith("vllm-kv-"):  # start_vllm's own (an endpoint without a folder named the cwd)
+            shutil.rmtree(made, ignore_errors=True)
 
 
 def _kill_group(pid: int, grace_s: float = 10.0) -> None:
@@ -206,17 +208,25 @@ def shared_server() -> VllmServer:
         return server
 
 
+_owns_state: list[bool] = []  # the controlling process made the state directory (not given by the caller)
+
+
 def configure(config) -> None:
     """In the controlling process: where workers find the shared server, and who owns it."""
     if hasattr(config, "workerinput"):
         return
     os.environ.setdefault(_OWNER_ENV, str(os.getpid()))
-    os.environ.setdefault(_STATE_ENV, tempfile.mkdtemp(prefix="cachelab-vllm-peer-"))
+    if _STATE_ENV not in os.environ:
+        os.environ[_STATE_ENV] = tempfile.mkdtemp(prefix="cachelab-vllm-peer-")
+        _owns_state.append(True)
 
 
 def finish(config) -> None:
-    """In the controlling process at the session's end: stop the shared server if one started."""
-    if hasattr(config, "workerinput") or _STATE_ENV not in os.environ:
+    """In the controlling process at the session's end: stop the shared server if this session made
+    its state directory. A server given by ``CACHELAB_VLLM_PEER_DIR`` (started by hand with
+    ``python tests/vllm_peer.py DIR``, for runs to reuse) is left running, its directory in place: the
+    first run that reused it stopped it and deleted the directory, and the next run failed to attach."""
+    if hasattr(config, "workerinput") or not _owns_state:
         return
     state = _state_dir() / "server.json"
     if state.exists():
