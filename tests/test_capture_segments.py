@@ -163,6 +163,23 @@ def test_a_damaged_record_head_in_the_middle_loses_that_record_alone(tmp_path_fa
     assert stats.damaged == [f"{path.name}@{at}: corrupt, {starts[k + 2] - at} bytes skipped"]
 
 
+@pytest.mark.parametrize("byte", [0, 7])
+def test_a_damaged_segment_magic_loses_the_magic_not_the_segment(tmp_path, byte):
+    """One flipped bit in a segment's first 8 bytes made the whole file "not a cachelab capture segment",
+    every record in it unread."""
+    w = SegmentWriter(tmp_path, "s")
+    for i in range(10):
+        w.write([msgpack.packb({"i": i})])
+    w.close()
+    path = segment_files(tmp_path, "s")[0]
+    data = bytearray(path.read_bytes())
+    data[byte] ^= 0x20
+    path.write_bytes(bytes(data))
+    got, stats = _records(tmp_path)
+    assert [r["i"] for r in got] == list(range(10)) and not stats.bad_files
+    assert stats.corrupt == 1 and stats.damaged == [f"{path.name}@0: corrupt, 8 bytes skipped (no segment magic)"]
+
+
 def test_foreign_and_empty_files(tmp_path):
     (tmp_path / "s-000000.seg").write_bytes(b"hello world, not a segment")
     (tmp_path / "s-000001.seg").write_bytes(MAGIC[:3])

@@ -240,8 +240,8 @@ def _resync(data: bytes, pos: int) -> int:
     return nxt
 
 
-def _scan(data: bytes, stats: ReadStats, name: str) -> Iterator[bytes]:
-    pos, end = len(MAGIC), len(data)
+def _scan(data: bytes, stats: ReadStats, name: str, pos: int) -> Iterator[bytes]:
+    end = len(data)
     while pos < end:
         if end - pos < _HEAD.size:
             stats.torn(name, pos, end - pos)
@@ -289,10 +289,18 @@ def read_stream(directory: str | os.PathLike, stream: str, stats: ReadStats | No
             # Created but killed before the magic was complete: an empty torn segment.
             stats.torn(path.name, 0, len(data))
             continue
-        if data[:len(MAGIC)] != MAGIC:
-            stats.bad_files.append(f"{path.name}: not a cachelab capture segment")
-            continue
-        for payload in _scan(data, stats, path.name):
+        start = len(MAGIC)
+        if data[:start] != MAGIC:
+            # a damaged magic loses those bytes, not the segment's records (a file of that name without one
+            # intact record is no segment)
+            start = _resync(data, -1)
+            if start < 0:
+                stats.bad_files.append(f"{path.name}: not a cachelab capture segment")
+                continue
+            stats.corrupt += 1
+            stats.skipped_bytes += start
+            stats.damaged.append(f"{path.name}@0: corrupt, {start} bytes skipped (no segment magic)")
+        for payload in _scan(data, stats, path.name, start):
             try:
                 record = msgpack.unpackb(payload, raw=False, strict_map_key=False)
             except (ValueError, msgpack.UnpackException) as exc:
