@@ -8,6 +8,7 @@ import stat
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import msgpack
@@ -18,7 +19,7 @@ from hypothesis import given, settings, strategies as st
 from cachelab.capture.journal import Journal
 from cachelab.capture.recorder import Privacy, Recorder, RequestRecord, load_salt
 from cachelab.capture.segments import MAGIC, ReadStats, SegmentWriter, read_stream, segment_files
-from cachelab.capture.to_trace import capture_to_trace, read_requests
+from cachelab.capture.to_trace import build_from_capture, capture_to_trace, read_requests
 from cachelab.errors import CachelabError
 from cachelab.trace.schema import read_trace, validate
 
@@ -417,6 +418,18 @@ def test_block_hashes_are_salted_and_chained():
     other = ids.copy()
     other[0] = 99
     assert not np.any(np.isin(a.block_hashes(other), ha)), "a changed first token changes every later block"
+
+
+def test_a_cached_count_the_trace_cannot_hold_does_not_fail_the_build(tmp_path):
+    """An upstream's usage is its own: a negative ``cached_tokens`` is no count (null in the trace), one over
+    the prompt is the prompt. The negative one failed the whole ``trace build --from-capture``."""
+    with Recorder(tmp_path / "cap") as rec:
+        for i, cached in enumerate([5, -3, 2**40, None]):
+            rec.submit(replace(_record(i), cached_tokens=cached))
+    out = tmp_path / "t.parquet"
+    report = build_from_capture(tmp_path / "cap", out)
+    trace = read_trace(out)
+    assert report.requests == 4 and trace["cached_tokens"].to_list() == [5, None, trace["prompt_len"][2], None]
 
 
 def test_empty_capture_is_a_clear_error(tmp_path):

@@ -80,11 +80,12 @@ class CaptureBuild:
 
 
 def _cached_tokens(usable: pl.DataFrame, hash_mode: bool) -> pl.Series:
-    """The server's cached prompt tokens (null where it reported none), at most the prompt's
-    length in the trace (a tokenizer-fallback chat prompt can count fewer tokens than the server's)."""
+    """The server's cached prompt tokens (null where it reported none, or a count below 0, which is
+    none: one such record failed the whole build), at most the prompt's length in the trace (a
+    tokenizer-fallback chat prompt can count fewer tokens than the server's)."""
     prompt = pl.col("prompt_len") if hash_mode else pl.col("prompt_ids").list.len()
     cached = pl.col("cached")
-    return usable.select(pl.when(cached.is_null()).then(None).otherwise(pl.min_horizontal(cached, prompt))
+    return usable.select(pl.when(cached.is_null() | (cached < 0)).then(None).otherwise(pl.min_horizontal(cached, prompt))
                          .alias("cached_tokens")).to_series()
 
 
