@@ -19,6 +19,7 @@ import pytest
 from cachelab.capture.exchange import Exchange
 from cachelab.capture.recorder import REQUESTS, Recorder
 from cachelab.capture.segments import ReadStats, read_stream
+from cachelab.capture.to_trace import capture_to_trace
 from cachelab.capture.writer import CaptureWriter
 from cachelab.errors import CachelabError
 
@@ -254,6 +255,25 @@ def test_an_answer_nested_deeper_than_json_reads_is_recorded_as_unreadable_not_a
         assert record.output_ids.tolist() == [1000, 1001, 1002]
     else:
         assert record.error == "upstream answered 200 with a body that is not JSON"
+
+
+@pytest.mark.parametrize("bad", [[-5], [1.5], [2**31], [2**64], [True]], ids=["negative", "fraction", "over-int32",
+                                                                           "over-int64", "bool"])
+def test_token_ids_an_upstream_answers_that_are_no_token_ids_fail_the_record_not_the_trace(tmp_path, bad):
+    """A negative id went into the record and failed the whole ``trace build --from-capture`` (field
+    'prompt_ids' holds a negative token id); a fraction or a boolean was made an integer unsaid. Such an
+    answer's record fails, naming it, and the capture's other records build."""
+    from cachelab.capture.tokens import FallbackTokenizer
+
+    x = exchange(0, stream=False)
+    x.response = x.response.replace(b'"token_ids": [7, 8]', b'"token_ids": ' + json.dumps(bad).encode())
+    [record] = x.to_records(FallbackTokenizer())
+    assert record.error.startswith("upstream token ids out of range") and record.output_ids is None, record
+    with Recorder(tmp_path / "cap") as rec:
+        rec.submit(x)
+        rec.submit(exchange(1, stream=False))
+    trace, report = capture_to_trace(tmp_path / "cap")
+    assert report.requests == 1 and report.failed_requests == 1 and trace["output_ids"].to_list() == [[7, 9]]
 
 
 def test_an_echoing_request_of_ids_the_tokenizer_cannot_decode_is_recorded_with_its_answer():

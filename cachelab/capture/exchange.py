@@ -427,8 +427,10 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
                 prompt_ids = request_ids if request_ids is not None else fallback.prompt(k)
             output_ids = tokenizer.encode(output_text)
         if rec.token_source is not None:
-            rec.prompt_ids = np.asarray(prompt_ids, dtype=np.int32)
-            rec.output_ids = np.asarray(output_ids, dtype=np.int32)
+            rec.prompt_ids, rec.output_ids = _ids(prompt_ids), _ids(output_ids)
+            if rec.prompt_ids is None or rec.output_ids is None:
+                rec.token_source, rec.prompt_ids, rec.output_ids = None, None, None
+                rec.error = rec.error or "upstream token ids out of range (not integers from 0 to 2^31-1)"
         times, counts = _token_events(c, echoed, tokenizer)
         if times:
             rec.token_times_s = np.asarray(times)
@@ -438,6 +440,17 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
         records.append(rec)
     return records
 
+
+
+def _ids(values) -> np.ndarray | None:
+    """Token ids as int32, or None where they are no token ids (negative, past int32, fractions): a
+    negative one failed the whole ``trace build --from-capture``, a fraction was cut unsaid."""
+    ids = np.asarray(values)
+    if ids.size == 0:
+        return np.zeros(0, dtype=np.int32)
+    if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() > np.iinfo(np.int32).max:
+        return None
+    return ids.astype(np.int32)
 
 
 def _json_body(body: bytes):
