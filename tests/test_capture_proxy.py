@@ -548,6 +548,22 @@ def test_what_an_upstream_sends_after_a_whole_answer_is_not_the_clients(tmp_path
     assert rows["status"].to_list() == [200, 200] and rows["error"].to_list() == [None, None], rows
 
 
+def test_an_event_stream_named_in_capitals_is_relayed_and_recorded_as_one(tmp_path):
+    """A media type is case-insensitive (RFC 9110 8.3.1): ``Text/Event-Stream`` is an event stream. It was
+    taken for a whole answer: held to its end, sent with a length, and recorded as a body that is not JSON."""
+    events = b'data: {"id":"cmpl-s","object":"text_completion","choices":[{"index":0,"text":"hi",' \
+             b'"finish_reason":"length","token_ids":[5],"prompt_token_ids":[1,2]}]}\n\ndata: [DONE]\n\n'
+    upstream = HeadUpstream(head=b"Content-Type: Text/Event-Stream\r\n", body=events)
+    recorder = Recorder(tmp_path)
+    with ProxyThread(ProxyConfig(upstream=upstream.url, token_ids=False), recorder) as proxy:
+        status, got, headers = _raw(proxy.url, "/v1/completions", {"model": "m", "prompt": "x", "stream": True})
+    upstream.sock.close()
+    assert status == 200 and got == events and headers.get("transfer-encoding") == "chunked", headers
+    assert recorder.flush(10)
+    row = read_requests(tmp_path)[0].row(0, named=True)
+    assert row["error"] is None and row["stream"] and row["output_ids"] == [5] and row["tok_t"], row
+
+
 @pytest.mark.parametrize("model", ["m", "tiny"])
 def test_trailer_fields_are_dropped_both_ways(tmp_path, model):
     """A chunked answer with trailer fields is passed on whole, recorded or not, the trailers dropped (the

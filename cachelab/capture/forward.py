@@ -165,7 +165,7 @@ class Forward:
             self.mode = PASS
         else:
             x.status = status
-            if content_type.startswith(b"text/event-stream"):  # also for a "stream": 1 the upstream took as true
+            if content_type.lower().startswith(b"text/event-stream"):  # any case (RFC 9110 8.3.1); a "stream": 1 too
                 x.stream = True
                 self.mode = STREAM
                 if x.injected_ids or x.injected_usage:
