@@ -10,7 +10,8 @@ through the proxy can be compared byte for byte with one straight from here. Pro
 tokenized with the DeepSeek-V4 tokenizer (as the fallback does); outputs are words that are
 one token each. The model name picks a hostile behaviour: ``bad-json``, ``html`` (a 200 page that
 is not JSON), ``bad-usage`` (``cached_tokens`` not a number), ``no-done`` (a stream that ends
-without ``[DONE]``), ``crlf`` (events whose lines end with CRLF, sse-starlette's default), ``gzip`` (a gzip answer, whatever
+without ``[DONE]``), ``crlf`` (events whose lines end with CRLF, sse-starlette's default), ``cr`` (lines ending with CR
+alone, which SSE allows too), ``gzip`` (a gzip answer, whatever
 the request's ``accept-encoding``), ``bad-utf8`` (a byte that is not UTF-8 in every event's text), ``bad-event`` (a stream with one
 event between its tokens whose data is not JSON), ``break`` (a stream whose
 server fails after two events: its connection closes short of the body's end), ``endless``, ``huge-chunk``, ``slow``, ``error-500``, ``firehose`` (64 KiB events as fast as the
@@ -157,8 +158,9 @@ class Upstream:
             return Response(_json(out), media_type="application/json")
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         events = self.events(model, rid, chat, prompt_ids, picks, out_ids, want_ids, include_usage, usage)
-        if model == "crlf":
-            events = (e.replace("\n\n", "\r\n\r\n") async for e in events)
+        if model in ("crlf", "cr"):
+            ending = "\r\n\r\n" if model == "crlf" else "\r\r"
+            events = (e.replace("\n\n", ending) async for e in events)
         if model == "bad-utf8":
             events = (e.encode().replace(b'"text":"', b'"text":"\xff') async for e in events)
         return StreamingResponse(events, media_type="text/event-stream")

@@ -207,9 +207,12 @@ def test_a_long_prompts_ids_the_proxy_asked_for_are_not_cut_as_an_oversized_even
     assert rec["error"] is None and rec["prompt_ids"] == body["prompt"] and len(rec["output_ids"]) == 4
 
 
-def test_an_upstream_whose_lines_end_with_crlf_streams_and_is_recorded(stack):
-    # SSE allows CRLF line endings (sse-starlette writes them): events are still found one by one
-    body = {"model": "crlf", "prompt": PROMPT, "max_tokens": 6, "stream": True}
+@pytest.mark.parametrize("ending", ["crlf", "cr"])
+def test_an_upstream_whose_lines_end_with_crlf_streams_and_is_recorded(stack, ending):
+    # SSE allows CRLF line endings (sse-starlette writes them), and CR alone: events are still found one by
+    # one. An upstream of CRs was held whole (no LF ever came) until its end or the event bound, and
+    # recorded as a stream without [DONE]
+    body = {"model": ending, "prompt": PROMPT, "max_tokens": 6, "stream": True}
     stack.behind.token_delay_s = 0.05
     try:
         with httpx.stream("POST", stack.proxy.url + "/v1/completions", json=body, timeout=30) as r:
@@ -217,7 +220,8 @@ def test_an_upstream_whose_lines_end_with_crlf_streams_and_is_recorded(stack):
     finally:
         stack.behind.token_delay_s = 0.0
     assert b"".join(reads) == _raw(stack.direct.url, "/v1/completions", body)[1]
-    assert b"".join(reads).endswith(b"data: [DONE]\r\n\r\n") and len(reads) >= 6, "streamed as it came"
+    ends = b"\r\n\r\n" if ending == "crlf" else b"\r\r"
+    assert b"".join(reads).endswith(b"data: [DONE]" + ends) and len(reads) >= 6, "streamed as it came"
     rec = stack.records().row(-1, named=True)
     assert rec["error"] is None and rec["token_source"] == "upstream" and len(rec["output_ids"]) == 6, rec
     assert len(rec["tok_t"]) == 6

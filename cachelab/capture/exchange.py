@@ -58,7 +58,7 @@ class Exchange:
     response: bytes = b""               # the body of an answer that was not an event stream
     response_time: float | None = None  # perf_counter when it was complete (None: events, or no answer)
     events: list[bytes] = field(default_factory=list)        # per upstream read: its complete SSE events
-    delim: bytes = b"\n\n"             # what ends an event: b"\r\n\r\n" where the upstream ends lines with CRLF
+    delim: bytes = b"\n\n"             # what ends an event: b"\r\n\r\n" or b"\r\r" for lines ending CRLF or CR
     event_times: list[float] = field(default_factory=list)   # perf_counter of that read
 
     def to_records(self, tokenizer) -> list[RequestRecord]:
@@ -208,7 +208,7 @@ _NOT_JSON = object()  # ``_sse_data`` of an event whose data is not a JSON objec
 def _sse_data(event: bytes) -> dict | object | None:
     """The JSON of an SSE event's data lines: None for ``[DONE]`` or an event without data (a comment),
     ``_NOT_JSON`` for data that is not a JSON object; ``event`` without its delimiter."""
-    if event.startswith(b"data: ") and b"\n" not in event:  # vLLM's one-line event
+    if event.startswith(b"data: ") and b"\n" not in event and b"\r" not in event:  # vLLM's one-line event
         data = event[6:]
     else:
         data = b"\n".join(line[5:].lstrip() for line in event.splitlines() if line.startswith(b"data:"))
@@ -463,5 +463,6 @@ def _json_body(body: bytes):
 def _ends_done(events: list[bytes]) -> bool:
     """Whether the stream's last event is ``data: [DONE]``, which every OpenAI-compatible server
     writes last: without it the stream was cut, however its connection ended."""
-    last = events[-1].rstrip().rpartition(b"\n")[2] if events else b""
+    lines = events[-1].rstrip().splitlines() if events else []  # LF, CRLF or CR
+    last = lines[-1] if lines else b""
     return last.startswith(b"data:") and last[5:].strip() == b"[DONE]"

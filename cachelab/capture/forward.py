@@ -11,6 +11,7 @@ client's leaving (499) or the proxy's shutdown (503).
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from cachelab.capture.proxy import CaptureProxy
 
 STREAM, WHOLE, PASS = 0, 1, 2   # how an answer goes back: recorded SSE, recorded whole body, not recorded
+_EOL = re.compile(rb"\r\n|\n|\r(?=[^\n])")  # an SSE line ending (a CR alone only once the next byte is known)
 
 
 class Forward:
@@ -196,13 +198,12 @@ class Forward:
             if self.size > c.max_response_bytes:
                 return self.cut(f"upstream stream over {c.max_response_bytes} bytes: cut")
             delim = self.delim
-            if delim is None:  # the stream's line ending, from its first line: LF (vLLM) or CRLF (sse-starlette)
-                i = data.find(b"\n")
-                if i < 0:
-                    delim = b"\n\n"  # not found in this read either way
+            if delim is None:  # the stream's line ending, from its first line: LF (vLLM), CRLF (sse-starlette), CR
+                found = _EOL.search(self.edge + data)  # (a CR at the end: CR or CRLF, the next read says)
+                if found is None:
+                    delim = b"\n\n"  # not found yet: no event can have ended
                 else:
-                    crlf = (data[i - 1:i] if i else self.edge[-1:]) == b"\r"
-                    delim = self.delim = self.x.delim = b"\r\n\r\n" if crlf else b"\n\n"
+                    delim = self.delim = self.x.delim = found.group() * 2
             end = data.rfind(delim)
             if self.parts:
                 if end < 0 and delim not in self.edge + data[:len(delim) - 1]:  # nor across the reads' edge
