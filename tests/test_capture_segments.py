@@ -321,6 +321,34 @@ def test_salt_file_is_private_and_stable(tmp_path):
         load_salt(tmp_path / "short")
 
 
+def test_captures_that_start_together_on_one_salt_file_share_it(tmp_path, monkeypatch):
+    """Two captures given one --salt-file, starting at once: the one that did not make it read it before
+    its maker had written it, found 0 bytes, and refused to start. It appears whole or not at all."""
+    import threading
+
+    from cachelab.capture import recorder
+
+    draw = recorder.secrets.token_bytes
+    monkeypatch.setattr(recorder.secrets, "token_bytes", lambda n: (time.sleep(0.3), draw(n))[1])
+    got: list = []
+
+    def start():
+        try:
+            got.append(load_salt(tmp_path / "shared-salt"))
+        except CachelabError as exc:
+            got.append(exc)
+
+    threads = [threading.Thread(target=start) for _ in range(4)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    assert all(isinstance(g, bytes) for g in got) and len(set(got)) == 1, got
+    assert (tmp_path / "shared-salt").read_bytes() == got[0] and [p.name for p in tmp_path.iterdir()] == ["shared-salt"]
+    assert stat.S_IMODE((tmp_path / "shared-salt").stat().st_mode) == 0o600
+
+
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o602], ids=oct)
 def test_a_salt_file_others_can_read_or_write_is_refused(tmp_path, mode):
     """Read as it was, whatever its mode: a salt others can read lets them test guessed prompts and user

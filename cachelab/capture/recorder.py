@@ -28,6 +28,7 @@ import hashlib
 import os
 import secrets
 import stat
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,20 +94,29 @@ def load_salt(path: str | os.PathLike) -> bytes:
     """The capture's salt: read it, or create 32 random bytes there (0600). An existing salt file
     other users can read or write is refused, naming its mode: whoever reads it can test guessed
     prompts and user names against the hashes, whoever writes it choose them. Only the first 64
-    bytes count (BLAKE2b's longest key)."""
+    bytes count (BLAKE2b's longest key). A new one appears whole (written aside, then linked in):
+    a capture starting beside the one making it, on the same ``--salt-file``, read it empty and
+    refused to start."""
     path = Path(path)
+    if os.path.lexists(path):
+        return _read_salt(path)
+    salt = secrets.token_bytes(32)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd, aside = tempfile.mkstemp(prefix=".salt-", dir=path.parent)  # 0600
+    except OSError as exc:
+        raise CachelabError(f"cannot create salt file {path}: {exc}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(salt)
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(aside, path)  # never replaces: the first capture to make it gives every other its salt
     except FileExistsError:
         return _read_salt(path)
     except OSError as exc:
         raise CachelabError(f"cannot create salt file {path}: {exc}") from None
-    salt = secrets.token_bytes(32)
-    try:
-        os.write(fd, salt)
-        os.fsync(fd)
     finally:
-        os.close(fd)
+        os.unlink(aside)
     return salt
 
 
