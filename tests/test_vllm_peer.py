@@ -4,6 +4,7 @@ life cycle in a test session (tests/vllm_peer.py)."""
 from __future__ import annotations
 
 import json
+import random
 import re
 import subprocess
 import urllib.request
@@ -26,7 +27,10 @@ def _counter(metrics: str, name: str) -> float:
 
 @pytest.mark.slow
 def test_prefix_cache_hits_and_token_ids(vllm_server):
-    prompt = list(range(1000, 1400))  # 400 token ids: 25 blocks of 16, 24 of them full before the last token
+    # 400 token ids: 25 blocks of 16, 24 of them full before the last token; new to this server's cache, which a
+    # server reused across sessions (CACHELAB_VLLM_PEER_DIR) had from an earlier run (768 hits, not 384)
+    start = random.randrange(1000, 129_000)
+    prompt = list(range(start, start + 400))
     before = vllm_server.metrics()
     body = {"model": vllm_server.model, "prompt": prompt, "max_tokens": 4, "temperature": 0,
             "return_token_ids": True}
