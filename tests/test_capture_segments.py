@@ -188,6 +188,8 @@ def test_foreign_and_empty_files(tmp_path):
     assert got == [] and stats.torn_tails == 1 and "not a cachelab capture segment" in stats.bad_files[0]
     with pytest.raises(CachelabError, match="capture directory not found"):
         list(read_stream(tmp_path / "missing", "s"))
+    with pytest.raises(CachelabError, match="s-000000.seg: not a directory"):  # it said 'not found' of a file
+        list(read_stream(tmp_path / "s-000000.seg", "s"))
 
 
 @pytest.mark.parametrize("fsync", ["always", "batch", "never"])

@@ -276,7 +276,8 @@ def read_stream(directory: str | os.PathLike, stream: str, stats: ReadStats | No
     """
     directory = Path(directory)
     if not directory.is_dir():
-        raise CachelabError(f"capture directory not found: {directory}")
+        raise CachelabError(f"{directory}: not a directory (a capture is the --out directory of `capture proxy`)"
+                            if directory.exists() else f"capture directory not found: {directory}")
     stats = stats if stats is not None else ReadStats()
     for path in segment_files(directory, stream):
         stats.segments += 1
