@@ -189,6 +189,48 @@ def test_calibrate_names_a_damaged_step_log_part(tmp_path):
     assert res.exit_code == 2 and f"{part}: not a readable step-log part" in res.output
 
 
+def test_a_step_log_two_servers_wrote_is_refused_naming_the_parts(tmp_path):
+    """`cachelab serve --step-log DIR` run twice on one DIR appends the second server's parts;
+    read as one run, its request ids (from 0 per server) merged with the first's: a TPOT of
+    9105 ms spanning the gap between the runs instead of ~11 ms, and no word."""
+    from cachelab.serving.latency import Efficiency
+
+    run = tmp_path / "c1"
+    run.mkdir()
+    _synthetic_run(Efficiency(), 64, 0).write_parquet(run / "steps-00000.parquet")
+    _synthetic_run(Efficiency(), 128, 0).with_columns(pl.col("start_s") + 100).write_parquet(run / "steps-00001.parquet")
+    res = runner.invoke(app, ["calibrate", "--step-log", str(tmp_path), "--hardware", "H200"])
+    assert res.exit_code == 2 and (f"{run}: step 0 is in steps-00000.parquet and steps-00001.parquet" in
+                                   " ".join(res.output.split())), res.output
+
+
+def test_a_step_log_without_steps_is_named(tmp_path):
+    """An empty part was read as a run of no steps: 'no step left to fit' as a fit run, an
+    IndexError as a held-out one."""
+    from cachelab.serving.latency import Efficiency
+
+    for run, frame in (("c1", _synthetic_run(Efficiency(), 64, 0)), ("c2", _synthetic_run(Efficiency(), 64, 0).head(0))):
+        (tmp_path / run).mkdir()
+        frame.write_parquet(tmp_path / run / "steps-00000.parquet")
+    res = runner.invoke(app, ["calibrate", "--step-log", str(tmp_path), "--hardware", "H200"])
+    assert res.exit_code == 2 and (f"{tmp_path / 'c2'}: the step log has no steps" in
+                                   " ".join(res.output.split())), res.output
+
+
+def test_a_run_with_no_request_after_the_warm_up_is_named(tmp_path):
+    """A held-out run whose every request was warm-up had NaN live and predicted times (null in
+    the JSON) and was left out of the held-out errors without a word."""
+    from cachelab.serving.latency import Efficiency
+
+    for run, requests in (("c1", 12), ("c2", 3)):
+        (tmp_path / run).mkdir()
+        _synthetic_run(Efficiency(), 64, 0, requests=requests).write_parquet(tmp_path / run / "steps-00000.parquet")
+    res = runner.invoke(app, ["calibrate", "--step-log", str(tmp_path), "--hardware", "H200", "--warmup-requests", "4",
+                              "--max-evals", "4"])
+    assert res.exit_code == 2 and ("--warmup-requests 4: run(s) ['c2'] have no request after the warm-up (their last "
+                                   "request ids: {'c2': 2})" in " ".join(res.output.split())), res.output
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda f: f.with_columns(pl.when(pl.col("step") == 3).then(float("nan")).otherwise(pl.col("step_s")).alias("step_s")),
      r"step 3 has step_s = nan; a step's times must be finite"),  # was NaN TTFTs, null in the JSON

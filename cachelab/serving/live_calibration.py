@@ -338,6 +338,11 @@ def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwarePr
         raise CachelabError(f"--fit {unknown}: no such run; the runs are {names}")
     if dispersion_block < 1:
         raise CachelabError(f"--dispersion-block must be at least 1 step, got {dispersion_block}")
+    last = {n: runs[n]["requests"].list.max().max() for n in names}
+    unmeasured = {n: r for n, r in last.items() if r is None or r < warmup_requests}
+    if unmeasured:  # its live and predicted times were NaN (null in the JSON), its held-out errors left out unsaid
+        raise CachelabError(f"--warmup-requests {warmup_requests}: run(s) {sorted(unmeasured)} have no request after "
+                            f"the warm-up (their last request ids: {unmeasured}), so no latency to compare")
     spec, hw = model_spec(cfg, masked_attention_block), cpu_hardware(local, threads)
     batches = {n: _batches(runs[n]) for n in names}
     warm = {n: fitted_steps(runs[n], warmup_requests, fit_min_step_share) for n in fit_runs}

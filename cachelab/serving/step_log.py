@@ -3,8 +3,9 @@
 A run is a directory of ``steps-*.parquet`` parts, one row a step: its times (start, duration,
 compute, Engram stall) and, per request it served, the positions it computed and the prompt's
 length. ``find_runs`` loads every run under a folder; a part that cannot be read, a column that
-is missing or not in seconds, or a step the fit would read as NaN or nonsense is an error naming
-the run, the step, the column and the value.
+is missing or not in seconds, a run with no steps or with two servers' parts (its step numbers
+repeat), or a step the fit would read as NaN or nonsense is an error naming the run, the step,
+the column and the value.
 """
 
 from __future__ import annotations
@@ -23,12 +24,29 @@ def load_run(directory: Path) -> pl.DataFrame:
     parts = sorted(Path(directory).glob("steps-*.parquet"))
     if not parts:
         raise CachelabError(f"{directory}: no steps-*.parquet (a `cachelab serve --step-log` directory)")
-    frame = pl.concat([_read_part(p) for p in parts], how="diagonal_relaxed").sort("start_s")
+    frame = pl.concat([_read_part(p).with_columns(pl.lit(p.name).alias("_part")) for p in parts],
+                      how="diagonal_relaxed").sort("start_s")
     missing = [c for c in STEP_COLUMNS if c not in frame.columns]
     if missing:
         raise CachelabError(f"{directory}: the step log lacks {missing} (written by an older `cachelab serve`)")
+    if not frame.height:
+        raise CachelabError(f"{directory}: the step log has no steps ({', '.join(p.name for p in parts)} empty)")
+    _check_one_server(frame, directory)
     _check_steps(frame, directory)
-    return frame
+    return frame.drop("_part")
+
+
+def _check_one_server(frame: pl.DataFrame, directory: Path) -> None:
+    """Refuse a directory two servers wrote (`cachelab serve --step-log` again on it appends
+    parts): step numbers and request ids restart per server, and read as one run the two
+    runs' requests merge (a TPOT spanning the gap between the runs)."""
+    repeated = frame.filter(pl.col("step").is_duplicated())
+    if repeated.height:
+        step = repeated["step"][0]
+        parts = sorted(set(repeated.filter(pl.col("step") == step)["_part"]))
+        raise CachelabError(f"{directory}: step {step} is in {' and '.join(parts)}: the parts of more than one "
+                            "`cachelab serve` run (step numbers and request ids restart per server); give each run "
+                            "its own --step-log directory")
 
 
 def _check_steps(frame: pl.DataFrame, directory: Path) -> None:
