@@ -231,6 +231,19 @@ def test_a_run_with_no_request_after_the_warm_up_is_named(tmp_path):
                                    "request ids: {'c2': 2})" in " ".join(res.output.split())), res.output
 
 
+def test_a_fit_on_fewer_steps_than_fitted_values_is_refused(tmp_path):
+    """Two fit steps for seven values: steps timed at mfu 0.2 and mbu 0.4 were fitted (loss ~1e-6) as
+    mfu 0.5 (where the search starts) and mbu 0.89, without a word."""
+    from cachelab.serving.latency import Efficiency
+
+    for run, requests in (("c1", 1), ("c2", 6)):
+        (tmp_path / run).mkdir()
+        _synthetic_run(Efficiency(), 64, 0, requests=requests, outputs=2).write_parquet(tmp_path / run / "steps-00000.parquet")
+    res = runner.invoke(app, ["calibrate", "--step-log", str(tmp_path), "--hardware", "H200", "--max-evals", "4"])
+    assert res.exit_code == 2 and ("--fit ['c1']: 2 step(s) left to fit (warm-up requests 0, minimum step share 0.0), "
+                                   "fewer than the 7 values fitted" in " ".join(res.output.split())), res.output
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda f: f.with_columns(pl.when(pl.col("step") == 3).then(float("nan")).otherwise(pl.col("step_s")).alias("step_s")),
      r"step 3 has step_s = nan; a step's times must be finite"),  # was NaN TTFTs, null in the JSON

@@ -352,6 +352,10 @@ def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwarePr
                             f"minimum step share {fit_min_step_share})")
     fit_batches = {n: [b for b, keep in zip(batches[n], warm[n]) if keep] for n in fit_runs}
     fit_steps = [b for n in fit_runs for b in fit_batches[n]]
+    if len(fit_steps) < len(FITTED):  # fewer equations than unknowns: any rates fit them
+        raise CachelabError(f"--fit {list(fit_runs)}: {len(fit_steps)} step(s) left to fit (warm-up requests "
+                            f"{warmup_requests}, minimum step share {fit_min_step_share}), fewer than the "
+                            f"{len(FITTED)} values fitted ({', '.join(FITTED)}); fit on longer runs or more of them")
 
     def fit_column(column: str) -> np.ndarray:
         return np.concatenate([runs[n][column].to_numpy()[warm[n]] for n in fit_runs])
