@@ -244,6 +244,22 @@ def test_a_fit_on_fewer_steps_than_fitted_values_is_refused(tmp_path):
                                    "fewer than the 7 values fitted" in " ".join(res.output.split())), res.output
 
 
+def test_a_calibration_with_no_run_held_out_says_nothing_was_validated(tmp_path):
+    """--fit naming every run printed the fit and no held-out line at all (an empty summary in
+    the JSON), which read like a validation with nothing to report."""
+    from cachelab.serving.latency import Efficiency
+
+    for run in ("c1", "c2"):
+        (tmp_path / run).mkdir()
+        _synthetic_run(Efficiency(), 64, 0).write_parquet(tmp_path / run / "steps-00000.parquet")
+    for extra in ([], ["--json"]):
+        res = runner.invoke(app, ["calibrate", "--step-log", str(tmp_path), "--hardware", "H200", "--max-evals", "4",
+                                  "--fit", "c1", "--fit", "c2", *extra])
+        assert res.exit_code == 0 and ("every run is a fit run (--fit ['c1', 'c2']): none is held out, so nothing is "
+                                       "validated" in " ".join(res.output.split())), res.output
+    assert json.loads(res.stdout)["summary"] == {}  # on stderr: the JSON stays clean
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda f: f.with_columns(pl.when(pl.col("step") == 3).then(float("nan")).otherwise(pl.col("step_s")).alias("step_s")),
      r"step 3 has step_s = nan; a step's times must be finite"),  # was NaN TTFTs, null in the JSON

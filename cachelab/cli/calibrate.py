@@ -69,6 +69,9 @@ def calibrate(
         write_profile(result, local, threads, out)
     if result.fit_mode != PER_OPERATOR or not as_json:  # which fit was used (stderr: the JSON stays clean)
         Console(stderr=True).print(result.fit_note)
+    if not any(p["role"] == "held-out" for p in result.points):  # an empty summary read as no error at all
+        Console(stderr=True).print(f"[yellow]every run is a fit run (--fit {result.fit_runs}): none is held out, so "
+                                   "nothing is validated (the summary is empty)[/]")
     if as_json:
         typer.echo(strict_json.dumps(result.to_dict(), indent=2))
         return
