@@ -376,6 +376,30 @@ def test_the_gemm_clock_identifies_the_host_cost_per_token():
     assert "cpu_per_token_s" in r.to_dict()["efficiency"]
 
 
+def test_the_learned_row_caches_scorer_is_not_fitted_as_compute():
+    """The engine times its scorer inside the step (``compute_s`` holds ``scorer_s``), but the
+    serving model charges it apart (``ScorerCost``): fitted on runs with a learned row cache,
+    the per-step overhead took the scorer's 3 ms a step (5 ms for 2) and was charged twice."""
+    from cachelab.live.config import model_config
+    from cachelab.serving.hardware import load_profile
+    from cachelab.serving.live_calibration import calibrate
+
+    truth = replace(LIVE_BASE, mfu=0.05, prefill_mfu=0.3, mbu=0.9, attention_mfu=0.1, step_overhead_s=2e-3,
+                    cpu_per_sequence_s=1e-3, cpu_per_token_s=40e-6)
+
+    def scored(frame: pl.DataFrame, seconds: float = 3e-3) -> pl.DataFrame:
+        return frame.with_columns(pl.lit(seconds).alias("scorer_s"), pl.col("compute_s") + seconds,
+                                  pl.col("step_s") + seconds, pl.col("start_s") + seconds * pl.int_range(pl.len()))
+
+    runs = {"fit": scored(_synthetic_run(truth, 256, 0, gemm_clock=True)),
+            "held": scored(_synthetic_run(truth, 384, 256, gemm_clock=True))}
+    r = calibrate(runs, model_config("tiny"), load_profile("H200"), 1, ["fit"], 300, dispersion_draws=0)
+    for k in ("step_overhead_s", "cpu_per_sequence_s", "cpu_per_token_s"):
+        assert getattr(r.efficiency, k) == pytest.approx(getattr(truth, k), rel=0.05), k
+    # the held-out replay keeps the scorer time the run measured, as it keeps the store's stall
+    assert r.summary["mean_ttft_ms"]["mape"] < 0.02 and r.summary["mean_tpot_ms"]["mape"] < 0.02
+
+
 def test_dispersion_ratios_are_drawn_as_stretches_of_consecutive_steps():
     from cachelab.serving.live_calibration import block_ratios
 

@@ -20,7 +20,8 @@ step's compute as a whole (``fit_mode``).
 Validation replays each held-out run's own schedule on the predicted clock: every step keeps
 its requests and positions and the idle gap before it, its compute is the model's and its
 Engram stall is the one the store measured (the fetch is the store's to model, not this
-one's). A request's TTFT is from its first scheduled step to the end of the step that
+one's), as is a learned row cache's scorer time (``scorer_s``: fitted as compute, the serving
+model, which charges the scorer apart, counted it twice). A request's TTFT is from its first scheduled step to the end of the step that
 samples its first token (engine side: HTTP and queueing before admission are not in the log);
 its TPOT is the mean gap between its later tokens. A P99 is a tail one slow step can move, so
 the predicted P99s are the mean over replays whose steps vary about the model as the fit runs'
@@ -129,6 +130,20 @@ def predict_compute(lat: LatencyModel, batches: list[Batch]) -> np.ndarray:
     return np.array([lat.gpu_time(b).total_s for b in batches])
 
 
+def scorer_s(frame: pl.DataFrame) -> np.ndarray:
+    """Per step, the learned row cache's scorer time (``scorer_s``; 0 without one, or in a log
+    written before it was timed): on the engine thread inside the step, so inside ``compute_s``,
+    yet the row cache's cost, which the serving model charges apart (``ScorerCost``). The fit
+    takes it out of the compute (in the overheads it was charged twice) and the replay keeps
+    the measured one, as it keeps the store's stall."""
+    return frame["scorer_s"].to_numpy() if "scorer_s" in frame.columns else np.zeros(frame.height)
+
+
+def model_compute_s(frame: pl.DataFrame) -> np.ndarray:
+    """Per step, the compute the latency model stands for: ``compute_s`` less ``scorer_s``."""
+    return frame["compute_s"].to_numpy() - scorer_s(frame)
+
+
 def has_operator_times(frame: pl.DataFrame, column: str = "attention_s") -> bool:
     """Whether a step log times its operators (``column`` on every step: the engine's
     ``OpClock``, on a CPU device, writes ``attention_s`` and ``gemm_s``)."""
@@ -233,7 +248,7 @@ def operator_times(frame: pl.DataFrame, batches: list[Batch], lat: LatencyModel,
     frame = frame.filter(pl.Series(keep))
     prefill = np.array([bool((np.asarray(b) - np.asarray(a) > 1).any())
                         for a, b in zip(frame["starts"].to_list(), frame["stops"].to_list())], bool)
-    live_attn, live_total = frame["attention_s"].to_numpy(), frame["compute_s"].to_numpy()
+    live_attn, live_total = frame["attention_s"].to_numpy(), model_compute_s(frame)
     live_gemm = frame["gemm_s"].to_numpy() if "gemm_s" in frame.columns else None
     out = {}
     for phase, rows in (("decode_steps", ~prefill), ("prefill_steps", prefill)):
@@ -360,7 +375,7 @@ def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwarePr
     def fit_column(column: str) -> np.ndarray:
         return np.concatenate([runs[n][column].to_numpy()[warm[n]] for n in fit_runs])
 
-    y = fit_column("compute_s")
+    y = np.concatenate([model_compute_s(runs[n])[warm[n]] for n in fit_runs])
     seqs = np.array([b.sequences for b in fit_steps])
     tokens = np.array([b.tokens for b in fit_steps])
     lacking = [n for n in fit_runs if not has_operator_times(runs[n])]
@@ -458,7 +473,7 @@ def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwarePr
     fit_frames = [runs[n].filter(pl.Series(warm[n])) for n in fit_runs]
     fit_share = cpu_share(pl.concat(fit_frames, how="diagonal_relaxed")) if fit_frames else None
     # each fit run's live over predicted compute, step by step, scaled to mean 1: how steps vary about the model
-    segments = [runs[n]["compute_s"].to_numpy()[warm[n]] / predict_compute(lat, fit_batches[n]) for n in fit_runs]
+    segments = [model_compute_s(runs[n])[warm[n]] / predict_compute(lat, fit_batches[n]) for n in fit_runs]
     level = np.concatenate(segments).mean()
     segments = [s / level for s in segments]
     points = []
@@ -469,7 +484,7 @@ def calibrate(runs: dict[str, pl.DataFrame], cfg: ModelConfig, local: HardwarePr
         measured = pl.col("request") >= warmup_requests
 
         def predicted(scale: float = 1.0) -> dict:
-            stall = frame["stall_s"].to_numpy()
+            stall = frame["stall_s"].to_numpy() + scorer_s(frame)  # measured: the store's and the scorer's
             out = summarize(request_times(frame, *replay_clock(frame, compute * scale + stall)).filter(measured))
             rng = np.random.default_rng(0)  # P99s: the mean over replays whose steps vary as the fit steps did
             tails = [summarize(request_times(frame, *replay_clock(
