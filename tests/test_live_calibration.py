@@ -48,6 +48,11 @@ def test_a_preempted_requests_recompute_samples_no_token_until_it_passes_what_it
     t = request_times(frame, begin, end)
     assert t["ttft_ms"].to_list() == [1000.0, 1000.0]
     assert t["tpot_ms"].to_list()[0] == pytest.approx((6000 - 1000) / 3)  # tokens at steps 0, 1, 4 and 5
+    # the model charges the output head where a token is sampled: not the recompute at step 3 (it was)
+    from cachelab.serving.live_calibration import _batches
+
+    frame = frame.with_columns(pl.Series("starts", [[0], [4], [0], [0], [5], [6]]))
+    assert [b.lm_rows for b in _batches(frame)] == [1, 1, 1, 0, 1, 1]
 
 
 def test_warm_up_steps_are_those_of_the_first_requests():

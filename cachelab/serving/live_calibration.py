@@ -118,12 +118,23 @@ def cpu_hardware(local: HardwareProfile, threads: int) -> HardwareProfile:
     return HardwareProfile(local.name, None, gpu, local.host, local.cpu, local.ssd, local.source)
 
 
+def sampled_rows() -> pl.Expr:
+    """Over a step log exploded to one row per (step, request), in step order: whether the step
+    samples a token for the request. Its computed positions reach its prompt's end and pass all
+    it computed before (a preempted request's recompute samples only where it reaches one past
+    what it had: the engine samples where a step reaches every token the request knows)."""
+    before = pl.col("stops").cum_max().shift(1).over("requests").fill_null(0)
+    return (pl.col("stops") >= pl.col("num_prompt")) & (pl.col("stops") > before)
+
+
 def _batches(frame: pl.DataFrame) -> list[Batch]:
-    out = []
-    for starts, stops, prompt in zip(frame["starts"].to_list(), frame["stops"].to_list(), frame["num_prompt"].to_list()):
-        stops_a = np.asarray(stops, np.float64)
-        out.append(Batch(starts, stops_a, lm_rows=float((stops_a >= np.asarray(prompt)).sum())))
-    return out
+    """The steps as the latency model takes them; output-head rows only where a token is sampled
+    (the engine computes logits for those alone: a recompute's chunk past the prompt has none)."""
+    lm_rows = (frame.select(pl.int_range(pl.len()).alias("row"), "requests", "stops", "num_prompt")
+               .explode("requests", "stops", "num_prompt").with_columns(sampled_rows().alias("sampled"))
+               .group_by("row", maintain_order=True).agg(pl.col("sampled").sum())["sampled"].to_list())
+    return [Batch(starts, np.asarray(stops, np.float64), lm_rows=float(rows))
+            for starts, stops, rows in zip(frame["starts"].to_list(), frame["stops"].to_list(), lm_rows)]
 
 
 def predict_compute(lat: LatencyModel, batches: list[Batch]) -> np.ndarray:
@@ -170,13 +181,10 @@ def block_ratios(segments: list[np.ndarray], n: int, block: int, rng: np.random.
 
 def request_times(frame: pl.DataFrame, begin: np.ndarray, end: np.ndarray) -> pl.DataFrame:
     """Per request: TTFT and TPOT (ms) on a clock where step ``i`` (the frame's rows in order)
-    runs from ``begin[i]`` to ``end[i]``. A step samples a token for a request whose computed
-    positions reach its prompt's end and pass all it computed before (a preempted request's
-    recompute samples only where it reaches one past what it had)."""
+    runs from ``begin[i]`` to ``end[i]``; its tokens are those ``sampled_rows`` says."""
     rows = (frame.with_columns(pl.Series("begin", begin), pl.Series("end", end))
             .select("begin", "end", "requests", "stops", "num_prompt").explode("requests", "stops", "num_prompt"))
-    before = pl.col("stops").cum_max().shift(1).over("requests").fill_null(0)  # in step order: the rows' order
-    sampled = (pl.col("stops") >= pl.col("num_prompt")) & (pl.col("stops") > before)
+    sampled = sampled_rows()
     per = rows.group_by("requests").agg(
         pl.col("begin").min().alias("first_scheduled"), pl.col("end").filter(sampled).min().alias("first_token"),
         pl.col("end").filter(sampled).max().alias("last_token"), sampled.sum().alias("tokens"))
