@@ -271,6 +271,14 @@ def test_a_calibration_with_no_run_held_out_says_nothing_was_validated(tmp_path)
     (lambda f: f.with_columns(pl.when(pl.col("step") == 2).then(-1.0).otherwise(pl.col("stall_s")).alias("stall_s")),
      r"step 2 has stall_s = -1.0"),
     (lambda f: f.with_columns(pl.col("step_s").cast(pl.String)), "step-log column step_s holds String, not seconds"),
+    # the operator clock, the scorer and the engine's CPU: a LAPACK 'SVD did not converge' traceback for the
+    # first three, a NaN fit_cpu_share (and so NaN at-share predictions) for the last
+    (lambda f: f.with_columns(pl.when(pl.col("step") == 3).then(float("nan")).otherwise(pl.col("attention_s"))
+                              .alias("attention_s")), r"step 3 has attention_s = nan"),
+    (lambda f: f.with_columns(pl.when(pl.col("step") == 3).then(float("nan")).otherwise(0.0).alias("scorer_s")),
+     r"step 3 has scorer_s = nan"),
+    (lambda f: f.with_columns(pl.when(pl.col("step") == 4).then(-1.0).otherwise(pl.col("step_s")).alias("thread_cpu_s")),
+     r"step 4 has thread_cpu_s = -1.0"),
     (lambda f: f.with_columns(pl.Series("requests", [[]] * f.height, dtype=f["requests"].dtype)),
      r"step 0 has requests/starts/stops/num_prompt lengths = \[0, 1, 1, 1\]"),  # was a polars ShapeError
     (lambda f: f.with_columns(pl.col("stops").list.eval(-pl.element())), r"step 0 has stops = \[-64\]"),

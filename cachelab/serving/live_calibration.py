@@ -147,7 +147,7 @@ def scorer_s(frame: pl.DataFrame) -> np.ndarray:
     yet the row cache's cost, which the serving model charges apart (``ScorerCost``). The fit
     takes it out of the compute (in the overheads it was charged twice) and the replay keeps
     the measured one, as it keeps the store's stall."""
-    return frame["scorer_s"].to_numpy() if "scorer_s" in frame.columns else np.zeros(frame.height)
+    return frame["scorer_s"].fill_null(0.0).to_numpy() if "scorer_s" in frame.columns else np.zeros(frame.height)
 
 
 def model_compute_s(frame: pl.DataFrame) -> np.ndarray:

@@ -18,6 +18,9 @@ import polars as pl
 from cachelab.errors import CachelabError
 
 STEP_COLUMNS = ("step", "start_s", "step_s", "compute_s", "stall_s", "requests", "starts", "stops", "num_prompt")
+# durations the fit reads where a log has them (the operator clock, the learned row cache's scorer, the
+# engine thread's CPU); a step without one (null) is a log without it
+OPTIONAL_TIMES = ("attention_s", "gemm_s", "scorer_s", "thread_cpu_s")
 
 
 def load_run(directory: Path) -> pl.DataFrame:
@@ -51,15 +54,15 @@ def _check_one_server(frame: pl.DataFrame, directory: Path) -> None:
 
 def _check_steps(frame: pl.DataFrame, directory: Path) -> None:
     """Refuse a step log the fit would read as NaN or nonsense, naming the step, column and value:
-    times finite (durations >= 0), one start, stop and prompt length per request of a step, and
+    times finite (durations >= 0, ``OPTIONAL_TIMES`` too where logged), one start, stop and prompt length per request of a step, and
     0 <= start <= stop, prompt >= 1."""
     def refuse(i: int, column: str, value, rule: str) -> CachelabError:
         return CachelabError(f"{directory}: step {frame['step'][i]} has {column} = {value!r}; {rule}")
 
-    for col in ("start_s", "step_s", "compute_s", "stall_s"):
+    for col in ("start_s", "step_s", "compute_s", "stall_s", *(c for c in OPTIONAL_TIMES if c in frame.columns)):
         if not frame[col].dtype.is_numeric():
             raise CachelabError(f"{directory}: step-log column {col} holds {frame[col].dtype}, not seconds")
-        values = frame[col].cast(pl.Float64).fill_null(float("nan")).to_numpy()
+        values = frame[col].cast(pl.Float64).fill_null(0.0 if col in OPTIONAL_TIMES else float("nan")).to_numpy()
         bad = ~np.isfinite(values) | ((values < 0) if col != "start_s" else False)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
