@@ -362,8 +362,8 @@ class LiveEngine:
                                 if x.req.num_output < x.params.min_tokens])
             tokens = sample(logits, [x.params for x in sampled_rows], [x.generator for x in sampled_rows])
         t_done = time.perf_counter()
-        # the engine thread's CPU over the same span as step_s (step_s over it is the load): read after the
-        # outputs were handed out, the sinks' work counted as CPU the step never timed (a share above 1)
+        # the engine thread's CPU over the same span as step_s (step_s over it is the load): read before the
+        # outputs are handed out (read after, the sinks' work counted as CPU the step never timed: a share above 1)
         fetch["thread_cpu_s"] = time.thread_time() - cpu0
         if self._time_ops:
             fetch["attention_s"], fetch["gemm_s"] = clock.attention_s, clock.gemm_s
