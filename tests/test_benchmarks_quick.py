@@ -111,3 +111,16 @@ def test_bench_client_overhead_measures_the_client_against_an_exact_stub():
     assert out["server_median_itl_ms"] >= 19.0
     for key in ("median_itl", "p99_itl", "median_ttft", "p99_ttft"):
         assert out[f"{key}_x_server"] == out[f"{key}_ms"] / out[f"server_{key}_ms"]
+
+
+def test_bench_mrc_sampling_holds_sampled_curves_to_exact_ones():
+    """benchmarks/bench_mrc_sampling.py (docs/engine.md, "Any policy"): per policy and rate, the
+    largest gap between the sampled and the exact curve, and the CPU sampling saves."""
+    done = run("bench_mrc_sampling.py", "--requests", "40000", "--keys", "4000", "--capacities", "200,1000",
+               "--policies", "lru,fifo", "--rates", "0.2", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(done.stdout)["rows"]
+    assert [(r["policy"], r["method"]) for r in rows] == [("lru", "shards"), ("fifo", "mini-simulation")]
+    for r in rows:
+        assert r["max_abs_error"] == max(abs(a - b) for a, b in zip(r["sampled"], r["exact"])) < 0.1
+        assert r["speedup_cpu"] > 0
