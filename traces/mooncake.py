@@ -50,6 +50,9 @@ def _parse(record, block_size: int) -> str | tuple:
     missing = [f for f in FIELDS if f not in record]
     if missing:
         return f"missing field(s) {missing}"
+    repeated = [f for f in FIELDS if f in getattr(record, "repeated", ())]
+    if repeated:  # which value counts would be a guess; Arrow's reader refuses it too
+        return f"field(s) {repeated} given more than once"
     ts, n_in, n_out, ids = (record[f] for f in FIELDS)
     if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not 0 <= ts <= MAX_SECONDS * 1000:
         return f"field 'timestamp': expected milliseconds from 0 to {MAX_SECONDS * 1000:g}, got {str(ts)[:40]}"

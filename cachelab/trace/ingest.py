@@ -36,6 +36,22 @@ def _fields(text: str) -> list[str]:
     return next(csv.reader((text,), strict=True), [])
 
 
+class JsonObject(dict):
+    """A parsed JSON object that remembers the keys it was given more than once (``json`` keeps
+    the last value, Arrow's reader refuses the object), so an importer can refuse a repeated field
+    it reads and ignore one it does not, as the Arrow fast path does."""
+
+    repeated: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_pairs(cls, pairs: list[tuple[str, object]]) -> JsonObject:
+        value = cls(pairs)
+        if len(value) != len(pairs):
+            seen: set[str] = set()
+            value.repeated = frozenset(k for k, _ in pairs if k in seen or seen.add(k))
+        return value
+
+
 @dataclass
 class Ingest:
     """One foreign file being read: its lines, and the bad ones skipped or reported."""
@@ -91,12 +107,13 @@ class Ingest:
             raise CachelabError(f"{self.path}: empty file (no requests)")
 
     def json_lines(self) -> Iterator[tuple[int, object]]:
-        """(line number, parsed value) of every non-blank line of a JSONL file."""
+        """(line number, parsed value) of every non-blank line of a JSONL file; objects are
+        ``JsonObject``s."""
         for number, text in self.lines():
             if not text.strip():
                 continue
             try:
-                value = json.loads(text)
+                value = json.loads(text, object_pairs_hook=JsonObject.from_pairs)
             except json.JSONDecodeError as exc:
                 self.bad(number, f"not valid JSON ({exc.msg} at column {exc.colno})")
                 continue
