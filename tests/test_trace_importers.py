@@ -113,6 +113,21 @@ def test_burstgpt_models_take_one_bare_name_and_refuse_one_no_row_has(tmp_path):
     with pytest.raises(CachelabError, match="models = 3: expected a list of model names"):
         BurstGPTTrace(str(path), models=3).arrivals()
 
+
+@pytest.mark.parametrize("plain", [True, False])
+def test_burstgpt_total_that_is_not_request_plus_response_is_a_bad_row(tmp_path, plain):
+    """The BurstGPT README defines Total tokens as request plus response tokens; a row where it is
+    not was read as if whole (which count is damaged cannot be told). On the Polars and the line
+    reader (a quoted label sends the file there). Seen by helper-106."""
+    path = tmp_path / "BurstGPT.csv"
+    text = burstgpt_text([(0.0, "ChatGPT", 5, 1, "API log"), (1.0, "ChatGPT", 6, 2, "API log")])
+    path.write_text(text.replace(",6,2,8,", ",6,2,9,").replace("ChatGPT", "ChatGPT" if plain else '"ChatGPT"'))
+    with pytest.raises(CachelabError, match=r"BurstGPT.csv:3: field 'Total tokens': '9' is not an integer from 0 to "
+                                            r"2\^31 - 1 equal to 'Request tokens' \+ 'Response tokens'"):
+        BurstGPTTrace(str(path)).arrivals()
+    source = BurstGPTTrace(str(path), skip_bad=True)
+    assert source.arrivals()["prompt_len"].to_list() == [5] and source.skipped_lines == [3]
+
 GOOD = {
     "mooncake": ("c_trace.jsonl", MooncakeTrace, mooncake_text(
         [{"timestamp": i * 10, "input_length": 600, "output_length": 5, "hash_ids": [0, i + 1]} for i in range(4)])),

@@ -5,7 +5,9 @@ CSV with the published columns ``Timestamp`` (seconds from the trace start), ``M
 (``Conversation log`` or ``API log``). The log type becomes the domain (``conversation`` /
 ``api``); ``models`` keeps only some models. There is no text and no prefix information. A failed
 request (``Response tokens`` 0, as the BurstGPT README marks them) is kept, with no output;
-the published ``BurstGPT_without_fails_*.csv`` files leave them out.
+the published ``BurstGPT_without_fails_*.csv`` files leave them out. ``Total tokens`` is, as the
+BurstGPT README defines it, request plus response tokens; a row where it is not is damaged (which
+count is wrong cannot be told), so it is a bad row.
 """
 
 from __future__ import annotations
@@ -24,6 +26,14 @@ COLUMNS = ("Timestamp", "Model", "Request tokens", "Response tokens", "Total tok
 def _label(col: str) -> tuple[pl.Expr, str]:
     value = pl.col(col)
     return pl.when(value.str.len_chars() > 0).then(value), "a non-empty label"
+
+
+def _total() -> tuple[pl.Expr, str]:
+    """``Total tokens``: a count equal to ``Request tokens`` + ``Response tokens``."""
+    value, expected = count_field("Total tokens")
+    parts = [pl.col(c).cast(pl.Int64, strict=False) for c in ("Request tokens", "Response tokens")]
+    return (pl.when(value == parts[0] + parts[1]).then(value),
+            f"{expected} equal to 'Request tokens' + 'Response tokens'")
 
 
 class BurstGPTTrace:
@@ -53,7 +63,7 @@ class BurstGPTTrace:
         conversions = {"Timestamp": seconds_field("Timestamp"), "Model": _label("Model"),
                        "Log Type": _label("Log Type")}
         conversions |= {c: count_field(c, least=1 if c == "Request tokens" else 0) for c in
-                        ("Request tokens", "Response tokens", "Total tokens")}
+                        ("Request tokens", "Response tokens")} | {"Total tokens": _total()}
         typed = ingest.convert(raw, lines, conversions)
         self.skipped, self.first_skipped, self.skipped_lines = ingest.skipped, ingest.first_skipped, ingest.skipped_lines
         if self.models is not None:
