@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from cachelab.cli import app
 from cachelab.errors import CachelabError
 from cachelab.trace.ingest import Ingest
+from cachelab.trace.keytrace import read_keys
 from cachelab.trace.schema import validate
 from traces.azure import AzureTrace
 from traces.burstgpt import BurstGPTTrace
@@ -347,6 +348,27 @@ def test_mooncake_unread_field_given_twice_is_ignored_by_both_readers(tmp_path):
     assert whole is not None
     for a, b in zip(whole, cls(str(path))._read_lines(Ingest(path))):
         assert a.tolist() == b.tolist()
+
+
+@pytest.mark.parametrize("compress", [gzip.compress, bz2.compress, lzma.compress])
+def test_a_damaged_second_stream_is_an_error_not_fewer_rows(tmp_path, compress):
+    """Concatenated streams are read whole (and NUL padding after them ignored), but bytes after
+    a stream that are no valid stream were dropped by Python's bz2 and xz readers: a file whose
+    second stream was damaged gave the first stream's 4 rows of 8, and its keys, silently.
+    Seen by helper-106."""
+    name, cls, text = GOOD["mooncake"]
+    one = compress(text.encode())
+    path = tmp_path / "z_trace.jsonl.z"
+    path.write_bytes(one + one + b"\0" * 16)
+    assert cls(str(path)).arrivals().height == 8
+    for damaged in (b"X" + one[1:], one[:20] + bytes([one[20] ^ 0xFF]) + one[21:], b"garbage"):
+        path.write_bytes(one + damaged)
+        with pytest.raises(CachelabError, match="z_trace.jsonl.z:5: "):
+            cls(str(path)).arrivals()
+        keys = tmp_path / "keys.txt.z"
+        keys.write_bytes(compress(b"1\n2\n") + damaged)
+        with pytest.raises(CachelabError, match="keys.txt.z: corrupt compressed data"):
+            read_keys(keys)
 
 
 @pytest.mark.parametrize("compress", [gzip.compress, bz2.compress, lzma.compress])
