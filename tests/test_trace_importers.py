@@ -428,3 +428,20 @@ def test_a_corpus_record_of_the_wrong_type_is_named_by_file_line_and_field(tmp_p
                      else (text.splitlines()[0] + "\n").encode())
     docs = list(registry.get(registry.WORKLOADS, corpus)(root=str(tmp_path)).documents())
     assert len(docs) == 1 and all(isinstance(t, str) for t in (docs[0].text, *docs[0].turns, *docs[0].answers))
+
+
+@pytest.mark.parametrize("corpus, field", [("arena-hard", "prompt"), ("mt-bench", "turns"), ("gsm8k", "answer")])
+def test_a_corpus_field_given_twice_is_named_by_file_line_and_field(tmp_path, corpus, field):
+    """json kept the last of a repeated field's values, so a record naming its prompt twice gave one of them
+    silently; a field the corpus does not read may repeat. Seen by helper-106."""
+    from cachelab import registry
+
+    name, good = CORPORA[corpus]
+    path = tmp_path / name
+    path.parent.mkdir(parents=True)
+    unread = json.dumps(good)[:-1] + ', "x": 1, "x": 2'
+    path.write_text(json.dumps(good) + "\n" + unread + f", {json.dumps(field)}: {json.dumps(good[field])}}}\n")
+    with pytest.raises(CachelabError, match=rf"{path.name}:2: field\(s\) \['{field}'\] given more than once"):
+        list(registry.get(registry.WORKLOADS, corpus)(root=str(tmp_path)).documents())
+    path.write_text(json.dumps(good) + "\n" + unread + "}\n")
+    assert len(list(registry.get(registry.WORKLOADS, corpus)(root=str(tmp_path)).documents())) == 2

@@ -49,6 +49,10 @@ def _records(path: Path, fields: dict, optional: dict | None = None) -> Iterator
             ingest.bad(line, f"expected an object with fields {list(fields)}")
             continue
         checks = {**fields, **{k: c for k, c in (optional or {}).items() if record.get(k) is not None}}
+        repeated = [k for k in checks if k in getattr(record, "repeated", ())]
+        if repeated:  # json keeps the last value: which one the source meant is a guess
+            ingest.bad(line, f"field(s) {repeated} given more than once")
+            continue
         wrong = next((k for k, c in checks.items() if record[k] is None or (c is not None and not c(record[k]))), None)
         if wrong is not None:
             ingest.bad(line, f"field {wrong!r}: expected {_KINDS[checks[wrong]]}, got {str(record[wrong])[:60]!r}")
