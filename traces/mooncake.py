@@ -11,7 +11,9 @@ the session of the latest earlier request whose full blocks are a proper prefix 
 and that shares more than the first block with it (the first block of the conversation
 trace is one system prompt that all 12,031 requests share): the later prompt contains the
 earlier one, as a conversation's next turn does. ``turn`` counts the steps from the
-session's first request.
+session's first request; a request whose prompt is no longer than the one it continues (the same
+blocks and length: a retry or a regenerated answer; or a shorter last block: an edit) takes that
+one's turn, since it adds no turn to the conversation.
 
 A file that is plainly one valid record per line (every published one) is read whole by
 Arrow's JSON reader; any other is read line by line, so the first bad line is named (or,
@@ -179,7 +181,8 @@ def infer_sessions(arrival: np.ndarray, input_length: np.ndarray, offsets: np.nd
     is the latest earlier registrant of the longest of its prefix ids ``ids[1:-1]`` (a proper
     prefix of at least two blocks) that has one. Events sorted by (id, arrival rank, query
     before registration) put, before each query, the latest registration of its id; the
-    session is the root of the parent chain and the turn its length.
+    session is the root of the parent chain and the turn its number of links that lengthen the
+    prompt.
     """
     n = arrival.size
     rank = np.empty(n, dtype=np.int64)
@@ -208,7 +211,8 @@ def infer_sessions(arrival: np.ndarray, input_length: np.ndarray, offsets: np.nd
     longest = np.ones(asking.size, dtype=bool)  # the last hit of each request: its longest prefix
     longest[:-1] = asking[1:] != asking[:-1]
     parent, turn = np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
-    parent[asking[longest]], turn[asking[longest]] = parents[longest], 1
+    child, parents = asking[longest], parents[longest]
+    parent[child], turn[child] = parents, input_length[child] > input_length[parents]  # a retry is no step
     while (parent[parent] != parent).any():  # pointer jumping: log2(turns) rounds
         turn, parent = turn + turn[parent], parent[parent]
     return parent, turn
