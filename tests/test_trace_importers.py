@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bz2
 import gzip
+import hashlib
 import json
 import lzma
 
@@ -33,8 +34,12 @@ prompts = st.integers(1, 100_000)  # a request of no prompt tokens is a bad row
 
 @st.composite
 def mooncake_rows(draw):
+    """A request whose ids are chained as Mooncake's are: each names its whole prefix (blocks of
+    few distinct contents, so prefixes repeat; ids up to 2^63 - 1)."""
     n_in = draw(st.integers(1, 5000))
-    ids = draw(st.lists(st.integers(0, 2**40), min_size=-(-n_in // 512), max_size=-(-n_in // 512)))
+    blocks = draw(st.lists(st.integers(0, 3), min_size=-(-n_in // 512), max_size=-(-n_in // 512)))
+    ids = [int.from_bytes(hashlib.blake2b(repr(blocks[:k + 1]).encode(), digest_size=8).digest()) >> 1
+           for k in range(len(blocks))]
     return {"timestamp": draw(st.integers(0, 10**7)), "input_length": n_in,
             "output_length": draw(counts), "hash_ids": ids}
 
@@ -368,6 +373,27 @@ def test_mooncake_unread_field_given_twice_is_ignored_by_both_readers(tmp_path):
     assert whole is not None
     for a, b in zip(whole, cls(str(path))._read_lines(Ingest(path))):
         assert a.tolist() == b.tolist()
+
+
+@pytest.mark.parametrize("second, message", [
+    ([4, 2, 5], "id 2 is block 1 after id 4, but at line 1 block 1 after id 1"),  # ids of blocks, not prefixes
+    ([1, 3, 2], "id 2 is block 2 after id 3, but at line 1 block 1 after id 1"),
+    ([2, 6, 7], "id 2 is block 0, but at line 1 block 1 after id 1"),
+])
+def test_mooncake_ids_that_are_not_chained_are_refused(tmp_path, second, message):
+    """An id that ends two different prefixes is no Mooncake id (each names its whole prefix): such
+    hash_ids (a hash per block's own tokens) were read as chained, so an equal block after other
+    blocks counted as a shared prefix and could chain sessions. Both readers name the two lines.
+    Seen by helper-106."""
+    first = {"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [1, 2, 3]}
+    path = tmp_path / "c_trace.jsonl"
+    for sep in ("\n", "\n\n"):  # the blank line sends the file to the line reader
+        path.write_text(json.dumps(first) + sep + json.dumps({**first, "timestamp": 5, "hash_ids": second}) + "\n")
+        line = sep.count("\n") + 1
+        with pytest.raises(CachelabError, match=rf"c_trace.jsonl:{line}: field 'hash_ids': {message}; Mooncake ids"):
+            MooncakeTrace(str(path)).arrivals()
+    path.write_text(json.dumps(first) + "\n" + json.dumps({**first, "hash_ids": [1, 2, 8]}) + "\n")
+    assert MooncakeTrace(str(path)).arrivals().height == 2
 
 
 @pytest.mark.parametrize("compress", [gzip.compress, bz2.compress, lzma.compress])

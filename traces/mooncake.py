@@ -99,9 +99,10 @@ class MooncakeTrace:
         ingest = Ingest(self.path, self.skip_bad)
         rows = _read_all(self.path, self.block_size) or self._read_lines(ingest)
         self.skipped, self.first_skipped, self.skipped_lines = ingest.skipped, ingest.first_skipped, ingest.skipped_lines
-        ts, n_in, n_out, offsets, flat = rows
+        ts, n_in, n_out, offsets, flat, lines = rows
         if ts.size == 0:
             raise CachelabError(f"{self.path}: no usable requests ({ingest.skipped} bad lines skipped)")
+        _check_chained(self.path, offsets, flat, lines)
         hashes = list_series("block_hashes", offsets, flat)
         arrival = ts / 1000.0
         session, turn = infer_sessions(arrival, n_in, offsets, flat, self.block_size) if self.infer_sessions \
@@ -111,7 +112,7 @@ class MooncakeTrace:
 
     def _read_lines(self, ingest: Ingest) -> tuple:
         """The rows line by line, each bad line named (or skipped) as ``Ingest`` says."""
-        ts, n_in, n_out, counts, flat = [], [], [], [], []
+        ts, n_in, n_out, counts, flat, lines = [], [], [], [], [], []
         for line_no, record in ingest.json_lines():
             parsed = _parse(record, self.block_size)
             if isinstance(parsed, str):
@@ -122,10 +123,11 @@ class MooncakeTrace:
             n_out.append(parsed[2])
             counts.append(len(parsed[3]))
             flat.extend(parsed[3])
+            lines.append(line_no)
         offsets = np.zeros(len(counts) + 1, dtype=np.int32)
         np.cumsum(counts, out=offsets[1:])
         return (np.asarray(ts, dtype=np.float64), np.asarray(n_in, dtype=np.int64), np.asarray(n_out, dtype=np.int64),
-                offsets, np.asarray(flat, dtype=np.int64))
+                offsets, np.asarray(flat, dtype=np.int64), np.asarray(lines, dtype=np.int64))
 
 
 def _read_all(path: Path, block_size: int) -> tuple | None:
@@ -155,7 +157,32 @@ def _read_all(path: Path, block_size: int) -> tuple | None:
     ok = (np.isfinite(ts) & (ts >= 0) & (ts <= MAX_SECONDS * 1000)).all()
     ok &= ((n_in >= 1) & (n_in <= MAX_COUNT) & (n_out >= 0) & (n_out <= MAX_COUNT)).all()
     ok &= (flat >= 0).all() and (np.diff(offsets) == -(-n_in // block_size)).all()
-    return (ts, n_in, n_out, offsets.astype(np.int32), flat) if ok else None
+    return (ts, n_in, n_out, offsets.astype(np.int32), flat, np.arange(1, ts.size + 1)) if ok else None
+
+
+def _check_chained(path: Path, offsets: np.ndarray, flat: np.ndarray, lines: np.ndarray) -> None:
+    """Refuse ids that are not chained: an id names one prefix, so wherever it occurs it is the
+    same block after the same id. Ids of each block's own tokens (another tool's ``hash_ids``)
+    would make every equal block a shared prefix, inflating hit ratios and chaining sessions;
+    the error names the two lines that disagree (which one is damaged cannot be told)."""
+    counts = np.diff(offsets).astype(np.int64)
+    owner = np.repeat(np.arange(counts.size), counts)
+    position = np.arange(flat.size) - np.repeat(offsets[:-1].astype(np.int64), counts)
+    before = np.where(position > 0, np.concatenate([[-1], flat[:-1]]), -1)
+    order = np.lexsort((owner, flat))  # by id, then file order
+    same = flat[order[1:]] == flat[order[:-1]]
+    differ = same & ((position[order[1:]] != position[order[:-1]]) | (before[order[1:]] != before[order[:-1]]))
+    if not differ.any():
+        return
+    at = np.flatnonzero(differ)
+    k = at[np.argmin(lines[owner[order[at + 1]]])]  # the disagreement found first in the file
+    a, b = order[k], order[k + 1]
+
+    def where(i):
+        return f"block {position[i]}" + (f" after id {before[i]}" if position[i] else "")
+    raise CachelabError(f"{path}:{lines[owner[b]]}: field 'hash_ids': id {flat[b]} is {where(b)}, but at line "
+                        f"{lines[owner[a]]} {where(a)}; Mooncake ids are chained (an equal id is an equal "
+                        "prefix), so these are not Mooncake ids")
 
 
 def _object_lines(data: bytes) -> int:
