@@ -1,8 +1,11 @@
-"""Arrivals from a Gamma process, as vLLM's ``bench serve`` draws them.
+"""Arrivals from a Gamma process, with the gaps of vLLM's ``bench serve``.
 
 Gaps between requests are Gamma(shape = burstiness, scale = 1 / (rate * burstiness)):
-burstiness 1 is a Poisson process, below 1 burstier, above 1 more regular. The first
-request arrives at 0. There are no lengths: synthesis takes them from the corpus.
+burstiness 1 is a Poisson process, below 1 burstier, above 1 more regular. The process is
+vLLM's, not its draws: the first request arrives at 0 (vLLM waits one gap first) and the times
+are not rescaled to end at num_requests / rate (vLLM's are, when no ramp-up is set);
+``cachelab.bench.plan.send_offsets`` replays vLLM's exactly. There are no lengths: synthesis
+takes them from the corpus.
 """
 
 from __future__ import annotations
