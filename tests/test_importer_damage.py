@@ -314,6 +314,18 @@ def test_servegen_window_skips_are_counted(tmp_path):
     assert report["skipped_first"].startswith(f"{folder / 'chunk-0-dataset.json'}:")
 
 
+def test_servegen_missing_or_skipped_window_is_idle(tmp_path):
+    """A window ended where the next row began, so a window missing from the file (or skipped as
+    bad) took the rate of the one before it: 10 more minutes of its traffic, made up. Seen by
+    helper-106."""
+    rows = ["0,2.0,1.0,Gamma,1,1", "600,2.0,1.0,Gamma,1,1", "1200,2.0,1.0,Bogus,1,1", "1800,2.0,1.0,Gamma,1,1"]
+    for trace, skip in (("\n".join(rows[:2] + rows[3:]) + "\n", False), ("\n".join(rows) + "\n", True)):
+        folder = _servegen_folder(tmp_path / str(skip), trace, {"0": PMF})
+        times = ServeGenWorkload(str(folder), duration_s=2400, skip_bad=skip).arrivals()["arrival_s"].to_numpy()
+        assert ((times >= 0) & (times < 1200)).sum() > 1000 and ((times >= 1800) & (times < 2400)).sum() > 500
+        assert not ((times >= 1200) & (times < 1800)).any()
+
+
 def test_servegen_duplicate_window_start_is_an_error(tmp_path):
     folder = _servegen_folder(tmp_path, "0,2.0,1.0,Gamma,1,1\n600,2.0,1.0,Gamma,1,1\n600,5.0,1.0,Gamma,1,1\n",
                               {"0": PMF})

@@ -7,6 +7,10 @@ pattern, p1, p2``, where ``pattern`` is the family of the inter-arrival distribu
 ``chunk-N-dataset.json`` (per 6-hour window, the PMFs of ``input_tokens`` and
 ``output_tokens`` as ``{tokens: probability}`` literals).
 
+A window lasts the file's window length (the least step between starts: 10 minutes in every
+published file), so a window missing from the file, or skipped as bad, is idle rather than
+the window before it stretched over it.
+
 Requests are sampled per client and window: gaps of the window's family with mean
 1 / rate and the window's CV (the fitted p1, p2 are not used: in a few bursty windows their
 mean disagrees with the measured rate by orders of magnitude), from the window start to its end; input and output lengths independently from the PMFs of the
@@ -234,8 +238,8 @@ class ServeGenWorkload:
             self.first_skipped = self.first_skipped or one.first_skipped
             self.skipped_lines += [f"{one.path.name}:{line}" for line in one.skipped_lines]
         starts = windows["start_s"].to_numpy()
-        ends = np.append(starts[1:], starts[-1] + (starts[-1] - starts[-2] if starts.size > 1 else 600)) \
-            if starts.size else starts
+        step = int(np.diff(starts).min()) if starts.size > 1 else 600  # the window length: 600 s in every file
+        ends = np.minimum(np.append(starts[1:], starts[-1] + step), starts + step) if starts.size else starts
         stop = self.start_s + self.duration_s
         pmf_starts = np.asarray(sorted(pmfs), dtype=np.int64)
         times, n_in, n_out = [], [], []
