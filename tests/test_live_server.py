@@ -1046,3 +1046,19 @@ def test_a_long_prompt_is_tokenized_without_holding_up_other_requests(bounded_se
     assert answer["r"].status_code == 400 and "context" in answer["r"].json()["error"]["message"]
     assert len(waits) >= 5 and max(waits) < encode_s / 3, (encode_s, len(waits), max(waits))
 
+
+
+def test_answer_ids_follow_the_clients_request_id(server):
+    """vLLM names an answer cmpl-/chatcmpl- and the client's X-Request-Id header, else the body's
+    ``request_id`` (seen on vLLM 0.32: X-Request-Id abc123 gave cmpl-abc123); a random id here left
+    a client or proxy nothing to tie the answer, or each streamed chunk, to its request by."""
+    url, _ = server
+    done = {"model": MODEL, "prompt": "ids", "max_tokens": 2, "temperature": 0}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "ids"}], "max_tokens": 2, "temperature": 0}
+    assert httpx.post(f"{url}/v1/completions", json=done, headers={"X-Request-Id": "abc123"}).json()["id"] == "cmpl-abc123"
+    assert httpx.post(f"{url}/v1/chat/completions", json={**chat, "request_id": "b-1"}).json()["id"] == "chatcmpl-b-1"
+    r = httpx.post(f"{url}/v1/chat/completions", json={**chat, "request_id": "b-1", "stream": True},
+                   headers={"X-Request-Id": "h-2"})
+    events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+    assert len(events) >= 3 and {e["id"] for e in events} == {"chatcmpl-h-2"}
+    assert httpx.post(f"{url}/v1/completions", json=done).json()["id"].startswith("cmpl-")

@@ -92,6 +92,7 @@ class _Sampling(BaseModel):
     structured_outputs: dict | None = None
     skip_special_tokens: bool = True
     user: str | None = None  # OpenAI's end-user id: the session key of --capture when no X-Session-Id is sent
+    request_id: str | None = None  # vLLM's: the answer's id is cmpl-/chatcmpl- and this (an X-Request-Id header wins)
 
     def unsupported(self) -> list[str]:
         """Fields set to something this server does not do (refused rather than ignored): any
@@ -203,8 +204,10 @@ def chat_prompt(messages: list[ChatMessage]) -> str:
     return "".join(out)
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, given: str | None = None) -> str:
+    """An answer's id: ``prefix-given``, as vLLM names it after the client's X-Request-Id header or
+    body ``request_id`` (a client or proxy ties the answer to its request by it), else a random one."""
+    return f"{prefix}-{uuid.uuid4().hex if given is None else given}"
 
 
 def usage(num_prompt: int, num_output: int, cached: int | None = None) -> dict:

@@ -238,7 +238,7 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
                 for ids, p in zip(prompts, params, strict=True) for j in range(n)]
         collector = _Collector(asyncio.get_running_loop())
         session = request.headers.get("x-session-id") or getattr(req, "user", None)
-        oid = new_id("chatcmpl" if chat else "cmpl")
+        oid = new_id("chatcmpl" if chat else "cmpl", request.headers.get("x-request-id", req.request_id))
         timelines = [] if recorder is None else [recorder.timeline(
             collector, endpoint=request.url.path, prompt_ids=ids, model=model_name, stream=req.stream, session=session,
             index=i, upstream_id=oid, arrival=request.state.arrival, aborted=lambda: _aborted(engine).message)
