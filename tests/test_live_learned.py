@@ -3,6 +3,7 @@ counters must equal the simulator's replay of the same served rows with the same
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -14,6 +15,7 @@ from cachelab.errors import CachelabError
 from cachelab.learning.streams import LearningView, request_stream
 from cachelab.learning.training import TrainSpec, load, policy_params, save, train
 from cachelab.live.launch import ServeOptions, build_engine, running_server
+from cachelab.live.sampling import SamplingParams
 from cachelab.store.bench import PolicySpec, compare, simulate
 from cachelab.workload.lookups import LookupStream
 from traces.stdlib import StdlibCorpus
@@ -49,6 +51,9 @@ class Recording:
     def last_counts(self):
         return self.scorer.last_counts
 
+    def forget(self, rid):
+        self.scorer.forget(rid)
+
 
 @pytest.mark.slow
 def test_served_learned_row_cache_equals_the_offline_replay(model_dir):
@@ -77,6 +82,26 @@ def test_served_learned_row_cache_equals_the_offline_replay(model_dir):
     assert len(recording.steps) == totals["steps"] > 1
     assert totals["hbm_hits"] > 0 and totals["hbm_misses"] > 0
     assert {k: a for k, (a, _) in figures.items()} == {k: b for k, (_, b) in figures.items()}
+
+
+def test_a_request_aborted_mid_prefill_leaves_no_prompt_rows_in_the_scorer(model_dir):
+    """The scorer keeps a prompt's sorted rows while it prefills (the lookahead) and drops them when
+    its prefill ends; a client gone mid-prefill left them (up to 1,024 prompts, megabytes each for
+    long ones) and pushed out those of prompts still prefilling. Its abort drops them now."""
+    opts = ServeOptions(kv_cache_tokens=16_384, threads=1, max_num_batched_tokens=64, row_cache_policy=POLICY,
+                        row_cache_capacity="3000", row_cache_model=model_dir)
+    engine = build_engine(opts).start()
+    try:
+        prompt = list(range(100, 1100))  # 16 steps of prefill at 64 tokens a step
+        steps, done = [], threading.Event()
+        engine.on_step = lambda step, rows: (steps.append(step.index), steps[0] == step.index and engine.abort(rid))
+        rid, = engine.submit([prompt], [SamplingParams(max_tokens=4)],
+                             [lambda out: out.finished and done.set()])
+        assert done.wait(60) and engine.counters.finished["abort"] == 1
+        assert 1 <= len(steps) < 16  # aborted mid-prefill
+        assert rid not in engine.scorer.prompts
+    finally:
+        engine.stop()
 
 
 def test_learned_row_cache_needs_a_model_and_a_model_needs_a_learned_policy(model_dir):

@@ -153,6 +153,10 @@ class OnlineScorer:
         out = as_scores(self.model, predictions(self.model, x, offset), offset)
         return out[inverse].reshape(row_ids.shape)
 
+    def forget(self, rid: int) -> None:
+        """Request ``rid`` ended before its prefill did (aborted): drop its prompt's rows."""
+        self.prompts.pop(rid, None)
+
     def _ngrams(self, tokens, starts, stops, which, position) -> np.ndarray:
         """Compressed ids of each step token and the ``max_ngram - 1`` before it in its request
         (-1 before the request's start)."""

@@ -437,6 +437,8 @@ class LiveEngine:
         rid = live.req.rid
         if rid in self._slot:
             self._free_slots.append(self._slot.pop(rid))
+        if self.scorer is not None:  # aborted mid-prefill, it left its prompt's rows in the scorer
+            self.scorer.forget(rid)
         self.counters.finished[reason] += 1
         if self.observer is not None and reason != "abort":
             self.observer.finished(FinishedRequest(live.arrival, live.scheduled, live.first_token, live.last_token,
