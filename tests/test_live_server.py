@@ -18,6 +18,7 @@ from cachelab.live.protocol import CompletionRequest
 
 MODEL = "cachelab-tiny"
 LABELS = {"model_name": MODEL, "engine": "0"}
+T = 120  # s an answer may take on two busy cores (httpx waits 5 s by default)
 
 
 @pytest.fixture(scope="module")
@@ -1055,10 +1056,31 @@ def test_answer_ids_follow_the_clients_request_id(server):
     url, _ = server
     done = {"model": MODEL, "prompt": "ids", "max_tokens": 2, "temperature": 0}
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "ids"}], "max_tokens": 2, "temperature": 0}
-    assert httpx.post(f"{url}/v1/completions", json=done, headers={"X-Request-Id": "abc123"}).json()["id"] == "cmpl-abc123"
-    assert httpx.post(f"{url}/v1/chat/completions", json={**chat, "request_id": "b-1"}).json()["id"] == "chatcmpl-b-1"
+    answer = httpx.post(f"{url}/v1/completions", json=done, headers={"X-Request-Id": "abc123"}, timeout=T)
+    assert answer.json()["id"] == "cmpl-abc123"
+    assert httpx.post(f"{url}/v1/chat/completions", json={**chat, "request_id": "b-1"}, timeout=T).json()["id"] == "chatcmpl-b-1"
     r = httpx.post(f"{url}/v1/chat/completions", json={**chat, "request_id": "b-1", "stream": True},
-                   headers={"X-Request-Id": "h-2"})
+                   headers={"X-Request-Id": "h-2"}, timeout=T)
     events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
     assert len(events) >= 3 and {e["id"] for e in events} == {"chatcmpl-h-2"}
-    assert httpx.post(f"{url}/v1/completions", json=done).json()["id"].startswith("cmpl-")
+    assert httpx.post(f"{url}/v1/completions", json=done, timeout=T).json()["id"].startswith("cmpl-")
+
+
+def test_request_id_headers_only_with_the_flag(server):
+    """``--enable-request-id-headers`` (vLLM's): every answer carries X-Request-Id, the request's
+    own or a new random hex id, streams and errors too; without the flag none, as vLLM."""
+    url, _ = server
+    done = {"model": MODEL, "prompt": "ids", "max_tokens": 2, "temperature": 0}
+    assert "x-request-id" not in httpx.post(f"{url}/v1/completions", json=done, headers={"X-Request-Id": "a"},
+                                            timeout=T).headers
+    opts = ServeOptions(port=0, kv_cache_tokens=2048, threads=1, enable_request_id_headers=True)
+    with running_server(opts) as (url, _):
+        r = httpx.post(f"{url}/v1/completions", json=done, headers={"X-Request-Id": "r-7"}, timeout=T)
+        assert r.headers["x-request-id"] == "r-7" and r.json()["id"] == "cmpl-r-7"
+        with httpx.stream("POST", f"{url}/v1/completions", json={**done, "stream": True},
+                          headers={"X-Request-Id": "s-8"}, timeout=T) as s:
+            assert s.headers["x-request-id"] == "s-8" and s.read().endswith(b"data: [DONE]\n\n")
+        bad = httpx.post(f"{url}/v1/completions", json={**done, "max_tokens": -1}, timeout=T)
+        fresh = httpx.get(f"{url}/health", timeout=T).headers["x-request-id"]
+        assert bad.status_code == 400 and len(bad.headers["x-request-id"]) == len(fresh) == 32
+        assert bad.headers["x-request-id"] != fresh

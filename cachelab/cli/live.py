@@ -69,6 +69,9 @@ def serve(
     shutdown_timeout: float = typer.Option(0.0, help="At SIGTERM/Ctrl-C, let requests in flight finish for up to "
                                            "this long (s) before aborting the rest, new ones refused meanwhile; 0: "
                                            "abort them at once (vLLM's --shutdown-timeout and its default)."),
+    enable_request_id_headers: bool = typer.Option(False, "--enable-request-id-headers", help="Answer every request "
+                                                   "with an X-Request-Id header: the one it sent, else a new random id "
+                                                   "(vLLM's flag)."),
 ) -> None:
     """Serve an Engram model over HTTP: /v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics (vLLM's metric names).
@@ -88,4 +91,5 @@ def serve(
                      max_requests_in_flight=max_requests_in_flight,
                      prefetch=prefetch, prefix_caching=prefix_caching, device=device,
                      threads=threads, served_model_name=served_model_name, capture=capture,
-                     shutdown_timeout=shutdown_timeout), announce=typer.echo)
+                     shutdown_timeout=shutdown_timeout, enable_request_id_headers=enable_request_id_headers),
+        announce=typer.echo)

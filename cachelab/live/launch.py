@@ -57,6 +57,7 @@ class ServeOptions:
     served_model_name: str | None = None
     capture: Path | None = None
     shutdown_timeout: float = 0.0  # s requests in flight get to finish at shutdown (0: aborted at once)
+    enable_request_id_headers: bool = False  # vLLM's: every answer carries an X-Request-Id header
 
 
 def check_bind(host: str, api_key: str | None, flag: str = "--host") -> None:
@@ -227,7 +228,7 @@ def _uvicorn_config(opts: ServeOptions, engine, recorder=None, **kwargs):
     from cachelab.live.server import create_app, http_protocol
 
     limits = _limits(opts)
-    app = create_app(engine, model_name(opts), limits, opts.api_key, recorder)
+    app = create_app(engine, model_name(opts), limits, opts.api_key, recorder, opts.enable_request_id_headers)
     return uvicorn.Config(app, http=http_protocol(limits), log_level="warning", timeout_graceful_shutdown=1, **kwargs)
 
 

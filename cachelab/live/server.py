@@ -24,12 +24,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from dataclasses import dataclass, replace
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.datastructures import Headers, MutableHeaders
 
 from cachelab.api_key import ApiKey
 from cachelab.engram.vocab import token_ids
@@ -124,12 +126,34 @@ class _Collector:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
 
 
+class _RequestIdHeader:
+    """vLLM's ``--enable-request-id-headers``: every answer carries an ``X-Request-Id`` header, the
+    request's own or a new random one (plain ASGI: an HTTP middleware would hide disconnects)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = Headers(scope=scope).get("x-request-id")
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                MutableHeaders(raw=message["headers"]).append("x-request-id", given or uuid.uuid4().hex)
+            await send(message)
+        await self.app(scope, receive, send_with_id)
+
+
 def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str | None = None,
-               recorder=None) -> FastAPI:
+               recorder=None, request_id_headers: bool = False) -> FastAPI:
     """The app; the engine must be started (and is stopped by the caller). ``recorder``: a
     ``cachelab.capture.Recorder`` that records every completion request answered (``--capture``):
-    one record per choice the engine ran, one for a request refused before it ran."""
+    one record per choice the engine ran, one for a request refused before it ran.
+    ``request_id_headers``: answer with an ``X-Request-Id`` header (``_RequestIdHeader``)."""
     app = FastAPI(title="cachelab serve", docs_url=None, redoc_url=None)
+    if request_id_headers:
+        app.add_middleware(_RequestIdHeader)
     metrics = EngineMetrics(engine, model_name)
     app.state.engine, app.state.metrics = engine, metrics
     tokenizer, vocab = engine.tokenizer, engine.model.config.vocab_size
