@@ -169,7 +169,11 @@ def test_a_python_policy_victim_that_is_no_slot_fails_naming_the_policy():
         def victim(self, key):
             return None
 
-    for cls, answer in ((PastTheEnd, "7"), (NotANumber, "None")):
+    class BelowMinusOne(PythonLRU):  # was taken as -1 (keep the key out), silently (seen by helper-108)
+        def victim(self, key):
+            return -2
+
+    for cls, answer in ((PastTheEnd, "7"), (NotANumber, "None"), (BelowMinusOne, "-2")):
         p = cls()
         p.reset(4, 10)
         with pytest.raises(CachelabError, match=rf"test_policies_template\..*{cls.__name__}\.victim\(key=4\) "

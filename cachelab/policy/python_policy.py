@@ -86,7 +86,7 @@ class PythonPolicy(Policy):
             slot = operator.index(answer)
         except TypeError:
             slot = self.capacity
-        if slot >= self.capacity:
+        if not -1 <= slot < self.capacity:  # -2 is no slot either, not a second way to say -1
             raise CachelabError(f"{type(self).__module__}.{type(self).__qualname__}.victim(key={key}) returned "
                                 f"{answer!r:.40}, not a slot (0 to {self.capacity - 1}) nor -1 (keep the key out)")
         return slot
