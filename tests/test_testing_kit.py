@@ -81,6 +81,18 @@ class Nondeterministic(PyFIFO):
         return random.choice(self.order)
 
 
+class SeededByItsProcess(PyFIFO):
+    """Evicts a random row from a generator seeded by its process: two runs in one process agree,
+    a worker process's run does not (passed the kit; seen by helper-108)."""
+
+    def reset(self, capacity, num_keys):
+        super().reset(capacity, num_keys)
+        self.rng = random.Random(os.getpid())
+
+    def victim(self):
+        return self.rng.choice(self.order)
+
+
 def failures(results):
     return {r.check: r.reason for r in results if r.status == "failed"}
 
@@ -288,6 +300,7 @@ BROKEN = [
     (AdmitsWithoutKeeping, {}, "check_slots_consistent", "minus evictions is not resident after"),
     (EvictsSilently, {}, "check_slots_consistent", "left without being reported as evicted"),
     (Nondeterministic, {}, "check_determinism", "two identical runs differ at step"),
+    (SeededByItsProcess, {}, "check_determinism", "a run in a fresh process (PYTHONHASHSEED="),
     (ResetKeepsRows, {}, "check_reset", "right after reset is ["),
     (ResetRemembers, {}, "check_reset", "the rerun differs from a fresh run"),
     (RunMisses, {}, "check_step_matches_run", "run() and step() disagree first at access"),

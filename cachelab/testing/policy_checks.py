@@ -228,12 +228,34 @@ def _trace(cls, params, capacity, seed=0):
 
 
 def check_determinism(cls, **params):
-    """Two fresh instances on the same stream report the same hits, admissions, slots, evictions."""
-    for capacity in CAPACITIES:
-        (a, _), (b, _) = _trace(cls, params, capacity), _trace(cls, params, capacity)
+    """Two fresh instances on the same stream report the same hits, admissions, slots, evictions,
+    and so does one in a fresh process (other hash seed): an experiment's points run in worker
+    processes, and a policy seeded from its process (its pid, a string's hash) passed two runs
+    in one process."""
+    here = [_trace(cls, params, capacity)[0] for capacity in CAPACITIES]
+    for capacity, a in zip(CAPACITIES, here):
+        b, _ = _trace(cls, params, capacity)
         for s, (x, y) in enumerate(zip(a, b)):
             if x != y:
                 raise ConformanceError(f"capacity {capacity}: two identical runs differ at step {s}: {x} vs {y}")
+    seed = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"
+    try:
+        there = _in_fresh_process(cls, params, "determinism_child", {"PYTHONHASHSEED": seed}, BOUNDS_TIMEOUT_S)
+    except Skip:  # not importable there (check_bounds says so): the runs in this process are what can be checked
+        return
+    for capacity, a, b in zip(CAPACITIES, here, there):
+        for s, (x, y) in enumerate(zip(a, b)):
+            if list(x) != y:
+                raise ConformanceError(f"capacity {capacity}: a run in a fresh process (PYTHONHASHSEED={seed}) "
+                                       f"differs from this process's at step {s}: {y} vs {x}")
+
+
+def determinism_child() -> None:
+    """``check_determinism``'s fresh process: argv is ``module:qualname`` and the params as JSON;
+    prints one JSON line, each capacity's trace (hits, admitted, slots, evicted per step)."""
+    cls, params = _child_target()
+    if cls is not None:
+        print(json.dumps([_trace(cls, params, capacity)[0] for capacity in CAPACITIES]))
 
 
 def check_reset(cls, **params):
@@ -304,32 +326,54 @@ def check_bounds(cls, **params):
     them an index past an array's end reads or writes whatever memory follows, silently. A
     negative index computed at run time fails it too (``_refuse_negative_indices``); a literal
     one (``a[-1]``) still reads from the end."""
-    target = f"{cls.__module__}:{cls.__qualname__}"
-    if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
-        raise Skip(f"{target} cannot be imported by the fresh process that checks bounds: "
-                   "define the class at the top level of an importable module")
-    try:
-        given = json.dumps(params)
-    except TypeError as exc:
-        raise Skip(f"the fresh process that checks bounds takes JSON params: {exc}") from None
-    env = {**os.environ, "NUMBA_BOUNDSCHECK": "1", "NUMBA_CACHE_DIR": str(cache_dir() / "numba-bounds-unwrapped"),
-           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    code = "from cachelab.testing.policy_checks import bounds_child; bounds_child()"
-    try:
-        proc = subprocess.run([sys.executable, "-c", code, target, given], env=env, capture_output=True,
-                              text=True, timeout=BOUNDS_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise ConformanceError(f"the rerun with bounds checks did not finish in {BOUNDS_TIMEOUT_S} s") from None
-    if proc.returncode != 0:
-        tail = proc.stderr.strip().splitlines()[-1:] or [f"status {proc.returncode}"]
-        raise ConformanceError(f"the rerun with Numba's bounds checks on failed: {tail[0]}")
-    found = json.loads(proc.stdout.strip().splitlines()[-1])
-    if "unimportable" in found:
-        raise Skip(f"the fresh process that checks bounds cannot import {target}: {found['unimportable']}")
+    env = {"NUMBA_BOUNDSCHECK": "1", "NUMBA_CACHE_DIR": str(cache_dir() / "numba-bounds-unwrapped")}
+    found = _in_fresh_process(cls, params, "bounds_child", env, BOUNDS_TIMEOUT_S)
     if found:
         raise ConformanceError(f"capacity {found['capacity']}, {found['where']}: an array was indexed out of "
                                f"bounds ({found['error']}) with Numba's bounds checks on (NUMBA_BOUNDSCHECK=1); "
                                "compiled code runs without them, so there it reads or writes other memory, silently")
+
+
+def _in_fresh_process(cls, params, child: str, env: dict, timeout_s: int):
+    """What ``child`` (a function of this module) prints as its last JSON line, run in a fresh
+    Python with ``env`` added, on ``cls`` imported there by its module and ``params`` as JSON;
+    ``Skip`` where that process cannot import ``cls``."""
+    target = f"{cls.__module__}:{cls.__qualname__}"
+    if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
+        raise Skip(f"{target} cannot be imported by the fresh process that {child} runs in: "
+                   "define the class at the top level of an importable module")
+    try:
+        given = json.dumps(params)
+    except TypeError as exc:
+        raise Skip(f"the fresh process that {child} runs in takes JSON params: {exc}") from None
+    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    code = f"from cachelab.testing.policy_checks import {child}; {child}()"
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, target, given], env=env, capture_output=True,
+                              text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise ConformanceError(f"the rerun in a fresh process ({child}) did not finish in {timeout_s} s") from None
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-1:] or [f"status {proc.returncode}"]
+        raise ConformanceError(f"the rerun in a fresh process ({child}) failed: {tail[0]}")
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    if isinstance(found, dict) and "unimportable" in found:
+        raise Skip(f"the fresh process that {child} runs in cannot import {target}: {found['unimportable']}")
+    return found
+
+
+def _child_target():
+    """A fresh process's policy class and params from argv (``module:qualname``, JSON); (None,
+    None) after printing why, where its module is not found there (pytest's importlib mode)."""
+    module, qualname = sys.argv[1].split(":")
+    try:
+        cls = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        print(json.dumps({"unimportable": str(exc)}))
+        return None, None
+    for part in qualname.split("."):
+        cls = getattr(cls, part)
+    return cls, json.loads(sys.argv[2])
 
 
 def _is_literal(value) -> bool:
@@ -370,15 +414,9 @@ def bounds_child() -> None:
     """``check_bounds``'s fresh process: argv is ``module:qualname`` and the params as JSON; prints
     one JSON line, the first out-of-bounds index (capacity, where, Numba's message) or ``{}``."""
     _refuse_negative_indices()  # before anything is compiled
-    module, qualname = sys.argv[1].split(":")
-    try:
-        cls = importlib.import_module(module)
-    except ModuleNotFoundError as exc:  # defined where only its own process finds it (pytest's importlib mode)
-        print(json.dumps({"unimportable": str(exc)}))
+    cls, params = _child_target()
+    if cls is None:
         return
-    for part in qualname.split("."):
-        cls = getattr(cls, part)
-    params = json.loads(sys.argv[2])
     for capacity in CAPACITIES:
         where = "reset"
         try:
