@@ -25,7 +25,7 @@ import sys
 from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from importlib.metadata import entry_points
+from importlib.metadata import distributions, entry_points
 
 from cachelab.errors import CachelabError
 
@@ -243,13 +243,26 @@ def resolved(group: str) -> dict[str, Plugin]:
     return out
 
 
+def _strays(group: str, name: str) -> list[str]:
+    """Entry points named ``name`` in a group that is not one of cachelab's but names it
+    (``cachelab.policy``, ``cachelab_policies``): a plug-in declared there is never read, and
+    an unknown name alone does not say why."""
+    return list(dict.fromkeys(  # a distribution on two sys.path entries is found twice
+        f"an entry point {name!r} ({ep.value}, from {dist.metadata['Name']} {dist.version}) is declared in "
+        f"the group {ep.group!r}, which cachelab does not read: declare it under "
+        f"[project.entry-points.\"{group}\"]"
+        for dist in distributions() for ep in dist.entry_points
+        if ep.name == name and "cachelab" in ep.group.lower() and ep.group not in GROUPS))
+
+
 def get(group: str, name: str):
     """The loaded object registered as ``name`` in ``group``, or a clear error."""
     plugins = resolved(group)
     plugin = plugins.get(name)
     if plugin is None:
         kind = group.split(".")[-1].removesuffix("s").replace("policie", "policy").replace("_", " ")
-        raise CachelabError(f"unknown {kind} {name!r}; installed: {sorted(plugins) or 'none'}")
+        raise CachelabError(f"unknown {kind} {name!r}; installed: {sorted(plugins) or 'none'}"
+                            + "".join(f"; {stray}" for stray in _strays(group, name)))
     if plugin.error is not None:
         raise CachelabError(plugin.load_failure())
     return plugin.obj

@@ -252,6 +252,29 @@ def test_two_distributions_claiming_one_name_is_an_error_naming_both(tmp_path, m
         registry.discover.cache_clear()
 
 
+STRAY_GROUP = {
+    "straypkg/__init__.py": "from policies.linked.fifo import FIFO as Stray\n",
+    "cachelab_stray-0.2.dist-info/METADATA": "Metadata-Version: 2.1\nName: cachelab-stray\nVersion: 0.2\n",
+    "cachelab_stray-0.2.dist-info/entry_points.txt": "[cachelab.policy]\nstray-fifo = straypkg:Stray\n",
+}
+
+
+def test_an_entry_point_in_a_misspelt_group_is_named_by_the_unknown_name_error(tmp_path, monkeypatch):
+    """A plug-in declared under ``cachelab.policy`` (not ``cachelab.policies``) was only an
+    unknown policy, its entry point nowhere mentioned (seen by helper-108)."""
+    _install(STRAY_GROUP, tmp_path, monkeypatch)
+    try:
+        res = runner.invoke(app, ["policies", "check", "stray-fifo"])
+        assert res.exit_code == 2, res.output
+        flat = " ".join(res.output.split())
+        assert "unknown policy 'stray-fifo'" in flat
+        assert ("an entry point 'stray-fifo' (straypkg:Stray, from cachelab-stray 0.2) is declared in the group "
+                "'cachelab.policy', which cachelab does not read: declare it under "
+                '[project.entry-points."cachelab.policies"]') in flat
+    finally:
+        registry.discover.cache_clear()
+
+
 def test_a_plugin_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("CACHELAB_DISABLE_PLUGINS", "fifo")
     registry.discover.cache_clear()
