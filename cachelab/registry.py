@@ -169,8 +169,8 @@ def _claims(plugins: list[Plugin]) -> list[Plugin]:
             out.extend(claimants)
             continue
         who = " and ".join(f"{p.distribution} {p.version} ({p.value})" for p in claimants)
-        reason = (f"the name {name!r} is claimed by {who}; uninstall one, or switch one off with "
-                  f"CACHELAB_DISABLE_PLUGINS=<distribution>:{name}")
+        switches = " or ".join(f"CACHELAB_DISABLE_PLUGINS={p.distribution}:{name}" for p in claimants)
+        reason = f"the name {name!r} is claimed by {who}; uninstall one, or switch one off with {switches}"
         out.extend(replace(p, obj=None, error=reason) for p in claimants)
     return out
 

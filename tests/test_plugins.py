@@ -239,6 +239,9 @@ def test_two_distributions_claiming_one_name_is_an_error_naming_both(tmp_path, m
                                   "--capacity", "4", "--json"])
         assert res.exit_code == 2, res.output
         assert "cachelab-claim 0.1 (claimpkg:NotLRU)" in res.output and "policies.linked.lru:LRU" in res.output
+        # the switch to set, spelt out for each claimant, not as '<distribution>:lru' (seen by helper-108)
+        flat = " ".join(res.output.split())
+        assert "CACHELAB_DISABLE_PLUGINS=cachelab-claim:lru or CACHELAB_DISABLE_PLUGINS=cachelab:lru" in flat
         monkeypatch.setenv("CACHELAB_DISABLE_PLUGINS", "cachelab-claim:lru")  # switch one claimant off
         registry.discover.cache_clear()
         assert registry.get(registry.POLICIES, "lru").__module__ == "policies.linked.lru"
