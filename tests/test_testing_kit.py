@@ -532,6 +532,15 @@ class Unseeded(Linear):
         return self
 
 
+class SeededByItsPid(Linear):
+    """Two fits in one process agree; a fit in another process does not (passed the kit; seen by helper-108)."""
+
+    def fit(self, features, labels, feature_names):
+        super().fit(features, labels, feature_names)
+        self.coef_ = self.coef_ + random.Random(os.getpid()).random()
+        return self
+
+
 class ForgetsTheFeatureOrder(Linear):
     """Records its features reversed, so a model of other features is taken for its own."""
 
@@ -546,6 +555,7 @@ BROKEN_PREDICTORS = [
     (FitReturnsNothing, "check_fit_returns_self", "fit returned None, not self"),
     (ColumnScores, "check_predict_shape", "returned shape (600, 1)"),
     (Unseeded, "check_predictor_determinism", "two fits on identical data predict different scores"),
+    (SeededByItsPid, "check_predictor_determinism", "a fit in a fresh process (PYTHONHASHSEED="),
     (Pickled, "check_save_load_round_trip", "a pickle"),
     (ForgetsTheFeatureOrder, "check_load_refuses_other_features", "would be accepted"),
 ]

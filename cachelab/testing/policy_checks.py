@@ -9,12 +9,9 @@ bounds checks on, since compiled loops run without them.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import os
-import subprocess
-import sys
 from collections import Counter
 
 import numpy as np
@@ -22,6 +19,7 @@ import numpy as np
 from cachelab.paths import cache_dir
 from cachelab.workload.future import next_access
 from cachelab.policy import NO_NEXT, Policy
+from cachelab.testing.fresh import child_target, in_fresh_process
 from cachelab.testing.results import ConformanceError, Skip, run_checks
 
 NUM_KEYS = 64
@@ -240,7 +238,7 @@ def check_determinism(cls, **params):
                 raise ConformanceError(f"capacity {capacity}: two identical runs differ at step {s}: {x} vs {y}")
     seed = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"
     try:
-        there = _in_fresh_process(cls, params, "determinism_child", {"PYTHONHASHSEED": seed}, BOUNDS_TIMEOUT_S)
+        there = in_fresh_process(cls, params, determinism_child, {"PYTHONHASHSEED": seed}, BOUNDS_TIMEOUT_S)
     except Skip:  # not importable there (check_bounds says so): the runs in this process are what can be checked
         return
     for capacity, a, b in zip(CAPACITIES, here, there):
@@ -253,7 +251,7 @@ def check_determinism(cls, **params):
 def determinism_child() -> None:
     """``check_determinism``'s fresh process: argv is ``module:qualname`` and the params as JSON;
     prints one JSON line, each capacity's trace (hits, admitted, slots, evicted per step)."""
-    cls, params = _child_target()
+    cls, params = child_target()
     if cls is not None:
         print(json.dumps([_trace(cls, params, capacity)[0] for capacity in CAPACITIES]))
 
@@ -327,53 +325,11 @@ def check_bounds(cls, **params):
     negative index computed at run time fails it too (``_refuse_negative_indices``); a literal
     one (``a[-1]``) still reads from the end."""
     env = {"NUMBA_BOUNDSCHECK": "1", "NUMBA_CACHE_DIR": str(cache_dir() / "numba-bounds-unwrapped")}
-    found = _in_fresh_process(cls, params, "bounds_child", env, BOUNDS_TIMEOUT_S)
+    found = in_fresh_process(cls, params, bounds_child, env, BOUNDS_TIMEOUT_S)
     if found:
         raise ConformanceError(f"capacity {found['capacity']}, {found['where']}: an array was indexed out of "
                                f"bounds ({found['error']}) with Numba's bounds checks on (NUMBA_BOUNDSCHECK=1); "
                                "compiled code runs without them, so there it reads or writes other memory, silently")
-
-
-def _in_fresh_process(cls, params, child: str, env: dict, timeout_s: int):
-    """What ``child`` (a function of this module) prints as its last JSON line, run in a fresh
-    Python with ``env`` added, on ``cls`` imported there by its module and ``params`` as JSON;
-    ``Skip`` where that process cannot import ``cls``."""
-    target = f"{cls.__module__}:{cls.__qualname__}"
-    if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
-        raise Skip(f"{target} cannot be imported by the fresh process that {child} runs in: "
-                   "define the class at the top level of an importable module")
-    try:
-        given = json.dumps(params)
-    except TypeError as exc:
-        raise Skip(f"the fresh process that {child} runs in takes JSON params: {exc}") from None
-    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    code = f"from cachelab.testing.policy_checks import {child}; {child}()"
-    try:
-        proc = subprocess.run([sys.executable, "-c", code, target, given], env=env, capture_output=True,
-                              text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise ConformanceError(f"the rerun in a fresh process ({child}) did not finish in {timeout_s} s") from None
-    if proc.returncode != 0:
-        tail = proc.stderr.strip().splitlines()[-1:] or [f"status {proc.returncode}"]
-        raise ConformanceError(f"the rerun in a fresh process ({child}) failed: {tail[0]}")
-    found = json.loads(proc.stdout.strip().splitlines()[-1])
-    if isinstance(found, dict) and "unimportable" in found:
-        raise Skip(f"the fresh process that {child} runs in cannot import {target}: {found['unimportable']}")
-    return found
-
-
-def _child_target():
-    """A fresh process's policy class and params from argv (``module:qualname``, JSON); (None,
-    None) after printing why, where its module is not found there (pytest's importlib mode)."""
-    module, qualname = sys.argv[1].split(":")
-    try:
-        cls = importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        print(json.dumps({"unimportable": str(exc)}))
-        return None, None
-    for part in qualname.split("."):
-        cls = getattr(cls, part)
-    return cls, json.loads(sys.argv[2])
 
 
 def _is_literal(value) -> bool:
@@ -414,7 +370,7 @@ def bounds_child() -> None:
     """``check_bounds``'s fresh process: argv is ``module:qualname`` and the params as JSON; prints
     one JSON line, the first out-of-bounds index (capacity, where, Numba's message) or ``{}``."""
     _refuse_negative_indices()  # before anything is compiled
-    cls, params = _child_target()
+    cls, params = child_target()
     if cls is None:
         return
     for capacity in CAPACITIES:

@@ -8,6 +8,8 @@ predictor's ``task``: log1p steps to next access for regression, reuse within a 
 from __future__ import annotations
 
 import inspect
+import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -15,7 +17,8 @@ import numpy as np
 
 from cachelab.errors import CachelabError
 from cachelab.learning.predictor import TASKS, check_features, read_metadata
-from cachelab.testing.results import ConformanceError, run_checks
+from cachelab.testing.fresh import child_target, in_fresh_process
+from cachelab.testing.results import ConformanceError, Skip, run_checks
 
 FEATURES = ["age", "count", "last_gap", "order"]
 PICKLE_SUFFIXES = (".pkl", ".pickle", ".joblib", ".pt", ".pth")
@@ -80,11 +83,33 @@ def check_predict_shape(cls, **params):
 
 
 def check_predictor_determinism(cls, **params):
-    """Two fits on the same data predict the same scores."""
+    """Two fits on the same data predict the same scores, and so does a fit in a fresh process
+    (other hash seed): ``cachelab train`` and an experiment's points fit in processes of their
+    own, and a seed taken from the pid agreed with itself only within one."""
     a, _, x = _fitted(cls, params)
     b, _, _ = _fitted(cls, params)
-    if not np.array_equal(np.asarray(a.predict(x)), np.asarray(b.predict(x))):
+    here = np.asarray(a.predict(x), dtype=np.float64)
+    if not np.array_equal(here, np.asarray(b.predict(x), dtype=np.float64)):
         raise ConformanceError("two fits on identical data predict different scores (seed the model)")
+    seed = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"
+    try:
+        there = in_fresh_process(cls, params, predictions_child, {"PYTHONHASHSEED": seed}, FRESH_TIMEOUT_S)
+    except Skip:  # not importable there: the fits in this process are what can be checked
+        return
+    if not np.array_equal(here, np.asarray(there, dtype=np.float64)):
+        raise ConformanceError(f"a fit in a fresh process (PYTHONHASHSEED={seed}) predicts different scores "
+                               "from this process's (seed the model from its params, not the process)")
+
+
+FRESH_TIMEOUT_S = 600  # a fresh process imports the predictor's library and fits 600 rows
+
+
+def predictions_child() -> None:
+    """``check_predictor_determinism``'s fresh process: prints the fitted predictor's scores as JSON."""
+    cls, params = child_target()
+    if cls is not None:
+        predictor, _, x = _fitted(cls, params)
+        print(json.dumps(np.asarray(predictor.predict(x), dtype=np.float64).tolist()))
 
 
 def check_save_load_round_trip(cls, **params):
