@@ -25,7 +25,8 @@ import sys
 from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from importlib.metadata import distributions, entry_points
+from importlib.metadata import PackageNotFoundError, distributions, entry_points
+from importlib.metadata import version as installed_version
 
 from cachelab.errors import CachelabError
 
@@ -158,6 +159,27 @@ def _load(ep) -> tuple[object | None, str | None]:
     return obj, None
 
 
+def _version_mismatch(dist) -> str:
+    """What a broken plug-in's distribution requires of cachelab, where the installed cachelab
+    does not satisfy it (``pip install --no-deps``, an editable checkout): its import error
+    (a name cachelab lacks) alone does not say that versions differ."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    try:
+        mine = installed_version("cachelab")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return ""
+    for text in dist.requires or ():
+        try:
+            req = Requirement(text)
+        except InvalidRequirement:
+            continue
+        if (req.name.lower() == "cachelab" and (req.marker is None or req.marker.evaluate({"extra": ""}))
+                and not req.specifier.contains(mine, prereleases=True)):
+            return f" ({dist.metadata['Name']} {dist.version} requires {text}, and cachelab {mine} is installed)"
+    return ""
+
+
 def _claims(plugins: list[Plugin]) -> list[Plugin]:
     """A name two distributions claim is an error for both, naming each: no silent winner."""
     by_name: dict[str, list[Plugin]] = {}
@@ -191,6 +213,8 @@ def discover(group: str) -> tuple[Plugin, ...]:
         obj, error = _load(ep)
         if error is None:
             error = contract_error(group, obj, ep.name)
+        if error is not None and ep.dist is not None:
+            error += _version_mismatch(ep.dist)
         found.append(Plugin(group, ep.name, ep.value, dist, version, None if error else obj, error))
     return tuple(sorted(_claims(found) + off, key=lambda p: p.name))
 

@@ -278,6 +278,31 @@ def test_an_entry_point_in_a_misspelt_group_is_named_by_the_unknown_name_error(t
         registry.discover.cache_clear()
 
 
+NEWER_CACHELAB = {
+    "newerpkg/__init__.py": "from cachelab.policy import PolicyOfALaterCachelab\n",
+    "cachelab_newer-0.4.dist-info/METADATA": ("Metadata-Version: 2.1\nName: cachelab-newer\nVersion: 0.4\n"
+                                              "Requires-Dist: numpy\nRequires-Dist: cachelab>=99\n"),
+    "cachelab_newer-0.4.dist-info/entry_points.txt": "[cachelab.policies]\nnewer = newerpkg:Newer\n",
+}
+
+
+def test_a_broken_plugin_built_for_another_cachelab_says_which_it_requires(tmp_path, monkeypatch):
+    """Its reason was the ImportError alone, not that it requires a cachelab other than the one
+    installed (seen by helper-108)."""
+    from importlib.metadata import version
+
+    _install(NEWER_CACHELAB, tmp_path, monkeypatch)
+    try:
+        rows = {r["name"]: r for r in _json(["plugins", "list", "--json"])}
+        assert rows["newer"]["status"] == "broken"
+        assert rows["newer"]["error"].startswith("ImportError: cannot import name 'PolicyOfALaterCachelab'")
+        assert rows["newer"]["error"].endswith(
+            f" (cachelab-newer 0.4 requires cachelab>=99, and cachelab {version('cachelab')} is installed)")
+        assert rows["fifo"]["status"] == "ok"
+    finally:
+        registry.discover.cache_clear()
+
+
 def test_a_plugin_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("CACHELAB_DISABLE_PLUGINS", "fifo")
     registry.discover.cache_clear()
