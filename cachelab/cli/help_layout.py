@@ -1,4 +1,5 @@
-"""``--help`` that reads at any width: option tables that never cut a flag name or a default,
+"""``--help`` that reads at any width: option tables that never cut a flag name or a default
+(a ``--no-...`` flag goes under its flag, leaving the help text the width),
 and a verb's docstring shown in paragraphs, not in its source's line breaks.
 
 Rich sizes Typer's option table by shrinking its widest columns together, so at 80 columns a
@@ -24,6 +25,7 @@ from rich.text import Text
 
 class _UncutTable(Table):
     def add_row(self, *renderables, **kwargs):
+        renderables = _flags_in_one_cell(renderables)
         super().add_row(*renderables, **kwargs)
         *names, text = self.columns
         for column in names:
@@ -34,6 +36,19 @@ class _UncutTable(Table):
         for item in help_cell.renderables if isinstance(help_cell, Columns) else [help_cell]:
             if isinstance(item, Text):
                 item.overflow = "fold"
+
+
+def _flags_in_one_cell(row: tuple) -> tuple:
+    """An option row with its short flag beside the flag and its ``--no-...`` flag under it, not
+    in columns of their own: those columns (``--no-prefix-caching``) left the help text of
+    ``serve`` 14 columns wide at 80. Typer's option row is [required,] long, short, negative
+    long, negative short, type, help."""
+    if len(row) < 6 or not all(isinstance(cell, Text) for cell in row[-6:-2]):
+        return row
+    at = len(row) - 6
+    flag, short, negative, negative_short = row[at:at + 4]
+    lines = [Text(", ").join(c for c in pair if c.plain) for pair in ((flag, short), (negative, negative_short))]
+    return (*row[:at], Text("\n").join(line for line in lines if line.plain), *row[at + 4:])
 
 
 def install() -> None:
