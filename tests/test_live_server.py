@@ -1084,3 +1084,59 @@ def test_request_id_headers_only_with_the_flag(server):
         fresh = httpx.get(f"{url}/health", timeout=T).headers["x-request-id"]
         assert bad.status_code == 400 and len(bad.headers["x-request-id"]) == len(fresh) == 32
         assert bad.headers["x-request-id"] != fresh
+
+
+def answer_shapes(base_url: str, model: str) -> dict:
+    """The keys, in order, of a whole completion and of a stream's chunks with and without a
+    usage chunk, and where each carries ``system_fingerprint``; vLLM's own extensions that serve
+    has no use for (KV and encoder-cache transfer, per-request metrics, routed experts, prompt
+    logprobs) left out."""
+    theirs_only = {"kv_transfer_params", "ec_transfer_params", "metrics", "routed_experts", "prompt_logprobs"}
+    body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True, "return_token_ids": True}
+    whole = httpx.post(f"{base_url}/v1/completions", json=body, timeout=T).json()
+    shapes = {"whole": [k for k in whole if k not in theirs_only],
+              "whole_choice": [k for k in whole["choices"][0] if k not in theirs_only],
+              "whole_usage": list(whole["usage"]), "fingerprint": whole["system_fingerprint"]}
+    for name, extra in (("stream", {}), ("stream_usage", {"stream_options": {"include_usage": True}})):
+        with httpx.stream("POST", f"{base_url}/v1/completions", json={**body, "stream": True, **extra}, timeout=T) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        shapes[name] = [[k for k in c if k not in theirs_only] for c in chunks]
+        shapes[name + "_fingerprinted"] = ["system_fingerprint" in c for c in chunks]
+    return shapes
+
+
+@pytest.mark.slow
+def test_answers_have_the_real_vllms_shape_and_system_fingerprint(server, vllm_server):
+    """vLLM 0.32 answers with ``service_tier`` and a ``system_fingerprint`` (``vllm-<version>-<hash8>``)
+    on a whole answer, on a stream's terminal chunk, or on its usage chunk when one follows; serve had
+    neither, and wrote its usage chunk's ``object`` last. The keys, their order and the
+    fingerprint's places are the real server's; serve's fingerprint is ``cachelab-<version>-<hash8>``."""
+    import re
+
+    url, _ = server
+    theirs = answer_shapes(vllm_server.base_url, vllm_server.model)
+    ours = answer_shapes(url, MODEL)
+    assert re.fullmatch(r"vllm-[\w.+]+-[0-9a-f]{8}", theirs.pop("fingerprint"))
+    assert re.fullmatch(r"cachelab-[\w.+]+-[0-9a-f]{8}", ours.pop("fingerprint"))
+    theirs["whole_usage"] = [k for k in theirs["whole_usage"] if k in ours["whole_usage"]]  # its null details
+    assert ours == theirs
+    assert theirs["stream_fingerprinted"] == [False, False, True] and theirs["stream_usage_fingerprinted"][-1]
+
+
+def test_the_system_fingerprint_follows_what_decides_the_tokens(tmp_path):
+    """Two servers of one model, weights and table answer under one fingerprint whatever their caches
+    and placement; another weights seed or another table build changes it."""
+    from cachelab.live.launch import build_engine, system_fingerprint
+    from cachelab.store import build_tables
+
+    def fingerprint(**changes):
+        opts = ServeOptions(threads=1, **changes)
+        engine = build_engine(opts)
+        engine.rows.close()
+        return system_fingerprint(opts, engine)
+
+    base = fingerprint()
+    assert fingerprint(placement="mmap", row_cache_policy="lru", row_cache_capacity="1000", prefix_caching=False) == base
+    assert fingerprint(seed=1) != base
+    build_tables("deepseek-v4.1-flash", 1e-5, tmp_path / "other", seed=3)
+    assert fingerprint(store=tmp_path / "other") != base

@@ -221,6 +221,29 @@ def _limits(opts: ServeOptions):
                   opts.max_requests_in_flight)
 
 
+def system_fingerprint(opts: ServeOptions, engine) -> str:
+    """vLLM's ``system_fingerprint`` (its default mode: ``vllm-<version>-<hash8>``) as
+    ``cachelab-<version>-<hash8>``: a hash of what decides the tokens of a seeded request (the
+    model's config, its weights: the dummy weights' seed or a file's path, size and time, the
+    Engram table's build, the device), so answers under one fingerprint and one seed compare.
+    The caches and the table's placement change only timing and are left out, and so is the
+    build's random id: a table rebuilt from the same seed holds the same rows."""
+    import hashlib
+    import json
+    from dataclasses import asdict
+    from importlib.metadata import version
+
+    if opts.weights is None:
+        weights = {"seed": opts.seed}
+    else:
+        stat = Path(opts.weights).stat()
+        weights = {"file": str(Path(opts.weights).resolve()), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    table = {k: v for k, v in engine.rows.manifest.items() if k != "build_id"}
+    decided = {"model": asdict(engine.model.config), "weights": weights, "table": table, "device": opts.device}
+    digest = hashlib.sha256(json.dumps(decided, sort_keys=True, default=str).encode()).hexdigest()
+    return f"cachelab-{version('cachelab')}-{digest[:8]}"
+
+
 def _uvicorn_config(opts: ServeOptions, engine, recorder=None, **kwargs):
     """The app over the engine, on uvicorn's HTTP protocol with the connection bounds."""
     import uvicorn
@@ -228,7 +251,8 @@ def _uvicorn_config(opts: ServeOptions, engine, recorder=None, **kwargs):
     from cachelab.live.server import create_app, http_protocol
 
     limits = _limits(opts)
-    app = create_app(engine, model_name(opts), limits, opts.api_key, recorder, opts.enable_request_id_headers)
+    app = create_app(engine, model_name(opts), limits, opts.api_key, recorder, opts.enable_request_id_headers,
+                     system_fingerprint(opts, engine))
     return uvicorn.Config(app, http=http_protocol(limits), log_level="warning", timeout_graceful_shutdown=1, **kwargs)
 
 

@@ -217,46 +217,60 @@ def usage(num_prompt: int, num_output: int, cached: int | None = None) -> dict:
     return use
 
 
-def _body(rid: str, created: int, model: str, obj: str, chat: bool, choices, prompt_at_top: bool = True) -> dict:
+def _body(rid: str, created: int, model: str, obj: str, chat: bool, choices, top: dict, stream: bool) -> dict:
     """``choices``: (index, content, finish_reason, stop_reason, token_ids, prompt_ids) each; the
     ids as vLLM writes them, ``null`` where not asked for (the capture proxy restores the client's
-    bytes on that form): the prompt's at the top of a chat completion (only in a stream's first
-    chunks, ``prompt_at_top``), in each choice of a completion."""
+    bytes on that form): the prompt's in each choice of a completion, at the top of a chat
+    completion (``top``'s ``prompt_token_ids``). Keys in vLLM's order (its response models' field
+    order): a whole completion's choice has its ids before the prompt's, a chunk's after;
+    ``top``: the keys after ``choices``."""
     body = {"id": rid, "object": obj, "created": created, "model": model, "choices": []}
     for index, content, finish, stop_reason, token_ids, prompt_ids in choices:
         choice = {"index": index, **content, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}
+        ids = {"token_ids": token_ids}
         if not chat:
-            choice["prompt_token_ids"] = prompt_ids
-        elif prompt_at_top:
-            body["prompt_token_ids"] = prompt_ids
-        choice["token_ids"] = token_ids
-        body["choices"].append(choice)
+            ids = {"prompt_token_ids": prompt_ids, **ids} if stream else {**ids, "prompt_token_ids": prompt_ids}
+        body["choices"].append({**choice, **ids})
+    body.update(top)
     return body
 
 
-def completion_body(rid: str, model: str, answers, use: dict, chat: bool) -> dict:
+def completion_body(rid: str, model: str, answers, use: dict, chat: bool, fingerprint: str | None = None) -> dict:
     """A whole (non-streamed) completion or chat completion; ``answers``: (text, finish_reason,
-    stop_reason, token_ids, prompt_ids) per choice, in index order."""
+    stop_reason, token_ids, prompt_ids) per choice, in index order; ``fingerprint``: the
+    server's ``system_fingerprint``."""
     choices = [(i, {"message": {"role": "assistant", "content": text}} if chat else {"text": text}, finish, stop,
                 tokens, prompt) for i, (text, finish, stop, tokens, prompt) in enumerate(answers)]
-    body = _body(rid, int(time.time()), model, "chat.completion" if chat else "text_completion", chat, choices)
-    body["usage"] = use
-    return body
+    top = {"service_tier": None, "system_fingerprint": fingerprint, "usage": use}
+    if chat:
+        top["prompt_token_ids"] = answers[0][4] if answers else None
+    return _body(rid, int(time.time()), model, "chat.completion" if chat else "text_completion", chat, choices, top,
+                 stream=False)
 
 
 def chunk_body(rid: str, created: int, model: str, index: int, text: str | None, finish, stop_reason, token_ids,
-               prompt_ids, chat: bool, first: bool) -> dict:
+               prompt_ids, chat: bool, first: bool, use: dict | None = None, fingerprint: str | None = None) -> dict:
     """One streamed chunk of choice ``index``; ``prompt_ids`` only in a choice's first (vLLM's
     placement); a chat's first chunk of a choice carries the assistant's role, and every chunk
-    its content, ``""`` included (vLLM's delta without a reasoning or tool parser)."""
+    its content, ``""`` included (vLLM's delta without a reasoning or tool parser). ``use``: the
+    continuous usage; ``fingerprint``: on a terminal chunk that no usage chunk follows."""
     if chat:
         content = {"delta": {"role": "assistant", "content": text or ""} if first else {"content": text or ""}}
     else:
         content = {"text": text or ""}
+    top = {} if use is None else {"usage": use}
+    if fingerprint is not None:
+        top["system_fingerprint"] = fingerprint
+    if chat and first:
+        top["prompt_token_ids"] = prompt_ids
     return _body(rid, created, model, "chat.completion.chunk" if chat else "text_completion", chat,
-                 [(index, content, finish, stop_reason, token_ids, prompt_ids)], prompt_at_top=first)
+                 [(index, content, finish, stop_reason, token_ids, prompt_ids)], top, stream=True)
 
 
-def usage_chunk(rid: str, created: int, model: str, use: dict, chat: bool) -> dict:
-    return {"id": rid, "created": created, "model": model, "choices": [], "usage": use,
-            "object": "chat.completion.chunk" if chat else "text_completion"}
+def usage_chunk(rid: str, created: int, model: str, use: dict, chat: bool, fingerprint: str | None = None) -> dict:
+    """The usage chunk that ends a stream asking for it, with the ``system_fingerprint``."""
+    body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": model, "choices": [], "usage": use}
+    if fingerprint is not None:
+        body["system_fingerprint"] = fingerprint
+    return body

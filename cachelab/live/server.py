@@ -146,11 +146,12 @@ class _RequestIdHeader:
 
 
 def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str | None = None,
-               recorder=None, request_id_headers: bool = False) -> FastAPI:
+               recorder=None, request_id_headers: bool = False, fingerprint: str | None = None) -> FastAPI:
     """The app; the engine must be started (and is stopped by the caller). ``recorder``: a
     ``cachelab.capture.Recorder`` that records every completion request answered (``--capture``):
     one record per choice the engine ran, one for a request refused before it ran.
-    ``request_id_headers``: answer with an ``X-Request-Id`` header (``_RequestIdHeader``)."""
+    ``request_id_headers``: answer with an ``X-Request-Id`` header (``_RequestIdHeader``).
+    ``fingerprint``: the ``system_fingerprint`` of every answer (``launch.system_fingerprint``)."""
     app = FastAPI(title="cachelab serve", docs_url=None, redoc_url=None)
     if request_id_headers:
         app.add_middleware(_RequestIdHeader)
@@ -275,9 +276,9 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
         request.state.recorded = True  # by the timelines from now on
         choices = _Choices(rids, [ids for ids, _ in jobs], n, req.return_token_ids, timelines)
         if req.stream:
-            return StreamingResponse(_stream(engine, choices, collector, oid, model_name, req, chat),
+            return StreamingResponse(_stream(engine, choices, collector, oid, model_name, req, chat, fingerprint),
                                      media_type="text/event-stream")
-        return JSONResponse(await _whole(engine, request, choices, collector, oid, model_name, req, chat))
+        return JSONResponse(await _whole(engine, request, choices, collector, oid, model_name, req, chat, fingerprint))
 
     async def tokenized(texts: list[str]) -> list[list[int]]:
         """The texts' ids, on a worker thread as vLLM tokenizes, and without the GIL (``token_ids``): on
@@ -372,7 +373,7 @@ class _Choices:
 
 
 async def _whole(engine, request: Request, choices: _Choices, collector: _Collector, oid: str, model: str, req,
-                 chat: bool) -> dict:
+                 chat: bool, fingerprint: str | None) -> dict:
     """Wait for every output of the choices; abort them if the client goes away meanwhile. The
     cached tokens in usage are the last prompt's, from whichever of its choices finished last:
     vLLM reports its last prompt's aggregate, made when that prompt's last choice finished (a
@@ -407,10 +408,11 @@ async def _whole(engine, request: Request, choices: _Choices, collector: _Collec
         raise _aborted(engine)
     answers = [("".join(t), out.finish_reason, out.stop_reason, ids if req.return_token_ids else None,
                 choices.prompt_ids(i)) for i, (t, out, ids) in enumerate(zip(text, last, tokens))]
-    return completion_body(oid, model, answers, choices.usage(last, cached), chat)
+    return completion_body(oid, model, answers, choices.usage(last, cached), chat, fingerprint)
 
 
-async def _stream(engine, choices: _Choices, collector: _Collector, oid: str, model: str, req, chat: bool):
+async def _stream(engine, choices: _Choices, collector: _Collector, oid: str, model: str, req, chat: bool,
+                  fingerprint: str | None):
     """Server-sent events: per choice, one chunk per step that produced text or ids; then usage,
     then [DONE]. The cached tokens in usage are those of the first output to come, whichever
     prompt and choice it is of, as vLLM streams them."""
@@ -424,11 +426,9 @@ async def _stream(engine, choices: _Choices, collector: _Collector, oid: str, mo
             out = await collector.queue.get()
             if cached is None:  # the first output: a chat sends each choice's role first, as vLLM does, now (sent
                 for i in range(len(rids) if chat else 0):  # before the request ran, a client's TTFT was its round trip)
-                    body = chunk_body(oid, created, model, i, "", None, None, [] if req.return_token_ids else None,
-                                      choices.prompt_ids(i), chat, True)
-                    if req.continuous_usage:
-                        body["usage"] = usage(len(choices.prompts[i]), 0)
-                    yield _sse(body)
+                    yield _sse(chunk_body(oid, created, model, i, "", None, None, [] if req.return_token_ids else None,
+                                          choices.prompt_ids(i), chat, True,
+                                          usage(len(choices.prompts[i]), 0) if req.continuous_usage else None))
                 cached = out.cached_tokens
             i = index[out.rid]
             if out.finished:
@@ -439,15 +439,16 @@ async def _stream(engine, choices: _Choices, collector: _Collector, oid: str, mo
                 yield "data: [DONE]\n\n"
                 return
             ids = out.new_token_ids if req.return_token_ids else None
-            body = chunk_body(oid, created, model, i, out.new_text, out.finish_reason, out.stop_reason, ids,
-                              choices.prompt_ids(i) if first[i] else None, chat, False)
-            if req.continuous_usage:  # vLLM's: the choice's counts so far, no details
-                body["usage"] = usage(out.num_prompt, out.num_output)
-            yield _sse(body)
+            yield _sse(chunk_body(oid, created, model, i, out.new_text, out.finish_reason, out.stop_reason, ids,
+                                  choices.prompt_ids(i) if first[i] else None, chat, False,
+                                  # vLLM's continuous usage: the choice's counts so far, no details
+                                  usage(out.num_prompt, out.num_output) if req.continuous_usage else None,
+                                  # on the terminal chunk, unless a usage chunk follows (vLLM's placement)
+                                  fingerprint if out.finish_reason and not req.include_usage else None))
             first[i] = False
         ended = True
         if req.include_usage:
-            yield _sse(usage_chunk(oid, created, model, choices.usage(last, cached), chat))
+            yield _sse(usage_chunk(oid, created, model, choices.usage(last, cached), chat, fingerprint))
         yield "data: [DONE]\n\n"
     finally:  # the client went away (or the server is stopping): free their KV blocks
         choices.abort(engine, last, client_gone=not ended)
