@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -189,6 +191,16 @@ def test_bad_token_id_names_value(addresser):
         addresser.rows(np.array([5, 129_280]))
     with pytest.raises(CachelabError, match="token id -1"):
         addresser.rows(np.array([-1]))
+
+
+@pytest.mark.parametrize("ids", [np.zeros((2, 3), np.int64), np.int64(5)])
+def test_token_ids_not_flat_are_refused_by_shape(addresser, ids):
+    """A [batch, seq] array (the demo's shape) or a scalar: a clear error, where a 2-D array
+    reached the compiled kernel and failed there with a Numba typing error."""
+    with pytest.raises(CachelabError, match=r"token ids must be one flat array .* got shape " + re.escape(str(np.shape(ids)))):
+        addresser.rows(ids)
+    with pytest.raises(CachelabError, match="token ids must be one flat array"):
+        addresser.stream(2).feed(ids)
 
 
 def test_bad_preset_and_tokenizer(tmp_path):

@@ -128,7 +128,8 @@ class Addresser:
             offsets: sequence boundaries (len = sequences + 1); one sequence if None.
             dead: optional bool mask of DEAD positions (latching look-back block, §2.3).
         """
-        n = len(token_ids)
+        token_ids = _flat_ids(token_ids)
+        n = token_ids.size
         offs = _check_offsets(np.array([0, n]) if offsets is None else offsets, n)
         history = np.full((offs.size - 1, self.history_len), -1, dtype=np.int64)
         return self._run(token_ids, offs, np.arange(offs.size - 1, dtype=np.int64), history, dead)
@@ -151,7 +152,8 @@ class AddressStream:
             token_ids: flat raw ids of the chunks; offsets: chunk boundaries.
             seq: the sequence index of each chunk (default 0..chunks-1).
         """
-        n = len(token_ids)
+        token_ids = _flat_ids(token_ids)
+        n = token_ids.size
         offs = _check_offsets(np.array([0, n]) if offsets is None else offsets, n)
         chunks = offs.size - 1
         seq_idx = np.arange(chunks, dtype=np.int64) if seq is None else np.asarray(seq, dtype=np.int64)
@@ -164,6 +166,16 @@ class AddressStream:
     def reset(self, seq: int) -> None:
         """Start sequence ``seq`` afresh (a new request in a reused slot)."""
         self.history[seq] = -1
+
+
+def _flat_ids(token_ids) -> np.ndarray:
+    """Token ids as one flat array; several sequences are concatenated and told apart by offsets
+    (a ``[batch, seq]`` array went on to the compiled kernel, which failed with a Numba typing error)."""
+    ids = np.asarray(token_ids)
+    if ids.ndim != 1:
+        raise CachelabError(f"token ids must be one flat array (sequences concatenated, told apart by offsets), "
+                            f"got shape {ids.shape}")
+    return ids
 
 
 def _check_offsets(offsets, n: int) -> np.ndarray:
