@@ -193,6 +193,16 @@ def test_bad_token_id_names_value(addresser):
         addresser.rows(np.array([-1]))
 
 
+def test_bad_token_id_is_named_as_given(addresser):
+    """A uint64 id past 2^63 was named as the negative int64 a cast made of it (-1 for 2^64 - 1),
+    a value the caller's data does not hold; a 2-D compress with a bad id raised a TypeError."""
+    with pytest.raises(CachelabError, match="token id 18446744073709551615 at position 1 "):
+        addresser.rows(np.array([5, 2**64 - 1], np.uint64))
+    with pytest.raises(CachelabError, match=r"token id 129280 at position \(1, 0\) "):
+        addresser.compress(np.array([[5], [129_280]]))
+    assert addresser.compress(np.array([3, 129_279], np.uint64)).tolist() == addresser.compress([3, 129_279]).tolist()
+
+
 @pytest.mark.parametrize("ids", [np.zeros((2, 3), np.int64), np.int64(5)])
 def test_token_ids_not_flat_are_refused_by_shape(addresser, ids):
     """A [batch, seq] array (the demo's shape) or a scalar: a clear error, where a 2-D array

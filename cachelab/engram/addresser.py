@@ -99,15 +99,16 @@ class Addresser:
         ids = np.asarray(token_ids)
         if ids.size and not np.issubdtype(ids.dtype, np.integer):
             raise CachelabError(f"token ids must be integers, got dtype {ids.dtype}")
-        ids = ids.astype(np.int64, copy=False)
+        # checked in the ids' own dtype: a uint64 id past 2^63 is named as given, not as the
+        # negative int64 a cast first made of it
         bad = np.flatnonzero((ids < 0) | (ids >= self.cmap.size))
         if bad.size:
-            pos = int(bad[0])
+            pos = np.unravel_index(int(bad[0]), ids.shape)
             raise CachelabError(
-                f"token id {int(ids[pos])} at position {pos} is outside the vocabulary "
-                f"[0, {self.cmap.size}) of {self.config.tokenizer!r}"
+                f"token id {ids[pos].item()} at position {int(pos[0]) if ids.ndim == 1 else tuple(map(int, pos))} "
+                f"is outside the vocabulary [0, {self.cmap.size}) of {self.config.tokenizer!r}"
             )
-        return self.cmap[ids].astype(np.int64)
+        return self.cmap[ids.astype(np.int64, copy=False)].astype(np.int64)
 
     def _run(self, token_ids, chunk_offsets, chunk_seq, history, dead) -> np.ndarray:
         cids = self.compress(token_ids)
