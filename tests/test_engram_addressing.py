@@ -213,6 +213,22 @@ def test_token_ids_not_flat_are_refused_by_shape(addresser, ids):
         addresser.stream(2).feed(ids)
 
 
+def test_fractional_offsets_and_seq_are_refused_not_truncated(addresser):
+    """offsets [0, 1.7, 3] were cast to [0, 1, 3] (the boundary moved, no error) and seq [0.5]
+    to [0] (the chunk fed to another sequence); whole floats, as np.cumsum([]) gives, still do."""
+    ids = np.array([5, 6, 7])
+    with pytest.raises(CachelabError, match="offsets must be whole numbers, got 1.7"):
+        addresser.rows(ids, offsets=[0, 1.7, 3])
+    with pytest.raises(CachelabError, match="offsets must be whole numbers, got nan"):
+        addresser.rows(ids, offsets=[0, np.nan, 3])
+    with pytest.raises(CachelabError, match="seq must be whole numbers, got 1.5"):
+        addresser.stream(3).feed(ids, seq=[1.5])
+    with pytest.raises(CachelabError, match="offsets must be integers, got dtype <U1"):
+        addresser.rows(ids, offsets=["0", "3"])
+    assert (addresser.rows(ids, offsets=[0.0, 1.0, 3.0]) == addresser.rows(ids, offsets=[0, 1, 3])).all()
+    assert addresser.rows(np.zeros(0, np.int64), offsets=np.concatenate([[0], np.cumsum([])])).shape == (0, 2, 24)
+
+
 def test_bad_preset_and_tokenizer(tmp_path):
     with pytest.raises(CachelabError, match="unknown preset 'nope'"):
         get_preset("nope")

@@ -157,7 +157,7 @@ class AddressStream:
         n = token_ids.size
         offs = _check_offsets(np.array([0, n]) if offsets is None else offsets, n)
         chunks = offs.size - 1
-        seq_idx = np.arange(chunks, dtype=np.int64) if seq is None else np.asarray(seq, dtype=np.int64)
+        seq_idx = np.arange(chunks, dtype=np.int64) if seq is None else _indices("seq", seq)
         if seq_idx.shape != (chunks,) or (chunks and (seq_idx.min() < 0 or seq_idx.max() >= len(self.history))):
             raise CachelabError(f"seq must give one index in [0, {len(self.history)}) per chunk")
         if np.unique(seq_idx).size != chunks:
@@ -179,8 +179,22 @@ def _flat_ids(token_ids) -> np.ndarray:
     return ids
 
 
+def _indices(name: str, values) -> np.ndarray:
+    """``values`` as int64, refusing any that is not a whole number: a cast truncated 1.7 to 1,
+    silently moving a sequence boundary (offsets) or a chunk to another sequence (seq)."""
+    given = np.asarray(values)
+    if given.dtype.kind not in "iubf":
+        raise CachelabError(f"{name} must be integers, got dtype {given.dtype}")
+    if given.dtype.kind == "f":
+        flat = given.reshape(-1)
+        bad = flat[~(np.isfinite(flat) & (flat == np.floor(flat)))]
+        if bad.size:
+            raise CachelabError(f"{name} must be whole numbers, got {bad[0]}")
+    return given.astype(np.int64)
+
+
 def _check_offsets(offsets, n: int) -> np.ndarray:
-    offs = np.asarray(offsets, dtype=np.int64)
+    offs = _indices("offsets", offsets)
     if offs.ndim != 1 or offs.size < 1 or offs[0] != 0 or offs[-1] != n or np.any(np.diff(offs) < 0):
         raise CachelabError(f"offsets must rise from 0 to the token count {n}, got {offs[:8].tolist()}...")
     return offs
