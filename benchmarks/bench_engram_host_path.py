@@ -65,7 +65,10 @@ def measure(directory: Path, table_gib: float = 3.0, rounds: int = 5, counts=COU
     torch.set_num_threads(1)
     rows = int(table_gib * (1 << 30) // ROW_VALUES)
     wpath, spath = directory / "engram_v0_r0.weight.bin", directory / "engram_v0_r0.scale.bin"
-    if not (wpath.is_file() and wpath.stat().st_size == rows * ROW_VALUES):
+    # both files checked: a run killed while writing the scales left a whole weight file, and the
+    # next run mapped the short scale file (ValueError: mmap length is greater than file size)
+    if not all(p.is_file() and p.stat().st_size == rows * width for p, width in ((wpath, ROW_VALUES),
+                                                                                   (spath, SCALE_BYTES))):
         _write(wpath, rows * ROW_VALUES, seed)
         _write(spath, rows * SCALE_BYTES, seed + 1)
     weight = _map(wpath, (rows, ROW_VALUES))

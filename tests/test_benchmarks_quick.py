@@ -124,3 +124,17 @@ def test_bench_mrc_sampling_holds_sampled_curves_to_exact_ones():
     for r in rows:
         assert r["max_abs_error"] == max(abs(a - b) for a, b in zip(r["sampled"], r["exact"])) < 0.1
         assert r["speedup_cpu"] > 0
+
+
+def test_bench_engram_host_path_rewrites_a_short_scale_file(tmp_path):
+    """A run killed while writing the scale shard left a whole weight shard in ``--dir``: the next
+    run reused the pair and died mapping the short scale file."""
+    pytest.importorskip("torch")
+    args = ("--dir", str(tmp_path), "--table-gib", "0.002", "--rounds", "1", "--json")
+    assert run("bench_engram_host_path.py", *args).returncode == 0
+    scale = tmp_path / "engram_v0_r0.scale.bin"
+    size = scale.stat().st_size
+    scale.write_bytes(scale.read_bytes()[:1000])
+    done = run("bench_engram_host_path.py", *args)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert scale.stat().st_size == size and json.loads(done.stdout)["rows"] * 8 == size
