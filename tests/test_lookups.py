@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachelab.errors import CachelabError
-from cachelab.workload.lookups import LookupStream, StepDeduper, compact, compact_steps, dedup_steps, global_key, split_key
+from cachelab.workload.lookups import (LookupStream, StepDeduper, compact, compact_steps, dedup_steps, first_tokens,
+                                       global_key, split_key)
 
 
 def test_from_rows_flattens_token_layer_column_with_meta():
@@ -117,6 +118,20 @@ def test_from_texts_cuts_requests_and_caps_tokens():
     capped = LookupStream.from_texts(addresser, texts, request_tokens=50, max_tokens=120)
     assert capped.num_lookups == 120 * 48 and np.array_equal(capped.keys, full.keys[:120 * 48])
     assert LookupStream.from_texts(addresser, texts, max_tokens=10**9).num_lookups == tokens * 48
+
+
+def test_a_workload_budget_above_its_tokens_keeps_them_all():
+    """An experiment workload of 10 tokens under ``max_tokens = 12`` kept 7: the last sequence was
+    cut to the budget less the others' tokens (12 - 10) even where nothing had to be cut."""
+    from cachelab.experiment.workload import _clip
+
+    seqs = [np.arange(5), np.arange(5, 10)]
+    for budget, sizes in ((12, [5, 5]), (10, [5, 5]), (7, [5, 2]), (5, [5]), (3, [3])):
+        kept, prompts, domains = _clip(seqs, np.array([4, 4]), ["a", "b"], budget)
+        assert [k.size for k in kept] == sizes and domains == ["a", "b"][:len(sizes)]
+        assert prompts.tolist() == [min(4, n) for n in sizes]
+        assert np.array_equal(np.concatenate(kept), np.arange(sum(sizes)))
+    assert first_tokens([], 5) == [] and [s.size for s in first_tokens([np.arange(0), np.arange(4)], 2)] == [0, 2]
 
 
 @settings(max_examples=60, deadline=None)

@@ -24,13 +24,13 @@ from cachelab.engram.stats import skew
 from cachelab.errors import CachelabError
 from cachelab.experiment.spec import WorkloadSpec
 from cachelab.experiment.sweep import config_hash, data_digests
-from cachelab.workload.lookups import LookupStream, split_key
+from cachelab.workload.lookups import LookupStream, first_tokens, split_key
 from cachelab.paths import cache_dir, one_builder, resolve_data_path
 
 ENCODE_BATCH = 256
 
 
-BUILD_VERSION = 3  # bump when what a build stores changes, so stale cache entries are not reused
+BUILD_VERSION = 4  # bump when what a build stores changes, so stale cache entries are not reused
 
 
 def workload_key(spec: WorkloadSpec | dict) -> str:
@@ -111,12 +111,9 @@ def _from_trace(spec: WorkloadSpec, out: Path):
 
 
 def _clip(sequences, prompt_lengths, domains, budget: int):
-    """The first ``budget`` tokens, cutting the last sequence short."""
-    lengths = np.array([len(s) for s in sequences])
-    keep = int(np.searchsorted(np.cumsum(lengths), budget)) + 1
-    sequences = list(sequences[:keep])
-    room = budget - int(lengths[:keep - 1].sum())
-    sequences[-1] = sequences[-1][:room]
+    """The first ``budget`` tokens (``first_tokens``), with their prompt lengths and domains."""
+    sequences = first_tokens(sequences, budget)
+    keep = len(sequences)
     prompts = None if prompt_lengths is None else np.minimum(np.asarray(prompt_lengths[:keep]),
                                                              [len(s) for s in sequences])
     return sequences, prompts, list(domains[:keep])

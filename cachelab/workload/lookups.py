@@ -241,12 +241,8 @@ class LookupStream:
             seqs += parts
             labels += [domains[i]] * len(parts) if domains is not None else []
         if max_tokens is not None:
-            ends = np.cumsum([s.size for s in seqs])
-            keep = min(int(np.searchsorted(ends, max_tokens)) + 1, len(seqs))
-            seqs = seqs[:keep]
-            if seqs and ends[keep - 1] > max_tokens:
-                seqs[-1] = seqs[-1][:seqs[-1].size - (ends[keep - 1] - max_tokens)]
-            labels = labels[:keep]
+            seqs = first_tokens(seqs, max_tokens)
+            labels = labels[:len(seqs)]
         return cls.from_sequences(addresser, seqs, tokens_per_step, domains=labels if domains is not None else None)
 
     def save(self, path: str | Path) -> Path:
@@ -289,6 +285,17 @@ class LookupStream:
                        tuple(str(x) for x in files.get("domains", ())), layout)
         except CachelabError as exc:
             raise CachelabError(f"{path}: {exc}") from None
+
+
+def first_tokens(sequences: Sequence[np.ndarray], max_tokens: int) -> list[np.ndarray]:
+    """The first ``max_tokens`` tokens of ``sequences`` taken in order: each sequence that starts
+    before the limit, the one that crosses it cut there (all of them where they hold fewer)."""
+    ends = np.cumsum([len(s) for s in sequences])
+    keep = min(int(np.searchsorted(ends, max_tokens)) + 1, len(sequences))
+    out = list(sequences[:keep])
+    if out and ends[keep - 1] > max_tokens:
+        out[-1] = out[-1][:len(out[-1]) - int(ends[keep - 1] - max_tokens)]
+    return out
 
 
 _ID_MASK = (1 << 32) - 1
