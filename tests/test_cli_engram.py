@@ -56,3 +56,15 @@ def test_errors_exit_nonzero_naming_the_value(tmp_path):
     bad.write_bytes(b"ok\xff")
     res = _cli("engram", "rows", "--text-file", str(bad))
     assert res.returncode == 2 and "bad.txt is not UTF-8" in res.stderr
+
+
+def test_preset_help_names_the_layout_files_each_verb_takes(tmp_path):
+    """``--preset`` takes a layout .toml/.json too; the help of rows, info and page-cache named the
+    two presets only."""
+    for verb in ("rows", "info", "page-cache"):
+        res = runner.invoke(app, ["engram", verb, "--help"], env={"COLUMNS": "200"})
+        assert res.exit_code == 0 and "layout .toml/.json file" in res.stdout, res.stdout
+    spec = tmp_path / "tiny.toml"
+    spec.write_text('layers = [3]\nmax_ngram = 3\nheads = 2\nbase_sizes = [1000, 2000]\nrow_dim = 64\nrow_dtype = "bf16"\n')
+    res = runner.invoke(app, ["engram", "info", "--preset", str(spec), "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["table_rows"] == {"3": 1009 + 1013 + 2003 + 2011}

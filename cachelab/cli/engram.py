@@ -16,7 +16,7 @@ from cachelab.progress import progress_bar
 
 app = typer.Typer(no_args_is_help=True, help="Engram addressing: row ids of a text, and a layout's tables.")
 
-PRESET_HELP = "Layout preset: deepseek-v4.1-flash or engram-27b-demo."
+PRESET_HELP = "Layout: a preset (deepseek-v4.1-flash, engram-27b-demo) or a layout .toml/.json file."
 
 
 def _read_text(text: str | None, text_file: Path | None) -> str:
