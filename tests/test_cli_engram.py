@@ -68,3 +68,12 @@ def test_preset_help_names_the_layout_files_each_verb_takes(tmp_path):
     spec.write_text('layers = [3]\nmax_ngram = 3\nheads = 2\nbase_sizes = [1000, 2000]\nrow_dim = 64\nrow_dtype = "bf16"\n')
     res = runner.invoke(app, ["engram", "info", "--preset", str(spec), "--json"])
     assert res.exit_code == 0 and json.loads(res.stdout)["table_rows"] == {"3": 1009 + 1013 + 2003 + 2011}
+
+
+def test_page_cache_of_a_workload_that_is_no_text_corpus_names_the_corpora():
+    """``--corpus azure`` (an arrival trace, built with a path) was built without one before being
+    asked for documents: a TypeError traceback, where ``gamma`` got 'not a text corpus'."""
+    for name in ("azure", "gamma"):
+        res = _cli("engram", "page-cache", "--corpus", name, "--max-tokens", "10")
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+        assert f"--corpus '{name}' is not a text corpus" in res.stderr and "stdlib" in res.stderr

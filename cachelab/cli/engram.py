@@ -115,13 +115,16 @@ def page_cache(
 
     from cachelab import registry
     from cachelab.serving.page_popularity import corpus_tokens, curve, measure
+    from cachelab.trace.kinds import corpus_names
 
     if max_tokens < 1:
         raise CachelabError(f"--max-tokens must be at least 1, got {max_tokens}")
     cfg = get_preset(preset)
-    source = registry.get(registry.WORKLOADS, corpus)()
-    if not hasattr(source, "documents"):
-        raise CachelabError(f"--corpus {corpus!r} is not a text corpus (it has no documents)")
+    cls = registry.get(registry.WORKLOADS, corpus)
+    if not hasattr(cls, "documents"):  # asked before it is built: an arrival trace needs a path (a TypeError)
+        raise CachelabError(f"--corpus {corpus!r} is not a text corpus (it has no documents); "
+                            f"the text corpora: {', '.join(corpus_names())}")
+    source = cls()
     with progress_bar(SpinnerColumn(), TextColumn("{task.description}")) as bar:
         bar.add_task(f"tokenizing and addressing up to {max_tokens:,} tokens of {corpus}")
         rates = measure(corpus_tokens(source, cfg.tokenizer, max_tokens), cfg)
