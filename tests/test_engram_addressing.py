@@ -265,6 +265,10 @@ def test_custom_layout_from_toml(tmp_path):
     ('tokenizer = 5', "tokenizer must be 'deepseek-v4' or a path, got 5"),
     ("layers = 5", "layers must be a list, got 5"),
     ("base_sizes = [10.5, 2000]", "base_sizes: 10.5 is not an integer >= 1"),
+    # a list where a string belongs: a TypeError's words (unhashable type: 'list'), or taken as given
+    ('row_dtype = ["bf16"]', r"row_dtype: \['bf16'\] is not a string"),
+    ("name = 5", "name: 5 is not a string"),
+    ("note = [1]", r"note: \[1\] is not a string"),
 ])
 def test_bad_layout_file_names_the_file_field_and_value(tmp_path, extra, message):
     spec = tmp_path / "bad.toml"

@@ -57,6 +57,9 @@ class EngramConfig:
     note: str = ""
 
     def __post_init__(self) -> None:
+        for name in ("name", "row_dtype", "tokenizer", "note"):  # row_dtype = ["x"] was "unhashable type: 'list'"
+            if not isinstance(getattr(self, name), str):
+                raise CachelabError(f"{name}: {getattr(self, name)!r} is not a string")
         for name, low in (("max_ngram", 2), ("heads", 1), ("compressed_vocab", 1), ("pad_id", 0), ("row_dim", 1)):
             _check_ints(name, [getattr(self, name)], low)
         _check_ints("layers", self.layers, 0)
