@@ -120,6 +120,19 @@ def test_from_texts_cuts_requests_and_caps_tokens():
     assert LookupStream.from_texts(addresser, texts, max_tokens=10**9).num_lookups == tokens * 48
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"request_tokens": -5}, "request_tokens must be at least 1 .* got -5"),  # was an empty stream
+    ({"request_tokens": 0}, "request_tokens must be at least 1 .* got 0"),  # was the whole text, as None
+    ({"max_tokens": -2}, "max_tokens must be at least 0 .* got -2"),  # kept the text less its last 2 tokens
+    ({"domains": ["prose"]}, "domains has 1 labels for 2 texts"),  # an IndexError
+])
+def test_from_texts_refuses_bad_arguments_by_name(kwargs, message):
+    from cachelab.engram import Addresser
+
+    with pytest.raises(CachelabError, match=message):
+        LookupStream.from_texts(Addresser("deepseek-v4.1-flash"), ["hello world", "and more"], **kwargs)
+
+
 def test_a_workload_budget_above_its_tokens_keeps_them_all():
     """An experiment workload of 10 tokens under ``max_tokens = 12`` kept 7: the last sequence was
     cut to the budget less the others' tokens (12 - 10) even where nothing had to be cut."""

@@ -234,6 +234,14 @@ class LookupStream:
         Steps as in ``from_sequences`` (all tokens are prompt tokens)."""
         from cachelab.engram import encode
 
+        # each refused by name: request_tokens = -5 cut every text into no request at all (an empty
+        # stream), max_tokens = -2 kept a text less its last 2 tokens, a short domains an IndexError
+        if request_tokens is not None and request_tokens < 1:
+            raise CachelabError(f"request_tokens must be at least 1 (or None: a text is one request), got {request_tokens}")
+        if max_tokens is not None and max_tokens < 0:
+            raise CachelabError(f"max_tokens must be at least 0 (or None: every token), got {max_tokens}")
+        if domains is not None and len(domains) != len(texts):
+            raise CachelabError(f"domains has {len(domains)} labels for {len(texts)} texts")
         seqs, labels = [], []
         for i, ids in enumerate(encode(list(texts), addresser.config.tokenizer, bos=True)):
             size = request_tokens or max(ids.size, 1)
