@@ -229,6 +229,19 @@ def test_fractional_offsets_and_seq_are_refused_not_truncated(addresser):
     assert addresser.rows(np.zeros(0, np.int64), offsets=np.concatenate([[0], np.cumsum([])])).shape == (0, 2, 24)
 
 
+def test_reset_of_a_sequence_outside_the_stream_is_refused(addresser):
+    """reset(-1) restarted the last sequence (NumPy's negative index): its next token was hashed
+    as a sequence start, with no error."""
+    stream = addresser.stream(2)
+    stream.feed(np.array([5, 6, 7, 8, 9]), [0, 2, 5])
+    for bad in (-1, 2, 1.0):
+        with pytest.raises(CachelabError, match=rf"seq {bad} is not a sequence index in \[0, 2\)"):
+            stream.reset(bad)
+    assert (stream.feed(np.array([10]), seq=[1]) == addresser.rows(np.array([7, 8, 9, 10]))[-1:]).all()
+    stream.reset(np.int64(1))
+    assert (stream.feed(np.array([10]), seq=[1]) == addresser.rows(np.array([10]))).all()
+
+
 def test_bad_preset_and_tokenizer(tmp_path):
     with pytest.raises(CachelabError, match="unknown preset 'nope'"):
         get_preset("nope")

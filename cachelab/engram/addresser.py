@@ -166,6 +166,9 @@ class AddressStream:
 
     def reset(self, seq: int) -> None:
         """Start sequence ``seq`` afresh (a new request in a reused slot)."""
+        if isinstance(seq, bool) or not isinstance(seq, (int, np.integer)) or not 0 <= seq < len(self.history):
+            # a negative index reset another sequence (-1: the last), without a word
+            raise CachelabError(f"seq {seq!r} is not a sequence index in [0, {len(self.history)})")
         self.history[seq] = -1
 
 
