@@ -77,3 +77,12 @@ def test_page_cache_of_a_workload_that_is_no_text_corpus_names_the_corpora():
         res = _cli("engram", "page-cache", "--corpus", name, "--max-tokens", "10")
         assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
         assert f"--corpus '{name}' is not a text corpus" in res.stderr and "stdlib" in res.stderr
+
+
+def test_text_argument_not_utf8_is_refused_like_a_text_file():
+    """A shell argument with an undecodable byte reaches Python as a lone surrogate; the tokenizer
+    raised a TypeError traceback for it, where --text-file says the file is not UTF-8."""
+    res = subprocess.run([sys.executable, "-m", "cachelab.cli", "engram", "rows", "--text", "ab\udcffc"],
+                         capture_output=True, text=True, errors="surrogateescape")
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert "--text is not UTF-8 (character 2: b'\\xff')" in res.stderr

@@ -23,6 +23,11 @@ def _read_text(text: str | None, text_file: Path | None) -> str:
     if (text is None) == (text_file is None):
         raise CachelabError("give exactly one of --text or --text-file")
     if text is not None:
+        try:  # an argument's undecodable bytes arrive as lone surrogates, which the tokenizer refused with a TypeError
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raw = text[exc.start].encode("utf-8", "surrogateescape")
+            raise CachelabError(f"--text is not UTF-8 (character {exc.start}: {raw!r})") from None
         return text
     if not text_file.is_file():
         raise CachelabError(f"text file not found: {text_file}")
