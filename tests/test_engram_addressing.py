@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -240,6 +241,16 @@ def test_reset_of_a_sequence_outside_the_stream_is_refused(addresser):
     assert (stream.feed(np.array([10]), seq=[1]) == addresser.rows(np.array([7, 8, 9, 10]))[-1:]).all()
     stream.reset(np.int64(1))
     assert (stream.feed(np.array([10]), seq=[1]) == addresser.rows(np.array([10]))).all()
+
+
+def test_text_the_tokenizer_cannot_take_is_named():
+    """A lone surrogate (json.loads('"\\ud83d"'), half an emoji) or a non-string was tokenizers'
+    TypeError 'TextEncodeInput must be Union[...]', naming neither the text nor the character."""
+    with pytest.raises(CachelabError, match=r"text 1 holds '\\ud83d' at character 3: a lone surrogate"):
+        encode(["fine", "ok " + json.loads('"\\ud83d"') + " more"])
+    with pytest.raises(CachelabError, match="text 0 is a bytes, not a string to tokenize"):
+        encode([b"raw"])
+    assert encode(["ok \U0001f600"])[0].size  # a whole pair is text
 
 
 def test_bad_preset_and_tokenizer(tmp_path):

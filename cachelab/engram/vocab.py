@@ -128,8 +128,24 @@ def compressed_map(source: str = DEEPSEEK_V4) -> np.ndarray:
 def token_ids(tok, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
     """Each text's token ids, through ``encode_batch``, which lets other threads run while it works:
     ``encode`` holds the GIL throughout (a 1 MiB prompt, 0.55 s in which no other thread of the
-    process ran: every stream a server or the capture proxy was serving stalled with it)."""
-    return [e.ids for e in tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
+    process ran: every stream a server or the capture proxy was serving stalled with it).
+    A text the tokenizer cannot take is named by its index and character, where ``tokenizers``
+    said only ``TypeError: TextEncodeInput must be Union[...]``: a lone surrogate (JSON's
+    ``"\\ud800"``, or an undecodable byte of a command-line argument) or a non-string."""
+    try:
+        encoded = tok.encode_batch(texts, add_special_tokens=add_special_tokens)
+    except TypeError:
+        for i, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise CachelabError(f"text {i} is a {type(text).__name__}, not a string to tokenize") from None
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise CachelabError(f"text {i} holds {text[exc.start]!r} at character {exc.start}: a lone "
+                                    "surrogate (half a UTF-16 pair, or an undecodable byte), not text a "
+                                    "tokenizer encodes") from None
+        raise
+    return [e.ids for e in encoded]
 
 
 @lru_cache(maxsize=8)
