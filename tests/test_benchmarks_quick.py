@@ -138,3 +138,12 @@ def test_bench_engram_host_path_rewrites_a_short_scale_file(tmp_path):
     done = run("bench_engram_host_path.py", *args)
     assert done.returncode == 0, done.stderr[-2000:]
     assert scale.stat().st_size == size and json.loads(done.stdout)["rows"] * 8 == size
+
+
+def test_bench_engram_agrees_with_the_demos_shifted_numpy_form():
+    """The addresser against the spec written as DeepSeek's demo writes it (left-padded shifts,
+    XOR, %), bit for bit on 11 documents of the standard library (a 7-character one among them,
+    shorter than the look-back), BOS first; the bench prints its speed ratio."""
+    done = run("bench_engram.py", "--chars", "20000", "--repeats", "1")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "(identical in both)" in done.stdout and "ratio" in done.stdout
