@@ -64,20 +64,11 @@ def _build(spec: WorkloadSpec, path: Path, progress: Progress | None) -> None:
         sequences, prompt_lengths, domains = _clip(sequences, prompt_lengths, domains, spec.max_tokens)
     if not sequences:
         raise CachelabError(f"workload {spec.source!r} yields no tokens (workload.domains = {spec.domains})")
-    stream = with_tokens(LookupStream.from_sequences(addresser, sequences, spec.tokens_per_step, prompt_lengths,
-                                                     domains), addresser, sequences)
+    # with each lookup's compressed token: a saved stream then holds everything a predictor reads
+    stream = LookupStream.from_sequences(addresser, sequences, spec.tokens_per_step, prompt_lengths,
+                                         domains).with_tokens(addresser, sequences)
     path.with_suffix(".json").write_text(json.dumps({"distinct_rows": distinct_count(stream.keys)}))
     stream.save(path)  # atomic, and last: the .npz exists only once the build is whole
-
-
-def with_tokens(stream: LookupStream, addresser: Addresser, sequences) -> LookupStream:
-    """Add each lookup's compressed token id (``meta["token"]``): learned policies' features
-    need it, and a saved stream then holds everything a predictor reads."""
-    starts = np.concatenate([[0], np.cumsum([len(s) for s in sequences])[:-1]])
-    compressed = addresser.compress(np.concatenate(sequences))
-    token = compressed[starts[stream.meta["request"]] + stream.meta["position"]].astype(np.int32)
-    return LookupStream(stream.keys, stream.step_offsets, stream.row_bytes, stream.layers,
-                        {**stream.meta, "token": token}, stream.domains)
 
 
 def _from_corpus(spec: WorkloadSpec, addresser: Addresser, progress: Progress | None):

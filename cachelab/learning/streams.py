@@ -87,12 +87,7 @@ def _sequence_stream(addresser, seqs, prompt_lens, domains, steps: str, tokens_p
         return replace(scheduled_stream(addresser, seqs, prompt_lens, domains),
                        layout=layout_signature(addresser.config))
     stream = LookupStream.from_sequences(addresser, seqs, tokens_per_step, prompt_lens, domains)
-    starts = np.concatenate([[0], np.cumsum([s.size for s in seqs])[:-1]])
-    compressed = addresser.compress(np.concatenate(seqs))
-    meta = stream.meta
-    token = compressed[starts[meta["request"]] + meta["position"]].astype(np.int32)
-    return LookupStream(stream.keys, stream.step_offsets, stream.row_bytes, stream.layers,
-                        {**meta, "token": token}, stream.domains, layout_signature(addresser.config))
+    return replace(stream.with_tokens(addresser, seqs), layout=layout_signature(addresser.config))
 
 
 def load_trace(trace, per_source: int, seed: int, preset: str, steps: str = "prompts", *,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numba as nb
@@ -224,6 +224,14 @@ class LookupStream:
             meta["domain"] = codes.astype(np.int16)[meta["request"]]
             names = tuple(str(x) for x in labels)
         return cls.from_rows(rows, token_step, config.row_bytes, config.layers, meta, names)
+
+    def with_tokens(self, addresser, sequences: Sequence[np.ndarray]) -> "LookupStream":
+        """This stream with each lookup's compressed token id (``meta["token"]``, which learned
+        policies' features read), for a stream of ``sequences`` (``from_sequences``' requests)."""
+        starts = np.concatenate([[0], np.cumsum([len(s) for s in sequences])[:-1]]).astype(np.int64)
+        compressed = addresser.compress(np.concatenate(sequences))
+        token = compressed[starts[self.meta["request"]] + self.meta["position"]].astype(np.int32)
+        return replace(self, meta={**self.meta, "token": token})
 
     @classmethod
     def from_texts(cls, addresser, texts: Sequence[str], request_tokens: int | None = None,
