@@ -284,14 +284,17 @@ def test_custom_layout_from_toml(tmp_path):
     ("multipliers = [[3, 5, 7], [9, 11, 93078876567784]]", r"multipliers: 93078876567784 is not an integer between"),
     ("multipliers = [1, 2]", "multipliers must be a list, got 1"),
     ("row_dim = 40", "row_dim 40 is not a multiple of 32"),
-    ('heads = "2"', "heads: '2' is not an integer >= 1"),
+    ('heads = "2"', "heads: '2' is not an integer between 1 and 65536"),
     ("pad_id = -1", "pad_id: -1 is not an integer >= 0"),
     ('tokenizer = 5', "tokenizer must be 'deepseek-v4' or a path, got 5"),
     ("layers = 5", "layers must be a list, got 5"),
-    ("base_sizes = [10.5, 2000]", "base_sizes: 10.5 is not an integer >= 1"),
+    ("base_sizes = [10.5, 2000]", "base_sizes: 10.5 is not an integer between 1 and 1099511627776"),
     # a list where a string belongs: a TypeError's words (unhashable type: 'list'), or taken as given
     ('row_dtype = ["bf16"]', r"row_dtype: \['bf16'\] is not a string"),
     ("name = 5", "name: 5 is not a string"),
+    # past what int64 holds: an OverflowError traceback, a NumPy ValueError
+    ("base_sizes = [9223372036854775807, 5]", "base_sizes: 9223372036854775807 is not an integer between 1 and 1099511627776"),
+    ("heads = 1180591620717411303424", "heads: 1180591620717411303424 is not an integer between 1 and 65536"),
     ("note = [1]", r"note: \[1\] is not a string"),
 ])
 def test_bad_layout_file_names_the_file_field_and_value(tmp_path, extra, message):

@@ -20,6 +20,7 @@ from cachelab.errors import CachelabError
 from cachelab.engram.vocab import DEEPSEEK_V4, DEEPSEEK_V4_COMPRESSED_SIZE
 
 PRIME_1 = 10007
+MAX_BASE_SIZE, MAX_HEADS = 2**40, 2**16
 # Bytes per row by storage format: V4.1 stores 256 FP8 E4M3 values + one UE8M0 scale per 32.
 ROW_DTYPES = {"fp8_e4m3_ue8m0": lambda dim: dim + dim // 32, "bf16": lambda dim: 2 * dim,
               "fp16": lambda dim: 2 * dim, "fp32": lambda dim: 4 * dim}
@@ -60,10 +61,13 @@ class EngramConfig:
         for name in ("name", "row_dtype", "tokenizer", "note"):  # row_dtype = ["x"] was "unhashable type: 'list'"
             if not isinstance(getattr(self, name), str):
                 raise CachelabError(f"{name}: {getattr(self, name)!r} is not a string")
-        for name, low in (("max_ngram", 2), ("heads", 1), ("compressed_vocab", 1), ("pad_id", 0), ("row_dim", 1)):
+        for name, low in (("max_ngram", 2), ("compressed_vocab", 1), ("pad_id", 0), ("row_dim", 1)):
             _check_ints(name, [getattr(self, name)], low)
+        # upper bounds far past any model's, under what int64 primes and table sums hold: a base size
+        # of 2^63 - 1 was an OverflowError in derive_primes, 2^70 heads a NumPy ValueError
+        _check_ints("heads", [self.heads], 1, MAX_HEADS)
         _check_ints("layers", self.layers, 0)
-        _check_ints("base_sizes", self.base_sizes, 1)
+        _check_ints("base_sizes", self.base_sizes, 1, MAX_BASE_SIZE)
         if len(self.base_sizes) != self.max_ngram - 1:
             raise CachelabError(
                 f"base_sizes needs one size per order 2..{self.max_ngram}, got {list(self.base_sizes)}"
