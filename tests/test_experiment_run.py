@@ -233,24 +233,45 @@ def test_killed_sweep_resumes_without_running_a_point_twice(tmp_path):
     assert _points(uri, "killme", "RUNNING") == []
 
 
-def test_ctrl_c_ends_the_parent_run_killed_and_keeps_the_finished_points(tmp_path, monkeypatch):
+@pytest.mark.parametrize("stop, status", [(KeyboardInterrupt, "KILLED"), (ConnectionError, "FAILED")])
+def test_ctrl_c_or_a_broken_backend_ends_the_parent_run_and_keeps_the_finished_points(tmp_path, monkeypatch, stop,
+                                                                                       status):
+    """Ctrl-C, or a backend that raises midway (a Ray cluster gone: seen by helper-111, it left the
+    parent RUNNING until a later run or sync on this host), ends the parent run at once."""
     from cachelab.experiment import runner
 
     real = runner.run_tasks
 
-    def interrupted(tasks, *args):  # one point finishes, then Ctrl-C
+    def interrupted(tasks, *args):  # one point finishes, then Ctrl-C or the backend breaks
         yield from real(tasks[:1], "local", 1)
-        raise KeyboardInterrupt
+        raise stop
 
     monkeypatch.setattr(runner, "run_tasks", interrupted)
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(stop):
         run_experiment(write_spec(tmp_path, name="ctrlc"), tracking_uri=uri, runs_dir=tmp_path / "runs", quiet=True)
     assert len(_points(uri, "ctrlc")) == 1
     client = MlflowClient(tracking_uri=uri)
     parents = client.search_runs([client.get_experiment_by_name("ctrlc").experiment_id],
                                  "tags.`cachelab.kind` = 'experiment'")
-    assert [r.info.status for r in parents] == ["KILLED"]  # not RUNNING until a later run or sync
+    assert [r.info.status for r in parents] == [status]  # not RUNNING until a later run or sync
+
+
+@pytest.mark.parametrize("backend, address, error", [
+    ("rai", None, r"--backend: unknown backend 'rai'; allowed: local, ray"),
+    ("local", "ray://head:10001", r"--address ray://head:10001: a Ray cluster's address; add --backend ray"),
+    ("ray", None, r"--backend ray needs Ray: pip install 'cachelab\[ray\]'")])
+def test_a_backend_that_cannot_run_is_refused_before_any_work(tmp_path, monkeypatch, backend, address, error):
+    """A bad --backend was refused only when the points were about to run (the backends' generator
+    checked it at its first step): after the workloads were built and the parent run opened, left
+    RUNNING. --address without --backend ray ran every point on this machine, silently (seen by
+    helper-111)."""
+    monkeypatch.setitem(sys.modules, "ray", None)  # Ray not installed
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    with pytest.raises(CachelabError, match=error):
+        run_experiment(write_spec(tmp_path), backend=backend, address=address, tracking_uri=uri,
+                       runs_dir=tmp_path / "runs", workers=1, quiet=True)
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "runs").exists()  # nothing opened or written
 
 
 HELD_OUT = """

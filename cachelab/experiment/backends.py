@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
 import ipaddress
 import multiprocessing
 import os
@@ -45,6 +46,7 @@ from cachelab.experiment.workload import Workload, load_workload
 
 BACKENDS = ("local", "ray")
 Task = tuple[str, dict, str]  # (point hash, config, workload .npz path)
+RAY_MISSING = "--backend ray needs Ray: pip install 'cachelab[ray]'"
 
 
 @lru_cache(maxsize=2)
@@ -71,10 +73,22 @@ def _safe(config, workload) -> PointOutput | BaseException:
     return output
 
 
-def run_tasks(tasks: list[Task], backend: str = "local", workers: int | None = None,
-              address: str | None = None) -> Iterator[tuple[str, PointOutput | BaseException]]:
+def check_backend(backend: str, address: str | None = None) -> None:
+    """Refuse a backend that cannot run, before a sweep opens runs or builds workloads (``run_tasks``
+    is a generator: its own check came only once the points were about to run, and left the parent
+    run RUNNING); ``--address`` names a Ray cluster, so it needs ``--backend ray``."""
     if backend not in BACKENDS:
         raise CachelabError(f"--backend: unknown backend {backend!r}; allowed: {', '.join(BACKENDS)}")
+    if address and backend != "ray":
+        raise CachelabError(f"--address {address}: a Ray cluster's address; add --backend ray (the {backend} "
+                            "backend would run every point on this machine)")
+    if backend == "ray" and importlib.util.find_spec("ray") is None:
+        raise CachelabError(RAY_MISSING)
+
+
+def run_tasks(tasks: list[Task], backend: str = "local", workers: int | None = None,
+              address: str | None = None) -> Iterator[tuple[str, PointOutput | BaseException]]:
+    check_backend(backend, address)
     if not tasks:
         return
     workers = max(1, min(workers or os.cpu_count() or 1, len(tasks)))
@@ -181,7 +195,7 @@ def _run_ray(tasks: list[Task], workers: int, address: str | None):
     try:
         import ray
     except ImportError:
-        raise CachelabError("--backend ray needs Ray: pip install 'cachelab[ray]'") from None
+        raise CachelabError(RAY_MISSING) from None
     started = not ray.is_initialized()
     if started:
         if address:

@@ -19,7 +19,7 @@ import polars as pl
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from cachelab.experiment.backends import run_tasks
+from cachelab.experiment.backends import check_backend, run_tasks
 from cachelab.experiment.kinds import PointOutput, get_kind
 from cachelab.experiment.provenance import provenance_tags
 from cachelab.experiment.records import PARENT, Outbox, Record, now_ms
@@ -91,6 +91,7 @@ def run_experiment(spec_path: str | Path, *, backend: str = "local", address: st
                    tracking_uri: str | None = None, workers: int | None = None,
                    runs_dir: str | Path = "runs", quiet: bool = False,
                    overrides: list[str] | None = None) -> RunSummary:
+    check_backend(backend, address)
     spec = load_spec(spec_path, overrides)  # every check happens here, before any work
     workers = _serial_workers(spec, workers)
     outbox = outbox_for(spec.name, Path(runs_dir))
@@ -156,10 +157,10 @@ def _sweep(spec: ExperimentSpec, spec_path: Path, overrides: list[str] | None, o
                         console.print(f"[yellow]tracking failed ({exc}); results stay in {outbox.root}[/]")
                         outbox.write(parent, PARENT)
                         tracker = None
-        except KeyboardInterrupt:  # Ctrl-C: the parent run ends KILLED now, not RUNNING until a later sync
-            if tracker is not None:
+        except BaseException as exc:  # the parent run ends now (Ctrl-C: KILLED; a backend that broke, a Ray
+            if tracker is not None:    # cluster gone: FAILED), not RUNNING until a later run or sync
                 with contextlib.suppress(Exception):  # a store gone too: a later run or sync closes it
-                    tracker.end_run(parent_id, "KILLED")
+                    tracker.end_run(parent_id, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
             raise
     if tracker is not None:
         summary.report = _finish_parent(tracker, spec.name, exp_id, parent_id, [p.hash for p in points],
