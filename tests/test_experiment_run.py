@@ -422,3 +422,32 @@ def test_a_sweep_logged_to_a_file_says_each_point_as_it_finishes(tmp_path, capsy
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("point ")]
     assert [line.split(" finished: ")[0] for line in lines] == [f"point {i}/4" for i in range(1, 5)]
     assert all(line.endswith(" s)") and "seed=0" in line for line in lines), lines
+
+
+def test_a_reused_parent_shows_the_points_its_last_run_finished(tmp_path, monkeypatch):
+    """The parent's points.finished was logged at timestamp 0, where MLflow shows the largest value
+    logged: after its data file changed (every point hashed anew) and the rerun's points failed, the
+    reused parent still said 2 finished, its results table none (seen by helper-111)."""
+    from cachelab.experiment import runner
+
+    monkeypatch.setenv("CACHELAB_DATA", str(tmp_path / "data"))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "notes.txt").write_text("first")
+    spec = write_spec(tmp_path, name="reused", capacities=("1%",))
+    spec.write_text(spec.read_text().replace("tokens_per_step = 512", 'tokens_per_step = 512\ndata = ["notes.txt"]'))
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    assert run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", workers=1, quiet=True).ran == 2
+    (tmp_path / "data" / "notes.txt").write_text("second")  # the same spec, new points
+
+    def broken(tasks, *args):
+        for key, _, _ in tasks:
+            yield key, RuntimeError("out of disk")
+
+    monkeypatch.setattr(runner, "run_tasks", broken)
+    summary = run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", workers=1, quiet=True)
+    assert (summary.ran, len(summary.failed)) == (0, 2)
+    client = MlflowClient(tracking_uri=uri)
+    [parent] = client.search_runs([client.get_experiment_by_name("reused").experiment_id],
+                                  "tags.`cachelab.kind` = 'experiment'")
+    assert parent.info.status == "FAILED" and parent.data.metrics["points.finished"] == 0
+

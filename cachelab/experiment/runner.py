@@ -293,7 +293,9 @@ def _finish_parent(tracker: Tracker, name: str, exp_id: str, parent_id: str, has
     it; returns the report's path."""
     finished = tracker.finished_points(exp_id)
     ours = [tracker.client.get_run(finished[h]) for h in hashes if h in finished]
-    record = Record(hash="", label="", params={}, metrics={"points.finished": len(ours)})
+    # stamped now: MLflow shows a metric's value of the latest timestamp, and at one timestamp the largest,
+    # so a reused parent kept showing an earlier run's larger count
+    record = Record(hash="", label="", params={}, metrics={"points.finished": len(ours)}, start_ms=now_ms())
     record.add_table("results", results_table(ours))
     tracker.log_record(parent_id, record)
     report = None
