@@ -161,3 +161,24 @@ def test_each_point_run_is_tracked_with_the_times_its_point_ran(tmp_path, monkey
     for run in runs:  # each ran for its second (and a worker's first point its imports too), within the sweep
         assert run.info.end_time - run.info.start_time >= 1000, run.data.tags
         assert began <= run.info.start_time <= run.info.end_time <= time.time() * 1000
+
+
+def test_a_ray_cluster_runs_at_most_workers_points_at_once(pool_kind, tmp_path, monkeypatch):
+    """On a cluster (``--address``, or a Ray this process joined) every point was submitted at once:
+    ``--workers`` held only for a local Ray, so a serial kind's points (the live kind's, timed on
+    their node's cores) ran side by side there (seen by helper-111)."""
+    import os
+
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a node on loopback, as cachelab starts one
+    ray = pytest.importorskip("ray")
+    tasks, _ = pool_kind
+    path = os.pathsep.join([str(tmp_path / "site"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": path}})  # the cluster: three CPUs, the kind on its path
+    try:
+        out = dict(run_tasks(tasks(3, 1.0), backend="ray", workers=1, address="ray://cluster:10001"))
+    finally:
+        ray.shutdown()
+    assert sorted(out) == ["p0", "p1", "p2"] and all(isinstance(o, PointOutput) for o in out.values()), out
+    spans = sorted(o.ran_ms for o in out.values())
+    assert all(start >= end for (_, end), (start, _) in zip(spans, spans[1:])), f"points overlapped: {spans}"

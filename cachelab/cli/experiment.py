@@ -12,6 +12,7 @@ from cachelab import strict_json
 from cachelab.errors import CachelabError
 
 URI_HELP = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)."
+WORKERS_HELP = "Parallel points (default: the CPU count; on a Ray cluster, every point at once)."
 RUNS_HELP = "Folder for local results: the outbox, cached inputs and reports."
 
 
@@ -20,7 +21,7 @@ def run(
     backend: str = typer.Option("local", help="local (a process pool) or ray."),
     address: str = typer.Option(None, help="Ray cluster address (with --backend ray); default: a local Ray."),
     tracking_uri: str = typer.Option(None, help=URI_HELP),
-    workers: int = typer.Option(None, min=1, help="Parallel points (default: the CPU count)."),
+    workers: int = typer.Option(None, min=1, help=WORKERS_HELP),
     runs_dir: Path = typer.Option(Path("runs"), help=RUNS_HELP),
     set_: list[str] = typer.Option(None, "--set", help="Override a spec key: KEY=VALUE (TOML value), repeatable."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object; no progress bars."),

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from cachelab.cli.experiment import URI_HELP, run_and_print
+from cachelab.cli.experiment import URI_HELP, WORKERS_HELP, run_and_print
 from cachelab.errors import CachelabError
 from cachelab.paths import REPO_ROOT
 
@@ -17,7 +17,7 @@ def quickstart(
     max_chars: int = typer.Option(None, min=1000, help="Characters of standard-library text (default: the spec's)."),
     backend: str = typer.Option("local", help="local (a process pool) or ray."),
     tracking_uri: str = typer.Option(None, help=URI_HELP),
-    workers: int = typer.Option(None, min=1, help="Parallel points (default: the CPU count)."),
+    workers: int = typer.Option(None, min=1, help=WORKERS_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object; no progress bars."),
 ) -> None:
     """Run the quickstart study: Engram addressing skew on the standard library's text and a

@@ -25,6 +25,7 @@ import contextlib
 import ctypes
 import importlib.util
 import ipaddress
+import itertools
 import multiprocessing
 import os
 import signal
@@ -91,9 +92,9 @@ def run_tasks(tasks: list[Task], backend: str = "local", workers: int | None = N
     check_backend(backend, address)
     if not tasks:
         return
-    workers = max(1, min(workers or os.cpu_count() or 1, len(tasks)))
+    given, workers = workers, max(1, min(workers or os.cpu_count() or 1, len(tasks)))
     if backend == "ray":
-        yield from _run_ray(tasks, workers, address)
+        yield from _run_ray(tasks, workers, address, given)
     elif workers == 1:
         for key, config, path in tasks:
             yield key, _safe(config, path)
@@ -189,7 +190,10 @@ def _start_local_ray(ray, workers: int, tasks: list[Task]) -> None:
                             f"before cachelab could set {RAY_LOCAL_ONLY}=0); give --address of a cluster instead")
 
 
-def _run_ray(tasks: list[Task], workers: int, address: str | None):
+def _run_ray(tasks: list[Task], workers: int, address: str | None, in_flight: int | None):
+    """The tasks on a local Ray of ``workers`` CPUs, or on the cluster at ``address`` (or the one this
+    process joined already), at most ``in_flight`` points at a time where given: a cluster took every
+    point at once, so ``--workers``, and a serial kind's one point at a time, held only locally."""
     if not address:
         os.environ[RAY_LOCAL_ONLY] = "0"  # before Ray's first import: a local node on loopback
     try:
@@ -205,11 +209,18 @@ def _run_ray(tasks: list[Task], workers: int, address: str | None):
     try:
         remote = ray.remote(num_cpus=1, max_retries=0)(_safe)
         refs = {path: ray.put(load_workload(path)) for path in {t[2] for t in tasks}}
-        pending = {remote.remote(config, refs[path]): key for key, config, path in tasks}
+        queue, pending = iter(tasks), {}
+
+        def submit(n: int) -> None:
+            for key, config, path in itertools.islice(queue, n):
+                pending[remote.remote(config, refs[path])] = key
+
+        submit(in_flight or len(tasks))
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1)
             for ref in done:
                 key = pending.pop(ref)
+                submit(1)  # the next point starts while this one is tracked
                 try:
                     yield key, ray.get(ref)
                 except Exception as exc:  # the worker died: report it as this point's failure
