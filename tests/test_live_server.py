@@ -1140,3 +1140,36 @@ def test_the_system_fingerprint_follows_what_decides_the_tokens(tmp_path):
     assert fingerprint(seed=1) != base
     build_tables("deepseek-v4.1-flash", 1e-5, tmp_path / "other", seed=3)
     assert fingerprint(store=tmp_path / "other") != base
+
+
+def test_forced_usage_reaches_a_client_behind_the_capture_proxy_as_it_does_direct(tmp_path):
+    """vLLM's --enable-force-include-usage (serve takes it too) puts usage in every chunk of a
+    stream and a usage event at its end, asked for or not. The capture proxy, which asks for the
+    usage event and drops it for a client that did not, dropped it here too: behind the proxy the
+    client lost an event it gets direct. Seeing usage in a chunk of tokens, which the proxy never
+    asks for, it now leaves the event in."""
+    from capture_upstream import ProxyThread
+
+    from cachelab.capture.proxy import ProxyConfig
+    from cachelab.capture.recorder import Recorder
+    from cachelab.capture.to_trace import read_requests
+
+    def events(base: str, path: str, body: dict) -> list:
+        body = {"model": MODEL, "temperature": 0, "stream": True, "max_tokens": 4, **body}
+        with httpx.stream("POST", f"{base}/v1/{path}", json=body, timeout=T) as r:
+            got = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        return [{k: v for k, v in e.items() if k not in ("id", "created")} for e in got]
+
+    requests = [("completions", {"prompt": "Engram rows"}),
+                ("chat/completions", {"messages": [{"role": "user", "content": "hello"}]}),
+                ("completions", {"prompt": "Engram rows", "stream_options": {"continuous_usage_stats": True}})]
+    recorder = Recorder(tmp_path / "cap")
+    opts = ServeOptions(port=0, threads=1, kv_cache_tokens=8192, enable_force_include_usage=True)
+    with running_server(opts) as (url, _), ProxyThread(ProxyConfig(upstream=url), recorder) as proxy:
+        for path, body in requests:
+            direct, proxied = events(url, path, body), events(proxy.url, path, body)
+            assert direct[-1]["choices"] == [] and all("usage" in e for e in direct), direct  # vLLM's rule
+            assert proxied == direct, (path, proxied, direct)
+        assert recorder.flush(30)
+    rows, _ = read_requests(tmp_path / "cap")
+    assert rows.height == 3 and rows["cached"].null_count() == 0, rows

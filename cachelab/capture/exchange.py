@@ -132,7 +132,8 @@ def _echoes(body: dict, endpoint: str) -> bool:
 class Restorer:
     """Turns the upstream's events back into the stream the client would have got without the proxy.
 
-    Besides nulling injected ids and dropping the injected usage event, it keeps vLLM's
+    Besides nulling injected ids and dropping the injected usage event (not where the upstream
+    sends usage unasked: ``_event``), it keeps vLLM's
     ``system_fingerprint`` where vLLM puts it: on the terminal chunk (a non-null
     ``finish_reason``) when no usage event follows, and only on the usage event otherwise. So
     when the proxy asked for usage (``prepare``: only of a request for one choice), the terminal
@@ -156,6 +157,13 @@ class Restorer:
 
     def _event(self, event: bytes) -> list[bytes]:
         x = self.x
+        if x.injected_usage and b'"usage"' in event and b'"choices":[]' not in event:
+            # usage in a chunk of tokens, though the proxy asked for none there: the upstream forces
+            # it (vLLM's --enable-force-include-usage: usage in every chunk and a usage event at the
+            # end), so the client gets that event without the proxy too, and keeps it
+            x.injected_usage = False
+            held, self.held = self.held, []
+            return held + self._event(event)
         if x.injected_usage and b'"choices":[]' in event and b'"usage"' in event:
             found = _FINGERPRINT.search(event)
             held, self.held = self.held, []

@@ -72,6 +72,9 @@ def serve(
     enable_request_id_headers: bool = typer.Option(False, "--enable-request-id-headers", help="Answer every request "
                                                    "with an X-Request-Id header: the one it sent, else a new random id "
                                                    "(vLLM's flag)."),
+    enable_force_include_usage: bool = typer.Option(False, "--enable-force-include-usage", help="Every stream "
+                                                    "carries usage in each chunk and a usage chunk at its end, asked "
+                                                    "for or not (vLLM's flag)."),
 ) -> None:
     """Serve an Engram model over HTTP: /v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics (vLLM's metric names).
@@ -91,5 +94,6 @@ def serve(
                      max_requests_in_flight=max_requests_in_flight,
                      prefetch=prefetch, prefix_caching=prefix_caching, device=device,
                      threads=threads, served_model_name=served_model_name, capture=capture,
-                     shutdown_timeout=shutdown_timeout, enable_request_id_headers=enable_request_id_headers),
+                     shutdown_timeout=shutdown_timeout, enable_request_id_headers=enable_request_id_headers,
+                     enable_force_include_usage=enable_force_include_usage),
         announce=typer.echo)

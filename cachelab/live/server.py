@@ -146,12 +146,15 @@ class _RequestIdHeader:
 
 
 def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str | None = None,
-               recorder=None, request_id_headers: bool = False, fingerprint: str | None = None) -> FastAPI:
+               recorder=None, request_id_headers: bool = False, fingerprint: str | None = None,
+               force_include_usage: bool = False) -> FastAPI:
     """The app; the engine must be started (and is stopped by the caller). ``recorder``: a
     ``cachelab.capture.Recorder`` that records every completion request answered (``--capture``):
     one record per choice the engine ran, one for a request refused before it ran.
     ``request_id_headers``: answer with an ``X-Request-Id`` header (``_RequestIdHeader``).
-    ``fingerprint``: the ``system_fingerprint`` of every answer (``launch.system_fingerprint``)."""
+    ``fingerprint``: the ``system_fingerprint`` of every answer (``launch.system_fingerprint``).
+    ``force_include_usage``: vLLM's ``--enable-force-include-usage``: every stream carries usage in
+    each chunk and a usage chunk at its end, whatever its ``stream_options`` ask."""
     app = FastAPI(title="cachelab serve", docs_url=None, redoc_url=None)
     if request_id_headers:
         app.add_middleware(_RequestIdHeader)
@@ -276,7 +279,8 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
         request.state.recorded = True  # by the timelines from now on
         choices = _Choices(rids, [ids for ids, _ in jobs], n, req.return_token_ids, timelines)
         if req.stream:
-            return StreamingResponse(_stream(engine, choices, collector, oid, model_name, req, chat, fingerprint),
+            wanted = (True, True) if force_include_usage else (req.include_usage, req.continuous_usage)
+            return StreamingResponse(_stream(engine, choices, collector, oid, model_name, req, chat, fingerprint, *wanted),
                                      media_type="text/event-stream")
         return JSONResponse(await _whole(engine, request, choices, collector, oid, model_name, req, chat, fingerprint))
 
@@ -412,10 +416,11 @@ async def _whole(engine, request: Request, choices: _Choices, collector: _Collec
 
 
 async def _stream(engine, choices: _Choices, collector: _Collector, oid: str, model: str, req, chat: bool,
-                  fingerprint: str | None):
-    """Server-sent events: per choice, one chunk per step that produced text or ids; then usage,
-    then [DONE]. The cached tokens in usage are those of the first output to come, whichever
-    prompt and choice it is of, as vLLM streams them."""
+                  fingerprint: str | None, include_usage: bool, continuous_usage: bool):
+    """Server-sent events: per choice, one chunk per step that produced text or ids; then usage
+    (``include_usage``; in every chunk too with ``continuous_usage``), then [DONE]. The cached
+    tokens in usage are those of the first output to come, whichever prompt and choice it is of,
+    as vLLM streams them."""
     rids = choices.rids
     created, index, last = int(time.time()), {rid: i for i, rid in enumerate(rids)}, [None] * len(rids)
     cached = None
@@ -428,7 +433,7 @@ async def _stream(engine, choices: _Choices, collector: _Collector, oid: str, mo
                 for i in range(len(rids) if chat else 0):  # before the request ran, a client's TTFT was its round trip)
                     yield _sse(chunk_body(oid, created, model, i, "", None, None, [] if req.return_token_ids else None,
                                           choices.prompt_ids(i), chat, True,
-                                          usage(len(choices.prompts[i]), 0) if req.continuous_usage else None))
+                                          usage(len(choices.prompts[i]), 0) if continuous_usage else None))
                 cached = out.cached_tokens
             i = index[out.rid]
             if out.finished:
@@ -442,12 +447,12 @@ async def _stream(engine, choices: _Choices, collector: _Collector, oid: str, mo
             yield _sse(chunk_body(oid, created, model, i, out.new_text, out.finish_reason, out.stop_reason, ids,
                                   choices.prompt_ids(i) if first[i] else None, chat, False,
                                   # vLLM's continuous usage: the choice's counts so far, no details
-                                  usage(out.num_prompt, out.num_output) if req.continuous_usage else None,
+                                  usage(out.num_prompt, out.num_output) if continuous_usage else None,
                                   # on the terminal chunk, unless a usage chunk follows (vLLM's placement)
-                                  fingerprint if out.finish_reason and not req.include_usage else None))
+                                  fingerprint if out.finish_reason and not include_usage else None))
             first[i] = False
         ended = True
-        if req.include_usage:
+        if include_usage:
             yield _sse(usage_chunk(oid, created, model, choices.usage(last, cached), chat, fingerprint))
         yield "data: [DONE]\n\n"
     finally:  # the client went away (or the server is stopping): free their KV blocks
