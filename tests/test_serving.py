@@ -219,6 +219,24 @@ def test_a_later_turn_reuses_the_earlier_turns_output_blocks():
     assert res.per_request["cached_tokens"].to_list() == [0, (100 + 40 - 1) // 16 * 16]
 
 
+def test_a_request_preempted_before_its_first_token_reports_its_first_admissions_hit():
+    """vLLM 0.32 sets a request's prefill stats (``usage...cached_tokens``) at its first admission
+    only (``num_preemptions <= 0``), as cachelab's live engine does; the replay took the hit of its
+    re-admission, whose own blocks from before the preemption were still cached: 256 for vLLM's 0
+    (checked against vLLM's own Scheduler driven offline on the same requests)."""
+    a, b = np.arange(168 + 60) * 7 + 1000, np.arange(320 + 4) * 11 + 3000
+    trace = pl.DataFrame({"arrival_s": [0.0, 0.0], "prompt_ids": [a[:168].tolist(), b[:320].tolist()],
+                          "output_ids": [a[168:].tolist(), b[320:].tolist()]})
+    steps = []  # a 31-block pool, 32 tokens a step: b is preempted mid-prefill, comes back with 16 blocks cached
+    res = ServingSimulator(trace, ServingConfig(hardware="B200", tp=4, kv_cache_tokens=31 * 16, block_size=16,
+                                                max_num_batched_tokens=32)).run(on_step=steps.append)
+    hits = [int(c) for s in steps for r, c, a in zip(s.requests, s.cached, s.admitted) if a and r == 1]
+    first_token = next(s.index for s in steps if 1 in s.emitted)
+    assert hits == [0, 256] and next(s.index for s in steps if 1 in s.preempted) < first_token
+    assert res.per_request["cached_tokens"].to_list() == [0, 0]
+    assert res.per_request["preemptions"].to_list() == [0, 1]
+
+
 def test_the_simulator_drives_the_scheduler_and_its_steps_make_a_lookup_stream():
     from cachelab.workload.steps import step_stream
 

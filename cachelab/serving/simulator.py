@@ -392,7 +392,7 @@ class ServingSimulator:
                     stream.reset(slot)
                     if hit:
                         stream.feed(self.seqs[r][max(0, hit - hist):hit], seq=[slot])
-                    if np.isnan(first[r]):
+                    if not requests[r].preemptions:  # vLLM reports the first admission's hit (prefill_stats)
                         cached_first[r] = hit
                 # -- the step's rows -------------------------------------------------------
                 ids = step.requests.tolist()
