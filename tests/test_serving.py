@@ -237,6 +237,26 @@ def test_a_request_preempted_before_its_first_token_reports_its_first_admissions
     assert res.per_request["preemptions"].to_list() == [0, 1]
 
 
+@pytest.mark.parametrize("prefix_cache", ["vllm", "sglang"])
+def test_a_request_is_refused_up_front_only_when_its_kv_cannot_fit(prefix_cache):
+    """A request's KV is every token but its last output (never fed back), in whole blocks for
+    the vLLM pool of kv_cache_tokens // block_size blocks. The check took prompt + output tokens:
+    it refused 490 + 7 in a pool of 496 (the request needs 496), and let 497 + 1 through a pool of
+    500 tokens, 31 blocks (it needs 32), to fail at its first scheduling, maybe hours in."""
+    rng = np.random.default_rng(3)
+
+    def one(prompt, output):
+        return pl.DataFrame({"arrival_s": [0.0], "prompt_ids": [rng.integers(1000, 5000, prompt).tolist()],
+                             "output_ids": [rng.integers(1000, 5000, output).tolist()]})
+
+    cfg = ServingConfig(hardware="B200", tp=4, kv_cache_tokens=496, prefix_cache=prefix_cache)
+    assert simulate(one(490, 7), cfg).metrics["completed"] == 1
+    if prefix_cache == "vllm":
+        with pytest.raises(CachelabError, match=r"trace row 0 \(by arrival\) needs 512 KV tokens \(497 prompt, 1 "
+                                                r"output\) in blocks of 16; the KV cache of B200 TP4 dram-uva holds 496"):
+            ServingSimulator(one(497, 1), ServingConfig(hardware="B200", tp=4, kv_cache_tokens=500))
+
+
 def test_the_simulator_drives_the_scheduler_and_its_steps_make_a_lookup_stream():
     from cachelab.workload.steps import step_stream
 

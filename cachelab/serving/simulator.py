@@ -253,11 +253,17 @@ class ServingSimulator:
             self.plen, self.olen, self.arrival = (np.concatenate([a, b]) for a, b in
                                                   ((plen, self.plen), (olen, self.olen), (arrival, self.arrival)))
         self.kv_tokens = kv_tokens = config.kv_cache_tokens or self.latency.plan.kv_tokens
-        too_long = np.flatnonzero(self.plen + self.olen > kv_tokens)
+        # KV of every token a request computes: all but its last output token (sampled, never fed back),
+        # in whole blocks for the vLLM pool, which holds kv_tokens // block_size of them
+        unit = 1 if config.prefix_cache == "sglang" else config.block_size
+        need, holds = -(-(self.plen + self.olen - 1) // unit) * unit, kv_tokens // unit * unit
+        too_long = np.flatnonzero(need > holds)
         if too_long.size:
             i = int(too_long[0])
-            raise CachelabError(f"request {i} needs {int(self.plen[i] + self.olen[i])} KV tokens; the KV cache of "
-                                f"{self.hw.name} TP{config.tp} {config.placement} holds {kv_tokens}")
+            row = f"warm-up row {i}" if i < self.num_warmup else f"trace row {i - self.num_warmup}"
+            raise CachelabError(f"{row} (by arrival) needs {int(need[i])} KV tokens ({int(self.plen[i])} prompt, "
+                                f"{int(self.olen[i])} output){'' if unit == 1 else f' in blocks of {unit}'}; the KV "
+                                f"cache of {self.hw.name} TP{config.tp} {config.placement} holds {holds}")
         self.row_bytes = self.addresser.config.row_bytes
         self.rows_per_page = PAGE_BYTES // self.row_bytes
         self.learned = None  # the learned row cache's model (cachelab.learning.training.Model)
