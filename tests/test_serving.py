@@ -270,6 +270,13 @@ def test_the_simulator_drives_the_scheduler_and_its_steps_make_a_lookup_stream()
     assert stream.num_steps == res.metrics["steps"] and stream.num_lookups == res.rows["lookups"]
 
 
+@pytest.mark.parametrize("block_size", [0, -16])
+def test_a_block_size_under_one_is_refused_before_the_replay(block_size):
+    # 0 raised ZeroDivisionError in the KV pool (a [serving].params key), after the row-space pass
+    with pytest.raises(CachelabError, match=f"block_size must be >= 1 \\(tokens per KV block\\), got {block_size}"):
+        ServingConfig(block_size=block_size).check()
+
+
 @pytest.mark.parametrize("field", ["row_cache_bytes", "page_cache_bytes", "warmup_s"])
 @pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])
 def test_sizes_and_times_must_be_finite_and_non_negative(field, value):

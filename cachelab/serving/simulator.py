@@ -120,6 +120,8 @@ class ServingConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise CachelabError(f"{name} must be >= 1, got {value}")
+        if self.block_size < 1:  # 0 divided by zero in the KV pool, after the row-space pass
+            raise CachelabError(f"block_size must be >= 1 (tokens per KV block), got {self.block_size}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise CachelabError(f"kv_cache_tokens must be at least one block ({self.block_size}), got {self.kv_cache_tokens}")
         for name in ("row_cache_bytes", "page_cache_bytes", "warmup_s"):  # NaN passes a plain `< 0`
