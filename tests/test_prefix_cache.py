@@ -142,12 +142,28 @@ def test_sglang_split_lock_and_leaf_lru():
     assert sorted(cache.root.children[1].children) == [4]
     assert cache.extend(1, 5) and cache.num_free_tokens == 3
     assert _start(cache, 2, [7] * 6) == 0
-    assert not cache.extend(2, 6)  # evicts leaf [4,5]; the locked [1,2,3] stays: 5 free < 6
-    assert cache.num_free_tokens == 5 and cache.tree_tokens == 3
+    assert not cache.extend(2, 6)  # 3 free + leaf [4,5] (the locked [1,2,3] is not evictable) < 6
+    assert cache.num_free_tokens == 3 and cache.tree_tokens == 5  # refused: nothing evicted
     cache.free(1)  # inserts [9,9] under [1,2,3]
-    assert cache.tree_tokens == 5
-    assert cache.extend(2, 6) and cache.tree_tokens == 3  # leaf [9,9] went, [1,2,3] is kept
+    assert cache.tree_tokens == 7 and cache.evictable_tokens == 7
+    assert cache.extend(2, 6) and cache.tree_tokens == 3  # leaves [4,5], then [9,9] went; [1,2,3] is kept
     assert cache.hit_ratio == pytest.approx(3 / 16)
+
+
+def test_sglang_refuses_what_cannot_fit_without_evicting_the_tree():
+    """SGLang admits a request against available + evictable tokens (PrefillAdder) and evicts only
+    for an allocation that fits: a refused one left the tree empty, so the request after it,
+    sharing the evicted prefix, missed it (here 30 tokens)."""
+    cache = RadixPrefixCache(capacity_tokens=100)
+    shared = np.arange(30)
+    assert _start(cache, 0, shared) == 0 and cache.extend(0, 30)
+    cache.free(0)  # 30 tokens cached, unlocked
+    assert _start(cache, 1, np.arange(100, 160)) == 0 and cache.extend(1, 60)  # 10 free
+    assert _start(cache, 2, np.arange(200, 250)) == 0
+    assert not cache.extend(2, 50)  # 10 free + 30 evictable < 50
+    cache.preempt(2)
+    assert cache.tree_tokens == 30 and cache.evicted_tokens == 0
+    assert _start(cache, 3, np.r_[shared, 7]) == 30  # the whole shared prefix, as SGLang keeps it
 
 
 def test_sglang_unbounded_equals_longest_earlier_prefix():

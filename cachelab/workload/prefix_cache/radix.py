@@ -8,6 +8,9 @@ As SGLang's ``RadixCache`` does it (python/sglang/srt/mem_cache/radix_cache.py):
   only unlocked leaves are evicted, least recently used first, and a parent whose last child
   went becomes a leaf in turn.
 - A finished request inserts its tokens; the part already in the tree is freed as duplicate.
+- A request whose tokens do not fit in the free and the evictable (unlocked) tokens together
+  is refused without evicting anything (SGLang's ``PrefillAdder`` budget is ``available_size()
+  + evictable_size()``; eviction frees only what an allocation that fits needs).
 
 KV memory is ``capacity_tokens`` token slots shared by the tree and the running requests'
 private (not yet inserted) tokens. Hit rate is SGLang's: cached / (new + cached) tokens of
@@ -63,6 +66,7 @@ class RadixPrefixCache:
         self.tree_tokens = 0
         self.private_tokens = 0
         self.evicted_tokens = 0
+        self.evictable_tokens = 0  # tokens of unlocked nodes (SGLang's ``evictable_size``)
         self._req: dict[int, tuple[np.ndarray, _Node, int, int]] = {}  # tokens, node, cached, held
         self.new_tokens = 0
         self.cached_tokens = 0
@@ -95,9 +99,13 @@ class RadixPrefixCache:
 
     def _lock(self, node: _Node, delta: int) -> None:
         while node is not None:
+            if node.lock == 0:  # locked now: no longer evictable (the root's key is empty)
+                self.evictable_tokens -= node.key.size
             node.lock += delta
-            if node.lock == 0 and not node.children:
-                heapq.heappush(self._heap, (node.last_access, next(self._tie), node))
+            if node.lock == 0:
+                self.evictable_tokens += node.key.size
+                if not node.children:
+                    heapq.heappush(self._heap, (node.last_access, next(self._tie), node))
             node = node.parent
 
     def _insert(self, tokens: np.ndarray) -> int:
@@ -108,6 +116,7 @@ class RadixPrefixCache:
             leaf = _Node(tokens[pos:].copy(), node, now)
             node.children[int(tokens[pos])] = leaf
             self.tree_tokens += leaf.key.size
+            self.evictable_tokens += leaf.key.size
             heapq.heappush(self._heap, (now, next(self._tie), leaf))
         return pos
 
@@ -126,6 +135,7 @@ class RadixPrefixCache:
             node.parent = None
             freed += node.key.size
             self.tree_tokens -= node.key.size
+            self.evictable_tokens -= node.key.size
             if parent is not self.root and not parent.children and parent.lock == 0:
                 heapq.heappush(self._heap, (parent.last_access, next(self._tie), parent))
         self.evicted_tokens += freed
@@ -187,9 +197,9 @@ class RadixPrefixCache:
         if need <= 0:
             return True
         if need > self.num_free_tokens:
+            if need > self.num_free_tokens + self.evictable_tokens:
+                return False  # refused as SGLang refuses it: the cached prefixes stay
             self._evict(need - self.num_free_tokens)
-            if need > self.num_free_tokens:
-                return False
         self.private_tokens += need
         self._req[rid] = (tokens, node, cached, num_tokens)
         return True
