@@ -2,6 +2,7 @@
 rows it reads against the serving simulator's, the Engram gate, weights, detokenization."""
 
 import math
+import threading
 
 import numpy as np
 import polars as pl
@@ -401,3 +402,63 @@ def test_iteration_tokens_are_observed_per_step_with_outputs_as_vllm_observes_th
     hit = (200 - 1) // 16 * 16  # the second time: the whole blocks but the last token's
     assert observer.steps == [200 + 1, 1, 1, 200 - hit + 1, 1, 1]
     assert engine.counters.steps == 4 + 2 + 1 + 2
+
+
+class Scripted:
+    """Wraps the engine's model: its sampled row's logits favour the next token of ``script`` (one
+    request at a time), so the engine's stop and text rules meet chosen tokens, as vLLM's peer meets
+    them with ``allowed_token_ids`` (tests/test_live_server.py)."""
+
+    def __init__(self, engine: LiveEngine, script):
+        self.model, self.script = engine.model, list(script)
+        engine.model = self
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, *args):
+        logits = self.model(*args)
+        if logits.shape[0]:
+            logits[0] = 0.0
+            logits[0, self.script.pop(0)] = 100.0
+        return logits
+
+
+def scripted_answers(cases) -> list[tuple]:
+    """(text, token ids, finish_reason, stop_reason) of each ``(script, params)`` run alone."""
+    engine = make_engine()
+    model, answers = engine.model, []
+    engine.start()
+    try:
+        for script, params in cases:
+            Scripted(engine, script)
+            outs, done = [], threading.Event()
+            engine.submit([[1527, 2000, 2001]], [params], [lambda o: (outs.append(o), o.finished and done.set())])
+            assert done.wait(60)
+            engine.model = model
+            answers.append(("".join(o.new_text for o in outs), [t for o in outs for t in o.new_token_ids],
+                            outs[-1].finish_reason, outs[-1].stop_reason))
+    finally:
+        engine.stop()
+    return answers
+
+
+LLAMA = [3574, 102, 250]  # "🦙" as three byte tokens (F0 9F, A6, 99)
+X, EOS = 1527, 1  # " x"; DeepSeek's EOS
+
+
+def test_an_answer_drops_the_bytes_of_a_character_it_never_completed_as_vllm_does():
+    """vLLM 0.32 detokenizes with tokenizers' DecodeStream: a character comes once its last byte
+    came, and nothing of one the answer never completed (the answer's last output flushed those bytes
+    as U+FFFD). DecodeStream gives these texts; the real vLLM server (the peer, the script forced with
+    allowed_token_ids) gave "" for one byte token, three, one before EOS and a kept stop token."""
+    greedy = dict(temperature=0, ignore_eos=True)
+    cases = [([LLAMA[0]], SamplingParams(max_tokens=1, **greedy)),
+             ([LLAMA[0]] * 3, SamplingParams(max_tokens=3, **greedy)),
+             ([X, *LLAMA[:2]], SamplingParams(max_tokens=3, **greedy)),
+             ([*LLAMA, X], SamplingParams(max_tokens=4, **greedy)),
+             ([X, LLAMA[0], EOS], SamplingParams(max_tokens=4, temperature=0)),
+             ([LLAMA[0]], SamplingParams(max_tokens=4, stop_token_ids=(LLAMA[0],), include_stop_str_in_output=True,
+                                         **greedy))]
+    assert [a[0] for a in scripted_answers(cases)] == ["", "", " x", "🦙 x", " x", ""]
+

@@ -398,12 +398,11 @@ class LiveEngine:
         p = live.params
         if token in p.stop_token_ids:
             if p.include_stop_str_in_output:  # vLLM then keeps the stop token's text
-                live.detok.add(token, final=True)
+                live.detok.add(token)
             return token
         if token == self.eos and not p.ignore_eos:
-            live.detok.add(token, final=True)
             return "eos"
-        return live.detok.add(token, final=live.req.num_output + 1 >= live.req.max_output)
+        return live.detok.add(token)
 
     def _emit(self, step: StepRecord, sampled: dict, stopped: dict, now: float) -> int:
         """Hands out the step's tokens; returns the prompt tokens computed of the requests given their first."""

@@ -8,8 +8,10 @@ NaN, and the draw would fail the step of every request in the batch. Until a req
 ``min_tokens`` output tokens its stop token ids and EOS are masked out of its logits and its
 text is not searched for stop strings (vLLM's MinTokensLogitsProcessor and detokenizer). Text
 is decoded a window at a time (vLLM's prefix/read offsets), never emitting a half UTF-8
-character, and held back by the longest stop string minus one character so a stop string is
-never streamed before it is recognised (no hold when the stop string stays in the output).
+character (not even at the end: bytes of a character the answer never completed are dropped,
+as vLLM's ``DecodeStream`` drops them, where a flush made them a U+FFFD), and held back by the
+longest stop string minus one character so a stop string is never streamed before it is
+recognised (no hold when the stop string stays in the output).
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ class Detokenizer:
         self._prefix = self._read = 0
         self._stopped = False
 
-    def add(self, token: int, final: bool = False) -> str | None:
+    def add(self, token: int) -> str | None:
         """Append ``token``; returns the stop string it completed, if any."""
         self.ids.append(token)
         if self._stopped:
@@ -85,7 +87,7 @@ class Detokenizer:
         decode = self.tokenizer.decode
         before = decode(self.ids[self._prefix:self._read], skip_special_tokens=True)
         after = decode(self.ids[self._prefix:], skip_special_tokens=True)
-        if len(after) > len(before) and (final or not after.endswith(UNFINISHED_CHAR)):
+        if len(after) > len(before) and not after.endswith(UNFINISHED_CHAR):
             new_from = len(self.text)
             self.text += after[len(before):]
             self._prefix, self._read = self._read, len(self.ids)
