@@ -3,6 +3,7 @@ rows it reads against the serving simulator's, the Engram gate, weights, detoken
 
 import math
 import threading
+from dataclasses import replace
 
 import numpy as np
 import polars as pl
@@ -462,3 +463,12 @@ def test_an_answer_drops_the_bytes_of_a_character_it_never_completed_as_vllm_doe
                                          **greedy))]
     assert [a[0] for a in scripted_answers(cases)] == ["", "", " x", "🦙 x", " x", ""]
 
+
+def test_an_eos_also_listed_in_stop_token_ids_stops_as_eos_as_vllm_does():
+    """vLLM's check_stop looks for EOS before the stop token ids: an EOS in stop_token_ids stops with
+    stop_reason null (it said the EOS id), but with ignore_eos it is a stop token like any other: the
+    real vLLM server's answers (the peer, allowed_token_ids [1])."""
+    both = SamplingParams(max_tokens=4, temperature=0, stop_token_ids=(EOS,))
+    assert scripted_answers([([EOS], both), ([EOS], replace(both, ignore_eos=True)),
+                             ([X, X], replace(both, stop_token_ids=(X,))), ([X], replace(both, max_tokens=1))]) == [
+        ("", [EOS], "stop", None), ("", [EOS], "stop", EOS), ("", [X], "stop", X), (" x", [X], "length", None)]

@@ -394,14 +394,15 @@ class LiveEngine:
                 self._live[r].cached_tokens, self._live[r].scheduled = hit, now
 
     def _stop_check(self, live: _Live, token: int) -> int | str | None:
-        """Why ``live`` stops after ``token`` (a stop token id, a stop string, "eos"), or None."""
+        """Why ``live`` stops after ``token`` ("eos", a stop token id, a stop string), or None. EOS
+        first, as vLLM's check_stop: an EOS also listed in ``stop_token_ids`` stops with no
+        stop_reason (it said the EOS id), unless ``ignore_eos``."""
         p = live.params
-        if token in p.stop_token_ids:
-            if p.include_stop_str_in_output:  # vLLM then keeps the stop token's text
+        eos = token == self.eos and not p.ignore_eos
+        if eos or token in p.stop_token_ids:
+            if p.include_stop_str_in_output:  # vLLM then keeps the stop token's text (EOS, a special token, has none)
                 live.detok.add(token)
-            return token
-        if token == self.eos and not p.ignore_eos:
-            return "eos"
+            return "eos" if eos else token
         return live.detok.add(token)
 
     def _emit(self, step: StepRecord, sampled: dict, stopped: dict, now: float) -> int:
