@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cachelab.live.launch import ServeOptions, running_server
-from cachelab.live.protocol import CompletionRequest
+from cachelab.live.protocol import ChatCompletionRequest, CompletionRequest
 
 MODEL = "cachelab-tiny"
 LABELS = {"model_name": MODEL, "engine": "0"}
@@ -657,6 +657,16 @@ def test_openai_nullable_fields_sent_as_null_mean_their_default(server):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
     r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "ignore_eos": None}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "ignore_eos"  # not nullable in vLLM either
+
+
+def test_a_completions_null_max_tokens_is_16_as_in_vllm():
+    """vLLM's normalize_null_max_tokens: a completion sent max_tokens null gets the default 16 (the
+    peer answered 16 tokens with ignore_eos); here it ran to the end of the context. A chat's null
+    max_tokens is no limit in both."""
+    null = {"prompt": "x", "max_tokens": None}
+    assert CompletionRequest.model_validate(null).max_tokens == 16
+    assert ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                                 "max_tokens": None}).max_tokens is None
 
 
 def test_a_body_not_declared_as_json_is_a_400_as_in_vllm(server):

@@ -44,9 +44,11 @@ class StreamOptions(BaseModel):
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit, and vLLM's (VLLM_MAX_STOP_STRINGS)
 # Fields OpenAI's API (and vLLM's, as ``X | None``) lets a client send as null, meaning the default:
-# the openai client sends an argument given as None as null
+# the openai client sends an argument given as None as null. A completion's null max_tokens is its
+# default 16 (vLLM's normalize_null_max_tokens; it ran to the end of the context), a chat's no limit
 NULL_IS_DEFAULT = frozenset({"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                             "frequency_penalty", "n", "stream", "stop_token_ids", "return_token_ids", "echo"})
+                             "frequency_penalty", "n", "stream", "stop_token_ids", "return_token_ids", "echo",
+                             "max_tokens"})
 
 
 class _Sampling(BaseModel):
