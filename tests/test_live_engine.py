@@ -331,6 +331,19 @@ def test_top_k_draws_only_among_the_k_largest_logits():
     assert len(set(sample(logits, [SamplingParams(max_tokens=1, temperature=5.0)] * 300, [gen] * 300).tolist())) > 100
 
 
+
+def test_top_p_keeps_a_nucleus_of_exactly_top_p_and_no_token_more_as_vllm_does():
+    """vLLM (apply_top_k_top_p) drops the least likely tokens whose mass is at most 1 - top_p: over
+    four equally likely tokens top_p 0.5 keeps two and 0.25 one (its function on these logits, run
+    in the peer's venv, keeps those). The nucleus here took one token more whenever the mass before
+    a token was exactly top_p: three and two."""
+    logits = torch.full((300, 1000), float("-inf"))
+    logits[:, :4] = 0.0  # 0.25 each, exactly
+    gen = torch.Generator().manual_seed(1)
+    for top_p, kept in ((0.5, 2), (0.25, 1), (0.75, 3), (1.0, 4)):
+        drawn = sample(logits, [SamplingParams(max_tokens=1, top_p=top_p)] * 300, [gen] * 300)
+        assert len(set(drawn.tolist())) == kept and set(drawn.tolist()) <= {0, 1, 2, 3}, top_p
+
 def test_scheduler_abort_frees_blocks_of_running_and_drops_waiting():
     pool = BlockPrefixCache(8, 4)
     sched = Scheduler(pool, max_num_batched_tokens=64, max_num_seqs=1)

@@ -1,7 +1,8 @@
 """Sampling and incremental detokenization, as vLLM does them for the OpenAI endpoints.
 
 Greedy rows (temperature 0) take the argmax together; the others are scaled by their
-temperature, cut to their top-k logits and then to their top-p nucleus (vLLM's order) and
+temperature, cut to their top-k logits and then to their top-p nucleus (vLLM's order and
+rule: a set of tokens whose mass is exactly ``top_p`` is the nucleus, no token more) and
 drawn from their own generator (seeded when the request gives a ``seed``). A positive temperature under ``MIN_TEMPERATURE`` is raised to it,
 as vLLM does: float32 logits over a temperature near 0 overflow to inf, the softmax gives
 NaN, and the draw would fail the step of every request in the batch. Until a request has
@@ -55,13 +56,12 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
         scaled = logits[i] / max(p.temperature, MIN_TEMPERATURE)
         if 0 < p.top_k < scaled.numel():
             scaled = scaled.masked_fill(scaled < scaled.topk(p.top_k).values[-1], float("-inf"))
-        probs = torch.softmax(scaled, -1)
-        if p.top_p < 1.0:
-            ordered, order = probs.sort(descending=True)
-            cut = ordered.cumsum(0) - ordered > p.top_p  # keep the smallest set reaching top_p
-            ordered[cut] = 0.0
-            probs = torch.zeros_like(probs).scatter_(0, order, ordered)
-        out[i] = torch.multinomial(probs.cpu(), 1, generator=gen)[0]
+        if p.top_p < 1.0:  # vLLM's rule: the least likely tokens whose mass is at most 1 - top_p go, the likeliest stays
+            ordered, order = scaled.sort()
+            cut = ordered.softmax(-1).cumsum(0) <= 1 - torch.tensor(p.top_p, dtype=ordered.dtype)
+            cut[-1] = False
+            scaled = scaled.index_fill(0, order[cut], float("-inf"))
+        out[i] = torch.multinomial(torch.softmax(scaled, -1).cpu(), 1, generator=gen)[0]
     return out.cpu()
 
 
