@@ -438,6 +438,9 @@ class Scripted:
         return logits
 
 
+SCRIPT_PROMPT = [1527, 2000, 2001]
+
+
 def scripted_answers(cases) -> list[tuple]:
     """(text, token ids, finish_reason, stop_reason) of each ``(script, params)`` run alone."""
     engine = make_engine()
@@ -447,7 +450,7 @@ def scripted_answers(cases) -> list[tuple]:
         for script, params in cases:
             Scripted(engine, script)
             outs, done = [], threading.Event()
-            engine.submit([[1527, 2000, 2001]], [params], [lambda o: (outs.append(o), o.finished and done.set())])
+            engine.submit([SCRIPT_PROMPT], [params], [lambda o: (outs.append(o), o.finished and done.set())])
             assert done.wait(60)
             engine.model = model
             answers.append(("".join(o.new_text for o in outs), [t for o in outs for t in o.new_token_ids],
@@ -485,3 +488,28 @@ def test_an_eos_also_listed_in_stop_token_ids_stops_as_eos_as_vllm_does():
     assert scripted_answers([([EOS], both), ([EOS], replace(both, ignore_eos=True)),
                              ([X, X], replace(both, stop_token_ids=(X,))), ([X], replace(both, max_tokens=1))]) == [
         ("", [EOS], "stop", None), ("", [EOS], "stop", EOS), ("", [X], "stop", X), (" x", [X], "length", None)]
+
+
+@pytest.mark.slow
+def test_text_and_stops_of_the_real_vllms_answers_are_ours(vllm_server):
+    """The real vLLM server samples among a few tricky tokens (byte tokens of an emoji, a special
+    token, spaces) with stop strings, kept or not, stop token ids and min_tokens; the engine, given
+    the same tokens, gives the same text, token ids, finish_reason and stop_reason."""
+    import httpx
+
+    rng = np.random.default_rng(5)
+    stops = [[], [" x x"], ["x🦙"], ["🦙", " x"], ["hi x", "x hi"], ["\ufffd"], [" "]]
+    cases, theirs = [], []
+    for seed in range(24):
+        stop, stop_ids = stops[rng.integers(len(stops))], [[], [6366], [0]][rng.integers(3)]
+        kw = dict(stop=stop, stop_token_ids=stop_ids, include_stop_str_in_output=bool(rng.random() < 0.4),
+                  min_tokens=int(rng.choice([0, 2, 4])))
+        body = {"model": vllm_server.model, "prompt": SCRIPT_PROMPT, "allowed_token_ids": [X, *LLAMA, 0, 6366, 223],
+                "seed": seed, "max_tokens": 8, "return_token_ids": True, **kw}
+        c = httpx.post(f"{vllm_server.base_url}/v1/completions", json=body, timeout=120).json()["choices"][0]
+        theirs.append((c["text"], c["token_ids"], c["finish_reason"], c["stop_reason"]))
+        params = SamplingParams(max_tokens=8, temperature=0, **{k: tuple(v) if isinstance(v, list) else v
+                                                                for k, v in kw.items()})
+        cases.append((c["token_ids"] + [X] * 8, params))
+    assert {t[2] for t in theirs} == {"stop", "length"} and any(isinstance(t[3], str) for t in theirs)
+    assert [(i, t, o) for i, (t, o) in enumerate(zip(theirs, scripted_answers(cases))) if t != o] == []
