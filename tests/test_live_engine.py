@@ -490,6 +490,16 @@ def test_an_eos_also_listed_in_stop_token_ids_stops_as_eos_as_vllm_does():
         ("", [EOS], "stop", None), ("", [EOS], "stop", EOS), ("", [X], "stop", X), (" x", [X], "length", None)]
 
 
+def test_skip_special_tokens_off_writes_special_tokens_out_as_vllm_does():
+    """It was refused; vLLM writes a special token's text out, a kept EOS's too, and never a dropped
+    stop token's (the peer: '<｜end▁of▁sentence｜>' for an EOS kept with skip_special_tokens off)."""
+    bos, eos = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+    params = SamplingParams(max_tokens=4, temperature=0, skip_special_tokens=False)
+    cases = [([0, X, EOS], params), ([0, X, EOS], replace(params, include_stop_str_in_output=True)),
+             ([0, 0], replace(params, max_tokens=2)), ([0, X], replace(params, max_tokens=2, skip_special_tokens=True))]
+    assert [a[0] for a in scripted_answers(cases)] == [f"{bos} x", f"{bos} x{eos}", bos * 2, " x"]
+
+
 @pytest.mark.slow
 def test_text_and_stops_of_the_real_vllms_answers_are_ours(vllm_server):
     """The real vLLM server samples among a few tricky tokens (byte tokens of an emoji, a special

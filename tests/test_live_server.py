@@ -609,7 +609,6 @@ def test_fields_vllm_refuses_or_would_answer_are_not_silently_dropped(server):
                          ({"use_beam_search": True}, "use_beam_search"),
                          ({"truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
                          ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
-                         ({"skip_special_tokens": False}, "skip_special_tokens"),
                          # vLLM's chat fields that change the prompt were silently ignored
                          ({"echo": True}, "echo"), ({"continue_final_message": True}, "continue_final_message"),
                          ({"add_generation_prompt": False}, "add_generation_prompt"),
@@ -622,7 +621,8 @@ def test_fields_vllm_refuses_or_would_answer_are_not_silently_dropped(server):
                     json={**chat, "response_format": {"type": "text"}, "logprobs": False, "repetition_penalty": 1.0,
                           "top_k": -1, "min_p": 0.0, "logit_bias": {}, "bad_words": [], "use_beam_search": False,
                           "echo": False, "add_generation_prompt": True, "continue_final_message": False,
-                          "chat_template_kwargs": {}})
+                          "chat_template_kwargs": {}, "skip_special_tokens": False,
+                          "spaces_between_special_tokens": False})
     assert ok.status_code == 200
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=30)
     assert r.status_code == 200 and r.json()["model"] == MODEL

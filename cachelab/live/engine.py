@@ -223,7 +223,8 @@ class LiveEngine:
                 if p.temperature > 0:
                     gen = torch.Generator().manual_seed(p.seed if p.seed is not None else int(np.random.randint(2**62)))
                 live = _Live(Request(rid, ids, int(ids.size), p.max_tokens), p, sink,
-                             Detokenizer(self.tokenizer, p.stop, p.min_tokens, p.include_stop_str_in_output),
+                             Detokenizer(self.tokenizer, p.stop, p.min_tokens, p.include_stop_str_in_output,
+                                         p.skip_special_tokens),
                              gen, now, parent)
                 self._inbox.append(("add", live))
                 new.append(rid)

@@ -4,7 +4,7 @@ Field names are OpenAI's, plus vLLM's extensions where vLLM has one: ``return_to
 (``prompt_token_ids`` and ``token_ids`` in each choice of a completion; ``prompt_token_ids``
 at the top of a chat completion and ``token_ids`` in its choice; in a stream the prompt ids
 come once per choice, in its first chunk, and each chunk carries its new ids), ``ignore_eos``,
-``stop_token_ids``, ``min_tokens``, ``include_stop_str_in_output``, ``stream_options.
+``stop_token_ids``, ``min_tokens``, ``include_stop_str_in_output``, ``skip_special_tokens``, ``stream_options.
 continuous_usage_stats`` (usage in every chunk) and ``usage.prompt_tokens_details.cached_tokens``. Errors have OpenAI's
 shape: ``{"error": {"message", "type", "param", "code"}}``.
 """
@@ -109,8 +109,6 @@ class _Sampling(BaseModel):
                   "chat_template", "chat_template_kwargs", "documents")
         refused = [f for f in fields if getattr(self, f, None)]
         refused += [f for f in ("prompt_logprobs", "truncate_prompt_tokens") if getattr(self, f) is not None]
-        if not self.skip_special_tokens:  # the text always leaves special tokens out
-            refused.append("skip_special_tokens")
         if self.logprobs is not None and self.logprobs is not False:
             refused.insert(0, "logprobs")
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -132,7 +130,8 @@ class _Sampling(BaseModel):
                               top_k=max(self.top_k or 0, 0),
                               seed=None if self.seed == -1 else self.seed,  # vLLM: -1 is no seed
                               stop=stop, stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
-                              min_tokens=self.min_tokens, include_stop_str_in_output=self.include_stop_str_in_output)
+                              min_tokens=self.min_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
+                              skip_special_tokens=self.skip_special_tokens)
 
     @property
     def continuous_usage(self) -> bool:

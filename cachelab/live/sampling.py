@@ -12,7 +12,8 @@ is decoded a window at a time (vLLM's prefix/read offsets), never emitting a hal
 character (not even at the end: bytes of a character the answer never completed are dropped,
 as vLLM's ``DecodeStream`` drops them, where a flush made them a U+FFFD), and held back by the
 longest stop string minus one character so a stop string is never streamed before it is
-recognised (no hold when the stop string stays in the output).
+recognised (no hold when the stop string stays in the output). Special tokens make no text
+unless ``skip_special_tokens`` is off (vLLM's DecodeStream then writes them out).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
 
 def hold_stops(logits: torch.Tensor, rows: Sequence[tuple[int, Sequence[int]]]) -> None:
@@ -68,8 +70,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
 class Detokenizer:
     """One request's output text, built token by token (see module doc)."""
 
-    def __init__(self, tokenizer, stop: Sequence[str] = (), min_tokens: int = 0, keep_stop: bool = False):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, stop: Sequence[str] = (), min_tokens: int = 0, keep_stop: bool = False,
+                 skip_special: bool = True):
+        self.tokenizer, self.skip_special = tokenizer, skip_special
         self.stop = tuple(s for s in stop if s)
         self.hold = 0 if keep_stop else max((len(s) for s in self.stop), default=1) - 1
         self.min_tokens, self.keep_stop = min_tokens, keep_stop
@@ -85,8 +88,8 @@ class Detokenizer:
         if self._stopped:
             return None
         decode = self.tokenizer.decode
-        before = decode(self.ids[self._prefix:self._read], skip_special_tokens=True)
-        after = decode(self.ids[self._prefix:], skip_special_tokens=True)
+        before = decode(self.ids[self._prefix:self._read], skip_special_tokens=self.skip_special)
+        after = decode(self.ids[self._prefix:], skip_special_tokens=self.skip_special)
         if len(after) > len(before) and not after.endswith(UNFINISHED_CHAR):
             new_from = len(self.text)
             self.text += after[len(before):]
