@@ -500,21 +500,33 @@ def test_skip_special_tokens_off_writes_special_tokens_out_as_vllm_does():
     assert [a[0] for a in scripted_answers(cases)] == [f"{bos} x", f"{bos} x{eos}", bos * 2, " x"]
 
 
+def test_a_stop_string_in_a_kept_stop_tokens_text_is_the_reason_as_in_vllm():
+    """vLLM's output processor searches a kept stop token's text (include_stop_str_in_output) for stop
+    strings and a match takes over the reason and cuts the text; cachelab cut the text but reported the
+    token's id (or null for EOS). The peer's answers: ' ' and ' ', '' and 1527, '<｜end' and '<｜end'."""
+    params = SamplingParams(max_tokens=4, temperature=0, stop=(" ",), stop_token_ids=(X,), include_stop_str_in_output=True)
+    eos_kept = SamplingParams(max_tokens=4, temperature=0, stop=("<｜end",), include_stop_str_in_output=True,
+                              skip_special_tokens=False)
+    assert [(a[0], a[3]) for a in scripted_answers([([X], params), ([X], replace(params, include_stop_str_in_output=False)),
+                                                    ([EOS], eos_kept)])] == [(" ", " "), ("", X), ("<｜end", "<｜end")]
+
+
 @pytest.mark.slow
 def test_text_and_stops_of_the_real_vllms_answers_are_ours(vllm_server):
     """The real vLLM server samples among a few tricky tokens (byte tokens of an emoji, a special
     token, spaces) with stop strings, kept or not, stop token ids and min_tokens; the engine, given
-    the same tokens, gives the same text, token ids, finish_reason and stop_reason."""
+    the same tokens, gives the same text, token ids, finish_reason and stop_reason; some with
+    skip_special_tokens off."""
     import httpx
 
     rng = np.random.default_rng(5)
     stops = [[], [" x x"], ["x🦙"], ["🦙", " x"], ["hi x", "x hi"], ["\ufffd"], [" "]]
     cases, theirs = [], []
-    for seed in range(24):
+    for seed in range(32):
         stop, stop_ids = stops[rng.integers(len(stops))], [[], [6366], [0]][rng.integers(3)]
         kw = dict(stop=stop, stop_token_ids=stop_ids, include_stop_str_in_output=bool(rng.random() < 0.4),
-                  min_tokens=int(rng.choice([0, 2, 4])))
-        body = {"model": vllm_server.model, "prompt": SCRIPT_PROMPT, "allowed_token_ids": [X, *LLAMA, 0, 6366, 223],
+                  min_tokens=int(rng.choice([0, 2, 4])), skip_special_tokens=bool(rng.random() < 0.7))
+        body = {"model": vllm_server.model, "prompt": SCRIPT_PROMPT, "allowed_token_ids": [X, *LLAMA, 0, EOS, 6366, 223],
                 "seed": seed, "max_tokens": 8, "return_token_ids": True, **kw}
         c = httpx.post(f"{vllm_server.base_url}/v1/completions", json=body, timeout=120).json()["choices"][0]
         theirs.append((c["text"], c["token_ids"], c["finish_reason"], c["stop_reason"]))

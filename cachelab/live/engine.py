@@ -397,13 +397,15 @@ class LiveEngine:
     def _stop_check(self, live: _Live, token: int) -> int | str | None:
         """Why ``live`` stops after ``token`` ("eos", a stop token id, a stop string), or None. EOS
         first, as vLLM's check_stop: an EOS also listed in ``stop_token_ids`` stops with no
-        stop_reason (it said the EOS id), unless ``ignore_eos``."""
+        stop_reason (it said the EOS id), unless ``ignore_eos``. A stop token kept in the text
+        (``include_stop_str_in_output``) is searched for stop strings like any other, and a stop
+        string found there is the reason (vLLM's output processor; the token's id was)."""
         p = live.params
         eos = token == self.eos and not p.ignore_eos
         if eos or token in p.stop_token_ids:
-            if p.include_stop_str_in_output:  # vLLM then keeps the stop token's text (EOS, a special token, has none)
-                live.detok.add(token)
-            return "eos" if eos else token
+            # vLLM keeps the stop token's text only then (EOS, a special token, has none unless skip_special_tokens is off)
+            stop = live.detok.add(token) if p.include_stop_str_in_output else None
+            return stop or ("eos" if eos else token)
         return live.detok.add(token)
 
     def _emit(self, step: StepRecord, sampled: dict, stopped: dict, now: float) -> int:
