@@ -551,6 +551,28 @@ def test_bad_input_gets_openai_shaped_errors(server):
     assert httpx.get(f"{url}/health").status_code == 200
 
 
+def test_sampling_values_out_of_bounds_are_refused_in_vllms_words(server):
+    """The messages the real vLLM server (the peer) answers, less its '(parameter=..., value=...)'
+    suffix; they were pydantic's, naming no value ('top_p: Input should be greater than 0')."""
+    url, _ = server
+    for body, param, message in (({"temperature": -1}, "temperature", "temperature must be non-negative, got -1.0."),
+                                 ({"temperature": 3}, "temperature", "temperature must be in [0, 2], got 3.0."),
+                                 ({"top_p": 0}, "top_p", "top_p must be in (0, 1], got 0.0."),
+                                 ({"top_p": 1.5}, "top_p", "top_p must be in (0, 1], got 1.5."),
+                                 ({"top_k": -2}, "top_k", "top_k must be 0 (disable), or at least 1, got -2."),
+                                 ({"min_tokens": -1}, "min_tokens",
+                                  "min_tokens must be greater than or equal to 0, got -1.")):
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1, **body},
+                       timeout=30)
+        assert (r.status_code, r.json()["error"]["param"], r.json()["error"]["message"]) == (400, param, message)
+    r = httpx.post(f"{url}/v1/completions", content=b'{"prompt": "x", "temperature": NaN}',
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"] == "temperature must be a finite number, got nan."
+    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1, "top_k": -1,
+                                                  "temperature": 2, "top_p": 1}, timeout=30)
+    assert r.status_code == 200
+
+
 def test_a_seed_beyond_64_bits_is_a_400_and_an_unforeseen_error_a_json_500(server, monkeypatch):
     """A seed of 2**64 reached torch.Generator.manual_seed and answered a plain-text 500 on a
     reset connection; vLLM bounds the seed to 64 bits (400), and answers any unforeseen error

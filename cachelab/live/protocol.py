@@ -11,6 +11,7 @@ shape: ``{"error": {"message", "type", "param", "code"}}``.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Annotated, Literal
@@ -64,9 +65,9 @@ class _Sampling(BaseModel):
         return data
     model: str | None = None  # vLLM serves its model to a request that names none
     max_tokens: int | None = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)  # vLLM's: -1 or 0 is every token
+    temperature: float = 1.0  # the bounds of these four: check_bounds
+    top_p: float = 1.0
+    top_k: int | None = None  # vLLM's: -1 or 0 is every token
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     n: int = 1
@@ -77,7 +78,7 @@ class _Sampling(BaseModel):
     return_token_ids: bool = False
     ignore_eos: bool = False
     stop_token_ids: list[int] = []
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = 0
     include_stop_str_in_output: bool = False
     logprobs: int | bool | None = None
     top_logprobs: int | None = None
@@ -95,6 +96,21 @@ class _Sampling(BaseModel):
     skip_special_tokens: bool = True
     user: str | None = None  # OpenAI's end-user id: the session key of --capture when no X-Session-Id is sent
     request_id: str | None = None  # vLLM's: the answer's id is cmpl-/chatcmpl- and this (an X-Request-Id header wins)
+
+    def check_bounds(self) -> None:
+        """The sampling values' bounds, as vLLM's SamplingParams checks them and in its words (they
+        were pydantic's, which name no value: 'Input should be greater than 0')."""
+        t, top_p, top_k = self.temperature, self.top_p, self.top_k or 0
+        for wrong, param, message in (
+                (not math.isfinite(t), "temperature", f"temperature must be a finite number, got {t}."),
+                (t < 0, "temperature", f"temperature must be non-negative, got {t}."),
+                (t > 2, "temperature", f"temperature must be in [0, 2], got {t}."),
+                (not 0 < top_p <= 1, "top_p", f"top_p must be in (0, 1], got {top_p}."),
+                (top_k < -1, "top_k", f"top_k must be 0 (disable), or at least 1, got {top_k}."),
+                (self.min_tokens < 0, "min_tokens",
+                 f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")):
+            if wrong:
+                raise APIError(400, message, param)
 
     def unsupported(self) -> list[str]:
         """Fields set to something this server does not do (refused rather than ignored): any

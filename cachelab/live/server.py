@@ -241,6 +241,7 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
             raise APIError(400, "stop cannot contain an empty string.", "stop")
         if bad := [t for t in req.stop_token_ids if not 0 <= t < vocab]:
             raise APIError(400, f"stop_token_ids must be in [0, {vocab}), got {bad}", "stop_token_ids")
+        req.check_bounds()
         refused = req.unsupported()
         if refused:
             raise APIError(400, f"{refused[0]} is not supported by this server", refused[0])
