@@ -20,7 +20,7 @@ from cachelab.live.engine import EngineConfig, LiveEngine
 from cachelab.live.kv_cache import PagedKVCache, StepBatch
 from cachelab.live.model import Engram, build_model, save_weights
 from cachelab.live.launch import ServeOptions, open_rows
-from cachelab.live.sampling import Detokenizer, SamplingParams, hold_stops, sample
+from cachelab.live.sampling import Detokenizer, SamplingParams, hold_stops, penalize, sample
 from cachelab.workload.prefix_cache import BlockPrefixCache
 from cachelab.workload.scheduler import Request, Scheduler
 
@@ -344,6 +344,24 @@ def test_top_p_keeps_a_nucleus_of_exactly_top_p_and_no_token_more_as_vllm_does()
         drawn = sample(logits, [SamplingParams(max_tokens=1, top_p=top_p)] * 300, [gen] * 300)
         assert len(set(drawn.tolist())) == kept and set(drawn.tolist()) <= {0, 1, 2, 3}, top_p
 
+def test_penalties_and_min_p_as_vllm_applies_them():
+    """They were refused. vLLM's apply_penalties (its function gives these logits): the repetition
+    penalty scales every token seen, in the prompt (token 0) or the output (2, 3), a positive logit
+    divided, a negative one multiplied; frequency and presence count the output only. They come
+    before the temperature, so a greedy row's argmax moves. min_p cuts after the temperature: tokens
+    less likely than min_p x the likeliest go."""
+    logits = torch.tensor([[2.0, 1.5, -1.0, 0.5, 0.0]])
+    p = SamplingParams(max_tokens=1, temperature=0, repetition_penalty=2.0, frequency_penalty=0.25,
+                       presence_penalty=0.5)
+    penalize(logits, [(0, p, np.array([0]), np.array([2, 3, 3]))])
+    assert logits.tolist() == [[1.0, 1.5, -2.75, -0.75, 0.0]] and sample(logits, [p], [None]).tolist() == [1]
+    logits = torch.tensor([0.0, -1.0, -3.0, -40.0]).expand(300, -1)  # relative to the likeliest: 1, 0.37, 0.05, ~0
+    gen = torch.Generator().manual_seed(1)
+    for min_p, kept in ((0.0, {0, 1, 2}), (0.1, {0, 1}), (0.5, {0})):
+        drawn = sample(logits, [SamplingParams(max_tokens=1, min_p=min_p)] * 300, [gen] * 300)
+        assert set(drawn.tolist()) == kept, min_p
+
+
 def test_scheduler_abort_frees_blocks_of_running_and_drops_waiting():
     pool = BlockPrefixCache(8, 4)
     sched = Scheduler(pool, max_num_batched_tokens=64, max_num_seqs=1)
@@ -509,6 +527,30 @@ def test_a_stop_string_in_a_kept_stop_tokens_text_is_the_reason_as_in_vllm():
                               skip_special_tokens=False)
     assert [(a[0], a[3]) for a in scripted_answers([([X], params), ([X], replace(params, include_stop_str_in_output=False)),
                                                     ([EOS], eos_kept)])] == [(" ", " "), ("", X), ("<｜end", "<｜end")]
+
+
+def test_the_engine_penalizes_the_prompt_and_the_output_tokens_vllm_counts():
+    """Logits fixed at 2.0 for " x" (in the prompt) and 1.5 for "hi", greedy: the repetition penalty 2
+    counts the prompt (" x" at 1.0 loses at once, "hi" at 0.75 once drawn); frequency 0.3 counts the
+    output only (" x" twice, 2.0 - 0.6 = 1.4 loses; counting the prompt it lost after one)."""
+    hi = 6366
+    engine = make_engine()
+    model = engine.model
+
+    def fixed(*args):
+        logits = model(*args)
+        logits[:] = 0.0
+        logits[:, X], logits[:, hi] = 2.0, 1.5
+        return logits
+    engine.model = fixed
+    engine.start()
+    try:
+        rep, freq = engine.generate([[X, 2000, 2001]] * 2, [
+            SamplingParams(max_tokens=4, temperature=0, repetition_penalty=2.0),
+            SamplingParams(max_tokens=4, temperature=0, frequency_penalty=0.3)])
+    finally:
+        engine.stop()
+    assert (rep.token_ids, freq.token_ids) == ([hi, X, X, X], [X, X, hi, X])
 
 
 @pytest.mark.slow

@@ -561,7 +561,14 @@ def test_sampling_values_out_of_bounds_are_refused_in_vllms_words(server):
                                  ({"top_p": 1.5}, "top_p", "top_p must be in (0, 1], got 1.5."),
                                  ({"top_k": -2}, "top_k", "top_k must be 0 (disable), or at least 1, got -2."),
                                  ({"min_tokens": -1}, "min_tokens",
-                                  "min_tokens must be greater than or equal to 0, got -1.")):
+                                  "min_tokens must be greater than or equal to 0, got -1."),
+                                 ({"presence_penalty": 3}, "presence_penalty",
+                                  "presence_penalty must be in [-2, 2], got 3.0."),
+                                 ({"frequency_penalty": -3}, "frequency_penalty",
+                                  "frequency_penalty must be in [-2, 2], got -3.0."),
+                                 ({"repetition_penalty": 0}, "repetition_penalty",
+                                  "repetition_penalty must be greater than zero, got 0.0."),
+                                 ({"min_p": 1.5}, "min_p", "min_p must be in [0, 1], got 1.5.")):
         r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1, **body},
                        timeout=30)
         assert (r.status_code, r.json()["error"]["param"], r.json()["error"]["message"]) == (400, param, message)
@@ -624,8 +631,7 @@ def test_fields_vllm_refuses_or_would_answer_are_not_silently_dropped(server):
         assert (r.status_code, r.json()["error"]["param"]) == (400, param), r.text
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
     for extra, param in (({"response_format": {"type": "json_object"}}, "response_format"),
-                         ({"top_logprobs": 2}, "top_logprobs"), ({"repetition_penalty": 1.2}, "repetition_penalty"),
-                         ({"min_p": 0.1}, "min_p"), ({"top_k": -2}, "top_k"),
+                         ({"top_logprobs": 2}, "top_logprobs"), ({"top_k": -2}, "top_k"),
                          ({"logit_bias": {"5": 100}}, "logit_bias"), ({"allowed_token_ids": [5]}, "allowed_token_ids"),
                          ({"bad_words": ["x"]}, "bad_words"), ({"prompt_logprobs": 0}, "prompt_logprobs"),
                          ({"use_beam_search": True}, "use_beam_search"),
@@ -646,6 +652,8 @@ def test_fields_vllm_refuses_or_would_answer_are_not_silently_dropped(server):
                           "chat_template_kwargs": {}, "skip_special_tokens": False,
                           "spaces_between_special_tokens": False})
     assert ok.status_code == 200
+    penalties = {"repetition_penalty": 1.2, "min_p": 0.1, "presence_penalty": 0.5, "frequency_penalty": -0.5}
+    assert httpx.post(f"{url}/v1/chat/completions", json={**chat, **penalties}, timeout=30).status_code == 200
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=30)
     assert r.status_code == 200 and r.json()["model"] == MODEL
 

@@ -26,7 +26,7 @@ from cachelab.engram import Addresser
 from cachelab.errors import CachelabError
 from cachelab.live.kv_cache import NO_CLOCK, OpClock, PagedKVCache, StepBatch
 from cachelab.live.model import EngramLM
-from cachelab.live.sampling import Detokenizer, SamplingParams, hold_stops, sample
+from cachelab.live.sampling import Detokenizer, SamplingParams, hold_stops, penalize, sample
 from cachelab.live.steplog import StepLog
 from cachelab.workload.prefix_cache import BlockPrefixCache
 from cachelab.workload.scheduler import Request, Scheduler, StepRecord
@@ -361,6 +361,9 @@ class LiveEngine:
             sampled_rows = [self._live[r] for r, s in zip(rids, samples) if s]
             hold_stops(logits, [(i, (*x.params.stop_token_ids, *self._eos_ids)) for i, x in enumerate(sampled_rows)
                                 if x.req.num_output < x.params.min_tokens])
+            penalize(logits, [(i, x.params, x.req.tokens[:x.req.num_prompt],
+                               x.req.tokens[x.req.num_prompt:x.req.num_known])
+                              for i, x in enumerate(sampled_rows) if x.params.penalized])
             tokens = sample(logits, [x.params for x in sampled_rows], [x.generator for x in sampled_rows])
         t_done = time.perf_counter()
         # the engine thread's CPU over the same span as step_s (step_s over it is the load): read before the

@@ -100,13 +100,20 @@ class _Sampling(BaseModel):
     def check_bounds(self) -> None:
         """The sampling values' bounds, as vLLM's SamplingParams checks them and in its words (they
         were pydantic's, which name no value: 'Input should be greater than 0')."""
-        t, top_p, top_k = self.temperature, self.top_p, self.top_k or 0
+        t, top_p, top_k, rep = self.temperature, self.top_p, self.top_k or 0, self.repetition_penalty
         for wrong, param, message in (
+                (not -2 <= self.presence_penalty <= 2, "presence_penalty",
+                 f"presence_penalty must be in [-2, 2], got {self.presence_penalty}."),
+                (not -2 <= self.frequency_penalty <= 2, "frequency_penalty",
+                 f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}."),
+                (not math.isfinite(rep), "repetition_penalty", f"repetition_penalty must be a finite number, got {rep}."),
+                (rep <= 0, "repetition_penalty", f"repetition_penalty must be greater than zero, got {rep}."),
                 (not math.isfinite(t), "temperature", f"temperature must be a finite number, got {t}."),
                 (t < 0, "temperature", f"temperature must be non-negative, got {t}."),
                 (t > 2, "temperature", f"temperature must be in [0, 2], got {t}."),
                 (not 0 < top_p <= 1, "top_p", f"top_p must be in (0, 1], got {top_p}."),
                 (top_k < -1, "top_k", f"top_k must be 0 (disable), or at least 1, got {top_k}."),
+                (not 0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}."),
                 (self.min_tokens < 0, "min_tokens",
                  f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")):
             if wrong:
@@ -116,11 +123,11 @@ class _Sampling(BaseModel):
         """Fields set to something this server does not do (refused rather than ignored): any
         logprobs asked for (a completion's ``logprobs: 0`` asks for the sampled token's), a
         suffix (vLLM refuses it too without a fill-in-the-middle model), a response format
-        other than text, min_p, a repetition penalty, and vLLM's extensions that bias, restrict
+        other than text, and vLLM's extensions that bias, restrict
         or truncate (an empty ``bad_words`` or ``logit_bias`` is no change, so it passes), and
         those of a chat that change its prompt (vLLM's ``echo``, ``continue_final_message``,
         ``add_generation_prompt: false``, a ``chat_template``, its kwargs, ``documents``)."""
-        fields = ("presence_penalty", "frequency_penalty", "tools", "echo", "suffix", "top_logprobs", "logit_bias",
+        fields = ("tools", "echo", "suffix", "top_logprobs", "logit_bias",
                   "allowed_token_ids", "bad_words", "use_beam_search", "structured_outputs", "continue_final_message",
                   "chat_template", "chat_template_kwargs", "documents")
         refused = [f for f in fields if getattr(self, f, None)]
@@ -129,10 +136,6 @@ class _Sampling(BaseModel):
             refused.insert(0, "logprobs")
         if self.response_format and self.response_format.get("type", "text") != "text":
             refused.append("response_format")
-        if self.min_p:
-            refused.append("min_p")
-        if self.repetition_penalty != 1.0:  # 1.0 (vLLM bench's default) is no penalty
-            refused.append("repetition_penalty")
         if getattr(self, "add_generation_prompt", True) is False:  # the template always ends with the tag
             refused.append("add_generation_prompt")
         return refused
@@ -147,7 +150,9 @@ class _Sampling(BaseModel):
                               seed=None if self.seed == -1 else self.seed,  # vLLM: -1 is no seed
                               stop=stop, stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
                               min_tokens=self.min_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
-                              skip_special_tokens=self.skip_special_tokens)
+                              skip_special_tokens=self.skip_special_tokens, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                              min_p=self.min_p)
 
     @property
     def continuous_usage(self) -> bool:

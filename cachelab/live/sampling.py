@@ -7,7 +7,9 @@ drawn from their own generator (seeded when the request gives a ``seed``). A pos
 as vLLM does: float32 logits over a temperature near 0 overflow to inf, the softmax gives
 NaN, and the draw would fail the step of every request in the batch. Until a request has
 ``min_tokens`` output tokens its stop token ids and EOS are masked out of its logits and its
-text is not searched for stop strings (vLLM's MinTokensLogitsProcessor and detokenizer). Text
+text is not searched for stop strings (vLLM's MinTokensLogitsProcessor and detokenizer). The
+penalties come next, before the temperature (so a greedy row's too), as vLLM's
+``apply_penalties`` makes them; ``min_p`` cuts after the temperature, before top-k. Text
 is decoded a window at a time (vLLM's prefix/read offsets), never emitting a half UTF-8
 character (not even at the end: bytes of a character the answer never completed are dropped,
 as vLLM's ``DecodeStream`` drops them, where a flush made them a U+FFFD), and held back by the
@@ -21,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 UNFINISHED_CHAR = "\ufffd"
@@ -40,6 +43,14 @@ class SamplingParams:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 def hold_stops(logits: torch.Tensor, rows: Sequence[tuple[int, Sequence[int]]]) -> None:
@@ -49,6 +60,23 @@ def hold_stops(logits: torch.Tensor, rows: Sequence[tuple[int, Sequence[int]]]) 
         logits[row, list(ids)] = float("-inf")
 
 
+def penalize(logits: torch.Tensor, rows: Sequence[tuple[int, SamplingParams, np.ndarray, np.ndarray]]) -> None:
+    """vLLM's penalties, in place, of each ``(row, params, prompt ids, output ids)``: the repetition
+    penalty scales the logit of every token seen, in the prompt or the output (a positive one times
+    1/penalty, else times penalty); frequency and presence take penalty x count and penalty from
+    each output token's logit (OpenAI's definition; the prompt does not count)."""
+    for row, p, prompt, output in rows:
+        x = logits[row]
+        if p.repetition_penalty != 1.0:
+            seen = torch.as_tensor(np.unique(np.concatenate([prompt, output])), device=x.device)
+            penalty = torch.tensor(p.repetition_penalty, dtype=x.dtype, device=x.device)
+            x[seen] *= torch.where(x[seen] > 0, 1.0 / penalty, penalty)
+        if output.size and (p.frequency_penalty or p.presence_penalty):
+            counts = torch.bincount(torch.as_tensor(output, device=x.device), minlength=x.numel())
+            x -= p.frequency_penalty * counts
+            x -= p.presence_penalty * (counts > 0)
+
+
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence) -> torch.Tensor:
     """One token id per row of ``logits`` [S, vocab] (float32)."""
     out = logits.argmax(-1)
@@ -56,6 +84,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
         if p.temperature <= 0:
             continue
         scaled = logits[i] / max(p.temperature, MIN_TEMPERATURE)
+        if p.min_p:  # vLLM's MinPLogitsProcessor: tokens less likely than min_p x the likeliest go
+            probs = scaled.softmax(-1)
+            scaled = scaled.masked_fill(probs < probs.max() * p.min_p, float("-inf"))
         if 0 < p.top_k < scaled.numel():
             scaled = scaled.masked_fill(scaled < scaled.topk(p.top_k).values[-1], float("-inf"))
         if p.top_p < 1.0:  # vLLM's rule: the least likely tokens whose mass is at most 1 - top_p go, the likeliest stays
