@@ -451,3 +451,18 @@ def test_a_reused_parent_shows_the_points_its_last_run_finished(tmp_path, monkey
                                   "tags.`cachelab.kind` = 'experiment'")
     assert parent.info.status == "FAILED" and parent.data.metrics["points.finished"] == 0
 
+
+
+@pytest.mark.parametrize("uri", ["bogus://x", "mlflow.db"])
+def test_a_tracking_uri_mlflow_cannot_use_is_an_error_naming_it(tmp_path, monkeypatch, uri):
+    """A scheme MLflow lacks (a typo) or a bare path (MLflow 3 refuses its file store) was a
+    traceback from MLflow's client in `cachelab run`, `report` and `sync` (seen by helper-111)."""
+    from cachelab.experiment.tracking import Tracker
+
+    monkeypatch.chdir(tmp_path)
+    error = rf"tracking URI '{uri}' \(--tracking-uri, else \$MLFLOW_TRACKING_URI\): MLflow cannot use it: "
+    with pytest.raises(CachelabError, match=error):
+        Tracker(uri)
+    with pytest.raises(CachelabError, match=error):
+        run_experiment(write_spec(tmp_path), tracking_uri=uri, runs_dir=tmp_path / "runs", workers=1, quiet=True)
+    assert not (tmp_path / "runs" / "tiny" / "outbox").exists()  # stopped before any point ran

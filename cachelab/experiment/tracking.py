@@ -101,7 +101,13 @@ class Tracker:
 
         logging.getLogger("mlflow").setLevel(logging.WARNING)  # no schema-migration chatter
 
-        self.client = MlflowClient(tracking_uri=self.uri)
+        try:
+            self.client = MlflowClient(tracking_uri=self.uri)
+        except Exception as exc:  # a scheme MLflow lacks, a bare path (its refused file store), a missing driver
+            why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CachelabError(f"tracking URI {self.uri!r} (--tracking-uri, else $MLFLOW_TRACKING_URI): MLflow "
+                                f"cannot use it: {why} (a database, sqlite:///mlflow.db, or a server, "
+                                "http://HOST:PORT)") from None
 
     def experiment_id(self, name: str, create: bool = True) -> str | None:
         exp = self.client.get_experiment_by_name(name)
