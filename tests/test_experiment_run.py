@@ -466,3 +466,23 @@ def test_a_tracking_uri_mlflow_cannot_use_is_an_error_naming_it(tmp_path, monkey
     with pytest.raises(CachelabError, match=error):
         run_experiment(write_spec(tmp_path), tracking_uri=uri, runs_dir=tmp_path / "runs", workers=1, quiet=True)
     assert not (tmp_path / "runs" / "tiny" / "outbox").exists()  # stopped before any point ran
+
+
+def test_a_reused_parent_run_is_tagged_with_the_code_of_its_last_run(tmp_path, monkeypatch):
+    """A rerun of a spec rewrites its parent run's results, report and curves, but the parent kept
+    the tags of the run that created it: the commit and version of other code (seen by helper-111)."""
+    from cachelab.experiment import runner
+
+    spec = write_spec(tmp_path, name="recoded", capacities=("1%",))
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", workers=1, quiet=True)
+    upgraded = {"cachelab.version": "9.9.9", "cachelab.plugins": '{"cachelab":"9.9.9"}'}  # a wheel: no checkout
+    monkeypatch.setattr(runner, "provenance_tags", lambda: upgraded)
+    assert run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", workers=1, quiet=True).skipped == 2
+    client = MlflowClient(tracking_uri=uri)
+    [parent] = client.search_runs([client.get_experiment_by_name("recoded").experiment_id],
+                                  "tags.`cachelab.kind` = 'experiment'")
+    tags = parent.data.tags
+    assert (tags["cachelab.version"], tags["cachelab.plugins"]) == ("9.9.9", '{"cachelab":"9.9.9"}')
+    assert "mlflow.source.git.commit" not in tags and "cachelab.source_dirty" not in tags
+

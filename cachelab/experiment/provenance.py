@@ -13,6 +13,7 @@ from pathlib import Path
 from cachelab.registry import GROUPS
 
 SOURCE = Path(__file__).resolve().parents[1]  # the cachelab package's folder
+GIT_TAGS = ("mlflow.source.git.commit", "cachelab.source_dirty")  # only where cachelab runs from its checkout
 
 
 @lru_cache(maxsize=1)
@@ -23,8 +24,8 @@ def provenance_tags() -> dict[str, str]:
     tags = {"cachelab.version": version("cachelab")}
     top = _git(["rev-parse", "--show-toplevel"])
     if top and Path(top).resolve() == SOURCE.parent:  # cachelab's own checkout, not a repository it is installed in
-        tags["mlflow.source.git.commit"] = _git(["rev-parse", "HEAD"])
-        tags["cachelab.source_dirty"] = str(bool(_git(["status", "--porcelain", "--untracked-files=no"]))).lower()
+        tags[GIT_TAGS[0]] = _git(["rev-parse", "HEAD"])
+        tags[GIT_TAGS[1]] = str(bool(_git(["status", "--porcelain", "--untracked-files=no"]))).lower()
     dists = {ep.dist.metadata["Name"]: ep.dist.version for group in GROUPS for ep in entry_points(group=group)
              if ep.dist is not None}
     tags["cachelab.plugins"] = json.dumps(dict(sorted(dists.items())), separators=(",", ":"))

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from cachelab.errors import CachelabError
 from cachelab.owners import owner, owner_is_dead
+from cachelab.experiment.provenance import GIT_TAGS
 from cachelab.experiment.records import Record
 
 DEFAULT_URI = "sqlite:///mlflow.db"
@@ -142,13 +143,20 @@ class Tracker:
         return len(stale)
 
     def parent_run(self, exp_id: str, record: Record) -> str:
-        """The parent run of this spec: the latest one with its hash, or a new one."""
+        """The parent run of this spec: the latest one with its hash, or a new one. One reused takes
+        ``record``'s tags: this run rewrites its tables and report, so the code that made them (the
+        provenance tags) is this run's; they kept the first run's commit and version."""
+        from mlflow.entities import RunTag
+
         found = self._search(exp_id, f"tags.`{KIND}` = 'experiment' and tags.`{SPEC_HASH}` = '{record.hash}'",
                              order_by=["attributes.start_time DESC"])
         if found:
             run_id = found[0].info.run_id
             self.client.update_run(run_id, status="RUNNING")
-            self.client.set_tag(run_id, OWNER, owner())
+            tags = {**record.tags, OWNER: owner()}
+            self.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+            for key in set(GIT_TAGS) & set(found[0].data.tags) - set(tags):  # this run's cachelab is no checkout
+                self.client.delete_tag(run_id, key)
             return run_id
         tags = {KIND: "experiment", SPEC_HASH: record.hash, OWNER: owner(), **record.tags}
         run = self.client.create_run(exp_id, start_time=record.start_ms or None, tags=tags,
