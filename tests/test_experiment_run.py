@@ -424,10 +424,11 @@ def test_a_sweep_logged_to_a_file_says_each_point_as_it_finishes(tmp_path, capsy
     assert all(line.endswith(" s)") and "seed=0" in line for line in lines), lines
 
 
-def test_a_reused_parent_shows_the_points_its_last_run_finished(tmp_path, monkeypatch):
+def test_points_name_the_data_they_read_and_a_reused_parent_its_last_count(tmp_path, monkeypatch):
     """The parent's points.finished was logged at timestamp 0, where MLflow shows the largest value
     logged: after its data file changed (every point hashed anew) and the rerun's points failed, the
-    reused parent still said 2 finished, its results table none (seen by helper-111)."""
+    reused parent still said 2 finished, its results table none. The point runs on each content did
+    not say which they had read (seen by helper-111)."""
     from cachelab.experiment import runner
 
     monkeypatch.setenv("CACHELAB_DATA", str(tmp_path / "data"))
@@ -450,7 +451,22 @@ def test_a_reused_parent_shows_the_points_its_last_run_finished(tmp_path, monkey
     [parent] = client.search_runs([client.get_experiment_by_name("reused").experiment_id],
                                   "tags.`cachelab.kind` = 'experiment'")
     assert parent.info.status == "FAILED" and parent.data.metrics["points.finished"] == 0
+    # Each point run names the contents it read: the two runs of a point differ only there (and in
+    # their hash, which cannot be read back); until then nothing told which file each had read.
+    import hashlib
+    import platform
 
+    notes = str((tmp_path / "data" / "notes.txt").resolve())
+    read = {}
+    for status in ("FINISHED", "FAILED"):
+        runs = _points(uri, "reused", status)
+        assert len(runs) == 2 and len({r.data.tags["cachelab.inputs"] for r in runs}) == 1
+        read[status] = json.loads(runs[0].data.tags["cachelab.inputs"])
+        assert read[status]["sources"] == [f"stdlib of CPython {platform.python_version()}"]
+        saved = client.download_artifacts(runs[0].info.run_id, "inputs.json", str(tmp_path / status))
+        assert json.loads(Path(saved).read_text()) == read[status]
+    assert [read[s]["files"] for s in ("FINISHED", "FAILED")] == [
+        {notes: hashlib.sha256(hashlib.sha256(text).digest()).hexdigest()[:16]} for text in (b"first", b"second")]
 
 
 @pytest.mark.parametrize("uri", ["bogus://x", "mlflow.db"])

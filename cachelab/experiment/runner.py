@@ -29,7 +29,8 @@ from cachelab.experiment.sweep import Point, config_hash, expand
 from cachelab.engine.mrc import miss_ratio_curve
 from cachelab.errors import CachelabError
 from cachelab.experiment.workload import build_workload, load_workload, workload_key, workload_stats
-from cachelab.experiment.tracking import ERROR, Tracker, TrackingUnavailable, refused_key, resolve_uri
+from cachelab.experiment.tracking import (ERROR, INPUTS, MAX_TAG, Tracker, TrackingUnavailable, refused_key,
+                                          resolve_uri)
 from cachelab.progress import progress_bar
 
 
@@ -252,6 +253,9 @@ def _point_record(spec: ExperimentSpec, point: Point, output, started: int) -> R
     a point whose worker died has none, and gets ``started`` (the previous point's end) to now."""
     tags = {"cachelab.experiment": spec.name, **{f"cachelab.axis.{k}": json.dumps(v) for k, v in point.axes.items()},
             **provenance_tags()}
+    inputs = json.dumps(point.inputs, sort_keys=True)  # the data its result came from: in its hash, unreadable there
+    if point.inputs and len(inputs) <= MAX_TAG:
+        tags[INPUTS] = inputs
     start, end = getattr(output, "ran_ms", None) or (started, now_ms())
     status = "FINISHED"
     if isinstance(output, BaseException):
@@ -261,6 +265,8 @@ def _point_record(spec: ExperimentSpec, point: Point, output, started: int) -> R
     record = Record(hash=point.hash, label=point.label, params=params, metrics=output.metrics, tags=tags,
                     start_ms=start, end_ms=end, status=status)
     record.artifacts["config.json"] = json.dumps(point.config, indent=1).encode()
+    if point.inputs:
+        record.artifacts["inputs.json"] = json.dumps(point.inputs, indent=1, sort_keys=True).encode()
     for name, table in output.tables.items():
         record.add_table(name, table)
     record.artifacts.update(output.files)

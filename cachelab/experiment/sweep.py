@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -31,6 +31,7 @@ class Point:
     hash: str
     label: str  # "hbm.policy=lru hbm.capacity=1% seed=0"
     axes: dict  # sweep key -> value, and "seed"
+    inputs: dict = field(default_factory=dict)  # what its hash holds beyond its config: "files" (path -> digest), "sources"
 
 
 def config_hash(config: dict) -> str:
@@ -63,17 +64,18 @@ def expand(spec: ExperimentSpec) -> list[Point]:
                 if "workload" in sections:
                     config["workload"], hashed["workload"] = (_seeded(w, seed) for w in (config["workload"],
                                                                                          hashed["workload"]))
-                read = inputs(config) if inputs else []
+                read = [(str(p), content_digest(p)) for p in (inputs(config) if inputs else [])]
                 if read:  # none: the hash points had before inputs joined it
-                    hashed["inputs"] = [content_digest(p) for p in read]
-                data = data_digests([config["workload"]] * ("workload" in sections)
-                                    + [w for _, w in (workloads(config) if workloads else [])])
-                if data:  # none (the stdlib corpus, a generated trace): the hash points had before
-                    hashed["data"] = data
+                    hashed["inputs"] = [digest for _, digest in read]
+                files, sources = data_inputs([config["workload"]] * ("workload" in sections)
+                                             + [w for _, w in (workloads(config) if workloads else [])])
+                if files or sources:  # none (a generated trace): the hash points had before
+                    hashed["data"] = [digest for _, digest in files] + sources
+                known = {"files": dict(read + files), "sources": sources}
                 axes = {_short(k): v for k, v in zip(keys, values) if k.split(".")[0] in sections}
                 axes = {"kind": kind, **axes, "seed": seed}
                 label = " ".join(f"{k}={v}" for k, v in axes.items())
-                point = Point(config, config_hash(hashed), label, axes)
+                point = Point(config, config_hash(hashed), label, axes, {k: v for k, v in known.items() if v})
                 points.setdefault(point.hash, point)
     return list(points.values())
 
@@ -92,8 +94,14 @@ def _seeded(workload: dict, seed: int) -> dict:
 def data_digests(workloads: list[dict]) -> list[str]:
     """The contents' digests of the data files the workload sections read (``workload_files``), and
     what their corpora say of the sources they read beyond them (``workload_sources``)."""
-    return [content_digest(p) for w in workloads for p in workload_files(w)] + \
-        [source for w in workloads for source in workload_sources(w)]
+    files, sources = data_inputs(workloads)
+    return [digest for _, digest in files] + sources
+
+
+def data_inputs(workloads: list[dict]) -> tuple[list[tuple[str, str]], list[str]]:
+    """``data_digests`` with each file's path: ([(path, digest)], [source fingerprint])."""
+    return ([(str(p), content_digest(p)) for w in workloads for p in workload_files(w)],
+            [source for w in workloads for source in workload_sources(w)])
 
 
 def content_digest(path: Path) -> str:
