@@ -502,3 +502,29 @@ def test_a_reused_parent_run_is_tagged_with_the_code_of_its_last_run(tmp_path, m
     assert (tags["cachelab.version"], tags["cachelab.plugins"]) == ("9.9.9", '{"cachelab":"9.9.9"}')
     assert "mlflow.source.git.commit" not in tags and "cachelab.source_dirty" not in tags
 
+
+
+def test_the_workload_is_read_once_before_the_points_and_shown_meanwhile(tmp_path, monkeypatch):
+    """Before its first point a sweep read its workload twice (a learned point's checks, then the
+    parent's statistics) and drew nothing while it did and drew the LRU curve: a blank terminal for
+    seconds to a minute on the quickstart (seen by helper-111)."""
+    from rich.progress import Progress
+
+    from cachelab.experiment import runner
+
+    reads, shown, load = [], [], runner.load_workload
+
+    class Seen(Progress):
+        def add_task(self, description, *args, **kwargs):
+            shown.append(description)
+            return super().add_task(description, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "load_workload", lambda path: reads.append(path) or load(path))
+    monkeypatch.setattr(runner, "progress_bar", lambda *columns, **_: Seen(*columns, disable=True))
+    monkeypatch.setattr(runner, "run_tasks", lambda *args: iter(()))  # what comes before the points alone
+    spec = tmp_path / "held.toml"
+    spec.write_text(HELD_OUT.split("[[predictor.holdout]]")[0].replace('kind = "learned"', 'kind = ["learned", "replay"]')
+                    + '[[hierarchy.tiers]]\nname = "hbm"\ncapacity = "1%"\n')
+    run_experiment(spec, tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", runs_dir=tmp_path / "runs", quiet=True)
+    assert len(reads) == 1
+    assert any(d.startswith("reading the workload") for d in shown), shown

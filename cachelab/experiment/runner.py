@@ -28,7 +28,7 @@ from cachelab.experiment.spec import ExperimentSpec, WorkloadSpec, load_spec, pa
 from cachelab.experiment.sweep import Point, config_hash, expand
 from cachelab.engine.mrc import miss_ratio_curve
 from cachelab.errors import CachelabError
-from cachelab.experiment.workload import build_workload, load_workload, workload_key, workload_stats
+from cachelab.experiment.workload import Workload, build_workload, load_workload, workload_key, workload_stats
 from cachelab.experiment.tracking import (ERROR, INPUTS, MAX_TAG, Tracker, TrackingUnavailable, refused_key,
                                           resolve_uri)
 from cachelab.progress import progress_bar
@@ -120,8 +120,14 @@ def _sweep(spec: ExperimentSpec, spec_path: Path, overrides: list[str] | None, o
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with progress_bar(*columns, transient=quiet) as progress:
         paths = _build_workloads(spec, spec_path, todo, progress)
-        _check_ready(spec_path, todo, paths)
-        parent = _parent_record(spec, spec_path, overrides, paths[workload_key(spec.workload)])
+        # what comes before the first point (seconds to a minute on the quickstart) drew nothing
+        reading = progress.add_task("reading the workload: checks, statistics, LRU curve", total=None)
+        loaded: dict[Path, Workload] = {}  # each read once: the checks and the parent's statistics read it twice
+        _check_ready(spec_path, todo, paths, loaded)
+        main = paths[workload_key(spec.workload)]
+        parent = _parent_record(spec, spec_path, overrides, loaded.get(main) or load_workload(main))
+        del loaded
+        progress.remove_task(reading)
         parent_id = None
         if tracker is not None:
             parent_id = tracker.parent_run(exp_id, parent)
@@ -205,10 +211,9 @@ def _build_workloads(spec: ExperimentSpec, spec_path: Path, todo: list[Point], p
     return paths
 
 
-def _check_ready(spec_path: Path, todo: list[Point], paths: dict[str, Path]) -> None:
+def _check_ready(spec_path: Path, todo: list[Point], paths: dict[str, Path], loaded: dict[Path, Workload]) -> None:
     """Each point's checks that need its built workload (``ExperimentKind.ready``), before any point
-    runs: an error names the spec, the point and the key."""
-    loaded = {}
+    runs: an error names the spec, the point and the key. The workloads read stay in ``loaded``."""
     for p in todo:
         ready = get_kind(p.config["kind"]).ready
         if ready is None:
@@ -220,10 +225,8 @@ def _check_ready(spec_path: Path, todo: list[Point], paths: dict[str, Path]) -> 
             raise CachelabError(f"{spec_path}: point {p.label}: {exc}") from None
 
 
-def _parent_record(spec: ExperimentSpec, spec_path: Path, overrides: list[str] | None,
-                   workload_path: Path) -> Record:
+def _parent_record(spec: ExperimentSpec, spec_path: Path, overrides: list[str] | None, workload: Workload) -> Record:
     dump = spec.model_dump(mode="json")
-    workload = load_workload(workload_path)
     metrics, skew = workload_stats(workload, spec.workload.preset)
     record = Record(hash=config_hash(dump), label=spec.name,
                     params={k: v for k, v in flatten(dump).items() if k not in ("description",)},
