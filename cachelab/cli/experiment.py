@@ -13,7 +13,10 @@ from cachelab.errors import CachelabError
 
 URI_HELP = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)."
 WORKERS_HELP = "Parallel points (default: the CPU count; on a Ray cluster, every point at once)."
-RUNS_HELP = "Folder for local results: the outbox, cached inputs and reports."
+RUNS_HELP = ("Folder for local results: the outbox (results waiting for the tracking server) and the report "
+             "(workloads are cached in $CACHELAB_CACHE_DIR, else ~/.cache/cachelab).")
+JSON_HELP = ("Print one JSON object on standard output; progress goes to standard error, drawn only on a "
+             "terminal.")
 
 
 def run(
@@ -24,7 +27,7 @@ def run(
     workers: int = typer.Option(None, min=1, help=WORKERS_HELP),
     runs_dir: Path = typer.Option(Path("runs"), help=RUNS_HELP),
     set_: list[str] = typer.Option(None, "--set", help="Override a spec key: KEY=VALUE (TOML value), repeatable."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object; no progress bars."),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Run an experiment end to end: validate, sweep, track in MLflow, write the report.
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from cachelab.cli.experiment import URI_HELP, WORKERS_HELP, run_and_print
+from cachelab.cli.experiment import JSON_HELP, URI_HELP, WORKERS_HELP, run_and_print
 from cachelab.errors import CachelabError
 from cachelab.paths import REPO_ROOT
 
@@ -18,7 +18,7 @@ def quickstart(
     backend: str = typer.Option("local", help="local (a process pool) or ray."),
     tracking_uri: str = typer.Option(None, help=URI_HELP),
     workers: int = typer.Option(None, min=1, help=WORKERS_HELP),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object; no progress bars."),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Run the quickstart study: Engram addressing skew on the standard library's text and a
     policy bake-off across HBM capacities, tracked in MLflow, with an HTML report."""
