@@ -229,3 +229,55 @@ def test_a_learned_point_seeds_its_predictor_with_its_own_seed(tmp_path, monkeyp
         with pytest.raises(KeyboardInterrupt):
             learned_point(point.config, workload)
     assert [(f["hidden"], f["seed"]) for f in fitted] == [(8, 0), (8, 2)]
+
+
+COIN = {
+    "coinpolicy/__init__.py": """
+        import numpy as np
+
+        from cachelab.policy import PythonPolicy
+
+        class Coin(PythonPolicy):
+            name = "coin"
+
+            def __init__(self, seed: int = 0):
+                self.seed = seed
+
+            def init_state(self, capacity, num_keys):
+                self.rng = np.random.default_rng(self.seed)
+
+            def victim(self, key):
+                return int(self.rng.integers(self.capacity))
+        """,
+    "cachelab_coin-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: cachelab-coin\nVersion: 0.1\n",
+    "cachelab_coin-0.1.dist-info/entry_points.txt": "[cachelab.policies]\ncoin = coinpolicy:Coin\n",
+}
+
+
+def test_a_replay_point_seeds_its_tier_policies_with_its_own_seed(tmp_path, monkeypatch):
+    """seeds = [0, 1, 2] replayed one draw of a random policy three times: the point's seed reached a
+    predictor's and a trace's, never a tier policy's, so the seed-averaged miss ratio averaged one
+    number (seen by helper-111). Seed 0 keeps the params as written."""
+    from cachelab import registry
+    from cachelab.experiment.points import replay_point
+    from cachelab.experiment.spec import WorkloadSpec, load_spec
+    from cachelab.experiment.sweep import expand
+    from cachelab.experiment.workload import build_workload, load_workload
+
+    install_site(tmp_path, COIN, monkeypatch)
+    registry.discover.cache_clear()
+    try:
+        spec = tmp_path / "coin.toml"
+        spec.write_text('name = "coin"\nseeds = [0, 1, 2]\n[workload]\nsource = "stdlib"\nparams = { max_chars = 20000 }\n'
+                        'tokens_per_step = 512\n[[hierarchy.tiers]]\nname = "hbm"\ncapacity = "2%"\npolicy = "coin"\n'
+                        '[sweep]\n"hierarchy.hbm.params" = [{}, { seed = 5 }]\n')
+        points = expand(load_spec(spec))
+        workload = load_workload(build_workload(WorkloadSpec(**points[0].config["workload"])))
+        out = {(p.config["hierarchy"]["tiers"][0]["params"].get("seed"), p.config["seed"]): replay_point(p.config, workload)
+               for p in points}
+    finally:
+        registry.discover.cache_clear()
+    assert {k: o.params.get("hbm.policy_seed") for k, o in out.items()} == {
+        (None, 0): None, (None, 1): "1", (None, 2): "2", (5, 0): "5", (5, 1): "6", (5, 2): "7"}
+    miss = {k: o.metrics["hbm.miss_ratio"] for k, o in out.items()}
+    assert len({miss[None, s] for s in range(3)}) == 3  # three draws

@@ -29,10 +29,11 @@ __all__ = ["LEARNED", "REPLAY", "SERVE", "PointOutput", "learned_point", "make_h
 
 
 def make_hierarchy(config: dict, workload: Workload) -> Hierarchy:
-    """The spec's hierarchy: ``N%`` capacities are shares of the workload's distinct rows."""
+    """The spec's hierarchy: ``N%`` capacities are shares of the workload's distinct rows; a tier's
+    policy that takes a ``seed`` has it offset by the point's (``seeded_tier``)."""
     h = config["hierarchy"]
     stream, unique = workload.stream, workload.distinct_rows
-    tiers = [Tier(t["name"], make_tier_policy(t), location=t["location"],
+    tiers = [Tier(t["name"], make_tier_policy(seeded_tier(t, config["seed"])), location=t["location"],
                   capacity_rows=capacity_rows(t["capacity"], unique, stream.row_bytes, f"hierarchy.{t['name']}.capacity"))
              for t in h["tiers"]]
     backing = "dram"
@@ -64,7 +65,20 @@ def replay_point(config: dict, workload: Workload) -> PointOutput:
             metrics[f"{name}.miss_ratio_unique"] = 1.0 - level["hit_ratio_unique"]
     for link, value in s["bytes"].items():
         metrics[f"bytes.{link}"] = value
+    for tier in config["hierarchy"]["tiers"]:
+        seeded = seeded_tier(tier, config["seed"])["params"]
+        if "seed" in seeded:
+            params[f"{tier['name']}.policy_seed"] = str(seeded["seed"])
     return PointOutput(metrics, params, {"per_step": result.per_step})
+
+
+def seeded_tier(tier: dict, seed: int) -> dict:
+    """A tier section whose policy's ``seed`` (where it takes one: a random eviction, learned-eviction's
+    samples) is offset by the point's, as a predictor's is (``seeded_params``): every seed of a spec
+    replayed one draw of such a policy, so its seed-averaged miss ratios averaged one number."""
+    from cachelab import registry
+
+    return {**tier, "params": seeded_params(registry.get(registry.POLICIES, tier["policy"]), tier["params"], seed)}
 
 
 def learned_point(config: dict, workload: Workload) -> PointOutput:
