@@ -132,3 +132,19 @@ def test_report_renders_in_headless_chromium(quickstart, tmp_path):
     assert ink.mean() > 0.05  # plots, not a blank page
     colours = np.unique((pixels[ink] * 255).astype(np.uint8), axis=0)
     assert len(colours) > 50  # lines, bars and text in several colours
+
+
+def test_too_little_text_for_the_learned_point_is_refused_at_once(tmp_path):
+    """`cachelab quickstart --max-chars 5000` (1,000 was the least allowed) built its workload, then
+    failed naming predictor.horizon, a key this command cannot set: below about 13,000 characters the
+    learned point's training window is too short for its horizon (seen by helper-111)."""
+    from cachelab.cli.quickstart import MIN_CHARS, QUICKSTART
+    from cachelab.experiment.points import learned_ready
+    from cachelab.experiment.workload import build_workload, load_workload
+
+    res = cli("quickstart", "--max-chars", "5000", cwd=tmp_path)
+    assert res.returncode == 2 and "'--max-chars'" in res.stderr and str(MIN_CHARS) in res.stderr, res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing built, opened or written
+    spec = load_spec(QUICKSTART, [f"workload.params.max_chars={MIN_CHARS}"])  # the least allowed trains
+    [learned] = [p for p in expand(spec) if p.config["kind"] == "learned"]
+    learned_ready(learned.config, load_workload(build_workload(spec.workload)))
