@@ -118,6 +118,10 @@ def test_overrides_are_validated_like_the_file(tmp_path):
         load_spec(path, ["warmup"])
     with pytest.raises(CachelabError, match="kind: name at least one experiment kind; allowed: "):
         load_spec(path, ["kind=[]"])  # no points: the run would succeed having run nothing
+    # a key the file does not have was named as the file's alone (seen by helper-111)
+    with pytest.raises(CachelabError, match=r"tiny.toml: workload.tokens_per_stp: unknown key \(the spec with "
+                       r"--set warmup=0.2 --set workload.tokens_per_stp=512\)$"):
+        load_spec(path, ["warmup=0.2", "workload.tokens_per_stp=512"])
 
 
 def test_an_override_inside_a_swept_table_reaches_every_point(tmp_path):

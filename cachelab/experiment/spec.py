@@ -182,7 +182,12 @@ def load_spec(path: str | Path, overrides: list[str] | None = None) -> Experimen
         for axis in [a for a in sweep if key.startswith(f"{a}.")]:  # inside a swept table: set in each value
             raw = {**raw, "sweep": {**sweep, axis: _set_in_values(sweep[axis], key.removeprefix(f"{axis}."),
                                                                     value, f"--set {item!r}: sweep.{axis!r}")}}
-    return parse_spec(raw, where=str(path))
+    try:
+        return parse_spec(raw, where=str(path))
+    except CachelabError as exc:  # the key it names may be an override's: the file alone did not have it
+        if not overrides:
+            raise
+        raise CachelabError(f"{exc} (the spec with --set {' --set '.join(overrides)})") from None
 
 
 def _set_in_values(values: list, key: str, value, where: str) -> list:
