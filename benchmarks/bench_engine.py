@@ -10,8 +10,8 @@ cachelab is measured as a user meets it: ``cachelab simulate --trace T.npy --pol
 --capacity C --json`` in a fresh process, timed by the ``seconds`` it reports (loading the
 trace, compaction, replay and summary) and by the wall time of the whole process (Python
 start and imports included). libCacheSim is timed around ``TraceReader`` + ``process_trace``
-on the same requests as an oracleGeneral file, in a fresh process, and by that process's wall
-time, and by the CPU time of each whole process (user + system: on a machine shared with
+on the same requests as an oracleGeneral file, in a fresh process that imports libCacheSim
+(and the NumPy it imports) and nothing of cachelab's, and by that process's wall time, and by the CPU time of each whole process (user + system: on a machine shared with
 other jobs the steadiest of the three). Each runs with one thread, best of ``--repeats``; cachelab's Numba cache is warmed first by
 a run on a small trace. ``ratio`` = libCacheSim seconds / cachelab seconds (above 1: cachelab
 is faster), ``wall ratio`` the same for whole processes. Both report the miss ratio, which
@@ -46,8 +46,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-from lcs_reference import min_capacity  # noqa: E402
 
 ALIASES = {"2q": "twoq"}
 NOT_THE_SAME = {"lfuda"}  # libCacheSim's LFUDA is another rule (docs/policies.md)
@@ -94,6 +92,9 @@ def zipf_requests(n: int, objects: int = 1_000_000, alpha: float = 0.99) -> np.n
 def stream_capacity(distinct: int, share: float, classes: list[str]) -> int:
     """``share`` of ``distinct`` keys, at least every libCacheSim class's ``min_capacity``; refused
     where that cache would hold every key (nothing would be compared)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from lcs_reference import min_capacity  # imports cachelab and Numba: never in libCacheSim's timed process
+
     floor = max([min_capacity(c) for c in classes] or [1])
     capacity = max(floor, round(distinct * share))  # as cachelab resolves a share
     if capacity >= distinct:

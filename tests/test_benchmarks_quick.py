@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -147,3 +148,21 @@ def test_bench_engram_agrees_with_the_demos_shifted_numpy_form():
     done = run("bench_engram.py", "--chars", "20000", "--repeats", "1")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "(identical in both)" in done.stdout and "ratio" in done.stdout
+
+
+def test_bench_engine_libcachesim_process_imports_neither_cachelab_nor_numba(tmp_path):
+    """The libCacheSim child imported tests/lcs_reference.py (for ``min_capacity``), which imports
+    cachelab and Numba: about 0.25 s of CPU and 0.9 s of wall on the loaded 2-core machine added to
+    libCacheSim's whole-process times, which the wall and process-CPU ratios divide by."""
+    pytest.importorskip("libcachesim")
+    from cachelab.trace.keytrace import write_oracle_general
+
+    trace = tmp_path / "t.oracleGeneral"
+    write_oracle_general(trace, np.arange(200, dtype=np.int64) % 8)
+    done = subprocess.run([sys.executable, "-X", "importtime", str(BENCHMARKS / "bench_engine.py"), "--worker", "LRU",
+                           str(trace), "10"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert round(json.loads(done.stdout)["miss_ratio"] * 200) == 8  # the 8 keys, once each
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "libcachesim" in imported
+    assert not {m for m in imported if m.split(".")[0] in ("cachelab", "numba")}
