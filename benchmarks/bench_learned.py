@@ -19,6 +19,12 @@ feature matrix is built. Both are reported in lookups per second (every lookup o
 stream, duplicates included), with learned / LRU as the ratio. Compilation is warmed up on a
 small stream first.
 
+Then what a user runs, each in a fresh process (``timed_cli``): ``cachelab simulate --trace
+gsm8k,humaneval,arena-hard --requests N --policy P --model DIR --capacity C --json`` against the
+same command with ``--policy lru`` and no model, start-up, tokenizing and addressing the prompts
+included (as in LRU's); their CPU times' ratio, best of ``--repeats``, interleaved. Each must
+report the miss ratio of its in-process pass (the same stream and model).
+
     CACHELAB_DATA=../shared/data .venv/bin/python benchmarks/bench_learned.py [--requests N] [--json]
 """
 
@@ -29,12 +35,16 @@ import json
 import tempfile
 import time
 
+from timed_cli import timed_cli
+
 from cachelab import registry
 from cachelab.learning.training import TrainSpec, keep_scores, load, rows_for, save, train
 from cachelab.learning.evaluation import learned_policy
 from cachelab.learning.lineup import judged_default, lineup
 from cachelab.learning.streams import LearningView, prompt_stream
 from cachelab.engine.replay import run_policy
+
+CORPORA = ["gsm8k", "humaneval", "arena-hard"]
 
 
 def learned_pass(stream, model_dir, capacity: int, policy: str) -> float:
@@ -56,6 +66,13 @@ def lru_pass(stream, capacity: int) -> float:
     return 1.0 - float(hits[dd.inverse].mean())
 
 
+def cli_simulate(requests: int, capacity: int, policy: str, model_dir: str | None) -> tuple[float, float, float]:
+    """(miss ratio, wall s, CPU s) of ``cachelab simulate`` on the three corpora in a fresh process."""
+    out, wall, cpu = timed_cli(["simulate", "--trace", ",".join(CORPORA), "--requests", str(requests), "--policy", policy,
+                                "--capacity", str(capacity), "--json", *(["--model", model_dir] if model_dir else [])])
+    return json.loads(out.splitlines()[-1])["miss_ratio"], wall, cpu
+
+
 def timed(fn, *args) -> tuple[float, float]:
     start = time.perf_counter()
     miss = fn(*args)
@@ -73,7 +90,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     args.policy = args.policy or judged_default(lineup())
-    stream = prompt_stream(["gsm8k", "humaneval", "arena-hard"], args.requests)
+    stream = prompt_stream(CORPORA, args.requests)
     view = LearningView.of(stream)
     classifier = registry.get(registry.PREDICTORS, "lightgbm-reuse")(n_estimators=args.trees, num_leaves=args.leaves)
     model, _ = train(view, classifier, TrainSpec(horizon=1 << 16, capacity=args.capacity))
@@ -82,12 +99,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-learned-") as model_dir:
         save(model, model_dir)
         learned_pass(small, model_dir, 100, args.policy), lru_pass(small, 100)  # compile
-        t_learned = min(timed(learned_pass, stream, model_dir, capacity, args.policy)[0] for _ in range(args.repeats))
-    t_lru = min(timed(lru_pass, stream, capacity)[0] for _ in range(args.repeats))
+        t_learned, miss_learned = min(timed(learned_pass, stream, model_dir, capacity, args.policy)
+                                      for _ in range(args.repeats))
+        t_lru, miss_lru = min(timed(lru_pass, stream, capacity) for _ in range(args.repeats))
+        cli = {args.policy: [], "lru": []}
+        for _ in range(args.repeats):
+            cli[args.policy].append(cli_simulate(args.requests, capacity, args.policy, model_dir))
+            cli["lru"].append(cli_simulate(args.requests, capacity, "lru", None))
     n = stream.num_lookups
+    for name, miss in ((args.policy, miss_learned), ("lru", miss_lru)):
+        if {round(m * n) for m, _, _ in cli[name]} != {round(miss * n)}:
+            raise SystemExit(f"cachelab simulate --policy {name} missed {cli[name][0][0]}, its pass here {miss}")
+    cli_learned, cli_lru = (min(cpu for _, _, cpu in cli[name]) for name in (args.policy, "lru"))
     out = {"lookups": int(n), "capacity_rows": capacity, "policy": args.policy, "trees": args.trees, "leaves": args.leaves,
            "learned_lookups_per_s": n / t_learned, "lru_lookups_per_s": n / t_lru,
-           "learned_over_lru": t_lru / t_learned}
+           "learned_over_lru": t_lru / t_learned,
+           "cli_learned_cpu_s": cli_learned, "cli_lru_cpu_s": cli_lru, "cli_learned_over_lru": cli_lru / cli_learned,
+           "cli_learned_wall_s": min(w for _, w, _ in cli[args.policy]), "cli_lru_wall_s": min(w for _, w, _ in cli["lru"])}
     if args.json:
         print(json.dumps(out))
         return
@@ -96,6 +124,9 @@ def main() -> None:
     print(f"learned (view + features + scoring + replay): {out['learned_lookups_per_s'] / 1e6:.2f} M lookups/s")
     print(f"LRU (dedup + replay):                         {out['lru_lookups_per_s'] / 1e6:.2f} M lookups/s")
     print(f"learned / LRU: {out['learned_over_lru']:.3f}")
+    print(f"cachelab simulate in a fresh process (start-up, prompts tokenized and addressed), CPU s: {args.policy} "
+          f"{cli_learned:.2f} (wall {out['cli_learned_wall_s']:.2f}), lru {cli_lru:.2f} (wall {out['cli_lru_wall_s']:.2f}); "
+          f"learned / LRU: {out['cli_learned_over_lru']:.3f}")
 
 
 if __name__ == "__main__":

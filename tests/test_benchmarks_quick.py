@@ -166,3 +166,16 @@ def test_bench_engine_libcachesim_process_imports_neither_cachelab_nor_numba(tmp
     imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
     assert "libcachesim" in imported
     assert not {m for m in imported if m.split(".")[0] in ("cachelab", "numba")}
+
+
+@pytest.mark.slow
+@pytest.mark.data
+def test_bench_learned_times_cachelab_simulate_as_a_user_runs_it(data_dir):
+    """bench_learned.py timed the learned pass inside one process only, from a stream already
+    built; it also times `cachelab simulate --model` against `simulate --policy lru` in fresh
+    processes (the prompts tokenized and addressed in each), whose miss ratios must be the passes'."""
+    done = run("bench_learned.py", "--requests", "20", "--trees", "5", "--leaves", "7", "--repeats", "1", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["cli_learned_over_lru"] == out["cli_lru_cpu_s"] / out["cli_learned_cpu_s"]
+    assert out["cli_learned_wall_s"] > 0 and out["cli_lru_wall_s"] > 0
