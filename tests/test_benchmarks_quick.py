@@ -179,3 +179,29 @@ def test_bench_learned_times_cachelab_simulate_as_a_user_runs_it(data_dir):
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["cli_learned_over_lru"] == out["cli_lru_cpu_s"] / out["cli_learned_cpu_s"]
     assert out["cli_learned_wall_s"] > 0 and out["cli_lru_wall_s"] > 0
+
+
+QUOTED = [  # benchmarks whose figures the docs quote, in quick modes, and what each run must print
+    (("bench_engram.py", "--chars", "100000", "--repeats", "1"), "(identical in both)"),  # README, Benchmarks
+    (("bench_mooncake_import.py", "--copies", "1", "--repeat", "1"), "x the reference"),  # docs/traces.md
+]
+
+
+@pytest.mark.slow
+@pytest.mark.data
+@pytest.mark.parametrize("argv, printed", QUOTED, ids=[argv[0] for argv, _ in QUOTED])
+def test_a_quoted_benchmark_runs_to_the_end_in_its_quick_mode(data_dir, argv, printed):
+    """Nothing ran these, so they could rot unseen; no time is asserted."""
+    done = run(*argv)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert printed in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.data
+def test_bench_online_scorer_quick_run_times_every_step_size(data_dir):
+    """benchmarks/bench_online_scorer.py (docs/learned.md): decode steps of 1 to 256 sequences."""
+    done = run("bench_online_scorer.py", "--rounds", "2", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])["rows"]
+    assert [r["sequences"] for r in rows] == [1, 16, 64, 256] and all(r["ms_per_step"] > 0 for r in rows)
