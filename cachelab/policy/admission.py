@@ -20,9 +20,12 @@ by configuration (``--admission tinylfu``). Filters:
 The sketch is one array of counters read through ``hashes`` positions per key by double
 hashing (``a + i * b``, as libCacheSim's minimalIncrementCBF does), estimate = the minimum
 of those counters. ``make_admission`` sizes it two ways: by default with Caffeine's
-FrequencySketch rules (4 positions, 4-bit counters saturating at 15, halving after 10 x
+FrequencySketch sizes (4 positions, 4-bit counters saturating at 15, halving after 10 x
 capacity additions) but a narrower table, 4 counters per cached row rounded up to a power of
-two (Caffeine keeps 16: one 64-bit word of 4-bit counters per row); with ``error`` as libCacheSim's
+two (Caffeine keeps 16: one 64-bit word of 4-bit counters per row), and its own aging: every
+recorded access counts toward the halving and a halving halves the count, where Caffeine counts
+only an access that raised a counter and also takes off a quarter of the odd counters
+(``size = (size >>> 1) - (count >>> 2)``); with ``error`` as libCacheSim's
 counting Bloom filter (``-ln(error) / ln(2)^2`` counters per entry, ``ceil(ln 2 x that)``
 positions, unbounded counters), which W-TinyLFU uses to agree with libCacheSim.
 The sketch primitives are public so a policy with its own counting rules (W-TinyLFU)
@@ -113,7 +116,8 @@ def sketch_halve(counters):
 @nb.njit(cache=True)
 def sketch_age(counters, meta):
     """Note one addition toward the sample; at the sample size, halve every counter and the
-    addition count (as Caffeine's reset does, so the next halving comes sooner)."""
+    addition count, so the next halving comes sooner (Caffeine's reset also subtracts the odd
+    counters' lost halves: module doc)."""
     meta[ADDITIONS] += 1
     if meta[ADDITIONS] >= meta[SAMPLE]:
         sketch_halve(counters)
