@@ -13,7 +13,7 @@ from cachelab.trace.keytrace import ORACLE_DTYPE, read_keys, read_oracle_general
 from cachelab.workload.lookups import compact
 
 __all__ = ["cloudphysics_keys", "engram_row_keys", "engram_stream", "lcs_miss_ratio", "lcs_misses",
-           "lirs_keys", "min_capacity", "write_oracle_general"]
+           "lcs_misses_of", "lirs_keys", "min_capacity", "write_oracle_general"]
 
 MIN_CAPACITY = {  # libCacheSim class: below this many objects it caches otherwise than the paper's policy
     "TwoQ": 4,  # A1in of 25% must hold one object
@@ -65,6 +65,22 @@ def lcs_misses(trace_path: Path, policy: str, capacity: int, **params) -> int:
     float division, so compare counts, not ratios computed two ways)."""
     requests = Path(trace_path).stat().st_size // ORACLE_DTYPE.itemsize
     return round(lcs_miss_ratio(trace_path, policy, capacity, **params) * requests)
+
+
+def lcs_misses_of(keys: np.ndarray, policy: str, capacity: int, **params) -> int:
+    """libCacheSim's miss count on ``keys``, one request at a time (no trace file: short streams
+    in bulk), each carrying its next access as the oracleGeneral writer does (for Belady)."""
+    import libcachesim as lcs
+
+    from cachelab.policy import NO_NEXT
+    from cachelab.workload.future import next_access
+
+    cache = getattr(lcs, policy)(capacity, hashpower=8, **params)  # 2^8 buckets: a short stream's keys
+    nxt = next_access(keys)
+    never = np.iinfo(np.int64).max  # libCacheSim's "no next access" (it aborts on -1)
+    return sum(not cache.get(lcs.Request(obj_size=1, obj_id=int(k), clock_time=i,
+                                         next_access_vtime=never if n == NO_NEXT else int(n) + 1))
+               for i, (k, n) in enumerate(zip(keys.tolist(), nxt.tolist())))
 
 
 @lru_cache(maxsize=None)

@@ -10,21 +10,26 @@ Traces: the cloudPhysics block trace shipped with libCacheSim, the LIRS ``sprite
 prompts (one row per step), and a DeepSeek-V4.1-Flash Engram lookup stream of real
 Arena-Hard prompts (both layers, one request per step). Ours runs through the engine (``replay``: per-step
 deduplication, compaction, next-access for policies that need it); libCacheSim reads the
-request stream the tier sees (each step's distinct rows) as an oracleGeneral file.
+request stream the tier sees (each step's distinct rows) as an oracleGeneral file. The same
+table's exact rows are also checked at every capacity of short random streams (Hypothesis).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cachelab import registry
 from cachelab.engine.tiers import Hierarchy, Tier
 from cachelab.workload.lookups import LookupStream, compact, dedup_steps
 from cachelab.engine.replay import replay
-from lcs_reference import (cloudphysics_keys, engram_row_keys, engram_stream, lcs_misses, lirs_keys, min_capacity,
-                           write_oracle_general)
+from cachelab.workload.future import next_access
+from lcs_reference import (cloudphysics_keys, engram_row_keys, engram_stream, lcs_misses, lcs_misses_of, lirs_keys,
+                           min_capacity, write_oracle_general)
 
 
 @dataclass(frozen=True)
@@ -102,3 +107,25 @@ def test_miss_counts_agree_with_libcachesim(traces, trace, case):
             assert ours == theirs, (capacity, ours, theirs)
         else:
             assert abs(ours - theirs) <= case.rel_tol * theirs, (capacity, ours, theirs)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 24).flatmap(lambda k: st.tuples(st.just(k), st.lists(st.integers(0, k - 1), min_size=1,
+                                                                             max_size=300))))
+def test_miss_counts_agree_with_libcachesim_at_every_capacity_of_short_streams(stream):
+    """The table above starts at two rows on long traces; here every capacity from one row to past
+    the keys (where the policy itself runs, not the engine's infinite cache) on short random
+    streams, one request per step, against libCacheSim fed the same ids: identical, at and above
+    each class's ``min_capacity`` (W-TinyLFU's 100 rows are past these streams)."""
+    num_keys, keys = stream
+    keys = np.array(keys, dtype=np.int64)
+    offsets = np.arange(keys.size + 1)
+    for case in CASES:
+        if case.rel_tol:
+            continue
+        for capacity in range(min_capacity(case.theirs), num_keys + 3):
+            policy = registry.make_policy(case.ours, **case.params)
+            policy.reset(capacity, num_keys)
+            future = policy.view_future(next_access(keys), offsets) if policy.capabilities.needs_future else None
+            ours = int(keys.size - policy.run(keys, offsets, future).sum())
+            assert ours == lcs_misses_of(keys, case.theirs, capacity, **case.lcs_params), (str(case), capacity)
