@@ -528,3 +528,21 @@ def test_the_workload_is_read_once_before_the_points_and_shown_meanwhile(tmp_pat
     run_experiment(spec, tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", runs_dir=tmp_path / "runs", quiet=True)
     assert len(reads) == 1
     assert any(d.startswith("reading the workload") for d in shown), shown
+
+
+def test_a_point_run_twice_is_read_alike_by_the_results_table_and_the_report(tmp_path):
+    """Of a point with two FINISHED runs (a store that kept a run whose answer was lost, so it was sent
+    again), the parent's results table took the earlier and the report the later (seen by helper-111)."""
+    from cachelab.experiment.records import Record
+    from cachelab.experiment.report import load_experiment
+    from cachelab.experiment.tracking import Tracker
+
+    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db")
+    exp = tracker.experiment_id("twice")
+    parent = tracker.parent_run(exp, Record(hash="p", label="twice", params={}, metrics={}))
+    for start, miss in ((1_000, 0.5), (2_000, 0.25)):
+        tracker.log_point(exp, parent, Record(hash="h" * 16, label="point", params={}, metrics={"miss": miss},
+                                              start_ms=start, end_ms=start + 10))
+    reported = load_experiment(tracker, "twice").results
+    assert reported["miss"].to_list() == [0.25]
+    assert tracker.finished_points(exp) == {"h" * 16: reported["run_id"][0]}

@@ -131,9 +131,14 @@ class Tracker:
                 return runs
 
     def finished_points(self, exp_id: str) -> dict[str, str]:
-        """Point hash -> run id of every FINISHED point run in the experiment."""
-        runs = self._search(exp_id, f"tags.`{KIND}` = 'point' and attributes.status = 'FINISHED'")
-        return {r.data.tags[POINT_HASH]: r.info.run_id for r in runs}
+        """Point hash -> run id of every FINISHED point run in the experiment: of a point run twice, the
+        latest, as the report reads (the results table took the earliest, so the two could disagree)."""
+        runs = self._search(exp_id, f"tags.`{KIND}` = 'point' and attributes.status = 'FINISHED'",
+                            order_by=["attributes.start_time DESC"])
+        latest: dict[str, str] = {}
+        for r in runs:
+            latest.setdefault(r.data.tags[POINT_HASH], r.info.run_id)
+        return latest
 
     def close_stale(self, exp_id: str) -> int:
         """Mark runs (parents and points) left RUNNING by a sweep proven dead as KILLED
