@@ -223,3 +223,15 @@ def test_serving_steps_view_reads_the_rows_of_the_prompt_view_batched_by_the_sch
     assert max(per_step) > 1 and len(per_step) < alone.step_offsets.size - 1  # requests share steps
     with pytest.raises(CachelabError, match="unknown step view 'live'"):
         prompt_stream(["stdlib"], 1, steps="live")
+
+
+def test_a_validation_part_too_short_to_label_says_what_it_leaves():
+    """It said "validation part of 198 lookups is shorter than the horizon 100": false; 98 of them
+    settle their labels, and 100 are needed."""
+    from cachelab.learning.training import TrainSpec, window_end
+
+    view = synthetic_stream(zipf_keys(1250, 200, seed=3))
+    with pytest.raises(CachelabError, match=r"validation part of 198 lookups after the training window leaves 98 "
+                                            r"whose labels settle .* horizon of 100 lookups .* fewer than 100"):
+        window_end(view, TrainSpec(horizon=100, train_fraction=0.84))
+    assert window_end(view, TrainSpec(horizon=90, train_fraction=0.84)) == 1052  # 108 settle: enough

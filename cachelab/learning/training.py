@@ -194,8 +194,10 @@ def _validation_part(lookups: int, horizon: int) -> int:
     """How many of the ``lookups`` after the training window are validated (their labels settle
     within the stream), refused when under 100."""
     if lookups - horizon < 100:
-        raise CachelabError(f"validation part of {lookups} lookups is shorter than the horizon "
-                            f"{horizon}: lower the horizon or use a longer trace")
+        raise CachelabError(f"validation part of {lookups:,} lookups after the training window leaves "
+                            f"{max(lookups - horizon, 0):,} whose labels settle within the stream (its last "
+                            f"horizon of {horizon:,} lookups cannot be labelled), fewer than 100: lower the horizon "
+                            "or the train fraction, or use a longer trace")
     return lookups - horizon
 
 
