@@ -39,8 +39,8 @@ from rich.progress import Progress
 
 from cachelab import registry
 from cachelab.defaults import HORIZON
-from cachelab.engine.replay import run_policy, warmup_steps
-from cachelab.learning.evaluation import evaluate_capacities, learned_policy
+from cachelab.engine.replay import run_policy
+from cachelab.learning.evaluation import counted_entries, evaluate_capacities, learned_policy
 from cachelab.learning.features import belady_labels
 from cachelab.learning.streams import STEP_VIEWS, LearningView, prompt_stream
 from cachelab.learning.training import TrainSpec, features, keep_scores, rows_for, train
@@ -62,15 +62,14 @@ def blank_scores(view: LearningView, horizon: int) -> np.ndarray:
     return -(np.arange(len(view), dtype=np.float64) + horizon)
 
 
-def label_quality(view: LearningView, model, capacity: float, start: int) -> dict:
+def label_quality(view: LearningView, model, capacity: float, counted: np.ndarray) -> dict:
     """AUC of the model's keep chance against Belady's decisions, and the keep rate, per n-gram
-    order, over entries from ``start`` on."""
+    order, over the ``counted`` entries."""
     from sklearn.metrics import roc_auc_score
 
     pred = model.predictor.predict(features(view, model.prior, model.domains, model.lookahead))
     kept = belady_labels(view.keys, view.step_offsets, rows_for(capacity, view.num_keys), view.num_keys)
     order = 2 + view.column.astype(np.int64) // view.heads
-    counted = np.arange(len(view)) >= start
     out = {}
     for o in np.unique(order):
         m = counted & (order == o)
@@ -88,12 +87,14 @@ def gap(miss: dict, labels, learned: float, bound: float) -> tuple[str, float | 
 
 
 class Cell:
-    """One domain at one capacity: the full evaluation, then controls on the same replay settings."""
+    """One domain at one capacity: the full evaluation, then controls on the same replay settings,
+    counted on the lookups the evaluation counts (``counted_entries``: past the model's training
+    window too where the view starts with it, as the later part does)."""
 
     def __init__(self, view: LearningView, model, capacity: float, warmup: float):
         self.view, self.model, self.capacity = view, model, capacity
-        self.start = int(view.lookup_offsets[warmup_steps(warmup, view.lookup_offsets.size - 1)])
-        self.entry_start = int(view.step_offsets[warmup_steps(warmup, view.step_offsets.size - 1)])
+        self.entries = counted_entries(view, model, warmup)[0]
+        self.counted = view.per_lookup(self.entries)
         self.result = evaluate_capacities(view, model, [capacity], warmup, progress=False).capacities[0].to_dict()
         self.judged = next(lab for lab, name in _lineup().learned.items() if name == _judged())
 
@@ -104,11 +105,11 @@ class Cell:
                                                self.view.num_keys, scores))
 
     def miss(self, hits: np.ndarray) -> float:
-        return float(1.0 - hits[self.start:].mean())
+        return float(1.0 - hits[self.counted].mean())
 
     def by_phase(self, hits: np.ndarray) -> dict:
-        decode = self.view.per_lookup(self.view.decode)[self.start:]
-        return {phase: float(1.0 - hits[self.start:][decode == flag].mean())
+        decode = self.view.per_lookup(self.view.decode)[self.counted]
+        return {phase: float(1.0 - hits[self.counted][decode == flag].mean())
                 for phase, flag in (("prefill", False), ("decode", True)) if (decode == flag).any()}
 
     def row(self, domain: str) -> dict:
@@ -145,7 +146,7 @@ def study_cell(domain, view, model, blind, capacity, warmup, horizon) -> dict:
                 "perfect_keep_labels": cell.miss(cell.hits(perfect_scores(view, capacity, horizon))),
                 "without_lookahead": cell.miss(cell.hits(keep_scores(blind, view), blind))}
     return {"row": cell.row(domain), "evaluation": cell.result, "controls": controls,
-            "miss_by_phase": cell.by_phase(hits), "label_quality": label_quality(view, model, capacity, cell.entry_start)}
+            "miss_by_phase": cell.by_phase(hits), "label_quality": label_quality(view, model, capacity, cell.entries)}
 
 
 def table(rows: list[dict]) -> str:

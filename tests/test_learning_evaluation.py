@@ -112,3 +112,21 @@ def test_requests_the_model_trained_on_are_not_counted_in_a_stream_that_reorders
 
     with pytest.raises(CachelabError, match="every request after the warm-up is one the model was trained on"):
         evaluate_capacities(LearningView.of(stream(sorted(seen)[::-1])), model, [0.05], 0.5, progress=False)
+
+
+def test_the_study_counts_its_controls_on_the_lookups_the_evaluation_counts(growing):
+    """scripts/learned_study.py counted its controls, per-phase misses and label quality from the
+    warm-up's end alone: on the stream a model was trained on, where the window ends past the
+    warm-up, they counted lookups the model learned from, which its evaluation does not."""
+    import importlib.util
+    from pathlib import Path
+
+    from cachelab.learning.training import keep_scores
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "learned_study.py"
+    spec = importlib.util.spec_from_file_location("learned_study", path)
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    view, model = growing
+    cell = study.Cell(view, model, 0.05, 0.5)
+    assert cell.miss(cell.hits(keep_scores(model, view))) == cell.result["miss_ratio"][cell.judged]

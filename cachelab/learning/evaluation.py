@@ -85,25 +85,13 @@ def evaluate_capacities(view: LearningView, model: Model, capacities: list[float
                             f"got {policy!r}")
     scores = keep_scores(model, view) if scores is None else scores
     order = view.per_lookup(2 + view.column.astype(np.int64) // view.heads)
-    trained = trained_through(view, model)
-    first = max(warmup_steps(warmup, view.lookup_offsets.size - 1), trained)
-    start = int(view.lookup_offsets[first])
-    if start >= view.inverse.size:
-        raise CachelabError(f"nothing to judge: the stream's {view.lookup_offsets.size - 1:,} steps are all the "
-                            "model's training window; evaluate it on a longer stream or another one")
-    repeats = trained_requests(view, model, trained)
-    counted = np.ones(view.inverse.size - start, dtype=bool)
-    if repeats.any():
-        counted = ~view.per_lookup(repeats[view.request])[start:]
-        if not counted.any():
-            raise CachelabError(f"nothing to judge: every request after the warm-up is one the model was trained on "
-                                f"({int(repeats.sum()):,} of the stream's requests repeat its training window's); "
-                                "evaluate it on the stream it was trained on, or on requests it never saw")
+    entries, first, trained = counted_entries(view, model, warmup)
+    counted = view.per_lookup(entries)
     runs = [(label, lambda name=name: learned_policy(name, model)) for label, name in found.learned.items()]
     runs += [(label, registry.get(registry.POLICIES, name))
              for label, name in {**found.heuristics, **found.oracles}.items()]
     lookups = np.bincount(view.inverse, minlength=len(view))  # each entry's lookups, for needs_counts
-    judged = order[start:][counted]
+    judged = order[counted]
     rows = []
     with progress_bar(enabled=progress) as bar:
         task = bar.add_task("replaying", total=len(capacities) * len(runs))
@@ -112,13 +100,38 @@ def evaluate_capacities(view: LearningView, model: Model, capacities: list[float
             miss, by_order = {}, {}
             for label, cls in runs:
                 hits = view.per_lookup(run_policy(cls(), view.keys, view.step_offsets, n_rows, view.num_keys, scores,
-                                                  lookups))[start:][counted]
+                                                  lookups))[counted]
                 miss[label] = float(1.0 - hits.mean())
                 by_order[label] = {int(o): float(1.0 - hits[judged == o].mean()) for o in np.unique(judged)}
                 bar.advance(task)
             rows.append(CapacityResult(cap, n_rows, miss, by_order, *_gap(miss, found, found.label_of(policy))))
+    skipped = ~entries[int(view.step_offsets[first]):]  # past the warm-up, yet repeating a training request
     return Evaluation(int(view.inverse.size), view.num_keys, warmup, policy, int(counted.sum()), first,
-                      trained, int(np.unique(view.request[view.inverse[start:][~counted]]).size), found.unavailable, rows)
+                      trained, int(np.unique(view.request[int(view.step_offsets[first]):][skipped]).size),
+                      found.unavailable, rows)
+
+
+def counted_entries(view: LearningView, model: Model, warmup: float) -> tuple[np.ndarray, int, int]:
+    """Which entries of ``view`` an evaluation of ``model`` counts (module doc): a mask, the first
+    counted step (the warm-up's end, or the model's training window's where the stream starts with
+    it) and the window's steps found at the stream's start (``trained_through``, 0: none). A lookup
+    counts where its entry does (``view.per_lookup``); controls replayed beside an evaluation count
+    the same ones. Refused where nothing is left to count."""
+    trained = trained_through(view, model)
+    first = max(warmup_steps(warmup, view.lookup_offsets.size - 1), trained)
+    begin = int(view.step_offsets[first])
+    if begin >= len(view):
+        raise CachelabError(f"nothing to judge: the stream's {view.lookup_offsets.size - 1:,} steps are all the "
+                            "model's training window; evaluate it on a longer stream or another one")
+    counted = np.arange(len(view)) >= begin
+    repeats = trained_requests(view, model, trained)
+    if repeats.any():
+        counted &= ~repeats[view.request]
+        if not counted.any():
+            raise CachelabError(f"nothing to judge: every request after the warm-up is one the model was trained on "
+                                f"({int(repeats.sum()):,} of the stream's requests repeat its training window's); "
+                                "evaluate it on the stream it was trained on, or on requests it never saw")
+    return counted, first, trained
 
 
 def _gap(miss: dict, found: Lineup, judged: str) -> tuple[str | None, float | None, dict]:
