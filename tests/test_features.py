@@ -195,6 +195,9 @@ def test_rolling_retraining_never_sees_the_future_of_what_it_scores():
     assert np.all(scores[:2000] == -(np.arange(2000) + spec.horizon))  # neutral before the first window
     with pytest.raises(CachelabError, match="twice the horizon"):
         rolling_scores(view, make, spec, every=1000, window=300)
+    # A window of the whole stream scored every entry neutrally, and evaluate judged that as retrained.
+    with pytest.raises(CachelabError, match="window of 6,000 lookups leaves nothing of this 6,000-lookup stream"):
+        rolling_scores(view, make, spec, every=1000, window=6000)
 
 
 def test_serving_steps_view_reads_the_rows_of_the_prompt_view_batched_by_the_scheduler():

@@ -284,6 +284,10 @@ def rolling_scores(view, make_predictor, spec: TrainSpec, every: int, window: in
     if every < 1:
         raise CachelabError(f"retrain interval must be at least 1 lookup, got {every}")
     n = len(view)
+    if window >= n:  # no block would be scored by a model: every score neutral, judged as if retrained
+        raise CachelabError(f"retraining window of {window:,} lookups leaves nothing of this {n:,}-lookup stream "
+                            "to score with a retrained model (each block is scored by a model of the window before "
+                            "it); give a shorter retraining window (evaluate: --retrain-window)")
     empty = CorpusPrior(np.zeros(view.vocab, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
     x = features(view, empty, list(view.domains), spec.lookahead)
     scores = -(np.arange(n, dtype=np.float64) + spec.horizon)
