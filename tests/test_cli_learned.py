@@ -123,15 +123,17 @@ def test_simulate_learned_policy_on_a_saved_stream(trained, tmp_path):
 
 
 def test_evaluate_checks_retraining_flags_before_the_stream(trained, tmp_path):
-    """--retrain-every below 0 and a --retrain-window too short for the model's horizon were
-    refused by the retraining, once the stream was built (8 s on 40 GSM8K requests, minutes on
-    long traces); a trace that does not exist yet shows they come first now."""
+    """--retrain-every below 0, a --retrain-window too short for the model's horizon and a --policy
+    that is no learned policy were refused once the stream was built (8 s on 40 GSM8K requests,
+    minutes on long traces; --policy after any retraining too); a trace that does not exist yet
+    shows they come first now."""
     out, _ = trained
     for flags, message in ((["--retrain-every", "-1"], "--retrain-every must be a number of lookups >= 1 (0: no "
                                                         "retraining), got -1"),
                            (["--retrain-every", "1000", "--retrain-window", "100"],
                             "--retrain-window must exceed twice the model's horizon (4,096 lookups; 0: the model's "
-                            "training window), got 100")):
+                            "training window), got 100"),
+                           (["--policy", "lru"], "--policy must be one of the learned policies")):  # a heuristic
         res = CliRunner().invoke(app, ["evaluate", "--trace", str(tmp_path / "not-yet.npz"), "--model", str(out),
                                        *flags])
         assert res.exit_code == 2 and message in res.output and "not-yet" not in res.output, res.output

@@ -13,7 +13,8 @@ from cachelab.capacity import parse_capacities, parse_capacity
 from cachelab.engram import get_preset
 from cachelab.errors import CachelabError
 from cachelab.learning.training import TrainSpec, check_target, load, rolling_scores, save, train as train_model
-from cachelab.learning.evaluation import evaluate_capacities
+from cachelab.learning.evaluation import evaluate_capacities, judged_policy
+from cachelab.learning.lineup import lineup
 from cachelab.learning.predictor import model_folder
 from cachelab.params import check_params, parse_pairs, parse_value
 from cachelab.paths import output_folder
@@ -157,6 +158,7 @@ def evaluate(
     if retrain_window < 0 or (retrain_every and retrain_window and retrain_window <= 2 * fitted.horizon):
         raise CachelabError(f"--retrain-window must exceed twice the model's horizon ({2 * fitted.horizon:,} lookups; "
                             f"0: the model's training window), got {retrain_window:,}")
+    judged_policy(lineup(), policy)  # a misspelt --policy was refused after the stream and any retraining
     stream = _view(trace, requests, seed, preset, steps, console, "evaluate")
     scores = None
     if retrain_every:

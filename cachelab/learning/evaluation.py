@@ -73,16 +73,23 @@ def learned_policy(name: str, model: Model):
     return cls(**policy_params(cls, model))
 
 
+def judged_policy(found: Lineup, policy: str | None) -> str:
+    """The learned policy an evaluation judges: ``policy``, refused unless it is one of ``found``'s
+    learned policies, or the one that declares ``judged_by_default``."""
+    policy = judged_default(found) if policy is None else policy
+    if policy not in found.learned.values():
+        raise CachelabError(f"--policy must be one of the learned policies {sorted(found.learned.values())}, "
+                            f"got {policy!r}")
+    return policy
+
+
 def evaluate_capacities(view: LearningView, model: Model, capacities: list[float], warmup: float,
                         progress: bool = True, scores: np.ndarray | None = None, policy: str | None = None,
                         policies: Lineup | None = None) -> Evaluation:
     """Miss ratios per capacity, overall and per n-gram order; ``scores`` overrides the model's,
     ``policies`` the registry's lineup."""
     found = lineup() if policies is None else policies
-    policy = judged_default(found) if policy is None else policy
-    if policy not in found.learned.values():
-        raise CachelabError(f"--policy must be one of the learned policies {sorted(found.learned.values())}, "
-                            f"got {policy!r}")
+    policy = judged_policy(found, policy)
     scores = keep_scores(model, view) if scores is None else scores
     order = view.per_lookup(2 + view.column.astype(np.int64) // view.heads)
     entries, first, trained = counted_entries(view, model, warmup)
