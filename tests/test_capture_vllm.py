@@ -74,18 +74,26 @@ def test_recorded_ids_are_the_servers_and_streams_are_unchanged(captured):
             assert _stream_content(proxied[1]) == _stream_content(direct[1])
         else:
             assert _normalize(proxied[1]) == _normalize(direct[1])
-    # The tiny model's tokenizer has no chat template: vLLM refuses chat with a 400, passed on as is.
-    chat = {"model": server.model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4}
+    # A chat (the peer renders it with serve's template): the client's bytes as direct, and the
+    # prompt ids recorded are the server's rendering of the chat.
+    chat = {"model": server.model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4,
+            "temperature": 0, "ignore_eos": True}
     direct, proxied = _post(server.base_url, "/v1/chat/completions", chat), _post(proxy.url, "/v1/chat/completions", chat)
+    assert proxied[0] == direct[0] == 200 and _normalize(proxied[1]) == _normalize(direct[1])
+    rendered = json.loads(_post(server.base_url, "/v1/chat/completions", {**chat, "return_token_ids": True})[1])
+    # A chat vLLM refuses (a user message's content null): its 400 passed on as is and recorded.
+    bad = {"model": server.model, "messages": [{"role": "user", "content": None}], "max_tokens": 4}
+    direct, proxied = _post(server.base_url, "/v1/chat/completions", bad), _post(proxy.url, "/v1/chat/completions", bad)
     assert proxied == direct and direct[0] == 400
     # Asked by the client itself: what the client got is what was recorded, id for id.
     req = {"model": server.model, "prompt": PROMPT, "max_tokens": 8, "return_token_ids": True, "temperature": 0}
     answer = json.loads(_post(proxy.url, "/v1/completions", req)[1])
     assert recorder.flush(30)
     table, _ = read_requests(out)
-    assert table.height == 4 and table["token_source"].to_list() == ["upstream", "upstream", None, "upstream"]
-    refused = table.row(2, named=True)
-    assert refused["status"] == 400 and "chat template" in refused["error"]
+    assert table.height == 5 and table["token_source"].to_list() == ["upstream"] * 3 + [None, "upstream"]
+    assert table.row(2, named=True)["prompt_ids"] == rendered["prompt_token_ids"]
+    refused = table.row(3, named=True)
+    assert refused["status"] == 400 and "validation error" in refused["error"]
     last = table.row(-1, named=True)
     assert last["prompt_ids"] == answer["choices"][0]["prompt_token_ids"]
     assert last["output_ids"] == answer["choices"][0]["token_ids"]

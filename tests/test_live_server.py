@@ -337,8 +337,8 @@ def test_iteration_tokens_follow_the_real_vllm(server, vllm_server):
                 delta["vllm:iteration_tokens_total_count"]) == (1200, 6, 6), delta
 
 
-# odd requests (completions, and chats vLLM refuses before its chat template, which the peer's model
-# lacks); the fields this server refuses as not done (logprobs, echo, logit_bias, ...) are not here
+# odd requests (completions, and chats vLLM refuses before its chat template); the fields this server
+# refuses as not done (logprobs, echo, logit_bias, ...) are not here
 ODD_REQUESTS = [
     ("completions", body) for body in (
         {"prompt": "hi", "max_tokens": 0}, {"prompt": "hi", "max_tokens": -1}, {"prompt": "hi", "n": 0},
@@ -360,11 +360,15 @@ ODD_REQUESTS = [
         {"prompt": "hi", "stream": "true", "max_tokens": 2})
 ] + [
     ("chat/completions", body) for body in (
-        {"messages": []}, {"messages": "hi"}, {"messages": [{"role": "bogus", "content": "x"}]},
+        {"messages": []}, {"messages": "hi"}, {"messages": [{"role": "bogus", "content": "x"}], "max_tokens": 2},
         {"messages": [{"role": "user", "content": None}]},
         {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
         {"messages": [{"role": "user", "content": "hi"}], "tools": []},
-        {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}})
+        {"messages": [{"role": "bogus", "content": None}]},
+        {"messages": [{"role": "function", "content": None}], "max_tokens": 2},
+        {"messages": [{"role": "function", "content": None, "name": "f"}], "max_tokens": 2},
+        {"messages": [{"role": "tool", "content": None}]}, {"messages": [{"role": 5, "content": "x"}]},
+        {"messages": [{"role": "", "content": "x"}], "max_tokens": 2}, {"messages": [{"content": "x"}]})
 ]
 
 
@@ -384,6 +388,58 @@ def test_odd_requests_get_the_status_the_real_vllm_gives(server, vllm_server):
     ours = statuses_of_odd_requests(url, MODEL)
     assert [(b, o, t) for b, o, t in zip(ODD_REQUESTS, ours, theirs) if o != t] == []
     assert ours.count(200) >= 8 and ours.count(400) >= 30
+
+
+USER_HI = {"role": "user", "content": "hi"}
+CHATS = [  # chats of every shape the template meets: roles, content parts, continuation
+    [USER_HI], [{"role": "system", "content": "s"}, {"role": "developer", "content": "d"}, USER_HI],
+    [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+    [{"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}, USER_HI],
+    [{"role": "user", "content": [{"type": "text", "text": None}, {"type": "text", "text": "b"}]}],
+    [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}, {"type": "thinking", "thinking": "hm"}]}],
+    [{"role": "user", "content": []}], [{"role": "user", "content": ""}], [{"role": "user", "content": ["a"]}],
+    [{"role": "user", "content": [{"text": "a"}]}], [{"role": "user", "content": [{"type": "input_text", "text": "a"}]}],
+    [{"role": "assistant", "content": "x"}, USER_HI], [{"role": "assistant"}, USER_HI],
+    [{"role": "tool", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "tool_call_id": "1"}],
+    [{"role": "function", "content": "x", "name": "f"}, USER_HI], [{"role": "bogus"}, USER_HI],
+    [{"role": "user", "content": "hi", "name": "bob"}],
+]
+CHAT_OPTIONS = [{}, {"add_generation_prompt": False}, {"continue_final_message": True},
+                {"continue_final_message": True, "add_generation_prompt": False}]
+CONTINUED = [[USER_HI, {"role": "assistant", "content": "Sure, "}], [{"role": "system", "content": "s"}, USER_HI],
+             [USER_HI, {"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b "}]}],
+             [USER_HI, {"role": "assistant", "content": None}], [USER_HI, {"role": "function", "content": "x"}]]
+
+
+def rendered_chats(base_url: str, model: str) -> list:
+    """Each chat's status and, when served, its prompt's text and token ids (how the server
+    rendered and tokenized it: vLLM's ``return_prompt_text`` and ``return_token_ids``)."""
+    bodies = [{"messages": m, **o} for m in CHATS for o in CHAT_OPTIONS[:2]]
+    bodies += [{"messages": m, **CHAT_OPTIONS[3]} for m in CONTINUED] + [{"messages": CONTINUED[0], **CHAT_OPTIONS[2]}]
+    out = []
+    with httpx.Client(timeout=T) as client:
+        for body in bodies:
+            r = client.post(f"{base_url}/v1/chat/completions",
+                            json={"model": model, "max_tokens": 1, "return_token_ids": True, "return_prompt_text": True,
+                                  **body})
+            served = r.status_code == 200
+            out.append((body, r.status_code, r.json()["prompt_text"] if served else None,
+                        r.json()["prompt_token_ids"] if served else None))
+    return out
+
+
+@pytest.mark.slow
+def test_chats_render_as_the_real_vllm_renders_them(server, vllm_server):
+    """The peer renders a chat with serve's format as a Jinja template; the prompts vLLM makes of
+    the same chats are serve's, token for token: text parts joined by newlines (serve ran them
+    together), a part with a null text skipped (serve wrote ``None``), refusal and thinking parts
+    read as text, ``function`` messages taken, ``add_generation_prompt: false`` and
+    ``continue_final_message`` served (both were refused), and the same refusals."""
+    url, _ = server
+    theirs = rendered_chats(vllm_server.base_url, vllm_server.model)
+    ours = rendered_chats(url, MODEL)
+    assert [(t, o[1:]) for t, o in zip(theirs, ours) if t != o] == []
+    assert sum(status == 200 for _, status, _, _ in ours) >= 30
 
 
 @pytest.mark.slow
@@ -638,8 +694,9 @@ def test_fields_vllm_refuses_or_would_answer_are_not_silently_dropped(server):
                          ({"truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
                          ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
                          # vLLM's chat fields that change the prompt were silently ignored
-                         ({"echo": True}, "echo"), ({"continue_final_message": True}, "continue_final_message"),
-                         ({"add_generation_prompt": False}, "add_generation_prompt"),
+                         ({"echo": True}, "echo"),
+                         # as vLLM: continuing the last message needs add_generation_prompt off
+                         ({"continue_final_message": True}, "continue_final_message"),
                          ({"chat_template": "{{ messages }}"}, "chat_template"),
                          ({"chat_template_kwargs": {"thinking": True}}, "chat_template_kwargs"),
                          ({"documents": [{"text": "d"}]}, "documents")):
@@ -1132,16 +1189,23 @@ def answer_shapes(base_url: str, model: str) -> dict:
     has no use for (KV and encoder-cache transfer, per-request metrics, routed experts, prompt
     logprobs) left out."""
     theirs_only = {"kv_transfer_params", "ec_transfer_params", "metrics", "routed_experts", "prompt_logprobs"}
-    body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True, "return_token_ids": True}
-    whole = httpx.post(f"{base_url}/v1/completions", json=body, timeout=T).json()
-    shapes = {"whole": [k for k in whole if k not in theirs_only],
-              "whole_choice": [k for k in whole["choices"][0] if k not in theirs_only],
-              "whole_usage": list(whole["usage"]), "fingerprint": whole["system_fingerprint"]}
-    for name, extra in (("stream", {}), ("stream_usage", {"stream_options": {"include_usage": True}})):
-        with httpx.stream("POST", f"{base_url}/v1/completions", json={**body, "stream": True, **extra}, timeout=T) as r:
-            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
-        shapes[name] = [[k for k in c if k not in theirs_only] for c in chunks]
-        shapes[name + "_fingerprinted"] = ["system_fingerprint" in c for c in chunks]
+    shapes = {}
+    for path, prompt in (("completions", {"prompt": [5, 6, 7]}),
+                         ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        body = {"model": model, **prompt, "max_tokens": 3, "ignore_eos": True, "return_token_ids": True}
+        whole = httpx.post(f"{base_url}/v1/{path}", json=body, timeout=T).json()
+        choice = whole["choices"][0]
+        shapes[path] = {"whole": [k for k in whole if k not in theirs_only],
+                        "whole_choice": [k for k in choice if k not in theirs_only],
+                        "whole_message": [k for k in choice.get("message", {}) if k not in theirs_only],
+                        "whole_usage": list(whole["usage"]), "fingerprint": whole["system_fingerprint"]}
+        for name, extra in (("stream", {}), ("stream_usage", {"stream_options": {"include_usage": True}})):
+            with httpx.stream("POST", f"{base_url}/v1/{path}", json={**body, "stream": True, **extra},
+                              timeout=T) as r:
+                chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+            shapes[path][name] = [[k for k in c if k not in theirs_only] for c in chunks]
+            shapes[path][name + "_choices"] = [[list(ch) for ch in c["choices"]] for c in chunks]
+            shapes[path][name + "_fingerprinted"] = ["system_fingerprint" in c for c in chunks]
     return shapes
 
 
@@ -1156,11 +1220,14 @@ def test_answers_have_the_real_vllms_shape_and_system_fingerprint(server, vllm_s
     url, _ = server
     theirs = answer_shapes(vllm_server.base_url, vllm_server.model)
     ours = answer_shapes(url, MODEL)
-    assert re.fullmatch(r"vllm-[\w.+]+-[0-9a-f]{8}", theirs.pop("fingerprint"))
-    assert re.fullmatch(r"cachelab-[\w.+]+-[0-9a-f]{8}", ours.pop("fingerprint"))
-    theirs["whole_usage"] = [k for k in theirs["whole_usage"] if k in ours["whole_usage"]]  # its null details
-    assert ours == theirs
-    assert theirs["stream_fingerprinted"] == [False, False, True] and theirs["stream_usage_fingerprinted"][-1]
+    for path in theirs:
+        assert re.fullmatch(r"vllm-[\w.+]+-[0-9a-f]{8}", theirs[path].pop("fingerprint"))
+        assert re.fullmatch(r"cachelab-[\w.+]+-[0-9a-f]{8}", ours[path].pop("fingerprint"))
+        ours_usage = ours[path]["whole_usage"]  # vLLM's null details left out
+        theirs[path]["whole_usage"] = [k for k in theirs[path]["whole_usage"] if k in ours_usage]
+        assert ours[path] == theirs[path], path
+    assert theirs["completions"]["stream_fingerprinted"] == [False, False, True]
+    assert theirs["completions"]["stream_usage_fingerprinted"][-1]
 
 
 def test_the_system_fingerprint_follows_what_decides_the_tokens(tmp_path):

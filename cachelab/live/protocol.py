@@ -5,7 +5,8 @@ Field names are OpenAI's, plus vLLM's extensions where vLLM has one: ``return_to
 at the top of a chat completion and ``token_ids`` in its choice; in a stream the prompt ids
 come once per choice, in its first chunk, and each chunk carries its new ids), ``ignore_eos``,
 ``stop_token_ids``, ``min_tokens``, ``include_stop_str_in_output``, ``skip_special_tokens``, ``stream_options.
-continuous_usage_stats`` (usage in every chunk) and ``usage.prompt_tokens_details.cached_tokens``. Errors have OpenAI's
+continuous_usage_stats`` (usage in every chunk), a chat's ``return_prompt_text`` and
+``usage.prompt_tokens_details.cached_tokens``. Errors have OpenAI's
 shape: ``{"error": {"message", "type", "param", "code"}}``.
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -125,10 +126,10 @@ class _Sampling(BaseModel):
         suffix (vLLM refuses it too without a fill-in-the-middle model), a response format
         other than text, and vLLM's extensions that bias, restrict
         or truncate (an empty ``bad_words`` or ``logit_bias`` is no change, so it passes), and
-        those of a chat that change its prompt (vLLM's ``echo``, ``continue_final_message``,
-        ``add_generation_prompt: false``, a ``chat_template``, its kwargs, ``documents``)."""
+        those of a chat that change its prompt beyond DeepSeek's template (vLLM's ``echo``, a
+        ``chat_template``, its kwargs, ``documents``)."""
         fields = ("tools", "echo", "suffix", "top_logprobs", "logit_bias",
-                  "allowed_token_ids", "bad_words", "use_beam_search", "structured_outputs", "continue_final_message",
+                  "allowed_token_ids", "bad_words", "use_beam_search", "structured_outputs",
                   "chat_template", "chat_template_kwargs", "documents")
         refused = [f for f in fields if getattr(self, f, None)]
         refused += [f for f in ("prompt_logprobs", "truncate_prompt_tokens") if getattr(self, f) is not None]
@@ -136,8 +137,6 @@ class _Sampling(BaseModel):
             refused.insert(0, "logprobs")
         if self.response_format and self.response_format.get("type", "text") != "text":
             refused.append("response_format")
-        if getattr(self, "add_generation_prompt", True) is False:  # the template always ends with the tag
-            refused.append("add_generation_prompt")
         return refused
 
     def sampling(self, max_tokens: int) -> SamplingParams:
@@ -170,28 +169,38 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
 
 
+# content parts vLLM reads as text, each by its field; one whose field is null it skips
+TEXT_PARTS = {"text": "text", "refusal": "refusal", "thinking": "thinking"}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: str  # any: vLLM takes a role its types do not name and the template decides (DeepSeek's drops it)
     content: str | list[dict] | None = None
+    name: str | None = None
 
     def text(self) -> str:
+        """The message's text as vLLM gives it to a string-content template: its text parts joined
+        by newlines (they were run together, so a two-part message was another prompt)."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         parts = []
         for part in self.content:
-            if part.get("type") != "text":
-                raise APIError(400, f"message content of type {part.get('type')!r} is not supported; send text",
-                               "messages")
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
+            kind = part.get("type")
+            if kind not in TEXT_PARTS:
+                raise APIError(400, f"message content of type {kind!r} is not supported; send text", "messages")
+            if part.get(TEXT_PARTS[kind]) is not None:
+                parts.append(str(part[TEXT_PARTS[kind]]))
+        return "\n".join(parts)
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    return_prompt_text: bool | None = None  # vLLM's: answer with the prompt the template made
     tools: list[dict] | None = None
-    # vLLM's chat extensions that change the prompt; this server's template does none (see unsupported)
+    # vLLM's chat extensions: add_generation_prompt and continue_final_message served (DeepSeek's template
+    # and transformers' continuation), the others refused (see unsupported)
     echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -200,30 +209,51 @@ class ChatCompletionRequest(_Sampling):
     documents: list[dict] | None = None
 
     def check(self) -> None:
-        """vLLM's refusals of a chat its schema takes: an empty ``tools`` list, and a null content
-        in any message but an assistant's (its message types let only that one be null; a message
-        without content is an empty one)."""
+        """vLLM's refusals of a chat its schema takes: continuing the last message while adding the
+        generation prompt (vLLM's default), an empty ``tools`` list, and a null content
+        in any message but an assistant's or a named function's (its message types let only those
+        be null; a message without content is an empty one)."""
+        if self.continue_final_message and self.add_generation_prompt:  # vLLM's words
+            raise APIError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                           "continue_final_message")
         if self.tools == []:  # vLLM's words
             raise APIError(400, "`tools` must not be an empty array. Either provide at least one tool or omit the "
                                 "field entirely.", "tools")
         for i, m in enumerate(self.messages):
-            if m.content is None and "content" in m.model_fields_set and m.role != "assistant":
+            nullable = m.role == "assistant" or (m.role == "function" and m.name is not None)
+            if m.content is None and "content" in m.model_fields_set and not nullable:
                 raise APIError(400, f"messages.{i}.content: a {m.role} message's content cannot be null",
                                f"messages.{i}.content")
 
 
-def chat_prompt(messages: list[ChatMessage]) -> str:
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker of the text to continue
+
+
+def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> str:
     """DeepSeek's chat format: BOS, system text, then ``<｜User｜>``/``<｜Assistant｜>`` turns
-    (an assistant turn ends with EOS), and the assistant's tag to generate after."""
-    system = "\n\n".join(m.text() for m in messages if m.role in ("system", "developer"))
-    out = [BOS, system]
-    for m in messages:
+    (an assistant turn ends with EOS; a message of another role, OpenAI's old ``function`` say, is
+    left out, as DeepSeek's template leaves it), and the assistant's tag to generate after unless ``add_generation_prompt`` is off.
+    ``continue_final_message``: the prompt ends where the last message's text does, so the model
+    continues it (transformers' way, which vLLM uses: render with a marker after that text, cut there)."""
+    texts = [m.text() for m in messages]
+    if continue_final_message:
+        texts[-1] += _CONTINUE_TAG
+    out = [BOS, "\n\n".join(t for m, t in zip(messages, texts) if m.role in ("system", "developer"))]
+    for m, text in zip(messages, texts):
         if m.role in ("user", "tool"):
-            out += [USER, m.text()]
+            out += [USER, text]
         elif m.role == "assistant":
-            out += [ASSISTANT, m.text(), EOS]
-    out.append(ASSISTANT)
-    return "".join(out)
+            out += [ASSISTANT, text, EOS]
+    if add_generation_prompt:
+        out.append(ASSISTANT)
+    prompt = "".join(out)
+    if continue_final_message:
+        if _CONTINUE_TAG not in prompt:
+            raise APIError(400, f"continue_final_message is set but the final message (a {messages[-1].role} "
+                                "message) does not appear in the chat after applying the chat template", "messages")
+        prompt = prompt[:prompt.rindex(_CONTINUE_TAG)]
+    return prompt
 
 
 def new_id(prefix: str, given: str | None = None) -> str:
@@ -257,25 +287,33 @@ def _body(rid: str, created: int, model: str, obj: str, chat: bool, choices, top
     return body
 
 
-def completion_body(rid: str, model: str, answers, use: dict, chat: bool, fingerprint: str | None = None) -> dict:
+# the null fields of vLLM's chat message after its content (OpenAI's, and vLLM's reasoning)
+_MESSAGE_NULLS = {"refusal": None, "annotations": None, "audio": None, "function_call": None, "reasoning": None}
+
+
+def completion_body(rid: str, model: str, answers, use: dict, chat: bool, fingerprint: str | None = None,
+                    prompt_text: str | None = None) -> dict:
     """A whole (non-streamed) completion or chat completion; ``answers``: (text, finish_reason,
     stop_reason, token_ids, prompt_ids) per choice, in index order; ``fingerprint``: the
-    server's ``system_fingerprint``."""
-    choices = [(i, {"message": {"role": "assistant", "content": text}} if chat else {"text": text}, finish, stop,
-                tokens, prompt) for i, (text, finish, stop, tokens, prompt) in enumerate(answers)]
+    server's ``system_fingerprint``; ``prompt_text``: a chat's rendered prompt, when asked for."""
+    choices = [(i, {"message": {"role": "assistant", "content": text, **_MESSAGE_NULLS}} if chat else {"text": text},
+                finish, stop, tokens, prompt) for i, (text, finish, stop, tokens, prompt) in enumerate(answers)]
     top = {"service_tier": None, "system_fingerprint": fingerprint, "usage": use}
     if chat:
-        top["prompt_token_ids"] = answers[0][4] if answers else None
+        top |= {"prompt_token_ids": answers[0][4] if answers else None, "prompt_text": prompt_text}
     return _body(rid, int(time.time()), model, "chat.completion" if chat else "text_completion", chat, choices, top,
                  stream=False)
 
 
 def chunk_body(rid: str, created: int, model: str, index: int, text: str | None, finish, stop_reason, token_ids,
-               prompt_ids, chat: bool, first: bool, use: dict | None = None, fingerprint: str | None = None) -> dict:
+               prompt_ids, chat: bool, first: bool, use: dict | None = None, fingerprint: str | None = None,
+               prompt_text: str | None = None) -> dict:
     """One streamed chunk of choice ``index``; ``prompt_ids`` only in a choice's first (vLLM's
-    placement); a chat's first chunk of a choice carries the assistant's role, and every chunk
-    its content, ``""`` included (vLLM's delta without a reasoning or tool parser). ``use``: the
-    continuous usage; ``fingerprint``: on a terminal chunk that no usage chunk follows."""
+    placement); a chat's first chunk of a choice carries the assistant's role (and the rendered
+    ``prompt_text`` when asked for), and every chunk its content, ``""`` included (vLLM's delta
+    without a reasoning or tool parser); a chat's choice has only the keys vLLM sets (its role
+    chunk no ids, a ``stop_reason`` only where it ends). ``use``: the continuous usage;
+    ``fingerprint``: on a terminal chunk that no usage chunk follows."""
     if chat:
         content = {"delta": {"role": "assistant", "content": text or ""} if first else {"content": text or ""}}
     else:
@@ -284,9 +322,14 @@ def chunk_body(rid: str, created: int, model: str, index: int, text: str | None,
     if fingerprint is not None:
         top["system_fingerprint"] = fingerprint
     if chat and first:
-        top["prompt_token_ids"] = prompt_ids
-    return _body(rid, created, model, "chat.completion.chunk" if chat else "text_completion", chat,
+        top |= {"prompt_token_ids": prompt_ids, "prompt_text": prompt_text}
+    body = _body(rid, created, model, "chat.completion.chunk" if chat else "text_completion", chat,
                  [(index, content, finish, stop_reason, token_ids, prompt_ids)], top, stream=True)
+    if chat:
+        choice = body["choices"][0]
+        for key in ("stop_reason", "token_ids") if first else ("stop_reason",) if finish is None else ():
+            del choice[key]
+    return body
 
 
 def usage_chunk(rid: str, created: int, model: str, use: dict, chat: bool, fingerprint: str | None = None) -> dict:

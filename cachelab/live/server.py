@@ -253,10 +253,11 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
         except RequestError as exc:
             raise APIError(400, str(exc), exc.param) from None
 
-    async def run(request: Request, req, prompts: list[list[int]], params: list, chat: bool):
+    async def run(request: Request, req, prompts: list[list[int]], params: list, chat: bool,
+                  prompt_text: str | None = None):
         """Submit ``n`` choices per prompt (one engine request each, vLLM's parallel sampling:
         choice j of a prompt seeded ``seed + j``; prompt k's choices are indices k*n .. k*n+n-1)
-        and answer them whole or streamed."""
+        and answer them whole or streamed; ``prompt_text``: a chat's rendered prompt, to show."""
         n = req.n
         if n > 1 and params[0].temperature == 0:  # vLLM's check and words
             raise APIError(400, f"n must be 1 when using greedy sampling, got {n}.", "n")
@@ -278,7 +279,7 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
         except CachelabError as exc:  # too many in flight, the engine stopped after an error, or it is shutting down
             raise APIError(503, str(exc)) from None
         request.state.recorded = True  # by the timelines from now on
-        choices = _Choices(rids, [ids for ids, _ in jobs], n, req.return_token_ids, timelines)
+        choices = _Choices(rids, [ids for ids, _ in jobs], n, req.return_token_ids, timelines, prompt_text)
         if req.stream:
             wanted = (True, True) if force_include_usage else (req.include_usage, req.continuous_usage)
             return StreamingResponse(_stream(engine, choices, collector, oid, model_name, req, chat, fingerprint, *wanted),
@@ -306,9 +307,11 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
     async def chat_completions(request: Request):
         req = await read_json(request, ChatCompletionRequest)
         req.check()
-        ids, = await tokenized([chat_prompt(req.messages)])
+        text = chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message)
+        ids, = await tokenized([text])
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return await run(request, req, [ids], [prepare(ids, max_tokens, req)], chat=True)
+        return await run(request, req, [ids], [prepare(ids, max_tokens, req)], chat=True,
+                         prompt_text=text if req.return_prompt_text else None)
 
     @app.get("/v1/models", **v1)
     async def models():
@@ -359,6 +362,7 @@ class _Choices:
     n: int
     show_ids: bool
     timelines: list  # their recorders (``--capture``), else empty
+    prompt_text: str | None = None  # a chat's rendered prompt, when the request asked for it
 
     def prompt_ids(self, i: int) -> list[int] | None:
         return self.prompts[i] if self.show_ids else None
@@ -413,7 +417,7 @@ async def _whole(engine, request: Request, choices: _Choices, collector: _Collec
         raise _aborted(engine)
     answers = [("".join(t), out.finish_reason, out.stop_reason, ids if req.return_token_ids else None,
                 choices.prompt_ids(i)) for i, (t, out, ids) in enumerate(zip(text, last, tokens))]
-    return completion_body(oid, model, answers, choices.usage(last, cached), chat, fingerprint)
+    return completion_body(oid, model, answers, choices.usage(last, cached), chat, fingerprint, choices.prompt_text)
 
 
 async def _stream(engine, choices: _Choices, collector: _Collector, oid: str, model: str, req, chat: bool,
@@ -432,9 +436,9 @@ async def _stream(engine, choices: _Choices, collector: _Collector, oid: str, mo
             out = await collector.queue.get()
             if cached is None:  # the first output: a chat sends each choice's role first, as vLLM does, now (sent
                 for i in range(len(rids) if chat else 0):  # before the request ran, a client's TTFT was its round trip)
-                    yield _sse(chunk_body(oid, created, model, i, "", None, None, [] if req.return_token_ids else None,
-                                          choices.prompt_ids(i), chat, True,
-                                          usage(len(choices.prompts[i]), 0) if continuous_usage else None))
+                    yield _sse(chunk_body(oid, created, model, i, "", None, None, None, choices.prompt_ids(i), chat,
+                                          True, usage(len(choices.prompts[i]), 0) if continuous_usage else None,
+                                          prompt_text=choices.prompt_text))
                 cached = out.cached_tokens
             i = index[out.rid]
             if out.finished:
