@@ -31,7 +31,9 @@ REQUEST_TRACE_HELP = ("Request trace (.parquet from `cachelab trace build`, with
 def _read(trace: str, max_requests: int | None, verb: str):
     """The request trace ``--trace`` names; any other kind is answered with what it is and how to get one."""
     from cachelab.trace.kinds import CORPORA, REQUESTS, detect, wrong_kind
-    from cachelab.trace.schema import has_requests, read_trace, require_outputs
+    from cachelab.engram import get_preset
+    from cachelab.serving.simulator import ServingConfig
+    from cachelab.trace.schema import check_tokenizer, has_requests, read_trace, require_outputs
 
     found = detect(trace)
     if found.kind != REQUESTS:
@@ -40,6 +42,7 @@ def _read(trace: str, max_requests: int | None, verb: str):
                          f"Build one: `cachelab trace build --arrivals gamma --arrival-option rate=2 --arrival-option "
                          f"num_requests=200 --corpus {corpus} -o t.parquet`, or import real arrivals "
                          "(--arrivals mooncake, azure, burstgpt, servegen) with --corpus.")
+    check_tokenizer(found.path, get_preset(ServingConfig.layout))  # the layout the replay addresses with
     df = has_requests(read_trace(found.path), f"--trace {found.path}")
     return require_outputs(df.head(max_requests) if max_requests else df, f"--trace {found.path}")
 

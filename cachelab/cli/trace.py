@@ -183,6 +183,9 @@ def info(
                   f"{result['duration_s']:,.1f} s; {result['tokens_in']:,} tokens in, {result['tokens_out']:,} out"
                   + ("" if result["has_content"] else " (lengths only: no token content)"))
     console.print("domains: " + ", ".join(f"{k} {v:,}" for k, v in result["domains"].items()))
+    if result["tokenizer"] is not None:
+        console.print(f"token ids of tokenizer {escape(result['tokenizer']['tokenizer'])} "
+                      f"(tokenizer.json SHA-256 {result['tokenizer']['sha256'][:16]}...)")
     for size, ratio in result["block_hit_ratio"].items():
         shown = "n/a (needs token content)" if ratio is None else f"{ratio:.3f}"
         console.print(f"infinite-cache prefix-block hit ratio at {size} tokens: {shown}")

@@ -88,10 +88,15 @@ def map_sha256(cmap: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(cmap, dtype="<i4").tobytes()).hexdigest()
 
 
+@lru_cache(maxsize=8)
+def tokenizer_sha256(source: str) -> str:
+    """SHA-256 of the tokenizer.json ``source`` names: its identity wherever the file lies, which a
+    request trace records of the tokenizer that made its ids (``cachelab.trace.schema``)."""
+    return hashlib.sha256(tokenizer_path(source).read_bytes()).hexdigest()
+
+
 def _cache_key(source: str) -> str:
-    path = tokenizer_path(source)
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-    return f"compressed-map-{digest}"
+    return f"compressed-map-{tokenizer_sha256(source)[:16]}"
 
 
 @lru_cache(maxsize=8)

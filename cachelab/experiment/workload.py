@@ -89,9 +89,10 @@ def _from_corpus(spec: WorkloadSpec, addresser: Addresser, progress: Progress | 
 
 def _from_trace(spec: WorkloadSpec, out: Path):
     from cachelab.trace import build as trace_workload
-    from cachelab.trace.schema import read_trace
+    from cachelab.trace.schema import check_tokenizer, read_trace
 
     trace_workload.build(trace_workload.parse_spec(spec.trace, "workload.trace"), out)
+    check_tokenizer(out, get_preset(spec.preset))  # workload.trace's corpus.tokenizer against the layout's
     df = read_trace(out)
     if spec.domains is not None:
         df = df.filter(pl.col("domain").is_in(spec.domains))

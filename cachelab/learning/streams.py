@@ -117,10 +117,11 @@ def load_trace(trace, per_source: int, seed: int, preset: str, steps: str = "pro
 def _trace_stream(found, max_requests: int, preset: str, steps: str, verb: str) -> LookupStream:
     """A request trace's first ``max_requests`` requests (all if 0) in arrival order, those with token ids."""
     from cachelab.trace.kinds import REQUESTS, Found, wrong_kind
-    from cachelab.trace.schema import has_requests, read_trace, require_outputs
+    from cachelab.trace.schema import check_tokenizer, has_requests, read_trace, require_outputs
 
     if max_requests < 0:  # polars' head(-n) is every row but the last n
         raise CachelabError(f"--requests {max_requests}: a request trace takes its first N requests, N >= 1 (0: all)")
+    check_tokenizer(found.path, get_preset(preset))
     table = has_requests(read_trace(found.path), found.value).sort("arrival_s", maintain_order=True)
     table = require_outputs(table.head(max_requests) if max_requests else table, found.value)
     table = table.filter(table["prompt_ids"].list.len() > 0)

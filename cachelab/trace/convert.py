@@ -25,8 +25,8 @@ from cachelab.errors import CachelabError
 from cachelab.trace.keytrace import oracle_times, read_oracle_requests
 from cachelab.workload.lookups import LookupStream
 from cachelab.workload.prefix_cache.hashing import chained_block_hashes
-from cachelab.trace.schema import (check_across_rows, iter_batches, list_series, require_outputs, scan_trace,
-                                   validate)
+from cachelab.trace.schema import (check_across_rows, check_tokenizer, iter_batches, list_series, require_outputs,
+                                   scan_trace, validate)
 
 KEY_KINDS = ("rows", "blocks")
 BATCH_ROWS = 256
@@ -53,7 +53,10 @@ def trace_keys(path: str | os.PathLike, kind: str = "rows", *, block_size: int |
     """The key stream of a trace (see module doc), as non-negative int64."""
     if kind not in KEY_KINDS:
         raise CachelabError(f"key kind {kind!r}: choose one of {list(KEY_KINDS)}")
-    addresser = Addresser(get_preset(preset)) if kind == "rows" else None
+    addresser = None
+    if kind == "rows":
+        check_tokenizer(path, layout := get_preset(preset))
+        addresser = Addresser(layout)
     parts = []
     for batch, first_row in _batches(path, max_requests):
         frame = pl.from_arrow(batch)

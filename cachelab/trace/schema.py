@@ -12,11 +12,15 @@ traces), null where unknown. It is an *optional* column: a file written before i
 or by a producer without it, reads back with it null, and readers that predate it ignore it,
 so the schema version did not change. The schema version is stored in the Parquet metadata
 and checked on every read; row values are validated on read and on write, and any violation
-is reported with the file, the row and the field.
+is reported with the file, the row and the field. A trace whose ids a cachelab tokenizer made
+(synthesis) records which one (``cachelab.trace.tokenizer``: its name and the SHA-256 of its
+tokenizer.json), and addressing them with a layout of another tokenizer is refused
+(``check_tokenizer``): the same ids are other text there, so every row would be another's.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -31,6 +35,7 @@ from cachelab.paths import scratch_beside
 
 SCHEMA_VERSION = "1"
 VERSION_KEY = b"cachelab.trace.schema_version"
+TOKENIZER_KEY = b"cachelab.trace.tokenizer"
 
 SCHEMA = pa.schema([
     pa.field("request_id", pa.int64(), nullable=False),
@@ -163,6 +168,50 @@ def _check_file_schema(path: Path) -> None:
         raise CachelabError(f"{path}: trace schema version {version.decode()}, this cachelab reads {SCHEMA_VERSION}")
 
 
+def tokenizer_record(source: str) -> dict:
+    """What a trace records of the tokenizer ``source`` (``deepseek-v4`` or a tokenizer.json path)."""
+    from cachelab.engram.vocab import tokenizer_sha256
+
+    return {"tokenizer": source, "sha256": tokenizer_sha256(source)}
+
+
+def recorded_tokenizer(path: str | os.PathLike) -> dict | None:
+    """The tokenizer trace ``path`` records (``tokenizer_record``), None where it records none: an
+    import without ids, a capture (the server's tokenizer is not known here), or a trace written
+    before tokenizers were recorded."""
+    path = Path(path)
+    _check_file_schema(path)
+    raw = (pq.read_schema(path).metadata or {}).get(TOKENIZER_KEY)
+    if raw is None:
+        return None
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        record = None
+    if not (isinstance(record, dict) and isinstance(record.get("tokenizer"), str)
+            and isinstance(record.get("sha256"), str)):
+        raise CachelabError(f"{path}: Parquet metadata {TOKENIZER_KEY.decode()} = {raw[:80]!r} is not "
+                            '{"tokenizer": NAME, "sha256": HEX}')
+    return record
+
+
+def check_tokenizer(path: str | os.PathLike, layout) -> None:
+    """Refuse to address trace ``path``'s token ids with ``layout`` (an ``EngramConfig``) where
+    the trace records another tokenizer than the layout's (a different tokenizer.json)."""
+    record = recorded_tokenizer(path)
+    if record is None:
+        return
+    tokenizer = layout.tokenizer
+    wanted = tokenizer_record(tokenizer)
+    if record["sha256"] != wanted["sha256"]:
+        raise CachelabError(
+            f"{path}: its token ids are of tokenizer {record['tokenizer']!r} (tokenizer.json SHA-256 "
+            f"{record['sha256'][:16]}...), but layout {layout.name!r} addresses ids of {tokenizer!r} "
+            f"(SHA-256 {wanted['sha256'][:16]}...): the same ids are other text there, so every row would be "
+            "another's. Build the trace with the layout's tokenizer (corpus.tokenizer in the spec), or give a "
+            "layout of the trace's tokenizer (--preset FILE with its tokenizer)")
+
+
 def read_trace(path: str | os.PathLike) -> pl.DataFrame:
     """The whole table, validated (eager)."""
     path = Path(path)
@@ -263,14 +312,17 @@ class TraceWriter:
     """Writes a trace in chunks (bounded memory), atomically: the file appears on ``close``.
 
     Each chunk is validated; arrival order and request-id uniqueness are checked across
-    chunks too (ids must increase from chunk to chunk).
+    chunks too (ids must increase from chunk to chunk). ``tokenizer``: the tokenizer that made
+    the token ids, recorded (``tokenizer_record``); None for a trace without ids of a known one.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, tokenizer: str | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        schema = SCHEMA if tokenizer is None else SCHEMA.with_metadata(
+            {**SCHEMA.metadata, TOKENIZER_KEY: json.dumps(tokenizer_record(tokenizer)).encode()})
         self._tmp = scratch_beside(self.path)
-        self._writer = pq.ParquetWriter(self._tmp, SCHEMA, compression="zstd")
+        self._writer = pq.ParquetWriter(self._tmp, schema, compression="zstd")
         self._last_arrival = 0.0
         self._last_id = -1
         self.rows = 0
@@ -308,14 +360,14 @@ class TraceWriter:
             self.abort()
 
 
-def write_trace(df: pl.DataFrame, path: str | os.PathLike) -> None:
+def write_trace(df: pl.DataFrame, path: str | os.PathLike, tokenizer: str | None = None) -> None:
     """Validate and write one table (atomically: an existing file is replaced only on success)."""
-    write_chunks([df], path)
+    write_chunks([df], path, tokenizer)
 
 
-def write_chunks(chunks: Iterable[pl.DataFrame], path: str | os.PathLike) -> int:
-    """Write chunks in order; returns the number of rows."""
-    with TraceWriter(path) as writer:
+def write_chunks(chunks: Iterable[pl.DataFrame], path: str | os.PathLike, tokenizer: str | None = None) -> int:
+    """Write chunks in order (``tokenizer`` as ``TraceWriter``'s); returns the number of rows."""
+    with TraceWriter(path, tokenizer) as writer:
         for chunk in chunks:
             writer.write(chunk)
     return writer.rows

@@ -21,8 +21,8 @@ from cachelab.defaults import PRESET
 from cachelab.engram import Addresser, get_preset
 from cachelab.engram.stats import row_skew
 from cachelab.workload.prefix_cache.hashing import DistinctCounter, chained_block_hashes
-from cachelab.trace.schema import (check_across_rows, collect, iter_batches, outputs_unknown, scan_trace,
-                                   validate)
+from cachelab.trace.schema import (check_across_rows, check_tokenizer, collect, iter_batches, outputs_unknown,
+                                   recorded_tokenizer, scan_trace, validate)
 
 SMALL_BLOCK = 16
 BATCH_ROWS = 256
@@ -67,7 +67,10 @@ def summarize(path: str | os.PathLike, *, preset: str = PRESET, engram_tokens: i
     sizes = sorted({s for s in (block_size, SMALL_BLOCK) if s})
     counters = {s: DistinctCounter() for s in sizes}
     hash_counter = DistinctCounter()
-    addresser = Addresser(get_preset(preset)) if engram_tokens > 0 else None
+    addresser = None
+    if engram_tokens > 0:
+        check_tokenizer(path, layout := get_preset(preset))
+        addresser = Addresser(layout)
     engram_rows, addressed, without_outputs = [], 0, 0
     content = hashes = True  # until a batch shows otherwise
     seen = 0
@@ -111,6 +114,7 @@ def summarize(path: str | os.PathLike, *, preset: str = PRESET, engram_tokens: i
         "tokens_out": agg["tokens_out"] or 0,
         "domains": dict(zip(domains["domain"].to_list(), domains["len"].to_list())),
         "has_content": content,
+        "tokenizer": recorded_tokenizer(path),
         "block_size": block_size,
         "block_hit_ratio": ratios,
         "block_hit_basis": basis,

@@ -36,6 +36,7 @@ import polars as pl
 
 from cachelab.trace.corpus import Corpus
 from cachelab.engram import encode
+from cachelab.engram.vocab import DEEPSEEK_V4
 from cachelab.errors import CachelabError
 from cachelab.trace.schema import TraceWriter, list_series
 
@@ -52,9 +53,10 @@ class TokenStream:
     doc_first: np.ndarray       # int64 per document: its first piece (user turn 1)
     doc_turns: np.ndarray       # int64 per document: number of user turns
     doc_domain: list[str] = field(repr=False)
+    tokenizer: str = DEEPSEEK_V4  # what made the ids, recorded in the trace written from them
 
     @classmethod
-    def from_corpus(cls, corpus: Corpus, tokenizer: str = "deepseek-v4",
+    def from_corpus(cls, corpus: Corpus, tokenizer: str = DEEPSEEK_V4,
                     progress: Callable[[int], None] | None = None) -> "TokenStream":
         """Tokenize every document (pieces: turn, answer, turn, answer, ...)."""
         arrays, lens, firsts, turns, domains = [], [], [], [], []
@@ -87,7 +89,8 @@ class TokenStream:
         tokens = np.concatenate(arrays) if arrays else np.empty(0, np.int32)
         if tokens.size == 0:
             raise CachelabError(f"corpus {getattr(corpus, 'name', corpus)!r} tokenizes to no tokens")
-        return cls(tokens, piece_start, piece_len, np.asarray(firsts, np.int64), np.asarray(turns, np.int64), domains)
+        return cls(tokens, piece_start, piece_len, np.asarray(firsts, np.int64), np.asarray(turns, np.int64), domains,
+                   tokenizer)
 
     @property
     def num_docs(self) -> int:
@@ -385,7 +388,7 @@ def synthesize(stream: TokenStream, plan: Plan, path, *, source: str, chunk_toke
         rows = np.arange(lo, min(lo + 65_536, plan.size), dtype=np.int64)
         _, seg_len, seg_count = plan.prompt_segments(rows)
         sizes[rows] = np.diff(_offsets(seg_len)[_offsets(seg_count)]) + plan.output_segment(rows)[1]
-    with TraceWriter(path) as writer:
+    with TraceWriter(path, stream.tokenizer) as writer:
         for rows in _chunks(sizes, chunk_tokens):
             frame = materialize(stream, plan, rows, source)
             writer.write(frame)

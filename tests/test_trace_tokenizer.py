@@ -1,0 +1,96 @@
+"""A trace records the tokenizer that made its ids, and a layout of another tokenizer is refused
+where it would address them: the same ids are other text under another tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from cachelab.cli import app
+from cachelab.errors import CachelabError
+from cachelab.trace.schema import TOKENIZER_KEY, recorded_tokenizer, write_trace
+from cachelab.trace.stats import summarize
+from test_trace_schema import table
+
+
+def tiny_tokenizer(folder) -> str:
+    """A word-level tokenizer.json of 14 ids: another tokenizer than DeepSeek-V4's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<pad>", "<bos>", "<p2>", "a", "b", "c", "d", "e", "f", "g", "h", "the", "cat", "[UNK]"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = folder / "tiny" / "tokenizer.json"
+    path.parent.mkdir()
+    tok.save(str(path))
+    return str(path)
+
+
+def tiny_layout(folder, tokenizer: str):
+    path = folder / "tiny_layout.toml"
+    path.write_text(f'tokenizer = {json.dumps(tokenizer)}\nlayers = [1, 14]\nmax_ngram = 3\nheads = 2\n'
+                    "base_sizes = [1000, 1000]\ncompressed_vocab = 14\n")
+    return str(path)
+
+
+def test_a_trace_records_its_tokenizer(tmp_path):
+    tok = tiny_tokenizer(tmp_path)
+    write_trace(table(), tmp_path / "t.parquet", tokenizer=tok)
+    record = recorded_tokenizer(tmp_path / "t.parquet")
+    assert record["tokenizer"] == tok and len(record["sha256"]) == 64
+    assert summarize(tmp_path / "t.parquet", preset=tiny_layout(tmp_path, tok))["tokenizer"] == record
+    write_trace(table(), tmp_path / "old.parquet")  # none known (a capture, or written before the record)
+    assert recorded_tokenizer(tmp_path / "old.parquet") is None
+
+
+def test_synthesis_records_the_corpus_tokenizer(tmp_path):
+    from cachelab.trace.build import build, parse_spec
+
+    spec = parse_spec({"arrivals": {"source": "gamma", "options": {"rate": 2.0, "num_requests": 3}},
+                       "corpus": {"source": "stdlib"}}, "test")
+    build(spec, tmp_path / "t.parquet")
+    assert recorded_tokenizer(tmp_path / "t.parquet")["tokenizer"] == "deepseek-v4"
+
+
+@pytest.mark.parametrize("verb", [
+    ["trace", "info", "{trace}", "--engram-tokens", "100"],
+    ["trace", "convert", "{trace}", "{out}/rows.bin"],
+    ["trace", "lookups", "{trace}", "-o", "{out}/s.npz"],
+    ["simulate", "--trace", "{trace}", "--policy", "lru", "--capacity", "100"],
+    ["serve-sim", "--trace", "{trace}", "--hardware", "B200", "--placement", "hbm"],
+])
+def test_ids_of_another_tokenizer_are_refused(tmp_path, verb):
+    """The default layout (DeepSeek-V4's tokenizer) on ids a tiny tokenizer made: every verb that
+    addresses a trace's ids read them as V4 ids before."""
+    trace = tmp_path / "t.parquet"
+    write_trace(table(), trace, tokenizer=tiny_tokenizer(tmp_path))
+    args = [a.format(trace=trace, out=tmp_path) for a in verb]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code != 0
+    assert "its token ids are of tokenizer" in result.output and "tiny" in result.output
+    assert "deepseek-v4" in result.output
+
+
+def test_a_layout_of_another_tokenizer_is_refused(tmp_path):
+    from cachelab.learning.streams import load_trace
+
+    trace = tmp_path / "t.parquet"
+    write_trace(table(), trace, tokenizer="deepseek-v4")
+    layout = tiny_layout(tmp_path, tiny_tokenizer(tmp_path))
+    with pytest.raises(CachelabError, match="layout 'tiny_layout' addresses ids of"):
+        load_trace(str(trace), 0, 0, layout)
+    with pytest.raises(CachelabError, match="its token ids are of tokenizer 'deepseek-v4'"):
+        summarize(trace, preset=layout)
+    assert load_trace(str(trace), 0, 0, "deepseek-v4.1-flash").keys.size  # the same tokenizer: addressed
+
+
+def test_a_malformed_record_is_named(tmp_path):
+    trace = tmp_path / "t.parquet"
+    write_trace(table(), trace)
+    data = pq.read_table(trace)
+    pq.write_table(data.replace_schema_metadata({**data.schema.metadata, TOKENIZER_KEY: b"[1]"}), trace)
+    with pytest.raises(CachelabError, match="t.parquet: Parquet metadata cachelab.trace.tokenizer"):
+        recorded_tokenizer(trace)
