@@ -337,3 +337,22 @@ def test_other_tokenizer_by_path(data_dir):
     cmap = compressed_map(str(path))
     assert cmap.size == 128_815
     assert 90_000 < int(cmap.max()) + 1 < cmap.size
+
+
+def test_a_layout_file_reads_its_tokenizer_from_its_own_folder(tmp_path, monkeypatch):
+    """A relative ``tokenizer`` was read from the working directory: the same layout file named
+    another tokenizer, or none, depending on where the command ran."""
+    import shutil
+
+    from cachelab.engram.vocab import tokenizer_path
+
+    folder = tmp_path / "layouts"
+    (folder / "tok").mkdir(parents=True)
+    shutil.copy(tokenizer_path("deepseek-v4"), folder / "tok" / "tokenizer.json")
+    spec = folder / "mine.toml"
+    spec.write_text('tokenizer = "tok/tokenizer.json"\nlayers = [1]\nmax_ngram = 2\nheads = 2\n'
+                    "base_sizes = [1000]\ncompressed_vocab = 99092\n")
+    monkeypatch.chdir(tmp_path)  # not the layout's folder: tok/tokenizer.json is not here
+    cfg = get_preset("layouts/mine.toml")
+    assert cfg.tokenizer == str(folder / "tok" / "tokenizer.json")
+    assert tokenizer_path(cfg.tokenizer).is_file()

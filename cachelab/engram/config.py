@@ -9,6 +9,7 @@ them.
 from __future__ import annotations
 
 import json
+import os
 import tomllib
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -227,7 +228,8 @@ CONFIG_KEYS = {"name", "layers", "max_ngram", "heads", "base_sizes", "compressed
 def load_config(path: Path) -> EngramConfig:
     """A custom layout from a TOML or JSON file with EngramConfig's fields.
 
-    ``compressed_vocab`` may be left out: it is then measured from the tokenizer's map.
+    ``compressed_vocab`` may be left out: it is then measured from the tokenizer's map. A relative
+    ``tokenizer`` path is read from the layout file's folder, wherever the command runs.
     """
     text = path.read_text(encoding="utf-8")
     try:
@@ -249,6 +251,8 @@ def load_config(path: Path) -> EngramConfig:
             data["multipliers"] = tuple(tuple(_listed("multipliers", m)) for m in rows)
         if not isinstance(data.get("tokenizer", DEEPSEEK_V4), str):
             raise CachelabError(f"tokenizer must be {DEEPSEEK_V4!r} or a path, got {data['tokenizer']!r}")
+        if data.get("tokenizer", DEEPSEEK_V4) != DEEPSEEK_V4:  # as a file names it: from its folder, not the cwd
+            data["tokenizer"] = os.path.abspath(path.parent / data["tokenizer"])
         if "compressed_vocab" not in data:
             from cachelab.engram.vocab import compressed_map
 
