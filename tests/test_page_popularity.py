@@ -63,3 +63,22 @@ def test_measured_rates_cover_every_page_and_every_lookup(data_dir):
     assert out["tokens"] == 2000 and all(b >= a for a, b in zip(hits, hits[1:])) and 0 < hits[0] < hits[-1] < 1
     bad = runner.invoke(app, ["engram", "page-cache", "--max-tokens", "0"])
     assert bad.exit_code == 2 and "--max-tokens" in bad.output
+
+
+def test_corpus_tokens_start_each_document_with_bos_as_serving_does():
+    """`engram page-cache` addressed a document without BOS, where a served request (its chat
+    template) and `LookupStream.from_texts` (`trace lookups gsm8k`) start with it."""
+    from cachelab.engram.vocab import bos_ids
+    from cachelab.serving.page_popularity import corpus_tokens
+    from cachelab.trace.corpus import Document
+
+    class Two:
+        name = "two"
+
+        def documents(self):
+            yield Document("a", "prose", "The cat sat on the mat.")
+            yield Document("b", "code", "def f(x):\n    return x + 1\n")
+
+    docs = corpus_tokens(Two(), "deepseek-v4", 10_000)
+    assert bos_ids("deepseek-v4") == (0,) and [int(d[0]) for d in docs] == [0, 0]
+    assert sum(d.size for d in corpus_tokens(Two(), "deepseek-v4", 5)) == 5  # BOS counts as a token read

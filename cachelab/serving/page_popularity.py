@@ -97,18 +97,20 @@ def measure(token_ids: Iterable[np.ndarray], layout: EngramConfig) -> PageRates:
 def corpus_tokens(corpus, tokenizer: str, max_tokens: int, batch: int = 256) -> list[np.ndarray]:
     """Token ids of a corpus' documents (``documents()``, in order), ``max_tokens`` in all where
     the corpus has that many: documents are tokenized a batch at a time, and the one that
-    crosses the limit is cut there."""
+    crosses the limit is cut there. Each starts with the tokenizer's BOS, as a served request
+    does (its chat template) and as ``LookupStream.from_texts`` addresses a text: without it, a
+    document's first positions read the rows of an n-gram padded where serving reads BOS's."""
     out, texts, total = [], [], 0
     for doc in corpus.documents():
         texts.append(doc.text)
         if len(texts) == batch:
-            out += encode(texts, tokenizer)
+            out += encode(texts, tokenizer, bos=True)
             total += sum(d.size for d in out[-batch:])
             texts = []
             if total >= max_tokens:
                 break
     if texts and total < max_tokens:
-        out += encode(texts, tokenizer)
+        out += encode(texts, tokenizer, bos=True)
     kept, total = [], 0
     for ids in out:
         if total >= max_tokens:
