@@ -491,3 +491,13 @@ def test_a_corpus_field_given_twice_is_named_by_file_line_and_field(tmp_path, co
         list(registry.get(registry.WORKLOADS, corpus)(root=str(tmp_path)).documents())
     path.write_text(json.dumps(good) + "\n" + unread + "}\n")
     assert len(list(registry.get(registry.WORKLOADS, corpus)(root=str(tmp_path)).documents())) == 2
+
+
+def test_mooncake_timestamp_of_another_type_is_shown_as_given(tmp_path):
+    """A timestamp given as text ("0") was reported as 'got 0', a value in range: the type at
+    fault did not show."""
+    path = tmp_path / "c_trace.jsonl"
+    path.write_text('{"timestamp": "0", "input_length": 10, "output_length": 5, "hash_ids": [1]}\n')
+    with pytest.raises(CachelabError, match=r"c_trace.jsonl:1: field 'timestamp': expected milliseconds from 0 to "
+                                            r"1e\+12, got '0'"):
+        MooncakeTrace(str(path)).arrivals()

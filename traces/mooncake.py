@@ -57,7 +57,7 @@ def _parse(record, block_size: int) -> str | tuple:
         return f"field(s) {repeated} given more than once"
     ts, n_in, n_out, ids = (record[f] for f in FIELDS)
     if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not 0 <= ts <= MAX_SECONDS * 1000:
-        return f"field 'timestamp': expected milliseconds from 0 to {MAX_SECONDS * 1000:g}, got {str(ts)[:40]}"
+        return f"field 'timestamp': expected milliseconds from 0 to {MAX_SECONDS * 1000:g}, got {repr(ts)[:40]}"
     for name, value, least in (("input_length", n_in, 1), ("output_length", n_out, 0)):  # no empty prompt
         if not _count(value, least):
             return f"field {name!r}: expected an integer from {least} to {MAX_COUNT}, got {value!r}"
