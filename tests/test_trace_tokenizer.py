@@ -94,3 +94,19 @@ def test_a_malformed_record_is_named(tmp_path):
     pq.write_table(data.replace_schema_metadata({**data.schema.metadata, TOKENIZER_KEY: b"[1]"}), trace)
     with pytest.raises(CachelabError, match="t.parquet: Parquet metadata cachelab.trace.tokenizer"):
         recorded_tokenizer(trace)
+
+
+@pytest.mark.data
+def test_an_experiment_trace_of_another_tokenizer_is_refused(tmp_path, data_dir):
+    """[workload.trace] with corpus.tokenizer of another tokenizer than workload.preset's layout:
+    the trace's ids were addressed as the layout's."""
+    from cachelab.experiment.spec import WorkloadSpec
+    from cachelab.experiment.workload import _from_trace
+
+    trace = {"arrivals": {"source": "gamma", "options": {"rate": 2.0, "num_requests": 2}},
+             "corpus": {"source": "mt-bench", "tokenizer": tiny_tokenizer(tmp_path)}}
+    with pytest.raises(CachelabError, match="layout 'deepseek-v4.1-flash' addresses ids of 'deepseek-v4'"):
+        _from_trace(WorkloadSpec(trace=trace), tmp_path / "w.trace.parquet")
+    trace["corpus"].pop("tokenizer")
+    sequences, _, _ = _from_trace(WorkloadSpec(trace=trace), tmp_path / "w.trace.parquet")
+    assert len(sequences) >= 2
