@@ -340,13 +340,13 @@ def test_each_seed_samples_its_own_trace(tmp_path, data_dir):  # the Mooncake im
     points = expand(load_spec(spec))
     assert [p.config["workload"]["trace"]["seed"] for p in points] == [5, 6, 7]
     assert points[0].hash == alone.hash and len({workload_key(p.config["workload"]) for p in points}) == 3
-    # a trace imported as it is (no corpus, a source that draws nothing): no seed changes it, and a set
-    # seed is refused by its build, so every seed's point reads the trace as written
+    # a trace imported as it is (no corpus) has no token ids for any point to address: refused when read
     spec.write_text(spec.read_text().replace('corpus = { source = "stdlib", options = { max_chars = 20000 } }\n', "")
                     .replace("synthesis = { output_tokens = 4 }\n", "")
                     .replace('{ source = "gamma", options = { rate = 4.0, num_requests = 4 } }',
                              '{ source = "mooncake", path = "traces/mooncake_fast25/conversation_trace.jsonl" }'))
-    assert [p.config["workload"]["trace"]["seed"] for p in expand(load_spec(spec))] == [5, 5, 5]
+    with pytest.raises(CachelabError, match="workload.trace has no corpus"):
+        load_spec(spec)
 
 
 def test_a_standard_library_workload_is_another_under_another_python(tmp_path, monkeypatch):
@@ -380,3 +380,30 @@ def test_a_standard_library_workload_is_another_under_another_python(tmp_path, m
 
     _tree_digest.cache_clear()
     assert workload_sources({"source": "stdlib", "params": {"root": str(root)}}) != first
+
+
+def test_a_trace_workload_needs_a_corpus_of_the_layouts_tokenizer(tmp_path):
+    """Refused when the spec is read, before any build: a [workload.trace] without a corpus (an import:
+    lengths, no token ids) failed at the run with 'prompt_lengths must give, per sequence, a length
+    between 0 and its token count'; one whose corpus.tokenizer is not the layout's was addressed as
+    the layout's ids."""
+    from test_trace_tokenizer import tiny_tokenizer
+
+    corpus = 'corpus = { source = "stdlib", options = { max_chars = 20000 } }'
+    text = SERVE_SPEC.format(hardware="B200")
+    spec = tmp_path / "t.toml"
+    spec.write_text(text.replace(corpus, ""))
+    with pytest.raises(CachelabError, match=r"t.toml: workload.trace has no corpus: an import of 'gamma' gives its "
+                                            "requests lengths but no token ids"):
+        load_spec(spec)
+    tok = tiny_tokenizer(tmp_path)
+    spec.write_text(text.replace(corpus, corpus[:-2] + f", tokenizer = {json.dumps(tok)} }}"))
+    with pytest.raises(CachelabError, match=r"t.toml: workload.trace.corpus.tokenizer: the trace's ids would be of "
+                                            r"tokenizer '.*tiny.*' \(tokenizer.json SHA-256 \w+\.\.\.\), but "
+                                            r"layout 'deepseek-v4.1-flash' addresses"):
+        load_spec(spec)
+    spec.write_text(text.replace(corpus, corpus[:-2] + ', tokenizer = "missing.json" }'))
+    with pytest.raises(CachelabError, match="workload.trace.corpus.tokenizer: tokenizer file not found: missing.json"):
+        load_spec(spec)
+    spec.write_text(text)
+    assert load_spec(spec)

@@ -331,8 +331,6 @@ def _check_predictor(p: PredictorSpec, preset: str, where: str) -> None:
 def _check_workload(w: WorkloadSpec, where: str, key: str = "workload") -> None:
     for i, rel in enumerate(w.data):
         resolve_data_path(rel, where, f"{key}.data[{i}]")
-    if w.trace is not None:
-        _check_trace(w.trace, where, key)
     cls = _check_plugin(registry.WORKLOADS, f"{key}.source", w.source, where)
     kwargs = dict(w.params)
     if w.path is not None:
@@ -344,6 +342,8 @@ def _check_workload(w: WorkloadSpec, where: str, key: str = "workload") -> None:
     except (CachelabError, TypeError) as exc:
         raise CachelabError(f"{where}: {key}.params: {w.source!r}: {exc}") from None
     _table(w.preset, where, f"{key}.preset")
+    if w.trace is not None:  # after the preset, which it reads
+        _check_trace(w.trace, w.preset, where, key)
 
 
 def workload_files(workload: dict) -> list[Path]:
@@ -385,15 +385,31 @@ def workload_sources(workload: dict) -> list[str]:
     return out
 
 
-def _check_trace(trace: dict, where: str, key: str) -> None:
+def _check_trace(trace: dict, preset: str, where: str, key: str) -> None:
+    """A trace workload's spec, before any build: its sources exist, it has a corpus (an import has
+    lengths but no token ids: it failed as 'prompt_lengths must give, per sequence, a length
+    between 0 and its token count'), and the corpus tokenizer is the layout's (``preset``)."""
+    from cachelab.engram import get_preset
     from cachelab.trace import build as trace_workload
+    from cachelab.trace.schema import refuse_other_tokenizer, tokenizer_record
 
     spec = trace_workload.parse_spec(trace, f"{where}: {key}.trace")
     if spec.arrivals.path is not None:
         resolve_data_path(spec.arrivals.path, where, f"{key}.trace.arrivals.path")
     _check_plugin(registry.WORKLOADS, f"{key}.trace.arrivals.source", spec.arrivals.source, where)
-    if spec.corpus is not None:
-        _check_plugin(registry.WORKLOADS, f"{key}.trace.corpus.source", spec.corpus.source, where)
+    if spec.corpus is None:
+        raise CachelabError(f"{where}: {key}.trace has no corpus: an import of {spec.arrivals.source!r} gives its "
+                            "requests lengths but no token ids, so no Engram row to address; give "
+                            f"{key}.trace.corpus (e.g. {{ source = \"arena-hard\" }}) for their text")
+    _check_plugin(registry.WORKLOADS, f"{key}.trace.corpus.source", spec.corpus.source, where)
+    try:
+        record = tokenizer_record(spec.corpus.tokenizer)
+    except CachelabError as exc:
+        raise CachelabError(f"{where}: {key}.trace.corpus.tokenizer: {exc}") from None
+    try:
+        refuse_other_tokenizer(record, get_preset(preset), f"{key}.trace.corpus.tokenizer: the trace's ids would be")
+    except CachelabError as exc:
+        raise CachelabError(f"{where}: {exc}") from None
 
 
 def _check_plugin(group: str, key: str, name: str, where: str):

@@ -199,17 +199,21 @@ def check_tokenizer(path: str | os.PathLike, layout) -> None:
     """Refuse to address trace ``path``'s token ids with ``layout`` (an ``EngramConfig``) where
     the trace records another tokenizer than the layout's (a different tokenizer.json)."""
     record = recorded_tokenizer(path)
-    if record is None:
-        return
-    tokenizer = layout.tokenizer
-    wanted = tokenizer_record(tokenizer)
+    if record is not None:
+        refuse_other_tokenizer(record, layout, f"{path}: its token ids are")
+
+
+def refuse_other_tokenizer(record: dict, layout, ids: str) -> None:
+    """Raise where ``record`` (``tokenizer_record``) is another tokenizer than ``layout``'s;
+    ``ids`` names the token ids at fault."""
+    wanted = tokenizer_record(layout.tokenizer)
     if record["sha256"] != wanted["sha256"]:
         raise CachelabError(
-            f"{path}: its token ids are of tokenizer {record['tokenizer']!r} (tokenizer.json SHA-256 "
-            f"{record['sha256'][:16]}...), but layout {layout.name!r} addresses ids of {tokenizer!r} "
-            f"(SHA-256 {wanted['sha256'][:16]}...): the same ids are other text there, so every row would be "
-            "another's. Build the trace with the layout's tokenizer (corpus.tokenizer in the spec), or give a "
-            "layout of the trace's tokenizer (--preset FILE with its tokenizer)")
+            f"{ids} of tokenizer {record['tokenizer']!r} (tokenizer.json SHA-256 {record['sha256'][:16]}...), but "
+            f"layout {layout.name!r} addresses ids of {layout.tokenizer!r} (SHA-256 {wanted['sha256'][:16]}...): the "
+            "same ids are other text there, so every row would be another's. Build the trace with the layout's "
+            "tokenizer (corpus.tokenizer in the spec), or give a layout of the trace's tokenizer (--preset FILE "
+            "with its tokenizer, or workload.preset in an experiment)")
 
 
 def read_trace(path: str | os.PathLike) -> pl.DataFrame:
