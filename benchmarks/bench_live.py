@@ -3,7 +3,9 @@ Engram stall with prefetch on and off, per placement and per Engram layer index.
 
 (1) Decode tokens/s at batch 1..64 through `cachelab serve` (a real process, the CLI path,
     HTTP streaming), against the same model's pure torch forward in this process (decode
-    steps on a prebuilt batch, rows already in memory: no scheduler, no store, no server).
+    steps on a prebuilt batch, rows already in memory: no scheduler, no store, no server; on a
+    thread of its own, as the engine runs its forward: on the main thread torch's intra-op pool
+    took 10-20x as long on 2 busy cores, and without --threads 1 server / bare read 6.9-9.4).
     Server tok/s = batch / mean inter-token latency; bare tok/s = batch / step time; the
     ratio is the overhead of everything around the forward. CPU per token is printed too
     (the server process's CPU over the batch / its output tokens, prefill and HTTP included;
@@ -26,6 +28,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -63,13 +66,23 @@ def bare_decode(batch: int, steps: int) -> tuple[float, float]:
     store = open_rows(ServeOptions(), cfg.layout)
     rows = store.lookup(Addresser(cfg.layout).rows(np.random.default_rng(1).integers(100, 90_000, batch)))
     store.close()
-    with torch.inference_mode():
-        for _ in range(3):
-            model(step, kv, lambda: rows)
-        t, cpu = time.perf_counter(), time.process_time()
-        for _ in range(steps):
-            model(step, kv, lambda: rows)
-    return batch * steps / (time.perf_counter() - t), 1e3 * (time.process_time() - cpu) / (batch * steps)
+    timed = []
+
+    def decode() -> None:
+        with torch.inference_mode():
+            for _ in range(3):
+                model(step, kv, lambda: rows)
+            t, cpu = time.perf_counter(), time.process_time()
+            for _ in range(steps):
+                model(step, kv, lambda: rows)
+            timed.extend((time.perf_counter() - t, time.process_time() - cpu))
+
+    # on a thread of its own, as the server's engine runs its forward: torch's intra-op pool
+    # behaves otherwise on the main thread (on 2 busy cores its forward took 10-20x as long)
+    thread = threading.Thread(target=decode, name="bare-forward")
+    thread.start()
+    thread.join()
+    return batch * steps / timed[0], 1e3 * timed[1] / (batch * steps)
 
 
 async def _stream_itls(url: str, batch: int, tokens: int) -> list[float]:
