@@ -1016,6 +1016,8 @@ def test_a_rebuild_after_a_killed_build_counts_its_tmp_files_as_free_space(tmp_p
     build's), then checks the free space."""
     from types import SimpleNamespace
 
+    from cachelab.store import build as build_mod
+
     build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, seed=1, progress=False)
     lay = TableLayout(CFG, 1e-6)
     need = sum(lay.file_bytes(li) for li in range(2))
@@ -1023,11 +1025,39 @@ def test_a_rebuild_after_a_killed_build_counts_its_tmp_files_as_free_space(tmp_p
         (tmp_path / name).write_bytes(bytes(lay.file_bytes(0)))
 
     def disk(path):  # room for the new build once the killed build's files are gone, no more
-        return SimpleNamespace(f_frsize=1, f_bavail=need - sum(p.stat().st_size for p in tmp_path.glob(".*.tmp")))
+        return SimpleNamespace(f_frsize=1, f_bavail=need + build_mod.MANIFEST_ROOM
+                               - sum(p.stat().st_size for p in tmp_path.glob(".*.tmp")))
 
     monkeypatch.setattr(os, "statvfs", disk)
     build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, seed=2, progress=False)
     assert not list(tmp_path.glob(".*.tmp")) and verify_tables(tmp_path)["mismatches"] == 0
+
+
+def test_a_build_needs_room_for_its_manifest_beside_its_layers(tmp_path, monkeypatch):
+    """A disk with room for the layers alone passed the free-space check; the manifest's write then
+    failed with a traceback (ENOSPC from write_manifest), the layers renamed in and nothing able
+    to read them. It is refused before anything is written, and a manifest that still
+    fails to be written (a disk filled since) is an error naming it, its layers removed."""
+    from types import SimpleNamespace
+
+    from cachelab.store import build as build_mod
+
+    lay = TableLayout(CFG, 1e-6)
+    need = sum(lay.file_bytes(li) for li in range(2))
+    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_frsize=4096, f_bavail=need // 4096))
+    with pytest.raises(CachelabError, match=f"{need + build_mod.MANIFEST_ROOM:,} B needed, {need:,} B free"):
+        build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".build.lock"]
+    monkeypatch.undo()
+
+    def disk_full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(build_mod, "write_manifest", disk_full)
+    with pytest.raises(CachelabError, match=r"manifest.json: No space left on device: the tables were written but "
+                                            r"not their manifest, so nothing could read them; they are removed"):
+        build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".build.lock"]
 
 
 def test_ctrl_c_while_a_build_swaps_its_files_in_is_delivered_once_the_new_build_is_whole(tmp_path, monkeypatch):

@@ -36,6 +36,7 @@ from cachelab.store.source import RowSource
 
 CHUNK_PAGES = 4096  # 16 MiB per write
 LOCK = ".build.lock"
+MANIFEST_ROOM = 64 << 10  # the manifest (about 1 KiB) and its scratch copy, in whole blocks, with room to spare
 
 
 def table_path(directory: Path, layout: TableLayout, layer: int) -> Path:
@@ -109,9 +110,10 @@ def _build(table: TableLayout, source: RowSource, seed: int, directory: Path, pr
     # Only a build holds the lock, so these are a dead build's
     for stale in directory.glob(".layer*.tbl.tmp"):
         stale.unlink(missing_ok=True)
+    # the manifest too: on a disk the layers filled its write failed after their renames
     free = os.statvfs(directory)
-    if free.f_bavail * free.f_frsize < total:
-        raise CachelabError(f"{directory}: {total:,} B needed, {free.f_bavail * free.f_frsize:,} B free")
+    if free.f_bavail * free.f_frsize < total + MANIFEST_ROOM:
+        raise CachelabError(f"{directory}: {total + MANIFEST_ROOM:,} B needed, {free.f_bavail * free.f_frsize:,} B free")
     finals = [table_path(directory, table, li) for li in range(len(config.layers))]
     tmps = [final.with_name(f".{final.name}.tmp") for final in finals]
     try:
@@ -131,7 +133,14 @@ def _build(table: TableLayout, source: RowSource, seed: int, directory: Path, pr
                     "config": _config_dict(config),
                     "fold": "per-head modulo: off'_j + (row - off_j) mod ceil(scale * P_j)",
                     "source": source.describe()}
-        write_manifest(directory, manifest)
+        try:
+            write_manifest(directory, manifest)
+        except OSError as exc:  # a disk filled since the check: the layers are unreadable without it
+            for final in finals:
+                final.unlink(missing_ok=True)
+            raise CachelabError(f"{directory / MANIFEST}: {exc.strerror or exc}: the tables were written but not "
+                                f"their manifest, so nothing could read them; they are removed and {directory} "
+                                "holds no build now (the previous one, if any, was replaced)") from None
     return manifest
 
 
