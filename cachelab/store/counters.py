@@ -12,7 +12,8 @@ faults, CPU dedup, gather and host-to-device copy is the bottleneck):
   (rows written into the HBM row cache), ``host_to_device_bytes`` (every row the HBM cache
   missed), ``hbm_read_bytes`` (rows served by the HBM cache), ``host_read_bytes`` (rows read
   from host DRAM: the DRAM cache, the DRAM table, or the page cache);
-- ``minor_faults`` / ``major_faults`` (getrusage of the process over the step);
+- ``minor_faults`` / ``major_faults`` (getrusage of the whole process over the step: its reads run on
+  worker threads too, so a prefetch's step also counts the caller's faults meanwhile);
 - seconds per stage: ``dedup_s`` (fold and dedup), ``cache_lookup_s`` (policy steps and slot
   maps), ``ssd_read_s`` (the backing read: SSD reads, or page faults on mmap), ``gather_s``
   (rows out of and into cache slots), ``copy_s`` (host -> device), ``dequant_s``, ``stall_s``
