@@ -262,3 +262,21 @@ def test_io_uring_keeps_the_reads_in_flight_asked_for(tables):
         rows = _uniform_rows(np.random.default_rng(2), 30)
         assert check_rows(store, rows, store.lookup(rows)) == 0
         assert store.last_step["ssd_pages_read"] > 20
+
+
+def test_a_kernel_without_io_uring_reads_falls_back_to_preads(tables, monkeypatch):
+    """Linux 5.1-5.5 set up a ring but fail every IORING_OP_READ (EINVAL, in its completion):
+    ``auto`` chose io_uring there and every ``direct`` step failed. The ring's opcodes are probed
+    at open (IORING_REGISTER_PROBE); one without the read is refused, ``auto`` saying why. Here
+    the read's opcode is one no kernel runs."""
+    from cachelab.store import uring
+
+    _direct_uring(tables, 4).close()  # io_uring works here
+    monkeypatch.setattr(uring, "_OP_READ", 200)
+    with TieredStore.open(tables, backing="direct", hbm_capacity=None, io_threads=4) as store:
+        assert store.backing.submission.startswith("threads (io_uring unavailable: ")
+        assert "no IORING_OP_READ" in store.backing.submission
+        rows = _uniform_rows(np.random.default_rng(5), 20)
+        assert check_rows(store, rows, store.lookup(rows)) == 0
+    with pytest.raises(CachelabError, match="io_uring is not available here .*no IORING_OP_READ"):
+        TieredStore.open(tables, backing="direct", hbm_capacity=None, io_submit="io_uring")

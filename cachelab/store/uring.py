@@ -6,8 +6,9 @@ fills the submission queue with ``IORING_OP_READ`` entries up to the queue depth
 the kernel to submit and wait for at least one completion, reaps the completion queue and
 refills, until every read is done; the GIL is released throughout. No liburing: the ring
 layout is the kernel's ABI. ``UringReader`` raises ``OSError`` where io_uring is missing
-or disabled (``/proc/sys/kernel/io_uring_disabled``, seccomp), and the backing falls back to
-its thread pool of preads, saying why.
+or disabled (``/proc/sys/kernel/io_uring_disabled``, seccomp) or has no ``IORING_OP_READ``
+(before Linux 5.6; probed at open), and the backing falls back to its thread pool of preads,
+saying why.
 
 The kernel reads the submission ring only inside ``io_uring_enter`` (no SQPOLL thread), so
 entries written before the call are seen whole; completions are read after the tail, in
@@ -34,7 +35,8 @@ import numpy as np
 
 from cachelab.store.kernels import errno_location
 
-_SYS_SETUP, _SYS_ENTER = 425, 426
+_SYS_SETUP, _SYS_ENTER, _SYS_REGISTER = 425, 426, 427
+_REGISTER_PROBE, _OP_SUPPORTED = 8, 1  # IORING_REGISTER_PROBE, IO_URING_OP_SUPPORTED
 _OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
 _OP_READ = 22
 _ENTER_GETEVENTS = 1
@@ -128,6 +130,17 @@ def _run(ring_fd, sq, sq_head, sq_tail, sq_mask, sq_array, sqes, cq, cq_head, cq
     return bad
 
 
+def _supports_read(ring_fd: int) -> bool:
+    """Whether the kernel's io_uring runs ``IORING_OP_READ`` (Linux 5.6+). Linux 5.1-5.5 set up a
+    ring but failed every such read with EINVAL: ``auto`` chose io_uring there and every
+    ``direct`` step failed. Their ``io_uring_register`` has no probe either (EINVAL): no read."""
+    probe = (ctypes.c_uint8 * (16 + 256 * 8))()  # struct io_uring_probe, then 256 io_uring_probe_op
+    if _syscall(_SYS_REGISTER, ctypes.c_int(ring_fd), ctypes.c_uint(_REGISTER_PROBE), probe, ctypes.c_uint(256)) < 0:
+        return False
+    ops = np.frombuffer(probe, np.uint8, offset=16).reshape(-1, 8)[: probe[1]]  # ops_len entries: op, resv, flags
+    return bool(_OP_READ < len(ops) and ops[_OP_READ, 2] & _OP_SUPPORTED)
+
+
 class UringReader:
     """One io_uring reading fixed-size blocks, ``depth`` in flight (``read`` as ``_PreadPool``'s);
     its ring holds ``entries`` (``depth`` rounded up to a power of two)."""
@@ -142,6 +155,9 @@ class UringReader:
         # put 32 in flight where the pool of preads, and the flag, said 20)
         self.fd, self.depth, self.entries = fd, int(depth), int(params.sq_entries)
         self._closer = weakref.finalize(self, os.close, fd)  # closed once: by close(), or when collected
+        if not _supports_read(fd):
+            self._closer()
+            raise OSError(errno.EOPNOTSUPP, "io_uring: the kernel has no IORING_OP_READ (Linux 5.6 and later do)")
         self.broken = ""  # why this ring reads nothing more (``read``)
         self.failed = 0  # what the last call's first failed read gave (``read``)
         sq_off, cq_off = params.sq_off, params.cq_off
