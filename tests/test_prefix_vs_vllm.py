@@ -8,10 +8,15 @@ the hits of every request, not only the total, and ``vllm:prefix_cache_hits_tota
 
 from __future__ import annotations
 
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
 import numpy as np
 import pytest
 
 from cachelab.bench.prefix_check import measure_hits, mooncake_prompts, predict_hits, shared_prefix_prompts
+from cachelab.errors import CachelabError
 
 # vLLM's CPU backend defaults to 128-token blocks and prefers multiples of 32
 # (vllm/platforms/cpu.py). Mooncake's 512-token hash ids become one 32-token block each;
@@ -31,6 +36,41 @@ def test_predict_hits_sets_vllms_null_block_aside():
     assert predict_hits([a, c, a], ones, num_gpu_blocks=7).hits.tolist() == [0, 0, 32]
     # without the null block the 7th block would have kept a's third block
     assert predict_hits([a, c, a], ones, num_gpu_blocks=7, null_blocks=0).hits.tolist() == [0, 0, 48]
+
+
+@pytest.mark.parametrize("usage", [
+    {"prompt_tokens": 64, "completion_tokens": 1, "total_tokens": 65},  # vLLM without --enable-prompt-tokens-details
+    {"prompt_tokens": 64, "prompt_tokens_details": None},
+    {"prompt_tokens": 64, "prompt_tokens_details": {"cached_tokens": None}},
+], ids=["no-details", "null-details", "null-count"])
+def test_measure_hits_refuses_answers_without_cached_tokens(usage):
+    """A server that does not report cached tokens is an error naming the request and the flag: its
+    answers were read as 0 hits, a prefix cache that never hit."""
+
+    class Server(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["content-length"]))
+            body = json.dumps({"choices": [{"text": "x"}], "usage": usage}).encode()
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):  # no /metrics
+            self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Server)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(CachelabError, match=r"request 0 to .*prompt_tokens_details\.cached_tokens.*"
+                                                r"--enable-prompt-tokens-details"):
+            measure_hits(f"http://127.0.0.1:{server.server_port}", "m", [np.arange(64)] * 2, np.array([1, 1]))
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.mark.slow

@@ -70,7 +70,11 @@ def measure_hits(base_url: str, model: str, prompts: list[np.ndarray], output_le
                  timeout_s: float = 600.0) -> tuple[PrefixRun, dict]:
     """Send the sequence to a vLLM server one request at a time; per request the cached tokens
     it reports (``usage.prompt_tokens_details.cached_tokens``, needs
-    ``--enable-prompt-tokens-details``), and the ``/metrics`` counters' difference."""
+    ``--enable-prompt-tokens-details``), and the ``/metrics`` counters' difference.
+
+    An answer without that count is an error naming the request: vLLM reports it on every
+    answer when the flag is on (0 included), so its absence means the flag is off, and reading
+    it as 0 hits made a server without it look like one whose prefix cache never hit."""
     root = base_url.rstrip("/").removesuffix("/v1")
     before = scrape(root)
     queried = np.zeros(len(prompts), dtype=np.int64)
@@ -81,17 +85,33 @@ def measure_hits(base_url: str, model: str, prompts: list[np.ndarray], output_le
         request = urllib.request.Request(f"{root}/v1/completions", body, {"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=timeout_s) as resp:
-                usage = json.loads(resp.read())["usage"]
+                answer = resp.read()
         except OSError as exc:
             raise CachelabError(f"request {i} to {root}: {exc}") from None
-        queried[i] = usage["prompt_tokens"]
-        hits[i] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        queried[i], hits[i] = _usage_counts(answer, f"request {i} to {root}/v1/completions")
     after = scrape(root)
     counters = {}
     if before is not None and after is not None:
         delta = after.minus(before)
         counters = {k: delta.values.get(name, 0.0) for k, name in COUNTERS.items()}
     return PrefixRun(queried, hits), counters
+
+
+def _usage_counts(answer: bytes, where: str) -> tuple[int, int]:
+    """(prompt tokens, cached prompt tokens) of a completion's ``usage``; an error naming the field
+    where either is missing or not a count."""
+    try:
+        usage = json.loads(answer).get("usage")
+    except (ValueError, AttributeError):
+        raise CachelabError(f"{where}: the answer is not a JSON object: {answer[:200]!r}") from None
+    if not isinstance(usage, dict) or not isinstance(usage.get("prompt_tokens"), int):
+        raise CachelabError(f"{where}: no usage.prompt_tokens in the answer (usage: {usage!r})")
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if not isinstance(cached, int) or isinstance(cached, bool):
+        raise CachelabError(f"{where}: no usage.prompt_tokens_details.cached_tokens in the answer "
+                            f"(usage: {json.dumps(usage)[:200]}): start vLLM with --enable-prompt-tokens-details")
+    return usage["prompt_tokens"], cached
 
 
 def shared_prefix_prompts(num_requests: int, prompt_len: int, overlap: float, num_prefixes: int,
