@@ -207,6 +207,40 @@ def test_a_long_prompts_ids_the_proxy_asked_for_are_not_cut_as_an_oversized_even
     assert rec["error"] is None and rec["prompt_ids"] == body["prompt"] and len(rec["output_ids"]) == 4
 
 
+def test_the_answers_all_exchanges_hold_are_bounded_together(stack, tmp_path):
+    """Each answer was bounded alone (--max-response-mb), not all of them: 1,024 connections could hold
+    64 GiB. Two streams in flight at once that together hold over --max-held-mb: the one that crosses it
+    is relayed whole and unchanged, not recorded, and says why; the other is recorded; what they held is
+    given back (a later stream is recorded). A whole answer over it gets a 503."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "stream": True}
+    direct = _raw(stack.direct.url, "/v1/completions", body)[1]
+    recorder = Recorder(tmp_path)
+    stack.behind.token_delay_s = 0.01  # 2 s a stream: the two overlap (48 KB each, 60 KB together at most)
+    try:
+        with ProxyThread(ProxyConfig(upstream=stack.upstream.url, max_held_bytes=60_000), recorder) as proxy:
+            with ThreadPoolExecutor(2) as pool:
+                both = list(pool.map(lambda _: _raw(proxy.url, "/v1/completions", body), range(2)))
+            assert [got[:2] for got in both] == [(200, direct)] * 2
+            small = {**body, "max_tokens": 8}
+            assert _raw(proxy.url, "/v1/completions", small)[0] == 200
+            whole = {**body, "stream": False, "max_tokens": 20_000}
+            got = _raw(proxy.url, "/v1/completions", whole)
+            assert got[0] == 503 and b"--max-held-mb" in got[1]
+    finally:
+        stack.behind.token_delay_s = 0.0
+    assert recorder.flush(30)
+    table = read_requests(tmp_path)[0]
+    first, second, later, refused = table.rows(named=True)
+    assert sorted([first["error"] is None, second["error"] is None]) == [False, True], "one of the two recorded"
+    dropped = second if first["error"] is None else first
+    assert dropped["status"] == 200 and dropped["error"].startswith("not recorded: the proxy held over 60000 bytes")
+    assert not dropped["output_ids"]
+    kept = first if first["error"] is None else second
+    assert len(kept["output_ids"]) == 200
+    assert later["error"] is None and len(later["output_ids"]) == 8
+    assert refused["status"] == 503 and "--max-held-mb" in refused["error"]
+
+
 @pytest.mark.parametrize("ending", ["crlf", "cr"])
 def test_an_upstream_whose_lines_end_with_crlf_streams_and_is_recorded(stack, ending):
     # SSE allows CRLF line endings (sse-starlette writes them), and CR alone: events are still found one by
@@ -955,6 +989,7 @@ def test_non_loopback_listen_needs_a_token(tmp_path):
     (["--upstream", "http://x", "--tcp-keepalive", "-1"], "--tcp-keepalive -1.0: expected 0 (off) to 32767 seconds"),
     (["--upstream", "http://x", "--max-body-mb", "-1"], "--max-body-mb -1.0: expected a number above 0"),
     (["--upstream", "http://x", "--max-response-mb", "0"], "--max-response-mb 0.0: expected a number above 0"),
+    (["--upstream", "http://x", "--max-held-mb", "0"], "--max-held-mb 0.0: expected a number above 0"),
     # under one byte: a segment per record, every body refused (the writer refused it after creating the directory)
     (["--upstream", "http://x", "--rotate-mb", "1e-9"], "--rotate-mb 1e-09: under one byte"),
     (["--upstream", "http://x", "--max-body-mb", "1e-7"], "--max-body-mb 1e-07: under one byte"),

@@ -61,6 +61,7 @@ class Forward:
         self.by_close = False             # the upstream's body ends when its connection does
         self.out: list[bytes] = []
         self.size = 0
+        self.held = 0                     # bytes of the answer counted in ``proxy.held`` (-1: a stream no longer recorded)
         self.parts: list[bytes] = []      # WHOLE: the body; STREAM: the incomplete event so far
         self.edge = b""                   # STREAM: the last bytes of the incomplete event (a delimiter may straddle)
         self.delim: bytes | None = None   # STREAM: what ends an event, once the first line has shown it
@@ -231,8 +232,9 @@ class Forward:
                 self.edge = rest[-3:]
                 data = data[:end]
             x = self.x
-            x.events.append(data)
-            x.event_times.append(now)
+            if self.held >= 0 and self.keep(len(data)):
+                x.events.append(data)
+                x.event_times.append(now)
             if self.restorer is not None:
                 data = self.restorer.feed(data)
                 if not data:
@@ -241,6 +243,8 @@ class Forward:
         elif mode == WHOLE:
             if self.size > c.max_response_bytes:
                 return self.upstream_failed(502, f"answer over {c.max_response_bytes} bytes")
+            if not self.keep(len(data)):
+                return
             self.parts.append(data)
         elif self.framed:
             self.out.append(b"%x\r\n%s\r\n" % (len(data), data))
@@ -255,6 +259,29 @@ class Forward:
         # reset for the next message and says False, which closed every upstream connection after one
         # exchange (each request then paid a new connection on both hops; docs/capture.md, Why the defaults)
         self.reusable = self.conn.parser.should_keep_alive()
+
+    def keep(self, n: int) -> bool:
+        """Count ``n`` more bytes of the answer held; False when that puts the exchanges in flight over
+        ``max_held_bytes`` together. Each was bounded alone (``max_response_bytes``), not all of them:
+        1,024 connections could hold 64 GiB. A stream over it is relayed on, whole and unchanged, but
+        no longer recorded: the events it held are let go and its record says why. A whole body must
+        be held until it is restored: the client gets a 503 instead."""
+        proxy = self.proxy
+        proxy.held += n
+        self.held += n
+        limit = proxy.config.max_held_bytes
+        if proxy.held <= limit:
+            return True
+        why = f"the proxy held over {limit} bytes of answers in flight (--max-held-mb)"
+        if self.mode == WHOLE:
+            self.fail(503, f"{why}: answer not relayed")
+            return False
+        proxy.held -= self.held
+        self.held = -1
+        x = self.x
+        x.events, x.event_times = [], []
+        x.error = f"not recorded: {why}; relayed to the client whole"
+        return False
 
     # -- after each upstream read ------------------------------------------------------------------
     def after_read(self) -> None:
@@ -297,6 +324,9 @@ class Forward:
     # -- endings other than a complete answer ---------------------------------------------------
     def _end(self) -> None:
         self.finished = True
+        if self.held > 0:  # handed to the recorder, whose queue is bounded on its own, or let go
+            self.proxy.held -= self.held
+            self.held = 0
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None

@@ -70,6 +70,10 @@ def proxy(
     rotate_seconds: float = typer.Option(3600.0, help="Start a new segment after this many seconds."),
     max_body_mb: float = typer.Option(8.0, help="Refuse request bodies over this size with 413 (MiB)."),
     max_response_mb: float = typer.Option(64.0, help="Cut upstream answers over this size (MiB)."),
+    max_held_mb: float = typer.Option(1024.0, help="Answers held by all exchanges in flight, at most (MiB): a "
+                                      "stream's events until its record is handed over, a whole answer until it "
+                                      "is sent. A stream past it is relayed unchanged but not recorded (its "
+                                      "record says why), a whole answer gets a 503."),
     read_timeout: float = typer.Option(300.0, help="Cut an upstream answer silent this long (s)."),
     total_timeout: float = typer.Option(3600.0, help="Cut an upstream answer running this long (s)."),
     connect_timeout: float = typer.Option(10.0, help="Give up connecting to the upstream after this long (s): "
@@ -115,9 +119,9 @@ def proxy(
     from cachelab.heap import freeze_startup_heap
     from cachelab.live.launch import bound_socket, check_bind
 
-    max_body_bytes, max_response_bytes, rotate_bytes = (
+    max_body_bytes, max_response_bytes, max_held_bytes, rotate_bytes = (
         mib_bytes("--max-body-mb", max_body_mb), mib_bytes("--max-response-mb", max_response_mb),
-        mib_bytes("--rotate-mb", rotate_mb))
+        mib_bytes("--max-held-mb", max_held_mb), mib_bytes("--rotate-mb", rotate_mb))
     for flag, value in (("--read-timeout", read_timeout), ("--total-timeout", total_timeout),
                         ("--connect-timeout", connect_timeout), ("--rotate-seconds", rotate_seconds)):
         if not value > 0:  # 0 or below (or nan) timed out every request or made a segment per record
@@ -137,7 +141,8 @@ def proxy(
     config = ProxyConfig(upstream=upstream, api_key=api_key, upstream_ca=str(upstream_ca) if upstream_ca else None,
                          session_header=session_header.lower(),
                          token_ids=token_ids, max_body_bytes=max_body_bytes,
-                         max_response_bytes=max_response_bytes, read_timeout=read_timeout,
+                         max_response_bytes=max_response_bytes, max_held_bytes=max_held_bytes,
+                         read_timeout=read_timeout,
                          total_timeout=total_timeout, connect_timeout=connect_timeout,
                          max_connections=max_connections, upstream_idle_timeout=upstream_idle_timeout,
                          tcp_keepalive_s=tcp_keepalive)
