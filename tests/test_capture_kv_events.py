@@ -139,6 +139,36 @@ def test_gaps_counted_or_replayed(tmp_path, replay):
     assert set(seqs) == expected and len(seqs) == len(expected)
 
 
+def test_batches_before_the_join_that_replay_does_not_bring_are_a_gap(tmp_path):
+    """With --replay the subscriber asks for what was published before it joined; what did not come
+    (a replay endpoint that answers nothing here) is a gap, counted and recorded, as a gap between
+    two batches is: it was neither, and a --replay that reached nothing went unsaid."""
+    endpoint = f"ipc://{tmp_path}/events"
+    pub = Publisher(endpoint, bind=True)
+    for s in range(5):  # before any subscriber: dropped by the PUB socket
+        pub.publish(s)
+    sub = KVEventSubscriber(endpoint, tmp_path / "cap", topic="kv",
+                            replay_endpoint=f"tcp://127.0.0.1:{free_port()}").start()
+    try:
+        seq = 5
+        while sub.first_seq is None and seq < 500:
+            pub.publish(seq)
+            seq += 1
+            time.sleep(0.02)
+        _wait(lambda: sub.batches >= 1, timeout=15)
+    finally:
+        sub.close()
+        pub.close()
+    stats = sub.stats()
+    first = stats["first_seq"]
+    assert first >= 5 and stats["gaps"] == first and stats["replayed"] == 0, stats
+    _, losses = _records(tmp_path / "cap")
+    gap = [r for r in losses if r["kind"] == "kv_gap"]
+    assert len(gap) == 1 and (gap[0]["first_seq"], gap[0]["missing"], gap[0]["recovered"]) == (0, first, 0)
+    assert gap[0]["error"] == "no reply for 2 s (published before the subscriber joined)"
+    assert loss_counts(losses)["gaps"] == first
+
+
 def test_a_restarted_publisher_is_counted_and_its_gaps_too(tmp_path):
     """vLLM restarted while the subscriber runs: its new publisher counts from 0 again. Its numbers were
     compared with the old run's last one (and that one kept), so no gap of the new run was counted; now

@@ -333,7 +333,13 @@ class KVEventSubscriber:
         if self.first_seq is None:
             self.first_seq = seq
             if seq > 0 and self.replay_endpoint:
-                self._replay(0, seq)
+                # what preceded the join, asked for: what did not come is a gap like any other (a --replay
+                # that answers nothing, or a publisher that no longer buffers them, was silent)
+                recovered, ended = self._replay(0, seq)
+                if recovered < seq:
+                    self.gaps += seq - recovered
+                    self._note({"kind": "kv_gap", "first_seq": 0, "missing": seq, "recovered": recovered,
+                                "error": f"{ended} (published before the subscriber joined)"})
         self._submit(seq, frames[2], False)
         self.last_seq = seq
 
