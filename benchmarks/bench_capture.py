@@ -36,7 +36,8 @@ Several proxies can be measured against the same upstream in the same rounds (--
 NAME=ARGS, repeatable: extra `cachelab capture proxy` arguments, e.g. --proxy process=
 --proxy thread='--writer thread'), one of them at another CPU priority (--proxy-nice
 NAME=N: how much of its tail is waiting for a CPU rather than its own code); --prompt-tokens N
-sends long prompts (token ids, which the upstream does not tokenize). Everything the run
+sends long prompts (token ids, which the upstream does not tokenize). Every request's prompt is its
+own (``prompt_of``): no path finds another's in an upstream's prefix cache. Everything the run
 wrote (captures, vLLM's model directory) is removed at the end.
 
 --pin measures every path twice in the same rounds: under the default placement ("shared":
@@ -78,6 +79,7 @@ from loopback import free_port  # noqa: E402
 
 PROMPT = "Which Engram rows should stay in HBM when the table is 189 GiB and the batch is large? "
 PROMPT_IDS = 0  # --prompt-tokens: a prompt of that many token ids instead of PROMPT
+WARM_UP = 10**9  # the untimed batches' request numbers start here, past every timed one's
 
 UPSTREAM = """
 import sys, uvicorn
@@ -157,10 +159,20 @@ def wait_up(url: str, proc: subprocess.Popen, what: str, timeout: float = 120) -
     raise SystemExit(f"{what} did not come up")
 
 
+def prompt_of(i: int):
+    """Request ``i``'s prompt, whose first block no other request's shares, so that no timed request starts
+    warm in an upstream's prefix cache: the text prompt after ``i``, or ``PROMPT_IDS`` token ids that
+    open with two spelling ``i``, ids a vocabulary holds (the warm-ups' one id of 1,000,000 and up was
+    refused by vLLM, 'Token id 1000000 is out of vocabulary', which ended the bench)."""
+    if not PROMPT_IDS:
+        return f"{i} {PROMPT}"
+    high, low = divmod(i, 50_000)
+    return [10 + high, 10 + low] + list(range(1000, 1000 + PROMPT_IDS - 2))
+
+
 async def one(client, model, max_tokens, i):
     """One streamed completion: (sent, TTFT, ITL gaps), times from the client's clock."""
-    prompt = [i] + list(range(1000, 1000 + PROMPT_IDS)) if PROMPT_IDS else f"{i} {PROMPT}"
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+    body = {"model": model, "prompt": prompt_of(i), "max_tokens": max_tokens, "stream": True,
             "temperature": 0, "ignore_eos": True}
     sent = time.perf_counter()
     times = []
@@ -288,6 +300,8 @@ async def measure_all(urls, pids, model, args, placement: Placement):
     per_round = max(1, args.requests // args.rounds)
     names = list(urls)
     measured = {}
+    first = 0  # the next timed request's number: every path, placement and round sends prompts of its own (the
+    # paths of one round sent the same ones, so the second found the first's prompts in a prefix cache upstream)
     try:
         for concurrency in args.concurrency:
             by_placement = {}
@@ -303,7 +317,7 @@ async def measure_all(urls, pids, model, args, placement: Placement):
                     for name in (names if r % 2 == 0 else names[::-1]):
                         # untimed: this concurrency's connections open on every hop, whatever closed
                         # while the other path ran (an upstream closes idle keep-alive connections: vLLM after 5 s)
-                        await batch(clients[name], model, concurrency, concurrency, 1, 10**6)
+                        await batch(clients[name], model, concurrency, concurrency, 1, WARM_UP)
                         proxy = pids.get(name, ())
                         before = sum((np.array(cpu_seconds(pid)) for pid in proxy), np.zeros(2))
                         loop_before = np.array(cpu_seconds(f"{proxy[0]}/task/{proxy[0]}")) if proxy else 0
@@ -311,7 +325,8 @@ async def measure_all(urls, pids, model, args, placement: Placement):
                         client_wait = runqueue_seconds("self")
                         upstream_wait = runqueue_seconds(placement.upstream_pid) if placement.upstream_pid else 0.0
                         rounds[name].append(await timed_batch(clients[name], model, per_round, concurrency,
-                                                              args.max_tokens, (concurrency * args.rounds + r) * per_round))
+                                                              args.max_tokens, first))
+                        first += per_round
                         waits[name] += runqueue_seconds("self") - client_wait
                         if placement.upstream_pid:
                             waits[f"{name}_upstream"] += runqueue_seconds(placement.upstream_pid) - upstream_wait
@@ -472,7 +487,9 @@ def main() -> None:
     if set(args.proxy_nice) - set(args.proxy):
         raise SystemExit(f"--proxy-nice names no --proxy: {sorted(set(args.proxy_nice) - set(args.proxy))}")
     global PROMPT_IDS
-    PROMPT_IDS = max(0, args.prompt_tokens - 1)
+    if not (args.prompt_tokens == 0 or 2 <= args.prompt_tokens <= 100_000):
+        raise SystemExit(f"--prompt-tokens {args.prompt_tokens}: expected 0 (a text prompt) or 2 to 100000")
+    PROMPT_IDS = args.prompt_tokens
 
     work = Path(tempfile.mkdtemp(prefix="bench-capture-"))
     procs, server = [], None
@@ -531,7 +548,7 @@ def main() -> None:
         if server is not None:
             server.stop()
         shutil.rmtree(work, ignore_errors=True)  # the capture and vLLM's model dir: nothing left in /tmp
-    print(f"upstream: {what}; prompts of {f'{PROMPT_IDS + 1} token ids' if PROMPT_IDS else 'about 24 tokens of text'}; load average (1/5/15 min) {'/'.join(f'{v:.1f}' for v in load_before)} before, "
+    print(f"upstream: {what}; prompts of {f'{PROMPT_IDS} token ids' if PROMPT_IDS else 'about 24 tokens of text'}; load average (1/5/15 min) {'/'.join(f'{v:.1f}' for v in load_before)} before, "
           f"{'/'.join(f'{v:.1f}' for v in load_after)} after, on {os.cpu_count()} cores")
     print(f"scheduling: niceness {sched['niceness']:+d}" + (f", {sched['autogroup']} (sched_autogroup_enabled: the "
                                                            "niceness ranks tasks only inside this group)"

@@ -5,7 +5,8 @@ the proxy depends on it: ``return_token_ids`` gives ``prompt_token_ids`` / ``tok
 without it those fields are written as ``null``; a chat stream begins with the role alone
 (no ``token_ids``, the prompt's at the top); ``stream_options.include_usage`` adds a final
 usage event (``choices: []``) and moves ``system_fingerprint`` from the last chunk onto it; ``usage.prompt_tokens_details.cached_tokens`` counts the prompt's
-16-token blocks seen before. Answers are deterministic (ids, ``created``, tokens), so a stream
+16-token blocks seen before. A prompt of ids outside the tokenizer's vocabulary is refused as vLLM
+refuses it (a 400, or for a stream an error event and ``[DONE]``); ``cached`` lists every completion's (max_tokens, cached prompt tokens). Answers are deterministic (ids, ``created``, tokens), so a stream
 through the proxy can be compared byte for byte with one straight from here. Prompts are
 tokenized with the DeepSeek-V4 tokenizer (as the fallback does); outputs are words that are
 one token each. The model name picks a hostile behaviour: ``bad-json``, ``html`` (a 200 page that
@@ -69,6 +70,7 @@ class Upstream:
         self.requests = 0
         self.firehose_sent = 0
         self.peers: list[int] = []
+        self.cached: list[tuple[int, int]] = []  # per completion answered: (max_tokens, cached prompt tokens)
         self.app = self._app()
 
     def _prompt(self, body: dict, chat: bool) -> list[int]:
@@ -139,8 +141,17 @@ class Upstream:
                                           else b'{"id":"cmpl-z"}'), media_type=media,
                             headers={"content-encoding": "gzip"})
         prompt_ids = self._prompt(body, chat)
+        outside = [i for i in prompt_ids if not 0 <= i < self.tok.get_vocab_size()]
+        if outside:  # as vLLM refuses them: a 400, or for a stream an error event (its status 200)
+            error = {"error": {"message": f"Token id {outside[0]} is out of vocabulary", "type": "BadRequestError",
+                               "param": None, "code": 400}}
+            if body.get("stream"):
+                return StreamingResponse(iter([f"data: {json.dumps(error)}\n\n", "data: [DONE]\n\n"]),
+                                         media_type="text/event-stream")
+            return JSONResponse(error, status_code=400)
         cached = self._cached(prompt_ids)
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+        self.cached.append((n, cached))
         seed = sum(prompt_ids) % len(WORDS)
         picks = [(seed + 3 * i) % len(WORDS) for i in range(n)]
         out_ids = [self.word_ids[p][0] for p in picks]

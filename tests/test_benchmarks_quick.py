@@ -226,3 +226,23 @@ def test_bench_live_times_the_bare_forward_on_a_thread_of_its_own_as_the_server_
     tok_s, cpu_ms = bench_live.bare_decode(2, 3)
     assert len(threads) == 3 + 3 and threading.main_thread() not in threads
     assert tok_s > 0 and cpu_ms >= 0
+
+
+@pytest.mark.slow
+def test_bench_capture_sends_id_prompts_vllm_takes_and_no_path_warms_anothers_prefix():
+    """``--prompt-tokens``: the untimed batches sent a token id of 1,000,000, which vLLM refuses ('Token
+    id 1000000 is out of vocabulary', an error event in a stream), and the bench ended ('request failed:
+    200'); and every path of a round sent the
+    same prompts, so the second found them in the upstream's prefix cache. Every timed request now
+    finds none of its prompt cached (a prompt of 48 ids: three 16-token blocks the upstream caches)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from capture_upstream import ServerThread, Upstream
+
+    upstream = Upstream()
+    with ServerThread(upstream.app) as server:
+        done = run("bench_capture.py", "--upstream", server.url, "--model", "tiny", "--prompt-tokens", "48",
+                   "--requests", "8", "--rounds", "2", "--concurrency", "1", "--max-tokens", "3")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "prompts of 48 token ids" in done.stdout
+    timed = [cached for max_tokens, cached in upstream.cached if max_tokens == 3]
+    assert len(timed) == 16 and set(timed) == {0}, timed
