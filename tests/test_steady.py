@@ -557,6 +557,23 @@ def test_valid_calibration_rows_load_and_an_empty_cell_is_not_measured(tmp_path)
     assert "r1-b200-vllm-agentic" not in {p.subset for p in load_points(tmp_path)}
 
 
+def test_a_repeat_run_of_a_fitted_configuration_is_not_an_unseen_held_out_point():
+    # run 2 of the fit's own configuration (same model, hardware, TP, placement, workload, clients) tests
+    # run-to-run noise; heldout_mape counts it, heldout_mape_unseen does not (seen by helper-118)
+    from cachelab.serving.calibration import FIT_SUBSET, heldout_report
+
+    def row(id, subset, tp, conc, err):
+        return {"id": id, "subset": subset, "model": "deepseek-r1", "hardware": "B200", "tp": tp, "placement": "hbm",
+                "workload": "fixed 1024/1024", "concurrency": conc, "error": {"tokens_per_s_per_gpu": err}}
+
+    rows = [row("fit-c16", FIT_SUBSET, 8, 16, 0.05), row("run2-c16", "r1-run2", 8, 16, 0.02),
+            row("tp4-c16", "r1-tp4", 4, 16, 0.20), row("run2-c32", "r1-run2", 8, 32, 0.10)]
+    out = heldout_report(rows)
+    assert out["heldout_points"] == 3 and out["heldout_mape"]["tokens_per_s_per_gpu"] == pytest.approx(0.32 / 3)
+    assert out["heldout_points_unseen"] == 2 and out["heldout_mape_unseen"]["tokens_per_s_per_gpu"] == pytest.approx(0.15)
+    assert out["heldout_repeats_of_fit"] == ["run2-c16"]
+
+
 @pytest.mark.data
 def test_calibration_points_and_the_inferencex_study(data_dir):
     from cachelab.serving.calibration import FIT_SUBSET, load_points
@@ -578,6 +595,10 @@ def test_calibration_points_and_the_inferencex_study(data_dir):
     assert {"tokens_per_s_per_gpu", "median_tpot_ms"} <= set(out["heldout_mape"])
     assert 100e-6 < out["piecewise_layer_s"] < 1e-3  # fitted on the SSD PR body's sweep after the efficiency fit
     assert all(0 <= v < 10 for v in out["heldout_mape"].values())
+    # run 2 repeats the fit's four configurations: counted in heldout_mape, not in heldout_mape_unseen
+    assert sorted(out["heldout_repeats_of_fit"]) == sorted(p.id for p in points if p.subset.endswith("-run2"))
+    assert out["heldout_points_unseen"] == out["heldout_points"] - 4
+    assert {r["id"] for r in out["points"]} == {p.id for p in points}  # every point reported with its own error
     assert {r["subset"] for r in out["points"]} == subsets
     # the trace replays are predicted and reported, but left out of heldout_mape with the reason
     excluded = out["heldout_excluded"]["r1-b200-vllm-agentic"]
@@ -585,9 +606,10 @@ def test_calibration_points_and_the_inferencex_study(data_dir):
     assert out["heldout_points_all"] == out["heldout_points"] + 23 and "r1-b200-vllm-agentic" in out["heldout_mape_by_subset"]
     gaps = [r["client_gap_s"] for r in out["points"] if r["subset"] == "r1-b200-vllm-agentic"]
     assert len(gaps) == 23 and max(gaps) > 1000  # far past the trace's 60 s cap: not a steady state
-    table = runner.invoke(app, ["study", "inferencex", "--fit-evals", "1"])  # the console report
+    table = runner.invoke(app, ["study", "inferencex", "--fit-evals", "1"], env={"COLUMNS": "240"})  # the console report
     assert table.exit_code == 0, table.output
     assert "heldout_mape_all" in table.output and "not in heldout_mape: r1-b200-vllm-agentic" in table.output
+    assert "heldout_mape_unseen" in table.output and "v41-b200-tp4-8k1k-c16-ssd-mmap" in table.output  # per point
 
 
 @pytest.mark.slow

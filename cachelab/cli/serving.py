@@ -452,7 +452,8 @@ def study_inferencex(
     The model's efficiencies are fitted on one named subset of the published InferenceX
     measurements (../shared/data/calibration), predict every other point, and report the error
     per point and as MAPE per metric: `heldout_mape` (metric -> fraction) over the held-out
-    steady-state measurements, `heldout_mape_all` over every held-out point; `heldout_excluded`
+    steady-state measurements, `heldout_mape_unseen` over those of configurations the fit never ran
+    (not repeat runs of one it did), `heldout_mape_all` over every held-out point; `heldout_excluded`
     names the subsets left out of the first and why. Example: `cachelab study inferencex --json`."""
     from cachelab.paths import data_root
     from cachelab.serving.calibration import (FIT_SUBSET, FITTED, THINK_SUBSET, fit, heldout_report, load_points, mape,
@@ -491,11 +492,24 @@ def study_inferencex(
     for k in metrics:
         table.add_column(labels[k], justify="right")
     summary = {"held-out, steady state (heldout_mape)": result["heldout_mape"],
+               f"  of configurations the fit never ran (heldout_mape_unseen, {result['heldout_points_unseen']} points)":
+                   result["heldout_mape_unseen"],
                "every held-out point (heldout_mape_all)": result["heldout_mape_all"]}
     for s, m in {**result["heldout_mape_by_subset"], **summary}.items():
         table.add_row(s, *(f"{m[k]:.1%}" if k in m else "" for k in metrics))
+    per_point = Table(title="error per point (|model - measured| / measured)")
+    per_point.add_column("point")
+    per_point.add_column("subset")
+    for k in metrics:
+        per_point.add_column(labels[k], justify="right")
+    for r in result["points"]:
+        per_point.add_row(r["id"], r["subset"], *(f"{r['error'][k]:.1%}" if k in r["error"] else "" for k in metrics))
     c = Console()
+    c.print(per_point)
     c.print(table)
+    if result["heldout_repeats_of_fit"]:
+        c.print("repeat runs of fitted configurations (in heldout_mape, not in heldout_mape_unseen): "
+                + ", ".join(result["heldout_repeats_of_fit"]))
     for s, v in result["heldout_excluded"].items():
         c.print(f"not in heldout_mape: {s} ({v['points']} points): {v['reason']}")
     c.print("fitted: " + ", ".join(f"{k} = {v:.4g}" for k, v in result["fitted"].items()))
