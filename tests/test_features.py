@@ -159,6 +159,37 @@ def test_promote_is_tuned_on_the_training_window_alone():
     assert policy_params(registry.get(registry.POLICIES, "learned"), model) == {}  # takes neither
 
 
+def test_promote_is_tuned_on_misses_per_lookup_as_evaluate_counts_them():
+    """A fetch stands for its step's lookups of the row: the threshold was chosen on misses per
+    fetch, evaluate judges misses per lookup, so a row read many times in a step weighed one."""
+    from dataclasses import replace
+
+    from cachelab.engine.replay import run_policy
+    from cachelab.learning.training import TrainSpec, keep_scores, rows_for, train, tune_promote
+    from cachelab.learning.evaluation import learned_policy
+    from predictors.lightgbm_model import LightGBMReuse
+
+    keys = zipf_keys(8000, 900, seed=8)
+    reads = 1 + (keys % 5 == 0) * 7  # a fifth of the rows are read 8 times in their step
+    base = synthetic_stream(keys)
+    view = replace(base, inverse=np.repeat(np.arange(keys.size), reads),
+                   lookup_offsets=np.concatenate([[0], np.cumsum(reads)])[base.step_offsets])
+    spec, end = TrainSpec(horizon=200, max_samples=5000, capacity=0.05), 4000
+    _, misses = tune_promote(view, LightGBMReuse(n_estimators=5, num_threads=1), spec, end)
+    half, _ = train(view, LightGBMReuse(n_estimators=5, num_threads=1), replace(spec, train_fraction=0.25), tune=False)
+    start = half.metadata["spec"]["train_end"]
+    scores = keep_scores(half, view)[:end]
+    judged = view.per_lookup(np.arange(len(view))) >= start
+    judged &= view.per_lookup(np.arange(len(view))) < end
+    for value, missed in misses.items():
+        policy = learned_policy("learned-s3fifo", half)
+        policy.promote = float(value)
+        hits = run_policy(policy, view.keys[:end], base.step_offsets[base.step_offsets <= end],
+                          rows_for(0.05, view.num_keys), view.num_keys, scores)
+        per_lookup = 1.0 - np.concatenate([hits, np.zeros(len(view) - end, bool)])[view.inverse][judged].mean()
+        assert missed == pytest.approx(per_lookup, abs=1e-12), value
+
+
 def test_a_nan_or_misshapen_prediction_is_refused_naming_the_predictor():
     from cachelab.learning.training import TrainSpec, keep_scores, train
     from predictors.lightgbm_model import LightGBMReuse

@@ -217,7 +217,8 @@ def tune_params(view, predictor: Predictor, spec: TrainSpec, end: int) -> tuple[
     ``predictor`` is fitted on the window's first half (as ``train`` would with half the
     fraction) and scores the second half; the declaring policy replays the window at each
     value of a parameter's grid (its other parameters from that model), and the fewest misses
-    in the second half win. Returns the values and the miss ratio at each value, by parameter
+    per lookup in the second half win, as an evaluation counts them (a fetch stands for its
+    step's lookups of the row). Returns the values and the miss ratio at each value, by parameter
     (no miss ratios, and the policy's defaults, if the half window is too short for the
     horizon). A subclass of the declaring policy gets the value by name (``policy_params``).
     """
@@ -237,6 +238,8 @@ def tune_params(view, predictor: Predictor, spec: TrainSpec, end: int) -> tuple[
     start = int(model.metadata["spec"]["train_end"])
     offsets = view.step_offsets[view.step_offsets <= end]
     capacity = rows_for(spec.capacity, view.num_keys)
+    lookups = np.bincount(view.inverse, minlength=len(view))[:end]  # each fetch's lookups in its step
+    judged = lookups[start:]
     chosen, tried = {}, {}
     for name, params in grids.items():
         cls = classes[name]
@@ -244,8 +247,8 @@ def tune_params(view, predictor: Predictor, spec: TrainSpec, end: int) -> tuple[
             misses = {}
             for value in grid:
                 policy = cls(**{**policy_params(cls, model), param: value})
-                hits = run_policy(policy, view.keys[:end], offsets, capacity, view.num_keys, scores)
-                misses[str(value)] = float(1.0 - hits[start:].mean())
+                hits = run_policy(policy, view.keys[:end], offsets, capacity, view.num_keys, scores, lookups)
+                misses[str(value)] = float(1.0 - judged[hits[start:]].sum() / judged.sum())
             chosen[param], tried[param] = float(min(misses, key=misses.get)), misses
     return chosen, tried
 
