@@ -92,3 +92,15 @@ _KINDS = {bool: lambda v: isinstance(v, bool), int: lambda v: type(v) is int,
           float: lambda v: type(v) in (int, float), str: lambda v: isinstance(v, str),
           type(None): lambda v: v is None}
 _WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "text", type(None): "none"}
+
+
+def seeded_params(cls, params: dict, seed: int) -> dict:
+    """A plug-in's params with its ``seed`` (where it takes one) offset by a run's: an experiment
+    point's or ``cachelab train --seed``. Without it every seed fitted one model init (the MLP's
+    weights, HGB's binning sample) or replayed one draw of a random policy, and only drew other
+    samples. Seed 0 leaves the params as written."""
+    takes = inspect.signature(cls).parameters
+    if not seed or "seed" not in takes:
+        return dict(params)
+    default = takes["seed"].default
+    return {**params, "seed": params.get("seed", 0 if default is inspect.Parameter.empty else default) + seed}

@@ -175,3 +175,21 @@ def test_retraining_samples_as_the_model_was_trained(trained, tmp_path, monkeypa
     monkeypatch.setattr(learn, "rolling_scores", rolling)
     CliRunner().invoke(app, ["evaluate", *TRACE, "--model", str(out), "--retrain-every", "50000", "--json"])
     assert [(s.max_samples, s.seed, s.horizon) for s in seen] == [(5000, 3, 2048)]
+
+
+def test_train_seed_reaches_the_predictor_s_own_seed(tmp_path, monkeypatch, data_dir):
+    """`train --seed` offsets the predictor's seed, as an experiment point's seed does: it reached
+    the request order and the sampling only, so on one trace under --max-samples an MLP (or HGB)
+    of --seed 1 and of --seed 2 was the same model."""
+    import cachelab.cli.learn as learn
+
+    fitted = []
+
+    def train(view, predictor, spec):
+        fitted.append(predictor.get_params()["seed"])
+        raise SystemExit(0)
+
+    monkeypatch.setattr(learn, "train_model", train)
+    for flags in (["--seed", "2"], ["--seed", "2", "--param", "seed=5"], []):
+        CliRunner().invoke(app, ["train", *TRACE, "--predictor", "mlp", *flags, "--out", str(tmp_path / "m")])
+    assert fitted == [2, 7, 0]

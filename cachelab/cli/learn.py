@@ -16,7 +16,7 @@ from cachelab.learning.training import TrainSpec, check_target, load, rolling_sc
 from cachelab.learning.evaluation import evaluate_capacities, judged_policy
 from cachelab.learning.lineup import lineup
 from cachelab.learning.predictor import model_folder
-from cachelab.params import check_params, parse_pairs, parse_value
+from cachelab.params import check_params, parse_pairs, parse_value, seeded_params
 from cachelab.paths import output_folder
 from cachelab.progress import spinner
 from cachelab.learning.streams import STEP_VIEWS, LearningView, load_trace, unchecked_layout
@@ -55,7 +55,8 @@ def train(
     train_fraction: float = typer.Option(defaults.TRAIN_FRACTION,
                                          help="Share of the trace used for training; the rest validates."),
     max_samples: int = typer.Option(defaults.MAX_SAMPLES, help="Training samples drawn from the training window."),
-    seed: int = typer.Option(0, help="Seed for request order and sampling."),
+    seed: int = typer.Option(0, help="Seed for request order and sampling, and added to the predictor's own seed "
+                             "(--param seed, where it takes one: the MLP's weights, HGB's binning sample)."),
     capacity: str = typer.Option("0", help="Label with Belady's keep decisions at this cache size (rows, a "
                                  "fraction or percentage of the unique rows, or bytes) instead of reuse within "
                                  "the horizon: a model for "
@@ -77,7 +78,7 @@ def train(
     params = parse_pairs(param)
     check_params(cls, params, "--param")
     try:  # before the stream is built: a bad value costs no minutes
-        fresh = cls(**params)
+        fresh = cls(**seeded_params(cls, params, seed))  # as an experiment point's seed offsets it
     except TypeError as exc:
         raise CachelabError(f"predictor {predictor!r}: {exc}") from None
     model_folder(output_folder(out, "--out"), "--out")  # before the training it would hold

@@ -9,7 +9,6 @@ about a kind.
 
 from __future__ import annotations
 
-import inspect
 import math
 import re
 from pathlib import Path
@@ -18,6 +17,7 @@ import polars as pl
 
 from cachelab.capacity import capacity_rows, parse_capacity
 from cachelab.errors import CachelabError
+from cachelab.params import seeded_params
 from cachelab.experiment.kinds import ExperimentKind, PointOutput
 from cachelab.experiment.spec import ExperimentSpec, ServingSpec, WorkloadSpec, make_tier_policy, page_cache_bytes
 from cachelab.engine.tiers import Hierarchy, SSDStore, Tier
@@ -143,17 +143,6 @@ def learned_point(config: dict, workload: Workload) -> PointOutput:
               "eval.missing_policies": ",".join(first["missing"]),
               **({"predictor.fitted_seed": str(fit_params["seed"])} if "seed" in fit_params else {})}
     return PointOutput(metrics, params, tables, files)
-
-
-def seeded_params(cls, params: dict, seed: int) -> dict:
-    """A predictor's params with its ``seed`` (where it takes one) offset by the point's: the seeds of a
-    spec fitted one model init (the MLP's weights, HGB's binning sample) and only drew other samples.
-    Seed 0 leaves the params as written."""
-    takes = inspect.signature(cls).parameters
-    if not seed or "seed" not in takes:
-        return dict(params)
-    default = takes["seed"].default
-    return {**params, "seed": params.get("seed", 0 if default is inspect.Parameter.empty else default) + seed}
 
 
 def held_out(config: dict) -> list[tuple[str, dict]]:
