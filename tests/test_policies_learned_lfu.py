@@ -57,6 +57,21 @@ def test_kernel_matches_the_rules(seed, capacity, weight):
     assert set(policy.resident().tolist()) == resident
 
 
+def test_a_count_saturates_instead_of_wrapping():
+    """Counts are int32, raised once per step: a row read on every step of a server that runs long
+    enough (2^31 steps: 250 days at 100 steps/s) wrapped to -2^31 and became the rarest row."""
+    from policies.learned.lfu import COUNT_MAX
+
+    policy = registry.get(registry.POLICIES, "learned-lfu")(weight=0.0, horizon=100)
+    policy.reset(1, 3)
+    policy.run(np.array([0]), [0, 1], None, np.array([-100.0]))
+    policy.count[0] = COUNT_MAX - 1  # as after 2^31 - 2 more steps
+    keys = np.array([0, 0, 1, 2])
+    hits = policy.run(keys, [0, 1, 2, 3, 4], None, -(np.arange(1, 5) + 100.0))
+    assert policy.count[0] == COUNT_MAX and hits.tolist() == [True, True, False, False]
+    assert policy.resident().tolist() == [0]  # the newcomers, counted once, never outrank it
+
+
 def test_a_row_counts_once_per_step_however_many_lookups_read_it():
     """As the module doc says; it said "as FBGEMM counts", which is per lookup (``fbgemm-lfu``
     takes each row's lookups, ``needs_counts``); this policy is given none and keeps its rule."""

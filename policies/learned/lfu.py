@@ -40,12 +40,14 @@ from policies.learned.scores import checked_scores
 SIZE, CLOCK = 0, 1  # meta: rows in the heap, accesses so far
 WEIGHT, HORIZON_AT = 0, 1  # knobs: weight (in fixed point), horizon
 ONE = 1 << 16  # fixed point: one count
+COUNT_MAX = np.iinfo(np.int32).max  # a count stops here: 2^31 - 1 accesses, 250 days of a server's 100 steps/s
 
 
 class LearnedLFUState(NamedTuple):
     meta: np.ndarray  # SIZE, CLOCK
     knobs: np.ndarray  # float64 [weight x ONE, horizon]
-    count: np.ndarray  # int32 per key: accesses so far, resident or not (half the memory traffic of int64)
+    count: np.ndarray  # int32 per key: accesses so far, resident or not, saturating at COUNT_MAX (half the
+    # memory traffic of int64; wrapped, a row read on every step of a long-lived server turned the rarest)
     chance: np.ndarray  # float32 per key: keep chance predicted at the latest access
     heap: np.ndarray  # max-heap of slots by minus priority (so the root is the lowest priority)
     hpri: np.ndarray
@@ -62,7 +64,8 @@ def _on_access(s, x, i, key, slot):
     wait = -x[i] - s.meta[CLOCK]  # the score is minus the predicted next-use position on this clock
     p = 1.0 - wait / s.knobs[HORIZON_AT]
     s.chance[key] = min(max(p, 0.0), 1.0)
-    s.count[key] += 1
+    if s.count[key] < COUNT_MAX:
+        s.count[key] += 1
     s.meta[CLOCK] += 1
 
 
