@@ -10,7 +10,10 @@ syntax (``4``, ``-3``, ``1_000``: an int); a number in Python's float syntax (``
 
 from __future__ import annotations
 
+import functools
 import inspect
+import math
+import numbers
 import tomllib
 import types
 import typing
@@ -59,21 +62,48 @@ def check_params(cls, params: dict, where: str) -> None:
     sig = inspect.signature(cls)
     takes = {n: p for n, p in sig.parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
     takes_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
-    try:
-        hints = typing.get_type_hints(cls.__init__ if isinstance(cls, type) else cls)
-    except Exception:  # an annotation that does not resolve: fall back to the defaults
-        hints = {}
+    kinds_of = _declared_kinds(cls, takes)
     for key, value in params.items():
         if key not in takes:
             if takes_any:
                 continue
             name = getattr(cls, "name", None) or getattr(cls, "__name__", cls)
             raise CachelabError(f"{where}: {name!r} has no parameter {key!r}; it takes {sorted(takes) or 'none'}")
-        kinds = _kinds(hints.get(key), takes[key].default)
+        kinds = kinds_of[key]
         if kinds is None or any(_KINDS[k](value) for k in kinds):
             continue
         words = " or ".join(_WORDS[k] for k in kinds if k in _WORDS)
         raise CachelabError(f"{where}.{key} must be {words}, got {value!r}")
+
+
+def check_whole(cls, params: dict, where: str) -> None:
+    """Refuse, naming ``where`` and the key, a number that is not whole given to an integer
+    parameter of ``cls`` (as ``check_params`` tells its type): the Python API, which takes
+    ``4.0`` or a NumPy integer, ran ``window=2.5`` as 2 where the CLI refuses it."""
+    for key in _integer_params(cls):
+        value = params.get(key)
+        if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral) \
+                and not (math.isfinite(value) and value == int(value)):
+            raise CachelabError(f"{where}.{key} must be an integer, got {value!r}")
+
+
+@functools.cache
+def _integer_params(cls) -> tuple[str, ...]:
+    """The parameters of ``cls`` that take an integer and no float (read once per class: a policy
+    checks its own at every reset)."""
+    takes = {n: p for n, p in inspect.signature(cls).parameters.items()
+             if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    return tuple(key for key, kinds in _declared_kinds(cls, takes).items()
+                 if kinds and int in kinds and float not in kinds)
+
+
+def _declared_kinds(cls, takes: dict) -> dict:
+    """The plain types (``_kinds``) of each parameter in ``takes`` (name -> ``inspect.Parameter``)."""
+    try:
+        hints = typing.get_type_hints(cls.__init__ if isinstance(cls, type) else cls)
+    except Exception:  # an annotation that does not resolve: fall back to the defaults
+        hints = {}
+    return {key: _kinds(hints.get(key), p.default) for key, p in takes.items()}
 
 
 def _kinds(hint, default) -> tuple | None:

@@ -68,3 +68,36 @@ def test_a_pair_without_equals_names_the_flag_and_the_item(flag, item):
         parse_pair(item, flag)
     with pytest.raises(CachelabError, match="expected KEY=VALUE"):
         parse_pair(f"={item}", flag)
+
+
+def test_every_policy_refuses_a_fractional_integer_parameter_or_capacity():
+    """The Python API ran ``belady-lookahead(window=2.5)`` as window 2, and ``reset(2.5, n)`` with 2
+    rows, where the CLI refuses ``--param window=2.5`` (``check_params``); a whole float or a NumPy
+    integer still passes."""
+    import inspect
+
+    import numpy as np
+
+    from cachelab import registry
+    from cachelab.params import _declared_kinds
+    from cachelab.policy.kernel import KernelPolicy
+
+    checked = 0
+    for name in sorted(registry.resolved(registry.POLICIES)):
+        cls = registry.get(registry.POLICIES, name)
+        if not issubclass(cls, KernelPolicy):
+            continue  # a wrapper (learned-admission) resets a kernel policy, which checks its own
+        takes = {n: p for n, p in inspect.signature(cls).parameters.items() if n != "self"}
+        for key, kinds in _declared_kinds(cls, takes).items():
+            if kinds and int in kinds and float not in kinds and isinstance(takes[key].default, int) \
+                    and not isinstance(takes[key].default, bool):
+                with pytest.raises(CachelabError, match=rf"^{name}\.{key} must be an integer, got "
+                                                        rf"{takes[key].default + 2.5}$"):
+                    cls(**{key: takes[key].default + 2.5}).reset(64, 100)
+                cls(**{key: float(takes[key].default + 1)}).reset(64, 100)
+                cls(**{key: np.int64(takes[key].default + 1)}).reset(64, 100)
+                checked += 1
+        with pytest.raises(CachelabError, match=r"^capacity must be a whole number, got 2\.5$"):
+            cls().reset(2.5, 100)
+        cls().reset(np.float64(64.0), np.int32(100))
+    assert checked >= 10  # window, horizon, epoch, warmup_epochs, bits, sample, seed, move_to_main_threshold, ...

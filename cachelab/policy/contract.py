@@ -16,6 +16,8 @@ real bytes by slot with the very same policy object.
 from __future__ import annotations
 
 import inspect
+import math
+import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -128,7 +130,12 @@ class Policy(ABC):
 
 
 def check_capacity(capacity: int, num_keys: int) -> None:
-    """Shared argument check for ``reset``: the error names the value."""
+    """Shared argument check for ``reset``: the error names the value. A number that is not whole
+    is refused (``4.0`` and NumPy integers pass): a capacity of 2.5 ran as 2 rows."""
+    for what, value in (("capacity", capacity), ("num_keys", num_keys)):
+        if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral) \
+                and not (math.isfinite(value) and value == int(value)):
+            raise CachelabError(f"{what} must be a whole number, got {value!r}")
     if int(capacity) < 1:
         raise CachelabError(f"capacity must be at least 1 row, got {capacity}")
     if int(num_keys) < 1:

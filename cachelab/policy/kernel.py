@@ -22,6 +22,7 @@ import numba as nb
 import numpy as np
 
 from cachelab.errors import CachelabError
+from cachelab.params import check_whole
 from cachelab.policy.contract import Capabilities, Policy, StepResult, check_capacity, check_keys
 from cachelab.policy.admission import make_admission
 
@@ -116,6 +117,7 @@ class KernelPolicy(Policy):
 
     def reset(self, capacity: int, num_keys: int) -> None:
         check_capacity(capacity, num_keys)
+        check_whole(type(self), self.get_params(), self.name or type(self).__name__)  # window=2.5 ran as 2
         self.capacity, self.num_keys = int(capacity), int(num_keys)
         index = index_dtype(self.num_keys)
         self.slot_of = np.full(self.num_keys, -1, dtype=index)
