@@ -55,6 +55,30 @@ def test_online_scores_equal_offline_scores_bit_for_bit(served):
     assert not scorer.prompts  # every prompt's rows dropped once its prefill ended
 
 
+def test_each_request_is_scored_under_its_own_domain(served):
+    """A capture's trace labels each request by its endpoint (chat or completion) and a model
+    trained on it learns the label; the server scored every request as of no domain (-1, which
+    the trees send where they send the first domain), so its scores were not evaluate's."""
+    _, prompts, outputs, _, _ = served
+    labels = ["chat" if r % 3 else "completion" for r in range(len(prompts))]
+    outputs = [o if r % 3 else np.tile(o, 3) for r, o in enumerate(outputs)]  # the label tells answers apart
+    stream = request_stream(prompts, outputs, labels, LAYOUT, tokens_per_step=64)
+    view = LearningView.of(stream)
+    predictor = registry.get(registry.PREDICTORS, "lightgbm-reuse")(n_estimators=6, num_leaves=7)
+    model, metrics = train(view, predictor, TrainSpec(horizon=2000, capacity=300), tune=False)
+    assert metrics["importances"]["domain"] > 0  # the trees read it
+    offline = view.per_lookup(keep_scores(model, view))
+    scorer, unlabelled = OnlineScorer(model, LAYOUT), OnlineScorer(model, LAYOUT)
+    differ = 0
+    for lo, hi, r, start, stop, prompt, tokens, rows in _steps(stream, prompts, outputs):
+        online = scorer.scores([r], [start], [stop], [prompt], [tokens], rows, [labels[r]])
+        np.testing.assert_array_equal(online.reshape(-1), offline[lo:hi], err_msg=f"step at lookup {lo}")
+        differ += (unlabelled.scores([r], [start], [stop], [prompt], [tokens], rows) != online).sum()
+    assert differ > 0  # what serving scored before
+    with pytest.raises(CachelabError, match="1 domain labels for a step of 2 requests"):
+        scorer.scores([0, 1], [0, 0], [1, 1], [5, 5], [prompts[0], prompts[1]], np.zeros((2, 2, 24), np.int32), ["chat"])
+
+
 def test_rows_of_another_layout_are_refused_naming_what_differs(served):
     """The presets share a compressed vocabulary, so the prior's size let any of them through."""
     from cachelab.engram import get_preset

@@ -40,11 +40,12 @@ class Recording:
     """The engine's scorer, keeping each step's row ids and the scores it handed the store."""
 
     def __init__(self, scorer):
-        self.scorer, self.steps = scorer, []
+        self.scorer, self.steps, self.domains = scorer, [], []
 
-    def scores(self, *args):
-        out = self.scorer.scores(*args)
-        self.steps.append((np.array(args[-1]), out.copy()))
+    def scores(self, requests, starts, stops, num_prompt, tokens, row_ids, domains=None):
+        out = self.scorer.scores(requests, starts, stops, num_prompt, tokens, row_ids, domains)
+        self.steps.append((np.array(row_ids), out.copy()))
+        self.domains.extend(domains or [None] * len(requests))
         return out
 
     @property
@@ -68,6 +69,11 @@ def test_served_learned_row_cache_equals_the_offline_replay(model_dir):
         with ThreadPoolExecutor(4) as pool:  # concurrent: steps batch several requests
             outs = list(pool.map(lambda t: client.completions.create(model=name, prompt=t, max_tokens=4), texts * 2))
         assert all(o.choices[0].text is not None for o in outs)
+        # each request scored under its endpoint's label, as a capture's trace labels it for training
+        assert set(recording.domains) == {"completion"}
+        chat = client.chat.completions.create(model=name, messages=[{"role": "user", "content": texts[0]}],
+                                              max_tokens=2)
+        assert chat.choices[0].message is not None and recording.domains[-1] == "chat"
         store = engine.rows
         totals = store.totals.to_dict()
         folded = np.concatenate([store.keys(rows).reshape(-1) for rows, _ in recording.steps])

@@ -46,6 +46,13 @@ from cachelab.workload.prefix_cache.hashing import chained_block_hashes
 REQUESTS = "requests"
 CLIENT_CLOSED = 499  # nginx's "client closed request": the client went away before its answer was complete
 CLIENT_GONE = "client disconnected"  # such a record's error
+
+
+def endpoint_domain(endpoint: str) -> str:
+    """The domain a request trace gives a request recorded at ``endpoint`` (``trace build
+    --from-capture``): ``chat`` or ``completion``. A model trained on such a trace learnt it as
+    a feature, so ``cachelab serve`` scores each request under its endpoint's label too."""
+    return "chat" if "chat" in endpoint else "completion"
 RECORD_VERSION = 1
 _MASK63 = (1 << 63) - 1
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from cachelab.capture.recorder import REQUESTS
+from cachelab.capture.recorder import REQUESTS, endpoint_domain
 from cachelab.capture.segments import ReadStats, read_stream
 from cachelab.errors import CachelabError
 from cachelab.trace.schema import conform, list_series, write_trace
@@ -125,7 +125,8 @@ def capture_to_trace(directory: str | os.PathLike) -> tuple[pl.DataFrame, Captur
         "session_id": frame["session_id"],
         "turn": frame["turn"],
         "arrival_s": (arrival - arrival[0]) / 1e9,
-        "domain": usable["endpoint"].str.contains("chat").replace_strict({True: "chat", False: "completion"}),
+        "domain": usable["endpoint"].replace_strict({e: endpoint_domain(e) for e in usable["endpoint"].unique()},
+                                                    return_dtype=pl.String),
         "prompt_ids": empty if hash_mode else usable["prompt_ids"],
         "output_ids": empty if hash_mode else usable["output_ids"],
         "prompt_len": usable["prompt_len"] if hash_mode else usable["prompt_ids"].list.len(),

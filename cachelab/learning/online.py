@@ -87,8 +87,9 @@ class KeyIndex:
 
 class OnlineScorer:
     """Scores per row id for each served step (module doc). ``domain``: the label the model's
-    training trace gave these requests (a capture's trace: ``chat`` or ``completion``); a label
-    the model never saw, or None, counts as unknown, as offline."""
+    training trace gave a request that ``scores`` is given none for (a capture's trace labels
+    each by its endpoint: ``chat`` or ``completion``, ``cachelab.capture.to_trace.endpoint_domain``);
+    a label the model never saw, or None, counts as unknown, as offline."""
 
     def __init__(self, model: Model, layout, domain: str | None = None):
         self.model = model
@@ -96,7 +97,8 @@ class OnlineScorer:
         cfg = self.addresser.config
         self.layers, self.columns, self.heads = len(cfg.layers), cfg.columns, cfg.heads
         self.max_ngram, self.vocab = cfg.max_ngram, cfg.compressed_vocab
-        self.domains = [domain if domain is not None else "<unlabelled>"]
+        self.domains = [domain if domain is not None else "<unlabelled>"]  # labels seen, by index
+        self.domain_index = {None: 0, self.domains[0]: 0}
         self.index = KeyIndex()
         self.state = FeatureState(1 << 16)
         self.prompts: OrderedDict[int, np.ndarray] = OrderedDict()  # rid -> sorted (key, position) of its prompt
@@ -116,10 +118,11 @@ class OnlineScorer:
         """Entries scored so far: the learned policy's clock, which scores are positions on."""
         return self.state.clock
 
-    def scores(self, requests, starts, stops, num_prompt, tokens, row_ids) -> np.ndarray:
+    def scores(self, requests, starts, stops, num_prompt, tokens, row_ids, domains=None) -> np.ndarray:
         """Scores shaped like ``row_ids`` ``[T, layers, columns]``: the step's tokens, request by
         request, positions ``starts[i]:stops[i]`` of request ``requests[i]`` (``num_prompt[i]``
-        prompt tokens; ``tokens[i]`` its token ids known so far)."""
+        prompt tokens; ``tokens[i]`` its token ids known so far; ``domains[i]`` its domain label,
+        None for the scorer's own ``domain``)."""
         row_ids = np.asarray(row_ids)
         starts, stops = np.asarray(starts, np.int64), np.asarray(stops, np.int64)
         lengths = stops - starts
@@ -144,7 +147,7 @@ class OnlineScorer:
             dense, np.array([0, dense.size]), np.arange(dense.size), np.array([0, inverse.size]),
             self.index.raw[:self.index.size], ((first // self.columns) % self.layers).astype(np.int8),
             (first % self.columns).astype(np.int8), pos.astype(np.int32), decode,
-            np.zeros(dense.size, np.int16), np.asarray(requests, np.int64)[req].astype(np.int32),
+            self._domains(domains, lengths.size)[req], np.asarray(requests, np.int64)[req].astype(np.int32),
             self._ngrams(tokens, starts, stops, which, position)[token], self.domains, self.heads, self.vocab)
         ahead = self._lookahead(requests, stops, num_prompt, tokens, req, pos, decode, uniq) \
             if self.model.lookahead else None
@@ -152,6 +155,21 @@ class OnlineScorer:
         x = featurise(view, 0, dense.size, self.state, self.model.prior, self.model.domains, ahead)
         out = as_scores(self.model, predictions(self.model, x, offset), offset)
         return out[inverse].reshape(row_ids.shape)
+
+    def _domains(self, labels, n: int) -> np.ndarray:
+        """Each of the step's ``n`` requests' index in ``self.domains`` (labels new to it appended)."""
+        if labels is None:
+            return np.zeros(n, np.int16)
+        if len(labels) != n:
+            raise CachelabError(f"{len(labels)} domain labels for a step of {n} requests")
+        out = np.empty(n, np.int16)
+        for i, label in enumerate(labels):  # one per request of the step, not per row
+            at = self.domain_index.get(label)
+            if at is None:
+                at = self.domain_index[label] = len(self.domains)
+                self.domains.append(label)
+            out[i] = at
+        return out
 
     def forget(self, rid: int) -> None:
         """Request ``rid`` ended before its prefill did (aborted): drop its prompt's rows."""

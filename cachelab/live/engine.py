@@ -113,6 +113,7 @@ class _Live:
     generator: torch.Generator | None
     arrival: float
     parent: _Parent
+    domain: str | None = None  # its domain label for a learned row cache's scorer (its endpoint's)
     cached_tokens: int = -1  # prefix-cache hit at first admission
     scheduled: float | None = None  # first admission (a preemption's readmission leaves it)
     first_token: float | None = None
@@ -196,11 +197,13 @@ class LiveEngine:
 
     def submit(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
                sinks: Sequence[Callable[[RequestOutput], None]], n: int = 1,
-               max_in_flight: int | None = None) -> list[int]:
+               max_in_flight: int | None = None, domain: str | None = None) -> list[int]:
         """Queue requests together (they reach the scheduler in the same step); their ids. Each
         ``n`` in a row are one prompt's choices (vLLM's parallel sampling: its ``n`` and the
         longest choice are observed once, when all of them finished). With ``max_in_flight``,
-        requests that would take the engine's unfinished ones over it are refused."""
+        requests that would take the engine's unfinished ones over it are refused. ``domain``:
+        their label for a learned row cache's scorer (the server's: its endpoint's,
+        ``cachelab.capture.recorder.endpoint_domain``, as a capture's trace labels them)."""
         if self.error:
             raise CachelabError(f"the engine stopped after an error: {self.error}")
         if len(prompts) % n:
@@ -225,7 +228,7 @@ class LiveEngine:
                 live = _Live(Request(rid, ids, int(ids.size), p.max_tokens), p, sink,
                              Detokenizer(self.tokenizer, p.stop, p.min_tokens, p.include_stop_str_in_output,
                                          p.skip_special_tokens),
-                             gen, now, parent)
+                             gen, now, parent, domain)
                 self._inbox.append(("add", live))
                 new.append(rid)
             self._cv.notify()
@@ -333,7 +336,8 @@ class LiveEngine:
         if self.scorer is not None:  # a learned row cache: keep scores from what was served so far
             t_score, cpu_score = time.perf_counter(), time.thread_time()
             scores = self.scorer.scores(step.requests, step.starts, step.stops, step.num_prompt,
-                                        [self._live[r].req.tokens for r in rids], row_ids)
+                                        [self._live[r].req.tokens for r in rids], row_ids,
+                                        [self._live[r].domain for r in rids])
             # on this thread, before the fetch starts: its wall time, and its CPU time
             fetch["scorer_s"], fetch["scorer_cpu_s"] = time.perf_counter() - t_score, time.thread_time() - cpu_score
             fetch["scorer_rows"] = self.scorer.last_counts[2]  # distinct rows scored

@@ -34,6 +34,7 @@ from pydantic import ValidationError
 from starlette.datastructures import Headers, MutableHeaders
 
 from cachelab.api_key import ApiKey
+from cachelab.capture.recorder import endpoint_domain
 from cachelab.engram.vocab import token_ids
 from cachelab.errors import CachelabError
 from cachelab.live.engine import LiveEngine, RequestError, RequestOutput, check_prompt
@@ -275,7 +276,7 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
             for i, (ids, _) in enumerate(jobs)]
         try:
             rids = engine.submit([ids for ids, _ in jobs], [p for _, p in jobs], timelines or [collector] * len(jobs), n,
-                                 limits.max_requests_in_flight)
+                                 limits.max_requests_in_flight, endpoint_domain(request.url.path))
         except CachelabError as exc:  # too many in flight, the engine stopped after an error, or it is shutting down
             raise APIError(503, str(exc)) from None
         request.state.recorded = True  # by the timelines from now on

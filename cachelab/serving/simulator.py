@@ -194,6 +194,14 @@ def _sequences(trace: pl.DataFrame) -> tuple[list[np.ndarray], np.ndarray, np.nd
     return seqs, plen, np.maximum(olen, 1), trace["arrival_s"].to_numpy().astype(np.float64)
 
 
+def _domains(trace: pl.DataFrame) -> list[str | None]:
+    """Each request's domain label in ``_sequences``' order (None without the column): a learned row
+    cache's scorer gets it as the live server gets each request's endpoint label."""
+    if "domain" not in trace.columns:
+        return [None] * trace.height
+    return trace.sort("arrival_s", maintain_order=True)["domain"].to_list()
+
+
 def build_row_space(addresser: Addresser, seqs, plen, olen, rate: float, rows_per_page: int,
                     progress: bool = False, tables: TableLayout | None = None) -> RowSpace:
     """Every (sampled) row key the trace's processed positions can touch (folded into
@@ -248,10 +256,12 @@ class ServingSimulator:
         self.latency = LatencyModel(self.model, self.hw, config.tp, config.placement, rc, config.efficiency,
                                     table_bytes=table_bytes, max_num_batched_tokens=config.max_num_batched_tokens)
         self.seqs, self.plen, self.olen, self.arrival = _sequences(trace)
+        self.domains = _domains(trace)
         self.num_warmup = 0 if warmup is None else warmup.height  # served first, measured nowhere
         if self.num_warmup:
             seqs, plen, olen, arrival = _sequences(warmup)
             self.seqs = seqs + self.seqs
+            self.domains = _domains(warmup) + self.domains
             self.plen, self.olen, self.arrival = (np.concatenate([a, b]) for a, b in
                                                   ((plen, self.plen), (olen, self.olen), (arrival, self.arrival)))
         self.kv_tokens = kv_tokens = config.kv_cache_tokens or self.latency.plan.kv_tokens
@@ -414,7 +424,7 @@ class ServingSimulator:
                 else:  # the live engine's call (cachelab.live.engine), on the full-layout rows
                     cpu = time.thread_time()
                     scores = scorer.scores(step.requests, step.starts, step.stops, step.num_prompt,
-                                           [self.seqs[r] for r in ids], rows)
+                                           [self.seqs[r] for r in ids], rows, [self.domains[r] for r in ids])
                     if scorer_calls is not None:
                         scorer_calls.append((time.thread_time() - cpu, *scorer.last_counts))
                     if cost is not None:  # on the engine thread before the fetch: the whole step waits
