@@ -113,6 +113,17 @@ def test_belady_keep_labels_train_a_classifier_and_refuse_a_regressor():
         TrainSpec(capacity=-1).check()
 
 
+def test_a_train_spec_refuses_a_fractional_count():
+    """The Python API's horizon=4096.5 (or 4096.0) failed deep in the sampling (float indices), a
+    fractional seed or max_samples only once there were more samples than max_samples."""
+    from cachelab.learning.training import TrainSpec
+
+    for field, value in (("horizon", 4096.5), ("horizon", 4096.0), ("max_samples", 2.5), ("seed", 1.5)):
+        with pytest.raises(CachelabError, match=rf"^TrainSpec\.{field} must be an integer, got {value}$"):
+            TrainSpec(**{field: value}).check()
+    TrainSpec(horizon=np.int64(4096), seed=np.int32(2)).check()
+
+
 @pytest.mark.parametrize("as_json", [True, False])
 def test_train_keeps_an_undefined_auc_as_null_and_says_why(tmp_path, monkeypatch, as_json):
     """Every validation fetch reused and kept: both AUCs are undefined, yet their keys stay (they were dropped)."""

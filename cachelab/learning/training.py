@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import math
+import numbers
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -58,6 +59,10 @@ class TrainSpec:
     lookahead: bool = True  # the prompt-lookahead features (cachelab.learning.features)
 
     def check(self) -> None:
+        for name in ("horizon", "max_samples", "seed"):  # 4096.5, or even 4096.0, failed deep in the sampling
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+                raise CachelabError(f"TrainSpec.{name} must be an integer, got {value!r}")
         if self.capacity:
             parse_capacity(self.capacity, "capacity")
         if not 0.0 < self.train_fraction < 1.0:
