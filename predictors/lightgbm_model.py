@@ -31,7 +31,7 @@ class LightGBM(Predictor):
                  min_child_samples: int = 50, seed: int = 0, num_threads: int = 2):
         for key, value, low in (("n_estimators", n_estimators, 1), ("num_leaves", num_leaves, 2),
                                 ("min_child_samples", min_child_samples, 0)):
-            in_range(self.name, key, value, low)
+            in_range(self.name, key, value, low, whole=True)
         in_range(self.name, "learning_rate", learning_rate, 0, above=True)
         self.n_estimators = n_estimators
         self.num_leaves = num_leaves

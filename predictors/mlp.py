@@ -42,7 +42,8 @@ class MLP(Predictor):
                  seed: int = 0, num_threads: int = 1):
         if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1:
             raise CachelabError(f"mlp: num_threads must be a whole number >= 1, got {num_threads!r}")
-        in_range(self.name, "batch_size", batch_size, 1)  # what torch refuses when fitting, no more
+        for key, value, low in (("hidden", hidden, 0), ("epochs", epochs, 0), ("batch_size", batch_size, 1)):
+            in_range(self.name, key, value, low, whole=True)  # what torch refuses when fitting, no more
         in_range(self.name, "lr", lr, 0)
         self.hidden = hidden
         self.epochs = epochs

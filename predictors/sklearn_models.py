@@ -39,7 +39,7 @@ class Logistic(Predictor):
 
     def __init__(self, C: float = 1.0, max_iter: int = 200):
         in_range(self.name, "C", C, 0, above=True)
-        in_range(self.name, "max_iter", max_iter, 0)
+        in_range(self.name, "max_iter", max_iter, 0, whole=True)
         self.C = C
         self.max_iter = max_iter
 
@@ -91,8 +91,8 @@ class HistGradientBoosting(Predictor):
     task = "regression"
 
     def __init__(self, max_iter: int = 100, max_leaf_nodes: int = 31, learning_rate: float = 0.1, seed: int = 0):
-        in_range(self.name, "max_iter", max_iter, 1)
-        in_range(self.name, "max_leaf_nodes", max_leaf_nodes, 2)
+        in_range(self.name, "max_iter", max_iter, 1, whole=True)
+        in_range(self.name, "max_leaf_nodes", max_leaf_nodes, 2, whole=True)
         in_range(self.name, "learning_rate", learning_rate, 0, above=True)
         self.max_iter = max_iter
         self.max_leaf_nodes = max_leaf_nodes

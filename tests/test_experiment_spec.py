@@ -82,8 +82,8 @@ def test_bad_spec_names_the_key(tmp_path, old, new, expected):
     ("{ n_trees = 5 }", "predictor.params: 'lightgbm' has no parameter 'n_trees'"),
     ("{ learning_rate = true }", "predictor.params.learning_rate must be a number, got True"),
     # in range too: LightGBM refused these only when fitting, after the features were made
-    ("{ n_estimators = 0 }", "predictor.params: lightgbm: n_estimators must be a finite number >= 1, got 0"),
-    ("{ num_leaves = 1 }", "predictor.params: lightgbm: num_leaves must be a finite number >= 2, got 1"),
+    ("{ n_estimators = 0 }", "predictor.params: lightgbm: n_estimators must be a whole number >= 1, got 0"),
+    ("{ num_leaves = 1 }", "predictor.params: lightgbm: num_leaves must be a whole number >= 2, got 1"),
     ("{ learning_rate = -0.1 }", "predictor.params: lightgbm: learning_rate must be a finite number > 0, got -0.1"),
     ("{ learning_rate = inf }", "predictor.params: lightgbm: learning_rate must be a finite number > 0, got inf"),
 ])

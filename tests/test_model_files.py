@@ -156,7 +156,7 @@ def _craft_metadata(d: Path, change) -> None:
     # the training requests' digests (evaluate leaves their repeats uncounted) and the params' ranges
     (lambda m: {**m, "spec": {**m["spec"], "train_requests": "abc"}}, "spec.train_requests must be a list of 16-digit"),
     (lambda m: {**m, "spec": {**m["spec"], "train_requests": ["x" * 16]}}, "spec.train_requests must be a list"),
-    (lambda m: {**m, "params": {**m["params"], "max_iter": 0}}, r"metadata.json: params: hgb: max_iter must be a finite number >= 1, got 0"),
+    (lambda m: {**m, "params": {**m["params"], "max_iter": 0}}, r"metadata.json: params: hgb: max_iter must be a whole number >= 1, got 0"),
 ])
 def test_crafted_metadata_is_refused_naming_the_key(models, tmp_path, change, message):
     d = _copy(models["hgb"][0], tmp_path / "m")

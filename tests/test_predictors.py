@@ -138,22 +138,28 @@ def test_compiled_forest_code_equals_the_loop_bit_for_bit(tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("name, params, expected", [
-    ("lightgbm", {"n_estimators": 0}, "lightgbm: n_estimators must be a finite number >= 1, got 0"),
-    ("lightgbm-reuse", {"num_leaves": 1}, "lightgbm-reuse: num_leaves must be a finite number >= 2, got 1"),
-    ("lightgbm", {"min_child_samples": -5}, "min_child_samples must be a finite number >= 0, got -5"),
+    ("lightgbm", {"n_estimators": 0}, "lightgbm: n_estimators must be a whole number >= 1, got 0"),
+    ("lightgbm", {"n_estimators": 2.5}, "lightgbm: n_estimators must be a whole number >= 1, got 2.5"),
+    ("lightgbm-reuse", {"num_leaves": 1}, "lightgbm-reuse: num_leaves must be a whole number >= 2, got 1"),
+    ("lightgbm", {"min_child_samples": -5}, "min_child_samples must be a whole number >= 0, got -5"),
     ("lightgbm", {"learning_rate": float("nan")}, "learning_rate must be a finite number > 0, got nan"),
-    ("hgb", {"max_iter": 0}, "hgb: max_iter must be a finite number >= 1, got 0"),
-    ("hgb", {"max_leaf_nodes": 1}, "hgb: max_leaf_nodes must be a finite number >= 2, got 1"),
+    ("hgb", {"max_iter": 0}, "hgb: max_iter must be a whole number >= 1, got 0"),
+    ("hgb", {"max_leaf_nodes": 1}, "hgb: max_leaf_nodes must be a whole number >= 2, got 1"),
+    ("hgb", {"max_iter": 10.5}, "hgb: max_iter must be a whole number >= 1, got 10.5"),
     ("hgb", {"learning_rate": 0.0}, "hgb: learning_rate must be a finite number > 0, got 0.0"),
     ("logistic", {"C": 0.0}, "logistic: C must be a finite number > 0, got 0.0"),
-    ("logistic", {"max_iter": -1}, "logistic: max_iter must be a finite number >= 0, got -1"),
-    ("mlp", {"batch_size": 0}, "mlp: batch_size must be a finite number >= 1, got 0"),
+    ("logistic", {"max_iter": -1}, "logistic: max_iter must be a whole number >= 0, got -1"),
+    ("mlp", {"batch_size": 0}, "mlp: batch_size must be a whole number >= 1, got 0"),
+    ("mlp", {"hidden": -1}, "mlp: hidden must be a whole number >= 0, got -1"),
+    ("mlp", {"hidden": 2.5}, "mlp: hidden must be a whole number >= 0, got 2.5"),
+    ("mlp", {"epochs": 1.5}, "mlp: epochs must be a whole number >= 0, got 1.5"),
     ("mlp", {"lr": -1.0}, "mlp: lr must be a finite number >= 0, got -1.0"),
 ])
 def test_hyper_parameters_out_of_range_are_refused_as_the_predictor_is_made(name, params, expected):
     """Before a stream is built, the values each library refuses when fitting (and no others: a model
     saved with any other still loads): LightGBM refused n_estimators = 0 or num_leaves = 1, and torch
-    a batch of 0, only in fit, once the features had been made."""
+    a batch of 0, a negative or fractional layer width (hidden) or a fractional count of trees or
+    epochs, only in fit, once the features had been made."""
     with pytest.raises(CachelabError, match=expected.replace("(", r"\(").replace(")", r"\)")):
         registry.get(registry.PREDICTORS, name)(**params)
 
@@ -163,7 +169,7 @@ def test_train_refuses_a_bad_hyper_parameter_before_the_stream_is_built(tmp_path
 
     res = cli("train", "--trace", "absent.npz", "--param", "n_estimators=0", "--out", "m", cwd=tmp_path)
     assert res.returncode == 2  # an error, as every refused flag
-    assert "n_estimators must be a finite number >= 1, got 0" in res.stderr and "absent.npz" not in res.stderr
+    assert "n_estimators must be a whole number >= 1, got 0" in res.stderr and "absent.npz" not in res.stderr
 
 
 def test_a_keep_chance_of_an_extreme_raw_score_is_0_or_1_without_a_warning():

@@ -19,6 +19,7 @@ import hashlib
 import inspect
 import json
 import math
+import numbers
 import os
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -78,15 +79,17 @@ class Predictor(ABC):
         return directory
 
 
-def in_range(predictor: str, name: str, value, low: float, above: bool = False) -> None:
+def in_range(predictor: str, name: str, value, low: float, above: bool = False, whole: bool = False) -> None:
     """Refuse a hyper-parameter below ``low`` (at or below it with ``above``), or not a finite
-    number, naming it: a predictor checks them as it is made, before a stream is built, where the
-    library refused them only when fitting, once the features were made (minutes in; in a sweep, a
-    point failed after the others had run)."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    number (with ``whole``, not an integer: a count of trees, leaves, units or epochs), naming it: a
+    predictor checks them as it is made, before a stream is built, where the library refused them
+    only when fitting, once the features were made (minutes in; in a sweep, a point failed after
+    the others had run)."""
+    kinds = numbers.Integral if whole else numbers.Real
+    number = isinstance(value, kinds) and not isinstance(value, bool) and math.isfinite(value)
     if not number or value < low or (above and value == low):
-        raise CachelabError(f"{predictor}: {name} must be a finite number {'>' if above else '>='} {low:g}, "
-                            f"got {value!r}")
+        raise CachelabError(f"{predictor}: {name} must be {'a whole number' if whole else 'a finite number'} "
+                            f"{'>' if above else '>='} {low:g}, got {value!r}")
 
 
 def model_folder(directory: Path, flag: str) -> Path:
