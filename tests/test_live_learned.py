@@ -117,6 +117,22 @@ def test_learned_row_cache_needs_a_model_and_a_model_needs_a_learned_policy(mode
         build_engine(ServeOptions(row_cache_policy="lru", row_cache_capacity="1000", row_cache_model=model_dir))
 
 
+def test_a_learned_dram_cache_needs_the_model_and_takes_its_horizon(model_dir):
+    """A learned DRAM cache without --model started a server whose first step failed for want of
+    scores (the engine stopped; every request aborted); with one it was made by name, with the
+    default horizon (131,072) where the model's scores are positions of horizon 4,096."""
+    with pytest.raises(CachelabError, match="^--dram-cache-policy learned-lfu needs predictor scores: pass --model DIR"):
+        build_engine(ServeOptions(dram_cache_policy="learned-lfu", dram_cache_capacity="1000"))
+    engine = build_engine(ServeOptions(threads=1, row_cache_policy="lru", row_cache_capacity="500",
+                                       dram_cache_policy="learned-lfu", dram_cache_capacity="1000",
+                                       row_cache_model=model_dir))
+    try:
+        dram, = [t for t in engine.rows.tiers if t.name == "dram"]
+        assert dram.policy.horizon == load(model_dir).horizon == 4096 and engine.scorer is not None
+    finally:
+        engine.rows.close()
+
+
 def test_serving_simulator_predicts_the_learned_row_cache_step_by_step(model_dir):
     """The serving simulator, given the model (``row_cache_model``), scores each step's rows with
     the engine's own online scorer and serves them through the same learned policy: its row

@@ -123,7 +123,7 @@ def open_rows(opts: ServeOptions, layout: str):
         raise CachelabError(f"--store {directory}: no {MANIFEST} there; build one with `cachelab store build`")
     store = TieredStore.open(directory, backing=PLACEMENTS.get(opts.placement, opts.placement),
                              hbm_policy=row_cache_policy(opts), hbm_capacity=opts.row_cache_capacity,
-                             dram_policy=opts.dram_cache_policy, dram_capacity=opts.dram_cache_capacity,
+                             dram_policy=dram_cache_policy(opts), dram_capacity=opts.dram_cache_capacity,
                              device=opts.device)
     if store.layout.name != layout:
         store.close()
@@ -134,23 +134,41 @@ def open_rows(opts: ServeOptions, layout: str):
 def row_cache_policy(opts: ServeOptions):
     """The HBM row cache's policy: its name, or, with ``--model``, the learned policy made with
     what it takes from the model (its horizon, a tuned threshold). A policy that needs scores
-    without a model, or a model beside a policy that reads none, is refused."""
-    from cachelab import registry
-
+    without a model, or a model beside a policy that reads none (and no learned DRAM cache,
+    ``dram_cache_policy``), is refused."""
     name = opts.row_cache_policy
+    learned_dram = _needs_scores(opts.dram_cache_policy)
     if name is None:
-        if opts.row_cache_model is not None:
+        if opts.row_cache_model is not None and not learned_dram:
             raise CachelabError("--model scores rows for a learned row cache: name one with --row-cache-policy "
                                 "(e.g. learned-lfu-adaptive) and give --row-cache-capacity")
         return None
-    cls = registry.get(registry.POLICIES, name)
-    if not cls.capabilities.needs_scores:
-        if opts.row_cache_model is not None:
+    if not _needs_scores(name):
+        if opts.row_cache_model is not None and not learned_dram:
             raise CachelabError(f"--row-cache-policy {name} reads no predictor scores; --model is for a learned "
                                 "policy (e.g. learned-lfu-adaptive)")
         return name
+    return _learned(name, opts, "--row-cache-policy")
+
+
+def dram_cache_policy(opts: ServeOptions):
+    """The DRAM warm cache's policy: its name, or a learned one made with what it takes from
+    ``--model`` (refused without one: every step would fail for want of scores, the engine stopping
+    at the first request)."""
+    name = opts.dram_cache_policy
+    return _learned(name, opts, "--dram-cache-policy") if _needs_scores(name) else name
+
+
+def _needs_scores(name: str | None) -> bool:
+    from cachelab import registry
+
+    return name is not None and registry.get(registry.POLICIES, name).capabilities.needs_scores
+
+
+def _learned(name: str, opts: ServeOptions, flag: str):
+    """The learned policy ``name`` with what it takes from the model of ``--model``."""
     if opts.row_cache_model is None:
-        raise CachelabError(f"--row-cache-policy {name} needs predictor scores: pass --model DIR (a predictor "
+        raise CachelabError(f"{flag} {name} needs predictor scores: pass --model DIR (a predictor "
                             "directory from `cachelab train`)")
     from cachelab.learning.evaluation import learned_policy
     from cachelab.learning.training import load
