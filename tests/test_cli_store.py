@@ -310,3 +310,30 @@ def test_a_build_killed_midway_leaves_no_table(tables, tmp_path, before):
     for verb in (["verify", "--dir", target], ["bench", "--dir", target, "--trace", "x.npz", "--capacity", 1]):
         res = run(*verb)
         assert res.exit_code == 2 and "no complete table build" in res.output
+
+
+def test_bench_gives_a_learned_dram_tier_what_it_takes_from_the_model(tables, tmp_path, monkeypatch):
+    """--policy lru --dram-policy learned-lfu --model M made the DRAM tier's policy by name: the
+    default horizon (131,072) where the model's scores are positions of its own (2,000)."""
+    import cachelab.store.bench as bench
+    from cachelab import registry
+    from cachelab.learning.streams import LearningView, request_stream
+    from cachelab.learning.training import TrainSpec, save, train
+
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(1000, 1400, int(rng.integers(80, 200))) for _ in range(24)]
+    stream = request_stream(prompts, [p[:3] for p in prompts], ["chat"] * 24, tokens_per_step=64)
+    predictor = registry.get(registry.PREDICTORS, "lightgbm-reuse")(n_estimators=3, num_leaves=4)
+    model, _ = train(LearningView.of(stream), predictor, TrainSpec(horizon=2000, capacity=300), tune=False)
+    save(model, tmp_path / "m")
+    seen = {}
+
+    def replay(directory, stream, backing, hbm, capacity, dram, *args, **kwargs):
+        seen.update(hbm=hbm, dram=dram)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(bench, "replay_store", replay)  # what the verb imports as it runs
+    run("bench", "--dir", tables, "--trace", stream.save(tmp_path / "s.npz"), "--policy", "lru", "--capacity", 10,
+        "--dram-policy", "learned-lfu", "--dram-capacity", 20, "--model", tmp_path / "m")
+    assert (seen["hbm"].name, seen["hbm"].params) == ("lru", {})
+    assert (seen["dram"].name, seen["dram"].params) == ("learned-lfu", {"horizon": 2000})

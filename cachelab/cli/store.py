@@ -181,15 +181,17 @@ def bench(
     stream = load_trace(found, 50 if requests is None else requests, 0, layout.config.name, verb="store bench")
     check_stream_layout(stream, cfg, f"--trace {trace}", f"the tables in {directory} are of that layout; write the "
                         f"stream for it (`cachelab trace lookups ... {preset_flag(cfg.name)}`)")
-    scores = None
-    if fitted is not None:
+    scores, taken = None, {}
+    dram_name = dram_policy or policy
+    if fitted is not None:  # what each tier's policy takes from the model (the DRAM tier's was left out)
         from cachelab.learning.training import lookup_scores, policy_params
 
         scores, fitted = lookup_scores(fitted, stream, cfg)
-        params = {**policy_params(registry.get(registry.POLICIES, policy.split("+")[0]), fitted), **params}
-    hbm = PolicySpec(policy, params)
-    dram_name = dram_policy or policy
-    dram = PolicySpec(dram_name, params if dram_name == policy else {}) if dram_capacity is not None else None
+        taken = {name: policy_params(registry.get(registry.POLICIES, name.split("+")[0]), fitted)
+                 for name in {policy, dram_name}}
+    hbm = PolicySpec(policy, {**taken.get(policy, {}), **params})
+    dram = PolicySpec(dram_name, {**taken.get(dram_name, {}), **(params if dram_name == policy else {})}) \
+        if dram_capacity is not None else None
     out = replay_store(directory, stream, backing, hbm, capacity, dram, dram_capacity, scores,
                        verify=not no_verify, prefetch=prefetch, io_threads=io_threads, io_submit=io_submit,
                        progress=True, max_lookups=max_lookups, compute_ms=compute_ms,
