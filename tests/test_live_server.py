@@ -13,6 +13,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import cachelab
 from cachelab.live.launch import ServeOptions, running_server
 from cachelab.live.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -440,6 +441,51 @@ def test_chats_render_as_the_real_vllm_renders_them(server, vllm_server):
     ours = rendered_chats(url, MODEL)
     assert [(t, o[1:]) for t, o in zip(theirs, ours) if t != o] == []
     assert sum(status == 200 for _, status, _, _ in ours) >= 30
+
+
+TOKENIZE = [  # vLLM's /tokenize and /detokenize: prompts, chats, options, odd bodies
+    ("tokenize", {"prompt": "hello world", "return_token_strs": True}), ("tokenize", {"prompt": ""}),
+    ("tokenize", {"prompt": "<｜begin▁of▁sentence｜>hi", "add_special_tokens": False}),
+    ("tokenize", {"messages": [USER_HI], "return_token_strs": True}),
+    ("tokenize", {"messages": [USER_HI, {"role": "assistant", "content": "Su"}], "add_generation_prompt": False,
+                  "continue_final_message": True}),
+    ("tokenize", {"messages": [USER_HI], "continue_final_message": True}),
+    ("tokenize", {"messages": [USER_HI], "add_generation_prompt": False, "add_special_tokens": True}),
+    ("tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "x"}]}),
+    ("tokenize", {"messages": []}), ("tokenize", {"messages": [{"role": "user", "content": None}]}),
+    ("tokenize", {}), ("tokenize", {"prompt": [1, 2]}), ("tokenize", {"prompt": "hi", "foo": 1}),
+    ("tokenize", {"messages": [USER_HI], "chat_template": "{{ messages }}"}),
+    ("detokenize", {"tokens": [0, 33310, 2058, 1]}), ("detokenize", {"tokens": [0, 999_999, 33310]}),
+    ("detokenize", {"tokens": []}), ("detokenize", {"tokens": [-1]}), ("detokenize", {"tokens": [2 ** 40]}),
+    ("detokenize", {"tokens": "hi"}), ("detokenize", {}),
+]
+
+
+def tokenizations(base_url: str, model: str) -> list:
+    """Each body's status and, when served, its answer without the server's context length."""
+    with httpx.Client(timeout=T) as client:
+        out = []
+        for path, body in TOKENIZE + [("tokenize", {"model": "nope", "prompt": "hi"})]:
+            r = client.post(f"{base_url}/{path}", json={"model": model, **body})
+            out.append((path, body, r.status_code, {k: v for k, v in r.json().items() if k != "max_model_len"}
+                        if r.status_code == 200 else None))
+        return out
+
+
+@pytest.mark.slow
+def test_tokenize_and_detokenize_answer_as_the_real_vllm(server, vllm_server):
+    """vLLM's /tokenize (a prompt, or a chat as its completion is prompted) and /detokenize: the
+    same ids, token strings, text and refusals; /version, /ping as vLLM has them. Serve had none
+    of them (404), so a client counting tokens with the server's own tokenizer and template could not."""
+    url, _ = server
+    theirs = tokenizations(vllm_server.base_url, vllm_server.model)
+    ours = tokenizations(url, MODEL)
+    assert [(t, o[2:]) for t, o in zip(theirs, ours) if t != o] == []
+    assert sum(status == 200 for *_, status, _ in ours) >= 10
+    served = httpx.post(f"{url}/tokenize", json={"prompt": "hi"}, timeout=T).json()
+    assert served["max_model_len"] == httpx.get(f"{url}/v1/models", timeout=T).json()["data"][0]["max_model_len"]
+    assert httpx.get(f"{url}/version", timeout=T).json() == {"version": cachelab.__version__}
+    assert httpx.get(f"{url}/ping", timeout=T).status_code == httpx.post(f"{url}/ping", timeout=T).status_code == 200
 
 
 @pytest.mark.slow

@@ -209,21 +209,66 @@ class ChatCompletionRequest(_Sampling):
     documents: list[dict] | None = None
 
     def check(self) -> None:
-        """vLLM's refusals of a chat its schema takes: continuing the last message while adding the
-        generation prompt (vLLM's default), an empty ``tools`` list, and a null content
-        in any message but an assistant's or a named function's (its message types let only those
-        be null; a message without content is an empty one)."""
-        if self.continue_final_message and self.add_generation_prompt:  # vLLM's words
-            raise APIError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                           "continue_final_message")
+        """vLLM's refusals of a chat its schema takes: an empty ``tools`` list, and those of
+        ``check_chat``."""
         if self.tools == []:  # vLLM's words
             raise APIError(400, "`tools` must not be an empty array. Either provide at least one tool or omit the "
                                 "field entirely.", "tools")
-        for i, m in enumerate(self.messages):
-            nullable = m.role == "assistant" or (m.role == "function" and m.name is not None)
-            if m.content is None and "content" in m.model_fields_set and not nullable:
-                raise APIError(400, f"messages.{i}.content: a {m.role} message's content cannot be null",
-                               f"messages.{i}.content")
+        check_chat(self.messages, self.add_generation_prompt, self.continue_final_message)
+
+
+def check_chat(messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """vLLM's refusals of a chat to render: continuing the last message while adding the generation
+    prompt, and a null content in any message but an assistant's or a named function's (its
+    message types let only those be null; a message without content is an empty one)."""
+    if continue_final_message and add_generation_prompt:  # vLLM's words
+        raise APIError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                       "continue_final_message")
+    for i, m in enumerate(messages):
+        nullable = m.role == "assistant" or (m.role == "function" and m.name is not None)
+        if m.content is None and "content" in m.model_fields_set and not nullable:
+            raise APIError(400, f"messages.{i}.content: a {m.role} message's content cannot be null",
+                           f"messages.{i}.content")
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """vLLM's ``/tokenize`` of a prompt."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """vLLM's ``/tokenize`` of a chat: the prompt its chat completion would have."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the template adds BOS
+    return_token_strs: bool | None = False
+    tools: list[dict] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
+
+    def check(self) -> None:
+        """A chat completion's refusals, and fields that would render another prompt than a chat
+        completion's (which refuses them too)."""
+        if refused := [f for f in ("tools", "chat_template", "chat_template_kwargs") if getattr(self, f)]:
+            raise APIError(400, f"{refused[0]} is not supported by this server", refused[0])
+        check_chat(self.messages, self.add_generation_prompt, self.continue_final_message)
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``/detokenize``."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, le=2 ** 63 - 1)]]
 
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker of the text to continue

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server over a live engine (FastAPI on uvicorn).
 
 Routes: ``/v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events or
-whole), ``/v1/models``, ``/health``, ``/metrics``. Every refusal is a 4xx in OpenAI's error
+whole), ``/v1/models``, ``/health`` (``/ping``), ``/metrics``, and vLLM's ``/tokenize``,
+``/detokenize`` and ``/version``. Every refusal is a 4xx in OpenAI's error
 shape before the engine sees the request: body over the size limit (413), malformed JSON or
 fields (400), unknown model (404), a prompt that fills the context or ``max_tokens`` over
 it (400; a ``max_tokens`` the prompt leaves no room for is cut, as vLLM cuts it), a missing
@@ -33,13 +34,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.datastructures import Headers, MutableHeaders
 
+from cachelab import __version__
 from cachelab.api_key import ApiKey
 from cachelab.capture.recorder import endpoint_domain
 from cachelab.engram.vocab import token_ids
 from cachelab.errors import CachelabError
 from cachelab.live.engine import LiveEngine, RequestError, RequestOutput, check_prompt
 from cachelab.live.metrics import EngineMetrics
-from cachelab.live.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_prompt, chunk_body,
+from cachelab.live.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                    TokenizeChatRequest, TokenizeCompletionRequest, chat_prompt, chunk_body,
                                     completion_body, new_id, usage, usage_chunk)
 
 MAX_N = 16_384  # choices per prompt at most, vLLM's VLLM_MAX_N_SEQUENCES
@@ -198,7 +201,8 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
 
     v1 = {"dependencies": [Depends(authenticate)]}
 
-    async def read_json(request: Request, model_cls):
+    async def read_object(request: Request) -> dict:
+        """The body as a JSON object, within the size and time limits."""
         media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
         if media_type != "application/json":  # vLLM's validate_json_request: a 400, its words
             raise APIError(400, "Unsupported Media Type: Only 'application/json' is allowed")
@@ -224,6 +228,10 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
         if not isinstance(data, dict):
             raise APIError(400, "request body must be a JSON object")
         request.state.body = data
+        return data
+
+    def validated(data: dict, model_cls):
+        """``data`` as a ``model_cls`` request for the served model."""
         try:
             req = model_cls.model_validate(data)
         except ValidationError as exc:
@@ -233,6 +241,10 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
             raise APIError(400, f"{param}: {err['msg']}", param) from None
         if req.model is not None and req.model != model_name:
             raise APIError(404, f"The model `{req.model}` does not exist.", "model")
+        return req
+
+    async def read_json(request: Request, model_cls):
+        req = validated(await read_object(request), model_cls)
         if not 1 <= req.n <= MAX_N:  # vLLM's bounds and words (VLLM_MAX_N_SEQUENCES)
             raise APIError(400, f"n must be at least 1, got {req.n}." if req.n < 1 else
                            f"n must be at most {MAX_N}, got {req.n}.", "n")
@@ -320,6 +332,33 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
                                             "owned_by": "cachelab", "root": model_name, "parent": None,
                                             "max_model_len": limits.max_model_len}]}
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's: a prompt's ids, or a chat's as its completion would be prompted, with the
+        context length (not under /v1: no key, as vLLM)."""
+        data = await read_object(request)
+        req = validated(data, TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest)
+        if isinstance(req, TokenizeChatRequest):
+            req.check()
+            text = chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message)
+        else:
+            text = req.prompt
+        ids, = await asyncio.to_thread(token_ids, tokenizer, [text], req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": limits.max_model_len, "tokens": ids,
+                "token_strs": [tokenizer.id_to_token(i) for i in ids] if req.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """vLLM's: the ids' text, special tokens kept, ids past the vocabulary left out."""
+        req = validated(await read_object(request), DetokenizeRequest)
+        if big := [t for t in req.tokens if t >= 2 ** 32]:
+            raise APIError(400, f"token id {big[0]} is too large for the tokenizer (ids are below 2^32)", "tokens")
+        return {"prompt": await asyncio.to_thread(tokenizer.decode, req.tokens, skip_special_tokens=False)}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
     @app.get("/health")
     async def health():
         """200 while the server takes requests; 503 once it refuses them: its engine stopped, or it is
@@ -330,6 +369,8 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
         if engine.closed:
             return JSONResponse(APIError(503, "the server is shutting down").body(), status_code=503)
         return Response(status_code=200)
+
+    app.add_api_route("/ping", health, methods=["GET", "POST"])  # vLLM's (SageMaker's) name for it
 
     @app.get("/metrics")
     async def prometheus():
