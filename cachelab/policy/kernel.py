@@ -117,7 +117,7 @@ class KernelPolicy(Policy):
 
     def reset(self, capacity: int, num_keys: int) -> None:
         check_capacity(capacity, num_keys)
-        check_whole(type(self), self.get_params(), self.name or type(self).__name__)  # window=2.5 ran as 2
+        check_whole(type(self), vars(self), self.name or type(self).__name__)  # window=2.5 ran as 2
         self.capacity, self.num_keys = int(capacity), int(num_keys)
         index = index_dtype(self.num_keys)
         self.slot_of = np.full(self.num_keys, -1, dtype=index)
