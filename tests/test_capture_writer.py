@@ -105,7 +105,7 @@ def test_proxy_killed_the_writer_still_writes_everything_submitted(tmp_path):
         import sys, time
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         from test_capture_writer import exchange
-        from cachelab.capture.writer import CaptureWriter
+        from cachelab.capture.writer import CaptureWriter, _pickled
         w = CaptureWriter({str(tmp_path / 'cap')!r}, fsync="always")
         for i in range(300):
             assert w.submit(exchange(i))
@@ -232,6 +232,31 @@ def test_a_stream_of_many_tiny_events_builds_its_record_in_memory_that_does_not_
         tracemalloc.stop()
     assert record.status == 200 and record.error is None
     assert peak < len(block) * 40 / 4, peak
+
+
+def test_an_exchange_holds_its_request_as_the_bytes_the_client_sent_and_records_its_ids():
+    """A prompt of 128k token ids waits for its answer in the proxy: its fields were held parsed, about
+    5 times the body's bytes, and pickled so for the writer process on the event loop; the body is now
+    held as it came (the record parses it again, off the request's path), and the record is the same."""
+    from cachelab.capture.exchange import prepare
+    from cachelab.capture.tokens import FallbackTokenizer
+    from cachelab.capture.writer import _pickled
+
+    ids = [(i * 7919) % 120_000 for i in range(128_000)]
+    body = json.dumps({"model": "tiny", "prompt": ids, "max_tokens": 1}).encode()
+    x = Exchange(endpoint="/v1/completions", arrival_unix_ns=0, arrival=0.0)
+    tracemalloc.start()
+    try:
+        prepare(body, x, True)
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert held < len(body) / 4, held
+    x.status, x.response_time = 200, 1.0
+    x.response = json.dumps({"id": "c", "choices": [{"index": 0, "text": " a", "token_ids": [5]}],
+                             "prompt_token_ids": ids}).encode()
+    [record] = pickle.loads(_pickled(x)).to_records(FallbackTokenizer())
+    assert record.error is None and record.model == "tiny" and record.prompt_ids.tolist() == ids
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
