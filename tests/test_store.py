@@ -1050,7 +1050,10 @@ def test_a_build_needs_room_for_its_manifest_beside_its_layers(tmp_path, monkeyp
     assert sorted(p.name for p in tmp_path.iterdir()) == [".build.lock"]
     monkeypatch.undo()
 
-    def disk_full(*args):
+    write = build_mod.write_manifest
+
+    def disk_full(*args):  # the manifest written, the directory's last sync failing
+        write(*args)
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(build_mod, "write_manifest", disk_full)

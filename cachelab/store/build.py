@@ -136,8 +136,8 @@ def _build(table: TableLayout, source: RowSource, seed: int, directory: Path, pr
         try:
             write_manifest(directory, manifest)
         except OSError as exc:  # a disk filled since the check: the layers are unreadable without it
-            for final in finals:
-                final.unlink(missing_ok=True)
+            for path in (directory / MANIFEST, *finals):  # the manifest too, if only the last sync failed
+                path.unlink(missing_ok=True)
             raise CachelabError(f"{directory / MANIFEST}: {exc.strerror or exc}: the tables were written but not "
                                 f"their manifest, so nothing could read them; they are removed and {directory} "
                                 "holds no build now (the previous one, if any, was replaced)") from None
