@@ -927,6 +927,22 @@ def test_a_build_never_overwrites_a_manifest_it_did_not_write(tmp_path):
     assert not (tmp_path / "t").exists()
 
 
+@pytest.mark.parametrize("hbm_capacity", [10, None])
+def test_row_ids_that_are_not_integers_are_refused(tables, hbm_capacity):
+    """Float ids were truncated to the row below (a row id + 0.5 served that row, no error), and
+    booleans read as rows 0 and 1."""
+    with TieredStore.open(tables, hbm_capacity=hbm_capacity) as store:
+        rows = full_rows(np.random.default_rng(6), 2)
+        with pytest.raises(CachelabError, match=fr"row ids must be integers, got dtype float64 \(e.g. {rows[0, 0, 0]}.5\)"):
+            store.lookup(rows + 0.5)
+        with pytest.raises(CachelabError, match="row ids must be integers, got dtype bool"):
+            store.lookup(rows > 0)
+        with pytest.raises(CachelabError, match="row ids must be integers"):
+            store.keys(rows.astype(np.float32))
+        assert check_rows(store, rows, store.lookup(rows.astype(np.uint32))) == 0
+        assert store.lookup(np.zeros((0, 2, 24))).shape == (0, 2, 24, CFG.row_dim)  # nothing to read: any dtype
+
+
 @pytest.mark.parametrize("hbm_capacity", [10, None])  # a tier, and the fused path (page-table rows)
 def test_row_id_out_of_range_and_capacity_over_memory(tables, hbm_capacity, monkeypatch):
     with TieredStore.open(tables, hbm_capacity=hbm_capacity) as store:

@@ -59,6 +59,15 @@ def fp8_row_bytes(row_dim: int) -> int:
     return row_dim + row_dim // BLOCK
 
 
+def integer_ids(rows) -> np.ndarray:
+    """Row ids as int64, refused unless they are integers (float ids were truncated: 16000058.7
+    served row 16000058, with no error)."""
+    rows = np.asarray(rows)
+    if rows.dtype.kind not in "iu" and rows.size:
+        raise CachelabError(f"row ids must be integers, got dtype {rows.dtype} (e.g. {rows.reshape(-1)[0].item()!r})")
+    return rows.astype(np.int64, copy=False)
+
+
 @dataclass(frozen=True)
 class TableLayout:
     """A layout's tables at a scale: rows per head slice, per layer, and the fold into them."""
@@ -129,7 +138,7 @@ class TableLayout:
         ``rows`` is ``[..., layers, columns]`` as the Addresser returns (folded in one compiled
         pass), or, with ``layer_index`` (same shape), any array of rows of those layers.
         """
-        rows = np.asarray(rows, dtype=np.int64)
+        rows = integer_ids(rows)
         cfg = self.config
         off, primes = cfg.offsets, cfg.primes
         base = self.layer_base if base is None else np.asarray(base, np.int64)
