@@ -121,6 +121,35 @@ def test_unreachable_server_keeps_results_and_sync_sends_them(tmp_path, local):
     assert (tmp_path / "runs" / "tiny" / "report.html").is_file()
 
 
+def test_a_point_that_fails_offline_is_kept_and_sync_tracks_its_failed_run(tmp_path, monkeypatch):
+    """Offline, a failed point was only printed: its FAILED run, config and error never reached the
+    tracking store, whose parent then said FAILED with no failed point to show why (seen by
+    helper-121). A rerun still runs it again."""
+    from cachelab.experiment import runner
+
+    def broken(tasks, *args):
+        for key, _, _ in tasks:
+            yield key, RuntimeError("out of disk")
+
+    monkeypatch.setattr(runner, "run_tasks", broken)
+    spec = write_spec(tmp_path, name="offline", capacities=("1%",))
+    dead = f"http://127.0.0.1:{free_port()}"
+    summary = run_experiment(spec, tracking_uri=dead, runs_dir=tmp_path / "runs", workers=1, quiet=True)
+    assert (summary.ran, len(summary.failed)) == (0, 2) and summary.outbox is not None
+    again = run_experiment(spec, tracking_uri=dead, runs_dir=tmp_path / "runs", workers=1, quiet=True)
+    assert (again.skipped, len(again.failed)) == (0, 2)  # a failure is no reason to skip the point
+    uri = f"sqlite:///{tmp_path}/later.db"
+    res = cli("sync", "offline", "--tracking-uri", uri, "--runs-dir", str(tmp_path / "runs"), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    failed = _points(uri, "offline", "FAILED")
+    assert len(failed) == 2 and {r.data.tags["cachelab.error"] for r in failed} == {"RuntimeError: out of disk"}
+    assert {r.data.params["hierarchy.hbm.admission"] for r in failed} == {"always", "tinylfu"}
+    client = MlflowClient(tracking_uri=uri)
+    assert "config.json" in {a.path for a in client.list_artifacts(failed[0].info.run_id)}
+    assert client.get_run(failed[0].data.tags["mlflow.parentRunId"]).info.status == "FAILED"
+    assert os.listdir(summary.outbox) == []
+
+
 def test_a_second_run_or_sync_of_an_experiment_is_refused_while_one_holds_it(tmp_path):
     """Two `cachelab run` of one spec both ran every unfinished point (each saw it unfinished):
     duplicate point runs, and a sync beside them sent records the run was still tracking."""

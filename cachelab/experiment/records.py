@@ -1,7 +1,9 @@
 """Results on local disk first: every finished point is written here before it is tracked.
 
 ``runs/<experiment>/outbox/<hash>/`` holds a point's ``record.json`` (label, params,
-metrics, times) and its artifacts; the parent run's record sits in ``outbox/_parent``.
+metrics, times) and its artifacts; a failed point's, its FAILED run with the error, sits in
+``outbox/<hash>.failed`` (not its hash: a rerun runs it again); the parent run's record sits in
+``outbox/_parent``.
 A record leaves the outbox only once the tracking server has it, so a server that is down
 or dies mid-sweep loses nothing: ``cachelab sync`` sends what is left. One ``run`` or
 ``sync`` at a time holds an experiment's folder (``runs/<experiment>/.lock``): two at once
@@ -22,6 +24,11 @@ import polars as pl
 from cachelab.paths import held
 
 PARENT = "_parent"
+
+
+def failed_key(point_hash: str) -> str:
+    """The outbox key of a failed point's record: never taken for a finished point's hash."""
+    return f"{point_hash}.failed"
 
 
 @dataclass

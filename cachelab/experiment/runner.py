@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from cachelab.experiment.backends import check_backend, run_tasks
 from cachelab.experiment.kinds import PointOutput, get_kind
 from cachelab.experiment.provenance import provenance_tags
-from cachelab.experiment.records import PARENT, Outbox, Record, now_ms
+from cachelab.experiment.records import PARENT, Outbox, Record, failed_key, now_ms
 from cachelab.experiment.report import results_table, write_report
 from cachelab.experiment.spec import ExperimentSpec, WorkloadSpec, load_spec, parse_spec
 from cachelab.experiment.sweep import Point, config_hash, expand
@@ -146,11 +146,13 @@ def _sweep(spec: ExperimentSpec, spec_path: Path, overrides: list[str] | None, o
                 failed = isinstance(output, BaseException)
                 record = _point_record(spec, point, output, started)
                 started = now_ms()
-                if failed:  # tracked as a FAILED run with its error; never outboxed: a rerun runs it again
+                # kept until tracked, a failure too: offline, its FAILED run and error were lost (a failed
+                # record's key is not its hash, so a rerun still runs that point again)
+                local = outbox.write(record, failed_key(key) if failed else None).name
+                if failed:
                     summary.failed.append(f"{point.label}: {record.tags[ERROR]}")
                     console.print(f"[red]point failed[/] {point.label}: {output}")
                 else:
-                    outbox.write(record)
                     summary.ran += 1
                     if not console.is_terminal:  # a log sees no bar: a line per point shows the sweep moving
                         console.print(f"point {summary.ran + len(summary.failed)}/{len(tasks)} finished: {point.label} "
@@ -158,8 +160,7 @@ def _sweep(spec: ExperimentSpec, spec_path: Path, overrides: list[str] | None, o
                 if tracker is not None:
                     try:
                         tracker.log_point(exp_id, parent_id, record)
-                        if not failed:
-                            outbox.remove(key)
+                        outbox.remove(local)
                     except Exception as exc:  # the server went away mid-sweep: keep the rest local
                         console.print(f"[yellow]tracking failed ({exc}); results stay in {outbox.root}[/]")
                         outbox.write(parent, PARENT)
