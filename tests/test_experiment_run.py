@@ -575,3 +575,25 @@ def test_a_point_run_twice_is_read_alike_by_the_results_table_and_the_report(tmp
     reported = load_experiment(tracker, "twice").results
     assert reported["miss"].to_list() == [0.25]
     assert tracker.finished_points(exp) == {"h" * 16: reported["run_id"][0]}
+
+
+def test_a_param_longer_than_mlflow_keeps_is_cut_visibly_and_kept_whole_as_an_artifact(tmp_path):
+    """A param past MLflow's 6,000 characters (a long `workload.data` list, a spec's sweep axis) was cut
+    at 6,000, silently: read back, it looked whole (seen by helper-121)."""
+    from cachelab.experiment.records import Record
+    from cachelab.experiment.tracking import Tracker
+
+    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db")
+    run_id = tracker.client.create_run(tracker.experiment_id("long")).info.run_id
+    files = json.dumps([f"prompts/part-{i:05d}.txt" for i in range(400)])
+    assert len(files) > 6000
+    tracker.log_record(run_id, Record(hash="h", label="long", params={"workload.data": files, "seed": "0"},
+                                      metrics={}, artifacts={"config.json": b"{}"}))
+    params = tracker.client.get_run(run_id).data.params
+    assert params["seed"] == "0" and len(params["workload.data"]) <= 6000
+    assert params["workload.data"].startswith(files[:5000])
+    assert params["workload.data"].endswith(f"[cut: {len(files):,} characters; the whole value is artifact "
+                                            "params/workload.data.txt]")
+    saved = tracker.client.download_artifacts(run_id, "params/workload.data.txt", str(tmp_path / "dl"))
+    assert Path(saved).read_text() == files
+    assert {a.path for a in tracker.client.list_artifacts(run_id)} == {"config.json", "params"}

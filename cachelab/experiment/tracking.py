@@ -36,9 +36,22 @@ OWNER = "cachelab.owner"  # host:pid:start time (clock ticks) of the process tha
 ERROR = "cachelab.error"  # a FAILED point run's exception: type and message
 INPUTS = "cachelab.inputs"  # a point's data beyond its config: {"files": {path: sha256[:16]}, "sources": [...]}
 MAX_TAG = 8000  # MLflow's longest tag value
+MAX_PARAM = 6000  # MLflow's longest param value
 PAGE = 1000
 KEY_CHARS = re.compile(r"[/\w.\- :]*")  # MLflow's metric and param names (mlflow.utils.validation)
 MAX_KEY = 250
+
+
+def param_value(key: str, value, artifacts: dict[str, bytes]) -> str:
+    """``value`` as MLflow keeps a param: one past ``MAX_PARAM`` characters is cut and says so, the
+    whole value put in ``artifacts`` as ``params/<key>.txt`` (it was cut at 6,000, silently)."""
+    text = str(value)
+    if len(text) <= MAX_PARAM:
+        return text
+    where = f"params/{key}.txt"
+    artifacts[where] = text.encode()
+    note = f" ... [cut: {len(text):,} characters; the whole value is artifact {where}]"
+    return text[:MAX_PARAM - len(note)] + note
 
 
 def refused_key(name: str) -> str | None:
@@ -174,13 +187,14 @@ class Tracker:
         """Params, metrics and artifacts of ``record`` into an existing run."""
         from mlflow.entities import Metric, Param
 
-        params = [Param(k, str(v)[:6000]) for k, v in sorted(record.params.items())]
+        artifacts = dict(record.artifacts)
+        params = [Param(k, param_value(k, v, artifacts)) for k, v in sorted(record.params.items())]
         metrics = [Metric(k, float(v), record.end_ms or record.start_ms, 0) for k, v in sorted(record.metrics.items())]
         for i in range(0, max(len(params), len(metrics)), 100):
             self.client.log_batch(run_id, metrics=metrics[i:i + 100], params=params[i:i + 100])
-        if record.artifacts:
+        if artifacts:
             with tempfile.TemporaryDirectory() as tmp:
-                for rel, data in record.artifacts.items():
+                for rel, data in artifacts.items():
                     dst = Path(tmp) / rel
                     dst.parent.mkdir(parents=True, exist_ok=True)
                     dst.write_bytes(data)
