@@ -597,3 +597,27 @@ def test_a_param_longer_than_mlflow_keeps_is_cut_visibly_and_kept_whole_as_an_ar
     saved = tracker.client.download_artifacts(run_id, "params/workload.data.txt", str(tmp_path / "dl"))
     assert Path(saved).read_text() == files
     assert {a.path for a in tracker.client.list_artifacts(run_id)} == {"config.json", "params"}
+
+
+def test_report_reads_the_runs_dir_and_names_the_records_waiting_there(tmp_path, local):
+    """`report` had no --runs-dir: after `run --runs-dir D` it wrote its page to runs/ beside, and said
+    nothing of the results D's outbox still held (a partial report counted them as not run), nor, with
+    nothing tracked yet, where they were (seen by helper-121)."""
+    from cachelab.experiment.records import Record
+    from cachelab.experiment.runner import outbox_for
+
+    folder, _, uri, _ = local
+    runs = tmp_path / "elsewhere"
+    outbox_for("tiny", runs).write(Record(hash="f" * 16, label="waiting", params={}, metrics={"m": 1.0}))
+    res = cli("report", "tiny", "--tracking-uri", uri, "--runs-dir", str(runs), "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["report"] == str(runs / "tiny" / "report.html") and out["points_waiting"] == 1
+    assert (runs / "tiny" / "report.html").is_file() and not (tmp_path / "runs").exists()
+    res = cli("report", "tiny", "--tracking-uri", uri, "--runs-dir", str(runs), cwd=tmp_path)
+    assert res.returncode == 0 and f"1 point record(s) of tiny wait in {runs / 'tiny' / 'outbox'}" in res.stdout
+    assert f"cachelab sync tiny --tracking-uri {uri} --runs-dir {runs}" in res.stdout
+    empty = f"sqlite:///{tmp_path}/empty.db"
+    MlflowClient(tracking_uri=empty).search_experiments()  # a store that has never seen the experiment
+    res = cli("report", "tiny", "--tracking-uri", empty, "--runs-dir", str(runs), cwd=tmp_path)
+    assert res.returncode == 2 and "no experiment named 'tiny'" in res.stderr and "wait in" in res.stderr, res.stderr

@@ -57,25 +57,41 @@ def run_and_print(spec: Path, *, as_json: bool, **options) -> None:
 
 def report(
     experiment: str = typer.Argument(..., help="Experiment name (the spec's `name`), or a spec file."),
-    out: Path = typer.Option(None, "-o", "--out", help="HTML file (default: runs/<experiment>/report.html)."),
+    out: Path = typer.Option(None, "-o", "--out", help="HTML file (default: <runs-dir>/<experiment>/report.html)."),
     tracking_uri: str = typer.Option(None, help=URI_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the summary table as JSON."),
     figures: Path = typer.Option(None, "--figures", help="Also write every plot as a PNG file in this folder."),
+    runs_dir: Path = typer.Option(Path("runs"), help=RUNS_HELP),
 ) -> None:
-    """Write one self-contained HTML page of an experiment's plots and print its summary."""
+    """Write one self-contained HTML page of an experiment's plots and print its summary.
+
+    It reads the tracking store; records `cachelab run` keeps in --runs-dir, waiting for the
+    store, are counted and named (`cachelab sync` sends them), not reported."""
+    from cachelab.experiment.records import PARENT
     from cachelab.experiment.report import load_experiment, report_json, save_figures, write_html
-    from cachelab.experiment.tracking import Tracker
+    from cachelab.experiment.runner import outbox_for
+    from cachelab.experiment.tracking import Tracker, resolve_uri
 
     name = _experiment_name(experiment)
-    data = load_experiment(Tracker(tracking_uri, must_exist=True), name)
-    out = write_html(data, out or Path("runs") / name / "report.html")
+    outbox = outbox_for(name, runs_dir)
+    waiting = [k for k in outbox.keys(repair=False) if k != PARENT]  # a sweep may hold the folder now
+    left_out = (f"{len(waiting)} point record(s) of {name} wait in {outbox.root}, not yet in the tracking store "
+                f"and not in this report; send them with `cachelab sync {name} --tracking-uri "
+                f"{resolve_uri(tracking_uri)} --runs-dir {runs_dir}`") if waiting else ""
+    try:
+        data = load_experiment(Tracker(tracking_uri, must_exist=True), name)
+    except CachelabError as exc:
+        raise CachelabError(f"{exc}; {left_out}" if left_out else str(exc)) from None
+    out = write_html(data, out or runs_dir / name / "report.html")
     saved = save_figures(data, figures) if figures is not None else []
     if as_json:
-        typer.echo(strict_json.dumps(report_json(data, out), default=str))
+        typer.echo(strict_json.dumps({**report_json(data, out), "points_waiting": len(waiting)}, default=str))
         return
     _show_all(data, name)
     if note := data.missing_note():
         typer.echo(note)
+    if left_out:
+        typer.echo(left_out)
     typer.echo(f"report: {out}")
     for path in saved:
         typer.echo(f"figure: {path}")

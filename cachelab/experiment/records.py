@@ -92,13 +92,14 @@ class Outbox:
                              for p in sorted(arts.rglob("*")) if p.is_file()}
         return Record(**meta)
 
-    def keys(self) -> list[str]:
+    def keys(self, repair: bool = True) -> list[str]:
         """Point hashes waiting (the parent, if waiting, is ``PARENT`` and listed last). A
         ``.<hash>.tmp`` folder is a write a kill cut short: never a record; a ``.<hash>.old`` one
-        without its ``<hash>`` is the record such a write was replacing, put back."""
+        without its ``<hash>`` is the record such a write was replacing, put back (``repair``: only
+        by the holder of the folder; a reader beside a running sweep would break its write)."""
         if not self.root.is_dir():
             return []
-        for old in self.root.glob(".*.old"):  # a replacement a kill cut short: the record it replaced
+        for old in self.root.glob(".*.old") if repair else []:  # a replacement a kill cut short
             final = self.root / old.name[1:-len(".old")]
             if not final.exists():
                 old.rename(final)
