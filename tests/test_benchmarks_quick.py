@@ -43,6 +43,23 @@ def test_bench_engine_share_gives_cachelab_the_share_and_libcachesim_the_same_ro
     assert "(given to cachelab as --capacity 0.01)" in done.stdout and "DIFFER" not in done.stdout
 
 
+def test_bench_engine_times_libcachesims_own_next_access_pass_for_belady():
+    """cachelab's simulate computes next accesses inside its timed seconds; libCacheSim was handed the
+    oracleGeneral file whose next accesses the benchmark had computed, untimed, so the Belady ratio
+    measured the two on different work. libCacheSim now computes them from the same ids with its own
+    converter, timed (seen by helper-121)."""
+    pytest.importorskip("libcachesim")
+    done = bench_engine("--requests", "400", "--policies", "belady,lru", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    belady, lru = json.loads(done.stdout.strip().splitlines()[-1])
+    assert belady["miss_counts_equal"] and lru["miss_counts_equal"]
+    assert 0 < belady["libcachesim_convert_seconds"] < belady["libcachesim_seconds"]
+    assert lru["libcachesim_convert_seconds"] is None  # a policy that reads no future gets its file as before
+    assert belady["ratio"] == belady["libcachesim_seconds"] / belady["cachelab_seconds"]
+    given = belady["libcachesim_seconds"] - belady["libcachesim_convert_seconds"]  # the old, one-sided ratio
+    assert belady["ratio_given_future"] == given / belady["cachelab_seconds"] and lru["ratio_given_future"] is None
+
+
 def test_a_stream_too_small_for_the_minimum_is_refused_by_name():
     pytest.importorskip("libcachesim")
     done = bench_engine("--requests", "15", "--policies", "s3fifo")
