@@ -17,7 +17,7 @@ Engram stall with prefetch on and off, per placement and per Engram layer index.
 
 The machine's load average is printed (it may be shared). Run:
 .venv/bin/python benchmarks/bench_live.py [--batches 1,8,32,64] [--tokens 32] [--threads 1]
-    [--placements dram,mmap,pread] [--first-layers 0,1,2] [--skip-server]
+    [--placements dram,mmap,pread] [--first-layers 0,1,2] [--skip-server] [--ttft-prompts 3 --ttft-tokens 1200]
 """
 
 from __future__ import annotations
@@ -118,9 +118,11 @@ def _ttft(url: str, prompt: list[int]) -> tuple[float, int]:
     return first, last.usage.prompt_tokens_details.cached_tokens
 
 
-def server_decode(batches: list[int], tokens: int, threads: int | None) -> tuple[dict[int, float], list]:
+def server_decode(batches: list[int], tokens: int, threads: int | None, ttft_prompts: int = 3,
+                  ttft_tokens: int = 1200) -> tuple[dict[int, float], list]:
     """Decode tok/s per batch size through a `cachelab serve` process, and the TTFT of
-    1,200-token prompts sent once and then again (the second served from the prefix cache)."""
+    ``ttft_prompts`` prompts of ``ttft_tokens`` tokens sent once and then again (the second served
+    from the prefix cache)."""
     port = free_port()
     cmd = [sys.executable, "-m", "cachelab.cli", "serve", "--preset", "tiny", "--port", str(port),
            "--max-num-seqs", str(max(batches))] + (["--threads", str(threads)] if threads else [])
@@ -145,8 +147,8 @@ def server_decode(batches: list[int], tokens: int, threads: int | None) -> tuple
             decode[b] = (tok_s, 1e3 * (_cpu_s(proc.pid) - cpu) / (b * tokens))
         rng = np.random.default_rng(7)
         repeats = []
-        for _ in range(3):
-            prompt = rng.integers(100, 90_000, 1200).tolist()
+        for _ in range(ttft_prompts):
+            prompt = rng.integers(100, 90_000, ttft_tokens).tolist()
             repeats.append((_ttft(url, prompt), _ttft(url, prompt)))
         return decode, repeats
     finally:
@@ -186,6 +188,8 @@ def main() -> None:
     ap.add_argument("--stall-requests", type=int, default=16)
     ap.add_argument("--stall-tokens", type=int, default=16)
     ap.add_argument("--skip-server", action="store_true")
+    ap.add_argument("--ttft-prompts", type=int, default=3, help="prompts sent twice for the cold and cached TTFT")
+    ap.add_argument("--ttft-tokens", type=int, default=1200, help="their length in tokens")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -194,7 +198,7 @@ def main() -> None:
     print(f"load average at start: {out['loadavg_start'][0]:.1f} on {os.cpu_count()} CPUs", flush=True)
     if not args.skip_server:
         cpu = time.process_time()
-        served, repeats = server_decode(batches, args.tokens, args.threads)
+        served, repeats = server_decode(batches, args.tokens, args.threads, args.ttft_prompts, args.ttft_tokens)
         bare = {b: bare_decode(b, 10) for b in batches}
         out["decode"] = [{"batch": b, "server_tok_s": served[b][0], "bare_forward_tok_s": bare[b][0],
                           "server_over_bare": served[b][0] / bare[b][0], "server_cpu_ms_per_token": served[b][1],
@@ -209,7 +213,7 @@ def main() -> None:
         out["repeated_prompt"] = [{"cold_ttft_s": c[0], "warm_ttft_s": w[0], "warm_cached_tokens": w[1]}
                                   for c, w in repeats]
         for r in out["repeated_prompt"]:
-            print(f"1,200-token prompt: TTFT {r['cold_ttft_s'] * 1e3:.0f} ms cold, {r['warm_ttft_s'] * 1e3:.0f} ms "
+            print(f"{args.ttft_tokens:,}-token prompt: TTFT {r['cold_ttft_s'] * 1e3:.0f} ms cold, {r['warm_ttft_s'] * 1e3:.0f} ms "
                   f"repeated ({r['warm_cached_tokens']} tokens from the prefix cache)", flush=True)
     out["stall"] = []
     for placement in args.placements.split(","):

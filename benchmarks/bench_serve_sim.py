@@ -9,7 +9,7 @@ Prints wall and CPU seconds of each (the machine may be shared) and the ratio ba
 (CPU, summed over rounds). The workload is `bench_serving.py`'s, built once into the cache
 directory.
 
-    CACHELAB_DATA=../shared/data .venv/bin/python benchmarks/bench_serve_sim.py --baseline DIR [--slice-s 300]
+    CACHELAB_DATA=../shared/data .venv/bin/python benchmarks/bench_serve_sim.py --baseline DIR [--slice-s 300] [--trace T]
 """
 
 from __future__ import annotations
@@ -61,9 +61,11 @@ def main() -> None:
     ap.add_argument("--row-cache", default="2GiB")
     ap.add_argument("--page-cache", default="16GiB")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--trace", help="a request trace instead of the Mooncake hour (a quick run: a small "
+                                    "`cachelab trace build`)")
     args = ap.parse_args()
     trees = {"this": ROOT, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
-    part = workload().filter(pl.col("arrival_s") < args.slice_s)
+    part = workload(args.trace).filter(pl.col("arrival_s") < args.slice_s)
     times = {name: {"wall_s": 0.0, "cpu_s": 0.0} for name in trees}
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-serve-sim-") as tmp:

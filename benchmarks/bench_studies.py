@@ -7,7 +7,7 @@ their time is the step-time fixed point solved per point. Prints wall and CPU se
 and the ratio baseline / this (CPU, summed over rounds), and the largest relative difference
 between the two trees' numeric keys (figures a change of the model moves show up there).
 
-    CACHELAB_DATA=../shared/data .venv/bin/python benchmarks/bench_studies.py --baseline DIR [--rounds 1]
+    CACHELAB_DATA=../shared/data .venv/bin/python benchmarks/bench_studies.py --baseline DIR [--rounds 1] [--fit-evals N]
 """
 
 from __future__ import annotations
@@ -61,7 +61,10 @@ def main() -> None:
     ap.add_argument("--baseline", type=Path, help="a checkout of another commit, timed in the same run")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--studies", default=",".join(STUDIES), help="comma-separated: " + ", ".join(STUDIES))
+    ap.add_argument("--fit-evals", type=int, default=None,
+                    help="the studies' --fit-evals (default theirs, 150; a quick run: 1)")
     args = ap.parse_args()
+    extra = ["--fit-evals", str(args.fit_evals)] if args.fit_evals is not None else []
     trees = {"this": ROOT, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
     report = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -70,7 +73,8 @@ def main() -> None:
             results = {}
             for r in range(args.rounds):
                 for name, tree in trees.items():
-                    results[name], wall, cpu = run_study(tree, STUDIES[study], Path(tmp) / f"{study}-{name}-{r}")
+                    results[name], wall, cpu = run_study(tree, [*STUDIES[study], *extra],
+                                                         Path(tmp) / f"{study}-{name}-{r}")
                     times[name]["wall_s"] += wall
                     times[name]["cpu_s"] += cpu
                     print(f"{study} round {r + 1} {name}: {wall:.1f} s wall, {cpu:.1f} s CPU", file=sys.stderr)
