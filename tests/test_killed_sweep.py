@@ -123,3 +123,20 @@ def test_a_record_being_replaced_when_a_kill_comes_is_kept(tmp_path, monkeypatch
     assert kept.label == "first" and kept.artifacts == {"spec/x.toml": b"x"}
     outbox.write(Record(hash="p", label="second", params={}, metrics={}), "_parent")  # and a replacement goes on
     assert outbox.read("_parent").label == "second" and sorted(p.name for p in outbox.root.iterdir()) == ["_parent"]
+
+
+@pytest.mark.parametrize("verb", ["sync", "report"])
+def test_a_sync_or_report_beside_a_running_sweep_leaves_its_outbox_alone(tmp_path, verb):
+    """`cachelab sync` listed the outbox before taking its lock, and listing puts back a record whose
+    replacement looks cut short: beside a sweep rewriting its parent's record, it moved the old one
+    back under the sweep's rename, which then failed (seen by helper-121)."""
+    from experiment_helpers import cli
+
+    outbox = outbox_for("busy", tmp_path / "runs")
+    outbox.write(Record(hash="p", label="old", params={}, metrics={}), "_parent")
+    (outbox.root / "_parent").rename(outbox.root / "._parent.old")  # the sweep's write, between its renames
+    with outbox.held("cachelab run busy"):
+        res = cli(verb, "busy", "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db", "--runs-dir",
+                  str(tmp_path / "runs"), cwd=tmp_path)
+    assert res.returncode != 0
+    assert sorted(p.name for p in outbox.root.iterdir()) == ["._parent.old"]

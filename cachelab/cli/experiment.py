@@ -111,7 +111,7 @@ def sync(
 
     name = _experiment_name(experiment)
     outbox = outbox_for(name, runs_dir)
-    waiting = bool(outbox.keys())
+    waiting = bool(outbox.keys(repair=False))  # the lock is taken below: a sweep may be writing now
     tracker = Tracker(tracking_uri)
     sent, closed = sync(tracker, outbox, name)
     typer.echo(f"sent {sent} point run(s) of {name} to {tracker.uri}" if waiting else f"nothing to sync in {outbox.root}")
