@@ -621,3 +621,26 @@ def test_report_reads_the_runs_dir_and_names_the_records_waiting_there(tmp_path,
     MlflowClient(tracking_uri=empty).search_experiments()  # a store that has never seen the experiment
     res = cli("report", "tiny", "--tracking-uri", empty, "--runs-dir", str(runs), cwd=tmp_path)
     assert res.returncode == 2 and "no experiment named 'tiny'" in res.stderr and "wait in" in res.stderr, res.stderr
+
+
+def test_a_long_error_is_cut_visibly_and_kept_whole_as_an_artifact(tmp_path, monkeypatch):
+    """A failed point's error tag was cut at 5,000 characters, silently (seen by helper-121)."""
+    from cachelab.experiment import runner
+
+    message = " ".join(f"value{i}" for i in range(1500))  # an error that lists the values it allows
+
+    def broken(tasks, *args):
+        for key, _, _ in tasks:
+            yield key, ValueError(message)
+
+    monkeypatch.setattr(runner, "run_tasks", broken)
+    spec = write_spec(tmp_path, name="loud", capacities=("1%",))
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    assert len(run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", workers=1, quiet=True).failed) == 2
+    run = _points(uri, "loud", "FAILED")[0]
+    tag = run.data.tags["cachelab.error"]
+    whole = f"ValueError: {message}"
+    assert len(tag) <= 5000 and tag.startswith(whole[:4000])
+    assert tag.endswith(f"[cut: {len(whole):,} characters; the whole value is artifact error.txt]")
+    saved = MlflowClient(tracking_uri=uri).download_artifacts(run.info.run_id, "error.txt", str(tmp_path / "dl"))
+    assert Path(saved).read_text() == whole

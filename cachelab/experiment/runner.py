@@ -29,8 +29,8 @@ from cachelab.experiment.sweep import Point, config_hash, expand
 from cachelab.engine.mrc import miss_ratio_curve
 from cachelab.errors import CachelabError
 from cachelab.experiment.workload import Workload, build_workload, load_workload, workload_key, workload_stats
-from cachelab.experiment.tracking import (ERROR, INPUTS, MAX_TAG, Tracker, TrackingUnavailable, refused_key,
-                                          resolve_uri)
+from cachelab.experiment.tracking import (ERROR, INPUTS, MAX_TAG, Tracker, TrackingUnavailable, cut_visibly,
+                                          refused_key, resolve_uri)
 from cachelab.progress import progress_bar
 
 
@@ -261,13 +261,13 @@ def _point_record(spec: ExperimentSpec, point: Point, output, started: int) -> R
     if point.inputs and len(inputs) <= MAX_TAG:
         tags[INPUTS] = inputs
     start, end = getattr(output, "ran_ms", None) or (started, now_ms())
-    status = "FINISHED"
-    if isinstance(output, BaseException):
-        tags[ERROR] = f"{type(output).__name__}: {output}"[:5000]
+    status, artifacts = "FINISHED", {}
+    if isinstance(output, BaseException):  # a long message (a validation error listing values) kept whole
+        tags[ERROR] = cut_visibly(f"{type(output).__name__}: {output}", 5000, "error.txt", artifacts)
         output, status = PointOutput({}), "FAILED"
     params = {**flatten(point.config), **output.params}
     record = Record(hash=point.hash, label=point.label, params=params, metrics=output.metrics, tags=tags,
-                    start_ms=start, end_ms=end, status=status)
+                    artifacts=artifacts, start_ms=start, end_ms=end, status=status)
     record.artifacts["config.json"] = json.dumps(point.config, indent=1).encode()
     if point.inputs:
         record.artifacts["inputs.json"] = json.dumps(point.inputs, indent=1, sort_keys=True).encode()

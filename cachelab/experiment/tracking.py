@@ -42,16 +42,19 @@ KEY_CHARS = re.compile(r"[/\w.\- :]*")  # MLflow's metric and param names (mlflo
 MAX_KEY = 250
 
 
-def param_value(key: str, value, artifacts: dict[str, bytes]) -> str:
-    """``value`` as MLflow keeps a param: one past ``MAX_PARAM`` characters is cut and says so, the
-    whole value put in ``artifacts`` as ``params/<key>.txt`` (it was cut at 6,000, silently)."""
-    text = str(value)
-    if len(text) <= MAX_PARAM:
+def cut_visibly(text: str, limit: int, where: str, artifacts: dict[str, bytes]) -> str:
+    """``text`` within ``limit`` characters: one longer is cut and says so, the whole of it put in
+    ``artifacts`` at ``where`` (MLflow refuses a longer param or tag; cut silently, it read as whole)."""
+    if len(text) <= limit:
         return text
-    where = f"params/{key}.txt"
     artifacts[where] = text.encode()
     note = f" ... [cut: {len(text):,} characters; the whole value is artifact {where}]"
-    return text[:MAX_PARAM - len(note)] + note
+    return text[:limit - len(note)] + note
+
+
+def param_value(key: str, value, artifacts: dict[str, bytes]) -> str:
+    """``value`` as MLflow keeps a param (``cut_visibly`` past ``MAX_PARAM``, to ``params/<key>.txt``)."""
+    return cut_visibly(str(value), MAX_PARAM, f"params/{key}.txt", artifacts)
 
 
 def refused_key(name: str) -> str | None:
