@@ -171,11 +171,12 @@ def test_a_point_that_failed_offline_leaves_the_synced_parent_failed(count_kind)
     summary = run_experiment(spec_path, tracking_uri=dead, runs_dir=runs, workers=1, quiet=True)
     assert (summary.ran, len(summary.failed)) == (1, 1) and summary.outbox
     uri = f"sqlite:///{count_kind}/offline.db"
-    assert sync(Tracker(uri), Outbox(Path(summary.outbox)), "failing-offline") == (1, 0)
+    assert sync(Tracker(uri), Outbox(Path(summary.outbox)), "failing-offline") == (2, 0)  # the failed one too
     client = MlflowClient(tracking_uri=uri)
     runs = client.search_runs([client.get_experiment_by_name("failing-offline").experiment_id])
     parent = next(r for r in runs if r.data.tags[KIND] == "experiment")
     assert parent.info.status == "FAILED" and parent.data.metrics["points.finished"] == 1
+    assert sorted(r.info.status for r in runs if r.data.tags[KIND] == "point") == ["FAILED", "FINISHED"]
 
 
 def test_a_point_with_a_key_mlflow_refuses_fails_alone_and_the_experiment_stays_usable(count_kind):
