@@ -32,6 +32,16 @@ def test_every_profile_loads_and_every_number_is_cited():
     assert load_profile("B200").usd_per_gpu_hour == 1.95  # ANCHORS.md §6
 
 
+def test_the_memory_plan_starts_from_the_memory_cuda_reports():
+    # vLLM's KV budget is gpu_memory_utilization x torch.cuda.mem_get_info()'s total: on a B200 178.35 GiB
+    # (pytorch/ao#4002's device query), not the datasheet's 180 GB (seen by helper-118)
+    b200 = load_profile("B200")
+    assert b200.gpu.hbm_bytes == pytest.approx(178.35 * 2**30, rel=1e-3)
+    plan = LatencyModel(MODEL, b200, 4, "dram-uva", max_num_batched_tokens=16384).plan
+    assert plan.usable_bytes == pytest.approx(0.9 * 178.35 * 2**30 - 6e9, rel=1e-3)
+    assert plan.kv_bytes == pytest.approx(plan.usable_bytes - plan.weight_bytes - plan.indexer_buffer_bytes)
+
+
 def test_bad_profile_names_the_key(tmp_path):
     bad = tmp_path / "x.toml"
     bad.write_text((PROFILE_DIR / "B200.toml").read_text().replace("hbm_bw = 8.0e12", "hbm_bw = -1"))
