@@ -421,6 +421,22 @@ def test_the_ssd_host_floor_is_fitted_on_the_short_steps_of_the_pr_sweep():
     assert got["fit_concurrencies"] == list(SSD_PR_FIT)
 
 
+@pytest.mark.slow
+def test_the_elasticities_are_of_the_key_itself():
+    # the sensitivity's base is b200_dram_tokens_per_dollar as the study reads it (its sweep to 128
+    # clients), not a coarser sweep's read-off 8% below it (seen by helper-118)
+    from dataclasses import replace
+
+    import polars as pl
+
+    from cachelab.serving.studies.semianalysis import CONCURRENCIES, analyse, run_points, sensitivity
+
+    fitted, wl = replace(Efficiency(), **FITTED_R1), agentic_workload()
+    dram = [("B200", 4, "dram-uva"), ("B200", 8, "dram-uva")]
+    key = analyse(pl.DataFrame(run_points(wl, fitted, dram, CONCURRENCIES), infer_schema_length=None))
+    assert sensitivity(wl, fitted, ())["base"] == pytest.approx(key["b200_dram_tokens_per_dollar"], rel=1e-9)
+
+
 def test_the_ssd_floors_standard_error_and_the_ratio_across_it():
     from dataclasses import replace
 
