@@ -28,6 +28,10 @@ PREFIX_HIT = 0.858  # InferenceX #1632: cc-traces-weka-no-subagents-051226, full
 PREFIX_HIT_V01 = 0.968  # InferenceX #1632: the older cc-traces-weka-042026
 WINDOW_S = 3600.0  # InferenceX agentic README: 3,600 s default duration
 MAX_CONTEXT = 1_048_576  # the V4.1 recipes' --max-model-len (InferenceX dsv41flashssd script)
+# ASSUMPTION: an input is cut at half that window (5.2% of the draws; mean input 181k). No source sets
+# it; the window itself would cut prompt + output at MAX_CONTEXT (0.7% of the draws, mean 192k; B200
+# tokens/$ 76.7 -> 77.5 M, SSD 20.6 -> 19.7 M, DRAM over SSD 3.72 -> 3.94 with the SSD floor not refitted).
+INPUT_CAP = MAX_CONTEXT // 2
 INPUT_SIGMA, OUTPUT_SIGMA, THINK_MEDIAN_S, THINK_SIGMA = 0.8, 1.0, 3.0, 1.0  # ASSUMPTIONS
 
 
@@ -35,7 +39,7 @@ def agentic_workload(samples: int = 4096, seed: int = 0, median_input: float = M
                      median_output: float = MEDIAN_OUTPUT, prefix_hit: float = PREFIX_HIT) -> Workload:
     """``samples`` requests drawn from the published AgentX summaries (deterministic for a seed)."""
     rng = np.random.default_rng(seed)
-    inp = np.minimum(np.round(median_input * rng.lognormal(0.0, INPUT_SIGMA, samples)), MAX_CONTEXT // 2)
+    inp = np.minimum(np.round(median_input * rng.lognormal(0.0, INPUT_SIGMA, samples)), INPUT_CAP)
     out = np.maximum(1.0, np.minimum(np.round(median_output * rng.lognormal(0.0, OUTPUT_SIGMA, samples)), 32_768))
     cached = np.floor(inp * prefix_hit)
     think = THINK_MEDIAN_S * rng.lognormal(0.0, THINK_SIGMA, samples)
