@@ -573,6 +573,17 @@ def test_valid_calibration_rows_load_and_an_empty_cell_is_not_measured(tmp_path)
     assert "r1-b200-vllm-agentic" not in {p.subset for p in load_points(tmp_path)}
 
 
+def test_the_8k1k_pairs_page_cache_is_the_b200_nodes_dram_less_the_server():
+    # the node's 2 TB (the profile: 250 GB a GPU x 8), less the 95 GB the disk arm's server used; it was an
+    # uncited ~1 TB (seen by helper-118)
+    from cachelab.serving.calibration import v41_script_points
+    from cachelab.serving.hardware import load_profile
+
+    ssd = {p.placement: p for p in v41_script_points()}["ssd-mmap"]
+    b200 = load_profile("B200")
+    assert ssd.page_cache_bytes == pytest.approx(b200.host.dram_bytes * 8 - 95e9)
+
+
 def test_a_repeat_run_of_a_fitted_configuration_is_not_an_unseen_held_out_point():
     # run 2 of the fit's own configuration (same model, hardware, TP, placement, workload, clients) tests
     # run-to-run noise; heldout_mape counts it, heldout_mape_unseen does not (seen by helper-118)

@@ -272,13 +272,19 @@ def load_points(root: Path) -> list[Point]:
     return points + v41_script_points()
 
 
+# Host RAM the disk arm's server used ("host memory in use ... 95 GB", the SSD recipe and its PR body).
+V41_SCRIPT_SSD_HOST_BYTES = 95e9
+
+
 def v41_script_points() -> list[Point]:
     """The V4.1-Flash pair the InferenceX SSD recipe states (B200 TP4, 8k/1k, 16 clients, no KV
-    offload: the page cache has the node's ~1 TB less the server's 95 GB). The disk arm ran the
-    patch's inline gather (``V41_SCRIPT_SSD_OVERLAPPED``)."""
+    offload: the page cache has the B200 node's DRAM, the profile's per-GPU share times its 8 GPUs,
+    less the server's 95 GB). The disk arm ran the patch's inline gather (``V41_SCRIPT_SSD_OVERLAPPED``)."""
+    b200 = load_profile("B200")
+    node = b200.host.dram_bytes * b200.gpu.nvlink_domain
     return [Point(f"v41-b200-tp4-8k1k-c16-{placement}", "v41-b200-tp4-8k1k-script", "deepseek-v4.1-flash",
                   "B200", 4, placement, fixed_workload(8192, 1024), 16, dict(measured), SCRIPT, "vllm",
-                  page_cache_bytes=None if placement != "ssd-mmap" else 1000e9 - 95e9,
+                  page_cache_bytes=None if placement != "ssd-mmap" else node - V41_SCRIPT_SSD_HOST_BYTES,
                   host_gather_overlap=None if placement != "ssd-mmap" else V41_SCRIPT_SSD_OVERLAPPED)
             for placement, measured in V41_SCRIPT_PAIR.items()]
 
