@@ -487,6 +487,7 @@ def test_counts_equal_the_simulators(tables, backing, policy):
     assert out["mismatches"] == 0 and out["rows_checked"] == stream.keys.size
     assert out["matches_simulator"], out["comparison"]
     assert out["comparison"]["hbm_hits"]["store"] > 0
+    assert out["comparison"]["host_read_bytes"]["store"] > 0  # the DRAM cache's hits: compared for direct too
 
 
 @settings(max_examples=8, deadline=None)

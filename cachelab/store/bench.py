@@ -100,7 +100,7 @@ def compare(store_totals: dict, sim: dict, tier_names, backing: str) -> dict[str
         hbm_read, host_to_gpu = hbm_read + host_to_gpu, 0
     out["hbm_read_bytes"] = (store_totals["hbm_read_bytes"], hbm_read)
     out["host_to_device_bytes"] = (store_totals["host_to_device_bytes"], host_to_gpu)
-    if backing == "dram":
+    if backing in ("dram", "direct"):  # the buffered modes' page cache is host memory the simulator leaves out
         out["host_read_bytes"] = (store_totals["host_read_bytes"], sim["bytes"]["host_read"])
     if backing == "direct":
         out["ssd_pages_read"] = (store_totals["ssd_pages_read"], sim["page_reads"])
