@@ -60,8 +60,8 @@ def fp8_row_bytes(row_dim: int) -> int:
 
 
 def integer_ids(rows) -> np.ndarray:
-    """Row ids as int64, refused unless they are integers (float ids were truncated: 16000058.7
-    served row 16000058, with no error)."""
+    """Row ids as int64, refused unless they are integers (float ids were truncated: a row id +
+    0.5 served that row, with no error)."""
     rows = np.asarray(rows)
     if rows.dtype.kind not in "iu" and rows.size:
         raise CachelabError(f"row ids must be integers, got dtype {rows.dtype} (e.g. {rows.reshape(-1)[0].item()!r})")
