@@ -491,10 +491,13 @@ def prefetch_section(directory: Path, trace: str, requests: int, compute_ms: flo
 
 
 def pagecache_section(directory: Path, trace: str, requests: int, steps: int, plot: Path | None) -> dict:
-    from cachelab.learning.streams import load_trace
+    from cachelab.learning.streams import check_stream_layout, load_trace
+    from cachelab.store.build import load_layout
     from cachelab.store.pagecache import pagecache_experiment
 
-    stream = load_trace(trace, requests, 0, "deepseek-v4.1-flash")
+    cfg = load_layout(directory)[0].config  # the tables' layout (V4.1-Flash's stream failed on other tables)
+    stream = load_trace(trace, requests, 0, cfg.name)
+    check_stream_layout(stream, cfg, f"--trace {trace}", f"the tables in {directory} are of another layout")
     out = pagecache_experiment(directory, stream, steps, hbm_capacity="1%")
     if plot is not None:
         import matplotlib

@@ -1102,6 +1102,27 @@ def test_ctrl_c_while_a_build_swaps_its_files_in_is_delivered_once_the_new_build
     assert json.loads((tmp_path / "manifest.json").read_text())["seed"] == 2
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
+
+@pytest.mark.data
+def test_bench_stores_pagecache_section_replays_the_tables_layout(tmp_path, data_dir, monkeypatch):
+    """``bench_store.py --pagecache`` read its trace as V4.1-Flash's whatever the tables' layout:
+    on the demo layout's tables it stopped at its first step ('not whole tokens of 2 layers x 16
+    rows'). It reads the trace as the tables' layout."""
+    import sys
+    from pathlib import Path
+
+    from cachelab.store import pagecache
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_store import pagecache_section
+
+    build_tables("engram-27b-demo", 1e-3, tmp_path, progress=False)
+    monkeypatch.setattr(pagecache, "make_cgroup", lambda: (None, "not in this test"))
+    out = pagecache_section(tmp_path, "gsm8k", 1, 3, None)
+    assert out["cold"]["steps"] == out["warm"]["steps"] == 3 and out["warm"]["major_faults"] == 0
+    assert out["cgroup"] == {"unavailable": "not in this test"}
+
+
 def test_pagecache_experiment_phases(tables):
     from cachelab.store.pagecache import pagecache_experiment
 
