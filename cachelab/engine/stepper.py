@@ -28,7 +28,7 @@ from cachelab.engine import sampling
 from cachelab.engine.cascade import Cascade
 from cachelab.engine.stats import SampledLevel, SampledStats, StepCounts
 from cachelab.engine.tiers import Hierarchy, SSDStore
-from cachelab.workload.lookups import LAYER_SHIFT, global_key, split_key
+from cachelab.workload.lookups import LAYER_SHIFT, ROW_MASK, global_key, split_key
 
 EMPTY = np.int64(-1)
 _SALT = sampling.salt(0)
@@ -148,15 +148,28 @@ def _build_table(keys, slots):
 
 
 @nb.njit(cache=True, nogil=True)
-def _distinct_ids(keys, slots, stamp, used, out, first):
+def _in_tables(key, table_rows, rows_per_page, threshold):
+    """Whether ``key`` is a row of a page the sample with ``threshold`` keeps, in tables of
+    ``table_rows`` rows (``table_row_space``'s rows)."""
+    layer, row = key >> LAYER_SHIFT, key & ROW_MASK
+    if key < 0 or layer >= table_rows.size or row >= table_rows[layer]:
+        return False
+    return threshold >= 1 << sampling.SAMPLE_BITS or sampling.keeps((layer << LAYER_SHIFT) | (row // rows_per_page),
+                                                                     threshold, _SALT)
+
+
+@nb.njit(cache=True, nogil=True)
+def _distinct_ids(keys, slots, stamp, used, out, first, table_rows, rows_per_page, threshold):
     """Ids of a step's keys, each once, in first-occurrence order (a key seen for the first time
     takes the next id: ``used`` so far), and the index of that first occurrence in ``first``;
-    returns (distinct keys, ids used), or (-1 - i, _) if key i is unknown. A slot holds its key
-    and, in one word, its id + 1 and the stamp of the last step that saw it, so a lookup touches
-    one cache line; the slot ``_AHEAD`` keys on is prefetched (the table is far larger than the
-    caches)."""
+    returns (distinct keys, ids used, keys added), or (-1 - i, _, _) if key i is unknown. A slot
+    holds its key and, in one word, its id + 1 and the stamp of the last step that saw it, so a
+    lookup touches one cache line; the slot ``_AHEAD`` keys on is prefetched (the table is far
+    larger than the caches). With ``table_rows`` (a space of the tables' sampled rows) a key not
+    in the table yet is added when it is a row of the space (``_in_tables``)."""
     mask = slots.shape[0] - 1
     n = 0
+    added = 0
     for i in range(keys.size):
         if i + _AHEAD < keys.size:
             prefetch(slots, np.int64(sampling.mix(keys[i + _AHEAD], _SALT) & np.uint64(mask)))
@@ -164,7 +177,12 @@ def _distinct_ids(keys, slots, stamp, used, out, first):
         h = np.int64(sampling.mix(key, _SALT) & np.uint64(mask))
         while slots[h, 0] != key:
             if slots[h, 0] == EMPTY:
-                return -1 - i, used
+                if table_rows.size == 0 or not _in_tables(key, table_rows, rows_per_page, threshold):
+                    return -1 - i, used, added
+                slots[h, 0] = key
+                slots[h, 1] = 0
+                added += 1
+                break
             h = (h + 1) & mask
         v = slots[h, 1]
         if (v & _STAMP) != stamp:
@@ -176,7 +194,39 @@ def _distinct_ids(keys, slots, stamp, used, out, first):
             out[n] = number - 1
             first[n] = i
             n += 1
-    return n, used
+    return n, used, added
+
+
+@nb.njit(cache=True, nogil=True)
+def _rehash(old, slots):
+    """Move the filled slots of ``old`` (key and word) into the empty table ``slots``."""
+    mask = slots.shape[0] - 1
+    for j in range(old.shape[0]):
+        if old[j, 0] != EMPTY:
+            h = np.int64(sampling.mix(old[j, 0], _SALT) & np.uint64(mask))
+            while slots[h, 0] != EMPTY:
+                h = (h + 1) & mask
+            slots[h, 0] = old[j, 0]
+            slots[h, 1] = old[j, 1]
+
+
+@nb.njit(cache=True, nogil=True)
+def _kept_pages(table_rows, rows_per_page, threshold, out):
+    """The global keys of the pages the sample with ``threshold`` keeps, in sorted order, into
+    ``out`` when it has room; returns (pages, rows of those pages)."""
+    n = 0
+    rows = 0
+    every = threshold >= 1 << sampling.SAMPLE_BITS
+    for layer in range(table_rows.size):
+        base = np.int64(layer) << LAYER_SHIFT
+        size = np.int64(table_rows[layer])
+        for page in range((size + rows_per_page - 1) // rows_per_page):
+            if every or sampling.keeps(base | page, threshold, _SALT):
+                if out.size:
+                    out[n] = base | page
+                n += 1
+                rows += min(rows_per_page, size - page * rows_per_page)
+    return n, rows
 
 
 class RowSpace:
@@ -184,22 +234,40 @@ class RowSpace:
 
     Lookup is an open-addressing hash table (compiled), so a step's keys map to their numbers
     in one pass, deduplicated on the way. One numbering at a time: ``restart`` begins another.
+    A space of the tables' sampled rows (``table_row_space``) is not enumerated: its table holds
+    the rows looked up so far, each added at its first lookup (its size follows the rows a run
+    touches, not the tables).
     """
 
     def __init__(self, keys: np.ndarray, rows_per_page: int):
-        self.keys = sorted_unique(keys)
-        self.rows_per_page = rows_per_page
-        pages = page_keys(self.keys, rows_per_page)  # sorted, since keys are
-        self.pages = pages[np.r_[True, pages[1:] != pages[:-1]]] if pages.size else pages
-        size = 1 << max(4, int(2 * max(self.keys.size, 1) - 1).bit_length())
-        self._slots = np.full((size, 2), EMPTY, np.int64)  # [key, (number + 1) << 32 | stamp of the last step seeing it]
-        _build_table(self.keys, self._slots)
+        keys = sorted_unique(keys)
+        pages = page_keys(keys, rows_per_page)  # sorted, since keys are
+        self._setup(pages[np.r_[True, pages[1:] != pages[:-1]]] if pages.size else pages, keys.size, rows_per_page)
+        self._keys = keys
+        self._slots = np.full((1 << max(4, int(2 * max(keys.size, 1) - 1).bit_length()), 2), EMPTY, np.int64)
+        _build_table(keys, self._slots)
+        self._filled = keys.size
+
+    def _setup(self, pages: np.ndarray, num_rows: int, rows_per_page: int) -> None:
+        self.pages, self._num_rows, self.rows_per_page = pages, num_rows, rows_per_page
+        self._table_rows, self._threshold = np.zeros(0, np.int64), 0  # see table_row_space
         self._stamp = 0
         self.used = 0  # rows numbered so far
 
     @property
+    def keys(self) -> np.ndarray:
+        """The space's row keys, sorted (a space of the tables' rows enumerates them here)."""
+        if self._keys is None:
+            layer, page = split_key(self.pages)
+            rows = (page[:, None] * self.rows_per_page + np.arange(self.rows_per_page)).ravel()
+            layer = np.repeat(layer, self.rows_per_page)
+            inside = rows < self._table_rows[layer]
+            return global_key(layer[inside], rows[inside])
+        return self._keys
+
+    @property
     def num_rows(self) -> int:
-        return int(self.keys.size)
+        return self._num_rows
 
     def restart(self) -> None:
         """Forget every number and stamp: the next step's rows are numbered from 0 again."""
@@ -223,9 +291,15 @@ class RowSpace:
             self._slots[:, 1] &= ~_STAMP
             self._stamp = 0
         self._stamp += 1
+        keys = np.ascontiguousarray(keys, dtype=np.int64)
+        if self._table_rows.size and 2 * (self._filled + keys.size) > self._slots.shape[0]:  # room for every key
+            old = self._slots
+            self._slots = np.full((1 << int(4 * (self._filled + keys.size)).bit_length(), 2), EMPTY, np.int64)
+            _rehash(old, self._slots)
         out, first = np.empty(keys.size, np.int64), np.empty(keys.size, np.int64)
-        n, used = _distinct_ids(np.ascontiguousarray(keys, dtype=np.int64), self._slots, np.int64(self._stamp),
-                                np.int64(self.used), out, first)
+        n, used, added = _distinct_ids(keys, self._slots, np.int64(self._stamp), np.int64(self.used), out, first,
+                                       self._table_rows, self.rows_per_page, self._threshold)
+        self._filled += added
         if n < 0:
             self.restart()  # the numbering is cut mid-step
             raise CachelabError(f"row key {int(keys[-1 - n])} is outside the run's row space: build the RowSpace "
@@ -235,15 +309,19 @@ class RowSpace:
 
 
 def table_row_space(table_rows, rate: float, rows_per_page: int) -> RowSpace:
-    """Every row of every page a sample at ``rate`` keeps, enumerated from the table sizes
-    (no pass over the trace; about ``rate`` x all rows)."""
-    keys = []
-    for layer, n in enumerate(table_rows):
-        pages = np.arange(-(-int(n) // rows_per_page), dtype=np.int64)
-        kept = pages[sampling.sample_mask(global_key(layer, pages), rate)]
-        rows = (kept[:, None] * rows_per_page + np.arange(rows_per_page)).ravel()
-        keys.append(global_key(layer, rows[rows < n]))
-    return RowSpace(np.concatenate(keys), rows_per_page)
+    """Every row of every page a sample at ``rate`` keeps in tables of ``table_rows`` rows (no
+    pass over the trace; about ``rate`` x all rows), none enumerated: the lookup table takes
+    each row at its first lookup, and only the kept pages are listed."""
+    table_rows = np.asarray(table_rows, dtype=np.int64).reshape(-1)
+    threshold = sampling.threshold(rate)
+    num_pages, _ = _kept_pages(table_rows, rows_per_page, threshold, np.empty(0, np.int64))
+    pages = np.empty(num_pages, np.int64)
+    _, num_rows = _kept_pages(table_rows, rows_per_page, threshold, pages)
+    space = RowSpace.__new__(RowSpace)
+    space._setup(pages, int(num_rows), rows_per_page)
+    space._table_rows, space._threshold = table_rows, threshold
+    space._keys, space._slots, space._filled = None, np.full((1 << 16, 2), EMPTY, np.int64), 0
+    return space
 
 
 class StepReplay:

@@ -50,7 +50,7 @@ from cachelab.workload.scheduler import PREFIX_CACHES, Request, Scheduler, StepR
 from cachelab.engine.stepper import KeySet, RowSpace, StepReplay, sampled_keys, sampled_keys_at, table_row_space
 
 PAGE_BYTES = 4096
-TABLE_SPACE_ROWS = 2e7  # a sampled row space this small is enumerated from the tables, not the trace
+TABLE_SPACE_ROWS = 2e7  # a sampled row space this small is taken from the table sizes, not a pass over the trace
 
 
 @dataclass(frozen=True)
