@@ -110,3 +110,21 @@ def test_an_experiment_trace_of_another_tokenizer_is_refused(tmp_path, data_dir)
     trace["corpus"].pop("tokenizer")
     sequences, _, _ = _from_trace(WorkloadSpec(trace=trace), tmp_path / "w.trace.parquet")
     assert len(sequences) >= 2
+
+
+def test_a_spec_file_reads_its_tokenizer_from_its_own_folder(tmp_path, monkeypatch):
+    """A relative corpus.tokenizer was read from the working directory (a layout file's from its
+    folder): the same spec built with another tokenizer, or failed, depending on where it ran; and
+    --corpus over a spec dropped the spec's tokenizer, building with DeepSeek-V4's unsaid."""
+    folder = tmp_path / "specs"
+    folder.mkdir()
+    tok = tiny_tokenizer(folder)
+    spec = folder / "w.toml"
+    spec.write_text('[arrivals]\nsource = "gamma"\noptions = { rate = 2.0, num_requests = 2 }\n'
+                    '[corpus]\nsource = "stdlib"\ntokenizer = "tiny/tokenizer.json"\n')
+    monkeypatch.chdir(tmp_path)  # not the spec's folder: tiny/tokenizer.json is not here
+    for extra in ([], ["--corpus", "stdlib"]):
+        out = tmp_path / f"t{len(extra)}.parquet"
+        result = CliRunner().invoke(app, ["trace", "build", str(spec), *extra, "-o", str(out)])
+        assert result.exit_code == 0, result.output
+        assert recorded_tokenizer(out)["tokenizer"] == tok

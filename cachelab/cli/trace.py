@@ -106,8 +106,9 @@ def build(
     if no_lengths:
         a["use_lengths"] = False
     a.setdefault("options", {}).update(parse_pairs(arrival_option, "--arrival-option", "rate=4"))
-    if corpus is not None:
-        data["corpus"] = {"source": corpus}
+    if corpus is not None:  # another source: the spec's options were its source's; its tokenizer is kept
+        kept = {k: v for k, v in (data.get("corpus") or {}).items() if k == "tokenizer"}
+        data["corpus"] = {"source": corpus, **kept}
     if corpus_option:
         if not data.get("corpus"):
             raise CachelabError("--corpus-option needs a corpus")

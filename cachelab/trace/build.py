@@ -15,6 +15,7 @@ max_requests = 1000        # keep the first N arrivals (optional)
 options = {}               # the source's own options (e.g. gamma: rate, burstiness, num_requests)
 [corpus]                   # a registered corpus; leave out to import the arrivals as they are
 source = "arena-hard"
+tokenizer = "deepseek-v4"  # or a tokenizer.json (a relative path is read from this file's folder)
 options = { version = "v2.0" }
 [synthesis]
 output_tokens = 256        # output length where neither the trace nor the corpus gives one
@@ -33,12 +34,14 @@ from __future__ import annotations
 import inspect
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import polars as pl
 from pydantic import Field
 
 from cachelab import registry
+from cachelab.engram.vocab import DEEPSEEK_V4
 from cachelab.errors import CachelabError
 from cachelab.params import check_params
 from cachelab.paths import resolve_data_path
@@ -59,7 +62,7 @@ class ArrivalSpec(Strict):
 
 class CorpusSpec(Strict):
     source: str
-    tokenizer: str = "deepseek-v4"
+    tokenizer: str = DEEPSEEK_V4   # or a tokenizer.json: in a spec file, a relative path is read from its folder
     options: dict[str, Any] = {}
 
 
@@ -87,7 +90,14 @@ def parse_spec(data: dict, where: str) -> TraceSpec:
 
 
 def load_spec(path: str | os.PathLike) -> TraceSpec:
-    return parse_spec(read_toml(path, "trace spec"), str(path))
+    """The spec file ``path``; a relative ``corpus.tokenizer`` is read from the file's folder, as a
+    layout file's ``tokenizer`` is (it was read from the working directory: the same spec built
+    with another tokenizer, or failed, depending on where the command ran)."""
+    data = read_toml(path, "trace spec")
+    corpus = data.get("corpus")
+    if isinstance(corpus, dict) and isinstance(corpus.get("tokenizer"), str) and corpus["tokenizer"] != DEEPSEEK_V4:
+        corpus["tokenizer"] = os.path.abspath(Path(path).parent / corpus["tokenizer"])
+    return parse_spec(data, str(path))
 
 
 def instantiate(name: str, kwargs: dict[str, Any], optional: dict[str, Any], path_flag: str, where: str):
