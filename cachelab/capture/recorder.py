@@ -39,7 +39,7 @@ import numpy as np
 from cachelab.capture.journal import Journal
 from cachelab.capture.segments import private_directory
 from cachelab.capture.tokens import FallbackTokenizer
-from cachelab.engram.vocab import DEEPSEEK_V4
+from cachelab.engram.vocab import DEEPSEEK_V4, tokenizer_record
 from cachelab.errors import CachelabError
 from cachelab.workload.prefix_cache.hashing import chained_block_hashes
 
@@ -206,6 +206,10 @@ class Recorder:
     ``submit`` takes a ``RequestRecord`` or a proxy's ``Exchange`` (parsed on the journal's
     thread into a record per choice, ``tokenizer`` the fallback for an upstream that sends no
     ids, loaded on first use); it never blocks and never raises on the caller's path.
+    ``ids_tokenizer``: the tokenizer every id recorded is of, where that is known (``cachelab serve``'s
+    own; the upstream's, as the proxy's user names it), recorded in each segment header as
+    ``tokenizer`` (``tokenizer_record``: name and SHA-256), which ``trace build --from-capture``
+    carries into the trace; None (unknown) records none.
     ``stats()`` reports submitted / acknowledged / dropped counts of submissions
     (``acknowledged``: every record of it durable under the fsync policy). ``max_pending_bytes``
     bounds what the submissions waiting to be built hold (``Journal``).
@@ -215,7 +219,7 @@ class Recorder:
                  salt_file: str | os.PathLike | None = None, fsync: str = "batch",
                  rotate_bytes: int = 256 << 20, rotate_seconds: float = 3600.0, max_queue: int = 100_000,
                  source: str = "capture", tokenizer: str = DEEPSEEK_V4, commit_interval: float = 0.0,
-                 max_pending_bytes: int | None = None):
+                 max_pending_bytes: int | None = None, ids_tokenizer: str | None = None):
         self.directory = private_directory(directory)
         self.tokenizer = FallbackTokenizer(tokenizer)
         self.privacy = Privacy(load_salt(salt_file or self.directory / "salt"), hash_blocks, store_text)
@@ -227,7 +231,8 @@ class Recorder:
                                rotate_seconds=rotate_seconds, max_queue=max_queue, commit_interval=commit_interval,
                                max_pending_bytes=max_pending_bytes,
                                header={"privacy": self.privacy.mode, "block_size": hash_blocks or None,
-                                       "store_text": store_text, "source": source})
+                                       "store_text": store_text, "source": source,
+                                       **({"tokenizer": tokenizer_record(ids_tokenizer)} if ids_tokenizer else {})})
 
     def submit(self, record) -> bool:
         """Queue a ``RequestRecord`` or an ``Exchange`` (anything with ``to_records(tokenizer)`` and

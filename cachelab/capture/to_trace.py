@@ -5,13 +5,16 @@ corrupt records counted, never raised); ``capture_to_trace`` turns the successfu
 into the project's request table (``cachelab.trace.schema``): arrivals in seconds from the
 first request, sessions from the salted session key (a session is named by the request id
 of its first request, turns counted in arrival order), prompt and output token ids, or in
-``hash-blocks`` mode content-less rows with the salted ``block_hashes``. What the read could not
+``hash-blocks`` mode content-less rows with the salted ``block_hashes``; where the capture names
+the tokenizer of every request's ids (``cachelab serve --capture``; the proxy's
+``--upstream-tokenizer``), the trace records it, so that a layout of another is refused. What the read could not
 take (torn tails, corrupt stretches, segments it could not read at all) is reported, never
 dropped unsaid.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,6 +24,7 @@ import polars as pl
 
 from cachelab.capture.recorder import REQUESTS, endpoint_domain
 from cachelab.capture.segments import ReadStats, read_stream
+from cachelab.engram.vocab import is_tokenizer_record
 from cachelab.errors import CachelabError
 from cachelab.trace.schema import conform, list_series, write_trace
 from cachelab.trace.stats import server_cache
@@ -46,14 +50,24 @@ def _list_column(name: str, raw: list, dtype: str) -> pl.Series:
 
 
 def read_requests(directory: str | os.PathLike) -> tuple[pl.DataFrame, ReadStats]:
-    """Every request record as one row (arrays as list columns), and what the read skipped."""
+    """Every request record as one row (arrays as list columns), and what the read skipped.
+    ``tokenizer``: the tokenizer the record's ids are of, as its run's segment headers name it
+    (``tokenizer_record`` as JSON), null where they name none (or disagree)."""
     stats = ReadStats()
-    records = [r for r in read_stream(directory, REQUESTS, stats) if r.get("kind") == "request"]
+    records, tokenizers = [], {}
+    for r in read_stream(directory, REQUESTS, stats):
+        if r.get("kind") == "request":
+            records.append(r)
+        elif r.get("kind") == "segment" and isinstance(r.get("run"), int) and is_tokenizer_record(r.get("tokenizer")):
+            named = json.dumps({"tokenizer": r["tokenizer"]["tokenizer"], "sha256": r["tokenizer"]["sha256"]})
+            tokenizers[r["run"]] = named if tokenizers.get(r["run"], named) == named else None
     columns: dict[str, pl.Series] = {}
     for name, dtype in _SCALARS.items():
         columns[name] = pl.Series(name, [r.get(name) for r in records], dtype=dtype, strict=False)
     for name, (np_dtype, _) in _ARRAYS.items():
         columns[name] = _list_column(name, [r.get(name) for r in records], np_dtype)
+    runs = columns["run"].to_list()
+    columns["tokenizer"] = pl.Series("tokenizer", [tokenizers.get(run) for run in runs], dtype=pl.String)
     return pl.DataFrame(columns), stats
 
 
@@ -74,6 +88,8 @@ class CaptureBuild:
     segments: int
     damaged: list[str]  # where each torn tail or corrupt stretch is: FILE@OFFSET
     unreadable: list[str]  # segments not read at all (an I/O error, not a segment) and undecodable records
+    tokenizer: dict | None  # the tokenizer of every request's ids, as the capture names it (recorded in the trace)
+    unknown_tokenizer_requests: int  # requests whose ids' tokenizer the capture does not name (then none recorded)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -136,18 +152,35 @@ def capture_to_trace(directory: str | os.PathLike) -> tuple[pl.DataFrame, Captur
         "source": pl.repeat("capture", n, dtype=pl.String, eager=True),
         "cached_tokens": _cached_tokens(usable, hash_mode),
     }))
+    tokenizer, unknown = (None, 0) if hash_mode else _ids_tokenizer(usable, directory)
     report = CaptureBuild(
         requests=n, tokens_in=int(trace["prompt_len"].cast(pl.Int64).sum()),
         tokens_out=int(trace["output_len"].cast(pl.Int64).sum()),
         sessions=int(trace["session_id"].n_unique()), failed_requests=failed, without_tokens=ok.height - n,
         **server_cache(trace),
         torn_tails=stats.torn_tails, corrupt_records=stats.corrupt, segments=stats.segments, damaged=stats.damaged,
-        unreadable=stats.bad_files)
+        unreadable=stats.bad_files, tokenizer=tokenizer, unknown_tokenizer_requests=unknown)
     return trace, report
+
+
+def _ids_tokenizer(usable: pl.DataFrame, directory: Path) -> tuple[dict | None, int]:
+    """The tokenizer the requests' ids are of, where the capture names one for all of them (else None),
+    and how many it names none for. Ids of two tokenizers (two servers captured into one directory)
+    are refused: a trace of them is addressed as one tokenizer's, and half its rows as other text's."""
+    named = usable["tokenizer"]
+    records = [json.loads(r) for r in named.drop_nulls().unique(maintain_order=True).to_list()]
+    by_sha = {r["sha256"]: r for r in records}
+    if len(by_sha) > 1:
+        raise CachelabError(f"{directory}: token ids of {len(by_sha)} tokenizers ("
+                            + ", ".join(f"{r['tokenizer']!r}, SHA-256 {sha[:16]}..." for sha, r in by_sha.items())
+                            + "): one trace is addressed as one tokenizer's ids; capture each server into its own "
+                            "directory")
+    unknown = named.null_count()
+    return (next(iter(by_sha.values())) if by_sha and not unknown else None), unknown
 
 
 def build_from_capture(directory: str | os.PathLike, out: str | os.PathLike) -> CaptureBuild:
     """Write the capture's trace to ``out`` (atomically) and say what went in."""
     trace, report = capture_to_trace(directory)
-    write_trace(trace, out)
+    write_trace(trace, out, tokenizer=report.tokenizer)
     return report

@@ -79,7 +79,7 @@ class CaptureWriter:
                  salt_file: str | os.PathLike | None = None, fsync: str = "batch", rotate_bytes: int = 256 << 20,
                  rotate_seconds: float = 3600.0, tokenizer: str | None = None, nice: int = 10,
                  sched: str = "idle", max_backlog_bytes: int = 256 << 20, start_timeout: float = 60.0,
-                 commit_interval: float = 0.0, max_ahead_bytes: int = 256 << 20):
+                 commit_interval: float = 0.0, max_ahead_bytes: int = 256 << 20, ids_tokenizer: str | None = None):
         if fsync not in FSYNC_POLICIES:
             raise CachelabError(f"--fsync {fsync!r}: expected one of {', '.join(FSYNC_POLICIES)}")
         if sched not in SCHED_POLICIES:
@@ -106,7 +106,8 @@ class CaptureWriter:
         config = {"directory": str(directory), "hash_blocks": hash_blocks, "store_text": store_text,
                   "salt_file": None if salt_file is None else str(salt_file), "fsync": fsync,
                   "rotate_bytes": rotate_bytes, "rotate_seconds": rotate_seconds, "tokenizer": tokenizer,
-                  "nice": nice, "sched": sched, "commit_interval": commit_interval, "max_ahead_bytes": max_ahead_bytes}
+                  "ids_tokenizer": ids_tokenizer, "nice": nice, "sched": sched, "commit_interval": commit_interval,
+                  "max_ahead_bytes": max_ahead_bytes}
         self.proc = subprocess.Popen([sys.executable, "-m", "cachelab.capture.writer", str(read_end), str(self._shm),
                                       json.dumps(config)], pass_fds=(read_end, self._shm), stdin=subprocess.DEVNULL)
         os.close(read_end)
@@ -295,6 +296,7 @@ def _child(read_fd: int, shm_fd: int, config: dict) -> int:
         recorder = Recorder(config["directory"], hash_blocks=config["hash_blocks"], store_text=config["store_text"],
                             salt_file=config["salt_file"], fsync=config["fsync"], rotate_bytes=config["rotate_bytes"],
                             rotate_seconds=config["rotate_seconds"], commit_interval=config["commit_interval"],
+                            ids_tokenizer=config["ids_tokenizer"],
                             **({"tokenizer": config["tokenizer"]} if config["tokenizer"] else {}))
     except CachelabError as exc:  # e.g. a capture directory it cannot write to: said once, not as a traceback
         print(f"error: {exc}", file=sys.stderr)

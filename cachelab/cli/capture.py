@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import threading
 from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from cachelab import strict_json
 from cachelab.errors import CachelabError
@@ -38,6 +41,22 @@ def parse_listen(listen: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def fallback_tokenizer(tokenizer: str | None, upstream: str | None) -> str:
+    """The proxy's fallback tokenizer (``--tokenizer``, else ``--upstream-tokenizer``, else DeepSeek-V4's),
+    loaded now: a missing or malformed file showed only at the first request that needed it. One other
+    than ``--upstream-tokenizer`` is refused: its ids would be recorded as the upstream's tokenizer's."""
+    from cachelab.engram.vocab import DEEPSEEK_V4, load_tokenizer, tokenizer_sha256
+
+    chosen = tokenizer or upstream or DEEPSEEK_V4
+    for source in dict.fromkeys(s for s in (chosen, upstream) if s not in (None, DEEPSEEK_V4)):
+        load_tokenizer(source)
+    if upstream is not None and tokenizer_sha256(chosen) != tokenizer_sha256(upstream):
+        raise CachelabError(f"--tokenizer {chosen} is not --upstream-tokenizer {upstream} (another tokenizer.json): "
+                            "the fallback's ids would be recorded as the upstream's tokenizer's; leave --tokenizer "
+                            "out (the fallback is then the upstream's) or give the same tokenizer")
+    return chosen
+
+
 @app.command()
 def proxy(
     upstream: str = typer.Option(..., help="The OpenAI-compatible server to front, e.g. http://127.0.0.1:8000 "
@@ -59,7 +78,13 @@ def proxy(
                                        "(else the body's `user`)."),
     token_ids: bool = typer.Option(True, "--token-ids/--no-token-ids", help="Ask the upstream for token ids "
                                    "(vLLM's return_token_ids); off: tokenize locally."),
-    tokenizer: str = typer.Option("deepseek-v4", help="Fallback tokenizer: deepseek-v4 or a tokenizer.json."),
+    tokenizer: str | None = typer.Option(None, help="Fallback tokenizer: deepseek-v4 or a tokenizer.json "
+                                         "(default: --upstream-tokenizer's, else deepseek-v4)."),
+    upstream_tokenizer: str | None = typer.Option(None, help="The tokenizer the upstream serves with, as you know it "
+                                                  "(deepseek-v4 or a tokenizer.json): recorded in the capture (name "
+                                                  "and SHA-256), so that a trace built from it refuses a layout of "
+                                                  "another tokenizer; also the fallback. Without it the capture "
+                                                  "names no tokenizer: the upstream's is not known here."),
     fsync: str = typer.Option("batch", help=FSYNC_HELP),
     commit_ms: float = typer.Option(1000.0, help="With --fsync batch or never: at least this long between two "
                                     "commits (one write and one fsync each); records that come meanwhile are "
@@ -115,7 +140,7 @@ def proxy(
     from cachelab.capture.proxy import ProxyConfig, event_loop_factory, run_proxy
     from cachelab.capture.recorder import Recorder, report_write_error
     from cachelab.capture.writer import CaptureWriter
-    from cachelab.engram.vocab import DEEPSEEK_V4, load_tokenizer
+    from cachelab.engram.vocab import DEEPSEEK_V4
     from cachelab.heap import freeze_startup_heap
     from cachelab.live.launch import bound_socket, check_bind
 
@@ -134,8 +159,9 @@ def proxy(
         raise CachelabError(f"--max-connections {max_connections}: expected 1 or more")
     if hash_blocks < 0:
         raise CachelabError(f"--hash-blocks {hash_blocks}: expected 0 (keep ids) or a block size in tokens")
-    if tokenizer != DEEPSEEK_V4:  # a missing or malformed file showed only at the first request that needed it
-        load_tokenizer(tokenizer)
+    tokenizer = fallback_tokenizer(tokenizer, upstream_tokenizer)
+    if upstream_tokenizer is not None and upstream_tokenizer != DEEPSEEK_V4:  # the name a trace shows, wherever it runs
+        upstream_tokenizer = os.path.abspath(upstream_tokenizer)
     host, port = parse_listen(listen)
     check_bind(host, api_key, "--listen")
     config = ProxyConfig(upstream=upstream, api_key=api_key, upstream_ca=str(upstream_ca) if upstream_ca else None,
@@ -156,7 +182,7 @@ def proxy(
     sock = bound_socket(host, port, "--listen")
     options = dict(hash_blocks=hash_blocks, store_text=store_text, salt_file=salt_file, fsync=fsync,
                    rotate_bytes=rotate_bytes, rotate_seconds=rotate_seconds, tokenizer=tokenizer,
-                   commit_interval=commit_ms / 1e3)
+                   commit_interval=commit_ms / 1e3, ids_tokenizer=upstream_tokenizer)
     if writer == "process":
         recorder = CaptureWriter(out, nice=writer_nice, sched=writer_sched, **options)
     else:  # exchanges waiting for the journal's thread: bounded as the writer process's backlog is
@@ -256,6 +282,11 @@ def info(
         "kv_batches": len(batches), "kv_events": sum(len(b["events"]) for b in batches),
         "kv_losses": loss_counts(losses),
         "requests_read": stats.to_dict(), "kv_read": kv_stats.to_dict(),
+        # whose ids: the tokenizer each run's segment headers name (cachelab serve's own, the proxy's
+        # --upstream-tokenizer), and the requests of runs that name none
+        "tokenizers": [{**json.loads(named), "requests": count} for named, count
+                       in table.group_by("tokenizer", maintain_order=True).len().iter_rows() if named is not None],
+        "requests_of_unnamed_tokenizer": table["tokenizer"].null_count() if table.height else 0,
     }
     result["token_sources"] = {str(k): v for k, v in result["token_sources"].items()}
     if as_json:
@@ -264,6 +295,12 @@ def info(
     console = Console()
     console.print(f"[bold]{directory}[/]: {result['requests']:,} requests ({result['ok']:,} ok, "
                   f"{result['failed']:,} failed), {result['kv_batches']:,} KV batches / {result['kv_events']:,} events")
+    for named in result["tokenizers"]:
+        console.print(f"token ids of tokenizer {escape(named['tokenizer'])} (tokenizer.json SHA-256 "
+                      f"{escape(named['sha256'][:16])}...): {named['requests']:,} requests")
+    if result["tokenizers"] and result["requests_of_unnamed_tokenizer"]:
+        console.print(f"token ids of a tokenizer the capture does not name: "
+                      f"{result['requests_of_unnamed_tokenizer']:,} requests")
     kv = result["kv_losses"]
     if any(kv.values()):
         console.print(f"KV events lost: {kv['gaps']:,} batches missing (gaps), {kv['lost']:,} dropped (buffer full), "

@@ -148,6 +148,13 @@ def _build_from_capture(directory: Path, out: Path, as_json: bool, given: list[s
     console = Console()
     console.print(f"wrote {out}: {report.requests:,} requests in {report.sessions:,} sessions, "
                   f"{report.tokens_in:,} prompt tokens, {report.tokens_out:,} output tokens")
+    if report.tokenizer is not None:
+        console.print(f"token ids of tokenizer {escape(report.tokenizer['tokenizer'])} (tokenizer.json SHA-256 "
+                      f"{escape(report.tokenizer['sha256'][:16])}...), as the capture names it: recorded in the trace")
+    elif report.unknown_tokenizer_requests:
+        console.print(f"no tokenizer recorded: the capture does not name the one {report.unknown_tokenizer_requests:,} "
+                      "requests' ids are of (`capture proxy --upstream-tokenizer` names the upstream's), so no layout "
+                      "is checked against the trace")
     if report.server_prefix_hit_ratio is not None:
         console.print(f"server prefix cache: {report.server_cached_tokens:,} cached prompt tokens "
                       f"({report.server_prefix_hit_ratio:.3f} of the prompt tokens)")

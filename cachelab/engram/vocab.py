@@ -95,6 +95,17 @@ def tokenizer_sha256(source: str) -> str:
     return hashlib.sha256(tokenizer_path(source).read_bytes()).hexdigest()
 
 
+def tokenizer_record(source: str) -> dict:
+    """What a request trace (``cachelab.trace.schema``) or a capture's segment header records of the
+    tokenizer ``source`` (``deepseek-v4`` or a tokenizer.json path) that made its token ids."""
+    return {"tokenizer": source, "sha256": tokenizer_sha256(source)}
+
+
+def is_tokenizer_record(value) -> bool:
+    """Whether ``value`` has the form ``tokenizer_record`` gives (read back from a file)."""
+    return isinstance(value, dict) and isinstance(value.get("tokenizer"), str) and isinstance(value.get("sha256"), str)
+
+
 def _cache_key(source: str) -> str:
     return f"compressed-map-{tokenizer_sha256(source)[:16]}"
 

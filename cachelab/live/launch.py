@@ -15,9 +15,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from cachelab.engram.vocab import DEEPSEEK_V4
 from cachelab.errors import CachelabError
 from cachelab.live.config import ModelConfig, model_config
 
+TOKENIZER = DEEPSEEK_V4  # the ids it reads and writes: its model's vocabulary, and its layout's tokenizer
 DEFAULT_STORE_SCALE = 1e-4  # the scaled store built on first use: 1/10,000 of V4.1's rows (21 MB)
 # serve-sim's placement names, as the store's backings (the store's own names pass through)
 PLACEMENTS = {"dram-copy": "dram", "dram-uva": "dram", "ssd-mmap": "mmap", "ssd-direct": "direct"}
@@ -200,7 +202,7 @@ def build_engine(opts: ServeOptions):
                               max_num_batched_tokens=opts.max_num_batched_tokens, prefix_caching=opts.prefix_caching,
                               prefetch=opts.prefetch, device=opts.device,
                               step_log=str(opts.step_log) if opts.step_log else None)
-    engine = LiveEngine(model, rows, load_tokenizer(), engine_cfg)
+    engine = LiveEngine(model, rows, load_tokenizer(TOKENIZER), engine_cfg)
     if opts.row_cache_model is not None:
         from cachelab.learning.online import OnlineScorer
 
@@ -214,7 +216,8 @@ def open_capture(opts: ServeOptions):
         return None
     from cachelab.capture.recorder import Recorder
 
-    return Recorder(opts.capture, source="cachelab-serve")
+    # the ids it records are its own tokenizer's (build_engine's): a trace built from them is checked against layouts
+    return Recorder(opts.capture, source="cachelab-serve", ids_tokenizer=TOKENIZER)
 
 
 def _capture_then_engine(opts: ServeOptions, engine=None):

@@ -30,6 +30,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from cachelab.engram.vocab import is_tokenizer_record, tokenizer_record
 from cachelab.errors import CachelabError
 from cachelab.paths import scratch_beside
 
@@ -168,17 +169,10 @@ def _check_file_schema(path: Path) -> None:
         raise CachelabError(f"{path}: trace schema version {version.decode()}, this cachelab reads {SCHEMA_VERSION}")
 
 
-def tokenizer_record(source: str) -> dict:
-    """What a trace records of the tokenizer ``source`` (``deepseek-v4`` or a tokenizer.json path)."""
-    from cachelab.engram.vocab import tokenizer_sha256
-
-    return {"tokenizer": source, "sha256": tokenizer_sha256(source)}
-
-
 def recorded_tokenizer(path: str | os.PathLike) -> dict | None:
     """The tokenizer trace ``path`` records (``tokenizer_record``), None where it records none: an
-    import without ids, a capture (the server's tokenizer is not known here), or a trace written
-    before tokenizers were recorded."""
+    import without ids, a capture whose ids' tokenizer it does not name, or a trace written before
+    tokenizers were recorded."""
     path = Path(path)
     _check_file_schema(path)
     raw = (pq.read_schema(path).metadata or {}).get(TOKENIZER_KEY)
@@ -188,8 +182,7 @@ def recorded_tokenizer(path: str | os.PathLike) -> dict | None:
         record = json.loads(raw)
     except ValueError:
         record = None
-    if not (isinstance(record, dict) and isinstance(record.get("tokenizer"), str)
-            and isinstance(record.get("sha256"), str)):
+    if not is_tokenizer_record(record):
         raise CachelabError(f"{path}: Parquet metadata {TOKENIZER_KEY.decode()} = {raw[:80]!r} is not "
                             '{"tokenizer": NAME, "sha256": HEX}')
     return record
@@ -317,14 +310,17 @@ class TraceWriter:
 
     Each chunk is validated; arrival order and request-id uniqueness are checked across
     chunks too (ids must increase from chunk to chunk). ``tokenizer``: the tokenizer that made
-    the token ids, recorded (``tokenizer_record``); None for a trace without ids of a known one.
+    the token ids, recorded: its source (``tokenizer_record`` of it), or a record already made (a
+    capture's, whose tokenizer.json may be on another machine); None for a trace without ids of a
+    known one.
     """
 
-    def __init__(self, path: str | os.PathLike, tokenizer: str | None = None):
+    def __init__(self, path: str | os.PathLike, tokenizer: str | dict | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        schema = SCHEMA if tokenizer is None else SCHEMA.with_metadata(
-            {**SCHEMA.metadata, TOKENIZER_KEY: json.dumps(tokenizer_record(tokenizer)).encode()})
+        record = tokenizer_record(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        schema = SCHEMA if record is None else SCHEMA.with_metadata(
+            {**SCHEMA.metadata, TOKENIZER_KEY: json.dumps(record).encode()})
         self._tmp = scratch_beside(self.path)
         self._writer = pq.ParquetWriter(self._tmp, schema, compression="zstd")
         self._last_arrival = 0.0
@@ -364,12 +360,12 @@ class TraceWriter:
             self.abort()
 
 
-def write_trace(df: pl.DataFrame, path: str | os.PathLike, tokenizer: str | None = None) -> None:
+def write_trace(df: pl.DataFrame, path: str | os.PathLike, tokenizer: str | dict | None = None) -> None:
     """Validate and write one table (atomically: an existing file is replaced only on success)."""
     write_chunks([df], path, tokenizer)
 
 
-def write_chunks(chunks: Iterable[pl.DataFrame], path: str | os.PathLike, tokenizer: str | None = None) -> int:
+def write_chunks(chunks: Iterable[pl.DataFrame], path: str | os.PathLike, tokenizer: str | dict | None = None) -> int:
     """Write chunks in order (``tokenizer`` as ``TraceWriter``'s); returns the number of rows."""
     with TraceWriter(path, tokenizer) as writer:
         for chunk in chunks:

@@ -1,0 +1,100 @@
+"""A capture names the tokenizer its ids are of where that is known (``cachelab serve --capture``'s
+own, the proxy's ``--upstream-tokenizer``), and ``trace build --from-capture`` carries it into the
+trace, so that a layout of another tokenizer is refused; where it is not known nothing is recorded.
+Before, a capture named none and every trace built from one was addressed by any layout."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from cachelab.capture.recorder import Recorder, RequestRecord
+from cachelab.capture.segments import read_stream
+from cachelab.capture.to_trace import build_from_capture, capture_to_trace
+from cachelab.cli import app
+from cachelab.errors import CachelabError
+from cachelab.trace.schema import recorded_tokenizer, tokenizer_record
+from test_trace_tokenizer import tiny_tokenizer
+
+
+def _served(i: int) -> RequestRecord:
+    return RequestRecord(endpoint="/v1/completions", arrival_unix_ns=1_000_000_000 * (10 + i),
+                         prompt_ids=np.arange(3, 9, dtype=np.int32), output_ids=np.arange(3, 6, dtype=np.int32),
+                         token_source="server")
+
+
+def _capture(directory, ids_tokenizer, first=0, n=2):
+    with Recorder(directory, ids_tokenizer=ids_tokenizer) as rec:
+        for i in range(first, first + n):
+            rec.submit(_served(i))
+
+
+def test_a_named_tokenizer_goes_into_the_trace_and_is_checked(tmp_path):
+    tok = tiny_tokenizer(tmp_path)
+    _capture(tmp_path / "cap", tok)
+    out = tmp_path / "t.parquet"
+    report = build_from_capture(tmp_path / "cap", out)
+    assert report.tokenizer == tokenizer_record(tok) == recorded_tokenizer(out)
+    assert report.unknown_tokenizer_requests == 0
+    refused = CliRunner().invoke(app, ["trace", "info", str(out), "--engram-tokens", "100"])
+    assert refused.exit_code != 0 and "its token ids are of tokenizer" in refused.output  # the V4 layout
+
+    info = CliRunner().invoke(app, ["capture", "info", str(tmp_path / "cap"), "--json"])
+    assert json.loads(info.output)["tokenizers"] == [{**tokenizer_record(tok), "requests": 2}]
+
+
+def test_a_capture_that_names_none_records_none(tmp_path):
+    _capture(tmp_path / "cap", None)
+    out = tmp_path / "t.parquet"
+    report = build_from_capture(tmp_path / "cap", out)
+    assert report.tokenizer is None and report.unknown_tokenizer_requests == 2
+    assert recorded_tokenizer(out) is None
+
+
+def test_runs_of_two_tokenizers_are_refused_and_an_unnamed_run_records_none(tmp_path):
+    """Two servers captured into one directory: their ids are of two vocabularies, which one trace
+    cannot say; a run that names none beside one that names a tokenizer leaves it unknown."""
+    tok = tiny_tokenizer(tmp_path)
+    _capture(tmp_path / "two", tok)
+    _capture(tmp_path / "two", "deepseek-v4", first=2)
+    with pytest.raises(CachelabError, match="token ids of 2 tokenizers"):
+        capture_to_trace(tmp_path / "two")
+    _capture(tmp_path / "some", tok)
+    _capture(tmp_path / "some", None, first=2, n=3)
+    _, report = capture_to_trace(tmp_path / "some")
+    assert report.tokenizer is None and report.unknown_tokenizer_requests == 3
+
+
+def test_serve_capture_names_its_own_tokenizer(tmp_path):
+    from cachelab.live.launch import ServeOptions, open_capture
+
+    recorder = open_capture(ServeOptions(capture=tmp_path / "cap"))
+    with recorder:
+        recorder.submit(_served(0))
+    _, report = capture_to_trace(tmp_path / "cap")
+    assert report.tokenizer == tokenizer_record("deepseek-v4")
+
+
+def test_the_proxy_writer_process_names_the_upstream_tokenizer(tmp_path):
+    from cachelab.capture.writer import CaptureWriter
+
+    tok = tiny_tokenizer(tmp_path)
+    CaptureWriter(tmp_path / "cap", tokenizer=tok, ids_tokenizer=tok, sched="normal").close()
+    heads = [r for r in read_stream(tmp_path / "cap", "requests") if r.get("kind") == "segment"]
+    assert [h.get("tokenizer") for h in heads] == [tokenizer_record(tok)]
+
+
+def test_the_proxy_refuses_a_fallback_other_than_the_upstream_tokenizer(tmp_path):
+    from cachelab.cli.capture import fallback_tokenizer
+
+    tok = tiny_tokenizer(tmp_path)
+    assert fallback_tokenizer(None, tok) == tok  # the upstream's is the fallback
+    assert fallback_tokenizer(None, None) == "deepseek-v4"
+    result = CliRunner().invoke(app, ["capture", "proxy", "--upstream", "http://127.0.0.1:9", "--out",
+                                      str(tmp_path / "cap"), "--listen", "127.0.0.1:0", "--upstream-tokenizer", tok,
+                                      "--tokenizer", "deepseek-v4"])
+    assert result.exit_code != 0 and "is not --upstream-tokenizer" in result.output
+    assert not (tmp_path / "cap").exists(), "refused before anything is created"
