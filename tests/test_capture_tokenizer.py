@@ -41,6 +41,7 @@ def test_a_named_tokenizer_goes_into_the_trace_and_is_checked(tmp_path):
     assert report.unknown_tokenizer_requests == 0
     refused = CliRunner().invoke(app, ["trace", "info", str(out), "--engram-tokens", "100"])
     assert refused.exit_code != 0 and "its token ids are of tokenizer" in refused.output  # the V4 layout
+    assert "a capture's ids are its server's tokenizer's" in " ".join(refused.output.split())
 
     info = CliRunner().invoke(app, ["capture", "info", str(tmp_path / "cap"), "--json"])
     assert json.loads(info.output)["tokenizers"] == [{**tokenizer_record(tok), "requests": 2}]
