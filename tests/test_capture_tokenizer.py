@@ -99,3 +99,19 @@ def test_the_proxy_refuses_a_fallback_other_than_the_upstream_tokenizer(tmp_path
                                       "--tokenizer", "deepseek-v4"])
     assert result.exit_code != 0 and "is not --upstream-tokenizer" in result.output
     assert not (tmp_path / "cap").exists(), "refused before anything is created"
+
+
+def test_serve_refuses_a_layout_of_another_tokenizer(tmp_path):
+    """A model file's layout of another tokenizer had the server's DeepSeek-V4 ids addressed as that
+    tokenizer's, and its capture would name them DeepSeek-V4's beside a layout that reads them otherwise."""
+    from cachelab.live.launch import ServeOptions, model_for
+    from test_trace_tokenizer import tiny_layout
+
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps({"name": "t", "hidden": 64, "layers": 4, "heads": 2, "kv_heads": 1, "head_dim": 32,
+                                 "intermediate": 128, "engram_layers": [1, 3],
+                                 "layout": tiny_layout(tmp_path, tiny_tokenizer(tmp_path))}))
+    with pytest.raises(CachelabError, match="addresses ids of tokenizer .*tiny.* cachelab serve reads and writes"):
+        model_for(ServeOptions(preset=str(model)))
+    model.write_text(json.dumps({**json.loads(model.read_text()), "layout": "deepseek-v4.1-flash"}))
+    assert model_for(ServeOptions(preset=str(model))).layout == "deepseek-v4.1-flash"

@@ -94,7 +94,18 @@ def bound_socket(host: str, port: int, flag: str = "--port") -> socket.socket:
 
 
 def model_for(opts: ServeOptions) -> ModelConfig:
+    """The model ``--preset`` names, refused where its layout addresses ids of another tokenizer than
+    the server's (``TOKENIZER``): a model file's ``layout`` of another tokenizer.json had the server's
+    ids addressed as that tokenizer's, every row another text's, and its capture named them so."""
+    from cachelab.engram import get_preset
+    from cachelab.engram.vocab import tokenizer_sha256
+
     cfg = model_config(opts.preset)
+    layout = get_preset(cfg.layout)
+    if layout.tokenizer != TOKENIZER and tokenizer_sha256(layout.tokenizer) != tokenizer_sha256(TOKENIZER):
+        raise CachelabError(f"--preset {opts.preset}: layout {cfg.layout!r} addresses ids of tokenizer "
+                            f"{layout.tokenizer!r}, but cachelab serve reads and writes {TOKENIZER}'s ids (its "
+                            "model's vocabulary): every row would be another text's; give a layout of that tokenizer")
     changes = {}
     if opts.engram_layers is not None:
         changes["engram_layers"] = tuple(opts.engram_layers)
