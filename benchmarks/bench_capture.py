@@ -56,6 +56,8 @@ Run: .venv/bin/python benchmarks/bench_capture.py [--requests 1024 --concurrency
 
 from __future__ import annotations
 
+import cli_numpy  # noqa: F401  (first, before NumPy: NumPy as the command line runs it)
+
 import argparse
 import asyncio
 import gc

@@ -15,6 +15,8 @@ chunks' timestamps by as long as the encoding takes.
 
 from __future__ import annotations
 
+import cli_numpy  # noqa: F401  (first, before NumPy: NumPy as the command line runs it)
+
 import argparse
 import asyncio
 import json

@@ -6,6 +6,8 @@ must agree bit for bit. Run: .venv/bin/python benchmarks/bench_engram.py [--char
 
 from __future__ import annotations
 
+import cli_numpy  # noqa: F401  (first, before NumPy: NumPy as the command line runs it)
+
 import argparse
 import time
 

@@ -13,6 +13,8 @@ A policy that reads the future (``belady``) gets the stream's next accesses, com
 
 from __future__ import annotations
 
+import cli_numpy  # noqa: F401  (first, before NumPy: NumPy as the command line runs it)
+
 import argparse
 import sys
 import time

@@ -30,6 +30,8 @@ report the miss ratio of its in-process pass (the same stream and model).
 
 from __future__ import annotations
 
+import cli_numpy  # noqa: F401  (first, before NumPy: NumPy as the command line runs it)
+
 import argparse
 import json
 import tempfile

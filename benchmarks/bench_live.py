@@ -22,6 +22,8 @@ The machine's load average is printed (it may be shared). Run:
 
 from __future__ import annotations
 
+import cli_numpy  # noqa: F401  (first, before NumPy: NumPy as the command line runs it)
+
 import argparse
 import asyncio
 import json

@@ -24,6 +24,8 @@ The step logs stay under ``--out/runs`` (rerun the fit alone with `cachelab cali
 
 from __future__ import annotations
 
+import cli_numpy  # noqa: F401  (first, before NumPy: NumPy as the command line runs it)
+
 import argparse
 import json
 import os

@@ -12,6 +12,8 @@ the in-process server is slower), and the load average beside.
 
 from __future__ import annotations
 
+import cli_numpy  # noqa: F401  (first, before NumPy: NumPy as the command line runs it)
+
 import argparse
 import os
 import sys

@@ -17,6 +17,8 @@ the load average; ``--json FILE`` keeps the numbers.
 
 from __future__ import annotations
 
+import cli_numpy  # noqa: F401  (first, before NumPy: NumPy as the command line runs it)
+
 import argparse
 import json
 import os

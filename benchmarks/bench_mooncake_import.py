@@ -15,6 +15,8 @@ Run: .venv/bin/python benchmarks/bench_mooncake_import.py [--copies N] [--repeat
 
 from __future__ import annotations
 
+import cli_numpy  # noqa: F401  (first, before NumPy: NumPy as the command line runs it)
+
 import argparse
 import json
 import sys

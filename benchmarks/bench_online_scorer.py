@@ -14,6 +14,8 @@ by round, and each size's ratio baseline / this tree is printed.
 
 from __future__ import annotations
 
+import cli_numpy  # noqa: F401  (first, before NumPy: NumPy as the command line runs it)
+
 import argparse
 import json
 import os

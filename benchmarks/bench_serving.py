@@ -15,6 +15,8 @@ the repository). Run: .venv/bin/python benchmarks/bench_serving.py [--hardware B
 
 from __future__ import annotations
 
+import cli_numpy  # noqa: F401  (first, before NumPy: NumPy as the command line runs it)
+
 import argparse
 import json
 import tempfile

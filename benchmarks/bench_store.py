@@ -50,6 +50,8 @@ the figures in docs/store.md come from reports a 480 MiB L3, shared with its hos
 
 from __future__ import annotations
 
+import cli_numpy  # noqa: F401  (first, before NumPy: NumPy as the command line runs it)
+
 import argparse
 import json
 import os

@@ -12,6 +12,8 @@ between the two trees' numeric keys (figures a change of the model moves show up
 
 from __future__ import annotations
 
+import cli_numpy  # noqa: F401  (first, before NumPy: NumPy as the command line runs it)
+
 import argparse
 import json
 import sys

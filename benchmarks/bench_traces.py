@@ -12,6 +12,8 @@ run: --small 100 --large 400)
 
 from __future__ import annotations
 
+import cli_numpy  # noqa: F401  (first, before NumPy: NumPy as the command line runs it)
+
 import argparse
 import json
 import subprocess

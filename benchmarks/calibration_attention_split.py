@@ -17,6 +17,8 @@ predicted compute of the steps that prefill after a cached prefix.
 
 from __future__ import annotations
 
+import cli_numpy  # noqa: F401  (first, before NumPy: NumPy as the command line runs it)
+
 import argparse
 from dataclasses import replace
 from pathlib import Path

@@ -23,6 +23,8 @@ share (in CPU time the prefill steps of different lengths lie on one line; in wa
 
 from __future__ import annotations
 
+import cli_numpy  # noqa: F401  (first, before NumPy: NumPy as the command line runs it)
+
 import argparse
 from pathlib import Path
 

@@ -22,6 +22,8 @@ log's per-operator clock costs a step.
 
 from __future__ import annotations
 
+import cli_numpy  # noqa: F401  (first, before NumPy: NumPy as the command line runs it)
+
 import argparse
 import time
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -232,6 +233,7 @@ def test_bench_live_times_the_bare_forward_on_a_thread_of_its_own_as_the_server_
     import importlib.util
     import threading
 
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # its first import, cli_numpy, lives there
     spec = importlib.util.spec_from_file_location("bench_live", BENCHMARKS / "bench_live.py")
     bench_live = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_live)
@@ -334,3 +336,34 @@ def test_bench_live_quick_run_prints_the_server_over_the_bare_model():
     [repeat] = out["repeated_prompt"]
     assert repeat["warm_cached_tokens"] > 0  # the prompt sent again found its prefix cached
     assert [(s["prefetch"], s["steps"] > 0) for s in out["stall"]] == [(True, True), (False, True)]
+
+
+# Benchmarks whose own process runs nothing of cachelab's that they time, and starts a competitor
+# that must keep its own NumPy default: libCacheSim's worker, vLLM's `vllm bench serve`, the host
+# path of vLLM's Engram worker (a vLLM process keeps NumPy's advice); and the two helpers.
+OWN_NUMPY_DEFAULT = {"bench_engine.py", "bench_serve_vs_vllm.py", "bench_engram_host_path.py", "timed_cli.py",
+                     "cli_numpy.py"}
+
+
+def test_every_benchmark_runs_numpy_as_the_command_line_does():
+    """The command line turns NumPy's huge-page advice off (cachelab/cli/__init__.py); a benchmark
+    that timed cachelab's code in its own process kept it, and timed compaction stalls no user of
+    the CLI meets: bench_learned's in-process learned pass 1.9-2.3 s of system time against 0.5 s,
+    learned / LRU 0.09 against 0.16 (docs/bench.md). Each benchmark imports cli_numpy first,
+    before anything imports NumPy, and its process goes without the advice."""
+    import ast
+
+    for path in sorted(BENCHMARKS.glob("*.py")):
+        if path.name in OWN_NUMPY_DEFAULT:
+            continue
+        imports = [n for n in ast.parse(path.read_text()).body if isinstance(n, (ast.Import, ast.ImportFrom))
+                   and not (isinstance(n, ast.ImportFrom) and n.module == "__future__")]
+        assert isinstance(imports[0], ast.Import) and imports[0].names[0].name == "cli_numpy", path.name
+    probe = ("import sys; sys.path.insert(0, sys.argv[1]); import bench_engram\n"
+             "from numpy._core import multiarray; print(multiarray._get_madvise_hugepage())")
+    env = {k: v for k, v in os.environ.items() if k != "NUMPY_MADVISE_HUGEPAGE"}
+    for given, advised in ((None, "False"), ("1", "True")):
+        run_env = env if given is None else {**env, "NUMPY_MADVISE_HUGEPAGE": given}
+        done = subprocess.run([sys.executable, "-c", probe, str(BENCHMARKS)], capture_output=True, text=True,
+                              env=run_env)
+        assert done.stdout.strip() == advised, (given, done.stdout, done.stderr[-2000:])
