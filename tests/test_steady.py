@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 
 from cachelab.cli import app
 from cachelab.errors import CachelabError
-from cachelab.serving.agentic import MEDIAN_OUTPUT, PREFIX_HIT, PREFIX_HIT_V01, agentic_workload
+from cachelab.serving.agentic import (BASE_MAX_ISL, INPUT_SIGMA, MAX_CONTEXT, MEDIAN_INPUT, MEDIAN_OUTPUT, PREFIX_HIT,
+                                      PREFIX_HIT_V01, agentic_workload)
 from cachelab.serving.hardware import load_profile
 from cachelab.serving.latency import Efficiency, LatencyModel
 from cachelab.serving.model_spec import load_model
@@ -204,6 +205,19 @@ def test_agentic_workload_matches_the_published_summaries():
     assert older.new_tokens.sum() < wl.new_tokens.sum() / 3
 
 
+def test_agentic_inputs_over_the_corpus_cap_are_dropped_not_truncated():
+    # AgentX's corpus drops each request whose input exceeds --base-max-isl (990,016) and truncates none
+    # (InferenceX build_weka_hf_dataset.py): the draws at or under it survive unchanged, in order, and
+    # nothing piles up at a cut (the old model clipped 5.2% of the inputs to half the window).
+    wl = agentic_workload(samples=8192, seed=1)
+    rng = np.random.default_rng(1)
+    raw = np.round(MEDIAN_INPUT * rng.lognormal(0.0, INPUT_SIGMA, 8192))
+    assert np.array_equal(wl.new_tokens + wl.cached_tokens, raw[raw <= BASE_MAX_ISL])
+    assert 0 < (raw > BASE_MAX_ISL).sum() < 0.02 * raw.size
+    assert wl.output_tokens.size == wl.think_s.size == wl.new_tokens.size
+    assert (wl.context_tokens < MAX_CONTEXT).all()  # vLLM's --max-model-len check refuses none
+
+
 def test_kv_capacity_bounds_the_prefix_cache():
     dep = _r1()
     wl = agentic_workload(samples=512)
@@ -247,7 +261,7 @@ def test_a_prompt_split_into_chunks_is_charged_its_own_tokens_once():
 def test_prompts_split_into_chunks_never_ask_the_prefill_slot_for_more_time_than_there_is():
     from cachelab.serving.studies.semianalysis import deployment
 
-    wl = agentic_workload(samples=4096)  # mean 25.7k new tokens a request: two chunks of a 16,384 budget
+    wl = agentic_workload(samples=4096)  # mean 26.3k new tokens a request: two chunks of a 16,384 budget
     dep = deployment("B300", 4, "hbm", Efficiency())
     m = SteadyState(dep, wl).solve(512)  # saturated: the prefill slot is the bottleneck
     room = dep.max_num_batched_tokens - m["decoders"] * 6

@@ -28,20 +28,29 @@ PREFIX_HIT = 0.858  # InferenceX #1632: cc-traces-weka-no-subagents-051226, full
 PREFIX_HIT_V01 = 0.968  # InferenceX #1632: the older cc-traces-weka-042026
 WINDOW_S = 3600.0  # InferenceX agentic README: 3,600 s default duration
 MAX_CONTEXT = 1_048_576  # the V4.1 recipes' --max-model-len (InferenceX dsv41flashssd script)
-# ASSUMPTION: an input is cut at half that window (5.2% of the draws; mean input 181k). No source sets
-# it; the window itself would cut prompt + output at MAX_CONTEXT (0.7% of the draws, mean 192k; B200
-# tokens/$ 76.7 -> 77.5 M, SSD 20.6 -> 19.7 M, DRAM over SSD 3.72 -> 3.94 with the SSD floor not refitted).
-INPUT_CAP = MAX_CONTEXT // 2
+# What AgentX does with requests longer than that window: it never sends one. The replay sets no
+# client cap for agentic runs (InferenceX benchmark_lib.sh unsets MAX_MODEL_LEN "so neither the server
+# nor AIPerf applies a cap"); the corpus is built without them: build_weka_hf_dataset.py --base-max-isl
+# drops (never truncates) each request whose input exceeds the cap, main-agent turn or subagent request
+# alike, and keeps the rest of its session and its timeline. Its help gives 990,016 (the 64-multiple
+# nearest 990k) and says no real prompt of the corpus exceeds 1M. The card of 062126 was not read here;
+# the DeepSeek-V4 GB300 TRT-LLM AgentX recipes (prefill max_seq_len 990016) and a reading of 062126
+# ("contexts up to 990k") agree. Draws above it are dropped the same way (0.76% of the lognormal); an
+# output is at most 32,768, so no kept request reaches MAX_CONTEXT and vLLM's length check refuses none.
+BASE_MAX_ISL = 990_016
 INPUT_SIGMA, OUTPUT_SIGMA, THINK_MEDIAN_S, THINK_SIGMA = 0.8, 1.0, 3.0, 1.0  # ASSUMPTIONS
 
 
 def agentic_workload(samples: int = 4096, seed: int = 0, median_input: float = MEDIAN_INPUT,
                      median_output: float = MEDIAN_OUTPUT, prefix_hit: float = PREFIX_HIT) -> Workload:
-    """``samples`` requests drawn from the published AgentX summaries (deterministic for a seed)."""
+    """``samples`` requests drawn from the published AgentX summaries, less those whose input exceeds
+    ``BASE_MAX_ISL`` (dropped, as the corpus drops them); deterministic for a seed."""
     rng = np.random.default_rng(seed)
-    inp = np.minimum(np.round(median_input * rng.lognormal(0.0, INPUT_SIGMA, samples)), INPUT_CAP)
+    inp = np.round(median_input * rng.lognormal(0.0, INPUT_SIGMA, samples))
     out = np.maximum(1.0, np.minimum(np.round(median_output * rng.lognormal(0.0, OUTPUT_SIGMA, samples)), 32_768))
-    cached = np.floor(inp * prefix_hit)
     think = THINK_MEDIAN_S * rng.lognormal(0.0, THINK_SIGMA, samples)
+    kept = inp <= BASE_MAX_ISL
+    inp, out, think = inp[kept], out[kept], think[kept]
+    cached = np.floor(inp * prefix_hit)
     return Workload("agentic (AgentX, synthesized)", inp - cached, cached, out, think,
                     "synthesized from AgentX's published medians and hit rate; the trace itself was not replayed")
