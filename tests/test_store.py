@@ -941,6 +941,10 @@ def test_row_ids_that_are_not_integers_are_refused(tables, hbm_capacity):
         with pytest.raises(CachelabError, match="row ids must be integers"):
             store.keys(rows.astype(np.float32))
         assert check_rows(store, rows, store.lookup(rows.astype(np.uint32))) == 0
+        huge = rows.astype(np.uint64)
+        huge[1, 0, 3] = 2 ** 64 - 5  # as int64, -5: it was reported as row id -5
+        with pytest.raises(CachelabError, match=f"row id {2 ** 64 - 5} is out of range: row ids are below 2"):
+            store.lookup(huge)
         assert store.lookup(np.zeros((0, 2, 24))).shape == (0, 2, 24, CFG.row_dim)  # nothing to read: any dtype
 
 

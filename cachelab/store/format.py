@@ -65,6 +65,8 @@ def integer_ids(rows) -> np.ndarray:
     rows = np.asarray(rows)
     if rows.dtype.kind not in "iu" and rows.size:
         raise CachelabError(f"row ids must be integers, got dtype {rows.dtype} (e.g. {rows.reshape(-1)[0].item()!r})")
+    if rows.dtype == np.uint64 and rows.size and (top := int(rows.max())) >= 2 ** 63:  # int64 would make it negative
+        raise CachelabError(f"row id {top} is out of range: row ids are below 2^63")
     return rows.astype(np.int64, copy=False)
 
 
