@@ -78,6 +78,7 @@ def test_recorded_ids_are_the_servers_and_streams_are_unchanged(captured):
     # prompt ids recorded are the server's rendering of the chat.
     chat = {"model": server.model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4,
             "temperature": 0, "ignore_eos": True}
+    _post(server.base_url, "/v1/chat/completions", chat)  # warm: both then see the chat's prompt cached
     direct, proxied = _post(server.base_url, "/v1/chat/completions", chat), _post(proxy.url, "/v1/chat/completions", chat)
     assert proxied[0] == direct[0] == 200 and _normalize(proxied[1]) == _normalize(direct[1])
     rendered = json.loads(_post(server.base_url, "/v1/chat/completions", {**chat, "return_token_ids": True})[1])
