@@ -46,6 +46,8 @@ from cachelab.workload.prefix_cache.hashing import chained_block_hashes
 REQUESTS = "requests"
 CLIENT_CLOSED = 499  # nginx's "client closed request": the client went away before its answer was complete
 CLIENT_GONE = "client disconnected"  # such a record's error
+RECORD_VERSION = 1
+_MASK63 = (1 << 63) - 1
 
 
 def endpoint_domain(endpoint: str) -> str:
@@ -53,8 +55,6 @@ def endpoint_domain(endpoint: str) -> str:
     --from-capture``): ``chat`` or ``completion``. A model trained on such a trace learnt it as
     a feature, so ``cachelab serve`` scores each request under its endpoint's label too."""
     return "chat" if "chat" in endpoint else "completion"
-RECORD_VERSION = 1
-_MASK63 = (1 << 63) - 1
 
 
 @dataclass

@@ -205,8 +205,8 @@ def refuse_other_tokenizer(record: dict, layout, ids: str) -> None:
             f"{ids} of tokenizer {record['tokenizer']!r} (tokenizer.json SHA-256 {record['sha256'][:16]}...), but "
             f"layout {layout.name!r} addresses ids of {layout.tokenizer!r} (SHA-256 {wanted['sha256'][:16]}...): the "
             "same ids are other text there, so every row would be another's. Build the trace with the layout's "
-            "tokenizer (corpus.tokenizer in a spec; a capture's ids are its server's tokenizer's), or give a layout of the trace's tokenizer (--preset FILE "
-            "with its tokenizer, or workload.preset in an experiment)")
+            "tokenizer (corpus.tokenizer in a spec; a capture's ids are its server's tokenizer's), or give a "
+            "layout of the trace's tokenizer (--preset FILE with its tokenizer, or workload.preset in an experiment)")
 
 
 def read_trace(path: str | os.PathLike) -> pl.DataFrame:
