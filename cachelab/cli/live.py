@@ -77,7 +77,7 @@ def serve(
                                                     "for or not (vLLM's flag)."),
 ) -> None:
     """Serve an Engram model over HTTP: /v1/completions, /v1/chat/completions, /v1/models,
-    /health, /metrics (vLLM's metric names).
+    /health, /metrics (vLLM's metric names), and vLLM's /tokenize, /detokenize, /version, /ping.
 
     Example: `cachelab serve --preset tiny --port 8000`, then point any OpenAI client at
     http://127.0.0.1:8000/v1 with model `cachelab-tiny`. docs/live.md.
