@@ -51,6 +51,28 @@ def test_the_step_time_is_the_fixed_point_under_heavy_load():
         assert m["step_ms"] == pytest.approx(implied, rel=1e-5), c
 
 
+def test_a_request_meets_itself_and_the_other_clients_in_its_steps_not_the_time_average():
+    """A step runs only while someone decodes or prefills: one agentic client, thinking most of its
+    cycle, decodes alone, so its verify step is one sequence's and no other prompt shares it. The
+    time-average batch (0.13 sequences on B200 TP4 DRAM-UVA) made that step 3.9 ms for 5.9."""
+    from dataclasses import replace
+
+    from cachelab.serving.steady import step_time
+    from cachelab.serving.studies.semianalysis import decode_context, deployment
+
+    dep = deployment("B200", 4, "dram-uva", replace(Efficiency(), **FITTED_R1))
+    wl = agentic_workload()
+    model = SteadyState(dep, wl)
+    one = model.solve(1)
+    assert one["decoders"] < 0.5 and one["decode_batch"] == 1.0
+    assert one["mixed_step_share"] == 0.0  # its own prompt never shares a step with its own decode
+    assert one["decode_step_ms"] == pytest.approx(step_time(dep, 1.0, decode_context(wl)).step_s * 1e3, rel=1e-9)
+    many = model.solve(32)  # a request meets itself and the other 31 clients' share of the decoders
+    assert many["decode_batch"] == pytest.approx(1 + 31 / 32 * many["decoders"], rel=1e-9)
+    assert many["decode_step_ms"] == pytest.approx(step_time(dep, many["decode_batch"], decode_context(wl)).step_s * 1e3,
+                                                   rel=1e-9)
+
+
 def _chunk_edge():
     """V4.1 on H200 TP8 with an 8,192-token budget, 8k prompts, saturated: the bisection ends where a
     prompt's chunk count flips between one and two, and the step time jumps across its own diagonal

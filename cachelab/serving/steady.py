@@ -267,20 +267,28 @@ class SteadyState:
         budget = float(dep.max_num_batched_tokens)
         chunk_ctx = float((wl.new_tokens + wl.cached_tokens).mean())
 
+        others = (concurrency - 1) / concurrency  # the share of the loop a request meets in a step: the other clients
+
         def step(x: float, t: float) -> tuple:
-            """The mean step time that a step time of ``t`` at request rate ``x`` implies."""
-            decoders = x * n_dec * t
-            room = max(budget - decoders * self.q, 1.0)
+            """The mean step time that a step time of ``t`` at request rate ``x`` implies, as a
+            request meets it: a step exists only while someone decodes or prefills, so a request
+            sees itself plus the other C - 1 clients' share of the loop's mean (Schweitzer's
+            approximation of the arrival theorem of mean-value analysis, Schweitzer 1979; Bard
+            1979), not the time-average, which counts the time no step runs (thinking, waiting)."""
+            decoders = x * n_dec * t  # the time-average number decoding (Little's law)
+            batch = 1.0 + others * decoders  # a decoding request's step: itself and the others decoding
+            beside = others * decoders  # a prefill chunk's step: the others decoding
+            room = max(budget - beside * self.q, 1.0)
             # a prompt longer than the room takes ceil(n / room) chunks, all full but the last: the
             # mean chunk is n / chunks (charging every chunk the full room counted an 8,192-token
             # prompt under an 8,096-token room as 16,192 tokens of prefill)
             chunks_per_req = max(1.0, np.ceil(n_new / room)) if n_new > 0 else 0.0
             chunk = n_new / chunks_per_req if n_new > 0 else 0.0
-            f = min(1.0, x * chunks_per_req * t)
-            t_d, stall_d = step_seconds(dep, decoders, ctx, 0.0, 0.0)
-            t_m, stall_m = step_seconds(dep, decoders, ctx, chunk, chunk_ctx, kv_load / max(chunks_per_req, 1.0),
+            f = min(1.0, x * others * chunks_per_req * t)  # a decoding request's steps carrying another's chunk
+            t_d, stall_d = step_seconds(dep, batch, ctx, 0.0, 0.0)
+            t_m, stall_m = step_seconds(dep, beside, ctx, chunk, chunk_ctx, kv_load / max(chunks_per_req, 1.0),
                                         hashed=chunk_ctx / max(chunks_per_req, 1.0))
-            return f * t_m + (1 - f) * t_d, (decoders, room, chunks_per_req, f, t_d, stall_d, t_m, stall_m)
+            return f * t_m + (1 - f) * t_d, (decoders, batch, room, chunks_per_req, f, t_d, stall_d, t_m, stall_m)
 
         def bracket(x: float, last: float) -> tuple:
             """The least fixed point by bisection where Steffensen's rounds did not reach one: the
@@ -320,7 +328,7 @@ class SteadyState:
                 t = guess if 0 < guess < 1e6 and np.isfinite(guess) else t2
             if not converged:
                 t, at, converged = bracket(x, t)
-            decoders, room, chunks_per_req, f, t_d, stall_d, t_m, stall_m = at
+            decoders, batch, room, chunks_per_req, f, t_d, stall_d, t_m, stall_m = at
             service = chunks_per_req * t_m
             # the prefill slot's load: a prompt that fits the room may share a step with others (its
             # tokens over the room's rate); one split into chunks fills every step it takes, so its
@@ -329,7 +337,8 @@ class SteadyState:
             rho = min(load, 0.999) if n_new else 0.0
             wait = rho / (1 - rho) * service / 2  # M/D/1 mean queueing wait for the prefill slot
             cycle = think + wait + service + lat.eff.request_overhead_s + n_dec * t
-            return {"x": x, "t": t, "ctx": ctx, "t_d": t_d, "t_m": t_m, "f": f, "decoders": decoders, "service": service,
+            return {"x": x, "t": t, "ctx": ctx, "t_d": t_d, "t_m": t_m, "f": f, "decoders": decoders, "batch": batch,
+                    "service": service,
                     "wait": wait, "rho": rho, "cycle": cycle, "chunks": chunks_per_req, "room": room,
                     "stall": f * stall_m + (1 - f) * stall_d, "running": x * (service + n_dec * t),
                     "converged": converged}
@@ -367,11 +376,12 @@ class SteadyState:
         tp = lat.tp
         tokens = float((wl.new_tokens + wl.cached_tokens + wl.output_tokens).mean())
         parts: dict = {}
-        step_seconds(self.dep, s["decoders"], s["ctx"], 0.0, 0.0, parts=parts)
+        step_seconds(self.dep, s["batch"], s["ctx"], 0.0, 0.0, parts=parts)
         out = {"concurrency": concurrency, "request_rate": x, "tokens_per_s_per_gpu": x * tokens / tp,
                "output_tokens_per_s_per_gpu": x * float(wl.output_tokens.mean()) / tp,
                "step_ms": s["t"] * 1e3, "decode_step_ms": s["t_d"] * 1e3, "mixed_step_ms": s["t_m"] * 1e3,
-               "mixed_step_share": s["f"], "decoders": s["decoders"], "prefill_utilization": s["rho"],
+               "mixed_step_share": s["f"], "decoders": s["decoders"], "decode_batch": s["batch"],
+               "prefill_utilization": s["rho"],
                "prefix_found_share": found, "stall_ms": s["stall"] * 1e3, "kv_bound": bool(s["kv_bound"]),
                "admission_wait_ms": s["admission_wait"] * 1e3, **parts}
         # vLLM's TPOT counts only requests of more than one output token: none, no TPOT (NaN, as metrics.py)

@@ -201,7 +201,7 @@ def decode_decomposition(points: list[dict], eff: Efficiency, workload: Workload
                 or row["concurrency"] not in DECOMPOSITION_CONCURRENCIES):
             continue
         dep = deployment("B200", row["tp"], row["placement"], eff)
-        t = step_time(dep, row["decoders"], ctx)
+        t = step_time(dep, row["decode_batch"], ctx)  # the step a decoding request meets
         us = {k: v * 1e6 for k, v in t.gpu.to_dict().items()}
         for f in t.fetches:
             us[f"engram{f.layer}_window"] = f.window_s * 1e6
@@ -210,7 +210,8 @@ def decode_decomposition(points: list[dict], eff: Efficiency, workload: Workload
         us.update(stall=t.stall_s * 1e6, host_floor=t.host_floor_s * 1e6, step=t.step_s * 1e6,
                   exposed_over_gpu=(t.step_s - t.gpu.total_s) * 1e6)
         out.append({"tp": row["tp"], "placement": row["placement"], "concurrency": row["concurrency"],
-                    "decoders": row["decoders"], "tokens": row["decoders"] * (1 + dep.latency.model.speculative_tokens),
+                    "decoders": row["decoders"], "decode_batch": row["decode_batch"],
+                    "tokens": row["decode_batch"] * (1 + dep.latency.model.speculative_tokens),
                     "us": {k.removesuffix("_s"): v for k, v in us.items()}})
     return out
 
