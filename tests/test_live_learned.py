@@ -17,7 +17,7 @@ from cachelab.learning.training import TrainSpec, load, policy_params, save, tra
 from cachelab.live.launch import ServeOptions, build_engine, running_server
 from cachelab.live.sampling import SamplingParams
 from cachelab.store.bench import PolicySpec, compare, simulate
-from cachelab.workload.lookups import LookupStream
+from cachelab.workload.lookups import LookupStream, global_key
 from traces.stdlib import StdlibCorpus
 
 POLICY = "learned-lfu-adaptive"
@@ -79,7 +79,10 @@ def test_served_learned_row_cache_equals_the_offline_replay(model_dir):
         folded = np.concatenate([store.keys(rows).reshape(-1) for rows, _ in recording.steps])
         scores = np.concatenate([s.reshape(-1) for _, s in recording.steps])
         sizes = [rows.size for rows, _ in recording.steps]
-        served = LookupStream(folded, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+        # the full-layout rows served: the scorer's clock, which the scores are positions on
+        full = np.concatenate([global_key(np.broadcast_to(np.arange(rows.shape[-2])[:, None], rows.shape),
+                                          rows).reshape(-1) for rows, _ in recording.steps])
+        served = LookupStream(full, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
                               store.layout_tables.row_bytes, tuple(store.layout.layers))
         cls = registry.get(registry.POLICIES, POLICY)
         spec = PolicySpec(POLICY, policy_params(cls, load(model_dir)))

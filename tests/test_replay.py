@@ -178,11 +178,37 @@ def test_policies_needing_scores_get_each_distinct_rows_first_lookup_score():
 
 
 def test_a_lower_tier_gets_the_scores_of_the_rows_that_missed_above():
+    """...on its own clock: 7, the stream's third distinct row, is the DRAM tier's second access,
+    so its score, a position on the stream's clock, moves by one (``cachelab.policy.clock``)."""
     spy = _Recorder(needs_scores=True)
     stream = LookupStream(np.array([5, 5, 7]), np.array([0, 1, 3]), ROW)  # step 1: 5 hits in HBM, 7 misses
     replay(stream, Hierarchy([Tier("hbm", "lru", capacity_rows=1), Tier("dram", spy, capacity_rows=1)], ROW),
            scores=np.array([0.1, 0.2, 0.3]))
-    assert spy.seen["keys"] == [0, 1] and spy.seen["scores"] == [0.1, 0.3]
+    assert spy.seen["keys"] == [0, 1] and spy.seen["scores"] == [0.1, 1.3]
+
+
+def test_a_learned_tier_below_another_reads_the_keep_chance_the_scorer_gave():
+    """A score is minus the predicted next-use position on the scorer's clock, the stream's distinct
+    rows of each step; a DRAM tier sees only the HBM tier's misses, so its policy's own clock falls
+    behind. ``learned-lfu`` turned each score back into a chance on that clock and read every one
+    lower by the rows HBM had served, to 0 once they passed a horizon (0.75 read as 0.04 on average here).
+    Re-based onto the tier's clock, it reads the chance given, at every tier; at the first the
+    scores are handed over as they are (made_at given or not, the same hits)."""
+    keys = zipf_keys(20_000, 3000, seed=2)
+    stream = LookupStream(keys, np.arange(0, keys.size + 1, 20), ROW)
+    from cachelab.workload.lookups import compact_steps
+
+    position = compact_steps(stream.keys, stream.step_offsets)[0].inverse  # each lookup's on the scorer's clock
+    horizon = 2048
+    scores = -(position + horizon * (1 - 0.75))
+    hbm, dram = (registry.make_policy("learned-lfu", weight=1.0, horizon=horizon) for _ in range(2))
+    tiers = [Tier("hbm", hbm, capacity_rows=50), Tier("dram", dram, capacity_rows=400)]
+    first = replay(stream, Hierarchy(tiers, ROW), scores=scores).served
+    for policy in (hbm, dram):
+        assert np.array_equal(np.unique(policy.chance[policy.count > 0]), [0.75])
+    assert hbm.meta[1] - dram.meta[1] > 3 * horizon  # the DRAM tier's clock: horizons behind
+    again = replay(stream, Hierarchy(tiers, ROW), scores=scores, made_at=position).served
+    assert np.array_equal(first, again)
 
 
 def test_learned_policies_serve_at_the_dram_tier():

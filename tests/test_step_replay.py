@@ -156,3 +156,27 @@ def test_a_table_row_space_holds_the_rows_looked_up_not_the_tables():
     for outside in (unkept, global_key(1, [300_000_001]), global_key(2, [0])):
         with pytest.raises(CachelabError, match="outside the run's row space"):
             space.distinct_first(np.r_[keys[:3], outside])
+
+
+def test_a_sampled_learned_tier_reads_the_keep_chance_the_scorer_gave():
+    """A sampled replay's policy sees the sample, so its clock falls behind the scorer's (each
+    step's distinct rows, all of them); given each score's scorer position (``made_at``, the
+    serving simulator's ``OnlineScorer.last_positions``), the step re-bases the scores onto the
+    policy's clock, and ``learned-lfu`` reads the keep chance given (it read it lower by the
+    rows left out of the sample, down to 0 past a horizon)."""
+    from cachelab import registry
+    from cachelab.workload.lookups import compact_steps
+
+    stream = _stream()
+    position = compact_steps(stream.keys, stream.step_offsets)[0].inverse
+    horizon = 512
+    scores = -(position + horizon * (1 - 0.75))
+    policy = registry.make_policy("learned-lfu", weight=1.0, horizon=horizon)
+    inc = StepReplay(Hierarchy([Tier("hbm", policy, capacity_rows=200)], 264, "dram"), RowSpace(stream.keys, 15), 2,
+                     rate=0.25)
+    for s in range(stream.num_steps):
+        lo, hi = stream.step_offsets[s], stream.step_offsets[s + 1]
+        keep = sample_mask(stream.keys[lo:hi], 0.25, 15)
+        inc.step(stream.keys[lo:hi][keep], scores=scores[lo:hi][keep], made_at=position[lo:hi][keep])
+    assert policy.meta[1] < position[-1] // 2  # the policy's clock: far behind the scorer's
+    assert np.array_equal(np.unique(policy.chance[policy.count > 0]), [0.75])

@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from cachelab import registry
 from cachelab.engram.config import get_preset
 from cachelab.errors import CachelabError
 from cachelab.store import TieredStore, build_tables, verify_tables
@@ -20,7 +21,7 @@ from cachelab.store.bench import PolicySpec, check_rows, replay_store
 from cachelab.store.format import PAGE, TableLayout
 from cachelab.store.kernels import DEQUANT_TABLE, dequant_expand
 from cachelab.store.store import policy_bytes_per_row
-from cachelab.workload.lookups import LookupStream, global_key
+from cachelab.workload.lookups import LookupStream, compact_steps, global_key, split_key
 from llvm_checks import fresh_llvm, increfs_past_entry
 
 SCALE = 2e-5  # ~7,700 rows per layer of the V4.1 layout, ~2 MB per file
@@ -500,8 +501,6 @@ def test_counts_equal_the_simulators_for_any_capacities(tables, seed, hbm, dram,
 
 
 def _live_policies() -> list[str]:
-    from cachelab import registry
-
     return sorted(n for n in registry.resolved(registry.POLICIES)
                   if not registry.make_policy(n).capabilities.needs_future)
 
@@ -518,6 +517,34 @@ def test_every_registered_policy_counts_as_the_simulator_in_both_tiers(tables, p
                        scores=rng.random(stream.keys.size))
     assert out["matches_simulator"] and out["mismatches"] == 0, out["comparison"]
     assert 0 < out["comparison"]["dram_hits"]["store"] and np.unique(stream.keys).size < 3000
+
+
+def test_a_learned_tier_reads_the_keep_chance_the_scorer_gave_on_folded_tables(tables):
+    """Scores are positions on the scorer's clock, the full-layout rows of each step (offline
+    ``lookup_scores`` and the server's ``OnlineScorer`` alike); the store's policies count the
+    folded table's rows, fewer where rows collide, and the DRAM tier only the HBM tier's misses.
+    ``learned-lfu`` turned a score back into a keep chance on its own clock, so it read 0.75 as
+    0.70 on average in HBM and 0.11 in DRAM here, and so did the simulator, which replayed the
+    same drift (``matches_simulator`` held). Each tier gets its scores re-based onto its
+    policy's clock now, and reads the chance given; the simulator still agrees."""
+    rng = np.random.default_rng(0)
+    steps, tokens, horizon = 60, 12, 4096
+    stream = stream_of(rng, steps, tokens)
+    position = compact_steps(stream.keys, stream.step_offsets)[0].inverse  # the scorer's clock
+    scores = -(position + horizon * (1 - 0.75))
+    policies = [registry.make_policy("learned-lfu", weight=1.0, horizon=horizon) for _ in range(2)]
+    with TieredStore.open(tables, backing="dram", hbm_policy=policies[0], hbm_capacity=500, dram_policy=policies[1],
+                          dram_capacity=2000) as store:
+        per = stream.step_offsets[1]
+        for s in range(steps):
+            rows = split_key(stream.keys[s * per:(s + 1) * per])[1].reshape(tokens, len(CFG.layers), CFG.columns)
+            store.lookup(rows, scores[s * per:(s + 1) * per].reshape(rows.shape))
+        assert store.totals.to_dict()["unique"] < position[-1] + 1  # the fold merged rows: the clocks differ
+        for tier in store.tiers:
+            assert np.array_equal(np.unique(tier.policy.chance[tier.policy.count > 0]), [0.75]), tier.name
+    spec = PolicySpec("learned-lfu", {"weight": 1.0, "horizon": horizon})
+    out = replay_store(tables, stream, "dram", spec, 500, spec, 2000, scores=scores)
+    assert out["matches_simulator"] and out["mismatches"] == 0, out["comparison"]
 
 
 @pytest.mark.parametrize("policy", ["lru", "fbgemm-lru"])

@@ -22,6 +22,7 @@ from cachelab import registry
 from cachelab.errors import CachelabError
 from cachelab.engine.tiers import Hierarchy, SSDStore
 from cachelab.policy import Policy
+from cachelab.policy.clock import on_clock
 from cachelab.policy.unbounded import Unbounded
 from cachelab.workload.future import next_access
 from cachelab.workload.lookups import StepDedup, StepDeduper
@@ -105,6 +106,7 @@ class Cascade:
                  page_capacity: int = 0, future: bool = False):
         self.hierarchy, self.future = hierarchy, future
         self.policies = [sized(tier.policy, capacity, num_keys) for tier, capacity in zip(hierarchy.tiers, capacities)]
+        self.accesses = [0] * len(self.policies)  # each policy's clock: the requests it was handed so far
         self.ssd = isinstance(hierarchy.backing, SSDStore)
         self.page_of, self.page_capacity = page_of, page_capacity
         self.page_policy = None
@@ -120,23 +122,33 @@ class Cascade:
 
     def serve(self, keys: np.ndarray, offsets: np.ndarray, scores: np.ndarray | None = None,
               row_pages: Callable[[np.ndarray], tuple[np.ndarray, int]] | None = None,
-              counts: np.ndarray | None = None) -> Served:
+              counts: np.ndarray | None = None, made_at: np.ndarray | None = None) -> Served:
         """Serve the requests ``keys`` (dense ids, distinct per step) of the steps ``offsets``.
 
         Args:
             scores: per request, for policies that declare ``needs_scores``.
             counts: per request, its lookups in the step, for policies that declare ``needs_counts``.
+            made_at: per request, the scorer's position its score was made at (None: the first
+                tier's clock, as for scores of this very stream); each tier's policy gets the
+                scores re-based onto its own clock (``cachelab.policy.clock``).
             row_pages: without ``page_of``: rows -> (dense page ids numbered by first request,
                 page count) for the rows that reach an SSD backing.
         """
         n_tiers = len(self.policies)
         level = np.full(keys.size, n_tiers, dtype=np.int8)
+        if scores is not None and made_at is None:
+            made_at = self.accesses[0] + np.arange(keys.size, dtype=np.int64)
         cur = None  # requests still unserved (None: all of them)
         for t, policy in enumerate(self.policies):
             keys_t = keys if cur is None else keys[cur]
             if keys_t.size == 0:
                 break
-            hits = _run(policy, keys_t, offsets, None if scores is None else (scores if cur is None else scores[cur]),
+            scores_t = None
+            if scores is not None:
+                scores_t = on_clock(scores if cur is None else scores[cur], made_at if cur is None else made_at[cur],
+                                    self.accesses[t])
+            self.accesses[t] += keys_t.size
+            hits = _run(policy, keys_t, offsets, scores_t,
                         self.future, None if counts is None else (counts if cur is None else counts[cur]))
             miss = ~hits
             if cur is None:

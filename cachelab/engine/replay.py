@@ -134,7 +134,7 @@ class ReplayResult:
 
 
 def replay(stream: LookupStream, hierarchy: Hierarchy, warmup: float = 0.0, progress: bool = False,
-           scores: np.ndarray | None = None) -> ReplayResult:
+           scores: np.ndarray | None = None, made_at: np.ndarray | None = None) -> ReplayResult:
     """Run ``stream`` through ``hierarchy``.
 
     Args:
@@ -142,20 +142,27 @@ def replay(stream: LookupStream, hierarchy: Hierarchy, warmup: float = 0.0, prog
         progress: show a progress bar per stage.
         scores: optional per-lookup predictor scores for policies that need them (a distinct
             row takes the score of its first lookup in the step).
+        made_at: per lookup, the scorer's position its score was made at, where the scored rows
+            are not this stream's (a store's folded table: the unfolded stream's distinct rows of
+            each step, numbered in order); None: this stream's own (``cachelab.policy.clock``).
     """
     if stream.row_bytes != hierarchy.row_bytes:
         raise CachelabError(f"the stream's rows are {stream.row_bytes} B but the hierarchy's are {hierarchy.row_bytes} B")
     if scores is not None and np.shape(scores) != stream.keys.shape:
         raise CachelabError(f"scores has shape {np.shape(scores)}, expected one per lookup {stream.keys.shape}")
+    if made_at is not None and np.shape(made_at) != stream.keys.shape:
+        raise CachelabError(f"made_at has shape {np.shape(made_at)}, expected one per lookup "
+                            f"{stream.keys.shape}")
     w = warmup_steps(warmup, stream.num_steps)
     with progress_bar(enabled=progress) as bar:
         task = bar.add_task("replay: dedup", total=2)
         dd, uniq = compact_steps(stream.keys, stream.step_offsets)
-        d_scores = None
+        d_scores = d_made_at = None
         if scores is not None:
             first_lookup = np.empty(dd.keys.size, np.int64)
             first_lookup[dd.inverse[::-1]] = np.arange(dd.inverse.size)[::-1]  # last write wins = first lookup
             d_scores = np.asarray(scores, dtype=np.float64)[first_lookup]
+            d_made_at = None if made_at is None else np.asarray(made_at, dtype=np.int64)[first_lookup]
         bar.advance(task)
         bar.update(task, description="replay: " + ", ".join(t.name for t in hierarchy.tiers))
         capacities = [tier.rows(hierarchy.row_bytes) for tier in hierarchy.tiers]
@@ -173,7 +180,8 @@ def replay(stream: LookupStream, hierarchy: Hierarchy, warmup: float = 0.0, prog
             return ids, pages.size
 
         counted = any(p.capabilities.needs_counts for p in cascade.policies)  # a bincount over every lookup
-        out = cascade.serve(dd.keys, dd.offsets, d_scores, row_pages, counts=dd.counts if counted else None)
+        out = cascade.serve(dd.keys, dd.offsets, d_scores, row_pages, counts=dd.counts if counted else None,
+                            made_at=d_made_at)
         bar.advance(task)
     tiers = [{"policy": t.policy.name, "capacity_rows": c, "infinite": isinstance(p, Unbounded)}
              for t, c, p in zip(hierarchy.tiers, capacities, cascade.policies)]

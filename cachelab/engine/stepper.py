@@ -380,13 +380,16 @@ class StepReplay:
     def _page_of(self, ids: np.ndarray) -> np.ndarray:
         return self._page_of_id[ids]
 
-    def step(self, keys: np.ndarray, record: bool = True, scores: np.ndarray | None = None) -> StepCounts:
+    def step(self, keys: np.ndarray, record: bool = True, scores: np.ndarray | None = None,
+             made_at: np.ndarray | None = None) -> StepCounts:
         """Serve one step's sampled row keys; per layer: lookups, unique rows served per level
         (tiers, then the backing levels), and SSD page reads. Sampled counts.
 
         ``scores``: one per key, for a tier whose policy needs predictor scores; a row looked up
         more than once in the step is served once, with the score of its first lookup (as the
-        live store reduces them)."""
+        live store reduces them). ``made_at``: one per key, the scorer's position each score was
+        made at (``OnlineScorer.last_positions``), where the keys are not the scored rows (folded,
+        sampled); None: the first tier's clock."""
         L = self.num_layers
         keys = np.asarray(keys, dtype=np.int64)
         before = self.space.used
@@ -400,11 +403,19 @@ class StepReplay:
             if scores.size != np.size(keys):
                 raise CachelabError(f"{scores.size} scores for a step of {np.size(keys)} row keys: give one per key")
             d_scores = scores[first]
+        d_made_at = None
+        if made_at is not None and scores is not None:
+            made_at = np.asarray(made_at, dtype=np.int64).reshape(-1)
+            if made_at.size != np.size(keys):
+                raise CachelabError(f"{made_at.size} score positions for a step of {np.size(keys)} row keys: "
+                                    "give one per key")
+            d_made_at = made_at[first]
         counts = None
         if self._counted:  # each distinct row's lookups in the step, in first-occurrence order
             uniq, n = np.unique(keys, return_counts=True)
             counts = n[np.searchsorted(uniq, keys[first])]
-        out = self.cascade.serve(distinct, np.array([0, distinct.size], np.int64), d_scores, counts=counts)
+        out = self.cascade.serve(distinct, np.array([0, distinct.size], np.int64), d_scores, counts=counts,
+                                 made_at=d_made_at)
         page_reads = np.bincount(self.space.pages[out.pages_read()] >> LAYER_SHIFT, minlength=L)[:L]
         layer = keys[first] >> LAYER_SHIFT  # from the step's own keys: no gather over the whole space
         levels = len(self.hierarchy.levels)

@@ -103,6 +103,7 @@ class OnlineScorer:
         self.state = FeatureState(1 << 16)
         self.prompts: OrderedDict[int, np.ndarray] = OrderedDict()  # rid -> sorted (key, position) of its prompt
         self.last_counts = (0, 0, 0)  # the last call's scheduled sequences, rows looked up, distinct rows scored
+        self.last_positions = np.zeros(0, np.int64)  # the last call's position of each row id's score, on the clock
         check_layout(model, layout_signature(cfg))
         if self.model.prior.token_counts.size != self.vocab:
             raise CachelabError(f"the model's corpus prior covers {self.model.prior.token_counts.size} compressed "
@@ -154,6 +155,7 @@ class OnlineScorer:
         offset = self.clock
         x = featurise(view, 0, dense.size, self.state, self.model.prior, self.model.domains, ahead)
         out = as_scores(self.model, predictions(self.model, x, offset), offset)
+        self.last_positions = (offset + inverse).reshape(row_ids.shape)  # for a replay of rows folded or sampled
         return out[inverse].reshape(row_ids.shape)
 
     def _domains(self, labels, n: int) -> np.ndarray:

@@ -430,7 +430,8 @@ class ServingSimulator:
                     if cost is not None:  # on the engine thread before the fetch: the whole step waits
                         scorer_s = float(cost[0] + cost[1:] @ scorer.last_counts)
                     keys, at = sampled_keys_at(fold_rows(rows, self.tables), cfg.sample_rate, self.rows_per_page)
-                    out = replay.step(keys, record=measuring and clock >= cfg.warmup_s, scores=scores.reshape(-1)[at])
+                    out = replay.step(keys, record=measuring and clock >= cfg.warmup_s, scores=scores.reshape(-1)[at],
+                                      made_at=scorer.last_positions.reshape(-1)[at])
                 tokens = int(offsets[-1])
                 work = []
                 for li in range(len(self.model.engram_layers)):

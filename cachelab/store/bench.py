@@ -26,7 +26,7 @@ from cachelab.progress import progress_bar
 from cachelab.store.format import PAGE
 from cachelab.store.kernels import DEQUANT_TABLE, dequant_expand
 from cachelab.store.store import TieredStore
-from cachelab.workload.lookups import LookupStream, global_key, split_key
+from cachelab.workload.lookups import LookupStream, compact_steps, global_key, split_key
 
 
 @dataclass
@@ -71,7 +71,8 @@ def check_rows(store: TieredStore, row_ids: np.ndarray, got) -> int:
 
 def simulate(store: TieredStore, stream: LookupStream, folded: np.ndarray, specs: dict[str, PolicySpec],
              capacities: dict[str, int], scores: np.ndarray | None) -> dict:
-    """The engine's replay of the folded stream with the store's tiers, policies and capacities."""
+    """The engine's replay of the folded stream with the store's tiers, policies and capacities;
+    ``stream``'s own (full-layout) rows number the scorer's clock, which ``scores`` are positions on."""
     lay = store.layout_tables
     layer = np.searchsorted(lay.layer_base, folded, "right") - 1
     sim_stream = LookupStream(global_key(layer, folded - lay.layer_base[layer]), stream.step_offsets, lay.row_bytes,
@@ -79,7 +80,8 @@ def simulate(store: TieredStore, stream: LookupStream, folded: np.ndarray, specs
     tiers = [Tier(name, specs[name].make(), capacity_rows=capacities[name], location="gpu" if name == "hbm" else "host")
              for name in store.tier_names]
     backing = SSDStore(page_bytes=PAGE, page_cache_bytes=0) if store.backing.on_ssd else "dram"
-    stats = replay(sim_stream, Hierarchy(tiers, lay.row_bytes, backing), scores=scores).stats()
+    made_at = None if scores is None else compact_steps(stream.keys, stream.step_offsets)[0].inverse
+    stats = replay(sim_stream, Hierarchy(tiers, lay.row_bytes, backing), scores=scores, made_at=made_at).stats()
     return stats.to_dict()
 
 

@@ -48,7 +48,7 @@ from cachelab.store.kernels import (BITMAP_BYTES, DEQUANT_TABLE, SEEN_GENERATION
 from cachelab.store.outputs import OutputPool
 from cachelab.store.source import RowSource
 from cachelab.store.tier import CacheTier
-from cachelab.workload.lookups import compact
+from cachelab.workload.lookups import LAYER_SHIFT, compact
 
 INT64 = np.dtype(np.int64)
 
@@ -243,6 +243,7 @@ class TieredStore:
         # in use: np.full(-1) wrote all 3.1 GB of the full V4.1 tables' map at open
         self._id_of = np.zeros(self.num_keys if tiers else 0, id_dtype)
         self._next_id = 0
+        self._scored = 0  # the scorer's clock: distinct full-layout rows of the steps served with scores
         self.tier_names = tuple(t.name for t in tiers)
         self.totals = Counters(self.tier_names)
         self.last_step = Counters(self.tier_names)
@@ -292,6 +293,18 @@ class TieredStore:
         self._id_of[uniq[new]] = ids[new] + 1
         self._next_id += new.size
         return ids
+
+    def _made_at(self, row_ids, first: np.ndarray) -> np.ndarray:
+        """The scorer's position of each distinct key's score (its ``first`` lookup): scores are
+        positions on the clock of the full-layout rows, each step's distinct ones in order (the
+        view ``lookup_scores`` and ``OnlineScorer`` number), which the fold merges where rows
+        collide; the tiers re-base them onto their policies' clocks (``cachelab.policy.clock``)."""
+        rows = np.asarray(row_ids, dtype=np.int64)
+        layer = np.arange(rows.shape[-2], dtype=np.int64)[:, None] << LAYER_SHIFT
+        inverse, uniq = compact((layer | rows).reshape(-1))
+        made_at = self._scored + inverse[first]
+        self._scored += uniq.size
+        return made_at
 
     def keys(self, row_ids) -> np.ndarray:
         """The store's keys (``layer_base + row`` of the scaled tables) of full-layout row ids."""
@@ -391,7 +404,7 @@ class TieredStore:
         for tier in self.tiers:
             tier.check_scores(scores)
         inverse, uniq = compact(keys.reshape(-1))
-        d_scores = None
+        d_scores = d_made_at = None
         if scores is not None:
             scores = np.asarray(scores, dtype=np.float64)
             if scores.shape != shape:
@@ -399,6 +412,7 @@ class TieredStore:
             first = np.empty(uniq.size, np.int64)
             first[inverse[::-1]] = np.arange(inverse.size)[::-1]  # last write wins = first lookup
             d_scores = scores.reshape(-1)[first]
+            d_made_at = self._made_at(row_ids, first) if any(t.needs_scores for t in self.tiers) else None
         n = uniq.size
         ids = self._number(uniq) if self.tiers else uniq
         d_counts = np.bincount(inverse, minlength=n) if any(t.needs_counts for t in self.tiers) else None
@@ -408,7 +422,7 @@ class TieredStore:
         hbm, dram = self._hbm, self._dram
         self._unsettled = bool(self.tiers)  # until the step is done: the policies step here
         if hbm is not None:
-            hits0, slots0, res0 = hbm.lookup(ids, d_scores, d_counts)
+            hits0, slots0, res0 = hbm.lookup(ids, d_scores, d_counts, d_made_at)
             hit_pos, miss_pos = np.flatnonzero(hits0), np.flatnonzero(~hits0)
         else:
             hit_pos, miss_pos = np.zeros(0, np.int64), np.arange(n, dtype=np.int64)
@@ -416,7 +430,8 @@ class TieredStore:
         m = keys1.size
         if dram is not None:
             hits1, slots1, res1 = dram.lookup(ids1, None if d_scores is None else d_scores[miss_pos],
-                                              None if d_counts is None else d_counts[miss_pos])
+                                              None if d_counts is None else d_counts[miss_pos],
+                                              None if d_made_at is None else d_made_at[miss_pos])
             dram_hit, back = np.flatnonzero(hits1), np.flatnonzero(~hits1)
         else:
             dram_hit, back = np.zeros(0, np.int64), np.arange(m, dtype=np.int64)

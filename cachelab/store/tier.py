@@ -16,6 +16,7 @@ import numpy as np
 from cachelab.engine.cascade import sized
 from cachelab.errors import CachelabError
 from cachelab.policy import Policy, StepResult
+from cachelab.policy.clock import on_clock
 from cachelab.store.kernels import copy_rows
 
 
@@ -33,6 +34,7 @@ class CacheTier:
         self.name, self.capacity, self.memory, self.rows = name, int(capacity), memory, int(memory.shape[0])
         self.policy = sized(policy, self.capacity, num_keys)  # holding every row: the simulator's infinite cache
         self.slot_of = np.full(num_keys, -1, np.int32 if num_keys < 2**31 else np.int64)
+        self.accesses = 0  # the policy's clock: keys it was handed since its reset
 
     @property
     def needs_scores(self) -> bool:
@@ -48,11 +50,15 @@ class CacheTier:
             raise CachelabError(f"policy {self.policy.name!r} ({self.name} tier) needs predictor scores: "
                                 "pass scores= to lookup/prefetch")
 
-    def lookup(self, keys: np.ndarray, scores: np.ndarray | None,
-               counts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, StepResult]:
+    def lookup(self, keys: np.ndarray, scores: np.ndarray | None, counts: np.ndarray | None = None,
+               made_at: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, StepResult]:
         """The policy's step on ``keys`` (distinct; ``counts``: each one's lookups in the step, for a
-        policy that declares ``needs_counts``); returns (hit mask, hit slots, result)."""
+        policy that declares ``needs_counts``; ``made_at``: the scorer's position of each score,
+        re-based onto the policy's clock); returns (hit mask, hit slots, result)."""
         more = {"counts": counts} if self.needs_counts and counts is not None else {}
+        if self.needs_scores and scores is not None and made_at is not None:
+            scores = on_clock(scores, made_at, self.accesses)
+        self.accesses += keys.size
         res = self.policy.step(keys, None, scores if self.needs_scores else None, **more)
         slots = self.slot_of[keys[res.hits]]
         if slots.size and slots.min() < 0:
@@ -89,6 +95,7 @@ class CacheTier:
         holds rows whose bytes never reached their slots; nothing short of this undoes it."""
         self.policy.reset(self.capacity, self.slot_of.size)
         self.slot_of.fill(-1)
+        self.accesses = 0
 
 
 def _move_rows(src, src_index: np.ndarray, dst, dst_index: np.ndarray) -> None:

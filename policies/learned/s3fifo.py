@@ -14,8 +14,8 @@ adds to that guess and never replaces it, so a poor prediction costs little:
 
 It runs S3-FIFO's own kernel through its prediction hook (policies/two_queue/s3fifo.py).
 Scores follow the learned policies' contract (``cachelab.learning.training.keep_scores``): minus the
-predicted position of the next access, turned into a wait by the kernel's own clock (at
-tier 0, the lookup index). ``horizon`` converts a score back to a chance; ``simulate
+predicted position of the next access, turned into a wait by the kernel's own clock (its
+accesses; the replay and the store re-base every tier's scores onto it, cachelab/policy/clock.py). ``horizon`` converts a score back to a chance; ``simulate
 --model`` and ``evaluate`` fill it in from the model's metadata. On the study trace
 (docs/learned.md), sending predicted keepers straight to main or bypassing predicted
 one-hit wonders added little beside this promotion.
