@@ -14,7 +14,7 @@ import pytest
 from cachelab.engram.config import get_preset
 from cachelab.errors import CachelabError
 from cachelab.store import TieredStore, build_tables
-from cachelab.store.backing import aligned_empty
+from cachelab.store.backing import aligned_empty, open_reader
 from cachelab.store.bench import check_rows
 from cachelab.store.format import PAGE
 from cachelab.store.pagecache import drop_pages
@@ -280,3 +280,60 @@ def test_a_kernel_without_io_uring_reads_falls_back_to_preads(tables, monkeypatc
         assert check_rows(store, rows, store.lookup(rows)) == 0
     with pytest.raises(CachelabError, match="io_uring is not available here .*no IORING_OP_READ"):
         TieredStore.open(tables, backing="direct", hbm_capacity=None, io_submit="io_uring")
+
+
+def test_a_table_file_refusing_o_direct_is_named_whichever_layer_it_is(tables, monkeypatch):
+    """``direct`` tried O_DIRECT on the first layer's file alone: a later layer's file on a file
+    system that refuses it (a symlink to another disk) failed in the reader's open, read as
+    'io_uring is not available here (Invalid argument)' with ``--io-submit io_uring``. Every file
+    is tried, the one refused named."""
+    real_open = os.open
+
+    def refuse_layer14(path, flags, *args):
+        if str(path).endswith("layer14.tbl") and flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refuse_layer14)
+    for submit in ("io_uring", "threads"):
+        with pytest.raises(CachelabError, match=r"layer14\.tbl: O_DIRECT open failed .*use --backing pread"):
+            TieredStore.open(tables, backing="direct", hbm_capacity=None, io_submit=submit)
+
+
+def test_a_table_file_that_cannot_be_read_is_named(tmp_path):
+    """A table file the header check could not open for a reason other than its absence (a
+    directory, a symlink loop, an I/O error) was a traceback (``OSError: [Errno 40] Too many
+    levels of symbolic links``); it is an error naming the file and the reason."""
+    build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, progress=False)
+    path = tmp_path / "layer14.tbl"
+    path.unlink()
+    path.symlink_to(path.name)  # itself: ELOOP
+    with pytest.raises(CachelabError, match=r"layer14\.tbl: cannot be read \(Too many levels of symbolic links\)"):
+        TieredStore.open(tmp_path)
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(CachelabError, match=r"layer14\.tbl: cannot be read \(Is a directory\)"):
+        TieredStore.open(tmp_path)
+
+
+@pytest.mark.parametrize("submit", ["io_uring", "threads", "auto"])
+def test_a_table_file_the_reader_cannot_open_is_named_not_blamed_on_io_uring(tables, monkeypatch, submit):
+    """The io_uring reader set up its ring, then opened the files, and any OSError of either read
+    as io_uring missing: a table file it could not open (EACCES here) was 'io_uring is not
+    available here ([Errno 13] Permission denied)', and ``auto`` fell back to the pool of
+    preads, which raised the bare OSError (as ``pread`` did). The files are opened first, their
+    errors named."""
+    paths = sorted(tables.glob("layer*.tbl"))
+    real_open = os.open
+
+    def refuse_layer14(path, flags, *args):
+        if str(path).endswith("layer14.tbl"):
+            raise OSError(errno.EACCES, os.strerror(errno.EACCES))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refuse_layer14)
+    with pytest.raises(CachelabError, match=r"layer14\.tbl: cannot be opened \(Permission denied\)"):
+        open_reader(paths, 4, 0, submit)
+    if submit == "auto":
+        with pytest.raises(CachelabError, match=r"layer14\.tbl: cannot be opened \(Permission denied\)"):
+            TieredStore.open(tables, backing="pread", hbm_capacity=None)

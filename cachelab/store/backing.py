@@ -264,8 +264,10 @@ class _Files:
         try:
             for path in paths:
                 fds.append(os.open(path, os.O_RDONLY | flags))
-        except BaseException:  # those opened before the failure are not left open
+        except BaseException as exc:  # those opened before the failure are not left open
             _close_all(fds)
+            if isinstance(exc, OSError):  # named; and no OSError, which io_uring's setup alone raises
+                raise CachelabError(f"{path}: cannot be opened ({exc.strerror or exc})") from None
             raise
         self.fds = np.array(fds, np.int64)
         self._closer = _closing(self, fds)
@@ -336,8 +338,12 @@ class _UringIO(_Files):
     def __init__(self, paths: list[Path], depth: int, flags: int = 0):
         from cachelab.store.uring import UringReader
 
-        self.ring = UringReader(depth)
-        super().__init__(paths, flags)
+        super().__init__(paths, flags)  # the files first: a file's error is its own, not io_uring missing
+        try:
+            self.ring = UringReader(depth)
+        except BaseException:
+            super().close()
+            raise
 
     def read(self, fd_index: np.ndarray, offsets: np.ndarray, size: int, addresses: np.ndarray) -> None:
         if offsets.size:
@@ -440,11 +446,12 @@ class DirectBacking:
         (a pool of aligned preads) or ``auto`` (io_uring where the kernel allows it, else threads;
         ``submission`` says which and why)."""
         self.layout = layout
-        try:
-            os.close(os.open(paths[0], os.O_RDONLY | os.O_DIRECT))
-        except OSError as exc:
-            raise CachelabError(f"{paths[0]}: O_DIRECT open failed ({exc}); the file system may not support "
-                                "direct I/O (tmpfs does not): use --backing pread") from None
+        for path in paths:  # every file: a layer's may sit on another file system (a symlink to another disk)
+            try:
+                os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+            except OSError as exc:
+                raise CachelabError(f"{path}: O_DIRECT open failed ({exc}); the file system may not support "
+                                    "direct I/O (tmpfs before Linux 6.6 does not): use --backing pread") from None
         self.io, self.submission = open_reader(paths, io_threads, os.O_DIRECT, submit)
         self.pages = aligned_empty(PAGE * 64)
 

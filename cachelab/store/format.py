@@ -236,6 +236,8 @@ def check_header(path: Path, layout: TableLayout, layer: int, seed: int) -> dict
             raw = f.read(PAGE)
     except FileNotFoundError:
         raise CachelabError(f"{path}: table file missing (rebuild with `cachelab store build`)") from None
+    except OSError as exc:  # a directory, a symlink loop, EIO: named, not a traceback
+        raise CachelabError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     if len(raw) < HEADER.size:
         raise CachelabError(f"{path}: truncated: {size} B, shorter than the {HEADER.size}-B header")
     magic, version, header_bytes, lhash, rows, row_bytes, rpp, li, lid, file_seed, scale = HEADER.unpack_from(raw)
