@@ -658,6 +658,69 @@ def test_a_closed_store_refuses_steps_and_closes_once(tables, backing):
     store.close()
 
 
+def test_threads_prefetching_and_looking_up_the_same_rows_get_their_reference_rows(tables):
+    """Steps from several threads at once, prefetches and lookups of the same hot rows through two
+    small tiers (evictions every step, slots reused): every row returned equals its reference, and
+    the counts are every step's (a step run beside another would gather a slot an eviction is
+    overwriting, or count into the other's counters)."""
+    requested, bad, errors = [], [], []
+
+    def serve(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for i in range(30):
+                rows = full_rows(rng, int(rng.integers(1, 12)))
+                handle = store.prefetch(rows) if i % 2 else None
+                other = full_rows(rng, 3)
+                bad.append(check_rows(store, other, store.lookup(other)))
+                bad.append(check_rows(store, rows, handle.wait() if handle else store.lookup(rows)))
+                requested.extend((other.size, rows.size))
+        except BaseException as exc:
+            errors.append(exc)
+
+    with TieredStore.open(tables, backing="pread", hbm_policy="lru", hbm_capacity=40, dram_policy="s3fifo",
+                          dram_capacity=150) as store:
+        threads = [threading.Thread(target=serve, args=(seed,)) for seed in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors and sum(bad) == 0
+        assert store.totals["steps"] == len(requested) and store.totals["requested"] == sum(requested)
+        assert store.totals["hbm_evictions"] > 0 and store.totals["dram_evictions"] > 0
+
+
+def test_a_prefetch_asked_while_another_thread_closes_the_store_is_refused_as_closed(tables, monkeypatch):
+    """``close()`` shuts the prefetch thread down, waiting for the steps asked, before it marks the
+    store closed: a ``prefetch`` from another thread in that wait (a step under way takes
+    milliseconds on SSD) passed the closed check and died in the executor ('cannot schedule new
+    futures after shutdown', a RuntimeError), not refused as a step on a closed store."""
+    rng = np.random.default_rng(12)
+    started, release = threading.Event(), threading.Event()
+    with TieredStore.open(tables, backing="mmap", hbm_capacity=100) as store:
+        serve = store._serve
+
+        def held(*args):  # the step under way when close() is asked
+            started.set()
+            release.wait(10)
+            return serve(*args)
+
+        monkeypatch.setattr(store, "_serve", held)
+        first = store.prefetch(full_rows(rng, 2))
+        started.wait(10)
+        closing = threading.Thread(target=store.close)
+        closing.start()
+        while not store._worker._shutdown:  # close() is in its wait for the step under way
+            closing.join(0.001)
+        try:
+            with pytest.raises(CachelabError, match="is closed"):
+                store.prefetch(full_rows(rng, 2))
+        finally:
+            release.set()
+            closing.join(10)
+        assert first.wait().shape[0] == 2  # the step asked before close() still ran
+
+
 @pytest.mark.parametrize("backing, failure", [("pread", "truncated"), ("direct", "truncated"),
                                               ("dram", OSError(errno.EIO, "Input/output error")),
                                               ("mmap", KeyboardInterrupt())])

@@ -340,7 +340,10 @@ class TieredStore:
         self._check_open()
         row_ids = np.array(row_ids, copy=True)
         scores = None if scores is None else np.array(scores, copy=True)
-        future = self._worker.submit(self._step, row_ids, scores)
+        try:
+            future = self._worker.submit(self._step, row_ids, scores)
+        except RuntimeError:  # close() on another thread has shut the prefetch thread down
+            raise self._closed_error() from None
         self._pending = future  # another thread may replace it before this returns: hand out our own
         return PrefetchHandle(future, self)
 
@@ -598,7 +601,10 @@ class TieredStore:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise CachelabError(f"the store on {self.directory} is closed")
+            raise self._closed_error()
+
+    def _closed_error(self) -> CachelabError:
+        return CachelabError(f"the store on {self.directory} is closed")
 
     def __enter__(self) -> "TieredStore":
         return self
