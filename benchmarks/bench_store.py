@@ -67,12 +67,26 @@ import numpy as np
 
 from cachelab.compiled import copy_bytes
 from cachelab.serving.hardware.probe import _best
+from cachelab.store.backing import huge_page_empty
 from cachelab.store.kernels import prefetch_row
 from cachelab.workload.lookups import compact
 
 CLI = [sys.executable, "-m", "cachelab.cli"]
 COLD_BYTES = 256 << 20  # the cold memcpy's source: larger than most last-level caches (docs/store.md)
 STAGES = ("dedup_s", "cache_lookup_s", "ssd_read_s", "gather_s", "copy_s", "dequant_s", "step_s")
+
+
+def huge_array(shape, dtype=np.uint8, fill=None) -> np.ndarray:
+    """An array on transparent huge pages, as the store's table and outputs are (advised by the
+    store itself): every reference and buffer here stands on the same pages as the candidates,
+    whatever NumPy's own advice (off, as under the command line, since benchmarks/cli_numpy.py;
+    with it off the references' buffers and the latency chains fell to 4 KiB pages while the
+    table stayed on 2 MiB ones)."""
+    dtype = np.dtype(dtype)
+    arr = huge_page_empty(int(np.prod(shape)) * dtype.itemsize).view(dtype).reshape(shape)
+    if fill is not None:
+        arr.fill(fill)
+    return arr
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
@@ -136,7 +150,7 @@ def memory_parallelism(array_bytes: int = 512 << 20, loads: int = 1 << 21,
     the core's line-fill parallelism as used."""
     lines = array_bytes // 64
     order = np.random.default_rng(seed).permutation(lines) * 8  # int64 index of each line's first entry
-    nxt = np.zeros(lines * 8, np.int64)
+    nxt = huge_array(lines * 8, np.int64, 0)
     nxt[order] = np.roll(order, -1)
     ns_per_load = {}
     for k in chains:
@@ -183,7 +197,7 @@ def _chase(nxt, steps):
 def dram_latency_ns(entries: int = 1 << 24, steps: int = 1 << 20, seed: int = 0) -> float:
     """Nanoseconds per dependent random load in a 128 MiB array (larger than the LLC)."""
     perm = np.random.default_rng(seed).permutation(entries)
-    nxt = np.empty(entries, np.int64)
+    nxt = huge_array(entries, np.int64)
     nxt[perm] = np.roll(perm, -1)  # one cycle through every entry
     _chase(nxt, 1000)
     return _best(lambda: _chase(nxt, steps)) / steps * 1e9
@@ -197,7 +211,7 @@ def _steps_of(store, step_rows_list: list[np.ndarray]) -> list[dict]:
     lay = store.layout_tables
     rpp = lay.rows_per_page
     n_max = max(r.size for r in step_rows_list)
-    flat_out = torch.empty(n_max * lay.row_dim, dtype=torch.bfloat16)
+    flat_out = torch.from_numpy(huge_array(n_max * lay.row_dim, np.int16)).view(torch.bfloat16)
     steps = []
     for rows in step_rows_list:
         keys = store.keys(rows).reshape(-1)
@@ -222,13 +236,13 @@ def _time_steps(store, steps: list[dict], rounds: int) -> dict:
     rb, rpp = lay.row_bytes, lay.rows_per_page
     pages = store.backing.pages
     uniq_max = max(s["table_rows"].size for s in steps)
-    hot_src, dst = np.ones(uniq_max * rb, np.uint8), np.empty(uniq_max * rb, np.uint8)
-    cold_src = np.ones(max(COLD_BYTES, uniq_max * rb), np.uint8)
-    packed = np.empty((uniq_max, rb), np.uint8)
-    packed_requests = np.empty((max(s["request_rows"].size for s in steps), rb), np.uint8)
+    hot_src, dst = huge_array(uniq_max * rb, fill=1), huge_array(uniq_max * rb)
+    cold_src = huge_array(max(COLD_BYTES, uniq_max * rb), fill=1)
+    packed = huge_array((uniq_max, rb))
+    packed_requests = huge_array((max(s["request_rows"].size for s in steps), rb))
     ident = np.arange(uniq_max, dtype=np.int64)
-    packed_table = np.ones((int(lay.table_rows.sum()), rb), np.uint8)
-    take_out = np.empty((max(s["keys"].size for s in steps), rb), np.uint8)
+    packed_table = huge_array((int(lay.table_rows.sum()), rb), fill=1)
+    take_out = huge_array((max(s["keys"].size for s in steps), rb))
     stages: dict[str, float] = {}
 
     def memcpy_cold():  # each step's bytes from the next place of a source larger than the LLC

@@ -230,6 +230,54 @@ def test_prefetch_row_and_the_bench_references_copy_the_same_rows():
     assert mp["latency_ns"] == 180.0 and mp["fastest_ns_per_line"] == 10.0 and mp["lines_in_flight"] == 18.0
 
 
+_HUGE_PAGES_OF = r"""
+import os, re, sys
+sys.path.insert(0, sys.argv[1])
+import bench_store  # imports cli_numpy first: NumPy without its own huge-page advice, as the CLI runs
+import numpy as np
+
+def huge_kb(arr):  # AnonHugePages of the mapping that holds arr
+    for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", open("/proc/self/smaps").read()):
+        lo, hi = (int(x, 16) for x in block.split()[0].split("-"))
+        if lo <= arr.ctypes.data < hi:
+            return int(re.search(r"AnonHugePages:\s+(\d+)", block).group(1))
+
+plain, advised = np.empty(16 << 20, np.uint8), bench_store.huge_array(16 << 20)
+plain.fill(1)
+advised.fill(1)
+print(os.environ.get("NUMPY_MADVISE_HUGEPAGE"), huge_kb(plain), huge_kb(advised))
+"""
+
+
+def test_the_gather_benchs_buffers_stand_on_huge_pages_as_the_table_does():
+    """``benchmarks/bench_store.py`` runs NumPy as the command line does (no NumPy huge-page
+    advice, since ``7468bf4``), while the store advises its DRAM table and outputs itself: the
+    gather section's references (memcpy buffers, ``np.take``'s table, the latency chains over
+    as many bytes as the tables) fell to 4 KiB pages and the candidates' table stayed on 2 MiB
+    ones, so the ratios compared two page sizes. Every buffer of the section is advised alike."""
+    import ast
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    tree = ast.parse((bench / "bench_store.py").read_text())
+    section = ("_steps_of", "_time_steps", "memory_parallelism", "dram_latency_ns")
+    fresh = [f"{fn.name}: {ast.unparse(call.func)}" for fn in tree.body if isinstance(fn, ast.FunctionDef)
+             and fn.name in section for call in ast.walk(fn) if isinstance(call, ast.Call)
+             and ast.unparse(call.func) in ("np.empty", "np.zeros", "np.ones", "np.full", "torch.empty",
+                                            "torch.zeros")]
+    assert fresh == []
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[madvise]" not in mode.read_text():
+        pytest.skip("transparent huge pages are not in madvise mode here")
+    env = {k: v for k, v in os.environ.items() if k != "NUMPY_MADVISE_HUGEPAGE"}
+    res = subprocess.run([sys.executable, "-c", _HUGE_PAGES_OF, str(bench)], capture_output=True, text=True, env=env,
+                         check=True)
+    setting, plain_kb, advised_kb = res.stdout.split()
+    assert setting == "0" and int(plain_kb) == 0 and int(advised_kb) >= 2048
+
+
 @pytest.mark.parametrize("work", [0, 1 << 40])  # the serial build, and the parallel one
 @pytest.mark.parametrize("counter", ["set", "bitmap"])
 def test_lookup_dequant_folds_counts_distinct_rows_and_dequantises_repeats(work, counter):

@@ -66,6 +66,15 @@ def aligned_empty(nbytes: int, align: int = PAGE) -> np.ndarray:
     return raw[start:start + nbytes]
 
 
+def huge_page_empty(nbytes: int) -> np.ndarray:
+    """A uint8 buffer starting a 2 MiB page, advised to transparent huge pages before anything
+    touches it: what the table in DRAM and the pooled outputs stand on, whatever NumPy's own
+    advice (``NUMPY_MADVISE_HUGEPAGE``, off under the command line) does."""
+    buf = aligned_empty(nbytes, HUGE_PAGE)
+    advise_huge_pages(buf.ctypes.data, buf.nbytes)
+    return buf
+
+
 class DramBacking:
     """Every layer's data pages in one DRAM buffer."""
 
@@ -76,8 +85,7 @@ class DramBacking:
         self.layout = layout
         pages = [layout.file_pages(li) for li in range(len(paths))]
         self.page_base = np.concatenate([[0], np.cumsum(pages)[:-1]]).astype(np.int64)
-        self.buf = aligned_empty(sum(pages) * PAGE, HUGE_PAGE)
-        advise_huge_pages(self.buf.ctypes.data, self.buf.nbytes)
+        self.buf = huge_page_empty(sum(pages) * PAGE)
         for li, path in enumerate(paths):
             lo = int(self.page_base[li]) * PAGE
             _read_whole(path, PAGE, memoryview(self.buf)[lo:lo + pages[li] * PAGE])

@@ -17,7 +17,7 @@ import threading
 
 import numpy as np
 
-from cachelab.store.backing import HUGE_PAGE, advise_huge_pages, aligned_empty
+from cachelab.store.backing import HUGE_PAGE, huge_page_empty
 
 
 class _Leased(np.ndarray):
@@ -57,9 +57,8 @@ class OutputPool:
             if entry is not None:
                 self._held -= size
         if entry is None:
-            buf = aligned_empty(size, HUGE_PAGE)
+            buf = huge_page_empty(size)
             entry = buf, buf.ctypes.data
-            advise_huge_pages(entry[1], size)
         leased = _Leased(shape, np.int16, entry[0])  # the BF16 bits: one view, one Python call
         leased._lease = self, entry[1]
         return torch.from_numpy(leased).view(torch.bfloat16), entry[1]
