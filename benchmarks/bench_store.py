@@ -507,32 +507,14 @@ def prefetch_section(directory: Path, trace: str, requests: int, compute_ms: flo
 
 
 def pagecache_section(directory: Path, trace: str, requests: int, steps: int, plot: Path | None) -> dict:
-    from cachelab.learning.streams import check_stream_layout, load_trace
-    from cachelab.store.build import load_layout
-    from cachelab.store.pagecache import pagecache_experiment
+    """``cachelab store page-cache``'s experiment (cachelab/store/pagecache.py), the HBM cache at 1 %."""
+    from cachelab.store.bench import table_stream
+    from cachelab.store.pagecache import pagecache_experiment, plot_phases
 
-    cfg = load_layout(directory)[0].config  # the tables' layout (V4.1-Flash's stream failed on other tables)
-    stream = load_trace(trace, requests, 0, cfg.name)
-    check_stream_layout(stream, cfg, f"--trace {trace}", f"the tables in {directory} are of another layout")
+    stream = table_stream(directory, trace, requests, "bench_store.py --pagecache")
     out = pagecache_experiment(directory, stream, steps, hbm_capacity="1%")
     if plot is not None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        phases = [p for p in ("cold", "warm", "reclaim", "cgroup") if "step_p50_ms" in out.get(p, {})]
-        fig, ax = plt.subplots(figsize=(6, 3.2))
-        x = np.arange(len(phases))
-        ax.bar(x - 0.2, [out[p]["step_p50_ms"] for p in phases], 0.4, label="P50")
-        ax.bar(x + 0.2, [out[p]["step_p99_ms"] for p in phases], 0.4, label="P99")
-        ax.set_xticks(x, phases)
-        ax.set_yscale("log")
-        ax.set_ylabel("step time (ms)")
-        ax.set_title(f"mmap backing, {out['table_bytes'] / 2**20:.0f} MiB of tables")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(plot, dpi=120)
+        plot_phases(out, plot)
     return out
 
 

@@ -131,13 +131,11 @@ def bench(
     """Replay a trace's row stream through the store; per-tier hits, misses and bytes, stage
     times, and the simulator's figures for the same stream, policies and capacities. Exits 1
     where a row differs from its reference or the store's figures from the simulator's."""
-    from cachelab.engram.config import preset_flag
-    from cachelab.learning.streams import check_stream_layout, layout_signature, load_trace
+    from cachelab.learning.streams import layout_signature
     from cachelab.store.backing import check_io
-    from cachelab.store.bench import PolicySpec, check_run, replay_store
+    from cachelab.store.bench import PolicySpec, check_run, replay_store, table_stream
     from cachelab.store.build import load_layout
     from cachelab.store.store import check_device
-    from cachelab.trace.kinds import detect, refuse_unused
 
     # every flag before the tables and the trace load (--backing and --device were checked ~1.6 s after)
     check_io(io_threads, io_submit, backing, "--io-threads")
@@ -147,8 +145,6 @@ def bench(
     params = parse_pairs(param)
     check_params(registry.get(registry.POLICIES, policy.split("+")[0]), params, "--param")
     layout, _ = load_layout(directory)
-    if not trace.endswith(".npz") and layout.config.name not in _presets():
-        raise CachelabError(f"tables of the custom layout {layout.config.name!r} replay a saved stream (.npz) only")
     if dram_policy is not None and dram_capacity is None:
         raise CachelabError("--dram-policy needs --dram-capacity")
     # each tier checked by its flags before the trace loads (the store's errors name its Python arguments)
@@ -176,11 +172,7 @@ def bench(
 
         fitted = load(model)
         check_layout(fitted, layout_signature(cfg), f"the tables in {directory}")
-    found = detect(trace)
-    refuse_unused(found, {"--requests": requests})  # a saved stream is replayed as it was saved
-    stream = load_trace(found, 50 if requests is None else requests, 0, layout.config.name, verb="store bench")
-    check_stream_layout(stream, cfg, f"--trace {trace}", f"the tables in {directory} are of that layout; write the "
-                        f"stream for it (`cachelab trace lookups ... {preset_flag(cfg.name)}`)")
+    stream = table_stream(directory, trace, requests, "store bench")
     scores, taken = None, {}
     dram_name = dram_policy or policy
     if fitted is not None:  # what each tier's policy takes from the model (the DRAM tier's was left out)
@@ -210,6 +202,68 @@ def bench(
         raise typer.Exit(code=1)
 
 
+@app.command("page-cache")
+def page_cache(
+    directory: Path = typer.Option(..., "--dir", help="A directory written by `cachelab store build`."),
+    trace: str = typer.Option(..., "--trace", help="A saved lookup stream (.npz), or prompt corpora, comma-separated."),
+    requests: int | None = typer.Option(None, "--requests", help="Corpus names: requests per corpus (default 50). "
+                                        "A saved stream is replayed whole."),
+    steps: int = typer.Option(1000, "--steps", help="Steps replayed in each phase: the stream's first N."),
+    policy: str = typer.Option("lru", "--policy", help="The HBM row cache's policy (registry name)."),
+    capacity: str = typer.Option("1%", "--capacity", help="HBM row cache capacity: rows, bytes ('64MiB') or a share "
+                                 "of the table's rows ('1%'); 0: none."),
+    interval_ms: float = typer.Option(50.0, "--reclaim-interval-ms", help="Under reclaim, the tables' pages are "
+                                      "dropped whenever this much time has passed (checked between steps)."),
+    cgroup_share: float = typer.Option(0.25, "--cgroup-share", help="The memory cgroup's limit: the child's use "
+                                       "once its store is open, 64 MiB of headroom and this share of the table."),
+    no_cgroup: bool = typer.Option(False, "--no-cgroup", help="Leave out the memory cgroup phase."),
+    plot: Path | None = typer.Option(None, "--plot", help="Also write a PNG of each phase's P50 and P99 step time."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """The page-cache experiment on the mmap backing: step-time P50/P99, faults, resident set and
+    the table's pages in the page cache (mincore), cold, warm, under reclaim and in a memory
+    cgroup (where one can be made). It drops the tables' pages from the page cache."""
+    from cachelab.store.bench import table_stream
+    from cachelab.store.pagecache import check_experiment, pagecache_experiment, plot_phases
+
+    check_experiment(steps, interval_ms / 1e3, cgroup_share)
+    if capacity != "0":
+        parse_capacity(capacity, "--capacity")
+        if registry.make_policy(policy).capabilities.needs_scores:
+            raise CachelabError(f"--policy {policy!r} needs predictor scores, which the experiment does not give: "
+                                "name a policy that needs none")
+    if plot is not None and not plot.parent.is_dir():
+        raise CachelabError(f"--plot {plot}: no directory {plot.parent}")
+    stream = table_stream(directory, trace, requests, "store page-cache")
+    out = pagecache_experiment(directory, stream, steps, policy, capacity, interval_ms / 1e3, cgroup_share,
+                               cgroup=not no_cgroup)
+    if plot is not None:
+        plot_phases(out, plot)
+    if as_json:
+        typer.echo(strict_json.dumps(out))
+        return
+    table = Table(title=f"page cache of the mmap backing: {out['steps']:,} steps a phase, "
+                        f"{out['table_bytes'] / 2**20:,.0f} MiB of tables")
+    for col in ("phase", "step P50 ms", "step P99 ms", "major faults", "minor faults", "table pages resident",
+                "VmRSS MB", "RssFile MB"):
+        table.add_column(col, justify="left" if col == "phase" else "right")
+    for phase in ("cold", "warm", "reclaim", "cgroup"):
+        r = out.get(phase)
+        if r is None:
+            continue
+        if "step_p50_ms" not in r:
+            table.add_row(phase, r.get("unavailable") or r.get("error", ""), *[""] * 6)
+            continue
+        table.add_row(phase, f"{r['step_p50_ms']:.2f}", f"{r['step_p99_ms']:.1f}", f"{r['major_faults']:,}",
+                      f"{r['minor_faults']:,}", f"{r['table_pages_resident']:,} of {r['table_pages']:,}",
+                      f"{r['VmRSS'] / 1e6:,.0f}", f"{r['RssFile'] / 1e6:,.0f}")
+    Console().print(table)
+    if "reclaim" in out:
+        Console().print(f"reclaim: the tables' pages dropped {out['reclaim']['drops']} times"
+                        + (f"; cgroup limit {out['cgroup']['limit_bytes']:,} B" if "limit_bytes" in out.get("cgroup", {})
+                           else ""))
+
+
 def _device(device: str) -> str:
     """``--device``: ``auto`` is cuda where torch sees a GPU, else cpu."""
     if device != "auto":
@@ -217,12 +271,6 @@ def _device(device: str) -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _presets() -> set[str]:
-    from cachelab.engram.config import PRESETS
-
-    return set(PRESETS)
 
 
 def _print(out: dict) -> None:

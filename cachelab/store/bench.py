@@ -110,6 +110,26 @@ def compare(store_totals: dict, sim: dict, tier_names, backing: str) -> dict[str
     return out
 
 
+def table_stream(directory, trace: str, requests: int | None, verb: str) -> LookupStream:
+    """``--trace`` as a row stream for the tables in ``directory``: a saved stream (.npz) as saved,
+    or prompt corpora at ``requests`` each (default 50) in the tables' layout; a stream of another
+    layout is refused (other multipliers or table sizes name other rows of tables of the same shape)."""
+    from cachelab.engram.config import PRESETS, preset_flag
+    from cachelab.learning.streams import check_stream_layout, load_trace
+    from cachelab.store.build import load_layout
+    from cachelab.trace.kinds import detect, refuse_unused
+
+    cfg = load_layout(directory)[0].config
+    if not trace.endswith(".npz") and cfg.name not in PRESETS:
+        raise CachelabError(f"tables of the custom layout {cfg.name!r} replay a saved stream (.npz) only")
+    found = detect(trace)
+    refuse_unused(found, {"--requests": requests})  # a saved stream is replayed as it was saved
+    stream = load_trace(found, 50 if requests is None else requests, 0, cfg.name, verb=verb)
+    check_stream_layout(stream, cfg, f"--trace {trace}", f"the tables in {directory} are of that layout; write the "
+                        f"stream for it (`cachelab trace lookups ... {preset_flag(cfg.name)}`)")
+    return stream
+
+
 def check_run(compute_ms: float, max_lookups: int | None) -> None:
     """Refuse a hold per step that is negative, NaN or infinite (a traceback from the first
     step's sleep) and a lookup budget below 1; named by the bench's flags."""
