@@ -187,13 +187,16 @@ def warm_up(directory, stream: LookupStream, hbm_policy: str, hbm_capacity) -> N
 
 def child_phase(cgroup, directory, stream_path, steps, hbm_policy: str, hbm_capacity, table_share_bytes) -> dict:
     """In the cgroup: open the store, then cap the cgroup at what it uses now plus
-    ``table_share_bytes``, drop the tables' pages, and replay cold."""
+    ``table_share_bytes``, drop the tables' pages, and replay cold. The use is read before the
+    warm-up step: what that step allocates (the kernels loaded) takes its share of the headroom,
+    as it did while the first step was timed (read after it, the limit held every page)."""
     cgroup = Path(cgroup)
     stream = LookupStream.load(stream_path)
-    warm_up(directory, stream, hbm_policy, hbm_capacity)
     with TieredStore.open(directory, **_store_kwargs(hbm_policy, hbm_capacity)) as store:
         drop_store_pages(store)
         limit = _usage(cgroup) + int(table_share_bytes)
+        warm_up(directory, stream, hbm_policy, hbm_capacity)
+        drop_store_pages(store)  # the warm-up's pages (its store closed: nothing maps them)
         _limit_file(cgroup).write_text(str(limit))
         return {"limit_bytes": limit, **run_phase(store, stream, int(steps))}
 
