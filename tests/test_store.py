@@ -21,7 +21,7 @@ from cachelab.store import TieredStore, build_tables, verify_tables
 from cachelab.store.bench import PolicySpec, check_rows, replay_store
 from cachelab.store.format import PAGE, TableLayout
 from cachelab.store.kernels import DEQUANT_TABLE, dequant_expand
-from cachelab.store.store import policy_bytes_per_row
+from cachelab.store.tier import policy_bytes_per_row
 from cachelab.workload.lookups import LookupStream, compact_steps, global_key, split_key
 from llvm_checks import fresh_llvm, increfs_past_entry
 

@@ -47,7 +47,7 @@ from cachelab.store.kernels import (BITMAP_BYTES, DEQUANT_TABLE, SEEN_GENERATION
                                     dequant_rows_torch, lookup_dequant, slot_bits)
 from cachelab.store.outputs import OutputPool
 from cachelab.store.source import RowSource
-from cachelab.store.tier import CacheTier
+from cachelab.store.tier import CacheTier, policy_bytes_per_row
 from cachelab.workload.lookups import LAYER_SHIFT, compact
 
 INT64 = np.dtype(np.int64)
@@ -71,31 +71,6 @@ def _positions(keys: np.ndarray, queries: np.ndarray) -> np.ndarray:
     """Index in ``keys`` (distinct) of each of ``queries`` (all present)."""
     order = np.argsort(keys, kind="stable")
     return order[np.searchsorted(keys[order], queries)]
-
-
-def policy_bytes_per_row(policy: Policy | str, capacity: int = 1024, num_keys: int = 1 << 20) -> float:
-    """Bytes of policy state per table row: what a live store (no compaction) pays per row,
-    measured from the arrays a reset sizes by ``num_keys``, plus the tier's 4-byte slot map
-    (the store's 4-byte first-use numbering is paid once, not per tier)."""
-    policy = registry.make_policy(policy) if isinstance(policy, str) else policy
-
-    def arrays(obj, seen):
-        if id(obj) in seen:
-            return 0
-        seen.add(id(obj))
-        if isinstance(obj, np.ndarray):
-            return obj.nbytes
-        if isinstance(obj, (tuple, list)):
-            return sum(arrays(x, seen) for x in obj)
-        if hasattr(obj, "__dict__") and not isinstance(obj, type):
-            return sum(arrays(x, seen) for x in vars(obj).values())
-        return 0
-
-    sizes = []
-    for n in (num_keys, 2 * num_keys):
-        policy.reset(capacity, n)
-        sizes.append(arrays(policy, set()))
-    return (sizes[1] - sizes[0]) / num_keys + 4
 
 
 class PrefetchHandle:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from cachelab import registry
 from cachelab.engine.cascade import sized
 from cachelab.errors import CachelabError
 from cachelab.policy import Policy, StepResult
@@ -111,3 +112,28 @@ def _move_rows(src, src_index: np.ndarray, dst, dst_index: np.ndarray) -> None:
 
     rows = src.index_select(0, torch.from_numpy(src_index).to(src.device, non_blocking=True))
     dst.index_copy_(0, torch.from_numpy(dst_index).to(dst.device, non_blocking=True), rows)
+
+
+def policy_bytes_per_row(policy: Policy | str, capacity: int = 1024, num_keys: int = 1 << 20) -> float:
+    """Bytes of policy state per table row: what a live store (no compaction) pays per row,
+    measured from the arrays a reset sizes by ``num_keys``, plus the tier's 4-byte slot map
+    (the store's 4-byte first-use numbering is paid once, not per tier)."""
+    policy = registry.make_policy(policy) if isinstance(policy, str) else policy
+
+    def arrays(obj, seen):
+        if id(obj) in seen:
+            return 0
+        seen.add(id(obj))
+        if isinstance(obj, np.ndarray):
+            return obj.nbytes
+        if isinstance(obj, (tuple, list)):
+            return sum(arrays(x, seen) for x in obj)
+        if hasattr(obj, "__dict__") and not isinstance(obj, type):
+            return sum(arrays(x, seen) for x in vars(obj).values())
+        return 0
+
+    sizes = []
+    for n in (num_keys, 2 * num_keys):
+        policy.reset(capacity, n)
+        sizes.append(arrays(policy, set()))
+    return (sizes[1] - sizes[0]) / num_keys + 4
