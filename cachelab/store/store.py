@@ -47,8 +47,8 @@ from cachelab.store.kernels import (BITMAP_BYTES, DEQUANT_TABLE, SEEN_GENERATION
                                     dequant_rows_torch, lookup_dequant, slot_bits)
 from cachelab.store.outputs import OutputPool
 from cachelab.store.source import RowSource
-from cachelab.store.tier import CacheTier, policy_bytes_per_row
-from cachelab.workload.lookups import LAYER_SHIFT, compact
+from cachelab.store.tier import CacheTier, policy_bytes_per_row, scorer_positions
+from cachelab.workload.lookups import compact
 
 INT64 = np.dtype(np.int64)
 
@@ -269,18 +269,6 @@ class TieredStore:
         self._next_id += new.size
         return ids
 
-    def _made_at(self, row_ids, first: np.ndarray) -> np.ndarray:
-        """The scorer's position of each distinct key's score (its ``first`` lookup): scores are
-        positions on the clock of the full-layout rows, each step's distinct ones in order (the
-        view ``lookup_scores`` and ``OnlineScorer`` number), which the fold merges where rows
-        collide; the tiers re-base them onto their policies' clocks (``cachelab.policy.clock``)."""
-        rows = np.asarray(row_ids, dtype=np.int64)
-        layer = np.arange(rows.shape[-2], dtype=np.int64)[:, None] << LAYER_SHIFT
-        inverse, uniq = compact((layer | rows).reshape(-1))
-        made_at = self._scored + inverse[first]
-        self._scored += uniq.size
-        return made_at
-
     def keys(self, row_ids) -> np.ndarray:
         """The store's keys (``layer_base + row`` of the scaled tables) of full-layout row ids."""
         return self.layout_tables.fold(row_ids)
@@ -390,7 +378,8 @@ class TieredStore:
             first = np.empty(uniq.size, np.int64)
             first[inverse[::-1]] = np.arange(inverse.size)[::-1]  # last write wins = first lookup
             d_scores = scores.reshape(-1)[first]
-            d_made_at = self._made_at(row_ids, first) if any(t.needs_scores for t in self.tiers) else None
+            if any(t.needs_scores for t in self.tiers):  # the tiers re-base them onto their policies' clocks
+                d_made_at, self._scored = scorer_positions(row_ids, first, self._scored)
         n = uniq.size
         ids = self._number(uniq) if self.tiers else uniq
         d_counts = np.bincount(inverse, minlength=n) if any(t.needs_counts for t in self.tiers) else None

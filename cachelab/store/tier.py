@@ -19,6 +19,7 @@ from cachelab.errors import CachelabError
 from cachelab.policy import Policy, StepResult
 from cachelab.policy.clock import on_clock
 from cachelab.store.kernels import copy_rows
+from cachelab.workload.lookups import LAYER_SHIFT, compact
 
 
 class CacheTier:
@@ -97,6 +98,18 @@ class CacheTier:
         self.policy.reset(self.capacity, self.slot_of.size)
         self.slot_of.fill(-1)
         self.accesses = 0
+
+
+def scorer_positions(row_ids, first: np.ndarray, scored: int) -> tuple[np.ndarray, int]:
+    """The scorer's position of each of a step's distinct keys' score (made at its ``first``
+    lookup), and the scorer's clock after the step (``scored`` before it). Scores are positions
+    on the clock of the full-layout rows, each step's distinct ones in order, as ``lookup_scores``
+    and ``OnlineScorer`` number them; the fold merges rows that collide, so the store counts them
+    here, from the row ids ``[..., layers, columns]`` it is handed."""
+    rows = np.asarray(row_ids, dtype=np.int64)
+    layer = np.arange(rows.shape[-2], dtype=np.int64)[:, None] << LAYER_SHIFT
+    inverse, uniq = compact((layer | rows).reshape(-1))
+    return scored + inverse[first], scored + uniq.size
 
 
 def _move_rows(src, src_index: np.ndarray, dst, dst_index: np.ndarray) -> None:
