@@ -15,6 +15,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from cachelab import registry
+from cachelab.engine.replay import replay
+from cachelab.engine.tiers import Hierarchy, Tier
 from cachelab.engram.config import get_preset
 from cachelab.errors import CachelabError
 from cachelab.store import TieredStore, build_tables, verify_tables
@@ -594,6 +596,38 @@ def test_a_learned_tier_reads_the_keep_chance_the_scorer_gave_on_folded_tables(t
     spec = PolicySpec("learned-lfu", {"weight": 1.0, "horizon": horizon})
     out = replay_store(tables, stream, "dram", spec, 500, spec, 2000, scores=scores)
     assert out["matches_simulator"] and out["mismatches"] == 0, out["comparison"]
+
+
+def test_a_learned_store_decides_as_the_simulator_on_the_folded_stream_with_the_same_predictions(tables):
+    """The same predicted waits, handed to the store as positions on the full-layout rows' clock
+    and to the engine's replay of the folded stream as positions on that stream's own clock: every
+    tier hits exactly alike (not while the store's policies read the scores on their own clocks,
+    by a drift that grows with the run: 10,282 HBM hits and 4,651 DRAM hits in the store against
+    the replay's 10,275 and 4,631 here)."""
+    rng = np.random.default_rng(5)
+    steps, tokens, horizon = 60, 12, 4096
+    stream = stream_of(rng, steps, tokens)
+    wait = horizon * (1 - rng.choice([0.0, 0.25, 0.5, 0.75, 1.0], stream.keys.size))
+    position = compact_steps(stream.keys, stream.step_offsets)[0].inverse
+    with TieredStore.open(tables, backing="dram", hbm_policy=registry.make_policy("learned-lfu", horizon=horizon),
+                          hbm_capacity=500, dram_policy=registry.make_policy("learned-lfu", horizon=horizon),
+                          dram_capacity=2000) as store:
+        per = stream.step_offsets[1]
+        folded = np.empty(stream.keys.size, np.int64)
+        for s in range(steps):
+            rows = split_key(stream.keys[s * per:(s + 1) * per])[1].reshape(tokens, len(CFG.layers), CFG.columns)
+            store.lookup(rows, -(position + wait)[s * per:(s + 1) * per].reshape(rows.shape))
+            folded[s * per:(s + 1) * per] = store.keys(rows).reshape(-1)
+        totals = store.totals.to_dict()
+    on_folded = compact_steps(folded, stream.step_offsets)[0].inverse  # the folded stream's own clock
+    assert on_folded[-1] < position[-1]
+    tiers = [Tier("hbm", registry.make_policy("learned-lfu", horizon=horizon), capacity_rows=500),
+             Tier("dram", registry.make_policy("learned-lfu", horizon=horizon), capacity_rows=2000)]
+    levels = replay(LookupStream(folded, stream.step_offsets, 264), Hierarchy(tiers, 264),
+                    scores=-(on_folded + wait)).stats().to_dict()["levels"]
+    assert (totals["hbm_hits"], totals["dram_hits"]) == (levels["hbm"]["served_unique"],
+                                                         levels["dram"]["served_unique"])
+    assert totals["hbm_hits"] > 0 and totals["dram_hits"] > 0
 
 
 @pytest.mark.parametrize("policy", ["lru", "fbgemm-lru"])
