@@ -12,8 +12,9 @@ from typer.testing import CliRunner
 
 from cachelab.cli import app
 from cachelab.errors import CachelabError
-from cachelab.serving.agentic import (BASE_MAX_ISL, INPUT_SIGMA, MAX_CONTEXT, MEDIAN_INPUT, MEDIAN_OUTPUT, PREFIX_HIT,
-                                      PREFIX_HIT_V01, agentic_workload)
+from cachelab.serving.agentic import (BASE_MAX_ISL, INPUT_SIGMA, MAX_CONTEXT, MEDIAN_INPUT, MEDIAN_OUTPUT, OUTPUT_SIGMA,
+                                      PREFIX_HIT, PREFIX_HIT_V01, THINK_MEDIAN_S, THINK_SIGMA, agentic_workload,
+                                      carried_gaps)
 from cachelab.serving.hardware import load_profile
 from cachelab.serving.latency import Efficiency, LatencyModel
 from cachelab.serving.model_spec import load_model
@@ -237,7 +238,44 @@ def test_agentic_inputs_over_the_corpus_cap_are_dropped_not_truncated():
     assert np.array_equal(wl.new_tokens + wl.cached_tokens, raw[raw <= BASE_MAX_ISL])
     assert 0 < (raw > BASE_MAX_ISL).sum() < 0.02 * raw.size
     assert wl.output_tokens.size == wl.think_s.size == wl.new_tokens.size
-    assert (wl.context_tokens < MAX_CONTEXT).all()  # vLLM's --max-model-len check refuses none
+    assert (wl.context_tokens <= MAX_CONTEXT).all()  # vLLM's --max-model-len check refuses none
+
+
+def _raw_draws(samples: int, seed: int, median_input: float = MEDIAN_INPUT, median_output: float = MEDIAN_OUTPUT):
+    rng = np.random.default_rng(seed)  # the workload's own draws, in its order
+    inp = np.round(median_input * rng.lognormal(0.0, INPUT_SIGMA, samples))
+    out = np.maximum(1.0, np.round(median_output * rng.lognormal(0.0, OUTPUT_SIGMA, samples)))
+    return inp, out, THINK_MEDIAN_S * rng.lognormal(0.0, THINK_SIGMA, samples)
+
+
+def test_agentic_dropped_requests_keep_their_time_in_the_next_gap():
+    # AgentX keeps the survivors' recorded start times and replays end-to-start delays from them, so the
+    # gap before a kept request spans the dropped requests before it: their gaps are carried, not lost
+    # (they were: later turns came sooner than in the source).
+    inp, _, think = _raw_draws(8192, 1)
+    expected, pending = [], 0.0
+    for n, gap in zip(inp, think):
+        pending += gap
+        if n <= BASE_MAX_ISL:
+            expected.append(pending)
+            pending = 0.0
+    wl = agentic_workload(samples=8192, seed=1)
+    assert np.allclose(wl.think_s, expected, rtol=1e-12)
+    last = np.flatnonzero(inp <= BASE_MAX_ISL)[-1]
+    assert wl.think_s.sum() == pytest.approx(think[:last + 1].sum(), rel=1e-12) and wl.think_s.sum() > think[inp <= BASE_MAX_ISL].sum()
+    assert np.array_equal(carried_gaps(np.array([1.0, 2.0, 4.0, 8.0, 16.0]), np.array([False, True, False, True, False])),
+                          [3.0, 12.0])
+
+
+def test_agentic_outputs_run_to_the_recorded_length_within_the_window():
+    # No output cap in AgentX (the recorded length, ignore_eos); vLLM 0.32 cuts max_tokens to the window
+    # less the prompt. An uncited clamp at 32,768 cut them before.
+    inp, out, _ = _raw_draws(2048, 2, median_input=700_000, median_output=150_000)
+    kept = inp <= BASE_MAX_ISL
+    wl = agentic_workload(samples=2048, seed=2, median_input=700_000, median_output=150_000)
+    assert np.array_equal(wl.output_tokens, np.minimum(out[kept], MAX_CONTEXT - inp[kept]))
+    assert (wl.output_tokens > 32_768).sum() > 100 and (out[kept] > MAX_CONTEXT - inp[kept]).sum() > 100
+    assert wl.context_tokens.max() == MAX_CONTEXT
 
 
 def test_kv_capacity_bounds_the_prefix_cache():

@@ -10,7 +10,9 @@ cc-traces-weka-042026 gives 96.8% and, by that issue and InferenceX PR #1201, in
 rates; no hit ratio of 062126 is published, so this is an ASSUMPTION and ``prefix_hit``
 changes it), a 3,600 s window after warm-up (InferenceX agentic README: the matrix's default
 duration). Spreads and think times are ASSUMPTIONS: input and output lognormal (sigma 0.8 and
-1.0), think time (tool execution between turns) lognormal with a 3 s median. Each request's
+1.0), think time (tool execution between turns) lognormal with a 3 s median. A request over
+AgentX's corpus cap is dropped and its gap joins the next kept request's, as the replay times it;
+an output runs to the recorded length, at most the server's window less the prompt. Each request's
 cached tokens are the session's earlier context: the hit ratio of its input; the rest is new
 (tool output, the last answer). Subagent fan-out (more requests in flight than clients) is
 not modelled: each client holds one request.
@@ -35,22 +37,46 @@ MAX_CONTEXT = 1_048_576  # the V4.1 recipes' --max-model-len (InferenceX dsv41fl
 # alike, and keeps the rest of its session and its timeline. Its help gives 990,016 (the 64-multiple
 # nearest 990k) and says no real prompt of the corpus exceeds 1M. The card of 062126 was not read here;
 # the DeepSeek-V4 GB300 TRT-LLM AgentX recipes (prefill max_seq_len 990016) and a reading of 062126
-# ("contexts up to 990k") agree. Draws above it are dropped the same way (0.76% of the lognormal); an
-# output is at most 32,768, so no kept request reaches MAX_CONTEXT and vLLM's length check refuses none.
+# ("contexts up to 990k") agree. Draws above it are dropped the same way (0.76% of the lognormal).
 BASE_MAX_ISL = 990_016
+# The timeline kept means a dropped request's time stays in its session: the filter keeps the survivors'
+# recorded start times `t` (`_filter_trace`: "surviving timestamps retain their original relative
+# offsets"), and the replay times each turn by the end-to-start delay from them (InferenceX
+# benchmark_lib.sh build_replay_cmd: "Source end-to-start delays remain intact"; SemiAnalysisAI/aiperf
+# src/aiperf/common/scenario/inferencex_agentx_mvp.py `require_use_end_to_start_delays=True`,
+# src/aiperf/dataset/loader/weka_trace.py `_end_to_start_delay_ms`: t_k - (t_{k-1} + api_{k-1}) over
+# consecutive surviving turns). So the gap before
+# the next kept request is the dropped one's gap, its recorded duration and its own gap: the draws'
+# gaps are carried the same way. The recorded duration (the capture's own server time) has no
+# published distribution and is not added: those gaps are short by it.
+# No output cap either: the scenario locks `ignore_eos` and sends the recorded output as max_tokens (no
+# --synthesis-max-osl in build_replay_cmd), and vLLM 0.32 serves a prompt that fits its window with
+# max_tokens cut to the window less the prompt (`get_max_tokens` in vllm.entrypoints.serve.utils.api_utils:
+# min(max_model_len - input_length, max_tokens, ...)). (An uncited clamp at 32,768 stood here until
+# 2026-12-06; it cut 8.5e-6 of the lognormal, no draw of seed 0.)
 INPUT_SIGMA, OUTPUT_SIGMA, THINK_MEDIAN_S, THINK_SIGMA = 0.8, 1.0, 3.0, 1.0  # ASSUMPTIONS
+
+
+def carried_gaps(gaps: np.ndarray, kept: np.ndarray) -> np.ndarray:
+    """The gap before each kept request once the others are dropped: its own plus those of the dropped
+    requests since the last kept one (a session's timeline keeps their time); dropped requests after
+    the last kept one carry into none."""
+    total = np.cumsum(gaps)[kept]
+    return np.diff(total, prepend=0.0)
 
 
 def agentic_workload(samples: int = 4096, seed: int = 0, median_input: float = MEDIAN_INPUT,
                      median_output: float = MEDIAN_OUTPUT, prefix_hit: float = PREFIX_HIT) -> Workload:
     """``samples`` requests drawn from the published AgentX summaries, less those whose input exceeds
-    ``BASE_MAX_ISL`` (dropped, as the corpus drops them); deterministic for a seed."""
+    ``BASE_MAX_ISL`` (dropped, their gaps carried to the next kept request, as AgentX replays its
+    corpus); deterministic for a seed."""
     rng = np.random.default_rng(seed)
     inp = np.round(median_input * rng.lognormal(0.0, INPUT_SIGMA, samples))
-    out = np.maximum(1.0, np.minimum(np.round(median_output * rng.lognormal(0.0, OUTPUT_SIGMA, samples)), 32_768))
+    out = np.maximum(1.0, np.round(median_output * rng.lognormal(0.0, OUTPUT_SIGMA, samples)))
     think = THINK_MEDIAN_S * rng.lognormal(0.0, THINK_SIGMA, samples)
     kept = inp <= BASE_MAX_ISL
-    inp, out, think = inp[kept], out[kept], think[kept]
+    inp, out, think = inp[kept], out[kept], carried_gaps(think, kept)
+    out = np.minimum(out, MAX_CONTEXT - inp)
     cached = np.floor(inp * prefix_hit)
     return Workload("agentic (AgentX, synthesized)", inp - cached, cached, out, think,
                     "synthesized from AgentX's published medians and hit rate; the trace itself was not replayed")
