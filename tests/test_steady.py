@@ -496,6 +496,28 @@ def test_the_ssd_host_floor_is_fitted_on_the_short_steps_of_the_pr_sweep():
 
 
 @pytest.mark.slow
+def test_the_pr_bodys_two_readings_of_the_ssd_floor_are_both_reported():
+    """The fitted floor reads the PR body's SSD-over-UVA throughput at 1-8 clients, a ratio of whole
+    cycles, thinking included: with the synthesized think times doubled it refits 38% higher. Its median
+    TPOT offset read at one client (one sequence's step, no think time) gives a shorter floor, under which
+    the SSD arm is nearer the UVA arm than the published sweep has it."""
+    from dataclasses import replace
+
+    from cachelab.serving.studies.semianalysis import published_piecewise_layer_s
+    from cachelab.serving.studies.ssd_floor import floor_from_tpot_offset, floor_if_think_mean
+
+    eff = replace(Efficiency(), **FITTED_R1)
+    wl = agentic_workload()
+    tpot = floor_from_tpot_offset(wl, eff, 77e6, concurrencies=(1, 2, 4, 8, 16, 32, 64))
+    assert tpot["piecewise_layer_s"] == published_piecewise_layer_s(eff, wl) < eff.piecewise_layer_s
+    assert set(tpot["b200_tp4_disk_over_uva"]) == {"1", "2", "4", "8", "16", "32", "64"}
+    assert tpot["b200_tp4_disk_over_uva"]["1"] > 0.75  # published 0.63; the fit's floor gives 0.64
+    assert tpot["b200_dram_over_ssd"] == pytest.approx(77e6 / tpot["b200_ssd_tokens_per_dollar"])
+    doubled = floor_if_think_mean(wl, eff, think_mean_s=2 * float(wl.think_s.mean()))
+    assert doubled["piecewise_layer_s"] > 1.3 * eff.piecewise_layer_s
+
+
+@pytest.mark.slow
 def test_the_elasticities_are_of_the_key_itself():
     # the sensitivity's base is b200_dram_tokens_per_dollar as the study reads it (its sweep to 128
     # clients), not a coarser sweep's read-off 8% below it (seen by helper-118)

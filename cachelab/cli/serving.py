@@ -356,6 +356,7 @@ def study_semianalysis(
     from cachelab.serving.calibration import FITTED
     from cachelab.serving.studies.semianalysis import (dram_over_ssd_across_floor, run, sensitivity as elasticity,
                                                        total_points, what_ifs, with_fitted_piecewise)
+    from cachelab.serving.studies.ssd_floor import floor_from_tpot_offset, floor_if_think_mean
 
     if not 0.0 <= prefix_hit < 1.0:
         raise CachelabError(f"--prefix-hit must be in [0, 1), got {prefix_hit}")
@@ -382,6 +383,10 @@ def study_semianalysis(
                 workload, eff, result["b200_dram_tokens_per_dollar"])
         with spinner("what-ifs (page-cache size, host offset, KV bytes per token, token budget)"):
             result.update(what_ifs(workload, eff, result["b200_dram_tokens_per_dollar"]))
+        with spinner("the SSD floor's two readings (read from the PR body's TPOT offset; fitted at another think time)"):
+            result["b200_dram_over_ssd_if_floor_from_tpot_offset"] = floor_from_tpot_offset(
+                workload, eff, result["b200_dram_tokens_per_dollar"])
+            result["piecewise_layer_s_if_think_mean_s"] = floor_if_think_mean(workload, eff)
     if as_json:
         typer.echo(strict_json.dumps(result))
         return

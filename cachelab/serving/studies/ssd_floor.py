@@ -1,0 +1,61 @@
+"""The SSD host floor's two readings of its one source, the SSD patch's PR body
+(``semianalysis.SSD_PR_SOURCE``): the study fits the floor on the PR body's SSD-over-UVA throughput at
+1-8 clients, a ratio of whole cycles that rests on the synthesized think time (an ASSUMPTION); the PR
+body also states the floor's effect directly, a median TPOT offset of about 2.6 ms a token, which read at
+one client involves no think time. Each reading, and what it makes of B200 DRAM over SSD, is reported
+beside the study's keys (``cachelab study semianalysis`` with ``--sensitivity``)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import polars as pl
+
+from cachelab.paths import data_root
+from cachelab.serving.calibration import load_points, with_fitted_think
+from cachelab.serving.hardware import load_profile
+from cachelab.serving.latency import Efficiency
+from cachelab.serving.pareto import pareto_front, throughput_at
+from cachelab.serving.steady import Workload
+from cachelab.serving.studies.semianalysis import (CONFIGS, SSD_PR_SOURCE, SSD_PR_STEADY, TARGET, WHAT_IF_CONCURRENCIES, X,
+                                                   Y, disk_over_uva, fitted_piecewise_layer_s, published_piecewise_layer_s,
+                                                   run_points)
+
+
+def floor_from_tpot_offset(workload: Workload, eff: Efficiency, dram_tokens_per_dollar: float,
+                           concurrencies=WHAT_IF_CONCURRENCIES) -> dict:
+    """B200 DRAM over SSD with the SSD floor read from the PR body's median TPOT offset at one client
+    (``published_piecewise_layer_s``: one client's verify step is one sequence's, so no think time enters),
+    not fitted on its SSD-over-UVA throughput; and the PR body's sweep under that floor, every point held
+    out. The two readings of the one source bracket the key (``floor_if_think_mean``)."""
+    price = load_profile("B200").usd_per_gpu_hour
+    floor = replace(eff, piecewise_layer_s=published_piecewise_layer_s(eff, workload))
+    ssd = [c for c in CONFIGS if c[0] == "B200" and c[2] == "ssd-mmap"]
+    df = pl.DataFrame(run_points(workload, floor, ssd, concurrencies)
+                      + run_points(workload, eff, [("B200", 4, "dram-uva")], SSD_PR_STEADY), infer_schema_length=None)
+    ssd_tpd = throughput_at(pareto_front(df.filter(pl.col("fits") & (pl.col("placement") == "ssd-mmap")), X, Y), TARGET, X, Y)
+    ssd_tpd *= 3600 / price
+    sweep = disk_over_uva(df)
+    errors = [abs(v["model"] - v["published"]) / v["published"] for v in sweep["by_concurrency"].values()]
+    return {"piecewise_layer_s": floor.piecewise_layer_s,
+            "b200_ssd_tokens_per_dollar": ssd_tpd if np.isfinite(ssd_tpd) else None,
+            "b200_dram_over_ssd": dram_tokens_per_dollar / ssd_tpd if np.isfinite(ssd_tpd) else None,
+            "b200_tp4_disk_over_uva": {k: v["model"] for k, v in sweep["by_concurrency"].items()},
+            "b200_tp4_disk_over_uva_mape": float(np.mean(errors)) if errors else None, "source": SSD_PR_SOURCE}
+
+
+def floor_if_think_mean(workload: Workload, eff: Efficiency, think_mean_s: float | None = None) -> dict | None:
+    """The SSD floor fitted on the PR body's throughput ratios (``fitted_piecewise_layer_s``) with the
+    synthesized think times scaled to a mean of ``think_mean_s`` (by default the gap between turns fitted on
+    the R1 AgentX single-client runs, ``calibration.with_fitted_think``; None without the calibration
+    data): at a fixed concurrency the ratio is one of whole cycles, thinking included, so the fitted floor
+    rests on the think time, an ASSUMPTION."""
+    if think_mean_s is None:
+        root = data_root(required=False)
+        if root is None:
+            return None
+        think_mean_s = with_fitted_think(load_points(root))[1]
+    scaled = replace(workload, think_s=workload.think_s * (think_mean_s / float(workload.think_s.mean())))
+    return {"think_mean_s": think_mean_s, "synthesized_think_mean_s": float(workload.think_s.mean()),
+            "piecewise_layer_s": fitted_piecewise_layer_s(eff, scaled), "piecewise_layer_s_fitted": eff.piecewise_layer_s}
