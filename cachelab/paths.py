@@ -66,6 +66,13 @@ def resolve_data_path(path: str, where: str = "spec", key: str = "path") -> Path
     raise CachelabError(f"{where}: {key}: data file not found: {root / given}")
 
 
+def named_in(file: str | os.PathLike, value: str) -> str:
+    """The path ``value`` as the file ``file`` names it: a relative one from the file's folder
+    (``~`` expanded), wherever the command runs; read from the working directory, the same file
+    named another file, or none, depending on where it was run."""
+    return os.path.abspath(Path(file).parent / os.path.expanduser(value))
+
+
 def output_file(path: Path, flag: str) -> Path:
     """An output file a flag names, checked before the work that fills it: its folder must
     exist and be writable and the path must not be a folder, so a long run does not fail at

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from experiment_helpers import cli, write_spec
@@ -403,7 +404,45 @@ def test_a_trace_workload_needs_a_corpus_of_the_layouts_tokenizer(tmp_path):
                                             r"layout 'deepseek-v4.1-flash' addresses"):
         load_spec(spec)
     spec.write_text(text.replace(corpus, corpus[:-2] + ', tokenizer = "missing.json" }'))
-    with pytest.raises(CachelabError, match="workload.trace.corpus.tokenizer: tokenizer file not found: missing.json"):
+    with pytest.raises(CachelabError, match="workload.trace.corpus.tokenizer: tokenizer file not found: "
+                                            + re.escape(str(tmp_path / "missing.json"))):
         load_spec(spec)
     spec.write_text(text)
     assert load_spec(spec)
+
+
+def test_a_spec_reads_its_files_from_its_own_folder(tmp_path, monkeypatch):
+    """A relative workload.preset (a layout file), [workload.trace]'s corpus.tokenizer and
+    serving.hardware were read from the working directory: `cachelab run experiments/x.toml` from
+    another folder failed, or read another file of the same name. They are read from the spec's
+    folder, in sweep values and held-out workloads too, as a layout file reads its tokenizer; a
+    path given with --set is the command line's, so the working directory's."""
+    from cachelab.serving.hardware import PROFILE_DIR
+    from test_trace_tokenizer import tiny_layout, tiny_tokenizer
+
+    folder = tmp_path / "specs"
+    folder.mkdir()
+    tiny_tokenizer(folder)
+    tiny_layout(folder, "tiny/tokenizer.json")  # its tokenizer from its own folder
+    (folder / "mine.toml").write_text((PROFILE_DIR / "B200.toml").read_text())
+    trace = 'corpus = { source = "stdlib", tokenizer = "TOK", options = { max_chars = 20000 } }'
+    text = SERVE_SPEC.format(hardware="mine.toml").replace(
+        'corpus = { source = "stdlib", options = { max_chars = 20000 } }', trace)
+    text = text.replace("[workload.trace]", '[workload]\npreset = "tiny_layout.toml"\n[workload.trace]')
+    spec = folder / "x.toml"
+    spec.write_text(text.replace("TOK", "tiny/tokenizer.json")
+                    + '[sweep]\n"workload.trace.corpus.tokenizer" = ["tiny/tokenizer.json"]\n')
+    monkeypatch.chdir(tmp_path)  # not the spec's folder: none of its files is here
+    loaded = load_spec(spec)
+    assert loaded.workload.preset == str(folder / "tiny_layout.toml")
+    assert loaded.workload.trace["corpus"]["tokenizer"] == str(folder / "tiny" / "tokenizer.json")
+    assert loaded.sweep["workload.trace.corpus.tokenizer"] == [str(folder / "tiny" / "tokenizer.json")]
+    assert loaded.serving.hardware == str(folder / "mine.toml")
+    [point] = expand(loaded)
+    assert point.config["workload"]["trace"]["corpus"]["tokenizer"] == str(folder / "tiny" / "tokenizer.json")
+    assert load_spec(spec, ['serving.hardware="specs/mine.toml"']).serving.hardware == "specs/mine.toml"
+
+    spec.write_text(text.replace("TOK", "other/tokenizer.json"))  # missing: named by its key, in the spec's folder
+    with pytest.raises(CachelabError, match=r"x.toml: workload.trace.corpus.tokenizer: tokenizer file not found: "
+                                            + re.escape(str(folder / "other" / "tokenizer.json"))):
+        load_spec(spec)

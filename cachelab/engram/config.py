@@ -9,7 +9,6 @@ them.
 from __future__ import annotations
 
 import json
-import os
 import tomllib
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -18,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from cachelab.errors import CachelabError
+from cachelab.paths import named_in
 from cachelab.engram.vocab import DEEPSEEK_V4, DEEPSEEK_V4_COMPRESSED_SIZE
 
 PRIME_1 = 10007
@@ -252,7 +252,7 @@ def load_config(path: Path) -> EngramConfig:
         if not isinstance(data.get("tokenizer", DEEPSEEK_V4), str):
             raise CachelabError(f"tokenizer must be {DEEPSEEK_V4!r} or a path, got {data['tokenizer']!r}")
         if data.get("tokenizer", DEEPSEEK_V4) != DEEPSEEK_V4:  # as a file names it: from its folder, not the cwd
-            data["tokenizer"] = os.path.abspath(path.parent / data["tokenizer"])
+            data["tokenizer"] = named_in(path, data["tokenizer"])
         if "compressed_vocab" not in data:
             from cachelab.engram.vocab import compressed_map
 

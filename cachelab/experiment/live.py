@@ -229,7 +229,8 @@ def predict_point(config: dict, workload: Workload, row_cache_rows: int, store_s
 
 
 def calibration_path(value: str) -> Path:
-    """``live.calibration``: a path (``~`` expanded; relative to the working directory)."""
+    """``live.calibration``: a path (``~`` expanded; one a spec file names is made absolute from its
+    folder when the spec is read, one given with ``--set`` is relative to the working directory)."""
     path = Path(os.path.expanduser(value))
     if not path.is_file():
         raise CachelabError(f"live.calibration: no file {value!r}; write one with `cachelab calibrate --out FILE`")

@@ -28,10 +28,11 @@ from pydantic import BeforeValidator, Field, field_validator
 
 from cachelab import defaults, registry
 from cachelab.capacity import capacity_rows, parse_capacity
+from cachelab.engram.vocab import DEEPSEEK_V4
 from cachelab.errors import CachelabError
 from cachelab.experiment.kinds import get_kind, kind_names
 from cachelab.params import check_params, parse_pair
-from cachelab.paths import resolve_data_path
+from cachelab.paths import named_in, resolve_data_path
 from cachelab.validation import Strict, read_toml, validate
 
 __all__ = ["ExperimentSpec", "HierarchySpec", "PredictorSpec", "ServingSpec", "TierSpec", "WorkloadSpec",
@@ -166,7 +167,7 @@ def load_spec(path: str | Path, overrides: list[str] | None = None) -> Experimen
     every point), and one inside a table the sweep varies is set in each of its tables;
     ``sweep.<axis>=[...]`` sets an axis's values, its name dots and all.
     """
-    raw = read_toml(path)
+    raw = _files_from_folder(read_toml(path), path)  # before --set: a path given on the command line is the cwd's
     for item in overrides or []:
         key, value = parse_pair(item, "--set", "workload.params.max_chars=50000")
         sweep = raw.get("sweep") if isinstance(raw.get("sweep"), dict) else {}
@@ -188,6 +189,53 @@ def load_spec(path: str | Path, overrides: list[str] | None = None) -> Experimen
         if not overrides:
             raise
         raise CachelabError(f"{exc} (the spec with --set {' --set '.join(overrides)})") from None
+
+
+def _hardware_file(value: str) -> bool:
+    from cachelab.serving.hardware import builtin_names
+
+    return value.lower() not in {n.lower() for n in [*builtin_names(), "local"]}
+
+
+# The keys that name a file of the user's (not data under the data root, whose keys are read from
+# there), and which of their values are such a file (others name a built-in: a preset, a profile).
+_WORKLOAD_FILES = {"preset": lambda v: v.endswith((".toml", ".json")),  # as get_preset tells a layout file
+                   "trace.corpus.tokenizer": lambda v: v != DEEPSEEK_V4}
+_FILES = {**{f"workload.{k}": f for k, f in _WORKLOAD_FILES.items()}, "serving.hardware": _hardware_file,
+          "live.calibration": lambda v: True, "live.row_cache_model": lambda v: True}
+
+
+def _files_from_folder(raw: dict, path: str | Path) -> dict:
+    """``raw`` with every relative file path the spec file names (``_FILES``, in held-out workloads
+    and sweep values too) read from the file's folder, as a layout or trace spec file's
+    ``tokenizer`` is: they were read from the working directory, so ``cachelab run`` from another
+    folder failed, or read another file of the same name."""
+    def table_of(node, parts: list[str]):
+        for part in parts:
+            node = node.get(part) if isinstance(node, dict) else None
+        return node if isinstance(node, dict) else None
+
+    def fix(node, keys: dict) -> None:
+        for key, is_file in keys.items():
+            *parents, last = key.split(".")
+            table = table_of(node, parents)
+            if table is not None and isinstance(table.get(last), str) and is_file(table[last]):
+                table[last] = named_in(path, table[last])
+
+    def fix_spec(node: dict) -> None:
+        fix(node, _FILES)
+        held = (table_of(node, ["predictor"]) or {}).get("holdout")
+        for workload in held if isinstance(held, list) else [held]:
+            fix(workload, _WORKLOAD_FILES)
+
+    fix_spec(raw)
+    for axis, values in (raw.get("sweep") if isinstance(raw.get("sweep"), dict) else {}).items():
+        *parents, last = axis.split(".")
+        for i, value in enumerate(values if isinstance(values, list) else []):
+            point = set_key({}, axis, value)  # the value where the axis puts it, its paths fixed there
+            fix_spec(point)
+            values[i] = table_of(point, parents)[last]
+    return raw
 
 
 def _set_in_values(values: list, key: str, value, where: str) -> list:

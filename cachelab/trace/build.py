@@ -34,7 +34,6 @@ from __future__ import annotations
 import inspect
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import polars as pl
@@ -44,7 +43,7 @@ from cachelab import registry
 from cachelab.engram.vocab import DEEPSEEK_V4
 from cachelab.errors import CachelabError
 from cachelab.params import check_params
-from cachelab.paths import resolve_data_path
+from cachelab.paths import named_in, resolve_data_path
 from cachelab.trace.overlap import plan_overlap
 from cachelab.trace.synthesis import BuildReport, TokenStream, make_plan, synthesize
 from cachelab.trace.schema import write_trace
@@ -96,7 +95,7 @@ def load_spec(path: str | os.PathLike) -> TraceSpec:
     data = read_toml(path, "trace spec")
     corpus = data.get("corpus")
     if isinstance(corpus, dict) and isinstance(corpus.get("tokenizer"), str) and corpus["tokenizer"] != DEEPSEEK_V4:
-        corpus["tokenizer"] = os.path.abspath(Path(path).parent / corpus["tokenizer"])
+        corpus["tokenizer"] = named_in(path, corpus["tokenizer"])
     return parse_spec(data, str(path))
 
 
