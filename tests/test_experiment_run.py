@@ -599,6 +599,38 @@ def test_a_param_longer_than_mlflow_keeps_is_cut_visibly_and_kept_whole_as_an_ar
     assert {a.path for a in tracker.client.list_artifacts(run_id)} == {"config.json", "params"}
 
 
+def test_an_axis_value_longer_than_an_mlflow_tag_is_cut_visibly_kept_whole_and_reported(tmp_path):
+    """A point's `cachelab.axis.*` tag held its axis value whole: past MLflow's 8,000 characters (a
+    long `workload.data` or `workload.domains` list) a Postgres or MySQL store refuses it (a String(8000)
+    column) and the point's run could not be tracked; SQLite kept it whole. It is cut as a long param is,
+    the whole value in artifact axes/<key>.txt, and the report reads the cut tag as text (seen by
+    helper-130)."""
+    from cachelab.experiment.kinds import PointOutput
+    from cachelab.experiment.report import results_table
+    from cachelab.experiment.runner import _point_record
+    from cachelab.experiment.spec import load_spec
+    from cachelab.experiment.sweep import Point
+    from cachelab.experiment.tracking import MAX_TAG, Tracker
+
+    domains = ["code", "docstring", *(f"unused-domain-{i:04d}" for i in range(600))]
+    whole = json.dumps(domains)
+    assert len(whole) > MAX_TAG
+    point = Point({"kind": "replay", "seed": 0}, "h" * 16, "long", {"kind": "replay", "workload.domains": domains,
+                                                                    "seed": 0})
+    record = _point_record(load_spec(write_spec(tmp_path, name="long")), point, PointOutput({"m": 1.0}), 0)
+    tag = record.tags["cachelab.axis.workload.domains"]
+    assert len(tag) <= MAX_TAG and tag.startswith(whole[:7000])
+    assert tag.endswith(f"[cut: {len(whole):,} characters; the whole value is artifact axes/workload.domains.txt]")
+    assert record.artifacts["axes/workload.domains.txt"] == whole.encode()
+    assert record.tags["cachelab.axis.kind"] == '"replay"'  # short ones as they were
+    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db")
+    exp_id = tracker.experiment_id("long")
+    parent = tracker.client.create_run(exp_id).info.run_id
+    run = tracker.client.get_run(tracker.log_point(exp_id, parent, record))
+    [row] = results_table([run]).to_dicts()
+    assert row["axis.workload.domains"] == tag and row["axis.seed"] == 0 and row["m"] == 1.0
+
+
 def test_report_reads_the_runs_dir_and_names_the_records_waiting_there(tmp_path, local):
     """`report` had no --runs-dir: after `run --runs-dir D` it wrote its page to runs/ beside, and said
     nothing of the results D's outbox still held (a partial report counted them as not run), nor, with

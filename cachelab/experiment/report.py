@@ -111,7 +111,7 @@ def results_table(runs: list) -> pl.DataFrame:
     for r in runs:
         row = {"run_id": r.info.run_id, "label": r.info.run_name,
                "point_hash": r.data.tags.get("cachelab.point_hash")}
-        row.update({f"axis.{k.removeprefix('cachelab.axis.')}": _scalar(json.loads(v))
+        row.update({f"axis.{k.removeprefix('cachelab.axis.')}": _axis_cell(v)
                     for k, v in r.data.tags.items() if k.startswith("cachelab.axis.")})
         row.update({f"param.{k}": v for k, v in r.data.params.items()})
         row.update(r.data.metrics)
@@ -119,8 +119,13 @@ def results_table(runs: list) -> pl.DataFrame:
     return pl.DataFrame(rows, infer_schema_length=None) if rows else pl.DataFrame()
 
 
-def _scalar(value):
-    """An axis value as one table cell: lists (``workload.domains``) joined, tables as JSON."""
+def _axis_cell(tag: str):
+    """An axis tag as one table cell: lists (``workload.domains``) joined, tables as JSON; a tag cut
+    to MLflow's limit (no longer JSON: its whole value is artifact ``axes/<key>.txt``) as its text."""
+    try:
+        value = json.loads(tag)
+    except json.JSONDecodeError:
+        return tag
     if isinstance(value, list):
         return ",".join(str(v) for v in value)
     return json.dumps(value, sort_keys=True) if isinstance(value, dict) else value

@@ -255,13 +255,15 @@ def _point_record(spec: ExperimentSpec, point: Point, output, started: int) -> R
     """A point's run: its outputs, or (``output`` the exception it raised) a FAILED run whose
     ``cachelab.error`` tag says why. Its times are when the point ran (``ran_ms``, from its worker);
     a point whose worker died has none, and gets ``started`` (the previous point's end) to now."""
-    tags = {"cachelab.experiment": spec.name, **{f"cachelab.axis.{k}": json.dumps(v) for k, v in point.axes.items()},
-            **provenance_tags()}
+    artifacts = {}  # an axis value past MLflow's tag limit (a long workload.data list) is cut visibly, kept whole
+    tags = {"cachelab.experiment": spec.name, **{f"cachelab.axis.{k}": cut_visibly(json.dumps(v), MAX_TAG,
+                                                                                   f"axes/{k}.txt", artifacts)
+                                                 for k, v in point.axes.items()}, **provenance_tags()}
     inputs = json.dumps(point.inputs, sort_keys=True)  # the data its result came from: in its hash, unreadable there
     if point.inputs and len(inputs) <= MAX_TAG:
         tags[INPUTS] = inputs
     start, end = getattr(output, "ran_ms", None) or (started, now_ms())
-    status, artifacts = "FINISHED", {}
+    status = "FINISHED"
     if isinstance(output, BaseException):  # a long message (a validation error listing values) kept whole
         tags[ERROR] = cut_visibly(f"{type(output).__name__}: {output}", 5000, "error.txt", artifacts)
         output, status = PointOutput({}), "FAILED"
