@@ -446,3 +446,33 @@ def test_a_spec_reads_its_files_from_its_own_folder(tmp_path, monkeypatch):
     with pytest.raises(CachelabError, match=r"x.toml: workload.trace.corpus.tokenizer: tokenizer file not found: "
                                             + re.escape(str(folder / "other" / "tokenizer.json"))):
         load_spec(spec)
+
+
+def test_a_layout_file_and_its_tokenizer_are_in_the_hash_and_the_build_key(tmp_path):
+    """A layout file (workload.preset) or a tokenizer edited in place hashed as before: its points were
+    skipped as finished and its workload came from the cache, rows of the old layout (seen by
+    helper-130)."""
+    from cachelab.experiment.workload import workload_key
+    from test_trace_tokenizer import tiny_layout, tiny_tokenizer
+
+    tok = tiny_tokenizer(tmp_path)
+    layout = tiny_layout(tmp_path, "tiny/tokenizer.json")
+    spec = tmp_path / "x.toml"
+    spec.write_text('name = "x"\n[workload]\npreset = "tiny_layout.toml"\n'
+                    '[[hierarchy.tiers]]\nname = "hbm"\ncapacity = 10\n')
+
+    def keys():
+        loaded = load_spec(spec)
+        [point] = expand(loaded)
+        return point.hash, workload_key(loaded.workload), point.inputs["files"]
+
+    first = keys()
+    assert set(first[2]) == {layout, tok}
+    with open(layout, "a") as f:
+        f.write("# edited\n")
+    second = keys()
+    with open(tok, "a") as f:
+        f.write("\n")
+    third = keys()
+    assert len({first[:2], second[:2], third[:2]}) == 3  # each edit: other points, another build
+    assert first[2][layout] != second[2][layout] == third[2][layout] and second[2][tok] != third[2][tok]

@@ -205,36 +205,37 @@ _FILES = {**{f"workload.{k}": f for k, f in _WORKLOAD_FILES.items()}, "serving.h
           "live.calibration": lambda v: True, "live.row_cache_model": lambda v: True}
 
 
+def _at(node, key: str):
+    """The value at dotted ``key`` of nested tables, or None."""
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
 def _files_from_folder(raw: dict, path: str | Path) -> dict:
     """``raw`` with every relative file path the spec file names (``_FILES``, in held-out workloads
     and sweep values too) read from the file's folder, as a layout or trace spec file's
     ``tokenizer`` is: they were read from the working directory, so ``cachelab run`` from another
     folder failed, or read another file of the same name."""
-    def table_of(node, parts: list[str]):
-        for part in parts:
-            node = node.get(part) if isinstance(node, dict) else None
-        return node if isinstance(node, dict) else None
-
     def fix(node, keys: dict) -> None:
         for key, is_file in keys.items():
-            *parents, last = key.split(".")
-            table = table_of(node, parents)
-            if table is not None and isinstance(table.get(last), str) and is_file(table[last]):
+            parent, _, last = key.rpartition(".")
+            table = _at(node, parent) if parent else node
+            if isinstance(table, dict) and isinstance(table.get(last), str) and is_file(table[last]):
                 table[last] = named_in(path, table[last])
 
     def fix_spec(node: dict) -> None:
         fix(node, _FILES)
-        held = (table_of(node, ["predictor"]) or {}).get("holdout")
+        held = _at(node, "predictor.holdout")
         for workload in held if isinstance(held, list) else [held]:
             fix(workload, _WORKLOAD_FILES)
 
     fix_spec(raw)
     for axis, values in (raw.get("sweep") if isinstance(raw.get("sweep"), dict) else {}).items():
-        *parents, last = axis.split(".")
         for i, value in enumerate(values if isinstance(values, list) else []):
             point = set_key({}, axis, value)  # the value where the axis puts it, its paths fixed there
             fix_spec(point)
-            values[i] = table_of(point, parents)[last]
+            values[i] = _at(point, axis)
     return raw
 
 
@@ -397,7 +398,9 @@ def _check_workload(w: WorkloadSpec, where: str, key: str = "workload") -> None:
 def workload_files(workload: dict) -> list[Path]:
     """The data files and folders a workload section (``WorkloadSpec``'s fields) reads: its ``path``
     and ``data``, and a trace's arrivals and corpus paths; one that does not resolve is left to the
-    checks that name it."""
+    checks that name it. Then the user's files it names (``_WORKLOAD_FILES``: a layout file and its
+    tokenizer, a trace's corpus tokenizer), whose contents make its rows: a layout edited in place
+    reused the old layout's workload and finished points."""
     trace = workload.get("trace") or {}
     named = [workload.get("path"), *workload.get("data", []), (trace.get("arrivals") or {}).get("path"),
              ((trace.get("corpus") or {}).get("options") or {}).get("path")]
@@ -406,7 +409,13 @@ def workload_files(workload: dict) -> list[Path]:
         if isinstance(rel, str):
             with contextlib.suppress(CachelabError):
                 out.append(resolve_data_path(rel))
-    return out
+    files = [v for key, is_file in _WORKLOAD_FILES.items() if isinstance(v := _at(workload, key), str) and is_file(v)]
+    if workload.get("preset") in files:  # a layout file: its tokenizer too
+        from cachelab.engram import get_preset
+
+        with contextlib.suppress(CachelabError):
+            files.append(get_preset(workload["preset"]).tokenizer)
+    return out + [Path(f) for f in files if f != DEEPSEEK_V4 and Path(f).is_file()]
 
 
 def workload_sources(workload: dict) -> list[str]:
