@@ -300,8 +300,8 @@ def test_a_file_a_point_reads_is_in_its_hash(tmp_path):
     assert serve_inputs(builtin.config) == []
     model = tmp_path / "model"
     model.mkdir()
-    live = {"placement": "dram", "row_cache_policy": "learned-lfu-adaptive", "row_cache_model": str(model),
-            "calibration": str(profile)}
+    live = {"preset": "tiny", "placement": "dram", "row_cache_policy": "learned-lfu-adaptive",
+            "row_cache_model": str(model), "calibration": str(profile)}
     assert live_inputs({"live": live}) == [profile, model]
     assert live_inputs({"live": {**live, "row_cache_policy": "lru"}}) == [profile]  # a heuristic ignores the model
 

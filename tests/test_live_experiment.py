@@ -36,6 +36,34 @@ def small_spec(tmp_path: Path, extra: str = "", requests: int = 6,
     return spec
 
 
+def test_live_preset_is_checked_and_a_model_file_read_from_the_specs_folder_and_hashed(tmp_path, monkeypatch):
+    """live.preset was not checked with the spec: a typo ('tinyy') failed every point at run time,
+    after the workloads were built; a model file it names was read from the working directory and
+    hashed by name only, so one edited in place kept its finished points (seen by helper-130)."""
+    import dataclasses
+    import json
+
+    from cachelab.experiment.sweep import expand
+    from cachelab.live.config import PRESETS
+
+    folder = tmp_path / "specs"
+    folder.mkdir()
+    spec = small_spec(folder, sweep='"live.placement" = ["dram"]')
+    text = spec.read_text()
+    spec.write_text(text.replace('preset = "tiny"\nplacement', 'preset = "tinyy"\nplacement'))
+    with pytest.raises(CachelabError, match=r"live.toml: live.preset: unknown model preset 'tinyy'"):
+        load_spec(spec)
+    model = folder / "mine.json"
+    model.write_text(json.dumps(dataclasses.asdict(PRESETS["tiny"])))
+    spec.write_text(text.replace('preset = "tiny"\nplacement', 'preset = "mine.json"\nplacement'))
+    monkeypatch.chdir(tmp_path)  # not the spec's folder
+    [first] = expand(load_spec(spec))
+    assert first.config["live"]["preset"] == str(model) and str(model) in first.inputs["files"]
+    model.write_text(json.dumps({**dataclasses.asdict(PRESETS["tiny"]), "layers": PRESETS["tiny"].layers + 1}))
+    [second] = expand(load_spec(spec))
+    assert second.hash != first.hash
+
+
 def test_calibration_file_round_trip(tmp_path):
     hw, eff = load_calibration(calibration_file(tmp_path / "fitted.toml"))
     assert eff.mfu == 0.25 and eff.cpu_per_sequence_s == 2.7e-3 and eff.host_addressing and eff.request_overhead_s == 0

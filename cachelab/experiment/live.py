@@ -281,6 +281,12 @@ def _check_live(spec: ExperimentSpec, where: str) -> None:
     if spec.live is None:
         raise CachelabError(f"{where}: live: kind 'live' needs a [live] section")
     need_trace(spec, where, "live", "sends a trace's prompts")
+    from cachelab.live.launch import ServeOptions, model_for
+
+    try:  # a preset not known (a typo) failed every point at run time, after the workloads were built
+        model_for(ServeOptions(preset=spec.live.preset))
+    except CachelabError as exc:
+        raise CachelabError(f"{where}: live.preset: {exc}") from None
     for placement in spec.sweep.get("live.placement", [spec.live.placement]):
         if placement in GPU_PLACEMENTS:
             raise CachelabError(f"{where}: live.placement: {placement!r} needs a GPU; the live kind runs its engine "
@@ -308,10 +314,15 @@ def _check_live(spec: ExperimentSpec, where: str) -> None:
 
 def live_inputs(config: dict) -> list[Path]:
     """The files a live point reads beyond its config: the calibration its prediction rests on,
-    and the predictor directory of a learned row cache (refitted in place, they change the point)."""
+    the predictor directory of a learned row cache and a model file as ``live.preset`` (refitted or
+    edited in place, they change the point)."""
+    from cachelab.live.config import PRESETS
+
     live = config["live"]
     policy = None if live["placement"] == "hbm" else live["row_cache_policy"]
     out = [Path(os.path.expanduser(live["calibration"]))] if live["calibration"] else []
+    if live["preset"] not in PRESETS:
+        out.append(Path(live["preset"]))
     if live["row_cache_model"] and policy and _needs_scores(policy):
         out.append(Path(live["row_cache_model"]))
     return out

@@ -191,18 +191,14 @@ def load_spec(path: str | Path, overrides: list[str] | None = None) -> Experimen
         raise CachelabError(f"{exc} (the spec with --set {' --set '.join(overrides)})") from None
 
 
-def _hardware_file(value: str) -> bool:
-    from cachelab.serving.hardware import builtin_names
-
-    return value.lower() not in {n.lower() for n in [*builtin_names(), "local"]}
-
-
 # The keys that name a file of the user's (not data under the data root, whose keys are read from
-# there), and which of their values are such a file (others name a built-in: a preset, a profile).
+# there), and which of their values are such a file: by its suffix where a key also takes a built-in's
+# name (a preset, a profile), so a misspelt name is named as written.
 _WORKLOAD_FILES = {"preset": lambda v: v.endswith((".toml", ".json")),  # as get_preset tells a layout file
                    "trace.corpus.tokenizer": lambda v: v != DEEPSEEK_V4}
-_FILES = {**{f"workload.{k}": f for k, f in _WORKLOAD_FILES.items()}, "serving.hardware": _hardware_file,
-          "live.calibration": lambda v: True, "live.row_cache_model": lambda v: True}
+_FILES = {**{f"workload.{k}": f for k, f in _WORKLOAD_FILES.items()}, "serving.hardware": lambda v: v.endswith(".toml"),
+          "live.preset": lambda v: v.endswith(".json"), "live.calibration": lambda v: True,
+          "live.row_cache_model": lambda v: True}
 
 
 def _at(node, key: str):
