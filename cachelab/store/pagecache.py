@@ -222,6 +222,12 @@ def pagecache_experiment(directory, stream: LookupStream, steps: int, hbm_policy
     warm_up(directory, stream, hbm_policy, hbm_capacity)
     with TieredStore.open(directory, **_store_kwargs(hbm_policy, hbm_capacity)) as store:
         drop_store_pages(store)  # mapped, nothing touched yet: every page goes
+        kept, pages = resident_pages(store)
+        if kept > pages // 100:  # on tmpfs every phase read a resident table and measured no page cache
+            raise CachelabError(f"{directory}: {kept:,} of the tables' {pages:,} pages stayed in the page cache "
+                                "when dropped: on tmpfs the files are the page cache, or another process maps "
+                                "them (a server on the mmap backing); put the tables on a disk's file system, "
+                                "nothing else mapping them")
         table_bytes = sum(len(m) for m in store.backing.maps)
         cold = run_phase(store, stream, steps)
     out: dict = {"table_bytes": table_bytes, "steps": steps, "reclaim_interval_s": interval_s, "cold": cold}
