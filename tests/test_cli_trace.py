@@ -173,3 +173,37 @@ def test_info_skew_addresses_what_serving_feeds_through_the_model(tmp_path):
         tmp_path / "t.parquet")
     info = json.loads(run("info", tmp_path / "t.parquet", "--json").stdout)
     assert info["engram"]["tokens"] == 3 + 0 + 5 + 1
+
+
+def test_a_corpus_path_option_is_read_under_the_data_root(tmp_path, monkeypatch):
+    """corpus.options.path (`--corpus-option path=...`, a plug-in corpus's file) went to the corpus as
+    written, read from the working directory, while arrivals.path, the docs and an experiment point's
+    hash took it under the data root (seen by helper-130)."""
+    from cachelab.errors import CachelabError
+    from cachelab.trace import build as trace_build
+    from cachelab.trace.corpus import Document
+
+    class Lines:  # a plug-in corpus that reads the file it is given
+        def __init__(self, path):
+            self.path = path
+
+        def documents(self):
+            with open(self.path, encoding="utf-8") as f:
+                for i, line in enumerate(f):
+                    yield Document(doc_id=str(i), domain="lines", text=line)
+
+    real = trace_build.registry.get
+    monkeypatch.setattr(trace_build.registry, "get", lambda group, name: Lines if name == "lines" else real(group, name))
+    (tmp_path / "data" / "prompts").mkdir(parents=True)
+    (tmp_path / "data" / "prompts" / "lines.txt").write_text("the cat sat on the mat\n" * 50)
+    monkeypatch.setenv("CACHELAB_DATA", str(tmp_path / "data"))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+
+    def spec(path):
+        return trace_build.parse_spec({"arrivals": {"source": "gamma", "options": {"rate": 2.0, "num_requests": 3}},
+                                       "corpus": {"source": "lines", "options": {"path": path}}}, "test")
+
+    assert trace_build.build(spec("prompts/lines.txt"), tmp_path / "t.parquet").requests == 3
+    with pytest.raises(CachelabError, match="corpus.options.path: data file not found: .*prompts/none.txt"):
+        trace_build.build(spec("prompts/none.txt"), tmp_path / "u.parquet")

@@ -134,7 +134,10 @@ def make_arrivals(spec: TraceSpec):
 
 
 def make_corpus(spec: TraceSpec):
-    corpus = instantiate(spec.corpus.source, dict(spec.corpus.options), {},
+    kwargs = dict(spec.corpus.options)
+    if isinstance(kwargs.get("path"), str):  # under the data root, as arrivals.path (and as its hash reads it)
+        kwargs["path"] = str(resolve_data_path(kwargs["path"], "trace spec", "corpus.options.path"))
+    corpus = instantiate(spec.corpus.source, kwargs, {},
                          "--corpus-option path=..., or corpus.options.path in a spec", "corpus.options")
     if not hasattr(corpus, "documents"):
         raise CachelabError(f"workload {spec.corpus.source!r} is an arrival source, not a corpus (it has no documents())")
