@@ -7,6 +7,7 @@ import errno
 import gc
 import os
 import signal
+import threading
 
 import numpy as np
 import pytest
@@ -314,6 +315,30 @@ def test_a_table_file_that_cannot_be_read_is_named(tmp_path):
     path.mkdir()
     with pytest.raises(CachelabError, match=r"layer14\.tbl: cannot be read \(Is a directory\)"):
         TieredStore.open(tmp_path)
+
+
+def test_a_fifo_named_as_a_table_file_is_refused_not_waited_on(tmp_path):
+    """The header check opened a FIFO put where a table file belongs, and the open waited for a
+    writer forever: ``store verify`` or ``bench`` hung without a word. It is refused by name."""
+    build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, progress=False)
+    path = tmp_path / "layer14.tbl"
+    path.unlink()
+    os.mkfifo(path)
+    outcome = []
+
+    def open_store():
+        try:
+            TieredStore.open(tmp_path).close()
+        except CachelabError as exc:
+            outcome.append(str(exc))
+
+    opener = threading.Thread(target=open_store, daemon=True)
+    opener.start()
+    opener.join(30)
+    if opener.is_alive():  # release the open that waits for a writer, then fail
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        opener.join(30)
+    assert outcome and "layer14.tbl: not a regular file" in outcome[0], outcome
 
 
 @pytest.mark.parametrize("submit", ["io_uring", "threads", "auto"])

@@ -31,6 +31,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -231,7 +232,10 @@ def check_header(path: Path, layout: TableLayout, layer: int, seed: int) -> dict
     the manifest's build (``layout``, ``seed``): a file copied in from another build, even one of
     the same layout, is refused before any of its rows is served."""
     try:
-        size = path.stat().st_size
+        st = path.stat()
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):  # opening a FIFO waits for a writer forever
+            raise CachelabError(f"{path}: not a regular file (a FIFO, socket or device), not a table file")
+        size = st.st_size
         with open(path, "rb") as f:
             raw = f.read(PAGE)
     except FileNotFoundError:
