@@ -36,7 +36,10 @@ Several proxies can be measured against the same upstream in the same rounds (--
 NAME=ARGS, repeatable: extra `cachelab capture proxy` arguments, e.g. --proxy process=
 --proxy thread='--writer thread'), one of them at another CPU priority (--proxy-nice
 NAME=N: how much of its tail is waiting for a CPU rather than its own code); --prompt-tokens N
-sends long prompts (token ids, which the upstream does not tokenize). Every request's prompt is its
+sends long prompts (token ids, which the upstream does not tokenize); --large-prompt-ids N sends,
+beside each timed round and on the same path, a whole completion of N token ids every --large-every-ms
+(the ITL of the round's streams while long bodies arrive: the proxy parses a body to decide what to ask
+the upstream for). Every request's prompt is its
 own (``prompt_of``): no path finds another's in an upstream's prefix cache. Everything the run
 wrote (captures, vLLM's model directory) is removed at the end.
 
@@ -52,6 +55,7 @@ for a CPU (schedstat) shows what the placement changed.
 Run: .venv/bin/python benchmarks/bench_capture.py [--requests 1024 --concurrency 1 8
 --max-tokens 32 --token-delay-ms 10 --rounds 4] [--vllm | --upstream URL --model M]
 [--proxy NAME=ARGS ...] [--proxy-nice NAME=N] [--prompt-tokens N] [--relay] [--pin [--pin-cores A,B]]
+[--large-prompt-ids N [--large-every-ms MS]]
 """
 
 from __future__ import annotations
@@ -202,6 +206,22 @@ async def batch(client, model, n, concurrency, max_tokens, offset):
     return await asyncio.gather(*(guarded(i) for i in range(n)))
 
 
+async def send_large(client, body: bytes, every_s: float, stop: asyncio.Event) -> int:
+    """--large-prompt-ids: a whole completion of a long id prompt every ``every_s`` on its own connection while a
+    round runs, so that the round's streams meet requests whose bodies take the proxy long to parse; how many."""
+    sent = 0
+    while not stop.is_set():
+        r = await client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+        if r.status_code != 200:
+            raise SystemExit(f"large-prompt request failed: {r.status_code} {r.text[:200]}")
+        sent += 1
+        try:
+            await asyncio.wait_for(stop.wait(), every_s)
+        except TimeoutError:
+            pass
+    return sent
+
+
 async def timed_batch(client, model, n, concurrency, max_tokens, offset):
     """A batch with the client's garbage collector held off (collected just before instead)."""
     gc.collect()
@@ -301,6 +321,10 @@ async def measure_all(urls, pids, model, args, placement: Placement):
         max_connections=top, max_keepalive_connections=top, keepalive_expiry=600)) for name, url in urls.items()}
     per_round = max(1, args.requests // args.rounds)
     names = list(urls)
+    big = json.dumps({"model": model, "prompt": [1000 + i % 120_000 for i in range(args.large_prompt_ids)],
+                      "max_tokens": 1}).encode() if args.large_prompt_ids else None
+    big_clients = {name: httpx.AsyncClient(base_url=url, timeout=300) for name, url in urls.items()} if big else {}
+    args.large_sent = {name: 0 for name in names}
     measured = {}
     first = 0  # the next timed request's number: every path, placement and round sends prompts of its own (the
     # paths of one round sent the same ones, so the second found the first's prompts in a prefix cache upstream)
@@ -326,8 +350,14 @@ async def measure_all(urls, pids, model, args, placement: Placement):
                         loop_wait = runqueue_seconds(proxy[0]) if proxy else 0.0
                         client_wait = runqueue_seconds("self")
                         upstream_wait = runqueue_seconds(placement.upstream_pid) if placement.upstream_pid else 0.0
+                        stop = asyncio.Event()
+                        sender = asyncio.get_running_loop().create_task(send_large(
+                            big_clients[name], big, args.large_every_ms / 1e3, stop)) if big else None
                         rounds[name].append(await timed_batch(clients[name], model, per_round, concurrency,
                                                               args.max_tokens, first))
+                        if sender is not None:
+                            stop.set()
+                            args.large_sent[name] += await sender
                         first += per_round
                         waits[name] += runqueue_seconds("self") - client_wait
                         if placement.upstream_pid:
@@ -339,7 +369,7 @@ async def measure_all(urls, pids, model, args, placement: Placement):
             measured[concurrency] = by_placement
     finally:
         placement.apply("shared")
-        for client in clients.values():
+        for client in [*clients.values(), *big_clients.values()]:
             await client.aclose()
     return measured
 
@@ -475,6 +505,11 @@ def main() -> None:
     ap.add_argument("--pin-cores", default=None, metavar="A,B",
                     help="with --pin: the client's and upstream's core, and the proxies' (default: the first two "
                          "cores this process may use)")
+    ap.add_argument("--large-prompt-ids", type=int, default=0, metavar="N",
+                    help="while each timed round runs, send on the same path a whole completion of a prompt of N "
+                         "token ids every --large-every-ms (its own connection): the streams' ITL while bodies "
+                         "that take long to parse arrive (128k ids: 15 ms of json)")
+    ap.add_argument("--large-every-ms", type=float, default=250.0, help="with --large-prompt-ids: how often")
     args = ap.parse_args()
     args.proxy = proxy_variants(args.proxy)
     args.placements = ["shared", "pinned"] if args.pin else ["shared"]
@@ -555,6 +590,9 @@ def main() -> None:
     print(f"scheduling: niceness {sched['niceness']:+d}" + (f", {sched['autogroup']} (sched_autogroup_enabled: the "
                                                            "niceness ranks tasks only inside this group)"
                                                            if sched["autogroup_enabled"] else ""))
+    if args.large_prompt_ids:
+        print(f"large prompts of {args.large_prompt_ids} token ids sent during the timed rounds, every "
+              f"{args.large_every_ms:g} ms: " + ", ".join(f"{n} on {name}" for name, n in args.large_sent.items()))
     for name, st in status.items():
         print(f"capture of {name}: {st['acknowledged']} of {st['submitted']} records acknowledged "
               f"(fsync {st['fsync']}), {st['dropped']} dropped")

@@ -15,12 +15,13 @@ import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
 from capture_upstream import PROXY_EXIT_S, ProxyThread, ServerThread, Upstream, cli_proxy
 from loopback import free_port
-from cachelab.capture.exchange import MAX_RECORDS
+from cachelab.capture.exchange import MAX_RECORDS, Exchange
 from cachelab.capture.proxy import ProxyConfig
 from cachelab.capture.recorder import Recorder
 from cachelab.capture.to_trace import capture_to_trace, read_requests
@@ -1082,6 +1083,84 @@ def test_a_request_holds_its_body_not_every_object_parsed_from_it(tmp_path):
     assert held < 4 * sum(map(len, bodies)), held
 
 
+class PacedUpstream(HeadUpstream):
+    """A raw upstream that answers a request whose body says ``"stream":true`` with ``events`` token events
+    ``gap_s`` apart (chunked SSE) and any other with a whole JSON body at once; it never parses a body, so
+    that a large one costs it no time."""
+
+    def __init__(self, events: int, gap_s: float):
+        self.events, self.gap_s = events, gap_s
+        super().__init__(body=b'{"id":"cmpl-p","object":"text_completion","choices":[{"index":0,"text":"a",'
+                              b'"token_ids":[5],"finish_reason":"length"}]}')
+
+    def _serve(self, conn):
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            head, _, rest = data.partition(b"\r\n\r\n")
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:"))
+            data = bytearray(rest)
+            while len(data) < length:
+                data += conn.recv(1 << 20)
+            data = bytes(data)
+            self.bodies.append(data)
+            if b'"stream":true' not in data[:200]:
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (len(self.body), self.body))
+                return
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n"
+                         b"transfer-encoding: chunked\r\n\r\n")
+            for i in range(self.events):
+                time.sleep(self.gap_s)
+                event = b'data: {"id":"cmpl-s","choices":[{"index":0,"text":" a","token_ids":[5],' \
+                        b'"finish_reason":%s}]}\n\n' % (b'"length"' if i == self.events - 1 else b"null")
+                conn.sendall(b"%x\r\n%s\r\n" % (len(event), event))
+            done = b"data: [DONE]\n\n"
+            conn.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+
+
+def test_a_large_body_is_parsed_off_the_event_loop_and_other_streams_go_on(tmp_path):
+    """A prompt of 1M token ids (7 MB) arrives while another client's stream is running: its body is parsed
+    (to decide what to ask the upstream for) by the planner's child, and the stream's events go on. Parsed
+    on the event loop it held every other stream's events for the whole parse (15 ms at 128k ids, 86 ms
+    here). The stream's longest gap is compared with that parse timed here, so that a loaded machine,
+    which slows both, does not decide it. The large request goes upstream exactly as planned inline."""
+    from cachelab.capture.injection import prepare
+
+    ids = [(i * 7919) % 120_000 for i in range(1_000_000)]
+    big = json.dumps({"model": "m", "prompt": ids, "max_tokens": 1}).encode()
+    parse_s = min(_timed(json.loads, big) for _ in range(2))
+    upstream = PacedUpstream(events=400, gap_s=0.002)
+    gaps = []
+    with cli_proxy(upstream.url, tmp_path / "cap", "--max-body-mb", "8") as (base, proc):
+        def stream():
+            body = b'{"model":"m","prompt":"hi","stream":true,"return_token_ids":true,' \
+                   b'"stream_options":{"include_usage":true}}'
+            with httpx.stream("POST", base + "/v1/completions", content=body, timeout=30) as r:
+                times = [time.perf_counter() for chunk in r.iter_raw() if b'" a"' in chunk]
+            gaps.extend(np.diff(times[1:]))  # from the first event on
+
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(stream)
+            while not upstream.bodies:
+                time.sleep(0.01)
+            time.sleep(0.1)  # the stream's events are flowing
+            answer = httpx.post(base + "/v1/completions", content=big, timeout=60)
+            running.result()
+    assert answer.status_code == 200
+    sent = prepare(big, Exchange(endpoint="/v1/completions", arrival_unix_ns=0, arrival=0.0), True)
+    assert upstream.bodies[1] == sent != big  # return_token_ids appended, as inline
+    assert len(gaps) > 300 and max(gaps) < parse_s / 3, (max(gaps), parse_s)
+
+
+def _timed(f, *args) -> float:
+    start = time.perf_counter()
+    f(*args)
+    return time.perf_counter() - start
+
+
 def test_tokenizer_fallback_matches_the_upstream(tmp_path):
     with Stack(tmp_path, token_ids=False) as s:
         for path, body in CASES[:1]:
@@ -1141,7 +1220,7 @@ def test_200_concurrent_streams_all_captured(tmp_path):
 ])
 def test_prepare_adds_what_the_record_needs_and_keeps_the_rest(body, added):
     from cachelab.capture.exchange import Exchange
-    from cachelab.capture.exchange import prepare
+    from cachelab.capture.injection import plan, prepare
 
     x = Exchange(endpoint="/v1/completions", arrival_unix_ns=0, arrival=0.0)
     sent = prepare(body, x, True)
@@ -1152,6 +1231,47 @@ def test_prepare_adds_what_the_record_needs_and_keeps_the_rest(body, added):
         end = body.rfind(b"}")
         assert sent == body[:end] + b"," + json.dumps(added, separators=(",", ":")).encode()[1:-1] + body[end:]
     assert x.injected_ids == ("return_token_ids" in added) and x.injected_usage == ("stream_options" in added)
+    assert _planned_by_child([body]) == [plan(body, "/v1/completions", True)]
+
+
+def _planned_by_child(bodies: list[bytes]) -> list:
+    """The plans the planner's child makes of ``bodies`` (every body counted large), in order."""
+    from cachelab.capture.injection import Planner
+
+    async def run():
+        planner = Planner(True, inline_bytes=-1)
+        await planner.start()
+        try:
+            return await asyncio.gather(*(planner.plan(body, "/v1/completions") for body in bodies))
+        finally:
+            planner.close()
+
+    return asyncio.run(run())
+
+
+def test_the_planners_child_plans_as_the_loop_would_and_its_loss_is_planned_inline():
+    """Bodies planned by the child, several in flight at once, come back in order and equal to the inline
+    plan (a plan pickled in the child as ``__main__.Plan`` could not be read back: every large body was
+    then parsed on the loop after all); a child gone leaves its waiting and later bodies planned inline."""
+    from cachelab.capture.injection import Planner, plan
+
+    bodies = [json.dumps({"prompt": list(range(i * 5000)), "stream": i % 2 == 0, "n": 1 + i % 3}).encode()
+              for i in range(1, 7)] + [b"[1, 2]", b"not json"]
+    expected = [plan(body, "/v1/completions", True) for body in bodies]
+    assert _planned_by_child(bodies) == expected
+
+    async def after_a_kill():
+        planner = Planner(True, inline_bytes=-1)
+        await planner.start()
+        answered = await planner.plan(bodies[0], "/v1/completions")
+        planner.proc.kill()
+        try:
+            return answered, await asyncio.gather(*(planner.plan(body, "/v1/completions") for body in bodies))
+        finally:
+            planner.close()
+
+    answered, after = asyncio.run(after_a_kill())
+    assert answered == expected[0] and after == expected
 
 
 def _socket_exchange(url: str, *sends: bytes, pause: float = 0.0) -> bytes:

@@ -238,7 +238,7 @@ def test_an_exchange_holds_its_request_as_the_bytes_the_client_sent_and_records_
     """A prompt of 128k token ids waits for its answer in the proxy: its fields were held parsed, about
     5 times the body's bytes, and pickled so for the writer process on the event loop; the body is now
     held as it came (the record parses it again, off the request's path), and the record is the same."""
-    from cachelab.capture.exchange import prepare
+    from cachelab.capture.injection import prepare
     from cachelab.capture.tokens import FallbackTokenizer
     from cachelab.capture.writer import _pickled
 

@@ -13,8 +13,8 @@ answer's ``index`` as ``cachelab serve --capture`` numbers its own), each with i
 token times; those of an answer of several choices carry none of the server's cached tokens,
 which are one engine request's there, not each choice's.
 
-``prepare`` adds to the request what the record needs (token ids, a stream's usage) and the
-client did not ask for; ``Restorer`` and ``strip_body`` undo it, on the bytes (a read
+``cachelab.capture.injection`` adds to the request what the record needs (token ids, a stream's
+usage) and the client did not ask for; ``Restorer`` and ``strip_body`` undo it, on the bytes (a read
 of ordinary token events takes one regular-expression substitution, whatever the number of
 events in it; only a read holding a usage, a terminal or an id-only event is split): vLLM
 writes the token-id fields as ``null`` when they were not asked for, so an injected
@@ -31,13 +31,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cachelab.capture.injection import echoes, n_choices
 from cachelab.capture.recorder import CLIENT_CLOSED, RequestRecord
 
 _IDS = re.compile(rb'"token_ids":\[[^\]]*\]')
 _PROMPT_IDS = re.compile(rb'"prompt_token_ids":\[[^\]]*\]')
 _EMPTY_DELTA = (b'"delta":{}', b'"finish_reason":null')
 _FINGERPRINT = re.compile(rb'"system_fingerprint":"[^"]*"')
-_RECORD_FIELDS = ("model", "prompt", "messages", "n", "echo")  # of a request's body, what ``to_records`` reads
+_RECORD_FIELDS = ("model", "prompt", "messages", "n", "echo", "stream", "user")  # of a request's body, what ``to_records`` reads
 MAX_RECORDS = 1 << 16  # records of one exchange at most: choices answered, or asked for and never reached
 
 
@@ -48,7 +49,7 @@ class Exchange:
     endpoint: str
     arrival_unix_ns: int
     arrival: float                      # time.perf_counter() at arrival
-    body: bytes | dict | None = None    # the request's body as the client sent it (``prepare``), or its fields
+    body: bytes | dict | None = None    # the request's body as the client sent it (``injection.apply``), or its fields
     session: str | None = None
     stream: bool = False
     injected_ids: bool = False
@@ -72,66 +73,6 @@ class Exchange:
         return len(self.response) + sum(map(len, self.events)) + request
 
 
-def prepare(body: bytes, x: Exchange, token_ids: bool) -> bytes:
-    """Parse the request into ``x``; with ``token_ids``, ask for what the record needs that the
-    client did not ask for (the ids, a stream's usage)."""
-    try:
-        parsed = json.loads(body)
-    except (ValueError, RecursionError):  # not JSON, or nested deeper than json can go: sent as it came
-        return body
-    if not isinstance(parsed, dict):
-        return body
-    # held as it came until the record is built, which parses it again, off the request's path: its fields
-    # held parsed took 5x its bytes for a prompt of ids (the whole parsed body ~25x), and pickling such a
-    # prompt for the writer process took the event loop 1.3 ms at 128k ids (0.5 ms for the bytes)
-    x.body = body
-    x.stream = parsed.get("stream") is True
-    user = parsed.get("user")
-    x.session = x.session or (user if isinstance(user, str) else None)
-    if not token_ids:
-        return body
-    added = {}
-    if not parsed.get("return_token_ids") and not _echoes(parsed, x.endpoint):
-        added["return_token_ids"] = True
-        x.injected_ids = True
-    options = parsed.get("stream_options")
-    # usage only for one choice: of several it says nothing the record keeps (one engine request's cached
-    # tokens, the answer's totals), and dropping its event holds every event after a terminal chunk back
-    if x.stream and _one_choice(parsed) and not (isinstance(options, dict) and options.get("include_usage")):
-        options = options if isinstance(options, dict) else {}
-        # continuous_usage_stats without include_usage asks for nothing; with it, for usage in every chunk
-        added["stream_options"] = {**options, "include_usage": True,
-                                   **({"continuous_usage_stats": False} if options.get("continuous_usage_stats") else {})}
-        x.injected_usage = True
-    if not added:
-        return body
-    end = body.rfind(b"}")
-    if parsed and not any(key in parsed for key in added) and json.detect_encoding(body).startswith("utf-8"):
-        # new keys only: appended to the client's bytes (a long prompt is not serialised again); a UTF-16
-        # or UTF-32 body, which JSON parsers such as vLLM's take too, is serialised again (as UTF-8)
-        return body[:end] + b"," + json.dumps(added, separators=(",", ":")).encode()[1:-1] + body[end:]
-    return json.dumps({**parsed, **added}).encode()
-
-
-def _n(body: dict) -> int:
-    """The request's ``n``: choices per prompt (1 where absent or not a positive integer)."""
-    n = body.get("n")
-    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
-
-
-def _one_choice(body: dict) -> bool:
-    """Whether the request asks for one choice: ``n`` = 1 and one prompt (a completion's batch of
-    several prompts, strings or id lists, asks for ``n`` each)."""
-    prompt = body.get("prompt")
-    return _n(body) == 1 and not (isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int))
-
-
-def _echoes(body: dict, endpoint: str) -> bool:
-    """A completion that echoes its prompt: vLLM leaves the prompt's text out of the answer of one that
-    asks for ids, so the proxy asks for none there (the record tokenizes the answer instead)."""
-    return bool(body.get("echo")) and not endpoint.endswith("chat/completions")
-
-
 class Restorer:
     """Turns the upstream's events back into the stream the client would have got without the proxy.
 
@@ -139,7 +80,7 @@ class Restorer:
     sends usage unasked: ``_event``), it keeps vLLM's
     ``system_fingerprint`` where vLLM puts it: on the terminal chunk (a non-null
     ``finish_reason``) when no usage event follows, and only on the usage event otherwise. So
-    when the proxy asked for usage (``prepare``: only of a request for one choice), the terminal
+    when the proxy asked for usage (``injection.plan``: only of a request for one choice), the terminal
     chunk waits for the usage event, the next thing vLLM writes, and gets the fingerprint back.
     """
 
@@ -342,6 +283,11 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
     choice (an error, no answer at all) is one record."""
     body = _record_fields(x.body)
     model = body.get("model") if isinstance(body.get("model"), str) else None
+    # read here, not on the request's path: a request the proxy records without serving it (its client gone
+    # first) has its body parsed by no one else
+    stream = x.stream or body.get("stream") is True
+    user = body.get("user")
+    session = x.session or (user if isinstance(user, str) else None)
     error, upstream_id, usage, top_prompt = x.error, None, None, None
     choices: dict[int, _Choice] = {}
     if x.response_time is None:  # an event stream (or no answer at all)
@@ -395,8 +341,8 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
     if x.status != 200 and error is None:
         error = f"upstream answered HTTP {x.status}"
     prompts = _request_prompts(body)
-    echo = _echoes(body, x.endpoint)
-    n = _n(body)
+    echo = echoes(body, x.endpoint)
+    n = n_choices(body)
     # the choices asked for that the answer never reached (a stream cut after prompt 0's) are failed requests too,
     # and so is each one a client withdrew before any came (499, as cachelab serve --capture records them);
     # an answer of none (an error, the upstream's or the proxy's) is one record
@@ -407,7 +353,7 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
     for index in indices:
         c = choices.get(index) or _Choice()
         rec = RequestRecord(endpoint=x.endpoint, arrival_unix_ns=x.arrival_unix_ns, status=x.status, error=error,
-                            model=model, stream=x.stream, session=x.session, upstream_id=upstream_id,
+                            model=model, stream=stream, session=session, upstream_id=upstream_id,
                             index=index)
         k = 0 if index is None else index // n
         prompt_text, request_ids = prompts[k] if k < len(prompts) else (None, None)

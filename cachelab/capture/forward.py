@@ -37,17 +37,15 @@ class Forward:
     gathered in ``out`` and written once, after the read (``after_read``).
     """
 
-    def __init__(self, proxy: "CaptureProxy", client: ClientConnection, request: bytes, x: Exchange | None,
+    def __init__(self, proxy: "CaptureProxy", client: ClientConnection, x: Exchange | None,
                  keep_alive: bool, http11: bool, head: bool, replayable: bool):
-        self.proxy, self.client, self.request, self.x = proxy, client, request, x
+        self.proxy, self.client, self.request, self.x = proxy, client, b"", x
         self.keep_alive, self.http11, self.head = keep_alive, http11, head
         self.replayable = replayable      # may go upstream twice (``upstream_lost``)
         self.retried = False
         self.queued = False               # waited for a place in the pool at its limit
         self.arrival = x.arrival if x is not None else time.perf_counter()
-        # the prompt's ids the proxy asked for come in one event (vLLM's first): a JSON id per token, at most 8
-        # bytes per byte of the request, on top of the event bound (a 5 MiB prompt's ids are over 4 MiB)
-        self.max_event = proxy.config.max_event_bytes + (8 * len(request) if x is not None and x.injected_ids else 0)
+        self.max_event = proxy.config.max_event_bytes
         self.conn: UpstreamConnection | None = None
         self.task: asyncio.Task | None = None
         self.timer: asyncio.TimerHandle | None = None
@@ -73,7 +71,13 @@ class Forward:
         self.finished = False
 
     # -- going upstream -----------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, request: bytes) -> None:
+        """Send ``request`` (head and body) upstream, on a pooled connection or a new one."""
+        self.request = request
+        if self.x is not None and self.x.injected_ids:
+            # the prompt's ids the proxy asked for come in one event (vLLM's first): a JSON id per token, at most
+            # 8 bytes per byte of the request, on top of the event bound (a 5 MiB prompt's ids are over 4 MiB)
+            self.max_event += 8 * len(request)
         conn = self.proxy.pool.take()
         if conn is not None:
             self.send(conn)

@@ -5,8 +5,9 @@ path (``/v1/models``, ``/health``, ``/metrics``, ...) is passed through unrecord
 client's request goes upstream as sent, headers included (``Authorization`` too; no header
 is ever recorded; the proxy adds its ``Via`` and the client's address to ``X-Forwarded-For``), except that the proxy asks for token ids (``return_token_ids``) and, on a
 stream for one choice, for the final usage event (``stream_options.include_usage``) when the
-client did not, and strips both from what the client receives. The answer streams back as the
-upstream sent it.
+client did not, and strips both from what the client receives; deciding that parses the body, which
+for a large one is done by a child process while the event loop serves other streams
+(``cachelab.capture.injection``). The answer streams back as the upstream sent it.
 
 The forward path is HTTP/1.1 on raw asyncio protocols (uvloop when installed), with
 httptools' C parser on both sides: no framework, no ASGI messages, no per-event coroutine.
@@ -50,8 +51,9 @@ from urllib.parse import urlsplit
 from cachelab.api_key import ApiKey
 from cachelab.capture.connections import ClientConnection, Request, error_body, hop_by_hop, unauthorized, \
     whole_response
-from cachelab.capture.exchange import Exchange, prepare
+from cachelab.capture.exchange import Exchange
 from cachelab.capture.forward import Forward
+from cachelab.capture.injection import Planner, apply, prepare
 from cachelab.capture.recorder import CLIENT_CLOSED, CLIENT_GONE
 from cachelab.capture.upstream import UpstreamPool, shown_url
 from cachelab.errors import CachelabError
@@ -113,6 +115,7 @@ class CaptureProxy:
         self.config = config
         self.recorder = recorder
         self.pool = UpstreamPool(config)
+        self.planner = Planner(config.token_ids)  # what to add to a large request body, decided off the loop
         self.clients: set[ClientConnection] = set()
         self.held = 0  # bytes of answers the exchanges in flight hold (``Forward.keep``), at most ``max_held_bytes``
         self.server: asyncio.AbstractServer | None = None
@@ -123,6 +126,7 @@ class CaptureProxy:
     async def start(self, sock) -> None:
         """Serve on a bound, listening socket."""
         loop = asyncio.get_running_loop()
+        await self.planner.start()
         self.server = await loop.create_server(lambda: ClientConnection(self), sock=sock, backlog=2048)
         self._sweeper = loop.create_task(self._sweep_idle())
 
@@ -159,6 +163,7 @@ class CaptureProxy:
             client.closed = True  # by the proxy: requests still queued on it were not served, and are not recorded
             client.transport.close()
         self.pool.close()
+        self.planner.close()
         await asyncio.sleep(0)
         self.recorder.close()
 
@@ -183,8 +188,30 @@ class CaptureProxy:
                                             close=not r.keep_alive), r.keep_alive)
         body = b"".join(r.body)
         x = self._exchange(r, path)
-        if x is not None:
-            body = prepare(body, x, self.config.token_ids)
+        # a completion asked again changes nothing upstream (OpenAI clients retry them on a lost connection)
+        forward = Forward(self, client, x, r.keep_alive, r.http11, r.method == b"HEAD",
+                          x is not None or r.method in IDEMPOTENT)
+        client.forward = forward
+        if x is None:
+            forward.start(self._request(client, r, target, x, body))
+        elif self.planner.inline(body):
+            forward.start(self._request(client, r, target, x, prepare(body, x, self.config.token_ids)))
+        else:  # planned by the planner's child: the event loop serves other streams meanwhile
+            x.body = body  # a record made before the plan comes (its client gone, a shutdown) names its model
+            forward.task = asyncio.get_running_loop().create_task(self._planned(forward, client, r, target, body))
+
+    async def _planned(self, forward: Forward, client: ClientConnection, r: Request, target: bytes,
+                       body: bytes) -> None:
+        """Send a large body upstream once the planner's child has planned it (``Forward._end`` cancels this
+        where the exchange ends first)."""
+        x = forward.x
+        p = await self.planner.plan(body, x.endpoint)
+        forward.task = None
+        forward.start(self._request(client, r, target, x, apply(p, body, x)))
+
+    def _request(self, client: ClientConnection, r: Request, target: bytes, x: Exchange | None,
+                 body: bytes) -> bytes:
+        """The request as it goes upstream: the client's headers less the hop-by-hop ones, the proxy's own, the body."""
         drop = hop_by_hop(r.headers) | (_REPLACED_RECORDED if x is not None else _REPLACED)
         lines = [b"%s: %s\r\n" % (k, v) for k, v in r.headers if k.lower() not in drop]
         if x is not None:
@@ -198,13 +225,8 @@ class CaptureProxy:
             lines.append(self.pool.authorization)  # the --upstream URL's credentials, for a client that sent none
         if body or r.method not in (b"GET", b"HEAD", b"DELETE", b"OPTIONS"):
             lines.append(b"content-length: %d\r\n" % len(body))
-        request = b"%s %s HTTP/1.1\r\nhost: %s\r\n%s\r\n%s" % (
+        return b"%s %s HTTP/1.1\r\nhost: %s\r\n%s\r\n%s" % (
             r.method, target, self.pool.host_header, b"".join(lines), body)
-        # a completion asked again changes nothing upstream (OpenAI clients retry them on a lost connection)
-        forward = Forward(self, client, request, x, r.keep_alive, r.http11, r.method == b"HEAD",
-                          x is not None or r.method in IDEMPOTENT)
-        client.forward = forward
-        forward.start()
 
     def _exchange(self, r: Request, path: bytes, **fields) -> Exchange | None:
         """The exchange to record of a request on a recorded path (None on any other path)."""
@@ -221,7 +243,7 @@ class CaptureProxy:
             return
         x = self._exchange(r, r.origin_path(), status=CLIENT_CLOSED, error=f"{CLIENT_GONE} before it was served")
         if x is not None:
-            prepare(b"".join(r.body), x, self.config.token_ids)  # the model and session, as a served request's
+            x.body = b"".join(r.body)  # the model and session, as a served request's (read by the writer)
             self.recorder.submit(x)
 
     def refuse_too_large(self, client: ClientConnection, r: Request) -> None:
