@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import socket
 import subprocess
@@ -240,6 +241,40 @@ def test_the_answers_all_exchanges_hold_are_bounded_together(stack, tmp_path):
     assert len(kept["output_ids"]) == 200
     assert later["error"] is None and len(later["output_ids"]) == 8
     assert refused["status"] == 503 and "--max-held-mb" in refused["error"]
+
+
+def test_the_requests_exchanges_in_flight_hold_count_in_the_bound_with_the_answers(tmp_path):
+    """A request's body is held while its exchange is in flight (for its record, and as the request that
+    goes upstream, to go again on a new connection): --max-held-mb counted answers only, so 1,024 requests
+    of 8 MiB waiting for their answers held 16 GiB unbounded. A request that puts the exchanges over it
+    gets a 503 before it goes upstream, recorded so; what a request held is given back when its exchange
+    ends (its client gone, here), and the next one goes upstream."""
+    ids = list(range(1000, 13_000))  # 12k ids: about 70 KB, planned by the child
+    body = json.dumps({"model": "m", "prompt": ids, "max_tokens": 1}).encode()
+    upstream = HeadUpstream(answers=0, silent=True)  # reads every request, answers none
+    recorder = Recorder(tmp_path)
+    post = functools.partial(httpx.post, content=body, headers={"content-type": "application/json"})
+    with ProxyThread(ProxyConfig(upstream=upstream.url, max_held_bytes=3 * len(body)), recorder) as proxy:
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(post, proxy.url + "/v1/completions", timeout=3)
+            deadline = time.monotonic() + 10
+            while upstream.requests < 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            refused = post(proxy.url + "/v1/completions", timeout=10)  # its body and request: over 3x the body
+            assert isinstance(waiting.exception(), httpx.ReadTimeout)  # the first one's client gives up
+        assert refused.status_code == 503 and b"--max-held-mb" in refused.content and upstream.requests == 1
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(post, proxy.url + "/v1/completions", timeout=1)
+            deadline = time.monotonic() + 10
+            while upstream.requests < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+        assert upstream.requests == 2
+        assert recorder.flush(30)
+    upstream.sock.close()
+    table = read_requests(tmp_path)[0]
+    assert table["status"].to_list()[:2] == [503, 499]
+    assert table["error"][0] == (f"the proxy held over {3 * len(body)} bytes of requests and answers in flight "
+                                 "(--max-held-mb): not sent upstream")
 
 
 @pytest.mark.parametrize("ending", ["crlf", "cr"])

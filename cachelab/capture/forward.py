@@ -60,6 +60,7 @@ class Forward:
         self.out: list[bytes] = []
         self.size = 0
         self.held = 0                     # bytes of the answer counted in ``proxy.held`` (-1: a stream no longer recorded)
+        self.request_held = 0             # bytes of the request counted in ``proxy.held`` (``hold_request``)
         self.parts: list[bytes] = []      # WHOLE: the body; STREAM: the incomplete event so far
         self.edge = b""                   # STREAM: the last bytes of the incomplete event (a delimiter may straddle)
         self.delim: bytes | None = None   # STREAM: what ends an event, once the first line has shown it
@@ -73,6 +74,8 @@ class Forward:
     # -- going upstream -----------------------------------------------------------------------
     def start(self, request: bytes) -> None:
         """Send ``request`` (head and body) upstream, on a pooled connection or a new one."""
+        if not self.hold_request(len(request)):
+            return
         self.request = request
         if self.x is not None and self.x.injected_ids:
             # the prompt's ids the proxy asked for come in one event (vLLM's first): a JSON id per token, at most
@@ -264,23 +267,40 @@ class Forward:
         # exchange (each request then paid a new connection on both hops; docs/capture.md, Why the defaults)
         self.reusable = self.conn.parser.should_keep_alive()
 
+    def hold_request(self, n: int) -> bool:
+        """Count ``n`` more bytes of the request held until the exchange ends (its body kept for the record,
+        the request as it goes upstream, kept to go again on a new connection) in ``max_held_bytes``, with
+        the answers; False, and a 503 not sent upstream, where that puts the exchanges over it. Only answers
+        were counted: 1,024 exchanges in flight held up to 16 GiB of requests (each body twice) unbounded."""
+        self.request_held += n
+        if self._within(n):
+            return True
+        self.fail(503, f"{self._over()}: not sent upstream")
+        return False
+
+    def _within(self, n: int) -> bool:
+        """Count ``n`` more bytes in ``proxy.held``: whether the exchanges in flight hold ``max_held_bytes`` at most."""
+        self.proxy.held += n
+        return self.proxy.held <= self.proxy.config.max_held_bytes
+
+    def _over(self) -> str:
+        return f"the proxy held over {self.proxy.config.max_held_bytes} bytes of requests and answers in flight " \
+               "(--max-held-mb)"
+
     def keep(self, n: int) -> bool:
         """Count ``n`` more bytes of the answer held; False when that puts the exchanges in flight over
         ``max_held_bytes`` together. Each was bounded alone (``max_response_bytes``), not all of them:
         1,024 connections could hold 64 GiB. A stream over it is relayed on, whole and unchanged, but
         no longer recorded: the events it held are let go and its record says why. A whole body must
         be held until it is restored: the client gets a 503 instead."""
-        proxy = self.proxy
-        proxy.held += n
         self.held += n
-        limit = proxy.config.max_held_bytes
-        if proxy.held <= limit:
+        if self._within(n):
             return True
-        why = f"the proxy held over {limit} bytes of answers in flight (--max-held-mb)"
+        why = self._over()
         if self.mode == WHOLE:
             self.fail(503, f"{why}: answer not relayed")
             return False
-        proxy.held -= self.held
+        self.proxy.held -= self.held
         self.held = -1
         x = self.x
         x.events, x.event_times = [], []
@@ -331,6 +351,8 @@ class Forward:
         if self.held > 0:  # handed to the recorder, whose queue is bounded on its own, or let go
             self.proxy.held -= self.held
             self.held = 0
+        self.proxy.held -= self.request_held
+        self.request_held = 0
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None

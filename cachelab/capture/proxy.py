@@ -23,8 +23,9 @@ and "Why the defaults", says what led here (the earlier proxies: FastAPI + httpx
 
 Bounds: a request body over ``max_body_bytes`` is refused with 413 before anything goes
 upstream; a request head over ``max_head_bytes`` with 431, an answer head over it is a 502; the
-answers held by all exchanges in flight (a stream's events for its record, a whole body until it
-is restored) are ``max_held_bytes`` at most (``Forward.keep``); an answer over
+requests and answers held by all exchanges in flight (a request until its exchange ends, a stream's
+events for its record, a whole body until it is restored) are ``max_held_bytes`` at most
+(``Forward.hold_request``, ``Forward.keep``: a request past it gets a 503); an answer over
 ``max_response_bytes``, an event over ``max_event_bytes`` without a delimiter, an answer
 slower than ``total_timeout`` or silent for ``read_timeout`` ends the exchange: the client
 gets a 502/504 (or, mid-stream, the end of the stream) and the record says why; a request
@@ -78,7 +79,7 @@ class ProxyConfig:
     max_body_bytes: int = 8 << 20
     max_head_bytes: int = 64 << 10
     max_response_bytes: int = 64 << 20
-    max_held_bytes: int = 1 << 30  # answers held for their records (and whole ones, to restore) in all exchanges
+    max_held_bytes: int = 1 << 30  # requests and answers all exchanges in flight hold (``Forward.hold_request``)
     max_event_bytes: int = 4 << 20
     connect_timeout: float = 10.0
     read_timeout: float = 300.0
@@ -117,7 +118,7 @@ class CaptureProxy:
         self.pool = UpstreamPool(config)
         self.planner = Planner(config.token_ids)  # what to add to a large request body, decided off the loop
         self.clients: set[ClientConnection] = set()
-        self.held = 0  # bytes of answers the exchanges in flight hold (``Forward.keep``), at most ``max_held_bytes``
+        self.held = 0  # bytes the exchanges in flight hold (``Forward.hold_request``, ``keep``), at most ``max_held_bytes``
         self.server: asyncio.AbstractServer | None = None
         self._session_header = config.session_header.lower().encode("latin-1")
         self._key = ApiKey(config.api_key) if config.api_key else None
@@ -192,6 +193,8 @@ class CaptureProxy:
         forward = Forward(self, client, x, r.keep_alive, r.http11, r.method == b"HEAD",
                           x is not None or r.method in IDEMPOTENT)
         client.forward = forward
+        if x is not None and not forward.hold_request(len(body)):  # the body kept for the record
+            return
         if x is None:
             forward.start(self._request(client, r, target, x, body))
         elif self.planner.inline(body):

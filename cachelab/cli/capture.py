@@ -95,10 +95,11 @@ def proxy(
     rotate_seconds: float = typer.Option(3600.0, help="Start a new segment after this many seconds."),
     max_body_mb: float = typer.Option(8.0, help="Refuse request bodies over this size with 413 (MiB)."),
     max_response_mb: float = typer.Option(64.0, help="Cut upstream answers over this size (MiB)."),
-    max_held_mb: float = typer.Option(1024.0, help="Answers held by all exchanges in flight, at most (MiB): a "
-                                      "stream's events until its record is handed over, a whole answer until it "
-                                      "is sent. A stream past it is relayed unchanged but not recorded (its "
-                                      "record says why), a whole answer gets a 503."),
+    max_held_mb: float = typer.Option(1024.0, help="Requests and answers held by all exchanges in flight, at most "
+                                      "(MiB): a request until its exchange ends, a stream's events until its record "
+                                      "is handed over, a whole answer until it is sent. A request past it gets a "
+                                      "503, a stream past it is relayed unchanged but not recorded (its record says "
+                                      "why), a whole answer gets a 503."),
     read_timeout: float = typer.Option(300.0, help="Cut an upstream answer silent this long (s)."),
     total_timeout: float = typer.Option(3600.0, help="Cut an upstream answer running this long (s)."),
     connect_timeout: float = typer.Option(10.0, help="Give up connecting to the upstream after this long (s): "
