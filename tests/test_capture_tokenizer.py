@@ -115,3 +115,43 @@ def test_serve_refuses_a_layout_of_another_tokenizer(tmp_path):
         model_for(ServeOptions(preset=str(model)))
     model.write_text(json.dumps({**json.loads(model.read_text()), "layout": "deepseek-v4.1-flash"}))
     assert model_for(ServeOptions(preset=str(model))).layout == "deepseek-v4.1-flash"
+
+
+def _text_completion(prompt: str, served_ids: list[int]):
+    """An exchange of the proxy's: a completion of a text prompt, the server's ids of it in the answer."""
+    from cachelab.capture.exchange import Exchange
+
+    x = Exchange(endpoint="/v1/completions", arrival_unix_ns=10**18, arrival=0.0, status=200, response_time=0.5,
+                 body=json.dumps({"model": "m", "prompt": prompt, "max_tokens": 1}).encode())
+    x.response = json.dumps({"id": "cmpl-1", "choices": [{"index": 0, "text": " a", "token_ids": [3],
+                                                          "prompt_token_ids": served_ids}]}).encode()
+    return x
+
+
+@pytest.mark.parametrize("named_right", [True, False], ids=["the-servers", "another"])
+def test_a_named_tokenizer_whose_tokens_are_not_the_servers_ids_is_not_recorded(tmp_path, named_right):
+    """``--upstream-tokenizer`` named wrong (not the upstream's) named another tokenizer's ids in every
+    segment header, and the trace built from the capture recorded it: a layout of the named tokenizer
+    addressed them unchecked. The server's prompt ids of a text completion are compared with the named
+    tokenizer's tokens of its text (the first few such records, in the writer): where they differ the
+    record says so, and the build records no tokenizer for its run, saying why."""
+    from cachelab.capture.tokens import FallbackTokenizer
+    from cachelab.engram.vocab import DEEPSEEK_V4
+
+    tok = tiny_tokenizer(tmp_path)
+    text = "the cat a b"
+    served = FallbackTokenizer(tok if named_right else DEEPSEEK_V4).encode(text, prompt=True)
+    with Recorder(tmp_path / "cap", tokenizer=tok, ids_tokenizer=tok) as rec:
+        for _ in range(2):
+            rec.submit(_text_completion(text, served))
+    out = tmp_path / "t.parquet"
+    report = build_from_capture(tmp_path / "cap", out)
+    assert (report.tokenizer == tokenizer_record(tok) == recorded_tokenizer(out)) is named_right
+    assert report.tokenizer_mismatches == (0 if named_right else 1)
+    assert report.unknown_tokenizer_requests == (0 if named_right else 2)
+    if not named_right:
+        built = CliRunner().invoke(app, ["trace", "build", "--from-capture", str(tmp_path / "cap"), "-o",
+                                         str(tmp_path / "t2.parquet")])
+        assert built.exit_code == 0 and "was not the upstream's" in " ".join(built.output.split())
+        info = CliRunner().invoke(app, ["capture", "info", str(tmp_path / "cap"), "--json"])
+        assert json.loads(info.output)["tokenizer_mismatches"] == 1

@@ -28,6 +28,7 @@ import hashlib
 import os
 import secrets
 import stat
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ REQUESTS = "requests"
 CLIENT_CLOSED = 499  # nginx's "client closed request": the client went away before its answer was complete
 CLIENT_GONE = "client disconnected"  # such a record's error
 RECORD_VERSION = 1
+CHECKED_RECORDS = 8  # completions of text prompts compared with the named tokenizer per recorder (``_check_tokenizer``)
 _MASK63 = (1 << 63) - 1
 
 
@@ -82,6 +84,7 @@ class RequestRecord:
     cached_tokens: int | None = None
     prompt_text: str | None = None
     output_text: str | None = None
+    tokenizer_mismatch: bool = False          # the server's prompt ids are not the named tokenizer's (``Recorder``)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_records(self, tokenizer) -> list["RequestRecord"]:
@@ -195,6 +198,8 @@ def encode_record(record: RequestRecord, privacy: Privacy) -> dict:
         out["output_ids"] = _array_bytes(record.output_ids, "<i4")
     if privacy.store_text:
         out["prompt_text"], out["output_text"] = record.prompt_text, record.output_text
+    if record.tokenizer_mismatch:
+        out["tokenizer_mismatch"] = True
     if record.extra:
         out["extra"] = record.extra
     return out
@@ -222,6 +227,9 @@ class Recorder:
                  max_pending_bytes: int | None = None, ids_tokenizer: str | None = None):
         self.directory = private_directory(directory)
         self.tokenizer = FallbackTokenizer(tokenizer)
+        # records left to check against the named tokenizer (``_check_tokenizer``): where the fallback is it
+        self._to_check = CHECKED_RECORDS if ids_tokenizer and tokenizer_record(tokenizer) == tokenizer_record(
+            ids_tokenizer) else 0
         self.privacy = Privacy(load_salt(salt_file or self.directory / "salt"), hash_blocks, store_text)
         if hash_blocks:
             # compiled (or loaded from numba's cache: 0.5-4.3 s here) now, not while the first record is
@@ -241,7 +249,10 @@ class Recorder:
 
         def build() -> list[dict]:
             try:
-                return [encode_record(r, privacy) for r in record.to_records(tokenizer)]
+                records = record.to_records(tokenizer)
+                if self._to_check:
+                    self._check_tokenizer(records)
+                return [encode_record(r, privacy) for r in records]
             except Exception as exc:  # an answer this cannot read (a field of the wrong type): the request is
                 journal.build_errors += 1  # still recorded, as failed, with why
                 failed = RequestRecord(endpoint=record.endpoint, arrival_unix_ns=record.arrival_unix_ns,
@@ -249,6 +260,34 @@ class Recorder:
                 return [encode_record(failed, privacy)]
 
         return self.journal.submit(build, record.held_bytes())
+
+    def _check_tokenizer(self, records: list[RequestRecord]) -> None:
+        """A tokenizer named wrong (the proxy's ``--upstream-tokenizer``, not the upstream's) named the ids of
+        another in every segment header, and so in the trace: a layout of the named one addressed them
+        unchecked. The first ``CHECKED_RECORDS`` completions whose prompt the server tokenized from text
+        (its own ids, ``token_source`` upstream) are compared with the named tokenizer's tokens of that text:
+        the server's must end with them, up to two special tokens before (a BOS its configuration adds), or
+        be the end of them with the tokenizer's special tokens (a prompt it truncated). A record that
+        differs says so (``tokenizer_mismatch``), ``trace build --from-capture`` then names no tokenizer for
+        its run, and the writer says it on stderr. Runs on the journal's thread, off the request's path
+        (vLLM's ids of text completions were the fallback's, exactly)."""
+        for r in records:
+            if r.token_source != "upstream" or not r.prompt_text or r.prompt_ids is None \
+                    or r.endpoint.endswith("chat/completions"):
+                continue
+            self._to_check -= 1
+            server, plain = r.prompt_ids.tolist(), self.tokenizer.encode(r.prompt_text)
+            named = self.tokenizer.encode(r.prompt_text, prompt=True)
+            if server and (named[-len(server):] == server
+                           or (plain and server[-len(plain):] == plain and len(server) - len(plain) <= 2)):
+                return
+            r.tokenizer_mismatch = True
+            self._to_check = 0
+            print(f"capture: the server's {len(server)} prompt ids of a completion are not the named tokenizer's "
+                  f"{len(named)} tokens of its text ({self.tokenizer.source}): its ids are another tokenizer's "
+                  "(--upstream-tokenizer is not the upstream's?); a trace built from this run names no tokenizer",
+                  file=sys.stderr, flush=True)
+            return
 
     def submit_refusal(self, endpoint: str, arrival_unix_ns: int, status: int, error: str, *, model: str | None,
                        stream: bool, session: str | None) -> bool:

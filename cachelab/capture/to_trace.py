@@ -54,10 +54,12 @@ def read_requests(directory: str | os.PathLike) -> tuple[pl.DataFrame, ReadStats
     ``tokenizer``: the tokenizer the record's ids are of, as its run's segment headers name it
     (``tokenizer_record`` as JSON), null where they name none (or disagree)."""
     stats = ReadStats()
-    records, tokenizers = [], {}
+    records, tokenizers, mismatched = [], {}, set()
     for r in read_stream(directory, REQUESTS, stats):
         if r.get("kind") == "request":
             records.append(r)
+            if r.get("tokenizer_mismatch") is True:  # the run's ids are not the tokenizer it names (``Recorder``)
+                mismatched.add(r.get("run"))
         elif r.get("kind") == "segment" and isinstance(r.get("run"), int) and is_tokenizer_record(r.get("tokenizer")):
             named = json.dumps({"tokenizer": r["tokenizer"]["tokenizer"], "sha256": r["tokenizer"]["sha256"]})
             tokenizers[r["run"]] = named if tokenizers.get(r["run"], named) == named else None
@@ -67,7 +69,10 @@ def read_requests(directory: str | os.PathLike) -> tuple[pl.DataFrame, ReadStats
     for name, (np_dtype, _) in _ARRAYS.items():
         columns[name] = _list_column(name, [r.get(name) for r in records], np_dtype)
     runs = columns["run"].to_list()
-    columns["tokenizer"] = pl.Series("tokenizer", [tokenizers.get(run) for run in runs], dtype=pl.String)
+    columns["tokenizer"] = pl.Series("tokenizer", [None if run in mismatched else tokenizers.get(run) for run in runs],
+                                     dtype=pl.String)
+    columns["tokenizer_mismatch"] = pl.Series("tokenizer_mismatch", [r.get("tokenizer_mismatch") is True
+                                                                     for r in records], dtype=pl.Boolean)
     return pl.DataFrame(columns), stats
 
 
@@ -90,6 +95,7 @@ class CaptureBuild:
     unreadable: list[str]  # segments not read at all (an I/O error, not a segment) and undecodable records
     tokenizer: dict | None  # the tokenizer of every request's ids, as the capture names it (recorded in the trace)
     unknown_tokenizer_requests: int  # requests whose ids' tokenizer the capture does not name (then none recorded)
+    tokenizer_mismatches: int  # records whose server ids were found not to be the named tokenizer's (their runs: unknown)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -159,7 +165,8 @@ def capture_to_trace(directory: str | os.PathLike) -> tuple[pl.DataFrame, Captur
         sessions=int(trace["session_id"].n_unique()), failed_requests=failed, without_tokens=ok.height - n,
         **server_cache(trace),
         torn_tails=stats.torn_tails, corrupt_records=stats.corrupt, segments=stats.segments, damaged=stats.damaged,
-        unreadable=stats.bad_files, tokenizer=tokenizer, unknown_tokenizer_requests=unknown)
+        unreadable=stats.bad_files, tokenizer=tokenizer, unknown_tokenizer_requests=unknown,
+        tokenizer_mismatches=int(table["tokenizer_mismatch"].sum()))
     return trace, report
 
 

@@ -288,6 +288,8 @@ def info(
         "tokenizers": [{**json.loads(named), "requests": count} for named, count
                        in table.group_by("tokenizer", maintain_order=True).len().iter_rows() if named is not None],
         "requests_of_unnamed_tokenizer": table["tokenizer"].null_count() if table.height else 0,
+        # records whose server ids were found not to be the named tokenizer's (their runs: unnamed)
+        "tokenizer_mismatches": int(table["tokenizer_mismatch"].sum()) if table.height else 0,
     }
     result["token_sources"] = {str(k): v for k, v in result["token_sources"].items()}
     if as_json:
@@ -302,6 +304,9 @@ def info(
     if result["tokenizers"] and result["requests_of_unnamed_tokenizer"]:
         console.print(f"token ids of a tokenizer the capture does not name: "
                       f"{result['requests_of_unnamed_tokenizer']:,} requests")
+    if result["tokenizer_mismatches"]:
+        console.print(f"{result['tokenizer_mismatches']:,} records found the server's prompt ids not the named "
+                      "tokenizer's tokens of their text (--upstream-tokenizer not the upstream's): their runs name none")
     kv = result["kv_losses"]
     if any(kv.values()):
         console.print(f"KV events lost: {kv['gaps']:,} batches missing (gaps), {kv['lost']:,} dropped (buffer full), "

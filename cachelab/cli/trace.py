@@ -151,6 +151,10 @@ def _build_from_capture(directory: Path, out: Path, as_json: bool, given: list[s
     if report.tokenizer is not None:
         console.print(f"token ids of tokenizer {escape(report.tokenizer['tokenizer'])} (tokenizer.json SHA-256 "
                       f"{escape(report.tokenizer['sha256'][:16])}...), as the capture names it: recorded in the trace")
+    elif report.tokenizer_mismatches:
+        console.print(f"no tokenizer recorded: the server's prompt ids of {report.tokenizer_mismatches:,} checked "
+                      "requests are not the tokens of the tokenizer the capture names (`capture proxy "
+                      "--upstream-tokenizer` was not the upstream's), so no layout is checked against the trace")
     elif report.unknown_tokenizer_requests:
         console.print(f"no tokenizer recorded: the capture does not name the one {report.unknown_tokenizer_requests:,} "
                       "requests' ids are of (`capture proxy --upstream-tokenizer` names the upstream's), so no layout "
