@@ -321,8 +321,10 @@ async def measure_all(urls, pids, model, args, placement: Placement):
         max_connections=top, max_keepalive_connections=top, keepalive_expiry=600)) for name, url in urls.items()}
     per_round = max(1, args.requests // args.rounds)
     names = list(urls)
+    # asking for the ids itself, so that the upstream does the same work on every path (returning 128k prompt ids
+    # held the test upstream's loop longer than their parse holds the proxy's) and only the proxy's own differs
     big = json.dumps({"model": model, "prompt": [1000 + i % 120_000 for i in range(args.large_prompt_ids)],
-                      "max_tokens": 1}).encode() if args.large_prompt_ids else None
+                      "max_tokens": 1, "return_token_ids": True}).encode() if args.large_prompt_ids else None
     big_clients = {name: httpx.AsyncClient(base_url=url, timeout=300) for name, url in urls.items()} if big else {}
     args.large_sent = {name: 0 for name in names}
     measured = {}
@@ -507,8 +509,9 @@ def main() -> None:
                          "cores this process may use)")
     ap.add_argument("--large-prompt-ids", type=int, default=0, metavar="N",
                     help="while each timed round runs, send on the same path a whole completion of a prompt of N "
-                         "token ids every --large-every-ms (its own connection): the streams' ITL while bodies "
-                         "that take long to parse arrive (128k ids: 15 ms of json)")
+                         "token ids every --large-every-ms (its own connection; it asks for the ids itself, so that "
+                         "the upstream's work is the same on every path): the streams' ITL while bodies that take "
+                         "long to parse arrive (128k ids: 15 ms of json)")
     ap.add_argument("--large-every-ms", type=float, default=250.0, help="with --large-prompt-ids: how often")
     args = ap.parse_args()
     args.proxy = proxy_variants(args.proxy)
