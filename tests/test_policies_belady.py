@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cachelab import registry
+from cachelab.engine.replay import replay
+from cachelab.engine.tiers import Hierarchy, Tier
+from cachelab.workload.lookups import LookupStream
 from cachelab.workload.future import next_access
 from cachelab.policy import NO_NEXT
 
@@ -87,3 +92,43 @@ def test_lookahead_misses_fall_as_the_window_grows():
     assert counts[0] == keys.size  # no lookahead: LRU, every loop access misses
     assert counts[-1] == misses("belady", keys, offsets, 2)
     assert len(set(counts)) == 5  # each loop length crossed is a strict drop
+
+
+def fewest_misses(requests, capacity, bypass):
+    """The least misses any policy can have on ``requests`` (a tier's request stream), by
+    exhaustive search over every choice at every miss: keep the cache as it is (only with
+    ``bypass``), or admit the row, into a free slot or in place of any resident row. The search
+    carries each reachable cache content with the fewest misses that reach it."""
+    best = {frozenset(): 0}
+    for key in requests:
+        after = {}
+        for cache, misses in best.items():
+            if key in cache:
+                choices, cost = [cache], misses
+            else:
+                cost = misses + 1
+                choices = [cache] if bypass else []
+                choices += ([cache | {key}] if len(cache) < capacity else
+                            [(cache - {victim}) | {key} for victim in cache])
+            for c in choices:
+                after[c] = min(after.get(c, cost), cost)
+        best = after
+    return min(best.values())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=5), min_size=1, max_size=14), st.integers(1, 5))
+def test_belady_is_optimal_for_the_engine_steps_by_exhaustive_search(steps, capacity):
+    """Through the engine (one tier, steps with repeated rows, deduplicated per step, next uses
+    on the tier's own stream), ``belady-bypass`` misses exactly the fewest of any policy that may
+    leave a miss uncached, and ``belady`` the fewest of any that caches every miss (Belady's
+    demand paging), each tier request counted once: checked against every eviction choice."""
+    keys = np.concatenate([np.array(s) for s in steps])
+    offsets = np.concatenate([[0], np.cumsum([len(s) for s in steps])])
+    requests = [k for s in steps for k in dict.fromkeys(s)]  # what the tier sees: each step's distinct rows
+    stream = LookupStream(keys.astype(np.int64), offsets.astype(np.int64), 1)
+    for name, bypass in (("belady-bypass", True), ("belady", False)):
+        level = replay(stream, Hierarchy([Tier("hbm", name, capacity_rows=capacity)], 1)).summary()["levels"]["hbm"]
+        assert level["requests_unique"] == len(requests)
+        misses = level["requests_unique"] - level["served_unique"]
+        assert misses == fewest_misses(requests, capacity, bypass), (name, requests)
