@@ -23,9 +23,9 @@ MIN_CAPACITY = {  # libCacheSim class: below this many objects it caches otherwi
 
 
 def min_capacity(policy: str) -> int:
-    """The smallest capacity (objects) at which libCacheSim's ``policy`` is comparable: two
-    objects, or more where a fixed share of the cache must hold one (``MIN_CAPACITY``)."""
-    return MIN_CAPACITY.get(policy, 2)
+    """The smallest capacity (objects) at which libCacheSim's ``policy`` is comparable: one
+    object, or more where a fixed share of the cache must hold one (``MIN_CAPACITY``)."""
+    return MIN_CAPACITY.get(policy, 1)
 
 
 def lcs_miss_ratio(trace_path: Path, policy: str, capacity: int, **params) -> float:
