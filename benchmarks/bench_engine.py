@@ -18,7 +18,11 @@ ratio, libCacheSim's ``process_trace`` alone on a trace that ships converted, is
 ``ratio_given_future``), in a fresh process that imports libCacheSim
 (and the NumPy it imports) and nothing of cachelab's, and by that process's wall time, and by the CPU time of each whole process (user + system: on a machine shared with
 other jobs the steadiest of the three). Each runs with one thread, best of ``--repeats``; cachelab's Numba cache is warmed first by
-a run on a small trace. ``ratio`` = libCacheSim seconds / cachelab seconds (above 1: cachelab
+a run on a small trace. libCacheSim gets a hash table sized to the cache (``--lcs-hashpower fit``:
+2^(bits of the capacity + 1) buckets, its fastest here; the table grows by itself past them): its
+default, 2^24 buckets (128 MiB of pointers, what its ``cachesim`` also uses), misses the CPU's caches
+on every lookup and took it 1.5x (Engram, 68 k rows) to 3x (Zipf, 7.8 k rows) the CPU time, which
+every figure before 2026-12-06 counted against it; ``--lcs-hashpower 24`` measures that default. ``ratio`` = libCacheSim seconds / cachelab seconds (above 1: cachelab
 is faster), ``wall ratio`` the same for whole processes. Both report the miss ratio, which
 must agree for identical policies: a row whose miss counts differ says so.
 
@@ -112,8 +116,16 @@ def stream_capacity(distinct: int, share: float, classes: list[str]) -> int:
 READS_THE_FUTURE = {"Belady", "BeladySize"}  # libCacheSim classes that read each request's next access
 
 
-def worker(policy: str, trace: Path, capacity: int) -> dict:
-    """One timed libCacheSim measurement in this (fresh) process. A policy that reads the future gets
+def fitted_hashpower(capacity: int) -> int:
+    """log2 of the buckets of a libCacheSim hash table sized to a cache of ``capacity`` objects: the
+    power of two above it, doubled (ghost entries of S3-FIFO, ARC and 2Q share the table). Measured
+    fastest of 12-24 on the Zipf stream (7,796 objects: 14) and of 17-24 on Engram's (68,476: 18)."""
+    return max(4, (int(capacity) - 1).bit_length() + 1)
+
+
+def worker(policy: str, trace: Path, capacity: int, hashpower: int) -> dict:
+    """One timed libCacheSim measurement in this (fresh) process, its hash table of 2^``hashpower``
+    buckets. A policy that reads the future gets
     ``trace`` as raw ids (``<u8``, as cachelab's ``.npy``) and libCacheSim computes the next accesses
     itself, inside the timing (``convert_seconds`` of ``seconds``), as cachelab's ``simulate`` does."""
     import libcachesim as lcs
@@ -130,7 +142,7 @@ def worker(policy: str, trace: Path, capacity: int) -> dict:
     convert_seconds = time.perf_counter() - started
     try:
         reader = lcs.TraceReader(str(trace), lcs.TraceType.ORACLE_GENERAL_TRACE)
-        miss_ratio, _ = getattr(lcs, policy)(capacity).process_trace(reader)
+        miss_ratio, _ = getattr(lcs, policy)(capacity, hashpower=hashpower).process_trace(reader)
     finally:
         if converted is not None:
             converted.unlink(missing_ok=True)
@@ -168,11 +180,11 @@ def cachelab_run(policy: str, keys: Path, capacity: int | str, path: str | None 
                    "--capacity", str(capacity), "--json"], path)
 
 
-def libcachesim_run(policy: str, trace: Path, capacity: int) -> dict:
+def libcachesim_run(policy: str, trace: Path, capacity: int, hashpower: int) -> dict:
     """libCacheSim in a fresh process on ``trace`` (oracleGeneral), or for a policy that reads the
     future on the same ids without it (``trace`` with suffix ``.bin``)."""
     given = trace.with_suffix(".bin") if policy in READS_THE_FUTURE else trace
-    return _child([sys.executable, __file__, "--worker", policy, str(given), str(capacity)])
+    return _child([sys.executable, __file__, "--worker", policy, str(given), str(capacity), str(hashpower)])
 
 
 def measure(run, repeats: int) -> dict:
@@ -207,13 +219,18 @@ def main() -> None:
                     help="a folder holding another cachelab (e.g. `git archive main cachelab policies` unpacked): "
                          "measured too, in the same run, for a before/after ratio")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--lcs-hashpower", default="fit",
+                    help="libCacheSim's hash table, log2 of its buckets: 'fit' (default) sizes it to the cache "
+                         "(its fastest), 24 is libCacheSim's own default")
+    ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.lcs_hashpower != "fit" and not (args.lcs_hashpower.isdigit() and 1 <= int(args.lcs_hashpower) <= 40):
+        ap.error(f"--lcs-hashpower must be 'fit' or a whole number of bits from 1 to 40, got {args.lcs_hashpower!r}")
     if args.baseline:  # the child runs there, and finds its cachelab through PYTHONPATH
         args.baseline = str(Path(args.baseline).resolve())
     if args.worker:
-        policy, trace, capacity = args.worker
-        print(json.dumps(worker(policy, Path(trace), int(capacity))))
+        policy, trace, capacity, hashpower = args.worker
+        print(json.dumps(worker(policy, Path(trace), int(capacity), int(hashpower))))
         return
 
     from cachelab.trace.keytrace import write_oracle_general
@@ -238,19 +255,21 @@ def main() -> None:
             capacity = stream_capacity(distinct, args.capacity_share, [theirs for _, theirs in pairs])
             raised = capacity > round(distinct * args.capacity_share)
             given = f"{args.capacity_share!r}" if args.share and not raised else capacity
+            hashpower = fitted_hashpower(capacity) if args.lcs_hashpower == "fit" else int(args.lcs_hashpower)
             if not args.json:
                 print(f"{stream}: {keys.size:,} requests, {distinct:,} distinct, capacity {capacity:,}"
                       + (f" (raised from {args.capacity_share:g} of the keys: libCacheSim's minimum)" if raised else "")
-                      + (f" (given to cachelab as --capacity {given})" if given != capacity else ""))
+                      + (f" (given to cachelab as --capacity {given})" if given != capacity else "")
+                      + f"; libCacheSim's hash table 2^{hashpower} buckets")
             for ours, theirs in pairs:
                 warm_numba_cache(ours, Path(tmp))
                 a = measure(lambda: cachelab_run(ours, trace.with_suffix(".npy"), given), args.repeats)
                 if a["capacity"] != capacity:
                     raise SystemExit(f"cachelab resolved --capacity {given} to {a['capacity']} rows, "
                                      f"libCacheSim gets {capacity}")
-                b = measure(lambda: libcachesim_run(theirs, trace, capacity), args.repeats)
+                b = measure(lambda: libcachesim_run(theirs, trace, capacity, hashpower), args.repeats)
                 row = {"stream": stream, "policy": ours, "libcachesim": theirs, "requests": int(keys.size),
-                       "capacity": capacity, "cachelab_seconds": a["seconds"], "cachelab_wall_s": a["wall_seconds"],
+                       "capacity": capacity, "libcachesim_hashpower": hashpower, "cachelab_seconds": a["seconds"], "cachelab_wall_s": a["wall_seconds"],
                        "libcachesim_seconds": b["seconds"], "libcachesim_wall_s": b["wall_seconds"],
                        "libcachesim_convert_seconds": b["convert_seconds"],
                        # libCacheSim's own workflow (traces ship converted): the future free to it alone
