@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from cachelab import registry
 from cachelab.engine.tiers import Hierarchy, Tier
+from cachelab.trace.keytrace import read_keys
 from cachelab.workload.lookups import LookupStream, compact, dedup_steps
 from cachelab.engine.replay import replay
 from cachelab.workload.future import next_access
@@ -129,3 +130,22 @@ def test_miss_counts_agree_with_libcachesim_at_every_capacity_of_short_streams(s
             future = policy.view_future(next_access(keys), offsets) if policy.capabilities.needs_future else None
             ours = int(keys.size - policy.run(keys, offsets, future).sum())
             assert ours == lcs_misses_of(keys, case.theirs, capacity, **case.lcs_params), (str(case), capacity)
+
+
+@pytest.mark.data
+@pytest.mark.parametrize("ours, theirs", [("lru", "LRU"), ("s3fifo", "S3FIFO")])
+def test_a_trace_with_object_sizes_counts_objects_as_libcachesim_does_ignoring_them(data_dir, ours, theirs):
+    """cachelab reads no object size: every request of the shipped cloudPhysics file (records of
+    512 B and more) is one object, and a capacity counts objects. That is libCacheSim with sizes
+    ignored (its reader's ``ignore_obj_size``, ``cachesim --ignore-obj-size 1``) on the same
+    file, not its default, which counts each record's bytes against a byte capacity."""
+    import libcachesim as lcs
+
+    path = data_dir / "cache_traces/libcachesim_cloudphysics/cloudPhysicsIO.oracleGeneral.bin"
+    stream = LookupStream.from_keys(read_keys(path))
+    for capacity in (100, 1_000, 10_000):
+        tier = Tier("hbm", registry.make_policy(ours), capacity_rows=capacity)
+        level = replay(stream, Hierarchy([tier], stream.row_bytes)).summary()["levels"]["hbm"]
+        reader = lcs.TraceReader(str(path), lcs.TraceType.ORACLE_GENERAL_TRACE, lcs.ReaderInitParam(ignore_obj_size=True))
+        theirs_ratio = getattr(lcs, theirs)(capacity).process_trace(reader)[0]
+        assert level["requests_unique"] - level["served_unique"] == round(theirs_ratio * stream.keys.size), capacity
