@@ -138,6 +138,39 @@ def test_preemption_recomputes_and_changes_no_answer():
     assert tight.pool.hit_tokens == sum(c.cached_tokens for c in got)
 
 
+def test_eviction_preemption_and_shared_prompts_hit_what_the_real_vllm_hits():
+    """The numbers the real vLLM 0.32 CPU server gave for the same requests (``start_vllm`` with
+    ``--block-size 32 --num-gpu-blocks-override 17 --max-num-seqs 4 --max-num-batched-tokens 256``,
+    16 usable blocks past its null block; prompts as completions of token ids, ignore_eos):
+    LRU eviction among free blocks, two preemptions of the last admitted and the blocks they
+    leave cached, and a prompt sent twice in one step (the second hits the blocks the first
+    allocated, as n=2's choices do). Kept here so the suite checks them without a second server."""
+    rng = np.random.default_rng(10)
+
+    def prompt(n: int) -> list[int]:
+        return rng.integers(1000, 30_000, n).tolist()
+
+    engine = make_engine(kv_cache_tokens=512, block_size=32, max_num_seqs=4, max_num_batched_tokens=256)
+    preempted = []
+    engine.on_step = lambda step, rows: preempted.extend(step.preempted)
+    engine.start()
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    try:
+        a, b, c, d = prompt(128), prompt(128), prompt(192), prompt(128)
+        evicted = [engine.generate([p], one)[0].cached_tokens for p in (a, b, c, a, d, b, a)]
+        batch = [prompt(96) for _ in range(4)]  # 4 x (96 + 79) tokens: 24 blocks wanted, 16 there
+        engine.generate(batch, SamplingParams(max_tokens=80, temperature=0, ignore_eos=True))
+        left = [engine.generate([p], one)[0].cached_tokens for p in batch]
+        shared = prompt(80)
+        twice = [x.cached_tokens for x in engine.generate([shared, shared], one)]
+    finally:
+        engine.stop()
+    assert evicted == [0, 0, 0, 96, 0, 64, 96]
+    # two preemptions as there, each of the last request running (vLLM's ``self.running.pop()``): the batch is 7..10
+    assert preempted == [10, 9] and left == [0, 64, 64, 64]
+    assert twice == [0, 64]
+
+
 def test_engine_reads_the_rows_the_serving_simulator_says():
     """Step by step the same requests and full-layout rows; and the simulator folding them into
     the live store's scaled tables predicts the live LRU row cache's hits and misses exactly."""
