@@ -77,9 +77,9 @@ def serve(
                                                     "for or not (vLLM's flag)."),
 ) -> None:
     """Serve an Engram model over HTTP: /v1/completions, /v1/chat/completions, /v1/models,
-    /health, /metrics (vLLM's metric names), and vLLM's /tokenize, /detokenize, /version, /ping.
+    /health, /metrics (vLLM's metric names).
 
-    Example: `cachelab serve --preset tiny --port 8000`, then point any OpenAI client at
+    Also vLLM's /tokenize, /detokenize, /version and /ping. Example: `cachelab serve --preset tiny --port 8000`, then point any OpenAI client at
     http://127.0.0.1:8000/v1 with model `cachelab-tiny`. docs/live.md.
     """
     from cachelab.live.launch import ServeOptions, serve as run
