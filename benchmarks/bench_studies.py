@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--studies", default=",".join(STUDIES), help="comma-separated: " + ", ".join(STUDIES))
     ap.add_argument("--fit-evals", type=int, default=None,
-                    help="the studies' --fit-evals (default theirs, 150; a quick run: 1)")
+                    help="the studies' --fit-evals (default theirs: the fit runs to convergence; a quick run: 1)")
     args = ap.parse_args()
     extra = ["--fit-evals", str(args.fit_evals)] if args.fit_evals is not None else []
     trees = {"this": ROOT, **({"baseline": args.baseline.resolve()} if args.baseline else {})}

@@ -735,6 +735,20 @@ def test_calibration_points_and_the_inferencex_study(data_dir):
     assert "heldout_mape_unseen" in table.output and "v41-b200-tp4-8k1k-c16-ssd-mmap" in table.output  # per point
 
 
+@pytest.mark.data
+def test_the_efficiency_fit_runs_to_convergence(data_dir):
+    # A budget of 150 evaluations stopped the search mid-descent: MBU 0.375, the start's 0.75 halved once,
+    # at a loss of 0.200; run until its step is below 2^(1/64) it stops by itself, far lower (seen by helper-127)
+    from cachelab.serving.calibration import FIT_SUBSET, fit, load_points, with_fitted_think
+
+    train = [p for p in with_fitted_think(load_points(data_dir))[0] if p.subset == FIT_SUBSET]
+    calls = []
+    eff, loss = fit(train, progress=lambda done, total: calls.append((done, total)))
+    done, total = calls[-1]
+    assert done < total  # stopped by convergence, not by the budget
+    assert loss < 0.19 and eff.mbu != Efficiency().mbu / 2
+
+
 @pytest.mark.slow
 def test_semianalysis_study_streams_points_and_prints_the_keys(tmp_path):
     # its own process, so the peak RSS it reports is the study's own (the stated bound: 512 MB)

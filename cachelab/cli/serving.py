@@ -15,6 +15,7 @@ from cachelab.errors import CachelabError
 from cachelab.paths import output_file, output_folder, replacing
 from cachelab.progress import progress_bar, spinner
 from cachelab.serving.agentic import PREFIX_HIT, PREFIX_HIT_V01
+from cachelab.serving.calibration import FIT_MAX_EVALS
 from cachelab.serving.latency import PLACEMENTS
 
 hw_app = typer.Typer(no_args_is_help=True, help="Hardware profiles: list the built-ins, measure this machine.")
@@ -336,7 +337,8 @@ def _efficiency(console: Console, evals: int):
 @study_app.command("semianalysis")
 def study_semianalysis(
     out: Path = typer.Option(Path("study-semianalysis"), help="Folder for the points (streamed JSONL, then CSV)."),
-    fit_evals: int = typer.Option(150, min=0, help="Loss evaluations of the efficiency fit (0: default efficiencies)."),
+    fit_evals: int = typer.Option(FIT_MAX_EVALS, min=0, help="At most this many loss evaluations of the efficiency fit, "
+                                  "which stops when it converges (0: default efficiencies)."),
     sensitivity: bool = typer.Option(True, help="Also compute the tokens/$ elasticity of every fitted parameter, "
                                      "and the what-ifs of the page-cache size, the SSD host offset, V4.1's KV bytes per token and "
                                      "the token budget per step."),
@@ -448,7 +450,8 @@ def study_semianalysis(
 
 @study_app.command("inferencex")
 def study_inferencex(
-    fit_evals: int = typer.Option(150, min=1, help="Loss evaluations of the efficiency fit (at least 1: the start)."),
+    fit_evals: int = typer.Option(FIT_MAX_EVALS, min=1, help="At most this many loss evaluations of the efficiency fit, "
+                                  "which stops when it converges (at least 1: the start)."),
     out: Path | None = typer.Option(None, help="Also write the per-point table here (CSV)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
