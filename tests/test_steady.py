@@ -446,7 +446,7 @@ def test_the_default_prefill_efficiency_is_the_one_deepseeks_published_prefill_r
     assert faster > 1.5 * Efficiency().prefill_mfu  # twice the rate needs (a bit more than) twice the efficiency
 
 
-FITTED_R1 = dict(mbu=0.375, mfu=0.081, layer_overhead_s=37e-6, cpu_per_sequence_s=17e-6, request_overhead_s=0.43)
+FITTED_R1 = dict(mbu=0.375, mfu=0.133, layer_overhead_s=19.5e-6, cpu_per_sequence_s=24e-6, request_overhead_s=0.44)
 
 
 def test_the_ssd_host_floor_read_through_the_model_uva_step_adds_the_published_offset():
@@ -455,7 +455,7 @@ def test_the_ssd_host_floor_read_through_the_model_uva_step_adds_the_published_o
     from cachelab.serving.steady import step_time
     from cachelab.serving.studies.semianalysis import SSD_PR_TPOT_OFFSET_S, deployment, published_piecewise_layer_s
 
-    fitted = replace(Efficiency(), **FITTED_R1)  # the efficiencies fitted on R1 1k/1k run 1 (docs/serving.md)
+    fitted = replace(Efficiency(), **FITTED_R1)  # the efficiencies fitted on R1 1k/1k run 1 and TP4 (docs/serving.md)
     eff = replace(fitted, piecewise_layer_s=published_piecewise_layer_s(fitted))
     wl = agentic_workload()
     ctx = float((wl.new_tokens + wl.cached_tokens).mean() + wl.output_tokens.mean() / 2)
@@ -715,6 +715,9 @@ def test_calibration_points_and_the_inferencex_study(data_dir):
     res = runner.invoke(app, ["study", "inferencex", "--fit-evals", "3", "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
+    assert out["fit_subsets"] == [FIT_SUBSET, "r1-b200-dbdump-tp4-c1"]  # neither counted as held out
+    assert out["heldout_points"] == 7  # run 2's four, the B300 TP4 point and the V4.1 pair
+    assert len(out["fit_spectrum"]["singular_values"]) == len(out["fitted"]) == len(out["fit_spectrum"]["directions"])
     assert {"tokens_per_s_per_gpu", "median_tpot_ms"} <= set(out["heldout_mape"])
     assert 100e-6 < out["piecewise_layer_s"] < 1e-3  # fitted on the SSD PR body's sweep after the efficiency fit
     assert all(0 <= v < 10 for v in out["heldout_mape"].values())
@@ -738,15 +741,36 @@ def test_calibration_points_and_the_inferencex_study(data_dir):
 @pytest.mark.data
 def test_the_efficiency_fit_runs_to_convergence(data_dir):
     # A budget of 150 evaluations stopped the search mid-descent: MBU 0.375, the start's 0.75 halved once,
-    # at a loss of 0.200; run until its step is below 2^(1/64) it stops by itself, far lower (seen by helper-127)
-    from cachelab.serving.calibration import FIT_SUBSET, fit, load_points, with_fitted_think
+    # at a loss of 0.200; run until its step is below 2^(1/64) it stops by itself (seen by helper-127)
+    from cachelab.serving.calibration import fit, fit_points, load_points
 
-    train = [p for p in with_fitted_think(load_points(data_dir))[0] if p.subset == FIT_SUBSET]
     calls = []
-    eff, loss = fit(train, progress=lambda done, total: calls.append((done, total)))
+    eff, loss = fit(fit_points(load_points(data_dir)), progress=lambda done, total: calls.append((done, total)))
     done, total = calls[-1]
     assert done < total  # stopped by convergence, not by the budget
-    assert loss < 0.19 and eff.mbu != Efficiency().mbu / 2
+    assert loss == pytest.approx(0.2100, abs=5e-4)
+    assert eff.mbu == pytest.approx(0.375) and eff.layer_overhead_s == pytest.approx(19.5e-6, rel=0.02)
+
+
+@pytest.mark.data
+def test_the_efficiency_fit_separates_mbu_from_the_per_layer_cost(data_dir):
+    # At TP8 alone a decode step's weight stream (bytes / MBU) and its per-layer cost are both a constant
+    # per step: on R1 1k/1k run 1 the converged fit's Jacobian had a singular value of 0.08 along MBU with
+    # the per-layer and per-sequence costs (MBU 0.48 or 0.38 at nearly the same loss, seen by helper-127).
+    # The TP4 point of the same model, GPU and framework streams twice the weights a rank over the same
+    # layers; the fit takes it, and its B300 twin stays held out.
+    from cachelab.serving.calibration import EFFICIENCY_SUBSETS, FIT_SUBSET, fit_points, fit_spectrum, load_points
+
+    points = load_points(data_dir)
+    train = fit_points(points)
+    assert {p.id for p in train if p.subset != FIT_SUBSET} == {"r1-b200-dbdump-tp4-c1"}
+    assert "r1-b300-dbdump-tp4-c1" in {p.id for p in points if p.subset not in EFFICIENCY_SUBSETS}
+
+    def spread(subset):  # smallest over largest singular value of d log(predicted) / d log(mbu, per-layer cost)
+        s = fit_spectrum(subset, Efficiency(), ("mbu", "layer_overhead_s"))["singular_values"]
+        return s[-1] / s[0]
+
+    assert spread([p for p in train if p.subset == FIT_SUBSET]) < 0.08 < 0.17 < spread(train)
 
 
 @pytest.mark.slow

@@ -320,17 +320,17 @@ def _efficiency(console: Console, evals: int):
     """(efficiency, fit loss): fitted on the named calibration subset, or the defaults (said
     so) when ``evals`` is 0 or the calibration data is absent."""
     from cachelab.paths import data_root
-    from cachelab.serving.calibration import FIT_SUBSET, fit, load_points
+    from cachelab.serving.calibration import EFFICIENCY_SUBSETS, fit, fit_points, load_points
     from cachelab.serving.latency import Efficiency
 
     if not evals:
         return Efficiency(), None
     try:
-        points = [p for p in load_points(data_root()) if p.subset == FIT_SUBSET]
+        points = fit_points(load_points(data_root()))
     except CachelabError as exc:
         console.print(f"[yellow]{exc}; using the default (unfitted) efficiencies[/]")
         return Efficiency(), None
-    with spinner(f"fitting efficiencies on {FIT_SUBSET} ({len(points)} points)"):
+    with spinner(f"fitting efficiencies on {' + '.join(EFFICIENCY_SUBSETS)} ({len(points)} points)"):
         return fit(points, max_evals=evals)
 
 
@@ -464,23 +464,26 @@ def study_inferencex(
     (not repeat runs of one it did), `heldout_mape_all` over every held-out point; `heldout_excluded`
     names the subsets left out of the first and why. Example: `cachelab study inferencex --json`."""
     from cachelab.paths import data_root
-    from cachelab.serving.calibration import (FIT_SUBSET, FITTED, THINK_SUBSET, fit, heldout_report, load_points, mape,
-                                              ssd_builds, validate, with_fitted_think)
+    from cachelab.serving.calibration import (EFFICIENCY_SUBSETS, FITTED, THINK_SUBSET, fit, fit_points, fit_spectrum,
+                                              heldout_report, load_points, mape, ssd_builds, validate, with_fitted_think)
     from cachelab.serving.studies.semianalysis import with_fitted_piecewise
 
     if out is not None:
         output_file(out, "--out")
     points, think = with_fitted_think(load_points(data_root()))
-    train = [p for p in points if p.subset == FIT_SUBSET]
-    with spinner(f"fitting {', '.join(FITTED)} on {FIT_SUBSET} ({len(train)} points)"):
+    train = fit_points(points)
+    fitted_on = " + ".join(EFFICIENCY_SUBSETS)
+    with spinner(f"fitting {', '.join(FITTED)} on {fitted_on} ({len(train)} points)"):
         eff, loss = fit(train, max_evals=fit_evals)
+    spectrum = fit_spectrum(train, eff)  # what the fit's points determine, at the fit
     with spinner("fitting the SSD path's host floor on the SSD PR body's agentic sweep (1-8 clients)"):
         eff = with_fitted_piecewise(eff)
     rows = validate(points, eff)
-    result = {"fit_subset": FIT_SUBSET, "fitted": {k: getattr(eff, k) for k in FITTED}, "fit_loss": loss,
+    result = {"fit_subset": fitted_on, "fit_subsets": list(EFFICIENCY_SUBSETS), "fitted": {k: getattr(eff, k) for k in FITTED}, "fit_loss": loss,
+              "fit_spectrum": spectrum,
               "think_subset": THINK_SUBSET, "agentic_think_s": think, "prefill_mfu": eff.prefill_mfu,
               "piecewise_layer_s": eff.piecewise_layer_s,
-              "fit_mape": mape([r for r in rows if r["subset"] == FIT_SUBSET]), **heldout_report(rows),
+              "fit_mape": mape([r for r in rows if r["subset"] in EFFICIENCY_SUBSETS]), **heldout_report(rows),
               "v41_8k1k_ssd_builds": ssd_builds(eff), "points": rows}
     if out is not None:
         import polars as pl
@@ -492,7 +495,7 @@ def study_inferencex(
     if as_json:
         typer.echo(strict_json.dumps(result))
         return
-    table = Table(title=f"held-out MAPE (fitted on {FIT_SUBSET})")
+    table = Table(title=f"held-out MAPE (fitted on {fitted_on})")
     labels = {"tokens_per_s_per_gpu": "tok/s/GPU", "median_tpot_ms": "TPOT p50", "p99_tpot_ms": "TPOT p99",
               "median_ttft_ms": "TTFT p50", "p99_ttft_ms": "TTFT p99"}
     metrics = [k for k in labels if k in result["heldout_mape_all"]]

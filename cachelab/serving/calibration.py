@@ -3,8 +3,8 @@
 The points come from ``calibration/`` under the data root (InferenceX extractions, each row
 citing its source; see its README) plus the one V4.1-Flash pair InferenceX states in a script
 comment. A point names the model spec, hardware, TP degree, workload and concurrency, and the
-measured metrics. ``fit`` adjusts the efficiency parameters in ``FITTED`` on one named subset
-(least squares on log ratios, pattern search: deterministic); ``validate`` predicts every
+measured metrics. ``fit`` adjusts the efficiency parameters in ``FITTED`` on named subsets
+(``EFFICIENCY_SUBSETS``; least squares on log ratios, pattern search: deterministic); ``validate`` predicts every
 other point with them and reports per point and as MAPE per metric.
 """
 
@@ -29,12 +29,21 @@ FIT_METRICS = ("tokens_per_s_per_gpu", "median_tpot_ms", "median_ttft_ms")  # P9
 # (the same configuration's P99 TTFT is 2,563 ms in one run and 548 ms in the other)
 FITTED = ("mbu", "mfu", "layer_overhead_s", "cpu_per_sequence_s", "request_overhead_s")
 FIT_SUBSET = "r1-b200-sglang-tp8-1k1k-run1"
+# The efficiency fit also takes the one point of the same model, GPU, framework and 1k/1k at another
+# TP: R1 FP4 B200 SGLang TP4/EP4 with one client (the InferenceX db dump). At one TP a decode step's
+# weight stream (bytes / MBU) and its per-layer cost are both a constant per step, and the GEMMs'
+# FLOPs (MFU) and the host cost per sequence both grow with the batch: TP8 alone leaves MBU and the
+# per-layer cost free along a line (docs/serving.md, "What the fit determines"). At TP4 a rank streams
+# twice the weights over the same layers, which separates them. The dump's B300 point of the same
+# configuration stays held out.
+TP4_FIT_SUBSET = "r1-b200-dbdump-tp4-c1"
+EFFICIENCY_SUBSETS = (FIT_SUBSET, TP4_FIT_SUBSET)
 # The agentic replay keeps its trace's gaps between a response and the next turn (tool time); the
 # point files do not state them, so one mean gap is fitted on the single-client runs (where the
 # cycle is one request's latency plus the gap: 1 / rate - mean E2EL) and used for every other
 # agentic point, which stays held out.
 THINK_SUBSET = "r1-b200-vllm-agentic-c1"
-FIT_SUBSETS = (FIT_SUBSET, THINK_SUBSET)
+FIT_SUBSETS = (*EFFICIENCY_SUBSETS, THINK_SUBSET)
 AGENTIC_SUBSET = "r1-b200-vllm-agentic"
 # Held-out subsets that are not steady-state measurements of the server, and why: predicted and
 # reported (``heldout_mape_all``, by subset, per point), but not part of ``heldout_mape``.
@@ -241,7 +250,9 @@ def load_points(root: Path) -> list[Point]:
             continue
         hw, tp, conc = row["config_hardware"].upper(), row.count("config_decode_tp"), row.count("conc")
         measured = {"tokens_per_s_per_gpu": row.number("metrics_tput_per_gpu")}
-        points.append(Point(f"r1-{hw.lower()}-dbdump-tp{tp}-c{conc}", "r1-dbdump-single-turn", "deepseek-r1", hw, tp,
+        pid = f"r1-{hw.lower()}-dbdump-tp{tp}-c{conc}"
+        subset = TP4_FIT_SUBSET if pid == TP4_FIT_SUBSET else "r1-dbdump-single-turn"
+        points.append(Point(pid, subset, "deepseek-r1", hw, tp,
                             "hbm", fixed_workload(row.count("isl"), row.count("osl")), conc,
                             {k: v for k, v in measured.items() if v}, f"{row['source_repo']} {row['source_path']}",
                             row["config_framework"], ep=row.ep("config_decode_ep", tp)))
@@ -347,12 +358,16 @@ def _loss(points: list[Point], eff: Efficiency) -> float:
     return total
 
 
-# The efficiency fit runs until its step is below 2^(1/64) (``pattern_search``); this only bounds it. On
-# R1 1k/1k run 1 it stops after 417 evaluations. It was 150 until 2026-12-06, which stopped the search
-# mid-descent: MBU came out 0.375, the start's 0.75 halved once, at a loss of 0.200 against 0.185
-# converged, and a 4% change of B200's peak bandwidth, which a converged fit absorbs in MBU, moved the
-# other parameters instead.
+# The efficiency fit runs until its step is below 2^(1/64) (``pattern_search``); this only bounds it. It
+# was 150 until 2026-12-06, which stopped the search mid-descent on R1 1k/1k run 1 alone (MBU 0.375, the
+# start's 0.75 halved once); run on, that fit drifted along the line TP8 leaves free (MBU 0.48, 64-70 us
+# a layer at nearly the same loss). On ``EFFICIENCY_SUBSETS`` it stops by itself (loss 0.210).
 FIT_MAX_EVALS = 2000
+
+
+def fit_points(points: list[Point]) -> list[Point]:
+    """The points the efficiency fit takes (``EFFICIENCY_SUBSETS``)."""
+    return [p for p in points if p.subset in EFFICIENCY_SUBSETS]
 
 
 def fit(points: list[Point], start: Efficiency = Efficiency(), max_evals: int = FIT_MAX_EVALS,
@@ -361,6 +376,24 @@ def fit(points: list[Point], start: Efficiency = Efficiency(), max_evals: int = 
     over ``FIT_METRICS``, to convergence unless ``max_evals`` stops it first). Returns the fitted
     efficiency and its loss."""
     return pattern_search(lambda eff: _loss(points, eff), start, FITTED, max_evals, progress)
+
+
+def fit_spectrum(points: list[Point], eff: Efficiency, names: tuple[str, ...] = FITTED) -> dict:
+    """What the fit's points determine about ``names`` at ``eff``: the singular values of the
+    Jacobian of the fit's log ratios by the log of each parameter (central differences, 1%), largest
+    first, each with its direction. A small value is a combination the points barely see: the loss
+    moves by its square times the squared log step along it."""
+    from dataclasses import replace
+
+    def logs(e: Efficiency) -> np.ndarray:
+        return np.array([math.log(predict(p, e)[k]) for p in points for k in p.measured if k in FIT_METRICS])
+
+    h = math.log(1.01)
+    cols = [(logs(replace(eff, **{n: getattr(eff, n) * 1.01})) - logs(replace(eff, **{n: getattr(eff, n) / 1.01})))
+            / (2 * h) for n in names]
+    _, s, vt = np.linalg.svd(np.array(cols).T, full_matrices=False)
+    return {"singular_values": [float(v) for v in s],
+            "directions": [{n: float(c) for n, c in zip(names, row * np.sign(row[np.argmax(abs(row))]))} for row in vt]}
 
 
 def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, float]:
@@ -447,12 +480,12 @@ def heldout_report(rows: list[dict]) -> dict:
     """MAPE of the held-out points: ``heldout_mape`` over the steady-state measurements,
     ``heldout_mape_all`` over every held-out point, by subset, and which subsets are left out
     of the first and why (``NOT_STEADY_STATE``). ``heldout_mape_unseen`` is ``heldout_mape`` over
-    the points whose configuration (``CONFIGURATION``) no point of ``FIT_SUBSET`` has: a repeat
+    the points whose configuration (``CONFIGURATION``) no point of ``EFFICIENCY_SUBSETS`` has: a repeat
     run of a fitted configuration (R1 1k/1k run 2 repeats run 1 point for point) tests run-to-run
     noise, not the model, and would otherwise carry half of ``heldout_mape``."""
     held = [r for r in rows if r["subset"] not in FIT_SUBSETS]
     steady = [r for r in held if r["subset"] not in NOT_STEADY_STATE]
-    seen = {_configuration(r) for r in rows if r["subset"] == FIT_SUBSET}
+    seen = {_configuration(r) for r in rows if r["subset"] in EFFICIENCY_SUBSETS}
     unseen = [r for r in steady if _configuration(r) not in seen]
     excluded = {s: {"points": sum(r["subset"] == s for r in held), "reason": why}
                 for s, why in NOT_STEADY_STATE.items() if any(r["subset"] == s for r in held)}

@@ -69,7 +69,9 @@ class Efficiency:
     large GEMMs, 70-85% of HBM bandwidth for weight streaming); ``cachelab study inferencex``
     fits the ones named in ``calibration.FITTED`` on published measurements."""
 
-    mfu: float = 0.5  # GEMMs of decode / verify rows (a few rows per expert): fitted
+    # GEMMs of decode / verify rows (a few rows per expert): fitted, but only with cpu_per_sequence_s,
+    # which also grows with the batch: the fit subsets pin their sum per sequence, not either alone
+    mfu: float = 0.5
     mbu: float = 0.75
     # GEMMs of prefill chunks (thousands of rows): a different regime from decode's, and one the
     # decode-heavy fit subset barely sees; derived from DeepSeek's published production prefill
@@ -94,8 +96,9 @@ class Efficiency:
     # B200 TP4, https://github.com/SemiAnalysisAI/InferenceX/blob/main/analysis/ssd_offload/VLLM-PR-BODY.md)
     # at 1-8 clients, where the PR body says its host cost dominates (``studies.semianalysis.
     # fitted_piecewise_layer_s``, refitted after every efficiency fit); its 16-64 clients and the 8k/1k
-    # pair are held out. This default is the fit with the efficiencies fitted on R1 1k/1k run 1.
-    piecewise_layer_s: float = 576e-6
+    # pair are held out. This default is the fit with the efficiencies fitted on ``calibration.
+    # EFFICIENCY_SUBSETS`` (R1 1k/1k run 1 and the B200 TP4 point).
+    piecewise_layer_s: float = 552e-6
     # A host cost every piecewise step pays on top of its GPU work (0: none). The PR body's offset
     # "does not scale with batch size"; read that way (additive at every step, not a floor) it is
     # 2.6 ms x the acceptance length: a what-if of the study, contradicted by the held-out 8k/1k
