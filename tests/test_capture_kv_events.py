@@ -445,7 +445,11 @@ def test_a_replay_endpoint_answering_outside_the_range_is_given_up_and_its_gap_c
     stats = sub.stats()
     assert stats["last_seq"] == seq + 3 and took < 3, (took, stats)
     batches, losses = _records(tmp_path / "cap")
-    assert [b["pub_seq"] for b in batches].count(seq + 1) == 1 and stats["gaps"] == 1 and stats["replayed"] == 1
-    [gap] = [r for r in losses if r["kind"] == "kv_gap"]
+    # a slow join on a busy machine loses the first probes: the replay of what preceded it answers nothing,
+    # so those are a gap of their own (from 0)
+    join = stats["first_seq"]
+    assert [b["pub_seq"] for b in batches].count(seq + 1) == 1 and stats["gaps"] == 1 + join
+    assert stats["replayed"] == 1
+    [gap] = [r for r in losses if r["kind"] == "kv_gap" and r["first_seq"] > 0]
     assert (gap["first_seq"], gap["missing"], gap["recovered"]) == (seq + 1, 2, 1)
     assert gap["error"].startswith("gave up after 1 s") and "repeated, ignored" in gap["error"]

@@ -18,11 +18,12 @@ def _with(monkeypatch, **extra):
     """The registry's policies plus ``extra`` (name -> class), as if installed as plug-ins."""
     real = registry.discover
 
-    def discover(group):
-        plugins = real(group)
+    def discover(group, name=None):
+        plugins = real(group, name)
         if group != registry.POLICIES:
             return plugins
-        added = tuple(registry.Plugin(group, name, f"tests:{name}", "tests", "0", cls) for name, cls in extra.items())
+        added = tuple(registry.Plugin(group, n, f"tests:{n}", "tests", "0", cls) for n, cls in extra.items()
+                      if name in (None, n))
         return tuple(sorted(plugins + added, key=lambda p: p.name))
 
     monkeypatch.setattr(registry, "discover", discover)
