@@ -19,7 +19,7 @@ from cachelab.errors import CachelabError
 from cachelab.policy import Policy, StepResult
 from cachelab.policy.clock import on_clock
 from cachelab.store.kernels import copy_rows
-from cachelab.workload.lookups import LAYER_SHIFT, compact
+from cachelab.workload.lookups import compact, global_key
 
 
 class CacheTier:
@@ -107,8 +107,7 @@ def scorer_positions(row_ids, first: np.ndarray, scored: int) -> tuple[np.ndarra
     and ``OnlineScorer`` number them; the fold merges rows that collide, so the store counts them
     here, from the row ids ``[..., layers, columns]`` it is handed."""
     rows = np.asarray(row_ids, dtype=np.int64)
-    layer = np.arange(rows.shape[-2], dtype=np.int64)[:, None] << LAYER_SHIFT
-    inverse, uniq = compact((layer | rows).reshape(-1))
+    inverse, uniq = compact(global_key(np.arange(rows.shape[-2])[:, None], rows).reshape(-1))
     return scored + inverse[first], scored + uniq.size
 
 
