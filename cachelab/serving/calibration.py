@@ -13,7 +13,7 @@ from __future__ import annotations
 import csv
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -106,8 +106,6 @@ def published_prefill_mfu(source: dict = DEEPSEEK_PREFILL) -> float:
     one H800 (the H100 profile's FLOP rates). Requests are the published mean: input P from
     P + D/2 = 4,989 and P / D = 608 / 168; the cached share sits first, the rest is computed.
     A lower bound: the node average includes idle time, so busy nodes ran faster."""
-    from dataclasses import replace
-
     from cachelab.serving.latency import Batch
 
     ratio = source["input_output_ratio"]
@@ -310,8 +308,6 @@ def ssd_builds(eff: Efficiency) -> dict:
     PR body's back-to-back runs: what hiding the host gather behind the layers before the Engram
     layer is worth where steps read 576 rows per rank per layer (decode) or 49k (an 8k prompt).
     A check of the host path's measured per-row costs; nothing is fitted to it."""
-    from dataclasses import replace
-
     point = {p.placement: p for p in v41_script_points()}["ssd-mmap"]
     out = {}
     for build, overlap in (("inline", False), ("overlapped", True)):
@@ -325,8 +321,6 @@ def ssd_builds(eff: Efficiency) -> dict:
 def with_fitted_think(points: list[Point]) -> tuple[list[Point], float]:
     """Every agentic point with the mean gap between turns fitted on ``THINK_SUBSET`` (0 if
     that subset is absent); other points unchanged."""
-    from dataclasses import replace
-
     gaps = [p.observed_think_s for p in points if p.subset == THINK_SUBSET and p.observed_think_s is not None]
     think = max(float(np.mean(gaps)), 0.0) if gaps else 0.0
     out = [replace(p, workload=replace(p.workload, think_s=np.full_like(p.workload.think_s, think)))
@@ -337,8 +331,6 @@ def with_fitted_think(points: list[Point]) -> tuple[list[Point], float]:
 def deployment(point: Point, eff: Efficiency, spec: ModelSpec | None = None) -> Deployment:
     """The point's deployment; ``spec`` replaces its named model (a what-if)."""
     if point.host_gather_overlap is not None:
-        from dataclasses import replace
-
         eff = replace(eff, host_gather_overlap=point.host_gather_overlap)
     budget = batched_tokens(point.model, point.framework)
     lat = LatencyModel(spec or load_model(point.model), load_profile(point.hardware), point.tp, point.placement,
@@ -383,8 +375,6 @@ def fit_spectrum(points: list[Point], eff: Efficiency, names: tuple[str, ...] = 
     Jacobian of the fit's log ratios by the log of each parameter (central differences, 1%), largest
     first, each with its direction. A small value is a combination the points barely see: the loss
     moves by its square times the squared log step along it."""
-    from dataclasses import replace
-
     def logs(e: Efficiency) -> np.ndarray:
         return np.array([math.log(predict(p, e)[k]) for p in points for k in p.measured if k in FIT_METRICS])
 
@@ -422,8 +412,6 @@ def pattern_search(loss_of: Callable[[Efficiency], float], start: Efficiency, na
     at ``max_evals`` loss evaluations or a step below 2^(1/64). Deterministic (fractions of peak
     stay at most 1). A trial where some point has no steady state (``NoSteadyState``) is no
     improvement; at ``start`` it raises. Returns the best efficiency and its loss."""
-    from dataclasses import replace
-
     eff, best = start, loss_of(start)
     step, evals = 1.0, 1
     while step > 1 / 64 and evals < max_evals:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -147,8 +148,6 @@ def piecewise_standard_error(eff: Efficiency, workload: Workload | None = None, 
     """The standard error of the fitted ``piecewise_layer_s`` (``eff``'s) from its fit's own
     residuals: one parameter fitted on n points by least squares, se^2 = s^2 / sum(J^2), with
     s^2 = sum(r^2) / (n - 1) and J the residuals' derivative (central difference, +-``rel_step``)."""
-    from dataclasses import replace
-
     residuals = _piecewise_residuals(eff, workload or agentic_workload())
     value = eff.piecewise_layer_s
     r = residuals(eff)
@@ -163,8 +162,6 @@ def dram_over_ssd_across_floor(workload: Workload, eff: Efficiency, dram_tokens_
     """B200 DRAM over SSD with the SSD arm's ``piecewise_layer_s`` at the fit's value and one
     standard error either side (``piecewise_standard_error``): how much of the key the floor's fit
     determines. None where the SSD front never reaches the target."""
-    from dataclasses import replace
-
     se = piecewise_standard_error(eff, workload) if se is None else se
     price = load_profile("B200").usd_per_gpu_hour
     ssd = [c for c in CONFIGS if c[0] == "B200" and c[2] == "ssd-mmap"]
@@ -181,8 +178,6 @@ def dram_over_ssd_across_floor(workload: Workload, eff: Efficiency, dram_tokens_
 
 def with_fitted_piecewise(eff: Efficiency, workload: Workload | None = None) -> Efficiency:
     """``eff`` with ``piecewise_layer_s`` fitted on the PR body's sweep for these efficiencies."""
-    from dataclasses import replace
-
     return replace(eff, piecewise_layer_s=fitted_piecewise_layer_s(eff, workload))
 
 
@@ -459,8 +454,6 @@ def what_ifs(workload: Workload, eff: Efficiency, dram_tokens_per_dollar: float)
     work hides (with the held-out 8k/1k SSD point under each reading); and the B300 TP2-DRAM gain
     over TP4-HBM if V4.1 stored more KV per token than the spec's 925 B (the gain's mechanism,
     more KV per GPU once the table leaves HBM, needs KV to bind)."""
-    from dataclasses import replace
-
     price = load_profile("B200").usd_per_gpu_hour
     ssd = [c for c in CONFIGS if c[0] == "B200" and c[2] == "ssd-mmap"]
     table = load_model(MODEL).table_bytes
@@ -505,8 +498,6 @@ def inline_gather_what_if(workload: Workload, eff: Efficiency, dram_tokens_per_d
     arm did): each Engram layer's host gather, which grows with the rows a step reads, exposed in
     full instead of overlapped with the layers before it; and the PR body's agentic sweep (SSD over
     UVA per concurrency) under it, the model's against the published."""
-    from dataclasses import replace
-
     price = load_profile("B200").usd_per_gpu_hour
     inline = replace(eff, host_gather_overlap=False)
     b200 = [c for c in CONFIGS if c[0] == "B200"]
@@ -565,8 +556,6 @@ def sensitivity(workload: Workload, eff: Efficiency, names, step: float = 0.1) -
     """Elasticity of B200 DRAM-UVA tokens per dollar at the target to each parameter:
     d ln(tokens/$) / d ln(parameter), by a +``step`` relative change, each read over the key's
     own sweep (``SENSITIVITY_CONCURRENCIES``), so ``base`` is ``b200_dram_tokens_per_dollar``."""
-    from dataclasses import replace
-
     configs = [c for c in CONFIGS if c[0] == "B200" and c[2] == "dram-uva"]
     price = load_profile("B200").usd_per_gpu_hour
 
