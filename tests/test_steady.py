@@ -718,6 +718,11 @@ def test_calibration_points_and_the_inferencex_study(data_dir):
     assert out["fit_subsets"] == [FIT_SUBSET, "r1-b200-dbdump-tp4-c1"]  # neither counted as held out
     assert out["heldout_points"] == 7  # run 2's four, the B300 TP4 point and the V4.1 pair
     assert len(out["fit_spectrum"]["singular_values"]) == len(out["fitted"]) == len(out["fit_spectrum"]["directions"])
+    # what each held-out steady-state point would add to the fit's weakest direction (a row more never lowers it)
+    added = out["fit_spectrum"]["weakest_if_added"]
+    assert set(added) == {p.id for p in points if p.subset.endswith("-run2") or p.subset in (
+        "r1-dbdump-single-turn", "v41-b200-tp4-8k1k-script")}
+    assert min(added.values()) >= out["fit_spectrum"]["singular_values"][-1] * (1 - 1e-9)
     assert {"tokens_per_s_per_gpu", "median_tpot_ms"} <= set(out["heldout_mape"])
     assert 100e-6 < out["piecewise_layer_s"] < 1e-3  # fitted on the SSD PR body's sweep after the efficiency fit
     assert all(0 <= v < 10 for v in out["heldout_mape"].values())
@@ -750,6 +755,25 @@ def test_the_efficiency_fit_runs_to_convergence(data_dir):
     assert done < total  # stopped by convergence, not by the budget
     assert loss == pytest.approx(0.2100, abs=5e-4)
     assert eff.mbu == pytest.approx(0.375) and eff.layer_overhead_s == pytest.approx(19.5e-6, rel=0.02)
+
+
+@pytest.mark.data
+def test_no_published_point_pins_decode_mfu_apart_from_the_host_cost(data_dir):
+    # docs/serving.md, "What the efficiency fit determines": at the converged fit the weakest direction is decode
+    # MFU with the host cost per sequence (both grow with the batch); no held-out steady-state point lifts its
+    # singular value to the next one's order, so none was added to the fit (the V4.1 UVA arm lifts it most)
+    from dataclasses import replace
+
+    from cachelab.serving.calibration import fit_points, fit_spectrum, held_out_steady, load_points
+
+    points = load_points(data_dir)
+    out = fit_spectrum(fit_points(points), replace(Efficiency(), **FITTED_R1),
+                       candidates=tuple(p for p in points if held_out_steady(p.subset)))
+    s, weakest = out["singular_values"], out["directions"][-1]
+    assert s[-1] == pytest.approx(0.0122, abs=5e-4) and weakest["mfu"] > 0.9 and weakest["cpu_per_sequence_s"] > 0.3
+    added = out["weakest_if_added"]
+    assert len(added) == 7 and max(added.values()) < 0.025 < s[-2] / 4
+    assert max(added, key=added.get) == "v41-b200-tp4-8k1k-c16-dram-uva"
 
 
 @pytest.mark.data

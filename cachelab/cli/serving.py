@@ -465,7 +465,8 @@ def study_inferencex(
     names the subsets left out of the first and why. Example: `cachelab study inferencex --json`."""
     from cachelab.paths import data_root
     from cachelab.serving.calibration import (EFFICIENCY_SUBSETS, FITTED, THINK_SUBSET, fit, fit_points, fit_spectrum,
-                                              heldout_report, load_points, mape, ssd_builds, validate, with_fitted_think)
+                                              held_out_steady, heldout_report, load_points, mape, ssd_builds, validate,
+                                              with_fitted_think)
     from cachelab.serving.studies.semianalysis import with_fitted_piecewise
 
     if out is not None:
@@ -475,7 +476,8 @@ def study_inferencex(
     fitted_on = " + ".join(EFFICIENCY_SUBSETS)
     with spinner(f"fitting {', '.join(FITTED)} on {fitted_on} ({len(train)} points)"):
         eff, loss = fit(train, max_evals=fit_evals)
-    spectrum = fit_spectrum(train, eff)  # what the fit's points determine, at the fit
+    # what the fit's points determine, at the fit, and what each held-out steady-state point would add to it
+    spectrum = fit_spectrum(train, eff, candidates=tuple(p for p in points if held_out_steady(p.subset)))
     with spinner("fitting the SSD path's host floor on the SSD PR body's agentic sweep (1-8 clients)"):
         eff = with_fitted_piecewise(eff)
     rows = validate(points, eff)

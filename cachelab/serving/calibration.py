@@ -370,20 +370,34 @@ def fit(points: list[Point], start: Efficiency = Efficiency(), max_evals: int = 
     return pattern_search(lambda eff: _loss(points, eff), start, FITTED, max_evals, progress)
 
 
-def fit_spectrum(points: list[Point], eff: Efficiency, names: tuple[str, ...] = FITTED) -> dict:
-    """What the fit's points determine about ``names`` at ``eff``: the singular values of the
-    Jacobian of the fit's log ratios by the log of each parameter (central differences, 1%), largest
-    first, each with its direction. A small value is a combination the points barely see: the loss
-    moves by its square times the squared log step along it."""
+def _log_jacobian(points: list[Point], eff: Efficiency, names: tuple[str, ...]) -> np.ndarray:
+    """d log(predicted) / d log(parameter) at ``eff``, a row per measured ``FIT_METRICS`` value of
+    ``points`` and a column per name (central differences, 1%)."""
     def logs(e: Efficiency) -> np.ndarray:
         return np.array([math.log(predict(p, e)[k]) for p in points for k in p.measured if k in FIT_METRICS])
 
     h = math.log(1.01)
     cols = [(logs(replace(eff, **{n: getattr(eff, n) * 1.01})) - logs(replace(eff, **{n: getattr(eff, n) / 1.01})))
             / (2 * h) for n in names]
-    _, s, vt = np.linalg.svd(np.array(cols).T, full_matrices=False)
-    return {"singular_values": [float(v) for v in s],
-            "directions": [{n: float(c) for n, c in zip(names, row * np.sign(row[np.argmax(abs(row))]))} for row in vt]}
+    return np.array(cols).T
+
+
+def fit_spectrum(points: list[Point], eff: Efficiency, names: tuple[str, ...] = FITTED,
+                 candidates: tuple[Point, ...] = ()) -> dict:
+    """What the fit's points determine about ``names`` at ``eff``: the singular values of the
+    Jacobian of the fit's log ratios by the log of each parameter (``_log_jacobian``), largest
+    first, each with its direction. A small value is a combination the points barely see: the loss
+    moves by its square times the squared log step along it. ``weakest_if_added`` gives, for each of
+    ``candidates``, the smallest singular value the fit's points would have with it: how far that
+    point would pin the weakest direction if the fit took it (never smaller than without it)."""
+    jac = _log_jacobian(points, eff, names)
+    _, s, vt = np.linalg.svd(jac, full_matrices=False)
+    out = {"singular_values": [float(v) for v in s],
+           "directions": [{n: float(c) for n, c in zip(names, row * np.sign(row[np.argmax(abs(row))]))} for row in vt]}
+    if candidates:
+        out["weakest_if_added"] = {p.id: float(np.linalg.svd(np.vstack([jac, _log_jacobian([p], eff, names)]),
+                                                             compute_uv=False)[-1]) for p in candidates}
+    return out
 
 
 def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, float]:
@@ -464,6 +478,12 @@ def _configuration(row: dict) -> tuple:
     return tuple(row[k] for k in CONFIGURATION)
 
 
+def held_out_steady(subset: str) -> bool:
+    """Whether a subset's points count in ``heldout_mape``: held out of every fit and steady-state
+    measurements of the server (not ``NOT_STEADY_STATE``)."""
+    return subset not in FIT_SUBSETS and subset not in NOT_STEADY_STATE
+
+
 def heldout_report(rows: list[dict]) -> dict:
     """MAPE of the held-out points: ``heldout_mape`` over the steady-state measurements,
     ``heldout_mape_all`` over every held-out point, by subset, and which subsets are left out
@@ -472,7 +492,7 @@ def heldout_report(rows: list[dict]) -> dict:
     run of a fitted configuration (R1 1k/1k run 2 repeats run 1 point for point) tests run-to-run
     noise, not the model, and would otherwise carry half of ``heldout_mape``."""
     held = [r for r in rows if r["subset"] not in FIT_SUBSETS]
-    steady = [r for r in held if r["subset"] not in NOT_STEADY_STATE]
+    steady = [r for r in held if held_out_steady(r["subset"])]
     seen = {_configuration(r) for r in rows if r["subset"] in EFFICIENCY_SUBSETS}
     unseen = [r for r in steady if _configuration(r) not in seen]
     excluded = {s: {"points": sum(r["subset"] == s for r in held), "reason": why}
