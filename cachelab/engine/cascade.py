@@ -59,7 +59,11 @@ def _run(policy: Policy, keys, step_offsets, scores, future: bool, counts=None) 
         raise CachelabError(f"policy {policy.name!r} needs predictor scores; none were given to the replay")
     nxt = policy.view_future(next_access(keys), step_offsets) if future and caps.needs_future else None
     more = {"counts": counts} if caps.needs_counts and counts is not None else {}  # as a plug-in's run takes it
-    return policy.run(keys, step_offsets, nxt, scores if caps.needs_scores else None, **more)
+    hits = np.asarray(policy.run(keys, step_offsets, nxt, scores if caps.needs_scores else None, **more))
+    if hits.dtype != np.bool_ or hits.shape != keys.shape:  # 0/1 integers indexed levels 0 and 1 as positions
+        raise CachelabError(f"policy {policy.name!r}: run returned {hits.dtype} of shape {hits.shape}; a replay "
+                            f"needs one bool hit flag per key, shape {keys.shape}")
+    return hits
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +139,7 @@ class Cascade:
                 page count) for the rows that reach an SSD backing.
         """
         n_tiers = len(self.policies)
-        level = np.full(keys.size, n_tiers, dtype=np.int8)
+        level = None  # set by the first tier
         if scores is not None and made_at is None:
             made_at = self.accesses[0] + np.arange(keys.size, dtype=np.int64)
         cur = None  # requests still unserved (None: all of them)
@@ -151,13 +155,15 @@ class Cascade:
             hits = _run(policy, keys_t, offsets, scores_t,
                         self.future, None if counts is None else (counts if cur is None else counts[cur]))
             miss = ~hits
-            if cur is None:
-                level[hits] = t
+            if cur is None:  # the first tier: n_tiers where it missed, 0 where it hit, one vector pass
+                level = miss.view(np.int8) * np.int8(n_tiers)  # (a masked store took 5x as long)
             else:
                 level[cur[hits]] = t
             if t + 1 < n_tiers or self.ssd:  # the next level needs the miss stream
                 offsets = np.concatenate([[0], np.cumsum(miss)])[offsets]
                 cur = np.flatnonzero(miss) if cur is None else cur[miss]
+        if level is None:  # no request
+            level = np.full(keys.size, n_tiers, dtype=np.int8)
         if not self.ssd:
             return Served(level)
         rows = keys if cur is None else keys[cur]

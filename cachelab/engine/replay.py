@@ -35,6 +35,14 @@ if TYPE_CHECKING:  # Polars only for per_step: a replay's statistics need none (
 __all__ = ["ReplayResult", "replay", "run_policy", "warmup_steps"]
 
 
+def level_counts(levels: np.ndarray, n_levels: int) -> np.ndarray:
+    """How many entries of ``levels`` (int8 level indices) name each of the ``n_levels`` levels.
+
+    One comparison pass per level: ``np.bincount`` first casts the int8 array to a new intp one,
+    eight bytes a request (80 MB and 0.07 s of a 10 M-request ``simulate``, against 0.01 s)."""
+    return np.array([np.count_nonzero(levels == i) for i in range(n_levels)], dtype=np.int64)
+
+
 def warmup_steps(warmup: float, num_steps: int) -> int:
     """A warm-up given as a fraction of steps (``0 <= w < 1``) or a whole step count (``>= 1``)."""
     if not 0 <= warmup < float("inf"):  # NaN and infinity are refused too
@@ -101,12 +109,12 @@ class ReplayResult:
         d_lo, l_lo = int(self.distinct_offsets[w]), int(self.step_offsets[w])
         n_levels = len(self.levels)
         served = self.served[d_lo:]
-        unique_by = np.bincount(served, minlength=n_levels)
+        unique_by = level_counts(served, n_levels)
         inverse = self.inverse[l_lo:]
         if inverse.size == served.size:  # every lookup its own distinct entry (a key trace)
             lookup_by = unique_by
         else:
-            lookup_by = np.bincount(self.served[inverse], minlength=n_levels)
+            lookup_by = level_counts(self.served[inverse], n_levels)
         reach_u = unique_by[::-1].cumsum()[::-1]  # rows that reached each level
         reach_l = lookup_by[::-1].cumsum()[::-1]
         levels = {}
@@ -119,7 +127,7 @@ class ReplayResult:
         gpu = int(unique_by[loc == "gpu"].sum())
         host = int(unique_by[loc == "host"].sum())
         ssd_rows = int(unique_by[loc == "ssd"].sum())
-        page_reads = int(self.page_reads[w:].sum())
+        page_reads = int(self.page_reads[w:].sum()) if self.page_bytes else 0  # no SSD: no page read
         rb = self.row_bytes
         return ReplayStats(
             steps=int(self.step_offsets.size - 1 - w), warmup_steps=w, warmup_lookups=l_lo,
