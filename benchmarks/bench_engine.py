@@ -18,7 +18,8 @@ ratio, libCacheSim's ``process_trace`` alone on a trace that ships converted, is
 ``ratio_given_future``), in a fresh process that imports libCacheSim
 (and the NumPy it imports) and nothing of cachelab's, and by that process's wall time, and by the CPU time of each whole process (user + system: on a machine shared with
 other jobs the steadiest of the three). Each runs with one thread, best of ``--repeats``; cachelab's Numba cache is warmed first by
-a run on a small trace. libCacheSim gets a hash table sized to the cache (``--lcs-hashpower fit``:
+a run on a small trace, which also leaves the bytecode of what cachelab's process imports, as an
+installed package has it (``BYTECODE``: the environment may say ``PYTHONDONTWRITEBYTECODE``). libCacheSim gets a hash table sized to the cache (``--lcs-hashpower fit``:
 2^(bits of the capacity + 1) buckets, its fastest here; the table grows by itself past them): its
 default, 2^24 buckets (128 MiB of pointers, what its ``cachesim`` also uses), misses the CPU's caches
 on every lookup and took it 1.5x (Engram, 68 k rows) to 3x (Zipf, 7.8 k rows) the CPU time, which
@@ -151,15 +152,21 @@ def worker(policy: str, trace: Path, capacity: int, hashpower: int) -> dict:
             "convert_seconds": convert_seconds if converted is not None else None}
 
 
-def _child(cmd: list[str], path: str | None = None) -> dict:
+def _child(cmd: list[str], path: str | None = None, bytecode: Path | None = None) -> dict:
     """Run ``cmd`` with one thread (and, in ``path``, that checkout's cachelab); its ``seconds`` and
     miss ratio (last stdout line, JSON) and wall time.
 
     The child runs in the checkout it measures: ``python -m`` puts its working directory first on
-    the module path, so from this repository's root a ``--baseline`` run imported this checkout."""
+    the module path, so from this repository's root a ``--baseline`` run imported this checkout.
+    ``bytecode``: a folder where the child keeps the bytecode of what it imports (``PYTHONPYCACHEPREFIX``),
+    even where the environment says ``PYTHONDONTWRITEBYTECODE``, so that a run after the first reads it
+    as an installed package does (``BYTECODE``)."""
     env = {**os.environ, "NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     if path:
         env["PYTHONPATH"] = path
+    if bytecode is not None:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = str(bytecode)
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=path or ROOT)
@@ -175,10 +182,20 @@ def _child(cmd: list[str], path: str | None = None) -> dict:
             "cpu_seconds": usage.ru_utime + usage.ru_stime}
 
 
+# An installed cachelab has its bytecode (pip compiles it at install), as libCacheSim's Python package
+# and NumPy have theirs in site-packages; a checkout run under PYTHONDONTWRITEBYTECODE (this
+# development machine sets it) compiled cachelab's modules from source in every timed process, about
+# 0.05 s of CPU that no user pays. cachelab's runs keep bytecode in the run's temporary folder
+# (filled by the warm-up run, so the timed ones only read it); libCacheSim's worker is left as it is:
+# what it imports already has its bytecode, and its one script is compiled as any script is.
+BYTECODE = "pycache"
+
+
 def cachelab_run(policy: str, keys: Path, capacity: int | str, path: str | None = None) -> dict:
-    """``cachelab simulate --json`` in a fresh process, as a user runs it (from ``path``: another checkout)."""
+    """``cachelab simulate --json`` in a fresh process, as a user runs it (from ``path``: another checkout),
+    reading bytecode kept beside ``keys`` (``BYTECODE``)."""
     return _child([sys.executable, "-m", "cachelab.cli", "simulate", "--trace", str(keys), "--policy", policy,
-                   "--capacity", str(capacity), "--json"], path)
+                   "--capacity", str(capacity), "--json"], path, keys.parent / BYTECODE)
 
 
 def libcachesim_run(policy: str, trace: Path, capacity: int, hashpower: int) -> dict:
@@ -196,7 +213,8 @@ def measure(run, repeats: int) -> dict:
 
 
 def warm_numba_cache(policy: str, tmp: Path, path: str | None = None) -> None:
-    """One simulate on a small trace of the same dtypes, so the timed runs load compiled kernels."""
+    """One simulate on a small trace of the same dtypes, so the timed runs load compiled kernels
+    (and the bytecode of every module they import: ``BYTECODE``)."""
     small = tmp / "warm.npy"
     np.save(small, (np.arange(5000, dtype=np.int64) * 7919) % 997)
     cachelab_run(policy, small, 50, path)

@@ -408,3 +408,21 @@ def test_every_benchmark_runs_numpy_as_the_command_line_does():
         done = subprocess.run([sys.executable, "-c", probe, str(BENCHMARKS)], capture_output=True, text=True,
                               env=run_env)
         assert done.stdout.strip() == advised, (given, done.stdout, done.stderr[-2000:])
+
+
+def test_bench_engine_runs_cachelab_from_bytecode_as_an_installed_package_has_it(tmp_path, monkeypatch):
+    """Under ``PYTHONDONTWRITEBYTECODE`` (this development machine sets it) every timed ``simulate``
+    compiled cachelab's modules from source, about 0.05 s of CPU that an installed cachelab (pip
+    compiles its bytecode) never pays and that libCacheSim's process, whose package has its
+    bytecode, did not pay either: the run after the warm-up reads bytecode kept in the run's folder."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from bench_engine import BYTECODE, cachelab_run
+
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    keys = tmp_path / "k.npy"
+    np.save(keys, np.arange(300, dtype=np.int64) % 17)
+    first = cachelab_run("lru", keys, 5)
+    assert first["miss_ratio"] == 1.0  # a loop of 17 keys through 5 rows
+    kept = {p.name.split(".")[0] for p in (tmp_path / BYTECODE).rglob("*.pyc")
+            if p.parent.parent.name == "cachelab"}
+    assert {"cache", "replay", "lookups"} <= kept, sorted(kept)
