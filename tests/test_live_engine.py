@@ -407,6 +407,31 @@ def test_scheduler_abort_frees_blocks_of_running_and_drops_waiting():
     assert pool.num_free_tokens == 32 and sched.num_unfinished == 0
 
 
+
+def test_sampled_tokens_are_appended_without_copying_the_request_per_token():
+    """A live request's tokens grow as the engine samples them; each one copied the whole array
+    (``np.append``), so an answer of L tokens cost O(L^2). Now a buffer that doubles: a few
+    buffers over thousands of tokens, the known tokens the same at every step, a request sharing
+    nothing with the caller's prompt array."""
+    prompt = np.arange(100, 130, dtype=np.int64)
+    out = 3000
+    sched = Scheduler(BlockPrefixCache(400, 16), max_num_batched_tokens=64, max_num_seqs=1)
+    req = Request(0, prompt, prompt.size, out)
+    sched.add(req)
+    rng = np.random.default_rng(0)
+    sampled, buffers = [], {}  # the buffers held, so that no id is reused
+    while sched.num_unfinished:
+        step = sched.schedule()
+        tok = int(rng.integers(0, 1000))
+        sched.complete(step, {0: tok})
+        sampled += [tok] if 0 in step.emitted else []
+        buffer = req.tokens if req.tokens.base is None else req.tokens.base
+        buffers[id(buffer)] = buffer
+        assert req.tokens.size == req.num_known
+        assert req.tokens.tolist() == prompt.tolist() + sampled
+    assert len(sampled) == out and len(buffers) <= 8, len(buffers)
+    assert prompt.tolist() == list(range(100, 130))
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(length=st.integers(2, 70), cuts=st.lists(st.integers(1, 69), max_size=4), seed=st.integers(0, 1000))
 def test_chunked_prefill_over_scattered_blocks_equals_one_shot(float32_model, length, cuts, seed):

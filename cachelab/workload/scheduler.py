@@ -73,6 +73,19 @@ class Request:
     num_computed: int = 0  # positions whose KV is computed
     num_output: int = 0  # tokens emitted
     preemptions: int = 0
+    # where ``complete`` appends sampled tokens: ``tokens`` is a view of its first ``num_known``, and
+    # it doubles when full, so a request of L tokens costs O(L) copying (a copy per token was O(L^2))
+    _room: np.ndarray | None = field(default=None, repr=False, compare=False)
+
+    def append(self, token: int) -> None:
+        """Add a sampled token after the ``num_known`` known ones (amortised O(1))."""
+        n = self.num_known
+        room = self._room
+        if room is None or room.size <= n:
+            room = self._room = np.empty(max(n + 1, min(2 * n, self.num_prompt + self.max_output)), np.int64)
+            room[:n] = self.tokens[:n]
+        room[n] = token
+        self.tokens = room[: n + 1]
 
     @property
     def num_known(self) -> int:
@@ -231,7 +244,7 @@ class Scheduler:
             r.num_computed = stop
             if stop == r.num_known:
                 if sampled is not None:
-                    r.tokens = np.append(r.tokens[: r.num_known], sampled[rid])
+                    r.append(sampled[rid])
                 r.num_output += 1
                 emitted.append(rid)
                 if r.num_output == r.max_output or rid in stopped:
