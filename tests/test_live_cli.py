@@ -52,6 +52,37 @@ def test_a_store_that_is_not_there_is_named(tmp_path):
             open_rows(opts, "deepseek-v4.1-flash")
 
 
+def test_a_model_files_layout_is_read_from_its_folder_and_its_store_built_in_the_cache(tmp_path, monkeypatch):
+    """A ``--preset FILE.json`` (an experiment's ``live.preset``) naming its ``layout`` file by a
+    relative path: it was read from the working directory (not found, or another file of that name);
+    read from the file's folder, its absolute path then put the default store beside the layout file
+    (under its path) and the store's name check refused it. Now the store is the cache's, keyed by
+    the layout's name and fields."""
+    import dataclasses
+    import json
+    import re
+
+    from cachelab.engram import get_preset
+    from cachelab.live.config import PRESETS, model_config
+
+    (tmp_path / "models").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    layout = {k: v for k, v in dataclasses.asdict(get_preset("deepseek-v4.1-flash")).items() if v is not None}
+    (tmp_path / "models" / "mine.json").write_text(json.dumps({**layout, "name": "mine"}))
+    (tmp_path / "models" / "model.json").write_text(json.dumps({**PRESETS["tiny"].to_dict(), "layout": "mine.json"}))
+    monkeypatch.setenv("CACHELAB_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    cfg = model_config("../models/model.json")
+    assert cfg.layout == str(tmp_path / "models" / "mine.json")
+    rows = open_rows(ServeOptions(), cfg.layout)
+    try:
+        assert rows.layout.name == "mine"
+    finally:
+        rows.close()
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["mine.json", "model.json"]
+    built, = [p.name for p in (tmp_path / "cache" / "live-store").iterdir() if p.is_dir()]
+    assert re.fullmatch(r"mine-[0-9a-f]{12}-0\.0001", built), built
+
 def test_a_kv_cache_smaller_than_the_context_is_refused_before_start_up():
     """A request as long as the context could never be scheduled in it: the scheduler raised on
     the engine thread, and the engine stopped serving everyone (vLLM refuses it at start-up)."""

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from cachelab.engram import get_preset
 from cachelab.errors import CachelabError
+from cachelab.paths import named_in
 
 DEEPSEEK_V4_VOCAB = 129_280  # the V4 tokenizer's ids, added tokens included
 DTYPES = ("float32", "bfloat16", "float16")
@@ -106,6 +107,9 @@ def model_config(preset: str | Path) -> ModelConfig:
     unknown = sorted(set(data) - fields)
     if unknown:
         raise CachelabError(f"{path}: unknown model field(s) {unknown}; known: {sorted(fields)}")
+    layout = data.get("layout")
+    if isinstance(layout, str) and layout.endswith((".toml", ".json")):  # a layout file, as get_preset tells one
+        data["layout"] = named_in(path, layout)  # from this file's folder: it was read from the working directory
     try:
         return ModelConfig(**{**data, "engram_layers": tuple(data.get("engram_layers", ()))})
     except TypeError as exc:

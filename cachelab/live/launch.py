@@ -12,7 +12,7 @@ import socket
 import sys
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cachelab.engram.vocab import DEEPSEEK_V4
@@ -118,6 +118,7 @@ def open_rows(opts: ServeOptions, layout: str):
     """The Engram row source: the live store at ``opts.store``, or the default scaled store
     (built on first use in the cache directory, under a lock so two first runs build once)."""
     from cachelab.capacity import parse_capacity
+    from cachelab.engram import get_preset
     from cachelab.paths import cache_dir, one_builder
     from cachelab.store import TieredStore, build_tables
     from cachelab.store.format import MANIFEST
@@ -126,9 +127,12 @@ def open_rows(opts: ServeOptions, layout: str):
                         ("--dram-cache-capacity", opts.dram_cache_capacity)):
         if value not in (None, 0, "0"):
             parse_capacity(value, flag)  # the flag named in a malformed value's error, not the store's argument
+    config = get_preset(layout)
     directory = opts.store
-    if directory is None:
-        directory = cache_dir() / "live-store" / f"{layout}-{DEFAULT_STORE_SCALE:g}"
+    if directory is None:  # a layout file's store under its name and a digest of its fields, in the cache directory
+        # (under its path, an absolute one put the store beside the layout file, and the name check refused it)
+        key = layout if layout == config.name else f"{config.name}-{_digest(asdict(config))[:12]}"
+        directory = cache_dir() / "live-store" / f"{key}-{DEFAULT_STORE_SCALE:g}"
         with one_builder(directory.parent / f"{directory.name}.lock"):
             if not (directory / MANIFEST).exists():
                 build_tables(layout, DEFAULT_STORE_SCALE, directory)
@@ -138,9 +142,10 @@ def open_rows(opts: ServeOptions, layout: str):
                              hbm_policy=row_cache_policy(opts), hbm_capacity=opts.row_cache_capacity,
                              dram_policy=dram_cache_policy(opts), dram_capacity=opts.dram_cache_capacity,
                              device=opts.device)
-    if store.layout.name != layout:
+    if store.layout.name != config.name:
         store.close()
-        raise CachelabError(f"--store {directory} holds layout {store.layout.name!r}; the model reads {layout!r}")
+        raise CachelabError(f"--store {directory} holds layout {store.layout.name!r}; the model reads "
+                            f"{config.name!r} ({layout})")
     return store
 
 
@@ -261,9 +266,6 @@ def system_fingerprint(opts: ServeOptions, engine) -> str:
     Engram table's build, the device), so answers under one fingerprint and one seed compare.
     The caches and the table's placement change only timing and are left out, and so is the
     build's random id: a table rebuilt from the same seed holds the same rows."""
-    import hashlib
-    import json
-    from dataclasses import asdict
     from importlib.metadata import version
 
     if opts.weights is None:
@@ -273,8 +275,15 @@ def system_fingerprint(opts: ServeOptions, engine) -> str:
         weights = {"file": str(Path(opts.weights).resolve()), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     table = {k: v for k, v in engine.rows.manifest.items() if k != "build_id"}
     decided = {"model": asdict(engine.model.config), "weights": weights, "table": table, "device": opts.device}
-    digest = hashlib.sha256(json.dumps(decided, sort_keys=True, default=str).encode()).hexdigest()
-    return f"cachelab-{version('cachelab')}-{digest[:8]}"
+    return f"cachelab-{version('cachelab')}-{_digest(decided)[:8]}"
+
+
+def _digest(data: dict) -> str:
+    """A hex SHA-256 of ``data`` as sorted JSON: the same values, the same digest, on any machine."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _uvicorn_config(opts: ServeOptions, engine, recorder=None, **kwargs):
