@@ -1276,6 +1276,107 @@ def test_answers_have_the_real_vllms_shape_and_system_fingerprint(server, vllm_s
     assert theirs["completions"]["stream_usage_fingerprinted"][-1]
 
 
+def json_shape(value):
+    """A JSON value's shape: an object's keys in order with their values' shapes, a list's items'
+    shapes, a scalar's type (``NoneType`` for null): what a client parsing the answer meets."""
+    if isinstance(value, dict):
+        return [(k, json_shape(v)) for k, v in value.items()]
+    if isinstance(value, list):
+        return [json_shape(v) for v in value]
+    return type(value).__name__
+
+
+def answers_field_by_field(base_url: str, model: str, words: list[str]) -> dict:
+    """Every answer a client can get for one prompt, whole and streamed (plain, with usage, with
+    continuous usage), ids asked for or not, for completions and chat; /v1/models, /load and an
+    unknown model's 404; and the usage of a chat of ``words`` sent twice (its prefix-cache details)."""
+    out = {}
+    for path, prompt in (("completions", {"prompt": [5, 6, 7]}),
+                         ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        for ids in (False, True):
+            body = {"model": model, **prompt, "max_tokens": 3, "ignore_eos": True, "return_token_ids": ids}
+            out[path, ids, "whole"] = httpx.post(f"{base_url}/v1/{path}", json=body, timeout=T).json()
+            for name, options in (("stream", None), ("usage", {"include_usage": True}),
+                                  ("continuous", {"include_usage": True, "continuous_usage_stats": True})):
+                streamed = {**body, "stream": True} | ({"stream_options": options} if options else {})
+                with httpx.stream("POST", f"{base_url}/v1/{path}", json=streamed, timeout=T) as r:
+                    out[path, ids, name] = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    out["models"] = httpx.get(f"{base_url}/v1/models", timeout=T).json()
+    out["load"] = httpx.get(f"{base_url}/load", timeout=T).json()
+    out["404"] = httpx.post(f"{base_url}/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=T).json()
+    chat = {"model": model, "messages": [{"role": "user", "content": " ".join(words)}], "max_tokens": 2}
+    out["chat usage"] = [httpx.post(f"{base_url}/v1/chat/completions", json=chat, timeout=T).json()["usage"]
+                         for _ in range(2)]
+    return out
+
+
+@pytest.mark.slow
+def test_answers_have_the_real_vllms_fields_and_nulls(server, vllm_server):
+    """Field by field against the real vLLM server: every key in its order, and which are null. serve
+    left out what vLLM sends as null (a whole answer's ``prompt_logprobs``, ``routed_experts``,
+    ``kv_transfer_params``, ``ec_transfer_params``, ``metrics``; its usage's
+    ``completion_tokens_details`` and ``prompt_tokens_details.created_cache_tokens`` and
+    ``multimodal_tokens``; a chat's continuous usage's ``completion_tokens_details``), /v1/models'
+    ``permission`` list, and vLLM's ``/load`` (a 404); a chat's ``created_cache_tokens`` (the prompt's
+    full blocks it wrote to the prefix cache) was missing: now as vLLM counts it, each with its own
+    block size (vLLM's CPU backend's 128 tokens, serve's 16)."""
+    url, engine = server
+    words = [f"w{random.randrange(10 ** 6)}" for _ in range(100)]  # new to the peer's cache, reused or not
+    theirs = answers_field_by_field(vllm_server.base_url, vllm_server.model, words)
+    ours = answers_field_by_field(url, MODEL, words)
+    for key in theirs:
+        if key != "chat usage":
+            assert json_shape(ours[key]) == json_shape(theirs[key]), key
+    theirs_grant, = theirs["models"]["data"][0]["permission"]
+    ours_grant, = ours["models"]["data"][0]["permission"]
+    varying = {"id", "created", "allow_logprobs"}  # serve refuses logprobs, and says so
+    assert {k: v for k, v in ours_grant.items() if k not in varying} == \
+        {k: v for k, v in theirs_grant.items() if k not in varying}
+    assert theirs_grant["allow_logprobs"] and not ours_grant["allow_logprobs"]
+    assert ours["load"] == theirs["load"] == {"server_load": 0}  # no --enable-server-load-tracking
+    assert ours["404"]["error"]["message"].endswith(f"Valid aliases: {MODEL}.")
+    for usage_pair, block in ((theirs["chat usage"], 128), (ours["chat usage"], engine.config.block_size)):
+        first, again = (u["prompt_tokens_details"] for u in usage_pair)
+        full = usage_pair[0]["prompt_tokens"] // block * block
+        assert (first["cached_tokens"], first["created_cache_tokens"]) == (0, full), (usage_pair, block)
+        assert (again["cached_tokens"], again["created_cache_tokens"]) == (full, 0), (usage_pair, block)
+
+
+def test_load_counts_the_completions_in_flight_with_server_load_tracking():
+    """vLLM's /load with ``--enable-server-load-tracking``: the completion requests in flight, from
+    their arrival until their answer is sent, or their client gone (a request held by its half-sent
+    body is in flight, deterministically); not under /v1, so no key."""
+    import socket
+    from urllib.parse import urlparse
+
+    def load_reaches(url, value) -> int:
+        for _ in range(400):
+            now = httpx.get(f"{url}/load", timeout=T).json()["server_load"]
+            if now == value:
+                break
+            time.sleep(0.05)
+        return now
+
+    opts = ServeOptions(port=0, threads=1, kv_cache_tokens=4096, api_key=KEY, enable_server_load_tracking=True)
+    with running_server(opts) as (url, engine):
+        where = urlparse(url)
+        body = json.dumps({"prompt": "Engram rows", "max_tokens": 2}).encode()
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        assert httpx.get(f"{url}/load", timeout=T).json() == {"server_load": 0}
+        with socket.create_connection((where.hostname, where.port), timeout=T) as sent, \
+                socket.create_connection((where.hostname, where.port), timeout=T) as gone:
+            sent.sendall(head + body[:5])
+            gone.sendall(head + body[:5])
+            assert load_reaches(url, 2) == 2
+            gone.close()
+            assert load_reaches(url, 1) == 1
+            sent.sendall(body[5:])
+            assert sent.recv(1 << 16).startswith(b"HTTP/1.1 200")
+        assert load_reaches(url, 0) == 0
+        wait_idle(engine)
+
+
 def test_the_system_fingerprint_follows_what_decides_the_tokens(tmp_path):
     """Two servers of one model, weights and table answer under one fingerprint whatever their caches
     and placement; another weights seed or another table build changes it."""

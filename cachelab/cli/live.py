@@ -75,11 +75,14 @@ def serve(
     enable_force_include_usage: bool = typer.Option(False, "--enable-force-include-usage", help="Every stream "
                                                     "carries usage in each chunk and a usage chunk at its end, asked "
                                                     "for or not (vLLM's flag)."),
+    enable_server_load_tracking: bool = typer.Option(False, "--enable-server-load-tracking", help="/load counts "
+                                                     "the completion requests in flight; without it, 0 (vLLM's "
+                                                     "flag)."),
 ) -> None:
     """Serve an Engram model over HTTP: /v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics (vLLM's metric names).
 
-    Also vLLM's /tokenize, /detokenize, /version and /ping. Example: `cachelab serve --preset tiny --port 8000`, then point any OpenAI client at
+    Also vLLM's /tokenize, /detokenize, /version, /ping and /load. Example: `cachelab serve --preset tiny --port 8000`, then point any OpenAI client at
     http://127.0.0.1:8000/v1 with model `cachelab-tiny`. docs/live.md.
     """
     from cachelab.live.launch import ServeOptions, serve as run
@@ -95,5 +98,6 @@ def serve(
                      prefetch=prefetch, prefix_caching=prefix_caching, device=device,
                      threads=threads, served_model_name=served_model_name, capture=capture,
                      shutdown_timeout=shutdown_timeout, enable_request_id_headers=enable_request_id_headers,
-                     enable_force_include_usage=enable_force_include_usage),
+                     enable_force_include_usage=enable_force_include_usage,
+                     enable_server_load_tracking=enable_server_load_tracking),
         announce=typer.echo)

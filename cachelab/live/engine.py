@@ -63,6 +63,7 @@ class RequestOutput:
     num_prompt: int = 0
     num_output: int = 0
     cached_tokens: int = 0
+    created_cache_tokens: int = 0  # vLLM's num_cache_creation_tokens: prompt tokens it wrote to the prefix cache
 
 
 @dataclass(frozen=True)
@@ -439,7 +440,8 @@ class LiveEngine:
                 if self.config.prefix_caching and req.num_known % self.config.block_size == 0:
                     self.pool.extend_key(rid, self.pool.prefix_key(req.tokens[: req.num_known]))  # a block filled
                 live.sink(RequestOutput(rid, [token], live.detok.take(), num_prompt=live.req.num_prompt,
-                                        num_output=live.req.num_output, cached_tokens=live.cached_tokens))
+                                        num_output=live.req.num_output, cached_tokens=live.cached_tokens,
+                                        created_cache_tokens=self._cache_created(live)))
         self.counters.prompt_tokens_computed += prefilled
         return prefilled
 
@@ -460,10 +462,20 @@ class LiveEngine:
             if not parent.left:
                 self.observer.finished_prompt(parent.n, parent.max_output)
         live.sink(RequestOutput(rid, list(tokens), live.detok.take(final=True), True, reason, stop_reason,
-                                live.req.num_prompt, live.req.num_output, max(live.cached_tokens, 0)))
+                                live.req.num_prompt, live.req.num_output, max(live.cached_tokens, 0),
+                                self._cache_created(live)))
         del self._live[rid]  # last: a request leaves num_live once everything about it is done
         with self._cv:
             self._in_flight -= 1
+
+    def _cache_created(self, live: _Live) -> int:
+        """vLLM's ``num_cache_creation_tokens`` (a chat's ``usage.prompt_tokens_details.created_cache_tokens``):
+        the prompt's full blocks, which its prefill published, less its prefix-cache hit; 0 with caching
+        off or before it was admitted."""
+        if not self.config.prefix_caching or live.cached_tokens < 0:
+            return 0
+        size = self.config.block_size
+        return max(live.req.num_prompt // size * size - live.cached_tokens, 0)
 
     def _count(self, step: StepRecord, row_ids: np.ndarray, fetch: dict, t0: float, t_done: float) -> None:
         c = self.counters

@@ -61,6 +61,7 @@ class ServeOptions:
     shutdown_timeout: float = 0.0  # s requests in flight get to finish at shutdown (0: aborted at once)
     enable_request_id_headers: bool = False  # vLLM's: every answer carries an X-Request-Id header
     enable_force_include_usage: bool = False  # vLLM's: every stream carries usage, asked for or not
+    enable_server_load_tracking: bool = False  # vLLM's: /load counts the completion requests in flight
 
 
 def check_bind(host: str, api_key: str | None, flag: str = "--host") -> None:
@@ -294,7 +295,8 @@ def _uvicorn_config(opts: ServeOptions, engine, recorder=None, **kwargs):
 
     limits = _limits(opts)
     app = create_app(engine, model_name(opts), limits, opts.api_key, recorder, opts.enable_request_id_headers,
-                     system_fingerprint(opts, engine), opts.enable_force_include_usage)
+                     system_fingerprint(opts, engine), opts.enable_force_include_usage,
+                     opts.enable_server_load_tracking)
     return uvicorn.Config(app, http=http_protocol(limits), log_level="warning", timeout_graceful_shutdown=1, **kwargs)
 
 

@@ -307,10 +307,14 @@ def new_id(prefix: str, given: str | None = None) -> str:
     return f"{prefix}-{uuid.uuid4().hex if given is None else given}"
 
 
-def usage(num_prompt: int, num_output: int, cached: int | None = None) -> dict:
+def usage(num_prompt: int, num_output: int, cached: int | None = None, created: int | None = None) -> dict:
+    """A stream's usage (its usage chunk: ``cached``, and a chat's ``created`` cache tokens, vLLM's
+    ``created_cache_tokens``); ``completion_body`` writes a whole answer's, with vLLM's nulls."""
     use = {"prompt_tokens": num_prompt, "total_tokens": num_prompt + num_output, "completion_tokens": num_output}
     if cached is not None:
         use["prompt_tokens_details"] = {"cached_tokens": cached}
+        if created is not None:
+            use["prompt_tokens_details"]["created_cache_tokens"] = created
     return use
 
 
@@ -324,9 +328,12 @@ def _body(rid: str, created: int, model: str, obj: str, chat: bool, choices, top
     body = {"id": rid, "object": obj, "created": created, "model": model, "choices": []}
     for index, content, finish, stop_reason, token_ids, prompt_ids in choices:
         choice = {"index": index, **content, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}
-        ids = {"token_ids": token_ids}
-        if not chat:
-            ids = {"prompt_token_ids": prompt_ids, **ids} if stream else {**ids, "prompt_token_ids": prompt_ids}
+        if stream:
+            ids = {"token_ids": token_ids} if chat else {"prompt_token_ids": prompt_ids, "token_ids": token_ids}
+        else:  # with vLLM's null prompt_logprobs (a completion's) and routed_experts
+            ids = {"token_ids": token_ids} if chat else {"token_ids": token_ids, "prompt_logprobs": None,
+                                                         "prompt_token_ids": prompt_ids}
+            ids["routed_experts"] = None
         body["choices"].append({**choice, **ids})
     body.update(top)
     return body
@@ -334,6 +341,8 @@ def _body(rid: str, created: int, model: str, obj: str, chat: bool, choices, top
 
 # the null fields of vLLM's chat message after its content (OpenAI's, and vLLM's reasoning)
 _MESSAGE_NULLS = {"refusal": None, "annotations": None, "audio": None, "function_call": None, "reasoning": None}
+# the null fields that end vLLM's whole answers (its KV and encoder-cache transfer, its per-request metrics)
+_TRANSFER_NULLS = {"kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
 
 
 def completion_body(rid: str, model: str, answers, use: dict, chat: bool, fingerprint: str | None = None,
@@ -343,9 +352,16 @@ def completion_body(rid: str, model: str, answers, use: dict, chat: bool, finger
     server's ``system_fingerprint``; ``prompt_text``: a chat's rendered prompt, when asked for."""
     choices = [(i, {"message": {"role": "assistant", "content": text, **_MESSAGE_NULLS}} if chat else {"text": text},
                 finish, stop, tokens, prompt) for i, (text, finish, stop, tokens, prompt) in enumerate(answers)]
-    top = {"service_tier": None, "system_fingerprint": fingerprint, "usage": use}
+    details = use.get("prompt_tokens_details")
+    if details is not None:  # vLLM's whole usage: every detail, null where it has none
+        details = {"cached_tokens": details["cached_tokens"],
+                   "created_cache_tokens": details.get("created_cache_tokens"), "multimodal_tokens": None}
+    top = {"service_tier": None, "system_fingerprint": fingerprint,
+           "usage": {**use, "prompt_tokens_details": details, "completion_tokens_details": None}}
     if chat:
-        top |= {"prompt_token_ids": answers[0][4] if answers else None, "prompt_text": prompt_text}
+        top |= {"prompt_logprobs": None, "prompt_token_ids": answers[0][4] if answers else None,
+                "prompt_text": prompt_text}
+    top |= _TRANSFER_NULLS
     return _body(rid, int(time.time()), model, "chat.completion" if chat else "text_completion", chat, choices, top,
                  stream=False)
 
@@ -363,7 +379,7 @@ def chunk_body(rid: str, created: int, model: str, index: int, text: str | None,
         content = {"delta": {"role": "assistant", "content": text or ""} if first else {"content": text or ""}}
     else:
         content = {"text": text or ""}
-    top = {} if use is None else {"usage": use}
+    top = {} if use is None else {"usage": {**use, "completion_tokens_details": None} if chat else use}
     if fingerprint is not None:
         top["system_fingerprint"] = fingerprint
     if chat and first:

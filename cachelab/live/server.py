@@ -2,7 +2,7 @@
 
 Routes: ``/v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events or
 whole), ``/v1/models``, ``/health`` (``/ping``), ``/metrics``, and vLLM's ``/tokenize``,
-``/detokenize`` and ``/version``. Every refusal is a 4xx in OpenAI's error
+``/detokenize``, ``/version`` and ``/load``. Every refusal is a 4xx in OpenAI's error
 shape before the engine sees the request: body over the size limit (413), malformed JSON or
 fields (400), unknown model (404), a prompt that fills the context or ``max_tokens`` over
 it (400; a ``max_tokens`` the prompt leaves no room for is cut, as vLLM cuts it), a missing
@@ -149,19 +149,42 @@ class _RequestIdHeader:
         await self.app(scope, receive, send_with_id)
 
 
+class _ServerLoad:
+    """vLLM's ``--enable-server-load-tracking``: ``state.server_load`` counts the completion requests
+    in flight, from their arrival until their answer, whole or streamed, is sent or cut (plain ASGI,
+    so a client gone mid-stream is counted out too)."""
+
+    def __init__(self, app, state):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] not in RECORDED:
+            return await self.app(scope, receive, send)
+        self.state.server_load += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.server_load -= 1
+
+
 def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str | None = None,
                recorder=None, request_id_headers: bool = False, fingerprint: str | None = None,
-               force_include_usage: bool = False) -> FastAPI:
+               force_include_usage: bool = False, server_load_tracking: bool = False) -> FastAPI:
     """The app; the engine must be started (and is stopped by the caller). ``recorder``: a
     ``cachelab.capture.Recorder`` that records every completion request answered (``--capture``):
     one record per choice the engine ran, one for a request refused before it ran.
     ``request_id_headers``: answer with an ``X-Request-Id`` header (``_RequestIdHeader``).
     ``fingerprint``: the ``system_fingerprint`` of every answer (``launch.system_fingerprint``).
     ``force_include_usage``: vLLM's ``--enable-force-include-usage``: every stream carries usage in
-    each chunk and a usage chunk at its end, whatever its ``stream_options`` ask."""
+    each chunk and a usage chunk at its end, whatever its ``stream_options`` ask.
+    ``server_load_tracking``: vLLM's ``--enable-server-load-tracking``: ``/load`` counts the completion
+    requests in flight (``_ServerLoad``); without it, as in vLLM, it stays 0."""
     app = FastAPI(title="cachelab serve", docs_url=None, redoc_url=None)
+    app.state.server_load = 0
     if request_id_headers:
         app.add_middleware(_RequestIdHeader)
+    if server_load_tracking:
+        app.add_middleware(_ServerLoad, state=app.state)
     metrics = EngineMetrics(engine, model_name)
     app.state.engine, app.state.metrics = engine, metrics
     tokenizer, vocab = engine.tokenizer, engine.model.config.vocab_size
@@ -240,7 +263,7 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
             param = _param(err["loc"])
             raise APIError(400, f"{param}: {err['msg']}", param) from None
         if req.model is not None and req.model != model_name:
-            raise APIError(404, f"The model `{req.model}` does not exist.", "model")
+            raise APIError(404, f"The model `{req.model}` does not exist. Valid aliases: {model_name}.", "model")
         return req
 
     async def read_json(request: Request, model_cls):
@@ -328,9 +351,22 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
 
     @app.get("/v1/models", **v1)
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
+        """vLLM's model card, its permission list included (a client that reads it got a KeyError): the
+        same grants, but ``allow_logprobs`` false, as this server refuses logprobs."""
+        created = int(time.time())
+        permission = {"id": f"modelperm-{uuid.uuid4().hex[:16]}", "object": "model_permission", "created": created,
+                      "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": False,
+                      "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                      "organization": "*", "group": None, "is_blocking": False}
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "cachelab", "root": model_name, "parent": None,
-                                            "max_model_len": limits.max_model_len}]}
+                                            "max_model_len": limits.max_model_len, "permission": [permission]}]}
+
+    @app.get("/load")
+    async def load():
+        """vLLM's: the completion requests in flight with ``--enable-server-load-tracking``, else 0
+        (not under /v1: no key, as vLLM)."""
+        return {"server_load": app.state.server_load}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -417,10 +453,12 @@ class _Choices:
                     self.timelines[i].client_gone = True
                 engine.abort(rid)
 
-    def usage(self, last: list[RequestOutput], cached: int) -> dict:
+    def usage(self, last: list[RequestOutput], source: RequestOutput | None, chat: bool) -> dict:
         """The request's usage from its choices' last outputs: each prompt once, every choice's
-        tokens; ``cached``: the one output's cached tokens vLLM reports (see ``_whole``, ``_stream``)."""
-        return usage(sum(out.num_prompt for out in last[::self.n]), sum(out.num_output for out in last), cached)
+        tokens; ``source``: the one output whose cached tokens vLLM reports (see ``_whole``, ``_stream``),
+        and a chat's tokens it wrote to the prefix cache (vLLM reports them for a chat only)."""
+        return usage(sum(out.num_prompt for out in last[::self.n]), sum(out.num_output for out in last),
+                     source.cached_tokens if source else 0, source.created_cache_tokens if chat and source else None)
 
 
 async def _whole(engine, request: Request, choices: _Choices, collector: _Collector, oid: str, model: str, req,
@@ -432,7 +470,7 @@ async def _whole(engine, request: Request, choices: _Choices, collector: _Collec
     rids = choices.rids
     index = {rid: i for i, rid in enumerate(rids)}
     tokens, text, last = [[] for _ in rids], [[] for _ in rids], [None] * len(rids)
-    cached = 0
+    source = None
     gone = asyncio.ensure_future(_client_gone(request))
     try:
         while None in last:
@@ -449,7 +487,7 @@ async def _whole(engine, request: Request, choices: _Choices, collector: _Collec
             if out.finished:
                 last[i] = out
                 if i >= len(rids) - choices.n:  # the last prompt's
-                    cached = out.cached_tokens
+                    source = out
     except asyncio.CancelledError:
         choices.abort(engine, last)
         raise
@@ -459,7 +497,8 @@ async def _whole(engine, request: Request, choices: _Choices, collector: _Collec
         raise _aborted(engine)
     answers = [("".join(t), out.finish_reason, out.stop_reason, ids if req.return_token_ids else None,
                 choices.prompt_ids(i)) for i, (t, out, ids) in enumerate(zip(text, last, tokens))]
-    return completion_body(oid, model, answers, choices.usage(last, cached), chat, fingerprint, choices.prompt_text)
+    return completion_body(oid, model, answers, choices.usage(last, source, chat), chat, fingerprint,
+                           choices.prompt_text)
 
 
 async def _stream(engine, choices: _Choices, collector: _Collector, oid: str, model: str, req, chat: bool,
@@ -470,18 +509,18 @@ async def _stream(engine, choices: _Choices, collector: _Collector, oid: str, mo
     as vLLM streams them."""
     rids = choices.rids
     created, index, last = int(time.time()), {rid: i for i, rid in enumerate(rids)}, [None] * len(rids)
-    cached = None
+    source = None
     first = [not chat] * len(rids)  # a completion's first chunk of a choice carries its prompt ids
     ended = False  # the answer ended here (whole, or on the engine's abort), not by the client going away
     try:
         while None in last:
             out = await collector.queue.get()
-            if cached is None:  # the first output: a chat sends each choice's role first, as vLLM does, now (sent
+            if source is None:  # the first output: a chat sends each choice's role first, as vLLM does, now (sent
                 for i in range(len(rids) if chat else 0):  # before the request ran, a client's TTFT was its round trip)
                     yield _sse(chunk_body(oid, created, model, i, "", None, None, None, choices.prompt_ids(i), chat,
                                           True, usage(len(choices.prompts[i]), 0) if continuous_usage else None,
                                           prompt_text=choices.prompt_text))
-                cached = out.cached_tokens
+                source = out
             i = index[out.rid]
             if out.finished:
                 last[i] = out
@@ -500,7 +539,7 @@ async def _stream(engine, choices: _Choices, collector: _Collector, oid: str, mo
             first[i] = False
         ended = True
         if include_usage:
-            yield _sse(usage_chunk(oid, created, model, choices.usage(last, cached), chat, fingerprint))
+            yield _sse(usage_chunk(oid, created, model, choices.usage(last, source, chat), chat, fingerprint))
         yield "data: [DONE]\n\n"
     finally:  # the client went away (or the server is stopping): free their KV blocks
         choices.abort(engine, last, client_gone=not ended)
