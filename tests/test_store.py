@@ -688,6 +688,39 @@ def test_prefetch_returns_the_same_rows_and_reports_stall(tables):
         assert a.totals["hbm_hits"] == b.totals["hbm_hits"]
 
 
+def test_two_threads_waiting_on_one_prefetch_count_its_stall_once(tables, monkeypatch):
+    """Both threads blocked on one handle return; the step's ``stall_s`` (and the run's) is the
+    one stall the handle reports, not the sum of both waits. Both threads are held, once they
+    have their rows and before they record, until the other is there too: the race forced."""
+    import types
+
+    import cachelab.store.store as store_module
+
+    barrier, calls = threading.Barrier(2), threading.local()
+
+    def perf_counter():
+        calls.n = getattr(calls, "n", 0) + 1
+        if threading.current_thread().name.startswith("waiter") and calls.n == 2:
+            try:  # the moment between the rows coming back and the stall being recorded
+                barrier.wait(timeout=2)
+            except threading.BrokenBarrierError:
+                pass
+        return time.perf_counter()
+
+    monkeypatch.setattr(store_module, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    rows = full_rows(np.random.default_rng(6), 20)
+    with TieredStore.open(tables, hbm_policy="lru", hbm_capacity=500) as store:
+        handle = store.prefetch(rows)
+        got = []
+        waiters = [threading.Thread(target=lambda: got.append(handle.wait()), name=f"waiter-{i}") for i in range(2)]
+        for w in waiters:
+            w.start()
+        for w in waiters:
+            w.join()
+        assert len(got) == 2 and torch.equal(got[0].view(torch.int16), got[1].view(torch.int16))
+        assert store.last_step["stall_s"] == handle.stall_seconds == store.totals["stall_s"]
+
+
 class _PrefetchRace(TieredStore):
     """A store on which another thread's prefetch lands right after a prefetch records itself as
     the pending step, before its handle is made: a race under threads, forced."""

@@ -79,17 +79,24 @@ class PrefetchHandle:
     def __init__(self, future: Future, store: "TieredStore"):
         self._future, self._store = future, store
         self.stall_seconds: float | None = None
+        self._stall_lock = threading.Lock()
 
     def done(self) -> bool:
         return self._future.done()
 
     def wait(self):
-        """The rows (as ``lookup`` returns them); ``stall_seconds`` is how long this blocked."""
+        """The rows (as ``lookup`` returns them); ``stall_seconds`` is how long this blocked.
+        The step's stall is counted once, by the first ``wait()`` to return: two threads
+        waiting on one handle both saw it unset and both added theirs to the counters."""
         t = time.perf_counter()
         rows, counters = self._future.result()
-        if self.stall_seconds is None:
-            self.stall_seconds = time.perf_counter() - t
-            self._store._add_stall(counters, self.stall_seconds)
+        stalled = time.perf_counter() - t
+        with self._stall_lock:
+            first = self.stall_seconds is None
+            if first:
+                self.stall_seconds = stalled
+        if first:
+            self._store._add_stall(counters, stalled)
         return self._store._hand_over(rows, self._store._caller_stream())
 
 
