@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import threading
 import time
 
@@ -15,6 +16,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from cachelab import registry
+from cachelab.capacity import parse_capacity
 from cachelab.engine.replay import replay
 from cachelab.engine.tiers import Hierarchy, Tier
 from cachelab.engram.config import get_preset
@@ -1188,6 +1190,35 @@ def test_row_id_out_of_range_and_capacity_over_memory(tables, hbm_capacity, monk
         TieredStore.open(tables, hbm_capacity=10, dram_policy="lru")
     with pytest.raises(CachelabError, match="dram_capacity 100 needs a DRAM cache policy"):
         TieredStore.open(tables, hbm_capacity=10, dram_capacity=100)
+
+
+def test_a_store_capacity_error_says_a_share_counts_the_tables_rows(tables, tmp_path):
+    """The store resolves a share ('1%', 0.01) against the table's rows (it has no workload to
+    count); its capacity errors said 'a fraction of the distinct rows', the simulator's meaning,
+    at the API, in `store bench` and `store page-cache`, and in `serve`'s cache flags."""
+    from typer.testing import CliRunner
+
+    from cachelab.cli import app
+    from cachelab.live.launch import ServeOptions, open_rows
+
+    forms = "write rows (1000), a fraction of the table's rows (0.01), a percentage of them ('5%')"
+    with pytest.raises(CachelabError, match=re.escape(f"hbm_capacity: '0.5x' is not a capacity; {forms}")):
+        TieredStore.open(tables, hbm_capacity="0.5x")
+    with TieredStore.open(tables, hbm_capacity="1%", hbm_policy="lru") as store:
+        assert store.tiers[0].capacity == round(store.num_keys / 100)  # what the message says
+    stream = stream_of(np.random.default_rng(10), steps=2, tokens=4).save(tmp_path / "s.npz")
+    for verb, flag in (("bench", "--dram-capacity"), ("bench", "--capacity"), ("page-cache", "--capacity")):
+        args = ["store", verb, "--dir", str(tables), "--trace", str(stream), flag, "1x"]
+        args += ["--policy", "lru", "--capacity", "10"] if verb == "bench" and flag != "--capacity" else \
+            ["--policy", "lru", "--backing", "dram"] if verb == "bench" else []
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 2 and f"{flag}: '1x' is not a capacity; {forms}" in " ".join(res.output.split()), \
+            (args, res.output)
+    with pytest.raises(CachelabError, match=re.escape(f"--row-cache-capacity: '1x' is not a capacity; {forms}")):
+        open_rows(ServeOptions(store=tables, row_cache_capacity="1x"), "deepseek-v4.1-flash")
+    with pytest.raises(CachelabError, match=re.escape("'1x' is not a capacity; write rows (1000), a fraction of the "
+                                                      "distinct rows (0.01)")):  # the simulator's share: unchanged
+        parse_capacity("1x", "--capacity")
 
 
 def test_the_policies_index_counts_against_the_memory_available(tables, monkeypatch):

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cachelab import defaults, registry, strict_json
-from cachelab.capacity import parse_capacity
+from cachelab.capacity import TABLE_ROWS, parse_capacity
 from cachelab.errors import CachelabError
 from cachelab.params import check_params, parse_pairs
 
@@ -155,7 +155,7 @@ def bench(
     for rows_flag, rows, flag, name in tiers:
         if rows in (None, "0"):  # a capacity of 0 is no tier
             continue
-        parse_capacity(rows, rows_flag)
+        parse_capacity(rows, rows_flag, TABLE_ROWS)
         if not registry.make_policy(name).capabilities.needs_scores:
             continue
         learned.append(name)
@@ -228,7 +228,7 @@ def page_cache(
 
     check_experiment(steps, interval_ms / 1e3, cgroup_share)
     if capacity != "0":
-        parse_capacity(capacity, "--capacity")
+        parse_capacity(capacity, "--capacity", TABLE_ROWS)
         if registry.make_policy(policy).capabilities.needs_scores:
             raise CachelabError(f"--policy {policy!r} needs predictor scores, which the experiment does not give: "
                                 "name a policy that needs none")

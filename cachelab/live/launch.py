@@ -118,7 +118,7 @@ def model_for(opts: ServeOptions) -> ModelConfig:
 def open_rows(opts: ServeOptions, layout: str):
     """The Engram row source: the live store at ``opts.store``, or the default scaled store
     (built on first use in the cache directory, under a lock so two first runs build once)."""
-    from cachelab.capacity import parse_capacity
+    from cachelab.capacity import TABLE_ROWS, parse_capacity
     from cachelab.engram import get_preset
     from cachelab.paths import cache_dir, one_builder
     from cachelab.store import TieredStore, build_tables
@@ -127,7 +127,7 @@ def open_rows(opts: ServeOptions, layout: str):
     for flag, value in (("--row-cache-capacity", opts.row_cache_capacity),
                         ("--dram-cache-capacity", opts.dram_cache_capacity)):
         if value not in (None, 0, "0"):
-            parse_capacity(value, flag)  # the flag named in a malformed value's error, not the store's argument
+            parse_capacity(value, flag, TABLE_ROWS)  # the flag named in a malformed value's error, not the store's argument
     config = get_preset(layout)
     directory = opts.store
     if directory is None:  # a layout file's store under its name and a digest of its fields, in the cache directory

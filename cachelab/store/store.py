@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from cachelab import registry
-from cachelab.capacity import parse_capacity
+from cachelab.capacity import TABLE_ROWS, parse_capacity
 from cachelab.errors import CachelabError
 from cachelab.policy import Policy
 from cachelab.policy.unbounded import Unbounded
@@ -260,7 +260,7 @@ class TieredStore:
     def _rows(self, capacity, where: str) -> int:
         if capacity in (None, 0, "0"):
             return 0
-        return parse_capacity(capacity, where).rows(self.num_keys, self.row_bytes, where)
+        return parse_capacity(capacity, where, TABLE_ROWS).rows(self.num_keys, self.row_bytes, where, TABLE_ROWS)
 
     @staticmethod
     def _policy(policy: Policy | str) -> Policy:
