@@ -43,6 +43,10 @@ Sections (each prints a ratio against its same-run reference):
         [--dir D] [--trace gsm8k,humaneval] [--requests 20] [--steps serving] [--sections ...]
         [--pagecache] [--plot F] [--json]
 
+Tables whose pages stay in the page cache when dropped (tmpfs, or another process mapping them)
+are refused by ``direct``, ``modes``, ``prefetch`` and ``pagecache``: what they call storage
+would be memory there.
+
 The tables are built once into ``--dir`` (default: a temporary folder) by ``cachelab store
 build``; a scale of 2e-3 gives 420 MB, larger than most last-level caches (not every one: the VM
 the figures in docs/store.md come from reports a 480 MiB L3, shared with its host's other tenants).
@@ -66,6 +70,7 @@ import numba
 import numpy as np
 
 from cachelab.compiled import copy_bytes
+from cachelab.errors import CachelabError
 from cachelab.serving.hardware.probe import _best
 from cachelab.store.backing import huge_page_empty
 from cachelab.store.kernels import prefetch_row
@@ -403,11 +408,13 @@ def direct_section(directory: Path, depths=(1, 4, 16, 32, 64), reads: int = 8000
     """Store ``direct`` page reads/s per queue depth, through io_uring and through the thread
     pool of preads, against fio (io_uring) at the same depth on the same file: the same number
     of reads each, interleaved over ``rounds`` rounds, best of each (the best the disk gave)."""
-    from cachelab.errors import CachelabError
     from cachelab.store.backing import DirectBacking
     from cachelab.store.build import open_tables, same_build
+    from cachelab.store.pagecache import drop_pages, refuse_kept, resident_file_pages
 
     layout, manifest, paths = open_tables(directory)
+    drop_pages(paths[:1])  # a file that stays in memory (tmpfs) reads as fast as memory, fio's reads too
+    refuse_kept(directory, *resident_file_pages(paths[:1]), "random O_DIRECT reads of the device")
     rng = np.random.default_rng(seed)
     pages = layout.file_pages(0)
     out = np.empty((reads, layout.row_bytes), np.uint8)
@@ -457,11 +464,15 @@ def direct_section(directory: Path, depths=(1, 4, 16, 32, 64), reads: int = 8000
 
 
 def cli_bench(directory: Path, trace: str, requests: int, backing: str, extra: list[str]) -> dict:
+    """`cachelab store bench` on ``backing`` in a fresh process, the tables' pages dropped first.
+    Tables whose pages stay in the page cache (tmpfs, or another process mapping them) are
+    refused: the `modes` and `prefetch` sections timed reads of memory there as the SSD's."""
     from cachelab.store.build import open_tables, same_build
-    from cachelab.store.pagecache import drop_pages
+    from cachelab.store.pagecache import drop_pages, refuse_kept, resident_file_pages
 
     _, manifest, paths = open_tables(directory)
     drop_pages(paths)
+    refuse_kept(directory, *resident_file_pages(paths), f"`store bench --backing {backing}` from storage")
     same_build(directory, manifest)  # the pages dropped were this build's (the CLI checks what it opens)
     args = CLI + ["store", "bench", "--dir", str(directory), "--trace", trace, "--requests", str(requests),
                   "--policy", "lru", "--capacity", "1%", "--dram-capacity", "4%", "--backing", backing,
@@ -627,4 +638,7 @@ def _print(out: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except CachelabError as exc:  # bad tables or flags: the message, not a traceback
+        raise SystemExit(f"error: {exc}") from None

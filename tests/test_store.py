@@ -1415,6 +1415,36 @@ def test_the_page_cache_experiment_refuses_tables_whose_pages_the_drop_leaves(ta
         pagecache.pagecache_experiment(tables, stream, 3, hbm_capacity=50, cgroup=False)
 
 
+@pytest.mark.parametrize("section", ["modes", "prefetch", "direct"])
+def test_bench_stores_storage_sections_refuse_tables_the_page_cache_keeps(tmp_path, monkeypatch, section):
+    """``bench_store.py``'s ``modes`` and ``prefetch`` dropped the tables' pages and timed
+    `store bench` with no check that they went: on tmpfs (the files are the page cache) their
+    'SSD' reads were memory's, printed as storage figures; ``direct`` timed O_DIRECT there
+    against fio's reads of memory alike. As the page-cache experiment does, they now refuse
+    tables the page cache keeps, before timing anything."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from cachelab.store import pagecache
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_store
+
+    build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, seed=1, progress=False)
+    monkeypatch.setattr(pagecache, "drop_pages", lambda paths: None)  # what tmpfs does with the drop
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail(f"timed {a[0]} on tables in memory"))
+    from cachelab.store import backing
+
+    monkeypatch.setattr(backing.DirectBacking, "read", lambda *a: pytest.fail("timed direct reads of memory"))
+    run = {"modes": lambda: bench_store.modes_section(tmp_path, "gsm8k", 1),
+           "prefetch": lambda: bench_store.prefetch_section(tmp_path, "gsm8k", 1, 1.0),
+           "direct": lambda: bench_store.direct_section(tmp_path, depths=(1,), reads=16, rounds=1)}[section]
+    with pytest.raises(CachelabError, match=r"pages stayed in the page cache when dropped: on tmpfs the files are "
+                                            r"the page cache.* would time memory"):
+        run()
+
+
 def test_store_page_cache_runs_the_experiment_and_checks_its_flags(tables, tmp_path):
     """`cachelab store page-cache`: the experiment that only `benchmarks/bench_store.py --pagecache`
     ran, as a verb (the library's, the CLI parsing and printing); its flags checked first."""
