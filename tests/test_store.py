@@ -928,6 +928,18 @@ def test_hbm_backing_gathers_the_resident_table_on_its_device(tables):
         TieredStore.open(tables, backing="hbm", hbm_policy="lru", hbm_capacity=300)
 
 
+def test_device_rows_copies_the_pages_rows_a_chunk_at_a_time():
+    """The GPU's resident table (``device_rows``), built on the CPU here: every page's rows
+    without its tail padding, in order, through chunks that do not divide the pages (the GPU
+    run, tests/test_store_cuda.py, checks its memory and stream)."""
+    from cachelab.store.backing import device_rows
+
+    pages = np.random.default_rng(3).integers(0, 256, (7, PAGE), dtype=np.uint8)
+    got = device_rows(pages, 15, 264, torch.device("cpu"), chunk_bytes=3 * PAGE)
+    assert got.shape == (105, 264) and got.is_contiguous()
+    assert np.array_equal(got.numpy(), pages[:, :15 * 264].reshape(-1, 264))
+
+
 def test_policy_state_per_table_row_is_measured():
     assert 4 < policy_bytes_per_row("lru") < 64
 

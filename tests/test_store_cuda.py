@@ -10,6 +10,7 @@ import torch
 
 from cachelab.store import TieredStore, build_tables
 from cachelab.store.bench import PolicySpec, check_rows, replay_store
+from cachelab.store.format import PAGE
 from test_store import SCALE, full_rows, stream_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a GPU)")
@@ -73,3 +74,26 @@ def test_a_prefetch_does_not_wait_for_the_callers_stream(tables):
         got = store.prefetch(rows).wait()
         assert not torch.cuda.current_stream().query()  # the caller's spin still running
         assert check_rows(store, rows, got) == 0
+
+
+def test_the_resident_table_is_built_once_on_the_device_and_complete(tables):
+    """``--backing hbm`` copied the whole pages over, then reshaped them without their padding
+    (a copy of a strided view): the table twice on the device at once (a table over half the
+    free memory passed the store's check and died out of memory), the second copy queued on the
+    default stream, which the store's own stream does not wait for. Now built in chunks straight
+    into the rows, the device synchronised before the store uses them."""
+    from cachelab.store.backing import DeviceTable
+    from cachelab.store.build import open_tables
+
+    layout, _, paths = open_tables(tables)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    table = DeviceTable(layout, paths, "cuda")
+    rows_bytes = table.rows.numel()
+    assert torch.cuda.max_memory_allocated() - before < rows_bytes + (64 << 20)  # was rows + the padded pages
+    assert torch.cuda.current_stream().query()  # nothing left queued
+    pages = table.rows.view(-1, layout.rows_per_page * layout.row_bytes).cpu().numpy()
+    host = np.concatenate([np.fromfile(p, np.uint8)[PAGE:].reshape(-1, PAGE) for p in paths])
+    assert np.array_equal(pages, host[:, :layout.rows_per_page * layout.row_bytes])
+    table.close()

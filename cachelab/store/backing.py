@@ -125,9 +125,9 @@ def _read_whole(path: Path, offset: int, view: memoryview) -> None:
 class DeviceTable:
     """Every layer's data pages resident in the compute device's memory (module doc, ``hbm``).
 
-    ``table``: the pages as a torch uint8 tensor ``[pages, 4096]`` on ``device``; ``pages``:
-    its NumPy view where the device is the CPU (the fused gather-dequantiser reads it there),
-    None on a GPU, where ``rows`` (``[page rows, row_bytes]``, the pages without their tail
+    Where the device is the CPU, ``table`` is the pages as a torch uint8 tensor ``[pages, 4096]``
+    and ``pages`` its NumPy view (the fused gather-dequantiser reads it there); on a GPU both are
+    None and ``rows`` (``device_rows``: ``[page rows, row_bytes]``, the pages without their tail
     padding) is what a gather indexes."""
 
     name = "hbm"
@@ -141,9 +141,7 @@ class DeviceTable:
         if self.device.type == "cpu":  # the compute device's memory is host memory: the tensor is the buffer
             self._host, self.table, self.pages, self.rows = host, torch.from_numpy(host.pages), host.pages, None
         else:
-            rpp, rb = layout.rows_per_page, layout.row_bytes
-            self.table = torch.from_numpy(host.pages).to(self.device)
-            self.rows = self.table[:, :rpp * rb].reshape(-1, rb)  # a copy on the device, then the pages go
+            self.rows = device_rows(host.pages, layout.rows_per_page, layout.row_bytes, self.device)
             self.table, self.pages, self._host = None, None, None
             host.close()
 
@@ -160,6 +158,30 @@ class DeviceTable:
         if self._host is not None:
             self._host.close()
         self.table = self.pages = self.rows = self._host = None
+
+
+def device_rows(pages: np.ndarray, rows_per_page: int, row_bytes: int, device, chunk_bytes: int = 64 << 20):
+    """The rows of host ``pages`` (``[pages, PAGE]`` uint8) without the pages' tail padding, as
+    one ``[pages x rows_per_page, row_bytes]`` uint8 tensor on ``device``, complete on return.
+
+    Copied a chunk of pages at a time straight into that tensor. The whole pages copied over,
+    then reshaped without their padding, held the table twice on the device (the reshape of a
+    strided view copies): a table over half the GPU's free memory passed the store's check
+    against it and died of an out-of-memory error; and that copy ran on the default stream,
+    which the store's own stream (non-blocking, as every stream torch makes) does not wait
+    for, so a first step could read rows still being written. Here each chunk's copy from
+    pageable host memory returns complete, and the device is synchronised before returning."""
+    import torch
+
+    used = rows_per_page * row_bytes
+    rows = torch.empty((pages.shape[0] * rows_per_page, row_bytes), dtype=torch.uint8, device=device)
+    by_page = rows.view(pages.shape[0], used)
+    step = max(1, chunk_bytes // max(1, pages.shape[1]))
+    for p in range(0, pages.shape[0], step):  # one copy per 64 MiB of pages, never per row
+        by_page[p:p + step].copy_(torch.from_numpy(np.ascontiguousarray(pages[p:p + step, :used])))
+    if rows.is_cuda:
+        torch.cuda.synchronize(rows.device)
+    return rows
 
 
 class StorageReads:
