@@ -91,6 +91,27 @@ def test_bench_json_matches_the_simulator(tables, tmp_path):
         assert res.exit_code == 2 and f"device '{device}': expected cpu, cuda or cuda:N" in res.output, res.output
 
 
+def test_bench_text_prints_the_bytes_of_each_link(tables, tmp_path):
+    """The issue's `store bench` prints per-tier hits, misses and bytes: the text printed the
+    figures compared with the simulator alone, so on `mmap` and `pread` (whose page cache the
+    simulator leaves out) no byte of the SSD -> DRAM or DRAM -> HBM link, nor the evictions."""
+    rng = np.random.default_rng(1)
+    rows = CFG.offsets[None] + rng.integers(0, 5_000, (6 * 8, 2, 24)) % CFG.primes[None]
+    keys = global_key(np.broadcast_to(np.arange(2)[None, :, None], rows.shape), rows).reshape(-1)
+    path = LookupStream(keys, np.arange(7) * 8 * 48, 264, CFG.layers).save(tmp_path / "s.npz")
+    res = run("bench", "--dir", tables, "--trace", path, "--capacity", 150, "--dram-capacity", 400, "--backing",
+              "mmap", "--device", "cpu", "--json")
+    st = json.loads(res.stdout)["store"]
+    res = run("bench", "--dir", tables, "--trace", path, "--capacity", 150, "--dram-capacity", 400, "--backing",
+              "mmap", "--device", "cpu")
+    assert res.exit_code == 0, res.output
+    lines = {line.split()[1]: line.split()[3] for line in res.stdout.splitlines() if line.count("│") == 4}
+    for name in ("hbm_evictions", "dram_evictions", "ssd_to_dram_bytes", "dram_to_hbm_bytes", "host_read_bytes",
+                 "hbm_hits", "dram_misses", "host_to_device_bytes"):
+        assert lines[name] == f"{st[name]:,}", (name, res.stdout)
+    assert st["dram_to_hbm_bytes"] > 0 and st["hbm_evictions"] > 0
+
+
 def test_bad_input_exits_2_naming_the_value(tables, tmp_path):
     res = run("bench", "--dir", tmp_path, "--trace", "x.npz", "--capacity", 10)
     assert res.exit_code == 2 and "manifest.json: missing" in res.output

@@ -273,6 +273,10 @@ def _device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+STORE_ONLY = ("hbm_admissions", "hbm_evictions", "dram_admissions", "dram_evictions", "ssd_to_dram_bytes",
+              "dram_to_hbm_bytes", "host_read_bytes")
+
+
 def _print(out: dict) -> None:
     console = Console()
     for tier, c in out["clamped_capacities"].items():
@@ -285,8 +289,13 @@ def _print(out: dict) -> None:
     for name, pair in out["comparison"].items():
         mark = "" if pair["store"] == pair["simulator"] else " [red]differs[/]"
         table.add_row(name, f"{pair['store']:,}", f"{pair['simulator']:,}{mark}")
-    console.print(table)
     st = out["store"]
+    # the store's other counts per tier and link, which the simulator does not model alike (the
+    # page cache of mmap and pread): the text printed hits and misses but no bytes per link
+    for name in STORE_ONLY:
+        if name in st and name not in out["comparison"]:
+            table.add_row(name, f"{st[name]:,}", "[dim]not compared[/]")
+    console.print(table)
     stages = ", ".join(f"{k[:-2]} {st[k]:.3f}" for k in ("dedup_s", "cache_lookup_s", "ssd_read_s", "gather_s",
                                                           "copy_s", "dequant_s", "stall_s", "step_s"))
     console.print(f"seconds: {stages}; faults: {st['minor_faults']:,} minor, {st['major_faults']:,} major")
