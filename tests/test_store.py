@@ -940,6 +940,17 @@ def test_device_rows_copies_the_pages_rows_a_chunk_at_a_time():
     assert np.array_equal(got.numpy(), pages[:, :15 * 264].reshape(-1, 264))
 
 
+def test_a_store_on_cuda_names_its_device_with_the_index_tensors_carry(monkeypatch):
+    """``torch.device('cuda') != torch.device('cuda:0')``, and a tensor's device always has its
+    index: a store opened on ``cuda`` refused every ``out=`` made there. It keeps the current
+    CUDA device's index (the GPU run, tests/test_store_cuda.py, passes an ``out=``)."""
+    from cachelab.store.store import indexed_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert indexed_device("cuda") == torch.device("cuda:1") and indexed_device("cuda:0") == torch.device("cuda:0")
+    assert indexed_device("cpu") == torch.empty(0).device
+
+
 def test_policy_state_per_table_row_is_measured():
     assert 4 < policy_bytes_per_row("lru") < 64
 

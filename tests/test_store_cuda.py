@@ -97,3 +97,14 @@ def test_the_resident_table_is_built_once_on_the_device_and_complete(tables):
     host = np.concatenate([np.fromfile(p, np.uint8)[PAGE:].reshape(-1, PAGE) for p in paths])
     assert np.array_equal(pages, host[:, :layout.rows_per_page * layout.row_bytes])
     table.close()
+
+
+def test_out_on_the_device_the_store_was_opened_on(tables):
+    """A store opened on ``cuda`` (what ``--device auto`` gives) compared ``out.device``
+    (``cuda:0``, a tensor's device always has its index) with ``torch.device('cuda')``: unequal,
+    so every ``out=`` was refused as on another device."""
+    rows = full_rows(np.random.default_rng(9), 10)
+    with TieredStore.open(tables, device="cuda", hbm_policy="lru", hbm_capacity=300) as store:
+        out = torch.empty((*rows.shape, 256), dtype=torch.bfloat16, device="cuda")
+        assert store.lookup(rows, out=out).data_ptr() == out.data_ptr()
+        assert check_rows(store, rows, out) == 0

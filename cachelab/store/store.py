@@ -116,6 +116,17 @@ def check_device(device: str, where: str = "device") -> None:
                             "cuda:0 onwards")
 
 
+def indexed_device(device: str):
+    """``device`` (checked) as torch names a tensor's: ``cuda`` is the current CUDA device with
+    its index. A tensor's ``.device`` always carries the index and ``torch.device('cuda') !=
+    torch.device('cuda:0')``, so a store opened on ``cuda`` refused every ``out=`` made there
+    ('must be ... on cuda, got ... on cuda:0')."""
+    import torch
+
+    dev = torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" and dev.index is None else dev
+
+
 class TieredStore:
     """Engram tables behind an HBM row cache and a DRAM warm cache, each run by a policy.
 
@@ -137,7 +148,7 @@ class TieredStore:
         self.num_keys = lay.num_keys
         self.layer_base = lay.layer_base
         check_device(device)
-        self.device = torch.device(device)
+        self.device = indexed_device(device)
         self.cuda = self.device.type == "cuda"
         self.hbm_device = f"{device} (HBM)" if self.cuda else "cpu (a CPU tensor stands in for HBM: no GPU)"
         table_bytes = sum(p.stat().st_size for p in self.paths)
