@@ -518,6 +518,29 @@ def test_the_pr_bodys_two_readings_of_the_ssd_floor_are_both_reported():
 
 
 @pytest.mark.slow
+def test_the_tpot_offset_reading_reads_the_ssd_arm_over_the_keys_sweep():
+    # DRAM over SSD under the PR body's TPOT-offset floor divides the key, read over the key's sweep, by the
+    # SSD arm's read-off; that arm was read over the what-ifs' coarser sweep, on the chord from 8 to 12 clients
+    # where this floor puts the read-off between 8 and 10: 1.135 where the key's own sweep gives 1.121 (seen by
+    # helper-136)
+    from dataclasses import replace
+
+    import polars as pl
+
+    from cachelab.serving.pareto import pareto_front, throughput_at
+    from cachelab.serving.studies.semianalysis import KEY_CONCURRENCIES, TARGET, X, Y, run_points
+    from cachelab.serving.studies.ssd_floor import floor_from_tpot_offset
+
+    fitted, wl = replace(Efficiency(), **FITTED_R1), agentic_workload()
+    got = floor_from_tpot_offset(wl, fitted, 1.0)
+    floor = replace(fitted, piecewise_layer_s=got["piecewise_layer_s"])
+    ssd = pl.DataFrame(run_points(wl, floor, [("B200", 4, "ssd-mmap"), ("B200", 8, "ssd-mmap")], KEY_CONCURRENCIES),
+                       infer_schema_length=None).filter(pl.col("fits"))
+    want = throughput_at(pareto_front(ssd, X, Y), TARGET, X, Y) * 3600 / load_profile("B200").usd_per_gpu_hour
+    assert got["b200_ssd_tokens_per_dollar"] == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.slow
 def test_the_elasticities_are_of_the_key_itself():
     # the sensitivity's base is b200_dram_tokens_per_dollar as the study reads it (its sweep to 128
     # clients), not a coarser sweep's read-off 8% below it (seen by helper-118)

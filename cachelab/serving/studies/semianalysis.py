@@ -548,19 +548,20 @@ def budget_what_ifs(workload: Workload, eff: Efficiency) -> dict:
 
 # The key's own sweep: the concurrencies ``b200_dram_tokens_per_dollar`` is read over. A coarser one reads
 # the front at 125 tok/s/user on a chord between far-apart points (8 and 16 clients: 70.7 M where the key
-# is 76.7 M), so its elasticities were of another figure than the key's.
-SENSITIVITY_CONCURRENCIES = tuple(c for c in CONCURRENCIES if c <= PUBLISHED_MAX_CONCURRENCY)
+# is 76.7 M), so its elasticities were of another figure than the key's; a ratio to the key likewise reads
+# its other arm over this sweep (``ssd_floor.floor_from_tpot_offset``).
+KEY_CONCURRENCIES = tuple(c for c in CONCURRENCIES if c <= PUBLISHED_MAX_CONCURRENCY)
 
 
 def sensitivity(workload: Workload, eff: Efficiency, names, step: float = 0.1) -> dict:
     """Elasticity of B200 DRAM-UVA tokens per dollar at the target to each parameter:
     d ln(tokens/$) / d ln(parameter), by a +``step`` relative change, each read over the key's
-    own sweep (``SENSITIVITY_CONCURRENCIES``), so ``base`` is ``b200_dram_tokens_per_dollar``."""
+    own sweep (``KEY_CONCURRENCIES``), so ``base`` is ``b200_dram_tokens_per_dollar``."""
     configs = [c for c in CONFIGS if c[0] == "B200" and c[2] == "dram-uva"]
     price = load_profile("B200").usd_per_gpu_hour
 
     def tpd(e: Efficiency) -> float:
-        df = pl.DataFrame(run_points(workload, e, configs, SENSITIVITY_CONCURRENCIES), infer_schema_length=None)
+        df = pl.DataFrame(run_points(workload, e, configs, KEY_CONCURRENCIES), infer_schema_length=None)
         return throughput_at(_front(df.filter(pl.col("fits"))), TARGET, X, Y) * 3600 / price
 
     base = tpd(eff)

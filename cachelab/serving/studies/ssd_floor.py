@@ -18,17 +18,19 @@ from cachelab.serving.hardware import load_profile
 from cachelab.serving.latency import Efficiency
 from cachelab.serving.pareto import pareto_front, throughput_at
 from cachelab.serving.steady import Workload
-from cachelab.serving.studies.semianalysis import (CONFIGS, SSD_PR_SOURCE, SSD_PR_STEADY, TARGET, WHAT_IF_CONCURRENCIES, X,
+from cachelab.serving.studies.semianalysis import (CONFIGS, KEY_CONCURRENCIES, SSD_PR_SOURCE, SSD_PR_STEADY, TARGET, X,
                                                    Y, disk_over_uva, fitted_piecewise_layer_s, published_piecewise_layer_s,
                                                    run_points)
 
 
 def floor_from_tpot_offset(workload: Workload, eff: Efficiency, dram_tokens_per_dollar: float,
-                           concurrencies=WHAT_IF_CONCURRENCIES) -> dict:
+                           concurrencies=KEY_CONCURRENCIES) -> dict:
     """B200 DRAM over SSD with the SSD floor read from the PR body's median TPOT offset at one client
     (``published_piecewise_layer_s``: one client's verify step is one sequence's, so no think time enters),
     not fitted on its SSD-over-UVA throughput; and the PR body's sweep under that floor, every point held
-    out. The two readings of the one source bracket the key (``floor_if_think_mean``)."""
+    out. The two readings of the one source bracket the key (``floor_if_think_mean``). The SSD arm is read
+    over the key's own sweep, as ``dram_tokens_per_dollar`` is: this floor puts the read-off between 8 and 10
+    clients on TP4, where the what-ifs' coarser sweep reads it on the chord from 8 to 12 (1.135, not 1.121)."""
     price = load_profile("B200").usd_per_gpu_hour
     floor = replace(eff, piecewise_layer_s=published_piecewise_layer_s(eff, workload))
     ssd = [c for c in CONFIGS if c[0] == "B200" and c[2] == "ssd-mmap"]
