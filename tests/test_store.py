@@ -709,7 +709,8 @@ def test_two_threads_waiting_on_one_prefetch_count_its_stall_once(tables, monkey
                 pass
         return time.perf_counter()
 
-    monkeypatch.setattr(store_module, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    clock = {k: getattr(time, k) for k in dir(time) if not k.startswith("_")}  # the module, perf_counter held
+    monkeypatch.setattr(store_module, "time", types.SimpleNamespace(**{**clock, "perf_counter": perf_counter}))
     rows = full_rows(np.random.default_rng(6), 20)
     with TieredStore.open(tables, hbm_policy="lru", hbm_capacity=500) as store:
         handle = store.prefetch(rows)
