@@ -1444,8 +1444,9 @@ def test_bench_stores_storage_sections_refuse_tables_the_page_cache_keeps(tmp_pa
     """``bench_store.py``'s ``modes`` and ``prefetch`` dropped the tables' pages and timed
     `store bench` with no check that they went: on tmpfs (the files are the page cache) their
     'SSD' reads were memory's, printed as storage figures; ``direct`` timed O_DIRECT there
-    against fio's reads of memory alike. As the page-cache experiment does, they now refuse
-    tables the page cache keeps, before timing anything."""
+    against fio's reads of memory alike. As the page-cache experiment does, the first two now
+    refuse tables the page cache keeps, and ``direct`` a file whose O_DIRECT reads fetch nothing
+    from storage, before timing anything."""
     import subprocess
     import sys
     from pathlib import Path
@@ -1460,10 +1461,14 @@ def test_bench_stores_storage_sections_refuse_tables_the_page_cache_keeps(tmp_pa
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail(f"timed {a[0]} on tables in memory"))
     from cachelab.store import backing
 
-    monkeypatch.setattr(backing.DirectBacking, "read", lambda *a: pytest.fail("timed direct reads of memory"))
+    if section == "direct":  # O_DIRECT on tmpfs (Linux 6.6 on) reads memory: no byte fetched from storage
+        monkeypatch.setattr(backing.StorageReads, "__call__", lambda self: 7)
+        with pytest.raises(CachelabError, match=r"layer1.tbl: 28 random O_DIRECT page reads fetched nothing from "
+                                                r"storage .* on tmpfs the file is memory"):
+            bench_store.direct_section(tmp_path, depths=(1,), reads=16, rounds=1)
+        return
     run = {"modes": lambda: bench_store.modes_section(tmp_path, "gsm8k", 1),
-           "prefetch": lambda: bench_store.prefetch_section(tmp_path, "gsm8k", 1, 1.0),
-           "direct": lambda: bench_store.direct_section(tmp_path, depths=(1,), reads=16, rounds=1)}[section]
+           "prefetch": lambda: bench_store.prefetch_section(tmp_path, "gsm8k", 1, 1.0)}[section]
     with pytest.raises(CachelabError, match=r"pages stayed in the page cache when dropped: on tmpfs the files are "
                                             r"the page cache.* would time memory"):
         run()
