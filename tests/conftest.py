@@ -2,8 +2,9 @@
 
 Numba's on-disk cache (``cache=True``) keys a kernel on its own file only, not on the
 compiled helpers it calls (admission filters, queues, heaps), so after a pull that changes a
-helper a cached kernel can run the old helper against new state layouts. Before a session,
-cache files older than the newest source file of the repository are removed.
+helper a cached kernel can run the old helper against new state layouts. Importing cachelab
+removes cache files older than the newest source file of its packages
+(``cachelab.purge_stale_kernels``), in every process, the session's included.
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ from hypothesis import settings
 import vllm_peer
 from vllm_peer import vllm_server  # noqa: F401  (the real vLLM server, shared by the session)
 
-from cachelab.paths import REPO_ROOT, data_root
+from cachelab.paths import data_root
 
-_PACKAGES = ("cachelab", "policies", "predictors", "traces")
 
 # CI replays the same Hypothesis examples on every run, so a landing is judged by the code, not
 # by the draw; local runs keep exploring new examples.
@@ -26,21 +26,7 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
-def _purge_stale_numba_cache() -> None:
-    sources = [p for pkg in _PACKAGES for p in (REPO_ROOT / pkg).rglob("*.py")]
-    newest = max((p.stat().st_mtime for p in sources), default=0.0)
-    for pkg in _PACKAGES:
-        for cached in (REPO_ROOT / pkg).rglob("__pycache__/*.nb[ic]"):
-            try:
-                if cached.stat().st_mtime < newest:
-                    cached.unlink()
-            except FileNotFoundError:  # another worker removed it first
-                pass
-
-
 def pytest_configure(config):
-    if not hasattr(config, "workerinput"):  # once, in the controlling process
-        _purge_stale_numba_cache()
     vllm_peer.configure(config)
 
 

@@ -246,3 +246,45 @@ def test_the_compiled_loop_loads_from_the_disk_cache():
             "print(sum(compile_loop(p.hooks, False, False).stats.cache_hits.values()))")
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True) for _ in range(2)]
     assert int(runs[-1].stdout.split()[-1]) >= 1
+
+
+def test_a_cached_kernel_older_than_a_source_file_is_deleted_when_cachelab_is_imported(tmp_path):
+    """Numba keys a cached kernel on its own file only: after ``sketch_estimate`` of
+    ``cachelab/policy/admission.py`` changed, ``simulate --policy wtinylfu`` ran the old one from
+    its cache until ``policies/sketch/wtinylfu.py`` changed too (only the test suite purged such
+    entries). Every process that imports cachelab now deletes the entries older than the newest
+    source of its packages, and only those."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import cachelab
+
+    helper = tmp_path / "cachelab" / "policy" / "admission.py"
+    kernel = tmp_path / "policies" / "sketch" / "wtinylfu.py"
+    for path in (helper, kernel):
+        path.parent.mkdir(parents=True)
+        (path.parent / "__pycache__").mkdir()
+        path.write_text("x = 1\n")
+    stale = kernel.parent / "__pycache__" / "wtinylfu._wtinylfu_kernel-75.py311.nbi"
+    fresh = helper.parent / "__pycache__" / "admission.sketch_add-99.py311.nbc"
+    other = tmp_path / "elsewhere" / "__pycache__" / "mod.f-1.py311.nbi"  # not one of cachelab's packages
+    other.parent.mkdir(parents=True)
+    for path, when in ((kernel, 1000), (stale, 2000), (helper, 3000), (fresh, 4000), (other, 10)):
+        path.touch()
+        os.utime(path, (when, when))
+    cachelab.purge_stale_kernels(tmp_path)
+    assert not stale.exists() and fresh.exists() and other.exists() and helper.exists() and kernel.exists()
+    cachelab.purge_stale_kernels(tmp_path / "missing")  # no packages there: nothing to do
+
+    # and at import: an entry of this checkout older than its sources is gone after `import cachelab`
+    probe = Path(cachelab.__file__).parent / "__pycache__" / "purge_probe.f-1.py311.nbi"
+    probe.parent.mkdir(exist_ok=True)
+    probe.touch()
+    os.utime(probe, (1000, 1000))
+    try:
+        subprocess.run([sys.executable, "-c", "import cachelab"], check=True)
+        assert not probe.exists()
+    finally:
+        probe.unlink(missing_ok=True)
