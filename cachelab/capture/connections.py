@@ -172,6 +172,7 @@ class ClientConnection(asyncio.Protocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.proxy.clients.add(self)
+        self.proxy.idle[self] = None
         no_delay(transport)
         probe_when_idle(transport, self.proxy.config.tcp_keepalive_s)
         peer = transport.get_extra_info("peername")
@@ -181,6 +182,7 @@ class ClientConnection(asyncio.Protocol):
         gone = not self.closed  # the client closed it (the proxy sets ``closed`` before it closes one)
         self.closed = True
         self.proxy.clients.discard(self)
+        self.proxy.idle.pop(self, None)
         if self.forward is not None:
             self.forward.client_gone()
         if gone:  # pipelined requests it sent whole and left before they were served
@@ -217,6 +219,7 @@ class ClientConnection(asyncio.Protocol):
     # -- parser callbacks -----------------------------------------------------------------------
     def on_message_begin(self) -> None:
         self.request = Request()
+        self.proxy.idle.pop(self, None)  # no longer idle: not closed to make room for another (``CaptureProxy.admit``)
         self.idle_since = time.monotonic()  # from now on, the time the request takes to come whole
 
     def on_url(self, url: bytes) -> None:
@@ -336,6 +339,13 @@ class ClientConnection(asyncio.Protocol):
         else:
             self.transport.close()
 
+    def let_go(self) -> None:
+        """Close this idle connection to make room for a new one (``CaptureProxy.admit``)."""
+        self.closed = True
+        self.proxy.clients.discard(self)
+        self.proxy.idle.pop(self, None)
+        self.transport.close()
+
     def _answer_and_close(self, data: bytes) -> None:
         """Answer a request that ends the connection (not HTTP: 400, a head too large: 431, an upgrade:
         501, a stalled one: 408), then close it: at once, or, behind requests still being answered, after
@@ -369,7 +379,9 @@ class ClientConnection(asyncio.Protocol):
         self.idle_since = time.monotonic()
         if self.queue or self.final is not None:
             self.next()
-        elif self.request is not None and self.request.wants_continue:  # its turn: the body may come
+        elif self.request is None:
+            self.proxy.idle[self] = None
+        elif self.request.wants_continue:  # its turn: the body may come
             self.request.wants_continue = False
             if not self.request.size:  # unless the client has stopped waiting and sends it already
                 self._continue(self.request)
@@ -388,3 +400,46 @@ class ClientConnection(asyncio.Protocol):
                 and self.queued_bytes <= self.proxy.config.max_body_bytes:
             self.read_paused = False
             self.transport.resume_reading()
+
+
+# connections refused at --max-client-connections that may still drain (read, dropped) for LINGER_S each
+# after their 503, so that the client reads it rather than a reset; past this many they are reset at once
+MAX_LINGERING = 256
+LINGER_S = 1.0
+
+
+class RefusedConnection(asyncio.Protocol):
+    """A client connection past ``max_client_connections``: a 503 with ``Retry-After`` and the close,
+    nothing parsed or recorded. What the client sends is read and dropped until it closes, ``LINGER_S``
+    at most (closed with its request unread, the connection is reset, which can destroy the 503 before
+    the client reads it); past ``MAX_LINGERING`` such connections at once, it is reset at once."""
+
+    def __init__(self, proxy: "CaptureProxy"):
+        self.proxy = proxy
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        proxy = self.proxy
+        proxy.connections_refused += 1
+        if proxy.lingering >= MAX_LINGERING:
+            transport.abort()
+            return
+        proxy.lingering += 1
+        self.timer = asyncio.get_running_loop().call_later(LINGER_S, transport.abort)
+        limit = proxy.config.max_client_connections
+        transport.write(whole_response(503, error_body(503, f"the capture proxy has {limit} client connections "
+                                                            "open, its bound (--max-client-connections): try again"),
+                                       b"content-type: application/json\r\nretry-after: 1\r\n", close=True))
+        if transport.can_write_eof():
+            transport.write_eof()
+
+    def data_received(self, data: bytes) -> None:
+        pass  # the request it was refused before: dropped
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.proxy.lingering -= 1

@@ -50,8 +50,8 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from cachelab.api_key import ApiKey
-from cachelab.capture.connections import ClientConnection, Request, error_body, hop_by_hop, unauthorized, \
-    whole_response
+from cachelab.capture.connections import ClientConnection, RefusedConnection, Request, error_body, hop_by_hop, \
+    unauthorized, whole_response
 from cachelab.capture.exchange import Exchange
 from cachelab.capture.forward import Forward
 from cachelab.capture.injection import Planner, apply, prepare
@@ -62,6 +62,7 @@ from cachelab.errors import CachelabError
 RECORDED = (b"/v1/completions", b"/v1/chat/completions")
 IDEMPOTENT = {b"GET", b"HEAD", b"PUT", b"DELETE", b"OPTIONS", b"TRACE"}  # RFC 9110, 9.2.2
 _IDLE_SWEEP_S = 5.0
+RECLAIM_IDLE_S = 1.0  # at max_client_connections, a connection idle this long is closed for a new one
 _REPLACED = frozenset({b"x-forwarded-for"})  # request headers the proxy writes itself, the client's value first
 _REPLACED_RECORDED = _REPLACED | {b"accept-encoding"}
 _VIA_11, _VIA_10 = b"via: 1.1 cachelab-capture\r\n", b"via: 1.0 cachelab-capture\r\n"
@@ -85,6 +86,7 @@ class ProxyConfig:
     read_timeout: float = 300.0
     total_timeout: float = 3600.0
     max_connections: int = 1024
+    max_client_connections: int = 4096  # client connections open at once (``CaptureProxy.admit``; past it a 503)
     upstream_idle_timeout: float = 4.0  # an upstream connection idle this long is not reused (closed)
     tcp_keepalive_s: float = 30.0   # TCP keep-alive on both hops: a peer gone silently is dropped ~2x this after
     keep_alive_s: float = 30.0      # an idle client connection is closed after this long
@@ -104,6 +106,33 @@ class ProxyConfig:
             raise CachelabError(f"--upstream-ca is for an https:// upstream, not {shown_url(self.upstream)!r}")
 
 
+FD_RESERVE = 64  # file descriptors besides connections: listening socket, event loop, writer, planner, segments, stdio
+
+
+def claim_file_limit(config: ProxyConfig) -> None:
+    """Raise this process's open-file limit (its soft limit, up to the hard one) to what the connection
+    bounds need: out of descriptors, a new connection was dropped unanswered (uvloop) or left unanswered
+    (asyncio's loop; under a soft limit of 256, the 300th idle connection's request). Refused at start,
+    naming the flags, where the hard limit is below it."""
+    import resource
+
+    from cachelab.capture.connections import MAX_LINGERING
+
+    needed = config.max_client_connections + MAX_LINGERING + config.max_connections + FD_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    why = (f"--max-client-connections {config.max_client_connections} and --max-connections "
+           f"{config.max_connections} need {needed} open files (with {MAX_LINGERING} refused connections draining "
+           f"and {FD_RESERVE} of the proxy's own)")
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        raise CachelabError(f"{why}; this process may open {hard} at most (ulimit -Hn): lower them or raise the limit")
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+    except (ValueError, OSError) as exc:
+        raise CachelabError(f"{why}; raising the open-file limit from {soft} failed: {exc}") from None
+
+
 class CaptureProxy:
     """The proxy: its config, the upstream pool, the recorder, and its listening server.
 
@@ -118,6 +147,11 @@ class CaptureProxy:
         self.pool = UpstreamPool(config)
         self.planner = Planner(config.token_ids)  # what to add to a large request body, decided off the loop
         self.clients: set[ClientConnection] = set()
+        # connections with no request begun, oldest first: the first let go at ``max_client_connections``
+        self.idle: dict[ClientConnection, None] = {}
+        self.lingering = 0  # connections refused at ``max_client_connections``, still draining (``RefusedConnection``)
+        self.connections_refused = 0
+        self.connections_reclaimed = 0
         self.held = 0  # bytes the exchanges in flight hold (``Forward.hold_request``, ``keep``), at most ``max_held_bytes``
         self.server: asyncio.AbstractServer | None = None
         self._session_header = config.session_header.lower().encode("latin-1")
@@ -128,7 +162,8 @@ class CaptureProxy:
         """Serve on a bound, listening socket."""
         loop = asyncio.get_running_loop()
         await self.planner.start()
-        self.server = await loop.create_server(lambda: ClientConnection(self), sock=sock, backlog=2048)
+        self.server = await loop.create_server(
+            lambda: ClientConnection(self) if self.admit() else RefusedConnection(self), sock=sock, backlog=2048)
         self._sweeper = loop.create_task(self._sweep_idle())
 
     async def _sweep_idle(self) -> None:
@@ -168,6 +203,26 @@ class CaptureProxy:
         await asyncio.sleep(0)
         self.recorder.close()
 
+    def stats(self) -> dict:
+        """``GET /capture/status``: the recorder's counts, and the proxy's client connections."""
+        return {**self.recorder.stats(), "client_connections": len(self.clients),
+                "client_connections_refused": self.connections_refused,
+                "client_connections_reclaimed": self.connections_reclaimed}
+
+    def admit(self) -> bool:
+        """Whether a new client connection may be served: under ``max_client_connections``, or at it once
+        the connection idle longest (no request begun for ``RECLAIM_IDLE_S``) is closed to make room, as
+        nginx closes its idle keep-alive connections when out of them (HTTP lets a server close an idle
+        connection at any time; clients open another)."""
+        if len(self.clients) < self.config.max_client_connections:
+            return True
+        oldest = next(iter(self.idle), None)
+        if oldest is None or oldest.idle_since > time.monotonic() - RECLAIM_IDLE_S:
+            return False
+        self.connections_reclaimed += 1
+        oldest.let_go()
+        return True
+
     # -- requests -------------------------------------------------------------------------------
     def authorized(self, r: Request) -> bool:
         """Whether the request carries the bearer token, where one is required (checked as vLLM checks it)."""
@@ -185,7 +240,7 @@ class CaptureProxy:
             return client.respond(whole_response(400, error_body(400, message), close=not r.keep_alive),
                                   r.keep_alive)
         if r.method == b"GET" and path == b"/capture/status":
-            return client.respond(whole_response(200, json.dumps(self.recorder.stats()).encode(),
+            return client.respond(whole_response(200, json.dumps(self.stats()).encode(),
                                             close=not r.keep_alive), r.keep_alive)
         body = b"".join(r.body)
         x = self._exchange(r, path)

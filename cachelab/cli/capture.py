@@ -107,6 +107,10 @@ def proxy(
     max_connections: int = typer.Option(1024, help="At most this many connections to the upstream at once (the "
                                         "pool's bound, in use and idle). A request past it waits for one to be "
                                         "given back, --read-timeout at most (then a 503)."),
+    max_client_connections: int = typer.Option(4096, help="At most this many client connections open at once. At "
+                                               "the bound a new one takes the place of the connection idle longest "
+                                               "(no request begun for a second), else it gets a 503 with Retry-After "
+                                               "and is closed. The open-file limit is raised to fit both bounds."),
     upstream_idle_timeout: float = typer.Option(4.0, help="An upstream connection idle this long is not reused "
                                                 "but closed (s): under the upstream's own keep-alive timeout "
                                                 "(uvicorn's, so vLLM's: 5 s), so that no request goes on a "
@@ -138,7 +142,7 @@ def proxy(
     import asyncio
 
     from cachelab.capture.upstream import shown_url
-    from cachelab.capture.proxy import ProxyConfig, event_loop_factory, run_proxy
+    from cachelab.capture.proxy import ProxyConfig, claim_file_limit, event_loop_factory, run_proxy
     from cachelab.capture.recorder import Recorder, report_write_error
     from cachelab.capture.writer import CaptureWriter
     from cachelab.engram.vocab import DEEPSEEK_V4
@@ -158,6 +162,8 @@ def proxy(
         raise CachelabError(f"--tcp-keepalive {tcp_keepalive}: expected 0 (off) to 32767 seconds")
     if max_connections < 1:  # 0 sent nothing upstream: every request waited, then a 503
         raise CachelabError(f"--max-connections {max_connections}: expected 1 or more")
+    if max_client_connections < 1:
+        raise CachelabError(f"--max-client-connections {max_client_connections}: expected 1 or more")
     if hash_blocks < 0:
         raise CachelabError(f"--hash-blocks {hash_blocks}: expected 0 (keep ids) or a block size in tokens")
     tokenizer = fallback_tokenizer(tokenizer, upstream_tokenizer)
@@ -171,8 +177,9 @@ def proxy(
                          max_response_bytes=max_response_bytes, max_held_bytes=max_held_bytes,
                          read_timeout=read_timeout,
                          total_timeout=total_timeout, connect_timeout=connect_timeout,
-                         max_connections=max_connections, upstream_idle_timeout=upstream_idle_timeout,
-                         tcp_keepalive_s=tcp_keepalive)
+                         max_connections=max_connections, max_client_connections=max_client_connections,
+                         upstream_idle_timeout=upstream_idle_timeout, tcp_keepalive_s=tcp_keepalive)
+    claim_file_limit(config)
     if writer not in ("process", "thread"):
         raise CachelabError(f"--writer {writer!r}: expected process or thread")
     if not commit_ms >= 0:

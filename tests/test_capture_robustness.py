@@ -1,0 +1,145 @@
+"""The capture proxy under hostile load: client connections bounded (a 503 past
+``--max-client-connections``, the idle ones let go first, the open-file limit raised to fit)."""
+
+from __future__ import annotations
+
+import json
+import resource
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from capture_upstream import PROXY_EXIT_S, ProxyThread, ServerThread, Upstream
+from loopback import free_port
+from cachelab.capture.proxy import ProxyConfig
+from cachelab.capture.recorder import Recorder
+
+STATUS = b"GET /capture/status HTTP/1.1\r\nhost: x\r\n\r\n"
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _read_to_close(sock: socket.socket) -> bytes:
+    got = b""
+    while chunk := sock.recv(65536):
+        got += chunk
+    return got
+
+
+def _answer(sock: socket.socket) -> tuple[bytes, dict]:
+    """One whole answer with a content-length: its head and its JSON body."""
+    got = b""
+    while b"\r\n\r\n" not in got:
+        got += sock.recv(65536)
+    head, _, body = got.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head, json.loads(body)
+
+
+def _closed_by_proxy(sock: socket.socket) -> bool:
+    sock.settimeout(2)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_client_connections_are_bounded(tmp_path, monkeypatch, loop):
+    """Past ``max_client_connections`` a new connection takes the place of the one idle longest (nothing
+    begun for ``RECLAIM_IDLE_S``), else gets a 503 with Retry-After and the close; a connection with a request
+    begun is never let go for it. Counted in /capture/status. Unbounded, a client opening thousands of
+    idle connections took every file descriptor: later clients were dropped unanswered."""
+    monkeypatch.setattr("cachelab.capture.proxy.RECLAIM_IDLE_S", 2.0)  # 1 s: a loaded machine can stall that long
+    with ServerThread(Upstream().app) as upstream, \
+            ProxyThread(ProxyConfig(upstream=upstream.url, max_client_connections=3), Recorder(tmp_path / "cap"),
+                        loop=loop) as p:
+        idle = [_connect(p.url) for _ in range(3)]
+        time.sleep(0.2)
+        with _connect(p.url) as refused:  # the others idle under 2 s: none is let go
+            got = _read_to_close(refused)
+        head, _, body = got.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in head.lower(), got
+        assert b"connection: close" in head.lower()
+        assert "--max-client-connections" in json.loads(body)["error"]["message"]
+        time.sleep(2.2)
+        with _connect(p.url) as served:  # the idle one longest goes, this one is served
+            served.sendall(STATUS)
+            _, status = _answer(served)
+            assert _closed_by_proxy(idle[0])
+            assert (status["client_connections"], status["client_connections_refused"],
+                    status["client_connections_reclaimed"]) == (3, 1, 1)
+            for sock in idle[1:]:  # requests begun: not idle any more
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
+            time.sleep(2.2)
+            with _connect(p.url) as newer:  # let go of the only idle one: ``served``, done with its answer
+                assert _closed_by_proxy(served)
+                newer.sendall(STATUS)
+                _, status = _answer(newer)
+                assert status["client_connections_reclaimed"] == 2
+                assert not any(_closed_by_proxy(sock) for sock in idle[1:])
+        for sock in idle:
+            sock.close()
+
+
+def _limited(soft: int, hard: int):
+    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_the_open_file_limit_fits_the_connection_bounds(tmp_path):
+    """Under a soft limit of 256 open files (a common default is 1,024) the proxy raises it to what its
+    bounds need, so that the 300th idle connection's request is answered: it was accepted and dropped
+    unanswered (uvloop) once the descriptors ran out. Where the hard limit is too low it refuses to start,
+    naming the flags."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = 1000 + 256 + 64 + 64
+    if hard != resource.RLIM_INFINITY and hard < need + 400:
+        pytest.skip(f"hard open-file limit {hard}")
+    with ServerThread(Upstream().app) as upstream:
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "cachelab.cli", "capture", "proxy", "--upstream", upstream.url,
+                                 "--out", str(tmp_path / "cap"), "--listen", f"127.0.0.1:{port}",
+                                 "--max-client-connections", "1000", "--max-connections", "64"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=_limited(256, hard))
+        socks = []
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    httpx.get(f"http://127.0.0.1:{port}/capture/status", timeout=2)
+                    break
+                except httpx.HTTPError:
+                    assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+                    time.sleep(0.2)
+            socks = [_connect(f"http://127.0.0.1:{port}") for _ in range(300)]
+            socks[-1].sendall(STATUS)
+            _, status = _answer(socks[-1])
+            assert status["client_connections"] >= 300 and status["client_connections_refused"] == 0
+        finally:
+            for sock in socks:
+                sock.close()
+            proc.terminate()
+            proc.communicate(timeout=PROXY_EXIT_S)
+        out = subprocess.run([sys.executable, "-m", "cachelab.cli", "capture", "proxy", "--upstream", upstream.url,
+                              "--out", str(tmp_path / "refused"), "--max-client-connections", "1000",
+                              "--max-connections", "64"],
+                             capture_output=True, text=True, timeout=120, preexec_fn=_limited(256, 256))
+        assert out.returncode != 0
+        message = " ".join(out.stderr.split())
+        assert "--max-client-connections 1000 and --max-connections 64 need 1384 open files" in message, out.stderr
+        assert "ulimit -Hn" in message and not (tmp_path / "refused").exists()
+    bad = subprocess.run([sys.executable, "-m", "cachelab.cli", "capture", "proxy", "--upstream", "http://127.0.0.1:9",
+                          "--out", str(tmp_path / "zero"), "--max-client-connections", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--max-client-connections 0: expected 1 or more" in " ".join(bad.stderr.split())
+
