@@ -1,10 +1,13 @@
-"""The capture proxy under hostile load: client connections bounded (a 503 past
-``--max-client-connections``, the idle ones let go first, the open-file limit raised to fit)."""
+"""The capture proxy under hostile load and broken parts: client connections bounded (a 503 past
+``--max-client-connections``, the idle ones let go first, the open-file limit raised to fit), and
+the large-body planner's child killed or stuck."""
 
 from __future__ import annotations
 
 import json
+import os
 import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -142,4 +145,49 @@ def test_the_open_file_limit_fits_the_connection_bounds(tmp_path):
                           "--out", str(tmp_path / "zero"), "--max-client-connections", "0"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--max-client-connections 0: expected 1 or more" in " ".join(bad.stderr.split())
+
+
+def _large_completion(base: str, timeout: float = 60) -> tuple[httpx.Response, float]:
+    """A completion whose body (a prompt of ids) is over the planner's inline bound, and how long it took."""
+    from cachelab.capture.injection import INLINE_BYTES
+
+    prompt = [1000 + i % 5000 for i in range(INLINE_BYTES // 4)]
+    started = time.monotonic()
+    r = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2}, timeout=timeout)
+    return r, time.monotonic() - started
+
+
+def _new_planner(base: str, old: int) -> dict:
+    deadline = time.monotonic() + 30
+    while True:
+        status = httpx.get(base + "/capture/status", timeout=10).json()
+        if status["planner_pid"] not in (None, old):
+            return status
+        assert time.monotonic() < deadline, f"no planner after {old}: {status}"
+        time.sleep(0.05)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self"), reason="looks for the children in /proc")
+def test_the_planner_child_killed_or_stopped_is_replaced(tmp_path, monkeypatch):
+    """The child that plans large bodies, killed, is started again (its plans made on the loop meanwhile);
+    stopped (or stuck), it is killed once the plan at its queue's head is overdue, and its requests are
+    answered. It was neither: every later large body was parsed on the event loop after a kill, and a
+    stopped child held its requests until their clients gave up."""
+    monkeypatch.setattr("cachelab.capture.injection.plan_bound", lambda size: 1.0)
+    with ServerThread(Upstream().app) as upstream, \
+            ProxyThread(ProxyConfig(upstream=upstream.url), Recorder(tmp_path / "cap")) as p:
+        first = httpx.get(p.url + "/capture/status", timeout=10).json()["planner_pid"]
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        r, _ = _large_completion(p.url)
+        assert r.status_code == 200
+        status = _new_planner(p.url, first)
+        second = status["planner_pid"]
+        assert status["planner_restarts"] == 1 and not os.path.exists(f"/proc/{first}"), "reaped"
+        os.kill(second, signal.SIGSTOP)
+        r, took = _large_completion(p.url)
+        # it waited for the new child (planned inline it would not have), until the bound, not for ever
+        assert r.status_code == 200 and 1.0 <= took < 10, took
+        status = _new_planner(p.url, second)
+        assert status["planner_restarts"] == 2 and not os.path.exists(f"/proc/{second}")
 

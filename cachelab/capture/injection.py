@@ -123,15 +123,26 @@ class Planner(asyncio.Protocol):
     """The proxy's side of the child that plans large bodies: one socket, plans answered in order.
 
     ``plan`` hands a body over (two writes of the loop's, no copy of the body in Python) and awaits its
-    plan; the event loop serves other streams meanwhile. A child gone (killed, out of memory) is not
-    restarted: its plans still awaited and every later one are made inline, as before it existed."""
+    plan; the event loop serves other streams meanwhile. A child gone (killed, out of memory) has its
+    plans still awaited made inline, and is started again (at once, then after 1, 2, 4 ... 60 s while its
+    successors die before answering a plan), every body planned inline meanwhile; one that does not answer
+    the plan at the head of its queue within ``plan_bound`` (stopped, stuck) is killed, so that no request
+    waits for it for ever: each stopped child held its requests until their clients gave up (it was not
+    restarted either, and every later large body was parsed on the loop, the stall it exists to prevent).
+    ``restarts`` counts the children started again (``/capture/status``)."""
 
     def __init__(self, token_ids: bool, inline_bytes: int = INLINE_BYTES):
         self.token_ids, self.inline_bytes = token_ids, inline_bytes
         self.proc: subprocess.Popen | None = None
         self.transport: asyncio.Transport | None = None
-        self.waiting: deque[asyncio.Future] = deque()
+        self.waiting: deque[tuple[asyncio.Future, int]] = deque()  # each plan awaited, with its body's length
         self.buffer = bytearray()
+        self.restarts = 0
+        self.closing = False
+        self._failures = 0  # children in a row gone before answering a plan: the next restart waits longer
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._killed = False  # by the watchdog, which said so
+        self._restart: asyncio.Task | None = None
 
     async def start(self) -> None:
         if not self.token_ids:  # nothing to plan: no body is parsed
@@ -140,7 +151,12 @@ class Planner(asyncio.Protocol):
         with theirs:
             self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())],
                                          pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        self.buffer = bytearray()
         await asyncio.get_running_loop().connect_accepted_socket(lambda: self, ours)
+
+    def pid(self) -> int | None:
+        """The child planning now (None: none, bodies are planned inline)."""
+        return None if self.transport is None or self.transport.is_closing() else self.proc.pid
 
     def inline(self, body: bytes) -> bool:
         """Whether ``body`` is planned on the loop: small, or no child to plan it."""
@@ -152,7 +168,9 @@ class Planner(asyncio.Protocol):
             return plan(body, endpoint, self.token_ids)
         name = endpoint.encode()
         done = asyncio.get_running_loop().create_future()
-        self.waiting.append(done)
+        self.waiting.append((done, len(body)))
+        if len(self.waiting) == 1:
+            self._watch()
         self.transport.writelines((_HEAD.pack(len(body), self.token_ids, len(name)) + name, body))
         result = await done
         return plan(body, endpoint, self.token_ids) if result is _GONE else result
@@ -166,21 +184,74 @@ class Planner(asyncio.Protocol):
                 return
             fields = pickle.loads(buffer[_LENGTH.size:_LENGTH.size + size])
             del buffer[:_LENGTH.size + size]
-            done = self.waiting.popleft()
+            done, _ = self.waiting.popleft()
+            self._failures = 0
             if not done.done():  # else its exchange ended while it was planned
                 done.set_result(None if fields is None else Plan(*fields))
+            self._watch()
+
+    def _watch(self) -> None:
+        """Time the plan now at the head of the queue (none: nothing to watch)."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        if self.waiting:
+            self._watchdog = asyncio.get_running_loop().call_later(plan_bound(self.waiting[0][1]), self._stuck)
+
+    def _stuck(self) -> None:
+        self._watchdog = None
+        size = self.waiting[0][1]
+        print(f"capture: the body planner (pid {self.proc.pid}) has not planned a body of {size} bytes in "
+              f"{plan_bound(size):.1f} s: killed, and started again; bodies are planned on the event loop "
+              "meanwhile", file=sys.stderr, flush=True)
+        self._killed = True
+        self.proc.kill()  # its socket closes: ``connection_lost``
 
     def connection_made(self, transport) -> None:
         self.transport = transport
 
     def connection_lost(self, exc) -> None:
-        for done in self.waiting:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        for done, _ in self.waiting:
             if not done.done():
                 done.set_result(_GONE)
         self.waiting.clear()
+        if not self.closing:
+            self._restart = asyncio.get_running_loop().create_task(self._start_again())
+
+    async def _start_again(self) -> None:
+        """Reap the child gone (killed after 1 s where it closed its socket and lives on) and start another,
+        after a pause that grows while they die without answering a plan."""
+        old, loop = self.proc, asyncio.get_running_loop()
+        delay = min(60.0, 2.0 ** (self._failures - 1)) if self._failures else 0.0
+        self._failures += 1
+        deadline = loop.time() + 1.0
+        while old.poll() is None:
+            if loop.time() > deadline:
+                old.kill()
+            await asyncio.sleep(0.02)
+        if not self._killed:  # else the watchdog said why
+            print(f"capture: the body planner (pid {old.pid}) is gone ({_exit(old.returncode)}): started again "
+                  f"{f'in {delay:g} s' if delay else 'now'}; bodies are planned on the event loop meanwhile",
+                  file=sys.stderr, flush=True)
+        self._killed = False
+        await asyncio.sleep(delay)
+        if self.closing:
+            return
+        self.restarts += 1
+        try:
+            await self.start()
+        except OSError as exc:  # no process or socket to be had now: bodies planned inline, as without a child
+            print(f"capture: the body planner could not be started again ({exc}); bodies are planned on the "
+                  "event loop", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         """End the child (it exits at the end of its socket) and wait for it."""
+        self.closing = True
+        if self._restart is not None:
+            self._restart.cancel()
         if self.transport is not None:
             self.transport.close()
         if self.proc is not None:
@@ -189,6 +260,16 @@ class Planner(asyncio.Protocol):
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def plan_bound(size: int) -> float:
+    """How long the child may take over the plan at the head of its queue: 10 s, and 1 us a byte (it parses
+    about 100 MB/s of token ids; a body of text 15 times faster), before it is taken for stopped or stuck."""
+    return 10.0 + size * 1e-6
+
+
+def _exit(code: int) -> str:
+    return f"killed by signal {-code}" if code < 0 else f"exit status {code}"
 
 
 def _child(fd: int) -> None:

@@ -204,10 +204,11 @@ class CaptureProxy:
         self.recorder.close()
 
     def stats(self) -> dict:
-        """``GET /capture/status``: the recorder's counts, and the proxy's client connections."""
+        """``GET /capture/status``: the recorder's counts, the proxy's client connections, its planner's restarts."""
         return {**self.recorder.stats(), "client_connections": len(self.clients),
                 "client_connections_refused": self.connections_refused,
-                "client_connections_reclaimed": self.connections_reclaimed}
+                "client_connections_reclaimed": self.connections_reclaimed, "planner_restarts": self.planner.restarts,
+                "planner_pid": self.planner.pid()}
 
     def admit(self) -> bool:
         """Whether a new client connection may be served: under ``max_client_connections``, or at it once
