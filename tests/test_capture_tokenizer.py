@@ -155,3 +155,46 @@ def test_a_named_tokenizer_whose_tokens_are_not_the_servers_ids_is_not_recorded(
         assert built.exit_code == 0 and "was not the upstream's" in " ".join(built.output.split())
         info = CliRunner().invoke(app, ["capture", "info", str(tmp_path / "cap"), "--json"])
         assert json.loads(info.output)["tokenizer_mismatches"] == 1
+
+
+def _chat(messages: list, served_ids: list[int], stream: bool):
+    """An exchange of the proxy's: a chat, the server's ids of its rendering in the answer (vLLM's, at the top)."""
+    from cachelab.capture.exchange import Exchange
+
+    x = Exchange(endpoint="/v1/chat/completions", arrival_unix_ns=10**18, arrival=0.0, status=200,
+                 body=json.dumps({"model": "m", "messages": messages, "max_tokens": 1, "stream": stream}).encode())
+    if stream:  # vLLM's: the role alone (no ids), then the token, then [DONE]
+        first = {"id": "chatcmpl-1", "prompt_token_ids": served_ids,
+                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+        token = {"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {"content": " a"}, "token_ids": [3]}]}
+        x.events = [b"".join(b"data: %s\n\n" % json.dumps(e).encode() for e in (first, token)) + b"data: [DONE]\n\n"]
+        x.event_times = [0.5]
+    else:
+        x.response_time = 0.5
+        x.response = json.dumps({"id": "chatcmpl-1", "prompt_token_ids": served_ids, "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": " a"}, "token_ids": [3]}]}).encode()
+    return x
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("named_right", [True, False], ids=["the-servers", "another"])
+def test_a_chat_whose_ids_are_not_the_named_tokenizers_is_found(tmp_path, named_right, stream):
+    """Chats, the common case, were never checked: a wrong ``--upstream-tokenizer`` in front of a chat-only
+    workload named another tokenizer's ids unchallenged. The server's ids of a chat are its template's
+    rendering, so the check is the named tokenizer's decoding of them: it must hold the last user message."""
+    from cachelab.capture.tokens import FallbackTokenizer
+    from cachelab.engram.vocab import DEEPSEEK_V4
+
+    tok = tiny_tokenizer(tmp_path)
+    messages = [{"role": "system", "content": "b c"}, {"role": "user", "content": "a b"},
+                {"role": "assistant", "content": "d"}, {"role": "user", "content": [{"type": "text", "text": " the cat a b "}]}]
+    rendered = "system: b c\nuser: a b\nassistant: d\nuser: the cat a b\nassistant:"  # a template of the server's
+    served = FallbackTokenizer(tok if named_right else DEEPSEEK_V4).encode(rendered, prompt=True)
+    with Recorder(tmp_path / "cap", tokenizer=tok, ids_tokenizer=tok) as rec:
+        for _ in range(2):
+            rec.submit(_chat(messages, served, stream))
+    report = build_from_capture(tmp_path / "cap", tmp_path / "t.parquet")
+    assert report.requests == 2
+    assert (report.tokenizer == tokenizer_record(tok)) is named_right
+    assert report.tokenizer_mismatches == (0 if named_right else 1)
+    assert report.unknown_tokenizer_requests == (0 if named_right else 2)

@@ -54,7 +54,7 @@ def captured(vllm_server, tmp_path_factory):
     """A proxy and a KV-event subscriber in front of the shared server, one capture directory."""
     out = tmp_path_factory.mktemp("vllm-capture")
     sub = KVEventSubscriber(vllm_server.kv_events_endpoint, out, topic="kv").start()
-    recorder = Recorder(out)
+    recorder = Recorder(out, ids_tokenizer="deepseek-v4")  # the peer's: its ids are checked against it
     with ProxyThread(ProxyConfig(upstream=vllm_server.base_url), recorder) as proxy:
         yield vllm_server, proxy, recorder, sub, out
     sub.close()
@@ -92,6 +92,8 @@ def test_recorded_ids_are_the_servers_and_streams_are_unchanged(captured):
     assert recorder.flush(30)
     table, _ = read_requests(out)
     assert table.height == 5 and table["token_source"].to_list() == ["upstream"] * 3 + [None, "upstream"]
+    # the named tokenizer's check passes the server's ids of a completion and of a chat (its template's)
+    assert not table["tokenizer_mismatch"].any()
     assert table.row(2, named=True)["prompt_ids"] == rendered["prompt_token_ids"]
     refused = table.row(3, named=True)
     assert refused["status"] == 400 and "validation error" in refused["error"]

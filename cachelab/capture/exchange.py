@@ -236,6 +236,20 @@ def _request_prompts(body: dict) -> list[tuple[str | None, list[int] | None]]:
     return []
 
 
+def _last_user_text(body: dict) -> str | None:
+    """A chat's last user message as sent (of content parts, its longest text: servers join them with
+    their own separators), the tokenizer check's evidence (``Recorder``)."""
+    messages = body.get("messages")
+    for m in reversed(messages if isinstance(messages, list) else []):
+        if isinstance(m, dict) and m.get("role") == "user":
+            content = m.get("content")
+            if isinstance(content, list):
+                content = max((p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)),
+                              key=len, default=None)
+            return content if isinstance(content, str) else None
+    return None
+
+
 class _Fallback:
     """The fallback tokenizer's work on a request's prompts, done once per prompt, not once per choice
     (``n`` choices of one prompt tokenized it ``n`` times)."""
@@ -349,6 +363,7 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
     asked = range(min(len(prompts) * n, MAX_RECORDS))
     indices = sorted(choices.keys() | asked)[:MAX_RECORDS] if choices or (x.status == CLIENT_CLOSED and asked) else [None]
     fallback = _Fallback(tokenizer, prompts)
+    user_text = _last_user_text(body) if x.endpoint.endswith("chat/completions") else None
     records = []
     for index in indices:
         c = choices.get(index) or _Choice()
@@ -393,7 +408,7 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
             rec.token_times_s = np.asarray(times)
             rec.token_counts = np.asarray(counts, dtype=np.int32)
             rec.first_token_s, rec.last_token_s = times[0], times[-1]
-        rec.prompt_text, rec.output_text = prompt_text, output_text
+        rec.prompt_text, rec.output_text, rec.user_text = prompt_text, output_text, user_text
         records.append(rec)
     return records
 

@@ -31,6 +31,7 @@ import stat
 import sys
 import tempfile
 import time
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ REQUESTS = "requests"
 CLIENT_CLOSED = 499  # nginx's "client closed request": the client went away before its answer was complete
 CLIENT_GONE = "client disconnected"  # such a record's error
 RECORD_VERSION = 1
-CHECKED_RECORDS = 8  # completions of text prompts compared with the named tokenizer per recorder (``_check_tokenizer``)
+CHECKED_RECORDS = 8  # completions of text prompts and chats checked against the named tokenizer per recorder (``_check_tokenizer``)
 _MASK63 = (1 << 63) - 1
 
 
@@ -85,6 +86,7 @@ class RequestRecord:
     prompt_text: str | None = None
     output_text: str | None = None
     tokenizer_mismatch: bool = False          # the server's prompt ids are not the named tokenizer's (``Recorder``)
+    user_text: str | None = None              # a chat's last user message as sent, not recorded: checked the same way
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_records(self, tokenizer) -> list["RequestRecord"]:
@@ -94,6 +96,10 @@ class RequestRecord:
     def held_bytes(self) -> int:
         return sum(a.nbytes for a in (self.token_times_s, self.token_counts, self.prompt_ids, self.output_ids)
                    if a is not None)
+
+
+def _folded(text: str) -> str:
+    return unicodedata.normalize("NFKC", text)
 
 
 def _array_bytes(values, dtype) -> bytes | None:
@@ -264,29 +270,39 @@ class Recorder:
     def _check_tokenizer(self, records: list[RequestRecord]) -> None:
         """A tokenizer named wrong (the proxy's ``--upstream-tokenizer``, not the upstream's) named the ids of
         another in every segment header, and so in the trace: a layout of the named one addressed them
-        unchecked. The first ``CHECKED_RECORDS`` completions whose prompt the server tokenized from text
-        (its own ids, ``token_source`` upstream) are compared with the named tokenizer's tokens of that text:
-        the server's must end with them, up to two special tokens before (a BOS its configuration adds), or
-        be the end of them with the tokenizer's special tokens (a prompt it truncated). A record that
-        differs says so (``tokenizer_mismatch``), ``trace build --from-capture`` then names no tokenizer for
-        its run, and the writer says it on stderr. Runs on the journal's thread, off the request's path
-        (vLLM's ids of text completions were the fallback's, exactly)."""
+        unchecked. The first ``CHECKED_RECORDS`` records whose prompt ids are the server's (``token_source``
+        upstream) are checked. A completion of a text prompt: the named tokenizer's tokens of that text must
+        be the server's, up to two special tokens before (a BOS its configuration adds), or their end with
+        the tokenizer's special tokens (a prompt it truncated). A chat, whose ids are of the server's chat
+        template: the named tokenizer's decoding of the server's ids must hold the last user message's text
+        (stripped, both NFKC-normalised, as a tokenizer's normaliser may have done; the whole text, where
+        another tokenizer's decoding of those ids is noise); chats were not checked. A record that fails
+        says so (``tokenizer_mismatch``), ``trace build --from-capture`` then names no tokenizer for its
+        run, and the writer says it on stderr. Runs on the journal's thread, off the request's path (vLLM's
+        ids of text completions were the fallback's, exactly)."""
         for r in records:
-            if r.token_source != "upstream" or not r.prompt_text or r.prompt_ids is None \
-                    or r.endpoint.endswith("chat/completions"):
+            chat = r.endpoint.endswith("chat/completions")
+            text = r.user_text if chat else r.prompt_text
+            if r.token_source != "upstream" or r.prompt_ids is None or not text or not text.strip():
                 continue
             self._to_check -= 1
-            server, plain = r.prompt_ids.tolist(), self.tokenizer.encode(r.prompt_text)
-            named = self.tokenizer.encode(r.prompt_text, prompt=True)
-            if server and (named[-len(server):] == server
-                           or (plain and server[-len(plain):] == plain and len(server) - len(plain) <= 2)):
-                return
+            server = r.prompt_ids.tolist()
+            if chat:
+                if _folded(text.strip()) in _folded(self.tokenizer.decode(server, special=True)):
+                    return
+                what = (f"the named tokenizer's decoding of the server's {len(server)} prompt ids of a chat does not "
+                        f"hold its last user message ({len(text)} characters)")
+            else:
+                plain, named = self.tokenizer.encode(text), self.tokenizer.encode(text, prompt=True)
+                if server and (named[-len(server):] == server
+                               or (plain and server[-len(plain):] == plain and len(server) - len(plain) <= 2)):
+                    return
+                what = (f"the server's {len(server)} prompt ids of a completion are not the named tokenizer's "
+                        f"{len(named)} tokens of its text")
             r.tokenizer_mismatch = True
             self._to_check = 0
-            print(f"capture: the server's {len(server)} prompt ids of a completion are not the named tokenizer's "
-                  f"{len(named)} tokens of its text ({self.tokenizer.source}): its ids are another tokenizer's "
-                  "(--upstream-tokenizer is not the upstream's?); a trace built from this run names no tokenizer",
-                  file=sys.stderr, flush=True)
+            print(f"capture: {what} ({self.tokenizer.source}): its ids are another tokenizer's (--upstream-tokenizer "
+                  "is not the upstream's?); a trace built from this run names no tokenizer", file=sys.stderr, flush=True)
             return
 
     def submit_refusal(self, endpoint: str, arrival_unix_ns: int, status: int, error: str, *, model: str | None,
