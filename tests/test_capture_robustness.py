@@ -1,6 +1,7 @@
 """The capture proxy under hostile load and broken parts: client connections bounded (a 503 past
-``--max-client-connections``, the idle ones let go first, the open-file limit raised to fit), and
-the large-body planner's child killed or stuck."""
+``--max-client-connections``, the idle ones let go first, the open-file limit raised to fit), the
+large-body planner's child killed or stuck, and the error paths of a real proxy process (an upstream
+that resets or answers no SSE mid-stream, a client that leaves mid-stream)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,20 @@ import os
 import resource
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
 import pytest
 
-from capture_upstream import PROXY_EXIT_S, ProxyThread, ServerThread, Upstream
+from capture_upstream import PROXY_EXIT_S, ProxyThread, ServerThread, Upstream, cli_proxy
 from loopback import free_port
 from cachelab.capture.proxy import ProxyConfig
 from cachelab.capture.recorder import Recorder
+from cachelab.capture.to_trace import read_requests
 
 STATUS = b"GET /capture/status HTTP/1.1\r\nhost: x\r\n\r\n"
 
@@ -191,3 +195,89 @@ def test_the_planner_child_killed_or_stopped_is_replaced(tmp_path, monkeypatch):
         status = _new_planner(p.url, second)
         assert status["planner_restarts"] == 2 and not os.path.exists(f"/proc/{second}")
 
+
+class HostileUpstream:
+    """A raw-socket upstream, one thread per connection, whose answer the request's model picks: ``reset``
+    (two events of a stream, then a reset), ``text`` (a 200 of plain text to a request for a stream),
+    ``slow`` (an event every 50 ms; ``left`` gets the event at which its write failed: the proxy closed it)."""
+
+    EVENT = b'data: {"id":"c","object":"text_completion","choices":[{"index":0,"text":" a","token_ids":[7]}]}\n\n'
+    SSE = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+    def __init__(self):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.left: list[int] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            conn, _ = self.sock.accept()
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            got = b""
+            while b"\r\n\r\n" not in got:
+                got += conn.recv(65536)
+            head, _, body = got.partition(b"\r\n\r\n")
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            while len(body) < length:
+                body += conn.recv(65536)
+            model, chunk = json.loads(body)["model"], lambda data: b"%x\r\n%s\r\n" % (len(data), data)
+            if model == "reset":
+                conn.sendall(self.SSE + chunk(self.EVENT) * 2)
+                time.sleep(0.2)
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            elif model == "text":
+                text = b"upstream overloaded, try later\n"
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%s"
+                             % (len(text), text))
+            else:
+                conn.sendall(self.SSE)
+                for i in range(200):
+                    try:
+                        conn.sendall(chunk(self.EVENT))
+                    except OSError:
+                        self.left.append(i)
+                        return
+                    time.sleep(0.05)
+
+
+def test_the_proxy_process_on_broken_streams_and_clients(tmp_path):
+    """The CLI proxy between a client and an upstream that break the exchange: a stream the upstream
+    resets mid-way reaches the client cut (no last chunk), after the events that came; a 200 of plain
+    text to a request for a stream is passed on as it came; a client that leaves mid-stream has its
+    upstream request ended. Each is recorded with what went wrong, and the proxy, still serving,
+    prints no traceback."""
+    upstream = HostileUpstream()
+    with cli_proxy(upstream.url, tmp_path / "cap") as (base, proc):
+        def stream(model: str, events: int | None = None) -> bytes:
+            got = b""
+            with httpx.stream("POST", base + "/v1/completions", timeout=30,
+                              json={"model": model, "prompt": "x", "stream": True}) as r:
+                for data in r.iter_raw():
+                    got += data
+                    if events is not None and got.count(b"\n\n") >= events:
+                        break  # and the client leaves
+            return got
+
+        with pytest.raises(httpx.RemoteProtocolError, match="incomplete chunked read"):
+            stream("reset")
+        assert stream("text") == b"upstream overloaded, try later\n"
+        assert stream("slow", events=2).count(b"\n\n") >= 2
+        deadline = time.monotonic() + 10
+        while not upstream.left and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert upstream.left and upstream.left[0] < 100, "the upstream request ends with its client"
+        assert httpx.get(base + "/capture/status", timeout=10).json()["submitted"] == 3
+        proc.terminate()
+        _, err = proc.communicate(timeout=PROXY_EXIT_S)
+    assert "Traceback" not in err and "Exception" not in err, err
+    table, _ = read_requests(tmp_path / "cap")
+    got = {(m, s): e for m, s, e in table.select(["model", "status", "error"]).iter_rows()}
+    assert got.keys() == {("reset", 200), ("text", 200), ("slow", 499)}, got
+    assert got["reset", 200].startswith("upstream stream broke off: ConnectionResetError")
+    assert got["text", 200] == "upstream answered 200 with a body that is not JSON"
+    assert got["slow", 499] == "client disconnected"
