@@ -183,3 +183,26 @@ def test_a_keep_chance_of_an_extreme_raw_score_is_0_or_1_without_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert model.predict(np.zeros((3, 2), np.float32)).tolist() == [0.0, 0.5, 1.0]
+
+
+@pytest.mark.parametrize("name", ["lightgbm", "lightgbm-reuse"])
+def test_lightgbm_pins_its_histogram_layout_and_fits_the_trees_either_layout_gives(name):
+    """LightGBM chose col-wise or row-wise histograms at run time by timing both (row-wise on one
+    thread, col-wise on two on this machine), a choice that follows the machine's load; the layout
+    is pinned now (``force_col_wise``, recorded in model.txt), and the trees are those either
+    layout fits (seen by helper-142)."""
+    import lightgbm as lgb
+
+    cls = registry.get(registry.PREDICTORS, name)
+    x, gap, reuse = _data()
+    y, names = (gap if cls.task == "regression" else reuse), [f"f{i}" for i in range(5)]
+    model = cls(n_estimators=10, num_threads=1).fit(x, y, names)
+    assert "[force_col_wise: 1]" in model.model_text_ and "[force_row_wise: 0]" in model.model_text_
+
+    def trees(text: str) -> str:
+        return text[:text.index("parameters:")]
+
+    for layout in ("force_col_wise", "force_row_wise"):
+        params = {**model._params(), "force_col_wise": False, layout: True}
+        booster = lgb.train(params, lgb.Dataset(x, y, feature_name=names), num_boost_round=10)
+        assert trees(booster.model_to_string()) == trees(model.model_text_), layout
