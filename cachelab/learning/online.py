@@ -39,7 +39,7 @@ from cachelab.errors import CachelabError
 from cachelab.learning.features import NEVER, FeatureState, _hash_fill, _home, featurise
 from cachelab.learning.streams import LearningView, layout_signature
 from cachelab.learning.training import Model, as_scores, check_layout, load, predictions
-from cachelab.workload.lookups import LAYER_SHIFT, compact
+from cachelab.workload.lookups import compact, global_key
 
 POSITION_BITS = 21  # a prompt's positions in the low bits of its (key, position) sort keys
 KEPT_PROMPTS = 1024  # prompts whose rows are kept for the lookahead (those still in prefill)
@@ -132,8 +132,7 @@ class OnlineScorer:
                                 f"tokens, {self.layers} layers and {self.columns} columns")
         which = np.repeat(np.arange(lengths.size), lengths)  # each token's request, by index in the step
         position = starts[which] + (np.arange(which.size) - np.repeat(np.cumsum(lengths) - lengths, lengths))
-        keys = (np.arange(self.layers, dtype=np.int64)[None, :, None] << LAYER_SHIFT) | row_ids.astype(np.int64)
-        inverse, uniq = compact(keys.reshape(-1))
+        inverse, uniq = compact(global_key(np.arange(self.layers)[None, :, None], row_ids).reshape(-1))
         self.last_counts = (int(lengths.size), int(inverse.size), int(uniq.size))
         first = np.empty(uniq.size, np.int64)
         first[inverse[::-1]] = np.arange(inverse.size)[::-1]  # last write wins = first lookup
@@ -215,7 +214,7 @@ class OnlineScorer:
                 raise CachelabError(f"a prompt of {prompt.size:,} tokens: the online lookahead takes fewer than "
                                     f"{1 << POSITION_BITS:,}")
             rows = self.addresser.rows(prompt).astype(np.int64)
-            keys = (np.arange(self.layers, dtype=np.int64)[None, :, None] << LAYER_SHIFT) | rows
+            keys = global_key(np.arange(self.layers)[None, :, None], rows)
             where = np.broadcast_to(np.arange(prompt.size, dtype=np.int64)[:, None, None], keys.shape)
             order = np.sort(((keys << POSITION_BITS) | where).reshape(-1))
             self.prompts[rid] = order
