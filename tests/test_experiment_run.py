@@ -655,6 +655,28 @@ def test_report_reads_the_runs_dir_and_names_the_records_waiting_there(tmp_path,
     assert res.returncode == 2 and "no experiment named 'tiny'" in res.stderr and "wait in" in res.stderr, res.stderr
 
 
+def test_report_of_a_spec_file_reads_only_its_name_not_the_data_it_names(tmp_path, local):
+    """`report SPEC.toml` checked the whole spec, so a report of runs already finished failed where the
+    spec's data files, its data root or a layout file it names were not there (the runs hold what
+    the report shows); a spec file without a usable name is an error naming the file and the key
+    (seen by helper-142)."""
+    folder, spec, uri, _ = local
+    moved = tmp_path / "moved.toml"
+    moved.write_text(spec.read_text().replace("tokens_per_step = 512", 'tokens_per_step = 512\n'
+                                              'data = ["prompts/absent.jsonl"]\npreset = "absent-layout.toml"'))
+    env = {**os.environ, "CACHELAB_DATA": str(tmp_path / "no-data-root")}
+    res = cli("report", str(moved), "--tracking-uri", uri, "--runs-dir", str(tmp_path / "runs"), "--json",
+              cwd=tmp_path, env=env)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["points_finished"] == out["points_expected"] == 4, out
+    for text, shown in (('name = "two words"', "'two words'"), ('description = "no name"', "None")):
+        bad = tmp_path / "bad.toml"
+        bad.write_text(text + "\n")
+        res = cli("report", str(bad), "--tracking-uri", uri, cwd=tmp_path, env=env)
+        assert res.returncode == 2 and f"{bad}: name: " in res.stderr and f"got {shown}" in res.stderr, res.stderr
+
+
 def test_a_long_error_is_cut_visibly_and_kept_whole_as_an_artifact(tmp_path, monkeypatch):
     """A failed point's error tag was cut at 5,000 characters, silently (seen by helper-121)."""
     from cachelab.experiment import runner

@@ -120,10 +120,11 @@ def sync(
 
 
 def _experiment_name(value: str) -> str:
+    """An experiment's name, or the name a spec file gives (``spec_name``: only its ``name`` is read)."""
     if value.endswith(".toml"):
-        from cachelab.experiment.spec import load_spec
+        from cachelab.experiment.spec import spec_name
 
-        return load_spec(value).name
+        return spec_name(value)
     return value
 
 

@@ -21,6 +21,7 @@ import contextlib
 import copy
 import inspect
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -37,7 +38,7 @@ from cachelab.validation import Strict, read_toml, validate
 
 __all__ = ["ExperimentSpec", "HierarchySpec", "PredictorSpec", "ServingSpec", "TierSpec", "WorkloadSpec",
            "capacity_rows", "check_spec", "kinds", "load_spec", "make_tier_policy", "page_cache_bytes",
-           "parse_spec", "resolve_data_path", "set_key", "workload_files", "workload_sources"]
+           "parse_spec", "resolve_data_path", "set_key", "spec_name", "workload_files", "workload_sources"]
 _SINGULAR = {registry.POLICIES: "policy", registry.PREDICTORS: "predictor", registry.WORKLOADS: "workload"}
 
 
@@ -132,8 +133,11 @@ class LiveSpec(Strict):
                                     "calibrated model of this engine (none without it)")
 
 
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # an experiment's name: MLflow's, and a folder under runs/
+
+
 class ExperimentSpec(Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    name: str = Field(pattern=NAME_PATTERN)
     description: str = ""
     kind: str | list[str] = Field("replay", description="registered experiment kinds (cachelab.experiment_kinds)")
     seeds: list[Annotated[int, Field(ge=0)]] = Field(default_factory=lambda: [0], min_length=1, description=(
@@ -189,6 +193,18 @@ def load_spec(path: str | Path, overrides: list[str] | None = None) -> Experimen
         if not overrides:
             raise
         raise CachelabError(f"{exc} (the spec with --set {' --set '.join(overrides)})") from None
+
+
+def spec_name(path: str | Path) -> str:
+    """The experiment a spec file names (its ``name``), read and checked alone: a report or a sync
+    of runs already made reads the tracking store and the outbox, not the spec's workload, so the
+    data files, layouts and plug-ins it names need not be there (they were all checked, and a
+    report of finished runs failed for a data root not set)."""
+    name = read_toml(path).get("name")
+    if not isinstance(name, str) or not re.match(NAME_PATTERN, name):
+        raise CachelabError(f"{path}: name: the experiment's name must be text of letters, digits, _ . - "
+                            f"(starting with a letter or digit), got {name!r:.80}")
+    return name
 
 
 # The keys that name a file of the user's (not data under the data root, whose keys are read from
