@@ -12,7 +12,8 @@ from cachelab import defaults, registry, strict_json
 from cachelab.capacity import parse_capacities, parse_capacity
 from cachelab.engram import get_preset
 from cachelab.errors import CachelabError
-from cachelab.learning.training import TrainSpec, check_target, load, rolling_scores, save, train as train_model
+from cachelab.learning.training import (TrainSpec, check_target, load, rolling_scores, rows_for, save,
+                                        train as train_model)
 from cachelab.learning.evaluation import evaluate_capacities, judged_policy
 from cachelab.learning.lineup import lineup
 from cachelab.learning.predictor import model_folder
@@ -123,17 +124,29 @@ def _learning_capacity(text: str, preset: str, where: str) -> float | str:
     return cap.written if cap.kind == "percent" else cap.amount
 
 
+DEFAULT_CAPACITIES = "0.001,0.01,0.05"
+
+
 def _capacities(text: str, preset: str) -> list[float | str]:
     return [_learning_capacity(c.written, preset, "--capacities") for c in parse_capacities(text)]
+
+
+def _keep_capacity(fitted, directory: Path) -> float | str:
+    """The capacity a keep model (``train --capacity``) was trained for, 0 for any other model."""
+    capacity = fitted.metadata.get("spec", {}).get("capacity") or 0.0
+    if capacity:
+        parse_capacity(capacity, f"{Path(directory) / 'metadata.json'}: spec.capacity")
+    return capacity
 
 
 def evaluate(
     trace: str = typer.Option(..., help=TRACE_HELP),
     model: Path = typer.Option(..., help="A directory written by `cachelab train`."),
-    capacities: str = typer.Option("0.001,0.01,0.05",
+    capacities: str = typer.Option(None,
                                    help="Cache sizes, comma-separated: fractions of the unique rows (< 1), rows "
-                                        "(>= 1), percentages ('5%') or bytes ('64MiB'). A keep model (`train "
-                                        "--capacity`) is trained for one size: evaluate it at that size."),
+                                        "(>= 1), percentages ('5%') or bytes ('64MiB'). Default: a keep model's "
+                                        "own size (`train --capacity`: it is trained for that one size), else "
+                                        f"{DEFAULT_CAPACITIES}."),
     requests: int = typer.Option(200, help="Requests per corpus, or of a .parquet trace."),
     preset: str = typer.Option(defaults.PRESET, help=PRESET_HELP),
     steps: str = typer.Option("prompts", help=STEPS_HELP),
@@ -149,10 +162,12 @@ def evaluate(
     """Miss ratios of every registered learned policy, heuristic and oracle, the best heuristic, and the
     share of its gap to the best oracle that the judged policy closes."""
     console = Console(stderr=True, quiet=as_json)
-    caps = _capacities(capacities, preset)
+    caps = None if capacities is None else _capacities(capacities, preset)
     if not 0.0 <= warmup < 1.0:
         raise CachelabError(f"--warmup must lie in [0, 1), got {warmup}")
     fitted = load(model)
+    trained_for = _keep_capacity(fitted, model)
+    caps = caps or ([trained_for] if trained_for else _capacities(DEFAULT_CAPACITIES, preset))
     # before the stream is built (minutes on long traces): each was refused once it had been
     if retrain_every < 0:
         raise CachelabError(f"--retrain-every must be a number of lookups >= 1 (0: no retraining), got {retrain_every}")
@@ -174,7 +189,9 @@ def evaluate(
                                               lookahead=fitted.lookahead),
                                     retrain_every, window)
     evaluation = evaluate_capacities(stream, fitted, caps, warmup, progress=True, scores=scores, policy=policy)
-    result = {"trace": trace, "model": str(model), **evaluation.to_dict()}
+    result = {"trace": trace, "model": str(model), "model_capacity": trained_for or None, **evaluation.to_dict()}
+    other = [row.capacity for row in evaluation.capacities
+             if trained_for and row.rows != rows_for(trained_for, stream.num_keys)]
     if as_json:
         typer.echo(strict_json.dumps(result))
         return
@@ -188,6 +205,9 @@ def evaluate(
                   "(the same tokens; this stream does not start with its training window): replayed, not counted")
     if result["missing"]:
         out.print(f"registered but not loaded, so not compared: {', '.join(result['missing'])}")
+    if other:
+        out.print(f"the model is a keep model for capacity {trained_for} ({rows_for(trained_for, stream.num_keys):,} "
+                  f"rows here): at {', '.join(map(str, other))} its keep chances are for another cache size")
     rows = result["capacities"]
     table = Table("policy", *(f"{row['capacity']:g}\n{row['rows']:,} rows" if isinstance(row["capacity"], float)
                               else f"{row['capacity']}\n{row['rows']:,} rows" for row in rows),
