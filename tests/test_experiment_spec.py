@@ -173,6 +173,27 @@ def test_every_shipped_spec_validates(path, data_dir):
     assert expand(spec), f"{path.name} has no points"
 
 
+@pytest.mark.parametrize("path", sorted((REPO_ROOT / "experiments").glob("*.toml")), ids=lambda p: p.name)
+def test_no_shipped_held_out_workload_replays_a_request_of_the_training_workload(path, data_dir):
+    """learned_holdout.toml trained on Arena-Hard's coding and creative-writing prompts and held out
+    `arena-hard-non-english`, 66 of whose 131 prompts are creative-writing ones of that very workload:
+    half its "held-out" domain was the training workload's (those in the training window replayed
+    but not counted, the rest counted as unseen text) (seen by helper-142)."""
+    from cachelab.experiment.spec import WorkloadSpec
+    from cachelab.experiment.workload import corpus_texts
+
+    spec = load_spec(path)
+    held = spec.predictor.holdout if spec.predictor is not None else None
+    held = [] if held is None else held if isinstance(held, list) else [held]
+    if not held or spec.workload.trace is not None:
+        return
+    trained = {text for _, text in corpus_texts(spec.workload)}
+    for i, workload in enumerate(held):
+        workload = workload if isinstance(workload, WorkloadSpec) else WorkloadSpec(**workload)
+        shared = [text for _, text in corpus_texts(workload) if text in trained]
+        assert not shared, f"{path.name}: predictor.holdout[{i}] ({workload.source}) shares {len(shared)} requests"
+
+
 def test_a_kind_ignores_the_axes_it_does_not_read(tmp_path):
     extra = '\n[predictor]\nname = "lightgbm"\n'
     path = write_spec(tmp_path, extra=extra)

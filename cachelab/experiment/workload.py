@@ -71,20 +71,26 @@ def _build(spec: WorkloadSpec, path: Path, progress: Progress | None) -> None:
     stream.save(path)  # atomic, and last: the .npz exists only once the build is whole
 
 
-def _from_corpus(spec: WorkloadSpec, addresser: Addresser, progress: Progress | None):
+def corpus_texts(spec: WorkloadSpec) -> list[tuple[str, str]]:
+    """The (domain, text) of each request a corpus workload replays, in order, as it is tokenized
+    (before ``max_tokens``): what a held-out workload must not share with the training one."""
     kwargs = dict(spec.params)
     if spec.path is not None:
         kwargs["path"] = str(resolve_data_path(spec.path, key="workload.path"))
-    docs = [d for d in registry.get(registry.WORKLOADS, spec.source)(**kwargs).documents()
-            if spec.domains is None or d.domain in spec.domains]
+    docs = registry.get(registry.WORKLOADS, spec.source)(**kwargs).documents()
+    return [(d.domain, "\n\n".join(d.user_turns)) for d in docs if spec.domains is None or d.domain in spec.domains]
+
+
+def _from_corpus(spec: WorkloadSpec, addresser: Addresser, progress: Progress | None):
+    docs = corpus_texts(spec)
     task = progress.add_task(f"tokenize {spec.source}", total=len(docs)) if progress else None
     sequences = []
     for i in range(0, len(docs), ENCODE_BATCH):
-        texts = ["\n\n".join(d.user_turns) for d in docs[i:i + ENCODE_BATCH]]
+        texts = [text for _, text in docs[i:i + ENCODE_BATCH]]
         sequences += encode(texts, addresser.config.tokenizer, bos=True)
         if progress:
             progress.advance(task, len(texts))
-    return sequences, None, [d.domain for d in docs]
+    return sequences, None, [domain for domain, _ in docs]
 
 
 def _from_trace(spec: WorkloadSpec, out: Path):
