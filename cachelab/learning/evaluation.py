@@ -10,7 +10,9 @@ Which policies take part, and in which role, comes from the registry (``lineup``
 learned policy is replayed with the model's scores, every heuristic and oracle without.
 Per capacity the best heuristic is the lowest of *all* heuristics (a short list would
 flatter the learned policy), and the bound is the lowest oracle (with bypass, Belady is the
-offline optimum, so the share is never flattered by a weak bound either). The gap closed,
+offline optimum of fetches, each step's distinct rows; misses here are counted per lookup, a fetch
+weighing its step's lookups of the row, where a policy may miss less than it: docs/policies.md, so
+the bound is Belady's, not a proven floor of this count). The gap closed,
 ``(best heuristic - learned) / (best heuristic - bound)``, is reported for each learned
 policy, and as ``gap_closed`` for the one judged (``policy``, by default the one that
 declares ``judged_by_default``).
