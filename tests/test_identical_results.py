@@ -145,6 +145,8 @@ def test_evaluate_on_gsm8k_humaneval_is_unchanged(data_dir, tmp_path):
     assert evaluated["counted_from_step"] == evaluated["training_window_steps"] == 925
     # A key added on 2026-12-06 (recorded by hand, no figure moved): training_requests, the requests
     # elsewhere in a stream that repeat the model's training window's (0: this stream starts with it).
+    # Another (recorded by hand, no figure moved): model_capacity, the size a keep model was trained for
+    # (null: this is a regression model).
     strip = lambda ev: {**ev, "learned_policy": None,  # noqa: E731
                         "capacities": [{k: v for k, v in row.items() if k not in derived} for row in ev["capacities"]]}
     assert trained["lookups"] == evaluated["lookups"]  # counted alike since issue 20 (train's former count: fetches)
