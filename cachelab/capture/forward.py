@@ -39,7 +39,8 @@ class Forward:
 
     def __init__(self, proxy: "CaptureProxy", client: ClientConnection, x: Exchange | None,
                  keep_alive: bool, http11: bool, head: bool, replayable: bool):
-        self.proxy, self.client, self.request, self.x = proxy, client, b"", x
+        self.proxy, self.client, self.x = proxy, client, x
+        self.request: list[bytes | memoryview] = []  # as it goes upstream (``start``), kept to go again
         self.keep_alive, self.http11, self.head = keep_alive, http11, head
         self.replayable = replayable      # may go upstream twice (``upstream_lost``)
         self.retried = False
@@ -72,15 +73,21 @@ class Forward:
         self.finished = False
 
     # -- going upstream -----------------------------------------------------------------------
-    def start(self, request: bytes) -> None:
-        """Send ``request`` (head and body) upstream, on a pooled connection or a new one."""
-        if not self.hold_request(len(request)):
+    def start(self, request: list[bytes | memoryview]) -> None:
+        """Send ``request`` (its head, then the body's pieces: ``injection.apply``) upstream, on a pooled
+        connection or a new one, with one ``writelines``: the client's body is not copied into it."""
+        x = self.x
+        body = None if x is None else x.body
+        # held besides what ``serve`` counted: the head, the keys added, a body serialised again; not the
+        # client's body, nor the views of it (it was counted twice, as it was copied into the request)
+        if not self.hold_request(sum(len(part) for part in request
+                                     if part is not body and not isinstance(part, memoryview))):
             return
         self.request = request
-        if self.x is not None and self.x.injected_ids:
+        if x is not None and x.injected_ids:
             # the prompt's ids the proxy asked for come in one event (vLLM's first): a JSON id per token, at most
             # 8 bytes per byte of the request, on top of the event bound (a 5 MiB prompt's ids are over 4 MiB)
-            self.max_event += 8 * len(request)
+            self.max_event += 8 * sum(map(len, request))
         conn = self.proxy.pool.take()
         if conn is not None:
             self.send(conn)
@@ -118,7 +125,7 @@ class Forward:
             if conn.lost is not None:    # reported already, while no request was on it (else it is to come)
                 self.upstream_lost(conn.lost)
             return
-        conn.transport.write(self.request)
+        conn.transport.writelines(self.request)
         if self.client.write_paused:
             conn.transport.pause_reading()
 

@@ -252,7 +252,7 @@ class CaptureProxy:
         if x is not None and not forward.hold_request(len(body)):  # the body kept for the record
             return
         if x is None:
-            forward.start(self._request(client, r, target, x, body))
+            forward.start(self._request(client, r, target, x, (body,)))
         elif self.planner.inline(body):
             forward.start(self._request(client, r, target, x, prepare(body, x, self.config.token_ids)))
         else:  # planned by the planner's child: the event loop serves other streams meanwhile
@@ -269,8 +269,9 @@ class CaptureProxy:
         forward.start(self._request(client, r, target, x, apply(p, body, x)))
 
     def _request(self, client: ClientConnection, r: Request, target: bytes, x: Exchange | None,
-                 body: bytes) -> bytes:
-        """The request as it goes upstream: the client's headers less the hop-by-hop ones, the proxy's own, the body."""
+                 body: tuple[bytes | memoryview, ...]) -> list[bytes | memoryview]:
+        """The request as it goes upstream: its head (the client's headers less the hop-by-hop ones, the
+        proxy's own), then the body's pieces (``injection.apply``), to be written as they are."""
         drop = hop_by_hop(r.headers) | (_REPLACED_RECORDED if x is not None else _REPLACED)
         lines = [b"%s: %s\r\n" % (k, v) for k, v in r.headers if k.lower() not in drop]
         if x is not None:
@@ -282,10 +283,11 @@ class CaptureProxy:
             [v for k, v in r.headers if k.lower() == b"x-forwarded-for"] + [client.peer]))
         if self.pool.authorization is not None and r.header(b"authorization") is None:
             lines.append(self.pool.authorization)  # the --upstream URL's credentials, for a client that sent none
-        if body or r.method not in (b"GET", b"HEAD", b"DELETE", b"OPTIONS"):
-            lines.append(b"content-length: %d\r\n" % len(body))
-        return b"%s %s HTTP/1.1\r\nhost: %s\r\n%s\r\n%s" % (
-            r.method, target, self.pool.host_header, b"".join(lines), body)
+        length = sum(map(len, body))
+        if length or r.method not in (b"GET", b"HEAD", b"DELETE", b"OPTIONS"):
+            lines.append(b"content-length: %d\r\n" % length)
+        return [b"%s %s HTTP/1.1\r\nhost: %s\r\n%s\r\n" % (r.method, target, self.pool.host_header, b"".join(lines)),
+                *body]
 
     def _exchange(self, r: Request, path: bytes, **fields) -> Exchange | None:
         """The exchange to record of a request on a recorded path (None on any other path)."""
