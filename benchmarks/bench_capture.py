@@ -545,18 +545,22 @@ def main() -> None:
         else:
             port = free_port()
             code = UPSTREAM.format(tests=str(ROOT / "tests"), delay=args.token_delay_ms / 1e3, port=port)
-            procs.append(subprocess.Popen([sys.executable, "-c", code]))
+            procs.append(subprocess.Popen([sys.executable, "-c", code], cwd=work))
             upstream, model = f"http://127.0.0.1:{port}", "tiny"
             what = f"deterministic OpenAI server, {args.token_delay_ms:g} ms per token"
             wait_up(upstream + "/v1/models", procs[-1], "upstream")
         cli = Path(sys.executable).with_name("cachelab")
+        # every process started here runs in ``work``: a proxy's writer and planner children (``python -m``),
+        # like ``python -c``, put their working directory first on sys.path, so started in the repository they
+        # ran its code, whatever PYTHONPATH a --proxy variant gave (the old proxy's writer was the new one's)
         urls, pids = {"direct": upstream}, {}
         for name, extra in args.proxy.items():
             pport = free_port()
             env, extra_args = proxy_command(extra)
             procs.append(subprocess.Popen([str(cli), "capture", "proxy", "--upstream", upstream, "--out",
                                            str(work / f"cap-{name}"), "--listen", f"127.0.0.1:{pport}",
-                                           *extra_args], stdout=subprocess.DEVNULL, env={**os.environ, **env}))
+                                           *extra_args], stdout=subprocess.DEVNULL, env={**os.environ, **env},
+                                          cwd=work))
             urls[name] = f"http://127.0.0.1:{pport}"
             wait_up(urls[name] + "/capture/status", procs[-1], name)
             writer = httpx.get(urls[name] + "/capture/status", timeout=10).json().get("writer_pid")
@@ -570,7 +574,7 @@ def main() -> None:
             if not upstream.startswith("http://127.0.0.1:"):
                 raise SystemExit(f"--relay forwards to http://127.0.0.1:PORT only, not {upstream}")
             rport, uport = free_port(), int(upstream.rsplit(":", 1)[1].split("/")[0])
-            procs.append(subprocess.Popen([sys.executable, "-c", RELAY.format(up=uport, port=rport)]))
+            procs.append(subprocess.Popen([sys.executable, "-c", RELAY.format(up=uport, port=rport)], cwd=work))
             urls["relay"] = f"http://127.0.0.1:{rport}"
             wait_up(urls["relay"] + "/v1/models", procs[-1], "relay")
             pids["relay"] = (procs[-1].pid,)

@@ -309,6 +309,24 @@ def test_bench_capture_sends_id_prompts_vllm_takes_and_no_path_warms_anothers_pr
     assert len(timed) == 16 and set(timed) == {0}, timed
 
 
+def test_bench_capture_runs_each_proxy_on_its_own_code_not_the_working_directorys(tmp_path):
+    """The proxies' writer and planner children (``python -m``) and the upstream (``python -c``) put their
+    working directory first on sys.path: started where the bench was, in a checkout, they ran its code,
+    whatever PYTHONPATH a ``--proxy NAME='PYTHONPATH=DIR'`` variant gave (measuring an old proxy against a
+    new one, the old proxy's writer was the new one's). Here the bench runs in a directory whose
+    ``cachelab`` package cannot be imported: every process it starts still runs this checkout's."""
+    fake = tmp_path / "cachelab"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise SystemExit(\"the working directory's cachelab\")\n")
+    root = str(BENCHMARKS.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "bench_capture.py"), "--requests", "4", "--concurrency",
+                           "1", "--max-tokens", "2", "--rounds", "2"], capture_output=True, text=True, cwd=tmp_path,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"capture of proxy: (\d+) of \1 records acknowledged", done.stdout), done.stdout
+
+
 # The benchmarks below had no run in the suite (seen by helper-121). Each runs in a quick mode, end to end,
 # and must print its ratio against the reference it measures in the same run; no time is asserted.
 ROOT = BENCHMARKS.parent
