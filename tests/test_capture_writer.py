@@ -97,6 +97,22 @@ def test_writer_process_records_what_the_thread_recorder_records(tmp_path):
     assert oct(os.stat(next((tmp_path / "process").glob("requests-*.seg"))).st_mode & 0o777) == "0o600"
 
 
+def test_the_writer_runs_the_proxys_code_not_a_cachelab_in_its_working_directory(tmp_path, monkeypatch):
+    """``python -m`` put the child's working directory first on its import path: a proxy started in a
+    folder holding another ``cachelab`` (an older checkout) gave its writer that folder's code."""
+    shadow = tmp_path / "elsewhere" / "cachelab"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise SystemExit('the working directory's cachelab ran')\n")
+    monkeypatch.chdir(shadow.parent)
+    writer = CaptureWriter(tmp_path / "cap")
+    try:
+        assert writer.submit(exchange(0)) and writer.flush(30)
+        assert writer.stats()["acknowledged"] == 1
+    finally:
+        writer.close()
+    assert writer.proc.returncode == 0
+
+
 @pytest.mark.slow
 def test_proxy_killed_the_writer_still_writes_everything_submitted(tmp_path):
     """SIGKILL the process that owns the writer right after it submitted: every record it handed

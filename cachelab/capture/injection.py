@@ -25,6 +25,8 @@ import sys
 from collections import deque
 from typing import NamedTuple
 
+from cachelab.child import python_command
+
 INLINE_BYTES = 16 << 10  # a body up to this is planned on the loop: at most ~0.12 ms (a prompt of ~2k ids)
 _HEAD = struct.Struct("<IBH")  # to the child: body length, token_ids, endpoint length; then endpoint, body
 _LENGTH = struct.Struct("<I")  # from the child: the pickled plan's length
@@ -152,8 +154,9 @@ class Planner(asyncio.Protocol):
             return
         ours, theirs = socket.socketpair()
         with theirs:
-            self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())],
-                                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+            python, env = python_command()
+            self.proc = subprocess.Popen([*python, "-m", __name__, str(theirs.fileno())],
+                                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
         self.buffer = bytearray()
         await asyncio.get_running_loop().connect_accepted_socket(lambda: self, ours)
 

@@ -53,6 +53,7 @@ from collections import deque
 
 from cachelab.capture.recorder import Privacy, load_salt
 from cachelab.capture.segments import FSYNC_POLICIES, private_directory
+from cachelab.child import python_command
 from cachelab.errors import CachelabError
 
 # Shared counters (int64 words of the memfd), written by the child only.
@@ -108,8 +109,10 @@ class CaptureWriter:
                   "rotate_bytes": rotate_bytes, "rotate_seconds": rotate_seconds, "tokenizer": tokenizer,
                   "ids_tokenizer": ids_tokenizer, "nice": nice, "sched": sched, "commit_interval": commit_interval,
                   "max_ahead_bytes": max_ahead_bytes}
-        self.proc = subprocess.Popen([sys.executable, "-m", "cachelab.capture.writer", str(read_end), str(self._shm),
-                                      json.dumps(config)], pass_fds=(read_end, self._shm), stdin=subprocess.DEVNULL)
+        python, env = python_command()
+        self.proc = subprocess.Popen([*python, "-m", "cachelab.capture.writer", str(read_end), str(self._shm),
+                                      json.dumps(config)], pass_fds=(read_end, self._shm), stdin=subprocess.DEVNULL,
+                                     env=env)
         os.close(read_end)
         os.set_blocking(self._fd, False)
         deadline = time.monotonic() + start_timeout

@@ -25,13 +25,13 @@ import math
 import mmap
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
+from cachelab.child import python_command
 from cachelab.errors import CachelabError
 from cachelab.serving.hardware.probe import _drop_cache as drop_cache
 from cachelab.store.bench import step_rows
@@ -191,9 +191,10 @@ def cgroup_phase(directory, stream_path: Path, steps: int, hbm_policy: str, hbm_
             "open(sys.argv[1] + '/cgroup.procs', 'w').write(str(os.getpid())); "
             "from cachelab.store.pagecache import child_phase; "
             "print(json.dumps(child_phase(*sys.argv[1:])))")
-    res = subprocess.run([sys.executable, "-c", code, str(cgroup), str(directory), str(stream_path), str(steps),
+    python, env = python_command()
+    res = subprocess.run([*python, "-c", code, str(cgroup), str(directory), str(stream_path), str(steps),
                           hbm_policy, str(hbm_capacity), str(table_share_bytes)], capture_output=True, text=True,
-                         timeout=1800)
+                         timeout=1800, env=env)
     if res.returncode == -9:
         return {"error": "killed by the cgroup's OOM killer: give the phase more headroom"}
     if res.returncode != 0:

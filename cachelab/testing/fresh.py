@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import subprocess
 import sys
 
+from cachelab.child import python_command
 from cachelab.testing.results import ConformanceError, Skip
 
 
@@ -26,10 +26,10 @@ def in_fresh_process(cls, params, child, env: dict, timeout_s: int):
         given = json.dumps(params)
     except TypeError as exc:
         raise Skip(f"the fresh process that {name} runs in takes JSON params: {exc}") from None
-    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    python, env = python_command(env)
     code = f"from {child.__module__} import {name}; {name}()"
     try:
-        proc = subprocess.run([sys.executable, "-c", code, target, given], env=env, capture_output=True,
+        proc = subprocess.run([*python, "-c", code, target, given], env=env, capture_output=True,
                               text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         raise ConformanceError(f"the rerun in a fresh process ({name}) did not finish in {timeout_s} s") \

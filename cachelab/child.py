@@ -1,0 +1,19 @@
+"""A child Python process that runs this process's own code.
+
+``python -m`` and ``python -c`` put the child's working directory first on its import path, so
+a proxy started in a folder that holds another ``cachelab`` (an older checkout, a user's copy)
+gave its writer and planner that folder's code. ``-P`` keeps the working directory off the
+path and ``PYTHONPATH`` hands the child this process's own path, in its order.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def python_command(env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The interpreter's command (arguments follow: ``-m MODULE`` or ``-c CODE``) and the
+    environment (``env`` added to this one's) under which it imports what this process imports."""
+    path = os.pathsep.join(os.path.abspath(p) for p in sys.path if p)  # the working directory ("") left out
+    return [sys.executable, "-P"], {**os.environ, **(env or {}), "PYTHONPATH": path}
