@@ -1,6 +1,6 @@
 """Crash safety: SIGKILL the proxy process (by its pid) at random moments under streaming load, once
 it has acknowledged records, many times; every record it acknowledged before the kill is read back,
-torn tails are counted."""
+torn tails are counted; and a writer process killed under a running proxy is replaced."""
 
 from __future__ import annotations
 
@@ -125,3 +125,51 @@ def test_sigkill_under_load_loses_no_acknowledged_record(tmp_path, writer):
     assert report.torn_tails == stats.torn_tails and report.requests > 0
     for f in out.iterdir():
         assert f.stat().st_mode & 0o077 == 0, f"{f.name} is readable by others"
+
+
+@pytest.mark.slow
+def test_a_writer_process_killed_under_load_is_replaced_and_the_capture_goes_on(tmp_path):
+    """SIGKILL of the proxy's writer process (not the proxy) under streaming load: ``/capture/status``
+    counts a restart, later records are acknowledged by the new writer's run, what the dead one
+    acknowledged is read back, and the counters add up (every later record was dropped)."""
+    out = tmp_path / "cap"
+    with ServerThread(Upstream(token_delay_s=0.001).app) as upstream:
+        port = free_port()
+        proc, status = _start_proxy(upstream.url, out, port, "process")
+        url = f"http://127.0.0.1:{port}"
+        stop = threading.Event()
+        load = threading.Thread(target=_load, args=(url, stop), daemon=True)
+        load.start()
+        try:
+            seen = _first_acknowledged(port, proc)
+            os.kill(status["writer_pid"], signal.SIGKILL)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                after = httpx.get(f"{url}/capture/status", timeout=5).json()
+                if after["writer_restarts"] and after["run"] not in (None, status["run"]) and after["acknowledged"]:
+                    break
+                time.sleep(0.05)
+            stop.set()
+            load.join(30)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                final = httpx.get(f"{url}/capture/status", timeout=5).json()
+                if final["acknowledged"] + final["dropped"] == final["submitted"]:
+                    break
+                time.sleep(0.05)
+        finally:
+            stop.set()
+            proc.send_signal(signal.SIGINT)
+            proc.wait(60)
+    assert wait_gone(status["writer_pid"])
+    assert final["writer_restarts"] == 1 and final["write_error"] is None and final["writer_pid"] != status["writer_pid"]
+    assert final["acknowledged"] + final["dropped"] == final["submitted"] and final["dropped"] == final["lost"]
+    by_run: dict[int, set[int]] = {}
+    for record in read_stream(out, REQUESTS, ReadStats()):
+        if record.get("kind") == "request":
+            by_run.setdefault(record["run"], set()).add(record["seq"])
+    assert set(range(seen)) <= by_run[status["run"]], "a record acknowledged before the kill was lost"
+    new = by_run[final["run"]]
+    assert new == set(range(len(new))) and len(new) >= final["acknowledged"] - len(by_run[status["run"]])
+    _, report = capture_to_trace(out)
+    assert report.requests > 0

@@ -27,10 +27,16 @@ run are on disk.
 Crashes: the child ignores SIGINT and SIGTERM (a Ctrl-C reaches the whole process group) and
 stops at the end of its pipe, after acknowledging everything it read: when the proxy exits,
 or is killed, the kernel closes the pipe's write end and what the proxy wrote before still
-gets written. A proxy whose writer died counts every later record as dropped and reports the
-writer's exit in ``write_error``. If the pipe is full (the writer is behind), the proxy keeps
-the frames in a bounded backlog and writes them when the pipe drains; past the bound it drops
-and counts. The child reads at most ``max_ahead_bytes`` of exchanges ahead of what its journal has
+gets written. A writer that dies under a running proxy (killed, out of memory) is replaced: a new
+child on the same directory, a new run (``run``, ``seq`` from 0) in segments of its own (the next
+index; the dead one's torn tail is the reader's to count and skip). What the dead one was handed and
+had not acknowledged is counted ``lost`` (in ``dropped`` too), never acknowledged: the first
+``acknowledged`` of each run stay on disk. The frames it never took whole wait in the backlog for its
+successor, started at once, then after 1, 2, 4 ... 60 s while successors die before acknowledging
+a record (the body planner's backoff, ``cachelab.capture.injection``); ``writer_restarts`` counts
+them. (It was not replaced: every later record was dropped for the rest of the run.) If the pipe
+is full (the writer is behind), the proxy keeps the frames in a bounded backlog and writes them
+when the pipe drains; past the bound it drops and counts. The child reads at most ``max_ahead_bytes`` of exchanges ahead of what its journal has
 written, so its memory is bounded too.
 """
 
@@ -38,7 +44,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import errno
 import fcntl
 import json
 import mmap
@@ -51,6 +56,7 @@ import sys
 import time
 from collections import deque
 
+from cachelab.capture.injection import _exit
 from cachelab.capture.recorder import Privacy, load_salt
 from cachelab.capture.segments import FSYNC_POLICIES, private_directory
 from cachelab.child import python_command
@@ -96,25 +102,20 @@ class CaptureWriter:
         self._frames: deque[int] = deque()  # the byte size of each frame in the backlog, in order
         self._first_written = 0             # bytes of the first of them already in the pipe
         self._waiting_writable = False
-        self._shm = os.memfd_create("cachelab-capture-writer")
-        os.ftruncate(self._shm, _WORDS * 8)
-        self._mm, self._c = _counters(self._shm)
-        read_end, self._fd = os.pipe()
-        try:
-            fcntl.fcntl(self._fd, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
-        except OSError:  # over the system's pipe-max-size: the default 64 KiB, a backlog absorbs bursts
-            pass
-        config = {"directory": str(directory), "hash_blocks": hash_blocks, "store_text": store_text,
-                  "salt_file": None if salt_file is None else str(salt_file), "fsync": fsync,
-                  "rotate_bytes": rotate_bytes, "rotate_seconds": rotate_seconds, "tokenizer": tokenizer,
-                  "ids_tokenizer": ids_tokenizer, "nice": nice, "sched": sched, "commit_interval": commit_interval,
-                  "max_ahead_bytes": max_ahead_bytes}
-        python, env = python_command()
-        self.proc = subprocess.Popen([*python, "-m", "cachelab.capture.writer", str(read_end), str(self._shm),
-                                      json.dumps(config)], pass_fds=(read_end, self._shm), stdin=subprocess.DEVNULL,
-                                     env=env)
-        os.close(read_end)
-        os.set_blocking(self._fd, False)
+        self._config = {"directory": str(directory), "hash_blocks": hash_blocks, "store_text": store_text,
+                        "salt_file": None if salt_file is None else str(salt_file), "fsync": fsync,
+                        "rotate_bytes": rotate_bytes, "rotate_seconds": rotate_seconds, "tokenizer": tokenizer,
+                        "ids_tokenizer": ids_tokenizer, "nice": nice, "sched": sched,
+                        "commit_interval": commit_interval, "max_ahead_bytes": max_ahead_bytes}
+        self.restarts = 0
+        self.lost = 0        # frames a writer was handed and had not acknowledged when it died
+        self._past = [0, 0, 0, 0]  # acknowledged, dropped, build errors, segments of the writers gone
+        self._failures = 0   # writers in a row gone before acknowledging a record: the next waits longer
+        self._restart_at: float | None = None  # while no writer runs: when the next one starts
+        self._timer: asyncio.TimerHandle | None = None
+        self._closing = False
+        self._fd = -1
+        self._start()
         deadline = time.monotonic() + start_timeout
         while not self._c[READY].value:
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -122,15 +123,118 @@ class CaptureWriter:
                 raise CachelabError(f"the capture writer process did not start (exit {self.proc.poll()}); "
                                     "its error is above")
             time.sleep(0.01)
-        self.run = self._c[RUN].value
+
+    def _start(self) -> None:
+        """Start a writer child with a pipe and counters of its own (not waiting for it: what it is
+        handed waits in its pipe until it reads)."""
+        self._shm = os.memfd_create("cachelab-capture-writer")
+        os.ftruncate(self._shm, _WORDS * 8)
+        self._mm, self._c = _counters(self._shm)
+        read_end, fd = os.pipe()
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+        except OSError:  # over the system's pipe-max-size: the default 64 KiB, a backlog absorbs bursts
+            pass
+        python, env = python_command()
+        try:
+            self.proc = subprocess.Popen([*python, "-m", "cachelab.capture.writer", str(read_end), str(self._shm),
+                                          json.dumps(self._config)], pass_fds=(read_end, self._shm),
+                                         stdin=subprocess.DEVNULL, env=env)
+        except OSError:
+            os.close(fd)
+            os.close(self._shm)
+            raise
+        finally:
+            os.close(read_end)
+        os.set_blocking(fd, False)
+        self._fd = fd
+        self._handed = 0  # frames wholly in this writer's pipe
+
+    @property
+    def run(self) -> int | None:
+        """The running writer's run id (None while none runs, or before it is ready)."""
+        return self._c[RUN].value if self._c is not None and self._c[READY].value else None
+
+    def _gone(self) -> None:
+        """The writer died: count what it was handed and never acknowledged as lost, keep the frames it
+        never took whole for its successor, and start that one (now, or after the backoff)."""
+        self.proc.wait()  # its pipe's read end closed: its threads are gone, its counters final
+        c = self._c
+        acked, dropped = c[ACKNOWLEDGED].value, c[DROPPED].value
+        lost = self._handed - acked - dropped
+        if self._first_written:  # a frame cut short in its pipe, discarded by it: lost too
+            del self._backlog[:self._frames.popleft() - self._first_written]
+            self._first_written = 0
+            lost += 1
+        self.lost += lost
+        self.dropped += lost
+        self._accepted -= lost
+        for i, word in enumerate((ACKNOWLEDGED, DROPPED, BUILD_ERRORS, SEGMENTS)):
+            self._past[i] += c[word].value
+        self._c = None  # counted in ``_past`` now
+        if self._waiting_writable:
+            self._waiting_writable = False
+            try:
+                asyncio.get_running_loop().remove_writer(self._fd)
+            except RuntimeError:  # its loop is gone (a close after it ended)
+                pass
+        os.close(self._fd)
+        os.close(self._shm)
+        self._fd = -1
+        if acked:
+            self._failures = 0
+        delay = min(60.0, 2.0 ** (self._failures - 1)) if self._failures else 0.0
+        self._failures += 1
+        self.write_error = (f"capture writer process (pid {self.proc.pid}) gone ({_exit(self.proc.returncode)}), "
+                            f"{lost} records it had not acknowledged lost")
+        if self._closing:
+            return
+        print(f"capture: {self.write_error}; a new writer starts {f'in {delay:g} s' if delay else 'now'}, "
+              "later records wait for it in the backlog", file=sys.stderr, flush=True)
+        self._restart_at = time.monotonic() + delay
+        if delay:
+            try:
+                self._timer = asyncio.get_running_loop().call_later(delay, self._revive)
+            except RuntimeError:  # no event loop: the next submit, flush, stats or close starts it
+                pass
+        else:
+            self._revive()
+
+    def _revive(self) -> None:
+        """Start the next writer if one is due, and hand it the backlog."""
+        if self._closing or self._restart_at is None or time.monotonic() < self._restart_at:
+            return
+        self._restart_at = None
+        try:
+            self._start()
+        except OSError as exc:  # no process or pipe to be had now: tried again after the backoff
+            self._fd = -1
+            self._restart_at = time.monotonic() + min(60.0, 2.0 ** self._failures)
+            self._failures += 1
+            print(f"capture: a new capture writer could not be started ({exc})", file=sys.stderr, flush=True)
+            return
+        self.restarts += 1
+        self.write_error = None
+        self._drain()
+        if self._backlog and self._fd >= 0 and not self._waiting_writable:
+            self._when_writable()
+
+    def _check(self) -> None:
+        """Notice a writer that died while nothing was written to it, and start a due successor."""
+        if self._fd >= 0 and self.proc.poll() is not None:
+            self._gone()
+        if self._restart_at is not None:
+            self._revive()
 
     # -- the event loop's side ------------------------------------------------------------
     def submit(self, exchange) -> bool:
         """Hand one exchange to the writer; never blocks. False (counted in ``dropped``) when
-        the writer is gone or the backlog is full."""
-        if self.write_error is not None or self._fd < 0:
+        the proxy closed the writer or the backlog is full."""
+        if self._closing:
             self.dropped += 1
             return False
+        if self._restart_at is not None:
+            self._revive()
         payload = _pickled(exchange)
         if len(self._backlog) + len(payload) > self.max_backlog_bytes:
             self.dropped += 1
@@ -139,10 +243,9 @@ class CaptureWriter:
         self._backlog += payload
         self._frames.append(_FRAME + len(payload))
         self._accepted += 1
-        self._drain()
-        if self.write_error is not None:  # the writer died: this frame went with the backlog, counted dropped
-            return False
-        if self._backlog and not self._waiting_writable:
+        if self._fd >= 0:
+            self._drain()
+        if self._backlog and self._fd >= 0 and not self._waiting_writable:
             self._when_writable()
         return True
 
@@ -152,14 +255,14 @@ class CaptureWriter:
                 n = os.write(self._fd, self._backlog)
             except BlockingIOError:
                 return
-            except OSError as exc:  # EPIPE: the writer is gone
-                self._fail(f"capture writer process gone ({errno.errorcode.get(exc.errno, exc.errno)}, "
-                           f"exit {self.proc.poll()})")
+            except BrokenPipeError:  # the writer is gone
+                self._gone()
                 return
             del self._backlog[:n]
             n += self._first_written
             while self._frames and n >= self._frames[0]:
                 n -= self._frames.popleft()
+                self._handed += 1
             self._first_written = n
 
     def _fail(self, why: str) -> None:
@@ -180,7 +283,7 @@ class CaptureWriter:
 
         def writable() -> None:
             self._drain()
-            if not self._backlog:
+            if not self._backlog and self._waiting_writable:  # else a writer gone took its callback
                 loop.remove_writer(self._fd)
                 self._waiting_writable = False
 
@@ -188,7 +291,7 @@ class CaptureWriter:
 
     def _flush_backlog(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
-        while self._backlog and self.write_error is None:
+        while self._backlog and self._fd >= 0:
             left = deadline - time.monotonic()
             if left <= 0 or self.proc.poll() is not None:
                 break
@@ -197,28 +300,45 @@ class CaptureWriter:
         return not self._backlog
 
     # -- counters -------------------------------------------------------------------------
+    def _now(self, word: int) -> int:
+        """A counter of the latest writer (0 once it is gone: in ``_past``)."""
+        return self._c[word].value if self._c is not None else 0
+
     @property
     def acknowledged(self) -> int:
-        return self._c[ACKNOWLEDGED].value
+        return self._past[0] + self._now(ACKNOWLEDGED)
 
     def flush(self, timeout: float = 30.0) -> bool:
-        """Wait until everything submitted so far is acknowledged or dropped; True when the writer
-        has not failed."""
+        """Wait until everything submitted so far is acknowledged or dropped (a writer that dies meanwhile
+        is replaced, the backoff permitting); True when none was lost meanwhile and the writer has not failed."""
         deadline = time.monotonic() + timeout
-        self._flush_backlog(timeout)
-        target = self._accepted
-        while self.acknowledged + self._c[DROPPED].value < target:
-            if self._c[WRITE_ERROR].value or self.proc.poll() is not None or time.monotonic() > deadline:
-                return False
+        lost = self.lost
+        while True:
+            self._check()
+            if self._fd >= 0:
+                self._flush_backlog(max(0.0, deadline - time.monotonic()))
+            done = not self._backlog and self.acknowledged + self._past[1] + self._now(DROPPED) >= self._accepted
+            if done or self._now(WRITE_ERROR) or time.monotonic() > deadline:
+                break
             time.sleep(0.002)
-        return self.write_error is None and not self._c[WRITE_ERROR].value
+        return done and self.lost == lost and self.write_error is None and not self._now(WRITE_ERROR)
 
     def close(self, timeout: float = 30.0) -> None:
         """Hand the writer what is queued, end the pipe, and wait up to ``timeout`` for it to write
         everything and exit. A writer still at work then (behind, at ``SCHED_IDLE`` on a busy host) is
         left to finish on its own, as after the proxy's SIGKILL: killing it lost every record it had
         been handed and not yet written. Frames it never took (the backlog) are counted dropped."""
+        if self._closing:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._check()
+        if self._restart_at is not None and self._backlog:  # in the backoff: a last writer takes them now
+            self._restart_at = 0.0
+            self._revive()
+        self._closing = True
         if self._fd < 0:
+            self._fail("capture writer process gone at close")
             return
         try:
             asyncio.get_running_loop().remove_writer(self._fd)
@@ -226,6 +346,8 @@ class CaptureWriter:
             pass
         if not self._flush_backlog(timeout):
             self._fail(f"capture writer did not take the last records within {timeout} s")
+        if self._fd < 0:  # it died meanwhile (counted lost)
+            return
         os.close(self._fd)
         self._fd = -1
         try:
@@ -236,16 +358,21 @@ class CaptureWriter:
             self.write_error = self.write_error or f"capture writer process exited with {self.proc.returncode}"
 
     def stats(self) -> dict:
-        c = self._c
+        """The counters of every writer this proxy ran, ``run`` the running one's (``lost``: what writers gone
+        had been handed and not acknowledged, in ``dropped`` too; ``writer_restarts``: writers started again)."""
+        if not self._closing:
+            self._check()
         error = self.write_error
-        if error is None and c[WRITE_ERROR].value:
+        if error is None and self._now(WRITE_ERROR):
             error = "the writer process could not write its segment (see its stderr)"
         if error is None and self.proc.poll() not in (None, 0):
             error = f"capture writer process exited with {self.proc.returncode}"
-        return {"submitted": self._accepted + self.dropped, "acknowledged": c[ACKNOWLEDGED].value,
-                "dropped": self.dropped + c[DROPPED].value, "build_errors": c[BUILD_ERRORS].value,
-                "segments": c[SEGMENTS].value, "fsync": self.fsync, "run": self.run, "write_error": error,
-                "privacy": self.privacy.mode, "writer_pid": self.proc.pid}
+        past = self._past
+        return {"submitted": self._accepted + self.dropped, "acknowledged": self.acknowledged,
+                "dropped": self.dropped + past[1] + self._now(DROPPED),
+                "build_errors": past[2] + self._now(BUILD_ERRORS), "segments": past[3] + self._now(SEGMENTS),
+                "fsync": self.fsync, "run": self.run, "write_error": error, "privacy": self.privacy.mode,
+                "writer_pid": self.proc.pid, "writer_restarts": self.restarts, "lost": self.lost}
 
 
 def _pickled(exchange) -> bytes:
