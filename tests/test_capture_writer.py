@@ -176,8 +176,9 @@ def test_writer_runs_as_an_idle_task_unless_asked_otherwise(tmp_path):
 
 def test_a_writer_killed_under_load_is_replaced_and_loses_no_acknowledged_record(tmp_path, capfd):
     """SIGKILL of the writer process mid-stream: a new writer records what follows, in segments of its own,
-    under a new run; what the dead one acknowledged stays readable, what it had not is counted lost (it
-    was never replaced: every later record was dropped for the rest of the run)."""
+    under a new run; what the dead one acknowledged stays readable, what it had been handed and had not
+    acknowledged (here: 50 written to its pipe while it was stopped) is counted lost, never acknowledged
+    (it was never replaced: every later record was dropped for the rest of the run)."""
     writer = CaptureWriter(tmp_path / "cap")
     try:
         for i in range(300):
@@ -186,19 +187,23 @@ def test_a_writer_killed_under_load_is_replaced_and_loses_no_acknowledged_record
         while writer.acknowledged < 50 and time.monotonic() < deadline:
             time.sleep(0.001)
         first_run, old_pid = writer.run, writer.proc.pid
+        os.kill(old_pid, signal.SIGSTOP)
+        while open(f"/proc/{old_pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+            time.sleep(0.001)
         acked_before = writer.acknowledged
+        assert all(writer.submit(exchange(i)) for i in range(300, 350))  # into its pipe, never read
         os.kill(old_pid, signal.SIGKILL)
         writer.proc.wait(30)  # reaped (a thread still in fsync keeps its pipe open: what it is handed then is lost)
-        assert all(writer.submit(exchange(i)) for i in range(300, 600)), "later records are taken, not dropped"
+        assert all(writer.submit(exchange(i)) for i in range(350, 650)), "later records are taken, not dropped"
         assert writer.flush(60)
         st = writer.stats()
     finally:
         writer.close()
     assert writer.stats()["acknowledged"] == st["acknowledged"]  # the counters of the closed writer still read
     assert writer.proc.pid != old_pid and writer.run not in (None, first_run)
-    assert st["writer_restarts"] == 1 and st["write_error"] is None and st["submitted"] == 600
-    assert st["acknowledged"] + st["dropped"] == 600 and st["dropped"] == st["lost"]
-    assert st["acknowledged"] >= acked_before + 300
+    assert st["writer_restarts"] == 1 and st["write_error"] is None and st["submitted"] == 650
+    assert st["acknowledged"] + st["dropped"] == 650 and st["dropped"] == st["lost"] >= 50
+    assert st["acknowledged"] == acked_before + 300 + (350 - acked_before - st["lost"])
     assert "gone (killed by signal 9)" in capfd.readouterr().err
     got, stats = records(tmp_path / "cap")
     assert stats.corrupt == 0 and stats.torn_tails <= 1 and not stats.bad_files  # at most the dead one's tail
@@ -206,7 +211,8 @@ def test_a_writer_killed_under_load_is_replaced_and_loses_no_acknowledged_record
     second = [r for r in got if r["run"] == writer.run]
     base = 1_700_000_000_000_000_000
     assert {base + i for i in range(acked_before)} <= first, "a record acknowledged before the kill was lost"
-    assert {r["arrival_ns"] - base for r in second} >= set(range(300, 600))
+    assert {r["arrival_ns"] - base for r in second} >= set(range(350, 650))
+    assert not {base + i for i in range(300, 350)} & {r["arrival_ns"] for r in got}
     assert [r["seq"] for r in second] == list(range(len(second)))  # numbered from 0 in the new run
     assert len(got) >= st["acknowledged"] and len({r["arrival_ns"] for r in got}) == len(got)
     trace, report = capture_to_trace(tmp_path / "cap")
