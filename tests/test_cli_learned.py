@@ -66,6 +66,20 @@ def test_belady_keep_model_through_the_cli(tmp_path, data_dir):
     assert res.exit_code == 0, res.output
     assert "keep model for capacity 0.01" in res.stdout and "at 0.05 its keep chances are for another cache size" \
         in " ".join(res.stdout.split())
+    # simulate --model ran a keep model at any --capacity without a word (seen by helper-144): it says
+    # so on stderr, naming both sizes, and --json gives the model's size; it never refuses.
+    res = runner.invoke(app, ["simulate", *TRACE, "--policy", "learned-lfu", "--model", str(out), "--capacity", "1%",
+                              "--json"])
+    assert res.exit_code == 0 and "keep model" not in res.stderr, res.output
+    own = json.loads(res.stdout)
+    assert own["model_capacity"] == 0.01 and own["model_capacity_rows"] == own["capacity"]
+    res = runner.invoke(app, ["simulate", *TRACE, "--policy", "learned-lfu", "--model", str(out), "--capacity", "5%",
+                              "--json"])
+    assert res.exit_code == 0, res.output
+    other = json.loads(res.stdout)
+    assert other["model_capacity_rows"] == own["capacity"] != other["capacity"]
+    assert (f"simulate: the model is a keep model for capacity 0.01 ({own['capacity']:,} rows here): at --capacity 5% "
+            f"({other['capacity']:,} rows) its keep chances are for another cache size") in " ".join(res.stderr.split())
 
 
 def test_bad_inputs_are_clear_errors(tmp_path, trained):
@@ -161,6 +175,7 @@ def test_simulate_addresses_corpora_in_the_model_s_layout(tmp_path):
     res = runner.invoke(app, ["simulate", *TRACE, "--policy", "learned-lfu", "--capacity", "1%", "--model",
                               str(tmp_path / "demo"), "--json"])
     assert res.exit_code == 0 and json.loads(res.stdout)["requests"] == lookups, res.output
+    assert json.loads(res.stdout)["model_capacity"] is None  # a reuse model: no cache size of its own
 
 
 def test_retraining_samples_as_the_model_was_trained(trained, tmp_path, monkeypatch):

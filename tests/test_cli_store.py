@@ -190,6 +190,37 @@ def test_bench_refuses_a_model_no_tier_reads(tables, tmp_path):
                                        in res.output), res.output
 
 
+def keep_model(folder):
+    """A keep model of 300 rows (horizon 2,000) in ``folder/m``, and the stream it was trained on, saved."""
+    from cachelab import registry
+    from cachelab.learning.streams import LearningView, request_stream
+    from cachelab.learning.training import TrainSpec, save, train
+
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(1000, 1400, int(rng.integers(80, 200))) for _ in range(24)]
+    stream = request_stream(prompts, [p[:3] for p in prompts], ["chat"] * 24, tokens_per_step=64)
+    predictor = registry.get(registry.PREDICTORS, "lightgbm-reuse")(n_estimators=3, num_leaves=4)
+    model, _ = train(LearningView.of(stream), predictor, TrainSpec(horizon=2000, capacity=300), tune=False)
+    save(model, folder / "m")
+    return stream.save(folder / "s.npz")
+
+
+def test_bench_names_a_keep_model_run_at_another_size(tables, tmp_path):
+    """store bench --model ran a keep model (Belady's keep decisions at one cache size) in a tier of
+    any size without a word (seen by helper-144): a note on stderr names both sizes, --json the model's."""
+    trace = keep_model(tmp_path)
+    base = ("bench", "--dir", tables, "--trace", trace, "--policy", "lru",
+            "--dram-policy", "learned-lfu", "--model", tmp_path / "m", "--no-verify", "--device", "cpu", "--json")
+    res = run(*base, "--capacity", 10, "--dram-capacity", 300)
+    assert res.exit_code == 0 and "keep model" not in res.stderr, res.output
+    assert {k: json.loads(res.stdout)[k] for k in ("model_capacity", "model_capacity_rows")} == {
+        "model_capacity": 300, "model_capacity_rows": 300}
+    res = run(*base, "--capacity", 300, "--dram-capacity", 20)  # the HBM tier runs lru: its size is not the model's
+    assert res.exit_code == 0 and json.loads(res.stdout)["model_capacity"] == 300, res.output
+    assert ("store bench: the model is a keep model for capacity 300 (300 rows here): at --dram-capacity 20 (the "
+            "DRAM tier's 20 rows) its keep chances are for another cache size") in " ".join(res.stderr.split())
+
+
 def path_of_one(folder):
     """A saved stream of one token (each head's first row)."""
     rows = CFG.offsets[None]
@@ -337,16 +368,8 @@ def test_bench_gives_a_learned_dram_tier_what_it_takes_from_the_model(tables, tm
     """--policy lru --dram-policy learned-lfu --model M made the DRAM tier's policy by name: the
     default horizon (131,072) where the model's scores are positions of its own (2,000)."""
     import cachelab.store.bench as bench
-    from cachelab import registry
-    from cachelab.learning.streams import LearningView, request_stream
-    from cachelab.learning.training import TrainSpec, save, train
 
-    rng = np.random.default_rng(4)
-    prompts = [rng.integers(1000, 1400, int(rng.integers(80, 200))) for _ in range(24)]
-    stream = request_stream(prompts, [p[:3] for p in prompts], ["chat"] * 24, tokens_per_step=64)
-    predictor = registry.get(registry.PREDICTORS, "lightgbm-reuse")(n_estimators=3, num_leaves=4)
-    model, _ = train(LearningView.of(stream), predictor, TrainSpec(horizon=2000, capacity=300), tune=False)
-    save(model, tmp_path / "m")
+    trace = keep_model(tmp_path)
     seen = {}
 
     def replay(directory, stream, backing, hbm, capacity, dram, *args, **kwargs):
@@ -354,7 +377,7 @@ def test_bench_gives_a_learned_dram_tier_what_it_takes_from_the_model(tables, tm
         raise SystemExit(0)
 
     monkeypatch.setattr(bench, "replay_store", replay)  # what the verb imports as it runs
-    run("bench", "--dir", tables, "--trace", stream.save(tmp_path / "s.npz"), "--policy", "lru", "--capacity", 10,
+    run("bench", "--dir", tables, "--trace", trace, "--policy", "lru", "--capacity", 10,
         "--dram-policy", "learned-lfu", "--dram-capacity", 20, "--model", tmp_path / "m")
     assert (seen["hbm"].name, seen["hbm"].params) == ("lru", {})
     assert (seen["dram"].name, seen["dram"].params) == ("learned-lfu", {"horizon": 2000})

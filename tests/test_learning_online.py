@@ -113,8 +113,9 @@ def test_a_saved_model_scores_a_stream_as_the_layout_it_was_trained_on(served, t
     predictor = registry.get(registry.PREDICTORS, "lightgbm-reuse")(n_estimators=6, num_leaves=7)
     model, _ = train(view, predictor, TrainSpec(horizon=2000, capacity=300), tune=False)
     save(model, tmp_path, {"workload": {"source": "x", "preset": "engram-27b-demo"}})  # as an experiment saves it
-    scores, _ = lookup_scores(tmp_path, other)
+    scores, _, unique = lookup_scores(tmp_path, other)
     np.testing.assert_array_equal(scores, view.per_lookup(keep_scores(model, view)))
+    assert unique == view.num_keys  # a keep model's share of them is its size (keep_rows)
 
 
 def test_key_index_numbers_keys_in_first_arrival_order_and_grows():
@@ -216,7 +217,7 @@ def test_store_bench_refuses_a_model_or_stream_of_another_layout_than_its_tables
 
     learned = ("--policy", "learned-lfu", "--model", str(tmp_path / "model"))
     res = bench("preset", preset_stream, *learned)
-    assert res.exit_code == 0 and json.loads(res.output)["matches_simulator"] is True, res.output
+    assert res.exit_code == 0 and json.loads(res.stdout)["matches_simulator"] is True, res.output
     for trace in (preset_stream, custom_stream):
         res = bench("custom", trace, *learned)
         assert res.exit_code == 2 and ("the model was trained on Engram layout 'deepseek-v4.1-flash', but the tables "

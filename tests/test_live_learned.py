@@ -136,6 +136,25 @@ def test_a_learned_dram_cache_needs_the_model_and_takes_its_horizon(model_dir):
         engine.rows.close()
 
 
+def test_serve_names_a_keep_model_run_at_another_size(model_dir, capsys):
+    """serve --model ran a keep model (Belady's keep decisions at one cache size) in a row cache of
+    any size without a word (seen by helper-144): a note on stderr names both sizes; it still serves."""
+    trained = load(model_dir).metadata["spec"]["capacity_rows"]
+    row_cache = {"row_cache_policy": POLICY, "row_cache_capacity": str(trained)}
+    dram_cache = {"row_cache_policy": "lru", "row_cache_capacity": "500", "dram_cache_policy": "learned-lfu"}
+    for caches, noted in ((row_cache, None), ({**row_cache, "row_cache_capacity": "1000"},
+                                              "--row-cache-capacity 1000 (1,000 rows)"),
+                          ({**dram_cache, "dram_cache_capacity": str(trained)}, None),
+                          ({**dram_cache, "dram_cache_capacity": "2000"}, "--dram-cache-capacity 2000 (2,000 rows)")):
+        build_engine(ServeOptions(threads=1, row_cache_model=model_dir, **caches)).rows.close()
+        err = " ".join(capsys.readouterr().err.split())
+        if noted is None:
+            assert "keep model" not in err, (caches, err)
+        else:
+            assert (f"cachelab serve: the model is a keep model for capacity 0.02 ({trained:,} rows on its training "
+                    f"stream): at {noted} its keep chances are for another cache size") in err, (caches, err)
+
+
 def test_serving_simulator_predicts_the_learned_row_cache_step_by_step(model_dir):
     """The serving simulator, given the model (``row_cache_model``), scores each step's rows with
     the engine's own online scorer and serves them through the same learned policy: its row

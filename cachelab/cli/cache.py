@@ -120,11 +120,18 @@ def simulate(
 
         if note := unchecked_layout(stream):
             Console(stderr=True, quiet=as_json).print(f"{trace}: {note}")
-        scores, fitted = lookup_scores(fitted, stream)
+        scores, fitted, unique = lookup_scores(fitted, stream)
         from_model = policy_params(registry.get(registry.POLICIES, policy.split("+")[0]), fitted)
         param = [f"{k}={v}" for k, v in from_model.items()] + list(param)  # --param still overrides
     cache = build_policy(policy, admission, param)
-    capacity = capacity_rows([parse_capacity(capacity, "--capacity")], stream, "--capacity")[0]
+    written, capacity = capacity, capacity_rows([parse_capacity(capacity, "--capacity")], stream, "--capacity")[0]
+    kept = {}
+    if fitted is not None:  # a keep model at another size than its own: said, not refused
+        from cachelab.learning.training import keep_capacity, keep_rows, keep_size_note
+
+        kept = {"model_capacity": keep_capacity(fitted) or None, "model_capacity_rows": keep_rows(fitted, unique)}
+        if note := keep_size_note(fitted, {f"--capacity {written} ({capacity:,} rows)": capacity}, unique):
+            Console(stderr=True).print(f"simulate: {note}")
     hierarchy = Hierarchy([Tier("cache", cache, capacity_rows=capacity, location="gpu")], stream.row_bytes)
     if cache.capabilities.needs_scores and model is None:
         raise CachelabError(f"policy {policy!r} needs predictor scores: pass --model DIR (from `cachelab train`)")
@@ -140,6 +147,7 @@ def simulate(
         "warmup_requests": stats.warmup_lookups, "trace": str(trace), "trace_kind": found.kind,
         "unique_requests": stats.unique_rows,
         "unique_miss_ratio": 1.0 - level.hit_ratio_unique if stats.unique_rows else 0.0,  # as miss_ratio counts none
+        **kept,  # with --model: the size a keep model was trained for, and its rows here (null: another model)
     }
     if as_json:
         typer.echo(strict_json.dumps(out))

@@ -12,8 +12,8 @@ from cachelab import defaults, registry, strict_json
 from cachelab.capacity import parse_capacities, parse_capacity
 from cachelab.engram import get_preset
 from cachelab.errors import CachelabError
-from cachelab.learning.training import (TrainSpec, check_target, load, rolling_scores, rows_for, save,
-                                        train as train_model)
+from cachelab.learning.training import (TrainSpec, check_target, keep_capacity, keep_size_note, load,
+                                        rolling_scores, save, train as train_model)
 from cachelab.learning.evaluation import evaluate_capacities, judged_policy
 from cachelab.learning.lineup import lineup
 from cachelab.learning.predictor import model_folder
@@ -131,14 +131,6 @@ def _capacities(text: str, preset: str) -> list[float | str]:
     return [_learning_capacity(c.written, preset, "--capacities") for c in parse_capacities(text)]
 
 
-def _keep_capacity(fitted, directory: Path) -> float | str:
-    """The capacity a keep model (``train --capacity``) was trained for, 0 for any other model."""
-    capacity = fitted.metadata.get("spec", {}).get("capacity") or 0.0
-    if capacity:
-        parse_capacity(capacity, f"{Path(directory) / 'metadata.json'}: spec.capacity")
-    return capacity
-
-
 def evaluate(
     trace: str = typer.Option(..., help=TRACE_HELP),
     model: Path = typer.Option(..., help="A directory written by `cachelab train`."),
@@ -166,7 +158,7 @@ def evaluate(
     if not 0.0 <= warmup < 1.0:
         raise CachelabError(f"--warmup must lie in [0, 1), got {warmup}")
     fitted = load(model)
-    trained_for = _keep_capacity(fitted, model)
+    trained_for = keep_capacity(fitted)
     caps = caps or ([trained_for] if trained_for else _capacities(DEFAULT_CAPACITIES, preset))
     # before the stream is built (minutes on long traces): each was refused once it had been
     if retrain_every < 0:
@@ -190,8 +182,7 @@ def evaluate(
                                     retrain_every, window)
     evaluation = evaluate_capacities(stream, fitted, caps, warmup, progress=True, scores=scores, policy=policy)
     result = {"trace": trace, "model": str(model), "model_capacity": trained_for or None, **evaluation.to_dict()}
-    other = [row.capacity for row in evaluation.capacities
-             if trained_for and row.rows != rows_for(trained_for, stream.num_keys)]
+    other = keep_size_note(fitted, {str(row.capacity): row.rows for row in evaluation.capacities}, stream.num_keys)
     if as_json:
         typer.echo(strict_json.dumps(result))
         return
@@ -206,8 +197,7 @@ def evaluate(
     if result["missing"]:
         out.print(f"registered but not loaded, so not compared: {', '.join(result['missing'])}")
     if other:
-        out.print(f"the model is a keep model for capacity {trained_for} ({rows_for(trained_for, stream.num_keys):,} "
-                  f"rows here): at {', '.join(map(str, other))} its keep chances are for another cache size")
+        out.print(other)
     rows = result["capacities"]
     table = Table("policy", *(f"{row['capacity']:g}\n{row['rows']:,} rows" if isinstance(row["capacity"], float)
                               else f"{row['capacity']}\n{row['rows']:,} rows" for row in rows),

@@ -178,7 +178,7 @@ def bench(
     if fitted is not None:  # what each tier's policy takes from the model (the DRAM tier's was left out)
         from cachelab.learning.training import lookup_scores, policy_params
 
-        scores, fitted = lookup_scores(fitted, stream, cfg)
+        scores, fitted, unique = lookup_scores(fitted, stream, cfg)
         taken = {name: policy_params(registry.get(registry.POLICIES, name.split("+")[0]), fitted)
                  for name in {policy, dram_name}}
     hbm = PolicySpec(policy, {**taken.get(policy, {}), **params})
@@ -189,6 +189,16 @@ def bench(
                        progress=True, max_lookups=max_lookups, compute_ms=compute_ms,
                        device=device)
     out["trace"] = trace
+    if fitted is not None:  # a keep model in a tier of another size than its own: said, not refused
+        from cachelab.learning.training import keep_capacity, keep_rows, keep_size_note
+
+        out |= {"model_capacity": keep_capacity(fitted) or None, "model_capacity_rows": keep_rows(fitted, unique)}
+        runs = {f"{flag} {text} (the {tier.upper()} tier's {out['capacities'][tier]:,} rows)": out["capacities"][tier]
+                for tier, flag, text, name in (("hbm", "--capacity", capacity, policy),
+                                               ("dram", "--dram-capacity", dram_capacity, dram_name))
+                if tier in out["capacities"] and name in learned}
+        if note := keep_size_note(fitted, runs, unique):
+            typer.echo(f"store bench: {note}", err=True)
     if as_json:
         typer.echo(strict_json.dumps(out))
     else:

@@ -381,6 +381,8 @@ def _scoring_spec(spec: dict, where: Path) -> tuple[int, list[str], bool]:
     if not isinstance(seen, list) or not all(isinstance(d, str) and len(d) == 16 and set(d) <= set(HEX) for d in seen):
         raise CachelabError(f"{where}: spec.train_requests must be a list of 16-digit hex request digests, "
                             f"got {seen!r:.80}")
+    if spec.get("capacity"):  # a keep model's size, read by every verb that runs it (``keep_size_note``)
+        parse_capacity(spec["capacity"], f"{where}: spec.capacity")
     if not isinstance(spec.get("layout", {}), dict):
         raise CachelabError(f"{where}: spec.layout must be an object (an Engram layout's signature), "
                             f"got {spec['layout']!r:.80}")
@@ -486,16 +488,46 @@ def as_scores(model: Model, raw: np.ndarray, offset: int) -> np.ndarray:
     return -(t + wait)
 
 
-def lookup_scores(model: Path | Model, stream, layout=None) -> tuple[np.ndarray, Model]:
+def lookup_scores(model: Path | Model, stream, layout=None) -> tuple[np.ndarray, Model, int]:
     """Scores per lookup of an engine ``LookupStream`` from ``model`` (or the model saved in that
-    directory), and the model. The stream is read as the rows of ``layout`` (an ``EngramConfig``:
-    the tables a store serves them from), so the model is checked against it; by default as the
-    layout the model was trained on."""
+    directory), the model, and the stream's distinct rows (counted on the way: a keep model's
+    share of them is its size, ``keep_rows``). The stream is read as the rows of ``layout`` (an
+    ``EngramConfig``: the tables a store serves them from), so the model is checked against it; by
+    default as the layout the model was trained on."""
     from cachelab.learning.streams import LearningView
 
     model = model if isinstance(model, Model) else load(model)
     view = LearningView.of(stream, trained_layout(model) if layout is None else layout)
-    return view.per_lookup(keep_scores(model, view)), model
+    return view.per_lookup(keep_scores(model, view)), model, view.num_keys
+
+
+def keep_capacity(model: Model) -> float | str:
+    """The cache size a keep model (``train --capacity``) was trained for (``load`` checked it), 0
+    for any other model."""
+    return model.metadata.get("spec", {}).get("capacity") or 0.0
+
+
+def keep_rows(model: Model, unique: int | None) -> int | None:
+    """A keep model's size in rows of a workload of ``unique`` distinct rows; ``unique`` None (a live
+    server, whose workload is unknown): the rows it was trained at. None for another model."""
+    capacity = keep_capacity(model)
+    if not capacity:
+        return None
+    return rows_for(capacity, unique) if unique is not None else model.metadata["spec"].get("capacity_rows")
+
+
+def keep_size_note(model: Model, runs: dict[str, int], unique: int | None) -> str | None:
+    """The note every verb running a model gives where a keep model (Belady's keep decisions at one
+    cache size) runs at another size: ``runs`` maps each size run, named as the reader wrote it, to its
+    rows; ``unique`` as ``keep_rows``. None where each is its own size or it is no keep model. A note,
+    never a refusal: a user may mean to run it at another size."""
+    rows = keep_rows(model, unique)
+    other = [name for name, n in runs.items() if rows is not None and n != rows]
+    if not other:
+        return None
+    return (f"the model is a keep model for capacity {keep_capacity(model)} ({rows:,} rows "
+            f"{'here' if unique is not None else 'on its training stream'}): at {', '.join(other)} its keep "
+            "chances are for another cache size")
 
 
 def trained_layout(model: Model) -> str:

@@ -224,7 +224,20 @@ def build_engine(opts: ServeOptions):
         from cachelab.learning.online import OnlineScorer
 
         engine.scorer = OnlineScorer.open(opts.row_cache_model, cfg.layout)
+        if note := _keep_size_note(opts, engine.scorer.model, rows.tiers):
+            print(f"cachelab serve: {note}", file=sys.stderr)
     return engine
+
+
+def _keep_size_note(opts: ServeOptions, model, tiers) -> str | None:
+    """``training.keep_size_note`` for the learned caches among ``tiers`` (the store's): a live
+    server's workload is unknown, so a keep model's size is the rows it was trained at."""
+    from cachelab.learning.training import keep_size_note
+
+    learned = {"hbm": ("--row-cache-capacity", opts.row_cache_capacity, opts.row_cache_policy),
+               "dram": ("--dram-cache-capacity", opts.dram_cache_capacity, opts.dram_cache_policy)}
+    return keep_size_note(model, {f"{learned[t.name][0]} {learned[t.name][1]} ({t.capacity:,} rows)": t.capacity
+                                  for t in tiers if _needs_scores(learned[t.name][2])}, None)
 
 
 def open_capture(opts: ServeOptions):
