@@ -7,9 +7,11 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from cachelab.workload.prefix_cache import (BlockPrefixCache, RadixPrefixCache, block_hashes, replay_sequential,
                                             sequential_hits)
+from cachelab.workload.prefix_cache.hashing import chained_block_hashes, continue_chain
 
 
 def _start(cache, rid, tokens, num_prompt=None):
@@ -27,6 +29,43 @@ def test_block_hashes_chain_the_prefix():
     assert a.size == 2 and a[0] == b[0] and a[1] != b[1]  # block 1 differs, so its chain does
     c = block_hashes(np.r_[99, np.arange(1, 10)], 4)
     assert c[1] != a[1]  # same block content, different prefix
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 2 ** 31 - 1), max_size=200), st.integers(1, 20), st.lists(st.integers(0, 200)))
+def test_a_chain_continued_block_by_block_is_the_full_recomputation(tokens, block, cuts):
+    """The live engine hashes an answer's blocks as they fill, each chained on the hash before it:
+    the chain must be bit-identical to hashing the whole sequence again (the prefix cache's keys
+    and vLLM-style KV events both carry these hashes)."""
+    tokens = np.asarray(tokens, np.int64)
+    full = block_hashes(tokens, block)
+    hashes = np.empty(0, np.int64)
+    for end in sorted({min(c, tokens.size) for c in cuts} | {tokens.size}):
+        more = np.empty(end // block - hashes.size, np.int64)
+        continue_chain(tokens[:end], hashes, block, more)
+        hashes = np.concatenate([hashes, more])
+    assert np.array_equal(hashes, full)
+    assert np.array_equal(full, chained_block_hashes(tokens, np.array([0, tokens.size]), block)[0][: full.size])
+
+
+def test_continue_chain_refuses_room_that_is_not_the_new_blocks():
+    with pytest.raises(ValueError, match="out holds 2 hashes; 9 tokens have 2 full blocks of 4, 1 of them"):
+        continue_chain(np.arange(9), block_hashes(np.arange(4), 4), 4, np.empty(2, np.int64))
+
+
+def test_a_live_requests_key_grows_one_block_at_a_time_to_its_full_hashes():
+    """extend_key, fed a request's tokens one more at a time as the engine feeds them, ends with the
+    hashes of the whole sequence, and publishes its output blocks under them as they fill."""
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(0, 130_000, 300)
+    cache = BlockPrefixCache(num_blocks=64, block_size=8)
+    assert _start(cache, 0, tokens[:21]) == 0
+    for n in range(21, tokens.size + 1):
+        assert cache.extend(0, n)
+        cache.extend_key(0, tokens[:n])
+    assert np.array_equal(cache._req[0][3], cache.prefix_key(tokens))
+    cache.free(0)
+    assert _start(cache, 1, tokens) == (tokens.size - 1) // 8 * 8  # the answer's blocks were cached
 
 
 def test_vllm_hits_free_queue_order_and_eviction():

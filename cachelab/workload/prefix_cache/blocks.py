@@ -33,7 +33,7 @@ from numba import types
 from numba.typed import Dict
 
 from cachelab.errors import CachelabError
-from cachelab.workload.prefix_cache.hashing import chained_block_hashes
+from cachelab.workload.prefix_cache.hashing import chained_block_hashes, continue_chain
 
 HEAD, TAIL, NUM_FREE, EVICTIONS, NUM_CACHED = 0, 1, 2, 3, 4
 
@@ -255,8 +255,9 @@ class BlockPrefixCache:
             raise CachelabError(f"request {rid} is already admitted")
         n = num_cached // self.block_size
         blocks = np.empty(hashes.size + 1, np.int64)  # room for every full block and a partial one
-        # block table, blocks held, blocks published, hashes, cached blocks the first extend takes
-        self._req[rid] = [blocks, 0, n, hashes, n]
+        # block table, blocks held, blocks published, hashes, cached blocks the first extend takes,
+        # room extend_key grows the hashes in
+        self._req[rid] = [blocks, 0, n, hashes, n, None]
 
     def record_query(self, num_prompt: int, num_cached: int, preempted: bool = False) -> None:
         """Count one admitted request's prompt and cached tokens (vLLM's hit-rate terms); a
@@ -274,7 +275,7 @@ class BlockPrefixCache:
         fits (vLLM's ``allocate_slots``): a refused admission leaves the free queue's order
         as it was, so a request waiting for room does not keep its prefix fresh."""
         state = self._req[rid]
-        blocks, held, published, hashes, hit = state
+        blocks, held, published, hashes, hit = state[:5]
         need = -(-num_tokens // self.block_size) - held - hit
         if hit:
             if max(need, 0) + _evictable(self._table, hashes, hit, self._ref) > self._meta[NUM_FREE]:
@@ -301,20 +302,27 @@ class BlockPrefixCache:
     def fits(self, rid: int, num_tokens: int) -> bool:
         """Whether blocks for the first ``num_tokens`` tokens of ``rid`` could be held now, its
         cached prefix counted (vLLM's ``full_sequence_must_fit`` admission check); no change."""
-        _, held, _, hashes, hit = self._req[rid]
+        _, held, _, hashes, hit = self._req[rid][:5]
         need = max(-(-num_tokens // self.block_size) - held - hit, 0)
         if hit:
             need += _evictable(self._table, hashes, hit, self._ref)
         return need <= self._meta[NUM_FREE]
 
-    def extend_key(self, rid: int, hashes: np.ndarray) -> None:
-        """Give ``rid`` a longer hash chain (``prefix_key`` of its tokens so far): a live
-        request learns its tokens as it samples them, and its output blocks are then
-        published as they fill, as vLLM caches them (a later turn reuses the answer's KV)."""
+    def extend_key(self, rid: int, tokens: np.ndarray) -> None:
+        """Chain ``rid``'s key on to the full blocks of ``tokens`` (its tokens so far, which start
+        with those its key hashes): a live request learns its tokens as it samples them, and its
+        output blocks are then published as they fill, as vLLM caches them (a later turn reuses the
+        answer's KV). Only the new blocks are hashed, into room that doubles (amortised O(1) a block)."""
         state = self._req[rid]
-        if hashes.size < state[3].size or not np.array_equal(hashes[: state[3].size], state[3]):
-            raise CachelabError(f"request {rid}: the new hash chain does not extend the old one")
-        state[3] = hashes
+        hashes, room = state[3], state[5]
+        n = tokens.size // self.block_size
+        if n <= hashes.size:
+            return
+        if room is None or room.size < n:
+            room = state[5] = np.empty(max(n, 2 * hashes.size), np.int64)
+            room[: hashes.size] = hashes
+        continue_chain(tokens, hashes, self.block_size, room[hashes.size:n])
+        state[3] = room[:n]
 
     def block_table(self, rid: int) -> np.ndarray:
         """The KV blocks ``rid`` holds, in position order (block ``i`` holds its tokens

@@ -17,6 +17,19 @@ _MUL = np.uint64(0xBF58476D1CE4E5B9)
 _MUL2 = np.uint64(0x94D049BB133111EB)
 
 
+_MUL2_INV = np.uint64(pow(int(_MUL2), -1, 1 << 64))  # _MUL2 is odd: multiplying by it is a bijection
+
+
+@nb.njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _block(tokens, h, b0, b1):
+    """(chain state, block hash) after tokens[b0:b1], from chain state ``h``."""
+    for t in range(b0, b1):
+        h = (h ^ np.uint64(tokens[t] + 1)) * _MUL
+        h ^= h >> np.uint64(31)
+    z = (h ^ np.uint64(b1 - b0)) * _MUL2  # the length separates a partial block from a full one
+    return h, np.int64(z ^ (z >> np.uint64(29)))
+
+
 @nb.njit(cache=True, nogil=True, boundscheck=False)
 def _chained(tokens, offsets, block, out_offsets, out):
     for r in range(offsets.size - 1):
@@ -24,14 +37,23 @@ def _chained(tokens, offsets, block, out_offsets, out):
         k = out_offsets[r]
         start, end = offsets[r], offsets[r + 1]
         for b0 in range(start, end, block):
-            b1 = min(b0 + block, end)
-            for t in range(b0, b1):
-                h = (h ^ np.uint64(tokens[t] + 1)) * _MUL
-                h ^= h >> np.uint64(31)
-            z = (h ^ np.uint64(b1 - b0)) * _MUL2  # the length separates a partial block from a full one
-            z ^= z >> np.uint64(29)
-            out[k] = np.int64(z)
+            h, out[k] = _block(tokens, h, b0, min(b0 + block, end))
             k += 1
+
+
+@nb.njit(cache=True, nogil=True, boundscheck=False)
+def _continued(tokens, first, block, previous, out):
+    """Full blocks ``first``, ``first + 1``, ... of ``tokens`` into ``out``; the chain state
+    is read back from ``previous``, the hash of full block ``first - 1`` (every step of the
+    final mix is a bijection: an xor-shift by 29 and a multiply by an odd number)."""
+    h = _SEED
+    if first > 0:
+        z = np.uint64(previous)
+        z ^= (z >> np.uint64(29)) ^ (z >> np.uint64(58))
+        h = (z * _MUL2_INV) ^ np.uint64(block)
+    for i in range(out.size):
+        b0 = (first + i) * block
+        h, out[i] = _block(tokens, h, b0, b0 + block)
 
 
 def block_counts(lengths: np.ndarray, block_size: int) -> np.ndarray:
@@ -50,6 +72,18 @@ def chained_block_hashes(tokens: np.ndarray, offsets: np.ndarray, block_size: in
     out = np.empty(int(out_offsets[-1]), dtype=np.int64)
     _chained(np.asarray(tokens), offsets, np.int64(block_size), out_offsets, out)
     return out, out_offsets
+
+
+def continue_chain(tokens: np.ndarray, hashes: np.ndarray, block_size: int, out: np.ndarray) -> None:
+    """Hash only the full blocks of ``tokens`` that ``hashes`` (the chained hashes of its first
+    full blocks) lacks, into ``out`` (one per new block), chained on ``hashes[-1]``: bit-identical
+    to ``chained_block_hashes``, at the cost of the new blocks alone (a live answer's blocks fill
+    one at a time; rehashing the whole sequence at each made its hashing quadratic in its length)."""
+    first = hashes.size
+    if out.size != tokens.size // block_size - first:
+        raise ValueError(f"out holds {out.size} hashes; {tokens.size} tokens have {tokens.size // block_size} "
+                         f"full blocks of {block_size}, {first} of them hashed already")
+    _continued(np.asarray(tokens), np.int64(first), np.int64(block_size), np.int64(hashes[-1] if first else 0), out)
 
 
 def sorted_distinct(values: np.ndarray) -> np.ndarray:
