@@ -2,14 +2,18 @@
 
 Block hashing: each time an output block fills, the engine extends the request's key; it hashes
 the new block alone (``BlockPrefixCache.extend_key``), timed beside rehashing the whole sequence
-at every fill, as it did. Detokenizing: microseconds a token over a short and a long answer.
+at every fill, as it did. Detokenizing: microseconds a token over a short and a long answer,
+optionally beside another version's ``Detokenizer`` (its sampling.py), run by turns in this
+process (separate processes' malloc states alone moved the figure by half):
 
-    PYTHONPATH=. .venv/bin/python scripts/live_host_bench.py [--answer 32000]
+    PYTHONPATH=. .venv/bin/python scripts/live_host_bench.py [--answer 32000] [--detokenizer-from FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import sys
 import time
 
 import numpy as np
@@ -49,23 +53,36 @@ def block_fills(answer: int) -> None:
           f"{_best(incremental) * 1e3:.1f} ms, full rehash at each fill {_best(rehash) * 1e3:.1f} ms (best of {REPEATS})")
 
 
-def detokenizing() -> None:
+def _detokenizer_from(path: str):
+    spec = importlib.util.spec_from_file_location("baseline_sampling", path)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.Detokenizer
+
+
+def detokenizing(baseline: str | None = None) -> None:
     tok = load_tokenizer()
     text = open(np.__file__.replace("__init__.py", "linalg/_linalg.py")).read() * 3
     ids = tok.encode(text, add_special_tokens=False).ids
-    for n in (1_000, 64_000):
-        def stream():
-            d = Detokenizer(tok, stop=("never in this text",))
-            out = []
-            for t in ids[:n]:
-                d.add(t)
-                out.append(d.take())
-            assert "".join(out) + d.take(final=True) == tok.decode(ids[:n])
-        print(f"detokenizing {n} tokens: {_best(stream) / n * 1e6:.1f} us a token (best of {REPEATS})")
+    kinds = {"this": Detokenizer, **({baseline: _detokenizer_from(baseline)} if baseline else {})}
+    for n in (1_000, 16_000, 64_000):
+        best = dict.fromkeys(kinds, float("inf"))
+        for _ in range(REPEATS):
+            for name, kind in kinds.items():
+                d, out, t0 = kind(tok, stop=("never in this text",)), [], time.perf_counter()
+                for t in ids[:n]:
+                    d.add(t)
+                    out.append(d.take())
+                best[name] = min(best[name], time.perf_counter() - t0)
+                assert "".join(out) + d.take(final=True) == tok.decode(ids[:n])
+        print(f"detokenizing {n} tokens, us a token (best of {REPEATS}): "
+              + ", ".join(f"{name} {t / n * 1e6:.2f}" for name, t in best.items()))
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--answer", type=int, default=32_000, help="output tokens of the answer")
-    block_fills(parser.parse_args().answer)
-    detokenizing()
+    parser.add_argument("--detokenizer-from", help="a sampling.py whose Detokenizer to time beside this one")
+    args = parser.parse_args()
+    block_fills(args.answer)
+    detokenizing(args.detokenizer_from)

@@ -335,6 +335,44 @@ def test_detokenizer_min_tokens_and_kept_stop_strings_follow_vllm():
     assert d.hold == 0
 
 
+WORDS = [" end", " en", "d.", " the", " e", "nd", " x", ".", " 🦙", "e"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from(WORDS), min_size=1, max_size=40),
+       st.lists(st.sampled_from(["end.", "e", " x", "nd.", "🦙 x", "the end"]), max_size=3), st.booleans())
+def test_streamed_text_is_the_answer_cut_at_its_first_stop_string(words, stop, keep_stop):
+    """Streamed a token at a time, the text is the decoded answer cut where its earliest-ending stop
+    string ends (ties to the first listed), less the stop string unless it is kept."""
+    tok = load_tokenizer()
+    ids = tok.encode("".join(words), add_special_tokens=False).ids
+    d, why, streamed = Detokenizer(tok, stop=stop, keep_stop=keep_stop), None, ""
+    for t in ids:
+        why = why or d.add(t)
+        streamed += d.take()
+    streamed += d.take(final=True)
+    full = tok.decode(ids)
+    hits = sorted((full.find(s) + len(s), i, full.find(s), s) for i, s in enumerate(stop) if s in full)
+    if hits:
+        end, _, at, s = hits[0]
+        assert (why, streamed) == (s, full[:end if keep_stop else at])
+    else:
+        assert (why, streamed) == (None, full)
+
+
+def test_a_long_answers_detokenizer_holds_only_its_unsent_text():
+    """The detokenizer keeps the text not handed out yet and the stop-string window before it: it
+    kept the whole answer and copied it at every token (2.8 us a token at 1,000 tokens, 5.3 at 64,000)."""
+    tok = load_tokenizer()
+    ids = tok.encode(" the end of it." * 400, add_special_tokens=False).ids
+    d, streamed = Detokenizer(tok, stop=("never here",)), ""
+    for t in ids:
+        d.add(t)
+        streamed += d.take()
+        assert len(d._text) <= len("never here") + 8
+    assert streamed + d.take(final=True) == tok.decode(ids)
+
+
 def test_min_tokens_masks_stop_tokens_and_eos_until_reached():
     """hold_stops: the stops of a row still short of min_tokens can never be drawn."""
     logits = torch.zeros(2, 10)

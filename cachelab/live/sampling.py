@@ -108,7 +108,10 @@ class Detokenizer:
         self.hold = 0 if keep_stop else max((len(s) for s in self.stop), default=1) - 1
         self.min_tokens, self.keep_stop = min_tokens, keep_stop
         self.ids: list[int] = []
-        self.text = ""
+        # the text from character ``_base`` on: what is not handed out yet and the stop-string window
+        # before it (the answer's whole text, copied at every token, cost a long answer time squared)
+        self._text, self._base = "", 0
+        self._window = max((len(s) for s in self.stop), default=1) - 1
         self.sent = 0  # characters of text already handed out
         self._prefix = self._read = 0
         self._stopped = False
@@ -122,23 +125,26 @@ class Detokenizer:
         before = decode(self.ids[self._prefix:self._read], skip_special_tokens=self.skip_special)
         after = decode(self.ids[self._prefix:], skip_special_tokens=self.skip_special)
         if len(after) > len(before) and not after.endswith(UNFINISHED_CHAR):
-            new_from = len(self.text)
-            self.text += after[len(before):]
+            new_from = len(self._text)
+            self._text += after[len(before):]
             self._prefix, self._read = self._read, len(self.ids)
             if len(self.ids) <= self.min_tokens:
                 return None
             # the stop string ending earliest in the new text, ties to the first listed (vLLM's check_stop_strings)
             hits = [(at + len(s), i, at, s) for i, s in enumerate(self.stop)
-                    if (at := self.text.find(s, max(new_from - len(s) + 1, 0))) >= 0]
+                    if (at := self._text.find(s, max(new_from - len(s) + 1, 0))) >= 0]
             if hits:
                 end, _, at, s = min(hits)
-                self.text = self.text[:end if self.keep_stop else at]
+                self._text = self._text[:end if self.keep_stop else at]
                 self._stopped = True
                 return s
         return None
 
     def take(self, final: bool = False) -> str:
         """The text not handed out yet, less the held-back tail unless ``final``."""
-        end = len(self.text) if final or self._stopped else max(len(self.text) - self.hold, self.sent)
-        out, self.sent = self.text[self.sent:end], end
+        length = self._base + len(self._text)
+        end = length if final or self._stopped else max(length - self.hold, self.sent)
+        out, self.sent = self._text[self.sent - self._base:end - self._base], end
+        if (drop := end - self._window - self._base) > 0:  # a stop string starts at end - _window at the earliest
+            self._text, self._base = self._text[drop:], self._base + drop
         return out
