@@ -6,10 +6,15 @@ at every fill, as it did. Detokenizing: microseconds a token over a short and a 
 optionally beside another version's ``Detokenizer`` (its sampling.py), run by turns in this
 process (separate processes' malloc states alone moved the figure by half):
 
-    PYTHONPATH=. .venv/bin/python scripts/live_host_bench.py [--answer 32000] [--detokenizer-from FILE]
+    .venv/bin/python benchmarks/bench_live_host.py [--answer 32000] [--detokenizer-from FILE]
+
+Each prints its ratio: rehashing over incremental hashing, and the long answer's microseconds a
+token over the short one's (1.0: flat in the answer's length).
 """
 
 from __future__ import annotations
+
+import cli_numpy  # noqa: F401  (first, before NumPy: NumPy as the command line runs it)
 
 import argparse
 import importlib.util
@@ -20,18 +25,10 @@ import numpy as np
 
 from cachelab.engram.vocab import load_tokenizer
 from cachelab.live.sampling import Detokenizer
+from cachelab.serving.hardware.probe import _best
 from cachelab.workload.prefix_cache import BlockPrefixCache, block_hashes
 
 PROMPT, BLOCK, REPEATS = 256, 16, 3
-
-
-def _best(run) -> float:
-    best = float("inf")
-    for _ in range(REPEATS):
-        t0 = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def block_fills(answer: int) -> None:
@@ -49,8 +46,9 @@ def block_fills(answer: int) -> None:
         for n in fills:
             block_hashes(toks[:n], BLOCK)
 
-    print(f"block hashing over a {answer}-token answer ({len(fills)} fills): incremental "
-          f"{_best(incremental) * 1e3:.1f} ms, full rehash at each fill {_best(rehash) * 1e3:.1f} ms (best of {REPEATS})")
+    inc, full = _best(incremental, REPEATS), _best(rehash, REPEATS)
+    print(f"block hashing over a {answer}-token answer ({len(fills)} fills): incremental {inc * 1e3:.1f} ms, "
+          f"full rehash at each fill {full * 1e3:.1f} ms (best of {REPEATS}): rehash / incremental {full / inc:.1f}x")
 
 
 def _detokenizer_from(path: str):
@@ -60,12 +58,13 @@ def _detokenizer_from(path: str):
     return module.Detokenizer
 
 
-def detokenizing(baseline: str | None = None) -> None:
+def detokenizing(baseline: str | None = None, lengths: tuple[int, ...] = (1_000, 16_000, 64_000)) -> None:
     tok = load_tokenizer()
     text = open(np.__file__.replace("__init__.py", "linalg/_linalg.py")).read() * 3
     ids = tok.encode(text, add_special_tokens=False).ids
     kinds = {"this": Detokenizer, **({baseline: _detokenizer_from(baseline)} if baseline else {})}
-    for n in (1_000, 16_000, 64_000):
+    per_token = {}
+    for n in lengths:
         best = dict.fromkeys(kinds, float("inf"))
         for _ in range(REPEATS):
             for name, kind in kinds.items():
@@ -75,14 +74,20 @@ def detokenizing(baseline: str | None = None) -> None:
                     out.append(d.take())
                 best[name] = min(best[name], time.perf_counter() - t0)
                 assert "".join(out) + d.take(final=True) == tok.decode(ids[:n])
+        per_token[n] = {name: t / n for name, t in best.items()}
         print(f"detokenizing {n} tokens, us a token (best of {REPEATS}): "
               + ", ".join(f"{name} {t / n * 1e6:.2f}" for name, t in best.items()))
+    short, long = per_token[lengths[0]], per_token[lengths[-1]]
+    print(f"detokenizing, {lengths[-1]} over {lengths[0]} tokens' time a token: "
+          + ", ".join(f"{name} {long[name] / short[name]:.2f}x" for name in kinds))
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--answer", type=int, default=32_000, help="output tokens of the answer")
     parser.add_argument("--detokenizer-from", help="a sampling.py whose Detokenizer to time beside this one")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1_000, 16_000, 64_000],
+                        help="answer lengths the detokenizer is timed at")
     args = parser.parse_args()
     block_fills(args.answer)
-    detokenizing(args.detokenizer_from)
+    detokenizing(args.detokenizer_from, tuple(args.lengths))
