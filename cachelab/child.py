@@ -1,4 +1,4 @@
-"""A child Python process that runs this process's own code.
+"""A child Python process that runs this process's own code, and the words for how one ended.
 
 ``python -m`` and ``python -c`` put the child's working directory first on its import path, so
 a proxy started in a folder that holds another ``cachelab`` (an older checkout, a user's copy)
@@ -17,3 +17,8 @@ def python_command(env: dict[str, str] | None = None) -> tuple[list[str], dict[s
     environment (``env`` added to this one's) under which it imports what this process imports."""
     path = os.pathsep.join(os.path.abspath(p) for p in sys.path if p)  # the working directory ("") left out
     return [sys.executable, "-P"], {**os.environ, **(env or {}), "PYTHONPATH": path}
+
+
+def exit_reason(code: int) -> str:
+    """A child's end as a log line says it (``Popen.returncode``: negative for a signal)."""
+    return f"killed by signal {-code}" if code < 0 else f"exit status {code}"

@@ -25,7 +25,7 @@ import sys
 from collections import deque
 from typing import NamedTuple
 
-from cachelab.child import python_command
+from cachelab.child import exit_reason, python_command
 
 INLINE_BYTES = 16 << 10  # a body up to this is planned on the loop: at most ~0.12 ms (a prompt of ~2k ids)
 _HEAD = struct.Struct("<IBH")  # to the child: body length, token_ids, endpoint length; then endpoint, body
@@ -239,7 +239,7 @@ class Planner(asyncio.Protocol):
                 old.kill()
             await asyncio.sleep(0.02)
         if not self._killed:  # else the watchdog said why
-            print(f"capture: the body planner (pid {old.pid}) is gone ({_exit(old.returncode)}): started again "
+            print(f"capture: the body planner (pid {old.pid}) is gone ({exit_reason(old.returncode)}): started again "
                   f"{f'in {delay:g} s' if delay else 'now'}; bodies are planned on the event loop meanwhile",
                   file=sys.stderr, flush=True)
         self._killed = False
@@ -272,10 +272,6 @@ def plan_bound(size: int) -> float:
     """How long the child may take over the plan at the head of its queue: 10 s, and 1 us a byte (it parses
     about 100 MB/s of token ids; a body of text 15 times faster), before it is taken for stopped or stuck."""
     return 10.0 + size * 1e-6
-
-
-def _exit(code: int) -> str:
-    return f"killed by signal {-code}" if code < 0 else f"exit status {code}"
 
 
 def _child(fd: int) -> None:

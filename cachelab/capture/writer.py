@@ -56,10 +56,9 @@ import sys
 import time
 from collections import deque
 
-from cachelab.capture.injection import _exit
 from cachelab.capture.recorder import Privacy, load_salt
 from cachelab.capture.segments import FSYNC_POLICIES, private_directory
-from cachelab.child import python_command
+from cachelab.child import exit_reason, python_command
 from cachelab.errors import CachelabError
 
 # Shared counters (int64 words of the memfd), written by the child only.
@@ -185,8 +184,8 @@ class CaptureWriter:
             self._failures = 0
         delay = min(60.0, 2.0 ** (self._failures - 1)) if self._failures else 0.0
         self._failures += 1
-        self.write_error = (f"capture writer process (pid {self.proc.pid}) gone ({_exit(self.proc.returncode)}), "
-                            f"{lost} records it had not acknowledged lost")
+        self.write_error = (f"capture writer process (pid {self.proc.pid}) gone ({exit_reason(self.proc.returncode)}), "
+                            f"{lost} {'record' if lost == 1 else 'records'} it had not acknowledged lost")
         if self._closing:
             return
         print(f"capture: {self.write_error}; a new writer starts {f'in {delay:g} s' if delay else 'now'}, "
