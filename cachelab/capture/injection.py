@@ -25,7 +25,7 @@ import sys
 from collections import deque
 from typing import NamedTuple
 
-from cachelab.child import exit_reason, python_command
+from cachelab.child import exit_reason, python_command, restart_delay
 
 INLINE_BYTES = 16 << 10  # a body up to this is planned on the loop: at most ~0.12 ms (a prompt of ~2k ids)
 _HEAD = struct.Struct("<IBH")  # to the child: body length, token_ids, endpoint length; then endpoint, body
@@ -231,7 +231,7 @@ class Planner(asyncio.Protocol):
         """Reap the child gone (killed after 1 s where it closed its socket and lives on) and start another,
         after a pause that grows while they die without answering a plan."""
         old, loop = self.proc, asyncio.get_running_loop()
-        delay = min(60.0, 2.0 ** (self._failures - 1)) if self._failures else 0.0
+        delay = restart_delay(self._failures)
         self._failures += 1
         deadline = loop.time() + 1.0
         while old.poll() is None:

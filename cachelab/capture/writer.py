@@ -58,7 +58,7 @@ from collections import deque
 
 from cachelab.capture.recorder import Privacy, load_salt
 from cachelab.capture.segments import FSYNC_POLICIES, private_directory
-from cachelab.child import exit_reason, python_command
+from cachelab.child import exit_reason, python_command, restart_delay
 from cachelab.errors import CachelabError
 
 # Shared counters (int64 words of the memfd), written by the child only.
@@ -182,7 +182,7 @@ class CaptureWriter:
         self._fd = -1
         if acked:
             self._failures = 0
-        delay = min(60.0, 2.0 ** (self._failures - 1)) if self._failures else 0.0
+        delay = restart_delay(self._failures)
         self._failures += 1
         self.write_error = (f"capture writer process (pid {self.proc.pid}) gone ({exit_reason(self.proc.returncode)}), "
                             f"{lost} {'record' if lost == 1 else 'records'} it had not acknowledged lost")
@@ -208,7 +208,7 @@ class CaptureWriter:
             self._start()
         except OSError as exc:  # no process or pipe to be had now: tried again after the backoff
             self._fd = -1
-            self._restart_at = time.monotonic() + min(60.0, 2.0 ** self._failures)
+            self._restart_at = time.monotonic() + restart_delay(self._failures + 1)
             self._failures += 1
             print(f"capture: a new capture writer could not be started ({exc})", file=sys.stderr, flush=True)
             return
