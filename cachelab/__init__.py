@@ -1,39 +1,72 @@
 """cachelab: caching policy research for the Engram memory of large language models."""
 
+import hashlib
 import os
+import sys
 
 __version__ = "0.1.0"
 
 _PACKAGES = ("cachelab", "policies", "predictors", "traces")  # this distribution's packages, side by side
 
 
+def _numba_cache_roots() -> list[str]:
+    """The folders Numba mirrors source folders into when it cannot (or is told not to) cache
+    beside the source: ``NUMBA_CACHE_DIR`` and the user-wide cache (numba.core.caching's
+    UserProvidedCacheLocator and UserWideCacheLocator)."""
+    if sys.platform == "darwin":
+        user = os.path.expanduser("~/Library/Caches")
+    else:
+        user = os.getenv("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
+    roots = [os.path.join(user, "numba")]
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        roots.append(os.path.abspath(os.environ["NUMBA_CACHE_DIR"]))
+    return [root for root in roots if os.path.isdir(root)]
+
+
+def _mirrored(root: str, source_dir: str) -> str:
+    """Where Numba puts the kernels of ``source_dir``'s files under ``root``: the folder's name and
+    the SHA-1 of its path (``_CacheLocator.get_suitable_cache_subpath``)."""
+    return os.path.join(root, f"{os.path.basename(source_dir)}_{hashlib.sha1(source_dir.encode()).hexdigest()}")
+
+
 def purge_stale_kernels(base: "str | os.PathLike | None" = None) -> None:
-    """Delete Numba's cached kernels (``__pycache__/*.nbi``, ``*.nbc``) of this distribution's
-    packages under ``base`` (default: where they are installed) that are older than its newest
-    source file.
+    """Delete Numba's cached kernels (``*.nbi``, ``*.nbc``) of this distribution's packages under
+    ``base`` (default: where they are installed) that are older than its newest source file: those
+    in each package's ``__pycache__``, and those Numba mirrored into ``NUMBA_CACHE_DIR`` or the
+    user-wide cache (where it puts them when the install is read-only).
 
     Numba keys a cached kernel on its own file only, not on the compiled helpers it inlines from
     other files (admission filters, queues, heaps), so after a pull or an edit that changes a helper
     a cached kernel ran the old one: ``simulate --policy wtinylfu`` kept its old result after
     ``sketch_estimate`` changed, until ``policies/sketch/wtinylfu.py`` did (docs/engine.md). Run
-    once when cachelab is imported (about 4 ms over its ~200 modules); a purged kernel is compiled
+    once when cachelab is imported (a few ms over its ~200 modules); a purged kernel is compiled
     again on its next call. A file another process removed first, or one this user cannot remove,
     is left."""
     base = os.fspath(base) if base is not None else os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    newest, cached = 0.0, []
+    newest, cached, source_dirs = 0.0, [], []
     stack = [path for path in (os.path.join(base, name) for name in _PACKAGES) if os.path.isdir(path)]
     while stack:
+        folder = stack.pop()
         try:
-            with os.scandir(stack.pop()) as entries:
+            with os.scandir(folder) as entries:
                 for entry in entries:
                     if entry.is_dir(follow_symlinks=False):
                         stack.append(entry.path)
                     elif entry.name.endswith(".py"):
                         newest = max(newest, entry.stat().st_mtime)
+                        if not source_dirs or source_dirs[-1] != folder:
+                            source_dirs.append(folder)
                     elif entry.name.endswith((".nbi", ".nbc")):
                         cached.append(entry)
         except OSError:  # a folder removed or unreadable meanwhile
             continue
+    for root in _numba_cache_roots():
+        for folder in source_dirs:
+            try:
+                with os.scandir(_mirrored(root, folder)) as entries:
+                    cached.extend(entry for entry in entries if entry.name.endswith((".nbi", ".nbc")))
+            except OSError:  # nothing of this folder cached there
+                continue
     for entry in cached:
         try:
             if entry.stat().st_mtime < newest:

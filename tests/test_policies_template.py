@@ -288,3 +288,41 @@ def test_a_cached_kernel_older_than_a_source_file_is_deleted_when_cachelab_is_im
         assert not probe.exists()
     finally:
         probe.unlink(missing_ok=True)
+
+
+def test_kernels_numba_cached_outside_the_tree_are_purged_too(tmp_path):
+    """Where the install is read-only, or ``NUMBA_CACHE_DIR`` is set, Numba caches a kernel in a
+    mirrored folder (the source folder's name and the SHA-1 of its path) outside the tree, where
+    the purge did not look: a stale kernel there ran its old helpers for ever. Real Numba writes
+    the cache here; the purge must find and delete it once a source file is newer."""
+    import os
+    import subprocess
+    import sys
+
+    import cachelab
+
+    package = tmp_path / "tree" / "policies"
+    package.mkdir(parents=True)
+    module = package / "kern.py"
+    module.write_text("import numba\n\n@numba.njit(cache=True)\ndef f(x):\n    return x + 1\n")
+    cache_dir = tmp_path / "numba-cache"
+    load = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('kern', sys.argv[1]); "
+            "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); module.f(1)")
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache_dir))
+    subprocess.run([sys.executable, "-c", load, str(module)], env=env, check=True)
+    kernels = [path for path in cache_dir.rglob("*") if path.suffix in (".nbi", ".nbc")]
+    assert kernels and not list(package.rglob("*.nbi"))  # cached outside the tree, as a read-only install is
+
+    os.environ["NUMBA_CACHE_DIR"], saved = str(cache_dir), os.environ.get("NUMBA_CACHE_DIR")
+    try:
+        cachelab.purge_stale_kernels(tmp_path / "tree")  # nothing newer than the kernels yet
+        assert all(path.exists() for path in kernels)
+        newer = max(path.stat().st_mtime for path in kernels) + 10
+        os.utime(module, (newer, newer))
+        cachelab.purge_stale_kernels(tmp_path / "tree")
+        assert not any(path.exists() for path in kernels)
+    finally:
+        if saved is None:
+            del os.environ["NUMBA_CACHE_DIR"]
+        else:
+            os.environ["NUMBA_CACHE_DIR"] = saved
