@@ -23,7 +23,7 @@ PLUGINS = ("policies", "predictors", "traces")
 PACKAGES = (CORE, *PLUGINS)
 OUTPUT = "docs/architecture.md"
 # The built-in policy whose whole source is the guide's example; it should use the policy
-# template of cachelab.policy and stay within 15-30 lines.
+# template of cachelab.policy and stay short (about 30 lines of code below its docstring).
 EXAMPLE_POLICY = "policies/linked/lru.py"
 COMMAND = "scripts/architecture.py"
 # The contracts between the layers, in the order of the data flow: (module path, class). The
@@ -54,6 +54,8 @@ LAYERS = {
     "cachelab.live": "An Engram model serving real requests: torch model, paged KV cache, continuous-batching "
                      "engine, OpenAI-compatible server (`cachelab serve`).",
     "cachelab.learning": "Features, labels, causal training and the judging of learned policies.",
+    "cachelab.capture": "Capture of live serving: a recording proxy, vLLM's KV-cache events, durable "
+                        "segments, and a capture read back as a request trace.",
     "cachelab.bench": "Measuring live servers: the load generator, the server's own metrics, the prefix-cache check.",
     "cachelab.experiment": "Specs, grids of points, runners, backends, MLflow tracking, reports.",
     "cachelab.testing": "The conformance kit third parties run on their policies and predictors.",
@@ -300,11 +302,22 @@ def render(root: Path = ROOT) -> str:
         "of it and track it in MLflow (`cachelab.experiment`); the CLI (`cachelab.cli`) only",
         "parses, calls the library and prints.",
         "",
+        "The same policies also run on real bytes and real requests. The live store",
+        "(`cachelab.store`) keeps the Engram tables in files and serves each step's lookups through",
+        "tiers of real rows, each run by a policy; the live engine (`cachelab.live`) serves an",
+        "Engram model over HTTP (`cachelab serve`) and fetches its rows through that store; the",
+        "capture (`cachelab.capture`) records live serving through a proxy in front of any",
+        "OpenAI-compatible server, and reads a capture back as a request trace; the load generator (`cachelab.bench`)",
+        "replays a trace against a live server as `vllm bench serve` does; and the latency model is",
+        "fitted to the live engine's step logs (`cachelab.serving`, `cachelab calibrate`).",
+        "",
         "The plug-in side (`policies/`, `predictors/`, `traces/`) imports only cachelab's public",
         "modules, and the core never imports it by name: it finds every built-in through the",
         "entry points of `pyproject.toml` (`cachelab.registry`), exactly as it finds a third",
-        "party's plug-in. tests/test_layout.py holds the code to these rules and to no import",
-        "cycle and no module over 600 lines.",
+        "party's plug-in. tests/test_layout.py holds the code to these rules, to no cycle of",
+        "module-level imports between modules and to no module over 600 lines. Layers may still",
+        "import each other, through other modules or imports inside functions: the groups that do",
+        "are listed below.",
         "",
         "## Layers and their imports",
         "",
