@@ -207,3 +207,15 @@ def test_a_corpus_path_option_is_read_under_the_data_root(tmp_path, monkeypatch)
     assert trace_build.build(spec("prompts/lines.txt"), tmp_path / "t.parquet").requests == 3
     with pytest.raises(CachelabError, match="corpus.options.path: data file not found: .*prompts/none.txt"):
         trace_build.build(spec("prompts/none.txt"), tmp_path / "u.parquet")
+
+
+def test_the_spec_format_example_builds_as_written(tmp_path, data_dir):
+    """docs/traces.md sends readers to cachelab/trace/build.py for the spec format: its example,
+    copied as it stands, builds (it set turn_gap_s beside prefix_overlap, which a build refuses)."""
+    import cachelab.trace.build as build
+
+    spec = tmp_path / "w.toml"
+    spec.write_text(build.__doc__.split("```toml")[1].split("```")[0])
+    res = run("build", spec, "--max-requests", 20, "-o", tmp_path / "w.parquet", "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["requests"] == 20

@@ -20,9 +20,10 @@ options = { version = "v2.0" }
 [synthesis]
 output_tokens = 256        # output length where neither the trace nor the corpus gives one
 turn_gap_s = 30.0          # seconds between the turns of a session
-prefix_overlap = 0.5       # optional: a shared-prefix workload (cachelab.trace.overlap): this share
-prefixes = 4               #   of each prompt is one of `prefixes` shared prefixes, the rest its own
-prompt_tokens = 1024       #   prompt length where the arrivals carry none (e.g. gamma)
+# prefix_overlap = 0.5     # instead of sessions (so no turn_gap_s): a shared-prefix workload
+# prefixes = 4             #   (cachelab.trace.overlap): this share of each prompt is one of
+# prompt_tokens = 1024     #   `prefixes` shared prefixes, the rest its own; prompt_tokens where
+                           #   the arrivals carry no lengths (e.g. gamma)
 chunk_tokens = 4000000     # tokens materialized per written chunk (bounds memory)
 ```
 
