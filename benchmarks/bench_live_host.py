@@ -2,14 +2,18 @@
 
 Block hashing: each time an output block fills, the engine extends the request's key; it hashes
 the new block alone (``BlockPrefixCache.extend_key``), timed beside rehashing the whole sequence
-at every fill, as it did. Detokenizing: microseconds a token over a short and a long answer,
+at every fill, as it did. Admission: a long prompt waiting at the head of the queue while another
+as long decodes is tried at every step; the scheduler keeps its key across the tries (its new
+blocks alone are hashed), timed beside the same scheduler hashing it whole at each try, as it
+did (the scheduler's whole time, its per-try prefix match included). Detokenizing: microseconds a token over a short and a long answer,
 optionally beside another version's ``Detokenizer`` (its sampling.py), run by turns in this
 process (separate processes' malloc states alone moved the figure by half):
 
-    .venv/bin/python benchmarks/bench_live_host.py [--answer 32000] [--detokenizer-from FILE]
+    .venv/bin/python benchmarks/bench_live_host.py [--answer 32000] [--prompt 100000] [--detokenizer-from FILE]
 
-Each prints its ratio: rehashing over incremental hashing, and the long answer's microseconds a
-token over the short one's (1.0: flat in the answer's length).
+Each prints its ratio: rehashing over incremental hashing (at block fills, and at admission
+tries), and the long answer's microseconds a token over the short one's (1.0: flat in the
+answer's length).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from cachelab.engram.vocab import load_tokenizer
 from cachelab.live.sampling import Detokenizer
 from cachelab.serving.hardware.probe import _best
 from cachelab.workload.prefix_cache import BlockPrefixCache, block_hashes
+from cachelab.workload.scheduler import Request, Scheduler
 
 PROMPT, BLOCK, REPEATS = 256, 16, 3
 
@@ -49,6 +54,35 @@ def block_fills(answer: int) -> None:
     inc, full = _best(incremental, REPEATS), _best(rehash, REPEATS)
     print(f"block hashing over a {answer}-token answer ({len(fills)} fills): incremental {inc * 1e3:.1f} ms, "
           f"full rehash at each fill {full * 1e3:.1f} ms (best of {REPEATS}): rehash / incremental {full / inc:.1f}x")
+
+
+class _Rehashed(Request):
+    """The admission before: no key kept, the request hashed whole at each try."""
+
+    key = property(lambda self: None, lambda self, value: None)
+
+
+def admission(prompt: int, answer: int = 256) -> None:
+    seqs = np.random.default_rng(1).integers(0, 130_000, (2, prompt + answer))
+
+    def run(kind):
+        sched = Scheduler(BlockPrefixCache(num_blocks=prompt * 3 // 2 // BLOCK, block_size=BLOCK), 8192)
+        for rid, seq in enumerate(seqs):
+            sched.add(kind(rid, seq, prompt, answer))
+        tries = 0
+        while sched.num_unfinished:
+            waiting = bool(sched.waiting)
+            step = sched.schedule()
+            tries += waiting and step.num_tokens < sched.max_num_batched_tokens
+            sched.complete(step)
+        return tries
+
+    tries = run(Request)
+    assert run(_Rehashed) == tries
+    kept, rehashed = _best(lambda: run(Request), REPEATS), _best(lambda: run(_Rehashed), REPEATS)
+    print(f"admission of a {prompt}-token prompt tried at {tries} steps while another decodes {answer} tokens: "
+          f"scheduler {kept * 1e3:.1f} ms with its key kept, {rehashed * 1e3:.1f} ms hashing it whole at each try "
+          f"(best of {REPEATS}): rehash / incremental {rehashed / kept:.1f}x")
 
 
 def _detokenizer_from(path: str):
@@ -85,9 +119,11 @@ def detokenizing(baseline: str | None = None, lengths: tuple[int, ...] = (1_000,
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--answer", type=int, default=32_000, help="output tokens of the answer")
+    parser.add_argument("--prompt", type=int, default=100_000, help="prompt tokens of the request admitted")
     parser.add_argument("--detokenizer-from", help="a sampling.py whose Detokenizer to time beside this one")
     parser.add_argument("--lengths", type=int, nargs="+", default=[1_000, 16_000, 64_000],
                         help="answer lengths the detokenizer is timed at")
     args = parser.parse_args()
     block_fills(args.answer)
+    admission(args.prompt)
     detokenizing(args.detokenizer_from, tuple(args.lengths))

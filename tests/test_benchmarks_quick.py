@@ -382,10 +382,12 @@ def test_bench_capture_quick_run_prints_proxied_over_direct():
         assert re.search(rf"^{metric} .* \d+\.\d+x ", done.stdout, re.M), done.stdout
 
 
-def test_bench_live_host_quick_run_prints_both_ratios():
-    done = run("bench_live_host.py", "--answer", "512", "--lengths", "200", "800")
+def test_bench_live_host_quick_run_prints_its_ratios():
+    done = run("bench_live_host.py", "--answer", "512", "--prompt", "4000", "--lengths", "200", "800")
     assert done.returncode == 0, done.stderr[-2000:]
-    assert re.search(r"rehash / incremental \d+\.\dx", done.stdout), done.stdout
+    assert re.search(r"^block hashing .* rehash / incremental \d+\.\dx", done.stdout, re.M), done.stdout
+    assert re.search(r"^admission of a 4000-token prompt tried at \d+ steps.* rehash / incremental \d+\.\dx",
+                     done.stdout, re.M), done.stdout
     assert re.search(r"800 over 200 tokens' time a token: this \d+\.\d\dx", done.stdout), done.stdout
 
 

@@ -48,6 +48,21 @@ def test_a_chain_continued_block_by_block_is_the_full_recomputation(tokens, bloc
     assert np.array_equal(full, chained_block_hashes(tokens, np.array([0, tokens.size]), block)[0][: full.size])
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 2 ** 31 - 1), max_size=200), st.integers(1, 20), st.lists(st.integers(0, 200)))
+def test_a_key_grown_from_a_known_prefix_key_is_the_full_recomputation(tokens, block, cuts):
+    """A request's key is kept across its admission tries and grown by its new blocks alone
+    (``prefix_key(tokens, known)``): bit-identical to hashing all its tokens again, shorter
+    token runs than the key included."""
+    tokens = np.asarray(tokens, np.int64)
+    cache = BlockPrefixCache(num_blocks=4, block_size=block)
+    key = None
+    for end in [min(c, tokens.size) for c in cuts] + [tokens.size]:
+        key = cache.prefix_key(tokens[:end], key)
+        assert np.array_equal(key, block_hashes(tokens[:end], block))
+        key = key if key.size else None
+
+
 def test_continue_chain_refuses_room_that_is_not_the_new_blocks():
     with pytest.raises(ValueError, match="out holds 2 hashes; 9 tokens have 2 full blocks of 4, 1 of them"):
         continue_chain(np.arange(9), block_hashes(np.arange(4), 4), 4, np.empty(2, np.int64))

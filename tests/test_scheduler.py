@@ -89,6 +89,54 @@ def test_preemption_recomputes_and_finishes_every_request():
     assert back.starts[back.requests.tolist().index(victim)] == 0  # recomputed from the start (no prefix cache)
 
 
+def _hashed_tokens(monkeypatch) -> list[int]:
+    """Tokens the block pool hashes from here on (whole sequences and continued chains alike)."""
+    from cachelab.workload.prefix_cache import blocks
+    count = [0]
+    whole, continued = blocks.chained_block_hashes, blocks.continue_chain
+
+    def chained(tokens, offsets, block_size):
+        count[0] += int(np.asarray(tokens).size)
+        return whole(tokens, offsets, block_size)
+
+    def cont(tokens, hashes, block_size, out):
+        count[0] += out.size * block_size
+        return continued(tokens, hashes, block_size, out)
+
+    monkeypatch.setattr(blocks, "chained_block_hashes", chained)
+    monkeypatch.setattr(blocks, "continue_chain", cont)
+    return count
+
+
+def test_a_request_waiting_for_room_or_preempted_is_hashed_once(monkeypatch):
+    """Admission keeps a request's key across its tries (vLLM's ``Request.block_hashes``): a long
+    prompt waiting at the head of the queue for KV room, or readmitted after a preemption, is not
+    hashed whole again at each try (it was: 9 times over here before it started, 9,270 tokens in all)."""
+    hashed = _hashed_tokens(monkeypatch)
+    seqs = [np.arange(1000, 1208), np.arange(5000, 6008)]
+    reqs = [Request(0, seqs[0], 200, 8), Request(1, seqs[1], 1000, 8)]
+    steps = scheduled_steps(Scheduler(kv_pool("vllm", 1024, 16), 256, 4), reqs)
+    tries = next(k for k, s in enumerate(steps) if 1 in s.requests.tolist())
+    assert tries >= 4  # request 1 tried (and hashed) at every step while request 0 held the room
+    assert hashed[0] == 207 + 1007  # every token it computes hashed once (all but its last output)
+
+    live = Request(2, np.arange(2000, 2100), 100, 60)  # a live request: its tokens grow as it samples
+    sched = Scheduler(kv_pool("vllm", 1 << 12, 16), 64)
+    sched.add(live)
+    while live.num_known < 113:
+        sched.complete(sched.schedule(), sampled={2: 7})
+        if live.num_known % 16 == 0:  # a block filled: the live engine hashes it alone
+            live.key = sched.kv.extend_key(live.rid, live.tokens[: live.num_known])
+    assert hashed[0] == 1214 + 100 + 16  # its prompt, then the block its output filled
+    sched.running.remove(live)  # preempted as the scheduler preempts one
+    sched.kv.preempt(live.rid)
+    live.num_computed = 0
+    sched.waiting.appendleft(live)
+    step = sched.schedule()
+    assert step.admitted.tolist() == [True] and step.cached.tolist() == [112]
+    assert hashed[0] == 1214 + 100 + 16  # readmitted with 113 known tokens: nothing hashed again
+
+
 def test_a_live_driver_passes_sampled_tokens_and_stops():
     sched = Scheduler(kv_pool("vllm", 4096))
     live = Request(7, np.arange(1000, 1100), 100, 50)

@@ -438,7 +438,7 @@ class LiveEngine:
             else:
                 req = live.req
                 if self.config.prefix_caching and req.num_known % self.config.block_size == 0:
-                    self.pool.extend_key(rid, req.tokens[: req.num_known])  # a block filled: hash it alone
+                    req.key = self.pool.extend_key(rid, req.tokens[: req.num_known])  # a block filled: hash it alone
                 live.sink(RequestOutput(rid, [token], live.detok.take(), num_prompt=live.req.num_prompt,
                                         num_output=live.req.num_output, cached_tokens=live.cached_tokens,
                                         created_cache_tokens=self._cache_created(live)))

@@ -73,6 +73,10 @@ class Request:
     num_computed: int = 0  # positions whose KV is computed
     num_output: int = 0  # tokens emitted
     preemptions: int = 0
+    # the pool's prefix key of its tokens, kept across admission tries and preemptions and grown by
+    # their new blocks alone (vLLM's ``Request.block_hashes``): a long prompt waiting for room was
+    # hashed whole again at every step's try
+    key: np.ndarray | None = field(default=None, repr=False, compare=False)
     # where ``complete`` appends sampled tokens: ``tokens`` is a view of its first ``num_known``, and
     # it doubles when full, so a request of L tokens costs O(L) copying (a copy per token was O(L^2))
     _room: np.ndarray | None = field(default=None, repr=False, compare=False)
@@ -204,7 +208,7 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(running) < self.max_num_seqs:
             r = self.waiting[0]
             known = r.num_known
-            key = kv.prefix_key(r.tokens[: r.num_prompt + r.max_output - 1])  # every position it computes
+            key = r.key = kv.prefix_key(r.tokens[: r.num_prompt + r.max_output - 1], r.key)  # all it computes
             hit = kv.match(key, known)
             num = min(known - hit, budget)
             kv.admit(r.rid, key, known, hit)

@@ -232,9 +232,21 @@ class BlockPrefixCache:
         """Count hits afresh from here, the cached blocks kept (a measured run after a warm-up)."""
         self.queried_tokens = self.hit_tokens = 0
 
-    def prefix_key(self, tokens: np.ndarray) -> np.ndarray:
-        """What ``match`` and ``admit`` take: the chained hashes of the full blocks."""
-        return block_hashes(tokens, self.block_size)
+    def prefix_key(self, tokens: np.ndarray, known: np.ndarray | None = None) -> np.ndarray:
+        """What ``match`` and ``admit`` take: the chained hashes of the full blocks. ``known``, this
+        key of a prefix of ``tokens`` (a request's at its last admission try), is kept and only the
+        blocks after it are hashed, chained on its last (bit-identical): a request that waited for
+        room or was preempted is not hashed again, as vLLM keeps a request's ``block_hashes``."""
+        if known is None or known.size == 0:
+            return block_hashes(tokens, self.block_size)
+        toks = np.asarray(tokens)
+        n = toks.size // self.block_size
+        if n <= known.size:
+            return known[:n]
+        key = np.empty(n, np.int64)
+        key[: known.size] = known
+        continue_chain(toks, known, self.block_size, key[known.size:])
+        return key
 
     def match(self, hashes: np.ndarray, num_prompt: int) -> int:
         """Cached prompt tokens: the longest run of leading blocks in the cache (no state change)."""
@@ -308,21 +320,23 @@ class BlockPrefixCache:
             need += _evictable(self._table, hashes, hit, self._ref)
         return need <= self._meta[NUM_FREE]
 
-    def extend_key(self, rid: int, tokens: np.ndarray) -> None:
+    def extend_key(self, rid: int, tokens: np.ndarray) -> np.ndarray:
         """Chain ``rid``'s key on to the full blocks of ``tokens`` (its tokens so far, which start
-        with those its key hashes): a live request learns its tokens as it samples them, and its
-        output blocks are then published as they fill, as vLLM caches them (a later turn reuses the
-        answer's KV). Only the new blocks are hashed, into room that doubles (amortised O(1) a block)."""
+        with those its key hashes) and return it: a live request learns its tokens as it samples
+        them, and its output blocks are then published as they fill, as vLLM caches them (a later
+        turn reuses the answer's KV). Only the new blocks are hashed, into room that doubles
+        (amortised O(1) a block)."""
         state = self._req[rid]
         hashes, room = state[3], state[5]
         n = tokens.size // self.block_size
         if n <= hashes.size:
-            return
+            return hashes
         if room is None or room.size < n:
             room = state[5] = np.empty(max(n, 2 * hashes.size), np.int64)
             room[: hashes.size] = hashes
         continue_chain(tokens, hashes, self.block_size, room[hashes.size:n])
         state[3] = room[:n]
+        return state[3]
 
     def block_table(self, rid: int) -> np.ndarray:
         """The KV blocks ``rid`` holds, in position order (block ``i`` holds its tokens

@@ -159,8 +159,9 @@ class RadixPrefixCache:
         """Count hits afresh from here, the tree kept (a measured run after a warm-up)."""
         self.new_tokens = self.cached_tokens = 0
 
-    def prefix_key(self, tokens: np.ndarray) -> np.ndarray:
-        """What ``match`` and ``admit`` take: the tokens themselves."""
+    def prefix_key(self, tokens: np.ndarray, known: np.ndarray | None = None) -> np.ndarray:
+        """What ``match`` and ``admit`` take: the tokens themselves (nothing hashed, so ``known``,
+        the key of a prefix, saves nothing)."""
         return np.asarray(tokens, dtype=np.int32)
 
     def match(self, tokens: np.ndarray, num_prompt: int) -> int:
