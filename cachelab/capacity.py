@@ -101,7 +101,7 @@ def parse_capacity(value: int | float | str | Capacity, where: str = "capacity",
         amount = int(number) if number.isdigit() else float(number)
         if unit == "%":
             if not 0 < amount <= 100:
-                raise CachelabError(f"{where}: {value!r}: a share must be in (0%, 100%]")
+                raise CachelabError(f"{where}: {value!r}: a share of {share_of} must be in (0%, 100%]")
             return Capacity("percent", amount, value)
         if unit in UNITS:
             if amount <= 0:

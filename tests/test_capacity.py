@@ -93,7 +93,7 @@ def test_a_bad_value_is_named_with_the_accepted_forms(text):
 
 @pytest.mark.parametrize("value, message", [
     (0, "0 is less than one row"), (-3, "-3 is less than one row"), (0.0, "0.0 is less than one row"),
-    ("150%", "'150%': a share must be in (0%, 100%]"), ("0%", "a share must be in"),
+    ("150%", "'150%': a share of the distinct rows must be in (0%, 100%]"), ("0%", "a share of the distinct rows must"),
     ("0 MiB", "bytes must be positive"), (True, "True is not a capacity"), (float("nan"), "not a capacity"),
     ([1], "[1] is not a capacity"),
 ])

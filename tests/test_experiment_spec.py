@@ -40,7 +40,8 @@ def test_valid_spec_expands_to_a_hashed_grid(tmp_path):
     ('capacity = "1%"', "capacity = 999999999999", "hierarchy.tiers[0].capacity: 999999999999 is 999,999,999,999 "
                                                    "rows, larger than the table"),
     ('capacity = "1%"', 'capacity = "1 PiB"', "hierarchy.tiers[0].capacity: '1 PiB' is not a capacity"),
-    ('capacity = "1%"', 'capacity = "150%"', "hierarchy.tiers[0].capacity: '150%': a share must be in"),
+    ('capacity = "1%"', 'capacity = "150%"',
+     "hierarchy.tiers[0].capacity: '150%': a share of the distinct rows must be in"),
     ("warmup = 0.1", 'warmup = "lots"', "warmup: Input should be a valid number"),
     ("warmup = 0.1", "warmup = 1.5", "warmup: Input should be less than 1"),
     ("tokens_per_step = 512", "tokens_per_step = -4", "workload.tokens_per_step: Input should be greater than 0"),

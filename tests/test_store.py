@@ -1238,6 +1238,13 @@ def test_a_store_capacity_error_says_a_share_counts_the_tables_rows(tables, tmp_
         res = CliRunner().invoke(app, args)
         assert res.exit_code == 2 and f"{flag}: '1x' is not a capacity; {forms}" in " ".join(res.output.split()), \
             (args, res.output)
+    share = "'150%': a share of the table's rows must be in (0%, 100%]"  # it said 'a share must be in', of what unsaid
+    with pytest.raises(CachelabError, match=re.escape(f"hbm_capacity: {share}")):
+        TieredStore.open(tables, hbm_capacity="150%")
+    res = CliRunner().invoke(app, ["store", "bench", "--dir", str(tables), "--trace", str(stream), "--capacity", "150%"])
+    assert res.exit_code == 2 and f"--capacity: {share}" in " ".join(res.output.split()), res.output
+    with pytest.raises(CachelabError, match=re.escape(f"--dram-cache-capacity: {share}")):
+        open_rows(ServeOptions(store=tables, dram_cache_capacity="150%"), "deepseek-v4.1-flash")
     with pytest.raises(CachelabError, match=re.escape(f"--row-cache-capacity: '1x' is not a capacity; {forms}")):
         open_rows(ServeOptions(store=tables, row_cache_capacity="1x"), "deepseek-v4.1-flash")
     with pytest.raises(CachelabError, match=re.escape("'1x' is not a capacity; write rows (1000), a fraction of the "

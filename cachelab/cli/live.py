@@ -32,7 +32,7 @@ def serve(
                                   "ssd-direct (and dram-uva) name them too."),
     row_cache_policy: str | None = typer.Option(None, help="Policy of the HBM row cache (any registered policy)."),
     row_cache_capacity: str | None = typer.Option(None, help="HBM row cache size: rows, bytes ('64MiB') or a "
-                                                  "share of the table ('1%')."),
+                                                  "share of the table's rows ('1%')."),
     model: Path | None = typer.Option(None, "--model", help="A predictor directory from `cachelab train` for a "
                                       "learned --row-cache-policy (learned-lfu-adaptive, ...): each step's rows "
                                       "are scored online from what was served so far (docs/learned.md)."),

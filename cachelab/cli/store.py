@@ -102,11 +102,11 @@ def bench(
                               "(arena-hard, gsm8k, ...), as `cachelab train --trace` takes them."),
     policy: str = typer.Option("lru", "--policy", help="The HBM row cache's policy (registry name)."),
     capacity: str = typer.Option(..., "--capacity", help="HBM row cache capacity: rows, bytes ('64MiB') or a share "
-                                 "of the table's rows ('1%')."),
+                                 "of the table's rows ('1%'; not of the stream's distinct rows, as `simulate`'s)."),
     dram_policy: str | None = typer.Option(None, "--dram-policy", help="The DRAM warm cache's policy (default: "
                                            "--policy when --dram-capacity is given)."),
-    dram_capacity: str | None = typer.Option(None, "--dram-capacity", help="DRAM warm cache capacity (none: no DRAM "
-                                             "cache)."),
+    dram_capacity: str | None = typer.Option(None, "--dram-capacity", help="DRAM warm cache capacity, as --capacity "
+                                             "(none: no DRAM cache)."),
     backing: str = typer.Option("dram", "--backing", help=BACKING_HELP),
     model: Path | None = typer.Option(None, "--model", help="A predictor directory from `cachelab train`, scoring "
                                       "every lookup for a learned policy."),
