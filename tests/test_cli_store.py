@@ -247,6 +247,7 @@ def test_bench_checks_every_flag_before_the_trace_loads(tables, tmp_path):
                        (["--device", "gpu"], "--device 'gpu': expected cpu, cuda or cuda:N"),
                        (["--compute-ms", "-1"], "--compute-ms must be a finite number of milliseconds"),
                        (["--max-lookups", "0"], "--max-lookups must be at least 1, got 0"),
+                       (["--max-lookups", "10"], "--max-lookups 10 is less than one token's 48 rows"),
                        (["--param", "nope=1"], "--param")):
         res = run("bench", "--dir", tables, "--trace", missing, "--capacity", 10, *flags)
         assert res.exit_code == 2 and why in res.output and "not-yet.npz" not in res.output, (flags, res.output)

@@ -553,6 +553,19 @@ def test_counts_equal_the_simulators_for_any_capacities(tables, seed, hbm, dram,
     assert out["matches_simulator"] and out["mismatches"] == 0, out["comparison"]
 
 
+def test_max_lookups_stops_at_the_budget_in_whole_tokens(tables):
+    """--max-lookups ran on to the end of the step that reached it (480 lookups for 300 here, 1,000,032
+    for 1,000,000 on the real stream); the step is now cut after its last whole token within the
+    budget: exactly the budget where it is whole tokens of 48 rows, else the tokens under it."""
+    stream = stream_of(np.random.default_rng(3), steps=4, tokens=5)  # steps of 5 tokens x 48 rows
+    for budget, lookups, steps in ((336, 336, 2), (300, 288, 2), (240, 240, 1), (48, 48, 1), (10_000, 960, 4)):
+        out = replay_store(tables, stream, "dram", PolicySpec("lru", {}), 100, max_lookups=budget)
+        assert (out["lookups"], out["rows_checked"], out["steps"]) == (lookups, lookups, steps), budget
+        assert out["matches_simulator"] and out["mismatches"] == 0, out["comparison"]
+    with pytest.raises(CachelabError, match=r"--max-lookups 47 is less than one token's 48 rows"):
+        replay_store(tables, stream, "dram", PolicySpec("lru", {}), 100, max_lookups=47)
+
+
 def _live_policies() -> list[str]:
     return sorted(n for n in registry.resolved(registry.POLICIES)
                   if not registry.make_policy(n).capabilities.needs_future)

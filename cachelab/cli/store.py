@@ -114,8 +114,9 @@ def bench(
                                     "the DRAM cache takes them too when it runs the same policy)."),
     requests: int | None = typer.Option(None, "--requests", help="Corpus names: requests per corpus; a request "
                                         "trace: its first N (0: all); default 50. A saved stream is replayed whole."),
-    max_lookups: int | None = typer.Option(None, "--max-lookups", help="Stop after the step that reaches this many "
-                                           "lookups."),
+    max_lookups: int | None = typer.Option(None, "--max-lookups", help="Stop after this many lookups, down to "
+                                           "whole tokens (a token's rows are looked up together): the step that "
+                                           "reaches it is cut after its last whole token within it."),
     io_threads: int | None = typer.Option(None, "--io-threads", help="Reads in flight for pread/direct."),
     io_submit: str = typer.Option("auto", "--io-submit", help="How direct submits its reads: io_uring, threads "
                                   "(a pool of aligned preads) or auto (io_uring where the kernel allows it)."),
@@ -139,12 +140,12 @@ def bench(
 
     # every flag before the tables and the trace load (--backing and --device were checked ~1.6 s after)
     check_io(io_threads, io_submit, backing, "--io-threads")
-    check_run(compute_ms, max_lookups)
     device = _device(device)
     check_device(device, "--device")
     params = parse_pairs(param)
     check_params(registry.get(registry.POLICIES, policy.split("+")[0]), params, "--param")
     layout, _ = load_layout(directory)
+    check_run(compute_ms, max_lookups, len(layout.config.layers) * layout.config.columns)
     if dram_policy is not None and dram_capacity is None:
         raise CachelabError("--dram-policy needs --dram-capacity")
     # each tier checked by its flags before the trace loads (the store's errors name its Python arguments)

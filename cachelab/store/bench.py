@@ -130,13 +130,29 @@ def table_stream(directory, trace: str, requests: int | None, verb: str) -> Look
     return stream
 
 
-def check_run(compute_ms: float, max_lookups: int | None) -> None:
+def check_run(compute_ms: float, max_lookups: int | None, per_token: int = 1) -> None:
     """Refuse a hold per step that is negative, NaN or infinite (a traceback from the first
-    step's sleep) and a lookup budget below 1; named by the bench's flags."""
+    step's sleep) and a lookup budget below 1, or below one token's ``per_token`` rows where the
+    layout is known; named by the bench's flags."""
     if not 0 <= compute_ms < math.inf:
         raise CachelabError(f"--compute-ms must be a finite number of milliseconds, 0 or more, got {compute_ms}")
     if max_lookups is not None and max_lookups < 1:
         raise CachelabError(f"--max-lookups must be at least 1, got {max_lookups}")
+    if max_lookups is not None and max_lookups < per_token:
+        raise CachelabError(f"--max-lookups {max_lookups} is less than one token's {per_token} rows (its layers x "
+                            "columns, looked up together)")
+
+
+def first_lookups(stream: LookupStream, max_lookups: int, per_token: int) -> LookupStream:
+    """The stream's first ``max_lookups`` lookups, down to whole tokens: a token's ``per_token`` rows
+    (its layers x columns) are one lookup of the store, so the step that reaches the budget is cut
+    after its last whole token within it (the run went on to that step's end: 1,000,032 lookups for
+    1,000,000). Exactly ``max_lookups`` where it is whole tokens."""
+    n = min(max_lookups - max_lookups % per_token, stream.num_lookups)
+    steps = max(1, int(np.searchsorted(stream.step_offsets, n, "left")))
+    offsets = stream.step_offsets[: steps + 1].copy()
+    offsets[-1] = n
+    return LookupStream(stream.keys[:n], offsets, stream.row_bytes, stream.layers)
 
 
 def replay_store(directory, stream: LookupStream, backing: str, hbm: PolicySpec | None, hbm_capacity,
@@ -151,19 +167,17 @@ def replay_store(directory, stream: LookupStream, backing: str, hbm: PolicySpec 
     standing for the model's forward pass that a prefetch of the next step overlaps."""
     check_run(compute_ms, max_lookups)
     specs = {k: v for k, v in (("hbm", hbm), ("dram", dram)) if v is not None}
-    steps = stream.num_steps
-    if max_lookups is not None:
-        steps = int(np.searchsorted(stream.step_offsets, max_lookups, "left"))
-        steps = max(1, min(steps, stream.num_steps))
-        stream = LookupStream(stream.keys[: stream.step_offsets[steps]], stream.step_offsets[: steps + 1],
-                              stream.row_bytes, stream.layers)
-        scores = None if scores is None else scores[: stream.keys.size]
     mismatches = 0
     with TieredStore.open(directory, backing=backing, hbm_policy=hbm and hbm.make(), hbm_capacity=hbm_capacity,
                           dram_policy=dram and dram.make(), dram_capacity=dram_capacity,
                           io_threads=io_threads, io_submit=io_submit, device=device) as store:
         cfg = store.layout
         L, C = len(cfg.layers), cfg.columns
+        if max_lookups is not None:
+            check_run(compute_ms, max_lookups, L * C)
+            stream = first_lookups(stream, max_lookups, L * C)
+            scores = None if scores is None else scores[: stream.keys.size]
+        steps = stream.num_steps
         folded = np.empty(stream.keys.size, np.int64)
         with progress_bar(enabled=progress) as bar:
             task = bar.add_task(f"store bench ({backing})", total=steps)
