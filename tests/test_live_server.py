@@ -6,6 +6,7 @@ One server (tiny preset, dummy weights) serves the whole module; every test talk
 import asyncio
 import json
 import random
+import re
 import time
 
 import httpx
@@ -391,6 +392,63 @@ def test_odd_requests_get_the_status_the_real_vllm_gives(server, vllm_server):
     assert ours.count(200) >= 8 and ours.count(400) >= 30
 
 
+HI = [{"role": "user", "content": "x"}]
+# bad requests whose error object a client reads: (path, body (bytes: sent as is), whether the message is
+# vLLM's own words too); a schema error's message says its deepest error in one line, where vLLM dumps
+# pydantic's list, and a chat too long for the context counts its tokens where vLLM says "at least" N + 1
+BAD_REQUESTS = [
+    ("completions", {"model": "nope", "prompt": "x"}, True),
+    ("chat/completions", {"model": "nope", "messages": HI}, True),
+    ("completions", b"{not json", False), ("chat/completions", b'{"messages": }', False),
+    ("completions", b"[1, 2]", False),
+    ("completions", {"prompt": "x", "max_tokens": 5000}, True),
+    ("chat/completions", {"messages": HI, "max_tokens": 5000}, True),
+    ("chat/completions", {"messages": HI, "max_completion_tokens": 5000, "max_tokens": 3}, True),
+    ("completions", {"prompt": "x", "temperature": -1}, True),
+    ("chat/completions", {"messages": HI, "temperature": -1}, True),
+    ("completions", {"prompt": list(range(5, 2100)), "max_tokens": 1}, True),
+    ("completions", {"prompt": list(range(5, 2053))}, False),  # fills the context: vLLM's budget of 0
+    ("chat/completions", {"messages": [{"role": "user", "content": "hello " * 2100}]}, False),
+    ("chat/completions", {}, False), ("chat/completions", {"messages": []}, True),
+    ("chat/completions", {"messages": "hi"}, False), ("completions", {}, True),
+    ("completions", {"prompt": [1, "a"]}, False), ("completions", {"prompt": "x", "stop": ["a", 3]}, False),
+    ("completions", {"prompt": "x", "temperature": "hot"}, False),
+]
+
+
+def error_objects(base_url: str, model: str) -> list:
+    """Each bad request's status and error object; vLLM's ' (parameter=..., value=...)' suffix and the
+    served model's name left out of its message."""
+    out = []
+    with httpx.Client(timeout=T) as client:
+        for path, body, _ in BAD_REQUESTS:
+            sent = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+                else {"json": {"model": model, "max_tokens": 1, **body}}
+            r = client.post(f"{base_url}/v1/{path}", **sent)
+            error = r.json()["error"]
+            error["message"] = re.sub(r" \(parameter=[^)]*\)$", "", error["message"]).replace(model, "MODEL")
+            out.append((r.status_code, error))
+    return out
+
+
+@pytest.mark.slow
+def test_bad_requests_get_the_real_vllms_error_objects(server, vllm_server):
+    """An unknown model, malformed JSON, a max_tokens (a chat's max_completion_tokens) over the context,
+    a negative temperature, a prompt too long, messages missing or empty, fields of the wrong type: the
+    status, type, param and code vLLM 0.32 answers (a body its schema refuses is type 'Bad Request',
+    param its first error's field under 'body'; a prompt too long names 'input_tokens'), and its words
+    where they are its own checks'. The params were 'prompt', 'max_tokens', 'messages' and null, the
+    type of every 400 'BadRequestError'."""
+    url, _ = server
+    theirs = error_objects(vllm_server.base_url, vllm_server.model)
+    ours = error_objects(url, MODEL)
+    fields = ("type", "param", "code")
+    assert [(path, body, o, t) for (path, body, _), o, t in zip(BAD_REQUESTS, ours, theirs)
+            if (o[0], [o[1][f] for f in fields]) != (t[0], [t[1][f] for f in fields])] == []
+    assert [(path, body, o[1]["message"], t[1]["message"]) for (path, body, words), o, t in zip(BAD_REQUESTS, ours, theirs)
+            if words and o[1]["message"] != t[1]["message"]] == []
+
+
 USER_HI = {"role": "user", "content": "hi"}
 CHATS = [  # chats of every shape the template meets: roles, content parts, continuation
     [USER_HI], [{"role": "system", "content": "s"}, {"role": "developer", "content": "d"}, USER_HI],
@@ -619,6 +677,7 @@ def test_bad_input_gets_openai_shaped_errors(server):
     post = lambda path, **kw: httpx.post(f"{url}/v1/{path}", timeout=30, **kw)  # noqa: E731
     r = post("completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    assert (r.json()["error"]["type"], r.json()["error"]["param"]) == ("Bad Request", "body.1")  # vLLM's
     deep = b'{"prompt": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"  # past the parser's recursion limit: was a 500
     r = post("completions", content=deep, headers={"content-type": "application/json"})
     assert r.status_code == 400 and "nested deeper" in r.json()["error"]["message"]
@@ -626,24 +685,26 @@ def test_bad_input_gets_openai_shaped_errors(server):
     assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
     r = post("completions", json={"model": MODEL, "prompt": list(range(5, 2100)), "max_tokens": 1})
     assert r.status_code == 400 and "maximum context length is 2048" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "input_tokens"  # vLLM's; it was "prompt"
     r = post("completions", json={"model": MODEL, "prompt": "x", "max_tokens": 5000})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
-    r = post("completions", json={"model": MODEL, "prompt": list(range(5, 2100)), "max_tokens": 1})
-    assert r.json()["error"]["param"] == "prompt"
     r = post("chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
     r = post("completions", json={"model": MODEL, "prompt": [1, 200_000]})
     assert r.status_code == 400 and "prompt token ids must be in" in r.json()["error"]["message"]
     r = post("completions", json={"model": MODEL, "prompt": "x", "temperature": "hot"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
-    # a union field's error names the field and the item, not pydantic's branch ("stop.str", "prompt.list[int].1")
-    for body, param, message in ((({"stop": 5}), "stop", "stop: Input should be a valid string"),
-                                 ({"stop": ["a", 3]}, "stop.1", "stop.1: Input should be a valid string"),
-                                 ({"prompt": [1, "a"]}, "prompt.1", "prompt.1: Input should be a valid integer"),
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body.temperature"
+    # a union field's error names the field and the item, not pydantic's branch ("stop.str", "prompt.list[int].1");
+    # its param and type are vLLM's (the real server's, tests/test_live_server.py peer test below): the
+    # schema's first error's field under "body", "Bad Request"
+    for body, param, message in ((({"stop": 5}), "body.stop", "stop: Input should be a valid string"),
+                                 ({"stop": ["a", 3]}, "body.stop", "stop.1: Input should be a valid string"),
+                                 ({"prompt": [1, "a"]}, "body.prompt.1", "prompt.1: Input should be a valid integer"),
                                  # more than OpenAI's (and vLLM's) 4 stop strings: refused there, served here
-                                 ({"stop": list("abcde")}, "stop", "stop: List should have at most 4 items")):
+                                 ({"stop": list("abcde")}, "body.stop", "stop: List should have at most 4 items")):
         r = post("completions", json={"model": MODEL, "prompt": "x", **body})
-        assert (r.status_code, r.json()["error"]["param"]) == (400, param) and message in r.json()["error"]["message"]
+        assert (r.status_code, r.json()["error"]["type"], r.json()["error"]["param"]) == (400, "Bad Request", param)
+        assert message in r.json()["error"]["message"]
     r = post("completions", content=json.dumps({"model": MODEL, "prompt": "x" * 70_000}).encode(),
              headers={"content-type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == 413
@@ -689,7 +750,7 @@ def test_a_seed_beyond_64_bits_is_a_400_and_an_unforeseen_error_a_json_500(serve
     url, engine = server
     body = {"model": MODEL, "prompt": "x", "max_tokens": 1, "temperature": 1.0}
     r = httpx.post(f"{url}/v1/completions", json={**body, "seed": 2**64}, timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body.seed"  # vLLM's
     assert httpx.post(f"{url}/v1/completions", json={**body, "seed": 2**63 - 1}, timeout=30).status_code == 200
     assert CompletionRequest.model_validate({**body, "seed": -1}).sampling(1).seed is None  # vLLM: -1 is no seed
 
@@ -714,8 +775,10 @@ def test_max_tokens_past_the_context_is_cut_to_what_the_prompt_leaves(server):
     assert c.choices[0].finish_reason == "length"
     assert c.usage.completion_tokens == 8 == len(c.choices[0].model_dump()["token_ids"])
     for body, param, message in (({"prompt": prompt, "max_tokens": 2049}, "max_tokens", "max_tokens=2049 cannot be"),
-                                 ({"prompt": prompt + list(range(8)), "max_tokens": 1}, "prompt",
-                                  "your prompt contains 2048 input tokens")):
+                                 ({"prompt": prompt + list(range(8)), "max_tokens": 1}, "max_tokens",
+                                  "max_tokens must be at least 1, got 0. The prompt fills"),  # vLLM's budget cut to 0
+                                 ({"prompt": prompt + list(range(9)), "max_tokens": 1}, "input_tokens",
+                                  "your prompt contains 2049 input tokens, which exceeds this limit")):
         r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, **body}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param and message in r.json()["error"]["message"]
 
@@ -789,7 +852,7 @@ def test_openai_nullable_fields_sent_as_null_mean_their_default(server):
     r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, **nulls}, timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
     r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "ignore_eos": None}, timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "ignore_eos"  # not nullable in vLLM either
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body.ignore_eos"  # not nullable in vLLM either
 
 
 def test_a_completions_null_max_tokens_is_16_as_in_vllm():

@@ -511,9 +511,11 @@ class RequestError(CachelabError):
         self.param = param
 
 
-def check_prompt(prompt_ids: Sequence[int], max_tokens: int | None, max_model_len: int, vocab_size: int) -> int:
-    """Refuse a request that cannot run, naming the numbers; else its output budget: ``max_tokens``
-    (None: no limit) cut to what the context leaves after the prompt, as vLLM's
+def check_prompt(prompt_ids: Sequence[int], max_tokens: int | None, max_model_len: int, vocab_size: int,
+                 field: str = "max_tokens") -> int:
+    """Refuse a request that cannot run, naming the numbers (and the fields) as vLLM 0.32 does; else
+    its output budget: ``max_tokens`` (None: no limit; ``field``: the request's name for it, a chat's
+    ``max_completion_tokens``) cut to what the context leaves after the prompt, as vLLM's
     ``get_max_tokens`` cuts it (the answer then ends with finish_reason ``length``)."""
     n = len(prompt_ids)
     if n == 0:
@@ -525,10 +527,13 @@ def check_prompt(prompt_ids: Sequence[int], max_tokens: int | None, max_model_le
     if max_tokens is not None and max_tokens < 1:
         raise RequestError(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
     if max_tokens is not None and max_tokens > max_model_len:
-        raise RequestError(f"max_tokens={max_tokens} cannot be greater than max_model_len={max_model_len}. "
-                           "Please request fewer output tokens.", "max_tokens")
-    if n >= max_model_len:
+        raise RequestError(f"{field}={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+                           "Please request fewer output tokens.", field)
+    if n > max_model_len:
         raise RequestError(f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
-                           f"contains {n} input tokens, which leaves no room for any output token. Please reduce "
-                           "the length of the input prompt.", "prompt")
+                           f"contains {n} input tokens, which exceeds this limit even without any output tokens. "
+                           "Please reduce the length of the input prompt.", "input_tokens")
+    if n == max_model_len:  # vLLM cuts the budget to the 0 tokens left, then refuses that
+        raise RequestError("max_tokens must be at least 1, got 0. The prompt fills the model's maximum context "
+                           f"length of {max_model_len} tokens.", "max_tokens")
     return max_model_len - n if max_tokens is None else min(max_tokens, max_model_len - n)

@@ -27,15 +27,21 @@ ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoun
                413: "RequestEntityTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
-class APIError(Exception):
-    """A request the server refuses: HTTP ``status``, OpenAI-shaped body."""
+# vLLM's type for a body its schema refuses (FastAPI's RequestValidationError: malformed JSON, a field
+# missing or of the wrong type), HTTPStatus.BAD_REQUEST.phrase; its own checks' 400s are BadRequestError
+INVALID_BODY = "Bad Request"
 
-    def __init__(self, status: int, message: str, param: str | None = None):
+
+class APIError(Exception):
+    """A request the server refuses: HTTP ``status``, OpenAI-shaped body; ``kind``: its ``type``
+    where it is not the status's own (``INVALID_BODY``)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.kind = status, message, param, kind
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "APIError"),
+        return {"error": {"message": self.message, "type": self.kind or ERROR_TYPES.get(self.status, "APIError"),
                           "param": self.param, "code": self.status}}
 
 
@@ -163,7 +169,7 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: list[int] | list[list[int]] | str | list[str]  # vLLM's order: its schema's first error names the param
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
     suffix: str | None = None

@@ -41,7 +41,7 @@ from cachelab.engram.vocab import token_ids
 from cachelab.errors import CachelabError
 from cachelab.live.engine import LiveEngine, RequestError, RequestOutput, check_prompt
 from cachelab.live.metrics import EngineMetrics
-from cachelab.live.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from cachelab.live.protocol import (INVALID_BODY, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     TokenizeChatRequest, TokenizeCompletionRequest, chat_prompt, chunk_body,
                                     completion_body, new_id, usage, usage_chunk)
 
@@ -244,12 +244,15 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
                                 f"({len(body)} bytes came)") from None
         try:
             data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"request body is not valid JSON: {exc}") from None
+        except json.JSONDecodeError as exc:  # vLLM's param: where the parser stopped
+            raise APIError(400, f"request body is not valid JSON: {exc}", f"body.{exc.pos}", INVALID_BODY) from None
+        except UnicodeDecodeError as exc:
+            raise APIError(400, f"request body is not valid JSON: {exc}", "body", INVALID_BODY) from None
         except RecursionError:  # the parser's own stack limit: client input, not a server fault
-            raise APIError(400, "request body is not valid JSON: nested deeper than the parser goes") from None
+            raise APIError(400, "request body is not valid JSON: nested deeper than the parser goes", "body",
+                           INVALID_BODY) from None
         if not isinstance(data, dict):
-            raise APIError(400, "request body must be a JSON object")
+            raise APIError(400, "request body must be a JSON object", "body", INVALID_BODY)
         request.state.body = data
         return data
 
@@ -258,10 +261,19 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
         try:
             req = model_cls.model_validate(data)
         except ValidationError as exc:
-            # the deepest error, and not a mere type mismatch: inside the union branch the value took
-            err = max(exc.errors(), key=lambda e: (len(e["loc"]), not e["type"].endswith("_type")))
-            param = _param(err["loc"])
-            raise APIError(400, f"{param}: {err['msg']}", param) from None
+            errors = exc.errors()
+            first = errors[0]
+            if first["type"] == "missing" and first["loc"] == ("prompt",):  # vLLM's own check, its words
+                raise APIError(400, "Either prompt or prompt_embeds must be provided and non-empty.",
+                               "prompt") from None
+            if first["type"] == "too_short" and first["loc"] == ("messages",):
+                raise APIError(400, "Cannot apply chat template to an empty conversation. Provide at least one "
+                                    "message.") from None
+            # said by the deepest error, and not a mere type mismatch: inside the union branch the value took;
+            # the param and type are vLLM's, its schema's first error's field under "body"
+            err = max(errors, key=lambda e: (len(e["loc"]), not e["type"].endswith("_type")))
+            raise APIError(400, f"{_param(err['loc'])}: {err['msg']}", _param(("body", *first["loc"])),
+                           INVALID_BODY) from None
         if req.model is not None and req.model != model_name:
             raise APIError(404, f"The model `{req.model}` does not exist. Valid aliases: {model_name}.", "model")
         return req
@@ -283,9 +295,9 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
             raise APIError(400, f"{refused[0]} is not supported by this server", refused[0])
         return req
 
-    def prepare(prompt_ids: list[int], max_tokens: int | None, req):
+    def prepare(prompt_ids: list[int], max_tokens: int | None, req, field: str = "max_tokens"):
         try:
-            return req.sampling(check_prompt(prompt_ids, max_tokens, limits.max_model_len, vocab))
+            return req.sampling(check_prompt(prompt_ids, max_tokens, limits.max_model_len, vocab, field))
         except RequestError as exc:
             raise APIError(400, str(exc), exc.param) from None
 
@@ -345,8 +357,8 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
         req.check()
         text = chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message)
         ids, = await tokenized([text])
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return await run(request, req, [ids], [prepare(ids, max_tokens, req)], chat=True,
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        return await run(request, req, [ids], [prepare(ids, getattr(req, field), req, field)], chat=True,
                          prompt_text=text if req.return_prompt_text else None)
 
     @app.get("/v1/models", **v1)
