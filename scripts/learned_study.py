@@ -40,10 +40,11 @@ from rich.progress import Progress
 from cachelab import registry
 from cachelab.defaults import HORIZON
 from cachelab.engine.replay import run_policy
-from cachelab.learning.evaluation import counted_entries, evaluate_capacities, learned_policy
+from cachelab.learning.evaluation import (counted_entries, evaluate_capacities, in_sample_entries, learned_policy,
+                                          out_of_sample)
 from cachelab.learning.features import belady_labels
 from cachelab.learning.streams import STEP_VIEWS, LearningView, prompt_stream
-from cachelab.learning.training import TrainSpec, features, keep_scores, rows_for, train
+from cachelab.learning.training import TrainSpec, features, keep_scores, neutral_scores, rows_for, train
 from cachelab.params import parse_pairs
 
 FOUR = ("LRU", "S3-FIFO", "W-TinyLFU", "SIEVE")  # the yardstick of the first study, kept as history
@@ -55,11 +56,6 @@ def perfect_scores(view: LearningView, capacity: float, horizon: int) -> np.ndar
     """Keep scores of a classifier that is always right about Belady's decision (oracle admission)."""
     kept = belady_labels(view.keys, view.step_offsets, rows_for(capacity, view.num_keys), view.num_keys)
     return -(np.arange(len(view), dtype=np.float64) + horizon * (1.0 - kept))
-
-
-def blank_scores(view: LearningView, horizon: int) -> np.ndarray:
-    """Keep chance 0 everywhere: the learned policy with nothing learned (its base alone)."""
-    return -(np.arange(len(view), dtype=np.float64) + horizon)
 
 
 def label_quality(view: LearningView, model, capacity: float, counted: np.ndarray) -> dict:
@@ -93,10 +89,15 @@ class Cell:
 
     def __init__(self, view: LearningView, model, capacity: float, warmup: float):
         self.view, self.model, self.capacity = view, model, capacity
-        self.entries = counted_entries(view, model, warmup)[0]
+        self.entries, _, trained = counted_entries(view, model, warmup)
+        self.seen = in_sample_entries(view, model, trained)
         self.counted = view.per_lookup(self.entries)
         self.result = evaluate_capacities(view, model, [capacity], warmup, progress=False).capacities[0].to_dict()
         self.judged = next(lab for lab, name in _lineup().learned.items() if name == _judged())
+
+    def scores(self, scores: np.ndarray, model) -> np.ndarray:
+        """A model's ``scores`` as the evaluation hands them: none on the lookups the model learned from."""
+        return out_of_sample(model, scores, self.seen)
 
     def hits(self, scores: np.ndarray, model=None) -> np.ndarray:
         policy = learned_policy(_judged(), model or self.model)
@@ -141,10 +142,10 @@ def _judged() -> str:
 
 def study_cell(domain, view, model, blind, capacity, warmup, horizon) -> dict:
     cell = Cell(view, model, capacity, warmup)
-    hits = cell.hits(keep_scores(model, view))
-    controls = {"no_information": cell.miss(cell.hits(blank_scores(view, horizon))),
+    hits = cell.hits(cell.scores(keep_scores(model, view), model))
+    controls = {"no_information": cell.miss(cell.hits(neutral_scores(len(view), horizon))),
                 "perfect_keep_labels": cell.miss(cell.hits(perfect_scores(view, capacity, horizon))),
-                "without_lookahead": cell.miss(cell.hits(keep_scores(blind, view), blind))}
+                "without_lookahead": cell.miss(cell.hits(cell.scores(keep_scores(blind, view), blind), blind))}
     return {"row": cell.row(domain), "evaluation": cell.result, "controls": controls,
             "miss_by_phase": cell.by_phase(hits), "label_quality": label_quality(view, model, capacity, cell.entries)}
 

@@ -66,6 +66,13 @@ def test_belady_keep_model_through_the_cli(tmp_path, data_dir):
     assert res.exit_code == 0, res.output
     assert "keep model for capacity 0.01" in res.stdout and "at 0.05 its keep chances are for another cache size" \
         in " ".join(res.stdout.split())
+    # ... and under --json as keys, where it said nothing of it (a script judged an off-size model unwarned)
+    res = runner.invoke(app, ["evaluate", *TRACE, "--model", str(out), "--capacities", "0.01,0.05", "--json"])
+    assert res.exit_code == 0, res.output
+    noted = json.loads(res.stdout)
+    assert noted["model_capacity_rows"] == noted["capacities"][0]["rows"] != noted["capacities"][1]["rows"]
+    assert noted["other_size_capacities"] == [0.05] and judged["other_size_capacities"] == []
+    assert [n for n in noted["notes"] if "at 0.05 its keep chances are for another cache size" in n]
     # simulate --model ran a keep model at any --capacity without a word (seen by helper-144): it says
     # so on stderr, naming both sizes, and --json gives the model's size; it never refuses.
     res = runner.invoke(app, ["simulate", *TRACE, "--policy", "learned-lfu", "--model", str(out), "--capacity", "1%",

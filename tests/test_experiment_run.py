@@ -379,6 +379,8 @@ def test_the_later_part_is_judged_only_after_the_training_window(tmp_path, monke
     trained = int(np.searchsorted(view.step_offsets, meta["spec"]["train_end"]))
     assert trained > (view.step_offsets.size - 1) // 2  # the case: the window ends past half the steps
     assert out.metrics["eval.counted_lookups"] == view.lookup_offsets[-1] - view.lookup_offsets[trained]
+    # the window's lookups are replayed without the model's scores, which were in-sample there
+    assert out.metrics["eval.in_sample_lookups"] == view.lookup_offsets[trained]
 
 
 @pytest.mark.parametrize("old, new, why", [("horizon = 4096", "horizon = 400000", "training window of "),

@@ -12,7 +12,7 @@ from cachelab import defaults, registry, strict_json
 from cachelab.capacity import parse_capacities, parse_capacity
 from cachelab.engram import get_preset
 from cachelab.errors import CachelabError
-from cachelab.learning.training import (TrainSpec, check_target, keep_capacity, keep_size_note, load,
+from cachelab.learning.training import (TrainSpec, check_target, keep_capacity, keep_rows, keep_size_note, load,
                                         rolling_scores, save, train as train_model)
 from cachelab.learning.evaluation import evaluate_capacities, judged_policy
 from cachelab.learning.lineup import lineup
@@ -35,13 +35,17 @@ STEPS_HELP = (f"How corpora become serving steps, one of {list(STEP_VIEWS)}: eac
 
 
 def _view(trace: str, requests: int, seed: int, preset: str, steps: str, console: Console,
-          verb: str) -> LearningView:
+          verb: str, notes: list[str] | None = None) -> LearningView:
+    """The trace's learning view; a note on it goes to ``notes`` where given, else to ``console``."""
     found = detect(trace)
     console.print(f"{trace}: {found}")
     with spinner("building the Engram lookup stream"):
         stream = load_trace(found, requests, seed, preset, steps, verb=verb)
     if note := unchecked_layout(stream):
-        console.print(f"{trace}: {note}")
+        if notes is None:
+            console.print(f"{trace}: {note}")
+        else:
+            notes.append(f"{trace}: {note}")
     return LearningView.of(stream, preset)
 
 
@@ -167,7 +171,8 @@ def evaluate(
         raise CachelabError(f"--retrain-window must exceed twice the model's horizon ({2 * fitted.horizon:,} lookups; "
                             f"0: the model's training window), got {retrain_window:,}")
     judged_policy(lineup(), policy)  # a misspelt --policy was refused after the stream and any retraining
-    stream = _view(trace, requests, seed, preset, steps, console, "evaluate")
+    notes: list[str] = []  # every note beside the table, in --json too (``notes``)
+    stream = _view(trace, requests, seed, preset, steps, console, "evaluate", notes)
     scores = None
     if retrain_every:
         spec = fitted.metadata.get("spec", {})
@@ -181,8 +186,24 @@ def evaluate(
                                               lookahead=fitted.lookahead),
                                     retrain_every, window)
     evaluation = evaluate_capacities(stream, fitted, caps, warmup, progress=True, scores=scores, policy=policy)
-    result = {"trace": trace, "model": str(model), "model_capacity": trained_for or None, **evaluation.to_dict()}
-    other = keep_size_note(fitted, {str(row.capacity): row.rows for row in evaluation.capacities}, stream.num_keys)
+    own_rows = keep_rows(fitted, stream.num_keys)
+    result = {"trace": trace, "model": str(model), "model_capacity": trained_for or None,
+              "model_capacity_rows": own_rows, **evaluation.to_dict(),
+              # the capacities a keep model runs at though trained for another size (keep_size_note)
+              "other_size_capacities": [row.capacity for row in evaluation.capacities
+                                        if own_rows is not None and row.rows != own_rows]}
+    found_notes = (
+        (evaluation.training_requests, f"{evaluation.training_requests:,} requests after the warm-up repeat the "
+         "model's training requests (the same tokens; this stream does not start with its training window): "
+         "replayed, not counted"),
+        (evaluation.in_sample_lookups, f"{evaluation.in_sample_lookups:,} lookups the model learned from (its "
+         "training window, or requests repeating it) were replayed without its scores (a keep chance of 0): the "
+         "model starts where its training data ends, on the cache built without it"),
+        (result["missing"], f"registered but not loaded, so not compared: {', '.join(result['missing'])}"),
+        (True, keep_size_note(fitted, {str(row.capacity): row.rows for row in evaluation.capacities},
+                              stream.num_keys)))
+    notes += [text for found, text in found_notes if found and text]
+    result["notes"] = notes
     if as_json:
         typer.echo(strict_json.dumps(result))
         return
@@ -191,13 +212,8 @@ def evaluate(
               f"counted after {warmup:.0%} warm-up" + (f" and the model's training window ({evaluation.training_window_steps:,} "
               f"steps at the stream's start)" if evaluation.training_window_steps
               and evaluation.counted_from_step == evaluation.training_window_steps else ""))
-    if evaluation.training_requests:
-        out.print(f"{evaluation.training_requests:,} requests after the warm-up repeat the model's training requests "
-                  "(the same tokens; this stream does not start with its training window): replayed, not counted")
-    if result["missing"]:
-        out.print(f"registered but not loaded, so not compared: {', '.join(result['missing'])}")
-    if other:
-        out.print(other)
+    for note in notes:
+        out.print(note)
     rows = result["capacities"]
     table = Table("policy", *(f"{row['capacity']:g}\n{row['rows']:,} rows" if isinstance(row["capacity"], float)
                               else f"{row['capacity']}\n{row['rows']:,} rows" for row in rows),

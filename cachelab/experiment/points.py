@@ -123,7 +123,8 @@ def learned_point(config: dict, workload: Workload) -> PointOutput:
         suffix = f".{_metric_name(domain)}" if len(results) > 1 else ""
         metrics.update({f"eval.lookups{suffix}": result["lookups"], f"eval.counted_lookups{suffix}":
                         result["counted_lookups"], f"eval.distinct_rows{suffix}": result["unique_rows"],
-                        f"eval.training_requests{suffix}": result["training_requests"]})
+                        f"eval.training_requests{suffix}": result["training_requests"],
+                        f"eval.in_sample_lookups{suffix}": result["in_sample_lookups"]})
         rows += _learned_rows(domain if held else None, result, metrics, suffix)
     importances, files = [], {}
     for cap, (model, fit) in zip(first["capacities"] if p["belady_labels"] else [None], fits):

@@ -7,7 +7,10 @@ model's training window where the stream starts with it (``trained_through``); w
 the lookups of requests that repeat one of the window's (the same tokens: the same corpora in
 another order or number, ``trained_requests``) are replayed but not counted.
 Which policies take part, and in which role, comes from the registry (``lineup``): every
-learned policy is replayed with the model's scores, every heuristic and oracle without.
+learned policy is replayed with the model's scores, every heuristic and oracle without. On the
+lookups the model learned from (``in_sample_entries``: its window, the repeated requests) the
+learned policies get no scores (``out_of_sample``): though never counted, they build the cache
+that the counted lookups meet, and in-sample scores there would flatter the figures.
 Per capacity the best heuristic is the lowest of *all* heuristics (a short list would
 flatter the learned policy), and the bound is the lowest oracle (with bypass, Belady is the
 offline optimum of fetches, each step's distinct rows; misses here are counted per lookup, a fetch
@@ -27,8 +30,8 @@ import numpy as np
 from cachelab import registry
 from cachelab.errors import CachelabError
 from cachelab.learning.lineup import Lineup, judged_default, lineup
-from cachelab.learning.training import (Model, keep_scores, policy_params, rows_for, trained_requests,
-                                        trained_through)
+from cachelab.learning.training import (Model, keep_scores, neutral_scores, policy_params, rows_for,
+                                        trained_requests, trained_through)
 from cachelab.learning.streams import LearningView
 from cachelab.engine.replay import run_policy, warmup_steps
 from cachelab.progress import progress_bar
@@ -64,6 +67,9 @@ class Evaluation:
     training_requests: int  # requests elsewhere in the stream that repeat the window's: replayed, never counted
     missing: list[str]  # registered policies that could not be loaded, so were not compared
     capacities: list[CapacityResult]
+    # lookups the model learned from (``in_sample_entries``): replayed, never counted, and handed the
+    # learned policies without the model's scores (``out_of_sample``; 0 where the caller gave the scores)
+    in_sample_lookups: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -92,9 +98,10 @@ def evaluate_capacities(view: LearningView, model: Model, capacities: list[float
     ``policies`` the registry's lineup."""
     found = lineup() if policies is None else policies
     policy = judged_policy(found, policy)
-    scores = keep_scores(model, view) if scores is None else scores
     order = view.per_lookup(2 + view.column.astype(np.int64) // view.heads)
     entries, first, trained = counted_entries(view, model, warmup)
+    seen = in_sample_entries(view, model, trained) if scores is None else np.zeros(len(view), dtype=bool)
+    scores = out_of_sample(model, keep_scores(model, view), seen) if scores is None else scores
     counted = view.per_lookup(entries)
     runs = [(label, lambda name=name: learned_policy(name, model)) for label, name in found.learned.items()]
     runs += [(label, registry.get(registry.POLICIES, name))
@@ -117,7 +124,27 @@ def evaluate_capacities(view: LearningView, model: Model, capacities: list[float
     skipped = ~entries[int(view.step_offsets[first]):]  # past the warm-up, yet repeating a training request
     return Evaluation(int(view.inverse.size), view.num_keys, warmup, policy, int(counted.sum()), first,
                       trained, int(np.unique(view.request[int(view.step_offsets[first]):][skipped]).size),
-                      found.unavailable, rows)
+                      found.unavailable, rows, int(view.per_lookup(seen).sum()))
+
+
+def in_sample_entries(view: LearningView, model: Model, trained: int) -> np.ndarray:
+    """A mask of the entries of ``view`` that ``model`` learned from: its training window where the
+    view starts with it (``trained`` steps, from ``trained_through``: the model was fitted on these
+    entries' labels, and its prior counts their rows), and every request that repeats one of the
+    window's (``trained_requests``). None of them is counted, but they are replayed before and among
+    the counted ones, so their scores would build the cache the counted lookups meet."""
+    seen = np.arange(len(view)) < int(view.step_offsets[trained])
+    repeats = trained_requests(view, model, trained)
+    if repeats.any():
+        seen |= repeats[view.request]
+    return seen
+
+
+def out_of_sample(model: Model, scores: np.ndarray, seen: np.ndarray) -> np.ndarray:
+    """``scores`` with the ``seen`` entries' (``in_sample_entries``) made neutral (``neutral_scores``):
+    the model is deployed where its training data ends, as after training on served traffic, and
+    the cache it finds was built without it (docs/learned.md, "In-sample warm-up")."""
+    return np.where(seen, neutral_scores(seen.size, model.horizon), scores)
 
 
 def counted_entries(view: LearningView, model: Model, warmup: float) -> tuple[np.ndarray, int, int]:

@@ -298,7 +298,7 @@ def rolling_scores(view, make_predictor, spec: TrainSpec, every: int, window: in
                             "it); give a shorter retraining window (evaluate: --retrain-window)")
     empty = CorpusPrior(np.zeros(view.vocab, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
     x = features(view, empty, list(view.domains), spec.lookahead)
-    scores = -(np.arange(n, dtype=np.float64) + spec.horizon)
+    scores = neutral_scores(n, spec.horizon)
     for start in range(window, n, every):
         stop = min(start + every, n)
         lo = start - window
@@ -458,6 +458,12 @@ def keep_scores(model: Model, stream, x: np.ndarray | None = None, offset: int =
     else:
         raw = np.concatenate([predictions(model, x[i:i + CHUNK], offset + i) for i in range(0, x.shape[0], CHUNK)])
     return as_scores(model, raw, offset)
+
+
+def neutral_scores(n: int, horizon: int) -> np.ndarray:
+    """The scores of ``n`` entries that carry no prediction: each row due one ``horizon`` after its
+    access (a keep classifier's chance 0), which leaves a learned policy to its base's own order."""
+    return -(np.arange(n, dtype=np.float64) + horizon)
 
 
 def predictions(model: Model, x: np.ndarray, offset: int = 0) -> np.ndarray:
