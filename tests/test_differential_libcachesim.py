@@ -56,11 +56,9 @@ CASES = [
     Case("arc", "ARC"),
     Case("twoq", "TwoQ"),
     Case("s3fifo", "S3FIFO"),
-    # Identical where both see the same ids (test_policies_wtinylfu.py). Here the sketch hashes
-    # the ids each sees: ours the engine's compacted ids, libCacheSim the raw Engram row ids,
-    # so sketch collisions differ on the Engram streams (measured gap under 0.2%). Below 100
-    # rows libCacheSim's 1% window is empty and it refuses every row; ours keeps one row.
-    Case("wtinylfu", "WTinyLFU", rel_tol=0.01),
+    # The sketch hashes the trace's row ids, as libCacheSim's does (not the engine's dense ids).
+    # Below 100 rows libCacheSim's 1% window is empty and it refuses every row; ours keeps one row.
+    Case("wtinylfu", "WTinyLFU"),
 ]
 
 

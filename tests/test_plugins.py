@@ -41,6 +41,7 @@ def test_policies_list_describes_each_policy():
     assert rows["s3fifo"]["params"]["small_size_ratio"] == 0.1 and rows["s3fifo"]["compiled"]
     assert rows["belady"]["needs_future"] and rows["lru"]["summary"]
     assert rows["fbgemm-lfu"]["needs_counts"] and not rows["lru"]["needs_counts"]  # FBGEMM counts every lookup
+    assert rows["wtinylfu"]["needs_raw_keys"] and not rows["lru"]["needs_raw_keys"]  # its sketch hashes row ids
 
 
 BROKEN = {

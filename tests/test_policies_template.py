@@ -181,13 +181,12 @@ def test_a_python_policy_victim_that_is_no_slot_fails_naming_the_policy():
             p.step(np.arange(6))
 
 
-def test_a_python_policy_that_needs_counts_reads_them_per_access():
-    """``PythonPolicy.step`` took no ``counts``, so one declaring ``needs_counts`` failed with a
-    TypeError in every replay (``run`` and the store pass them)."""
+def _recording_lru(need: str, read):
+    """A ``PythonLRU`` declaring ``need`` that notes ``read(self, key)`` at each insertion."""
     from cachelab.policy import Capabilities
 
-    class CountedLRU(PythonLRU):
-        capabilities = Capabilities(needs_counts=True)
+    class RecordingLRU(PythonLRU):
+        capabilities = Capabilities(**{need: True})
 
         def init_state(self, capacity, num_keys):
             super().init_state(capacity, num_keys)
@@ -195,8 +194,15 @@ def test_a_python_policy_that_needs_counts_reads_them_per_access():
 
         def on_insert(self, key, slot):
             super().on_insert(key, slot)
-            self.seen.append(self.count)
+            self.seen.append(read(self, key))
 
+    return RecordingLRU
+
+
+def test_a_python_policy_that_needs_counts_reads_them_per_access():
+    """``PythonPolicy.step`` took no ``counts``, so one declaring ``needs_counts`` failed with a
+    TypeError in every replay (``run`` and the store pass them)."""
+    CountedLRU = _recording_lru("needs_counts", lambda p, key: p.count)
     p = CountedLRU()
     p.reset(4, 10)
     p.run(np.array([1, 2, 3]), np.array([0, 2, 3]), counts=np.array([5, 1, 2]))
@@ -204,6 +210,21 @@ def test_a_python_policy_that_needs_counts_reads_them_per_access():
     p.step(np.array([4]))
     assert p.seen[-1] is None  # no counts given
     assert not [str(r) for r in check_policy(CountedLRU) if not r.ok]
+
+
+def test_a_python_policy_that_needs_raw_keys_reads_each_rows_id_through_a_replay():
+    """A policy declaring ``needs_raw_keys`` is handed each request's row id from before the
+    engine compacted it (the stream's own keys), per access as ``self.raw_key``."""
+    from cachelab.engine.replay import replay
+    from cachelab.engine.tiers import Hierarchy, Tier
+    from cachelab.workload.lookups import LookupStream
+
+    policy = _recording_lru("needs_raw_keys", lambda p, key: (key, p.raw_key))()
+    stream = LookupStream.from_keys(np.array([7 << 40, 5, 7 << 40, 9]))
+    replay(stream, Hierarchy([Tier("hbm", policy, capacity_rows=2)], stream.row_bytes))
+    assert policy.seen == [(0, 7 << 40), (1, 5), (2, 9)]
+    policy.step(np.array([1]))  # evicted by row 9, it enters again
+    assert policy.seen[-1] == (1, None)  # no raw keys given
 
 
 def test_a_python_policy_agrees_with_the_compiled_lru():

@@ -26,8 +26,9 @@ def _hierarchy(backing, policy="lru"):
     return Hierarchy([Tier("hbm", policy, capacity_rows=200), Tier("dram", "lru", capacity_rows=600)], 264, backing)
 
 
-# fbgemm hashes its ids: both replays must number rows alike (by first use)
-@pytest.mark.parametrize("policy", ["lru", "fbgemm-lru", "fbgemm-lfu"])  # fbgemm-lfu: a row's lookups in a step count
+# fbgemm hashes its ids: both replays must number rows alike (by first use); wtinylfu hashes the
+# row keys before numbering, which both must hand it
+@pytest.mark.parametrize("policy", ["lru", "fbgemm-lru", "fbgemm-lfu", "wtinylfu"])  # fbgemm-lfu: a row's lookups count
 @pytest.mark.parametrize("backing", ["dram", SSDStore(page_cache_bytes=40 * 4096)])
 def test_step_replay_equals_engine_replay(backing, policy):
     stream = _stream()

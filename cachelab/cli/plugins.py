@@ -63,7 +63,8 @@ def _name_column(rows: list[dict]):
 @policies_app.command("list")
 def policies_list(as_json: bool = typer.Option(False, "--json", help="Print a JSON list.")) -> None:
     """Every registered policy: origin, whether its run is compiled, what it needs
-    (future accesses, predictor scores, each row's lookups per step), its hyper-parameters with defaults."""
+    (future accesses, predictor scores, each row's lookups per step, row ids before compaction), its
+    hyper-parameters with defaults."""
     rows = []
     for p in registry.discover(registry.POLICIES):
         row = {k: v for k, v in _row(p).items() if k != "group"}
@@ -71,7 +72,8 @@ def policies_list(as_json: bool = typer.Option(False, "--json", help="Print a JS
             try:
                 caps = p.obj.capabilities
                 row.update(summary=_summary(p.obj), compiled=caps.compiled, needs_future=caps.needs_future,
-                           needs_scores=caps.needs_scores, needs_counts=caps.needs_counts, params=_defaults(p.obj))
+                           needs_scores=caps.needs_scores, needs_counts=caps.needs_counts,
+                           needs_raw_keys=caps.needs_raw_keys, params=_defaults(p.obj))
             except Exception as exc:  # one plug-in's odd class never breaks the list
                 row.update(status="broken", error=f"cannot be described: {type(exc).__name__}: {exc}")
         rows.append(row)
@@ -83,7 +85,8 @@ def policies_list(as_json: bool = typer.Option(False, "--json", help="Print a JS
         if r["status"] != "ok":
             table.add_row(r["name"], "", f"[red]broken[/]: {escape(str(r['error']))}")
             continue
-        needs = ", ".join(k.removeprefix("needs_") for k in ("needs_future", "needs_scores", "needs_counts") if r[k])
+        needs = ", ".join(k.removeprefix("needs_") for k in ("needs_future", "needs_scores", "needs_counts",
+                                                              "needs_raw_keys") if r[k])
         params = ", ".join(f"{k}={v!r}" for k, v in r["params"].items()) or "none"
         origin = f"{r['distribution']} {r['version']}, {'compiled' if r['compiled'] else 'Python'}"
         table.add_row(r["name"], needs, escape(f"{r['summary']}\nparameters: {params}\n{origin}"))

@@ -40,25 +40,30 @@ def sized(policy: Policy, capacity: int, num_keys: int) -> Policy:
 
 
 def run_policy(policy: Policy, keys: np.ndarray, step_offsets: np.ndarray, capacity: int, num_keys: int,
-               scores: np.ndarray | None = None, counts: np.ndarray | None = None) -> np.ndarray:
+               scores: np.ndarray | None = None, counts: np.ndarray | None = None,
+               raw_keys: np.ndarray | None = None) -> np.ndarray:
     """Reset ``policy`` to ``capacity`` (``sized``) and replay dense ``keys``; a hit flag per key.
 
     The policy gets ``next_access`` on this very stream, through its ``view_future`` (a
     lookahead policy censors it), if it declares ``needs_future``, ``scores`` if it declares
-    ``needs_scores`` (an error names the policy otherwise), and ``counts`` (each key's lookups in
-    its step; 1 each when None) if it declares ``needs_counts``.
+    ``needs_scores`` (an error names the policy otherwise), ``counts`` (each key's lookups in
+    its step; 1 each when None) if it declares ``needs_counts``, and ``raw_keys`` (each key's row
+    id before compaction; the key itself when None) if it declares ``needs_raw_keys``.
     """
     if policy.capabilities.needs_scores and scores is None:
         raise CachelabError(f"policy {policy.name!r} needs predictor scores; none were given to the replay")
-    return _run(sized(policy, capacity, num_keys), keys, step_offsets, scores, future=True, counts=counts)
+    return _run(sized(policy, capacity, num_keys), keys, step_offsets, scores, future=True, counts=counts,
+                raw_keys=raw_keys)
 
 
-def _run(policy: Policy, keys, step_offsets, scores, future: bool, counts=None) -> np.ndarray:
+def _run(policy: Policy, keys, step_offsets, scores, future: bool, counts=None, raw_keys=None) -> np.ndarray:
     caps = policy.capabilities
     if caps.needs_scores and scores is None:
         raise CachelabError(f"policy {policy.name!r} needs predictor scores; none were given to the replay")
     nxt = policy.view_future(next_access(keys), step_offsets) if future and caps.needs_future else None
     more = {"counts": counts} if caps.needs_counts and counts is not None else {}  # as a plug-in's run takes it
+    if caps.needs_raw_keys and raw_keys is not None:
+        more["raw_keys"] = raw_keys
     hits = np.asarray(policy.run(keys, step_offsets, nxt, scores if caps.needs_scores else None, **more))
     if hits.dtype != np.bool_ or hits.shape != keys.shape:  # 0/1 integers indexed levels 0 and 1 as positions
         raise CachelabError(f"policy {policy.name!r}: run returned {hits.dtype} of shape {hits.shape}; a replay "
@@ -126,12 +131,15 @@ class Cascade:
 
     def serve(self, keys: np.ndarray, offsets: np.ndarray, scores: np.ndarray | None = None,
               row_pages: Callable[[np.ndarray], tuple[np.ndarray, int]] | None = None,
-              counts: np.ndarray | None = None, made_at: np.ndarray | None = None) -> Served:
+              counts: np.ndarray | None = None, made_at: np.ndarray | None = None,
+              raw_keys: np.ndarray | None = None) -> Served:
         """Serve the requests ``keys`` (dense ids, distinct per step) of the steps ``offsets``.
 
         Args:
             scores: per request, for policies that declare ``needs_scores``.
             counts: per request, its lookups in the step, for policies that declare ``needs_counts``.
+            raw_keys: per request, its row id before compaction, for policies that declare
+                ``needs_raw_keys``.
             made_at: per request, the scorer's position its score was made at (None: the first
                 tier's clock, as for scores of this very stream); each tier's policy gets the
                 scores re-based onto its own clock (``cachelab.policy.clock``).
@@ -153,7 +161,8 @@ class Cascade:
                                     self.accesses[t])
             self.accesses[t] += keys_t.size
             hits = _run(policy, keys_t, offsets, scores_t,
-                        self.future, None if counts is None else (counts if cur is None else counts[cur]))
+                        self.future, None if counts is None else (counts if cur is None else counts[cur]),
+                        None if raw_keys is None else (raw_keys if cur is None else raw_keys[cur]))
             miss = ~hits
             if cur is None:  # the first tier: n_tiers where it missed, 0 where it hit, one vector pass
                 level = miss.view(np.int8) * np.int8(n_tiers)  # (a masked store took 5x as long)

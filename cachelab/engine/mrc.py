@@ -161,16 +161,17 @@ _SHARED: dict = {}
 def _simulate_one(capacity: int) -> float:
     req, policy, params, rate = _SHARED["req"], _SHARED["policy"], _SHARED["params"], _SHARED["rate"]
     ids, offsets, weights, first, num_keys = req.ids, req.offsets, req.weights, req.first, req.num_keys
-    positions = np.arange(ids.size)
+    positions, raw = np.arange(ids.size), req.keys
     total = weights[first:].sum()
     if rate is not None:
         keep = sample_mask(req.keys, rate)
         ids, _ = compact(ids[keep])
         offsets = np.concatenate([[0], np.cumsum(keep)])[offsets]
-        weights, positions = weights[keep], positions[keep]
+        weights, positions, raw = weights[keep], positions[keep], raw[keep]
         num_keys = int(ids.max()) + 1 if ids.size else 1
         capacity = scaled_capacity(capacity, rate)
-    hits = run_policy(registry.make_policy(policy, **params), ids, offsets, capacity, num_keys, counts=weights)
+    hits = run_policy(registry.make_policy(policy, **params), ids, offsets, capacity, num_keys, counts=weights,
+                      raw_keys=raw)
     counted = positions >= first
     if not total:
         return 0.0

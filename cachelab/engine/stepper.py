@@ -349,6 +349,7 @@ class StepReplay:
         self.cascade = Cascade(hierarchy, self.capacities, space.num_rows, page_of=self._page_of,
                                num_pages=space.pages.size, page_capacity=page_capacity)
         self._counted = any(p.capabilities.needs_counts for p in self.cascade.policies)
+        self._raw = any(p.capabilities.needs_raw_keys for p in self.cascade.policies)
         # The policies see rows numbered by first use in this replay, as the live store (``TieredStore``)
         # and the whole-stream replay number them, so a policy deciding by id (a hashed set, a
         # miniature's key sample) decides alike; the space numbers them as it looks them up.
@@ -415,7 +416,7 @@ class StepReplay:
             uniq, n = np.unique(keys, return_counts=True)
             counts = n[np.searchsorted(uniq, keys[first])]
         out = self.cascade.serve(distinct, np.array([0, distinct.size], np.int64), d_scores, counts=counts,
-                                 made_at=d_made_at)
+                                 made_at=d_made_at, raw_keys=keys[first] if self._raw else None)
         page_reads = np.bincount(self.space.pages[out.pages_read()] >> LAYER_SHIFT, minlength=L)[:L]
         layer = keys[first] >> LAYER_SHIFT  # from the step's own keys: no gather over the whole space
         levels = len(self.hierarchy.levels)

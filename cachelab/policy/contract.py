@@ -39,6 +39,10 @@ class Capabilities:
     needs_counts: wants ``counts`` per access: how many lookups of its step the key stands for
         (the engine passes each step's distinct keys), as a cache that counts every lookup of
         a batch does (FBGEMM's LFU); 1 each where no caller says.
+    needs_raw_keys: wants ``raw_keys`` per access: the row id each dense key was compacted from
+        (the engine numbers rows by first use), so a policy that hashes keys, as a frequency
+        sketch does, hashes what the trace names and decides alike however the rows were
+        numbered; the dense key itself where no caller says.
     compiled: ``run`` is a compiled kernel, not the step loop.
     optimal: the offline optimum: no policy misses less on the same stream (with
         ``needs_future``); learning takes its keep decisions as labels (``cachelab.learning``).
@@ -47,6 +51,7 @@ class Capabilities:
     needs_future: bool = False
     needs_scores: bool = False
     needs_counts: bool = False
+    needs_raw_keys: bool = False
     compiled: bool = False
     optimal: bool = False
 
@@ -115,13 +120,17 @@ class Policy(ABC):
         """The keys in the cache now (sorted), for checks and for the live store."""
 
     def run(self, keys: np.ndarray, step_offsets: np.ndarray, next_access: np.ndarray | None = None,
-            scores: np.ndarray | None = None, counts: np.ndarray | None = None) -> np.ndarray:
+            scores: np.ndarray | None = None, counts: np.ndarray | None = None,
+            raw_keys: np.ndarray | None = None) -> np.ndarray:
         """Replay many steps; return a hit flag per key. Built-ins override with a kernel.
-        ``counts`` is given only to a policy that declares ``needs_counts`` (its ``step`` takes it)."""
+        ``counts`` and ``raw_keys`` are given only to a policy that declares ``needs_counts`` or
+        ``needs_raw_keys`` (its ``step`` takes them)."""
         hits = np.empty(keys.size, dtype=np.bool_)
         for s in range(step_offsets.size - 1):
             lo, hi = step_offsets[s], step_offsets[s + 1]
             more = {} if counts is None else {"counts": counts[lo:hi]}
+            if raw_keys is not None:
+                more["raw_keys"] = raw_keys[lo:hi]
             res = self.step(keys[lo:hi],
                             None if next_access is None else next_access[lo:hi],
                             None if scores is None else scores[lo:hi], **more)

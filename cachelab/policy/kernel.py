@@ -1,9 +1,10 @@
 """What every compiled policy shares: the step/run wrapper around one Numba kernel.
 
-A kernel has the signature ``kernel(keys, [step_offsets,] [lookups,] *inputs, slot_of, key_of,
-*state, *filter, hits, record, adm, adm_slot, ev, counts)`` (``step_offsets`` only for a
+A kernel has the signature ``kernel(keys, [step_offsets,] [lookups,] [raw_keys,] *inputs, slot_of,
+key_of, *state, *filter, hits, record, adm, adm_slot, ev, counts)`` (``step_offsets`` only for a
 ``batched`` policy, one that decides a whole step at once as a GPU cache does; ``lookups``, each
-key's lookups in its step, only for one that declares ``needs_counts``): it replays ``keys`` in
+key's lookups in its step, only for one that declares ``needs_counts``; ``raw_keys``, each key's
+row id before compaction, only for one that declares ``needs_raw_keys``): it replays ``keys`` in
 order, writes a hit flag per key, and when ``record`` is set notes every admitted key with
 its slot and every evicted key
 (``note_admit`` / ``note_evict``, counted in ``counts``). ``step`` records, ``run`` does not,
@@ -90,6 +91,16 @@ def _lookups(name: str, keys: np.ndarray, counts) -> np.ndarray:
     return out
 
 
+def _raw(name: str, keys: np.ndarray, raw_keys) -> np.ndarray:
+    """Each key's row id before compaction (``needs_raw_keys``): the key itself when not given."""
+    if raw_keys is None:
+        return keys
+    out = np.ascontiguousarray(raw_keys, dtype=np.int64)
+    if out.shape != keys.shape:
+        raise CachelabError(f"policy {name!r}: raw_keys has shape {out.shape}, expected one per key {keys.shape}")
+    return out
+
+
 def index_dtype(n: int):
     """int32 for keys and slots below 2**31 (half the memory traffic of int64), else int64."""
     return np.int32 if n < np.iinfo(np.int32).max else np.int64
@@ -137,7 +148,8 @@ class KernelPolicy(Policy):
         """Per-access arrays the kernel takes after ``keys`` (e.g. ``next_access``); none by default."""
         return ()
 
-    def _call(self, keys, record: bool, step_offsets=None, next_access=None, scores=None, counts=None):
+    def _call(self, keys, record: bool, step_offsets=None, next_access=None, scores=None, counts=None,
+              raw_keys=None):
         if not hasattr(self, "slot_of"):
             raise CachelabError(f"{type(self).__name__}: call reset(capacity, num_keys) before step or run")
         keys = np.ascontiguousarray(keys, dtype=np.int64)
@@ -148,6 +160,8 @@ class KernelPolicy(Policy):
         ev = np.empty(n * self.max_evictions_per_key, np.int64)
         self._counts[:] = 0
         extra = self.inputs(keys, next_access, scores)
+        if self.capabilities.needs_raw_keys:
+            extra = (_raw(self.name, keys, raw_keys),) + extra
         if self.capabilities.needs_counts:
             extra = (_lookups(self.name, keys, counts),) + extra
         if self.batched:  # the kernel also gets the step boundaries (``step``: one step)
@@ -161,13 +175,13 @@ class KernelPolicy(Policy):
         type(self).kernel(keys, *extra, self.slot_of, self.key_of,
                           *self.state(), *self.filter, hits, record, adm, adm_slot, ev, self._counts)
 
-    def step(self, keys, next_access=None, scores=None, counts=None) -> StepResult:
-        hits, adm, adm_slot, ev = self._call(keys, True, None, next_access, scores, counts)
+    def step(self, keys, next_access=None, scores=None, counts=None, raw_keys=None) -> StepResult:
+        hits, adm, adm_slot, ev = self._call(keys, True, None, next_access, scores, counts, raw_keys)
         n_adm, n_ev = self._counts
         return StepResult(hits, adm[:n_adm], adm_slot[:n_adm], ev[:n_ev])
 
-    def run(self, keys, step_offsets, next_access=None, scores=None, counts=None) -> np.ndarray:
-        return self._call(keys, False, step_offsets, next_access, scores, counts)[0]
+    def run(self, keys, step_offsets, next_access=None, scores=None, counts=None, raw_keys=None) -> np.ndarray:
+        return self._call(keys, False, step_offsets, next_access, scores, counts, raw_keys)[0]
 
     def resident(self) -> np.ndarray:
         return np.sort(self.key_of[self.key_of >= 0]).astype(np.int64)

@@ -5,8 +5,9 @@
 builds its own state in ``init_state`` and implements ``victim`` (and, where it keeps
 order or counts, ``on_hit``, ``on_insert``, ``on_evict``): the same hooks as the compiled
 template (``cachelab.policy.template``), as methods. Per access, ``self.next_use``,
-``self.score`` and ``self.count`` hold its ``next_access``, predictor score and lookups in
-the step (``needs_counts``; None when not given).
+``self.score``, ``self.count`` and ``self.raw_key`` hold its ``next_access``, predictor score,
+lookups in the step (``needs_counts``) and row id before compaction (``needs_raw_keys``; None
+when not given).
 It runs one Python call per access: for a first policy, a prototype or a test oracle; a
 policy for long streams is written on the template.
 """
@@ -49,7 +50,7 @@ class PythonPolicy(Policy):
         self.used = 0
         self.init_state(self.capacity, self.num_keys)
 
-    def step(self, keys, next_access=None, scores=None, counts=None) -> StepResult:
+    def step(self, keys, next_access=None, scores=None, counts=None, raw_keys=None) -> StepResult:
         keys = np.asarray(keys, dtype=np.int64)
         check_keys(keys, self.num_keys)
         hits = np.zeros(keys.size, dtype=bool)
@@ -58,6 +59,7 @@ class PythonPolicy(Policy):
             self.next_use = None if next_access is None else int(next_access[i])
             self.score = None if scores is None else float(scores[i])
             self.count = None if counts is None else int(counts[i])
+            self.raw_key = None if raw_keys is None else int(raw_keys[i])
             slot = int(self.slot_of[key])
             if slot >= 0:
                 hits[i] = True

@@ -26,7 +26,7 @@ from cachelab.progress import progress_bar
 from cachelab.store.format import PAGE
 from cachelab.store.kernels import DEQUANT_TABLE, dequant_expand
 from cachelab.store.store import TieredStore
-from cachelab.workload.lookups import LookupStream, compact_steps, global_key, split_key
+from cachelab.workload.lookups import LookupStream, compact_steps, split_key
 
 
 @dataclass
@@ -74,9 +74,7 @@ def simulate(store: TieredStore, stream: LookupStream, folded: np.ndarray, specs
     """The engine's replay of the folded stream with the store's tiers, policies and capacities;
     ``stream``'s own (full-layout) rows number the scorer's clock, which ``scores`` are positions on."""
     lay = store.layout_tables
-    layer = np.searchsorted(lay.layer_base, folded, "right") - 1
-    sim_stream = LookupStream(global_key(layer, folded - lay.layer_base[layer]), stream.step_offsets, lay.row_bytes,
-                              tuple(lay.config.layers))
+    sim_stream = LookupStream(lay.global_keys(folded), stream.step_offsets, lay.row_bytes, tuple(lay.config.layers))
     tiers = [Tier(name, specs[name].make(), capacity_rows=capacities[name], location="gpu" if name == "hbm" else "host")
              for name in store.tier_names]
     backing = SSDStore(page_bytes=PAGE, page_cache_bytes=0) if store.backing.on_ssd else "dram"

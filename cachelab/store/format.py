@@ -42,6 +42,7 @@ import numpy as np
 from cachelab.engram.config import EngramConfig
 from cachelab.errors import CachelabError
 from cachelab.paths import replacing
+from cachelab.workload.lookups import global_key
 
 MAGIC = b"CLENGRAM"
 VERSION = 1
@@ -114,6 +115,11 @@ class TableLayout:
         """int64 [layers]: first key of each layer in the store's one key space."""
         rows = self.table_rows
         return np.cumsum(rows) - rows
+
+    def global_keys(self, keys: np.ndarray) -> np.ndarray:
+        """Store keys (``layer_base + row``) as the engine names rows: ``global_key(layer, row)``."""
+        layer = np.searchsorted(self.layer_base, keys, "right") - 1
+        return global_key(layer, keys - self.layer_base[layer])
 
     @property
     def num_keys(self) -> int:

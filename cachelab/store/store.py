@@ -400,6 +400,7 @@ class TieredStore:
                 d_made_at, self._scored = scorer_positions(row_ids, first, self._scored)
         n = uniq.size
         ids = self._number(uniq) if self.tiers else uniq
+        raw = self.layout_tables.global_keys(uniq) if any(t.needs_raw_keys for t in self.tiers) else None
         d_counts = np.bincount(inverse, minlength=n) if any(t.needs_counts for t in self.tiers) else None
         t1 = clock()
         c["dedup_s"] = t1 - t0
@@ -407,7 +408,7 @@ class TieredStore:
         hbm, dram = self._hbm, self._dram
         self._unsettled = bool(self.tiers)  # until the step is done: the policies step here
         if hbm is not None:
-            hits0, slots0, res0 = hbm.lookup(ids, d_scores, d_counts, d_made_at)
+            hits0, slots0, res0 = hbm.lookup(ids, d_scores, d_counts, d_made_at, raw)
             hit_pos, miss_pos = np.flatnonzero(hits0), np.flatnonzero(~hits0)
         else:
             hit_pos, miss_pos = np.zeros(0, np.int64), np.arange(n, dtype=np.int64)
@@ -416,7 +417,8 @@ class TieredStore:
         if dram is not None:
             hits1, slots1, res1 = dram.lookup(ids1, None if d_scores is None else d_scores[miss_pos],
                                               None if d_counts is None else d_counts[miss_pos],
-                                              None if d_made_at is None else d_made_at[miss_pos])
+                                              None if d_made_at is None else d_made_at[miss_pos],
+                                              None if raw is None else raw[miss_pos])
             dram_hit, back = np.flatnonzero(hits1), np.flatnonzero(~hits1)
         else:
             dram_hit, back = np.zeros(0, np.int64), np.arange(m, dtype=np.int64)

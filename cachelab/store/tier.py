@@ -46,6 +46,10 @@ class CacheTier:
     def needs_counts(self) -> bool:
         return self.policy.capabilities.needs_counts
 
+    @property
+    def needs_raw_keys(self) -> bool:
+        return self.policy.capabilities.needs_raw_keys
+
     def check_scores(self, scores) -> None:
         """Refuse a step without the scores this tier's policy needs, before any tier steps."""
         if self.needs_scores and scores is None:
@@ -53,11 +57,15 @@ class CacheTier:
                                 "pass scores= to lookup/prefetch")
 
     def lookup(self, keys: np.ndarray, scores: np.ndarray | None, counts: np.ndarray | None = None,
-               made_at: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, StepResult]:
+               made_at: np.ndarray | None = None, raw_keys: np.ndarray | None = None
+               ) -> tuple[np.ndarray, np.ndarray, StepResult]:
         """The policy's step on ``keys`` (distinct; ``counts``: each one's lookups in the step, for a
         policy that declares ``needs_counts``; ``made_at``: the scorer's position of each score,
-        re-based onto the policy's clock); returns (hit mask, hit slots, result)."""
+        re-based onto the policy's clock; ``raw_keys``: each key's row as the engine names it, for
+        a policy that declares ``needs_raw_keys``); returns (hit mask, hit slots, result)."""
         more = {"counts": counts} if self.needs_counts and counts is not None else {}
+        if self.needs_raw_keys and raw_keys is not None:
+            more["raw_keys"] = raw_keys
         if self.needs_scores and scores is not None and made_at is not None:
             scores = on_clock(scores, made_at, self.accesses)
         self.accesses += keys.size

@@ -24,6 +24,10 @@ and validated against it: identical miss counts (tests/test_policies_wtinylfu.py
   each window victim once when it leaves the window. Every 32 x main main-cache hits, all
   counters halve. Window hits are not counted (libCacheSim's accounting; Caffeine counts
   every access).
+- The sketch hashes each row's id as the trace names it (``needs_raw_keys``: the engine hands
+  the id each dense key was compacted from; each slot keeps its row's), as libCacheSim hashes
+  the request's ``obj_id``: the two collide alike, and the result does not depend on how the
+  engine numbered the rows. Called without raw keys, the policy hashes the keys it is given.
 - One difference, by choice: libCacheSim refuses every row when ``floor(capacity x
   window)`` is 0 (capacities under 100 at 1%: a miss ratio of 1); here the window has at
   least one row.
@@ -35,6 +39,7 @@ import numba as nb
 import numpy as np
 
 from cachelab.errors import CachelabError
+from cachelab.policy import Capabilities
 from cachelab.policy.admission import SAMPLE, make_admission, sketch_add, sketch_estimate, sketch_halve
 from cachelab.policy.queues import SIZE, TAIL, make_queues, move_head, push_head, unlink
 from cachelab.policy.kernel import KernelPolicy, free_stack, give_slot, note_admit, note_evict, take_slot
@@ -72,7 +77,7 @@ def _enter_main(slot, meta, q, prev, nxt, where):
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)  # no NRT: no reference counts per array access
-def _wtinylfu_kernel(keys, slot_of, key_of, meta, free, q, prev, nxt, where, counters, smeta,
+def _wtinylfu_kernel(keys, raw_keys, slot_of, key_of, meta, free, q, prev, nxt, where, raw_of, counters, smeta,
                      a_kind, a_counters, a_scores, a_meta, hits, record, adm, adm_slot, ev, counts):
     capacity = key_of.size
     for i in range(keys.size):
@@ -93,7 +98,7 @@ def _wtinylfu_kernel(keys, slot_of, key_of, meta, free, q, prev, nxt, where, cou
                     while q[PROBATION, SIZE] > meta[PMAX]:
                         _drop(q[PROBATION, TAIL], slot_of, key_of, free, meta, q, prev, nxt, where,
                               record, ev, counts)
-            sketch_add(counters, smeta, key)
+            sketch_add(counters, smeta, raw_keys[i])
             meta[HITS] += 1
             if meta[HITS] >= smeta[SAMPLE]:
                 meta[HITS] = 0
@@ -105,21 +110,22 @@ def _wtinylfu_kernel(keys, slot_of, key_of, meta, free, q, prev, nxt, where, cou
                 _drop(_main_victim(q), slot_of, key_of, free, meta, q, prev, nxt, where, record, ev, counts)
                 continue
             candidate = q[WINDOW, TAIL]
-            ckey = key_of[candidate]
+            craw = raw_of[candidate]
             if q[PROBATION, SIZE] + q[PROTECTED, SIZE] < meta[MMAX]:
                 _enter_main(candidate, meta, q, prev, nxt, where)  # room: no contest
-            elif meta[MMAX] > 0 and (sketch_estimate(counters, smeta, ckey)
-                                     > sketch_estimate(counters, smeta, key_of[_main_victim(q)])):
+            elif meta[MMAX] > 0 and (sketch_estimate(counters, smeta, craw)
+                                     > sketch_estimate(counters, smeta, raw_of[_main_victim(q)])):
                 _drop(_main_victim(q), slot_of, key_of, free, meta, q, prev, nxt, where, record, ev, counts)
                 _enter_main(candidate, meta, q, prev, nxt, where)
             else:
                 _drop(candidate, slot_of, key_of, free, meta, q, prev, nxt, where, record, ev, counts)
-            sketch_add(counters, smeta, ckey)
+            sketch_add(counters, smeta, craw)
         slot = take_slot(free, meta, FREE)
         push_head(q, prev, nxt, where, WINDOW, slot)
         key_of[slot] = key
+        raw_of[slot] = raw_keys[i]
         slot_of[key] = slot
-        sketch_add(counters, smeta, key)
+        sketch_add(counters, smeta, raw_keys[i])
         note_admit(record, adm, adm_slot, counts, key, slot)
 
 
@@ -133,6 +139,7 @@ class WTinyLFU(KernelPolicy):
 
     name = "wtinylfu"
     label = "W-TinyLFU"
+    capabilities = Capabilities(compiled=True, needs_raw_keys=True)  # the sketch hashes the trace's row ids
     kernel = staticmethod(_wtinylfu_kernel)
     admission = "always"  # the sketch is part of the policy, not a separate filter
 
@@ -153,8 +160,9 @@ class WTinyLFU(KernelPolicy):
         self.meta = np.array([window, main, probation, protected, 0, capacity], dtype=np.int64)
         self.free = free_stack(capacity)
         self.queues = make_queues(3, capacity)
+        self.raw_of = np.zeros(capacity, np.int64)  # each slot's row id before compaction: what the sketch hashes
         _, self.counters, _, self.sketch = make_admission("tinylfu", max(main, 1), num_keys, sample_factor=32,
                                                            counter_max=1 << 62, error=0.001)
 
     def state(self):
-        return (self.meta, self.free, *self.queues, self.counters, self.sketch)
+        return (self.meta, self.free, *self.queues, self.raw_of, self.counters, self.sketch)
