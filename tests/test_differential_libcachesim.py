@@ -147,3 +147,17 @@ def test_a_trace_with_object_sizes_counts_objects_as_libcachesim_does_ignoring_t
         reader = lcs.TraceReader(str(path), lcs.TraceType.ORACLE_GENERAL_TRACE, lcs.ReaderInitParam(ignore_obj_size=True))
         theirs_ratio = getattr(lcs, theirs)(capacity).process_trace(reader)[0]
         assert level["requests_unique"] - level["served_unique"] == round(theirs_ratio * stream.keys.size), capacity
+
+
+@pytest.mark.data
+@pytest.mark.parametrize("ours, theirs", [("twoq", "TwoQ"), ("s3fifo", "S3FIFO"), ("wtinylfu", "WTinyLFU")])
+def test_one_row_below_the_class_minimum_libcachesim_caches_nothing_and_ours_caches(traces, ours, theirs):
+    """The deliberate difference the table leaves out: one row below ``min_capacity`` libCacheSim's
+    fixed share (2Q's A1in, S3-FIFO's small FIFO, W-TinyLFU's window) holds no object and it
+    misses every request, where ours gives that share one row and caches (docs/policies.md)."""
+    stream, path, _ = traces["cloudphysics"]
+    capacity = min_capacity(theirs) - 1
+    tier = Tier("hbm", registry.make_policy(ours), capacity_rows=capacity)
+    level = replay(stream, Hierarchy([tier], stream.row_bytes)).summary()["levels"]["hbm"]
+    assert lcs_misses(path, theirs, capacity) == level["requests_unique"] == stream.keys.size
+    assert level["served_unique"] > 0.03 * stream.keys.size
