@@ -42,6 +42,8 @@ def test_bad_parameters_are_refused():
         make(100, 10, window=1.5)
     with pytest.raises(CachelabError, match="protected"):
         make(100, 10, protected=1.0)
+    with pytest.raises(CachelabError, match=r"'wtinylfu': raw_keys has shape \(1,\), expected one per key \(2,\)"):
+        make(100, 10).step(np.array([1, 2]), raw_keys=np.array([7]))
 
 
 def test_small_caches_keep_a_one_row_window():
