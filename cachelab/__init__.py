@@ -4,6 +4,8 @@ import hashlib
 import os
 import sys
 
+from cachelab import deferred_blas
+
 __version__ = "0.1.0"
 
 _PACKAGES = ("cachelab", "policies", "predictors", "traces")  # this distribution's packages, side by side
@@ -76,3 +78,4 @@ def purge_stale_kernels(base: "str | os.PathLike | None" = None) -> None:
 
 
 purge_stale_kernels()
+deferred_blas.install()

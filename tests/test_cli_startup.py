@@ -53,6 +53,40 @@ def test_simulate_imports_the_policy_it_names_alone(tmp_path):
     assert policy_modules == {"policies.linked.sieve"}, policy_modules
 
 
+def test_simulate_imports_no_scipy_linear_algebra(tmp_path):
+    """Numba's first dispatch imports ``numba.np.arraymath``, whose BLAS probe imported
+    ``scipy.linalg`` whole: 0.15-0.2 s of CPU inside the ``seconds`` that ``simulate`` reports,
+    for kernels that call no BLAS (``cachelab.deferred_blas``)."""
+    np.save(tmp_path / "k.npy", np.arange(2_000, dtype=np.int64) % 300)
+    first, seen = _run("simulate", "--trace", tmp_path / "k.npy", "--policy", "lru", "--capacity", "50", "--json")
+    assert json.loads(first)["requests"] == 2_000
+    assert "numba.np.arraymath" in seen["modules"]  # Numba dispatched (and ran its probe)
+    assert not [m for m in seen["modules"] if m.split(".")[:2] == ["scipy", "linalg"]]
+
+
+def test_a_kernel_that_calls_blas_still_gets_it():
+    """The deferred probe answers as Numba's would, and BLAS is there when a kernel calls it."""
+    probe = """
+import importlib.util, sys
+import numpy as np
+import numba
+from cachelab.workload.lookups import compact
+compact(np.arange(10))  # the first dispatch: numba.np.arraymath imported, its probe deferred
+import numba.np.arraymath as arraymath
+has_scipy = importlib.util.find_spec("scipy") is not None
+assert arraymath._HAVE_BLAS == has_scipy and "scipy.linalg" not in sys.modules
+if has_scipy:
+    a = np.arange(1.0, 6.0)
+    b = np.arange(5.0, 0.0, -1.0)
+    got = numba.njit(lambda a, b: (np.dot(a, b), np.correlate(a, b)))(a, b)
+    assert got[0] == np.dot(a, b) and np.array_equal(got[1], np.correlate(a, b)), got
+    assert "scipy.linalg.cython_blas" in sys.modules
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 def test_help_and_an_unknown_verb_still_see_every_verb():
     _, seen = _run("--help")
     assert {f"cachelab.cli.{m}" for m, _, _ in VERBS.values()} <= set(seen["modules"])
