@@ -219,7 +219,25 @@ def test_model_spec_facts():
                                                           * MODEL.expert_bytes_per_param)
     assert MODEL.touched_expert_bytes(100_000) == pytest.approx(40 * 384 * 35389440 * 0.53125, rel=1e-6)
     # 763 B parameters in the checkpoint (transformers' config docstring), 196.6 B of them Engram
-    assert MODEL.kv_bytes_per_token == 925 and MODEL.acceptance_length == 3.51  # the InferenceX recipe's synthetic acceptance
+    assert MODEL.acceptance_length == 3.51  # the InferenceX recipe's synthetic acceptance
+
+
+def test_v41s_kv_formats_are_vllms_defaults_on_sm100():
+    # No V4.1 InferenceX script passes --kv-cache-dtype: FlashMLA's fp8_ds_mla record (448 e4m3 + 64 bf16 RoPE
+    # + 8 B of scales) for the window and the compressed caches, and the FP8 indexer K cache (128 + 4 B)
+    assert MODEL.latent_bytes_per_position == MODEL.window_bytes_per_position == 448 + 64 * 2 + 8
+    assert MODEL.index_key_bytes == 128 + 4
+    # a token's KV: each KV source (layers 2, 8, 14, 20) stores 1 / ratio latents and index keys for all 40 layers
+    sources = (2, 8, 14, 20)
+    per_token = sum(1 / MODEL.compress_ratios[layer] for layer in sources)
+    assert per_token == 2.5
+    assert MODEL.kv_bytes_per_token == per_token * (MODEL.latent_bytes_per_position + MODEL.index_key_bytes)
+    # one sequence's verify step (6 queries) at 150k: every layer's 128-position window, 6 x top-512 gathers in
+    # the 38 compressed layers, and the indexer keys of the 8 index sources (the last 4 within the 16,384 pool)
+    window = 40 * 128 * 584
+    gathers = 38 * 6 * 512 * 584
+    keys = (3 * 75_000 + 150_000 + 4 * 16_384) * 132
+    assert float(MODEL.kv_read_bytes(6, 150_000)) == pytest.approx(window + gathers + keys)
 
 
 def test_a_rank_holds_the_published_weight_fit_and_the_indexer_buffer_of_its_token_budget():

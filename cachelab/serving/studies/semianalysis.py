@@ -441,8 +441,8 @@ def run(out_dir: Path, eff: Efficiency, workload: Workload | None = None,
 
 
 PAGE_CACHE_FRACTIONS = (0.9, 0.75, 0.5)  # of the tables, against the planned page cache
-# against the spec's 925 B: about FP8 latents with cross-layer sharing (~2 KB) doubled; more than
-# per-layer FP8 caches without sharing (~18 KB)
+# against the spec's 1,790 B (vLLM's default FP8 caches, shared across layers): about the 3.5-3.7 KB a token
+# per rank vLLM's reported V4.1 KV capacities imply; more than per-layer FP8 caches without sharing (~18 KB)
 KV_BYTES_PER_TOKEN = (4_000.0, 32_000.0)
 WHAT_IF_CONCURRENCIES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # coarser, to the published range
 
@@ -452,7 +452,7 @@ def what_ifs(workload: Workload, eff: Efficiency, dram_tokens_per_dollar: float)
     cache held only a fraction of the tables (the planned one holds nearly all of them), or if
     the SSD path's measured host offset were a cost every step adds rather than a floor the GPU
     work hides (with the held-out 8k/1k SSD point under each reading); and the B300 TP2-DRAM gain
-    over TP4-HBM if V4.1 stored more KV per token than the spec's 925 B (the gain's mechanism,
+    over TP4-HBM if V4.1 stored more KV per token than the spec's 1,790 B (the gain's mechanism,
     more KV per GPU once the table leaves HBM, needs KV to bind)."""
     price = load_profile("B200").usd_per_gpu_hour
     ssd = [c for c in CONFIGS if c[0] == "B200" and c[2] == "ssd-mmap"]
