@@ -400,3 +400,13 @@ def test_docs_learned_commands_work_as_written(tmp_path, data_dir):
     assert json.loads(res.stdout)["trace_kind"] == LOOKUPS
     res = invoke("simulate", "--trace", "gsm8k", "--policy", "learned-s3fifo", "--capacity", "1%")
     assert res.exit_code == 2 and "--model" in res.output  # the advice a user can follow
+
+
+def test_python_dash_m_cachelab_is_the_command_line():
+    """``python -m cachelab`` (what a user tries first without the script on PATH) ran nothing:
+    the package had no ``__main__``; only ``python -m cachelab.cli`` did."""
+    for module in ("cachelab", "cachelab.cli"):
+        done = subprocess.run([sys.executable, "-m", module, "engram", "info", "--json"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["bytes_per_token"] > 0
