@@ -21,7 +21,7 @@ import pytest
 
 from capture_upstream import PROXY_EXIT_S, ProxyThread, ServerThread, Upstream, cli_proxy
 from loopback import free_port
-from cachelab.capture.proxy import ProxyConfig
+from cachelab.capture.proxy import ProxyConfig, claim_file_limit
 from cachelab.capture.recorder import Recorder
 from cachelab.capture.to_trace import read_requests
 
@@ -100,6 +100,12 @@ def test_client_connections_are_bounded(tmp_path, monkeypatch, loop):
 
 def _limited(soft: int, hard: int):
     return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_where_the_platform_has_no_open_file_limit_none_is_claimed(monkeypatch):
+    """``resource`` is imported with the module where the platform has it (it was imported at each call)."""
+    monkeypatch.setattr("cachelab.capture.proxy.resource", None)
+    claim_file_limit(ProxyConfig(upstream="http://127.0.0.1:1", max_client_connections=1 << 40))
 
 
 def test_the_open_file_limit_fits_the_connection_bounds(tmp_path):
@@ -281,3 +287,46 @@ def test_the_proxy_process_on_broken_streams_and_clients(tmp_path):
     assert got["reset", 200].startswith("upstream stream broke off: ConnectionResetError")
     assert got["text", 200] == "upstream answered 200 with a body that is not JSON"
     assert got["slow", 499] == "client disconnected"
+
+
+def _children(pid: int) -> set[int]:
+    """The live (not zombie) child processes of ``pid``."""
+    kids = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            kids.update(map(int, f.read().split()))
+    return {k for k in kids if os.path.exists(f"/proc/{k}")
+            and open(f"/proc/{k}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="looks for the children in /proc")
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_a_writer_process_that_dies_while_the_proxy_is_idle_is_replaced_at_once(tmp_path, loop):
+    """The CLI proxy's writer killed while no request comes: the proxy notices its death as it happens (its
+    pidfd on the event loop) and starts the next writer then, saying so, without a request, flush or status
+    call to find it; what it had been handed is counted lost by then. It was noticed only at the next of
+    those, and what it had been handed waited meanwhile, uncounted."""
+    with ServerThread(Upstream().app) as upstream, cli_proxy(upstream.url, tmp_path / "cap", "--loop", loop) as (base, proc):
+        r = httpx.post(base + "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200
+        deadline = time.monotonic() + 30
+        while not (status := httpx.get(base + "/capture/status", timeout=10).json())["acknowledged"]:
+            assert time.monotonic() < deadline, status
+            time.sleep(0.05)
+        old = status["writer_pid"]
+        planner = _children(proc.pid) - {old}
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not _children(proc.pid) - planner - {old} and time.monotonic() < deadline:
+            time.sleep(0.05)
+        new = _children(proc.pid) - planner - {old}
+        assert new, "no new writer started after the old one died"
+        status = httpx.get(base + "/capture/status", timeout=10).json()
+        assert status["writer_restarts"] == 1 and {status["writer_pid"]} == new
+        r = httpx.post(base + "/v1/completions", json={"model": "m", "prompt": "y", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200
+        proc.terminate()
+        _, err = proc.communicate(timeout=PROXY_EXIT_S)
+    assert f"(pid {old}) gone (killed by signal 9)" in err and "a new writer starts now" in err
+    table, _ = read_requests(tmp_path / "cap")
+    assert table["status"].to_list() == [200, 200] and table["error"].null_count() == 2

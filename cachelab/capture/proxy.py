@@ -50,14 +50,19 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from cachelab.api_key import ApiKey
-from cachelab.capture.connections import ClientConnection, RefusedConnection, Request, error_body, hop_by_hop, \
-    unauthorized, whole_response
+from cachelab.capture.connections import MAX_LINGERING, ClientConnection, RefusedConnection, Request, error_body, \
+    hop_by_hop, unauthorized, whole_response
 from cachelab.capture.exchange import Exchange
 from cachelab.capture.forward import Forward
 from cachelab.capture.injection import Planner, apply, prepare
 from cachelab.capture.recorder import CLIENT_CLOSED, CLIENT_GONE
 from cachelab.capture.upstream import UpstreamPool, shown_url
 from cachelab.errors import CachelabError
+
+try:
+    import resource
+except ImportError:  # not on Windows
+    resource = None
 
 RECORDED = (b"/v1/completions", b"/v1/chat/completions")
 IDEMPOTENT = {b"GET", b"HEAD", b"PUT", b"DELETE", b"OPTIONS", b"TRACE"}  # RFC 9110, 9.2.2
@@ -114,10 +119,8 @@ def claim_file_limit(config: ProxyConfig) -> None:
     bounds need: out of descriptors, a new connection was dropped unanswered (uvloop) or left unanswered
     (asyncio's loop; under a soft limit of 256, the 300th idle connection's request). Refused at start,
     naming the flags, where the hard limit is below it."""
-    import resource
-
-    from cachelab.capture.connections import MAX_LINGERING
-
+    if resource is None:  # no such limit to raise here
+        return
     needed = config.max_client_connections + MAX_LINGERING + config.max_connections + FD_RESERVE
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= needed:
@@ -162,6 +165,9 @@ class CaptureProxy:
         """Serve on a bound, listening socket."""
         loop = asyncio.get_running_loop()
         await self.planner.start()
+        watch = getattr(self.recorder, "watch", None)  # the writer process's death, noticed as it happens
+        if watch is not None:
+            watch()
         self.server = await loop.create_server(
             lambda: ClientConnection(self) if self.admit() else RefusedConnection(self), sock=sock, backlog=2048)
         self._sweeper = loop.create_task(self._sweep_idle())

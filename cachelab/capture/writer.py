@@ -27,7 +27,7 @@ run are on disk.
 Crashes: the child ignores SIGINT and SIGTERM (a Ctrl-C reaches the whole process group) and
 stops at the end of its pipe, after acknowledging everything it read: when the proxy exits,
 or is killed, the kernel closes the pipe's write end and what the proxy wrote before still
-gets written. A writer that dies under a running proxy (killed, out of memory) is replaced: a new
+gets written. A writer that dies under a running proxy (killed, out of memory) is replaced as it dies (``watch``): a new
 child on the same directory, a new run (``run``, ``seq`` from 0) in segments of its own (the next
 index; the dead one's torn tail is the reader's to count and skip). What the dead one was handed and
 had not acknowledged is counted ``lost`` (in ``dropped`` too), never acknowledged: the first
@@ -114,6 +114,8 @@ class CaptureWriter:
         self._timer: asyncio.TimerHandle | None = None
         self._closing = False
         self._fd = -1
+        self._loop: asyncio.AbstractEventLoop | None = None  # the event loop that watches the writer (``watch``)
+        self._pidfd = -1
         self._start()
         deadline = time.monotonic() + start_timeout
         while not self._c[READY].value:
@@ -148,6 +150,34 @@ class CaptureWriter:
         os.set_blocking(fd, False)
         self._fd = fd
         self._handed = 0  # frames wholly in this writer's pipe
+        self._watch_pid()
+
+    def watch(self) -> None:
+        """Notice the writer's death on the running event loop as it happens, and replace it then: a writer
+        that died while nothing was written to it was noticed only at the next submit, flush or
+        ``/capture/status``, and what it had been handed waited uncounted in ``lost`` until then."""
+        self._loop = asyncio.get_running_loop()
+        self._watch_pid()
+
+    def _watch_pid(self) -> None:
+        """Watch the running writer's pidfd (readable once it has exited) on ``watch``'s loop, when called
+        from it (where pidfds are not to be had, Linux before 5.3, its death is noticed lazily, as before)."""
+        try:
+            if self._loop is None or asyncio.get_running_loop() is not self._loop:
+                return
+            self._pidfd = os.pidfd_open(self.proc.pid)
+        except (RuntimeError, AttributeError, OSError):
+            return
+        self._loop.add_reader(self._pidfd, self._check)
+
+    def _unwatch(self) -> None:
+        if self._pidfd >= 0:
+            try:
+                self._loop.remove_reader(self._pidfd)
+            except RuntimeError:  # its loop is closed
+                pass
+            os.close(self._pidfd)
+            self._pidfd = -1
 
     @property
     def run(self) -> int | None:
@@ -157,6 +187,7 @@ class CaptureWriter:
     def _gone(self) -> None:
         """The writer died: count what it was handed and never acknowledged as lost, keep the frames it
         never took whole for its successor, and start that one (now, or after the backoff)."""
+        self._unwatch()
         self.proc.wait()  # its pipe's read end closed: its threads are gone, its counters final
         c = self._c
         acked, dropped = c[ACKNOWLEDGED].value, c[DROPPED].value
@@ -332,6 +363,7 @@ class CaptureWriter:
         if self._timer is not None:
             self._timer.cancel()
         self._check()
+        self._unwatch()
         if self._restart_at is not None and self._backlog:  # in the backoff: a last writer takes them now
             self._restart_at = 0.0
             self._revive()
