@@ -5,6 +5,7 @@ that resets or answers no SSE mid-stream, a client that leaves mid-stream)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -202,9 +203,13 @@ def test_the_planner_child_killed_or_stopped_is_replaced(tmp_path, monkeypatch):
         assert status["planner_restarts"] == 2 and not os.path.exists(f"/proc/{second}")
 
 
+BIG = 12 << 20
+
+
 class HostileUpstream:
     """A raw-socket upstream, one thread per connection, whose answer the request's model picks: ``reset``
-    (two events of a stream, then a reset), ``text`` (a 200 of plain text to a request for a stream),
+    (two events of a stream, then a reset), ``text`` (a 200 of plain text to a request for a stream), ``big``
+    (a whole answer of ``BIG`` bytes of text),
     ``slow`` (an event every 50 ms; ``left`` gets the event at which its write failed: the proxy closed it)."""
 
     EVENT = b'data: {"id":"c","object":"text_completion","choices":[{"index":0,"text":" a","token_ids":[7]}]}\n\n'
@@ -236,6 +241,12 @@ class HostileUpstream:
                 conn.sendall(self.SSE + chunk(self.EVENT) * 2)
                 time.sleep(0.2)
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            elif model == "big":
+                text = b'{"id":"c","object":"text_completion","prompt_token_ids":[1],"choices":[{"index":0,"text":"%s",' \
+                       b'"token_ids":[7]}]}' % (b"a" * BIG)  # ids: the fallback would tokenize 12 MiB of text
+                with contextlib.suppress(OSError):  # the proxy gives up on an answer over its bound
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+                                 b"%s" % (len(text), text))
             elif model == "text":
                 text = b"upstream overloaded, try later\n"
                 conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%s"
@@ -330,3 +341,50 @@ def test_a_writer_process_that_dies_while_the_proxy_is_idle_is_replaced_at_once(
     assert f"(pid {old}) gone (killed by signal 9)" in err and "a new writer starts now" in err
     table, _ = read_requests(tmp_path / "cap")
     assert table["status"].to_list() == [200, 200] and table["error"].null_count() == 2
+
+
+def _send_unread(base: str, model: str) -> socket.socket:
+    """A client that asks for a whole answer and reads none of it (its receive buffer kept small)."""
+    host, port = base.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    body = json.dumps({"model": model, "prompt": "x"}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n\r\n%s" % (len(body), body))
+    return sock
+
+
+def test_whole_answers_that_clients_do_not_read_count_in_the_held_bound(tmp_path):
+    """Two clients ask for a 12 MiB answer each and read none of it: what the proxy still holds of them (all
+    but what the kernel's socket buffers took) counts in ``--max-held-mb`` until they read it or go, so a
+    third such answer, which puts the proxy over 20 MiB, is refused (503) and recorded so; once they have
+    gone, the next is relayed. They were let go from the bound as they were written: any number of clients
+    that read nothing held a whole answer each in the proxy."""
+    upstream = HostileUpstream()
+    with cli_proxy(upstream.url, tmp_path / "cap", "--max-held-mb", "25") as (base, proc):
+        def submitted(n: int) -> None:
+            deadline = time.monotonic() + 30
+            while httpx.get(base + "/capture/status", timeout=10).json()["submitted"] < n:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+
+        idle = []
+        for n in (1, 2):
+            idle.append(_send_unread(base, "big"))
+            submitted(n)  # its answer is complete, written to a client that reads none of it
+        r = httpx.post(base + "/v1/completions", json={"model": "big", "prompt": "x"}, timeout=30)
+        assert r.status_code == 503 and "--max-held-mb" in r.json()["error"]["message"]
+        for sock in idle:
+            sock.close()
+        deadline = time.monotonic() + 10
+        while (r := httpx.post(base + "/v1/completions", json={"model": "big", "prompt": "x"},
+                               timeout=30)).status_code == 503:
+            assert time.monotonic() < deadline, "the held bytes of the clients gone were not let go"
+            time.sleep(0.1)
+        assert r.status_code == 200 and len(r.content) > BIG
+        proc.terminate()
+        _, err = proc.communicate(timeout=PROXY_EXIT_S)
+    assert "Traceback" not in err, err
+    table, _ = read_requests(tmp_path / "cap")
+    assert table["status"].to_list()[:3] == [200, 200, 503] and table["status"].to_list()[-1] == 200

@@ -165,6 +165,7 @@ class ClientConnection(asyncio.Protocol):
         self.final: bytes | None = None         # the answer that ends the connection once those before it are sent
         self.closed = False
         self.write_paused = False
+        self.unsent = 0                         # bytes of a whole answer still in the transport, in ``proxy.held``
         self.idle_since = time.monotonic()
         self.peer = b"unknown"
 
@@ -183,6 +184,7 @@ class ClientConnection(asyncio.Protocol):
         self.closed = True
         self.proxy.clients.discard(self)
         self.proxy.idle.pop(self, None)
+        self._sent()
         if self.forward is not None:
             self.forward.client_gone()
         if gone:  # pipelined requests it sent whole and left before they were served
@@ -213,8 +215,23 @@ class ClientConnection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.write_paused = False
+        self._sent()
         if self.forward is not None:
             self.forward.resume_upstream()
+
+    def hold_unsent(self) -> None:
+        """Count what the transport still holds of the whole answer just written to a client that reads it
+        slowly (or not at all) in the bytes the proxy holds (``--max-held-mb``) until it drains or the client
+        goes: it was let go as the answer was written, so clients that asked for large answers and read
+        none held them all in the proxy, outside the bound."""
+        if self.write_paused:
+            unsent = self.transport.get_write_buffer_size()
+            self.proxy.held += unsent - self.unsent
+            self.unsent = unsent
+
+    def _sent(self) -> None:
+        self.proxy.held -= self.unsent
+        self.unsent = 0
 
     # -- parser callbacks -----------------------------------------------------------------------
     def on_message_begin(self) -> None:

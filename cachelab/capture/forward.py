@@ -371,6 +371,8 @@ class Forward:
             self.proxy.recorder.submit(x)
         if data:
             client.transport.write(data)
+            if self.mode == WHOLE:
+                client.hold_unsent()
         client.done(self.keep_alive)
 
     # -- endings other than a complete answer ---------------------------------------------------
