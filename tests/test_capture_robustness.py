@@ -209,7 +209,8 @@ BIG = 12 << 20
 class HostileUpstream:
     """A raw-socket upstream, one thread per connection, whose answer the request's model picks: ``reset``
     (two events of a stream, then a reset), ``text`` (a 200 of plain text to a request for a stream), ``big``
-    (a whole answer of ``BIG`` bytes of text),
+    (a whole answer of ``BIG`` bytes of text), ``stall`` and ``stall-stream`` (the head and a first piece of a
+    whole answer or a stream, then silence until the proxy closes the connection),
     ``slow`` (an event every 50 ms; ``left`` gets the event at which its write failed: the proxy closed it)."""
 
     EVENT = b'data: {"id":"c","object":"text_completion","choices":[{"index":0,"text":" a","token_ids":[7]}]}\n\n'
@@ -247,6 +248,13 @@ class HostileUpstream:
                 with contextlib.suppress(OSError):  # the proxy gives up on an answer over its bound
                     conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
                                  b"%s" % (len(text), text))
+            elif model.startswith("stall"):  # the head and a first piece of the answer, then nothing
+                if model == "stall-stream":
+                    conn.sendall(self.SSE + chunk(self.EVENT))
+                else:
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n"
+                                 b'{"id":"c",')
+                conn.recv(1)  # until the proxy closes the connection
             elif model == "text":
                 text = b"upstream overloaded, try later\n"
                 conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%s"
@@ -388,3 +396,28 @@ def test_whole_answers_that_clients_do_not_read_count_in_the_held_bound(tmp_path
     assert "Traceback" not in err, err
     table, _ = read_requests(tmp_path / "cap")
     assert table["status"].to_list()[:3] == [200, 200, 503] and table["status"].to_list()[-1] == 200
+
+
+def test_an_upstream_that_stalls_after_its_head_is_cut_at_the_read_timeout_and_recorded(tmp_path):
+    """An upstream that sends the head and a first piece of its answer, then nothing, for ever: the client
+    gets a 504 (a whole answer) or its stream cut after the event that came (no last chunk), at
+    --read-timeout, and the record says so; the upstream connection is closed, not kept."""
+    upstream = HostileUpstream()
+    with cli_proxy(upstream.url, tmp_path / "cap", "--read-timeout", "1") as (base, proc):
+        start = time.monotonic()
+        r = httpx.post(base + "/v1/completions", json={"model": "stall", "prompt": "x"}, timeout=30)
+        assert r.status_code == 504 and "silent for 1.0 s" in r.json()["error"]["message"]
+        got = b""
+        with pytest.raises(httpx.RemoteProtocolError, match="incomplete chunked read"):
+            with httpx.stream("POST", base + "/v1/completions", timeout=30,
+                              json={"model": "stall-stream", "prompt": "x", "stream": True}) as s:
+                for data in s.iter_raw():
+                    got += data
+        assert got == HostileUpstream.EVENT.replace(b"[7]", b"null") and time.monotonic() - start < 10  # ids taken out
+        proc.terminate()
+        _, err = proc.communicate(timeout=PROXY_EXIT_S)
+    assert "Traceback" not in err, err
+    table, _ = read_requests(tmp_path / "cap")
+    got = {(m, s): e for m, s, e in table.select(["model", "status", "error"]).iter_rows()}
+    assert got == {("stall", 504): f"upstream {upstream.url}: silent for 1.0 s",
+                   ("stall-stream", 200): "upstream stream silent for 1.0 s: cut"}, got
