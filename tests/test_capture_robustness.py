@@ -25,6 +25,7 @@ from loopback import free_port
 from cachelab.capture.proxy import ProxyConfig, claim_file_limit
 from cachelab.capture.recorder import Recorder
 from cachelab.capture.to_trace import read_requests
+from cachelab.capture.writer import CaptureWriter
 
 STATUS = b"GET /capture/status HTTP/1.1\r\nhost: x\r\n\r\n"
 
@@ -421,3 +422,29 @@ def test_an_upstream_that_stalls_after_its_head_is_cut_at_the_read_timeout_and_r
     got = {(m, s): e for m, s, e in table.select(["model", "status", "error"]).iter_rows()}
     assert got == {("stall", 504): f"upstream {upstream.url}: silent for 1.0 s",
                    ("stall-stream", 200): "upstream stream silent for 1.0 s: cut"}, got
+
+
+def test_a_writer_replaced_from_another_thread_is_watched_by_the_proxys_loop(tmp_path):
+    """The writer's death found by a flush from a thread other than the proxy's (a test's, an embedding
+    program's) while the proxy's loop is busy: the dead writer's pidfd is let go and its successor's
+    watched on the loop's thread, handed over (registered from the other thread it was not watched, and
+    the loop's poller is not thread-safe), so the successor's own death is noticed by the loop alone."""
+    writer = CaptureWriter(tmp_path / "cap")
+    with ServerThread(Upstream().app) as upstream, ProxyThread(ProxyConfig(upstream=upstream.url), writer) as p:
+        first = writer.proc.pid
+        p.loop.call_soon_threadsafe(time.sleep, 2)  # the loop is busy: this thread finds the death
+        time.sleep(0.2)
+        writer.proc.kill()
+        writer.proc.wait(10)
+        assert writer.flush(30)
+        second = writer.proc.pid
+        assert second != first and writer.stats()["writer_restarts"] == 1
+        time.sleep(2)  # the loop is back and has taken the hand-over
+        os.kill(second, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while writer.proc.pid == second and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert writer.proc.pid != second, "the successor's death was not noticed by the proxy's loop"
+        r = httpx.post(p.url + "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200
+    assert writer.stats()["writer_restarts"] == 2

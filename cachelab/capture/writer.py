@@ -159,25 +159,50 @@ class CaptureWriter:
         self._loop = asyncio.get_running_loop()
         self._watch_pid()
 
-    def _watch_pid(self) -> None:
-        """Watch the running writer's pidfd (readable once it has exited) on ``watch``'s loop, when called
-        from it (where pidfds are not to be had, Linux before 5.3, its death is noticed lazily, as before)."""
+    def _on_loop(self) -> bool:
         try:
-            if self._loop is None or asyncio.get_running_loop() is not self._loop:
-                return
-            self._pidfd = os.pidfd_open(self.proc.pid)
-        except (RuntimeError, AttributeError, OSError):
-            return
-        self._loop.add_reader(self._pidfd, self._check)
+            return asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            return False
 
-    def _unwatch(self) -> None:
-        if self._pidfd >= 0:
+    def _watch_pid(self) -> None:
+        """Watch the running writer's pidfd (readable once it has exited) on ``watch``'s loop, handed to its
+        thread when called from another (where pidfds are not to be had, Linux before 5.3, the writer's
+        death is noticed lazily, as before)."""
+        loop = self._loop
+        if loop is None or self._pidfd >= 0 or self._fd < 0 or self._closing:
+            return
+        if not self._on_loop():
             try:
-                self._loop.remove_reader(self._pidfd)
+                loop.call_soon_threadsafe(self._watch_pid)
             except RuntimeError:  # its loop is closed
                 pass
-            os.close(self._pidfd)
-            self._pidfd = -1
+            return
+        try:
+            self._pidfd = os.pidfd_open(self.proc.pid)
+        except (AttributeError, OSError):
+            return
+        loop.add_reader(self._pidfd, self._check)
+
+    def _unwatch(self) -> None:
+        """Stop watching the writer's pidfd, on the watching loop's thread (a flush or close from another
+        thread, such as a test's, hands it over): the loop's poller must not see its fd closed under it."""
+        pidfd, self._pidfd = self._pidfd, -1
+        if pidfd < 0:
+            return
+        loop = self._loop
+
+        def unwatch() -> None:
+            if not loop.is_closed():
+                loop.remove_reader(pidfd)
+            os.close(pidfd)
+
+        if self._on_loop() or loop.is_closed():
+            return unwatch()
+        try:
+            loop.call_soon_threadsafe(unwatch)
+        except RuntimeError:  # closed meanwhile
+            os.close(pidfd)
 
     @property
     def run(self) -> int | None:
