@@ -25,6 +25,7 @@ import sys
 from collections import deque
 from typing import NamedTuple
 
+from cachelab.capture.json_bytes import loads
 from cachelab.child import exit_reason, python_command, restart_delay
 
 INLINE_BYTES = 16 << 10  # a body up to this is planned on the loop: at most ~0.12 ms (a prompt of ~2k ids)
@@ -50,7 +51,7 @@ def plan(body: bytes, endpoint: str, token_ids: bool) -> Plan | None:
     if not token_ids:
         return _NOTHING
     try:
-        parsed = json.loads(body)
+        parsed = loads(body)  # jiter where it reads the body (``json_bytes``): on the event loop for a short one
     except (ValueError, RecursionError):  # not JSON, or nested deeper than json can go: sent as it came
         return None
     if not isinstance(parsed, dict):
