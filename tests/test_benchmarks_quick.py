@@ -327,6 +327,21 @@ def test_bench_capture_runs_each_proxy_on_its_own_code_not_the_working_directory
     assert re.search(r"capture of proxy: (\d+) of \1 records acknowledged", done.stdout), done.stdout
 
 
+
+@pytest.mark.slow
+def test_bench_capture_gives_each_proxys_cpu_per_token_as_a_ratio_and_the_verdict_by_the_interval():
+    """Two proxies in the same rounds: each one's CPU per token against the first's (the figure load moves
+    least), and beside each P99 verdict the one its bootstrap interval gives (met, missed or unresolved)."""
+    done = run("bench_capture.py", "--requests", "4", "--rounds", "2", "--concurrency", "1", "--max-tokens", "2",
+               "--proxy", "a=", "--proxy", "b=", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"CPU per token at concurrency 1, writer included, against a \(\d+ us; event loop \d+ us\): "
+                     r"b \d+ us \((\d+\.\d\dx|no ratio to 0); event loop \d+ us, (\d+\.\d\dx|no ratio to 0)\)",
+                     done.stdout), done.stdout  # a run this short may count no CPU tick of a proxy
+    assert re.search(r"by the interval: (met|missed|unresolved)\)", done.stdout), done.stdout
+    figures = json.loads(done.stdout.strip().splitlines()[-1])["by_proxy"]["b"]["1"]
+    assert {figures[m]["goal_by_interval"] for m in ("TTFT", "ITL")} <= {"met", "missed", "unresolved"}
+
 # The benchmarks below had no run in the suite (seen by helper-121). Each runs in a quick mode, end to end,
 # and must print its ratio against the reference it measures in the same run; no time is asserted.
 ROOT = BENCHMARKS.parent
