@@ -61,7 +61,8 @@ SHAPES = [
     b'"content":"a","reasoning_content":null,"tool_calls":null},"logprobs":null,"finish_reason":null,'
     b'"matched_stop":null}],"usage":null}',
     b'{"id":"x","object":"text_completion","created":1,"model":"m","choices":[],"usage":{"prompt_tokens":24,'
-    b'"total_tokens":40,"completion_tokens":16,"prompt_tokens_details":{"cached_tokens":16}},"system_fingerprint":"fp"}',
+    b'"total_tokens":40,"completion_tokens":16,"prompt_tokens_details":{"cached_tokens":16}},'
+    b'"system_fingerprint":"fp"}',
     b'{"error":{"message":"Token id 1000000 is out of vocabulary","type":"BadRequestError","param":null,"code":400}}',
     b'{"object":"error","message":"boom","code":500}',
     b'{"a":1,"a":2}', b'{"a":1,"b":2,"a":3}', b'{"choices":[{"index":0}],"choices":[{"text":"b"}]}',
