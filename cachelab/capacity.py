@@ -2,8 +2,8 @@
 
 A capacity is written as
 
-- rows: an integer (``1000``, ``"1000"``, ``"1000 rows"``); a number of 1 or more counts
-  rows too (``2000.0``);
+- rows: an integer (``1000``, ``"1000"``, ``"1000 rows"``); a whole number of 1 or more counts
+  rows too (``2000.0``), one with a fraction (``1.5``) is refused rather than cut to 1 row;
 - a fraction of the distinct rows the workload touches: a number with ``0 < f < 1``
   (``0.01``, ``"0.01"``);
 - a percentage of them: ``"5%"`` (``0% < p <= 100%``);
@@ -120,6 +120,9 @@ def _number(amount: float, written, where: str, fraction: bool, share_of: str) -
         return Capacity("fraction", float(amount), written)
     if amount < 1:
         raise CachelabError(f"{where}: {written!r} is less than one row")
+    if amount != int(amount):  # '1.5' ran as 1 row, where its writer most likely meant a share
+        raise CachelabError(f"{where}: {written!r} is not a whole number of rows; a share of {share_of} "
+                            f"is a fraction below 1 (0.015) or a percentage ('1.5%')")
     return Capacity("rows", amount, written)
 
 

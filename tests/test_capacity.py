@@ -41,9 +41,18 @@ def test_fractions_resolve_as_the_learning_cli_did(f, unique):
     assert capacity_rows(repr(f), unique) == _old_learning_rows(f, unique)
 
 
-@given(st.floats(1.0, 1e9), UNIQUE)
-def test_numbers_of_one_or_more_are_rows_as_the_learning_cli_did(x, unique):
+@given(st.integers(1, 10**9).map(float), UNIQUE)
+def test_whole_numbers_of_one_or_more_are_rows_as_the_learning_cli_did(x, unique):
     assert capacity_rows(x, unique) == _old_learning_rows(x, unique)
+
+
+@given(st.floats(1.0, 1e9).filter(lambda x: x != int(x)), UNIQUE)
+def test_a_number_of_rows_with_a_fraction_is_refused_not_cut(x, unique):
+    """``--capacity 1.5`` ran as 1 row (the learning CLI's ``int``), where its writer most likely
+    meant 1.5%; it is refused, naming both ways to write a share."""
+    for value in (x, repr(x)):
+        with pytest.raises(CachelabError, match="is not a whole number of rows; a share of the distinct rows"):
+            capacity_rows(value, unique)
 
 
 @given(st.floats(0.001, 100).map(lambda p: round(p, 3)).filter(lambda p: p > 0), UNIQUE)
