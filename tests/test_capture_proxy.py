@@ -1028,6 +1028,7 @@ def test_non_loopback_listen_needs_a_token(tmp_path):
     (["--upstream", "http://x", "--max-body-mb", "-1"], "--max-body-mb -1.0: expected a number above 0"),
     (["--upstream", "http://x", "--max-response-mb", "0"], "--max-response-mb 0.0: expected a number above 0"),
     (["--upstream", "http://x", "--max-held-mb", "0"], "--max-held-mb 0.0: expected a number above 0"),
+    (["--upstream", "http://x", "--max-tokenize-mb", "0"], "--max-tokenize-mb 0.0: expected a number above 0"),
     # under one byte: a segment per record, every body refused (the writer refused it after creating the directory)
     (["--upstream", "http://x", "--rotate-mb", "1e-9"], "--rotate-mb 1e-09: under one byte"),
     (["--upstream", "http://x", "--max-body-mb", "1e-7"], "--max-body-mb 1e-07: under one byte"),

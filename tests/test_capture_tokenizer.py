@@ -198,3 +198,55 @@ def test_a_chat_whose_ids_are_not_the_named_tokenizers_is_found(tmp_path, named_
     assert (report.tokenizer == tokenizer_record(tok)) is named_right
     assert report.tokenizer_mismatches == (0 if named_right else 1)
     assert report.unknown_tokenizer_requests == (0 if named_right else 2)
+
+
+def _text_exchange(i: int, prompt: str, texts: list[str], stream: bool):
+    """An upstream's answer of text, no token ids (SGLang's, a hosted API's): the fallback tokenizes it."""
+    from cachelab.capture.exchange import Exchange
+
+    x = Exchange(endpoint="/v1/completions", arrival_unix_ns=1_000_000_000 * (10 + i), arrival=100.0,
+                 body={"model": "m", "prompt": prompt, "stream": stream}, session=None, stream=stream, status=200)
+    if stream:
+        for k, text in enumerate(texts):
+            x.events.append(b"data: " + json.dumps({"id": f"c{i}", "choices": [{"index": 0, "text": text}]}).encode()
+                            + b"\n\n")
+            x.event_times.append(100.01 + 0.01 * k)
+        x.events.append(b"data: [DONE]\n\n")
+        x.event_times.append(100.1)
+    else:
+        x.response = json.dumps({"id": f"c{i}", "choices": [{"index": 0, "text": "".join(texts)}]}).encode()
+        x.response_time = 100.1
+    return x
+
+
+def test_text_past_the_fallbacks_budget_is_recorded_without_ids_not_tokenized_for_minutes(tmp_path):
+    """The writer process tokenized whatever text an upstream answered: 8 Mi characters took it 6-20 s
+    (64 MiB, the --max-response-mb bound, minutes), while the records behind it waited and, the backlog
+    full, were dropped. Past ``max_tokenize_chars`` of an answer, the record keeps no ids, says why and
+    how much text (``untokenized_chars``), and ``capture info`` counts it; the answers within it are
+    tokenized as before."""
+    from cachelab.capture.tokens import FallbackTokenizer
+    from cachelab.capture.writer import CaptureWriter
+
+    budget, huge = 1 << 20, "a" * (8 << 20)
+    sent = [_text_exchange(0, "the row cache", [huge], stream=False),          # a whole answer past it
+            _text_exchange(1, "the row cache", [" of", " Engram"], stream=True),  # within it
+            _text_exchange(2, "the row cache", [" of", huge[:budget]], stream=True)]  # an event past it
+    writer = CaptureWriter(tmp_path / "cap", sched="normal", max_tokenize_chars=budget)
+    try:
+        assert all(writer.submit(x) for x in sent)
+        assert writer.flush(60) and writer.stats()["acknowledged"] == 3
+    finally:
+        writer.close()
+    got = {r["upstream_id"]: r for r in read_stream(tmp_path / "cap", "requests") if r.get("kind") == "request"}
+    whole, ok, streamed = got["c0"], got["c1"], got["c2"]
+    for r, chars in ((whole, len(huge) + 13), (streamed, budget + 3 + 13)):
+        assert r["status"] == 200 and r["token_source"] is None and r["prompt_ids"] is None and r["output_ids"] is None
+        assert r["untokenized_chars"] == chars and f"{chars:,} characters of text not tokenized" in r["error"]
+    assert whole["tok_n"] is None and streamed["tok_n"] is None  # its events' counts are the tokenizer's too
+    fallback = FallbackTokenizer()
+    assert ok["token_source"] == "tokenizer" and "untokenized_chars" not in ok and ok["error"] is None
+    assert np.frombuffer(ok["output_ids"], "<i4").tolist() == fallback.encode(" of Engram")
+    assert np.frombuffer(ok["prompt_ids"], "<i4").tolist() == fallback.encode("the row cache", prompt=True)
+    info = json.loads(CliRunner().invoke(app, ["capture", "info", str(tmp_path / "cap"), "--json"]).stdout)
+    assert (info["requests"], info["ok"], info["untokenized"]) == (3, 1, 2)

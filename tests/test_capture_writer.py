@@ -474,6 +474,7 @@ class CountingTokenizer:
         from cachelab.capture.tokens import FallbackTokenizer
 
         self.inner, self.prompts = FallbackTokenizer(), 0
+        self.max_chars = self.inner.max_chars
 
     def encode(self, text, prompt=False):
         self.prompts += prompt

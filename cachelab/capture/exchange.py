@@ -293,13 +293,26 @@ class _Fallback:
 
     def __init__(self, tokenizer, prompts: list[tuple[str | None, list[int] | None]]):
         self.tokenizer, self.prompts = tokenizer, prompts
-        self._prompt: dict[int, list[int]] = {}
+        self.left = tokenizer.max_chars  # characters of text the exchange may still have tokenized
+        self._prompt: dict[int, list[int] | None] = {}
         self._echoes: dict[int, list[str]] = {}
 
-    def prompt(self, k: int) -> list[int]:
-        """Prompt ``k``'s tokens (its text, with the tokenizer's special tokens)."""
+    def take(self, chars: int) -> bool:
+        """Whether ``chars`` more characters fit the exchange's budget (taken from it if so)."""
+        if chars > self.left:
+            return False
+        self.left -= chars
+        return True
+
+    def encode(self, text: str) -> list[int] | None:
+        """An output's tokens, or None past the budget."""
+        return self.tokenizer.encode(text) if self.take(len(text)) else None
+
+    def prompt(self, k: int) -> list[int] | None:
+        """Prompt ``k``'s tokens (its text, with the tokenizer's special tokens), or None past the budget."""
         if k not in self._prompt:
-            self._prompt[k] = self.tokenizer.encode(self.prompts[k][0], prompt=True)
+            text = self.prompts[k][0]
+            self._prompt[k] = self.tokenizer.encode(text, prompt=True) if self.take(len(text)) else None
         return self._prompt[k]
 
     def echoes(self, k: int) -> list[str]:
@@ -312,19 +325,23 @@ class _Fallback:
         return self._echoes[k]
 
 
-def _token_events(c: _Choice, echoed: int, tokenizer) -> tuple[list[float], list[int]]:
+def _token_events(c: _Choice, echoed: int, fallback: _Fallback, taken: bool) -> tuple[list[float], list[int], int]:
     """The choice's token-bearing events and their token counts; an event of text (no ids) is tokenized
-    without the echoed prompt's first ``echoed`` characters (its tokens were counted as output)."""
+    without the echoed prompt's first ``echoed`` characters (its tokens were counted as output). Events of
+    text over the fallback's budget, all of them, are left out; their characters are the third value (``taken``:
+    the output's text is already the budget's, as the fallback tokenized it whole)."""
+    texts = sum(len(count) for count in c.counts if isinstance(count, str)) - echoed
+    tokenize = texts <= 0 or taken or fallback.take(texts)
     times, counts = [], []
     for when, count in zip(c.times, c.counts):
         if isinstance(count, str):
             cut = min(echoed, len(count))
             echoed -= cut
-            count = len(tokenizer.encode(count[cut:])) if len(count) > cut else 0
+            count = len(fallback.tokenizer.encode(count[cut:])) if tokenize and len(count) > cut else 0
         if count:
             times.append(when)
             counts.append(count)
-    return times, counts
+    return times, counts, 0 if tokenize else texts
 
 
 def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
@@ -435,13 +452,20 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
             rec.token_source = "tokenizer"
             if prompt_ids is None:
                 prompt_ids = request_ids if request_ids is not None else fallback.prompt(k)
-            output_ids = tokenizer.encode(output_text)
+            output_ids = fallback.encode(output_text)
+            if prompt_ids is None or output_ids is None:  # past the budget: no ids, the text's length kept
+                rec.token_source, prompt_ids = None, None
+                rec.untokenized_chars = len(output_text) + len(prompt_text or "")
         if rec.token_source is not None:
             rec.prompt_ids, rec.output_ids = _ids(prompt_ids), _ids(output_ids)
             if rec.prompt_ids is None or rec.output_ids is None:
                 rec.token_source, rec.prompt_ids, rec.output_ids = None, None, None
                 rec.error = rec.error or "upstream token ids out of range (not integers from 0 to 2^31-1)"
-        times, counts = _token_events(c, echoed, tokenizer)
+        times, counts, untimed = _token_events(c, echoed, fallback, rec.token_source == "tokenizer")
+        rec.untokenized_chars = rec.untokenized_chars or untimed
+        if rec.untokenized_chars:
+            rec.error = rec.error or (f"fallback tokenizer: {rec.untokenized_chars:,} characters of text not "
+                                      f"tokenized, past its {tokenizer.max_chars:,} per answer (--max-tokenize-mb)")
         if times:
             rec.token_times_s = np.asarray(times)
             rec.token_counts = np.asarray(counts, dtype=np.int32)

@@ -40,7 +40,7 @@ import numpy as np
 
 from cachelab.capture.journal import Journal
 from cachelab.capture.segments import private_directory
-from cachelab.capture.tokens import FallbackTokenizer
+from cachelab.capture.tokens import MAX_TOKENIZE_CHARS, FallbackTokenizer
 from cachelab.engram.vocab import DEEPSEEK_V4, tokenizer_record
 from cachelab.errors import CachelabError
 from cachelab.workload.prefix_cache.hashing import chained_block_hashes
@@ -87,6 +87,7 @@ class RequestRecord:
     output_text: str | None = None
     tokenizer_mismatch: bool = False          # the server's prompt ids are not the named tokenizer's (``Recorder``)
     user_text: str | None = None              # a chat's last user message as sent, not recorded: checked the same way
+    untokenized_chars: int = 0                # text left untokenized, past the fallback's budget (``FallbackTokenizer``)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_records(self, tokenizer) -> list["RequestRecord"]:
@@ -206,6 +207,8 @@ def encode_record(record: RequestRecord, privacy: Privacy) -> dict:
         out["prompt_text"], out["output_text"] = record.prompt_text, record.output_text
     if record.tokenizer_mismatch:
         out["tokenizer_mismatch"] = True
+    if record.untokenized_chars:
+        out["untokenized_chars"] = record.untokenized_chars
     if record.extra:
         out["extra"] = record.extra
     return out
@@ -216,7 +219,7 @@ class Recorder:
 
     ``submit`` takes a ``RequestRecord`` or a proxy's ``Exchange`` (parsed on the journal's
     thread into a record per choice, ``tokenizer`` the fallback for an upstream that sends no
-    ids, loaded on first use); it never blocks and never raises on the caller's path.
+    ids, loaded on first use, up to ``max_tokenize_chars`` of text an exchange); it never blocks and never raises on the caller's path.
     ``ids_tokenizer``: the tokenizer every id recorded is of, where that is known (``cachelab serve``'s
     own; the upstream's, as the proxy's user names it), recorded in each segment header as
     ``tokenizer`` (``tokenizer_record``: name and SHA-256), which ``trace build --from-capture``
@@ -230,9 +233,10 @@ class Recorder:
                  salt_file: str | os.PathLike | None = None, fsync: str = "batch",
                  rotate_bytes: int = 256 << 20, rotate_seconds: float = 3600.0, max_queue: int = 100_000,
                  source: str = "capture", tokenizer: str = DEEPSEEK_V4, commit_interval: float = 0.0,
-                 max_pending_bytes: int | None = None, ids_tokenizer: str | None = None):
+                 max_pending_bytes: int | None = None, ids_tokenizer: str | None = None,
+                 max_tokenize_chars: int = MAX_TOKENIZE_CHARS):
         self.directory = private_directory(directory)
-        self.tokenizer = FallbackTokenizer(tokenizer)
+        self.tokenizer = FallbackTokenizer(tokenizer, max_tokenize_chars)
         # records left to check against the named tokenizer (``_check_tokenizer``): where the fallback is it
         self._to_check = CHECKED_RECORDS if ids_tokenizer and tokenizer_record(tokenizer) == tokenizer_record(
             ids_tokenizer) else 0

@@ -32,7 +32,8 @@ from cachelab.trace.stats import server_cache
 _SCALARS = {"seq": pl.Int64, "run": pl.Int64, "endpoint": pl.String, "model": pl.String, "arrival_ns": pl.Int64,
             "status": pl.Int32, "error": pl.String, "stream": pl.Boolean, "session": pl.Int64, "upstream_id": pl.String, "index": pl.Int64,
             "ttft_s": pl.Float64, "last_s": pl.Float64, "prompt_len": pl.Int64, "output_len": pl.Int64,
-            "cached": pl.Int64, "token_source": pl.String, "privacy": pl.String, "block_size": pl.Int32}
+            "cached": pl.Int64, "token_source": pl.String, "privacy": pl.String, "block_size": pl.Int32,
+            "untokenized_chars": pl.Int64}
 _ARRAYS = {"prompt_ids": ("<i4", pl.Int32), "output_ids": ("<i4", pl.Int32), "blocks": ("<i8", pl.Int64),
            "tok_t": ("<f8", pl.Float64), "tok_n": ("<i4", pl.Int32)}
 

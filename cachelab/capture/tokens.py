@@ -6,19 +6,23 @@ the recorder then tokenizes the prompt and the output with the model's HF tokeni
 encoded with the tokenizer's own special tokens (its post-processor, as a HF fast
 tokenizer does for a server); an output without them. A chat prompt is its messages'
 ``role: content`` lines: the chat template is the server's, so such ids approximate it,
-and the record says ``token_source = "tokenizer"``.
+and the record says ``token_source = "tokenizer"``. An answer's text is tokenized up to
+``max_chars`` (``MAX_TOKENIZE_CHARS``): the writer tokenizes about a MiB a second, so a 64 MiB answer
+held the records behind it for minutes, and they were dropped once the backlog filled.
 """
 
 from __future__ import annotations
 
 from cachelab.engram.vocab import DEEPSEEK_V4, load_tokenizer, token_ids
 
+MAX_TOKENIZE_CHARS = 4 << 20  # characters of text one exchange may have tokenized (``--max-tokenize-mb``)
+
 
 class FallbackTokenizer:
     """Loads the tokenizer on first use (a capture whose upstream returns ids never loads it)."""
 
-    def __init__(self, source: str = DEEPSEEK_V4):
-        self.source = source
+    def __init__(self, source: str = DEEPSEEK_V4, max_chars: int = MAX_TOKENIZE_CHARS):
+        self.source, self.max_chars = source, max_chars
         self._tok = None
 
     def _loaded(self):

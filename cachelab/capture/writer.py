@@ -58,7 +58,7 @@ import sys
 import time
 from collections import deque
 
-from cachelab.capture.recorder import Privacy, load_salt
+from cachelab.capture.recorder import MAX_TOKENIZE_CHARS, Privacy, load_salt
 from cachelab.capture.segments import FSYNC_POLICIES, private_directory
 from cachelab.child import exit_reason, python_command, restart_delay
 from cachelab.errors import CachelabError
@@ -87,7 +87,8 @@ class CaptureWriter:
                  salt_file: str | os.PathLike | None = None, fsync: str = "batch", rotate_bytes: int = 256 << 20,
                  rotate_seconds: float = 3600.0, tokenizer: str | None = None, nice: int = 10,
                  sched: str = "idle", max_backlog_bytes: int = 256 << 20, start_timeout: float = 60.0,
-                 commit_interval: float = 0.0, max_ahead_bytes: int = 256 << 20, ids_tokenizer: str | None = None):
+                 commit_interval: float = 0.0, max_ahead_bytes: int = 256 << 20, ids_tokenizer: str | None = None,
+                 max_tokenize_chars: int = MAX_TOKENIZE_CHARS):
         if fsync not in FSYNC_POLICIES:
             raise CachelabError(f"--fsync {fsync!r}: expected one of {', '.join(FSYNC_POLICIES)}")
         if sched not in SCHED_POLICIES:
@@ -107,7 +108,8 @@ class CaptureWriter:
                         "salt_file": None if salt_file is None else str(salt_file), "fsync": fsync,
                         "rotate_bytes": rotate_bytes, "rotate_seconds": rotate_seconds, "tokenizer": tokenizer,
                         "ids_tokenizer": ids_tokenizer, "nice": nice, "sched": sched,
-                        "commit_interval": commit_interval, "max_ahead_bytes": max_ahead_bytes}
+                        "commit_interval": commit_interval, "max_ahead_bytes": max_ahead_bytes,
+                        "max_tokenize_chars": max_tokenize_chars}
         self.restarts = 0
         self.lost = 0        # frames a writer was handed and had not acknowledged when it died
         self._past = [0, 0, 0, 0]  # acknowledged, dropped, build errors, segments of the writers gone
@@ -538,7 +540,7 @@ def _child(read_fd: int, shm_fd: int, config: dict) -> int:
         recorder = Recorder(config["directory"], hash_blocks=config["hash_blocks"], store_text=config["store_text"],
                             salt_file=config["salt_file"], fsync=config["fsync"], rotate_bytes=config["rotate_bytes"],
                             rotate_seconds=config["rotate_seconds"], commit_interval=config["commit_interval"],
-                            ids_tokenizer=config["ids_tokenizer"],
+                            ids_tokenizer=config["ids_tokenizer"], max_tokenize_chars=config["max_tokenize_chars"],
                             **({"tokenizer": config["tokenizer"]} if config["tokenizer"] else {}))
     except CachelabError as exc:  # e.g. a capture directory it cannot write to: said once, not as a traceback
         print(f"error: {exc}", file=sys.stderr)

@@ -95,6 +95,9 @@ def proxy(
     rotate_seconds: float = typer.Option(3600.0, help="Start a new segment after this many seconds."),
     max_body_mb: float = typer.Option(8.0, help="Refuse request bodies over this size with 413 (MiB)."),
     max_response_mb: float = typer.Option(64.0, help="Cut upstream answers over this size (MiB)."),
+    max_tokenize_mb: float = typer.Option(4.0, help="Text the fallback tokenizer takes of one answer, its prompts "
+                                          "and outputs, at most (Mi characters); past it a record keeps no ids and "
+                                          "says so (untokenized_chars), so that the records behind it do not wait."),
     max_held_mb: float = typer.Option(1024.0, help="Requests and answers held by all exchanges in flight, at most "
                                       "(MiB): a request until its exchange ends, a stream's events until its record "
                                       "is handed over, a whole answer until it is sent. A request past it gets a "
@@ -152,6 +155,7 @@ def proxy(
     max_body_bytes, max_response_bytes, max_held_bytes, rotate_bytes = (
         mib_bytes("--max-body-mb", max_body_mb), mib_bytes("--max-response-mb", max_response_mb),
         mib_bytes("--max-held-mb", max_held_mb), mib_bytes("--rotate-mb", rotate_mb))
+    max_tokenize_chars = mib_bytes("--max-tokenize-mb", max_tokenize_mb)  # Mi characters, as MiB of ASCII
     for flag, value in (("--read-timeout", read_timeout), ("--total-timeout", total_timeout),
                         ("--connect-timeout", connect_timeout), ("--rotate-seconds", rotate_seconds)):
         if not value > 0:  # 0 or below (or nan) timed out every request or made a segment per record
@@ -190,7 +194,8 @@ def proxy(
     sock = bound_socket(host, port, "--listen")
     options = dict(hash_blocks=hash_blocks, store_text=store_text, salt_file=salt_file, fsync=fsync,
                    rotate_bytes=rotate_bytes, rotate_seconds=rotate_seconds, tokenizer=tokenizer,
-                   commit_interval=commit_ms / 1e3, ids_tokenizer=upstream_tokenizer)
+                   commit_interval=commit_ms / 1e3, ids_tokenizer=upstream_tokenizer,
+                   max_tokenize_chars=max_tokenize_chars)
     if writer == "process":
         recorder = CaptureWriter(out, nice=writer_nice, sched=writer_sched, **options)
     else:  # exchanges waiting for the journal's thread: bounded as the writer process's backlog is
@@ -297,6 +302,8 @@ def info(
         "requests_of_unnamed_tokenizer": table["tokenizer"].null_count() if table.height else 0,
         # records whose server ids were found not to be the named tokenizer's (their runs: unnamed)
         "tokenizer_mismatches": int(table["tokenizer_mismatch"].sum()) if table.height else 0,
+        # records whose text was past the fallback tokenizer's budget (--max-tokenize-mb): no ids
+        "untokenized": table.height - table["untokenized_chars"].null_count() if table.height else 0,
     }
     result["token_sources"] = {str(k): v for k, v in result["token_sources"].items()}
     if as_json:
@@ -314,6 +321,9 @@ def info(
     if result["tokenizer_mismatches"]:
         console.print(f"{result['tokenizer_mismatches']:,} records found the server's prompt ids not the named "
                       "tokenizer's tokens of their text (--upstream-tokenizer not the upstream's): their runs name none")
+    if result["untokenized"]:
+        console.print(f"{result['untokenized']:,} records kept no ids: their text was past the fallback tokenizer's "
+                      "--max-tokenize-mb")
     kv = result["kv_losses"]
     if any(kv.values()):
         console.print(f"KV events lost: {kv['gaps']:,} batches missing (gaps), {kv['lost']:,} dropped (buffer full), "
