@@ -52,6 +52,24 @@ def test_a_store_that_is_not_there_is_named(tmp_path):
             open_rows(opts, "deepseek-v4.1-flash")
 
 
+def test_a_row_cache_capacity_alone_runs_an_lru_row_cache(tmp_path):
+    """``--row-cache-capacity`` without ``--row-cache-policy`` ran no row cache at all, silently
+    (serve-sim and the store take LRU for an unnamed policy); now it is LRU there too."""
+    from cachelab.store import build_tables
+
+    build_tables("deepseek-v4.1-flash", 1e-5, tmp_path / "t")
+    store = open_rows(ServeOptions(store=tmp_path / "t", row_cache_capacity="1000"), "deepseek-v4.1-flash")
+    try:
+        assert [(t.name, t.policy.name, t.capacity) for t in store.tiers] == [("hbm", "lru", 1000)]
+    finally:
+        store.close()
+    store = open_rows(ServeOptions(store=tmp_path / "t"), "deepseek-v4.1-flash")  # no capacity: no row cache
+    try:
+        assert store.tiers == []
+    finally:
+        store.close()
+
+
 def test_a_model_files_layout_is_read_from_its_folder_and_its_store_built_in_the_cache(tmp_path, monkeypatch):
     """A ``--preset FILE.json`` (an experiment's ``live.preset``) naming its ``layout`` file by a
     relative path: it was read from the working directory (not found, or another file of that name);

@@ -30,7 +30,8 @@ def serve(
                                   "direct, or hbm (the whole table in the --device's memory, no row cache; on the "
                                   "CPU, host memory standing in for HBM); serve-sim's names dram-copy, ssd-mmap, "
                                   "ssd-direct (and dram-uva) name them too."),
-    row_cache_policy: str | None = typer.Option(None, help="Policy of the HBM row cache (any registered policy)."),
+    row_cache_policy: str | None = typer.Option(None, help="Policy of the HBM row cache (any registered policy; default "
+                                                "lru). Needs --row-cache-capacity."),
     row_cache_capacity: str | None = typer.Option(None, help="HBM row cache size: rows, bytes ('64MiB') or a "
                                                   "share of the table's rows ('1%')."),
     model: Path | None = typer.Option(None, "--model", help="A predictor directory from `cachelab train` for a "

@@ -222,7 +222,7 @@ def predict_point(config: dict, workload: Workload, row_cache_rows: int, store_s
                             max_num_batched_tokens=opts.max_num_batched_tokens, max_num_seqs=opts.max_num_seqs,
                             model=spec, layout=cfg.layout, efficiency=eff, kv_cache_tokens=opts.kv_cache_tokens,
                             store_scale=store_scale, row_cache_bytes=float(row_cache_rows * spec.row_bytes),
-                            row_cache_policy=live["row_cache_policy"] if row_cache_rows else "lru",
+                            row_cache_policy=(live["row_cache_policy"] or "lru") if row_cache_rows else "lru",
                             row_cache_model=str(opts.row_cache_model) if learned else None, scorer_cost=cost,
                             warm_page_cache=placement == "ssd-mmap")  # the scaled store's file sits in the page cache
     return simulated_point(workload, serving, warmup, scorer_calls)

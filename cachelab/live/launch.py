@@ -154,14 +154,15 @@ def row_cache_policy(opts: ServeOptions):
     """The HBM row cache's policy: its name, or, with ``--model``, the learned policy made with
     what it takes from the model (its horizon, a tuned threshold). A policy that needs scores
     without a model, or a model beside a policy that reads none (and no learned DRAM cache,
-    ``dram_cache_policy``), is refused."""
+    ``dram_cache_policy``), is refused. None named: LRU, as serve-sim's and the store's default
+    (a ``--row-cache-capacity`` alone ran no row cache, silently)."""
     name = opts.row_cache_policy
     learned_dram = _needs_scores(opts.dram_cache_policy)
     if name is None:
         if opts.row_cache_model is not None and not learned_dram:
             raise CachelabError("--model scores rows for a learned row cache: name one with --row-cache-policy "
                                 "(e.g. learned-lfu-adaptive) and give --row-cache-capacity")
-        return None
+        return "lru"
     if not _needs_scores(name):
         if opts.row_cache_model is not None and not learned_dram:
             raise CachelabError(f"--row-cache-policy {name} reads no predictor scores; --model is for a learned "
