@@ -555,6 +555,9 @@ def pagecache_section(directory: Path, trace: str, requests: int, steps: int, pl
     return out
 
 
+SECTIONS = ("gather", "direct", "modes", "prefetch")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scale", type=float, default=2e-3)
@@ -565,12 +568,15 @@ def main() -> None:
                     "serving (vLLM's scheduler: 8,192 tokens, 256 sequences per step) or prompts.")
     ap.add_argument("--rounds", type=int, default=5, help="Interleaved rounds of the gather section (best of all).")
     ap.add_argument("--compute-ms", type=float, default=2.0)
-    ap.add_argument("--sections", default="gather,direct,modes,prefetch")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help="Comma-separated, of "
+                    f"{', '.join(SECTIONS)}; none: only --pagecache.")
     ap.add_argument("--pagecache", action="store_true")
     ap.add_argument("--pagecache-steps", type=int, default=1000)
     ap.add_argument("--plot", type=Path, default=None)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if unknown := sorted(set(args.sections.split(",")) - {*SECTIONS, "none"}):  # a typo ran nothing, silently
+        ap.error(f"--sections: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(SECTIONS)} or none")
     tmp = None
     directory = args.dir
     if directory is None:

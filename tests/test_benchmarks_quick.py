@@ -468,3 +468,12 @@ def test_bench_engine_runs_cachelab_from_bytecode_as_an_installed_package_has_it
     kept = {p.name.split(".")[0] for p in (tmp_path / BYTECODE).rglob("*.pyc")
             if p.parent.parent.name == "cachelab"}
     assert {"cache", "replay", "lookups"} <= kept, sorted(kept)
+
+
+def test_bench_store_refuses_an_unknown_section_before_building_tables(tmp_path):
+    """A misspelt ``--sections`` name ran no section and printed an empty result, after building
+    the tables; it is refused first, naming it and the sections there are."""
+    res = run("bench_store.py", "--sections", "gathr,none", "--dir", str(tmp_path / "t"))
+    assert res.returncode == 2 and "--sections: unknown 'gathr'; choose from gather, direct, modes, prefetch" \
+        in res.stderr, res.stderr[-500:]
+    assert not (tmp_path / "t").exists()
