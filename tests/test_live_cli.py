@@ -68,6 +68,9 @@ def test_a_row_cache_capacity_alone_runs_an_lru_row_cache(tmp_path):
         assert store.tiers == []
     finally:
         store.close()
+    # on the resident table, refused as a policy named beside it was, in serve's flags (not the store's arguments)
+    with pytest.raises(CachelabError, match="^--placement hbm holds the whole table .* drop --row-cache-capacity 1000$"):
+        open_rows(ServeOptions(store=tmp_path / "t", placement="hbm", row_cache_capacity="1000"), "deepseek-v4.1-flash")
 
 
 def test_a_model_files_layout_is_read_from_its_folder_and_its_store_built_in_the_cache(tmp_path, monkeypatch):

@@ -128,6 +128,9 @@ def open_rows(opts: ServeOptions, layout: str):
                         ("--dram-cache-capacity", opts.dram_cache_capacity)):
         if value not in (None, 0, "0"):
             parse_capacity(value, flag, TABLE_ROWS)  # the flag named in a malformed value's error, not the store's argument
+            if PLACEMENTS.get(opts.placement, opts.placement) == "hbm":  # the store's refusal names its own arguments
+                raise CachelabError(f"--placement {opts.placement} holds the whole table in the --device's memory: no "
+                                    f"row cache or DRAM cache goes in front of it; drop {flag} {value}")
     config = get_preset(layout)
     directory = opts.store
     if directory is None:  # a layout file's store under its name and a digest of its fields, in the cache directory
