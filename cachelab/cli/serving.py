@@ -74,8 +74,9 @@ def serve_sim(
                                          "instead of --row-cache-gib."),
     page_cache: str | None = typer.Option(None, help="The page cache as bytes ('64GiB'), instead of --page-cache-gib."),
     max_num_batched_tokens: int | None = typer.Option(None, help="Token budget per step (chunked prefill); default "
-                                                      "the vLLM server's for the GPU: 16384 on B200/B300, 8192 on "
-                                                      "H100/H200, 2048 below 70 GiB."),
+                                                      "the vLLM server's for the GPU's memory: 16384 from 160 GiB "
+                                                      "(B200, B300, GB200), 8192 from 70 GiB (H100, H200, GH200), "
+                                                      "2048 below."),
     max_num_seqs: int | None = typer.Option(None, help="Sequences per step at most; default the vLLM server's for "
                                             "the GPU: 1024 from 70 GiB, 256 below."),
     sample_rate: float = typer.Option(1.0, help="Spatial row sampling rate (0.01 = 1% of pages)."),

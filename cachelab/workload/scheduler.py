@@ -36,8 +36,8 @@ GIB = 1 << 30
 
 def vllm_batch_defaults(device_memory_bytes: float) -> tuple[int, int]:
     """vLLM 0.32's OpenAI-server ``max_num_batched_tokens`` and ``max_num_seqs`` for a GPU of this
-    much memory (``EngineArgs.get_batch_defaults``): 16384 and 1024 from 160 GiB (B200, B300),
-    8192 and 1024 from 70 GiB (H100, H200; vLLM also excludes A100 there, which no profile is),
+    much memory (``EngineArgs.get_batch_defaults``): 16384 and 1024 from 160 GiB (B200, B300, GB200),
+    8192 and 1024 from 70 GiB (H100, H200, GH200; vLLM also excludes A100 there, which no profile is),
     2048 and 256 below."""
     if device_memory_bytes >= 160 * GIB:
         return 16384, 1024
