@@ -84,11 +84,15 @@ def dequant_rows_torch(rows, dim, table):
     device), so a GPU's rows are the CPU kernels' bit for bit. The float product it replaces,
     ``fp8 x exp2(scale - 127)``, gave +-inf, not NaN, for UE8M0's NaN scale 255 and 0xFFFF, not
     the table's 0x7FC0, for the E4M3 NaN bytes: a checkpoint's rows holding either failed the
-    row check on a GPU (tests/test_store.py)."""
+    row check on a GPU (tests/test_store.py). The index is one int32 tensor, each block's
+    ``scale << 8`` ORed into it in place by broadcasting (the scales repeated per value and the
+    OR's result were two more such tensors: a step's temporaries took twice the memory)."""
     import torch
 
-    index = (rows[:, dim:].to(torch.int32) << 8).repeat_interleave(32, dim=1) | rows[:, :dim].to(torch.int32)
-    return table.index_select(0, index.reshape(-1)).view(torch.bfloat16).reshape(rows.shape[0], dim)
+    n = rows.shape[0]
+    index = rows[:, :dim].to(torch.int32).reshape(n, dim // 32, 32)
+    index |= (rows[:, dim:].to(torch.int32) << 8).unsqueeze(2)
+    return table.index_select(0, index.reshape(-1)).view(torch.bfloat16).reshape(n, dim)
 
 
 FAST_SCALES = (10, 246)  # scale bytes whose every product is a normal BF16: the vector path is exact
