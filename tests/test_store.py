@@ -165,6 +165,34 @@ def test_the_devices_dequantiser_equals_the_table_for_every_scale_and_value():
     np.testing.assert_array_equal(got.view(torch.int16).numpy().view(np.uint16), expect)
 
 
+_DEQUANT_PEAK = r"""
+import resource, sys
+sys.path.insert(0, sys.argv[1])
+import numpy as np, torch
+from cachelab.store.kernels import DEQUANT_TABLE, dequant_rows_torch
+rows = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (200_000, 264), dtype=np.uint8))
+table = torch.from_numpy(DEQUANT_TABLE.view(np.int16).reshape(-1))
+dequant_rows_torch(rows[:16], 256, table)  # torch's first-call allocations out of the way
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out = dequant_rows_torch(rows, 256, table)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024 / out.nbytes)
+"""
+
+
+def test_the_devices_dequantiser_holds_one_index_per_value():
+    """``dequant_rows_torch`` (a GPU's dequantiser, every step) built three int32 tensors of one
+    entry per value (the scales repeated per value, the values, their OR): a step's temporaries
+    took twice the device memory they need. One index now, the scales ORed into it in place: on
+    the CPU the resident set's peak rises by the output and that index, 3x the output (it was 6x)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    res = subprocess.run([sys.executable, "-c", _DEQUANT_PEAK, root], capture_output=True, text=True, check=True)
+    assert float(res.stdout) < 4.5, res.stdout
+
+
 def test_dequant_lut_rows_with_a_scale_per_block_equal_the_table():
     """Rows whose eight blocks each have their own scale (the LUT path applies each block's
     exponent add; a row with one scale outside ``FAST_SCALES`` goes block by block), through
