@@ -45,11 +45,20 @@ class APIError(Exception):
                           "param": self.param, "code": self.status}}
 
 
+def invalid(message: str, param: str | None = None, value=None) -> APIError:
+    """A 400 as vLLM answers its VLLMValidationError: ``param`` is its ``parameter`` (null where it
+    names none), and the message ends ``(parameter=..., value=...)`` with those it names
+    (vllm/exceptions.py's ``__str__``; the real server's, checked)."""
+    named = [f"{key}={v}" for key, v in (("parameter", param), ("value", value)) if v is not None]
+    return APIError(400, f"{message} ({', '.join(named)})" if named else message, param)
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk too (with include_usage)
 
 
+TokenId = Annotated[int, Field(ge=0)]
 MAX_STOP_STRINGS = 4  # OpenAI's limit, and vLLM's (VLLM_MAX_STOP_STRINGS)
 # Fields OpenAI's API (and vLLM's, as ``X | None``) lets a client send as null, meaning the default:
 # the openai client sends an argument given as None as null. A completion's null max_tokens is its
@@ -106,25 +115,26 @@ class _Sampling(BaseModel):
 
     def check_bounds(self) -> None:
         """The sampling values' bounds, as vLLM's SamplingParams checks them and in its words (they
-        were pydantic's, which name no value: 'Input should be greater than 0')."""
+        were pydantic's, which name no value: 'Input should be greater than 0'); only temperature's
+        and top_p's name their parameter and value there."""
         t, top_p, top_k, rep = self.temperature, self.top_p, self.top_k or 0, self.repetition_penalty
-        for wrong, param, message in (
-                (not -2 <= self.presence_penalty <= 2, "presence_penalty",
-                 f"presence_penalty must be in [-2, 2], got {self.presence_penalty}."),
-                (not -2 <= self.frequency_penalty <= 2, "frequency_penalty",
-                 f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}."),
-                (not math.isfinite(rep), "repetition_penalty", f"repetition_penalty must be a finite number, got {rep}."),
-                (rep <= 0, "repetition_penalty", f"repetition_penalty must be greater than zero, got {rep}."),
-                (not math.isfinite(t), "temperature", f"temperature must be a finite number, got {t}."),
-                (t < 0, "temperature", f"temperature must be non-negative, got {t}."),
-                (t > 2, "temperature", f"temperature must be in [0, 2], got {t}."),
-                (not 0 < top_p <= 1, "top_p", f"top_p must be in (0, 1], got {top_p}."),
-                (top_k < -1, "top_k", f"top_k must be 0 (disable), or at least 1, got {top_k}."),
-                (not 0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}."),
-                (self.min_tokens < 0, "min_tokens",
-                 f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")):
+        for wrong, message, param, value in (
+                (not -2 <= self.presence_penalty <= 2,
+                 f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.", None, None),
+                (not -2 <= self.frequency_penalty <= 2,
+                 f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.", None, None),
+                (not math.isfinite(rep), f"repetition_penalty must be a finite number, got {rep}.", None, None),
+                (rep <= 0, f"repetition_penalty must be greater than zero, got {rep}.", None, None),
+                (not math.isfinite(t), f"temperature must be a finite number, got {t}.", "temperature", t),
+                (t < 0, f"temperature must be non-negative, got {t}.", "temperature", t),
+                (t > 2, f"temperature must be in [0, 2], got {t}.", "temperature", t),
+                (not 0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p}.", "top_p", top_p),
+                (top_k < -1, f"top_k must be 0 (disable), or at least 1, got {top_k}.", None, None),
+                (not 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}.", None, None),
+                (self.min_tokens < 0, f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.",
+                 None, None)):
             if wrong:
-                raise APIError(400, message, param)
+                raise invalid(message, param, value)
 
     def unsupported(self) -> list[str]:
         """Fields set to something this server does not do (refused rather than ignored): any
@@ -147,8 +157,7 @@ class _Sampling(BaseModel):
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         if self.min_tokens > max_tokens:  # vLLM's check and words
-            raise APIError(400, f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
-                                f"got {self.min_tokens}.", "min_tokens")
+            raise invalid(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {self.min_tokens}.")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=max(self.top_k or 0, 0),
@@ -169,7 +178,8 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: list[int] | list[list[int]] | str | list[str]  # vLLM's order: its schema's first error names the param
+    # vLLM's order (its schema's first error names the param) and bound: a negative id is the schema's refusal
+    prompt: list[TokenId] | list[list[TokenId]] | str | list[str]
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
     suffix: str | None = None
@@ -218,19 +228,27 @@ class ChatCompletionRequest(_Sampling):
         """vLLM's refusals of a chat its schema takes: an empty ``tools`` list, and those of
         ``check_chat``."""
         if self.tools == []:  # vLLM's words
-            raise APIError(400, "`tools` must not be an empty array. Either provide at least one tool or omit the "
-                                "field entirely.", "tools")
-        check_chat(self.messages, self.add_generation_prompt, self.continue_final_message)
+            raise invalid("`tools` must not be an empty array. Either provide at least one tool or omit the "
+                          "field entirely.", "tools")
+        check_chat(self)
 
 
-def check_chat(messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool) -> None:
-    """vLLM's refusals of a chat to render: continuing the last message while adding the generation
-    prompt, and a null content in any message but an assistant's or a named function's (its
-    message types let only those be null; a message without content is an empty one)."""
-    if continue_final_message and add_generation_prompt:  # vLLM's words
-        raise APIError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                       "continue_final_message")
-    for i, m in enumerate(messages):
+# transformers' refusal (apply_chat_template), which vLLM answers when the request left add_generation_prompt
+# at its default of true; one that sends it true meets vLLM's own check first
+CONTINUE_WITH_PROMPT = ("continue_final_message and add_generation_prompt are not compatible. Use continue_final_message "
+                        "when you want the model to continue the final message, and add_generation_prompt when you want "
+                        "to add a header that will prompt it to start a new assistant message instead.")
+
+
+def check_chat(req: ChatCompletionRequest | TokenizeChatRequest) -> None:
+    """vLLM's refusals of a chat to render, in its words (the real server's): continuing the last
+    message while adding the generation prompt, and a null content in any message but an
+    assistant's or a named function's (its message types let only those be null; a message
+    without content is an empty one)."""
+    if req.continue_final_message and req.add_generation_prompt:
+        raise invalid("Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+                      if "add_generation_prompt" in req.model_fields_set else CONTINUE_WITH_PROMPT)
+    for i, m in enumerate(req.messages):
         nullable = m.role == "assistant" or (m.role == "function" and m.name is not None)
         if m.content is None and "content" in m.model_fields_set and not nullable:
             raise APIError(400, f"messages.{i}.content: a {m.role} message's content cannot be null",
@@ -266,7 +284,7 @@ class TokenizeChatRequest(BaseModel):
         completion's (which refuses them too)."""
         if refused := [f for f in ("tools", "chat_template", "chat_template_kwargs") if getattr(self, f)]:
             raise APIError(400, f"{refused[0]} is not supported by this server", refused[0])
-        check_chat(self.messages, self.add_generation_prompt, self.continue_final_message)
+        check_chat(self)
 
 
 class DetokenizeRequest(BaseModel):

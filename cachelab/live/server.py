@@ -43,7 +43,7 @@ from cachelab.live.engine import LiveEngine, RequestError, RequestOutput, check_
 from cachelab.live.metrics import EngineMetrics
 from cachelab.live.protocol import (INVALID_BODY, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     TokenizeChatRequest, TokenizeCompletionRequest, chat_prompt, chunk_body,
-                                    completion_body, new_id, usage, usage_chunk)
+                                    completion_body, invalid, new_id, usage, usage_chunk)
 
 MAX_N = 16_384  # choices per prompt at most, vLLM's VLLM_MAX_N_SEQUENCES
 MAX_PROMPTS = 1024  # prompts per completion request at most, vLLM's VLLM_MAX_COMPLETION_PROMPTS
@@ -264,8 +264,7 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
             errors = exc.errors()
             first = errors[0]
             if first["type"] == "missing" and first["loc"] == ("prompt",):  # vLLM's own check, its words
-                raise APIError(400, "Either prompt or prompt_embeds must be provided and non-empty.",
-                               "prompt") from None
+                raise invalid("Either prompt or prompt_embeds must be provided and non-empty.", "prompt") from None
             if first["type"] == "too_short" and first["loc"] == ("messages",):
                 raise APIError(400, "Cannot apply chat template to an empty conversation. Provide at least one "
                                     "message.") from None
@@ -280,26 +279,27 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
 
     async def read_json(request: Request, model_cls):
         req = validated(await read_object(request), model_cls)
-        if not 1 <= req.n <= MAX_N:  # vLLM's bounds and words (VLLM_MAX_N_SEQUENCES)
-            raise APIError(400, f"n must be at least 1, got {req.n}." if req.n < 1 else
-                           f"n must be at most {MAX_N}, got {req.n}.", "n")
+        if not 1 <= req.n <= MAX_N:  # vLLM's bounds and words (VLLM_MAX_N_SEQUENCES), naming no parameter
+            raise invalid(f"n must be at least 1, got {req.n}." if req.n < 1 else
+                          f"n must be at most {MAX_N}, got {req.n}.")
         if req.stream_options is not None and not req.stream:  # vLLM's check and words
-            raise APIError(400, "Stream options can only be defined when `stream=True`.", "stream_options")
+            raise invalid("Stream options can only be defined when `stream=True`.", "stream_options")
         if req.stop == "" or "" in (req.stop or ()):  # vLLM's check and words (it was accepted and ignored)
-            raise APIError(400, "stop cannot contain an empty string.", "stop")
-        if bad := [t for t in req.stop_token_ids if not 0 <= t < vocab]:
-            raise APIError(400, f"stop_token_ids must be in [0, {vocab}), got {bad}", "stop_token_ids")
+            raise invalid("stop cannot contain an empty string.")
+        if bad := [t for t in req.stop_token_ids if not 0 <= t < vocab]:  # vLLM's words
+            raise invalid(f"token_id(s) {bad} in stop_token_ids contain out-of-vocab token ids. Vocabulary size: "
+                          f"{vocab}", "stop_token_ids", bad)
         req.check_bounds()
         refused = req.unsupported()
         if refused:
             raise APIError(400, f"{refused[0]} is not supported by this server", refused[0])
         return req
 
-    def prepare(prompt_ids: list[int], max_tokens: int | None, req, field: str = "max_tokens"):
+    def prepare(prompt_ids: list[int], max_tokens: int | None, req, field: str = "max_tokens", text: bool = False):
         try:
-            return req.sampling(check_prompt(prompt_ids, max_tokens, limits.max_model_len, vocab, field))
+            return req.sampling(check_prompt(prompt_ids, max_tokens, limits.max_model_len, vocab, field, text))
         except RequestError as exc:
-            raise APIError(400, str(exc), exc.param) from None
+            raise invalid(str(exc), exc.param, exc.value) from None
 
     async def run(request: Request, req, prompts: list[list[int]], params: list, chat: bool,
                   prompt_text: str | None = None):
@@ -308,7 +308,7 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
         and answer them whole or streamed; ``prompt_text``: a chat's rendered prompt, to show."""
         n = req.n
         if n > 1 and params[0].temperature == 0:  # vLLM's check and words
-            raise APIError(400, f"n must be 1 when using greedy sampling, got {n}.", "n")
+            raise invalid(f"n must be 1 when using greedy sampling, got {n}.")
         if len(prompts) * n > limits.max_requests_in_flight:  # before a choice is made: 1024 x 16,384 of them
             raise APIError(400, f"{len(prompts)} prompt(s) x n={n} choices are more than this server takes in at "
                                 f"once ({limits.max_requests_in_flight}, --max-requests-in-flight)", "n")
@@ -343,13 +343,17 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
     async def completions(request: Request):
         req = await read_json(request, CompletionRequest)
         prompt = req.prompt
-        batch = [prompt] if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else prompt
+        if prompt == "":  # vLLM's checks and words, each its own
+            raise invalid("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+        if prompt == []:
+            raise invalid("You must pass at least one prompt")
+        batch = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
         if len(batch) > MAX_PROMPTS:  # vLLM's bound and words (VLLM_MAX_COMPLETION_PROMPTS)
-            raise APIError(400, f"prompt list length {len(batch)} exceeds the maximum allowed count of {MAX_PROMPTS}.",
-                           "prompt")
+            raise invalid(f"prompt list length {len(batch)} exceeds the maximum allowed count of {MAX_PROMPTS}.", "prompt")
         texts = iter(await tokenized([p for p in batch if isinstance(p, str)]))
         prompts = [next(texts) if isinstance(p, str) else list(p) for p in batch]
-        return await run(request, req, prompts, [prepare(ids, req.max_tokens, req) for ids in prompts], chat=False)
+        params = [prepare(ids, req.max_tokens, req, text=isinstance(p, str)) for p, ids in zip(batch, prompts)]
+        return await run(request, req, prompts, params, chat=False)
 
     @app.post("/v1/chat/completions", **v1)
     async def chat_completions(request: Request):
@@ -358,7 +362,7 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
         text = chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message)
         ids, = await tokenized([text])
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        return await run(request, req, [ids], [prepare(ids, getattr(req, field), req, field)], chat=True,
+        return await run(request, req, [ids], [prepare(ids, getattr(req, field), req, field, text=True)], chat=True,
                          prompt_text=text if req.return_prompt_text else None)
 
     @app.get("/v1/models", **v1)
