@@ -113,6 +113,20 @@ def test_a_kv_cache_smaller_than_the_context_is_refused_before_start_up():
         build_engine(ServeOptions(kv_cache_tokens=1024, max_model_len=1040))
 
 
+def test_counts_below_one_are_refused_naming_the_flag_before_start_up():
+    """--max-model-len 0 and --threads 0 ended in tracebacks (prometheus' 'Must have at least two
+    buckets', torch's set_num_threads), --max-num-seqs 0 in the scheduler's words for its own
+    arguments, and --max-body-bytes 0 started a server that answered every request 413."""
+    from typer.testing import CliRunner
+
+    from cachelab.cli import app
+
+    for flag in ("--max-model-len", "--threads", "--max-num-seqs", "--max-num-batched-tokens", "--max-body-bytes"):
+        res = CliRunner().invoke(app, ["serve", "--port", "0", flag, "0"])
+        assert res.exit_code == 2 and f"{flag} 0: expected at least 1" in res.output, (flag, res.output[-500:])
+        assert "cachelab serve: model" not in res.output
+
+
 def _serve_process(port: int, *flags: str) -> subprocess.Popen:
     """`cachelab serve` on ``port``, once /health answers."""
     proc = subprocess.Popen([sys.executable, "-m", "cachelab.cli", "serve", "--preset", "tiny", "--port", str(port),

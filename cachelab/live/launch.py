@@ -209,6 +209,10 @@ def build_engine(opts: ServeOptions):
 
     if not opts.shutdown_timeout >= 0:
         raise CachelabError(f"--shutdown-timeout {opts.shutdown_timeout}: expected 0 (abort at once) or more seconds")
+    for flag, value in (("--threads", opts.threads), ("--max-num-seqs", opts.max_num_seqs),
+                        ("--max-num-batched-tokens", opts.max_num_batched_tokens)):
+        if value is not None and value < 1:  # torch's traceback, the scheduler's words for its own arguments
+            raise CachelabError(f"{flag} {value}: expected at least 1")
     if opts.threads is not None:  # process-wide: torch has one intra-op pool
         torch.set_num_threads(opts.threads)
     cfg = model_for(opts)

@@ -66,10 +66,12 @@ class Limits:
     max_requests_in_flight: int = MAX_N
 
     def __post_init__(self) -> None:
-        if self.max_connections < 1:
-            raise CachelabError(f"--max-connections {self.max_connections}: expected at least 1")
-        if self.max_requests_in_flight < 1:
-            raise CachelabError(f"--max-requests-in-flight {self.max_requests_in_flight}: expected at least 1")
+        # a body of 0 B answered every request 413; a context of 0 failed in the metrics with a traceback
+        for flag, value in (("--max-body-bytes", self.max_body_bytes), ("--max-model-len", self.max_model_len),
+                            ("--max-connections", self.max_connections),
+                            ("--max-requests-in-flight", self.max_requests_in_flight)):
+            if value < 1:
+                raise CachelabError(f"{flag} {value}: expected at least 1")
         if not self.header_timeout_s > 0:
             raise CachelabError(f"--header-timeout {self.header_timeout_s}: expected a positive number of seconds")
 
