@@ -477,3 +477,21 @@ def test_bench_store_refuses_an_unknown_section_before_building_tables(tmp_path)
     assert res.returncode == 2 and "--sections: unknown 'gathr'; choose from gather, direct, modes, prefetch" \
         in res.stderr, res.stderr[-500:]
     assert not (tmp_path / "t").exists()
+
+
+def test_bench_store_reports_the_scale_its_tables_were_built_at(tmp_path):
+    """``dir_scale`` was the ``--scale`` argument (2e-3 by default) even when the tables already in
+    ``--dir`` were built at another scale, so a result said 2e-3 of tables at 1e-5: it is the
+    tables' own (their headers', checked against the manifest), and a ``--scale`` they were not
+    built at is refused, naming both; one the build refuses is its error alone (it came with a traceback)."""
+    from cachelab.store import build_tables
+
+    build_tables("deepseek-v4.1-flash", 1e-5, tmp_path / "t", progress=False)
+    res = run("bench_store.py", "--sections", "none", "--dir", str(tmp_path / "t"), "--json")
+    assert res.returncode == 0 and json.loads(res.stdout)["dir_scale"] == 1e-5, res.stderr[-500:]
+    res = run("bench_store.py", "--sections", "none", "--dir", str(tmp_path / "t"), "--scale", "2e-3", "--json")
+    assert res.returncode == 1 and f"error: --scale 0.002: the tables in {tmp_path / 't'} were built at scale 1e-05" \
+        in res.stderr, res.stderr[-500:]
+    assert run("bench_store.py", "--sections", "none", "--dir", str(tmp_path / "t"), "--scale", "1e-5").returncode == 0
+    res = run("bench_store.py", "--sections", "none", "--dir", str(tmp_path / "new"), "--scale", "5")
+    assert res.returncode == 2 and "--scale must be in (0, 1], got 5.0" in res.stderr and "Traceback" not in res.stderr
