@@ -133,6 +133,11 @@ def test_bad_input_exits_2_naming_the_value(tables, tmp_path):
     # a saved stream is replayed whole: --requests was ignored without a word
     res = run("bench", "--dir", tables, "--trace", path, "--capacity", 10, "--requests", 3)
     assert res.exit_code == 2 and "--requests does not apply to it" in res.output, res.output
+    # corpus names take at least one request each: the refusal named no flag ('requests per source ...')
+    for command in (["bench", "--capacity", 10], ["page-cache"]):
+        res = run(*command, "--dir", tables, "--trace", "gsm8k", "--requests", -2)
+        assert res.exit_code == 2 and "--requests -2: corpus names take N >= 1 requests per corpus" in res.output, \
+            res.output
 
 
 def test_bench_refuses_what_it_ignored_or_named_in_python_terms(tables, tmp_path):
