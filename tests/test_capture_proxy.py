@@ -1213,8 +1213,9 @@ _ID_PIECES = [b'"token_ids":[', b'"prompt_token_ids":[', b"]", b"1,", b'"', b"x"
 @settings(max_examples=3000, deadline=None)
 @given(st.lists(st.sampled_from(_ID_PIECES), max_size=14))
 def test_the_ids_are_nulled_the_same_in_short_and_long_blocks(pieces):
-    """``null_ids`` searches a block of 1 KiB or more with ``bytes.find`` and a shorter one with ``re``:
-    the same bytes either way, a hostile upstream's keys inside lists and lists left open included."""
+    """``null_ids`` searches with ``bytes.find`` (a short block with one id list cut around it, any other
+    block through views): the same bytes as the regular expressions, in blocks under and over 1 KiB, a
+    hostile upstream's keys inside lists and lists left open included."""
     from cachelab.capture.exchange import null_ids
 
     data = b"".join(pieces)

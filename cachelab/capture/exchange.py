@@ -15,7 +15,7 @@ which are one engine request's there, not each choice's.
 
 ``cachelab.capture.injection`` adds to the request what the record needs (token ids, a stream's
 usage) and the client did not ask for; ``Restorer`` and ``strip_body`` undo it, on the bytes (a read
-of ordinary token events takes one regular-expression substitution, whatever the number of
+of ordinary token events takes one pass of ``bytes.find``, whatever the number of
 events in it; only a read holding a usage, a terminal or an id-only event is split): vLLM
 writes the token-id fields as ``null`` when they were not asked for, so an injected
 ``"token_ids":[...]`` becomes ``"token_ids":null`` again; a usage-only event the client did
@@ -89,12 +89,10 @@ class Restorer:
         self.held: list[bytes] = []
 
     def feed(self, block: bytes) -> bytes:
-        """What the client gets of ``block`` (one or more complete events of one upstream read)."""
+        """What the client gets of ``block`` (one or more complete events of one upstream read), event by
+        event. ``Forward.on_body`` nulls the ids of a read of ordinary token events itself (nothing to drop,
+        hold or stamp: every token's read, where one call less counts) and hands the others here."""
         x = self.x
-        if not self.held and b'"usage"' not in block and b'"finish_reason":"' not in block \
-                and not (self.chat and b'"delta":{}' in block):
-            # ordinary token events: nothing to drop or hold, the ids nulled in one pass
-            return null_ids(block) if x.injected_ids else block
         delim = x.delim
         return b"".join(out for event in _split(block, delim) for out in self._event(event + delim))
 
@@ -139,29 +137,30 @@ def _stamp(event: bytes, fingerprint: bytes) -> bytes:
     return event[:end] + b"," + fingerprint + event[end:] if end > 0 else event
 
 
-_IDS = re.compile(rb'"token_ids":\[[^\]]*\]')
-_PROMPT_IDS = re.compile(rb'"prompt_token_ids":\[[^\]]*\]')
-_FIND_FROM = 1 << 10  # bytes from which ``null_ids`` searches with ``bytes.find`` rather than ``re``
+_TOKEN_IDS, _PROMPT_IDS = b'"token_ids":[', b'"prompt_token_ids":['
+_FIND_FROM = 1 << 10  # bytes from which ``null_ids`` nulls every list through views (``_null``)
 
 
 def null_ids(data: bytes) -> bytes:
     """``"token_ids":[...]`` and ``"prompt_token_ids":[...]`` written as vLLM writes them when not
-    asked: ``null``. An event of a few tokens takes two patterns with a literal start and a literal
-    replacement (one C call each, half the time of one alternation with a group reference in the
-    template, which costs a Python call per ``sub``; the prompt's ids come once per answer). ``re``
-    scans byte by byte, so a block over ``_FIND_FROM`` (a whole answer, a first event with a long
-    prompt's ids) is searched with ``bytes.find`` instead, the same two passes: a whole answer of 1M
-    prompt ids (6 MB) took the event loop 11-12 ms of CPU here, against 4-5 ms (``_null``)."""
-    if len(data) >= _FIND_FROM:
-        return _null(_null(data, b'"token_ids":['), b'"prompt_token_ids":[')
-    data = _IDS.sub(b'"token_ids":null', data)
-    return _PROMPT_IDS.sub(b'"prompt_token_ids":null', data) if b'"prompt_token_ids":[' in data else data
+    asked: ``null`` (the bytes ``re.sub`` makes of ``"token_ids":\\[[^\\]]*\\]`` and the prompt's
+    pattern, one pass each). Searched with ``bytes.find``: ``re`` scans byte by byte (a whole answer of
+    1M prompt ids, 6 MB, took the event loop 11-12 ms of CPU here against 4-5 ms), and on a token's read
+    its engine's code, run on the caches other processes left cold, cost the loop more than the finds
+    (docs/capture.md, "Where the proxy's CPU goes"). A short block with one id list, a token event's, is
+    cut around it; anything else goes through ``_null``, which copies once."""
+    if len(data) < _FIND_FROM:
+        start = data.find(_TOKEN_IDS)
+        end = data.find(b"]", start + len(_TOKEN_IDS)) if start >= 0 else -1
+        if end >= 0 and data.find(_TOKEN_IDS, end) < 0 and _PROMPT_IDS not in data:
+            return data[:start + len(_TOKEN_IDS) - 1] + b"null" + data[end + 1:]
+    data = _null(data, _TOKEN_IDS)
+    return _null(data, _PROMPT_IDS) if _PROMPT_IDS in data else data
 
 
 def _null(data: bytes, key: bytes) -> bytes:
     """``data`` with each ``key`` (a name, then ``:[``) up to the next ``]`` written as the name, then
-    ``:null``, the bytes ``re.sub`` makes of the pattern ``_IDS`` or ``_PROMPT_IDS``, copied once (the
-    pieces are views)."""
+    ``:null``, copied once (the pieces are views)."""
     start = data.find(key)
     if start < 0:
         return data

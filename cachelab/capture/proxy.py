@@ -13,8 +13,8 @@ The forward path is HTTP/1.1 on raw asyncio protocols (uvloop when installed), w
 httptools' C parser on both sides: no framework, no ASGI messages, no per-event coroutine.
 An upstream read is handled inside the event loop's callback that received it: the parser
 hands over the body, the proxy cuts it after its last complete SSE event, keeps those bytes
-and the read's time for the record, restores what it injected (one regular-expression
-substitution for a read of ordinary token events) and writes them to the client as one
+and the read's time for the record, restores what it injected (a ``bytes.find`` pass for a
+read of ordinary token events) and writes them to the client as one
 chunk. Parsing the events into a record happens later, off the request's path, on the
 recorder's thread or in its process (``Exchange.to_records``). A request whose upstream
 connection is pooled goes upstream from the callback that parsed it. docs/capture.md, "History"
