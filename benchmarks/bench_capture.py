@@ -24,7 +24,10 @@ How much of a difference is noise: the load average is printed before and after;
 delta comes with a 95% bootstrap interval and the number of samples it rests on (under 1,000,
 the P99 is one of the few slowest values); and an A/A line compares the direct path's even
 rounds with its odd rounds (no proxy in either): a proxy delta inside that spread is not a
-measured cost. The proxy process's CPU time per stream and per token (from /proc) does not
+measured cost. The goal at that noise ("by rounds"): the P99 delta's interval with whole rounds
+resampled (a round's streams share its load: resampled one by one, a drift between rounds reads as
+precision), its verdict, the A/A interval the same way, and whether that noise is under the allowance
+(else no run like this one can tell met from missed). The proxy process's CPU time per stream and per token (from /proc) does not
 depend on how busy the machine is. --samples FILE writes every stream (path, concurrency,
 round, start, TTFT, ITL gaps) as JSON, to look at a tail.
 
@@ -303,6 +306,22 @@ def p99_delta_interval(direct, proxied, rng, draws=2000):
     return tuple(float(v) * 1e3 for v in np.percentile(deltas, [2.5, 97.5]))
 
 
+def p99_delta_by_rounds(direct_rounds, proxied_rounds, pick, rng, draws=1000):
+    """95% bootstrap interval of P99(proxied) - P99(direct) with whole rounds resampled, the same round numbers
+    for both paths: round r of each path ran back to back (ABBA), under the same load, and the streams of one
+    round share it, so resampling them one by one (``p99_delta_interval``) counts a load that drifted between
+    rounds as precision. This is the interval another run of as many rounds would fall in."""
+    d = [np.asarray(pick(r), dtype=float) for r in direct_rounds]
+    p = [np.asarray(pick(r), dtype=float) for r in proxied_rounds]
+    n = min(len(d), len(p))
+    deltas = []
+    for _ in range(draws):
+        idx = rng.integers(0, n, n)
+        deltas.append(np.percentile(np.concatenate([p[i] for i in idx]), 99)
+                      - np.percentile(np.concatenate([d[i] for i in idx]), 99))
+    return tuple(float(v) * 1e3 for v in np.percentile(deltas, [2.5, 97.5]))
+
+
 def ttft(results):
     return [t for _, t, _ in results]
 
@@ -427,6 +446,8 @@ def report(concurrency, name, rounds, cpu, waits, args, rng, where="shared") -> 
         print(f"{metric:<6}{min(len(d), len(p)):>9}{d50:>10.2f}ms{p50:>10.2f}ms{d99:>10.2f}ms{p99:>10.2f}ms{p99 - d99:>+10.2f}ms"
               f"{f'[{low:+.2f}, {high:+.2f}]':>20}{p99 / d99:>7.3f}x{aa:>+9.2f}ms  {verdict} (allowed +{allowed:.2f} ms; "
               f"by the interval: {out[metric]['goal_by_interval']}){few}")
+        out[metric] |= at_noise(rounds["direct"], rounds[name], pick, allowed, rng, args.seed)
+        print(noise_line(metric, out[metric], allowed))
     if "relay" in rounds and name != "relay":  # what the proxy costs beyond a hop that only copies bytes
         relayed = [s for rnd in rounds["relay"] for s in rnd]
         for metric, pick in (("TTFT", ttft), ("ITL", itl)):
@@ -438,6 +459,39 @@ def report(concurrency, name, rounds, cpu, waits, args, rng, where="shared") -> 
                   f"P99 {pct(r, 99):.2f} -> {pct(p, 99):.2f} ms, delta {pct(p, 99) - pct(r, 99):+.2f} "
                   f"[{low:+.2f}, {high:+.2f}] ms")
     return out
+
+
+def at_noise(direct_rounds, proxied_rounds, pick, allowed: float, rng, seed: int) -> dict:
+    """The goal at this run's measured noise: the P99 delta's interval with whole rounds resampled
+    (``p99_delta_by_rounds``) and its verdict; the A/A delta's (the direct path's odd rounds against the even
+    round before each: no proxy in either) interval the same way, whose half-width is the noise; and whether
+    that noise is under the allowance, i.e. whether a run like this one can tell met from missed at all. The
+    A/A draws come from ``seed`` afresh, so every path of one concurrency is given the same noise."""
+    low, high = p99_delta_by_rounds(direct_rounds, proxied_rounds, pick, rng)
+    pairs = len(direct_rounds) // 2  # one pair resampled is always itself: no spread to measure
+    aa_low, aa_high = p99_delta_by_rounds(direct_rounds[0:2 * pairs:2], direct_rounds[1:2 * pairs:2], pick,
+                                          np.random.default_rng(seed)) \
+        if pairs >= 2 else (float("nan"), float("nan"))
+    noise = (aa_high - aa_low) / 2
+    verdict = goal_by_interval(low, high, allowed)
+    return {"p99_delta_round_ci_ms": [low, high], "goal_by_rounds": verdict,
+            "aa_p99_delta_round_ci_ms": [aa_low, aa_high], "noise_ms": noise, "noise_under_allowance": noise < allowed,
+            "goal_at_noise": verdict if noise < allowed else "unresolved",
+            "rounds": min(len(direct_rounds), len(proxied_rounds))}
+
+
+def noise_line(metric: str, figures: dict, allowed: float) -> str:
+    low, high = figures["p99_delta_round_ci_ms"]
+    aa_low, aa_high = figures["aa_p99_delta_round_ci_ms"]
+    tells = "under the allowance: a run like this tells met from missed" if figures["noise_under_allowance"] else \
+        "over the allowance: a run like this cannot tell met from missed; more rounds, or a quieter machine"
+    if figures["noise_ms"] != figures["noise_ms"]:  # nan: under two pairs of rounds
+        return (f"{metric:<6} by rounds ({figures['rounds']} resampled whole): P99 delta [{low:+.2f}, {high:+.2f}] ms, "
+                f"goal {figures['goal_by_rounds']}; noise not measured (the A/A spread needs 4 rounds or more); at this "
+                "noise: unresolved")
+    return (f"{metric:<6} by rounds ({figures['rounds']} resampled whole): P99 delta [{low:+.2f}, {high:+.2f}] ms, goal "
+            f"{figures['goal_by_rounds']}; A/A [{aa_low:+.2f}, {aa_high:+.2f}] ms, noise +/-{figures['noise_ms']:.2f} ms "
+            f"{tells} (+{allowed:.2f} ms); at this noise: {figures['goal_at_noise']}")
 
 
 def goal_by_interval(low: float, high: float, allowed: float) -> str:

@@ -341,6 +341,15 @@ def test_bench_capture_gives_each_proxys_cpu_per_token_as_a_ratio_and_the_verdic
     assert re.search(r"by the interval: (met|missed|unresolved)\)", done.stdout), done.stdout
     figures = json.loads(done.stdout.strip().splitlines()[-1])["by_proxy"]["b"]["1"]
     assert {figures[m]["goal_by_interval"] for m in ("TTFT", "ITL")} <= {"met", "missed", "unresolved"}
+    # the goal at the run's noise: whole rounds resampled, and the A/A spread against the allowance
+    # (two rounds: one A/A pair, whose resampling has no spread, so the noise is not measured, not called 0)
+    assert re.search(r"^ITL +by rounds \(2 resampled whole\): P99 delta \[[-+]\d+\.\d\d, [-+]\d+\.\d\d\] ms, goal "
+                     r"(met|missed|unresolved); noise not measured", done.stdout, re.M), done.stdout
+    for m in ("TTFT", "ITL"):
+        low, high = figures[m]["p99_delta_round_ci_ms"]
+        assert low <= high and figures[m]["goal_by_rounds"] in {"met", "missed", "unresolved"}
+        assert figures[m]["rounds"] == 2 and figures[m]["noise_under_allowance"] is False
+        assert figures[m]["goal_at_noise"] == "unresolved"  # a noise not measured settles nothing
 
 # The benchmarks below had no run in the suite (seen by helper-121). Each runs in a quick mode, end to end,
 # and must print its ratio against the reference it measures in the same run; no time is asserted.
