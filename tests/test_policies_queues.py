@@ -73,3 +73,27 @@ def test_a_ghost_queue_of_any_size_is_refused_or_held_to_the_keys(name, ratio):
         misses.append(int((~policy.run(keys, steps)).sum()))
     assert misses[0] == misses[1]
 
+
+
+@pytest.mark.parametrize("name", ["lru", "fifo", "s3fifo", "arc"])
+def test_the_tinylfu_filter_hashes_row_ids_so_the_dense_numbering_does_not_matter(name):
+    """The filter's sketch hashes each row's id as the trace names it (``raw_keys``), as W-TinyLFU's
+    does: the same stream numbered densely in two orders misses at the same accesses, through the
+    engine's replay (which hands a policy row ids when it asks) and through ``step``. Hashing the
+    dense keys, a 64-row sketch's collisions, so its decisions, followed the numbering."""
+    from cachelab.engine.cascade import run_policy
+
+    keys = zipf_keys(30_000, 4_000, alpha=0.9, seed=5)
+    raw = np.random.default_rng(0).choice(1 << 62, 4_000, replace=False)
+    steps = np.arange(0, keys.size + 1, 8)
+    runs = []
+    for numbering in (np.arange(4_000), np.random.default_rng(1).permutation(4_000)):
+        policy = registry.make_policy(f"{name}+tinylfu")
+        runs.append(run_policy(policy, numbering[keys], steps, 64, 4_000, raw_keys=raw[keys]))
+        assert policy.capabilities.needs_raw_keys  # asked for: a replay hands them over
+        stepped = make(name, 64, 4_000, admission="tinylfu")
+        hits = [stepped.step(numbering[keys[lo:hi]], raw_keys=raw[keys[lo:hi]]).hits
+                for lo, hi in zip(steps[:-1], steps[1:])]
+        assert np.array_equal(np.concatenate(hits), runs[-1])
+    assert np.array_equal(runs[0], runs[1])
+    assert not registry.make_policy(name).capabilities.needs_raw_keys  # no filter, no row ids asked for

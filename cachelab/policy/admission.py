@@ -8,7 +8,11 @@ by configuration (``--admission tinylfu``). Filters:
 
 - ``always``: admit everything (the plain eviction policy).
 - ``tinylfu``: a frequency sketch with periodic halving (aging); admit iff the candidate's
-  estimated frequency beats the victim's (Einziger et al., TinyLFU, ACM ToS 2017).
+  estimated frequency beats the victim's (Einziger et al., TinyLFU, ACM ToS 2017). The sketch
+  hashes each key's row id as the trace names it (the filter's ``table[key]``, written by the
+  policy from the engine's ``raw_keys``: a policy with this filter declares ``needs_raw_keys``),
+  so its collisions, hence its decisions, do not depend on how the engine numbered the rows; a
+  key with no row id given stands for itself.
 - ``scores``: admit iff the candidate's latest predicted score beats the victim's
   (learned admission; ``scores[key]`` is written by the replay from a predictor: minus the
   predicted position of the key's next access). A victim whose predicted next access is
@@ -132,7 +136,7 @@ def admission_record(kind, counters, scores, meta, key):
         return
     if kind != TINYLFU:
         return
-    sketch_add(counters, meta, key)
+    sketch_add(counters, meta, scores[key])  # the tinylfu filter's table: each key's row id
     sketch_age(counters, meta)
 
 
@@ -142,14 +146,16 @@ def admission_admit(kind, counters, scores, meta, candidate, victim):
     if kind == ALWAYS:
         return True
     if kind == TINYLFU:
-        return sketch_estimate(counters, meta, candidate) > sketch_estimate(counters, meta, victim)
+        return sketch_estimate(counters, meta, scores[candidate]) > sketch_estimate(counters, meta, scores[victim])
     now = meta[ADDITIONS] - 1  # the candidate's access
     return scores[victim] > -now or scores[candidate] > scores[victim]  # an overdue victim is not defended
 
 
 def make_admission(name: str, capacity: int, num_keys: int, sample_factor: int = 10,
                    counter_max: int = 15, error: float | None = None):
-    """Filter state ``(kind, counters, scores, meta)`` sized for a cache of ``capacity`` rows.
+    """Filter state ``(kind, counters, table, meta)`` sized for a cache of ``capacity`` rows;
+    ``table`` holds per key the scores filter's latest score, or the tinylfu filter's row id
+    (each key its own until the policy writes the engine's ``raw_keys``: module doc).
 
     Args:
         sample_factor: the sketch halves its counters every ``sample_factor x capacity``
@@ -171,6 +177,9 @@ def make_admission(name: str, capacity: int, num_keys: int, sample_factor: int =
         hashes = math.ceil(math.log(2) * per_entry)
         width = max(math.ceil(per_entry * capacity), 2 * hashes)
     counters = np.zeros(width if kind == TINYLFU else 1, dtype=np.int64)
-    scores = np.zeros(num_keys if kind == SCORES else 1, dtype=np.float64)
+    if kind == TINYLFU:
+        scores = np.arange(max(int(num_keys), 1), dtype=np.int64)
+    else:
+        scores = np.zeros(num_keys if kind == SCORES else 1, dtype=np.float64)
     meta = np.array([width, 0, sample_factor * capacity, counter_max, hashes], dtype=np.int64)
     return np.int64(kind), counters, scores, meta

@@ -4,7 +4,8 @@ A kernel has the signature ``kernel(keys, [step_offsets,] [lookups,] [raw_keys,]
 key_of, *state, *filter, hits, record, adm, adm_slot, ev, counts)`` (``step_offsets`` only for a
 ``batched`` policy, one that decides a whole step at once as a GPU cache does; ``lookups``, each
 key's lookups in its step, only for one that declares ``needs_counts``; ``raw_keys``, each key's
-row id before compaction, only for one that declares ``needs_raw_keys``): it replays ``keys`` in
+row id before compaction, only for a class that declares ``needs_raw_keys``: one given the
+``tinylfu`` filter asks for them too, for the filter's table, not its kernel): it replays ``keys`` in
 order, writes a hit flag per key, and when ``record`` is set notes every admitted key with
 its slot and every evicted key
 (``note_admit`` / ``note_evict``, counted in ``counts``). ``step`` records, ``run`` does not,
@@ -17,6 +18,7 @@ reruns a policy with them on).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import ClassVar
 
 import numba as nb
@@ -25,7 +27,7 @@ import numpy as np
 from cachelab.errors import CachelabError
 from cachelab.params import check_whole
 from cachelab.policy.contract import Capabilities, Policy, StepResult, check_capacity, check_keys
-from cachelab.policy.admission import make_admission
+from cachelab.policy.admission import TINYLFU, make_admission
 
 
 @nb.njit(cache=True, inline="always")
@@ -134,6 +136,8 @@ class KernelPolicy(Policy):
         self.slot_of = np.full(self.num_keys, -1, dtype=index)
         self.key_of = np.full(self.capacity, -1, dtype=index)
         self.filter = make_admission(self.admission, self.capacity, self.num_keys)
+        if int(self.filter[0]) == TINYLFU:  # its sketch hashes row ids (cachelab.policy.admission): ask for them
+            self.capabilities = replace(type(self).capabilities, needs_raw_keys=True)
         self._counts = np.zeros(2, dtype=np.int64)
         self.init_state(self.capacity, self.num_keys)
 
@@ -161,7 +165,11 @@ class KernelPolicy(Policy):
         self._counts[:] = 0
         extra = self.inputs(keys, next_access, scores)
         if self.capabilities.needs_raw_keys:
-            extra = (_raw(self.name, keys, raw_keys),) + extra
+            raw = _raw(self.name, keys, raw_keys)
+            if int(self.filter[0]) == TINYLFU:
+                self.filter[2][keys] = raw  # the row ids the filter's sketch hashes
+            if type(self).capabilities.needs_raw_keys:  # the kernel's own declaration: it takes them
+                extra = (raw,) + extra
         if self.capabilities.needs_counts:
             extra = (_lookups(self.name, keys, counts),) + extra
         if self.batched:  # the kernel also gets the step boundaries (``step``: one step)
