@@ -55,7 +55,7 @@ def learned_pass(stream, model_dir, capacity: int, policy: str) -> float:
     model = load(model_dir)
     view = LearningView.of(stream)
     scores = keep_scores(model, view)
-    hits = run_policy(learned_policy(policy, model), view.keys, view.step_offsets, capacity, view.num_keys, scores)
+    hits = view.replay(learned_policy(policy, model), capacity, scores)
     return 1.0 - float(view.per_lookup(hits).mean())
 
 

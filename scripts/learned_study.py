@@ -39,7 +39,6 @@ from rich.progress import Progress
 
 from cachelab import registry
 from cachelab.defaults import HORIZON
-from cachelab.engine.replay import run_policy
 from cachelab.learning.evaluation import (counted_entries, evaluate_capacities, in_sample_entries, learned_policy,
                                           out_of_sample)
 from cachelab.learning.features import belady_labels
@@ -102,8 +101,7 @@ class Cell:
     def hits(self, scores: np.ndarray, model=None) -> np.ndarray:
         policy = learned_policy(_judged(), model or self.model)
         rows = rows_for(self.capacity, self.view.num_keys)
-        return self.view.per_lookup(run_policy(policy, self.view.keys, self.view.step_offsets, rows,
-                                               self.view.num_keys, scores))
+        return self.view.per_lookup(self.view.replay(policy, rows, scores))
 
     def miss(self, hits: np.ndarray) -> float:
         return float(1.0 - hits[self.counted].mean())

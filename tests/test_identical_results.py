@@ -150,6 +150,8 @@ def test_evaluate_on_gsm8k_humaneval_is_unchanged(data_dir, tmp_path):
     # Re-recorded on 2026-12-06 (helper-150) for a fifth: the lookups the model learned from (its training
     # window, at this stream's start) are replayed without its scores (``in_sample_lookups``), so the learned
     # policies' miss ratios moved; and keys were added: model_capacity_rows, other_size_capacities, notes.
+    # Re-recorded on 2026-12-07 (helper-156) for a sixth: W-TinyLFU is handed the rows' ids, not the view's dense
+    # numbering (``LearningView.replay``), as ``simulate`` hands them; only its miss ratios moved.
     strip = lambda ev: {**ev, "learned_policy": None,  # noqa: E731
                         "capacities": [{k: v for k, v in row.items() if k not in derived} for row in ev["capacities"]]}
     assert trained["lookups"] == evaluated["lookups"]  # counted alike since issue 20 (train's former count: fetches)

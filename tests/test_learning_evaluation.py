@@ -153,3 +153,23 @@ def test_the_study_counts_its_controls_on_the_lookups_the_evaluation_counts(grow
     view, model = growing
     cell = study.Cell(view, model, 0.05, 0.5)
     assert cell.miss(cell.hits(cell.scores(keep_scores(model, view), model))) == cell.result["miss_ratio"][cell.judged]
+
+
+def test_a_sketch_is_judged_on_row_ids_whatever_the_views_dense_numbering(growing):
+    """W-TinyLFU's sketch hashes each row's id as the trace names it (``needs_raw_keys``), as
+    ``simulate`` hands them: the same view with its rows numbered densely in another order gives it
+    the same miss ratios. (An evaluation handed it the dense ids, so its figures followed the numbering.)"""
+    from dataclasses import replace
+
+    from cachelab.learning.lineup import Lineup, judged_default, lineup
+
+    view, model = growing
+    perm = np.random.default_rng(0).permutation(view.num_keys)
+    raw = np.empty_like(view.raw_keys)
+    raw[perm] = view.raw_keys  # each entry's row id unchanged: perm[k] names row raw_keys[k]
+    other = replace(view, keys=perm[view.keys], raw_keys=raw)
+    judged = judged_default(lineup())
+    sketch = Lineup({judged: judged}, {"W-TinyLFU": "wtinylfu"}, {}, [])
+    a, b = (evaluate_capacities(v, model, [0.002, 0.01, 0.05], 0.5, progress=False, policies=sketch).capacities
+            for v in (view, other))
+    assert [r.miss_ratio["W-TinyLFU"] for r in a] == [r.miss_ratio["W-TinyLFU"] for r in b]

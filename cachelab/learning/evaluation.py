@@ -1,8 +1,9 @@
 """The learned policies against every registered heuristic and oracle, at several capacities.
 
 All policies replay the same stream from an empty cache, through the engine's ``run_policy``
-on each step's distinct rows (as ``cachelab simulate`` does); a lookup misses when its
-step's fetch of the row missed; misses are counted after the warm-up steps, and after the
+on each step's distinct rows and their row ids (``LearningView.replay``, as ``cachelab simulate``
+does); a lookup misses when its step's fetch of the row missed; misses are counted after the
+warm-up steps, and after the
 model's training window where the stream starts with it (``trained_through``); where it does not,
 the lookups of requests that repeat one of the window's (the same tokens: the same corpora in
 another order or number, ``trained_requests``) are replayed but not counted.
@@ -33,7 +34,7 @@ from cachelab.learning.lineup import Lineup, judged_default, lineup
 from cachelab.learning.training import (Model, keep_scores, neutral_scores, policy_params, rows_for,
                                         trained_requests, trained_through)
 from cachelab.learning.streams import LearningView
-from cachelab.engine.replay import run_policy, warmup_steps
+from cachelab.engine.replay import warmup_steps
 from cachelab.progress import progress_bar
 
 
@@ -115,8 +116,7 @@ def evaluate_capacities(view: LearningView, model: Model, capacities: list[float
             n_rows = rows_for(cap, view.num_keys)
             miss, by_order = {}, {}
             for label, cls in runs:
-                hits = view.per_lookup(run_policy(cls(), view.keys, view.step_offsets, n_rows, view.num_keys, scores,
-                                                  lookups))[counted]
+                hits = view.per_lookup(view.replay(cls(), n_rows, scores, lookups))[counted]
                 miss[label] = float(1.0 - hits.mean())
                 by_order[label] = {int(o): float(1.0 - hits[judged == o].mean()) for o in np.unique(judged)}
                 bar.advance(task)

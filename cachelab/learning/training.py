@@ -229,8 +229,6 @@ def tune_params(view, predictor: Predictor, spec: TrainSpec, end: int) -> tuple[
     """
     from dataclasses import replace
 
-    from cachelab.engine.replay import run_policy
-
     grids = _declared_grids()
     classes = {name: registry.get(registry.POLICIES, name) for name in grids}
     try:
@@ -241,7 +239,6 @@ def tune_params(view, predictor: Predictor, spec: TrainSpec, end: int) -> tuple[
                 {param: {} for params in grids.values() for param in params})
     scores = keep_scores(model, view)[:end]
     start = int(model.metadata["spec"]["train_end"])
-    offsets = view.step_offsets[view.step_offsets <= end]
     capacity = rows_for(spec.capacity, view.num_keys)
     lookups = np.bincount(view.inverse, minlength=len(view))[:end]  # each fetch's lookups in its step
     judged = lookups[start:]
@@ -252,7 +249,7 @@ def tune_params(view, predictor: Predictor, spec: TrainSpec, end: int) -> tuple[
             misses = {}
             for value in grid:
                 policy = cls(**{**policy_params(cls, model), param: value})
-                hits = run_policy(policy, view.keys[:end], offsets, capacity, view.num_keys, scores, lookups)
+                hits = view.replay(policy, capacity, scores, lookups, end)
                 misses[str(value)] = float(1.0 - judged[hits[start:]].sum() / judged.sum())
             chosen[param], tried[param] = float(min(misses, key=misses.get)), misses
     return chosen, tried
