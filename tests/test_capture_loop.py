@@ -85,5 +85,15 @@ def test_serve_capture_train_evaluate_serve(tmp_path):
         out = client.completions.create(model=model, prompt="def main():", max_tokens=4)
         assert out.choices[0].text is not None
         assert engine.rows.totals["hbm_hits"] + engine.rows.totals["hbm_misses"] > 0
+        # the captured trace's first prompt, which the model trained on, served again: the scorer says so
+        import polars as pl
+
+        from cachelab.learning.training import load
+
+        first = pl.read_parquet(trace)["prompt_ids"][0].to_list()
+        client.completions.create(model=model, prompt=first, max_tokens=2)
+        recorded = len(load(tmp_path / "model").metadata["spec"]["train_prompts"])
+        assert engine.scorer.overlap.to_dict() == {"prompts": 2, "trained_prompts": 1, "share": 0.5,
+                                                   "model_prompts": recorded} and recorded > 0
     again, _ = read_requests(tmp_path / "served2")
-    assert again.height == 1 and again["output_ids"].list.len()[0] == 4
+    assert again.height == 2 and again["output_ids"].list.len()[0] == 4

@@ -230,3 +230,27 @@ def test_store_bench_refuses_a_model_or_stream_of_another_layout_than_its_tables
     # a custom layout goes by its file: `--preset other-multipliers` would be refused as no preset
     assert "--preset FILE (the .toml/.json file of layout 'other-multipliers')" in res.output, res.output
     assert bench("custom", custom_stream).exit_code == 0
+
+
+def test_the_scorer_counts_the_served_prompts_its_model_trained_on(served):
+    """A model records the digests of its training window's prompts (``train_prompts``); the scorer
+    counts each served prompt as its prefill completes, and those among them: here the stream the
+    model was trained on, whose requests with a lookup in the window are its training ones. A model
+    that records none says so (None), rather than 0 of them."""
+    from cachelab.learning.training import Model
+
+    stream, prompts, outputs, model, _ = served
+    view = LearningView.of(stream)
+    trained = np.unique(view.request[:model.metadata["spec"]["train_end"]]).size
+    assert 0 < trained < len(prompts) and len(model.metadata["spec"]["train_prompts"]) == trained
+    spec = {k: v for k, v in model.metadata["spec"].items() if k != "train_prompts"}  # saved before they were
+    old = Model(model.predictor, model.prior, model.domains, model.horizon, {**model.metadata, "spec": spec},
+                model.lookahead)
+    scorers = OnlineScorer(model, LAYOUT, domain="chat"), OnlineScorer(old, LAYOUT, domain="chat")
+    for lo, hi, r, start, stop, prompt, tokens, rows in _steps(stream, prompts, outputs):
+        for scorer in scorers:
+            scorer.scores([r], [start], [stop], [prompt], [tokens], rows)
+    assert scorers[0].overlap.to_dict() == {"prompts": len(prompts), "trained_prompts": trained,
+                                            "share": trained / len(prompts), "model_prompts": trained}
+    assert scorers[1].overlap.to_dict() == {"prompts": len(prompts), "trained_prompts": None, "share": None,
+                                            "model_prompts": None}

@@ -52,6 +52,10 @@ class Recording:
     def last_counts(self):
         return self.scorer.last_counts
 
+    @property
+    def overlap(self):
+        return self.scorer.overlap
+
     def forget(self, rid):
         self.scorer.forget(rid)
 
@@ -74,6 +78,11 @@ def test_served_learned_row_cache_equals_the_offline_replay(model_dir):
         chat = client.chat.completions.create(model=name, messages=[{"role": "user", "content": texts[0]}],
                                               max_tokens=2)
         assert chat.choices[0].message is not None and recording.domains[-1] == "chat"
+        from test_live_server import scrape
+
+        counted = scrape(url)  # 12 completions and a chat, each prefilled once; none is a training prompt
+        assert counted[("cachelab:row_cache_model_prompts_total",)] == 13
+        assert counted[("cachelab:row_cache_model_trained_prompts_total",)] == 0
         store = engine.rows
         totals = store.totals.to_dict()
         folded = np.concatenate([store.keys(rows).reshape(-1) for rows, _ in recording.steps])
@@ -205,6 +214,37 @@ def test_serving_simulator_predicts_the_learned_row_cache_step_by_step(model_dir
         ServingSimulator(trace, ServingConfig(placement="dram-copy", row_cache_policy=POLICY,
                                               row_cache_bytes=cfg.row_cache_bytes, store_scale=cfg.store_scale,
                                               **settings))
+
+
+def test_serve_sim_says_how_many_served_prompts_the_model_trained_on(model_dir, tmp_path):
+    """Served prompts are matched to the model's training prompts by their compressed tokens, the
+    whole prompt a server knows at admission (``row_cache_model_overlap``): a trace serving the
+    training corpus's 16 prompts, and 4 others, finds the 9 of the model's training window (its 8
+    distinct prompts: the corpus's 5th and 6th texts open alike, one 27-token prompt)."""
+    import json
+
+    import polars as pl
+    from typer.testing import CliRunner
+
+    from cachelab.cli import app
+    from cachelab.engram import encode, get_preset
+    from cachelab.trace.arrivals import arrival_frame
+    from cachelab.trace.schema import write_trace
+
+    texts = [d.text[:1000] for d, _ in zip(StdlibCorpus().documents(), range(20))]
+    ps = [p.tolist() for p in encode(texts, get_preset("deepseek-v4.1-flash").tokenizer, bos=True)]
+    frame = arrival_frame(np.zeros(len(ps)), np.array([len(p) for p in ps]), np.full(len(ps), 4), domain="test",
+                          source="test")
+    write_trace(frame.with_columns(pl.Series("prompt_ids", ps, dtype=pl.List(pl.Int32)),
+                                   pl.Series("output_ids", [p[:4] for p in ps], dtype=pl.List(pl.Int32))),
+                tmp_path / "t.parquet")
+    args = ["serve-sim", "--trace", str(tmp_path / "t.parquet"), "--hardware", "B200", "--placement", "dram-copy",
+            "--tp", "8", "--row-cache", "1MiB", "--row-cache-policy", POLICY, "--row-cache-model", str(model_dir),
+            "--max-num-seqs", "4", "--max-num-batched-tokens", "256"]
+    got = json.loads(CliRunner().invoke(app, [*args, "--json"]).stdout)["row_cache"]["row_cache_model_overlap"]
+    assert ps[4] == ps[5] and len(load(model_dir).metadata["spec"]["train_prompts"]) == 8
+    assert got == {"prompts": 20, "trained_prompts": 9, "share": 0.45, "model_prompts": 8}
+    assert "served prompts the model trained on: 9 of 20" in CliRunner().invoke(app, args).output
 
 
 def test_live_kind_predicts_a_learned_row_cache_with_its_model(model_dir, tmp_path):

@@ -156,6 +156,8 @@ def _craft_metadata(d: Path, change) -> None:
     # the training requests' digests (evaluate leaves their repeats uncounted) and the params' ranges
     (lambda m: {**m, "spec": {**m["spec"], "train_requests": "abc"}}, "spec.train_requests must be a list of 16-digit"),
     (lambda m: {**m, "spec": {**m["spec"], "train_requests": ["x" * 16]}}, "spec.train_requests must be a list"),
+    # and its prompts' (online scoring counts the served prompts among them)
+    (lambda m: {**m, "spec": {**m["spec"], "train_prompts": ["0" * 15]}}, "spec.train_prompts must be a list of 16"),
     (lambda m: {**m, "params": {**m["params"], "max_iter": 0}}, r"metadata.json: params: hgb: max_iter must be a whole number >= 1, got 0"),
 ])
 def test_crafted_metadata_is_refused_naming_the_key(models, tmp_path, change, message):

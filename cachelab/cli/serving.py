@@ -173,6 +173,11 @@ def _print_result(result: dict) -> None:
         console.print(f"prefix cache of the server the trace was captured from: hit ratio "
                       f"{p['server_prefix_hit_ratio']:.3f} (cached_tokens over prompt tokens)")
     _print_rows(console, "rows", result["row_cache"])
+    if (seen := result["row_cache"].get("row_cache_model_overlap")) is not None:
+        console.print(f"served prompts the model trained on: {seen['trained_prompts']:,} of {seen['prompts']:,}"
+                      if seen["model_prompts"] is not None else
+                      f"served prompts the model trained on: unknown ({seen['prompts']:,} served; the model "
+                      "records no training prompts: retrain it to record them)")
     if "prefix_cache_off" in result:
         _print_rows(console, "rows, prefix cache off", result["prefix_cache_off"]["row_cache"])
     plan = result["memory"]["memory_plan_per_gpu"]

@@ -62,11 +62,13 @@ def live_point(config: dict, workload: Workload) -> PointOutput:
                                                  return_token_ids=True), warm).outputs
         before, usage0, engine0 = engine.rows.totals.to_dict(), _usage(server_threads), _engine_cpu(engine)
         scorer0 = _scorer_totals(engine)
+        overlap0 = _overlap(engine)
         load0 = os.getloadavg()[0]
         result = run_bench(BenchConfig(url, max_concurrency=live["concurrency"], server_metrics=False,
                                        return_token_ids=True), plan)
         after, usage1, engine1 = engine.rows.totals.to_dict(), _usage(server_threads), _engine_cpu(engine)
         scorer1 = _scorer_totals(engine)
+        overlap1 = _overlap(engine)
         learned = engine.scorer is not None
         load = (load0 + os.getloadavg()[0]) / 2  # the machine's 1-minute load average over the point
         tiers = tuple(engine.rows.totals.tiers)
@@ -111,6 +113,13 @@ def live_point(config: dict, workload: Workload) -> PointOutput:
         steps = scorer1[2] - scorer0[2]
         metrics["server.scorer_ms_per_step"] = 1e3 * (scorer1[0] - scorer0[0]) / steps
         metrics["server.scorer_cpu_ms_per_step"] = 1e3 * (scorer1[1] - scorer0[1]) / steps
+    if learned:  # the measured run's served prompts that the model trained on (docs/learned.md)
+        prompts, seen = overlap1[0] - overlap0[0], overlap1[1] - overlap0[1]
+        metrics["model_overlap.prompts"] = float(prompts)
+        if engine.scorer.overlap.trained is not None:
+            metrics["model_overlap.trained_prompts"] = float(seen)
+            if prompts:
+                metrics["model_overlap.share"] = seen / prompts
     params = {"live.url": url, "live.errors": str(summary["errors_by_reason"] or "none")}
     if live["placement"] == "hbm":
         params["live.table_memory"] = engine.rows.hbm_device  # on the CPU: host memory standing in for HBM
@@ -252,6 +261,11 @@ def _scorer_totals(engine) -> tuple:
     """The engine's learned scorer so far: wall and CPU seconds, steps, and its call counts."""
     c = engine.counters
     return c.scorer_s, c.scorer_cpu_s, c.steps, c.scorer_counts.copy()
+
+
+def _overlap(engine) -> tuple[int, int]:
+    """The learned scorer's served prompts so far, and those its model trained on (0, 0 without one)."""
+    return (0, 0) if engine.scorer is None else (engine.scorer.overlap.prompts, engine.scorer.overlap.seen)
 
 
 def _task_ids() -> set[int]:

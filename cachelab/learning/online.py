@@ -17,6 +17,10 @@ the whole stream is known, a use by another request in between hides the later o
 stream whose prompts are prefilled one at a time (the learning streams' "prompts" steps) the
 two agree, and so do the scores, bit for bit (tested).
 
+The scorer also counts the served prompts the model was trained on (``PromptOverlap``): a
+model's figures on those are in-sample, as an evaluation would refuse to count them. One hash
+per prompt as its prefill completes, none per row.
+
 The scorer runs on the serving thread before a step's fetch starts, so its time is part of
 every step a learned row cache serves. ``ScorerCost.fit`` fits it from timed calls (the calling
 thread's CPU time of each, with the call's ``last_counts``; the serving simulator times its own
@@ -37,7 +41,7 @@ import numpy as np
 from cachelab.engram import Addresser
 from cachelab.errors import CachelabError
 from cachelab.learning.features import NEVER, FeatureState, _hash_fill, _home, featurise
-from cachelab.learning.streams import LearningView, layout_signature
+from cachelab.learning.streams import LearningView, layout_signature, token_digest
 from cachelab.learning.training import Model, as_scores, check_layout, load, predictions
 from cachelab.workload.lookups import compact, global_key
 
@@ -85,6 +89,36 @@ class KeyIndex:
         return out
 
 
+@dataclass
+class PromptOverlap:
+    """How many served prompts (counted as each prefill completes: a preempted request's recomputed
+    prefill counts again) are ones the model trained on: their compressed tokens' digest is among
+    the training window's (``train_prompts`` of its metadata, ``LearningView.prompts``). ``trained``
+    None: a model saved before those were recorded, so nothing can be said."""
+
+    trained: np.ndarray | None  # sorted uint64 prompt digests of the model's training window
+    prompts: int = 0
+    seen: int = 0
+
+    @classmethod
+    def of(cls, model: Model) -> "PromptOverlap":
+        recorded = model.metadata.get("spec", {}).get("train_prompts")
+        return cls(None if recorded is None else np.unique(np.array([int(d, 16) for d in recorded], np.uint64)))
+
+    def add(self, digests: np.ndarray) -> None:
+        self.prompts += int(digests.size)
+        if self.trained is not None:
+            self.seen += int(np.isin(digests, self.trained).sum())
+
+    def to_dict(self) -> dict:
+        """``prompts`` served, ``trained_prompts`` of them the model trained on and their ``share``
+        (both None where the model records no training prompts), ``model_prompts`` it records."""
+        known = self.trained is not None
+        return {"prompts": self.prompts, "trained_prompts": self.seen if known else None,
+                "share": self.seen / self.prompts if known and self.prompts else None,
+                "model_prompts": int(self.trained.size) if known else None}
+
+
 class OnlineScorer:
     """Scores per row id for each served step (module doc). ``domain``: the label the model's
     training trace gave a request that ``scores`` is given none for (a capture's trace labels
@@ -104,6 +138,7 @@ class OnlineScorer:
         self.prompts: OrderedDict[int, np.ndarray] = OrderedDict()  # rid -> sorted (key, position) of its prompt
         self.last_counts = (0, 0, 0)  # the last call's scheduled sequences, rows looked up, distinct rows scored
         self.last_positions = np.zeros(0, np.int64)  # the last call's position of each row id's score, on the clock
+        self.overlap = PromptOverlap.of(model)  # served prompts the model trained on
         check_layout(model, layout_signature(cfg))
         if self.model.prior.token_counts.size != self.vocab:
             raise CachelabError(f"the model's corpus prior covers {self.model.prior.token_counts.size} compressed "
@@ -151,6 +186,10 @@ class OnlineScorer:
             self._ngrams(tokens, starts, stops, which, position)[token], self.domains, self.heads, self.vocab)
         ahead = self._lookahead(requests, stops, num_prompt, tokens, req, pos, decode, uniq) \
             if self.model.lookahead else None
+        prompt = np.asarray(num_prompt, np.int64)
+        done = np.flatnonzero((starts < prompt) & (prompt <= stops))  # prefills that complete in this step
+        self.overlap.add(np.array([token_digest(self.addresser.compress(np.asarray(tokens[i][:prompt[i]], np.int64)))
+                                   for i in done.tolist()], np.uint64))
         offset = self.clock
         x = featurise(view, 0, dense.size, self.state, self.model.prior, self.model.domains, ahead)
         out = as_scores(self.model, predictions(self.model, x, offset), offset)

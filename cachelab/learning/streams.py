@@ -154,6 +154,7 @@ class LearningView:
     vocab: int
     layout: dict | None = None  # layout_signature of the layout read with; None: a hand-built view
     content: np.ndarray | None = None  # uint64 [requests] digest of each request's tokens (``request_content``)
+    prompt: np.ndarray | None = None  # uint64 [requests] digest of each request's prompt (``prompt_content``; 0: partial)
 
     @property
     def num_keys(self) -> int:
@@ -201,7 +202,8 @@ class LearningView:
                    m["column"].astype(np.int8), m["position"].astype(np.int32), m["phase"] != PREFILL,
                    m["domain"].astype(np.int16), m["request"].astype(np.int32),
                    _ngrams(stream, first, cfg.max_ngram, table, base), list(stream.domains), cfg.heads,
-                   cfg.compressed_vocab, layout_signature(cfg), request_content(table, base))
+                   cfg.compressed_vocab, layout_signature(cfg), request_content(table, base),
+                   prompt_content(table, base, stream))
 
     def contents(self, lo: int, hi: int) -> list[str]:
         """The content digests (hex, sorted) of the requests with an entry in ``[lo, hi)``; empty for a
@@ -209,6 +211,14 @@ class LearningView:
         if self.content is None:
             return []
         return [f"{d:016x}" for d in np.unique(self.content[np.unique(self.request[lo:hi])])]
+
+    def prompts(self, lo: int, hi: int) -> list[str]:
+        """The prompt digests (hex, sorted) of the requests with an entry in ``[lo, hi)`` whose whole
+        prompt the view holds (``prompt_content``); empty for a view built without them."""
+        if self.prompt is None:
+            return []
+        digests = np.unique(self.prompt[np.unique(self.request[lo:hi])])
+        return [f"{d:016x}" for d in digests[digests != 0]]
 
 
 def layout_signature(cfg) -> dict:
@@ -249,15 +259,37 @@ def unchecked_layout(stream: LookupStream) -> str | None:
     return None
 
 
-def request_content(table: np.ndarray, base: np.ndarray) -> np.ndarray:
-    """A 64-bit digest (BLAKE2b) of each request's compressed tokens by position (``token_table``),
-    indexed by request id: the same prompt and answer give the same digest in any order, step
-    grouping or stream, which is how an evaluation finds requests a model trained on
-    (``cachelab.learning.evaluation``). One hash call per request, none per lookup."""
+def token_digest(tokens: np.ndarray) -> int:
+    """A 64-bit digest (BLAKE2b) of compressed token ids, as int32 (-1: a position not looked up)."""
     import hashlib
 
-    return np.array([int.from_bytes(hashlib.blake2b(table[base[r]:base[r + 1]].tobytes(), digest_size=8).digest(),
-                                    "little") for r in range(base.size - 1)], dtype=np.uint64)
+    data = np.ascontiguousarray(tokens, dtype=np.int32).tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def request_content(table: np.ndarray, base: np.ndarray) -> np.ndarray:
+    """A 64-bit digest (``token_digest``) of each request's compressed tokens by position
+    (``token_table``), indexed by request id: the same prompt and answer give the same digest in any
+    order, step grouping or stream, which is how an evaluation finds requests a model trained on
+    (``cachelab.learning.evaluation``). One hash call per request, none per lookup."""
+    return np.array([token_digest(table[base[r]:base[r + 1]]) for r in range(base.size - 1)], dtype=np.uint64)
+
+
+def prompt_content(table: np.ndarray, base: np.ndarray, stream: LookupStream) -> np.ndarray:
+    """The ``token_digest`` of each request's compressed prompt tokens, indexed by request id; 0 where
+    the stream looked up only part of the prompt (a prefix-cache hit skipped the rest). A server knows
+    each prompt whole at admission, so this is what online scoring matches served prompts against
+    (``cachelab.learning.online``); the answer, which a server generates, takes no part."""
+    prefill = stream.meta["phase"] == PREFILL
+    length = np.zeros(base.size - 1, np.int64)
+    np.maximum.at(length, stream.meta["request"][prefill].astype(np.int64),
+                  stream.meta["position"][prefill].astype(np.int64) + 1)
+    out = np.zeros(base.size - 1, np.uint64)
+    for r in np.flatnonzero(length).tolist():
+        prompt = table[base[r]:base[r] + length[r]]
+        if prompt.min() >= 0:
+            out[r] = token_digest(prompt)
+    return out
 
 
 def token_table(stream: LookupStream) -> tuple[np.ndarray, np.ndarray]:

@@ -168,7 +168,7 @@ def train(stream, predictor: Predictor, spec: TrainSpec, progress=None, tune: bo
     samples = fit_window(stream, x, 0, end, predictor, spec, progress)
     meta_spec = {**asdict(spec), "train_end": end, "train_digest": window_digest(stream, end), "prior_end": prior_end,
                  "lookups": n, "domains": domains, "train_samples": samples,
-                 "train_requests": stream.contents(0, end)}
+                 "train_requests": stream.contents(0, end), "train_prompts": stream.prompts(0, end)}
     if stream.layout is not None:
         meta_spec["layout"] = stream.layout
     if spec.capacity:
@@ -374,10 +374,12 @@ def _scoring_spec(spec: dict, where: Path) -> tuple[int, list[str], bool]:
         raise CachelabError(f"{where}: spec.domains must be a list of domain names, got {domains!r:.80}")
     if not isinstance(lookahead, bool):
         raise CachelabError(f"{where}: spec.lookahead must be true or false, got {lookahead!r:.80}")
-    seen = spec.get("train_requests", [])
-    if not isinstance(seen, list) or not all(isinstance(d, str) and len(d) == 16 and set(d) <= set(HEX) for d in seen):
-        raise CachelabError(f"{where}: spec.train_requests must be a list of 16-digit hex request digests, "
-                            f"got {seen!r:.80}")
+    for key in ("train_requests", "train_prompts"):
+        seen = spec.get(key, [])
+        if not isinstance(seen, list) or not all(isinstance(d, str) and len(d) == 16 and set(d) <= set(HEX)
+                                                 for d in seen):
+            raise CachelabError(f"{where}: spec.{key} must be a list of 16-digit hex request digests, "
+                                f"got {seen!r:.80}")
     if spec.get("capacity"):  # a keep model's size, read by every verb that runs it (``keep_size_note``)
         parse_capacity(spec["capacity"], f"{where}: spec.capacity")
     if not isinstance(spec.get("layout", {}), dict):

@@ -164,6 +164,13 @@ class EngineMetrics:
         yield counter("cachelab:engine_compute_seconds", "Step time not spent waiting for Engram rows.", c.compute_s)
         for name, doc, extra, value in _store_metrics(e.rows):
             yield counter(name, doc, value, extra)
+        if e.scorer is not None:  # a learned row cache: served prompts, and those its model trained on
+            overlap = e.scorer.overlap
+            yield counter("cachelab:row_cache_model_prompts", "Prompts the learned row cache's scorer served.",
+                          overlap.prompts)
+            if overlap.trained is not None:
+                yield counter("cachelab:row_cache_model_trained_prompts", "Served prompts the row cache's "
+                              "model was trained on (the same compressed tokens).", overlap.seen)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -481,8 +481,11 @@ class ServingSimulator:
                 if on_step is not None:
                     on_step(step)
         preemptions = np.array([r.preemptions for r in requests[w:]], np.int64)
-        return self._result(scheduler.kv, replay, send[w:], first[w:], end[w:], times[w:], cached_first[w:],
-                            preemptions, steps, peak_cached, fetch_parts, goodput)
+        result = self._result(scheduler.kv, replay, send[w:], first[w:], end[w:], times[w:], cached_first[w:],
+                              preemptions, steps, peak_cached, fetch_parts, goodput)
+        if scorer is not None:  # served prompts (warm-up included) the model trained on (docs/learned.md)
+            result.rows["row_cache_model_overlap"] = scorer.overlap.to_dict()
+        return result
 
     def _result(self, cache, replay, send, first, end, times, cached_first, preemptions, steps, peak_cached,
                 fetch_parts, goodput):
