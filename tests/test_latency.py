@@ -641,3 +641,28 @@ def test_the_engram_host_path_bench_times_the_patchs_dedup_and_two_gathers(tmp_p
     for v in r["by_rows"].values():
         assert 0 < v["dedup_s"] < v["total_s"] and 0 < v["gather_s"] < v["total_s"]
     assert r["gather_rows_per_s"] > 0 and r["fit"]["total_s"]["fixed_s"] >= 0
+
+
+def test_the_residual_streams_are_charged_per_token_and_layer_on_every_rank():
+    # V4.1 keeps four BF16 streams of 5120 ([CFG] hc_mult 4); each sub-layer's mhc_post and delayed mhc_pre
+    # move 18 hidden vectors a token, two sub-layers a layer, plus the FP32 [24, 20480] mixing weights once a
+    # step; R1's fused add-and-norm moves 4 of 7168 per sub-layer
+    assert MODEL.residual_bytes_per_token_layer == 2 * 18 * 5120 * 2
+    assert MODEL.residual_weight_bytes_per_layer == 2 * 24 * 4 * 5120 * 4
+    r1 = load_model("deepseek-r1")
+    assert r1.residual_bytes_per_token_layer == 2 * 4 * 7168 * 2 and r1.residual_weight_bytes_per_layer == 0
+    hw = load_profile("B200")
+    eff = Efficiency()
+    bw = hw.gpu.hbm_bw * eff.mbu
+    chunk = Batch([0.0], [16_384.0])
+    for tp in (4, 8):  # the streams are whole on every rank: the same at every TP degree
+        t = LatencyModel(MODEL, hw, tp, "dram-uva").gpu_time(chunk)
+        assert t.residual_s == pytest.approx((16_384 * 40 * 368_640 + 40 * 3_932_160) / bw)
+        assert t.total_s == pytest.approx(t.dense_s + t.experts_s + t.attention_s + t.indexer_s + t.lm_head_s
+                                          + t.draft_s + t.residual_s + t.comm_s + t.overhead_s)
+    # a 16k-token chunk's streams cost about a fifth of its other work at the default MBU
+    assert 0.15 < t.residual_s / (t.total_s - t.residual_s) < 0.35
+    decode = Batch(np.full(10, 150_000.0), np.full(10, 150_006.0), drafting=10)
+    assert LatencyModel(MODEL, hw, 4, "dram-uva").gpu_time(decode).residual_s == pytest.approx(
+        (60 * 40 * 368_640 + 40 * 3_932_160) / bw)
+    assert LatencyModel(r1, hw, 8, "hbm").gpu_time(chunk).residual_s == pytest.approx(16_384 * 61 * 114_688 / bw)

@@ -447,7 +447,7 @@ def test_the_default_prefill_efficiency_is_the_one_deepseeks_published_prefill_r
     assert faster > 1.5 * Efficiency().prefill_mfu  # twice the rate needs (a bit more than) twice the efficiency
 
 
-FITTED_R1 = dict(mbu=0.375, mfu=0.133, layer_overhead_s=19.5e-6, cpu_per_sequence_s=24e-6, request_overhead_s=0.44)
+FITTED_R1 = dict(mbu=0.375, mfu=0.120, layer_overhead_s=19.9e-6, cpu_per_sequence_s=18e-6, request_overhead_s=0.44)
 
 
 def test_the_ssd_host_floor_read_through_the_model_uva_step_adds_the_published_offset():
@@ -777,8 +777,8 @@ def test_the_efficiency_fit_runs_to_convergence(data_dir):
     eff, loss = fit(fit_points(load_points(data_dir)), progress=lambda done, total: calls.append((done, total)))
     done, total = calls[-1]
     assert done < total  # stopped by convergence, not by the budget
-    assert loss == pytest.approx(0.2100, abs=5e-4)
-    assert eff.mbu == pytest.approx(0.375) and eff.layer_overhead_s == pytest.approx(19.5e-6, rel=0.02)
+    assert loss == pytest.approx(0.2109, abs=5e-4)
+    assert eff.mbu == pytest.approx(0.375) and eff.layer_overhead_s == pytest.approx(19.9e-6, rel=0.02)
 
 
 @pytest.mark.data
@@ -794,7 +794,7 @@ def test_no_published_point_pins_decode_mfu_apart_from_the_host_cost(data_dir):
     out = fit_spectrum(fit_points(points), replace(Efficiency(), **FITTED_R1),
                        candidates=tuple(p for p in points if held_out_steady(p.subset)))
     s, weakest = out["singular_values"], out["directions"][-1]
-    assert s[-1] == pytest.approx(0.0122, abs=5e-4) and weakest["mfu"] > 0.9 and weakest["cpu_per_sequence_s"] > 0.3
+    assert s[-1] == pytest.approx(0.0127, abs=5e-4) and weakest["mfu"] > 0.8 and weakest["cpu_per_sequence_s"] > 0.3
     added = out["weakest_if_added"]
     assert len(added) == 7 and max(added.values()) < 0.025 < s[-2] / 4
     assert max(added, key=added.get) == "v41-b200-tp4-8k1k-c16-dram-uva"

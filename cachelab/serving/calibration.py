@@ -105,7 +105,9 @@ def published_prefill_mfu(source: dict = DEEPSEEK_PREFILL) -> float:
     attention and indexer terms) for the node's computed tokens takes one second per second on
     one H800 (the H100 profile's FLOP rates). Requests are the published mean: input P from
     P + D/2 = 4,989 and P / D = 608 / 168; the cached share sits first, the rest is computed.
-    A lower bound: the node average includes idle time, so busy nodes ran faster."""
+    A lower bound: the node average includes idle time, so busy nodes ran faster. The residual
+    stream's traffic is left out: under the published DP32 attention a GPU carries its own tokens'
+    (about 1% of its second at MBU), not the whole replica's that the TP8 stand-in would charge."""
     from cachelab.serving.latency import Batch
 
     ratio = source["input_output_ratio"]

@@ -16,6 +16,8 @@ parallelism a layer waits for the rank that holds the most touched experts):
     indexer     V4.1's sparse indexer scoring the compressed keys (FP8)
     lm_head     logits for every verified or final position
     draft       MTP / DSpark draft passes for decoding sequences
+    residual    the residual path's activation traffic (V4.1: four hyper-connection streams and their
+                mixing weights; R1: one stream's fused add-and-norm), at HBM bandwidth x ``mbu``
     comm        two all-reduces per layer over NVLink, and with a table split across the TP ranks
                 the all-gather of each Engram layer's looked-up rows (BF16), whatever the placement
     overhead    a fixed cost per step, CPU costs per scheduled sequence and per prompt token
@@ -98,7 +100,7 @@ class Efficiency:
     # fitted_piecewise_layer_s``, refitted after every efficiency fit); its 16-64 clients and the 8k/1k
     # pair are held out. This default is the fit with the efficiencies fitted on ``calibration.
     # EFFICIENCY_SUBSETS`` (R1 1k/1k run 1 and the B200 TP4 point).
-    piecewise_layer_s: float = 552e-6
+    piecewise_layer_s: float = 576e-6
     # A host cost every piecewise step pays on top of its GPU work (0: none). The PR body's offset
     # "does not scale with batch size"; read that way (additive at every step, not a floor) it is
     # 2.6 ms x the acceptance length: a what-if of the study, contradicted by the held-out 8k/1k
@@ -194,7 +196,7 @@ class EngramStep:
     page_reads: float = 0.0  # 4 KiB pages read from the SSD
 
 
-OPERATORS = ("dense_s", "experts_s", "attention_s", "indexer_s", "lm_head_s", "draft_s")
+OPERATORS = ("dense_s", "experts_s", "attention_s", "indexer_s", "lm_head_s", "draft_s", "residual_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +210,7 @@ class GpuTime:
     indexer_s: float
     lm_head_s: float
     draft_s: float
+    residual_s: float
     comm_s: float
     overhead_s: float
     total_s: float
@@ -321,7 +324,7 @@ class LatencyModel:
         m, g, e, tp = self.model, self.hw.gpu, self.eff, self.tp
         tokens = batch.tokens
         if tokens <= 0:
-            return GpuTime(*([0.0] * 9))
+            return GpuTime(*([0.0] * 10))
         w, lo, hi = batch.weight, batch.lo, batch.hi
         fp8 = g.fp8_flops * e.mfu
         prefill = (hi - lo) > 1 + m.speculative_tokens  # a prefill chunk, not a decode / verify row
@@ -377,6 +380,11 @@ class LatencyModel:
             per_pass = drafted / m.draft_passes_per_step  # tokens one draft pass computes
             draft = m.draft_passes_per_step * self._roofline(
                 2 * m.draft_active_params * per_pass / (tp * fp8), float(m.draft_read_bytes(per_pass)) / tp)
+        # the residual streams, whole on every rank, in every layer a row runs through
+        rows = tokens * m.layers if late_lo is None else (
+            tokens * m.decoder_replay_start + late_tokens * m.replayed_layers)
+        residual = (rows * m.residual_bytes_per_token_layer + m.layers * m.residual_weight_bytes_per_layer) / (
+            g.hbm_bw * e.mbu)
         comm = 0.0
         if tp > 1:
             for layers, n in ((m.layers, tokens),) if late_lo is None else (
@@ -389,7 +397,7 @@ class LatencyModel:
         overhead = (e.step_overhead_s + e.layer_overhead_s * m.layers_launched(batch.drafting > 0)
                     + e.cpu_per_sequence_s * batch.sequences + e.cpu_per_prefix_token_s * batch.prefix_tokens
                     + e.cpu_per_token_s * tokens)
-        parts = (dense, experts, attention, indexer, lm_head, draft)
+        parts = (dense, experts, attention, indexer, lm_head, draft, residual)
         return GpuTime(*parts, comm, overhead, sum(parts) + comm + overhead)
 
     def expert_imbalance(self, tokens: float) -> float:

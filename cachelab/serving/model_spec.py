@@ -123,6 +123,10 @@ class ModelSpec:
     # the Engram wkv projection whole on every TP rank (it takes every head's rows, which the ranks
     # all-gather after their lookups) rather than split over the ranks
     wkv_replicated_across_tp: bool = False
+    # The residual path's HBM traffic per token per layer (activations every TP rank holds whole: no
+    # sequence parallelism in the arms modelled), and the weights it reads per layer per step
+    residual_bytes_per_token_layer: float = 0.0
+    residual_weight_bytes_per_layer: float = 0.0
 
     def replay_lo(self, lo, hi):
         """Where each row's queries start in the replayed layers: its last ``sliding_window``
@@ -325,7 +329,7 @@ _NUMBERS = {
     "attention": ("heads", "qk_dim", "v_dim", "kv_bytes_per_token"),
 }
 _OPTIONAL = {  # zero (or empty) when a spec leaves them out
-    "backbone": ("dense_replicated_params",),
+    "backbone": ("dense_replicated_params", "residual_bytes_per_token_layer", "residual_weight_bytes_per_layer"),
     "attention": ("prefill_qk_dim", "prefill_v_dim", "sliding_window", "window_bytes_per_position", "sparse_topk", "latent_bytes_per_position",
                   "index_heads", "index_head_dim", "index_key_bytes"),
     "mtp": ("draft_layers", "draft_params", "draft_active_params", "draft_passes_per_step", "speculative_tokens"),
