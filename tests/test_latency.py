@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import tomllib
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -666,3 +667,27 @@ def test_the_residual_streams_are_charged_per_token_and_layer_on_every_rank():
     assert LatencyModel(MODEL, hw, 4, "dram-uva").gpu_time(decode).residual_s == pytest.approx(
         (60 * 40 * 368_640 + 40 * 3_932_160) / bw)
     assert LatencyModel(r1, hw, 8, "hbm").gpu_time(chunk).residual_s == pytest.approx(16_384 * 61 * 114_688 / bw)
+
+
+def test_a_v41_prefill_gathers_its_kv_into_bf16_before_its_attention_runs():
+    # vLLM's V4.1 prefill (FlashMLA on SM100): per request, every layer's window region (the chunk and 127
+    # positions before it) and every compressing layer's whole compressed region are dequantized from the
+    # 584 B FP8 record into a [positions, 512] BF16 workspace, which the sparse kernel then reads
+    assert MODEL.prefill_gather_bytes_per_position == 512 * 2
+    gathered = 40 * 13_127 * (584 + 1024) + 18 * 75_000 * (584 + 1024) + 20 * 150_000 * (584 + 1024)
+    assert MODEL.prefill_gather_bytes(13_000, 150_000) == pytest.approx(gathered)
+    # the attention kernel reads the workspace: the window region and the top-k positions at 1,024 B
+    keys = 3 * 75_000 * 132 + 150_000 * 132 + 4 * 16_384 * 132
+    assert MODEL.kv_read_bytes(13_000, 150_000, gathered=True) == pytest.approx(
+        40 * 13_127 * 1024 + (18 * 75_000 + 20 * 150_000) * 1024 + keys)
+    hw = load_profile("B200")
+    lat = LatencyModel(MODEL, hw, 4, "dram-uva")
+    bw = hw.gpu.hbm_bw * lat.eff.mbu
+    no_gather = LatencyModel(replace(MODEL, prefill_gather_bytes_per_position=0.0), hw, 4, "dram-uva")
+    chunk = Batch([137_000.0], [150_000.0])
+    # the gather is its own kernel, added to the attention (FLOP-bound at this chunk), not hidden under it
+    assert lat.gpu_time(chunk).attention_s == pytest.approx(no_gather.gpu_time(chunk).attention_s + gathered / bw)
+    # decode and verify rows read the FP8 caches in place; R1 has no workspace
+    decode = Batch(np.full(10, 150_000.0), np.full(10, 150_006.0), drafting=10)
+    assert lat.gpu_time(decode) == no_gather.gpu_time(decode)
+    assert not load_model("deepseek-r1").prefill_gather_bytes_per_position

@@ -12,7 +12,8 @@ parallelism a layer waits for the rank that holds the most touched experts):
                 experts the step's tokens route to
     attention   QK^T and PV over the positions each query attends to (the whole context for
                 dense MLA; window + top-k compressed positions for V4.1's sparse attention),
-                against the KV bytes read (latent cache, or window + gathers + indexer keys)
+                against the KV bytes read (latent cache, or window + gathers + indexer keys; a
+                V4.1 prefill chunk first copies its compressed and window regions into BF16)
     indexer     V4.1's sparse indexer scoring the compressed keys (FP8)
     lm_head     logits for every verified or final position
     draft       MTP / DSpark draft passes for decoding sequences
@@ -361,10 +362,16 @@ class LatencyModel:
         positions = w * m.attended_positions(lo, hi, late_lo)
         attn_flops = float(np.where(prefill, m.prefill_attn_flops_per_position, m.attn_flops_per_position)
                            @ positions) if positions.ndim else m.attn_flops_per_position * float(positions)
-        kv = float((w * m.kv_read_bytes(hi - lo, hi, None if late_lo is None else hi - late_lo)).sum())
+        late = None if late_lo is None else hi - late_lo
+        kv_rows, gather = m.kv_read_bytes(hi - lo, hi, late), 0.0
+        if m.prefill_gather_bytes_per_position and np.any(prefill):  # prefill reads a workspace it fills first
+            kv_rows = np.where(prefill, m.kv_read_bytes(hi - lo, hi, late, gathered=True), kv_rows)
+            gather = float((w * m.prefill_gather_bytes(hi - lo, hi))[prefill].sum())  # its own kernel: not overlapped
+        kv = float((w * kv_rows).sum())
         if not m.kv_replicated_across_tp:
-            kv /= tp
-        attention = self._roofline(attn_flops / (tp * g.bf16_flops * e.attention_mfu), kv)
+            kv, gather = kv / tp, gather / tp
+        attention = (self._roofline(attn_flops / (tp * g.bf16_flops * e.attention_mfu), kv)
+                     + gather / (g.hbm_bw * e.mbu))
         indexer = 0.0
         if m.index_sources:
             scored = w * m.indexer_positions(lo, hi, late_lo)

@@ -127,6 +127,9 @@ class ModelSpec:
     # sequence parallelism in the arms modelled), and the weights it reads per layer per step
     residual_bytes_per_token_layer: float = 0.0
     residual_weight_bytes_per_layer: float = 0.0
+    # The record a prefill chunk's attention first gathers each KV position it may attend to into (0:
+    # prefill reads the cache in place): vLLM's V4.1 prefill dequantizes into a BF16 workspace
+    prefill_gather_bytes_per_position: float = 0.0
 
     def replay_lo(self, lo, hi):
         """Where each row's queries start in the replayed layers: its last ``sliding_window``
@@ -303,14 +306,20 @@ class ModelSpec:
         r = self.decoder_replay_start
         return tuple(i for i, layer in enumerate(self.index_source_layers) if r and layer >= r)
 
-    def kv_read_bytes(self, queries, context, late_queries=None):
+    def kv_read_bytes(self, queries, context, late_queries=None, gathered=False):
         """KV bytes one sequence's step reads: the whole latent cache (dense), or the window,
         the sparse top-k gathers (at most the whole compressed cache) and the indexer keys; with
-        ``late_queries``, the replayed layers gather for that many queries only."""
+        ``late_queries``, the replayed layers gather for that many queries only. ``gathered``: a
+        prefill chunk's attention reads its window region and top-k positions from the workspace
+        ``prefill_gather_bytes`` filled, at ``prefill_gather_bytes_per_position`` each."""
         queries, context = np.asarray(queries, np.float64), np.asarray(context, np.float64)
         if not self.compress_ratios:
             return context * self.kv_bytes_per_token
-        window = len(self.compress_ratios) * np.minimum(context, self.sliding_window) * self.window_bytes_per_position
+        latent, window = self.latent_bytes_per_position, np.minimum(context, self.sliding_window) * self.window_bytes_per_position
+        if gathered:
+            latent = self.prefill_gather_bytes_per_position
+            window = np.minimum(context, queries + self.sliding_window - 1) * latent
+        window = len(self.compress_ratios) * window
         groups = [(self.compress_ratios, queries)]
         if late_queries is not None and self.decoder_replay_start:
             r = self.decoder_replay_start
@@ -318,9 +327,23 @@ class ModelSpec:
         sparse = 0.0
         for ratios, q in groups:
             for ratio, count in _ratio_counts(ratios):
-                sparse = sparse + count * np.minimum(q * self.sparse_topk, context / ratio) * self.latent_bytes_per_position
+                sparse = sparse + count * np.minimum(q * self.sparse_topk, context / ratio) * latent
         index = sum(np.minimum(context / r, cap if cap else np.inf) for r, cap in self.index_sources) * self.index_key_bytes
         return window + sparse + index
+
+    def prefill_gather_bytes(self, queries, context):
+        """HBM bytes a prefill chunk of ``queries`` queries at ``context`` moves, per sequence, before its
+        attention runs (0 where the spec has no workspace): for every layer its window region (the chunk
+        and the ``sliding_window - 1`` positions before it) and for every compressing layer its whole
+        compressed region, each position read from the cache and written to the workspace."""
+        q, c = np.asarray(queries, np.float64), np.asarray(context, np.float64)
+        if not self.prefill_gather_bytes_per_position or not self.compress_ratios:
+            return np.zeros_like(c)
+        positions = len(self.compress_ratios) * np.minimum(c, q + self.sliding_window - 1) * (
+            self.window_bytes_per_position + self.prefill_gather_bytes_per_position)
+        for ratio, count in _ratio_counts(self.compress_ratios):
+            positions = positions + count * c / ratio * (self.latent_bytes_per_position + self.prefill_gather_bytes_per_position)
+        return positions
 
 
 _NUMBERS = {
@@ -331,7 +354,7 @@ _NUMBERS = {
 _OPTIONAL = {  # zero (or empty) when a spec leaves them out
     "backbone": ("dense_replicated_params", "residual_bytes_per_token_layer", "residual_weight_bytes_per_layer"),
     "attention": ("prefill_qk_dim", "prefill_v_dim", "sliding_window", "window_bytes_per_position", "sparse_topk", "latent_bytes_per_position",
-                  "index_heads", "index_head_dim", "index_key_bytes"),
+                  "index_heads", "index_head_dim", "index_key_bytes", "prefill_gather_bytes_per_position"),
     "mtp": ("draft_layers", "draft_params", "draft_active_params", "draft_passes_per_step", "speculative_tokens"),
     "engram": ("wkv_params",),
     "memory": ("rank_weights_sharded_bytes", "rank_weights_replicated_bytes", "indexer_buffer_bytes_per_batched_token"),
