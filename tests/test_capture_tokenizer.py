@@ -250,3 +250,34 @@ def test_text_past_the_fallbacks_budget_is_recorded_without_ids_not_tokenized_fo
     assert np.frombuffer(ok["prompt_ids"], "<i4").tolist() == fallback.encode("the row cache", prompt=True)
     info = json.loads(CliRunner().invoke(app, ["capture", "info", str(tmp_path / "cap"), "--json"]).stdout)
     assert (info["requests"], info["ok"], info["untokenized"]) == (3, 1, 2)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_whole_answers_text_is_tokenized_once_and_its_count_is_its_ids(stream):
+    """A whole answer of text (no ids) within the fallback's budget was tokenized twice by the writer: once
+    for its output ids, once more for its one event's token count. Its count is now its ids', tokenized
+    once; the ids and counts are what tokenizing each text gives (a stream's events are still tokenized
+    each, as their counts need)."""
+    from cachelab.capture.tokens import FallbackTokenizer
+
+    class Counting(FallbackTokenizer):
+        def __init__(self):
+            super().__init__()
+            self.texts = []
+
+        def encode(self, text, prompt=False):
+            self.texts.append(text)
+            return super().encode(text, prompt)
+
+    texts = [" of the Engram rows", " in DRAM", " and on SSD"]
+    tok, reference = Counting(), FallbackTokenizer()
+    [rec] = _text_exchange(0, "the row cache", texts, stream=stream).to_records(tok)
+    output = "".join(texts)
+    assert rec.token_source == "tokenizer" and rec.output_ids.tolist() == reference.encode(output)
+    assert rec.prompt_ids.tolist() == reference.encode("the row cache", prompt=True)
+    if stream:
+        assert rec.token_counts.tolist() == [len(reference.encode(t)) for t in texts]
+        assert sorted(tok.texts) == sorted(["the row cache", output, *texts])
+    else:
+        assert rec.token_counts.tolist() == [len(rec.output_ids)]
+        assert sorted(tok.texts) == sorted(["the row cache", output]), tok.texts

@@ -324,19 +324,27 @@ class _Fallback:
         return self._echoes[k]
 
 
-def _token_events(c: _Choice, echoed: int, fallback: _Fallback, taken: bool) -> tuple[list[float], list[int], int]:
+def _token_events(c: _Choice, echoed: int, fallback: _Fallback, output: tuple[str, list[int]] | None
+                  ) -> tuple[list[float], list[int], int]:
     """The choice's token-bearing events and their token counts; an event of text (no ids) is tokenized
     without the echoed prompt's first ``echoed`` characters (its tokens were counted as output). Events of
-    text over the fallback's budget, all of them, are left out; their characters are the third value (``taken``:
-    the output's text is already the budget's, as the fallback tokenized it whole)."""
+    text over the fallback's budget, all of them, are left out; their characters are the third value.
+    ``output``: the output's text and the fallback's ids of it (the budget's already): an event of that
+    text alone (a whole answer) counts those ids, not tokenized again (it was, doubling the writer's work)."""
     texts = sum(len(count) for count in c.counts if isinstance(count, str)) - echoed
-    tokenize = texts <= 0 or taken or fallback.take(texts)
+    tokenize = texts <= 0 or output is not None or fallback.take(texts)
     times, counts = [], []
     for when, count in zip(c.times, c.counts):
         if isinstance(count, str):
             cut = min(echoed, len(count))
             echoed -= cut
-            count = len(fallback.tokenizer.encode(count[cut:])) if tokenize and len(count) > cut else 0
+            text = count[cut:] if cut else count
+            if not tokenize or not text:
+                count = 0
+            elif output is not None and text == output[0]:
+                count = len(output[1])
+            else:
+                count = len(fallback.tokenizer.encode(text))
         if count:
             times.append(when)
             counts.append(count)
@@ -460,7 +468,8 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
             if rec.prompt_ids is None or rec.output_ids is None:
                 rec.token_source, rec.prompt_ids, rec.output_ids = None, None, None
                 rec.error = rec.error or "upstream token ids out of range (not integers from 0 to 2^31-1)"
-        times, counts, untimed = _token_events(c, echoed, fallback, rec.token_source == "tokenizer")
+        times, counts, untimed = _token_events(c, echoed, fallback, (output_text, output_ids)
+                                               if rec.token_source == "tokenizer" else None)
         rec.untokenized_chars = rec.untokenized_chars or untimed
         if rec.untokenized_chars:
             rec.error = rec.error or (f"fallback tokenizer: {rec.untokenized_chars:,} characters of text not "
