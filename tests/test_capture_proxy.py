@@ -34,18 +34,19 @@ PROMPT = "Where should the Engram rows of a large model live, in HBM, DRAM or on
 class Stack:
     """A direct upstream, a second identical one behind a proxy, and the proxy's recorder."""
 
-    def __init__(self, tmp, **config):
+    def __init__(self, tmp, loop="auto", **config):
         self.direct = ServerThread(Upstream().app)
         self.behind = Upstream()
         self.upstream = ServerThread(self.behind.app)
         self.recorder = Recorder(tmp / "cap")
-        self.options = config
+        self.options, self.loop = config, loop
         self.proxy = None
 
     def __enter__(self):
         self.direct.__enter__()
         self.upstream.__enter__()
-        self.proxy = ProxyThread(ProxyConfig(upstream=self.upstream.url, **self.options), self.recorder).__enter__()
+        self.proxy = ProxyThread(ProxyConfig(upstream=self.upstream.url, **self.options), self.recorder,
+                                 self.loop).__enter__()
         return self
 
     def __exit__(self, *exc):
@@ -1653,6 +1654,31 @@ def test_a_client_that_does_not_read_pauses_the_upstream(tmp_path):
             assert stalled < 1_000, f"{stalled} events of 64 KiB left the upstream for a client that read none"
             rec = _new_records(s, 0).row(0, named=True)
     assert rec["status"] == 200 and rec["error"] == "client read nothing for 3.0 s: cut", rec
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_client_that_stops_reading_a_stream_is_closed_at_the_write_timeout(tmp_path, loop):
+    """A client that reads nothing of a stream: at ``write_timeout`` (under ``read_timeout``) its connection is
+    closed, the upstream request ended and the exchange recorded as 499 saying why. It stayed open until
+    ``read_timeout`` cut the stream, and then until the kernel gave up on the unsent bytes the close waited
+    to send (never, without TCP keep-alive)."""
+    with Stack(tmp_path, loop, read_timeout=60.0, write_timeout=1.0, tcp_keepalive_s=0,
+               max_response_bytes=1 << 30) as s:
+        body = json.dumps({"model": "firehose", "prompt": "hi", "stream": True}).encode()
+        host, port = s.proxy.url.removeprefix("http://").split(":")
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((host, int(port)))
+            start = time.monotonic()
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            rec = _new_records(s, 0).row(0, named=True)
+            took = time.monotonic() - start
+            sock.settimeout(10)
+            while sock.recv(1 << 20):  # what the kernel had taken, then the close
+                pass
+    assert (rec["status"], rec["error"]) == (499, "client read nothing for 1.0 s (--write-timeout): closed"), rec
+    assert 1 <= took < 10, took
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])

@@ -352,11 +352,12 @@ def test_a_writer_process_that_dies_while_the_proxy_is_idle_is_replaced_at_once(
     assert table["status"].to_list() == [200, 200] and table["error"].null_count() == 2
 
 
-def _send_unread(base: str, model: str) -> socket.socket:
-    """A client that asks for a whole answer and reads none of it (its receive buffer kept small)."""
+def _send_unread(base: str, model: str, rcvbuf: int | None = 4096) -> socket.socket:
+    """A client that asks for a whole answer and reads none of it yet (its receive buffer kept small)."""
     host, port = base.removeprefix("http://").split(":")
     sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     sock.connect((host, int(port)))
     body = json.dumps({"model": model, "prompt": "x"}).encode()
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
@@ -370,8 +371,8 @@ def test_whole_answers_that_clients_do_not_read_count_in_the_held_bound(tmp_path
     third such answer, which puts the proxy over 20 MiB, is refused (503) and recorded so; once they have
     gone, the next is relayed. They were let go from the bound as they were written: any number of clients
     that read nothing held a whole answer each in the proxy."""
-    upstream = HostileUpstream()
-    with cli_proxy(upstream.url, tmp_path / "cap", "--max-held-mb", "25") as (base, proc):
+    upstream = HostileUpstream()  # no write deadline: the clients keep their answers unread until they go
+    with cli_proxy(upstream.url, tmp_path / "cap", "--max-held-mb", "25", "--write-timeout", "0") as (base, proc):
         def submitted(n: int) -> None:
             deadline = time.monotonic() + 30
             while httpx.get(base + "/capture/status", timeout=10).json()["submitted"] < n:
@@ -397,6 +398,40 @@ def test_whole_answers_that_clients_do_not_read_count_in_the_held_bound(tmp_path
     assert "Traceback" not in err, err
     table, _ = read_requests(tmp_path / "cap")
     assert table["status"].to_list()[:3] == [200, 200, 503] and table["status"].to_list()[-1] == 200
+
+
+def test_a_client_that_reads_none_of_a_whole_answer_is_closed_at_the_write_timeout_and_recorded(tmp_path):
+    """A client asks for a 12 MiB answer and reads none of it: at --write-timeout the proxy closes its
+    connection and records the request as 499, saying why, while a client that reads the same answer slowly
+    but steadily gets it whole, recorded 200. Only the kernel's TCP user timeout ended such a connection
+    (never with --tcp-keepalive 0, as here): the answer was held for it, recorded as served."""
+    upstream = HostileUpstream()
+    with cli_proxy(upstream.url, tmp_path / "cap", "--write-timeout", "1", "--tcp-keepalive", "0") as (base, proc):
+        def clients() -> int:  # besides the one asking
+            return httpx.get(base + "/capture/status", timeout=10).json()["client_connections"] - 1
+
+        start = time.monotonic()
+        idle = _send_unread(base, "big")
+        while clients() and time.monotonic() - start < 30:
+            time.sleep(0.1)
+        took = time.monotonic() - start
+        assert not clients() and 1 <= took < 10, took
+        with idle:  # what the kernel had taken of the answer, then the close: the rest is gone
+            idle.settimeout(10)
+            assert len(_read_to_close(idle)) < BIG
+        slow, got = _send_unread(base, "big", rcvbuf=None), b""
+        with slow:
+            slow.settimeout(10)
+            while len(got) < BIG:  # 256 KiB at most every 0.1 s: the kernel's buffers between, megabytes
+                time.sleep(0.1)
+                got += slow.recv(256 << 10)
+        assert got.count(b"a") >= BIG
+        proc.terminate()
+        _, err = proc.communicate(timeout=PROXY_EXIT_S)
+    assert "Traceback" not in err, err
+    table, _ = read_requests(tmp_path / "cap")
+    assert table.select(["status", "error"]).rows() == [
+        (499, "client read nothing for 1.0 s (--write-timeout): closed"), (200, None)]
 
 
 def test_an_upstream_that_stalls_after_its_head_is_cut_at_the_read_timeout_and_recorded(tmp_path):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import struct
 import time
 from collections import deque
 from http import HTTPStatus
@@ -22,7 +23,16 @@ from typing import TYPE_CHECKING
 
 import httptools
 
+from cachelab.capture.recorder import CLIENT_CLOSED, CLIENT_GONE
+
+try:
+    from fcntl import ioctl
+    from termios import TIOCOUTQ
+except ImportError:  # not on Windows
+    ioctl = None
+
 if TYPE_CHECKING:
+    from cachelab.capture.exchange import Exchange
     from cachelab.capture.forward import Forward
     from cachelab.capture.proxy import CaptureProxy
 
@@ -77,6 +87,21 @@ def probe_when_idle(transport, idle_s: float) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, round(idle_s / 3)))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, round(2000 * idle_s)))
+
+
+def unsent(transport) -> int:
+    """Bytes written to a connection that its peer has not taken: in the transport's buffer, and in the
+    kernel's send queue (``TIOCOUTQ``: not yet acknowledged), which takes megabytes from the transport (TCP
+    buffer autotuning) and hands the event loop more only once a third of it is free: a client reading
+    steadily but slowly was seen to take nothing for a minute."""
+    queued = transport.get_write_buffer_size()
+    sock = transport.get_extra_info("socket")
+    if ioctl is not None and sock is not None:
+        try:
+            queued += struct.unpack("i", ioctl(sock.fileno(), TIOCOUTQ, b"\0\0\0\0"))[0]
+        except OSError:
+            pass
+    return queued
 
 
 def error_body(status: int, message: str) -> bytes:
@@ -166,6 +191,9 @@ class ClientConnection(asyncio.Protocol):
         self.closed = False
         self.write_paused = False
         self.unsent = 0                         # bytes of a whole answer still in the transport, in ``proxy.held``
+        self.unrecorded: Exchange | None = None  # a finished answer's record, held until the client takes it (``write_last``)
+        self.drain_timer: asyncio.TimerHandle | None = None  # the write deadline (``pause_writing``)
+        self.drain_from = 0                     # bytes the transport held at its last check
         self.idle_since = time.monotonic()
         self.peer = b"unknown"
 
@@ -185,6 +213,9 @@ class ClientConnection(asyncio.Protocol):
         self.proxy.clients.discard(self)
         self.proxy.idle.pop(self, None)
         self._sent()
+        if self.drain_timer is not None:
+            self.drain_timer.cancel()
+        self.record_held(None if exc is None else CLIENT_GONE)  # closed once drained, or reset with bytes unread
         if self.forward is not None:
             self.forward.client_gone()
         if gone:  # pipelined requests it sent whole and left before they were served
@@ -212,12 +243,73 @@ class ClientConnection(asyncio.Protocol):
         self.write_paused = True
         if self.forward is not None:
             self.forward.pause_upstream()
+        if self.proxy.config.write_timeout:
+            self.drain_from = unsent(self.transport)
+            self.drain_timer = asyncio.get_running_loop().call_later(self.proxy.config.write_timeout, self._drain_check)
 
     def resume_writing(self) -> None:
         self.write_paused = False
         self._sent()
+        if self.drain_timer is not None:
+            self.drain_timer.cancel()
+            self.drain_timer = None
+        self.record_held(None)
         if self.forward is not None:
             self.forward.resume_upstream()
+
+    def _drain_check(self) -> None:
+        """The write deadline (``--write-timeout``): a client whose writes are paused and that took no byte of
+        what the proxy holds for it since the last check (``write_timeout`` ago) is closed, its exchange
+        recorded as 499 and why. The kernel's TCP user timeout alone bounded it (``--tcp-keepalive``; never
+        at 0, nor while the client's host acknowledged the zero window): the connection, the answer held for
+        it and its upstream request stayed for ever. Closed between one and two deadlines after its last byte
+        taken."""
+        self.drain_timer = None
+        if not self.write_paused:
+            return
+        held = unsent(self.transport)
+        if held < self.drain_from:  # it took some: one more deadline from now
+            self.drain_from = held
+            self.drain_timer = asyncio.get_running_loop().call_later(self.proxy.config.write_timeout, self._drain_check)
+            return
+        why = f"client read nothing for {self.proxy.config.write_timeout} s (--write-timeout): closed"
+        self.closed = True  # by the proxy: requests pipelined behind are not served, nor recorded
+        if self.forward is not None:
+            self.forward.client_gone(why)
+        self.record_held(why)
+        self.transport.abort()
+
+    def write_last(self, data: bytes, x: Exchange | None) -> None:
+        """Write an answer's last bytes and hand its record ``x`` (None: none) to the recorder before the
+        client can have the last byte (a flush after the answer sees it). Where the client is not taking
+        the answer (its writes paused, the last byte still in the proxy), the record is held until it has
+        (``resume_writing``, ``connection_lost``): a client that takes none of it for ``write_timeout`` is
+        recorded as one (``_drain_check``), not as served."""
+        t = self.transport
+        if x is not None and data and self.proxy.config.write_timeout and (
+                self.write_paused or len(data) + t.get_write_buffer_size() > t.get_write_buffer_limits()[1]):
+            view = memoryview(data)
+            t.write(view[:-1])
+            if self.write_paused:
+                self.unrecorded = x
+            else:
+                self.proxy.recorder.submit(x)
+            t.write(view[-1:])
+            return
+        if x is not None:
+            self.proxy.recorder.submit(x)
+        if data:
+            t.write(data)
+
+    def record_held(self, why: str | None) -> None:
+        """Hand the record held for the client (``write_last``) to the recorder: as served (``why`` None),
+        or as a client that did not take its answer (499, ``why``)."""
+        x, self.unrecorded = self.unrecorded, None
+        if x is None:
+            return
+        if why is not None:
+            x.status, x.error = CLIENT_CLOSED, why if x.error is None else f"{x.error}; {why}"
+        self.proxy.recorder.submit(x)
 
     def hold_unsent(self) -> None:
         """Count what the transport still holds of the whole answer just written to a client that reads it

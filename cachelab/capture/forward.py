@@ -374,12 +374,9 @@ class Forward:
         if not self.reusable or self.by_close:
             self.conn.usable = False
         self.proxy.pool.give_back(self.conn)
-        if x is not None:  # recorded before the client has its last byte: a flush after the answer sees it
-            self.proxy.recorder.submit(x)
-        if data:
-            client.transport.write(data)
-            if self.mode == WHOLE:
-                client.hold_unsent()
+        client.write_last(data, x)  # recorded before the client has its last byte: a flush after the answer sees it
+        if data and self.mode == WHOLE:
+            client.hold_unsent()
         client.done(self.keep_alive)
 
     # -- endings other than a complete answer ---------------------------------------------------
@@ -472,9 +469,10 @@ class Forward:
             which = "the kept-alive connection" if conn.reused else "the connection"
         self.upstream_failed(502, f"closed {which} before answering ({why})")
 
-    def client_gone(self) -> None:
-        """The client went away before its answer was complete: the upstream request ends, the
-        record says 499 (nginx's "client closed request"), whatever the upstream had answered."""
+    def client_gone(self, why: str = CLIENT_GONE) -> None:
+        """The client went away before its answer was complete (or took none of it for --write-timeout:
+        ``why``): the upstream request ends, the record says 499 (nginx's "client closed request"),
+        whatever the upstream had answered."""
         if self.finished:
             return
         self._end()
@@ -482,7 +480,7 @@ class Forward:
         x = self.x
         if x is not None:
             x.status = CLIENT_CLOSED
-            x.error = CLIENT_GONE if x.error is None else f"{x.error}; {CLIENT_GONE}"
+            x.error = why if x.error is None else f"{x.error}; {why}"
             self.proxy.recorder.submit(x)
         self.client.forward = None
 

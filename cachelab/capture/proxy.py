@@ -94,6 +94,7 @@ class ProxyConfig:
     max_client_connections: int = 4096  # client connections open at once (``CaptureProxy.admit``; past it a 503)
     upstream_idle_timeout: float = 4.0  # an upstream connection idle this long is not reused (closed)
     tcp_keepalive_s: float = 30.0   # TCP keep-alive on both hops: a peer gone silently is dropped ~2x this after
+    write_timeout: float = 60.0     # a client that takes no byte of its answer this long is closed (0: never)
     keep_alive_s: float = 30.0      # an idle client connection is closed after this long
     shutdown_grace_s: float = 10.0  # on stop, exchanges in flight get this long to finish
 
@@ -203,6 +204,7 @@ class CaptureProxy:
             if client.forward is not None:
                 client.forward.shut_down(f"proxy shut down ({why})")
             client.closed = True  # by the proxy: requests still queued on it were not served, and are not recorded
+            client.record_held(None)  # a whole answer it is still taking: the close sends the rest
             client.transport.close()
         self.pool.close()
         self.planner.close()

@@ -123,6 +123,10 @@ def proxy(
                                         "this long is probed, and given up after three probes unanswered "
                                         "(about twice this in all), so that a client or upstream gone without "
                                         "a word is noticed (s; 0: off)."),
+    write_timeout: float = typer.Option(60.0, help="Close a client connection that takes no byte of its answer "
+                                        "this long while the proxy holds more of it (s; 0: never): its request "
+                                        "is recorded as 499 and why, its upstream request ended. Else only the "
+                                        "kernel's TCP user timeout bounds it (--tcp-keepalive; never at 0)."),
     writer: str = typer.Option("process", help="Where records are built and written: `process` (a child process "
                                "at --writer-sched: building a record never holds the proxy's GIL nor a core a "
                                "token's wake-up needs; docs/capture.md, Overhead) or `thread` (a thread of the "
@@ -164,6 +168,8 @@ def proxy(
         raise CachelabError(f"--upstream-idle-timeout {upstream_idle_timeout}: expected 0 or more seconds")
     if not 0 <= tcp_keepalive <= 32767:  # Linux's bound on the idle time a socket takes
         raise CachelabError(f"--tcp-keepalive {tcp_keepalive}: expected 0 (off) to 32767 seconds")
+    if not write_timeout >= 0:
+        raise CachelabError(f"--write-timeout {write_timeout}: expected 0 (never) or more seconds")
     if max_connections < 1:  # 0 sent nothing upstream: every request waited, then a 503
         raise CachelabError(f"--max-connections {max_connections}: expected 1 or more")
     if max_client_connections < 1:
@@ -182,7 +188,8 @@ def proxy(
                          read_timeout=read_timeout,
                          total_timeout=total_timeout, connect_timeout=connect_timeout,
                          max_connections=max_connections, max_client_connections=max_client_connections,
-                         upstream_idle_timeout=upstream_idle_timeout, tcp_keepalive_s=tcp_keepalive)
+                         upstream_idle_timeout=upstream_idle_timeout, tcp_keepalive_s=tcp_keepalive,
+                         write_timeout=write_timeout)
     claim_file_limit(config)
     if writer not in ("process", "thread"):
         raise CachelabError(f"--writer {writer!r}: expected process or thread")
