@@ -4,7 +4,7 @@ import hashlib
 import os
 import sys
 
-from cachelab import deferred_blas
+from cachelab import numba_start
 
 __version__ = "0.1.0"
 
@@ -78,4 +78,4 @@ def purge_stale_kernels(base: "str | os.PathLike | None" = None) -> None:
 
 
 purge_stale_kernels()
-deferred_blas.install()
+numba_start.install()

@@ -1,0 +1,112 @@
+"""Numba's start-up work that a run of cached kernels does not need, deferred to a compilation.
+
+A process's first dispatch of a kernel, cached or not, makes Numba ``refresh`` its target
+context: it imports and installs every typing and lowering registry (strings, lists, sets,
+dicts, random generators, cffi, NumPy's whole API) and, in ``numba.np.arraymath``, probes for
+BLAS by importing ``scipy.linalg`` whole. A kernel loaded from Numba's on-disk cache is native
+code that needs none of it; only a compilation does, and Numba's compiler refreshes both
+contexts itself before it compiles (``CompilerBase``), as its ``get_function`` does at a first
+miss. ``install()`` defers both, where ``cachelab simulate`` on a warmed cache paid them inside
+the ``seconds`` it reports (docs/engine.md):
+
+- the refresh (0.19-0.28 s of CPU at the first dispatch, 0.07-0.11 s without it): a cache load
+  runs with the refresh reduced to what a loaded kernel does need, Numba's runtime (NRT), and
+  Numba's own load code is otherwise unchanged;
+- the BLAS probe (0.15-0.2 s where SciPy is installed): ``numba.np.arraymath`` imports with
+  ``scipy.linalg.cython_blas`` unimportable for that moment, then its answer (``_HAVE_BLAS``, which
+  only chooses between BLAS and a plain loop for float ``np.correlate``/``np.convolve``) is set to
+  whether SciPy is installed, as the probe would find. A kernel that calls BLAS still imports
+  SciPy's BLAS when it is compiled (``numba.np.linalg.ensure_blas``), with Numba's own checks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+PROBING = "numba.np.arraymath"  # the module whose import runs the BLAS probe
+PROBED = "scipy.linalg.cython_blas"  # what the probe imports
+CACHING = "numba.core.caching"  # the module whose Cache.load_overload refreshes the context
+
+
+class _OnImport:
+    """Finds ``name`` once, with a loader that runs it through ``run(loader, module)``."""
+
+    def __init__(self, name, run):
+        self.name, self.run = name, run
+
+    def find_spec(self, name, path, target=None):
+        if name != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _Loader(spec.loader, self.run)
+        return spec
+
+
+class _Loader:
+    """``loader``, its ``exec_module`` run through ``run``."""
+
+    def __init__(self, loader, run):
+        self.loader, self.run = loader, run
+
+    def __getattr__(self, name):  # get_source, get_filename ... as the module's own loader
+        return getattr(self.loader, name)
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.run(self.loader, module)
+
+
+def _without_blas_probe(loader, module) -> None:
+    """Run ``numba.np.arraymath`` with ``PROBED`` unimportable (a ``None`` in ``sys.modules`` stops
+    its import before its parent packages are imported), then answer its probe."""
+    blocked = PROBED not in sys.modules
+    if blocked:
+        sys.modules[PROBED] = None
+    try:
+        loader.exec_module(module)
+    finally:
+        if blocked and sys.modules.get(PROBED, 0) is None:
+            del sys.modules[PROBED]
+    if blocked:
+        module._HAVE_BLAS = importlib.util.find_spec("scipy") is not None
+
+
+def _loads_without_refresh(loader, module) -> None:
+    """Run ``numba.core.caching``, then ``_refresh_on_compile`` it."""
+    loader.exec_module(module)
+    _refresh_on_compile(module)
+
+
+def _refresh_on_compile(caching) -> None:
+    """Make ``Cache.load_overload`` of ``caching`` (``numba.core.caching``) refresh no registry."""
+    plain = getattr(getattr(caching, "Cache", None), "load_overload", None)
+    if plain is None or getattr(plain, "deferred", False):  # another Numba, or done already
+        return
+    from numba.core.runtime import rtsys
+
+    def load_overload(self, sig, target_context):
+        # Numba calls this under its compiler lock, so no other thread sees the context meanwhile
+        target_context.refresh = lambda: rtsys.initialize(target_context)
+        try:
+            return plain(self, sig, target_context)
+        finally:
+            del target_context.refresh
+
+    load_overload.__doc__, load_overload.deferred = plain.__doc__, True
+    caching.Cache.load_overload = load_overload
+
+
+def install() -> None:
+    """Defer both for this process: the probe unless Numba already ran it (cachelab imported late),
+    the refresh in any case (a cache load after this one refreshes nothing)."""
+    if PROBING not in sys.modules and not any(isinstance(f, _OnImport) and f.name == PROBING for f in sys.meta_path):
+        sys.meta_path.insert(0, _OnImport(PROBING, _without_blas_probe))
+    if CACHING in sys.modules:
+        _refresh_on_compile(sys.modules[CACHING])
+    elif not any(isinstance(f, _OnImport) and f.name == CACHING for f in sys.meta_path):
+        sys.meta_path.insert(0, _OnImport(CACHING, _loads_without_refresh))
