@@ -150,11 +150,14 @@ def _refuse_negative(path: Path, keys: np.ndarray, unit: str, places: np.ndarray
 
 
 def _read_npy(path: Path) -> np.ndarray:
+    """The array, mapped from the file copy-on-write rather than read into fresh memory: its pages
+    are the OS's cached ones, mapped in 64 KiB at a fault, not 4 KiB pages zeroed and copied into
+    (10 M int64 keys: 0.009 s of CPU instead of 0.06, docs/engine.md)."""
     with open(path, "rb") as f:  # np.load takes anything else for a pickle, or a .npz archive
         if f.read(len(_NPY_MAGIC)) != _NPY_MAGIC:
             raise CachelabError(f"{path} is not a .npy array (no NumPy magic bytes at its start)")
     try:
-        arr = np.load(path, allow_pickle=False)
+        arr = np.load(path, allow_pickle=False, mmap_mode="c")
     except Exception as exc:
         raise CachelabError(f"{path} is not a readable .npy array: {exc}") from None
     if not np.issubdtype(arr.dtype, np.integer):
