@@ -56,3 +56,28 @@ def test_nothing_is_drawn_where_no_terminal_is(tmp_path):
     assert res.stderr == "", res.stderr
     res = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.startswith("k.npy: a key trace"), res.stdout
+
+
+def test_a_display_off_a_terminal_draws_nothing_but_prints_its_lines(tmp_path):
+    """Off a terminal a bar or spinner is ``cachelab.progress``'s stand-in (Rich not imported for
+    it), which keeps its tasks and draws nothing; a line printed through its console (``pareto``'s
+    "running ..." for a log) still reaches standard error."""
+    probe = """
+import sys
+from cachelab.progress import progress_bar, spinner
+with progress_bar() as bar:
+    task = bar.add_task("replay", total=2)
+    bar.advance(task)
+    bar.update(task, description="done")
+    bar.remove_task(task)
+drawn = "rich" in sys.modules
+with spinner("the grid") as status:
+    status.update("running a")
+    status.console.print("running a")
+print(task, drawn)
+"""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("FORCE_TERMINAL", "FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE")}
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "0 False\n" and res.stderr == "running a\n", (res.stdout, res.stderr)

@@ -24,8 +24,9 @@ print(json.dumps({"modules": sorted(sys.modules), "frozen": gc.get_freeze_count(
 """
 
 
-def _run(*args):
-    out = subprocess.run([sys.executable, "-c", PROBE, *map(str, args)], capture_output=True, text=True, check=True)
+def _run(*args, env=None):
+    out = subprocess.run([sys.executable, "-c", PROBE, *map(str, args)], capture_output=True, text=True, check=True,
+                         env=env)
     return out.stdout.splitlines()[0], json.loads(out.stdout.splitlines()[-1])
 
 
@@ -40,6 +41,21 @@ def test_simulate_imports_its_verb_alone_and_no_polars_or_arrow(tmp_path):
     assert not {"polars", "pyarrow", "cachelab.trace.schema", "typer.rich_utils"} & modules
     # the imports' objects are frozen out of later collections, and the collector runs again
     assert seen["frozen"] > 10_000 and seen["gc"]
+
+
+def test_simulate_json_off_a_terminal_imports_no_rich(tmp_path):
+    """Off a terminal nothing is drawn, and Rich (0.05-0.07 s of CPU to import) is not imported:
+    ``cachelab.progress``'s stand-in keeps the tasks; a variable with which Rich takes any stream
+    for a terminal (FORCE_COLOR) still gets Rich's display."""
+    np.save(tmp_path / "k.npy", np.arange(2_000, dtype=np.int64) % 300)
+    args = ("simulate", "--trace", tmp_path / "k.npy", "--policy", "lru", "--capacity", "50", "--json")
+    plain = {k: v for k, v in os.environ.items()
+             if k not in ("FORCE_TERMINAL", "FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE")}
+    first, seen = _run(*args, env=plain)
+    assert json.loads(first)["requests"] == 2_000
+    assert not [m for m in seen["modules"] if m.split(".")[0] == "rich"]
+    first, seen = _run(*args, env={**plain, "FORCE_COLOR": "1"})
+    assert json.loads(first)["requests"] == 2_000 and "rich.progress" in seen["modules"]
 
 
 def test_simulate_imports_the_policy_it_names_alone(tmp_path):

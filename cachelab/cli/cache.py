@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import typer
-from rich.console import Console
 
 from cachelab import registry, strict_json
 from cachelab.capacity import Capacity, parse_capacities, parse_capacity
@@ -35,6 +34,14 @@ STEPS_HELP = (f"Corpus names and request traces: how requests become serving ste
               "(as `cachelab train --steps`; default prompts).")
 WARMUP_HELP = ("Warm-up excluded from the statistics: a fraction of the steps (0..1) or a step count; "
                "in a key trace every request is a step.")
+
+
+def _console(**kwargs):
+    """A Rich console, imported where something is printed through it (``simulate --json`` prints
+    none: cachelab.progress)."""
+    from rich.console import Console
+
+    return Console(**kwargs)
 
 
 def load_stream(trace: str, fmt: str | None, requests: int | None, steps: str | None,
@@ -119,7 +126,7 @@ def simulate(
         from cachelab.learning.training import lookup_scores, policy_params
 
         if note := unchecked_layout(stream):
-            Console(stderr=True, quiet=as_json).print(f"{trace}: {note}")
+            _console(stderr=True, quiet=as_json).print(f"{trace}: {note}")
         scores, fitted, unique = lookup_scores(fitted, stream)
         from_model = policy_params(registry.get(registry.POLICIES, policy.split("+")[0]), fitted)
         param = [f"{k}={v}" for k, v in from_model.items()] + list(param)  # --param still overrides
@@ -131,7 +138,7 @@ def simulate(
 
         kept = {"model_capacity": keep_capacity(fitted) or None, "model_capacity_rows": keep_rows(fitted, unique)}
         if note := keep_size_note(fitted, {f"--capacity {written} ({capacity:,} rows)": capacity}, unique):
-            Console(stderr=True).print(f"simulate: {note}")
+            _console(stderr=True).print(f"simulate: {note}")
     hierarchy = Hierarchy([Tier("cache", cache, capacity_rows=capacity, location="gpu")], stream.row_bytes)
     if cache.capabilities.needs_scores and model is None:
         raise CachelabError(f"policy {policy!r} needs predictor scores: pass --model DIR (from `cachelab train`)")
@@ -152,7 +159,7 @@ def simulate(
     if as_json:
         typer.echo(strict_json.dumps(out))
         return
-    console = Console()
+    console = _console()
     console.print(f"{trace}: {found}")
     console.print(f"[bold]{policy}[/] at {capacity:,} objects: miss ratio {out['miss_ratio']:.4f} "
                   f"({requests - hits:,} misses / {requests:,} requests after a warm-up of "
@@ -202,7 +209,7 @@ def mrc(
     if as_json:
         typer.echo(strict_json.dumps(out))
         return
-    console = Console()
+    console = _console()
     console.print(f"{trace}: {found}")
     console.print(f"[bold]{policy}[/] miss-ratio curve ({curve.method}, {curve.requests:,} requests)")
     for c, m, infinite in zip(curve.capacities, curve.miss_ratios, curve.infinite):

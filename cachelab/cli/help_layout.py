@@ -18,24 +18,30 @@ import inspect
 import re
 
 import typer
-from rich.columns import Columns
-from rich.table import Table
-from rich.text import Text
 
 
-class _UncutTable(Table):
-    def add_row(self, *renderables, **kwargs):
-        renderables = _flags_in_one_cell(renderables)
-        super().add_row(*renderables, **kwargs)
-        *names, text = self.columns
-        for column in names:
-            column.no_wrap = True
-            column.overflow = "fold"
-        text.overflow = "fold"
-        help_cell = renderables[-1] if renderables else None
-        for item in help_cell.renderables if isinstance(help_cell, Columns) else [help_cell]:
-            if isinstance(item, Text):
-                item.overflow = "fold"
+def _uncut_table() -> type:
+    """Rich's ``Table`` with uncut option rows (Rich imported here: a run that prints no help,
+    ``simulate --json``, imports none of it; cachelab.progress)."""
+    from rich.columns import Columns
+    from rich.table import Table
+    from rich.text import Text
+
+    class _UncutTable(Table):
+        def add_row(self, *renderables, **kwargs):
+            renderables = _flags_in_one_cell(renderables)
+            super().add_row(*renderables, **kwargs)
+            *names, text = self.columns
+            for column in names:
+                column.no_wrap = True
+                column.overflow = "fold"
+            text.overflow = "fold"
+            help_cell = renderables[-1] if renderables else None
+            for item in help_cell.renderables if isinstance(help_cell, Columns) else [help_cell]:
+                if isinstance(item, Text):
+                    item.overflow = "fold"
+
+    return _UncutTable
 
 
 def _flags_in_one_cell(row: tuple) -> tuple:
@@ -43,6 +49,8 @@ def _flags_in_one_cell(row: tuple) -> tuple:
     in columns of their own: those columns (``--no-prefix-caching``) left the help text of
     ``serve`` 14 columns wide at 80. Typer's option row is [required,] long, short, negative
     long, negative short, type, help."""
+    from rich.text import Text
+
     if len(row) < 6 or not all(isinstance(cell, Text) for cell in row[-6:-2]):
         return row
     at = len(row) - 6
@@ -54,7 +62,7 @@ def _flags_in_one_cell(row: tuple) -> tuple:
 def install() -> None:
     import typer.rich_utils  # here: a run that prints no help does without it (cachelab.cli.main)
 
-    typer.rich_utils.Table = _UncutTable
+    typer.rich_utils.Table = _uncut_table()
 
 
 def _flowed(doc: str) -> str:
