@@ -206,13 +206,19 @@ def test_trace_lookups_of_a_key_trace_keeps_its_first_keys_and_refuses_what_does
 
 
 def test_a_negative_requests_is_refused_not_every_request_but_the_last(traces, tmp_path):
-    """polars' head(-3) is every row but the last 3: --requests -3 replayed those, exit 0."""
+    """polars' head(-3) is every row but the last 3, and a key trace's keys[:-3] every key but the
+    last 3: simulate and mrc --requests -3 replayed those, exit 0."""
     for verb in (["trace", "lookups", traces["requests"], "-o", tmp_path / "x.npz"],
                  ["simulate", "--trace", traces["requests"], "--policy", "lru", "--capacity", "10"],
                  ["trace", "lookups", traces["npy"], "-o", tmp_path / "x.npz"]):
         res = invoke(*verb, "--requests", "-3")
         assert res.exit_code == 2 and "--requests" in res.output and "Traceback" not in res.output, res.output
         assert not (tmp_path / "x.npz").exists()
+    for verb in (["simulate", "--capacity", "10"], ["mrc", "--capacities", "10"]):
+        for kind in ("npy", "txt"):
+            res = invoke(*verb, "--trace", traces[kind], "--policy", "lru", "--requests", "-3")
+            assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+            assert "--requests -3: a key trace takes its first N keys, N >= 1 (0: every key)" in res.output
 
 def test_a_request_with_prompt_ids_but_no_output_ids_is_never_addressed_as_its_prompt_alone(traces, tmp_path):
     """output_len > 0 with empty output_ids: the lookups dropped its decode tokens silently."""

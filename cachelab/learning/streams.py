@@ -97,9 +97,11 @@ def load_trace(trace, per_source: int, seed: int, preset: str, steps: str = "pro
     trace with token ids (its first ``per_source`` requests), or, unless ``tokens`` (a predictor
     needs them), a key trace (its first ``per_source`` keys, one a step; 0: all)."""
     from cachelab.trace.keytrace import read_keys
-    from cachelab.trace.kinds import CORPORA, KEY, LOOKUPS, Found, detect, wrong_kind
+    from cachelab.trace.kinds import CORPORA, KEY, LOOKUPS, REQUESTS_TAKE, Found, detect, wrong_kind
 
     found = trace if isinstance(trace, Found) else detect(trace, fmt)
+    if per_source < (1 if found.kind == CORPORA else 0):  # keys[:-3], head(-3): all but the last 3
+        raise CachelabError(f"--requests {per_source}: {REQUESTS_TAKE[found.kind]}")
     if found.kind == LOOKUPS:
         return LookupStream.load(found.path)
     if found.kind == CORPORA:
@@ -119,8 +121,6 @@ def _trace_stream(found, max_requests: int, preset: str, steps: str, verb: str) 
     from cachelab.trace.kinds import REQUESTS, Found, wrong_kind
     from cachelab.trace.schema import check_tokenizer, has_requests, read_trace, require_outputs
 
-    if max_requests < 0:  # polars' head(-n) is every row but the last n
-        raise CachelabError(f"--requests {max_requests}: a request trace takes its first N requests, N >= 1 (0: all)")
     check_tokenizer(found.path, get_preset(preset))
     table = has_requests(read_trace(found.path), found.value).sort("arrival_s", maintain_order=True)
     table = require_outputs(table.head(max_requests) if max_requests else table, found.value)

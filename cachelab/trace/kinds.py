@@ -93,6 +93,12 @@ def wrong_kind(found: Found, verb: str, needs: str, hint: str, where: str = "--t
 APPLIES = {CORPORA: {"--requests", "--seed", "--preset", "--steps"}, REQUESTS: {"--requests", "--preset", "--steps"},
            KEY: {"--requests"}, LOOKUPS: set()}
 
+# what --requests (simulate, mrc, train, evaluate, trace lookups, store bench) takes of each kind
+REQUESTS_TAKE = {CORPORA: "corpus names take N >= 1 requests per corpus",
+                 REQUESTS: "a request trace takes its first N requests, N >= 1 (0: all)",
+                 KEY: "a key trace takes its first N keys, N >= 1 (0: every key)",
+                 LOOKUPS: "a saved lookup stream is read whole, and N is never negative"}
+
 
 def refuse_unused(found: Found, given: dict) -> None:
     """A flag that does nothing for this kind of trace (``given``: flag -> value, None when not
