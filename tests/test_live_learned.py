@@ -330,3 +330,42 @@ def test_scorer_cost_measured_and_charged_per_step(model_dir, tmp_path):
                        plain.tables["per_step"]["step_s"].to_numpy())  # the same steps, each longer by its scorer
     assert charged.metrics["scorer_ms_per_step"] == pytest.approx(1e3 * want.mean())
     assert charged.metrics["mean_ttft_ms"] > plain.metrics["mean_ttft_ms"]
+
+
+def test_a_learned_live_point_counts_the_served_prompts_its_model_trained_on(tmp_path):
+    """The live kind's ``model_overlap.*`` of a learned point, run end to end: a model trained on
+    the first 2 of the point's 4 prompts (twice over, so its training window holds both whole)
+    finds exactly those 2 among the 4 measured requests; the 2 warm-up requests (prompts
+    reversed) are not counted."""
+    from mlflow import MlflowClient
+
+    from cachelab.engram import Addresser, get_preset
+    from cachelab.experiment.runner import run_experiment
+    from cachelab.experiment.spec import load_spec
+    from cachelab.experiment.workload import build_workload, load_workload
+    from cachelab.learning.streams import token_digest
+    from test_live_experiment import small_spec
+
+    spec = small_spec(tmp_path, requests=4, sweep='"live.concurrency" = [4]')
+    spec.write_text(spec.read_text().replace("prefix_overlap = 0.5", "prefix_overlap = 0.0"))
+    frame = load_workload(build_workload(load_spec(spec).workload)).requests  # the point's requests, as it builds them
+    prompts = [np.asarray(p, np.int64) for p in frame["prompt_ids"].to_list()]
+    compress = Addresser(get_preset("deepseek-v4.1-flash")).compress
+    assert len({token_digest(compress(p)) for p in prompts}) == len(prompts) == 4
+    twice = prompts[:2] * 2
+    stream = request_stream(twice, [o[:4] for o in frame["output_ids"].to_list()[:2]] * 2, ["completion"] * 4,
+                            tokens_per_step=64)
+    predictor = registry.get(registry.PREDICTORS, "lightgbm-reuse")(n_estimators=4, num_leaves=7)
+    model, _ = train(LearningView.of(stream), predictor, TrainSpec(horizon=256, capacity=0.02), tune=False)
+    assert len(model.metadata["spec"]["train_prompts"]) == 2
+    model_dir = save(model, tmp_path / "model")
+    spec.write_text(spec.read_text().replace('row_cache_policy = "lru"',
+                                             f'row_cache_policy = "{POLICY}"\nrow_cache_model = "{model_dir}"'))
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", quiet=True)
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("live-sweep").experiment_id],
+                                filter_string="tags.`cachelab.kind` = 'point' and attributes.status = 'FINISHED'")
+    m = run.data.metrics
+    assert m["completed"] == 4 and m["row_cache.hbm.hits"] > 0
+    assert (m["model_overlap.prompts"], m["model_overlap.trained_prompts"], m["model_overlap.share"]) == (4, 2, 0.5)
