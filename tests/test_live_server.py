@@ -1318,13 +1318,68 @@ def test_request_id_headers_only_with_the_flag(server):
         assert bad.headers["x-request-id"] != fresh
 
 
+def is_token_chunk(chunk: dict) -> bool:
+    """A stream chunk that carries a choice's tokens: not a chat's role chunk, not the usage chunk."""
+    return bool(chunk["choices"]) and "role" not in chunk["choices"][0].get("delta", {})
+
+
+def merged_deltas(chunks: list[dict]) -> list[dict]:
+    """A one-choice stream with its token chunks folded into one, as vLLM folds the outputs its
+    server's coroutine has not taken yet (``RequestOutputCollector.put``: text and ids appended, the
+    later finish and stop reason, usage and fingerprint kept, a completion's prompt ids from the
+    first): how many tokens ride in one of its events depends on timing, so only the folded stream
+    is the same from run to run. A chat's role chunk and the usage chunk stay apart, as in vLLM."""
+    out = []
+    for chunk in chunks:
+        if not (out and is_token_chunk(out[-1]) and is_token_chunk(chunk)):
+            out.append(chunk)
+            continue
+        (before,), (after,) = out[-1]["choices"], chunk["choices"]
+        choice = dict(after)
+        if "text" in after:
+            choice["text"] = before["text"] + after["text"]
+        if "content" in after.get("delta", {}):
+            content = before["delta"].get("content", "") + after["delta"]["content"]
+            choice["delta"] = {**after["delta"], "content": content}
+        if after.get("token_ids") is not None:
+            choice["token_ids"] = before["token_ids"] + after["token_ids"]
+        if before.get("prompt_token_ids") is not None:
+            choice["prompt_token_ids"] = before["prompt_token_ids"]
+        out[-1] = {**chunk, "choices": [choice]}
+    return out
+
+
+def stream_kinds(chunks: list[dict]) -> dict:
+    """The first chunk of each kind in a one-choice stream: a chat's ``role`` chunk, the ``first``,
+    a ``middle`` and the ``last`` (finishing) token chunk, or the ``only`` one where one event
+    carries every token, and the ``usage`` chunk. Which token kinds vLLM shows depends on how it
+    merged the outputs (``merged_deltas``)."""
+    kinds, seen = {}, False
+    for chunk in chunks:
+        if not chunk["choices"]:
+            kind = "usage"
+        elif not is_token_chunk(chunk):
+            kind = "role"
+        else:
+            finishing = chunk["choices"][0]["finish_reason"] is not None
+            kind = ("middle", "last", "first", "only")[2 * (not seen) + finishing]
+            seen = True
+        kinds.setdefault(kind, chunk)
+    return kinds
+
+
 def answer_shapes(base_url: str, model: str) -> dict:
     """The keys, in order, of a whole completion and of a stream's chunks with and without a
     usage chunk, and where each carries ``system_fingerprint``; vLLM's own extensions that serve
     has no use for (KV and encoder-cache transfer, per-request metrics, routed experts, prompt
-    logprobs) left out."""
+    logprobs) left out. A stream's sequence is its ``merged_deltas``; each kind of its chunks
+    (``stream_kinds``) is under ``kinds``, apart: which of them vLLM shows depends on timing."""
     theirs_only = {"kv_transfer_params", "ec_transfer_params", "metrics", "routed_experts", "prompt_logprobs"}
     shapes = {}
+
+    def keys(chunk):
+        return [k for k in chunk if k not in theirs_only], [list(ch) for ch in chunk["choices"]]
+
     for path, prompt in (("completions", {"prompt": [5, 6, 7]}),
                          ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
         body = {"model": model, **prompt, "max_tokens": 3, "ignore_eos": True, "return_token_ids": True}
@@ -1333,15 +1388,26 @@ def answer_shapes(base_url: str, model: str) -> dict:
         shapes[path] = {"whole": [k for k in whole if k not in theirs_only],
                         "whole_choice": [k for k in choice if k not in theirs_only],
                         "whole_message": [k for k in choice.get("message", {}) if k not in theirs_only],
-                        "whole_usage": list(whole["usage"]), "fingerprint": whole["system_fingerprint"]}
+                        "whole_usage": list(whole["usage"]), "fingerprint": whole["system_fingerprint"],
+                        "kinds": {}}
         for name, extra in (("stream", {}), ("stream_usage", {"stream_options": {"include_usage": True}})):
             with httpx.stream("POST", f"{base_url}/v1/{path}", json={**body, "stream": True, **extra},
                               timeout=T) as r:
                 chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
-            shapes[path][name] = [[k for k in c if k not in theirs_only] for c in chunks]
-            shapes[path][name + "_choices"] = [[list(ch) for ch in c["choices"]] for c in chunks]
-            shapes[path][name + "_fingerprinted"] = ["system_fingerprint" in c for c in chunks]
+            merged = merged_deltas(chunks)
+            shapes[path][name] = [keys(c)[0] for c in merged]
+            shapes[path][name + "_choices"] = [keys(c)[1] for c in merged]
+            shapes[path][name + "_fingerprinted"] = ["system_fingerprint" in c for c in merged]
+            shapes[path]["kinds"][name] = {kind: keys(c) for kind, c in stream_kinds(chunks).items()}
     return shapes
+
+
+def assert_same_kinds(ours: dict, theirs: dict, shape, where) -> None:
+    """Each kind of chunk the real vLLM showed has serve's shape: serve sends one event per step, so
+    it shows every kind but ``only`` (a stream vLLM merged whole, which ``merged_deltas`` compares)."""
+    assert set(theirs) - {"only"} <= set(ours), (where, list(ours), list(theirs))
+    for kind in set(ours) & set(theirs):
+        assert shape(ours[kind]) == shape(theirs[kind]), (where, kind)
 
 
 @pytest.mark.slow
@@ -1360,9 +1426,12 @@ def test_answers_have_the_real_vllms_shape_and_system_fingerprint(server, vllm_s
         assert re.fullmatch(r"cachelab-[\w.+]+-[0-9a-f]{8}", ours[path].pop("fingerprint"))
         ours_usage = ours[path]["whole_usage"]  # vLLM's null details left out
         theirs[path]["whole_usage"] = [k for k in theirs[path]["whole_usage"] if k in ours_usage]
+        ours_kinds, theirs_kinds = ours[path].pop("kinds"), theirs[path].pop("kinds")
         assert ours[path] == theirs[path], path
-    assert theirs["completions"]["stream_fingerprinted"] == [False, False, True]
-    assert theirs["completions"]["stream_usage_fingerprinted"][-1]
+        for name in theirs_kinds:
+            assert_same_kinds(ours_kinds[name], theirs_kinds[name], lambda keys: keys, (path, name))
+    assert theirs["completions"]["stream_fingerprinted"] == [True]  # on the terminal chunk (one, merged)
+    assert theirs["completions"]["stream_usage_fingerprinted"] == [False, True]  # on the usage chunk
 
 
 def json_shape(value):
@@ -1373,6 +1442,13 @@ def json_shape(value):
     if isinstance(value, list):
         return [json_shape(v) for v in value]
     return type(value).__name__
+
+
+def one_token(chunk: dict) -> dict:
+    """A stream chunk with its token ids cut to the first: the shape of one step's event, however
+    many steps vLLM merged into it."""
+    return {**chunk, "choices": [{**ch, "token_ids": ch["token_ids"][:1]} if ch.get("token_ids") else ch
+                                 for ch in chunk["choices"]]}
 
 
 def answers_field_by_field(base_url: str, model: str, words: list[str]) -> dict:
@@ -1414,7 +1490,11 @@ def test_answers_have_the_real_vllms_fields_and_nulls(server, vllm_server):
     theirs = answers_field_by_field(vllm_server.base_url, vllm_server.model, words)
     ours = answers_field_by_field(url, MODEL, words)
     for key in theirs:
-        if key != "chat usage":
+        if isinstance(key, tuple) and key[2] != "whole":  # a stream: its merged deltas, then each kind of chunk
+            assert json_shape(merged_deltas(ours[key])) == json_shape(merged_deltas(theirs[key])), key
+            assert_same_kinds(stream_kinds(ours[key]), stream_kinds(theirs[key]),
+                              lambda chunk: json_shape(one_token(chunk)), key)
+        elif key != "chat usage":
             assert json_shape(ours[key]) == json_shape(theirs[key]), key
     theirs_grant, = theirs["models"]["data"][0]["permission"]
     ours_grant, = ours["models"]["data"][0]["permission"]
