@@ -97,3 +97,24 @@ def test_the_tinylfu_filter_hashes_row_ids_so_the_dense_numbering_does_not_matte
         assert np.array_equal(np.concatenate(hits), runs[-1])
     assert np.array_equal(runs[0], runs[1])
     assert not registry.make_policy(name).capabilities.needs_raw_keys  # no filter, no row ids asked for
+
+
+def test_a_plugin_whose_run_predates_raw_keys_still_runs_with_the_tinylfu_filter():
+    """A plug-in's subclass that overrides ``run`` without ``raw_keys`` (the contract before them) ran
+    as ``fifo+tinylfu`` with a TypeError once the filter asked for row ids; it is not handed them, and
+    its filter hashes the dense keys as before (the same hits as the base class given no row ids)."""
+    from cachelab.engine.cascade import run_policy
+    from policies.linked.fifo import FIFO
+
+    class OldRun(FIFO):
+        def run(self, keys, step_offsets, next_access=None, scores=None, counts=None):
+            return super().run(keys, step_offsets, next_access, scores, counts)
+
+    keys = zipf_keys(5_000, 1_000, alpha=0.9, seed=2)
+    steps = np.arange(0, keys.size + 1, 8)
+    raw = np.random.default_rng(0).choice(1 << 62, 1_000, replace=False)
+    old = OldRun(admission="tinylfu")
+    hits = run_policy(old, keys, steps, 32, 1_000, raw_keys=raw[keys])
+    assert not old.capabilities.needs_raw_keys
+    base = FIFO(admission="tinylfu")
+    assert np.array_equal(hits, run_policy(base, keys, steps, 32, 1_000))  # no row ids: each key its own

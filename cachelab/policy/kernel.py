@@ -18,6 +18,8 @@ reruns a policy with them on).
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import replace
 from typing import ClassVar
 
@@ -113,6 +115,17 @@ def free_stack(capacity: int, dtype=np.int64) -> np.ndarray:
     return np.arange(capacity - 1, -1, -1, dtype=dtype)
 
 
+@functools.cache
+def _takes_raw_keys(cls) -> bool:
+    """Whether ``cls``'s ``step`` and ``run`` take ``raw_keys``. A plug-in's subclass whose own ``run``
+    or ``step`` predates them (it overrides one without the argument) is not handed them: its
+    ``tinylfu`` filter then hashes the engine's dense keys, as every such filter did before."""
+    def takes(method) -> bool:
+        params = inspect.signature(method).parameters.values()
+        return any(p.name == "raw_keys" or p.kind is p.VAR_KEYWORD for p in params)
+    return takes(cls.step) and takes(cls.run)
+
+
 class KernelPolicy(Policy):
     """A policy whose ``step`` and ``run`` call the same compiled kernel.
 
@@ -136,7 +149,8 @@ class KernelPolicy(Policy):
         self.slot_of = np.full(self.num_keys, -1, dtype=index)
         self.key_of = np.full(self.capacity, -1, dtype=index)
         self.filter = make_admission(self.admission, self.capacity, self.num_keys)
-        if int(self.filter[0]) == TINYLFU:  # its sketch hashes row ids (cachelab.policy.admission): ask for them
+        if int(self.filter[0]) == TINYLFU and _takes_raw_keys(type(self)):
+            # its sketch hashes row ids (cachelab.policy.admission): ask for them
             self.capabilities = replace(type(self).capabilities, needs_raw_keys=True)
         self._counts = np.zeros(2, dtype=np.int64)
         self.init_state(self.capacity, self.num_keys)
