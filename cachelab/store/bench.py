@@ -115,15 +115,13 @@ def table_stream(directory, trace: str, requests: int | None, verb: str) -> Look
     from cachelab.engram.config import PRESETS, preset_flag
     from cachelab.learning.streams import check_stream_layout, load_trace
     from cachelab.store.build import load_layout
-    from cachelab.trace.kinds import CORPORA, detect, refuse_unused
+    from cachelab.trace.kinds import detect, refuse_unused
 
     cfg = load_layout(directory)[0].config
     if not trace.endswith(".npz") and cfg.name not in PRESETS:
         raise CachelabError(f"tables of the custom layout {cfg.name!r} replay a saved stream (.npz) only")
     found = detect(trace)
     refuse_unused(found, {"--requests": requests})  # a saved stream is replayed as it was saved
-    if found.kind == CORPORA and requests is not None and requests < 1:  # was 'requests per source must be ...'
-        raise CachelabError(f"--requests {requests}: corpus names take N >= 1 requests per corpus")
     stream = load_trace(found, 50 if requests is None else requests, 0, cfg.name, verb=verb)
     check_stream_layout(stream, cfg, f"--trace {trace}", f"the tables in {directory} are of that layout; write the "
                         f"stream for it (`cachelab trace lookups ... {preset_flag(cfg.name)}`)")
