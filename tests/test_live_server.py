@@ -86,6 +86,21 @@ def test_stream_matches_whole_answer(server):
     assert chat[0].choices[0].delta.role == "assistant" and chat[-1].choices[0].finish_reason == "length"
 
 
+def test_metrics_give_each_family_once(server):
+    """The Prometheus text format allows one HELP and one TYPE line per metric name, its samples
+    in one group; the store's labelled counters (bytes per link, seconds per stage, hits per
+    tier) were a family per label value, a TYPE line repeated for each."""
+    url, _ = server
+    httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "families", "max_tokens": 2}, timeout=T)
+    text = httpx.get(f"{url}/metrics").text
+    types = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
+    assert "cachelab:engram_link_bytes_total" in types
+    assert sorted({t for t in types if types.count(t) > 1}) == []
+    links = {s.labels["link"] for f in text_string_to_metric_families(text) if f.name == "cachelab:engram_link_bytes"
+             for s in f.samples}
+    assert {"host_read", "host_to_device"} <= links
+
+
 def test_64_concurrent_requests_and_metrics_equal_engine(server):
     url, engine = server
     wait_idle(engine)

@@ -162,8 +162,11 @@ class EngineMetrics:
         yield counter("cachelab:engram_fetch_seconds", "Time spent fetching Engram rows without prefetch.",
                       c.engram_fetch_s)
         yield counter("cachelab:engine_compute_seconds", "Step time not spent waiting for Engram rows.", c.compute_s)
+        stored = {}  # one family per name, each label set a sample: a name's HELP/TYPE lines come once
         for name, doc, extra, value in _store_metrics(e.rows):
-            yield counter(name, doc, value, extra)
+            family = stored.setdefault(name, CounterMetricFamily(name, doc, labels=LABELS + tuple(extra or {})))
+            family.add_metric(labels + list((extra or {}).values()), value)
+        yield from stored.values()
         if e.scorer is not None:  # a learned row cache: served prompts, and those its model trained on
             overlap = e.scorer.overlap
             yield counter("cachelab:row_cache_model_prompts", "Prompts the learned row cache's scorer served.",
