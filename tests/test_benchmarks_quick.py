@@ -504,3 +504,50 @@ def test_bench_store_reports_the_scale_its_tables_were_built_at(tmp_path):
     assert run("bench_store.py", "--sections", "none", "--dir", str(tmp_path / "t"), "--scale", "1e-5").returncode == 0
     res = run("bench_store.py", "--sections", "none", "--dir", str(tmp_path / "new"), "--scale", "5")
     assert res.returncode == 2 and "--scale must be in (0, 1], got 5.0" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.slow
+def test_live_operator_probe_counts_the_clock_reads_of_a_step():
+    """benchmarks/live_operator_probe.py (docs/live.md, "The attention term identified") gives the
+    operator clock's cost a step as its reads a step times a read's cost. It derived the reads from a
+    list of operators, 4 pairs a layer + wkv + head = 19 pairs on the tiny preset, where a forward
+    makes 42 reads (21 pairs): 5 operators a layer, out's span starting at attention's end read. The
+    count is the profiler's count of ``time.perf_counter`` calls in a forward, less one untimed."""
+    import sys
+    import time
+
+    import torch
+
+    from cachelab.live.config import PRESETS
+    from cachelab.live.kv_cache import NO_CLOCK, OpClock, PagedKVCache, StepBatch
+    from cachelab.live.model import build_model
+
+    done = run("live_operator_probe.py", "--section", "clock", "--reps", "1")
+    assert done.returncode == 0, done.stderr[-2000:]
+    printed = re.search(r"(\d+) clock reads a step", done.stdout)
+    assert printed, done.stdout
+
+    cfg = PRESETS["tiny"]
+    model = build_model(cfg)
+    kv = PagedKVCache(cfg.layers, 8 * 64, 16, cfg.kv_heads, cfg.head_dim, getattr(torch, cfg.dtype))
+    rows = torch.zeros(4, len(cfg.engram_layers), 24, 256)
+    ids = list(np.random.default_rng(0).integers(100, 90_000, (4, 1)))
+    tables = [np.arange(i * 17, (i + 1) * 17) for i in range(4)]
+
+    def calls(clock) -> int:
+        n = 0
+
+        def count(frame, event, arg):
+            nonlocal n
+            n += event == "c_call" and arg is time.perf_counter
+
+        batch = StepBatch.build(ids, [271] * 4, tables, [True] * 4, 16, clock=clock)
+        sys.setprofile(count)
+        try:
+            with torch.inference_mode():
+                model(batch, kv, lambda: rows)
+        finally:
+            sys.setprofile(None)
+        return n
+
+    assert int(printed.group(1)) == calls(OpClock()) - calls(NO_CLOCK) > 0
