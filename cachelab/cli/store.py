@@ -16,7 +16,8 @@ from cachelab.params import check_params, parse_pairs
 app = typer.Typer(no_args_is_help=True, help="The live tiered Engram store: table files, verify, bench (docs/store.md).")
 
 BACKING_HELP = ("Where the whole table lives: dram (loaded into memory), mmap (the OS page cache), pread (buffered "
-                "reads on a thread pool) or direct (O_DIRECT aligned reads, no page cache).")
+                "reads on a thread pool), direct (O_DIRECT aligned reads, no page cache) or hbm (the whole table in the "
+                "compute device's memory, no cache in front: --capacity 0, no --dram-capacity).")
 
 
 @app.command("build")
@@ -98,8 +99,9 @@ def verify(
 @app.command("bench")
 def bench(
     directory: Path = typer.Option(..., "--dir", help="A directory written by `cachelab store build`."),
-    trace: str = typer.Option(..., "--trace", help="A saved lookup stream (.npz), or prompt corpora, comma-separated "
-                              "(arena-hard, gsm8k, ...), as `cachelab train --trace` takes them."),
+    trace: str = typer.Option(..., "--trace", help="A saved lookup stream (.npz), a request trace with text (.parquet) or "
+                              "prompt corpora, comma-separated (arena-hard, gsm8k, ...), as `cachelab train --trace` "
+                              "takes them."),
     policy: str = typer.Option("lru", "--policy", help="The HBM row cache's policy (registry name)."),
     capacity: str = typer.Option(..., "--capacity", help="HBM row cache capacity: rows, bytes ('64MiB') or a share "
                                  "of the table's rows ('1%'; not of the stream's distinct rows, as `simulate`'s)."),
@@ -216,9 +218,10 @@ def bench(
 @app.command("page-cache")
 def page_cache(
     directory: Path = typer.Option(..., "--dir", help="A directory written by `cachelab store build`."),
-    trace: str = typer.Option(..., "--trace", help="A saved lookup stream (.npz), or prompt corpora, comma-separated."),
-    requests: int | None = typer.Option(None, "--requests", help="Corpus names: requests per corpus (default 50). "
-                                        "A saved stream is replayed whole."),
+    trace: str = typer.Option(..., "--trace", help="A saved lookup stream (.npz), a request trace with text "
+                       "(.parquet) or prompt corpora, comma-separated."),
+    requests: int | None = typer.Option(None, "--requests", help="Corpus names: requests per corpus (default 50); "
+                                        "a request trace: its first N (0: all). A saved stream is replayed whole."),
     steps: int = typer.Option(1000, "--steps", help="Steps replayed in each phase: the stream's first N."),
     policy: str = typer.Option("lru", "--policy", help="The HBM row cache's policy (registry name)."),
     capacity: str = typer.Option("1%", "--capacity", help="HBM row cache capacity: rows, bytes ('64MiB') or a share "
