@@ -493,6 +493,20 @@ def test_a_corpus_field_given_twice_is_named_by_file_line_and_field(tmp_path, co
     assert len(list(registry.get(registry.WORKLOADS, corpus)(root=str(tmp_path)).documents())) == 2
 
 
+@pytest.mark.parametrize("corpus, field", [("arena-hard", "prompt"), ("mt-bench", "turns"), ("gsm8k", "answer")])
+def test_a_corpus_record_missing_a_field_is_named_by_file_line_and_field(tmp_path, corpus, field):
+    """A record without a field the corpus reads named every required field, not the one missing
+    (docs/traces.md: the error names the file, the line and the field)."""
+    from cachelab import registry
+
+    name, good = CORPORA[corpus]
+    path = tmp_path / name
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(good) + "\n" + json.dumps({k: v for k, v in good.items() if k != field}) + "\n")
+    with pytest.raises(CachelabError, match=rf"{path.name}:2: missing field\(s\) \['{field}'\]"):
+        list(registry.get(registry.WORKLOADS, corpus)(root=str(tmp_path)).documents())
+
+
 def test_mooncake_timestamp_of_another_type_is_shown_as_given(tmp_path):
     """A timestamp given as text ("0") was reported as 'got 0', a value in range: the type at
     fault did not show."""

@@ -45,8 +45,12 @@ def _records(path: Path, fields: dict, optional: dict | None = None) -> Iterator
     of turns was read letter by letter)."""
     ingest = Ingest(path, skippable=False)  # --skip-bad skips arrival rows, never a corpus's
     for line, record in ingest.json_lines():
-        if not isinstance(record, dict) or any(f not in record for f in fields):
+        if not isinstance(record, dict):
             ingest.bad(line, f"expected an object with fields {list(fields)}")
+            continue
+        missing = [f for f in fields if f not in record]
+        if missing:  # named: the list of every field required left the reader to find which
+            ingest.bad(line, f"missing field(s) {missing} (an object with fields {list(fields)} expected)")
             continue
         checks = {**fields, **{k: c for k, c in (optional or {}).items() if record.get(k) is not None}}
         repeated = [k for k in checks if k in getattr(record, "repeated", ())]
