@@ -280,7 +280,7 @@ def test_a_save_that_fails_leaves_the_model_it_replaces_whole(models, tmp_path, 
 
     monkeypatch.setattr(cls, "save_model", fails)
     for target in (kept, tmp_path / "new"):
-        with pytest.raises(OSError, match="No space left"):
+        with pytest.raises(CachelabError, match=f"{target.name}: the model could not be written \\(No space left"):
             save(other, target)
     assert {p.name: p.read_bytes() for p in kept.iterdir()} == before
     np.testing.assert_array_equal(load(kept).predictor.predict(_x()), want)
@@ -290,6 +290,28 @@ def test_a_save_that_fails_leaves_the_model_it_replaces_whole(models, tmp_path, 
     save(other, kept)  # replaced whole: the old model's files gone, the new one's sealed
     assert "model.txt" not in {p.name for p in kept.iterdir()}
     np.testing.assert_array_equal(load(kept).predictor.predict(_x()), models["hgb"][1])
+
+
+def test_a_save_over_the_file_size_limit_is_an_error_naming_the_folder(models, tmp_path):
+    """A save whose prior hit the file size limit (or a full disk) ended `cachelab train` with the
+    safetensors writer's traceback (docs/robustness.md: no traceback); it is an error naming the
+    folder and the kernel's reason, the model the folder held kept whole."""
+    import resource
+
+    directory, want = models["lightgbm"]
+    kept = _copy(directory, tmp_path / "kept")
+    before = {p.name: p.read_bytes() for p in kept.iterdir()}
+    other = load(models["hgb"][0])
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64, hard))  # Python ignores SIGXFSZ: a write gets EFBIG
+    try:
+        with pytest.raises(CachelabError, match=r"kept: the model could not be written \(.*File too large"):
+            save(other, kept)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert {p.name: p.read_bytes() for p in kept.iterdir()} == before
+    np.testing.assert_array_equal(load(kept).predictor.predict(_x()), want)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]
 
 
 def test_a_model_is_never_saved_over_other_files(models, tmp_path):

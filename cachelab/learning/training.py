@@ -346,6 +346,7 @@ def save(model: Model, directory: Path, extra: dict | None = None) -> Path:
     import shutil
     import tempfile
 
+    from safetensors import SafetensorError
     from safetensors.numpy import save_file
 
     directory = Path(directory)
@@ -354,8 +355,13 @@ def save(model: Model, directory: Path, extra: dict | None = None) -> Path:
     spec = {**model.metadata["spec"], **(extra or {}), "prior": PRIOR}
     scratch = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".partial", dir=directory.parent))
     try:
-        save_file(model.prior.tensors(), str(scratch / PRIOR))
-        model.predictor.save(scratch, spec)
+        try:
+            save_file(model.prior.tensors(), str(scratch / PRIOR))
+            model.predictor.save(scratch, spec)
+        except (OSError, SafetensorError) as exc:  # a full disk, a file size limit: a traceback before
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise CachelabError(f"{directory}: the model could not be written ({reason}); nothing of it was "
+                                "saved, and the folder holds what it held") from None
         install(scratch, directory)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
