@@ -113,8 +113,18 @@ def replacing(path: str | os.PathLike) -> Iterator[Path]:
     try:
         yield tmp
         os.replace(tmp, path)
+    except OSError as exc:
+        name_the_file(exc, path)
+        raise
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def name_the_file(exc: OSError, path: str | os.PathLike) -> None:
+    """A write to an open file that fails (a full disk, a file size limit) names no file: name
+    ``path``, the output asked for, not its scratch file, so the command line's error says which."""
+    if exc.filename is None:
+        exc.filename = str(path)
 
 
 @contextlib.contextmanager

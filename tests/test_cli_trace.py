@@ -219,3 +219,30 @@ def test_the_spec_format_example_builds_as_written(tmp_path, data_dir):
     res = run("build", spec, "--max-requests", 20, "-o", tmp_path / "w.parquet", "--json")
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["requests"] == 20
+
+
+def test_an_output_the_file_system_refuses_is_an_error_naming_it(tmp_path):
+    """A full disk or a file size limit ended `trace build`, `trace lookups` and `trace convert` in
+    pyarrow's or NumPy's traceback (docs/robustness.md: none); each is `error: FILE: reason`, exit
+    2, the file the name held before kept whole."""
+    import resource
+
+    spec = tmp_path / "w.toml"
+    spec.write_text(SPEC)
+    trace = tmp_path / "t.parquet"
+    commands = {trace: ("build", spec, "-o", trace), tmp_path / "s.npz": ("lookups", trace, "-o", tmp_path / "s.npz"),
+                tmp_path / "k.bin": ("convert", trace, tmp_path / "k.bin")}
+    for out, args in commands.items():  # whole first (and the compiled kernels cached, whose writes the limit hits too)
+        res = run(*args)
+        assert res.exit_code == 0 and out.stat().st_size > 1024, res.output
+    before = {out: out.read_bytes() for out in commands}
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, hard))  # Python ignores SIGXFSZ: a write gets EFBIG
+    try:
+        results = {out: run(*args) for out, args in commands.items()}
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    for out, res in results.items():
+        assert res.exit_code == 2 and f"error: {out}: File too large" in res.output, res.output
+        assert out.read_bytes() == before[out]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k.bin", "s.npz", "t.parquet", "w.toml"]

@@ -8,6 +8,7 @@ the whole command line (``--help``, tests), is built on first use.
 
 from __future__ import annotations
 
+import errno
 import gc
 import importlib
 import os
@@ -26,6 +27,8 @@ import typer
 from typer.core import TyperGroup
 
 from cachelab.errors import CachelabError
+
+NO_ROOM = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS}  # an output the file system refuses
 
 # Every verb in the order ``--help`` lists them: name -> (module of cachelab.cli, attribute, kind).
 # A "group" is a Typer app of sub-verbs; "extra" a command that passes unknown options on.
@@ -73,6 +76,10 @@ class _Group(TyperGroup):
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
         except Exception as exc:
+            if isinstance(exc, OSError) and exc.errno in NO_ROOM:  # the disk's, not the code's: named, no traceback
+                where = f"{exc.filename}: " if exc.filename else "a write failed: "
+                typer.echo(f"error: {where}{os.strerror(exc.errno)}", err=True)
+                raise typer.Exit(code=2) from None
             from cachelab import registry
 
             plugin = registry.blame(exc)

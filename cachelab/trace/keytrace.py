@@ -270,6 +270,6 @@ def write_oracle_general(path: str | Path, keys) -> Path:
     nxt = next_access(keys)
     rec["next"] = np.where(nxt == NO_NEXT, -1, nxt + 1)
     path = Path(path)
-    with replacing(path) as tmp:
-        rec.tofile(tmp)
+    with replacing(path) as tmp, open(tmp, "wb") as f:
+        f.write(rec.data)  # ndarray.tofile's short write carried no errno: "N requested and M written"
     return path

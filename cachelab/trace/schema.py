@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 
 from cachelab.engram.vocab import is_tokenizer_record, tokenizer_record
 from cachelab.errors import CachelabError
-from cachelab.paths import scratch_beside
+from cachelab.paths import name_the_file, scratch_beside
 
 SCHEMA_VERSION = "1"
 VERSION_KEY = b"cachelab.trace.schema_version"
@@ -358,6 +358,8 @@ class TraceWriter:
             self.close()
         else:
             self.abort()
+            if isinstance(exc, OSError):
+                name_the_file(exc, self.path)
 
 
 def write_trace(df: pl.DataFrame, path: str | os.PathLike, tokenizer: str | dict | None = None) -> None:
