@@ -2,8 +2,8 @@
 direct to the same upstream, measured in the same run.
 
 The upstream runs in its own process: by default the deterministic OpenAI server of
-tests/capture_upstream.py (a fixed delay per token, so the proxy's cost is not hidden in
-model time); with --vllm, the real vLLM CPU server (tests/vllm_peer.py; about 2 minutes to
+tests/capture_upstream.py (token i due at the request's arrival + (i + 1) x a fixed delay, so
+the proxy's cost is not hidden in model time and a token's lateness is scheduling alone); with --vllm, the real vLLM CPU server (tests/vllm_peer.py; about 2 minutes to
 start). The proxy is the CLI a user runs (`cachelab capture proxy`, fsync batch). For each
 concurrency, streams run in interleaved rounds, direct and proxied, in ABBA order (direct
 first in even rounds, proxied first in odd ones; with several proxies, the paths in order in
@@ -55,10 +55,17 @@ A,B (default: the first two this process may use). Each placement is reported ag
 direct path, with its own A/A spread; the proxy's, the client's and the upstream's time waiting
 for a CPU (schedstat) shows what the placement changed.
 
+--pairs N adds, after the rounds, the paired verdict (benchmarks/capture_pairs.py): per path and
+concurrency, N pairs of streams direct and through the path back to back, each path first in half of
+them, and N A/A pairs (direct-direct, path-path) run the same way, placed as --pin places the pinned
+rounds; each arm's P99 over its pairs, a paired bootstrap interval of the P99 delta (blocks of
+--pair-block cycles), the A/A interval as the noise, and the goal at that noise. A P99 over n streams
+rests on about n / 100 beyond it: 2,000 pairs at concurrency 1 give 20.
+
 Run: .venv/bin/python benchmarks/bench_capture.py [--requests 1024 --concurrency 1 8
 --max-tokens 32 --token-delay-ms 10 --rounds 4] [--vllm | --upstream URL --model M]
 [--proxy NAME=ARGS ...] [--proxy-nice NAME=N] [--prompt-tokens N] [--relay] [--pin [--pin-cores A,B]]
-[--large-prompt-ids N [--large-every-ms MS]]
+[--large-prompt-ids N [--large-every-ms MS]] [--pairs N [--pair-block CYCLES]]
 """
 
 from __future__ import annotations
@@ -84,6 +91,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+from capture_pairs import CYCLE, MIN_BLOCKS, goal_by_interval, paired_figures, schedule  # noqa: E402
 from loopback import free_port  # noqa: E402
 
 PROMPT = "Which Engram rows should stay in HBM when the table is 189 GiB and the batch is large? "
@@ -263,8 +271,9 @@ class Placement:
     """Where the bench's processes run: ``shared`` (every core for everyone) or ``pinned`` (the client
     and the upstream on one core, the proxies on another)."""
 
-    def __init__(self, upstream_pid: int, proxy_pids: list[int], cores: tuple[int, int] | None):
-        self.upstream_pid, self.proxy_pids, self.cores = upstream_pid, proxy_pids, cores
+    def __init__(self, upstream_pid: int, pids: dict[str, tuple], cores: tuple[int, int] | None):
+        self.upstream_pid, self.pids, self.cores = upstream_pid, pids, cores
+        self.proxy_pids = [pid for proxy in pids.values() for pid in proxy]
         self.all = os.sched_getaffinity(0)
 
     def apply(self, placement: str) -> None:
@@ -346,7 +355,7 @@ async def measure_all(urls, pids, model, args, placement: Placement):
                       "max_tokens": 1, "return_token_ids": True}).encode() if args.large_prompt_ids else None
     big_clients = {name: httpx.AsyncClient(base_url=url, timeout=300) for name, url in urls.items()} if big else {}
     args.large_sent = {name: 0 for name in names}
-    measured = {}
+    measured, paired = {}, {}
     first = 0  # the next timed request's number: every path, placement and round sends prompts of its own (the
     # paths of one round sent the same ones, so the second found the first's prompts in a prefix cache upstream)
     try:
@@ -388,11 +397,76 @@ async def measure_all(urls, pids, model, args, placement: Placement):
                             cpu[f"{name}_loop"] += np.array(cpu_seconds(f"{proxy[0]}/task/{proxy[0]}")) - loop_before
                             waits[f"{name}_loop"] += runqueue_seconds(proxy[0]) - loop_wait
             measured[concurrency] = by_placement
+            if args.pairs:
+                paired[concurrency], first = await measure_pairs(clients, model, concurrency, args, placement, first)
     finally:
         placement.apply("shared")
         for client in [*clients.values(), *big_clients.values()]:
             await client.aclose()
-    return measured
+    return measured, paired
+
+
+async def measure_pairs(clients, model, concurrency, args, placement: Placement, first: int):
+    """--pairs: for each path but direct, its pairs (capture_pairs.schedule: compared and A/A pairs in cycles of
+    four) back to back, each arm ``concurrency`` streams of a prompt of its own and the same shape (the same
+    prompt twice found itself in a prefix-caching upstream's cache the second time), placed as --pin says;
+    per path, (first path, second path, first's streams, second's) per unit, and the next request number; the
+    cores each process may run on, as the kernel says, in ``args.pair_layout``. The client's garbage collector
+    runs every 16 cycles, between pairs."""
+    placement.apply("pinned" if args.pin else "shared")
+    upstream = sorted(os.sched_getaffinity(placement.upstream_pid)) if placement.upstream_pid else None
+    args.pair_layout = {"client": sorted(os.sched_getaffinity(0)), "upstream": upstream} | {
+        name: sorted(os.sched_getaffinity(pids[0])) for name, pids in placement.pids.items()}
+    out = {}
+    gc.collect()
+    gc.disable()
+    try:
+        for name in (n for n in clients if n != "direct"):
+            for path in ("direct", name):  # untimed: this concurrency's connections open on every hop
+                await batch(clients[path], model, concurrency, concurrency, 1, WARM_UP)
+            units = []
+            for k, (a, b) in enumerate(schedule(args.pairs, name)):
+                streams = []
+                for path in (a, b):
+                    streams.append(await batch(clients[path], model, concurrency, concurrency, args.max_tokens, first))
+                    first += concurrency
+                units.append((a, b, *streams))
+                if k % (16 * CYCLE) == 16 * CYCLE - 1:
+                    gc.collect()
+            out[name] = units
+    finally:
+        gc.enable()
+        placement.apply("shared")
+    return out, first
+
+
+def pairs_report(paired: dict, args) -> dict:
+    """Print and return each path's paired verdict per concurrency (capture_pairs.paired_figures)."""
+    def ci(low_high):
+        return f"[{low_high[0]:+.2f}, {low_high[1]:+.2f}]"
+
+    out = {}
+    for c, by_path in paired.items():
+        for name, units in by_path.items():
+            figures = out.setdefault(name, {})[str(c)] = {}
+            cores = ", ".join(f"{who} {cpus}" for who, cpus in args.pair_layout.items())
+            print(f"\npaired, concurrency {c}, {name} against direct: {args.pairs} pairs of {c} stream(s) each way and "
+                  f"{args.pairs} A/A pairs (direct-direct and {name}-{name}), in cycles of {CYCLE}, each path first "
+                  f"in half; bootstrap blocks of {args.pair_block} cycles; cores: {cores}")
+            for metric, pick in (("TTFT", ttft), ("ITL", itl)):
+                f = figures[metric] = paired_figures(units, name, pick, args.pair_block, args.seed)
+                aa = (f"A/A {f['aa_p99_delta_ms']:+.2f} {ci(f['aa_p99_delta_ci_ms'])} ms"
+                      + ("" if f["aa_covers_zero"] else " (leaves out 0: the noise is larger than claimed)")
+                      + f" (on half the pairs each: direct-direct {ci(f['aa_direct_p99_delta_ci_ms'])}, "
+                      f"{name}-{name} {ci(f['aa_proxy_p99_delta_ci_ms'])})")
+                noise = (f"noise not measured ({f['blocks']} block(s), under {MIN_BLOCKS})"
+                         if f["noise_ms"] != f["noise_ms"] else f"noise +/-{f['noise_ms']:.2f} ms {'under' if f['noise_under_allowance'] else 'over'} "
+                         f"the allowance (+{f['allowed_ms']:.2f} ms)")
+                print(f"{metric:<6} P99 direct {f['direct_p99_ms']:.2f} ms, {name} {f['proxy_p99_ms']:.2f} ms, delta "
+                      f"{f['p99_delta_ms']:+.2f} {ci(f['p99_delta_ci_ms'])} ms ({f['samples']} samples a path, "
+                      f"{f['tail_samples']} beyond the P99); {aa}; {noise}; goal {f['goal']}, at this noise: "
+                      f"{f['goal_at_noise']}")
+    return out
 
 
 def samples(measured) -> list[dict]:
@@ -494,13 +568,6 @@ def noise_line(metric: str, figures: dict, allowed: float) -> str:
             f"{tells} (+{allowed:.2f} ms); at this noise: {figures['goal_at_noise']}")
 
 
-def goal_by_interval(low: float, high: float, allowed: float) -> str:
-    """The goal's verdict that another run of the same rounds would repeat: met where the whole 95% interval of
-    the P99 delta is within the allowance, missed where all of it is past, else unresolved (one run's P99 said
-    met or missed by chance of its slowest few samples: the same proxy was both in runs minutes apart)."""
-    return "met" if high <= allowed else "missed" if low > allowed else "unresolved"
-
-
 def cpu_summary(by_variant: dict) -> None:
     """Each proxy's CPU per token against the first proxy's, measured in the same rounds: the figure the
     machine's load moves least (a proxy's P99 moves with the host's, its CPU per token hardly)."""
@@ -595,6 +662,13 @@ def main() -> None:
                          "the upstream's work is the same on every path): the streams' ITL while bodies that take "
                          "long to parse arrive (128k ids: 15 ms of json)")
     ap.add_argument("--large-every-ms", type=float, default=250.0, help="with --large-prompt-ids: how often")
+    ap.add_argument("--pairs", type=int, default=0, metavar="N",
+                    help="after the rounds, per path and concurrency, N pairs (even) of streams direct and through the "
+                         "path back to back, and N A/A pairs, pinned with --pin: the paired verdict (benchmarks/"
+                         "capture_pairs.py); a P99 over n streams rests on about n / 100 beyond it")
+    ap.add_argument("--pair-block", type=int, default=4, metavar="CYCLES",
+                    help="with --pairs: the paired bootstrap draws blocks of this many consecutive cycles (of four "
+                         "pairs each)")
     args = ap.parse_args()
     args.proxy = proxy_variants(args.proxy)
     args.placements = ["shared", "pinned"] if args.pin else ["shared"]
@@ -605,6 +679,13 @@ def main() -> None:
     if args.pin and (len(args.pin_cores) != 2 or len(set(args.pin_cores)) != 2
                      or not set(args.pin_cores) <= set(allowed)):
         raise SystemExit(f"--pin needs two different cores this process may use (of {allowed}), got {args.pin_cores}")
+    if args.pairs:
+        try:
+            schedule(args.pairs, "proxy")
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+        if args.pair_block < 1:
+            raise SystemExit(f"--pair-block {args.pair_block}: expected 1 or more cycles")
     args.proxy_nice = {name: int(n) for name, _, n in (item.partition("=") for item in args.proxy_nice)}
     if set(args.proxy_nice) - set(args.proxy):
         raise SystemExit(f"--proxy-nice names no --proxy: {sorted(set(args.proxy_nice) - set(args.proxy))}")
@@ -660,11 +741,11 @@ def main() -> None:
             urls["relay"] = f"http://127.0.0.1:{rport}"
             wait_up(urls["relay"] + "/v1/models", procs[-1], "relay")
             pids["relay"] = (procs[-1].pid,)
-        placement = Placement(procs[0].pid if procs and not (args.upstream or args.vllm) else 0,
-                              [pid for proxy in pids.values() for pid in proxy], args.pin_cores if args.pin else None)
+        placement = Placement(procs[0].pid if procs and not (args.upstream or args.vllm) else 0, pids,
+                              args.pin_cores if args.pin else None)
         load_before = os.getloadavg()
         sched = scheduling()
-        measured = asyncio.run(measure_all(urls, pids, model, args, placement))
+        measured, paired = asyncio.run(measure_all(urls, pids, model, args, placement))
         load_after = os.getloadavg()
         status = {name: wait_acknowledged(urls[name]) for name in args.proxy}
     finally:
@@ -693,13 +774,16 @@ def main() -> None:
                     for where in args.placements}
     for where in args.placements:
         cpu_summary(by_placement[where])
+    by_pairs = pairs_report(paired, args)
     if args.json:
         by_variant = by_placement["shared"]
         first = next(iter(by_variant.values()))
         print(json.dumps({"load_before": load_before, "load_after": load_after, "scheduling": sched,
                           "by_concurrency": first,
                           "by_proxy": by_variant, "by_placement": by_placement,
-                          "pin_cores": list(args.pin_cores) if args.pin else None}))
+                          "pin_cores": list(args.pin_cores) if args.pin else None,
+                          "paired": {"pairs": args.pairs, "block_cycles": args.pair_block, "layout": args.pair_layout,
+                                     "by_proxy": by_pairs} if args.pairs else None}))
 
 
 if __name__ == "__main__":

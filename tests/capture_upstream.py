@@ -115,6 +115,7 @@ class Upstream:
         return app
 
     async def answer(self, request: Request, chat: bool):
+        start = asyncio.get_running_loop().time()  # the token schedule's origin: the request's arrival
         body = await request.json()
         self.requests += 1
         model = body.get("model", "tiny")
@@ -169,7 +170,7 @@ class Upstream:
                    "usage": usage, "prompt_token_ids": prompt_ids if want_ids else None}
             return Response(_json(out), media_type="application/json")
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        events = self.events(model, rid, chat, prompt_ids, picks, out_ids, want_ids, include_usage, usage)
+        events = self.events(model, rid, chat, prompt_ids, picks, out_ids, want_ids, include_usage, usage, start)
         if model in ("crlf", "cr"):
             ending = "\r\n\r\n" if model == "crlf" else "\r\r"
             events = (e.replace("\n\n", ending) async for e in events)
@@ -177,7 +178,7 @@ class Upstream:
             events = (e.encode().replace(b'"text":"', b'"text":"\xff') async for e in events)
         return StreamingResponse(events, media_type="text/event-stream")
 
-    async def events(self, model, rid, chat, prompt_ids, picks, out_ids, want_ids, include_usage, usage):
+    async def events(self, model, rid, chat, prompt_ids, picks, out_ids, want_ids, include_usage, usage, start):
         obj = "chat.completion.chunk" if chat else "text_completion"
         if model == "huge-chunk":
             yield "data: " + "x" * (12 << 20)
@@ -196,8 +197,11 @@ class Upstream:
         while True:
             if model != "endless" and i >= len(picks):
                 break
-            if self.token_delay_s or model == "endless":
-                await asyncio.sleep(self.token_delay_s or 0.0005)
+            if self.token_delay_s or model == "endless":  # token i due at start + (i + 1) x delay, a fixed schedule:
+                # a token sent late does not move the ones after it, so the bench's ITL varies by scheduling alone
+                now = asyncio.get_running_loop().time()
+                due = start + (i + 1) * self.token_delay_s if self.token_delay_s else now + 0.0005
+                await asyncio.sleep(max(0.0, due - now))
             p = picks[i % len(picks)]
             finish = "length" if model != "endless" and i == len(picks) - 1 else None
             tok = [out_ids[i % len(out_ids)]] if want_ids else None
