@@ -4,9 +4,10 @@ rounds, so that the A/A noise can fall under the 1 ms allowance on a shared mach
 Rounds of hundreds of streams per path leave a handful of units to resample, and a load that drifts
 between rounds is as large as the allowance (session 30: +/-3.4 ms TTFT at concurrency 1). Here a
 unit is a pair: ``c`` streams on one path, then ``c`` streams of the same shape on the other, back to
-back, so both meet the same load. Units run in cycles of four, (direct, X), (direct, direct),
-(X, direct), (X, X): each path goes first as often as second, and half the pairs are A/A pairs run
-exactly as the compared ones. The P99 of each arm is taken over all its units' samples, and the
+back, so both meet the same load. Units run in cycles of four, (direct, X), (X, X), (X, direct),
+(direct, direct): in the compared pairs each path goes first in half and follows each path in half
+(a path's work left over from a stream, the proxy's record, falls on whichever stream comes next),
+and half the pairs are A/A pairs run the same way. The P99 of each arm is taken over all its units' samples, and the
 interval of the P99 difference is a paired bootstrap: the same units for both arms, drawn in blocks
 of consecutive cycles (a load burst spans several pairs). The A/A pairs, direct-direct and X-X
 pooled, are as many as the compared ones and give the noise under the same estimator; their
@@ -20,16 +21,18 @@ import cli_numpy  # noqa: F401  (first, before NumPy: NumPy as the command line 
 
 import numpy as np
 
-CYCLE = 4  # units per cycle: (direct, X), (direct, direct), (X, direct), (X, X)
+CYCLE = 4  # units per cycle: (direct, X), (X, X), (X, direct), (direct, direct)
 MIN_BLOCKS = 10  # fewer blocks to draw from give a bootstrap spread too coarse to call a noise (one gives none)
 
 
 def schedule(pairs: int, name: str) -> list[tuple[str, str]]:
     """The order of ``pairs`` compared pairs and as many A/A pairs, in cycles of four: (first path,
-    second path) per unit."""
+    second path) per unit. Each path's compared streams follow a direct stream in half the pairs and one of X
+    in the other half: in the order (direct, X), (direct, direct), (X, direct), (X, X) every compared direct
+    stream followed one of X, and work the proxy leaves after a stream (its record) fell on direct."""
     if pairs < 2 or pairs % 2:
         raise ValueError(f"--pairs {pairs}: expected an even number of pairs, 2 or more (two per cycle)")
-    cycle = [("direct", name), ("direct", "direct"), (name, "direct"), (name, name)]
+    cycle = [("direct", name), (name, name), (name, "direct"), ("direct", "direct")]
     return cycle * (pairs // 2)
 
 
