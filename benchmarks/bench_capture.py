@@ -3,14 +3,14 @@ direct to the same upstream, measured in the same run.
 
 The upstream runs in its own process: by default the deterministic OpenAI server of
 tests/capture_upstream.py (token i due at the request's arrival + (i + 1) x a fixed delay, so
-the proxy's cost is not hidden in model time and a token's lateness is scheduling alone); with --vllm, the real vLLM CPU server (tests/vllm_peer.py; about 2 minutes to
-start). The proxy is the CLI a user runs (`cachelab capture proxy`, fsync batch). For each
-concurrency, streams run in interleaved rounds, direct and proxied, in ABBA order (direct
-first in even rounds, proxied first in odd ones; with several proxies, the paths in order in
-even rounds and reversed in odd ones) so that drift in the machine's load falls on all paths
-alike. TTFT is the time from sending to the first event carrying text; ITL the gaps
-between such events. The goal (issue 17): the proxy's P99 within 1 ms or 1% of direct,
-whichever is larger.
+the proxy's cost is not hidden in model time and a token's lateness is scheduling alone); with
+--vllm, the real vLLM CPU server (tests/vllm_peer.py; about 2 minutes to start). The proxy is
+the CLI a user runs (`cachelab capture proxy`, fsync batch). For each concurrency, streams run
+in interleaved rounds, direct and proxied, in ABBA order (direct first in even rounds, proxied
+first in odd ones; with several proxies, the paths in order in even rounds and reversed in odd
+ones) so that drift in the machine's load falls on all paths alike. TTFT is the time from
+sending to the first event carrying text; ITL the gaps between such events. The goal (issue
+17): the proxy's P99 within 1 ms or 1% of direct, whichever is larger.
 
 The load generator must not be what is measured. One event loop and one HTTP client per path
 drive every round, so connections stay open across rounds; before every round an untimed
@@ -459,9 +459,10 @@ def pairs_report(paired: dict, args) -> dict:
                       + ("" if f["aa_covers_zero"] else " (leaves out 0: the noise is larger than claimed)")
                       + f" (on half the pairs each: direct-direct {ci(f['aa_direct_p99_delta_ci_ms'])}, "
                       f"{name}-{name} {ci(f['aa_proxy_p99_delta_ci_ms'])})")
+                under = "under" if f["noise_under_allowance"] else "over"
                 noise = (f"noise not measured ({f['blocks']} block(s), under {MIN_BLOCKS})"
-                         if f["noise_ms"] != f["noise_ms"] else f"noise +/-{f['noise_ms']:.2f} ms {'under' if f['noise_under_allowance'] else 'over'} "
-                         f"the allowance (+{f['allowed_ms']:.2f} ms)")
+                         if f["noise_ms"] != f["noise_ms"] else
+                         f"noise +/-{f['noise_ms']:.2f} ms {under} the allowance (+{f['allowed_ms']:.2f} ms)")
                 print(f"{metric:<6} P99 direct {f['direct_p99_ms']:.2f} ms, {name} {f['proxy_p99_ms']:.2f} ms, delta "
                       f"{f['p99_delta_ms']:+.2f} {ci(f['p99_delta_ci_ms'])} ms ({f['samples']} samples a path, "
                       f"{f['tail_samples']} beyond the P99); {aa}; {noise}; goal {f['goal']}, at this noise: "
