@@ -2,17 +2,17 @@
 rounds, so that the A/A noise can fall under the 1 ms allowance on a shared machine.
 
 Rounds of hundreds of streams per path leave a handful of units to resample, and a load that drifts
-between rounds is as large as the allowance (session 30: +/-3.4 ms TTFT at concurrency 1). Here a
-unit is a pair: ``c`` streams on one path, then ``c`` streams of the same shape on the other, back to
-back, so both meet the same load. Units run in cycles of four, (direct, X), (X, X), (X, direct),
-(direct, direct): in the compared pairs each path goes first in half and follows each path in half
-(a path's work left over from a stream, the proxy's record, falls on whichever stream comes next),
-and half the pairs are A/A pairs run the same way. The P99 of each arm is taken over all its units' samples, and the
-interval of the P99 difference is a paired bootstrap: the same units for both arms, drawn in blocks
-of consecutive cycles (a load burst spans several pairs). The A/A pairs, direct-direct and X-X
-pooled, are as many as the compared ones and give the noise under the same estimator; their
-interval covers zero when the noise claimed is the noise there is. A P99 over n samples rests on
-about n / 100 samples beyond it: ``tail_samples``.
+between rounds is as large as the allowance (session 30: +/-3.4 ms TTFT at concurrency 1). Here a unit
+is a pair: ``c`` streams on one path, then ``c`` streams of the same shape on the other, back to back,
+so both meet the same load. Units run in cycles of four, (direct, X), (X, X), (X, direct), (direct,
+direct): in the compared pairs each path goes first in half and follows each path in half (a path's work
+left over from a stream, the proxy's record, falls on whichever stream comes next), and half the pairs
+are A/A pairs run the same way. The P99 of each arm is taken over all its units' samples, and the
+interval of the P99 difference is a paired bootstrap: the same units for both arms, drawn in blocks of
+consecutive cycles (a load burst spans several pairs). The A/A pairs, direct-direct and X-X pooled, are
+as many as the compared ones and give the noise under the same estimator; their interval covers zero
+when the noise claimed is the noise there is. A P99 over n samples rests on about n / 100 samples beyond
+it: ``tail_samples``.
 """
 
 from __future__ import annotations
