@@ -29,7 +29,8 @@ resampled (a round's streams share its load: resampled one by one, a drift betwe
 precision), its verdict, the A/A interval the same way, and whether that noise is under the allowance
 (else no run like this one can tell met from missed). The proxy process's CPU time per stream and per token (from /proc) does not
 depend on how busy the machine is. --samples FILE writes every stream (path, concurrency,
-round, start, TTFT, ITL gaps) as JSON, to look at a tail.
+round, start, TTFT, ITL gaps; a stream of --pairs its pair and place in it) as JSON, to look at
+a tail.
 
 --relay adds a path through a TCP relay that only copies bytes both ways (no HTTP parsing, no
 recording; the proxy's event loop and TCP_NODELAY): what one more hop costs on this machine,
@@ -470,12 +471,18 @@ def pairs_report(paired: dict, args) -> dict:
     return out
 
 
-def samples(measured) -> list[dict]:
-    """Every stream as a row: to look at a tail (which placement, round, when, which path)."""
+def samples(measured, paired) -> list[dict]:
+    """Every stream as a row: to look at a tail (which placement, round, when, which path); a stream of --pairs
+    with ``pairs_of`` (the path compared with direct), ``unit`` (the pair's number) and ``second`` in place of
+    ``round``."""
     return [{"path": name, "placement": where, "concurrency": c, "round": r, "sent": sent, "ttft_s": t,
              "itl_s": gaps.tolist()}
             for c, by_placement in measured.items() for where, (rounds, _, _) in by_placement.items()
-            for name, per_path in rounds.items() for r, streams in enumerate(per_path) for sent, t, gaps in streams]
+            for name, per_path in rounds.items() for r, streams in enumerate(per_path) for sent, t, gaps in streams] + \
+        [{"path": path, "pairs_of": name, "concurrency": c, "unit": k, "second": second, "sent": sent, "ttft_s": t,
+          "itl_s": gaps.tolist()}
+         for c, by_path in paired.items() for name, units in by_path.items() for k, unit in enumerate(units)
+         for second, (path, streams) in enumerate(zip(unit[:2], unit[2:])) for sent, t, gaps in streams]
 
 
 def report(concurrency, name, rounds, cpu, waits, args, rng, where="shared") -> dict:
@@ -768,7 +775,7 @@ def main() -> None:
         print(f"capture of {name}: {st['acknowledged']} of {st['submitted']} records acknowledged "
               f"(fsync {st['fsync']}), {st['dropped']} dropped")
     if args.samples:
-        args.samples.write_text(json.dumps(samples(measured)))
+        args.samples.write_text(json.dumps(samples(measured, paired)))
     rng = np.random.default_rng(args.seed)
     by_placement = {where: {name: {str(c): report(c, name, *measured[c][where], args, rng, where)
                                    for c in args.concurrency} for name in pids}

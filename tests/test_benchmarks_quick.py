@@ -352,11 +352,11 @@ def test_bench_capture_gives_each_proxys_cpu_per_token_as_a_ratio_and_the_verdic
         assert figures[m]["goal_at_noise"] == "unresolved"  # a noise not measured settles nothing
 
 @pytest.mark.slow
-def test_bench_capture_pairs_runs_pinned_and_claims_no_noise_it_cannot_measure():
+def test_bench_capture_pairs_runs_pinned_and_claims_no_noise_it_cannot_measure(tmp_path):
     """``--pairs``: request-level pairs after the rounds, pinned with --pin; a run of 4 pairs (2 cycles, under
     the 10 blocks a noise needs) gives its figures but resolves nothing. An odd --pairs is refused."""
     done = run("bench_capture.py", "--requests", "4", "--rounds", "2", "--concurrency", "1", "--max-tokens", "3",
-               "--pairs", "4", "--pin", "--json")
+               "--pairs", "4", "--pin", "--json", "--samples", str(tmp_path / "samples.json"))
     assert done.returncode == 0, done.stderr[-2000:]
     paired = json.loads(done.stdout.strip().splitlines()[-1])["paired"]
     assert paired["layout"]["client"] == paired["layout"]["upstream"] != paired["layout"]["proxy"]
@@ -365,6 +365,9 @@ def test_bench_capture_pairs_runs_pinned_and_claims_no_noise_it_cannot_measure()
         assert figures["pairs"] == 4 and figures["samples"] == (4 if metric == "TTFT" else 8)
         assert figures["goal_at_noise"] == figures["goal"] == "unresolved" and not figures["noise_under_allowance"]
     assert re.search(r"^TTFT +P99 direct .* noise not measured \(1 block\(s\), under 10\)", done.stdout, re.M)
+    rows = [row for row in json.loads((tmp_path / "samples.json").read_text()) if "unit" in row]
+    assert len(rows) == 16 and [row["path"] for row in rows[:4]] == ["direct", "proxy", "proxy", "proxy"]
+    assert {row["pairs_of"] for row in rows} == {"proxy"} and [row["second"] for row in rows[:2]] == [0, 1]
     refused = run("bench_capture.py", "--pairs", "3")
     assert refused.returncode != 0 and "--pairs 3: expected an even number" in refused.stderr
 
