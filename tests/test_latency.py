@@ -319,6 +319,25 @@ def test_ssd_mmap_parts_add_up_and_faults_dominate_cold_reads():
     assert warm["total_s"] > uva.fetch_parts(EngramStep(lookups=10_000, unique=8_000))["total_s"]  # the CPU round trip
 
 
+def test_the_mapped_gathers_row_cost_is_charged_per_row_a_rank_reads_on_ssd_mmap_alone():
+    # the what-if term of the joint SSD fit (Efficiency.mmap_row_s): rows a rank reads through the mapping
+    work = EngramStep(lookups=10_000, unique=8_000, cache_hits=2_000)
+    plain = LatencyModel(MODEL, load_profile("B200"), tp=4, placement="ssd-mmap").fetch_parts(work)
+    lat = LatencyModel(MODEL, load_profile("B200"), tp=4, placement="ssd-mmap", efficiency=Efficiency(mmap_row_s=1e-6))
+    parts = lat.fetch_parts(work)
+    assert plain["mmap_rows_s"] == 0.0  # not charged by default
+    assert parts["mmap_rows_s"] == pytest.approx(6000 / 4 * 1e-6 / lat.hw.cpu.threads)  # the row-cache misses, a rank's
+    assert parts["total_s"] == pytest.approx(plain["total_s"] + parts["mmap_rows_s"])
+    copy = LatencyModel(MODEL, load_profile("B200"), tp=4, placement="dram-copy", efficiency=Efficiency(mmap_row_s=1e-6))
+    assert "mmap_rows_s" not in copy.fetch_parts(work)
+    # a prefill chunk's rows outlast layer 1's one-layer window; a verify step's few rows hide behind it
+    chunk, one = Batch([0.0], [16384.0]), Batch([1000.0], [1006.0], lm_rows=6, drafting=1)
+    rows = lambda tokens: [EngramStep(tokens * 24, tokens * 24)] * 2
+    base = LatencyModel(MODEL, load_profile("B200"), tp=4, placement="ssd-mmap")
+    assert lat.step_time(chunk, rows(16384)).stall_s > base.step_time(chunk, rows(16384)).stall_s
+    assert lat.step_time(one, rows(6)).step_s == base.step_time(one, rows(6)).step_s
+
+
 def test_a_fraction_of_a_page_expected_pays_that_fraction_of_the_read_latency():
     lat = LatencyModel(MODEL, load_profile("B200"), tp=4, placement="ssd-mmap")
     ssd = lat.hw.ssd

@@ -364,7 +364,7 @@ def study_semianalysis(
     from cachelab.serving.calibration import FITTED
     from cachelab.serving.studies.semianalysis import (dram_over_ssd_across_floor, run, sensitivity as elasticity,
                                                        total_points, what_ifs, with_fitted_piecewise)
-    from cachelab.serving.studies.ssd_floor import floor_from_tpot_offset, floor_if_think_mean
+    from cachelab.serving.studies.ssd_floor import floor_from_tpot_offset, floor_if_think_mean, joint_fit
 
     if not 0.0 <= prefix_hit < 1.0:
         raise CachelabError(f"--prefix-hit must be in [0, 1), got {prefix_hit}")
@@ -395,6 +395,9 @@ def study_semianalysis(
             result["b200_dram_over_ssd_if_floor_from_tpot_offset"] = floor_from_tpot_offset(
                 workload, eff, result["b200_dram_tokens_per_dollar"])
             result["piecewise_layer_s_if_think_mean_s"] = floor_if_think_mean(workload, eff)
+        with spinner("the SSD floor and a per-row cost of the mapped gather fitted jointly on throughput and P90 TTFT"):
+            result["b200_dram_over_ssd_if_ssd_host_fit_on_ttft"] = joint_fit(
+                workload, eff, result["b200_dram_tokens_per_dollar"])
     if as_json:
         typer.echo(strict_json.dumps(result))
         return
@@ -443,6 +446,14 @@ def study_semianalysis(
                     f"{k} {v['piecewise_layer_s'] * 1e6:.0f} us: "
                     + (f"{v['b200_dram_over_ssd']:.2f}x" if v["b200_dram_over_ssd"] else "SSD never reaches the target")
                     for k, v in u["by_floor"].items()))
+    if "b200_dram_over_ssd_if_ssd_host_fit_on_ttft" in result:
+        j = result["b200_dram_over_ssd_if_ssd_host_fit_on_ttft"]
+        c.print(f"DRAM over SSD with the floor and a per-row cost of the mapped gather fitted jointly on the PR body's "
+                f"throughput and P90 TTFT: {_times(j['b200_dram_over_ssd'] or math.nan)} (floor "
+                f"{j['piecewise_layer_s']['value'] * 1e6:.0f} +- {j['piecewise_layer_s']['standard_error'] * 1e6:.0f} us, "
+                f"{j['mmap_row_s']['value'] * 1e9:.0f} +- {j['mmap_row_s']['standard_error'] * 1e9:.0f} ns a row, "
+                f"correlation {j['correlation']:+.2f}; held-out MAPE throughput {j['held_out_mape']:.1%}, "
+                f"P90 TTFT {j['p90_ttft_held_out_mape']:.1%})")
     if "sensitivity" in result:
         table = Table(title="tokens/$ elasticity (B200 DRAM-UVA at 125 tok/s/user)")
         for col in ("parameter", "value", "elasticity"):

@@ -41,7 +41,8 @@ The Engram fetch runs beside it, decomposed into its parts per placement:
     dram-uva    table in pinned host DRAM; the GPU gathers rows over UVA (PCIe or C2C)
     dram-copy   row ids to the CPU, dedup, CPU gather into a pinned buffer, H2D copy
     ssd-mmap    as dram-copy, but rows come through mmap and the page cache: major faults
-                and SSD reads for pages not cached
+                and SSD reads for pages not cached, and a fitted host cost per row read
+                through the mapping (``Efficiency.mmap_row_s``)
     ssd-direct  pages read from the SSD straight into GPU memory (GPUDirect Storage style)
 
 Rows found in an HBM row cache (a tier above any of these) cost an HBM gather instead.
@@ -107,6 +108,15 @@ class Efficiency:
     # 2.6 ms x the acceptance length: a what-if of the study, contradicted by the held-out 8k/1k
     # pair, where the SSD arm's TPOT is the UVA arm's (docs/serving.md).
     piecewise_step_offset_s: float = 0.0
+    # Host time per distinct row the ssd-mmap gather reads through the mapping beyond the gather rate
+    # timed here (``[cpu] gather_rows_per_s``, on a 3 GiB mapping whose every page was touched first):
+    # faults that map a page on its first touch (1.6 us a row timed here with them kept in,
+    # ``benchmarks/bench_engram_host_path.py --cold``), page walks of a rank's 47 GiB private mapping.
+    # Binds where a step reads many rows: a prefill chunk (98k a rank a layer for a 16k-token chunk at
+    # TP4), behind the one layer of window before Engram layer 1. 0: not charged. The study's what-if
+    # fits it jointly with ``piecewise_layer_s`` on the PR body's throughput and P90 TTFT
+    # (``studies.ssd_floor.fit_ssd_host``); as a cost every step pays, the held-out points reject it.
+    mmap_row_s: float = 0.0
     uva_efficiency: float = 0.6  # of link bandwidth for scattered 128 B UVA reads
     copy_efficiency: float = 0.9  # of link bandwidth for a bulk H2D copy
     line_bytes: int = 128  # a GPU gather moves whole 128 B lines: a 264 B row costs 3
@@ -471,6 +481,8 @@ class LatencyModel:
             parts["device_reads_s"] = self._device_reads_s(pages)
             parts["page_faults_s"] = pages * cpu.major_fault_s / threads
             critical = max(parts["device_reads_s"], parts["page_faults_s"])
+            parts["mmap_rows_s"] = rows * e.mmap_row_s / threads
+            critical += parts["mmap_rows_s"]
         parts["cpu_gather_s"] = rows / (cpu.gather_rows_per_s * threads)
         parts["h2d_copy_s"] = rows * self.model.row_bytes / (h.link_bw * e.copy_efficiency)
         parts["total_s"] = (parts["hbm_gather_s"] + parts["round_trip_s"] + parts["cpu_dedup_s"] + critical

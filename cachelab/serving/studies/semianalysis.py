@@ -92,6 +92,8 @@ SSD_PR_TPOT_OFFSET_S = 2.6e-3
 SSD_PR_SWEEP = {1: (19_338, 12_272), 2: (25_059, 14_587), 4: (34_897, 24_453), 8: (61_151, 47_598),
                 16: (112_212, 101_218), 32: (226_006, 207_582), 64: (348_969, 330_709),
                 96: (222_396, 301_346), 128: (76_717, 112_567)}  # concurrency: (UVA baseline, disk) tok/s
+SSD_PR_P90_TTFT_MS = {1: (958, 1_205), 2: (558, 695), 4: (533, 548), 8: (477, 497), 16: (551, 598), 32: (784, 685),
+                      64: (1_325, 1_092)}  # the same sweep's P90 TTFT, ms (its 96-128 clients: 5-291 s, not steady)
 # past 64 clients both arms collapse (P90 TTFT 18-291 s: admission queues the steady state does not hold)
 SSD_PR_STEADY = (1, 2, 4, 8, 16, 32, 64)
 # where the PR body says the offset "dominates" (short steps): the floor is fitted on these, the rest held out
@@ -118,16 +120,21 @@ def published_piecewise_layer_s(eff: Efficiency, workload: Workload | None = Non
     return (floor - eff.step_overhead_s) / m.layers_launched(drafting=True)
 
 
-def _piecewise_residuals(eff: Efficiency, workload: Workload) -> Callable[[Efficiency], np.ndarray]:
-    """The fit's residuals as a function of the efficiencies: per ``SSD_PR_FIT`` concurrency, the
-    log of the model's B200 TP4 SSD-mmap throughput less the log of the published SSD-over-UVA
-    ratio times the model's UVA throughput (which ``piecewise_layer_s`` does not move)."""
-    uva = SteadyState(deployment("B200", 4, "dram-uva", eff), workload)
-    target = np.array([np.log(SSD_PR_SWEEP[c][1] / SSD_PR_SWEEP[c][0] * uva.solve(c)[Y]) for c in SSD_PR_FIT])
+TTFT = "p90_ttft_ms"
+SSD_PR_PUBLISHED = {Y: SSD_PR_SWEEP, TTFT: SSD_PR_P90_TTFT_MS}  # metric: {concurrency: (UVA, disk)}
+
+
+def pr_sweep_residuals(eff: Efficiency, workload: Workload, metrics=(Y,)) -> Callable[[Efficiency], np.ndarray]:
+    """The fit's residuals as a function of the efficiencies: per metric and ``SSD_PR_FIT``
+    concurrency, the log of the model's B200 TP4 SSD-mmap figure less the log of the published
+    SSD-over-UVA ratio times the model's UVA figure (which the SSD arm's parameters do not move)."""
+    uva = [SteadyState(deployment("B200", 4, "dram-uva", eff), workload).solve(c) for c in SSD_PR_FIT]
+    target = np.array([np.log(SSD_PR_PUBLISHED[k][c][1] / SSD_PR_PUBLISHED[k][c][0] * u[k])
+                       for k in metrics for c, u in zip(SSD_PR_FIT, uva)])
 
     def residuals(e: Efficiency) -> np.ndarray:
-        ssd = SteadyState(deployment("B200", 4, "ssd-mmap", e), workload)
-        return np.array([np.log(ssd.solve(c)[Y]) for c in SSD_PR_FIT]) - target
+        ssd = [SteadyState(deployment("B200", 4, "ssd-mmap", e), workload).solve(c) for c in SSD_PR_FIT]
+        return np.array([np.log(s[k]) for k in metrics for s in ssd]) - target
 
     return residuals
 
@@ -137,10 +144,11 @@ def fitted_piecewise_layer_s(eff: Efficiency, workload: Workload | None = None) 
     it says the offset dominates (``SSD_PR_FIT``: 1-8 clients, the short steps): least squares on
     the log of the model's SSD-over-UVA throughput (B200 TP4) against the published ratio,
     ``calibration.pattern_search`` over ``piecewise_layer_s`` alone, the other efficiencies as
-    given. The sweep's 16-64 clients and the 8k/1k pair stay held out."""
+    given. The sweep's 16-64 clients and the 8k/1k pair stay held out. (Its P90 TTFT joins the
+    fit in the what-if ``ssd_floor.fit_ssd_host``.)"""
     from cachelab.serving.calibration import pattern_search
 
-    residuals = _piecewise_residuals(eff, workload or agentic_workload())
+    residuals = pr_sweep_residuals(eff, workload or agentic_workload())
     return pattern_search(lambda e: float((residuals(e) ** 2).sum()), eff, ("piecewise_layer_s",))[0].piecewise_layer_s
 
 
@@ -148,7 +156,7 @@ def piecewise_standard_error(eff: Efficiency, workload: Workload | None = None, 
     """The standard error of the fitted ``piecewise_layer_s`` (``eff``'s) from its fit's own
     residuals: one parameter fitted on n points by least squares, se^2 = s^2 / sum(J^2), with
     s^2 = sum(r^2) / (n - 1) and J the residuals' derivative (central difference, +-``rel_step``)."""
-    residuals = _piecewise_residuals(eff, workload or agentic_workload())
+    residuals = pr_sweep_residuals(eff, workload or agentic_workload())
     value = eff.piecewise_layer_s
     r = residuals(eff)
     up, down = (residuals(replace(eff, piecewise_layer_s=value * (1 + k * rel_step))) for k in (1, -1))
@@ -218,17 +226,20 @@ def disk_over_uva(points: pl.DataFrame) -> dict:
     b = points.filter(pl.col("fits") & (pl.col("hardware") == "B200") & (pl.col("tp") == 4))
     out = {}
     for c in SSD_PR_STEADY:
-        pair = {r["placement"]: r[Y] for r in b.filter(pl.col("concurrency") == c).iter_rows(named=True)}
+        pair = {r["placement"]: r for r in b.filter(pl.col("concurrency") == c).iter_rows(named=True)}
         if {"dram-uva", "ssd-mmap"} <= set(pair):
-            base, disk = SSD_PR_SWEEP[c]
-            out[str(c)] = {"model": pair["ssd-mmap"] / pair["dram-uva"], "published": disk / base,
-                           "uva_tokens_per_s_model": pair["dram-uva"] * 4, "uva_tokens_per_s_published": base}
-    errors = {int(k): abs(v["model"] - v["published"]) / v["published"] for k, v in out.items()}
-    held = [e for c, e in errors.items() if c not in SSD_PR_FIT]
-    fitted = [e for c, e in errors.items() if c in SSD_PR_FIT]
-    return {"by_concurrency": out, "held_out_mape": float(np.mean(held)) if held else float("nan"),
-            "fit_mape": float(np.mean(fitted)) if fitted else float("nan"),
-            "fit_concurrencies": list(SSD_PR_FIT), "source": SSD_PR_SOURCE}
+            (base, disk), (ttft_base, ttft_disk) = SSD_PR_SWEEP[c], SSD_PR_P90_TTFT_MS[c]
+            out[str(c)] = {"model": pair["ssd-mmap"][Y] / pair["dram-uva"][Y], "published": disk / base,
+                           "uva_tokens_per_s_model": pair["dram-uva"][Y] * 4, "uva_tokens_per_s_published": base,
+                           "p90_ttft_model": pair["ssd-mmap"][TTFT] / pair["dram-uva"][TTFT],
+                           "p90_ttft_published": ttft_disk / ttft_base}
+    mape = {}
+    for name, model, pub in (("", "model", "published"), ("p90_ttft_", "p90_ttft_model", "p90_ttft_published")):
+        errors = {int(k): abs(v[model] - v[pub]) / v[pub] for k, v in out.items()}
+        for part, keep in (("held_out_mape", lambda c: c not in SSD_PR_FIT), ("fit_mape", lambda c: c in SSD_PR_FIT)):
+            chosen = [e for c, e in errors.items() if keep(c)]
+            mape[name + part] = float(np.mean(chosen)) if chosen else float("nan")
+    return {"by_concurrency": out, **mape, "fit_concurrencies": list(SSD_PR_FIT), "source": SSD_PR_SOURCE}
 
 
 def _dominant(point: dict) -> str:
