@@ -1,4 +1,4 @@
-"""Numba's start-up work that a run of cached kernels does not need, deferred to a compilation.
+"""Numba's start-up work that a run of cached kernels does not need, deferred to where it is needed.
 
 A process's first dispatch of a kernel, cached or not, makes Numba ``refresh`` its target
 context: it imports and installs every typing and lowering registry (strings, lists, sets,
@@ -6,7 +6,7 @@ dicts, random generators, cffi, NumPy's whole API) and, in ``numba.np.arraymath`
 BLAS by importing ``scipy.linalg`` whole. A kernel loaded from Numba's on-disk cache is native
 code that needs none of it; only a compilation does, and Numba's compiler refreshes both
 contexts itself before it compiles (``CompilerBase``), as its ``get_function`` does at a first
-miss. ``install()`` defers both, where ``cachelab simulate`` on a warmed cache paid them inside
+miss. ``install()`` defers them, where ``cachelab simulate`` on a warmed cache paid them inside
 the ``seconds`` it reports (docs/engine.md):
 
 - the refresh (0.19-0.28 s of CPU at the first dispatch, 0.07-0.11 s without it): a cache load
@@ -16,17 +16,24 @@ the ``seconds`` it reports (docs/engine.md):
   ``scipy.linalg.cython_blas`` unimportable for that moment, then its answer (``_HAVE_BLAS``, which
   only chooses between BLAS and a plain loop for float ``np.correlate``/``np.convolve``) is set to
   whether SciPy is installed, as the probe would find. A kernel that calls BLAS still imports
-  SciPy's BLAS when it is compiled (``numba.np.linalg.ensure_blas``), with Numba's own checks.
+  SciPy's BLAS when it is compiled (``numba.np.linalg.ensure_blas``), with Numba's own checks;
+- ``numpy.ma`` (0.03 s of CPU): typing an array argument (a dispatch's first call for each array
+  type) refuses a masked array by ``isinstance(val, np.ma.MaskedArray)``, and NumPy imports
+  ``numpy.ma`` whole to answer it. Until ``numpy.ma`` is imported no masked array can exist, so
+  until then Numba's own function runs with ``np.ma.MaskedArray`` a class without instances (the
+  same answer); from then on, as it is.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import sys
+import types
 
 PROBING = "numba.np.arraymath"  # the module whose import runs the BLAS probe
 PROBED = "scipy.linalg.cython_blas"  # what the probe imports
 CACHING = "numba.core.caching"  # the module whose Cache.load_overload refreshes the context
+TYPING = "numba.core.typing.typeof"  # the module whose array typing imports numpy.ma
 
 
 class _OnImport:
@@ -76,12 +83,6 @@ def _without_blas_probe(loader, module) -> None:
         module._HAVE_BLAS = importlib.util.find_spec("scipy") is not None
 
 
-def _loads_without_refresh(loader, module) -> None:
-    """Run ``numba.core.caching``, then ``_refresh_on_compile`` it."""
-    loader.exec_module(module)
-    _refresh_on_compile(module)
-
-
 def _refresh_on_compile(caching) -> None:
     """Make ``Cache.load_overload`` of ``caching`` (``numba.core.caching``) refresh no registry."""
     plain = getattr(getattr(caching, "Cache", None), "load_overload", None)
@@ -101,12 +102,50 @@ def _refresh_on_compile(caching) -> None:
     caching.Cache.load_overload = load_overload
 
 
+class _NumpyUnmasked:
+    """NumPy as seen by array typing while ``numpy.ma`` is not imported: its ``ma.MaskedArray``
+    a class of which nothing is an instance (no masked array exists yet), the rest NumPy's own."""
+
+    ma = types.SimpleNamespace(MaskedArray=type("MaskedArray", (), {}))
+
+    def __getattr__(self, name):
+        return getattr(sys.modules["numpy"], name)
+
+
+def _unmasked(typeof) -> None:
+    """Register for NumPy arrays, in ``typeof`` (``numba.core.typing.typeof``), Numba's own array
+    typing with ``np`` an ``_NumpyUnmasked`` while ``numpy.ma`` is not imported."""
+    import numpy as np
+
+    plain = typeof.typeof_impl.dispatch(np.ndarray)
+    if getattr(plain, "unmasked", False):  # done already
+        return
+    unmasked = types.FunctionType(plain.__code__, {**plain.__globals__, "np": _NumpyUnmasked()}, plain.__name__,
+                                  plain.__defaults__, plain.__closure__)
+
+    def typeof_array(val, c):
+        return (plain if "numpy.ma" in sys.modules else unmasked)(val, c)
+
+    typeof_array.__doc__, typeof_array.unmasked = plain.__doc__, True
+    typeof.typeof_impl.register(np.ndarray)(typeof_array)
+
+
+def _after(name, done) -> None:
+    """``done(module)`` of module ``name``: now if it is imported, else once its own code has run."""
+    def run(loader, module):
+        loader.exec_module(module)
+        done(module)
+
+    if name in sys.modules:
+        done(sys.modules[name])
+    elif not any(isinstance(f, _OnImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _OnImport(name, run))
+
+
 def install() -> None:
-    """Defer both for this process: the probe unless Numba already ran it (cachelab imported late),
-    the refresh in any case (a cache load after this one refreshes nothing)."""
+    """Defer all three for this process: the probe unless Numba already ran it (cachelab imported
+    late), the refresh and ``numpy.ma`` in any case (a cache load or a typing after this one)."""
     if PROBING not in sys.modules and not any(isinstance(f, _OnImport) and f.name == PROBING for f in sys.meta_path):
         sys.meta_path.insert(0, _OnImport(PROBING, _without_blas_probe))
-    if CACHING in sys.modules:
-        _refresh_on_compile(sys.modules[CACHING])
-    elif not any(isinstance(f, _OnImport) and f.name == CACHING for f in sys.meta_path):
-        sys.meta_path.insert(0, _OnImport(CACHING, _loads_without_refresh))
+    _after(CACHING, _refresh_on_compile)
+    _after(TYPING, _unmasked)

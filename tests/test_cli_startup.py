@@ -177,3 +177,79 @@ def test_a_cachelab_process_goes_without_numpys_huge_page_advice_unless_asked():
         run_env = env if given is None else {**env, "NUMPY_MADVISE_HUGEPAGE": given}
         out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=run_env)
         assert out.stdout.strip() == advised, (given, out.stdout, out.stderr)
+
+
+def test_simulate_imports_no_pydantic_click_or_numpy_ma(tmp_path):
+    """What a warmed ``simulate`` does not use is not imported (docs/engine.md, "Start-up"): pydantic
+    (Typer 0.2x's option conversion, 0.06-0.08 s of CPU: ``cachelab.cli.plain_values``), click itself
+    (Typer 0.2x carries its own), ``numpy.ma`` (Numba's array typing, 0.03 s: ``cachelab.numba_start``),
+    the request scheduler and the prefix cache (request traces only). Its options still convert."""
+    np.save(tmp_path / "k.npy", np.arange(2_000, dtype=np.int64) % 300)
+    unused = {"pydantic", "pydantic_core", "click", "numpy.ma", "cachelab.workload.steps",
+              "cachelab.workload.prefix_cache"}
+    for _ in range(2):  # compiled, then loaded from Numba's cache
+        first, seen = _run("simulate", "--trace", tmp_path / "k.npy", "--policy", "lru", "--capacity", "50", "--json",
+                           "--warmup", "0.25", "--requests", "1000")
+        out = json.loads(first)
+        assert (out["requests"], out["warmup_requests"]) == (750, 250), out
+        assert not unused & set(seen["modules"]), unused & set(seen["modules"])
+
+
+def test_plain_option_values_convert_as_typers_adapters():
+    """``plain_values.plain`` gives what Typer's pydantic adapter gives, or leaves the value to it."""
+    import pytest
+
+    adapters = pytest.importorskip("typer._adapters")
+    from typer.models import OptionInfo
+
+    from cachelab.cli.plain_values import plain
+
+    values = ["abc", "", " 12", "12", "-12", "007", "-0", "0", "+3", "1_000", "12345678901234567890", "0.5", "-0.25",
+              "00.50", "1.", ".5", "-0.0", "1e3", "nan", "inf", "true", "1", 3, 2.5, True, b"x", ("a", "b"), ["c"]]
+    for annotation in (str, int, float, bool, list[str]):
+        adapter = adapters.try_build_adapter(annotation, OptionInfo())
+        for value in values:
+            mine = plain(annotation, value)
+            if mine is None:  # the adapter decides
+                continue
+            theirs = adapter.validate_python(value)
+            assert type(mine) is type(theirs) and mine == theirs, (annotation, value, mine, theirs)
+    assert plain(int, "12") == 12 and plain(float, "-0.25") == -0.25 and plain(list[str], ("a",)) == ["a"]
+
+
+def test_a_wrong_option_value_gets_typers_message():
+    """A value that is not plain is converted by Typer's own adapter: its message and status 2."""
+    for option, value in (("--warmup", "abc"), ("--requests", "1.5")):
+        out = subprocess.run([sys.executable, "-m", "cachelab.cli", "simulate", "--trace", "x.npy", "--policy", "lru",
+                              "--capacity", "5", option, value], capture_output=True, text=True,
+                             env={**os.environ, "COLUMNS": "200"})
+        assert out.returncode == 2 and f"Invalid value for '{option}'" in out.stderr, out.stderr
+
+
+def test_array_typing_imports_no_numpy_ma_and_still_refuses_masked_arrays():
+    """Numba types arrays as before (the same types with and without ``cachelab.numba_start``) without
+    importing ``numpy.ma``, and refuses a masked array once one can exist."""
+    probe = """
+import json, sys
+import numpy as np
+if sys.argv[1] == "cachelab":
+    import cachelab
+import numba
+base = np.zeros((4, 6), np.float32)
+ro = np.arange(5)
+ro.flags.writeable = False
+typed = [str(numba.typeof(a)) for a in (np.arange(3), base, base[:, ::2], base.T, ro, np.zeros(2, "M8[s]"))]
+unmasked = "numpy.ma" not in sys.modules
+import numpy.ma
+try:
+    numba.typeof(np.ma.masked_array([1.0, 2.0]))
+    refused = ""
+except numba.core.errors.NumbaTypeError as exc:
+    refused = str(exc)
+print(json.dumps({"typed": typed, "unmasked": unmasked, "refused": refused}))
+"""
+    runs = {who: json.loads(subprocess.run([sys.executable, "-c", probe, who], capture_output=True, text=True,
+                                           check=True).stdout.splitlines()[-1]) for who in ("cachelab", "numba")}
+    assert runs["cachelab"]["typed"] == runs["numba"]["typed"]
+    assert runs["cachelab"]["unmasked"] and not runs["numba"]["unmasked"]
+    assert "MaskedArray" in runs["cachelab"]["refused"] and runs["cachelab"]["refused"] == runs["numba"]["refused"]

@@ -22,13 +22,16 @@ import os
 # is imported, as NumPy reads it then; child processes inherit it).
 os.environ.setdefault("NUMPY_MADVISE_HUGEPAGE", "0")
 
-import click
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
+from cachelab.cli import plain_values
 from cachelab.errors import CachelabError
 
 NO_ROOM = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS}  # an output the file system refuses
+# click's errors as Typer raises them (Typer 0.2x carries its own copy of click; importing click
+# itself for these took 0.01-0.02 s, and its classes are not the ones Typer 0.2x raises)
+CLICK_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
 # Every verb in the order ``--help`` lists them: name -> (module of cachelab.cli, attribute, kind).
 # A "group" is a Typer app of sub-verbs; "extra" a command that passes unknown options on.
@@ -62,6 +65,10 @@ class _Group(TyperGroup):
     that cannot be read or written too, named), and an exception raised inside a plug-in into
     an error naming the plug-in and the reason."""
 
+    def parse_args(self, ctx, args):
+        plain_values.install(self.get_params(ctx))
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
@@ -73,7 +80,7 @@ class _Group(TyperGroup):
             where = f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc)
             typer.echo(f"error: {where}", err=True)
             raise typer.Exit(code=2) from None
-        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+        except (CLICK_ERROR, typer.Exit, typer.Abort):
             raise
         except Exception as exc:
             if isinstance(exc, OSError) and exc.errno in NO_ROOM:  # the disk's, not the code's: named, no traceback
@@ -87,6 +94,14 @@ class _Group(TyperGroup):
                 raise
             typer.echo(f"error: {plugin.run_failure(exc)}", err=True)
             raise typer.Exit(code=2) from None
+
+
+class _Command(TyperCommand):
+    """A verb whose plain options are converted without pydantic (``plain_values``)."""
+
+    def parse_args(self, ctx, args):
+        plain_values.install(self.get_params(ctx))
+        return super().parse_args(ctx, args)
 
 
 def _group() -> None:
@@ -115,7 +130,8 @@ def build(verbs=VERBS, help_tables: bool = True) -> typer.Typer:
         if kind == "group":
             built.add_typer(target, name=name)
         else:
-            built.command(name, context_settings={"allow_extra_args": True} if kind == "extra" else None)(target)
+            built.command(name, cls=_Command,
+                          context_settings={"allow_extra_args": True} if kind == "extra" else None)(target)
     help_layout.flow_paragraphs(built)
     return built
 

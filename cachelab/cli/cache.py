@@ -21,7 +21,6 @@ from cachelab.trace.kinds import Found, detect, refuse_unused, requests_or_defau
 from cachelab.workload.lookups import LookupStream, compact
 from cachelab.engine.replay import replay
 from cachelab.engine.sampling import check_rate
-from cachelab.workload.prefix_cache.hashing import sorted_distinct
 
 TRACE_HELP = ("A key trace (.npy of integers, text with one key per line, libCacheSim oracleGeneral), a lookup "
               "stream (.npz, `cachelab trace lookups`), a request trace with text (.parquet: the Engram rows of "
@@ -165,6 +164,8 @@ def simulate(
                   f"({requests - hits:,} misses / {requests:,} requests after a warm-up of "
                   f"{out['warmup_requests']:,}) in {out['seconds']} s")
     if level.infinite:
+        from cachelab.workload.prefix_cache.hashing import sorted_distinct  # the prefix cache's package: here only
+
         console.print(f"  an infinite cache: {capacity:,} objects hold all {sorted_distinct(stream.keys).size:,} "
                       "distinct keys of the trace, so each misses once, whatever the policy")
 

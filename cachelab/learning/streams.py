@@ -25,7 +25,6 @@ from cachelab import registry
 from cachelab.engram import Addresser, EngramConfig, encode, get_preset
 from cachelab.errors import CachelabError
 from cachelab.workload.lookups import LAYER_SHIFT, PREFILL, LookupStream, compact_steps
-from cachelab.workload.steps import scheduled_stream
 
 REQUIRED_META = ("column", "request", "position", "phase", "domain", "token")
 # How a corpus becomes serving steps: "prompts" prefills each prompt alone in chunks and then
@@ -84,6 +83,8 @@ def request_stream(prompts: list[np.ndarray], outputs: list[np.ndarray], domains
 def _sequence_stream(addresser, seqs, prompt_lens, domains, steps: str, tokens_per_step: int) -> LookupStream:
     """Token sequences (prompt first) as a learning stream: each lookup with its compressed token."""
     if steps == "serving":  # the step producer already carries the compressed token of each lookup
+        from cachelab.workload.steps import scheduled_stream  # the scheduler: not for a key trace (simulate)
+
         return replace(scheduled_stream(addresser, seqs, prompt_lens, domains),
                        layout=layout_signature(addresser.config))
     stream = LookupStream.from_sequences(addresser, seqs, tokens_per_step, prompt_lens, domains)
