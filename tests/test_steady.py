@@ -598,6 +598,10 @@ def test_disk_over_uva_reads_the_tp4_pairs_against_the_pr_sweep():
     ttft = {c: abs(1.1 - d / b) / (d / b) for c, (b, d) in SSD_PR_P90_TTFT_MS.items() if c in SSD_PR_STEADY}
     assert out["p90_ttft_fit_mape"] == pytest.approx(np.mean([e for c, e in ttft.items() if c in SSD_PR_FIT]))
     assert out["p90_ttft_held_out_mape"] == pytest.approx(np.mean([e for c, e in ttft.items() if c not in SSD_PR_FIT]))
+    # points without a TTFT (analyse's callers may pass throughput alone): the throughput figures, TTFT NaN
+    bare = disk_over_uva(pl.DataFrame(rows).drop("p90_ttft_ms"))
+    assert bare["held_out_mape"] == out["held_out_mape"] and np.isnan(bare["by_concurrency"]["1"]["p90_ttft_model"])
+    assert np.isnan(bare["p90_ttft_fit_mape"])
 
 
 @pytest.mark.slow

@@ -229,13 +229,13 @@ def disk_over_uva(points: pl.DataFrame) -> dict:
         pair = {r["placement"]: r for r in b.filter(pl.col("concurrency") == c).iter_rows(named=True)}
         if {"dram-uva", "ssd-mmap"} <= set(pair):
             (base, disk), (ttft_base, ttft_disk) = SSD_PR_SWEEP[c], SSD_PR_P90_TTFT_MS[c]
+            ttft = [pair[p].get(TTFT) or float("nan") for p in ("ssd-mmap", "dram-uva")]  # NaN: points without it
             out[str(c)] = {"model": pair["ssd-mmap"][Y] / pair["dram-uva"][Y], "published": disk / base,
                            "uva_tokens_per_s_model": pair["dram-uva"][Y] * 4, "uva_tokens_per_s_published": base,
-                           "p90_ttft_model": pair["ssd-mmap"][TTFT] / pair["dram-uva"][TTFT],
-                           "p90_ttft_published": ttft_disk / ttft_base}
+                           "p90_ttft_model": ttft[0] / ttft[1], "p90_ttft_published": ttft_disk / ttft_base}
     mape = {}
     for name, model, pub in (("", "model", "published"), ("p90_ttft_", "p90_ttft_model", "p90_ttft_published")):
-        errors = {int(k): abs(v[model] - v[pub]) / v[pub] for k, v in out.items()}
+        errors = {int(k): abs(v[model] - v[pub]) / v[pub] for k, v in out.items() if np.isfinite(v[model])}
         for part, keep in (("held_out_mape", lambda c: c not in SSD_PR_FIT), ("fit_mape", lambda c: c in SSD_PR_FIT)):
             chosen = [e for c, e in errors.items() if keep(c)]
             mape[name + part] = float(np.mean(chosen)) if chosen else float("nan")
