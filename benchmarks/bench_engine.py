@@ -17,7 +17,7 @@ and until 2026-12-06 libCacheSim was handed the future the benchmark had compute
 ratio, libCacheSim's ``process_trace`` alone on a trace that ships converted, is still printed as
 ``ratio_given_future``), in a fresh process that imports libCacheSim
 (and the NumPy it imports) and nothing of cachelab's, and by that process's wall time, and by the CPU time of each whole process (user + system: on a machine shared with
-other jobs the steadiest of the three). Each runs with one thread, best of ``--repeats``; cachelab's Numba cache is warmed first by
+other jobs the steadiest of the three). Each runs with one thread, best of ``--repeats`` taken in rounds of one run of each (and of ``--baseline``'s); cachelab's Numba cache is warmed first by
 a run on a small trace, which also leaves the bytecode of what cachelab's process imports, as an
 installed package has it (``BYTECODE``: the environment may say ``PYTHONDONTWRITEBYTECODE``). libCacheSim gets a hash table sized to the cache (``--lcs-hashpower fit``:
 2^(bits of the capacity + 1) buckets, its fastest here; the table grows by itself past them): its
@@ -205,11 +205,17 @@ def libcachesim_run(policy: str, trace: Path, capacity: int, hashpower: int) -> 
     return _child([sys.executable, __file__, "--worker", policy, str(given), str(capacity), str(hashpower)])
 
 
-def measure(run, repeats: int) -> dict:
-    """The fastest of ``repeats`` fresh-process runs (the machine is shared: best-of filters noise)."""
-    runs = [run() for _ in range(repeats)]
-    return {**min(runs, key=lambda r: r["seconds"]), "wall_seconds": min(r["wall_seconds"] for r in runs),
-            "cpu_seconds": min(r["cpu_seconds"] for r in runs)}
+def measure(runs: dict, repeats: int) -> dict:
+    """Per name of ``runs`` (name -> a fresh-process run), the fastest of ``repeats`` runs (the machine is
+    shared: best-of filters noise), taken in rounds of one run of each, so that a change of the load
+    falls on all of them alike (run one after the other, cachelab's and the baseline's could see
+    different loads, and the baseline came out ahead of a faster tree)."""
+    got = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            got[name].append(run())
+    return {name: {**min(r, key=lambda x: x["seconds"]), "wall_seconds": min(x["wall_seconds"] for x in r),
+                   "cpu_seconds": min(x["cpu_seconds"] for x in r)} for name, r in got.items()}
 
 
 def warm_numba_cache(policy: str, tmp: Path, path: str | None = None) -> None:
@@ -281,12 +287,17 @@ def main() -> None:
                       + (f" (given to cachelab as --capacity {given})" if given != capacity else "")
                       + f"; libCacheSim's hash table 2^{hashpower} buckets")
             for ours, theirs in pairs:
+                runs = {"a": lambda: cachelab_run(ours, trace.with_suffix(".npy"), given),
+                        "b": lambda: libcachesim_run(theirs, trace, capacity, hashpower)}
                 warm_numba_cache(ours, Path(tmp))
-                a = measure(lambda: cachelab_run(ours, trace.with_suffix(".npy"), given), args.repeats)
+                if args.baseline:
+                    warm_numba_cache(ours, Path(tmp), args.baseline)
+                    runs["c"] = lambda: cachelab_run(ours, trace.with_suffix(".npy"), given, args.baseline)
+                measured = measure(runs, args.repeats)
+                a, b = measured["a"], measured["b"]
                 if a["capacity"] != capacity:
                     raise SystemExit(f"cachelab resolved --capacity {given} to {a['capacity']} rows, "
                                      f"libCacheSim gets {capacity}")
-                b = measure(lambda: libcachesim_run(theirs, trace, capacity, hashpower), args.repeats)
                 row = {"stream": stream, "policy": ours, "libcachesim": theirs, "requests": int(keys.size),
                        "capacity": capacity, "libcachesim_hashpower": hashpower, "cachelab_seconds": a["seconds"], "cachelab_wall_s": a["wall_seconds"],
                        "libcachesim_seconds": b["seconds"], "libcachesim_wall_s": b["wall_seconds"],
@@ -296,26 +307,30 @@ def main() -> None:
                                               (b["seconds"] - b["convert_seconds"]) / a["seconds"]),
                        "ratio": b["seconds"] / a["seconds"], "wall_ratio": b["wall_seconds"] / a["wall_seconds"],
                        "cpu_ratio": b["cpu_seconds"] / a["cpu_seconds"],
+                       "cachelab_cpu_s": a["cpu_seconds"], "libcachesim_cpu_s": b["cpu_seconds"],
                        "cachelab_miss_ratio": a["miss_ratio"], "libcachesim_miss_ratio": b["miss_ratio"],
                        "miss_counts_equal": round(a["miss_ratio"] * keys.size) == round(b["miss_ratio"] * keys.size)}
                 if args.baseline:
-                    warm_numba_cache(ours, Path(tmp), args.baseline)
-                    c = measure(lambda: cachelab_run(ours, trace.with_suffix(".npy"), given, args.baseline),
-                                args.repeats)
+                    c = measured["c"]
                     row.update(baseline_seconds=c["seconds"], baseline_wall_s=c["wall_seconds"],
-                               baseline_ratio=b["seconds"] / c["seconds"], baseline_miss_ratio=c["miss_ratio"])
+                               baseline_ratio=b["seconds"] / c["seconds"], baseline_miss_ratio=c["miss_ratio"],
+                               baseline_cpu_s=c["cpu_seconds"], baseline_wall_ratio=b["wall_seconds"] / c["wall_seconds"],
+                               baseline_cpu_ratio=b["cpu_seconds"] / c["cpu_seconds"])
                 rows.append(row)
                 if not args.json:
                     future = ("" if b["convert_seconds"] is None else
                               f", next accesses {b['convert_seconds']:.2f} s of it: given them, ratio "
                               f"{row['ratio_given_future']:.2f}x")
-                    print(f"  {ours:>18}: cachelab {a['seconds']:5.2f} s ({a['wall_seconds']:5.2f} s wall)  "
-                          f"libCacheSim {theirs} {b['seconds']:5.2f} s ({b['wall_seconds']:5.2f} s wall{future})  "
+                    print(f"  {ours:>18}: cachelab {a['seconds']:5.2f} s ({a['wall_seconds']:5.2f} s wall, "
+                          f"{a['cpu_seconds']:5.2f} s CPU)  libCacheSim {theirs} {b['seconds']:5.2f} s "
+                          f"({b['wall_seconds']:5.2f} s wall, {b['cpu_seconds']:5.2f} s CPU{future})  "
                           f"ratio {row['ratio']:.2f}x (wall {row['wall_ratio']:.2f}x, process CPU {row['cpu_ratio']:.2f}x)  "
                           f"miss {a['miss_ratio']:.4f} / {b['miss_ratio']:.4f}"
                           + ("" if row["miss_counts_equal"] else " (miss counts DIFFER)")
-                          + (f"  baseline {row['baseline_seconds']:5.2f} s ({row['baseline_wall_s']:5.2f} s wall), "
-                             f"ratio {row['baseline_ratio']:.2f}x"
+                          + (f"  baseline {row['baseline_seconds']:5.2f} s ({row['baseline_wall_s']:5.2f} s wall, "
+                             f"{row['baseline_cpu_s']:5.2f} s CPU), "
+                             f"ratio {row['baseline_ratio']:.2f}x (wall {row['baseline_wall_ratio']:.2f}x, "
+                             f"process CPU {row['baseline_cpu_ratio']:.2f}x)"
                              if args.baseline else ""), flush=True)
     if args.json:
         print(json.dumps(rows))
