@@ -3,7 +3,7 @@
 Typer 0.2x converts each option's value through a pydantic ``TypeAdapter`` that it builds as the
 option is parsed, a missing one too (``--model`` of ``simulate``, absent, built a ``Path``
 adapter to convert nothing): importing pydantic and building them took 0.06-0.08 s of CPU in every
-``simulate`` run, as long as replaying a million requests (docs/engine.md). ``install`` gives each
+``simulate`` run, a quarter of its LRU kernel's time on 10 M requests (docs/engine.md). ``install`` gives each
 option a conversion that returns what the adapter returns where the conversion is plain (a ``str``
 kept; digits to an ``int``; digits with a decimal point to a ``float``; numbers and flags that are
 already parsed; a list of ``str``), for plain types only (no parser, bounds, clamp or file), and
