@@ -219,11 +219,15 @@ def measure(runs: dict, repeats: int) -> dict:
 
 
 def warm_numba_cache(policy: str, tmp: Path, path: str | None = None) -> None:
-    """One simulate on a small trace of the same dtypes, so the timed runs load compiled kernels
-    (and the bytecode of every module they import: ``BYTECODE``)."""
+    """A simulate on small traces of the same dtypes, so the timed runs load compiled kernels
+    (and the bytecode of every module they import: ``BYTECODE``): keys in a narrow range (the
+    compaction's array of ids, as the Zipf stream's) and keys spread wide (its hash table, as the
+    Engram stream's; before, the first timed Engram run compiled it)."""
     small = tmp / "warm.npy"
-    np.save(small, (np.arange(5000, dtype=np.int64) * 7919) % 997)
-    cachelab_run(policy, small, 50, path)
+    narrow = (np.arange(5000, dtype=np.int64) * 7919) % 997
+    for keys in (narrow, narrow << 33):
+        np.save(small, keys)
+        cachelab_run(policy, small, 50, path)
 
 
 MUST_SHOW = "lru,fifo,sieve,s3fifo,belady"
