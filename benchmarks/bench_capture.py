@@ -293,7 +293,9 @@ def scheduling() -> dict:
     group: a bench at niceness -20 started from a shell shares that shell's group's weight with it and
     competes with every other session's group as an equal. To be ahead of them, start the bench in a
     session of its own and raise that group (docs/capture.md, Overhead: ``setsid`` and
-    ``echo -20 > /proc/self/autogroup``)."""
+    ``echo -20 > /proc/self/autogroup``). ``policy``: the scheduling class the bench runs in, and the processes
+    it starts with it (``chrt -f 10`` before the bench: SCHED_FIFO 10, ahead of every other session's work
+    whatever the groups)."""
     def read(path):
         try:
             return Path(path).read_text().strip()
@@ -301,7 +303,13 @@ def scheduling() -> dict:
             return None
     return {"niceness": os.getpriority(os.PRIO_PROCESS, 0),
             "autogroup_enabled": read("/proc/sys/kernel/sched_autogroup_enabled") == "1",
-            "autogroup": read("/proc/self/autogroup")}
+            "autogroup": read("/proc/self/autogroup"), "policy": policy_name(os.sched_getscheduler(0))
+            + (f" {os.sched_getparam(0).sched_priority}" if os.sched_getparam(0).sched_priority else "")}
+
+
+def policy_name(policy: int) -> str:
+    return next((name for name in ("SCHED_OTHER", "SCHED_BATCH", "SCHED_IDLE", "SCHED_FIFO", "SCHED_RR")
+                 if getattr(os, name, None) == policy), str(policy))
 
 
 def pct(values, q):
@@ -765,7 +773,7 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)  # the capture and vLLM's model dir: nothing left in /tmp
     print(f"upstream: {what}; prompts of {f'{PROMPT_IDS} token ids' if PROMPT_IDS else 'about 24 tokens of text'}; load average (1/5/15 min) {'/'.join(f'{v:.1f}' for v in load_before)} before, "
           f"{'/'.join(f'{v:.1f}' for v in load_after)} after, on {os.cpu_count()} cores")
-    print(f"scheduling: niceness {sched['niceness']:+d}" + (f", {sched['autogroup']} (sched_autogroup_enabled: the "
+    print(f"scheduling: {sched['policy']}, niceness {sched['niceness']:+d}" + (f", {sched['autogroup']} (sched_autogroup_enabled: the "
                                                            "niceness ranks tasks only inside this group)"
                                                            if sched["autogroup_enabled"] else ""))
     if args.large_prompt_ids:

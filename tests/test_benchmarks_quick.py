@@ -358,7 +358,9 @@ def test_bench_capture_pairs_runs_pinned_and_claims_no_noise_it_cannot_measure(t
     done = run("bench_capture.py", "--requests", "4", "--rounds", "2", "--concurrency", "1", "--max-tokens", "3",
                "--pairs", "4", "--pin", "--json", "--samples", str(tmp_path / "samples.json"))
     assert done.returncode == 0, done.stderr[-2000:]
-    paired = json.loads(done.stdout.strip().splitlines()[-1])["paired"]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    paired = out["paired"]
+    assert out["scheduling"]["policy"] == "SCHED_OTHER" and "scheduling: SCHED_OTHER, niceness" in done.stdout
     assert paired["layout"]["client"] == paired["layout"]["upstream"] != paired["layout"]["proxy"]
     for metric in ("TTFT", "ITL"):
         figures = paired["by_proxy"]["proxy"]["1"][metric]
