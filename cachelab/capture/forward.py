@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import httptools
 
 from cachelab.capture.connections import LAST_CHUNK, ClientConnection, error_body, hop_by_hop, whole_response
-from cachelab.capture.exchange import Exchange, Restorer, null_ids, strip_body
+from cachelab.capture.exchange import Exchange, Restorer, strip_body
 from cachelab.capture.recorder import CLIENT_CLOSED, CLIENT_GONE
 from cachelab.capture.upstream import UpstreamConnection, keep_alive_bound
 
@@ -269,17 +269,10 @@ class Forward:
                     x.event_times.append(now)
                 else:
                     self._over_held()
-            restorer = self.restorer
-            if restorer is not None:
-                # a read of events to drop, hold or stamp goes event by event; a token's read, the commonest, has its
-                # ids nulled here, a call less on the loop (docs/capture.md, "Where the proxy's CPU goes")
-                if restorer.held or b'"usage"' in data or b'"finish_reason":"' in data \
-                        or (restorer.chat and b'"delta":{}' in data):
-                    data = restorer.feed(data)
-                    if not data:
-                        return
-                elif self.x.injected_ids:
-                    data = null_ids(data)
+            if self.restorer is not None:
+                data = self.restorer.feed(data)
+                if not data:
+                    return
             self.out.append(b"%x\r\n%s\r\n" % (len(data), data) if self.framed else data)
         elif mode == WHOLE:
             if self.size > c.max_response_bytes:
