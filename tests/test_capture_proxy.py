@@ -528,17 +528,20 @@ class HeadUpstream:
     a connection idle this long is closed (uvicorn's keep-alive timeout, vLLM's 5 s); ``head``: the
     answer's header lines (bytes) besides its length; ``trailer``: the answer chunked, with these trailer
     lines; ``body``: the answer's body; ``extra``: bytes written right after each answer, in the same
-    write. Counts connections and requests; keeps every request's head and body."""
+    write; ``first``: a body with a length is sent up to this byte, the rest once ``go`` is set. Counts
+    connections and requests; keeps every request's head and body."""
 
     def __init__(self, answers: float = float("inf"), *, at_accept: bool = False, reset: bool = False,
                  silent: bool = False, idle_s: float | None = None,
                  head: bytes = b"content-type: application/json\r\n", trailer: bytes | None = None,
-                 body: bytes = b'{"id":"cmpl-h","object":"text_completion","choices":[]}', extra: bytes = b""):
+                 body: bytes = b'{"id":"cmpl-h","object":"text_completion","choices":[]}', extra: bytes = b"",
+                 first: int | None = None):
         import socket
         import threading
 
         self.answers, self.at_accept, self.reset, self.idle_s = answers, at_accept, reset, idle_s
         self.silent, self.head, self.trailer, self.body, self.extra = silent, head, trailer, body, extra
+        self.first, self.go = first, threading.Event()
         self.connections = self.requests = 0
         self.heads: list[bytes] = []
         self.bodies: list[bytes] = []
@@ -589,7 +592,12 @@ class HeadUpstream:
                 self.bodies.append(data[:length])
                 data = data[length:]
                 self.heads.append(head)
-                if self.trailer is None:
+                if self.trailer is None and self.first is not None:
+                    conn.sendall(b"HTTP/1.1 200 OK\r\n%scontent-length: %d\r\n\r\n" % (self.head, len(body)))
+                    conn.sendall(memoryview(body)[:self.first])
+                    self.go.wait(30)
+                    conn.sendall(memoryview(body)[self.first:])
+                elif self.trailer is None:
                     conn.sendall(b"HTTP/1.1 200 OK\r\n%scontent-length: %d\r\n\r\n%s%s"
                                  % (self.head, len(body), body, self.extra))
                 else:
