@@ -13,9 +13,12 @@ raw asyncio server answering at once, as vLLM's JSONResponse writes a whole body
 generation) sends ``prompt_token_ids`` and ``token_ids`` where asked (the proxy asks), ``null`` otherwise, so
 the client's bytes are the same on both paths. The proxy holds a whole answer until it is complete: its
 length is known only once the ids it asked for are taken out (docs/capture.md, "Bounds and security").
+With ``--client-ids`` the client asks for the ids itself: nothing is taken out, and the proxy relays the
+answer as it comes (a copy kept for the record).
 
 Run: .venv/bin/python benchmarks/bench_capture_whole.py tokenize [--chars 262144 --repeats 3]
      .venv/bin/python benchmarks/bench_capture_whole.py relay [--prompt-ids 1000000 --text-chars 4096 --requests 20]
+                                                              [--client-ids]
 """
 
 from __future__ import annotations
@@ -97,9 +100,10 @@ def serve_whole(port: int, prompt_ids: int, text_chars: int) -> None:
     loop.run_forever()
 
 
-def timed_request(port: int) -> tuple[float, float, bytes]:
-    """One request on a new connection: seconds to the answer's first byte, to its last, and its body."""
-    body = b'{"model":"m","prompt":"the row cache","max_tokens":16}'
+def timed_request(port: int, client_ids: bool) -> tuple[float, float, bytes]:
+    """One request on a new connection (asking for the ids itself with ``client_ids``): seconds to the
+    answer's first byte, to its last, and its body."""
+    body = b'{"model":"m","prompt":"the row cache","max_tokens":16%s}' % (b',"return_token_ids":true' * client_ids)
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         start = time.perf_counter()
@@ -133,7 +137,7 @@ def relay(args) -> None:
         times = {"direct": [], "proxy": []}
         for i in range(args.requests + 2):  # the first of each path untimed
             for path, port in (("direct", up_port), ("proxy", proxy_port))[::1 if i % 2 else -1]:
-                first, last, body = timed_request(port)
+                first, last, body = timed_request(port, args.client_ids)
                 if i >= 2:
                     times[path].append((first, last))
                 else:
@@ -144,9 +148,10 @@ def relay(args) -> None:
         proxy.wait(60)
         server.terminate()
     d, p = (np.median(np.array(times[k]), axis=0) * 1e3 for k in ("direct", "proxy"))
-    print(f"load {os.getloadavg()[0]:.2f}; a whole answer of {args.prompt_ids:,} prompt ids asked by the proxy "
-          f"({len(times['direct body']):,} bytes to the client), median of {args.requests}")
-    print(f"  TTFB  direct {d[0]:7.2f} ms  proxy {p[0]:7.2f} ms  (+{p[0] - d[0]:.2f} ms)")
+    print(f"load {os.getloadavg()[0]:.2f}; a whole answer of {args.prompt_ids:,} prompt ids asked by the "
+          f"{'client' if args.client_ids else 'proxy'} ({len(times['direct body']):,} bytes to the client), "
+          f"median of {args.requests}")
+    print(f"  TTFB  direct {d[0]:7.2f} ms  proxy {p[0]:7.2f} ms  (+{p[0] - d[0]:.2f} ms, {p[0] / d[0]:.1f}x)")
     print(f"  TTLB  direct {d[1]:7.2f} ms  proxy {p[1]:7.2f} ms  (+{p[1] - d[1]:.2f} ms, {p[1] / d[1]:.1f}x)")
 
 
@@ -160,6 +165,7 @@ def main() -> None:
     r.add_argument("--prompt-ids", type=int, default=1_000_000)
     r.add_argument("--text-chars", type=int, default=4096)
     r.add_argument("--requests", type=int, default=20)
+    r.add_argument("--client-ids", action="store_true", help="the client asks for the ids (return_token_ids)")
     args = ap.parse_args()
     {"tokenize": tokenize, "relay": relay}[args.section](args)
 

@@ -577,7 +577,7 @@ class HeadUpstream:
                         if not chunk:
                             return
                         data += chunk
-                except TimeoutError:  # idle for idle_s: closed
+                except (TimeoutError, ConnectionResetError):  # idle for idle_s, or reset by the proxy: closed
                     return
                 self.requests += 1
                 if answered >= self.answers:

@@ -1,18 +1,27 @@
-"""A whole (non-SSE, ``stream: false``) answer through the capture proxy: what the proxy holds of a
-large one on its way to the client, against the answer's size."""
+"""A whole (non-SSE, ``stream: false``) answer through the capture proxy: one whose ids the client asked for
+itself is relayed as it comes, byte for byte, and recorded; what the proxy holds of a large one whose ids it
+asked for, against the answer's size."""
 
 from __future__ import annotations
 
 import socket
 import tracemalloc
 
+import pytest
+
 from capture_upstream import ProxyThread
 from test_capture_proxy import HeadUpstream
 from cachelab.capture.exchange import null_ids
 from cachelab.capture.proxy import ProxyConfig
 from cachelab.capture.recorder import Recorder
+from cachelab.capture.to_trace import read_requests
 
 REQUEST = b'{"model":"m","prompt":"the row cache","max_tokens":16}'
+WITH_IDS = b'{"model":"m","prompt":"the row cache","max_tokens":2,"return_token_ids":true}'  # the client's own
+PROMPT_IDS = list(range(100, 100_100))
+ANSWER = (b'{"id":"cmpl-r","object":"text_completion","created":1,"model":"m","choices":[{"index":0,'
+          b'"text":" the row","token_ids":[7,8],"finish_reason":"length"}],"usage":{"prompt_tokens":100000,'
+          b'"completion_tokens":2},"prompt_token_ids":[%s]}' % ",".join(map(str, PROMPT_IDS)).encode())
 
 
 class KeepingRecorder(Recorder):
@@ -28,12 +37,83 @@ class KeepingRecorder(Recorder):
         return True
 
 
-def _request(url: str) -> socket.socket:
+def _request(url: str, body: bytes = REQUEST) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)), timeout=30)
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                 b"content-length: %d\r\n\r\n%s" % (len(REQUEST), REQUEST))
+                 b"content-length: %d\r\n\r\n%s" % (len(body), body))
     return sock
+
+
+def _whole(sock: socket.socket, got: bytes = b"") -> bytes:
+    """The rest of an answer with a content-length, head and body as they came."""
+    while b"\r\n\r\n" not in got:
+        got += sock.recv(1 << 16)
+    head = got[:got.index(b"\r\n\r\n") + 4]
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))
+    while len(got) < len(head) + length:
+        chunk = sock.recv(1 << 16)
+        assert chunk, "the connection closed short of the answer"
+        got += chunk
+    return got
+
+
+def test_a_whole_answer_whose_ids_the_client_asked_for_is_relayed_as_it_comes(tmp_path):
+    """A client that asks for the ids itself (``return_token_ids``): the proxy has nothing to take out of the
+    answer, so the client gets the upstream's bytes as they come, head and length included, while the record
+    is built from the proxy's copy. The first half of the answer reaches the client while the upstream still
+    holds back the rest; the proxy held it to its end, as it must one whose ids it asked for (its length is
+    known only once they are nulled)."""
+    upstream = HeadUpstream(body=ANSWER, first=len(ANSWER) // 2)
+    recorder = Recorder(tmp_path)
+    try:
+        with ProxyThread(ProxyConfig(upstream=upstream.url), recorder) as proxy:
+            with _request(proxy.url, WITH_IDS) as sock:
+                sock.settimeout(10)
+                got = b""
+                try:
+                    while b"\r\n\r\n" not in got or got.endswith(b"\r\n\r\n"):  # the head and body bytes
+                        got += sock.recv(1 << 16)
+                except TimeoutError:
+                    raise AssertionError(f"nothing of the body in 10 s while the upstream held its end back: "
+                                         f"{len(got)} bytes") from None
+                upstream.go.set()
+                proxied = _whole(sock, got)
+            assert recorder.flush(30)
+        with _request(upstream.url, WITH_IDS) as sock:
+            direct = _whole(sock)
+    finally:
+        upstream.go.set()
+        upstream.sock.close()
+    assert proxied == direct, "the client's bytes, head and length included, are the upstream's"
+    assert upstream.bodies[0] == WITH_IDS, "the request went upstream as the client sent it"
+    rows = read_requests(tmp_path)[0].row(0, named=True)
+    assert (rows["status"], rows["error"], rows["token_source"]) == (200, None, "upstream")
+    assert rows["prompt_ids"] == PROMPT_IDS and rows["output_ids"] == [7, 8]
+
+
+@pytest.mark.parametrize("bound", ["max_response_bytes", "max_held_bytes"])
+def test_a_relayed_whole_answer_past_a_bound_is_cut_or_not_recorded(tmp_path, bound):
+    """A whole answer relayed as it comes is bounded as a stream is: past ``--max-response-mb`` the client's
+    connection closes short of its length (a cut answer, as from a broken upstream), past ``--max-held-mb``
+    it is relayed on whole but not recorded; the record says which."""
+    upstream = HeadUpstream(body=ANSWER)
+    recorder = Recorder(tmp_path)
+    with ProxyThread(ProxyConfig(upstream=upstream.url, **{bound: 64 << 10}), recorder) as proxy:
+        with _request(proxy.url, WITH_IDS) as sock:
+            got = b""
+            while chunk := sock.recv(1 << 16):
+                got += chunk
+                if got.endswith(ANSWER):
+                    break
+        assert recorder.flush(30)
+    upstream.sock.close()
+    [(status, error)] = read_requests(tmp_path)[0].select(["status", "error"]).rows()
+    assert got.startswith(b"HTTP/1.1 200 OK\r\n") and b"content-length: %d\r\n" % len(ANSWER) in got
+    if bound == "max_response_bytes":
+        assert not got.endswith(ANSWER) and (status, error) == (200, "upstream answer over 65536 bytes: cut")
+    else:
+        assert got.endswith(ANSWER) and status == 200 and error.startswith("not recorded: the proxy held over")
 
 
 def _read_answer(sock: socket.socket, buf: bytearray) -> tuple[bytes, int, bytes]:

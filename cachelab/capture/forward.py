@@ -24,7 +24,9 @@ from cachelab.capture.upstream import UpstreamConnection, keep_alive_bound
 if TYPE_CHECKING:
     from cachelab.capture.proxy import CaptureProxy
 
-STREAM, WHOLE, PASS = 0, 1, 2   # how an answer goes back: recorded SSE, recorded whole body, not recorded
+# how an answer goes back: recorded SSE; a recorded whole body, held until the ids the proxy asked for are
+# taken out; not recorded; a recorded whole body with nothing to take out, relayed as it comes
+STREAM, WHOLE, PASS, RELAY = 0, 1, 2, 3
 
 
 def line_ending(data: bytes) -> bytes | None:
@@ -66,15 +68,15 @@ class Forward:
         self.reason = b""
         self.headers: list[tuple[bytes, bytes]] = []
         self.status = 0
-        self.mode = -1                    # STREAM / WHOLE / PASS once the headers are in
+        self.mode = -1                    # STREAM / WHOLE / PASS / RELAY once the headers are in
         self.head_bytes = 0               # upstream bytes read before that (``UpstreamConnection.data_received``)
         self.framed = False               # the client's body is chunked (else: a length, or to the close)
         self.by_close = False             # the upstream's body ends when its connection does
         self.out: list[bytes] = []
         self.size = 0
-        self.held = 0                     # bytes of the answer counted in ``proxy.held`` (-1: a stream no longer recorded)
+        self.held = 0                     # bytes of the answer counted in ``proxy.held`` (-1: STREAM, RELAY no longer recorded)
         self.request_held = 0             # bytes of the request counted in ``proxy.held`` (``hold_request``)
-        self.parts: list[bytes] = []      # WHOLE: the body; STREAM: the incomplete event so far
+        self.parts: list[bytes] = []      # WHOLE, RELAY: the body; STREAM: the incomplete event so far
         self.edge = b""                   # STREAM: the last bytes of the incomplete event (a delimiter may straddle)
         self.delim: bytes | None = None   # STREAM: what ends an event, once the first line has shown it
         self.pending = 0
@@ -199,13 +201,15 @@ class Forward:
                 self.mode = STREAM
                 if x.injected_ids or x.injected_usage:
                     self.restorer = Restorer(x)
-            else:
+            elif x.injected_ids:
                 self.mode = WHOLE
                 self.headers = lines  # written with the body's length once it is complete
                 return
+            else:  # the client's own ids, or none asked for: the client gets the upstream's bytes, framing included
+                self.mode = RELAY
         if bodiless:
             framing = b"content-length: %s\r\n" % length if length else b""
-        elif self.mode == PASS and length and not chunked:
+        elif self.mode in (PASS, RELAY) and length and not chunked:
             framing = b"content-length: %s\r\n" % length
         elif self.http11:
             framing, self.framed = b"transfer-encoding: chunked\r\n", True
@@ -273,17 +277,23 @@ class Forward:
                 data = self.restorer.feed(data)
                 if not data:
                     return
-            self.out.append(b"%x\r\n%s\r\n" % (len(data), data) if self.framed else data)
         elif mode == WHOLE:
             if self.size > c.max_response_bytes:
                 return self.upstream_failed(502, f"answer over {c.max_response_bytes} bytes")
             if not self.keep(len(data)):
                 return
             self.parts.append(data)
-        elif self.framed:
-            self.out.append(b"%x\r\n%s\r\n" % (len(data), data))
-        else:
-            self.out.append(data)
+            return
+        elif mode == RELAY:
+            if self.size > c.max_response_bytes:
+                return self.cut(f"upstream answer over {c.max_response_bytes} bytes: cut")
+            if self.held >= 0:
+                self.held += len(data)
+                if self._within(len(data)):
+                    self.parts.append(data)
+                else:
+                    self._over_held()
+        self.out.append(b"%x\r\n%s\r\n" % (len(data), data) if self.framed else data)
 
     def on_message_complete(self) -> None:
         if self.status < 200:
@@ -318,7 +328,7 @@ class Forward:
         """Count ``n`` more bytes of a whole answer held; False, and a 503, when that puts the exchanges in
         flight over ``max_held_bytes`` together. Each was bounded alone (``max_response_bytes``), not all of
         them: 1,024 connections could hold 64 GiB. A whole body must be held until it is restored; a stream
-        over the bound is relayed on instead (``on_body``, ``_over_held``)."""
+        (or a body relayed as it comes) over the bound is relayed on instead (``on_body``, ``_over_held``)."""
         self.held += n
         if self._within(n):
             return True
@@ -326,24 +336,27 @@ class Forward:
         return False
 
     def _over_held(self) -> None:
-        """A stream whose read put the exchanges over ``max_held_bytes``: relayed on, whole and unchanged, but
-        no longer recorded; the events it held are let go and its record says why."""
+        """A stream (or a RELAY answer) whose read put the exchanges over ``max_held_bytes``: relayed on, whole
+        and unchanged, but no longer recorded; the events (the body) it held are let go and its record says why."""
         why = self._over()
         self.proxy.held -= self.held
         self.held = -1
         x = self.x
-        x.events, x.event_times = [], []
+        if self.mode == RELAY:
+            self.parts = []
+        else:
+            x.events, x.event_times = [], []
         x.error = f"not recorded: {why}; relayed to the client whole"
 
     # -- after each upstream read ------------------------------------------------------------------
     def after_read(self) -> None:
         if self.finished:
             return
+        if self.complete:
+            return self.finish()  # this read's bytes with the last ones, after the record
         if self.out:
             self.client.transport.write(self.out[0] if len(self.out) == 1 else b"".join(self.out))
             self.out.clear()
-        if self.complete:
-            self.finish()
 
     def finish(self) -> None:
         """The upstream's answer is complete: end the client's, reuse the connection, record."""
@@ -357,13 +370,18 @@ class Forward:
                 self.status, self.reason, b"".join(self.headers), len(body),
                 b"" if self.keep_alive else b"connection: close\r\n", body)
         else:
-            tail = b""
+            data, tail = b"".join(self.out), b""  # the last read's, framed already
+            self.out.clear()
             if self.mode == STREAM:
                 tail = (self.restorer.close() if self.restorer is not None else b"") + b"".join(self.parts)
+            elif self.mode == RELAY:
+                x.response = b"".join(self.parts)
+                self.parts = []
+                x.response_time = time.perf_counter()
             if self.framed:
-                data = (b"%x\r\n%s\r\n" % (len(tail), tail) if tail else b"") + LAST_CHUNK
+                data += (b"%x\r\n%s\r\n" % (len(tail), tail) if tail else b"") + LAST_CHUNK
             else:
-                data = tail
+                data += tail
         self._end()
         if not self.reusable or self.by_close:
             self.conn.usable = False
@@ -436,7 +454,7 @@ class Forward:
         elif self.mode == WHOLE:
             self.upstream_failed(502, f"answer broke off: {why}")
         else:
-            self.cut(f"upstream stream broke off: {why}")
+            self.cut(f"upstream {self._what()} broke off: {why}")
 
     def upstream_lost(self, why: str) -> None:
         """The upstream connection ended (``why``: a close, a reset). A kept-alive one that ended with
@@ -495,6 +513,10 @@ class Forward:
         if self.conn is not None and not self.finished:
             self.conn.transport.resume_reading()
 
+    def _what(self) -> str:
+        """What a cut answer is called in its record: a whole answer relayed as it comes is no stream."""
+        return "answer" if self.mode == RELAY else "stream"
+
     def _no_connection(self, seconds: float) -> str:
         return f"connecting to upstream {self.proxy.pool.shown} timed out after {seconds} s"
 
@@ -522,12 +544,12 @@ class Forward:
             if self.mode == -1:
                 return self.upstream_failed(504, "timed out before answering")
             return (self.upstream_failed(504, f"answer took over {c.total_timeout} s") if self.mode == WHOLE
-                    else self.cut(f"upstream stream ran over {c.total_timeout} s: cut"))
+                    else self.cut(f"upstream {self._what()} ran over {c.total_timeout} s: cut"))
         if silent >= c.read_timeout:
             if self.mode == -1:
                 return self.upstream_failed(504, "timed out before answering")
             if self.client.write_paused:  # the upstream is not read while its client reads nothing: its silence
                 return self.cut(f"client read nothing for {c.read_timeout} s: cut")
             return (self.upstream_failed(504, f"silent for {c.read_timeout} s") if self.mode == WHOLE
-                    else self.cut(f"upstream stream silent for {c.read_timeout} s: cut"))
+                    else self.cut(f"upstream {self._what()} silent for {c.read_timeout} s: cut"))
         self._arm(min(c.read_timeout - silent, c.total_timeout - running))
