@@ -156,9 +156,10 @@ def test_the_study_counts_its_controls_on_the_lookups_the_evaluation_counts(grow
 
 
 def test_a_sketch_is_judged_on_row_ids_whatever_the_views_dense_numbering(growing):
-    """W-TinyLFU's sketch hashes each row's id as the trace names it (``needs_raw_keys``), as
-    ``simulate`` hands them: the same view with its rows numbered densely in another order gives it
-    the same miss ratios. (An evaluation handed it the dense ids, so its figures followed the numbering.)"""
+    """W-TinyLFU's sketch and the adaptive learned policies' miniature sample hash each row's id as the
+    trace names it (``needs_raw_keys``), as ``simulate`` hands them: the same view with its rows
+    numbered densely in another order gives them the same miss ratios. (An evaluation handed W-TinyLFU
+    the dense ids, and the miniatures hashed them: 0.6619 against 0.6611 for learned-lfu-adaptive at 5%.)"""
     from dataclasses import replace
 
     from cachelab.learning.lineup import Lineup, judged_default, lineup
@@ -169,7 +170,8 @@ def test_a_sketch_is_judged_on_row_ids_whatever_the_views_dense_numbering(growin
     raw[perm] = view.raw_keys  # each entry's row id unchanged: perm[k] names row raw_keys[k]
     other = replace(view, keys=perm[view.keys], raw_keys=raw)
     judged = judged_default(lineup())
-    sketch = Lineup({judged: judged}, {"W-TinyLFU": "wtinylfu"}, {}, [])
-    a, b = (evaluate_capacities(v, model, [0.002, 0.01, 0.05], 0.5, progress=False, policies=sketch).capacities
+    hashing = Lineup({judged: judged, "learned-s3fifo-adaptive": "learned-s3fifo-adaptive"},
+                     {"W-TinyLFU": "wtinylfu"}, {}, [])
+    a, b = (evaluate_capacities(v, model, [0.002, 0.01, 0.05], 0.5, progress=False, policies=hashing).capacities
             for v in (view, other))
-    assert [r.miss_ratio["W-TinyLFU"] for r in a] == [r.miss_ratio["W-TinyLFU"] for r in b]
+    assert [r.miss_ratio for r in a] == [r.miss_ratio for r in b]

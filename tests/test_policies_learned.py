@@ -294,3 +294,31 @@ def test_adaptive_errors_name_the_problem_before_any_miniature_runs():
     policy.reset(4, 5)
     with pytest.raises(CachelabError, match="key 9 is outside"):
         policy.run(np.array([1, 9]), np.array([0, 2]), None, np.zeros(2))
+
+
+@pytest.mark.parametrize("name", ["learned-s3fifo-adaptive", "learned-lfu-adaptive"])
+def test_the_miniatures_sample_row_ids_whatever_the_dense_numbering(name):
+    """The miniatures' sample hashes each row's id (``raw_keys``), not the dense key the engine numbered
+    it by: the same rows numbered in another order give the same miniature misses, choices and hits,
+    in ``run`` and ``step`` alike. (They hashed the dense key, so a renumbered view chose otherwise.)"""
+    keys = zipf_keys(40_000, 4000, alpha=0.9, seed=4)
+    ids = np.random.default_rng(2).integers(0, 1 << 62, 4000)  # the trace's row ids
+    perm = np.random.default_rng(3).permutation(4000)
+    scores = _keep_scores(np.random.default_rng(1).random(keys.size), 1000)
+    offsets = np.append(np.arange(0, keys.size, 7), keys.size)
+    cls = registry.get(registry.POLICIES, name)
+    assert cls.capabilities.needs_raw_keys is False  # the kernel takes none: the instance asks for them
+    runs = []
+    for dense in (keys, perm[keys]):
+        policy = cls(horizon=1000, sample_rate=0.25, epoch=1000, warmup_epochs=1)
+        policy.reset(200, 4000)
+        assert policy.capabilities.needs_raw_keys
+        runs.append((policy.run(dense, offsets, None, scores, raw_keys=ids[keys]), policy.mini_misses.copy()))
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+    stepper = cls(horizon=1000, sample_rate=0.25, epoch=1000, warmup_epochs=1)
+    stepper.reset(200, 4000)
+    stepped = np.concatenate([stepper.step(keys[lo:hi], None, scores[lo:hi], raw_keys=ids[keys[lo:hi]]).hits
+                              for lo, hi in zip(offsets[:-1], offsets[1:])])
+    np.testing.assert_array_equal(stepped, runs[0][0])
+    np.testing.assert_array_equal(stepper.mini_misses, runs[0][1])

@@ -95,7 +95,7 @@ def _lookups(name: str, keys: np.ndarray, counts) -> np.ndarray:
     return out
 
 
-def _raw(name: str, keys: np.ndarray, raw_keys) -> np.ndarray:
+def raw_keys_of(name: str, keys: np.ndarray, raw_keys) -> np.ndarray:
     """Each key's row id before compaction (``needs_raw_keys``): the key itself when not given."""
     if raw_keys is None:
         return keys
@@ -116,7 +116,7 @@ def free_stack(capacity: int, dtype=np.int64) -> np.ndarray:
 
 
 @functools.cache
-def _takes_raw_keys(cls) -> bool:
+def takes_raw_keys(cls) -> bool:
     """Whether ``cls``'s ``step`` and ``run`` take ``raw_keys``. A plug-in's subclass whose own ``run``
     or ``step`` predates them (it overrides one without the argument) is not handed them: its
     ``tinylfu`` filter then hashes the engine's dense keys, as every such filter did before."""
@@ -149,7 +149,7 @@ class KernelPolicy(Policy):
         self.slot_of = np.full(self.num_keys, -1, dtype=index)
         self.key_of = np.full(self.capacity, -1, dtype=index)
         self.filter = make_admission(self.admission, self.capacity, self.num_keys)
-        if int(self.filter[0]) == TINYLFU and _takes_raw_keys(type(self)):
+        if int(self.filter[0]) == TINYLFU and takes_raw_keys(type(self)):
             # its sketch hashes row ids (cachelab.policy.admission): ask for them
             self.capabilities = replace(type(self).capabilities, needs_raw_keys=True)
         self._counts = np.zeros(2, dtype=np.int64)
@@ -179,7 +179,7 @@ class KernelPolicy(Policy):
         self._counts[:] = 0
         extra = self.inputs(keys, next_access, scores)
         if self.capabilities.needs_raw_keys:
-            raw = _raw(self.name, keys, raw_keys)
+            raw = raw_keys_of(self.name, keys, raw_keys)
             if int(self.filter[0]) == TINYLFU:
                 self.filter[2][keys] = raw  # the row ids the filter's sketch hashes
             if type(self).capabilities.needs_raw_keys:  # the kernel's own declaration: it takes them
