@@ -86,3 +86,20 @@ def test_text_argument_not_utf8_is_refused_like_a_text_file():
                          capture_output=True, text=True, errors="surrogateescape")
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
     assert "--text is not UTF-8 (character 2: b'\\xff')" in res.stderr
+
+
+def test_page_cache_json_counts_pages_as_an_integer():
+    """``pages`` is a count of the tables' 4 KiB pages: an int in the JSON (it printed 12345.0), and
+    every page of every column of the layout, whichever rows the text read."""
+    import numpy as np
+
+    from cachelab.engram import get_preset
+    from cachelab.serving.page_popularity import PAGE_BYTES
+
+    res = runner.invoke(app, ["engram", "page-cache", "--max-tokens", "2000", "--json"])
+    assert res.exit_code == 0, res.output
+    pages = json.loads(res.stdout)["pages"]
+    cfg = get_preset("deepseek-v4.1-flash")
+    starts, primes, rb = np.asarray(cfg.offsets, np.int64), np.asarray(cfg.primes, np.int64), cfg.row_bytes
+    expected = int((((starts + primes) * rb) // PAGE_BYTES - (starts * rb) // PAGE_BYTES + 1).sum())
+    assert type(pages) is int and pages == expected

@@ -140,7 +140,7 @@ def page_cache(
         typer.echo(strict_json.dumps(result))
         return
     console = Console()
-    console.print(f"{cfg.name} on {rates.tokens:,} tokens of {corpus}: {rates.total_pages:,.0f} pages; "
+    console.print(f"{cfg.name} on {rates.tokens:,} tokens of {corpus}: {rates.total_pages:,} pages; "
                   f"{rates.singleton_share:.1%} of lookups on rows seen once (spread evenly)")
     table = Table(title="LRU page cache (Che's approximation)")
     for col in ("pages cached", "reads served", "missed"):

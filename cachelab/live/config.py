@@ -31,7 +31,9 @@ class ModelConfig:
         hc_mult: residual streams (V4.1: 4); Engram gates each one separately.
         engram_layers: decoder index of each table layer of ``layout``, ascending.
         max_model_len: context length (prompt + output) a request may reach.
-        dtype: compute dtype (float32 on CPU; bfloat16 on a GPU).
+        dtype: compute dtype; every preset runs bfloat16, the CPU-sized ``tiny`` too (its comment
+            says why); float32, the default of a config file that names none, is batch-invariant
+            to float tolerance.
     """
 
     name: str

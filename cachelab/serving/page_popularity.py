@@ -34,7 +34,7 @@ FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9
 @dataclass(frozen=True)
 class PageRates:
     """Lookups per token on each page of a layout's tables: ``rates`` (distinct values) held by
-    ``pages`` pages each; they sum to the lookups per token (layers x columns)."""
+    ``pages`` pages each (an integer count); they sum to the lookups per token (layers x columns)."""
 
     rates: np.ndarray
     pages: np.ndarray
@@ -42,8 +42,8 @@ class PageRates:
     singleton_share: float  # lookups on rows seen once: spread evenly over their column's pages
 
     @property
-    def total_pages(self) -> float:
-        return float(self.pages.sum())
+    def total_pages(self) -> int:
+        return int(self.pages.sum())
 
     def hit(self, fraction: float) -> float:
         """Share of lookups an LRU page cache holding ``fraction`` of the pages serves (Che)."""
@@ -88,10 +88,11 @@ def measure(token_ids: Iterable[np.ndarray], layout: EngramConfig) -> PageRates:
             page, where = np.unique(ids[~once] * rb // PAGE_BYTES, return_inverse=True)
             spikes = np.bincount(where, weights=seen[~once] / tokens) + base
             rates += [spikes, [base]]
-            counts += [np.ones(spikes.size), [column_pages - page.size]]
+            counts += [np.ones(spikes.size, np.int64), [column_pages - page.size]]
     r, n = np.concatenate(rates), np.concatenate(counts)
     distinct, inverse = np.unique(r, return_inverse=True)  # pages with equal rates, counted once
-    return PageRates(distinct, np.bincount(inverse, weights=n), tokens, singles / (tokens * rows.shape[1] * rows.shape[2]))
+    pages = np.bincount(inverse, weights=n).astype(np.int64)  # sums of whole page counts: exact in float64
+    return PageRates(distinct, pages, tokens, singles / (tokens * rows.shape[1] * rows.shape[2]))
 
 
 def corpus_tokens(corpus, tokenizer: str, max_tokens: int, batch: int = 256) -> list[np.ndarray]:
