@@ -152,6 +152,8 @@ def test_evaluate_on_gsm8k_humaneval_is_unchanged(data_dir, tmp_path):
     # policies' miss ratios moved; and keys were added: model_capacity_rows, other_size_capacities, notes.
     # Re-recorded on 2026-12-07 (helper-156) for a sixth: W-TinyLFU is handed the rows' ids, not the view's dense
     # numbering (``LearningView.replay``), as ``simulate`` hands them; only its miss ratios moved.
+    # A key added on 2026-12-07 (helper-174, recorded, no figure moved): miss_floor, the fewest counted lookup
+    # misses any policy can make (cachelab.learning.floor), under Belady's where a fetch weighs its lookups.
     strip = lambda ev: {**ev, "learned_policy": None,  # noqa: E731
                         "capacities": [{k: v for k, v in row.items() if k not in derived} for row in ev["capacities"]]}
     assert trained["lookups"] == evaluated["lookups"]  # counted alike since issue 20 (train's former count: fetches)
@@ -183,5 +185,7 @@ def test_quickstart_numbers_are_unchanged(tmp_path):
     # quickstart.headline re-recorded on 2026-12-06 (helper-150): the learned policies replay the model's
     # training window without its in-sample scores (docs/learned.md, "In-sample warm-up"); only the learned
     # policies' figures moved (0.9912 / 0.9553 / 0.8649 to 0.9703 / 0.9104 / 0.8702 at 0.1 / 1 / 5%).
+    # A key added on 2026-12-07 (helper-174, recorded, no figure moved): floor_miss_ratio, the fewest lookup
+    # misses any policy can make, in the headline and the learned point's capacities.
     _check("quickstart.headline", {"headline": got["headline"],
                                    "learned": [p for p in got["points"] if p["kind"] == "learned"]})

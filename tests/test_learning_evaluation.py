@@ -50,6 +50,19 @@ def test_the_stream_a_model_was_trained_on_is_counted_past_its_training_window(g
     assert late.counted_from_step == int(0.9 * steps) and late.training_window_steps == trained
 
 
+def test_no_policy_misses_fewer_lookups_than_the_floor_where_one_beats_belady(growing):
+    """The headline's floor (``miss_floor``, cachelab.learning.floor) lies under every policy replayed,
+    the learned ones included; Belady with bypass, the bound, is the fewest fetches of a policy deciding
+    row by row, and counted per lookup a policy misses less than it at one of these capacities."""
+    view, model = growing
+    result = evaluate_capacities(view, model, [10.0, 0.05], 0.5, progress=False)
+    beaten = False
+    for row in result.capacities:
+        assert row.miss_floor is not None and 0 <= row.miss_floor <= min(row.miss_ratio.values()) + 1e-12
+        beaten |= min(row.miss_ratio.values()) < row.miss_ratio["Belady (bypass)"]
+    assert beaten
+
+
 def test_another_stream_and_a_model_without_the_window_digest_count_from_the_warm_up(growing):
     view, model = growing
     other = _view([40] * 30 + [200] * 30, seed=6)

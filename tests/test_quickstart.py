@@ -81,6 +81,8 @@ def test_report_command_prints_the_summary(quickstart):
     assert len(learned) == 1 and [c["capacity"] for c in learned[0]["capacities"]] == ["0.1%", "1%", "5%"]
     for row in data["headline"]:  # the judged policy against the best heuristic and Belady, on one window
         assert row["bound"].lower().startswith("belady")
+        assert row["floor_miss_ratio"] <= min(row["learned_miss_ratio"], row["best_heuristic_miss_ratio"],
+                                              row["bound_miss_ratio"])  # no policy misses less than the floor
         if row["bound_miss_ratio"] >= row["best_heuristic_miss_ratio"]:  # no gap to close (FBGEMM's batches at 0.1%)
             assert row["gap_closed"] is None
             continue

@@ -55,6 +55,7 @@ def test_headline_has_the_gap_closed_per_capacity(data):
         expected = (r["best_heuristic_miss_ratio"] - r["learned_miss_ratio"]) / (
             r["best_heuristic_miss_ratio"] - r["bound_miss_ratio"])
         assert r["gap_closed"] == pytest.approx(expected)
+        assert r["floor_miss_ratio"] is None  # a point recorded before the floor was (no miss_floor column)
     out = report_json(data)
     assert [p["kind"] for p in out["points"]].count("learned") == 1 and len(out["points"]) == 9
     assert out["headline"] == best.to_dicts()

@@ -155,9 +155,10 @@ def _show_all(data, name: str) -> None:
             table.add_column(col, justify="right", no_wrap=col in ("best heuristic", "bound"))
         for r in best.iter_rows(named=True):
             gap = "n/a" if r["gap_closed"] is None else f"{r['gap_closed']:.1%}"
+            floor = "" if r.get("floor_miss_ratio") is None else f"\nfloor {r['floor_miss_ratio']:.4f}"
             table.add_row(r["capacity"], f"{r['capacity_rows']:,}", f"{r['learned_miss_ratio']:.4f}",
                           f"{r['best_heuristic']}\n{r['best_heuristic_miss_ratio']:.4f}",
-                          f"{r['bound']}\n{r['bound_miss_ratio']:.4f}", gap)
+                          f"{r['bound']}\n{r['bound_miss_ratio']:.4f}{floor}", gap)
         console.print(table)
 
 

@@ -221,6 +221,7 @@ def evaluate(
     for name in rows[0]["miss_ratio"]:  # one row per policy: a few capacities fit a terminal, many policies do not
         table.add_row(f"[bold]{name}[/]" if name == evaluation.learned_policy else name,
                       *(f"{row['miss_ratio'][name]:.4f}" for row in rows))
+    table.add_row("floor (no policy misses less)", *(f"{row['miss_floor']:.4f}" for row in rows))
     table.add_row("best heuristic", *(row["best_heuristic"] or "n/a" for row in rows))
     table.add_row("gap closed", *("n/a" if row["gap_closed"] is None else f"{row['gap_closed']:.1%}" for row in rows))
     out.print(table)

@@ -172,16 +172,17 @@ def _metric_name(text: str) -> str:
 
 
 def _learned_rows(domain: str | None, result: dict, metrics: dict, suffix: str) -> list[dict]:
-    """One row per capacity and policy (with its held-out ``domain``, if any); the miss ratios and the
-    gap closed go to ``metrics`` too."""
+    """One row per capacity and policy (with its held-out ``domain``, if any, and the capacity's
+    ``miss_floor``); the miss ratios, the floor and the gap closed go to ``metrics`` too."""
     rows = []
     for cap in result["capacities"]:
         tag = f"{cap['rows']}rows"
         for policy, miss in cap["miss_ratio"].items():
             rows.append({**({"domain": domain} if domain else {}), "capacity": str(cap["capacity"]),
                          "capacity_rows": cap["rows"],
-                         "policy": policy, "miss_ratio": miss})
+                         "policy": policy, "miss_ratio": miss, "miss_floor": cap["miss_floor"]})
             metrics[_metric_name(f"miss_ratio.{policy}.{tag}{suffix}")] = miss
+        metrics[f"miss_floor.{tag}{suffix}"] = cap["miss_floor"]
         if cap["gap_closed"] is not None:
             metrics[f"gap_closed.{tag}{suffix}"] = cap["gap_closed"]
     return rows

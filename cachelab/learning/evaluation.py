@@ -14,9 +14,11 @@ learned policies get no scores (``out_of_sample``): though never counted, they b
 that the counted lookups meet, and in-sample scores there would flatter the figures.
 Per capacity the best heuristic is the lowest of *all* heuristics (a short list would
 flatter the learned policy), and the bound is the lowest oracle (with bypass, Belady is the
-offline optimum of fetches, each step's distinct rows; misses here are counted per lookup, a fetch
-weighing its step's lookups of the row, where a policy may miss less than it: docs/policies.md, so
-the bound is Belady's, not a proven floor of this count). The gap closed,
+fewest fetches, each step's distinct rows, of a policy deciding row by row; misses here are counted
+per lookup, a fetch weighing its step's lookups of the row, and FBGEMM's caches decide a step at
+once, so a policy may miss less than it: the bound is Belady's, not a proven floor of this count).
+``miss_floor`` is that floor: the fewest counted lookup misses any policy can make on these steps
+(``cachelab.learning.floor``). The gap closed,
 ``(best heuristic - learned) / (best heuristic - bound)``, is reported for each learned
 policy, and as ``gap_closed`` for the one judged (``policy``, by default the one that
 declares ``judged_by_default``).
@@ -30,6 +32,7 @@ import numpy as np
 
 from cachelab import registry
 from cachelab.errors import CachelabError
+from cachelab.learning.floor import fewest_misses
 from cachelab.learning.lineup import Lineup, judged_default, lineup
 from cachelab.learning.training import (Model, keep_scores, neutral_scores, policy_params, rows_for,
                                         trained_requests, trained_through)
@@ -49,6 +52,7 @@ class CapacityResult:
     best_heuristic: str | None  # the label of the heuristic that missed least here
     gap_closed: float | None  # of the judged policy
     gap_closed_by_policy: dict[str, float | None]
+    miss_floor: float | None = None  # the fewest counted lookup misses any policy can make, a ratio as miss_ratio
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -120,7 +124,8 @@ def evaluate_capacities(view: LearningView, model: Model, capacities: list[float
                 miss[label] = float(1.0 - hits.mean())
                 by_order[label] = {int(o): float(1.0 - hits[judged == o].mean()) for o in np.unique(judged)}
                 bar.advance(task)
-            rows.append(CapacityResult(cap, n_rows, miss, by_order, *_gap(miss, found, found.label_of(policy))))
+            floor = fewest_misses(view.keys, view.step_offsets, lookups, entries, n_rows) / int(counted.sum())
+            rows.append(CapacityResult(cap, n_rows, miss, by_order, *_gap(miss, found, found.label_of(policy)), floor))
     skipped = ~entries[int(view.step_offsets[first]):]  # past the warm-up, yet repeating a training request
     return Evaluation(int(view.inverse.size), view.num_keys, warmup, policy, int(counted.sum()), first,
                       trained, int(np.unique(view.request[int(view.step_offsets[first]):][skipped]).size),
