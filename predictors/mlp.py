@@ -9,7 +9,7 @@ import numpy as np
 
 from cachelab.errors import CachelabError
 from cachelab.learning import Predictor
-from cachelab.learning.predictor import in_range, read_tensors
+from cachelab.learning.predictor import in_range, read_tensors, write_tensors
 
 TENSORS = "model.safetensors"
 
@@ -100,13 +100,8 @@ class MLP(Predictor):
         return {n: float(v) for n, v in zip(self.feature_names_, w / (w.sum() or 1.0))}
 
     def save_model(self, directory: Path) -> None:
-        from safetensors.torch import save_file
-        import torch
-
-        tensors = {k: v.contiguous() for k, v in self.net_.state_dict().items()}
-        tensors["mean"] = torch.from_numpy(self.mean_)
-        tensors["scale"] = torch.from_numpy(self.scale_)
-        save_file(tensors, str(Path(directory) / TENSORS))
+        tensors = {k: v.detach().cpu().numpy() for k, v in self.net_.state_dict().items()}
+        write_tensors(Path(directory) / TENSORS, {**tensors, "mean": self.mean_, "scale": self.scale_})
 
     @classmethod
     def load_model(cls, directory: Path, metadata: dict) -> "MLP":

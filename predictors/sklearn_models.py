@@ -14,16 +14,14 @@ import numpy as np
 
 from cachelab.errors import CachelabError
 from cachelab.learning import Predictor
-from cachelab.learning.predictor import in_range, read_tensors
+from cachelab.learning.predictor import in_range, read_tensors, write_tensors
 from predictors.trees import FlatForest, from_hist_gradient_boosting
 
 TENSORS = "model.safetensors"
 
 
 def _save(directory: Path, tensors: dict[str, np.ndarray]) -> None:
-    from safetensors.numpy import save_file
-
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(Path(directory) / TENSORS))
+    write_tensors(Path(directory) / TENSORS, tensors)
 
 
 def _load(directory: Path, expected: dict[str, int | None]) -> tuple[dict[str, np.ndarray], str]:

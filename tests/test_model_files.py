@@ -76,6 +76,18 @@ def test_saved_models_carry_a_manifest_and_load_back(models):
         np.testing.assert_allclose(load(directory).predictor.predict(_x()), expected, rtol=1e-6, atol=1e-9)
 
 
+def test_a_saved_models_files_all_have_the_umasks_mode(models):
+    """prior.safetensors was 0600 (safetensors' save_file) where the model's other files were
+    0644: another user could load no model it was given read access to."""
+    import os
+
+    umask = os.umask(0o22)
+    os.umask(umask)
+    for name, (directory, _) in models.items():
+        modes = {f.name: oct(f.stat().st_mode & 0o777) for f in directory.iterdir()}
+        assert set(modes.values()) == {oct(0o666 & ~umask)}, (name, modes)
+
+
 @pytest.mark.parametrize("fraction", [0.5, 0.9])
 def test_truncated_lightgbm_model_is_refused_by_the_manifest_and_by_the_parser(models, tmp_path, fraction):
     d = _copy(models["lightgbm"][0], tmp_path / "m")

@@ -223,6 +223,14 @@ def read_metadata(directory: Path) -> dict:
     return meta
 
 
+def write_tensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    """NumPy arrays as a safetensors file with the mode of the model's other files (the umask's):
+    safetensors' ``save_file`` writes 0600, and another user could not load a model shared with it."""
+    from safetensors.numpy import save
+
+    Path(path).write_bytes(save({k: np.ascontiguousarray(v) for k, v in tensors.items()}))
+
+
 def read_tensors(path: Path, expected: dict[str, int | None]) -> dict:
     """NumPy arrays from a safetensors file, each named in ``expected`` with its dimensions
     (None: any); a malformed file or a missing or misshapen tensor is refused, naming it."""

@@ -37,7 +37,7 @@ from cachelab.errors import CachelabError
 from cachelab.learning.lineup import lineup, tuned_params
 from cachelab.learning.streams import layout_differences
 from cachelab.learning.predictor import (METADATA, Predictor, check_features, install, model_folder, read_metadata,
-                                         read_tensors, verify)
+                                         read_tensors, verify, write_tensors)
 from cachelab.params import check_params
 from cachelab.learning.features import (FEATURE_NAMES, PRIOR_TENSORS, CorpusPrior, FeatureState, apply_prior, belady_labels, extract,
                                  prompt_lookahead, regression_labels, reuse_labels)
@@ -347,7 +347,6 @@ def save(model: Model, directory: Path, extra: dict | None = None) -> Path:
     import tempfile
 
     from safetensors import SafetensorError
-    from safetensors.numpy import save_file
 
     directory = Path(directory)
     model_folder(directory, "model folder")
@@ -356,7 +355,7 @@ def save(model: Model, directory: Path, extra: dict | None = None) -> Path:
     scratch = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".partial", dir=directory.parent))
     try:
         try:
-            save_file(model.prior.tensors(), str(scratch / PRIOR))
+            write_tensors(scratch / PRIOR, model.prior.tensors())
             model.predictor.save(scratch, spec)
         except (OSError, SafetensorError) as exc:  # a full disk, a file size limit: a traceback before
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
