@@ -500,7 +500,7 @@ def test_points_name_the_data_they_read_and_a_reused_parent_its_last_count(tmp_p
         {notes: hashlib.sha256(hashlib.sha256(text).digest()).hexdigest()[:16]} for text in (b"first", b"second")]
 
 
-@pytest.mark.parametrize("uri", ["bogus://x", "mlflow.db"])
+@pytest.mark.parametrize("uri", ["bogus://x", "mlflow.db", "foo:/bar"])
 def test_a_tracking_uri_mlflow_cannot_use_is_an_error_naming_it(tmp_path, monkeypatch, uri):
     """A scheme MLflow lacks (a typo) or a bare path (MLflow 3 refuses its file store) was a
     traceback from MLflow's client in `cachelab run`, `report` and `sync` (seen by helper-111)."""
@@ -512,7 +512,7 @@ def test_a_tracking_uri_mlflow_cannot_use_is_an_error_naming_it(tmp_path, monkey
         Tracker(uri)
     with pytest.raises(CachelabError, match=error):
         run_experiment(write_spec(tmp_path), tracking_uri=uri, runs_dir=tmp_path / "runs", workers=1, quiet=True)
-    assert not (tmp_path / "runs" / "tiny" / "outbox").exists()  # stopped before any point ran
+    assert not (tmp_path / "runs").exists()  # refused before the outbox's lock: runs/NAME/.lock was left behind
 
 
 def test_a_reused_parent_run_is_tagged_with_the_code_of_its_last_run(tmp_path, monkeypatch):

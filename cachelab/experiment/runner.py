@@ -95,17 +95,21 @@ def run_experiment(spec_path: str | Path, *, backend: str = "local", address: st
     check_backend(backend, address)
     spec = load_spec(spec_path, overrides)  # every check happens here, before any work
     workers = _serial_workers(spec, workers)
+    console = Console(stderr=True, quiet=quiet)
+    uri = resolve_uri(tracking_uri)
+    # before the outbox's lock: a tracking URI MLflow refuses left runs/NAME/.lock behind
+    tracker = _connect(uri, console)
     outbox = outbox_for(spec.name, Path(runs_dir))
     with outbox.held(f"cachelab run {spec.name}"):
-        return _sweep(spec, Path(spec_path), overrides, outbox, backend, address, tracking_uri, workers, quiet)
+        return _sweep(spec, Path(spec_path), overrides, outbox, backend, address, uri, tracker, workers, console)
 
 
 def _sweep(spec: ExperimentSpec, spec_path: Path, overrides: list[str] | None, outbox: Outbox, backend: str,
-           address: str | None, tracking_uri: str | None, workers: int | None, quiet: bool) -> RunSummary:
-    console = Console(stderr=True, quiet=quiet)
+           address: str | None, uri: str, tracker: Tracker | None, workers: int | None,
+           console: Console) -> RunSummary:
+    """The points not yet finished, run, recorded with ``tracker`` (``_connect``: None, to the outbox)."""
     points = grid(spec)
-    uri = resolve_uri(tracking_uri)
-    tracker, exp_id = _connect(uri, spec.name, console)
+    exp_id = tracker.experiment_id(spec.name) if tracker else None  # under the lock: two first runs create it once
     if tracker is not None and outbox.keys():
         console.print(f"sending {len(outbox.keys())} record(s) left in {outbox.root}")
         sync_outbox(tracker, outbox, spec.name)
@@ -118,7 +122,7 @@ def _sweep(spec: ExperimentSpec, spec_path: Path, overrides: list[str] | None, o
     console.print(f"[bold]{spec.name}[/]: {len(points)} points, {summary.skipped} already finished, "
                   f"{len(todo)} to run ({backend})")
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with progress_bar(*columns, transient=quiet) as progress:
+    with progress_bar(*columns, transient=console.quiet) as progress:
         paths = _build_workloads(spec, spec_path, todo, progress)
         # what comes before the first point (seconds to a minute on the quickstart) drew nothing
         reading = progress.add_task("reading the workload: checks, statistics, LRU curve", total=None)
@@ -183,13 +187,12 @@ def _sweep(spec: ExperimentSpec, spec_path: Path, overrides: list[str] | None, o
     return summary
 
 
-def _connect(uri: str, name: str, console: Console):
+def _connect(uri: str, console: Console) -> Tracker | None:
     try:
-        tracker = Tracker(uri)
-        return tracker, tracker.experiment_id(name)
+        return Tracker(uri)
     except TrackingUnavailable as exc:
         console.print(f"[yellow]{exc}: results are written locally[/]")
-        return None, None
+        return None
 
 
 def _build_workloads(spec: ExperimentSpec, spec_path: Path, todo: list[Point], progress: Progress) -> dict[str, Path]:
