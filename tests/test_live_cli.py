@@ -168,33 +168,45 @@ def test_cachelab_serve_process_answers_the_openai_client(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_aborts_a_stream_in_flight_with_an_error_event_and_done():
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_under_load_aborts_every_request_in_flight_and_exits_0(sig):
     """SIGTERM left a stream to uvicorn's graceful timeout, then cut it without [DONE] (and a
     whole answer got a 500 with a CancelledError traceback); it is aborted first, as vLLM's
-    default shutdown aborts it: an error event, then [DONE]; the process exits cleanly."""
+    default shutdown aborts it: an error event, then [DONE], or a JSON 503. With several streams
+    on a slow step the aborts came after uvicorn's one second and the streams were cut again,
+    and the process died by the signal it was sent (uvicorn re-raised it): now it exits 0."""
     port = free_port()
     proc = _serve_process(port)
-    events, first = [], threading.Event()
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    streams, answers, first = [[] for _ in range(6)], [], threading.Barrier(7)
 
-    def stream():
-        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                          json={"prompt": "x", "max_tokens": 1500, "ignore_eos": True, "stream": True}) as resp:
+    def stream(events):
+        with httpx.stream("POST", url, timeout=60, json={"prompt": "x" * 200, "max_tokens": 1500, "ignore_eos": True,
+                                                         "stream": True}) as resp:
             for line in resp.iter_lines():
                 if line.startswith("data:"):
+                    if not events:
+                        first.wait(60)
                     events.append(line)
-                    first.set()
 
-    reader = threading.Thread(target=stream)
+    def whole():
+        answers.append(httpx.post(url, timeout=60, json={"prompt": "y", "max_tokens": 1500, "ignore_eos": True}))
+
+    clients = [threading.Thread(target=stream, args=(events,)) for events in streams] + [threading.Thread(target=whole)]
     try:
-        reader.start()
-        assert first.wait(60)
-        proc.terminate()
-        reader.join(60)
-        assert proc.wait(timeout=60) == -signal.SIGTERM  # uvicorn re-raises the signal once it has shut down
+        for client in clients:
+            client.start()
+        first.wait(60)  # every stream has its first event
+        proc.send_signal(sig)
+        assert proc.wait(timeout=30) == 0
+        for client in clients:
+            client.join(30)
     finally:
         proc.kill()
         proc.wait(timeout=60)
-    assert events[-1] == "data: [DONE]" and "shutting down" in events[-2], events[-3:]
+    for events in streams:
+        assert events[-1] == "data: [DONE]" and "shutting down" in events[-2], events[-3:]
+    assert [a.status_code for a in answers] == [503] and "shutting down" in answers[0].text
     assert "Traceback" not in proc.stdout.read()
 
 

@@ -337,7 +337,7 @@ def running_server(opts: ServeOptions, engine=None):
 
     Port 0 picks a free port. Stops both on exit (tests and benchmarks use this; the CLI
     runs uvicorn in the foreground with ``serve``)."""
-    from cachelab.live.server import Server
+    from cachelab.live.shutdown import Server
 
     check_bind(opts.host, opts.api_key)
     _limits(opts)  # bad bounds refused before the engine starts
@@ -363,7 +363,7 @@ def running_server(opts: ServeOptions, engine=None):
 def serve(opts: ServeOptions, announce=print) -> None:
     """Run the server in the foreground until interrupted."""
     from cachelab.heap import freeze_startup_heap
-    from cachelab.live.server import Server
+    from cachelab.live.shutdown import Server
 
     check_bind(opts.host, opts.api_key)
     _limits(opts)  # bad bounds refused before the engine starts
@@ -383,8 +383,7 @@ def serve(opts: ServeOptions, announce=print) -> None:
             done.append(True)
             engine.stop()
             _close_capture(recorder)
-    # at the app's shutdown: uvicorn re-raises SIGTERM after it, which ends the process before any `finally`
-    # (the capture was never closed nor its write error told)
+    # at the app's shutdown, so that the capture is closed and its write error told before uvicorn returns
     app.router.add_event_handler("shutdown", shut_down)
     try:
         Server(config, engine, opts.shutdown_timeout).run(sockets=[sock])

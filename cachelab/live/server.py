@@ -28,7 +28,6 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 
-import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
@@ -568,29 +567,6 @@ def _aborted(engine) -> APIError:
     if engine.error:
         return APIError(503, f"the engine stopped after an error: {engine.error}")
     return APIError(503, "the server is shutting down; the request was aborted")
-
-
-class Server(uvicorn.Server):
-    """uvicorn that, shutting down, first aborts the engine's requests (``LiveEngine.abort_all``):
-    they were left to the graceful timeout, then cancelled (a 500 and a CancelledError traceback
-    for a whole answer, a stream cut without ``[DONE]``). With ``drain_s`` (vLLM's
-    ``--shutdown-timeout``) it stops listening and refuses new requests, lets those in flight run
-    up to that long (cut short by a second Ctrl-C), then aborts what is left."""
-
-    def __init__(self, config: uvicorn.Config, engine: LiveEngine, drain_s: float = 0.0):
-        super().__init__(config)
-        self.engine, self.drain_s = engine, drain_s
-
-    async def shutdown(self, sockets=None) -> None:
-        if self.drain_s > 0:
-            for server in self.servers:
-                server.close()
-            self.engine.refuse_new()
-            deadline = time.monotonic() + self.drain_s
-            while self.engine.num_live and time.monotonic() < deadline and not self.force_exit:
-                await asyncio.sleep(0.05)
-        self.engine.abort_all()
-        await super().shutdown(sockets)
 
 
 def _sse(body: dict) -> str:

@@ -1,0 +1,47 @@
+"""``cachelab serve``'s uvicorn server and its shutdown: a signal stops it cleanly (exit 0), the
+requests in flight drained (``--shutdown-timeout``) or aborted as vLLM's server does, each client told why."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import uvicorn
+
+from cachelab.live.engine import LiveEngine
+
+
+class Server(uvicorn.Server):
+    """uvicorn that, shutting down, first aborts the engine's requests (``LiveEngine.abort_all``):
+    they were left to the graceful timeout, then cancelled (a 500 and a CancelledError traceback
+    for a whole answer, a stream cut without ``[DONE]``). With ``drain_s`` (vLLM's
+    ``--shutdown-timeout``) it stops listening and refuses new requests, lets those in flight run
+    up to that long (cut short by a second Ctrl-C), then aborts what is left. The aborts reach
+    their clients at the engine's next step, waited for up to ``ABORT_WAIT_S`` (uvicorn's one-second
+    graceful timeout cut a slow step's streams short). A stop asked for by a signal exits 0."""
+
+    ABORT_WAIT_S = 10.0
+
+    def __init__(self, config: uvicorn.Config, engine: LiveEngine, drain_s: float = 0.0):
+        super().__init__(config)
+        self.engine, self.drain_s = engine, drain_s
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()  # uvicorn re-raised it once shut down: the process died by SIGTERM, not 0
+
+    async def shutdown(self, sockets=None) -> None:
+        if self.drain_s > 0:
+            for server in self.servers:
+                server.close()
+            self.engine.refuse_new()
+            await self._until_idle(self.drain_s)
+        self.engine.abort_all()
+        await self._until_idle(self.ABORT_WAIT_S)
+        await super().shutdown(sockets)
+
+    async def _until_idle(self, seconds: float) -> None:
+        """Wait until the engine holds no request, ``seconds`` at most (a second Ctrl-C ends it)."""
+        deadline = time.monotonic() + seconds
+        while self.engine.num_live and time.monotonic() < deadline and not self.force_exit:
+            await asyncio.sleep(0.05)
