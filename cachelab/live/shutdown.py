@@ -28,7 +28,8 @@ class Server(uvicorn.Server):
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
-        self._captured_signals.clear()  # uvicorn re-raised it once shut down: the process died by SIGTERM, not 0
+        # uvicorn >= 0.29 re-raises a captured signal once shut down: the process died by SIGTERM, not 0
+        getattr(self, "_captured_signals", []).clear()
 
     async def shutdown(self, sockets=None) -> None:
         if self.drain_s > 0:
