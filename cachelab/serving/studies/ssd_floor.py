@@ -67,17 +67,9 @@ def joint_fit(workload: Workload, eff: Efficiency, dram_tokens_per_dollar: float
     out) and the held-out 8k/1k SSD point under both builds of the patch (``calibration.ssd_builds``)."""
     from cachelab.serving.calibration import ssd_builds
 
-    price = load_profile("B200").usd_per_gpu_hour
     joint = fit_ssd_host(eff, workload)
-    df = pl.DataFrame(run_points(workload, joint, [c for c in CONFIGS if c[0] == "B200" and c[2] == "ssd-mmap"],
-                                 concurrencies)
-                      + run_points(workload, eff, [("B200", 4, "dram-uva")], SSD_PR_STEADY), infer_schema_length=None)
-    ssd_tpd = throughput_at(pareto_front(df.filter(pl.col("fits") & (pl.col("placement") == "ssd-mmap")), X, Y),
-                            TARGET, X, Y) * 3600 / price
-    sweep = disk_over_uva(df)
-    return {**ssd_host_standard_errors(joint, workload),
-            "b200_ssd_tokens_per_dollar": ssd_tpd if np.isfinite(ssd_tpd) else None,
-            "b200_dram_over_ssd": dram_tokens_per_dollar / ssd_tpd if np.isfinite(ssd_tpd) else None,
+    arm, sweep = _ssd_arm(workload, joint, eff, dram_tokens_per_dollar, concurrencies)
+    return {**ssd_host_standard_errors(joint, workload), **arm,
             "b200_tp4_disk_over_uva": {k: {"throughput": v["model"], "p90_ttft": v["p90_ttft_model"]}
                                        for k, v in sweep["by_concurrency"].items()},
             **{k: v for k, v in sweep.items() if k.endswith("mape")},
@@ -92,20 +84,28 @@ def floor_from_tpot_offset(workload: Workload, eff: Efficiency, dram_tokens_per_
     out. The two readings of the one source bracket the key (``floor_if_think_mean``). The SSD arm is read
     over the key's own sweep, as ``dram_tokens_per_dollar`` is: this floor puts the read-off between 8 and 10
     clients on TP4, where the what-ifs' coarser sweep reads it on the chord from 8 to 12 (1.135, not 1.121)."""
-    price = load_profile("B200").usd_per_gpu_hour
     floor = replace(eff, piecewise_layer_s=published_piecewise_layer_s(eff, workload))
-    ssd = [c for c in CONFIGS if c[0] == "B200" and c[2] == "ssd-mmap"]
-    df = pl.DataFrame(run_points(workload, floor, ssd, concurrencies)
-                      + run_points(workload, eff, [("B200", 4, "dram-uva")], SSD_PR_STEADY), infer_schema_length=None)
-    ssd_tpd = throughput_at(pareto_front(df.filter(pl.col("fits") & (pl.col("placement") == "ssd-mmap")), X, Y), TARGET, X, Y)
-    ssd_tpd *= 3600 / price
-    sweep = disk_over_uva(df)
+    arm, sweep = _ssd_arm(workload, floor, eff, dram_tokens_per_dollar, concurrencies)
     errors = [abs(v["model"] - v["published"]) / v["published"] for v in sweep["by_concurrency"].values()]
-    return {"piecewise_layer_s": floor.piecewise_layer_s,
-            "b200_ssd_tokens_per_dollar": ssd_tpd if np.isfinite(ssd_tpd) else None,
-            "b200_dram_over_ssd": dram_tokens_per_dollar / ssd_tpd if np.isfinite(ssd_tpd) else None,
+    return {"piecewise_layer_s": floor.piecewise_layer_s, **arm,
             "b200_tp4_disk_over_uva": {k: v["model"] for k, v in sweep["by_concurrency"].items()},
             "b200_tp4_disk_over_uva_mape": float(np.mean(errors)) if errors else None, "source": SSD_PR_SOURCE}
+
+
+def _ssd_arm(workload: Workload, ssd_eff: Efficiency, eff: Efficiency, dram_tokens_per_dollar: float,
+             concurrencies) -> tuple[dict, dict]:
+    """The B200 SSD arm run under ``ssd_eff`` over ``concurrencies``, beside the UVA arm at the PR body's
+    points under ``eff``: its tokens per dollar and DRAM over SSD at the key's read-off, and the PR body's
+    sweep (``disk_over_uva``) under it."""
+    price = load_profile("B200").usd_per_gpu_hour
+    ssd = [c for c in CONFIGS if c[0] == "B200" and c[2] == "ssd-mmap"]
+    df = pl.DataFrame(run_points(workload, ssd_eff, ssd, concurrencies)
+                      + run_points(workload, eff, [("B200", 4, "dram-uva")], SSD_PR_STEADY), infer_schema_length=None)
+    ssd_tpd = throughput_at(pareto_front(df.filter(pl.col("fits") & (pl.col("placement") == "ssd-mmap")), X, Y),
+                            TARGET, X, Y) * 3600 / price
+    found = bool(np.isfinite(ssd_tpd))
+    return ({"b200_ssd_tokens_per_dollar": ssd_tpd if found else None,
+             "b200_dram_over_ssd": dram_tokens_per_dollar / ssd_tpd if found else None}, disk_over_uva(df))
 
 
 def floor_if_think_mean(workload: Workload, eff: Efficiency, think_mean_s: float | None = None) -> dict | None:
