@@ -169,10 +169,14 @@ def test_a_bad_sample_rate_is_refused_naming_the_flag_before_the_trace_loads(tmp
     for rate, why in (("nan", "must be in \\(0, 1\\], got nan"), ("inf", "must be in \\(0, 1\\], got inf"),
                       ("-inf", "must be in \\(0, 1\\], got -inf"), ("0", "must be in \\(0, 1\\], got 0.0"),
                       ("-0.1", "must be in \\(0, 1\\], got -0.1"), ("1.5", "must be in \\(0, 1\\], got 1.5"),
-                      ("1e-9", "1e-09 is under the sampling hash's resolution \\(2\\^-24 = 5.96e-08\\): it keeps "
-                       "no key")):
+                      ("1e-9", "1e-09 is under half the sampling hash's resolution \\(2\\^-25 = 2.98e-08, where its "
+                       "threshold rounds to 0\\): it keeps no key"),
+                      ("2.9e-8", "2.9e-08 is under half the sampling hash's resolution \\(2\\^-25 = 2.98e-08")):
         res = runner.invoke(app, ["mrc", "--trace", missing, "--capacities", "10", "--sample-rate", rate, "--json"])
         assert res.exit_code == 2 and re.search(f"--sample-rate {why}", res.output), (rate, res.output)
+    # under 2^-24 but over 2^-25 the threshold rounds to 1: a sample of 2^-24, not refused (the trace is)
+    res = runner.invoke(app, ["mrc", "--trace", missing, "--capacities", "10", "--sample-rate", "5e-8"])
+    assert res.exit_code == 2 and "no such file" in res.output and "sample-rate" not in res.output, res.output
     for workers in (0, -2):  # ran on all cores, on one
         res = runner.invoke(app, ["mrc", "--trace", missing, "--capacities", "10", "--workers", str(workers)])
         assert res.exit_code == 2 and f"--workers must be at least 1, got {workers}" in res.output, res.output

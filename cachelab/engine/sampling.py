@@ -44,14 +44,14 @@ def keeps(key, threshold, salt):
 
 
 def check_rate(rate: float, where: str = "sample rate") -> None:
-    """Refuse a rate outside (0, 1] (NaN and infinities included), or one under the hash's
-    resolution, whose threshold rounds to 0: it keeps no key of any trace. ``where`` names it
+    """Refuse a rate outside (0, 1] (NaN and infinities included), or one under half the hash's
+    resolution (2^-25), whose threshold rounds to 0: it keeps no key of any trace. ``where`` names it
     (a CLI flag)."""
     if not 0 < rate <= 1:
         raise CachelabError(f"{where} must be in (0, 1], got {rate}")
-    if round(rate * (1 << SAMPLE_BITS)) == 0:
-        raise CachelabError(f"{where} {rate} is under the sampling hash's resolution (2^-{SAMPLE_BITS} = "
-                            f"{2.0 ** -SAMPLE_BITS:.3g}): it keeps no key")
+    if round(rate * (1 << SAMPLE_BITS)) == 0:  # under half the resolution: a rate up to 2^-SAMPLE_BITS rounds up
+        raise CachelabError(f"{where} {rate} is under half the sampling hash's resolution (2^-{SAMPLE_BITS + 1} = "
+                            f"{2.0 ** -(SAMPLE_BITS + 1):.3g}, where its threshold rounds to 0): it keeps no key")
 
 
 def threshold(rate: float) -> int:
