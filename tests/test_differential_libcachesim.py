@@ -26,11 +26,10 @@ from hypothesis import strategies as st
 from cachelab import registry
 from cachelab.engine.tiers import Hierarchy, Tier
 from cachelab.trace.keytrace import read_keys
-from cachelab.workload.lookups import LookupStream, compact, dedup_steps
+from cachelab.workload.lookups import LookupStream
 from cachelab.engine.replay import replay
 from cachelab.workload.future import next_access
-from lcs_reference import (cloudphysics_keys, engram_row_keys, engram_stream, lcs_misses, lcs_misses_of, lirs_keys,
-                           min_capacity, write_oracle_general)
+from lcs_reference import engram_row_keys, engram_stream, lcs_misses, lcs_misses_of, min_capacity, write_oracle_general
 
 
 @dataclass(frozen=True)
@@ -69,26 +68,39 @@ def capacities(unique: int) -> tuple[int, ...]:
     return 2, unique // 1000, unique // 100, unique // 10, unique // 2, unique - 1
 
 
+CLOUDPHYSICS = "{}/cache_traces/libcachesim_cloudphysics/cloudPhysicsIO.oracleGeneral.bin"
 TRACES = ["cloudphysics", "lirs-sprite", "lirs-multi2", "engram-gsm8k-rows", "engram-arena-hard"]
+
+
+def tier_requests(keys: np.ndarray, step_offsets: np.ndarray) -> np.ndarray:
+    """Each step's distinct keys in first-occurrence order: the request stream a tier sees, made
+    here by a sort, apart from the engine's own deduplication, which the table then checks too."""
+    step = np.repeat(np.arange(step_offsets.size - 1), np.diff(step_offsets))
+    order = np.lexsort((np.arange(keys.size), keys, step))  # by step, key, position
+    first = np.ones(keys.size, dtype=bool)
+    first[1:] = (step[order][1:] != step[order][:-1]) | (keys[order][1:] != keys[order][:-1])
+    return keys[np.sort(order[first])]
 
 
 @pytest.fixture(scope="module")
 def traces(data_dir, tmp_path_factory):
-    """Per trace: the stream we replay, libCacheSim's oracleGeneral file of the tier's requests."""
+    """Per trace: the stream we replay, libCacheSim's oracleGeneral file of the tier's requests.
+    The key traces keep the ids their files give (not dense ones), so that a policy that hashes
+    ids (W-TinyLFU's sketch) is held to hash what libCacheSim hashes on every trace."""
+    lirs = data_dir / "cache_traces/caffeine_sim_samples/lirs"
     out = {}
     for name in TRACES:
         if name == "cloudphysics":
-            stream = LookupStream.from_keys(cloudphysics_keys(data_dir))
+            stream = LookupStream.from_keys(read_keys(CLOUDPHYSICS.format(data_dir)))
         elif name.startswith("lirs-"):
-            stream = LookupStream.from_keys(lirs_keys(data_dir, name[5:]))
+            stream = LookupStream.from_keys(read_keys(lirs / f"{name[5:]}.trace.gz"))
         elif name == "engram-gsm8k-rows":
             stream = LookupStream.from_keys(engram_row_keys(data_dir))
         else:
             stream = engram_stream(data_dir)
-        ids, uniq = compact(stream.keys)
-        requests = uniq[dedup_steps(ids, stream.step_offsets, uniq.size).keys]
+        requests = tier_requests(stream.keys, stream.step_offsets)
         path = write_oracle_general(tmp_path_factory.mktemp("lcs") / f"{name}.oracleGeneral", requests)
-        out[name] = (stream, path, uniq.size)
+        out[name] = (stream, path, np.unique(requests).size)
     return out
 
 
@@ -139,7 +151,7 @@ def test_a_trace_with_object_sizes_counts_objects_as_libcachesim_does_ignoring_t
     file, not its default, which counts each record's bytes against a byte capacity."""
     import libcachesim as lcs
 
-    path = data_dir / "cache_traces/libcachesim_cloudphysics/cloudPhysicsIO.oracleGeneral.bin"
+    path = CLOUDPHYSICS.format(data_dir)
     stream = LookupStream.from_keys(read_keys(path))
     for capacity in (100, 1_000, 10_000):
         tier = Tier("hbm", registry.make_policy(ours), capacity_rows=capacity)
