@@ -88,7 +88,18 @@ def test_errors_exit_2_with_message(tmp_path):
     for warmup in ("nan", "inf"):  # were a ValueError / OverflowError traceback
         res = runner.invoke(app, ["simulate", "--trace", str(tmp_path / "k.npy"), "--policy", "lru", "--capacity", "5",
                                   "--warmup", warmup])
-        assert res.exit_code == 2 and f"warm-up must be a number >= 0, got {warmup}" in res.output
+        assert res.exit_code == 2 and f"--warmup must be a number >= 0, got {warmup}" in res.output
+
+
+def test_a_bad_warmup_is_refused_naming_the_flag_before_the_trace_loads(tmp_path):
+    """--warmup was checked once the trace had loaded (seconds for a large one), its error naming
+    no flag ('a warm-up of 1 or more is a step count ...')."""
+    missing = str(tmp_path / "not-yet.npy")  # the warm-up is refused first
+    for verb in (["simulate", "--capacity", "5"], ["mrc", "--capacities", "5"]):
+        for warmup, why in (("-0.5", "must be a number >= 0, got -0.5"),
+                            ("1.5", "of 1 or more is a step count and must be whole, got 1.5")):
+            res = runner.invoke(app, [*verb, "--trace", missing, "--policy", "lru", "--warmup", warmup])
+            assert res.exit_code == 2 and f"--warmup {why}" in res.output, (verb, warmup, res.output)
 
 
 def test_json_says_which_policy_parameters_and_filter_ran(tmp_path):

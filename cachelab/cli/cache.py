@@ -19,7 +19,7 @@ from cachelab.learning.streams import STEP_VIEWS, load_trace, unchecked_layout
 from cachelab.trace.keytrace import FORMATS
 from cachelab.trace.kinds import Found, detect, refuse_unused, requests_or_default
 from cachelab.workload.lookups import LookupStream, compact
-from cachelab.engine.replay import replay
+from cachelab.engine.replay import check_warmup, replay
 from cachelab.engine.sampling import check_rate
 
 TRACE_HELP = ("A key trace (.npy of integers, text with one key per line, libCacheSim oracleGeneral), a lookup "
@@ -105,6 +105,7 @@ def simulate(
     The miss ratio counts every request after the warm-up.
     """
     started = time.perf_counter()
+    check_warmup(warmup, "--warmup")  # before the trace loads, naming the flag
     # each --param's name and type, before the stream is read (a wrong type raised inside the policy)
     check_params(registry.get(registry.POLICIES, policy.split("+")[0]), parse_pairs(param), "--param")
     checked_policy(policy, admission, param)  # and their values
@@ -193,6 +194,7 @@ def mrc(
     started = time.perf_counter()
     if sample_rate is not None:  # before the trace loads
         check_rate(sample_rate, "--sample-rate")
+    check_warmup(warmup, "--warmup")
     if workers is not None and workers < 1:  # 0 ran on all cores, a negative count on one
         raise CachelabError(f"--workers must be at least 1, got {workers}")
     check_params(registry.get(registry.POLICIES, policy.split("+")[0]), parse_pairs(param), "--param")  # as simulate

@@ -43,14 +43,20 @@ def level_counts(levels: np.ndarray, n_levels: int) -> np.ndarray:
     return np.array([np.count_nonzero(levels == i) for i in range(n_levels)], dtype=np.int64)
 
 
+def check_warmup(warmup: float, where: str = "warm-up") -> None:
+    """Refuse a warm-up that is neither a fraction of the steps (``0 <= w < 1``) nor a whole step
+    count (``>= 1``); ``where`` names it (a CLI flag, checked before the trace loads)."""
+    if not 0 <= warmup < float("inf"):  # NaN and infinity are refused too
+        raise CachelabError(f"{where} must be a number >= 0, got {warmup}")
+    if warmup >= 1 and warmup != int(warmup):
+        raise CachelabError(f"{where} of 1 or more is a step count and must be whole, got {warmup}")
+
+
 def warmup_steps(warmup: float, num_steps: int) -> int:
     """A warm-up given as a fraction of steps (``0 <= w < 1``) or a whole step count (``>= 1``)."""
-    if not 0 <= warmup < float("inf"):  # NaN and infinity are refused too
-        raise CachelabError(f"warm-up must be a number >= 0, got {warmup}")
+    check_warmup(warmup)
     if warmup < 1:
         return int(np.floor(warmup * num_steps))
-    if warmup != int(warmup):
-        raise CachelabError(f"a warm-up of 1 or more is a step count and must be whole, got {warmup}")
     if warmup >= num_steps:
         raise CachelabError(f"warm-up of {int(warmup)} steps leaves nothing of a {num_steps}-step stream")
     return int(warmup)
