@@ -63,10 +63,14 @@ rounds; each arm's P99 over its pairs, a paired bootstrap interval of the P99 de
 --pair-block cycles), the A/A interval as the noise, and the goal at that noise. A P99 over n streams
 rests on about n / 100 beyond it: 2,000 pairs at concurrency 1 give 20.
 
+--client lean times the streams with benchmarks/lean_client.py instead of httpx (whose own work per
+stream queued a concurrency-8 batch's streams in the client); --stagger-ms MS sends a batch's streams MS
+apart on a schedule every path shares.
+
 Run: .venv/bin/python benchmarks/bench_capture.py [--requests 1024 --concurrency 1 8
 --max-tokens 32 --token-delay-ms 10 --rounds 4] [--vllm | --upstream URL --model M]
 [--proxy NAME=ARGS ...] [--proxy-nice NAME=N] [--prompt-tokens N] [--relay] [--pin [--pin-cores A,B]]
-[--large-prompt-ids N [--large-every-ms MS]] [--pairs N [--pair-block CYCLES]]
+[--large-prompt-ids N [--large-every-ms MS]] [--pairs N [--pair-block CYCLES]] [--client lean] [--stagger-ms MS]
 """
 
 from __future__ import annotations
@@ -93,18 +97,24 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from capture_pairs import CYCLE, MIN_BLOCKS, goal_by_interval, paired_figures, schedule  # noqa: E402
+from lean_client import LeanClient  # noqa: E402
 from loopback import free_port  # noqa: E402
 
 PROMPT = "Which Engram rows should stay in HBM when the table is 189 GiB and the batch is large? "
 PROMPT_IDS = 0  # --prompt-tokens: a prompt of that many token ids instead of PROMPT
 WARM_UP = 10**9  # the untimed batches' request numbers start here, past every timed one's
 
+# The upstream's startup heap is frozen (cachelab.heap, as vLLM's server does): unfrozen, a generation-2
+# collection of its imports and tokenizer held its loop 70-85 ms every 7 s or so and delayed every stream
+# in flight at once: the eight streams of a concurrency-8 arm, 8 of the 24 samples beyond a 2,400-stream P99.
 UPSTREAM = """
 import sys, uvicorn
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {root!r}]
 from capture_upstream import Upstream
-uvicorn.run(Upstream(token_delay_s={delay}).app, host="127.0.0.1", port={port}, log_level="warning",
-            access_log=False, timeout_keep_alive=60)
+from cachelab.heap import freeze_startup_heap
+app = Upstream(token_delay_s={delay}).app
+freeze_startup_heap()
+uvicorn.run(app, host="127.0.0.1", port={port}, log_level="warning", access_log=False, timeout_keep_alive=60)
 """
 
 # --relay: a TCP forwarder that copies bytes both ways and does nothing else (no HTTP parsing, no
@@ -188,31 +198,48 @@ def prompt_of(i: int):
     return [10 + high, 10 + low] + list(range(1000, 1000 + PROMPT_IDS - 2))
 
 
+def token_times(reads) -> list[float]:
+    """The time of each event carrying text: the read (its stamp, its body bytes) that completed it."""
+    times, pending = [], b""
+    for now, chunk in reads:
+        pending += chunk
+        while b"\n\n" in pending:
+            event, pending = pending.split(b"\n\n", 1)
+            if b'"text":"' in event and b'"text":""' not in event:
+                times.append(now)
+    return times
+
+
 async def one(client, model, max_tokens, i):
-    """One streamed completion: (sent, TTFT, ITL gaps), times from the client's clock."""
+    """One streamed completion: (sent, TTFT, ITL gaps), times from the client's clock, each read stamped as it
+    arrives and parsed once the stream ended (httpx), or in the read's callback (``LeanClient``)."""
     body = {"model": model, "prompt": prompt_of(i), "max_tokens": max_tokens, "stream": True,
             "temperature": 0, "ignore_eos": True}
-    sent = time.perf_counter()
-    times = []
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        pending = b""
-        async for chunk in r.aiter_raw():
-            now = time.perf_counter()
-            pending += chunk
-            while b"\n\n" in pending:
-                event, pending = pending.split(b"\n\n", 1)
-                if b'"text":"' in event and b'"text":""' not in event:
-                    times.append(now)
-    if r.status_code != 200 or not times:
-        raise SystemExit(f"request failed: {r.status_code}")
+    if isinstance(client, LeanClient):
+        sent, reads, status = await client.post_stream("/v1/completions", body)
+    else:
+        sent, reads = time.perf_counter(), []
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            async for chunk in r.aiter_raw():
+                reads.append((time.perf_counter(), chunk))
+        status = r.status_code
+    times = token_times(reads)
+    if status != 200 or not times:
+        raise SystemExit(f"request failed: {status}")
     return sent, times[0] - sent, np.diff(times)
 
 
-async def batch(client, model, n, concurrency, max_tokens, offset):
+async def batch(client, model, n, concurrency, max_tokens, offset, stagger_s=0.0):
+    """``n`` streams, ``concurrency`` at a time; with ``stagger_s``, the first ``concurrency`` sent at that
+    spacing from the batch's start (a fixed schedule, the same on every path; each stream timed from its own
+    send), the others as a stream ends."""
     sem = asyncio.Semaphore(concurrency)
+    start = asyncio.get_running_loop().time()
 
     async def guarded(i):
         async with sem:
+            if stagger_s and i < concurrency:
+                await asyncio.sleep(start + i * stagger_s - asyncio.get_running_loop().time())
             return await one(client, model, max_tokens, offset + i)
 
     return await asyncio.gather(*(guarded(i) for i in range(n)))
@@ -234,12 +261,12 @@ async def send_large(client, body: bytes, every_s: float, stop: asyncio.Event) -
     return sent
 
 
-async def timed_batch(client, model, n, concurrency, max_tokens, offset):
+async def timed_batch(client, model, n, concurrency, max_tokens, offset, stagger_s=0.0):
     """A batch with the client's garbage collector held off (collected just before instead)."""
     gc.collect()
     gc.disable()
     try:
-        return await batch(client, model, n, concurrency, max_tokens, offset)
+        return await batch(client, model, n, concurrency, max_tokens, offset, stagger_s)
     finally:
         gc.enable()
 
@@ -354,8 +381,9 @@ async def measure_all(urls, pids, model, args, placement: Placement):
     per placement, per path, per round, (sent, ttft, itl gaps) per stream, and each proxy's CPU time
     (its writer process's included) over its rounds."""
     top = max(args.concurrency)
-    clients = {name: httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(
-        max_connections=top, max_keepalive_connections=top, keepalive_expiry=600)) for name, url in urls.items()}
+    clients = {name: LeanClient(url) if args.client == "lean" else httpx.AsyncClient(
+        base_url=url, timeout=300, limits=httpx.Limits(max_connections=top, max_keepalive_connections=top,
+                                                       keepalive_expiry=600)) for name, url in urls.items()}
     per_round = max(1, args.requests // args.rounds)
     names = list(urls)
     # asking for the ids itself, so that the upstream does the same work on every path (returning 128k prompt ids
@@ -393,7 +421,7 @@ async def measure_all(urls, pids, model, args, placement: Placement):
                         sender = asyncio.get_running_loop().create_task(send_large(
                             big_clients[name], big, args.large_every_ms / 1e3, stop)) if big else None
                         rounds[name].append(await timed_batch(clients[name], model, per_round, concurrency,
-                                                              args.max_tokens, first))
+                                                              args.max_tokens, first, args.stagger_ms / 1e3))
                         if sender is not None:
                             stop.set()
                             args.large_sent[name] += await sender
@@ -437,7 +465,8 @@ async def measure_pairs(clients, model, concurrency, args, placement: Placement,
             for k, (a, b) in enumerate(schedule(args.pairs, name)):
                 streams = []
                 for path in (a, b):
-                    streams.append(await batch(clients[path], model, concurrency, concurrency, args.max_tokens, first))
+                    streams.append(await batch(clients[path], model, concurrency, concurrency, args.max_tokens, first,
+                                               args.stagger_ms / 1e3))
                     first += concurrency
                 units.append((a, b, *streams))
                 if k % (16 * CYCLE) == 16 * CYCLE - 1:
@@ -474,7 +503,7 @@ def pairs_report(paired: dict, args) -> dict:
                          f"noise +/-{f['noise_ms']:.2f} ms {under} the allowance (+{f['allowed_ms']:.2f} ms)")
                 print(f"{metric:<6} P99 direct {f['direct_p99_ms']:.2f} ms, {name} {f['proxy_p99_ms']:.2f} ms, delta "
                       f"{f['p99_delta_ms']:+.2f} {ci(f['p99_delta_ci_ms'])} ms ({f['samples']} samples a path, "
-                      f"{f['tail_samples']} beyond the P99); {aa}; {noise}; goal {f['goal']}, at this noise: "
+                      f"{f['tail_samples']} beyond the P99, from {f['tail_units']} units); {aa}; {noise}; goal {f['goal']}, at this noise: "
                       f"{f['goal_at_noise']}")
     return out
 
@@ -682,6 +711,14 @@ def main() -> None:
                     help="after the rounds, per path and concurrency, N pairs (even) of streams direct and through the "
                          "path back to back, and N A/A pairs, pinned with --pin: the paired verdict (benchmarks/"
                          "capture_pairs.py); a P99 over n streams rests on about n / 100 beyond it")
+    ap.add_argument("--client", choices=("httpx", "lean"), default="httpx",
+                    help="the timed streams' client: httpx, or a raw HTTP/1.1 client that costs the load generator "
+                         "little per stream (benchmarks/lean_client.py: at concurrency 8, httpx's own work queues the "
+                         "streams sent at once)")
+    ap.add_argument("--stagger-ms", type=float, default=0.0, metavar="MS",
+                    help="send the first streams of each timed batch (a round's first `concurrency`, each arm of a "
+                         "pair) MS apart, on a schedule from the batch's start that every path shares, instead of "
+                         "all at once; each stream's TTFT from its own send")
     ap.add_argument("--pair-block", type=int, default=4, metavar="CYCLES",
                     help="with --pairs: the paired bootstrap draws blocks of this many consecutive cycles (of four "
                          "pairs each)")
@@ -695,6 +732,8 @@ def main() -> None:
     if args.pin and (len(args.pin_cores) != 2 or len(set(args.pin_cores)) != 2
                      or not set(args.pin_cores) <= set(allowed)):
         raise SystemExit(f"--pin needs two different cores this process may use (of {allowed}), got {args.pin_cores}")
+    if not 0 <= args.stagger_ms <= 1000:
+        raise SystemExit(f"--stagger-ms {args.stagger_ms:g}: expected 0 (all at once) to 1000")
     if args.pairs:
         try:
             schedule(args.pairs, "proxy")
@@ -723,7 +762,7 @@ def main() -> None:
             upstream, model, what = server.base_url, server.model, "vLLM CPU server (tiny dummy-weight Llama)"
         else:
             port = free_port()
-            code = UPSTREAM.format(tests=str(ROOT / "tests"), delay=args.token_delay_ms / 1e3, port=port)
+            code = UPSTREAM.format(tests=str(ROOT / "tests"), root=str(ROOT), delay=args.token_delay_ms / 1e3, port=port)
             procs.append(subprocess.Popen([sys.executable, "-c", code], cwd=work))
             upstream, model = f"http://127.0.0.1:{port}", "tiny"
             what = f"deterministic OpenAI server, {args.token_delay_ms:g} ms per token"
@@ -772,7 +811,8 @@ def main() -> None:
             server.stop()
         shutil.rmtree(work, ignore_errors=True)  # the capture and vLLM's model dir: nothing left in /tmp
     print(f"upstream: {what}; prompts of {f'{PROMPT_IDS} token ids' if PROMPT_IDS else 'about 24 tokens of text'}; load average (1/5/15 min) {'/'.join(f'{v:.1f}' for v in load_before)} before, "
-          f"{'/'.join(f'{v:.1f}' for v in load_after)} after, on {os.cpu_count()} cores")
+          f"{'/'.join(f'{v:.1f}' for v in load_after)} after, on {os.cpu_count()} cores; client {args.client}"
+          + (f", the streams of a batch sent {args.stagger_ms:g} ms apart" if args.stagger_ms else ""))
     print(f"scheduling: {sched['policy']}, niceness {sched['niceness']:+d}" + (f", {sched['autogroup']} (sched_autogroup_enabled: the "
                                                            "niceness ranks tasks only inside this group)"
                                                            if sched["autogroup_enabled"] else ""))
@@ -794,7 +834,7 @@ def main() -> None:
     if args.json:
         by_variant = by_placement["shared"]
         first = next(iter(by_variant.values()))
-        print(json.dumps({"load_before": load_before, "load_after": load_after, "scheduling": sched,
+        print(json.dumps({"load_before": load_before, "load_after": load_after, "scheduling": sched, "client": args.client, "stagger_ms": args.stagger_ms,
                           "by_concurrency": first,
                           "by_proxy": by_variant, "by_placement": by_placement,
                           "pin_cores": list(args.pin_cores) if args.pin else None,

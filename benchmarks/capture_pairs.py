@@ -12,7 +12,8 @@ interval of the P99 difference is a paired bootstrap: the same units for both ar
 consecutive cycles (a load burst spans several pairs). The A/A pairs, direct-direct and X-X pooled, are
 as many as the compared ones and give the noise under the same estimator; their interval covers zero
 when the noise claimed is the noise there is. A P99 over n samples rests on about n / 100 samples beyond
-it: ``tail_samples``.
+it (``tail_samples``), which come from ``tail_units`` units: fewer where one stall delays a unit's streams
+together.
 """
 
 from __future__ import annotations
@@ -89,6 +90,14 @@ def paired_interval(a: list[np.ndarray], b: list[np.ndarray], block: int, rng, d
     return point, float(low), float(high)
 
 
+def tail_units(arm: list[np.ndarray]) -> int:
+    """How many of an arm's units hold its samples beyond the P99. At concurrency 8 one stall (a collection in
+    the upstream, a burst of other work) delays the eight streams of a unit together: the P99 of n samples then
+    rests on fewer independent events than the n / 100 samples beyond it, and moves by whole units."""
+    cut = p99(np.concatenate(arm))
+    return sum(bool((u > cut).any()) for u in arm)
+
+
 def goal_by_interval(low: float, high: float, allowed: float) -> str:
     """The goal's verdict that another run of the same rounds would repeat: met where the whole 95% interval of
     the P99 delta is within the allowance, missed where all of it is past, else unresolved (one run's P99 said
@@ -123,6 +132,7 @@ def paired_figures(units, name: str, pick, block_cycles: int, seed: int, draws: 
     goal = goal_by_interval(*ci, allowed) if blocks >= MIN_BLOCKS else "unresolved"
     return {"pairs": len(by["compare"][0]), "samples": int(min(direct.size, proxied.size)),
             "tail_samples": int(min(direct.size, proxied.size)) // 100,
+            "tail_units": min(tail_units(arm) for arm in by["compare"]),
             "direct_p99_ms": p99(direct) * 1e3, "proxy_p99_ms": p99(proxied) * 1e3, "p99_delta_ms": delta,
             "p99_delta_ci_ms": ci, "aa_p99_delta_ms": aa, "aa_p99_delta_ci_ms": aa_ci,
             "aa_direct_p99_delta_ci_ms": interval("aa_direct")[1], "aa_proxy_p99_delta_ci_ms": interval("aa_proxy")[1],

@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from capture_pairs import CYCLE, MIN_BLOCKS, arms, paired_figures, paired_interval, schedule  # noqa: E402
+from capture_pairs import CYCLE, MIN_BLOCKS, arms, paired_figures, paired_interval, schedule, tail_units  # noqa: E402
 
 
 def same(x):
@@ -116,6 +116,18 @@ def test_a_noise_over_the_allowance_leaves_the_goal_unresolved():
                              block_cycles=1, seed=0, draws=300)
     assert figures["noise_ms"] > figures["allowed_ms"] and not figures["noise_under_allowance"]
     assert figures["goal_at_noise"] == "unresolved"
+
+
+def test_tail_units_count_the_units_a_p99_rests_on_where_a_stall_delays_a_units_streams_together():
+    """Eight streams a unit, 1,000 units: independent jitter spreads the 80 samples beyond the P99 over dozens of
+    units; a 50 ms stall of ten whole units puts all 80 in those ten, which is what the P99 then rests on."""
+    units = synthetic(1000, 0.0, seed=9, load_s=0.0, jitter_s=0.001)
+    direct = arms(units, "proxy")["compare"][0]
+    assert tail_units(direct) > 40
+    stalled = [u + 0.05 if k % 100 == 7 else u for k, u in enumerate(direct)]
+    assert tail_units(stalled) == 10
+    figures = paired_figures(units, "proxy", same, block_cycles=4, seed=0, draws=50)
+    assert figures["tail_samples"] == 80 and 40 < figures["tail_units"] <= 80
 
 
 def test_too_few_blocks_measure_no_noise_and_settle_nothing():
