@@ -22,6 +22,7 @@ import time
 
 import httptools
 
+TIMEOUT_S = 300  # a whole response, as the httpx client's timeout in the bench
 
 class _Connection(asyncio.Protocol):
     """One keep-alive connection; ``request`` sends one request and resolves with the response's reads."""
@@ -88,7 +89,11 @@ class LeanClient:
                 f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload
         conn = await self._connection()
         sent, done = conn.request(data)
-        await done
+        try:
+            await asyncio.wait_for(done, TIMEOUT_S)
+        except TimeoutError:
+            conn.transport.close()
+            raise ConnectionError(f"no whole response from {self.host}:{self.port}{path} in {TIMEOUT_S} s") from None
         if conn.keep_alive:
             self.idle.append(conn)
         else:

@@ -60,6 +60,17 @@ def test_the_lean_client_reconnects_where_the_server_closed_a_connection_and_rep
     assert len(set(upstream.peers)) == 2
 
 
+def test_the_lean_client_gives_up_on_a_response_that_does_not_end_in_its_timeout(monkeypatch):
+    """The upstream's model 'slow' answers after 5 s: with a timeout of 0.2 s the request fails, naming it."""
+    import lean_client
+    import pytest
+
+    monkeypatch.setattr(lean_client, "TIMEOUT_S", 0.2)
+    with ServerThread(Upstream().app) as server:
+        with pytest.raises(ConnectionError, match=r"no whole response from 127\.0\.0\.1:\d+/v1/completions in 0\.2 s"):
+            asyncio.run(LeanClient(server.url).post_stream("/v1/completions", {"model": "slow", "prompt": "x"}))
+
+
 def test_the_benchs_upstream_serves_with_its_startup_heap_frozen():
     """Unfrozen, a full collection of the upstream's imports and tokenizer held its loop 70-85 ms every few
     seconds, stalling every stream in flight at once. The bench's upstream code, with uvicorn's run replaced
