@@ -127,9 +127,9 @@ def test_counts_below_one_are_refused_naming_the_flag_before_start_up():
         assert "cachelab serve: model" not in res.output
 
 
-def _serve_process(port: int, *flags: str) -> subprocess.Popen:
-    """`cachelab serve` on ``port``, once /health answers."""
-    proc = subprocess.Popen([sys.executable, "-m", "cachelab.cli", "serve", "--preset", "tiny", "--port", str(port),
+def _serve_process(port: int, *flags: str, python: tuple[str, ...] = ("-m", "cachelab.cli")) -> subprocess.Popen:
+    """`cachelab serve` on ``port`` (run by ``python``'s arguments), once /health answers."""
+    proc = subprocess.Popen([sys.executable, *python, "serve", "--preset", "tiny", "--port", str(port),
                              "--threads", "1", *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 240
     while time.time() < deadline:
@@ -257,3 +257,52 @@ def test_serve_closes_its_capture_and_tells_why_a_record_was_not_written(tmp_pat
         proc.wait(timeout=60)
     out = proc.stdout.read()
     assert f"capture: {segment}: [Errno {errno.EFBIG}] {os.strerror(errno.EFBIG)}" in out, out[-2000:]
+
+
+# `cachelab serve` with a store whose reads never return (a dead disk's), and short shutdown waits
+_HUNG_STORE = """
+import os, sys, threading
+from cachelab.cli import main
+from cachelab.live.engine import LiveEngine
+from cachelab.live.shutdown import Server
+from cachelab.store.store import TieredStore
+
+def a_store_read_that_never_returns(self, *args):
+    open(os.environ["HUNG"], "w").close()
+    threading.Event().wait()
+
+TieredStore._step = a_store_read_that_never_returns
+LiveEngine.STOP_TIMEOUT_S, Server.ABORT_WAIT_S = 1.0, 1.0
+main(sys.argv[1:])
+"""
+
+
+def _post_and_drop(port: int) -> None:
+    """A request whose answer never comes: the server that took it is killed under it."""
+    try:
+        httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "y", "max_tokens": 5}, timeout=120)
+    except httpx.HTTPError:
+        pass
+
+
+def test_serve_exits_1_at_sigterm_naming_a_step_that_never_returns(tmp_path, monkeypatch):
+    """The engine's stop waited for its thread without a bound: a step stuck in a store read hung
+    `serve` at SIGTERM for ever (and Python's own exit waits for the store's thread under it). It
+    gives the step `LiveEngine.STOP_TIMEOUT_S`, then says where the engine thread is and exits 1."""
+    port = free_port()
+    monkeypatch.setenv("HUNG", str(tmp_path / "hung"))
+    proc = _serve_process(port, python=("-c", _HUNG_STORE))
+    try:
+        threading.Thread(target=_post_and_drop, args=(port,), daemon=True).start()
+        deadline = time.time() + 120
+        while not (tmp_path / "hung").exists():  # its step is in the store's read (past the first step's compiling)
+            assert time.time() < deadline, "the request's step never read the store"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 1
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    out = proc.stdout.read()
+    assert "error: the engine thread did not finish its step within 1 s" in out, out[-3000:]
+    assert "a_store_read_that_never_returns" in out, out[-3000:]  # the store's thread, in the stacks logged

@@ -249,6 +249,69 @@ def test_a_steps_cpu_time_spans_the_step_it_is_logged_with(tmp_path):
     assert engine.counters.thread_cpu_s <= engine.counters.step_s + 0.005 * log.height
 
 
+class RowsThatHang:
+    """A row source whose second read never returns (a dead disk's) until ``release`` is set."""
+
+    def __init__(self, rows):
+        self.rows, self.reads, self.hanging, self.release, self.closed = rows, 0, threading.Event(), threading.Event(), False
+
+    def __getattr__(self, name):
+        return getattr(self.rows, name)
+
+    def lookup(self, row_ids, scores=None):
+        self.reads += 1
+        if self.reads == 2:
+            self.hanging.set()
+            self.a_read_that_never_returns()
+        return self.rows.lookup(row_ids, scores)
+
+    def a_read_that_never_returns(self):
+        self.release.wait()
+
+    def close(self):
+        self.closed = True
+        self.rows.close()
+
+
+def test_stop_gives_up_on_a_step_that_never_returns_naming_where_it_is(tmp_path, monkeypatch, caplog):
+    """``stop`` joined the engine thread without a bound: a step stuck in a row read hung the
+    shutdown (and ``cachelab serve``'s exit at SIGTERM) for ever. It waits ``STOP_TIMEOUT_S``,
+    flushes the step log, leaves the row source open under the read, and says where the thread is."""
+    import time
+
+    from cachelab.live.engine import EngineStuck
+
+    monkeypatch.setattr(LiveEngine, "STOP_TIMEOUT_S", 0.5)
+    engine = make_engine(prefetch=False, step_log=str(tmp_path / "log"))
+    rows = engine.rows = RowsThatHang(engine.rows)
+    engine.start()
+    stopped = []
+
+    def stop():
+        try:
+            engine.stop()
+        except EngineStuck as exc:
+            stopped.append(exc)
+
+    try:
+        engine.submit([prompts(1)[0]], [GREEDY], [lambda out: None])
+        assert rows.hanging.wait(120)
+        t = time.monotonic()
+        stopping = threading.Thread(target=stop, daemon=True)
+        stopping.start()
+        stopping.join(30)
+        assert not stopping.is_alive(), "stop() waited for ever on the hung step"
+        assert 0.5 <= time.monotonic() - t < 10
+    finally:
+        rows.release.set()
+    assert "a_read_that_never_returns (test_live_engine.py:" in str(stopped[0]), stopped
+    assert "thread live-engine:" in caplog.text and "a_read_that_never_returns" in caplog.text
+    assert not rows.closed  # closing the store under the read waits for it
+    assert pl.read_parquet(tmp_path / "log" / "*.parquet").height == 1  # the step before it
+    engine.stop()  # the read returned: the thread ends, the rows are closed
+    assert rows.closed
+
+
 def test_a_step_log_never_writes_over_an_earlier_runs_part(tmp_path):
     """The next part was numbered by counting the parts there: with one removed (steps-00001 of three),
     a new run wrote steps-00002 over the earlier run's last part."""

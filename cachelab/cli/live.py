@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import typer
@@ -86,19 +88,27 @@ def serve(
     Also vLLM's /tokenize, /detokenize, /version, /ping and /load. Example: `cachelab serve --preset tiny --port 8000`, then point any OpenAI client at
     http://127.0.0.1:8000/v1 with model `cachelab-tiny`. docs/live.md.
     """
+    from cachelab.live.engine import EngineStuck
     from cachelab.live.launch import ServeOptions, serve as run
 
-    run(ServeOptions(preset=preset, store=store, host=host, port=port, api_key=api_key, placement=placement,
-                     row_cache_policy=row_cache_policy, row_cache_capacity=row_cache_capacity,
-                     row_cache_model=model, dram_cache_policy=dram_cache_policy, dram_cache_capacity=dram_cache_capacity,
-                     step_log=step_log, weights=weights, seed=seed, engram_layers=_layers(engram_layers),
-                     kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                     max_body_bytes=max_body_bytes, max_connections=max_connections, header_timeout=header_timeout,
-                     max_requests_in_flight=max_requests_in_flight,
-                     prefetch=prefetch, prefix_caching=prefix_caching, device=device,
-                     threads=threads, served_model_name=served_model_name, capture=capture,
-                     shutdown_timeout=shutdown_timeout, enable_request_id_headers=enable_request_id_headers,
-                     enable_force_include_usage=enable_force_include_usage,
-                     enable_server_load_tracking=enable_server_load_tracking),
-        announce=typer.echo)
+    try:
+        run(ServeOptions(preset=preset, store=store, host=host, port=port, api_key=api_key, placement=placement,
+                         row_cache_policy=row_cache_policy, row_cache_capacity=row_cache_capacity,
+                         row_cache_model=model, dram_cache_policy=dram_cache_policy,
+                         dram_cache_capacity=dram_cache_capacity,
+                         step_log=step_log, weights=weights, seed=seed, engram_layers=_layers(engram_layers),
+                         kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
+                         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                         max_body_bytes=max_body_bytes, max_connections=max_connections, header_timeout=header_timeout,
+                         max_requests_in_flight=max_requests_in_flight,
+                         prefetch=prefetch, prefix_caching=prefix_caching, device=device,
+                         threads=threads, served_model_name=served_model_name, capture=capture,
+                         shutdown_timeout=shutdown_timeout, enable_request_id_headers=enable_request_id_headers,
+                         enable_force_include_usage=enable_force_include_usage,
+                         enable_server_load_tracking=enable_server_load_tracking),
+            announce=typer.echo)
+    except EngineStuck as exc:
+        typer.echo(f"error: {exc}", err=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # not Python's exit: it would wait for ever for a store thread stuck under the step

@@ -14,10 +14,13 @@ receive ``RequestOutput``s through a callback called on the engine thread.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -148,6 +151,8 @@ class LiveEngine:
     a ``FinishedRequest`` per finished request, and ``finished_prompt(n, max_output)`` once all
     ``n`` requests of a prompt finished (the server's Prometheus histograms)."""
 
+    STOP_TIMEOUT_S = 30.0  # how long ``stop`` waits for the step under way
+
     def __init__(self, model: EngramLM, rows, tokenizer, config: EngineConfig = EngineConfig(), observer=None):
         cfg, mcfg = config, model.config
         self.model, self.rows, self.tokenizer, self.config, self.observer = model, rows, tokenizer, cfg, observer
@@ -184,17 +189,41 @@ class LiveEngine:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """Stop the engine thread, flush the step log and close the row source (idempotent)."""
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop the engine thread, flush the step log and close the row source (idempotent).
+
+        The step under way gets ``timeout`` seconds (default ``STOP_TIMEOUT_S``; an unbounded wait
+        hung the shutdown for ever on a step that never returns, a store read stuck on a dead
+        disk). Such a step cannot be
+        stopped, so it is left running on its daemon thread with the row source open under it
+        (closing the store waits for that read); the step log is flushed, every thread's stack
+        logged, and ``EngineStuck`` raised, naming where the engine thread is."""
+        timeout = self.STOP_TIMEOUT_S if timeout is None else timeout
         with self._cv:
             self._stopping = True
             self._cv.notify()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                if self.step_log is not None:
+                    self.step_log.close()
+                raise self._stuck(self._thread, timeout)
             self._thread = None
         if self.step_log is not None:
             self.step_log.close()
         self.rows.close()
+
+    @staticmethod
+    def _stuck(thread: threading.Thread, timeout: float) -> "EngineStuck":
+        """The error for an engine thread that outlived ``stop``'s wait; every thread's stack is logged."""
+        frames = sys._current_frames()
+        log.error("the engine thread did not stop; the threads' stacks:\n%s", "\n".join(
+            f"thread {t.name}:\n{''.join(traceback.format_stack(frames[t.ident]))}"
+            for t in threading.enumerate() if t.ident in frames))
+        where = " > ".join(f"{f.name} ({Path(f.filename).name}:{f.lineno})"
+                           for f in traceback.extract_stack(frames.get(thread.ident))[-5:])
+        return EngineStuck(f"the engine thread did not finish its step within {timeout:g} s of the stop and was "
+                           f"left running (a row read that never returns?); it is in {where}")
 
     def submit(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
                sinks: Sequence[Callable[[RequestOutput], None]], n: int = 1,
@@ -501,6 +530,10 @@ class LiveEngine:
                 "requests": step.requests.tolist(), "starts": step.starts.tolist(),
                 "stops": step.stops.tolist(), "num_prompt": step.num_prompt.tolist(),
                 **{f"store_{k}": v for k, v in store.items() if isinstance(v, (int, float))}})
+
+
+class EngineStuck(CachelabError):
+    """The engine thread did not finish its step within ``LiveEngine.stop``'s timeout."""
 
 
 class RequestError(CachelabError):

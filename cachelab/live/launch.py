@@ -361,8 +361,11 @@ def running_server(opts: ServeOptions, engine=None):
 
 
 def serve(opts: ServeOptions, announce=print) -> None:
-    """Run the server in the foreground until interrupted."""
+    """Run the server in the foreground until interrupted. ``EngineStuck`` once it shut down if its
+    engine's step did not end (the capture still closed): that thread cannot be stopped, and a
+    store thread under it may keep Python's exit waiting, so the command line ends the process."""
     from cachelab.heap import freeze_startup_heap
+    from cachelab.live.engine import EngineStuck
     from cachelab.live.shutdown import Server
 
     check_bind(opts.host, opts.api_key)
@@ -376,12 +379,15 @@ def serve(opts: ServeOptions, announce=print) -> None:
     announce(f"cachelab serve: model {model_name(opts)!r} ({cfg.name}, Engram at layers {list(cfg.engram_layers)}, "
              f"rows from {engine.rows.directory} ({PLACEMENTS.get(opts.placement, opts.placement)})) on "
              f"http://{opts.host}:{sock.getsockname()[1]}/v1")
-    done = []
+    done, stuck = [], []
 
     def shut_down() -> None:
         if not done:
             done.append(True)
-            engine.stop()
+            try:
+                engine.stop()
+            except EngineStuck as exc:  # told once uvicorn has returned; the capture is closed first
+                stuck.append(exc)
             _close_capture(recorder)
     # at the app's shutdown, so that the capture is closed and its write error told before uvicorn returns
     app.router.add_event_handler("shutdown", shut_down)
@@ -389,3 +395,5 @@ def serve(opts: ServeOptions, announce=print) -> None:
         Server(config, engine, opts.shutdown_timeout).run(sockets=[sock])
     finally:
         shut_down()
+    if stuck:
+        raise stuck[0]
