@@ -362,6 +362,22 @@ def test_safetensors_weights_round_trip_and_refusals(tmp_path):
         F32.with_(engram_layers=(3, 1))
 
 
+def test_saved_weights_have_the_umasks_mode_as_the_other_model_files(tmp_path):
+    """save_weights wrote 0600 (safetensors' save_file) where every other model file has the umask's
+    mode (``write_tensors``): another user could not load weights shared with them. bfloat16, as
+    the presets run, round-trips too."""
+    import os
+
+    umask = os.umask(0o022)
+    os.umask(umask)
+    model = build_model(PRESETS["tiny"], seed=3)
+    save_weights(model, tmp_path / "w.safetensors")
+    assert oct((tmp_path / "w.safetensors").stat().st_mode & 0o777) == oct(0o666 & ~umask)
+    again = build_model(PRESETS["tiny"], weights=tmp_path / "w.safetensors")
+    for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items(), strict=True):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b), name
+
+
 def test_detokenizer_holds_back_and_cuts_stop_strings():
     tok = load_tokenizer()
     ids = tok.encode("Hello world, the end. More", add_special_tokens=False).ids

@@ -223,12 +223,19 @@ def read_metadata(directory: Path) -> dict:
     return meta
 
 
-def write_tensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
-    """NumPy arrays as a safetensors file with the mode of the model's other files (the umask's):
-    safetensors' ``save_file`` writes 0600, and another user could not load a model shared with it."""
-    from safetensors.numpy import save
+def write_tensors(path: Path, tensors: dict) -> None:
+    """NumPy arrays, or torch tensors (the live model's weights, bfloat16 ones too), as a safetensors
+    file with the mode of the model's other files (the umask's): safetensors' ``save_file`` writes
+    0600, and another user could not load a model shared with it."""
+    if all(isinstance(v, np.ndarray) for v in tensors.values()):
+        from safetensors.numpy import save
 
-    Path(path).write_bytes(save({k: np.ascontiguousarray(v) for k, v in tensors.items()}))
+        data = save({k: np.ascontiguousarray(v) for k, v in tensors.items()})
+    else:
+        from safetensors.torch import save
+
+        data = save({k: v.contiguous() for k, v in tensors.items()})
+    Path(path).write_bytes(data)
 
 
 def read_tensors(path: Path, expected: dict[str, int | None]) -> dict:

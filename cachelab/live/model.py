@@ -219,9 +219,10 @@ def build_model(cfg: ModelConfig, weights: Path | None = None, seed: int = 0, de
 
 
 def save_weights(model: EngramLM, path: Path) -> None:
-    from safetensors.torch import save_file
+    """The model's tensors as ``load_weights`` reads them, with the umask's mode as every model file."""
+    from cachelab.learning.predictor import write_tensors
 
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    write_tensors(path, model.state_dict())
 
 
 def load_weights(model: EngramLM, path: Path) -> None:
