@@ -1234,7 +1234,7 @@ def test_the_ids_are_nulled_the_same_in_short_and_long_blocks(pieces):
 def test_a_long_prompts_ids_are_nulled_without_a_byte_by_byte_scan():
     """A whole answer with 1M prompt ids (6 MB; the first event of a stream carries them too): ``re``
     scanned it byte by byte on the event loop, 11-12 ms of CPU here, against 4-5 ms with ``bytes.find``
-    (two passes, each a search and a copy). Timed against the regular expressions in this thread's CPU time (a busy machine
+    (the searches and one copy). Timed against the regular expressions in this thread's CPU time (a busy machine
     preempts either), best of five each."""
     from cachelab.capture.exchange import null_ids
 

@@ -10,7 +10,7 @@ import tracemalloc
 import pytest
 
 from capture_upstream import ProxyThread
-from test_capture_proxy import HeadUpstream
+from test_capture_proxy import HeadUpstream, _null_ids_by_re
 from cachelab.capture.exchange import null_ids
 from cachelab.capture.proxy import ProxyConfig
 from cachelab.capture.recorder import Recorder
@@ -165,3 +165,21 @@ def test_a_large_whole_answer_is_held_at_most_twice_on_its_way_to_the_client(tmp
     [x] = recorder.kept
     assert x.response == body, "the record has the answer as the upstream sent it"
     assert peak < 2.5 * len(body), f"peak {peak / len(body):.2f} times the answer's {len(body):,} bytes"
+
+
+def test_nulling_an_answers_ids_copies_it_once():
+    """``null_ids`` made two passes, each a whole copy: an answer whose ids are a small part of it (a
+    batch's 1,000 choices with their text, 8 MB) peaked at the input and both copies, twice its size
+    allocated (2.1); one pass allocates it once, and its pieces' views (1.1)."""
+    choice = b'{"index":%d,"text":"%s","token_ids":[1,2,3],"prompt_token_ids":[4,5,6],"finish_reason":"length"}'
+    body = b'{"id":"cmpl-b","object":"text_completion","choices":[%s]}' % b",".join(
+        choice % (i, b"x" * 8000) for i in range(1000))
+    tracemalloc.start()
+    try:
+        out = null_ids(body)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert out == _null_ids_by_re(body)
+    assert out.count(b'"token_ids":null') == out.count(b'"prompt_token_ids":null') == 1000
+    assert peak < 1.25 * len(body), f"peak {peak / len(body):.2f} times the answer's {len(body):,} bytes"

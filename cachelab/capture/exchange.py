@@ -142,13 +142,14 @@ def _stamp(event: bytes, fingerprint: bytes) -> bytes:
 
 
 _TOKEN_IDS, _PROMPT_IDS = b'"token_ids":[', b'"prompt_token_ids":['
+_NULL_TOKEN_IDS, _NULL_PROMPT_IDS = b'"token_ids":null', b'"prompt_token_ids":null'
 _FIND_FROM = 1 << 10  # bytes from which ``null_ids`` nulls every list through views (``_null``)
 
 
 def null_ids(data: bytes) -> bytes:
     """``"token_ids":[...]`` and ``"prompt_token_ids":[...]`` written as vLLM writes them when not
-    asked: ``null`` (the bytes ``re.sub`` makes of ``"token_ids":\\[[^\\]]*\\]`` and the prompt's
-    pattern, one pass each). Searched with ``bytes.find``: ``re`` scans byte by byte (a whole answer of
+    asked: ``null`` (the bytes ``re.sub`` makes of ``"token_ids":\\[[^\\]]*\\]``, then of the prompt's
+    pattern on that). Searched with ``bytes.find``: ``re`` scans byte by byte (a whole answer of
     1M prompt ids, 6 MB, took the event loop 11-12 ms of CPU here against 4-5 ms), and on a token's read
     its engine's code, run on the caches other processes left cold, cost the loop more than the finds
     (docs/capture.md, "Where the proxy's CPU goes"). A short block with one id list, a token event's, is
@@ -158,28 +159,50 @@ def null_ids(data: bytes) -> bytes:
         end = data.find(b"]", start + len(_TOKEN_IDS)) if start >= 0 else -1
         if end >= 0 and data.find(_TOKEN_IDS, end) < 0 and _PROMPT_IDS not in data:
             return data[:start + len(_TOKEN_IDS) - 1] + b"null" + data[end + 1:]
-    data = _null(data, _TOKEN_IDS)
-    return _null(data, _PROMPT_IDS) if _PROMPT_IDS in data else data
+    return _null(data)
 
 
-def _null(data: bytes, key: bytes) -> bytes:
-    """``data`` with each ``key`` (a name, then ``:[``) up to the next ``]`` written as the name, then
-    ``:null``, copied once (the pieces are views)."""
-    start = data.find(key)
-    if start < 0:
-        return data
+def _null(data: bytes) -> bytes:
+    """``null_ids`` in one pass, copied once (the pieces are views, some 360 bytes a list nulled): two
+    passes made two whole copies, a large answer held three times at once. The second pattern runs on
+    the first one's output: a prompt's list ends at the first ``]`` that no output list (``token_ids``,
+    nulled first) closed, and an output list inside it goes with it."""
     view, parts, at = memoryview(data), [], 0
-    while start >= 0:
-        end = data.find(b"]", start + len(key))
-        if end < 0:  # no list ends after it, nor after any later key
+    t, t_end = _next_list(data, _TOKEN_IDS, 0)
+    p = data.find(_PROMPT_IDS)
+    while t >= 0 or p >= 0:
+        if p < 0 or 0 <= t < p:  # an output list, outside any prompt's
+            parts += (view[at:t], _NULL_TOKEN_IDS)
+            at = t_end + 1
+            t, t_end = _next_list(data, _TOKEN_IDS, at)
+            if 0 <= p < at:  # that one was inside the output list: the first pass left none of it
+                p = data.find(_PROMPT_IDS, at)
+            continue
+        end, inside = data.find(b"]", p + len(_PROMPT_IDS)), []
+        while 0 <= t < end:  # an output list in the prompt's closes the ] found: nulled first, it is no end
+            inside.append((t, t_end))
+            t, t_end = _next_list(data, _TOKEN_IDS, t_end + 1)
+            end = data.find(b"]", end + 1)
+        if end < 0:  # no prompt's list ends: nor would a later one; the output lists in it are nulled alone
+            for start, stop in inside:
+                parts += (view[at:start], _NULL_TOKEN_IDS)
+                at = stop + 1
             break
-        parts += (view[at:start], key[:-1], b"null")
+        parts += (view[at:p], _NULL_PROMPT_IDS)
         at = end + 1
-        start = data.find(key, at)
+        p = data.find(_PROMPT_IDS, at)
     if not parts:
         return data
     parts.append(view[at:])
     return b"".join(parts)
+
+
+def _next_list(data: bytes, key: bytes, at: int) -> tuple[int, int]:
+    """The first ``key`` from ``at`` and the ``]`` that closes its list; (-1, -1) if none is closed (nor
+    would a later one be)."""
+    start = data.find(key, at)
+    end = data.find(b"]", start + len(key)) if start >= 0 else -1
+    return (start, end) if end >= 0 else (-1, -1)
 
 
 def strip_body(body: bytes, exchange: Exchange) -> bytes:
