@@ -293,6 +293,66 @@ def test_stalled_writer_backlog_is_bounded_then_drains(tmp_path):
     assert len(got) == accepted
 
 
+def test_a_large_answer_waits_in_the_backlog_as_its_own_bytes_not_a_copy(tmp_path):
+    """The backlog was a bytearray every frame's pieces were copied into: a 16 MiB whole answer, which
+    the writer takes through its 1 MiB pipe, was held twice (the exchange's and the backlog's) until
+    the writer had read it. It is queued as a view of the answer's bytes now; the record is the same."""
+    x = exchange(0, stream=False)
+    answer = json.loads(x.response)
+    answer["choices"][0]["text"] = "x" * (16 << 20)
+    x.response = json.dumps(answer).encode()
+    writer = CaptureWriter(tmp_path / "cap")
+    try:
+        os.kill(writer.proc.pid, signal.SIGSTOP)  # behind: the pipe fills, the rest waits in the backlog
+        tracemalloc.start()
+        try:
+            assert writer.submit(x)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert writer.stats()["submitted"] == 1 and peak < len(x.response) / 8, peak
+        os.kill(writer.proc.pid, signal.SIGCONT)
+        assert writer.flush(60)
+    finally:
+        os.kill(writer.proc.pid, signal.SIGCONT)
+        writer.close()
+    [record], _ = records(tmp_path / "cap")
+    assert record["status"] == 200 and record["error"] is None and record["output_len"] == 2
+
+
+def test_the_backlog_hands_its_bytes_on_in_order_across_short_writes():
+    """``ByteQueue`` through a full pipe: writes cut anywhere (inside a buffer, between two), more buffers
+    than one writev takes, a drop of part of a buffer: what comes out is what went in, in order."""
+    import fcntl
+    import random
+
+    from cachelab.capture.backlog import ByteQueue
+
+    rng = random.Random(5)
+    pieces = [rng.randbytes(200_000 if i % 200 == 0 else rng.choice([0, 1, 7, 100, 5000])) for i in range(3000)]
+    queue, read_end, write_end = ByteQueue(), *os.pipe()
+    os.set_blocking(write_end, False)
+    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 1 << 16)
+    for piece in pieces:
+        queue += piece
+    assert len(queue) == sum(map(len, pieces))
+    queue.drop(3)
+    out = bytearray()
+    try:
+        while queue:
+            try:
+                queue.write(write_end)
+            except BlockingIOError:
+                pass
+            out += os.read(read_end, rng.choice([1, 4096, 1 << 16]))
+        os.close(write_end)
+        while chunk := os.read(read_end, 1 << 16):
+            out += chunk
+    finally:
+        os.close(read_end)
+    assert bytes(out) == b"".join(pieces)[3:] and len(queue) == 0
+
+
 def test_a_stream_of_many_tiny_events_builds_its_record_in_memory_that_does_not_grow_with_them():
     """A hostile upstream's 400,000 empty events (9 MB): the writer parsed every event of the
     exchange into one list before reading it, about 16 times the stream's bytes (145 MB here; a

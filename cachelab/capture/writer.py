@@ -58,6 +58,7 @@ import sys
 import time
 from collections import deque
 
+from cachelab.capture.backlog import ByteQueue
 from cachelab.capture.recorder import MAX_TOKENIZE_CHARS, Privacy, load_salt
 from cachelab.capture.segments import FSYNC_POLICIES, private_directory
 from cachelab.child import exit_reason, python_command, restart_delay
@@ -100,7 +101,7 @@ class CaptureWriter:
         self._accepted = 0  # frames handed over (in the backlog, the pipe or the writer) and not lost
         self.dropped = 0
         self.write_error: str | None = None
-        self._backlog = bytearray()
+        self._backlog = ByteQueue()
         self._frames: deque[int] = deque()  # the byte size of each frame in the backlog, in order
         self._first_written = 0             # bytes of the first of them already in the pipe
         self._waiting_writable = False
@@ -222,7 +223,7 @@ class CaptureWriter:
         acked, dropped = c[ACKNOWLEDGED].value, c[DROPPED].value
         lost = self._handed - acked - dropped
         if self._first_written:  # a frame cut short in its pipe, discarded by it: lost too
-            del self._backlog[:self._frames.popleft() - self._first_written]
+            self._backlog.drop(self._frames.popleft() - self._first_written)
             self._first_written = 0
             lost += 1
         self.lost += lost
@@ -300,7 +301,7 @@ class CaptureWriter:
             self.dropped += 1
             return False
         self._backlog += size.to_bytes(_FRAME, "little")
-        for piece in pieces:  # each copied once, into the backlog
+        for piece in pieces:  # each kept as it is, not copied (``ByteQueue``)
             self._backlog += piece
         self._frames.append(_FRAME + size)
         self._accepted += 1
@@ -313,13 +314,12 @@ class CaptureWriter:
     def _drain(self) -> None:
         while self._backlog:
             try:
-                n = os.write(self._fd, self._backlog)
+                n = self._backlog.write(self._fd)
             except BlockingIOError:
                 return
             except BrokenPipeError:  # the writer is gone
                 self._gone()
                 return
-            del self._backlog[:n]
             n += self._first_written
             while self._frames and n >= self._frames[0]:
                 n -= self._frames.popleft()
@@ -445,7 +445,7 @@ def _frame(exchange) -> list[bytes]:
     its large bytes (a request body, a whole answer, a read of events of 64 KiB or more) as they are, the
     pickle holding each one's size where it held the bytes. Pickled, a 7 MB body took the event loop
     3.9-5 ms of CPU here (pickle's buffer grown by copies, then copied into the backlog); beside the
-    pickle, 0.2 ms (one copy, into the backlog). A short stream's frame is its pickle, as before."""
+    pickle, 0.2 ms (one copy, into the backlog, which now keeps them uncopied). A short stream's frame is its pickle."""
     x = exchange
     body, response, events = x.body, x.response, x.events
     if (body.__class__ is not bytes or len(body) < _OUT_OF_BAND) and len(response) < _OUT_OF_BAND \
