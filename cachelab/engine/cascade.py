@@ -24,7 +24,7 @@ from cachelab.engine.tiers import Hierarchy, SSDStore
 from cachelab.policy import Policy
 from cachelab.policy.clock import on_clock
 from cachelab.policy.unbounded import Unbounded
-from cachelab.workload.future import next_access
+from cachelab.workload.future import counted_next_access, next_access
 from cachelab.workload.lookups import StepDedup, StepDeduper
 
 
@@ -56,11 +56,17 @@ def run_policy(policy: Policy, keys: np.ndarray, step_offsets: np.ndarray, capac
                 raw_keys=raw_keys)
 
 
-def _run(policy: Policy, keys, step_offsets, scores, future: bool, counts=None, raw_keys=None) -> np.ndarray:
+def _run(policy: Policy, keys, step_offsets, scores, future: bool, counts=None, raw_keys=None,
+         counted_from: int = 0) -> np.ndarray:
     caps = policy.capabilities
     if caps.needs_scores and scores is None:
         raise CachelabError(f"policy {policy.name!r} needs predictor scores; none were given to the replay")
-    nxt = policy.view_future(next_access(keys), step_offsets) if future and caps.needs_future else None
+    nxt = None
+    if future and caps.needs_future:
+        nxt = next_access(keys)
+        if counted_from:  # the warm-up's own reuses are worth nothing: see only the counted uses
+            nxt = counted_next_access(nxt, int(step_offsets[counted_from]))
+        nxt = policy.view_future(nxt, step_offsets)
     more = {"counts": counts} if caps.needs_counts and counts is not None else {}  # as a plug-in's run takes it
     if caps.needs_raw_keys and raw_keys is not None:
         more["raw_keys"] = raw_keys
@@ -108,12 +114,15 @@ class Cascade:
         page_capacity: pages the page cache holds (0: every page read goes to the SSD).
         future: a policy that declares ``needs_future`` gets ``next_access`` within each batch
             (a whole-stream replay serves one batch).
+        counted_from: with ``future``, the first step a whole-stream replay counts: before it such a
+            policy is shown each row's first use from that step on (``counted_next_access``), so an
+            oracle is the optimum of what is counted, not of the warm-up and what is counted together.
     """
 
     def __init__(self, hierarchy: Hierarchy, capacities: list[int], num_keys: int, *,
                  page_of: Callable[[np.ndarray], np.ndarray] | None = None, num_pages: int = 0,
-                 page_capacity: int = 0, future: bool = False):
-        self.hierarchy, self.future = hierarchy, future
+                 page_capacity: int = 0, future: bool = False, counted_from: int = 0):
+        self.hierarchy, self.future, self.counted_from = hierarchy, future, counted_from
         self.policies = [sized(tier.policy, capacity, num_keys) for tier, capacity in zip(hierarchy.tiers, capacities)]
         self.accesses = [0] * len(self.policies)  # each policy's clock: the requests it was handed so far
         self.ssd = isinstance(hierarchy.backing, SSDStore)
@@ -162,7 +171,7 @@ class Cascade:
             self.accesses[t] += keys_t.size
             hits = _run(policy, keys_t, offsets, scores_t,
                         self.future, None if counts is None else (counts if cur is None else counts[cur]),
-                        None if raw_keys is None else (raw_keys if cur is None else raw_keys[cur]))
+                        None if raw_keys is None else (raw_keys if cur is None else raw_keys[cur]), self.counted_from)
             miss = ~hits
             if cur is None:  # the first tier: n_tiers where it missed, 0 where it hit, one vector pass
                 level = miss.view(np.int8) * np.int8(n_tiers)  # (a masked store took 5x as long)
@@ -183,7 +192,7 @@ class Cascade:
             deduper, page_policy = StepDeduper(num_pages), self._page_policy(num_pages)
         pd = deduper.dedup(pages, offsets)
         if page_policy is not None:
-            page_hits = _run(page_policy, pd.keys, pd.offsets, None, self.future)
+            page_hits = _run(page_policy, pd.keys, pd.offsets, None, self.future, counted_from=self.counted_from)
         else:
             page_hits = np.zeros(pd.keys.size, dtype=np.bool_)
         missed = ~page_hits[pd.inverse]

@@ -8,7 +8,9 @@ Semantics (docs/engine.md):
   policy still sees batches). A policy that declares ``needs_future`` gets ``next_access``
   computed on its own tier's request stream.
 - Hit ratios are reported per unique row (distinct rows reaching a tier) and per lookup.
-- Warm-up steps run through every policy but are left out of every statistic.
+- Warm-up steps run through every policy but are left out of every statistic; a policy that
+  declares ``needs_future`` sees, in the warm-up, each row's first counted use (so Belady with
+  bypass is the fewest counted fetches of any row-by-row policy, not of warm-up and count together).
 - Bytes per link: ``hbm_read`` (rows served by GPU tiers), ``host_to_gpu`` (rows served
   from anywhere else), ``host_read`` (rows read from host DRAM: host tiers, the page cache,
   a DRAM table), ``ssd_to_host`` (pages read from the SSD x page size).
@@ -185,7 +187,7 @@ def replay(stream: LookupStream, hierarchy: Hierarchy, warmup: float = 0.0, prog
             page_bytes = hierarchy.backing.page_bytes
             page_capacity = hierarchy.backing.page_cache_bytes // page_bytes
             locations.append("ssd")
-        cascade = Cascade(hierarchy, capacities, uniq.size, page_capacity=page_capacity, future=True)
+        cascade = Cascade(hierarchy, capacities, uniq.size, page_capacity=page_capacity, future=True, counted_from=w)
         rpp = hierarchy.backing.rows_per_page(hierarchy.row_bytes) if page_bytes else 1
 
         def row_pages(rows: np.ndarray) -> tuple[np.ndarray, int]:

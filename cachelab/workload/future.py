@@ -48,6 +48,22 @@ def next_access(keys: np.ndarray) -> np.ndarray:
     return out
 
 
+def counted_next_access(next_pos: np.ndarray, start: int) -> np.ndarray:
+    """``next_pos`` as an oracle sees it when only positions from ``start`` on are counted: an access
+    before ``start`` whose next use is before ``start`` too is told none (NO_NEXT).
+
+    A miss before ``start`` costs nothing, so such a row may go at once: its next access fetches it
+    again for free. Its last access before ``start`` keeps its next use, the first counted one, so
+    Belady with bypass begins the counted part holding the rows whose counted uses come first, the
+    best cache any policy can begin it with. Fed the plain next use it spends the warm-up on warm-up
+    hits: with one row, A B B | A, it keeps B and misses the counted A that a cache keeping A hits.
+    """
+    out = np.array(next_pos, dtype=np.int64)
+    head = out[:int(start)]
+    head[head < start] = NO_NEXT
+    return out
+
+
 def step_of(step_offsets: np.ndarray) -> np.ndarray:
     """The step index of every position."""
     offs = np.asarray(step_offsets, dtype=np.int64)
