@@ -393,13 +393,17 @@ def gather_section(directory: Path, trace: str | None, requests: int, steps_view
 
 def fio_iops(path: Path, depth: int, reads: int) -> float | None:
     """fio's random 4 KiB O_DIRECT read IOPS at ``depth`` on ``path`` over ``reads`` reads (the
-    store's count, so both see the disk over the same stretch); None without fio."""
+    store's count, so both see the disk over the same stretch); None without fio. The job runs as
+    a thread of fio's process (``--thread``): a forked job calls setsid, which put it in a
+    scheduling group of its own, outside the bench's at -20, so under load fio was the slower by
+    the machine's other work (the store 1.6-3x fio at QD <= 32, load 9-12)."""
     if shutil.which("fio") is None:
         return None
     for engine in ("io_uring", "libaio"):
         res = subprocess.run(["fio", "--name=ref", f"--filename={path}", "--rw=randread", "--bs=4k", "--direct=1",
-                              f"--ioengine={engine}", f"--iodepth={depth}", "--numjobs=1", f"--number_ios={reads}",
-                              "--readonly", "--output-format=json"], capture_output=True, text=True)
+                              f"--ioengine={engine}", f"--iodepth={depth}", "--numjobs=1", "--thread",
+                              f"--number_ios={reads}", "--readonly", "--output-format=json"],
+                             capture_output=True, text=True)
         if res.returncode == 0:
             return float(json.loads(res.stdout)["jobs"][0]["read"]["iops"])
     return None
