@@ -228,6 +228,8 @@ class Upstream:
             yield f"data: {_json(last)}\n\n"
         if model != "no-done":
             yield "data: [DONE]\n\n"
+        if model == "late-end":  # the body's last chunk a second after [DONE] (a server busy between its writes)
+            await asyncio.sleep(1)
 
 
 class ProxyThread:

@@ -354,6 +354,25 @@ def test_a_client_that_goes_away_is_recorded_as_499_and_ends_the_upstream_reques
     assert rec["model"] == model and rec["status"] == 499 and rec["error"] == "client disconnected", rec
 
 
+@pytest.mark.parametrize("path, body", CASES, ids=["completions", "chat"])
+def test_a_client_that_leaves_at_done_before_the_bodys_end_is_recorded_as_served(stack, path, body):
+    """A client that closes its connection once it has ``data: [DONE]`` (openai-python's Stream closes the
+    response there), before the upstream's last chunk has come, had its whole answer: recorded as served,
+    as the upstream records it. It was a 499, left out of the trace: one streamed chat in 18 through the
+    CLI proxy in front of `cachelab serve` with the official client."""
+    before = stack.records().height
+    req = {"model": "late-end", "max_tokens": 3, "stream": True, **body}
+    with httpx.stream("POST", stack.proxy.url + path, json=req, timeout=30) as r:
+        got = b""
+        for chunk in r.iter_raw():
+            got += chunk
+            if got.endswith(b"data: [DONE]\n\n"):
+                break  # leaving the block drops the connection, a second before the upstream ends its body
+    rec = _new_records(stack, before).row(0, named=True)
+    assert rec["model"] == "late-end" and rec["status"] == 200 and rec["error"] is None, rec
+    assert len(rec["output_ids"]) == 3 and rec["token_source"] == "upstream", rec
+
+
 def test_pipelined_requests_of_a_client_that_goes_away_are_recorded(stack):
     """Requests the client sent whole behind one in flight, then left: each recorded as 499, none lost
     (they were dropped without a record)."""

@@ -217,7 +217,7 @@ class ClientConnection(asyncio.Protocol):
             self.drain_timer.cancel()
         self.record_held(None if exc is None else CLIENT_GONE)  # closed once drained, or reset with bytes unread
         if self.forward is not None:
-            self.forward.client_gone()
+            self.forward.client_gone(drained=exc is None)
         if gone:  # pipelined requests it sent whole and left before they were served
             for r in self.queue:
                 self.proxy.abandoned(r)

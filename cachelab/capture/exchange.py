@@ -395,7 +395,7 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
     if x.response_time is None:  # an event stream (or no answer at all)
         # parsed one at a time (a list of every parsed event of a stream of tiny ones took ~40x its bytes)
         messages = ((t, _sse_data(e)) for t, block in zip(x.event_times, x.events) for e in _split(block, x.delim))
-        if x.status == 200 and error is None and not _ends_done(x.events):
+        if x.status == 200 and error is None and not ends_done(x.events):
             error = "upstream stream ended without [DONE]"  # e.g. closed where only its close ended the body
     else:  # a whole body: the answer to a request that did not stream, or an error answer to one that did
         whole = _json_body(x.response)
@@ -537,7 +537,7 @@ def _json_body(body: bytes):
         return None
 
 
-def _ends_done(events: list[bytes]) -> bool:
+def ends_done(events: list[bytes]) -> bool:
     """Whether the stream's last event is ``data: [DONE]``, which every OpenAI-compatible server
     writes last: without it the stream was cut, however its connection ended."""
     lines = events[-1].rstrip().splitlines() if events else []  # LF, CRLF or CR

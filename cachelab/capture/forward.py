@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import httptools
 
 from cachelab.capture.connections import LAST_CHUNK, ClientConnection, error_body, hop_by_hop, whole_response
-from cachelab.capture.exchange import Exchange, Restorer, strip_body
+from cachelab.capture.exchange import Exchange, Restorer, ends_done, strip_body
 from cachelab.capture.recorder import CLIENT_CLOSED, CLIENT_GONE
 from cachelab.capture.upstream import UpstreamConnection, keep_alive_bound
 
@@ -481,20 +481,31 @@ class Forward:
             which = "the kept-alive connection" if conn.reused else "the connection"
         self.upstream_failed(502, f"closed {which} before answering ({why})")
 
-    def client_gone(self, why: str = CLIENT_GONE) -> None:
+    def client_gone(self, why: str = CLIENT_GONE, drained: bool = False) -> None:
         """The client went away before its answer was complete (or took none of it for --write-timeout:
         ``why``): the upstream request ends, the record says 499 (nginx's "client closed request"),
-        whatever the upstream had answered."""
+        whatever the upstream had answered; unless the client had the whole stream but the body's end
+        (``_had_all``)."""
         if self.finished:
             return
+        had_all = drained and self._had_all()
         self._end()
         self._drop_upstream()
         x = self.x
         if x is not None:
-            x.status = CLIENT_CLOSED
-            x.error = why if x.error is None else f"{x.error}; {why}"
+            if not had_all:
+                x.status = CLIENT_CLOSED
+                x.error = why if x.error is None else f"{x.error}; {why}"
             self.proxy.recorder.submit(x)
         self.client.forward = None
+
+    def _had_all(self) -> bool:
+        """Whether a client that closed its connection once all written to it was sent (``drained``) had the
+        whole stream: its last event ``data: [DONE]``, nothing of it held back. An OpenAI client closes there
+        (openai-python's Stream closes the response at ``[DONE]``), often before the upstream's last chunk
+        has come: it was recorded as 499 and left out of the trace, though served, as the upstream records it."""
+        return self.mode == STREAM and not self.parts and ends_done(self.x.events) \
+            and (self.restorer is None or not self.restorer.held)
 
     def shut_down(self, message: str) -> None:
         """End the exchange because the proxy is stopping: a client that has nothing of its answer

@@ -37,7 +37,8 @@ listens on loopback unless given a bearer token (``api_key``), which every clien
 send (``cachelab.live.launch.check_bind``). Credentials in the upstream's URL
 (``http://user:password@host``) go upstream as HTTP Basic and are never shown
 (``upstream.shown_url``). A client that disconnects ends the upstream request and is recorded
-as 499, nginx's "client closed request", whether or not its answer had begun. Flow control: a
+as 499, nginx's "client closed request", whether or not its answer had begun (a stream's client that
+closes once it has ``data: [DONE]`` had it all: served). Flow control: a
 client that reads slowly pauses the upstream connection's reads.
 """
 
