@@ -212,7 +212,10 @@ class HostileUpstream:
     (two events of a stream, then a reset), ``text`` (a 200 of plain text to a request for a stream), ``big``
     (a whole answer of ``BIG`` bytes of text), ``stall`` and ``stall-stream`` (the head and a first piece of a
     whole answer or a stream, then silence until the proxy closes the connection),
-    ``slow`` (an event every 50 ms; ``left`` gets the event at which its write failed: the proxy closed it)."""
+    ``slow`` (an event every 50 ms; ``left`` gets the event at which its write failed: the proxy closed it),
+    ``loris``, ``loris-stream`` and ``loris-whole`` (a slow-loris upstream: the head, or after a whole head an
+    event or a whole answer, a byte every 50 ms for ever, never silent for long; ``left`` gets its model once
+    its write failed)."""
 
     EVENT = b'data: {"id":"c","object":"text_completion","choices":[{"index":0,"text":" a","token_ids":[7]}]}\n\n'
     SSE = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -256,6 +259,17 @@ class HostileUpstream:
                     conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n"
                                  b'{"id":"c",')
                 conn.recv(1)  # until the proxy closes the connection
+            elif model.startswith("loris"):
+                head = {"loris": b"", "loris-stream": self.SSE + b"1000000\r\n", "loris-whole":
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 1000000\r\n\r\n"}[model]
+                trickle = b"HTTP/1.1 200 OK\r\nx-a: " if model == "loris" else b'data: {"id":"c","choices":[{"text":"'
+                try:
+                    conn.sendall(head + trickle)
+                    while True:
+                        time.sleep(0.05)
+                        conn.sendall(b"a")
+                except OSError:
+                    self.left.append(model)
             elif model == "text":
                 text = b"upstream overloaded, try later\n"
                 conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%s"
@@ -434,6 +448,15 @@ def test_a_client_that_reads_none_of_a_whole_answer_is_closed_at_the_write_timeo
         (499, "client read nothing for 1.0 s (--write-timeout): closed"), (200, None)]
 
 
+def _stopped_records(proc: subprocess.Popen, out) -> dict:
+    """Stop the CLI proxy ``proc`` (no traceback on its stderr); its records as (model, status): error."""
+    proc.terminate()
+    _, err = proc.communicate(timeout=PROXY_EXIT_S)
+    assert "Traceback" not in err, err
+    table, _ = read_requests(out)
+    return {(m, s): e for m, s, e in table.select(["model", "status", "error"]).iter_rows()}
+
+
 def test_an_upstream_that_stalls_after_its_head_is_cut_at_the_read_timeout_and_recorded(tmp_path):
     """An upstream that sends the head and a first piece of its answer, then nothing, for ever: the client
     gets a 504 (a whole answer) or its stream cut after the event that came (no last chunk), at
@@ -450,13 +473,39 @@ def test_an_upstream_that_stalls_after_its_head_is_cut_at_the_read_timeout_and_r
                 for data in s.iter_raw():
                     got += data
         assert got == HostileUpstream.EVENT.replace(b"[7]", b"null") and time.monotonic() - start < 10  # ids taken out
-        proc.terminate()
-        _, err = proc.communicate(timeout=PROXY_EXIT_S)
-    assert "Traceback" not in err, err
-    table, _ = read_requests(tmp_path / "cap")
-    got = {(m, s): e for m, s, e in table.select(["model", "status", "error"]).iter_rows()}
+        got = _stopped_records(proc, tmp_path / "cap")
     assert got == {("stall", 504): f"upstream {upstream.url}: silent for 1.0 s",
                    ("stall-stream", 200): "upstream stream silent for 1.0 s: cut"}, got
+
+
+def test_a_slow_loris_upstream_is_cut_at_the_total_timeout_and_recorded(tmp_path):
+    """An upstream that sends a byte every 50 ms for ever, never silent for --read-timeout: in a stream's event
+    or in a whole answer, each cut at --total-timeout (a 504, or the stream cut: no last chunk); in its head,
+    which counts as no answer yet, at --read-timeout. Each recorded so, its upstream connection closed; the
+    proxy still serves."""
+    upstream = HostileUpstream()
+    with cli_proxy(upstream.url, tmp_path / "cap", "--read-timeout", "1", "--total-timeout", "2") as (base, proc):
+        for model, bound in (("loris", 1), ("loris-whole", 2)):  # a head's bytes are no answer yet: --read-timeout
+            start = time.monotonic()
+            r = httpx.post(base + "/v1/completions", json={"model": model, "prompt": "x"}, timeout=30)
+            assert r.status_code == 504 and bound <= time.monotonic() - start < 10, (r.status_code, r.text)
+        start = time.monotonic()
+        with pytest.raises(httpx.RemoteProtocolError, match="incomplete chunked read"):
+            with httpx.stream("POST", base + "/v1/completions", timeout=30,
+                              json={"model": "loris-stream", "prompt": "x", "stream": True}) as s:
+                assert s.status_code == 200
+                for _ in s.iter_raw():
+                    pass
+        assert 2 <= time.monotonic() - start < 10
+        deadline = time.monotonic() + 10
+        while len(upstream.left) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(upstream.left) == ["loris", "loris-stream", "loris-whole"], "each upstream connection closed"
+        assert httpx.get(base + "/capture/status", timeout=10).json()["submitted"] == 3  # still serving
+        got = _stopped_records(proc, tmp_path / "cap")
+    assert got == {("loris", 504): f"upstream {upstream.url}: timed out before answering",
+                   ("loris-whole", 504): f"upstream {upstream.url}: answer took over 2.0 s",
+                   ("loris-stream", 200): "upstream stream ran over 2.0 s: cut"}, got
 
 
 def test_a_writer_replaced_from_another_thread_is_watched_by_the_proxys_loop(tmp_path):
