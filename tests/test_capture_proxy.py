@@ -1441,7 +1441,7 @@ def _planned_by_child(bodies: list[bytes]) -> list:
         try:
             return await asyncio.gather(*(planner.plan(body, "/v1/completions") for body in bodies))
         finally:
-            planner.close()
+            await planner.close()
 
     return asyncio.run(run())
 
@@ -1465,7 +1465,7 @@ def test_the_planners_child_plans_as_the_loop_would_and_its_loss_is_planned_inli
         try:
             return answered, await asyncio.gather(*(planner.plan(body, "/v1/completions") for body in bodies))
         finally:
-            planner.close()
+            await planner.close()
 
     answered, after = asyncio.run(after_a_kill())
     assert answered == expected[0] and after == expected

@@ -204,6 +204,19 @@ def test_the_planner_child_killed_or_stopped_is_replaced(tmp_path, monkeypatch):
         assert status["planner_restarts"] == 2 and not os.path.exists(f"/proc/{second}")
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_proxy_stopped_lets_its_planners_child_end_at_once(tmp_path, loop):
+    """Stopping the proxy, nothing in flight: the planner's child exits at the end of its socket, which the
+    event loop closes. The child was waited for with the loop held, so its socket was never closed: every
+    stop took 5 s (a CLI proxy 7-8 s from SIGTERM to exit) and ended the child by SIGKILL."""
+    with ProxyThread(ProxyConfig(upstream="http://127.0.0.1:9"), Recorder(tmp_path / "cap"), loop) as p:
+        child = httpx.get(p.url + "/capture/status", timeout=10).json()["planner_pid"]
+        assert child is not None
+        start = time.monotonic()
+    took = time.monotonic() - start
+    assert not p.thread.is_alive() and not os.path.exists(f"/proc/{child}") and took < 4, took
+
+
 BIG = 12 << 20
 
 

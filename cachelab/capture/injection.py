@@ -231,14 +231,10 @@ class Planner(asyncio.Protocol):
     async def _start_again(self) -> None:
         """Reap the child gone (killed after 1 s where it closed its socket and lives on) and start another,
         after a pause that grows while they die without answering a plan."""
-        old, loop = self.proc, asyncio.get_running_loop()
+        old = self.proc
         delay = restart_delay(self._failures)
         self._failures += 1
-        deadline = loop.time() + 1.0
-        while old.poll() is None:
-            if loop.time() > deadline:
-                old.kill()
-            await asyncio.sleep(0.02)
+        await _reap(old, 1.0)
         if not self._killed:  # else the watchdog said why
             print(f"capture: the body planner (pid {old.pid}) is gone ({exit_reason(old.returncode)}): started again "
                   f"{f'in {delay:g} s' if delay else 'now'}; bodies are planned on the event loop meanwhile",
@@ -254,19 +250,27 @@ class Planner(asyncio.Protocol):
             print(f"capture: the body planner could not be started again ({exc}); bodies are planned on the "
                   "event loop", file=sys.stderr, flush=True)
 
-    def close(self) -> None:
-        """End the child (it exits at the end of its socket) and wait for it."""
+    async def close(self) -> None:
+        """End the child (it exits at the end of its socket) and reap it, killed after 5 s. It was waited for
+        with the event loop held, so the socket's close, which the loop makes, never reached the child: every
+        stop of the proxy took those 5 s and ended the child by SIGKILL."""
         self.closing = True
         if self._restart is not None:
             self._restart.cancel()
         if self.transport is not None:
             self.transport.close()
         if self.proc is not None:
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            await _reap(self.proc, 5.0)
+
+
+async def _reap(proc: subprocess.Popen, grace: float) -> None:
+    """Wait for ``proc`` to exit, the event loop free meanwhile; killed once ``grace`` s have passed."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace
+    while proc.poll() is None:
+        if loop.time() > deadline:
+            proc.kill()
+        await asyncio.sleep(0.02)
 
 
 def plan_bound(size: int) -> float:

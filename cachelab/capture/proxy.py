@@ -208,7 +208,7 @@ class CaptureProxy:
             client.record_held(None)  # a whole answer it is still taking: the close sends the rest
             client.transport.close()
         self.pool.close()
-        self.planner.close()
+        await self.planner.close()
         await asyncio.sleep(0)
         self.recorder.close()
 
