@@ -162,3 +162,20 @@ def test_a_write_cut_short_leaves_the_old_file_whole_and_no_scratch(tmp_path, mo
     with pytest.raises(KeyboardInterrupt):
         write_oracle_general(path, [5, 6, 7, 8])
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_reading_a_long_npy_makes_no_array_of_a_byte_a_key(tmp_path):
+    """The check for negative keys compared every key with 0, an array of a byte a key (10 MB of
+    fresh pages in a 10 M-key ``simulate``); the smallest key answers it in one pass."""
+    import tracemalloc
+
+    keys = np.random.default_rng(0).integers(0, 1 << 40, 1_000_000)
+    np.save(tmp_path / "k.npy", keys)
+    tracemalloc.start()
+    try:
+        got = read_keys(tmp_path / "k.npy")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert np.array_equal(got, keys)
+    assert peak < keys.size // 8, peak

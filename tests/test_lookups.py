@@ -228,3 +228,27 @@ def test_the_prompt_view_never_addresses_a_last_output_token_as_serving_never_fe
     assert positions(alone) == positions(batched) == [(r, p) for r, n in enumerate(fed) for p in range(n)]
     assert alone.num_lookups == sum(fed) * 48
     assert alone.num_steps == sum(-(-p // 8) + n - p for p, n in zip(prompts, fed))
+
+
+def test_a_long_stream_checks_its_steps_with_no_array_of_a_byte_a_step():
+    """Rising step offsets were checked by one comparison of every step with the next, an array of
+    a byte a step (a 10 M-key trace's 10 MB of fresh pages); the check now goes a slice at a time,
+    and still finds a fall at a slice's edge."""
+    import tracemalloc
+
+    from cachelab.workload.lookups import COMPARED
+
+    n = 1_000_000
+    keys, offsets = np.zeros(n, np.int64), np.arange(n + 1, dtype=np.int64)
+    tracemalloc.start()
+    try:
+        LookupStream(keys, offsets, 1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < n // 8, peak
+    for fall in (COMPARED - 1, COMPARED, COMPARED + 1, n - 1):
+        bad = offsets.copy()
+        bad[fall] += 2  # above the next offset
+        with pytest.raises(CachelabError, match="step_offsets must rise"):
+            LookupStream(keys, bad, 1)

@@ -173,11 +173,14 @@ class Cascade:
                         self.future, None if counts is None else (counts if cur is None else counts[cur]),
                         None if raw_keys is None else (raw_keys if cur is None else raw_keys[cur]), self.counted_from)
             miss = ~hits
+            below = t + 1 < n_tiers or self.ssd  # the next level needs the miss stream
             if cur is None:  # the first tier: n_tiers where it missed, 0 where it hit, one vector pass
-                level = miss.view(np.int8) * np.int8(n_tiers)  # (a masked store took 5x as long)
+                level = miss.view(np.int8)  # (a masked store took 5x as long); where nothing reads
+                # the misses again, in their own array: no second one of a byte a request
+                level = level * np.int8(n_tiers) if below else np.multiply(level, np.int8(n_tiers), out=level)
             else:
                 level[cur[hits]] = t
-            if t + 1 < n_tiers or self.ssd:  # the next level needs the miss stream
+            if below:
                 offsets = np.concatenate([[0], np.cumsum(miss)])[offsets]
                 cur = np.flatnonzero(miss) if cur is None else cur[miss]
         if level is None:  # no request
