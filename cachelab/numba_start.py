@@ -21,12 +21,18 @@ the ``seconds`` it reports (docs/engine.md):
   type) refuses a masked array by ``isinstance(val, np.ma.MaskedArray)``, and NumPy imports
   ``numpy.ma`` whole to answer it. Until ``numpy.ma`` is imported no masked array can exist, so
   until then Numba's own function runs with ``np.ma.MaskedArray`` a class without instances (the
-  same answer); from then on, as it is.
+  same answer); from then on, as it is;
+- PyYAML (0.012 s) and SciPy (0.008-0.01 s), which ``import numba`` itself imports: PyYAML to read
+  a ``.numba_config.yaml`` in the working directory, imported as before where there is one and
+  otherwise where one made later is read; SciPy only to check that it is 1.0 or later, a check
+  that now runs where SciPy is first imported and fails that import as it failed Numba's.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import os
 import sys
 import types
 
@@ -34,6 +40,9 @@ PROBING = "numba.np.arraymath"  # the module whose import runs the BLAS probe
 PROBED = "scipy.linalg.cython_blas"  # what the probe imports
 CACHING = "numba.core.caching"  # the module whose Cache.load_overload refreshes the context
 TYPING = "numba.core.typing.typeof"  # the module whose array typing imports numpy.ma
+CONFIGURING = "numba.core.config"  # the module that imports PyYAML for CONFIG_FILE
+CONFIG_FILE = ".numba_config.yaml"  # Numba's config file, read from the working directory
+NUMBA = "numba"  # whose __init__ imports SciPy to check its version
 
 
 class _OnImport:
@@ -68,19 +77,52 @@ class _Loader:
         self.run(self.loader, module)
 
 
-def _without_blas_probe(loader, module) -> None:
-    """Run ``numba.np.arraymath`` with ``PROBED`` unimportable (a ``None`` in ``sys.modules`` stops
-    its import before its parent packages are imported), then answer its probe."""
-    blocked = PROBED not in sys.modules
+def _run_without(loader, module, name: str) -> bool:
+    """Run ``module`` with ``name`` unimportable (a ``None`` in ``sys.modules`` stops its import
+    before its parent packages are imported); whether it was (not where already imported)."""
+    blocked = name not in sys.modules
     if blocked:
-        sys.modules[PROBED] = None
+        sys.modules[name] = None
     try:
         loader.exec_module(module)
     finally:
-        if blocked and sys.modules.get(PROBED, 0) is None:
-            del sys.modules[PROBED]
-    if blocked:
+        if blocked and sys.modules.get(name, 0) is None:
+            del sys.modules[name]
+    return blocked
+
+
+def _without_blas_probe(loader, module) -> None:
+    """Run ``numba.np.arraymath`` without ``PROBED``, then answer its probe."""
+    if _run_without(loader, module, PROBED):
         module._HAVE_BLAS = importlib.util.find_spec("scipy") is not None
+
+
+class _Deferred:
+    """Module ``name``, imported at the first read of one of its attributes."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __getattr__(self, attr):
+        return getattr(importlib.import_module(self.name), attr)
+
+
+def _without_yaml(loader, module) -> None:
+    """Run ``numba.core.config`` without PyYAML where the working directory holds no ``CONFIG_FILE``
+    (PyYAML reads nothing else), then give it what its import would have: whether PyYAML is
+    installed, and ``yaml`` imported where a config file made later is read (``reload_config``)."""
+    if os.path.isfile(CONFIG_FILE):
+        loader.exec_module(module)
+    elif _run_without(loader, module, "yaml"):
+        module._HAVE_YAML = importlib.util.find_spec("yaml") is not None
+        module.yaml = _Deferred("yaml")
+
+
+def _without_scipy(loader, module) -> None:
+    """Run ``numba``'s ``__init__`` without SciPy, which it imports only to check SciPy's version;
+    that check (its ``_ensure_critical_deps``) runs once SciPy is imported, failing that import."""
+    if _run_without(loader, module, "scipy"):
+        _after("scipy", lambda _: module._ensure_critical_deps())
 
 
 def _refresh_on_compile(caching) -> None:
@@ -142,10 +184,18 @@ def _after(name, done) -> None:
         sys.meta_path.insert(0, _OnImport(name, run))
 
 
+def _before(name, run) -> None:
+    """``run(loader, module)`` in place of running module ``name``, unless it is imported already."""
+    if name not in sys.modules and not any(isinstance(f, _OnImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _OnImport(name, run))
+
+
 def install() -> None:
-    """Defer all three for this process: the probe unless Numba already ran it (cachelab imported
-    late), the refresh and ``numpy.ma`` in any case (a cache load or a typing after this one)."""
-    if PROBING not in sys.modules and not any(isinstance(f, _OnImport) and f.name == PROBING for f in sys.meta_path):
-        sys.meta_path.insert(0, _OnImport(PROBING, _without_blas_probe))
+    """Defer them for this process: the probe, PyYAML and SciPy unless Numba already imported
+    them (cachelab imported late), the refresh and ``numpy.ma`` in any case (a cache load or a
+    typing after this one)."""
+    _before(NUMBA, _without_scipy)
+    _before(CONFIGURING, _without_yaml)
+    _before(PROBING, _without_blas_probe)
     _after(CACHING, _refresh_on_compile)
     _after(TYPING, _unmasked)

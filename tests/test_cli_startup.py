@@ -256,3 +256,36 @@ print(json.dumps({"typed": typed, "unmasked": unmasked, "refused": refused}))
     assert runs["cachelab"]["typed"] == runs["numba"]["typed"]
     assert runs["cachelab"]["unmasked"] and not runs["numba"]["unmasked"]
     assert "MaskedArray" in runs["cachelab"]["refused"] and runs["cachelab"]["refused"] == runs["numba"]["refused"]
+
+
+def test_numba_imports_no_yaml_or_scipy_and_still_reads_its_config_and_checks_scipy(tmp_path):
+    """``import numba`` imported PyYAML (for a ``.numba_config.yaml`` in the working directory) and
+    SciPy (to check its version), 0.02 s of a ``simulate`` that uses neither (``cachelab.numba_start``).
+    A config file there is still read, one made later still is (``reload_config``), and a SciPy
+    older than 1.0 still fails: where it is first imported, with Numba's message."""
+    probe = """
+import json, os, sys
+import cachelab, numba
+from numba.core import config
+before = sorted(m for m in ("yaml", "scipy") if m in sys.modules)
+with open(".numba_config.yaml", "w") as f:
+    f.write("debug_cache: 1\\n")
+config.reload_config()
+print(json.dumps({"before": before, "read": config.DEBUG_CACHE}))
+"""
+    work = tmp_path / "work"
+    work.mkdir()
+    run = lambda: json.loads(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,  # noqa: E731
+                                            check=True, cwd=work).stdout.splitlines()[-1])
+    assert run() == {"before": [], "read": 1}
+    assert run() == {"before": ["yaml"], "read": 1}  # the file there from the start: read at import
+    old = tmp_path / "old" / "scipy"
+    old.mkdir(parents=True)
+    (old / "__init__.py").write_text("__version__ = '0.19.1'\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(old.parent), os.environ.get("PYTHONPATH", "")])}
+    for code in ("import numba", "import cachelab, numba; import scipy"):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
+        assert out.returncode != 0 and "Numba requires SciPy version 1.0 or greater" in out.stderr, out.stderr[-500:]
+    out = subprocess.run([sys.executable, "-c", "import cachelab, numba, sys; assert 'scipy' not in sys.modules"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-500:]
