@@ -289,3 +289,26 @@ print(json.dumps({"before": before, "read": config.DEBUG_CACHE}))
     out = subprocess.run([sys.executable, "-c", "import cachelab, numba, sys; assert 'scipy' not in sys.modules"],
                          capture_output=True, text=True, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-500:]
+
+
+def test_compacting_dense_keys_loads_a_kernel_that_makes_no_array():
+    """The compaction of keys in a narrow range (a Zipf trace's object numbers) made its id table
+    inside its kernel; loading such a kernel from Numba's cache rebuilds an environment of
+    ``numba.np.arrayobj``, imported for it (0.02-0.03 s: the kernel's first call took 0.07 s of
+    CPU, 0.003 s now). The caller makes the table; a second process loads the kernel, imports no
+    ``numba.np.arrayobj``, and gets the same ids."""
+    probe = """
+import json, sys
+import numpy as np
+from cachelab.workload.lookups import _dense_ids_kernel, compact
+ids, uniq = compact(np.arange(3_000) * 7919 % 997 + 5)
+print(json.dumps({"ids": ids.tolist(), "uniq": uniq.tolist(), "arrayobj": "numba.np.arrayobj" in sys.modules,
+                  "loaded": sum(_dense_ids_kernel.stats.cache_hits.values())}))
+"""
+    runs = [json.loads(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                                      check=True).stdout.splitlines()[-1]) for _ in range(2)]
+    assert runs[1]["loaded"] == 1 and not runs[1]["arrayobj"], runs[1]
+    assert runs[0]["ids"] == runs[1]["ids"] and runs[0]["uniq"] == runs[1]["uniq"]
+    keys = np.arange(3_000) * 7919 % 997 + 5
+    assert np.array_equal(np.asarray(runs[1]["uniq"])[runs[1]["ids"]], keys)
+    assert runs[1]["uniq"] == list(dict.fromkeys(keys.tolist()))  # first-occurrence order
