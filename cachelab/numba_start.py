@@ -25,7 +25,9 @@ the ``seconds`` it reports (docs/engine.md):
 - PyYAML (0.012 s) and SciPy (0.008-0.01 s), which ``import numba`` itself imports: PyYAML to read
   a ``.numba_config.yaml`` in the working directory, imported as before where there is one and
   otherwise where one made later is read; SciPy only to check that it is 1.0 or later, a check
-  that now runs where SciPy is first imported and fails that import as it failed Numba's.
+  that now runs where SciPy is first imported and fails that import as it failed Numba's;
+- compiling Numba's runtime functions with LLVM (0.02-0.03 s), done by every process at its first
+  dispatch: their object code is kept by the first and loaded by the next (``_cached_runtime``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ TYPING = "numba.core.typing.typeof"  # the module whose array typing imports num
 CONFIGURING = "numba.core.config"  # the module that imports PyYAML for CONFIG_FILE
 CONFIG_FILE = ".numba_config.yaml"  # Numba's config file, read from the working directory
 NUMBA = "numba"  # whose __init__ imports SciPy to check its version
+RUNTIME = "numba.core.runtime.nrtdynmod"  # the module that compiles Numba's runtime functions
 
 
 class _OnImport:
@@ -144,6 +147,58 @@ def _refresh_on_compile(caching) -> None:
     caching.Cache.load_overload = load_overload
 
 
+def _runtime_file(ctx) -> str:
+    """Where Numba's runtime functions compiled for ``ctx``'s Numba, LLVM and CPU are kept: under
+    ``NUMBA_CACHE_DIR`` where set, as Numba's kernels are, else in cachelab's ``__pycache__``."""
+    import hashlib
+
+    import llvmlite
+    import numba
+    from numba.core import config
+
+    key = hashlib.sha256(repr((numba.__version__, llvmlite.__version__, ctx.codegen().magic_tuple())).encode())
+    folder = config.CACHE_DIR or os.path.join(os.path.dirname(os.path.abspath(__file__)), "__pycache__")
+    return os.path.join(folder, f"numba-runtime-{key.hexdigest()[:20]}.nbo")
+
+
+def _cached_runtime(nrtdynmod) -> None:
+    """Make ``compile_nrt_functions`` of ``nrtdynmod`` load Numba's runtime functions (atomic
+    reference counts, ``NRT_incref``/``NRT_decref``), which every process compiled with LLVM at its
+    first dispatch (0.02-0.03 s of CPU), from the object code an earlier process kept, as Numba
+    loads a cached kernel's; where there is none, or it cannot be read, compiled as Numba does, and
+    kept where the folder is writable."""
+    plain = nrtdynmod.compile_nrt_functions
+    if getattr(plain, "cached", False):  # done already
+        return
+
+    def compile_nrt_functions(ctx):
+        path, codegen = _runtime_file(ctx), ctx.codegen()
+        try:
+            with open(path, "rb") as f:
+                kept = f.read()
+            size = int.from_bytes(kept[:8], "little")
+            if 8 + size < len(kept):  # the object code, then the bitcode kernels inline from
+                return codegen.unserialize_library(("nrt", "object", (kept[8:8 + size], kept[8 + size:])))
+        except OSError:
+            pass
+        ir_mod, library = nrtdynmod.create_nrt_module(ctx)  # Numba's compile_nrt_functions, its object kept
+        library.enable_object_caching()
+        library.add_ir_module(ir_mod)
+        library.finalize()
+        _, _, (obj, bitcode) = library.serialize_using_object_code()
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(f"{path}.{os.getpid()}", "wb") as f:
+                f.write(len(obj).to_bytes(8, "little") + obj + bitcode)
+            os.replace(f"{path}.{os.getpid()}", path)
+        except OSError:  # a read-only install: compiled in every process, as before
+            pass
+        return library
+
+    compile_nrt_functions.__doc__, compile_nrt_functions.cached = plain.__doc__, True
+    nrtdynmod.compile_nrt_functions = compile_nrt_functions
+
+
 class _NumpyUnmasked:
     """NumPy as seen by array typing while ``numpy.ma`` is not imported: its ``ma.MaskedArray``
     a class of which nothing is an instance (no masked array exists yet), the rest NumPy's own."""
@@ -198,4 +253,5 @@ def install() -> None:
     _before(CONFIGURING, _without_yaml)
     _before(PROBING, _without_blas_probe)
     _after(CACHING, _refresh_on_compile)
+    _after(RUNTIME, _cached_runtime)
     _after(TYPING, _unmasked)
