@@ -50,7 +50,7 @@ def _load(base_url: str, model: str) -> None:
 def test_serve_capture_train_evaluate_serve(tmp_path):
     opts = ServeOptions(port=0, kv_cache_tokens=16_384, capture=tmp_path / "served")
     with running_server(opts) as (url, _engine):
-        recorder = Recorder(tmp_path / "cap")
+        recorder = Recorder(tmp_path / "cap", ids_tokenizer="deepseek-v4")  # --upstream-tokenizer: the server's
         with ProxyThread(ProxyConfig(upstream=url), recorder) as proxy:
             model = openai.OpenAI(base_url=url + "/v1", api_key="x").models.list().data[0].id
             _load(proxy.url, model)
@@ -58,6 +58,7 @@ def test_serve_capture_train_evaluate_serve(tmp_path):
     built = _cli("trace", "build", "--from-capture", str(tmp_path / "cap"), "-o", str(tmp_path / "t.parquet"))
     assert built["requests"] == 2 * SESSIONS and built["sessions"] == SESSIONS and built["failed_requests"] == 0
     assert built["server_cached_tokens"] > 0, "second turns reuse the first turn's prefix"
+    assert built["tokenizer"]["tokenizer"] == "deepseek-v4", "the trace names its ids' tokenizer: layouts are checked"
     # The server's own capture saw the same requests, id for id.
     proxy_rows, _ = read_requests(tmp_path / "cap")
     served_rows, _ = read_requests(tmp_path / "served")
@@ -75,12 +76,15 @@ def test_serve_capture_train_evaluate_serve(tmp_path):
                      "--capacities", "0.02")
     judged = evaluated["capacities"][0]
     assert evaluated["learned_policy"] in judged["miss_ratio"]
-    # Serve again, still capturing, with the learned row cache the evaluation judged: the trained
-    # model scores each step's rows online (cachelab.learning.online).
+    # Serve again, still capturing, with the learned row cache the evaluation judged, at the size it was
+    # trained for (the server's 2% is of its whole table, not of the trace's rows): the trained model
+    # scores each step's rows online (cachelab.learning.online).
+    rows = evaluated["model_capacity_rows"]
     opts = ServeOptions(port=0, kv_cache_tokens=16_384, capture=tmp_path / "served2",
-                        row_cache_policy=evaluated["learned_policy"], row_cache_capacity="2%",
+                        row_cache_policy=evaluated["learned_policy"], row_cache_capacity=str(rows),
                         row_cache_model=tmp_path / "model")
     with running_server(opts) as (url, engine):
+        assert [t.capacity for t in engine.rows.tiers if t.name == "hbm"] == [rows] and rows > 0
         client = openai.OpenAI(base_url=url + "/v1", api_key="x")
         out = client.completions.create(model=model, prompt="def main():", max_tokens=4)
         assert out.choices[0].text is not None
