@@ -128,6 +128,9 @@ class Upstream:
                 {"index": i, "text": " the", "finish_reason": "length",
                  "token_ids": [1] if body.get("return_token_ids") else None} for i in range(MANY_CHOICES)]}),
                 media_type="application/json")
+        if model == "echo-auth":  # a gateway that echoes the key it refuses
+            return JSONResponse({"error": {"message": "Incorrect API key provided: "
+                                           f"{request.headers.get('authorization')}", "code": 401}}, status_code=401)
         if model == "error-500":
             return JSONResponse({"object": "error", "message": "boom", "code": 500}, status_code=500)
         if model == "slow":

@@ -152,6 +152,26 @@ def test_official_client_through_proxy_and_sessions(stack):
     assert b"sk-upstream-secret-123" not in raw and b"user-42" not in raw and b"Bearer" not in raw
 
 
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_an_upstream_error_echoing_the_clients_credential_is_recorded_without_it(tmp_path, writer):
+    """An upstream that refuses the client's key and echoes it in its error message: the client gets the
+    answer as it came, and no capture file holds the key (the record's error had it)."""
+    from cachelab.capture.writer import CaptureWriter
+
+    secret = "sk-echoed-secret-42"
+    recorder = Recorder(tmp_path / "cap") if writer == "thread" else CaptureWriter(tmp_path / "cap")
+    with ServerThread(Upstream().app) as upstream, ProxyThread(ProxyConfig(upstream=upstream.url), recorder) as proxy:
+        for auth in (f"Bearer {secret}", "Bearer x"):  # a placeholder under 8 characters is no secret: left
+            status, body, _ = _raw(proxy.url, "/v1/completions", {"model": "echo-auth", "prompt": "x"},
+                                   headers={"Authorization": auth})
+            assert status == 401 and auth.encode() in body
+        assert recorder.flush(30)
+    rows = read_requests(tmp_path / "cap")[0]
+    assert rows["error"].to_list() == ["Incorrect API key provided: Bearer ***",
+                                       "Incorrect API key provided: Bearer x"], rows
+    assert not any(secret.encode() in f.read_bytes() for f in (tmp_path / "cap").iterdir())
+
+
 def test_trace_from_capture(stack):
     for _ in range(2):  # a session of two requests of its own, whichever tests ran before on this worker
         assert _raw(stack.proxy.url, "/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 4},

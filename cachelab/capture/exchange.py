@@ -38,6 +38,7 @@ from cachelab.capture.recorder import CLIENT_CLOSED, RequestRecord
 _EMPTY_DELTA = (b'"delta":{}', b'"finish_reason":null')
 _FINGERPRINT = re.compile(rb'"system_fingerprint":"[^"]*"')
 _RECORD_FIELDS = ("model", "prompt", "messages", "n", "echo", "stream", "user")  # of a request's body, what ``to_records`` reads
+MIN_CREDENTIAL = 8  # characters of an Authorization credential from which it is starred in an error message
 MAX_RECORDS = 1 << 16  # records of one exchange at most: choices answered, or asked for and never reached
 
 
@@ -50,6 +51,7 @@ class Exchange:
     arrival: float                      # time.perf_counter() at arrival
     body: bytes | dict | None = None    # the request's body as the client sent it (``injection.apply``), or its fields
     session: str | None = None
+    credential: str | None = None       # the client's Authorization credential: taken out of an error message
     stream: bool = False
     injected_ids: bool = False
     injected_usage: bool = False
@@ -244,14 +246,18 @@ def _choice_text(choice: dict) -> str:
     return part.get("content") or "" if isinstance(part, dict) else ""
 
 
-def _error_text(message: dict) -> str | None:
+def _error_text(message: dict, credential: str | None) -> str | None:
+    """The upstream's error message, the client's credential taken out where it echoes it ("Incorrect API
+    key provided: Bearer sk-..."): no capture file holds what the client sent in ``Authorization``. One
+    under ``MIN_CREDENTIAL`` characters is no secret (a placeholder such as "x" or "EMPTY") and is left,
+    lest every "x" of a message be starred."""
     error = message.get("error")
     if error is None and message.get("object") == "error":
         error = message
     if error is None:
         return None
-    text = error.get("message") if isinstance(error, dict) else str(error)
-    return str(text)[:300]
+    text = str(error.get("message") if isinstance(error, dict) else error)
+    return (text.replace(credential, "***") if credential and len(credential) >= MIN_CREDENTIAL else text)[:300]
 
 
 @dataclass(slots=True)
@@ -408,7 +414,7 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
             not_json += message is _NOT_JSON
             continue
         get = message.get  # bound once: the loop runs per event of every stream
-        error = error or _error_text(message)
+        error = error or _error_text(message, x.credential)
         upstream_id = upstream_id or get("id")
         model = get("model") or model
         if get("usage"):

@@ -302,9 +302,11 @@ class CaptureProxy:
         """The exchange to record of a request on a recorded path (None on any other path)."""
         if r.method != b"POST" or path not in RECORDED:
             return None
-        session = r.header(self._session_header)
+        session, auth = r.header(self._session_header), r.header(b"authorization")
+        credential = auth.split(None, 1)[-1].strip() if auth and auth.strip() else None  # after the scheme
         return Exchange(endpoint=path.decode("latin-1"), arrival_unix_ns=r.arrival_unix_ns, arrival=r.arrival,
-                        session=None if session is None else session.decode("latin-1"), **fields)
+                        session=None if session is None else session.decode("latin-1"),
+                        credential=None if credential is None else credential.decode("latin-1"), **fields)
 
     def abandoned(self, r: Request) -> None:
         """Record a request the client sent whole and went away from before it was served (pipelined
