@@ -154,10 +154,11 @@ def test_mrc_checks_params_before_the_trace_loads(tmp_path):
     ("s3fifo", ["--param", "small_size_ratio=2"], "s3fifo small_size_ratio must be in (0, 1), got 2"),
     ("belady-lookahead", ["--param", "window=-1"], "belady-lookahead: window must be >= 0 steps, got -1"),
     ("wtinylfu", ["--param", "window=1.5"], "wtinylfu: window must be in [0, 1), got 1.5"),
-    ("lru", ["--admission", "bogus"], "unknown admission 'bogus'")])
+    ("lru", ["--admission", "bogus"], "unknown --admission 'bogus'; choose one of ['always', 'scores', 'tinylfu']")])
 def test_parameter_values_are_checked_before_the_trace_loads(tmp_path, verb, policy, flags, why):
     """A value out of range (or an unknown filter) was found as the policy built its state, once the
-    trace had loaded: here the trace does not exist, and the value is named first."""
+    trace had loaded: here the trace does not exist, and the value is named first (a filter by its
+    flag: the refusal said "unknown admission", where the others name theirs)."""
     missing = str(tmp_path / "not-yet.npy")
     res = runner.invoke(app, [verb[0], "--trace", missing, "--policy", policy, *verb[1:], *flags])
     assert res.exit_code == 2 and why in res.output and "not-yet" not in res.output, res.output

@@ -151,6 +151,13 @@ def admission_admit(kind, counters, scores, meta, candidate, victim):
     return scores[victim] > -now or scores[candidate] > scores[victim]  # an overdue victim is not defended
 
 
+def check_admission(name: str, where: str = "admission") -> None:
+    """Refuse a filter name not in ``KINDS``; ``where`` names it (a CLI flag, checked before the
+    trace loads)."""
+    if name not in KINDS:
+        raise CachelabError(f"unknown {where} {name!r}; choose one of {sorted(KINDS)}")
+
+
 def make_admission(name: str, capacity: int, num_keys: int, sample_factor: int = 10,
                    counter_max: int = 15, error: float | None = None):
     """Filter state ``(kind, counters, table, meta)`` sized for a cache of ``capacity`` rows;
@@ -164,8 +171,7 @@ def make_admission(name: str, capacity: int, num_keys: int, sample_factor: int =
         error: if given, size the sketch as libCacheSim's counting Bloom filter for this
             false-positive rate instead of 4 counters per row.
     """
-    if name not in KINDS:
-        raise CachelabError(f"unknown admission {name!r}; choose one of {sorted(KINDS)}")
+    check_admission(name)
     kind = KINDS[name]
     capacity = max(int(capacity), 1)
     if error is None:
