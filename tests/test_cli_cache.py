@@ -199,6 +199,17 @@ def test_a_bad_sample_rate_is_refused_naming_the_flag_before_the_trace_loads(tmp
     assert out["infinite"] == exact["infinite"] == [False, True]
 
 
+def test_an_empty_sample_is_refused_naming_the_flag(tmp_path):
+    """A rate that keeps none of this trace's keys is found once the trace has loaded; the refusal
+    said "sample rate", where the others name ``--sample-rate`` (the library's still says "sample rate")."""
+    np.save(tmp_path / "k.npy", np.array([1, 2, 3, 1, 2, 3, 4]))
+    for policy in ("lru", "fifo"):  # SHARDS and mini-simulations
+        res = runner.invoke(app, ["mrc", "--trace", str(tmp_path / "k.npy"), "--policy", policy, "--capacities", "1,2",
+                                  "--sample-rate", "0.001", "--workers", "1"])
+        assert res.exit_code == 2, res.output
+        assert "--sample-rate 0.001 keeps none of the 4 distinct keys' requests after the warm-up" in res.output, res.output
+
+
 def test_requests_and_steps_apply_where_the_trace_takes_them(tmp_path):
     """simulate/mrc --requests N on a key trace replays its first N keys (default: all), as `trace lookups`
     does; --steps on a key trace and either flag on a lookup stream are refused, naming the flag. (The

@@ -210,7 +210,7 @@ def mrc(
     found, stream = load_stream(trace, fmt, requests, steps, "mrc")
     caps = sorted(set(capacity_rows(parse_capacities(capacities), stream, "--capacities")))
     curve = miss_ratio_curve(stream, caps, policy=policy, sample_rate=sample_rate, warmup=warmup, params=params,
-                             workers=workers, progress=True)
+                             workers=workers, progress=True, rate_name="--sample-rate")
     out = {"policy": policy, "admission": ran.get("admission", "always"), "params": ran, **curve.to_dict(),
            "trace": str(trace), "trace_kind": found.kind, "seconds": round(time.perf_counter() - started, 3)}
     if as_json:

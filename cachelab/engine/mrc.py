@@ -182,7 +182,7 @@ def _simulate_one(capacity: int) -> float:
 
 def miss_ratio_curve(stream: LookupStream, capacities: list[int], policy: str | None = "lru",
                      sample_rate: float | None = None, warmup: float = 0.0, params: dict | None = None,
-                     workers: int | None = None, progress: bool = False) -> Curve:
+                     workers: int | None = None, progress: bool = False, rate_name: str = "sample rate") -> Curve:
     """The miss ratio of ``policy`` (a registry name) at each capacity (objects / rows) over ``stream``.
 
     A policy whose class itself declares ``stack_curve`` (the built-in LRU), at its default
@@ -190,6 +190,7 @@ def miss_ratio_curve(stream: LookupStream, capacities: list[int], policy: str | 
     ``sample_rate``), and so does ``policy=None``: LRU's curve without a registry name; any
     other policy runs once per capacity in ``workers`` processes. (Decided by the class, not
     the name: a plug-in registered as ``lru`` in place of the built-in is simulated.)
+    ``rate_name`` names ``sample_rate`` in a refusal made once the stream is read (the CLI's flag).
     """
     params = dict(params or {})
     probe = None if policy is None else registry.make_policy(policy, **params)  # fails fast on a bad name or parameter
@@ -199,7 +200,7 @@ def miss_ratio_curve(stream: LookupStream, capacities: list[int], policy: str | 
     req = _requests(stream, warmup)
     if sample_rate is not None and not sample_mask(req.keys[req.first:], sample_rate).any():
         # an empty sample read as a miss ratio of 0.0 at every capacity
-        raise CachelabError(f"sample rate {sample_rate} keeps none of the {req.num_keys:,} distinct keys' requests "
+        raise CachelabError(f"{rate_name} {sample_rate} keeps none of the {req.num_keys:,} distinct keys' requests "
                             "after the warm-up: raise the rate")
     rate = None if sample_rate is None else effective_rate(sample_rate)  # keeps the same keys, scales truly
     requests = int(req.weights[req.first:].sum())
