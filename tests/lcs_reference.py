@@ -12,7 +12,7 @@ import numpy as np
 from cachelab.trace.keytrace import ORACLE_DTYPE, read_keys, read_oracle_general, write_oracle_general
 from cachelab.workload.lookups import compact
 
-__all__ = ["cloudphysics_keys", "engram_row_keys", "engram_stream", "lcs_miss_ratio", "lcs_misses",
+__all__ = ["cloudphysics_keys", "engram_row_keys", "engram_stream", "lcs_cache", "lcs_miss_ratio", "lcs_misses",
            "lcs_misses_of", "lirs_keys", "min_capacity", "write_oracle_general"]
 
 MIN_CAPACITY = {  # libCacheSim class: below this many objects it caches otherwise than the paper's policy
@@ -28,13 +28,23 @@ def min_capacity(policy: str) -> int:
     return MIN_CAPACITY.get(policy, 1)
 
 
+def lcs_cache(policy: str, capacity: int, **params):
+    """libCacheSim's ``policy`` (class name in libcachesim) at ``capacity`` objects, expiring
+    nothing (``default_ttl=0``). Time here is the request index, and libCacheSim's default TTL,
+    86,400 x 300 = 25,920,000, expires an object idle that long in a build with its SUPPORT_TTL
+    option on (off in its CMake and in the 0.3.5 wheel, which compiles expiry out): past
+    25.9 M requests the reference would have missed where the policy hits."""
+    import libcachesim as lcs
+
+    return getattr(lcs, policy)(capacity, default_ttl=0, **params)
+
+
 def lcs_miss_ratio(trace_path: Path, policy: str, capacity: int, **params) -> float:
     """Object miss ratio of libCacheSim's ``policy`` (class name in libcachesim) at ``capacity``."""
     import libcachesim as lcs
 
     reader = lcs.TraceReader(str(trace_path), lcs.TraceType.ORACLE_GENERAL_TRACE)
-    cache = getattr(lcs, policy)(capacity, **params)
-    miss_ratio, _byte_miss_ratio = cache.process_trace(reader)
+    miss_ratio, _byte_miss_ratio = lcs_cache(policy, capacity, **params).process_trace(reader)
     return float(miss_ratio)
 
 
@@ -75,7 +85,7 @@ def lcs_misses_of(keys: np.ndarray, policy: str, capacity: int, **params) -> int
     from cachelab.policy import NO_NEXT
     from cachelab.workload.future import next_access
 
-    cache = getattr(lcs, policy)(capacity, hashpower=8, **params)  # 2^8 buckets: a short stream's keys
+    cache = lcs_cache(policy, capacity, hashpower=8, **params)  # 2^8 buckets: a short stream's keys
     nxt = next_access(keys)
     never = np.iinfo(np.int64).max  # libCacheSim's "no next access" (it aborts on -1)
     return sum(not cache.get(lcs.Request(obj_size=1, obj_id=int(k), clock_time=i,

@@ -25,11 +25,12 @@ from hypothesis import strategies as st
 
 from cachelab import registry
 from cachelab.engine.tiers import Hierarchy, Tier
-from cachelab.trace.keytrace import read_keys
+from cachelab.trace.keytrace import ORACLE_DTYPE, read_keys
 from cachelab.workload.lookups import LookupStream
 from cachelab.engine.replay import replay
 from cachelab.workload.future import next_access
-from lcs_reference import engram_row_keys, engram_stream, lcs_misses, lcs_misses_of, min_capacity, write_oracle_general
+from lcs_reference import (engram_row_keys, engram_stream, lcs_cache, lcs_misses, lcs_misses_of, min_capacity,
+                           write_oracle_general)
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ def test_a_trace_with_object_sizes_counts_objects_as_libcachesim_does_ignoring_t
         tier = Tier("hbm", registry.make_policy(ours), capacity_rows=capacity)
         level = replay(stream, Hierarchy([tier], stream.row_bytes)).summary()["levels"]["hbm"]
         reader = lcs.TraceReader(str(path), lcs.TraceType.ORACLE_GENERAL_TRACE, lcs.ReaderInitParam(ignore_obj_size=True))
-        theirs_ratio = getattr(lcs, theirs)(capacity).process_trace(reader)[0]
+        theirs_ratio = lcs_cache(theirs, capacity).process_trace(reader)[0]
         assert level["requests_unique"] - level["served_unique"] == round(theirs_ratio * stream.keys.size), capacity
 
 
@@ -173,3 +174,28 @@ def test_one_row_below_the_class_minimum_libcachesim_caches_nothing_and_ours_cac
     level = replay(stream, Hierarchy([tier], stream.row_bytes)).summary()["levels"]["hbm"]
     assert lcs_misses(path, theirs, capacity) == level["requests_unique"] == stream.keys.size
     assert level["served_unique"] > 0.03 * stream.keys.size
+
+
+def test_the_reference_expires_nothing(tmp_path, monkeypatch):
+    """The reference's time is the request index, and libCacheSim's default TTL (25,920,000) expires
+    an object idle that long where its build compiles TTL in (SUPPORT_TTL; the 0.3.5 wheel does
+    not): past 25.9 M requests the table would have compared with a reference that drops rows. It
+    builds every cache with no TTL, so a trace whose reuses lie 10^8 apart hits as one without time."""
+    import libcachesim as lcs
+
+    built = []
+
+    class Spy(lcs.LRU):  # the class the reference builds, and the TTL it is given
+        def __init__(self, *args, **kwargs):
+            built.append(kwargs.get("default_ttl"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(lcs, "LRU", Spy)
+    keys = np.tile(np.arange(5), 20)  # 5 keys in 10 rows: each misses once
+    path = write_oracle_general(tmp_path / "t.oracleGeneral", keys)
+    assert lcs_misses(path, "LRU", 10) == lcs_misses_of(keys, "LRU", 10) == 5
+    records = np.fromfile(path, dtype=ORACLE_DTYPE)
+    records["time"] = np.arange(keys.size, dtype=np.uint32) * 20_000_000  # a reuse every 10^8, 4x the default TTL
+    records.tofile(path)
+    assert lcs_misses(path, "LRU", 10) == 5
+    assert built == [0, 0, 0]  # was None: libCacheSim's default
