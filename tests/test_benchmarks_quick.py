@@ -602,3 +602,14 @@ def test_bench_stores_fio_reference_runs_in_the_benchs_own_session(tmp_path, mon
     monkeypatch.chdir(tmp_path)
     assert bench_store.fio_iops(tmp_path / "t" / "layer1.tbl", 1, 16) > 0
     assert int((tmp_path / "ref.prerun.txt").read_text().split()[0]) == os.getsid(0)
+
+
+@pytest.mark.data
+def test_bench_floor_times_the_floor_against_belady_on_the_same_rows(data_dir):
+    """The miss floor's cost beside a Belady replay (docs/learned.md, "Belady, the bound, and the floor");
+    on its quick stream, as a check of the run, the floor misses no more than Belady with bypass."""
+    done = run("bench_floor.py", "--requests", "2", "--capacities", "0.01,0.05", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [c["share"] for c in out["capacities"]] == [0.01, 0.05]
+    assert all(0 < c["floor_misses"] <= c["belady_misses"] for c in out["capacities"])
