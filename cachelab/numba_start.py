@@ -116,7 +116,7 @@ def _without_yaml(loader, module) -> None:
     installed, and ``yaml`` imported where a config file made later is read (``reload_config``)."""
     if os.path.isfile(CONFIG_FILE):
         loader.exec_module(module)
-    elif _run_without(loader, module, "yaml"):
+    elif _tolerated(loader, module, "yaml"):
         module._HAVE_YAML = importlib.util.find_spec("yaml") is not None
         module.yaml = _Deferred("yaml")
 
@@ -124,8 +124,21 @@ def _without_yaml(loader, module) -> None:
 def _without_scipy(loader, module) -> None:
     """Run ``numba``'s ``__init__`` without SciPy, which it imports only to check SciPy's version;
     that check (its ``_ensure_critical_deps``) runs once SciPy is imported, failing that import."""
-    if _run_without(loader, module, "scipy"):
-        _after("scipy", lambda _: module._ensure_critical_deps())
+    check = None
+    if _tolerated(loader, module, "scipy"):
+        check = getattr(module, "_ensure_critical_deps", None)
+    if check is not None:
+        _after("scipy", lambda _: check())
+
+
+def _tolerated(loader, module, name: str) -> bool:
+    """``_run_without``, but a Numba release whose import needs ``name`` (not the release checked,
+    docs/engine.md) is run again as it is, importing it: whether it ran without it."""
+    try:
+        return _run_without(loader, module, name)
+    except ImportError:
+        loader.exec_module(module)
+        return False
 
 
 def _refresh_on_compile(caching) -> None:
@@ -161,6 +174,33 @@ def _runtime_file(ctx) -> str:
     return os.path.join(folder, f"numba-runtime-{key.hexdigest()[:20]}.nbo")
 
 
+def _kept_runtime(nrtdynmod, ctx):
+    """Numba's runtime functions for ``ctx`` loaded from the object code kept at ``_runtime_file``;
+    where there is none, or it cannot be read, compiled as Numba does and kept there."""
+    path, codegen = _runtime_file(ctx), ctx.codegen()
+    try:
+        with open(path, "rb") as f:
+            kept = f.read()
+        size = int.from_bytes(kept[:8], "little")
+        if 8 + size < len(kept):  # the object code, then the bitcode kernels inline from
+            return codegen.unserialize_library(("nrt", "object", (kept[8:8 + size], kept[8 + size:])))
+    except OSError:
+        pass
+    ir_mod, library = nrtdynmod.create_nrt_module(ctx)  # Numba's compile_nrt_functions, its object kept
+    library.enable_object_caching()
+    library.add_ir_module(ir_mod)
+    library.finalize()
+    _, _, (obj, bitcode) = library.serialize_using_object_code()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(f"{path}.{os.getpid()}", "wb") as f:
+            f.write(len(obj).to_bytes(8, "little") + obj + bitcode)
+        os.replace(f"{path}.{os.getpid()}", path)
+    except OSError:  # a read-only install: compiled in every process, as before
+        pass
+    return library
+
+
 def _cached_runtime(nrtdynmod) -> None:
     """Make ``compile_nrt_functions`` of ``nrtdynmod`` load Numba's runtime functions (atomic
     reference counts, ``NRT_incref``/``NRT_decref``), which every process compiled with LLVM at its
@@ -172,28 +212,10 @@ def _cached_runtime(nrtdynmod) -> None:
         return
 
     def compile_nrt_functions(ctx):
-        path, codegen = _runtime_file(ctx), ctx.codegen()
         try:
-            with open(path, "rb") as f:
-                kept = f.read()
-            size = int.from_bytes(kept[:8], "little")
-            if 8 + size < len(kept):  # the object code, then the bitcode kernels inline from
-                return codegen.unserialize_library(("nrt", "object", (kept[8:8 + size], kept[8 + size:])))
-        except OSError:
-            pass
-        ir_mod, library = nrtdynmod.create_nrt_module(ctx)  # Numba's compile_nrt_functions, its object kept
-        library.enable_object_caching()
-        library.add_ir_module(ir_mod)
-        library.finalize()
-        _, _, (obj, bitcode) = library.serialize_using_object_code()
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(f"{path}.{os.getpid()}", "wb") as f:
-                f.write(len(obj).to_bytes(8, "little") + obj + bitcode)
-            os.replace(f"{path}.{os.getpid()}", path)
-        except OSError:  # a read-only install: compiled in every process, as before
-            pass
-        return library
+            return _kept_runtime(nrtdynmod, ctx)
+        except (AttributeError, TypeError, ValueError, RuntimeError):  # internals moved: compiled as Numba does
+            return plain(ctx)
 
     compile_nrt_functions.__doc__, compile_nrt_functions.cached = plain.__doc__, True
     nrtdynmod.compile_nrt_functions = compile_nrt_functions

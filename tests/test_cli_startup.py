@@ -339,3 +339,30 @@ print(json.dumps({"made": len(made), "sum": int(sum(outs)), "ids": compact(keys)
     assert runs[0]["sum"] == runs[1]["sum"] == sum(sum(range(i % 7)) for i in range(2_000))
     assert runs[0]["ids"] == runs[1]["ids"] == [0, 1, 2, 3, 4]
     assert list(tmp_path.glob("numba-runtime-*.nbo"))
+
+
+def test_a_numba_whose_internals_moved_is_imported_and_compiled_as_it_asks():
+    """The deferrals lean on Numba's internals as checked (0.68): a release whose import needs
+    PyYAML or SciPy is run again importing it, and one whose runtime compiler moved compiles its
+    runtime as it does itself, instead of failing every import or first dispatch."""
+    import types
+
+    from cachelab import numba_start
+
+    class NeedsIt:  # a module whose import needs ``wanted`` unconditionally
+        def __init__(self, wanted):
+            self.wanted, self.runs = wanted, 0
+
+        def exec_module(self, module):
+            self.runs += 1
+            module.dep = __import__(self.wanted)
+
+    sys.modules.pop("colorsys", None)  # a module not imported yet, so it is the one blocked
+    loader, module = NeedsIt("colorsys"), types.ModuleType("numba_like")
+    assert numba_start._tolerated(loader, module, "colorsys") is False
+    assert loader.runs == 2 and module.dep.__name__ == "colorsys"
+
+    plain = lambda ctx: ("compiled by Numba", ctx)  # noqa: E731
+    moved = types.SimpleNamespace(compile_nrt_functions=plain)  # no create_nrt_module
+    numba_start._cached_runtime(moved)
+    assert moved.compile_nrt_functions(object())[0] == "compiled by Numba"
