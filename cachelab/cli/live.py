@@ -72,6 +72,10 @@ def serve(
     shutdown_timeout: float = typer.Option(0.0, help="At SIGTERM/Ctrl-C, let requests in flight finish for up to "
                                            "this long (s) before aborting the rest, new ones refused meanwhile; 0: "
                                            "abort them at once (vLLM's --shutdown-timeout and its default)."),
+    stop_timeout: float = typer.Option(20.0, help="After that, how long (s) the aborts and the engine's step under way "
+                                       "get, all told; past it the process exits 1 naming where the engine is stuck. "
+                                       "The exit comes within --shutdown-timeout + --stop-timeout + 1 s and the "
+                                       "capture's flush: the default fits a 30 s grace period (docs/live.md)."),
     enable_request_id_headers: bool = typer.Option(False, "--enable-request-id-headers", help="Answer every request "
                                                    "with an X-Request-Id header: the one it sent, else a new random id "
                                                    "(vLLM's flag)."),
@@ -103,7 +107,8 @@ def serve(
                          max_requests_in_flight=max_requests_in_flight,
                          prefetch=prefetch, prefix_caching=prefix_caching, device=device,
                          threads=threads, served_model_name=served_model_name, capture=capture,
-                         shutdown_timeout=shutdown_timeout, enable_request_id_headers=enable_request_id_headers,
+                         shutdown_timeout=shutdown_timeout, stop_timeout=stop_timeout,
+                         enable_request_id_headers=enable_request_id_headers,
                          enable_force_include_usage=enable_force_include_usage,
                          enable_server_load_tracking=enable_server_load_tracking),
             announce=typer.echo)

@@ -223,7 +223,7 @@ class LiveEngine:
         where = " > ".join(f"{f.name} ({Path(f.filename).name}:{f.lineno})"
                            for f in traceback.extract_stack(frames.get(thread.ident))[-5:])
         return EngineStuck(f"the engine thread did not finish its step within {timeout:g} s of the stop and was "
-                           f"left running (a row read that never returns?); it is in {where}")
+                           f"left running (a row read that never returns?); it is in {where}", where)
 
     def submit(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
                sinks: Sequence[Callable[[RequestOutput], None]], n: int = 1,
@@ -533,7 +533,12 @@ class LiveEngine:
 
 
 class EngineStuck(CachelabError):
-    """The engine thread did not finish its step within ``LiveEngine.stop``'s timeout."""
+    """The engine thread did not finish its step within ``LiveEngine.stop``'s timeout; ``where``:
+    the innermost frames of its stack."""
+
+    def __init__(self, message: str, where: str):
+        super().__init__(message)
+        self.where = where
 
 
 class RequestError(CachelabError):

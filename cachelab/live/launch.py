@@ -59,6 +59,7 @@ class ServeOptions:
     served_model_name: str | None = None
     capture: Path | None = None
     shutdown_timeout: float = 0.0  # s requests in flight get to finish at shutdown (0: aborted at once)
+    stop_timeout: float = 20.0  # s the aborts and the engine's step get after that, all told (``Server.stop_s``)
     enable_request_id_headers: bool = False  # vLLM's: every answer carries an X-Request-Id header
     enable_force_include_usage: bool = False  # vLLM's: every stream carries usage, asked for or not
     enable_server_load_tracking: bool = False  # vLLM's: /load counts the completion requests in flight
@@ -209,6 +210,8 @@ def build_engine(opts: ServeOptions):
 
     if not opts.shutdown_timeout >= 0:
         raise CachelabError(f"--shutdown-timeout {opts.shutdown_timeout}: expected 0 (abort at once) or more seconds")
+    if not opts.stop_timeout > 0:
+        raise CachelabError(f"--stop-timeout {opts.stop_timeout}: expected more than 0 seconds")
     for flag, value in (("--threads", opts.threads), ("--max-num-seqs", opts.max_num_seqs),
                         ("--max-num-batched-tokens", opts.max_num_batched_tokens)):
         if value is not None and value < 1:  # torch's traceback, the scheduler's words for its own arguments
@@ -343,7 +346,7 @@ def running_server(opts: ServeOptions, engine=None):
     _limits(opts)  # bad bounds refused before the engine starts
     recorder, engine = _capture_then_engine(opts, engine)
     server = Server(_uvicorn_config(opts, engine, recorder, host=opts.host, port=opts.port), engine,
-                    opts.shutdown_timeout)
+                    opts.shutdown_timeout, opts.stop_timeout)
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
     try:
@@ -356,7 +359,7 @@ def running_server(opts: ServeOptions, engine=None):
     finally:
         server.should_exit = True
         thread.join()
-        engine.stop()
+        engine.stop(server.stop_left())
         _close_capture(recorder)
 
 
@@ -380,19 +383,22 @@ def serve(opts: ServeOptions, announce=print) -> None:
              f"rows from {engine.rows.directory} ({PLACEMENTS.get(opts.placement, opts.placement)})) on "
              f"http://{opts.host}:{sock.getsockname()[1]}/v1")
     done, stuck = [], []
+    server = Server(config, engine, opts.shutdown_timeout, opts.stop_timeout)
 
     def shut_down() -> None:
         if not done:
             done.append(True)
             try:
-                engine.stop()
+                engine.stop(server.stop_left())
             except EngineStuck as exc:  # told once uvicorn has returned; the capture is closed first
-                stuck.append(exc)
+                stuck.append(EngineStuck(f"the engine thread did not finish its step within --stop-timeout "
+                                         f"{opts.stop_timeout:g} s of the shutdown's aborts and was left running "
+                                         f"(a row read that never returns?); it is in {exc.where}", exc.where))
             _close_capture(recorder)
     # at the app's shutdown, so that the capture is closed and its write error told before uvicorn returns
     app.router.add_event_handler("shutdown", shut_down)
     try:
-        Server(config, engine, opts.shutdown_timeout).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
         shut_down()
     if stuck:
