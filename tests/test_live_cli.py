@@ -259,10 +259,9 @@ def test_serve_closes_its_capture_and_tells_why_a_record_was_not_written(tmp_pat
     assert f"capture: {segment}: [Errno {errno.EFBIG}] {os.strerror(errno.EFBIG)}" in out, out[-2000:]
 
 
-# `cachelab serve` with a store whose reads never return (a dead disk's) once the file $ARM exists
-_HUNG_STORE = """
+# a store whose reads never return (a dead disk's) once the file $ARM exists, under `cachelab serve`
+_HANG_THE_STORE = """
 import os, sys, threading
-from cachelab.cli import main
 from cachelab.store.store import TieredStore
 
 step = TieredStore._step
@@ -274,8 +273,8 @@ def a_store_read_that_never_returns(self, *args):
     threading.Event().wait()
 
 TieredStore._step = a_store_read_that_never_returns
-main(sys.argv[1:])
 """
+_HUNG_STORE = _HANG_THE_STORE + "from cachelab.cli import main\nmain(sys.argv[1:])\n"
 
 
 def _post_and_drop(port: int) -> None:
@@ -320,5 +319,52 @@ def test_serve_exits_1_at_sigterm_within_its_stop_timeout_naming_a_step_that_nev
     assert "error: the engine thread did not finish its step within --stop-timeout 2 s" in out, out[-3000:]
     assert "; it is in forward (model.py:" in out and "engram_rows (engine.py:" in out, out[-3000:]  # the prefetch's wait
     assert "a_store_read_that_never_returns" in out, out[-3000:]  # the store's thread, in the stacks logged
+    table, stats = read_requests(tmp_path / "cap")
+    assert table.height == 1 and stats.torn_tails == 0 and stats.corrupt == 0, (table, stats)
+
+
+# `running_server` (as tests and benchmarks use it) with that store, a request served, then one stuck
+_RUNNING_SERVER_HUNG = _HANG_THE_STORE + """
+import time, httpx
+from cachelab.live.engine import EngineStuck
+from cachelab.live.launch import ServeOptions, running_server
+
+def post(url):
+    return httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=120)
+
+try:
+    with running_server(ServeOptions(port=0, threads=1, kv_cache_tokens=4096, stop_timeout=1,
+                                     capture=sys.argv[1])) as (url, _):
+        assert post(url).status_code == 200
+        open(os.environ["ARM"], "w").close()
+        threading.Thread(target=lambda: post(url), daemon=True).start()
+        while not os.path.exists(os.environ["HUNG"]):
+            time.sleep(0.05)
+        print("stopping", flush=True)
+except EngineStuck as exc:
+    print("stuck:", exc, flush=True)
+print("the script ended", flush=True)
+"""
+
+
+def test_a_process_whose_running_server_is_stuck_in_a_store_read_still_exits(tmp_path, monkeypatch):
+    """``running_server``'s engine stop gave up on a step stuck in a store read (EngineStuck), but
+    left the capture unclosed, and Python's exit then joined the store's prefetch thread under
+    the step: the process (a test run, a benchmark) hung at its end for ever. The capture is
+    closed, and at Python's exit a still-stuck engine ends the process, exit code 1."""
+    from cachelab.capture.to_trace import read_requests
+
+    monkeypatch.setenv("ARM", str(tmp_path / "arm"))
+    monkeypatch.setenv("HUNG", str(tmp_path / "hung"))
+    proc = subprocess.Popen([sys.executable, "-c", _RUNNING_SERVER_HUNG, str(tmp_path / "cap")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out = proc.communicate(timeout=90)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"the process never exited: {proc.communicate()[0][-3000:]}") from None
+    assert proc.returncode == 1, out[-3000:]
+    assert "stuck: the engine thread did not finish its step within --stop-timeout 1 s" in out, out[-3000:]
+    assert "the script ended" in out, out[-3000:]
     table, stats = read_requests(tmp_path / "cap")
     assert table.height == 1 and stats.torn_tails == 0 and stats.corrupt == 0, (table, stats)

@@ -14,6 +14,7 @@ receive ``RequestOutput``s through a callback called on the engine thread.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -197,7 +198,9 @@ class LiveEngine:
         disk). Such a step cannot be
         stopped, so it is left running on its daemon thread with the row source open under it
         (closing the store waits for that read); the step log is flushed, every thread's stack
-        logged, and ``EngineStuck`` raised, naming where the engine thread is."""
+        logged, and ``EngineStuck`` raised, naming where the engine thread is. If the thread is
+        still in its step at Python's exit, the process ends there with exit code 1
+        (``_exit_if_still_stuck``)."""
         timeout = self.STOP_TIMEOUT_S if timeout is None else timeout
         with self._cv:
             self._stopping = True
@@ -207,6 +210,7 @@ class LiveEngine:
             if self._thread.is_alive():
                 if self.step_log is not None:
                     self.step_log.close()
+                _exit_if_still_stuck(self._thread)
                 raise self._stuck(self._thread, timeout)
             self._thread = None
         if self.step_log is not None:
@@ -530,6 +534,19 @@ class LiveEngine:
                 "requests": step.requests.tolist(), "starts": step.starts.tolist(),
                 "stops": step.stops.tolist(), "num_prompt": step.num_prompt.tolist(),
                 **{f"store_{k}": v for k, v in store.items() if isinstance(v, (int, float))}})
+
+
+def _exit_if_still_stuck(thread: threading.Thread) -> None:
+    """At Python's exit, end the process (exit 1, stdio and logs flushed) if ``thread`` is still in
+    its step: the exit joins the store's threads under it (its prefetch and I/O pools, not daemons)
+    and would wait for ever (a test run or a benchmark using ``running_server`` hung at its end)."""
+    def end() -> None:
+        if thread.is_alive():
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+    threading._register_atexit(end)  # run before those threads are joined (as concurrent.futures' own hook)
 
 
 class EngineStuck(CachelabError):

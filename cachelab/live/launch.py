@@ -334,12 +334,27 @@ def _close_capture(recorder) -> None:
         report_write_error(recorder, lambda line: print(line, file=sys.stderr))
 
 
+def _stop(engine, server, opts: ServeOptions) -> None:
+    """The engine's stop in what is left of ``--stop-timeout`` (``Server.stop_left``); past it,
+    ``EngineStuck`` naming the flag and where the engine thread is."""
+    from cachelab.live.engine import EngineStuck
+
+    try:
+        engine.stop(server.stop_left())
+    except EngineStuck as exc:
+        raise EngineStuck(f"the engine thread did not finish its step within --stop-timeout {opts.stop_timeout:g} s "
+                          f"of the shutdown's aborts and was left running (a row read that never returns?); it is in "
+                          f"{exc.where}", exc.where) from None
+
+
 @contextmanager
 def running_server(opts: ServeOptions, engine=None):
     """A started engine and a uvicorn server on a thread; yields ``(base_url, engine)``.
 
     Port 0 picks a free port. Stops both on exit (tests and benchmarks use this; the CLI
-    runs uvicorn in the foreground with ``serve``)."""
+    runs uvicorn in the foreground with ``serve``), within ``stop_timeout`` as ``serve``: past it
+    the capture is closed and ``EngineStuck`` raised, and if that step is still under way at
+    Python's exit the process ends there, exit code 1 (``LiveEngine.stop``)."""
     from cachelab.live.shutdown import Server
 
     check_bind(opts.host, opts.api_key)
@@ -359,8 +374,10 @@ def running_server(opts: ServeOptions, engine=None):
     finally:
         server.should_exit = True
         thread.join()
-        engine.stop(server.stop_left())
-        _close_capture(recorder)
+        try:
+            _stop(engine, server, opts)
+        finally:  # a step that never ends (EngineStuck) leaves the capture to close
+            _close_capture(recorder)
 
 
 def serve(opts: ServeOptions, announce=print) -> None:
@@ -389,11 +406,9 @@ def serve(opts: ServeOptions, announce=print) -> None:
         if not done:
             done.append(True)
             try:
-                engine.stop(server.stop_left())
+                _stop(engine, server, opts)
             except EngineStuck as exc:  # told once uvicorn has returned; the capture is closed first
-                stuck.append(EngineStuck(f"the engine thread did not finish its step within --stop-timeout "
-                                         f"{opts.stop_timeout:g} s of the shutdown's aborts and was left running "
-                                         f"(a row read that never returns?); it is in {exc.where}", exc.where))
+                stuck.append(exc)
             _close_capture(recorder)
     # at the app's shutdown, so that the capture is closed and its write error told before uvicorn returns
     app.router.add_event_handler("shutdown", shut_down)
