@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from cachelab.cli import app
 from cachelab.errors import CachelabError
 from cachelab.serving.agentic import (BASE_MAX_ISL, INPUT_SIGMA, MAX_CONTEXT, MEDIAN_INPUT, MEDIAN_OUTPUT, OUTPUT_SIGMA,
-                                      PREFIX_HIT, PREFIX_HIT_V01, THINK_MEDIAN_S, THINK_SIGMA, agentic_workload,
+                                      PREFIX_HIT_NO_SUBAGENTS, THINK_MEDIAN_S, THINK_SIGMA, agentic_workload,
                                       carried_gaps)
 from cachelab.serving.hardware import load_profile
 from cachelab.serving.latency import Efficiency, LatencyModel
@@ -222,10 +222,12 @@ def test_agentic_workload_matches_the_published_summaries():
     inp = wl.new_tokens + wl.cached_tokens
     assert np.median(inp) == pytest.approx(142_000, rel=0.05)
     assert np.median(wl.output_tokens) == pytest.approx(MEDIAN_OUTPUT, rel=0.05)
-    assert wl.cached_tokens.sum() / inp.sum() == pytest.approx(PREFIX_HIT, abs=1e-3)
+    # the corpus the V4.1 runs replayed, 062126: "a ~0.97 theoretical ceiling" (InferenceX #2279), not the
+    # no-subagents corpus's 85.8% (InferenceX #1632) assumed until 2026-12-07
+    assert wl.cached_tokens.sum() / inp.sum() == pytest.approx(0.97, abs=1e-3)
     assert np.array_equal(agentic_workload(seed=3).new_tokens, agentic_workload(seed=3).new_tokens)
-    older = agentic_workload(samples=8192, prefix_hit=PREFIX_HIT_V01)
-    assert older.new_tokens.sum() < wl.new_tokens.sum() / 3
+    may = agentic_workload(samples=8192, prefix_hit=PREFIX_HIT_NO_SUBAGENTS)
+    assert may.new_tokens.sum() > 4 * wl.new_tokens.sum()
 
 
 def test_agentic_inputs_over_the_corpus_cap_are_dropped_not_truncated():
@@ -622,7 +624,8 @@ def test_the_ssd_floor_and_a_row_cost_fitted_jointly_on_throughput_and_ttft():
     assert 0.3e-6 < row["value"] < 3e-6 and row["standard_error"] < 0.5 * row["value"]
     assert floor["standard_error"] < 0.2 * floor["value"] and abs(got["correlation"]) < 0.5
     assert got["p90_ttft_fit_mape"] < 0.10  # the floor alone: the disk arm faster than UVA at 1-8 clients
-    assert got["p90_ttft_held_out_mape"] > 0.3  # but slower still at 16-64, where the PR body has it faster
+    # but slower still at 16-64, where the PR body has it faster: 27% where the floor alone gives 15%
+    assert got["p90_ttft_held_out_mape"] > 0.2
     builds = got["v41_8k1k_ssd_builds"]
     ratio = {k: builds["inline"]["tokens_per_s_per_gpu"][k] / builds["overlapped"]["tokens_per_s_per_gpu"][k]
              for k in ("model", "published")}

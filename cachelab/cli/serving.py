@@ -14,7 +14,7 @@ from cachelab.cli.bench import GOODPUT_HELP, goodput_slos
 from cachelab.errors import CachelabError
 from cachelab.paths import output_file, output_folder, replacing
 from cachelab.progress import progress_bar, spinner
-from cachelab.serving.agentic import PREFIX_HIT, PREFIX_HIT_V01
+from cachelab.serving.agentic import PREFIX_HIT, PREFIX_HIT_NO_SUBAGENTS
 from cachelab.serving.calibration import FIT_MAX_EVALS
 from cachelab.serving.latency import PLACEMENTS
 
@@ -349,7 +349,8 @@ def study_semianalysis(
                                      "and the what-ifs of the page-cache size, the SSD host offset, V4.1's KV bytes per token and "
                                      "the token budget per step."),
     prefix_hit: float = typer.Option(PREFIX_HIT, help="The agentic trace's token hit ratio under an unbounded prefix "
-                                     f"cache ({PREFIX_HIT}: AgentX no-subagents dataset; {PREFIX_HIT_V01}: the older one)."),
+                                     f"cache ({PREFIX_HIT}: AgentX's 062126 corpus, the one the V4.1 runs replayed; "
+                                     f"{PREFIX_HIT_NO_SUBAGENTS}: its no-subagents corpus of May)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """SemiAnalysis' Engram placement study, computed by the model.

@@ -4,11 +4,12 @@ The September V4.1 runs replayed semianalysisai/cc-traces-weka-062126 (coding-ag
 with subagents; InferenceX ``resolve_trace_source`` gives it to every ``dsv4*`` model since
 #1970, 2026-07-02). It is not on this machine, so requests are drawn from published summaries
 instead, and the study says so: median input about 142k tokens and median output 444 (issue
-15, from the AgentX methodology), an infinite-prefix-cache token hit ratio of 85.8% (InferenceX
-issue #1632, for the no-subagents corpus cc-traces-weka-no-subagents-051226; the older
-cc-traces-weka-042026 gives 96.8% and, by that issue and InferenceX PR #1201, inflates hit
-rates; no hit ratio of 062126 is published, so this is an ASSUMPTION and ``prefix_hit``
-changes it), a 3,600 s window after warm-up (InferenceX agentic README: the matrix's default
+15, from the AgentX methodology), an infinite-prefix-cache token hit ratio of 97% for 062126
+itself (InferenceX #2279: "a ~0.97 theoretical ceiling" on the 1M-context corpus, which
+``resolve_trace_source`` gave GLM-5.2 as it gives dsv4*; #2231: "96-98% cache hit" on the DSV4
+B200 vLLM AgentX sweep with an LMCache store; the no-subagents corpus
+cc-traces-weka-no-subagents-051226 gives 85.8%, InferenceX issue #1632; ``prefix_hit`` changes
+it), a 3,600 s window after warm-up (InferenceX agentic README: the matrix's default
 duration). Spreads and think times are ASSUMPTIONS: input and output lognormal (sigma 0.8 and
 1.0), think time (tool execution between turns) lognormal with a 3 s median. A request over
 AgentX's corpus cap is dropped and its gap joins the next kept request's, as the replay times it;
@@ -26,8 +27,14 @@ from cachelab.serving.steady import Workload
 
 MEDIAN_INPUT = 142_000  # issue 15: AgentX median request input
 MEDIAN_OUTPUT = 444  # issue 15: AgentX median request output
-PREFIX_HIT = 0.858  # InferenceX #1632: cc-traces-weka-no-subagents-051226, full theoretical token hit rate
-PREFIX_HIT_V01 = 0.968  # InferenceX #1632: the older cc-traces-weka-042026
+# The corpus the V4.1 runs replayed, semianalysis_cc_traces_weka_062126: InferenceX #2279 (commit 78f72af3,
+# 2026-07-19), GLM-5.2 B300 AgentX, whose resolve_trace_source gave glm5.2* that corpus as it gives dsv4*: "the
+# radix hit rate collapsed from a ~0.97 theoretical ceiling" (aiperf's theoretical prefix-cache hit of the
+# replay as sent); #2231 (commit 01e9e73a, 2026-07-21), the DSV4 FP4 B200 vLLM AgentX sweep with an LMCache
+# store behind the prefix cache: "96-98% cache hit".
+PREFIX_HIT = 0.97
+# InferenceX #1632: cc-traces-weka-no-subagents-051226 (assumed until 2026-12-07; the older 042026 gives 0.968)
+PREFIX_HIT_NO_SUBAGENTS = 0.858
 WINDOW_S = 3600.0  # InferenceX agentic README: 3,600 s default duration
 MAX_CONTEXT = 1_048_576  # the V4.1 recipes' --max-model-len (InferenceX dsv41flashssd script)
 # What AgentX does with requests longer than that window: it never sends one. The replay sets no
