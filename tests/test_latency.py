@@ -677,15 +677,32 @@ def test_the_residual_streams_are_charged_per_token_and_layer_on_every_rank():
     chunk = Batch([0.0], [16_384.0])
     for tp in (4, 8):  # the streams are whole on every rank: the same at every TP degree
         t = LatencyModel(MODEL, hw, tp, "dram-uva").gpu_time(chunk)
-        assert t.residual_s == pytest.approx((16_384 * 40 * 368_640 + 40 * 3_932_160) / bw)
+        assert t.residual_s == pytest.approx((16_384 * 40 * 368_640 + 40 * 3_932_160 + 16_384 * 2 * 133_120) / bw)
         assert t.total_s == pytest.approx(t.dense_s + t.experts_s + t.attention_s + t.indexer_s + t.lm_head_s
                                           + t.draft_s + t.residual_s + t.comm_s + t.overhead_s)
     # a 16k-token chunk's streams cost about a fifth of its other work at the default MBU
     assert 0.15 < t.residual_s / (t.total_s - t.residual_s) < 0.35
     decode = Batch(np.full(10, 150_000.0), np.full(10, 150_006.0), drafting=10)
     assert LatencyModel(MODEL, hw, 4, "dram-uva").gpu_time(decode).residual_s == pytest.approx(
-        (60 * 40 * 368_640 + 40 * 3_932_160) / bw)
+        (60 * 40 * 368_640 + 50 * 3 * 368_640 + 43 * 3_932_160 + 60 * 2 * 133_120) / bw)
     assert LatencyModel(r1, hw, 8, "hbm").gpu_time(chunk).residual_s == pytest.approx(16_384 * 61 * 114_688 / bw)
+
+
+def test_the_draft_layers_and_the_engram_injection_move_the_residual_streams_too():
+    # vLLM's DSpark draft layers are DeepseekV4DecoderLayers on the same four streams (dspark.py: "Expand to
+    # hc_mult copies for hyper-connections"): each of the 5 tokens a sequence drafts runs the 3 draft layers'
+    # mhc kernels, and a draft pass reads their mixing weights; Engram's fused injection kernel reads the four
+    # streams and wkv's key per stream and shared value and writes four streams at each of its 2 layers
+    assert MODEL.injection_bytes_per_token_layer == 13 * 5120 * 2 and MODEL.engram_layers == (1, 14)
+    assert load_model("deepseek-r1").injection_bytes_per_token_layer == 0
+    lm = LatencyModel(MODEL, load_profile("B200"), 4, "dram-uva")
+    bw = lm.hw.gpu.hbm_bw * lm.eff.mbu
+    verify = Batch(np.full(10, 150_000.0), np.full(10, 150_006.0))
+    drafting = Batch(np.full(10, 150_000.0), np.full(10, 150_006.0), drafting=10)
+    backbone = (60 * 40 * 368_640 + 40 * 3_932_160 + 60 * 2 * 133_120) / bw
+    assert lm.gpu_time(verify).residual_s == pytest.approx(backbone)
+    assert lm.gpu_time(drafting).residual_s - lm.gpu_time(verify).residual_s == pytest.approx(
+        (50 * 3 * 368_640 + 3 * 3_932_160) / bw)
 
 
 def test_a_v41_prefill_gathers_its_kv_into_bf16_before_its_attention_runs():

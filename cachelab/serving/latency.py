@@ -392,16 +392,19 @@ class LatencyModel:
         lm_rows = batch.sequences if batch.lm_rows is None else batch.lm_rows
         lm_head = self._roofline(2 * m.lm_head_params * lm_rows / (tp * fp8), m.lm_head_params * m.dense_bytes_per_param / tp)
         draft = 0.0
-        if m.speculative_tokens and batch.drafting > 0:
-            drafted = batch.drafting * m.speculative_tokens
-            per_pass = drafted / m.draft_passes_per_step  # tokens one draft pass computes
-            draft = m.draft_passes_per_step * self._roofline(
+        drafted = batch.drafting * m.speculative_tokens if m.speculative_tokens and batch.drafting > 0 else 0.0
+        passes = m.draft_passes_per_step if drafted else 0
+        if drafted:
+            per_pass = drafted / passes  # tokens one draft pass computes
+            draft = passes * self._roofline(
                 2 * m.draft_active_params * per_pass / (tp * fp8), float(m.draft_read_bytes(per_pass)) / tp)
-        # the residual streams, whole on every rank, in every layer a row runs through
+        # the residual streams, whole on every rank, in every layer a row runs through (the draft layers'
+        # for each drafted token), and the Engram lookups written into them (every row: the early layers)
         rows = tokens * m.layers if late_lo is None else (
             tokens * m.decoder_replay_start + late_tokens * m.replayed_layers)
-        residual = (rows * m.residual_bytes_per_token_layer + m.layers * m.residual_weight_bytes_per_layer) / (
-            g.hbm_bw * e.mbu)
+        residual = ((rows + drafted * m.draft_layers) * m.residual_bytes_per_token_layer
+                    + (m.layers + passes * m.draft_layers) * m.residual_weight_bytes_per_layer
+                    + tokens * len(m.engram_layers) * m.injection_bytes_per_token_layer) / (g.hbm_bw * e.mbu)
         comm = 0.0
         if tp > 1:
             for layers, n in ((m.layers, tokens),) if late_lo is None else (

@@ -127,6 +127,8 @@ class ModelSpec:
     # sequence parallelism in the arms modelled), and the weights it reads per layer per step
     residual_bytes_per_token_layer: float = 0.0
     residual_weight_bytes_per_layer: float = 0.0
+    # what writing an Engram lookup into the residual streams moves per token per Engram layer
+    injection_bytes_per_token_layer: float = 0.0
     # The record a prefill chunk's attention first gathers each KV position it may attend to into (0:
     # prefill reads the cache in place): vLLM's V4.1 prefill dequantizes into a BF16 workspace
     prefill_gather_bytes_per_position: float = 0.0
@@ -356,7 +358,7 @@ _OPTIONAL = {  # zero (or empty) when a spec leaves them out
     "attention": ("prefill_qk_dim", "prefill_v_dim", "sliding_window", "window_bytes_per_position", "sparse_topk", "latent_bytes_per_position",
                   "index_heads", "index_head_dim", "index_key_bytes", "prefill_gather_bytes_per_position"),
     "mtp": ("draft_layers", "draft_params", "draft_active_params", "draft_passes_per_step", "speculative_tokens"),
-    "engram": ("wkv_params",),
+    "engram": ("wkv_params", "injection_bytes_per_token_layer"),
     "memory": ("rank_weights_sharded_bytes", "rank_weights_replicated_bytes", "indexer_buffer_bytes_per_batched_token"),
 }
 _OTHER = {"backbone": ("expert_precision",), "attention": ("kv_replicated_across_tp", "compress_ratios", "index_sources",
