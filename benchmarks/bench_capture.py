@@ -262,8 +262,9 @@ async def send_large(client, body: bytes, every_s: float, stop: asyncio.Event) -
 
 
 async def timed_batch(client, model, n, concurrency, max_tokens, offset, stagger_s=0.0):
-    """A batch with the client's garbage collector held off (collected just before instead)."""
-    gc.collect()
+    """A batch with the client's garbage collector held off (collected before the round's warm-up instead,
+    ``measure_all``: with a collection just before it, a direct batch's second send left a median 1.2 ms after
+    its first, the upstream's time on the first request, pinned to the client's core)."""
     gc.disable()
     try:
         return await batch(client, model, n, concurrency, max_tokens, offset, stagger_s)
@@ -408,8 +409,14 @@ async def measure_all(urls, pids, model, args, placement: Placement):
                     placement.apply(where)
                     rounds, cpu, waits = by_placement[where]
                     for name in (names if r % 2 == 0 else names[::-1]):
-                        # untimed: this concurrency's connections open on every hop, whatever closed
-                        # while the other path ran (an upstream closes idle keep-alive connections: vLLM after 5 s)
+                        # the client's garbage collected before the warm-up, not right before the timed batch: after
+                        # that CPU burst, the upstream (on the client's core when pinned) ran its first request before
+                        # the client sent the next, so a direct batch's sends spread 1-3 ms and their TTFT, timed from
+                        # each send, left out the upstream's queue, while a proxied batch went out together and met it
+                        # whole (docs/capture.md, "The rounds' send spread"); untimed: this concurrency's connections
+                        # open on every hop, whatever closed while the other path ran (an upstream closes idle
+                        # keep-alive connections: vLLM after 5 s)
+                        gc.collect()
                         await batch(clients[name], model, concurrency, concurrency, 1, WARM_UP)
                         proxy = pids.get(name, ())
                         before = sum((np.array(cpu_seconds(pid)) for pid in proxy), np.zeros(2))
@@ -544,9 +551,15 @@ def report(concurrency, name, rounds, cpu, waits, args, rng, where="shared") -> 
           f"{waits[name] / streams * 1e3:.2f} ms in {name} rounds; the upstream "
           f"{waits['direct_upstream'] / streams * 1e3:.2f} ms in direct rounds, "
           f"{waits[f'{name}_upstream'] / streams * 1e3:.2f} ms in {name} rounds")
+    # each stream's TTFT runs from its own send: where one path's first sends of a round leave later than the
+    # other's, its streams meet less of the upstream's queue (a collection before the batch spread direct's 1-3 ms)
+    spread = {path: float(np.median([max(s for s, _, _ in rnd[:concurrency]) - min(s for s, _, _ in rnd[:concurrency])
+                                     for rnd in rounds[path]])) * 1e3 for path in ("direct", name)}
+    print(f"the client's first {concurrency} sends of a round spread over (median): direct {spread['direct']:.2f} ms, "
+          f"{name} {spread[name]:.2f} ms")
     print(f"{'metric':<6}{'samples':>9}{'direct P50':>12}{'proxy P50':>12}{'direct P99':>12}{'proxy P99':>12}"
           f"{'P99 delta':>12}{'95% interval':>20}{'ratio':>8}{'A/A delta':>11}  goal: P99 within max(1 ms, 1%)")
-    out = {"cpu_wait_ms_per_stream": {k: v / streams * 1e3 for k, v in waits.items()},
+    out = {"send_spread_ms": spread, "cpu_wait_ms_per_stream": {k: v / streams * 1e3 for k, v in waits.items()},
            "cpu_us_per_token": cpu.sum() / (streams * args.max_tokens) * 1e6,
            "loop_cpu_us_per_token": loop_cpu.sum() / (streams * args.max_tokens) * 1e6}
     even = [s for i, rnd in enumerate(rounds["direct"]) for s in rnd if i % 2 == 0]
