@@ -33,7 +33,7 @@ FIT_SUBSET = "r1-b200-sglang-tp8-1k1k-run1"
 # TP: R1 FP4 B200 SGLang TP4/EP4 with one client (the InferenceX db dump). At one TP a decode step's
 # weight stream (bytes / MBU) and its per-layer cost are both a constant per step, and the GEMMs'
 # FLOPs (MFU) and the host cost per sequence both grow with the batch: TP8 alone leaves MBU and the
-# per-layer cost free along a line (docs/serving.md, "What the fit determines"). At TP4 a rank streams
+# per-layer cost free along a line (docs/serving.md, "What the efficiency fit determines"). At TP4 a rank streams
 # twice the weights over the same layers, which separates them. The dump's B300 point of the same
 # configuration stays held out.
 TP4_FIT_SUBSET = "r1-b200-dbdump-tp4-c1"
