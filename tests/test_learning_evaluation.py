@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from cachelab import registry
 from cachelab.errors import CachelabError
 from cachelab.learning.evaluation import evaluate_capacities
+from cachelab.learning.lineup import Lineup
 from cachelab.learning.streams import LearningView, request_stream
 from cachelab.learning.training import Model, TrainSpec, train, window_digest
+from stream_fixtures import synthetic_stream
 
 LAYOUT = "deepseek-v4.1-flash"
 
@@ -188,3 +192,27 @@ def test_a_sketch_is_judged_on_row_ids_whatever_the_views_dense_numbering(growin
     a, b = (evaluate_capacities(v, model, [0.002, 0.01, 0.05], 0.5, progress=False, policies=hashing).capacities
             for v in (view, other))
     assert [r.miss_ratio for r in a] == [r.miss_ratio for r in b]
+
+
+def test_the_bound_is_the_fewest_counted_fetches_after_a_warm_up_and_among_uncounted_requests():
+    """Belady is shown only the counted future, as in ``simulate``: one row, a step a row. A B B | A
+    counted from the last step: shown every reuse it keeps B for the warm-up's hit and misses the
+    counted A, which a cache keeping A (B bypassed) hits. Z | X Y Y X, the Ys repeating a training
+    request (replayed, never counted): kept for the Ys' free hits, X misses twice, where keeping X
+    misses once. Either way the bound is the floor, and the old bound (both ratios 1.0) left no gap."""
+    model = type("M", (), {"horizon": 512, "metadata": {}})()
+    mine = Lineup({"learned-s3fifo": "learned-s3fifo"}, {"LRU": "lru"}, {"Belady (bypass)": "belady-bypass"}, [])
+    a, b = 0, 1
+    warm = evaluate_capacities(synthetic_stream([a, b, b, a], step=1), model, [1], 3, progress=False,
+                               scores=-np.arange(4.0) - 256, policy="learned-s3fifo", policies=mine)
+    z, x, y = 0, 1, 2
+    view = replace(synthetic_stream([z, x, y, y, x], step=1), request=np.arange(5, dtype=np.int32),
+                   content=np.array([10, 11, 12, 12, 11], np.uint64))
+    model.metadata = {"spec": {"train_requests": [format(12, "x")]}}
+    repeats = evaluate_capacities(view, model, [1], 1, progress=False, scores=-np.arange(5.0) - 256,
+                                  policy="learned-s3fifo", policies=mine)
+    assert repeats.training_requests == 2 and repeats.counted_lookups == 2
+    for result, bound in ((warm, 0.0), (repeats, 0.5)):
+        row = result.capacities[0]
+        assert row.miss_ratio["Belady (bypass)"] == row.miss_floor == bound
+        assert row.miss_ratio["LRU"] == 1.0 and row.gap_closed == 0.0

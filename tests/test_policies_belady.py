@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachelab import registry
-from cachelab.engine.replay import replay
+from cachelab.engine.replay import replay, run_policy
 from cachelab.engine.tiers import Hierarchy, Tier
 from cachelab.workload.lookups import LookupStream
 from cachelab.workload.future import next_access
@@ -94,9 +94,9 @@ def test_lookahead_misses_fall_as_the_window_grows():
     assert len(set(counts)) == 5  # each loop length crossed is a strict drop
 
 
-def fewest_misses(requests, capacity, bypass, counted_from=0):
-    """The least misses any policy can have on ``requests`` (a tier's request stream) from request
-    ``counted_from`` on, by exhaustive search over every choice at every miss: keep the cache as it
+def fewest_misses(requests, capacity, bypass, counted=None):
+    """The least misses any policy can have on the ``counted`` of ``requests`` (a tier's request
+    stream; a flag per request, all by default), by exhaustive search over every choice at every miss: keep the cache as it
     is (only with ``bypass``), or admit the row, into a free slot or in place of any resident row.
     The search carries each reachable cache content with the fewest misses that reach it."""
     best = {frozenset(): 0}
@@ -106,7 +106,7 @@ def fewest_misses(requests, capacity, bypass, counted_from=0):
             if key in cache:
                 choices, cost = [cache], misses
             else:
-                cost = misses + (i >= counted_from)
+                cost = misses + (counted is None or bool(counted[i]))
                 choices = [cache] if bypass else []
                 choices += ([cache | {key}] if len(cache) < capacity else
                             [(cache - {victim}) | {key} for victim in cache])
@@ -164,5 +164,24 @@ def test_belady_after_a_warm_up_is_optimal_by_exhaustive_search(steps, capacity,
     start = sum(len(s) for s in per_step[:warmup])
     stream = LookupStream(keys.astype(np.int64), offsets.astype(np.int64), 1)
     for name, bypass in (("belady-bypass", True), ("belady", False)):
-        assert _counted_misses(stream, name, capacity, warmup) == fewest_misses(requests, capacity, bypass, start), \
+        assert _counted_misses(stream, name, capacity, warmup) == fewest_misses(requests, capacity, bypass,
+                                                                                np.arange(len(requests)) >= start), \
             (name, per_step, warmup)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=5), min_size=1, max_size=14), st.integers(1, 4),
+       st.data())
+def test_belady_shown_the_counted_future_is_optimal_for_any_counted_requests(steps, capacity, data):
+    """Where the counted requests are any subset (``evaluate`` leaves out, after its warm-up, the
+    requests a model trained on), ``run_policy``'s ``belady-bypass`` given the mask misses exactly
+    the fewest counted requests of any policy that may leave a miss uncached, and ``belady`` of any
+    that caches every miss: an uncounted access is a free fetch, and holding a row up to one is
+    worth nothing."""
+    keys = np.concatenate([np.array(list(dict.fromkeys(s)), np.int64) for s in steps])  # distinct per step
+    offsets = np.concatenate([[0], np.cumsum([len(set(s)) for s in steps])])
+    counted = np.array(data.draw(st.lists(st.booleans(), min_size=keys.size, max_size=keys.size)))
+    for name, bypass in (("belady-bypass", True), ("belady", False)):
+        hits = run_policy(registry.make_policy(name), keys, offsets, capacity, 6, counted=counted)
+        assert int((~hits & counted).sum()) == fewest_misses(keys.tolist(), capacity, bypass, counted), \
+            (name, keys.tolist(), counted.tolist())

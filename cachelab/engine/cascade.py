@@ -41,11 +41,13 @@ def sized(policy: Policy, capacity: int, num_keys: int) -> Policy:
 
 def run_policy(policy: Policy, keys: np.ndarray, step_offsets: np.ndarray, capacity: int, num_keys: int,
                scores: np.ndarray | None = None, counts: np.ndarray | None = None,
-               raw_keys: np.ndarray | None = None) -> np.ndarray:
+               raw_keys: np.ndarray | None = None, counted: np.ndarray | None = None) -> np.ndarray:
     """Reset ``policy`` to ``capacity`` (``sized``) and replay dense ``keys``; a hit flag per key.
 
     The policy gets ``next_access`` on this very stream, through its ``view_future`` (a
-    lookahead policy censors it), if it declares ``needs_future``, ``scores`` if it declares
+    lookahead policy censors it), if it declares ``needs_future``: where ``counted`` (a mask per
+    key) says only some keys count, the next counted use (``counted_next_access``), so an oracle is
+    the optimum of what is counted, as after ``Cascade``'s warm-up. It gets ``scores`` if it declares
     ``needs_scores`` (an error names the policy otherwise), ``counts`` (each key's lookups in
     its step; 1 each when None) if it declares ``needs_counts``, and ``raw_keys`` (each key's row
     id before compaction; the key itself when None) if it declares ``needs_raw_keys``.
@@ -53,19 +55,19 @@ def run_policy(policy: Policy, keys: np.ndarray, step_offsets: np.ndarray, capac
     if policy.capabilities.needs_scores and scores is None:
         raise CachelabError(f"policy {policy.name!r} needs predictor scores; none were given to the replay")
     return _run(sized(policy, capacity, num_keys), keys, step_offsets, scores, future=True, counts=counts,
-                raw_keys=raw_keys)
+                raw_keys=raw_keys, counted=counted)
 
 
 def _run(policy: Policy, keys, step_offsets, scores, future: bool, counts=None, raw_keys=None,
-         counted_from: int = 0) -> np.ndarray:
+         counted_from: int = 0, counted: np.ndarray | None = None) -> np.ndarray:
     caps = policy.capabilities
     if caps.needs_scores and scores is None:
         raise CachelabError(f"policy {policy.name!r} needs predictor scores; none were given to the replay")
     nxt = None
     if future and caps.needs_future:
         nxt = next_access(keys)
-        if counted_from:  # the warm-up's own reuses are worth nothing: see only the counted uses
-            nxt = counted_next_access(nxt, int(step_offsets[counted_from]))
+        if counted is not None or counted_from:  # uncounted reuses are worth nothing: see only the counted uses
+            nxt = counted_next_access(nxt, int(step_offsets[counted_from]) if counted is None else counted)
         nxt = policy.view_future(nxt, step_offsets)
     more = {"counts": counts} if caps.needs_counts and counts is not None else {}  # as a plug-in's run takes it
     if caps.needs_raw_keys and raw_keys is not None:

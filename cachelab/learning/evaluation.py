@@ -13,10 +13,12 @@ lookups the model learned from (``in_sample_entries``: its window, the repeated 
 learned policies get no scores (``out_of_sample``): though never counted, they build the cache
 that the counted lookups meet, and in-sample scores there would flatter the figures.
 Per capacity the best heuristic is the lowest of *all* heuristics (a short list would
-flatter the learned policy), and the bound is the lowest oracle (with bypass, Belady is the
-fewest fetches, each step's distinct rows, of a policy deciding row by row; misses here are counted
-per lookup, a fetch weighing its step's lookups of the row, and FBGEMM's caches decide a step at
-once, so a policy may miss less than it: the bound is Belady's, not a proven floor of this count).
+flatter the learned policy), and the bound is the lowest oracle. An oracle sees only the counted
+future (``counted_next_access``, as after ``simulate``'s warm-up; shown every reuse, it spent the
+cache on hits of the warm-up), so Belady with bypass is the fewest counted fetches, each step's
+distinct rows, of a policy deciding row by row. Misses here are counted per lookup, a fetch weighing
+its step's lookups of the row, and FBGEMM's caches decide a step at once, so a policy may miss less
+than it: the bound is Belady's, not a proven floor of this count.
 ``miss_floor`` is that floor: the fewest counted lookup misses any policy can make on these steps
 (``cachelab.learning.floor``). The gap closed,
 ``(best heuristic - learned) / (best heuristic - bound)``, is reported for each learned
@@ -120,7 +122,7 @@ def evaluate_capacities(view: LearningView, model: Model, capacities: list[float
             n_rows = rows_for(cap, view.num_keys)
             miss, by_order = {}, {}
             for label, cls in runs:
-                hits = view.per_lookup(view.replay(cls(), n_rows, scores, lookups))[counted]
+                hits = view.per_lookup(view.replay(cls(), n_rows, scores, lookups, counted=entries))[counted]
                 miss[label] = float(1.0 - hits.mean())
                 by_order[label] = {int(o): float(1.0 - hits[judged == o].mean()) for o in np.unique(judged)}
                 bar.advance(task)

@@ -169,9 +169,10 @@ class LearningView:
         return values[self.inverse]
 
     def replay(self, policy, capacity: int, scores: np.ndarray | None = None, counts: np.ndarray | None = None,
-               end: int | None = None) -> np.ndarray:
+               end: int | None = None, counted: np.ndarray | None = None) -> np.ndarray:
         """The engine's ``run_policy`` over the entries ``[0, end)`` (a step boundary; all by default),
-        a hit flag per entry; ``scores`` and ``counts`` hold one value per entry replayed. Each entry's
+        a hit flag per entry; ``scores``, ``counts`` and ``counted`` (the entries a figure counts: an
+        oracle sees only their future) hold one value per entry replayed. Each entry's
         global row key goes with it as ``raw_keys``, so a policy that hashes rows (``needs_raw_keys``:
         W-TinyLFU's sketch, the ``tinylfu`` admission filter) decides as in ``simulate``, whatever
         dense numbering the view gave them."""
@@ -180,7 +181,7 @@ class LearningView:
         end = len(self) if end is None else int(end)
         keys = self.keys[:end]
         return run_policy(policy, keys, self.step_offsets[self.step_offsets <= end], capacity, self.num_keys, scores,
-                          counts, raw_keys=self.raw_keys[keys])
+                          counts, raw_keys=self.raw_keys[keys], counted=counted)
 
     @classmethod
     def of(cls, stream: LookupStream, preset: str | EngramConfig = "deepseek-v4.1-flash") -> "LearningView":

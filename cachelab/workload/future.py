@@ -11,6 +11,7 @@ import numba as nb
 import numpy as np
 
 from cachelab.compiled import prefetch
+from cachelab.errors import CachelabError
 from cachelab.policy import NO_NEXT
 
 
@@ -48,19 +49,29 @@ def next_access(keys: np.ndarray) -> np.ndarray:
     return out
 
 
-def counted_next_access(next_pos: np.ndarray, start: int) -> np.ndarray:
-    """``next_pos`` as an oracle sees it when only positions from ``start`` on are counted: an access
-    before ``start`` whose next use is before ``start`` too is told none (NO_NEXT).
+def counted_next_access(next_pos: np.ndarray, counted: int | np.ndarray) -> np.ndarray:
+    """``next_pos`` as an oracle sees it when only some positions are counted: ``counted``, a mask
+    of them, or the first one (every later one is, as after a warm-up). An access whose next access
+    is not counted is told none (NO_NEXT).
 
-    A miss before ``start`` costs nothing, so such a row may go at once: its next access fetches it
-    again for free. Its last access before ``start`` keeps its next use, the first counted one, so
-    Belady with bypass begins the counted part holding the rows whose counted uses come first, the
-    best cache any policy can begin it with. Fed the plain next use it spends the warm-up on warm-up
-    hits: with one row, A B B | A, it keeps B and misses the counted A that a cache keeping A hits.
+    A miss there costs nothing, so the row may go at once: that access fetches it again for free,
+    and holding it until then saves no counted miss. An access whose next one is counted keeps it,
+    so Belady with bypass keeps the rows whose counted uses come first and misses the fewest counted
+    fetches of any row-by-row policy (holding a row from an access to its next is worth one counted
+    hit where that next access counts, none where not: at most the capacity held at once, the
+    earliest-ending first is optimal). Fed the plain next use it spends the warm-up on warm-up hits:
+    with one row, A B B | A, it keeps B and misses the counted A that a cache keeping A hits.
     """
     out = np.array(next_pos, dtype=np.int64)
-    head = out[:int(start)]
-    head[head < start] = NO_NEXT
+    if isinstance(counted, (int, np.integer)):  # a prefix is uncounted: only its own reuses point into it
+        head = out[:int(counted)]
+        head[head < counted] = NO_NEXT
+        return out
+    counted = np.asarray(counted, dtype=np.bool_)
+    if counted.shape != out.shape:
+        raise CachelabError(f"counted_next_access: a counted mask of shape {counted.shape} for {out.shape} accesses")
+    idx = np.flatnonzero(out != NO_NEXT)
+    out[idx[~counted[out[idx]]]] = NO_NEXT
     return out
 
 
