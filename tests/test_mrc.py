@@ -97,6 +97,20 @@ def test_simulated_curve_is_deterministic_and_equals_single_runs():
         [_run(stream, registry.make_policy("fbgemm-lfu"), c) for c in big]
 
 
+def test_a_belady_curve_after_a_warm_up_is_the_replays_counted_optimum():
+    """An oracle's curve sees only the counted future, as the replay's Belady does: one row,
+    A B B | A counted from the last step, Belady with bypass keeps A and misses nothing counted
+    (shown every reuse it kept B and missed A); and on a Zipf stream the curve equals the replay."""
+    stream = LookupStream(np.array([0, 1, 1, 0], np.int64), np.arange(5, dtype=np.int64), 1)
+    assert miss_ratio_curve(stream, [1], policy="belady-bypass", warmup=3, workers=1).miss_ratios == [0.0]
+    keys = (np.random.default_rng(3).zipf(1.1, 20_000) % 3_000).astype(np.int64)
+    stream = LookupStream(keys, np.arange(0, keys.size + 1, 10), 264)
+    caps = [32, 256]
+    for name in ("belady-bypass", "belady"):
+        assert miss_ratio_curve(stream, caps, policy=name, warmup=0.3, workers=1).miss_ratios == \
+            [_run(stream, registry.make_policy(name), c, 0.3) for c in caps]
+
+
 @pytest.mark.parametrize("policy, capacity", [("lru", 9_000_000), ("fifo", 13_000_000)])
 def test_a_sample_scales_by_the_rate_its_hash_keeps(monkeypatch, policy, capacity):
     """At 1e-7 the hash keeps 2 / 2^24 = 1.19e-7 of the keys (threshold / 2^24, SHARDS' R = T / P);

@@ -170,9 +170,9 @@ def _simulate_one(capacity: int) -> float:
         weights, positions, raw = weights[keep], positions[keep], raw[keep]
         num_keys = int(ids.max()) + 1 if ids.size else 1
         capacity = scaled_capacity(capacity, rate)
+    counted = positions >= first  # an oracle sees only this future, as in simulate
     hits = run_policy(registry.make_policy(policy, **params), ids, offsets, capacity, num_keys, counts=weights,
-                      raw_keys=raw)
-    counted = positions >= first
+                      raw_keys=raw, counted=counted)
     if not total:
         return 0.0
     if rate is not None:  # the sample's misses stand for misses / R over the whole stream (libCacheSim's MINISIM)
