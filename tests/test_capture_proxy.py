@@ -637,12 +637,27 @@ class HeadUpstream:
                     self.go.wait(30)
                     conn.sendall(memoryview(body)[self.first:])
                 elif self.trailer is None:
-                    conn.sendall(b"HTTP/1.1 200 OK\r\n%scontent-length: %d\r\n\r\n%s%s"
-                                 % (self.head, len(body), body, self.extra))
+                    _send_parts(conn, b"HTTP/1.1 200 OK\r\n%scontent-length: %d\r\n\r\n" % (self.head, len(body)),
+                                body, self.extra)
                 else:
-                    conn.sendall(b"HTTP/1.1 200 OK\r\n%stransfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n%s\r\n%s"
-                                 % (self.head, len(body), body, self.trailer, self.extra))
+                    _send_parts(conn, b"HTTP/1.1 200 OK\r\n%stransfer-encoding: chunked\r\n\r\n%x\r\n" % (
+                        self.head, len(body)), body, b"\r\n0\r\n%s\r\n%s" % (self.trailer, self.extra))
                 answered += 1
+
+
+def _send_parts(conn, *parts: bytes) -> None:
+    """``sendall`` of the parts joined, without joining them: one ``sendmsg`` where the kernel takes them whole
+    (one write, as the tests of bytes that follow an answer need), more for a large body. The tests that bound
+    the proxy's allocations (tracemalloc) count this thread's too: an answer formatted with its body was a
+    copy of it, let go only when this thread ran again after the proxy had read it all, and a 16.8 MB
+    answer's peak read 3.01 times it where the thread was late (under load)."""
+    views = [memoryview(part) for part in parts if part]
+    while views:
+        sent = conn.sendmsg(views)
+        while views and sent >= len(views[0]):
+            sent -= len(views.pop(0))
+        if views:
+            views[0] = views[0][sent:]
 
 
 @pytest.mark.parametrize("extra", [b"HTTP/1.1 500 Oops\r\ncontent-type: application/json\r\ncontent-length: 2\r\n"

@@ -167,6 +167,25 @@ def test_a_large_whole_answer_is_held_at_most_twice_on_its_way_to_the_client(tmp
     assert peak < 2.5 * len(body), f"peak {peak / len(body):.2f} times the answer's {len(body):,} bytes"
 
 
+def test_the_test_upstream_sends_a_large_answer_without_a_copy_of_it():
+    """The bound above is on the process's allocations, this upstream's thread's included: it formatted its answer
+    with the body, a copy let go only once the thread ran again after the proxy had read it all, so the peak read
+    3.01 times the answer when the thread was late (under load), though the proxy held it twice."""
+    body = b"12345," * 2_800_000
+    upstream = HeadUpstream(body=body)
+    buf = bytearray(1 << 20)
+    tracemalloc.start()
+    try:
+        with _request(upstream.url) as sock:
+            _, size, _ = _read_answer(sock, buf)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    upstream.sock.close()
+    assert size == len(body)
+    assert peak < 0.1 * len(body), f"peak {peak / len(body):.2f} times the answer's {len(body):,} bytes"
+
+
 def test_nulling_an_answers_ids_copies_it_once():
     """``null_ids`` made two passes, each a whole copy: an answer whose ids are a small part of it (a
     batch's 1,000 choices with their text, 8 MB) peaked at the input and both copies, twice its size
