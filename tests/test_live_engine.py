@@ -276,7 +276,9 @@ class RowsThatHang:
 def test_stop_gives_up_on_a_step_that_never_returns_naming_where_it_is(tmp_path, monkeypatch, caplog):
     """``stop`` joined the engine thread without a bound: a step stuck in a row read hung the
     shutdown (and ``cachelab serve``'s exit at SIGTERM) for ever. It waits ``STOP_TIMEOUT_S``,
-    flushes the step log, leaves the row source open under the read, and says where the thread is."""
+    flushes the step log, leaves the row source open under the read, and says where the thread is, and
+    which bound it was given (``bound``: ``cachelab serve`` names ``--stop-timeout``, where it rewrote the
+    message)."""
     import time
 
     from cachelab.live.engine import EngineStuck
@@ -289,7 +291,7 @@ def test_stop_gives_up_on_a_step_that_never_returns_naming_where_it_is(tmp_path,
 
     def stop():
         try:
-            engine.stop()
+            engine.stop(bound="the test's bound")
         except EngineStuck as exc:
             stopped.append(exc)
 
@@ -304,6 +306,8 @@ def test_stop_gives_up_on_a_step_that_never_returns_naming_where_it_is(tmp_path,
         assert 0.5 <= time.monotonic() - t < 10
     finally:
         rows.release.set()
+    assert str(stopped[0]).startswith("the engine thread did not finish its step within the test's bound and "
+                                      "was left running"), stopped
     assert "a_read_that_never_returns (test_live_engine.py:" in str(stopped[0]), stopped
     assert "thread live-engine:" in caplog.text and "a_read_that_never_returns" in caplog.text
     assert not rows.closed  # closing the store under the read waits for it

@@ -190,10 +190,11 @@ class LiveEngine:
         self._thread.start()
         return self
 
-    def stop(self, timeout: float | None = None) -> None:
+    def stop(self, timeout: float | None = None, bound: str | None = None) -> None:
         """Stop the engine thread, flush the step log and close the row source (idempotent).
 
-        The step under way gets ``timeout`` seconds (default ``STOP_TIMEOUT_S``; an unbounded wait
+        The step under way gets ``timeout`` seconds (default ``STOP_TIMEOUT_S``; ``bound``: how the
+        error names that wait, ``--stop-timeout`` for the server's shutdown; an unbounded wait
         hung the shutdown for ever on a step that never returns, a store read stuck on a dead
         disk). Such a step cannot be
         stopped, so it is left running on its daemon thread with the row source open under it
@@ -211,14 +212,14 @@ class LiveEngine:
                 if self.step_log is not None:
                     self.step_log.close()
                 _exit_if_still_stuck(self._thread)
-                raise self._stuck(self._thread, timeout)
+                raise self._stuck(self._thread, bound or f"{timeout:g} s of the stop")
             self._thread = None
         if self.step_log is not None:
             self.step_log.close()
         self.rows.close()
 
     @staticmethod
-    def _stuck(thread: threading.Thread, timeout: float) -> "EngineStuck":
+    def _stuck(thread: threading.Thread, bound: str) -> "EngineStuck":
         """The error for an engine thread that outlived ``stop``'s wait; every thread's stack is logged."""
         frames = sys._current_frames()
         log.error("the engine thread did not stop; the threads' stacks:\n%s", "\n".join(
@@ -226,7 +227,7 @@ class LiveEngine:
             for t in threading.enumerate() if t.ident in frames))
         where = " > ".join(f"{f.name} ({Path(f.filename).name}:{f.lineno})"
                            for f in traceback.extract_stack(frames.get(thread.ident))[-5:])
-        return EngineStuck(f"the engine thread did not finish its step within {timeout:g} s of the stop and was "
+        return EngineStuck(f"the engine thread did not finish its step within {bound} and was "
                            f"left running (a row read that never returns?); it is in {where}", where)
 
     def submit(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
