@@ -239,13 +239,19 @@ class Journal:
         """Acknowledge what is queued, then stop the thread and close the segment. A thread still at
         work after ``timeout`` (None: no bound) is given up: ``write_error`` says how many submissions
         were not yet durable, and the thread counts those it had not built in ``dropped`` rather than
-        write them. It was left to the process's exit, which lost them with no count."""
+        write them. It was left to the process's exit, which lost them with no count. The stop's place
+        in a full queue is waited for within ``timeout`` too; a thread that has nothing left to make
+        durable (closing its segment) is let be."""
         if self._thread.is_alive():
-            self._queue.put(_STOP)
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                with self._lock:
-                    left = self.submitted - self.acknowledged - self.dropped
+            deadline = None if timeout is None else time.monotonic() + timeout
+            try:
+                self._queue.put(_STOP, timeout=timeout)
+            except queue.Full:
+                pass
+            self._thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            with self._lock:
+                left = self.submitted - self.acknowledged - self.dropped
+            if self._thread.is_alive() and left:
                 self.write_error = self.write_error or \
                     f"closed while still writing: {left} submissions not yet durable after {timeout} s; " \
                     "those not yet built are dropped"

@@ -72,10 +72,10 @@ def serve(
     shutdown_timeout: float = typer.Option(0.0, help="At SIGTERM/Ctrl-C, let requests in flight finish for up to "
                                            "this long (s) before aborting the rest, new ones refused meanwhile; 0: "
                                            "abort them at once (vLLM's --shutdown-timeout and its default)."),
-    stop_timeout: float = typer.Option(20.0, help="After that, how long (s) the aborts and the engine's step under way "
-                                       "get, all told; past it the process exits 1 naming where the engine is stuck. "
-                                       "The exit comes within --shutdown-timeout + --stop-timeout + 1 s and the "
-                                       "capture's flush: the default fits a 30 s grace period (docs/live.md)."),
+    stop_timeout: float = typer.Option(20.0, help="After that, how long (s) the aborts, the engine's step under way "
+                                       "and the capture's close get, all told; past it the process exits 1 naming "
+                                       "where the engine is stuck. The exit comes within --shutdown-timeout + "
+                                       "--stop-timeout + 1 s: the default fits a 30 s grace period (docs/live.md)."),
     enable_request_id_headers: bool = typer.Option(False, "--enable-request-id-headers", help="Answer every request "
                                                    "with an X-Request-Id header: the one it sent, else a new random id "
                                                    "(vLLM's flag)."),

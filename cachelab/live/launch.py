@@ -59,7 +59,7 @@ class ServeOptions:
     served_model_name: str | None = None
     capture: Path | None = None
     shutdown_timeout: float = 0.0  # s requests in flight get to finish at shutdown (0: aborted at once)
-    stop_timeout: float = 20.0  # s the aborts and the engine's step get after that, all told (``Server.stop_s``)
+    stop_timeout: float = 20.0  # s the aborts, the engine's step and the capture's close get after that, all told
     enable_request_id_headers: bool = False  # vLLM's: every answer carries an X-Request-Id header
     enable_force_include_usage: bool = False  # vLLM's: every stream carries usage, asked for or not
     enable_server_load_tracking: bool = False  # vLLM's: /load counts the completion requests in flight
@@ -324,13 +324,14 @@ def _uvicorn_config(opts: ServeOptions, engine, recorder=None, **kwargs):
     return uvicorn.Config(app, http=http_protocol(limits), log_level="warning", timeout_graceful_shutdown=1, **kwargs)
 
 
-def _close_capture(recorder) -> None:
-    """Close the recorder (what it holds is written, 30 s at most, as the capture proxy's) and say
-    on stderr, as the proxy does, why anything handed to it was not written."""
+def _close_capture(recorder, timeout: float) -> None:
+    """Close the recorder, what it holds written in ``timeout`` s at most (what is left of
+    ``--stop-timeout``: it took up to 30 s more, past a grace period's SIGKILL on a slow disk), and
+    say on stderr, as the proxy does, why anything handed to it was not written."""
     from cachelab.capture.recorder import report_write_error
 
     if recorder is not None:
-        recorder.close()
+        recorder.close(timeout)
         report_write_error(recorder, lambda line: print(line, file=sys.stderr))
 
 
@@ -370,7 +371,7 @@ def running_server(opts: ServeOptions, engine=None):
         try:
             _stop(engine, server, opts)
         finally:  # a step that never ends (EngineStuck) leaves the capture to close
-            _close_capture(recorder)
+            _close_capture(recorder, round(server.stop_left(), 1))
 
 
 def serve(opts: ServeOptions, announce=print) -> None:
@@ -402,7 +403,7 @@ def serve(opts: ServeOptions, announce=print) -> None:
                 _stop(engine, server, opts)
             except EngineStuck as exc:  # told once uvicorn has returned; the capture is closed first
                 stuck.append(exc)
-            _close_capture(recorder)
+            _close_capture(recorder, round(server.stop_left(), 1))
     # at the app's shutdown, so that the capture is closed and its write error told before uvicorn returns
     app.router.add_event_handler("shutdown", shut_down)
     try:
