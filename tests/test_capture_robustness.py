@@ -65,9 +65,10 @@ def _closed_by_proxy(sock: socket.socket) -> bool:
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_client_connections_are_bounded(tmp_path, monkeypatch, loop):
     """Past ``max_client_connections`` a new connection takes the place of the one idle longest (nothing
-    begun for ``RECLAIM_IDLE_S``), else gets a 503 with Retry-After and the close; a connection with a request
-    begun is never let go for it. Counted in /capture/status. Unbounded, a client opening thousands of
-    idle connections took every file descriptor: later clients were dropped unanswered."""
+    begun for ``RECLAIM_IDLE_S``), else gets a 503 with Retry-After and the close; one that waited less long
+    for its request (begun, not yet whole: the next test) is not let go before it. Counted in /capture/status.
+    Unbounded, a client opening thousands of idle connections took every file descriptor: later clients were
+    dropped unanswered."""
     monkeypatch.setattr("cachelab.capture.proxy.RECLAIM_IDLE_S", 2.0)  # 1 s: a loaded machine can stall that long
     with ServerThread(Upstream().app) as upstream, \
             ProxyThread(ProxyConfig(upstream=upstream.url, max_client_connections=3), Recorder(tmp_path / "cap"),
@@ -98,6 +99,47 @@ def test_client_connections_are_bounded(tmp_path, monkeypatch, loop):
                 assert not any(_closed_by_proxy(sock) for sock in idle[1:])
         for sock in idle:
             sock.close()
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_slow_clients_on_every_connection_keep_no_client_out(tmp_path, loop):
+    """Slow-loris: clients that begin a request and send it a header line now and then held every one of
+    ``max_client_connections``, since a request begun was never let go for a new connection: every other
+    client got a 503 until their 30 s ran out (and again as they reconnected). At the bound, the connection
+    whose request has been coming longest, ``RECLAIM_IDLE_S`` at least, gets a 408 and the close, and the
+    new client is served."""
+    n = 16
+    with ServerThread(Upstream().app) as upstream, \
+            ProxyThread(ProxyConfig(upstream=upstream.url, max_client_connections=n), Recorder(tmp_path / "cap"),
+                        loop=loop) as p:
+        slow = [_connect(p.url) for _ in range(n)]
+        for i, sock in enumerate(slow):
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
+            if i == 0:
+                time.sleep(0.1)  # the first begun
+        stop = threading.Event()
+
+        def trickle():
+            while not stop.wait(0.2):
+                for sock in slow[1:]:
+                    with contextlib.suppress(OSError):
+                        sock.sendall(b"x-slow: 1\r\n")
+
+        threading.Thread(target=trickle, daemon=True).start()
+        try:
+            time.sleep(1.5)
+            with _connect(p.url) as client:
+                client.sendall(STATUS)
+                head, status = _answer(client)
+            assert head.startswith(b"HTTP/1.1 200 "), head
+            assert (status["client_connections"], status["client_connections_refused"],
+                    status["client_connections_reclaimed"]) == (n, 0, 1), status  # the other slow ones kept
+            got = _read_to_close(slow[0])
+            assert got.startswith(b"HTTP/1.1 408 ") and b"--max-client-connections" in got, got
+        finally:
+            stop.set()
+            for sock in slow:
+                sock.close()
 
 
 def _limited(soft: int, hard: int):

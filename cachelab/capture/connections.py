@@ -201,7 +201,7 @@ class ClientConnection(asyncio.Protocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.proxy.clients.add(self)
-        self.proxy.idle[self] = None
+        self.proxy.waiting[self] = None
         no_delay(transport)
         probe_when_idle(transport, self.proxy.config.tcp_keepalive_s)
         peer = transport.get_extra_info("peername")
@@ -211,7 +211,7 @@ class ClientConnection(asyncio.Protocol):
         gone = not self.closed  # the client closed it (the proxy sets ``closed`` before it closes one)
         self.closed = True
         self.proxy.clients.discard(self)
-        self.proxy.idle.pop(self, None)
+        self.proxy.waiting.pop(self, None)
         self._sent()
         if self.drain_timer is not None:
             self.drain_timer.cancel()
@@ -328,8 +328,11 @@ class ClientConnection(asyncio.Protocol):
     # -- parser callbacks -----------------------------------------------------------------------
     def on_message_begin(self) -> None:
         self.request = Request()
-        self.proxy.idle.pop(self, None)  # no longer idle: not closed to make room for another (``CaptureProxy.admit``)
         self.idle_since = time.monotonic()  # from now on, the time the request takes to come whole
+        waiting = self.proxy.waiting
+        if self in waiting:  # it waited idle: now for this request to come whole, from now on (last in line)
+            del waiting[self]
+            waiting[self] = None
 
     def on_url(self, url: bytes) -> None:
         self.request.url += url
@@ -387,6 +390,7 @@ class ClientConnection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         r, self.request = self.request, None
         self.in_head, self.head_bytes = True, 0
+        self.proxy.waiting.pop(self, None)
         if r is None or self.closed or self.final is not None or self.parser.should_upgrade():
             return  # an upgrade (or CONNECT) is not served: its 501 follows (``data_received``)
         if r.answered:  # its 413 or 401, already sent: this connection is done
@@ -449,10 +453,14 @@ class ClientConnection(asyncio.Protocol):
             self.transport.close()
 
     def let_go(self) -> None:
-        """Close this idle connection to make room for a new one (``CaptureProxy.admit``)."""
+        """Close this connection to make room for a new one (``CaptureProxy.admit``): idle, or with a
+        request begun and not yet whole, which gets a 408 first (an OpenAI client retries it)."""
+        if self.request is not None and not self.request.answered:
+            self.transport.write(whole_response(408, error_body(408, "request not complete while the proxy was at "
+                                                                     "--max-client-connections"), close=True))
         self.closed = True
         self.proxy.clients.discard(self)
-        self.proxy.idle.pop(self, None)
+        self.proxy.waiting.pop(self, None)
         self.transport.close()
 
     def _answer_and_close(self, data: bytes) -> None:
@@ -488,9 +496,9 @@ class ClientConnection(asyncio.Protocol):
         self.idle_since = time.monotonic()
         if self.queue or self.final is not None:
             self.next()
-        elif self.request is None:
-            self.proxy.idle[self] = None
-        elif self.request.wants_continue:  # its turn: the body may come
+            return
+        self.proxy.waiting[self] = None  # idle, or for a request begun behind the answer, from now on
+        if self.request is not None and self.request.wants_continue:  # its turn: the body may come
             self.request.wants_continue = False
             if not self.request.size:  # unless the client has stopped waiting and sends it already
                 self._continue(self.request)

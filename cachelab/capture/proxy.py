@@ -68,7 +68,7 @@ except ImportError:  # not on Windows
 RECORDED = (b"/v1/completions", b"/v1/chat/completions")
 IDEMPOTENT = {b"GET", b"HEAD", b"PUT", b"DELETE", b"OPTIONS", b"TRACE"}  # RFC 9110, 9.2.2
 _IDLE_SWEEP_S = 5.0
-RECLAIM_IDLE_S = 1.0  # at max_client_connections, a connection idle this long is closed for a new one
+RECLAIM_IDLE_S = 1.0  # at max_client_connections, one idle or with its request not whole this long makes room
 _REPLACED = frozenset({b"x-forwarded-for"})  # request headers the proxy writes itself, the client's value first
 _REPLACED_RECORDED = _REPLACED | {b"accept-encoding"}
 _VIA_11, _VIA_10 = b"via: 1.1 cachelab-capture\r\n", b"via: 1.0 cachelab-capture\r\n"
@@ -152,8 +152,9 @@ class CaptureProxy:
         self.pool = UpstreamPool(config)
         self.planner = Planner(config.token_ids)  # what to add to a large request body, decided off the loop
         self.clients: set[ClientConnection] = set()
-        # connections with no request begun, oldest first: the first let go at ``max_client_connections``
-        self.idle: dict[ClientConnection, None] = {}
+        # connections with nothing being served (idle, or a request begun not yet whole), by ``idle_since``, oldest
+        # first: the first let go at ``max_client_connections``
+        self.waiting: dict[ClientConnection, None] = {}
         self.lingering = 0  # connections refused at ``max_client_connections``, still draining (``RefusedConnection``)
         self.connections_refused = 0
         self.connections_reclaimed = 0
@@ -221,12 +222,15 @@ class CaptureProxy:
 
     def admit(self) -> bool:
         """Whether a new client connection may be served: under ``max_client_connections``, or at it once
-        the connection idle longest (no request begun for ``RECLAIM_IDLE_S``) is closed to make room, as
-        nginx closes its idle keep-alive connections when out of them (HTTP lets a server close an idle
-        connection at any time; clients open another)."""
+        the connection that has waited longest, ``RECLAIM_IDLE_S`` at least, is closed to make room: idle
+        since its last answer, as nginx closes its idle keep-alive connections when out of them (HTTP lets
+        a server close an idle connection at any time; clients open another), or with a request begun and
+        not yet whole (a 408). A request begun was never let go: slow clients that each sent a byte of a
+        head now and then (slow-loris) held every connection for the 30 s of ``keep_alive_s``, and again
+        as they reconnected, and every other client got a 503."""
         if len(self.clients) < self.config.max_client_connections:
             return True
-        oldest = next(iter(self.idle), None)
+        oldest = next(iter(self.waiting), None)
         if oldest is None or oldest.idle_since > time.monotonic() - RECLAIM_IDLE_S:
             return False
         self.connections_reclaimed += 1

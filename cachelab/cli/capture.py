@@ -111,9 +111,10 @@ def proxy(
                                         "pool's bound, in use and idle). A request past it waits for one to be "
                                         "given back, --read-timeout at most (then a 503)."),
     max_client_connections: int = typer.Option(4096, help="At most this many client connections open at once. At "
-                                               "the bound a new one takes the place of the connection idle longest "
-                                               "(no request begun for a second), else it gets a 503 with Retry-After "
-                                               "and is closed. The open-file limit is raised to fit both bounds."),
+                                               "the bound a new one takes the place of the connection that has "
+                                               "waited longest, a second at least (idle, or its request begun and not "
+                                               "yet whole: a 408), else it gets a 503 with Retry-After and is closed. "
+                                               "The open-file limit is raised to fit both bounds."),
     upstream_idle_timeout: float = typer.Option(4.0, help="An upstream connection idle this long is not reused "
                                                 "but closed (s): under the upstream's own keep-alive timeout "
                                                 "(uvicorn's, so vLLM's: 5 s), so that no request goes on a "
