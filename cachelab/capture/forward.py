@@ -366,9 +366,9 @@ class Forward:
             self.parts = []  # the reads let go once joined: held through the nulling, they made the answer's peak 3x
             x.response_time = time.perf_counter()
             body = strip_body(x.response, x)
-            data = b"HTTP/1.1 %d %s\r\n%scontent-length: %d\r\n%s\r\n%s" % (
+            data = b"HTTP/1.1 %d %s\r\n%scontent-length: %d\r\n%s\r\n" % (  # the head: the body is written after it
                 self.status, self.reason, b"".join(self.headers), len(body),
-                b"" if self.keep_alive else b"connection: close\r\n", body)
+                b"" if self.keep_alive else b"connection: close\r\n")
         else:
             data, tail = b"".join(self.out), b""  # the last read's, framed already
             self.out.clear()
@@ -386,9 +386,9 @@ class Forward:
         if not self.reusable or self.by_close:
             self.conn.usable = False
         self.proxy.pool.give_back(self.conn)
+        if self.mode == WHOLE:
+            return client.write_whole(data, body, x, self.keep_alive)
         client.write_last(data, x)  # recorded before the client has its last byte: a flush after the answer sees it
-        if data and self.mode == WHOLE:
-            client.hold_unsent()
         client.done(self.keep_alive)
 
     # -- endings other than a complete answer ---------------------------------------------------

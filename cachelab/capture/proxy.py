@@ -206,7 +206,10 @@ class CaptureProxy:
             if client.forward is not None:
                 client.forward.shut_down(f"proxy shut down ({why})")
             client.closed = True  # by the proxy: requests still queued on it were not served, and are not recorded
-            client.record_held(None)  # a whole answer it is still taking: the close sends the rest
+            if client.rest is not None:  # a whole answer it is still taking: the close sends the rest
+                client.transport.write(client.rest)
+                client.rest = None
+            client.record_held(None)
             client.transport.close()
         self.pool.close()
         await self.planner.close()
