@@ -159,6 +159,19 @@ def test_token_totals_past_int32_are_exact(tmp_path):
     assert report["tokens_in"] == 2 * (2**31 - 1) and report["tokens_out"] == 2**31
 
 
+def test_the_build_says_how_many_sessions_its_requests_form(tmp_path, data_dir):
+    """gamma's num_requests counts sessions: 3 of mt-bench's two-turn conversations are 6 requests,
+    which the build said without a word of the 3 asked for."""
+    args = ("build", "--arrivals", "gamma", "--arrival-option", "rate=2", "--arrival-option", "num_requests=3",
+            "--corpus", "mt-bench")
+    report = json.loads(run(*args, "-o", tmp_path / "a.parquet", "--json").stdout)
+    assert report["requests"] == 6 and report["sessions"] == 3
+    text = run(*args, "-o", tmp_path / "b.parquet")
+    assert text.exit_code == 0 and "6 requests in 3 sessions" in " ".join(text.output.split()), text.output
+    imported = json.loads(run("build", *MOONCAKE, "-o", tmp_path / "m.parquet", "--json").stdout)
+    assert imported["requests"] == 5 and 1 <= imported["sessions"] <= 5
+
+
 def test_info_skew_addresses_what_serving_feeds_through_the_model(tmp_path):
     """Each request's prompt and every output token but the last (emitted, never fed back: the
     serving streams have no lookups for it), so the skew counts the rows serving reads."""

@@ -74,6 +74,7 @@ def build(
     Add --corpus arena-hard to give every request real text with the trace's exact prefix sharing.
 
     Sessions at Poisson arrivals: --arrivals gamma --arrival-option rate=2 --arrival-option num_requests=500 --corpus mt-bench
+    (500 sessions; each of mt-bench's two turns is a request)
 
     From live serving: --from-capture cap/ (docs/capture.md).
 
@@ -127,8 +128,8 @@ def build(
         typer.echo(strict_json.dumps(result))
         return
     console = Console()
-    console.print(f"wrote {out}: {report.requests:,} requests, {report.tokens_in:,} prompt tokens, "
-                  f"{report.tokens_out:,} output tokens")
+    console.print(f"wrote {out}: {report.requests:,} requests in {report.sessions:,} sessions, "
+                  f"{report.tokens_in:,} prompt tokens, {report.tokens_out:,} output tokens")
     if report.skipped_rows:
         console.print(f"[yellow]skipped {report.skipped_rows:,} bad input rows (--json lists them); "
                       f"the first: {escape(report.skipped_first or '')}[/]")

@@ -164,7 +164,8 @@ def build(spec: TraceSpec, out: str | os.PathLike, progress=None) -> BuildReport
         if not source.has_lengths:
             raise CachelabError(f"arrivals {spec.arrivals.source!r} carry no lengths: give a [corpus] to synthesize")
         write_trace(arrivals, out)
-        return BuildReport(requests=arrivals.height, tokens_in=int(arrivals["prompt_len"].cast(pl.Int64).sum()),
+        return BuildReport(requests=arrivals.height, sessions=arrivals["session_id"].n_unique(),
+                           tokens_in=int(arrivals["prompt_len"].cast(pl.Int64).sum()),
                            tokens_out=int(arrivals["output_len"].cast(pl.Int64).sum()), chunks=1, **skipped,
                            seconds=round(time.perf_counter() - started, 3))
     corpus = make_corpus(spec)

@@ -296,6 +296,7 @@ class BuildReport:
     """What a build produced, for the CLI and the benchmark."""
 
     requests: int = 0
+    sessions: int = 0  # gamma's num_requests counts sessions: mt-bench's two turns make twice the requests
     tokens_in: int = 0
     tokens_out: int = 0
     chunks: int = 0
@@ -305,7 +306,7 @@ class BuildReport:
     skipped_lines: list[str] = field(default_factory=list)  # FILE:LINE of every skipped row
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("requests", "tokens_in", "tokens_out", "chunks", "seconds", "skipped_rows",
+        return {k: getattr(self, k) for k in ("requests", "sessions", "tokens_in", "tokens_out", "chunks", "seconds", "skipped_rows",
                                               "skipped_first", "skipped_lines")}
 
 
@@ -381,7 +382,7 @@ def synthesize(stream: TokenStream, plan: Plan, path, *, source: str, chunk_toke
                progress: Callable[[int, int], None] | None = None) -> BuildReport:
     """Write the planned requests to ``path`` in chunks; returns what was written."""
     started = time.perf_counter()
-    report = BuildReport()
+    report = BuildReport(sessions=int(np.unique(plan.session_id).size))
     # token counts per request are known from the plan without gathering anything
     sizes = np.empty(plan.size, np.int64)
     for lo in range(0, plan.size, 65_536):
