@@ -25,8 +25,11 @@ def quickstart(
     workers: int = typer.Option(None, min=1, help=WORKERS_HELP),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
-    """Run the quickstart study: Engram addressing skew on the standard library's text and a
-    policy bake-off across HBM capacities, tracked in MLflow, with an HTML report."""
+    """Run the quickstart study: Engram addressing skew on the standard library's text, a policy
+    bake-off across HBM capacities and a learned policy, tracked in MLflow, with an HTML report.
+
+    The spec is experiments/quickstart.toml (`cachelab run` takes it and any other); the
+    headline is printed at the end and again by `cachelab report quickstart`."""
     if not QUICKSTART.is_file():
         raise CachelabError(f"{QUICKSTART} not found: run from a checkout of cachelab "
                             "(`cachelab run SPEC` runs any spec)")

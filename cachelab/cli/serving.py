@@ -476,9 +476,9 @@ def study_inferencex(
     """Fit the serving model on published InferenceX measurements and predict the held-out rest.
 
     The model's efficiencies are fitted on one named subset of the published InferenceX
-    measurements (../shared/data/calibration), predict every other point, and report the error
-    per point and as MAPE per metric: `heldout_mape` (metric -> fraction) over the held-out
-    steady-state measurements, `heldout_mape_unseen` over those of configurations the fit never ran
+    measurements (calibration/ under the data root: $CACHELAB_DATA, else ../shared/data), predict
+    every other point, and report the error per point and as MAPE per metric: `heldout_mape`
+    (metric -> fraction) over the held-out steady-state measurements, `heldout_mape_unseen` over those of configurations the fit never ran
     (not repeat runs of one it did), `heldout_mape_all` over every held-out point; `heldout_excluded`
     names the subsets left out of the first and why. Example: `cachelab study inferencex --json`."""
     from cachelab.paths import data_root
