@@ -180,7 +180,7 @@ def test_a_cachelab_process_goes_without_numpys_huge_page_advice_unless_asked():
 
 
 def test_simulate_imports_no_pydantic_click_or_numpy_ma(tmp_path):
-    """What a warmed ``simulate`` does not use is not imported (docs/engine.md, "Start-up"): pydantic
+    """What a warmed ``simulate`` does not use is not imported (docs/engine.md, "Where a warmed `simulate` process spends its time"): pydantic
     (Typer 0.2x's option conversion, 0.06-0.08 s of CPU: ``cachelab.cli.plain_values``), click itself
     (Typer 0.2x carries its own), ``numpy.ma`` (Numba's array typing, 0.03 s: ``cachelab.numba_start``),
     the request scheduler and the prefix cache (request traces only). Its options still convert."""
