@@ -286,6 +286,24 @@ def test_ctrl_c_or_a_broken_backend_ends_the_parent_run_and_keeps_the_finished_p
     assert [r.info.status for r in parents] == [status]  # not RUNNING until a later run or sync
 
 
+def test_ctrl_c_says_what_was_kept_and_how_to_resume(tmp_path, monkeypatch, capsys):
+    """Ctrl-C exited 130 saying nothing: a newcomer could not tell that a rerun resumes the sweep."""
+    from cachelab.experiment import runner
+
+    real = runner.run_tasks
+
+    def interrupted(tasks, *args):
+        yield from real(tasks[:1], "local", 1)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "run_tasks", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(write_spec(tmp_path, name="ctrlc"), tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
+                       runs_dir=tmp_path / "runs")
+    said = " ".join(capsys.readouterr().err.split())
+    assert "interrupted: 1 of" in said and "the same command again runs only those" in said, said
+
+
 @pytest.mark.parametrize("backend, address, error", [
     ("rai", None, r"--backend: unknown backend 'rai'; allowed: local, ray"),
     ("local", "ray://head:10001", r"--address ray://head:10001: a Ray cluster's address; add --backend ray"),

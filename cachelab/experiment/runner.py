@@ -173,6 +173,10 @@ def _sweep(spec: ExperimentSpec, spec_path: Path, overrides: list[str] | None, o
             if tracker is not None:    # cluster gone: FAILED), not RUNNING until a later run or sync
                 with contextlib.suppress(Exception):  # a store gone too: a later run or sync closes it
                     tracker.end_run(parent_id, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
+            if isinstance(exc, KeyboardInterrupt):  # it exited 130 with no word of what was kept
+                kept = summary.ran + len(summary.failed)
+                console.print(f"interrupted: {kept} of {len(tasks)} point(s) ended and kept, {len(tasks) - kept} not "
+                              "run; the same command again runs only those", soft_wrap=True)
             raise
     if tracker is not None:
         summary.report = _finish_parent(tracker, spec.name, exp_id, parent_id, [p.hash for p in points],
