@@ -22,6 +22,16 @@ def _json(args):
     return json.loads(res.stdout)
 
 
+def test_mrc_text_names_its_columns(tmp_path):
+    np.save(tmp_path / "k.npy", KEYS)
+    res = runner.invoke(app, ["mrc", "--trace", str(tmp_path / "k.npy"), "--capacities", "10,50"])
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    header = next(i for i, line in enumerate(lines) if "miss-ratio curve" in line) + 1
+    assert lines[header].split() == ["capacity", "miss", "ratio"], res.output
+    assert lines[header + 1].split()[0] == "10", res.output
+
+
 def test_simulate_json_contract_and_warmup(tmp_path):
     np.save(tmp_path / "k.npy", KEYS)
     out = _json(["simulate", "--trace", str(tmp_path / "k.npy"), "--policy", "lru", "--capacity", "50", "--json"])

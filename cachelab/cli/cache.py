@@ -219,6 +219,7 @@ def mrc(
     console = _console()
     console.print(f"{trace}: {found}")
     console.print(f"[bold]{policy}[/] miss-ratio curve ({curve.method}, {curve.requests:,} requests)")
+    console.print(f"  {'capacity':>12}  miss ratio")  # two bare columns of numbers said neither
     for c, m, infinite in zip(curve.capacities, curve.miss_ratios, curve.infinite):
         console.print(f"  {c:>12,}  {m:.4f}  {'#' * int(np.round(m * 50))}{'  infinite' if infinite else ''}")
     if any(curve.infinite):
