@@ -29,6 +29,16 @@ def test_train_prints_metrics_and_importances(trained):
     assert {p.name for p in out.iterdir()} == {"manifest.json", "metadata.json", "model.txt", "prior.safetensors"}
 
 
+def test_train_says_what_each_printed_metric_means(tmp_path, data_dir):
+    """rmse_constant and reuse_rate were printed bare: a newcomer could not read them."""
+    res = CliRunner().invoke(app, ["train", *TRACE, "--horizon", "2048", "--param", "n_estimators=5",
+                                   "--out", str(tmp_path / "m")])
+    assert res.exit_code == 0, res.output
+    said = " ".join(res.output.split())
+    assert "rmse_constant:" in said and "a constant prediction: the rmse to beat" in said, said
+    assert "share of the validation fetches reused within the horizon" in said and "0.5 is chance" in said, said
+
+
 def test_evaluate_reports_every_capacity(trained):
     out, _ = trained
     res = CliRunner().invoke(app, ["evaluate", *TRACE, "--model", str(out), "--capacities", "0.01,2000", "--json"])

@@ -110,11 +110,21 @@ def train(
             out_console.print(f"  {key}: undefined (the validation fetches are all one class: "
                               f"{metrics[rate]:.0%} {what})")
         elif key in metrics:
-            out_console.print(f"  {key}: {metrics[key]:.4f}")
+            out_console.print(f"  {key}: {metrics[key]:.4f}  ({METRIC_MEANING[key]})")
     table = Table("feature", "importance")
     for name, value in list(metrics.get("importances", {}).items())[:12]:
         table.add_row(name, f"{value:.3f}")
     out_console.print(table)
+
+
+METRIC_MEANING = {  # printed bare, rmse_constant and reuse_rate said nothing to a newcomer
+    "auc": "the scores' ranking of the fetches reused within the horizon above the rest; 0.5 is chance",
+    "auc_belady": "the same against the fetches Belady keeps at --capacity",
+    "belady_keep_rate": "share of the validation fetches Belady keeps",
+    "rmse": "of the predicted log1p(lookups to the next use), censored at the horizon",
+    "rmse_constant": "the same for a constant prediction: the rmse to beat",
+    "reuse_rate": "share of the validation fetches reused within the horizon",
+}
 
 
 def _learning_capacity(text: str, preset: str, where: str) -> float | str:
