@@ -172,6 +172,15 @@ def test_the_hardware_help_offers_only_profiles_a_replay_can_serve_on():
     assert sorted(offered) == builtin_names() and all(load_profile(n).gpu is not None for n in offered)
 
 
+def test_hardware_local_without_a_probe_says_a_probe_is_no_gpu(trace_path, tmp_path, monkeypatch):
+    """Its error said `run cachelab hw probe first`, and after the probe the replay refused the
+    profile for having no GPU: a newcomer followed the advice into a second error."""
+    monkeypatch.setenv("CACHELAB_CACHE_DIR", str(tmp_path))
+    res = runner.invoke(app, ["serve-sim", "--trace", str(trace_path), "--hardware", "local", "--placement", "hbm"])
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2 and "it measures this host only, no GPU" in said and "'B200'" in said, said
+
+
 def test_serve_sim_refuses_a_tp_degree_vllm_refuses(trace_path):
     """TP3 was replayed, though vLLM refuses a TP degree that does not divide the attention heads."""
     res = runner.invoke(app, ["serve-sim", "--trace", str(trace_path), "--hardware", "B200", "--placement", "dram-uva",

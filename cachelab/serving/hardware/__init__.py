@@ -120,7 +120,9 @@ def load_profile(name: str | Path) -> HardwareProfile:
     elif text.lower() == "local":
         path = local_profile_path()
         if not path.is_file():
-            raise CachelabError(f"no local profile at {path}: run `cachelab hw probe` first")
+            raise CachelabError(f"no local profile at {path}: run `cachelab hw probe` first (it measures this "
+                                "host only, no GPU: a serving replay, serve-sim or pareto, needs a GPU profile, "
+                                f"one of {builtin_names()} or a TOML file with [gpu] and [host])")
     else:
         path = Path(text)
         if not path.is_file():
