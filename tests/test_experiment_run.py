@@ -286,6 +286,15 @@ def test_ctrl_c_or_a_broken_backend_ends_the_parent_run_and_keeps_the_finished_p
     assert [r.info.status for r in parents] == [status]  # not RUNNING until a later run or sync
 
 
+def test_run_json_ends_with_the_headline_as_the_text_does(tmp_path):
+    """`run --json` had no headline (only `report --json` did); a sweep without a learned point has none."""
+    spec = write_spec(tmp_path, name="plain")
+    res = cli("run", str(spec), "--workers", "1", "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db", "--json",
+              cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["headline"] == []
+
+
 def test_ctrl_c_says_what_was_kept_and_how_to_resume(tmp_path, monkeypatch, capsys):
     """Ctrl-C exited 130 saying nothing: a newcomer could not tell that a rerun resumes the sweep."""
     from cachelab.experiment import runner

@@ -77,6 +77,7 @@ def test_report_command_prints_the_summary(quickstart):
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
     assert len(data["points"]) == summary["points"] and (folder / "again.html").is_file()  # every point
+    assert summary["headline"] == data["headline"] and len(data["headline"]) == 3  # run --json ends with it too
     learned = [p for p in data["points"] if p["kind"] == "learned"]
     assert len(learned) == 1 and [c["capacity"] for c in learned[0]["capacities"]] == ["0.1%", "1%", "5%"]
     for row in data["headline"]:  # the judged policy against the best heuristic and Belady, on one window

@@ -43,8 +43,8 @@ def run_and_print(spec: Path, *, as_json: bool, **options) -> None:
     from cachelab.experiment.runner import run_experiment
 
     summary = run_experiment(spec, quiet=as_json, **options)
-    if as_json:
-        typer.echo(strict_json.dumps(summary.to_dict()))
+    if as_json:  # the headline too, as the text ends with it (it was only in `report --json`)
+        typer.echo(strict_json.dumps({**summary.to_dict(), "headline": _headline(summary)}))
     else:
         if summary.report:
             _print_summary(summary.experiment, summary.tracking_uri)
@@ -126,6 +126,19 @@ def _experiment_name(value: str) -> str:
 
         return spec_name(value)
     return value
+
+
+def _headline(summary) -> list[dict]:
+    """The tracked experiment's headline rows (``report --json``'s), [] with no learned point or none tracked."""
+    from cachelab.experiment.report import headline, load_experiment
+    from cachelab.experiment.tracking import Tracker
+
+    if not summary.report:  # results wait in the outbox: nothing tracked to read back
+        return []
+    try:
+        return headline(load_experiment(Tracker(summary.tracking_uri), summary.experiment)).to_dicts()
+    except CachelabError:
+        return []
 
 
 def _print_summary(name: str, uri: str) -> None:
