@@ -9,6 +9,7 @@ from cachelab import numba_start
 __version__ = "0.1.0"
 
 _PACKAGES = ("cachelab", "policies", "predictors", "traces")  # this distribution's packages, side by side
+_KERNELS = (".nbi", ".nbc", ".nbo")  # Numba's index and code, and the runtime's object code (cachelab.numba_start)
 
 
 def _numba_cache_roots() -> list[str]:
@@ -35,7 +36,11 @@ def purge_stale_kernels(base: "str | os.PathLike | None" = None) -> None:
     """Delete Numba's cached kernels (``*.nbi``, ``*.nbc``) of this distribution's packages under
     ``base`` (default: where they are installed) that are older than its newest source file: those
     in each package's ``__pycache__``, and those Numba mirrored into ``NUMBA_CACHE_DIR`` or the
-    user-wide cache (where it puts them when the install is read-only).
+    user-wide cache (where it puts them when the install is read-only). Numba's runtime functions
+    that ``cachelab.numba_start`` keeps (``numba-runtime-*.nbo``, in ``cachelab/__pycache__`` or at
+    the top of ``NUMBA_CACHE_DIR``) go by the same rule: their file is written and read by that
+    module's code, and one left by another Numba or LLVM (its name keyed on their versions) was
+    never read again nor removed.
 
     Numba keys a cached kernel on its own file only, not on the compiled helpers it inlines from
     other files (admission filters, queues, heaps), so after a pull or an edit that changes a helper
@@ -58,7 +63,7 @@ def purge_stale_kernels(base: "str | os.PathLike | None" = None) -> None:
                         newest = max(newest, entry.stat().st_mtime)
                         if not source_dirs or source_dirs[-1] != folder:
                             source_dirs.append(folder)
-                    elif entry.name.endswith((".nbi", ".nbc")):
+                    elif entry.name.endswith(_KERNELS):
                         cached.append(entry)
         except OSError:  # a folder removed or unreadable meanwhile
             continue
@@ -66,9 +71,16 @@ def purge_stale_kernels(base: "str | os.PathLike | None" = None) -> None:
         for folder in source_dirs:
             try:
                 with os.scandir(_mirrored(root, folder)) as entries:
-                    cached.extend(entry for entry in entries if entry.name.endswith((".nbi", ".nbc")))
+                    cached.extend(entry for entry in entries if entry.name.endswith(_KERNELS))
             except OSError:  # nothing of this folder cached there
                 continue
+    if os.environ.get("NUMBA_CACHE_DIR"):  # where numba_start keeps the runtime when the variable is set
+        try:
+            with os.scandir(os.path.abspath(os.environ["NUMBA_CACHE_DIR"])) as entries:
+                cached.extend(entry for entry in entries
+                              if entry.name.startswith("numba-runtime-") and entry.name.endswith(".nbo"))
+        except OSError:
+            pass
     for entry in cached:
         try:
             if entry.stat().st_mtime < newest:

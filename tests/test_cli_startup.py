@@ -341,6 +341,36 @@ print(json.dumps({"made": len(made), "sum": int(sum(outs)), "ids": compact(keys)
     assert list(tmp_path.glob("numba-runtime-*.nbo"))
 
 
+def test_the_kept_runtime_is_purged_as_the_kernels_are(tmp_path, monkeypatch):
+    """The runtime's object code (``numba-runtime-*.nbo``) is written and read by cachelab's own code,
+    yet ``purge_stale_kernels`` looked only for Numba's ``.nbi``/``.nbc``: one older than the sources
+    stayed, in the tree's ``__pycache__`` and at the top of ``NUMBA_CACHE_DIR``, for ever (one per
+    Numba and LLVM a checkout ever ran). Real files, as a process keeps them; kept while none is older
+    than a source, gone after."""
+    import cachelab
+
+    cache_dir = tmp_path / "numba-cache"
+    probe = "import cachelab, numba\nnumba.njit(lambda n: n + 1)(1)"
+    subprocess.run([sys.executable, "-c", probe], env={**os.environ, "NUMBA_CACHE_DIR": str(cache_dir)}, check=True)
+    [kept] = cache_dir.glob("numba-runtime-*.nbo")
+    module = tmp_path / "tree" / "cachelab" / "engine.py"
+    (module.parent / "__pycache__").mkdir(parents=True)
+    module.write_text("x = 1\n")
+    in_tree = module.parent / "__pycache__" / kept.name
+    in_tree.write_bytes(kept.read_bytes())
+    other = cache_dir / "elsewhere.nbo"  # not the runtime's name: another program's, left alone
+    other.touch()
+    old = kept.stat().st_mtime
+    for path in (module, in_tree, other):
+        os.utime(path, (old, old))
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(cache_dir))
+    cachelab.purge_stale_kernels(tmp_path / "tree")  # no source newer yet
+    assert kept.exists() and in_tree.exists()
+    os.utime(module, (old + 10, old + 10))
+    cachelab.purge_stale_kernels(tmp_path / "tree")
+    assert not kept.exists() and not in_tree.exists() and other.exists()
+
+
 def test_a_numba_whose_internals_moved_is_imported_and_compiled_as_it_asks():
     """The deferrals lean on Numba's internals as checked (0.68): a release whose import needs
     PyYAML or SciPy is run again importing it, and one whose runtime compiler moved compiles its
