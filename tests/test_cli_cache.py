@@ -220,6 +220,19 @@ def test_an_empty_sample_is_refused_naming_the_flag(tmp_path):
         assert "--sample-rate 0.001 keeps none of the 4 distinct keys' requests after the warm-up" in res.output, res.output
 
 
+def test_capacities_a_sample_cannot_resolve_are_refused_naming_the_flag(tmp_path):
+    """``mrc --capacities 10,1000 --sample-rate 0.01``: the refusal said "sample at a rate of at least
+    0.10000002", naming neither the flag nor the value given; now both, and the value to give."""
+    np.save(tmp_path / "k.npy", np.arange(5_000) % 2_000)
+    for policy in ("lru", "fifo"):  # SHARDS and mini-simulations
+        res = runner.invoke(app, ["mrc", "--trace", str(tmp_path / "k.npy"), "--policy", policy, "--capacities",
+                                  "10,1000", "--sample-rate", "0.01", "--workers", "1"])
+        assert res.exit_code == 2, res.output
+        said = " ".join(res.output.split())
+        assert "capacities 10 hold under one row of a sample at --sample-rate 0.01 (its hash keeps" in said, said
+        assert "drop them, or give --sample-rate 0.10000002 or more" in said, said
+
+
 def test_requests_and_steps_apply_where_the_trace_takes_them(tmp_path):
     """simulate/mrc --requests N on a key trace replays its first N keys (default: all), as `trace lookups`
     does; --steps on a key trace and either flag on a lookup stream are refused, naming the flag. (The

@@ -139,12 +139,14 @@ def test_a_sample_refuses_the_capacities_it_cannot_resolve(policy):
     keys = (np.random.default_rng(0).zipf(1.2, 200_000) % 20_000).astype(np.int64)
     stream = LookupStream.from_keys(keys)
     rate = sampling.effective_rate(0.01)
-    with pytest.raises(CachelabError, match=r"capacities 10, 50, 100 hold under one row of a sample at rate 0.01 \(its "
-                                            r"hash keeps 0.0099999905 of the keys, one in 100.0001\), so each would read "
-                                            r"as 100.0001 rows; drop them, or sample at a rate of at least 0.10000002$"):
-        miss_ratio_curve(stream, [10, 50, 100, 1000], policy=policy, sample_rate=0.01, workers=1)
+    with pytest.raises(CachelabError, match=r"capacities 10, 50, 100 hold under one row of a sample at --sample-rate "
+                                            r"0.01 \(its hash keeps 0.0099999905 of the keys, one in 100.0001\), so each "
+                                            r"would read as 100.0001 rows; drop them, or give --sample-rate 0.10000002 or "
+                                            r"more$"):  # named the rate, not the flag that sets it
+        miss_ratio_curve(stream, [10, 50, 100, 1000], policy=policy, sample_rate=0.01, workers=1,
+                         rate_name="--sample-rate")
     assert 101 * rate >= 1 > 100 * rate  # the kept rate is just under 1 %: 101 rows is the first it resolves
-    with pytest.raises(CachelabError, match=r"capacities 100 hold .* at least 0.01000005$"):  # its hash keeps 1 / 100
+    with pytest.raises(CachelabError, match=r"capacities 100 hold .* give sample rate 0.01000005 or more$"):  # keeps 1 / 100
         miss_ratio_curve(stream, [100], policy=policy, sample_rate=0.01, workers=1)
     assert sampling.effective_rate(0.01000005) * 100 >= 1
     assert miss_ratio_curve(stream, [101, 1000], policy=policy, sample_rate=0.01, workers=1).capacities == [101, 1000]

@@ -208,7 +208,7 @@ def miss_ratio_curve(stream: LookupStream, capacities: list[int], policy: str | 
     infinite = [c >= max(req.num_keys, 1) if probe is None else probe.holds_every_key(c, req.num_keys)
                 for c in capacities]  # as ``sized`` decides
     if rate is not None:
-        _refuse_unresolved(capacities, infinite, sample_rate, rate)
+        _refuse_unresolved(capacities, infinite, sample_rate, rate, rate_name)
     if probe is None or _stack_curve(probe):
         method = "exact-stack" if sample_rate is None else "shards"
         ratios = _lru_curve(req, capacities, rate)
@@ -242,17 +242,18 @@ def _stack_curve(probe) -> bool:
     return bool(vars(cls).get("stack_curve", False)) and probe.get_params() == cls().get_params()
 
 
-def _refuse_unresolved(capacities: list[int], infinite: list[bool], asked: float, rate: float) -> None:
+def _refuse_unresolved(capacities: list[int], infinite: list[bool], asked: float, rate: float, name: str) -> None:
     """A sample at ``rate`` resolves no capacity under ``1 / rate`` rows: SHARDS hits such a cache
     only at sampled distance 0 and a mini-simulation runs it at one sampled row, so each reads as
     ``1 / rate`` rows (SHARDS at 1 % on 2 M Zipf-1.0 requests read 0.58 at 10 rows and at 100, where
-    the exact LRU curve has 0.92 and 0.73). An infinite capacity is exact whatever the rate."""
+    the exact LRU curve has 0.92 and 0.73). An infinite capacity is exact whatever the rate. ``name``
+    names the rate (the CLI's flag: the refusal said "sample at a rate of at least", naming none)."""
     low = [c for c, inf in zip(capacities, infinite) if not inf and c * rate < 1]
     if low:
         need = math.ceil((1 << SAMPLE_BITS) / low[0]) / (1 << SAMPLE_BITS)  # the least rate whose hash keeps 1 / low[0]
-        raise CachelabError(f"capacities {', '.join(map(str, low))} hold under one row of a sample at rate {asked} (its "
-                            f"hash keeps {rate:.8g} of the keys, one in {1 / rate:,.8g}), so each would read as "
-                            f"{1 / rate:,.8g} rows; drop them, or sample at a rate of at least {need:.8g}")
+        raise CachelabError(f"capacities {', '.join(map(str, low))} hold under one row of a sample at {name} {asked} "
+                            f"(its hash keeps {rate:.8g} of the keys, one in {1 / rate:,.8g}), so each would read as "
+                            f"{1 / rate:,.8g} rows; drop them, or give {name} {need:.8g} or more")
 
 
 def _bounded(req: _Requests, ratios: list[float], infinite: list[bool], rate: float | None) -> list[float]:
