@@ -233,6 +233,22 @@ def test_capacities_a_sample_cannot_resolve_are_refused_naming_the_flag(tmp_path
         assert "drop them, or give --sample-rate 0.10000002 or more" in said, said
 
 
+@pytest.mark.parametrize("verb", [["simulate", "--capacity", "10"], ["mrc", "--capacities", "10"],
+                                  ["policies", "check", "lru"],
+                                  ["store", "bench", "--capacity", "10", "--backing", "dram", "--dir", "no-store"]])
+def test_an_unknown_admission_param_is_refused_naming_the_param(tmp_path, verb):
+    """``--param admission=bogus`` reached the policy, whose refusal said "unknown admission 'bogus'"
+    (no flag) once it built its state, and ``policies check`` ran all its checks into it (9 of 11
+    failed, exit 1); now every verb refuses it before any work, naming ``--param admission`` and
+    the filters there are."""
+    np.save(tmp_path / "k.npy", np.arange(50) % 20)
+    trace = [] if verb[0] == "policies" else ["--trace", str(tmp_path / "k.npy"), "--policy", "lru"]
+    res = runner.invoke(app, [*verb, *trace, "--param", "admission=bogus"])
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2, res.output
+    assert "unknown --param admission 'bogus'; choose one of ['always', 'scores', 'tinylfu']" in said, said
+
+
 def test_requests_and_steps_apply_where_the_trace_takes_them(tmp_path):
     """simulate/mrc --requests N on a key trace replays its first N keys (default: all), as `trace lookups`
     does; --steps on a key trace and either flag on a lookup stream are refused, naming the flag. (The

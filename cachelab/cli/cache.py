@@ -74,10 +74,11 @@ def checked_policy(policy: str, admission: str | None, params: list[str]):
     """``build_policy``, its hyper-parameters' values checked before a trace loads: a policy checks
     them as it builds its state, so a cache of one row over one key is built and dropped (a bad
     value was found once the trace had loaded and been compacted)."""
-    if admission is not None:  # named as the flag: the policy's refusal said "unknown admission"
-        from cachelab.policy.admission import check_admission
+    from cachelab.policy.admission import check_admission, check_admission_param
 
+    if admission is not None:  # named as the flag: the policy's refusal said "unknown admission"
         check_admission(admission, "--admission")
+    check_admission_param(parse_pairs(params))
     built = build_policy(policy, admission, params)
     built.reset(1, 1)
     return built

@@ -115,6 +115,9 @@ def policies_check(
     cls = registry.get(registry.POLICIES, registered)
     plugin = registry.resolved(registry.POLICIES)[registered]
     check_params(cls, params, "--param")
+    from cachelab.policy.admission import check_admission_param
+
+    check_admission_param(params)
     console = Console()
     if not as_json:
         console.print(f"checking {name} ({escape(plugin.origin)})" + (f" with {params}" if params else ""))

@@ -137,6 +137,7 @@ def bench(
     from cachelab.learning.streams import layout_signature
     from cachelab.store.backing import check_io
     from cachelab.store.bench import PolicySpec, check_run, replay_store, table_stream
+    from cachelab.policy.admission import check_admission_param
     from cachelab.store.build import load_layout
     from cachelab.store.store import check_device
 
@@ -146,6 +147,7 @@ def bench(
     check_device(device, "--device")
     params = parse_pairs(param)
     check_params(registry.get(registry.POLICIES, policy.split("+")[0]), params, "--param")
+    check_admission_param(params)
     layout, _ = load_layout(directory)
     check_run(compute_ms, max_lookups, len(layout.config.layers) * layout.config.columns)
     if dram_policy is not None and dram_capacity is None:

@@ -158,6 +158,14 @@ def check_admission(name: str, where: str = "admission") -> None:
         raise CachelabError(f"unknown {where} {name!r}; choose one of {sorted(KINDS)}")
 
 
+def check_admission_param(params: dict, where: str = "--param") -> None:
+    """Refuse an unknown ``admission`` among a verb's ``params`` (``--param admission=NAME``) naming
+    the flag, before any work: the policy refused it as it built its state, as "unknown admission",
+    and ``policies check`` ran every check into that error instead."""
+    if isinstance(params.get("admission"), str):
+        check_admission(params["admission"], f"{where} admission")
+
+
 def make_admission(name: str, capacity: int, num_keys: int, sample_factor: int = 10,
                    counter_max: int = 15, error: float | None = None):
     """Filter state ``(kind, counters, table, meta)`` sized for a cache of ``capacity`` rows;
