@@ -84,13 +84,38 @@ def test_bench_engine_gives_libcachesim_a_hash_table_sized_to_the_cache(tmp_path
     monkeypatch.setattr(lcs, "LRU", Spy)
     trace = write_oracle_general(tmp_path / "t.oracleGeneral", np.arange(400) % 37)
     assert worker("LRU", trace, 20, 6)["miss_ratio"] == 1.0  # a loop of 37 keys through 20 rows: LRU misses all
-    assert built == [{"hashpower": 6}]
+    assert built == [{"hashpower": 6, "default_ttl": 0}]
     done = bench_engine("--requests", "400", "--policies", "lru", "--json")
     assert done.returncode == 0, done.stderr[-2000:]
     [row] = json.loads(done.stdout.strip().splitlines()[-1])
     assert row["libcachesim_hashpower"] == fitted_hashpower(row["capacity"]) and row["miss_counts_equal"]
     done = bench_engine("--requests", "400", "--policies", "lru", "--json", "--lcs-hashpower", "24")
     assert json.loads(done.stdout.strip().splitlines()[-1])[0]["libcachesim_hashpower"] == 24, done.stderr[-2000:]
+
+
+def test_bench_engines_libcachesim_expires_nothing_as_the_tests_reference(tmp_path, monkeypatch):
+    """The worker built libCacheSim with its default TTL (86,400 x 300 = 25,920,000), where the tests'
+    reference (``lcs_reference.lcs_cache``) gives ``default_ttl=0``: in a build with TTL compiled in,
+    the benchmark's libCacheSim expired rows past 25.9 M requests and missed where the tests' did not."""
+    lcs = pytest.importorskip("libcachesim")
+    sys.path.insert(0, str(BENCHMARKS))
+    from bench_engine import worker
+    from lcs_reference import lcs_cache
+
+    from cachelab.trace.keytrace import write_oracle_general
+
+    ttls = []
+
+    class Spy(lcs.FIFO):
+        def __init__(self, *args, **kwargs):
+            ttls.append(kwargs.get("default_ttl"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(lcs, "FIFO", Spy)
+    trace = write_oracle_general(tmp_path / "t.oracleGeneral", np.arange(100) % 10)
+    assert worker("FIFO", trace, 20, 6)["miss_ratio"] == pytest.approx(0.1)  # 10 keys in 20 rows: each misses once
+    lcs_cache("FIFO", 20)
+    assert ttls == [0, 0], ttls  # the worker's was None: libCacheSim's default
 
 
 def test_a_stream_too_small_for_the_minimum_is_refused_by_name():
@@ -297,7 +322,6 @@ def test_bench_capture_sends_id_prompts_vllm_takes_and_no_path_warms_anothers_pr
     200'); and every path of a round sent the
     same prompts, so the second found them in the upstream's prefix cache. Every timed request now
     finds none of its prompt cached (a prompt of 48 ids: three 16-token blocks the upstream caches)."""
-    sys.path.insert(0, str(Path(__file__).parent))
     from capture_upstream import ServerThread, Upstream
 
     upstream = Upstream()
