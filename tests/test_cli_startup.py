@@ -92,7 +92,7 @@ import json, sys
 import numba, numpy as np
 from cachelab.workload.lookups import compact
 ids, uniq = compact(np.arange(2_000) % 300 * 7)
-from cachelab.workload.lookups import _key_range
+from cachelab.workload.compaction import _key_range
 loaded = sum(_key_range.stats.cache_hits.values())
 registries = sorted(m for m in ("numba.np.arraymath", "numba.core.typing.cffi_utils", "numba.cpython.setobj")
                     if m in sys.modules)
@@ -300,7 +300,7 @@ def test_compacting_dense_keys_loads_a_kernel_that_makes_no_array():
     probe = """
 import json, sys
 import numpy as np
-from cachelab.workload.lookups import _dense_ids_kernel, compact
+from cachelab.workload.compaction import _dense_ids_kernel, compact
 ids, uniq = compact(np.arange(3_000) * 7919 % 997 + 5)
 print(json.dumps({"ids": ids.tolist(), "uniq": uniq.tolist(), "arrayobj": "numba.np.arrayobj" in sys.modules,
                   "loaded": sum(_dense_ids_kernel.stats.cache_hits.values())}))

@@ -39,7 +39,7 @@ from numba.extending import intrinsic
 
 from cachelab.compiled import (borrowed, copy_bytes, prefetch, prefetch_at, prefetch_write_at, serial_and_parallel,
                                uint16_pointer)
-from cachelab.workload.lookups import _slot
+from cachelab.workload.compaction import _slot
 
 PAGE = 4096
 _AHEAD = 8  # rows between a row's prefetch and its copy
