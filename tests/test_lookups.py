@@ -230,6 +230,35 @@ def test_the_prompt_view_never_addresses_a_last_output_token_as_serving_never_fe
     assert alone.num_steps == sum(-(-p // 8) + n - p for p, n in zip(prompts, fed))
 
 
+def test_a_stream_without_metadata_has_the_same_keys_and_steps(tmp_path, monkeypatch):
+    """A replay reads keys and steps alone, so ``simulate`` and ``mrc`` build streams without the
+    per-lookup metadata (16 of a lookup's 24 bytes): in both step views, and read from a saved
+    stream, the keys and steps are those of the stream with it, and with it each lookup's token
+    (given a chunk of lookups at a time) is its request's token at its position."""
+    from cachelab.engram import Addresser
+    from cachelab.learning.streams import load_trace, request_stream
+    from cachelab.workload import lookups
+
+    addresser = Addresser("deepseek-v4.1-flash")
+    rng = np.random.default_rng(7)
+    seqs = [rng.integers(3, 128_000, int(n)) for n in (40, 33, 20, 50)]
+    prompts, outputs = [s[:p] for s, p in zip(seqs, (30, 33, 19, 7))], [s[p:] for s, p in zip(seqs, (30, 33, 19, 7))]
+    for steps in ("prompts", "serving"):
+        full = request_stream(prompts, outputs, ["a", "b", "a", "c"], steps=steps)
+        bare = request_stream(prompts, outputs, ["a", "b", "a", "c"], steps=steps, meta=False)
+        assert np.array_equal(bare.keys, full.keys) and np.array_equal(bare.step_offsets, full.step_offsets)
+        assert bare.meta == {} and set(full.meta) == {"column", "request", "position", "phase", "domain", "token"}
+        assert bare.layout == full.layout is not None
+    monkeypatch.setattr(lookups, "CHUNK", 1000)  # several chunks, one ending inside a token's lookups
+    m = request_stream(prompts, outputs, ["a", "b", "a", "c"]).meta
+    want = addresser.compress(np.concatenate(seqs))[np.cumsum([0] + [len(s) for s in seqs[:-1]])[m["request"]]
+                                                    + m["position"]]
+    assert np.array_equal(m["token"], want) and m["token"].dtype == np.int32
+    saved = full.save(tmp_path / "s.npz")
+    assert load_trace(str(saved), 0, 0, "deepseek-v4.1-flash", tokens=False, meta=False).meta == {}
+    assert set(LookupStream.load(saved).meta) == set(full.meta)
+
+
 def test_a_long_stream_checks_its_steps_with_no_array_of_a_byte_a_step():
     """Rising step offsets were checked by one comparison of every step with the next, an array of
     a byte a step (a 10 M-key trace's 10 MB of fresh pages); the check now goes a slice at a time,

@@ -18,7 +18,7 @@ from cachelab.defaults import PRESET
 from cachelab.learning.streams import STEP_VIEWS, load_trace, unchecked_layout
 from cachelab.trace.keytrace import FORMATS
 from cachelab.trace.kinds import Found, detect, refuse_unused, requests_or_default
-from cachelab.workload.lookups import LookupStream, compact
+from cachelab.workload.lookups import LookupStream, count_distinct
 from cachelab.engine.replay import check_warmup, replay
 from cachelab.engine.sampling import check_rate
 
@@ -44,22 +44,24 @@ def _console(**kwargs):
 
 
 def load_stream(trace: str, fmt: str | None, requests: int | None, steps: str | None,
-                verb: str, preset: str = PRESET) -> tuple[Found, LookupStream]:
+                verb: str, preset: str = PRESET, meta: bool = False) -> tuple[Found, LookupStream]:
     """What ``--trace`` names (``cachelab.trace.kinds``) and its lookup stream: a key trace is one
     request per step; corpus names and a request trace's tokens become Engram row lookups of
-    layout ``preset``. ``--requests`` and ``--steps`` where the kind takes no such thing are refused."""
+    layout ``preset``, with per-lookup metadata only where ``meta`` (a model scores from it; a
+    replay reads keys and steps alone). ``--requests`` and ``--steps`` where the kind takes no
+    such thing are refused."""
     found = detect(trace, fmt)
     refuse_unused(found, {"--requests": requests, "--steps": steps})
     with spinner(f"reading {found}"):
         return found, load_trace(found, requests_or_default(found, requests), 0, preset, steps or "prompts",
-                                 verb=verb, tokens=False)
+                                 verb=verb, tokens=False, meta=meta)
 
 
 def capacity_rows(capacities: list[Capacity], stream: LookupStream, where: str) -> list[int]:
     """Rows of each capacity for ``stream``: shares of its distinct keys, bytes over its row size
     (a key trace's objects count one byte each)."""
-    # counted by hashing (compact), 2-3x faster than sorting every key
-    unique = compact(stream.keys)[1].size if any(c.is_share for c in capacities) else None
+    # counted by hashing, 2-3x faster than sorting every key
+    unique = count_distinct(stream.keys) if any(c.is_share for c in capacities) else None
     return [c.rows(unique, stream.row_bytes, where) for c in capacities]
 
 
@@ -125,7 +127,7 @@ def simulate(
     # corpus names and request traces are addressed in the model's layout (they were the
     # default layout's, refused as rows of another layout with a --preset simulate lacks)
     found, stream = load_stream(trace, fmt, requests, steps, "simulate",
-                                PRESET if fitted is None else trained_layout(fitted))
+                                PRESET if fitted is None else trained_layout(fitted), meta=fitted is not None)
     scores = None
     if fitted is not None:
         from cachelab.learning.training import lookup_scores, policy_params

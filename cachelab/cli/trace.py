@@ -19,7 +19,7 @@ from cachelab.params import parse_pairs
 from cachelab.paths import output_file
 from cachelab.progress import progress_bar, spinner
 from cachelab.trace.keytrace import write_oracle_general
-from cachelab.workload.prefix_cache.hashing import sorted_distinct
+from cachelab.workload.lookups import count_distinct
 from cachelab.trace.schema import write_trace
 from cachelab.trace.convert import oracle_to_trace, trace_keys
 from cachelab.trace.stats import summarize
@@ -267,7 +267,7 @@ def convert(
             raise CachelabError(f"{source}: no {keys} keys to write (no request has tokens to key); {out} not written")
         write_oracle_general(out, key_stream)
         result = {"out": str(out), "direction": "trace->oracleGeneral", "keys": keys,
-                  "records": int(key_stream.size), "distinct": int(sorted_distinct(key_stream).size)}
+                  "records": int(key_stream.size), "distinct": count_distinct(key_stream)}
     if as_json:
         typer.echo(strict_json.dumps(result))
     else:
@@ -321,7 +321,7 @@ def lookups(
                             steps or "prompts", verb="trace lookups", tokens=False)
         path = stream.save(out)
     result = {"out": str(path), "trace": trace, "trace_kind": found.kind, "lookups": stream.num_lookups,
-              "steps": stream.num_steps, "distinct_rows": int(sorted_distinct(stream.keys).size),
+              "steps": stream.num_steps, "distinct_rows": count_distinct(stream.keys),
               "row_bytes": stream.row_bytes, "token_metadata": "token" in stream.meta}
     if as_json:
         typer.echo(strict_json.dumps(result))

@@ -34,9 +34,9 @@ STEP_VIEWS = ("prompts", "serving")
 
 
 def prompt_stream(sources: list[str], per_source: int, seed: int = 0, preset: str = "deepseek-v4.1-flash",
-                  tokens_per_step: int = 512, steps: str = "prompts") -> LookupStream:
+                  tokens_per_step: int = 512, steps: str = "prompts", *, meta: bool = True) -> LookupStream:
     """The lookup stream of the first ``per_source`` documents of each corpus, interleaved,
-    grouped into steps as ``steps`` (one of ``STEP_VIEWS``) says."""
+    grouped into steps as ``steps`` (one of ``STEP_VIEWS``) says; ``meta`` False: keys and steps alone."""
     if steps not in STEP_VIEWS:
         raise CachelabError(f"unknown step view {steps!r}; choose one of {list(STEP_VIEWS)}")
     if per_source < 1:
@@ -61,15 +61,15 @@ def prompt_stream(sources: list[str], per_source: int, seed: int = 0, preset: st
     answers = encode([d.answers[0] if d.answers else "" for d in docs], tok)
     seqs = [np.concatenate([p, a]) for p, a in zip(prompts, answers)]
     return _sequence_stream(addresser, seqs, [p.size for p in prompts], [d.domain for d in docs], steps,
-                            tokens_per_step)
+                            tokens_per_step, meta)
 
 
 def request_stream(prompts: list[np.ndarray], outputs: list[np.ndarray], domains: list[str],
                    preset: str = "deepseek-v4.1-flash", tokens_per_step: int = 512,
-                   steps: str = "prompts") -> LookupStream:
+                   steps: str = "prompts", *, meta: bool = True) -> LookupStream:
     """The lookup stream of requests with token ids (a request trace's rows in arrival order, such
     as a capture of live serving): each prompt then its recorded output, grouped into steps as
-    ``steps`` says."""
+    ``steps`` says; ``meta`` False: keys and steps alone."""
     if steps not in STEP_VIEWS:
         raise CachelabError(f"unknown step view {steps!r}; choose one of {list(STEP_VIEWS)}")
     if not prompts:
@@ -77,26 +77,31 @@ def request_stream(prompts: list[np.ndarray], outputs: list[np.ndarray], domains
     prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
     seqs = [np.concatenate([p, np.asarray(o, dtype=np.int64)]) for p, o in zip(prompts, outputs)]
     return _sequence_stream(Addresser(get_preset(preset)), seqs, [p.size for p in prompts], domains, steps,
-                            tokens_per_step)
+                            tokens_per_step, meta)
 
 
-def _sequence_stream(addresser, seqs, prompt_lens, domains, steps: str, tokens_per_step: int) -> LookupStream:
-    """Token sequences (prompt first) as a learning stream: each lookup with its compressed token."""
+def _sequence_stream(addresser, seqs, prompt_lens, domains, steps: str, tokens_per_step: int,
+                     meta: bool) -> LookupStream:
+    """Token sequences (prompt first) as a learning stream: each lookup with its compressed token
+    (``meta`` False: keys and steps alone, what a replay reads)."""
     if steps == "serving":  # the step producer already carries the compressed token of each lookup
         from cachelab.workload.steps import scheduled_stream  # the scheduler: not for a key trace (simulate)
 
-        return replace(scheduled_stream(addresser, seqs, prompt_lens, domains),
+        return replace(scheduled_stream(addresser, seqs, prompt_lens, domains, meta=meta),
                        layout=layout_signature(addresser.config))
-    stream = LookupStream.from_sequences(addresser, seqs, tokens_per_step, prompt_lens, domains)
-    return replace(stream.with_tokens(addresser, seqs), layout=layout_signature(addresser.config))
+    stream = LookupStream.from_sequences(addresser, seqs, tokens_per_step, prompt_lens, domains, meta=meta)
+    return replace(stream.with_tokens(addresser, seqs) if meta else stream, layout=layout_signature(addresser.config))
 
 
 def load_trace(trace, per_source: int, seed: int, preset: str, steps: str = "prompts", *,
-               verb: str = "train", tokens: bool = True, fmt: str | None = None) -> LookupStream:
+               verb: str = "train", tokens: bool = True, fmt: str | None = None, meta: bool = True) -> LookupStream:
     """Any ``--trace`` (``cachelab.trace.kinds``) as a lookup stream: a saved stream (its steps as
     saved), corpus names (``per_source`` documents each, grouped as ``steps`` says), a request
     trace with token ids (its first ``per_source`` requests), or, unless ``tokens`` (a predictor
-    needs them), a key trace (its first ``per_source`` keys, one a step; 0: all)."""
+    needs them), a key trace (its first ``per_source`` keys, one a step; 0: all).
+
+    ``meta`` False: keys and steps alone, for a replay (simulate, mrc), which reads nothing else;
+    the per-lookup metadata took 16 of a lookup's 24 bytes (300 Mooncake requests: 3.4 GB)."""
     from cachelab.trace.keytrace import read_keys
     from cachelab.trace.kinds import CORPORA, KEY, LOOKUPS, REQUESTS_TAKE, Found, detect, wrong_kind
 
@@ -104,9 +109,9 @@ def load_trace(trace, per_source: int, seed: int, preset: str, steps: str = "pro
     if per_source < (1 if found.kind == CORPORA else 0):  # keys[:-3], head(-3): all but the last 3
         raise CachelabError(f"--requests {per_source}: {REQUESTS_TAKE[found.kind]}")
     if found.kind == LOOKUPS:
-        return LookupStream.load(found.path)
+        return LookupStream.load(found.path, meta=meta)
     if found.kind == CORPORA:
-        return prompt_stream(found.corpora, per_source, seed, preset, steps=steps)
+        return prompt_stream(found.corpora, per_source, seed, preset, steps=steps, meta=meta)
     if found.kind == KEY:
         if tokens:
             raise wrong_kind(found, verb, "Engram lookups with their tokens (corpus names, a lookup stream or a "
@@ -114,10 +119,10 @@ def load_trace(trace, per_source: int, seed: int, preset: str, steps: str = "pro
                              "gsm8k,humaneval -o stream.npz` writes a lookup stream.")
         keys = read_keys(found.path, found.key_format)
         return LookupStream.from_keys(keys[:per_source] if per_source else keys)  # the first N, each its own step
-    return _trace_stream(found, per_source, preset, steps, verb)
+    return _trace_stream(found, per_source, preset, steps, verb, meta)
 
 
-def _trace_stream(found, max_requests: int, preset: str, steps: str, verb: str) -> LookupStream:
+def _trace_stream(found, max_requests: int, preset: str, steps: str, verb: str, meta: bool) -> LookupStream:
     """A request trace's first ``max_requests`` requests (all if 0) in arrival order, those with token ids."""
     from cachelab.trace.kinds import REQUESTS, Found, wrong_kind
     from cachelab.trace.schema import check_tokenizer, has_requests, read_trace, require_outputs
@@ -131,7 +136,7 @@ def _trace_stream(found, max_requests: int, preset: str, steps: str, verb: str) 
                          "token ids to address", "Build it with text: `cachelab trace build ... --corpus "
                          "arena-hard` gives every request real tokens.")
     return request_stream(table["prompt_ids"].to_list(), table["output_ids"].to_list(), table["domain"].to_list(),
-                          preset, steps=steps)
+                          preset, steps=steps, meta=meta)
 
 
 @dataclass(slots=True)

@@ -69,7 +69,7 @@ def trace_keys(path: str | os.PathLike, kind: str = "rows", *, block_size: int |
             prompts = frame["prompt_ids"].to_numpy()
             sequences = [np.concatenate([p, o]) for p, o in zip(prompts, frame["output_ids"].to_numpy())]
             parts.append(LookupStream.from_sequences(addresser, sequences, tokens_per_step=None,
-                                                     prompt_lengths=[p.size for p in prompts]).keys)
+                                                     prompt_lengths=[p.size for p in prompts], meta=False).keys)
         elif not has_content or block_size is None and frame["block_hashes"].null_count() == 0:
             if frame["block_hashes"].null_count():
                 raise CachelabError(f"{path}: block keys need token content or block_hashes")

@@ -22,11 +22,11 @@ import numpy as np
 
 from cachelab.errors import CachelabError
 from cachelab.paths import replacing
-from cachelab.workload.compaction import StepDedup, StepDeduper, compact, compact_steps, dedup_steps
+from cachelab.workload.compaction import StepDedup, StepDeduper, compact, compact_steps, count_distinct, dedup_steps
 
-__all__ = ["COMPARED", "DECODE", "FORMAT_VERSION", "LAYER_SHIFT", "META_DTYPES", "PREFILL", "ROW_MASK", "LookupStream",
-           "StepDedup", "StepDeduper", "compact", "compact_steps", "dedup_steps", "first_tokens", "global_key",
-           "split_key"]
+__all__ = ["CHUNK", "COMPARED", "DECODE", "FORMAT_VERSION", "LAYER_SHIFT", "META_DTYPES", "PREFILL", "ROW_MASK",
+           "LookupStream", "StepDedup", "StepDeduper", "compact", "compact_steps", "count_distinct", "dedup_steps",
+           "first_tokens", "global_key", "split_key"]
 
 LAYER_SHIFT = 32
 ROW_MASK = (1 << LAYER_SHIFT) - 1
@@ -49,6 +49,7 @@ def split_key(keys) -> tuple[np.ndarray, np.ndarray]:
 
 
 COMPARED = 1 << 16  # step offsets compared at a time by ``_rising``
+CHUNK = 1 << 20  # lookups given their token ids at a time by ``with_tokens``
 
 
 def _rising(offsets: np.ndarray) -> bool:
@@ -143,7 +144,7 @@ class LookupStream:
     @classmethod
     def from_rows(cls, rows, token_step, row_bytes: int, layers: Sequence[int],
                   token_meta: Mapping[str, np.ndarray] | None = None,
-                  domains: Sequence[str] = ()) -> "LookupStream":
+                  domains: Sequence[str] = (), *, meta: bool = True) -> "LookupStream":
         """Flatten addresser rows ``[T, L, C]`` in token -> layer -> column order.
 
         Args:
@@ -151,6 +152,8 @@ class LookupStream:
             token_step: the (non-decreasing) step of each token; steps may be empty.
             token_meta: per-token arrays (request, position, phase, domain, ...), repeated to
                 every lookup of the token; ``column`` is added from the column index.
+            meta: False: keys and steps alone, no per-lookup metadata (``token_meta`` and
+                ``domains`` unused), for a replay, which reads nothing else.
         """
         rows = np.asarray(rows)
         if rows.ndim != 3:
@@ -166,23 +169,29 @@ class LookupStream:
         if n_cols > np.iinfo(META_DTYPES["column"]).max + 1:
             raise CachelabError(f"rows has {n_cols} columns per layer; the column metadata holds at most "
                                 f"{np.iinfo(META_DTYPES['column']).max + 1} ((max_ngram - 1) * heads)")
-        keys = global_key(np.arange(n_layers)[None, :, None], rows).reshape(-1)
+        keys = np.empty(rows.shape, np.int64)  # global_key in place: its int64 temporaries were 16 B a lookup
+        keys[...] = rows
+        for layer in range(1, n_layers):
+            keys[:, layer, :] |= layer << LAYER_SHIFT
+        keys = keys.reshape(-1)
         per_token = n_layers * n_cols
         steps = int(token_step[-1]) + 1 if t else 0
         counts = np.bincount(token_step, minlength=steps) * per_token
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        meta = {"column": np.tile(np.arange(n_cols, dtype=np.int8), t * n_layers)}
+        if not meta:
+            return cls(keys, offsets, row_bytes, tuple(layers))
+        lookup_meta = {"column": np.tile(np.arange(n_cols, dtype=np.int8), t * n_layers)}
         for name, arr in (token_meta or {}).items():
             arr = np.asarray(arr)
             if arr.shape != (t,):
                 raise CachelabError(f"token_meta field {name!r} has shape {arr.shape}, expected ({t},)")
-            meta[name] = np.repeat(arr, per_token)
-        return cls(keys, offsets, row_bytes, tuple(layers), meta, tuple(domains))
+            lookup_meta[name] = np.repeat(arr, per_token)
+        return cls(keys, offsets, row_bytes, tuple(layers), lookup_meta, tuple(domains))
 
     @classmethod
     def from_sequences(cls, addresser, sequences: Sequence[np.ndarray], tokens_per_step: int | None = 1,
                        prompt_lengths: Sequence[int] | None = None,
-                       domains: Sequence[str] | None = None) -> "LookupStream":
+                       domains: Sequence[str] | None = None, *, meta: bool = True) -> "LookupStream":
         """Offline replay of whole requests, one request at a time, in the order given.
 
         Step semantics: a request's prompt (the first ``prompt_lengths[i]`` tokens; all of
@@ -197,6 +206,7 @@ class LookupStream:
             addresser: a ``cachelab.engram.Addresser``.
             sequences: raw token ids per request.
             domains: an optional domain label per request (stored as codes + names).
+            meta: False: keys and steps alone (``from_rows``).
         """
         if tokens_per_step is not None and tokens_per_step < 1:
             raise CachelabError(f"tokens_per_step must be at least 1 (or None), got {tokens_per_step}")
@@ -220,8 +230,10 @@ class LookupStream:
         prompt_t = prompt[request]
         local = np.where(phase == PREFILL, position // chunk, -(-prompt_t // chunk) + position - prompt_t)
         token_step = first_step[request] + local
-        meta = {"request": request, "position": position, "phase": phase}
-        return cls.from_request_rows(addresser.config, rows, token_step, meta, domains, lengths.size)
+        if not meta:
+            return cls.from_rows(rows, token_step, addresser.config.row_bytes, addresser.config.layers, meta=False)
+        token_meta = {"request": request, "position": position, "phase": phase}
+        return cls.from_request_rows(addresser.config, rows, token_step, token_meta, domains, lengths.size)
 
     @classmethod
     def from_request_rows(cls, config, rows, token_step, token_meta: Mapping[str, np.ndarray],
@@ -245,7 +257,10 @@ class LookupStream:
         policies' features read), for a stream of ``sequences`` (``from_sequences``' requests)."""
         starts = np.concatenate([[0], np.cumsum([len(s) for s in sequences])[:-1]]).astype(np.int64)
         compressed = addresser.compress(np.concatenate(sequences))
-        token = compressed[starts[self.meta["request"]] + self.meta["position"]].astype(np.int32)
+        request, position = self.meta["request"], self.meta["position"]
+        token = np.empty(self.keys.size, np.int32)
+        for lo in range(0, token.size, CHUNK):  # whole, its int64 index and ids were 24 B a lookup
+            token[lo:lo + CHUNK] = compressed[starts[request[lo:lo + CHUNK]] + position[lo:lo + CHUNK]]
         return replace(self, meta={**self.meta, "token": token})
 
     @classmethod
@@ -290,14 +305,15 @@ class LookupStream:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "LookupStream":
-        """Read a stream written by ``save``; errors name the file and the field at fault."""
+    def load(cls, path: str | Path, meta: bool = True) -> "LookupStream":
+        """Read a stream written by ``save``; errors name the file and the field at fault. ``meta``
+        False: its keys and steps alone, the metadata not read (``from_rows``)."""
         path = Path(path)
         if not path.is_file():
             raise CachelabError(f"lookup stream not found: {path}")
         try:
             with np.load(path, allow_pickle=False) as z:
-                files = {k: z[k] for k in z.files}
+                files = {k: z[k] for k in z.files if meta or not k.startswith("meta_")}
         except Exception as exc:  # zipfile / format errors: report, don't trace back
             raise CachelabError(f"{path} is not a readable .npz lookup stream: {exc}") from None
         for name in ("version", "keys", "step_offsets", "row_bytes", "layers"):

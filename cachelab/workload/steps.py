@@ -37,7 +37,8 @@ def scheduled_steps(scheduler: Scheduler, requests: Sequence[Request]) -> list[S
 
 
 def step_stream(addresser, sequences: Sequence[np.ndarray], prompt_lengths: Sequence[int],
-                steps: Sequence[StepRecord], domains: Sequence[str] | None = None) -> LookupStream:
+                steps: Sequence[StepRecord], domains: Sequence[str] | None = None, *,
+                meta: bool = True) -> LookupStream:
     """The lookups of ``steps``, one stream step per record, in the records' order.
 
     Args:
@@ -46,6 +47,7 @@ def step_stream(addresser, sequences: Sequence[np.ndarray], prompt_lengths: Sequ
         prompt_lengths: prompt tokens per request (later positions are decodes).
         steps: the scheduler's records.
         domains: an optional domain label per request (stored as codes + names).
+        meta: False: keys and steps alone (``LookupStream.from_rows``).
     """
     lengths = np.array([len(s) for s in sequences], np.int64)
     prompt = np.asarray(prompt_lengths, np.int64)
@@ -73,17 +75,20 @@ def step_stream(addresser, sequences: Sequence[np.ndarray], prompt_lengths: Sequ
     position = np.arange(int(count.sum()), dtype=np.int64) - first + np.repeat(starts, count)
     flat = seq_offsets[request] + position
     rows = addresser.rows(tokens, seq_offsets)[flat]
-    meta = {"request": request.astype(np.int32), "position": position.astype(np.int32),
-            "phase": (position >= prompt[request]).astype(np.int8),
-            "token": addresser.compress(tokens)[flat].astype(np.int32)}
-    return LookupStream.from_request_rows(addresser.config, rows, token_step, meta, domains, lengths.size)
+    if not meta:
+        return LookupStream.from_rows(rows, token_step, addresser.config.row_bytes, addresser.config.layers,
+                                      meta=False)
+    token_meta = {"request": request.astype(np.int32), "position": position.astype(np.int32),
+                  "phase": (position >= prompt[request]).astype(np.int8),
+                  "token": addresser.compress(tokens)[flat].astype(np.int32)}
+    return LookupStream.from_request_rows(addresser.config, rows, token_step, token_meta, domains, lengths.size)
 
 
 def scheduled_stream(addresser, sequences: Sequence[np.ndarray], prompt_lengths: Sequence[int],
                      domains: Sequence[str] | None = None, *, kv_tokens: int | None = None,
                      prefix_cache: str = "vllm", block_size: int = 16,
                      max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
-                     max_num_seqs: int = MAX_NUM_SEQS) -> LookupStream:
+                     max_num_seqs: int = MAX_NUM_SEQS, meta: bool = True) -> LookupStream:
     """The lookup stream of ``sequences`` (prompt, then the answer decoded token by token)
     as the scheduler batches them, all queued at once in the order given.
 
@@ -91,6 +96,7 @@ def scheduled_stream(addresser, sequences: Sequence[np.ndarray], prompt_lengths:
         kv_tokens: the KV pool (None: room for every request at once, so nothing is
             preempted or evicted).
         prefix_cache, block_size: the pool's manager (``kv_pool``).
+        meta: False: keys and steps alone (``step_stream``).
     A request decodes ``len - prompt`` tokens (at least one); its last token is emitted,
     never fed back, so it has no lookups.
     """
@@ -103,4 +109,4 @@ def scheduled_stream(addresser, sequences: Sequence[np.ndarray], prompt_lengths:
     requests = [Request(i, np.asarray(s), int(prompt[i]), max(int(lengths[i] - prompt[i]), 1))
                 for i, s in enumerate(sequences)]
     scheduler = Scheduler(kv_pool(prefix_cache, kv_tokens, block_size), max_num_batched_tokens, max_num_seqs)
-    return step_stream(addresser, sequences, prompt, scheduled_steps(scheduler, requests), domains)
+    return step_stream(addresser, sequences, prompt, scheduled_steps(scheduler, requests), domains, meta=meta)

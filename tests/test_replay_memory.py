@@ -1,0 +1,41 @@
+"""The peak memory of a replay of Engram rows, against the size of its lookup stream."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss in KiB is Linux's")]
+
+KEY_BYTES = 8  # a lookup's key in the stream (int64)
+
+
+def _simulate(requests: int) -> tuple[int, int]:
+    """(lookups, peak resident bytes) of ``cachelab simulate`` on the first ``requests`` requests
+    of the standard library's sources, in a fresh process."""
+    cmd = [sys.executable, "-m", "cachelab", "simulate", "--trace", "stdlib", "--requests", str(requests),
+           "--policy", "lru", "--capacity", "0.01", "--json"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.stdout.read(), proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    assert status == 0, err[-2000:]
+    return json.loads(out.strip().splitlines()[-1])["requests"], usage.ru_maxrss * 1024
+
+
+def test_simulate_peaks_under_seven_times_its_streams_keys():
+    """300 Mooncake requests' rows (210 M lookups) needed over 8 GB: per lookup, the stream held 16 B
+    of metadata (column, request, position, phase, domain, token) that no replay reads, besides
+    its 8-byte key; the capacity share's count made two arrays of the keys' size; and the hash
+    table of the compaction was sized for a prefix's share of new keys, twice what it ends at.
+    What a lookup adds to the peak (between 10 and 50 requests, which cancels the interpreter and
+    imports) was 9.3x its key on the standard library (74 B), and is 5.6x (45 B): the key, each
+    step's distinct entry and where each lookup went (8 B each), and the table."""
+    small, big = _simulate(10), _simulate(50)
+    lookups, peak = big[0] - small[0], big[1] - small[1]
+    assert lookups > 5_000_000, lookups  # enough that a byte a lookup shows over the allocator's noise
+    assert peak < 7 * KEY_BYTES * lookups, f"{peak / lookups:.1f} B a lookup at the peak"
