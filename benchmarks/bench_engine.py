@@ -80,7 +80,8 @@ def shared_policies() -> list[tuple[str, str]]:
 def engram_requests(n: int) -> np.ndarray:
     from cachelab.engram import Addresser
     from cachelab.paths import data_root
-    from cachelab.workload.lookups import LookupStream, compact_steps
+    from cachelab.workload.compaction import compact_steps
+    from cachelab.workload.lookups import LookupStream
 
     novels = sorted((data_root() / "prompts/gutenberg").glob("*.txt"))
     texts = [p.read_text(encoding="utf-8") for p in novels]

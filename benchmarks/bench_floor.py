@@ -28,7 +28,8 @@ from cachelab.engine.cascade import run_policy
 from cachelab.engine.replay import warmup_steps
 from cachelab.learning.floor import fewest_misses
 from cachelab.learning.streams import load_trace
-from cachelab.workload.lookups import LookupStream, compact_steps
+from cachelab.workload.compaction import compact_steps
+from cachelab.workload.lookups import LookupStream
 
 
 def peak_gb() -> float:

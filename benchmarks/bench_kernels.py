@@ -96,7 +96,7 @@ def main() -> None:
 
     from bench_engine import engram_requests
 
-    from cachelab.workload.lookups import compact
+    from cachelab.workload.compaction import compact
 
     ids, uniq = compact(engram_requests(args.requests))
     ids = ids.astype(np.int64)

@@ -60,7 +60,7 @@ def learned_pass(stream, model_dir, capacity: int, policy: str) -> float:
 
 
 def lru_pass(stream, capacity: int) -> float:
-    from cachelab.workload.lookups import compact, dedup_steps
+    from cachelab.workload.compaction import compact, dedup_steps
 
     ids, uniq = compact(stream.keys)
     dd = dedup_steps(ids, stream.step_offsets, uniq.size)

@@ -76,7 +76,7 @@ from cachelab.errors import CachelabError
 from cachelab.serving.hardware.probe import _best
 from cachelab.store.backing import huge_page_empty
 from cachelab.store.kernels import prefetch_row
-from cachelab.workload.lookups import compact
+from cachelab.workload.compaction import compact
 
 CLI = [sys.executable, "-m", "cachelab.cli"]
 COLD_BYTES = 256 << 20  # the cold memcpy's source: larger than most last-level caches (docs/store.md)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from cachelab.trace.keytrace import ORACLE_DTYPE, read_keys, read_oracle_general, write_oracle_general
-from cachelab.workload.lookups import compact
+from cachelab.workload.compaction import compact
 
 __all__ = ["cloudphysics_keys", "engram_row_keys", "engram_stream", "lcs_cache", "lcs_miss_ratio", "lcs_misses",
            "lcs_misses_of", "lirs_keys", "min_capacity", "write_oracle_general"]

@@ -90,7 +90,7 @@ def test_cached_kernels_load_without_numbas_registries(tmp_path):
     probe = """
 import json, sys
 import numba, numpy as np
-from cachelab.workload.lookups import compact
+from cachelab.workload.compaction import compact
 ids, uniq = compact(np.arange(2_000) % 300 * 7)
 from cachelab.workload.compaction import _key_range
 loaded = sum(_key_range.stats.cache_hits.values())
@@ -113,7 +113,7 @@ def test_a_kernel_that_calls_blas_still_gets_it():
 import importlib.util, sys
 import numpy as np
 import numba
-from cachelab.workload.lookups import compact
+from cachelab.workload.compaction import compact
 compact(np.arange(10))  # the first dispatch: numba.np.arraymath imported, its probe deferred
 import numba.np.arraymath as arraymath
 has_scipy = importlib.util.find_spec("scipy") is not None
@@ -327,7 +327,7 @@ made = []
 plain = nrtdynmod.create_nrt_module
 nrtdynmod.create_nrt_module = lambda ctx: made.append(1) or plain(ctx)
 fresh = numba.njit(lambda n: np.arange(n)[::-1].copy())
-from cachelab.workload.lookups import compact  # cached kernels: the hash table is made inside
+from cachelab.workload.compaction import compact  # cached kernels: the hash table is made inside
 keys = np.arange(3_000, dtype=np.int64) << 33
 outs = [fresh(i % 7).sum() for i in range(2_000)]
 print(json.dumps({"made": len(made), "sum": int(sum(outs)), "ids": compact(keys)[0][:5].tolist()}))

@@ -23,7 +23,8 @@ import pytest
 from cachelab import registry
 from cachelab.engine.replay import replay
 from cachelab.engine.tiers import Hierarchy, Tier
-from cachelab.workload.lookups import LookupStream, dedup_steps
+from cachelab.workload.compaction import dedup_steps
+from cachelab.workload.lookups import LookupStream
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 STREAMS = GOLDEN / "miss_streams.npz"

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachelab.errors import CachelabError
-from cachelab.workload.lookups import (LookupStream, StepDeduper, compact, compact_steps, dedup_steps, first_tokens,
-                                       global_key, split_key)
+from cachelab.workload.compaction import StepDeduper, compact, compact_steps, dedup_steps
+from cachelab.workload.lookups import LookupStream, first_tokens, global_key, split_key
 
 
 def test_from_rows_flattens_token_layer_column_with_meta():

@@ -223,7 +223,8 @@ def test_the_engine_replays_each_lookup_as_fbgemm_counts_it(name, capacity, seed
     from cachelab.engine.replay import replay
     from cachelab.engine.stepper import RowSpace, StepReplay
     from cachelab.engine.tiers import Hierarchy, Tier
-    from cachelab.workload.lookups import LookupStream, compact
+    from cachelab.workload.compaction import compact
+    from cachelab.workload.lookups import LookupStream
 
     rng = np.random.default_rng(seed)
     keys = (rng.zipf(1.3, 1_500) % 300).astype(np.int64)

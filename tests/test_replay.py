@@ -196,7 +196,7 @@ def test_a_learned_tier_below_another_reads_the_keep_chance_the_scorer_gave():
     scores are handed over as they are (made_at given or not, the same hits)."""
     keys = zipf_keys(20_000, 3000, seed=2)
     stream = LookupStream(keys, np.arange(0, keys.size + 1, 20), ROW)
-    from cachelab.workload.lookups import compact_steps
+    from cachelab.workload.compaction import compact_steps
 
     position = compact_steps(stream.keys, stream.step_offsets)[0].inverse  # each lookup's on the scorer's clock
     horizon = 2048

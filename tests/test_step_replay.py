@@ -166,7 +166,7 @@ def test_a_sampled_learned_tier_reads_the_keep_chance_the_scorer_gave():
     policy's clock, and ``learned-lfu`` reads the keep chance given (it read it lower by the
     rows left out of the sample, down to 0 past a horizon)."""
     from cachelab import registry
-    from cachelab.workload.lookups import compact_steps
+    from cachelab.workload.compaction import compact_steps
 
     stream = _stream()
     position = compact_steps(stream.keys, stream.step_offsets)[0].inverse

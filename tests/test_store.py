@@ -26,7 +26,8 @@ from cachelab.store.bench import PolicySpec, check_rows, replay_store
 from cachelab.store.format import PAGE, TableLayout
 from cachelab.store.kernels import DEQUANT_TABLE, dequant_expand
 from cachelab.store.tier import policy_bytes_per_row
-from cachelab.workload.lookups import LookupStream, compact_steps, global_key, split_key
+from cachelab.workload.compaction import compact_steps
+from cachelab.workload.lookups import LookupStream, global_key, split_key
 from llvm_checks import fresh_llvm, increfs_past_entry
 
 SCALE = 2e-5  # ~7,700 rows per layer of the V4.1 layout, ~2 MB per file
@@ -467,7 +468,7 @@ def test_fused_lookup_counts_each_steps_distinct_rows(tables):
     """The store's fused path (no tier, DRAM): repeated rows within a step come back in request
     order and count once; the next step, sharing rows with it, counts its own distinct rows;
     a larger step grows the set."""
-    from cachelab.workload.lookups import compact
+    from cachelab.workload.compaction import compact
 
     rng = np.random.default_rng(12)
     with TieredStore.open(tables, backing="dram", hbm_capacity=None) as store:

@@ -18,7 +18,8 @@ from cachelab.defaults import PRESET
 from cachelab.learning.streams import STEP_VIEWS, load_trace, unchecked_layout
 from cachelab.trace.keytrace import FORMATS
 from cachelab.trace.kinds import Found, detect, refuse_unused, requests_or_default
-from cachelab.workload.lookups import LookupStream, count_distinct
+from cachelab.workload.compaction import count_distinct
+from cachelab.workload.lookups import LookupStream
 from cachelab.engine.replay import check_warmup, replay
 from cachelab.engine.sampling import check_rate
 

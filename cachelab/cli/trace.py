@@ -19,7 +19,7 @@ from cachelab.params import parse_pairs
 from cachelab.paths import output_file
 from cachelab.progress import progress_bar, spinner
 from cachelab.trace.keytrace import write_oracle_general
-from cachelab.workload.lookups import count_distinct
+from cachelab.workload.compaction import count_distinct
 from cachelab.trace.schema import write_trace
 from cachelab.trace.convert import oracle_to_trace, trace_keys
 from cachelab.trace.stats import summarize

@@ -25,7 +25,7 @@ from cachelab.policy import Policy
 from cachelab.policy.clock import on_clock
 from cachelab.policy.unbounded import Unbounded
 from cachelab.workload.future import counted_next_access, next_access
-from cachelab.workload.lookups import StepDedup, StepDeduper
+from cachelab.workload.compaction import StepDedup, StepDeduper
 
 
 def sized(policy: Policy, capacity: int, num_keys: int) -> Policy:

@@ -37,7 +37,8 @@ from cachelab.engine.cascade import run_policy
 from cachelab.engine.replay import warmup_steps
 from cachelab.engine.sampling import SAMPLE_BITS, effective_rate, sample_mask, scaled_capacity
 from cachelab.progress import progress_bar
-from cachelab.workload.lookups import LookupStream, compact, compact_steps
+from cachelab.workload.compaction import compact, compact_steps
+from cachelab.workload.lookups import LookupStream
 
 __all__ = ["COLD", "Curve", "miss_ratio_curve", "sample_mask", "stack_distances"]
 

@@ -29,7 +29,8 @@ from cachelab.engine.stats import LinkBytes, ReplayStats, TierStats
 from cachelab.engine.tiers import Hierarchy, SSDStore
 from cachelab.policy.unbounded import Unbounded
 from cachelab.progress import progress_bar
-from cachelab.workload.lookups import LookupStream, compact, compact_steps, global_key, split_key
+from cachelab.workload.compaction import compact, compact_steps
+from cachelab.workload.lookups import LookupStream, global_key, split_key
 
 if TYPE_CHECKING:  # Polars only for per_step: a replay's statistics need none (simulate imports no Polars)
     import polars as pl

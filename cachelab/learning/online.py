@@ -43,7 +43,8 @@ from cachelab.errors import CachelabError
 from cachelab.learning.features import NEVER, FeatureState, _hash_fill, _home, featurise
 from cachelab.learning.streams import LearningView, layout_signature, token_digest
 from cachelab.learning.training import Model, as_scores, check_layout, load, predictions
-from cachelab.workload.lookups import compact, global_key
+from cachelab.workload.compaction import compact
+from cachelab.workload.lookups import global_key
 
 POSITION_BITS = 21  # a prompt's positions in the low bits of its (key, position) sort keys
 KEPT_PROMPTS = 1024  # prompts whose rows are kept for the lookahead (those still in prefill)

@@ -24,7 +24,8 @@ import numpy as np
 from cachelab import registry
 from cachelab.engram import Addresser, EngramConfig, encode, get_preset
 from cachelab.errors import CachelabError
-from cachelab.workload.lookups import LAYER_SHIFT, PREFILL, LookupStream, compact_steps
+from cachelab.workload.compaction import compact_steps
+from cachelab.workload.lookups import LAYER_SHIFT, PREFILL, LookupStream
 
 REQUIRED_META = ("column", "request", "position", "phase", "domain", "token")
 # How a corpus becomes serving steps: "prompts" prefills each prompt alone in chunks and then

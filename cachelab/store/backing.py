@@ -38,7 +38,7 @@ import numpy as np
 from cachelab.errors import CachelabError
 from cachelab.store.format import PAGE, TableLayout
 from cachelab.store.kernels import gather_pages, pread_rows
-from cachelab.workload.lookups import compact
+from cachelab.workload.compaction import compact
 
 BACKINGS = ("dram", "mmap", "pread", "direct", "hbm")
 

@@ -26,7 +26,8 @@ from cachelab.progress import progress_bar
 from cachelab.store.format import PAGE
 from cachelab.store.kernels import DEQUANT_TABLE, dequant_expand
 from cachelab.store.store import TieredStore
-from cachelab.workload.lookups import LookupStream, compact_steps, split_key
+from cachelab.workload.compaction import compact_steps
+from cachelab.workload.lookups import LookupStream, split_key
 
 
 @dataclass

@@ -48,7 +48,7 @@ from cachelab.store.kernels import (BITMAP_BYTES, DEQUANT_TABLE, SEEN_GENERATION
 from cachelab.store.outputs import OutputPool
 from cachelab.store.source import RowSource
 from cachelab.store.tier import CacheTier, policy_bytes_per_row, scorer_positions
-from cachelab.workload.lookups import compact
+from cachelab.workload.compaction import compact
 
 INT64 = np.dtype(np.int64)
 

@@ -19,7 +19,8 @@ from cachelab.errors import CachelabError
 from cachelab.policy import Policy, StepResult
 from cachelab.policy.clock import on_clock
 from cachelab.store.kernels import copy_rows
-from cachelab.workload.lookups import compact, global_key
+from cachelab.workload.compaction import compact
+from cachelab.workload.lookups import global_key
 
 
 class CacheTier:

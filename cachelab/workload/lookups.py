@@ -22,11 +22,9 @@ import numpy as np
 
 from cachelab.errors import CachelabError
 from cachelab.paths import replacing
-from cachelab.workload.compaction import StepDedup, StepDeduper, compact, compact_steps, count_distinct, dedup_steps
 
 __all__ = ["CHUNK", "COMPARED", "DECODE", "FORMAT_VERSION", "LAYER_SHIFT", "META_DTYPES", "PREFILL", "ROW_MASK",
-           "LookupStream", "StepDedup", "StepDeduper", "compact", "compact_steps", "count_distinct", "dedup_steps",
-           "first_tokens", "global_key", "split_key"]
+           "LookupStream", "first_tokens", "global_key", "split_key"]
 
 LAYER_SHIFT = 32
 ROW_MASK = (1 << LAYER_SHIFT) - 1

@@ -24,7 +24,8 @@ TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS))
 
 from cachelab import registry  # noqa: E402
-from cachelab.workload.lookups import LookupStream, compact, dedup_steps  # noqa: E402
+from cachelab.workload.compaction import compact, dedup_steps  # noqa: E402
+from cachelab.workload.lookups import LookupStream
 from lcs_reference import lcs_misses, write_oracle_general  # noqa: E402
 from test_differential_libcachesim import CASES  # noqa: E402
 from test_golden_miss_counts import COUNTS, STREAMS, cachelab_counts, load_streams  # noqa: E402
