@@ -51,12 +51,13 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from cachelab.api_key import ApiKey
-from cachelab.capture.connections import MAX_LINGERING, ClientConnection, RefusedConnection, Request, error_body, \
-    hop_by_hop, unauthorized, whole_response
+from cachelab.capture.connections import ClientConnection, Request, error_body, hop_by_hop, unauthorized, \
+    whole_response
 from cachelab.capture.exchange import Exchange
 from cachelab.capture.forward import Forward
 from cachelab.capture.injection import Planner, apply, prepare
 from cachelab.capture.recorder import CLIENT_CLOSED, CLIENT_GONE
+from cachelab.capture.refused import MAX_LINGERING, RefusedConnection
 from cachelab.capture.upstream import UpstreamPool, shown_url
 from cachelab.errors import CachelabError
 
