@@ -587,3 +587,122 @@ def test_a_writer_replaced_from_another_thread_is_watched_by_the_proxys_loop(tmp
         r = httpx.post(p.url + "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 2}, timeout=30)
         assert r.status_code == 200
     assert writer.stats()["writer_restarts"] == 2
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the proxy's RSS from /proc")
+def test_request_bodies_count_in_the_held_bound_as_they_come(tmp_path):
+    """40 clients each send 3 MiB of a 6 MiB body and stall: each body counts in ``--max-held-mb`` (16) as it
+    comes, so the five that fit are held, every later one gets its 503 at once (recorded so, its bytes read
+    and dropped) and the proxy's RSS grows by the bound and a little; once they go, the bound is free again.
+    Only a whole request counted: the proxy held all 40 bodies (RSS +120 MiB here; 4,096 connections x 8 MiB
+    of --max-body-mb, 32 GiB, for the 30 s a request has to come whole)."""
+    upstream = HostileUpstream()
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+    part = b'{"model":"text","prompt":"' + b"a" * (3 << 20)
+    with cli_proxy(upstream.url, tmp_path / "cap", "--max-held-mb", "16") as (base, proc):
+        before = _rss_mib(proc.pid)
+        clients = [_connect(base) for _ in range(40)]
+        for sock in clients:
+            sock.sendall(head % (6 << 20) + part)
+        answers = []
+        for sock in clients:
+            sock.settimeout(0.3)
+            try:
+                answers.append(sock.recv(65536))
+            except TimeoutError:
+                answers.append(b"")  # held, waiting for the rest of its body
+        grown = _rss_mib(proc.pid) - before
+        refused = [a for a in answers if a.startswith(b"HTTP/1.1 503 ")]
+        assert len(refused) == 35 and answers.count(b"") == 5, answers
+        assert b"held over 16777216 bytes of requests and answers in flight (--max-held-mb)" in refused[0]
+        assert grown < 16 + 12, f"the proxy's RSS grew {grown:.0f} MiB holding bodies at --max-held-mb 16"
+        for sock in clients:
+            sock.close()
+        deadline = time.monotonic() + 10
+        while (r := httpx.post(base + "/v1/completions", json={"model": "text", "prompt": "x" * (7 << 20)},
+                               timeout=30)).status_code == 503:
+            assert time.monotonic() < deadline, "the bodies of the clients gone were not let go"
+            time.sleep(0.1)
+        assert r.status_code == 200, r.text
+        proc.terminate()
+        _, err = proc.communicate(timeout=PROXY_EXIT_S)
+    assert "Traceback" not in err, err
+    table, _ = read_requests(tmp_path / "cap")
+    assert table["status"].to_list() == [503] * 35 + [200]
+    assert table["error"][0] == "the proxy held over 16777216 bytes of requests and answers in flight " \
+                                "(--max-held-mb): not sent upstream"
+
+
+class _ClientTransport:
+    """A client connection's transport that keeps what the proxy writes to it and whether it ended it."""
+
+    def __init__(self):
+        self.written, self.eof, self.closed = b"", False, False
+
+    def write(self, data) -> None:
+        self.written += bytes(data)
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        self.eof = True
+
+    def close(self) -> None:
+        self.closed = True
+
+    def get_extra_info(self, name, default=None):
+        return default
+
+
+def test_the_held_count_follows_a_body_as_it_comes_and_goes():
+    """``proxy.held`` counts a body from its first piece (its bytes and ``PIECE_BYTES`` a piece; it counted
+    nothing until the request was whole) and gives it back when the connection goes; a body that crosses
+    the bound as it comes is refused at once (503, then its rest read and dropped and the close) or,
+    pipelined behind an answer in progress, in its turn: recorded so, its bytes dropped, not held."""
+    from cachelab.capture.connections import PIECE_BYTES, ClientConnection
+    from cachelab.capture.proxy import CaptureProxy
+
+    submitted = []
+    proxy = CaptureProxy(ProxyConfig(upstream="http://127.0.0.1:9", max_held_bytes=1000),
+                         recorder=type("Recorder", (), {"submit": staticmethod(submitted.append)})())
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 900\r\n\r\n"
+    held = 600 + PIECE_BYTES
+
+    def connect() -> ClientConnection:
+        client = ClientConnection(proxy)
+        client.connection_made(_ClientTransport())
+        return client
+
+    first, second = connect(), connect()
+    first.data_received(head + b"a" * 600)
+    assert proxy.held == held
+    second.data_received(head + b"b" * 600)  # crosses the bound: refused at once
+    assert second.transport.written.startswith(b"HTTP/1.1 503 ") and second.transport.eof
+    assert b"held over 1000 bytes of requests and answers in flight (--max-held-mb)" in second.transport.written
+    assert proxy.held == held
+    second.data_received(b"b" * 300)  # the rest, read and dropped; then the close
+    assert second.transport.closed and proxy.held == held
+    second.connection_lost(None)
+    first.connection_lost(None)
+    assert proxy.held == 0 and not proxy.clients
+
+    holding, behind = connect(), connect()
+    holding.data_received(head + b"a" * 600)
+    behind.forward = object()  # an answer in progress on this connection
+    behind.data_received(head + b"c" * 300)
+    assert proxy.held == held + 300 + PIECE_BYTES
+    behind.data_received(b"c" * 600)  # crosses: refused in its turn, its body dropped
+    assert proxy.held == held and behind.transport.written == b"" and len(behind.queue) == 1
+    behind.done(True)  # the answer before it is done
+    assert behind.transport.written.startswith(b"HTTP/1.1 503 ") and behind.transport.closed
+    assert [(x.status, x.error) for x in submitted] == [(503, "the proxy held over 1000 bytes of requests and "
+                                                              "answers in flight (--max-held-mb): not sent upstream")] * 2
+    holding.connection_lost(None)
+    behind.connection_lost(None)
+    assert proxy.held == 0

@@ -1,8 +1,9 @@
 """The capture proxy's client side: HTTP/1.1 connections on raw asyncio protocols, httptools' C parser.
 
 ``ClientConnection`` parses a client's requests (keep-alive, pipelining: answered in order,
-``Expect: 100-continue``, HTTP/1.0), bounds their heads and bodies (431, 413: sent at once,
-the rest of the body read and dropped so that the client reads it) and the requests it holds
+``Expect: 100-continue``, HTTP/1.0), bounds their heads and bodies (431, 413, and 503 where a body
+as it comes puts the proxy over ``--max-held-mb``: sent at once, the rest of the body read and
+dropped so that the client reads it) and the requests it holds
 pipelined behind the one being served (``MAX_PIPELINED``), and hands each complete
 request to the proxy (``cachelab.capture.proxy.CaptureProxy.serve``). A client that reads
 slowly pauses the upstream connection's reads (``pause_writing``). The upstream side is
@@ -16,6 +17,7 @@ import asyncio
 import json
 import socket
 import struct
+import sys
 import time
 from collections import deque
 from http import HTTPStatus
@@ -57,6 +59,9 @@ CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 # stops reading it, which it also does once their bodies are over max_body_bytes: what one client can hold
 MAX_PIPELINED = 16
 LAST_CHUNK = b"0\r\n\r\n"
+# what a piece of a body held as it comes costs besides its bytes (a bytes object's header, its list slot):
+# counted with them in ``max_held_bytes``: a body trickled two bytes a read holds 43 bytes a piece (tracemalloc)
+PIECE_BYTES = sys.getsizeof(b"") + 8
 
 
 def no_delay(transport) -> None:
@@ -104,6 +109,11 @@ def unsent(transport) -> int:
     return queued
 
 
+def held_over(limit: int) -> str:
+    """Why a request is refused (503), or an answer not recorded, at ``--max-held-mb``."""
+    return f"the proxy held over {limit} bytes of requests and answers in flight (--max-held-mb)"
+
+
 def error_body(status: int, message: str) -> bytes:
     return json.dumps({"error": {"message": message, "type": "capture_proxy_error", "code": status}},
                       separators=(",", ":")).encode()
@@ -126,7 +136,7 @@ def unauthorized(close: bool) -> bytes:
 class Request:
     """One request as the client's parser delivers it."""
 
-    __slots__ = ("url", "headers", "body", "size", "method", "keep_alive", "http11", "too_large", "answered",
+    __slots__ = ("url", "headers", "body", "size", "held", "method", "keep_alive", "http11", "refused", "answered",
                  "arrival", "arrival_unix_ns", "wants_continue")
 
     def __init__(self):
@@ -134,11 +144,12 @@ class Request:
         self.headers: list[tuple[bytes, bytes]] = []
         self.body: list[bytes] = []
         self.size = 0
+        self.held = 0  # its body's bytes (and pieces, ``PIECE_BYTES``) counted in ``proxy.held`` until it is served
         self.method = b""
         self.keep_alive = True
         self.http11 = True
-        self.too_large = False
-        self.answered = False  # refused before its body was read (413, 401): the body is dropped, then the close
+        self.refused = 0  # refused for its body (``ClientConnection._refuse_body``): 413 or 503; the body is dropped
+        self.answered = False  # refused before its body was read (413, 503, 401): the body is dropped, then the close
         self.arrival = 0.0
         self.arrival_unix_ns = 0
         self.wants_continue = False  # sent ``Expect: 100-continue`` behind an answer in progress
@@ -223,6 +234,9 @@ class ClientConnection(asyncio.Protocol):
         if gone:  # pipelined requests it sent whole and left before they were served
             for r in self.queue:
                 self.proxy.abandoned(r)
+        for r in (self.request, *self.queue):
+            if r is not None:
+                self._release(r)
         self.queue.clear()
 
     def data_received(self, data: bytes) -> None:
@@ -401,7 +415,7 @@ class ClientConnection(asyncio.Protocol):
             # limit was recorded as a 413
             self._unauthorized(r)
         elif declared is not None and declared.strip().isdigit() and int(declared) > limit:
-            self._too_large(r)
+            self._refuse_body(r, 413)
         elif r.header(b"expect") is not None and r.header(b"expect").lower() == b"100-continue":
             if self.forward is None and not self.queue:
                 self._continue(r)
@@ -412,15 +426,22 @@ class ClientConnection(asyncio.Protocol):
         r = self.request
         if self.final is not None:  # after a request refused whole (a 431 head): nothing more is kept
             return
-        if r.too_large or r.answered:
+        if r.refused or r.answered:
             self.discard -= len(body)
             if self.discard < 0:  # a client that keeps sending after its 413
                 self.transport.abort()
             return
         r.size += len(body)
-        if r.size > self.proxy.config.max_body_bytes:
+        # counted as it comes (a whole request only was: 4,096 clients that each sent most of an 8 MiB body and
+        # stalled held 32 GiB unbounded for the 30 s a request has to come whole); past the bound a 503
+        n = len(body) + PIECE_BYTES
+        r.held += n
+        self.proxy.held += n
+        c = self.proxy.config
+        if r.size > c.max_body_bytes or self.proxy.held > c.max_held_bytes:
             r.body.clear()
-            self._too_large(r)
+            self._release(r)
+            self._refuse_body(r, 413 if r.size > c.max_body_bytes else 503)
         else:
             r.body.append(body)
 
@@ -429,8 +450,10 @@ class ClientConnection(asyncio.Protocol):
         self.in_head, self.head_bytes = True, 0
         self.proxy.waiting.pop(self, None)
         if r is None or self.closed or self.final is not None or self.parser.should_upgrade():
+            if r is not None:
+                self._release(r)
             return  # an upgrade (or CONNECT) is not served: its 501 follows (``data_received``)
-        if r.answered:  # its 413 or 401, already sent: this connection is done
+        if r.answered:  # its 413, 503 or 401, already sent: this connection is done
             self.transport.close()
             self.closed = True
             return
@@ -444,15 +467,23 @@ class ClientConnection(asyncio.Protocol):
             self.read_paused = True
 
     # -- serving ----------------------------------------------------------------------------------
-    def _too_large(self, r: Request) -> None:
-        r.too_large = True
+    def _refuse_body(self, r: Request, status: int) -> None:
+        """Refuse a request for its body: over ``max_body_bytes`` (413), or putting the proxy over
+        ``max_held_bytes`` as it comes (503); answered in its turn (``CaptureProxy.refuse_body``)."""
+        r.refused = status
         r.keep_alive = False
         self.discard = 16 * self.proxy.config.max_body_bytes
         if self.forward is None and not self.queue:
             # answered now, before the body has come (or while it comes); it is read and dropped
             # before the connection closes, so that the client reads the 413 rather than a reset
             r.answered = True
-            self.proxy.refuse_too_large(self, r)
+            self.proxy.refuse_body(self, r)
+
+    def _release(self, r: Request) -> None:
+        """Take a request's body out of ``proxy.held``: dropped, its connection gone, or handed on to be
+        served (``next``; ``CaptureProxy.serve`` counts what it keeps of it)."""
+        self.proxy.held -= r.held
+        r.held = 0
 
     def _continue(self, r: Request) -> None:
         """Ask for the body of a request that waits for it (``Expect: 100-continue``), unless the proxy
@@ -544,6 +575,7 @@ class ClientConnection(asyncio.Protocol):
         while self.forward is None and self.queue and not self.closed:
             r = self.queue.popleft()
             self.queued_bytes -= r.size
+            self._release(r)
             self.proxy.serve(self, r)
         if self.final is not None:
             if self.forward is None and not self.queue:

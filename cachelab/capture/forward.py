@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 import httptools
 
-from cachelab.capture.connections import LAST_CHUNK, ClientConnection, error_body, hop_by_hop, whole_response
+from cachelab.capture.connections import LAST_CHUNK, ClientConnection, error_body, held_over, hop_by_hop, \
+    whole_response
 from cachelab.capture.exchange import Exchange, Restorer, ends_done, strip_body
 from cachelab.capture.recorder import CLIENT_CLOSED, CLIENT_GONE
 from cachelab.capture.upstream import UpstreamConnection, keep_alive_bound
@@ -321,8 +322,7 @@ class Forward:
         return self.proxy.held <= self.proxy.config.max_held_bytes
 
     def _over(self) -> str:
-        return f"the proxy held over {self.proxy.config.max_held_bytes} bytes of requests and answers in flight " \
-               "(--max-held-mb)"
+        return held_over(self.proxy.config.max_held_bytes)
 
     def keep(self, n: int) -> bool:
         """Count ``n`` more bytes of a whole answer held; False, and a 503, when that puts the exchanges in

@@ -23,9 +23,10 @@ and "Why the defaults", says what led here (the earlier proxies: FastAPI + httpx
 
 Bounds: a request body over ``max_body_bytes`` is refused with 413 before anything goes
 upstream; a request head over ``max_head_bytes`` with 431, an answer head over it is a 502; the
-requests and answers held by all exchanges in flight (a request until its exchange ends, a stream's
-events for its record, a whole body until it is restored, or kept for its record as it is relayed) are
-``max_held_bytes`` at most (``Forward.hold_request``, ``Forward.keep``: a request past it gets a 503); an answer over
+requests and answers held by all exchanges in flight (a request's body from its first byte until its exchange
+ends, a stream's events for its record, a whole body until it is restored, or kept for its record as it is
+relayed) are ``max_held_bytes`` at most (``ClientConnection.on_body``, ``Forward.hold_request``,
+``Forward.keep``: a request past it gets a 503); an answer over
 ``max_response_bytes``, an event over ``max_event_bytes`` without a delimiter, an answer
 slower than ``total_timeout`` or silent for ``read_timeout`` ends the exchange: the client
 gets a 502/504 (or, mid-stream, the end of the stream) and the record says why; a request
@@ -51,8 +52,8 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from cachelab.api_key import ApiKey
-from cachelab.capture.connections import ClientConnection, Request, error_body, hop_by_hop, unauthorized, \
-    whole_response
+from cachelab.capture.connections import ClientConnection, Request, error_body, held_over, hop_by_hop, \
+    unauthorized, whole_response
 from cachelab.capture.exchange import Exchange
 from cachelab.capture.forward import Forward
 from cachelab.capture.injection import Planner, apply, prepare
@@ -250,8 +251,8 @@ class CaptureProxy:
         if not self.authorized(r):
             return client.respond(unauthorized(close=not r.keep_alive), r.keep_alive)
         path = r.origin_path()
-        if r.too_large:
-            return self.refuse_too_large(client, r)
+        if r.refused:
+            return self.refuse_body(client, r)
         target = r.target(self.pool.prefix)
         if target is None:
             message = f"request target {r.url.decode('latin-1')!r}: expected /PATH, an absolute URL or OPTIONS *"
@@ -326,12 +327,15 @@ class CaptureProxy:
             x.body = b"".join(r.body)  # the model and session, as a served request's (read by the writer)
             self.recorder.submit(x)
 
-    def refuse_too_large(self, client: ClientConnection, r: Request) -> None:
-        limit = self.config.max_body_bytes
-        x = self._exchange(r, r.origin_path(), status=413, error=f"request body over {limit} bytes")
+    def refuse_body(self, client: ClientConnection, r: Request) -> None:
+        """Answer and record a request refused for its body (``Request.refused``): over ``max_body_bytes``
+        (413), or putting the proxy over ``max_held_bytes`` as it came (503)."""
+        why = f"request body over {self.config.max_body_bytes} bytes" if r.refused == 413 else \
+            f"{held_over(self.config.max_held_bytes)}: not sent upstream"
+        x = self._exchange(r, r.origin_path(), status=r.refused, error=why)
         if x is not None:
             self.recorder.submit(x)
-        data = whole_response(413, error_body(413, f"request body over {limit} bytes"), close=True)
+        data = whole_response(r.refused, error_body(r.refused, why), close=True)
         if r.answered:  # before the body was read: the connection closes once it has been
             client.refuse_early(data)
         else:

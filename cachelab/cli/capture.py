@@ -99,10 +99,10 @@ def proxy(
                                           "and outputs, at most (Mi characters); past it a record keeps no ids and "
                                           "says so (untokenized_chars), so that the records behind it do not wait."),
     max_held_mb: float = typer.Option(1024.0, help="Requests and answers held by all exchanges in flight, at most "
-                                      "(MiB): a request until its exchange ends, a stream's events until its record "
-                                      "is handed over, a whole answer until it is sent. A request past it gets a "
-                                      "503, a stream past it is relayed unchanged but not recorded (its record says "
-                                      "why), a whole answer gets a 503."),
+                                      "(MiB): a request's body from its first byte until its exchange ends, a "
+                                      "stream's events until its record is handed over, a whole answer until it is "
+                                      "sent. A request past it gets a 503, a stream past it is relayed unchanged but "
+                                      "not recorded (its record says why), a whole answer gets a 503."),
     read_timeout: float = typer.Option(300.0, help="Cut an upstream answer silent this long (s)."),
     total_timeout: float = typer.Option(3600.0, help="Cut an upstream answer running this long (s)."),
     connect_timeout: float = typer.Option(10.0, help="Give up connecting to the upstream after this long (s): "
