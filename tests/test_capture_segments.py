@@ -483,6 +483,11 @@ def test_cli_info_and_trace_build_from_capture(tmp_path):
     assert info.exit_code == 0, info.output
     got = json.loads(info.stdout)
     assert got["requests"] == 2 and got["requests_read"]["torn_tails"] == 1 and got["kv_batches"] == 0
+    assert got["requests_read"]["kinds"] == {"segment": 1, "request": 2}
+    # each kind of record named (it said "1 segments, 3 records" for these 2 requests)
+    text = runner.invoke(app, ["capture", "info", str(tmp_path / "cap")], env={"COLUMNS": "200"}).stdout
+    assert "requests: 1 segment, 3 records (1 segment header, 2 requests), 1 torn tail, 0 corrupt\n" in text, text
+    assert "kv-events: 0 segments, 0 records, 0 torn tails, 0 corrupt\n" in text, text
     built = runner.invoke(app, ["trace", "build", "--from-capture", str(tmp_path / "cap"), "-o",
                                 str(tmp_path / "t.parquet"), "--json"])
     assert built.exit_code == 0, built.output
@@ -526,3 +531,15 @@ def test_hash_blocks_recorder_compiles_its_hash_before_the_first_record(tmp_path
             f"r.close()\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert int(out.stdout.split()[-1]) >= 1
+
+
+def test_capture_info_names_every_kind_of_record():
+    """`capture info`'s line per stream says what its records are, each count with its noun in the right
+    number; a kind it does not know is named as written, a record that did not decode counted as such."""
+    from cachelab.cli.capture import read_summary
+
+    kv = ReadStats(segments=1, records=4, kinds={"segment": 1, "kv_batch": 1, "kv_gap": 2})
+    assert read_summary(kv) == "1 segment, 4 records (1 segment header, 1 KV batch, 2 gaps), 0 torn tails, 0 corrupt"
+    odd = ReadStats(segments=2, records=1203, kinds={"segment": 2, "request": 1000, "future": 200}, corrupt=1)
+    assert read_summary(odd) == ("2 segments, 1,203 records (2 segment headers, 1,000 requests, 200 'future' records, "
+                                 "1 undecodable), 0 torn tails, 1 corrupt")

@@ -200,11 +200,13 @@ class SegmentWriter:
 
 @dataclass
 class ReadStats:
-    """What a read found: segments, good records, torn tails and corrupt stretches (skipped);
-    ``damaged`` says where each of the latter is (``FILE@OFFSET: what``)."""
+    """What a read found: segments, good records (``kinds``: how many of each ``kind``, a segment's header
+    among them), torn tails and corrupt stretches (skipped); ``damaged`` says where each of the latter is
+    (``FILE@OFFSET: what``)."""
 
     segments: int = 0
     records: int = 0
+    kinds: dict[str, int] = field(default_factory=dict)
     torn_tails: int = 0
     corrupt: int = 0
     skipped_bytes: int = 0
@@ -212,7 +214,7 @@ class ReadStats:
     damaged: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"segments": self.segments, "records": self.records, "torn_tails": self.torn_tails,
+        return {"segments": self.segments, "records": self.records, "kinds": self.kinds, "torn_tails": self.torn_tails,
                 "corrupt": self.corrupt, "skipped_bytes": self.skipped_bytes, "bad_files": self.bad_files,
                 "damaged": self.damaged}
 
@@ -309,6 +311,8 @@ def read_stream(directory: str | os.PathLike, stream: str, stats: ReadStats | No
                 stats.bad_files.append(f"{path.name}: undecodable record ({exc})")
                 continue
             if isinstance(record, dict):
+                kind = str(record.get("kind"))
+                stats.kinds[kind] = stats.kinds.get(kind, 0) + 1
                 yield record
             else:
                 stats.corrupt += 1

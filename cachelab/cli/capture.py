@@ -284,6 +284,29 @@ def kv_events(
         Console().print(", ".join(f"{k}: {v}" for k, v in stats.items()))
 
 
+# what each kind of record a capture's streams hold is, as `capture info` counts them: (one, several)
+RECORD_KINDS = {"segment": ("segment header", "segment headers"), "request": ("request", "requests"),
+                "kv_batch": ("KV batch", "KV batches"), "kv_gap": ("gap", "gaps"),
+                "kv_lost": ("batch dropped (buffer full)", "batches dropped (buffer full)"),
+                "kv_disconnect": ("disconnect", "disconnects"), "kv_error": ("unreadable batch", "unreadable batches")}
+
+
+def counted(n: int, one: str, several: str) -> str:
+    return f"{n:,} {one if n == 1 else several}"
+
+
+def read_summary(s) -> str:
+    """A stream's read (``ReadStats``) in words: its records by kind (a count of records alone said
+    "3 records" for 2 requests, the segment's header the third unnamed), torn tails, corrupt stretches."""
+    kinds = [counted(n, *RECORD_KINDS.get(kind, (f"{kind!r} record", f"{kind!r} records")))
+             for kind, n in s.kinds.items()]
+    if s.records > sum(s.kinds.values()):
+        kinds.append(f"{s.records - sum(s.kinds.values()):,} undecodable")
+    return (f"{counted(s.segments, 'segment', 'segments')}, {counted(s.records, 'record', 'records')}"
+            + (f" ({', '.join(kinds)})" if kinds else "")
+            + f", {counted(s.torn_tails, 'torn tail', 'torn tails')}, {s.corrupt:,} corrupt")
+
+
 @app.command()
 def info(
     directory: Path = typer.Argument(..., help="A capture directory."),
@@ -337,7 +360,6 @@ def info(
         console.print(f"KV events lost: {kv['gaps']:,} batches missing (gaps), {kv['lost']:,} dropped (buffer full), "
                       f"{kv['disconnects']:,} disconnects, {kv['errors']:,} unreadable")
     for name, s in (("requests", stats), ("kv-events", kv_stats)):
-        console.print(f"{name}: {s.segments} segments, {s.records} records, {s.torn_tails} torn tails, "
-                      f"{s.corrupt} corrupt" + (f", bad files {s.bad_files}" if s.bad_files else ""))
+        console.print(f"{name}: {escape(read_summary(s))}" + (f", bad files {s.bad_files}" if s.bad_files else ""))
         for where in s.damaged:
             console.print(f"  {where}")
