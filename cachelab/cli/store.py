@@ -133,7 +133,12 @@ def bench(
 ) -> None:
     """Replay a trace's row stream through the store; per-tier hits, misses and bytes, stage
     times, and the simulator's figures for the same stream, policies and capacities. Exits 1
-    where a row differs from its reference or the store's figures from the simulator's."""
+    where a row differs from its reference or the store's figures from the simulator's.
+
+    dram_to_hbm_bytes is the HBM row cache's fill (hbm_writes rows): host_to_device_bytes less
+    the misses it does not keep (not admitted, or admitted and evicted within the step). The
+    stage backing_read (ssd_read, its first name) is the backing's read whatever it is: under
+    --backing dram a memory gather, no SSD. Every counter: docs/store.md, "Counters"."""
     from cachelab.learning.streams import layout_signature
     from cachelab.store.backing import check_io
     from cachelab.store.bench import PolicySpec, check_run, replay_store, table_stream
@@ -289,11 +294,13 @@ def _device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-STORE_ONLY = ("hbm_admissions", "hbm_evictions", "dram_admissions", "dram_evictions", "ssd_to_dram_bytes",
-              "dram_to_hbm_bytes", "host_read_bytes")
+STORE_ONLY = ("hbm_admissions", "hbm_evictions", "hbm_writes", "dram_admissions", "dram_evictions", "dram_writes",
+              "ssd_to_dram_bytes", "dram_to_hbm_bytes", "host_read_bytes")
 
 
 def _print(out: dict) -> None:
+    from cachelab.store.counters import STAGE_KEYS
+
     console = Console()
     for tier, c in out["clamped_capacities"].items():
         console.print(f"{tier} capacity {c['asked']:,} rows clamped to the table's {c['rows']:,} rows (it holds "
@@ -312,9 +319,11 @@ def _print(out: dict) -> None:
         if name in st and name not in out["comparison"]:
             table.add_row(name, f"{st[name]:,}", "[dim]not compared[/]")
     console.print(table)
-    stages = ", ".join(f"{k[:-2]} {st[k]:.3f}" for k in ("dedup_s", "cache_lookup_s", "ssd_read_s", "gather_s",
-                                                          "copy_s", "dequant_s", "stall_s", "step_s"))
-    console.print(f"seconds: {stages}; faults: {st['minor_faults']:,} minor, {st['major_faults']:,} major")
+    stages = ", ".join(f"{k[:-2]} {st[k]:.3f}" for k in (*STAGE_KEYS, "step_s", "stall_s"))
+    read = "a memory gather" if out["backing"] in ("dram", "hbm") else "reads through the page cache" \
+        if out["backing"] in ("mmap", "pread") else "O_DIRECT reads"
+    console.print(f"seconds: {stages} (backing_read: {read}), wall {out['wall_s']:.3f}; "
+                  f"faults: {st['minor_faults']:,} minor, {st['major_faults']:,} major")
     submit = f"; direct reads: {out['io_submission']}" if out.get("io_submission") else ""
     console.print(f"HBM tier: {out['hbm_device']}{submit}; matches_simulator: {out['matches_simulator']}"
                   + (f"; rows_checked {out['rows_checked']:,}, mismatches {out['mismatches']:,}"

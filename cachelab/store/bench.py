@@ -163,7 +163,9 @@ def replay_store(directory, stream: LookupStream, backing: str, hbm: PolicySpec 
     simulator's figures, the comparison and the row check, as one JSON-shaped dict.
 
     ``compute_ms``: the caller holds each step's rows this long (sleeping, the GIL released),
-    standing for the model's forward pass that a prefetch of the next step overlaps."""
+    standing for the model's forward pass that a prefetch of the next step overlaps. ``wall_s``:
+    the replay's seconds (steps, holds, row checks), which the store's ``step_s`` and
+    ``stall_s`` each stay within."""
     check_run(compute_ms, max_lookups)
     specs = {k: v for k, v in (("hbm", hbm), ("dram", dram)) if v is not None}
     mismatches = 0
@@ -178,6 +180,7 @@ def replay_store(directory, stream: LookupStream, backing: str, hbm: PolicySpec 
             scores = None if scores is None else scores[: stream.keys.size]
         steps = stream.num_steps
         folded = np.empty(stream.keys.size, np.int64)
+        wall = time.perf_counter()
         with progress_bar(enabled=progress) as bar:
             task = bar.add_task(f"store bench ({backing})", total=steps)
             ahead = None
@@ -199,13 +202,14 @@ def replay_store(directory, stream: LookupStream, backing: str, hbm: PolicySpec 
                 if verify:
                     mismatches += check_rows(store, rows, got)
                 bar.advance(task)
+        wall = time.perf_counter() - wall
         totals = store.totals.to_dict()
         capacities = {t.name: t.capacity for t in store.tiers}
         sim = simulate(store, stream, folded, specs, capacities, scores)
         figures = compare(totals, sim, store.tier_names, backing)
         out = {"backing": backing, "hbm_device": store.hbm_device, "steps": steps, "prefetch": prefetch,
                "io_submission": getattr(store.backing, "submission", None),
-               "compute_ms": compute_ms,
+               "compute_ms": compute_ms, "wall_s": wall,
                "lookups": int(stream.keys.size), "capacities": capacities, "clamped_capacities": store.clamped,
                "policies": {t: specs[t].name for t in store.tier_names},  # the tiers that run
                "store": totals, "simulator": sim,

@@ -4,20 +4,27 @@ Names follow the seed study's decomposition of an Engram fetch (which of SSD lat
 faults, CPU dedup, gather and host-to-device copy is the bottleneck):
 
 - rows: ``requested`` (lookups), ``unique`` (distinct rows of the step), ``<tier>_hits`` and
-  ``<tier>_misses`` per cache tier, ``<tier>_admissions`` / ``<tier>_evictions``,
+  ``<tier>_misses`` per cache tier (hits + misses: the distinct rows the tier saw, all of the
+  step's for HBM, HBM's misses for DRAM), ``<tier>_admissions`` / ``<tier>_evictions``,
+  ``<tier>_writes`` (admitted rows written into the tier's slots: those still resident at the
+  step's end; a row admitted and evicted within one step is never written),
   ``backing_rows`` (rows the backing store served), ``ssd_pages_read`` (``direct`` only:
   4 KiB pages read from the file; the buffered modes read through the page cache);
 - bytes per link: ``ssd_to_dram_bytes`` (fetched from storage: the pages ``direct`` reads, or
   what the kernel read into the page cache for ``mmap`` and ``pread``), ``dram_to_hbm_bytes``
-  (rows written into the HBM row cache), ``host_to_device_bytes`` (every row the HBM cache
-  missed), ``hbm_read_bytes`` (rows served by the HBM cache), ``host_read_bytes`` (rows read
-  from host DRAM: the DRAM cache, the DRAM table, or the page cache);
+  (``hbm_writes`` x row bytes: the HBM row cache's fill, a part of the rows
+  ``host_to_device_bytes`` already counts, written into slots on the device), ``host_to_device_bytes``
+  (every row the HBM cache missed), ``hbm_read_bytes`` (rows served by the HBM cache),
+  ``host_read_bytes`` (rows read from host DRAM: the DRAM cache, the DRAM table, or the page cache);
 - ``minor_faults`` / ``major_faults`` (getrusage of the whole process over the step: its reads run on
   worker threads too, so a prefetch's step also counts the caller's faults meanwhile);
-- seconds per stage: ``dedup_s`` (fold and dedup), ``cache_lookup_s`` (policy steps and slot
-  maps), ``ssd_read_s`` (the backing read: SSD reads, or page faults on mmap), ``gather_s``
-  (rows out of and into cache slots), ``copy_s`` (host -> device), ``dequant_s``, ``stall_s``
-  (how long a ``prefetch`` handle's ``wait()`` blocked the caller), ``step_s`` (the whole step).
+- seconds per stage (``STAGE_KEYS``, summing to ``step_s``): ``dedup_s`` (fold and dedup),
+  ``cache_lookup_s`` (policy steps and slot maps), ``backing_read_s`` (the backing read: SSD reads
+  for ``direct`` and ``pread``, page faults or page-cache copies on ``mmap``, a memory gather for
+  ``dram``), ``gather_s`` (rows out of and into cache slots), ``copy_s`` (host -> device),
+  ``dequant_s``; ``ssd_read_s`` is ``backing_read_s`` under its first name (kept: a JSON key),
+  whatever the backing; ``stall_s`` (how long a ``prefetch`` handle's ``wait()`` blocked the
+  caller, outside the step), ``step_s`` (the whole step).
 """
 
 from __future__ import annotations
@@ -26,9 +33,11 @@ import functools
 
 import numpy as np
 
-TIME_KEYS = ("dedup_s", "cache_lookup_s", "ssd_read_s", "gather_s", "copy_s", "dequant_s", "stall_s", "step_s")
+TIME_KEYS = ("dedup_s", "cache_lookup_s", "ssd_read_s", "gather_s", "copy_s", "dequant_s", "stall_s", "step_s",
+             "backing_read_s")
+STAGE_KEYS = ("dedup_s", "cache_lookup_s", "backing_read_s", "gather_s", "copy_s", "dequant_s")  # sum: step_s
 LINK_KEYS = ("ssd_to_dram_bytes", "dram_to_hbm_bytes", "host_to_device_bytes", "hbm_read_bytes", "host_read_bytes")
-TIER_KEYS = ("hits", "misses", "admissions", "evictions")
+TIER_KEYS = ("hits", "misses", "admissions", "evictions", "writes")
 
 
 @functools.cache

@@ -442,7 +442,7 @@ class TieredStore:
             layer = np.searchsorted(self.layer_base, bk, "right") - 1
             file_bytes, pages = self.backing.read(layer, bk - self.layer_base[layer], host, back)
             t4 = clock()
-            c["ssd_read_s"] = t4 - t3
+            c["backing_read_s"] = c["ssd_read_s"] = t4 - t3  # a memory gather under dram, not an SSD read
             # device side: HBM hits, then the host rows copied after them
             if hbm is not None and h:
                 hbm.gather(slots0, np.arange(h, dtype=np.int64), dev)
@@ -453,9 +453,9 @@ class TieredStore:
             new_pos = np.empty(n, np.int64)
             new_pos[hit_pos] = np.arange(h)
             new_pos[miss_pos] = h + np.arange(m)
-            written_hbm = 0
+            written_hbm = written_dram = 0
             if dram is not None:
-                dram.commit(res1, host, _positions(ids1, res1.admitted))
+                written_dram = dram.commit(res1, host, _positions(ids1, res1.admitted))
             if hbm is not None:
                 written_hbm = hbm.commit(res0, dev, new_pos[_positions(ids, res0.admitted)])
             t7 = clock()
@@ -469,9 +469,11 @@ class TieredStore:
         if hbm is not None:
             c["hbm_hits"], c["hbm_misses"] = int(h), int(m)
             c["hbm_admissions"], c["hbm_evictions"] = int(res0.admitted.size), int(res0.evicted.size)
+            c["hbm_writes"] = written_hbm
         if dram is not None:
             c["dram_hits"], c["dram_misses"] = int(dram_hit.size), int(back.size)
             c["dram_admissions"], c["dram_evictions"] = int(res1.admitted.size), int(res1.evicted.size)
+            c["dram_writes"] = written_dram
         c["backing_rows"] = int(back.size)
         c["ssd_pages_read"] = int(pages)
         c["ssd_to_dram_bytes"] = int(file_bytes)
