@@ -99,6 +99,9 @@ def test_metrics_give_each_family_once(server):
     links = {s.labels["link"] for f in text_string_to_metric_families(text) if f.name == "cachelab:engram_link_bytes"
              for s in f.samples}
     assert {"host_read", "host_to_device"} <= links
+    stages = [s.labels["stage"] for f in text_string_to_metric_families(text) if f.name == "cachelab:engram_store_seconds"
+              for s in f.samples]
+    assert "ssd_read" in stages and "backing_read" not in stages  # one series for the backing's read, not two
 
 
 def test_64_concurrent_requests_and_metrics_equal_engine(server):

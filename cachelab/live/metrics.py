@@ -185,8 +185,8 @@ def _store_metrics(rows):
     totals = rows.totals
     tiers = tuple(totals.tiers)
     for key, value in totals.to_dict().items():
-        if not isinstance(value, (int, float)) or key.endswith("_ratio"):
-            continue
+        if not isinstance(value, (int, float)) or key.endswith("_ratio") or key == "backing_read_s":
+            continue  # backing_read_s is ssd_read_s's clearer name: one series, so a sum over stages counts it once
         tier = next((t for t in tiers if key.startswith(f"{t}_")), None)
         if key.endswith("_bytes"):
             yield "cachelab:engram_link_bytes", "Engram bytes moved per link.", {"link": key[:-6]}, value
