@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -255,6 +256,15 @@ def test_serve_sim_says_unbounded_concurrency(traces):
     assert "unbounded concurrency" in res.stdout and "None" not in res.stdout
 
 
+def test_serve_sim_writes_its_memory_plan_in_words(traces):
+    """The HBM line printed the plan's keys: row_cache, indexer_buffer."""
+    res = invoke("serve-sim", "--trace", traces["requests"], "--hardware", "B200", "--placement", "dram-uva",
+                 "--tp", "4", env={"COLUMNS": "400"})
+    assert res.exit_code == 0, res.output
+    plan = next(line for line in res.stdout.splitlines() if line.startswith("HBM per GPU:"))
+    assert " indexer buffer " in plan and " row cache " in plan and "_" not in plan, plan
+
+
 # ---- 7. 80 columns and help texts ----
 
 def test_policies_list_never_cuts_a_name_at_80_columns():
@@ -351,6 +361,30 @@ def test_small_messages(keys):
     assert res.exit_code == 2 and "None" not in res.output and "less than one row" in res.output
     res = invoke("engram", "info", "--preset", "/missing.toml")
     assert res.exit_code == 2 and "not found: /missing.toml" in res.output
+
+
+def test_simulate_and_mrc_say_their_counts_in_words(tmp_path, traces):
+    """simulate printed "at 1 objects" and "after a warm-up of 0", and called a stream's rows objects."""
+    np.save(tmp_path / "two.npy", np.array([7, 7], dtype=np.int64))
+    said = " ".join(invoke("simulate", "--trace", tmp_path / "two.npy", "--policy", "lru", "--capacity", 1).stdout.split())
+    assert "lru at 1 object: miss ratio 0.5000 (1 miss / 2 requests, no warm-up)" in said, said
+    assert "an infinite cache: 1 object holds the 1 distinct key of the trace" in said, said
+    said = " ".join(invoke("simulate", "--trace", tmp_path / "two.npy", "--policy", "lru", "--capacity", 1,
+                           "--warmup", 1).stdout.split())
+    assert "(0 misses / 1 request, after a warm-up of 1 request)" in said, said
+    said = " ".join(invoke("simulate", "--trace", traces["stream"], "--policy", "lru", "--capacity", "1%").stdout.split())
+    assert re.search(r"lru at [0-9,]+ rows: miss ratio", said) and "object" not in said, said
+    said = " ".join(invoke("mrc", "--trace", traces["stream"], "--capacities", "1%").stdout.split())
+    assert "; capacities in rows)" in said, said
+
+
+def test_trace_build_and_info_count_one_request_in_words(tmp_path):
+    """A trace of one request read "1 requests in 1 sessions"."""
+    res = invoke("trace", "build", "--arrivals", "gamma", "--arrival-option", "rate=4", "--arrival-option",
+                 "num_requests=1", "--corpus", "stdlib", "--corpus-option", "max_chars=20000", "-o", tmp_path / "one.parquet")
+    assert res.exit_code == 0 and "1 request in 1 session," in " ".join(res.stdout.split()), res.output
+    res = invoke("trace", "info", tmp_path / "one.parquet")
+    assert res.exit_code == 0 and "1 request in 1 session over" in " ".join(res.stdout.split()), res.output
 
 
 @pytest.mark.data

@@ -17,7 +17,8 @@ from cachelab.engine.tiers import Hierarchy, Tier
 from cachelab.defaults import PRESET
 from cachelab.learning.streams import STEP_VIEWS, load_trace, unchecked_layout
 from cachelab.trace.keytrace import FORMATS
-from cachelab.trace.kinds import Found, detect, refuse_unused, requests_or_default
+from cachelab.cli.wording import counted
+from cachelab.trace.kinds import KEY, Found, detect, refuse_unused, requests_or_default
 from cachelab.workload.compaction import count_distinct
 from cachelab.workload.lookups import LookupStream
 from cachelab.engine.replay import check_warmup, replay
@@ -64,6 +65,11 @@ def capacity_rows(capacities: list[Capacity], stream: LookupStream, where: str) 
     # counted by hashing, 2-3x faster than sorting every key
     unique = count_distinct(stream.keys) if any(c.is_share for c in capacities) else None
     return [c.rows(unique, stream.row_bytes, where) for c in capacities]
+
+
+def capacity_unit(found: Found) -> str:
+    """What a capacity counts in the text output: a key trace's objects, else Engram rows."""
+    return "object" if found.kind == KEY else "row"
 
 
 def build_policy(policy: str, admission: str | None, params: list[str]):
@@ -169,14 +175,19 @@ def simulate(
         return
     console = _console()
     console.print(f"{trace}: {found}")
-    console.print(f"[bold]{policy}[/] at {capacity:,} objects: miss ratio {out['miss_ratio']:.4f} "
-                  f"({requests - hits:,} misses / {requests:,} requests after a warm-up of "
-                  f"{out['warmup_requests']:,}) in {out['seconds']} s")
+    held = counted(capacity, capacity_unit(found))  # "at 1 objects"; a stream's capacity counts rows
+    warm = (f"after a warm-up of {counted(out['warmup_requests'], 'request')}" if out["warmup_requests"]
+            else "no warm-up")
+    console.print(f"[bold]{policy}[/] at {held}: miss ratio {out['miss_ratio']:.4f} "
+                  f"({counted(requests - hits, 'miss', 'misses')} / {counted(requests, 'request')}, {warm}) "
+                  f"in {out['seconds']} s")
     if level.infinite:
         from cachelab.workload.prefix_cache.hashing import sorted_distinct  # the prefix cache's package: here only
 
-        console.print(f"  an infinite cache: {capacity:,} objects hold all {sorted_distinct(stream.keys).size:,} "
-                      "distinct keys of the trace, so each misses once, whatever the policy")
+        distinct = sorted_distinct(stream.keys).size
+        console.print(f"  an infinite cache: {held} {'holds' if capacity == 1 else 'hold'} "
+                      f"{'the' if distinct == 1 else 'all'} {counted(distinct, 'distinct key')} of the trace, "
+                      "so each misses once, whatever the policy")
 
 
 def mrc(
@@ -222,7 +233,8 @@ def mrc(
         return
     console = _console()
     console.print(f"{trace}: {found}")
-    console.print(f"[bold]{policy}[/] miss-ratio curve ({curve.method}, {curve.requests:,} requests)")
+    console.print(f"[bold]{policy}[/] miss-ratio curve ({curve.method}, {counted(curve.requests, 'request')}; "
+                  f"capacities in {capacity_unit(found)}s)")
     console.print(f"  {'capacity':>12}  miss ratio")  # two bare columns of numbers said neither
     for c, m, infinite in zip(curve.capacities, curve.miss_ratios, curve.infinite):
         console.print(f"  {c:>12,}  {m:.4f}  {'#' * int(np.round(m * 50))}{'  infinite' if infinite else ''}")

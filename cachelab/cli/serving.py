@@ -11,6 +11,7 @@ from rich.table import Table
 
 from cachelab import strict_json
 from cachelab.cli.bench import GOODPUT_HELP, goodput_slos
+from cachelab.cli.wording import counted
 from cachelab.errors import CachelabError
 from cachelab.paths import output_file, output_folder, replacing
 from cachelab.progress import progress_bar, spinner
@@ -151,7 +152,8 @@ def _print_result(result: dict) -> None:
     m, cfg = result["metrics"], result["config"]
     load = "unbounded concurrency" if cfg["concurrency"] is None else f"concurrency {cfg['concurrency']}"
     console.print(f"[bold]{cfg['hardware']} TP{cfg['tp']} {cfg['placement']}[/], {load}, "
-                  f"prefix cache {cfg['prefix_cache']}: {m['completed']} requests in {m['duration_s']:.1f} s, {m['steps']} steps")
+                  f"prefix cache {cfg['prefix_cache']}: {counted(m['completed'], 'request')} in {m['duration_s']:.1f} s, "
+                  f"{counted(m['steps'], 'step')}")
     table = Table(title="latency (ms)")
     for col in ("metric", "mean", "P50", "P90", "P99"):
         table.add_column(col, justify="right")
@@ -181,8 +183,9 @@ def _print_result(result: dict) -> None:
     if "prefix_cache_off" in result:
         _print_rows(console, "rows, prefix cache off", result["prefix_cache_off"]["row_cache"])
     plan = result["memory"]["memory_plan_per_gpu"]
-    console.print("HBM per GPU: " + ", ".join(f"{k.replace('_bytes', '')} {v / 1e9:.1f} GB" for k, v in plan.items()
-                                             if k.endswith("_bytes")) + f"; KV {int(plan['kv_tokens']):,} tokens")
+    console.print("HBM per GPU: " + ", ".join(f"{k.removesuffix('_bytes').replace('_', ' ')} {v / 1e9:.1f} GB"
+                                             for k, v in plan.items() if k.endswith("_bytes"))  # "row_cache" was a key
+                  + f"; KV {int(plan['kv_tokens']):,} tokens")
 
 
 def _print_rows(console: Console, title: str, rows: dict) -> None:

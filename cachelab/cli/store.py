@@ -305,7 +305,7 @@ def _print(out: dict) -> None:
     for tier, c in out["clamped_capacities"].items():
         console.print(f"{tier} capacity {c['asked']:,} rows clamped to the table's {c['rows']:,} rows (it holds "
                       "every row)")
-    table = Table(title=f"store bench: {out['backing']} backing, {out['lookups']:,} lookups, {out['steps']} steps")
+    table = Table(title=f"store bench: {out['backing']} backing, {out['lookups']:,} lookups, {out['steps']:,} steps")
     table.add_column("figure")
     table.add_column("store", justify="right")
     table.add_column("simulator", justify="right")

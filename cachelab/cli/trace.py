@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from cachelab import strict_json
+from cachelab.cli.wording import counted
 from cachelab.defaults import PRESET
 from cachelab.learning.streams import STEP_VIEWS, load_trace
 from cachelab.trace.kinds import KEY, REQUESTS, detect, refuse_unused, requests_or_default, wrong_kind
@@ -128,7 +129,7 @@ def build(
         typer.echo(strict_json.dumps(result))
         return
     console = Console()
-    console.print(f"wrote {out}: {report.requests:,} requests in {report.sessions:,} sessions, "
+    console.print(f"wrote {out}: {counted(report.requests, 'request')} in {counted(report.sessions, 'session')}, "
                   f"{report.tokens_in:,} prompt tokens, {report.tokens_out:,} output tokens")
     if report.skipped_rows:
         console.print(f"[yellow]skipped {report.skipped_rows:,} bad input rows (--json lists them); "
@@ -147,7 +148,7 @@ def _build_from_capture(directory: Path, out: Path, as_json: bool, given: list[s
         typer.echo(strict_json.dumps(result))
         return
     console = Console()
-    console.print(f"wrote {out}: {report.requests:,} requests in {report.sessions:,} sessions, "
+    console.print(f"wrote {out}: {counted(report.requests, 'request')} in {counted(report.sessions, 'session')}, "
                   f"{report.tokens_in:,} prompt tokens, {report.tokens_out:,} output tokens")
     if report.tokenizer is not None:
         console.print(f"token ids of tokenizer {escape(report.tokenizer['tokenizer'])} (tokenizer.json SHA-256 "
@@ -192,7 +193,8 @@ def info(
         typer.echo(strict_json.dumps(result))
         return
     console = Console()
-    console.print(f"[bold]{trace}[/]: {result['requests']:,} requests in {result['sessions']:,} sessions over "
+    console.print(f"[bold]{trace}[/]: {counted(result['requests'], 'request')} in "
+                  f"{counted(result['sessions'], 'session')} over "
                   f"{result['duration_s']:,.1f} s; {result['tokens_in']:,} tokens in, {result['tokens_out']:,} out"
                   + ("" if result["has_content"] else " (lengths only: no token content)"))
     console.print("domains: " + ", ".join(f"{k} {v:,}" for k, v in result["domains"].items()))
