@@ -235,3 +235,15 @@ def test_train_seed_reaches_the_predictor_s_own_seed(tmp_path, monkeypatch, data
     for flags in (["--seed", "2"], ["--seed", "2", "--param", "seed=5"], []):
         CliRunner().invoke(app, ["train", *TRACE, "--predictor", "mlp", *flags, "--out", str(tmp_path / "m")])
     assert fitted == [2, 7, 0]
+
+
+def test_evaluate_text_names_every_policy_by_its_registry_name(trained):
+    """The table mixed labels (LRU, S3-FIFO, Belady (bypass)) with registry names (arc, clock): a user passes
+    the registry name to --policy. --json keys the miss ratios by label still (a contract)."""
+    out, _ = trained
+    res = CliRunner().invoke(app, ["evaluate", *TRACE, "--model", str(out), "--capacities", "0.01"],
+                             env={"COLUMNS": "160"})
+    assert res.exit_code == 0, res.output
+    names = {line.split("│")[1].strip() for line in res.stdout.splitlines() if line.startswith("│")}
+    assert {"lru", "s3fifo", "sieve", "wtinylfu", "belady", "belady-bypass", "arc", "fifo", "learned-lfu"} <= names
+    assert not {"LRU", "S3-FIFO", "SIEVE", "W-TinyLFU", "Belady", "Belady (bypass)"} & names, res.stdout

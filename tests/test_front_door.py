@@ -387,6 +387,32 @@ def test_trace_build_and_info_count_one_request_in_words(tmp_path):
     assert res.exit_code == 0 and "1 request in 1 session over" in " ".join(res.stdout.split()), res.output
 
 
+def test_a_sweeps_summary_reads_as_words_and_units(monkeypatch, capsys):
+    """The quickstart's headers broke as "hbm. policy", bytes showed as 3.938e+07 with no unit, and the
+    headline named policies by label (S3-FIFO, Belady (bypass)) beside the points' registry names."""
+    from cachelab.cli import experiment
+    from cachelab.experiment import report
+
+    points = pl.DataFrame({"axis.hbm.policy": ["s3fifo"], "param.hbm.capacity_rows": [29_460],
+                           "hbm.miss_ratio": [1.0], "bytes.host_to_gpu": [39_380_000.0]})
+    best = pl.DataFrame([{"point": "learned", "capacity": "1%", "capacity_rows": 1473, "learned": "learned-lfu-adaptive",
+                          "learned_miss_ratio": 0.98, "best_heuristic": "S3-FIFO", "best_heuristic_miss_ratio": 0.96,
+                          "bound": "Belady (bypass)", "bound_miss_ratio": 0.95, "gap_closed": 0.5,
+                          "floor_miss_ratio": None}])
+    monkeypatch.setattr(report, "summary_tables", lambda data: {"replay": points})
+    monkeypatch.setattr(report, "headline", lambda data: best)
+    monkeypatch.setenv("COLUMNS", "120")
+    experiment._show_all(None, "quickstart")
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if "policy" in line)
+    assert [cell.strip() for cell in header.strip("┃").split("┃")] == [
+        "hbm policy", "hbm capacity rows", "hbm miss ratio", "host to gpu bytes"], out
+    row = next(line for line in out.splitlines() if "s3fifo" in line)
+    assert [cell.strip() for cell in row.strip("│").split("│")] == ["s3fifo", "29,460", "1.0000", "37.6 MiB"], out
+    assert "belady-bypass" in out and "Belady (bypass)" not in out and "S3-FIFO" not in out, out
+    assert "headline: learned-lfu-adaptive vs" in out, out
+
+
 @pytest.mark.data
 def test_output_paths_are_checked_before_the_work_and_named(tmp_path):
     """A folder that does not exist, or a folder where a file is wanted, stops the verb before

@@ -162,7 +162,11 @@ def _show_all(data, name: str) -> None:
         _show(console, table, f"{name}: {kind} points" if len(tables) > 1 else name)
     best = headline(data)
     if best.height:
-        table = Table(title="headline: " + ", ".join(sorted(set(best["learned"]))) + " vs the best heuristic and "
+        from cachelab.learning.lineup import lineup
+
+        name_of = lineup().name_of  # registry names, as the points' table and --policy write them (not "LRU")
+        judged = ", ".join(sorted({name_of(n) for n in best["learned"]}))
+        table = Table(title=f"headline: {judged} vs the best heuristic and "
                       "the bound (miss ratios)", caption=HEADLINE_NOTE, show_lines=True)
         for col in ("capacity", "rows", "learned", "best heuristic", "bound", "gap closed"):  # names never fold
             table.add_column(col, justify="right", no_wrap=col in ("best heuristic", "bound"))
@@ -170,16 +174,39 @@ def _show_all(data, name: str) -> None:
             gap = "n/a" if r["gap_closed"] is None else f"{r['gap_closed']:.1%}"
             floor = "" if r.get("floor_miss_ratio") is None else f"\nfloor {r['floor_miss_ratio']:.4f}"
             table.add_row(r["capacity"], f"{r['capacity_rows']:,}", f"{r['learned_miss_ratio']:.4f}",
-                          f"{r['best_heuristic']}\n{r['best_heuristic_miss_ratio']:.4f}",
-                          f"{r['bound']}\n{r['bound_miss_ratio']:.4f}{floor}", gap)
+                          f"{name_of(r['best_heuristic'])}\n{r['best_heuristic_miss_ratio']:.4f}",
+                          f"{name_of(r['bound'])}\n{r['bound_miss_ratio']:.4f}{floor}", gap)
         console.print(table)
 
 
 def _show(console: Console, table, name: str) -> None:
     out = Table(title=name)
-    for c in table.columns:  # headers fold onto two lines rather than lose their end
-        out.add_column(c.removeprefix("axis.").removeprefix("param.").replace(".", ". ").replace("_", " "),
-                       justify="right", overflow="fold")
+    for c in table.columns:  # headers wrap between words rather than lose their end
+        out.add_column(_header(c), justify="right", overflow="fold")
     for row in table.iter_rows():
-        out.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in row])
+        out.add_row(*[_cell(c, v) for c, v in zip(table.columns, row)])
     console.print(out)
+
+
+def _header(column: str) -> str:
+    """A summary column in words: "hbm miss ratio", "host to gpu bytes" (it was "hbm. policy", "bytes. host to gpu")."""
+    words = column.removeprefix("axis.").removeprefix("param.")
+    if words.startswith("bytes."):
+        words = words.removeprefix("bytes.") + " bytes"
+    return words.replace(".", " ").replace("_", " ")
+
+
+def _cell(column: str, value) -> str:
+    """A summary value as a person reads it: bytes in binary units (not 3.938e+07), counts with
+    thousands separators, ratios and shares to four places, other numbers to four figures."""
+    from cachelab.cli.wording import byte_text
+
+    if value is None or isinstance(value, (bool, str)):
+        return "" if value is None else str(value)
+    if column.startswith("bytes.") or column.endswith("_bytes"):
+        return byte_text(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if column.endswith(("ratio", "_share")) or "hit_ratio" in column:
+        return f"{value:.4f}"
+    return f"{value:,.0f}" if abs(value) >= 10_000 else f"{value:.4g}"

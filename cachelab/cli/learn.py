@@ -228,10 +228,14 @@ def evaluate(
     table = Table("policy", *(f"{row['capacity']:g}\n{row['rows']:,} rows" if isinstance(row["capacity"], float)
                               else f"{row['capacity']}\n{row['rows']:,} rows" for row in rows),
                   caption=f"gap closed: (best heuristic - {evaluation.learned_policy}) / (best heuristic - best oracle)")
-    for name in rows[0]["miss_ratio"]:  # one row per policy: a few capacities fit a terminal, many policies do not
+    # each policy by its registry name, what --policy takes (--json keys it by label: LRU beside arc)
+    name_of = lineup().name_of
+    for label in rows[0]["miss_ratio"]:  # one row per policy: a few capacities fit a terminal, many policies do not
+        name = name_of(label)
         table.add_row(f"[bold]{name}[/]" if name == evaluation.learned_policy else name,
-                      *(f"{row['miss_ratio'][name]:.4f}" for row in rows))
+                      *(f"{row['miss_ratio'][label]:.4f}" for row in rows))
     table.add_row("floor (no policy misses less)", *(f"{row['miss_floor']:.4f}" for row in rows))
-    table.add_row("best heuristic", *(row["best_heuristic"] or "n/a" for row in rows))
+    table.add_row("best heuristic", *(name_of(row["best_heuristic"]) if row["best_heuristic"] else "n/a"
+                                      for row in rows))
     table.add_row("gap closed", *("n/a" if row["gap_closed"] is None else f"{row['gap_closed']:.1%}" for row in rows))
     out.print(table)

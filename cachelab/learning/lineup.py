@@ -55,6 +55,10 @@ class Lineup:
         return next(lab for role in (self.learned, self.heuristics, self.oracles)
                     for lab, n in role.items() if n == name)
 
+    def name_of(self, label: str) -> str:
+        """The registry name (what ``--policy`` takes) of the policy labelled ``label``; ``label`` if none is."""
+        return {**self.learned, **self.heuristics, **self.oracles}.get(label, label)
+
 
 def lineup() -> Lineup:
     """Every loadable registered policy in its role; a class registered twice counts once."""
