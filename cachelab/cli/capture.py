@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from cachelab import strict_json
+from cachelab.cli.wording import counted
 from cachelab.errors import CachelabError
 
 app = typer.Typer(no_args_is_help=True, help="Capture live serving: an OpenAI-compatible recording proxy, "
@@ -289,10 +290,6 @@ RECORD_KINDS = {"segment": ("segment header", "segment headers"), "request": ("r
                 "kv_batch": ("KV batch", "KV batches"), "kv_gap": ("gap", "gaps"),
                 "kv_lost": ("batch dropped (buffer full)", "batches dropped (buffer full)"),
                 "kv_disconnect": ("disconnect", "disconnects"), "kv_error": ("unreadable batch", "unreadable batches")}
-
-
-def counted(n: int, one: str, several: str) -> str:
-    return f"{n:,} {one if n == 1 else several}"
 
 
 def read_summary(s) -> str:
