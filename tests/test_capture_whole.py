@@ -4,6 +4,7 @@ asked for, against the answer's size."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 import tracemalloc
@@ -233,3 +234,34 @@ def test_nulling_an_answers_ids_copies_it_once():
     assert out == _null_ids_by_re(body)
     assert out.count(b'"token_ids":null') == out.count(b'"prompt_token_ids":null') == 1000
     assert peak < 1.25 * len(body), f"peak {peak / len(body):.2f} times the answer's {len(body):,} bytes"
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_large_whole_answer_that_ends_its_connection_closes_it_once(tmp_path, loop, caplog):
+    """A 4 MB whole answer to a request that ends its connection (``connection: close``, as urllib sends), taken
+    by a client slower than the proxy writes: the answer's end closes the connection, and it closed inside the
+    transport's write callback (``resume_writing``), where asyncio's transport, its buffer empty, called
+    ``connection_lost`` twice: every such answer logged a traceback ('Exception in callback
+    _SelectorSocketTransport._call_connection_lost')."""
+    body = b'{"id":"cmpl-c","object":"text_completion","choices":[{"index":0,"text":"%s","token_ids":[1,2],' \
+           b'"finish_reason":"length"}],"usage":{"prompt_tokens":3,"completion_tokens":2},' \
+           b'"prompt_token_ids":[1,2,3]}' % (b"x" * 4_000_000)
+    upstream = HeadUpstream(body=body)
+    recorder = KeepingRecorder(tmp_path)
+    got = bytearray()
+    with ProxyThread(ProxyConfig(upstream=upstream.url), recorder, loop=loop) as proxy, socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        host, port = proxy.url.removeprefix("http://").split(":")
+        sock.connect((host, int(port)))
+        sock.settimeout(30)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-type: application/json"
+                     b"\r\ncontent-length: %d\r\n\r\n%s" % (len(REQUEST), REQUEST))
+        time.sleep(0.5)  # the proxy's writes pause
+        while chunk := sock.recv(1 << 16):
+            got += chunk
+        time.sleep(0.2)  # the close's callbacks run
+    upstream.sock.close()
+    assert got.endswith(null_ids(body)) and b"\r\nconnection: close\r\n" in got[:got.index(b"\r\n\r\n") + 4]
+    assert [x.status for x in recorder.kept] == [200]
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, errors

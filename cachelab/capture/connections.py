@@ -265,12 +265,12 @@ class ClientConnection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.write_paused = False
-        self._sent()
         if self.drain_timer is not None:
             self.drain_timer.cancel()
             self.drain_timer = None
-        if self.rest is not None:
-            return self._write_rest()
+        if self.rest is not None:  # once this transport callback has returned: closed inside it (the answer's
+            return asyncio.get_running_loop().call_soon(self._write_rest)  # end), asyncio's lost it twice
+        self._sent()
         self.record_held(None)
         if self.forward is not None:
             self.forward.resume_upstream()
@@ -337,6 +337,8 @@ class ClientConnection(asyncio.Protocol):
         """Write the rest of a whole answer a high-water mark at a time until the transport pauses (holding
         two at most; ``resume_writing`` goes on), the last piece as ``write_last`` writes it."""
         t, rest = self.transport, self.rest
+        if rest is None:  # gone since ``resume_writing``: the client, the proxy's stop
+            return
         step = max(t.get_write_buffer_limits()[1], 1 << 16)
         while len(rest) > step and not self.write_paused:
             t.write(rest[:step])
