@@ -313,6 +313,27 @@ def test_ctrl_c_says_what_was_kept_and_how_to_resume(tmp_path, monkeypatch, caps
     assert "interrupted: 1 of" in said and "the same command again runs only those" in said, said
 
 
+def test_ctrl_c_after_a_failed_point_says_the_rerun_runs_it_again(tmp_path, monkeypatch, capsys):
+    """A point that failed before Ctrl-C is run again by the same command (a failed run is no finished
+    point): the message counted it as kept and said the rerun runs only the points not run."""
+    from cachelab.experiment import runner
+
+    def interrupted(tasks, *args):
+        yield tasks[0][0], RuntimeError("boom")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "run_tasks", interrupted)
+    spec, uri = write_spec(tmp_path, name="ctrlf"), f"sqlite:///{tmp_path}/mlflow.db"
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs")
+    said = " ".join(capsys.readouterr().err.split())
+    assert "interrupted: 0 of 4 point(s) finished and kept, 1 failed, 3 not run; the same command again runs only " \
+           "those and the 1 failed" in said, said
+    monkeypatch.setattr(runner, "run_tasks", lambda tasks, *args: iter(()))
+    run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs")
+    assert "4 to run" in " ".join(capsys.readouterr().err.split())
+
+
 @pytest.mark.parametrize("backend, address, error", [
     ("rai", None, r"--backend: unknown backend 'rai'; allowed: local, ray"),
     ("local", "ray://head:10001", r"--address ray://head:10001: a Ray cluster's address; add --backend ray"),

@@ -174,9 +174,11 @@ def _sweep(spec: ExperimentSpec, spec_path: Path, overrides: list[str] | None, o
                 with contextlib.suppress(Exception):  # a store gone too: a later run or sync closes it
                     tracker.end_run(parent_id, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
             if isinstance(exc, KeyboardInterrupt):  # it exited 130 with no word of what was kept
-                kept = summary.ran + len(summary.failed)
-                console.print(f"interrupted: {kept} of {len(tasks)} point(s) ended and kept, {len(tasks) - kept} not "
-                              "run; the same command again runs only those", soft_wrap=True)
+                failed = len(summary.failed)  # kept, and run again: a failed run is no finished point
+                console.print(f"interrupted: {summary.ran} of {len(tasks)} point(s) finished and kept"
+                              f"{f', {failed} failed' if failed else ''}, {len(tasks) - summary.ran - failed} not run; "
+                              f"the same command again runs only those{f' and the {failed} failed' if failed else ''}",
+                              soft_wrap=True)
             raise
     if tracker is not None:
         summary.report = _finish_parent(tracker, spec.name, exp_id, parent_id, [p.hash for p in points],
