@@ -4,6 +4,7 @@ asked for, against the answer's size."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import time
@@ -265,3 +266,116 @@ def test_a_large_whole_answer_that_ends_its_connection_closes_it_once(tmp_path, 
     assert [x.status for x in recorder.kept] == [200]
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, errors
+
+
+class _Unread:
+    """A client transport whose reader takes nothing until told: all written stays in its buffer."""
+
+    def __init__(self):
+        self.buffer = bytearray()
+        self.reading = True
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def write(self, data) -> None:
+        self.buffer += data
+
+    def get_write_buffer_size(self) -> int:
+        return len(self.buffer)
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return 16 << 10, 64 << 10
+
+
+def test_a_pipelined_request_waits_until_the_answer_before_it_is_taken_and_each_is_recorded():
+    """Two requests pipelined by a client that takes nothing for a while: the first answer's end is written
+    while its writes are paused, its record held until the client has it (``write_last``). The request behind
+    it was served at once, and its answer, complete while the client still took nothing, took the held
+    record's place: the first was never recorded. It is served once the client has taken the first."""
+    from types import SimpleNamespace
+
+    from cachelab.capture.connections import ClientConnection, Request
+
+    async def main():
+        submitted, served = [], []
+        proxy = SimpleNamespace(config=ProxyConfig(upstream="http://127.0.0.1:1"), held=0, waiting={},
+                                recorder=SimpleNamespace(submit=submitted.append), serve=lambda c, r: served.append(r))
+        client = ClientConnection(proxy)
+        client.transport, client.write_paused = _Unread(), True  # the client takes nothing (``pause_writing``)
+        client.queue.append(Request())  # the second request, pipelined behind the first's answer
+        client.write_last(b"the first answer's end", "first")
+        client.done(True)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        if served:  # served now, and answered while the client still takes nothing
+            client.write_last(b"the second answer", "second")
+            client.done(True)
+        assert submitted == [], "recorded before the client had the answer's last byte"
+        client.transport.buffer.clear()
+        client.resume_writing()  # it took them
+        for _ in range(3):
+            await asyncio.sleep(0)
+        if len(served) == 1 and submitted == ["first"]:  # served once the first was taken
+            client.write_last(b"the second answer", "second")
+            client.done(True)
+        assert submitted == ["first", "second"] and len(served) == 1
+
+    asyncio.run(main())
+
+
+def test_requests_pipelined_behind_an_answer_not_taken_are_bounded():
+    """A client that pipelines requests behind an answer it does not take (its record held, so none is
+    served): past ``MAX_PIPELINED`` it is read no further, as behind an answer in flight."""
+    from types import SimpleNamespace
+
+    from cachelab.capture.connections import MAX_PIPELINED, ClientConnection
+
+    async def main():
+        proxy = SimpleNamespace(config=ProxyConfig(upstream="http://127.0.0.1:1"), held=0, waiting={},
+                                recorder=SimpleNamespace(submit=list().append), serve=None, authorized=lambda r: True)
+        client = ClientConnection(proxy)
+        client.transport, client.write_paused = _Unread(), True
+        client.write_last(b"an answer's end", "answered")  # held: the client takes nothing
+        client.done(True)
+        client.data_received(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n" * (MAX_PIPELINED + 4))
+        assert len(client.queue) >= MAX_PIPELINED and not client.transport.reading
+
+    asyncio.run(main())
+
+
+def test_at_shutdown_a_request_pipelined_behind_an_answer_not_taken_is_not_recorded_as_the_clients():
+    """At shutdown, while another exchange is still in flight, a connection whose pipelined request waits for
+    its client to take the answer before it (``next``) was closed as an idle one is, the proxy's close taken for
+    the client's: the request it had not served was recorded 499 'client disconnected before it was served'.
+    It is served in the grace if the client takes its answer, else closed with the rest, unrecorded."""
+    from types import SimpleNamespace
+
+    from cachelab.capture.connections import ClientConnection, Request
+    from cachelab.capture.proxy import CaptureProxy
+
+    async def main():
+        abandoned, loop = [], asyncio.get_running_loop()
+        proxy = SimpleNamespace(config=ProxyConfig(upstream="http://127.0.0.1:1", shutdown_grace_s=0.3), held=0,
+                                waiting={}, clients=set(), server=None, _sweeper=None, abandoned=abandoned.append,
+                                recorder=SimpleNamespace(submit=list().append, close=lambda: None),
+                                pool=SimpleNamespace(close=lambda: None), planner=SimpleNamespace(close=lambda: asyncio.sleep(0)))
+        client = ClientConnection(proxy)
+        client.transport, client.write_paused = _Unread(), True
+        client.transport.close = lambda: loop.call_soon(client.connection_lost, None)
+        proxy.clients.add(client)
+        client.write_last(b"an answer's end", "answered")  # held: the client takes nothing
+        client.queue.append(Request())
+        client.done(True)
+        busy = type("Busy", (), dict(forward=SimpleNamespace(shut_down=lambda why: None), request=None, queue=(),
+                                     rest=None, record_held=lambda self, why: None,
+                                     transport=SimpleNamespace(close=lambda: None)))()
+        proxy.clients.add(busy)  # an exchange in flight: the grace is waited out
+        await CaptureProxy.close(proxy, asyncio.Event())
+        await asyncio.sleep(0)
+        assert abandoned == []
+
+    asyncio.run(main())

@@ -274,6 +274,8 @@ class ClientConnection(asyncio.Protocol):
         self.record_held(None)
         if self.forward is not None:
             self.forward.resume_upstream()
+        elif self.queue:  # waited for the answer before to be taken (``next``), served after this callback
+            asyncio.get_running_loop().call_soon(self.next)
 
     def _drain_check(self) -> None:
         """The write deadline (``--write-timeout``): a client whose writes are paused and that took no byte of
@@ -462,8 +464,9 @@ class ClientConnection(asyncio.Protocol):
         self.queue.append(r)
         self.queued_bytes += r.size
         if self.forward is None:
-            self.next()
-        elif len(self.queue) >= MAX_PIPELINED or self.queued_bytes > self.proxy.config.max_body_bytes:
+            self.next()  # serves it, unless the answer before is not yet taken
+        if not self.closed and (len(self.queue) >= MAX_PIPELINED
+                                or self.queued_bytes > self.proxy.config.max_body_bytes):
             # a client pipelining faster than it is served is read no further until the queue drains
             self.transport.pause_reading()
             self.read_paused = True
@@ -574,7 +577,8 @@ class ClientConnection(asyncio.Protocol):
                 self._continue(self.request)
 
     def next(self) -> None:
-        while self.forward is None and self.queue and not self.closed:
+        # not while the answer before is not taken (its record held): the next one's took its place, unrecorded
+        while self.forward is None and self.queue and not self.closed and self.unrecorded is None:
             r = self.queue.popleft()
             self.queued_bytes -= r.size
             self._release(r)

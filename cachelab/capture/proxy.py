@@ -199,8 +199,8 @@ class CaptureProxy:
         deadline = time.monotonic() + self.config.shutdown_grace_s
         while any(c.forward is not None for c in self.clients) and time.monotonic() < deadline \
                 and not (hurry is not None and hurry.is_set()):
-            for client in [c for c in self.clients if c.forward is None and c.request is None]:
-                client.transport.close()
+            for client in [c for c in self.clients if c.forward is None and c.request is None and not c.queue]:
+                client.transport.close()  # idle: one whose pipelined request waits (``next``) may yet serve it
             await asyncio.sleep(0.05)
         why = "asked to stop again" if hurry is not None and hurry.is_set() else \
             f"unfinished after {self.config.shutdown_grace_s} s"
