@@ -457,7 +457,7 @@ def test_counters_by_name_summed_as_arrays():
     run["stall_s"] += 0.5
     assert run["hbm_hits"] == 6 and run["step_s"] == 0.5 and run["stall_s"] == 0.5 and run.hit_ratio("hbm") == 0.75
     d = run.to_dict()
-    assert list(d) == [*count_keys(("hbm",)), *TIME_KEYS, "hbm_hit_ratio"]
+    assert list(d) == [*count_keys(("hbm",)), *TIME_KEYS, "backing_read_s", "hbm_hit_ratio"]
     assert type(d["hbm_hits"]) is int and type(d["minor_faults"]) is int and type(d["step_s"]) is float
     assert d["minor_faults"] == 14 and d["hbm_hit_ratio"] == 0.75
     with pytest.raises(KeyError, match="no counter 'dram_hits'"):

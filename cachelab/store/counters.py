@@ -33,8 +33,7 @@ import functools
 
 import numpy as np
 
-TIME_KEYS = ("dedup_s", "cache_lookup_s", "ssd_read_s", "gather_s", "copy_s", "dequant_s", "stall_s", "step_s",
-             "backing_read_s")
+TIME_KEYS = ("dedup_s", "cache_lookup_s", "ssd_read_s", "gather_s", "copy_s", "dequant_s", "stall_s", "step_s")
 STAGE_KEYS = ("dedup_s", "cache_lookup_s", "backing_read_s", "gather_s", "copy_s", "dequant_s")  # sum: step_s
 LINK_KEYS = ("ssd_to_dram_bytes", "dram_to_hbm_bytes", "host_to_device_bytes", "hbm_read_bytes", "host_read_bytes")
 TIER_KEYS = ("hits", "misses", "admissions", "evictions", "writes")
@@ -51,8 +50,9 @@ def count_keys(tiers: tuple[str, ...]) -> tuple[str, ...]:
 
 @functools.cache
 def _index(tiers: tuple[str, ...]) -> dict:
-    """Counter name -> (is seconds, position in its array)."""
-    return {**{k: (False, i) for i, k in enumerate(count_keys(tiers))}, **{k: (True, i) for i, k in enumerate(TIME_KEYS)}}
+    """Counter name -> (is seconds, position in its array); ``backing_read_s`` is ``ssd_read_s``'s slot."""
+    seconds = {k: (True, i) for i, k in enumerate(TIME_KEYS)}
+    return {**{k: (False, i) for i, k in enumerate(count_keys(tiers))}, **seconds, "backing_read_s": seconds["ssd_read_s"]}
 
 
 class Counters:
@@ -91,6 +91,7 @@ class Counters:
     def to_dict(self) -> dict:
         out = dict(zip(count_keys(self.tiers), self.counts.tolist()))
         out.update(zip(TIME_KEYS, self.seconds.tolist()))
+        out["backing_read_s"] = out["ssd_read_s"]  # one slot, both names (the first a JSON key)
         for t in self.tiers:
             out[f"{t}_hit_ratio"] = self.hit_ratio(t)
         return out
