@@ -13,19 +13,36 @@ from cachelab.trace.keytrace import ORACLE_DTYPE, read_keys, read_oracle_general
 from cachelab.workload.compaction import compact
 
 __all__ = ["cloudphysics_keys", "engram_row_keys", "engram_stream", "lcs_cache", "lcs_miss_ratio", "lcs_misses",
-           "lcs_misses_of", "lirs_keys", "min_capacity", "write_oracle_general"]
+           "lcs_hits_of", "lcs_misses_of", "lirs_keys", "min_capacity", "write_oracle_general"]
 
-MIN_CAPACITY = {  # libCacheSim class: below this many objects it caches otherwise than the paper's policy
-    "TwoQ": 4,  # A1in of 25% must hold one object
-    "S3FIFO": 20,  # its small FIFO of 10% must hold two (below 10 objects it refuses to start: a FIFO of 0 bytes)
-    "WTinyLFU": 100,  # its 1% window must hold one object (empty, it refuses every object)
-}
+def _shares_hold(policy: str, capacity: int, params: dict) -> bool:
+    """Whether each fixed share of libCacheSim's ``policy`` at ``capacity`` objects holds what its
+    code needs (the shares truncated as its C code truncates ``capacity x ratio``). Below, it
+    caches otherwise than the paper's policy, or exits the process: 2Q's A1in, A1out and Am must
+    each hold an object (an empty A1in caches nothing); S3-FIFO's small FIFO must hold two (one:
+    it caches nothing; none: it refuses to start); W-TinyLFU's window must hold one (empty, it
+    refuses every object) and its SLRU main's probation (a fifth of the main cache) one (none:
+    libCacheSim's SLRU exits on a segment of 0 bytes)."""
+    if policy == "TwoQ":
+        ain = int(capacity * params.get("a_in_size_ratio", 0.25))
+        return ain >= 1 and capacity - ain >= 1 and int(capacity * params.get("a_out_size_ratio", 0.5)) >= 1
+    if policy == "S3FIFO":
+        return int(capacity * params.get("small_size_ratio", 0.1)) >= 2
+    if policy == "WTinyLFU":
+        window = int(capacity * params.get("window_size", 0.01))
+        return window >= 1 and int(1 / 5 * (capacity - window)) >= 1
+    return True
 
 
-def min_capacity(policy: str) -> int:
-    """The smallest capacity (objects) at which libCacheSim's ``policy`` is comparable: one
-    object, or more where a fixed share of the cache must hold one (``MIN_CAPACITY``)."""
-    return MIN_CAPACITY.get(policy, 1)
+def min_capacity(policy: str, **params) -> int:
+    """The smallest capacity (objects) at which libCacheSim's ``policy`` with its ``params``
+    (libcachesim's names) is comparable: one object, or more where a fixed share of the cache
+    must hold one (``_shares_hold``; every share grows with the capacity, so every larger one is
+    comparable too). At the defaults: TwoQ 4, S3FIFO 20, WTinyLFU 100."""
+    capacity = 1
+    while not _shares_hold(policy, capacity, params):
+        capacity += 1
+    return capacity
 
 
 def lcs_cache(policy: str, capacity: int, **params):
@@ -77,9 +94,10 @@ def lcs_misses(trace_path: Path, policy: str, capacity: int, **params) -> int:
     return round(lcs_miss_ratio(trace_path, policy, capacity, **params) * requests)
 
 
-def lcs_misses_of(keys: np.ndarray, policy: str, capacity: int, **params) -> int:
-    """libCacheSim's miss count on ``keys``, one request at a time (no trace file: short streams
-    in bulk), each carrying its next access as the oracleGeneral writer does (for Belady)."""
+def lcs_hits_of(keys: np.ndarray, policy: str, capacity: int, **params) -> np.ndarray:
+    """libCacheSim's hit (True) or miss per request of ``keys``, one request at a time (no trace
+    file: short streams in bulk), each carrying its next access as the oracleGeneral writer does
+    (for Belady). ``keys`` are the ids libCacheSim sees (W-TinyLFU's sketch hashes them)."""
     import libcachesim as lcs
 
     from cachelab.policy import NO_NEXT
@@ -88,9 +106,14 @@ def lcs_misses_of(keys: np.ndarray, policy: str, capacity: int, **params) -> int
     cache = lcs_cache(policy, capacity, hashpower=8, **params)  # 2^8 buckets: a short stream's keys
     nxt = next_access(keys)
     never = np.iinfo(np.int64).max  # libCacheSim's "no next access" (it aborts on -1)
-    return sum(not cache.get(lcs.Request(obj_size=1, obj_id=int(k), clock_time=i,
-                                         next_access_vtime=never if n == NO_NEXT else int(n) + 1))
-               for i, (k, n) in enumerate(zip(keys.tolist(), nxt.tolist())))
+    return np.array([cache.get(lcs.Request(obj_size=1, obj_id=int(k), clock_time=i,
+                                           next_access_vtime=never if n == NO_NEXT else int(n) + 1))
+                     for i, (k, n) in enumerate(zip(keys.tolist(), nxt.tolist()))], dtype=bool).reshape(-1)
+
+
+def lcs_misses_of(keys: np.ndarray, policy: str, capacity: int, **params) -> int:
+    """libCacheSim's miss count on ``keys`` (``lcs_hits_of``)."""
+    return int(keys.size - lcs_hits_of(keys, policy, capacity, **params).sum())
 
 
 @lru_cache(maxsize=None)

@@ -29,8 +29,10 @@ from cachelab.trace.keytrace import ORACLE_DTYPE, read_keys
 from cachelab.workload.lookups import LookupStream
 from cachelab.engine.replay import replay
 from cachelab.workload.future import next_access
-from lcs_reference import (engram_row_keys, engram_stream, lcs_cache, lcs_misses, lcs_misses_of, min_capacity,
-                           write_oracle_general)
+from cachelab.engine.cascade import run_policy
+from cachelab.workload.lookups import global_key
+from lcs_reference import (engram_row_keys, engram_stream, lcs_cache, lcs_hits_of, lcs_misses, lcs_misses_of,
+                           min_capacity, write_oracle_general)
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,22 @@ CASES = [
     # The sketch hashes the trace's row ids, as libCacheSim's does (not the engine's dense ids).
     # Below 100 rows libCacheSim's 1% window is empty and it refuses every row; ours keeps one row.
     Case("wtinylfu", "WTinyLFU"),
+]
+
+# Each parameter both take, away from its default (the table's traces run the defaults).
+PARAM_CASES = [
+    Case("s3fifo", "S3FIFO", {"small_size_ratio": 0.25, "move_to_main_threshold": 1},
+         {"small_size_ratio": 0.25, "move_to_main_threshold": 1}),
+    Case("s3fifo", "S3FIFO", {"small_size_ratio": 0.05, "move_to_main_threshold": 3, "ghost_size_ratio": 2.0},
+         {"small_size_ratio": 0.05, "move_to_main_threshold": 3, "ghost_size_ratio": 2.0}),
+    Case("s3fifo", "S3FIFO", {"small_size_ratio": 0.5, "ghost_size_ratio": 0.0},
+         {"small_size_ratio": 0.5, "ghost_size_ratio": 0.0}),
+    Case("twoq", "TwoQ", {"ain_size_ratio": 0.1, "aout_size_ratio": 1.0}, {"a_in_size_ratio": 0.1, "a_out_size_ratio": 1.0}),
+    Case("twoq", "TwoQ", {"ain_size_ratio": 0.75, "aout_size_ratio": 0.2},
+         {"a_in_size_ratio": 0.75, "a_out_size_ratio": 0.2}),
+    Case("wtinylfu", "WTinyLFU", {"window": 0.2}, {"window_size": 0.2}),
+    Case("wtinylfu", "WTinyLFU", {"window": 0.5}, {"window_size": 0.5}),
+    Case("clock", "Clock", {"bits": 3}, {"n_bit_counter": 3}),
 ]
 
 
@@ -128,14 +146,15 @@ def test_miss_counts_agree_with_libcachesim_at_every_capacity_of_short_streams(s
     """The table above starts at two rows on long traces; here every capacity from one row to past
     the keys (where the policy itself runs, not the engine's infinite cache) on short random
     streams, one request per step, against libCacheSim fed the same ids: identical, at and above
-    each class's ``min_capacity`` (W-TinyLFU's 100 rows are past these streams)."""
+    each class's ``min_capacity`` for its parameters (at its default window, W-TinyLFU's 100 rows
+    are past these streams); the parameters away from their defaults (``PARAM_CASES``) too."""
     num_keys, keys = stream
     keys = np.array(keys, dtype=np.int64)
     offsets = np.arange(keys.size + 1)
-    for case in CASES:
+    for case in CASES + PARAM_CASES:
         if case.rel_tol:
             continue
-        for capacity in range(min_capacity(case.theirs), num_keys + 3):
+        for capacity in range(min_capacity(case.theirs, **case.lcs_params), num_keys + 3):
             policy = registry.make_policy(case.ours, **case.params)
             policy.reset(capacity, num_keys)
             future = policy.view_future(next_access(keys), offsets) if policy.capabilities.needs_future else None
@@ -199,3 +218,84 @@ def test_the_reference_expires_nothing(tmp_path, monkeypatch):
     records.tofile(path)
     assert lcs_misses(path, "LRU", 10) == 5
     assert built == [0, 0, 0]  # was None: libCacheSim's default
+
+
+def seeded_stream(kind: str, rng: np.random.Generator) -> np.ndarray:
+    """A stream of a few thousand requests of one shape, dense keys from 0."""
+    n, u = 4000, 600
+    zipf = 1.0 / np.arange(1, u + 1) ** 0.9
+    if kind == "zipf":
+        keys = rng.choice(u, 2 * n, p=zipf / zipf.sum())  # long enough that W-TinyLFU's sketch halves at 100 rows
+    elif kind == "loop":  # a loop longer than most capacities: LRU and FIFO miss every request
+        keys = np.tile(np.arange(150), n // 150 + 1)[:n]
+    elif kind == "scan":  # a Zipf stream broken by a scan of new keys
+        keys = rng.choice(u, n, p=zipf / zipf.sum())
+        keys[n // 3:n // 2] = u + np.arange(n // 2 - n // 3)
+    elif kind == "one-hit-wonders":  # half the requests to keys seen once
+        keys = rng.choice(u // 4, n)
+        once = rng.random(n) < 0.5
+        keys[once] = u + np.arange(once.sum())
+    else:  # "repeats": runs of one key
+        keys = np.repeat(rng.choice(u, n // 2), rng.integers(1, 4, n // 2))[:n]
+    return np.unique(keys, return_inverse=True)[1].astype(np.int64).reshape(-1)
+
+
+@pytest.mark.parametrize("kind", ["zipf", "loop", "scan", "one-hit-wonders", "repeats"])
+def test_hit_for_hit_on_seeded_streams(kind):
+    """Every exact row of the table and every parameter both take (``PARAM_CASES``), request by
+    request (the hit vectors, not only their counts), on seeded streams of five shapes, at the
+    class's minimum and one row past it, 1% to 50% of the keys, and one row short of, at and
+    past them all. libCacheSim sees ids scattered over 62 bits, and ours the dense keys with those
+    ids as raw keys (W-TinyLFU's sketch hashes them: the ids, not the engine's numbering)."""
+    rng = np.random.default_rng(list(b"hit-for-hit"))
+    keys = seeded_stream(kind, rng)
+    unique = int(keys.max()) + 1
+    ids = rng.permutation(np.unique(rng.integers(0, 1 << 62, 2 * unique)))[:unique][keys]
+    offsets = np.arange(keys.size + 1)
+    for case in CASES + PARAM_CASES:
+        if case.rel_tol:
+            continue
+        low = min_capacity(case.theirs, **case.lcs_params)
+        for capacity in sorted({max(low, c) for c in (low, low + 1, unique // 100, unique // 10, unique // 2,
+                                                       unique - 1, unique, unique + 1)}):
+            ours = run_policy(registry.make_policy(case.ours, **case.params), keys, offsets, capacity, unique,
+                              raw_keys=ids)
+            theirs = lcs_hits_of(ids, case.theirs, capacity, **case.lcs_params)
+            differ = np.flatnonzero(ours != theirs)
+            assert differ.size == 0, (str(case), capacity, f"first at request {differ[:1]}",
+                                      int((~ours).sum()), int((~theirs).sum()))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_two_tiers_two_layers_and_a_warmup_serve_each_row_where_libcachesim_would(seed):
+    """The engine's per-step deduplication, two Engram layers' keys, a second tier fed the first
+    one's misses, and a warm-up left out of the counts, against libCacheSim run on each tier's
+    request stream: the level that served each distinct row of each step, then the counted
+    totals. Belady runs without warm-up only (after one, ours is shown the counted future on
+    purpose: docs/engine.md, "Warm-up")."""
+    rng = np.random.default_rng(seed)
+    per_step = rng.integers(1, 24, 300)
+    offsets = np.concatenate([[0], np.cumsum(per_step)])
+    zipf = 1.0 / np.arange(1, 801) ** 0.8
+    keys = global_key(rng.integers(0, 2, offsets[-1]), rng.choice(800, offsets[-1], p=zipf / zipf.sum()))
+    stream = LookupStream(keys, offsets, 1, layers=(0, 1))
+    requests = tier_requests(keys, offsets)
+    unique = np.unique(requests).size
+    exact = [c for c in CASES if not c.rel_tol]
+    for top, low in zip(exact, exact[seed:] + exact[:seed]):
+        warmup = 0 if "belady" in (top.ours, low.ours) else 40
+        c0 = max(min_capacity(top.theirs), unique // 20)
+        c1 = max(min_capacity(low.theirs), unique // 8)
+        hierarchy = Hierarchy([Tier("hbm", registry.make_policy(top.ours, **top.params), capacity_rows=c0),
+                               Tier("dram", registry.make_policy(low.ours, **low.params), capacity_rows=c1)], 1)
+        result = replay(stream, hierarchy, warmup=warmup)
+        hit0 = lcs_hits_of(requests, top.theirs, c0, **top.lcs_params)
+        hit1 = lcs_hits_of(requests[~hit0], low.theirs, c1, **low.lcs_params)
+        expected = np.full(requests.size, 2, dtype=np.int8)  # 2: the backing DRAM table
+        expected[hit0] = 0
+        expected[np.flatnonzero(~hit0)[hit1]] = 1
+        assert np.array_equal(result.served, expected), (str(top), str(low))
+        counted = np.bincount(expected[int(result.distinct_offsets[warmup]):], minlength=3)
+        levels = result.summary()["levels"]
+        assert (levels["hbm"]["served_unique"], levels["dram"]["served_unique"]) == tuple(counted[:2]), (str(top),
+                                                                                                        str(low))
