@@ -299,3 +299,32 @@ def test_two_tiers_two_layers_and_a_warmup_serve_each_row_where_libcachesim_woul
         levels = result.summary()["levels"]
         assert (levels["hbm"]["served_unique"], levels["dram"]["served_unique"]) == tuple(counted[:2]), (str(top),
                                                                                                         str(low))
+
+
+def test_ids_past_int64_are_ranks_so_wtinylfu_hashes_the_ranks(tmp_path):
+    """A known difference, left as is: a trace whose ids lie past int64 (libCacheSim's hashed-id
+    Twitter and Meta traces) is read as each id's rank (``dense_ids``), and the ranks are the only
+    ids the engine has, so W-TinyLFU's sketch hashes them where libCacheSim hashes the ids. Ours is
+    then libCacheSim fed the ranks, request for request; a policy that hashes nothing is
+    libCacheSim on the file itself (docs/policies.md)."""
+    from cachelab.trace.keytrace import read_keys
+
+    rng = np.random.default_rng(7)
+    zipf = 1.0 / np.arange(1, 2001) ** 0.9
+    dense = rng.choice(2000, 20_000, p=zipf / zipf.sum())
+    ids = rng.permutation(np.unique(rng.integers(1 << 63, np.iinfo(np.uint64).max, 2100, dtype=np.uint64)))[:2000]
+    path = write_oracle_general(tmp_path / "hashed.oracleGeneral", dense)
+    records = np.fromfile(path, dtype=ORACLE_DTYPE)
+    records["id"] = ids[dense]
+    records.tofile(path)
+    stream = LookupStream.from_keys(read_keys(path))
+    ranks = np.unique(ids[dense], return_inverse=True)[1].reshape(-1)
+    assert np.array_equal(stream.keys, ranks)
+    misses = {}
+    for ours in ("wtinylfu", "lru", "s3fifo"):
+        tier = Tier("hbm", registry.make_policy(ours), capacity_rows=100)
+        level = replay(stream, Hierarchy([tier], stream.row_bytes)).summary()["levels"]["hbm"]
+        misses[ours] = level["requests_unique"] - level["served_unique"]
+    assert misses["wtinylfu"] == lcs_misses_of(ranks, "WTinyLFU", 100)
+    assert misses["wtinylfu"] != lcs_misses(path, "WTinyLFU", 100)  # the sketch's collisions differ
+    assert (misses["lru"], misses["s3fifo"]) == (lcs_misses(path, "LRU", 100), lcs_misses(path, "S3FIFO", 100))
