@@ -42,6 +42,8 @@ def min_capacity(policy: str, **params) -> int:
     capacity = 1
     while not _shares_hold(policy, capacity, params):
         capacity += 1
+        if capacity > 1 << 20:  # a share of 0 (or A1in's of 1) holds nothing at any capacity
+            raise ValueError(f"libCacheSim's {policy} with {params} is comparable at no capacity")
     return capacity
 
 
