@@ -132,15 +132,17 @@ class Forward:
     def send(self, conn: UpstreamConnection) -> None:
         self.conn = conn
         conn.forward = self
+        closing = conn.transport.is_closing()
+        if not closing:  # written first: the answer's parser and timer are needed only once this callback returns
+            conn.transport.writelines(self.request)
         conn.parser = httptools.HttpResponseParser(self)
         self.last = time.perf_counter()
         if self.timer is None:
             self._arm(self.proxy.config.read_timeout)
-        if conn.transport.is_closing():  # the upstream closed it since it was made: its loss ends the exchange
-            if conn.lost is not None:    # reported already, while no request was on it (else it is to come)
+        if closing:  # the upstream closed it since it was made: its loss ends the exchange
+            if conn.lost is not None:  # reported already, while no request was on it (else it is to come)
                 self.upstream_lost(conn.lost)
             return
-        conn.transport.writelines(self.request)
         if self.client.write_paused:
             conn.transport.pause_reading()
 
