@@ -142,6 +142,53 @@ def test_slow_clients_on_every_connection_keep_no_client_out(tmp_path, loop):
                 sock.close()
 
 
+def _keep_sending(sock: socket.socket, piece: bytes, every_s: float, let_go: threading.Event, got: list) -> None:
+    """A client that writes its body a ``piece`` every ``every_s`` and reads only once it has written it (as an
+    HTTP client does): until ``let_go`` is set, then ten pieces more. Appends what it read and the error that
+    ended it, if one did (None: its writes taken, the answer then read to a clean end)."""
+    read, error = b"", None
+    try:
+        left = 10
+        while left:
+            time.sleep(every_s)
+            sock.sendall(piece)
+            left -= let_go.is_set()
+        while chunk := sock.recv(65536):
+            read += chunk
+    except OSError as exc:
+        error = exc
+    got.append((read, error))
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_client_let_go_at_the_bound_while_still_sending_reads_its_408(tmp_path, loop):
+    """A client whose request comes too slowly is let go at ``max_client_connections`` with a 408 while it
+    is still writing its body: its writes are taken until it has done, then it reads the 408 and the end.
+    The proxy closed at once, so the kernel reset the connection at the client's next bytes (or at once,
+    with some unread): its next write failed (EPIPE, ECONNRESET), and an HTTP client that stops there never
+    reads the 408 (nor does one whose TCP stack takes the RST before the answer is read). Now a lingering
+    close: the 408, the sending side ended, what the client still sends read and dropped until it closes
+    (a second or a megabyte at most)."""
+    with ServerThread(Upstream().app) as upstream, \
+            ProxyThread(ProxyConfig(upstream=upstream.url, max_client_connections=1), Recorder(tmp_path / "cap"),
+                        loop=loop) as p:
+        slow, let_go, got = _connect(p.url), threading.Event(), []
+        with slow:
+            slow.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000\r\n\r\n")
+            sender = threading.Thread(target=_keep_sending, args=(slow, b"a" * 50, 0.02, let_go, got))
+            sender.start()
+            time.sleep(1.5)  # its request has come 50 bytes at a time for over RECLAIM_IDLE_S: it is let go
+            with _connect(p.url) as client:
+                client.sendall(STATUS)
+                head, status = _answer(client)
+            let_go.set()
+            sender.join(10)
+        assert head.startswith(b"HTTP/1.1 200 ") and status["client_connections_reclaimed"] == 1, status
+        (read, error), = got
+        assert read.startswith(b"HTTP/1.1 408 ") and b"--max-client-connections" in read and error is None, \
+            (read, error)
+
+
 def _limited(soft: int, hard: int):
     return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 

@@ -7,16 +7,14 @@ dropped so that the client reads it) and the requests it holds
 pipelined behind the one being served (``MAX_PIPELINED``), and hands each complete
 request to the proxy (``cachelab.capture.proxy.CaptureProxy.serve``). A client that reads
 slowly pauses the upstream connection's reads (``pause_writing``). The upstream side is
-``cachelab.capture.upstream``; what both sides share (hop-by-hop headers, socket options, the
-proxy's own answers) is here.
+``cachelab.capture.upstream``; what both sides share (hop-by-hop headers, the proxy's own answers) is
+here, their sockets' options in ``cachelab.capture.sockets``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import struct
 import sys
 import time
 from collections import deque
@@ -26,12 +24,7 @@ from typing import TYPE_CHECKING
 import httptools
 
 from cachelab.capture.recorder import CLIENT_CLOSED, CLIENT_GONE
-
-try:
-    from fcntl import ioctl
-    from termios import TIOCOUTQ
-except ImportError:  # not on Windows
-    ioctl = None
+from cachelab.capture.sockets import Linger, no_delay, probe_when_idle, unsent
 
 if TYPE_CHECKING:
     from cachelab.capture.exchange import Exchange
@@ -62,51 +55,6 @@ LAST_CHUNK = b"0\r\n\r\n"
 # what a piece of a body held as it comes costs besides its bytes (a bytes object's header, its list slot):
 # counted with them in ``max_held_bytes``: a body trickled two bytes a read holds 43 bytes a piece (tracemalloc)
 PIECE_BYTES = sys.getsizeof(b"") + 8
-
-
-def no_delay(transport) -> None:
-    """TCP_NODELAY on a connection. uvloop sets it on every TCP handle; asyncio's own loop only
-    where the socket's protocol number says TCP, which an accepted socket of a listening socket
-    made with ``socket.socket(family, SOCK_STREAM)`` (proto 0) does not: without it, an event
-    written while the response head is not yet acknowledged waits for the client's delayed
-    ACK (Nagle), about 40 ms (measured: TTFT P50 44 ms against 13 ms at concurrency 8)."""
-    sock = transport.get_extra_info("socket")
-    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-def probe_when_idle(transport, idle_s: float) -> None:
-    """TCP keep-alive on a connection: silent for ``idle_s`` (0: never), the kernel probes the peer every
-    third of that and gives the connection up after three probes unanswered, about ``2 * idle_s`` in all.
-    A peer gone without a FIN or RST (a client's host or network down, a NAT entry dropped) is otherwise
-    never noticed while nothing is written to it: a client that vanished while its answer was being
-    generated held the upstream request to its end, recorded as served (200). Probes go only on a silent
-    connection; one with bytes written and never acknowledged (a peer gone while its answer streams) is
-    given up by ``TCP_USER_TIMEOUT``, set to the same ``2 * idle_s``: else the kernel retransmits for
-    about 15 minutes (``tcp_retries2``), the upstream paused behind the full buffer all that while."""
-    sock = transport.get_extra_info("socket")
-    if idle_s > 0 and sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        if hasattr(socket, "TCP_KEEPIDLE"):  # Linux; elsewhere the system's own timings
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, round(idle_s)))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, round(idle_s / 3)))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, round(2000 * idle_s)))
-
-
-def unsent(transport) -> int:
-    """Bytes written to a connection that its peer has not taken: in the transport's buffer, and in the
-    kernel's send queue (``TIOCOUTQ``: not yet acknowledged), which takes megabytes from the transport (TCP
-    buffer autotuning) and hands the event loop more only once a third of it is free: a client reading
-    steadily but slowly was seen to take nothing for a minute."""
-    queued = transport.get_write_buffer_size()
-    sock = transport.get_extra_info("socket")
-    if ioctl is not None and sock is not None:
-        try:
-            queued += struct.unpack("i", ioctl(sock.fileno(), TIOCOUTQ, b"\0\0\0\0"))[0]
-        except OSError:
-            pass
-    return queued
 
 
 def held_over(limit: int) -> str:
@@ -200,6 +148,7 @@ class ClientConnection(asyncio.Protocol):
         self.discard = 0                        # body bytes still accepted (and dropped) after a 413
         self.final: bytes | None = None         # the answer that ends the connection once those before it are sent
         self.closed = False
+        self.linger: Linger | None = None       # closed after the proxy's last answer, draining (``_linger``)
         self.write_paused = False
         self.unsent = 0                         # bytes of a whole answer still in the transport, in ``proxy.held``
         self.unrecorded: Exchange | None = None  # a finished answer's record, held until the client takes it (``write_last``)
@@ -225,6 +174,8 @@ class ClientConnection(asyncio.Protocol):
         self.closed = True
         self.proxy.clients.discard(self)
         self.proxy.waiting.pop(self, None)
+        if self.linger is not None:
+            self.linger.end()
         self._sent()
         if self.drain_timer is not None:
             self.drain_timer.cancel()
@@ -240,6 +191,8 @@ class ClientConnection(asyncio.Protocol):
         self.queue.clear()
 
     def data_received(self, data: bytes) -> None:
+        if self.linger is not None:
+            return self.linger.drop(len(data))
         if self.in_head:
             self.head_bytes += len(data)
         try:
@@ -527,27 +480,43 @@ class ClientConnection(asyncio.Protocol):
 
     def let_go(self) -> None:
         """Close this connection to make room for a new one (``CaptureProxy.admit``): idle, or with a
-        request begun and not yet whole, which gets a 408 first (an OpenAI client retries it)."""
-        if self.request is not None and not self.request.answered:
-            self.transport.write(whole_response(408, error_body(408, "request not complete while the proxy was at "
-                                                                     "--max-client-connections"), close=True))
+        request begun and not yet whole, which gets a 408 (an OpenAI client retries it) and a lingering close:
+        closed at once, a client still sending its request got a reset (RST) where it should read the 408."""
+        if self.request is None or self.request.answered:
+            self.closed = True
+            self.proxy.clients.discard(self)
+            self.proxy.waiting.pop(self, None)
+            return self.transport.close()
+        self.transport.write(whole_response(408, error_body(408, "request not complete while the proxy was at "
+                                                                 "--max-client-connections"), close=True))
+        self._linger()
+
+    def _linger(self) -> None:
+        """Close after the proxy's last answer, lingering (``Linger``; at once where too many linger): a client
+        still sending its request reads the answer and the end, not a reset. Its place is free at once."""
         self.closed = True
         self.proxy.clients.discard(self)
         self.proxy.waiting.pop(self, None)
-        self.transport.close()
+        self.linger = Linger.start(self.proxy, self.transport)
+        if self.linger is None:
+            self.transport.close()
+        elif self.read_paused:
+            self.transport.resume_reading()
 
     def _answer_and_close(self, data: bytes) -> None:
         """Answer a request that ends the connection (not HTTP: 400, a head too large: 431, an upgrade:
-        501, a stalled one: 408), then close it: at once, or, behind requests still being answered, after
-        their answers, in order (it was written into the middle of the answer being streamed, which the
-        close then cut). The connection is read no further."""
+        501, a stalled one: 408), then close it, lingering (``_linger``): at once, or, behind requests still being
+        answered, after their answers, in order (it was written into the middle of the answer being streamed,
+        which the close then cut). Its requests are read no further."""
         if self.closed or self.final is not None:
             return
         if self.forward is None and not self.queue:
-            if self.request is None or not self.request.answered:  # else refused already, its sending side ended
-                self.transport.write(data)
-            self.transport.close()
-            self.closed = True
+            if self.request is not None and self.request.answered:  # refused already, its sending side ended
+                self.transport.close()
+                self.closed = True
+                return
+            self.transport.write(data)
+            self._linger()
         else:
             self.final = data
             self.transport.pause_reading()

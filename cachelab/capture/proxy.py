@@ -58,7 +58,8 @@ from cachelab.capture.exchange import Exchange
 from cachelab.capture.forward import Forward
 from cachelab.capture.injection import Planner, apply, prepare
 from cachelab.capture.recorder import CLIENT_CLOSED, CLIENT_GONE
-from cachelab.capture.refused import MAX_LINGERING, RefusedConnection
+from cachelab.capture.refused import RefusedConnection
+from cachelab.capture.sockets import MAX_LINGERING
 from cachelab.capture.upstream import UpstreamPool, shown_url
 from cachelab.errors import CachelabError
 
@@ -130,7 +131,7 @@ def claim_file_limit(config: ProxyConfig) -> None:
     if soft == resource.RLIM_INFINITY or soft >= needed:
         return
     why = (f"--max-client-connections {config.max_client_connections} and --max-connections "
-           f"{config.max_connections} need {needed} open files (with {MAX_LINGERING} refused connections draining "
+           f"{config.max_connections} need {needed} open files (with {MAX_LINGERING} closed connections draining "
            f"and {FD_RESERVE} of the proxy's own)")
     if hard != resource.RLIM_INFINITY and hard < needed:
         raise CachelabError(f"{why}; this process may open {hard} at most (ulimit -Hn): lower them or raise the limit")
@@ -157,7 +158,7 @@ class CaptureProxy:
         # connections with nothing being served (idle, or a request begun not yet whole), by ``idle_since``, oldest
         # first: the first let go at ``max_client_connections``
         self.waiting: dict[ClientConnection, None] = {}
-        self.lingering = 0  # connections refused at ``max_client_connections``, still draining (``RefusedConnection``)
+        self.lingering = 0  # connections closed after the proxy's last answer, still draining (``Linger``)
         self.connections_refused = 0
         self.connections_reclaimed = 0
         self.held = 0  # bytes the exchanges in flight hold (``Forward.hold_request``, ``keep``), at most ``max_held_bytes``

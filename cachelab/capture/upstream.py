@@ -18,7 +18,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
-from cachelab.capture.connections import no_delay, probe_when_idle
+from cachelab.capture.sockets import no_delay, probe_when_idle
 
 if TYPE_CHECKING:
     from cachelab.capture.forward import Forward
