@@ -189,6 +189,44 @@ def test_a_client_let_go_at_the_bound_while_still_sending_reads_its_408(tmp_path
             (read, error)
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_slow_upload_is_not_let_go_at_the_bound_before_a_client_that_stalls(tmp_path, loop):
+    """At ``max_client_connections``, a client uploading its body steadily (32 KiB every 0.1 s) is not let go
+    before one that stalls, though its request began first: the staller gets the 408, the upload goes on,
+    and a later client, with only the upload and a connection idle under a second to take, gets a 503; the
+    upload is then answered. The wait to be let go counted from a request's first byte, so the upload went
+    first (and the stalled one stayed): a client making progress was taken like one that sends nothing."""
+    piece, pieces = b" " * (32 << 10), 25
+    body = b'{"model":"tiny","prompt":"hi","max_tokens":2}' + piece * pieces
+    with ServerThread(Upstream().app) as upstream, \
+            ProxyThread(ProxyConfig(upstream=upstream.url, max_client_connections=2), Recorder(tmp_path / "cap"),
+                        loop=loop) as p:
+        upload, stalled = _connect(p.url), _connect(p.url)
+
+        def send() -> None:
+            upload.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                           b"content-length: %d\r\n\r\n%s" % (len(body), body[:-len(piece) * pieces]))
+            for _ in range(pieces):
+                time.sleep(0.1)
+                upload.sendall(piece)
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        time.sleep(0.1)
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\n")
+        time.sleep(1.4)  # both begun over RECLAIM_IDLE_S ago; one stalled since, the other coming
+        with upload, stalled, _connect(p.url) as client:
+            client.sendall(STATUS)
+            head, status = _answer(client)
+            assert head.startswith(b"HTTP/1.1 200 ") and status["client_connections_reclaimed"] == 1, status
+            assert _read_to_close(stalled).startswith(b"HTTP/1.1 408 ")
+            with _connect(p.url) as later:  # the upload coming, ``client`` idle under a second: none let go
+                assert _read_to_close(later).startswith(b"HTTP/1.1 503 ")
+            sender.join(10)
+            head, answer = _answer(upload)
+        assert head.startswith(b"HTTP/1.1 200 ") and answer["choices"], (head, answer)
+
+
 def _limited(soft: int, hard: int):
     return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 

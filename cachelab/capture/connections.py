@@ -55,6 +55,9 @@ LAST_CHUNK = b"0\r\n\r\n"
 # what a piece of a body held as it comes costs besides its bytes (a bytes object's header, its list slot):
 # counted with them in ``max_held_bytes``: a body trickled two bytes a read holds 43 bytes a piece (tracemalloc)
 PIECE_BYTES = sys.getsizeof(b"") + 8
+# a request begun that brings this many bytes more is coming, not stalled: its wait to be let go at
+# --max-client-connections starts again (``progress_since``), a connection that stalls goes before it
+PROGRESS_BYTES = 16 << 10
 
 
 def held_over(limit: int) -> str:
@@ -157,6 +160,10 @@ class ClientConnection(asyncio.Protocol):
         self.drain_timer: asyncio.TimerHandle | None = None  # the write deadline (``pause_writing``)
         self.drain_from = 0                     # bytes the transport held at its last check
         self.idle_since = time.monotonic()
+        # when it last made progress (``PROGRESS_BYTES`` of a request), else ``idle_since``: the order in which
+        # connections are let go at --max-client-connections (``CaptureProxy.admit``, ``proxy.waiting``)
+        self.progress_since = self.idle_since
+        self.progress = 0                       # bytes of the request since then
         self.peer = b"unknown"
 
     # -- transport callbacks ------------------------------------------------------------------
@@ -193,6 +200,13 @@ class ClientConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.linger is not None:
             return self.linger.drop(len(data))
+        waiting = self.proxy.waiting
+        if self in waiting and self.request is not None:
+            self.progress += len(data)
+            if self.progress >= PROGRESS_BYTES:  # coming, not stalled: last in line to be let go again
+                self.progress, self.progress_since = 0, time.monotonic()
+                del waiting[self]
+                waiting[self] = None
         if self.in_head:
             self.head_bytes += len(data)
         try:
@@ -336,7 +350,8 @@ class ClientConnection(asyncio.Protocol):
     # -- parser callbacks -----------------------------------------------------------------------
     def on_message_begin(self) -> None:
         self.request = Request()
-        self.idle_since = time.monotonic()  # from now on, the time the request takes to come whole
+        self.idle_since = self.progress_since = time.monotonic()  # from now on, the time the request takes
+        self.progress = 0
         waiting = self.proxy.waiting
         if self in waiting:  # it waited idle: now for this request to come whole, from now on (last in line)
             del waiting[self]
@@ -535,7 +550,7 @@ class ClientConnection(asyncio.Protocol):
             self.transport.close()
             self.closed = True
             return
-        self.idle_since = time.monotonic()
+        self.idle_since = self.progress_since = time.monotonic()
         if self.queue or self.final is not None:
             self.next()
             return

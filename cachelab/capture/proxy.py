@@ -71,7 +71,7 @@ except ImportError:  # not on Windows
 RECORDED = (b"/v1/completions", b"/v1/chat/completions")
 IDEMPOTENT = {b"GET", b"HEAD", b"PUT", b"DELETE", b"OPTIONS", b"TRACE"}  # RFC 9110, 9.2.2
 _IDLE_SWEEP_S = 5.0
-RECLAIM_IDLE_S = 1.0  # at max_client_connections, one idle or with its request not whole this long makes room
+RECLAIM_IDLE_S = 1.0  # at max_client_connections, one idle or its request stalled (not whole) this long makes room
 _REPLACED = frozenset({b"x-forwarded-for"})  # request headers the proxy writes itself, the client's value first
 _REPLACED_RECORDED = _REPLACED | {b"accept-encoding"}
 _VIA_11, _VIA_10 = b"via: 1.1 cachelab-capture\r\n", b"via: 1.0 cachelab-capture\r\n"
@@ -155,8 +155,8 @@ class CaptureProxy:
         self.pool = UpstreamPool(config)
         self.planner = Planner(config.token_ids)  # what to add to a large request body, decided off the loop
         self.clients: set[ClientConnection] = set()
-        # connections with nothing being served (idle, or a request begun not yet whole), by ``idle_since``, oldest
-        # first: the first let go at ``max_client_connections``
+        # connections with nothing being served (idle, or a request begun not yet whole), by ``progress_since``,
+        # oldest first: the first let go at ``max_client_connections``
         self.waiting: dict[ClientConnection, None] = {}
         self.lingering = 0  # connections closed after the proxy's last answer, still draining (``Linger``)
         self.connections_refused = 0
@@ -233,11 +233,14 @@ class CaptureProxy:
         a server close an idle connection at any time; clients open another), or with a request begun and
         not yet whole (a 408). A request begun was never let go: slow clients that each sent a byte of a
         head now and then (slow-loris) held every connection for the 30 s of ``keep_alive_s``, and again
-        as they reconnected, and every other client got a 503."""
+        as they reconnected, and every other client got a 503. A request that comes, ``PROGRESS_BYTES`` at
+        least in each ``RECLAIM_IDLE_S`` (a body uploaded at 16 KiB/s or more), is not let go, like one being
+        served (``keep_alive_s`` still bounds its whole): it went first, a slow upload begun before a client
+        that sent nothing, as its wait was counted from its first byte."""
         if len(self.clients) < self.config.max_client_connections:
             return True
         oldest = next(iter(self.waiting), None)
-        if oldest is None or oldest.idle_since > time.monotonic() - RECLAIM_IDLE_S:
+        if oldest is None or oldest.progress_since > time.monotonic() - RECLAIM_IDLE_S:
             return False
         self.connections_reclaimed += 1
         oldest.let_go()
