@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 
 import httpx
 import pytest
@@ -554,6 +555,36 @@ def test_whole_answers_that_clients_do_not_read_count_in_the_held_bound(tmp_path
     assert table["status"].to_list()[:3] == [200, 200, 503] and table["status"].to_list()[-1] == 200
 
 
+def test_the_record_held_for_a_client_not_taking_its_answer_counts_in_the_held_bound(tmp_path):
+    """A client asks for a 12 MiB whole answer and reads none of it: besides the answer written to it (its ids
+    nulled), the proxy holds the raw answer and the request for its record until the client has taken the
+    answer (--write-timeout) and counts them in --max-held-mb: at 18 MiB a small request is then refused
+    (503, recorded so), and once the client has gone the next is served. The record's copy was counted
+    nowhere: the proxy held about 24 MiB for the client, counted 12 and let every request in."""
+    upstream = HostileUpstream()
+    with cli_proxy(upstream.url, tmp_path / "cap", "--max-held-mb", "18") as (base, proc):
+        def small() -> httpx.Response:
+            return httpx.post(base + "/v1/completions", json={"model": "text", "prompt": "x"}, timeout=30)
+
+        idle = _send_unread(base, "big")
+        deadline = time.monotonic() + 20
+        while (r := small()).status_code == 200:  # until the big answer is complete, written, its record held
+            assert time.monotonic() < deadline, "the record held for the client is not counted"
+            time.sleep(0.1)
+        assert r.status_code == 503 and "--max-held-mb" in r.json()["error"]["message"], r.text
+        idle.close()
+        deadline = time.monotonic() + 10
+        while (r := small()).status_code == 503:
+            assert time.monotonic() < deadline, "the record of the client gone was not let go"
+            time.sleep(0.1)
+        assert r.status_code == 200
+        records = _stopped_records(proc, tmp_path / "cap")
+    refused = [error for (_, status), error in records.items() if status == 503]
+    assert refused and refused[0].startswith("the proxy held over 18874368 bytes of requests and answers in flight "
+                                             "(--max-held-mb)"), records  # not sent upstream, or its answer not relayed
+    assert ("big", 499) in records and ("text", 200) in records
+
+
 def test_a_client_that_reads_none_of_a_whole_answer_is_closed_at_the_write_timeout_and_recorded(tmp_path):
     """A client asks for a 12 MiB answer and reads none of it: at --write-timeout the proxy closes its
     connection and records the request as 499, saying why, while a client that reads the same answer slowly
@@ -723,6 +754,43 @@ def test_request_bodies_count_in_the_held_bound_as_they_come(tmp_path):
                                 "(--max-held-mb): not sent upstream"
 
 
+def test_request_heads_count_in_the_held_bound():
+    """A request's head counts in ``proxy.held`` as it comes, each header with what it costs besides its bytes
+    (``HEADER_BYTES``): at least what tracemalloc sees the parsed heads hold, and held until served or gone
+    (pipelined behind an answer in progress). Heads alone put the proxy over ``--max-held-mb``: the head that
+    crosses it is refused (503) in its turn, and another client's request at once, before its body is read,
+    recorded so. Heads were counted nowhere: pipelined heads of 64 KiB of short headers, 16 on each of 4,096
+    connections, held about 64 GiB (10 times their bytes, tracemalloc) outside the bound."""
+    from cachelab.capture.connections import ClientConnection
+    from cachelab.capture.proxy import CaptureProxy
+
+    submitted = []
+    proxy = CaptureProxy(ProxyConfig(upstream="http://127.0.0.1:9", max_held_bytes=300_000),
+                         recorder=type("Recorder", (), {"submit": staticmethod(submitted.append)})())
+    behind, other = ClientConnection(proxy), ClientConnection(proxy)
+    behind.connection_made(_ClientTransport())
+    other.connection_made(_ClientTransport())
+    behind.forward = object()  # an answer in progress on this connection: what it pipelines waits
+    head = b"GET /v1/models HTTP/1.1\r\nhost: x\r\n" + b"".join(b"x-%d: v\r\n" % i for i in range(1000)) + b"\r\n"
+    tracemalloc.start()
+    try:
+        behind.data_received(head * 2)
+        used = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert len(behind.queue) == 2 and used <= proxy.held <= 300_000, (used, proxy.held)
+    behind.data_received(head)  # over the bound: refused in its turn
+    assert [r.refused for r in behind.queue] == [0, 0, 503]
+    other.data_received(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 9\r\n\r\n")
+    assert other.transport.written.startswith(b"HTTP/1.1 503 ") and other.transport.eof
+    assert [(x.status, x.error) for x in submitted] == [(503, "the proxy held over 300000 bytes of requests and "
+                                                              "answers in flight (--max-held-mb): not sent upstream")]
+    other.connection_lost(None)
+    behind.forward = None
+    behind.connection_lost(None)
+    assert proxy.held == 0
+
+
 class _ClientTransport:
     """A client connection's transport that keeps what the proxy writes to it and whether it ended it."""
 
@@ -746,18 +814,19 @@ class _ClientTransport:
 
 
 def test_the_held_count_follows_a_body_as_it_comes_and_goes():
-    """``proxy.held`` counts a body from its first piece (its bytes and ``PIECE_BYTES`` a piece; it counted
-    nothing until the request was whole) and gives it back when the connection goes; a body that crosses
+    """``proxy.held`` counts a request's head (``HEADER_BYTES`` a header besides its bytes) and its body from its
+    first piece (its bytes and ``PIECE_BYTES`` a piece; it counted nothing until the request was whole) and gives it back when the connection goes; a body that crosses
     the bound as it comes is refused at once (503, then its rest read and dropped and the close) or,
     pipelined behind an answer in progress, in its turn: recorded so, its bytes dropped, not held."""
-    from cachelab.capture.connections import PIECE_BYTES, ClientConnection
+    from cachelab.capture.connections import HEADER_BYTES, PIECE_BYTES, ClientConnection
     from cachelab.capture.proxy import CaptureProxy
 
     submitted = []
-    proxy = CaptureProxy(ProxyConfig(upstream="http://127.0.0.1:9", max_held_bytes=1000),
+    proxy = CaptureProxy(ProxyConfig(upstream="http://127.0.0.1:9", max_held_bytes=1600),
                          recorder=type("Recorder", (), {"submit": staticmethod(submitted.append)})())
     head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 900\r\n\r\n"
-    held = 600 + PIECE_BYTES
+    head_held = len(b"/v1/completions" b"host" b"x" b"content-length" b"900") + 2 * HEADER_BYTES  # url, headers
+    held = head_held + 600 + PIECE_BYTES
 
     def connect() -> ClientConnection:
         client = ClientConnection(proxy)
@@ -769,7 +838,7 @@ def test_the_held_count_follows_a_body_as_it_comes_and_goes():
     assert proxy.held == held
     second.data_received(head + b"b" * 600)  # crosses the bound: refused at once
     assert second.transport.written.startswith(b"HTTP/1.1 503 ") and second.transport.eof
-    assert b"held over 1000 bytes of requests and answers in flight (--max-held-mb)" in second.transport.written
+    assert b"held over 1600 bytes of requests and answers in flight (--max-held-mb)" in second.transport.written
     assert proxy.held == held
     second.data_received(b"b" * 300)  # the rest, read and dropped; then the close
     assert second.transport.closed and proxy.held == held
@@ -781,12 +850,12 @@ def test_the_held_count_follows_a_body_as_it_comes_and_goes():
     holding.data_received(head + b"a" * 600)
     behind.forward = object()  # an answer in progress on this connection
     behind.data_received(head + b"c" * 300)
-    assert proxy.held == held + 300 + PIECE_BYTES
+    assert proxy.held == held + head_held + 300 + PIECE_BYTES
     behind.data_received(b"c" * 600)  # crosses: refused in its turn, its body dropped
     assert proxy.held == held and behind.transport.written == b"" and len(behind.queue) == 1
     behind.done(True)  # the answer before it is done
     assert behind.transport.written.startswith(b"HTTP/1.1 503 ") and behind.transport.closed
-    assert [(x.status, x.error) for x in submitted] == [(503, "the proxy held over 1000 bytes of requests and "
+    assert [(x.status, x.error) for x in submitted] == [(503, "the proxy held over 1600 bytes of requests and "
                                                               "answers in flight (--max-held-mb): not sent upstream")] * 2
     holding.connection_lost(None)
     behind.connection_lost(None)

@@ -14,7 +14,7 @@ import pytest
 
 from capture_upstream import ProxyThread
 from test_capture_proxy import HeadUpstream, _null_ids_by_re
-from cachelab.capture.exchange import null_ids
+from cachelab.capture.exchange import Exchange, null_ids
 from cachelab.capture.proxy import ProxyConfig
 from cachelab.capture.recorder import Recorder
 from cachelab.capture.to_trace import read_requests
@@ -291,6 +291,11 @@ class _Unread:
         return 16 << 10, 64 << 10
 
 
+def _record(name: str) -> Exchange:
+    """A finished exchange's record, named by its answer."""
+    return Exchange(endpoint="/v1/completions", arrival_unix_ns=0, arrival=0.0, response=name.encode())
+
+
 def test_a_pipelined_request_waits_until_the_answer_before_it_is_taken_and_each_is_recorded():
     """Two requests pipelined by a client that takes nothing for a while: the first answer's end is written
     while its writes are paused, its record held until the client has it (``write_last``). The request behind
@@ -307,22 +312,22 @@ def test_a_pipelined_request_waits_until_the_answer_before_it_is_taken_and_each_
         client = ClientConnection(proxy)
         client.transport, client.write_paused = _Unread(), True  # the client takes nothing (``pause_writing``)
         client.queue.append(Request())  # the second request, pipelined behind the first's answer
-        client.write_last(b"the first answer's end", "first")
+        client.write_last(b"the first answer's end", _record("first"))
         client.done(True)
         for _ in range(3):
             await asyncio.sleep(0)
         if served:  # served now, and answered while the client still takes nothing
-            client.write_last(b"the second answer", "second")
+            client.write_last(b"the second answer", _record("second"))
             client.done(True)
         assert submitted == [], "recorded before the client had the answer's last byte"
         client.transport.buffer.clear()
         client.resume_writing()  # it took them
         for _ in range(3):
             await asyncio.sleep(0)
-        if len(served) == 1 and submitted == ["first"]:  # served once the first was taken
-            client.write_last(b"the second answer", "second")
+        if len(served) == 1 and [x.response for x in submitted] == [b"first"]:  # served once the first was taken
+            client.write_last(b"the second answer", _record("second"))
             client.done(True)
-        assert submitted == ["first", "second"] and len(served) == 1
+        assert [x.response for x in submitted] == [b"first", b"second"] and len(served) == 1
 
     asyncio.run(main())
 
@@ -339,7 +344,7 @@ def test_requests_pipelined_behind_an_answer_not_taken_are_bounded():
                                 recorder=SimpleNamespace(submit=list().append), serve=None, authorized=lambda r: True)
         client = ClientConnection(proxy)
         client.transport, client.write_paused = _Unread(), True
-        client.write_last(b"an answer's end", "answered")  # held: the client takes nothing
+        client.write_last(b"an answer's end", _record("answered"))  # held: the client takes nothing
         client.done(True)
         client.data_received(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n" * (MAX_PIPELINED + 4))
         assert len(client.queue) >= MAX_PIPELINED and not client.transport.reading
@@ -367,7 +372,7 @@ def test_at_shutdown_a_request_pipelined_behind_an_answer_not_taken_is_not_recor
         client.transport, client.write_paused = _Unread(), True
         client.transport.close = lambda: loop.call_soon(client.connection_lost, None)
         proxy.clients.add(client)
-        client.write_last(b"an answer's end", "answered")  # held: the client takes nothing
+        client.write_last(b"an answer's end", _record("answered"))  # held: the client takes nothing
         client.queue.append(Request())
         client.done(True)
         busy = type("Busy", (), dict(forward=SimpleNamespace(shut_down=lambda why: None), request=None, queue=(),

@@ -55,6 +55,10 @@ LAST_CHUNK = b"0\r\n\r\n"
 # what a piece of a body held as it comes costs besides its bytes (a bytes object's header, its list slot):
 # counted with them in ``max_held_bytes``: a body trickled two bytes a read holds 43 bytes a piece (tracemalloc)
 PIECE_BYTES = sys.getsizeof(b"") + 8
+# what a header of a request head costs besides its name's and value's bytes (a tuple, two bytes objects, its
+# list slot), counted with them: a head of 1,000 headers of 10 bytes sent held 98 bytes a header (tracemalloc),
+# and 16 heads of 64 KiB pipelined on each connection (10 times that held) were counted nowhere
+HEADER_BYTES = sys.getsizeof((b"", b"")) + 2 * sys.getsizeof(b"") + 8
 # a request begun that brings this many bytes more is coming, not stalled: its wait to be let go at
 # --max-client-connections starts again (``progress_since``), a connection that stalls goes before it
 PROGRESS_BYTES = 16 << 10
@@ -95,7 +99,7 @@ class Request:
         self.headers: list[tuple[bytes, bytes]] = []
         self.body: list[bytes] = []
         self.size = 0
-        self.held = 0  # its body's bytes (and pieces, ``PIECE_BYTES``) counted in ``proxy.held`` until it is served
+        self.held = 0  # its head's and body's bytes (``HEADER_BYTES``, ``PIECE_BYTES``) in ``proxy.held`` until served
         self.method = b""
         self.keep_alive = True
         self.http11 = True
@@ -279,6 +283,7 @@ class ClientConnection(asyncio.Protocol):
             t.write(view[:-1])
             if self.write_paused:
                 self.unrecorded = x
+                self.hold_unsent()
             else:
                 self.proxy.recorder.submit(x)
             t.write(view[-1:])
@@ -335,10 +340,13 @@ class ClientConnection(asyncio.Protocol):
         self.proxy.recorder.submit(x)
 
     def hold_unsent(self) -> None:
-        """Count what the proxy holds of a whole answer for a client that reads it slowly (or not at all) in
-        ``--max-held-mb``: its body until all written (its rest's view keeps it whole), the transport's buffer
-        while paused. Let go as it was written, clients that read none held them all outside the bound."""
-        unsent = (0 if self.rest is None else len(self.rest.obj)) + \
+        """Count what the proxy holds of an answer for a client that reads it slowly (or not at all) in
+        ``--max-held-mb``: a whole body until all written (its rest's view keeps it whole), the transport's
+        buffer while paused, the record held until the client takes the answer (``unrecorded``: the raw answer
+        beside the body sent, or the events, and the request). Let go as it was written, clients that read none
+        held them all outside the bound; the record's copy was counted nowhere, half of a whole answer held."""
+        x = self.unrecorded
+        unsent = (0 if self.rest is None else len(self.rest.obj)) + (0 if x is None else x.held_bytes()) + \
             (self.transport.get_write_buffer_size() if self.write_paused else 0)
         self.proxy.held += unsent - self.unsent
         self.unsent = unsent
@@ -359,10 +367,17 @@ class ClientConnection(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self.request.url += url
+        self._hold(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.in_head:  # a trailer field, after a chunked body, is dropped (RFC 9112 7.1.2), not sent as a header
             self.request.headers.append((name, value))
+            self._hold(len(name) + len(value) + HEADER_BYTES)
+
+    def _hold(self, n: int) -> None:
+        """Count ``n`` bytes more of the request being parsed in ``proxy.held`` (``Request.held``)."""
+        self.request.held += n
+        self.proxy.held += n
 
     def on_headers_complete(self) -> None:
         r, limit = self.request, self.proxy.config.max_body_bytes
@@ -388,6 +403,8 @@ class ClientConnection(asyncio.Protocol):
             self._unauthorized(r)
         elif declared is not None and declared.strip().isdigit() and int(declared) > limit:
             self._refuse_body(r, 413)
+        elif self.proxy.held > self.proxy.config.max_held_bytes:  # its head put the proxy over, or others did
+            self._refuse_body(r, 503)  # its head still counted: held until the request is dropped
         elif r.header(b"expect") is not None and r.header(b"expect").lower() == b"100-continue":
             if self.forward is None and not self.queue:
                 self._continue(r)
@@ -406,9 +423,7 @@ class ClientConnection(asyncio.Protocol):
         r.size += len(body)
         # counted as it comes (a whole request only was: 4,096 clients that each sent most of an 8 MiB body and
         # stalled held 32 GiB unbounded for the 30 s a request has to come whole); past the bound a 503
-        n = len(body) + PIECE_BYTES
-        r.held += n
-        self.proxy.held += n
+        self._hold(len(body) + PIECE_BYTES)
         c = self.proxy.config
         if r.size > c.max_body_bytes or self.proxy.held > c.max_held_bytes:
             r.body.clear()
@@ -426,6 +441,7 @@ class ClientConnection(asyncio.Protocol):
                 self._release(r)
             return  # an upgrade (or CONNECT) is not served: its 501 follows (``data_received``)
         if r.answered:  # its 413, 503 or 401, already sent: this connection is done
+            self._release(r)
             self.transport.close()
             self.closed = True
             return
@@ -441,8 +457,8 @@ class ClientConnection(asyncio.Protocol):
 
     # -- serving ----------------------------------------------------------------------------------
     def _refuse_body(self, r: Request, status: int) -> None:
-        """Refuse a request for its body: over ``max_body_bytes`` (413), or putting the proxy over
-        ``max_held_bytes`` as it comes (503); answered in its turn (``CaptureProxy.refuse_body``)."""
+        """Refuse a request for its body: over ``max_body_bytes`` (413), or with the proxy over ``max_held_bytes``
+        by its head or as its body comes (503); answered in its turn (``CaptureProxy.refuse_body``)."""
         r.refused = status
         r.keep_alive = False
         self.discard = 16 * self.proxy.config.max_body_bytes

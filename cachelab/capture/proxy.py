@@ -23,9 +23,10 @@ and "Why the defaults", says what led here (the earlier proxies: FastAPI + httpx
 
 Bounds: a request body over ``max_body_bytes`` is refused with 413 before anything goes
 upstream; a request head over ``max_head_bytes`` with 431, an answer head over it is a 502; the
-requests and answers held by all exchanges in flight (a request's body from its first byte until its exchange
-ends, a stream's events for its record, a whole body until it is restored, or kept for its record as it is
-relayed) are ``max_held_bytes`` at most (``ClientConnection.on_body``, ``Forward.hold_request``,
+requests and answers held by all exchanges in flight (a request's head as it comes, its body from its first byte
+until its exchange ends, a stream's events for its record, a whole body until it is restored, or kept for its
+record as it is relayed, a record until its client has the answer) are ``max_held_bytes`` at most
+(``ClientConnection.on_body``, ``ClientConnection.hold_unsent``, ``Forward.hold_request``,
 ``Forward.keep``: a request past it gets a 503); an answer over
 ``max_response_bytes``, an event over ``max_event_bytes`` without a delimiter, an answer
 slower than ``total_timeout`` or silent for ``read_timeout`` ends the exchange: the client
