@@ -881,6 +881,23 @@ def test_an_empty_stop_string_is_refused_as_in_vllm(server):
                       timeout=30).status_code == 200
 
 
+def test_a_single_stop_string_stops_as_its_list_of_one_does(server):
+    """OpenAI's ``stop`` is a string or a list; a string was refused as empty ("stop cannot contain
+    an empty string.": the empty check asked ``"" in "x"``, true of every string)."""
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    args = dict(model=MODEL, prompt=list(range(2000, 2012)), max_tokens=8, temperature=0)
+    free = client.completions.create(**args).choices[0].text
+    stop = free[len(free) // 2]
+    for create, kw in ((client.completions.create, args),
+                       (client.chat.completions.create, dict(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                             max_tokens=8, temperature=0))):
+        one, listed = (create(**kw, stop=s).choices[0] for s in (stop, [stop]))
+        assert one.model_dump() == listed.model_dump()
+        if create is client.completions.create:
+            assert (one.finish_reason, one.model_dump()["stop_reason"], one.text) == ("stop", stop, free[:free.index(stop)])
+
+
 def test_openai_nullable_fields_sent_as_null_mean_their_default(server):
     """The openai client sends an argument given as None as null, and OpenAI's API (and vLLM,
     its fields ``X | None``) takes null as the default; these were 400s ("Input should be a

@@ -285,7 +285,7 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
                           f"n must be at most {MAX_N}, got {req.n}.")
         if req.stream_options is not None and not req.stream:  # vLLM's check and words
             raise invalid("Stream options can only be defined when `stream=True`.", "stream_options")
-        if req.stop == "" or "" in (req.stop or ()):  # vLLM's check and words (it was accepted and ignored)
+        if "" in ([req.stop] if isinstance(req.stop, str) else req.stop or ()):  # vLLM's check and words
             raise invalid("stop cannot contain an empty string.")
         if bad := [t for t in req.stop_token_ids if not 0 <= t < vocab]:  # vLLM's words
             raise invalid(f"token_id(s) {bad} in stop_token_ids contain out-of-vocab token ids. Vocabulary size: "
