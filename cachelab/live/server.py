@@ -38,7 +38,8 @@ from cachelab.api_key import ApiKey
 from cachelab.capture.recorder import endpoint_domain
 from cachelab.engram.vocab import token_ids
 from cachelab.errors import CachelabError
-from cachelab.live.engine import LiveEngine, RequestError, RequestOutput, check_prompt
+from cachelab.live.admission import RequestError, check_prompt
+from cachelab.live.engine import LiveEngine, RequestOutput
 from cachelab.live.metrics import EngineMetrics
 from cachelab.live.protocol import (INVALID_BODY, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     TokenizeChatRequest, TokenizeCompletionRequest, chat_prompt, chunk_body,
