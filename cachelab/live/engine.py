@@ -73,10 +73,11 @@ class RequestOutput:
 @dataclass(frozen=True)
 class FinishedRequest:
     """A request that finished (not aborted), as the observer's ``finished`` gets it: its times
-    on ``time.perf_counter``'s clock (taken in, first scheduled, first and last token, finished)
-    and its token counts, vLLM's FinishedRequestStats."""
+    on ``time.perf_counter``'s clock (submitted, queued, first scheduled, first and last token,
+    finished) and its token counts, vLLM's FinishedRequestStats."""
 
     arrival: float
+    queued: float  # the engine thread took it in (vLLM's QUEUED: added to the scheduler, between steps)
     scheduled: float
     first_token: float
     last_token: float
@@ -120,6 +121,7 @@ class _Live:
     parent: _Parent
     domain: str | None = None  # its domain label for a learned row cache's scorer (its endpoint's)
     cached_tokens: int = -1  # prefix-cache hit at first admission
+    queued: float | None = None  # the engine thread added it to the scheduler
     scheduled: float | None = None  # first admission (a preemption's readmission leaves it)
     first_token: float | None = None
     last_token: float | None = None
@@ -341,6 +343,7 @@ class LiveEngine:
                 inbox, self._inbox = self._inbox, []
             for kind, item in inbox:
                 if kind == "add":
+                    item.queued = time.perf_counter()
                     self._live[item.req.rid] = item
                     self.scheduler.add(item.req)
                 else:  # an abort: of one request, or (None) of all
@@ -487,8 +490,8 @@ class LiveEngine:
             self.scorer.forget(rid)
         self.counters.finished[reason] += 1
         if self.observer is not None and reason != "abort":
-            self.observer.finished(FinishedRequest(live.arrival, live.scheduled, live.first_token, live.last_token,
-                                                   now, live.req.num_prompt, live.req.num_output, live.req.max_output,
+            self.observer.finished(FinishedRequest(live.arrival, live.queued, live.scheduled, live.first_token,
+                                                   live.last_token, now, live.req.num_prompt, live.req.num_output, live.req.max_output,
                                                    live.req.preemptions, max(live.cached_tokens, 0)))
             parent = live.parent  # an aborted choice leaves its prompt unobserved, as in vLLM
             parent.left -= 1

@@ -8,6 +8,8 @@ computed plus tokens sampled); per finished request (vLLM's FinishedRequestStats
 request is in none) its end-to-end latency, time per output token (decode time over the tokens
 after the first, 0 for one token), queue, prefill, decode and inference times, its prompt and
 generation token counts, its max_tokens, preemptions and prompt tokens computed (not cached);
+queue time from the engine taking it in (vLLM's QUEUED event) to its first scheduling, so a
+wait for the step under way when it came is in its e2e latency and TTFT, not its queue time;
 per prompt once all its ``n`` choices finished, ``n`` and the longest choice's tokens. ``cachelab:`` metrics
 cover what vLLM has no name for: Engram rows, the row source's counters per tier, fetch and
 exposed stall time. Labels are vLLM's: ``model_name`` and ``engine``.
@@ -92,7 +94,7 @@ class EngineMetrics:
         """``r``: a ``cachelab.live.engine.FinishedRequest``; vLLM's per-request observations."""
         decode = r.last_token - r.first_token
         values = (r.finished - r.arrival, decode / (r.num_output - 1) if r.num_output > 1 else 0.0,
-                  r.scheduled - r.arrival, r.first_token - r.scheduled, decode, r.last_token - r.scheduled,
+                  r.scheduled - r.queued, r.first_token - r.scheduled, decode, r.last_token - r.scheduled,
                   r.num_prompt, r.num_output, r.max_tokens, r.preemptions, r.num_prompt - r.cached_tokens)
         for hist, value in zip(self._request, values, strict=True):
             hist.observe(value)
