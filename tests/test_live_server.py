@@ -278,6 +278,30 @@ def test_queue_time_runs_from_the_engine_taking_the_request_in_as_vllm_times_it(
     assert delta[("vllm:request_queue_time_seconds_sum",)] < hold / 2  # each scheduled as it was queued
 
 
+def test_ttft_and_e2e_count_the_prompts_tokenization_as_vllm_does(server, monkeypatch):
+    """vLLM's TTFT and e2e latency run from the request's arrival, taken before its prompt is rendered
+    and tokenized (``render_cmpl_async``, ``render_chat``); they ran from the engine's taking it, after
+    the tokenizer: a prompt that took 0.5 s to tokenize was not in them."""
+    url, engine = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    slow, tokenize = 0.5, cachelab.live.server.token_ids
+
+    def slow_tokenize(*args):
+        time.sleep(slow)
+        return tokenize(*args)
+
+    monkeypatch.setattr(cachelab.live.server, "token_ids", slow_tokenize)
+    wait_idle(engine)
+    before = scrape(url)
+    client.completions.create(model=MODEL, prompt="tokenized slowly", max_tokens=2)
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    wait_idle(engine)
+    delta = {k: v - before.get(k, 0) for k, v in scrape(url).items()}
+    assert delta[("vllm:time_to_first_token_seconds_count",)] == 2
+    assert delta[("vllm:time_to_first_token_seconds_bucket", ("le", "0.25"))] == 0
+    assert delta[("vllm:e2e_request_latency_seconds_bucket", ("le", "0.5"))] == 0
+
+
 def test_a_batch_of_prompts_as_vllm_answers_it(server):
     """A completion's list of prompts was refused ("send one prompt per request"); vLLM answers
     n choices per prompt, prompt k's at indices k*n .. k*n+n-1, each with its prompt's ids, the

@@ -73,7 +73,7 @@ class RequestOutput:
 @dataclass(frozen=True)
 class FinishedRequest:
     """A request that finished (not aborted), as the observer's ``finished`` gets it: its times
-    on ``time.perf_counter``'s clock (submitted, queued, first scheduled, first and last token,
+    on ``time.perf_counter``'s clock (arrived, queued, first scheduled, first and last token,
     finished) and its token counts, vLLM's FinishedRequestStats."""
 
     arrival: float
@@ -234,18 +234,20 @@ class LiveEngine:
 
     def submit(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
                sinks: Sequence[Callable[[RequestOutput], None]], n: int = 1,
-               max_in_flight: int | None = None, domain: str | None = None) -> list[int]:
+               max_in_flight: int | None = None, domain: str | None = None, arrival: float | None = None) -> list[int]:
         """Queue requests together (they reach the scheduler in the same step); their ids. Each
         ``n`` in a row are one prompt's choices (vLLM's parallel sampling: its ``n`` and the
         longest choice are observed once, when all of them finished). With ``max_in_flight``,
         requests that would take the engine's unfinished ones over it are refused. ``domain``:
         their label for a learned row cache's scorer (the server's: its endpoint's,
-        ``cachelab.capture.recorder.endpoint_domain``, as a capture's trace labels them)."""
+        ``cachelab.capture.recorder.endpoint_domain``, as a capture's trace labels them). ``arrival``:
+        their ``perf_counter`` arrival, TTFT's and e2e's start (the server's: before it tokenized them,
+        as vLLM takes it); default now."""
         if self.error:
             raise CachelabError(f"the engine stopped after an error: {self.error}")
         if len(prompts) % n:
             raise CachelabError(f"submit: {len(prompts)} requests are not whole groups of n={n}")
-        now = time.perf_counter()
+        now = time.perf_counter() if arrival is None else arrival
         new = []
         with self._cv:
             if self.closed:

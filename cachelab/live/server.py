@@ -303,11 +303,13 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
         except RequestError as exc:
             raise invalid(str(exc), exc.param, exc.value) from None
 
-    async def run(request: Request, req, prompts: list[list[int]], params: list, chat: bool,
+    async def run(request: Request, req, prompts: list[list[int]], params: list, chat: bool, arrival: float,
                   prompt_text: str | None = None):
         """Submit ``n`` choices per prompt (one engine request each, vLLM's parallel sampling:
         choice j of a prompt seeded ``seed + j``; prompt k's choices are indices k*n .. k*n+n-1)
-        and answer them whole or streamed; ``prompt_text``: a chat's rendered prompt, to show."""
+        and answer them whole or streamed; ``arrival``: the request's, before its prompt was made
+        into ids (vLLM's arrival_time, where its TTFT and e2e latency start); ``prompt_text``: a
+        chat's rendered prompt, to show."""
         n = req.n
         if n > 1 and params[0].temperature == 0:  # vLLM's check and words
             raise invalid(f"n must be 1 when using greedy sampling, got {n}.")
@@ -325,7 +327,7 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
             for i, (ids, _) in enumerate(jobs)]
         try:
             rids = engine.submit([ids for ids, _ in jobs], [p for _, p in jobs], timelines or [collector] * len(jobs), n,
-                                 limits.max_requests_in_flight, endpoint_domain(request.url.path))
+                                 limits.max_requests_in_flight, endpoint_domain(request.url.path), arrival)
         except CachelabError as exc:  # too many in flight, the engine stopped after an error, or it is shutting down
             raise APIError(503, str(exc)) from None
         request.state.recorded = True  # by the timelines from now on
@@ -343,7 +345,7 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
 
     @app.post("/v1/completions", **v1)
     async def completions(request: Request):
-        req = await read_json(request, CompletionRequest)
+        req, arrival = await read_json(request, CompletionRequest), time.perf_counter()
         prompt = req.prompt
         if prompt == "":  # vLLM's checks and words, each its own
             raise invalid("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
@@ -355,16 +357,16 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
         texts = iter(await tokenized([p for p in batch if isinstance(p, str)]))
         prompts = [next(texts) if isinstance(p, str) else list(p) for p in batch]
         params = [prepare(ids, req.max_tokens, req, text=isinstance(p, str)) for p, ids in zip(batch, prompts)]
-        return await run(request, req, prompts, params, chat=False)
+        return await run(request, req, prompts, params, False, arrival)
 
     @app.post("/v1/chat/completions", **v1)
     async def chat_completions(request: Request):
-        req = await read_json(request, ChatCompletionRequest)
+        req, arrival = await read_json(request, ChatCompletionRequest), time.perf_counter()
         req.check()
         text = chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message)
         ids, = await tokenized([text])
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        return await run(request, req, [ids], [prepare(ids, getattr(req, field), req, field, text=True)], chat=True,
+        return await run(request, req, [ids], [prepare(ids, getattr(req, field), req, field, text=True)], True, arrival,
                          prompt_text=text if req.return_prompt_text else None)
 
     @app.get("/v1/models", **v1)
