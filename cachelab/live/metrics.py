@@ -31,6 +31,15 @@ ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16
 PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 N_BUCKETS = (1, 2, 5, 10, 20)
 LABELS = ("model_name", "engine")
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")  # vLLM's FinishReason
+# vLLM's help texts, where they run long
+WAITING_BY_REASON_HELP = ("Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling "
+                          "capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked "
+                          "status). Sum of all reasons equals vllm:num_requests_waiting.")
+CACHED_BY_SOURCE_HELP = ("Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), host "
+                         "(offloaded to DRAM), disk, p2p (transferred from another vLLM instance) or "
+                         "external_unspecified. Counted at admission; sums to vllm:prefix_cache_hits + "
+                         "vllm:external_prefix_cache_hits.")
 # per finished request: name, help (vLLM's), buckets (a token count's are 1-2-5 up to the context)
 REQUEST_HISTOGRAMS = (
     ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", E2E_BUCKETS),
@@ -43,7 +52,7 @@ REQUEST_HISTOGRAMS = (
     ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", None),
     ("vllm:request_generation_tokens", "Number of generation tokens processed.", None),
     ("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", None),
-    ("vllm:request_num_preemptions", "Histogram of the number of preemptions per finished request.",
+    ("vllm:request_num_preemptions", "Histogram of the number of times a request was preempted.",
      PREEMPTION_BUCKETS),
     ("vllm:request_prefill_kv_computed_tokens",
      "Histogram of new KV tokens computed during prefill (excluding cached tokens).", None))
@@ -120,7 +129,7 @@ class EngineMetrics:
 
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", e.num_running)
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", e.num_waiting)
-        waiting = GaugeMetricFamily("vllm:num_requests_waiting_by_reason", "Number of waiting requests by reason.",
+        waiting = GaugeMetricFamily("vllm:num_requests_waiting_by_reason", WAITING_BY_REASON_HELP,
                                     labels=LABELS + ("reason",))
         waiting.add_metric(labels + ["capacity"], e.num_waiting)  # nothing here defers a request
         waiting.add_metric(labels + ["deferred"], 0)
@@ -141,8 +150,8 @@ class EngineMetrics:
                           ("local_cache_hit", c.prompt_tokens - c.prompt_tokens_computed), ("external_kv_transfer", 0)):
             by_source.add_metric(labels + [source], n)
         yield by_source
-        hit_source = CounterMetricFamily("vllm:prompt_tokens_cached_by_source", "Prefix-cache hit tokens by the cache "
-                                         "tier that supplied them.", labels=LABELS + ("source",))
+        hit_source = CounterMetricFamily("vllm:prompt_tokens_cached_by_source", CACHED_BY_SOURCE_HELP,
+                                         labels=LABELS + ("source",))
         for source in ("device", "host", "p2p", "disk", "external_unspecified"):
             hit_source.add_metric(labels + [source], e.pool.hit_tokens if source == "device" else 0)
         yield hit_source
@@ -150,9 +159,8 @@ class EngineMetrics:
         yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", c.preemptions)
         success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
                                       labels=LABELS + ("finished_reason",))
-        for reason, n in c.finished.items():
-            if reason != "abort":  # vLLM counts no aborted request here (its abort path records no stats)
-                success.add_metric(labels + [reason], n)
+        for reason in FINISH_REASONS:  # vLLM's series for each, 0 until counted; an aborted request is in none
+            success.add_metric(labels + [reason], c.finished[reason] if reason in ("stop", "length") else 0)
         yield success
         yield counter("cachelab:requests_aborted", "Requests aborted: their client went away, or the engine stopped.",
                       c.finished["abort"])
