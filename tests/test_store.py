@@ -983,6 +983,30 @@ def test_device_rows_copies_the_pages_rows_a_chunk_at_a_time():
     assert np.array_equal(got.numpy(), pages[:, :15 * 264].reshape(-1, 264))
 
 
+def test_the_dram_cache_is_unpinned_host_memory_of_its_capacity_on_any_device():
+    """With CUDA the DRAM cache was pinned: no DMA reads it (its hits are gathered into the pinned
+    staging), and torch's pinned allocator rounds a block up to a power of two, so 33 MB of
+    cache locked 64 MB, past the store's check of host memory. Asked for a GPU here, it is made
+    without touching CUDA (none here): plain host memory of exactly its rows."""
+    from cachelab.store.tier import tier_memory
+
+    mem = tier_memory("dram", 125_000, 264, torch.device("cuda", 0))
+    assert isinstance(mem, np.ndarray) and mem.shape == (125_000, 264) and mem.nbytes == 33_000_000
+    assert isinstance(tier_memory("hbm", 10, 264, torch.device("cpu")), np.ndarray)  # a stand-in, moved by the kernels
+
+
+def test_free_device_memory_counts_what_torchs_allocator_keeps_unused(monkeypatch):
+    """A store's slots on a GPU, once it is closed, stay in torch's caching allocator for reuse,
+    which the driver counts as taken: checked by the driver's free memory alone, the second store
+    of `store bench` (the first runs its warm-up) was refused a tier over half the GPU."""
+    from cachelab.store.tier import device_free
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (30 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 45 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 1 << 30)
+    assert device_free(torch.device("cuda", 0)) == 74 << 30
+
+
 def test_a_store_on_cuda_names_its_device_with_the_index_tensors_carry(monkeypatch):
     """``torch.device('cuda') != torch.device('cuda:0')``, and a tensor's device always has its
     index: a store opened on ``cuda`` refused every ``out=`` made there. It keeps the current

@@ -15,8 +15,9 @@ offline compaction pass: a row is numbered the step it is first asked for), the 
 simulator's replay uses, so every policy decides as it does there. Each policy and each tier's
 slot map is sized by the table's rows (``policy_bytes_per_row`` measures what that costs).
 Without CUDA the HBM tier is a CPU tensor standing in for HBM (``hbm_device`` says so) and
-the host staging is the device rows themselves; with CUDA it is device memory, the DRAM tier
-and staging are pinned, and dequantisation runs on the GPU (a torch lookup in the CPU kernels' table). Backing ``hbm`` (serve-sim's placement)
+the host staging is the device rows themselves; with CUDA it is device memory, the staging is
+pinned (the DRAM tier is not: the CPU gathers its hits into the staging), and dequantisation
+runs on the GPU (a torch lookup in the CPU kernels' table). Backing ``hbm`` (serve-sim's placement)
 keeps the whole table in the compute device's memory as one torch tensor, with no tier in
 front: a step's rows are gathered and dequantised there, nothing staged or copied over the host
 link (on the CPU that memory is host DRAM standing in for HBM, as for the row cache).
@@ -47,7 +48,7 @@ from cachelab.store.kernels import (BITMAP_BYTES, DEQUANT_TABLE, SEEN_GENERATION
                                     dequant_rows_torch, lookup_dequant, slot_bits)
 from cachelab.store.outputs import OutputPool
 from cachelab.store.source import RowSource
-from cachelab.store.tier import CacheTier, policy_bytes_per_row, scorer_positions
+from cachelab.store.tier import CacheTier, device_free, policy_bytes_per_row, scorer_positions, tier_memory
 from cachelab.workload.compaction import compact
 
 INT64 = np.dtype(np.int64)
@@ -193,21 +194,16 @@ class TieredStore:
             shown = ", ".join(f"{what} {nbytes:,} B" for what, nbytes in parts.items())
             raise CachelabError(f"capacity over the memory available: the tiers and table need {host_need:,} B of "
                                 f"host memory ({shown}), {free:,} B are available (MemAvailable)")
-        if self.cuda and hbm_policy and hbm_rows:
-            free = torch.cuda.mem_get_info(self.device)[0]
-            if hbm_rows * self.row_bytes > free:
-                raise CachelabError(f"hbm_capacity {hbm_capacity!r} = {hbm_rows * self.row_bytes:,} B is over the "
-                                    f"{free:,} B free on {device}")
-        if self.cuda and self.resident and table_bytes > torch.cuda.mem_get_info(self.device)[0]:
-            raise CachelabError(f"backing 'hbm': the table's {table_bytes:,} B are over the "
-                                f"{torch.cuda.mem_get_info(self.device)[0]:,} B free on {device}")
-        if hbm_policy and hbm_rows:
-            mem = torch.empty((hbm_rows, self.row_bytes), dtype=torch.uint8, device=self.device)
-            tiers.append(CacheTier("hbm", policies["hbm"], asked["hbm"], self.num_keys,
-                                   mem if self.cuda else mem.numpy()))
-        if dram_policy and dram_rows:
-            mem = torch.empty((dram_rows, self.row_bytes), dtype=torch.uint8, pin_memory=self.cuda)
-            tiers.append(CacheTier("dram", policies["dram"], asked["dram"], self.num_keys, mem.numpy()))
+        free = device_free(self.device) if self.cuda else 0
+        if self.cuda and hbm_policy and hbm_rows and hbm_rows * self.row_bytes > free:
+            raise CachelabError(f"hbm_capacity {hbm_capacity!r} = {hbm_rows * self.row_bytes:,} B is over the "
+                                f"{free:,} B free on {device}")
+        if self.cuda and self.resident and table_bytes > free:
+            raise CachelabError(f"backing 'hbm': the table's {table_bytes:,} B are over the {free:,} B free on {device}")
+        for name, rows in (("hbm", hbm_rows), ("dram", dram_rows)):
+            if name in policies and rows:
+                tiers.append(CacheTier(name, policies[name], asked[name], self.num_keys,
+                                       tier_memory(name, rows, self.row_bytes, self.device)))
         self.tiers = tiers
         self.clamped = {t.name: {"asked": t.capacity, "rows": t.rows} for t in tiers if t.rows < t.capacity}
         self._hbm = tiers[0] if tiers and tiers[0].name == "hbm" else None
@@ -584,6 +580,9 @@ class TieredStore:
             self._closed = True
             self.backing.close()
             self._outputs.clear()
+            self._bufs.clear()  # the memory goes now, not when the store is collected
+            for tier in self.tiers:
+                tier.memory = None
 
     def _check_open(self) -> None:
         if self._closed:

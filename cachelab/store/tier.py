@@ -109,6 +109,29 @@ class CacheTier:
         self.accesses = 0
 
 
+def tier_memory(name: str, rows: int, row_bytes: int, device):
+    """A tier's ``rows`` slots: the HBM row cache on a GPU in its memory (a torch tensor), any
+    other tier a CPU tensor's host memory, as NumPy (on the CPU a stand-in for HBM). Never pinned:
+    no copy reads the DRAM cache over the host link (the CPU gathers its hits into the store's
+    pinned staging), and torch's pinned allocator rounds each block up to a power of two, so a
+    pinned DRAM cache locked up to twice its capacity, past the store's check of host memory."""
+    import torch
+
+    cuda = name == "hbm" and device.type == "cuda"
+    mem = torch.empty((rows, row_bytes), dtype=torch.uint8, device=device if cuda else "cpu")
+    return mem if cuda else mem.numpy()
+
+
+def device_free(device) -> int:
+    """Bytes a new tensor can take on CUDA ``device``: the driver's free memory and what torch's
+    caching allocator holds unused (a closed store's slots, kept for reuse). The driver's figure
+    alone refused a second store of a tier over half the GPU, the first's slots cached (``store
+    bench`` opens one for its warm-up, then the one it times)."""
+    import torch
+
+    return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 def scorer_positions(row_ids, first: np.ndarray, scored: int) -> tuple[np.ndarray, int]:
     """The scorer's position of each of a step's distinct keys' score (made at its ``first``
     lookup), and the scorer's clock after the step (``scored`` before it). Scores are positions
