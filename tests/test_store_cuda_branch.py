@@ -1,0 +1,120 @@
+"""The store's CUDA branch run here, on CPU tensors: a store opened on the CPU is switched onto
+the code it runs on a GPU (the HBM tier a torch tensor moved by index ops, a pinned staging
+buffer copied to the device rows, the torch dequantiser, the resident table's gather) with
+``torch.cuda``'s streams stood in by fakes that record what the step asks of them. What a GPU
+alone can show (the copies' asynchrony, memory, timing) is tests/test_store_cuda.py's; this
+finds the logic errors of that branch without one (four reviews found such errors by reading)."""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from cachelab.store import TieredStore, build_tables
+from cachelab.store.backing import device_rows
+from cachelab.store.bench import check_rows
+from cachelab.store.kernels import DEQUANT_TABLE
+from test_store import SCALE, full_rows
+
+
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tables")
+    build_tables("deepseek-v4.1-flash", SCALE, d, seed=7, progress=False)
+    return d
+
+
+class FakeCuda:
+    """``torch.cuda``'s streams: the current one per the ``stream`` context, and a log of the
+    store's synchronisations, waits, allocations (with the stream current) and hand-overs."""
+
+    def __init__(self):
+        self.log, self.current = [], self.Stream("caller")
+
+    def Stream(self, name="store"):  # noqa: N802 (torch's name)
+        cuda = self
+        return types.SimpleNamespace(name=name, synchronize=lambda: cuda.log.append(("sync", name)),
+                                     wait_stream=lambda other: cuda.log.append(("wait", name, other.name)))
+
+    def current_stream(self, device=None):
+        return self.current
+
+    @contextlib.contextmanager
+    def stream(self, s):
+        before, self.current = self.current, s
+        try:
+            yield
+        finally:
+            self.current = before
+
+
+def on_cuda_branch(store: TieredStore, monkeypatch) -> FakeCuda:
+    """``store`` (opened on the CPU) switched onto its CUDA branch."""
+    cuda = FakeCuda()
+
+    class Torch:  # the store's ``torch``: the real one, its CUDA streams faked, pinning logged
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*args, pin_memory=False, **kwargs):
+            cuda.log.append(("empty", pin_memory, cuda.current.name))
+            return torch.empty(*args, **kwargs)
+
+    Torch.cuda = cuda
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: cuda.log.append(("record", s.name)))
+    store.torch, store.cuda, store._fused = Torch(), True, False
+    store._stream = cuda.Stream()
+    store._device_table = torch.from_numpy(DEQUANT_TABLE.view(np.int16).reshape(-1))
+    for tier in store.tiers:
+        if tier.name == "hbm":  # a tensor, as on a GPU: moved by index ops, never by the host kernels
+            tier.memory = torch.from_numpy(tier.memory)
+    return cuda
+
+
+@pytest.mark.parametrize("backing", ["dram", "mmap"])
+def test_the_cuda_branch_returns_the_cpu_stores_rows_and_counts(tables, backing, monkeypatch):
+    rng = np.random.default_rng(2)
+    tiers = dict(backing=backing, hbm_policy="lru", hbm_capacity=300, dram_policy="s3fifo", dram_capacity="256KiB")
+    with TieredStore.open(tables, **tiers) as gpu, TieredStore.open(tables, **tiers) as cpu:
+        cuda = on_cuda_branch(gpu, monkeypatch)
+        for step in range(4):
+            rows = full_rows(rng, 40)
+            if step == 2:  # the background thread's step
+                got, want = gpu.prefetch(rows).wait(), cpu.lookup(rows)
+            elif step == 3:  # into the caller's tensor, after the work the caller queued
+                before = len(cuda.log)
+                out = torch.empty((*rows.shape, 256), dtype=torch.bfloat16)
+                got, want = gpu.lookup(rows, out=out), cpu.lookup(rows)
+                assert got.data_ptr() == out.data_ptr() and cuda.log[before] == ("wait", "store", "caller")
+            else:
+                got, want = gpu.lookup(rows), cpu.lookup(rows)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)) and check_rows(gpu, rows, got) == 0
+            counts = [k for k in cpu.last_step.to_dict() if not k.endswith(("_s", "_faults", "_ratio"))]
+            assert {k: gpu.last_step[k] for k in counts} == {k: cpu.last_step[k] for k in counts}
+            assert isinstance(gpu.tiers[0].memory, torch.Tensor) and isinstance(gpu.tiers[1].memory, np.ndarray)
+        assert gpu.totals["hbm_hits"] > 0 and gpu.totals["dram_hits"] > 0
+    allocated = {(pinned, stream) for what, pinned, stream in (e for e in cuda.log if e[0] == "empty")}
+    assert allocated <= {(True, "store"), (False, "store")} and (True, "store") in allocated  # pinned staging
+    assert ("record", "caller") in cuda.log and ("sync", "store") in cuda.log
+
+
+def test_the_cuda_branch_gathers_the_resident_table(tables, monkeypatch):
+    rng = np.random.default_rng(6)
+    with TieredStore.open(tables, backing="hbm", hbm_policy=None) as gpu, \
+            TieredStore.open(tables, backing="hbm", hbm_policy=None) as cpu:
+        lay = gpu.layout_tables
+        table = gpu.backing  # as DeviceTable holds it on a GPU: the pages' rows only
+        table.rows = device_rows(table.pages, lay.rows_per_page, lay.row_bytes, torch.device("cpu"))
+        table.table = table.pages = None
+        on_cuda_branch(gpu, monkeypatch)
+        for _ in range(2):
+            rows = full_rows(rng, 50)
+            got, want = gpu.lookup(rows), cpu.lookup(rows)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)) and check_rows(gpu, rows, got) == 0
+            c = gpu.last_step
+            assert c["hbm_read_bytes"] == c["unique"] * 264 and c["host_to_device_bytes"] == 0
