@@ -995,6 +995,16 @@ def test_the_dram_cache_is_unpinned_host_memory_of_its_capacity_on_any_device():
     assert isinstance(tier_memory("hbm", 10, 264, torch.device("cpu")), np.ndarray)  # a stand-in, moved by the kernels
 
 
+def test_a_tiers_host_memory_is_its_slot_map_and_its_host_slots():
+    """A live point's ``row_cache.dram_bytes`` sums the tiers' host memory; with CUDA it left out
+    the whole HBM row cache, whose slot map (4 B per table row) is host memory all the same."""
+    from cachelab.store.tier import CacheTier
+
+    on_gpu = CacheTier("hbm", registry.make_policy("lru"), 10, 1000, torch.empty((10, 264), dtype=torch.uint8))
+    on_host = CacheTier("dram", registry.make_policy("lru"), 10, 1000, np.empty((10, 264), np.uint8))
+    assert on_gpu.host_bytes == 4000 and on_host.host_bytes == 4000 + 2640
+
+
 def test_free_device_memory_counts_what_torchs_allocator_keeps_unused(monkeypatch):
     """A store's slots on a GPU, once it is closed, stay in torch's caching allocator for reuse,
     which the driver counts as taken: checked by the driver's free memory alone, the second store

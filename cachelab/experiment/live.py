@@ -77,8 +77,7 @@ def live_point(config: dict, workload: Workload) -> PointOutput:
         footprint = {"prefix_cache.dram_bytes": float(engine.kv.nbytes),
                      "prefix_cache.cached_bytes_end": float(engine.pool.num_cached_tokens * engine.kv.nbytes
                                                             / max(1, engine.pool.capacity_tokens)),
-                     "row_cache.dram_bytes": float(sum(t.memory.nbytes + t.slot_of.nbytes for t in engine.rows.tiers
-                                                       if not engine.rows.cuda or t.name != "hbm"))}
+                     "row_cache.dram_bytes": float(sum(t.host_bytes for t in engine.rows.tiers))}
         if engine.rows.backing.name in ("dram", "hbm"):  # the table resident in memory: DRAM, or the device's
             footprint[f"table.{engine.rows.backing.name}_bytes"] = float(engine.rows.backing.nbytes)
     summary = result.summary()

@@ -40,6 +40,12 @@ class CacheTier:
         self.accesses = 0  # the policy's clock: keys it was handed since its reset
 
     @property
+    def host_bytes(self) -> int:
+        """Host memory the tier holds: its slot map, and its slots unless they are a GPU's (with
+        CUDA the HBM row cache's slot map is still host memory: it was left out of the count)."""
+        return self.slot_of.nbytes + (self.memory.nbytes if isinstance(self.memory, np.ndarray) else 0)
+
+    @property
     def needs_scores(self) -> bool:
         return self.policy.capabilities.needs_scores
 
