@@ -978,9 +978,35 @@ def test_device_rows_copies_the_pages_rows_a_chunk_at_a_time():
     from cachelab.store.backing import device_rows
 
     pages = np.random.default_rng(3).integers(0, 256, (7, PAGE), dtype=np.uint8)
-    got = device_rows(pages, 15, 264, torch.device("cpu"), chunk_bytes=3 * PAGE)
+    got = device_rows((pages[:3], pages[3:6], pages[6:]), 7, 15, 264, torch.device("cpu"))
     assert got.shape == (105, 264) and got.is_contiguous()
     assert np.array_equal(got.numpy(), pages[:, :15 * 264].reshape(-1, 264))
+
+
+def test_the_resident_tables_pages_reach_the_device_a_chunk_of_host_memory_at_a_time(tables):
+    """On a GPU the ``hbm`` backing loaded the whole table into host memory first, which the
+    store's check of host memory does not count there: a table over the host's memory died of
+    it. The files are read a chunk at a time into one buffer (here onto the CPU: the same rows as
+    the DRAM copy, with at most two chunks of NumPy memory at once)."""
+    import tracemalloc
+
+    from cachelab.store.backing import DramBacking, data_pages, device_rows, file_chunks
+    from cachelab.store.build import open_tables
+
+    layout, _, paths = open_tables(tables)
+    pages, _ = data_pages(layout, len(paths))
+    tracemalloc.start()
+    try:
+        got = device_rows(file_chunks(paths, pages, chunk_bytes=5 * PAGE), sum(pages), layout.rows_per_page,
+                          layout.row_bytes, torch.device("cpu"))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    host = DramBacking(layout, paths)
+    used = layout.rows_per_page * layout.row_bytes
+    assert sum(pages) > 100 and peak < 3 * 5 * PAGE
+    assert np.array_equal(got.numpy(), host.pages[:, :used].reshape(-1, layout.row_bytes))
+    host.close()
 
 
 def test_the_dram_cache_is_unpinned_host_memory_of_its_capacity_on_any_device():

@@ -109,7 +109,8 @@ def test_the_cuda_branch_gathers_the_resident_table(tables, monkeypatch):
             TieredStore.open(tables, backing="hbm", hbm_policy=None) as cpu:
         lay = gpu.layout_tables
         table = gpu.backing  # as DeviceTable holds it on a GPU: the pages' rows only
-        table.rows = device_rows(table.pages, lay.rows_per_page, lay.row_bytes, torch.device("cpu"))
+        table.rows = device_rows([table.pages], table.pages.shape[0], lay.rows_per_page, lay.row_bytes,
+                                 torch.device("cpu"))
         table.table = table.pages = None
         on_cuda_branch(gpu, monkeypatch)
         for _ in range(2):

@@ -83,8 +83,7 @@ class DramBacking:
 
     def __init__(self, layout: TableLayout, paths: list[Path]):
         self.layout = layout
-        pages = [layout.file_pages(li) for li in range(len(paths))]
-        self.page_base = np.concatenate([[0], np.cumsum(pages)[:-1]]).astype(np.int64)
+        pages, self.page_base = data_pages(layout, len(paths))
         self.buf = huge_page_empty(sum(pages) * PAGE)
         for li, path in enumerate(paths):
             lo = int(self.page_base[li]) * PAGE
@@ -103,6 +102,12 @@ class DramBacking:
 
     def close(self) -> None:
         self.buf = self.pages = None
+
+
+def data_pages(layout: TableLayout, files: int) -> tuple[list[int], np.ndarray]:
+    """Each layer file's data pages, and where each layer's start in the pages of all of them."""
+    pages = [layout.file_pages(li) for li in range(files)]
+    return pages, np.concatenate([[0], np.cumsum(pages)[:-1]]).astype(np.int64)
 
 
 def _read_whole(path: Path, offset: int, view: memoryview) -> None:
@@ -136,14 +141,16 @@ class DeviceTable:
     def __init__(self, layout: TableLayout, paths: list[Path], device):
         import torch
 
-        host = DramBacking(layout, paths)
-        self.layout, self.page_base, self.device = layout, host.page_base, torch.device(device)
+        self.layout, self.device = layout, torch.device(device)
         if self.device.type == "cpu":  # the compute device's memory is host memory: the tensor is the buffer
+            host = DramBacking(layout, paths)
+            self.page_base = host.page_base
             self._host, self.table, self.pages, self.rows = host, torch.from_numpy(host.pages), host.pages, None
-        else:
-            self.rows = device_rows(host.pages, layout.rows_per_page, layout.row_bytes, self.device)
+        else:  # read a chunk at a time, never the whole table in host memory (the store counts none there)
+            pages, self.page_base = data_pages(layout, len(paths))
+            self.rows = device_rows(file_chunks(paths, pages), sum(pages), layout.rows_per_page, layout.row_bytes,
+                                    self.device)
             self.table, self.pages, self._host = None, None, None
-            host.close()
 
     @property
     def nbytes(self) -> int:
@@ -160,25 +167,41 @@ class DeviceTable:
         self.table = self.pages = self.rows = self._host = None
 
 
-def device_rows(pages: np.ndarray, rows_per_page: int, row_bytes: int, device, chunk_bytes: int = 64 << 20):
-    """The rows of host ``pages`` (``[pages, PAGE]`` uint8) without the pages' tail padding, as
-    one ``[pages x rows_per_page, row_bytes]`` uint8 tensor on ``device``, complete on return.
+def file_chunks(paths: list[Path], pages: list[int], chunk_bytes: int = 64 << 20):
+    """The data pages of each file (``pages[i]`` of file ``i``, after its header page) in order,
+    ``[k, PAGE]`` arrays of ``chunk_bytes`` at most, each read into the one buffer the next
+    reuses (a chunk is copied out before the next is asked for)."""
+    buf = np.empty((max(1, chunk_bytes // PAGE), PAGE), np.uint8)
+    for path, n in zip(paths, pages):
+        for p in range(0, n, buf.shape[0]):
+            k = min(buf.shape[0], n - p)
+            _read_whole(path, PAGE * (1 + p), memoryview(buf[:k]).cast("B"))
+            yield buf[:k]
 
-    Copied a chunk of pages at a time straight into that tensor. The whole pages copied over,
-    then reshaped without their padding, held the table twice on the device (the reshape of a
-    strided view copies): a table over half the GPU's free memory passed the store's check
-    against it and died of an out-of-memory error; and that copy ran on the default stream,
-    which the store's own stream (non-blocking, as every stream torch makes) does not wait
-    for, so a first step could read rows still being written. Here each chunk's copy from
-    pageable host memory returns complete, and the device is synchronised before returning."""
+
+def device_rows(chunks, num_pages: int, rows_per_page: int, row_bytes: int, device):
+    """The rows of ``num_pages`` host pages, handed as ``chunks`` (``[k, PAGE]`` uint8 arrays, in
+    order), without the pages' tail padding, as one ``[pages x rows_per_page, row_bytes]`` uint8
+    tensor on ``device``, complete on return.
+
+    Each chunk is copied straight into that tensor. The whole pages copied over, then reshaped
+    without their padding, held the table twice on the device (the reshape of a strided view
+    copies): a table over half the GPU's free memory passed the store's check against it and
+    died of an out-of-memory error; and that copy ran on the default stream, which the store's
+    own stream (non-blocking, as every stream torch makes) does not wait for, so a first step
+    could read rows still being written. Here each chunk's copy from pageable host memory
+    returns complete (its buffer free for the next), and the device is synchronised before
+    returning. The pages were first loaded whole into host memory, which the store's check of
+    host memory does not count for a GPU: a table over the host's memory died there."""
     import torch
 
     used = rows_per_page * row_bytes
-    rows = torch.empty((pages.shape[0] * rows_per_page, row_bytes), dtype=torch.uint8, device=device)
-    by_page = rows.view(pages.shape[0], used)
-    step = max(1, chunk_bytes // max(1, pages.shape[1]))
-    for p in range(0, pages.shape[0], step):  # one copy per 64 MiB of pages, never per row
-        by_page[p:p + step].copy_(torch.from_numpy(np.ascontiguousarray(pages[p:p + step, :used])))
+    rows = torch.empty((num_pages * rows_per_page, row_bytes), dtype=torch.uint8, device=device)
+    by_page = rows.view(num_pages, used)
+    at = 0
+    for chunk in chunks:  # one copy per chunk, never per row
+        by_page[at:at + chunk.shape[0]].copy_(torch.from_numpy(np.ascontiguousarray(chunk[:, :used])))
+        at += chunk.shape[0]
     if rows.is_cuda:
         torch.cuda.synchronize(rows.device)
     return rows
