@@ -164,6 +164,9 @@ def test_the_devices_dequantiser_equals_the_table_for_every_scale_and_value():
     assert got.dtype == torch.bfloat16 and tuple(got.shape) == (257, 256)
     expect = DEQUANT_TABLE[np.repeat(packed[:, 256:], 32, axis=1), packed[:, :256]]
     np.testing.assert_array_equal(got.view(torch.int16).numpy().view(np.uint16), expect)
+    kernel = np.empty((257, 256), np.uint16)  # and the compiled kernel's, directly
+    dequant_expand(packed, np.arange(257), DEQUANT_TABLE, kernel, work=0)
+    np.testing.assert_array_equal(got.view(torch.int16).numpy().view(np.uint16), kernel)
 
 
 _DEQUANT_PEAK = r"""

@@ -110,6 +110,23 @@ def test_memory_torch_keeps_cached_counts_as_free_for_a_stores_tier(tables):
         torch.cuda.empty_cache()
 
 
+def test_the_gpus_dequantiser_equals_the_cpu_kernel_for_every_scale_and_value():
+    """Every (UE8M0 scale, E4M3 byte) pair dequantised on the GPU (torch's int32 index, its
+    in-place OR, the table lookup there) gives the compiled CPU kernel's bits: NaN bytes, scale
+    255, subnormal and overflowing products included (the store's rows hold none of these)."""
+    from cachelab.store.kernels import DEQUANT_TABLE, dequant_expand, dequant_rows_torch
+
+    packed = np.zeros((256, 264), np.uint8)
+    packed[:, :256] = np.arange(256, dtype=np.uint8)[None]
+    packed[:, 256:] = np.arange(256, dtype=np.uint8)[:, None]  # row s: every value at scale byte s
+    want = np.empty((256, 256), np.uint16)
+    dequant_expand(packed, np.arange(256), DEQUANT_TABLE, want, work=0)
+    table = torch.from_numpy(DEQUANT_TABLE.view(np.int16).reshape(-1)).cuda()
+    got = dequant_rows_torch(torch.from_numpy(packed).cuda(), 256, table)
+    assert got.is_cuda and got.dtype == torch.bfloat16
+    np.testing.assert_array_equal(got.cpu().view(torch.int16).numpy().view(np.uint16), want)
+
+
 def test_a_prefetch_does_not_wait_for_the_callers_stream(tables):
     """The store's steps run on its own stream: a prefetch started while the caller's stream is
     busy (a forward pass; here a kernel that spins about a second) completes before it."""
