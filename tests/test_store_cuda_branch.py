@@ -98,6 +98,7 @@ def test_the_cuda_branch_returns_the_cpu_stores_rows_and_counts(tables, backing,
             assert {k: gpu.last_step[k] for k in counts} == {k: cpu.last_step[k] for k in counts}
             assert isinstance(gpu.tiers[0].memory, torch.Tensor) and isinstance(gpu.tiers[1].memory, np.ndarray)
         assert gpu.totals["hbm_hits"] > 0 and gpu.totals["dram_hits"] > 0
+    assert cuda.log[-1] == ("sync", "store")  # closed: no work left on its stream when its memory goes
     allocated = {(pinned, stream) for what, pinned, stream in (e for e in cuda.log if e[0] == "empty")}
     assert allocated <= {(True, "store"), (False, "store")} and (True, "store") in allocated  # pinned staging
     assert ("record", "caller") in cuda.log and ("sync", "store") in cuda.log

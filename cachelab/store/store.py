@@ -199,7 +199,8 @@ class TieredStore:
             raise CachelabError(f"hbm_capacity {hbm_capacity!r} = {hbm_rows * self.row_bytes:,} B is over the "
                                 f"{free:,} B free on {device}")
         if self.cuda and self.resident and table_bytes > free:
-            raise CachelabError(f"backing 'hbm': the table's {table_bytes:,} B are over the {free:,} B free on {device}")
+            raise CachelabError(f"backing 'hbm': the table's {table_bytes:,} B are over the {free:,} B free on "
+                                f"{device}")
         for name, rows in (("hbm", hbm_rows), ("dram", dram_rows)):
             if name in policies and rows:
                 tiers.append(CacheTier(name, policies[name], asked[name], self.num_keys,
@@ -578,6 +579,7 @@ class TieredStore:
             if self._closed:
                 return
             self._closed = True
+            self._clock()  # with CUDA, no device work of a step cut short still uses the memory let go here
             self.backing.close()
             self._outputs.clear()
             self._bufs.clear()  # the memory goes now, not when the store is collected
