@@ -295,6 +295,36 @@ def test_run_json_ends_with_the_headline_as_the_text_does(tmp_path):
     assert json.loads(res.stdout)["headline"] == []
 
 
+@pytest.mark.parametrize("as_json", [True, False])
+def test_run_says_when_the_store_cannot_be_read_back(tmp_path, monkeypatch, as_json):
+    """A store gone between the sweep and its read-back gave `run --json` an empty headline and the text no
+    summary, exit 0, as if there were nothing to show (and made the store anew, empty): the error, exit 2."""
+    from typer.testing import CliRunner
+
+    from cachelab.cli import build
+    from cachelab.experiment import runner
+
+    db = tmp_path / "mlflow.db"
+    real = runner.run_experiment
+
+    def then_store_removed(*args, **kwargs):
+        summary = real(*args, **kwargs)
+        db.unlink()
+        return summary
+
+    monkeypatch.setattr(runner, "run_experiment", then_store_removed)
+    spec = write_spec(tmp_path, name="gone", capacities=("2%",))
+    res = CliRunner().invoke(build(["run"]), ["run", str(spec), "--workers", "1", "--tracking-uri", f"sqlite:///{db}",
+                                              "--runs-dir", str(tmp_path / "runs"), *(["--json"] if as_json else [])])
+    assert res.exit_code == 2, res.output
+    assert f"no tracking store at sqlite:///{db}" in res.stderr and not db.exists()
+    if as_json:
+        out = json.loads(res.stdout)
+        assert out["headline"] == [] and "no tracking store" in out["headline_error"] and out["ran"] == 2
+    else:
+        assert "2 point(s) run, 0 skipped, 0 failed" in res.stdout
+
+
 def test_ctrl_c_says_what_was_kept_and_how_to_resume(tmp_path, monkeypatch, capsys):
     """Ctrl-C exited 130 saying nothing: a newcomer could not tell that a rerun resumes the sweep."""
     from cachelab.experiment import runner

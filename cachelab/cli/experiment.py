@@ -39,20 +39,28 @@ def run(
 
 
 def run_and_print(spec: Path, *, as_json: bool, **options) -> None:
-    """Run a spec, print its summary table (or one JSON object), exit 1 if a point failed."""
+    """Run a spec, print its summary table (or one JSON object), exit 1 if a point failed, else 2 if
+    the results tracked could not be read back for the summary (the error says why)."""
+    from cachelab.experiment.report import headline
     from cachelab.experiment.runner import run_experiment
 
     summary = run_experiment(spec, quiet=as_json, **options)
+    data, error = _read_back(summary)
     if as_json:  # the headline too, as the text ends with it (it was only in `report --json`)
-        typer.echo(strict_json.dumps({**summary.to_dict(), "headline": _headline(summary)}))
+        rows = headline(data).to_dicts() if data is not None else []
+        typer.echo(strict_json.dumps({**summary.to_dict(), "headline": rows,
+                                      **({"headline_error": error} if error else {})}))
     else:
+        if data is not None:
+            _show_all(data, summary.experiment)
         if summary.report:
-            _print_summary(summary.experiment, summary.tracking_uri)
             typer.echo(f"report: {summary.report}")
         typer.echo(f"{summary.ran} point(s) run, {summary.skipped} skipped, {len(summary.failed)} failed; "
                    f"tracking: {summary.tracking_uri}")
-    if summary.failed:
-        raise typer.Exit(code=1)
+    if error:
+        typer.echo(f"error: the summary and headline could not be read back: {error}", err=True)
+    if summary.failed or error:
+        raise typer.Exit(code=1 if summary.failed else 2)
 
 
 def report(
@@ -128,28 +136,19 @@ def _experiment_name(value: str) -> str:
     return value
 
 
-def _headline(summary) -> list[dict]:
-    """The tracked experiment's headline rows (``report --json``'s), [] with no learned point or none tracked."""
-    from cachelab.experiment.report import headline, load_experiment
-    from cachelab.experiment.tracking import Tracker
-
-    if not summary.report:  # results wait in the outbox: nothing tracked to read back
-        return []
-    try:
-        return headline(load_experiment(Tracker(summary.tracking_uri), summary.experiment)).to_dicts()
-    except CachelabError:
-        return []
-
-
-def _print_summary(name: str, uri: str) -> None:
+def _read_back(summary):
+    """(the experiment as the tracking store holds it, None) once tracked; (None, None) with the results waiting
+    in the outbox (nothing tracked to read); (None, why) where the store cannot be read now: it was an empty
+    headline and no summary table, saying nothing, and a store removed since the run was made anew, empty."""
     from cachelab.experiment.report import load_experiment
     from cachelab.experiment.tracking import Tracker
 
+    if not summary.report:
+        return None, None
     try:
-        data = load_experiment(Tracker(uri), name)
-    except CachelabError:
-        return
-    _show_all(data, name)
+        return load_experiment(Tracker(summary.tracking_uri, must_exist=True), summary.experiment), None
+    except CachelabError as exc:
+        return None, str(exc)
 
 
 def _show_all(data, name: str) -> None:
