@@ -396,3 +396,26 @@ def test_a_numba_whose_internals_moved_is_imported_and_compiled_as_it_asks():
     moved = types.SimpleNamespace(compile_nrt_functions=plain)  # no create_nrt_module
     numba_start._cached_runtime(moved)
     assert moved.compile_nrt_functions(object())[0] == "compiled by Numba"
+
+
+def test_ctrl_c_while_the_verb_imports_is_one_line_not_a_traceback(monkeypatch, capsys):
+    """Ctrl-C in the seconds a verb's modules import printed a traceback of importlib frames."""
+    import gc
+
+    import pytest
+
+    from cachelab import cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build", interrupted)
+    try:
+        cli.main(["simulate", "--help"])
+    except KeyboardInterrupt:
+        pytest.fail("the interrupt went on up: Python printed its traceback")
+    except SystemExit as stop:
+        assert stop.code == 130 and gc.isenabled()
+    else:
+        pytest.fail("no exit status 130")
+    assert capsys.readouterr().err == "interrupted while cachelab started: nothing was done\n"

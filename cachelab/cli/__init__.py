@@ -161,6 +161,9 @@ def main(args: list[str] | None = None) -> None:
             command = build([verb], help_tables=VERBS[verb][2] == "group" or "--help" in args)
         else:
             command = build()
+    except KeyboardInterrupt:  # Ctrl-C in the first seconds: a traceback of import frames
+        print("interrupted while cachelab started: nothing was done", file=sys.stderr)
+        raise SystemExit(130) from None
     finally:
         gc.freeze()
         gc.enable()

@@ -17,6 +17,7 @@ from cachelab.engine.tiers import Hierarchy, Tier
 from cachelab.defaults import PRESET
 from cachelab.learning.streams import STEP_VIEWS, load_trace, unchecked_layout
 from cachelab.trace.keytrace import FORMATS
+from cachelab.cli.interrupted import interrupted
 from cachelab.cli.wording import counted
 from cachelab.trace.kinds import KEY, Found, detect, refuse_unused, requests_or_default
 from cachelab.workload.compaction import count_distinct
@@ -54,7 +55,7 @@ def load_stream(trace: str, fmt: str | None, requests: int | None, steps: str | 
     such thing are refused."""
     found = detect(trace, fmt)
     refuse_unused(found, {"--requests": requests, "--steps": steps})
-    with spinner(f"reading {found}"):
+    with interrupted(f"{verb} (reading {found})"), spinner(f"reading {found}"):
         return found, load_trace(found, requests_or_default(found, requests), 0, preset, steps or "prompts",
                                  verb=verb, tokens=False, meta=meta)
 

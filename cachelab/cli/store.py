@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cachelab import defaults, registry, strict_json
+from cachelab.cli.interrupted import interrupted
 from cachelab.capacity import TABLE_ROWS, parse_capacity
 from cachelab.errors import CachelabError
 from cachelab.params import check_params, parse_pairs
@@ -44,20 +45,9 @@ def build(
 
     if seed is not None and from_safetensors is not None:  # the seed was accepted and meant nothing
         raise CachelabError(f"--seed {seed} and --from-safetensors: the rows are the checkpoint's; give one")
-    before = _build_id(directory)
-    try:
+    with interrupted("store build", directory, thing="build", partial="files were", identity=_build_id):
         manifest = build_tables(layout, scale, directory, seed=seed or 0, progress=True,
                                 from_safetensors=from_safetensors)
-    except KeyboardInterrupt:  # exited 130 saying nothing of what the directory holds
-        after = _build_id(directory)
-        if after is not None and after != before:  # held back while the files were swapped in
-            kept = f"the new build in {directory} is whole (the interrupt came as it finished)"
-        elif before is not None:
-            kept = f"{directory} keeps its previous build, whole; the partial files were removed"
-        else:
-            kept = f"{directory} holds no build; the partial files were removed"
-        typer.echo(f"store build interrupted: {kept}", err=True)
-        raise typer.Exit(130) from None
     if as_json:
         typer.echo(strict_json.dumps({k: v for k, v in manifest.items() if k != "config"}))
         return

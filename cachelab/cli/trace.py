@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from cachelab import strict_json
+from cachelab.cli.interrupted import interrupted
 from cachelab.cli.wording import counted
 from cachelab.defaults import PRESET
 from cachelab.learning.streams import STEP_VIEWS, load_trace
@@ -122,7 +123,7 @@ def build(
     data.setdefault("synthesis", {}).update({k: v for k, v in synthesis.items() if v is not None})
     trace_spec: TraceSpec = parse_spec(data, str(spec) if spec else "flags")
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
-    with progress_bar(*columns) as progress:
+    with interrupted("trace build", out, thing="trace"), progress_bar(*columns) as progress:
         report = build_trace(trace_spec, out, _Stages(progress))
     result = {"out": str(out), **report.to_dict()}
     if as_json:
@@ -142,7 +143,8 @@ def _build_from_capture(directory: Path, out: Path, as_json: bool, given: list[s
     if given:  # each was ignored: --max-requests 5 wrote every request
         raise CachelabError(f"--from-capture takes no spec and no other build flag ({', '.join(given)} given): the "
                             "capture is the trace")
-    report = build_from_capture(directory, out)
+    with interrupted("trace build", out, thing="trace"):
+        report = build_from_capture(directory, out)
     result = {"out": str(out), **report.to_dict()}
     if as_json:
         typer.echo(strict_json.dumps(result))
@@ -318,7 +320,8 @@ def lookups(
     output_file(out, "--out")
     found = detect(trace)
     refuse_unused(found, {"--requests": requests, "--seed": seed, "--preset": preset, "--steps": steps})
-    with spinner(f"addressing {found}"):
+    target = out if out.suffix == ".npz" else out.with_name(out.name + ".npz")  # as LookupStream.save names it
+    with interrupted("trace lookups", target, thing="lookup stream"), spinner(f"addressing {found}"):
         stream = load_trace(found, requests_or_default(found, requests), seed or 0, preset or PRESET,
                             steps or "prompts", verb="trace lookups", tokens=False)
         path = stream.save(out)

@@ -31,6 +31,7 @@ from cachelab.errors import CachelabError
 from cachelab.experiment.workload import Workload, build_workload, load_workload, workload_key, workload_stats
 from cachelab.experiment.tracking import (ERROR, INPUTS, MAX_TAG, Tracker, TrackingUnavailable, cut_visibly,
                                           refused_key, resolve_uri)
+from cachelab.paths import cache_dir
 from cachelab.progress import progress_bar
 
 
@@ -123,7 +124,13 @@ def _sweep(spec: ExperimentSpec, spec_path: Path, overrides: list[str] | None, o
                   f"{len(todo)} to run ({backend})")
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with progress_bar(*columns, transient=console.quiet) as progress:
-        paths = _build_workloads(spec, spec_path, todo, progress)
+        try:
+            paths = _build_workloads(spec, spec_path, todo, progress)
+        except KeyboardInterrupt:  # it exited 130 saying nothing; no point has run, no run is open
+            console.print("interrupted while building the workloads: no point run, no run opened; the workloads "
+                          f"built are kept in {cache_dir() / 'workloads'} (the partial one removed) and the same "
+                          "command again builds the rest", soft_wrap=True)
+            raise
         # what comes before the first point (seconds to a minute on the quickstart) drew nothing
         reading = progress.add_task("reading the workload: checks, statistics, LRU curve", total=None)
         loaded: dict[Path, Workload] = {}  # each read once: the checks and the parent's statistics read it twice

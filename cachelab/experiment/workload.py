@@ -25,7 +25,7 @@ from cachelab.errors import CachelabError
 from cachelab.experiment.spec import WorkloadSpec
 from cachelab.experiment.sweep import config_hash, data_digests
 from cachelab.workload.lookups import LookupStream, first_tokens, split_key
-from cachelab.paths import cache_dir, one_builder, resolve_data_path
+from cachelab.paths import cache_dir, one_builder, replacing, resolve_data_path
 
 ENCODE_BATCH = 256
 
@@ -67,7 +67,8 @@ def _build(spec: WorkloadSpec, path: Path, progress: Progress | None) -> None:
     # with each lookup's compressed token: a saved stream then holds everything a predictor reads
     stream = LookupStream.from_sequences(addresser, sequences, spec.tokens_per_step, prompt_lengths,
                                          domains).with_tokens(addresser, sequences)
-    path.with_suffix(".json").write_text(json.dumps({"distinct_rows": distinct_count(stream.keys)}))
+    with replacing(path.with_suffix(".json")) as tmp:  # whole or absent, as the .npz after it
+        tmp.write_text(json.dumps({"distinct_rows": distinct_count(stream.keys)}))
     stream.save(path)  # atomic, and last: the .npz exists only once the build is whole
 
 

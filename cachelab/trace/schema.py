@@ -322,7 +322,11 @@ class TraceWriter:
         schema = SCHEMA if record is None else SCHEMA.with_metadata(
             {**SCHEMA.metadata, TOKENIZER_KEY: json.dumps(record).encode()})
         self._tmp = scratch_beside(self.path)
-        self._writer = pq.ParquetWriter(self._tmp, schema, compression="zstd")
+        try:
+            self._writer = pq.ParquetWriter(self._tmp, schema, compression="zstd")
+        except BaseException:  # Ctrl-C as the file opened: no __exit__ would remove it
+            self._tmp.unlink(missing_ok=True)
+            raise
         self._last_arrival = 0.0
         self._last_id = -1
         self.rows = 0
@@ -347,8 +351,10 @@ class TraceWriter:
         os.replace(self._tmp, self.path)
 
     def abort(self) -> None:
-        self._writer.close()
-        self._tmp.unlink(missing_ok=True)
+        try:
+            self._writer.close()
+        finally:  # a second Ctrl-C as the footer is written
+            self._tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> "TraceWriter":
         return self
