@@ -47,6 +47,16 @@ def test_serve_sim_json_has_metrics_both_caches_and_memory(trace_path):
         out["prefix_cache_off"]["row_cache"]["levels"]["hbm"]["hit_ratio_unique"]
 
 
+def test_serve_sim_text_writes_every_size_in_gib(trace_path):
+    """The HBM line wrote decimal GB beside the other lines' GiB: --row-cache-gib 2 read "row cache 2.1 GB"."""
+    res = runner.invoke(app, ["serve-sim", "--trace", str(trace_path), "--hardware", "B200", "--placement", "dram-uva",
+                              "--tp", "4", "--concurrency", "8", "--row-cache-gib", "2"], env={"COLUMNS": "400"})
+    assert res.exit_code == 0, res.output
+    plan = next(line for line in res.stdout.splitlines() if line.startswith("HBM per GPU:"))
+    assert " row cache 2.00 GiB" in plan and " GB" not in res.stdout, plan
+    assert "row cache 2.00 GiB (" in res.stdout  # the rows line, as before
+
+
 def _strict(text: str):
     """JSON as RFC 8259 has it: a bare NaN or Infinity is refused (jq and JavaScript refuse it)."""
     def refuse(constant):

@@ -286,7 +286,7 @@ def test_table_in_hbm_takes_kv_and_b300_tp2_does_not_fit():
     assert dram.kv_bytes - hbm.kv_bytes == pytest.approx(MODEL.table_bytes / 4)
     assert LatencyModel(MODEL, b300, tp=2, placement="dram-uva").plan.kv_tokens > 0
     # weights 155.9 GB (256 GiB / 2 + 17.2 GiB), table 101.4 GB, indexer buffer 17.2 GB at 8192 tokens
-    with pytest.raises(CachelabError, match=r"does not fit B300 at TP2 with placement hbm.*\(-21\.3 GB\)"):
+    with pytest.raises(CachelabError, match=r"does not fit B300 at TP2 with placement hbm.*\(-19\.81 GiB\)"):
         LatencyModel(MODEL, b300, tp=2, placement="hbm")
     with pytest.raises(CachelabError, match="does not fit H100 at TP1"):
         LatencyModel(MODEL, load_profile("H100"), tp=1, placement="hbm")

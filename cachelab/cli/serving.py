@@ -183,7 +183,7 @@ def _print_result(result: dict) -> None:
     if "prefix_cache_off" in result:
         _print_rows(console, "rows, prefix cache off", result["prefix_cache_off"]["row_cache"])
     plan = result["memory"]["memory_plan_per_gpu"]
-    console.print("HBM per GPU: " + ", ".join(f"{k.removesuffix('_bytes').replace('_', ' ')} {v / 1e9:.1f} GB"
+    console.print("HBM per GPU: " + ", ".join(f"{k.removesuffix('_bytes').replace('_', ' ')} {v / GIB:.2f} GiB"
                                              for k, v in plan.items() if k.endswith("_bytes"))  # "row_cache" was a key
                   + f"; KV {int(plan['kv_tokens']):,} tokens")
 

@@ -312,11 +312,12 @@ class LatencyModel:
         kv = usable - weights - table - buffer - self.row_cache_bytes
         per_token = m.kv_bytes_per_token if m.kv_replicated_across_tp else m.kv_bytes_per_token / self.tp
         if kv <= 0:
+            GIB = 2**30  # binary, as serve-sim's flags and its other lines: "2 GiB" of row cache read "2.1 GB" here
             raise CachelabError(
                 f"{m.name} does not fit {self.hw.name} at TP{self.tp} with placement {self.placement}: per GPU "
-                f"{usable / 1e9:.1f} GB usable, weights {weights / 1e9:.1f} GB, table {table / 1e9:.1f} GB, "
-                f"indexer buffer {buffer / 1e9:.1f} GB ({self.max_num_batched_tokens} batched tokens), "
-                f"row cache {self.row_cache_bytes / 1e9:.1f} GB leave no KV cache ({kv / 1e9:+.1f} GB)")
+                f"{usable / GIB:.2f} GiB usable, weights {weights / GIB:.2f} GiB, table {table / GIB:.2f} GiB, "
+                f"indexer buffer {buffer / GIB:.2f} GiB ({self.max_num_batched_tokens} batched tokens), "
+                f"row cache {self.row_cache_bytes / GIB:.2f} GiB leave no KV cache ({kv / GIB:+.2f} GiB)")
         return MemoryPlan(usable, weights, table, self.row_cache_bytes, kv, int(kv // per_token), buffer)
 
     # -- compute -----------------------------------------------------------------------------
