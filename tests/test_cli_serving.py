@@ -224,6 +224,18 @@ def test_serve_sim_refuses_a_flag_it_would_ignore(trace_path, flags, message):
     assert res.exit_code == 2 and message in res.output, res.output
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--placement", "dram-uva", "--row-cache-gib", "-1"], "--row-cache-gib must be a number of GiB >= 0, got -1"),
+    (["--placement", "ssd-mmap", "--page-cache-gib", "-0.5"], "--page-cache-gib must be a number of GiB >= 0, got -0.5"),
+    (["--placement", "ssd-mmap", "--page-cache-gib", "nan"], "--page-cache-gib must be a number of GiB >= 0, got nan"),
+])
+def test_serve_sim_names_the_flag_of_a_negative_size(trace_path, flags, message):
+    """A negative --row-cache-gib was refused as "row_cache_bytes must be a finite number >= 0, got
+    -1073741824.0": neither the flag nor the value given."""
+    res = runner.invoke(app, ["serve-sim", "--trace", str(trace_path), "--hardware", "B200", *flags])
+    assert res.exit_code == 2 and message in res.output, res.output
+
+
 def test_serve_sim_counts_goodput_as_vllm_bench_does(trace_path):
     """`--goodput ttft:MS tpot:MS` as `vllm bench serve` and `cachelab bench serve` take it (the flag
     was missing: serve-sim had no goodput)."""

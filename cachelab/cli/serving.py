@@ -103,6 +103,8 @@ def serve_sim(
         if gib is not None and text is not None:  # one was ignored
             raise CachelabError(f"--{name}-cache-gib {gib:g} and --{name}-cache {text!r} both size the {name} cache: "
                                 "give one")
+        if gib is not None and not (math.isfinite(gib) and gib >= 0):  # was "row_cache_bytes ... got -1073741824.0"
+            raise CachelabError(f"--{name}-cache-gib must be a number of GiB >= 0, got {gib:g}")
     row_cache_bytes = (row_cache_gib or 0.0) * GIB if row_cache is None else \
         float(parse_capacity(row_cache, "--row-cache").bytes(row_bytes, "--row-cache"))
     page_cache_bytes = (None if page_cache_gib is None else page_cache_gib * GIB) if page_cache is None else \
