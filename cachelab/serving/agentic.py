@@ -28,8 +28,10 @@ from cachelab.serving.steady import Workload
 # Issue 15's medians, "from the AgentX methodology": no primary source states them (checked 2026-12-07). The
 # corpus card's stats.txt holds counts and token totals only (InferenceX build_weka_hf_dataset.py
 # _compute_stats); its plots mark the p50 of input, output and think_time over main-agent and subagent requests
-# (plot_weka_distributions.py) but are images not read here. A third party's count of 062126 (not primary) puts
-# the main-agent input p50 at 254,080 and the subagent one at 64,000, a median over both between them.
+# (plot_weka_distributions.py) but are images not read here. Third parties' counts of traces.jsonl (not
+# primary) give them over all 98,827 requests: input p50 142,016, output p50 444 (and the 256k variant's input
+# p50 88,768, issue 15's other figure); main-agent input p50 254,080, subagent 64,000 (docs/serving.md). The
+# card's token totals give a mean request of 218,922 input and 1,077.4 output tokens, above this workload's.
 MEDIAN_INPUT = 142_000  # issue 15: AgentX median request input
 MEDIAN_OUTPUT = 444  # issue 15: AgentX median request output
 # The corpus the V4.1 runs replayed, semianalysis_cc_traces_weka_062126: InferenceX #2279 (commit 78f72af3,
@@ -67,8 +69,9 @@ BASE_MAX_ISL = 990_016
 # min(max_model_len - input_length, max_tokens, ...)). (An uncited clamp at 32,768 stood here until
 # 2026-12-06; it cut 8.5e-6 of the lognormal, no draw of seed 0.)
 # The think time is the corpus's recorded end-to-start gap; no published distribution of it was found (the
-# card's think_time plot is an image; the third party above gives gaps p50 4.9 s, p90 131.5 s, p99 3,257 s,
-# a tail far heavier than this lognormal's). docs/serving.md, "The agentic workload", says where we looked.
+# card's think_time plot is an image; third parties give gaps between turns p50 4.9 s, p90 131.5 s, p99 3,257 s,
+# and the recorded think_time field p50 2.3 s, p90 37.5 s, p99 1,392 s, both tails far heavier than this
+# lognormal's). docs/serving.md, "The agentic workload", says where we looked.
 INPUT_SIGMA, OUTPUT_SIGMA, THINK_MEDIAN_S, THINK_SIGMA = 0.8, 1.0, 3.0, 1.0  # ASSUMPTIONS
 
 
