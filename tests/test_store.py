@@ -1050,7 +1050,7 @@ def test_a_store_on_cuda_names_its_device_with_the_index_tensors_carry(monkeypat
     """``torch.device('cuda') != torch.device('cuda:0')``, and a tensor's device always has its
     index: a store opened on ``cuda`` refused every ``out=`` made there. It keeps the current
     CUDA device's index (the GPU run, tests/test_store_cuda.py, passes an ``out=``)."""
-    from cachelab.store.store import indexed_device
+    from cachelab.store.device import indexed_device
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     assert indexed_device("cuda") == torch.device("cuda:1") and indexed_device("cuda:0") == torch.device("cuda:0")

@@ -134,7 +134,7 @@ def bench(
     from cachelab.store.bench import PolicySpec, check_run, replay_store, table_stream
     from cachelab.policy.admission import check_admission_param
     from cachelab.store.build import load_layout
-    from cachelab.store.store import check_device
+    from cachelab.store.device import check_device
 
     # every flag before the tables and the trace load (--backing and --device were checked ~1.6 s after)
     check_io(io_threads, io_submit, backing, "--io-threads")

@@ -25,7 +25,6 @@ link (on the CPU that memory is host DRAM standing in for HBM, as for the row ca
 
 from __future__ import annotations
 
-import re
 import resource
 import threading
 import time
@@ -43,6 +42,7 @@ from cachelab.policy.unbounded import Unbounded
 from cachelab.store.backing import open_backing
 from cachelab.store.build import open_tables, same_build
 from cachelab.store.counters import TIME_KEYS, Counters, count_keys
+from cachelab.store.device import check_device, indexed_device
 from cachelab.store.format import integer_ids
 from cachelab.store.kernels import (BITMAP_BYTES, DEQUANT_TABLE, SEEN_GENERATIONS, SEEN_KEY_BITS, dequant_expand,
                                     dequant_rows_torch, lookup_dequant, slot_bits)
@@ -99,33 +99,6 @@ class PrefetchHandle:
         if first:
             self._store._add_stall(counters, stalled)
         return self._store._hand_over(rows, self._store._caller_stream())
-
-
-def check_device(device: str, where: str = "device") -> None:
-    """Refuse a device the HBM tier cannot live on: not cpu, cuda or cuda:N ('cuda:x' was a
-    RuntimeError from torch on a GPU machine), CUDA missing, or an index past the devices.
-    ``where`` names it (a CLI flag)."""
-    import torch
-
-    cuda = re.fullmatch(r"cuda(?::(\d+))?", device)
-    if device != "cpu" and not cuda:
-        raise CachelabError(f"{where} {device!r}: expected cpu, cuda or cuda:N")
-    if cuda and not torch.cuda.is_available():
-        raise CachelabError(f"{where} {device!r}: CUDA is not available here; use cpu")
-    if cuda and int(cuda[1] or 0) >= torch.cuda.device_count():
-        raise CachelabError(f"{where} {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
-                            "cuda:0 onwards")
-
-
-def indexed_device(device: str):
-    """``device`` (checked) as torch names a tensor's: ``cuda`` is the current CUDA device with
-    its index. A tensor's ``.device`` always carries the index and ``torch.device('cuda') !=
-    torch.device('cuda:0')``, so a store opened on ``cuda`` refused every ``out=`` made there
-    ('must be ... on cuda, got ... on cuda:0')."""
-    import torch
-
-    dev = torch.device(device)
-    return torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" and dev.index is None else dev
 
 
 class TieredStore:
