@@ -598,6 +598,68 @@ def test_max_lookups_stops_at_the_budget_in_whole_tokens(tables):
         replay_store(tables, stream, "dram", PolicySpec("lru", {}), 100, max_lookups=47)
 
 
+def _replay_counts(store, stream, scores) -> dict:
+    """``stream`` step by step through ``store`` (rows checked); the run's integer counters, less
+    those the OS's state gives (faults, and what the kernel read into the page cache)."""
+    per, tokens = int(stream.step_offsets[1]), int(stream.step_offsets[1]) // (len(CFG.layers) * CFG.columns)
+    for s in range(stream.num_steps):
+        rows = split_key(stream.keys[s * per:(s + 1) * per])[1].reshape(tokens, len(CFG.layers), CFG.columns)
+        sc = None if scores is None else scores[s * per:(s + 1) * per].reshape(rows.shape)
+        assert check_rows(store, rows, store.lookup(rows, sc)) == 0
+    totals = store.totals.to_dict()
+    kernels = ("minor_faults", "major_faults") + (("ssd_to_dram_bytes",) if store.backing.name in ("mmap", "pread")
+                                                  else ())
+    return {k: v for k, v in totals.items() if isinstance(v, int) and k not in kernels}
+
+
+@pytest.mark.parametrize("backing", ["dram", "mmap", "pread", "direct", "hbm"])
+def test_a_reset_store_counts_a_stream_as_a_freshly_opened_one(tables, backing):
+    """``store bench`` warms its store up and resets it for the run (a dram table read once, not
+    once per store): after another stream has run, ``reset`` leaves every counter and stage
+    time at zero, and the stream again counts exactly as through a freshly opened store: hits,
+    misses, admissions, evictions and bytes of each tier. The HBM tier's learned policy reads its
+    scores on a clock that must restart, and the DRAM tier's set-associative policy hashes rows
+    by their first-use numbers, which must restart too: the warm-up runs other rows first
+    (``hbm``: no tier, the fused path)."""
+    rng = np.random.default_rng(8)
+    stream = stream_of(rng, steps=6, tokens=12)
+    tiers = {} if backing == "hbm" else {
+        "hbm_policy": registry.make_policy("learned-lfu", horizon=2048), "hbm_capacity": 200,
+        "dram_policy": "fbgemm-lru", "dram_capacity": 600}
+    scores = None if backing == "hbm" else -(compact_steps(stream.keys, stream.step_offsets)[0].inverse
+                                             + 2048 * rng.random(stream.keys.size))
+    with TieredStore.open(tables, backing=backing, **({"hbm_capacity": 0} | tiers)) as fresh:
+        want = _replay_counts(fresh, stream, scores)
+    if backing == "hbm":
+        tiers["hbm_capacity"] = 0
+    else:  # a fresh policy instance: the reset one must not lean on the first store's
+        tiers["hbm_policy"] = registry.make_policy("learned-lfu", horizon=2048)
+    with TieredStore.open(tables, backing=backing, **tiers) as store:
+        other = stream_of(rng, steps=4, tokens=12)  # other rows first, numbered in another order
+        _replay_counts(store, other, None if scores is None else -np.arange(other.keys.size, dtype=float))
+        store.reset()
+        assert not store.totals.counts.any() and not store.totals.seconds.any()
+        assert not store.last_step.counts.any() and not store.last_step.seconds.any()
+        assert _replay_counts(store, stream, scores) == want
+    assert want["requested"] == stream.keys.size and want.get("hbm_evictions", 1) > 0
+    assert want.get("dram_hits", 1) > 0 and want.get("dram_evictions", 1) > 0
+
+
+def test_the_bench_reads_a_dram_table_once(tables, monkeypatch):
+    """The bench warmed its kernels up on one store, closed it and opened another for the run:
+    the whole table read twice under dram (minutes on a large table), the tiers allocated
+    twice. One store now, reset after the warm-up: each table file is read once."""
+    import cachelab.store.backing as backing_mod
+
+    reads = []
+    real = backing_mod._read_whole
+    monkeypatch.setattr(backing_mod, "_read_whole", lambda path, *a: (reads.append(path.name), real(path, *a))[1])
+    stream = stream_of(np.random.default_rng(3), steps=3, tokens=8)
+    out = replay_store(tables, stream, "dram", PolicySpec("lru", {}), 200, PolicySpec("s3fifo", {}), 500)
+    assert out["matches_simulator"] and out["mismatches"] == 0, out["comparison"]
+    assert sorted(reads) == sorted(json.loads((tables / "manifest.json").read_text())["files"])
+
+
 def _live_policies() -> list[str]:
     return sorted(n for n in registry.resolved(registry.POLICIES)
                   if not registry.make_policy(n).capabilities.needs_future)

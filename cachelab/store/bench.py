@@ -155,15 +155,18 @@ def first_lookups(stream: LookupStream, max_lookups: int, per_token: int) -> Loo
 
 
 def warm_up(store: TieredStore, stream: LookupStream, scores: np.ndarray | None) -> None:
-    """The stream's first token through a store that is closed before the run. A process's first
-    steps compile the kernels they run, or load them from Numba's cache. That time fell in the
-    run's stage seconds: 0.45 s of backing read for a dram run in a fresh cache, 0.02 s warm.
-    The token's rows are read, so for mmap and pread its pages (48 at most in V4.1's layout)
-    are in the page cache before the run."""
+    """The stream's first token through the store, which is then reset for the run. A process's
+    first steps compile the kernels they run, or load them from Numba's cache. That time fell
+    in the run's stage seconds: 0.45 s of backing read for a dram run in a fresh cache, 0.02 s
+    warm. The token's rows are read, so for mmap and pread its pages (48 at most in V4.1's
+    layout) are in the page cache before the run. The store is reset, not closed and opened
+    again: a second store read the whole table into memory again under dram, and allocated its
+    tiers and their policies' indexes while the first one's were still held."""
     if not stream.num_steps:
         return
     rows = step_rows(stream, 0, len(store.layout.layers), store.layout.columns)[:1]
     store.lookup(rows, None if scores is None else scores[: rows.size].reshape(rows.shape))
+    store.reset()
 
 
 def replay_store(directory, stream: LookupStream, backing: str, hbm: PolicySpec | None, hbm_capacity,
@@ -182,14 +185,10 @@ def replay_store(directory, stream: LookupStream, backing: str, hbm: PolicySpec 
     specs = {k: v for k, v in (("hbm", hbm), ("dram", dram)) if v is not None}
     mismatches = 0
 
-    def open_store() -> TieredStore:  # fresh policies each time
-        return TieredStore.open(directory, backing=backing, hbm_policy=hbm and hbm.make(), hbm_capacity=hbm_capacity,
-                                dram_policy=dram and dram.make(), dram_capacity=dram_capacity,
-                                io_threads=io_threads, io_submit=io_submit, device=device)
-
-    with open_store() as store:
+    with TieredStore.open(directory, backing=backing, hbm_policy=hbm and hbm.make(), hbm_capacity=hbm_capacity,
+                          dram_policy=dram and dram.make(), dram_capacity=dram_capacity,
+                          io_threads=io_threads, io_submit=io_submit, device=device) as store:
         warm_up(store, stream, scores)
-    with open_store() as store:
         cfg = store.layout
         L, C = len(cfg.layers), cfg.columns
         if max_lookups is not None:

@@ -543,6 +543,23 @@ class TieredStore:
         res = dequant_rows_torch(dev.index_select(0, idx), dim, self._device_table).reshape(*shape, dim)
         return res if out is None else self._output(shape, out)[0].copy_(res)
 
+    def reset(self) -> None:
+        """Start again as the store opened: both cache tiers emptied (their policies reset, which
+        the conformance kit checks is a fresh policy's run), rows unnumbered, the scorer's clock
+        and every counter and stage time at zero. The table stays read (``dram``) and the tiers
+        allocated, so a run warmed up on the store (kernels compiled) counts as a fresh store's."""
+        pending = self._pending
+        if pending is not None:  # a prefetch asked for before runs first and counts in the old run
+            wait_futures([pending])  # (its stall where its handle is waited: wait before the reset)
+        with self._lock:
+            self._check_open()
+            for tier in self.tiers:
+                tier.clear()
+            self._id_of = np.zeros_like(self._id_of)  # fresh zero pages, as at open: not a write of every row
+            self._next_id = self._scored = 0
+            self.totals = Counters(self.tier_names)
+            self.last_step = Counters(self.tier_names)
+
     def close(self) -> None:
         """Run the prefetches asked for, wait for a step under way on another thread, then let
         the tables go. A closed store refuses every step (an unmapped ``mmap`` table read
