@@ -467,12 +467,24 @@ def test_counters_by_name_summed_as_arrays():
         run["dram_hits"] = 1
 
 
-def test_fused_lookup_counts_each_steps_distinct_rows(tables):
+def test_fused_lookup_counts_each_steps_distinct_rows(tables, monkeypatch):
     """The store's fused path (no tier, DRAM): repeated rows within a step come back in request
     order and count once; the next step, sharing rows with it, counts its own distinct rows;
-    a larger step grows the set."""
+    a larger step grows the set. Its fault counters are the process's getrusage over the step,
+    each in its own slot: read here from a scripted count (this process's real one moves with
+    any thread's faults: a major fault elsewhere during a step failed ``major_faults == 0``)."""
+    import itertools
+
+    import cachelab.store.store as store_module
     from cachelab.workload.compaction import compact
 
+    reads = itertools.count()
+
+    def faults():  # (minor, major) at the i-th read: a step, read before and after, sees (7, 3)
+        i = next(reads)
+        return 1000 + 7 * i, 3 * i
+
+    monkeypatch.setattr(store_module, "_faults", faults)
     rng = np.random.default_rng(12)
     with TieredStore.open(tables, backing="dram", hbm_capacity=None) as store:
         assert store._fused
@@ -484,9 +496,9 @@ def test_fused_lookup_counts_each_steps_distinct_rows(tables):
             c = store.last_step
             assert c["unique"] == c["backing_rows"] == distinct < c["requested"] == rows.size
             assert c["host_read_bytes"] == c["host_to_device_bytes"] == distinct * 264
-            assert c["steps"] == 1 and c["hbm_read_bytes"] == 0 and c["minor_faults"] >= 0 == c["major_faults"]
+            assert c["steps"] == 1 and c["hbm_read_bytes"] == 0 and (c["minor_faults"], c["major_faults"]) == (7, 3)
             assert c["dequant_s"] == c["step_s"] > 0 and c["dedup_s"] == c["gather_s"] == 0
-        assert store.totals["steps"] == 3
+        assert store.totals["steps"] == 3 and (store.totals["minor_faults"], store.totals["major_faults"]) == (21, 9)
 
 
 @pytest.mark.parametrize("backing", ["dram", "mmap"])
