@@ -158,6 +158,11 @@ def test_compact_steps_is_compact_then_dedup_in_one_pass(steps):
     assert np.array_equal(got_uniq, uniq)
     for name in ("keys", "offsets", "inverse"):
         assert np.array_equal(getattr(got, name), getattr(want, name)), name
+    # 4 B a lookup each, not 8, under 2^31 lookups (int64 past that: index_dtype); a key trace's
+    # are its ids and offsets, as test_a_key_trace_dedups_without_arrays_of_its_size says
+    assert want.keys.dtype == want.inverse.dtype == np.int32
+    if any(len(step) != 1 for step in steps):
+        assert got.keys.dtype == got.inverse.dtype == np.int32
 
 
 @settings(max_examples=40, deadline=None)

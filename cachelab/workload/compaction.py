@@ -14,6 +14,7 @@ import numpy as np
 
 from cachelab.compiled import prefetch
 from cachelab.errors import CachelabError
+from cachelab.policy.kernel import index_dtype
 
 _ID_MASK = (1 << 32) - 1
 _AHEAD = 16  # lookups between a slot's prefetch and its use
@@ -204,9 +205,9 @@ def compact_steps(keys, step_offsets) -> tuple["StepDedup", np.ndarray]:
         ids, uniq = _ids(keys)
         return StepDedup(ids, offs, offs[:-1]), uniq
     uniq = np.empty(keys.size, np.int64)
-    distinct = np.empty(keys.size, np.int64)
+    distinct = np.empty(keys.size, index_dtype(keys.size))  # ids and entries are below the lookups' count
     d_offs = np.zeros(offs.size, np.int64)
-    inverse = np.empty(keys.size, np.int64)
+    inverse = np.empty(keys.size, distinct.dtype)
     n_ids, n = _compact_steps_kernel(keys, offs, _start_bits(keys), uniq, distinct, d_offs, inverse)
     return StepDedup(_trim(distinct, n), d_offs, inverse), _trim(uniq, n_ids)
 
@@ -260,7 +261,10 @@ class StepDedup:
     """Each step's distinct keys in first-occurrence order, and where every lookup went.
 
     ``keys[offsets[s]:offsets[s+1]]`` are step ``s``'s distinct keys; lookup ``i`` is
-    distinct entry ``inverse[i]``; ``counts[j]`` lookups share distinct entry ``j``.
+    distinct entry ``inverse[i]``; ``counts[j]`` lookups share distinct entry ``j``. ``keys`` and
+    ``inverse`` are int32 where the lookups and keys number under 2^31 (``index_dtype``): 4 B a
+    lookup each, not 8, held through a replay. A key trace's are int64 (``compact_steps``: its
+    ids as ``compact`` gives them, and its offsets).
     """
 
     keys: np.ndarray
@@ -285,9 +289,9 @@ class StepDeduper:
         """The next steps' distinct ids (``step_offsets`` over ``ids``), one compiled pass."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         offs = np.ascontiguousarray(step_offsets, dtype=np.int64)
-        distinct = np.empty(ids.size, np.int64)
+        distinct = np.empty(ids.size, index_dtype(max(ids.size, self._last_step.size)))
         d_offs = np.zeros(offs.size, np.int64)
-        inverse = np.empty(ids.size, np.int64)
+        inverse = np.empty(ids.size, index_dtype(ids.size))
         n = _dedup_kernel(ids, offs, self._steps, self._last_step, self._slot, distinct, d_offs, inverse)
         self._steps += offs.size - 1
         return StepDedup(_trim(distinct, n), d_offs, inverse)
