@@ -121,7 +121,7 @@ def test_a_sample_scales_by_the_rate_its_hash_keeps(monkeypatch, policy, capacit
     rate = sampling.effective_rate(1e-7)
     assert rate == 2 / 2**24
     filler = 2**25 - 4  # a row outside the sample, requested twice; R x its weight + 4 = 4 sampled requests
-    req = mrc._Requests(ids=np.array([0, 0, 1, 2, 1, 2]), keys=np.array([0, 0, a, b, a, b]),
+    req = mrc._Requests(ids=np.array([0, 0, 1, 2, 1, 2]), uniq=np.array([0, a, b]),
                         offsets=np.arange(7), weights=np.array([filler, filler, 1, 1, 1, 1]), first=1,
                         num_keys=2**24)  # the stream this sample stands for: no capacity here holds it all
     monkeypatch.setattr(mrc, "_requests", lambda stream, warmup: req)

@@ -46,7 +46,12 @@ COLD = -1
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)
-def _stack_distance_kernel(ids, num_keys, out):
+def _stack_distance_kernel(ids, num_keys, out, weights, first, rate, bounds, buckets):
+    """Each access's stack distance into ``out``; or, with ``out`` None, only each counted warm
+    access's weight (positions from ``first``) added to ``buckets[j]``, ``j`` the number of
+    ``bounds`` (ascending capacities) that ``distance / rate`` reaches: what a curve needs, where
+    the whole stream's distances were an array of its size, then filtered copies beside float64
+    copies of the weights (up to 34 B an entry)."""
     n = ids.size
     tree = np.zeros(n + 1, np.int32)  # Fenwick tree: 1 at each key's latest access position
     last = np.full(num_keys, -1, np.int64)
@@ -64,12 +69,16 @@ def _stack_distance_kernel(ids, num_keys, out):
             while j > 0:
                 s -= tree[j]
                 j -= j & -j
-            out[i] = s
+            if out is not None:
+                out[i] = s
+            if buckets is not None:
+                if i >= first:
+                    buckets[np.searchsorted(bounds, s / rate, side="right")] += weights[i]
             j = p + 1
             while j <= n:
                 tree[j] -= 1
                 j += j & -j
-        else:
+        elif out is not None:
             out[i] = COLD
         j = i + 1
         while j <= n:
@@ -84,8 +93,19 @@ def stack_distances(ids: np.ndarray, num_keys: int | None = None) -> np.ndarray:
     if num_keys is None:
         num_keys = int(ids.max()) + 1 if ids.size else 1
     out = np.empty(ids.size, np.int64)
-    _stack_distance_kernel(ids, num_keys, out)
+    _stack_distance_kernel(ids, num_keys, out, None, 0, 1.0, None, None)
     return out
+
+
+def _hits_under(ids: np.ndarray, num_keys: int, weights: np.ndarray, first: int, capacities: np.ndarray,
+                rate: float = 1.0) -> np.ndarray:
+    """The weight of the accesses from ``first`` whose stack distance / ``rate`` is under each of
+    the ascending ``capacities`` (float64), counted in one pass: a running count per capacity.
+    The weights are whole lookups, so the float sums are exact in any order."""
+    buckets = np.zeros(capacities.size + 1, np.int64)
+    _stack_distance_kernel(np.ascontiguousarray(ids, dtype=np.int64), num_keys, None,
+                           np.ascontiguousarray(weights, dtype=np.int64), first, rate, capacities, buckets)
+    return np.cumsum(buckets[:-1]).astype(np.float64)
 
 
 @dataclass(frozen=True)
@@ -114,45 +134,45 @@ class _Requests:
     """The deduplicated request stream a tier sees, with each entry's lookup weight."""
 
     ids: np.ndarray  # dense ids per distinct entry
-    keys: np.ndarray  # original keys per distinct entry
+    uniq: np.ndarray  # original key per dense id (an entry's key is uniq[ids]: a sample keeps by key)
     offsets: np.ndarray
     weights: np.ndarray
     first: int  # first distinct entry after the warm-up
     num_keys: int
 
+    def sampled(self, rate: float) -> np.ndarray:
+        """Which entries the sample at ``rate`` keeps: its keys' mask, one flag per key."""
+        return sample_mask(self.uniq, rate)[self.ids]
+
 
 def _requests(stream: LookupStream, warmup: float) -> _Requests:
     dd, uniq = compact_steps(stream.keys, stream.step_offsets)
     w = warmup_steps(warmup, stream.num_steps)
-    return _Requests(dd.keys, uniq[dd.keys], dd.offsets, dd.counts, int(dd.offsets[w]), uniq.size)
+    return _Requests(dd.keys, uniq, dd.offsets, dd.counts, int(dd.offsets[w]), uniq.size)
+
+
+def _counted(n: int, first: int) -> np.ndarray:
+    """The entries at positions from ``first`` of ``n`` (what a run counts after its warm-up)."""
+    counted = np.zeros(n, np.bool_)
+    counted[first:] = True
+    return counted
 
 
 def _lru_curve(req: _Requests, capacities: list[int], rate: float | None) -> list[float]:
-    if rate is None:
-        ids, keep = req.ids, slice(None)
-        num_keys = req.num_keys
-    else:
-        keep = sample_mask(req.keys, rate)
-        ids, _ = compact(req.ids[keep])
-        num_keys = None
-    d = stack_distances(ids, num_keys)
-    weights = req.weights[keep].astype(np.float64)
-    counted = np.arange(req.ids.size)[keep] >= req.first
-    d, weights = d[counted], weights[counted]
+    ids, weights, first, num_keys = req.ids, req.weights, req.first, req.num_keys
+    if rate is not None:
+        keep = req.sampled(rate)
+        ids, kept = compact(ids[keep])
+        weights, first, num_keys = weights[keep], int(np.count_nonzero(keep[:first])), max(kept.size, 1)
     total = req.weights[req.first:].sum()
     caps = np.asarray(capacities, dtype=np.float64)
-    if rate is None:
-        hit_w = np.concatenate([[0.0], np.cumsum(np.bincount(d[d >= 0], weights[d >= 0]))])
-        hits = hit_w[np.minimum(caps, hit_w.size - 1).astype(np.int64)]  # clipped first: 1e19 rows overflowed int64
+    if rate is None:  # a hit at c iff the distance is under c
+        hits = _hits_under(ids, num_keys, weights, first, caps)
         return (1.0 - hits / total).tolist() if total else [0.0] * len(capacities)
     # SHARDS: a sampled distance d stands for d / rate; hit at c iff d / rate < c.
     expected = rate * total
-    warm = d >= 0
-    scaled, w_warm = d[warm] / rate, weights[warm]
-    order = np.argsort(scaled, kind="stable")
-    cum = np.concatenate([[0.0], np.cumsum(w_warm[order])])
-    hits = cum[np.searchsorted(scaled[order], caps, side="left")]
-    hits = hits + (expected - weights.sum())  # SHARDS-adj: the count gap goes to the first bucket
+    hits = _hits_under(ids, num_keys, weights, first, caps, rate)
+    hits = hits + (expected - float(weights[first:].sum()))  # SHARDS-adj: the count gap goes to the first bucket
     return np.clip(1.0 - hits / expected, 0.0, 1.0).tolist() if expected else [0.0] * len(capacities)
 
 
@@ -161,17 +181,18 @@ _SHARED: dict = {}
 
 def _simulate_one(capacity: int) -> float:
     req, policy, params, rate = _SHARED["req"], _SHARED["policy"], _SHARED["params"], _SHARED["rate"]
+    raw = _SHARED["raw"]
     ids, offsets, weights, first, num_keys = req.ids, req.offsets, req.weights, req.first, req.num_keys
-    positions, raw = np.arange(ids.size), req.keys
     total = weights[first:].sum()
     if rate is not None:
-        keep = sample_mask(req.keys, rate)
+        keep = req.sampled(rate)
         ids, _ = compact(ids[keep])
         offsets = np.concatenate([[0], np.cumsum(keep)])[offsets]
-        weights, positions, raw = weights[keep], positions[keep], raw[keep]
+        weights, first = weights[keep], int(np.count_nonzero(keep[:first]))
+        raw = raw[keep]
         num_keys = int(ids.max()) + 1 if ids.size else 1
         capacity = scaled_capacity(capacity, rate)
-    counted = positions >= first  # an oracle sees only this future, as in simulate
+    counted = _counted(ids.size, first)  # an oracle sees only this future, as in simulate
     hits = run_policy(registry.make_policy(policy, **params), ids, offsets, capacity, num_keys, counts=weights,
                       raw_keys=raw, counted=counted)
     if not total:
@@ -199,7 +220,7 @@ def miss_ratio_curve(stream: LookupStream, capacities: list[int], policy: str | 
     if not capacities or capacities[0] < 1:
         raise CachelabError(f"capacities must be positive, got {capacities}")
     req = _requests(stream, warmup)
-    if sample_rate is not None and not sample_mask(req.keys[req.first:], sample_rate).any():
+    if sample_rate is not None and not req.sampled(sample_rate)[req.first:].any():
         # an empty sample read as a miss ratio of 0.0 at every capacity
         raise CachelabError(f"{rate_name} {sample_rate} keeps none of the {req.num_keys:,} distinct keys' requests "
                             "after the warm-up: raise the rate")
@@ -215,7 +236,8 @@ def miss_ratio_curve(stream: LookupStream, capacities: list[int], policy: str | 
         ratios = _lru_curve(req, capacities, rate)
         return Curve(capacities, _bounded(req, ratios, infinite, rate), requests, method, sample_rate, warm,
                      req.num_keys, infinite, rate)
-    _SHARED.update(req=req, policy=policy, params=params, rate=rate)
+    raw = req.uniq[req.ids]  # each entry's row id (a policy may ask at reset): once, shared by the forked workers
+    _SHARED.update(req=req, policy=policy, params=params, rate=rate, raw=raw)
     workers = max(1, min(len(capacities), workers or os.cpu_count() or 1))
     with progress_bar(enabled=progress) as bar:
         task = bar.add_task(f"{policy}: {len(capacities)} capacities", total=len(capacities))
