@@ -3,6 +3,8 @@ stays within 0.01 of exact on a 10 M-lookup Engram stream; simulated curves are 
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -11,6 +13,7 @@ from hypothesis import strategies as st
 from cachelab import registry
 from cachelab.errors import CachelabError
 from cachelab.trace.keytrace import read_keys
+from cachelab.workload.compaction import compact
 from cachelab.workload.lookups import LookupStream
 from cachelab.engine import mrc, sampling
 from cachelab.engine.mrc import miss_ratio_curve, stack_distances
@@ -213,3 +216,25 @@ def test_a_sampled_curve_marks_and_reports_the_infinite_cache_as_the_exact_one(p
         assert min(sampled.miss_ratios) == sampled.miss_ratios[3]
     # a capacity past int64 (an IndexError from the exact curve) is the infinite cache too
     assert miss_ratio_curve(stream, [10**30], policy=policy, warmup=0.1, workers=1).miss_ratios == [floor]
+
+
+def test_a_sampled_curves_floor_takes_no_sorted_copy_of_the_stream():
+    """The floor found each key's first entry with ``np.unique(ids, return_index=True)``: an argsort
+    and a sorted copy of every entry's id, about 26 B an entry at once, the peak of ``mrc
+    --sample-rate 0.01`` on 40 Mooncake requests (1.50 GB; the compaction's, 1.17 GB). The ids are
+    dense in first-occurrence order, so an entry is its key's first where its id passes every id
+    before it: a running maximum (8 B an entry) and a flag."""
+    n, first = 2_000_000, 200_000
+    ids = compact(np.random.default_rng(5).integers(0, 300_000, n))[0]
+    req = mrc._Requests(ids=ids, uniq=np.arange(ids.max() + 1), offsets=np.arange(n + 1),
+                        weights=np.arange(n) % 3 + 1, first=first, num_keys=int(ids.max()) + 1)
+    tracemalloc.start()
+    try:
+        got = mrc._bounded(req, [0.0, 1.0], [False, True], 0.01)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 12 * n, f"{peak / n:.1f} B an entry"
+    repeat = np.ones(n, np.bool_)
+    repeat[np.unique(ids, return_index=True)[1]] = False  # each key's first request misses, every other hits
+    assert got == [1.0 - req.weights[first:][repeat[first:]].sum() / req.weights[first:].sum()] * 2

@@ -286,8 +286,13 @@ def _bounded(req: _Requests, ratios: list[float], infinite: list[bool], rate: fl
     Unsampled curves are exact already."""
     if rate is None:
         return ratios
-    first = np.zeros(req.ids.size, np.bool_)
-    first[np.unique(req.ids, return_index=True)[1]] = True  # each key's first entry misses
+    # each key's first entry misses: ids are dense in first-occurrence order, so an entry is its
+    # key's first where its id passes every id before it (np.unique sorted a copy: 26 B an entry)
+    top = np.maximum.accumulate(req.ids)
+    first = np.ones(req.ids.size, np.bool_)
+    np.greater(top[1:], top[:-1], out=first[1:])
+    del top
     total = req.weights[req.first:].sum()
-    floor = float(1.0 - req.weights[req.first:][~first[req.first:]].sum() / total) if total else 0.0  # as a run counts
+    repeats = total - req.weights[req.first:][first[req.first:]].sum()  # the lookups a whole cache hits
+    floor = float(1.0 - repeats / total) if total else 0.0  # as a run counts
     return [floor if inf else max(r, floor) for r, inf in zip(ratios, infinite)]
