@@ -488,6 +488,7 @@ def test_cli_info_and_trace_build_from_capture(tmp_path):
     text = runner.invoke(app, ["capture", "info", str(tmp_path / "cap")], env={"COLUMNS": "200"}).stdout
     assert "requests: 1 segment, 3 records (1 segment header, 2 requests), 1 torn tail, 0 corrupt\n" in text, text
     assert "kv-events: 0 segments, 0 records, 0 torn tails, 0 corrupt\n" in text, text
+    assert "token ids by source: upstream 2\n" in text, text  # as its --help says (it was in --json alone)
     built = runner.invoke(app, ["trace", "build", "--from-capture", str(tmp_path / "cap"), "-o",
                                 str(tmp_path / "t.parquet"), "--json"])
     assert built.exit_code == 0, built.output

@@ -340,6 +340,9 @@ def info(
     console = Console()
     console.print(f"[bold]{directory}[/]: {result['requests']:,} requests ({result['ok']:,} ok, "
                   f"{result['failed']:,} failed), {result['kv_batches']:,} KV batches / {result['kv_events']:,} events")
+    if result["token_sources"]:  # "None": records that kept no ids
+        console.print("token ids by source: " + ", ".join(
+            f"{'none' if k == 'None' else escape(k)} {n:,}" for k, n in sorted(result["token_sources"].items())))
     for named in result["tokenizers"]:
         console.print(f"token ids of tokenizer {escape(named['tokenizer'])} (tokenizer.json SHA-256 "
                       f"{escape(named['sha256'][:16])}...): {named['requests']:,} requests")
