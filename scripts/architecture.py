@@ -38,6 +38,7 @@ CONTRACTS = (
     ("cachelab/engine/tiers.py", "Hierarchy"),
     ("cachelab/store/store.py", "TieredStore"),
     ("cachelab/learning/predictor.py", "Predictor"),
+    ("cachelab/experiment/kinds.py", "ExperimentKind"),
 )
 
 # What each layer is for, in the order of the data flow. A layer the code has and this table
@@ -314,7 +315,9 @@ def render(root: Path = ROOT) -> str:
         "The plug-in side (`policies/`, `predictors/`, `traces/`) imports only cachelab's public",
         "modules, and the core never imports it by name: it finds every built-in through the",
         "entry points of `pyproject.toml` (`cachelab.registry`), exactly as it finds a third",
-        "party's plug-in. tests/test_layout.py holds the code to these rules, to no cycle of",
+        "party's plug-in. The groups are `cachelab.policies`, `cachelab.predictors`, `cachelab.workloads`",
+        "and `cachelab.experiment_kinds`, whose built-in kinds live in the core (`cachelab.experiment`).",
+        "tests/test_layout.py holds the code to these rules, to no cycle of",
         "module-level imports between modules and to no module over 600 lines. Layers may still",
         "import each other, through other modules or imports inside functions: the groups that do",
         "are listed below.",

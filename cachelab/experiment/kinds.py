@@ -1,8 +1,8 @@
 """Experiment kinds: what a point of each kind reads, checks, runs and leaves for the report.
 
 A kind is an ``ExperimentKind`` registered under the ``cachelab.experiment_kinds`` entry-point
-group (``cachelab.registry``), the built-ins (``replay``, ``learned``, ``serve``, in
-``cachelab.experiment.points``) exactly as a third party's: a package declares
+group (``cachelab.registry``), the built-ins (``replay``, ``learned``, ``serve`` in
+``cachelab.experiment.points``, ``live`` in ``cachelab.experiment.live``) exactly as a third party's: a package declares
 
     [project.entry-points."cachelab.experiment_kinds"]
     my-kind = "my_package.kinds:MY_KIND"
@@ -36,7 +36,7 @@ class PointOutput:
 
 @dataclass(frozen=True, slots=True)
 class ExperimentKind:
-    """One kind of point.
+    """One kind of experiment point (an entry point of ``cachelab.experiment_kinds``).
 
     ``sections``: the spec sections a point of this kind holds (and hashes), so a sweep axis
     the kind ignores does not multiply its points. ``run(config, workload) -> PointOutput``.

@@ -1,4 +1,5 @@
-"""The backing store: the whole table, in DRAM or read from the table files on SSD.
+"""The backing store: the whole table, in DRAM or the compute device's memory (``hbm``), or read
+from the table files on SSD.
 
 - ``dram``: every layer's data pages loaded into one DRAM buffer; a miss is a row copy.
 - ``hbm``: every layer's data pages resident in the compute device's memory as one torch

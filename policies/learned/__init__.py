@@ -1,1 +1,1 @@
-"""Learned policies: predicted next use decides eviction (LRB-style sampling), admission, and S3-FIFO promotion."""
+"""Learned policies: predicted next use decides eviction (LRB-style sampling), admission, S3-FIFO promotion, and LFU's priority."""
