@@ -860,3 +860,33 @@ def test_the_held_count_follows_a_body_as_it_comes_and_goes():
     holding.connection_lost(None)
     behind.connection_lost(None)
     assert proxy.held == 0
+
+
+def test_a_request_refused_when_served_for_the_held_bound_is_recorded_with_its_model():
+    """A request whole and handed on to be served (its bytes given back by the connection) that puts the proxy
+    over ``--max-held-mb`` as the exchange takes its body (``Forward.hold_request``: other exchanges grew
+    meanwhile) gets a 503 and a record naming its model and session, as every other record of a request read
+    whole does (one abandoned, one whose plan had not come). It was recorded before its body was set: a 503
+    with no model."""
+    from cachelab.capture.connections import ClientConnection
+    from cachelab.capture.proxy import CaptureProxy
+    from cachelab.capture.tokens import FallbackTokenizer
+
+    submitted = []
+    proxy = CaptureProxy(ProxyConfig(upstream="http://127.0.0.1:9", max_held_bytes=1000),
+                         recorder=type("Recorder", (), {"submit": staticmethod(submitted.append)})())
+    client = ClientConnection(proxy)
+    client.connection_made(_ClientTransport())
+    client.forward = object()  # an answer in progress: the next request waits, whole, in the queue
+    body = b'{"model":"m-1","prompt":"x","user":"s-1"}'
+    client.data_received(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+    assert len(client.queue) == 1
+    proxy.held += 990  # other exchanges took the room meanwhile
+    client.done(True)  # the answer before it is done: served, and refused
+    (x,), = [submitted]
+    assert client.transport.written.startswith(b"HTTP/1.1 503 ") and x.status == 503
+    (record,) = x.to_records(FallbackTokenizer())
+    assert (record.model, record.session, record.status) == ("m-1", "s-1", 503)
+    proxy.held -= 990
+    client.connection_lost(None)
+    assert proxy.held == 0

@@ -272,14 +272,15 @@ class CaptureProxy:
         forward = Forward(self, client, x, r.keep_alive, r.http11, r.method == b"HEAD",
                           x is not None or r.method in IDEMPOTENT)
         client.forward = forward
-        if x is not None and not forward.hold_request(len(body)):  # the body kept for the record
-            return
+        if x is not None:  # a record made before the request goes (refused here, its client gone, a shutdown
+            x.body = body  # before the plan comes) names its model
+            if not forward.hold_request(len(body)):  # the body kept for the record
+                return
         if x is None:
             forward.start(self._request(client, r, target, x, (body,)))
         elif self.planner.inline(body):
             forward.start(self._request(client, r, target, x, prepare(body, x, self.config.token_ids)))
         else:  # planned by the planner's child: the event loop serves other streams meanwhile
-            x.body = body  # a record made before the plan comes (its client gone, a shutdown) names its model
             forward.task = asyncio.get_running_loop().create_task(self._planned(forward, client, r, target, body))
 
     async def _planned(self, forward: Forward, client: ClientConnection, r: Request, target: bytes,
