@@ -5,6 +5,7 @@ that resets or answers no SSE mid-stream, a client that leaves mid-stream)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -890,3 +891,51 @@ def test_a_request_refused_when_served_for_the_held_bound_is_recorded_with_its_m
     proxy.held -= 990
     client.connection_lost(None)
     assert proxy.held == 0
+
+
+def test_requests_pipelined_behind_a_head_that_ends_the_connection_are_not_read():
+    """A head that ends its connection (400: no Host; 431: too large) closes it lingering, and the requests the
+    client pipelined behind it in the same read are not read: nothing more written, refused or recorded. They
+    were parsed on: one declaring a body over --max-body-mb was recorded as a 413 and its refusal written
+    after the end (asyncio and uvloop raise there, ``write`` after ``write_eof``), as was a 503 or a 401."""
+    from cachelab.capture.connections import ClientConnection
+    from cachelab.capture.proxy import CaptureProxy
+
+    submitted = []
+    proxy = CaptureProxy(ProxyConfig(upstream="http://127.0.0.1:9", api_key="k", max_head_bytes=200),
+                         recorder=type("Recorder", (), {"submit": staticmethod(submitted.append)})())
+    behind = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer k\r\ncontent-length: 99999999\r\n\r\n"
+              b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
+
+    async def ended_by(head: bytes) -> bytes:
+        client = ClientConnection(proxy)
+        client.connection_made(_StrictTransport())
+        client.data_received(head + behind)
+        assert client.transport.eof and proxy.lingering == 1
+        client.connection_lost(None)
+        return client.transport.written
+
+    for head, status in ((b"POST /v1/completions HTTP/1.1\r\ncontent-length: 0\r\n\r\n", 400),
+                         (b"GET / HTTP/1.1\r\nhost: x\r\nx-a: " + b"a" * 190 + b"\r\n\r\n", 431)):
+        written = asyncio.run(ended_by(head))  # a loop for the linger's timer
+        assert written.startswith(b"HTTP/1.1 %d " % status) and written.count(b"HTTP/1.1 4") == 1, written
+        assert not submitted, [(x.status, x.error) for x in submitted]
+    assert proxy.held == 0 and proxy.lingering == 0
+
+
+class _StrictTransport(_ClientTransport):
+    """``_ClientTransport`` that refuses a write after ``write_eof``, as asyncio's and uvloop's do."""
+
+    def write(self, data) -> None:
+        if self.eof:
+            raise RuntimeError("Cannot call write() after write_eof()")
+        super().write(data)
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        self.closed = True

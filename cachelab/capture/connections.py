@@ -380,6 +380,8 @@ class ClientConnection(asyncio.Protocol):
         self.proxy.held += n
 
     def on_headers_complete(self) -> None:
+        if self.closed:  # behind a head that ended the connection (400, 431) in the same read: not read, nor answered
+            return
         r, limit = self.request, self.proxy.config.max_body_bytes
         r.arrival, r.arrival_unix_ns = time.perf_counter(), time.time_ns()  # the request's arrival: its head is in
         r.method = self.parser.get_method()
@@ -413,7 +415,7 @@ class ClientConnection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         r = self.request
-        if self.final is not None:  # after a request refused whole (a 431 head): nothing more is kept
+        if self.final is not None or self.closed:  # after a request refused whole (a 431 head): nothing more is kept
             return
         if r.refused or r.answered:
             self.discard -= len(body)
