@@ -937,5 +937,63 @@ class _StrictTransport(_ClientTransport):
     def resume_reading(self) -> None:
         pass
 
+    def get_write_buffer_size(self) -> int:
+        return 0  # the client takes what is written at once
+
     def abort(self) -> None:
         self.closed = True
+
+
+def test_a_lingering_close_waits_for_the_answer_before_it_to_leave_the_proxy():
+    """A connection let go at the bound (a 408: a request begun behind an answer its client has not yet taken)
+    closes lingering once that answer has left the proxy: the reset came a second after the 408 whatever the
+    transport still held, dropping the answer's end, and the record held for the client until it took the
+    answer was then handed over as served (200). The client's write deadline bounds one that takes none."""
+    from cachelab.capture.connections import ClientConnection
+    from cachelab.capture.exchange import Exchange
+    from cachelab.capture.proxy import CaptureProxy
+
+    submitted = []
+    proxy = CaptureProxy(ProxyConfig(upstream="http://127.0.0.1:9"),
+                         recorder=type("Recorder", (), {"submit": staticmethod(submitted.append)})())
+
+    async def let_go_behind_an_answer() -> None:
+        client = ClientConnection(proxy)
+        client.connection_made(_BufferedTransport())
+        client.transport.protocol = client
+        x = Exchange(endpoint="/v1/completions", arrival_unix_ns=0, arrival=0.0, status=200)
+        client.pause_writing()  # the client takes nothing: its answer's end stays in the transport
+        client.write_last(b"data: [DONE]\n\n", x)
+        client.done(True)
+        client.data_received(b"POST /v1/completions HTTP/1.1\r\n")  # its next request begun
+        client.let_go()
+        await asyncio.sleep(1.3)
+        assert not client.transport.closed and not submitted, ("reset with the answer's end in the transport",
+                                                               [(x.status, x.error) for x in submitted])
+        client.transport.buffered = 0  # the client takes it all
+        client.resume_writing()
+        assert submitted == [x] and x.status == 200
+        await asyncio.sleep(1.2)  # the look after it: out since less than a second
+        assert not client.transport.closed
+        await asyncio.sleep(1.5)
+        assert client.transport.closed and client.closed, "a second once its answers are out, the reset"
+
+    asyncio.run(let_go_behind_an_answer())
+    assert proxy.held == 0 and proxy.lingering == 0 and submitted[0].status == 200
+
+
+class _BufferedTransport(_StrictTransport):
+    """``_StrictTransport`` whose client takes nothing: what is written stays in its buffer (``buffered``)."""
+
+    buffered = None
+    protocol = None
+
+    def abort(self) -> None:  # as asyncio's: the buffer dropped, the connection lost
+        super().abort()
+        asyncio.get_running_loop().call_soon(self.protocol.connection_lost, None)
+
+    def get_write_buffer_size(self) -> int:
+        return len(self.written) if self.buffered is None else self.buffered
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return 16 << 10, 64 << 10

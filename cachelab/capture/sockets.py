@@ -79,19 +79,33 @@ def unsent(transport) -> int:
 class Linger:
     """A lingering close (RFC 9112 9.6; nginx's ``lingering_close``): the proxy's last answer written, its
     sending side is ended (``write_eof``: the client reads the answer, then the end) and what the client still
-    sends is read and dropped (``drop``) until it closes its side, ``LINGER_S`` or ``LINGER_BYTES`` at most,
-    then the connection is reset. Closed at once with bytes of the client's unread, the kernel resets it
-    (RST), and a client still sending its request got a write error (ECONNRESET, EPIPE) where it should
-    read the answer (a TCP stack that takes the RST before the client reads drops the answer too). Only
-    ``MAX_LINGERING`` at once (``start``): a client cannot hold more than the bound's descriptors."""
+    sends is read and dropped (``drop``) until it closes its side, ``LINGER_S`` once the answers are out of the
+    transport (``_deadline``) or ``LINGER_BYTES`` at most, then the connection is reset. Closed at once with
+    bytes of the client's unread, the kernel resets it (RST), and a client still sending its request got a
+    write error (ECONNRESET, EPIPE) where it should read the answer (a TCP stack that takes the RST before the
+    client reads drops the answer too). Only ``MAX_LINGERING`` at once (``start``): a client cannot hold more
+    than the bound's descriptors."""
 
-    __slots__ = ("proxy", "transport", "timer", "left")
+    __slots__ = ("proxy", "transport", "timer", "left", "out")
 
     def __init__(self, proxy: "CaptureProxy", transport):
         self.proxy, self.transport, self.left = proxy, transport, LINGER_BYTES
         proxy.lingering += 1
         transport.write_eof()
-        self.timer = asyncio.get_running_loop().call_later(LINGER_S, transport.abort)
+        self.out = not transport.get_write_buffer_size()  # the answers are out of the transport
+        self.timer = asyncio.get_running_loop().call_later(LINGER_S, self._deadline)
+
+    def _deadline(self) -> None:
+        """The reset, at a look (each ``LINGER_S``) that finds the answers out of the transport since the last one:
+        a last answer written behind one the client was still taking (a 408 behind an answer not yet taken, a 400
+        pipelined behind a stream) had that answer's end dropped with the transport's buffer a second on, and
+        its record, held until the client took it, handed over as served. A client that takes none of it meets
+        its write deadline (``--write-timeout``; the kernel's TCP user timeout), as any answer's client does."""
+        out = not self.transport.get_write_buffer_size()
+        if out and self.out:  # out since the last look at least
+            return self.transport.abort()
+        self.out = out
+        self.timer = asyncio.get_running_loop().call_later(LINGER_S, self._deadline)
 
     @classmethod
     def start(cls, proxy: "CaptureProxy", transport) -> "Linger | None":
