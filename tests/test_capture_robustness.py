@@ -997,3 +997,26 @@ class _BufferedTransport(_StrictTransport):
 
     def get_write_buffer_limits(self) -> tuple[int, int]:
         return 16 << 10, 64 << 10
+
+
+def test_a_refused_request_whose_body_keeps_coming_is_let_go_at_the_bound(monkeypatch):
+    """A request refused before its body was read (401 here; 413, 503 alike) has had its answer: the body the
+    client still sends is read and dropped, and at ``max_client_connections`` the connection is let go like an
+    idle one. Its dropped body counted as a request coming (``PROGRESS_BYTES`` a second): a client sending
+    16 KiB a second of a body refused held its connection for the 30 s of ``keep_alive_s``, new ones refused."""
+    from cachelab.capture.connections import PROGRESS_BYTES, ClientConnection
+    from cachelab.capture.proxy import CaptureProxy
+
+    monkeypatch.setattr("cachelab.capture.proxy.RECLAIM_IDLE_S", 0.2)
+    proxy = CaptureProxy(ProxyConfig(upstream="http://127.0.0.1:9", api_key="k", max_client_connections=1),
+                         recorder=None)
+    client = ClientConnection(proxy)
+    client.connection_made(_StrictTransport())
+    client.data_received(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 9000000\r\n\r\n")
+    assert client.transport.written.startswith(b"HTTP/1.1 401 ") and client.transport.eof
+    for _ in range(4):
+        time.sleep(0.1)
+        client.data_received(b"a" * PROGRESS_BYTES)
+    assert proxy.admit() and client.transport.closed and client.closed
+    client.connection_lost(None)
+    assert proxy.held == 0 and not proxy.clients

@@ -205,7 +205,7 @@ class ClientConnection(asyncio.Protocol):
         if self.linger is not None:
             return self.linger.drop(len(data))
         waiting = self.proxy.waiting
-        if self in waiting and self.request is not None:
+        if self in waiting and self.request is not None and not self.request.answered:  # not a body refused
             self.progress += len(data)
             if self.progress >= PROGRESS_BYTES:  # coming, not stalled: last in line to be let go again
                 self.progress, self.progress_since = 0, time.monotonic()
