@@ -43,6 +43,9 @@ FORMATS = ("npy", "txt", "oracle")
 _NPY_MAGIC = b"\x93NUMPY"
 _BOMS = {b"\xef\xbb\xbf": "utf-8-sig", b"\xff\xfe": "utf-16", b"\xfe\xff": "utf-16"}
 _KEY_TEXT = frozenset(b"0123456789+-* \t\r\n")
+_KEY_TEXT_BYTES = b"0123456789+-* \t\r\n\x0b\x0c"  # what key text holds (bytes.strip's blanks among them)
+_KEY = re.compile(rb"[+-]?[0-9]+")
+_LONGEST_KEY = 64  # bytes of one key without its blanks (2^64 has 20 digits)
 _CONTROL = re.compile(rb"[\x00-\x08\x0b\x0e-\x1f\x7f]")  # bytes no text holds
 _HEAD = 24 * 1024  # whole oracleGeneral records
 
@@ -164,7 +167,7 @@ def _read_npy(path: Path) -> np.ndarray:
         raise CachelabError(f"{path} is not a readable .npy array: {exc}") from None
     if not np.issubdtype(arr.dtype, np.integer):
         raise CachelabError(f"{path}: keys must be integers, got dtype {arr.dtype}")
-    if arr.dtype == np.uint64:
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8:  # big-endian too: its ids past int64 were "negative"
         return dense_ids(arr.reshape(-1))
     return np.ascontiguousarray(arr, dtype=np.int64).reshape(-1)
 
@@ -194,9 +197,41 @@ def _decoded(path: Path) -> bytes:
         raise CachelabError(f"{path}: not valid {encoding} key text ({exc})") from None
 
 
+def _longest_line(raw: bytes) -> int:
+    """The length of the longest of ``raw.splitlines()``, without a Python step per line."""
+    byte = np.frombuffer(raw, dtype=np.uint8)
+    ends = np.flatnonzero((byte == 10) | (byte == 13))  # np.isin took 10 times as long
+    return int(np.diff(ends, prepend=-1, append=len(raw)).max()) - 1 if raw else 0
+
+
+def _not_a_key(text: bytes) -> str | None:
+    """Why a stripped line is not a key (None: it is one, or blank, or ``*``)."""
+    if text in (b"", b"*"):
+        return None
+    if len(text) > _LONGEST_KEY or not _KEY.fullmatch(text):
+        return f"{text[:40]!r}{f'... ({len(text):,} bytes)' if len(text) > 40 else ''} is not an integer key"
+    key = int(text)
+    if key < 0:
+        return f"key {key} is negative; keys are ids >= 0"
+    return f"key {key} does not fit in 64 bits" if key >= 2**64 else None
+
+
+def _first_bad_line(path: Path, lines: list[bytes]) -> None:
+    """An error naming the first line that is not a key, if one is not (a Python step per line)."""
+    for i, line in enumerate(lines):
+        why = _not_a_key(line.strip())
+        if why:
+            raise CachelabError(f"{path}, line {i + 1}: {why}")
+
+
 def _read_text(path: Path) -> np.ndarray:
     raw = _decoded(path)
     lines = raw.splitlines()
+    if raw.translate(None, _KEY_TEXT_BYTES) or _longest_line(raw) > _LONGEST_KEY:
+        # a byte no key holds (numpy's fixed-width bytes drop trailing NULs: a line of them was a
+        # blank one), or a line longer than any key, which every line was padded to in one array
+        _first_bad_line(path, lines)
+        lines = [line.strip() for line in lines]  # blanks around keys, to spare the array their width
     stripped = np.char.strip(np.array(lines, dtype=bytes)) if lines else np.zeros(0, dtype="S1")
     keep = (stripped != b"") & (stripped != b"*")
     try:
@@ -210,16 +245,7 @@ def _read_text(path: Path) -> np.ndarray:
         return dense_ids(stripped[keep].astype(np.uint64))
     except (ValueError, OverflowError):
         pass
-    line_no = np.flatnonzero(keep)
-    for i in line_no:  # error path only: find the first offending line
-        try:
-            key = int(stripped[i])
-        except ValueError:
-            raise CachelabError(f"{path}, line {i + 1}: {stripped[i][:40]!r} is not an integer key") from None
-        if key < 0:
-            raise CachelabError(f"{path}, line {i + 1}: key {key} is negative; keys are ids >= 0") from None
-        if key >= 2**64:
-            raise CachelabError(f"{path}, line {i + 1}: key {key} does not fit in 64 bits") from None
+    _first_bad_line(path, lines)
     raise CachelabError(f"{path}: unreadable keys")
 
 

@@ -1,0 +1,234 @@
+"""Parsers under hostile input, beyond the arrival importers (tests/test_importer_damage.py): key traces
+(text, compressed, .npy, oracleGeneral). Hypothesis damages real records from the data root (truncation,
+flipped bytes, wrong types, huge and negative numbers, other encodings, streams cut short); the contract
+is the right result or a CachelabError naming the file (and the line, record or event), never another
+exception, a hang or memory out of proportion to the input.
+"""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import io
+import lzma
+import tracemalloc
+from functools import lru_cache
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from cachelab.errors import CachelabError
+from cachelab.paths import data_root
+from cachelab.trace.keytrace import read_keys
+
+FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                        HealthCheck.too_slow])
+
+
+@lru_cache(maxsize=None)
+def _real(relative: str, size: int) -> bytes:
+    """The first ``size`` bytes of a file under the data root (decompressed for .gz)."""
+    root = data_root(required=False)
+    if root is None:
+        pytest.skip("real data root not found (set CACHELAB_DATA)")
+    path = root / relative
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        return f.read(size)
+
+
+def _real_lines(relative: str, n: int) -> list[bytes]:
+    return _real(relative, 1 << 16).splitlines(keepends=True)[:n]
+
+
+KEYS = "cache_traces/libcachesim_cloudphysics/cloudPhysicsIO.txt"
+ORACLE = "cache_traces/libcachesim_cloudphysics/cloudPhysicsIO.oracleGeneral.bin"
+COMPRESS = {"plain": lambda b: b, "gzip": gzip.compress, "bzip2": bz2.compress, "xz": lzma.compress}
+
+
+def _damage_lines(draw, lines: list[bytes]) -> list[bytes]:
+    lines = list(lines)
+    for _ in range(draw(st.integers(0, 4))):
+        i = draw(st.integers(0, len(lines)))
+        line = lines[i] if i < len(lines) else b"\n"
+        at = draw(st.integers(0, max(len(line) - 1, 0)))
+        how = draw(st.sampled_from(["garbage", "huge", "negative", "latin1", "blank", "star", "nul", "cut",
+                                    "flip", "crlf", "u64", "plus"]))
+        if how == "garbage":
+            lines.insert(i, draw(st.binary(min_size=1, max_size=30)) + b"\n")
+            continue
+        if how in ("blank", "star"):
+            lines.insert(i, b"  \n" if how == "blank" else b"*\n")
+            continue
+        insert = {"huge": b"9" * 25, "negative": b"-", "latin1": "é".encode("latin-1"), "nul": b"\x00",
+                  "crlf": b"\r", "u64": b"1844674407370955", "plus": b"+"}.get(how)
+        if insert is not None:
+            line = line[:at] + insert + line[at:]
+        elif how == "cut":
+            line = line[:at]
+        elif line:
+            line = line[:at] + bytes([line[at] ^ draw(st.integers(1, 255))]) + line[at + 1:]
+        lines[i:i + 1] = [line]
+    return lines
+
+
+@st.composite
+def key_text(draw):
+    lines = _damage_lines(draw, _real_lines(KEYS, draw(st.integers(1, 40))))
+    raw = b"".join(lines)
+    if draw(st.booleans()):
+        raw = b"\xef\xbb\xbf" + raw
+    return raw, draw(st.sampled_from(sorted(COMPRESS)))
+
+
+def _expected_keys(raw: bytes):
+    """What the documented format makes of key text: the keys, or the 1-based line of the first bad one."""
+    lines = raw.removeprefix(b"\xef\xbb\xbf").splitlines()
+    keys = []
+    for number, line in enumerate(lines, start=1):
+        text = line.strip()
+        if text in (b"", b"*"):
+            continue
+        try:
+            key = int(text)
+        except ValueError:
+            return number
+        if not 0 <= key < 2**64:
+            return number
+        keys.append(key)
+    if not keys:
+        return "empty"
+    if max(keys) >= 2**63:  # unsigned 64-bit ids past int64: their ranks
+        keys = np.unique(np.asarray(keys, dtype=np.uint64), return_inverse=True)[1].reshape(-1)
+    return np.asarray(keys, dtype=np.int64)
+
+
+def _keys_or_error(path, fmt=None):
+    try:
+        keys = read_keys(path, fmt)
+    except CachelabError as exc:
+        assert str(path) in str(exc), exc
+        return str(exc)
+    assert keys.dtype == np.int64 and keys.ndim == 1 and keys.size and keys.min() >= 0
+    return keys
+
+
+@pytest.mark.data
+@FUZZ
+@given(key_text(), st.integers(0, 1 << 20), st.booleans())
+def test_key_text_reads_as_its_lines_say(tmp_path, case, cut, declared):
+    """Damaged real key text, plain or compressed (and cut short): its keys exactly, or an error naming
+    the first bad line (a cut compressed stream: the file)."""
+    raw, how = case
+    data = COMPRESS[how](raw)
+    cut_short = how != "plain" and cut < len(data)
+    if cut_short:
+        data = data[:cut]
+    path = tmp_path / f"keys.{how}"
+    path.write_bytes(data)
+    got = _keys_or_error(path, "txt" if declared else None)
+    if cut_short:
+        assert isinstance(got, str), "a compressed stream cut short is an error"
+        return
+    if not declared and not raw or (raw.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\x00" in raw) and how == "plain":
+        return  # an empty file, or read as UTF-16 / another format by the sniffer: the contract alone
+    expected = _expected_keys(raw)
+    if isinstance(expected, np.ndarray):
+        if isinstance(got, str) and "cannot tell the key trace format" in got:
+            return  # undeclared binary-looking text: asks for --format
+        assert isinstance(got, np.ndarray), got
+        assert np.array_equal(got, expected)
+    else:
+        assert isinstance(got, str)
+        if isinstance(expected, int) and "line" in got:
+            assert f"line {expected}:" in got
+
+
+@st.composite
+def npy_file(draw):
+    keys = [int(k) for k in _real(KEYS, 4096).split()[:draw(st.integers(0, 30))]]
+    dtype = draw(st.sampled_from(["<i8", ">i8", "<u8", ">u8", "<i4", "<u2", "|i1", "<f8", "|b1", "<c8"]))
+    arr = np.asarray(keys, dtype=np.int64)
+    if dtype[1] == "u" and draw(st.booleans()):
+        arr = arr.astype(np.uint64) + np.uint64(2**63)  # hashed ids past int64
+    arr = arr.astype(dtype)
+    if arr.size % 2 == 0 and draw(st.booleans()):
+        arr = arr.reshape(2, -1, order=draw(st.sampled_from("CF")))
+    buf = io.BytesIO()
+    np.save(buf, np.asfortranarray(arr) if arr.ndim == 2 else arr)
+    data = bytearray(buf.getvalue())
+    for _ in range(draw(st.integers(0, 3))):
+        at = draw(st.integers(0, len(data) - 1))
+        data[at] ^= draw(st.integers(1, 255))
+    if draw(st.booleans()):
+        data = data[:draw(st.integers(0, len(data)))]
+    return bytes(data), arr
+
+
+@pytest.mark.data
+@FUZZ
+@given(npy_file(), st.booleans())
+def test_a_damaged_npy_is_its_keys_or_an_error(tmp_path, case, declared):
+    data, arr = case
+    path = tmp_path / "keys.npy"
+    path.write_bytes(data)
+    got = _keys_or_error(path, "npy" if declared else None)
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    if data == buf.getvalue() and np.issubdtype(arr.dtype, np.integer) and arr.size and arr.min() >= 0:
+        expected = np.unique(arr.reshape(-1), return_inverse=True)[1].reshape(-1) \
+            if arr.dtype.kind == "u" and arr.max() > 2**63 - 1 else arr.reshape(-1).astype(np.int64)
+        assert isinstance(got, np.ndarray), got
+        assert np.array_equal(got, expected)
+
+
+def test_big_endian_uint64_ids_past_int64_are_ranks(tmp_path):
+    """A '>u8' array is no np.uint64 to ``==``: its ids past int64 wrapped to "negative keys" (Hypothesis)."""
+    ids = np.array([2**63 + 5, 7, 2**63 + 5], dtype=">u8")
+    np.save(tmp_path / "k.npy", ids)
+    assert read_keys(tmp_path / "k.npy").tolist() == [1, 0, 1]
+
+
+@pytest.mark.data
+@FUZZ
+@given(st.integers(1, 60), st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(1, 255)), max_size=4),
+       st.integers(0, 24 * 61), st.sampled_from([None, "oracle"]))
+def test_damaged_oracle_general_records_are_keys_or_an_error(tmp_path, n, flips, cut, fmt):
+    data = bytearray(_real(ORACLE, 24 * n))
+    for at, flip in flips:
+        data[at % len(data)] ^= flip
+    data = bytes(data[:cut]) if cut < len(data) else bytes(data)
+    path = tmp_path / "x.oracleGeneral.bin"
+    path.write_bytes(data)
+    got = _keys_or_error(path, fmt)
+    if isinstance(got, np.ndarray):
+        assert len(data) % 24 == 0 and got.size <= len(data) // 24
+
+
+def test_one_long_line_costs_no_memory_beyond_its_own_bytes(tmp_path):
+    """Every line was padded to the longest in one fixed-width array: 2,000 keys and one damaged
+    line of 100 kB asked for 200 MB (a 10 M-line trace with such a line: terabytes)."""
+    lines = [b"%d\n" % k for k in range(2000)] + [b"7" * 100_000 + b"\n"]
+    path = tmp_path / "keys.txt"
+    path.write_bytes(b"".join(lines))
+    tracemalloc.start()
+    try:
+        with pytest.raises(CachelabError, match=rf"{path.name}, line 2001: .* is not an integer key"):
+            read_keys(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 20 * path.stat().st_size, f"{peak:,} bytes traced for a file of {path.stat().st_size:,}"
+
+
+@pytest.mark.parametrize("how", ["plain", "gzip"])
+def test_a_line_of_nul_bytes_is_named_not_skipped(tmp_path, how):
+    """Fixed-width bytes drop trailing NULs, so a line of NULs (a file zero-filled past a crash) was
+    a blank line skipped, and ``5\\0`` the key 5 (Hypothesis: a NUL line in bzip2 key text)."""
+    path = tmp_path / "keys.txt"
+    for text, line in ((b"\x00\n42932745\n", 1), (b"1\n5\x00\n", 2)):
+        path.write_bytes(COMPRESS[how](text))
+        with pytest.raises(CachelabError, match=rf"keys.txt, line {line}: .* is not an integer key"):
+            read_keys(path, "txt")
+
