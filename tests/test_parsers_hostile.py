@@ -1,8 +1,9 @@
 """Parsers under hostile input, beyond the arrival importers (tests/test_importer_damage.py): key traces
-(text, compressed, .npy, oracleGeneral). Hypothesis damages real records from the data root (truncation,
-flipped bytes, wrong types, huge and negative numbers, other encodings, streams cut short); the contract
-is the right result or a CachelabError naming the file (and the line, record or event), never another
-exception, a hang or memory out of proportion to the input.
+(text, compressed, .npy, oracleGeneral), capture segments' payloads and vLLM's KV-event batches.
+Hypothesis damages real records from the data root (truncation, flipped bytes, wrong types, huge and
+negative numbers, other encodings, streams cut short); the contract is the right result or a
+CachelabError naming the file (and the line, record or event), never another exception, a hang or memory
+out of proportion to the input.
 """
 
 from __future__ import annotations
@@ -14,16 +15,20 @@ import lzma
 import tracemalloc
 from functools import lru_cache
 
+import msgpack
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from cachelab.capture.kv_events import _Hashes, decode_batch
+from cachelab.capture.segments import MAGIC, ReadStats, frame, read_stream
 from cachelab.errors import CachelabError
 from cachelab.paths import data_root
 from cachelab.trace.keytrace import read_keys
 
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                         HealthCheck.too_slow])
+FUZZ_FEWER = settings(FUZZ, max_examples=60)  # slower examples: msgpack values, whole corpora
 
 
 @lru_cache(maxsize=None)
@@ -231,4 +236,97 @@ def test_a_line_of_nul_bytes_is_named_not_skipped(tmp_path, how):
         path.write_bytes(COMPRESS[how](text))
         with pytest.raises(CachelabError, match=rf"keys.txt, line {line}: .* is not an integer key"):
             read_keys(path, "txt")
+
+
+def _segment(tmp_path, payloads: list[bytes]):
+    directory = tmp_path / "cap"
+    directory.mkdir(mode=0o700, exist_ok=True)
+    (directory / "s-000000.seg").write_bytes(MAGIC + b"".join(frame(p) for p in payloads))
+    return directory
+
+
+def _msgpack_values():
+    scalars = st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=8) \
+        | st.binary(max_size=8)
+    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
+                        | st.dictionaries(st.text(max_size=6) | st.integers(-9, 9), inner, max_size=4), max_leaves=12)
+
+
+@st.composite
+def _damaged_msgpack(draw):
+    data = bytearray(msgpack.packb(draw(_msgpack_values())))
+    for _ in range(draw(st.integers(0, 3))):
+        data[draw(st.integers(0, len(data) - 1))] = draw(st.sampled_from([0x91, 0x81, 0xc1, 0xd4, 0xdf, 0xff, 0]))
+    return bytes(data)
+
+
+@FUZZ_FEWER
+@given(st.lists(st.binary(max_size=40) | _damaged_msgpack(), min_size=1, max_size=6))
+def test_any_checksummed_payload_is_a_record_or_counted(tmp_path, payloads):
+    """A record whose checksum holds (a hostile or buggy writer's) is decoded or counted, never raised."""
+    stats = ReadStats()
+    got = list(read_stream(_segment(tmp_path, payloads), "s", stats))
+    assert all(isinstance(r, dict) for r in got) and stats.records == len(payloads)
+    assert len(got) + stats.corrupt == len(payloads)
+
+
+def test_a_payload_with_an_array_for_a_map_key_is_counted(tmp_path):
+    """msgpack raises TypeError (unhashable type: 'list') for it, which ended the read of the capture
+    (``capture info``, ``trace build --from-capture``) with a traceback (Hypothesis)."""
+    stats = ReadStats()
+    got = list(read_stream(_segment(tmp_path, [b"\x81\x91\x01\x02", msgpack.packb({"kind": "x"})]), "s", stats))
+    assert got == [{"kind": "x"}] and stats.corrupt == 1
+    assert stats.bad_files == ["s-000000.seg: undecodable record (unhashable type: 'list')"]
+
+
+@st.composite
+def _damaged_bytes(draw, data: bytes):
+    data = bytearray(data)
+    for _ in range(draw(st.integers(1, 3))):
+        data[draw(st.integers(0, len(data) - 1))] ^= draw(st.integers(1, 255))
+    return bytes(data[:draw(st.integers(0, len(data)))])
+
+
+def _stored(hashes, parent, tokens) -> dict:
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
+            "block_size": 16, "lora_id": None, "medium": "GPU"}
+
+
+@st.composite
+def kv_batch(draw):
+    """vLLM's EventBatch (``[ts, events, rank]``) with fields replaced by any msgpack value, or its bytes damaged."""
+    events = [_stored([2**63 + 5, -3], None, [128000, 9906]), {"type": "BlockRemoved", "block_hashes": [7]},
+              ["BlockStored", [b"\x01" * 32], 7, [1, 2], 16, None, "GPU"], {"type": "AllBlocksCleared"}]
+    for _ in range(draw(st.integers(0, 3))):
+        event = events[draw(st.integers(0, len(events) - 1))]
+        keys = list(event) if isinstance(event, dict) else list(range(len(event)))
+        event[draw(st.sampled_from(keys))] = draw(_msgpack_values())
+    payload = msgpack.packb([1.5, events, 0] if draw(st.booleans()) else
+                            {"ts": 1.5, "events": events, "data_parallel_rank": 0})
+    return payload if draw(st.booleans()) else draw(_damaged_bytes(payload))
+
+
+@FUZZ_FEWER
+@given(kv_batch())
+def test_a_kv_event_batch_is_decoded_or_a_clear_error(payload):
+    try:
+        got = decode_batch(payload, _Hashes())
+    except CachelabError:
+        return
+    msgpack.packb(got)  # journaled as it is
+    for event in got["events"]:
+        assert len(event.get("hashes", b"")) % 8 == 0 and len(event.get("tokens", b"")) % 4 == 0
+        assert event.get("parent") is None or -2**63 <= event["parent"] < 2**63
+
+
+@pytest.mark.parametrize("hashes, parent, tokens, field", [
+    ("12", None, [1], "block_hashes"), ({"1": 2}, None, [1], "block_hashes"), ([1.5], None, [1], "block_hashes"),
+    ([True], None, [1], "block_hashes"), ([1], 2.5, [1], "parent_block_hash"), ([1], None, "ab", "token_ids"),
+    ([1], None, [1.5], "token_ids"), ([1], None, [2**40], "token_ids")])
+def test_a_kv_event_field_of_the_wrong_type_is_named(hashes, parent, tokens, field):
+    """A string of hashes was read letter by letter ("12": hashes 1 and 2), a map as its keys, a
+    float hash cut to an integer; a token id over int32 an OverflowError without a field."""
+    payload = msgpack.packb([1.0, [{"type": "AllBlocksCleared"}, _stored(hashes, parent, tokens)]])
+    with pytest.raises(CachelabError, match=rf"KV event 1 of 2: field '{field}': "):
+        decode_batch(payload, _Hashes())
 

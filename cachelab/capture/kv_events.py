@@ -62,16 +62,31 @@ class _Hashes:
     def __init__(self) -> None:
         self.truncated = 0
 
-    def one(self, h) -> int | None:
+    def one(self, h, field: str) -> int | None:
         if h is None:
             return None
         if isinstance(h, (bytes, bytearray)):
             self.truncated += 1
             h = int.from_bytes(bytes(h[:8]).ljust(8, b"\0"), "big")
-        return int(np.array(int(h) & 0xFFFFFFFFFFFFFFFF, dtype=np.uint64).view(np.int64))
+        if not isinstance(h, int) or isinstance(h, bool):  # a float was cut to an integer, a string parsed
+            raise CachelabError(f"field {field!r}: {str(h)[:40]!r} ({type(h).__name__}) is not a block hash "
+                                "(an integer or bytes)")
+        return int(np.array(h & 0xFFFFFFFFFFFFFFFF, dtype=np.uint64).view(np.int64))
 
-    def many(self, hashes) -> bytes:
-        return np.array([self.one(h) for h in hashes or []], dtype="<i8").tobytes()
+    def many(self, hashes, field: str) -> bytes:
+        if not isinstance(hashes, (list, tuple, type(None))):  # a string's or a map's hashes were its letters or keys
+            raise CachelabError(f"field {field!r}: {str(hashes)[:40]!r} ({type(hashes).__name__}) is not a list")
+        return np.array([self.one(h, field) for h in hashes or []], dtype="<i8").tobytes()
+
+
+def _tokens(ids) -> bytes:
+    """Token ids as int32 bytes; anything but a list of int32 integers is an error (one conversion
+    in NumPy: a step's list holds up to a prefill's tokens)."""
+    arr = np.asarray(ids if isinstance(ids, (list, tuple)) else [])
+    if not isinstance(ids, (list, tuple, type(None))) or arr.size and (
+            arr.ndim != 1 or arr.dtype.kind not in "iu" or arr.min() < -2**31 or arr.max() >= 2**31):
+        raise CachelabError(f"field 'token_ids': {str(ids)[:40]!r} is not a list of int32 token ids")
+    return arr.astype("<i4").tobytes()
 
 
 def _fields(event) -> tuple[str, dict]:
@@ -85,7 +100,10 @@ def _fields(event) -> tuple[str, dict]:
 
 def decode_batch(payload: bytes, hashes: _Hashes, keep_tokens: bool = True) -> dict[str, Any]:
     """One ``EventBatch`` as a record: ts, rank and its events with int64 hashes as bytes."""
-    batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    try:
+        batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:  # TypeError: an array as a map key
+        raise CachelabError(f"KV event batch is not msgpack ({type(exc).__name__}: {exc})") from None
     if isinstance(batch, dict):
         ts, events, rank = batch.get("ts"), batch.get("events"), batch.get("data_parallel_rank")
     elif isinstance(batch, (list, tuple)) and len(batch) >= 2:
@@ -95,23 +113,31 @@ def decode_batch(payload: bytes, hashes: _Hashes, keep_tokens: bool = True) -> d
     if not isinstance(events, list):
         raise CachelabError("KV event batch without an event list")
     out = []
-    for event in events:
-        kind, f = _fields(event)
-        if kind == "BlockStored":
-            item = {"type": "stored", "hashes": hashes.many(f.get("block_hashes")),
-                    "parent": hashes.one(f.get("parent_block_hash")), "block_size": f.get("block_size"),
-                    "medium": f.get("medium"), "group": f.get("group_idx"), "lora": f.get("lora_name")}
-            if keep_tokens:
-                item["tokens"] = np.asarray(f.get("token_ids") or [], dtype="<i4").tobytes()
-            out.append(item)
-        elif kind == "BlockRemoved":
-            out.append({"type": "removed", "hashes": hashes.many(f.get("block_hashes")),
-                        "medium": f.get("medium"), "group": f.get("group_idx")})
-        elif kind == "AllBlocksCleared":
-            out.append({"type": "cleared"})
-        else:
-            out.append({"type": "unknown", "tag": kind})
+    for number, event in enumerate(events):
+        try:
+            out.append(_event(event, hashes, keep_tokens))
+        except CachelabError as exc:  # which event of the batch
+            raise CachelabError(f"KV event {number} of {len(events)}: {exc}") from None
     return {"ts": ts, "dp_rank": rank, "events": out}
+
+
+def _event(event, hashes: _Hashes, keep_tokens: bool) -> dict[str, Any]:
+    """One event as a record; a field of the wrong type is an error naming it."""
+    kind, f = _fields(event)
+    if kind == "BlockStored":
+        item = {"type": "stored", "hashes": hashes.many(f.get("block_hashes"), "block_hashes"),
+                "parent": hashes.one(f.get("parent_block_hash"), "parent_block_hash"),
+                "block_size": f.get("block_size"), "medium": f.get("medium"), "group": f.get("group_idx"),
+                "lora": f.get("lora_name")}
+        if keep_tokens:
+            item["tokens"] = _tokens(f.get("token_ids"))
+        return item
+    if kind == "BlockRemoved":
+        return {"type": "removed", "hashes": hashes.many(f.get("block_hashes"), "block_hashes"),
+                "medium": f.get("medium"), "group": f.get("group_idx")}
+    if kind == "AllBlocksCleared":
+        return {"type": "cleared"}
+    return {"type": "unknown", "tag": kind}
 
 
 def _local_endpoint(endpoint: str) -> bool:

@@ -306,7 +306,7 @@ def read_stream(directory: str | os.PathLike, stream: str, stats: ReadStats | No
         for payload in _scan(data, stats, path.name, start):
             try:
                 record = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-            except (ValueError, msgpack.UnpackException) as exc:
+            except (ValueError, TypeError, msgpack.UnpackException) as exc:  # TypeError: an array as a map key
                 stats.corrupt += 1
                 stats.bad_files.append(f"{path.name}: undecodable record ({exc})")
                 continue
