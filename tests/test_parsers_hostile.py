@@ -1,9 +1,9 @@
 """Parsers under hostile input, beyond the arrival importers (tests/test_importer_damage.py): key traces
-(text, compressed, .npy, oracleGeneral), capture segments' payloads and vLLM's KV-event batches.
-Hypothesis damages real records from the data root (truncation, flipped bytes, wrong types, huge and
-negative numbers, other encodings, streams cut short); the contract is the right result or a
-CachelabError naming the file (and the line, record or event), never another exception, a hang or memory
-out of proportion to the input.
+(text, compressed, .npy, oracleGeneral), capture segments' payloads, vLLM's KV-event batches and the
+prompt corpora. Hypothesis damages real records from the data root (truncation, flipped bytes, wrong
+types, huge and negative numbers, other encodings, streams cut short); the contract is the right result
+or a CachelabError naming the file (and the line, record or event), never another exception, a hang or
+memory out of proportion to the input.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import bz2
 import gzip
 import io
+import json
 import lzma
 import tracemalloc
 from functools import lru_cache
@@ -25,6 +26,8 @@ from cachelab.capture.segments import MAGIC, ReadStats, frame, read_stream
 from cachelab.errors import CachelabError
 from cachelab.paths import data_root
 from cachelab.trace.keytrace import read_keys
+from traces.prompts import AlpacaSeed, ArenaHard, Gutenberg, HumanEval, MTBench, TinyShakespeare
+from traces.stdlib import StdlibCorpus
 
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                         HealthCheck.too_slow])
@@ -329,4 +332,71 @@ def test_a_kv_event_field_of_the_wrong_type_is_named(hashes, parent, tokens, fie
     payload = msgpack.packb([1.0, [{"type": "AllBlocksCleared"}, _stored(hashes, parent, tokens)]])
     with pytest.raises(CachelabError, match=rf"KV event 1 of 2: field '{field}': "):
         decode_batch(payload, _Hashes())
+
+
+CORPORA = {"mt_bench/question.jsonl": MTBench, "arena_hard/arena-hard-v2.0_question.jsonl": ArenaHard,
+           "alpaca_seed/seed_tasks.jsonl": AlpacaSeed, "humaneval/HumanEval.jsonl.gz": HumanEval}
+
+
+@st.composite
+def corpus_file(draw):
+    """A JSONL corpus of a few real records: lines damaged, fields dropped, repeated or of another type."""
+    name = draw(st.sampled_from(sorted(CORPORA)))
+    lines = _real_lines(f"prompts/{name}", draw(st.integers(1, 4)))
+    records = [json.loads(line) for line in lines]
+    for _ in range(draw(st.integers(0, 3))):
+        record = records[draw(st.integers(0, len(records) - 1))]
+        field = draw(st.sampled_from(sorted(record)))
+        if draw(st.booleans()):
+            del record[field]
+        else:
+            record[field] = draw(_msgpack_values().filter(lambda v: not isinstance(v, bytes)))
+    try:
+        raw = [json.dumps(r).encode() + b"\n" for r in records]
+    except (TypeError, ValueError):  # bytes deep inside: no JSON
+        raw = lines
+    raw = b"".join(_damage_lines(draw, raw))
+    return name, gzip.compress(raw)[:draw(st.integers(0, 1 << 20))] if name.endswith(".gz") else raw
+
+
+@pytest.mark.data
+@FUZZ_FEWER
+@given(corpus_file())
+def test_a_damaged_prompt_corpus_yields_texts_or_names_the_line(tmp_path, case):
+    name, data = case
+    path = tmp_path / "prompts" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    try:
+        documents = list(CORPORA[name](root=str(tmp_path)).documents())
+    except CachelabError as exc:
+        assert str(path) in str(exc)
+        return
+    assert all(isinstance(d.text, str) and all(isinstance(a, str) for a in d.answers) for d in documents)
+
+
+@pytest.mark.parametrize("corpus, file", [(TinyShakespeare, "tinyshakespeare/input.txt"),
+                                          (Gutenberg, "gutenberg/pg42.txt"), (Gutenberg, "gutenberg/MANIFEST.csv")])
+def test_prose_that_is_not_utf8_is_named(tmp_path, corpus, file):
+    """A Latin-1 byte in a book or its manifest was a UnicodeDecodeError traceback."""
+    folder = tmp_path / "prompts"
+    (folder / "gutenberg").mkdir(parents=True)
+    (folder / "tinyshakespeare").mkdir()
+    (folder / "tinyshakespeare/input.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n")
+    (folder / "gutenberg/MANIFEST.csv").write_text("file_name, title\n\npg42.txt, Jekyll\n")  # a blank row: IndexError
+    (folder / "gutenberg/pg42.txt").write_text("*** START OF THE BOOK ***\nStory of the Door\n\nMr. Utterson\n")
+    assert [d.text for d in corpus(root=str(tmp_path)).documents()]
+    path = folder / file
+    path.write_bytes(path.read_bytes().replace(b"\n", "\ncaf\xe9\n".encode("latin-1"), 1))
+    with pytest.raises(CachelabError, match=rf"{path}:2: not UTF-8 \(byte \d+: b'\\xe9'\)"):
+        list(corpus(root=str(tmp_path)).documents())
+
+
+def test_a_module_past_the_parsers_depth_is_skipped(tmp_path):
+    """A generated module of one long expression raised RecursionError (or MemoryError, nesting) out of
+    the corpus; it is skipped like the stdlib's files that are not valid Python."""
+    (tmp_path / "deep.py").write_text("x = 1" + " + 1" * 200_000 + "\n")
+    (tmp_path / "nested.py").write_text("x = " + "-" * 100_000 + "1\n")
+    (tmp_path / "fine.py").write_text('"""Fine."""\n')
+    assert [d.doc_id for d in StdlibCorpus(root=str(tmp_path)).documents()] == ["fine.py#code", "fine.py#docstring"]
 

@@ -167,6 +167,20 @@ class AlpacaSeed:
                            answers=(first["output"],) if first.get("output") else ())
 
 
+def _text(path: Path) -> str:
+    """A text file's content (a UTF-8 byte-order mark dropped); a byte that is not UTF-8 is an
+    error naming the file, its line and offset, not a UnicodeDecodeError traceback."""
+    if not path.is_file():
+        raise CachelabError(f"data file not found: {path}")
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise CachelabError(f"{path}:{line}: not UTF-8 (byte {exc.start}: "
+                            f"{data[exc.start:exc.start + 1]!r})") from None
+
+
 def passages(text: str, max_chars: int) -> list[str]:
     """Consecutive paragraphs grouped into passages of about ``max_chars`` (never splitting one)."""
     out, current = [], []
@@ -206,16 +220,12 @@ class Gutenberg:
 
     def books(self) -> list[Path]:
         folder = _root(self.root) / "prompts/gutenberg"
-        manifest = folder / "MANIFEST.csv"
-        if not manifest.is_file():
-            raise CachelabError(f"data file not found: {manifest}")
-        with open(manifest, encoding="utf-8") as fh:
-            names = [row[0].strip() for row in csv.reader(fh)][1:]
-        return [folder / n for n in names if (folder / n).is_file()]
+        names = [row[0].strip() for row in csv.reader(_text(folder / "MANIFEST.csv").splitlines()) if row][1:]
+        return [folder / n for n in names if (folder / n).is_file()]  # a blank row was an IndexError
 
     def documents(self) -> Iterator[Document]:
         for book in self.books():
-            body = _book_body(book.read_text(encoding="utf-8-sig"))
+            body = _book_body(_text(book))
             for i, passage in enumerate(passages(body, self.passage_chars)):
                 yield Document(f"{book.name}#{i}", "prose", passage)
 
@@ -229,10 +239,8 @@ class TinyShakespeare:
         self.passage_chars, self.root = passage_chars, root
 
     def documents(self) -> Iterator[Document]:
-        path = _root(self.root) / "prompts/tinyshakespeare/input.txt"
-        if not path.is_file():
-            raise CachelabError(f"data file not found: {path}")
-        for i, passage in enumerate(passages(path.read_text(encoding="utf-8"), self.passage_chars)):
+        text = _text(_root(self.root) / "prompts/tinyshakespeare/input.txt")
+        for i, passage in enumerate(passages(text, self.passage_chars)):
             yield Document(f"tinyshakespeare#{i}", "prose", passage)
 
 

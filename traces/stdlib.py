@@ -60,8 +60,10 @@ class StdlibCorpus:
             try:
                 source = path.read_text(encoding="utf-8")
                 tree = ast.parse(source)
-            except (UnicodeDecodeError, SyntaxError, ValueError):
-                continue  # a few stdlib files are deliberately not valid UTF-8 or Python
+            except (UnicodeDecodeError, SyntaxError, ValueError, RecursionError, MemoryError):
+                # a few stdlib files are deliberately not valid UTF-8 or Python; a generated module of
+                # one long expression (x = 1 + 1 + ..., nesting) is past the parser's depth (its errors)
+                continue
             rel = path.relative_to(self.root).as_posix()
             docstrings = [ast.get_docstring(node, clean=True) for node in ast.walk(tree)
                           if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
