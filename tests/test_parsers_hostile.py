@@ -1,9 +1,9 @@
 """Parsers under hostile input, beyond the arrival importers (tests/test_importer_damage.py): key traces
-(text, compressed, .npy, oracleGeneral), capture segments' payloads, vLLM's KV-event batches and the
-prompt corpora. Hypothesis damages real records from the data root (truncation, flipped bytes, wrong
-types, huge and negative numbers, other encodings, streams cut short); the contract is the right result
-or a CachelabError naming the file (and the line, record or event), never another exception, a hang or
-memory out of proportion to the input.
+(text, compressed, .npy, oracleGeneral), capture segments' payloads, vLLM's KV-event batches, the prompt
+corpora and ServeGen's dataset files. Hypothesis damages real records from the data root (truncation,
+flipped bytes, wrong types, huge and negative numbers, other encodings, streams cut short); the contract
+is the right result or a CachelabError naming the file (and the line, record or event), never another
+exception, a hang or memory out of proportion to the input.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from cachelab.errors import CachelabError
 from cachelab.paths import data_root
 from cachelab.trace.keytrace import read_keys
 from traces.prompts import AlpacaSeed, ArenaHard, Gutenberg, HumanEval, MTBench, TinyShakespeare
+from traces.servegen import ServeGenWorkload
 from traces.stdlib import StdlibCorpus
 
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -400,3 +401,76 @@ def test_a_module_past_the_parsers_depth_is_skipped(tmp_path):
     (tmp_path / "fine.py").write_text('"""Fine."""\n')
     assert [d.doc_id for d in StdlibCorpus(root=str(tmp_path)).documents()] == ["fine.py#code", "fine.py#docstring"]
 
+
+@lru_cache(maxsize=None)
+def _real_windows() -> tuple[tuple[str, dict], ...]:
+    """Three real dataset windows (one client of ServeGen's deepseek-r1), their PMFs cut to 8 entries."""
+    real = json.loads(_real("traces/servegen/data/reason/deepseek-r1/chunk-24-dataset.json", 1 << 20))
+    cut = {name: "{" + ", ".join(pmf.strip("{}").split(", ")[:8]) + "}" for name, pmf in next(iter(real.values())).items()}
+    return tuple((ts, cut) for ts in list(real)[:3])
+
+
+def _servegen_folder(root, dataset: bytes):
+    folder = root / "reason" / "model"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "chunk-0-trace.csv").write_text("0,2.0,1.0,Gamma,1,1\n")
+    (folder / "chunk-0-dataset.json").write_bytes(dataset)
+    return folder
+
+
+@st.composite
+def servegen_dataset(draw):
+    """Real windows, their starts and PMF literals replaced (huge, negative, non-ASCII digits, deep
+    nesting, other types) or the JSON's bytes damaged."""
+    windows = [[ts, dict(pmfs)] for ts, pmfs in _real_windows()]
+    for _ in range(draw(st.integers(0, 3))):
+        window = windows[draw(st.integers(0, len(windows) - 1))]
+        if draw(st.booleans()):
+            window[0] = draw(st.sampled_from(["-600", "1" + "0" * 30, "\u00b2", "\u0661\u0662", "6e2", " 600", ""]))
+        else:
+            name = draw(st.sampled_from(["input_tokens", "output_tokens"]))
+            window[1][name] = draw(st.sampled_from(["{3000000000: 1.0}", "{10: '1.0'}", "{10: True}", "{-5: 1.0}",
+                                                    "{10.5: 1.0}", "{10: 1e309}", "{" * 200, "[1]", "{}"]))
+    text = "{" + ", ".join(f'"{ts}": {json.dumps(pmfs)}' for ts, pmfs in windows) + "}"
+    data = text.encode()
+    how = draw(st.sampled_from(["as is", "deep", "digits", "bytes"]))
+    if how == "deep":
+        data = b"[" * 50_000 + b"]" * 50_000
+    elif how == "digits":
+        data = data.replace(b": {", b": " + b"9" * 5000 + b", \"x\": {", 1)
+    elif how == "bytes":
+        data = draw(_damaged_bytes(data))
+    return data
+
+
+@pytest.mark.data
+@FUZZ
+@given(servegen_dataset(), st.booleans())
+def test_a_damaged_servegen_dataset_is_requests_or_names_the_file(tmp_path_factory, data, skip_bad):
+    folder = _servegen_folder(tmp_path_factory.mktemp("servegen"), data)
+    source = ServeGenWorkload(str(folder), duration_s=600, skip_bad=skip_bad)
+    try:
+        frame = source.arrivals()
+    except CachelabError as exc:
+        assert str(folder) in str(exc)
+        return
+    assert frame.height and frame["prompt_len"].min() >= 1
+
+
+@pytest.mark.parametrize("dataset, error", [
+    ("[" * 100_000 + "]" * 100_000, r"dataset.json: not usable JSON \(RecursionError"),
+    ('{"0": PMF, "x": ' + "9" * 5000 + "}", r"dataset.json: not usable JSON \(ValueError: Exceeds the limit"),
+    ('{"0": PMF, "\u00b2": PMF}', r"dataset.json:1: window '\u00b2': expected a start in seconds"),
+    ('{"0": PMF, "1' + "0" * 30 + '": PMF}', r"dataset.json:1: window '10+': expected a start in seconds"),
+    ('{"0": BIG}', r"dataset.json:1: window 0, field 'input_tokens': token count 3000000000 \(the most is 2147483647"),
+    ('{"0": TEXT}', r"dataset.json:1: window 0, field 'output_tokens': keys must be whole token counts, values prob")])
+def test_servegen_dataset_damage_is_named(tmp_path, dataset, error):
+    """Each was a traceback of another type (Hypothesis): RecursionError and ValueError out of json, '\u00b2'
+    (str.isdigit) a ValueError of int(), a start past int64 an OverflowError; a token count past
+    int32 failed the trace's build in Polars without naming the file, a string probability was parsed."""
+    pmf = {"input_tokens": "{100: 0.5, 200: 0.5}", "output_tokens": "{10: 1.0}"}
+    dataset = dataset.replace("PMF", json.dumps(pmf)).replace("BIG", json.dumps({**pmf, "input_tokens": "{3000000000: 1.0}"}))
+    dataset = dataset.replace("TEXT", json.dumps({**pmf, "output_tokens": "{10: '1.0'}"}))
+    folder = _servegen_folder(tmp_path, dataset.encode())
+    with pytest.raises(CachelabError, match=error):
+        ServeGenWorkload(str(folder), duration_s=600).arrivals()

@@ -32,7 +32,7 @@ import polars as pl
 
 from cachelab.trace.arrivals import arrival_frame
 from cachelab.errors import CachelabError
-from cachelab.trace.ingest import Ingest, count_field
+from cachelab.trace.ingest import MAX_COUNT, Ingest, count_field
 
 PATTERNS = ("Gamma", "Weibull")
 TRACE_FIELDS = ("start_s", "rate", "cv", "pattern", "p1", "p2")
@@ -126,12 +126,18 @@ def read_pmfs(ingest: Ingest) -> dict[int, dict[str, tuple[np.ndarray, np.ndarra
         data = json.loads(text, object_pairs_hook=_unique_keys(path, text))
     except json.JSONDecodeError as exc:
         raise CachelabError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+    except CachelabError:
+        raise
+    except (ValueError, RecursionError) as exc:  # a number of thousands of digits, deep nesting
+        raise CachelabError(f"{path}: not usable JSON ({type(exc).__name__}: {str(exc)[:80]})") from None
     if not isinstance(data, dict):
         raise CachelabError(f"{path}:1: expected an object of windows")
     out = {}
     for ts, fields in data.items():
         line = _line_of(text, f'"{ts}"')
-        if not ts.isdigit() or not isinstance(fields, dict):
+        # ASCII digits, a start in seconds as the trace's: str.isdigit took '²' (then int() failed), and a
+        # start past int64 failed the windows' array
+        if not re.fullmatch(r"[0-9]{1,10}", ts) or int(ts) > MAX_COUNT or not isinstance(fields, dict):
             ingest.bad(line, f"window {ts!r}: expected a start in seconds holding an object of PMFs")
             continue
         pmfs, problem = {}, None
@@ -148,8 +154,8 @@ def read_pmfs(ingest: Ingest) -> dict[int, dict[str, tuple[np.ndarray, np.ndarra
                 break  # an empty PMF: ServeGen skips the window
             values, probs = np.asarray(list(pmf), dtype=object), np.asarray(list(pmf.values()), dtype=object)
             try:  # a key of 12.5 tokens was cut to 12: only whole counts are token counts
-                if not all(type(v) is int for v in values):
-                    raise TypeError
+                if not all(type(v) is int for v in values) or not all(type(p) in (int, float) for p in probs):
+                    raise TypeError  # a probability "0.5" (a string) was parsed, True taken for 1
                 values, probs = values.astype(np.int64), probs.astype(np.float64)
             except (TypeError, ValueError, OverflowError):
                 problem = (where, f"window {ts}, field {name!r}: keys must be whole token counts, values probabilities")
@@ -157,6 +163,9 @@ def read_pmfs(ingest: Ingest) -> dict[int, dict[str, tuple[np.ndarray, np.ndarra
             least = 1 if name == "input_tokens" else 0  # no request has an empty prompt
             if values.min() < least:
                 problem = (where, f"window {ts}, field {name!r}: token count {values.min()} (the least is {least})")
+                break
+            if values.max() > MAX_COUNT:  # past int32: the trace's build failed in Polars, naming no file
+                problem = (where, f"window {ts}, field {name!r}: token count {values.max()} (the most is {MAX_COUNT})")
                 break
             if probs.min() < 0 or not math.isclose(probs.sum(), 1.0, abs_tol=1e-6):
                 problem = (where, f"window {ts}, field {name!r}: not a PMF over token counts (sum {probs.sum():.6f})")
