@@ -326,10 +326,12 @@ def test_a_kv_event_batch_is_decoded_or_a_clear_error(payload):
 @pytest.mark.parametrize("hashes, parent, tokens, field", [
     ("12", None, [1], "block_hashes"), ({"1": 2}, None, [1], "block_hashes"), ([1.5], None, [1], "block_hashes"),
     ([True], None, [1], "block_hashes"), ([1], 2.5, [1], "parent_block_hash"), ([1], None, "ab", "token_ids"),
-    ([1], None, [1.5], "token_ids"), ([1], None, [2**40], "token_ids")])
+    ([1], None, [1.5], "token_ids"), ([1], None, [2**40], "token_ids"), ([None], None, [1], "block_hashes"),
+    ([1], None, ["", b"\x80"], "token_ids")])
 def test_a_kv_event_field_of_the_wrong_type_is_named(hashes, parent, tokens, field):
     """A string of hashes was read letter by letter ("12": hashes 1 and 2), a map as its keys, a
-    float hash cut to an integer; a token id over int32 an OverflowError without a field."""
+    float hash cut to an integer; a token id over int32 an OverflowError without a field, a null hash
+    a TypeError, bytes beside text among the token ids a UnicodeDecodeError (the last two: Hypothesis)."""
     payload = msgpack.packb([1.0, [{"type": "AllBlocksCleared"}, _stored(hashes, parent, tokens)]])
     with pytest.raises(CachelabError, match=rf"KV event 1 of 2: field '{field}': "):
         decode_batch(payload, _Hashes())

@@ -76,13 +76,18 @@ class _Hashes:
     def many(self, hashes, field: str) -> bytes:
         if not isinstance(hashes, (list, tuple, type(None))):  # a string's or a map's hashes were its letters or keys
             raise CachelabError(f"field {field!r}: {str(hashes)[:40]!r} ({type(hashes).__name__}) is not a list")
+        if hashes and None in hashes:  # a parent may be None, a block's hash may not
+            raise CachelabError(f"field {field!r}: a null hash at {hashes.index(None)}")
         return np.array([self.one(h, field) for h in hashes or []], dtype="<i8").tobytes()
 
 
 def _tokens(ids) -> bytes:
     """Token ids as int32 bytes; anything but a list of int32 integers is an error (one conversion
     in NumPy: a step's list holds up to a prefill's tokens)."""
-    arr = np.asarray(ids if isinstance(ids, (list, tuple)) else [])
+    try:
+        arr = np.asarray(ids if isinstance(ids, (list, tuple)) else [])
+    except (ValueError, TypeError, UnicodeError):  # ragged lists, bytes beside text
+        arr = np.array([None])
     if not isinstance(ids, (list, tuple, type(None))) or arr.size and (
             arr.ndim != 1 or arr.dtype.kind not in "iu" or arr.min() < -2**31 or arr.max() >= 2**31):
         raise CachelabError(f"field 'token_ids': {str(ids)[:40]!r} is not a list of int32 token ids")
