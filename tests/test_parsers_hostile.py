@@ -21,8 +21,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from cachelab.capture.kv_events import _Hashes, decode_batch
+from cachelab.capture.kv_events import _Hashes, decode_batch, loss_counts, read_kv_events
+from cachelab.capture.recorder import Privacy, RequestRecord, encode_record
 from cachelab.capture.segments import MAGIC, ReadStats, frame, read_stream
+from cachelab.capture.to_trace import capture_to_trace
 from cachelab.errors import CachelabError
 from cachelab.paths import data_root
 from cachelab.trace.keytrace import read_keys
@@ -242,10 +244,10 @@ def test_a_line_of_nul_bytes_is_named_not_skipped(tmp_path, how):
             read_keys(path, "txt")
 
 
-def _segment(tmp_path, payloads: list[bytes]):
+def _segment(tmp_path, payloads: list[bytes], stream: str = "s"):
     directory = tmp_path / "cap"
     directory.mkdir(mode=0o700, exist_ok=True)
-    (directory / "s-000000.seg").write_bytes(MAGIC + b"".join(frame(p) for p in payloads))
+    (directory / f"{stream}-000000.seg").write_bytes(MAGIC + b"".join(frame(p) for p in payloads))
     return directory
 
 
@@ -289,6 +291,68 @@ def _damaged_bytes(draw, data: bytes):
     for _ in range(draw(st.integers(1, 3))):
         data[draw(st.integers(0, len(data) - 1))] ^= draw(st.integers(1, 255))
     return bytes(data[:draw(st.integers(0, len(data)))])
+
+
+def _requests(prompts: list[str]) -> list[dict]:
+    """Request records as the recorder encodes them, of real prompts (their UTF-8 bytes as token ids)."""
+    privacy = Privacy(b"s" * 32)
+    return [encode_record(RequestRecord(endpoint="/v1/completions", arrival_unix_ns=10**18 + i * 10**9, model="m",
+                                        first_token_s=0.1, last_token_s=0.5, token_source="server",
+                                        prompt_ids=np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int32),
+                                        output_ids=np.arange(3), cached_tokens=0), privacy)
+            for i, text in enumerate(prompts)]
+
+
+@pytest.mark.data
+@FUZZ_FEWER
+@given(st.lists(st.tuples(st.integers(0, 2), st.text(min_size=1, max_size=12), _msgpack_values() | st.just(KeyError)),
+                max_size=3))
+def test_a_request_record_of_other_types_is_counted_not_read(tmp_path_factory, changes):
+    """A checksummed record whose fields are not what the recorder writes is an undecodable record:
+    the trace holds the others, every arrival finite."""
+    prompts = [json.loads(line)["turns"][0] for line in _real_lines("prompts/mt_bench/question.jsonl", 3)]
+    records = _requests(prompts)
+    for i, name, value in changes:
+        name = sorted(records[i])[hash(name) % len(records[i])] if name not in records[i] else name
+        if value is KeyError:
+            records[i].pop(name, None)
+        else:
+            records[i][name] = value
+    directory = tmp_path_factory.mktemp("capture")
+    try:
+        trace, report = capture_to_trace(_segment(directory, [msgpack.packb(r) for r in records], "requests"))
+    except CachelabError as exc:
+        assert str(directory) in str(exc)
+        return
+    assert np.isfinite(trace["arrival_s"].to_numpy()).all() and (trace["arrival_s"].to_numpy() >= 0).all()
+    requests = sum(r.get("kind") == "request" for r in records)
+    assert trace.height + report.corrupt_records + report.failed_requests + report.without_tokens == requests
+
+
+def test_a_request_record_without_an_arrival_spoils_no_other(tmp_path):
+    """It sorted first, the trace's clock origin: every arrival of the trace was NaN. A prompt's ids of 3
+    bytes (no whole int32) failed the read with a ValueError out of NumPy, a record without an endpoint
+    with a TypeError (Hypothesis)."""
+    records = _requests(["one", "two", "three", "four", "five"])
+    del records[1]["arrival_ns"]
+    records[2]["prompt_ids"] = b"\x01\x02\x03"
+    del records[3]["endpoint"]
+    trace, report = capture_to_trace(_segment(tmp_path, [msgpack.packb(r) for r in records], "requests"))
+    assert trace["arrival_s"].to_list() == [0.0, 4.0] and report.corrupt_records == 3
+    assert report.unreadable == ["request record (run None, seq None): no 'arrival_ns'",
+                                 "request record (run None, seq None): field 'prompt_ids' = b'\\x01\\x02\\x03' is not "
+                                 "<i4 values as bytes", "request record (run None, seq None): no 'endpoint'"]
+
+
+def test_kv_records_of_other_types_are_counted_not_read(tmp_path):
+    """A kv_batch without an event list, a kv_gap whose counts are text: TypeError and ValueError in
+    ``capture info``."""
+    directory = _segment(tmp_path, [msgpack.packb(r) for r in ({"kind": "kv_batch", "events": 5}, {"kind": "kv_gap", "missing": "x"},
+                                                            {"kind": "kv_batch", "events": []})], "kv-events")
+    losses: list[dict] = []
+    batches, stats = read_kv_events(directory, losses)
+    assert batches == [{"kind": "kv_batch", "events": []}] and losses == [] and stats.corrupt == 2
+    assert loss_counts(losses)["gaps"] == 0
 
 
 def _stored(hashes, parent, tokens) -> dict:

@@ -412,9 +412,15 @@ def read_kv_events(directory: str | os.PathLike,
     stats = ReadStats()
     batches = []
     for record in read_stream(directory, KV_EVENTS, stats):
-        if record.get("kind") == "kv_batch":
+        kind = record.get("kind")
+        wrong = kind == "kv_batch" and not isinstance(record.get("events"), list) or kind == "kv_gap" and not all(
+            isinstance(record.get(k) or 0, int) for k in ("missing", "recovered"))
+        if wrong:  # a record this reader did not write: an undecodable one (a TypeError or ValueError in capture info)
+            stats.corrupt += 1
+            stats.bad_files.append(f"{kind} record (pub_seq {str(record.get('pub_seq'))[:20]}): a field of another type")
+        elif kind == "kv_batch":
             batches.append(record)
-        elif losses is not None and record.get("kind") in LOSSES:
+        elif losses is not None and kind in LOSSES:
             losses.append(record)
     return batches, stats
 

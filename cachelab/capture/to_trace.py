@@ -38,6 +38,31 @@ _ARRAYS = {"prompt_ids": ("<i4", pl.Int32), "output_ids": ("<i4", pl.Int32), "bl
            "tok_t": ("<f8", pl.Float64), "tok_n": ("<i4", pl.Int32)}
 
 
+_TYPES = {pl.Int64: (int, 63), pl.Int32: (int, 31), pl.String: (str, 0), pl.Boolean: (bool, 0),
+          pl.Float64: ((int, float), 0)}  # a scalar field's Python type as msgpack gives it, and its signed bits
+
+
+def _malformed(r: dict) -> str | None:
+    """What makes a request record unreadable (None: nothing): no arrival or endpoint, or a field of
+    another type than the recorder writes. A wrong scalar became a null, and a record without an arrival
+    made every arrival of the trace NaN (it sorted first, the origin of the clock); a wrong array, or no
+    endpoint, failed the read with a NumPy ValueError or a TypeError."""
+    missing = [name for name in ("arrival_ns", "endpoint") if r.get(name) is None]
+    if missing:
+        return f"no {missing[0]!r}"
+    for name, dtype in _SCALARS.items():
+        value = r.get(name)
+        kind, bits = _TYPES[dtype]
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool) is not (kind is bool)
+                                  or bits and not -2**bits <= value < 2**bits):
+            return f"field {name!r} = {repr(value)[:40]} is not {dtype}"
+    for name, (np_dtype, _) in _ARRAYS.items():
+        value = r.get(name)
+        if value is not None and (not isinstance(value, bytes) or len(value) % np.dtype(np_dtype).itemsize):
+            return f"field {name!r} = {repr(value)[:40]} is not {np_dtype} values as bytes"
+    return None
+
+
 def _list_column(name: str, raw: list, dtype: str) -> pl.Series:
     """A list column from per-record byte strings (None -> null), with one concatenation."""
     arrays = [np.frombuffer(b, dtype=dtype) if b is not None else np.empty(0, dtype=dtype) for b in raw]
@@ -58,6 +83,12 @@ def read_requests(directory: str | os.PathLike) -> tuple[pl.DataFrame, ReadStats
     records, tokenizers, mismatched = [], {}, set()
     for r in read_stream(directory, REQUESTS, stats):
         if r.get("kind") == "request":
+            wrong = _malformed(r)
+            if wrong:  # counted as an undecodable record (``ReadStats``), named by its numbers
+                stats.corrupt += 1
+                stats.bad_files.append(f"request record (run {str(r.get('run'))[:20]}, seq {str(r.get('seq'))[:20]}): "
+                                       f"{wrong}")
+                continue
             records.append(r)
             if r.get("tokenizer_mismatch") is True:  # the run's ids are not the tokenizer it names (``Recorder``)
                 mismatched.add(r.get("run"))
