@@ -8,6 +8,7 @@ exception, a hang or memory out of proportion to the input.
 
 from __future__ import annotations
 
+import ast
 import bz2
 import gzip
 import io
@@ -27,6 +28,7 @@ from cachelab.capture.segments import MAGIC, ReadStats, frame, read_stream
 from cachelab.capture.to_trace import capture_to_trace
 from cachelab.errors import CachelabError
 from cachelab.paths import data_root
+from cachelab.trace.convert import oracle_to_trace
 from cachelab.trace.keytrace import read_keys
 from traces.prompts import AlpacaSeed, ArenaHard, Gutenberg, HumanEval, MTBench, TinyShakespeare
 from traces.servegen import ServeGenWorkload
@@ -215,6 +217,14 @@ def test_damaged_oracle_general_records_are_keys_or_an_error(tmp_path, n, flips,
     got = _keys_or_error(path, fmt)
     if isinstance(got, np.ndarray):
         assert len(data) % 24 == 0 and got.size <= len(data) // 24
+    try:  # trace convert --from-oracle: the same records as requests
+        trace = oracle_to_trace(path)
+    except CachelabError as exc:
+        assert str(path) in str(exc)
+    else:
+        assert isinstance(got, np.ndarray) and np.array_equal(np.sort(trace["block_hashes"].explode().to_numpy()),
+                                                              np.sort(got))
+        assert np.isfinite(trace["arrival_s"].to_numpy()).all() and trace["arrival_s"].min() == 0
 
 
 def test_one_long_line_costs_no_memory_beyond_its_own_bytes(tmp_path):
@@ -470,10 +480,15 @@ def test_a_module_past_the_parsers_depth_is_skipped(tmp_path):
 
 @lru_cache(maxsize=None)
 def _real_windows() -> tuple[tuple[str, dict], ...]:
-    """Three real dataset windows (one client of ServeGen's deepseek-r1), their PMFs cut to 8 entries."""
+    """Three real dataset windows (one client of ServeGen's deepseek-r1), each length PMF cut to its
+    first 8 entries and scaled to sum to 1."""
     real = json.loads(_real("traces/servegen/data/reason/deepseek-r1/chunk-24-dataset.json", 1 << 20))
-    cut = {name: "{" + ", ".join(pmf.strip("{}").split(", ")[:8]) + "}" for name, pmf in next(iter(real.values())).items()}
-    return tuple((ts, cut) for ts in list(real)[:3])
+
+    def cut(pmf: str) -> str:
+        head = dict(list(ast.literal_eval(pmf).items())[:8])
+        return str({tokens: p / sum(head.values()) for tokens, p in head.items()})
+    return tuple((ts, {name: cut(pmfs[name]) for name in ("input_tokens", "output_tokens")})
+                 for ts, pmfs in list(real.items())[:3])
 
 
 def _servegen_folder(root, dataset: bytes):
@@ -540,3 +555,4 @@ def test_servegen_dataset_damage_is_named(tmp_path, dataset, error):
     folder = _servegen_folder(tmp_path, dataset.encode())
     with pytest.raises(CachelabError, match=error):
         ServeGenWorkload(str(folder), duration_s=600).arrivals()
+
