@@ -556,3 +556,12 @@ def test_servegen_dataset_damage_is_named(tmp_path, dataset, error):
     with pytest.raises(CachelabError, match=error):
         ServeGenWorkload(str(folder), duration_s=600).arrivals()
 
+
+def test_a_servegen_window_too_long_to_draw_is_named(tmp_path):
+    """A window lasts the least step between starts, and is drawn whole: two windows 10^8 s apart at
+    10,000 requests/s asked NumPy for 10^12 gaps (a MemoryError; at 10^5 s, 8.8 GB of them)."""
+    folder = _servegen_folder(tmp_path, json.dumps({"0": dict(_real_windows()[0][1])}).encode())
+    (folder / "chunk-0-trace.csv").write_text("0,10000,1.0,Gamma,1,1\n100000000,1.0,1.0,Gamma,1,1\n")
+    with pytest.raises(CachelabError, match=r"chunk-0-trace.csv: the window from 0 s, 10000 requests/s over its "
+                                            r"100,000,000 s .* is more than 6,000,000 requests"):
+        ServeGenWorkload(str(folder), duration_s=600).arrivals()

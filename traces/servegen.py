@@ -37,6 +37,7 @@ from cachelab.trace.ingest import MAX_COUNT, Ingest, count_field
 PATTERNS = ("Gamma", "Weibull")
 TRACE_FIELDS = ("start_s", "rate", "cv", "pattern", "p1", "p2")
 MAX_RATE = 1e4  # requests per second per client (production peaks are about 20); above is damage
+MAX_WINDOW_REQUESTS = MAX_RATE * 600  # a window's requests, drawn in one array: 10 minutes at the highest rate
 _CLIENT = re.compile(r"chunk-(\d+)-trace\.csv$")
 
 
@@ -261,6 +262,10 @@ class ServeGenWorkload:
                 continue
             if rate <= 0:
                 continue
+            if rate * (end - start) > MAX_WINDOW_REQUESTS:  # all drawn at once: a sparse file's long window
+                raise CachelabError(f"{trace_path}: the window from {start} s, {rate:g} requests/s over its "
+                                    f"{end - start:,} s (the least step between starts), is more than "
+                                    f"{MAX_WINDOW_REQUESTS:,.0f} requests to draw")
             # the whole window drawn, from its own generator, then cut to [lo, hi): a window's requests
             # are the same whatever start_s and duration_s take in (they depended on the windows before)
             rng, t, drawn = np.random.default_rng([self.seed, client, start]), float(start), []
