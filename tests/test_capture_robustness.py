@@ -352,8 +352,8 @@ BIG = 12 << 20
 class HostileUpstream:
     """A raw-socket upstream, one thread per connection, whose answer the request's model picks: ``reset``
     (two events of a stream, then a reset), ``text`` (a 200 of plain text to a request for a stream), ``big``
-    (a whole answer of ``BIG`` bytes of text), ``stall`` and ``stall-stream`` (the head and a first piece of a
-    whole answer or a stream, then silence until the proxy closes the connection),
+    (a whole answer of ``BIG`` bytes of text; ``big-N``: of N), ``stall`` and ``stall-stream`` (the head and a
+    first piece of a whole answer or a stream, then silence until the proxy closes the connection),
     ``slow`` (an event every 50 ms; ``left`` gets the event at which its write failed: the proxy closed it),
     ``loris``, ``loris-stream`` and ``loris-whole`` (a slow-loris upstream: the head, or after a whole head an
     event or a whole answer, a byte every 50 ms for ever, never silent for long; ``left`` gets its model once
@@ -388,9 +388,9 @@ class HostileUpstream:
                 conn.sendall(self.SSE + chunk(self.EVENT) * 2)
                 time.sleep(0.2)
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            elif model == "big":
+            elif model.startswith("big"):  # ``big-N``: N bytes of text
                 text = b'{"id":"c","object":"text_completion","prompt_token_ids":[1],"choices":[{"index":0,"text":"%s",' \
-                       b'"token_ids":[7]}]}' % (b"a" * BIG)  # ids: the fallback would tokenize 12 MiB of text
+                       b'"token_ids":[7]}]}' % (b"a" * int(model[4:] or BIG))  # ids: else 12 MiB of text tokenized
                 with contextlib.suppress(OSError):  # the proxy gives up on an answer over its bound
                     conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
                                  b"%s" % (len(text), text))
@@ -627,6 +627,67 @@ def _stopped_records(proc: subprocess.Popen, out) -> dict:
     assert "Traceback" not in err, err
     table, _ = read_requests(out)
     return {(m, s): e for m, s, e in table.select(["model", "status", "error"]).iter_rows()}
+
+
+def _hurried_records(proc: subprocess.Popen, out) -> dict:
+    """``_stopped_records`` with a second SIGTERM half a second after the first: the exchanges in flight are
+    ended then, not at the end of their grace."""
+    proc.terminate()
+    time.sleep(0.5)
+    return _stopped_records(proc, out)
+
+
+UNTAKEN = "proxy shut down (asked to stop again) before the client took all of its answer"
+
+
+def test_a_whole_answer_its_client_has_not_taken_at_the_stop_is_recorded_so(tmp_path):
+    """A client asks for a 12 MiB whole answer and reads none of it; the proxy is stopped (SIGTERM twice): the
+    record, held until the client takes the answer, is handed over at the stop with the status the client got
+    and an error saying it had not taken all of it. It was recorded as served (200, no error): the rest of
+    the answer was written into a transport the stopped loop never flushed."""
+    upstream = HostileUpstream()
+    with cli_proxy(upstream.url, tmp_path / "cap") as (base, proc):
+        with _send_unread(base, "big") as idle:
+            idle.settimeout(30)
+            assert idle.recv(1, socket.MSG_PEEK)  # the answer's head: complete, being written, its record held
+            records = _hurried_records(proc, tmp_path / "cap")
+    assert records == {("big", 200): UNTAKEN}, records
+
+
+def _kernel_takes(rcvbuf: int = 4096) -> int:
+    """Bytes a loopback connection's kernel takes from a writer whose reader (``rcvbuf``) reads none."""
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.socket() as reader:
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        reader.connect(server.getsockname())
+        writer, _ = server.accept()
+        with writer:
+            writer.setblocking(False)
+            taken = 0
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    taken += writer.send(b"a" * 65536)
+    return taken
+
+
+def test_the_record_held_for_a_connection_closed_lingering_is_not_lost_at_the_stop(tmp_path):
+    """A client asks for a whole answer, sends a request that is not HTTP behind it and reads nothing: the
+    answer is a little more than the kernel takes (what ``_kernel_takes`` measures), so all of it is written,
+    its record held until the client takes it; then the 400 is written and the connection closed lingering,
+    out of the proxy's client connections. Stopped then, the proxy hands that record over (the status the
+    client got, the error saying it had not taken all of it); it was lost: only a connection the proxy
+    still counted as a client had its held record handed over."""
+    upstream = HostileUpstream()
+    model = f"big-{_kernel_takes() + (96 << 10)}"  # the last piece written beside 64-128 KiB not taken: paused
+    with cli_proxy(upstream.url, tmp_path / "cap") as (base, proc):
+        with _send_unread(base, model) as idle:
+            idle.sendall(b"NOT HTTP\r\n\r\n")
+            deadline = time.monotonic() + 30
+            while (status := httpx.get(base + "/capture/status", timeout=10).json())["client_connections"] > 1:
+                assert time.monotonic() < deadline, "the connection was not closed after its 400"
+                time.sleep(0.05)
+            assert status["submitted"] == 0, "the answer's record was not held: its client took it"
+            records = _hurried_records(proc, tmp_path / "cap")
+    assert records == {(model, 200): UNTAKEN}, records
 
 
 def test_an_upstream_that_stalls_after_its_head_is_cut_at_the_read_timeout_and_recorded(tmp_path):

@@ -365,20 +365,22 @@ def test_at_shutdown_a_request_pipelined_behind_an_answer_not_taken_is_not_recor
     async def main():
         abandoned, loop = [], asyncio.get_running_loop()
         proxy = SimpleNamespace(config=ProxyConfig(upstream="http://127.0.0.1:1", shutdown_grace_s=0.3), held=0,
-                                waiting={}, clients=set(), server=None, _sweeper=None, abandoned=abandoned.append,
+                                waiting={}, clients=set(), connections=set(), server=None, _sweeper=None,
+                                abandoned=abandoned.append,
                                 recorder=SimpleNamespace(submit=list().append, close=lambda: None),
                                 pool=SimpleNamespace(close=lambda: None), planner=SimpleNamespace(close=lambda: asyncio.sleep(0)))
         client = ClientConnection(proxy)
         client.transport, client.write_paused = _Unread(), True
         client.transport.close = lambda: loop.call_soon(client.connection_lost, None)
         proxy.clients.add(client)
+        proxy.connections.add(client)
         client.write_last(b"an answer's end", _record("answered"))  # held: the client takes nothing
         client.queue.append(Request())
         client.done(True)
         busy = type("Busy", (), dict(forward=SimpleNamespace(shut_down=lambda why: None), request=None, queue=(),
-                                     rest=None, record_held=lambda self, why: None,
+                                     unrecorded=None, record_held=lambda self, why, status: None,
                                      transport=SimpleNamespace(close=lambda: None)))()
-        proxy.clients.add(busy)  # an exchange in flight: the grace is waited out
+        proxy.connections.add(busy)  # an exchange in flight: the grace is waited out
         await CaptureProxy.close(proxy, asyncio.Event())
         await asyncio.sleep(0)
         assert abandoned == []

@@ -174,6 +174,7 @@ class ClientConnection(asyncio.Protocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.proxy.clients.add(self)
+        self.proxy.connections.add(self)
         self.proxy.waiting[self] = None
         no_delay(transport)
         probe_when_idle(transport, self.proxy.config.tcp_keepalive_s)
@@ -184,6 +185,7 @@ class ClientConnection(asyncio.Protocol):
         gone = not self.closed  # the client closed it (the proxy sets ``closed`` before it closes one)
         self.closed = True
         self.proxy.clients.discard(self)
+        self.proxy.connections.discard(self)
         self.proxy.waiting.pop(self, None)
         if self.linger is not None:
             self.linger.end()
@@ -326,17 +328,17 @@ class ClientConnection(asyncio.Protocol):
         if self.rest is None:
             self.done(self.rest_keep_alive)
 
-    def record_held(self, why: str | None) -> None:
+    def record_held(self, why: str | None, status: int | None = CLIENT_CLOSED) -> None:
         """Hand the record held for the client (``write_last``, ``write_whole``) to the recorder: as served
-        (``why`` None), or as a client that did not take its answer (499, ``why``; a whole answer it went from
-        before all of it was written: ``CLIENT_GONE``)."""
+        (``why`` None), or as a client that did not take its answer (``status``, None: the one it got; ``why``; a
+        whole answer it went from before all of it was written: ``CLIENT_GONE``)."""
         x, self.unrecorded = self.unrecorded, None
         if self.rest is not None:
             self.rest, why = None, why or CLIENT_GONE
         if x is None:
             return
         if why is not None:
-            x.status, x.error = CLIENT_CLOSED, why if x.error is None else f"{x.error}; {why}"
+            x.status, x.error = status or x.status, why if x.error is None else f"{x.error}; {why}"
         self.proxy.recorder.submit(x)
 
     def hold_unsent(self) -> None:

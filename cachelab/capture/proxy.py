@@ -156,6 +156,9 @@ class CaptureProxy:
         self.pool = UpstreamPool(config)
         self.planner = Planner(config.token_ids)  # what to add to a large request body, decided off the loop
         self.clients: set[ClientConnection] = set()
+        # every client connection not yet lost: ``clients`` and those let out of it (lingering, let go), which may
+        # hold a record for their client (``close`` hands it over)
+        self.connections: set[ClientConnection] = set()
         # connections with nothing being served (idle, or a request begun not yet whole), by ``progress_since``,
         # oldest first: the first let go at ``max_client_connections``
         self.waiting: dict[ClientConnection, None] = {}
@@ -192,28 +195,28 @@ class CaptureProxy:
                 client.time_out(keep_alive)
 
     async def close(self, hurry: asyncio.Event | None = None) -> None:
-        """Stop listening, let exchanges in flight finish (``shutdown_grace_s``, cut short once ``hurry``
-        is set: a second Ctrl-C), end the rest, close the recorder (which writes what it holds)."""
+        """Stop listening, let exchanges in flight finish and their clients take their answers (``shutdown_grace_s``,
+        cut short once ``hurry`` is set: a second Ctrl-C), end the rest, hand over every record held for a client
+        (with the status it got and why: a record held on a connection closed lingering was lost, one whose
+        answer the stopped loop never flushed recorded as served), close the recorder (which writes them)."""
         if self.server is not None:
             self.server.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
         deadline = time.monotonic() + self.config.shutdown_grace_s
-        while any(c.forward is not None for c in self.clients) and time.monotonic() < deadline \
+        while any(c.forward is not None or c.unrecorded is not None for c in self.connections) \
+                and time.monotonic() < deadline \
                 and not (hurry is not None and hurry.is_set()):
             for client in [c for c in self.clients if c.forward is None and c.request is None and not c.queue]:
                 client.transport.close()  # idle: one whose pipelined request waits (``next``) may yet serve it
             await asyncio.sleep(0.05)
         why = "asked to stop again" if hurry is not None and hurry.is_set() else \
             f"unfinished after {self.config.shutdown_grace_s} s"
-        for client in list(self.clients):
+        for client in list(self.connections):
             if client.forward is not None:
                 client.forward.shut_down(f"proxy shut down ({why})")
             client.closed = True  # by the proxy: requests still queued on it were not served, and are not recorded
-            if client.rest is not None:  # a whole answer it is still taking: the close sends the rest
-                client.transport.write(client.rest)
-                client.rest = None
-            client.record_held(None)
+            client.record_held(f"proxy shut down ({why}) before the client took all of its answer", status=None)
             client.transport.close()
         self.pool.close()
         await self.planner.close()
