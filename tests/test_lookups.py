@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachelab.errors import CachelabError
-from cachelab.workload.compaction import StepDeduper, compact, compact_steps, dedup_steps
+from cachelab.workload.compaction import (StepDeduper, _compact_steps_kernel, _start_bits, compact, compact_steps,
+                                          count_distinct, dedup_steps)
 from cachelab.workload.lookups import LookupStream, first_tokens, global_key, split_key
 
 
@@ -200,6 +201,31 @@ def test_compaction_grows_its_table_past_a_repetitive_prefix():
     assert uniq.size == 300_001 and np.array_equal(uniq[ids], keys)
     dd, uniq_steps = compact_steps(keys, np.arange(keys.size + 1))
     assert np.array_equal(uniq_steps, uniq) and np.array_equal(dd.keys, ids)
+
+
+def test_a_counted_table_holds_the_distinct_keys_without_growing_and_a_low_count_grows():
+    """Past the prefix, keys stop growing (as a real stream's do): the prefix's share sized the
+    table 4x what 300 000 keys need. The exact count (``count_distinct``) sizes the smallest table
+    under the load bound, which the pass never grows; a count too low still grows to hold them."""
+    rng = np.random.default_rng(5)
+    distinct = rng.permutation(300_000).astype(np.int64) * 7919 << 20
+    keys = np.concatenate([distinct, distinct[rng.integers(0, distinct.size, 4 << 20)]])
+    offsets = np.arange(0, keys.size + 1, 4, dtype=np.int64)
+    n = count_distinct(keys)
+    assert n == distinct.size
+    bits = _start_bits(keys, n)
+    assert int(0.6 * (1 << bits)) >= n > int(0.6 * (1 << bits - 1))  # the smallest that holds them
+    assert _start_bits(keys) >= bits + 2  # the prefix's guess: 4x the table
+    for hint, start in ((n, bits), (1, 4)):
+        entries = np.empty(keys.size, np.int64)
+        got = _compact_steps_kernel(keys, offsets, start, np.empty(keys.size, np.int64), entries,
+                                    np.zeros(offsets.size, np.int64), np.empty(keys.size, np.int64))
+        assert got[0] == n and got[2] == bits, hint  # exact: never grown; too low: grown to the same size
+        dd, uniq = compact_steps(keys, offsets, hint)
+        want, want_uniq = compact_steps(keys, offsets)
+        assert np.array_equal(uniq, want_uniq) and np.array_equal(uniq, distinct)
+        for name in ("keys", "offsets", "inverse"):
+            assert np.array_equal(getattr(dd, name), getattr(want, name)), name
 
 
 def test_a_deduper_carries_its_marks_from_call_to_call():

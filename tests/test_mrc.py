@@ -127,7 +127,7 @@ def test_a_sample_scales_by_the_rate_its_hash_keeps(monkeypatch, policy, capacit
     req = mrc._Requests(ids=np.array([0, 0, 1, 2, 1, 2]), uniq=np.array([0, a, b]),
                         offsets=np.arange(7), weights=np.array([filler, filler, 1, 1, 1, 1]), first=1,
                         num_keys=2**24)  # the stream this sample stands for: no capacity here holds it all
-    monkeypatch.setattr(mrc, "_requests", lambda stream, warmup: req)
+    monkeypatch.setattr(mrc, "_requests", lambda stream, warmup, distinct_keys: req)
     curve = miss_ratio_curve(LookupStream.from_keys(np.arange(1)), [capacity], policy=policy, sample_rate=1e-7,
                              workers=1)
     assert curve.miss_ratios == [pytest.approx(0.5, abs=1e-6)]  # a, b miss once each and hit once each

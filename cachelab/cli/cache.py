@@ -60,12 +60,13 @@ def load_stream(trace: str, fmt: str | None, requests: int | None, steps: str | 
                                  verb=verb, tokens=False, meta=meta)
 
 
-def capacity_rows(capacities: list[Capacity], stream: LookupStream, where: str) -> list[int]:
+def capacity_rows(capacities: list[Capacity], stream: LookupStream, where: str) -> tuple[list[int], int | None]:
     """Rows of each capacity for ``stream``: shares of its distinct keys, bytes over its row size
-    (a key trace's objects count one byte each)."""
+    (a key trace's objects count one byte each); and the distinct keys where a share counted them
+    (the replay's compaction sizes its hash table by them), else None."""
     # counted by hashing, 2-3x faster than sorting every key
     unique = count_distinct(stream.keys) if any(c.is_share for c in capacities) else None
-    return [c.rows(unique, stream.row_bytes, where) for c in capacities]
+    return [c.rows(unique, stream.row_bytes, where) for c in capacities], unique
 
 
 def capacity_unit(found: Found) -> str:
@@ -146,7 +147,8 @@ def simulate(
         from_model = policy_params(registry.get(registry.POLICIES, policy.split("+")[0]), fitted)
         param = [f"{k}={v}" for k, v in from_model.items()] + list(param)  # --param still overrides
     cache = build_policy(policy, admission, param)
-    written, capacity = capacity, capacity_rows([parse_capacity(capacity, "--capacity")], stream, "--capacity")[0]
+    written = capacity  # as given; ``capacity`` becomes its rows
+    [capacity], unique_keys = capacity_rows([parse_capacity(written, "--capacity")], stream, "--capacity")
     kept = {}
     if fitted is not None:  # a keep model at another size than its own: said, not refused
         from cachelab.learning.training import keep_capacity, keep_rows, keep_size_note
@@ -157,7 +159,7 @@ def simulate(
     hierarchy = Hierarchy([Tier("cache", cache, capacity_rows=capacity, location="gpu")], stream.row_bytes)
     if cache.capabilities.needs_scores and model is None:
         raise CachelabError(f"policy {policy!r} needs predictor scores: pass --model DIR (from `cachelab train`)")
-    stats = replay(stream, hierarchy, warmup=warmup, progress=True, scores=scores).stats()
+    stats = replay(stream, hierarchy, warmup=warmup, progress=True, scores=scores, distinct_keys=unique_keys).stats()
     level = stats.levels["cache"]
     requests = stats.lookups
     hits = level.served_lookups
@@ -224,9 +226,10 @@ def mrc(
     params = {**parse_pairs(param), **({"admission": admission} if admission else {})}
     ran = checked_policy(policy, admission, param).get_params()  # what each capacity runs (the report says)
     found, stream = load_stream(trace, fmt, requests, steps, "mrc")
-    caps = sorted(set(capacity_rows(parse_capacities(capacities), stream, "--capacities")))
-    curve = miss_ratio_curve(stream, caps, policy=policy, sample_rate=sample_rate, warmup=warmup, params=params,
-                             workers=workers, progress=True, rate_name="--sample-rate")
+    rows, unique_keys = capacity_rows(parse_capacities(capacities), stream, "--capacities")
+    curve = miss_ratio_curve(stream, sorted(set(rows)), policy=policy, sample_rate=sample_rate, warmup=warmup,
+                             params=params, workers=workers, progress=True, rate_name="--sample-rate",
+                             distinct_keys=unique_keys)
     out = {"policy": policy, "admission": ran.get("admission", "always"), "params": ran, **curve.to_dict(),
            "trace": str(trace), "trace_kind": found.kind, "seconds": round(time.perf_counter() - started, 3)}
     if as_json:

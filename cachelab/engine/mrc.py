@@ -145,8 +145,8 @@ class _Requests:
         return sample_mask(self.uniq, rate)[self.ids]
 
 
-def _requests(stream: LookupStream, warmup: float) -> _Requests:
-    dd, uniq = compact_steps(stream.keys, stream.step_offsets)
+def _requests(stream: LookupStream, warmup: float, distinct_keys: int | None) -> _Requests:
+    dd, uniq = compact_steps(stream.keys, stream.step_offsets, distinct_keys)
     w = warmup_steps(warmup, stream.num_steps)
     return _Requests(dd.keys, uniq, dd.offsets, dd.counts, int(dd.offsets[w]), uniq.size)
 
@@ -204,7 +204,8 @@ def _simulate_one(capacity: int) -> float:
 
 def miss_ratio_curve(stream: LookupStream, capacities: list[int], policy: str | None = "lru",
                      sample_rate: float | None = None, warmup: float = 0.0, params: dict | None = None,
-                     workers: int | None = None, progress: bool = False, rate_name: str = "sample rate") -> Curve:
+                     workers: int | None = None, progress: bool = False, rate_name: str = "sample rate",
+                     distinct_keys: int | None = None) -> Curve:
     """The miss ratio of ``policy`` (a registry name) at each capacity (objects / rows) over ``stream``.
 
     A policy whose class itself declares ``stack_curve`` (the built-in LRU), at its default
@@ -213,13 +214,15 @@ def miss_ratio_curve(stream: LookupStream, capacities: list[int], policy: str | 
     other policy runs once per capacity in ``workers`` processes. (Decided by the class, not
     the name: a plug-in registered as ``lru`` in place of the built-in is simulated.)
     ``rate_name`` names ``sample_rate`` in a refusal made once the stream is read (the CLI's flag).
+    ``distinct_keys``: the stream's distinct keys where counted already (a capacity share's
+    count), which sizes the compaction's hash table to hold them without growing.
     """
     params = dict(params or {})
     probe = None if policy is None else registry.make_policy(policy, **params)  # fails fast on a bad name or parameter
     capacities = sorted({int(c) for c in capacities})
     if not capacities or capacities[0] < 1:
         raise CachelabError(f"capacities must be positive, got {capacities}")
-    req = _requests(stream, warmup)
+    req = _requests(stream, warmup, distinct_keys)
     if sample_rate is not None and not req.sampled(sample_rate)[req.first:].any():
         # an empty sample read as a miss ratio of 0.0 at every capacity
         raise CachelabError(f"{rate_name} {sample_rate} keeps none of the {req.num_keys:,} distinct keys' requests "

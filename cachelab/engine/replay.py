@@ -161,7 +161,8 @@ class ReplayResult:
 
 
 def replay(stream: LookupStream, hierarchy: Hierarchy, warmup: float = 0.0, progress: bool = False,
-           scores: np.ndarray | None = None, made_at: np.ndarray | None = None) -> ReplayResult:
+           scores: np.ndarray | None = None, made_at: np.ndarray | None = None,
+           distinct_keys: int | None = None) -> ReplayResult:
     """Run ``stream`` through ``hierarchy``.
 
     Args:
@@ -172,6 +173,8 @@ def replay(stream: LookupStream, hierarchy: Hierarchy, warmup: float = 0.0, prog
         made_at: per lookup, the scorer's position its score was made at, where the scored rows
             are not this stream's (a store's folded table: the unfolded stream's distinct rows of
             each step, numbered in order); None: this stream's own (``cachelab.policy.clock``).
+        distinct_keys: the stream's distinct keys where counted already (a capacity share's
+            ``count_distinct``): the compaction's hash table is sized to hold them without growing.
     """
     if stream.row_bytes != hierarchy.row_bytes:
         raise CachelabError(f"the stream's rows are {stream.row_bytes} B but the hierarchy's are {hierarchy.row_bytes} B")
@@ -183,7 +186,7 @@ def replay(stream: LookupStream, hierarchy: Hierarchy, warmup: float = 0.0, prog
     w = warmup_steps(warmup, stream.num_steps)
     with progress_bar(enabled=progress) as bar:
         task = bar.add_task("replay: dedup", total=2)
-        dd, uniq = compact_steps(stream.keys, stream.step_offsets)
+        dd, uniq = compact_steps(stream.keys, stream.step_offsets, distinct_keys)
         d_scores = d_made_at = None
         if scores is not None:
             first_lookup = np.empty(dd.keys.size, np.int64)

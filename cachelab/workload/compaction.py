@@ -35,7 +35,7 @@ def _compact_steps_kernel(keys, step_offsets, bits, uniq, distinct, distinct_off
     the index of its latest distinct entry, so a lookup touches one cache line: a new key
     takes the next id, a key whose latest entry lies in this step is a duplicate. The slot of
     the key ``_AHEAD`` lookups on is prefetched. The table starts at ``2^bits`` slots and
-    doubles whenever it is 0.6 full. Returns (distinct keys, distinct entries).
+    doubles whenever it is 0.6 full. Returns (distinct keys, distinct entries, the table's bits).
 
     ``step_offsets``, ``distinct_offsets`` and ``inverse`` None: every lookup is a step of its
     own, so lookup ``i`` is distinct entry ``i`` and ``distinct`` holds each lookup's id; the
@@ -94,7 +94,7 @@ def _compact_steps_kernel(keys, step_offsets, bits, uniq, distinct, distinct_off
                 h = (h + 1) & mask
         if distinct_offsets is not None:
             distinct_offsets[s + 1] = n
-    return n_ids, n
+    return n_ids, n, bits
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)
@@ -150,7 +150,7 @@ def _dense_ids_kernel(keys, lo, id_of, uniq, ids):
     return n_ids
 
 
-def _ids(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _ids(keys: np.ndarray, distinct: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Each key's dense id, and the distinct keys: the kernel with every lookup its own step.
 
     Keys within a range of at most four per key (a trace of object numbers, as a Zipf
@@ -162,21 +162,35 @@ def _ids(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     lo, hi = _key_range(keys)
     if hi - lo < 4 * keys.size:
         return ids, _trim(uniq, _dense_ids_kernel(keys, lo, np.full(hi - lo + 1, -1, np.int32), uniq, ids))
-    return ids, _trim(uniq, _compact_steps_kernel(keys, None, _start_bits(keys), uniq, ids, None, None)[0])
+    return ids, _trim(uniq, _compact_steps_kernel(keys, None, _start_bits(keys, distinct), uniq, ids, None, None)[0])
 
 
-def _start_bits(keys: np.ndarray) -> int:
-    """A first table size: half of what the distinct share of a prefix of the keys asks for. A
-    prefix holds at least the stream's share of new keys, and on real streams more (keys repeat
-    more as a stream goes on: 2.3x on 40 Mooncake requests' rows, 1.4x on 50 stdlib requests',
-    1.7x on Zipf-1.05 keys), so a table of that size was twice the one they end in: the largest
-    array of a replay (16 B a slot, a third of ``simulate``'s peak). Where the share holds (every
-    key distinct) the table grows once."""
+def _start_bits(keys: np.ndarray, distinct: int | None = None) -> int:
+    """A first table size. ``distinct``, the count of distinct keys where a caller has it (a
+    capacity share's ``count_distinct``): the smallest table that holds them under the load
+    bound, so it never grows (a count too low still grows it). Else half of what the distinct
+    share of a prefix of the keys asks for: a prefix holds at least the stream's share of new
+    keys, and on real streams more (keys repeat more as a stream goes on: 2.3x on 40 Mooncake
+    requests' rows and 4.5x on 80, 1.4x on 50 stdlib requests', 1.7x on Zipf-1.05 keys), so a
+    table of that size was twice the one they end in, or four times: the largest array of a
+    replay (16 B a slot). Where the share holds (every key distinct), or the half is too small (30
+    to 40 stdlib requests), the table grows once, its double held beside it for the copy."""
+    if distinct is not None:
+        return _bits_for(distinct)
     n = keys.size
     if n > _PREFIX:
         distinct = _compact_steps_kernel(keys[:_PREFIX], None, 16, None, None, None, None)[0]
         n = n * distinct // _PREFIX
-    return max(4, int(np.ceil(np.log2(max(n, 1) / 0.6))) - 1)
+    return max(4, _bits_for(n) - 1)
+
+
+def _bits_for(n: int) -> int:
+    """The fewest bits (at least 4) of a table that takes ``n`` keys without growing: the
+    kernel grows it on a new key once ``int(0.6 * 2^bits)`` are in."""
+    bits = 4
+    while int(0.6 * (1 << bits)) < n:
+        bits += 1
+    return bits
 
 
 def _compactable(keys) -> np.ndarray:
@@ -187,8 +201,11 @@ def _compactable(keys) -> np.ndarray:
     return keys
 
 
-def compact_steps(keys, step_offsets) -> tuple["StepDedup", np.ndarray]:
+def compact_steps(keys, step_offsets, distinct: int | None = None) -> tuple["StepDedup", np.ndarray]:
     """Compaction and per-step dedup in one compiled pass: ``(dedup, unique_keys)``.
+
+    ``distinct``: the count of distinct keys, where the caller has it (``count_distinct``), sizes
+    the hash table to hold them without growing; None: sized from a prefix of the keys.
 
     ``dedup.keys`` are dense ids ``0..U-1`` in first-occurrence order (as ``compact`` gives),
     each step's distinct ones in first-occurrence order (as ``dedup_steps`` gives), and
@@ -202,14 +219,14 @@ def compact_steps(keys, step_offsets) -> tuple["StepDedup", np.ndarray]:
     keys = _compactable(keys)
     offs = np.ascontiguousarray(step_offsets, dtype=np.int64)
     if offs.size == keys.size + 1 and _one_lookup_per_step(offs):
-        ids, uniq = _ids(keys)
+        ids, uniq = _ids(keys, distinct)
         return StepDedup(ids, offs, offs[:-1]), uniq
     uniq = np.empty(keys.size, np.int64)
-    distinct = np.empty(keys.size, index_dtype(keys.size))  # ids and entries are below the lookups' count
+    entries = np.empty(keys.size, index_dtype(keys.size))  # ids and entries are below the lookups' count
     d_offs = np.zeros(offs.size, np.int64)
-    inverse = np.empty(keys.size, distinct.dtype)
-    n_ids, n = _compact_steps_kernel(keys, offs, _start_bits(keys), uniq, distinct, d_offs, inverse)
-    return StepDedup(_trim(distinct, n), d_offs, inverse), _trim(uniq, n_ids)
+    inverse = np.empty(keys.size, entries.dtype)
+    n_ids, n, _ = _compact_steps_kernel(keys, offs, _start_bits(keys, distinct), uniq, entries, d_offs, inverse)
+    return StepDedup(_trim(entries, n), d_offs, inverse), _trim(uniq, n_ids)
 
 
 def _trim(arr: np.ndarray, n: int) -> np.ndarray:
