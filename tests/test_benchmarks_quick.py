@@ -194,8 +194,9 @@ def test_bench_client_overhead_measures_the_client_against_an_exact_stub():
     out = json.loads(done.stdout)
     assert (out["completed"], out["failed"]) == (3, 0)
     assert out["median_itl_ms"] >= 15.0 and out["median_tpot_ms"] >= 15.0  # a stall may bunch a few chunks
-    # the reference is the stub's own measured gaps (about 20 ms), and each ratio is the client's over it
-    assert out["server_median_itl_ms"] >= 19.0
+    # the reference is the stub's own measured gaps (about 20 ms; a stall bunches its catch-up sends too:
+    # 16.2 ms at load 17), and each ratio is the client's over it
+    assert out["server_median_itl_ms"] >= 15.0
     for key in ("median_itl", "p99_itl", "median_ttft", "p99_ttft"):
         assert out[f"{key}_x_server"] == out[f"{key}_ms"] / out[f"server_{key}_ms"]
 
