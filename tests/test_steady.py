@@ -760,9 +760,25 @@ def test_a_repeat_run_of_a_fitted_configuration_is_not_an_unseen_held_out_point(
     assert out["heldout_repeats_of_fit"] == ["run2-c16"]
 
 
+def _computed_once(monkeypatch, module, name):
+    """``module.name`` computes on its first call and returns that result on later ones: a second run of
+    the same study then renders, in its other output form, what the first computed (the same inputs)."""
+    real, results = getattr(module, name), []
+
+    def once(*args, **kwargs):
+        if not results:
+            results.append(real(*args, **kwargs))
+        return results[0]
+
+    monkeypatch.setattr(module, name, once)
+    return results
+
+
 @pytest.mark.data
-def test_calibration_points_and_the_inferencex_study(data_dir):
+def test_calibration_points_and_the_inferencex_study(data_dir, monkeypatch):
+    from cachelab.serving import calibration
     from cachelab.serving.calibration import FIT_SUBSET, load_points
+    from cachelab.serving.studies import semianalysis
 
     from cachelab.serving.calibration import THINK_SUBSET, with_fitted_think
 
@@ -775,8 +791,13 @@ def test_calibration_points_and_the_inferencex_study(data_dir):
     assert all(float(p.workload.think_s.max()) == 0 for p in fitted if not p.subset.startswith("r1-b200-vllm-agentic"))
     assert FIT_SUBSET in subsets and "v41-b200-tp4-8k1k-script" in subsets
     assert sum(p.subset == FIT_SUBSET for p in points) == 4
+    # the console report below renders this run's fit, spectrum, SSD floor and per-point predictions
+    computed = [_computed_once(monkeypatch, calibration, "fit"), _computed_once(monkeypatch, calibration, "fit_spectrum"),
+                _computed_once(monkeypatch, semianalysis, "with_fitted_piecewise"),
+                _computed_once(monkeypatch, calibration, "validate")]
     res = runner.invoke(app, ["study", "inferencex", "--fit-evals", "3", "--json"])
     assert res.exit_code == 0, res.output
+    assert all(len(c) == 1 for c in computed)
     out = json.loads(res.stdout)
     assert out["fit_subsets"] == [FIT_SUBSET, "r1-b200-dbdump-tp4-c1"]  # neither counted as held out
     assert out["heldout_points"] == 7  # run 2's four, the B300 TP4 point and the V4.1 pair
@@ -800,8 +821,9 @@ def test_calibration_points_and_the_inferencex_study(data_dir):
     assert out["heldout_points_all"] == out["heldout_points"] + 23 and "r1-b200-vllm-agentic" in out["heldout_mape_by_subset"]
     gaps = [r["client_gap_s"] for r in out["points"] if r["subset"] == "r1-b200-vllm-agentic"]
     assert len(gaps) == 23 and max(gaps) > 1000  # far past the trace's 60 s cap: not a steady state
-    table = runner.invoke(app, ["study", "inferencex", "--fit-evals", "1"], env={"COLUMNS": "240"})  # the console report
+    table = runner.invoke(app, ["study", "inferencex", "--fit-evals", "3"], env={"COLUMNS": "240"})  # the console report
     assert table.exit_code == 0, table.output
+    assert f"fitted: mbu = {out['fitted']['mbu']:.4g}" in table.output  # the run above's fit, rendered
     assert "heldout_mape_all" in table.output and "not in heldout_mape: r1-b200-vllm-agentic" in table.output
     assert "heldout_mape_unseen" in table.output and "v41-b200-tp4-8k1k-c16-ssd-mmap" in table.output  # per point
 
