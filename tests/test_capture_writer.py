@@ -484,7 +484,7 @@ def test_the_writer_process_reads_no_further_ahead_of_its_records_than_its_bound
 
     ids = list(range(150_000))
     xs = []
-    for i in range(24):
+    for i in range(12):
         x = exchange(i, stream=False)
         x.response = json.dumps({"id": f"cmpl-{i}", "prompt_token_ids": ids,
                                  "choices": [{"index": 0, "text": " a", "token_ids": [7]}]}).encode()
