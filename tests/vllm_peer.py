@@ -2,8 +2,8 @@
 
 vLLM lives in its own venv (``.venv-vllm``, made by ``scripts/setup-vllm``) and runs as a
 separate process: a tiny ``LlamaForCausalLM`` with dummy weights and the DeepSeek-V4 tokenizer,
-prefix caching and prompt-token details on, KV-cache events published over ZMQ. Its start costs
-about two minutes on two cores, so one server serves the whole test session: the first xdist
+prefix caching and prompt-token details on, KV-cache events published over ZMQ, run eager. Its
+start costs one to two minutes on two cores, so one server serves the whole test session: the first xdist
 worker that asks starts it under a file lock, the others attach to it, and the controlling
 process stops it when the session ends. A watchdog stops it too if pytest itself is killed.
 
@@ -169,6 +169,9 @@ def start_vllm(workdir: Path, *, extra_args: tuple[str, ...] = (), env: dict[str
             "--load-format", "dummy", "--max-model-len", str(max_model_len),
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
             "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            # eager: no torch.compile of the tiny model (about a minute of each start; the compile cache
+            # never hits, its key holds the temporary model folder); scheduling and caching are the same
+            "--enforce-eager",
             "--kv-events-config", json.dumps(kv_config), *extra_args]
     proc_env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
                 **(env or {})}
