@@ -771,7 +771,7 @@ def main() -> None:
             from vllm_peer import start_vllm
 
             print("starting vLLM (about 2 minutes) ...", flush=True)
-            server = start_vllm(work / "vllm")
+            server = start_vllm(work / "vllm", eager=False)  # compiled, as users run it
             upstream, model, what = server.base_url, server.model, "vLLM CPU server (tiny dummy-weight Llama)"
         else:
             port = free_port()

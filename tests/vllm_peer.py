@@ -148,12 +148,13 @@ def _healthy(base_url: str) -> bool:
 
 def start_vllm(workdir: Path, *, extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
                max_model_len: int = 2048, kv_cache_gib: int = 1,
-               timeout_s: float = START_TIMEOUT_S) -> VllmServer:
+               timeout_s: float = START_TIMEOUT_S, eager: bool = True) -> VllmServer:
     """Start the real vLLM server on loopback and wait until /health answers.
 
     ``extra_args`` go on vLLM's command line (``--num-gpu-blocks-override N`` fixes the KV
     block budget); the caller owns the server and calls ``stop()``. A watchdog stops it if
-    the process that owns the test session dies first.
+    the process that owns the test session dies first. ``eager=False``: compiled, as users run
+    it (a benchmark's timings), about a minute more to start.
     """
     if not available():
         raise RuntimeError("vLLM's venv is missing: run scripts/setup-vllm")
@@ -171,7 +172,7 @@ def start_vllm(workdir: Path, *, extra_args: tuple[str, ...] = (), env: dict[str
             "--enable-prefix-caching", "--enable-prompt-tokens-details",
             # eager: no torch.compile of the tiny model (about a minute of each start; the compile cache
             # never hits, its key holds the temporary model folder); scheduling and caching are the same
-            "--enforce-eager",
+            *(["--enforce-eager"] if eager else []),
             "--kv-events-config", json.dumps(kv_config), *extra_args]
     proc_env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
                 **(env or {})}
