@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 
 from cachelab.cli import app
 from cachelab.errors import CachelabError
-from cachelab.serving.agentic import (BASE_MAX_ISL, INPUT_SIGMA, MAX_CONTEXT, MEDIAN_INPUT, MEDIAN_OUTPUT, OUTPUT_SIGMA,
+from cachelab.serving.agentic import (BASE_MAX_ISL, CORPUS_INPUT_TOKENS, CORPUS_OUTPUT_TOKENS, CORPUS_REQUESTS,
+                                      INPUT_SIGMA, MAX_CONTEXT, MEDIAN_INPUT, MEDIAN_OUTPUT, OUTPUT_SIGMA,
                                       PREFIX_HIT_NO_SUBAGENTS, THINK_MEDIAN_S, THINK_SIGMA, agentic_workload,
                                       carried_gaps)
 from cachelab.serving.hardware import load_profile
@@ -228,6 +229,17 @@ def test_agentic_workload_matches_the_published_summaries():
     assert np.array_equal(agentic_workload(seed=3).new_tokens, agentic_workload(seed=3).new_tokens)
     may = agentic_workload(samples=8192, prefix_hit=PREFIX_HIT_NO_SUBAGENTS)
     assert may.new_tokens.sum() > 4 * wl.new_tokens.sum()
+
+
+def test_agentic_mean_output_is_the_corpus_cards():
+    # The card of 062126 gives 106,474,498 output tokens over 98,827 requests (1,077.4 a request, the replay
+    # sends each recorded length): the output spread is the one that gives that mean at the 444 median. The
+    # assumed sigma 1.0 gave 732. The mean input stays under the card's 218,922: no lognormal with a 142k
+    # median reaches it once the draws over the cap are dropped.
+    wl = agentic_workload(samples=16384)
+    assert wl.output_tokens.mean() == pytest.approx(CORPUS_OUTPUT_TOKENS / CORPUS_REQUESTS, rel=0.05)
+    assert np.median(wl.output_tokens) == pytest.approx(MEDIAN_OUTPUT, rel=0.05)
+    assert (wl.new_tokens + wl.cached_tokens).mean() < 0.95 * CORPUS_INPUT_TOKENS / CORPUS_REQUESTS
 
 
 def test_agentic_inputs_over_the_corpus_cap_are_dropped_not_truncated():
@@ -514,7 +526,7 @@ def test_the_pr_bodys_two_readings_of_the_ssd_floor_are_both_reported():
     tpot = floor_from_tpot_offset(wl, eff, 77e6, concurrencies=(1, 2, 4, 8, 16, 32, 64))
     assert tpot["piecewise_layer_s"] == published_piecewise_layer_s(eff, wl) < eff.piecewise_layer_s
     assert set(tpot["b200_tp4_disk_over_uva"]) == {"1", "2", "4", "8", "16", "32", "64"}
-    assert tpot["b200_tp4_disk_over_uva"]["1"] > 0.75  # published 0.63; the fit's floor gives 0.64
+    assert tpot["b200_tp4_disk_over_uva"]["1"] > 0.7  # published 0.63; the fit's floor gives 0.62
     assert tpot["b200_dram_over_ssd"] == pytest.approx(77e6 / tpot["b200_ssd_tokens_per_dollar"])
     doubled = floor_if_think_mean(wl, eff, think_mean_s=2 * float(wl.think_s.mean()))
     assert doubled["piecewise_layer_s"] > 1.3 * eff.piecewise_layer_s

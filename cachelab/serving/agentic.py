@@ -4,14 +4,16 @@ The September V4.1 runs replayed semianalysisai/cc-traces-weka-062126 (coding-ag
 with subagents; InferenceX ``resolve_trace_source`` gives it to every ``dsv4*`` model since
 #1970, 2026-07-02). It is not on this machine, so requests are drawn from published summaries
 instead, and the study says so: median input about 142k tokens and median output 444 (issue
-15, from the AgentX methodology), an infinite-prefix-cache token hit ratio of 97% for 062126
+15; a third party's count of the corpus gives 142,016 and 444), a mean output of 1,077 (the corpus
+card's token totals), an infinite-prefix-cache token hit ratio of 97% for 062126
 itself (InferenceX #2279: "a ~0.97 theoretical ceiling" on the 1M-context corpus, which
 ``resolve_trace_source`` gave GLM-5.2 as it gives dsv4*; #2231: "96-98% cache hit" on the DSV4
 B200 vLLM AgentX sweep with an LMCache store; the no-subagents corpus
 cc-traces-weka-no-subagents-051226 gives 85.8%, InferenceX issue #1632; ``prefix_hit`` changes
 it), a 3,600 s window after warm-up (InferenceX agentic README: the matrix's default
-duration). Spreads and think times are ASSUMPTIONS: input and output lognormal (sigma 0.8 and
-1.0), think time (tool execution between turns) lognormal with a 3 s median. A request over
+duration). Output is lognormal with the spread that gives the card's mean; the input's spread and
+the think times are ASSUMPTIONS: input lognormal (sigma 0.8), think time (tool execution between
+turns) lognormal with a 3 s median. A request over
 AgentX's corpus cap is dropped and its gap joins the next kept request's, as the replay times it;
 an output runs to the recorded length, at most the server's window less the prompt. Each request's
 cached tokens are the session's earlier context: the hit ratio of its input; the rest is new
@@ -20,6 +22,8 @@ not modelled: each client holds one request.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -30,10 +34,14 @@ from cachelab.serving.steady import Workload
 # _compute_stats); its plots mark the p50 of input, output and think_time over main-agent and subagent requests
 # (plot_weka_distributions.py) but are images not read here. Third parties' counts of traces.jsonl (not
 # primary) give them over all 98,827 requests: input p50 142,016, output p50 444 (and the 256k variant's input
-# p50 88,768, issue 15's other figure); main-agent input p50 254,080, subagent 64,000 (docs/serving.md). The
-# card's token totals give a mean request of 218,922 input and 1,077.4 output tokens, above this workload's.
+# p50 88,768, issue 15's other figure); main-agent input p50 254,080, subagent 64,000 (docs/serving.md).
 MEDIAN_INPUT = 142_000  # issue 15: AgentX median request input
 MEDIAN_OUTPUT = 444  # issue 15: AgentX median request output
+# The card of semianalysisai/cc-traces-weka-062126 (huggingface.co/datasets/semianalysisai/cc-traces-weka-062126,
+# built 2026-06-21 by build_weka_hf_dataset.py), its "Stats": total_model_requests 98,827 (56,798 main turns,
+# 42,029 subagent requests), total_input_tokens 21,635,381,376, total_output_tokens 106,474,498. The replay sends
+# each request's recorded output (ignore_eos), so a request's mean output is the corpus's: 1,077.4 tokens.
+CORPUS_REQUESTS, CORPUS_INPUT_TOKENS, CORPUS_OUTPUT_TOKENS = 98_827, 21_635_381_376, 106_474_498
 # The corpus the V4.1 runs replayed, semianalysis_cc_traces_weka_062126: InferenceX #2279 (commit 78f72af3,
 # 2026-07-19), GLM-5.2 B300 AgentX, whose resolve_trace_source gave glm5.2* that corpus as it gives dsv4*: "the
 # radix hit rate collapsed from a ~0.97 theoretical ceiling" (aiperf's theoretical prefix-cache hit of the
@@ -68,11 +76,16 @@ BASE_MAX_ISL = 990_016
 # max_tokens cut to the window less the prompt (`get_max_tokens` in vllm.entrypoints.serve.utils.api_utils:
 # min(max_model_len - input_length, max_tokens, ...)). (An uncited clamp at 32,768 stood here until
 # 2026-12-06; it cut 8.5e-6 of the lognormal, no draw of seed 0.)
+# The output's spread is the lognormal's whose mean (median x exp(sigma^2 / 2)) is the card's: 1.33 (the 256k
+# variant's card and issue 15's median for it, 860 and 376 tokens, give 1.29). The input's cannot be had so: the
+# card's mean input, 218,922, is above every lognormal with a 142k median once the draws over the cap are
+# dropped (at most 204k, near sigma 1.3); the corpus is a mix of main-agent and subagent requests.
+OUTPUT_SIGMA = math.sqrt(2.0 * math.log(CORPUS_OUTPUT_TOKENS / CORPUS_REQUESTS / MEDIAN_OUTPUT))
 # The think time is the corpus's recorded end-to-start gap; no published distribution of it was found (the
 # card's think_time plot is an image; third parties give gaps between turns p50 4.9 s, p90 131.5 s, p99 3,257 s,
 # and the recorded think_time field p50 2.3 s, p90 37.5 s, p99 1,392 s, both tails far heavier than this
 # lognormal's). docs/serving.md, "The agentic workload", says where we looked.
-INPUT_SIGMA, OUTPUT_SIGMA, THINK_MEDIAN_S, THINK_SIGMA = 0.8, 1.0, 3.0, 1.0  # ASSUMPTIONS
+INPUT_SIGMA, THINK_MEDIAN_S, THINK_SIGMA = 0.8, 3.0, 1.0  # ASSUMPTIONS
 
 
 def carried_gaps(gaps: np.ndarray, kept: np.ndarray) -> np.ndarray:
