@@ -234,12 +234,14 @@ def test_agentic_workload_matches_the_published_summaries():
 def test_agentic_mean_output_is_the_corpus_cards():
     # The card of 062126 gives 106,474,498 output tokens over 98,827 requests (1,077.4 a request, the replay
     # sends each recorded length): the output spread is the one that gives that mean at the 444 median. The
-    # assumed sigma 1.0 gave 732. The mean input stays under the card's 218,922: no lognormal with a 142k
-    # median reaches it once the draws over the cap are dropped.
-    wl = agentic_workload(samples=16384)
-    assert wl.output_tokens.mean() == pytest.approx(CORPUS_OUTPUT_TOKENS / CORPUS_REQUESTS, rel=0.05)
-    assert np.median(wl.output_tokens) == pytest.approx(MEDIAN_OUTPUT, rel=0.05)
-    assert (wl.new_tokens + wl.cached_tokens).mean() < 0.95 * CORPUS_INPUT_TOKENS / CORPUS_REQUESTS
+    # assumed sigma 1.0 gave 732 (the study's draws 742, 24 standard errors under). The study's own draws (seed
+    # 0) and a larger sample meet the card within three standard errors of their mean. The mean input stays
+    # under the card's 218,922: no lognormal with a 142k median reaches it once the draws over the cap are dropped.
+    for wl in (agentic_workload(), agentic_workload(samples=16384, seed=1)):
+        out = wl.output_tokens
+        assert abs(out.mean() - CORPUS_OUTPUT_TOKENS / CORPUS_REQUESTS) < 3 * out.std() / np.sqrt(out.size)
+        assert np.median(out) == pytest.approx(MEDIAN_OUTPUT, rel=0.05)
+        assert (wl.new_tokens + wl.cached_tokens).mean() < 0.95 * CORPUS_INPUT_TOKENS / CORPUS_REQUESTS
 
 
 def test_agentic_inputs_over_the_corpus_cap_are_dropped_not_truncated():

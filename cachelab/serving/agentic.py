@@ -57,9 +57,10 @@ MAX_CONTEXT = 1_048_576  # the V4.1 recipes' --max-model-len (InferenceX dsv41fl
 # nor AIPerf applies a cap"); the corpus is built without them: build_weka_hf_dataset.py --base-max-isl
 # drops (never truncates) each request whose input exceeds the cap, main-agent turn or subagent request
 # alike, and keeps the rest of its session and its timeline. Its help gives 990,016 (the 64-multiple
-# nearest 990k) and says no real prompt of the corpus exceeds 1M. The card of 062126 was not read here;
-# the DeepSeek-V4 GB300 TRT-LLM AgentX recipes (prefill max_seq_len 990016) and a reading of 062126
-# ("contexts up to 990k") agree. Draws above it are dropped the same way (0.76% of the lognormal).
+# nearest 990k) and says no real prompt of the corpus exceeds 1M. The card of 062126 says the same ("no
+# request's real prompt actually exceeds 1M"; the rows over the cap are block-count artifacts, dropped per
+# request); the DeepSeek-V4 GB300 TRT-LLM AgentX recipes (prefill max_seq_len 990016) agree. Draws above it
+# are dropped the same way (0.76% of the lognormal).
 BASE_MAX_ISL = 990_016
 # The timeline kept means a dropped request's time stays in its session: the filter keeps the survivors'
 # recorded start times `t` (`_filter_trace`: "surviving timestamps retain their original relative
@@ -80,6 +81,10 @@ BASE_MAX_ISL = 990_016
 # variant's card and issue 15's median for it, 860 and 376 tokens, give 1.29). The input's cannot be had so: the
 # card's mean input, 218,922, is above every lognormal with a 142k median once the draws over the cap are
 # dropped (at most 204k, near sigma 1.3); the corpus is a mix of main-agent and subagent requests.
+# The card's mean is the mean of what the replay sends: its Stats are computed on the corpus as built, after the
+# cap's drop (build_weka_hf_dataset.py `_compute_stats` on the filtered traces); each request goes at its
+# recorded length; the window takes each lane's requests in trace order from a start drawn over its trace, a
+# sample of the corpus that does not select by length; and the window's cut of max_tokens binds on no draw.
 OUTPUT_SIGMA = math.sqrt(2.0 * math.log(CORPUS_OUTPUT_TOKENS / CORPUS_REQUESTS / MEDIAN_OUTPUT))
 # The think time is the corpus's recorded end-to-start gap; no published distribution of it was found (the
 # card's think_time plot is an image; third parties give gaps between turns p50 4.9 s, p90 131.5 s, p99 3,257 s,
