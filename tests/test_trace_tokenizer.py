@@ -50,7 +50,7 @@ def test_synthesis_records_the_corpus_tokenizer(tmp_path):
     from cachelab.trace.build import build, parse_spec
 
     spec = parse_spec({"arrivals": {"source": "gamma", "options": {"rate": 2.0, "num_requests": 3}},
-                       "corpus": {"source": "stdlib"}}, "test")
+                       "corpus": {"source": "stdlib", "options": {"max_chars": 200_000}}}, "test")
     build(spec, tmp_path / "t.parquet")
     assert recorded_tokenizer(tmp_path / "t.parquet")["tokenizer"] == "deepseek-v4"
 
@@ -121,9 +121,10 @@ def test_a_spec_file_reads_its_tokenizer_from_its_own_folder(tmp_path, monkeypat
     tok = tiny_tokenizer(folder)
     spec = folder / "w.toml"
     spec.write_text('[arrivals]\nsource = "gamma"\noptions = { rate = 2.0, num_requests = 2 }\n'
-                    '[corpus]\nsource = "stdlib"\ntokenizer = "tiny/tokenizer.json"\n')
+                    '[corpus]\nsource = "stdlib"\ntokenizer = "tiny/tokenizer.json"\n'
+                    'options = { max_chars = 200000 }\n')
     monkeypatch.chdir(tmp_path)  # not the spec's folder: tiny/tokenizer.json is not here
-    for extra in ([], ["--corpus", "stdlib"]):
+    for extra in ([], ["--corpus", "stdlib", "--corpus-option", "max_chars=200000"]):  # 200k chars, not all
         out = tmp_path / f"t{len(extra)}.parquet"
         result = CliRunner().invoke(app, ["trace", "build", str(spec), *extra, "-o", str(out)])
         assert result.exit_code == 0, result.output
