@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from cachelab.capture.kv_events import _Hashes, decode_batch, loss_counts, read_kv_events
 from cachelab.capture.recorder import Privacy, RequestRecord, encode_record
 from cachelab.capture.segments import MAGIC, ReadStats, frame, read_stream
-from cachelab.capture.to_trace import capture_to_trace
+from cachelab.capture.to_trace import capture_to_trace, read_requests
 from cachelab.errors import CachelabError
 from cachelab.paths import data_root
 from cachelab.trace.convert import oracle_to_trace
@@ -352,6 +352,20 @@ def test_a_request_record_without_an_arrival_spoils_no_other(tmp_path):
     assert report.unreadable == ["request record (run None, seq None): no 'arrival_ns'",
                                  "request record (run None, seq None): field 'prompt_ids' = b'\\x01\\x02\\x03' is not "
                                  "<i4 values as bytes", "request record (run None, seq None): no 'endpoint'"]
+
+
+def test_an_upstreams_fields_of_other_types_are_recorded_as_the_trace_build_reads_them(tmp_path):
+    """The recorder copies an answer's id and model, usage counts and a choice's index as the upstream sent
+    them: an OpenAI-compatible server's "id": 42 or "prompt_tokens": 12.0 made a checksummed record that the
+    trace build, which checks each field's type, refused whole (its arrival, status and ids lost)."""
+    rec = RequestRecord(endpoint="/v1/completions", arrival_unix_ns=10**18, model=7, upstream_id=42, index="0",
+                        prompt_tokens=12.0, completion_tokens=2.5, first_token_s=0.1, last_token_s=0.5)
+    directory = _segment(tmp_path, [msgpack.packb(encode_record(rec, Privacy(b"s" * 32)))], "requests")
+    table, stats = read_requests(directory)
+    assert stats.corrupt == 0 and table.height == 1, stats.bad_files
+    row = table.row(0, named=True)
+    assert (row["model"], row["upstream_id"], row["index"], row["prompt_len"], row["output_len"]) == \
+        ("7", "42", None, 12, None)
 
 
 def test_kv_records_of_other_types_are_counted_not_read(tmp_path):

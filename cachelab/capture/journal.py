@@ -128,7 +128,7 @@ class Journal:
 
     def _pack(self, record: dict) -> bytes:
         """The record's bytes. A field msgpack cannot take (an integer past 64 bits, as a hostile
-        upstream's ``"id"`` can be) is written as null and named in ``not_recorded`` (counted in
+        peer can send) is written as null and named in ``not_recorded`` (counted in
         ``build_errors``): it raised on this thread, which ended it, and every later record was
         lost uncounted. A string with a lone surrogate (JSON's ``"\\ud800"``) has it replaced."""
         try:

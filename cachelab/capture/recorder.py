@@ -107,6 +107,20 @@ def _array_bytes(values, dtype) -> bytes | None:
     return None if values is None else np.ascontiguousarray(values, dtype=dtype).tobytes()
 
 
+def _text(value) -> str | None:
+    """A field taken from a client's or upstream's JSON as it came (a model, an answer's id), stored as
+    text: the trace build reads it as text and refuses a record holding another type ("id": 42)."""
+    return value if value is None or isinstance(value, str) else str(value)
+
+
+def _count(value) -> int | None:
+    """A count or index taken from an upstream's JSON as it came (usage's ``prompt_tokens``, a choice's
+    index), stored as an int64 integer or null: 12.0 as 12, anything else as null."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return value if type(value) is int and -2**63 <= value < 2**63 else None
+
+
 def load_salt(path: str | os.PathLike) -> bytes:
     """The capture's salt: read it, or create 32 random bytes there (0600). An existing salt file
     other users can read or write is refused, naming its mode: whoever reads it can test guessed
@@ -187,13 +201,13 @@ def encode_record(record: RequestRecord, privacy: Privacy) -> dict:
     prompt_len = len(record.prompt_ids) if record.prompt_ids is not None else record.prompt_tokens
     output_len = len(record.output_ids) if record.output_ids is not None else record.completion_tokens
     out: dict[str, Any] = {
-        "kind": "request", "v": RECORD_VERSION, "endpoint": record.endpoint, "model": record.model,
+        "kind": "request", "v": RECORD_VERSION, "endpoint": record.endpoint, "model": _text(record.model),
         "arrival_ns": int(record.arrival_unix_ns), "status": int(record.status), "error": record.error,
-        "stream": bool(record.stream), "upstream_id": record.upstream_id, "index": record.index,
+        "stream": bool(record.stream), "upstream_id": _text(record.upstream_id), "index": _count(record.index),
         "session": None if record.session is None else privacy.keyed(record.session.encode()),
         "ttft_s": record.first_token_s, "last_s": record.last_token_s,
         "tok_t": _array_bytes(record.token_times_s, "<f8"), "tok_n": _array_bytes(record.token_counts, "<i4"),
-        "prompt_len": prompt_len, "output_len": output_len, "cached": record.cached_tokens,
+        "prompt_len": _count(prompt_len), "output_len": _count(output_len), "cached": _count(record.cached_tokens),
         "token_source": record.token_source, "privacy": privacy.mode,
     }
     if privacy.hash_blocks:
