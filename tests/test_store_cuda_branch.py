@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from cachelab.errors import CachelabError
 from cachelab.store import TieredStore, build_tables
 from cachelab.store.backing import device_rows
 from cachelab.store.bench import check_rows
@@ -120,3 +121,26 @@ def test_the_cuda_branch_gathers_the_resident_table(tables, monkeypatch):
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)) and check_rows(gpu, rows, got) == 0
             c = gpu.last_step
             assert c["hbm_read_bytes"] == c["unique"] * 264 and c["host_to_device_bytes"] == 0
+
+
+def test_close_lets_the_memory_go_when_the_wait_for_the_device_fails(tables, monkeypatch):
+    """``close()`` waits for the store's stream before it lets the tiers' memory go; a CUDA error
+    raised by that wait (an illegal address of an earlier step, say) skipped the release, and the
+    store, already marked closed, never tried again: slots, staging and table held until it was
+    collected."""
+    store = TieredStore.open(tables, backing="dram", hbm_policy="lru", hbm_capacity=300, dram_policy="lru",
+                             dram_capacity=400)
+    on_cuda_branch(store, monkeypatch)
+    store.lookup(full_rows(np.random.default_rng(3), 20))
+    assert store._bufs and all(t.memory is not None for t in store.tiers)
+
+    def failed():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    store._stream.synchronize = failed
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        store.close()
+    assert store._bufs == {} and all(t.memory is None for t in store.tiers) and store.backing.buf is None
+    store.close()  # closed: nothing more to let go, and no second wait
+    with pytest.raises(CachelabError, match="is closed"):
+        store.lookup(full_rows(np.random.default_rng(3), 5))

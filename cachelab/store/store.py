@@ -563,18 +563,22 @@ class TieredStore:
     def close(self) -> None:
         """Run the prefetches asked for, wait for a step under way on another thread, then let
         the tables go. A closed store refuses every step (an unmapped ``mmap`` table read
-        nothing and handed back a stale buffer as rows); closing twice does nothing."""
+        nothing and handed back a stale buffer as rows); closing twice does nothing. The tables,
+        buffers and tiers go even where the wait for the device fails (a CUDA error is raised
+        there): a second ``close()`` does nothing, so they were held until the store was collected."""
         self._worker.shutdown()  # a prefetch's error stays its handle's
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self._clock()  # with CUDA, no device work of a step cut short still uses the memory let go here
-            self.backing.close()
-            self._outputs.clear()
-            self._bufs.clear()  # the memory goes now, not when the store is collected
-            for tier in self.tiers:
-                tier.memory = None
+            try:
+                self._clock()  # with CUDA, no device work of a step cut short still uses the memory let go here
+            finally:
+                self._outputs.clear()
+                self._bufs.clear()  # the memory goes now, not when the store is collected
+                for tier in self.tiers:
+                    tier.memory = None
+                self.backing.close()
 
     def _check_open(self) -> None:
         if self._closed:
