@@ -95,7 +95,10 @@ def test_the_cuda_branch_returns_the_cpu_stores_rows_and_counts(tables, backing,
             else:
                 got, want = gpu.lookup(rows), cpu.lookup(rows)
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)) and check_rows(gpu, rows, got) == 0
-            counts = [k for k in cpu.last_step.to_dict() if not k.endswith(("_s", "_faults", "_ratio"))]
+            # mmap's ssd_to_dram_bytes is the kernel's count of the whole process's reads: a module
+            # imported from a cold page cache during one store's step counted there, not the other's
+            counts = [k for k in cpu.last_step.to_dict() if not k.endswith(("_s", "_faults", "_ratio"))
+                      and not (backing == "mmap" and k == "ssd_to_dram_bytes")]
             assert {k: gpu.last_step[k] for k in counts} == {k: cpu.last_step[k] for k in counts}
             assert isinstance(gpu.tiers[0].memory, torch.Tensor) and isinstance(gpu.tiers[1].memory, np.ndarray)
         assert gpu.totals["hbm_hits"] > 0 and gpu.totals["dram_hits"] > 0
