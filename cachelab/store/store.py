@@ -317,20 +317,21 @@ class TieredStore:
     def _step(self, row_ids, scores, out=None):
         """One step under the lock. With CUDA it runs on the store's own stream, so its waits
         (``_clock``) hold the store's work only, never a forward pass the caller runs beside a
-        prefetch; a caller's ``out=`` is written after what the caller queued before asking."""
+        prefetch; a caller's ``out=`` is written after what the caller queued before asking, the
+        store's stream waiting for the caller's there alone (``_dequant``), not at the step's
+        start, where the host work of every stage waited for the forward pass it can run beside."""
         if not self.cuda:
             return self._step_here(row_ids, scores, out)
-        if out is not None:
-            self._stream.wait_stream(self._caller_stream())
+        caller = self._caller_stream() if out is not None else None  # this thread's, before the store's is current
         with self.torch.cuda.stream(self._stream):
-            return self._step_here(row_ids, scores, out)
+            return self._step_here(row_ids, scores, out, caller)
 
-    def _step_here(self, row_ids, scores, out):
+    def _step_here(self, row_ids, scores, out, caller=None):
         with self._lock:
             self._check_open()
             c = Counters(self.tier_names)
             try:
-                rows = self._serve(row_ids, scores, c, out)
+                rows = self._serve(row_ids, scores, c, out, caller)
             except BaseException:  # a backing read error, an interrupt: see _serve
                 if self._unsettled:
                     for tier in self.tiers:
@@ -341,7 +342,7 @@ class TieredStore:
             self.totals.add(c)
             return rows, c
 
-    def _serve(self, row_ids, scores, c: Counters, out=None):
+    def _serve(self, row_ids, scores, c: Counters, out=None, caller=None):
         """One step. Its arguments are checked before any tier's policy steps; a step failing
         after that (``_unsettled``) leaves policies holding rows whose bytes never reached their
         slots, so ``_step_here`` empties the tiers: the steps after it serve correct rows from
@@ -396,7 +397,7 @@ class TieredStore:
         c["cache_lookup_s"] = t2 - t1
         if self.resident and self.cuda:  # the table in HBM: one gather there, nothing staged or copied
             h, written_hbm, file_bytes, pages = 0, 0, 0, 0
-            out = self._dequant(self.backing.rows, uniq[inverse], shape, out)  # uniq: the table's page rows
+            out = self._dequant(self.backing.rows, uniq[inverse], shape, out, caller)  # uniq: the table's page rows
             t8 = clock()
             c["dequant_s"] = t8 - t2
         else:
@@ -430,7 +431,7 @@ class TieredStore:
                 written_hbm = hbm.commit(res0, dev, new_pos[_positions(ids, res0.admitted)])
             t7 = clock()
             c["gather_s"] = (t3 - t2) + (t5 - t4) + (t7 - t6)
-            out = self._dequant(dev, new_pos[inverse], shape, out)
+            out = self._dequant(dev, new_pos[inverse], shape, out, caller)
             t8 = clock()
             c["dequant_s"] = t8 - t7
         minor1, major1 = _faults()
@@ -531,7 +532,9 @@ class TieredStore:
                                 f"{self.device}, got {out.dtype} {list(out.shape)} on {out.device}")
         return out, None if self.cuda else out.data_ptr()  # viewed as an array it took 3.7 us
 
-    def _dequant(self, dev, index: np.ndarray, shape, out=None):
+    def _dequant(self, dev, index: np.ndarray, shape, out=None, caller=None):
+        """Rows ``dev[index]`` dequantised, in ``out`` if given; with CUDA ``out`` is written once
+        the work ``caller`` (the caller's stream) queued before the step is done."""
         torch = self.torch
         dim = self.row_dim
         if not self.cuda:
@@ -541,7 +544,10 @@ class TieredStore:
             return res
         idx = torch.from_numpy(index).to(self.device, non_blocking=True)
         res = dequant_rows_torch(dev.index_select(0, idx), dim, self._device_table).reshape(*shape, dim)
-        return res if out is None else self._output(shape, out)[0].copy_(res)
+        if out is None:
+            return res
+        self._stream.wait_stream(caller)
+        return self._output(shape, out)[0].copy_(res)
 
     def reset(self) -> None:
         """Start again as the store opened: both cache tiers emptied (their policies reset, which
