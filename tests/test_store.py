@@ -843,6 +843,35 @@ def test_two_threads_waiting_on_one_prefetch_count_its_stall_once(tables, monkey
         assert store.last_step["stall_s"] == handle.stall_seconds == store.totals["stall_s"]
 
 
+def test_a_done_prefetch_is_waited_for_without_the_step_after_it(tables, monkeypatch):
+    """Prefetching two steps ahead: the first's rows are back while the second runs on the
+    prefetch thread. ``wait()`` on the first recorded its stall under the lock the second step
+    holds, so it returned only once that step was done: the rows held back a whole step, and
+    its stall counted the step after it."""
+    rng = np.random.default_rng(12)
+    with TieredStore.open(tables, hbm_policy="lru", hbm_capacity=300) as store:
+        first = store.prefetch(full_rows(rng, 10))
+        while not first.done():
+            time.sleep(0.001)
+        entered, release, read = threading.Event(), threading.Event(), store.backing.read
+
+        def held(*args):  # the second step's backing read, held until the first's rows are back
+            entered.set()
+            release.wait(timeout=3)
+            return read(*args)
+
+        monkeypatch.setattr(store.backing, "read", held)
+        second = store.prefetch(full_rows(rng, 10))
+        assert entered.wait(timeout=10)
+        t = time.perf_counter()
+        rows = first.wait()
+        waited, second_running = time.perf_counter() - t, not second.done()
+        release.set()
+        assert second_running and waited < 1.5 and first.stall_seconds < 1.5, waited
+        second.wait()
+        assert rows.shape[0] == 10 and store.totals["stall_s"] == first.stall_seconds + second.stall_seconds
+
+
 class _PrefetchRace(TieredStore):
     """A store on which another thread's prefetch lands right after a prefetch records itself as
     the pending step, before its handle is made: a race under threads, forced."""

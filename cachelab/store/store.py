@@ -218,6 +218,7 @@ class TieredStore:
                                                                          *link, "minor_faults", "major_faults")])
         self._fused_seconds = [TIME_KEYS.index("dequant_s"), TIME_KEYS.index("step_s")]
         self._lock = threading.Lock()
+        self._count_lock = threading.Lock()  # the totals': under _lock, a done prefetch's wait() waited a step
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="cachelab-store-prefetch")
         self._pending: Future | None = None
         self._closed = False
@@ -299,7 +300,7 @@ class TieredStore:
         return PrefetchHandle(future, self)
 
     def _add_stall(self, counters: Counters, seconds: float) -> None:
-        with self._lock:
+        with self._count_lock:
             counters["stall_s"] += seconds
             self.totals["stall_s"] += seconds
 
@@ -317,9 +318,8 @@ class TieredStore:
     def _step(self, row_ids, scores, out=None):
         """One step under the lock. With CUDA it runs on the store's own stream, so its waits
         (``_clock``) hold the store's work only, never a forward pass the caller runs beside a
-        prefetch; a caller's ``out=`` is written after what the caller queued before asking, the
-        store's stream waiting for the caller's there alone (``_dequant``), not at the step's
-        start, where the host work of every stage waited for the forward pass it can run beside."""
+        prefetch; a caller's ``out=`` is written after what the caller queued before asking, waited
+        for there (``_dequant``), not at the step's start, which held every stage's host work back."""
         if not self.cuda:
             return self._step_here(row_ids, scores, out)
         caller = self._caller_stream() if out is not None else None  # this thread's, before the store's is current
@@ -338,8 +338,9 @@ class TieredStore:
                         tier.clear()
                     self._unsettled = False
                 raise
-            self.last_step = c
-            self.totals.add(c)
+            with self._count_lock:
+                self.last_step = c
+                self.totals.add(c)
             return rows, c
 
     def _serve(self, row_ids, scores, c: Counters, out=None, caller=None):
@@ -568,10 +569,9 @@ class TieredStore:
 
     def close(self) -> None:
         """Run the prefetches asked for, wait for a step under way on another thread, then let
-        the tables go. A closed store refuses every step (an unmapped ``mmap`` table read
-        nothing and handed back a stale buffer as rows); closing twice does nothing. The tables,
-        buffers and tiers go even where the wait for the device fails (a CUDA error is raised
-        there): a second ``close()`` does nothing, so they were held until the store was collected."""
+        the tables go, even where the wait for the device raises (a CUDA error; they were held until
+        the store was collected). A closed store refuses every step (an unmapped ``mmap`` table read
+        nothing and handed back a stale buffer as rows); closing twice does nothing."""
         self._worker.shutdown()  # a prefetch's error stays its handle's
         with self._lock:
             if self._closed:
