@@ -39,7 +39,8 @@ class FakeCuda:
     def Stream(self, name="store"):  # noqa: N802 (torch's name)
         cuda = self
         return types.SimpleNamespace(name=name, synchronize=lambda: cuda.log.append(("sync", name)),
-                                     wait_stream=lambda other: cuda.log.append(("wait", name, other.name)))
+                                     record_event=lambda: cuda.log.append(("event", name)) or ("event", name),
+                                     wait_event=lambda event: cuda.log.append(("wait", name, event[1])))
 
     def current_stream(self, device=None):
         return self.current
@@ -91,9 +92,10 @@ def test_the_cuda_branch_returns_the_cpu_stores_rows_and_counts(tables, backing,
                 before = len(cuda.log)
                 out = torch.empty((*rows.shape, 256), dtype=torch.bfloat16)
                 got, want = gpu.lookup(rows, out=out), cpu.lookup(rows)
-                step = cuda.log[before:]  # the wait for the caller's queued work comes where out= is written,
-                waited = step.index(("wait", "store", "caller"))  # after every stage's clock but the last
+                step = cuda.log[before:]  # the wait for what the caller queued before asking (an event then)
+                waited = step.index(("wait", "store", "caller"))  # is where out= is written: after every clock but one
                 assert got.data_ptr() == out.data_ptr() and step.count(("wait", "store", "caller")) == 1
+                assert step.index(("event", "caller")) < step.index(("sync", "store"))
                 assert step[:waited].count(("sync", "store")) >= 6 and step[waited:].count(("sync", "store")) == 1
             else:
                 got, want = gpu.lookup(rows), cpu.lookup(rows)

@@ -322,16 +322,16 @@ class TieredStore:
         for there (``_dequant``), not at the step's start, which held every stage's host work back."""
         if not self.cuda:
             return self._step_here(row_ids, scores, out)
-        caller = self._caller_stream() if out is not None else None  # this thread's, before the store's is current
+        asked = self._caller_stream().record_event() if out is not None else None  # what it queued so far
         with self.torch.cuda.stream(self._stream):
-            return self._step_here(row_ids, scores, out, caller)
+            return self._step_here(row_ids, scores, out, asked)
 
-    def _step_here(self, row_ids, scores, out, caller=None):
+    def _step_here(self, row_ids, scores, out, asked=None):
         with self._lock:
             self._check_open()
             c = Counters(self.tier_names)
             try:
-                rows = self._serve(row_ids, scores, c, out, caller)
+                rows = self._serve(row_ids, scores, c, out, asked)
             except BaseException:  # a backing read error, an interrupt: see _serve
                 if self._unsettled:
                     for tier in self.tiers:
@@ -343,7 +343,7 @@ class TieredStore:
                 self.totals.add(c)
             return rows, c
 
-    def _serve(self, row_ids, scores, c: Counters, out=None, caller=None):
+    def _serve(self, row_ids, scores, c: Counters, out=None, asked=None):
         """One step. Its arguments are checked before any tier's policy steps; a step failing
         after that (``_unsettled``) leaves policies holding rows whose bytes never reached their
         slots, so ``_step_here`` empties the tiers: the steps after it serve correct rows from
@@ -398,7 +398,7 @@ class TieredStore:
         c["cache_lookup_s"] = t2 - t1
         if self.resident and self.cuda:  # the table in HBM: one gather there, nothing staged or copied
             h, written_hbm, file_bytes, pages = 0, 0, 0, 0
-            out = self._dequant(self.backing.rows, uniq[inverse], shape, out, caller)  # uniq: the table's page rows
+            out = self._dequant(self.backing.rows, uniq[inverse], shape, out, asked)  # uniq: the table's page rows
             t8 = clock()
             c["dequant_s"] = t8 - t2
         else:
@@ -432,7 +432,7 @@ class TieredStore:
                 written_hbm = hbm.commit(res0, dev, new_pos[_positions(ids, res0.admitted)])
             t7 = clock()
             c["gather_s"] = (t3 - t2) + (t5 - t4) + (t7 - t6)
-            out = self._dequant(dev, new_pos[inverse], shape, out, caller)
+            out = self._dequant(dev, new_pos[inverse], shape, out, asked)
             t8 = clock()
             c["dequant_s"] = t8 - t7
         minor1, major1 = _faults()
@@ -533,9 +533,9 @@ class TieredStore:
                                 f"{self.device}, got {out.dtype} {list(out.shape)} on {out.device}")
         return out, None if self.cuda else out.data_ptr()  # viewed as an array it took 3.7 us
 
-    def _dequant(self, dev, index: np.ndarray, shape, out=None, caller=None):
+    def _dequant(self, dev, index: np.ndarray, shape, out=None, asked=None):
         """Rows ``dev[index]`` dequantised, in ``out`` if given; with CUDA ``out`` is written once
-        the work ``caller`` (the caller's stream) queued before the step is done."""
+        the work the caller's stream held when the step was asked for (event ``asked``) is done."""
         torch = self.torch
         dim = self.row_dim
         if not self.cuda:
@@ -547,7 +547,7 @@ class TieredStore:
         res = dequant_rows_torch(dev.index_select(0, idx), dim, self._device_table).reshape(*shape, dim)
         if out is None:
             return res
-        self._stream.wait_stream(caller)
+        self._stream.wait_event(asked)
         return self._output(shape, out)[0].copy_(res)
 
     def reset(self) -> None:
