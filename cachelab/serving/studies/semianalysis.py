@@ -438,6 +438,10 @@ def run(out_dir: Path, eff: Efficiency, workload: Workload | None = None,
         f"{r['hardware']} TP{r['tp']} {r['placement']} C={r['concurrency']}" for r in rows
         if not r["fits"] and "concurrency" in r]
     result["b200_decode_step_decomposition"] = decode_decomposition(rows, eff, workload)
+    from cachelab.serving.studies.ssd_penalty import penalty_by_concurrency, read_off_decomposition  # imports this
+
+    result["b200_read_off_decomposition"] = read_off_decomposition(points, eff, workload)
+    result["b200_tp4_ssd_penalty_per_output_token"] = penalty_by_concurrency(points)
     result["workload"] = workload.describe()
     result["efficiency"] = {k: getattr(eff, k) for k in ("mfu", "mbu", "layer_overhead_s", "cpu_per_sequence_s",
                                                          "request_overhead_s", "piecewise_layer_s", "decoder_replay")}
@@ -497,6 +501,9 @@ def what_ifs(workload: Workload, eff: Efficiency, dram_tokens_per_dollar: float)
               "v41_8k1k_ssd_tokens_per_s_per_gpu": {"floor (the model)": v41["floor"], "additive": v41["additive"],
                                                     "published": pair.measured["tokens_per_s_per_gpu"]},
               "source": SSD_PR_SOURCE}
+    from cachelab.serving.studies.ssd_penalty import penalty_under  # it imports this module
+
+    offset["b200_tp4_ssd_penalty_per_output_token"] = penalty_under(workload, additive, eff)
     return {"b200_dram_over_ssd_if_page_cache_fraction": by_cache,
             "b300_tp2_dram_gain_if_kv_bytes_per_token": by_kv,
             "b200_dram_over_ssd_if_host_offset_additive": offset,
