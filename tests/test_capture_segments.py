@@ -8,17 +8,20 @@ import stat
 import subprocess
 import sys
 import time
+import zlib
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import msgpack
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from cachelab.capture import segments
 from cachelab.capture.journal import Journal
 from cachelab.capture.recorder import Privacy, Recorder, RequestRecord, load_salt
-from cachelab.capture.segments import MAGIC, ReadStats, SegmentWriter, read_stream, segment_files
+from cachelab.capture.segments import MAGIC, ReadStats, frame, SegmentWriter, read_stream, segment_files
 from cachelab.capture.to_trace import build_from_capture, capture_to_trace, read_requests
 from cachelab.errors import CachelabError
 from cachelab.trace.schema import read_trace, validate
@@ -162,6 +165,64 @@ def test_a_damaged_record_head_in_the_middle_loses_that_record_alone(tmp_path_fa
     assert [r["i"] for r in got] == [i for i in range(10) if i != k]
     assert stats.corrupt == 1 and stats.torn_tails == 0
     assert stats.damaged == [f"{path.name}@{at}: corrupt, {starts[k + 2] - at} bytes skipped"]
+
+
+def _bogus_heads(n: int) -> bytes:
+    """A segment whose header is followed by ``n`` 12-byte record heads, each claiming the rest of the
+    file with a wrong checksum, then one good record: every head is a resynchronisation candidate."""
+    good = frame(msgpack.packb({"i": 0}))
+    start = len(MAGIC) + len(frame(msgpack.packb({"kind": "segment"})))
+    end = start + 12 * n + len(good)
+    heads = b"".join(b"REC1" + (end - (start + 12 * i + 12)).to_bytes(4, "little") + bytes(4) for i in range(n))
+    return MAGIC + frame(msgpack.packb({"kind": "segment"})) + heads + good
+
+
+def test_resynchronising_over_crafted_heads_is_linear_in_the_file(tmp_path, monkeypatch):
+    """Each candidate's checksum was computed over the whole payload it claims, so N heads that each claim
+    the rest of the file cost N x the file (quadratic: twice the heads, four times the bytes checksummed).
+    Counted in bytes handed to CRC-32, not timed."""
+    checksummed = [0]
+
+    def crc32(data, value=0):
+        checksummed[0] += len(data)
+        return zlib.crc32(data, value)
+
+    monkeypatch.setattr(segments, "zlib", SimpleNamespace(crc32=crc32))
+    counts = []
+    for n in (2000, 4000):
+        directory = tmp_path / str(n)
+        directory.mkdir()
+        (directory / "s-000000.seg").write_bytes(_bogus_heads(n))
+        checksummed[0] = 0
+        got, stats = _records(directory)
+        assert got == [{"i": 0}] and stats.corrupt == 1 and stats.torn_tails == 0
+        counts.append(checksummed[0])
+    assert counts[1] < 3 * counts[0], f"{counts[0]:,} then {counts[1]:,} bytes checksummed for twice the heads"
+
+
+def test_a_long_record_after_damage_is_found_by_its_checksum(tmp_path):
+    """Resynchronising checks a long candidate's checksum from the file's running CRC (not its own bytes):
+    the long records after a damaged one are read back, damaged ones are not."""
+    payloads = [msgpack.packb({"i": i, "pad": bytes(range(256)) * (i * 40)}) for i in range(6)]
+    records = [frame(p) for p in payloads]
+    data = bytearray(MAGIC + frame(msgpack.packb({"kind": "segment"})) + b"".join(records))
+    at = len(MAGIC) + len(frame(msgpack.packb({"kind": "segment"})))
+    data[at + 5] ^= 0x40  # record 0's length
+    later = at + sum(map(len, records[:4]))
+    data[later + 9000] ^= 0x01  # record 4's payload
+    (tmp_path / "s-000000.seg").write_bytes(bytes(data))
+    got, stats = _records(tmp_path)
+    assert [r["i"] for r in got] == [1, 2, 3, 5] and stats.corrupt == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=st.integers(1, 40_000), a=st.integers(0, 40_000), n=st.integers(0, 40_000),
+       value=st.integers(0, 2**32 - 1))
+def test_a_stretchs_checksum_from_the_running_crc_is_zlibs(size, a, n, value):
+    data = np.random.default_rng(size).bytes(size)
+    a = a % size
+    b = min(a + n, len(data))
+    assert segments._Candidates(data)._crc(a, b, value) == zlib.crc32(data[a:b], value)
 
 
 @pytest.mark.parametrize("byte", [0, 7])

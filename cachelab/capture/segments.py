@@ -36,6 +36,7 @@ import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 import msgpack
@@ -224,25 +225,81 @@ class ReadStats:
         self.damaged.append(f"{name}@{at}: torn tail, {size} bytes")
 
 
-def _intact(data: bytes, at: int) -> bool:
-    """Whether a whole record that checks out starts at ``at``."""
-    if len(data) - at < _HEAD.size:
-        return False
-    sync, length, crc = _HEAD.unpack_from(data, at)
-    body = at + _HEAD.size
-    return sync == SYNC and body + length <= len(data) and _crc(data[at + 4:at + 8], data[body:body + length]) == crc
+_STEP = 4096  # bytes between the running CRC's checkpoints (``_Candidates``)
 
 
-def _resync(data: bytes, pos: int) -> int:
-    """The offset of the next record after ``pos`` that checks out, or -1: a ``REC1`` inside a damaged
-    record's payload is passed over, not counted as one more damaged record."""
-    nxt = data.find(SYNC, pos + 1)
-    while nxt >= 0 and not _intact(data, nxt):
-        nxt = data.find(SYNC, nxt + 1)
-    return nxt
+@lru_cache(maxsize=1)
+def _shifts() -> list[list[list[int]]]:
+    """``[k][p][b]``: CRC-32's register step over 2^k zero bytes applied to byte ``b`` in position
+    ``p`` of a register, so any count of zero bytes is at most 32 steps of four lookups (zlib's
+    ``crc32_combine``, which Python's zlib does not expose)."""
+    mask = 0xFFFFFFFF
+    columns = [~zlib.crc32(b"\0", ~(1 << j) & mask) & mask for j in range(32)]  # one zero byte
+    tables = []
+    for _ in range(32):
+        table = [[0] * 256 for _ in range(4)]
+        for p in range(4):
+            for b in range(1, 256):
+                table[p][b] = table[p][b & (b - 1)] ^ columns[8 * p + (b & -b).bit_length() - 1]
+        tables.append(table)
+        columns = [_step(table, c) for c in columns]  # twice as many zero bytes
+    return tables
 
 
-def _scan(data: bytes, stats: ReadStats, name: str, pos: int) -> Iterator[bytes]:
+def _step(table: list[list[int]], register: int) -> int:
+    return table[0][register & 255] ^ table[1][register >> 8 & 255] ^ table[2][register >> 16 & 255] ^ table[3][register >> 24]
+
+
+class _Candidates:
+    """Whether a whole record that checks out starts at an offset of one file's bytes.
+
+    A candidate's checksum covers the payload it claims: checked byte by byte, N candidates that each
+    claim the rest of the file (a crafted file, or a damaged one's payloads holding ``REC1``) cost N x
+    the file. A long payload's CRC is instead taken from the file's running CRC at its two ends
+    (checkpoints every ``_STEP`` bytes, built on first need) and ``_shifts``: the CRC of ``data[a:b]``
+    continuing ``v`` is ``R(b) ^ Z(R(a) ^ v, b - a)``, ``R`` the running CRC from the file's start and
+    ``Z`` the register step over that many zero bytes, so a check costs the same whatever its length."""
+
+    def __init__(self, data: bytes):
+        self.data, self._view, self._checkpoints = data, memoryview(data), None
+
+    def _running(self, at: int) -> int:
+        if self._checkpoints is None:
+            self._checkpoints = [0]
+            for start in range(0, len(self.data) - _STEP + 1, _STEP):
+                self._checkpoints.append(zlib.crc32(self._view[start:start + _STEP], self._checkpoints[-1]))
+        base = at - at % _STEP
+        return zlib.crc32(self._view[base:at], self._checkpoints[base // _STEP])
+
+    def _crc(self, start: int, end: int, value: int) -> int:
+        if end - start <= 2 * _STEP:
+            return zlib.crc32(self._view[start:end], value)
+        register, count, tables = self._running(start) ^ value, end - start, _shifts()
+        for table in tables:
+            if count & 1:
+                register = _step(table, register)
+            count >>= 1
+        return self._running(end) ^ register
+
+    def intact(self, at: int) -> bool:
+        data = self.data
+        if len(data) - at < _HEAD.size:
+            return False
+        sync, length, crc = _HEAD.unpack_from(data, at)
+        body = at + _HEAD.size
+        return sync == SYNC and body + length <= len(data) and \
+            self._crc(body, body + length, zlib.crc32(data[at + 4:at + 8])) == crc
+
+    def after(self, pos: int) -> int:
+        """The offset of the next record after ``pos`` that checks out, or -1: a ``REC1`` inside a damaged
+        record's payload is passed over, not counted as one more damaged record."""
+        nxt = self.data.find(SYNC, pos + 1)
+        while nxt >= 0 and not self.intact(nxt):
+            nxt = self.data.find(SYNC, nxt + 1)
+        return nxt
+
+
+def _scan(data: bytes, stats: ReadStats, name: str, pos: int, candidates: _Candidates) -> Iterator[bytes]:
     end = len(data)
     while pos < end:
         if end - pos < _HEAD.size:
@@ -260,7 +317,7 @@ def _scan(data: bytes, stats: ReadStats, name: str, pos: int) -> Iterator[bytes]
         # Damaged, or running past the end of the file: resynchronise on the next record that checks out.
         # None: the damage runs to the end, a torn tail (a length running past the end with good records
         # after it is a damaged length: read as a torn tail, it lost every record behind it).
-        nxt = _resync(data, pos)
+        nxt = candidates.after(pos)
         if nxt < 0:
             stats.torn(name, pos, end - pos)
             return
@@ -292,18 +349,18 @@ def read_stream(directory: str | os.PathLike, stream: str, stats: ReadStats | No
             # Created but killed before the magic was complete: an empty torn segment.
             stats.torn(path.name, 0, len(data))
             continue
-        start = len(MAGIC)
+        start, candidates = len(MAGIC), _Candidates(data)
         if data[:start] != MAGIC:
             # a damaged magic loses those bytes, not the segment's records (a file of that name without one
             # intact record is no segment)
-            start = _resync(data, -1)
+            start = candidates.after(-1)
             if start < 0:
                 stats.bad_files.append(f"{path.name}: not a cachelab capture segment")
                 continue
             stats.corrupt += 1
             stats.skipped_bytes += start
             stats.damaged.append(f"{path.name}@0: corrupt, {start} bytes skipped (no segment magic)")
-        for payload in _scan(data, stats, path.name, start):
+        for payload in _scan(data, stats, path.name, start, candidates):
             try:
                 record = msgpack.unpackb(payload, raw=False, strict_map_key=False)
             except (ValueError, TypeError, msgpack.UnpackException) as exc:  # TypeError: an array as a map key
