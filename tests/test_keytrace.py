@@ -76,21 +76,48 @@ def test_a_declared_format_that_does_not_fit_is_named(tmp_path):
         assert f"--format {fmt} declares a key trace, but this is a lookup stream (.npz)" in res.output
 
 
-def test_zstd_input_is_named_as_such(tmp_path):
-    """The ARC traces ship as .lis.zst: the error asked for --format, or blamed line 1 for not being UTF-8."""
+ZSTD_121 = b"(\xb5/\xfd\x04X1\x00\x001\n2\n1\n\xc8\xe2\x1e\x07"  # `zstd` of "1\n2\n1\n"
+
+
+def test_zstd_input_is_read_as_its_keys(tmp_path):
+    """The ARC traces ship as .lis.zst: zstd was refused ("decompress it first"); it is streamed as gzip,
+    bzip2 and xz are (Arrow's decoder: pyarrow is a dependency), several frames read whole."""
     from cachelab.trace.ingest import Ingest
 
     path = tmp_path / "k.txt.zst"
-    path.write_bytes(b"(\xb5/\xfd\x04X1\x00\x001\n2\n1\n\xc8\xe2\x1e\x07")  # `zstd` of "1\n2\n1\n"
+    path.write_bytes(ZSTD_121)
     for fmt in (None, "txt"):
-        with pytest.raises(CachelabError, match=r"k.txt.zst: zstd-compressed, which cachelab does not read"):
-            read_keys(path, fmt)
-    with pytest.raises(CachelabError, match=r"k.txt.zst: zstd-compressed"):
-        next(Ingest(path).lines())
+        assert sniff_format(path) == "txt" and read_keys(path, fmt).tolist() == [1, 2, 1]
+    assert [text for _, text in Ingest(path).lines()] == ["1", "2", "1"]
+    path.write_bytes(ZSTD_121 * 2)
+    assert read_keys(path).tolist() == [1, 2, 1] * 2
+    for damaged in (ZSTD_121[:-3], ZSTD_121 + b"garbage"):
+        path.write_bytes(damaged)
+        with pytest.raises(CachelabError, match=r"k.txt.zst: corrupt compressed data"):
+            read_keys(path)
 
 
-def test_text_in_other_encodings_is_read_as_text(tmp_path):
-    """UTF-16 (with or without a BOM) and UTF-8 with a BOM are key lists, never oracleGeneral."""
+def test_a_key_zero_padded_past_64_bytes_is_its_value(tmp_path):
+    """A key is an integer in decimal, whatever its width: leading zeros (fixed-width ids written wider than
+    64 bytes) were refused as 'not an integer key' since the check that spares an array a long line's width."""
+    padded = [b"0" * 100 + b"5", b"  +" + b"0" * 300 + b"18446744073709551615 ", b"0" * 70, b"7"]
+    (tmp_path / "k.txt").write_bytes(b"\n".join(padded) + b"\n")
+    assert read_keys(tmp_path / "k.txt").tolist() == [1, 3, 0, 2]  # an id past int64: every id its rank
+    (tmp_path / "p.txt").write_bytes(b"4\n" + b"0" * 100 + b"5\n")
+    assert read_keys(tmp_path / "p.txt").tolist() == [4, 5]
+    for name, line, why in (("big.txt", b"1" + b"0" * 80, "does not fit in 64 bits"),
+                            ("neg.txt", b"-" + b"0" * 80 + b"3", "key -3 is negative"),
+                            ("long.txt", b"0" * (2 << 20), r"more than 1,048,576 bytes\) is not an integer key")):
+        (tmp_path / name).write_bytes(b"1\n2\n" + line + b"\n4\n")
+        with pytest.raises(CachelabError, match=rf"{name}, line 3: .*{why}"):
+            read_keys(tmp_path / name)
+
+
+def test_text_in_other_encodings_is_read_as_text(tmp_path, monkeypatch):
+    """UTF-16 (with or without a BOM) and UTF-8 with a BOM are key lists, never oracleGeneral, also read a
+    byte at a time after the head (a character split between reads); a character past ASCII names its line."""
+    from cachelab.trace import keytrace
+
     text = "\n".join(map(str, KEYS)) + "\n"
     cases = {"le.txt": text.encode("utf-16"), "be.txt": b"\xfe\xff" + text.encode("utf-16-be"),
              "nobom.txt": text.encode("utf-16-le"), "bom8.txt": b"\xef\xbb\xbf" + text.encode()}
@@ -98,6 +125,14 @@ def test_text_in_other_encodings_is_read_as_text(tmp_path):
         (tmp_path / name).write_bytes(data)
         assert sniff_format(tmp_path / name) == "txt", name
         assert read_keys(tmp_path / name).tolist() == KEYS.tolist(), name
+        with monkeypatch.context() as patch:
+            patch.setattr(keytrace, "_HEAD", 4)
+            patch.setattr(keytrace, "_CHUNK", 1)
+            assert read_keys(tmp_path / name).tolist() == KEYS.tolist(), name
+    for name, data in (("e16.txt", "1\n2\n3é\n".encode("utf-16")), ("e8.txt", "\ufeff1\n2\n3é\n".encode())):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(CachelabError, match=rf"{name}, line 3: b'3.*' is not an integer key"):
+            read_keys(tmp_path / name)
 
 
 def test_text_with_a_nul_byte_is_never_taken_for_binary(tmp_path):

@@ -1,9 +1,11 @@
-"""Opening a file that may be compressed: gzip, bzip2 and xz by their magic bytes, zstd refused.
+"""Opening a file that may be compressed: gzip, bzip2, xz and zstd by their magic bytes, read as a stream.
 
 A file of several concatenated streams (``cat a.bz2 b.bz2``, parallel compressors) is read
 whole. Bytes after a stream that do not start a valid one are an error: Python's bz2 and
 lzma readers drop them as "trailing data" without a word, so a damaged second stream gave
-the first stream's rows as if they were the file's (gzip's reader already refuses them).
+the first stream's rows as if they were the file's (gzip's and Arrow's zstd reader already
+refuse them). zstd (the ARC traces ship as ``.lis.zst``) is Arrow's decoder: the standard
+library has none before Python 3.14, and pyarrow is a dependency already.
 
 Its own module so that a reader of plain keys (``keytrace``, on ``cachelab simulate``'s way)
 opens files without importing the CSV ingest's Polars.
@@ -16,8 +18,6 @@ import gzip
 import io
 import lzma
 from pathlib import Path
-
-from cachelab.errors import CachelabError
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _CHUNK = 1 << 16
@@ -66,23 +66,20 @@ def _streams(decompressor):
     return lambda path, mode: io.BufferedReader(_Streams(open(path, mode), decompressor), _CHUNK)
 
 
+def _zstd(path, mode):
+    import pyarrow as pa  # here: a reader of plain keys stays free of Arrow's import
+
+    return io.BufferedReader(pa.CompressedInputStream(pa.OSFile(str(path), mode.replace("b", "")), "zstd"), _CHUNK)
+
+
 COMPRESSED = {b"\x1f\x8b": gzip.open, b"BZh": _streams(bz2.BZ2Decompressor),
-              b"\xfd7zXZ\x00": _streams(lzma.LZMADecompressor)}  # magic -> opener
-DECOMPRESS_ERRORS = (OSError, EOFError, lzma.LZMAError)  # corrupt or truncated streams
-
-
-def refuse_zstd(path: Path, head: bytes) -> None:
-    """A zstd file (the ARC traces ship as ``.lis.zst``) is named as one: read as it is, it was
-    'not UTF-8' or a format to declare with ``--format``; no zstd decoder is installed."""
-    if head.startswith(ZSTD_MAGIC):
-        raise CachelabError(f"{path}: zstd-compressed, which cachelab does not read; decompress it first "
-                            f"(zstd -d {path})")
+              b"\xfd7zXZ\x00": _streams(lzma.LZMADecompressor), ZSTD_MAGIC: _zstd}  # magic -> opener
+DECOMPRESS_ERRORS = (OSError, EOFError, lzma.LZMAError)  # corrupt or truncated streams (Arrow's: OSError)
 
 
 def open_binary(path: Path):
-    """The file's bytes, decompressed when it starts with the gzip, bzip2 or xz magic."""
+    """The file's bytes, decompressed as they are read when it starts with a magic of ``COMPRESSED``."""
     with open(path, "rb") as probe:
         magic = probe.read(6)
-    refuse_zstd(path, magic)
     opener = next((o for m, o in COMPRESSED.items() if magic.startswith(m)), open)
     return opener(path, "rb")

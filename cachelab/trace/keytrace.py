@@ -4,10 +4,12 @@ Formats (``fmt``), declared or detected from the content by ``sniff_format``:
 
 - ``npy``: a NumPy ``.npy`` array of integers (any shape; flattened in C order); unsigned
   64-bit ids past int64 are read as their ranks (``dense_ids``).
-- ``txt``: text, one integer key per line (ids past int64 as in ``npy``); blank lines and LIRS
-  ``*`` breakpoint lines are skipped. gzip, bzip2 and xz compression are recognised by their
-  magic bytes (zstd is named and refused); UTF-8 with a BOM and UTF-16 (with a BOM, or ASCII
-  digits each followed or led by a NUL) are decoded.
+- ``txt``: text, one integer key per line, in decimal of any width (leading zeros and blanks
+  allowed; a line of more than ``_LONGEST_LINE`` bytes is none), ids past int64 as in ``npy``;
+  blank lines and LIRS ``*`` breakpoint lines are skipped. gzip, bzip2, xz and zstd compression
+  are recognised by their magic bytes; UTF-8 with a BOM and UTF-16 (with a BOM, or ASCII digits
+  each followed or led by a NUL) are decoded. Text is parsed a block of lines at a time as it is
+  read, so memory holds the keys and one block, not the file.
 - ``oracle``: libCacheSim's oracleGeneral binary, 24-byte little-endian records
   ``<u4 time, <u8 id, <u4 size, <i8 next access (1-based request index, -1 if none)>``; a
   record of size 0 is no request, as libCacheSim's reader skips it.
@@ -27,14 +29,16 @@ negative), ``read_oracle_records`` / ``read_oracle_requests`` / ``read_oracle_ge
 
 from __future__ import annotations
 
+import codecs
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from cachelab.errors import CachelabError
 from cachelab.paths import replacing
-from cachelab.trace.compressed import COMPRESSED, DECOMPRESS_ERRORS, open_binary, refuse_zstd
+from cachelab.trace.compressed import COMPRESSED, DECOMPRESS_ERRORS, open_binary
 from cachelab.workload.future import next_access
 from cachelab.policy import NO_NEXT
 
@@ -45,7 +49,9 @@ _BOMS = {b"\xef\xbb\xbf": "utf-8-sig", b"\xff\xfe": "utf-16", b"\xfe\xff": "utf-
 _KEY_TEXT = frozenset(b"0123456789+-* \t\r\n")
 _KEY_TEXT_BYTES = b"0123456789+-* \t\r\n\x0b\x0c"  # what key text holds (bytes.strip's blanks among them)
 _KEY = re.compile(rb"[+-]?[0-9]+")
-_LONGEST_KEY = 64  # bytes of one key without its blanks (2^64 has 20 digits)
+_LONGEST_KEY = 64  # bytes of a line NumPy parses in its block's array (2^64 has 20 digits)
+_LONGEST_LINE = 1 << 20  # bytes of a line read as a key at all, zero padding included
+_CHUNK = 1 << 20  # decompressed bytes read at a time
 _CONTROL = re.compile(rb"[\x00-\x08\x0b\x0e-\x1f\x7f]")  # bytes no text holds
 _HEAD = 24 * 1024  # whole oracleGeneral records
 
@@ -110,7 +116,6 @@ def sniff_format(path: Path) -> str:
         raise CachelabError(f"{path} is empty (0 bytes): a key trace needs at least one key")
     if head.startswith(_NPY_MAGIC):
         return "npy"
-    refuse_zstd(path, head)
     if any(head.startswith(m) for m in (*COMPRESSED, *_BOMS)) or _is_text(head) or _utf16_order(head):
         return "txt"
     if "oraclegeneral" in path.name.lower() or _plausible_oracle(head, path.stat().st_size):
@@ -142,15 +147,13 @@ def read_keys(path: str | Path, fmt: str | None = None) -> np.ndarray:
     return keys
 
 
-def _refuse_negative(path: Path, keys: np.ndarray, unit: str, places: np.ndarray | None = None) -> None:
-    """A negative key is an error naming the file and the 1-based ``unit`` (``places[i]``: its index).
-    The smallest key first: one pass, where ``keys < 0`` made an array of a byte a key (10 MB of
-    fresh pages for 10 M keys)."""
+def _refuse_negative(path: Path, keys: np.ndarray, unit: str) -> None:
+    """A negative key is an error naming the file and the 1-based ``unit``. The smallest key first: one
+    pass, where ``keys < 0`` made an array of a byte a key (10 MB of fresh pages for 10 M keys)."""
     if keys.size and keys.min() < 0:
         negative = np.flatnonzero(keys < 0)
         i = int(negative[0])
-        where = int(places[i]) if places is not None else i
-        raise CachelabError(f"{path}, {unit} {where + 1}: key {int(keys[i])} is negative; keys are ids >= 0 "
+        raise CachelabError(f"{path}, {unit} {i + 1}: key {int(keys[i])} is negative; keys are ids >= 0 "
                             f"({negative.size:,} negative keys in all)")
 
 
@@ -181,20 +184,36 @@ def dense_ids(ids: np.ndarray) -> np.ndarray:
     return ids.astype(np.int64)
 
 
-def _decoded(path: Path) -> bytes:
-    """Key text as ASCII bytes: decompressed, and decoded from UTF-8 with a BOM or UTF-16."""
+def _blocks(path: Path) -> Iterator[bytes]:
+    """Key text as ASCII bytes in blocks of whole lines, decompressed and decoded (UTF-8 with a BOM,
+    UTF-16; a character past ASCII as ``?``, named with its line as no key) as it is read: memory holds
+    a block, not the file. A line is never split across blocks; one longer than ``_LONGEST_LINE`` is
+    yielded unfinished (no key, ``_shortest`` says so)."""
     try:
         with open_binary(path) as f:
-            raw = f.read()
+            chunk = f.read(_HEAD)
+            encoding = next((e for bom, e in _BOMS.items() if chunk.startswith(bom)), None) or _utf16_order(chunk)
+            if encoding == "utf-8-sig":  # key text in UTF-8 is ASCII: the BOM dropped, the bytes as they are
+                chunk, encoding = chunk[3:], None
+            decoder = codecs.getincrementaldecoder(encoding)("replace") if encoding else None
+            pending = b""
+            while True:
+                read = chunk
+                if decoder is not None:
+                    chunk = decoder.decode(read, final=not read).encode("ascii", "replace")
+                pending += chunk
+                if not read:
+                    break
+                # after the last line end; a CR at the end may be half of a CRLF the next chunk completes
+                cut = max(pending.rfind(b"\n"), pending.rfind(b"\r", 0, len(pending) - 1)) + 1
+                if cut or len(pending) > _LONGEST_LINE:
+                    yield pending[:cut or len(pending)]
+                    pending = pending[cut or len(pending):]
+                chunk = f.read(_CHUNK)
     except DECOMPRESS_ERRORS as exc:
         raise CachelabError(f"{path}: corrupt compressed data: {exc}") from None
-    encoding = next((e for bom, e in _BOMS.items() if raw.startswith(bom)), None) or _utf16_order(raw[:_HEAD])
-    if encoding is None:
-        return raw
-    try:
-        return raw.decode(encoding).encode("ascii")
-    except UnicodeError as exc:
-        raise CachelabError(f"{path}: not valid {encoding} key text ({exc})") from None
+    if pending:
+        yield pending
 
 
 def _longest_line(raw: bytes) -> int:
@@ -204,49 +223,61 @@ def _longest_line(raw: bytes) -> int:
     return int(np.diff(ends, prepend=-1, append=len(raw)).max()) - 1 if raw else 0
 
 
-def _not_a_key(text: bytes) -> str | None:
-    """Why a stripped line is not a key (None: it is one, or blank, or ``*``)."""
+def _shortest(path: Path, number: int, line: bytes) -> bytes:
+    """Line ``number`` as its key's shortest text (no blanks, sign or zero padding; ``b""`` and ``b"*"``
+    as they are), or an error naming it: a key is an integer in decimal, whatever its width."""
+    text = line.strip()
     if text in (b"", b"*"):
-        return None
-    if len(text) > _LONGEST_KEY or not _KEY.fullmatch(text):
-        return f"{text[:40]!r}{f'... ({len(text):,} bytes)' if len(text) > 40 else ''} is not an integer key"
-    key = int(text)
-    if key < 0:
-        return f"key {key} is negative; keys are ids >= 0"
-    return f"key {key} does not fit in 64 bits" if key >= 2**64 else None
+        return text
+    if len(text) > _LONGEST_LINE or not _KEY.fullmatch(text):
+        size = f"more than {_LONGEST_LINE:,}" if len(text) > _LONGEST_LINE else f"{len(text):,}"
+        why = f"{text[:40]!r}{f'... ({size} bytes)' if len(text) > 40 else ''} is not an integer key"
+    else:
+        digits = text.lstrip(b"+-").lstrip(b"0") or b"0"
+        if len(digits) > 20:
+            why = f"key {text.lstrip(b'+-')[:40]!r}... ({len(digits):,} digits) does not fit in 64 bits"
+        elif text.startswith(b"-") and digits != b"0":
+            why = f"key -{int(digits)} is negative; keys are ids >= 0"
+        elif int(digits) >= 2**64:
+            why = f"key {int(digits)} does not fit in 64 bits"
+        else:
+            return digits
+    raise CachelabError(f"{path}, line {number}: {why}")
 
 
-def _first_bad_line(path: Path, lines: list[bytes]) -> None:
-    """An error naming the first line that is not a key, if one is not (a Python step per line)."""
+def _block_keys(path: Path, block: bytes, before: int) -> tuple[np.ndarray, int]:
+    """A block's keys and its count of lines (``before``: the lines before it): int64, or uint64 where
+    one lies past int64, as hashed ids do; none negative."""
+    lines = block.splitlines()
+    if block.translate(None, _KEY_TEXT_BYTES) or _longest_line(block) > _LONGEST_KEY:
+        # a byte no key holds (numpy's fixed-width bytes drop trailing NULs: a line of them was a blank
+        # one), or a line longer than a key's digits, which every line was padded to in one array
+        lines = [_shortest(path, before + i + 1, line) for i, line in enumerate(lines)]
+    stripped = np.char.strip(np.array(lines, dtype=bytes)) if lines else np.zeros(0, dtype="S1")
+    keep = (stripped != b"") & (stripped != b"*")
+    for dtype in (np.int64, np.uint64):  # past int64: unsigned 64-bit ids
+        try:
+            keys = stripped[keep].astype(dtype)
+        except (ValueError, OverflowError):
+            continue
+        if keys.size and keys.min() < 0:  # the smallest first: no array of a byte a key (``_refuse_negative``)
+            i = int(np.flatnonzero(keep)[np.argmax(keys < 0)])
+            _shortest(path, before + i + 1, lines[i])
+        return keys, len(lines)
     for i, line in enumerate(lines):
-        why = _not_a_key(line.strip())
-        if why:
-            raise CachelabError(f"{path}, line {i + 1}: {why}")
+        _shortest(path, before + i + 1, line)
+    raise CachelabError(f"{path}, lines {before + 1}-{before + len(lines)}: unreadable keys")
 
 
 def _read_text(path: Path) -> np.ndarray:
-    raw = _decoded(path)
-    lines = raw.splitlines()
-    if raw.translate(None, _KEY_TEXT_BYTES) or _longest_line(raw) > _LONGEST_KEY:
-        # a byte no key holds (numpy's fixed-width bytes drop trailing NULs: a line of them was a
-        # blank one), or a line longer than any key, which every line was padded to in one array
-        _first_bad_line(path, lines)
-        lines = [line.strip() for line in lines]  # blanks around keys, to spare the array their width
-    stripped = np.char.strip(np.array(lines, dtype=bytes)) if lines else np.zeros(0, dtype="S1")
-    keep = (stripped != b"") & (stripped != b"*")
-    try:
-        keys = stripped[keep].astype(np.int64)
-    except (ValueError, OverflowError):
-        pass
-    else:
-        _refuse_negative(path, keys, "line", np.flatnonzero(keep))
-        return keys
-    try:  # past int64: unsigned 64-bit ids, as the hashed ids of oracleGeneral traces written out
-        return dense_ids(stripped[keep].astype(np.uint64))
-    except (ValueError, OverflowError):
-        pass
-    _first_bad_line(path, lines)
-    raise CachelabError(f"{path}: unreadable keys")
+    blocks, before = [], 0
+    for block in _blocks(path):
+        keys, lines = _block_keys(path, block, before)
+        blocks.append(keys)
+        before += lines
+    if any(keys.dtype == np.uint64 for keys in blocks):  # ids past int64: every id its rank
+        return dense_ids(np.concatenate([keys.view(np.uint64) for keys in blocks]))  # none negative
+    return np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.int64)
 
 
 def read_oracle_records(path: str | Path) -> np.ndarray:
