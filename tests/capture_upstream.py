@@ -235,6 +235,36 @@ class Upstream:
             await asyncio.sleep(1)
 
 
+class RawUpstream:
+    """A raw-socket upstream, a thread per connection, for answers no HTTP server writes: ``answer(conn,
+    body)`` is given each connection once its first request's JSON body is read whole (its content-length)."""
+
+    def __init__(self):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            conn, _ = self.sock.accept()
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            got = b""
+            while b"\r\n\r\n" not in got:
+                got += conn.recv(65536)
+            head, _, body = got.partition(b"\r\n\r\n")
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            while len(body) < length:
+                body += conn.recv(65536)
+            self.answer(conn, json.loads(body))
+
+    def answer(self, conn: socket.socket, body: dict) -> None:
+        raise NotImplementedError
+
+
 class ProxyThread:
     """Runs ``cachelab.capture.proxy.CaptureProxy`` on 127.0.0.1 in a thread of this process (its own
     event loop, ``loop`` as ``--loop`` takes it); leaving the block stops it as the CLI does (in-flight

@@ -22,7 +22,7 @@ import tracemalloc
 import httpx
 import pytest
 
-from capture_upstream import PROXY_EXIT_S, ProxyThread, ServerThread, Upstream, cli_proxy
+from capture_upstream import PROXY_EXIT_S, ProxyThread, RawUpstream, ServerThread, Upstream, cli_proxy
 from loopback import free_port
 from cachelab.capture.proxy import ProxyConfig, claim_file_limit
 from cachelab.capture.recorder import Recorder
@@ -349,8 +349,8 @@ def test_a_proxy_stopped_lets_its_planners_child_end_at_once(tmp_path, loop):
 BIG = 12 << 20
 
 
-class HostileUpstream:
-    """A raw-socket upstream, one thread per connection, whose answer the request's model picks: ``reset``
+class HostileUpstream(RawUpstream):
+    """A raw-socket upstream whose answer the request's model picks: ``reset``
     (two events of a stream, then a reset), ``text`` (a 200 of plain text to a request for a stream), ``big``
     (a whole answer of ``BIG`` bytes of text; ``big-N``: of N), ``stall`` and ``stall-stream`` (the head and a
     first piece of a whole answer or a stream, then silence until the proxy closes the connection),
@@ -363,68 +363,52 @@ class HostileUpstream:
     SSE = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
     def __init__(self):
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.left: list[int] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self) -> None:
-        while True:
-            conn, _ = self.sock.accept()
-            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
-
-    def _answer(self, conn: socket.socket) -> None:
-        with conn:
-            got = b""
-            while b"\r\n\r\n" not in got:
-                got += conn.recv(65536)
-            head, _, body = got.partition(b"\r\n\r\n")
-            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length")))
-            while len(body) < length:
-                body += conn.recv(65536)
-            model, chunk = json.loads(body)["model"], lambda data: b"%x\r\n%s\r\n" % (len(data), data)
-            if model == "reset":
-                conn.sendall(self.SSE + chunk(self.EVENT) * 2)
-                time.sleep(0.2)
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            elif model.startswith("big"):  # ``big-N``: N bytes of text
-                text = b'{"id":"c","object":"text_completion","prompt_token_ids":[1],"choices":[{"index":0,"text":"%s",' \
-                       b'"token_ids":[7]}]}' % (b"a" * int(model[4:] or BIG))  # ids: else 12 MiB of text tokenized
-                with contextlib.suppress(OSError):  # the proxy gives up on an answer over its bound
-                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
-                                 b"%s" % (len(text), text))
-            elif model.startswith("stall"):  # the head and a first piece of the answer, then nothing
-                if model == "stall-stream":
-                    conn.sendall(self.SSE + chunk(self.EVENT))
-                else:
-                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n"
-                                 b'{"id":"c",')
-                conn.recv(1)  # until the proxy closes the connection
-            elif model.startswith("loris"):
-                head = {"loris": b"", "loris-stream": self.SSE + b"1000000\r\n", "loris-whole":
-                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 1000000\r\n\r\n"}[model]
-                trickle = b"HTTP/1.1 200 OK\r\nx-a: " if model == "loris" else b'data: {"id":"c","choices":[{"text":"'
-                try:
-                    conn.sendall(head + trickle)
-                    while True:
-                        time.sleep(0.05)
-                        conn.sendall(b"a")
-                except OSError:
-                    self.left.append(model)
-            elif model == "text":
-                text = b"upstream overloaded, try later\n"
-                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%s"
-                             % (len(text), text))
+    def answer(self, conn: socket.socket, body: dict) -> None:
+        model, chunk = body["model"], lambda data: b"%x\r\n%s\r\n" % (len(data), data)
+        if model == "reset":
+            conn.sendall(self.SSE + chunk(self.EVENT) * 2)
+            time.sleep(0.2)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        elif model.startswith("big"):  # ``big-N``: N bytes of text
+            text = b'{"id":"c","object":"text_completion","prompt_token_ids":[1],"choices":[{"index":0,"text":"%s",' \
+                   b'"token_ids":[7]}]}' % (b"a" * int(model[4:] or BIG))  # ids: else 12 MiB of text tokenized
+            with contextlib.suppress(OSError):  # the proxy gives up on an answer over its bound
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+                             b"%s" % (len(text), text))
+        elif model.startswith("stall"):  # the head and a first piece of the answer, then nothing
+            if model == "stall-stream":
+                conn.sendall(self.SSE + chunk(self.EVENT))
             else:
-                conn.sendall(self.SSE)
-                for i in range(200):
-                    try:
-                        conn.sendall(chunk(self.EVENT))
-                    except OSError:
-                        self.left.append(i)
-                        return
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n"
+                             b'{"id":"c",')
+            conn.recv(1)  # until the proxy closes the connection
+        elif model.startswith("loris"):
+            head = {"loris": b"", "loris-stream": self.SSE + b"1000000\r\n", "loris-whole":
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 1000000\r\n\r\n"}[model]
+            trickle = b"HTTP/1.1 200 OK\r\nx-a: " if model == "loris" else b'data: {"id":"c","choices":[{"text":"'
+            try:
+                conn.sendall(head + trickle)
+                while True:
                     time.sleep(0.05)
+                    conn.sendall(b"a")
+            except OSError:
+                self.left.append(model)
+        elif model == "text":
+            text = b"upstream overloaded, try later\n"
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%s"
+                         % (len(text), text))
+        else:
+            conn.sendall(self.SSE)
+            for i in range(200):
+                try:
+                    conn.sendall(chunk(self.EVENT))
+                except OSError:
+                    self.left.append(i)
+                    return
+                time.sleep(0.05)
 
 
 def test_the_proxy_process_on_broken_streams_and_clients(tmp_path):
