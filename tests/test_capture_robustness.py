@@ -445,7 +445,7 @@ def test_the_proxy_process_on_broken_streams_and_clients(tmp_path):
     got = {(m, s): e for m, s, e in table.select(["model", "status", "error"]).iter_rows()}
     assert got.keys() == {("reset", 200), ("text", 200), ("slow", 499)}, got
     assert got["reset", 200].startswith("upstream stream broke off: ConnectionResetError")
-    assert got["text", 200] == "upstream answered 200 with a body that is not JSON"
+    assert got["text", 200] == "upstream answered 200 with a body that is not a JSON object"
     assert got["slow", 499] == "client disconnected"
 
 

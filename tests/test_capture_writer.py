@@ -416,10 +416,10 @@ def test_an_answer_nested_deeper_than_json_reads_is_recorded_as_unreadable_not_a
         x.response = deep
     [record] = x.to_records(FallbackTokenizer())
     if stream:
-        assert record.error == "upstream stream had 1 event whose data is not JSON"
+        assert record.error == "upstream stream had 1 event whose data is not a JSON object"
         assert record.output_ids.tolist() == [1000, 1001, 1002]
     else:
-        assert record.error == "upstream answered 200 with a body that is not JSON"
+        assert record.error == "upstream answered 200 with a body that is not a JSON object"
 
 
 @pytest.mark.parametrize("bad", [[-5], [1.5], [2**31], [2**64], [True]], ids=["negative", "fraction", "over-int32",

@@ -24,10 +24,12 @@ import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
+from cachelab.capture.exchange import Exchange
 from cachelab.capture.kv_events import _Hashes, decode_batch, loss_counts, read_kv_events
 from cachelab.capture.recorder import Privacy, RequestRecord, encode_record
 from cachelab.capture.segments import MAGIC, ReadStats, frame, read_stream
 from cachelab.capture.to_trace import capture_to_trace, read_requests
+from cachelab.capture.tokens import FallbackTokenizer
 from cachelab.errors import CachelabError
 from cachelab.paths import data_root
 from cachelab.trace.convert import oracle_to_trace
@@ -415,6 +417,62 @@ def test_an_upstreams_fields_of_other_types_are_recorded_as_the_trace_build_read
     row = table.row(0, named=True)
     assert (row["model"], row["upstream_id"], row["index"], row["prompt_len"], row["output_len"]) == \
         ("7", "42", None, 12, None)
+
+
+_ANSWER_FIELDS = ("id", "model", "error", "usage", "usage.prompt_tokens", "usage.prompt_tokens_details",
+                  "usage.prompt_tokens_details.cached_tokens", "prompt_token_ids", "choices", "choices.0",
+                  "choices.0.index", "choices.0.text", "choices.0.delta", "choices.0.token_ids",
+                  "choices.0.prompt_token_ids")
+
+
+_FALLBACK = FallbackTokenizer()
+
+
+def _json_values():
+    scalars = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=6)
+    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                                           max_size=3), max_leaves=8)
+
+
+def _replaced(answer: dict, path: str, value) -> None:
+    """Set the field at ``path`` (keys; ``0``: a list's first item) to ``value``, where its parents are still
+    an object or a list (an earlier replacement may have made them something else)."""
+    *parents, last = path.split(".")
+    for key in parents:
+        answer = (answer[0] if answer else None) if isinstance(answer, list) else answer.get(key)
+        if not isinstance(answer, (dict, list)):
+            return
+    if isinstance(answer, dict):
+        answer[last] = value
+    elif answer:
+        answer[0] = value
+
+
+@pytest.mark.data
+@FUZZ
+@given(st.lists(st.tuples(st.sampled_from(_ANSWER_FIELDS), _json_values()), max_size=4), st.booleans())
+def test_any_answer_an_upstream_sends_is_recorded_whole(fields, stream):
+    """A real vLLM answer (ids asked for) with fields replaced by any JSON: every choice's record is built, its
+    error naming what was not read, and it packs. A ``cached_tokens`` of text raised ``int()``, token ids of
+    lists of different lengths NumPy's ValueError, a ``choices`` or ``token_ids`` of a number and a ``text`` of a
+    number a TypeError: the request was left as "record not built", its ids, times and usage lost. So no
+    record reaches the journal with a field msgpack cannot take."""
+    answer = {"id": "cmpl-1", "object": "text_completion", "model": "m", "prompt_token_ids": [1, 2],
+              "choices": [{"index": 0, "text": " a", "token_ids": [7], "finish_reason": "length"}],
+              "usage": {"prompt_tokens": 2, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}}
+    for path, value in fields:
+        _replaced(answer, path, value)
+    x = Exchange(endpoint="/v1/completions", arrival_unix_ns=10**18, arrival=1.0, status=200, stream=stream,
+                 body={"model": "m", "prompt": "x", "stream": stream, "user": "u"})
+    data = json.dumps(answer).encode()
+    if stream:
+        x.events, x.event_times = [b"data: " + data + b"\n\n", b"data: [DONE]\n\n"], [1.1, 1.2]
+    else:
+        x.response, x.response_time = data, 1.1
+    records = x.to_records(_FALLBACK)  # a choice without ids is tokenized (the tokenizer loaded once)
+    assert records and all(not (r.error or "").startswith("record not built") for r in records)
+    for r in records:
+        msgpack.packb(encode_record(r, Privacy(b"s" * 32)), use_bin_type=True, unicode_errors="replace")
 
 
 def test_kv_records_of_other_types_are_counted_not_read(tmp_path):

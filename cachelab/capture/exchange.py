@@ -239,11 +239,21 @@ def _json_object(data: bytes) -> dict | object:
     return parsed if isinstance(parsed, dict) and (end == len(text) or text[end:].isspace()) else _NOT_JSON
 
 
-def _choice_text(choice: dict) -> str:
+def _choice_text(choice: dict):
+    """A choice's text as the answer sent it (a string where it is well formed; None: none): a completion's
+    ``text``, a chat's ``delta`` or ``message`` content, or that ``delta`` or ``message`` where it is no object."""
     if "text" in choice:
-        return choice.get("text") or ""
-    part = choice.get("delta") or choice.get("message") or {}
-    return part.get("content") or "" if isinstance(part, dict) else ""
+        return choice["text"]
+    part = choice.get("delta") or choice.get("message")
+    return part.get("content") if part.__class__ is dict else part
+
+
+def _what(value) -> str:
+    """A value of an answer, as an error names it: its JSON type, and the value where it is short."""
+    shown = json.dumps(value) if isinstance(value, (int, float, str)) else ""
+    kind = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array",
+            dict: "an object"}
+    return f"{kind.get(value.__class__, 'null')}{' ' + shown if shown and len(shown) <= 40 else ''}"
 
 
 def _error_text(message: dict, credential: str | None) -> str | None:
@@ -265,13 +275,14 @@ class _Choice:
     """What the answer said of one choice (its ``index``): vLLM numbers prompt k's choices k*n .. k*n+n-1."""
 
     prompt_ids: list | None = None
-    ids: list[int] = field(default_factory=list)
+    ids: list | None = field(default_factory=list)  # None: an event's ``token_ids`` was no list (no ids known)
     with_ids: bool = False     # an event of it carried token ids
     without_ids: bool = False  # an event of it carried none: vLLM's first chat event (the role alone) never does
     text_without_ids: bool = False  # an event carried text and no ids: the server's ids do not cover the output
     texts: list[str] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
     counts: list[int | str] = field(default_factory=list)  # an event's ids, or its text (tokenized at the end)
+    error: str | None = None   # what of it the answer sent that is no such field (a text that is no string)
 
     @property
     def have_ids(self) -> bool:
@@ -299,7 +310,7 @@ def _request_prompts(body: dict) -> list[tuple[str | None, list[int] | None]]:
         for m in messages:
             content = m.get("content") if isinstance(m, dict) else None
             if isinstance(content, list):  # content parts: keep the text ones
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                content = "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
             parts.append(f"{m.get('role', '')}: {content or ''}" if isinstance(m, dict) else "")
         return [("\n".join(parts), None)]
     return []
@@ -407,8 +418,8 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
         whole = _json_body(x.response)
         messages = [(x.response_time, whole if isinstance(whole, dict) else None)]
         if not isinstance(whole, dict) and x.status == 200 and error is None:
-            error = "upstream answered 200 with a body that is not JSON"  # passed on as it came
-    not_json = 0  # events whose data is not JSON: passed on to the client, and the record failed, saying so
+            error = "upstream answered 200 with a body that is not a JSON object"  # passed on as it came
+    not_json = 0  # events whose data is not a JSON object: passed on to the client, and the record failed, saying so
     for when, message in messages:
         if message is None or message is _NOT_JSON:
             not_json += message is _NOT_JSON
@@ -421,9 +432,17 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
             usage = message["usage"]
         if top_prompt is None and get("prompt_token_ids"):
             top_prompt = message["prompt_token_ids"]  # a chat's, at the top
-        for choice in get("choices") or ():
-            index = choice.get("index", 0) if choice.__class__ is dict else None  # parsed JSON: no subclasses
+        listed = get("choices")
+        if listed is not None and listed.__class__ is not list:
+            error = error or f"upstream answer's choices are {_what(listed)}, not an array: not read"
+            continue
+        for position, choice in enumerate(listed or ()):
+            if choice.__class__ is not dict:  # parsed JSON: no subclasses
+                error = error or f"upstream answered a choice that is {_what(choice)}: not read"
+                continue
+            index = choice.get("index", position)  # one left out: its place (0 in an event of one choice)
             if index.__class__ is not int or index < 0:  # (an int subclass is a bool)
+                error = error or f"upstream answered a choice's index that is {_what(index)}: not read"
                 continue
             c = choices.get(index)
             if c is None:
@@ -435,18 +454,26 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
                 c.prompt_ids = choice["prompt_token_ids"]  # a completion's, in each choice's first
             ids = choice.get("token_ids")
             text = _choice_text(choice)
+            if text is None:
+                text = ""
+            elif text.__class__ is not str:  # the output's text unknown: the record fails, saying why
+                c.error = c.error or f"upstream choice {index}'s text is {_what(text)}, not a string: not read"
+                text = ""
             if ids is None:
                 c.without_ids = True
                 c.text_without_ids = c.text_without_ids or bool(text)
             else:
                 c.with_ids = True
-                c.ids.extend(ids)
+                if ids.__class__ is not list:  # "token_ids": 5: no ids known of this choice's output (``_ids``)
+                    c.ids, ids = None, (ids,)
+                elif c.ids is not None:
+                    c.ids.extend(ids)
             c.texts.append(text)
             if (text if ids is None else ids) and when is not None:
                 c.times.append(when - x.arrival)
                 c.counts.append(text if ids is None else len(ids))
     if not_json and error is None:  # its tokens, if any, are not in the record: it is no whole answer
-        error = f"upstream stream had {not_json} event{'s' if not_json > 1 else ''} whose data is not JSON"
+        error = f"upstream stream had {not_json} event{'s' if not_json > 1 else ''} whose data is not a JSON object"
     if x.status != 200 and error is None:
         error = f"upstream answered HTTP {x.status}"
     prompts = _request_prompts(body)
@@ -461,10 +488,13 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
     user_text = _last_user_text(body) if x.endpoint.endswith("chat/completions") else None
     records = []
     for index in indices:
-        c = choices.get(index) or _Choice()
-        rec = RequestRecord(endpoint=x.endpoint, arrival_unix_ns=x.arrival_unix_ns, status=x.status, error=error,
-                            model=model, stream=stream, session=session, upstream_id=upstream_id,
-                            index=index)
+        c = choices.get(index)
+        if c is None:  # nothing of it came: no ids; one asked for that an answer of others left out fails, saying so
+            c = _Choice(without_ids=True, error=None if index is None else
+                        f"upstream answered no choice {index} of the {len(asked)} asked for")
+        rec = RequestRecord(endpoint=x.endpoint, arrival_unix_ns=x.arrival_unix_ns, status=x.status,
+                            error=error or c.error, model=model, stream=stream, session=session,
+                            upstream_id=upstream_id, index=index)
         k = 0 if index is None else index // n
         prompt_text, request_ids = prompts[k] if k < len(prompts) else (None, None)
         server_prompt, output_ids = c.prompt_ids or top_prompt, c.ids
@@ -480,12 +510,12 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
             rec.prompt_tokens = usage.get("prompt_tokens")
             rec.completion_tokens = usage.get("completion_tokens")
             details = usage.get("prompt_tokens_details")
-            if isinstance(details, dict) and details.get("cached_tokens") is not None:
-                rec.cached_tokens = int(details["cached_tokens"])
+            if isinstance(details, dict):  # as sent: stored as an integer, or null where it is none ("lots")
+                rec.cached_tokens = details.get("cached_tokens")
         prompt_ids = server_prompt
         if upstream_ids:
             rec.token_source = "upstream"
-        elif x.status == 200 and error is None and (server_prompt is not None or prompt_text is not None
+        elif x.status == 200 and rec.error is None and (server_prompt is not None or prompt_text is not None
                                                     or request_ids is not None):
             # the output's ids are the fallback's; the prompt's the server's where it sent them (vLLM does with
             # a streamed echo), else the client's ids or the fallback's tokens of its text
@@ -518,9 +548,15 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
 
 
 def _ids(values) -> np.ndarray | None:
-    """Token ids as int32, or None where they are no token ids (negative, past int32, fractions): a
-    negative one failed the whole ``trace build --from-capture``, a fraction was cut unsaid."""
-    ids = np.asarray(values)
+    """Token ids as int32, or None where they are no token ids (negative, past int32, fractions, no list, lists
+    of lists): a negative one failed the whole ``trace build --from-capture``, a fraction was cut unsaid, and
+    ``"token_ids": [1, [2]]`` raised, which lost the record."""
+    if values.__class__ is not list:
+        return None
+    try:
+        ids = np.asarray(values)
+    except (ValueError, TypeError, RecursionError):  # ragged, or nested past NumPy's dimensions
+        return None
     if ids.size == 0:
         return np.zeros(0, dtype=np.int32)
     if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() > np.iinfo(np.int32).max:

@@ -204,7 +204,7 @@ def encode_record(record: RequestRecord, privacy: Privacy) -> dict:
         "kind": "request", "v": RECORD_VERSION, "endpoint": record.endpoint, "model": _text(record.model),
         "arrival_ns": int(record.arrival_unix_ns), "status": int(record.status), "error": record.error,
         "stream": bool(record.stream), "upstream_id": _text(record.upstream_id), "index": _count(record.index),
-        "session": None if record.session is None else privacy.keyed(record.session.encode()),
+        "session": None if record.session is None else privacy.keyed(record.session.encode(errors="surrogatepass")),
         "ttft_s": record.first_token_s, "last_s": record.last_token_s,
         "tok_t": _array_bytes(record.token_times_s, "<f8"), "tok_n": _array_bytes(record.token_counts, "<i4"),
         "prompt_len": _count(prompt_len), "output_len": _count(output_len), "cached": _count(record.cached_tokens),

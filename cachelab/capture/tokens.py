@@ -14,6 +14,7 @@ held the records behind it for minutes, and they were dropped once the backlog f
 from __future__ import annotations
 
 from cachelab.engram.vocab import DEEPSEEK_V4, load_tokenizer, token_ids
+from cachelab.errors import CachelabError
 
 MAX_TOKENIZE_CHARS = 4 << 20  # characters of text one exchange may have tokenized (``--max-tokenize-mb``)
 
@@ -31,8 +32,13 @@ class FallbackTokenizer:
         return self._tok
 
     def encode(self, text: str, prompt: bool = False) -> list[int]:
-        """Off the proxy's event loop (the journal's thread), and without the GIL (``token_ids``)."""
-        return token_ids(self._loaded(), [text], add_special_tokens=prompt)[0]
+        """Off the proxy's event loop (the journal's thread), and without the GIL (``token_ids``). A lone
+        surrogate (an upstream's or a client's JSON ``"\\ud800"``) is tokenized as ``?``, as the record
+        stores such text: the tokenizer refused it, which lost the record."""
+        try:
+            return token_ids(self._loaded(), [text], add_special_tokens=prompt)[0]
+        except CachelabError:  # ``token_ids`` names the surrogate
+            return token_ids(self._loaded(), [text.encode(errors="replace").decode()], add_special_tokens=prompt)[0]
 
     def decode(self, ids: list[int], special: bool = False) -> str:
         """The text of ``ids``, as a server decodes a prompt sent as ids to echo it: vLLM keeps the
