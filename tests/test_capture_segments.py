@@ -287,11 +287,17 @@ def test_an_item_of_several_records_is_one_submission_made_durable_at_once(tmp_p
 
 
 def test_journal_records_a_failed_build_as_an_error(tmp_path):
+    """A build that raises, or a record msgpack cannot take (an integer past 64 bits), is an error record of
+    its ``seq``, counted, and the thread goes on. The recorders hand it no such field (test_parsers_hostile
+    -k answer_an_upstream): the per-field salvage it had (``not_recorded``) was never reached."""
     j = Journal(tmp_path, "s")
     j.submit(lambda: 1 / 0)
+    j.submit({"kind": "x", "n": 2**64})
+    j.submit({"kind": "x", "n": 1})
     j.close()
     got, _ = _records(tmp_path)
-    assert got[0]["kind"] == "error" and "ZeroDivisionError" in got[0]["error"]
+    assert [(r["kind"], r["seq"]) for r in got] == [("error", 0), ("error", 1), ("x", 2)] and j.build_errors == 2
+    assert "ZeroDivisionError" in got[0]["error"] and got[1]["error"].startswith("record not built: OverflowError")
 
 
 def test_a_journal_closed_while_still_writing_says_so_and_counts_what_it_gives_up(tmp_path):

@@ -456,7 +456,7 @@ def test_any_answer_an_upstream_sends_is_recorded_whole(fields, stream):
     error naming what was not read, and it packs. A ``cached_tokens`` of text raised ``int()``, token ids of
     lists of different lengths NumPy's ValueError, a ``choices`` or ``token_ids`` of a number and a ``text`` of a
     number a TypeError: the request was left as "record not built", its ids, times and usage lost. So no
-    record reaches the journal with a field msgpack cannot take."""
+    record reaches the journal with a field msgpack cannot take (its ``not_recorded`` salvage was dead code)."""
     answer = {"id": "cmpl-1", "object": "text_completion", "model": "m", "prompt_token_ids": [1, 2],
               "choices": [{"index": 0, "text": " a", "token_ids": [7], "finish_reason": "length"}],
               "usage": {"prompt_tokens": 2, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}}

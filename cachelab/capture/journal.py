@@ -32,12 +32,8 @@ _STOP = object()
 _NOW = object()  # flush: commit what is built without waiting for the interval's end
 
 
-def _packs(value) -> bool:
-    try:
-        msgpack.packb(value, use_bin_type=True, unicode_errors="replace")
-    except (OverflowError, TypeError, ValueError):
-        return False
-    return True
+def _pack(record: dict) -> bytes:
+    return msgpack.packb(record, use_bin_type=True, unicode_errors="replace")
 
 
 class Journal:
@@ -116,29 +112,19 @@ class Journal:
         return True
 
     def _build(self, item: Item) -> list[bytes]:
-        """The item's records, numbered with its ``seq``."""
-        try:
-            payloads = item() if callable(item) else item
-        except Exception as exc:  # a record we cannot build is still recorded, as an error
-            self.build_errors += 1
-            payloads = {"kind": "error", "error": f"record not built: {type(exc).__name__}: {exc}"}
+        """The item's records, numbered with its ``seq``, as bytes (a string's lone surrogate, JSON's
+        ``"\\ud800"``, replaced). An item that cannot be built or packed is still recorded, as an error
+        (counted in ``build_errors``): raised on this thread, it ended it, and every later record was lost
+        uncounted. The recorders normalise what a peer sends before it gets here (``encode_record``: an
+        answer's id as text, its counts as int64 or null; a KV batch is what msgpack decoded)."""
         head = {"seq": self._seq, "run": self.run}
         self._seq += 1
-        return [self._pack({**head, **p}) for p in (payloads if isinstance(payloads, list) else [payloads])]
-
-    def _pack(self, record: dict) -> bytes:
-        """The record's bytes. A field msgpack cannot take (an integer past 64 bits, as a hostile
-        peer can send) is written as null and named in ``not_recorded`` (counted in
-        ``build_errors``): it raised on this thread, which ended it, and every later record was
-        lost uncounted. A string with a lone surrogate (JSON's ``"\\ud800"``) has it replaced."""
         try:
-            return msgpack.packb(record, use_bin_type=True, unicode_errors="replace")
-        except (OverflowError, TypeError, ValueError) as exc:
+            payloads = item() if callable(item) else item
+            return [_pack({**head, **p}) for p in (payloads if isinstance(payloads, list) else [payloads])]
+        except Exception as exc:
             self.build_errors += 1
-            bad = [key for key, value in record.items() if not _packs(value)]
-            kept = {key: None if key in bad else value for key, value in record.items()}
-            kept["not_recorded"] = f"{', '.join(map(str, bad))}: {type(exc).__name__}: {exc}"[:300]
-            return msgpack.packb(kept, use_bin_type=True, unicode_errors="replace")
+            return [_pack({**head, "kind": "error", "error": f"record not built: {type(exc).__name__}: {exc}"[:300]})]
 
     def _run(self) -> None:
         stop = False
