@@ -1,11 +1,14 @@
 """The CLI capture proxy against an OpenAI-compatible upstream that answers with fields of other shapes
 than vLLM's (a raw socket serving written answers): each request is still recorded, with what the upstream
-sent or an error naming the field, never lost to a record the writer could not build."""
+sent or an error naming the field, never lost to a record the writer could not build. And a streaming
+client that hangs up before its first token ends the upstream request at once, as vLLM's own server does."""
 
 from __future__ import annotations
 
 import json
 import socket
+import threading
+import time
 
 import httpx
 import pytest
@@ -66,10 +69,28 @@ SURROGATE_TEXT = whole(choices=[{"index": 0, "text": "a\ud800", "finish_reason":
 
 class WrittenUpstream(RawUpstream):
     """An upstream that answers each request with ``ANSWERS[model]`` (a stream where the body begins
-    ``data:``; another model: ``whole()``)."""
+    ``data:``; another model: ``whole()``). To model ``first-token-late`` it sends a stream's head at once and
+    would send its first event after ``late_s``, to ``head-late`` nothing before then; either notes in
+    ``closed`` when the proxy closed that connection (None: not before then)."""
+
+    def __init__(self, late_s: float = 30.0):
+        self.late_s, self.closed, self.asked = late_s, [], threading.Event()
+        super().__init__()
 
     def answer(self, conn: socket.socket, body: dict) -> None:
         model = body["model"]
+        if model.endswith("-late"):
+            if model == "first-token-late":
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: "
+                             b"chunked\r\n\r\n")
+            self.asked.set()
+            conn.settimeout(self.late_s)
+            try:
+                gone = conn.recv(1) == b""  # the proxy's close, or nothing until the first token is due
+            except TimeoutError:
+                gone = False
+            self.closed.append(time.monotonic() if gone else None)
+            return
         answer = ANSWERS[model][0] if model in ANSWERS else SURROGATE_TEXT if model == "surrogate-text" else whole()
         kind = b"text/event-stream" if answer.startswith(b"data:") else b"application/json"
         conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
@@ -144,3 +165,32 @@ def test_a_whole_answer_that_leaves_out_a_choice_asked_for_says_so(tmp_path):
     rows = read_requests(tmp_path / "cap")[0].sort("index")
     assert rows["index"].to_list() == [0, 1] and rows["output_ids"].to_list() == [[7, 8], None]
     assert rows["error"].to_list() == [None, "upstream answered no choice 1 of the 2 asked for"]
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("model", ["first-token-late", "head-late"])
+def test_a_stream_whose_client_hangs_up_before_its_first_token_ends_the_upstream_request(tmp_path, model, loop):
+    """vLLM's server ends a request whose client went away (its ``with_cancellation``, then Starlette's
+    ``StreamingResponse``, wait for the ASGI ``http.disconnect``); through the proxy it must see that at once,
+    not when the first token comes and the proxy finds the client gone as it writes it. The upstream sends
+    a stream's head at once (or nothing) and would send its first token 30 s later: the proxy closes the
+    upstream connection within a second of the client's leaving and records a 499 without tokens."""
+    upstream = WrittenUpstream(late_s=30.0)
+    with cli_proxy(upstream.url, tmp_path / "cap", "--loop", loop) as (base, proc):
+        client = socket.create_connection((base.rsplit(":", 1)[0][7:], int(base.rsplit(":", 1)[1])))
+        body = json.dumps({"model": model, "prompt": "x", "stream": True}).encode()
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                       b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        assert upstream.asked.wait(10)
+        if model == "first-token-late":  # read, as a client does: unread bytes would make its close a reset
+            client.settimeout(10)
+            assert client.recv(65536).startswith(b"HTTP/1.1 200")
+        time.sleep(0.3)  # the request is upstream; no token yet
+        left = time.monotonic()
+        client.close()
+        deadline = left + 5
+        while not upstream.closed and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert upstream.closed and upstream.closed[0] is not None and upstream.closed[0] - left < 1.0, upstream.closed
+        rec = _stopped(proc, tmp_path / "cap")[model]
+    assert (rec["status"], rec["error"], rec["ttft_s"]) == (499, "client disconnected", None), rec
