@@ -1390,7 +1390,8 @@ def _serve_pooled(body: bytes, transport, look=None):
     """A completion of ``body`` served (``CaptureProxy.serve``) on a running loop, its upstream connection a
     pooled one on ``transport(connection)``: (the proxy, that connection, ``look(connection, forward)`` before
     the exchange ends)."""
-    from cachelab.capture.connections import ClientConnection, Request
+    from cachelab.capture.connections import ClientConnection
+    from cachelab.capture.request import Request
     from cachelab.capture.proxy import CaptureProxy
     from cachelab.capture.upstream import UpstreamConnection
 

@@ -303,7 +303,8 @@ def test_a_pipelined_request_waits_until_the_answer_before_it_is_taken_and_each_
     record's place: the first was never recorded. It is served once the client has taken the first."""
     from types import SimpleNamespace
 
-    from cachelab.capture.connections import ClientConnection, Request
+    from cachelab.capture.connections import ClientConnection
+    from cachelab.capture.request import Request
 
     async def main():
         submitted, served = [], []
@@ -359,7 +360,8 @@ def test_at_shutdown_a_request_pipelined_behind_an_answer_not_taken_is_not_recor
     It is served in the grace if the client takes its answer, else closed with the rest, unrecorded."""
     from types import SimpleNamespace
 
-    from cachelab.capture.connections import ClientConnection, Request
+    from cachelab.capture.connections import ClientConnection
+    from cachelab.capture.request import Request
     from cachelab.capture.proxy import CaptureProxy
 
     async def main():

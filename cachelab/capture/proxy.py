@@ -53,13 +53,14 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from cachelab.api_key import ApiKey
-from cachelab.capture.connections import ClientConnection, Request, error_body, held_over, hop_by_hop, \
-    unauthorized, whole_response
+from cachelab.capture.connections import ClientConnection, error_body, held_over, hop_by_hop, unauthorized, \
+    whole_response
 from cachelab.capture.exchange import Exchange
 from cachelab.capture.forward import Forward
 from cachelab.capture.injection import Planner, apply, prepare
 from cachelab.capture.recorder import CLIENT_CLOSED, CLIENT_GONE
 from cachelab.capture.refused import RefusedConnection
+from cachelab.capture.request import Request
 from cachelab.capture.sockets import MAX_LINGERING
 from cachelab.capture.upstream import UpstreamPool, shown_url
 from cachelab.errors import CachelabError
