@@ -395,11 +395,9 @@ class ClientConnection(asyncio.Protocol):
             if r is not None:
                 self._release(r)
             return  # an upgrade (or CONNECT) is not served: its 501 follows (``data_received``)
-        if r.answered:  # its 413, 503 or 401, already sent: this connection is done
+        if r.answered:  # its 413, 503 or 401, already sent: this connection is done (what follows dropped)
             self._release(r)
-            self.transport.close()
-            self.closed = True
-            return
+            return self._linger()
         self.queue.append(r)
         self.queued_bytes += r.size
         if self.forward is None:
@@ -458,28 +456,31 @@ class ClientConnection(asyncio.Protocol):
         """Close a connection on which nothing moved for ``seconds`` (the proxy's sweep): idle since its
         last answer, or a request begun and not complete (a head or body that stalls: a 408)."""
         r = self.request
-        if r is not None and not r.answered:
+        if r is None:
+            self.transport.close()
+        else:  # a 408; one refused already (its body still coming) has had its answer: the lingering close alone
             self._answer_and_close(whole_response(408, error_body(408, f"request not complete within {seconds} s"),
                                                   close=True))
-        else:
-            self.transport.close()
 
     def let_go(self) -> None:
         """Close this connection to make room for a new one (``CaptureProxy.admit``): idle, or with a
-        request begun and not yet whole, which gets a 408 (an OpenAI client retries it) and a lingering close:
-        closed at once, a client still sending its request got a reset (RST) where it should read the 408."""
-        if self.request is None or self.request.answered:
+        request begun and not yet whole, which gets a 408 (an OpenAI client retries it) and a lingering close,
+        as does one refused already (``Request.answered``) whose body is still coming: closed at once, a client
+        still sending its request got a reset (RST) where it should read the 408, 401, 413 or 503."""
+        if self.request is None:
             self.closed = True
             self.proxy.clients.discard(self)
             self.proxy.waiting.pop(self, None)
             return self.transport.close()
-        self.transport.write(whole_response(408, error_body(408, "request not complete while the proxy was at "
-                                                                 "--max-client-connections"), close=True))
+        if not self.request.answered:
+            self.transport.write(whole_response(408, error_body(408, "request not complete while the proxy was "
+                                                                     "at --max-client-connections"), close=True))
         self._linger()
 
     def _linger(self) -> None:
-        """Close after the proxy's last answer, lingering (``Linger``; at once where too many linger): a client
-        still sending its request reads the answer and the end, not a reset. Its place is free at once."""
+        """Close after the proxy's last answer (written, or sent before the body was read: ``refuse_early``),
+        lingering (``Linger``; at once where too many linger): a client still sending its request reads the
+        answer and the end, not a reset. Its place is free at once."""
         self.closed = True
         self.proxy.clients.discard(self)
         self.proxy.waiting.pop(self, None)
@@ -497,11 +498,8 @@ class ClientConnection(asyncio.Protocol):
         if self.closed or self.final is not None:
             return
         if self.forward is None and not self.queue:
-            if self.request is not None and self.request.answered:  # refused already, its sending side ended
-                self.transport.close()
-                self.closed = True
-                return
-            self.transport.write(data)
+            if self.request is None or not self.request.answered:  # else refused already, its sending side ended
+                self.transport.write(data)
             self._linger()
         else:
             self.final = data

@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from cachelab.capture.proxy import CaptureProxy
 
 # connections that may drain at once after the proxy's last answer (``Linger``): refused at
-# --max-client-connections, reclaimed at it, or ended by a 408, 400, 431 or 501; past this many they are
-# closed at once. Counted in the open-file limit the proxy claims (``cachelab.capture.proxy.claim_file_limit``).
+# --max-client-connections, reclaimed at it, ended by a 408, 400, 431 or 501, or by a 401, 413 or 503 sent as
+# the request's head came; past this many they are closed at once. Counted in the open-file limit the proxy claims (``cachelab.capture.proxy.claim_file_limit``).
 MAX_LINGERING = 256
 # how long, and how many bytes, one lingers at most: a client reads the answer within a second (loopback: at
 # once), and one that keeps sending past a megabyte is not reading it; either way it is reset then

@@ -1,0 +1,57 @@
+"""The capture proxy's lingering close (``cachelab.capture.sockets.Linger``), on real sockets: a connection the
+proxy ends after its last answer (a 401, 413 or 503 sent before the body was read, a 408, 400, 431 or 501) is
+half-closed and what the client still sends read and dropped, so that a client still writing its request reads
+the answer instead of a reset; the answer out of the proxy and of the kernel before the reset; the bytes and the
+place the connection held let go at once; a client that takes nothing bounded."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from capture_upstream import ProxyThread
+from cachelab.capture.proxy import ProxyConfig
+from cachelab.capture.recorder import Recorder
+from test_capture_robustness import STATUS, _answer, _connect, _keep_sending
+
+NO_UPSTREAM = "http://127.0.0.1:9"  # nothing here reaches it
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("ended, status", [("let go", 401), ("let go", 413), ("timed out", 401),
+                                           ("malformed", 401), ("body whole", 401)])
+def test_a_client_refused_early_reads_its_answer_while_it_keeps_writing(tmp_path, loop, ended, status):
+    """A request refused as its head comes (401: no bearer token; 413: a body declared over --max-body-mb) has its
+    answer and the end of the proxy's sending side at once, and the body the client still writes is read and
+    dropped. The client here writes its body 50 bytes at a time and reads only once it has written it, as an HTTP
+    client does, while the proxy ends the connection: let go at --max-client-connections for a new client, timed
+    out (``keep_alive_s``), its body not HTTP (a chunk size ``zzz``), or its body whole (its next bytes pipelined
+    behind it). Each closed the connection at once, 400 and 431 alone lingering: the kernel reset it at the
+    client's next bytes, whose write failed (EPIPE, ECONNRESET) before it read its 401 or 413."""
+    config = ProxyConfig(upstream=NO_UPSTREAM, max_client_connections=1, max_body_bytes=1 << 20,
+                         api_key="k" if status == 401 else None, keep_alive_s=0.4 if ended == "timed out" else 30)
+    length = {"body whole": b"content-length: 100", "malformed": b"transfer-encoding: chunked"}.get(
+        ended, b"content-length: %d" % (2 << 20 if status == 413 else 1000000))
+    with ProxyThread(config, Recorder(tmp_path / "cap"), loop=loop) as p:
+        client, stop, got = _connect(p.url), threading.Event(), []
+        with client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n%s\r\n\r\n" % length)
+            piece = b"z" * 50  # not a chunk size, where the body is chunked: the proxy's parser fails at once
+            if ended == "body whole":
+                client.sendall(b"z" * 100)
+            sender = threading.Thread(target=_keep_sending, args=(client, piece, 0.02, stop, got))
+            sender.start()
+            if ended == "let go":
+                time.sleep(1.5)  # its request begun over RECLAIM_IDLE_S ago, refused: it is let go
+                with _connect(p.url) as other:
+                    other.sendall(STATUS.replace(b"\r\n\r\n", b"\r\nauthorization: Bearer k\r\n\r\n"))
+                    head, answer = _answer(other)
+                assert head.startswith(b"HTTP/1.1 200 ") and answer["client_connections_reclaimed"] == 1, answer
+            elif ended == "timed out":
+                time.sleep(0.9)  # the sweep (each 0.4 s) closed it 0.4 to 0.8 s after its head; 10 pieces more
+            stop.set()
+            sender.join(10)
+    (read, error), = got
+    assert read.startswith(b"HTTP/1.1 %d " % status) and error is None, (read, error)
