@@ -55,3 +55,22 @@ def test_a_client_refused_early_reads_its_answer_while_it_keeps_writing(tmp_path
             sender.join(10)
     (read, error), = got
     assert read.startswith(b"HTTP/1.1 %d " % status) and error is None, (read, error)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_request_let_go_holds_none_of_max_held_mb_while_its_connection_lingers(tmp_path, loop):
+    """A request let go at --max-client-connections (a 408, its body half come) gives its bytes back to
+    --max-held-mb as it is let go, not once its lingering close has ended: the new client that took its place,
+    whose body would have put the proxy over the bound beside it, got a 503 for bytes no request held."""
+    config = ProxyConfig(upstream=NO_UPSTREAM, max_client_connections=1, max_held_bytes=700_000)
+    with ProxyThread(config, Recorder(tmp_path / "cap"), loop=loop) as p:
+        with _connect(p.url) as stalled:
+            stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 600000\r\n\r\n"
+                            + b" " * 500_000)
+            time.sleep(1.5)  # stalled over RECLAIM_IDLE_S: let go for the next client
+            with _connect(p.url) as client:
+                body = b" " * 300_000  # with the 500,000 bytes let go: over the bound
+                client.sendall(STATUS.replace(b"\r\n\r\n", b"\r\ncontent-length: %d\r\n\r\n" % len(body)) + body)
+                head, answer = _answer(client)
+            assert stalled.recv(65536).startswith(b"HTTP/1.1 408 ")
+    assert head.startswith(b"HTTP/1.1 200 ") and answer["client_connections_reclaimed"] == 1, (head, answer)

@@ -480,10 +480,14 @@ class ClientConnection(asyncio.Protocol):
     def _linger(self) -> None:
         """Close after the proxy's last answer (written, or sent before the body was read: ``refuse_early``),
         lingering (``Linger``; at once where too many linger): a client still sending its request reads the
-        answer and the end, not a reset. Its place is free at once."""
+        answer and the end, not a reset. Its place is free at once, and the bytes of the request it read no
+        further (let go, timed out, not HTTP) leave ``proxy.held`` (they stayed until the linger ended)."""
         self.closed = True
         self.proxy.clients.discard(self)
         self.proxy.waiting.pop(self, None)
+        if self.request is not None:
+            self.request.body.clear()
+            self._release(self.request)
         self.linger = Linger.start(self.proxy, self.transport)
         if self.linger is None:
             self.transport.close()
