@@ -6,6 +6,7 @@ place the connection held let go at once; a client that takes nothing bounded.""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -74,3 +75,36 @@ def test_a_request_let_go_holds_none_of_max_held_mb_while_its_connection_lingers
                 head, answer = _answer(client)
             assert stalled.recv(65536).startswith(b"HTTP/1.1 408 ")
     assert head.startswith(b"HTTP/1.1 200 ") and answer["client_connections_reclaimed"] == 1, (head, answer)
+
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_lingering_close_waits_for_the_answers_in_the_kernel(tmp_path, loop):
+    """The linger waits for the proxy's answers to leave the kernel's send queue too, not only the event loop's
+    buffer. A client with a small receive buffer pipelines 40 requests and begins a 41st, which it keeps writing a
+    header line every 0.2 s, and reads nothing meanwhile; let go at --max-client-connections (a 408), it writes
+    for 2 s more, then reads every answer, the 408 and the end. The linger reset it a second after the loop's
+    buffer was empty, its answers still in the kernel (the client's window full): the client's next bytes met
+    a closed socket, whose reset dropped them, and the client read a few answers, then ECONNRESET."""
+    n = 40
+    with ProxyThread(ProxyConfig(upstream=NO_UPSTREAM, max_client_connections=1), Recorder(tmp_path / "cap"),
+                     loop=loop) as p:
+        host, port = p.url.removeprefix("http://").split(":")
+        slow, let_go, got = socket.socket(), threading.Event(), []
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before the handshake: a small window
+        slow.settimeout(10)
+        slow.connect((host, int(port)))
+        with slow:
+            slow.sendall(STATUS * n + b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
+            sender = threading.Thread(target=_keep_sending, args=(slow, b"x-a: %s\r\n" % (b"a" * 43), 0.2, let_go, got))
+            sender.start()
+            time.sleep(1.5)  # its request begun over RECLAIM_IDLE_S ago: let go for the next client
+            with _connect(p.url) as client:
+                client.sendall(STATUS)
+                head, _ = _answer(client)
+            let_go.set()
+            sender.join(10)
+    (read, error), = got
+    assert head.startswith(b"HTTP/1.1 200 ")
+    assert (read.count(b"HTTP/1.1 200 "), error) == (n, None) and read.rpartition(b"HTTP/1.1 ")[2].startswith(
+        b"408 ") and read.endswith(b'"code":408}}'), (read.count(b"HTTP/1.1 200 "), error, read[-300:])

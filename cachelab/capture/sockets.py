@@ -80,7 +80,8 @@ class Linger:
     """A lingering close (RFC 9112 9.6; nginx's ``lingering_close``): the proxy's last answer written, its
     sending side is ended (``write_eof``: the client reads the answer, then the end) and what the client still
     sends is read and dropped (``drop``) until it closes its side, ``LINGER_S`` once the answers are out of the
-    transport (``_deadline``) or ``LINGER_BYTES`` at most, then the connection is reset. Closed at once with
+    transport and of the kernel's send queue (``_deadline``) or ``LINGER_BYTES`` at most, then the connection is
+    reset. Closed at once with
     bytes of the client's unread, the kernel resets it (RST), and a client still sending its request got a
     write error (ECONNRESET, EPIPE) where it should read the answer (a TCP stack that takes the RST before the
     client reads drops the answer too). Only ``MAX_LINGERING`` at once (``start``): a client cannot hold more
@@ -92,16 +93,18 @@ class Linger:
         self.proxy, self.transport, self.left = proxy, transport, LINGER_BYTES
         proxy.lingering += 1
         transport.write_eof()
-        self.out = not transport.get_write_buffer_size()  # the answers are out of the transport
+        self.out = not unsent(transport)  # the answers are out of the transport and the kernel
         self.timer = asyncio.get_running_loop().call_later(LINGER_S, self._deadline)
 
     def _deadline(self) -> None:
-        """The reset, at a look (each ``LINGER_S``) that finds the answers out of the transport since the last one:
-        a last answer written behind one the client was still taking (a 408 behind an answer not yet taken, a 400
-        pipelined behind a stream) had that answer's end dropped with the transport's buffer a second on, and
-        its record, held until the client took it, handed over as served. A client that takes none of it meets
-        its write deadline (``--write-timeout``; the kernel's TCP user timeout), as any answer's client does."""
-        out = not self.transport.get_write_buffer_size()
+        """The reset, at a look (each ``LINGER_S``) that finds the answers out of the transport and of the kernel's
+        send queue (``unsent``) since the last one: a last answer written behind one the client was still taking
+        (a 408 behind an answer not yet taken, a 400 pipelined behind a stream) had that answer's end dropped with
+        the transport's buffer a second on, and its record, held until the client took it, handed over as served;
+        out of the transport, the answers the kernel still held (a client's window full) were dropped by the
+        reset that the client's next bytes met. A client that takes none of it meets its write deadline
+        (``--write-timeout``; the kernel's TCP user timeout), as any answer's client does."""
+        out = not unsent(self.transport)
         if out and self.out:  # out since the last look at least
             return self.transport.abort()
         self.out = out
