@@ -108,3 +108,39 @@ def test_a_lingering_close_waits_for_the_answers_in_the_kernel(tmp_path, loop):
     assert head.startswith(b"HTTP/1.1 200 ")
     assert (read.count(b"HTTP/1.1 200 "), error) == (n, None) and read.rpartition(b"HTTP/1.1 ")[2].startswith(
         b"408 ") and read.endswith(b'"code":408}}'), (read.count(b"HTTP/1.1 200 "), error, read[-300:])
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_linger_whose_client_takes_nothing_of_what_is_left_is_bounded(tmp_path, monkeypatch, loop):
+    """A lingering connection whose client takes no byte of what the proxy has left for it (its window full,
+    the rest in the kernel and under the transport's high-water mark, so no write deadline watches it) is reset
+    after ``LINGER_STALL_S`` (1 s here), its place among ``MAX_LINGERING`` free again. It held the place until
+    the kernel's TCP user timeout (``--tcp-keepalive``: 2 x 30 s; never, at 0, or while the client's host
+    answers the zero-window probes): ``MAX_LINGERING`` such clients and every later linger was a reset."""
+    from cachelab.capture.proxy import CaptureProxy
+
+    monkeypatch.setattr("cachelab.capture.sockets.LINGER_STALL_S", 1.0, raising=False)
+    proxies, start = [], CaptureProxy.start
+
+    async def started(proxy, sock) -> None:
+        proxies.append(proxy)
+        await start(proxy, sock)
+
+    monkeypatch.setattr(CaptureProxy, "start", started)
+    with ProxyThread(ProxyConfig(upstream=NO_UPSTREAM, max_client_connections=1), Recorder(tmp_path / "cap"),
+                     loop=loop) as p:
+        (proxy,) = proxies
+        host, port = p.url.removeprefix("http://").split(":")
+        with socket.socket() as slow:
+            slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before the handshake: a small window
+            slow.settimeout(10)
+            slow.connect((host, int(port)))
+            slow.sendall(STATUS * 40 + b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")  # reads nothing
+            time.sleep(1.5)  # its request begun over RECLAIM_IDLE_S ago: let go for the next client
+            with _connect(p.url) as client:
+                client.sendall(STATUS)
+                _answer(client)
+                lingering = [proxy.lingering]
+                time.sleep(3.5)  # a look that finds nothing taken for a second, and the next
+                lingering.append(proxy.lingering)
+    assert lingering == [1, 0], lingering

@@ -29,6 +29,10 @@ MAX_LINGERING = 256
 # once), and one that keeps sending past a megabyte is not reading it; either way it is reset then
 LINGER_S = 1.0
 LINGER_BYTES = 1 << 20
+# how long a lingering client may take no byte of what is left for it where no write deadline watches it (its
+# writes not paused: under the transport's high-water mark, the rest in the kernel), then it is reset; as long
+# as nginx waits for a lingering client's next bytes (lingering_timeout)
+LINGER_STALL_S = 5.0
 
 
 def no_delay(transport) -> None:
@@ -85,16 +89,19 @@ class Linger:
     bytes of the client's unread, the kernel resets it (RST), and a client still sending its request got a
     write error (ECONNRESET, EPIPE) where it should read the answer (a TCP stack that takes the RST before the
     client reads drops the answer too). Only ``MAX_LINGERING`` at once (``start``): a client cannot hold more
-    than the bound's descriptors."""
+    than the bound's descriptors, nor hold one longer than ``LINGER_STALL_S`` without taking a byte."""
 
-    __slots__ = ("proxy", "transport", "timer", "left", "out")
+    __slots__ = ("proxy", "transport", "timer", "left", "out", "unsent", "taken")
 
     def __init__(self, proxy: "CaptureProxy", transport):
         self.proxy, self.transport, self.left = proxy, transport, LINGER_BYTES
         proxy.lingering += 1
         transport.write_eof()
-        self.out = not unsent(transport)  # the answers are out of the transport and the kernel
-        self.timer = asyncio.get_running_loop().call_later(LINGER_S, self._deadline)
+        self.unsent = unsent(transport)
+        self.out = not self.unsent  # the answers are out of the transport and the kernel
+        loop = asyncio.get_running_loop()
+        self.taken = loop.time()  # when the client last took a byte of them (or had all)
+        self.timer = loop.call_later(LINGER_S, self._deadline)
 
     def _deadline(self) -> None:
         """The reset, at a look (each ``LINGER_S``) that finds the answers out of the transport and of the kernel's
@@ -102,13 +109,21 @@ class Linger:
         (a 408 behind an answer not yet taken, a 400 pipelined behind a stream) had that answer's end dropped with
         the transport's buffer a second on, and its record, held until the client took it, handed over as served;
         out of the transport, the answers the kernel still held (a client's window full) were dropped by the
-        reset that the client's next bytes met. A client that takes none of it meets its write deadline
-        (``--write-timeout``; the kernel's TCP user timeout), as any answer's client does."""
-        out = not unsent(self.transport)
-        if out and self.out:  # out since the last look at least
+        reset that the client's next bytes met. A client that takes none of it meets its write deadline where its
+        writes are paused (``--write-timeout``, which records its answer's client so), else is reset
+        ``LINGER_STALL_S`` on: no deadline watched the rest under the high-water mark, in the kernel, and it held
+        its place until the kernel's TCP user timeout (never, with ``--tcp-keepalive 0``). The protocol tells
+        whether its writes are paused (``write_paused``; a ``RefusedConnection``'s never are)."""
+        loop, held = asyncio.get_running_loop(), unsent(self.transport)
+        if not held and self.out:  # out since the last look at least
             return self.transport.abort()
-        self.out = out
-        self.timer = asyncio.get_running_loop().call_later(LINGER_S, self._deadline)
+        if held < self.unsent or not held:
+            self.taken = loop.time()
+        elif loop.time() - self.taken >= LINGER_STALL_S and \
+                not getattr(self.transport.get_protocol(), "write_paused", False):
+            return self.transport.abort()
+        self.out, self.unsent = not held, held
+        self.timer = loop.call_later(LINGER_S, self._deadline)
 
     @classmethod
     def start(cls, proxy: "CaptureProxy", transport) -> "Linger | None":
