@@ -51,7 +51,7 @@ def test_a_client_refused_early_reads_its_answer_while_it_keeps_writing(tmp_path
                     head, answer = _answer(other)
                 assert head.startswith(b"HTTP/1.1 200 ") and answer["client_connections_reclaimed"] == 1, answer
             elif ended == "timed out":
-                time.sleep(0.9)  # the sweep (each 0.4 s) closed it 0.4 to 0.8 s after its head; 10 pieces more
+                time.sleep(0.7)  # the sweep (each 0.4 s) closes it 0.4 to 0.8 s after its head; 10 pieces more
             stop.set()
             sender.join(10)
     (read, error), = got
