@@ -238,3 +238,23 @@ def test_a_sampled_curves_floor_takes_no_sorted_copy_of_the_stream():
     repeat = np.ones(n, np.bool_)
     repeat[np.unique(ids, return_index=True)[1]] = False  # each key's first request misses, every other hits
     assert got == [1.0 - req.weights[first:][repeat[first:]].sum() / req.weights[first:].sum()] * 2
+
+
+def test_the_exact_curve_reads_the_int32_ids_in_place():
+    """The stack-distance pass took an int64 copy of the entries' ids, which the compaction makes
+    int32 (``index_dtype``): 8 B an entry beside them, the peak of ``cachelab mrc`` once the entry
+    counts took no copy of their own (1.86 GB on 80 Mooncake requests, 1.53 GB without it)."""
+    n = 2_000_000
+    ids = compact(np.random.default_rng(7).integers(0, 300_000, n))[0].astype(np.int32)
+    weights = np.arange(n) % 3 + 1
+    caps = np.array([10.0, 1_000.0, 100_000.0])
+    mrc._hits_under(ids[:10], int(ids.max()) + 1, weights[:10], 0, caps)  # compiled outside the count
+    tracemalloc.start()
+    try:
+        hits = mrc._hits_under(ids, int(ids.max()) + 1, weights, 1_000, caps)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * (n + 1) + 8 * (ids.max() + 1) + (1 << 16), f"{peak / n:.1f} B an entry"  # the tree, each key's mark
+    d = stack_distances(ids)[1_000:]
+    assert hits.tolist() == [float(weights[1_000:][(d >= 0) & (d < c)].sum()) for c in caps]

@@ -103,7 +103,7 @@ def _hits_under(ids: np.ndarray, num_keys: int, weights: np.ndarray, first: int,
     the ascending ``capacities`` (float64), counted in one pass: a running count per capacity.
     The weights are whole lookups, so the float sums are exact in any order."""
     buckets = np.zeros(capacities.size + 1, np.int64)
-    _stack_distance_kernel(np.ascontiguousarray(ids, dtype=np.int64), num_keys, None,
+    _stack_distance_kernel(np.ascontiguousarray(ids), num_keys, None,
                            np.ascontiguousarray(weights, dtype=np.int64), first, rate, capacities, buckets)
     return np.cumsum(buckets[:-1]).astype(np.float64)
 
