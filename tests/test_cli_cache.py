@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
+from experiment_helpers import install_site
 from typer.testing import CliRunner
 
 from cachelab.cli import app
@@ -287,3 +293,60 @@ def test_mrc_of_a_learned_policy_says_mrc_takes_no_model(tmp_path):
                               "--capacities", "5,10"])
     assert res.exit_code == 2 and ("--policy learned-lfu needs predictor scores, and mrc takes no model: "
                                    "`cachelab simulate --model DIR`") in res.output, res.output
+
+
+STALL = {  # a plug-in policy that says when the replay is under way, then takes 10 ms a miss
+    "stallpolicy/__init__.py": """
+        import os
+        import time
+        from pathlib import Path
+
+        from cachelab.policy import PythonPolicy
+
+        class Stall(PythonPolicy):
+            name = "stall"
+
+            def victim(self, key):
+                Path(os.environ["STALL_MARK"]).touch()
+                time.sleep(0.01)
+                return 0
+        """,
+    "cachelab_stall-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: cachelab-stall\nVersion: 0.1\n",
+    "cachelab_stall-0.1.dist-info/entry_points.txt": "[cachelab.policies]\nstall = stallpolicy:Stall\n",
+}
+
+
+@pytest.mark.parametrize("verb, args, whole_group", [
+    ("simulate", ["--capacity", "10"], True),
+    ("mrc", ["--capacities", "10,20,30", "--workers", "2"], True),
+    ("mrc", ["--capacities", "10,20,30", "--workers", "2"], False)])
+def test_ctrl_c_mid_replay_says_nothing_was_written_and_exits_130(tmp_path, monkeypatch, verb, args, whole_group):
+    """Only the trace's read said what Ctrl-C left; in the replay simulate exited 130 saying nothing,
+    and mrc never ended: its process pool's exit ran every queued capacity first (each a whole
+    simulation here), and Ctrl-C at a terminal reached its workers too. The whole run now ends at
+    once with one line; a worker leaves Ctrl-C to mrc, which ends the pool."""
+    install_site(tmp_path, STALL, monkeypatch)
+    np.save(tmp_path / "k.npy", np.arange(100_000, dtype=np.int64))  # every request a miss: 1000 s a capacity
+    mark = tmp_path / "replaying"
+    proc = subprocess.Popen([sys.executable, "-m", "cachelab", verb, "--trace", str(tmp_path / "k.npy"), "--policy",
+                             "stall", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True,
+                            env={**os.environ, "STALL_MARK": str(mark), "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        deadline = time.monotonic() + 240
+        while not mark.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert proc.poll() is None, proc.communicate()
+        if whole_group:  # as a terminal's Ctrl-C: the process and the workers it forked
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of a run that did not end
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == f"{verb} interrupted: nothing was written", err
+    assert "Traceback" not in err and out == "", err

@@ -17,7 +17,7 @@ from cachelab.engine.tiers import Hierarchy, Tier
 from cachelab.defaults import PRESET
 from cachelab.learning.streams import STEP_VIEWS, load_trace, unchecked_layout
 from cachelab.trace.keytrace import FORMATS
-from cachelab.cli.interrupted import interrupted
+from cachelab.cli.interrupted import interruptible, interrupted
 from cachelab.cli.wording import counted
 from cachelab.trace.kinds import KEY, Found, detect, refuse_unused, requests_or_default
 from cachelab.workload.compaction import count_distinct
@@ -95,6 +95,7 @@ def checked_policy(policy: str, admission: str | None, params: list[str]):
     return built
 
 
+@interruptible("simulate")
 def simulate(
     trace: str = typer.Option(..., "--trace", help=TRACE_HELP),
     policy: str = typer.Option(..., "--policy", help="Registry name (see `cachelab policies list`), e.g. lru."),
@@ -193,6 +194,7 @@ def simulate(
                       "so each misses once, whatever the policy")
 
 
+@interruptible("mrc")
 def mrc(
     trace: str = typer.Option(..., "--trace", help=TRACE_HELP),
     policy: str = typer.Option("lru", "--policy", help="Registry name; lru uses the one-pass exact curve."),

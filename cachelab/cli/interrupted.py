@@ -1,4 +1,4 @@
-"""Ctrl-C in a verb that writes an output: one line saying what the output holds, exit 130.
+"""Ctrl-C in a verb: one line saying what its output holds (or that it wrote nothing), exit 130.
 
 Typer turns a KeyboardInterrupt into exit status 130 saying nothing, so whether ``--out`` held a
 cut file, the one before or the new one was left to guess (outputs are written under a temporary
@@ -8,6 +8,7 @@ name and renamed whole: the rename is the one moment the answer changes).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -45,3 +46,18 @@ def interrupted(what: str, out: Path | None = None, thing: str = "file", partial
             kept = f"{out} holds no {thing}; the partial {partial} removed"
         typer.echo(f"{what} interrupted: {kept}", err=True)
         raise typer.Exit(130) from None
+
+
+def interruptible(what: str) -> Callable[[Callable], Callable]:
+    """A verb that writes no file (its result is printed once it has one) run whole in
+    ``interrupted(what)``: Ctrl-C anywhere in it says ``<what> interrupted: nothing was written``."""
+
+    def wrap(verb: Callable) -> Callable:
+        @functools.wraps(verb)  # Typer reads the options from the verb's own signature
+        def run(*args, **kwargs):
+            with interrupted(what):
+                return verb(*args, **kwargs)
+
+        return run
+
+    return wrap

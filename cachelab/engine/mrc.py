@@ -9,12 +9,13 @@
   stands for ``d / R``, R the rate the hash keeps (``effective_rate``). SHARDS-adj adds the gap
   between the expected and the actual sampled count to the first bucket.
 - Other policies: one simulation per capacity, in a process pool (forked workers share the
-  stream; results are collected by capacity, so the curve is deterministic). With a sample
-  rate, each simulation runs on the sampled keys at ``R * capacity`` (mini-simulation,
-  Waldspurger et al., ATC'17), and its misses stand for ``misses / R`` over the whole stream
-  (libCacheSim's MINISIM profiler), not for a share of the sampled requests: a skewed stream's
-  hottest keys fall in or out of a sample, so the sample's request count strays far from ``R``
-  of the stream's while its misses, mostly of cold keys, scale with the keys it holds.
+  stream; results are collected by capacity, so the curve is deterministic; Ctrl-C ends the
+  pool at once). With a sample rate, each simulation runs on the sampled keys at
+  ``R * capacity`` (mini-simulation, Waldspurger et al., ATC'17), and its misses stand for
+  ``misses / R`` over the whole stream (libCacheSim's MINISIM profiler), not for a share of the
+  sampled requests: a skewed stream's hottest keys fall in or out of a sample, so the sample's
+  request count strays far from ``R`` of the stream's while its misses, mostly of cold keys,
+  scale with the keys it holds.
 
 Curves are over the per-step deduplicated request stream (what a tier sees); miss ratios are
 per request (lookup), each distinct row weighted by the lookups it stands for.
@@ -25,7 +26,7 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import os
-from concurrent.futures import ProcessPoolExecutor
+import signal
 from dataclasses import dataclass
 
 import numba as nb
@@ -242,20 +243,23 @@ def miss_ratio_curve(stream: LookupStream, capacities: list[int], policy: str | 
     raw = req.uniq[req.ids]  # each entry's row id (a policy may ask at reset): once, shared by the forked workers
     _SHARED.update(req=req, policy=policy, params=params, rate=rate, raw=raw)
     workers = max(1, min(len(capacities), workers or os.cpu_count() or 1))
-    with progress_bar(enabled=progress) as bar:
-        task = bar.add_task(f"{policy}: {len(capacities)} capacities", total=len(capacities))
-        if workers == 1:
-            ratios = []
-            for c in capacities:
-                ratios.append(_simulate_one(c))
-                bar.advance(task)
-        else:
-            with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork")) as pool:
-                futures = [pool.submit(_simulate_one, c) for c in capacities]
-                for f in futures:
-                    f.add_done_callback(lambda _f: bar.advance(task))
-                ratios = [f.result() for f in futures]
-    _SHARED.clear()
+    try:
+        with progress_bar(enabled=progress) as bar:
+            task = bar.add_task(f"{policy}: {len(capacities)} capacities", total=len(capacities))
+            if workers == 1:
+                ratios = []
+                for c in capacities:
+                    ratios.append(_simulate_one(c))
+                    bar.advance(task)
+            else:
+                # Ctrl-C is this process's to act on: the workers ignore it, and leaving the block ends them
+                # (an executor's exit ran every queued capacity first, and a worker's interrupt was a traceback)
+                with mp.get_context("fork").Pool(workers, signal.signal, (signal.SIGINT, signal.SIG_IGN)) as pool:
+                    runs = [pool.apply_async(_simulate_one, (c,), callback=lambda _r: bar.advance(task))
+                            for c in capacities]
+                    ratios = [r.get() for r in runs]
+    finally:
+        _SHARED.clear()
     method = "simulation" if sample_rate is None else "mini-simulation"
     return Curve(capacities, _bounded(req, [float(r) for r in ratios], infinite, rate), requests, method,
                  sample_rate, warm, req.num_keys, infinite, rate)
