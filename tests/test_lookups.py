@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachelab.errors import CachelabError
-from cachelab.workload.compaction import (StepDeduper, _compact_steps_kernel, _start_bits, compact, compact_steps,
-                                          count_distinct, dedup_steps)
+from cachelab.workload.compaction import (StepDeduper, _bits_for, _compact_steps_kernel, _start_bits, compact,
+                                          compact_steps, count_distinct, dedup_steps)
 from cachelab.workload.lookups import LookupStream, first_tokens, global_key, split_key
 
 
@@ -222,6 +222,30 @@ def test_compaction_grows_its_table_past_a_repetitive_prefix():
     assert uniq.size == 300_001 and np.array_equal(uniq[ids], keys)
     dd, uniq_steps = compact_steps(keys, np.arange(keys.size + 1))
     assert np.array_equal(uniq_steps, uniq) and np.array_equal(dd.keys, ids)
+
+
+@pytest.mark.parametrize("per_step", [1, 4])
+def test_a_table_grown_mid_pass_is_not_held_beside_its_double(per_step):
+    """Callers without an exact count (evaluate's view, store bench, byte and row capacities) start
+    the table at a prefix's guess, too small on 30-40 standard-library requests: it grew mid-pass,
+    the old table held while its double was filled, 1.5x the final table at the peak. The ids and
+    keys so far rebuild the larger table once the old one is freed."""
+    keys = np.concatenate([np.zeros(1 << 20, np.int64), np.arange(1, 2_000_001, dtype=np.int64) * 7919 << 20])
+    offsets = np.append(np.arange(0, keys.size, per_step), keys.size)
+    compact_steps(keys[:12], offsets[:13 // per_step + 1])  # compiled outside the count
+    tracemalloc.start()
+    try:
+        dd, uniq = compact_steps(keys, offsets)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    table = 16 << _bits_for(uniq.size)  # the smallest that holds them, where growth ends
+    made = 8 * keys.size + dd.keys.nbytes + (0 if per_step == 1 else dd.inverse.nbytes + dd.offsets.nbytes)
+    assert peak - made < 1.1 * table, f"{(peak - made) / table:.2f}x the table"
+    want, want_uniq = compact_steps(keys, offsets, uniq.size)  # sized to never grow
+    assert np.array_equal(uniq, want_uniq) and uniq.size == 2_000_001
+    for name in ("keys", "offsets", "inverse"):
+        assert np.array_equal(getattr(dd, name), getattr(want, name)), name
 
 
 def test_a_counted_table_holds_the_distinct_keys_without_growing_and_a_low_count_grows():
