@@ -134,6 +134,7 @@ class EngineCounters:
     steps: int = 0
     prompt_tokens: int = 0
     prompt_tokens_computed: int = 0  # of those, not a prefix-cache hit (vLLM's local_compute source)
+    prompt_tokens_cached: int = 0  # the others (local_cache_hit): a count of its own, so it never falls
     generation_tokens: int = 0
     preemptions: int = 0
     finished: dict = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
@@ -463,8 +464,10 @@ class LiveEngine:
             self.counters.generation_tokens += 1
             if live.first_token is None:
                 live.first_token = now
+                hit = max(live.cached_tokens, 0)
                 self.counters.prompt_tokens += live.req.num_prompt
-                prefilled += live.req.num_prompt - max(live.cached_tokens, 0)
+                self.counters.prompt_tokens_cached += hit
+                prefilled += live.req.num_prompt - hit
                 if self.observer is not None:
                     self.observer.first_token(now - live.arrival)
             elif self.observer is not None:

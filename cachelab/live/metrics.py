@@ -143,11 +143,12 @@ class EngineMetrics:
         yield counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
                       e.pool.hit_tokens)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", c.prompt_tokens)
-        # vLLM's breakdowns of the two above (counted as they are): no KV comes from elsewhere
+        # vLLM's breakdowns of the two above (counted as they are): no KV comes from elsewhere. Each source its
+        # own count: one read as a difference of two counts the engine adds at two moments fell between scrapes
         by_source = CounterMetricFamily("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
                                         labels=LABELS + ("source",))
-        for source, n in (("local_compute", c.prompt_tokens_computed),
-                          ("local_cache_hit", c.prompt_tokens - c.prompt_tokens_computed), ("external_kv_transfer", 0)):
+        for source, n in (("local_compute", c.prompt_tokens_computed), ("local_cache_hit", c.prompt_tokens_cached),
+                          ("external_kv_transfer", 0)):
             by_source.add_metric(labels + [source], n)
         yield by_source
         hit_source = CounterMetricFamily("vllm:prompt_tokens_cached_by_source", CACHED_BY_SOURCE_HELP,

@@ -1,0 +1,123 @@
+"""``cachelab serve``'s edges as a vLLM maintainer reviews them, against a real server on 127.0.0.1:
+``/metrics`` read in the middle of a step, and clients that leave before their first token.
+
+One server (tiny preset, dummy weights, one sequence at a time, so a second request queues) serves
+the module.
+"""
+
+import json
+import socket
+import threading
+import time
+from urllib.parse import urlparse
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cachelab.live.launch import ServeOptions, running_server
+from cachelab.live.sampling import SamplingParams
+
+MODEL = "cachelab-tiny"
+T = 120  # s an answer may take on two busy cores
+
+
+@pytest.fixture(scope="module")
+def server():
+    opts = ServeOptions(port=0, kv_cache_tokens=4096, max_num_seqs=1, threads=1)
+    with running_server(opts) as (url, engine):
+        yield url, engine
+
+
+def monotone_samples(url: str) -> dict:
+    """Every sample of /metrics that must never fall: counters' and histograms' (their
+    ``_created`` timestamps left out), as {(name, labels...): value}."""
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=T).text):
+        if family.type in ("counter", "histogram"):
+            for s in family.samples:
+                if not s.name.endswith("_created"):
+                    out[(s.name, *sorted(s.labels.items()))] = s.value
+    return out
+
+
+def wait_idle(engine) -> None:
+    for _ in range(2400):
+        if not engine.num_live:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"engine did not go idle: {engine.num_running} running, {engine.num_waiting} waiting")
+
+
+def test_a_scrape_in_the_middle_of_a_step_never_sees_a_counter_fall(server):
+    """Prometheus reads a counter that falls as a restart: rate() over it counts the whole value
+    again. ``vllm:prompt_tokens_by_source{source="local_cache_hit"}`` was the prompt tokens counted
+    less those computed, two counts the engine thread adds at two moments of handing out a step's
+    first tokens, so a scrape between them (the engine thread hands the GIL over as it wakes the
+    event loop) read a new prompt's tokens as a cache hit, and the next scrape took them back. The
+    scrape here is made in that moment: from the request's own output sink, on the engine thread."""
+    url, engine = server
+    wait_idle(engine)
+    during, done = [], threading.Event()
+
+    def sink(out) -> None:
+        if not during:  # the request's first token: its prompt is counted, the step not yet handed out
+            during.append(monotone_samples(url))
+        if out.finished:
+            done.set()
+    before = monotone_samples(url)
+    engine.submit([list(range(7000, 7100))], [SamplingParams(max_tokens=2)], [sink])  # a prompt no block of which is cached
+    assert done.wait(T)
+    wait_idle(engine)
+    after = monotone_samples(url)
+    fell = [(key, a, b, c) for key, a in before.items() for b, c in [(during[0].get(key, a), after.get(key, a))]
+            if not a <= b <= c]
+    assert fell == []
+    hit = ("vllm:prompt_tokens_by_source_total", ("engine", "0"), ("model_name", MODEL), ("source", "local_cache_hit"))
+    assert after[hit] == before[hit]  # nothing of that prompt came from the prefix cache
+
+
+def post_raw(url: str, body: dict) -> socket.socket:
+    """A connection that has sent a whole request and reads nothing (the caller hangs up)."""
+    where = urlparse(url)
+    sock = socket.create_connection((where.hostname, where.port))
+    data = json.dumps({"model": MODEL, **body}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    return sock
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_a_client_gone_while_its_request_queues_is_aborted_at_once(server, stream):
+    """A burst past max_num_seqs queues (vLLM's scheduler: the request waits, it is not refused); a
+    client that hangs up while its request waits, before its first token and before it is ever
+    scheduled, has it taken out of the queue at the next step, not when it would have run: the
+    request running meanwhile goes on, and the queue is empty long before it finishes."""
+    url, engine = server
+    wait_idle(engine)
+    aborted = engine.counters.finished["abort"]
+    running = threading.Thread(target=httpx.post, args=(f"{url}/v1/completions",),
+                               kwargs={"json": {"model": MODEL, "prompt": "runs on", "max_tokens": 200,
+                                                "ignore_eos": True}, "timeout": T})
+    running.start()
+    for _ in range(2400):
+        if engine.num_running:
+            break
+        time.sleep(0.01)
+    sock = post_raw(url, {"prompt": "waits", "max_tokens": 50, "stream": stream})
+    for _ in range(2400):
+        if engine.num_waiting:
+            break
+        time.sleep(0.01)
+    assert (engine.num_running, engine.num_waiting) == (1, 1)
+    sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+    for _ in range(2400):
+        if not engine.num_waiting:
+            break
+        time.sleep(0.01)
+    assert engine.num_waiting == 0 and engine.counters.finished["abort"] == aborted + 1
+    assert engine.num_running == 1 and running.is_alive()  # aborted at once, not after the running request
+    running.join(T)
+    wait_idle(engine)
+    assert engine.counters.finished["abort"] == aborted + 1 and engine.kv_usage == 0.0
