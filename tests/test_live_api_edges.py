@@ -121,3 +121,38 @@ def test_a_client_gone_while_its_request_queues_is_aborted_at_once(server, strea
     running.join(T)
     wait_idle(engine)
     assert engine.counters.finished["abort"] == aborted + 1 and engine.kv_usage == 0.0
+
+
+CHAT = [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize("path, extra", [
+    ("completions", {"cache_salt": "tenant-a"}), ("chat/completions", {"cache_salt": "tenant-a"}),
+    ("completions", {"cache_salt": ""}),
+    ("completions", {"prompt_embeds": "AAAA"}),
+    ("completions", {"logprob_token_ids": [5, 6]}), ("chat/completions", {"logprob_token_ids": [5]}),
+    ("completions", {"repetition_detection": {"max_pattern_size": 4, "min_count": 3}}),
+    ("chat/completions", {"repetition_detection": {"max_pattern_size": 4, "min_count": 3}}),
+], ids=["salt", "chat-salt", "empty-salt", "prompt-embeds", "logprob-ids", "chat-logprob-ids", "repetition",
+        "chat-repetition"])
+def test_vllm_fields_that_change_what_is_served_are_refused_not_ignored(server, path, extra):
+    """vLLM 0.32's fields this server does not do were dropped as unknown ones and the request served
+    as if they were not there: ``cache_salt`` (vLLM keeps each salt's prefix-cache blocks apart, the
+    isolation a tenant asks for; here a salted prompt was answered from, and reported as
+    ``cached_tokens`` of, another tenant's blocks), ``prompt_embeds`` and ``logprob_token_ids`` (vLLM
+    refuses both on a server like this one: no ``--enable-prompt-embeds``, no ``logprobs``) and
+    ``repetition_detection`` (vLLM ends an answer that repeats itself). Now each is a 400 naming it,
+    as the other fields it does not do are."""
+    url, _ = server
+    base = {"model": MODEL, "max_tokens": 1, **({"messages": CHAT} if path.startswith("chat") else {"prompt": "x"})}
+    r = httpx.post(f"{url}/v1/{path}", json={**base, **extra}, timeout=T)
+    assert (r.status_code, r.json()["error"]["param"]) == (400, next(iter(extra))), r.text
+
+
+def test_the_same_fields_at_their_no_change_values_are_served(server):
+    """Null, an empty list, or a detection switched off change nothing, so they are served, as by vLLM."""
+    url, _ = server
+    r = httpx.post(f"{url}/v1/completions", timeout=T, json={
+        "model": MODEL, "prompt": "x", "max_tokens": 1, "cache_salt": None, "prompt_embeds": None,
+        "logprob_token_ids": [], "repetition_detection": {"max_pattern_size": 0}})
+    assert r.status_code == 200, r.text

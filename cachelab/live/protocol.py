@@ -109,6 +109,9 @@ class _Sampling(BaseModel):
     use_beam_search: bool = False
     truncate_prompt_tokens: int | None = None
     structured_outputs: dict | None = None
+    cache_salt: str | None = None  # vLLM keeps each salt's prefix-cache blocks apart; not done here
+    logprob_token_ids: list[int] | None = None
+    repetition_detection: dict | None = None  # vLLM ends an answer that repeats an n-gram
     skip_special_tokens: bool = True
     user: str | None = None  # OpenAI's end-user id: the session key of --capture when no X-Session-Id is sent
     request_id: str | None = None  # vLLM's: the answer's id is cmpl-/chatcmpl- and this (an X-Request-Id header wins)
@@ -143,12 +146,16 @@ class _Sampling(BaseModel):
         other than text, and vLLM's extensions that bias, restrict
         or truncate (an empty ``bad_words`` or ``logit_bias`` is no change, so it passes), and
         those of a chat that change its prompt beyond DeepSeek's template (vLLM's ``echo``, a
-        ``chat_template``, its kwargs, ``documents``)."""
-        fields = ("tools", "echo", "suffix", "top_logprobs", "logit_bias",
+        ``chat_template``, its kwargs, ``documents``). A ``cache_salt`` too, even empty (vLLM
+        refuses that one): served, a salted prompt hit other salts' blocks."""
+        fields = ("tools", "echo", "suffix", "top_logprobs", "logprob_token_ids", "logit_bias",
                   "allowed_token_ids", "bad_words", "use_beam_search", "structured_outputs",
                   "chat_template", "chat_template_kwargs", "documents")
         refused = [f for f in fields if getattr(self, f, None)]
-        refused += [f for f in ("prompt_logprobs", "truncate_prompt_tokens") if getattr(self, f) is not None]
+        refused += [f for f in ("prompt_logprobs", "truncate_prompt_tokens", "cache_salt", "prompt_embeds")
+                    if getattr(self, f, None) is not None]
+        if self.repetition_detection and self.repetition_detection.get("max_pattern_size", 0) != 0:  # 0: off
+            refused.append("repetition_detection")
         if self.logprobs is not None and self.logprobs is not False:
             refused.insert(0, "logprobs")
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -183,6 +190,7 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
     suffix: str | None = None
+    prompt_embeds: str | list[str] | None = None  # vLLM's, refused as by a vLLM without --enable-prompt-embeds
 
 
 # content parts vLLM reads as text, each by its field; one whose field is null it skips
