@@ -6,6 +6,7 @@ the module.
 """
 
 import json
+import random
 import socket
 import threading
 import time
@@ -156,3 +157,28 @@ def test_the_same_fields_at_their_no_change_values_are_served(server):
         "model": MODEL, "prompt": "x", "max_tokens": 1, "cache_salt": None, "prompt_embeds": None,
         "logprob_token_ids": [], "repetition_detection": {"max_pattern_size": 0}})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.slow
+def test_the_refused_fields_against_the_real_vllm(server, vllm_server):
+    """The real vLLM refuses an empty ``cache_salt``, ``prompt_embeds`` (no ``--enable-prompt-embeds``)
+    and ``logprob_token_ids`` without ``logprobs`` as this server does; it serves a ``cache_salt``
+    and keeps the salted prompt off the unsalted one's blocks (cached_tokens 0 where the same prompt
+    unsalted hits), the isolation this server would have ignored, which is why it refuses it."""
+    url, _ = server
+    # blocks of vLLM's CPU backend are 128 tokens: this is 3 of them, behind a nonce a reused peer has not cached
+    prompt = f"{random.randrange(10 ** 9)} " + "salted prompt " * 200
+    statuses = {}
+    for name, base, model in (("ours", url, MODEL), ("vllm", vllm_server.base_url, vllm_server.model)):
+        with httpx.Client(timeout=T) as client:
+            def post(extra, base=base, model=model, client=client):
+                return client.post(f"{base}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1,
+                                                                   **extra})
+            statuses[name] = [post(extra).status_code for extra in (
+                {"cache_salt": ""}, {"prompt_embeds": "AAAA"}, {"logprob_token_ids": [5]}, {"cache_salt": "tenant-a"})]
+            if name == "vllm":
+                post({})
+                cached = [post(extra).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                          for extra in ({}, {"cache_salt": "tenant-b"}, {"cache_salt": "tenant-b"})]
+    assert statuses == {"ours": [400, 400, 400, 400], "vllm": [400, 400, 400, 200]}
+    assert cached[0] > 0 and cached[1] == 0 and cached[2] == cached[0], cached  # a salt hits only its own blocks
