@@ -159,6 +159,21 @@ def test_the_same_fields_at_their_no_change_values_are_served(server):
     assert r.status_code == 200, r.text
 
 
+
+@pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function": {"name": "f"}}])
+def test_a_tool_choice_without_tools_is_refused_in_vllms_words(server, choice):
+    """vLLM 0.32's check_tool_usage: a ``tool_choice`` other than "none" needs ``tools``; it was
+    ignored here and the chat served."""
+    url, _ = server
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=T,
+                   json={"model": MODEL, "messages": CHAT, "max_tokens": 1, "tool_choice": choice})
+    assert r.status_code == 400 and r.json()["error"] == {
+        "message": "When using `tool_choice`, `tools` must be set. (parameter=tool_choice)",
+        "type": "BadRequestError", "param": "tool_choice", "code": 400}
+    for fine in ("none", None):
+        assert httpx.post(f"{url}/v1/chat/completions", timeout=T, json={
+            "model": MODEL, "messages": CHAT, "max_tokens": 1, "tool_choice": fine}).status_code == 200
+
 @pytest.mark.slow
 def test_the_refused_fields_against_the_real_vllm(server, vllm_server):
     """The real vLLM refuses an empty ``cache_salt``, ``prompt_embeds`` (no ``--enable-prompt-embeds``)

@@ -223,6 +223,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     return_prompt_text: bool | None = None  # vLLM's: answer with the prompt the template made
     tools: list[dict] | None = None
+    tool_choice: str | dict | None = None  # needs tools (see check), which are refused: served only as "none"
     # vLLM's chat extensions: add_generation_prompt and continue_final_message served (DeepSeek's template
     # and transformers' continuation), the others refused (see unsupported)
     echo: bool = False
@@ -233,11 +234,13 @@ class ChatCompletionRequest(_Sampling):
     documents: list[dict] | None = None
 
     def check(self) -> None:
-        """vLLM's refusals of a chat its schema takes: an empty ``tools`` list, and those of
-        ``check_chat``."""
+        """vLLM's refusals of a chat its schema takes: an empty ``tools`` list, a ``tool_choice``
+        without tools, and those of ``check_chat``."""
         if self.tools == []:  # vLLM's words
             raise invalid("`tools` must not be an empty array. Either provide at least one tool or omit the "
                           "field entirely.", "tools")
+        if self.tool_choice not in (None, "none") and self.tools is None:  # vLLM's check_tool_usage, its words
+            raise invalid("When using `tool_choice`, `tools` must be set.", "tool_choice")
         check_chat(self)
 
 
