@@ -610,6 +610,25 @@ def test_no_published_point_pins_decode_mfu_apart_from_the_host_cost(data_dir):
     assert max(added, key=added.get) == "v41-b200-tp4-8k1k-c16-dram-uva"
 
 
+def test_the_fit_spectrum_solves_a_point_once_for_all_its_metrics(monkeypatch):
+    # The Jacobian has a row per metric of a point: it was built solving the point once per metric, two or
+    # three times the work (most of `study inferencex`'s time); one solve gives every metric
+    from cachelab.serving import calibration
+
+    solved = []
+
+    def predict(point, eff, spec=None):
+        solved.append(point.id)
+        return {"tokens_per_s_per_gpu": 1e3 * eff.mbu, "median_tpot_ms": 10 / eff.mfu ** 0.5}
+
+    monkeypatch.setattr(calibration, "predict", predict)
+    points = calibration.v41_script_points()  # two points, two of the fit's metrics each
+    out = calibration.fit_spectrum(points, Efficiency(), ("mbu", "mfu"))
+    assert len(solved) == len(points) * 2 * 2  # each point at each parameter's two perturbed efficiencies
+    # rows (1, 0) and (0, -1/2) of each point: d log(predicted) / d log(parameter)
+    assert out["singular_values"] == pytest.approx([2 ** 0.5, 2 ** 0.5 / 2])
+
+
 @pytest.mark.data
 def test_the_efficiency_fit_separates_mbu_from_the_per_layer_cost(data_dir):
     # At TP8 alone a decode step's weight stream (bytes / MBU) and its per-layer cost are both a constant

@@ -377,8 +377,9 @@ def fit(points: list[Point], start: Efficiency = Efficiency(), max_evals: int = 
 def _log_jacobian(points: list[Point], eff: Efficiency, names: tuple[str, ...]) -> np.ndarray:
     """d log(predicted) / d log(parameter) at ``eff``, a row per measured ``FIT_METRICS`` value of
     ``points`` and a column per name (central differences, 1%)."""
-    def logs(e: Efficiency) -> np.ndarray:
-        return np.array([math.log(predict(p, e)[k]) for p in points for k in p.measured if k in FIT_METRICS])
+    def logs(e: Efficiency) -> np.ndarray:  # one solve a point, whatever number of its metrics the fit reads
+        return np.array([math.log(got[k]) for p, got in ((p, predict(p, e)) for p in points)
+                         for k in p.measured if k in FIT_METRICS])
 
     h = math.log(1.01)
     cols = [(logs(replace(eff, **{n: getattr(eff, n) * 1.01})) - logs(replace(eff, **{n: getattr(eff, n) / 1.01})))
