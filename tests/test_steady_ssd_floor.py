@@ -98,8 +98,19 @@ def test_the_ssd_host_floor_is_fitted_on_the_short_steps_of_the_pr_sweep():
     assert got["fit_concurrencies"] == list(SSD_PR_FIT)
 
 
+@pytest.fixture(scope="module")
+def tpot_reading():
+    """``ssd_floor.floor_from_tpot_offset`` under the R1 fit over its default sweep (the key's), against
+    77 M DRAM tokens per dollar: solved once for the two tests that read it."""
+    from dataclasses import replace
+
+    from cachelab.serving.studies.ssd_floor import floor_from_tpot_offset
+
+    return floor_from_tpot_offset(agentic_workload(), replace(Efficiency(), **FITTED_R1), 77e6)
+
+
 @pytest.mark.slow
-def test_the_pr_bodys_two_readings_of_the_ssd_floor_are_both_reported():
+def test_the_pr_bodys_two_readings_of_the_ssd_floor_are_both_reported(tpot_reading):
     """The fitted floor reads the PR body's SSD-over-UVA throughput at 1-8 clients, a ratio of whole
     cycles, thinking included: with the synthesized think times doubled it refits 38% higher. Its median
     TPOT offset read at one client (one sequence's step, no think time) gives a shorter floor, under which
@@ -107,11 +118,11 @@ def test_the_pr_bodys_two_readings_of_the_ssd_floor_are_both_reported():
     from dataclasses import replace
 
     from cachelab.serving.studies.semianalysis import published_piecewise_layer_s
-    from cachelab.serving.studies.ssd_floor import floor_from_tpot_offset, floor_if_think_mean
+    from cachelab.serving.studies.ssd_floor import floor_if_think_mean
 
     eff = replace(Efficiency(), **FITTED_R1)
     wl = agentic_workload()
-    tpot = floor_from_tpot_offset(wl, eff, 77e6, concurrencies=(1, 2, 4, 8, 16, 32, 64))
+    tpot = tpot_reading
     assert tpot["piecewise_layer_s"] == published_piecewise_layer_s(eff, wl) < eff.piecewise_layer_s
     assert set(tpot["b200_tp4_disk_over_uva"]) == {"1", "2", "4", "8", "16", "32", "64"}
     assert tpot["b200_tp4_disk_over_uva"]["1"] > 0.7  # published 0.63; the fit's floor gives 0.62
@@ -121,7 +132,7 @@ def test_the_pr_bodys_two_readings_of_the_ssd_floor_are_both_reported():
 
 
 @pytest.mark.slow
-def test_the_tpot_offset_reading_reads_the_ssd_arm_over_the_keys_sweep():
+def test_the_tpot_offset_reading_reads_the_ssd_arm_over_the_keys_sweep(tpot_reading):
     # DRAM over SSD under the PR body's TPOT-offset floor divides the key, read over the key's sweep, by the
     # SSD arm's read-off; that arm was read over the what-ifs' coarser sweep, on the chord from 8 to 12 clients
     # where this floor puts the read-off between 8 and 10: 1.135 where the key's own sweep gives 1.121 (seen by
@@ -132,10 +143,9 @@ def test_the_tpot_offset_reading_reads_the_ssd_arm_over_the_keys_sweep():
 
     from cachelab.serving.pareto import pareto_front, throughput_at
     from cachelab.serving.studies.semianalysis import KEY_CONCURRENCIES, TARGET, X, Y, run_points
-    from cachelab.serving.studies.ssd_floor import floor_from_tpot_offset
 
     fitted, wl = replace(Efficiency(), **FITTED_R1), agentic_workload()
-    got = floor_from_tpot_offset(wl, fitted, 1.0)
+    got = tpot_reading  # over the key's sweep, its default
     floor = replace(fitted, piecewise_layer_s=got["piecewise_layer_s"])
     ssd = pl.DataFrame(run_points(wl, floor, [("B200", 4, "ssd-mmap"), ("B200", 8, "ssd-mmap")], KEY_CONCURRENCIES),
                        infer_schema_length=None).filter(pl.col("fits"))
