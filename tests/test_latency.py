@@ -438,6 +438,31 @@ def test_v41s_indexer_runs_whole_on_every_tp_rank():
     assert per_gpu[4] == pytest.approx(2 * per_gpu[2])
 
 
+def test_index_sources_of_one_ratio_cap_and_query_range_are_summed_once(monkeypatch):
+    # V4.1's eight index sources are three kinds (ratio, cap, and whether a bounded replay trims their
+    # queries); each step the latency model times summed all eight anew, a third of a steady-state solve's
+    # time. Each kind is summed once; the totals are the per-source sums in the same order, exactly.
+    from cachelab.serving import model_spec
+
+    sum_min, calls = model_spec.sum_min, []
+    lo, hi, late = np.array([140_000.0, 3_000.0]), np.array([148_000.0, 3_004.0]), np.array([147_872.0, 3_000.0])
+    replayed = MODEL._replayed_index_sources
+    assert len(MODEL.index_sources) == 8 and len(replayed) == 4
+    for late_lo in (None, late):
+        want = 0.0
+        for i, (ratio, cap) in enumerate(MODEL.index_sources):
+            want = want + sum_min(late_lo if late_lo is not None and i in replayed else lo, hi, ratio * cap) / ratio
+        monkeypatch.setattr(model_spec, "sum_min", lambda *a: calls.append(a) or sum_min(*a))
+        got = MODEL.indexer_positions(lo, hi, late_lo)
+        monkeypatch.setattr(model_spec, "sum_min", sum_min)
+        assert np.array_equal(got, want) and len(calls) == 3
+        calls.clear()
+    # the indexer keys a step reads: each source's, in source order
+    keys = sum(np.minimum(hi / r, cap if cap else np.inf) for r, cap in MODEL.index_sources) * MODEL.index_key_bytes
+    no_keys = replace(MODEL, index_sources=(), index_source_layers=())
+    assert np.array_equal(MODEL.kv_read_bytes(hi - lo, hi), no_keys.kv_read_bytes(hi - lo, hi) + keys)
+
+
 def test_v41s_replicated_dense_layers_run_whole_on_every_tp_rank(tmp_path):
     from dataclasses import replace
 

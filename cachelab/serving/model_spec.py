@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import tomllib
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -45,10 +46,12 @@ def touched_experts(experts: int, per_token: int, tokens):
     return experts * (1.0 - (1.0 - per_token / experts) ** np.asarray(tokens, np.float64))
 
 
-def _ratio_counts(ratios) -> list[tuple[int, int]]:
-    """(ratio, how many layers have it) over the compressing layers among ``ratios``."""
+@lru_cache(maxsize=64)
+def _ratio_counts(ratios: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """(ratio, how many layers have it) over the compressing layers among ``ratios`` (a spec's few
+    layouts, asked for at every step the latency model times: kept)."""
     compressing = [r for r in ratios if r > 0]
-    return [(r, compressing.count(r)) for r in sorted(set(compressing))]
+    return tuple((r, compressing.count(r)) for r in sorted(set(compressing)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,8 +302,12 @@ class ModelSpec:
         ``late_lo``, the replayed sources score the queries at ``(late_lo, hi]`` only."""
         total = 0.0
         replayed = self._replayed_index_sources if late_lo is not None else ()
+        terms = {}  # sources of one ratio, cap and query range score alike (V4.1: 8 sources, 3 terms)
         for i, (ratio, cap) in enumerate(self.index_sources):
-            total = total + sum_min(late_lo if i in replayed else lo, hi, ratio * cap) / ratio
+            key = (i in replayed, ratio, cap)
+            if key not in terms:
+                terms[key] = sum_min(late_lo if key[0] else lo, hi, ratio * cap) / ratio
+            total = total + terms[key]
         return total
 
     @property
@@ -330,7 +337,8 @@ class ModelSpec:
         for ratios, q in groups:
             for ratio, count in _ratio_counts(ratios):
                 sparse = sparse + count * np.minimum(q * self.sparse_topk, context / ratio) * latent
-        index = sum(np.minimum(context / r, cap if cap else np.inf) for r, cap in self.index_sources) * self.index_key_bytes
+        keys = {s: np.minimum(context / s[0], s[1] if s[1] else np.inf) for s in set(self.index_sources)}
+        index = sum(keys[s] for s in self.index_sources) * self.index_key_bytes  # a source's keys, in source order
         return window + sparse + index
 
     def prefill_gather_bytes(self, queries, context):
