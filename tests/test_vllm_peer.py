@@ -7,6 +7,7 @@ import json
 import random
 import re
 import subprocess
+import time
 import urllib.request
 from types import SimpleNamespace
 
@@ -72,3 +73,22 @@ def test_a_peer_given_by_its_directory_outlives_the_session_and_one_made_here_do
     assert made.is_dir() and made != given
     vllm_peer.finish(config)
     assert not made.exists()
+
+
+def test_a_stop_waits_while_the_servers_processes_run_and_not_for_their_zombies():
+    """A stopped server's leader stays a zombie until its parent reaps it, and the worker that started it
+    never does: the stop took that for a live process and waited out its whole grace period (10 s
+    each time, after vLLM had exited in about one). Here a group that ignores SIGTERM for 2 s, its
+    leader left unreaped as the worker leaves it: the stop waits those 2 s and returns, without the
+    SIGKILL at the end of the grace."""
+    leader = subprocess.Popen(["bash", "-c", "trap '' TERM; sleep 2"], start_new_session=True)
+    try:
+        time.sleep(0.5)  # bash has set its trap
+        t = time.monotonic()
+        vllm_peer._kill_group(leader.pid, grace_s=30)
+        waited = time.monotonic() - t
+        assert leader.poll() == 0, "the group was killed, not waited for"
+        assert 1 < waited < 15, waited
+    finally:
+        leader.kill()
+        leader.wait()
