@@ -89,9 +89,9 @@ def test_live_kind_checks(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_live_points_logged_with_their_prediction(tmp_path):
+def test_two_live_points_logged_with_their_prediction(tmp_path, mlflow_uri):
     spec = small_spec(tmp_path, f'calibration = "{calibration_file(tmp_path / "fitted.toml")}"\n')
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_uri
     run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", quiet=True)  # one worker: the kind's default
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name("live-sweep")
@@ -121,7 +121,7 @@ def test_two_live_points_logged_with_their_prediction(tmp_path):
     assert by_overlap[0.0]["prefix_cache.cached_bytes_end"] > 0
 
 
-def test_every_cpu_placement_serves_live(tmp_path, monkeypatch):
+def test_every_cpu_placement_serves_live(tmp_path, mlflow_uri, monkeypatch):
     """The issue's placements that need no GPU (hbm with the CPU's memory standing in, dram-copy,
     ssd-mmap, ssd-direct, and the store's pread) each serve a point end to end with its
     prediction; dram-uva is refused here. hbm: every step's rows bit-exact against the
@@ -142,7 +142,7 @@ def test_every_cpu_placement_serves_live(tmp_path, monkeypatch):
     monkeypatch.setattr(TieredStore, "_step", checking_step)
     calibration = f'calibration = "{calibration_file(tmp_path / "fitted.toml")}"\n'
     placements = '"live.placement" = ["hbm", "dram-copy", "ssd-mmap", "pread", "ssd-direct"]'
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_uri
     run_experiment(small_spec(tmp_path, calibration, requests=3, sweep=placements), tracking_uri=uri,
                    runs_dir=tmp_path / "runs", quiet=True)
     client = MlflowClient(tracking_uri=uri)
@@ -178,7 +178,7 @@ def test_every_cpu_placement_serves_live(tmp_path, monkeypatch):
         load_spec(small_spec(tmp_path, sweep='"live.placement" = ["dram", "dram-uva"]'))
 
 
-def test_warm_up_replayed_in_the_prediction(tmp_path, monkeypatch):
+def test_warm_up_replayed_in_the_prediction(tmp_path, mlflow_uri, monkeypatch):
     """The prediction serves the point's warm-up requests first, as they were served live
     (prompts reversed, the live model's outputs), so the row cache and the prefix cache start
     the measured run in the live state: at concurrency 1 (each step's batch is then the same live
@@ -196,7 +196,7 @@ def test_warm_up_replayed_in_the_prediction(tmp_path, monkeypatch):
     monkeypatch.setattr(live_kind, "predict_point", recording)
     extra = f'calibration = "{calibration_file(tmp_path / "fitted.toml")}"\n'
     spec = small_spec(tmp_path, extra, requests=4, sweep='"live.concurrency" = [1]\n"live.row_cache_capacity" = ["10%"]')
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_uri
     run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", quiet=True)
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name("live-sweep")

@@ -332,7 +332,7 @@ def test_scorer_cost_measured_and_charged_per_step(model_dir, tmp_path):
     assert charged.metrics["mean_ttft_ms"] > plain.metrics["mean_ttft_ms"]
 
 
-def test_a_learned_live_point_counts_the_served_prompts_its_model_trained_on(tmp_path):
+def test_a_learned_live_point_counts_the_served_prompts_its_model_trained_on(tmp_path, mlflow_uri):
     """The live kind's ``model_overlap.*`` of a learned point, run end to end: a model trained on
     the first 2 of the point's 4 prompts (twice over, so its training window holds both whole)
     finds exactly those 2 among the 4 measured requests; the 2 warm-up requests (prompts
@@ -361,7 +361,7 @@ def test_a_learned_live_point_counts_the_served_prompts_its_model_trained_on(tmp
     model_dir = save(model, tmp_path / "model")
     spec.write_text(spec.read_text().replace('row_cache_policy = "lru"',
                                              f'row_cache_policy = "{POLICY}"\nrow_cache_model = "{model_dir}"'))
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_uri
     run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", quiet=True)
     client = MlflowClient(tracking_uri=uri)
     (run,) = client.search_runs([client.get_experiment_by_name("live-sweep").experiment_id],
