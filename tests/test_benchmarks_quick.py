@@ -483,7 +483,7 @@ def test_bench_live_quick_run_prints_the_server_over_the_bare_model():
 # that must keep its own NumPy default: libCacheSim's worker, vLLM's `vllm bench serve`, the host
 # path of vLLM's Engram worker (a vLLM process keeps NumPy's advice); and the two helpers.
 OWN_NUMPY_DEFAULT = {"bench_engine.py", "bench_serve_vs_vllm.py", "bench_engram_host_path.py", "timed_cli.py",
-                     "cli_numpy.py"}
+                     "cli_numpy.py", "capture_hop_stamps.py"}  # the last runs inside the CLI proxy, which sets NumPy
 
 
 def test_every_benchmark_runs_numpy_as_the_command_line_does():
