@@ -17,7 +17,7 @@ knows every token up front; a live engine passes the tokens it sampled.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
@@ -129,6 +129,42 @@ class StepRecord:
                 "tokens": self.num_tokens, "decodes": self.decodes}
 
 
+class WaitingQueue:
+    """The waiting requests in admission order (vLLM's FCFS queue): an arrival joins the back, a
+    preempted request goes back to the front. Keyed by request id, so an abort takes one out in
+    O(1): a deque's ``remove`` scanned the queue, and aborting k of n queued requests (a client
+    gone mid-burst) held the engine thread for O(n k), 4.5 s for 16,384 in random order."""
+
+    def __init__(self):
+        self._queue: OrderedDict[int, Request] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self):
+        return iter(self._queue.values())
+
+    def append(self, request: Request) -> None:
+        self._queue[request.rid] = request
+
+    def appendleft(self, request: Request) -> None:
+        self._queue[request.rid] = request
+        self._queue.move_to_end(request.rid, last=False)
+
+    def peek(self) -> Request:
+        return next(iter(self._queue.values()))
+
+    def popleft(self) -> Request:
+        return self._queue.popitem(last=False)[1]
+
+    def discard(self, request: Request) -> bool:
+        """Take ``request`` out; False if it is not queued."""
+        if self._queue.get(request.rid) is not request:
+            return False
+        del self._queue[request.rid]
+        return True
+
+
 class Scheduler:
     """Continuous batching over one KV pool (see module doc).
 
@@ -143,7 +179,7 @@ class Scheduler:
         self.kv = kv
         self.max_num_batched_tokens = int(max_num_batched_tokens)
         self.max_num_seqs = int(max_num_seqs)
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self._live: dict[int, Request] = {}
         self._open: StepRecord | None = None
@@ -165,17 +201,16 @@ class Scheduler:
 
     def abort(self, rid: int) -> bool:
         """Drop request ``rid`` between steps (a client gone): its KV is freed as at a finish.
-        Returns False if it is not (or no longer) in the scheduler."""
+        Returns False if it is not (or no longer) in the scheduler. O(1) for a queued request; a
+        running one is looked up in ``running`` (at most ``max_num_seqs``)."""
         if self._open is not None:
             raise CachelabError(f"step {self._open.index} is open; abort between steps")
         r = self._live.pop(rid, None)
         if r is None:
             return False
-        if r in self.running:
+        if not self.waiting.discard(r):
             self.running.remove(r)
             self.kv.free(rid)
-        else:
-            self.waiting.remove(r)
         return True
 
     def schedule(self) -> StepRecord:
@@ -206,7 +241,7 @@ class Scheduler:
             break
         num_running = len(picked)
         while not preempted and self.waiting and budget > 0 and len(running) < self.max_num_seqs:
-            r = self.waiting[0]
+            r = self.waiting.peek()
             known = r.num_known
             key = r.key = kv.prefix_key(r.tokens[: r.num_prompt + r.max_output - 1], r.key)  # all it computes
             hit = kv.match(key, known)
@@ -222,7 +257,7 @@ class Scheduler:
             picked.append((r, hit, hit + num, hit))
             budget -= num
         if not picked and self._live:
-            r = self.waiting[0]
+            r = self.waiting.peek()
             raise CachelabError(f"nothing can be scheduled: the KV cache ({kv.capacity_tokens} tokens) cannot hold "
                                 f"the next request ({r.rid}, {r.num_known} tokens)")
         cols = np.array([(r.rid, a, b, r.num_prompt, c) for r, a, b, c in picked], np.int64).reshape(-1, 5)
