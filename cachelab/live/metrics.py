@@ -190,6 +190,10 @@ class EngineMetrics:
         return generate_latest(self.registry)
 
 
+STORE_TOTALS_HELP = {"step_s": "Row source time of its whole steps (the sum of cachelab:engram_store_seconds' stages).",
+                     "stall_s": "Time a prefetch's wait blocked the engine on the row source (outside its steps)."}
+
+
 def _store_metrics(rows):
     """The row source's running totals (the store's counters: ``<tier>_hits``, ``*_bytes``
     per link, ``*_s`` per stage, row counts) as (name, doc, labels, value)."""
@@ -204,7 +208,10 @@ def _store_metrics(rows):
         elif tier is not None:
             what = key[len(tier) + 1:]
             yield f"cachelab:engram_tier_{what}", f"Engram rows: {what} per cache tier.", {"tier": tier}, value
+        elif key in ("step_s", "stall_s"):  # totals, not stages: a sum over the stages is the step's time once
+            yield f"cachelab:engram_store_{key[:-2]}_seconds", STORE_TOTALS_HELP[key], None, value
         elif key.endswith("_s"):
-            yield "cachelab:engram_store_seconds", "Row source time per stage.", {"stage": key[:-2]}, value
+            yield "cachelab:engram_store_seconds", "Row source time per stage (they sum to the step's).", \
+                {"stage": key[:-2]}, value
         else:
             yield f"cachelab:engram_store_{key}", f"Row source counter {key}.", None, value
