@@ -354,6 +354,23 @@ def test_every_help_fits_80_columns_without_cutting_a_flag():
     assert min(narrowest.values()) >= 28, sorted(narrowest.items(), key=lambda kv: kv[1])[:3]
 
 
+def test_help_says_what_an_unset_option_does():
+    """A newcomer reading --help learns what leaving a limit out means: --io-threads, serve-sim's
+    --concurrency, bench serve's --max-concurrency and serve's --engram-layers said nothing of it."""
+    import inspect
+
+    from cachelab.store.backing import DirectBacking, PreadBacking
+
+    def shown(*verb):
+        return " ".join(invoke(*verb, "--help", env={"COLUMNS": "400"}).stdout.split())
+
+    pread, direct = (inspect.signature(c.__init__).parameters["io_threads"].default for c in (PreadBacking, DirectBacking))
+    assert f"Reads in flight for pread/direct (default: {pread} for pread, {direct} for direct)." in shown("store", "bench")
+    assert "At most this many requests in flight (vllm bench --max-concurrency; default: no limit)." in shown("serve-sim")
+    assert "At most N requests in flight (clients; default: no limit)." in shown("bench", "serve")
+    assert "(the first bounds the prefetch window). Default: the preset's." in shown("serve")
+
+
 # ---- 8. the smaller messages ----
 
 def test_small_messages(keys):

@@ -37,7 +37,8 @@ def serve(
     base_url: str = typer.Option(..., "--base-url", help="The server, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)."),
     trace: Path = typer.Option(..., "--trace", help="A cachelab trace with token ids (`cachelab trace build`)."),
     model: str = typer.Option(None, "--model", help="Model name to ask for; default: the first the server lists."),
-    max_concurrency: int = typer.Option(None, "--max-concurrency", help="At most N requests in flight (clients)."),
+    max_concurrency: int = typer.Option(None, "--max-concurrency", help="At most N requests in flight "
+                                         "(clients; default: no limit)."),
     request_rate: float = typer.Option(None, "--request-rate",
                                        help="Requests/s drawn as vLLM does (gamma gaps); inf sends all at once. "
                                             "Default: the trace's own arrival times."),

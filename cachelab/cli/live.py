@@ -46,7 +46,7 @@ def serve(
                                         "(meaningless text, real systems behaviour)."),
     seed: int = typer.Option(0, help="Seed of the dummy weights."),
     engram_layers: str | None = typer.Option(None, help="Decoder layers of the two Engram modules, e.g. '1,3' "
-                                             "(the first bounds the prefetch window)."),
+                                             "(the first bounds the prefetch window). Default: the preset's."),
     max_model_len: int | None = typer.Option(None, help="Context length (prompt + output). Default: the preset's."),
     kv_cache_tokens: int = typer.Option(32_768, help="KV cache size in tokens (blocks of 16)."),
     max_num_seqs: int = typer.Option(64, help="Sequences per step at most."),

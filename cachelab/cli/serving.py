@@ -61,7 +61,8 @@ def serve_sim(
     hardware: str = typer.Option(..., help=HARDWARE_HELP),
     placement: str = typer.Option(..., help=PLACEMENT_HELP),
     tp: int = typer.Option(8, help="Tensor-parallel degree (GPUs of the replica)."),
-    concurrency: int | None = typer.Option(None, help="At most this many requests in flight (vllm bench --max-concurrency)."),
+    concurrency: int | None = typer.Option(None, help="At most this many requests in flight "
+                                           "(vllm bench --max-concurrency; default: no limit)."),
     prefix_cache: str = typer.Option("vllm", help="Prefix cache: vllm (hash-chained blocks), sglang (radix tree), off."),
     row_cache_gib: float | None = typer.Option(None, help="HBM row cache per GPU (GiB; its policy: --row-cache-policy) "
                                                "in front of the placement (default none)."),

@@ -109,7 +109,8 @@ def bench(
     max_lookups: int | None = typer.Option(None, "--max-lookups", help="Stop after this many lookups, down to "
                                            "whole tokens (a token's rows are looked up together): the step that "
                                            "reaches it is cut after its last whole token within it."),
-    io_threads: int | None = typer.Option(None, "--io-threads", help="Reads in flight for pread/direct."),
+    io_threads: int | None = typer.Option(None, "--io-threads", help="Reads in flight for pread/direct "
+                                          "(default: 8 for pread, 32 for direct)."),
     io_submit: str = typer.Option("auto", "--io-submit", help="How direct submits its reads: io_uring, threads "
                                   "(a pool of aligned preads) or auto (io_uring where the kernel allows it)."),
     prefetch: bool = typer.Option(False, "--prefetch", help="Fetch step s+1 on the background thread while step s "
