@@ -485,6 +485,22 @@ def test_docs_learned_commands_work_as_written(tmp_path, data_dir):
     assert res.exit_code == 2 and "--model" in res.output  # the advice a user can follow
 
 
+def test_docs_learned_simulate_runs_the_keep_model_at_its_own_size():
+    """docs/learned.md's `simulate --model` ran the 1% keep model at 34574 rows, 1% of the stream when
+    the page was written; the stream has since changed (3,450,428 distinct rows: 1% is 34,504), and the
+    command as written said the model's keep chances were for another cache size. A share follows it."""
+    import re
+
+    from cachelab.capacity import parse_capacity
+    from cachelab.paths import REPO_ROOT
+
+    block = (REPO_ROOT / "docs" / "learned.md").read_text().split("## Commands", 1)[1].split("```", 2)[1]
+    trained = parse_capacity(re.search(r"cachelab train .*?--capacity (\S+)", block, re.S).group(1))
+    simulated = parse_capacity(re.search(r"cachelab simulate .*?--capacity (\S+)", block).group(1))
+    for distinct in (3_450_428, 3_457_413, 1_000):
+        assert trained.rows(distinct) == simulated.rows(distinct), (trained.written, simulated.written)
+
+
 def test_python_dash_m_cachelab_is_the_command_line():
     """``python -m cachelab`` (what a user tries first without the script on PATH) ran nothing:
     the package had no ``__main__``; only ``python -m cachelab.cli`` did."""
