@@ -247,3 +247,21 @@ def test_evaluate_text_names_every_policy_by_its_registry_name(trained):
     names = {line.split("│")[1].strip() for line in res.stdout.splitlines() if line.startswith("│")}
     assert {"lru", "s3fifo", "sieve", "wtinylfu", "belady", "belady-bypass", "arc", "fifo", "learned-lfu"} <= names
     assert not {"LRU", "S3-FIFO", "SIEVE", "W-TinyLFU", "Belady", "Belady (bypass)"} & names, res.stdout
+
+
+def test_evaluate_json_names_the_registered_policy_of_every_label(trained):
+    """--json keys miss ratios by label (LRU, S3-FIFO, Belady (bypass)), `policies list --json` and
+    --policy by registry name (lru, s3fifo, belady-bypass): a script joining the two found no LRU.
+    ``policy_names`` maps each label to its registry name, and each policy lists its label."""
+    out, _ = trained
+    res = CliRunner().invoke(app, ["evaluate", *TRACE, "--model", str(out), "--capacities", "0.01", "--json"])
+    assert res.exit_code == 0, res.output
+    result = json.loads(res.stdout)
+    names = result["policy_names"]
+    row = result["capacities"][0]
+    assert set(names) == set(row["miss_ratio"]) == set(row["miss_ratio_by_order"])
+    listed = json.loads(CliRunner().invoke(app, ["policies", "list", "--json"]).stdout)
+    label_of = {p["name"]: p["label"] for p in listed if p["status"] == "ok"}
+    assert {names[label]: label for label in names} == {n: lab for n, lab in label_of.items() if n in names.values()}
+    assert names["LRU"] == "lru" and names["Belady (bypass)"] == "belady-bypass" and names["arc"] == "arc"
+    assert result["learned_policy"] in names.values() and names[row["best_heuristic"]] in label_of

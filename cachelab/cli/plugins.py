@@ -64,15 +64,17 @@ def _name_column(rows: list[dict]):
 def policies_list(as_json: bool = typer.Option(False, "--json", help="Print a JSON list.")) -> None:
     """Every registered policy: origin, whether its run is compiled, what it needs
     (future accesses, predictor scores, each row's lookups per step, row ids before compaction), its
-    hyper-parameters with defaults."""
+    hyper-parameters with defaults, and the label `evaluate --json` and reports key its figures by."""
+    from cachelab.learning.lineup import label
+
     rows = []
     for p in registry.discover(registry.POLICIES):
         row = {k: v for k, v in _row(p).items() if k != "group"}
         if p.obj is not None:
             try:
                 caps = p.obj.capabilities
-                row.update(summary=_summary(p.obj), compiled=caps.compiled, needs_future=caps.needs_future,
-                           needs_scores=caps.needs_scores, needs_counts=caps.needs_counts,
+                row.update(label=label(p.obj, p.name), summary=_summary(p.obj), compiled=caps.compiled,
+                           needs_future=caps.needs_future, needs_scores=caps.needs_scores, needs_counts=caps.needs_counts,
                            needs_raw_keys=caps.needs_raw_keys, params=_defaults(p.obj))
             except Exception as exc:  # one plug-in's odd class never breaks the list
                 row.update(status="broken", error=f"cannot be described: {type(exc).__name__}: {exc}")

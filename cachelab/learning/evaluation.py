@@ -28,7 +28,7 @@ declares ``judged_by_default``).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -77,6 +77,8 @@ class Evaluation:
     # lookups the model learned from (``in_sample_entries``): replayed, never counted, and handed the
     # learned policies without the model's scores (``out_of_sample``; 0 where the caller gave the scores)
     in_sample_lookups: int = 0
+    # each label the miss ratios are keyed by -> its registry name (what --policy and `policies list` take)
+    policy_names: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -131,7 +133,8 @@ def evaluate_capacities(view: LearningView, model: Model, capacities: list[float
     skipped = ~entries[int(view.step_offsets[first]):]  # past the warm-up, yet repeating a training request
     return Evaluation(int(view.inverse.size), view.num_keys, warmup, policy, int(counted.sum()), first,
                       trained, int(np.unique(view.request[int(view.step_offsets[first]):][skipped]).size),
-                      found.unavailable, rows, int(view.per_lookup(seen).sum()))
+                      found.unavailable, rows, int(view.per_lookup(seen).sum()),
+                      {label: found.name_of(label) for label, _ in runs})
 
 
 def in_sample_entries(view: LearningView, model: Model, trained: int) -> np.ndarray:
