@@ -170,13 +170,35 @@ def test_promote_is_tuned_on_the_training_window_alone():
     assert policy_params(registry.get(registry.POLICIES, "learned"), model) == {}  # takes neither
 
 
+def test_promote_is_not_tuned_on_what_the_half_model_says_of_the_lookups_it_learned_from(monkeypatch):
+    """The tuning replays the training window with a model fitted on its first half and judges the
+    second: the first half's scores were in-sample (fitted to those very labels) and built the cache
+    the judged half met, as evaluate's training window did until it replayed it without them
+    ("In-sample warm-up"). No score given there may move the tuning."""
+    import cachelab.learning.training as training
+    from predictors.lightgbm_model import LightGBMReuse
+
+    view = synthetic_stream(zipf_keys(8000, 900, seed=8))
+    spec, end = training.TrainSpec(horizon=200, max_samples=5000, capacity=0.05), 4000
+    tuned = training.tune_promote(view, LightGBMReuse(n_estimators=5, num_threads=1), spec, end)
+    keep_scores = training.keep_scores
+
+    def in_sample(model, stream):  # every row of the half model's own window certain to come back at once
+        scores, start = keep_scores(model, stream), model.metadata["spec"]["train_end"]
+        scores[:start] = -np.arange(start, dtype=np.float64)
+        return scores
+
+    monkeypatch.setattr(training, "keep_scores", in_sample)
+    assert training.tune_promote(view, LightGBMReuse(n_estimators=5, num_threads=1), spec, end) == tuned
+
+
 def test_promote_is_tuned_on_misses_per_lookup_as_evaluate_counts_them():
     """A fetch stands for its step's lookups of the row: the threshold was chosen on misses per
     fetch, evaluate judges misses per lookup, so a row read many times in a step weighed one."""
     from dataclasses import replace
 
     from cachelab.engine.replay import run_policy
-    from cachelab.learning.training import TrainSpec, keep_scores, rows_for, train, tune_promote
+    from cachelab.learning.training import TrainSpec, keep_scores, out_of_sample, rows_for, train, tune_promote
     from cachelab.learning.evaluation import learned_policy
     from predictors.lightgbm_model import LightGBMReuse
 
@@ -189,7 +211,7 @@ def test_promote_is_tuned_on_misses_per_lookup_as_evaluate_counts_them():
     _, misses = tune_promote(view, LightGBMReuse(n_estimators=5, num_threads=1), spec, end)
     half, _ = train(view, LightGBMReuse(n_estimators=5, num_threads=1), replace(spec, train_fraction=0.25), tune=False)
     start = half.metadata["spec"]["train_end"]
-    scores = keep_scores(half, view)[:end]
+    scores = out_of_sample(half, keep_scores(half, view)[:end], np.arange(end) < start)  # none in-sample
     judged = view.per_lookup(np.arange(len(view))) >= start
     judged &= view.per_lookup(np.arange(len(view))) < end
     for value, missed in misses.items():

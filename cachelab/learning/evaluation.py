@@ -36,7 +36,7 @@ from cachelab import registry
 from cachelab.errors import CachelabError
 from cachelab.learning.floor import fewest_misses
 from cachelab.learning.lineup import Lineup, judged_default, lineup
-from cachelab.learning.training import (Model, keep_scores, neutral_scores, policy_params, rows_for,
+from cachelab.learning.training import (Model, keep_scores, out_of_sample, policy_params, rows_for,
                                         trained_requests, trained_through)
 from cachelab.learning.streams import LearningView
 from cachelab.engine.replay import warmup_steps
@@ -148,13 +148,6 @@ def in_sample_entries(view: LearningView, model: Model, trained: int) -> np.ndar
     if repeats.any():
         seen |= repeats[view.request]
     return seen
-
-
-def out_of_sample(model: Model, scores: np.ndarray, seen: np.ndarray) -> np.ndarray:
-    """``scores`` with the ``seen`` entries' (``in_sample_entries``) made neutral (``neutral_scores``):
-    the model is deployed where its training data ends, as after training on served traffic, and
-    the cache it finds was built without it (docs/learned.md, "In-sample warm-up")."""
-    return np.where(seen, neutral_scores(seen.size, model.horizon), scores)
 
 
 def counted_entries(view: LearningView, model: Model, warmup: float) -> tuple[np.ndarray, int, int]:

@@ -221,7 +221,8 @@ def tune_params(view, predictor: Predictor, spec: TrainSpec, end: int) -> tuple[
 
     ``predictor`` is fitted on the window's first half (as ``train`` would with half the
     fraction) and scores the second half; the declaring policy replays the window at each
-    value of a parameter's grid (its other parameters from that model), and the fewest misses
+    value of a parameter's grid (its other parameters from that model; the first half, where the
+    model's scores are in-sample, without them: ``out_of_sample``), and the fewest misses
     per lookup in the second half win, as an evaluation counts them (a fetch stands for its
     step's lookups of the row). Returns the values and the miss ratio at each value, by parameter
     (no miss ratios, and the policy's defaults, if the half window is too short for the
@@ -237,8 +238,10 @@ def tune_params(view, predictor: Predictor, spec: TrainSpec, end: int) -> tuple[
         return ({param: float(inspect.signature(classes[name]).parameters[param].default)
                  for name, params in grids.items() for param in params},
                 {param: {} for params in grids.values() for param in params})
-    scores = keep_scores(model, view)[:end]
     start = int(model.metadata["spec"]["train_end"])
+    # the half model's own window gets no scores: they are in-sample there, and would build the cache
+    # the judged half meets (evaluate's "In-sample warm-up")
+    scores = out_of_sample(model, keep_scores(model, view)[:end], np.arange(end) < start)
     capacity = rows_for(spec.capacity, view.num_keys)
     lookups = np.bincount(view.inverse, minlength=len(view))[:end]  # each fetch's lookups in its step
     judged = lookups[start:]
@@ -468,6 +471,13 @@ def neutral_scores(n: int, horizon: int) -> np.ndarray:
     """The scores of ``n`` entries that carry no prediction: each row due one ``horizon`` after its
     access (a keep classifier's chance 0), which leaves a learned policy to its base's own order."""
     return -(np.arange(n, dtype=np.float64) + horizon)
+
+
+def out_of_sample(model: Model, scores: np.ndarray, seen: np.ndarray) -> np.ndarray:
+    """``scores`` with the ``seen`` entries' (those ``model`` learned from) made neutral
+    (``neutral_scores``): the model is deployed where its training data ends, as after training on
+    served traffic, and the cache it finds was built without it (docs/learned.md, "In-sample warm-up")."""
+    return np.where(seen, neutral_scores(seen.size, model.horizon), scores)
 
 
 def predictions(model: Model, x: np.ndarray, offset: int = 0) -> np.ndarray:
