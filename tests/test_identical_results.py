@@ -198,5 +198,7 @@ def test_quickstart_numbers_are_unchanged(tmp_path):
     # from Belady with bypass's 0.6405 per lookup to belady-lookahead's 0.6413 (Belady with bypass, now the
     # fewest counted fetches, misses more lookups than that), the gap closed from -89.6% to -90.2%; 0.1% and
     # 1% did not move.
-    _check("quickstart.headline", {"headline": got["headline"],
+    # A key added on 2026-12-07 (helper-233, recorded by hand, no figure moved): policy_names, each label the
+    # headline names -> its registry name.
+    _check("quickstart.headline", {"headline": got["headline"], "policy_names": got["policy_names"],
                                    "learned": [p for p in got["points"] if p["kind"] == "learned"]})

@@ -61,6 +61,20 @@ def test_headline_has_the_gap_closed_per_capacity(data):
     assert out["headline"] == best.to_dicts()
 
 
+def test_report_json_names_the_registered_policy_of_every_label(data):
+    """The headline and the learned point name policies by label (``Belady (bypass)``), ``policies list --json``
+    and --policy by registry name (``belady-bypass``): ``policy_names`` joins the two, as in ``evaluate --json``."""
+    out = report_json(data)
+    learned = next(p for p in out["points"] if p["kind"] == "learned")
+    labels = {r[c] for r in [*out["headline"], *learned["capacities"]] for c in ("learned", "best_heuristic", "bound")}
+    found = lineup()
+    assert len(labels) == 3 and set(out["policy_names"]) == labels
+    assert {found.label_of(name): name for name in out["policy_names"].values()} == out["policy_names"]
+    judged = judged_default(found)
+    assert out["policy_names"][found.label_of(judged)] == judged
+    assert any(label != name for label, name in out["policy_names"].items())  # W-TinyLFU -> wtinylfu, not itself
+
+
 def test_learned_plot_draws_every_policy_distinguishably(data):
     fig = plot_learned(data)
     ax = fig.axes[0]

@@ -527,17 +527,19 @@ def headline(data: ExperimentData) -> pl.DataFrame:
 
 
 def report_json(data: ExperimentData, out: Path | None = None) -> dict:
-    """What ``cachelab report --json`` prints: every point (a replay point's summary row, a
-    learned point with its headline per capacity) and the headline."""
+    """What ``cachelab report --json`` prints: every point (a replay point's summary row, a learned point with its
+    headline per capacity), the headline, and ``policy_names``: each label the headline names -> its registry name."""
+    from cachelab.learning.lineup import lineup
+
     points = [{"kind": kind, **row} for kind, table in summary_tables(data).items() for row in table.to_dicts()]
     best = headline(data)
     for label in data.point_tables:
         if "learned_eval" in data.point_tables[label]:
             mine = best.filter(pl.col("point") == label).drop("point").to_dicts() if best.height else []
             points.append({"kind": "learned", "label": label, "capacities": mine})
-    return {**({"report": str(out)} if out is not None else {}), "points": points,
-            "headline": best.to_dicts(), "points_finished": data.results.height,
-            "points_expected": data.points_expected}
+    return {**({"report": str(out)} if out is not None else {}), "points": points, "headline": best.to_dicts(),
+            "points_finished": data.results.height, "points_expected": data.points_expected,
+            "policy_names": lineup().names(r[c] for r in best.to_dicts() for c in ("learned", "best_heuristic", "bound"))}
 
 
 _CSS = """body{font-family:system-ui,sans-serif;margin:2rem auto;max-width:1150px;color:#222}
@@ -582,9 +584,7 @@ def render_html(data: ExperimentData) -> str:
 
 
 def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return "" if v is None else str(v)
+    return f"{v:.4g}" if isinstance(v, float) else "" if v is None else str(v)
 
 
 def write_report(tracker, name: str, out: Path, parent_id: str | None = None) -> Path:

@@ -134,7 +134,7 @@ def evaluate_capacities(view: LearningView, model: Model, capacities: list[float
     return Evaluation(int(view.inverse.size), view.num_keys, warmup, policy, int(counted.sum()), first,
                       trained, int(np.unique(view.request[int(view.step_offsets[first]):][skipped]).size),
                       found.unavailable, rows, int(view.per_lookup(seen).sum()),
-                      {label: found.name_of(label) for label, _ in runs})
+                      found.names(label for label, _ in runs))
 
 
 def in_sample_entries(view: LearningView, model: Model, trained: int) -> np.ndarray:

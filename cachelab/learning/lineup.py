@@ -59,6 +59,11 @@ class Lineup:
         """The registry name (what ``--policy`` takes) of the policy labelled ``label``; ``label`` if none is."""
         return {**self.learned, **self.heuristics, **self.oracles}.get(label, label)
 
+    def names(self, labels) -> dict[str, str]:
+        """Each of ``labels`` -> its registry name: the ``policy_names`` of JSON figures keyed by label, so a
+        script joins them to ``cachelab policies list --json`` and ``--policy``."""
+        return {label: self.name_of(label) for label in labels}
+
 
 def lineup() -> Lineup:
     """Every loadable registered policy in its role; a class registered twice counts once."""
