@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections import OrderedDict
 
 import numpy as np
@@ -247,3 +250,17 @@ def test_vllm_reproduces_mooncake_lru(data_dir):
               for cap in (3_000_000, 30_000_000, 300_000_000)}
     assert ratios[3_000_000] == pytest.approx(0.14, abs=0.01)  # Mooncake (FAST'25): about 14%
     assert ratios[30_000_000] > 0.35 and ratios[300_000_000] == pytest.approx(0.366, abs=0.01)
+
+
+def test_a_new_pool_compiles_no_table_constructor_once_numba_has_cached_it():
+    """The pool's hash table was made by numba's ``Dict.empty`` called from Python, whose
+    constructor numba compiles in every new process and never caches: ~1.2 s of each `cachelab
+    serve` start (and of every process that made a pool). A fresh process now loads it from the cache."""
+    code = ("from numba.typed import typeddict\n"
+            "from cachelab.workload.prefix_cache import BlockPrefixCache\n"
+            "BlockPrefixCache(8)\n"
+            "print(len(typeddict._make_dict.signatures))")  # numba's constructor, compiled from Python
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for _ in range(2):  # the first process may be the one that writes numba's cache
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["0"], out.stdout

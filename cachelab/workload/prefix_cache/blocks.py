@@ -38,6 +38,13 @@ from cachelab.workload.prefix_cache.hashing import chained_block_hashes, continu
 HEAD, TAIL, NUM_FREE, EVICTIONS, NUM_CACHED = 0, 1, 2, 3, 4
 
 
+@nb.njit(cache=True)
+def _new_table():
+    """An empty hash -> block table. Made here, not by ``Dict.empty`` from Python, whose
+    constructor numba compiles anew in every process (~1.2 s of each `cachelab serve` start)."""
+    return Dict.empty(key_type=types.int64, value_type=types.int64)
+
+
 @nb.njit(cache=True, nogil=True)
 def _match(table, hashes, limit):
     n = 0
@@ -199,7 +206,7 @@ class BlockPrefixCache:
         self._cached = np.zeros(n, np.bool_)  # the block holds a published hash
         self._dup_prev = np.full(n, -1, np.int64)  # the copies of one hash, in publication order
         self._dup_next = np.full(n, -1, np.int64)
-        self._table = Dict.empty(key_type=types.int64, value_type=types.int64)
+        self._table = _new_table()
         self._req: dict[int, list] = {}
         self.queried_tokens = 0
         self.hit_tokens = 0
