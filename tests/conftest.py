@@ -68,8 +68,17 @@ def _empty_mlflow_store(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session")
+def new_mlflow_store(_empty_mlflow_store):
+    """FOLDER -> ``sqlite:///FOLDER/mlflow.db``, an empty tracking store as MLflow makes it (for a
+    module's fixture; a test takes ``mlflow_uri``)."""
+    def make(folder):
+        shutil.copyfile(_empty_mlflow_store, folder / "mlflow.db")
+        return f"sqlite:///{folder}/mlflow.db"
+    return make
+
+
 @pytest.fixture
-def mlflow_uri(tmp_path, _empty_mlflow_store):
+def mlflow_uri(tmp_path, new_mlflow_store):
     """``sqlite:///TMP/mlflow.db``: this test's own tracking store, empty, as MLflow makes it."""
-    shutil.copyfile(_empty_mlflow_store, tmp_path / "mlflow.db")
-    return f"sqlite:///{tmp_path}/mlflow.db"
+    return new_mlflow_store(tmp_path)

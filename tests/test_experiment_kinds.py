@@ -132,10 +132,10 @@ def test_the_experiment_package_has_no_import_cycle():
     assert not cycles, f"modules on an import cycle: {cycles}"
 
 
-def test_a_failed_point_is_a_failed_run_with_its_error_and_the_report_counts_it_missing(count_kind):
+def test_a_failed_point_is_a_failed_run_with_its_error_and_the_report_counts_it_missing(count_kind, mlflow_uri):
     spec_path = write_spec(count_kind, name="failing")
     spec_path.write_text(spec_path.read_text().replace("seeds = [0]", 'seeds = [0, 1]\nkind = "count"'))
-    uri = f"sqlite:///{count_kind}/mlflow.db"
+    uri = mlflow_uri
     summary = run_experiment(spec_path, tracking_uri=uri, runs_dir=count_kind / "runs", workers=1, quiet=True)
     assert (summary.ran, len(summary.failed)) == (1, 1) and "ValueError: seed 1 is refused" in summary.failed[0]
     client = MlflowClient(tracking_uri=uri)
@@ -154,7 +154,7 @@ def test_a_failed_point_is_a_failed_run_with_its_error_and_the_report_counts_it_
     assert (again.skipped, len(again.failed)) == (1, 1)  # the failed point is tried again, the finished one not
 
 
-def test_a_point_that_failed_offline_leaves_the_synced_parent_failed(count_kind):
+def test_a_point_that_failed_offline_leaves_the_synced_parent_failed(count_kind, mlflow_uri):
     """Offline, the parent waits in the outbox; the sync that sends it gives it the results
     table and report, and ends it FAILED when a point failed, as a tracked sweep does."""
     import socket
@@ -170,7 +170,7 @@ def test_a_point_that_failed_offline_leaves_the_synced_parent_failed(count_kind)
     runs = count_kind / "runs-offline"
     summary = run_experiment(spec_path, tracking_uri=dead, runs_dir=runs, workers=1, quiet=True)
     assert (summary.ran, len(summary.failed)) == (1, 1) and summary.outbox
-    uri = f"sqlite:///{count_kind}/offline.db"
+    uri = mlflow_uri
     assert sync(Tracker(uri), Outbox(Path(summary.outbox)), "failing-offline") == (2, 0)  # the failed one too
     client = MlflowClient(tracking_uri=uri)
     runs = client.search_runs([client.get_experiment_by_name("failing-offline").experiment_id])
@@ -179,12 +179,12 @@ def test_a_point_that_failed_offline_leaves_the_synced_parent_failed(count_kind)
     assert sorted(r.info.status for r in runs if r.data.tags[KIND] == "point") == ["FAILED", "FINISHED"]
 
 
-def test_a_point_with_a_key_mlflow_refuses_fails_alone_and_the_experiment_stays_usable(count_kind):
+def test_a_point_with_a_key_mlflow_refuses_fails_alone_and_the_experiment_stays_usable(count_kind, mlflow_uri):
     """A metric key MLflow refuses ('lookups+1') failed the sweep's tracking (the rest went to
     the outbox) and then every later run, whose sync of that record raised."""
     spec_path = write_spec(count_kind, name="badkey")
     spec_path.write_text(spec_path.read_text().replace("seeds = [0]", 'seeds = [0, 2, 3]\nkind = "count"'))
-    uri = f"sqlite:///{count_kind}/mlflow.db"
+    uri = mlflow_uri
     summary = run_experiment(spec_path, tracking_uri=uri, runs_dir=count_kind / "runs", workers=1, quiet=True)
     assert summary.ran == 2 and summary.outbox is None
     assert summary.failed == ["kind=count seed=2: CachelabError: kind 'count' returned metric 'lookups+1': "

@@ -38,11 +38,11 @@ def _metrics(uri: str, name: str) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def local(tmp_path_factory):
+def local(tmp_path_factory, new_mlflow_store):
     """The tiny sweep on the default backend (a process pool of 2), tracked in SQLite."""
     folder = tmp_path_factory.mktemp("local")
     spec = write_spec(folder)
-    uri = f"sqlite:///{folder}/mlflow.db"
+    uri = new_mlflow_store(folder)
     summary = run_experiment(spec, tracking_uri=uri, runs_dir=folder / "runs", workers=2, quiet=True)
     summary.reference = _metrics(uri, "tiny")  # the four points' numbers, before other tests add any
     return folder, spec, uri, summary
@@ -150,14 +150,14 @@ def test_a_point_that_fails_offline_is_kept_and_sync_tracks_its_failed_run(tmp_p
     assert os.listdir(summary.outbox) == []
 
 
-def test_a_second_run_or_sync_of_an_experiment_is_refused_while_one_holds_it(tmp_path):
+def test_a_second_run_or_sync_of_an_experiment_is_refused_while_one_holds_it(tmp_path, mlflow_uri):
     """Two `cachelab run` of one spec both ran every unfinished point (each saw it unfinished):
     duplicate point runs, and a sync beside them sent records the run was still tracking."""
     from cachelab.errors import CachelabError
     from cachelab.experiment.runner import outbox_for
 
     spec = write_spec(tmp_path)
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_uri
     with outbox_for("tiny", tmp_path / "runs").held("cachelab run tiny"):
         with pytest.raises(CachelabError, match=r"`cachelab run tiny` \(pid \d+\) is using .*tiny"):
             run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", workers=1, quiet=True)
@@ -205,10 +205,10 @@ def _loopback(address: str) -> bool:
     return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
 
 
-def test_ray_gives_the_same_results_and_listens_on_loopback_only(tmp_path, local):
+def test_ray_gives_the_same_results_and_listens_on_loopback_only(tmp_path, mlflow_uri, local):
     """The one Ray test (Ray starts slowly): same numbers as the pool, and every socket the
     local Ray's processes listen on, sampled while the sweep runs, is a loopback one."""
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_uri
     seen, done = set(), threading.Event()
 
     def sample():
@@ -230,14 +230,13 @@ def test_ray_gives_the_same_results_and_listens_on_loopback_only(tmp_path, local
     assert all(_loopback(address) for _, address in seen), f"listening beyond loopback: {sorted(seen)}"
 
 
-def test_killed_sweep_resumes_without_running_a_point_twice(tmp_path):
+def test_killed_sweep_resumes_without_running_a_point_twice(tmp_path, mlflow_uri):
     # enough points that the sweep is still running when two have landed: on an idle machine all 12 of
     # six capacities once finished between two polls (the kill came after the sweep)
     capacities = ("0.1%", "0.2%", "0.3%", "0.5%", "0.7%", "1%", "1.5%", "2%", "3%", "4%", "6%", "8%")
     points = 2 * len(capacities)  # with and without an admission filter each
     spec = write_spec(tmp_path, name="killme", capacities=capacities)
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    MlflowClient(tracking_uri=uri).search_experiments()  # create the schema now: polling must not race it
+    uri = mlflow_uri  # the schema is there before the sweep starts: polling must not race its creation
     args = [sys.executable, "-m", "cachelab.cli", "run", str(spec), "--workers", "1", "--tracking-uri", uri, "--json"]
     proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 180
@@ -263,8 +262,8 @@ def test_killed_sweep_resumes_without_running_a_point_twice(tmp_path):
 
 
 @pytest.mark.parametrize("stop, status", [(KeyboardInterrupt, "KILLED"), (ConnectionError, "FAILED")])
-def test_ctrl_c_or_a_broken_backend_ends_the_parent_run_and_keeps_the_finished_points(tmp_path, monkeypatch, stop,
-                                                                                       status):
+def test_ctrl_c_or_a_broken_backend_ends_the_parent_run_and_keeps_the_finished_points(tmp_path, mlflow_uri, monkeypatch,
+                                                                                       stop, status):
     """Ctrl-C, or a backend that raises midway (a Ray cluster gone: seen by helper-111, it left the
     parent RUNNING until a later run or sync on this host), ends the parent run at once."""
     from cachelab.experiment import runner
@@ -276,7 +275,7 @@ def test_ctrl_c_or_a_broken_backend_ends_the_parent_run_and_keeps_the_finished_p
         raise stop
 
     monkeypatch.setattr(runner, "run_tasks", interrupted)
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_uri
     with pytest.raises(stop):
         run_experiment(write_spec(tmp_path, name="ctrlc"), tracking_uri=uri, runs_dir=tmp_path / "runs", quiet=True)
     assert len(_points(uri, "ctrlc")) == 1
@@ -286,17 +285,17 @@ def test_ctrl_c_or_a_broken_backend_ends_the_parent_run_and_keeps_the_finished_p
     assert [r.info.status for r in parents] == [status]  # not RUNNING until a later run or sync
 
 
-def test_run_json_ends_with_the_headline_as_the_text_does(tmp_path):
+def test_run_json_ends_with_the_headline_as_the_text_does(tmp_path, mlflow_uri):
     """`run --json` had no headline (only `report --json` did); a sweep without a learned point has none."""
     spec = write_spec(tmp_path, name="plain")
-    res = cli("run", str(spec), "--workers", "1", "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db", "--json",
+    res = cli("run", str(spec), "--workers", "1", "--tracking-uri", mlflow_uri, "--json",
               cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["headline"] == []
 
 
 @pytest.mark.parametrize("as_json", [True, False])
-def test_run_says_when_the_store_cannot_be_read_back(tmp_path, monkeypatch, as_json):
+def test_run_says_when_the_store_cannot_be_read_back(tmp_path, mlflow_uri, monkeypatch, as_json):
     """A store gone between the sweep and its read-back gave `run --json` an empty headline and the text no
     summary, exit 0, as if there were nothing to show (and made the store anew, empty): the error, exit 2."""
     from typer.testing import CliRunner
@@ -304,7 +303,7 @@ def test_run_says_when_the_store_cannot_be_read_back(tmp_path, monkeypatch, as_j
     from cachelab.cli import build
     from cachelab.experiment import runner
 
-    db = tmp_path / "mlflow.db"
+    db = tmp_path / "mlflow.db"  # mlflow_uri's
     real = runner.run_experiment
 
     def then_store_removed(*args, **kwargs):
@@ -314,7 +313,7 @@ def test_run_says_when_the_store_cannot_be_read_back(tmp_path, monkeypatch, as_j
 
     monkeypatch.setattr(runner, "run_experiment", then_store_removed)
     spec = write_spec(tmp_path, name="gone", capacities=("2%",))
-    res = CliRunner().invoke(build(["run"]), ["run", str(spec), "--workers", "1", "--tracking-uri", f"sqlite:///{db}",
+    res = CliRunner().invoke(build(["run"]), ["run", str(spec), "--workers", "1", "--tracking-uri", mlflow_uri,
                                               "--runs-dir", str(tmp_path / "runs"), *(["--json"] if as_json else [])])
     assert res.exit_code == 2, res.output
     assert f"no tracking store at sqlite:///{db}" in res.stderr and not db.exists()
@@ -325,7 +324,7 @@ def test_run_says_when_the_store_cannot_be_read_back(tmp_path, monkeypatch, as_j
         assert "2 point(s) run, 0 skipped, 0 failed" in res.stdout
 
 
-def test_ctrl_c_while_building_the_workload_says_nothing_ran(tmp_path):
+def test_ctrl_c_while_building_the_workload_says_nothing_ran(tmp_path, mlflow_uri):
     """Ctrl-C while `run` (and the quickstart) built a workload exited 130 saying nothing: a line says
     no point ran and no run opened, and no cut workload is left in the cache to be taken for a whole one."""
     spec = write_spec(tmp_path, name="building").read_text().replace("max_chars = 40000", "max_chars = 3000000")
@@ -333,7 +332,7 @@ def test_ctrl_c_while_building_the_workload_says_nothing_ran(tmp_path):
     cache = tmp_path / "cache"
     env = {**os.environ, "CACHELAB_CACHE_DIR": str(cache), "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.Popen([sys.executable, "-m", "cachelab.cli", "run", "building.toml", "--workers", "1",
-                             "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db"], cwd=tmp_path, env=env,
+                             "--tracking-uri", mlflow_uri], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
     while not list(cache.glob("workloads/*.lock")) and proc.poll() is None and time.monotonic() < deadline:
@@ -346,10 +345,10 @@ def test_ctrl_c_while_building_the_workload_says_nothing_ran(tmp_path):
     assert proc.returncode in (130, -signal.SIGINT), err
     assert "interrupted while building the workloads: no point run, no run opened" in " ".join(err.split())
     assert [p.suffix for p in (cache / "workloads").iterdir()] == [".lock"]  # no cut .npz, .json or scratch file
-    assert _points(f"sqlite:///{tmp_path}/mlflow.db", "building") == []
+    assert _points(mlflow_uri, "building") == []
 
 
-def test_ctrl_c_says_what_was_kept_and_how_to_resume(tmp_path, monkeypatch, capsys):
+def test_ctrl_c_says_what_was_kept_and_how_to_resume(tmp_path, mlflow_uri, monkeypatch, capsys):
     """Ctrl-C exited 130 saying nothing: a newcomer could not tell that a rerun resumes the sweep."""
     from cachelab.experiment import runner
 
@@ -361,13 +360,13 @@ def test_ctrl_c_says_what_was_kept_and_how_to_resume(tmp_path, monkeypatch, caps
 
     monkeypatch.setattr(runner, "run_tasks", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        run_experiment(write_spec(tmp_path, name="ctrlc"), tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
+        run_experiment(write_spec(tmp_path, name="ctrlc"), tracking_uri=mlflow_uri,
                        runs_dir=tmp_path / "runs")
     said = " ".join(capsys.readouterr().err.split())
     assert "interrupted: 1 of" in said and "the same command again runs only those" in said, said
 
 
-def test_ctrl_c_after_a_failed_point_says_the_rerun_runs_it_again(tmp_path, monkeypatch, capsys):
+def test_ctrl_c_after_a_failed_point_says_the_rerun_runs_it_again(tmp_path, mlflow_uri, monkeypatch, capsys):
     """A point that failed before Ctrl-C is run again by the same command (a failed run is no finished
     point): the message counted it as kept and said the rerun runs only the points not run."""
     from cachelab.experiment import runner
@@ -377,7 +376,7 @@ def test_ctrl_c_after_a_failed_point_says_the_rerun_runs_it_again(tmp_path, monk
         raise KeyboardInterrupt
 
     monkeypatch.setattr(runner, "run_tasks", interrupted)
-    spec, uri = write_spec(tmp_path, name="ctrlf"), f"sqlite:///{tmp_path}/mlflow.db"
+    spec, uri = write_spec(tmp_path, name="ctrlf"), mlflow_uri
     with pytest.raises(KeyboardInterrupt):
         run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs")
     said = " ".join(capsys.readouterr().err.split())
@@ -435,13 +434,13 @@ tokens_per_step = 512
 """
 
 
-def test_held_out_workloads_are_tracked_each_under_its_own_name(tmp_path):
+def test_held_out_workloads_are_tracked_each_under_its_own_name(tmp_path, mlflow_uri):
     """Two domains of one held-out workload made a metric key MLflow refuses ('+'), which
     failed the point's tracking and every later run's sync; two held-out workloads of one corpus
     shared a name, and the later one's results replaced the earlier's."""
     spec = tmp_path / "held.toml"
     spec.write_text(HELD_OUT)
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_uri
     summary = run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", workers=1, quiet=True)
     assert (summary.ran, summary.failed, summary.outbox) == (1, [], None)
     [point] = _points(uri, "held")
@@ -488,7 +487,7 @@ def test_the_later_part_is_judged_only_after_the_training_window(tmp_path, monke
 @pytest.mark.parametrize("old, new, why", [("horizon = 4096", "horizon = 400000", "training window of "),
                                            ("horizon = 4096", "horizon = 4096\ntrain_fraction = 0.99",
                                             "validation part of ")])
-def test_a_horizon_the_workload_is_too_short_for_is_refused_before_any_point_runs(tmp_path, old, new, why):
+def test_a_horizon_the_workload_is_too_short_for_is_refused_before_any_point_runs(tmp_path, mlflow_uri, old, new, why):
     """A learned point whose training window was too short for its horizon, or left too little to
     validate on, failed at run time (its error naming --horizon), after the sweep's other points had
     run and been tracked."""
@@ -496,7 +495,7 @@ def test_a_horizon_the_workload_is_too_short_for_is_refused_before_any_point_run
     spec.write_text(HELD_OUT.split("[[predictor.holdout]]")[0].replace(old, new)
                     .replace('kind = "learned"', 'kind = ["learned", "replay"]')
                     + '[[hierarchy.tiers]]\nname = "hbm"\ncapacity = "1%"\n')
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_uri
     with pytest.raises(CachelabError, match=rf"held.toml: point kind=learned seed=0: predictor.horizon: \d+ with "
                        rf"predictor.train_fraction 0.\d+: {why}"):
         run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", workers=1, quiet=True)
@@ -536,28 +535,28 @@ def test_a_workload_wanted_by_two_points_at_once_is_built_once(tmp_path, monkeyp
     assert wl.load_workload(paths[0]).stream.num_lookups > 0
 
 
-def test_a_held_out_workload_is_built_before_any_point_and_a_bad_one_named(tmp_path):
+def test_a_held_out_workload_is_built_before_any_point_and_a_bad_one_named(tmp_path, mlflow_uri):
     """A held-out workload was built inside its learned point, after the training: one whose
     domains match nothing failed the point late, as 'workload yields no tokens', naming no key."""
     spec = tmp_path / "held.toml"
     spec.write_text(HELD_OUT.replace('domains = ["code", "docstring"]', 'domains = ["nope"]'))
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_uri
     with pytest.raises(CachelabError, match=r"held.toml: predictor.holdout\[0\]: workload 'stdlib' yields no tokens"):
         run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", workers=1, quiet=True)
     assert _points(uri, "held") == [] and _points(uri, "held", "FAILED") == []
 
 
-def test_a_sweep_logged_to_a_file_says_each_point_as_it_finishes(tmp_path, capsys):
+def test_a_sweep_logged_to_a_file_says_each_point_as_it_finishes(tmp_path, mlflow_uri, capsys):
     """Off a terminal (a log file, nohup, CI) the progress bar draws nothing until the sweep ends:
     an hour's sweep logged only its first line until then."""
     spec = write_spec(tmp_path)
-    run_experiment(spec, tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", runs_dir=tmp_path / "runs", workers=1)
+    run_experiment(spec, tracking_uri=mlflow_uri, runs_dir=tmp_path / "runs", workers=1)
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("point ")]
     assert [line.split(" finished: ")[0] for line in lines] == [f"point {i}/4" for i in range(1, 5)]
     assert all(line.endswith(" s)") and "seed=0" in line for line in lines), lines
 
 
-def test_points_name_the_data_they_read_and_a_reused_parent_its_last_count(tmp_path, monkeypatch):
+def test_points_name_the_data_they_read_and_a_reused_parent_its_last_count(tmp_path, mlflow_uri, monkeypatch):
     """The parent's points.finished was logged at timestamp 0, where MLflow shows the largest value
     logged: after its data file changed (every point hashed anew) and the rerun's points failed, the
     reused parent still said 2 finished, its results table none. The point runs on each content did
@@ -569,7 +568,7 @@ def test_points_name_the_data_they_read_and_a_reused_parent_its_last_count(tmp_p
     (tmp_path / "data" / "notes.txt").write_text("first")
     spec = write_spec(tmp_path, name="reused", capacities=("1%",))
     spec.write_text(spec.read_text().replace("tokens_per_step = 512", 'tokens_per_step = 512\ndata = ["notes.txt"]'))
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_uri
     assert run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", workers=1, quiet=True).ran == 2
     (tmp_path / "data" / "notes.txt").write_text("second")  # the same spec, new points
 
@@ -617,13 +616,13 @@ def test_a_tracking_uri_mlflow_cannot_use_is_an_error_naming_it(tmp_path, monkey
     assert not (tmp_path / "runs").exists()  # refused before the outbox's lock: runs/NAME/.lock was left behind
 
 
-def test_a_reused_parent_run_is_tagged_with_the_code_of_its_last_run(tmp_path, monkeypatch):
+def test_a_reused_parent_run_is_tagged_with_the_code_of_its_last_run(tmp_path, mlflow_uri, monkeypatch):
     """A rerun of a spec rewrites its parent run's results, report and curves, but the parent kept
     the tags of the run that created it: the commit and version of other code (seen by helper-111)."""
     from cachelab.experiment import runner
 
     spec = write_spec(tmp_path, name="recoded", capacities=("1%",))
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_uri
     run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", workers=1, quiet=True)
     upgraded = {"cachelab.version": "9.9.9", "cachelab.plugins": '{"cachelab":"9.9.9"}'}  # a wheel: no checkout
     monkeypatch.setattr(runner, "provenance_tags", lambda: upgraded)
@@ -637,7 +636,7 @@ def test_a_reused_parent_run_is_tagged_with_the_code_of_its_last_run(tmp_path, m
 
 
 
-def test_the_workload_is_read_once_before_the_points_and_shown_meanwhile(tmp_path, monkeypatch):
+def test_the_workload_is_read_once_before_the_points_and_shown_meanwhile(tmp_path, mlflow_uri, monkeypatch):
     """Before its first point a sweep read its workload twice (a learned point's checks, then the
     parent's statistics) and drew nothing while it did and drew the LRU curve: a blank terminal for
     seconds to a minute on the quickstart (seen by helper-111)."""
@@ -658,19 +657,19 @@ def test_the_workload_is_read_once_before_the_points_and_shown_meanwhile(tmp_pat
     spec = tmp_path / "held.toml"
     spec.write_text(HELD_OUT.split("[[predictor.holdout]]")[0].replace('kind = "learned"', 'kind = ["learned", "replay"]')
                     + '[[hierarchy.tiers]]\nname = "hbm"\ncapacity = "1%"\n')
-    run_experiment(spec, tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", runs_dir=tmp_path / "runs", quiet=True)
+    run_experiment(spec, tracking_uri=mlflow_uri, runs_dir=tmp_path / "runs", quiet=True)
     assert len(reads) == 1
     assert any(d.startswith("reading the workload") for d in shown), shown
 
 
-def test_a_point_run_twice_is_read_alike_by_the_results_table_and_the_report(tmp_path):
+def test_a_point_run_twice_is_read_alike_by_the_results_table_and_the_report(tmp_path, mlflow_uri):
     """Of a point with two FINISHED runs (a store that kept a run whose answer was lost, so it was sent
     again), the parent's results table took the earlier and the report the later (seen by helper-111)."""
     from cachelab.experiment.records import Record
     from cachelab.experiment.report import load_experiment
     from cachelab.experiment.tracking import Tracker
 
-    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db")
+    tracker = Tracker(mlflow_uri)
     exp = tracker.experiment_id("twice")
     parent = tracker.parent_run(exp, Record(hash="p", label="twice", params={}, metrics={}))
     for start, miss in ((1_000, 0.5), (2_000, 0.25)):
@@ -681,13 +680,13 @@ def test_a_point_run_twice_is_read_alike_by_the_results_table_and_the_report(tmp
     assert tracker.finished_points(exp) == {"h" * 16: reported["run_id"][0]}
 
 
-def test_a_param_longer_than_mlflow_keeps_is_cut_visibly_and_kept_whole_as_an_artifact(tmp_path):
+def test_a_param_longer_than_mlflow_keeps_is_cut_visibly_and_kept_whole_as_an_artifact(tmp_path, mlflow_uri):
     """A param past MLflow's 6,000 characters (a long `workload.data` list, a spec's sweep axis) was cut
     at 6,000, silently: read back, it looked whole (seen by helper-121)."""
     from cachelab.experiment.records import Record
     from cachelab.experiment.tracking import Tracker
 
-    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db")
+    tracker = Tracker(mlflow_uri)
     run_id = tracker.client.create_run(tracker.experiment_id("long")).info.run_id
     files = json.dumps([f"prompts/part-{i:05d}.txt" for i in range(400)])
     assert len(files) > 6000
@@ -703,7 +702,7 @@ def test_a_param_longer_than_mlflow_keeps_is_cut_visibly_and_kept_whole_as_an_ar
     assert {a.path for a in tracker.client.list_artifacts(run_id)} == {"config.json", "params"}
 
 
-def test_an_axis_value_longer_than_an_mlflow_tag_is_cut_visibly_kept_whole_and_reported(tmp_path):
+def test_an_axis_value_longer_than_an_mlflow_tag_is_cut_visibly_kept_whole_and_reported(tmp_path, mlflow_uri):
     """A point's `cachelab.axis.*` tag held its axis value whole: past MLflow's 8,000 characters (a
     long `workload.data` or `workload.domains` list) a Postgres or MySQL store refuses it (a String(8000)
     column) and the point's run could not be tracked; SQLite kept it whole. It is cut as a long param is,
@@ -727,7 +726,7 @@ def test_an_axis_value_longer_than_an_mlflow_tag_is_cut_visibly_kept_whole_and_r
     assert tag.endswith(f"[cut: {len(whole):,} characters; the whole value is artifact axes/workload.domains.txt]")
     assert record.artifacts["axes/workload.domains.txt"] == whole.encode()
     assert record.tags["cachelab.axis.kind"] == '"replay"'  # short ones as they were
-    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db")
+    tracker = Tracker(mlflow_uri)
     exp_id = tracker.experiment_id("long")
     parent = tracker.client.create_run(exp_id).info.run_id
     run = tracker.client.get_run(tracker.log_point(exp_id, parent, record))
@@ -781,7 +780,7 @@ def test_report_of_a_spec_file_reads_only_its_name_not_the_data_it_names(tmp_pat
         assert res.returncode == 2 and f"{bad}: name: " in res.stderr and f"got {shown}" in res.stderr, res.stderr
 
 
-def test_a_long_error_is_cut_visibly_and_kept_whole_as_an_artifact(tmp_path, monkeypatch):
+def test_a_long_error_is_cut_visibly_and_kept_whole_as_an_artifact(tmp_path, mlflow_uri, monkeypatch):
     """A failed point's error tag was cut at 5,000 characters, silently (seen by helper-121)."""
     from cachelab.experiment import runner
 
@@ -793,7 +792,7 @@ def test_a_long_error_is_cut_visibly_and_kept_whole_as_an_artifact(tmp_path, mon
 
     monkeypatch.setattr(runner, "run_tasks", broken)
     spec = write_spec(tmp_path, name="loud", capacities=("1%",))
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_uri
     assert len(run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", workers=1, quiet=True).failed) == 2
     run = _points(uri, "loud", "FAILED")[0]
     tag = run.data.tags["cachelab.error"]

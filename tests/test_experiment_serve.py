@@ -12,8 +12,8 @@ from cachelab.paths import REPO_ROOT
 from cachelab.experiment.tracking import Tracker
 
 
-def test_tier_placement_spec_runs_and_reports(tmp_path, data_dir):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def test_tier_placement_spec_runs_and_reports(tmp_path, mlflow_uri, data_dir):
+    uri = mlflow_uri
     spec = tmp_path / "placement.toml"
     text = (REPO_ROOT / "experiments" / "tier_placement.toml").read_text()
     spec.write_text(text.replace('"serving.placement" = ["hbm", "dram-uva", "dram-copy", "ssd-mmap"]',

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 from experiment_helpers import descendants, write_spec
-from mlflow import MlflowClient
 
 from cachelab.experiment.records import Record
 from cachelab.experiment.runner import outbox_for, sync
@@ -28,11 +27,10 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_sigkilled_sweep_leaves_no_survivor_and_sync_closes_its_runs(tmp_path):
+def test_sigkilled_sweep_leaves_no_survivor_and_sync_closes_its_runs(tmp_path, mlflow_uri):
     spec = write_spec(tmp_path, name="orphans", capacities=("0.5%", "1%", "2%", "4%"))
     spec.write_text(spec.read_text().replace("max_chars = 40000", "max_chars = 8000"))  # the pool starts sooner
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    MlflowClient(tracking_uri=uri).search_experiments()  # create the schema before the sweep races it
+    uri = mlflow_uri  # the schema is there before the sweep starts: the sweep does not race its creation
     proc = subprocess.Popen([sys.executable, "-m", "cachelab.cli", "run", str(spec), "--workers", "2",
                              "--tracking-uri", uri], cwd=tmp_path, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
@@ -68,8 +66,8 @@ def test_sigkilled_sweep_leaves_no_survivor_and_sync_closes_its_runs(tmp_path):
     assert tracker.client.search_runs([exp_id], "attributes.status = 'RUNNING'") == []
 
 
-def test_sync_closes_only_runs_it_can_prove_dead(tmp_path):
-    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db")
+def test_sync_closes_only_runs_it_can_prove_dead(tmp_path, mlflow_uri):
+    tracker = Tracker(mlflow_uri)
     exp_id = tracker.experiment_id("stale")
     gone = subprocess.run([sys.executable, "-c", "from cachelab.experiment.tracking import owner; print(owner())"],
                           capture_output=True, text=True, check=True).stdout.strip()
@@ -86,7 +84,7 @@ def test_sync_closes_only_runs_it_can_prove_dead(tmp_path):
                       "untagged": "RUNNING"}
 
 
-def test_a_record_a_kill_cut_short_is_never_sent(tmp_path):
+def test_a_record_a_kill_cut_short_is_never_sent(tmp_path, mlflow_uri):
     """A kill inside ``Outbox.write`` leaves its temporary folder (record.json, part of the
     artifacts): it is not a waiting record, so sync sends no half-written run."""
     outbox = outbox_for("cut", tmp_path / "runs")
@@ -95,7 +93,7 @@ def test_a_record_a_kill_cut_short_is_never_sent(tmp_path):
     cut = outbox.write(Record(hash="b" * 16, label="cut", params={}, metrics={"m": 2.0}))
     cut.rename(cut.with_name(f".{cut.name}.tmp"))  # as the kill left it: never renamed into place
     assert outbox.keys() == [whole.hash]
-    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db")
+    tracker = Tracker(mlflow_uri)
     tracker.parent_run(tracker.experiment_id("cut"), Record(hash="p", label="cut", params={}, metrics={}))
     assert sync(tracker, outbox, "cut") == (1, 0)
 

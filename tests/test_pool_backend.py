@@ -131,7 +131,7 @@ SLEEPER = {
 }
 
 
-def test_each_point_run_is_tracked_with_the_times_its_point_ran(tmp_path, monkeypatch):
+def test_each_point_run_is_tracked_with_the_times_its_point_ran(tmp_path, mlflow_uri, monkeypatch):
     """A run's start and end are when its point ran in its worker. They were the previous point's
     end and this one's arrival, so of two points a pool ran side by side for a second each, the
     second tracked a run of a few milliseconds, and the first one the pool's start-up too."""
@@ -148,7 +148,7 @@ def test_each_point_run_is_tracked_with_the_times_its_point_ran(tmp_path, monkey
         spec = tmp_path / "sleep.toml"
         spec.write_text('name = "sleep"\nkind = "sleep-test"\nseeds = [0, 1, 2, 3]\n'
                         '[workload]\nsource = "stdlib"\nparams = { max_chars = 2000 }\n')
-        uri = f"sqlite:///{tmp_path}/mlflow.db"
+        uri = mlflow_uri
         began = time.time() * 1000
         summary = run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", workers=2, quiet=True)
         assert (summary.ran, len(summary.failed)) == (3, 1)
