@@ -3,6 +3,9 @@ stays within 0.01 of exact on a 10 M-lookup Engram stream; simulated curves are 
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import tracemalloc
 
 import numpy as np
@@ -258,3 +261,33 @@ def test_the_exact_curve_reads_the_int32_ids_in_place():
     assert peak < 4 * (n + 1) + 8 * (ids.max() + 1) + (1 << 16), f"{peak / n:.1f} B an entry"  # the tree, each key's mark
     d = stack_distances(ids)[1_000:]
     assert hits.tolist() == [float(weights[1_000:][(d >= 0) & (d < c)].sum()) for c in caps]
+
+
+def _dies_at_64(capacity: int) -> float:
+    """A worker's capacity run that ends its process as the OOM killer would (no Python exception)."""
+    if capacity == 64:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _SIMULATE_ONE(capacity)
+
+
+_SIMULATE_ONE = mrc._simulate_one
+
+
+def test_a_simulated_curves_worker_that_dies_is_an_error_not_a_wait_without_end(monkeypatch):
+    """A ``multiprocessing.Pool`` loses the task of a worker killed outright and its ``get()`` waits for ever."""
+    keys = (np.random.default_rng(1).zipf(1.2, 5_000) % 500).astype(np.int64)
+    stream = LookupStream(keys, np.arange(0, keys.size + 1, 10), 264)
+    monkeypatch.setattr(mrc, "_simulate_one", _dies_at_64)
+    got: list[BaseException] = []
+
+    def curve():
+        try:
+            miss_ratio_curve(stream, [16, 64, 256], policy="fifo", workers=2)
+        except BaseException as e:  # noqa: BLE001 (the thread hands over what it raised)
+            got.append(e)
+
+    thread = threading.Thread(target=curve, daemon=True)
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive(), "mrc still waiting 120 s after its worker died"
+    assert len(got) == 1 and isinstance(got[0], CachelabError) and "worker process died" in str(got[0]), got

@@ -27,6 +27,8 @@ import math
 import multiprocessing as mp
 import os
 import signal
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 import numba as nb
@@ -252,17 +254,34 @@ def miss_ratio_curve(stream: LookupStream, capacities: list[int], policy: str | 
                     ratios.append(_simulate_one(c))
                     bar.advance(task)
             else:
-                # Ctrl-C is this process's to act on: the workers ignore it, and leaving the block ends them
-                # (an executor's exit ran every queued capacity first, and a worker's interrupt was a traceback)
-                with mp.get_context("fork").Pool(workers, signal.signal, (signal.SIGINT, signal.SIG_IGN)) as pool:
-                    runs = [pool.apply_async(_simulate_one, (c,), callback=lambda _r: bar.advance(task))
-                            for c in capacities]
-                    ratios = [r.get() for r in runs]
+                ratios = _pooled(capacities, workers, lambda _f: bar.advance(task))
     finally:
         _SHARED.clear()
     method = "simulation" if sample_rate is None else "mini-simulation"
     return Curve(capacities, _bounded(req, [float(r) for r in ratios], infinite, rate), requests, method,
                  sample_rate, warm, req.num_keys, infinite, rate)
+
+
+def _pooled(capacities: list[int], workers: int, done) -> list[float]:
+    """``_simulate_one`` of each capacity on forked workers. A worker that dies (the OOM killer, a crash in a
+    plug-in policy) is an error naming it, never a wait without end (a ``multiprocessing.Pool`` waits so);
+    Ctrl-C is this process's to act on: the workers ignore it and are ended at once, not after every queued
+    capacity (an executor's exit runs those first)."""
+    with ProcessPoolExecutor(workers, mp.get_context("fork"), signal.signal, (signal.SIGINT, signal.SIG_IGN)) as pool:
+        try:
+            runs = [pool.submit(_simulate_one, c) for c in capacities]
+            for run in runs:
+                run.add_done_callback(done)
+            return [run.result() for run in runs]
+        except BrokenProcessPool as e:
+            raise CachelabError("an mrc worker process died before its capacity's simulation ended (out of "
+                                "memory? see dmesg): run with --workers 1 to see its error") from e
+        except BaseException:
+            ending = list(pool._processes.values())  # Python 3.11 has no public terminate (3.14 does)
+            pool.shutdown(wait=False, cancel_futures=True)
+            for process in ending:
+                process.terminate()
+            raise
 
 
 def _stack_curve(probe) -> bool:
