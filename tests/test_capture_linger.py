@@ -144,3 +144,29 @@ def test_a_linger_whose_client_takes_nothing_of_what_is_left_is_bounded(tmp_path
                 time.sleep(3.5)  # a look that finds nothing taken for a second, and the next
                 lingering.append(proxy.lingering)
     assert lingering == [1, 0], lingering
+
+
+def test_a_half_close_that_fails_counts_no_linger():
+    """asyncio's ``write_eof`` is a ``shutdown(SHUT_WR)`` at once, which raises (ENOTCONN) where the client's reset
+    came first (loopback: our answer met its closed socket). The linger was counted before that raise and never
+    ended (no ``Linger`` was made to end it): past ``MAX_LINGERING`` such clients every later 400/408/431/501 and
+    early 401/413/503 was a reset (a review reproduced 36 of 40). Now the caller is told to close at once."""
+    import asyncio
+    import errno
+    import types
+
+    from cachelab.capture.sockets import Linger
+
+    class Gone:
+        def can_write_eof(self) -> bool:
+            return True
+
+        def write_eof(self) -> None:
+            raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+
+    proxy = types.SimpleNamespace(lingering=0)
+
+    async def linger():
+        return Linger.start(proxy, Gone())
+
+    assert asyncio.run(linger()) is None and proxy.lingering == 0

@@ -95,8 +95,8 @@ class Linger:
 
     def __init__(self, proxy: "CaptureProxy", transport):
         self.proxy, self.transport, self.left = proxy, transport, LINGER_BYTES
+        transport.write_eof()  # first: it raises where the client has gone (asyncio's shutdown, ENOTCONN)
         proxy.lingering += 1
-        transport.write_eof()
         self.unsent = unsent(transport)
         self.out = not self.unsent  # the answers are out of the transport and the kernel
         loop = asyncio.get_running_loop()
@@ -131,7 +131,10 @@ class Linger:
         already (or it cannot half-close): the caller closes it at once."""
         if proxy.lingering >= MAX_LINGERING or not transport.can_write_eof():
             return None
-        return cls(proxy, transport)
+        try:
+            return cls(proxy, transport)
+        except OSError:  # the client has closed already (its reset taken): nothing to linger for, nor counted
+            return None
 
     def drop(self, n: int) -> None:
         """``n`` bytes more came from the client, dropped; past ``LINGER_BYTES`` it is reset."""
