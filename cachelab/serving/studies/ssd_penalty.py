@@ -7,9 +7,9 @@ request, whatever the think time. Per output token it is C x (1 / O_ssd - 1 / O_
 output tok/s. The PR body (``semianalysis.SSD_PR_SOURCE``) publishes each arm's total tok/s; the
 corpus card's token totals (``agentic.CORPUS_*``, the mean request the replay samples) give the output
 share of them. So the measured penalty needs neither the synthesized think time nor the model's UVA
-cycle, which the study's ratio fit (``semianalysis.fitted_piecewise_layer_s``) rests on; the PR body
-states the same quantity in words for median TPOT: "a near-constant offset of about 2.6 ms per token".
-"""
+cycle, which the study's ratio fit (``semianalysis.fitted_piecewise_layer_s``) rests on. The PR body
+states a comparable one for median TPOT, "a near-constant offset of about 2.6 ms per token": this reading
+gives 2.1-3.2 ms at 16-64 clients, but 6-12 ms at 1-8, where it is not near-constant."""
 
 from __future__ import annotations
 
