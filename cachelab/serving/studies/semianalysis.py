@@ -28,81 +28,24 @@ import numpy as np
 import polars as pl
 
 from cachelab import strict_json
-from cachelab.errors import CachelabError
 from cachelab.paths import replacing
 from cachelab.serving.agentic import agentic_workload
-from cachelab.serving.calibration import batched_tokens
 from cachelab.serving.hardware import load_profile
 from cachelab.serving.hardware.probe import peak_rss_mb
-from cachelab.serving.latency import Efficiency, LatencyModel
-from cachelab.serving.model_spec import ModelSpec, load_model
+from cachelab.serving.latency import Efficiency
+from cachelab.serving.model_spec import load_model
 from cachelab.serving.pareto import dominated, pareto_front, plot_fronts, throughput_at
-from cachelab.serving.steady import STEP_RTOL, Deployment, NoSteadyState, SteadyState, Workload, step_time
+from cachelab.serving.steady import STEP_RTOL, SteadyState, Workload, step_time
+from cachelab.serving.studies.ssd_penalty import penalty_by_concurrency, penalty_under, read_off_decomposition
+from cachelab.serving.studies.ssd_pr import (SSD_PR_FIT, SSD_PR_P90_TTFT_MS, SSD_PR_PUBLISHED, SSD_PR_SOURCE,
+                                             SSD_PR_STEADY, SSD_PR_SWEEP, SSD_PR_TPOT_OFFSET_S)
+from cachelab.serving.studies.sweep import (CONCURRENCIES, CONFIGS, MODEL, TARGET, TTFT, X, Y, decode_context, deployment,
+                                            run_points)
 
-TARGET = 125.0  # tok/s/user, P90 interactivity
-X = "p90_interactivity"
-Y = "tokens_per_s_per_gpu"
-CONCURRENCIES = (1, 2, 4, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 64, 96, 128, 192, 256, 384, 512)
-OS_SHARE = 0.1  # ASSUMPTION: host DRAM kept for the OS, the server process and its buffers
-CONFIGS = (("B200", 4, "dram-uva"), ("B200", 8, "dram-uva"), ("B200", 4, "ssd-mmap"), ("B200", 8, "ssd-mmap"),
-           ("B300", 2, "dram-uva"), ("B300", 4, "dram-uva"), ("B300", 4, "hbm"), ("B300", 2, "hbm"))
-MODEL = "deepseek-v4.1-flash"
 # Two points closer than this (relative, either axis) are a tie: the steady state is solved to
 # STEP_RTOL, and a comparison finer than the solve ranks its rounding (where the SSD arm's floor
 # hides under the GPU's step the two arms are the same model).
 TIE_RTOL = 100 * STEP_RTOL
-
-
-def deployment(hardware: str, tp: int, placement: str, eff: Efficiency, model: str = MODEL,
-               spec: ModelSpec | None = None, page_cache_bytes: float | None = None,
-               max_num_batched_tokens: int | None = None) -> Deployment:
-    """One replica with its V4.1 vLLM arm's host-memory plan and token budget per step (16384,
-    ``calibration.batched_tokens``; raises CachelabError if it does not fit); ``spec``,
-    ``page_cache_bytes`` and ``max_num_batched_tokens`` replace the named model, the planned page
-    cache and the budget (what-ifs).
-
-    No KV offload pool: every V4.1 vLLM script the article's arms ran calls
-    ``require_agentic_kv_offload_none`` (InferenceX benchmarks/single_node/agentic/
-    dsv41flash_fp4_vllm_mtp.sh, the B200 DRAM-UVA arm; dsv41flash_fp4_b300_vllm_mtp.sh; and the SSD
-    recipe dsv41flashssd_fp4_vllm_mtp.sh without a KV_OFFLOAD_BACKEND), so the prefix cache is the
-    KV in HBM alone. (The study gave every arm the agentic matrix's 80% of host DRAM as a KV pool
-    before; those scripts refuse one.)"""
-    spec = spec or load_model(model)
-    hw = load_profile(hardware)
-    budget = max_num_batched_tokens or batched_tokens(model, "vllm")
-    lat = LatencyModel(spec, hw, tp, placement, efficiency=eff, max_num_batched_tokens=budget)
-    host = hw.host.dram_bytes * tp
-    # The page cache belongs to the node, not the replica: every replica on it maps the same
-    # table file, so a page one faults in serves all (8 / TP replicas per node).
-    replicas = hw.gpu.nvlink_domain // tp
-    page_cache = replicas * host * (1 - OS_SHARE) if placement == "ssd-mmap" else None
-    if page_cache is not None and page_cache_bytes is not None:
-        page_cache = page_cache_bytes
-    return Deployment(lat, budget, page_cache_bytes=page_cache)
-
-
-# The SSD patch's PR body (SemiAnalysisAI/InferenceX analysis/ssd_offload/VLLM-PR-BODY.md): B200 TP4,
-# DeepSeek-V4.1-Flash, CUDA graphs; the agentic trace sweep with the tables on disk (mmap, PIECEWISE
-# graphs) against the published pinned-DRAM UVA baseline of the same recipe, total tok/s per
-# concurrency, and "Median TPOT carries a near-constant offset of about 2.6 ms per token that does
-# not scale with batch size, so it dominates where steps are short and vanishes where they are not.
-# The offset is the per-step host round trip rather than device I/O".
-SSD_PR_SOURCE = "https://github.com/SemiAnalysisAI/InferenceX/blob/main/analysis/ssd_offload/VLLM-PR-BODY.md"
-SSD_PR_TPOT_OFFSET_S = 2.6e-3
-SSD_PR_SWEEP = {1: (19_338, 12_272), 2: (25_059, 14_587), 4: (34_897, 24_453), 8: (61_151, 47_598),
-                16: (112_212, 101_218), 32: (226_006, 207_582), 64: (348_969, 330_709),
-                96: (222_396, 301_346), 128: (76_717, 112_567)}  # concurrency: (UVA baseline, disk) tok/s
-SSD_PR_P90_TTFT_MS = {1: (958, 1_205), 2: (558, 695), 4: (533, 548), 8: (477, 497), 16: (551, 598), 32: (784, 685),
-                      64: (1_325, 1_092)}  # the same sweep's P90 TTFT, ms (its 96-128 clients: 5-291 s, not steady)
-# past 64 clients both arms collapse (P90 TTFT 18-291 s: admission queues the steady state does not hold)
-SSD_PR_STEADY = (1, 2, 4, 8, 16, 32, 64)
-# where the PR body says the offset "dominates" (short steps): the floor is fitted on these, the rest held out
-SSD_PR_FIT = (1, 2, 4, 8)
-
-
-def decode_context(workload: Workload) -> float:
-    """A decoding sequence's mean context: its prompt (new and cached) and half its output."""
-    return float((workload.new_tokens + workload.cached_tokens).mean() + workload.output_tokens.mean() / 2)
 
 
 def published_piecewise_layer_s(eff: Efficiency, workload: Workload | None = None) -> float:
@@ -119,9 +62,6 @@ def published_piecewise_layer_s(eff: Efficiency, workload: Workload | None = Non
     floor = step_time(dep, 1.0, ctx).step_s + SSD_PR_TPOT_OFFSET_S * m.acceptance_length
     return (floor - eff.step_overhead_s) / m.layers_launched(drafting=True)
 
-
-TTFT = "p90_ttft_ms"
-SSD_PR_PUBLISHED = {Y: SSD_PR_SWEEP, TTFT: SSD_PR_P90_TTFT_MS}  # metric: {concurrency: (UVA, disk)}
 
 
 def pr_sweep_residuals(eff: Efficiency, workload: Workload, metrics=(Y,)) -> Callable[[Efficiency], np.ndarray]:
@@ -245,39 +185,6 @@ def disk_over_uva(points: pl.DataFrame) -> dict:
 def _dominant(point: dict) -> str:
     parts = {k: v for k, v in point.items() if k.startswith("op_")}
     return max(parts, key=parts.get)[3:] if parts else ""
-
-
-def run_points(workload: Workload, eff: Efficiency, configs=CONFIGS, concurrencies=CONCURRENCIES,
-               on_point: Callable[[dict], None] | None = None, **what_if) -> list[dict]:
-    """Every (config, concurrency) point; ``on_point`` sees each as it finishes. A config that
-    does not fit is one row with ``fits`` False and the reason; so is a point with no steady state
-    (``NoSteadyState``), which no front or key then reads. ``what_if``: ``deployment``'s
-    ``spec``, ``page_cache_bytes`` or ``max_num_batched_tokens``."""
-    rows = []
-    for hardware, tp, placement in configs:
-        base = {"hardware": hardware, "tp": tp, "placement": placement}
-        try:
-            dep = deployment(hardware, tp, placement, eff, **what_if)
-            model = SteadyState(dep, workload)
-        except CachelabError as exc:
-            row = {**base, "fits": False, "reason": str(exc)}
-            rows.append(row)
-            if on_point:
-                on_point(row)
-            continue
-        for c in concurrencies:
-            try:
-                m = model.solve(int(c))
-            except NoSteadyState as exc:  # a row with its reason, off every front, as a config that does not fit
-                row = {**base, "concurrency": int(c), "fits": False, "reason": str(exc)}
-            else:
-                row = {**base, "fits": True, "reason": "", **m, "kv_tokens": dep.latency.plan.kv_tokens,
-                       "kv_offload_gb": dep.kv_offload_bytes / 1e9,
-                       "page_cache_gb": (dep.page_cache_bytes or 0.0) / 1e9}
-            rows.append(row)
-            if on_point:
-                on_point(row)
-    return rows
 
 
 def _front(df: pl.DataFrame) -> pl.DataFrame:
@@ -438,8 +345,6 @@ def run(out_dir: Path, eff: Efficiency, workload: Workload | None = None,
         f"{r['hardware']} TP{r['tp']} {r['placement']} C={r['concurrency']}" for r in rows
         if not r["fits"] and "concurrency" in r]
     result["b200_decode_step_decomposition"] = decode_decomposition(rows, eff, workload)
-    from cachelab.serving.studies.ssd_penalty import penalty_by_concurrency, read_off_decomposition  # imports this
-
     result["b200_read_off_decomposition"] = read_off_decomposition(points, eff, workload)
     result["b200_tp4_ssd_penalty_per_output_token"] = penalty_by_concurrency(points)
     result["workload"] = workload.describe()
@@ -501,8 +406,6 @@ def what_ifs(workload: Workload, eff: Efficiency, dram_tokens_per_dollar: float)
               "v41_8k1k_ssd_tokens_per_s_per_gpu": {"floor (the model)": v41["floor"], "additive": v41["additive"],
                                                     "published": pair.measured["tokens_per_s_per_gpu"]},
               "source": SSD_PR_SOURCE}
-    from cachelab.serving.studies.ssd_penalty import penalty_under  # it imports this module
-
     offset["b200_tp4_ssd_penalty_per_output_token"] = penalty_under(workload, additive, eff)
     return {"b200_dram_over_ssd_if_page_cache_fraction": by_cache,
             "b300_tp2_dram_gain_if_kv_bytes_per_token": by_kv,

@@ -1,5 +1,5 @@
 """The SSD host floor's readings of its one source, the SSD patch's PR body
-(``semianalysis.SSD_PR_SOURCE``): the study fits the floor on the PR body's SSD-over-UVA throughput at
+(``ssd_pr.SSD_PR_SOURCE``): the study fits the floor on the PR body's SSD-over-UVA throughput at
 1-8 clients, a ratio of whole cycles that rests on the synthesized think time (an ASSUMPTION); the PR
 body also states the floor's effect directly, a median TPOT offset of about 2.6 ms a token, which read at
 one client involves no think time; and it publishes each arm's P90 TTFT, whose gap at 1-2 clients the
@@ -20,9 +20,10 @@ from cachelab.serving.hardware import load_profile
 from cachelab.serving.latency import Efficiency
 from cachelab.serving.pareto import pareto_front, throughput_at
 from cachelab.serving.steady import Workload
-from cachelab.serving.studies.semianalysis import (CONFIGS, KEY_CONCURRENCIES, SSD_PR_FIT, SSD_PR_SOURCE, SSD_PR_STEADY,
-                                                   TARGET, TTFT, X, Y, pr_sweep_residuals, disk_over_uva,
-                                                   fitted_piecewise_layer_s, published_piecewise_layer_s, run_points)
+from cachelab.serving.studies.semianalysis import (KEY_CONCURRENCIES, disk_over_uva, fitted_piecewise_layer_s,
+                                                   pr_sweep_residuals, published_piecewise_layer_s)
+from cachelab.serving.studies.ssd_pr import SSD_PR_FIT, SSD_PR_SOURCE, SSD_PR_STEADY
+from cachelab.serving.studies.sweep import CONFIGS, TARGET, TTFT, X, Y, run_points
 
 SSD_HOST = ("piecewise_layer_s", "mmap_row_s")  # the SSD arm's two fitted host terms
 SSD_HOST_METRICS = (Y, TTFT)  # what the PR body publishes per concurrency for each arm

@@ -4,7 +4,7 @@ floor sits at B200's read-off (issue 15: why DRAM over SSD is what it is).
 At a fixed concurrency C the replay is a closed loop, C = X x cycle, and both arms replay the same
 trace with the same think times, so C x (1 / X_ssd - 1 / X_uva) is the SSD arm's extra latency a
 request, whatever the think time. Per output token it is C x (1 / O_ssd - 1 / O_uva), O the replica's
-output tok/s. The PR body (``semianalysis.SSD_PR_SOURCE``) publishes each arm's total tok/s; the
+output tok/s. The PR body (``ssd_pr.SSD_PR_SOURCE``) publishes each arm's total tok/s; the
 corpus card's token totals (``agentic.CORPUS_*``, the mean request the replay samples) give the output
 share of them. So the measured penalty needs neither the synthesized think time nor the model's UVA
 cycle, which the study's ratio fit (``semianalysis.fitted_piecewise_layer_s``) rests on. The PR body
@@ -20,8 +20,8 @@ from cachelab.serving.agentic import CORPUS_INPUT_TOKENS, CORPUS_OUTPUT_TOKENS
 from cachelab.serving.latency import Efficiency
 from cachelab.serving.model_spec import load_model
 from cachelab.serving.steady import Workload, fixed_workload, step_time
-from cachelab.serving.studies.semianalysis import (MODEL, SSD_PR_FIT, SSD_PR_SOURCE, SSD_PR_STEADY, SSD_PR_SWEEP,
-                                                   TARGET, X, Y, decode_context, deployment, run_points)
+from cachelab.serving.studies.ssd_pr import SSD_PR_FIT, SSD_PR_SOURCE, SSD_PR_STEADY, SSD_PR_SWEEP
+from cachelab.serving.studies.sweep import MODEL, TARGET, X, Y, decode_context, deployment, run_points
 
 # the corpus card's output tokens over all its tokens: the output share of the PR body's total tok/s
 OUTPUT_SHARE = CORPUS_OUTPUT_TOKENS / (CORPUS_INPUT_TOKENS + CORPUS_OUTPUT_TOKENS)
