@@ -6,7 +6,8 @@ import json
 
 from mlflow import MlflowClient
 
-from cachelab.experiment.report import load_experiment, plot_latency_cdfs, plot_pareto, plot_p99_vs_load
+from cachelab.experiment.report import load_experiment
+from cachelab.experiment.report_plots import plot_latency_cdfs, plot_pareto, plot_p99_vs_load
 from cachelab.experiment.runner import run_experiment
 from cachelab.paths import REPO_ROOT
 from cachelab.experiment.tracking import Tracker

@@ -7,8 +7,8 @@ import matplotlib
 import polars as pl
 import pytest
 
-from cachelab.experiment.report import (ExperimentData, headline, plot_importances, plot_learned, plot_tier_bytes,
-                                        report_json)
+from cachelab.experiment.report import ExperimentData, headline, report_json
+from cachelab.experiment.report_plots import plot_importances, plot_learned, plot_tier_bytes
 from cachelab.learning.lineup import judged_default, lineup
 
 matplotlib.use("Agg")
@@ -135,7 +135,7 @@ def test_live_p99_against_overlap_draws_live_and_predicted_per_series():
 def test_a_live_sweep_without_the_overlap_axis_gets_bars_of_live_and_predicted():
     """A live sweep over row-cache policies at one prefix overlap had no latency plot at all (the one
     live plot needs two overlaps): bars per point, live beside predicted, seed-averaged."""
-    from cachelab.experiment.report import figures
+    from cachelab.experiment.report_plots import figures
     from cachelab.experiment.report_live import plot_live_vs_predicted
 
     rows = [{"axis.kind": "live", "axis.live.row_cache_policy": p, "axis.seed": seed,
@@ -150,7 +150,7 @@ def test_a_live_sweep_without_the_overlap_axis_gets_bars_of_live_and_predicted()
 
 
 def test_save_figures_writes_each_plot_as_png(tmp_path):
-    from cachelab.experiment.report import save_figures
+    from cachelab.experiment.report_plots import save_figures
 
     rows = [{"axis.kind": "live", "axis.live.row_cache_policy": "lru", "axis.workload.trace.synthesis.prefix_overlap": o,
              "p99_ttft_ms": 100.0, "p99_tpot_ms": 30.0} for o in (0.0, 0.5)]

@@ -76,7 +76,8 @@ def report(
     It reads the tracking store; records `cachelab run` keeps in --runs-dir, waiting for the
     store, are counted and named (`cachelab sync` sends them), not reported."""
     from cachelab.experiment.records import PARENT
-    from cachelab.experiment.report import load_experiment, report_json, save_figures, write_html
+    from cachelab.experiment.report import load_experiment, report_json, write_html
+    from cachelab.experiment.report_plots import save_figures
     from cachelab.experiment.runner import outbox_for
     from cachelab.experiment.tracking import Tracker, resolve_uri
 

@@ -1,7 +1,7 @@
 """What the report's line plots share: series, their order and labels, and axis styling.
 
-Apart from ``report`` so that the per-kind plot modules (``report_live``) and the report page
-both import it without importing each other.
+Apart from ``report_plots`` so that the per-kind plot modules (``report_live``) and it both
+import it without importing each other.
 """
 
 from __future__ import annotations
