@@ -30,6 +30,7 @@ import polars as pl
 from cachelab import strict_json
 from cachelab.paths import replacing
 from cachelab.serving.agentic import agentic_workload
+from cachelab.serving.calibration import pattern_search, predict, v41_script_points
 from cachelab.serving.hardware import load_profile
 from cachelab.serving.hardware.probe import peak_rss_mb
 from cachelab.serving.latency import Efficiency
@@ -86,8 +87,6 @@ def fitted_piecewise_layer_s(eff: Efficiency, workload: Workload | None = None) 
     ``calibration.pattern_search`` over ``piecewise_layer_s`` alone, the other efficiencies as
     given. The sweep's 16-64 clients and the 8k/1k pair stay held out. (Its P90 TTFT joins the
     fit in the what-if ``ssd_floor.fit_ssd_host``.)"""
-    from cachelab.serving.calibration import pattern_search
-
     residuals = pr_sweep_residuals(eff, workload or agentic_workload())
     return pattern_search(lambda e: float((residuals(e) ** 2).sum()), eff, ("piecewise_layer_s",))[0].piecewise_layer_s
 
@@ -393,8 +392,6 @@ def what_ifs(workload: Workload, eff: Efficiency, dram_tokens_per_dollar: float)
         by_kv[str(int(kv))] = {"gain_max": gain, "at_p90_interactivity": at}
     # The PR body's TPOT offset read as a cost every piecewise step adds to its GPU work (2.6 ms x
     # the acceptance length), not as a floor: the fronts, and the held-out 8k/1k SSD point under it.
-    from cachelab.serving.calibration import predict, v41_script_points
-
     spec = load_model(MODEL)
     additive = replace(eff, piecewise_step_offset_s=SSD_PR_TPOT_OFFSET_S * spec.acceptance_length)
     df = pl.DataFrame(run_points(workload, additive, ssd, WHAT_IF_CONCURRENCIES), infer_schema_length=None)

@@ -15,7 +15,7 @@ import numpy as np
 import polars as pl
 
 from cachelab.paths import data_root
-from cachelab.serving.calibration import load_points, with_fitted_think
+from cachelab.serving.calibration import load_points, pattern_search, ssd_builds, with_fitted_think
 from cachelab.serving.hardware import load_profile
 from cachelab.serving.latency import Efficiency
 from cachelab.serving.pareto import pareto_front, throughput_at
@@ -36,8 +36,6 @@ def fit_ssd_host(eff: Efficiency, workload: Workload, start_row_s: float = 1e-6)
     (starts of 0.3-3 us, or a floor of 400 us, land within a fifth of a standard error), the other
     efficiencies as given. The floor binds decode steps (throughput), the row cost prefill chunks
     (TTFT), so the two metrics separate them."""
-    from cachelab.serving.calibration import pattern_search
-
     residuals = pr_sweep_residuals(eff, workload, SSD_HOST_METRICS)
     return pattern_search(lambda e: float((residuals(e) ** 2).sum()), replace(eff, mmap_row_s=start_row_s), SSD_HOST)[0]
 
@@ -66,8 +64,6 @@ def joint_fit(workload: Workload, eff: Efficiency, dram_tokens_per_dollar: float
     the PR body's throughput and P90 TTFT (``fit_ssd_host``; the study fits the floor on throughput alone,
     no row cost), the fit's standard errors, the PR body's sweep under it (both metrics, 16-64 clients held
     out) and the held-out 8k/1k SSD point under both builds of the patch (``calibration.ssd_builds``)."""
-    from cachelab.serving.calibration import ssd_builds
-
     joint = fit_ssd_host(eff, workload)
     arm, sweep = _ssd_arm(workload, joint, eff, dram_tokens_per_dollar, concurrencies)
     return {**ssd_host_standard_errors(joint, workload), **arm,

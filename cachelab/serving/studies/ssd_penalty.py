@@ -17,6 +17,7 @@ import numpy as np
 import polars as pl
 
 from cachelab.serving.agentic import CORPUS_INPUT_TOKENS, CORPUS_OUTPUT_TOKENS
+from cachelab.serving.calibration import V41_SCRIPT_PAIR
 from cachelab.serving.latency import Efficiency
 from cachelab.serving.model_spec import load_model
 from cachelab.serving.steady import Workload, fixed_workload, step_time
@@ -43,8 +44,6 @@ def pair_penalty_ms_per_token() -> float:
     """The same reading of the one controlled A/B the SSD recipe states (``calibration.V41_SCRIPT_PAIR``:
     B200 TP4, 8k/1k, 16 clients, both arms run by the patch's author), with the fixed-length benchmark's
     output share (lengths uniform in [0.8 L, L]): negative where the SSD arm was the faster."""
-    from cachelab.serving.calibration import V41_SCRIPT_PAIR
-
     wl = fixed_workload(8192, 1024)
     share = float(wl.output_tokens.mean() / wl.context_tokens.mean())
     uva, ssd = (V41_SCRIPT_PAIR[p]["tokens_per_s_per_gpu"] * 4 * share for p in ("dram-uva", "ssd-mmap"))
