@@ -40,8 +40,8 @@ from cachelab.serving.steady import STEP_RTOL, SteadyState, Workload, step_time
 from cachelab.serving.studies.ssd_penalty import penalty_by_concurrency, penalty_under, read_off_decomposition
 from cachelab.serving.studies.ssd_pr import (SSD_PR_FIT, SSD_PR_P90_TTFT_MS, SSD_PR_PUBLISHED, SSD_PR_SOURCE,
                                              SSD_PR_STEADY, SSD_PR_SWEEP, SSD_PR_TPOT_OFFSET_S)
-from cachelab.serving.studies.sweep import (CONCURRENCIES, CONFIGS, MODEL, TARGET, TTFT, X, Y, decode_context, deployment,
-                                            run_points)
+from cachelab.serving.studies.sweep import (CONCURRENCIES, CONFIGS, MODEL, TARGET, TTFT, X, Y, decode_context,
+                                            deployment, run_points)
 
 # Two points closer than this (relative, either axis) are a tie: the steady state is solved to
 # STEP_RTOL, and a comparison finer than the solve ranks its rounding (where the SSD arm's floor
@@ -110,14 +110,13 @@ def dram_over_ssd_across_floor(workload: Workload, eff: Efficiency, dram_tokens_
     standard error either side (``piecewise_standard_error``): how much of the key the floor's fit
     determines. None where the SSD front never reaches the target."""
     se = piecewise_standard_error(eff, workload) if se is None else se
-    price = load_profile("B200").usd_per_gpu_hour
     ssd = [c for c in CONFIGS if c[0] == "B200" and c[2] == "ssd-mmap"]
     out = {}
     for name, value in (("minus_1se", eff.piecewise_layer_s - se), ("fitted", eff.piecewise_layer_s),
                         ("plus_1se", eff.piecewise_layer_s + se)):
         df = pl.DataFrame(run_points(workload, replace(eff, piecewise_layer_s=value), ssd, concurrencies),
                           infer_schema_length=None)
-        tpd = throughput_at(_front(df.filter(pl.col("fits"))), TARGET, X, Y) * 3600 / price  # NaN: never reached
+        tpd = tokens_per_dollar(df.filter(pl.col("fits")))  # NaN: never reached
         out[name] = {"piecewise_layer_s": value, "b200_ssd_tokens_per_dollar": tpd if np.isfinite(tpd) else None,
                      "b200_dram_over_ssd": dram_tokens_per_dollar / tpd if np.isfinite(tpd) else None}
     return {"standard_error_s": se, "fit_concurrencies": list(SSD_PR_FIT), "by_floor": out}
@@ -190,6 +189,12 @@ def _front(df: pl.DataFrame) -> pl.DataFrame:
     return pareto_front(df, X, Y)
 
 
+def tokens_per_dollar(points: pl.DataFrame) -> float:
+    """B200 tokens per dollar where the front of ``points`` crosses ``TARGET`` P90 interactivity (NaN
+    where it never reaches it): the read-off every key, what-if and elasticity compares."""
+    return throughput_at(_front(points), TARGET, X, Y) * 3600 / load_profile("B200").usd_per_gpu_hour
+
+
 def _gain(better: pl.DataFrame, worse: pl.DataFrame) -> tuple[float, float]:
     fb, fw = _front(better), _front(worse)
     lo = max(fb[X].min(), fw[X].min())
@@ -244,10 +249,8 @@ def _keys(points: pl.DataFrame) -> dict:
     """The issue's keys from these points."""
     fit = points.filter(pl.col("fits"))
     b200, b300 = fit.filter(pl.col("hardware") == "B200"), fit.filter(pl.col("hardware") == "B300")
-    price = load_profile("B200").usd_per_gpu_hour
     dram, ssd = b200.filter(pl.col("placement") == "dram-uva"), b200.filter(pl.col("placement") == "ssd-mmap")
-    tpd_dram = throughput_at(_front(dram), TARGET, X, Y) * 3600 / price
-    tpd_ssd = throughput_at(_front(ssd), TARGET, X, Y) * 3600 / price
+    tpd_dram, tpd_ssd = tokens_per_dollar(dram), tokens_per_dollar(ssd)
     paired = dram.join(ssd, on=["tp", "concurrency"], suffix="_ssd")
     tp2_hbm = points.filter((pl.col("hardware") == "B300") & (pl.col("tp") == 2) & (pl.col("placement") == "hbm"))
     tp2_dram = b300.filter((pl.col("tp") == 2) & (pl.col("placement") == "dram-uva"))
@@ -373,15 +376,13 @@ def what_ifs(workload: Workload, eff: Efficiency, dram_tokens_per_dollar: float)
     work hides (with the held-out 8k/1k SSD point under each reading); and the B300 TP2-DRAM gain
     over TP4-HBM if V4.1 stored more KV per token than the spec's 1,790 B (the gain's mechanism,
     more KV per GPU once the table leaves HBM, needs KV to bind)."""
-    price = load_profile("B200").usd_per_gpu_hour
     ssd = [c for c in CONFIGS if c[0] == "B200" and c[2] == "ssd-mmap"]
     table = load_model(MODEL).table_bytes
     by_cache = {}
     for frac in (None,) + PAGE_CACHE_FRACTIONS:  # None: the planned page cache, on the same coarser sweep
         df = pl.DataFrame(run_points(workload, eff, ssd, WHAT_IF_CONCURRENCIES,
                                      page_cache_bytes=None if frac is None else frac * table), infer_schema_length=None)
-        by_cache["planned" if frac is None else str(frac)] = dram_tokens_per_dollar / (
-            throughput_at(_front(df), TARGET, X, Y) * 3600 / price)
+        by_cache["planned" if frac is None else str(frac)] = dram_tokens_per_dollar / tokens_per_dollar(df)
     b300 = [c for c in CONFIGS if c[0] == "B300" and (c[1], c[2]) in ((2, "dram-uva"), (4, "hbm"))]
     by_kv = {}
     for kv in KV_BYTES_PER_TOKEN:
@@ -395,7 +396,7 @@ def what_ifs(workload: Workload, eff: Efficiency, dram_tokens_per_dollar: float)
     spec = load_model(MODEL)
     additive = replace(eff, piecewise_step_offset_s=SSD_PR_TPOT_OFFSET_S * spec.acceptance_length)
     df = pl.DataFrame(run_points(workload, additive, ssd, WHAT_IF_CONCURRENCIES), infer_schema_length=None)
-    ssd_tpd = throughput_at(_front(df), TARGET, X, Y) * 3600 / price
+    ssd_tpd = tokens_per_dollar(df)
     pair = {p.placement: p for p in v41_script_points()}["ssd-mmap"]
     v41 = {name: predict(pair, e)["tokens_per_s_per_gpu"] for name, e in (("floor", eff), ("additive", additive))}
     offset = {"offset_s_per_step": additive.piecewise_step_offset_s, "b200_ssd_tokens_per_dollar": ssd_tpd,
@@ -416,12 +417,11 @@ def inline_gather_what_if(workload: Workload, eff: Efficiency, dram_tokens_per_d
     arm did): each Engram layer's host gather, which grows with the rows a step reads, exposed in
     full instead of overlapped with the layers before it; and the PR body's agentic sweep (SSD over
     UVA per concurrency) under it, the model's against the published."""
-    price = load_profile("B200").usd_per_gpu_hour
     inline = replace(eff, host_gather_overlap=False)
     b200 = [c for c in CONFIGS if c[0] == "B200"]
     df = pl.DataFrame(run_points(workload, inline, [c for c in b200 if c[2] == "ssd-mmap"], WHAT_IF_CONCURRENCIES)
                       + run_points(workload, eff, [("B200", 4, "dram-uva")], SSD_PR_STEADY), infer_schema_length=None)
-    ssd_tpd = throughput_at(_front(df.filter(pl.col("placement") == "ssd-mmap")), TARGET, X, Y) * 3600 / price
+    ssd_tpd = tokens_per_dollar(df.filter(pl.col("placement") == "ssd-mmap"))
     sweep = disk_over_uva(df)
     return {"b200_ssd_tokens_per_dollar": ssd_tpd, "b200_dram_over_ssd": dram_tokens_per_dollar / ssd_tpd,
             "b200_tp4_disk_over_uva": {k: v["model"] for k, v in sweep["by_concurrency"].items()},
@@ -441,7 +441,6 @@ def budget_what_ifs(workload: Workload, eff: Efficiency) -> dict:
     """The B300 TP2-DRAM gain over TP4-HBM, and B200 DRAM over SSD, under the other token budgets
     the V4.1 arms ran (the budget sets the prefill chunk every mixed step carries and the
     indexer buffer the memory plan reserves)."""
-    price = load_profile("B200").usd_per_gpu_hour
 
     def points(configs, budgets: dict) -> pl.DataFrame:
         rows = [r for c in configs for r in run_points(workload, eff, [c], WHAT_IF_CONCURRENCIES,
@@ -456,8 +455,7 @@ def budget_what_ifs(workload: Workload, eff: Efficiency) -> dict:
         by_budget[name] = {"gain_max": gain, "at_p90_interactivity": at}
     b200 = [c for c in CONFIGS if c[0] == "B200"]
     df = points(b200, BUDGET_WHAT_IFS["8192"])
-    tpd = {p: throughput_at(_front(df.filter(pl.col("placement") == p)), TARGET, X, Y) * 3600 / price
-           for p in ("dram-uva", "ssd-mmap")}
+    tpd = {p: tokens_per_dollar(df.filter(pl.col("placement") == p)) for p in ("dram-uva", "ssd-mmap")}
     return {"b300_tp2_dram_gain_if_max_num_batched_tokens": by_budget,
             "b200_dram_over_ssd_if_max_num_batched_tokens": {
                 "8192": {"b200_dram_tokens_per_dollar": tpd["dram-uva"], "b200_ssd_tokens_per_dollar": tpd["ssd-mmap"],
@@ -476,11 +474,10 @@ def sensitivity(workload: Workload, eff: Efficiency, names, step: float = 0.1) -
     d ln(tokens/$) / d ln(parameter), by a +``step`` relative change, each read over the key's
     own sweep (``KEY_CONCURRENCIES``), so ``base`` is ``b200_dram_tokens_per_dollar``."""
     configs = [c for c in CONFIGS if c[0] == "B200" and c[2] == "dram-uva"]
-    price = load_profile("B200").usd_per_gpu_hour
 
     def tpd(e: Efficiency) -> float:
         df = pl.DataFrame(run_points(workload, e, configs, KEY_CONCURRENCIES), infer_schema_length=None)
-        return throughput_at(_front(df.filter(pl.col("fits"))), TARGET, X, Y) * 3600 / price
+        return tokens_per_dollar(df.filter(pl.col("fits")))
 
     base = tpd(eff)
     out = {}

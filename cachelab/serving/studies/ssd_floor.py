@@ -16,14 +16,12 @@ import polars as pl
 
 from cachelab.paths import data_root
 from cachelab.serving.calibration import load_points, pattern_search, ssd_builds, with_fitted_think
-from cachelab.serving.hardware import load_profile
 from cachelab.serving.latency import Efficiency
-from cachelab.serving.pareto import pareto_front, throughput_at
 from cachelab.serving.steady import Workload
 from cachelab.serving.studies.semianalysis import (KEY_CONCURRENCIES, disk_over_uva, fitted_piecewise_layer_s,
-                                                   pr_sweep_residuals, published_piecewise_layer_s)
+                                                   pr_sweep_residuals, published_piecewise_layer_s, tokens_per_dollar)
 from cachelab.serving.studies.ssd_pr import SSD_PR_FIT, SSD_PR_SOURCE, SSD_PR_STEADY
-from cachelab.serving.studies.sweep import CONFIGS, TARGET, TTFT, X, Y, run_points
+from cachelab.serving.studies.sweep import CONFIGS, TTFT, Y, run_points
 
 SSD_HOST = ("piecewise_layer_s", "mmap_row_s")  # the SSD arm's two fitted host terms
 SSD_HOST_METRICS = (Y, TTFT)  # what the PR body publishes per concurrency for each arm
@@ -94,12 +92,10 @@ def _ssd_arm(workload: Workload, ssd_eff: Efficiency, eff: Efficiency, dram_toke
     """The B200 SSD arm run under ``ssd_eff`` over ``concurrencies``, beside the UVA arm at the PR body's
     points under ``eff``: its tokens per dollar and DRAM over SSD at the key's read-off, and the PR body's
     sweep (``disk_over_uva``) under it."""
-    price = load_profile("B200").usd_per_gpu_hour
     ssd = [c for c in CONFIGS if c[0] == "B200" and c[2] == "ssd-mmap"]
     df = pl.DataFrame(run_points(workload, ssd_eff, ssd, concurrencies)
                       + run_points(workload, eff, [("B200", 4, "dram-uva")], SSD_PR_STEADY), infer_schema_length=None)
-    ssd_tpd = throughput_at(pareto_front(df.filter(pl.col("fits") & (pl.col("placement") == "ssd-mmap")), X, Y),
-                            TARGET, X, Y) * 3600 / price
+    ssd_tpd = tokens_per_dollar(df.filter(pl.col("fits") & (pl.col("placement") == "ssd-mmap")))
     found = bool(np.isfinite(ssd_tpd))
     return ({"b200_ssd_tokens_per_dollar": ssd_tpd if found else None,
              "b200_dram_over_ssd": dram_tokens_per_dollar / ssd_tpd if found else None}, disk_over_uva(df))
