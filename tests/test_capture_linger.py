@@ -15,7 +15,8 @@ import pytest
 from capture_upstream import ProxyThread
 from cachelab.capture.proxy import ProxyConfig
 from cachelab.capture.recorder import Recorder
-from test_capture_robustness import STATUS, _answer, _connect, _keep_sending
+from test_capture_robustness import STATUS, HostileUpstream, _answer, _connect, _keep_sending, _kernel_takes, \
+    _send_unread
 
 NO_UPSTREAM = "http://127.0.0.1:9"  # nothing here reaches it
 
@@ -110,13 +111,9 @@ def test_a_lingering_close_waits_for_the_answers_in_the_kernel(tmp_path, loop):
         b"408 ") and read.endswith(b'"code":408}}'), (read.count(b"HTTP/1.1 200 "), error, read[-300:])
 
 
-@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-def test_a_linger_whose_client_takes_nothing_of_what_is_left_is_bounded(tmp_path, monkeypatch, loop):
-    """A lingering connection whose client takes no byte of what the proxy has left for it (its window full,
-    the rest in the kernel and under the transport's high-water mark, so no write deadline watches it) is reset
-    after ``LINGER_STALL_S`` (1 s here), its place among ``MAX_LINGERING`` free again. It held the place until
-    the kernel's TCP user timeout (``--tcp-keepalive``: 2 x 30 s; never, at 0, or while the client's host
-    answers the zero-window probes): ``MAX_LINGERING`` such clients and every later linger was a reset."""
+def _proxies_started(monkeypatch) -> list:
+    """The ``CaptureProxy`` objects started from now on (a ``ProxyThread``'s), to look at their lingering count;
+    ``LINGER_STALL_S`` is 1 s meanwhile."""
     from cachelab.capture.proxy import CaptureProxy
 
     monkeypatch.setattr("cachelab.capture.sockets.LINGER_STALL_S", 1.0, raising=False)
@@ -127,6 +124,17 @@ def test_a_linger_whose_client_takes_nothing_of_what_is_left_is_bounded(tmp_path
         await start(proxy, sock)
 
     monkeypatch.setattr(CaptureProxy, "start", started)
+    return proxies
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_linger_whose_client_takes_nothing_of_what_is_left_is_bounded(tmp_path, monkeypatch, loop):
+    """A lingering connection whose client takes no byte of what the proxy has left for it (its window full,
+    the rest in the kernel and under the transport's high-water mark, so no write deadline watches it) is reset
+    after ``LINGER_STALL_S`` (1 s here), its place among ``MAX_LINGERING`` free again. It held the place until
+    the kernel's TCP user timeout (``--tcp-keepalive``: 2 x 30 s; never, at 0, or while the client's host
+    answers the zero-window probes): ``MAX_LINGERING`` such clients and every later linger was a reset."""
+    proxies = _proxies_started(monkeypatch)
     with ProxyThread(ProxyConfig(upstream=NO_UPSTREAM, max_client_connections=1), Recorder(tmp_path / "cap"),
                      loop=loop) as p:
         (proxy,) = proxies
@@ -144,6 +152,31 @@ def test_a_linger_whose_client_takes_nothing_of_what_is_left_is_bounded(tmp_path
                 time.sleep(3.5)  # a look that finds nothing taken for a second, and the next
                 lingering.append(proxy.lingering)
     assert lingering == [1, 0], lingering
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_linger_whose_paused_writes_no_write_deadline_watches_is_bounded(tmp_path, monkeypatch, loop):
+    """With ``--write-timeout 0`` (no write deadline) a lingering connection whose writes are paused (a whole
+    answer over what the kernel takes, then a request that is not HTTP, its 400 behind the answer, and nothing
+    read) is reset ``LINGER_STALL_S`` after its client last took a byte, as one whose writes are not paused
+    is. The linger left a paused connection to the write deadline, which 0 turns off: it held its place among
+    ``MAX_LINGERING`` and the answer's bytes for as long as the client kept the connection open."""
+    proxies = _proxies_started(monkeypatch)
+    upstream = HostileUpstream()
+    model = f"big-{_kernel_takes() + (96 << 10)}"  # the last piece written beside 64-128 KiB not taken: paused
+    config = ProxyConfig(upstream=upstream.url, write_timeout=0, tcp_keepalive_s=0)
+    with ProxyThread(config, Recorder(tmp_path / "cap"), loop=loop) as p:
+        (proxy,) = proxies
+        with _send_unread(p.url, model) as idle:
+            idle.sendall(b"NOT HTTP\r\n\r\n")
+            deadline = time.monotonic() + 30
+            while not proxy.lingering:
+                assert time.monotonic() < deadline, "the connection was not closed after its 400"
+                time.sleep(0.05)
+            paused = [c.write_paused for c in list(proxy.connections) if c.linger is not None]
+            time.sleep(3.5)  # a look that finds nothing taken for a second, and the next
+            lingering = proxy.lingering
+    assert paused == [True] and lingering == 0, (paused, lingering)
 
 
 def test_a_half_close_that_fails_counts_no_linger():

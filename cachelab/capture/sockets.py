@@ -30,8 +30,8 @@ MAX_LINGERING = 256
 LINGER_S = 1.0
 LINGER_BYTES = 1 << 20
 # how long a lingering client may take no byte of what is left for it where no write deadline watches it (its
-# writes not paused: under the transport's high-water mark, the rest in the kernel), then it is reset; as long
-# as nginx waits for a lingering client's next bytes (lingering_timeout)
+# writes not paused: under the transport's high-water mark, the rest in the kernel; or --write-timeout 0), then it
+# is reset; as long as nginx waits for a lingering client's next bytes (lingering_timeout)
 LINGER_STALL_S = 5.0
 
 
@@ -110,17 +110,18 @@ class Linger:
         the transport's buffer a second on, and its record, held until the client took it, handed over as served;
         out of the transport, the answers the kernel still held (a client's window full) were dropped by the
         reset that the client's next bytes met. A client that takes none of it meets its write deadline where its
-        writes are paused (``--write-timeout``, which records its answer's client so), else is reset
-        ``LINGER_STALL_S`` on: no deadline watched the rest under the high-water mark, in the kernel, and it held
-        its place until the kernel's TCP user timeout (never, with ``--tcp-keepalive 0``). The protocol tells
-        whether its writes are paused (``write_paused``; a ``RefusedConnection``'s never are)."""
+        writes are paused and ``--write-timeout`` is set (which records its answer's client so), else is reset
+        ``LINGER_STALL_S`` on: no deadline watched the rest under the high-water mark, in the kernel, nor a paused
+        one at ``--write-timeout 0``, and it held its place until the kernel's TCP user timeout (never, with
+        ``--tcp-keepalive 0``). The protocol tells whether its writes are paused (``write_paused``; a
+        ``RefusedConnection``'s never are)."""
         loop, held = asyncio.get_running_loop(), unsent(self.transport)
         if not held and self.out:  # out since the last look at least
             return self.transport.abort()
         if held < self.unsent or not held:
             self.taken = loop.time()
-        elif loop.time() - self.taken >= LINGER_STALL_S and \
-                not getattr(self.transport.get_protocol(), "write_paused", False):
+        elif loop.time() - self.taken >= LINGER_STALL_S and not (
+                self.proxy.config.write_timeout and getattr(self.transport.get_protocol(), "write_paused", False)):
             return self.transport.abort()
         self.out, self.unsent = not held, held
         self.timer = loop.call_later(LINGER_S, self._deadline)
