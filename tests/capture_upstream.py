@@ -235,6 +235,24 @@ class Upstream:
             await asyncio.sleep(1)
 
 
+def read_message(sock: socket.socket) -> tuple[bytes, bytes]:
+    """One HTTP message with a content-length read from ``sock``: its head and its whole body. A peer that closes
+    first raises ``ConnectionError``, where reading on would spin on the empty reads."""
+    got = b""
+    while b"\r\n\r\n" not in got:
+        got += (chunk := sock.recv(65536))
+        if not chunk:
+            raise ConnectionError(f"closed within a message's head: {got[:200]!r}")
+    head, _, body = got.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += (chunk := sock.recv(65536))
+        if not chunk:
+            raise ConnectionError(f"closed after {len(body)} of a body's {length} bytes")
+    return head, body
+
+
 class RawUpstream:
     """A raw-socket upstream, a thread per connection, for answers no HTTP server writes: ``answer(conn,
     body)`` is given each connection once its first request's JSON body is read whole (its content-length)."""
@@ -251,15 +269,7 @@ class RawUpstream:
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
-            got = b""
-            while b"\r\n\r\n" not in got:
-                got += conn.recv(65536)
-            head, _, body = got.partition(b"\r\n\r\n")
-            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length")))
-            while len(body) < length:
-                body += conn.recv(65536)
-            self.answer(conn, json.loads(body))
+            self.answer(conn, json.loads(read_message(conn)[1]))
 
     def answer(self, conn: socket.socket, body: dict) -> None:
         raise NotImplementedError

@@ -22,7 +22,7 @@ import tracemalloc
 import httpx
 import pytest
 
-from capture_upstream import PROXY_EXIT_S, ProxyThread, RawUpstream, ServerThread, Upstream, cli_proxy
+from capture_upstream import PROXY_EXIT_S, ProxyThread, RawUpstream, ServerThread, Upstream, cli_proxy, read_message
 from loopback import free_port
 from cachelab.capture.proxy import ProxyConfig, claim_file_limit
 from cachelab.capture.recorder import Recorder
@@ -46,13 +46,7 @@ def _read_to_close(sock: socket.socket) -> bytes:
 
 def _answer(sock: socket.socket) -> tuple[bytes, dict]:
     """One whole answer with a content-length: its head and its JSON body."""
-    got = b""
-    while b"\r\n\r\n" not in got:
-        got += sock.recv(65536)
-    head, _, body = got.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
-    while len(body) < length:
-        body += sock.recv(65536)
+    head, body = read_message(sock)
     return head, json.loads(body)
 
 
