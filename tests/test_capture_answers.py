@@ -38,6 +38,7 @@ def events(*data: str) -> bytes:
 CHUNK = json.dumps({"id": "cmpl-s", "prompt_token_ids": PROMPT_IDS, "choices": [GOOD_CHOICE]},
                    separators=(",", ":"))
 
+NO_CHOICE = "upstream answered 200 without any choice"
 # the upstream's answer to each model, and what the record of its choice 0 holds:
 # (error, or None; cached tokens; output ids)
 ANSWERS = {
@@ -62,7 +63,14 @@ ANSWERS = {
     "data-array": (events(CHUNK, "[1, 2]"), "upstream stream had 1 event whose data is not a JSON object", None,
                    [7, 8]),
     "body-array": (b"[1, 2]", "upstream answered 200 with a body that is not a JSON object", None, None),
+    # no choice at all, to a request for one (vLLM answers each choice asked for; a chat stream begins with its
+    # role): passed on unchanged (``UNCHANGED``), recorded as failed, not as served with an empty output
+    "choices-empty": (whole(choices=[], prompt_token_ids=None), NO_CHOICE, 2, None),
+    "choices-left-out": (whole(choices=None, prompt_token_ids=None), NO_CHOICE, 2, None),
+    "stream-no-choice": (events('{"id":"cmpl-s","object":"text_completion","choices":[]}'), NO_CHOICE, None, None),
+    "stream-done-only": (events(), NO_CHOICE, None, None),
 }
+UNCHANGED = ("choices-empty", "choices-left-out", "stream-no-choice", "stream-done-only")
 # an answer without ids whose text holds JSON's "\ud800" (half a UTF-16 pair): the fallback tokenizes it
 SURROGATE_TEXT = whole(choices=[{"index": 0, "text": "a\ud800", "finish_reason": "length"}], prompt_token_ids=None)
 
@@ -117,6 +125,7 @@ def recorded(tmp_path_factory):
             r = client.post("/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2,
                                                      "stream": answer.startswith(b"data:")})
             assert r.status_code == 200, (model, r.content)
+            assert model not in UNCHANGED or r.content == answer, (model, r.content)
         r = client.post("/v1/completions", content=b'{"model": "surrogate-user", "prompt": "x", "user": "\\ud800"}',
                         headers={"content-type": "application/json"})
         assert r.status_code == 200

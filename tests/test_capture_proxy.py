@@ -791,7 +791,8 @@ def test_a_kept_alive_connection_the_upstream_closed_is_retried_once_on_a_new_on
     """The keep-alive race: the upstream closes an idle connection as the proxy sends it a request.
     Nothing of the answer came, so a completion (or an idempotent request) goes again, once, on a new
     connection; any other request is a 502 naming it; a retry that fails too is a 502 saying so."""
-    upstream = HeadUpstream(answers=1)  # each connection answers one request and closes on the next
+    # each connection answers one request (a choice: an answer of none is recorded as failed) and closes on the next
+    upstream = HeadUpstream(answers=1, body=b'{"id":"cmpl-h","object":"text_completion","choices":[{"text":"a"}]}')
     recorder = Recorder(tmp_path)
     body = {"model": "m", "prompt": "hi"}
     with ProxyThread(ProxyConfig(upstream=upstream.url, read_timeout=5.0), recorder, loop) as proxy, \

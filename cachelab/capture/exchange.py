@@ -474,6 +474,8 @@ def to_records(x: Exchange, tokenizer) -> list[RequestRecord]:
                 c.counts.append(text if ids is None else len(ids))
     if not_json and error is None:  # its tokens, if any, are not in the record: it is no whole answer
         error = f"upstream stream had {not_json} event{'s' if not_json > 1 else ''} whose data is not a JSON object"
+    if not choices and x.status == 200 and error is None:  # vLLM answers each choice asked for (a chat stream its
+        error = "upstream answered 200 without any choice"  # role first): none is no answer, not an empty output
     if x.status != 200 and error is None:
         error = f"upstream answered HTTP {x.status}"
     prompts = _request_prompts(body)
