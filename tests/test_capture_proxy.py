@@ -747,6 +747,25 @@ def test_options_asterisk_goes_upstream_as_it_is_and_other_targets_are_checked(t
     upstream.sock.close()
 
 
+@pytest.mark.parametrize("target,endpoint", [
+    (b"/v1/%63ompletions", "/v1/completions"), (b"/v1/chat%2Fcompletions", "/v1/chat/completions"),
+    (b"/v1/completions#part", "/v1/completions"), (b"http://example.com/v1/%63ompletions?x=1", "/v1/completions")])
+def test_a_completion_whose_target_the_upstream_decodes_is_recorded(stack, target, endpoint):
+    """The upstream routes a request by its path percent-decoded, without a fragment (uvicorn's, under vLLM's
+    server): ``/v1/%63ompletions`` and ``/v1/completions#part`` are completions there. The proxy compared the
+    target's raw bytes with its recorded paths: the completion was served, passed through unrecorded and without
+    the ids asked for. It goes upstream as the client sent it."""
+    body = json.dumps({"model": "tiny", "max_tokens": 3, "prompt": PROMPT,
+                       "messages": [{"role": "user", "content": PROMPT}]}).encode()
+    before = len(stack.records())
+    got = _socket_exchange(stack.proxy.url, b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                           b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (target, len(body), body))
+    assert got.startswith(b"HTTP/1.1 200 ") and b'"token_ids":null' in got, got  # ids asked for, taken out
+    rows = stack.records()[before:]
+    assert rows.select(["endpoint", "status", "error"]).rows() == [(endpoint, 200, None)], rows
+    assert len(rows["output_ids"][0]) == 3 and rows["token_source"][0] == "upstream", rows
+
+
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 @pytest.mark.parametrize("reset", [False, True])
 @pytest.mark.parametrize("at_accept", [True, False])

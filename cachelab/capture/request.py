@@ -8,6 +8,8 @@ the connection parses, bounds and answers; this is what one request is.
 
 from __future__ import annotations
 
+from urllib.parse import unquote_to_bytes
+
 import httptools
 
 
@@ -40,9 +42,11 @@ class Request:
         return None
 
     def origin_path(self) -> bytes:
-        """The request's path; an absolute-form target (``http://host/path?query``) becomes its path
-        and query, which is all that goes on (``OPTIONS http://host``, no path or query: ``*``, RFC
-        9112 3.2.4)."""
+        """The request's path as the upstream routes it: percent-decoded, without a query or fragment (uvicorn's,
+        under vLLM's server: ``/v1/%63ompletions#x`` is a completion there, which the proxy passed through
+        unrecorded). An absolute-form target (``http://host/path?query``) becomes its path and query, which is
+        all that goes on (``OPTIONS http://host``, no path or query: ``*``, RFC 9112 3.2.4); an origin-form one
+        goes on as sent."""
         path = self.url.partition(b"?")[0]
         if path[:1] != b"/" and path != b"*":
             parsed = httptools.parse_url(self.url)
@@ -51,7 +55,8 @@ class Request:
                 return self.url
             path = parsed.path or b"/"
             self.url = path + (b"?" + parsed.query if parsed.query else b"")
-        return path
+        path = path.partition(b"#")[0]
+        return unquote_to_bytes(path) if b"%" in path else path
 
     def target(self, prefix: bytes) -> bytes | None:
         """The request target upstream: ``prefix`` and the path and query (``origin_path`` first); for
