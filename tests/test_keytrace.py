@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import gzip
 import io
+import re
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, assume, example, given, settings
+from hypothesis import strategies as st
 
 from cachelab.errors import CachelabError
 from cachelab.trace.keytrace import (FORMATS, ORACLE_DTYPE, read_keys, read_oracle_general, sniff_format,
@@ -214,3 +217,75 @@ def test_reading_a_long_npy_makes_no_array_of_a_byte_a_key(tmp_path):
         tracemalloc.stop()
     assert np.array_equal(got, keys)
     assert peak < keys.size // 8, peak
+
+
+def test_a_line_of_more_than_a_mib_of_blanks_before_its_key_is_an_error_naming_it(tmp_path):
+    """Its first MiB was yielded as a blank line and the rest read as a key on a line of its own, so a
+    key hid behind 3 MiB of blanks was read and every later error named a line 2-3 further on."""
+    (tmp_path / "k.txt").write_bytes(b"1\n" + b" " * (3 << 20) + b"5\nx\n")
+    with pytest.raises(CachelabError, match=r"k.txt, line 2: b' +'\.\.\. \(more than 1,048,576 bytes\) is not"):
+        read_keys(tmp_path / "k.txt")
+
+
+_BLANKS = st.text(" \t\x0b\x0c", max_size=150).map(str.encode)
+
+
+@st.composite
+def _key_line(draw) -> bytes:
+    """A key with blanks, sign and zero padding of any width, or a blank, ``*`` or damaged line."""
+    kind = draw(st.sampled_from(["key", "key", "key", "blank", "star", "junk"]))
+    if kind == "junk":
+        return draw(st.binary(max_size=8).filter(lambda b: not set(b"\n\r\0").intersection(b)))  # NULs: UTF-16
+    if kind != "key":
+        return draw(_BLANKS) + (b"*" if kind == "star" else b"") + draw(_BLANKS)
+    key = draw(st.one_of(st.integers(0, 1000), st.integers(2**63 - 2, 2**64 + 2), st.integers(-5, 0)))
+    sign = b"-" if key < 0 else draw(st.sampled_from([b"", b"+"]))
+    return draw(_BLANKS) + sign + b"0" * draw(st.integers(0, 100)) + b"%d" % abs(key) + draw(_BLANKS)
+
+
+def _line_by_line(raw: bytes, longest: int):
+    """The documented format read a line at a time: the keys (ranks past int64), or the first bad line."""
+    keys = []
+    for number, line in enumerate(raw.removeprefix(b"\xef\xbb\xbf").splitlines(), start=1):
+        text = line.strip()
+        if len(line) > longest:
+            return number
+        if text in (b"", b"*"):
+            continue
+        if not re.fullmatch(rb"[+-]?[0-9]+", text) or not 0 <= int(text) < 2**64:
+            return number
+        keys.append(int(text))
+    if not keys:
+        return "empty"
+    if max(keys) >= 2**63:
+        return np.unique(np.asarray(keys, dtype=np.uint64), return_inverse=True)[1].reshape(-1)
+    return np.asarray(keys, dtype=np.int64)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(_key_line(), st.sampled_from([b"\n", b"\r\n", b"\r"])), min_size=1, max_size=30),
+       st.booleans(), st.sampled_from([64, 100, 200]), st.integers(1, 70), st.sampled_from(["plain", "gzip"]))
+@example([(b" " * 62 + b"12", b"\r\n"), (b"x", b"\n")], True, 64, 1, "plain")  # the CR of a longest line read last
+def test_the_block_parser_reads_what_a_line_by_line_reader_reads(tmp_path, monkeypatch, lines, last_end, longest,
+                                                                  chunk, how):
+    """Text read a block of whole lines at a time, in reads of 1 to 70 bytes and with lines of at most
+    64 to 200 bytes, gives the keys a plain line-by-line reader gives, or an error naming the same line.
+    (A longest line's CR read last made the line unfinished, and its LF a blank line of its own.)"""
+    from cachelab.trace import keytrace
+
+    raw = b"".join(text + end for text, end in lines)
+    raw = raw if last_end else raw.removesuffix(lines[-1][1])
+    assume(not raw.startswith((b"\xff\xfe", b"\xfe\xff")))  # UTF-16 by its BOM
+    path = tmp_path / "keys.txt"
+    path.write_bytes(gzip.compress(raw) if how == "gzip" else raw)
+    for name, value in (("_HEAD", 4), ("_CHUNK", chunk), ("_LONGEST_LINE", longest)):
+        monkeypatch.setattr(keytrace, name, value)
+    expected = _line_by_line(raw, longest)
+    try:
+        got = read_keys(path, "txt")
+    except CachelabError as exc:
+        assert not isinstance(expected, np.ndarray), exc
+        assert (f"{path}, line {expected}:" if expected != "empty" else "holds no keys") in str(exc)
+    else:
+        assert isinstance(expected, np.ndarray), f"line {expected} read as keys {got.tolist()}"
+        assert np.array_equal(got, expected)

@@ -5,7 +5,7 @@ Formats (``fmt``), declared or detected from the content by ``sniff_format``:
 - ``npy``: a NumPy ``.npy`` array of integers (any shape; flattened in C order); unsigned
   64-bit ids past int64 are read as their ranks (``dense_ids``).
 - ``txt``: text, one integer key per line, in decimal of any width (leading zeros and blanks
-  allowed; a line of more than ``_LONGEST_LINE`` bytes is none), ids past int64 as in ``npy``;
+  allowed; a line of more than ``_LONGEST_LINE`` bytes, blanks too, is an error), ids past int64 as in ``npy``;
   blank lines and LIRS ``*`` breakpoint lines are skipped. gzip, bzip2, xz and zstd compression
   are recognised by their magic bytes; UTF-8 with a BOM and UTF-16 (with a BOM, or ASCII digits
   each followed or led by a NUL) are decoded. Text is parsed a block of lines at a time as it is
@@ -188,7 +188,7 @@ def _blocks(path: Path) -> Iterator[bytes]:
     """Key text as ASCII bytes in blocks of whole lines, decompressed and decoded (UTF-8 with a BOM,
     UTF-16; a character past ASCII as ``?``, named with its line as no key) as it is read: memory holds
     a block, not the file. A line is never split across blocks; one longer than ``_LONGEST_LINE`` is
-    yielded unfinished (no key, ``_shortest`` says so)."""
+    yielded unfinished, an error (``_shortest``) before its rest could be read as another line."""
     try:
         with open_binary(path) as f:
             chunk = f.read(_HEAD)
@@ -206,7 +206,7 @@ def _blocks(path: Path) -> Iterator[bytes]:
                     break
                 # after the last line end; a CR at the end may be half of a CRLF the next chunk completes
                 cut = max(pending.rfind(b"\n"), pending.rfind(b"\r", 0, len(pending) - 1)) + 1
-                if cut or len(pending) > _LONGEST_LINE:
+                if cut or len(pending.removesuffix(b"\r")) > _LONGEST_LINE:
                     yield pending[:cut or len(pending)]
                     pending = pending[cut or len(pending):]
                 chunk = f.read(_CHUNK)
@@ -225,13 +225,15 @@ def _longest_line(raw: bytes) -> int:
 
 def _shortest(path: Path, number: int, line: bytes) -> bytes:
     """Line ``number`` as its key's shortest text (no blanks, sign or zero padding; ``b""`` and ``b"*"``
-    as they are), or an error naming it: a key is an integer in decimal, whatever its width."""
+    as they are), or an error naming it: a key is an integer in decimal, whatever its width, on a line
+    of at most ``_LONGEST_LINE`` bytes, blanks included (a longer one may be a block's unfinished head)."""
     text = line.strip()
-    if text in (b"", b"*"):
+    if len(line) > _LONGEST_LINE:
+        why = f"{line[:40]!r}... (more than {_LONGEST_LINE:,} bytes) is not an integer key"
+    elif text in (b"", b"*"):
         return text
-    if len(text) > _LONGEST_LINE or not _KEY.fullmatch(text):
-        size = f"more than {_LONGEST_LINE:,}" if len(text) > _LONGEST_LINE else f"{len(text):,}"
-        why = f"{text[:40]!r}{f'... ({size} bytes)' if len(text) > 40 else ''} is not an integer key"
+    elif not _KEY.fullmatch(text):
+        why = f"{text[:40]!r}{f'... ({len(text):,} bytes)' if len(text) > 40 else ''} is not an integer key"
     else:
         digits = text.lstrip(b"+-").lstrip(b"0") or b"0"
         if len(digits) > 20:
