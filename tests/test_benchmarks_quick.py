@@ -486,6 +486,15 @@ OWN_NUMPY_DEFAULT = {"bench_engine.py", "bench_serve_vs_vllm.py", "bench_engram_
                      "cli_numpy.py", "capture_hop_stamps.py"}  # the last runs inside the CLI proxy, which sets NumPy
 
 
+def test_bench_oracle_read_quick_run_reads_the_same_keys_and_prints_the_ratio():
+    """benchmarks/bench_oracle_read.py (docs/engine.md, Key traces): both readers give the keys written."""
+    done = run("bench_oracle_read.py", "--records", "50000", "--repeats", "1", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert figures["records"] == 50_000 and figures["ratio"] == figures["whole_file_s"] / figures["streamed_s"]
+    assert "ratio (whole file / streamed)" in done.stdout
+
+
 def test_every_benchmark_runs_numpy_as_the_command_line_does():
     """The command line turns NumPy's huge-page advice off (cachelab/cli/__init__.py); a benchmark
     that timed cachelab's code in its own process kept it, and timed compaction stalls no user of

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from cachelab.errors import CachelabError
-from cachelab.trace.keytrace import (FORMATS, ORACLE_DTYPE, read_keys, read_oracle_general, sniff_format,
-                                     write_oracle_general)
+from cachelab.trace.keytrace import (FORMATS, ORACLE_DTYPE, read_keys, read_oracle_general, read_oracle_requests,
+                                     sniff_format, write_oracle_general)
 from cachelab.workload.lookups import LookupStream
 
 KEYS = np.array([5, 0, 7, 5, 2**40, 7, 5], dtype=np.int64)
@@ -289,3 +289,67 @@ def test_the_block_parser_reads_what_a_line_by_line_reader_reads(tmp_path, monke
     else:
         assert isinstance(expected, np.ndarray), f"line {expected} read as keys {got.tolist()}"
         assert np.array_equal(got, expected)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(0, 2**64 - 1) | st.integers(0, 9), st.integers(0, 3)), max_size=60),
+       st.integers(1, 9))
+def test_oracle_general_read_a_few_records_at_a_time_is_the_whole_file_read(tmp_path, monkeypatch, records, at_once):
+    """Read ``at_once`` records at a time, ids (past int64 too) and record numbers are the whole file's."""
+    from cachelab.trace import keytrace
+
+    rec = np.zeros(len(records), dtype=ORACLE_DTYPE)
+    rec["id"], rec["size"] = [r[0] for r in records], [r[1] for r in records]
+    rec["time"] = np.arange(rec.size)
+    path = tmp_path / "t.oracleGeneral"
+    rec.tofile(path)
+    monkeypatch.setattr(keytrace, "_RECORDS", at_once)
+    whole = np.fromfile(path, dtype=ORACLE_DTYPE)
+    number = np.flatnonzero(whole["size"])
+    ids = whole["id"][number]
+    ids = np.unique(ids, return_inverse=True)[1].reshape(-1) if ids.size and ids.max() >= 2**63 else ids
+    requests, got_number = read_oracle_requests(path)
+    assert np.array_equal(got_number, number) and np.array_equal(requests["time"], whole["time"][number])
+    assert np.array_equal(requests["id"], ids) and np.array_equal(read_oracle_general(path), ids)
+
+
+def test_oracle_general_is_read_a_bounded_run_of_records_at_a_time(tmp_path, monkeypatch):
+    """The whole file was read at once (np.fromfile) and its ids then copied: 32 bytes a record held for
+    8 bytes of keys, a 10 GB trace 13 GB. Reads are of at most ``_RECORDS`` records, and memory holds
+    the keys and one read."""
+    import tracemalloc
+
+    from cachelab.trace import keytrace
+
+    keys = np.random.default_rng(0).integers(0, 1 << 40, 500_000)
+    path = write_oracle_general(tmp_path / "t.oracleGeneral", keys)
+    reads = []
+
+    class Spy(io.BufferedReader):
+        def read(self, size=-1):
+            reads.append(size)
+            return super().read(size)
+
+    monkeypatch.setattr(keytrace, "open", lambda file, mode: Spy(io.FileIO(file, mode.replace("b", ""))), raising=False)
+    monkeypatch.setattr(keytrace, "_RECORDS", 1000, raising=False)
+    tracemalloc.start()
+    try:
+        got = read_keys(path, "oracle")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert np.array_equal(got, keys)
+    assert peak < keys.nbytes + (1 << 20), f"{peak:,} bytes traced for {keys.nbytes:,} bytes of keys"
+    assert reads and 0 < max(reads) <= 1000 * ORACLE_DTYPE.itemsize, max(reads)
+
+
+def test_an_oracle_general_file_cut_while_it_is_read_is_an_error_naming_the_record(tmp_path, monkeypatch):
+    """Its size, taken first, sizes the ids; a file cut after that ends early, named, not read short."""
+    from cachelab.trace import keytrace
+
+    path = write_oracle_general(tmp_path / "t.oracleGeneral", KEYS)
+    cut = path.read_bytes()[:-2 * ORACLE_DTYPE.itemsize - 5]
+    monkeypatch.setattr(keytrace, "open", lambda file, mode: io.BytesIO(cut), raising=False)
+    monkeypatch.setattr(keytrace, "_RECORDS", 2)
+    with pytest.raises(CachelabError, match=r"t.oracleGeneral: ended at oracleGeneral record 4 \(0-based\) of the 7"):
+        read_oracle_general(path)
