@@ -96,3 +96,19 @@ def test_identical_to_libcachesim_on_short_streams_of_scattered_row_ids(stream, 
         p = make(capacity, num_keys)
         ours = int((~p.run(keys, np.arange(keys.size + 1), raw_keys=raw)).sum())
         assert ours == lcs_misses_of(raw, "WTinyLFU", capacity), capacity
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_raw_ids_past_int64_are_hashed_as_libcachesim_hashes_its_uint64_ids(seed):
+    """Row ids past int64 (hashed ids, half of libCacheSim's Twitter and Meta records) given as raw keys,
+    uint64 or their int64 bit patterns, are hashed as the 64 bits libCacheSim hashes: the same misses.
+    (The engine reads such a trace as ranks and hands the ranks: test_differential_libcachesim,
+    test_ids_past_int64_are_ranks_so_wtinylfu_hashes_the_ranks.)"""
+    rng = np.random.default_rng(seed)
+    keys = rng.integers(0, 150, 2_000)
+    ids = rng.permutation(np.unique(rng.integers(1 << 62, np.iinfo(np.uint64).max, 170, dtype=np.uint64)))[:150]
+    theirs = lcs_misses_of(ids[keys], "WTinyLFU", 100)
+    for raw in (ids[keys], ids[keys].view(np.int64)):
+        p = make(100, 150)
+        assert int((~p.run(keys, np.arange(keys.size + 1), raw_keys=raw)).sum()) == theirs, raw.dtype
