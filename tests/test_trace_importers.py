@@ -429,6 +429,26 @@ def test_compressed_input_and_a_truncated_stream(tmp_path, compress):
         cls(str(path)).arrivals()
 
 
+def test_every_damaged_byte_of_a_gzip_stream_is_its_rows_or_an_error_naming_the_file(tmp_path):
+    """Damaged deflate data raised zlib.error, which no reader caught: a traceback from read_keys, the
+    line reader and the CSV importers ("Error -3 while decompressing data: invalid bit length repeat")."""
+    text = "".join(f"{k}\n" for k in np.random.default_rng(0).integers(0, 10**6, 150).tolist())
+    stream = gzip.compress(text.encode(), mtime=0)
+    path = tmp_path / "keys.txt.gz"
+    errors = set()
+    for at in range(10, len(stream)):  # past the header
+        path.write_bytes(stream[:at] + bytes([stream[at] ^ 0x55]) + stream[at + 1:])
+        for read in (read_keys, lambda p: list(Ingest(p).lines()), lambda p: Ingest(p).csv([text.split()[0]])):
+            try:
+                got = read(path)
+            except CachelabError as exc:
+                assert str(path) in str(exc), exc
+                errors.add(str(exc).split(": ", 1)[1][:40])
+            else:  # gzip's CRC leaves no damage unseen
+                assert read is not read_keys or got.tolist() == [int(k) for k in text.split()], at
+    assert any("corrupt compressed data: Error -3" in e for e in errors), errors
+
+
 def test_azure_2024_timestamps_with_utc_offset(tmp_path):
     path = tmp_path / "AzureLLMInferenceTrace_conv_1week.csv"
     path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10 00:00:00.009930+00:00,4808,10\n"

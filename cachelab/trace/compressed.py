@@ -17,6 +17,7 @@ import bz2
 import gzip
 import io
 import lzma
+import zlib
 from pathlib import Path
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -74,7 +75,8 @@ def _zstd(path, mode):
 
 COMPRESSED = {b"\x1f\x8b": gzip.open, b"BZh": _streams(bz2.BZ2Decompressor),
               b"\xfd7zXZ\x00": _streams(lzma.LZMADecompressor), ZSTD_MAGIC: _zstd}  # magic -> opener
-DECOMPRESS_ERRORS = (OSError, EOFError, lzma.LZMAError)  # corrupt or truncated streams (Arrow's: OSError)
+# corrupt or truncated streams (Arrow's: OSError; gzip's damaged deflate data: zlib.error)
+DECOMPRESS_ERRORS = (OSError, EOFError, lzma.LZMAError, zlib.error)
 
 
 def open_binary(path: Path):
