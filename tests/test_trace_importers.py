@@ -182,6 +182,20 @@ def test_empty_and_header_only_files_are_errors(tmp_path, fmt):
         cls(str(path), skip_bad=True).arrivals()
 
 
+@pytest.mark.parametrize("fmt", ["azure", "burstgpt"])
+@pytest.mark.parametrize("damage", ['"', '"' + "x" * 200_000 + '"'], ids=["open quote", "name past the field limit"])
+def test_a_header_no_csv_reader_parses_is_named_by_its_line(tmp_path, fmt, damage):
+    """The header was parsed outside the guard each data row has: csv.Error's traceback
+    ("unexpected end of data", "field larger than field limit (131072)"), --skip-bad or not."""
+    name, cls, text = GOOD[fmt]
+    path = tmp_path / name
+    header, *rows = text.splitlines(keepends=True)
+    path.write_text("\n" + header.rstrip("\n") + "," + damage + "\n" + "".join(rows))
+    for skip_bad in (False, True):
+        with pytest.raises(CachelabError, match=rf"{name}:2: malformed CSV header \("):
+            cls(str(path), skip_bad=skip_bad).arrivals()
+
+
 def test_cli_reports_corruption_without_traceback_and_counts_skips(tmp_path):
     path, _, rows = write_corrupt(tmp_path, "mooncake", "wrong type")
     out = tmp_path / "out.parquet"

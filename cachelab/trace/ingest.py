@@ -160,8 +160,12 @@ class Ingest:
         return data.decode("ascii") if data and _NOT_PLAIN.search(data) is None else None
 
     def _header(self, line: int, text: str, required: Sequence[str]) -> list[str]:
-        """The header's column names; a required one missing is an error naming the line."""
-        header = [h.strip() for h in _fields(text)]
+        """The header's column names; a required one missing, or a header no CSV reader parses, is an
+        error naming the line."""
+        try:
+            header = [h.strip() for h in _fields(text)]
+        except csv.Error as exc:  # a quote left open, a quoted name past the field limit
+            raise CachelabError(f"{self.path}:{line}: malformed CSV header ({exc})") from None
         missing = [c for c in required if c not in header]
         if missing:
             raise CachelabError(f"{self.path}:{line}: missing column(s) {missing}; the header has {header}")
