@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import bz2
 import gzip
+import importlib.util
 import io
+import lzma
 import re
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
@@ -332,6 +336,7 @@ def test_oracle_general_is_read_a_bounded_run_of_records_at_a_time(tmp_path, mon
 
     monkeypatch.setattr(keytrace, "open", lambda file, mode: Spy(io.FileIO(file, mode.replace("b", ""))), raising=False)
     monkeypatch.setattr(keytrace, "_RECORDS", 1000, raising=False)
+    monkeypatch.setattr(keytrace, "_HEAD", 240)  # the head a compressed file is told by
     tracemalloc.start()
     try:
         got = read_keys(path, "oracle")
@@ -353,3 +358,67 @@ def test_an_oracle_general_file_cut_while_it_is_read_is_an_error_naming_the_reco
     monkeypatch.setattr(keytrace, "_RECORDS", 2)
     with pytest.raises(CachelabError, match=r"t.oracleGeneral: ended at oracleGeneral record 4 \(0-based\) of the 7"):
         read_oracle_general(path)
+
+
+COMPRESS = {"zstd": lambda b: pa.compress(b, "zstd", asbytes=True), "gzip": lambda b: gzip.compress(b, mtime=0),
+            "bzip2": bz2.compress, "xz": lzma.compress}
+
+
+@pytest.mark.parametrize("how", sorted(COMPRESS))
+def test_compressed_oracle_general_is_read_as_its_records(tmp_path, monkeypatch, how):
+    """libCacheSim's traces ship as .oracleGeneral.zst, which it reads as they are: one was sniffed as
+    key text ("line 1: ... is not an integer key"), and declared, its compressed bytes were read as
+    records: an error when their count is no multiple of 24 bytes, garbage keys without a word when
+    it is (1 file in 24). They are decompressed as they are read, into a growing array of the ids."""
+    from cachelab.trace import keytrace
+
+    keys = np.random.default_rng(1).integers(0, 1000, 3000)
+    plain = write_oracle_general(tmp_path / "t.oracleGeneral.bin", keys)
+    data = COMPRESS[how](plain.read_bytes())
+    data += b"\x50\x2a\x4d\x18" + ((-len(data) - 8) % 24).to_bytes(4, "little") + b"\0" * ((-len(data) - 8) % 24) \
+        if how == "zstd" else b""  # a skippable frame: a whole number of 24-byte "records"
+    path = tmp_path / f"t.{how}"  # no name to go by
+    path.write_bytes(data)
+    assert how != "zstd" or len(data) % 24 == 0
+    monkeypatch.setattr(keytrace, "_RECORDS", 700)  # the array grows four times
+    assert sniff_format(path) == "oracle"
+    for fmt in (None, "oracle"):
+        assert np.array_equal(read_keys(path, fmt), keys)
+    records, number = read_oracle_requests(path)
+    assert np.array_equal(records, np.fromfile(plain, dtype=ORACLE_DTYPE)) and np.array_equal(number, np.arange(3000))
+    if how == "zstd" and importlib.util.find_spec("libcachesim"):  # the file libCacheSim reads
+        import libcachesim as lcs
+
+        from cachelab import registry
+
+        named = tmp_path / "t.oracleGeneral.zst"  # libCacheSim goes by the name: without it, records
+        named.write_bytes(data)
+        reader = lcs.TraceReader(str(named), lcs.TraceType.ORACLE_GENERAL_TRACE)
+        theirs = round(lcs.LRU(100, default_ttl=0).process_trace(reader)[0] * keys.size)
+        lru = registry.get(registry.POLICIES, "lru")()
+        lru.reset(100, 1000)
+        assert int((~lru.run(read_keys(path), np.arange(keys.size + 1))).sum()) == theirs
+
+
+@pytest.mark.parametrize("how", sorted(COMPRESS))
+def test_compressed_oracle_general_cut_short_is_an_error_naming_the_record(tmp_path, how):
+    plain = write_oracle_general(tmp_path / "t.bin", np.arange(500))
+    path = tmp_path / "t.oracleGeneral"
+    path.write_bytes(COMPRESS[how](plain.read_bytes()[:-10]))
+    with pytest.raises(CachelabError, match=r"t.oracleGeneral: truncated oracleGeneral record 499 \(0-based\): the "
+                                            r"decompressed stream ends 14 bytes into it"):
+        read_keys(path)
+    path.write_bytes(COMPRESS[how](plain.read_bytes())[:-20])
+    with pytest.raises(CachelabError, match=r"t.oracleGeneral: (corrupt compressed data|truncated oracleGeneral)"):
+        read_keys(path)
+
+
+def test_plain_records_whose_first_time_reads_as_a_gzip_magic_are_plain(tmp_path):
+    """A time whose low bytes are 1f 8b (0x088b1f, 560,927 s) starts a plain file like gzip: sniffed as
+    compressed key text, it was refused; records that are plausible as they are stay records."""
+    path = write_oracle_general(tmp_path / "t.bin", KEYS)
+    rec = np.fromfile(path, dtype=ORACLE_DTYPE)
+    rec["time"] += 0x088B1F
+    rec.tofile(path)
+    assert path.read_bytes()[:3] == b"\x1f\x8b\x08"
+    assert sniff_format(path) == "oracle" and read_keys(path).tolist() == KEYS.tolist()

@@ -12,7 +12,8 @@ Formats (``fmt``), declared or detected from the content by ``sniff_format``:
   read, so memory holds the keys and one block, not the file.
 - ``oracle``: libCacheSim's oracleGeneral binary, 24-byte little-endian records
   ``<u4 time, <u8 id, <u4 size, <i8 next access (1-based request index, -1 if none)>``; a
-  record of size 0 is no request, as libCacheSim's reader skips it.
+  record of size 0 is no request, as libCacheSim's reader skips it. Compressed (zstd, as
+  libCacheSim's traces ship, gzip, bzip2, xz) it is decompressed as it is read.
 
 Detection cannot take text for binary: a head of UTF-8 without control bytes is text (and
 a line that is no key is then an error naming it); anything else is oracleGeneral only if its records are plausible (whole
@@ -94,22 +95,43 @@ def oracle_times(time: np.ndarray) -> np.ndarray:
     return t + (wraps << 32)
 
 
-def _plausible_oracle(head: bytes, size: int) -> bool:
+def _plausible_oracle(head: bytes, size: int | None) -> bool:
     """Whole 24-byte records whose times never decrease (``oracle_times``) and whose next
-    accesses lie after them, inside the file."""
-    if size % ORACLE_DTYPE.itemsize or len(head) < ORACLE_DTYPE.itemsize:
+    accesses lie after them, inside the file (of ``size`` bytes; None: decompressed, size unknown)."""
+    if size is not None and size % ORACLE_DTYPE.itemsize or len(head) < ORACLE_DTYPE.itemsize:
         return False
     rec = np.frombuffer(head[:len(head) - len(head) % ORACLE_DTYPE.itemsize], dtype=ORACLE_DTYPE)
     index = np.arange(1, rec.size + 1)
-    nxt, records = rec["next"], size // ORACLE_DTYPE.itemsize
+    nxt, records = rec["next"], np.iinfo(np.int64).max if size is None else size // ORACLE_DTYPE.itemsize
     return bool((np.diff(oracle_times(rec["time"])) >= 0).all()
                 and ((nxt == -1) | (nxt == np.iinfo(np.int64).max) | ((nxt >= index) & (nxt <= records))).all())
 
 
+def _decompressed_head(path: Path) -> bytes:
+    """Up to ``_HEAD`` bytes of a compressed file's content: what decompresses before any damage."""
+    head = b""
+    try:
+        with open_binary(path) as f:
+            while len(head) < _HEAD and (piece := f.read1(_HEAD - len(head))):
+                head += piece
+    except DECOMPRESS_ERRORS:
+        pass
+    return head
+
+
+def _compressed_oracle(path: Path, size: int) -> bool:
+    """Whether oracleGeneral records are compressed: a compression magic at the start of a file that
+    is not plausible records as it is (a first time whose low bytes read as a magic)."""
+    with open(path, "rb") as f:
+        head = f.read(_HEAD)
+    return any(head.startswith(m) for m in COMPRESSED) and not _plausible_oracle(head, size)
+
+
 def sniff_format(path: Path) -> str:
-    """The format of a key trace from its bytes: ``npy`` (magic), ``txt`` (compressed, a BOM,
-    UTF-16 or plain key text) or ``oracle`` (plausible records, or binary content in a file
-    named ``*oracleGeneral*``); an empty file or content that is none of them is an error."""
+    """The format of a key trace from its bytes: ``npy`` (magic), ``txt`` (a BOM, UTF-16 or plain
+    key text, or compressed content that is no oracleGeneral) or ``oracle`` (plausible records, or
+    binary content in a file named ``*oracleGeneral*``, compressed or not); an empty file or content
+    that is none of them is an error."""
     path = Path(path)
     with open(path, "rb") as f:
         head = f.read(_HEAD)
@@ -117,7 +139,12 @@ def sniff_format(path: Path) -> str:
         raise CachelabError(f"{path} is empty (0 bytes): a key trace needs at least one key")
     if head.startswith(_NPY_MAGIC):
         return "npy"
-    if any(head.startswith(m) for m in (*COMPRESSED, *_BOMS)) or _is_text(head) or _utf16_order(head):
+    if _compressed_oracle(path, path.stat().st_size):
+        inner = _decompressed_head(path)
+        text = not inner or inner.startswith(tuple(_BOMS)) or _is_text(inner) or _utf16_order(inner)
+        named = "oraclegeneral" in path.name.lower()
+        return "oracle" if not text and (named or _plausible_oracle(inner, None)) else "txt"
+    if head.startswith(tuple(_BOMS)) or _is_text(head) or _utf16_order(head):
         return "txt"
     if "oraclegeneral" in path.name.lower() or _plausible_oracle(head, path.stat().st_size):
         return "oracle"
@@ -285,33 +312,45 @@ def _read_text(path: Path) -> np.ndarray:
 
 def _oracle_requests(path: Path, fields: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
     """The ``fields`` of every record of size > 0, and the 0-based numbers of those of size 0. Read
-    ``_RECORDS`` records at a time into arrays sized by the file, so memory holds what is asked for
-    and one read, never the whole file (a 10 GB trace's ids: 3.3 GB)."""
+    ``_RECORDS`` records at a time into arrays sized by the file (grown as a compressed one is
+    decompressed), so memory holds what is asked for and one read, never the whole file (a 10 GB
+    trace's ids: 3.3 GB). zstd (libCacheSim's traces ship as ``.oracleGeneral.zst``, which it reads
+    as they are), gzip, bzip2 and xz are decompressed as they are read."""
     if not path.is_file():
         raise CachelabError(f"trace not found: {path}")
     size = path.stat().st_size
     total = size // ORACLE_DTYPE.itemsize
-    if size % ORACLE_DTYPE.itemsize:
+    compressed = _compressed_oracle(path, size)
+    if size % ORACLE_DTYPE.itemsize and not compressed:
         raise CachelabError(f"{path}: truncated oracleGeneral record {total} (0-based): the file has "
                             f"{size} bytes, not a multiple of {ORACLE_DTYPE.itemsize}")
-    out = np.empty(total, dtype=[(name, ORACLE_DTYPE[name]) for name in fields])
-    zero, n = [], 0
-    with open(path, "rb") as f:
-        for first in range(0, total, _RECORDS):
-            want = min(_RECORDS, total - first) * ORACLE_DTYPE.itemsize
-            data = f.read(want)
-            if len(data) < want:
-                ended = first + len(data) // ORACLE_DTYPE.itemsize
-                raise CachelabError(f"{path}: ended at oracleGeneral record {ended} (0-based) of the {total:,} "
-                                    "its size held: cut while it was read")
-            chunk = np.frombuffer(data, dtype=ORACLE_DTYPE)
-            skipped = np.flatnonzero(chunk["size"] == 0)
-            if skipped.size:
-                zero.append(skipped + first)
-                chunk = np.delete(chunk, skipped)
-            for name in fields:
-                out[name][n:n + chunk.size] = chunk[name]
-            n += chunk.size
+    out = np.empty(_RECORDS if compressed else total, dtype=[(name, ORACLE_DTYPE[name]) for name in fields])
+    zero, n, first, rest = [], 0, 0, b""
+    try:
+        with open_binary(path) if compressed else open(path, "rb") as f:
+            while data := rest + f.read(_RECORDS * ORACLE_DTYPE.itemsize):
+                whole = len(data) - len(data) % ORACLE_DTYPE.itemsize
+                if whole == 0:
+                    break
+                chunk, rest = np.frombuffer(data[:whole], dtype=ORACLE_DTYPE), data[whole:]
+                skipped = np.flatnonzero(chunk["size"] == 0)
+                if skipped.size:
+                    zero.append(skipped + first)
+                    chunk = np.delete(chunk, skipped)
+                if n + chunk.size > out.size:
+                    out = np.resize(out, max(2 * out.size, n + chunk.size))
+                for name in fields:
+                    out[name][n:n + chunk.size] = chunk[name]
+                n, first = n + chunk.size, first + whole // ORACLE_DTYPE.itemsize
+    except DECOMPRESS_ERRORS as exc:
+        why = "corrupt compressed data" if compressed else "unreadable"
+        raise CachelabError(f"{path}: {why} after oracleGeneral record {first}: {exc}") from None
+    if rest:
+        raise CachelabError(f"{path}: truncated oracleGeneral record {first} (0-based): the decompressed stream "
+                            f"ends {len(rest)} bytes into it, not at a multiple of {ORACLE_DTYPE.itemsize}")
+    if first < total and not compressed:
+        raise CachelabError(f"{path}: ended at oracleGeneral record {first} (0-based) of the {total:,} "
+                            "its size held: cut while it was read")
     return out[:n], np.concatenate(zero) if zero else np.zeros(0, np.int64)
 
 
