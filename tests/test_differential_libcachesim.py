@@ -16,6 +16,7 @@ table's exact rows are also checked at every capacity of short random streams (H
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -301,13 +302,18 @@ def test_two_tiers_two_layers_and_a_warmup_serve_each_row_where_libcachesim_woul
                                                                                                         str(low))
 
 
-def test_ids_past_int64_are_ranks_so_wtinylfu_hashes_the_ranks(tmp_path):
-    """A known difference, left as is: a trace whose ids lie past int64 (libCacheSim's hashed-id
-    Twitter and Meta traces) is read as each id's rank (``dense_ids``), and the ranks are the only
-    ids the engine has, so W-TinyLFU's sketch hashes them where libCacheSim hashes the ids. Ours is
-    then libCacheSim fed the ranks, request for request; a policy that hashes nothing is
-    libCacheSim on the file itself (docs/policies.md)."""
-    from cachelab.trace.keytrace import read_keys
+def test_ids_past_int64_are_ranks_and_wtinylfu_hashes_the_ids_as_libcachesim_does(tmp_path):
+    """A trace whose ids lie past int64 (libCacheSim's hashed-id Twitter and Meta traces) is read as
+    each id's rank (``dense_ids``). The ranks were the only ids the engine had, so W-TinyLFU's sketch
+    hashed them where libCacheSim hashes the ids: 10,117 misses against its 10,058 at 100 rows here.
+    The stream keeps the ids the ranks stand for (``LookupStream.ids``) and a policy that hashes row
+    ids is given them: every policy is libCacheSim on the file itself, in a replay, a miss-ratio
+    curve and `simulate`, and a saved stream keeps them."""
+    from typer.testing import CliRunner
+
+    from cachelab.cli import app
+    from cachelab.engine.mrc import miss_ratio_curve
+    from cachelab.trace.keytrace import read_keys_and_ids
 
     rng = np.random.default_rng(7)
     zipf = 1.0 / np.arange(1, 2001) ** 0.9
@@ -317,14 +323,21 @@ def test_ids_past_int64_are_ranks_so_wtinylfu_hashes_the_ranks(tmp_path):
     records = np.fromfile(path, dtype=ORACLE_DTYPE)
     records["id"] = ids[dense]
     records.tofile(path)
-    stream = LookupStream.from_keys(read_keys(path))
-    ranks = np.unique(ids[dense], return_inverse=True)[1].reshape(-1)
-    assert np.array_equal(stream.keys, ranks)
-    misses = {}
-    for ours in ("wtinylfu", "lru", "s3fifo"):
-        tier = Tier("hbm", registry.make_policy(ours), capacity_rows=100)
-        level = replay(stream, Hierarchy([tier], stream.row_bytes)).summary()["levels"]["hbm"]
-        misses[ours] = level["requests_unique"] - level["served_unique"]
-    assert misses["wtinylfu"] == lcs_misses_of(ranks, "WTinyLFU", 100)
-    assert misses["wtinylfu"] != lcs_misses(path, "WTinyLFU", 100)  # the sketch's collisions differ
-    assert (misses["lru"], misses["s3fifo"]) == (lcs_misses(path, "LRU", 100), lcs_misses(path, "S3FIFO", 100))
+    keys, table = read_keys_and_ids(path)
+    assert np.array_equal(keys, np.unique(ids[dense], return_inverse=True)[1].reshape(-1))
+    assert np.array_equal(table[keys], ids[dense]) and np.array_equal(read_keys(path), keys)
+    stream = LookupStream.from_keys(keys, ids=table)
+    saved = LookupStream.load(stream.save(tmp_path / "s.npz"))
+    assert np.array_equal(saved.ids, table)
+    for ours, theirs in (("wtinylfu", "WTinyLFU"), ("lru", "LRU"), ("s3fifo", "S3FIFO")):
+        expected = lcs_misses(path, theirs, 100)
+        for s in (stream, saved):
+            tier = Tier("hbm", registry.make_policy(ours), capacity_rows=100)
+            level = replay(s, Hierarchy([tier], s.row_bytes)).summary()["levels"]["hbm"]
+            assert level["requests_unique"] - level["served_unique"] == expected, ours
+    curve = miss_ratio_curve(stream, [100, 400], policy="wtinylfu", workers=1)
+    assert [round(r * keys.size) for r in curve.miss_ratios] == [lcs_misses(path, "WTinyLFU", c) for c in (100, 400)]
+    done = CliRunner().invoke(app, ["simulate", "--trace", str(path), "--policy", "wtinylfu", "--capacity", "100",
+                                    "--json"])
+    assert done.exit_code == 0, done.output
+    assert keys.size - json.loads(done.output)["hits"] == lcs_misses(path, "WTinyLFU", 100)

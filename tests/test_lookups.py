@@ -357,3 +357,19 @@ def test_a_long_stream_checks_its_steps_with_no_array_of_a_byte_a_step():
         bad[fall] += 2  # above the next offset
         with pytest.raises(CachelabError, match="step_offsets must rise"):
             LookupStream(keys, bad, 1)
+
+
+def test_the_ids_ranks_stand_for_cover_every_key_and_are_uint64(tmp_path):
+    """``ids`` (a key trace of hashed ids past int64: the id each rank stands for) gives a policy that
+    hashes row ids each key's id as its 64 bits; one too few, or ids of another type, are refused."""
+    ids = np.array([2**63 + 9, 2**64 - 1, 3], dtype=np.uint64)
+    stream = LookupStream.from_keys([2, 0, 1, 0], ids=ids)
+    assert stream.raw_keys(np.array([0, 2])).tolist() == [-(2**63) + 9, 3]
+    assert LookupStream.from_keys([2, 0]).raw_keys(np.array([2, 0])).tolist() == [2, 0]
+    for bad in (ids[:2], ids.astype(np.int64), ids.reshape(1, 3)):
+        with pytest.raises(CachelabError, match=r"ids must be a uint64 id for each key 0\.\.2"):
+            LookupStream.from_keys([2, 0, 1, 0], ids=bad)
+    path = stream.save(tmp_path / "s.npz")
+    np.savez(path, **{**dict(np.load(path)), "ids": ids[:1]})
+    with pytest.raises(CachelabError, match=r"s.npz: ids must be a uint64 id for each key"):
+        LookupStream.load(path)

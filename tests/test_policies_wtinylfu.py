@@ -103,8 +103,7 @@ def test_identical_to_libcachesim_on_short_streams_of_scattered_row_ids(stream, 
 def test_raw_ids_past_int64_are_hashed_as_libcachesim_hashes_its_uint64_ids(seed):
     """Row ids past int64 (hashed ids, half of libCacheSim's Twitter and Meta records) given as raw keys,
     uint64 or their int64 bit patterns, are hashed as the 64 bits libCacheSim hashes: the same misses.
-    (The engine reads such a trace as ranks and hands the ranks: test_differential_libcachesim,
-    test_ids_past_int64_are_ranks_so_wtinylfu_hashes_the_ranks.)"""
+    (The engine hands them so: test_differential_libcachesim -k past_int64.)"""
     rng = np.random.default_rng(seed)
     keys = rng.integers(0, 150, 2_000)
     ids = rng.permutation(np.unique(rng.integers(1 << 62, np.iinfo(np.uint64).max, 170, dtype=np.uint64)))[:150]

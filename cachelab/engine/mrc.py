@@ -242,7 +242,7 @@ def miss_ratio_curve(stream: LookupStream, capacities: list[int], policy: str | 
         ratios = _lru_curve(req, capacities, rate)
         return Curve(capacities, _bounded(req, ratios, infinite, rate), requests, method, sample_rate, warm,
                      req.num_keys, infinite, rate)
-    raw = req.uniq[req.ids]  # each entry's row id (a policy may ask at reset): once, shared by the forked workers
+    raw = stream.raw_keys(req.uniq[req.ids])  # each entry's row id (a policy may ask at reset): once, for every worker
     _SHARED.update(req=req, policy=policy, params=params, rate=rate, raw=raw)
     workers = max(1, min(len(capacities), workers or os.cpu_count() or 1))
     try:

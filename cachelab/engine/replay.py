@@ -210,7 +210,7 @@ def replay(stream: LookupStream, hierarchy: Hierarchy, warmup: float = 0.0, prog
             return ids, pages.size
 
         counted = any(p.capabilities.needs_counts for p in cascade.policies)  # a bincount over every lookup
-        raw = uniq[dd.keys] if any(p.capabilities.needs_raw_keys for p in cascade.policies) else None
+        raw = stream.raw_keys(uniq[dd.keys]) if any(p.capabilities.needs_raw_keys for p in cascade.policies) else None
         out = cascade.serve(dd.keys, dd.offsets, d_scores, row_pages, counts=dd.counts if counted else None,
                             made_at=d_made_at, raw_keys=raw)
         bar.advance(task)

@@ -103,7 +103,7 @@ def load_trace(trace, per_source: int, seed: int, preset: str, steps: str = "pro
 
     ``meta`` False: keys and steps alone, for a replay (simulate, mrc), which reads nothing else;
     the per-lookup metadata took 16 of a lookup's 24 bytes (300 Mooncake requests: 3.4 GB)."""
-    from cachelab.trace.keytrace import read_keys
+    from cachelab.trace.keytrace import read_keys_and_ids
     from cachelab.trace.kinds import CORPORA, KEY, LOOKUPS, REQUESTS_TAKE, Found, detect, wrong_kind
 
     found = trace if isinstance(trace, Found) else detect(trace, fmt)
@@ -118,8 +118,8 @@ def load_trace(trace, per_source: int, seed: int, preset: str, steps: str = "pro
             raise wrong_kind(found, verb, "Engram lookups with their tokens (corpus names, a lookup stream or a "
                              "request trace with text)", "A key trace holds no tokens; `cachelab trace lookups "
                              "gsm8k,humaneval -o stream.npz` writes a lookup stream.")
-        keys = read_keys(found.path, found.key_format)
-        return LookupStream.from_keys(keys[:per_source] if per_source else keys)  # the first N, each its own step
+        keys, ids = read_keys_and_ids(found.path, found.key_format)
+        return LookupStream.from_keys(keys[:per_source] if per_source else keys, ids=ids)  # the first N, each a step
     return _trace_stream(found, per_source, preset, steps, verb, meta)
 
 

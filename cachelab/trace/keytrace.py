@@ -23,9 +23,10 @@ CachelabErrors naming the file and the record or line.
 
 Public: ``sniff_format(path) -> "npy" | "txt" | "oracle"`` (raises CachelabError when the
 content is none of them), ``read_keys(path, fmt=None) -> int64 keys`` (never empty, never
-negative), ``read_oracle_requests`` / ``read_oracle_general`` (read a bounded run of records at a time) /
-``write_oracle_general``, ``dense_ids`` (unsigned 64-bit ids as keys),
-``oracle_times`` (the time column with its uint32 wraps undone).
+negative), ``read_keys_and_ids`` (and the ids ranks stand for), ``read_oracle_requests`` /
+``read_oracle_general`` (a bounded run of records read at a time) / ``write_oracle_general``,
+``dense_ids`` (unsigned 64-bit ids as keys, and the ids ranks stand for), ``oracle_times``
+(the time column with its uint32 wraps undone).
 """
 
 from __future__ import annotations
@@ -156,23 +157,28 @@ def sniff_format(path: Path) -> str:
 
 def read_keys(path: str | Path, fmt: str | None = None) -> np.ndarray:
     """The keys of a trace as int64, in request order: at least one, none negative."""
+    return read_keys_and_ids(path, fmt)[0]
+
+
+def read_keys_and_ids(path: str | Path, fmt: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """The keys (``read_keys``), and where they are ranks of ids past int64, the ids (``dense_ids``)."""
     path = Path(path)
     if not path.is_file():
         raise CachelabError(f"trace not found: {path}")
     fmt = fmt or sniff_format(path)
     if fmt == "npy":
-        keys, unit = _read_npy(path), "element"
+        (keys, ids), unit = _read_npy(path), "element"
     elif fmt == "txt":
-        keys, unit = _read_text(path), "line"  # negative keys already named by line
+        (keys, ids), unit = _read_text(path), "line"  # negative keys already named by line
     elif fmt == "oracle":
-        keys, unit = read_oracle_general(path), "record"
+        (keys, ids), unit = _oracle_ids(path), "record"
     else:
         raise CachelabError(f"unknown trace format {fmt!r}; use one of {list(FORMATS)}")
     if keys.size == 0:
         why = "; every record has size 0, which libCacheSim skips" if fmt == "oracle" and path.stat().st_size else ""
         raise CachelabError(f"{path} holds no keys ({fmt}{why}): a key trace needs at least one")
     _refuse_negative(path, keys, unit)
-    return keys
+    return keys, ids
 
 
 def _refuse_negative(path: Path, keys: np.ndarray, unit: str) -> None:
@@ -185,7 +191,7 @@ def _refuse_negative(path: Path, keys: np.ndarray, unit: str) -> None:
                             f"({negative.size:,} negative keys in all)")
 
 
-def _read_npy(path: Path) -> np.ndarray:
+def _read_npy(path: Path) -> tuple[np.ndarray, np.ndarray | None]:
     """The array, mapped from the file copy-on-write rather than read into fresh memory: its pages
     are the OS's cached ones, mapped in 64 KiB at a fault, not 4 KiB pages zeroed and copied into
     (10 M int64 keys: 0.009 s of CPU instead of 0.06, docs/engine.md)."""
@@ -200,16 +206,19 @@ def _read_npy(path: Path) -> np.ndarray:
         raise CachelabError(f"{path}: keys must be integers, got dtype {arr.dtype}")
     if arr.dtype.kind == "u" and arr.dtype.itemsize == 8:  # big-endian too: its ids past int64 were "negative"
         return dense_ids(arr.reshape(-1))
-    return np.ascontiguousarray(arr, dtype=np.int64).reshape(-1)
+    return np.ascontiguousarray(arr, dtype=np.int64).reshape(-1), None
 
 
-def dense_ids(ids: np.ndarray) -> np.ndarray:
-    """Unsigned 64-bit ids as int64 keys: as they are when all fit, else each id's rank among
-    the distinct ids. Hashed ids (libCacheSim's Twitter and Meta traces) lie past int64 half the
-    time, and a replay uses only a key's identity, which the ranks keep."""
+def dense_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """Unsigned 64-bit ids as int64 keys, and the ids they stand for: as they are (None) when all
+    fit, else each id's rank among the distinct ids, with those ids in rank order (``ids[key]``).
+    Hashed ids (libCacheSim's Twitter and Meta traces) lie past int64 half the time; a replay
+    uses only a key's identity, which the ranks keep, and a policy that hashes row ids is given
+    the ids, as libCacheSim hashes them (``LookupStream.ids``)."""
     if ids.size and ids.max() > np.iinfo(np.int64).max:
-        return np.unique(ids, return_inverse=True)[1].astype(np.int64).reshape(-1)
-    return ids.astype(np.int64)
+        distinct, ranks = np.unique(ids, return_inverse=True)
+        return ranks.astype(np.int64).reshape(-1), distinct.astype(np.uint64)
+    return (ids.view(np.int64) if ids.dtype == np.uint64 else ids.astype(np.int64)), None
 
 
 def _blocks(path: Path) -> Iterator[bytes]:
@@ -299,7 +308,7 @@ def _block_keys(path: Path, block: bytes, before: int) -> tuple[np.ndarray, int]
     raise CachelabError(f"{path}, lines {before + 1}-{before + len(lines)}: unreadable keys")
 
 
-def _read_text(path: Path) -> np.ndarray:
+def _read_text(path: Path) -> tuple[np.ndarray, np.ndarray | None]:
     blocks, before = [], 0
     for block in _blocks(path):
         keys, lines = _block_keys(path, block, before)
@@ -307,7 +316,7 @@ def _read_text(path: Path) -> np.ndarray:
         before += lines
     if any(keys.dtype == np.uint64 for keys in blocks):  # ids past int64: every id its rank
         return dense_ids(np.concatenate([keys.view(np.uint64) for keys in blocks]))  # none negative
-    return np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.int64)
+    return np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.int64), None
 
 
 def _oracle_requests(path: Path, fields: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -362,15 +371,19 @@ def read_oracle_requests(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     path = Path(path)
     records, zero = _oracle_requests(path, ORACLE_DTYPE.names)
     if records.size and records["id"].max() > np.iinfo(np.int64).max:
-        records["id"] = dense_ids(records["id"])  # the records are this call's own
+        records["id"] = dense_ids(records["id"])[0]  # the records are this call's own
     return records, np.delete(np.arange(records.size + zero.size), zero)
 
 
 def read_oracle_general(path: str | Path) -> np.ndarray:
-    """The ``id`` of every request of an oracleGeneral trace (``read_oracle_requests``), as int64,
-    read without the other fields: 8 bytes a request held, not the file's 24."""
-    ids = _oracle_requests(Path(path), ("id",))[0]["id"]
-    return dense_ids(ids) if ids.size and ids.max() > np.iinfo(np.int64).max else ids.view(np.int64)
+    """The ``id`` of every request of an oracleGeneral trace (``read_oracle_requests``), as int64."""
+    return _oracle_ids(Path(path))[0]
+
+
+def _oracle_ids(path: Path) -> tuple[np.ndarray, np.ndarray | None]:
+    """The requests' ids as keys (``dense_ids``), read without the other fields: 8 bytes a request
+    held, not the file's 24."""
+    return dense_ids(_oracle_requests(path, ("id",))[0]["id"])
 
 
 def write_oracle_general(path: str | Path, keys) -> Path:

@@ -73,6 +73,10 @@ class LookupStream:
             (``cachelab.learning.streams.layout_signature``), saved with the stream so that it
             is checked where it is read as a layout; None: not recorded (a key trace, or a
             stream saved before layouts were).
+        ids: where the keys are ranks of uint64 ids past int64 (a key trace of hashed ids,
+            ``keytrace.dense_ids``), the id each key stands for (``ids[key]``), which a policy
+            that hashes row ids is given (``raw_keys``), as libCacheSim hashes them; None: each
+            key is its own id.
     """
 
     keys: np.ndarray
@@ -82,6 +86,7 @@ class LookupStream:
     meta: Mapping[str, np.ndarray] = field(default_factory=dict)
     domains: tuple[str, ...] = ()
     layout: dict | None = None
+    ids: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         keys = np.ascontiguousarray(self.keys, dtype=np.int64)
@@ -108,6 +113,12 @@ class LookupStream:
             if arr.shape != keys.shape:
                 raise CachelabError(f"meta field {name!r} has shape {arr.shape}, expected {keys.shape}")
             meta[name] = arr
+        if self.ids is not None:
+            ids = np.ascontiguousarray(self.ids)
+            if ids.ndim != 1 or ids.dtype != np.uint64 or (keys.size and keys.max() >= ids.size):
+                raise CachelabError(f"ids must be a uint64 id for each key 0..{int(keys.max()) if keys.size else 0}, "
+                                    f"got {ids.dtype} of shape {ids.shape}")
+            object.__setattr__(self, "ids", ids)
         object.__setattr__(self, "keys", keys)
         object.__setattr__(self, "step_offsets", offs)
         object.__setattr__(self, "row_bytes", int(self.row_bytes))
@@ -133,11 +144,16 @@ class LookupStream:
     def num_lookups(self) -> int:
         return self.keys.size
 
+    def raw_keys(self, keys: np.ndarray) -> np.ndarray:
+        """Each of ``keys``' row id as a policy that hashes ids takes it (``needs_raw_keys``): the
+        uint64 id a rank stands for, its 64 bits as int64 (``ids``), else the key itself."""
+        return keys if self.ids is None else self.ids[keys].view(np.int64)
+
     @classmethod
-    def from_keys(cls, keys, row_bytes: int = 1) -> "LookupStream":
-        """A plain key trace: every request is its own step (no deduplication)."""
+    def from_keys(cls, keys, row_bytes: int = 1, ids: np.ndarray | None = None) -> "LookupStream":
+        """A plain key trace: every request is its own step (no deduplication); ``ids`` as the field."""
         keys = np.asarray(keys, dtype=np.int64)
-        return cls(keys, np.arange(keys.size + 1, dtype=np.int64), row_bytes)
+        return cls(keys, np.arange(keys.size + 1, dtype=np.int64), row_bytes, ids=ids)
 
     @classmethod
     def from_rows(cls, rows, token_step, row_bytes: int, layers: Sequence[int],
@@ -296,6 +312,8 @@ class LookupStream:
         arrays = {f"meta_{k}": v for k, v in self.meta.items()}
         if self.layout is not None:
             arrays["layout"] = np.asarray(json.dumps(self.layout))
+        if self.ids is not None:
+            arrays["ids"] = self.ids
         with replacing(path) as tmp, open(tmp, "wb") as f:
             np.savez(f, version=np.int64(FORMAT_VERSION), keys=self.keys, step_offsets=self.step_offsets,
                      row_bytes=np.int64(self.row_bytes), layers=np.asarray(self.layers, dtype=np.int64),
@@ -327,7 +345,7 @@ class LookupStream:
         try:
             return cls(files["keys"], files["step_offsets"], int(files["row_bytes"]),
                        tuple(int(x) for x in files["layers"]), meta,
-                       tuple(str(x) for x in files.get("domains", ())), layout)
+                       tuple(str(x) for x in files.get("domains", ())), layout, files.get("ids"))
         except CachelabError as exc:
             raise CachelabError(f"{path}: {exc}") from None
 

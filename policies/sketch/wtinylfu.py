@@ -28,7 +28,8 @@ and validated against it: identical miss counts (tests/test_policies_wtinylfu.py
   the id each dense key was compacted from; each slot keeps its row's), as libCacheSim hashes
   the request's ``obj_id``: the two collide alike, and the result does not depend on how the
   engine numbered the rows. Called without raw keys, the policy hashes the keys it is given;
-  a trace's ids past int64 reach it as their ranks, the engine's only ids then (docs/engine.md).
+  a trace's ids past int64 are keys as their ranks, and reach it as raw keys as they are (their
+  64 bits as int64: ``LookupStream.ids``, docs/engine.md).
 - One difference, by choice: libCacheSim refuses every row when ``floor(capacity x
   window)`` is 0 (capacities under 100 at 1%: a miss ratio of 1); here the window has at
   least one row.
