@@ -24,6 +24,7 @@ not modelled: each client holds one request.
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 
 import numpy as np
 
@@ -91,6 +92,50 @@ OUTPUT_SIGMA = math.sqrt(2.0 * math.log(CORPUS_OUTPUT_TOKENS / CORPUS_REQUESTS /
 # and the recorded think_time field p50 2.3 s, p90 37.5 s, p99 1,392 s, both tails far heavier than this
 # lognormal's). docs/serving.md, "The agentic workload", says where we looked.
 INPUT_SIGMA, THINK_MEDIAN_S, THINK_SIGMA = 0.8, 3.0, 1.0  # ASSUMPTIONS
+# What the third-party counts of traces.jsonl give beyond the medians (docs/serving.md, "What the sources give";
+# not primary): the input's p90 from the count whose p50 is MEDIAN_INPUT's (p50 142,016, p90 549,504, p99 863,424,
+# over the corpus as built, so over what survives the cap), and the think time's p50 and p90 in two readings: the
+# recorded think_time field (2.3 s, 37.5 s) and the gaps between turns (4.9 s, 131.5 s). The replay cuts a session
+# tree's idle gap at 300 s (aiperf --trace-idle-gap-cap-seconds, build_replay_cmd's default since InferenceX #2457).
+INPUT_P50_COUNTED, INPUT_P90_COUNTED = 142_016, 549_504
+THINK_COUNTED = {"think_time field": (2.3, 37.5), "gaps between turns": (4.9, 131.5)}  # reading: (p50 s, p90 s)
+IDLE_GAP_CAP_S = 300.0
+_Z90 = NormalDist().inv_cdf(0.9)
+
+
+def kept_quantile(median: float, sigma: float, q: float, cap: float = BASE_MAX_ISL) -> float:
+    """The ``q`` quantile of a lognormal's draws that are at most ``cap`` (the others dropped)."""
+    n = NormalDist()
+    mu = math.log(median)
+    return math.exp(mu + sigma * n.inv_cdf(q * n.cdf((math.log(cap) - mu) / sigma)))
+
+
+def _bisect(f, lo: float, hi: float, rounds: int = 100) -> float:
+    for _ in range(rounds):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) < 0 else (lo, mid)
+    return (lo + hi) / 2
+
+
+def input_spread_through(p50: float = INPUT_P50_COUNTED, p90: float = INPUT_P90_COUNTED,
+                         cap: float = BASE_MAX_ISL) -> tuple[float, float]:
+    """(median, sigma) of the lognormal whose draws under ``cap`` have this p50 and p90: a count of the
+    corpus as built counts only what the cap kept, so its percentiles are the kept draws'."""
+    def median_for(sigma: float) -> float:
+        return math.exp(_bisect(lambda mu: kept_quantile(math.exp(mu), sigma, 0.5, cap) - p50,
+                                math.log(p50) - 3, math.log(p50) + 3))
+
+    sigma = _bisect(lambda s: kept_quantile(median_for(s), s, 0.9, cap) - p90, 0.05, 4.0)
+    return median_for(sigma), sigma
+
+
+def capped_mean(p50: float, p90: float, cap: float = IDLE_GAP_CAP_S) -> float:
+    """The mean of min(X, ``cap``) for the lognormal X through this p50 and p90: a think time as the replay
+    sends it, its idle gap cut at ``cap``."""
+    n = NormalDist()
+    mu, sigma = math.log(p50), math.log(p90 / p50) / _Z90
+    a = (math.log(cap) - mu) / sigma
+    return math.exp(mu + sigma * sigma / 2) * n.cdf(a - sigma) + cap * (1 - n.cdf(a))
 
 
 def carried_gaps(gaps: np.ndarray, kept: np.ndarray) -> np.ndarray:
@@ -102,12 +147,13 @@ def carried_gaps(gaps: np.ndarray, kept: np.ndarray) -> np.ndarray:
 
 
 def agentic_workload(samples: int = 4096, seed: int = 0, median_input: float = MEDIAN_INPUT,
-                     median_output: float = MEDIAN_OUTPUT, prefix_hit: float = PREFIX_HIT) -> Workload:
+                     median_output: float = MEDIAN_OUTPUT, prefix_hit: float = PREFIX_HIT,
+                     input_sigma: float = INPUT_SIGMA) -> Workload:
     """``samples`` requests drawn from the published AgentX summaries, less those whose input exceeds
     ``BASE_MAX_ISL`` (dropped, their gaps carried to the next kept request, as AgentX replays its
     corpus); deterministic for a seed."""
     rng = np.random.default_rng(seed)
-    inp = np.round(median_input * rng.lognormal(0.0, INPUT_SIGMA, samples))
+    inp = np.round(median_input * rng.lognormal(0.0, input_sigma, samples))
     out = np.maximum(1.0, np.round(median_output * rng.lognormal(0.0, OUTPUT_SIGMA, samples)))
     think = THINK_MEDIAN_S * rng.lognormal(0.0, THINK_SIGMA, samples)
     kept = inp <= BASE_MAX_ISL

@@ -20,7 +20,7 @@ wait (M/D/1 mean). Every input a point uses is in ``Workload`` and ``Deployment`
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -54,6 +54,10 @@ class Workload:
     @property
     def context_tokens(self) -> np.ndarray:
         return self.new_tokens + self.cached_tokens + self.output_tokens
+
+    def with_think_mean(self, mean_s: float) -> "Workload":
+        """The same requests with their think times scaled to a mean of ``mean_s`` (the spread kept)."""
+        return replace(self, think_s=self.think_s * (mean_s / float(self.think_s.mean())))
 
     def describe(self) -> dict:
         inp = self.new_tokens + self.cached_tokens

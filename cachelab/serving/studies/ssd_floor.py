@@ -112,6 +112,6 @@ def floor_if_think_mean(workload: Workload, eff: Efficiency, think_mean_s: float
         if root is None:
             return None
         think_mean_s = with_fitted_think(load_points(root))[1]
-    scaled = replace(workload, think_s=workload.think_s * (think_mean_s / float(workload.think_s.mean())))
+    scaled = workload.with_think_mean(think_mean_s)
     return {"think_mean_s": think_mean_s, "synthesized_think_mean_s": float(workload.think_s.mean()),
             "piecewise_layer_s": fitted_piecewise_layer_s(eff, scaled), "piecewise_layer_s_fitted": eff.piecewise_layer_s}
