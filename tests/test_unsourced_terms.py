@@ -1,7 +1,10 @@
 """Issue 15's terms no source pins, across their plausible range: the agentic workload's think time and
-input spread as third parties' counts give them (``agentic``)."""
+input spread as third parties' counts give them (``agentic``) and an SSD host cost that grows with context
+(``Efficiency.piecewise_context_token_s``, ``piecewise_step_context_s``)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -9,6 +12,9 @@ import pytest
 from cachelab.serving.agentic import (BASE_MAX_ISL, CORPUS_INPUT_TOKENS, CORPUS_REQUESTS, INPUT_P50_COUNTED,
                                       INPUT_P90_COUNTED, THINK_COUNTED, agentic_workload, capped_mean,
                                       input_spread_through, kept_quantile)
+from cachelab.serving.hardware import load_profile
+from cachelab.serving.latency import Batch, EngramStep, Efficiency, LatencyModel
+from cachelab.serving.model_spec import load_model
 
 
 def test_the_counted_input_spread_has_the_counts_percentiles_on_the_draws_the_cap_keeps():
@@ -42,3 +48,17 @@ def test_a_workload_scaled_to_a_think_mean_keeps_its_requests_and_the_spread_of_
     assert longer.think_s.mean() == pytest.approx(16.7)
     assert np.allclose(longer.think_s / wl.think_s, longer.think_s[0] / wl.think_s[0])
     assert np.array_equal(longer.new_tokens, wl.new_tokens) and np.array_equal(longer.output_tokens, wl.output_tokens)
+
+
+def test_a_host_cost_per_context_token_adds_to_every_piecewise_step_by_its_context_and_to_no_uva_step():
+    spec, b200 = load_model("deepseek-v4.1-flash"), load_profile("B200")
+    batch = Batch([150_000.0, 20_000.0], [150_006.0, 20_006.0], [3.0, 1.0], lm_rows=24, drafting=4)
+    work = [EngramStep(24 * 24, 24 * 24)] * 2
+    held = 3 * 150_006 + 20_006
+    for cost, added in ((dict(piecewise_context_token_s=5e-9), 5e-9 * held),  # each sequence's context
+                        (dict(piecewise_step_context_s=40e-9), 40e-9 * held / 4)):  # the step's mean context
+        for placement, charged in (("ssd-mmap", added), ("dram-uva", 0.0)):
+            base = LatencyModel(spec, b200, tp=4, placement=placement).step_time(batch, work)
+            got = LatencyModel(spec, b200, tp=4, placement=placement,
+                               efficiency=replace(Efficiency(), **cost)).step_time(batch, work)
+            assert got.step_s == pytest.approx(base.step_s + charged)

@@ -108,6 +108,15 @@ class Efficiency:
     # 2.6 ms x the acceptance length: a what-if of the study, contradicted by the held-out 8k/1k
     # pair, where the SSD arm's TPOT is the UVA arm's (docs/serving.md).
     piecewise_step_offset_s: float = 0.0
+    # A host cost a piecewise step pays per token of context its sequences hold, serialized with the step
+    # (0: none). No source names one: the PR body's SSD cost is 2.1-3.2 ms a token on the agentic trace (~190k
+    # tokens of context a sequence) and none on the 8k/1k pair, which the model's context-free host terms cannot
+    # both give; a what-if of the study spans its plausible range (``studies.ssd_context``), in this form
+    # (it grows with the batch too) and the next (it does not).
+    piecewise_context_token_s: float = 0.0
+    # The same cost per token of the step's mean context, whatever its batch (the PR body's offset "does not
+    # scale with batch size"): the what-if's other form (0: none).
+    piecewise_step_context_s: float = 0.0
     # Host time per distinct row the ssd-mmap gather reads through the mapping beyond the gather rate
     # timed here (``[cpu] gather_rows_per_s``, on a 3 GiB mapping whose every page was touched first):
     # faults that map a page on its first touch (1.6 us a row timed here with them kept in,
@@ -563,7 +572,11 @@ class LatencyModel:
         offset = self.eff.piecewise_step_offset_s if floor > 0 else 0.0
         # an inline gather blocks the thread that launches the step: a host-bound step waits for it too
         host = floor + blocked if floor > 0 else 0.0
-        return StepTime(gpu, tuple(fetches), stall, max(gpu.total_s + stall + offset, host), floor)
+        context = 0.0
+        if floor > 0:
+            held = float((batch.weight * batch.hi).sum())
+            context = self.eff.piecewise_context_token_s * held + self.eff.piecewise_step_context_s * held / batch.sequences
+        return StepTime(gpu, tuple(fetches), stall, max(gpu.total_s + stall + offset, host) + context, floor)
 
 
 def describe(lat: LatencyModel) -> dict:
