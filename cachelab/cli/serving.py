@@ -357,6 +357,10 @@ def study_semianalysis(
     prefix_hit: float = typer.Option(PREFIX_HIT, help="The agentic trace's token hit ratio under an unbounded prefix "
                                      f"cache ({PREFIX_HIT}: AgentX's 062126 corpus, the one the V4.1 runs replayed; "
                                      f"{PREFIX_HIT_NO_SUBAGENTS}: its no-subagents corpus of May)."),
+    unsourced_ranges: bool = typer.Option(False, help="Also read the keys across the plausible range of the terms no "
+                                          "source pins: the agentic think time and input spread as third parties' "
+                                          "counts of the trace give them, and an SSD host cost per token of context "
+                                          "(a what-if; 3-4 minutes more)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """SemiAnalysis' Engram placement study, computed by the model.
@@ -405,6 +409,13 @@ def study_semianalysis(
         with spinner("the SSD floor and a per-row cost of the mapped gather fitted jointly on throughput and P90 TTFT"):
             result["b200_dram_over_ssd_if_ssd_host_fit_on_ttft"] = joint_fit(
                 workload, eff, result["b200_dram_tokens_per_dollar"])
+    if unsourced_ranges:
+        from cachelab.serving.studies.ssd_context import context_term_range
+        from cachelab.serving.studies.workload_range import workload_range
+
+        with spinner("the keys across the unsourced terms' range (think time, input spread, SSD host cost per context token)"):
+            result["workload_range"] = workload_range(eff, prefix_hit)
+            result["b200_dram_over_ssd_if_host_cost_per_context_token"] = context_term_range(workload, eff)
     if as_json:
         typer.echo(strict_json.dumps(result))
         return
@@ -461,6 +472,16 @@ def study_semianalysis(
                 f"{j['mmap_row_s']['value'] * 1e9:.0f} +- {j['mmap_row_s']['standard_error'] * 1e9:.0f} ns a row, "
                 f"correlation {j['correlation']:+.2f}; held-out MAPE throughput {j['held_out_mape']:.1%}, "
                 f"P90 TTFT {j['p90_ttft_held_out_mape']:.1%})")
+    for name, v in result.get("workload_range", {}).get("by_variant", {}).items():
+        c.print(f"{name}: mean think {v['mean_think_s']:.1f} s, mean input {v['mean_input_tokens']:,.0f}: B200 DRAM "
+                f"{v['b200_dram_tokens_per_dollar'] / 1e6:.1f} M tok/$, DRAM over SSD {_times(v['b200_dram_over_ssd'])}, "
+                f"B300 TP2 gain {_times(v['b300_tp2_dram_gain_max'])}")
+    ranges = result.get("b200_dram_over_ssd_if_host_cost_per_context_token", {})
+    for form, name in (("per_context_token", "a context token of each sequence"),
+                       ("per_mean_context_token", "a token of the step's mean context")):
+        for ns, v in ranges.get(form, {}).get("by_ns", {}).items():
+            c.print(f"SSD host cost {ns} ns {name}: DRAM over SSD {_times(v['b200_dram_over_ssd'])}, held-out penalty "
+                    f"{v['penalty_held_out_mean_ms']:.2f} ms a token, 8k/1k SSD arm {v['v41_8k1k_ssd_error']:+.1%}")
     if "sensitivity" in result:
         table = Table(title="tokens/$ elasticity (B200 DRAM-UVA at 125 tok/s/user)")
         for col in ("parameter", "value", "elasticity"):
