@@ -121,7 +121,8 @@ def test_counts_below_one_are_refused_naming_the_flag_before_start_up():
 
     from cachelab.cli import app
 
-    for flag in ("--max-model-len", "--threads", "--max-num-seqs", "--max-num-batched-tokens", "--max-body-bytes"):
+    for flag in ("--max-model-len", "--threads", "--max-num-seqs", "--max-num-batched-tokens", "--max-body-bytes",
+                 "--stream-interval"):
         res = CliRunner().invoke(app, ["serve", "--port", "0", flag, "0"])
         assert res.exit_code == 2 and f"{flag} 0: expected at least 1" in res.output, (flag, res.output[-500:])
         assert "cachelab serve: model" not in res.output

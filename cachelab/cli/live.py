@@ -85,6 +85,9 @@ def serve(
     enable_server_load_tracking: bool = typer.Option(False, "--enable-server-load-tracking", help="/load counts "
                                                      "the completion requests in flight; without it, 0 (vLLM's "
                                                      "flag)."),
+    stream_interval: int = typer.Option(1, help="A stream sends each choice's first token at once, then its tokens "
+                                        "in chunks of this many, the last as it ends; a request's stream_interval "
+                                        "may raise it (vLLM's flag)."),
 ) -> None:
     """Serve an Engram model over HTTP: /v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics (vLLM's metric names).
@@ -110,7 +113,7 @@ def serve(
                          shutdown_timeout=shutdown_timeout, stop_timeout=stop_timeout,
                          enable_request_id_headers=enable_request_id_headers,
                          enable_force_include_usage=enable_force_include_usage,
-                         enable_server_load_tracking=enable_server_load_tracking),
+                         enable_server_load_tracking=enable_server_load_tracking, stream_interval=stream_interval),
             announce=typer.echo)
     except EngineStuck as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -121,6 +121,7 @@ class _Live:
     parent: _Parent
     domain: str | None = None  # its domain label for a learned row cache's scorer (its endpoint's)
     cached_tokens: int = -1  # prefix-cache hit at first admission
+    sent: int = 0  # output tokens handed to the sink so far (vLLM's sent_tokens_offset)
     queued: float | None = None  # the engine thread added it to the scheduler
     scheduled: float | None = None  # first admission (a preemption's readmission leaves it)
     first_token: float | None = None
@@ -476,18 +477,27 @@ class LiveEngine:
             if rid in finished:
                 why = stopped[rid]
                 reason = "length" if why is None else "stop"
-                self._finish(live, reason, None if why == "eos" else why, now, [token])
+                self._finish(live, reason, None if why == "eos" else why, now)
             else:
                 req = live.req
                 if self.config.prefix_caching and req.num_known % self.config.block_size == 0:
                     req.key = self.pool.extend_key(rid, req.tokens[: req.num_known])  # a block filled: hash it alone
-                live.sink(RequestOutput(rid, [token], live.detok.take(), num_prompt=live.req.num_prompt,
-                                        num_output=live.req.num_output, cached_tokens=live.cached_tokens,
+                if live.sent and req.num_output - live.sent < live.params.stream_interval:
+                    continue  # held for the next chunk: vLLM sends the first token, then every stream_interval
+                live.sink(RequestOutput(rid, self._unsent(live), live.detok.take(), num_prompt=req.num_prompt,
+                                        num_output=req.num_output, cached_tokens=live.cached_tokens,
                                         created_cache_tokens=self._cache_created(live)))
         self.counters.prompt_tokens_computed += prefilled
         return prefilled
 
-    def _finish(self, live: _Live, reason: str, stop_reason, now: float, tokens: list[int] = ()) -> None:
+    def _unsent(self, live: _Live) -> list[int]:
+        """The output token ids not handed to the sink yet, now marked sent."""
+        req = live.req
+        ids = req.tokens[req.num_prompt + live.sent:req.num_known].tolist()
+        live.sent = req.num_output
+        return ids
+
+    def _finish(self, live: _Live, reason: str, stop_reason, now: float) -> None:
         rid = live.req.rid
         if rid in self._slot:
             self._free_slots.append(self._slot.pop(rid))
@@ -503,7 +513,7 @@ class LiveEngine:
             parent.max_output = max(parent.max_output, live.req.num_output)
             if not parent.left:
                 self.observer.finished_prompt(parent.n, parent.max_output)
-        live.sink(RequestOutput(rid, list(tokens), live.detok.take(final=True), True, reason, stop_reason,
+        live.sink(RequestOutput(rid, self._unsent(live), live.detok.take(final=True), True, reason, stop_reason,
                                 live.req.num_prompt, live.req.num_output, max(live.cached_tokens, 0),
                                 self._cache_created(live)))
         del self._live[rid]  # last: a request leaves num_live once everything about it is done

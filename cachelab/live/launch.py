@@ -63,6 +63,7 @@ class ServeOptions:
     enable_request_id_headers: bool = False  # vLLM's: every answer carries an X-Request-Id header
     enable_force_include_usage: bool = False  # vLLM's: every stream carries usage, asked for or not
     enable_server_load_tracking: bool = False  # vLLM's: /load counts the completion requests in flight
+    stream_interval: int = 1  # vLLM's: a stream's tokens per chunk after its first
 
 
 def check_bind(host: str, api_key: str | None, flag: str = "--host") -> None:
@@ -213,7 +214,8 @@ def build_engine(opts: ServeOptions):
     if not opts.stop_timeout > 0:
         raise CachelabError(f"--stop-timeout {opts.stop_timeout}: expected more than 0 seconds")
     for flag, value in (("--threads", opts.threads), ("--max-num-seqs", opts.max_num_seqs),
-                        ("--max-num-batched-tokens", opts.max_num_batched_tokens)):
+                        ("--max-num-batched-tokens", opts.max_num_batched_tokens),
+                        ("--stream-interval", opts.stream_interval)):
         if value is not None and value < 1:  # torch's traceback, the scheduler's words for its own arguments
             raise CachelabError(f"{flag} {value}: expected at least 1")
     if opts.threads is not None:  # process-wide: torch has one intra-op pool
@@ -320,7 +322,7 @@ def _uvicorn_config(opts: ServeOptions, engine, recorder=None, **kwargs):
     limits = _limits(opts)
     app = create_app(engine, model_name(opts), limits, opts.api_key, recorder, opts.enable_request_id_headers,
                      system_fingerprint(opts, engine), opts.enable_force_include_usage,
-                     opts.enable_server_load_tracking)
+                     opts.enable_server_load_tracking, opts.stream_interval)
     return uvicorn.Config(app, http=http_protocol(limits), log_level="warning", timeout_graceful_shutdown=1, **kwargs)
 
 

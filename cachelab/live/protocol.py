@@ -115,6 +115,8 @@ class _Sampling(BaseModel):
     skip_special_tokens: bool = True
     user: str | None = None  # OpenAI's end-user id: the session key of --capture when no X-Session-Id is sent
     request_id: str | None = None  # vLLM's: the answer's id is cmpl-/chatcmpl- and this (an X-Request-Id header wins)
+    # vLLM's: tokens per streamed chunk after the first, raised to the server's --stream-interval; a whole answer's ignores it
+    stream_interval: int | None = Field(None, ge=1)
 
     def check_bounds(self) -> None:
         """The sampling values' bounds, as vLLM's SamplingParams checks them and in its words (they
@@ -162,7 +164,8 @@ class _Sampling(BaseModel):
             refused.append("response_format")
         return refused
 
-    def sampling(self, max_tokens: int) -> SamplingParams:
+    def sampling(self, max_tokens: int, stream_interval: int = 1) -> SamplingParams:
+        """``stream_interval``: the server's ``--stream-interval``, which a streamed request may raise (vLLM's clamp)."""
         if self.min_tokens > max_tokens:  # vLLM's check and words
             raise invalid(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {self.min_tokens}.")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -173,7 +176,8 @@ class _Sampling(BaseModel):
                               min_tokens=self.min_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
                               skip_special_tokens=self.skip_special_tokens, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                              min_p=self.min_p)
+                              min_p=self.min_p,
+                              stream_interval=max(self.stream_interval or 1, stream_interval) if self.stream else 1)
 
     @property
     def continuous_usage(self) -> bool:

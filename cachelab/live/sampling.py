@@ -47,6 +47,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
+    stream_interval: int = 1  # output tokens per output handed out, after the first (vLLM's; the last comes at once)
 
     @property
     def penalized(self) -> bool:

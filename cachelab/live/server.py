@@ -171,7 +171,7 @@ class _ServerLoad:
 
 def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str | None = None,
                recorder=None, request_id_headers: bool = False, fingerprint: str | None = None,
-               force_include_usage: bool = False, server_load_tracking: bool = False) -> FastAPI:
+               force_include_usage: bool = False, server_load_tracking: bool = False, stream_interval: int = 1) -> FastAPI:
     """The app; the engine must be started (and is stopped by the caller). ``recorder``: a
     ``cachelab.capture.Recorder`` that records every completion request answered (``--capture``):
     one record per choice the engine ran, one for a request refused before it ran.
@@ -180,7 +180,10 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
     ``force_include_usage``: vLLM's ``--enable-force-include-usage``: every stream carries usage in
     each chunk and a usage chunk at its end, whatever its ``stream_options`` ask.
     ``server_load_tracking``: vLLM's ``--enable-server-load-tracking``: ``/load`` counts the completion
-    requests in flight (``_ServerLoad``); without it, as in vLLM, it stays 0."""
+    requests in flight (``_ServerLoad``); without it, as in vLLM, it stays 0.
+    ``stream_interval``: vLLM's ``--stream-interval``: a stream sends a choice's first token at once, then
+    its tokens in chunks of this many (a request's own ``stream_interval`` may raise it), the last chunk as
+    it ends: fewer events and wake-ups of the event loop per token."""
     app = FastAPI(title="cachelab serve", docs_url=None, redoc_url=None)
     app.state.server_load = 0
     if request_id_headers:
@@ -299,7 +302,8 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
 
     def prepare(prompt_ids: list[int], max_tokens: int | None, req, field: str = "max_tokens", text: bool = False):
         try:
-            return req.sampling(check_prompt(prompt_ids, max_tokens, limits.max_model_len, vocab, field, text))
+            return req.sampling(check_prompt(prompt_ids, max_tokens, limits.max_model_len, vocab, field, text),
+                                stream_interval)
         except RequestError as exc:
             raise invalid(str(exc), exc.param, exc.value) from None
 
