@@ -128,7 +128,7 @@ def test_a_request_waiting_for_room_or_preempted_is_hashed_once(monkeypatch):
         if live.num_known % 16 == 0:  # a block filled: the live engine hashes it alone
             live.key = sched.kv.extend_key(live.rid, live.tokens[: live.num_known])
     assert hashed[0] == 1214 + 100 + 16  # its prompt, then the block its output filled
-    sched.running.remove(live)  # preempted as the scheduler preempts one
+    sched.running.discard(live)  # preempted as the scheduler preempts one
     sched.kv.preempt(live.rid)
     live.num_computed = 0
     sched.waiting.appendleft(live)

@@ -129,11 +129,13 @@ class StepRecord:
                 "tokens": self.num_tokens, "decodes": self.decodes}
 
 
-class WaitingQueue:
-    """The waiting requests in admission order (vLLM's FCFS queue): an arrival joins the back, a
-    preempted request goes back to the front. Keyed by request id, so an abort takes one out in
+class RequestQueue:
+    """Requests in order, keyed by request id. The waiting ones in admission order (vLLM's FCFS
+    queue: an arrival joins the back, a preempted request goes back to the front), and the running
+    ones in admission order (a preemption takes the back one). Keyed, so an abort takes one out in
     O(1): a deque's ``remove`` scanned the queue, and aborting k of n queued requests (a client
-    gone mid-burst) held the engine thread for O(n k), 4.5 s for 16,384 in random order."""
+    gone mid-burst) held the engine thread for O(n k), 4.5 s for 16,384 in random order; the
+    running list's ``remove`` did the same over up to ``max_num_seqs`` running ones."""
 
     def __init__(self):
         self._queue: OrderedDict[int, Request] = OrderedDict()
@@ -157,6 +159,10 @@ class WaitingQueue:
     def popleft(self) -> Request:
         return self._queue.popitem(last=False)[1]
 
+    def pop(self) -> Request:
+        """The back one, taken out."""
+        return self._queue.popitem()[1]
+
     def discard(self, request: Request) -> bool:
         """Take ``request`` out; False if it is not queued."""
         if self._queue.get(request.rid) is not request:
@@ -179,8 +185,8 @@ class Scheduler:
         self.kv = kv
         self.max_num_batched_tokens = int(max_num_batched_tokens)
         self.max_num_seqs = int(max_num_seqs)
-        self.waiting = WaitingQueue()
-        self.running: list[Request] = []
+        self.waiting = RequestQueue()
+        self.running = RequestQueue()
         self._live: dict[int, Request] = {}
         self._open: StepRecord | None = None
         self.num_steps = 0
@@ -201,15 +207,14 @@ class Scheduler:
 
     def abort(self, rid: int) -> bool:
         """Drop request ``rid`` between steps (a client gone): its KV is freed as at a finish.
-        Returns False if it is not (or no longer) in the scheduler. O(1) for a queued request; a
-        running one is looked up in ``running`` (at most ``max_num_seqs``)."""
+        Returns False if it is not (or no longer) in the scheduler. O(1), queued or running."""
         if self._open is not None:
             raise CachelabError(f"step {self._open.index} is open; abort between steps")
         r = self._live.pop(rid, None)
         if r is None:
             return False
         if not self.waiting.discard(r):
-            self.running.remove(r)
+            self.running.discard(r)
             self.kv.free(rid)
         return True
 
@@ -220,9 +225,10 @@ class Scheduler:
         kv, budget = self.kv, self.max_num_batched_tokens
         picked: list[tuple[Request, int, int, int]] = []  # request, start, stop, cached
         preempted: list[int] = []
-        running, i = self.running, 0
-        while i < len(running) and budget > 0:
-            r = running[i]
+        running = self.running
+        for i, r in enumerate(list(running)):  # admission order; a preemption takes from the back
+            if i >= len(running) or budget <= 0:
+                break
             num = min(r.num_known - r.num_computed, budget)
             while not kv.extend(r.rid, r.num_computed + num):
                 victim = running.pop()  # the most recently admitted
@@ -236,7 +242,6 @@ class Scheduler:
             else:
                 picked.append((r, r.num_computed, r.num_computed + num, 0))
                 budget -= num
-                i += 1
                 continue
             break
         num_running = len(picked)
@@ -290,9 +295,6 @@ class Scheduler:
                     done.append(rid)
         for rid in done:
             self.kv.free(rid)
-            del self._live[rid]
-        if done:
-            gone = set(done)
-            self.running = [r for r in self.running if r.rid not in gone]
+            self.running.discard(self._live.pop(rid))
         step.emitted, step.finished = tuple(emitted), tuple(done)
         return step.finished
