@@ -568,6 +568,9 @@ CHATS = [  # chats of every shape the template meets: roles, content parts, cont
     [{"role": "tool", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "tool_call_id": "1"}],
     [{"role": "function", "content": "x", "name": "f"}, USER_HI], [{"role": "bogus"}, USER_HI],
     [{"role": "user", "content": "hi", "name": "bob"}],
+    [USER_HI, {"role": "assistant", "content": None, "tool_calls": [  # tool history: a DSML block, one user turn
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": "x", "b": [1, 2]}'}}]},
+     {"role": "tool", "tool_call_id": "c", "content": "r"}, USER_HI],
 ]
 CHAT_OPTIONS = [{}, {"add_generation_prompt": False}, {"continue_final_message": True},
                 {"continue_final_message": True, "add_generation_prompt": False}]

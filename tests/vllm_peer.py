@@ -65,16 +65,42 @@ def available() -> bool:
 
 
 # cachelab serve's chat format (cachelab.live.protocol.chat_prompt) as a Jinja chat template, so the
-# peer renders a chat as serve does (the packaged tokenizer has none) and chats can be compared
+# peer renders a chat as serve does (the packaged tokenizer has none) and chats can be compared: user and
+# tool messages in a row make one user turn, an assistant's tool calls a DSML block (DeepSeek-V4's; the
+# tool results in the order sent, where serve puts them in their calls' order as V4 does)
 CHAT_TEMPLATE = (
-    "{%- set ns = namespace(system=[]) -%}"
+    "{%- set ns = namespace(system=[], turn=false) -%}"
     "{%- for m in messages if m.role in ['system', 'developer'] -%}"
     "{%- set ns.system = ns.system + [m.content] -%}{%- endfor -%}"
     "{{ bos_token }}{{ ns.system | join('\\n\\n') }}"
     "{%- for m in messages -%}"
-    "{%- if m.role in ['user', 'tool'] -%}{{ '<｜User｜>' + m.content }}"
-    "{%- elif m.role == 'assistant' -%}{{ '<｜Assistant｜>' + (m.content or '') + '<｜end▁of▁sentence｜>' }}"
+    "{%- if m.role in ['user', 'tool'] -%}{{ '\\n\\n' if ns.turn else '<｜User｜>' }}{%- set ns.turn = true -%}"
+    "{{ '<tool_result>' + m.content + '</tool_result>' if m.role == 'tool' else m.content }}"
+    "{%- elif m.role == 'assistant' -%}{%- set ns.turn = false -%}{{ '<｜Assistant｜>' + (m.content or '') }}"
+    "{%- if m.tool_calls -%}{{ '\\n\\n<｜DSML｜tool_calls>\\n' }}{%- for c in m.tool_calls -%}"
+    "{{ '<｜DSML｜invoke name=\"' + c.function.name + '\">\\n' }}{%- for k, v in c.function.arguments.items() -%}"
+    "{{ '<｜DSML｜parameter name=\"' + k + '\" string=\"' + ('true' if v is string else 'false') + '\">' }}"
+    "{{ v if v is string else v | tojson }}{{ '</｜DSML｜parameter>' }}{{ '\\n' if not loop.last }}{%- endfor -%}"
+    "{{ '\\n</｜DSML｜invoke>' }}{{ '\\n' if not loop.last }}{%- endfor -%}{{ '\\n</｜DSML｜tool_calls>' }}"
+    "{%- endif -%}{{ '<｜end▁of▁sentence｜>' }}"
     "{%- endif -%}{%- endfor -%}{%- if add_generation_prompt -%}{{ '<｜Assistant｜>' }}{%- endif -%}")
+
+
+def deepseek_v4_encoding():
+    """DeepSeek-V4's own chat encoding (its encoding_dsv4, as vLLM 0.32 ships it), loaded from the
+    peer's venv: a module of plain Python, so no vLLM import; skips where the venv is absent."""
+    import importlib.util
+
+    found = sorted((REPO_ROOT / ".venv-vllm" / "lib").glob("python3*/site-packages/vllm/tokenizers/"
+                                                          "deepseek_v4_encoding.py"))
+    if not found:
+        if os.environ.get("CI"):
+            pytest.fail("vLLM's venv is missing in CI: scripts/test should have run scripts/setup-vllm")
+        pytest.skip("vLLM's CPU build is not installed (run scripts/setup-vllm)")
+    spec = importlib.util.spec_from_file_location("deepseek_v4_encoding", found[-1])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def write_model_dir(directory: Path) -> Path:

@@ -12,6 +12,7 @@ shape: ``{"error": {"message", "type", "param", "code"}}``.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -206,6 +207,8 @@ class ChatMessage(BaseModel):
     role: str  # any: vLLM takes a role its types do not name and the template decides (DeepSeek's drops it)
     content: str | list[dict] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's, OpenAI's shape: {id, type, function: {name, arguments}}
+    tool_call_id: str | None = None  # a tool message's: the call it answers
 
     def text(self) -> str:
         """The message's text as vLLM gives it to a string-content template: its text parts joined
@@ -311,6 +314,46 @@ class DetokenizeRequest(BaseModel):
 
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker of the text to continue
+DSML = "｜DSML｜"  # DeepSeek-V4's tool-call markup token
+
+
+def _arguments(function: dict) -> dict:
+    """A call's arguments as vLLM hands them to the template: a JSON object string parsed, and
+    anything else (empty, not JSON, JSON but not an object) an empty object, as vLLM coerces it."""
+    args = function.get("arguments")
+    if isinstance(args, str) and args:
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            args = None
+    return args if isinstance(args, dict) else {}
+
+
+def _tool_calls(index: int, calls: list[dict]) -> str:
+    """An assistant's tool calls in DeepSeek-V4's DSML block (its encoding_dsv4's, vLLM's
+    ``deepseek_v4_encoding``): each argument a parameter, a string as is, any other value as JSON."""
+    invokes = []
+    for j, call in enumerate(calls):
+        function = call.get("function")
+        if call.get("type", "function") != "function" or not isinstance(function, dict):  # vLLM's words
+            raise invalid("chat completions only support assistant tool_calls of type 'function'.", "tool_calls")
+        if not isinstance(name := function.get("name"), str):
+            raise APIError(400, f"messages.{index}.tool_calls.{j}.function.name: a tool call needs its function's "
+                                "name as a string", f"messages.{index}.tool_calls.{j}.function.name")
+        params = "\n".join(f'<{DSML}parameter name="{k}" string="{str(isinstance(v, str)).lower()}">'
+                           f'{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}</{DSML}parameter>'
+                           for k, v in _arguments(function).items())
+        invokes.append(f'<{DSML}invoke name="{name}">\n{params}\n</{DSML}invoke>')
+    return f"\n\n<{DSML}tool_calls>\n" + "\n".join(invokes) + f"\n</{DSML}tool_calls>"
+
+
+def _user_turn(blocks: list[tuple[str | None, str]], order: dict[str, int]) -> str:
+    """Consecutive user and tool messages as DeepSeek-V4 merges them into one user turn: their
+    blocks joined by blank lines, each tool result in ``<tool_result>`` and the results put in the
+    order of the calls they answer (``order``: the last assistant's call ids), texts staying put."""
+    results = iter(sorted((b for b in blocks if b[0] is not None), key=lambda b: order.get(b[0], 0)))
+    return USER + "\n\n".join(f"<tool_result>{next(results)[1]}</tool_result>" if key is not None else text
+                                for key, text in blocks)
 
 
 def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool = True,
@@ -318,17 +361,31 @@ def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool = True,
     """DeepSeek's chat format: BOS, system text, then ``<｜User｜>``/``<｜Assistant｜>`` turns
     (an assistant turn ends with EOS; a message of another role, OpenAI's old ``function`` say, is
     left out, as DeepSeek's template leaves it), and the assistant's tag to generate after unless ``add_generation_prompt`` is off.
+    Tool history as DeepSeek-V4 renders it: an assistant's ``tool_calls`` in a DSML block after its
+    text, tool results merged with the user messages around them into one user turn (``_user_turn``);
+    V4's chat mode also writes ``</think>`` after each assistant tag, which this format never has.
     ``continue_final_message``: the prompt ends where the last message's text does, so the model
     continues it (transformers' way, which vLLM uses: render with a marker after that text, cut there)."""
     texts = [m.text() for m in messages]
     if continue_final_message:
         texts[-1] += _CONTINUE_TAG
     out = [BOS, "\n\n".join(t for m, t in zip(messages, texts) if m.role in ("system", "developer"))]
-    for m, text in zip(messages, texts):
+    turn: list[tuple[str | None, str]] = []  # the user turn open: (a tool result's call id, or None; its text)
+    order: dict[str, int] = {}
+    for i, (m, text) in enumerate(zip(messages, texts)):
         if m.role in ("user", "tool"):
-            out += [USER, text]
+            turn.append((m.tool_call_id or "", text) if m.role == "tool" else (None, text))
         elif m.role == "assistant":
-            out += [ASSISTANT, text, EOS]
+            if turn:
+                out.append(_user_turn(turn, order))
+                turn = []
+            calls = _tool_calls(i, m.tool_calls) if m.tool_calls else ""
+            out += [ASSISTANT, text + calls, EOS]
+            if m.tool_calls:
+                order = {cid: j for j, c in enumerate(m.tool_calls)
+                         if (cid := c.get("id") or (c.get("function") or {}).get("id"))}
+    if turn:
+        out.append(_user_turn(turn, order))
     if add_generation_prompt:
         out.append(ASSISTANT)
     prompt = "".join(out)
