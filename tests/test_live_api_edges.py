@@ -197,3 +197,51 @@ def test_the_refused_fields_against_the_real_vllm(server, vllm_server):
                           for extra in ({}, {"cache_salt": "tenant-b"}, {"cache_salt": "tenant-b"})]
     assert statuses == {"ours": [400, 400, 400, 400], "vllm": [400, 400, 400, 200]}
     assert cached[0] > 0 and cached[1] == 0 and cached[2] == cached[0], cached  # a salt hits only its own blocks
+
+
+# JSON bodies holding a lone surrogate (``\ud800``: half a UTF-16 pair) where the server reads text, and
+# the field it sits in; the last one a pair, which is one character (U+1F600) and served
+LONE_SURROGATES = [
+    ("v1/completions", '{"prompt": "hi \\ud800", "max_tokens": 1}', "prompt"),
+    ("v1/completions", '{"prompt": ["ok", "\\udfff"], "max_tokens": 1}', "prompt.1"),
+    ("v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 1}',
+     "messages.0.content"),
+    ("tokenize", '{"prompt": "\\uDBFF"}', "prompt"),
+    ("tokenize", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\ud800"}]}]}',
+     "messages.0.content.0.text"),
+]
+
+
+def post_verbatim(base_url: str, model: str, path: str, body: str) -> httpx.Response:
+    """``body`` sent as is, the model put in: a client's JSON encoder will not write a lone surrogate."""
+    return httpx.post(f"{base_url}/{path}", content=('{"model": "%s", ' % model + body[1:]).encode(), timeout=T,
+                      headers={"content-type": "application/json"})
+
+
+def test_a_lone_surrogate_in_the_body_is_a_400_naming_its_field(server):
+    """A lone surrogate reached the tokenizer, whose error was a 500 with a traceback logged; in the
+    body's ``request_id`` it made the answer's id: a whole answer was computed and its render failed
+    (a 500), and a stream was cut after its headers (an incomplete chunked body). It is no text
+    anywhere (no UTF-8 log or capture file takes it either: the ``user`` a capture keys sessions by),
+    so any field holding one is refused."""
+    url, engine = server
+    for path, body, field in [*LONE_SURROGATES,
+                              ("v1/completions", '{"prompt": "x", "max_tokens": 1, "request_id": "\\ud800"}',
+                               "request_id"),
+                              ("v1/completions", '{"prompt": "x", "max_tokens": 1, "stream": true, "user": "a\\udc00"}',
+                               "user")]:
+        r = post_verbatim(url, MODEL, path, body)
+        assert (r.status_code, r.json()["error"]["param"]) == (400, field), (body, r.text)
+        assert "lone surrogate" in r.json()["error"]["message"]
+    r = post_verbatim(url, MODEL, "v1/completions", '{"prompt": "\\ud83d\\ude00", "max_tokens": 1, "request_id": "\\ud83d\\ude00"}')
+    assert r.status_code == 200 and r.json()["id"] == "cmpl-\U0001F600", r.text
+    wait_idle(engine)
+
+
+@pytest.mark.slow
+def test_a_lone_surrogate_where_text_is_read_is_a_400_as_in_the_real_vllm(server, vllm_server):
+    url, _ = server
+    ours = [post_verbatim(url, MODEL, path, body).status_code for path, body, _ in LONE_SURROGATES]
+    theirs = [post_verbatim(vllm_server.base_url, vllm_server.model, path, body).status_code
+              for path, body, _ in LONE_SURROGATES]
+    assert ours == theirs == [400] * len(LONE_SURROGATES), (ours, theirs)

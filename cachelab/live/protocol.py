@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 from typing import Annotated
@@ -395,6 +396,41 @@ def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool = True,
                                 "message) does not appear in the chat after applying the chat template", "messages")
         prompt = prompt[:prompt.rindex(_CONTINUE_TAG)]
     return prompt
+
+
+# a JSON escape of a UTF-16 surrogate (D800-DFFF): a pair decodes to one character, a lone one to a str that no
+# UTF-8 encoder takes (the tokenizer's TypeError, a 500; an answer that echoes it, a stream cut mid-way)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def lone_surrogate(raw: bytes, data) -> tuple[str, int] | None:
+    """The first string of a body (``raw``, parsed as ``data``; a key or a value, in document order)
+    that holds a lone surrogate: its field path (``messages.0.content``; empty for a top-level key)
+    and where. Walked only where ``raw`` holds a surrogate escape."""
+    if not _SURROGATE_ESCAPE.search(raw):
+        return None
+    stack = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        children = []
+        for key, child in items:
+            field = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and (at := _surrogate_at(key)) is not None:
+                return path, at
+            if isinstance(child, str) and (at := _surrogate_at(child)) is not None:
+                return field, at
+            children.append((field, child))
+        stack.extend(reversed(children))
+    return None
+
+
+def _surrogate_at(text: str) -> int | None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
 
 
 def new_id(prefix: str, given: str | None = None) -> str:

@@ -43,7 +43,7 @@ from cachelab.live.engine import LiveEngine, RequestOutput
 from cachelab.live.metrics import EngineMetrics
 from cachelab.live.protocol import (INVALID_BODY, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     TokenizeChatRequest, TokenizeCompletionRequest, chat_prompt, chunk_body,
-                                    completion_body, invalid, new_id, usage, usage_chunk)
+                                    completion_body, invalid, lone_surrogate, new_id, usage, usage_chunk)
 
 MAX_N = 16_384  # choices per prompt at most, vLLM's VLLM_MAX_N_SEQUENCES
 MAX_PROMPTS = 1024  # prompts per completion request at most, vLLM's VLLM_MAX_COMPLETION_PROMPTS
@@ -258,6 +258,10 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
                            INVALID_BODY) from None
         if not isinstance(data, dict):
             raise APIError(400, "request body must be a JSON object", "body", INVALID_BODY)
+        if (lone := lone_surrogate(body, data)) is not None:
+            field, at = lone
+            raise APIError(400, f"{field or 'body'}: a lone surrogate (JSON's \\u escape of half a UTF-16 pair) at "
+                                f"character {at}, not text: send the character whole", field or "body")
         request.state.body = data
         return data
 
