@@ -171,3 +171,34 @@ def test_out_on_the_device_the_store_was_opened_on(tables):
         out = torch.empty((*rows.shape, 256), dtype=torch.bfloat16, device="cuda")
         assert store.lookup(rows, out=out).data_ptr() == out.data_ptr()
         assert check_rows(store, rows, out) == 0
+
+
+def test_a_step_waits_for_the_device_four_times_and_a_failed_one_leaves_nothing_queued(tables, monkeypatch):
+    """A step waits for its stream after its 4 device stages only (its 5 host stages waited for
+    nothing: tests/test_store_cuda_branch.py has the order); a step failing with its copy queued
+    waits for it before raising, so the next step's host writes never race that copy: its rows
+    stay right. The waits counted on the real stream here, the rows on the real device."""
+    rng = np.random.default_rng(10)
+    with TieredStore.open(tables, device="cuda", hbm_policy="lru", hbm_capacity=300, dram_policy="lru",
+                          dram_capacity=400) as store:
+        waits, wait = [], store._stream.synchronize
+        monkeypatch.setattr(store._stream, "synchronize", lambda: waits.append(1) or wait(), raising=False)
+        for _ in range(3):
+            rows = full_rows(rng, 40)
+            del waits[:]
+            assert check_rows(store, rows, store.lookup(rows)) == 0 and len(waits) == 4
+        copy = store._copy
+
+        def failed_copy(*args):
+            copy(*args)
+            torch.cuda._sleep(200_000_000)  # the copy and a spin behind it still queued when the step fails
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(store, "_copy", failed_copy)
+        with pytest.raises(KeyboardInterrupt):
+            store.lookup(full_rows(rng, 40))
+        assert store._stream.query()  # waited for before the interrupt went on
+        monkeypatch.setattr(store, "_copy", copy)
+        for _ in range(2):
+            rows = full_rows(rng, 40)
+            assert check_rows(store, rows, store.lookup(rows)) == 0

@@ -96,7 +96,7 @@ def test_the_cuda_branch_returns_the_cpu_stores_rows_and_counts(tables, backing,
                 waited = step.index(("wait", "store", "caller"))  # is where out= is written: after every clock but one
                 assert got.data_ptr() == out.data_ptr() and step.count(("wait", "store", "caller")) == 1
                 assert step.index(("event", "caller")) < step.index(("sync", "store"))
-                assert step[:waited].count(("sync", "store")) >= 6 and step[waited:].count(("sync", "store")) == 1
+                assert step[:waited].count(("sync", "store")) == 3 and step[waited:].count(("sync", "store")) == 1
             else:
                 got, want = gpu.lookup(rows), cpu.lookup(rows)
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)) and check_rows(gpu, rows, got) == 0
@@ -122,13 +122,56 @@ def test_the_cuda_branch_gathers_the_resident_table(tables, monkeypatch):
         table.rows = device_rows([table.pages], table.pages.shape[0], lay.rows_per_page, lay.row_bytes,
                                  torch.device("cpu"))
         table.table = table.pages = None
-        on_cuda_branch(gpu, monkeypatch)
+        cuda = on_cuda_branch(gpu, monkeypatch)
         for _ in range(2):
             rows = full_rows(rng, 50)
+            before = len(cuda.log)
             got, want = gpu.lookup(rows), cpu.lookup(rows)
+            assert cuda.log[before:].count(("sync", "store")) == 1  # the gather's: its host stages wait for nothing
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)) and check_rows(gpu, rows, got) == 0
             c = gpu.last_step
             assert c["hbm_read_bytes"] == c["unique"] * 264 and c["host_to_device_bytes"] == 0
+
+
+def test_a_step_waits_for_its_stream_after_its_device_stages_only(tables, monkeypatch):
+    """A step's stages that queue no device work (dedup, the policies, the host gathers and the
+    backing read) read the clock without waiting for the store's stream: 4 waits a step, where
+    each of the 9 stage clocks waited (the 5 host ones for nothing: every step ends waiting, a
+    failed one too, so the stream is idle when the next begins). A step failing after its copy
+    is queued waits for it before the error is raised: the next step's host writes go into the
+    staging that copy reads."""
+    rng = np.random.default_rng(4)
+    tiers = dict(backing="dram", hbm_policy="lru", hbm_capacity=300, dram_policy="lru", dram_capacity=400)
+    with TieredStore.open(tables, **tiers) as gpu, TieredStore.open(tables, **tiers) as cpu:
+        cuda = on_cuda_branch(gpu, monkeypatch)
+        for _ in range(3):
+            rows = full_rows(rng, 40)
+            before = len(cuda.log)
+            got, want = gpu.lookup(rows), cpu.lookup(rows)
+            assert cuda.log[before:].count(("sync", "store")) == 4
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+        assert gpu.totals["hbm_hits"] > 0 and gpu.totals["dram_hits"] > 0
+        copy, read, gather = gpu._copy, gpu.backing.read, gpu.tiers[1].gather
+
+        def failed_copy(*args):
+            copy(*args)
+            cuda.log.append(("copy",))
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        def logged(what, fn):
+            return lambda *args: cuda.log.append((what,)) or fn(*args)
+
+        monkeypatch.setattr(gpu, "_copy", failed_copy)
+        monkeypatch.setattr(gpu.backing, "read", logged("host write", read))
+        monkeypatch.setattr(gpu.tiers[1], "gather", logged("host write", gather))
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            gpu.lookup(full_rows(rng, 40))
+        monkeypatch.setattr(gpu, "_copy", copy)
+        rows = full_rows(rng, 40)
+        got = gpu.lookup(rows)
+        after = cuda.log[cuda.log.index(("copy",)):]
+        assert after.index(("sync", "store")) < after.index(("host write",))
+        assert check_rows(gpu, rows, got) == 0  # the tiers emptied by the failure: cold, and right
 
 
 def test_close_lets_the_memory_go_when_the_wait_for_the_device_fails(tables, monkeypatch):

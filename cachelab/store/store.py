@@ -333,10 +333,13 @@ class TieredStore:
             try:
                 rows = self._serve(row_ids, scores, c, out, asked)
             except BaseException:  # a backing read error, an interrupt: see _serve
-                if self._unsettled:
-                    for tier in self.tiers:
-                        tier.clear()
-                    self._unsettled = False
+                try:
+                    self._clock()  # with CUDA, its queued work done before the next step writes its buffers
+                finally:
+                    if self._unsettled:
+                        for tier in self.tiers:
+                            tier.clear()
+                        self._unsettled = False
                 raise
             with self._count_lock:
                 self.last_step = c
@@ -350,8 +353,8 @@ class TieredStore:
         cold caches, and the failed step counts nothing (docs/store.md)."""
         if self._fused:
             return self._serve_fused(row_ids, scores, c, out)
-        clock = self._clock
-        t0 = clock()
+        now, clock = time.perf_counter, self._clock  # a host stage's clock, and a device stage's
+        t0 = now()
         minor0, major0 = _faults()
         keys = self.layout_tables.fold(row_ids, base=self._key_base)
         shape = keys.shape
@@ -374,7 +377,7 @@ class TieredStore:
         ids = self._number(uniq) if self.tiers else uniq
         raw = self.layout_tables.global_keys(uniq) if any(t.needs_raw_keys for t in self.tiers) else None
         d_counts = np.bincount(inverse, minlength=n) if any(t.needs_counts for t in self.tiers) else None
-        t1 = clock()
+        t1 = now()
         c["dedup_s"] = t1 - t0
         # cache lookups: each tier sees the misses of the tier above
         hbm, dram = self._hbm, self._dram
@@ -394,7 +397,7 @@ class TieredStore:
             dram_hit, back = np.flatnonzero(hits1), np.flatnonzero(~hits1)
         else:
             dram_hit, back = np.zeros(0, np.int64), np.arange(m, dtype=np.int64)
-        t2 = clock()
+        t2 = now()
         c["cache_lookup_s"] = t2 - t1
         if self.resident and self.cuda:  # the table in HBM: one gather there, nothing staged or copied
             h, written_hbm, file_bytes, pages = 0, 0, 0, 0
@@ -402,18 +405,19 @@ class TieredStore:
             t8 = clock()
             c["dequant_s"] = t8 - t2
         else:
-            # host side: DRAM-cache hits and backing reads into the host staging buffer (on the CPU
+            # host side: DRAM-cache hits and backing reads into the host staging buffer (with CUDA
+            # pinned, its last copy done: the last step ended waiting for it, ``_clock``; on the CPU
             # the device rows themselves: with no device there is nothing to copy)
             h = hit_pos.size
             dev = self._device_rows(n)
-            host = self._host_staging(m) if self.cuda else dev[h:h + m]
+            host = self._buf("host", m, pin_memory=True).numpy() if self.cuda else dev[h:h + m]
             if dram is not None:
                 dram.gather(slots1, dram_hit, host)
-            t3 = clock()
+            t3 = now()
             bk = keys1[back]
             layer = np.searchsorted(self.layer_base, bk, "right") - 1
             file_bytes, pages = self.backing.read(layer, bk - self.layer_base[layer], host, back)
-            t4 = clock()
+            t4 = now()
             c["backing_read_s"] = t4 - t3  # a memory gather under dram, not an SSD read
             # device side: HBM hits, then the host rows copied after them
             if hbm is not None and h:
@@ -502,17 +506,12 @@ class TieredStore:
         return self._buf("device", n, device=self.device) if self.cuda else self._buf("device", n)
 
     def _clock(self) -> float:
-        """The time between stages. With CUDA it first waits for the store's stream, so each
-        stage's seconds hold its device work (copies and dequantisation run asynchronously),
-        the stages add up to the step, and the rows are complete when the step returns."""
+        """The end of a stage that queued device work: with CUDA, after a wait for the store's stream,
+        so its seconds hold that work, the stages add up to the step and the rows are complete when it
+        returns. Host stages read ``time.perf_counter``: every step, a failed one too, ends waiting."""
         if self.cuda:
             self._stream.synchronize()
         return time.perf_counter()
-
-    def _host_staging(self, m: int) -> np.ndarray:
-        """With CUDA: the pinned host rows a step's DRAM hits and backing reads land in, as a
-        NumPy view (free again once a step's copy is done: ``_clock`` waits for it)."""
-        return self._buf("host", m, pin_memory=True).numpy()
 
     def _copy(self, host: np.ndarray, dev, h: int, m: int) -> None:
         """Host staging -> device rows ``[h, h + m)``: an asynchronous copy from pinned memory
