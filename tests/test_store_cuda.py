@@ -162,15 +162,19 @@ def test_the_resident_table_is_built_once_on_the_device_and_complete(tables):
     table.close()
 
 
-def test_out_on_the_device_the_store_was_opened_on(tables):
+def test_out_on_the_device_the_store_was_opened_on(tables, monkeypatch):
     """A store opened on ``cuda`` (what ``--device auto`` gives) compared ``out.device``
     (``cuda:0``, a tensor's device always has its index) with ``torch.device('cuda')``: unequal,
     so every ``out=`` was refused as on another device."""
     rows = full_rows(np.random.default_rng(9), 10)
     with TieredStore.open(tables, device="cuda", hbm_policy="lru", hbm_capacity=300) as store:
         out = torch.empty((*rows.shape, 256), dtype=torch.bfloat16, device="cuda")
-        assert store.lookup(rows, out=out).data_ptr() == out.data_ptr()
+        copies, copy = [], torch.Tensor.copy_  # written by the dequantiser's lookup, not copied into
+        monkeypatch.setattr(torch.Tensor, "copy_", lambda t, *a, **k: copies.append(t.data_ptr()) or copy(t, *a, **k))
+        assert store.lookup(rows, out=out).data_ptr() == out.data_ptr() and out.data_ptr() not in copies
+        monkeypatch.setattr(torch.Tensor, "copy_", copy)
         assert check_rows(store, rows, out) == 0
+        assert torch.equal(out.view(torch.int16), store.lookup(rows).view(torch.int16))
 
 
 def test_a_step_waits_for_the_device_four_times_and_a_failed_one_leaves_nothing_queued(tables, monkeypatch):

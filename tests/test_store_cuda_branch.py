@@ -91,7 +91,12 @@ def test_the_cuda_branch_returns_the_cpu_stores_rows_and_counts(tables, backing,
             elif step == 3:  # into the caller's tensor, after the work the caller queued
                 before = len(cuda.log)
                 out = torch.empty((*rows.shape, 256), dtype=torch.bfloat16)
+                copy = torch.Tensor.copy_  # out= is written by the dequantiser itself, never copied into
+                monkeypatch.setattr(torch.Tensor, "copy_", lambda t, *a, **k: cuda.log.append(("copy", t.data_ptr()))
+                                    or copy(t, *a, **k))
                 got, want = gpu.lookup(rows, out=out), cpu.lookup(rows)
+                monkeypatch.setattr(torch.Tensor, "copy_", copy)
+                assert ("copy", out.data_ptr()) not in cuda.log and any(e[0] == "copy" for e in cuda.log[before:])
                 step = cuda.log[before:]  # the wait for what the caller queued before asking (an event then)
                 waited = step.index(("wait", "store", "caller"))  # is where out= is written: after every clock but one
                 assert got.data_ptr() == out.data_ptr() and step.count(("wait", "store", "caller")) == 1

@@ -78,10 +78,13 @@ def _dequant_table() -> np.ndarray:
 DEQUANT_TABLE = _dequant_table()
 
 
-def dequant_rows_torch(rows, dim, table):
+def dequant_rows_torch(rows, dim, table, out=None, ready=None):
     """BF16 ``[n, dim]`` of packed rows ``rows`` (a uint8 tensor ``[n, dim + dim / 32]``,
     any device): one lookup per value in ``table`` (``DEQUANT_TABLE`` as int16, on the rows'
-    device), so a GPU's rows are the CPU kernels' bit for bit. The float product it replaces,
+    device), so a GPU's rows are the CPU kernels' bit for bit. ``out``: a contiguous BF16 tensor
+    of ``n x dim`` values the lookup writes into and returns (a second tensor copied into it was
+    one more write of every value); ``ready()`` runs before it is written (the store waits there
+    for the caller's work on it), once the index is built. The float product it replaces,
     ``fp8 x exp2(scale - 127)``, gave +-inf, not NaN, for UE8M0's NaN scale 255 and 0xFFFF, not
     the table's 0x7FC0, for the E4M3 NaN bytes: a checkpoint's rows holding either failed the
     row check on a GPU (tests/test_store.py). The index is one int32 tensor, each block's
@@ -92,7 +95,12 @@ def dequant_rows_torch(rows, dim, table):
     n = rows.shape[0]
     index = rows[:, :dim].to(torch.int32).reshape(n, dim // 32, 32)
     index |= (rows[:, dim:].to(torch.int32) << 8).unsqueeze(2)
-    return table.index_select(0, index.reshape(-1)).view(torch.bfloat16).reshape(n, dim)
+    if out is None:
+        return table.index_select(0, index.reshape(-1)).view(torch.bfloat16).reshape(n, dim)
+    if ready is not None:
+        ready()
+    torch.index_select(table, 0, index.reshape(-1), out=out.view(torch.int16).view(-1))
+    return out
 
 
 FAST_SCALES = (10, 246)  # scale bytes whose every product is a normal BF16: the vector path is exact

@@ -542,12 +542,11 @@ class TieredStore:
             flat = res.view(torch.uint16).numpy().reshape(-1, dim)
             dequant_expand(dev, index, DEQUANT_TABLE, flat, work=flat.nbytes)
             return res
-        idx = torch.from_numpy(index).to(self.device, non_blocking=True)
-        res = dequant_rows_torch(dev.index_select(0, idx), dim, self._device_table).reshape(*shape, dim)
+        rows = dev.index_select(0, torch.from_numpy(index).to(self.device, non_blocking=True))
         if out is None:
-            return res
-        self._stream.wait_event(asked)
-        return self._output(shape, out)[0].copy_(res)
+            return dequant_rows_torch(rows, dim, self._device_table).reshape(*shape, dim)
+        return dequant_rows_torch(rows, dim, self._device_table, self._output(shape, out)[0],
+                                  lambda: self._stream.wait_event(asked))
 
     def reset(self) -> None:
         """Start again as the store opened: both cache tiers emptied (their policies reset, which
