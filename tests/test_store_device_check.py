@@ -44,3 +44,18 @@ def test_the_device_checks_tests_and_commands_need_no_package_the_device_lacks(t
               "lru", "--capacity", "1%", "--dram-capacity", "5%", "--backing", "mmap", "--device", "cpu", "--prefetch")
     assert res.returncode == 0 and json.loads(res.stdout)["matches_simulator"] is True, res.stderr
     assert on_the_device("import polars").returncode == 1  # the stand-in refuses what the device lacks
+
+
+def test_the_device_checks_step_bench_runs_without_them(tmp_path):
+    """The step benchmark the check runs (a step's waits for its stream and out=, each against
+    the old work) runs in the device's image, its JSON what the check's summary reads."""
+    assert "benchmarks/bench_store_device_step.py --trace .device/stream.npz --json" in CHECK
+    stream = stream_of(np.random.default_rng(2), steps=3, tokens=4).save(tmp_path / "s.npz")
+    res = on_the_device("import runpy; sys.path.insert(0, 'benchmarks'); "
+                        "runpy.run_path('benchmarks/bench_store_device_step.py', run_name='__main__')",
+                        "--trace", stream, "--scale", "1e-5", "--rounds", "1", "--steps", "3", "--tokens", "2",
+                        "--json")
+    assert res.returncode == 0, res.stderr
+    run = json.loads(res.stdout)["runs"][0]
+    assert set(run["step_us"]) == set(run["waits_a_step"]) == {"now", "old_waits", "out", "old_out"}
+    assert run["tokens"] == 2 and run["waits_ratio"] > 0 and run["out_ratio"] > 0
