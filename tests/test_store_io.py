@@ -362,3 +362,47 @@ def test_a_table_file_the_reader_cannot_open_is_named_not_blamed_on_io_uring(tab
     if submit == "auto":
         with pytest.raises(CachelabError, match=r"layer14\.tbl: cannot be opened \(Permission denied\)"):
             TieredStore.open(tables, backing="pread", hbm_capacity=None)
+
+
+def test_pread_rows_continues_a_short_read_and_retries_eintr(tmp_path):
+    """A pread that read part of a row mid-file (NFS, FUSE) or returned EINTR failed the step: 'the
+    file ends after N B' for a file that did not end. Such a read is now continued where it stopped
+    and EINTR retried, a bounded number of times in a row; only a read of 0 bytes is the end. No
+    local file gives either, so a stand-in pread (a ctypes callback) gives them."""
+    import ctypes
+
+    from cachelab.store import kernels
+
+    data = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)
+    (tmp_path / "f").write_bytes(data.tobytes())
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    script = []  # what each call does: "eintr", or the most bytes it reads
+
+    @ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int64)
+    def flaky(fd, address, size, offset):
+        step = script.pop(0) if script else size
+        if step == "eintr":
+            kernels.errno_location().contents.value = errno.EINTR
+            return -1
+        got = os.pread(fd, min(size, step), offset)
+        ctypes.memmove(address, got, len(got))
+        return len(got)
+
+    rows = kernels.preads_through(flaky)
+    out, result = np.zeros((2, 1000), np.uint8), np.zeros(1, np.int64)
+    offsets, sizes = np.array([100, 3000], np.int64), np.array([1000, 1000], np.int64)
+    addresses = out.ctypes.data + np.array([0, 1000], np.int64)
+    try:
+        script[:] = [7, "eintr", "eintr", 300, 1, "eintr"]  # row 0 in four short reads, row 1 whole
+        assert rows(fd, offsets, sizes, addresses, result) == -1
+        assert (out[0] == data[100:1100]).all() and (out[1] == data[3000:4000]).all()
+        script[:] = ["eintr"] * (kernels.PREAD_EINTR_TRIES + 1)  # interrupted without end: reported
+        assert rows(fd, offsets, sizes, addresses, result) == 0 and result[0] == -errno.EINTR
+        script[:] = [10] + ["eintr"] * kernels.PREAD_EINTR_TRIES  # the count is of EINTRs in a row
+        assert rows(fd, offsets, sizes, addresses, result) == -1
+        offsets[1] = 3500  # the file ends 596 B into row 1: reads of 96 B, 500 B, then 0 B
+        script[:] = [1000, 96]
+        assert rows(fd, offsets, sizes, addresses, result) == 1 and result[0] == 596
+    finally:
+        os.close(fd)
+    assert (out[1, :596] == data[3500:]).all()

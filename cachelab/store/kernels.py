@@ -29,6 +29,7 @@ on reading their lines for ownership.
 from __future__ import annotations
 
 import ctypes
+import errno
 
 import numba as nb
 import numpy as np
@@ -488,14 +489,38 @@ errno_location = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_int))(
     ctypes.cast(_libc.__errno_location, ctypes.c_void_p).value)
 
 
-@nb.njit(cache=False, nogil=True, boundscheck=False)
-def pread_rows(fd, offsets, sizes, addresses, result):
-    """``pread(fd, addresses[i], sizes[i], offsets[i])`` for each i; the first i that did not
-    read its ``sizes[i]`` bytes, or -1. ``result[0]`` is then what that pread gave: the bytes it
-    read (fewer: the file ended) or ``-errno``, for the error to name."""
-    for i in range(offsets.size):
-        got = _pread(fd, addresses[i], sizes[i], offsets[i])
-        if got != sizes[i]:
-            result[0] = got if got >= 0 else -np.int64(nb.carray(errno_location(), 1)[0])
-            return i
-    return -1
+# a pread interrupted this many times in a row without reading a byte is reported, not retried
+PREAD_EINTR_TRIES = 64
+_EINTR = errno.EINTR
+
+
+def preads_through(pread):
+    """``pread_rows`` calling ``pread`` (libc's; a test's stand-in forces the short reads and
+    EINTR a FUSE or NFS mount gives, which no local file does)."""
+
+    @nb.njit(cache=False, nogil=True, boundscheck=False)
+    def pread_rows(fd, offsets, sizes, addresses, result):
+        """``pread(fd, addresses[i], sizes[i], offsets[i])`` for each i; the first i that did not
+        read its ``sizes[i]`` bytes, or -1. ``result[0]`` is then what it read (fewer: the file
+        ended) or ``-errno``, for the error to name. A short read is continued where it stopped and
+        EINTR retried (up to ``PREAD_EINTR_TRIES`` times in a row): network and FUSE file systems
+        give both mid-file; only a read of 0 bytes is the end of the file."""
+        for i in range(offsets.size):
+            done, interrupted = 0, 0
+            while done < sizes[i]:
+                got = pread(fd, addresses[i] + done, sizes[i] - done, offsets[i] + done)
+                if got > 0:
+                    done, interrupted = done + got, 0
+                    continue
+                err = nb.carray(errno_location(), 1)[0] if got < 0 else 0
+                if got < 0 and err == _EINTR and interrupted < PREAD_EINTR_TRIES:
+                    interrupted += 1
+                    continue
+                result[0] = done if got == 0 else -np.int64(err)
+                return i
+        return -1
+
+    return pread_rows
+
+
+pread_rows = preads_through(_pread)
