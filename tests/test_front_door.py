@@ -371,6 +371,27 @@ def test_help_says_what_an_unset_option_does():
     assert "(the first bounds the prefetch window). Default: the preset's." in shown("serve")
 
 
+def test_help_says_what_leaving_out_a_flag_does_for_every_optional_limit_and_filter():
+    """--admission, --sample-rate, --max-requests, --max-lookups, --output-tokens, the API keys and
+    serve's DRAM cache said nothing of what leaving them out does (an open server? no DRAM cache?)."""
+    def shown(*verb):
+        return " ".join(invoke(*verb, "--help", env={"COLUMNS": "400"}).stdout.split())
+
+    assert "Default: the policy's own (always, every miss admitted, for the built-ins)." in shown("simulate")
+    assert "Default: no sampling, every request." in shown("mrc")
+    assert "(simulated curves; default: the policy's own)" in shown("mrc")
+    assert "Replay only the first N requests (default: all)." in shown("serve-sim")
+    assert "Default: the whole trace." in shown("store", "bench")
+    from cachelab.trace.build import SynthesisSpec
+
+    build, tokens = shown("trace", "build"), SynthesisSpec.model_fields["output_tokens"].default
+    assert "Keep only the first N arrivals (default: all)." in build and f"(default {tokens} tokens)" in build
+    assert "SOURCE; default: all)" in shown("trace", "convert")
+    assert "Default: none, and --host must be a loopback address." in shown("serve")
+    assert "Default: no DRAM warm cache; needs --dram-cache-capacity." in shown("serve")
+    assert "Default: none, and --listen must be a loopback address." in shown("capture", "proxy")
+
+
 # ---- 8. the smaller messages ----
 
 def test_small_messages(keys):

@@ -103,7 +103,8 @@ def simulate(
                                  "fraction (0.01) or percentage ('5%') of the distinct keys, or bytes ('512MiB')."),
     admission: str | None = typer.Option(None, "--admission", help="Admission filter: always, tinylfu, or scores "
                                          "(for a learned policy; in front of another: --policy learned-admission "
-                                         "--param base=NAME)."),
+                                         "--param base=NAME). Default: the policy's own (always, every miss "
+                                         "admitted, for the built-ins)."),
     warmup: float = typer.Option(0.0, "--warmup", help=WARMUP_HELP),
     param: list[str] = typer.Option([], "--param", help=PARAM_HELP),
     fmt: str | None = typer.Option(None, "--format", help=FORMAT_HELP),
@@ -202,9 +203,11 @@ def mrc(
                                    "(objects; or shares '1%', 0.01, or bytes '64MiB', as --capacity)."),
     sample_rate: float | None = typer.Option(None, "--sample-rate",
                                              help="Spatial sampling rate (0..1], e.g. 0.01: plain LRU's curve by SHARDS, "
-                                             "any other policy by mini-simulations at rate x capacity."),
+                                             "any other policy by mini-simulations at rate x capacity. "
+                                             "Default: no sampling, every request."),
     warmup: float = typer.Option(0.0, "--warmup", help=WARMUP_HELP),
-    admission: str | None = typer.Option(None, "--admission", help="Admission filter (simulated curves)."),
+    admission: str | None = typer.Option(None, "--admission", help="Admission filter (simulated curves; default: the "
+                                         "policy's own)."),
     param: list[str] = typer.Option([], "--param", help=PARAM_HELP),
     workers: int | None = typer.Option(None, "--workers", help="Processes for simulated curves (default: all cores)."),
     fmt: str | None = typer.Option(None, "--format", help=FORMAT_HELP),

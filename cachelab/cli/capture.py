@@ -71,7 +71,8 @@ def proxy(
     listen: str = typer.Option("127.0.0.1:8100", help="HOST:PORT to listen on (port 0: any free one). A "
                                "non-loopback host needs --api-key."),
     api_key: str | None = typer.Option(None, envvar="CACHELAB_CAPTURE_API_KEY",
-                                       help="Bearer token every client must send (also passed upstream)."),
+                                       help="Bearer token every client must send (also passed upstream). "
+                                       "Default: none, and --listen must be a loopback address."),
     hash_blocks: int = typer.Option(0, help="Keep no token ids: only salted hashes of N-token prompt blocks."),
     store_text: bool = typer.Option(False, "--store-text", help="Also keep prompt and output text (opt-in)."),
     salt_file: Path | None = typer.Option(None, help="Salt for session and block hashes (default OUT/salt)."),

@@ -27,7 +27,8 @@ def serve(
                                       "a small scaled store, built on first use in the cache directory."),
     host: str = typer.Option("127.0.0.1", help="Address to bind. Anything but loopback needs --api-key."),
     port: int = typer.Option(8000, help="TCP port (0: any free port)."),
-    api_key: str | None = typer.Option(None, help="Require 'Authorization: Bearer KEY' on /v1 routes."),
+    api_key: str | None = typer.Option(None, help="Require 'Authorization: Bearer KEY' on /v1 routes. "
+                                  "Default: none, and --host must be a loopback address."),
     placement: str = typer.Option("dram", help="Where the table lives (the store's backing): dram, mmap, pread, "
                                   "direct, or hbm (the whole table in the --device's memory, no row cache; on the "
                                   "CPU, host memory standing in for HBM); serve-sim's names dram-copy, ssd-mmap, "
@@ -39,7 +40,8 @@ def serve(
     model: Path | None = typer.Option(None, "--model", help="A predictor directory from `cachelab train` for a "
                                       "learned --row-cache-policy (learned-lfu-adaptive, ...): each step's rows "
                                       "are scored online from what was served so far (docs/learned.md)."),
-    dram_cache_policy: str | None = typer.Option(None, help="Policy of the DRAM warm cache."),
+    dram_cache_policy: str | None = typer.Option(None, help="Policy of the DRAM warm cache. Default: no DRAM "
+                                             "warm cache; needs --dram-cache-capacity."),
     dram_cache_capacity: str | None = typer.Option(None, help="DRAM warm cache size (same grammar)."),
     step_log: Path | None = typer.Option(None, help="Write the per-step log (Parquet parts) into this directory."),
     weights: Path | None = typer.Option(None, help="Model weights (.safetensors). Default: seeded dummy weights "

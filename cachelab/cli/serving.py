@@ -82,7 +82,7 @@ def serve_sim(
     max_num_seqs: int | None = typer.Option(None, help="Sequences per step at most; default the vLLM server's for "
                                             "the GPU: 1024 from 70 GiB, 256 below."),
     sample_rate: float = typer.Option(1.0, help="Spatial row sampling rate (0.01 = 1% of pages)."),
-    max_requests: int | None = typer.Option(None, min=1, help="Replay only the first N requests."),
+    max_requests: int | None = typer.Option(None, min=1, help="Replay only the first N requests (default: all)."),
     overlap: bool = typer.Option(False, "--overlap", help="Also replay with the prefix cache off, to show the row cache's overlap with it."),
     goodput: list[str] = typer.Option(None, "--goodput", help=GOODPUT_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),

@@ -108,7 +108,8 @@ def bench(
                                         "trace: its first N (0: all); default 50. A saved stream is replayed whole."),
     max_lookups: int | None = typer.Option(None, "--max-lookups", help="Stop after this many lookups, down to "
                                            "whole tokens (a token's rows are looked up together): the step that "
-                                           "reaches it is cut after its last whole token within it."),
+                                           "reaches it is cut after its last whole token within it. Default: the "
+                                           "whole trace."),
     io_threads: int | None = typer.Option(None, "--io-threads", help="Reads in flight for pread/direct "
                                           "(default: 8 for pread, 32 for direct)."),
     io_submit: str = typer.Option("auto", "--io-submit", help="How direct submits its reads: io_uring, threads "

@@ -58,15 +58,16 @@ def build(
     corpus: str | None = typer.Option(None, help="Corpus for real text: arena-hard, mt-bench, gsm8k, stdlib, ..."),
     corpus_option: list[str] = typer.Option([], help="Corpus option KEY=VALUE (e.g. version=v0.1), repeatable."),
     seed: int | None = typer.Option(None, help="Seed (default 0)."),
-    max_requests: int | None = typer.Option(None, help="Keep only the first N arrivals."),
+    max_requests: int | None = typer.Option(None, help="Keep only the first N arrivals (default: all)."),
     skip_bad: bool = typer.Option(False, "--skip-bad", help="Skip and count unusable input rows instead of failing."),
     no_lengths: bool = typer.Option(False, "--no-lengths", help="Use the arrivals' timing only; lengths from the corpus."),
     prefix_overlap: float | None = typer.Option(None, help="Shared-prefix workload: this share (0 to <1) of every "
                                                 "prompt is one of --prefixes shared prefixes, the rest its own."),
     prefixes: int | None = typer.Option(None, help="Number of shared prefixes with --prefix-overlap (default 4)."),
-    prompt_tokens: int | None = typer.Option(None, help="Prompt length with --prefix-overlap where the arrivals "
-                                             "carry none (gamma)."),
-    output_tokens: int | None = typer.Option(None, help="Output length where neither arrivals nor corpus give one."),
+    prompt_tokens: int | None = typer.Option(None, help="Prompt length (tokens) with --prefix-overlap where the "
+                                             "arrivals carry none (gamma)."),
+    output_tokens: int | None = typer.Option(None, help="Output length where neither arrivals nor corpus give "
+                                             "one (default 256 tokens)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Import an arrival trace (no corpus) or synthesize a workload of real text (with one).
@@ -234,7 +235,7 @@ def convert(
                                                      "trace's block_hashes, else 16)."),
     preset: str | None = typer.Option(None, help=f"Engram layout for --keys rows (default {PRESET})."),
     max_requests: int | None = typer.Option(None, help="Convert only the first N requests (records of an oracleGeneral "
-                                                       "SOURCE)."),
+                                                       "SOURCE; default: all)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Convert between the trace schema and libCacheSim's oracleGeneral key format (unit sizes).
