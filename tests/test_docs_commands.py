@@ -4,7 +4,11 @@ error. Expensive commands are not run; their verbs and flags are checked against
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import typer
@@ -65,3 +69,19 @@ def test_the_checker_sees_a_stale_verb_and_flag():
     text = "```bash\ncachelab simulate --trace T \\\n  --bogus 3\n```\n`cachelab trace` and `cachelab mrc --capacities 1`"
     assert [w for line in _command_lines(text) for w in _unknown(line, root)] == ["'cachelab simulate' has no --bogus"]
 
+
+def test_the_plugin_examples_commands_run_as_written(tmp_path):
+    """examples/plugin-example/README.md's commands (its install aside), pasted into a fresh folder:
+    its simulate read a keys.npy that nothing made."""
+    text = (REPO_ROOT / "examples" / "plugin-example" / "README.md").read_text(encoding="utf-8")
+    lines = [line for _, block in SHELL_BLOCK.findall(text) for line in block.splitlines()
+             if line.strip() and not line.startswith("pip install")]
+    pytest.importorskip("cachelab_plugin_example", reason="scripts/setup installs examples/plugin-example")
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    said = []
+    for line in lines:
+        res = subprocess.run(line, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, (line, res.stdout[-1000:], res.stderr[-2000:])
+        said.append(res.stdout)
+    simulated = [json.loads(out) for line, out in zip(lines, said) if line.startswith("cachelab simulate")]
+    assert simulated and simulated[0]["policy"] == "example-random" and simulated[0]["requests"] > 0
