@@ -4,7 +4,7 @@ import hashlib
 import os
 import sys
 
-from cachelab import numba_start
+from cachelab import llvm_interrupt, numba_start
 
 __version__ = "0.1.0"
 
@@ -91,3 +91,4 @@ def purge_stale_kernels(base: "str | os.PathLike | None" = None) -> None:
 
 purge_stale_kernels()
 numba_start.install()
+llvm_interrupt.install()

@@ -128,7 +128,7 @@ def _without_scipy(loader, module) -> None:
     if _tolerated(loader, module, "scipy"):
         check = getattr(module, "_ensure_critical_deps", None)
     if check is not None:
-        _after("scipy", lambda _: check())
+        after("scipy", lambda _: check())
 
 
 def _tolerated(loader, module, name: str) -> bool:
@@ -249,7 +249,7 @@ def _unmasked(typeof) -> None:
     typeof.typeof_impl.register(np.ndarray)(typeof_array)
 
 
-def _after(name, done) -> None:
+def after(name, done) -> None:
     """``done(module)`` of module ``name``: now if it is imported, else once its own code has run."""
     def run(loader, module):
         loader.exec_module(module)
@@ -274,6 +274,6 @@ def install() -> None:
     _before(NUMBA, _without_scipy)
     _before(CONFIGURING, _without_yaml)
     _before(PROBING, _without_blas_probe)
-    _after(CACHING, _refresh_on_compile)
-    _after(RUNTIME, _cached_runtime)
-    _after(TYPING, _unmasked)
+    after(CACHING, _refresh_on_compile)
+    after(RUNTIME, _cached_runtime)
+    after(TYPING, _unmasked)

@@ -350,3 +350,42 @@ def test_ctrl_c_mid_replay_says_nothing_was_written_and_exits_130(tmp_path, monk
     assert proc.returncode == 130, err
     assert err.strip().splitlines()[-1] == f"{verb} interrupted: nothing was written", err
     assert "Traceback" not in err and out == "", err
+
+
+COMPILING = """
+import os, signal, sys
+from llvmlite.binding import executionengine
+
+plain, sent = executionengine.ExecutionEngine.set_object_cache, []
+
+
+def set_object_cache(self, notify_func=None, getbuffer_func=None):
+    def getbuffer(module):  # LLVM asks for a kept object as it starts compiling: Ctrl-C lands here
+        if not sent:  # once: the handler runs as soon as kill returns
+            sent.append(module)
+            os.kill(os.getpid(), signal.SIGINT)
+        return getbuffer_func(module)
+
+    return plain(self, notify_func, getbuffer)
+
+
+executionengine.ExecutionEngine.set_object_cache = set_object_cache
+from cachelab.cli import main
+
+main(sys.argv[1:])
+"""
+
+
+def test_ctrl_c_while_numba_compiles_says_nothing_was_written_and_exits_130(tmp_path):
+    """Ctrl-C while LLVM compiled a kernel (a fresh Numba cache's first seconds) was taken by
+    Python in LLVM's object-cache callback, where ctypes prints it as ignored: simulate either
+    finished and exited 0, or Numba found no object code to cache and died with a traceback
+    (RuntimeError: no compiled object yet). It is now raised once LLVM returns."""
+    np.save(tmp_path / "k.npy", KEYS)
+    proc = subprocess.run([sys.executable, "-c", COMPILING, "simulate", "--trace", str(tmp_path / "k.npy"),
+                           "--policy", "lru", "--capacity", "50"], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"),
+                               "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip().splitlines() == ["simulate interrupted: nothing was written"], proc.stderr
+    assert proc.stdout == "", proc.stdout
