@@ -265,3 +265,32 @@ def test_evaluate_json_names_the_registered_policy_of_every_label(trained):
     assert {names[label]: label for label in names} == {n: lab for n, lab in label_of.items() if n in names.values()}
     assert names["LRU"] == "lru" and names["Belady (bypass)"] == "belady-bypass" and names["arc"] == "arc"
     assert result["learned_policy"] in names.values() and names[row["best_heuristic"]] in label_of
+
+
+@pytest.mark.parametrize("field, value", [("request", -1_000_000), ("position", -100_000_000), ("token", "vocab"), ("column", "columns"),
+                                          ("domain", 1)])
+def test_a_saved_stream_s_metadata_out_of_range_is_named_not_a_crash(tmp_path, field, value):
+    """The feature kernels index by a .npz's per-lookup metadata unchecked: a negative request or
+    position wrote before the token table (train died of SIGSEGV, exit -11), and a token past the
+    vocabulary, a column past the n-gram heads or a domain code without a name were read past
+    their arrays into the features, said nothing of."""
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from cachelab.engram import get_preset
+    from cachelab.learning.streams import prompt_stream
+
+    path = prompt_stream(["gsm8k"], 4).save(tmp_path / "s.npz")
+    cfg = get_preset("deepseek-v4.1-flash")
+    value = {"vocab": cfg.compressed_vocab, "columns": (cfg.max_ngram - 1) * cfg.heads}.get(value, value)
+    arrays = dict(np.load(path))
+    arrays[f"meta_{field}"][500] = value
+    np.savez(path, **arrays)
+    proc = subprocess.run([sys.executable, "-m", "cachelab", "train", "--trace", str(path), "--out",
+                           str(tmp_path / "model")], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert f"the lookup stream's {field} of lookup 500 is {value}, but must be" in " ".join(proc.stderr.split())

@@ -200,6 +200,7 @@ class LearningView:
         cfg = preset if isinstance(preset, EngramConfig) else get_preset(preset)
         check_stream_layout(stream, cfg, "the lookup stream", "give the stream's layout as --preset, or a model "
                             "trained on it")
+        check_meta(stream, cfg)
         dd, uniq = compact_steps(stream.keys, stream.step_offsets)
         table, base = token_table(stream)
         first = np.empty(dd.keys.size, np.int64)
@@ -227,6 +228,27 @@ class LearningView:
             return []
         digests = np.unique(self.prompt[np.unique(self.request[lo:hi])])
         return [f"{d:016x}" for d in digests[digests != 0]]
+
+
+def check_meta(stream: LookupStream, cfg) -> None:
+    """Refuse per-lookup metadata that the compiled feature kernels, which check no index, would
+    read or write out of bounds with: a request or position below 0 (the token table written
+    before its start: a crash), a token past layout ``cfg``'s compressed vocabulary (the corpus
+    prior), a column past its n-gram heads (an n-gram longer than ``max_ngram``), a domain code
+    without a name. A saved .npz holds whatever was written into it."""
+    bounds = {"request": (0, None, ""), "position": (0, None, ""),
+              "token": (-1, cfg.compressed_vocab - 1, f"the compressed vocabulary of layout {cfg.name!r}; -1: none"),
+              "column": (0, (cfg.max_ngram - 1) * cfg.heads - 1, f"the n-gram heads of layout {cfg.name!r}"),
+              "domain": (0, len(stream.domains) - 1, f"the codes of the stream's domain names, {len(stream.domains)}")}
+    for name, (low, high, what) in bounds.items():
+        values = stream.meta[name]
+        bad = (values < low) if high is None else (values < low) | (values > high)
+        if bad.any():
+            i = int(bad.argmax())
+            allowed = f">= {low}" if high is None else f"in {low}..{high} ({what})"
+            raise CachelabError(f"the lookup stream's {name} of lookup {i:,} is {int(values[i])}, but must be {allowed}; "
+                                f"{int(bad.sum()):,} of its {values.size:,} lookups are out of range: a damaged or "
+                                "hand-made stream")
 
 
 def layout_signature(cfg) -> dict:
