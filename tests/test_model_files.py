@@ -164,7 +164,9 @@ def _craft_metadata(d: Path, change) -> None:
     (lambda m: {**m, "feature_names": "abc"}, "'feature_names' must be a list"),
     (lambda m: {**m, "params": {**m["params"], "max_iter": "many"}}, r"params.max_iter must be an integer"),
     (lambda m: {**m, "params": {"nope": 1}}, "has no parameter 'nope'"),
-    (lambda m: {**m, "predictor": "no-such-predictor"}, "unknown predictor"),
+    # which model named it was said nowhere: the file, and that the model needs it
+    (lambda m: {**m, "predictor": "no-such-predictor"}, r"metadata.json: predictor: unknown predictor 'no-such-predictor'; "
+     r"installed: .* \(the model was trained with it and loads only through it\)"),
     # the training requests' digests (evaluate leaves their repeats uncounted) and the params' ranges
     (lambda m: {**m, "spec": {**m["spec"], "train_requests": "abc"}}, "spec.train_requests must be a list of 16-digit"),
     (lambda m: {**m, "spec": {**m["spec"], "train_requests": ["x" * 16]}}, "spec.train_requests must be a list"),
@@ -348,3 +350,29 @@ def test_a_model_is_never_saved_over_other_files(models, tmp_path):
     (unsealed / MANIFEST).unlink()
     save(load(models["logistic"][0]), unsealed)  # its own folder: replaced, not refused
     np.testing.assert_array_equal(load(unsealed).predictor.predict(_x()), models["logistic"][1])
+
+
+BROKEN = {  # a predictor plug-in whose own dependency is not installed
+    "brokenpred/__init__.py": "import a_dependency_not_installed\n",
+    "cachelab_brokenpred-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: cachelab-brokenpred\nVersion: 0.1\n",
+    "cachelab_brokenpred-0.1.dist-info/entry_points.txt": "[cachelab.predictors]\nbroken = brokenpred:Broken\n",
+}
+
+
+def test_a_model_whose_predictor_plug_in_fails_to_load_names_the_model_and_the_plug_in(models, tmp_path, monkeypatch):
+    """The plug-in's import error was named, but not the model that named it (a folder given to
+    evaluate, simulate --model or serve --model)."""
+    from experiment_helpers import install_site
+
+    install_site(tmp_path, BROKEN, monkeypatch)
+    registry.discover.cache_clear()
+    try:
+        d = _copy(models["hgb"][0], tmp_path / "m")
+        _craft_metadata(d, lambda m: {**m, "predictor": "broken"})
+        with pytest.raises(CachelabError) as exc:
+            load(d)
+    finally:
+        registry.discover.cache_clear()
+    message = str(exc.value)
+    assert message.startswith(f"{d / 'metadata.json'}: predictor: plug-in 'broken'"), message
+    assert "cachelab-brokenpred 0.1" in message and "No module named 'a_dependency_not_installed'" in message

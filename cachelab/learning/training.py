@@ -424,8 +424,12 @@ def load(directory: Path) -> Model:
     verify(directory, required=(PRIOR,))
     check_features(meta, list(FEATURE_NAMES), directory)
     name = meta.get("predictor")
-    cls = registry.get(registry.PREDICTORS, name)
     where = directory / METADATA
+    try:  # the name is the model's: an uninstalled or broken one said neither the file nor the model
+        cls = registry.get(registry.PREDICTORS, name)
+    except CachelabError as exc:
+        raise CachelabError(f"{where}: predictor: {exc} (the model was trained with it and "
+                            "loads only through it)") from None
     check_params(cls, meta.get("params", {}), f"{where}: params")
     try:  # and their ranges (the predictor's constructor), named with the file
         cls(**meta.get("params", {}))
