@@ -360,7 +360,7 @@ def study_semianalysis(
     unsourced_ranges: bool = typer.Option(False, help="Also read the keys across the plausible range of the terms no "
                                           "source pins: the agentic think time and input spread as third parties' "
                                           "counts of the trace give them, and an SSD host cost per token of context "
-                                          "(a what-if; 3-4 minutes more)."),
+                                          "(a what-if; about 140 s of CPU more)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """SemiAnalysis' Engram placement study, computed by the model.
