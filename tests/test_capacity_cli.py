@@ -39,7 +39,7 @@ def test_simulate_takes_shares_and_rows_alike(keys):
 
 def test_mrc_takes_every_form_and_dedups_what_they_resolve_to(keys):
     unique = np.unique(KEYS).size
-    curve = _json(["mrc", "--trace", keys, "--capacities", f"1%,{round(unique * 0.01)},0.2,64B"])
+    curve = _json(["mrc", "--trace", keys, "--capacities", f"1%,{round(unique * 0.01)},0.2,64"])
     assert curve["capacities"] == sorted({round(unique * 0.01), round(unique * 0.2), 64})
 
 
