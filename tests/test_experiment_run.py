@@ -758,6 +758,41 @@ def test_report_reads_the_runs_dir_and_names_the_records_waiting_there(tmp_path,
     assert res.returncode == 2 and "no experiment named 'tiny'" in res.stderr and "wait in" in res.stderr, res.stderr
 
 
+TWIN = {  # a third party's policy labelled as a built-in is: the lineup (which needs one label per policy) refuses it
+    "twinpolicy/__init__.py": """
+        from policies.linked.lru import LRU
+
+        class Twin(LRU):
+            name, label = "twin", "LRU"
+        """,
+    "cachelab_twin-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: cachelab-twin\nVersion: 0.1\n",
+    "cachelab_twin-0.1.dist-info/entry_points.txt": "[cachelab.policies]\ntwin = twinpolicy:Twin\n",
+}
+
+
+def test_report_json_without_a_learned_point_loads_no_lineup(tmp_path, local, monkeypatch):
+    """`report --json`'s policy_names loaded the lineup (every registered policy imported) for an experiment
+    without a learned point, which names no policy: a plug-in the lineup refuses failed the report of a sweep
+    that never ran it. With a learned point the lineup is read, and the refusal is the error it is."""
+    from experiment_helpers import install_site
+
+    from cachelab import registry
+    from cachelab.experiment.report import load_experiment, report_json
+    from cachelab.experiment.tracking import Tracker
+    from cachelab.learning.lineup import lineup
+
+    _, _, uri, _ = local
+    install_site(tmp_path, TWIN, monkeypatch)
+    registry.discover.cache_clear()
+    try:
+        with pytest.raises(CachelabError, match="both labelled 'LRU'"):
+            lineup()  # the plug-in is refused where a policy is named
+        out = report_json(load_experiment(Tracker(uri), "tiny"))
+    finally:
+        registry.discover.cache_clear()
+    assert (out["headline"], out["policy_names"], out["points_finished"]) == ([], {}, 4)
+
+
 def test_report_of_a_spec_file_reads_only_its_name_not_the_data_it_names(tmp_path, local):
     """`report SPEC.toml` checked the whole spec, so a report of runs already finished failed where the
     spec's data files, its data root or a layout file it names were not there (the runs hold what

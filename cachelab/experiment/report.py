@@ -229,7 +229,7 @@ def headline(data: ExperimentData) -> pl.DataFrame:
 def report_json(data: ExperimentData, out: Path | None = None) -> dict:
     """What ``cachelab report --json`` prints: every point (a replay point's summary row, a learned point with its
     headline per capacity), the headline, and ``policy_names``: each label the headline names -> its registry name."""
-    from cachelab.learning.lineup import lineup
+    from cachelab.learning.lineup import names_of
 
     points = [{"kind": kind, **row} for kind, table in summary_tables(data).items() for row in table.to_dicts()]
     best = headline(data)
@@ -239,8 +239,8 @@ def report_json(data: ExperimentData, out: Path | None = None) -> dict:
             points.append({"kind": "learned", "label": label, "capacities": mine})
     return {**({"report": str(out)} if out is not None else {}), "points": points, "headline": best.to_dicts(),
             "points_finished": data.results.height, "points_expected": data.points_expected,
-            "policy_names": lineup().names(r[c] for r in best.to_dicts()
-                                           for c in ("learned", "best_heuristic", "bound"))}
+            "policy_names": names_of(r[c] for r in best.to_dicts()
+                                     for c in ("learned", "best_heuristic", "bound"))}
 
 
 _CSS = """body{font-family:system-ui,sans-serif;margin:2rem auto;max-width:1150px;color:#222}

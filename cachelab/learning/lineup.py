@@ -86,6 +86,13 @@ def lineup() -> Lineup:
     return Lineup(*roles, unavailable)
 
 
+def names_of(labels) -> dict[str, str]:
+    """``Lineup.names`` of ``labels``, the lineup (every registered policy imported) loaded only where there is a
+    label: an experiment without a learned point names no policy, and must not fail on a plug-in it never ran."""
+    labels = list(labels)
+    return lineup().names(labels) if labels else {}
+
+
 def _the_one(what: str, names: list[str], how: str) -> str:
     if len(names) != 1:
         found = f"several: {', '.join(names)}" if names else "none"
