@@ -291,7 +291,8 @@ def test_run_json_ends_with_the_headline_as_the_text_does(tmp_path, mlflow_uri):
     res = cli("run", str(spec), "--workers", "1", "--tracking-uri", mlflow_uri, "--json",
               cwd=tmp_path)
     assert res.returncode == 0, res.stderr
-    assert json.loads(res.stdout)["headline"] == []
+    out = json.loads(res.stdout)
+    assert out["headline"] == [] and out["policy_names"] == {}
 
 
 @pytest.mark.parametrize("as_json", [True, False])
@@ -437,12 +438,24 @@ tokens_per_step = 512
 def test_held_out_workloads_are_tracked_each_under_its_own_name(tmp_path, mlflow_uri):
     """Two domains of one held-out workload made a metric key MLflow refuses ('+'), which
     failed the point's tracking and every later run's sync; two held-out workloads of one corpus
-    shared a name, and the later one's results replaced the earlier's."""
+    shared a name, and the later one's results replaced the earlier's. `run --json` names the registered policy
+    of each label its headline names (``policy_names``, as `report --json` and `evaluate --json` do; it had none)."""
+    from typer.testing import CliRunner
+
+    from cachelab.cli import build
+    from cachelab.learning.lineup import lineup
+
     spec = tmp_path / "held.toml"
     spec.write_text(HELD_OUT)
     uri = mlflow_uri
-    summary = run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", workers=1, quiet=True)
-    assert (summary.ran, summary.failed, summary.outbox) == (1, [], None)
+    res = CliRunner().invoke(build(["run"]), ["run", str(spec), "--workers", "1", "--tracking-uri", uri,
+                                              "--runs-dir", str(tmp_path / "runs"), "--json"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)
+    assert (summary["ran"], summary["failed"], summary["outbox"]) == (1, [], None)
+    labels = {r[c] for r in summary["headline"] for c in ("learned", "best_heuristic", "bound")}
+    assert len(summary["headline"]) == 3 and summary["policy_names"] == lineup().names(labels)
+    assert summary["policy_names"][summary["headline"][0]["bound"]] in lineup().oracles.values()
     [point] = _points(uri, "held")
     lookups = {k.removeprefix("eval.lookups."): v for k, v in point.data.metrics.items()
                if k.startswith("eval.lookups.")}

@@ -41,14 +41,15 @@ def run(
 def run_and_print(spec: Path, *, as_json: bool, **options) -> None:
     """Run a spec, print its summary table (or one JSON object), exit 1 if a point failed, else 2 if
     the results tracked could not be read back for the summary (the error says why)."""
-    from cachelab.experiment.report import headline
+    from cachelab.experiment.report import report_json
     from cachelab.experiment.runner import run_experiment
 
     summary = run_experiment(spec, quiet=as_json, **options)
     data, error = _read_back(summary)
-    if as_json:  # the headline too, as the text ends with it (it was only in `report --json`)
-        rows = headline(data).to_dicts() if data is not None else []
-        typer.echo(strict_json.dumps({**summary.to_dict(), "headline": rows,
+    if as_json:  # the headline and its policies' registry names too, as `report --json` gives them
+        shown = report_json(data) if data is not None else {"headline": [], "policy_names": {}}
+        typer.echo(strict_json.dumps({**summary.to_dict(), "headline": shown["headline"],
+                                      "policy_names": shown["policy_names"],
                                       **({"headline_error": error} if error else {})}))
     else:
         if data is not None:
