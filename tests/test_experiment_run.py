@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -167,11 +168,14 @@ def test_a_second_run_or_sync_of_an_experiment_is_refused_while_one_holds_it(tmp
     assert run_experiment(spec, tracking_uri=uri, runs_dir=tmp_path / "runs", workers=1, quiet=True).ran == 4
 
 
-def test_mlflow_server_gives_the_same_results(tmp_path, local, capsys):
+@contextlib.contextmanager
+def mlflow_server(folder: Path):
+    """A real `mlflow server` on a free loopback port over ``folder``'s store and artifacts (the same ones again
+    when started again): (its URI, its process), stopped at the end."""
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{tmp_path}/server.db", "--artifacts-destination", str(tmp_path / "art")],
+         "--backend-store-uri", f"sqlite:///{folder}/server.db", "--artifacts-destination", str(folder / "art")],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     uri = f"http://127.0.0.1:{port}"
     try:
@@ -186,6 +190,15 @@ def test_mlflow_server_gives_the_same_results(tmp_path, local, capsys):
             assert time.monotonic() < deadline, "mlflow server did not come up in 120 s"
             assert server.poll() is None, "mlflow server exited"
             time.sleep(0.5)
+        yield uri, server
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+
+
+def test_mlflow_server_gives_the_same_results(tmp_path, local, capsys):
+    with mlflow_server(tmp_path) as (uri, _):
         capsys.readouterr()
         summary = run_experiment(write_spec(tmp_path), tracking_uri=uri, runs_dir=tmp_path / "runs",
                                  workers=1, quiet=True)
@@ -195,9 +208,43 @@ def test_mlflow_server_gives_the_same_results(tmp_path, local, capsys):
         client = MlflowClient(tracking_uri=uri)
         run = _points(uri, "tiny")[0]
         assert "per_step.parquet" in {a.path for a in client.list_artifacts(run.info.run_id)}
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=30)
+
+
+def test_a_server_gone_after_the_last_point_keeps_the_experiment_run_for_sync(tmp_path, monkeypatch):
+    """An MLflow server that went away after the sweep's last point was tracked, before the experiment's run got
+    its results and report, failed `cachelab run` with a traceback (exit 1) and left that run RUNNING, its results
+    table and report never made: the run now waits in the outbox, as after a server gone mid-sweep, and a sync
+    to the server back finishes it."""
+    from typer.testing import CliRunner
+
+    from cachelab.cli import build
+    from cachelab.experiment.tracking import Tracker
+
+    real = Tracker.log_point
+    spec = write_spec(tmp_path, name="gone", capacities=("2%",))
+    with mlflow_server(tmp_path) as (uri, server):
+        def then_server_gone(self, *args):
+            run_id = real(self, *args)
+            if len(_points(uri, "gone")) == 2:  # the last point is in
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait(timeout=30)
+            return run_id
+
+        monkeypatch.setattr(Tracker, "log_point", then_server_gone)
+        res = CliRunner().invoke(build(["run"]), ["run", str(spec), "--workers", "1", "--tracking-uri", uri,
+                                                  "--runs-dir", str(tmp_path / "runs"), "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert (out["ran"], out["report"], out["outbox"]) == (2, None, str(tmp_path / "runs" / "gone" / "outbox"))
+    assert os.listdir(out["outbox"]) == ["_parent"]  # the points are tracked; --json says where the run waits
+    with mlflow_server(tmp_path) as (uri, _):  # the same store, back
+        sync = cli("sync", "gone", "--tracking-uri", uri, "--runs-dir", str(tmp_path / "runs"), cwd=tmp_path)
+        assert sync.returncode == 0, sync.stderr  # its own process: this one's MLflow keeps the old port's artifacts
+        client = MlflowClient(tracking_uri=uri)
+        parent = client.get_run(_points(uri, "gone")[0].data.tags["mlflow.parentRunId"])
+        assert parent.info.status == "FINISHED" and parent.data.metrics["points.finished"] == 2
+        assert {"results.parquet", "report.html"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert os.listdir(out["outbox"]) == []
 
 
 def _loopback(address: str) -> bool:

@@ -188,9 +188,13 @@ def _sweep(spec: ExperimentSpec, spec_path: Path, overrides: list[str] | None, o
                               soft_wrap=True)
             raise
     if tracker is not None:
-        summary.report = _finish_parent(tracker, spec.name, exp_id, parent_id, [p.hash for p in points],
-                                        outbox.root.parent / "report.html", failed=bool(summary.failed))
-    else:  # the parent waits in the outbox: sync ends it FAILED too if a point failed here
+        try:
+            summary.report = _finish_parent(tracker, spec.name, exp_id, parent_id, [p.hash for p in points],
+                                            outbox.root.parent / "report.html", failed=bool(summary.failed))
+        except Exception as exc:  # the server went away after the last point: a traceback, the parent RUNNING
+            console.print(f"[yellow]tracking failed ({exc}); the experiment's run waits in {outbox.root}[/]")
+            tracker = None
+    if tracker is None:  # the parent waits in the outbox: sync ends it FAILED too if a point failed here
         parent.tags[POINTS_FAILED] = str(len(summary.failed))
         outbox.write(parent, PARENT)
     if outbox.keys():
