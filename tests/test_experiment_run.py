@@ -818,6 +818,28 @@ def test_report_reads_the_runs_dir_and_names_the_records_waiting_there(tmp_path,
     assert res.returncode == 2 and "no experiment named 'tiny'" in res.stderr and "wait in" in res.stderr, res.stderr
 
 
+def test_an_experiment_made_meanwhile_by_another_sweep_is_used(tmp_path, mlflow_uri):
+    """Two first sweeps of one experiment into one store, from two runs dirs or machines (each holds only its own
+    lock), both saw no experiment and created it: the later one failed with MLflow's RESOURCE_ALREADY_EXISTS
+    traceback. It now takes the one made meanwhile."""
+    from cachelab.experiment.tracking import Tracker
+
+    tracker = Tracker(mlflow_uri)
+    real, calls = tracker.client.get_experiment_by_name, []
+
+    def made_meanwhile(name):  # the other sweep creates it between this one's look and its create
+        calls.append(name)
+        if len(calls) == 1:
+            made.append(MlflowClient(tracking_uri=mlflow_uri).create_experiment(name))
+            return None
+        return real(name)
+
+    made = []
+    tracker.client.get_experiment_by_name = made_meanwhile
+    assert tracker.experiment_id("both") == made[0]
+    assert [e.name for e in MlflowClient(tracking_uri=mlflow_uri).search_experiments()].count("both") == 1
+
+
 TWIN = {  # a third party's policy labelled as a built-in is: the lineup (which needs one label per policy) refuses it
     "twinpolicy/__init__.py": """
         from policies.linked.lru import LRU

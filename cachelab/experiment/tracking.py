@@ -134,7 +134,13 @@ class Tracker:
             return exp.experiment_id
         if not create:
             return None
-        return self.client.create_experiment(name)
+        try:
+            return self.client.create_experiment(name)
+        except Exception:  # made since by a sweep this lock does not see (another runs dir or machine): use it
+            exp = self.client.get_experiment_by_name(name)
+            if exp is None:
+                raise
+            return exp.experiment_id
 
     def _search(self, exp_id: str, filter_string: str, order_by=None) -> list:
         runs, token = [], None
