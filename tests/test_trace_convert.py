@@ -15,6 +15,8 @@ from typer.testing import CliRunner
 from cachelab.trace.arrivals import arrival_frame
 from cachelab.cli import app
 from cachelab.engram import Addresser, encode
+from cachelab.errors import CachelabError
+from cachelab.trace.convert import oracle_to_trace
 from cachelab.trace.keytrace import ORACLE_DTYPE, oracle_times, read_keys, read_oracle_general, write_oracle_general
 from cachelab.trace.kinds import detect
 from cachelab.trace.schema import conform, read_trace, write_trace
@@ -241,6 +243,51 @@ def test_oracle_import_takes_max_requests_and_refuses_block_size(tmp_path):
     assert convert(tmp_path / "t.parquet", tmp_path / "b.bin", "--keys", "blocks")["records"] == 2
     res = runner.invoke(app, ["trace", "convert", str(src), str(tmp_path / "u.parquet"), "--block-size", "4"])
     assert res.exit_code == 2 and "--block-size 4" in res.output and not (tmp_path / "u.parquet").exists()
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_oracle_import_of_the_first_requests_reads_no_further(tmp_path, monkeypatch, compressed):
+    """--max-requests took the head of the whole file's trace: every record was read (a 10 GB trace for
+    its first 1,000 requests), and a record past the head going back in time refused the head."""
+    import pyarrow as pa
+
+    from cachelab.trace import keytrace
+
+    keys = np.arange(10_000) % 700
+    rec = np.fromfile(write_oracle_general(tmp_path / "k.bin", keys), dtype=ORACLE_DTYPE)
+    rec["size"][[3, 5]] = 0  # skipped records before the head's end, numbered as before
+    rec["time"][9_000] = 0  # damage past the head
+    src = tmp_path / "k.oracleGeneral"
+    src.write_bytes(pa.compress(rec.tobytes(), "zstd", asbytes=True) if compressed else rec.tobytes())
+    monkeypatch.setattr(keytrace, "_RECORDS", 100)
+    reads = []
+    real = keytrace.open_binary if compressed else open
+
+    class Counted:
+        def __init__(self, *args):
+            self.f = real(*args)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def read(self, size=-1):
+            reads.append(size)
+            return self.f.read(size)
+
+    monkeypatch.setattr(keytrace, "open_binary" if compressed else "open", Counted, raising=False)
+    with pytest.raises(CachelabError, match=r"k.oracleGeneral, record 9000: time 0 goes back"):
+        oracle_to_trace(src)
+    reads.clear()
+    trace = oracle_to_trace(src, 250)
+    assert trace.height == 250 and reads.count(100 * ORACLE_DTYPE.itemsize) == 3  # 300 records read
+    assert trace["block_hashes"].explode().to_list() == np.delete(keys, [3, 5])[:250].tolist()
+    records, number = keytrace.read_oracle_requests(src, 250)
+    assert number.tolist() == np.delete(np.arange(252), [3, 5]).tolist()
+    monkeypatch.undo()
+    assert convert(src, tmp_path / "t.parquet", "--max-requests", "250")["requests"] == 250
 
 
 def test_convert_refuses_the_flags_its_direction_and_key_kind_do_not_read(tmp_path, content_trace):

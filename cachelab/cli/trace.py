@@ -256,8 +256,7 @@ def convert(
             raise CachelabError(f"{', '.join(given)}: an oracleGeneral file becomes a trace of one block per "
                                 f"record; {'they apply' if len(given) > 1 else 'it applies'} when writing "
                                 "oracleGeneral from a trace (an OUT that is not .parquet)")
-        frame = oracle_to_trace(source)
-        frame = frame if max_requests is None else frame.head(max_requests)
+        frame = oracle_to_trace(source, max_requests)
         write_trace(frame, out)
         result = {"out": str(out), "direction": "oracleGeneral->trace", "requests": frame.height}
     else:

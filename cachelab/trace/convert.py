@@ -90,9 +90,10 @@ def trace_keys(path: str | os.PathLike, kind: str = "rows", *, block_size: int |
     return keys
 
 
-def oracle_to_trace(path: str | os.PathLike) -> pl.DataFrame:
-    """A content-less trace of an oracleGeneral file: one request per record (see module doc)."""
-    records, number = read_oracle_requests(path)
+def oracle_to_trace(path: str | os.PathLike, max_requests: int | None = None) -> pl.DataFrame:
+    """A content-less trace of an oracleGeneral file: one request per record (see module doc), the
+    first ``max_requests`` only (the file read no further, its later records not looked at)."""
+    records, number = read_oracle_requests(path, max_requests)
     if records.size == 0:
         raise CachelabError(f"{path}: empty oracleGeneral trace (no record of size > 0: libCacheSim skips size 0)")
     ids = records["id"].astype(np.int64)

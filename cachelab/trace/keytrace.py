@@ -319,8 +319,9 @@ def _read_text(path: Path) -> tuple[np.ndarray, np.ndarray | None]:
     return np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.int64), None
 
 
-def _oracle_requests(path: Path, fields: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """The ``fields`` of every record of size > 0, and the 0-based numbers of those of size 0. Read
+def _oracle_requests(path: Path, fields: tuple[str, ...], limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The ``fields`` of every record of size > 0 (the first ``limit``: no more is read), and the
+    0-based numbers of the records of size 0 before the last one kept. Read
     ``_RECORDS`` records at a time into arrays sized by the file (grown as a compressed one is
     decompressed), so memory holds what is asked for and one read, never the whole file (a 10 GB
     trace's ids: 3.3 GB). zstd (libCacheSim's traces ship as ``.oracleGeneral.zst``, which it reads
@@ -333,11 +334,12 @@ def _oracle_requests(path: Path, fields: tuple[str, ...]) -> tuple[np.ndarray, n
     if size % ORACLE_DTYPE.itemsize and not compressed:
         raise CachelabError(f"{path}: truncated oracleGeneral record {total} (0-based): the file has "
                             f"{size} bytes, not a multiple of {ORACLE_DTYPE.itemsize}")
-    out = np.empty(_RECORDS if compressed else total, dtype=[(name, ORACLE_DTYPE[name]) for name in fields])
+    sized = _RECORDS if compressed else total if limit is None else min(total, limit)
+    out = np.empty(sized, dtype=[(name, ORACLE_DTYPE[name]) for name in fields])
     zero, n, first, rest = [], 0, 0, b""
     try:
         with open_binary(path) if compressed else open(path, "rb") as f:
-            while data := rest + f.read(_RECORDS * ORACLE_DTYPE.itemsize):
+            while (limit is None or n < limit) and (data := rest + f.read(_RECORDS * ORACLE_DTYPE.itemsize)):
                 whole = len(data) - len(data) % ORACLE_DTYPE.itemsize
                 if whole == 0:
                     break
@@ -354,6 +356,10 @@ def _oracle_requests(path: Path, fields: tuple[str, ...]) -> tuple[np.ndarray, n
     except DECOMPRESS_ERRORS as exc:
         why = "corrupt compressed data" if compressed else "unreadable"
         raise CachelabError(f"{path}: {why} after oracleGeneral record {first}: {exc}") from None
+    if limit is not None and n >= limit:  # the records after the limit's, read with it, are not looked at
+        kept = np.concatenate(zero) if zero else np.zeros(0, np.int64)
+        last = int(np.delete(np.arange(first), kept)[limit - 1])
+        return out[:limit], kept[kept < last]
     if rest:
         raise CachelabError(f"{path}: truncated oracleGeneral record {first} (0-based): the decompressed stream "
                             f"ends {len(rest)} bytes into it, not at a multiple of {ORACLE_DTYPE.itemsize}")
@@ -363,13 +369,13 @@ def _oracle_requests(path: Path, fields: tuple[str, ...]) -> tuple[np.ndarray, n
     return out[:n], np.concatenate(zero) if zero else np.zeros(0, np.int64)
 
 
-def read_oracle_requests(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
-    """The records that are requests, and each one's 0-based record number in the file: those
-    of size 0 are skipped, as libCacheSim's reader does (``ignore_size_zero_req``, on in every
-    tool of it), so a trace with them gives libCacheSim's request count and miss ratios. Ids
-    past int64 make every id its rank (``dense_ids``)."""
+def read_oracle_requests(path: str | Path, limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The records that are requests (the first ``limit``; the file is read no further), and each
+    one's 0-based record number in the file: those of size 0 are skipped, as libCacheSim's reader
+    does (``ignore_size_zero_req``, on in every tool of it), so a trace with them gives libCacheSim's
+    request count and miss ratios. Ids past int64 make every id its rank (``dense_ids``)."""
     path = Path(path)
-    records, zero = _oracle_requests(path, ORACLE_DTYPE.names)
+    records, zero = _oracle_requests(path, ORACLE_DTYPE.names, limit)
     if records.size and records["id"].max() > np.iinfo(np.int64).max:
         records["id"] = dense_ids(records["id"])[0]  # the records are this call's own
     return records, np.delete(np.arange(records.size + zero.size), zero)
