@@ -324,6 +324,7 @@ class _Files:
                 raise CachelabError(f"{path}: cannot be opened ({exc.strerror or exc})") from None
             raise
         self.fds = np.array(fds, np.int64)
+        self.align = PAGE if flags & os.O_DIRECT else 1  # where a short read goes on (kernels.resume_at)
         self._closer = _closing(self, fds)
 
     def close(self) -> None:
@@ -353,7 +354,7 @@ class _PreadPool(_Files):
             out, result = -1, np.zeros(1, np.int64)
             for fd in np.unique(fds[lo:hi]):
                 sel = np.flatnonzero(fds[lo:hi] == fd) + lo
-                bad = pread_rows(int(fd), offsets[sel], sizes[sel], addresses[sel], result)
+                bad = pread_rows(int(fd), offsets[sel], sizes[sel], addresses[sel], self.align, result)
                 if bad >= 0:
                     out = int(sel[bad])
             return out, int(result[0])

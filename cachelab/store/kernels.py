@@ -494,29 +494,40 @@ PREAD_EINTR_TRIES = 64
 _EINTR = errno.EINTR
 
 
+@nb.njit(inline="always")
+def resume_at(done, align):
+    """Where a read that came back short after ``done`` bytes goes on: ``done`` rounded down to
+    ``align``, O_DIRECT's block (an offset, address or length off it gives EINVAL); the block
+    holding the end is read again. A read from there that gets no further than ``done`` found
+    the end of the file (with ``align`` 1: a read of 0 bytes)."""
+    return done - done % align
+
+
 def preads_through(pread):
     """``pread_rows`` calling ``pread`` (libc's; a test's stand-in forces the short reads and
     EINTR a FUSE or NFS mount gives, which no local file does)."""
 
     @nb.njit(cache=False, nogil=True, boundscheck=False)
-    def pread_rows(fd, offsets, sizes, addresses, result):
+    def pread_rows(fd, offsets, sizes, addresses, align, result):
         """``pread(fd, addresses[i], sizes[i], offsets[i])`` for each i; the first i that did not
         read its ``sizes[i]`` bytes, or -1. ``result[0]`` is then what it read (fewer: the file
         ended) or ``-errno``, for the error to name. A short read is continued where it stopped and
         EINTR retried (up to ``PREAD_EINTR_TRIES`` times in a row): network and FUSE file systems
-        give both mid-file; only a read of 0 bytes is the end of the file."""
+        give both mid-file. ``align``: 1, or the block of an O_DIRECT descriptor (offsets, sizes
+        and addresses multiples of it), where a read continues from ``resume_at``."""
         for i in range(offsets.size):
             done, interrupted = 0, 0
             while done < sizes[i]:
-                got = pread(fd, addresses[i] + done, sizes[i] - done, offsets[i] + done)
-                if got > 0:
-                    done, interrupted = done + got, 0
+                at = resume_at(done, align)
+                got = pread(fd, addresses[i] + at, sizes[i] - at, offsets[i] + at)
+                if at + got > done:
+                    done, interrupted = at + got, 0
                     continue
                 err = nb.carray(errno_location(), 1)[0] if got < 0 else 0
                 if got < 0 and err == _EINTR and interrupted < PREAD_EINTR_TRIES:
                     interrupted += 1
                     continue
-                result[0] = done if got == 0 else -np.int64(err)
+                result[0] = done if got >= 0 else -np.int64(err)
                 return i
         return -1
 
