@@ -450,7 +450,7 @@ def test_a_direct_pread_goes_on_from_the_block_holding_where_it_stopped(tmp_path
         os.close(fd)
 
 
-@pytest.mark.parametrize("submit", ["threads"])
+@pytest.mark.parametrize("submit", ["threads", "io_uring"])
 def test_a_direct_read_of_a_file_ending_mid_block_says_where_it_ends(tmp_path, submit):
     """A table file ending inside a page (it shrank, or a copy was cut) read through O_DIRECT: the
     read of that page comes back short; going on from its block, the read again gets no further,
@@ -471,3 +471,79 @@ def test_a_direct_read_of_a_file_ending_mid_block_says_where_it_ends(tmp_path, s
     finally:
         reader.close()
     assert (buf[: 3 * PAGE + 1000] == data).all()
+
+
+def test_io_uring_submits_a_short_or_interrupted_read_again(tmp_path):
+    """A read the ring completed short mid-file, or with EINTR or EAGAIN (network and FUSE file
+    systems give all three), failed the step: 'the file ends after N B' of a file that did not
+    end, or 'Interrupted system call'. It is now submitted again for the rest (through O_DIRECT
+    from the block holding where it stopped), EINTR and EAGAIN a bounded number of times in a
+    row; a read that gets no further is the end. No local file completes a read short mid-file:
+    a stand-in kernel (a ctypes callback in io_uring_enter's place) completes each entry as told,
+    refusing an entry off a 512 B block with EINVAL as O_DIRECT does where ``direct`` is set."""
+    import ctypes
+
+    from cachelab.store import kernels, uring
+
+    data = np.random.default_rng(3).integers(0, 256, 5 * PAGE, dtype=np.uint8)
+    (tmp_path / "f").write_bytes(data.tobytes())
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    E, size = 8, 2 * PAGE
+    sq, sqes = np.zeros(4 + E, np.uint32), np.zeros((E, 8), np.uint64)  # head, tail, -, -, then the array
+    cq = np.zeros(4 + 2 * E * 4, np.uint32)  # head, tail, -, -, then the completions
+    cqes = cq[4:].reshape(-1, 4)
+    script, entries, direct = {}, [], [False]  # what each read's completions give; each entry's (read, start, length)
+    offsets = np.array([0, PAGE, 3 * PAGE], np.int64)
+
+    @ctypes.CFUNCTYPE(*[ctypes.c_long] * 8)
+    def kernel(nr, ring_fd, to_submit, min_complete, flags, a, b):
+        for _ in range(to_submit):
+            e = sqes[sq[4 + (sq[0] & (E - 1))]]
+            sq[0] += 1
+            at, address, length, user = int(e[1]), int(e[2]), int(e[3]) & 0xFFFFFFFF, int(e[4])
+            entries.append((user, at - int(offsets[user]), length))
+            step = script[user].pop(0) if script.get(user) else length
+            if direct[0] and (at | address | length) % 512:
+                res = -errno.EINVAL
+            elif step in ("eintr", "eagain"):
+                res = -errno.EINTR if step == "eintr" else -errno.EAGAIN
+            else:
+                got = os.pread(fd, min(length, step), at)
+                ctypes.memmove(address, got, len(got))
+                res = len(got)
+            cqes[cq[1] & (2 * E - 1)] = (user, 0, res & 0xFFFFFFFF, 0)
+            cq[1] += 1
+        return to_submit
+
+    run = uring.rings_through(kernel)
+    buf = aligned_empty(3 * size)
+    addresses = buf.ctypes.data + np.arange(3, dtype=np.int64) * size
+
+    def read(align):
+        buf[:], entries[:], state = 0, [], np.zeros(3, np.int64)
+        bad = run(-1, sq, 0, 1, E - 1, 4, sqes, cq, 0, 1, 2 * E - 1, cqes, np.full(3, fd, np.int64), offsets,
+                  size, addresses, 2, align, state)
+        assert state[0] == 0 and not any(script.values())
+        return bad, int(state[2])
+
+    try:
+        script.update({0: [1000, "eintr", "eagain", 300], 1: ["eintr"]})  # 0 in three reads and two retries
+        assert read(1) == (-1, 0)
+        assert [x for x in entries if x[0] == 0] == [(0, 0, size), (0, 1000, size - 1000), (0, 1000, size - 1000),
+                                                    (0, 1000, size - 1000), (0, 1300, size - 1300)]
+        assert (buf.reshape(3, -1) == np.stack([data[o: o + size] for o in offsets])).all()
+        script[0] = ["eagain"] * (kernels.PREAD_EINTR_TRIES + 1)  # interrupted without end: reported
+        assert read(1) == (0, -errno.EAGAIN)
+        script[1] = [10] + ["eintr"] * kernels.PREAD_EINTR_TRIES  # the count is of retries in a row
+        assert read(1)[0] == -1
+        direct[0] = True  # O_DIRECT: 1000 B, then all again (1000 is in block 0), then 5000 B from block 1
+        script.update({0: [1000, 5000], 1: [PAGE + 1]})  # 1: 4097 B, then block 1 again
+        assert read(PAGE) == (-1, 0)
+        assert [x for x in entries if x[0] == 0] == [(0, 0, size), (0, 0, size), (0, PAGE, PAGE)]
+        assert [x for x in entries if x[0] == 1] == [(1, 0, size), (1, PAGE, PAGE)]
+        assert (buf.reshape(3, -1) == np.stack([data[o: o + size] for o in offsets])).all()
+        os.truncate(tmp_path / "f", 4 * PAGE + 1000)  # read 2 ends 4096 + 1000 B in: the block read again, the end
+        assert read(PAGE) == (2, PAGE + 1000) and [x for x in entries if x[0] == 2] == [(2, 0, size), (2, PAGE, PAGE)]
+        assert (buf[2 * size: 2 * size + PAGE + 1000] == data[3 * PAGE: 4 * PAGE + 1000]).all()
+    finally:
+        os.close(fd)

@@ -402,7 +402,7 @@ class _UringIO(_Files):
 
     def read(self, fd_index: np.ndarray, offsets: np.ndarray, size: int, addresses: np.ndarray) -> None:
         if offsets.size:
-            bad = self.ring.read(self.fds[fd_index], offsets, size, addresses)
+            bad = self.ring.read(self.fds[fd_index], offsets, size, addresses, self.align)
             if bad >= 0:
                 _read_failed(self.paths[int(fd_index[bad])], size, int(offsets[bad]), self.ring.failed)
 

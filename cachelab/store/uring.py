@@ -15,6 +15,12 @@ entries written before the call are seen whole; completions are read after the t
 order (x86-64 keeps loads in order; the loop's control dependency keeps the compiler from
 reading an entry before the tail that covers it).
 
+A read completed short (network and FUSE file systems do so mid-file) is submitted again for
+the rest, and one completed with EINTR or EAGAIN again whole, as ``pread_rows`` goes on with
+its preads; through O_DIRECT the rest starts at the block holding where the read stopped
+(``kernels.resume_at``), which is read again. Only a read that gets no further is the end of
+the file.
+
 A call leaves the ring as it found it: a wait interrupted by a signal (EINTR) is entered
 again, and a failed ``io_uring_enter`` takes back the entries the kernel never took and waits
 for the reads it did take before raising, so no read lands in a buffer after the call and no
@@ -33,7 +39,7 @@ import weakref
 import numba as nb
 import numpy as np
 
-from cachelab.store.kernels import errno_location
+from cachelab.store.kernels import PREAD_EINTR_TRIES, errno_location, resume_at
 
 _SYS_SETUP, _SYS_ENTER, _SYS_REGISTER = 425, 426, 427
 _REGISTER_PROBE, _OP_SUPPORTED = 8, 1  # IORING_REGISTER_PROBE, IO_URING_OP_SUPPORTED
@@ -64,70 +70,112 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
 _enter = ctypes.CFUNCTYPE(ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long,
                           ctypes.c_long, ctypes.c_long, ctypes.c_long)(ctypes.cast(_syscall, ctypes.c_void_p).value)
-_EINTR = errno.EINTR
+_EINTR, _EAGAIN = errno.EINTR, errno.EAGAIN
 
 
-@nb.njit(cache=False, nogil=True, boundscheck=False)
-def _run(ring_fd, sq, sq_head, sq_tail, sq_mask, sq_array, sqes, cq, cq_head, cq_tail, cq_mask, cqes,
-         fds, offsets, size, addresses, depth, state):
-    """Every read ``i``: ``size`` bytes of ``fds[i]`` at ``offsets[i]`` into ``addresses[i]``.
-    Returns the first failed read's index, or -1, and sets ``state[2]`` to that read's result:
-    the bytes it read (fewer: the file ended) or ``-errno`` (``sq``/``cq``: the rings as uint32
-    words, ``sqes``: uint64 [entries, 8], ``cqes``: uint32 [entries, 4]).
+def rings_through(enter):
+    """``_run`` entering the kernel through ``enter`` (``syscall``; a test's stand-in kernel
+    completes the reads short, or with EINTR or EAGAIN, which no local file does)."""
 
-    ``io_uring_enter`` interrupted by a signal (EINTR: any handled signal, ctrl-C or a timer,
-    while it waits) is entered again, as CPython retries an interrupted read. Any other failure
-    sets ``state[0]`` to its errno and stops the call only once every read the kernel took is
-    complete (entries it never took are taken back), so no read lands in a buffer after the
-    call returns and no completion is left for the next call to count as its own; ``state[1]``
-    is 1 where that wait failed too."""
-    n = offsets.size
-    written = sent = done = 0  # entries written to the ring; taken by the kernel; completed
-    bad = -1
-    while done < n:
-        tail = sq[sq_tail]
-        if state[0] == 0:
-            while written < n and written - done < depth:
-                idx = tail & sq_mask
-                e = sqes[idx]
-                e[0] = np.uint64(_OP_READ) | (np.uint64(fds[written] & 0xFFFFFFFF) << np.uint64(32))
-                e[1] = np.uint64(offsets[written])
-                e[2] = np.uint64(addresses[written])
-                e[3] = np.uint64(size)  # len; rw_flags 0
-                e[4] = np.uint64(written)  # user_data
-                e[5] = 0
-                e[6] = 0
-                e[7] = 0
-                sq[sq_array + idx] = idx
-                tail = (tail + 1) & 0xFFFFFFFF
-                written += 1
-        elif written > sent:  # failed: the entries the kernel never took are taken back
-            tail = (tail - (written - sent)) & 0xFFFFFFFF
-            written = sent
-        sq[sq_tail] = tail
-        if written == done:  # failed with nothing in flight
-            break
-        ret = _enter(_SYS_ENTER, ring_fd, written - sent, 1, _ENTER_GETEVENTS, 0, 0)
-        if ret >= 0:
-            sent += ret
-        else:
-            err = nb.carray(errno_location(), 1)[0]
-            if err != _EINTR:
-                if state[0] != 0:  # the wait for the reads in flight failed as well
-                    state[1] = 1
-                    break
-                state[0] = err
-        head = cq[cq_head]
-        while head != cq[cq_tail]:
-            c = cqes[head & cq_mask]
-            res = np.int32(c[2])
-            if res != size and bad < 0:
-                bad = np.int64(c[0])
-                state[2] = res
-            head = (head + 1) & 0xFFFFFFFF
-            done += 1
-        cq[cq_head] = head
-    return bad
+    @nb.njit(cache=False, nogil=True, boundscheck=False)
+    def run(ring_fd, sq, sq_head, sq_tail, sq_mask, sq_array, sqes, cq, cq_head, cq_tail, cq_mask, cqes,
+            fds, offsets, size, addresses, depth, align, state):
+        """Every read ``i``: ``size`` bytes of ``fds[i]`` at ``offsets[i]`` into ``addresses[i]``.
+        Returns the first failed read's index, or -1, and sets ``state[2]`` to that read's result:
+        the bytes it read (fewer: the file ended) or ``-errno`` (``sq``/``cq``: the rings as uint32
+        words, ``sqes``: uint64 [entries, 8], ``cqes``: uint32 [entries, 4]).
+
+        A read completed short is submitted again for the rest, from ``resume_at`` (``align``: 1,
+        or O_DIRECT's block), and one completed with EINTR or EAGAIN again whole, up to
+        ``PREAD_EINTR_TRIES`` times in a row, as ``pread_rows`` does: network and FUSE file systems
+        give both mid-file; a read that gets no further than the last is the end of the file.
+
+        ``io_uring_enter`` interrupted by a signal (EINTR: any handled signal, ctrl-C or a timer,
+        while it waits) is entered again, as CPython retries an interrupted read. Any other failure
+        sets ``state[0]`` to its errno and stops the call only once every read the kernel took is
+        complete (entries it never took are taken back, continuations not submitted), so no read
+        lands in a buffer after the call returns and no completion is left for the next call to
+        count as its own; ``state[1]`` is 1 where that wait failed too."""
+        n = offsets.size
+        started = finished = 0  # reads begun; reads ended (read whole, or failed)
+        written = sent = reaped = 0  # entries written to the ring; taken by the kernel; completed
+        got = np.empty(n, np.int64)  # the bytes of each begun read in its buffer
+        tries = np.empty(n, np.int64)  # its EINTR and EAGAIN completions in a row
+        again = np.empty(depth, np.int64)  # reads to submit again (at most one entry per read begun)
+        waiting = 0
+        bad = -1
+        while finished < n:
+            tail = sq[sq_tail]
+            if state[0] == 0:
+                while waiting > 0 or (started < n and started - finished < depth):
+                    if waiting > 0:
+                        waiting -= 1
+                        i = again[waiting]
+                    else:
+                        i = started
+                        got[i], tries[i] = 0, 0
+                        started += 1
+                    at = resume_at(got[i], align)
+                    idx = tail & sq_mask
+                    e = sqes[idx]
+                    e[0] = np.uint64(_OP_READ) | (np.uint64(fds[i] & 0xFFFFFFFF) << np.uint64(32))
+                    e[1] = np.uint64(offsets[i] + at)
+                    e[2] = np.uint64(addresses[i] + at)
+                    e[3] = np.uint64(size - at)  # len; rw_flags 0
+                    e[4] = np.uint64(i)  # user_data
+                    e[5] = 0
+                    e[6] = 0
+                    e[7] = 0
+                    sq[sq_array + idx] = idx
+                    tail = (tail + 1) & 0xFFFFFFFF
+                    written += 1
+            elif written > sent:  # failed: the entries the kernel never took are taken back
+                tail = (tail - (written - sent)) & 0xFFFFFFFF
+                written = sent
+            sq[sq_tail] = tail
+            if written == reaped:  # failed with nothing in flight
+                break
+            ret = enter(_SYS_ENTER, ring_fd, written - sent, 1, _ENTER_GETEVENTS, 0, 0)
+            if ret >= 0:
+                sent += ret
+            else:
+                err = nb.carray(errno_location(), 1)[0]
+                if err != _EINTR:
+                    if state[0] != 0:  # the wait for the reads in flight failed as well
+                        state[1] = 1
+                        break
+                    state[0] = err
+            head = cq[cq_head]
+            while head != cq[cq_tail]:
+                c = cqes[head & cq_mask]
+                i = np.int64(c[0])
+                res = np.int64(np.int32(c[2]))
+                head = (head + 1) & 0xFFFFFFFF
+                reaped += 1
+                at = resume_at(got[i], align)
+                if at + res > got[i]:
+                    got[i], tries[i] = at + res, 0
+                    if got[i] < size:
+                        again[waiting] = i
+                        waiting += 1
+                    else:
+                        finished += 1
+                elif (res == -_EINTR or res == -_EAGAIN) and tries[i] < PREAD_EINTR_TRIES:
+                    tries[i] += 1
+                    again[waiting] = i
+                    waiting += 1
+                else:
+                    finished += 1
+                    if bad < 0:
+                        bad = i
+                        state[2] = got[i] if res >= 0 else res
+            cq[cq_head] = head
+        return bad
+
+    return run
+
+
+_run = rings_through(_enter)
 
 
 def _supports_read(ring_fd: int) -> bool:
@@ -177,16 +225,17 @@ class UringReader:
         self.sq_idx = (sq_off.head // 4, sq_off.tail // 4, int(self.sq[sq_off.ring_mask // 4]), sq_off.array // 4)
         self.cq_idx = (cq_off.head // 4, cq_off.tail // 4, int(self.cq[cq_off.ring_mask // 4]))
 
-    def read(self, fds: np.ndarray, offsets: np.ndarray, size: int, addresses: np.ndarray) -> int:
+    def read(self, fds: np.ndarray, offsets: np.ndarray, size: int, addresses: np.ndarray, align: int = 1) -> int:
         """The reads, ``depth`` in flight; the first failed read's index, or -1 (``failed``: what
-        that read gave, the bytes it read or ``-errno``)."""
+        that read gave, the bytes it read or ``-errno``). ``align``: O_DIRECT's block, where a read
+        that came back short goes on (``kernels.resume_at``), or 1."""
         if self.broken:
             raise OSError(self.broken)
         (sh, st, sm, sa), (ch, ct, cm) = self.sq_idx, self.cq_idx
         state = np.zeros(3, np.int64)
         bad = _run(self.fd, self.sq, sh, st, sm, sa, self.sqes, self.cq, ch, ct, cm, self.cqes,
                    np.ascontiguousarray(fds, np.int64), np.ascontiguousarray(offsets, np.int64), int(size),
-                   np.ascontiguousarray(addresses, np.int64), self.depth, state)
+                   np.ascontiguousarray(addresses, np.int64), self.depth, align, state)
         if state[0]:
             err = int(state[0])
             if state[1]:  # reads may still land in their buffers: this ring reads nothing more
