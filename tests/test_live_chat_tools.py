@@ -23,7 +23,8 @@ WEATHER = [call("c1", "get_weather", json.dumps({"city": "Paris"})),
            call("c2", "get_weather", json.dumps({"city": "東京", "days": 3, "units": ["C", "F"], "alerts": True,
                                                  "at": None, "where": {"lat": 35.7}}, ensure_ascii=False))]
 # (what the client sends, what vLLM hands V4's encoding: a tool's text parts joined by a newline, a
-# call's arguments that are no JSON object coerced to an empty one by vLLM's _postprocess_messages)
+# call's arguments that are no JSON object coerced to an empty one by vLLM's _postprocess_messages,
+# refusal and thinking parts as text parts, a part whose text is null left out)
 CHATS = [
     ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris and Tokyo?"},
       {"role": "assistant", "content": None, "tool_calls": WEATHER},
@@ -48,6 +49,14 @@ CHATS = [
       {"role": "user", "content": "Before the results: hi."},
       {"role": "tool", "tool_call_id": "z", "content": "3"}, {"role": "tool", "tool_call_id": "x", "content": "1"}]),
     ([{"role": "user", "content": "two user messages"}, {"role": "user", "content": "in a row: one turn"}], None),
+    # content parts: V4 joins a message's by a blank line (they were joined by a newline)
+    ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+      {"role": "assistant", "content": [{"type": "text", "text": "c"}, {"type": "text", "text": "d"}]},
+      {"role": "user", "content": [{"type": "text", "text": None}, {"type": "refusal", "refusal": "e"},
+                                   {"type": "thinking", "thinking": "f"}]}],
+     [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+      {"role": "assistant", "content": [{"type": "text", "text": "c"}, {"type": "text", "text": "d"}]},
+      {"role": "user", "content": [{"type": "text", "text": "e"}, {"type": "text", "text": "f"}]}]),
 ]
 
 
@@ -89,3 +98,21 @@ def test_a_tool_call_of_another_type_or_without_a_name_is_a_400(server):
             client.chat.completions.create(model=MODEL, max_tokens=1, messages=[
                 {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": calls}])
         assert err.value.body["param"] == param, err.value.body
+
+
+def test_continuing_a_final_message_without_text_is_a_400_in_transformers_words(server):
+    """V4's renderer reads content as parts, so vLLM's continuation (transformers') puts its marker
+    after the final message's last text part and refuses a message that has none; serve continued
+    an empty text."""
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", timeout=T, max_retries=0)
+    for last in ({"role": "assistant", "content": None}, {"role": "assistant", "content": []},
+                 {"role": "assistant", "content": [{"type": "text", "text": None}]}):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, max_tokens=1, messages=[{"role": "user", "content": "hi"}, last],
+                                           extra_body={"continue_final_message": True, "add_generation_prompt": False})
+        assert "could not find any text to continue" in err.value.body["message"], err.value.body
+    got = client.chat.completions.create(model=MODEL, max_tokens=1, messages=[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}],
+        extra_body={"continue_final_message": True, "add_generation_prompt": False, "return_prompt_text": True})
+    assert got.model_extra["prompt_text"].endswith("<｜Assistant｜>")

@@ -599,8 +599,8 @@ def rendered_chats(base_url: str, model: str) -> list:
 @pytest.mark.slow
 def test_chats_render_as_the_real_vllm_renders_them(server, vllm_server):
     """The peer renders a chat with serve's format as a Jinja template; the prompts vLLM makes of
-    the same chats are serve's, token for token: text parts joined by newlines (serve ran them
-    together), a part with a null text skipped (serve wrote ``None``), refusal and thinking parts
+    the same chats are serve's, token for token: text parts joined by blank lines (read as parts,
+    as V4's renderer reads them), a part with a null text skipped (serve wrote ``None``), refusal and thinking parts
     read as text, ``function`` messages taken, ``add_generation_prompt: false`` and
     ``continue_final_message`` served (both were refused), and the same refusals."""
     url, _ = server

@@ -211,11 +211,11 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict] | None = None  # an assistant's, OpenAI's shape: {id, type, function: {name, arguments}}
     tool_call_id: str | None = None  # a tool message's: the call it answers
 
-    def text(self) -> str:
-        """The message's text as vLLM gives it to a string-content template: its text parts joined
-        by newlines (they were run together, so a two-part message was another prompt)."""
+    def parts(self) -> list[str] | None:
+        """The message's text parts as vLLM hands them to DeepSeek-V4's encoding (a string is one
+        part, a part whose field is null skipped); None where the content is null."""
         if self.content is None or isinstance(self.content, str):
-            return self.content or ""
+            return None if self.content is None else [self.content]
         parts = []
         for part in self.content:
             kind = part.get("type")
@@ -223,7 +223,12 @@ class ChatMessage(BaseModel):
                 raise APIError(400, f"message content of type {kind!r} is not supported; send text", "messages")
             if part.get(TEXT_PARTS[kind]) is not None:
                 parts.append(str(part[TEXT_PARTS[kind]]))
-        return "\n".join(parts)
+        return parts
+
+    def text(self) -> str:
+        """The message's text as V4's encoding reads it: its parts joined by a blank line (V4's
+        flatten_content_blocks), a tool message's by a newline (vLLM joins those before V4 sees them)."""
+        return ("\n" if self.role == "tool" else "\n\n").join(self.parts() or ())
 
 
 class ChatCompletionRequest(_Sampling):
@@ -369,6 +374,9 @@ def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool = True,
     continues it (transformers' way, which vLLM uses: render with a marker after that text, cut there)."""
     texts = [m.text() for m in messages]
     if continue_final_message:
+        if not messages[-1].parts():  # transformers' words: the marker goes after the last text part
+            raise invalid("continue_final_message is set but we could not find any text to continue in the final "
+                          "message!")
         texts[-1] += _CONTINUE_TAG
     out = [BOS, "\n\n".join(t for m, t in zip(messages, texts) if m.role in ("system", "developer"))]
     turn: list[tuple[str | None, str]] = []  # the user turn open: (a tool result's call id, or None; its text)
