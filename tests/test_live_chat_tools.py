@@ -49,6 +49,14 @@ CHATS = [
       {"role": "user", "content": "Before the results: hi."},
       {"role": "tool", "tool_call_id": "z", "content": "3"}, {"role": "tool", "tool_call_id": "x", "content": "1"}]),
     ([{"role": "user", "content": "two user messages"}, {"role": "user", "content": "in a row: one turn"}], None),
+    # V4's turn layout: a developer message is a user turn, a system message stays in its place (it was
+    # moved into the system text at the start), an assistant's tag only where another role's turn ends
+    ([{"role": "system", "content": "s"}, {"role": "developer", "content": "d"}, {"role": "user", "content": "u"}],
+     None),
+    ([{"role": "user", "content": "u"}, {"role": "system", "content": "s"}, {"role": "assistant", "content": "a"},
+      {"role": "assistant", "content": "b"}, {"role": "developer", "content": "d"}, {"role": "system", "content": "t"},
+      {"role": "system", "content": "w"}], None),
+    ([{"role": "assistant", "content": "first"}, {"role": "user", "content": "u"}], None),
     # content parts: V4 joins a message's by a blank line (they were joined by a newline)
     ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
       {"role": "assistant", "content": [{"type": "text", "text": "c"}, {"type": "text", "text": "d"}]},

@@ -558,6 +558,8 @@ def test_bad_requests_get_the_real_vllms_error_objects(server, vllm_server):
 USER_HI = {"role": "user", "content": "hi"}
 CHATS = [  # chats of every shape the template meets: roles, content parts, continuation
     [USER_HI], [{"role": "system", "content": "s"}, {"role": "developer", "content": "d"}, USER_HI],
+    [USER_HI, {"role": "system", "content": "s"}, {"role": "assistant", "content": "a"},  # V4's places and tags
+     {"role": "assistant", "content": "b"}, {"role": "developer", "content": "d"}],
     [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
     [{"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}, USER_HI],
     [{"role": "user", "content": [{"type": "text", "text": None}, {"type": "text", "text": "b"}]}],

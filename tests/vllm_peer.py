@@ -69,24 +69,26 @@ def available() -> bool:
 # tool messages in a row make one user turn, an assistant's tool calls a DSML block (DeepSeek-V4's; the
 # tool results in the order sent, where serve puts them in their calls' order as V4 does)
 CHAT_TEMPLATE = (
-    "{%- set ns = namespace(system=[], turn=false, texts=[], text='') -%}"
+    "{%- set ns = namespace(turn=false, last=none, texts=[], text='') -%}"
     "{%- for m in messages -%}{%- set ns.text = '' -%}{%- if m.content is string -%}{%- set ns.text = m.content -%}"
     "{%- else -%}{%- for p in m.content -%}{%- set ns.text = ns.text + ('\\n\\n' if not loop.first else '') + p.text -%}"
     "{%- endfor -%}{%- endif -%}{%- set ns.texts = ns.texts + [ns.text] -%}{%- endfor -%}"
-    "{%- for m in messages -%}{%- if m.role in ['system', 'developer'] -%}"
-    "{%- set ns.system = ns.system + [ns.texts[loop.index0]] -%}{%- endif -%}{%- endfor -%}"
-    "{{ bos_token }}{{ ns.system | join('\\n\\n') }}"
+    "{{ bos_token }}"
     "{%- for m in messages -%}{%- set text = ns.texts[loop.index0] -%}"
-    "{%- if m.role in ['user', 'tool'] -%}{{ '\\n\\n' if ns.turn else '<｜User｜>' }}{%- set ns.turn = true -%}"
+    "{%- if m.role in ['user', 'tool'] -%}{{ '\\n\\n' if ns.turn else '<｜User｜>' }}"
+    "{%- set ns.turn = true -%}{%- set ns.last = 'user' -%}"
     "{{ '<tool_result>' + text + '</tool_result>' if m.role == 'tool' else text }}"
-    "{%- elif m.role == 'assistant' -%}{%- set ns.turn = false -%}{{ '<｜Assistant｜>' + text }}"
+    "{%- elif m.role in ['system', 'developer', 'assistant'] -%}{%- set ns.turn = false -%}"
+    "{%- if m.role == 'system' -%}{{ text }}{%- elif m.role == 'developer' -%}{{ '<｜User｜>' + text }}"
+    "{%- else -%}{{ '<｜Assistant｜>' if ns.last not in [none, 'assistant'] }}{{ text }}"
     "{%- if m.tool_calls -%}{{ '\\n\\n<｜DSML｜tool_calls>\\n' }}{%- for c in m.tool_calls -%}"
     "{{ '<｜DSML｜invoke name=\"' + c.function.name + '\">\\n' }}{%- for k, v in c.function.arguments.items() -%}"
     "{{ '<｜DSML｜parameter name=\"' + k + '\" string=\"' + ('true' if v is string else 'false') + '\">' }}"
     "{{ v if v is string else v | tojson }}{{ '</｜DSML｜parameter>' }}{{ '\\n' if not loop.last }}{%- endfor -%}"
     "{{ '\\n</｜DSML｜invoke>' }}{{ '\\n' if not loop.last }}{%- endfor -%}{{ '\\n</｜DSML｜tool_calls>' }}"
-    "{%- endif -%}{{ '<｜end▁of▁sentence｜>' }}"
-    "{%- endif -%}{%- endfor -%}{%- if add_generation_prompt -%}{{ '<｜Assistant｜>' }}{%- endif -%}")
+    "{%- endif -%}{{ '<｜end▁of▁sentence｜>' }}{%- endif -%}{%- set ns.last = m.role -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt and ns.last != 'assistant' -%}{{ '<｜Assistant｜>' }}{%- endif -%}")
 
 
 def deepseek_v4_encoding():

@@ -364,12 +364,13 @@ def _user_turn(blocks: list[tuple[str | None, str]], order: dict[str, int]) -> s
 
 def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool = True,
                 continue_final_message: bool = False) -> str:
-    """DeepSeek's chat format: BOS, system text, then ``<｜User｜>``/``<｜Assistant｜>`` turns
-    (an assistant turn ends with EOS; a message of another role, OpenAI's old ``function`` say, is
-    left out, as DeepSeek's template leaves it), and the assistant's tag to generate after unless ``add_generation_prompt`` is off.
-    Tool history as DeepSeek-V4 renders it: an assistant's ``tool_calls`` in a DSML block after its
-    text, tool results merged with the user messages around them into one user turn (``_user_turn``);
-    V4's chat mode also writes ``</think>`` after each assistant tag, which this format never has.
+    """DeepSeek-V4's chat format as its own encoding writes it in chat mode (vLLM's
+    ``deepseek_v4_encoding``): BOS, then each message in its place, a system message as its bare
+    text, a developer message and a user turn after ``<｜User｜>``, an assistant's text (and its
+    ``tool_calls`` in a DSML block) closed by EOS, and the assistant's tag wherever an assistant
+    turn follows another role's, at the end too (the prompt to generate) unless
+    ``add_generation_prompt`` is off. User and tool messages in a row are one user turn
+    (``_user_turn``). A message of another role, OpenAI's old ``function`` say, is left out.
     ``continue_final_message``: the prompt ends where the last message's text does, so the model
     continues it (transformers' way, which vLLM uses: render with a marker after that text, cut there)."""
     texts = [m.text() for m in messages]
@@ -378,24 +379,34 @@ def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool = True,
             raise invalid("continue_final_message is set but we could not find any text to continue in the final "
                           "message!")
         texts[-1] += _CONTINUE_TAG
-    out = [BOS, "\n\n".join(t for m, t in zip(messages, texts) if m.role in ("system", "developer"))]
+    out = [BOS]
     turn: list[tuple[str | None, str]] = []  # the user turn open: (a tool result's call id, or None; its text)
     order: dict[str, int] = {}
+    last = None  # the role of the last message written (a user turn's: user)
     for i, (m, text) in enumerate(zip(messages, texts)):
         if m.role in ("user", "tool"):
             turn.append((m.tool_call_id or "", text) if m.role == "tool" else (None, text))
-        elif m.role == "assistant":
-            if turn:
-                out.append(_user_turn(turn, order))
-                turn = []
+            last = "user"
+            continue
+        if m.role not in ("system", "developer", "assistant"):
+            continue
+        if turn:
+            out.append(_user_turn(turn, order))
+            turn = []
+        if m.role == "system":
+            out.append(text)
+        elif m.role == "developer":
+            out += [USER, text]
+        else:
             calls = _tool_calls(i, m.tool_calls) if m.tool_calls else ""
-            out += [ASSISTANT, text + calls, EOS]
+            out += [ASSISTANT if last not in (None, "assistant") else "", text + calls, EOS]
             if m.tool_calls:
                 order = {cid: j for j, c in enumerate(m.tool_calls)
                          if (cid := c.get("id") or (c.get("function") or {}).get("id"))}
+        last = m.role
     if turn:
         out.append(_user_turn(turn, order))
-    if add_generation_prompt:
+    if add_generation_prompt and last != "assistant":
         out.append(ASSISTANT)
     prompt = "".join(out)
     if continue_final_message:
