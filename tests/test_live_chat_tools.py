@@ -1,6 +1,7 @@
-"""Chat tool-call history in ``cachelab serve``: an assistant's ``tool_calls`` and ``tool`` messages
-rendered as DeepSeek-V4 renders them, checked token for token against DeepSeek-V4's own encoding
-(its encoding_dsv4, as vLLM 0.32 ships it), through the official openai client."""
+"""Chats in ``cachelab serve`` rendered as DeepSeek-V4 renders them in chat mode (its turn layout,
+content parts, ``</think>`` after each assistant tag, an assistant's ``tool_calls`` and ``tool``
+messages), checked token for token against DeepSeek-V4's own encoding (its encoding_dsv4, as vLLM
+0.32 ships it), through the official openai client."""
 
 import json
 
@@ -69,11 +70,9 @@ CHATS = [
 
 
 def v4_prompt(messages: list[dict]) -> str:
-    """V4's encoding in chat mode, less the ``</think>`` it writes after each assistant tag, which
-    cachelab's format has never had (docs/live.md)."""
-    v4 = deepseek_v4_encoding()
-    text = v4.encode_messages(messages, thinking_mode="chat")
-    return text.replace(v4.ASSISTANT_SP_TOKEN + v4.thinking_end_token, v4.ASSISTANT_SP_TOKEN)
+    """V4's encoding in chat mode, ``</think>`` after each assistant tag included (cachelab wrote
+    none)."""
+    return deepseek_v4_encoding().encode_messages(messages, thinking_mode="chat")
 
 
 @pytest.fixture(scope="module")
@@ -123,4 +122,4 @@ def test_continuing_a_final_message_without_text_is_a_400_in_transformers_words(
     got = client.chat.completions.create(model=MODEL, max_tokens=1, messages=[
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}],
         extra_body={"continue_final_message": True, "add_generation_prompt": False, "return_prompt_text": True})
-    assert got.model_extra["prompt_text"].endswith("<｜Assistant｜>")
+    assert got.model_extra["prompt_text"].endswith("<｜Assistant｜></think>")

@@ -64,10 +64,12 @@ def available() -> bool:
     return VENV_PYTHON.exists()
 
 
-# cachelab serve's chat format (cachelab.live.protocol.chat_prompt) as a Jinja chat template, so the
-# peer renders a chat as serve does (the packaged tokenizer has none) and chats can be compared: user and
-# tool messages in a row make one user turn, an assistant's tool calls a DSML block (DeepSeek-V4's; the
-# tool results in the order sent, where serve puts them in their calls' order as V4 does)
+# cachelab serve's chat format (cachelab.live.protocol.chat_prompt: DeepSeek-V4's chat mode) as a Jinja
+# chat template, so the peer renders a chat as serve does (the packaged tokenizer has none) and chats can
+# be compared: content read as parts (vLLM then hands them as to V4's renderer), each message in its place,
+# user and tool messages in a row one user turn, an assistant's tool calls a DSML block, <｜Assistant｜></think>
+# where an assistant turn follows another role's (the tool results in the order sent, where serve puts
+# them in their calls' order as V4 does)
 CHAT_TEMPLATE = (
     "{%- set ns = namespace(turn=false, last=none, texts=[], text='') -%}"
     "{%- for m in messages -%}{%- set ns.text = '' -%}{%- if m.content is string -%}{%- set ns.text = m.content -%}"
@@ -80,7 +82,7 @@ CHAT_TEMPLATE = (
     "{{ '<tool_result>' + text + '</tool_result>' if m.role == 'tool' else text }}"
     "{%- elif m.role in ['system', 'developer', 'assistant'] -%}{%- set ns.turn = false -%}"
     "{%- if m.role == 'system' -%}{{ text }}{%- elif m.role == 'developer' -%}{{ '<｜User｜>' + text }}"
-    "{%- else -%}{{ '<｜Assistant｜>' if ns.last not in [none, 'assistant'] }}{{ text }}"
+    "{%- else -%}{{ '<｜Assistant｜></think>' if ns.last not in [none, 'assistant'] }}{{ text }}"
     "{%- if m.tool_calls -%}{{ '\\n\\n<｜DSML｜tool_calls>\\n' }}{%- for c in m.tool_calls -%}"
     "{{ '<｜DSML｜invoke name=\"' + c.function.name + '\">\\n' }}{%- for k, v in c.function.arguments.items() -%}"
     "{{ '<｜DSML｜parameter name=\"' + k + '\" string=\"' + ('true' if v is string else 'false') + '\">' }}"
@@ -88,7 +90,7 @@ CHAT_TEMPLATE = (
     "{{ '\\n</｜DSML｜invoke>' }}{{ '\\n' if not loop.last }}{%- endfor -%}{{ '\\n</｜DSML｜tool_calls>' }}"
     "{%- endif -%}{{ '<｜end▁of▁sentence｜>' }}{%- endif -%}{%- set ns.last = m.role -%}"
     "{%- endif -%}{%- endfor -%}"
-    "{%- if add_generation_prompt and ns.last != 'assistant' -%}{{ '<｜Assistant｜>' }}{%- endif -%}")
+    "{%- if add_generation_prompt and ns.last != 'assistant' -%}{{ '<｜Assistant｜></think>' }}{%- endif -%}")
 
 
 def deepseek_v4_encoding():

@@ -25,6 +25,8 @@ from cachelab.live.sampling import SamplingParams
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
+# an assistant turn as V4's chat mode opens it: its tag, then its thinking closed at once (none is written)
+OPEN = ASSISTANT + "</think>"
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 408: "RequestTimeoutError",
                413: "RequestEntityTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
@@ -367,8 +369,8 @@ def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool = True,
     """DeepSeek-V4's chat format as its own encoding writes it in chat mode (vLLM's
     ``deepseek_v4_encoding``): BOS, then each message in its place, a system message as its bare
     text, a developer message and a user turn after ``<｜User｜>``, an assistant's text (and its
-    ``tool_calls`` in a DSML block) closed by EOS, and the assistant's tag wherever an assistant
-    turn follows another role's, at the end too (the prompt to generate) unless
+    ``tool_calls`` in a DSML block) closed by EOS, and ``OPEN`` wherever an assistant turn
+    follows another role's, at the end too (the prompt to generate) unless
     ``add_generation_prompt`` is off. User and tool messages in a row are one user turn
     (``_user_turn``). A message of another role, OpenAI's old ``function`` say, is left out.
     ``continue_final_message``: the prompt ends where the last message's text does, so the model
@@ -399,7 +401,7 @@ def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool = True,
             out += [USER, text]
         else:
             calls = _tool_calls(i, m.tool_calls) if m.tool_calls else ""
-            out += [ASSISTANT if last not in (None, "assistant") else "", text + calls, EOS]
+            out += [OPEN if last not in (None, "assistant") else "", text + calls, EOS]
             if m.tool_calls:
                 order = {cid: j for j, c in enumerate(m.tool_calls)
                          if (cid := c.get("id") or (c.get("function") or {}).get("id"))}
@@ -407,7 +409,7 @@ def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool = True,
     if turn:
         out.append(_user_turn(turn, order))
     if add_generation_prompt and last != "assistant":
-        out.append(ASSISTANT)
+        out.append(OPEN)
     prompt = "".join(out)
     if continue_final_message:
         if _CONTINUE_TAG not in prompt:
