@@ -1,0 +1,154 @@
+"""``cachelab bench serve`` against ``vllm bench serve``'s own code (vLLM 0.32, in its venv).
+
+One scripted server answers each kind of stream a client meets (a chunk per token, chunks of
+several tokens, chunks of none, no usage, usage only beside a choice, an error chunk mid-stream,
+a cut connection, 429 and 500, malformed JSON, SSE comments, no ``[DONE]``, a stall, no data).
+Both clients read every stream (``vllm_bench_peer.py`` runs vLLM's
+``async_request_openai_completions``): they must count the same requests as failed, except
+where docs/bench.md names the difference. Then vLLM's ``calculate_metrics`` reads the requests
+exactly as cachelab's client timed them, and every metric both report must be equal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from loopback import free_port
+
+STALL_S = 30.0  # a stalled stream's pause: far past the test's request timeout
+
+
+def _chunk(text: str = "x", **extra) -> bytes:
+    return f"data: {json.dumps({'choices': [{'index': 0, 'text': text, **extra}]})}\n\n".encode()
+
+
+def _usage(completion: int, prompt: int = 7) -> bytes:
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
+
+
+DONE = b"data: [DONE]\n\n"
+CLOSE, STALL = object(), object()  # script steps: cut the connection; stop sending for STALL_S
+
+# kind -> (HTTP status, the body's steps: bytes written one by one, CLOSE or STALL), and whether
+# each client counts it as a success (cachelab's, vLLM's; None: vLLM's depends on how the
+# stream's reads fall, since its client strips each read's blank lines before splitting events)
+STREAMS = {
+    "a token a chunk": (200, [_chunk(), _chunk(), _chunk(), _chunk(), _usage(4), DONE], (True, True)),
+    "three tokens a chunk": (200, [_chunk("abc"), _chunk("def"), _usage(6), DONE], (True, True)),
+    "a chunk without a token": (200, [_chunk(), _chunk(), _chunk(), _chunk("", finish_reason="length"), _usage(3),
+                                      DONE], (True, True)),
+    "no usage": (200, [_chunk(), _chunk(), _chunk(), DONE], (True, True)),
+    "usage only beside a choice": (200, [_chunk(), _chunk()[:-2].replace(b'}]}', b'}], "usage": {"prompt_tokens": 7, '
+                                                                       b'"completion_tokens": 2}}') + b"\n\n", DONE],
+                                   (True, True)),
+    "an error chunk mid-stream": (200, [_chunk(), _chunk(), b'data: {"error": {"message": "engine died", "code": 500}}'
+                                        b"\n\n", DONE], (False, True)),
+    "cut mid-stream": (200, [_chunk(), _chunk(), CLOSE], (False, False)),
+    "HTTP 429": (429, [b'{"error": {"message": "too many requests"}}'], (False, False)),
+    "HTTP 500": (500, [b'{"error": {"message": "engine overloaded"}}'], (False, False)),
+    "malformed JSON": (200, [_chunk(), b'data: {"choices": [{"text": \n\n', DONE], (False, None)),
+    "not OpenAI's shape": (200, [_chunk(), b'data: {"choices": ["x"]}\n\n', DONE], (False, False)),
+    "SSE comments": (200, [b": ping\n\n", _chunk(), b": ping\n\n", _chunk(), _usage(2), DONE], (True, None)),
+    "no [DONE]": (200, [_chunk(), _chunk(), _usage(2)], (True, True)),
+    "a stall": (200, [_chunk(), STALL, _chunk(), _usage(2), DONE], (False, False)),
+    "no data": (200, [DONE], (False, False)),
+}
+KINDS = list(STREAMS)
+
+
+class ScriptedServer:
+    """``/v1/completions`` answering the script of ``KINDS[prompt[0]]``."""
+
+    def __init__(self):
+        self.port, self.loop = free_port(), asyncio.new_event_loop()
+        self.thread, self.ready = threading.Thread(target=self._serve, daemon=True), threading.Event()
+
+    def _serve(self):
+        from aiohttp import web
+
+        async def models(request):
+            return web.json_response({"data": [{"id": "scripted"}]})
+
+        async def completions(request):
+            status, steps, _ = STREAMS[KINDS[(await request.json())["prompt"][0]]]
+            if status != 200:
+                return web.Response(status=status, body=steps[0], content_type="application/json")
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for step in steps:
+                if step is CLOSE:
+                    request.transport.close()
+                    return resp
+                if step is STALL:
+                    await asyncio.sleep(STALL_S)
+                    continue
+                await resp.write(step)
+                await asyncio.sleep(0.003)
+            return resp
+
+        app = web.Application()
+        app.router.add_get("/v1/models", models)
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        self.loop.run_until_complete(runner.setup())
+        self.loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
+        self.ready.set()
+        self.loop.run_forever()
+
+    def __enter__(self):
+        self.thread.start()
+        self.ready.wait(10)
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.mark.slow
+def test_failures_and_every_metric_agree_with_vllm_bench_serves_own_code():
+    from vllm_peer import VENV_PYTHON, available
+
+    from cachelab.bench.client import BenchConfig, run_bench
+    from cachelab.bench.plan import BenchPlan
+
+    if not available():
+        pytest.skip("vLLM's CPU build is not installed (run scripts/setup-vllm)")
+    prompts = [[i, 5, 6, 7, 8, 9, 10] for i in range(len(KINDS))]
+    plan = BenchPlan([np.array(p) for p in prompts], np.full(len(KINDS), 4), np.arange(len(KINDS)) * 0.01)
+    slos = {"ttft": 20.0, "tpot": 5.0, "e2el": 40.0}
+    with ScriptedServer() as url:
+        result = run_bench(BenchConfig(url, goodput=slos, server_metrics=False, timeout_s=2.0), plan)
+        recorded = {"duration": result.duration, "goodput": slos, "percentiles": [50, 90, 99],
+                    "requests": [{"success": o.success, "send_s": o.send_s, "chunk_s": o.chunk_s,
+                                  "output_tokens": o.output_tokens, "prompt_len": o.prompt_tokens}
+                                 for o in result.outputs]}
+        job = {"url": f"{url}/v1/completions", "timeout_s": 2.0, "prompts": prompts, "recorded": recorded}
+        done = subprocess.run([str(VENV_PYTHON), str(Path(__file__).with_name("vllm_bench_peer.py"))],
+                              input=json.dumps(job), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    peer = json.loads(done.stdout.strip().splitlines()[-1])
+    for kind, ours, theirs in zip(KINDS, result.outputs, peer["client"]):
+        expected = STREAMS[kind][2]
+        assert ours.success == expected[0], (kind, ours.error)
+        assert theirs["success"] == expected[1] or expected[1] is None, kind
+        if ours.success and theirs["success"]:
+            assert len(ours.chunk_s) - 1 == theirs["itls"], kind  # a chunk with a choice is a token arrival
+            assert ours.prompt_tokens == theirs["prompt_len"], kind
+            if theirs["output_tokens"]:  # usage's completion_tokens
+                assert ours.output_tokens == theirs["output_tokens"], kind
+    summary = result.summary()
+    assert summary["completed"] == 7 and summary["failed"] == len(KINDS) - 7
+    for key, value in peer["metrics"].items():
+        if key == "rtfx":  # the real-time factor of audio inputs: none here
+            continue
+        assert key in summary, key
+        assert summary[key] == pytest.approx(value, rel=1e-9, abs=1e-9), key
+
