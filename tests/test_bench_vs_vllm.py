@@ -152,3 +152,27 @@ def test_failures_and_every_metric_agree_with_vllm_bench_serves_own_code():
         assert key in summary, key
         assert summary[key] == pytest.approx(value, rel=1e-9, abs=1e-9), key
 
+
+def test_a_stalled_server_fails_its_request_at_the_request_timeout(tmp_path):
+    """A server that stops sending mid-answer held its request, and the run, for vLLM's fixed 6 h;
+    ``--request-timeout`` fails the request there, named, and the run goes on."""
+    import polars as pl
+    from typer.testing import CliRunner
+
+    from cachelab.cli import app
+    from cachelab.trace.arrivals import arrival_frame
+    from cachelab.trace.schema import write_trace
+
+    kinds = [KINDS.index("a stall"), KINDS.index("a token a chunk")]
+    frame = arrival_frame(np.zeros(2), np.array([3, 3]), np.array([4, 4]), domain="test", source="test")
+    trace = tmp_path / "t.parquet"
+    write_trace(frame.with_columns(pl.Series("prompt_ids", [[k, 5, 6] for k in kinds], dtype=pl.List(pl.Int32))), trace)
+    bench = ["bench", "serve", "--trace", str(trace), "--json", "--request-timeout"]
+    with ScriptedServer() as url:
+        res = CliRunner().invoke(app, [*bench, "1", "--base-url", url])
+    assert res.exit_code == 0, res.output
+    s = json.loads(res.stdout)
+    assert (s["completed"], s["failed"]) == (1, 1) and s["duration"] < STALL_S / 2
+    assert s["errors_by_reason"] == {"TimeoutError: no whole answer within 1 s (--request-timeout)": 1}
+    res = CliRunner().invoke(app, [*bench, "0", "--base-url", "http://x"])
+    assert res.exit_code == 2 and "--request-timeout must be > 0 seconds, got 0.0" in res.output

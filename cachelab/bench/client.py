@@ -75,6 +75,8 @@ class BenchConfig:
         """Bad options are refused when the config is made, before a trace is read or a request sent."""
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise CachelabError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+        if not self.timeout_s > 0:
+            raise CachelabError(f"--request-timeout must be > 0 seconds, got {self.timeout_s}")
         url = urllib.parse.urlsplit(self.base_url)
         if url.scheme not in ("http", "https") or not url.hostname:
             raise CachelabError(f"--base-url {self.base_url!r}: expected http://HOST:PORT or https://HOST:PORT")
@@ -203,8 +205,9 @@ def _request_bodies(config: BenchConfig, model: str, plan: BenchPlan) -> list[by
             for prompt, out_len in zip(plan.prompts, plan.output_lens)]
 
 
-async def _send(session, url: str, body: bytes, out: RequestOutput) -> None:
-    """One streamed completion, timed per chunk; every failure lands in ``out.error``."""
+async def _send(session, url: str, body: bytes, out: RequestOutput, timeout_s: float) -> None:
+    """One streamed completion, timed per chunk; every failure lands in ``out.error`` (one that
+    runs past ``timeout_s``, a stalled server's, names the limit: aiohttp's TimeoutError has no text)."""
     out.send_s = time.perf_counter()
     try:
         async with session.post(url, data=body, headers=JSON_HEADERS) as response:
@@ -234,6 +237,8 @@ async def _send(session, url: str, body: bytes, out: RequestOutput) -> None:
             return
         out.output_tokens = out.output_tokens or len(out.chunk_s)
         out.success = True
+    except TimeoutError:
+        out.error = f"TimeoutError: no whole answer within {timeout_s:g} s (--request-timeout)"
     except Exception as exc:  # vLLM's client too: a request's failure, never the run's
         out.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
@@ -288,10 +293,10 @@ async def _replay(config: BenchConfig, model: str, plan: BenchPlan, outputs: lis
         out = RequestOutput(i, prompt_tokens=int(plan.prompts[i].size))
         arrived = time.perf_counter()  # vLLM's request_arrival_time
         if limit is None:
-            await _send(session, url, bodies[i], out)
+            await _send(session, url, bodies[i], out, config.timeout_s)
         else:
             async with limit:
-                await _send(session, url, bodies[i], out)
+                await _send(session, url, bodies[i], out, config.timeout_s)
         out.queue_s = out.send_s - arrived
         outputs[i] = out
         if on_done:

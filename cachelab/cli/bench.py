@@ -52,6 +52,9 @@ def serve(
     api_key: str = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY",
                                 help="Sent as 'Authorization: Bearer KEY' (a server started with --api-key); "
                                      "default $OPENAI_API_KEY, as vllm bench serve reads it."),
+    request_timeout: float = typer.Option(None, "--request-timeout",
+                                          help="Seconds a request may take, send to last chunk, before it counts as "
+                                               "failed (default 6 h: vLLM's client's fixed limit)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (vllm bench serve's key names)."),
     save_result: Path = typer.Option(None, "--save-result", help="Write the result JSON, per-request lists "
                                                                   "included, to FILE (kept even if interrupted)."),
@@ -67,7 +70,8 @@ def serve(
     if save_result is not None:
         output_folder(save_result.parent, "--save-result")
         output_file(save_result, "--save-result")
-    config = BenchConfig(base_url, model, max_concurrency, slos, ignore_eos, api_key=api_key)  # checked first
+    config = BenchConfig(base_url, model, max_concurrency, slos, ignore_eos, api_key=api_key,  # checked first
+                         **({} if request_timeout is None else {"timeout_s": request_timeout}))
     plan = plan_from_trace(trace, num_prompts=num_prompts, request_rate=request_rate, burstiness=burstiness,
                            seed=seed)
     columns = [TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
