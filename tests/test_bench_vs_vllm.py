@@ -176,3 +176,27 @@ def test_a_stalled_server_fails_its_request_at_the_request_timeout(tmp_path):
     assert s["errors_by_reason"] == {"TimeoutError: no whole answer within 1 s (--request-timeout)": 1}
     res = CliRunner().invoke(app, [*bench, "0", "--base-url", "http://x"])
     assert res.exit_code == 2 and "--request-timeout must be > 0 seconds, got 0.0" in res.output
+
+
+def test_output_tokens_counted_without_usage_are_named():
+    """A server that reports no usage: the output tokens are the chunks counted (vLLM's client
+    tokenizes the text with its own tokenizer instead), which undercounts chunks of several
+    tokens; the result said nothing of it. ``output_tokens_counted_requests`` counts them."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from cachelab.bench.client import BenchConfig, run_bench
+    from cachelab.bench.plan import BenchPlan
+    from cachelab.cli.bench import _print_summary
+
+    kinds = ["no usage", "three tokens a chunk", "usage only beside a choice"]
+    plan = BenchPlan([np.array([KINDS.index(k), 5]) for k in kinds], np.full(3, 4), np.zeros(3))
+    with ScriptedServer() as url:
+        result = run_bench(BenchConfig(url, server_metrics=False), plan)
+    assert [(o.output_tokens, o.output_counted) for o in result.outputs] == [(3, True), (6, False), (2, False)]
+    s = result.summary()
+    assert s["output_tokens_counted_requests"] == 1 and s["total_output_tokens"] == 11
+    text = StringIO()
+    _print_summary(s, Console(file=text, width=200))
+    assert "1 requests without usage" in text.getvalue()

@@ -6,9 +6,10 @@ server produces exactly that many tokens), timed as ``vllm bench serve`` times i
 (vllm/benchmarks/lib/endpoint_request_func.py): the clock starts when the request is sent
 (after the concurrency limit lets it go; every body is encoded before the benchmark starts, so
 no encoding runs beside the streams it would delay), every streamed chunk that carries a choice is a
-token arrival (at the read that brought it, before it is parsed), the first is TTFT, the last ends the request; token counts come from the
-final ``usage`` chunk. A request that fails (refused connection, an HTTP error, a stream
-cut short, no token, a chunk not of OpenAI's shape) is kept with its error and counted in
+token arrival (at the read that brought it, before it is parsed), the first is TTFT, the last ends
+the request; token counts come from the final ``usage`` chunk (without one, the output's is its
+count of chunks, and ``output_tokens_counted_requests`` says so). A request that fails (refused
+connection, an HTTP error, a stream cut short, no token, a chunk not of OpenAI's shape) is kept with its error and counted in
 ``failed``, as vLLM's client catches any exception of a request; an interrupted run
 (Ctrl-C) keeps every request that finished. The metrics are ``cachelab.serving.metrics``',
 the same code the simulator reports with.
@@ -54,6 +55,7 @@ class RequestOutput:
     prompt_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server reports it
+    output_counted: bool = False  # no usage.completion_tokens came: output_tokens is the count of chunks
     token_ids: list[int] = field(default_factory=list)  # the output's ids, with BenchConfig.return_token_ids
 
 
@@ -124,7 +126,8 @@ class BenchResult:
             token_offsets=offsets)
 
     def summary(self) -> dict:
-        """``vllm bench serve``'s metrics and key names, plus the failures by reason, the
+        """``vllm bench serve``'s metrics and key names, plus the failures by reason, how many
+        completed requests' output tokens were counted as chunks (no usage reported), the
         prefix-cache hits the server reported per request, and its ``/metrics`` difference."""
         out = {"model": self.model, "base_url": self.config.base_url, "trace": self.plan.source,
                "num_prompts": len(self.plan), "max_concurrency": self.config.max_concurrency,
@@ -139,6 +142,7 @@ class BenchResult:
             if self.plan.request_rate is None or math.isfinite(self.plan.request_rate):
                 e2el = (times.end_s - times.send_s) * 1e3
                 out.update(stats_ms("e2el_including_client_queue", e2el + queued))
+        out["output_tokens_counted_requests"] = sum(o.output_counted for o in self.completed)
         out["errors_by_reason"] = dict(Counter(o.error for o in self.outputs if not o.success).most_common())
         cached = [o.cached_tokens for o in self.completed if o.cached_tokens is not None]
         if cached:
@@ -235,7 +239,8 @@ async def _send(session, url: str, body: bytes, out: RequestOutput, timeout_s: f
         if not out.chunk_s:
             out.error = "the stream ended before a first token"
             return
-        out.output_tokens = out.output_tokens or len(out.chunk_s)
+        if not out.output_tokens:  # vLLM's client tokenizes the text instead: the server's tokenizer is not ours
+            out.output_tokens, out.output_counted = len(out.chunk_s), True
         out.success = True
     except TimeoutError:
         out.error = f"TimeoutError: no whole answer within {timeout_s:g} s (--request-timeout)"

@@ -130,5 +130,8 @@ def _print_summary(s: dict, console: Console) -> None:
                                           else f"{value:,}" if isinstance(value, int) else str(value))
         table.add_row(label, text)
     console.print(table)
+    if s["output_tokens_counted_requests"]:
+        console.print(f"[yellow]{s['output_tokens_counted_requests']} requests without usage[/yellow]: their output "
+                      "tokens are their chunks counted (vllm bench serve tokenizes their text)")
     for reason, count in s["errors_by_reason"].items():
         console.print(f"[red]failed x{count}[/red]: {reason}")
