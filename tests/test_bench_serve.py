@@ -326,6 +326,27 @@ def test_the_wait_for_the_concurrency_limit_is_reported_as_vllm_reports_it():
     assert not any("client_queue" in k for k in free.summary())
 
 
+def test_the_client_queue_time_counts_from_the_scheduled_send_as_vllms(monkeypatch):
+    """vLLM takes a request's arrival when its schedule lets it go, before its task is created;
+    cachelab took it when the task first ran, so a client whose event loop was busy (here each
+    request's first step holds it 50 ms) hid that wait from client_queue_time."""
+    from cachelab.bench import client
+    from cachelab.bench.plan import BenchPlan
+
+    send = client._send
+
+    async def held(*args):
+        time.sleep(0.05)
+        await send(*args)
+
+    monkeypatch.setattr(client, "_send", held)
+    plan = BenchPlan([np.arange(5)] * 3, np.array([2, 2, 2]), np.zeros(3), request_rate=float("inf"))
+    with BreakingServer(good=3) as url:
+        result = client.run_bench(client.BenchConfig(url, max_concurrency=3, server_metrics=False), plan)
+    q = [o.queue_s for o in result.outputs]
+    assert all(o.success for o in result.outputs) and q[2] > 0.14 and q[1] > 0.09, q  # 3 and 2 held steps
+
+
 def test_a_chunk_is_timed_at_its_arrival_not_after_parsing(monkeypatch):
     """A chunk was timed after the client had parsed it and every chunk before it: its JSON
     (with return_token_ids a first chunk holds the prompt's ids, milliseconds of it) added to

@@ -50,7 +50,7 @@ class RequestOutput:
     success: bool = False
     error: str = ""
     send_s: float = 0.0
-    queue_s: float = 0.0  # vLLM's client_queue_time: from its scheduled send to the concurrency limit letting it go
+    queue_s: float = 0.0  # vLLM's client_queue_time: from its scheduled send to its send (the limit's wait, the loop's)
     chunk_s: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -294,9 +294,8 @@ async def _replay(config: BenchConfig, model: str, plan: BenchPlan, outputs: lis
 
     bodies = _request_bodies(config, model, plan)
 
-    async def one(i: int) -> None:
+    async def one(i: int, arrived: float) -> None:
         out = RequestOutput(i, prompt_tokens=int(plan.prompts[i].size))
-        arrived = time.perf_counter()  # vLLM's request_arrival_time
         if limit is None:
             await _send(session, url, bodies[i], out, config.timeout_s)
         else:
@@ -315,7 +314,8 @@ async def _replay(config: BenchConfig, model: str, plan: BenchPlan, outputs: lis
             wait = start + float(offset) - time.perf_counter()
             if wait > 0:
                 await asyncio.sleep(wait)
-            tasks.append(asyncio.create_task(one(i)))
+            # vLLM's request_arrival_time: when the schedule lets the request go, not when its task first runs
+            tasks.append(asyncio.create_task(one(i, time.perf_counter())))
         await asyncio.gather(*tasks)
         clock["end"] = time.perf_counter()
 
