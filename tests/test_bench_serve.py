@@ -128,6 +128,39 @@ def test_unreachable_server_is_a_clear_error(tmp_path):
     assert f"cannot reach the server at {url}" in res.output
 
 
+def test_a_server_answering_no_model_listing_is_a_clear_error(tmp_path):
+    """A /v1/models that answered JSON of another shape (a list, say) was an AttributeError's
+    traceback; one answering no JSON was "cannot reach the server" though it had answered, and
+    one answering no HTTP at all (a TCP service on the port) was http.client's traceback."""
+    import functools
+    import http.server
+    import socket
+
+    trace = make_trace(tmp_path / "t.parquet", [20, 30])
+    (tmp_path / "v1").mkdir()
+    for body, message in ((b"[]", "answered no model listing (expected JSON"), (b"<html>", "'<html>'; give --model"),
+                          (b'{"data": 5}', "answered no model listing")):
+        (tmp_path / "v1" / "models").write_bytes(body)
+        handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+        with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as httpd:
+            threading.Thread(target=httpd.serve_forever, daemon=True).start()
+            url = f"http://127.0.0.1:{httpd.server_address[1]}"
+            res = runner.invoke(app, ["bench", "serve", "--base-url", url, "--trace", str(trace)])
+            httpd.shutdown()
+        assert res.exit_code == 2 and f"{url}/v1/models" in res.output and message in res.output, (body, res.output)
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        def garbage():
+            conn, _ = sock.accept()
+            conn.recv(1024)
+            conn.sendall(b"SSH-2.0-OpenSSH\r\n\r\n")
+            conn.close()
+
+        threading.Thread(target=garbage, daemon=True).start()
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        res = runner.invoke(app, ["bench", "serve", "--base-url", url, "--trace", str(trace)])
+    assert res.exit_code == 2 and f"cannot reach the server at {url}" in res.output, res.output
+
+
 def test_bad_trace_and_flags_are_named(tmp_path):
     trace = make_trace(tmp_path / "t.parquet", [20, 30])
     res = runner.invoke(app, ["bench", "serve", "--base-url", "http://x", "--trace", str(trace), "--num-prompts", "5"])

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import http.client
 import json
 import math
 import time
@@ -174,7 +175,7 @@ def resolve_model(config: BenchConfig) -> str:
     url = f"{config.root}/v1/models"
     try:
         with urllib.request.urlopen(urllib.request.Request(url, headers=config.headers), timeout=10) as resp:
-            listing = json.loads(resp.read())
+            raw = resp.read()
     except urllib.error.HTTPError as exc:
         if exc.code == 401:  # every request would fail the same way
             raise CachelabError(f"{url} answered HTTP 401: give the server's API key with --api-key (or "
@@ -182,10 +183,20 @@ def resolve_model(config: BenchConfig) -> str:
         if config.model:
             return config.model  # a server without the listing route can still serve
         raise CachelabError(f"{url} answered HTTP {exc.code}; give --model") from None
-    except (OSError, ValueError) as exc:
+    except (OSError, http.client.HTTPException) as exc:  # the latter: an answer that is not HTTP
         reason = getattr(exc, "reason", exc)
         raise CachelabError(f"cannot reach the server at {config.base_url}: {reason}") from None
-    names = [m.get("id") for m in listing.get("data", []) if isinstance(m, dict)]
+    try:
+        listing = json.loads(raw)
+    except ValueError:
+        listing = None
+    data = listing.get("data") if isinstance(listing, dict) else None
+    if not isinstance(data, list):
+        if config.model:
+            return config.model  # as without the route
+        raise CachelabError(f"{url} answered no model listing (expected JSON {{\"data\": [{{\"id\": ...}}]}}): "
+                            f"{raw[:200].decode('utf-8', errors='replace')!r}; give --model")
+    names = [m.get("id") for m in data if isinstance(m, dict)]
     if config.model:
         if names and config.model not in names:
             raise CachelabError(f"--model {config.model!r}: the server at {config.base_url} serves {names}")
