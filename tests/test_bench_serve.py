@@ -161,6 +161,27 @@ def test_a_server_answering_no_model_listing_is_a_clear_error(tmp_path):
     assert res.exit_code == 2 and f"cannot reach the server at {url}" in res.output, res.output
 
 
+def test_a_metrics_answer_cut_short_is_a_clear_error_the_run_survives():
+    """A /metrics body cut short (the server dying as the run ends) raised http.client's
+    IncompleteRead out of the scrape after the run: a traceback, every result lost. It is the
+    scrape's CachelabError, which run_bench catches after the run (the results stand)."""
+    import socket
+
+    from cachelab.bench.server_metrics import scrape
+
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        def cut():
+            conn, _ = sock.accept()
+            conn.recv(1024)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\nvllm:request_success_total 3")
+            conn.close()
+
+        threading.Thread(target=cut, daemon=True).start()
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        with pytest.raises(CachelabError, match=f"cannot reach {url}/metrics: IncompleteRead"):
+            scrape(url)
+
+
 def test_bad_trace_and_flags_are_named(tmp_path):
     trace = make_trace(tmp_path / "t.parquet", [20, 30])
     res = runner.invoke(app, ["bench", "serve", "--base-url", "http://x", "--trace", str(trace), "--num-prompts", "5"])

@@ -13,6 +13,7 @@ resolution of its buckets, so ``quantile_bucket`` gives the bucket a percentile 
 
 from __future__ import annotations
 
+import http.client
 import math
 import urllib.error
 import urllib.request
@@ -105,7 +106,7 @@ def scrape(base_url: str, timeout_s: float = 10.0) -> Scrape | None:
             text = resp.read().decode("utf-8", errors="replace")
     except urllib.error.HTTPError:
         return None
-    except OSError as exc:
+    except (OSError, http.client.HTTPException) as exc:  # the latter: a body cut short (IncompleteRead), not HTTP
         raise CachelabError(f"cannot reach {base_url}/metrics: {exc}") from None
     try:
         return Scrape.parse(text)
