@@ -104,6 +104,23 @@ def test_peak_tokens_per_second_and_concurrency_as_vllm_counts_them():
     assert (none["max_output_tokens_per_s"], none["max_concurrent_requests"]) == (0.0, 0)
 
 
+def test_saved_lists_of_a_failed_request_are_filled_as_vllms():
+    """vLLM's --save-result keeps what a failed request got (its TTFT and ITLs, latency and output
+    0); cachelab's wrote 0 and [] for any failed request, and the output its usage had reported."""
+    from cachelab.bench.client import BenchConfig, BenchResult, RequestOutput
+    from cachelab.bench.plan import BenchPlan
+
+    outputs = [RequestOutput(0, True, send_s=1.0, chunk_s=[1.5, 1.75], output_tokens=2, prompt_tokens=3),
+               RequestOutput(1, False, "ClientPayloadError", send_s=1.0, chunk_s=[1.25, 1.5], output_tokens=2,
+                             prompt_tokens=3),
+               RequestOutput(2, False, "HTTP 500: x", send_s=1.0, prompt_tokens=3)]
+    plan = BenchPlan([np.arange(3)] * 3, np.array([2, 2, 2]), np.zeros(3))
+    saved = BenchResult(BenchConfig("http://x"), "m", plan, outputs, duration=1.0).to_json()
+    assert saved["ttfts"] == [0.5, 0.25, 0.0] and saved["itls"] == [[0.25], [0.25], []]
+    assert saved["latencies"] == [0.75, 0.0, 0.0] and saved["output_lens"] == [2, 0, 0]
+    assert saved["input_lens"] == [3, 3, 3] and saved["completed"] == 1
+
+
 def test_the_comparison_with_vllm_sends_both_tools_the_same_prompts():
     """``benchmarks/bench_serve_vs_vllm.py`` (docs/bench.md's table): each prompt's text, which
     vLLM's benchmark sends, encodes to exactly the ids cachelab sends."""

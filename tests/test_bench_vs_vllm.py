@@ -135,12 +135,16 @@ def test_failures_and_every_metric_agree_with_vllm_bench_serves_own_code():
                               input=json.dumps(job), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     peer = json.loads(done.stdout.strip().splitlines()[-1])
-    for kind, ours, theirs in zip(KINDS, result.outputs, peer["client"]):
+    saved = result.to_json()  # --save-result's per-request lists, as vLLM's result fills them
+    for i, (kind, ours, theirs) in enumerate(zip(KINDS, result.outputs, peer["client"])):
         expected = STREAMS[kind][2]
         assert ours.success == expected[0], (kind, ours.error)
         assert theirs["success"] == expected[1] or expected[1] is None, kind
+        if ours.success == theirs["success"]:
+            assert len(saved["itls"][i]) == theirs["itls"], kind  # a chunk with a choice is a token arrival
+            assert (saved["ttfts"][i] > 0, saved["latencies"][i] > 0) == (theirs["ttft"] > 0, theirs["latency"] > 0), kind
+            assert saved["output_lens"][i] == 0 or ours.success, kind
         if ours.success and theirs["success"]:
-            assert len(ours.chunk_s) - 1 == theirs["itls"], kind  # a chunk with a choice is a token arrival
             assert ours.prompt_tokens == theirs["prompt_len"], kind
             if theirs["output_tokens"]:  # usage's completion_tokens
                 assert ours.output_tokens == theirs["output_tokens"], kind

@@ -5,7 +5,7 @@ ids, each sent once, one at a time, by ``async_request_openai_completions``), an
 requests as cachelab's client timed them (send, chunk times, token counts, success) with the
 benchmark's ``duration``, ``goodput`` SLOs and ``percentiles``. Output (stdout, JSON): per prompt
 what vLLM's client made of the stream (``success``, ``output_tokens``, ``prompt_len``, how many
-ITLs), and ``calculate_metrics``' result on the recorded requests, under the keys
+ITLs, ``ttft``, ``latency``), and ``calculate_metrics``' result on the recorded requests, under the keys
 ``vllm bench serve`` writes.
 """
 
@@ -28,7 +28,7 @@ async def _client(url: str, prompts: list, timeout_s: float) -> list[dict]:
                                    ignore_eos=True)
             out = await async_request_openai_completions(req, session)
             outs.append({"success": out.success, "output_tokens": out.output_tokens, "prompt_len": out.prompt_len,
-                         "itls": len(out.itl)})
+                         "itls": len(out.itl), "ttft": out.ttft, "latency": out.latency})
         return outs
 
 

@@ -154,13 +154,14 @@ class BenchResult:
         return out
 
     def to_json(self) -> dict:
-        """The summary and, per request (in plan order), vLLM's ``--save-result`` lists."""
+        """The summary and, per request (in plan order), vLLM's ``--save-result`` lists, as vLLM
+        fills them for a failed request too: output 0, latency 0, the TTFT and ITLs it got."""
         out = self.summary()
         out.update({
             "input_lens": [o.prompt_tokens for o in self.outputs],
-            "output_lens": [o.output_tokens for o in self.outputs],
-            "ttfts": [o.chunk_s[0] - o.send_s if o.success else 0.0 for o in self.outputs],
-            "itls": [np.diff(o.chunk_s).tolist() if o.success else [] for o in self.outputs],
+            "output_lens": [o.output_tokens if o.success else 0 for o in self.outputs],
+            "ttfts": [o.chunk_s[0] - o.send_s if o.chunk_s else 0.0 for o in self.outputs],
+            "itls": [np.diff(o.chunk_s).tolist() for o in self.outputs],
             "latencies": [o.chunk_s[-1] - o.send_s if o.success else 0.0 for o in self.outputs],
             "start_times": [o.send_s for o in self.outputs],
             "queue_times": [o.queue_s for o in self.outputs],
@@ -235,9 +236,9 @@ async def _send(session, url: str, body: bytes, out: RequestOutput, timeout_s: f
             async with contextlib.aclosing(_events(response.content)) as events:
                 async for data, arrived in events:
                     chunk = json.loads(data)
-                    if chunk.get("choices"):
-                        out.chunk_s.append(arrived)
+                    if chunk.get("choices"):  # a choice not of OpenAI's shape raises before it is a token
                         out.token_ids.extend(chunk["choices"][0].get("token_ids") or ())
+                        out.chunk_s.append(arrived)
                     if usage := chunk.get("usage"):
                         out.output_tokens = int(usage.get("completion_tokens") or 0)
                         out.prompt_tokens = int(usage.get("prompt_tokens") or out.prompt_tokens)
