@@ -6,7 +6,9 @@ a cut connection, 429 and 500, malformed JSON, SSE comments, no ``[DONE]``, a st
 Both clients read every stream (``vllm_bench_peer.py`` runs vLLM's
 ``async_request_openai_completions``): they must count the same requests as failed, except
 where docs/bench.md names the difference. Then vLLM's ``calculate_metrics`` reads the requests
-exactly as cachelab's client timed them, and every metric both report must be equal.
+exactly as cachelab's client timed them, and every metric both report must be equal; and
+vLLM's ``get_request`` must send at the times cachelab's plan does for the same rate,
+burstiness and seed.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ def test_failures_and_every_metric_agree_with_vllm_bench_serves_own_code():
     from vllm_peer import VENV_PYTHON, available
 
     from cachelab.bench.client import BenchConfig, run_bench
-    from cachelab.bench.plan import BenchPlan
+    from cachelab.bench.plan import BenchPlan, send_offsets
 
     if not available():
         pytest.skip("vLLM's CPU build is not installed (run scripts/setup-vllm)")
@@ -130,11 +132,16 @@ def test_failures_and_every_metric_agree_with_vllm_bench_serves_own_code():
                     "requests": [{"success": o.success, "send_s": o.send_s, "chunk_s": o.chunk_s,
                                   "output_tokens": o.output_tokens, "prompt_len": o.prompt_tokens}
                                  for o in result.outputs]}
-        job = {"url": f"{url}/v1/completions", "timeout_s": 2.0, "prompts": prompts, "recorded": recorded}
+        schedules = [[20, 4.0, 1.0, 0], [50, 10.0, 0.5, 3], [30, 2.0, 3.0, 2**32 - 1], [5, 2.0, float("inf"), 0],
+                     [4, float("inf"), 1.0, 0]]
+        job = {"url": f"{url}/v1/completions", "timeout_s": 2.0, "prompts": prompts, "recorded": recorded,
+               "schedules": schedules}
         done = subprocess.run([str(VENV_PYTHON), str(Path(__file__).with_name("vllm_bench_peer.py"))],
                               input=json.dumps(job), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     peer = json.loads(done.stdout.strip().splitlines()[-1])
+    for (n, rate, burstiness, seed), theirs in zip(schedules, peer["send_times"], strict=True):
+        assert send_offsets(np.zeros(n), rate, burstiness, seed) == pytest.approx(theirs, rel=1e-12), (rate, burstiness)
     saved = result.to_json()  # --save-result's per-request lists, as vLLM's result fills them
     for i, (kind, ours, theirs) in enumerate(zip(KINDS, result.outputs, peer["client"])):
         expected = STREAMS[kind][2]

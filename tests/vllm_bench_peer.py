@@ -6,17 +6,23 @@ requests as cachelab's client timed them (send, chunk times, token counts, succe
 benchmark's ``duration``, ``goodput`` SLOs and ``percentiles``. Output (stdout, JSON): per prompt
 what vLLM's client made of the stream (``success``, ``output_tokens``, ``prompt_len``, how many
 ITLs, ``ttft``, ``latency``), and ``calculate_metrics``' result on the recorded requests, under the keys
-``vllm bench serve`` writes.
+``vllm bench serve`` writes; and for each of ``schedules`` (n, rate, burstiness, seed) the times
+its ``get_request`` sends at.
 """
 
 import asyncio
 import json
 import sys
 from dataclasses import asdict
+from types import SimpleNamespace
+from unittest import mock
+
+import numpy as np
 
 import aiohttp
 from vllm.benchmarks.lib.endpoint_request_func import (RequestFuncInput, RequestFuncOutput,
                                                        async_request_openai_completions)
+from vllm.benchmarks import serve
 from vllm.benchmarks.serve import calculate_metrics
 
 
@@ -54,8 +60,26 @@ def _metrics(rec: dict) -> dict:
     return {k: (float(v) if v is not None else None) for k, v in out.items()}
 
 
+async def _send_times(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """When ``get_request`` lets each of ``n`` requests go, seeded as ``vllm bench serve`` seeds
+    (``np.random.seed``), on a clock that its sleeps advance (no real waiting)."""
+    clock = [0.0]
+
+    async def sleep(seconds):
+        clock[0] += seconds
+
+    np.random.seed(seed)
+    times = []
+    with mock.patch.object(serve, "asyncio", SimpleNamespace(sleep=sleep)), \
+         mock.patch.object(serve, "time", SimpleNamespace(time=lambda: clock[0])):
+        async for _request, _rate in serve.get_request(list(range(n)), rate, burstiness):
+            times.append(clock[0])
+    return times
+
+
 if __name__ == "__main__":
     job = json.load(sys.stdin)
     result = {"client": asyncio.run(_client(job["url"], job["prompts"], job["timeout_s"])),
-              "metrics": _metrics(job["recorded"])}
+              "metrics": _metrics(job["recorded"]),
+              "send_times": [asyncio.run(_send_times(*args)) for args in job["schedules"]]}
     print(json.dumps(result))
