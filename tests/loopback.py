@@ -1,8 +1,11 @@
-"""A free TCP port on 127.0.0.1, for tests and benchmarks that start a server of their own."""
+"""A free TCP port on 127.0.0.1, for tests and benchmarks that start a server of their own, and
+a scripted OpenAI-style server on it."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import threading
 
 
 def free_port() -> int:
@@ -10,3 +13,42 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+class CompletionsServer:
+    """An OpenAI-style server a test scripts: ``/v1/models`` lists ``model``, ``/v1/completions``
+    is the subclass' ``completions`` handler; served from a thread and event loop of its own
+    (the client under test runs its own loop); ``with`` gives its URL."""
+
+    model = "scripted"
+
+    def __init__(self):
+        self.port, self.loop = free_port(), asyncio.new_event_loop()
+        self.thread, self.ready = threading.Thread(target=self._serve, daemon=True), threading.Event()
+
+    async def completions(self, request):
+        raise NotImplementedError
+
+    def _serve(self):
+        from aiohttp import web
+
+        async def models(request):
+            return web.json_response({"data": [{"id": self.model}]})
+
+        app = web.Application()
+        app.router.add_get("/v1/models", models)
+        app.router.add_post("/v1/completions", self.completions)
+        runner = web.AppRunner(app)
+        self.loop.run_until_complete(runner.setup())
+        self.loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
+        self.ready.set()
+        self.loop.run_forever()
+
+    def __enter__(self):
+        self.thread.start()
+        self.ready.wait(10)
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)

@@ -8,14 +8,16 @@ cue is the one thing the real vLLM cannot be made to do here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 import threading
 import time
 
 import numpy as np
 import polars as pl
 import pytest
-from loopback import free_port
+from loopback import CompletionsServer, free_port
 from typer.testing import CliRunner
 
 from cachelab.bench.plan import send_offsets
@@ -145,13 +147,27 @@ def test_unreachable_server_is_a_clear_error(tmp_path):
     assert f"cannot reach the server at {url}" in res.output
 
 
+@contextlib.contextmanager
+def answering_once(data: bytes):
+    """A TCP server on loopback that reads one request, answers ``data`` and closes: a peer that
+    is not HTTP, or whose HTTP is cut short. Gives its URL."""
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        def answer():
+            conn, _ = sock.accept()
+            conn.recv(1024)
+            conn.sendall(data)
+            conn.close()
+
+        threading.Thread(target=answer, daemon=True).start()
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
 def test_a_server_answering_no_model_listing_is_a_clear_error(tmp_path):
     """A /v1/models that answered JSON of another shape (a list, say) was an AttributeError's
     traceback; one answering no JSON was "cannot reach the server" though it had answered, and
     one answering no HTTP at all (a TCP service on the port) was http.client's traceback."""
     import functools
     import http.server
-    import socket
 
     trace = make_trace(tmp_path / "t.parquet", [20, 30])
     (tmp_path / "v1").mkdir()
@@ -165,15 +181,7 @@ def test_a_server_answering_no_model_listing_is_a_clear_error(tmp_path):
             res = runner.invoke(app, ["bench", "serve", "--base-url", url, "--trace", str(trace)])
             httpd.shutdown()
         assert res.exit_code == 2 and f"{url}/v1/models" in res.output and message in res.output, (body, res.output)
-    with socket.create_server(("127.0.0.1", 0)) as sock:
-        def garbage():
-            conn, _ = sock.accept()
-            conn.recv(1024)
-            conn.sendall(b"SSH-2.0-OpenSSH\r\n\r\n")
-            conn.close()
-
-        threading.Thread(target=garbage, daemon=True).start()
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with answering_once(b"SSH-2.0-OpenSSH\r\n\r\n") as url:
         res = runner.invoke(app, ["bench", "serve", "--base-url", url, "--trace", str(trace)])
     assert res.exit_code == 2 and f"cannot reach the server at {url}" in res.output, res.output
 
@@ -182,19 +190,9 @@ def test_a_metrics_answer_cut_short_is_a_clear_error_the_run_survives():
     """A /metrics body cut short (the server dying as the run ends) raised http.client's
     IncompleteRead out of the scrape after the run: a traceback, every result lost. It is the
     scrape's CachelabError, which run_bench catches after the run (the results stand)."""
-    import socket
-
     from cachelab.bench.server_metrics import scrape
 
-    with socket.create_server(("127.0.0.1", 0)) as sock:
-        def cut():
-            conn, _ = sock.accept()
-            conn.recv(1024)
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\nvllm:request_success_total 3")
-            conn.close()
-
-        threading.Thread(target=cut, daemon=True).start()
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with answering_once(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\nvllm:request_success_total 3") as url:
         with pytest.raises(CachelabError, match=f"cannot reach {url}/metrics: IncompleteRead"):
             scrape(url)
 
@@ -232,73 +230,50 @@ def test_bad_flags_are_named_before_the_trace_is_read(tmp_path):
         assert res.exit_code == 2 and message in res.output, (flags, res.output)
 
 
-class BreakingServer:
+class BreakingServer(CompletionsServer):
     """An OpenAI-style streaming server that answers the first requests, then fails each
     later one differently: an HTTP 500, a stream cut after one token, a refused stream (with
     ``malformed``, a chunk not of OpenAI's shape instead of the cut; with ``gateway``, a proxy's
     HTML 502 page not in UTF-8 instead of the 500). With ``burst`` a good answer is written at
     once (its chunks arrive in one read)."""
 
-    def __init__(self, good: int, malformed: bool = False, burst: bool = False, gateway: bool = False):
-        self.good, self.seen, self.port, self.malformed, self.burst = good, 0, free_port(), malformed, burst
-        self.gateway = gateway
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.ready = threading.Event()
+    model = "breaking"
 
-    def _serve(self):
+    def __init__(self, good: int, malformed: bool = False, burst: bool = False, gateway: bool = False):
+        super().__init__()
+        self.good, self.seen, self.malformed, self.burst, self.gateway = good, 0, malformed, burst, gateway
+
+    async def completions(self, request):
         from aiohttp import web
 
-        async def models(request):
-            return web.json_response({"data": [{"id": "breaking"}]})
-
-        async def completions(request):
-            body = await request.json()
-            i, self.seen = self.seen, self.seen + 1
-            if i >= self.good and (i - self.good) % 3 == 0 and self.gateway:
-                return web.Response(status=502, body=b"<html>\xff Bad Gateway</html>", content_type="text/html")
-            if i >= self.good and (i - self.good) % 3 == 0:  # with the fields vLLM adds, past 300 characters
-                return web.json_response({"error": {"message": "engine overloaded", "type": "InternalServerError",
-                                                    "param": None, "code": 500, "detail": "." * 300}}, status=500)
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
-            tokens = body["max_tokens"] if i < self.good else 1
-            held = []
-            for t in range(tokens):
-                choice = {"text": "x"}
-                if body.get("return_token_ids"):  # vLLM's: the prompt's ids in a choice's first chunk
-                    choice.update(token_ids=[t], **({"prompt_token_ids": body["prompt"]} if t == 0 else {}))
-                held.append(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
-                if not (self.burst and i < self.good):
-                    await resp.write(held.pop())
-                    await asyncio.sleep(0.002)
-            if i >= self.good and self.malformed:
-                await resp.write(b'data: {"choices": ["x"]}\n\n')  # valid JSON, not OpenAI's shape
-            elif i >= self.good:
-                request.transport.close()  # the server dies mid-answer
-                return resp
-            usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": tokens}
-            held.append(f'data: {json.dumps({"choices": [], "usage": usage})}\n\n'.encode())
-            await resp.write(b"".join(held) + b"data: [DONE]\n\n")
+        body = await request.json()
+        i, self.seen = self.seen, self.seen + 1
+        if i >= self.good and (i - self.good) % 3 == 0 and self.gateway:
+            return web.Response(status=502, body=b"<html>\xff Bad Gateway</html>", content_type="text/html")
+        if i >= self.good and (i - self.good) % 3 == 0:  # with the fields vLLM adds, past 300 characters
+            return web.json_response({"error": {"message": "engine overloaded", "type": "InternalServerError",
+                                                "param": None, "code": 500, "detail": "." * 300}}, status=500)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        tokens = body["max_tokens"] if i < self.good else 1
+        held = []
+        for t in range(tokens):
+            choice = {"text": "x"}
+            if body.get("return_token_ids"):  # vLLM's: the prompt's ids in a choice's first chunk
+                choice.update(token_ids=[t], **({"prompt_token_ids": body["prompt"]} if t == 0 else {}))
+            held.append(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+            if not (self.burst and i < self.good):
+                await resp.write(held.pop())
+                await asyncio.sleep(0.002)
+        if i >= self.good and self.malformed:
+            await resp.write(b'data: {"choices": ["x"]}\n\n')  # valid JSON, not OpenAI's shape
+        elif i >= self.good:
+            request.transport.close()  # the server dies mid-answer
             return resp
-
-        app_ = web.Application()
-        app_.router.add_get("/v1/models", models)
-        app_.router.add_post("/v1/completions", completions)
-        runner_ = web.AppRunner(app_)
-        self.loop.run_until_complete(runner_.setup())
-        self.loop.run_until_complete(web.TCPSite(runner_, "127.0.0.1", self.port).start())
-        self.ready.set()
-        self.loop.run_forever()
-
-    def __enter__(self):
-        self.thread.start()
-        self.ready.wait(10)
-        return f"http://127.0.0.1:{self.port}"
-
-    def __exit__(self, *exc):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": tokens}
+        held.append(f'data: {json.dumps({"choices": [], "usage": usage})}\n\n'.encode())
+        await resp.write(b"".join(held) + b"data: [DONE]\n\n")
+        return resp
 
 
 def test_a_server_failing_midway_gives_counted_failures_and_keeps_the_rest(tmp_path):

@@ -16,12 +16,11 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
-from loopback import free_port
+from loopback import CompletionsServer
 
 STALL_S = 30.0  # a stalled stream's pause: far past the test's request timeout
 
@@ -65,53 +64,27 @@ STREAMS = {
 KINDS = list(STREAMS)
 
 
-class ScriptedServer:
+class ScriptedServer(CompletionsServer):
     """``/v1/completions`` answering the script of ``KINDS[prompt[0]]``."""
 
-    def __init__(self):
-        self.port, self.loop = free_port(), asyncio.new_event_loop()
-        self.thread, self.ready = threading.Thread(target=self._serve, daemon=True), threading.Event()
-
-    def _serve(self):
+    async def completions(self, request):
         from aiohttp import web
 
-        async def models(request):
-            return web.json_response({"data": [{"id": "scripted"}]})
-
-        async def completions(request):
-            status, steps, _ = STREAMS[KINDS[(await request.json())["prompt"][0]]]
-            if status != 200:
-                return web.Response(status=status, body=steps[0], content_type="application/json")
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
-            for step in steps:
-                if step is CLOSE:
-                    request.transport.close()
-                    return resp
-                if step is STALL:
-                    await asyncio.sleep(STALL_S)
-                    continue
-                await resp.write(step)
-                await asyncio.sleep(0.003)
-            return resp
-
-        app = web.Application()
-        app.router.add_get("/v1/models", models)
-        app.router.add_post("/v1/completions", completions)
-        runner = web.AppRunner(app)
-        self.loop.run_until_complete(runner.setup())
-        self.loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
-        self.ready.set()
-        self.loop.run_forever()
-
-    def __enter__(self):
-        self.thread.start()
-        self.ready.wait(10)
-        return f"http://127.0.0.1:{self.port}"
-
-    def __exit__(self, *exc):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+        status, steps, _ = STREAMS[KINDS[(await request.json())["prompt"][0]]]
+        if status != 200:
+            return web.Response(status=status, body=steps[0], content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for step in steps:
+            if step is CLOSE:
+                request.transport.close()
+                return resp
+            if step is STALL:
+                await asyncio.sleep(STALL_S)
+                continue
+            await resp.write(step)
+            await asyncio.sleep(0.003)
+        return resp
 
 
 @pytest.mark.slow
