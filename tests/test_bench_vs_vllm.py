@@ -122,7 +122,8 @@ def test_failures_and_every_metric_agree_with_vllm_bench_serves_own_code():
         assert theirs["success"] == expected[1] or expected[1] is None, kind
         if ours.success == theirs["success"]:
             assert len(saved["itls"][i]) == theirs["itls"], kind  # a chunk with a choice is a token arrival
-            assert (saved["ttfts"][i] > 0, saved["latencies"][i] > 0) == (theirs["ttft"] > 0, theirs["latency"] > 0), kind
+            got = (saved["ttfts"][i] > 0, saved["latencies"][i] > 0)
+            assert got == (theirs["ttft"] > 0, theirs["latency"] > 0), kind
             assert saved["output_lens"][i] == 0 or ours.success, kind
         if ours.success and theirs["success"]:
             assert ours.prompt_tokens == theirs["prompt_len"], kind

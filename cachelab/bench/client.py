@@ -9,8 +9,9 @@ no encoding runs beside the streams it would delay), every streamed chunk that c
 token arrival (at the read that brought it, before it is parsed), the first is TTFT, the last ends
 the request; token counts come from the final ``usage`` chunk (without one, the output's is its
 count of chunks, and ``output_tokens_counted_requests`` says so). A request that fails (refused
-connection, an HTTP error, a stream cut short, no token, a chunk not of OpenAI's shape) is kept with its error and counted in
-``failed``, as vLLM's client catches any exception of a request; an interrupted run
+connection, an HTTP error, a stream cut short or stalled past the timeout, no token, a chunk not
+of OpenAI's shape) is kept with its error and counted in ``failed``, as vLLM's client catches
+any exception of a request; an interrupted run
 (Ctrl-C) keeps every request that finished. The metrics are ``cachelab.serving.metrics``',
 the same code the simulator reports with.
 """
