@@ -104,6 +104,7 @@ class ClientConnection(asyncio.Protocol):
         self.read_paused = False                # the queue is at its bound (``MAX_PIPELINED``, ``max_body_bytes``)
         self.forward: Forward | None = None    # the exchange being served
         self.discard = 0                        # body bytes still accepted (and dropped) after a 413
+        self.declined = False                   # the request just parsed asked for an upgrade that is ignored
         self.final: bytes | None = None         # the answer that ends the connection once those before it are sent
         self.closed = False
         self.linger: Linger | None = None       # closed after the proxy's last answer, draining (``_linger``)
@@ -167,9 +168,19 @@ class ClientConnection(asyncio.Protocol):
         if self.in_head:
             self.head_bytes += len(data)
         try:
-            self.parser.feed_data(data)
+            while True:
+                try:
+                    self.parser.feed_data(data)
+                    break
+                except httptools.HttpParserUpgrade as exc:
+                    if not self.declined:
+                        raise
+                    # the parser stopped at the end of a request whose upgrade is ignored (``on_message_complete``):
+                    # what follows is HTTP still, read on (pipelined requests; uvicorn drops them)
+                    self.declined, data = False, data[exc.args[0]:]
         except httptools.HttpParserUpgrade:
-            self._answer_and_close(whole_response(501, error_body(501, "protocol upgrades are not proxied"), close=True))
+            self._answer_and_close(whole_response(501, error_body(
+                501, "CONNECT and protocol upgrades of a request with a body are not proxied"), close=True))
         except httptools.HttpParserError as exc:
             self._answer_and_close(whole_response(400, error_body(400, f"malformed HTTP request: {exc}"), close=True))
         else:
@@ -391,10 +402,15 @@ class ClientConnection(asyncio.Protocol):
         r, self.request = self.request, None
         self.in_head, self.head_bytes = True, 0
         self.proxy.waiting.pop(self, None)
-        if r is None or self.closed or self.final is not None or self.parser.should_upgrade():
+        upgrade = self.parser.should_upgrade()
+        if upgrade and r is not None and self._declinable(r):
+            # an upgrade the proxy does not take (``Upgrade: h2c``, ``websocket``) is ignored, as uvicorn (vLLM) and
+            # nginx do (RFC 9110 7.8): the request is served over HTTP/1.1, without the Upgrade header (hop by hop)
+            self.declined, upgrade = True, False
+        if r is None or self.closed or self.final is not None or upgrade:
             if r is not None:
                 self._release(r)
-            return  # an upgrade (or CONNECT) is not served: its 501 follows (``data_received``)
+            return  # CONNECT, or an upgrade with a body, is not served: its 501 follows (``data_received``)
         if r.answered:  # its 413, 503 or 401, already sent: this connection is done (what follows dropped)
             self._release(r)
             return self._linger()
@@ -407,6 +423,14 @@ class ClientConnection(asyncio.Protocol):
             # a client pipelining faster than it is served is read no further until the queue drains
             self.transport.pause_reading()
             self.read_paused = True
+
+    @staticmethod
+    def _declinable(r: Request) -> bool:
+        """Whether an upgrade request can be served as plain HTTP: not CONNECT, and without a body (httptools
+        ends an upgrade request at its head: its body's bytes would be read as the next request's)."""
+        length = r.header(b"content-length")
+        return r.method != b"CONNECT" and r.header(b"transfer-encoding") is None and \
+            (length is None or (length.strip().isdigit() and int(length) == 0))
 
     # -- serving ----------------------------------------------------------------------------------
     def _refuse_body(self, r: Request, status: int) -> None:
@@ -495,10 +519,10 @@ class ClientConnection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def _answer_and_close(self, data: bytes) -> None:
-        """Answer a request that ends the connection (not HTTP: 400, a head too large: 431, an upgrade:
-        501, a stalled one: 408), then close it, lingering (``_linger``): at once, or, behind requests still being
-        answered, after their answers, in order (it was written into the middle of the answer being streamed,
-        which the close then cut). Its requests are read no further."""
+        """Answer a request that ends the connection (not HTTP: 400, a head too large: 431, CONNECT or an upgrade
+        with a body: 501, a stalled one: 408), then close it, lingering (``_linger``): at once, or, behind requests
+        still being answered, after their answers, in order (it was written into the middle of the answer being
+        streamed, which the close then cut). Its requests are read no further."""
         if self.closed or self.final is not None:
             return
         if self.forward is None and not self.queue:
