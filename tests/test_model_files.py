@@ -376,3 +376,63 @@ def test_a_model_whose_predictor_plug_in_fails_to_load_names_the_model_and_the_p
     message = str(exc.value)
     assert message.startswith(f"{d / 'metadata.json'}: predictor: plug-in 'broken'"), message
     assert "cachelab-brokenpred 0.1" in message and "No module named 'a_dependency_not_installed'" in message
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_a_save_cut_at_any_step_leaves_the_old_model_or_the_new_one(models, tmp_path, monkeypatch, exchange):
+    """``install`` deleted the old manifest, then moved the new files in one by one: Ctrl-C or a
+    kill between the steps left a folder with no model at all. Cut before and after each rename,
+    unlink or exchange in turn (the folders exchanged in one call, or renamed aside where a file
+    system cannot exchange), the folder holds the old model whole or the new one, nothing beside it."""
+    import os
+
+    from cachelab.learning import predictor as module
+
+    real = {"replace": os.replace, "rename": os.rename, "unlink": Path.unlink,
+            "exchange": getattr(module, "_exchange", lambda a, b: False)}
+    if not exchange:
+        real["exchange"] = lambda a, b: False
+    other = load(models["hgb"][0])
+    kept = tmp_path / "kept"
+    for cut in range(1, 80):
+        shutil.rmtree(kept, ignore_errors=True)
+        _copy(models["lightgbm"][0], kept)
+        steps = [0]
+
+        def counted(name):
+            def call(*args, **kwargs):
+                for when in ("before", "after"):
+                    steps[0] += 1
+                    if steps[0] == cut:
+                        raise KeyboardInterrupt
+                    if when == "before":
+                        result = real[name](*args, **kwargs)
+                return result
+            return call
+
+        with monkeypatch.context() as patch:
+            for name in ("replace", "rename"):
+                patch.setattr(os, name, counted(name))
+            patch.setattr(Path, "unlink", counted("unlink"))
+            patch.setattr(module, "_exchange", counted("exchange"), raising=False)
+            try:
+                save(other, kept)
+                finished = True
+            except KeyboardInterrupt:
+                finished = False
+        predicted = load(kept).predictor.predict(_x())
+        if finished or not np.array_equal(predicted, models["lightgbm"][1]):
+            np.testing.assert_array_equal(predicted, models["hgb"][1])
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"], cut
+        if finished:
+            break
+    assert finished and cut > 2
+    umask = os.umask(0o22)
+    os.umask(umask)
+    fresh = save(other, tmp_path / "fresh")  # a new folder has the umask's mode, not the scratch folder's 0700
+    assert oct(fresh.stat().st_mode & 0o777) == oct(0o777 & ~umask)
+    assert kept.stat().st_mode == models["lightgbm"][0].stat().st_mode  # a replaced one keeps its own
+    (tmp_path / "link").symlink_to(fresh)
+    save(load(models["lightgbm"][0]), tmp_path / "link")  # a link to a model folder stays a link
+    assert (tmp_path / "link").is_symlink()
+    np.testing.assert_array_equal(load(fresh).predictor.predict(_x()), models["lightgbm"][1])

@@ -15,12 +15,16 @@ process inside a library's loader.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
 import inspect
 import json
 import math
 import numbers
 import os
+import shutil
+import stat
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import ClassVar
@@ -107,36 +111,61 @@ def model_folder(directory: Path, flag: str) -> Path:
 
 def _is_model(directory: Path) -> bool:
     """Whether ``directory`` holds a model: its metadata, sealed or not (a model saved before
-    manifests, or one whose save was killed as its files moved in, is retrained in place)."""
+    manifests is retrained in place)."""
     return (directory / METADATA).is_file()
 
 
-def _listed(directory: Path) -> set[str]:
-    """The files a model folder's manifest lists (none where it has no readable one)."""
-    try:
-        files = json.loads((directory / MANIFEST).read_bytes()).get("files")
-    except (OSError, ValueError, AttributeError):
-        return set()
-    return set(files) if isinstance(files, dict) else set()
-
-
 def install(scratch: Path, directory: Path) -> None:
-    """Move the sealed model in ``scratch`` into ``directory`` (new, empty or a model's, as
-    ``model_folder`` allows), its manifest last: the old manifest goes first, so while the files
-    move no reader takes the folder for a model (it is refused as having no manifest), the old
-    model's other files go, and the new manifest makes the new model whole."""
-    directory = Path(directory)
+    """Put the sealed model folder ``scratch`` (beside ``directory``) at ``directory`` (new, empty or
+    a model's, as ``model_folder`` allows) in one rename: a kill at any moment leaves the old model
+    whole or the new one (the old manifest went first, then the files moved one by one: a kill
+    between left a folder with no model). Over a model the two folders are exchanged
+    (``renameat2``), the old one then removed from ``scratch``; where the file system cannot
+    exchange, the old folder is renamed aside first, whole."""
     model_folder(directory, "model folder")
-    directory.mkdir(parents=True, exist_ok=True)
-    old = _listed(directory)
-    new = [p.name for p in scratch.iterdir() if p.name != MANIFEST]
-    (directory / MANIFEST).unlink(missing_ok=True)
-    for name in new:
-        os.replace(scratch / name, directory / name)
-    for name in old - set(new):
-        if Path(name).name == name:
-            (directory / name).unlink(missing_ok=True)
-    os.replace(scratch / MANIFEST, directory / MANIFEST)
+    directory = Path(directory).resolve()  # a link to the folder stays a link: its target is replaced
+    try:
+        mode = os.stat(directory).st_mode
+    except FileNotFoundError:
+        mode = None
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(scratch, stat.S_IMODE(mode) if mode is not None else 0o777 & ~umask)  # mkdtemp made it 0700
+    try:
+        if mode is None or not any(directory.iterdir()):
+            os.replace(scratch, directory)  # a rename onto an empty folder replaces it
+        elif not _exchange(scratch, directory):
+            aside = Path(f"{scratch}.old")
+            try:
+                os.rename(directory, aside)
+                os.rename(scratch, directory)
+            finally:
+                if not directory.exists():  # Ctrl-C or a failure between the renames: the old model back
+                    os.rename(aside, directory)
+                shutil.rmtree(aside, ignore_errors=True)
+    except OSError as exc:
+        raise CachelabError(f"{directory}: the model could not be moved in ({exc.strerror or exc}); the folder "
+                            "holds what it held") from None
+    _fsync(directory.parent)
+    shutil.rmtree(scratch, ignore_errors=True)  # the old model, out of the way
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two folders atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where the C library
+    or the file system has no such call."""
+    call = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if call is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if call(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _fsync(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -355,7 +355,8 @@ def save(model: Model, directory: Path, extra: dict | None = None) -> Path:
     model_folder(directory, "model folder")
     directory.parent.mkdir(parents=True, exist_ok=True)
     spec = {**model.metadata["spec"], **(extra or {}), "prior": PRIOR}
-    scratch = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".partial", dir=directory.parent))
+    scratch = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".partial",
+                                    dir=directory.resolve().parent))  # where install renames it
     try:
         try:
             write_tensors(scratch / PRIOR, model.prior.tensors())
