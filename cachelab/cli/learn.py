@@ -10,13 +10,14 @@ from rich.table import Table
 
 from cachelab import defaults, registry, strict_json
 from cachelab.capacity import parse_capacities, parse_capacity
+from cachelab.cli.interrupted import file_identity, interruptible, interrupted
 from cachelab.engram import get_preset
 from cachelab.errors import CachelabError
 from cachelab.learning.training import (TrainSpec, check_target, keep_capacity, keep_rows, keep_size_note, load,
                                         rolling_scores, save, train as train_model)
 from cachelab.learning.evaluation import evaluate_capacities, judged_policy
 from cachelab.learning.lineup import lineup
-from cachelab.learning.predictor import model_folder
+from cachelab.learning.predictor import METADATA, model_folder
 from cachelab.params import check_params, parse_pairs, parse_value, seeded_params
 from cachelab.paths import output_folder
 from cachelab.progress import spinner
@@ -87,10 +88,12 @@ def train(
     except TypeError as exc:
         raise CachelabError(f"predictor {predictor!r}: {exc}") from None
     model_folder(output_folder(out, "--out"), "--out")  # before the training it would hold
-    stream = _view(trace, requests, seed, preset, steps, console, "train")
-    with spinner(f"training {predictor}"):
-        model, metrics = train_model(stream, fresh, spec)
-    save(model, out, {"trace": trace, "requests": requests, "preset": preset, "steps": steps})
+    # the model goes in by one rename: Ctrl-C leaves the folder's model before or the new one, whole
+    with interrupted("train", out, thing="model", partial="model was", identity=_model_identity):
+        stream = _view(trace, requests, seed, preset, steps, console, "train")
+        with spinner(f"training {predictor}"):
+            model, metrics = train_model(stream, fresh, spec)
+        save(model, out, {"trace": trace, "requests": requests, "preset": preset, "steps": steps})
     # lookups as `evaluate` counts them (every row read); fetches: each step's distinct rows, which
     # training samples and validation (validation_lookups) count
     result = {"predictor": predictor, "trace": trace, "lookups": int(stream.inverse.size), "fetches": len(stream),
@@ -115,6 +118,11 @@ def train(
     for name, value in list(metrics.get("importances", {}).items())[:12]:
         table.add_row(name, f"{value:.3f}")
     out_console.print(table)
+
+
+def _model_identity(folder: Path) -> tuple[int, int] | None:
+    """What tells one saved model from the next (None: no model in ``folder``)."""
+    return file_identity(folder / METADATA)
 
 
 METRIC_MEANING = {  # printed bare, rmse_constant and reuse_rate said nothing to a newcomer
@@ -145,6 +153,7 @@ def _capacities(text: str, preset: str) -> list[float | str]:
     return [_learning_capacity(c.written, preset, "--capacities") for c in parse_capacities(text)]
 
 
+@interruptible("evaluate")
 def evaluate(
     trace: str = typer.Option(..., help=TRACE_HELP),
     model: Path = typer.Option(..., help="A directory written by `cachelab train`."),
