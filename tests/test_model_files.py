@@ -346,7 +346,7 @@ def test_a_model_is_never_saved_over_other_files(models, tmp_path):
     with pytest.raises(CachelabError, match="holds files that are not a cachelab model"):
         save(load(models["logistic"][0]), tables)
     assert {p.name: p.read_bytes() for p in tables.iterdir()} == before
-    unsealed = _copy(models["logistic"][0], tmp_path / "unsealed")  # saved before manifests, or killed mid-swap
+    unsealed = _copy(models["logistic"][0], tmp_path / "unsealed")  # saved before manifests, or killed mid-swap by an older cachelab
     (unsealed / MANIFEST).unlink()
     save(load(models["logistic"][0]), unsealed)  # its own folder: replaced, not refused
     np.testing.assert_array_equal(load(unsealed).predictor.predict(_x()), models["logistic"][1])

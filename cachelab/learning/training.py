@@ -343,7 +343,7 @@ def validate(model: Model, stream, x: np.ndarray, start: int, spec: TrainSpec | 
 
 def save(model: Model, directory: Path, extra: dict | None = None) -> Path:
     """Write the prior, then the predictor (whose ``save`` seals the manifest), into a scratch
-    folder beside ``directory``, and move them in whole (``predictor.install``): a save that
+    folder beside ``directory``, and put it in place by one rename (``predictor.install``): a save that
     fails leaves nothing of itself and the model ``directory`` held as it was (it was written
     file by file over the old one). ``directory`` must be new, empty or a model's."""
     import shutil
