@@ -35,7 +35,7 @@ class CompletionsServer:
         async def models(request):
             return web.json_response({"data": [{"id": self.model}]})
 
-        app = web.Application()
+        app = web.Application(client_max_size=1 << 30)  # aiohttp's 1 MiB refuses a prompt of 130k ids
         app.router.add_get("/v1/models", models)
         app.router.add_post("/v1/completions", self.completions)
         runner = web.AppRunner(app)

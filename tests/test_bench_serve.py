@@ -311,17 +311,50 @@ def test_a_chunk_not_of_openais_shape_fails_its_request_not_the_run(tmp_path):
 def test_a_stream_line_over_aiohttps_line_limit_is_read():
     """With return_token_ids (the live experiment's client) a completion's first chunk carries
     the prompt's ids: a prompt of 80k six-digit ids is a 640 KB line, over aiohttp's 512 KiB line
-    reader, and every such request failed with LineTooLong (seen by helper-100)."""
+    reader, and every such request failed with LineTooLong (seen by helper-100). 160k ids, a
+    1.3 MB line: past 1 MiB, within the client's own limit (the request's body + 1 MiB)."""
     from cachelab.bench.client import BenchConfig, run_bench
     from cachelab.bench.plan import BenchPlan
 
-    prompt = np.arange(100_000, 180_000)
+    prompt = np.arange(100_000, 260_000)
     plan = BenchPlan([prompt, prompt[:50]], np.array([3, 3]), np.zeros(2))
     with BreakingServer(good=2) as url:
         result = run_bench(BenchConfig(url, server_metrics=False, return_token_ids=True), plan)
     assert [(o.success, o.error) for o in result.outputs] == [(True, "")] * 2
-    assert [(o.prompt_tokens, o.output_tokens, o.token_ids) for o in result.outputs] == [(80_000, 3, [0, 1, 2]),
+    assert [(o.prompt_tokens, o.output_tokens, o.token_ids) for o in result.outputs] == [(160_000, 3, [0, 1, 2]),
                                                                                          (50, 3, [0, 1, 2])]
+
+
+class NoNewlineServer(CompletionsServer):
+    """Streams 64 KiB pieces of a line that never ends (until the client goes, 8 MiB at most),
+    then holds the stream open."""
+
+    async def completions(self, request):
+        from aiohttp import web
+
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(128):
+            await resp.write(b"x" * 65536)  # raises once the client has closed the stream
+            await asyncio.sleep(0.002)
+        await asyncio.sleep(30)
+        return resp
+
+
+def test_a_stream_line_without_end_fails_its_request_at_the_limit():
+    """A server streaming bytes without a newline grew the client's buffer without bound until
+    --request-timeout (6 h by default): a line longer than its request's body + 1 MiB (no answer
+    of an OpenAI server carries one) fails that request, named, as soon as it passes the limit."""
+    from cachelab.bench.client import BenchConfig, run_bench
+    from cachelab.bench.plan import BenchPlan
+
+    plan = BenchPlan([np.arange(5)], np.array([2]), np.zeros(1))
+    with NoNewlineServer() as url:
+        (out,) = run_bench(BenchConfig(url, server_metrics=False, timeout_s=5), plan).outputs
+    assert (out.success, out.error) == (False, "StreamLineTooLong: a line of the stream ran past the request's "
+                                               "body + 1 MiB")
+    assert out.chunk_s == [] and time.perf_counter() - out.send_s < 2
 
 
 def test_request_bodies_are_encoded_before_the_clock_starts():

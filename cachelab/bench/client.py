@@ -10,9 +10,9 @@ token arrival (at the read that brought it, before it is parsed), the first is T
 the request; token counts come from the final ``usage`` chunk (without one, the output's is its
 count of chunks, and ``output_tokens_counted_requests`` says so). A request that fails (refused
 connection, an HTTP error, a stream cut short or stalled past the timeout, no token, a chunk not
-of OpenAI's shape) is kept with its error and counted in ``failed``, as vLLM's client catches
-any exception of a request; an interrupted run
-(Ctrl-C) keeps every request that finished. The metrics are ``cachelab.serving.metrics``',
+of OpenAI's shape, a stream line longer than the request's body + 1 MiB) is kept with its error
+and counted in ``failed``, as vLLM's client catches any exception of a request; an interrupted
+run (Ctrl-C) keeps every request that finished. The metrics are ``cachelab.serving.metrics``',
 the same code the simulator reports with.
 """
 
@@ -42,6 +42,11 @@ from cachelab.serving.metrics import RequestTimes, peak_per_second, request_metr
 TIMEOUT_S = 6 * 3600  # vLLM's AIOHTTP_TIMEOUT: a request may wait long under load
 JSON_HEADERS = {"Content-Type": "application/json"}
 MAX_ERROR_CHARS = 500  # of an error's message kept per request (an HTML error page can be megabytes)
+LINE_SLACK = 1 << 20  # a stream line's limit is its request's body + this (see _events)
+
+
+class StreamLineTooLong(Exception):
+    """A stream line past its limit: the request fails with it, the run goes on."""
 
 
 @dataclass
@@ -224,7 +229,8 @@ def _request_bodies(config: BenchConfig, model: str, plan: BenchPlan) -> list[by
 
 async def _send(session, url: str, body: bytes, out: RequestOutput, timeout_s: float) -> None:
     """One streamed completion, timed per chunk; every failure lands in ``out.error`` (one that
-    runs past ``timeout_s``, a stalled server's, names the limit: aiohttp's TimeoutError has no text)."""
+    runs past ``timeout_s``, a stalled server's, or a stream line past its limit names the limit:
+    aiohttp's TimeoutError has no text)."""
     out.send_s = time.perf_counter()
     try:
         async with session.post(url, data=body, headers=JSON_HEADERS) as response:
@@ -234,7 +240,7 @@ async def _send(session, url: str, body: bytes, out: RequestOutput, timeout_s: f
                 message = _message((await response.read()).decode("utf-8", errors="replace").strip())
                 out.error = f"HTTP {response.status}: {message[:MAX_ERROR_CHARS]}"
                 return
-            async with contextlib.aclosing(_events(response.content)) as events:
+            async with contextlib.aclosing(_events(response.content, len(body) + LINE_SLACK)) as events:
                 async for data, arrived in events:
                     chunk = json.loads(data)
                     if chunk.get("choices"):  # a choice not of OpenAI's shape raises before it is a token
@@ -257,18 +263,23 @@ async def _send(session, url: str, body: bytes, out: RequestOutput, timeout_s: f
         out.success = True
     except TimeoutError:
         out.error = f"TimeoutError: no whole answer within {timeout_s:g} s (--request-timeout)"
+    except StreamLineTooLong:
+        out.error = f"StreamLineTooLong: a line of the stream ran past the request's body + {LINE_SLACK >> 20} MiB"
     except Exception as exc:  # vLLM's client too: a request's failure, never the run's
         out.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-async def _events(content) -> AsyncIterator[tuple[bytes, float]]:
+async def _events(content, limit: int) -> AsyncIterator[tuple[bytes, float]]:
     """A stream's ``data:`` payloads up to ``[DONE]`` (blank separators and SSE comments
-    skipped), of any length, each with the time the read that completed it returned: its
-    arrival, not the end of the client's parsing of it and of the payloads before it (with
-    ``return_token_ids`` a first chunk carries the prompt's ids, milliseconds of JSON). aiohttp's
-    own line reader fails a line over 512 KiB (``LineTooLong``), and such a chunk is ~7 bytes a
-    token (vLLM, `cachelab serve`: every prompt over ~75k tokens failed); vLLM's client splits
-    the stream itself too (``StreamedResponseHandler``)."""
+    skipped), each with the time the read that completed it returned: its arrival, not the end
+    of the client's parsing of it and of the payloads before it (with ``return_token_ids`` a
+    first chunk carries the prompt's ids, milliseconds of JSON). aiohttp's own line reader fails
+    a line over 512 KiB (``LineTooLong``), and such a chunk is ~7 bytes a token (vLLM, `cachelab
+    serve`: every prompt over ~75k tokens failed); vLLM's client splits the stream itself too
+    (``StreamedResponseHandler``). A line still without its end past ``limit`` bytes raises
+    ``StreamLineTooLong`` (a server streaming without newlines grew the buffer until the timeout,
+    6 h by default): the caller's limit is the request's body + 1 MiB, as the longest chunk, the
+    prompt's ids echoed, is no longer than the body that sent them."""
     pieces, buffer, searched, ended = content.iter_any(), bytearray(), 0, False
     while not ended:
         piece = await anext(pieces, None)
@@ -285,6 +296,8 @@ async def _events(content) -> AsyncIterator[tuple[bytes, float]]:
                 yield data, arrived
         del buffer[:start]
         searched = len(buffer)
+        if len(buffer) > limit:  # what is left is a line without its end
+            raise StreamLineTooLong
 
 
 def _message(body: str) -> str:
