@@ -357,6 +357,41 @@ def test_a_stream_line_without_end_fails_its_request_at_the_limit():
     assert out.chunk_s == [] and time.perf_counter() - out.send_s < 2
 
 
+class UsageServer(CompletionsServer):
+    """Answers two tokens and a final usage chunk of the ``usage`` given."""
+
+    def __init__(self, usage: dict):
+        super().__init__()
+        self.usage = usage
+
+    async def completions(self, request):
+        from aiohttp import web
+
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for chunk in ({"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]}, {"choices": [], "usage": self.usage}):
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+
+@pytest.mark.parametrize(("usage", "prompt_tokens"), [({"prompt_tokens": 0, "completion_tokens": 2}, 0),
+                                                      ({"prompt_tokens": 7, "completion_tokens": 2}, 7),
+                                                      ({"completion_tokens": 2}, 5),
+                                                      ({"prompt_tokens": None, "completion_tokens": 2}, 5)])
+def test_the_prompt_length_the_server_reports_is_kept_even_zero_as_vllms(usage, prompt_tokens):
+    """vLLM's client takes usage.prompt_tokens whenever it is not None (0 too) and keeps the
+    plan's length otherwise; cachelab replaced a reported 0 by the plan's length."""
+    from cachelab.bench.client import BenchConfig, run_bench
+    from cachelab.bench.plan import BenchPlan
+
+    plan = BenchPlan([np.arange(5)], np.array([2]), np.zeros(1))
+    with UsageServer(usage) as url:
+        (out,) = run_bench(BenchConfig(url, server_metrics=False), plan).outputs
+    assert (out.success, out.prompt_tokens, out.output_tokens, out.output_counted) == (True, prompt_tokens, 2, False)
+
+
 def test_request_bodies_are_encoded_before_the_clock_starts():
     """A request's body (its prompt of ids as JSON) was encoded when it was sent, holding the
     event loop that times every stream in flight (and adding to its own TTFT): ~5 ms for 32k

@@ -59,7 +59,7 @@ class RequestOutput:
     send_s: float = 0.0
     queue_s: float = 0.0  # vLLM's client_queue_time: from its scheduled send to its send (the limit's wait, the loop's)
     chunk_s: list[float] = field(default_factory=list)
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # the server's usage.prompt_tokens (0 too, as vLLM's client keeps it), else the plan's
     output_tokens: int = 0
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server reports it
     output_counted: bool = False  # no usage.completion_tokens came: output_tokens is the count of chunks
@@ -248,7 +248,8 @@ async def _send(session, url: str, body: bytes, out: RequestOutput, timeout_s: f
                         out.chunk_s.append(arrived)
                     if usage := chunk.get("usage"):
                         out.output_tokens = int(usage.get("completion_tokens") or 0)
-                        out.prompt_tokens = int(usage.get("prompt_tokens") or out.prompt_tokens)
+                        if (prompt_tokens := usage.get("prompt_tokens")) is not None:  # 0 too, as vLLM's client
+                            out.prompt_tokens = int(prompt_tokens)
                         details = usage.get("prompt_tokens_details") or {}
                         if details.get("cached_tokens") is not None:
                             out.cached_tokens = int(details["cached_tokens"])
