@@ -71,6 +71,9 @@ def test_valid_spec_expands_to_a_hashed_grid(tmp_path):
     ('"hierarchy.hbm.admission"', '"kind"', "tiny.toml: sweep.'kind': not a key a point reads; list the kinds in kind"),
     ('"hierarchy.hbm.admission"', '"seeds"', "sweep.'seeds': not a key a point reads; list them in seeds = [...]"),
     ('"hierarchy.hbm.admission"', '"name"', "sweep.'name': not a key a point reads; it names the experiment"),
+    # its dots unquoted, an axis is nested tables to TOML: the error said "sweep.hierarchy: Input should be a valid list"
+    ('"hierarchy.hbm.admission"', "hierarchy.hbm.admission", 'tiny.toml: sweep: hierarchy.hbm.admission: a key with '
+     'unquoted dots is nested tables to TOML, not one axis; quote it: "hierarchy.hbm.admission" = [...]'),
     # a negative page cache ran as none (every page read from the SSD), in silence
     ('[[hierarchy.tiers]]\nname = "hbm"', '[hierarchy]\nbacking = "ssd"\npage_cache = -4096\n\n[[hierarchy.tiers]]\n'
      'name = "hbm"', "tiny.toml: hierarchy.page_cache: -4096 bytes: a page cache holds 0 bytes or more"),

@@ -275,6 +275,7 @@ _NOT_AXES = {"kind": "list the kinds in kind = [...] instead: each runs every po
 
 def parse_spec(raw: dict, where: str = "spec") -> ExperimentSpec:
     """Validate a spec given as a dict (what the TOML file holds)."""
+    _check_axes_quoted(raw.get("sweep"), where)
     spec = _validate(raw, where)
     check_spec(spec, where)
     _once(spec.seeds, f"{where}: seeds")
@@ -291,6 +292,25 @@ def parse_spec(raw: dict, where: str = "spec") -> ExperimentSpec:
                 raise CachelabError(f"{where}: sweep.{key!r}: {exc.args[0]}") from None
             check_spec(_validate(point, f"{where}: sweep.{key!r}[{i}]"), f"{where}: sweep.{key!r}[{i}]")
     return spec
+
+
+def _check_axes_quoted(sweep, where: str) -> None:
+    """Refuse an axis written with its dots unquoted (``hierarchy.hbm.policy = [...]``): TOML reads
+    it as nested tables, which Pydantic named only as ``sweep.hierarchy: Input should be a valid list``."""
+    if not isinstance(sweep, dict):
+        return
+    nested = [key for axis, value in sweep.items() if isinstance(value, dict) and "." not in axis  # a quoted
+              for key in _dotted(value, axis)]  # axis with a table is a list forgotten, which Pydantic names
+    if nested:
+        quoted = ", ".join(f'"{key}" = [...]' for key in nested)
+        raise CachelabError(f"{where}: sweep: {', '.join(nested)}: a key with unquoted dots is nested tables to TOML, "
+                            f"not one axis; quote it: {quoted}")
+
+
+def _dotted(table: dict, prefix: str) -> list[str]:
+    """The dotted keys of the leaves of nested tables."""
+    return [leaf for key, value in table.items()
+            for leaf in (_dotted(value, f"{prefix}.{key}") if isinstance(value, dict) and value else [f"{prefix}.{key}"])]
 
 
 def _once(values: list, where: str) -> None:
