@@ -129,6 +129,20 @@ def test_overrides_are_validated_like_the_file(tmp_path):
         load_spec(path, ["warmup=0.2", "workload.tokens_per_stp=512"])
 
 
+def test_a_tier_addressed_by_its_place_is_told_to_use_its_name(tmp_path):
+    """``hierarchy.tiers.1.capacity`` (as TOML lists the tiers) said only "no tier named 'tiers'"."""
+    path = write_spec(tmp_path)
+    with pytest.raises(CachelabError, match=re.escape(
+            "--set 'hierarchy.tiers.1.capacity=5': a tier is addressed by its name, hierarchy.<tier>.capacity (here "
+            "hierarchy.dram.capacity), not by its place in hierarchy.tiers; tiers: ['hbm', 'dram']")):
+        load_spec(path, ["hierarchy.tiers.1.capacity=5"])
+    path.write_text(path.read_text().replace('"hierarchy.hbm.admission"', '"hierarchy.tiers.0.params.x"'))
+    with pytest.raises(CachelabError, match=re.escape(
+            "tiny.toml: sweep.'hierarchy.tiers.0.params.x': a tier is addressed by its name, "
+            "hierarchy.<tier>.params.x (here hierarchy.hbm.params.x)")):
+        load_spec(path)
+
+
 def test_an_override_inside_a_swept_table_reaches_every_point(tmp_path):
     """An axis over a table (``predictor.params``) replaced the whole table on every point, so
     ``--set predictor.params.num_threads=1`` inside it was silently lost."""

@@ -337,6 +337,8 @@ def set_key(raw: dict, key: str, value) -> dict:
         if part == "hierarchy" and isinstance(nxt, dict) and i + 1 < len(parts) - 1:
             tiers = {t.get("name"): t for t in nxt.get("tiers", [])}
             tier = parts[i + 1]
+            if tier == "tiers" and tier not in tiers:
+                raise KeyError(_by_name(parts[i + 2:], list(tiers)))
             if tier not in tiers:
                 raise KeyError(f"no tier named {tier!r} in hierarchy.tiers; tiers: {sorted(tiers)}")
             node = tiers[tier]
@@ -352,6 +354,16 @@ def set_key(raw: dict, key: str, value) -> dict:
         node = nxt
     node[parts[-1]] = value
     return out
+
+
+def _by_name(rest: list[str], names: list) -> str:
+    """What to write for a tier addressed as TOML lists it (``hierarchy.tiers.0.capacity``): the
+    error said only that no tier is named 'tiers'."""
+    index = int(rest.pop(0)) if rest and rest[0].isdigit() else 0
+    field = ".".join(rest) or "capacity"
+    example = f" (here hierarchy.{names[min(index, len(names) - 1)]}.{field})" if names else ""
+    return f"a tier is addressed by its name, hierarchy.<tier>.{field}{example}, not by its place in hierarchy.tiers; " \
+           f"tiers: {names}"
 
 
 def check_spec(spec: ExperimentSpec, where: str) -> None:
