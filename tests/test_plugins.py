@@ -36,6 +36,29 @@ def test_plugins_list_shows_every_group_with_origin():
     assert "│" in runner.invoke(app, ["plugins", "list"]).stdout  # the table form
 
 
+def test_plugins_list_piped_prints_whole_names(tmp_path):
+    """Piped with no COLUMNS, rich's 80 columns cut the distribution a plug-in came from
+    (``cachelab-plug…``); a real process, its stdin, stdout and stderr no terminal."""
+    import os
+    import subprocess
+    import sys
+
+    dist = "cachelab-a-plugin-from-a-distribution-with-a-long-name"
+    files = {"longpkg/__init__.py": 'from policies.linked.fifo import FIFO\n\nclass Long(FIFO):\n    name = "long"\n',
+             "longdist-1.0.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n",
+             "longdist-1.0.dist-info/entry_points.txt": "[cachelab.policies]\nlong = longpkg:Long\n"}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-m", "cachelab.cli", "plugins", "list"], env=env, stdin=subprocess.DEVNULL,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    line = next(line for line in res.stdout.splitlines() if " long " in line)
+    assert dist in line and "…" not in res.stdout, line
+
+
 def test_policies_list_describes_each_policy():
     rows = {r["name"]: r for r in _json(["policies", "list", "--json"])}
     assert rows["s3fifo"]["params"]["small_size_ratio"] == 0.1 and rows["s3fifo"]["compiled"]
