@@ -14,7 +14,7 @@ import os
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
+from rich.table import Column, Table
 
 from cachelab import registry, strict_json
 from cachelab.params import check_params, parse_pairs
@@ -59,8 +59,6 @@ def plugins_list(as_json: bool = typer.Option(False, "--json", help="Print a JSO
 
 def _name_column(rows: list[dict]):
     """A name is typed back (--policy NAME): its column never wraps nor cuts; the others give way."""
-    from rich.table import Column
-
     return Column("name", no_wrap=True, min_width=max((len(r["name"]) for r in rows), default=4))
 
 

@@ -24,7 +24,7 @@ from cachelab.experiment.kinds import PointOutput, get_kind
 from cachelab.experiment.provenance import provenance_tags
 from cachelab.experiment.records import PARENT, Outbox, Record, failed_key, now_ms
 from cachelab.experiment.report import results_table, write_report
-from cachelab.experiment.spec import ExperimentSpec, WorkloadSpec, load_spec, parse_spec
+from cachelab.experiment.spec import ExperimentSpec, WorkloadSpec, kinds, load_spec, parse_spec
 from cachelab.experiment.sweep import Point, config_hash, expand
 from cachelab.engine.mrc import miss_ratio_curve
 from cachelab.errors import CachelabError
@@ -77,9 +77,6 @@ def outbox_for(name: str, runs_dir: Path) -> Outbox:
 def _serial_workers(spec, workers: int | None) -> int | None:
     """One worker for a spec whose kinds time real work (``ExperimentKind.serial``): parallel
     points would share the cores they measure. More than one is an error naming the flag."""
-    from cachelab.experiment.kinds import get_kind
-    from cachelab.experiment.spec import kinds
-
     serial = [k for k in kinds(spec) if get_kind(k).serial]
     if not serial:
         return workers

@@ -20,7 +20,7 @@ import numpy as np
 
 from cachelab.errors import CachelabError
 from cachelab.serving.hardware import load_profile
-from cachelab.serving.latency import Efficiency, LatencyModel
+from cachelab.serving.latency import Batch, Efficiency, LatencyModel
 from cachelab.serving.model_spec import ModelSpec, load_model
 from cachelab.serving.steady import Deployment, NoSteadyState, SteadyState, Workload, fixed_workload
 
@@ -108,8 +108,6 @@ def published_prefill_mfu(source: dict = DEEPSEEK_PREFILL) -> float:
     A lower bound: the node average includes idle time, so busy nodes ran faster. The residual
     stream's traffic is left out: under the published DP32 attention a GPU carries its own tokens'
     (about 1% of its second at MBU), not the whole replica's that the TP8 stand-in would charge."""
-    from cachelab.serving.latency import Batch
-
     ratio = source["input_output_ratio"]
     prompt = source["kv_length_per_output_token"] / (1 + 1 / (2 * ratio))  # P + P / (2 ratio) = 4,989
     computed = prompt * (1 - source["cache_hit"])

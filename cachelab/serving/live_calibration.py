@@ -45,7 +45,7 @@ from cachelab.errors import CachelabError
 from cachelab.live.config import ModelConfig
 from cachelab.paths import replacing
 from cachelab.serving.calibration import nonnegative_lstsq, pattern_search
-from cachelab.serving.hardware import GPU, HardwareProfile
+from cachelab.serving.hardware import GPU, HardwareProfile, load_profile
 from cachelab.serving.latency import Batch, Efficiency, LatencyModel
 from cachelab.serving.model_spec import ModelSpec
 
@@ -550,8 +550,6 @@ def write_profile(result: Calibration, hardware: HardwareProfile, threads: int, 
 def load_calibration(path: str | Path) -> tuple[HardwareProfile, Efficiency]:
     """A `cachelab calibrate --out` file: its hardware profile and its fitted efficiency."""
     import tomllib
-
-    from cachelab.serving.hardware import load_profile
 
     hw = load_profile(path)
     if hw.gpu is None or hw.host is None:
