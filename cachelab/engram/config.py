@@ -18,7 +18,7 @@ import numpy as np
 
 from cachelab.errors import CachelabError
 from cachelab.paths import named_in
-from cachelab.engram.vocab import DEEPSEEK_V4, DEEPSEEK_V4_COMPRESSED_SIZE
+from cachelab.engram.vocab import DEEPSEEK_V4, DEEPSEEK_V4_COMPRESSED_SIZE, compressed_map
 
 PRIME_1 = 10007
 MAX_BASE_SIZE, MAX_HEADS = 2**40, 2**16
@@ -254,8 +254,6 @@ def load_config(path: Path) -> EngramConfig:
         if data.get("tokenizer", DEEPSEEK_V4) != DEEPSEEK_V4:  # as a file names it: from its folder, not the cwd
             data["tokenizer"] = named_in(path, data["tokenizer"])
         if "compressed_vocab" not in data:
-            from cachelab.engram.vocab import compressed_map
-
             data["compressed_vocab"] = int(compressed_map(data.get("tokenizer", DEEPSEEK_V4)).max()) + 1
         return EngramConfig(**data)
     except (TypeError, CachelabError) as exc:

@@ -20,7 +20,7 @@ same checks into pytest cases::
 
 from __future__ import annotations
 
-from cachelab.testing.results import CheckResult, ConformanceError, run_checks
+from cachelab.testing.results import CheckResult, ConformanceError, Skip, run_checks
 from cachelab.testing.policy_checks import POLICY_CHECKS, check_policy, iter_policy_checks
 from cachelab.testing.predictor_checks import PREDICTOR_CHECKS, check_predictor
 
@@ -58,8 +58,6 @@ def parametrize_with_checks(targets):
 
 def _as_pytest(check, cls, params):
     import pytest
-
-    from cachelab.testing.results import Skip
 
     try:
         check(cls, **params)
