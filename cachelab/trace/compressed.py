@@ -18,6 +18,7 @@ import gzip
 import io
 import lzma
 import zlib
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -85,3 +86,20 @@ def open_binary(path: Path):
         magic = probe.read(6)
     opener = next((o for m, o in COMPRESSED.items() if magic.startswith(m)), open)
     return opener(path, "rb")
+
+
+def line_blocks(chunks: Iterable[bytes], longest: int, cr: bool = True) -> Iterator[bytes]:
+    """The bytes of ``chunks`` in blocks of whole lines (ended by LF, and by CR where ``cr``), so a
+    reader parses a block at a time and memory holds a block, not the file. A line is never split
+    across blocks, but one longer than ``longest`` bytes is yielded unfinished as soon as it is, a
+    block with no line end: the reader refuses it before its rest could be read as another line."""
+    pending = b""
+    for chunk in chunks:
+        pending += chunk
+        # after the last line end; a CR at the end may be half of a CRLF the next chunk completes
+        cut = max(pending.rfind(b"\n"), pending.rfind(b"\r", 0, len(pending) - 1) if cr else -1) + 1
+        if cut or len(pending.removesuffix(b"\r") if cr else pending) > longest:
+            yield pending[:cut or len(pending)]
+            pending = pending[cut or len(pending):]
+    if pending:
+        yield pending

@@ -40,7 +40,7 @@ import numpy as np
 
 from cachelab.errors import CachelabError
 from cachelab.paths import replacing
-from cachelab.trace.compressed import COMPRESSED, DECOMPRESS_ERRORS, open_binary
+from cachelab.trace.compressed import COMPRESSED, DECOMPRESS_ERRORS, line_blocks, open_binary
 from cachelab.workload.future import next_access
 from cachelab.policy import NO_NEXT
 
@@ -233,24 +233,18 @@ def _blocks(path: Path) -> Iterator[bytes]:
             if encoding == "utf-8-sig":  # key text in UTF-8 is ASCII: the BOM dropped, the bytes as they are
                 chunk, encoding = chunk[3:], None
             decoder = codecs.getincrementaldecoder(encoding)("replace") if encoding else None
-            pending = b""
-            while True:
-                read = chunk
-                if decoder is not None:
-                    chunk = decoder.decode(read, final=not read).encode("ascii", "replace")
-                pending += chunk
-                if not read:
-                    break
-                # after the last line end; a CR at the end may be half of a CRLF the next chunk completes
-                cut = max(pending.rfind(b"\n"), pending.rfind(b"\r", 0, len(pending) - 1)) + 1
-                if cut or len(pending.removesuffix(b"\r")) > _LONGEST_LINE:
-                    yield pending[:cut or len(pending)]
-                    pending = pending[cut or len(pending):]
-                chunk = f.read(_CHUNK)
+            yield from line_blocks(_decoded(f, chunk, decoder), _LONGEST_LINE)
     except DECOMPRESS_ERRORS as exc:
         raise CachelabError(f"{path}: corrupt compressed data: {exc}") from None
-    if pending:
-        yield pending
+
+
+def _decoded(f, chunk: bytes, decoder) -> Iterator[bytes]:
+    """``chunk`` and the rest of ``f`` as ASCII bytes, through ``decoder`` where there is one."""
+    while chunk:
+        yield decoder.decode(chunk).encode("ascii", "replace") if decoder is not None else chunk
+        chunk = f.read(_CHUNK)
+    if decoder is not None:
+        yield decoder.decode(b"", final=True).encode("ascii", "replace")
 
 
 def _longest_line(raw: bytes) -> int:
