@@ -11,6 +11,9 @@ duplicate window starts, and Mooncake timestamps of 400 digits or 1e300 ms.
 from __future__ import annotations
 
 import json
+import re
+from contextlib import nullcontext
+from unittest import mock
 
 import numpy as np
 import polars as pl
@@ -21,6 +24,7 @@ from typer.testing import CliRunner
 from cachelab.cli import app
 from cachelab.errors import CachelabError
 from cachelab.trace.compressed import COMPRESSED
+from cachelab.trace import ingest as ingest_module
 from cachelab.trace.ingest import Ingest
 from traces.azure import COLUMNS as AZURE_COLUMNS, AzureTrace
 from traces.burstgpt import BurstGPTTrace
@@ -171,7 +175,8 @@ def _read_csv(path, skip_bad, by_lines):
     """What Ingest.csv gives (rows, lines, skips, first skip) or the error, through either path."""
     ingest = Ingest(path, skip_bad)
     try:
-        raw, lines = ingest._csv_lines(AZURE_COLUMNS) if by_lines else ingest.csv(AZURE_COLUMNS)
+        with mock.patch.object(ingest_module, "_NOT_PLAIN", re.compile(b"")) if by_lines else nullcontext():
+            raw, lines = ingest.csv(AZURE_COLUMNS)  # by_lines: every block taken for one that is not plain
         typed = ingest.convert(raw, lines, {c: (pl.col(c), "text") for c in AZURE_COLUMNS})
     except CachelabError as exc:
         return str(exc)
@@ -184,7 +189,10 @@ def test_a_plain_csv_split_by_polars_reads_as_line_by_line(tmp_path, case, skip_
     """The vectorised split of a plain file gives what the line-by-line reader gives, errors included."""
     path = tmp_path / "AzureLLMInferenceTrace_code.csv"
     path.write_bytes(case[1])
-    assert _read_csv(path, skip_bad, False) == _read_csv(path, skip_bad, True)
+    expected = _read_csv(path, skip_bad, True)
+    assert _read_csv(path, skip_bad, False) == expected
+    with mock.patch.object(ingest_module, "_CHUNK", 5):  # plain and damaged blocks, each read its own way
+        assert _read_csv(path, skip_bad, False) == expected
 
 
 def test_a_plain_csv_is_not_read_line_by_line(tmp_path, monkeypatch):
@@ -192,7 +200,7 @@ def test_a_plain_csv_is_not_read_line_by_line(tmp_path, monkeypatch):
     path = tmp_path / "AzureLLMInferenceTrace_code.csv"
     path.write_bytes(b"\xef\xbb\xbf" + azure(50).replace("\n", "\r\n").encode() + b"\r\n  \r\n")
     expected = _read_csv(path, False, True)
-    monkeypatch.setattr(Ingest, "lines", lambda self: iter(()))
+    monkeypatch.setattr(Ingest, "block_lines", lambda self, first, block: iter(()))
     assert _read_csv(path, False, False) == expected and len(expected[0]) == 50
 
 

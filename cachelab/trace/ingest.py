@@ -6,8 +6,11 @@ line is skipped and counted, so a damaged file never yields silently fewer rows:
 non-blank line is a row out or a row skipped, ``skipped_lines`` names each skipped one (in file
 order) and ``first_skipped`` says what was wrong with the first.
 A CSV is read one physical line per record (these traces hold no quoted line breaks), so a
-stray quote damages its own line only, and the error names that line. Gzip, bzip2 and xz
-input is opened by ``cachelab.trace.compressed``; a UTF-8 byte-order mark is dropped.
+stray quote damages its own line only, and the error names that line. Gzip, bzip2, xz and zstd
+input is opened by ``cachelab.trace.compressed``; a UTF-8 byte-order mark is dropped. The text is
+read a block of whole lines at a time (``line_blocks``), so memory holds the rows kept and one
+block, never the whole decompressed file; a line of more than ``LONGEST_LINE`` bytes (a file with
+no line ends, a gzip bomb) is an error naming it, whatever ``skip_bad`` says.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ import numpy as np
 import polars as pl
 
 from cachelab.errors import CachelabError
-from cachelab.trace.compressed import DECOMPRESS_ERRORS, open_binary
+from cachelab.trace.compressed import DECOMPRESS_ERRORS, line_blocks, open_binary
 
+LONGEST_LINE = 1 << 24  # bytes of a line (its LF not counted): 16 MiB, a prompt of millions of tokens
+_CHUNK = 1 << 20  # decompressed bytes read at a time
 _NOT_PLAIN = re.compile(rb"[^\t\n\r\x20\x21\x23-\x7e]")  # a byte other than printable ASCII (no quote), tab, CR, LF
 
 
@@ -90,22 +95,53 @@ class Ingest:
         self.skipped_lines.append(line)
         self.first_skipped = self.first_skipped or where
 
-    def lines(self) -> Iterator[tuple[int, str]]:
-        """(line number, text without the line end) for every line that is valid UTF-8."""
+    def blocks(self) -> Iterator[tuple[int, bytes]]:
+        """(number of its first line, bytes of whole lines) for each block of the file, decompressed
+        as it is read (``line_blocks``); a line longer than ``LONGEST_LINE`` is an error naming it."""
+        number = 1
         try:
             with open_binary(self.path) as fh:
-                for number, raw in enumerate(fh, start=1):
-                    self.lines_read = number
-                    try:
-                        text = raw.decode("utf-8")
-                    except UnicodeDecodeError as exc:
-                        self.bad(number, f"not UTF-8 (byte {exc.start}: {raw[exc.start:exc.start + 1]!r})")
-                        continue
-                    if number == 1:
-                        text = text.removeprefix("\ufeff")
-                    yield number, text.rstrip("\r\n")
+                for block in line_blocks(iter(lambda: fh.read1(_CHUNK), b""), LONGEST_LINE, cr=False):
+                    self._refuse_long_line(number, block)
+                    yield number, block
+                    number += block.count(b"\n")
         except DECOMPRESS_ERRORS as exc:  # a truncated or corrupt compressed stream, an unreadable file
-            raise CachelabError(f"{self.path}:{self.lines_read + 1}: unreadable ({exc})") from None
+            raise CachelabError(f"{self.path}:{number}: unreadable ({exc})") from None
+
+    def _refuse_long_line(self, number: int, block: bytes) -> None:
+        """An error naming the first line of ``block`` (line ``number`` first) over ``LONGEST_LINE`` bytes."""
+        if len(block) <= LONGEST_LINE:  # no longer line fits in it
+            return
+        for i, line in enumerate(block.split(b"\n")):
+            if len(line) > LONGEST_LINE:
+                raise CachelabError(f"{self.path}:{number + i}: line longer than {LONGEST_LINE:,} bytes "
+                                    f"(it starts {line[:40]!r}): a damaged file, or not a text trace")
+
+    def block_lines(self, first: int, block: bytes) -> Iterator[tuple[int, str]]:
+        """(line number, text without the line end) for every line of a block that is valid UTF-8:
+        the block decoded at once, or where it is not UTF-8 each line alone (the bad ones named)."""
+        try:
+            pieces: list = block.decode("utf-8").split("\n")
+        except UnicodeDecodeError:
+            pieces = block.split(b"\n")
+        if block.endswith(b"\n"):
+            pieces.pop()
+        for number, text in enumerate(pieces, start=first):
+            self.lines_read = number
+            if type(text) is bytes:
+                try:
+                    text = text.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    self.bad(number, f"not UTF-8 (byte {exc.start}: {text[exc.start:exc.start + 1]!r})")
+                    continue
+            if number == 1:
+                text = text.removeprefix("\ufeff")
+            yield number, text.rstrip("\r")
+
+    def lines(self) -> Iterator[tuple[int, str]]:
+        """(line number, text without the line end) for every line that is valid UTF-8."""
+        for first, block in self.blocks():
+            yield from self.block_lines(first, block)
         if self.lines_read == 0:
             raise CachelabError(f"{self.path}: empty file (no requests)")
 
@@ -128,36 +164,48 @@ class Ingest:
     def csv(self, required: Sequence[str]) -> tuple[pl.DataFrame, np.ndarray]:
         """The ``required`` columns of a CSV with a header, as strings, and each row's line number.
 
-        Rows with the wrong number of fields (a truncated or run-on line) are bad rows. A file of
+        Rows with the wrong number of fields (a truncated or run-on line) are bad rows. A block of
         printable ASCII without quotes (every published trace) is split by Polars; any other is
         read line by line, so each damaged line is named.
         """
-        text = self._plain_text()
-        if text is None:
-            return self._csv_lines(required)
-        pieces = pl.Series("text", [text]).str.split("\n").explode()
-        frame = (pl.DataFrame({"text": pieces.str.strip_chars_end("\r")}).with_row_index("line", offset=1)
-                 .filter(pl.col("text").str.strip_chars() != ""))
-        if frame.height == 0:
+        header: list[str] | None = None
+        frames: list[pl.DataFrame] = []
+        numbers: list[np.ndarray] = []
+        for first, block in self.blocks():
+            if first == 1:
+                block = block.removeprefix(b"\xef\xbb\xbf")
+                self.lines_read = 1  # a file of a BOM alone is a line, blank
+            if _NOT_PLAIN.search(block) is None:
+                header, fields, lines = self._csv_plain(first, block, header, required)
+            else:
+                header, fields, lines = self._csv_lines(first, block, header, required)
+            frames.append(fields)
+            numbers.append(lines)
+        if self.lines_read == 0:
+            raise CachelabError(f"{self.path}: empty file (no requests)")
+        if header is None:
             raise CachelabError(f"{self.path}: empty file (no header, no requests)")
-        header = self._header(frame["line"][0], frame["text"][0], required)
-        self.hold()
-        body = frame.slice(1).with_columns(pl.col("text").str.split(","))
+        return pl.concat(frames), np.concatenate(numbers)
+
+    def _csv_plain(self, first: int, block: bytes, header: list[str] | None,
+                   required: Sequence[str]) -> tuple[list[str] | None, pl.DataFrame, np.ndarray]:
+        """A plain block's rows (``csv``) split by Polars, its first row the header if none was read."""
+        pieces = pl.Series("text", [block.decode("ascii")]).str.split("\n").explode()
+        frame = (pl.DataFrame({"text": pieces.str.strip_chars_end("\r")}).with_row_index("line", offset=first)
+                 .filter(pl.col("text").str.strip_chars() != ""))
+        if header is None and frame.height:
+            header = self._header(frame["line"][0], frame["text"][0], required)
+            self.hold()
+            frame = frame.slice(1)
+        if header is None:
+            return None, pl.DataFrame({c: pl.Series([], dtype=pl.String) for c in required}), np.zeros(0, np.int64)
+        body = frame.with_columns(pl.col("text").str.split(","))
         width = body["text"].list.len()
         for line, count in zip(body["line"].filter(width != len(header)), width.filter(width != len(header))):
             self.bad(line, f"{count} fields, expected {len(header)} ({', '.join(header)})")
         body = body.filter(width == len(header))
         fields = body.select(pl.col("text").list.get(header.index(c)).str.strip_chars().alias(c) for c in required)
-        return fields, body["line"].to_numpy().astype(np.int64)
-
-    def _plain_text(self) -> str | None:
-        """The whole file as text if it is plain (see ``csv``), else None."""
-        try:
-            with open_binary(self.path) as fh:
-                data = fh.read().removeprefix(b"\xef\xbb\xbf")
-        except DECOMPRESS_ERRORS:
-            return None  # read line by line, the damage is named where it is
-        return data.decode("ascii") if data and _NOT_PLAIN.search(data) is None else None
+        return header, fields, body["line"].to_numpy().astype(np.int64)
 
     def _header(self, line: int, text: str, required: Sequence[str]) -> list[str]:
         """The header's column names; a required one missing, or a header no CSV reader parses, is an
@@ -171,18 +219,20 @@ class Ingest:
             raise CachelabError(f"{self.path}:{line}: missing column(s) {missing}; the header has {header}")
         return header
 
-    def _csv_lines(self, required: Sequence[str]) -> tuple[pl.DataFrame, np.ndarray]:
-        """``csv`` one line at a time, for a file that is not plain."""
-        rows = ((number, text) for number, text in self.lines() if text.strip())
-        first = next(rows, None)
-        self.hold()
-        if first is None:
-            raise CachelabError(f"{self.path}: empty file (no header, no requests)")
-        header = self._header(first[0], first[1], required)
-        index = [header.index(c) for c in required]
+    def _csv_lines(self, first: int, block: bytes, header: list[str] | None,
+                   required: Sequence[str]) -> tuple[list[str] | None, pl.DataFrame, np.ndarray]:
+        """``_csv_plain`` one line at a time, for a block that is not plain."""
         columns: list[list[str]] = [[] for _ in required]
         lines: list[int] = []
-        for number, text in rows:
+        index = None if header is None else [header.index(c) for c in required]
+        for number, text in self.block_lines(first, block):
+            if not text.strip():
+                continue
+            if header is None:
+                self.hold()
+                header = self._header(number, text, required)
+                index = [header.index(c) for c in required]
+                continue
             try:
                 row = _fields(text)
             except csv.Error as exc:  # a NUL byte, a quote where none may be
@@ -195,7 +245,7 @@ class Ingest:
                 out.append(row[i].strip())
             lines.append(number)
         frame = pl.DataFrame({c: pl.Series(v, dtype=pl.String) for c, v in zip(required, columns)})
-        return frame, np.asarray(lines, dtype=np.int64)
+        return header, frame, np.asarray(lines, dtype=np.int64)
 
     def convert(self, raw: pl.DataFrame, lines: np.ndarray, conversions: dict[str, tuple[pl.Expr, str]]) -> pl.DataFrame:
         """Apply each column's conversion; a row whose value converts to null is a bad row. The
