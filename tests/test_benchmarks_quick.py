@@ -647,3 +647,10 @@ def test_bench_floor_times_the_floor_against_belady_on_the_same_rows(data_dir):
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert [c["share"] for c in out["capacities"]] == [0.01, 0.05]
     assert all(0 < c["floor_misses"] <= c["belady_misses"] for c in out["capacities"])
+
+
+def test_bench_ingest_quick_run_reads_polars_rows_and_prints_its_ratios():
+    """benchmarks/bench_ingest.py (docs/traces.md): Ingest.csv must read the rows pl.read_csv reads."""
+    done = run("bench_ingest.py", "--rows", "2000", "--repeat", "1")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("ratio") == 2 and "peak Python memory" in done.stdout
