@@ -13,6 +13,8 @@ Run: .venv/bin/python benchmarks/bench_ingest.py [--rows N] [--repeat R]
 
 from __future__ import annotations
 
+import cli_numpy  # noqa: F401  (first, before NumPy: NumPy as the command line runs it)
+
 import argparse
 import gzip
 import tempfile
