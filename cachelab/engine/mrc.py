@@ -278,9 +278,12 @@ def _pooled(capacities: list[int], workers: int, done) -> list[float]:
                                 "memory? see dmesg): run with --workers 1 to see its error") from e
         except BaseException:
             ending = list(pool._processes.values())  # Python 3.11 has no public terminate (3.14 does)
+            manager = pool._executor_manager_thread
             pool.shutdown(wait=False, cancel_futures=True)
             for process in ending:
                 process.terminate()
+            if manager is not None:  # else Python's exit wakes it as it closes its pipe: 'Bad file descriptor'
+                manager.join(10)
             raise
 
 
