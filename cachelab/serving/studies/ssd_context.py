@@ -22,9 +22,9 @@ import polars as pl
 from cachelab.serving.calibration import predict, v41_script_points
 from cachelab.serving.latency import Efficiency
 from cachelab.serving.steady import Workload
-from cachelab.serving.studies.semianalysis import (CONFIGS, KEY_CONCURRENCIES, analyse, run_points,
-                                                   with_fitted_piecewise)
+from cachelab.serving.studies.semianalysis import KEY_CONCURRENCIES, analyse, with_fitted_piecewise
 from cachelab.serving.studies.ssd_penalty import penalty_by_concurrency
+from cachelab.serving.studies.sweep import CONFIGS, run_points
 
 # Per form, the Efficiency field and its values (seconds of host time per token of context): per token each
 # sequence holds (it grows with the batch too), up to past the ~6 ns at which the held-out agentic penalty is

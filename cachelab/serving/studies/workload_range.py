@@ -20,8 +20,8 @@ from cachelab.serving.agentic import (IDLE_GAP_CAP_S, INPUT_P50_COUNTED, INPUT_P
                                       agentic_workload, capped_mean, input_spread_through)
 from cachelab.serving.latency import Efficiency
 from cachelab.serving.steady import Workload
-from cachelab.serving.studies.semianalysis import (CONFIGS, KEY_CONCURRENCIES, analyse, run_points,
-                                                   with_fitted_piecewise)
+from cachelab.serving.studies.semianalysis import KEY_CONCURRENCIES, analyse, with_fitted_piecewise
+from cachelab.serving.studies.sweep import CONFIGS, run_points
 
 KEYS = ("b200_dram_tokens_per_dollar", "b200_ssd_tokens_per_dollar", "b200_dram_over_ssd", "b200_ssd_points_dominated",
         "b200_dram_p90_interactivity_wins_every_pair", "b300_tp2_table_in_hbm_fits", "b300_tp2_dram_gain_max",
