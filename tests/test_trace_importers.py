@@ -25,7 +25,7 @@ from cachelab.trace.schema import validate
 from traces.azure import AzureTrace
 from traces.burstgpt import BurstGPTTrace
 from traces.mooncake import MooncakeTrace, infer_sessions
-from traces.mooncake import _read_all as read_all
+from traces.mooncake import _read_block
 
 runner = CliRunner()
 counts = st.integers(0, 100_000)
@@ -298,13 +298,21 @@ def test_vectorised_sessions_equal_the_loop_over_requests(case):
     assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
 
 
-def test_real_mooncake_takes_the_arrow_reader_and_reads_as_line_by_line(data_dir, tmp_path):
-    """Arrow's reader reads the published files whole (not a silent fall back to the line
-    reader); the same rows with CRLF line ends, which it leaves to the line reader, give the
+def read_all(path, block_size: int):
+    """Arrow's reader on the whole file as one block."""
+    return _read_block(path.read_bytes(), 1, block_size)
+
+
+def test_real_mooncake_takes_the_arrow_reader_and_reads_as_line_by_line(data_dir, tmp_path, monkeypatch):
+    """Arrow's reader reads every block of the published files (not a silent fall back to the
+    line reader); the same rows with CRLF line ends, which it leaves to the line reader, give the
     same table, and its sessions are the loop's."""
     source = data_dir / "traces/mooncake_fast25/conversation_trace.jsonl"
     rows = read_all(source, 512)
     assert rows is not None and rows[0].size == 12_031
+    with monkeypatch.context() as patch:
+        patch.setattr(MooncakeTrace, "_read_lines", lambda *_: pytest.fail("a block read line by line"))
+        assert MooncakeTrace(str(source)).arrivals().height == 12_031
     crlf = tmp_path / "crlf" / source.name
     crlf.parent.mkdir()
     crlf.write_bytes(source.read_bytes().replace(b"\n", b"\r\n"))
@@ -325,7 +333,7 @@ def test_arrow_reader_and_line_reader_give_the_same_rows(tmp_path, rows, spaced)
     path.write_text(text if spaced else text.replace(", ", ",").replace(": ", ":"))
     whole = read_all(path, 512)
     assert whole is not None
-    by_line = MooncakeTrace(str(path))._read_lines(Ingest(path))
+    by_line = MooncakeTrace(str(path))._read_lines(ingest := Ingest(path), ingest.lines())
     for a, b in zip(whole, by_line):
         assert a.tolist() == b.tolist()
 
@@ -385,7 +393,7 @@ def test_mooncake_unread_field_given_twice_is_ignored_by_both_readers(tmp_path):
     path.write_text(text.replace('"hash_ids"', '"x": {"a": 1, "a": 2}, "x": 3, "hash_ids"'))
     whole = read_all(path, 512)
     assert whole is not None
-    for a, b in zip(whole, cls(str(path))._read_lines(Ingest(path))):
+    for a, b in zip(whole, cls(str(path))._read_lines(ingest := Ingest(path), ingest.lines())):
         assert a.tolist() == b.tolist()
 
 

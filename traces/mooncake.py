@@ -15,13 +15,16 @@ session's first request; a request whose prompt is no longer than the one it con
 blocks and length: a retry or a regenerated answer; or a shorter last block: an edit) takes that
 one's turn, since it adds no turn to the conversation.
 
-A file that is plainly one valid record per line (every published one) is read whole by
-Arrow's JSON reader; any other is read line by line, so the first bad line is named (or,
-with ``skip_bad``, skipped) exactly as before. Sessions are inferred with array operations.
+The file is read a block of whole lines at a time (``Ingest.blocks``), so memory holds the rows,
+not the decompressed text. A block that is plainly one valid record per line (every one of the
+published files) is read by Arrow's JSON reader; any other line by line, so the first bad line
+is named (or, with ``skip_bad``, skipped) exactly as before. Sessions are inferred with array
+operations.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +34,6 @@ import pyarrow.json as pa_json
 
 from cachelab.trace.arrivals import arrival_frame
 from cachelab.errors import CachelabError
-from cachelab.trace.compressed import DECOMPRESS_ERRORS, open_binary
 from cachelab.trace.ingest import MAX_COUNT, MAX_SECONDS, Ingest
 from cachelab.trace.schema import list_series
 
@@ -97,9 +99,8 @@ class MooncakeTrace:
 
     def arrivals(self) -> pl.DataFrame:
         ingest = Ingest(self.path, self.skip_bad)
-        rows = _read_all(self.path, self.block_size) or self._read_lines(ingest)
+        ts, n_in, n_out, offsets, flat, lines = self._read(ingest)
         self.skipped, self.first_skipped, self.skipped_lines = ingest.skipped, ingest.first_skipped, ingest.skipped_lines
-        ts, n_in, n_out, offsets, flat, lines = rows
         if ts.size == 0:
             raise CachelabError(f"{self.path}: no usable requests ({ingest.skipped} bad lines skipped)")
         _check_chained(self.path, offsets, flat, lines)
@@ -110,10 +111,31 @@ class MooncakeTrace:
         return arrival_frame(arrival, n_in, n_out, domain=self.domain, source=self.name, block_hashes=hashes,
                              block_size=self.block_size, session_id=session, turn=turn)
 
-    def _read_lines(self, ingest: Ingest) -> tuple:
-        """The rows line by line, each bad line named (or skipped) as ``Ingest`` says."""
-        ts, n_in, n_out, counts, flat, lines = [], [], [], [], [], []
-        for line_no, record in ingest.json_lines():
+    def _read(self, ingest: Ingest) -> tuple:
+        """The rows, a block of whole lines at a time (``Ingest.blocks``): memory holds the rows and
+        one block, not the decompressed file. A block that is plainly one valid record per line
+        takes Arrow's reader, any other the line reader, so the first bad line is named."""
+        parts = []
+        for first, block in ingest.blocks():
+            rows = _read_block(block, first, self.block_size)
+            if rows is None:
+                rows = self._read_lines(ingest, ingest.block_lines(first, block))
+            else:
+                ingest.lines_read = first + rows[0].size - 1
+            parts.append(rows)
+        if ingest.lines_read == 0:
+            raise CachelabError(f"{self.path}: empty file (no requests)")
+        ts, n_in, n_out, _, flat, lines = (np.concatenate(column) for column in zip(*parts))
+        counts = np.concatenate([np.diff(p[3]) for p in parts])
+        offsets = np.zeros(counts.size + 1, dtype=np.int32)
+        np.cumsum(counts, out=offsets[1:])
+        return ts, n_in, n_out, offsets, flat, lines
+
+    def _read_lines(self, ingest: Ingest, lines: Iterator[tuple[int, str]]) -> tuple:
+        """The rows of ``lines`` (``Ingest.block_lines``) one by one, each bad line named (or skipped)
+        as ``Ingest`` says."""
+        ts, n_in, n_out, counts, flat, numbers = [], [], [], [], [], []
+        for line_no, record in ingest.json_lines(lines):
             parsed = _parse(record, self.block_size)
             if isinstance(parsed, str):
                 ingest.bad(line_no, parsed)
@@ -123,23 +145,18 @@ class MooncakeTrace:
             n_out.append(parsed[2])
             counts.append(len(parsed[3]))
             flat.extend(parsed[3])
-            lines.append(line_no)
+            numbers.append(line_no)
         offsets = np.zeros(len(counts) + 1, dtype=np.int32)
         np.cumsum(counts, out=offsets[1:])
         return (np.asarray(ts, dtype=np.float64), np.asarray(n_in, dtype=np.int64), np.asarray(n_out, dtype=np.int64),
-                offsets, np.asarray(flat, dtype=np.int64), np.asarray(lines, dtype=np.int64))
+                offsets, np.asarray(flat, dtype=np.int64), np.asarray(numbers, dtype=np.int64))
 
 
-def _read_all(path: Path, block_size: int) -> tuple | None:
-    """Every row at once with Arrow's JSON reader, when the file is plainly one valid record per
-    line (ASCII, each line one ``{...}`` object, every field present, typed and in range, as
-    ``_parse`` checks); else None, and the line reader reads it, naming the first bad line
-    exactly as before. So both give the same rows, and an error still names file and line."""
-    try:
-        with open_binary(path) as fh:
-            data = fh.read()
-    except DECOMPRESS_ERRORS:
-        return None
+def _read_block(data: bytes, first: int, block_size: int) -> tuple | None:
+    """The rows of a block of whole lines (line ``first`` first) at once with Arrow's JSON reader,
+    when it is plainly one valid record per line (ASCII, each line one ``{...}`` object, every
+    field present, typed and in range, as ``_parse`` checks); else None, and the line reader reads
+    it, naming the first bad line. So both give the same rows, and an error still names file and line."""
     lines = _object_lines(data)
     if lines == 0:
         return None
@@ -157,7 +174,7 @@ def _read_all(path: Path, block_size: int) -> tuple | None:
     ok = (np.isfinite(ts) & (ts >= 0) & (ts <= MAX_SECONDS * 1000)).all()
     ok &= ((n_in >= 1) & (n_in <= MAX_COUNT) & (n_out >= 0) & (n_out <= MAX_COUNT)).all()
     ok &= (flat >= 0).all() and (np.diff(offsets) == -(-n_in // block_size)).all()
-    return (ts, n_in, n_out, offsets.astype(np.int32), flat, np.arange(1, ts.size + 1)) if ok else None
+    return (ts, n_in, n_out, offsets.astype(np.int32), flat, np.arange(first, first + ts.size)) if ok else None
 
 
 def _check_chained(path: Path, offsets: np.ndarray, flat: np.ndarray, lines: np.ndarray) -> None:

@@ -145,10 +145,10 @@ class Ingest:
         if self.lines_read == 0:
             raise CachelabError(f"{self.path}: empty file (no requests)")
 
-    def json_lines(self) -> Iterator[tuple[int, object]]:
-        """(line number, parsed value) of every non-blank line of a JSONL file; an object with a
-        repeated key is a ``JsonObject``."""
-        for number, text in self.lines():
+    def json_lines(self, lines: Iterator[tuple[int, str]] | None = None) -> Iterator[tuple[int, object]]:
+        """(line number, parsed value) of every non-blank line of a JSONL file (or of ``lines``, as
+        ``lines()`` or ``block_lines`` give them); an object with a repeated key is a ``JsonObject``."""
+        for number, text in self.lines() if lines is None else lines:
             if not text.strip():
                 continue
             try:
