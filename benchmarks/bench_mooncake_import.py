@@ -5,12 +5,16 @@ later in time and with its own hash ids, so its sessions stay its own), then tim
 ``cachelab trace build --arrivals mooncake`` on it, each run a fresh process. The reference,
 measured in the same run, is the same command on the same rows with CRLF line ends, which
 the importer reads line by line (``json.loads`` and a check per line: the reader of every
-file before Arrow's; it remains the reader of any file that is not plainly one record per
-line, so every error still names its line). Both must write the same trace. Also printed:
+file before Arrow's; it remains the reader of any block of lines that is not plainly one record
+per line, so every error still names its line). Both must write the same trace. Also printed:
 ``json.loads`` of every line alone, in this process, the floor of any per-line reader. The
-ratio is of CPU time, the wall time beside it.
+ratio is of CPU time, the wall time beside it; each command's peak RSS (its own, ``wait4``) is
+printed beside its time. With ``--baseline DIR`` (a checkout of another commit) the same LF
+command runs under that tree too, round by round with this one, and the ratios of its CPU time
+and peak RSS to this tree's are printed: the importer read the whole decompressed file into
+memory before 2026-12-07, a block of lines at a time since.
 
-Run: .venv/bin/python benchmarks/bench_mooncake_import.py [--copies N] [--repeat R]
+Run: .venv/bin/python benchmarks/bench_mooncake_import.py [--copies N] [--repeat R] [--baseline DIR]
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from pathlib import Path
 import polars as pl
 
 from cachelab.paths import data_root
-from timed_cli import timed_cli
+from timed_cli import run_cli
 
 MOONCAKE = "traces/mooncake_fast25/conversation_trace.jsonl"
 
@@ -43,21 +47,24 @@ def write_copies(source: Path, copies: int, out: Path) -> int:
     return base.height * copies
 
 
-def cli_build(path: Path, out: Path) -> tuple[float, float]:
-    """(wall seconds, CPU seconds) of ``cachelab trace build`` on ``path`` in a fresh process."""
-    _, wall, cpu = timed_cli(["trace", "build", "--arrivals", "mooncake", "--arrivals-path", str(path), "-o", str(out),
-                              "--json"])
-    return wall, cpu
+def cli_build(path: Path, out: Path, tree: Path | None = None) -> tuple[float, float, float]:
+    """(wall seconds, CPU seconds, peak RSS MiB) of ``cachelab trace build`` on ``path`` in a fresh
+    process, under ``tree`` when given."""
+    run = run_cli(["trace", "build", "--arrivals", "mooncake", "--arrivals-path", str(path), "-o", str(out), "--json"],
+                  tree)
+    return run.wall, run.cpu, run.peak_rss_mib
 
 
-def best(runs: list[tuple[float, float]]) -> tuple[float, float]:
-    return min(w for w, _ in runs), min(c for _, c in runs)
+def best(runs: list[tuple[float, ...]]) -> tuple[float, ...]:
+    """The least of each figure over the runs."""
+    return tuple(min(column) for column in zip(*runs))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--copies", type=int, default=40, help="copies of the 12,031-request trace")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each; the best is kept")
+    parser.add_argument("--baseline", type=Path, help="a checkout of another commit: the LF command under it too")
     args = parser.parse_args()
     source = data_root() / MOONCAKE
     with tempfile.TemporaryDirectory() as tmp:
@@ -66,10 +73,17 @@ def main() -> None:
         lf, crlf = tmp / "lf" / "conversation_trace.jsonl", tmp / "crlf" / "conversation_trace.jsonl"
         rows = write_copies(source, args.copies, lf)
         crlf.write_bytes(lf.read_bytes().replace(b"\n", b"\r\n"))
-        arrow = best([cli_build(lf, tmp / "a.parquet") for _ in range(args.repeat)])
+        arrow, base = [], []
+        for _ in range(args.repeat):  # round by round: the machine's drift falls on both trees
+            arrow.append(cli_build(lf, tmp / "a.parquet"))
+            if args.baseline:
+                base.append(cli_build(lf, tmp / "base.parquet", args.baseline.resolve()))
+        arrow, base = best(arrow), best(base)
         lines = best([cli_build(crlf, tmp / "b.parquet") for _ in range(args.repeat)])
         if not pl.read_parquet(tmp / "a.parquet").equals(pl.read_parquet(tmp / "b.parquet")):
             sys.exit("the two readers wrote different traces")
+        if base and not pl.read_parquet(tmp / "a.parquet").equals(pl.read_parquet(tmp / "base.parquet")):
+            sys.exit("this tree and the baseline wrote different traces")
         start = time.process_time()
         with open(lf, "rb") as fh:
             for line in fh:
@@ -79,9 +93,13 @@ def main() -> None:
     print(f"{rows:,} requests, {size:,.0f} MiB of JSONL ({args.copies} x {MOONCAKE}); best of {args.repeat}, "
           "each a fresh `cachelab trace build` process; CPU s (user + system), wall s beside")
     print(f"reference: line by line (CRLF copy)  CPU {lines[1]:6.2f} s  {rows / lines[1] / 1e3:5.0f} k requests/s"
-          f"  (wall {lines[0]:.2f} s)")
+          f"  (wall {lines[0]:.2f} s)  peak RSS {lines[2]:,.0f} MiB")
     print(f"Arrow JSON reader                    CPU {arrow[1]:6.2f} s  {rows / arrow[1] / 1e3:5.0f} k requests/s"
-          f"  (wall {arrow[0]:.2f} s)  {lines[1] / arrow[1]:.2f}x the reference")
+          f"  (wall {arrow[0]:.2f} s)  peak RSS {arrow[2]:,.0f} MiB  {lines[1] / arrow[1]:.2f}x the reference")
+    if base:
+        print(f"baseline {args.baseline}, same LF file: CPU {base[1]:.2f} s (wall {base[0]:.2f} s), peak RSS "
+              f"{base[2]:,.0f} MiB; this tree's CPU {arrow[1] / base[1]:.2f}x, peak RSS {arrow[2] / base[2]:.2f}x "
+              "the baseline's")
     print(f"json.loads per line alone (floor)    CPU {floor:6.2f} s  {rows / floor / 1e3:5.0f} k requests/s")
 
 
