@@ -7,6 +7,11 @@ the first stream's rows as if they were the file's (gzip's and Arrow's zstd read
 refuse them). zstd (the ARC traces ship as ``.lis.zst``) is Arrow's decoder: the standard
 library has none before Python 3.14, and pyarrow is a dependency already.
 
+Damage reads the same in every format: a file named ``.gz``, ``.bz2``, ``.xz`` or ``.zst`` that
+starts with no magic is a damaged one (not text), and ``stream_damage`` reads a stream to its end,
+where gzip's CRC and a zstd frame's checksum are checked, so that a reader that meets a bad line
+tells the garbage of a damaged stream from a bad line of an intact one.
+
 Its own module so that a reader of plain keys (``keytrace``, on ``cachelab simulate``'s way)
 opens files without importing the CSV ingest's Polars.
 """
@@ -76,16 +81,57 @@ def _zstd(path, mode):
 
 COMPRESSED = {b"\x1f\x8b": gzip.open, b"BZh": _streams(bz2.BZ2Decompressor),
               b"\xfd7zXZ\x00": _streams(lzma.LZMADecompressor), ZSTD_MAGIC: _zstd}  # magic -> opener
+NAMES = dict(zip(COMPRESSED, ("gzip", "bzip2", "xz", "zstd")))  # magic -> format
+SUFFIXES = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz", ".zst": "zstd"}  # a name's promise of a format
 # corrupt or truncated streams (Arrow's: OSError; gzip's damaged deflate data: zlib.error)
 DECOMPRESS_ERRORS = (OSError, EOFError, lzma.LZMAError, zlib.error)
 
 
-def open_binary(path: Path):
-    """The file's bytes, decompressed as they are read when it starts with a magic of ``COMPRESSED``."""
+class NotCompressed(OSError):
+    """A file named as compressed (``.gz``...) that starts with no compression magic: its header is
+    damaged, or it was cut to a few bytes; read as text it was 'line 1: not UTF-8' or a bad line."""
+
+
+def _magic(path: Path) -> tuple[bytes, bytes | None]:
+    """The file's first bytes, and the magic of ``COMPRESSED`` they start with (None: none)."""
     with open(path, "rb") as probe:
-        magic = probe.read(6)
-    opener = next((o for m, o in COMPRESSED.items() if magic.startswith(m)), open)
-    return opener(path, "rb")
+        head = probe.read(6)
+    return head, next((m for m in COMPRESSED if head.startswith(m)), None)
+
+
+def compression(path: Path) -> str | None:
+    """The file's compression format by its magic (``gzip``, ``bzip2``, ``xz``, ``zstd``), or by its
+    name's suffix where that promises one its bytes do not start with; None for a plain file."""
+    magic = _magic(path)[1]
+    return NAMES[magic] if magic else SUFFIXES.get(Path(path).suffix.lower())
+
+
+def open_binary(path: Path):
+    """The file's bytes, decompressed as they are read when it starts with a magic of ``COMPRESSED``.
+    A non-empty file whose name promises a compression (``SUFFIXES``) but that starts with no magic
+    raises ``NotCompressed`` (one of ``DECOMPRESS_ERRORS``), as a damaged stream does."""
+    head, magic = _magic(path)
+    if magic:
+        return COMPRESSED[magic](path, "rb")
+    promised = SUFFIXES.get(Path(path).suffix.lower())
+    if promised and head:
+        raise NotCompressed(f"named {Path(path).suffix} but its first bytes {head[:4]!r} start no {promised} stream")
+    return open(path, "rb")
+
+
+def stream_damage(path: Path) -> str | None:
+    """What is wrong with a compressed file's stream, read to its end (None: nothing, or a plain file).
+    gzip's CRC and a zstd frame's checksum are checked only there, so damaged data decompresses to
+    garbage lines first: a reader that meets a bad line in a compressed file asks this before naming it."""
+    if compression(path) is None:
+        return None
+    try:
+        with open_binary(path) as fh:
+            while fh.read1(_CHUNK):
+                pass
+    except DECOMPRESS_ERRORS as exc:
+        return str(exc)
+    return None
 
 
 def line_blocks(chunks: Iterable[bytes], longest: int, cr: bool = True) -> Iterator[bytes]:

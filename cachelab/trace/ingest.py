@@ -27,7 +27,7 @@ import numpy as np
 import polars as pl
 
 from cachelab.errors import CachelabError
-from cachelab.trace.compressed import DECOMPRESS_ERRORS, line_blocks, open_binary
+from cachelab.trace.compressed import DECOMPRESS_ERRORS, compression, line_blocks, open_binary, stream_damage
 
 LONGEST_LINE = 1 << 24  # bytes of a line (its LF not counted): 16 MiB, a prompt of millions of tokens
 _CHUNK = 1 << 20  # decompressed bytes read at a time
@@ -90,7 +90,8 @@ class Ingest:
             return
         where = f"{self.path}:{line}: {message}"
         if not self.skip_bad:
-            raise CachelabError(where + (" (pass --skip-bad to skip such rows and count them)" if self.skippable else ""))
+            raise self._error(line, message + (" (pass --skip-bad to skip such rows and count them)"
+                                               if self.skippable else ""))
         self.skipped += 1
         self.skipped_lines.append(line)
         self.first_skipped = self.first_skipped or where
@@ -106,7 +107,21 @@ class Ingest:
                     yield number, block
                     number += block.count(b"\n")
         except DECOMPRESS_ERRORS as exc:  # a truncated or corrupt compressed stream, an unreadable file
-            raise CachelabError(f"{self.path}:{number}: unreadable ({exc})") from None
+            raise CachelabError(f"{self.path}:{number}: {self._unreadable(exc)}") from None
+
+    def _error(self, line: int, message: str) -> CachelabError:
+        """``FILE:LINE: message``; or, where the file is compressed and its stream damaged, that damage:
+        the line is garbage the stream decompressed to before its check (``stream_damage``) failed."""
+        damage = stream_damage(self.path)
+        if damage is not None:
+            return CachelabError(f"{self.path}:{line}: {self._unreadable(damage)} (line {line} read as: {message})")
+        return CachelabError(f"{self.path}:{line}: {message}")
+
+    def _unreadable(self, why) -> str:
+        """The words for a file that cannot be read to its end: what failed, and for a compressed
+        one its format, so every format's damage reads the same."""
+        kind = compression(self.path) if self.path.is_file() else None
+        return f"unreadable ({why})" + (f": damaged or truncated {kind} data" if kind else "")
 
     def _refuse_long_line(self, number: int, block: bytes) -> None:
         """An error naming the first line of ``block`` (line ``number`` first) over ``LONGEST_LINE`` bytes."""
@@ -213,10 +228,10 @@ class Ingest:
         try:
             header = [h.strip() for h in _fields(text)]
         except csv.Error as exc:  # a quote left open, a quoted name past the field limit
-            raise CachelabError(f"{self.path}:{line}: malformed CSV header ({exc})") from None
+            raise self._error(line, f"malformed CSV header ({exc})") from None
         missing = [c for c in required if c not in header]
         if missing:
-            raise CachelabError(f"{self.path}:{line}: missing column(s) {missing}; the header has {header}")
+            raise self._error(line, f"missing column(s) {missing}; the header has {header}")
         return header
 
     def _csv_lines(self, first: int, block: bytes, header: list[str] | None,

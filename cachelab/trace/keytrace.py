@@ -40,7 +40,7 @@ import numpy as np
 
 from cachelab.errors import CachelabError
 from cachelab.paths import replacing
-from cachelab.trace.compressed import COMPRESSED, DECOMPRESS_ERRORS, line_blocks, open_binary
+from cachelab.trace.compressed import COMPRESSED, DECOMPRESS_ERRORS, line_blocks, open_binary, stream_damage
 from cachelab.workload.future import next_access
 from cachelab.policy import NO_NEXT
 
@@ -305,7 +305,13 @@ def _block_keys(path: Path, block: bytes, before: int) -> tuple[np.ndarray, int]
 def _read_text(path: Path) -> tuple[np.ndarray, np.ndarray | None]:
     blocks, before = [], 0
     for block in _blocks(path):
-        keys, lines = _block_keys(path, block, before)
+        try:
+            keys, lines = _block_keys(path, block, before)
+        except CachelabError as exc:  # a line of garbage a damaged stream decompressed to, before its check
+            damage = stream_damage(path)
+            if damage is None:
+                raise
+            raise CachelabError(f"{path}: corrupt compressed data: {damage} ({exc})") from None
         blocks.append(keys)
         before += lines
     if any(keys.dtype == np.uint64 for keys in blocks):  # ids past int64: every id its rank
