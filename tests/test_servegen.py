@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -12,7 +13,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from cachelab.errors import CachelabError
 from cachelab.trace.ingest import Ingest
 from cachelab.trace.schema import validate
-from traces.servegen import ServeGenWorkload, read_windows
+from traces import servegen as servegen_module
+from traces.servegen import ServeGenWorkload, read_pmfs, read_windows
 
 TRACE = "0,0.5,1.0,Gamma,1.0,2.0\n600,0,0,,0,0\n1200,2.0,2.0,Weibull,0.6,0.3\n"
 DATASET = {"0": {"input_tokens": "{10: 0.25, 20: 0.75}", "output_tokens": "{5: 1.0}", "reason_ratio": "{0.0: 1.0}"},
@@ -116,3 +118,36 @@ def test_a_length_pmf_of_fractional_token_counts_is_refused(tmp_path):
     dataset = json.dumps({"0": {"input_tokens": "{10: 0.5, 12.5: 0.5}", "output_tokens": "{5: 1.0}"}})
     with pytest.raises(CachelabError, match="window 0, field 'input_tokens': keys must be whole token counts"):
         ServeGenWorkload(str(client(tmp_path, dataset=dataset))).arrivals()
+
+
+def test_a_truncated_real_dataset_file_is_named_as_truncated(data_dir, tmp_path):
+    """A cut dataset file was 'FILE:9: not valid JSON (Unterminated string starting at)', the line of
+    whatever the cut left open: it now says the file ends before its JSON does."""
+    source = data_dir / "traces/servegen/data/reason/deepseek-r1/chunk-35-dataset.json"
+    raw = source.read_bytes()
+    path = tmp_path / "chunk-35-dataset.json"
+    for cut in (10, len(raw) // 2, len(raw) - 3):
+        path.write_bytes(raw[:cut])
+        with pytest.raises(CachelabError, match=rf"{path.name}:\d+: not valid JSON \(.*\): the file ends before its "
+                                                r"JSON does \(truncated\?\)"):
+            read_pmfs(Ingest(path))
+    path.write_bytes(raw.replace(b'"', b"'", 1))  # damaged, not cut: no such guess
+    with pytest.raises(CachelabError, match=rf"{path.name}:2: not valid JSON \(Expecting property name[^:]*$"):
+        read_pmfs(Ingest(path))
+
+
+def test_a_dataset_file_past_the_bound_is_refused_unread(tmp_path):
+    """The whole file was read and parsed, about 30 times its size in Python memory (33 MiB for the
+    published 1.1 MB file): a multi-GB file given as a dataset exhausted memory before any error."""
+    path = tmp_path / "chunk-1-dataset.json"
+    with open(path, "wb") as fh:
+        fh.truncate(servegen_module.MAX_DATASET_BYTES + 1)  # sparse: no disk, and no memory unless read
+    tracemalloc.start()
+    try:
+        with pytest.raises(CachelabError, match=rf"{path.name}: 67,108,865 bytes, more than the 67,108,864 a "
+                                                "ServeGen dataset file may have"):
+            read_pmfs(Ingest(path))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"peak {peak / 2**20:.0f} MiB"

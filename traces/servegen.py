@@ -37,6 +37,7 @@ from cachelab.trace.ingest import MAX_COUNT, Ingest, count_field
 PATTERNS = ("Gamma", "Weibull")
 TRACE_FIELDS = ("start_s", "rate", "cv", "pattern", "p1", "p2")
 MAX_RATE = 1e4  # requests per second per client (production peaks are about 20); above is damage
+MAX_DATASET_BYTES = 64 << 20  # 58 times the largest published dataset file (reason/deepseek-r1 client 35)
 MAX_WINDOW_REQUESTS = MAX_RATE * 600  # a window's requests, drawn in one array: 10 minutes at the highest rate
 _CLIENT = re.compile(r"chunk-(\d+)-trace\.csv$")
 
@@ -113,8 +114,15 @@ def _unique_keys(path: Path, text: str):
 
 def read_pmfs(ingest: Ingest) -> dict[int, dict[str, tuple[np.ndarray, np.ndarray]]]:
     """Dataset window start -> field -> (values, cumulative probabilities), for windows with both
-    PMFs; a window with a bad PMF is a bad row of ``ingest`` (counted under ``skip_bad``)."""
+    PMFs; a window with a bad PMF is a bad row of ``ingest`` (counted under ``skip_bad``).
+
+    The file is read whole (one JSON object; its PMFs are Python literals): Python holds about 30
+    times its size while it is parsed, so one over ``MAX_DATASET_BYTES`` is refused unread."""
     path = ingest.path
+    size = path.stat().st_size
+    if size > MAX_DATASET_BYTES:
+        raise CachelabError(f"{path}: {size:,} bytes, more than the {MAX_DATASET_BYTES:,} a ServeGen dataset file "
+                            "may have (the published ones have at most 1.1 MB): not a dataset file, or damaged")
     raw = path.read_bytes()
     try:
         text = raw.decode("utf-8")
@@ -126,7 +134,9 @@ def read_pmfs(ingest: Ingest) -> dict[int, dict[str, tuple[np.ndarray, np.ndarra
     try:
         data = json.loads(text, object_pairs_hook=_unique_keys(path, text))
     except json.JSONDecodeError as exc:
-        raise CachelabError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+        ends = exc.pos >= len(text.rstrip()) or exc.msg.startswith("Unterminated string")  # its quote never came
+        cut = ": the file ends before its JSON does (truncated?)" if ends else ""
+        raise CachelabError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg}){cut}") from None
     except CachelabError:
         raise
     except (ValueError, RecursionError) as exc:  # a number of thousands of digits, deep nesting
