@@ -48,6 +48,8 @@ def hop_by_hop(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
     return HOP_BY_HOP | {name.strip().lower() for value in listed for name in value.split(b",")}
 
 
+# what frames a request's body, and whether the connection goes on after it
+FRAMING = (b"content-length", b"transfer-encoding", b"connection")
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 # requests parsed and waiting behind the one being served on a connection (pipelining) before the proxy
 # stops reading it, which it also does once their bodies are over max_body_bytes: what one client can hold
@@ -104,7 +106,7 @@ class ClientConnection(asyncio.Protocol):
         self.read_paused = False                # the queue is at its bound (``MAX_PIPELINED``, ``max_body_bytes``)
         self.forward: Forward | None = None    # the exchange being served
         self.discard = 0                        # body bytes still accepted (and dropped) after a 413
-        self.declined = False                   # the request just parsed asked for an upgrade that is ignored
+        self.reframe: bytes | None = None       # the framing of an upgrade request's body to come (``on_message_complete``)
         self.final: bytes | None = None         # the answer that ends the connection once those before it are sent
         self.closed = False
         self.linger: Linger | None = None       # closed after the proxy's last answer, draining (``_linger``)
@@ -173,14 +175,16 @@ class ClientConnection(asyncio.Protocol):
                     self.parser.feed_data(data)
                     break
                 except httptools.HttpParserUpgrade as exc:
-                    if not self.declined:
+                    if self.reframe is None:
                         raise
-                    # the parser stopped at the end of a request whose upgrade is ignored (``on_message_complete``):
-                    # what follows is HTTP still, read on (pipelined requests; uvicorn drops them)
-                    self.declined, data = False, data[exc.args[0]:]
+                    # the parser stopped at the head of a request whose upgrade is ignored (``on_message_complete``):
+                    # what follows is HTTP still, its body (if any) then pipelined requests, read by a new parser
+                    # given the head's framing first (its callbacks take nothing of that head but its framing)
+                    self.parser = httptools.HttpRequestParser(self)
+                    self.parser.feed_data(self.reframe)
+                    self.reframe, data = None, data[exc.args[0]:]
         except httptools.HttpParserUpgrade:
-            self._answer_and_close(whole_response(501, error_body(
-                501, "CONNECT and protocol upgrades of a request with a body are not proxied"), close=True))
+            self._answer_and_close(whole_response(501, error_body(501, "CONNECT is not proxied"), close=True))
         except httptools.HttpParserError as exc:
             self._answer_and_close(whole_response(400, error_body(400, f"malformed HTTP request: {exc}"), close=True))
         else:
@@ -321,6 +325,8 @@ class ClientConnection(asyncio.Protocol):
 
     # -- parser callbacks -----------------------------------------------------------------------
     def on_message_begin(self) -> None:
+        if self.reframe is not None:  # the framing of an upgrade request's body: the request is begun already
+            return
         self.request = Request()
         self.idle_since = self.progress_since = time.monotonic()  # from now on, the time the request takes
         self.progress = 0
@@ -330,6 +336,8 @@ class ClientConnection(asyncio.Protocol):
             waiting[self] = None
 
     def on_url(self, url: bytes) -> None:
+        if self.reframe is not None:
+            return
         self.request.url += url
         self._hold(len(url))
 
@@ -344,8 +352,8 @@ class ClientConnection(asyncio.Protocol):
         self.proxy.held += n
 
     def on_headers_complete(self) -> None:
-        if self.closed:  # behind a head that ended the connection (400, 431) in the same read: not read, nor answered
-            return
+        if self.closed or self.reframe is not None:  # behind a head that ended the connection (400, 431) in the
+            return  # same read: not read, nor answered; or the framing of an upgrade request's body
         r, limit = self.request, self.proxy.config.max_body_bytes
         r.arrival, r.arrival_unix_ns = time.perf_counter(), time.time_ns()  # the request's arrival: its head is in
         r.method = self.parser.get_method()
@@ -399,18 +407,23 @@ class ClientConnection(asyncio.Protocol):
             r.body.append(body)
 
     def on_message_complete(self) -> None:
-        r, self.request = self.request, None
+        r = self.request
+        if r is not None and r.method != b"CONNECT" and self.parser.should_upgrade():
+            # an upgrade the proxy does not take (``Upgrade: h2c``, ``websocket``) is ignored, as uvicorn's h11 (vLLM)
+            # and nginx do (RFC 9110 7.8): the request is served over HTTP/1.1, without the Upgrade header (hop by
+            # hop). httptools ends it here, at its head: its body, framed as the head frames it, is still to come
+            # (``data_received``; it was a 501, and uvicorn's httptools hands the app an empty body). Its framing:
+            # version, length, transfer coding, and ``Connection`` (a ``close`` reads nothing after it), no Upgrade
+            self.reframe = b"POST / HTTP/%s\r\n%s\r\n" % (self.parser.get_http_version().encode(), b"".join(
+                b"%s: %s\r\n" % h for h in r.headers if h[0].lower() in FRAMING))
+            return
+        self.request = None
         self.in_head, self.head_bytes = True, 0
         self.proxy.waiting.pop(self, None)
-        upgrade = self.parser.should_upgrade()
-        if upgrade and r is not None and self._declinable(r):
-            # an upgrade the proxy does not take (``Upgrade: h2c``, ``websocket``) is ignored, as uvicorn (vLLM) and
-            # nginx do (RFC 9110 7.8): the request is served over HTTP/1.1, without the Upgrade header (hop by hop)
-            self.declined, upgrade = True, False
-        if r is None or self.closed or self.final is not None or upgrade:
+        if r is None or self.closed or self.final is not None or self.parser.should_upgrade():
             if r is not None:
                 self._release(r)
-            return  # CONNECT, or an upgrade with a body, is not served: its 501 follows (``data_received``)
+            return  # CONNECT is not served: its 501 follows (``data_received``)
         if r.answered:  # its 413, 503 or 401, already sent: this connection is done (what follows dropped)
             self._release(r)
             return self._linger()
@@ -423,14 +436,6 @@ class ClientConnection(asyncio.Protocol):
             # a client pipelining faster than it is served is read no further until the queue drains
             self.transport.pause_reading()
             self.read_paused = True
-
-    @staticmethod
-    def _declinable(r: Request) -> bool:
-        """Whether an upgrade request can be served as plain HTTP: not CONNECT, and without a body (httptools
-        ends an upgrade request at its head: its body's bytes would be read as the next request's)."""
-        length = r.header(b"content-length")
-        return r.method != b"CONNECT" and r.header(b"transfer-encoding") is None and \
-            (length is None or (length.strip().isdigit() and int(length) == 0))
 
     # -- serving ----------------------------------------------------------------------------------
     def _refuse_body(self, r: Request, status: int) -> None:
@@ -519,8 +524,8 @@ class ClientConnection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def _answer_and_close(self, data: bytes) -> None:
-        """Answer a request that ends the connection (not HTTP: 400, a head too large: 431, CONNECT or an upgrade
-        with a body: 501, a stalled one: 408), then close it, lingering (``_linger``): at once, or, behind requests
+        """Answer a request that ends the connection (not HTTP: 400, a head too large: 431, CONNECT: 501, a
+        stalled one: 408), then close it, lingering (``_linger``): at once, or, behind requests
         still being answered, after their answers, in order (it was written into the middle of the answer being
         streamed, which the close then cut). Its requests are read no further."""
         if self.closed or self.final is not None:
