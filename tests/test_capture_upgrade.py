@@ -152,3 +152,16 @@ def test_connect_gets_a_501_and_nothing_goes_upstream(tmp_path, loop):
             assert len(got) == 1 and got[0].startswith(b"HTTP/1.1 501 ") and closed, got
             assert b"CONNECT is not proxied" in got[0]
         assert behind.requests == 0
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_connect_without_the_token_gets_its_401_then_the_lingering_close(tmp_path, caplog, loop):
+    """A CONNECT without the bearer token has its 401 as its head comes, then the lingering close. Its 501 was
+    then written after the half-close the 401 ends with: asyncio and uvloop raised (``Cannot call write() after
+    write_eof()``), the loop logged a traceback and tore the connection down."""
+    config = ProxyConfig(upstream="http://127.0.0.1:9", api_key="k")
+    with ProxyThread(config, Recorder(tmp_path / "cap"), loop) as proxy:
+        got, closed = _exchange(int(proxy.url.rsplit(":", 1)[1]),
+                                b"CONNECT example.com:443 HTTP/1.1\r\nhost: example.com:443\r\n\r\n", answers=1)
+    assert len(got) == 1 and got[0].startswith(b"HTTP/1.1 401 ") and closed, got
+    assert "write_eof" not in caplog.text and "Traceback" not in caplog.text, caplog.text

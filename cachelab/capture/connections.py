@@ -420,11 +420,12 @@ class ClientConnection(asyncio.Protocol):
         self.request = None
         self.in_head, self.head_bytes = True, 0
         self.proxy.waiting.pop(self, None)
-        if r is None or self.closed or self.final is not None or self.parser.should_upgrade():
+        if r is None or self.closed or self.final is not None or (self.parser.should_upgrade() and not r.answered):
             if r is not None:
                 self._release(r)
             return  # CONNECT is not served: its 501 follows (``data_received``)
-        if r.answered:  # its 413, 503 or 401, already sent: this connection is done (what follows dropped)
+        if r.answered:  # its 413, 503 or 401, already sent: this connection is done (what follows dropped; a
+            # CONNECT's 501 too: written after the end of the sending side, asyncio raised)
             self._release(r)
             return self._linger()
         self.queue.append(r)
