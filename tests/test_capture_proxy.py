@@ -747,6 +747,25 @@ def test_options_asterisk_goes_upstream_as_it_is_and_other_targets_are_checked(t
     upstream.sock.close()
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_target_the_url_parser_refuses_is_answered(tmp_path, caplog, loop):
+    """A target llhttp takes and its URL parser does not (``http://[``, a port past 65535, a CONNECT's
+    ``host:port``) is answered: pipelined behind an answer from upstream, a 400 naming it; with a body over
+    --max-body-mb, the 413. Taking its path raised: behind the answer, in the upstream connection's callback
+    (a traceback, that connection torn down, the client's never answered nor closed); for the 413, before
+    anything was written (the client read the close alone)."""
+    with ServerThread(Upstream().app) as upstream, \
+            ProxyThread(ProxyConfig(upstream=upstream.url, max_body_bytes=1 << 20), Recorder(tmp_path), loop) as proxy:
+        got = _socket_exchange(proxy.url, b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\nPOST http://[ HTTP/1.1\r\n"
+                               b"host: x\r\nconnection: close\r\ncontent-length: 2\r\n\r\nhi")
+        assert got.startswith(b"HTTP/1.1 200 ") and b"HTTP/1.1 400 " in got, got
+        assert b"request target 'http://['" in got, got
+        for line in (b"POST http://h:99999/v1/completions", b"CONNECT example.com:443"):
+            got = _socket_exchange(proxy.url, b"%s HTTP/1.1\r\nhost: x\r\ncontent-length: 2000000\r\n\r\n" % line)
+            assert got.startswith(b"HTTP/1.1 413 "), (line, got)
+    assert "Traceback" not in caplog.text, caplog.text
+
+
 @pytest.mark.parametrize("target,endpoint", [
     (b"/v1/%63ompletions", "/v1/completions"), (b"/v1/chat%2Fcompletions", "/v1/chat/completions"),
     (b"/v1/completions#part", "/v1/completions"), (b"http://example.com/v1/%63ompletions?x=1", "/v1/completions")])

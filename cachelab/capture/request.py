@@ -46,10 +46,15 @@ class Request:
         under vLLM's server: ``/v1/%63ompletions#x`` is a completion there, which the proxy passed through
         unrecorded). An absolute-form target (``http://host/path?query``) becomes its path and query, which is
         all that goes on (``OPTIONS http://host``, no path or query: ``*``, RFC 9112 3.2.4); an origin-form one
-        goes on as sent."""
+        goes on as sent. A target llhttp takes and its URL parser does not (``http://[``, ``http://h:99999/``, a
+        CONNECT's ``host:port``) is no path: it raised where the request was served (a 413 unanswered; pipelined
+        behind an answer, a traceback and the connection hung) and is answered as a target not HTTP (``target``)."""
         path = self.url.partition(b"?")[0]
         if path[:1] != b"/" and path != b"*":
-            parsed = httptools.parse_url(self.url)
+            try:
+                parsed = httptools.parse_url(self.url)
+            except httptools.HttpParserInvalidURLError:
+                return path
             if parsed.schema and not parsed.path and not parsed.query and self.method == b"OPTIONS":
                 self.url = b"*"
                 return self.url
