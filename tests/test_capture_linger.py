@@ -6,6 +6,7 @@ place the connection held let go at once; a client that takes nothing bounded.""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -15,6 +16,7 @@ import pytest
 from capture_upstream import ProxyThread
 from cachelab.capture.proxy import ProxyConfig
 from cachelab.capture.recorder import Recorder
+from cachelab.capture.to_trace import read_requests
 from test_capture_robustness import STATUS, HostileUpstream, _answer, _connect, _keep_sending, _kernel_takes, \
     _send_unread
 
@@ -160,12 +162,15 @@ def test_a_linger_whose_paused_writes_no_write_deadline_watches_is_bounded(tmp_p
     answer over what the kernel takes, then a request that is not HTTP, its 400 behind the answer, and nothing
     read) is reset ``LINGER_STALL_S`` after its client last took a byte, as one whose writes are not paused
     is. The linger left a paused connection to the write deadline, which 0 turns off: it held its place among
-    ``MAX_LINGERING`` and the answer's bytes for as long as the client kept the connection open."""
+    ``MAX_LINGERING`` and the answer's bytes for as long as the client kept the connection open. The answer's
+    record says the client did not take it (499, why), as a write deadline's would: at ``--write-timeout 0`` it
+    was handed over as the answer was written, served (200, no error), though the client read none of it."""
     proxies = _proxies_started(monkeypatch)
     upstream = HostileUpstream()
     model = f"big-{_kernel_takes() + (96 << 10)}"  # the last piece written beside 64-128 KiB not taken: paused
     config = ProxyConfig(upstream=upstream.url, write_timeout=0, tcp_keepalive_s=0)
-    with ProxyThread(config, Recorder(tmp_path / "cap"), loop=loop) as p:
+    recorder = Recorder(tmp_path / "cap")
+    with ProxyThread(config, recorder, loop=loop) as p:
         (proxy,) = proxies
         with _send_unread(p.url, model) as idle:
             idle.sendall(b"NOT HTTP\r\n\r\n")
@@ -177,6 +182,30 @@ def test_a_linger_whose_paused_writes_no_write_deadline_watches_is_bounded(tmp_p
             time.sleep(3.5)  # a look that finds nothing taken for a second, and the next
             lingering = proxy.lingering
     assert paused == [True] and lingering == 0, (paused, lingering)
+    table, _ = read_requests(recorder.directory)
+    assert table.select(["model", "status", "error"]).rows() == [
+        (model, 499, "client took nothing of its answer for 1.0 s after the connection's end: reset")], table
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_linger_reset_for_the_bytes_its_client_sends_records_the_answer_it_did_not_take(tmp_path, loop):
+    """A client that reads none of a whole answer, sends a request that is not HTTP behind it (its 400 behind the
+    answer, the close lingering) and goes on sending is reset past ``LINGER_BYTES``: the answer's record, held until
+    the client took it, says it did not (499, why). The reset was a close without an error, so the record was
+    handed over as served (200, no error)."""
+    upstream = HostileUpstream()
+    model = f"big-{_kernel_takes() + (96 << 10)}"  # the last piece written beside 64-128 KiB not taken: paused
+    recorder = Recorder(tmp_path / "cap")
+    with ProxyThread(ProxyConfig(upstream=upstream.url), recorder, loop=loop) as p:
+        with _send_unread(p.url, model) as idle:
+            idle.sendall(b"NOT HTTP\r\n\r\n")
+            with contextlib.suppress(OSError):  # the reset, once past the bound
+                for _ in range(64):
+                    idle.sendall(b"x" * (64 << 10))
+                    time.sleep(0.01)
+    table, _ = read_requests(recorder.directory)
+    assert table.select(["model", "status", "error"]).rows() == [
+        (model, 499, "client sent over 1048576 bytes after the connection's end: reset")], table
 
 
 def test_a_half_close_that_fails_counts_no_linger():

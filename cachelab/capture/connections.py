@@ -146,7 +146,8 @@ class ClientConnection(asyncio.Protocol):
         self._sent()
         if self.drain_timer is not None:
             self.drain_timer.cancel()
-        self.record_held(None if exc is None else CLIENT_GONE)  # closed once drained, or reset with bytes unread
+        # closed once drained, or reset with bytes unread, or by the linger before the client took its answer
+        self.record_held(CLIENT_GONE if exc is not None else self.linger and self.linger.reset)
         if self.forward is not None:
             self.forward.client_gone(drained=exc is None)
         if gone:  # pipelined requests it sent whole and left before they were served
@@ -243,9 +244,10 @@ class ClientConnection(asyncio.Protocol):
         client can have the last byte (a flush after the answer sees it). Where the client is not taking
         the answer (its writes paused, the last byte still in the proxy), the record is held until it has
         (``resume_writing``, ``connection_lost``): a client that takes none of it for ``write_timeout`` is
-        recorded as one (``_drain_check``), not as served."""
+        recorded as one (``_drain_check``), not as served, as is one reset lingering (``Linger.reset``). At
+        ``--write-timeout 0`` too: recorded as written then, a client that never read it was recorded served."""
         t = self.transport
-        if x is not None and data and self.proxy.config.write_timeout and (
+        if x is not None and data and (
                 self.write_paused or len(data) + t.get_write_buffer_size() > t.get_write_buffer_limits()[1]):
             view = memoryview(data)
             t.write(view[:-1])
@@ -263,16 +265,13 @@ class ClientConnection(asyncio.Protocol):
 
     def write_whole(self, head: bytes, body: bytes, x: Exchange, keep_alive: bool) -> None:
         """Write a whole answer: ``head``, then ``body`` a piece at a time as the client takes it, its record
-        handed over as ``write_last`` does (with ``write_timeout`` 0, now), then the next request. Written with
+        handed over as ``write_last`` does, then the next request. Written with
         its head at once, it was copied again, and what the client did not take at once into the transport's
         buffer (asyncio's): a 16 MB answer to a client that read nothing for a second peaked at 3.9 times
         its size in the proxy (3.0 with uvloop), now 2.0 (its nulled copy and the record's)."""
         self.transport.write(head)
         self.rest, self.rest_keep_alive = memoryview(body), keep_alive
-        if self.proxy.config.write_timeout:
-            self.unrecorded = x
-        else:
-            self.proxy.recorder.submit(x)
+        self.unrecorded = x
         self._write_rest()
 
     def _write_rest(self) -> None:

@@ -91,10 +91,11 @@ class Linger:
     client reads drops the answer too). Only ``MAX_LINGERING`` at once (``start``): a client cannot hold more
     than the bound's descriptors, nor hold one longer than ``LINGER_STALL_S`` without taking a byte."""
 
-    __slots__ = ("proxy", "transport", "timer", "left", "out", "unsent", "taken")
+    __slots__ = ("proxy", "transport", "timer", "left", "out", "unsent", "taken", "reset")
 
     def __init__(self, proxy: "CaptureProxy", transport):
         self.proxy, self.transport, self.left = proxy, transport, LINGER_BYTES
+        self.reset: str | None = None  # why it reset a client that had not taken all of its answers
         transport.write_eof()  # first: it raises where the client has gone (asyncio's shutdown, ENOTCONN)
         proxy.lingering += 1
         self.unsent = unsent(transport)
@@ -111,9 +112,9 @@ class Linger:
         out of the transport, the answers the kernel still held (a client's window full) were dropped by the
         reset that the client's next bytes met. A client that takes none of it meets its write deadline where its
         writes are paused and ``--write-timeout`` is set (which records its answer's client so), else is reset
-        ``LINGER_STALL_S`` on: no deadline watched the rest under the high-water mark, in the kernel, nor a paused
-        one at ``--write-timeout 0``, and it held its place until the kernel's TCP user timeout (never, with
-        ``--tcp-keepalive 0``). The protocol tells whether its writes are paused (``write_paused``; a
+        ``LINGER_STALL_S`` on (``reset`` says so in the record of the answer it had not taken): no deadline watched
+        the rest under the high-water mark, in the kernel, nor a paused one at ``--write-timeout 0``, and it held
+        its place until the kernel's TCP user timeout (never, with ``--tcp-keepalive 0``). The protocol tells whether its writes are paused (``write_paused``; a
         ``RefusedConnection``'s never are)."""
         loop, held = asyncio.get_running_loop(), unsent(self.transport)
         if not held and self.out:  # out since the last look at least
@@ -122,6 +123,7 @@ class Linger:
             self.taken = loop.time()
         elif loop.time() - self.taken >= LINGER_STALL_S and not (
                 self.proxy.config.write_timeout and getattr(self.transport.get_protocol(), "write_paused", False)):
+            self.reset = f"client took nothing of its answer for {LINGER_STALL_S} s after the connection's end: reset"
             return self.transport.abort()
         self.out, self.unsent = not held, held
         self.timer = loop.call_later(LINGER_S, self._deadline)
@@ -141,6 +143,7 @@ class Linger:
         """``n`` bytes more came from the client, dropped; past ``LINGER_BYTES`` it is reset."""
         self.left -= n
         if self.left < 0:
+            self.reset = f"client sent over {LINGER_BYTES} bytes after the connection's end: reset"
             self.transport.abort()
 
     def end(self) -> None:
