@@ -104,7 +104,8 @@ def test_belady_keep_labels_train_a_classifier_and_refuse_a_regressor():
     spec = TrainSpec(horizon=200, max_samples=5000, capacity=0.05)
     model, metrics = train(view, LightGBMReuse(n_estimators=5, num_threads=1), spec)
     assert model.metadata["spec"]["capacity"] == 0.05
-    assert model.metadata["spec"]["capacity_rows"] == round(0.05 * view.num_keys)
+    end = model.metadata["spec"]["train_end"]  # a share of the distinct rows the training window holds
+    assert model.metadata["spec"]["capacity_rows"] == round(0.05 * np.unique(view.keys[:end]).size)
     assert 0.5 < metrics["auc_belady"] <= 1.0 and 0.0 < metrics["belady_keep_rate"] < 1.0
     assert model.metadata["spec"]["promote"] == metrics["promote"] and len(metrics["promote_misses"]) == 5
     with pytest.raises(CachelabError, match="need a classifier"):
@@ -209,7 +210,9 @@ def test_promote_is_tuned_on_misses_per_lookup_as_evaluate_counts_them():
                    lookup_offsets=np.concatenate([[0], np.cumsum(reads)])[base.step_offsets])
     spec, end = TrainSpec(horizon=200, max_samples=5000, capacity=0.05), 4000
     _, misses = tune_promote(view, LightGBMReuse(n_estimators=5, num_threads=1), spec, end)
-    half, _ = train(view, LightGBMReuse(n_estimators=5, num_threads=1), replace(spec, train_fraction=0.25), tune=False)
+    rows = rows_for(0.05, np.unique(view.keys[:end]).size)  # the window's share, the half model's size too
+    half, _ = train(view, LightGBMReuse(n_estimators=5, num_threads=1),
+                    replace(spec, train_fraction=0.25, capacity=rows), tune=False)
     start = half.metadata["spec"]["train_end"]
     scores = out_of_sample(half, keep_scores(half, view)[:end], np.arange(end) < start)  # none in-sample
     judged = view.per_lookup(np.arange(len(view))) >= start
@@ -218,7 +221,7 @@ def test_promote_is_tuned_on_misses_per_lookup_as_evaluate_counts_them():
         policy = learned_policy("learned-s3fifo", half)
         policy.promote = float(value)
         hits = run_policy(policy, view.keys[:end], base.step_offsets[base.step_offsets <= end],
-                          rows_for(0.05, view.num_keys), view.num_keys, scores)
+                          rows, view.num_keys, scores)
         per_lookup = 1.0 - np.concatenate([hits, np.zeros(len(view) - end, bool)])[view.inverse][judged].mean()
         assert missed == pytest.approx(per_lookup, abs=1e-12), value
 

@@ -64,9 +64,9 @@ def train(
     seed: int = typer.Option(0, help="Seed for request order and sampling, and added to the predictor's own seed "
                              "(--param seed, where it takes one: the MLP's weights, HGB's binning sample)."),
     capacity: str = typer.Option("0", help="Label with Belady's keep decisions at this cache size (rows, a "
-                                 "fraction or percentage of the unique rows, or bytes) instead of reuse within "
-                                 "the horizon: a model for that size, what learned-lfu-adaptive (judged by "
-                                 "`evaluate`) and learned-s3fifo are built for. Needs a classifier "
+                                 "fraction or percentage of the training window's unique rows, or bytes) instead "
+                                 "of reuse within the horizon: a model for that size, what learned-lfu-adaptive "
+                                 "(judged by `evaluate`) and learned-s3fifo are built for. Needs a classifier "
                                  "(--predictor lightgbm-reuse). 0: off."),
     lookahead: bool = typer.Option(True, help="Use the prompt-lookahead features (a prefill lookup sees how far "
                                    "ahead in its own, already arrived prompt its row is used again)."),

@@ -24,7 +24,7 @@ import hashlib
 import inspect
 import math
 import numbers
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -55,7 +55,7 @@ class TrainSpec:
     train_fraction: float = TRAIN_FRACTION
     max_samples: int = MAX_SAMPLES
     seed: int = 0
-    capacity: float | str = 0.0  # set: Belady keep labels at this cache size (cachelab.capacity)
+    capacity: float | str = 0.0  # set: Belady keep labels at this cache size (cachelab.capacity; ``window_rows``)
     lookahead: bool = True  # the prompt-lookahead features (cachelab.learning.features)
 
     def check(self) -> None:
@@ -80,6 +80,13 @@ def rows_for(capacity: float | str, unique: int) -> int:
     return capacity_rows(capacity, unique_rows=unique, where="capacity")
 
 
+def window_rows(capacity: float | str, keys: np.ndarray) -> int:
+    """A keep model's capacity as rows of the training window whose entries are ``keys``: a share
+    counts the distinct rows there, all a model fitted on them may see, not the whole stream's (those
+    of the part it is validated and judged on too), as ``evaluate`` counts those of the stream it replays."""
+    return rows_for(capacity, int(np.unique(keys).size))
+
+
 def check_target(task: str, spec: TrainSpec) -> None:
     """Belady keep labels are yes/no: refuse them for a regression predictor."""
     if spec.capacity and task == "regression":
@@ -94,7 +101,7 @@ def labels(view, lo: int, hi: int, task: str, spec: TrainSpec) -> np.ndarray:
     if task == "regression":
         return regression_labels(keys, spec.horizon)
     if spec.capacity:
-        return belady_labels(keys, np.array([0, keys.size]), rows_for(spec.capacity, view.num_keys), view.num_keys)
+        return belady_labels(keys, np.array([0, keys.size]), window_rows(spec.capacity, keys), view.num_keys)
     return reuse_labels(keys, spec.horizon)
 
 
@@ -171,10 +178,12 @@ def train(stream, predictor: Predictor, spec: TrainSpec, progress=None, tune: bo
                  "train_requests": stream.contents(0, end), "train_prompts": stream.prompts(0, end)}
     if stream.layout is not None:
         meta_spec["layout"] = stream.layout
+    sized = spec  # a keep model is judged against Belady at the size its labels were made at
     if spec.capacity:
-        meta_spec["capacity_rows"] = rows_for(spec.capacity, stream.num_keys)
+        meta_spec["capacity_rows"] = window_rows(spec.capacity, stream.keys[:end])
+        sized = replace(spec, capacity=meta_spec["capacity_rows"])
     model = Model(predictor, prior, domains, spec.horizon, {"spec": meta_spec}, spec.lookahead)
-    metrics = validate(model, stream, x, end, spec)
+    metrics = validate(model, stream, x, end, sized)
     if spec.capacity and tune:
         chosen, tried = tune_params(stream, type(predictor)(**predictor.get_params()), spec, end)
         meta_spec.update(chosen)
@@ -226,14 +235,15 @@ def tune_params(view, predictor: Predictor, spec: TrainSpec, end: int) -> tuple[
     per lookup in the second half win, as an evaluation counts them (a fetch stands for its
     step's lookups of the row). Returns the values and the miss ratio at each value, by parameter
     (no miss ratios, and the policy's defaults, if the half window is too short for the
-    horizon). A subclass of the declaring policy gets the value by name (``policy_params``).
+    horizon). The cache, and the half model's labels, are of the model's size (``window_rows``). A
+    subclass of the declaring policy gets the value by name (``policy_params``).
     """
-    from dataclasses import replace
-
     grids = _declared_grids()
     classes = {name: registry.get(registry.POLICIES, name) for name in grids}
+    capacity = window_rows(spec.capacity, view.keys[:end])  # the half model is one for this size too
     try:
-        model, _ = train(view, predictor, replace(spec, train_fraction=spec.train_fraction / 2), tune=False)
+        model, _ = train(view, predictor, replace(spec, train_fraction=spec.train_fraction / 2, capacity=capacity),
+                         tune=False)
     except CachelabError:
         return ({param: float(inspect.signature(classes[name]).parameters[param].default)
                  for name, params in grids.items() for param in params},
@@ -242,7 +252,6 @@ def tune_params(view, predictor: Predictor, spec: TrainSpec, end: int) -> tuple[
     # the half model's own window gets no scores: they are in-sample there, and would build the cache
     # the judged half meets (evaluate's "In-sample warm-up")
     scores = out_of_sample(model, keep_scores(model, view)[:end], np.arange(end) < start)
-    capacity = rows_for(spec.capacity, view.num_keys)
     lookups = np.bincount(view.inverse, minlength=len(view))[:end]  # each fetch's lookups in its step
     judged = lookups[start:]
     chosen, tried = {}, {}
@@ -316,7 +325,8 @@ def validate(model: Model, stream, x: np.ndarray, start: int, spec: TrainSpec | 
     """Metrics on lookups after ``start`` whose labels are settled within the stream.
 
     ``auc`` is against reuse within the horizon; with Belady keep labels, ``auc_belady``
-    is against Belady's decisions on the whole stream (what the classifier imitates). An AUC
+    is against Belady's decisions on the whole stream at ``spec``'s capacity (what the classifier
+    imitates: ``train`` gives the rows its labels were made at). An AUC
     whose labels are all one class is undefined: NaN (null in JSON), the key kept for scripts."""
     from sklearn.metrics import roc_auc_score
 
