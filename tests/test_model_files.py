@@ -436,3 +436,74 @@ def test_a_save_cut_at_any_step_leaves_the_old_model_or_the_new_one(models, tmp_
     save(load(models["lightgbm"][0]), tmp_path / "link")  # a link to a model folder stays a link
     assert (tmp_path / "link").is_symlink()
     np.testing.assert_array_equal(load(fresh).predictor.predict(_x()), models["lightgbm"][1])
+
+
+# --- a model read while another is installed over it ------------------------------------------
+
+
+def _another_lightgbm(models, tmp_path) -> tuple[Model, Path]:
+    """A second lightgbm model (other trees, prior and horizon) sealed in a scratch folder beside
+    ``models``' first, as ``save`` leaves one before ``install`` puts it in place."""
+    first = load(models["lightgbm"][0])
+    x = _x(1500, seed=7)
+    fitted = type(first.predictor)(**PREDICTORS["lightgbm"]).fit(x, np.abs(x[:, 2]), list(FEATURE_NAMES))
+    prior = CorpusPrior(np.arange(50, dtype=np.int64)[::-1].copy(), np.array([1, 4], np.int64),
+                        np.array([8, 9], np.int64))
+    other = Model(fitted, prior, ["chat"], 128, {"spec": {"horizon": 128, "domains": ["chat"]}})
+    scratch = tmp_path / ".m.next"
+    scratch.mkdir()
+    from cachelab.learning.predictor import write_tensors
+
+    write_tensors(scratch / PRIOR, prior.tensors())
+    fitted.save(scratch, {**other.metadata["spec"], "prior": PRIOR})
+    return other, scratch
+
+
+def test_a_model_read_while_another_is_installed_is_one_of_them_whole(models, tmp_path, monkeypatch):
+    """``load`` read the metadata, then the predictor read its weights and the prior by path: a
+    ``predictor install`` (or a train's save) between the two reads gave the metadata of one model
+    (its horizon, its promote, its size) with the trees and prior of the other, and nothing noticed.
+    The swap is made as the predictor starts to read its weights."""
+    from cachelab.learning.predictor import install
+
+    d = _copy(models["lightgbm"][0], tmp_path / "m")
+    before = load(d)
+    other, scratch = _another_lightgbm(models, tmp_path)
+    cls = type(before.predictor)
+    real = cls.load_model.__func__
+
+    def swapped_first(c, directory, metadata):
+        if scratch.exists():
+            install(scratch, d)
+        return real(c, directory, metadata)
+
+    monkeypatch.setattr(cls, "load_model", classmethod(swapped_first))
+    read = load(d)
+    assert read.horizon == 64 and read.domains == ["code"]  # the first model's metadata ...
+    np.testing.assert_array_equal(read.predictor.predict(_x()), models["lightgbm"][1])  # ... with its trees
+    for name, tensor in before.prior.tensors().items():  # ... and its prior
+        np.testing.assert_array_equal(read.prior.tensors()[name], tensor)
+    assert not scratch.exists() and load(d).horizon == 128  # the swap happened: the next read is the other model
+    np.testing.assert_array_equal(load(d).predictor.predict(_x()), other.predictor.predict(_x()))
+
+
+def test_a_model_removed_while_its_files_are_read_is_read_again_as_the_new_one(models, tmp_path, monkeypatch):
+    """The folder read is the one opened: where ``install`` exchanged it and removed the old model
+    while its files were being read, the reader starts again from the path, on the new model."""
+    from cachelab.learning import predictor as module
+
+    d = _copy(models["lightgbm"][0], tmp_path / "m")
+    other, scratch = _another_lightgbm(models, tmp_path)
+    real, opened = module._open_in, []
+
+    def install_midway(fd, directory, name):
+        opened.append(name)
+        if len(opened) == 3:  # metadata and manifest opened: the old model goes before its files are read
+            module.install(scratch, d)
+        return real(fd, directory, name)
+
+    monkeypatch.setattr(module, "_open_in", install_midway)
+    read = load(d)
+    assert read.horizon == 128 and read.domains == ["chat"]
+    np.testing.assert_array_equal(read.predictor.predict(_x()), other.predictor.predict(_x()))
+    assert opened.count(MANIFEST) == 2  # read twice: the first model's, removed midway, then the second's

@@ -189,21 +189,47 @@ def seal(directory: Path) -> None:
     (directory / MANIFEST).write_text(json.dumps({"format": 1, "files": files}, indent=2))
 
 
-def verify(directory: Path, required: tuple[str, ...] = (METADATA,)) -> set[str]:
-    """Check every file ``manifest.json`` lists (size first, then SHA-256); return their names.
+class _Replaced(Exception):
+    """The model folder a reader opened was moved out and removed under it (``install``)."""
 
-    Nothing else of the directory is read, so no parser sees a damaged file. ``required``
-    names files the manifest must list.
+
+def read_sealed(directory: Path, required: tuple[str, ...] = (METADATA,)) -> dict[str, bytes]:
+    """Every file ``manifest.json`` lists, read once and checked (size first, then SHA-256), by name.
+
+    All are read through one open handle of the folder, so they are one model's while ``install``
+    puts another in its place: opened by path one by one, the metadata of one model went with the
+    weights of the next. Where the model opened was removed under the reader, the folder is read
+    again (the new model). Nothing else of the directory is read, and a parser handed these bytes
+    reads what was checked. ``required`` names files the manifest must list.
     """
     directory = Path(directory)
+    for _ in range(3):
+        try:
+            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        except (FileNotFoundError, NotADirectoryError):
+            raise CachelabError(f"no model at {directory}: {METADATA} is missing") from None
+        try:
+            return _read_sealed(fd, directory, required)
+        except _Replaced:
+            continue
+        finally:
+            os.close(fd)
+    raise CachelabError(f"model at {directory}: replaced by another one three times while it was read; read it again")
+
+
+def _read_sealed(fd: int, directory: Path, required: tuple[str, ...]) -> dict[str, bytes]:
+    """``read_sealed`` of the folder open as ``fd``."""
     path = directory / MANIFEST
-    if not directory.is_dir() or not (directory / METADATA).is_file():
+    if (meta := _open_in(fd, directory, METADATA)) is None:
         raise CachelabError(f"no model at {directory}: {METADATA} is missing")
-    if not path.is_file():
+    os.close(meta)
+    if (file := _open_in(fd, directory, MANIFEST)) is None:
         raise CachelabError(f"model at {directory} has no {MANIFEST} (each file's size and SHA-256, written by "
                             "cachelab since models were sealed): save or train it again")
+    with open(file, "rb") as f:
+        raw = f.read()
     try:
-        manifest = json.loads(path.read_bytes())
+        manifest = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CachelabError(f"{path}: not valid JSON ({exc})") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
@@ -213,20 +239,70 @@ def verify(directory: Path, required: tuple[str, ...] = (METADATA,)) -> set[str]
     for name in required:
         if name not in files:
             raise CachelabError(f"{path} does not list {name}")
+    out = {MANIFEST: raw}
     for name, entry in files.items():
-        file = directory / name
         if Path(name).name != name or name in (".", "..", MANIFEST):
             raise CachelabError(f"{path}: {name!r} is not a file name of the model directory")
-        if not file.is_file():
+        if (file := _open_in(fd, directory, name)) is None:
             raise CachelabError(f"model at {directory}: {name} is missing (listed in {MANIFEST})")
-        size = file.stat().st_size
-        if size != entry["size"]:
-            raise CachelabError(f"model at {directory}: {name} is {size:,} bytes, {MANIFEST} says "
-                                f"{entry['size']:,}: the file was truncated or changed after saving")
-        if _sha256(file) != entry["sha256"].lower():
+        with open(file, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != entry["size"]:
+                raise CachelabError(f"model at {directory}: {name} is {size:,} bytes, {MANIFEST} says "
+                                    f"{entry['size']:,}: the file was truncated or changed after saving")
+            out[name] = f.read()
+        if hashlib.sha256(out[name]).hexdigest() != entry["sha256"].lower():
             raise CachelabError(f"model at {directory}: {name} does not match its SHA-256 in {MANIFEST}: "
                                 "the file is damaged or was changed after saving")
-    return set(files)
+    return out
+
+
+def _open_in(fd: int, directory: Path, name: str) -> int | None:
+    """File ``name`` of the folder open as ``fd``, opened for reading; None where the folder holds no
+    such file. Raises ``_Replaced`` where it is gone because the folder was moved away from ``directory``."""
+    try:
+        file = os.open(name, os.O_RDONLY, dir_fd=fd)
+    except (FileNotFoundError, NotADirectoryError):
+        if _moved(fd, directory):
+            raise _Replaced from None
+        return None
+    if not stat.S_ISREG(os.fstat(file).st_mode):
+        os.close(file)
+        return None
+    return file
+
+
+def _moved(fd: int, directory: Path) -> bool:
+    """Whether ``directory`` names another folder than the one open as ``fd`` (or none)."""
+    try:
+        now = os.stat(directory)
+    except OSError:
+        return True
+    held = os.fstat(fd)
+    return (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
+
+
+def load_predictor(cls, files: dict[str, bytes], directory: Path, metadata: dict) -> "Predictor":
+    """``cls.load_model`` of the model ``read_sealed`` read from ``directory`` as ``files``: it reads
+    its files by path, so it is handed a private copy of them (``directory`` may hold another model
+    by now); its errors name ``directory``, and a loader's own failure or a wrong type is refused."""
+    import tempfile
+
+    name = metadata.get("predictor")
+    with tempfile.TemporaryDirectory(prefix="cachelab-model-") as copy:
+        for file, data in files.items():
+            Path(copy, file).write_bytes(data)
+        try:
+            predictor = cls.load_model(Path(copy), metadata)
+        except CachelabError as exc:
+            raise CachelabError(str(exc).replace(copy, str(directory))) from None
+        except Exception as exc:  # a plug-in's loader: name it and the file, not a traceback
+            raise CachelabError(f"model at {directory}: predictor {name!r} could not load it: "
+                                f"{type(exc).__name__}: {str(exc).replace(copy, str(directory))}") from None
+    if not isinstance(predictor, cls):
+        raise CachelabError(f"model at {directory}: predictor {name!r}'s load_model returned "
+                            f"{type(predictor).__name__}, not a {cls.__name__}")
+    return predictor
 
 
 def _typed(meta: dict, key: str, kind, what: str, where: Path) -> None:
@@ -234,12 +310,13 @@ def _typed(meta: dict, key: str, kind, what: str, where: Path) -> None:
         raise CachelabError(f"{where}: {key!r} must be {what}, got {meta[key]!r:.80}")
 
 
-def read_metadata(directory: Path) -> dict:
-    """The model's metadata, after ``verify`` passed; its keys' types are checked, naming the key."""
-    verify(directory)
+def read_metadata(directory: Path, files: dict[str, bytes] | None = None) -> dict:
+    """The model's metadata, from ``files`` (``read_sealed``'s; by default the folder read now); its
+    keys' types are checked, naming the key."""
+    files = read_sealed(directory) if files is None else files
     path = Path(directory) / METADATA
     try:
-        meta = json.loads(path.read_bytes())
+        meta = json.loads(files[METADATA])
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CachelabError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(meta, dict):
@@ -267,13 +344,14 @@ def write_tensors(path: Path, tensors: dict) -> None:
     Path(path).write_bytes(data)
 
 
-def read_tensors(path: Path, expected: dict[str, int | None]) -> dict:
-    """NumPy arrays from a safetensors file, each named in ``expected`` with its dimensions
-    (None: any); a malformed file or a missing or misshapen tensor is refused, naming it."""
-    from safetensors.numpy import load_file
+def read_tensors(path: Path, expected: dict[str, int | None], data: bytes | None = None) -> dict:
+    """NumPy arrays from a safetensors file (or its bytes ``data``, read already), each named in
+    ``expected`` with its dimensions (None: any); a malformed file or a missing or misshapen tensor
+    is refused, naming it."""
+    from safetensors.numpy import load, load_file
 
     try:
-        tensors = load_file(str(path))
+        tensors = load_file(str(path)) if data is None else load(data)
     except Exception as exc:  # safetensors' own error type, and OSError
         raise CachelabError(f"{path}: not a readable safetensors file ({exc})") from None
     for name, ndim in expected.items():

@@ -36,8 +36,8 @@ from cachelab.engram.config import preset_flag
 from cachelab.errors import CachelabError
 from cachelab.learning.lineup import lineup, tuned_params
 from cachelab.learning.streams import layout_differences
-from cachelab.learning.predictor import (METADATA, Predictor, check_features, install, model_folder, read_metadata,
-                                         read_tensors, verify, write_tensors)
+from cachelab.learning.predictor import (METADATA, Predictor, check_features, install, load_predictor, model_folder,
+                                         read_metadata, read_sealed, read_tensors, write_tensors)
 from cachelab.params import check_params
 from cachelab.learning.features import (FEATURE_NAMES, PRIOR_TENSORS, CorpusPrior, FeatureState, apply_prior, belady_labels, extract,
                                  prompt_lookahead, regression_labels, reuse_labels)
@@ -429,10 +429,11 @@ def check_layout(model: Model, layout: dict | None, rows: str = "") -> None:
 
 def load(directory: Path) -> Model:
     """A saved model, refused with the reason when its manifest, metadata, features or files do
-    not match; no file is parsed before its size and SHA-256 match the manifest."""
+    not match; no file is parsed before its size and SHA-256 match the manifest, and every file is
+    read once, all of one model (``read_sealed``)."""
     directory = Path(directory)
-    meta = read_metadata(directory)
-    verify(directory, required=(PRIOR,))
+    files = read_sealed(directory, required=(METADATA, PRIOR))  # one model's files, whatever is installed meanwhile
+    meta = read_metadata(directory, files)
     check_features(meta, list(FEATURE_NAMES), directory)
     name = meta.get("predictor")
     where = directory / METADATA
@@ -447,17 +448,8 @@ def load(directory: Path) -> Model:
     except (CachelabError, TypeError, ValueError) as exc:
         raise CachelabError(f"{where}: params: {exc}") from None
     horizon, domains, lookahead = _scoring_spec(meta.get("spec", {}), where)
-    try:
-        predictor = cls.load_model(directory, meta)
-    except CachelabError:
-        raise
-    except Exception as exc:  # a plug-in's loader: name it and the file, not a traceback
-        raise CachelabError(f"model at {directory}: predictor {name!r} could not load it: "
-                            f"{type(exc).__name__}: {exc}") from None
-    if not isinstance(predictor, cls):
-        raise CachelabError(f"model at {directory}: predictor {name!r}'s load_model returned "
-                            f"{type(predictor).__name__}, not a {cls.__name__}")
-    prior = CorpusPrior.from_tensors(read_tensors(directory / PRIOR, dict.fromkeys(PRIOR_TENSORS, 1)),
+    predictor = load_predictor(cls, {f: data for f, data in files.items() if f != PRIOR}, directory, meta)  # its own
+    prior = CorpusPrior.from_tensors(read_tensors(directory / PRIOR, dict.fromkeys(PRIOR_TENSORS, 1), files[PRIOR]),
                                      directory / PRIOR)
     return Model(predictor, prior, domains, horizon, meta, lookahead)
 
