@@ -145,6 +145,45 @@ def test_a_learned_dram_cache_needs_the_model_and_takes_its_horizon(model_dir):
         engine.rows.close()
 
 
+def test_serve_reads_its_model_once_for_the_learned_caches_and_the_scorer(model_dir, tmp_path, monkeypatch):
+    """build_engine read --model for each learned cache's policy (its horizon, its threshold) and
+    again for the scorer: a ``predictor install`` between the reads gave the policies one model and
+    the scorer another's predictions, at another horizon. The swap is made after the first read."""
+    import shutil
+
+    from cachelab.learning import training
+    from cachelab.learning.predictor import install
+
+    served = tmp_path / "m"
+    shutil.copytree(model_dir, served)
+    texts = [d.text[:600] for d, _ in zip(StdlibCorpus().documents(), range(12))]
+    from cachelab.engram import encode, get_preset
+
+    prompts = encode(texts, get_preset("deepseek-v4.1-flash").tokenizer, bos=True)
+    stream = request_stream(prompts, [p[:4] for p in prompts], ["chat"] * len(prompts), tokens_per_step=256)
+    predictor = registry.get(registry.PREDICTORS, "lightgbm-reuse")(n_estimators=3, num_leaves=5)
+    other, _ = train(LearningView.of(stream), predictor, TrainSpec(horizon=1024, capacity=0.02), tune=False)
+    scratch = save(other, tmp_path / "next")
+    real = training.load
+
+    def swapped_after(directory):
+        read = real(directory)
+        if scratch.exists():
+            install(scratch, served)
+        return read
+
+    monkeypatch.setattr(training, "load", swapped_after)
+    engine = build_engine(ServeOptions(threads=1, row_cache_policy=POLICY, row_cache_capacity="500",
+                                       dram_cache_policy="learned-lfu", dram_cache_capacity="1000",
+                                       row_cache_model=served))
+    try:
+        assert not scratch.exists() and real(served).horizon == 1024  # the swap was made
+        horizons = {t.name: t.policy.horizon for t in engine.rows.tiers}
+        assert horizons == {"hbm": 4096, "dram": 4096} and engine.scorer.model.horizon == 4096
+    finally:
+        engine.rows.close()
+
+
 def test_serve_names_a_keep_model_run_at_another_size(model_dir, capsys):
     """serve --model ran a keep model (Belady's keep decisions at one cache size) in a row cache of
     any size without a word (seen by helper-144): a note on stderr names both sizes; it still serves."""

@@ -117,9 +117,10 @@ def model_for(opts: ServeOptions) -> ModelConfig:
     return cfg.with_(**changes) if changes else cfg
 
 
-def open_rows(opts: ServeOptions, layout: str):
+def open_rows(opts: ServeOptions, layout: str, model=None):
     """The Engram row source: the live store at ``opts.store``, or the default scaled store
-    (built on first use in the cache directory, under a lock so two first runs build once)."""
+    (built on first use in the cache directory, under a lock so two first runs build once);
+    ``model``: ``--model`` read once (``scoring_model``) for its learned caches."""
     from cachelab.capacity import TABLE_ROWS, parse_capacity
     from cachelab.engram import get_preset
     from cachelab.paths import cache_dir, one_builder
@@ -145,8 +146,8 @@ def open_rows(opts: ServeOptions, layout: str):
     elif not (Path(directory) / MANIFEST).exists():
         raise CachelabError(f"--store {directory}: no {MANIFEST} there; build one with `cachelab store build`")
     store = TieredStore.open(directory, backing=PLACEMENTS.get(opts.placement, opts.placement),
-                             hbm_policy=row_cache_policy(opts), hbm_capacity=opts.row_cache_capacity,
-                             dram_policy=dram_cache_policy(opts), dram_capacity=opts.dram_cache_capacity,
+                             hbm_policy=row_cache_policy(opts, model), hbm_capacity=opts.row_cache_capacity,
+                             dram_policy=dram_cache_policy(opts, model), dram_capacity=opts.dram_cache_capacity,
                              device=opts.device)
     if store.layout.name != config.name:
         store.close()
@@ -155,7 +156,7 @@ def open_rows(opts: ServeOptions, layout: str):
     return store
 
 
-def row_cache_policy(opts: ServeOptions):
+def row_cache_policy(opts: ServeOptions, model=None):
     """The HBM row cache's policy: its name, or, with ``--model``, the learned policy made with
     what it takes from the model (its horizon, a tuned threshold). A policy that needs scores
     without a model, or a model beside a policy that reads none (and no learned DRAM cache,
@@ -173,15 +174,15 @@ def row_cache_policy(opts: ServeOptions):
             raise CachelabError(f"--row-cache-policy {name} reads no predictor scores; --model is for a learned "
                                 "policy (e.g. learned-lfu-adaptive)")
         return name
-    return _learned(name, opts, "--row-cache-policy")
+    return _learned(name, opts, "--row-cache-policy", model)
 
 
-def dram_cache_policy(opts: ServeOptions):
+def dram_cache_policy(opts: ServeOptions, model=None):
     """The DRAM warm cache's policy: its name, or a learned one made with what it takes from
     ``--model`` (refused without one: every step would fail for want of scores, the engine stopping
     at the first request)."""
     name = opts.dram_cache_policy
-    return _learned(name, opts, "--dram-cache-policy") if _needs_scores(name) else name
+    return _learned(name, opts, "--dram-cache-policy", model) if _needs_scores(name) else name
 
 
 def _needs_scores(name: str | None) -> bool:
@@ -190,15 +191,27 @@ def _needs_scores(name: str | None) -> bool:
     return name is not None and registry.get(registry.POLICIES, name).capabilities.needs_scores
 
 
-def _learned(name: str, opts: ServeOptions, flag: str):
-    """The learned policy ``name`` with what it takes from the model of ``--model``."""
+def _learned(name: str, opts: ServeOptions, flag: str, model=None):
+    """The learned policy ``name`` with what it takes from ``model``, by default the one ``--model`` holds now."""
     if opts.row_cache_model is None:
         raise CachelabError(f"{flag} {name} needs predictor scores: pass --model DIR (a predictor "
                             "directory from `cachelab train`)")
     from cachelab.learning.evaluation import learned_policy
     from cachelab.learning.training import load
 
-    return learned_policy(name, load(opts.row_cache_model))
+    return learned_policy(name, load(opts.row_cache_model) if model is None else model)
+
+
+def scoring_model(opts: ServeOptions):
+    """The model of ``--model``, read once for a server with a learned cache (else None): its policies
+    take the model's horizon and threshold and the scorer its predictions, so they are one model's
+    (each read the folder, and a ``predictor install`` between the reads gave them two)."""
+    if opts.row_cache_model is None or not (_needs_scores(opts.row_cache_policy)
+                                            or _needs_scores(opts.dram_cache_policy)):
+        return None
+    from cachelab.learning.training import load
+
+    return load(opts.row_cache_model)
 
 
 def build_engine(opts: ServeOptions):
@@ -226,7 +239,8 @@ def build_engine(opts: ServeOptions):
         raise CachelabError(f"--kv-cache-tokens {opts.kv_cache_tokens} holds {held} tokens, less than one request of "
                             f"the model's context ({cfg.max_model_len}, --max-model-len): such a request could never be "
                             "scheduled and would stop the engine; give at least the context length")
-    rows = open_rows(opts, cfg.layout)  # first: a bad --store fails before the model is built
+    scoring = scoring_model(opts)
+    rows = open_rows(opts, cfg.layout, scoring)  # first: a bad --store fails before the model is built
     model = build_model(cfg, opts.weights, opts.seed, opts.device)
     engine_cfg = EngineConfig(kv_cache_tokens=opts.kv_cache_tokens, max_num_seqs=opts.max_num_seqs,
                               max_num_batched_tokens=opts.max_num_batched_tokens, prefix_caching=opts.prefix_caching,
@@ -236,7 +250,7 @@ def build_engine(opts: ServeOptions):
     if opts.row_cache_model is not None:
         from cachelab.learning.online import OnlineScorer
 
-        engine.scorer = OnlineScorer.open(opts.row_cache_model, cfg.layout)
+        engine.scorer = OnlineScorer(scoring, cfg.layout)
         if note := _keep_size_note(opts, engine.scorer.model, rows.tiers):
             print(f"cachelab serve: {note}", file=sys.stderr)
     return engine
