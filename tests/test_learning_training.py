@@ -53,3 +53,28 @@ def test_rolling_keep_models_never_see_the_size_of_the_future():
     scores = rolling_scores(synthetic_stream(keys), make, spec, every=1000, window=2000)
     again = rolling_scores(synthetic_stream(_future_of_new_rows(keys, 4000)), make, spec, every=1000, window=2000)
     np.testing.assert_array_equal(scores[:4000], again[:4000])
+
+
+def test_a_domain_first_met_after_the_training_window_is_not_the_models():
+    """The model's domains were the whole stream's (names sorted, a code each): a domain met only
+    after the window entered the model's vocabulary and moved the codes its window's domains were
+    trained with, so the trees, and what the model says of that domain, depended on the future."""
+    from cachelab.learning.streams import LearningView, request_stream
+    from cachelab.learning.training import window_end
+
+    rng = np.random.default_rng(3)
+    alphabet = rng.choice(np.arange(1000, 60_000), 120, replace=False)
+    prompts = [alphabet[rng.zipf(1.4, 60) % alphabet.size] for _ in range(40)]
+    outputs = [alphabet[rng.zipf(1.4, 4) % alphabet.size] for _ in range(40)]
+    labels = ["math", "code"] * 20
+    view = LearningView.of(request_stream(prompts, outputs, labels, steps="prompts"))
+    spec = TrainSpec(horizon=300, max_samples=5000)
+    end = window_end(view, spec)
+    seen = set(np.unique(view.request[:end]).tolist())
+    later = LearningView.of(request_stream(prompts, outputs, [d if r in seen else "chat" for r, d in enumerate(labels)],
+                                           steps="prompts"))
+    assert later.domains == ["chat", "code", "math"] and len(seen) < len(labels)
+    model, _ = train(view, LightGBMReuse(n_estimators=5, num_threads=1), spec)
+    again, _ = train(later, LightGBMReuse(n_estimators=5, num_threads=1), spec)
+    assert again.domains == model.domains == ["code", "math"] and again.metadata == model.metadata
+    np.testing.assert_array_equal(keep_scores(again, later)[:end], keep_scores(model, view)[:end])

@@ -169,7 +169,8 @@ def train(stream, predictor: Predictor, spec: TrainSpec, progress=None, tune: bo
     n = len(stream)
     end = window_end(stream, spec)
     prior_end = end // 2
-    domains = list(stream.domains)
+    # the window's domains: one first met after it is one the model never saw (-1), and moves no code of theirs
+    domains = [stream.domains[int(code)] for code in np.unique(stream.domain[:end])]
     prior = CorpusPrior.from_window(stream, 0, prior_end)
     x = features(stream, prior, domains, spec.lookahead)
     samples = fit_window(stream, x, 0, end, predictor, spec, progress)
