@@ -63,21 +63,26 @@ def test_belady_keep_model_through_the_cli(tmp_path, data_dir):
     assert res.exit_code == 0, res.output
     result = json.loads(res.stdout)
     assert 0.6 < result["auc_belady"] <= 1.0 and 0.0 < result["belady_keep_rate"] < 1.0
-    assert json.loads((out / "metadata.json").read_text())["spec"]["capacity"] == 0.01
+    spec = json.loads((out / "metadata.json").read_text())["spec"]
+    rows = spec["capacity_rows"]  # 1% of the distinct rows its training window holds, not of the whole stream's
+    assert spec["capacity"] == 0.01
     res = runner.invoke(app, ["train", *TRACE, "--capacity", "0.01", "--out", str(tmp_path / "r")])
     assert res.exit_code == 2 and "need a classifier" in res.output
     # A keep model is for one cache size: evaluate judged it at 0.1%, 1% and 5% by default, so two of
-    # the three gaps closed it printed were of a model for another size (seen by helper-142).
+    # the three gaps closed it printed were of a model for another size (seen by helper-142); it is judged
+    # at the rows its labels were made at, not at 1% of the stream evaluated (twice as many rows here).
     res = runner.invoke(app, ["evaluate", *TRACE, "--model", str(out), "--json"])
     assert res.exit_code == 0, res.output
     judged = json.loads(res.stdout)
-    assert [c["capacity"] for c in judged["capacities"]] == [0.01] and judged["model_capacity"] == 0.01
-    res = runner.invoke(app, ["evaluate", *TRACE, "--model", str(out), "--capacities", "0.01,0.05"])
+    assert [(c["capacity"], c["rows"]) for c in judged["capacities"]] == [(rows, rows)]
+    assert judged["model_capacity"] == 0.01 and judged["model_capacity_rows"] == rows
+    assert rows < 0.01 * judged["unique_rows"] * 0.75
+    res = runner.invoke(app, ["evaluate", *TRACE, "--model", str(out), "--capacities", f"{rows},0.05"])
     assert res.exit_code == 0, res.output
-    assert "keep model for capacity 0.01" in res.stdout and "at 0.05 its keep chances are for another cache size" \
-        in " ".join(res.stdout.split())
+    assert f"keep model for capacity 0.01 ({rows:,} rows on its training stream)" in " ".join(res.stdout.split())
+    assert "at 0.05 its keep chances are for another cache size" in " ".join(res.stdout.split())
     # ... and under --json as keys, where it said nothing of it (a script judged an off-size model unwarned)
-    res = runner.invoke(app, ["evaluate", *TRACE, "--model", str(out), "--capacities", "0.01,0.05", "--json"])
+    res = runner.invoke(app, ["evaluate", *TRACE, "--model", str(out), "--capacities", f"{rows},0.05", "--json"])
     assert res.exit_code == 0, res.output
     noted = json.loads(res.stdout)
     assert noted["model_capacity_rows"] == noted["capacities"][0]["rows"] != noted["capacities"][1]["rows"]
@@ -85,18 +90,19 @@ def test_belady_keep_model_through_the_cli(tmp_path, data_dir):
     assert [n for n in noted["notes"] if "at 0.05 its keep chances are for another cache size" in n]
     # simulate --model ran a keep model at any --capacity without a word (seen by helper-144): it says
     # so on stderr, naming both sizes, and --json gives the model's size; it never refuses.
-    res = runner.invoke(app, ["simulate", *TRACE, "--policy", "learned-lfu", "--model", str(out), "--capacity", "1%",
-                              "--json"])
+    res = runner.invoke(app, ["simulate", *TRACE, "--policy", "learned-lfu", "--model", str(out), "--capacity",
+                              str(rows), "--json"])
     assert res.exit_code == 0 and "keep model" not in res.stderr, res.output
     own = json.loads(res.stdout)
-    assert own["model_capacity"] == 0.01 and own["model_capacity_rows"] == own["capacity"]
-    res = runner.invoke(app, ["simulate", *TRACE, "--policy", "learned-lfu", "--model", str(out), "--capacity", "5%",
+    assert own["model_capacity"] == 0.01 and own["model_capacity_rows"] == own["capacity"] == rows
+    res = runner.invoke(app, ["simulate", *TRACE, "--policy", "learned-lfu", "--model", str(out), "--capacity", "1%",
                               "--json"])
     assert res.exit_code == 0, res.output
     other = json.loads(res.stdout)
-    assert other["model_capacity_rows"] == own["capacity"] != other["capacity"]
-    assert (f"simulate: the model is a keep model for capacity 0.01 ({own['capacity']:,} rows here): at --capacity 5% "
-            f"({other['capacity']:,} rows) its keep chances are for another cache size") in " ".join(res.stderr.split())
+    assert other["model_capacity_rows"] == rows != other["capacity"]
+    assert (f"simulate: the model is a keep model for capacity 0.01 ({rows:,} rows on its training stream): at "
+            f"--capacity 1% ({other['capacity']:,} rows) its keep chances are for another cache size") \
+        in " ".join(res.stderr.split())
 
 
 def test_bad_inputs_are_clear_errors(tmp_path, trained):

@@ -225,8 +225,8 @@ def test_bench_names_a_keep_model_run_at_another_size(tables, tmp_path):
         "model_capacity": 300, "model_capacity_rows": 300}
     res = run(*base, "--capacity", 300, "--dram-capacity", 20)  # the HBM tier runs lru: its size is not the model's
     assert res.exit_code == 0 and json.loads(res.stdout)["model_capacity"] == 300, res.output
-    assert ("store bench: the model is a keep model for capacity 300 (300 rows here): at --dram-capacity 20 (the "
-            "DRAM tier's 20 rows) its keep chances are for another cache size") in " ".join(res.stderr.split())
+    assert ("store bench: the model is a keep model for capacity 300 (300 rows on its training stream): at "
+            "--dram-capacity 20 (the DRAM tier's 20 rows) its keep chances are for another cache size") in " ".join(res.stderr.split())
 
 
 def path_of_one(folder):

@@ -78,3 +78,24 @@ def test_a_domain_first_met_after_the_training_window_is_not_the_models():
     again, _ = train(later, LightGBMReuse(n_estimators=5, num_threads=1), spec)
     assert again.domains == model.domains == ["code", "math"] and again.metadata == model.metadata
     np.testing.assert_array_equal(keep_scores(again, later)[:end], keep_scores(model, view)[:end])
+
+
+def test_a_keep_model_is_for_the_rows_its_labels_were_made_at_on_any_workload():
+    """Its size was its share of whatever workload ran it: on the stream it was trained on, twice the
+    rows its labels were made at (a share of the training window's), and nothing said so."""
+    from cachelab.learning.training import keep_rows, keep_size_note, rows_for
+
+    keys = zipf_keys(8000, 900, seed=8)
+    view = synthetic_stream(_future_of_new_rows(keys, END))  # the rows after the window all new: twice the rows
+    model, _ = train(view, LightGBMReuse(n_estimators=5, num_threads=1),
+                     TrainSpec(horizon=200, max_samples=5000, capacity="5%"), tune=False)
+    rows = model.metadata["spec"]["capacity_rows"]
+    whole = rows_for("5%", view.num_keys)
+    assert whole > 1.5 * rows
+    assert keep_rows(model, view.num_keys) == keep_rows(model, None) == keep_rows(model, 10) == rows
+    assert keep_size_note(model, {"--capacity 32": rows}, view.num_keys) is None
+    assert keep_size_note(model, {f"--capacity 5% ({whole:,} rows)": whole}, view.num_keys) == (
+        f"the model is a keep model for capacity 5% ({rows:,} rows on its training stream): at --capacity 5% "
+        f"({whole:,} rows) its keep chances are for another cache size")
+    del model.metadata["spec"]["capacity_rows"]  # saved before its size was recorded: its share of the workload
+    assert keep_rows(model, view.num_keys) == whole and keep_rows(model, None) is None

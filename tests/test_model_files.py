@@ -173,6 +173,9 @@ def _craft_metadata(d: Path, change) -> None:
     # and its prompts' (online scoring counts the served prompts among them)
     (lambda m: {**m, "spec": {**m["spec"], "train_prompts": ["0" * 15]}}, "spec.train_prompts must be a list of 16"),
     (lambda m: {**m, "params": {**m["params"], "max_iter": 0}}, r"metadata.json: params: hgb: max_iter must be a whole number >= 1, got 0"),
+    # a keep model's size in rows, which every verb running it now names and judges it at
+    (lambda m: {**m, "spec": {**m["spec"], "capacity": 0.01, "capacity_rows": "many"}},
+     r"metadata.json: spec.capacity_rows must be a whole number of rows >= 1, got 'many'"),
 ])
 def test_crafted_metadata_is_refused_naming_the_key(models, tmp_path, change, message):
     d = _copy(models["hgb"][0], tmp_path / "m")

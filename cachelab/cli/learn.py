@@ -182,7 +182,9 @@ def evaluate(
         raise CachelabError(f"--warmup must lie in [0, 1), got {warmup}")
     fitted = load(model)
     trained_for = keep_capacity(fitted)
-    caps = caps or ([trained_for] if trained_for else _capacities(DEFAULT_CAPACITIES, preset))
+    # a keep model is judged at the rows its labels were made at (its share of its training window's rows)
+    caps = caps or ([keep_rows(fitted, None) or trained_for] if trained_for
+                    else _capacities(DEFAULT_CAPACITIES, preset))
     # before the stream is built (minutes on long traces): each was refused once it had been
     if retrain_every < 0:
         raise CachelabError(f"--retrain-every must be a number of lookups >= 1 (0: no retraining), got {retrain_every}")

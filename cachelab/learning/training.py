@@ -402,6 +402,9 @@ def _scoring_spec(spec: dict, where: Path) -> tuple[int, list[str], bool]:
                                 f"got {seen!r:.80}")
     if spec.get("capacity"):  # a keep model's size, read by every verb that runs it (``keep_size_note``)
         parse_capacity(spec["capacity"], f"{where}: spec.capacity")
+        rows = spec.get("capacity_rows", 1)
+        if type(rows) is not int or rows < 1:
+            raise CachelabError(f"{where}: spec.capacity_rows must be a whole number of rows >= 1, got {rows!r:.80}")
     if not isinstance(spec.get("layout", {}), dict):
         raise CachelabError(f"{where}: spec.layout must be an object (an Engram layout's signature), "
                             f"got {spec['layout']!r:.80}")
@@ -536,12 +539,15 @@ def keep_capacity(model: Model) -> float | str:
 
 
 def keep_rows(model: Model, unique: int | None) -> int | None:
-    """A keep model's size in rows of a workload of ``unique`` distinct rows; ``unique`` None (a live
-    server, whose workload is unknown): the rows it was trained at. None for another model."""
+    """A keep model's size in rows: those its labels were made at (``spec.capacity_rows``; a share counted
+    its training window's distinct rows, ``window_rows``), whatever the workload it runs on; for a model
+    that records none, its share of a workload of ``unique`` distinct rows (None: unknown, a live server's).
+    None for another model."""
     capacity = keep_capacity(model)
     if not capacity:
         return None
-    return rows_for(capacity, unique) if unique is not None else model.metadata["spec"].get("capacity_rows")
+    rows = model.metadata["spec"].get("capacity_rows")
+    return rows_for(capacity, unique) if rows is None and unique is not None else rows
 
 
 def keep_size_note(model: Model, runs: dict[str, int], unique: int | None) -> str | None:
@@ -553,8 +559,9 @@ def keep_size_note(model: Model, runs: dict[str, int], unique: int | None) -> st
     other = [name for name, n in runs.items() if rows is not None and n != rows]
     if not other:
         return None
+    recorded = model.metadata["spec"].get("capacity_rows") is not None
     return (f"the model is a keep model for capacity {keep_capacity(model)} ({rows:,} rows "
-            f"{'here' if unique is not None else 'on its training stream'}): at {', '.join(other)} its keep "
+            f"{'on its training stream' if recorded else 'here'}): at {', '.join(other)} its keep "
             "chances are for another cache size")
 
 
