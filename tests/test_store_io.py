@@ -364,11 +364,12 @@ def test_a_table_file_the_reader_cannot_open_is_named_not_blamed_on_io_uring(tab
             TieredStore.open(tables, backing="pread", hbm_capacity=None)
 
 
-def test_pread_rows_continues_a_short_read_and_retries_eintr(tmp_path):
+def test_pread_rows_continues_a_short_read_and_retries_eintr_and_eagain(tmp_path):
     """A pread that read part of a row mid-file (NFS, FUSE) or returned EINTR failed the step: 'the
     file ends after N B' for a file that did not end. Such a read is now continued where it stopped
-    and EINTR retried, a bounded number of times in a row; only a read of 0 bytes is the end. No
-    local file gives either, so a stand-in pread (a ctypes callback) gives them."""
+    and EINTR retried, a bounded number of times in a row; only a read of 0 bytes is the end. EAGAIN
+    failed the pool of preads' step while io_uring retried it: it is retried alike. No local file
+    gives any of them, so a stand-in pread (a ctypes callback) gives them."""
     import ctypes
 
     from cachelab.store import kernels
@@ -381,8 +382,8 @@ def test_pread_rows_continues_a_short_read_and_retries_eintr(tmp_path):
     @ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int64)
     def flaky(fd, address, size, offset):
         step = script.pop(0) if script else size
-        if step == "eintr":
-            kernels.errno_location().contents.value = errno.EINTR
+        if step in ("eintr", "eagain"):
+            kernels.errno_location().contents.value = errno.EINTR if step == "eintr" else errno.EAGAIN
             return -1
         got = os.pread(fd, min(size, step), offset)
         ctypes.memmove(address, got, len(got))
@@ -393,12 +394,14 @@ def test_pread_rows_continues_a_short_read_and_retries_eintr(tmp_path):
     offsets, sizes = np.array([100, 3000], np.int64), np.array([1000, 1000], np.int64)
     addresses = out.ctypes.data + np.array([0, 1000], np.int64)
     try:
-        script[:] = [7, "eintr", "eintr", 300, 1, "eintr"]  # row 0 in four short reads, row 1 whole
+        script[:] = [7, "eintr", "eagain", 300, 1, "eintr"]  # row 0 in four short reads, row 1 whole
         assert rows(fd, offsets, sizes, addresses, 1, result) == -1
         assert (out[0] == data[100:1100]).all() and (out[1] == data[3000:4000]).all()
-        script[:] = ["eintr"] * (kernels.PREAD_EINTR_TRIES + 1)  # interrupted without end: reported
-        assert rows(fd, offsets, sizes, addresses, 1, result) == 0 and result[0] == -errno.EINTR
-        script[:] = [10] + ["eintr"] * kernels.PREAD_EINTR_TRIES  # the count is of EINTRs in a row
+        for again in ("eintr", "eagain"):  # interrupted without end: reported
+            script[:] = [again] * (kernels.PREAD_EINTR_TRIES + 1)
+            assert rows(fd, offsets, sizes, addresses, 1, result) == 0
+            assert result[0] == -(errno.EINTR if again == "eintr" else errno.EAGAIN)
+        script[:] = [10] + ["eintr", "eagain"] * (kernels.PREAD_EINTR_TRIES // 2)  # the count is of retries in a row
         assert rows(fd, offsets, sizes, addresses, 1, result) == -1
         offsets[1] = 3500  # the file ends 596 B into row 1: reads of 96 B, 500 B, then 0 B
         script[:] = [1000, 96]

@@ -489,9 +489,10 @@ errno_location = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_int))(
     ctypes.cast(_libc.__errno_location, ctypes.c_void_p).value)
 
 
-# a pread interrupted this many times in a row without reading a byte is reported, not retried
+# a pread interrupted (EINTR) or told to try again (EAGAIN) this many times in a row without
+# reading a byte is reported, not retried
 PREAD_EINTR_TRIES = 64
-_EINTR = errno.EINTR
+_EINTR, _EAGAIN = errno.EINTR, errno.EAGAIN
 
 
 @nb.njit(inline="always")
@@ -504,16 +505,16 @@ def resume_at(done, align):
 
 
 def preads_through(pread):
-    """``pread_rows`` calling ``pread`` (libc's; a test's stand-in forces the short reads and
-    EINTR a FUSE or NFS mount gives, which no local file does)."""
+    """``pread_rows`` calling ``pread`` (libc's; a test's stand-in forces the short reads, EINTR
+    and EAGAIN a FUSE or NFS mount gives, which no local file does)."""
 
     @nb.njit(cache=False, nogil=True, boundscheck=False)
     def pread_rows(fd, offsets, sizes, addresses, align, result):
         """``pread(fd, addresses[i], sizes[i], offsets[i])`` for each i; the first i that did not
         read its ``sizes[i]`` bytes, or -1. ``result[0]`` is then what it read (fewer: the file
         ended) or ``-errno``, for the error to name. A short read is continued where it stopped and
-        EINTR retried (up to ``PREAD_EINTR_TRIES`` times in a row): network and FUSE file systems
-        give both mid-file. ``align``: 1, or the block of an O_DIRECT descriptor (offsets, sizes
+        EINTR or EAGAIN retried (up to ``PREAD_EINTR_TRIES`` times in a row), as io_uring's
+        completions are: network and FUSE file systems give them mid-file. ``align``: 1, or the block of an O_DIRECT descriptor (offsets, sizes
         and addresses multiples of it), where a read continues from ``resume_at``."""
         for i in range(offsets.size):
             done, interrupted = 0, 0
@@ -524,7 +525,7 @@ def preads_through(pread):
                     done, interrupted = at + got, 0
                     continue
                 err = nb.carray(errno_location(), 1)[0] if got < 0 else 0
-                if got < 0 and err == _EINTR and interrupted < PREAD_EINTR_TRIES:
+                if got < 0 and (err == _EINTR or err == _EAGAIN) and interrupted < PREAD_EINTR_TRIES:
                     interrupted += 1
                     continue
                 result[0] = done if got >= 0 else -np.int64(err)
