@@ -122,9 +122,9 @@ def _read_whole(path: Path, offset: int, view: memoryview) -> None:
             try:
                 n = f.readinto(view[done:])
             except OSError as exc:
-                _read_failed(path, len(view) - done, offset + done, -(exc.errno or 0))
+                _read_failed(path, f.fileno(), len(view) - done, offset + done, (0, exc.errno or 0))
             if not n:
-                _read_failed(path, len(view) - done, offset + done, 0)
+                _read_failed(path, f.fileno(), len(view) - done, offset + done, (0, 0))
             done += n
 
 
@@ -351,13 +351,13 @@ class _PreadPool(_Files):
 
         def run(lo, hi):
             # one fd per chunk call: split further where a chunk spans layers
-            out, result = -1, np.zeros(1, np.int64)
+            out, result = -1, np.zeros(2, np.int64)
             for fd in np.unique(fds[lo:hi]):
                 sel = np.flatnonzero(fds[lo:hi] == fd) + lo
                 bad = pread_rows(int(fd), offsets[sel], sizes[sel], addresses[sel], self.align, result)
                 if bad >= 0:
                     out = int(sel[bad])
-            return out, int(result[0])
+            return out, (int(result[0]), int(result[1]))
 
         chunks = [self.pool.submit(run, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
         try:
@@ -370,20 +370,33 @@ class _PreadPool(_Files):
         # while the others' preads still wrote into the caller's buffer, which the next step reuses
         for bad, result in (chunk.result() for chunk in chunks):
             if bad >= 0:
-                _read_failed(self.paths[int(fd_index[bad])], size, int(offsets[bad]), result)
+                _read_failed(self.paths[int(fd_index[bad])], int(fds[bad]), size, int(offsets[bad]), result)
 
     def close(self) -> None:
         self.pool.shutdown()
         super().close()
 
 
-def _read_failed(path: Path, size: int, offset: int, result: int):
-    """Raise the error of a read that gave ``result`` (the bytes it read, or ``-errno``): the
-    reason itself, where it was 'file shrunk or device error' whatever the kernel said."""
-    if result < 0:
-        why = f"{os.strerror(-result)} ({errno.errorcode.get(-result, f'errno {-result}')})"
+def _read_failed(path: Path, fd: int, size: int, offset: int, result: tuple[int, int]):
+    """Raise the error of a read of descriptor ``fd`` that ended with ``result``, its bytes read
+    and errno (0: it read nothing more), naming the kernel's reason and, where the read stopped
+    short of the file's end (``fstat``: a network or FUSE file system's short read; O_DIRECT
+    refusing the unaligned rest, EINVAL), the byte it stopped at. A read that read nothing more
+    where the file goes on was reported as the file ending."""
+    done, err = result
+    at = f"it stopped at byte {offset + done:,}, {done} B in"
+    if err:
+        why = f"{os.strerror(err)} ({errno.errorcode.get(err, f'errno {err}')})"
+        why = f"{at}: {why}" if done else why
     else:
-        why = f"the file ends after {result} B of it (it shrank since its header was checked)"
+        try:
+            length = os.fstat(fd).st_size
+        except OSError:  # the descriptor gone: the end of the file, as the read said
+            length = offset + done
+        if offset + done >= length:
+            why = f"the file ends after {max(length - offset, 0)} B of it (it shrank since its header was checked)"
+        else:
+            why = f"{at}, and read nothing more, though the file is {length:,} B long"
     raise CachelabError(f"{path}: read of {size} B at offset {offset} failed: {why}")
 
 
@@ -404,7 +417,8 @@ class _UringIO(_Files):
         if offsets.size:
             bad = self.ring.read(self.fds[fd_index], offsets, size, addresses, self.align)
             if bad >= 0:
-                _read_failed(self.paths[int(fd_index[bad])], size, int(offsets[bad]), self.ring.failed)
+                _read_failed(self.paths[int(fd_index[bad])], int(self.fds[fd_index[bad]]), size, int(offsets[bad]),
+                             self.ring.failed)
 
     def close(self) -> None:
         self.ring.close()

@@ -489,19 +489,43 @@ errno_location = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_int))(
     ctypes.cast(_libc.__errno_location, ctypes.c_void_p).value)
 
 
-# a pread interrupted (EINTR) or told to try again (EAGAIN) this many times in a row without
+# a read interrupted (EINTR) or told to try again (EAGAIN) this many times in a row without
 # reading a byte is reported, not retried
 PREAD_EINTR_TRIES = 64
 _EINTR, _EAGAIN = errno.EINTR, errno.EAGAIN
 
 
 @nb.njit(inline="always")
-def resume_at(done, align):
+def resume_at(done, align, exact=False):
     """Where a read that came back short after ``done`` bytes goes on: ``done`` rounded down to
-    ``align``, O_DIRECT's block (an offset, address or length off it gives EINVAL); the block
-    holding the end is read again. A read from there that gets no further than ``done`` found
-    the end of the file (with ``align`` 1: a read of 0 bytes)."""
-    return done - done % align
+    ``align``, O_DIRECT's block (an offset, address or length off it gives EINVAL on a block
+    device's file system), the block holding the end read again; ``exact``, at ``done`` itself."""
+    return done if exact else done - done % align
+
+
+@nb.njit(inline="always")
+def read_on(done, exact, tries, at, res):
+    """The one policy of every backing's reads (``pread_rows``; io_uring's, cachelab/store/uring.py)
+    once a read from ``at`` (``resume_at``) gave ``res``, its bytes or ``-errno``, ``done`` bytes
+    read before: ``(done, exact, tries, again)``, ``again`` False where the read ends (whole if
+    ``done`` is its size; else failed, with ``res``'s errno, or having read nothing more).
+
+    - bytes past ``done``: go on from ``resume_at`` (network and FUSE file systems stop mid-file),
+      from where it stopped once a read from there gave bytes (``exact`` kept: a file system that
+      reads on from any byte, where the block again would cost a read each time);
+    - EINTR or EAGAIN: again, at most ``PREAD_EINTR_TRIES`` times in a row;
+    - no further than ``done`` from the block holding it (O_DIRECT): again from ``done`` itself
+      (``exact``). A block device's file system stops an O_DIRECT read short only where the file
+      ends, inside a block if its size is not a multiple of it, and reads 0 B from there (EINVAL
+      from an unaligned byte before the end); NFS and FUSE read on from any byte;
+    - nothing from where it stopped (0 B), or an error: the read ends there."""
+    if at + res > done:
+        return at + res, exact, 0, True
+    if (res == -_EINTR or res == -_EAGAIN) and tries < PREAD_EINTR_TRIES:
+        return done, exact, tries + 1, True
+    if res >= 0 and at < done:
+        return done, True, tries, True
+    return done, exact, tries, False
 
 
 def preads_through(pread):
@@ -511,24 +535,19 @@ def preads_through(pread):
     @nb.njit(cache=False, nogil=True, boundscheck=False)
     def pread_rows(fd, offsets, sizes, addresses, align, result):
         """``pread(fd, addresses[i], sizes[i], offsets[i])`` for each i; the first i that did not
-        read its ``sizes[i]`` bytes, or -1. ``result[0]`` is then what it read (fewer: the file
-        ended) or ``-errno``, for the error to name. A short read is continued where it stopped and
-        EINTR or EAGAIN retried (up to ``PREAD_EINTR_TRIES`` times in a row), as io_uring's
-        completions are: network and FUSE file systems give them mid-file. ``align``: 1, or the block of an O_DIRECT descriptor (offsets, sizes
-        and addresses multiples of it), where a read continues from ``resume_at``."""
+        read its ``sizes[i]`` bytes, or -1. ``result`` is then ``[bytes read, errno]`` (errno 0:
+        it read nothing more), for the error to name (``backing._read_failed``). Short reads, EINTR and
+        EAGAIN as ``read_on`` says; ``align``: 1, or the block of an O_DIRECT descriptor
+        (offsets, sizes and addresses multiples of it), where a read goes on from ``resume_at``."""
         for i in range(offsets.size):
-            done, interrupted = 0, 0
-            while done < sizes[i]:
-                at = resume_at(done, align)
+            done, exact, tries, again, res = 0, False, 0, True, np.int64(0)
+            while again and done < sizes[i]:
+                at = resume_at(done, align, exact)
                 got = pread(fd, addresses[i] + at, sizes[i] - at, offsets[i] + at)
-                if at + got > done:
-                    done, interrupted = at + got, 0
-                    continue
-                err = nb.carray(errno_location(), 1)[0] if got < 0 else 0
-                if got < 0 and (err == _EINTR or err == _EAGAIN) and interrupted < PREAD_EINTR_TRIES:
-                    interrupted += 1
-                    continue
-                result[0] = done if got >= 0 else -np.int64(err)
+                res = -np.int64(nb.carray(errno_location(), 1)[0]) if got < 0 else np.int64(got)
+                done, exact, tries, again = read_on(done, exact, tries, at, res)
+            if done < sizes[i]:
+                result[0], result[1] = done, -res if res < 0 else 0
                 return i
         return -1
 

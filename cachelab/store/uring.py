@@ -15,11 +15,11 @@ entries written before the call are seen whole; completions are read after the t
 order (x86-64 keeps loads in order; the loop's control dependency keeps the compiler from
 reading an entry before the tail that covers it).
 
-A read completed short (network and FUSE file systems do so mid-file) is submitted again for
-the rest, and one completed with EINTR or EAGAIN again whole, as ``pread_rows`` goes on with
-its preads; through O_DIRECT the rest starts at the block holding where the read stopped
-(``kernels.resume_at``), which is read again. Only a read that gets no further is the end of
-the file.
+A read completed short (network and FUSE file systems do so mid-file), or with EINTR or
+EAGAIN, is submitted again for the rest by the policy ``pread_rows`` follows too
+(``kernels.read_on``): through O_DIRECT from the block holding where the read stopped, which
+is read again, and where that gets no further, from that byte itself. Only a read that then
+reads nothing is the end of the file.
 
 A call leaves the ring as it found it: a wait interrupted by a signal (EINTR) is entered
 again, and a failed ``io_uring_enter`` takes back the entries the kernel never took and waits
@@ -39,7 +39,7 @@ import weakref
 import numba as nb
 import numpy as np
 
-from cachelab.store.kernels import PREAD_EINTR_TRIES, errno_location, resume_at
+from cachelab.store.kernels import errno_location, read_on, resume_at
 
 _SYS_SETUP, _SYS_ENTER, _SYS_REGISTER = 425, 426, 427
 _REGISTER_PROBE, _OP_SUPPORTED = 8, 1  # IORING_REGISTER_PROBE, IO_URING_OP_SUPPORTED
@@ -70,7 +70,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
 _enter = ctypes.CFUNCTYPE(ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long,
                           ctypes.c_long, ctypes.c_long, ctypes.c_long)(ctypes.cast(_syscall, ctypes.c_void_p).value)
-_EINTR, _EAGAIN = errno.EINTR, errno.EAGAIN
+_EINTR = errno.EINTR
 
 
 def rings_through(enter):
@@ -81,14 +81,12 @@ def rings_through(enter):
     def run(ring_fd, sq, sq_head, sq_tail, sq_mask, sq_array, sqes, cq, cq_head, cq_tail, cq_mask, cqes,
             fds, offsets, size, addresses, depth, align, state):
         """Every read ``i``: ``size`` bytes of ``fds[i]`` at ``offsets[i]`` into ``addresses[i]``.
-        Returns the first failed read's index, or -1, and sets ``state[2]`` to that read's result:
-        the bytes it read (fewer: the file ended) or ``-errno`` (``sq``/``cq``: the rings as uint32
-        words, ``sqes``: uint64 [entries, 8], ``cqes``: uint32 [entries, 4]).
+        Returns the first failed read's index, or -1, and sets ``state[2:4]`` to that read's
+        bytes read and errno (0: it read nothing more) (``sq``/``cq``: the
+        rings as uint32 words, ``sqes``: uint64 [entries, 8], ``cqes``: uint32 [entries, 4]).
 
-        A read completed short is submitted again for the rest, from ``resume_at`` (``align``: 1,
-        or O_DIRECT's block), and one completed with EINTR or EAGAIN again whole, up to
-        ``PREAD_EINTR_TRIES`` times in a row, as ``pread_rows`` does: network and FUSE file systems
-        give both mid-file; a read that gets no further than the last is the end of the file.
+        A read completed short, or with EINTR or EAGAIN, is submitted again as ``read_on`` says,
+        from ``resume_at`` (``align``: 1, or O_DIRECT's block), as ``pread_rows`` goes on.
 
         ``io_uring_enter`` interrupted by a signal (EINTR: any handled signal, ctrl-C or a timer,
         while it waits) is entered again, as CPython retries an interrupted read. Any other failure
@@ -101,6 +99,7 @@ def rings_through(enter):
         written = sent = reaped = 0  # entries written to the ring; taken by the kernel; completed
         got = np.empty(n, np.int64)  # the bytes of each begun read in its buffer
         tries = np.empty(n, np.int64)  # its EINTR and EAGAIN completions in a row
+        exact = np.empty(n, np.bool_)  # it goes on from the byte where it stopped (``read_on``)
         again = np.empty(depth, np.int64)  # reads to submit again (at most one entry per read begun)
         waiting = 0
         bad = -1
@@ -113,9 +112,9 @@ def rings_through(enter):
                         i = again[waiting]
                     else:
                         i = started
-                        got[i], tries[i] = 0, 0
+                        got[i], tries[i], exact[i] = 0, 0, False
                         started += 1
-                    at = resume_at(got[i], align)
+                    at = resume_at(got[i], align, exact[i])
                     idx = tail & sq_mask
                     e = sqes[idx]
                     e[0] = np.uint64(_OP_READ) | (np.uint64(fds[i] & 0xFFFFFFFF) << np.uint64(32))
@@ -152,23 +151,16 @@ def rings_through(enter):
                 res = np.int64(np.int32(c[2]))
                 head = (head + 1) & 0xFFFFFFFF
                 reaped += 1
-                at = resume_at(got[i], align)
-                if at + res > got[i]:
-                    got[i], tries[i] = at + res, 0
-                    if got[i] < size:
-                        again[waiting] = i
-                        waiting += 1
-                    else:
-                        finished += 1
-                elif (res == -_EINTR or res == -_EAGAIN) and tries[i] < PREAD_EINTR_TRIES:
-                    tries[i] += 1
+                got[i], exact[i], tries[i], go_on = read_on(got[i], exact[i], tries[i],
+                                                            resume_at(got[i], align, exact[i]), res)
+                if go_on and got[i] < size:
                     again[waiting] = i
                     waiting += 1
                 else:
                     finished += 1
-                    if bad < 0:
+                    if got[i] < size and bad < 0:
                         bad = i
-                        state[2] = got[i] if res >= 0 else res
+                        state[2], state[3] = got[i], -res if res < 0 else 0
             cq[cq_head] = head
         return bad
 
@@ -207,7 +199,7 @@ class UringReader:
             self._closer()
             raise OSError(errno.EOPNOTSUPP, "io_uring: the kernel has no IORING_OP_READ (Linux 5.6 and later do)")
         self.broken = ""  # why this ring reads nothing more (``read``)
-        self.failed = 0  # what the last call's first failed read gave (``read``)
+        self.failed = (0, 0)  # the last call's first failed read's bytes and errno (``read``)
         sq_off, cq_off = params.sq_off, params.cq_off
         sq_bytes = sq_off.array + params.sq_entries * 4
         cq_bytes = cq_off.cqes + params.cq_entries * 16
@@ -226,13 +218,13 @@ class UringReader:
         self.cq_idx = (cq_off.head // 4, cq_off.tail // 4, int(self.cq[cq_off.ring_mask // 4]))
 
     def read(self, fds: np.ndarray, offsets: np.ndarray, size: int, addresses: np.ndarray, align: int = 1) -> int:
-        """The reads, ``depth`` in flight; the first failed read's index, or -1 (``failed``: what
-        that read gave, the bytes it read or ``-errno``). ``align``: O_DIRECT's block, where a read
-        that came back short goes on (``kernels.resume_at``), or 1."""
+        """The reads, ``depth`` in flight; the first failed read's index, or -1 (``failed``: that
+        read's bytes and errno, 0 where it read no further). ``align``: O_DIRECT's block, where a
+        read that came back short goes on (``kernels.resume_at``), or 1."""
         if self.broken:
             raise OSError(self.broken)
         (sh, st, sm, sa), (ch, ct, cm) = self.sq_idx, self.cq_idx
-        state = np.zeros(3, np.int64)
+        state = np.zeros(4, np.int64)
         bad = _run(self.fd, self.sq, sh, st, sm, sa, self.sqes, self.cq, ch, ct, cm, self.cqes,
                    np.ascontiguousarray(fds, np.int64), np.ascontiguousarray(offsets, np.int64), int(size),
                    np.ascontiguousarray(addresses, np.int64), self.depth, align, state)
@@ -242,7 +234,7 @@ class UringReader:
                 self.broken = (f"io_uring: reads left in flight after io_uring_enter failed "
                                f"({os.strerror(err)}); open the store again")
             raise OSError(err, f"io_uring_enter: {os.strerror(err)}")
-        self.failed = int(state[2])
+        self.failed = int(state[2]), int(state[3])
         return int(bad)
 
     def close(self) -> None:
