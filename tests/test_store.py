@@ -1768,9 +1768,11 @@ def test_a_tier_in_device_memory_moves_the_same_bytes_as_a_host_tier(policy):
     and return the same bytes, and every hit returns its own row. (A CPU tensor stands in for
     device memory: the torch path is the same on CUDA; tests/test_store_cuda.py runs it there.)"""
     from cachelab import registry
+    from cachelab.store.staging import IndexStaging
     from cachelab.store.tier import CacheTier
 
     rng = np.random.default_rng(11)
+    indices = IndexStaging(torch, torch.device("cpu"), False)
     num_keys, capacity, rb = 5_000, 300, 264
     row_of = rng.integers(0, 256, (num_keys, rb), dtype=np.uint8)  # each key's row contents
     host = CacheTier("dram", registry.make_policy(policy), capacity, num_keys, np.zeros((capacity, rb), np.uint8))
@@ -1786,9 +1788,9 @@ def test_a_tier_in_device_memory_moves_the_same_bytes_as_a_host_tier(policy):
             rows = np.zeros((ids.size, rb), np.uint8)
             rows[miss_pos] = row_of[ids[miss_pos]]  # the misses, as read from below
             step = rows if name == "host" else torch.from_numpy(rows.copy())
-            tier.gather(slots, hit_pos, step)
+            tier.gather(slots, hit_pos, step, indices)
             order = np.argsort(ids)
-            tier.commit(res, step, order[np.searchsorted(ids[order], res.admitted)])  # admitted rows' places
+            tier.commit(res, step, order[np.searchsorted(ids[order], res.admitted)], indices)  # admitted rows' places
             got[name] = (hits, np.asarray(step))
         assert np.array_equal(got["host"][0], got["dev"][0])
         assert np.array_equal(got["host"][1], got["dev"][1])

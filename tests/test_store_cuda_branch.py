@@ -19,6 +19,7 @@ from cachelab.store import TieredStore, build_tables
 from cachelab.store.backing import device_rows
 from cachelab.store.bench import check_rows
 from cachelab.store.kernels import DEQUANT_TABLE
+from cachelab.store.staging import IndexStaging
 from test_store import SCALE, full_rows
 
 
@@ -35,6 +36,7 @@ class FakeCuda:
 
     def __init__(self):
         self.log, self.current = [], self.Stream("caller")
+        self.pinned = []  # the host buffers allocated pinned (kept: no other allocation takes their memory)
 
     def Stream(self, name="store"):  # noqa: N802 (torch's name)
         cuda = self
@@ -65,13 +67,17 @@ def on_cuda_branch(store: TieredStore, monkeypatch) -> FakeCuda:
         @staticmethod
         def empty(*args, pin_memory=False, **kwargs):
             cuda.log.append(("empty", pin_memory, cuda.current.name))
-            return torch.empty(*args, **kwargs)
+            buf = torch.empty(*args, **kwargs)
+            if pin_memory:
+                cuda.pinned.append(buf)
+            return buf
 
     Torch.cuda = cuda
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: cuda.log.append(("record", s.name)))
     store.torch, store.cuda, store._fused = Torch(), True, False
     store._stream = cuda.Stream()
     store._device_table = torch.from_numpy(DEQUANT_TABLE.view(np.int16).reshape(-1))
+    store._indices = IndexStaging(store.torch, store.device, True)
     for tier in store.tiers:
         if tier.name == "hbm":  # a tensor, as on a GPU: moved by index ops, never by the host kernels
             tier.memory = torch.from_numpy(tier.memory)
@@ -116,6 +122,61 @@ def test_the_cuda_branch_returns_the_cpu_stores_rows_and_counts(tables, backing,
     allocated = {(pinned, stream) for what, pinned, stream in (e for e in cuda.log if e[0] == "empty")}
     assert allocated <= {(True, "store"), (False, "store")} and (True, "store") in allocated  # pinned staging
     assert ("record", "caller") in cuda.log and ("sync", "store") in cuda.log
+
+
+def host_to_device_copies(cuda: FakeCuda, monkeypatch) -> list[bool]:
+    """Whether each asynchronous copy (``to``/``copy_`` with ``non_blocking``: the host -> device
+    copies of the CUDA branch) reads a pinned buffer, logged as it is asked for."""
+    copies, to, copy = [], torch.Tensor.to, torch.Tensor.copy_
+
+    def pinned(t) -> bool:
+        return any(p.data_ptr() <= t.data_ptr() and t.data_ptr() + t.nbytes <= p.data_ptr() + p.nbytes
+                   for p in cuda.pinned)
+
+    def logged_to(t, *args, non_blocking=False, **kwargs):
+        if non_blocking:
+            copies.append(pinned(t))
+        return to(t, *args, non_blocking=non_blocking, **kwargs)
+
+    def logged_copy(t, src, non_blocking=False):
+        if non_blocking:
+            copies.append(pinned(src))
+        return copy(t, src, non_blocking=non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "to", logged_to)
+    monkeypatch.setattr(torch.Tensor, "copy_", logged_copy)
+    return copies
+
+
+@pytest.mark.parametrize("backing", ["dram", "hbm"])
+def test_every_copy_to_the_device_reads_pinned_memory(tables, backing, monkeypatch):
+    """A step's index arrays (the HBM row cache's slots and places, the dequantiser's row of each
+    request, the resident table's rows) went to the GPU from NumPy's pageable memory: a synchronous
+    copy, the host waiting, beside the rows' asynchronous one from the pinned staging. Each now
+    crosses from a pinned buffer, as the rows do. (No GPU here: the fake logs what is pinned.)"""
+    rng = np.random.default_rng(8)
+    tiers = dict(backing="dram", hbm_policy="lru", hbm_capacity=300, dram_policy="lru", dram_capacity=400) \
+        if backing == "dram" else dict(backing="hbm", hbm_policy=None)
+    with TieredStore.open(tables, **tiers) as gpu, TieredStore.open(tables, **tiers) as cpu:
+        if backing == "hbm":  # the table as DeviceTable holds it on a GPU: the pages' rows only
+            table, lay = gpu.backing, gpu.layout_tables
+            table.rows = device_rows([table.pages], table.pages.shape[0], lay.rows_per_page, lay.row_bytes,
+                                     torch.device("cpu"))
+            table.table = table.pages = None
+        cuda = on_cuda_branch(gpu, monkeypatch)
+        copies = host_to_device_copies(cuda, monkeypatch)
+        for tokens in (40, 20_000, 40):  # the middle step outgrows the index buffer: a new one, pinned
+            rows, before = full_rows(rng, tokens), len(copies)
+            got, want = gpu.lookup(rows), cpu.lookup(rows)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+            c = gpu.last_step  # the dequantiser's index; the rows; the hits' two indices; the admitted rows' two
+            asked = 1 + (c["host_to_device_bytes"] > 0) + 2 * (c["hbm_hits"] > 0) + 2 * (c["hbm_writes"] > 0) \
+                if backing == "dram" else 1
+            assert len(copies) - before == asked
+        assert all(copies), copies
+        assert sum(p.dtype == torch.int64 for p in cuda.pinned) == 2  # the index buffer outgrown once
+        if backing == "dram":
+            assert gpu.totals["hbm_hits"] > 0 and gpu.totals["hbm_admissions"] > 0
 
 
 def test_the_cuda_branch_gathers_the_resident_table(tables, monkeypatch):

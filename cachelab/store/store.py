@@ -48,6 +48,7 @@ from cachelab.store.kernels import (BITMAP_BYTES, DEQUANT_TABLE, SEEN_GENERATION
                                     dequant_rows_torch, lookup_dequant, slot_bits)
 from cachelab.store.outputs import OutputPool
 from cachelab.store.source import RowSource
+from cachelab.store.staging import IndexStaging
 from cachelab.store.tier import CacheTier, device_free, policy_bytes_per_row, scorer_positions, tier_memory
 from cachelab.workload.compaction import compact
 
@@ -225,6 +226,7 @@ class TieredStore:
         self._unsettled = False  # a step is between its policies' steps and its end (``_serve``)
         self._bufs: dict = {}  # reused buffers by name: NumPy arrays, and torch tensors with CUDA
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None  # the steps' device work
+        self._indices = IndexStaging(torch, self.device, self.cuda)  # a step's index arrays bound for the GPU
         # the CPU kernels' table on the device: its dequantiser looks the rows up in it (dequant_rows_torch)
         self._device_table = torch.from_numpy(DEQUANT_TABLE.view(np.int16).reshape(-1)).to(self.device) \
             if self.cuda else None
@@ -353,6 +355,7 @@ class TieredStore:
         cold caches, and the failed step counts nothing (docs/store.md)."""
         if self._fused:
             return self._serve_fused(row_ids, scores, c, out)
+        self._indices.begin()  # the last step ended waiting for its stream (``_clock``): no copy reads it
         now, clock = time.perf_counter, self._clock  # a host stage's clock, and a device stage's
         t0 = now()
         minor0, major0 = _faults()
@@ -421,7 +424,7 @@ class TieredStore:
             c["backing_read_s"] = t4 - t3  # a memory gather under dram, not an SSD read
             # device side: HBM hits, then the host rows copied after them
             if hbm is not None and h:
-                hbm.gather(slots0, np.arange(h, dtype=np.int64), dev)
+                hbm.gather(slots0, np.arange(h, dtype=np.int64), dev, self._indices)
             t5 = clock()
             self._copy(host, dev, h, m)
             t6 = clock()
@@ -433,7 +436,7 @@ class TieredStore:
             if dram is not None:
                 written_dram = dram.commit(res1, host, _positions(ids1, res1.admitted))
             if hbm is not None:
-                written_hbm = hbm.commit(res0, dev, new_pos[_positions(ids, res0.admitted)])
+                written_hbm = hbm.commit(res0, dev, new_pos[_positions(ids, res0.admitted)], self._indices)
             t7 = clock()
             c["gather_s"] = (t3 - t2) + (t5 - t4) + (t7 - t6)
             out = self._dequant(dev, new_pos[inverse], shape, out, asked)
@@ -516,9 +519,8 @@ class TieredStore:
     def _copy(self, host: np.ndarray, dev, h: int, m: int) -> None:
         """Host staging -> device rows ``[h, h + m)``: an asynchronous copy from pinned memory
         (on the CPU the staging is those rows: nothing to copy)."""
-        if not m or not self.cuda:
-            return
-        dev[h:h + m].copy_(self._bufs["host"][:m], non_blocking=True)
+        if m and self.cuda:
+            dev[h:h + m].copy_(self._bufs["host"][:m], non_blocking=True)
 
     def _output(self, shape, out):
         """The result tensor (``out`` checked, or a fresh CPU one from the pool of recycled
@@ -535,14 +537,13 @@ class TieredStore:
     def _dequant(self, dev, index: np.ndarray, shape, out=None, asked=None):
         """Rows ``dev[index]`` dequantised, in ``out`` if given; with CUDA ``out`` is written once
         the work the caller's stream held when the step was asked for (event ``asked``) is done."""
-        torch = self.torch
-        dim = self.row_dim
+        torch, dim = self.torch, self.row_dim
         if not self.cuda:
             res = self._output(shape, out)[0]
             flat = res.view(torch.uint16).numpy().reshape(-1, dim)
             dequant_expand(dev, index, DEQUANT_TABLE, flat, work=flat.nbytes)
             return res
-        rows = dev.index_select(0, torch.from_numpy(index).to(self.device, non_blocking=True))
+        rows = dev.index_select(0, self._indices(index))
         if out is None:
             return dequant_rows_torch(rows, dim, self._device_table).reshape(*shape, dim)
         return dequant_rows_torch(rows, dim, self._device_table, self._output(shape, out)[0],
@@ -580,6 +581,7 @@ class TieredStore:
             finally:
                 self._outputs.clear()
                 self._bufs.clear()  # the memory goes now, not when the store is collected
+                self._indices.close()
                 for tier in self.tiers:
                     tier.memory = None
                 self.backing.close()

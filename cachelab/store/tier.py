@@ -84,13 +84,14 @@ class CacheTier:
                                 "(rows numbered by first use), which it never admitted")
         return res.hits, slots.astype(np.int64), res
 
-    def gather(self, slots: np.ndarray, dst: np.ndarray, out) -> None:
-        """``out[dst[i]] = slot slots[i]``'s row."""
-        _move_rows(self.memory, slots, out, dst)
+    def gather(self, slots: np.ndarray, dst: np.ndarray, out, indices=None) -> None:
+        """``out[dst[i]] = slot slots[i]``'s row (``indices``: a tier in device memory's
+        ``IndexStaging``, which takes the index arrays there)."""
+        _move_rows(self.memory, slots, out, dst, indices)
 
-    def commit(self, res: StepResult, src: np.ndarray, src_index: np.ndarray) -> int:
+    def commit(self, res: StepResult, src: np.ndarray, src_index: np.ndarray, indices=None) -> int:
         """Apply the step's admissions and evictions; admitted key ``res.admitted[i]``'s bytes
-        are ``src[src_index[i]]``. Returns the rows written."""
+        are ``src[src_index[i]]`` (``indices`` as ``gather``'s). Returns the rows written."""
         adm, slots, ev = res.admitted, res.slots, res.evicted
         if adm.size:
             was = self.slot_of[adm] >= 0
@@ -103,7 +104,7 @@ class CacheTier:
             return 0
         adm, slots, idx = adm[stays], slots[stays], src_index[stays]
         self.slot_of[adm] = slots
-        _move_rows(src, idx, self.memory, slots.astype(np.int64))
+        _move_rows(src, idx, self.memory, slots.astype(np.int64), indices)
         return int(slots.size)
 
     def clear(self) -> None:
@@ -149,19 +150,16 @@ def scorer_positions(row_ids, first: np.ndarray, scored: int) -> tuple[np.ndarra
     return scored + inverse[first], scored + uniq.size
 
 
-def _move_rows(src, src_index: np.ndarray, dst, dst_index: np.ndarray) -> None:
+def _move_rows(src, src_index: np.ndarray, dst, dst_index: np.ndarray, indices) -> None:
     """``dst[dst_index[i]] = src[src_index[i]]``. Host rows (NumPy) move in a compiled loop; a
     tier in device memory (a torch tensor: the HBM row cache on a GPU) moves them there with
-    index ops, its rows never crossing to the host."""
+    index ops, its rows never crossing to the host, the indices through ``indices`` (pinned)."""
     if not src_index.size:
         return
     if isinstance(src, np.ndarray) and isinstance(dst, np.ndarray):
         copy_rows(src, src_index, dst, dst_index, work=src_index.size * src.shape[1])
         return
-    import torch
-
-    rows = src.index_select(0, torch.from_numpy(src_index).to(src.device, non_blocking=True))
-    dst.index_copy_(0, torch.from_numpy(dst_index).to(dst.device, non_blocking=True), rows)
+    dst.index_copy_(0, indices(dst_index), src.index_select(0, indices(src_index)))
 
 
 def policy_bytes_per_row(policy: Policy | str, capacity: int = 1024, num_keys: int = 1 << 20) -> float:
