@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -245,6 +246,35 @@ def test_bench_checks_a_stream_s_layout_as_the_learning_view_does(tables, tmp_pa
     res = run("bench", "--dir", tables, "--trace", moved, "--capacity", 10, "--device", "cpu", "--no-verify", "--json")
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["lookups"] == 48
+
+
+def test_bench_refuses_a_stream_it_cannot_replay_naming_the_trace_and_step(tables, tmp_path, monkeypatch):
+    """A row id outside its head's rows (a stream built for other tables, a damaged one) or a key of
+    another table layer was found by the step that reached it, the run minutes in, and the error named
+    the row but not the --trace file or the step. The whole stream is checked before any step runs."""
+    from cachelab.store import bench
+
+    rng = np.random.default_rng(4)
+    rows = CFG.offsets[None] + rng.integers(0, 1 << 40, (6 * 4, 2, 24)) % CFG.primes[None]
+    keys = global_key(np.broadcast_to(np.arange(2)[None, :, None], rows.shape), rows).reshape(-1)
+    offsets = np.arange(7) * 4 * 48
+    steps = []
+    monkeypatch.setattr(bench, "warm_up", lambda store, *a: steps.append(1))  # a step would run there first
+    for at, key, why in ((5 * 192 + 3 * 48 + 24 + 7, int(global_key(1, 7)),
+                          r"step 5: row id 7 is out of range for its head of layout 'deepseek-v4.1-flash' \(token 3, "
+                          r"table layer 1 \(layer id 14\), column 7: rows \d+ to \d+\)"),
+                         (200, 1 << 62, r"step 1, lookup 8: key 4611686018427387904 is of table layer 1073741824, "
+                                        r"where the layout's token order has layer 0 \(of 2\)")):
+        bad = keys.copy()
+        bad[at] = key
+        path = LookupStream(bad, offsets, 264, CFG.layers).save(tmp_path / "bad.npz")
+        res = run("bench", "--dir", tables, "--trace", path, "--capacity", 10, "--device", "cpu")
+        assert res.exit_code == 2 and steps == [], res.output
+        assert re.search(rf"error: --trace {re.escape(str(path))}: {why}", " ".join(res.output.split())), res.output
+    path = LookupStream(keys[:-1], np.append(offsets[:-1], keys.size - 1), 264, CFG.layers).save(tmp_path / "cut.npz")
+    res = run("bench", "--dir", tables, "--trace", path, "--capacity", 10, "--device", "cpu")
+    assert res.exit_code == 2 and steps == [], res.output
+    assert "cut.npz: step 5 holds 191 lookups, not whole tokens of 2 layers x 24 rows" in " ".join(res.output.split())
 
 
 def test_bench_checks_every_flag_before_the_trace_loads(tables, tmp_path):

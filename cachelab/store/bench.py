@@ -54,6 +54,41 @@ def step_rows(stream: LookupStream, s: int, layers: int, columns: int) -> np.nda
     return row.reshape(-1, layers, columns)
 
 
+def check_stream_rows(stream: LookupStream, lay, source: str) -> None:
+    """Refuse a stream the store cannot replay, before a step runs, naming ``source`` and the
+    step: a step not whole tokens of the layout's layers x columns in that order, or a row id
+    outside its head's rows (a stream cut, or built for other tables). Both were found by the
+    step that reached them (one run minutes in), the out-of-range row named without its file
+    or step. Checked ``1 << 20`` lookups at a time, in whole tokens."""
+    cfg = lay.config
+    L, C = cfg.offsets.shape
+    per_token = L * C
+    sizes = np.diff(stream.step_offsets)
+    if (cut := np.flatnonzero(sizes % per_token)).size:
+        raise CachelabError(f"{source}: step {int(cut[0])} holds {int(sizes[cut[0]]):,} lookups, not whole tokens of "
+                            f"{L} layers x {C} rows (a store replays streams built from token sequences)")
+    first, span = cfg.offsets.astype(np.int64), cfg.primes.astype(np.int64)
+    chunk = max(1, (1 << 20) // per_token) * per_token
+    for lo in range(0, stream.keys.size, chunk):
+        layer, row = split_key(stream.keys[lo:lo + chunk])
+        other = layer.reshape(-1, L, C) != np.arange(L)[:, None]
+        r = row.reshape(-1, L, C) - first
+        bad = (other | (r < 0) | (r >= span)).reshape(-1)
+        if not bad.any():
+            continue
+        j = int(np.argmax(bad))
+        i = lo + j
+        s = int(np.searchsorted(stream.step_offsets, i, "right")) - 1
+        at = int(stream.step_offsets[s])
+        if other.reshape(-1)[j]:
+            raise CachelabError(f"{source}: step {s}, lookup {i - at:,}: key {int(stream.keys[i])} is of table layer "
+                                f"{int(layer[j])}, where the layout's token order has layer {j // C % L} (of {L})")
+        try:
+            lay.out_of_range(split_key(stream.keys[at:int(stream.step_offsets[s + 1])])[1].reshape(-1, L, C), i - at)
+        except CachelabError as exc:
+            raise CachelabError(f"{source}: step {s}: {exc}") from None
+
+
 def check_rows(store: TieredStore, row_ids: np.ndarray, got) -> int:
     """How many of the returned rows differ from the dequantised reference rows (the recompute,
     or the checkpoint the tables were built from)."""
@@ -118,7 +153,8 @@ def table_stream(directory, trace: str, requests: int | None, verb: str) -> Look
     from cachelab.store.build import load_layout
     from cachelab.trace.kinds import detect, refuse_unused
 
-    cfg = load_layout(directory)[0].config
+    lay = load_layout(directory)[0]
+    cfg = lay.config
     if not trace.endswith(".npz") and cfg.name not in PRESETS:
         raise CachelabError(f"tables of the custom layout {cfg.name!r} replay a saved stream (.npz) only")
     found = detect(trace)
@@ -126,6 +162,7 @@ def table_stream(directory, trace: str, requests: int | None, verb: str) -> Look
     stream = load_trace(found, 50 if requests is None else requests, 0, cfg.name, verb=verb)
     check_stream_layout(stream, cfg, f"--trace {trace}", f"the tables in {directory} are of that layout; write the "
                         f"stream for it (`cachelab trace lookups ... {preset_flag(cfg.name)}`)")
+    check_stream_rows(stream, lay, f"--trace {trace}")
     return stream
 
 
