@@ -141,10 +141,11 @@ def held(lock: Path, what: str, why: str) -> Iterator[None]:
             f.seek(0)
             holder = f.read().strip() or "another process"
             raise CachelabError(f"{holder} is using {lock.parent} now; wait for it to end ({why})") from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"`{what}` (pid {os.getpid()})")
-        f.flush()
+        try:  # unbuffered: a write the disk refuses (full, a file size limit) raised here, named, not at close
+            os.ftruncate(f.fileno(), 0)
+            os.write(f.fileno(), f"`{what}` (pid {os.getpid()})".encode())
+        except OSError as exc:
+            raise CachelabError(f"{lock}: {exc.strerror or exc} (writing who holds {lock.parent})") from None
         yield
 
 

@@ -371,6 +371,30 @@ def test_ctrl_c_in_a_build_says_what_the_directory_kept(tmp_path, monkeypatch):
     assert run("verify", "--dir", d).exit_code == 0
 
 
+def test_a_build_refused_the_write_of_its_lock_names_the_file_and_keeps_the_build_there(tables, tmp_path):
+    """A full disk or a file size limit refusing the lock's note of its holder (the build's first
+    write) ended the build as 'error: a write failed: File too large', naming no file. The lock
+    file is named; the directory's build is untouched."""
+    import resource
+
+    copy = tmp_path / "t"
+    copy.mkdir()
+    for f in tables.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    before = {p.name: p.read_bytes() for p in copy.iterdir() if p.name != ".build.lock"}
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))  # Python ignores SIGXFSZ: the first write gets EFBIG
+    try:
+        res = run("build", "--scale", "1e-5", "--dir", copy, "--seed", 5)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert res.exit_code == 2, res.output
+    assert f"error: {copy / '.build.lock'}: File too large" in " ".join(res.output.split()), res.output
+    assert {p.name: p.read_bytes() for p in copy.iterdir() if p.name != ".build.lock"} == before
+    res = run("verify", "--dir", copy, "--json")
+    assert res.exit_code == 0 and json.loads(res.output)["mismatches"] == 0
+
+
 def test_build_into_a_directory_another_build_holds_exits_2_naming_it(tables):
     from cachelab.paths import held
 
