@@ -23,7 +23,7 @@ from cachelab.engram.config import get_preset
 from cachelab.errors import CachelabError
 from cachelab.store import TieredStore, build_tables, verify_tables
 from cachelab.store.bench import PolicySpec, check_rows, replay_store
-from cachelab.store.format import PAGE, TableLayout
+from cachelab.store.format import PAGE, TableLayout, read_manifest
 from cachelab.store.kernels import DEQUANT_TABLE, dequant_expand
 from cachelab.store.tier import policy_bytes_per_row
 from cachelab.workload.compaction import compact_steps
@@ -1512,6 +1512,37 @@ def test_a_rebuild_that_stops_midway_leaves_the_previous_build(tmp_path, monkeyp
 
 
 
+def test_a_rebuild_whose_manifest_the_disk_refuses_keeps_the_previous_build(tmp_path, monkeypatch):
+    """The manifest was written after the swap (the old manifest removed, the new layers renamed
+    in): a disk filled during the build (past the free-space check) refused it there, and the
+    build removed its layers, leaving no build where the previous one had been. The manifest is
+    written first, under a scratch name; refused, the build stops before any layer and the
+    previous build stays; the swap itself only renames."""
+    from cachelab.store import format as format_mod
+
+    build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, seed=1, progress=False)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def full_disk(path, *args, **kwargs):  # the manifest's file, wherever it is written
+        f = open(path, *args, **kwargs)
+        if "manifest.json" in str(path):
+            def refused(*_):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            f.write = refused
+        return f
+
+    monkeypatch.setattr(format_mod, "open", full_disk, raising=False)
+    with pytest.raises(CachelabError, match=r"manifest.json: No space left on device: the build stopped and keeps "
+                                            r"nothing; the directory's previous build, if any, is untouched"):
+        build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, seed=2, progress=False)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no scratch file, nothing replaced
+    monkeypatch.undo()
+    assert verify_tables(tmp_path)["mismatches"] == 0 and read_manifest(tmp_path)["seed"] == 1
+    build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, seed=2, progress=False)  # and with room, the new one
+    assert read_manifest(tmp_path)["seed"] == 2 and sorted(p.name for p in tmp_path.iterdir() if
+                                                           p.name.startswith(".")) == [".build.lock"]
+
+
 def test_a_rebuild_after_a_killed_build_counts_its_tmp_files_as_free_space(tmp_path, monkeypatch):
     """A build killed while writing (SIGKILL) leaves its ``.tmp`` files; the next build counted the
     space they hold as used and refused a rebuild that fits once they are gone (on V4.1's 189 GiB
@@ -1538,7 +1569,7 @@ def test_a_rebuild_after_a_killed_build_counts_its_tmp_files_as_free_space(tmp_p
 
 def test_a_build_needs_room_for_its_manifest_beside_its_layers(tmp_path, monkeypatch):
     """A disk with room for the layers alone passed the free-space check; the manifest's write then
-    failed with a traceback (ENOSPC from write_manifest), the layers renamed in and nothing able
+    failed with a traceback (ENOSPC from the manifest's write), the layers renamed in and nothing able
     to read them. It is refused before anything is written, and a manifest that still
     fails to be written (a disk filled since) is an error naming it, its layers removed."""
     from types import SimpleNamespace
@@ -1553,13 +1584,13 @@ def test_a_build_needs_room_for_its_manifest_beside_its_layers(tmp_path, monkeyp
     assert sorted(p.name for p in tmp_path.iterdir()) == [".build.lock"]
     monkeypatch.undo()
 
-    write = build_mod.write_manifest
+    write = build_mod.place_manifest
 
     def disk_full(*args):  # the manifest written, the directory's last sync failing
         write(*args)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(build_mod, "write_manifest", disk_full)
+    monkeypatch.setattr(build_mod, "place_manifest", disk_full)
     with pytest.raises(CachelabError, match=r"manifest.json: No space left on device: the tables were written but "
                                             r"not their manifest, so nothing could read them; they are removed"):
         build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, progress=False)
@@ -1575,13 +1606,13 @@ def test_ctrl_c_while_a_build_swaps_its_files_in_is_delivered_once_the_new_build
     from cachelab.store import build as build_mod
 
     build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, seed=1, progress=False)
-    write = build_mod.write_manifest
+    write = build_mod.place_manifest
 
     def interrupted(*args):  # the old manifest gone, the new layers renamed in
         signal.raise_signal(signal.SIGINT)
         return write(*args)
 
-    monkeypatch.setattr(build_mod, "write_manifest", interrupted)
+    monkeypatch.setattr(build_mod, "place_manifest", interrupted)
     with pytest.raises(KeyboardInterrupt):
         build_tables("deepseek-v4.1-flash", 1e-6, tmp_path, seed=2, progress=False)
     assert verify_tables(tmp_path) == {"rows_checked": 816, "mismatches": 0}

@@ -1,8 +1,10 @@
 """``cachelab store build`` and ``verify``: table files written whole or not at all, and checked.
 
-A build writes every layer to ``.layer<id>.tbl.tmp`` (fsynced) while the directory's previous
-build stays as it was; only when all are written does it remove the old manifest, rename the
-layers into place and write ``manifest.json`` last. Every reader (``verify``,
+A build writes its manifest under a scratch name, then every layer to ``.layer<id>.tbl.tmp``
+(all fsynced) while the directory's previous build stays as it was; only when all are written
+does it remove the old manifest, rename the layers into place and rename ``manifest.json`` in
+last: the swap writes nothing, so a disk that fills up during a build never costs the previous
+build. Every reader (``verify``,
 ``TieredStore.open``, ``bench``) refuses a directory without a manifest, so nothing
 half-written is ever served, and a build killed, interrupted or out of disk while writing
 leaves the previous build (or none) readable as it was.
@@ -31,7 +33,7 @@ from cachelab.errors import CachelabError
 from cachelab.paths import held, output_folder
 from cachelab.progress import progress_bar
 from cachelab.store.format import (MANIFEST, MANIFEST_FORMAT, PAGE, VERSION, TableLayout, check_header, fill_pages,
-                                   pack_header, read_manifest, write_manifest)
+                                   pack_header, place_manifest, read_manifest, stage_manifest)
 from cachelab.store.source import RowSource
 
 CHUNK_PAGES = 4096  # 16 MiB per write
@@ -110,33 +112,38 @@ def _build(table: TableLayout, source: RowSource, seed: int, directory: Path, pr
     # Only a build holds the lock, so these are a dead build's
     for stale in directory.glob(".layer*.tbl.tmp"):
         stale.unlink(missing_ok=True)
-    # the manifest too: on a disk the layers filled its write failed after their renames
+    # the manifest too (written first, beside them)
     free = os.statvfs(directory)
     if free.f_bavail * free.f_frsize < total + MANIFEST_ROOM:
         raise CachelabError(f"{directory}: {total + MANIFEST_ROOM:,} B needed, {free.f_bavail * free.f_frsize:,} B free")
     finals = [table_path(directory, table, li) for li in range(len(config.layers))]
     tmps = [final.with_name(f".{final.name}.tmp") for final in finals]
+    manifest = {"format": MANIFEST_FORMAT, "version": VERSION, "layout": config.name, "scale": table.scale,
+                "seed": int(seed), "build_id": secrets.token_hex(8), "row_bytes": table.row_bytes,
+                "rows_per_page": table.rows_per_page, "page_bytes": PAGE, "table_rows": table.table_rows.tolist(),
+                "files": [f.name for f in finals], "layout_hash": table.hash().hex(),
+                "config": _config_dict(config),
+                "fold": "per-head modulo: off'_j + (row - off_j) mod ceil(scale * P_j)",
+                "source": source.describe()}
+    try:  # the manifest first: once the layers are written, the swap writes nothing a full disk refuses
+        staged = stage_manifest(directory, manifest)
+    except OSError as exc:
+        raise CachelabError(f"{directory / MANIFEST}: {exc.strerror or exc}: the build stopped and keeps nothing; "
+                            "the directory's previous build, if any, is untouched") from None
     try:
         _write_layers(table, source, seed, tmps, total, progress)
     except BaseException:  # interrupted or out of disk: the previous build stays whole
-        for tmp in tmps:
+        for tmp in (*tmps, staged):
             tmp.unlink(missing_ok=True)
         raise
-    with _uninterrupted():  # the old build is gone until the new manifest is written
+    with _uninterrupted():  # the old build is gone until the new manifest is in place
         (directory / MANIFEST).unlink(missing_ok=True)
         for tmp, final in zip(tmps, finals):
             tmp.replace(final)
-        manifest = {"format": MANIFEST_FORMAT, "version": VERSION, "layout": config.name, "scale": table.scale,
-                    "seed": int(seed), "build_id": secrets.token_hex(8), "row_bytes": table.row_bytes,
-                    "rows_per_page": table.rows_per_page, "page_bytes": PAGE, "table_rows": table.table_rows.tolist(),
-                    "files": [f.name for f in finals], "layout_hash": table.hash().hex(),
-                    "config": _config_dict(config),
-                    "fold": "per-head modulo: off'_j + (row - off_j) mod ceil(scale * P_j)",
-                    "source": source.describe()}
         try:
-            write_manifest(directory, manifest)
-        except OSError as exc:  # a disk filled since the check: the layers are unreadable without it
-            for path in (directory / MANIFEST, *finals):  # the manifest too, if only the last sync failed
+            place_manifest(directory, staged)
+        except OSError as exc:  # a directory sync failing (an I/O error): the layers unreadable without it
+            for path in (directory / MANIFEST, staged, *finals):  # the manifest too, if only the last sync failed
                 path.unlink(missing_ok=True)
             raise CachelabError(f"{directory / MANIFEST}: {exc.strerror or exc}: the tables were written but not "
                                 f"their manifest, so nothing could read them; they are removed and {directory} "

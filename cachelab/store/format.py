@@ -41,7 +41,7 @@ import numpy as np
 
 from cachelab.engram.config import EngramConfig
 from cachelab.errors import CachelabError
-from cachelab.paths import replacing
+from cachelab.paths import scratch_beside
 from cachelab.workload.lookups import global_key
 
 MAGIC = b"CLENGRAM"
@@ -329,17 +329,30 @@ def reference_rows(seed, layer, rows, dim, out):
         _fill_row(seed, layer, rows[i], dim, flat, i * rb)
 
 
-def write_manifest(directory: Path, data: dict) -> None:
-    """``manifest.json`` written whole, fsynced and renamed into place after the directory is
-    synced: after a crash it is whole or absent, never present before the table files'
-    renames."""
-    fd = os.open(directory, os.O_RDONLY)
+def stage_manifest(directory: Path, data: dict) -> Path:
+    """``data`` written whole and fsynced under a scratch name beside ``manifest.json``, which
+    ``place_manifest`` gives it: a build writes it before its layers, so the swap of the old
+    build for the new writes nothing a full disk can refuse (a manifest refused after the swap
+    lost the previous build)."""
+    tmp = scratch_beside(Path(directory) / MANIFEST)
     try:
-        os.fsync(fd)  # the layers' renames first
-        with replacing(directory / MANIFEST) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        with open(tmp, "w", encoding="utf-8") as f:
             f.write(json.dumps(data, indent=1))
             f.flush()
             os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def place_manifest(directory: Path, staged: Path) -> None:
+    """``staged`` renamed to ``manifest.json`` after the directory is synced: after a crash it is
+    whole or absent, never present before the table files' renames."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the layers' renames first
+        os.replace(staged, Path(directory) / MANIFEST)
         os.fsync(fd)
     finally:
         os.close(fd)
