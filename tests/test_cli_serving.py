@@ -9,6 +9,8 @@ import polars as pl
 import pytest
 from typer.testing import CliRunner
 
+from piped_cli import run_piped
+
 from cachelab.trace.arrivals import arrival_frame
 from cachelab.cli import app
 from cachelab.serving.studies.semianalysis import PUBLISHED_MAX_CONCURRENCY, analyse
@@ -113,6 +115,15 @@ def test_pareto_prints_the_front_and_writes_a_plot(trace_path, tmp_path):
     out = json.loads(res.stdout)
     assert len(out["points"]) == 4 and 1 <= len(out["front"]) <= 4
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_pareto_piped_prints_each_point_of_the_front_on_one_row(trace_path, tmp_path):
+    """Piped with no COLUMNS, Rich's 80 columns folded each configuration over three rows
+    (``B200`` / ``dram-uva`` / ``TP4``): a script reading the front got rows with no numbers."""
+    out = run_piped("pareto", "--trace", str(trace_path), "--hardware", "B200", "--placement", "dram-uva", "--tp", "4",
+                    "--concurrency", "2,16", "--plot", str(tmp_path / "p.png")).stdout
+    rows = [line for line in out.splitlines() if line.startswith("│")]
+    assert len(rows) >= 1 and all(row.startswith("│ B200 dram-uva TP4 │") for row in rows), out
 
 
 def test_pareto_names_a_plot_it_cannot_write_before_running_the_grid(trace_path, tmp_path):

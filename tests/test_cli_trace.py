@@ -12,6 +12,8 @@ import time
 import pytest
 from typer.testing import CliRunner
 
+from piped_cli import run_piped
+
 from cachelab.cli import app
 
 runner = CliRunner()
@@ -289,3 +291,16 @@ def test_ctrl_c_while_writing_says_the_old_trace_is_kept_whole(tmp_path):
     assert err.strip().splitlines()[-1] == f"trace build interrupted: {out} keeps its previous trace, " \
                                            "whole; the partial file was removed"
     assert out.read_bytes() == b"the trace before" and sorted(p.name for p in tmp_path.iterdir()) == ["t.parquet"]
+
+
+def test_build_and_info_piped_keep_each_line_whole(tmp_path):
+    """Piped with no COLUMNS, Rich broke every line at 80 columns: a script reading ``wrote OUT: ...``
+    got the path on one line and the counts on the next."""
+    spec = tmp_path / "w.toml"
+    spec.write_text(SPEC)
+    out = tmp_path / "a-folder-with-a-name-long-enough-to-take-a-line-past-eighty-columns" / "t.parquet"
+    out.parent.mkdir()
+    built = run_piped("trace", "build", str(spec), "-o", str(out)).stdout.splitlines()
+    assert built[0].startswith(f"wrote {out}: 25 requests in ") and built[0].endswith(" output tokens"), built
+    shown = run_piped("trace", "info", str(out), "--engram-tokens", "0").stdout.splitlines()
+    assert shown[0].startswith(f"{out}: 25 requests in ") and shown[0].endswith(" out"), shown

@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from experiment_helpers import write_spec
+from piped_cli import run_piped
 
 from cachelab import registry
 from cachelab.cli import app
@@ -39,10 +40,6 @@ def test_plugins_list_shows_every_group_with_origin():
 def test_plugins_list_piped_prints_whole_names(tmp_path):
     """Piped with no COLUMNS, rich's 80 columns cut the distribution a plug-in came from
     (``cachelab-plug…``); a real process, its stdin, stdout and stderr no terminal."""
-    import os
-    import subprocess
-    import sys
-
     dist = "cachelab-a-plugin-from-a-distribution-with-a-long-name"
     files = {"longpkg/__init__.py": 'from policies.linked.fifo import FIFO\n\nclass Long(FIFO):\n    name = "long"\n',
              "longdist-1.0.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n",
@@ -50,11 +47,7 @@ def test_plugins_list_piped_prints_whole_names(tmp_path):
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
-    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, "-m", "cachelab.cli", "plugins", "list"], env=env, stdin=subprocess.DEVNULL,
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
+    res = run_piped("plugins", "list", path=(str(tmp_path),))
     line = next(line for line in res.stdout.splitlines() if " long " in line)
     assert dist in line and "…" not in res.stdout, line
 

@@ -9,7 +9,6 @@ it came from; a broken plug-in is listed with its reason instead of breaking the
 from __future__ import annotations
 
 import inspect
-import os
 
 import typer
 from rich.console import Console
@@ -17,6 +16,7 @@ from rich.markup import escape
 from rich.table import Column, Table
 
 from cachelab import registry, strict_json
+from cachelab.cli.stdout import stdout_console
 from cachelab.params import check_params, parse_pairs
 
 plugins_app = typer.Typer(no_args_is_help=True, help="Installed plug-ins of every cachelab entry-point group.")
@@ -51,10 +51,7 @@ def plugins_list(as_json: bool = typer.Option(False, "--json", help="Print a JSO
     for r in rows:
         status = "[green]ok[/]" if r["status"] == "ok" else f"[red]broken[/]: {escape(str(r['error']))}"
         table.add_row(r["group"].split(".")[-1], r["name"], r["distribution"], r["version"], status)
-    console = Console()
-    if not console.is_terminal and "COLUMNS" not in os.environ:  # piped: rich's 80 columns cut the names a
-        console = Console(width=Console(width=1 << 16).measure(table).maximum)  # script reads (cachelab-plug…)
-    console.print(table)
+    stdout_console().print(table)
 
 
 def _name_column(rows: list[dict]):

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from cachelab import strict_json
 from cachelab.cli.bench import GOODPUT_HELP, goodput_slos
+from cachelab.cli.stdout import stdout_console
 from cachelab.cli.wording import counted
 from cachelab.errors import CachelabError
 from cachelab.paths import output_file, output_folder, replacing
@@ -151,7 +152,7 @@ def _applies(placement: str, row_cache_bytes: float, row_cache_policy: str | Non
 
 
 def _print_result(result: dict) -> None:
-    console = Console()
+    console = stdout_console()
     m, cfg = result["metrics"], result["config"]
     load = "unbounded concurrency" if cfg["concurrency"] is None else f"concurrency {cfg['concurrency']}"
     console.print(f"[bold]{cfg['hardware']} TP{cfg['tp']} {cfg['placement']}[/], {load}, "
@@ -259,11 +260,11 @@ def pareto(
         table.add_column(header, justify="right", no_wrap=False, min_width=6)
     for row in front.iter_rows(named=True):
         table.add_row(row["config"], *(_fmt(row[c] / 1e6 if c == "tokens_per_dollar" else row[c]) for c in cols))
-    Console().print(table)
+    stdout_console().print(table)
     skipped = points.filter(~pl.col("fits"))
     for row in skipped.iter_rows(named=True):
-        Console().print(f"skipped {row['hardware']} TP{row['tp']} {row['placement']}: {row['reason']}")
-    Console().print(f"plot: {plot}")
+        stdout_console().print(f"skipped {row['hardware']} TP{row['tp']} {row['placement']}: {row['reason']}")
+    stdout_console().print(f"plot: {plot}")
 
 
 @hw_app.command("probe")
@@ -291,7 +292,7 @@ def hw_probe(
     if as_json:
         typer.echo(strict_json.dumps(result))
         return
-    console = Console()
+    console = stdout_console()
     cpu, ssd = result["cpu"], result["ssd"]
     console.print(f"memcpy {cpu['memcpy_bw'] / 1e9:.1f} GB/s; gather {cpu['gather_rows_per_s'] / 1e6:.1f} M rows/s; "
                   f"dedup {cpu['dedup_rows_per_s'] / 1e6:.1f} M ids/s (one thread)")
@@ -319,7 +320,7 @@ def hw_list(as_json: bool = typer.Option(False, "--json", help="Print one JSON o
     for n, p in profiles.items():
         table.add_row(n, f"{p.gpu.hbm_bytes / 1e9:.0f}", f"{p.gpu.hbm_bw / 1e12:.2f}", f"{p.gpu.fp8_flops / 1e15:.2f}",
                       f"{p.host.link_bw / 1e9:.0f} ({p.host.link})", f"{p.usd_per_gpu_hour:.2f}")
-    Console().print(table)
+    stdout_console().print(table)
 
 
 def _times(ratio: float) -> str:
@@ -419,7 +420,7 @@ def study_semianalysis(
     if as_json:
         typer.echo(strict_json.dumps(result))
         return
-    c = Console()
+    c = stdout_console()
     target, reach = result["interactivity_target"], result["b200_front_reach_p90_interactivity"]
 
     def per_dollar(key: str, placement: str) -> str:  # a front that stops short is said so, never extrapolated
@@ -562,7 +563,7 @@ def study_inferencex(
         per_point.add_column(labels[k], justify="right")
     for r in result["points"]:
         per_point.add_row(r["id"], r["subset"], *(f"{r['error'][k]:.1%}" if k in r["error"] else "" for k in metrics))
-    c = Console()
+    c = stdout_console()
     c.print(per_point)
     c.print(table)
     if result["heldout_repeats_of_fit"]:

@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from cachelab import strict_json
 from cachelab.cli.interrupted import interrupted
+from cachelab.cli.stdout import stdout_console
 from cachelab.cli.wording import counted
 from cachelab.defaults import PRESET
 from cachelab.learning.streams import STEP_VIEWS, load_trace
@@ -130,7 +130,7 @@ def build(
     if as_json:
         typer.echo(strict_json.dumps(result))
         return
-    console = Console()
+    console = stdout_console()
     console.print(f"wrote {out}: {counted(report.requests, 'request')} in {counted(report.sessions, 'session')}, "
                   f"{report.tokens_in:,} prompt tokens, {report.tokens_out:,} output tokens")
     if report.skipped_rows:
@@ -150,7 +150,7 @@ def _build_from_capture(directory: Path, out: Path, as_json: bool, given: list[s
     if as_json:
         typer.echo(strict_json.dumps(result))
         return
-    console = Console()
+    console = stdout_console()
     console.print(f"wrote {out}: {counted(report.requests, 'request')} in {counted(report.sessions, 'session')}, "
                   f"{report.tokens_in:,} prompt tokens, {report.tokens_out:,} output tokens")
     if report.tokenizer is not None:
@@ -195,7 +195,7 @@ def info(
     if as_json:
         typer.echo(strict_json.dumps(result))
         return
-    console = Console()
+    console = stdout_console()
     console.print(f"[bold]{trace}[/]: {counted(result['requests'], 'request')} in "
                   f"{counted(result['sessions'], 'session')} over "
                   f"{result['duration_s']:,.1f} s; {result['tokens_in']:,} tokens in, {result['tokens_out']:,} out"
@@ -275,7 +275,7 @@ def convert(
     if as_json:
         typer.echo(strict_json.dumps(result))
     else:
-        Console().print(", ".join(f"{k}: {v}" for k, v in result.items()))
+        stdout_console().print(", ".join(f"{k}: {v}" for k, v in result.items()))
 
 
 def _refuse_other_than_oracle(source: Path) -> None:
@@ -331,5 +331,5 @@ def lookups(
     if as_json:
         typer.echo(strict_json.dumps(result))
         return
-    Console().print(f"wrote {path}: {result['lookups']:,} lookups in {result['steps']:,} steps, "
+    stdout_console().print(f"wrote {path}: {result['lookups']:,} lookups in {result['steps']:,} steps, "
                     f"{result['distinct_rows']:,} distinct rows, from {found}")
