@@ -73,9 +73,13 @@ import numpy as np
 
 from cachelab.compiled import copy_bytes
 from cachelab.errors import CachelabError
+from cachelab.learning.streams import load_trace
 from cachelab.serving.hardware.probe import _best
-from cachelab.store.backing import huge_page_empty
-from cachelab.store.kernels import prefetch_row
+from cachelab.store import TieredStore, pagecache
+from cachelab.store.backing import DirectBacking, StorageReads, huge_page_empty
+from cachelab.store.bench import step_rows, table_stream
+from cachelab.store.build import load_layout, open_tables, same_build
+from cachelab.store.kernels import DEQUANT_TABLE, dequant_expand, gather_dequant, gather_pages, prefetch_row
 from cachelab.workload.compaction import compact
 
 CLI = [sys.executable, "-m", "cachelab.cli"]
@@ -213,7 +217,7 @@ def dram_latency_ns(entries: int = 1 << 24, steps: int = 1 << 20, seed: int = 0)
 def _steps_of(store, step_rows_list: list[np.ndarray]) -> list[dict]:
     """What each step's candidates need, computed once outside the timing: the step's distinct
     rows as page-table rows, where each request went, and an output tensor to reuse."""
-    import torch
+    import torch  # here, as in gather_section: the one section that uses it (2 s to import)
 
     lay = store.layout_tables
     rpp = lay.rows_per_page
@@ -237,8 +241,6 @@ REQUEST_COPY_AHEAD = (4, 8, 16)  # the same for the memcpy of every requested ro
 
 def _time_steps(store, steps: list[dict], rounds: int) -> dict:
     """Each candidate and reference replays every step once per repeat; interleaved rounds, best of all."""
-    from cachelab.store.kernels import DEQUANT_TABLE, dequant_expand, gather_dequant, gather_pages
-
     lay = store.layout_tables
     rb, rpp = lay.row_bytes, lay.rows_per_page
     pages = store.backing.pages
@@ -344,18 +346,13 @@ def gather_section(directory: Path, trace: str | None, requests: int, steps_view
     BF16 written per requested row are not counted (memcpy of those 264 B writes 264 B). Each
     candidate and each reference is timed in every round, interleaved, best of all rounds,
     so load on the machine moves them together."""
-    import torch
-
-    from cachelab.store import TieredStore
-    from cachelab.store.bench import step_rows
+    import torch  # here: only this section uses it, and its import takes 2 s of the other sections' runs
 
     numba.set_num_threads(1)
     torch.set_num_threads(1)
     rng = np.random.default_rng(seed)
     out: dict = {"row_bytes": None, "bytes_counted": "distinct rows per step x row_bytes read",
                  "load_average_start": os.getloadavg()[0]}
-    from cachelab.store.build import load_layout
-
     # random lines over as many bytes as the tables hold (at least 512 MiB): the same TLB reach;
     # measured before the streams and after them, the faster kept (the manifest's layout: the
     # store below opens the files, checked)
@@ -370,8 +367,6 @@ def gather_section(directory: Path, trace: str | None, requests: int, steps_view
         uniform = cfg.offsets[None] + rng.integers(0, cfg.primes[None], (tokens, len(cfg.layers), cfg.columns))
         out["uniform"] = _time_steps(store, _steps_of(store, [uniform]), rounds)
         if trace:
-            from cachelab.learning.streams import load_trace
-
             stream = load_trace(trace, requests, seed, cfg.name, steps=steps_view)
             rows = [step_rows(stream, s, len(cfg.layers), cfg.columns) for s in range(stream.num_steps)]
             out["trace"] = {"trace": trace, "requests_per_source": requests, "step_view": steps_view,
@@ -416,8 +411,6 @@ def refuse_memory_reads(layout, path: Path, pages: np.ndarray) -> None:
     process keeps cached do not matter here: O_DIRECT reads the device whatever the page cache
     holds.) Nothing to check where O_DIRECT is refused (the section says so) or the kernel keeps
     no I/O count."""
-    from cachelab.store.backing import DirectBacking, StorageReads
-
     try:
         backing = DirectBacking(layout, [path], io_threads=8)
     except CachelabError:
@@ -442,9 +435,6 @@ def direct_section(directory: Path, depths=(1, 4, 16, 32, 64), reads: int = 8000
     """Store ``direct`` page reads/s per queue depth, through io_uring and through the thread
     pool of preads, against fio (io_uring) at the same depth on the same file: the same number
     of reads each, interleaved over ``rounds`` rounds, best of each (the best the disk gave)."""
-    from cachelab.store.backing import DirectBacking
-    from cachelab.store.build import open_tables, same_build
-
     layout, manifest, paths = open_tables(directory)
     rng = np.random.default_rng(seed)
     pages = layout.file_pages(0)
@@ -499,12 +489,9 @@ def cli_bench(directory: Path, trace: str, requests: int, backing: str, extra: l
     """`cachelab store bench` on ``backing`` in a fresh process, the tables' pages dropped first.
     Tables whose pages stay in the page cache (tmpfs, or another process mapping them) are
     refused: the `modes` and `prefetch` sections timed reads of memory there as the SSD's."""
-    from cachelab.store.build import open_tables, same_build
-    from cachelab.store.pagecache import drop_pages, refuse_kept, resident_file_pages
-
     _, manifest, paths = open_tables(directory)
-    drop_pages(paths)
-    refuse_kept(directory, *resident_file_pages(paths), f"`store bench --backing {backing}` from storage")
+    pagecache.drop_pages(paths)
+    pagecache.refuse_kept(directory, *pagecache.resident_file_pages(paths), f"`store bench --backing {backing}` from storage")
     same_build(directory, manifest)  # the pages dropped were this build's (the CLI checks what it opens)
     args = CLI + ["store", "bench", "--dir", str(directory), "--trace", trace, "--requests", str(requests),
                   "--policy", "lru", "--capacity", "1%", "--dram-capacity", "4%", "--backing", backing,
@@ -551,13 +538,10 @@ def prefetch_section(directory: Path, trace: str, requests: int, compute_ms: flo
 
 def pagecache_section(directory: Path, trace: str, requests: int, steps: int, plot: Path | None) -> dict:
     """``cachelab store page-cache``'s experiment (cachelab/store/pagecache.py), the HBM cache at 1 %."""
-    from cachelab.store.bench import table_stream
-    from cachelab.store.pagecache import pagecache_experiment, plot_phases
-
     stream = table_stream(directory, trace, requests, "bench_store.py --pagecache")
-    out = pagecache_experiment(directory, stream, steps, hbm_capacity="1%")
+    out = pagecache.pagecache_experiment(directory, stream, steps, hbm_capacity="1%")
     if plot is not None:
-        plot_phases(out, plot)
+        pagecache.plot_phases(out, plot)
     return out
 
 
@@ -596,8 +580,6 @@ def main() -> None:
                                stdout=subprocess.DEVNULL)
         if built.returncode:  # its error is on stderr (--scale 5 added a CalledProcessError traceback)
             raise SystemExit(built.returncode)
-    from cachelab.store.build import open_tables
-
     scale = open_tables(directory)[0].scale  # every header checked against the manifest's layout and scale
     if args.scale not in (None, scale):  # dir_scale said --scale's 2e-3 of tables built at another
         raise CachelabError(f"--scale {args.scale:g}: the tables in {directory} were built at scale {scale:g}; "

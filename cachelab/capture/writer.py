@@ -59,7 +59,7 @@ import time
 from collections import deque
 
 from cachelab.capture.backlog import ByteQueue
-from cachelab.capture.recorder import MAX_TOKENIZE_CHARS, Privacy, load_salt
+from cachelab.capture.recorder import MAX_TOKENIZE_CHARS, Privacy, Recorder, load_salt
 from cachelab.capture.segments import FSYNC_POLICIES, private_directory
 from cachelab.child import exit_reason, python_command, restart_delay
 from cachelab.errors import CachelabError
@@ -526,8 +526,6 @@ def _read_exactly(fd: int, n: int) -> bytes | None:
 
 
 def _child(read_fd: int, shm_fd: int, config: dict) -> int:
-    from cachelab.capture.recorder import Recorder
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # stop at the pipe's end, after the proxy
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if config["nice"]:

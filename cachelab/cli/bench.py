@@ -8,9 +8,11 @@ from pathlib import Path
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from cachelab import strict_json
-from cachelab.paths import replacing
+from cachelab.errors import CachelabError
+from cachelab.paths import output_file, output_folder, replacing
 from cachelab.progress import progress_bar
 
 app = typer.Typer(no_args_is_help=True, help="Benchmark live servers (load generator, server metrics).")
@@ -23,8 +25,7 @@ GOODPUT_HELP = ("SLOs NAME:MS (ttft, tpot, e2el), as vLLM takes them: --goodput 
 def goodput_slos(ctx: typer.Context, goodput: list[str] | None) -> dict[str, float]:
     """``--goodput``'s SLOs, vLLM's form (``--goodput ttft:MS tpot:MS``: the values after the first
     arrive as extra arguments; the command allows them) or repeated; any other extra argument is refused."""
-    from cachelab.errors import CachelabError
-    from cachelab.serving.metrics import parse_goodput
+    from cachelab.serving.metrics import parse_goodput  # NumPy: here, so `cachelab bench --help` goes without
 
     if ctx.args and not goodput:
         raise CachelabError(f"unexpected argument(s) {ctx.args}")
@@ -62,9 +63,8 @@ def serve(
     """Replay a trace's prompts (as token ids) and arrivals against a live server and report
     vllm bench serve's metrics: TTFT, TPOT, ITL and E2EL percentiles, throughputs, goodput.
     Failed requests are counted with their reasons, never dropped; Ctrl-C keeps what finished."""
-    from cachelab.bench.client import BenchConfig, run_bench
-    from cachelab.bench.plan import plan_from_trace
-    from cachelab.paths import output_file, output_folder
+    from cachelab.bench.client import BenchConfig, run_bench  # the client and the trace's reading (Polars, Arrow,
+    from cachelab.bench.plan import plan_from_trace  # Numba: 0.4 s) only as a run starts, not for --help
 
     slos = goodput_slos(ctx, goodput)
     if save_result is not None:
@@ -105,8 +105,6 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def _print_summary(s: dict, console: Console) -> None:
-    from rich.table import Table
-
     table = Table(title=f"bench serve: {s['model']} at {s['base_url']}", show_header=False)
     rows = [("Successful requests", s["completed"]), ("Failed requests", s["failed"]),
             ("Benchmark duration (s)", s["duration"]), ("Total input tokens", s["total_input_tokens"]),

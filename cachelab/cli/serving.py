@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from cachelab import strict_json
@@ -14,11 +15,13 @@ from cachelab.cli.bench import GOODPUT_HELP, goodput_slos
 from cachelab.cli.stdout import stdout_console
 from cachelab.cli.wording import counted
 from cachelab.errors import CachelabError
-from cachelab.paths import output_file, output_folder, replacing
+from cachelab.paths import data_root, output_file, output_folder, replacing
 from cachelab.progress import progress_bar, spinner
-from cachelab.serving.agentic import PREFIX_HIT, PREFIX_HIT_NO_SUBAGENTS
-from cachelab.serving.calibration import FIT_MAX_EVALS
-from cachelab.serving.latency import PLACEMENTS
+from cachelab.serving.agentic import PREFIX_HIT, PREFIX_HIT_NO_SUBAGENTS, agentic_workload
+from cachelab.serving.calibration import (EFFICIENCY_SUBSETS, FIT_MAX_EVALS, FITTED, THINK_SUBSET, fit, fit_points,
+                                          fit_spectrum, held_out_steady, heldout_report, load_points, mape, ssd_builds,
+                                          validate, with_fitted_think)
+from cachelab.serving.latency import PLACEMENTS, Efficiency
 
 hw_app = typer.Typer(no_args_is_help=True, help="Hardware profiles: list the built-ins, measure this machine.")
 study_app = typer.Typer(no_args_is_help=True, help="Studies that reproduce published results from the model.")
@@ -332,10 +335,6 @@ def _times(ratio: float) -> str:
 def _efficiency(console: Console, evals: int):
     """(efficiency, fit loss): fitted on the named calibration subset, or the defaults (said
     so) when ``evals`` is 0 or the calibration data is absent."""
-    from cachelab.paths import data_root
-    from cachelab.serving.calibration import EFFICIENCY_SUBSETS, fit, fit_points, load_points
-    from cachelab.serving.latency import Efficiency
-
     if not evals:
         return Efficiency(), None
     try:
@@ -370,10 +369,7 @@ def study_semianalysis(
     P90 interactivity, B300 TP2 (table in DRAM) vs TP4 (table in HBM), TP4 HBM vs DRAM; every
     figure computed by the model. Each finished point is appended to OUT/semianalysis_points.jsonl
     as it finishes; a count and an ETA show progress. Example: `cachelab study semianalysis --json`."""
-    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
-
-    from cachelab.serving.agentic import agentic_workload
-    from cachelab.serving.calibration import FITTED
+    # here, not at the top: the studies import Polars (0.2 s), which `hw list` and `hw probe` go without
     from cachelab.serving.studies.semianalysis import (dram_over_ssd_across_floor, run, sensitivity as elasticity,
                                                        total_points, what_ifs, with_fitted_piecewise)
     from cachelab.serving.studies.ssd_floor import floor_from_tpot_offset, floor_if_think_mean, joint_fit
@@ -509,11 +505,7 @@ def study_inferencex(
     (metric -> fraction) over the held-out steady-state measurements, `heldout_mape_unseen` over those of configurations the fit never ran
     (not repeat runs of one it did), `heldout_mape_all` over every held-out point; `heldout_excluded`
     names the subsets left out of the first and why. Example: `cachelab study inferencex --json`."""
-    from cachelab.paths import data_root
-    from cachelab.serving.calibration import (EFFICIENCY_SUBSETS, FITTED, THINK_SUBSET, fit, fit_points, fit_spectrum,
-                                              held_out_steady, heldout_report, load_points, mape, ssd_builds, validate,
-                                              with_fitted_think)
-    from cachelab.serving.studies.semianalysis import with_fitted_piecewise
+    from cachelab.serving.studies.semianalysis import with_fitted_piecewise  # Polars: as in study semianalysis
 
     if out is not None:
         output_file(out, "--out")

@@ -35,7 +35,7 @@ from cachelab.defaults import HORIZON, MAX_SAMPLES, TRAIN_FRACTION
 from cachelab.engram.config import preset_flag
 from cachelab.errors import CachelabError
 from cachelab.learning.lineup import lineup, tuned_params
-from cachelab.learning.streams import layout_differences
+from cachelab.learning.streams import LearningView, layout_differences
 from cachelab.learning.predictor import (METADATA, Predictor, check_features, install, load_predictor, model_folder,
                                          read_metadata, read_sealed, read_tensors, write_tensors)
 from cachelab.params import check_params
@@ -525,8 +525,6 @@ def lookup_scores(model: Path | Model, stream, layout=None) -> tuple[np.ndarray,
     share of them is its size, ``keep_rows``). The stream is read as the rows of ``layout`` (an
     ``EngramConfig``: the tables a store serves them from), so the model is checked against it; by
     default as the layout the model was trained on."""
-    from cachelab.learning.streams import LearningView
-
     model = model if isinstance(model, Model) else load(model)
     view = LearningView.of(stream, trained_layout(model) if layout is None else layout)
     return view.per_lookup(keep_scores(model, view)), model, view.num_keys

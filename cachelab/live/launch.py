@@ -15,7 +15,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from cachelab.engram.vocab import DEEPSEEK_V4
+from cachelab.engram import get_preset
+from cachelab.engram.vocab import DEEPSEEK_V4, load_tokenizer, tokenizer_sha256
 from cachelab.errors import CachelabError
 from cachelab.live.config import ModelConfig, model_config
 
@@ -100,9 +101,6 @@ def model_for(opts: ServeOptions) -> ModelConfig:
     """The model ``--preset`` names, refused where its layout addresses ids of another tokenizer than
     the server's (``TOKENIZER``): a model file's ``layout`` of another tokenizer.json had the server's
     ids addressed as that tokenizer's, every row another text's, and its capture named them so."""
-    from cachelab.engram import get_preset
-    from cachelab.engram.vocab import tokenizer_sha256
-
     cfg = model_config(opts.preset)
     layout = get_preset(cfg.layout)
     if layout.tokenizer != TOKENIZER and tokenizer_sha256(layout.tokenizer) != tokenizer_sha256(TOKENIZER):
@@ -122,7 +120,6 @@ def open_rows(opts: ServeOptions, layout: str, model=None):
     (built on first use in the cache directory, under a lock so two first runs build once);
     ``model``: ``--model`` read once (``scoring_model``) for its learned caches."""
     from cachelab.capacity import TABLE_ROWS, parse_capacity
-    from cachelab.engram import get_preset
     from cachelab.paths import cache_dir, one_builder
     from cachelab.store import TieredStore, build_tables
     from cachelab.store.format import MANIFEST
@@ -216,7 +213,8 @@ def scoring_model(opts: ServeOptions):
 
 def build_engine(opts: ServeOptions):
     """The engine (not started) with its model and row source."""
-    from cachelab.engram.vocab import load_tokenizer
+    # torch and the engine (2 s) here: `capture proxy` and the experiments import this module for
+    # check_bind, bound_socket and model_for, and go without them
     from cachelab.live.engine import EngineConfig, LiveEngine
     from cachelab.live.model import build_model
 
