@@ -28,8 +28,8 @@ import polars as pl
 
 from cachelab.live.config import PRESETS
 from cachelab.serving.latency import Batch, LatencyModel
-from cachelab.serving.live_calibration import (_batches, calibration_spec, load_calibration, predict_compute,
-                                               warm_steps)
+from cachelab.serving.live_calibration import _batches, predict_compute, warm_steps
+from cachelab.serving.live_profile import calibration_spec, load_calibration
 from cachelab.serving.step_log import find_runs
 
 

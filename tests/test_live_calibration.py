@@ -15,8 +15,9 @@ from typer.testing import CliRunner
 from cachelab.cli import app
 from cachelab.errors import CachelabError
 from cachelab.serving.calibration import nonnegative_lstsq
-from cachelab.serving.live_calibration import (LIVE_BASE, at_cpu_share, cpu_hardware, fit_cpu_share, model_spec,
-                                               replay_clock, request_times, warm_steps)
+from cachelab.serving.live_calibration import (LIVE_BASE, at_cpu_share, cpu_hardware, model_spec, replay_clock,
+                                               request_times, warm_steps)
+from cachelab.serving.live_profile import fit_cpu_share
 from test_bench_serve import make_trace
 
 runner = CliRunner()
@@ -128,7 +129,7 @@ def test_calibrate_fits_one_run_and_validates_the_other(step_logs, tmp_path):
     for m, e in r["summary"].items():
         assert e["points"] == 1
         assert e["mape"] == pytest.approx(abs(held["predicted"][m] - held["live"][m]) / held["live"][m])
-    from cachelab.serving.live_calibration import load_calibration
+    from cachelab.serving.live_profile import load_calibration
 
     hw, eff = load_calibration(out)  # the written profile loads as a hardware profile with its efficiency
     assert hw.gpu.hbm_bw > 0 and eff.mfu == r["efficiency"]["mfu"] and eff.host_addressing
@@ -174,7 +175,7 @@ def test_a_share_of_a_core_scales_every_fitted_time():
 @pytest.mark.parametrize("value", ["nan", "inf"])
 def test_a_calibration_file_refuses_a_fitted_value_that_is_not_a_number(tmp_path, value):
     from cachelab.serving.hardware import PROFILE_DIR
-    from cachelab.serving.live_calibration import load_calibration
+    from cachelab.serving.live_profile import load_calibration
 
     path = tmp_path / "fitted.toml"  # NaN passed `< 0` and reached the latency model
     path.write_text((PROFILE_DIR / "H200.toml").read_text() + f"\n[efficiency]\nmfu = {value}\n")
@@ -354,7 +355,7 @@ def test_the_attention_column_identifies_the_attention_term():
 
 def test_a_calibration_file_says_how_its_attention_was_charged(tmp_path):
     from cachelab.live.config import model_config
-    from cachelab.serving.live_calibration import calibration_spec
+    from cachelab.serving.live_profile import calibration_spec
 
     cfg, path = model_config("tiny"), tmp_path / "fitted.toml"
     path.write_text("[calibration]\nfit_engine_cpu_share = 0.9\n")  # written before it was recorded: causal

@@ -14,7 +14,8 @@ from cachelab.experiment.runner import run_experiment
 from cachelab.experiment.spec import load_spec
 from cachelab.serving.hardware import load_profile
 from cachelab.serving.latency import Efficiency
-from cachelab.serving.live_calibration import Calibration, load_calibration, write_profile
+from cachelab.serving.live_calibration import Calibration
+from cachelab.serving.live_profile import load_calibration, write_profile
 
 SPEC = Path(__file__).parents[1] / "experiments" / "live_sweep.toml"
 

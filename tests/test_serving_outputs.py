@@ -11,7 +11,8 @@ import pytest
 from cachelab.serving.hardware import load_profile
 from cachelab.serving.hardware.probe import write_profile as write_probe
 from cachelab.serving.latency import Efficiency
-from cachelab.serving.live_calibration import Calibration, write_profile as write_calibration
+from cachelab.serving.live_calibration import Calibration
+from cachelab.serving.live_profile import write_profile as write_calibration
 from cachelab.serving.pareto import plot_fronts
 
 

@@ -55,7 +55,8 @@ def calibrate(
 
     from cachelab.live.config import model_config
     from cachelab.serving.hardware import load_profile
-    from cachelab.serving.live_calibration import METRICS, PER_OPERATOR, calibrate as run, pearson_text, write_profile
+    from cachelab.serving.live_calibration import METRICS, PER_OPERATOR, calibrate as run, pearson_text
+    from cachelab.serving.live_profile import write_profile
     from cachelab.serving.step_log import find_runs
 
     runs = find_runs(step_log)

@@ -44,7 +44,7 @@ def live_point(config: dict, workload: Workload) -> PointOutput:
     from cachelab.bench.client import BenchConfig, run_bench
     from cachelab.bench.plan import plan_from_frame
     from cachelab.live.launch import running_server
-    from cachelab.serving.live_calibration import fit_cpu_share
+    from cachelab.serving.live_profile import fit_cpu_share
     from cachelab.serving.metrics import request_metrics
     from cachelab.store.counters import LINK_KEYS
 
@@ -211,7 +211,8 @@ def predict_point(config: dict, workload: Workload, row_cache_rows: int, store_s
     ``fit_cpu_share``), times ``slowdown``. ``scorer_calls``: gets the scorer's timed calls."""
     from cachelab.experiment.points import simulated_point
     from cachelab.live.launch import model_for
-    from cachelab.serving.live_calibration import at_cpu_share, calibration_spec, fit_cpu_share, load_calibration
+    from cachelab.serving.live_calibration import at_cpu_share
+    from cachelab.serving.live_profile import calibration_spec, fit_cpu_share, load_calibration
     from cachelab.serving.simulator import ServingConfig
 
     live, opts = config["live"], serve_options(config)
@@ -317,7 +318,7 @@ def _check_live(spec: ExperimentSpec, where: str) -> None:
     if spec.live.row_cache_model is not None and not Path(spec.live.row_cache_model).is_dir():
         raise CachelabError(f"{where}: live.row_cache_model: no directory {spec.live.row_cache_model!r}")
     if spec.live.calibration is not None:
-        from cachelab.serving.live_calibration import load_calibration
+        from cachelab.serving.live_profile import load_calibration
 
         try:
             load_calibration(calibration_path(spec.live.calibration))
