@@ -38,11 +38,21 @@ class CompletionsServer:
         app = web.Application(client_max_size=1 << 30)  # aiohttp's 1 MiB refuses a prompt of 130k ids
         app.router.add_get("/v1/models", models)
         app.router.add_post("/v1/completions", self.completions)
-        runner = web.AppRunner(app)
+        runner = web.AppRunner(app, shutdown_timeout=0.1)  # a request still in hand at the exit gets 0.1 s
         self.loop.run_until_complete(runner.setup())
         self.loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
         self.ready.set()
         self.loop.run_forever()
+        # stopped (the exit): the site and connections closed, then every task still pending cancelled (a
+        # handler streaming to a client that has gone is no connection's any more) before the loop goes;
+        # left pending, each was 'Task was destroyed but it is pending!' at the test process's exit
+        self.loop.run_until_complete(runner.cleanup())
+        left = asyncio.all_tasks(self.loop)
+        for task in left:
+            task.cancel()
+        if left:  # gather of nothing looks for this thread's loop, which it has none of
+            self.loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        self.loop.close()
 
     def __enter__(self):
         self.thread.start()
