@@ -12,7 +12,9 @@ ratio is of CPU time, the wall time beside it; each command's peak RSS (its own,
 printed beside its time. With ``--baseline DIR`` (a checkout of another commit) the same LF
 command runs under that tree too, round by round with this one, and the ratios of its CPU time
 and peak RSS to this tree's are printed: the importer read the whole decompressed file into
-memory before 2026-12-07, a block of lines at a time since.
+memory before 2026-12-07, a block of lines at a time since; and checked the ids and inferred
+sessions on several full-length copies of the ids (about 6.4 times their bytes) until later that
+day, a bucket of ids or a run of requests at a time since.
 
 Run: .venv/bin/python benchmarks/bench_mooncake_import.py [--copies N] [--repeat R] [--baseline DIR]
 """

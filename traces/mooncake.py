@@ -18,8 +18,9 @@ one's turn, since it adds no turn to the conversation.
 The file is read a block of whole lines at a time (``Ingest.blocks``), so memory holds the rows,
 not the decompressed text. A block that is plainly one valid record per line (every one of the
 published files) is read by Arrow's JSON reader; any other line by line, so the first bad line
-is named (or, with ``skip_bad``, skipped) exactly as before. Sessions are inferred with array
-operations.
+is named (or, with ``skip_bad``, skipped) exactly as before. The ids are checked and sessions
+inferred with array operations on a bucket of ids or a run of requests at a time, so memory holds
+the rows and a fraction more, not several full-length copies of the ids.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ BLOCK_SIZE = 512
 FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 ARROW_SCHEMA = pa.schema([("timestamp", pa.float64()), ("input_length", pa.int64()), ("output_length", pa.int64()),
                           ("hash_ids", pa.list_(pa.int64()))])
+_BUCKET_BITS = 4  # _check_chained compares the ids a sixteenth at a time
+_SLICE = 1 << 16  # ids mixed, or rows read by infer_sessions, about this many ids at a time
 
 
 def _count(value, least: int) -> bool:
@@ -177,28 +180,62 @@ def _read_block(data: bytes, first: int, block_size: int) -> tuple | None:
     return (ts, n_in, n_out, offsets.astype(np.int32), flat, np.arange(first, first + ts.size)) if ok else None
 
 
+def _buckets(flat: np.ndarray) -> np.ndarray:
+    """Each id's bucket, 0 to ``2**_BUCKET_BITS - 1``, from its bits mixed (Fibonacci hashing): equal ids
+    share one, and remapped or hashed ids spread evenly. Mixed a slice at a time."""
+    bucket = np.empty(flat.size, dtype=np.uint8)
+    for start in range(0, flat.size, _SLICE):
+        mixed = flat[start:start + _SLICE].view(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        bucket[start:start + _SLICE] = mixed >> np.uint64(64 - _BUCKET_BITS)
+    return bucket
+
+
 def _check_chained(path: Path, offsets: np.ndarray, flat: np.ndarray, lines: np.ndarray) -> None:
     """Refuse ids that are not chained: an id names one prefix, so wherever it occurs it is the
     same block after the same id. Ids of each block's own tokens (another tool's ``hash_ids``)
     would make every equal block a shared prefix, inflating hit ratios and chaining sessions;
-    the error names the two lines that disagree (which one is damaged cannot be told)."""
-    counts = np.diff(offsets).astype(np.int64)
-    owner = np.repeat(np.arange(counts.size), counts)
-    position = np.arange(flat.size) - np.repeat(offsets[:-1].astype(np.int64), counts)
-    before = np.where(position > 0, np.concatenate([[-1], flat[:-1]]), -1)
-    order = np.lexsort((owner, flat))  # by id, then file order
-    same = flat[order[1:]] == flat[order[:-1]]
-    differ = same & ((position[order[1:]] != position[order[:-1]]) | (before[order[1:]] != before[order[:-1]]))
-    if not differ.any():
+    the error names the two lines that disagree (which one is damaged cannot be told): of the
+    successive occurrences of an id that disagree, the two whose later line comes first in the
+    file (then the least id). Equal ids share a bucket, so the ids are compared a bucket at a time:
+    memory holds a few arrays of one bucket's ids, not of all of them."""
+    if flat.size == 0:
         return
-    at = np.flatnonzero(differ)
-    k = at[np.argmin(lines[owner[order[at + 1]]])]  # the disagreement found first in the file
-    a, b = order[k], order[k + 1]
+    bucket = _buckets(flat)
+    found = None  # (line, id, earlier index, later index) of the first disagreement so far
+    for b in range(1 << _BUCKET_BITS):
+        at = np.concatenate([np.flatnonzero(bucket[start:start + _SLICE] == b) + start
+                             for start in range(0, flat.size, _SLICE)])  # file order, kept among equal ids
+        position = at - offsets[np.searchsorted(offsets, at, side="right") - 1]
+        ids = flat[at]
+        order = np.argsort(ids, kind="stable")
+        ids = ids[order]
+        same = np.flatnonzero(ids[1:] == ids[:-1])  # successive occurrences of one id
+        del ids
+        at = at[order]
+        position = position[order]
+        del order
+        earlier, later = at[same], at[same + 1]
+        del at
+        before, after = position[same], position[same + 1]
+        del position, same
+        differ = (after != before) | ((after > 0) & (flat[later - 1] != flat[earlier - 1]))
+        if not differ.any():
+            continue
+        earlier, later = earlier[differ], later[differ]  # by id, then file order
+        line = lines[np.searchsorted(offsets, later, side="right") - 1]
+        k = np.argmin(line)  # the first in the file, then the least id
+        if found is None or (line[k], flat[later[k]]) < found[:2]:
+            found = line[k], flat[later[k]], earlier[k], later[k]
+    if found is None:
+        return
+    line_b, _, a, b = found
 
     def where(i):
-        return f"block {position[i]}" + (f" after id {before[i]}" if position[i] else "")
-    raise CachelabError(f"{path}:{lines[owner[b]]}: field 'hash_ids': id {flat[b]} is {where(b)}, but at line "
-                        f"{lines[owner[a]]} {where(a)}; Mooncake ids are chained (an equal id is an equal "
+        position = i - offsets[np.searchsorted(offsets, i, side="right") - 1]
+        return f"block {position}" + (f" after id {flat[i - 1]}" if position else "")
+    line_a = lines[np.searchsorted(offsets, a, side="right") - 1]
+    raise CachelabError(f"{path}:{line_b}: field 'hash_ids': id {flat[b]} is {where(b)}, but at line "
+                        f"{line_a} {where(a)}; Mooncake ids are chained (an equal id is an equal "
                         "prefix), so these are not Mooncake ids")
 
 
@@ -223,8 +260,10 @@ def infer_sessions(arrival: np.ndarray, input_length: np.ndarray, offsets: np.nd
 
     In arrival order, request r *registers* the id of its last full block; request i's parent
     is the latest earlier registrant of the longest of its prefix ids ``ids[1:-1]`` (a proper
-    prefix of at least two blocks) that has one. Events sorted by (id, arrival rank, query
-    before registration) put, before each query, the latest registration of its id; the
+    prefix of at least two blocks) that has one. Read a run of requests at a time, each request
+    keeps only that id (the longest whose earliest registrant is earlier), so memory holds arrays
+    of the requests, not of every id. Events sorted by (id, arrival rank, query before
+    registration) put, before each query, the latest earlier registration of its id; the
     session is the root of the parent chain and the turn its number of links that lengthen the
     prompt.
     """
@@ -234,29 +273,52 @@ def infer_sessions(arrival: np.ndarray, input_length: np.ndarray, offsets: np.nd
     counts = np.diff(offsets).astype(np.int64)
     full = np.where(input_length % block_size == 0, counts, counts - 1)
     registrant = np.flatnonzero(full > 0)
-    registered = flat[offsets[registrant] + full[registrant] - 1]
-    owner = np.repeat(np.arange(n), counts)
-    position = np.arange(flat.size) - np.repeat(offsets[:-1].astype(np.int64), counts)
-    query = np.flatnonzero((position >= 1) & (position <= counts[owner] - 2))
-    query = query[np.isin(flat[query], registered)]  # an id no request ends at is no parent's
-    ids = np.unique(registered)
-    key = np.searchsorted(ids, np.concatenate([flat[query], registered]))  # one sort key: (id, rank, kind)
-    who = np.concatenate([owner[query], registrant])
-    is_reg = np.concatenate([np.zeros(query.size, dtype=np.int64), np.ones(registrant.size, dtype=np.int64)])
-    order = np.argsort((key * n + rank[who]) * 2 + is_reg)
-    key, who, is_reg = key[order], who[order], is_reg[order]
-    latest = np.maximum.accumulate(np.where(is_reg == 1, np.arange(order.size), -1))
-    found = (is_reg == 0) & (latest >= 0)
-    found[found] = key[latest[found]] == key[found]
-    parent_of = np.full(query.size, -1, dtype=np.int64)  # events below query.size are the queries
-    parent_of[order[found]] = who[latest[found]]
-    hit = parent_of >= 0
-    asking, parents = owner[query[hit]], parent_of[hit]  # in (request, position) order
-    longest = np.ones(asking.size, dtype=bool)  # the last hit of each request: its longest prefix
-    longest[:-1] = asking[1:] != asking[:-1]
+    ids, slot = np.unique(flat[offsets[registrant] + full[registrant] - 1], return_inverse=True)
+    earliest = np.full(ids.size, n)  # each registered id's earliest registrant's rank
+    np.minimum.at(earliest, slot, rank[registrant])
+    query = np.concatenate([_longest_queries(rows, offsets, flat, ids, earliest, rank) for rows in _row_slices(offsets)])
+    asking = np.searchsorted(offsets, query, side="right") - 1  # one query per request that has a parent
+    who = np.concatenate([asking, registrant])
+    key = np.concatenate([np.searchsorted(ids, flat[query]), slot])  # one sort key: (id, rank, kind)
+    key *= n
+    key += rank[who]
+    key *= 2
+    key[query.size:] += 1  # a request's own registration after its query
+    order = np.argsort(key)
+    del key
+    is_query = order < query.size
+    latest = np.maximum.accumulate(np.where(is_query, -1, np.arange(order.size)))  # an earlier registration of its id
+    parents = np.empty(query.size, dtype=np.int64)
+    parents[order[is_query]] = who[order[latest[is_query]]]
     parent, turn = np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
-    child, parents = asking[longest], parents[longest]
-    parent[child], turn[child] = parents, input_length[child] > input_length[parents]  # a retry is no step
+    parent[asking], turn[asking] = parents, input_length[asking] > input_length[parents]  # a retry is no step
     while (parent[parent] != parent).any():  # pointer jumping: log2(turns) rounds
         turn, parent = turn + turn[parent], parent[parent]
     return parent, turn
+
+
+def _row_slices(offsets: np.ndarray) -> Iterator[range]:
+    """The requests in runs of about ``_SLICE`` ids (at least one request each)."""
+    bounds = np.unique(np.searchsorted(offsets, np.arange(0, offsets[-1] + 1, _SLICE), side="right") - 1)
+    return (range(first, last) for first, last in zip(bounds, [*bounds[1:], offsets.size - 1]))
+
+
+def _longest_queries(rows: range, offsets: np.ndarray, flat: np.ndarray, ids: np.ndarray, earliest: np.ndarray,
+                     rank: np.ndarray) -> np.ndarray:
+    """For each request of ``rows`` that has a parent, the index into ``flat`` of its longest prefix
+    id (of ``ids[1:-1]``) that an earlier request registers: one of the sorted ``ids`` whose
+    ``earliest`` registrant's rank is below its own."""
+    start, stop = offsets[rows.start], offsets[rows.stop]
+    row = np.repeat(np.arange(rows.start, rows.stop), np.diff(offsets[rows.start:rows.stop + 1]))
+    position = np.arange(start, stop) - offsets[row]
+    query = np.flatnonzero((position >= 1) & (position <= offsets[row + 1] - offsets[row] - 2))
+    if ids.size == 0:
+        return query[:0]
+    row = row[query]
+    query += start
+    slot = np.searchsorted(ids, flat[query]).clip(max=ids.size - 1)
+    keep = (ids[slot] == flat[query]) & (earliest[slot] < rank[row])
+    query, row = query[keep], row[keep]
+    last = np.ones(query.size, dtype=bool)  # the last of each request: its longest
+    last[:-1] = row[1:] != row[:-1]
+    return query[last]
