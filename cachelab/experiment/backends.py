@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -88,18 +88,22 @@ def check_backend(backend: str, address: str | None = None) -> None:
 
 
 def run_tasks(tasks: list[Task], backend: str = "local", workers: int | None = None,
-              address: str | None = None) -> Iterator[tuple[str, PointOutput | BaseException]]:
+              address: str | None = None, claim: Callable[[str], bool] | None = None,
+              ) -> Iterator[tuple[str, PointOutput | BaseException]]:
+    """``claim(key)``, where given, is asked just before a point is handed to a worker; a point it
+    refuses (another sweep runs it) is skipped. So a pool holds at most a point more than its workers."""
     check_backend(backend, address)
     if not tasks:
         return
     given, workers = workers, max(1, min(workers or os.cpu_count() or 1, len(tasks)))
+    claimed = (t for t in tasks if claim is None or claim(t[0]))
     if backend == "ray":
-        yield from _run_ray(tasks, workers, address, given)
+        yield from _run_ray(tasks, claimed, workers, address, given)
     elif workers == 1:
-        for key, config, path in tasks:
+        for key, config, path in claimed:
             yield key, _safe(config, path)
     else:
-        yield from _run_pool(tasks, workers)
+        yield from _run_pool(claimed, workers)
 
 
 PR_SET_PDEATHSIG = 1
@@ -136,42 +140,60 @@ class _Broken:
 POLL_S = 0.2  # how often the points a pool runs are noted, to tell a dead worker's points from the rest
 
 
-def _run_pool(tasks: list[Task], workers: int):
-    queue, suspects, breaks = list(tasks), [], Counter()
-    while queue:
-        again = []
+def _run_pool(tasks: Iterator[Task], workers: int):
+    queue, suspects, breaks = iter(tasks), [], Counter()
+    while True:
+        again, broke = [], False
         for task, output in _pool_round(queue, workers):
             if isinstance(output, _Broken):  # a point not seen running twice in a broken pool is a suspect too
+                broke = True
                 breaks[task[0]] += 1
                 (suspects if output.started or breaks[task[0]] > 1 else again).append(task)
             else:
                 yield task[0], output
-        queue = again
+        if not broke:  # the round took every task
+            break
+        queue = itertools.chain(again, queue)
     for task in suspects:  # each alone: a death now is this point's own
-        for _, output in _pool_round([task], 1):
+        for _, output in _pool_round(iter([task]), 1):
             if isinstance(output, _Broken):
                 output = WorkerDied("the worker process running this point died (killed, or out of memory)")
             yield task[0], output
 
 
-def _pool_round(tasks: list[Task], workers: int):
-    """``(task, output)`` of each task from one process pool, ``_Broken`` where a dead worker broke it."""
+def _pool_round(queue: Iterator[Task], workers: int):
+    """``(task, output)`` of tasks taken from ``queue`` by one process pool, ``_Broken`` where a dead
+    worker broke it (the pool then takes no further task). A task is taken only when a worker is
+    about to be free (at most one queued beyond the workers): a sweep claims a point as it takes it."""
     # spawn: a clean interpreter per worker (fork after MLflow/rich threads started is unsafe)
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=die_with_parent,
                              initargs=(os.getpid(),)) as pool:
-        pending = {pool.submit(_safe, task[1], task[2]): task for task in tasks}
-        running = set()
+        pending, running, out, broken = {}, set(), [], False
         try:
-            while pending:
+            while True:
+                while not broken and len(pending) <= workers:
+                    task = next(queue, None)
+                    if task is None:
+                        break
+                    try:
+                        pending[pool.submit(_safe, task[1], task[2])] = task
+                    except BrokenProcessPool:  # broke since: taken (claimed), so answered, not dropped
+                        out.append((task, _Broken(False)))
+                        broken = True
+                yield from out  # after the next points went in: they run while these are tracked
+                out = []
+                if not pending:
+                    return
                 done, _ = wait(pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
                 running.update(fut for fut in pending if fut.running())
                 for fut in done:
                     task = pending.pop(fut)
                     try:
-                        yield task, fut.result()
+                        out.append((task, fut.result()))
                     except BrokenProcessPool:
-                        yield task, _Broken(fut in running)
+                        out.append((task, _Broken(fut in running)))
+                        broken = True
         finally:  # interrupted, or the caller stopped: the points not started are dropped, not run
             for fut in pending:
                 fut.cancel()
@@ -190,7 +212,7 @@ def _start_local_ray(ray, workers: int, tasks: list[Task]) -> None:
                             f"before cachelab could set {RAY_LOCAL_ONLY}=0); give --address of a cluster instead")
 
 
-def _run_ray(tasks: list[Task], workers: int, address: str | None, in_flight: int | None):
+def _run_ray(tasks: list[Task], claimed: Iterator[Task], workers: int, address: str | None, in_flight: int | None):
     """The tasks on a local Ray of ``workers`` CPUs, or on the cluster at ``address`` (or the one this
     process joined already), at most ``in_flight`` points at a time where given: a cluster took every
     point at once, so ``--workers``, and a serial kind's one point at a time, held only locally."""
@@ -209,7 +231,7 @@ def _run_ray(tasks: list[Task], workers: int, address: str | None, in_flight: in
     try:
         remote = ray.remote(num_cpus=1, max_retries=0)(_safe)
         refs = {path: ray.put(load_workload(path)) for path in {t[2] for t in tasks}}
-        queue, pending = iter(tasks), {}
+        queue, pending = claimed, {}
 
         def submit(n: int) -> None:
             for key, config, path in itertools.islice(queue, n):

@@ -7,7 +7,8 @@ metrics, times) and its artifacts; a failed point's, its FAILED run with the err
 A record leaves the outbox only once the tracking server has it, so a server that is down
 or dies mid-sweep loses nothing: ``cachelab sync`` sends what is left. One ``run`` or
 ``sync`` at a time holds an experiment's folder (``runs/<experiment>/.lock``): two at once
-would run, or send, the same points twice.
+would run, or send, the same points twice (sweeps from two folders or machines into one store
+share the points through claims in the store: ``cachelab.experiment.claims``).
 """
 
 from __future__ import annotations

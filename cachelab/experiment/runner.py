@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from cachelab.experiment.backends import check_backend, run_tasks
+from cachelab.experiment.claims import Claims
 from cachelab.experiment.kinds import PointOutput, get_kind
 from cachelab.experiment.provenance import provenance_tags
 from cachelab.experiment.records import PARENT, Outbox, Record, failed_key, now_ms
@@ -45,6 +46,7 @@ class RunSummary:
     skipped: int
     ran: int
     failed: list[str] = field(default_factory=list)
+    elsewhere: int = 0  # points another sweep into the same store finished meanwhile (``cachelab.experiment.claims``)
     outbox: str | None = None  # set when records wait for ``cachelab sync``
     report: str | None = None
 
@@ -145,34 +147,58 @@ def _sweep(spec: ExperimentSpec, spec_path: Path, overrides: list[str] | None, o
         tasks = [(p.hash, p.config, str(paths[workload_key(p.config["workload"])])) for p in todo]
         by_hash = {p.hash: p for p in todo}
         bar = progress.add_task("points", total=len(tasks))
+        claims = Claims(tracker, exp_id, parent_id) if tracker is not None else None
+
+        def claim(key: str) -> bool:  # asked as a worker takes the point: another sweep may run it
+            if tracker is None:
+                return True
+            try:
+                if claims.take(key, by_hash[key].label):
+                    return True
+            except Exception as exc:  # the store gone: the point runs, its record waits in the outbox
+                console.print(f"[yellow]claiming a point failed ({exc}); running it[/]")
+                return True
+            progress.advance(bar)
+            return False
+
         started = now_ms()
         try:
-            for key, output in run_tasks(tasks, backend, workers, address):
-                point = by_hash[key]
-                progress.advance(bar)
-                output = _named_for_mlflow(point, output)
-                failed = isinstance(output, BaseException)
-                record = _point_record(spec, point, output, started)
-                started = now_ms()
-                # kept until tracked, a failure too: offline, its FAILED run and error were lost (a failed
-                # record's key is not its hash, so a rerun still runs that point again)
-                local = outbox.write(record, failed_key(key) if failed else None).name
-                if failed:
-                    summary.failed.append(f"{point.label}: {record.tags[ERROR]}")
-                    console.print(f"[red]point failed[/] {point.label}: {output}")
-                else:
-                    summary.ran += 1
-                    if not console.is_terminal:  # a log sees no bar: a line per point shows the sweep moving
-                        console.print(f"point {summary.ran + len(summary.failed)}/{len(tasks)} finished: {point.label} "
-                                      f"({(record.end_ms - record.start_ms) / 1000:.1f} s)", soft_wrap=True)
-                if tracker is not None:
-                    try:
-                        tracker.log_point(exp_id, parent_id, record)
-                        outbox.remove(local)
-                    except Exception as exc:  # the server went away mid-sweep: keep the rest local
-                        console.print(f"[yellow]tracking failed ({exc}); results stay in {outbox.root}[/]")
-                        outbox.write(parent, PARENT)
-                        tracker = None
+            with claims or contextlib.nullcontext():
+                pending = tasks
+                while pending:
+                    for key, output in run_tasks(pending, backend, workers, address, claim):
+                        point = by_hash[key]
+                        progress.advance(bar)
+                        output = _named_for_mlflow(point, output)
+                        failed = isinstance(output, BaseException)
+                        record = _point_record(spec, point, output, started)
+                        started = now_ms()
+                        # kept until tracked, a failure too: offline, its FAILED run and error were lost (a failed
+                        # record's key is not its hash, so a rerun still runs that point again)
+                        local = outbox.write(record, failed_key(key) if failed else None).name
+                        if failed:
+                            summary.failed.append(f"{point.label}: {record.tags[ERROR]}")
+                            console.print(f"[red]point failed[/] {point.label}: {output}")
+                        else:
+                            summary.ran += 1
+                            if not console.is_terminal:  # a log sees no bar: a line per point shows the sweep moving
+                                console.print(f"point {summary.ran + len(summary.failed)}/{len(tasks)} finished: "
+                                              f"{point.label} ({(record.end_ms - record.start_ms) / 1000:.1f} s)",
+                                              soft_wrap=True)
+                        if tracker is not None:
+                            try:
+                                tracker.log_point(exp_id, parent_id, record)
+                                outbox.remove(local)  # before the claim goes: a store gone between keeps no copy
+                                claims.release(key)
+                            except Exception as exc:  # the server went away mid-sweep: keep the rest local
+                                console.print(f"[yellow]tracking failed ({exc}); results stay in {outbox.root}[/]")
+                                outbox.write(parent, PARENT)
+                                tracker = None
+                    free = claims.wait(lambda held: _say_waiting(console, held)) if tracker is not None else []
+                    pending = [t for t in tasks if t[0] in free]
+                    progress.update(bar, advance=-len(pending))
+            if claims is not None:
+                _count_elsewhere(summary, claims, by_hash, console)
         except BaseException as exc:  # the parent run ends now (Ctrl-C: KILLED; a backend that broke, a Ray
             if tracker is not None:    # cluster gone: FAILED), not RUNNING until a later run or sync
                 with contextlib.suppress(Exception):  # a store gone too: a later run or sync closes it
@@ -199,6 +225,21 @@ def _sweep(spec: ExperimentSpec, spec_path: Path, overrides: list[str] | None, o
         console.print(f"[yellow]{len(outbox.keys())} record(s) saved in {outbox.root}[/]; when {uri} is "
                       f"reachable, send them with: cachelab sync {spec.name} --tracking-uri {uri}")
     return summary
+
+
+def _say_waiting(console: Console, held: dict[str, str]) -> None:
+    owners = ", ".join(sorted(set(held.values())))
+    console.print(f"waiting for {len(held)} point(s) that another sweep into the same tracking store runs "
+                  f"(host:pid:start {owners}); a point it leaves unfinished runs here", soft_wrap=True)
+
+
+def _count_elsewhere(summary: RunSummary, claims: Claims, by_hash: dict[str, Point], console: Console) -> None:
+    """The points another sweep ended meanwhile: finished there, or failed (a failure of this sweep too)."""
+    summary.elsewhere = len(claims.finished)
+    for key, where in claims.failed.items():
+        summary.failed.append(f"{by_hash[key].label}: failed in another sweep ({where}); see its FAILED run")
+    if claims.finished:
+        console.print(f"{len(claims.finished)} point(s) were run by another sweep into the same tracking store")
 
 
 def _connect(uri: str, console: Console) -> Tracker | None:

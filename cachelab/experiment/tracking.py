@@ -32,6 +32,8 @@ from cachelab.experiment.records import Record
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 KIND, SPEC_HASH, POINT_HASH = "cachelab.kind", "cachelab.spec_hash", "cachelab.point_hash"
+CLAIM = "claim"  # the KIND of a point's claim: a sweep runs that point now (cachelab.experiment.claims)
+HEARTBEAT = "cachelab.heartbeat"  # a claim's last sign of life from its sweep (epoch milliseconds)
 OWNER = "cachelab.owner"  # host:pid:start time (clock ticks) of the process that opened the run
 ERROR = "cachelab.error"  # a FAILED point run's exception: type and message
 INPUTS = "cachelab.inputs"  # a point's data beyond its config: {"files": {path: sha256[:16]}, "sources": [...]}
@@ -164,12 +166,26 @@ class Tracker:
 
     def close_stale(self, exp_id: str) -> int:
         """Mark runs (parents and points) left RUNNING by a sweep proven dead as KILLED
-        (``owner_is_dead``); returns how many."""
+        (``owner_is_dead``), and delete its claims (bookkeeping, no result); returns how many runs."""
         runs = self._search(exp_id, "attributes.status = 'RUNNING'")
         stale = [r for r in runs if owner_is_dead(r.data.tags.get(OWNER))]
         for r in stale:
-            self.client.set_terminated(r.info.run_id, status="KILLED")
-        return len(stale)
+            if r.data.tags.get(KIND) == CLAIM:
+                self.client.delete_run(r.info.run_id)
+            else:
+                self.client.set_terminated(r.info.run_id, status="KILLED")
+        return sum(r.data.tags.get(KIND) != CLAIM for r in stale)
+
+    def point_runs(self, exp_id: str, point_hash: str) -> list:
+        """Every run of one point, its claims included, whatever their status."""
+        return self._search(exp_id, f"tags.`{POINT_HASH}` = '{point_hash}'")
+
+    def open_claim(self, exp_id: str, parent_id: str | None, point_hash: str, label: str, now: int) -> str:
+        """A claim on a point (``cachelab.experiment.claims``): a RUNNING run under the parent."""
+        tags = {KIND: CLAIM, POINT_HASH: point_hash, OWNER: owner(), HEARTBEAT: str(now)}
+        if parent_id:
+            tags["mlflow.parentRunId"] = parent_id
+        return self.client.create_run(exp_id, start_time=now, tags=tags, run_name=f"{label} (claimed)").info.run_id
 
     def parent_run(self, exp_id: str, record: Record) -> str:
         """The parent run of this spec: the latest one with its hash, or a new one. One reused takes
