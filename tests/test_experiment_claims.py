@@ -18,8 +18,8 @@ from test_experiment_run import _points, mlflow_server
 
 from cachelab.experiment import claims as claims_module
 from cachelab.experiment.claims import Claims
-from cachelab.experiment.records import Record, now_ms
-from cachelab.experiment.runner import grid, run_experiment
+from cachelab.experiment.records import Outbox, Record, now_ms
+from cachelab.experiment.runner import grid, run_experiment, sync_outbox
 from cachelab.experiment.spec import load_spec
 from cachelab.experiment.tracking import CLAIM, HEARTBEAT, KIND, OWNER, POINT_HASH, Tracker
 
@@ -133,3 +133,20 @@ def test_a_sweep_waits_for_a_point_another_sweep_holds_and_runs_it_if_that_sweep
     finished = [r.data.tags[POINT_HASH] for r in _points(mlflow_uri, "held")]
     assert sorted(finished) == sorted(keys)
     assert _claims_left(mlflow_uri, "held") == []
+
+
+def test_sync_leaves_a_point_another_sweep_runs_now_until_that_sweep_ends_it(tmp_path, mlflow_uri):
+    """Sync sent a waiting record though another sweep (another runs dir or machine) was running that point:
+    two FINISHED runs of it once that one ended. It now claims the point first: held, the record waits."""
+    tracker = Tracker(mlflow_uri)
+    exp_id = tracker.experiment_id("synced")
+    outbox = Outbox(tmp_path / "outbox")
+    parent = tracker.client.create_run(exp_id, tags={KIND: "experiment"}).info.run_id
+    claim = _claim_of(tracker, exp_id, "busy", "elsewhere.example:1:1", now_ms())
+    outbox.write(Record(hash="busy", label="busy", params={}, metrics={"x": 1.0}, start_ms=1, end_ms=2))
+    assert sync_outbox(tracker, outbox, "synced") == 0 and outbox.keys() == ["busy"]  # the other sweep runs it
+    tracker.log_point(exp_id, parent, Record(hash="busy", label="busy", params={}, metrics={"x": 2.0},
+                                             start_ms=3, end_ms=4))
+    tracker.client.delete_run(claim)
+    assert sync_outbox(tracker, outbox, "synced") == 0 and outbox.keys() == []  # it finished there: dropped
+    assert [r.data.metrics for r in tracker.point_runs(exp_id, "busy")] == [{"x": 2.0}]

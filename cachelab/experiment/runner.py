@@ -387,7 +387,8 @@ def sync(tracker: Tracker, outbox: Outbox, name: str) -> tuple[int, int]:
 
 
 def sync_outbox(tracker: Tracker, outbox: Outbox, name: str) -> int:
-    """Send every waiting record to ``tracker``; points already FINISHED there are dropped.
+    """Send every waiting record to ``tracker``; points already FINISHED there are dropped, and one
+    another sweep runs now (``Claims``) kept for a later sync, which drops it once that one ends it.
     A parent that waited gets its results table and report once its points are in, as a
     tracked run would. Returns how many point records were sent."""
     keys = outbox.keys()
@@ -399,17 +400,25 @@ def sync_outbox(tracker: Tracker, outbox: Outbox, name: str) -> int:
     parent_id = tracker.parent_run(exp_id, parent) if parent else None
     if parent is not None:
         tracker.log_record(parent_id, parent)
-    sent = 0
+    sent, claims = 0, Claims(tracker, exp_id, parent_id)
     for key in keys:
         if key == PARENT:
             continue
-        if key not in finished:
-            if parent_id is None:  # points without their parent's record: attach to the latest
-                latest, _ = tracker.experiment_runs(name)
-                parent_id = latest.info.run_id
-            tracker.log_point(exp_id, parent_id, outbox.read(key))
-            sent += 1
+        if key in finished:
+            outbox.remove(key)
+            continue
+        record = outbox.read(key)
+        if record.status == "FINISHED" and not claims.take(key, record.label):  # finished meanwhile, or another
+            if key not in claims.waiting:  # sweep runs it now: when that one ends it, this record is not sent twice
+                outbox.remove(key)
+            continue
+        if parent_id is None:  # points without their parent's record: attach to the latest
+            latest, _ = tracker.experiment_runs(name)
+            parent_id = latest.info.run_id
+        tracker.log_point(exp_id, parent_id, record)
+        sent += 1
         outbox.remove(key)
+        claims.release(key)
     if parent is not None:
         spec = parse_spec(json.loads(parent.artifacts["spec/resolved.json"]),
                           where=f"{outbox.root / PARENT} (spec/resolved.json)")
