@@ -18,7 +18,7 @@ from test_experiment_run import _points, mlflow_server
 
 from cachelab.experiment import claims as claims_module
 from cachelab.experiment.claims import Claims
-from cachelab.experiment.records import Outbox, Record, now_ms
+from cachelab.experiment.records import Outbox, Record, failed_key, now_ms
 from cachelab.experiment.runner import grid, run_experiment, sync_outbox
 from cachelab.experiment.spec import load_spec
 from cachelab.experiment.tracking import CLAIM, HEARTBEAT, KIND, OWNER, POINT_HASH, Tracker
@@ -150,3 +150,21 @@ def test_sync_leaves_a_point_another_sweep_runs_now_until_that_sweep_ends_it(tmp
     tracker.client.delete_run(claim)
     assert sync_outbox(tracker, outbox, "synced") == 0 and outbox.keys() == []  # it finished there: dropped
     assert [r.data.metrics for r in tracker.point_runs(exp_id, "busy")] == [{"x": 2.0}]
+
+
+def test_sync_sends_a_failed_record_a_kill_left_after_tracking_it_once(tmp_path, mlflow_uri):
+    """A failed point's record is tracked, then a kill (Ctrl-C) comes before the outbox drops it: the next run
+    or sync sent it again (a finished one is dropped as FINISHED there), two FAILED runs of one failure."""
+    tracker = Tracker(mlflow_uri)
+    exp_id = tracker.experiment_id("synced")
+    outbox = Outbox(tmp_path / "outbox")
+    parent = tracker.client.create_run(exp_id, tags={KIND: "experiment"}).info.run_id
+    failed = Record(hash="bad", label="bad", params={}, metrics={}, start_ms=now_ms(), end_ms=now_ms(),
+                    status="FAILED", tags={"cachelab.error": "RuntimeError: no"})
+    outbox.write(failed, failed_key("bad"))
+    tracker.log_point(exp_id, parent, failed)  # tracked, then killed before the outbox dropped it
+    assert sync_outbox(tracker, outbox, "synced") == 0 and outbox.keys() == []
+    assert [r.info.status for r in tracker.point_runs(exp_id, "bad")] == ["FAILED"]
+    again = Record(**{**failed.__dict__, "start_ms": failed.start_ms + 1})  # the point failed again in a rerun
+    outbox.write(again, failed_key("bad"))
+    assert sync_outbox(tracker, outbox, "synced") == 1

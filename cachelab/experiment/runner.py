@@ -30,7 +30,7 @@ from cachelab.experiment.sweep import Point, config_hash, expand
 from cachelab.engine.mrc import miss_ratio_curve
 from cachelab.errors import CachelabError
 from cachelab.experiment.workload import Workload, build_workload, load_workload, workload_key, workload_stats
-from cachelab.experiment.tracking import (ERROR, INPUTS, MAX_TAG, Tracker, TrackingUnavailable, cut_visibly,
+from cachelab.experiment.tracking import (ERROR, INPUTS, KIND, MAX_TAG, Tracker, TrackingUnavailable, cut_visibly,
                                           refused_key, resolve_uri)
 from cachelab.paths import cache_dir
 from cachelab.progress import progress_bar
@@ -357,6 +357,12 @@ def grid(spec: ExperimentSpec) -> list[Point]:
     return list({p.hash: p for p in expand(spec)}.values())
 
 
+def _tracked(tracker: Tracker, exp_id: str, record: Record) -> bool:
+    """A FAILED point record's run is in the store already (same point, same start)."""
+    return any(r.data.tags.get(KIND) == "point" and r.info.status == record.status
+               and r.info.start_time == record.start_ms for r in tracker.point_runs(exp_id, record.hash))
+
+
 def _finish_parent(tracker: Tracker, name: str, exp_id: str, parent_id: str, hashes: list[str], out: Path,
                    failed: bool) -> str:
     """Give the parent run its results table and report (also written to ``out``) and end
@@ -408,8 +414,12 @@ def sync_outbox(tracker: Tracker, outbox: Outbox, name: str) -> int:
             outbox.remove(key)
             continue
         record = outbox.read(key)
-        if record.status == "FINISHED" and not claims.take(key, record.label):  # finished meanwhile, or another
-            if key not in claims.waiting:  # sweep runs it now: when that one ends it, this record is not sent twice
+        if record.status != "FINISHED":  # sent already when a kill came before its removal: not twice
+            if _tracked(tracker, exp_id, record):
+                outbox.remove(key)
+                continue
+        elif not claims.take(key, record.label):  # finished meanwhile, or another sweep runs it now: when
+            if key not in claims.waiting:         # that one ends it, this record is not sent twice
                 outbox.remove(key)
             continue
         if parent_id is None:  # points without their parent's record: attach to the latest
