@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 from cachelab.cli import app
 from cachelab.errors import CachelabError
-from cachelab.serving.agentic import (BASE_MAX_ISL, CORPUS_INPUT_TOKENS, CORPUS_OUTPUT_TOKENS, CORPUS_REQUESTS,
-                                      INPUT_SIGMA, MAX_CONTEXT, MEDIAN_INPUT, MEDIAN_OUTPUT, OUTPUT_SIGMA,
+from cachelab.serving.agentic import (BASE_MAX_ISL, CORPUS_OUTPUT_TOKENS, CORPUS_REQUESTS, INPUT_MEDIAN_DRAWN,
+                                      INPUT_SIGMA, MAX_CONTEXT, MEDIAN_OUTPUT, OUTPUT_SIGMA,
                                       PREFIX_HIT_NO_SUBAGENTS, THINK_MEDIAN_S, THINK_SIGMA, agentic_workload,
                                       carried_gaps)
 from cachelab.serving.hardware import load_profile
@@ -234,13 +234,13 @@ def test_agentic_mean_output_is_the_corpus_cards():
     # The card of 062126 gives 106,474,498 output tokens over 98,827 requests (1,077.4 a request, the replay
     # sends each recorded length): the output spread is the one that gives that mean at the 444 median. The
     # assumed sigma 1.0 gave 732 (the study's draws 742, 24 standard errors under). The study's own draws (seed
-    # 0) and a larger sample meet the card within three standard errors of their mean. The mean input stays
-    # under the card's 218,922: no lognormal with a 142k median reaches it once the draws over the cap are dropped.
+    # 0) and a larger sample meet the card within three standard errors of their mean. The mean input, which
+    # no lognormal with a 142k median reaches once the draws over the cap are dropped, is met by the counted
+    # spread (test_unsourced_terms).
     for wl in (agentic_workload(), agentic_workload(samples=16384, seed=1)):
         out = wl.output_tokens
         assert abs(out.mean() - CORPUS_OUTPUT_TOKENS / CORPUS_REQUESTS) < 3 * out.std() / np.sqrt(out.size)
         assert np.median(out) == pytest.approx(MEDIAN_OUTPUT, rel=0.05)
-        assert (wl.new_tokens + wl.cached_tokens).mean() < 0.95 * CORPUS_INPUT_TOKENS / CORPUS_REQUESTS
 
 
 def test_agentic_inputs_over_the_corpus_cap_are_dropped_not_truncated():
@@ -249,14 +249,14 @@ def test_agentic_inputs_over_the_corpus_cap_are_dropped_not_truncated():
     # nothing piles up at a cut (the old model clipped 5.2% of the inputs to half the window).
     wl = agentic_workload(samples=8192, seed=1)
     rng = np.random.default_rng(1)
-    raw = np.round(MEDIAN_INPUT * rng.lognormal(0.0, INPUT_SIGMA, 8192))
+    raw = np.round(INPUT_MEDIAN_DRAWN * rng.lognormal(0.0, INPUT_SIGMA, 8192))
     assert np.array_equal(wl.new_tokens + wl.cached_tokens, raw[raw <= BASE_MAX_ISL])
-    assert 0 < (raw > BASE_MAX_ISL).sum() < 0.02 * raw.size
+    assert 0 < (raw > BASE_MAX_ISL).sum() < 0.1 * raw.size  # 8.2% of the counted spread's lognormal
     assert wl.output_tokens.size == wl.think_s.size == wl.new_tokens.size
     assert (wl.context_tokens <= MAX_CONTEXT).all()  # vLLM's --max-model-len check refuses none
 
 
-def _raw_draws(samples: int, seed: int, median_input: float = MEDIAN_INPUT, median_output: float = MEDIAN_OUTPUT):
+def _raw_draws(samples: int, seed: int, median_input: float = INPUT_MEDIAN_DRAWN, median_output: float = MEDIAN_OUTPUT):
     rng = np.random.default_rng(seed)  # the workload's own draws, in its order
     inp = np.round(median_input * rng.lognormal(0.0, INPUT_SIGMA, samples))
     out = np.maximum(1.0, np.round(median_output * rng.lognormal(0.0, OUTPUT_SIGMA, samples)))

@@ -358,8 +358,9 @@ def study_semianalysis(
                                      f"cache ({PREFIX_HIT}: AgentX's 062126 corpus, the one the V4.1 runs replayed; "
                                      f"{PREFIX_HIT_NO_SUBAGENTS}: its no-subagents corpus of May)."),
     unsourced_ranges: bool = typer.Option(False, help="Also read the keys across the plausible range of the terms no "
-                                          "source pins: the agentic think time and input spread as third parties' "
-                                          "counts of the trace give them, and an SSD host cost per token of context "
+                                          "source pins: the agentic think time as third parties' counts of the trace "
+                                          "give it, the input spread assumed before a count gave one, and an SSD host "
+                                          "cost per token of context "
                                           "(a what-if; about 140 s of CPU more)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
