@@ -1,8 +1,9 @@
-"""Chats in ``cachelab serve`` rendered as DeepSeek-V4 renders them in chat mode (its turn layout,
-content parts, ``</think>`` after each assistant tag, an assistant's ``tool_calls`` and ``tool``
+"""Chats in ``cachelab serve`` rendered as DeepSeek-V4 renders them in thinking mode (vLLM's default
+for V4) and chat mode (its turn layout, content parts, an assistant's ``tool_calls`` and ``tool``
 messages), checked token for token against DeepSeek-V4's own encoding (its encoding_dsv4, as vLLM
 0.32 ships it), through the official openai client."""
 
+import itertools
 import json
 
 import openai
@@ -69,9 +70,10 @@ CHATS = [
 ]
 
 
-def v4_prompt(messages: list[dict]) -> str:
-    """V4's encoding in chat mode, ``</think>`` after each assistant tag included (cachelab wrote
-    none)."""
+def v4_prompt(messages: list[dict], thinking: bool) -> str:
+    """V4's encoding as vLLM calls it: thinking mode at effort high (its default), or chat mode."""
+    if thinking:
+        return deepseek_v4_encoding().encode_messages(messages, thinking_mode="thinking", reasoning_effort="high")
     return deepseek_v4_encoding().encode_messages(messages, thinking_mode="chat")
 
 
@@ -88,11 +90,11 @@ def test_tool_history_renders_as_deepseek_v4_renders_it(server):
     url, _ = server
     tokenizer = load_tokenizer(DEEPSEEK_V4)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", timeout=T)
-    for sent, seen in CHATS:
-        want = tokenizer.encode(v4_prompt(seen or sent), add_special_tokens=False).ids
-        got = client.chat.completions.create(model=MODEL, messages=sent, max_tokens=1,
-                                             extra_body={"return_token_ids": True})
-        assert got.model_extra["prompt_token_ids"] == want, sent
+    for (sent, seen), thinking in itertools.product(CHATS, (True, False)):
+        want = tokenizer.encode(v4_prompt(seen or sent, thinking), add_special_tokens=False).ids
+        got = client.chat.completions.create(model=MODEL, messages=sent, max_tokens=1, extra_body={
+            "return_token_ids": True, **({} if thinking else {"chat_template_kwargs": {"thinking": False}})})
+        assert got.model_extra["prompt_token_ids"] == want, (sent, thinking)
 
 
 def test_a_tool_call_of_another_type_or_without_a_name_is_a_400(server):
@@ -122,4 +124,4 @@ def test_continuing_a_final_message_without_text_is_a_400_in_transformers_words(
     got = client.chat.completions.create(model=MODEL, max_tokens=1, messages=[
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}],
         extra_body={"continue_final_message": True, "add_generation_prompt": False, "return_prompt_text": True})
-    assert got.model_extra["prompt_text"].endswith("<｜Assistant｜></think>")
+    assert got.model_extra["prompt_text"].endswith("<｜Assistant｜><think></think>")

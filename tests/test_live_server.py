@@ -573,9 +573,17 @@ CHATS = [  # chats of every shape the template meets: roles, content parts, cont
     [USER_HI, {"role": "assistant", "content": None, "tool_calls": [  # tool history: a DSML block, one user turn
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": "x", "b": [1, 2]}'}}]},
      {"role": "tool", "tool_call_id": "c", "content": "r"}, USER_HI],
+    [USER_HI, {"role": "assistant", "content": "a", "reasoning": "r"}, {"role": "developer", "content": "d"},
+     {"role": "user", "content": "u"}, {"role": "assistant", "content": "b", "reasoning_content": "r2"}],
+    [{"role": "developer", "content": ""}, USER_HI], [USER_HI, {"role": "latest_reminder", "content": "rem"}],
+    [USER_HI, {"role": "latest_reminder", "content": "rem"}, {"role": "assistant", "content": "a"}],
 ]
 CHAT_OPTIONS = [{}, {"add_generation_prompt": False}, {"continue_final_message": True},
                 {"continue_final_message": True, "add_generation_prompt": False}]
+# V4's modes as a request picks them (thinking is the default): chat mode, or thinking at another effort
+MODES = [{"reasoning_effort": "none"}, {"chat_template_kwargs": {"enable_thinking": False}},
+         {"reasoning_effort": "low", "chat_template_kwargs": {"drop_thinking": False}},
+         {"chat_template_kwargs": {"thinking": True, "reasoning_effort": "max", "unknown": 1}}]
 CONTINUED = [[USER_HI, {"role": "assistant", "content": "Sure, "}], [{"role": "system", "content": "s"}, USER_HI],
              [USER_HI, {"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b "}]}],
              [USER_HI, {"role": "assistant", "content": None}], [USER_HI, {"role": "function", "content": "x"}]]
@@ -584,7 +592,7 @@ CONTINUED = [[USER_HI, {"role": "assistant", "content": "Sure, "}], [{"role": "s
 def rendered_chats(base_url: str, model: str) -> list:
     """Each chat's status and, when served, its prompt's text and token ids (how the server
     rendered and tokenized it: vLLM's ``return_prompt_text`` and ``return_token_ids``)."""
-    bodies = [{"messages": m, **o} for m in CHATS for o in CHAT_OPTIONS[:2]]
+    bodies = [{"messages": m, **o} for m in CHATS for o in CHAT_OPTIONS[:2] + MODES]
     bodies += [{"messages": m, **CHAT_OPTIONS[3]} for m in CONTINUED] + [{"messages": CONTINUED[0], **CHAT_OPTIONS[2]}]
     out = []
     with httpx.Client(timeout=T) as client:
@@ -600,11 +608,12 @@ def rendered_chats(base_url: str, model: str) -> list:
 
 @pytest.mark.slow
 def test_chats_render_as_the_real_vllm_renders_them(server, vllm_server):
-    """The peer renders a chat with serve's format as a Jinja template; the prompts vLLM makes of
+    """The peer renders a chat with V4's format as a Jinja template; the prompts vLLM makes of
     the same chats are serve's, token for token: text parts joined by blank lines (read as parts,
     as V4's renderer reads them), a part with a null text skipped (serve wrote ``None``), refusal and thinking parts
-    read as text, ``function`` messages taken, ``add_generation_prompt: false`` and
-    ``continue_final_message`` served (both were refused), and the same refusals."""
+    read as text, ``add_generation_prompt: false`` and ``continue_final_message`` served (both were
+    refused), thinking mode by default and each mode a request picks (serve rendered chat mode
+    only and refused ``chat_template_kwargs``), and the same refusals (an unknown role rendered)."""
     url, _ = server
     theirs = rendered_chats(vllm_server.base_url, vllm_server.model)
     ours = rendered_chats(url, MODEL)
@@ -624,6 +633,9 @@ TOKENIZE = [  # vLLM's /tokenize and /detokenize: prompts, chats, options, odd b
     ("tokenize", {"messages": []}), ("tokenize", {"messages": [{"role": "user", "content": None}]}),
     ("tokenize", {}), ("tokenize", {"prompt": [1, 2]}), ("tokenize", {"prompt": "hi", "foo": 1}),
     ("tokenize", {"messages": [USER_HI], "chat_template": "{{ messages }}"}),
+    ("tokenize", {"messages": [USER_HI], "chat_template_kwargs": {"thinking": False}}),
+    ("tokenize", {"messages": [USER_HI, {"role": "assistant", "content": "a", "reasoning": "r"}],
+                  "chat_template_kwargs": {"reasoning_effort": "low"}}),
     ("detokenize", {"tokens": [0, 33310, 2058, 1]}), ("detokenize", {"tokens": [0, 999_999, 33310]}),
     ("detokenize", {"tokens": []}), ("detokenize", {"tokens": [-1]}), ("detokenize", {"tokens": [2 ** 40]}),
     ("detokenize", {"tokens": "hi"}), ("detokenize", {}),
@@ -920,7 +932,6 @@ def test_fields_vllm_refuses_or_would_answer_are_not_silently_dropped(server):
                          # as vLLM: continuing the last message needs add_generation_prompt off (no param)
                          ({"continue_final_message": True}, None),
                          ({"chat_template": "{{ messages }}"}, "chat_template"),
-                         ({"chat_template_kwargs": {"thinking": True}}, "chat_template_kwargs"),
                          ({"documents": [{"text": "d"}]}, "documents")):
         r = httpx.post(f"{url}/v1/chat/completions", json={**chat, **extra}, timeout=30)
         assert (r.status_code, r.json()["error"]["param"]) == (400, param), r.text
@@ -1572,7 +1583,9 @@ def answers_field_by_field(base_url: str, model: str, words: list[str]) -> dict:
     out["models"] = httpx.get(f"{base_url}/v1/models", timeout=T).json()
     out["load"] = httpx.get(f"{base_url}/load", timeout=T).json()
     out["404"] = httpx.post(f"{base_url}/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=T).json()
-    chat = {"model": model, "messages": [{"role": "user", "content": " ".join(words)}], "max_tokens": 2}
+    # in chat mode: thinking mode's effort text opens every chat, its blocks cached by the first
+    chat = {"model": model, "messages": [{"role": "user", "content": " ".join(words)}], "max_tokens": 2,
+            "chat_template_kwargs": {"thinking": False}}
     out["chat usage"] = [httpx.post(f"{base_url}/v1/chat/completions", json=chat, timeout=T).json()["usage"]
                          for _ in range(2)]
     return out
@@ -1689,7 +1702,9 @@ def test_forced_usage_reaches_a_client_behind_the_capture_proxy_as_it_does_direc
         return [{k: v for k, v in e.items() if k not in ("id", "created")} for e in got]
 
     requests = [("completions", {"prompt": "Engram rows"}),
-                ("chat/completions", {"messages": [{"role": "user", "content": "hello"}]}),
+                # chat mode: thinking mode's effort text fills blocks, which the proxied request would hit
+                ("chat/completions", {"messages": [{"role": "user", "content": "hello"}],
+                                      "chat_template_kwargs": {"thinking": False}}),
                 ("completions", {"prompt": "Engram rows", "stream_options": {"continuous_usage_stats": True}})]
     recorder = Recorder(tmp_path / "cap")
     opts = ServeOptions(port=0, threads=1, kv_cache_tokens=8192, enable_force_include_usage=True)

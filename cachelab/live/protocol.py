@@ -1,4 +1,4 @@
-"""The OpenAI API as the live server speaks it: request models, the chat template, responses.
+"""The OpenAI API as the live server speaks it: request models and responses (chats rendered by chat_format).
 
 Field names are OpenAI's, plus vLLM's extensions where vLLM has one: ``return_token_ids``
 (``prompt_token_ids`` and ``token_ids`` in each choice of a completion; ``prompt_token_ids``
@@ -12,21 +12,16 @@ shape: ``{"error": {"message", "type", "param", "code"}}``.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import time
 import uuid
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cachelab.live.sampling import SamplingParams
 
-BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
-USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
-# an assistant turn as V4's chat mode opens it: its tag, then its thinking closed at once (none is written)
-OPEN = ASSISTANT + "</think>"
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 408: "RequestTimeoutError",
                413: "RequestEntityTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
@@ -152,11 +147,11 @@ class _Sampling(BaseModel):
         other than text, and vLLM's extensions that bias, restrict
         or truncate (an empty ``bad_words`` or ``logit_bias`` is no change, so it passes), and
         those of a chat that change its prompt beyond DeepSeek's template (vLLM's ``echo``, a
-        ``chat_template``, its kwargs, ``documents``). A ``cache_salt`` too, even empty (vLLM
+        ``chat_template``, ``documents``). A ``cache_salt`` too, even empty (vLLM
         refuses that one): served, a salted prompt hit other salts' blocks."""
         fields = ("tools", "echo", "suffix", "top_logprobs", "logprob_token_ids", "logit_bias",
                   "allowed_token_ids", "bad_words", "use_beam_search", "structured_outputs",
-                  "chat_template", "chat_template_kwargs", "documents")
+                  "chat_template", "documents")
         refused = [f for f in fields if getattr(self, f, None)]
         refused += [f for f in ("prompt_logprobs", "truncate_prompt_tokens", "cache_salt", "prompt_embeds")
                     if getattr(self, f, None) is not None]
@@ -212,6 +207,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[dict] | None = None  # an assistant's, OpenAI's shape: {id, type, function: {name, arguments}}
     tool_call_id: str | None = None  # a tool message's: the call it answers
+    reasoning: Any = None  # an assistant's thinking, written back in thinking mode (V4 writes any value as text)
 
     def parts(self) -> list[str] | None:
         """The message's text parts as vLLM hands them to DeepSeek-V4's encoding (a string is one
@@ -245,8 +241,20 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
-    chat_template_kwargs: dict | None = None
+    chat_template_kwargs: dict | None = None  # read as vLLM's V4 renderer reads them: chat_format.chat_mode
     documents: list[dict] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reasoning_content(cls, data):
+        """vLLM's: an assistant's ``reasoning_content`` (the deprecated name) is its ``reasoning``
+        where that is null (a chat completion's; its /tokenize reads ``reasoning`` alone)."""
+        if isinstance(data, dict) and isinstance(data.get("messages"), list):
+            data = {**data, "messages": [{**m, "reasoning": m["reasoning_content"]} if isinstance(m, dict) and
+                                         m.get("reasoning_content") is not None and m.get("reasoning") is None else m
+                                         for m in data["messages"]]}
+        return data
 
     def check(self) -> None:
         """vLLM's refusals of a chat its schema takes: an empty ``tools`` list, a ``tool_choice``
@@ -268,9 +276,13 @@ CONTINUE_WITH_PROMPT = ("continue_final_message and add_generation_prompt are no
 
 def check_chat(req: ChatCompletionRequest | TokenizeChatRequest) -> None:
     """vLLM's refusals of a chat to render, in its words (the real server's): continuing the last
-    message while adding the generation prompt, and a null content in any message but an
+    message while adding the generation prompt, a template in ``chat_template_kwargs`` (vLLM's
+    without ``--trust-request-chat-template``), and a null content in any message but an
     assistant's or a named function's (its message types let only those be null; a message
     without content is an empty one)."""
+    if (req.chat_template_kwargs or {}).get("chat_template") is not None:
+        raise invalid("Chat template is passed with request, but --trust-request-chat-template is not set. "
+                      "Refused request with untrusted chat template.")
     if req.continue_final_message and req.add_generation_prompt:
         raise invalid("Cannot set both `continue_final_message` and `add_generation_prompt` to True."
                       if "add_generation_prompt" in req.model_fields_set else CONTINUE_WITH_PROMPT)
@@ -303,12 +315,12 @@ class TokenizeChatRequest(BaseModel):
     return_token_strs: bool | None = False
     tools: list[dict] | None = None
     chat_template: str | None = None
-    chat_template_kwargs: dict | None = None
+    chat_template_kwargs: dict | None = None  # as a chat completion's (vLLM's /tokenize has no reasoning_effort)
 
     def check(self) -> None:
         """A chat completion's refusals, and fields that would render another prompt than a chat
         completion's (which refuses them too)."""
-        if refused := [f for f in ("tools", "chat_template", "chat_template_kwargs") if getattr(self, f)]:
+        if refused := [f for f in ("tools", "chat_template") if getattr(self, f)]:
             raise APIError(400, f"{refused[0]} is not supported by this server", refused[0])
         check_chat(self)
 
@@ -319,104 +331,6 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0, le=2 ** 63 - 1)]]
-
-
-_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker of the text to continue
-DSML = "｜DSML｜"  # DeepSeek-V4's tool-call markup token
-
-
-def _arguments(function: dict) -> dict:
-    """A call's arguments as vLLM hands them to the template: a JSON object string parsed, and
-    anything else (empty, not JSON, JSON but not an object) an empty object, as vLLM coerces it."""
-    args = function.get("arguments")
-    if isinstance(args, str) and args:
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            args = None
-    return args if isinstance(args, dict) else {}
-
-
-def _tool_calls(index: int, calls: list[dict]) -> str:
-    """An assistant's tool calls in DeepSeek-V4's DSML block (its encoding_dsv4's, vLLM's
-    ``deepseek_v4_encoding``): each argument a parameter, a string as is, any other value as JSON."""
-    invokes = []
-    for j, call in enumerate(calls):
-        function = call.get("function")
-        if call.get("type", "function") != "function" or not isinstance(function, dict):  # vLLM's words
-            raise invalid("chat completions only support assistant tool_calls of type 'function'.", "tool_calls")
-        if not isinstance(name := function.get("name"), str):
-            raise APIError(400, f"messages.{index}.tool_calls.{j}.function.name: a tool call needs its function's "
-                                "name as a string", f"messages.{index}.tool_calls.{j}.function.name")
-        params = "\n".join(f'<{DSML}parameter name="{k}" string="{str(isinstance(v, str)).lower()}">'
-                           f'{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}</{DSML}parameter>'
-                           for k, v in _arguments(function).items())
-        invokes.append(f'<{DSML}invoke name="{name}">\n{params}\n</{DSML}invoke>')
-    return f"\n\n<{DSML}tool_calls>\n" + "\n".join(invokes) + f"\n</{DSML}tool_calls>"
-
-
-def _user_turn(blocks: list[tuple[str | None, str]], order: dict[str, int]) -> str:
-    """Consecutive user and tool messages as DeepSeek-V4 merges them into one user turn: their
-    blocks joined by blank lines, each tool result in ``<tool_result>`` and the results put in the
-    order of the calls they answer (``order``: the last assistant's call ids), texts staying put."""
-    results = iter(sorted((b for b in blocks if b[0] is not None), key=lambda b: order.get(b[0], 0)))
-    return USER + "\n\n".join(f"<tool_result>{next(results)[1]}</tool_result>" if key is not None else text
-                                for key, text in blocks)
-
-
-def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool = True,
-                continue_final_message: bool = False) -> str:
-    """DeepSeek-V4's chat format as its own encoding writes it in chat mode (vLLM's
-    ``deepseek_v4_encoding``): BOS, then each message in its place, a system message as its bare
-    text, a developer message and a user turn after ``<｜User｜>``, an assistant's text (and its
-    ``tool_calls`` in a DSML block) closed by EOS, and ``OPEN`` wherever an assistant turn
-    follows another role's, at the end too (the prompt to generate) unless
-    ``add_generation_prompt`` is off. User and tool messages in a row are one user turn
-    (``_user_turn``). A message of another role, OpenAI's old ``function`` say, is left out.
-    ``continue_final_message``: the prompt ends where the last message's text does, so the model
-    continues it (transformers' way, which vLLM uses: render with a marker after that text, cut there)."""
-    texts = [m.text() for m in messages]
-    if continue_final_message:
-        if not messages[-1].parts():  # transformers' words: the marker goes after the last text part
-            raise invalid("continue_final_message is set but we could not find any text to continue in the final "
-                          "message!")
-        texts[-1] += _CONTINUE_TAG
-    out = [BOS]
-    turn: list[tuple[str | None, str]] = []  # the user turn open: (a tool result's call id, or None; its text)
-    order: dict[str, int] = {}
-    last = None  # the role of the last message written (a user turn's: user)
-    for i, (m, text) in enumerate(zip(messages, texts)):
-        if m.role in ("user", "tool"):
-            turn.append((m.tool_call_id or "", text) if m.role == "tool" else (None, text))
-            last = "user"
-            continue
-        if m.role not in ("system", "developer", "assistant"):
-            continue
-        if turn:
-            out.append(_user_turn(turn, order))
-            turn = []
-        if m.role == "system":
-            out.append(text)
-        elif m.role == "developer":
-            out += [USER, text]
-        else:
-            calls = _tool_calls(i, m.tool_calls) if m.tool_calls else ""
-            out += [OPEN if last not in (None, "assistant") else "", text + calls, EOS]
-            if m.tool_calls:
-                order = {cid: j for j, c in enumerate(m.tool_calls)
-                         if (cid := c.get("id") or (c.get("function") or {}).get("id"))}
-        last = m.role
-    if turn:
-        out.append(_user_turn(turn, order))
-    if add_generation_prompt and last != "assistant":
-        out.append(OPEN)
-    prompt = "".join(out)
-    if continue_final_message:
-        if _CONTINUE_TAG not in prompt:
-            raise APIError(400, f"continue_final_message is set but the final message (a {messages[-1].role} "
-                                "message) does not appear in the chat after applying the chat template", "messages")
-        prompt = prompt[:prompt.rindex(_CONTINUE_TAG)]
-    return prompt
 
 
 # a JSON escape of a UTF-16 surrogate (D800-DFFF): a pair decodes to one character, a lone one to a str that no

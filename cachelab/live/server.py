@@ -39,10 +39,11 @@ from cachelab.capture.recorder import endpoint_domain
 from cachelab.engram.vocab import token_ids
 from cachelab.errors import CachelabError
 from cachelab.live.admission import RequestError, check_prompt
+from cachelab.live.chat_format import chat_mode, chat_prompt
 from cachelab.live.engine import LiveEngine, RequestOutput
 from cachelab.live.metrics import EngineMetrics
 from cachelab.live.protocol import (INVALID_BODY, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                    TokenizeChatRequest, TokenizeCompletionRequest, chat_prompt, chunk_body,
+                                    TokenizeChatRequest, TokenizeCompletionRequest, chunk_body,
                                     completion_body, invalid, lone_surrogate, new_id, usage, usage_chunk)
 
 MAX_N = 16_384  # choices per prompt at most, vLLM's VLLM_MAX_N_SEQUENCES
@@ -371,7 +372,8 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
     async def chat_completions(request: Request):
         req, arrival = await read_json(request, ChatCompletionRequest), time.perf_counter()
         req.check()
-        text = chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message)
+        text = chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
+                           chat_mode(req.chat_template_kwargs, req.reasoning_effort))
         ids, = await tokenized([text])
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         return await run(request, req, [ids], [prepare(ids, getattr(req, field), req, field, text=True)], True, arrival,
@@ -404,7 +406,8 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
         req = validated(data, TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest)
         if isinstance(req, TokenizeChatRequest):
             req.check()
-            text = chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message)
+            text = chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
+                               chat_mode(req.chat_template_kwargs))
         else:
             text = req.prompt
         ids, = await asyncio.to_thread(token_ids, tokenizer, [text], req.add_special_tokens)
