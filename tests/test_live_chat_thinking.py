@@ -106,3 +106,20 @@ def test_a_template_in_the_kwargs_is_refused_in_vllms_words(server):
                                        extra_body={"chat_template_kwargs": {"chat_template": "{{ messages }}"}})
     assert err.value.body["message"].startswith("Chat template is passed with request, but "
                                                  "--trust-request-chat-template is not set."), err.value.body
+
+
+def test_a_developer_messages_tools_are_refused_as_a_requests_are(server):
+    """vLLM hands a developer message's ``tools`` to V4, which offers them to the model in that
+    message (and then keeps every reasoning); serve left them out, a prompt other than vLLM's,
+    where a request's ``tools`` are refused. Now refused too, the message's field named."""
+    url, _ = server
+    tool = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}
+    developer = {"role": "developer", "content": "d", "tools": [tool]}
+    (_, offered), (_, plain) = v4_rendered([{"messages": [developer, U]},
+                                            {"messages": [{**developer, "tools": None}, U]}])
+    assert "## Tools" in offered and "## Tools" not in plain
+    for path, body in (("v1/chat/completions", {"max_tokens": 1}), ("tokenize", {})):
+        r = httpx.post(f"{url}/{path}", json={"model": MODEL, "messages": [U, developer], **body}, timeout=T)
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "messages.1.tools"), r.text
+    assert httpx.post(f"{url}/tokenize", json={"model": MODEL, "messages": [U, {**developer, "tools": []}]},
+                      timeout=T).status_code == 200

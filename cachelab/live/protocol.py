@@ -208,6 +208,7 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict] | None = None  # an assistant's, OpenAI's shape: {id, type, function: {name, arguments}}
     tool_call_id: str | None = None  # a tool message's: the call it answers
     reasoning: Any = None  # an assistant's thinking, written back in thinking mode (V4 writes any value as text)
+    tools: Any = None  # a developer message's tools, which V4 offers the model: refused (check_chat)
 
     def parts(self) -> list[str] | None:
         """The message's text parts as vLLM hands them to DeepSeek-V4's encoding (a string is one
@@ -279,7 +280,8 @@ def check_chat(req: ChatCompletionRequest | TokenizeChatRequest) -> None:
     message while adding the generation prompt, a template in ``chat_template_kwargs`` (vLLM's
     without ``--trust-request-chat-template``), and a null content in any message but an
     assistant's or a named function's (its message types let only those be null; a message
-    without content is an empty one)."""
+    without content is an empty one). A developer message's ``tools`` are refused as a request's
+    are (V4 offers them to the model)."""
     if (req.chat_template_kwargs or {}).get("chat_template") is not None:
         raise invalid("Chat template is passed with request, but --trust-request-chat-template is not set. "
                       "Refused request with untrusted chat template.")
@@ -287,6 +289,8 @@ def check_chat(req: ChatCompletionRequest | TokenizeChatRequest) -> None:
         raise invalid("Cannot set both `continue_final_message` and `add_generation_prompt` to True."
                       if "add_generation_prompt" in req.model_fields_set else CONTINUE_WITH_PROMPT)
     for i, m in enumerate(req.messages):
+        if m.role == "developer" and m.tools:
+            raise APIError(400, f"messages.{i}.tools is not supported by this server", f"messages.{i}.tools")
         nullable = m.role == "assistant" or (m.role == "function" and m.name is not None)
         if m.content is None and "content" in m.model_fields_set and not nullable:
             raise APIError(400, f"messages.{i}.content: a {m.role} message's content cannot be null",
