@@ -18,6 +18,7 @@ import numpy as np
 import polars as pl
 import pytest
 from loopback import CompletionsServer, free_port
+from piped_cli import run_piped
 from typer.testing import CliRunner
 
 from cachelab.bench.plan import send_offsets
@@ -293,6 +294,20 @@ def test_a_server_failing_midway_gives_counted_failures_and_keeps_the_rest(tmp_p
     assert saved["completed"] == 6 and len(saved["errors"]) == 10 and saved["errors"][:6] == [""] * 6
     assert all(np.isfinite(saved["ttfts"][:6]))
 
+
+
+def test_piped_failures_are_one_line_each(tmp_path):
+    """Piped with no COLUMNS, a failure's reason (aiohttp's for a cut stream: 150 characters) was
+    broken at 80 columns; a script reading `failed xN: REASON` got half of it."""
+    trace = make_trace(tmp_path / "t.parquet", [12] * 10, output_len=4)
+    args = ["bench", "serve", "--trace", str(trace), "--max-concurrency", "1"]
+    with BreakingServer(good=6) as url:
+        reasons = json.loads(runner.invoke(app, [*args, "--base-url", url, "--json"]).stdout)["errors_by_reason"]
+    with BreakingServer(good=6) as url:
+        lines = run_piped(*args, "--base-url", url).stdout.splitlines()
+    assert len(reasons) == 2 and max(map(len, reasons)) > 80, reasons
+    assert sorted(line for line in lines if line.startswith("failed x")) == \
+        sorted(f"failed x{n}: {reason}" for reason, n in reasons.items()), lines
 
 def test_a_chunk_not_of_openais_shape_fails_its_request_not_the_run(tmp_path):
     """A chunk of valid JSON but not OpenAI's shape raised AttributeError out of the run: the

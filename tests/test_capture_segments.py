@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from piped_cli import run_piped
+
 from cachelab.capture import segments
 from cachelab.capture.journal import Journal
 from cachelab.capture.recorder import Privacy, Recorder, RequestRecord, load_salt
@@ -553,7 +555,7 @@ def test_cli_info_and_trace_build_from_capture(tmp_path):
     assert got["requests"] == 2 and got["requests_read"]["torn_tails"] == 1 and got["kv_batches"] == 0
     assert got["requests_read"]["kinds"] == {"segment": 1, "request": 2}
     # each kind of record named (it said "1 segments, 3 records" for these 2 requests)
-    text = runner.invoke(app, ["capture", "info", str(tmp_path / "cap")], env={"COLUMNS": "200"}).stdout
+    text = run_piped("capture", "info", str(tmp_path / "cap")).stdout  # as a script reads it: 80 columns broke lines
     assert "requests: 1 segment, 3 records (1 segment header, 2 requests), 1 torn tail, 0 corrupt\n" in text, text
     assert "kv-events: 0 segments, 0 records, 0 torn tails, 0 corrupt\n" in text, text
     assert "token ids by source: upstream 2\n" in text, text  # as its --help says (it was in --json alone)

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 from experiment_helpers import install_site
+from piped_cli import run_piped
 from typer.testing import CliRunner
 
 from cachelab.cli import app
@@ -66,6 +67,17 @@ def test_simulate_json_contract_and_warmup(tmp_path):
                   "--capacity", "50", "--json"])
     assert derived["admission"] == flag["admission"] == "tinylfu" and derived["hits"] == flag["hits"]
 
+
+
+def test_simulate_piped_prints_its_result_on_one_line(tmp_path):
+    """Piped with no COLUMNS, the result line (114 characters here) broke at 80 columns, its
+    warm-up and time on a second line."""
+    np.save(tmp_path / "k.npy", KEYS)
+    args = ["simulate", "--trace", str(tmp_path / "k.npy"), "--policy", "lru", "--capacity", "50", "--warmup", "0.2"]
+    out = _json([*args, "--json"])
+    [line] = [line for line in run_piped(*args).stdout.splitlines() if line.startswith("lru at 50 objects: ")]
+    assert f"miss ratio {out['miss_ratio']:.4f} (" in line and ", after a warm-up of 1,000 requests) in " in line \
+        and line.endswith(" s"), line
 
 def test_simulate_lookup_stream_counts_lookups_with_step_dedup(tmp_path):
     keys = np.array([1, 1, 2, 1, 3, 3], dtype=np.int64)

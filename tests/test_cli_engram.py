@@ -8,6 +8,8 @@ import sys
 
 from typer.testing import CliRunner
 
+from piped_cli import run_piped
+
 from cachelab.cli import app
 
 runner = CliRunner()
@@ -44,6 +46,20 @@ def test_info_json():
     demo = json.loads(runner.invoke(app, ["engram", "info", "--preset", "engram-27b-demo", "--json"]).stdout)
     assert "V4 compressed map" in demo["note"]
 
+
+
+def test_piped_rows_and_info_print_each_layer_s_ids_on_one_line():
+    """rows' table was printed 200 columns wide whatever the output: piped, a layer's 24 row ids
+    wrapped over two lines, and info's 80 columns of a pipe broke each layer's primes."""
+    data = json.loads(runner.invoke(app, ["engram", "rows", "--text", "hi there", "--json"]).stdout)
+    shown = run_piped("engram", "rows", "--text", "hi there").stdout
+    for position in data["rows"]:
+        for ids in position:
+            assert [line for line in shown.splitlines() if " ".join(map(str, ids)) in line], shown
+    primes = json.loads(runner.invoke(app, ["engram", "info", "--json"]).stdout)["primes"]
+    shown = run_piped("engram", "info").stdout.splitlines()
+    for layer, values in primes.items():
+        assert [line for line in shown if line.startswith(f"  layer {layer}: ") and line.endswith(f"{values}")], shown
 
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "cachelab.cli", *args], capture_output=True, text=True)

@@ -16,6 +16,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from piped_cli import run_piped
+
 from cachelab.cli import build
 from cachelab.engram.config import get_preset
 from cachelab.errors import CachelabError
@@ -95,14 +97,19 @@ def test_bench_json_matches_the_simulator(tables, tmp_path):
         assert res.exit_code == 2 and f"device '{device}': expected cpu, cuda or cuda:N" in res.output, res.output
 
 
+def _two_layer_stream(tmp_path):
+    """Six steps of 384 lookups over both of the layout's tables' first 5,000 rows."""
+    rng = np.random.default_rng(1)
+    rows = CFG.offsets[None] + rng.integers(0, 5_000, (6 * 8, 2, 24)) % CFG.primes[None]
+    keys = global_key(np.broadcast_to(np.arange(2)[None, :, None], rows.shape), rows).reshape(-1)
+    return LookupStream(keys, np.arange(7) * 8 * 48, 264, CFG.layers).save(tmp_path / "s.npz")
+
+
 def test_bench_text_prints_the_bytes_of_each_link(tables, tmp_path):
     """The issue's `store bench` prints per-tier hits, misses and bytes: the text printed the
     figures compared with the simulator alone, so on `mmap` and `pread` (whose page cache the
     simulator leaves out) no byte of the SSD -> DRAM or DRAM -> HBM link, nor the evictions."""
-    rng = np.random.default_rng(1)
-    rows = CFG.offsets[None] + rng.integers(0, 5_000, (6 * 8, 2, 24)) % CFG.primes[None]
-    keys = global_key(np.broadcast_to(np.arange(2)[None, :, None], rows.shape), rows).reshape(-1)
-    path = LookupStream(keys, np.arange(7) * 8 * 48, 264, CFG.layers).save(tmp_path / "s.npz")
+    path = _two_layer_stream(tmp_path)
     res = run("bench", "--dir", tables, "--trace", path, "--capacity", 150, "--dram-capacity", 400, "--backing",
               "mmap", "--device", "cpu", "--json")
     st = json.loads(res.stdout)["store"]
@@ -114,6 +121,19 @@ def test_bench_text_prints_the_bytes_of_each_link(tables, tmp_path):
                  "hbm_hits", "dram_misses", "host_to_device_bytes"):
         assert lines[name] == f"{st[name]:,}", (name, res.stdout)
     assert st["dram_to_hbm_bytes"] > 0 and st["hbm_evictions"] > 0
+
+
+def test_piped_build_and_bench_print_whole_lines(tables, tmp_path):
+    """Piped with no COLUMNS, Rich's 80 columns broke build's summary before its directory and
+    bench's seconds before its faults; a script reading either line got half of it."""
+    target = tmp_path / "a-directory-whose-name-takes-the-summary-past-eighty-columns"
+    built = run_piped("store", "build", "--scale", "1e-6", "--dir", str(target), "--seed", "4").stdout.splitlines()
+    assert [line for line in built if "816 rows of 264 B" in line and line.endswith(str(target))], built
+    res = run_piped("store", "bench", "--dir", str(tables), "--trace", str(_two_layer_stream(tmp_path)), "--capacity",
+                    "150", "--dram-capacity", "400", "--backing", "mmap", "--device", "cpu")
+    seconds = [line for line in res.stdout.splitlines() if line.startswith("seconds: dedup ")]
+    assert len(seconds) == 1 and "backing_read: reads through the page cache" in seconds[0] \
+        and seconds[0].endswith(" major"), res.stdout
 
 
 def test_bad_input_exits_2_naming_the_value(tables, tmp_path):

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from experiment_helpers import cli, descendants, listening, write_spec
 from loopback import free_port
+from piped_cli import run_piped
 from mlflow import MlflowClient
 
 import cachelab
@@ -918,3 +919,20 @@ def test_a_long_error_is_cut_visibly_and_kept_whole_as_an_artifact(tmp_path, mlf
     assert tag.endswith(f"[cut: {len(whole):,} characters; the whole value is artifact error.txt]")
     saved = MlflowClient(tracking_uri=uri).download_artifacts(run.info.run_id, "error.txt", str(tmp_path / "dl"))
     assert Path(saved).read_text() == whole
+
+
+def test_report_piped_prints_each_point_on_one_row(local, tmp_path):
+    """Piped with no COLUMNS, the points' table of 80 columns folded its headers and cells (a
+    label or a miss ratio over two rows): each point is now one row a script splits on its bars."""
+    folder, _, uri, _ = local
+    args = ("report", "tiny", "--tracking-uri", uri, "--runs-dir", str(folder / "runs"), "-o", str(tmp_path / "r.html"))
+    points = json.loads(cli(*args, "--json", cwd=tmp_path).stdout)["points"]
+    lines = run_piped(*args).stdout.splitlines()
+    header = [cell.strip() for cell in next(line for line in lines if line.startswith("┃")).strip("┃").split("┃")]
+    assert header == ["hbm capacity", "hbm admission", "hbm capacity rows", "hbm miss ratio", "dram capacity rows",
+                      "dram miss ratio", "host to gpu bytes"], lines
+    rows = [tuple(cell.strip() for cell in line.strip("│").split("│")) for line in lines if line.startswith("│")]
+    assert sorted(rows) == sorted((p["axis.hbm.capacity"], p["axis.hbm.admission"], f"{p['param.hbm.capacity_rows']:,}",
+                                   f"{p['hbm.miss_ratio']:.4f}", f"{p['param.dram.capacity_rows']:,}",
+                                   f"{p['dram.miss_ratio']:.4f}", f"{p['bytes.host_to_gpu'] / 2**20:.1f} MiB")
+                                  for p in points), lines

@@ -52,6 +52,17 @@ def test_plugins_list_piped_prints_whole_names(tmp_path):
     assert dist in line and "…" not in res.stdout, line
 
 
+
+def test_policies_list_piped_prints_each_description_on_one_line():
+    """Piped with no COLUMNS, the description column of 80 columns wrapped each summary and
+    parameter list over several lines of the table."""
+    shown = run_piped("policies", "list").stdout.splitlines()
+    for r in _json(["policies", "list", "--json"]):
+        # the table shows a default as Python writes it: a tuple, which JSON made a list
+        params = ", ".join(f"{k}={tuple(v) if isinstance(v, list) else v!r}" for k, v in r["params"].items()) or "none"
+        for text in (r["summary"], f"parameters: {params}"):
+            assert [line for line in shown if text in line], (r["name"], text)
+
 def test_policies_list_describes_each_policy():
     rows = {r["name"]: r for r in _json(["policies", "list", "--json"])}
     assert rows["s3fifo"]["params"]["small_size_ratio"] == 0.1 and rows["s3fifo"]["compiled"]

@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsed
 from rich.table import Table
 
 from cachelab import strict_json
+from cachelab.cli.stdout import stdout_console
 from cachelab.errors import CachelabError
 from cachelab.paths import output_file, output_folder, replacing
 from cachelab.progress import progress_bar
@@ -92,7 +93,7 @@ def serve(
     if as_json:
         typer.echo(strict_json.dumps(summary, indent=2))
     else:
-        _print_summary(summary, console=Console())
+        _print_summary(summary, console=stdout_console())
     if result.interrupted:
         raise typer.Exit(code=130)
 

@@ -38,12 +38,14 @@ WARMUP_HELP = ("Warm-up excluded from the statistics: a fraction of the steps (0
                "in a key trace every request is a step.")
 
 
-def _console(**kwargs):
+def _console(stderr: bool = False, quiet: bool = False):
     """A Rich console, imported where something is printed through it (``simulate --json`` prints
-    none: cachelab.progress)."""
+    none: cachelab.progress); standard output's is never cut to 80 columns when piped."""
     from rich.console import Console
 
-    return Console(**kwargs)
+    from cachelab.cli.stdout import stdout_console
+
+    return Console(stderr=True, quiet=quiet) if stderr else stdout_console()
 
 
 def load_stream(trace: str, fmt: str | None, requests: int | None, steps: str | None,

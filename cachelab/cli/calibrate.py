@@ -53,6 +53,7 @@ def calibrate(
     from rich.console import Console
     from rich.table import Table
 
+    from cachelab.cli.stdout import stdout_console
     from cachelab.live.config import model_config
     from cachelab.serving.hardware import load_profile
     from cachelab.serving.live_calibration import METRICS, PER_OPERATOR, calibrate as run, pearson_text
@@ -85,7 +86,7 @@ def calibrate(
     for p in result.points:
         share = f"{p['engine_cpu_share']:.2f}" if "engine_cpu_share" in p else "n/a"
         table.add_row(p["run"], p["role"], share, *(f"{p['live'][m]:.2f} / {p['predicted'][m]:.2f}" for m in METRICS))
-    console = Console()
+    console = stdout_console()
     console.print(table)
     for part, op in (result.fit_loss_by_operator or {}).items():
         console.print(f"fit, {part}: live {op['live_s']:.3f} s, predicted {op['predicted_s']:.3f} s, loss {op['loss']:.4f}")

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from cachelab import strict_json
+from cachelab.cli.stdout import stdout_console
 from cachelab.cli.wording import counted
 from cachelab.errors import CachelabError
 
@@ -283,7 +284,7 @@ def kv_events(
     if as_json:
         typer.echo(strict_json.dumps(stats))
     else:
-        Console().print(", ".join(f"{k}: {v}" for k, v in stats.items()))
+        stdout_console().print(", ".join(f"{k}: {v}" for k, v in stats.items()))
 
 
 # what each kind of record a capture's streams hold is, as `capture info` counts them: (one, several)
@@ -338,7 +339,7 @@ def info(
     if as_json:
         typer.echo(strict_json.dumps(result))
         return
-    console = Console()
+    console = stdout_console()
     console.print(f"[bold]{directory}[/]: {result['requests']:,} requests ({result['ok']:,} ok, "
                   f"{result['failed']:,} failed), {result['kv_batches']:,} KV batches / {result['kv_events']:,} events")
     if result["token_sources"]:  # "None": records that kept no ids

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from cachelab import strict_json
+from cachelab.cli.stdout import stdout_console
 from cachelab.defaults import PRESET
 from cachelab.engram import Addresser, encode, get_preset, load_tokenizer
 from cachelab.errors import CachelabError
@@ -63,7 +63,7 @@ def rows(
         for li, layer in enumerate(addresser.config.layers):
             head = (str(t), str(raw), repr(tok.id_to_token(raw)), str(compressed[t])) if li == 0 else ("",) * 4
             table.add_row(*head, str(layer), " ".join(map(str, result[t, li].tolist())))
-    Console(width=200).print(table)
+    stdout_console().print(table)
 
 
 @app.command()
@@ -91,7 +91,7 @@ def info(
     if as_json:
         typer.echo(strict_json.dumps(data))
         return
-    console = Console()
+    console = stdout_console()
     console.print(f"[bold]{cfg.name}[/]: layers {data['layers']}, orders {data['orders']}, "
                   f"{cfg.heads} heads, V = {cfg.compressed_vocab:,}")
     for layer, rows_ in data["table_rows"].items():
@@ -139,7 +139,7 @@ def page_cache(
     if as_json:
         typer.echo(strict_json.dumps(result))
         return
-    console = Console()
+    console = stdout_console()
     console.print(f"{cfg.name} on {rates.tokens:,} tokens of {corpus}: {rates.total_pages:,} pages; "
                   f"{rates.singleton_share:.1%} of lookups on rows seen once (spread evenly)")
     table = Table(title="LRU page cache (Che's approximation)")

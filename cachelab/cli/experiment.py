@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cachelab import strict_json
+from cachelab.cli.stdout import stdout_console
 from cachelab.errors import CachelabError
 
 URI_HELP = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)."
@@ -157,7 +158,7 @@ def _show_all(data, name: str) -> None:
     """Every point's summary row, then the headline (learned policy, best heuristic, bound, gap closed)."""
     from cachelab.experiment.report import HEADLINE_NOTE, headline, summary_tables
 
-    console = Console()
+    console = stdout_console()
     tables = summary_tables(data)
     for kind, table in tables.items():
         _show(console, table, f"{name}: {kind} points" if len(tables) > 1 else name)

@@ -11,6 +11,7 @@ from rich.table import Table
 from cachelab import defaults, registry, strict_json
 from cachelab.capacity import parse_capacities, parse_capacity
 from cachelab.cli.interrupted import file_identity, interruptible, interrupted
+from cachelab.cli.stdout import stdout_console
 from cachelab.engram import get_preset
 from cachelab.errors import CachelabError
 from cachelab.learning.training import (TrainSpec, check_target, keep_capacity, keep_rows, keep_size_note, load,
@@ -101,7 +102,7 @@ def train(
     if as_json:
         typer.echo(strict_json.dumps(result))
         return
-    out_console = Console()
+    out_console = stdout_console()
     out_console.print(f"[bold]{predictor}[/] on {result['lookups']:,} lookups ({len(stream):,} fetches: each "
                       f"step's distinct rows), validated on {metrics['validation_lookups']:,} held-out fetches; "
                       f"saved to {out}")
@@ -228,7 +229,7 @@ def evaluate(
     if as_json:
         typer.echo(strict_json.dumps(result))
         return
-    out = Console()
+    out = stdout_console()
     out.print(f"[bold]miss ratios[/] on {result['lookups']:,} lookups ({result['unique_rows']:,} unique rows), "
               f"counted after {warmup:.0%} warm-up" + (f" and the model's training window ({evaluation.training_window_steps:,} "
               f"steps at the stream's start)" if evaluation.training_window_steps

@@ -11,7 +11,6 @@ from __future__ import annotations
 import inspect
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Column, Table
 
@@ -91,7 +90,7 @@ def policies_list(as_json: bool = typer.Option(False, "--json", help="Print a JS
         params = ", ".join(f"{k}={v!r}" for k, v in r["params"].items()) or "none"
         origin = f"{r['distribution']} {r['version']}, {'compiled' if r['compiled'] else 'Python'}"
         table.add_row(r["name"], needs, escape(f"{r['summary']}\nparameters: {params}\n{origin}"))
-    Console().print(table)
+    stdout_console().print(table)
 
 
 @policies_app.command("check")
@@ -119,7 +118,7 @@ def policies_check(
     from cachelab.policy.admission import check_admission_param
 
     check_admission_param(params)
-    console = Console()
+    console = stdout_console()
     if not as_json:
         console.print(f"checking {name} ({escape(plugin.origin)})" + (f" with {params}" if params else ""))
     results = []

@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from cachelab import defaults, registry, strict_json
 from cachelab.cli.interrupted import interrupted
+from cachelab.cli.stdout import stdout_console
 from cachelab.capacity import TABLE_ROWS, parse_capacity
 from cachelab.errors import CachelabError
 from cachelab.params import check_params, parse_pairs
@@ -52,7 +52,7 @@ def build(
         typer.echo(strict_json.dumps({k: v for k, v in manifest.items() if k != "config"}))
         return
     rows = sum(manifest["table_rows"])
-    Console().print(f"[bold]{manifest['layout']}[/] at scale {manifest['scale']}: {rows:,} rows of "
+    stdout_console().print(f"[bold]{manifest['layout']}[/] at scale {manifest['scale']}: {rows:,} rows of "
                     f"{manifest['row_bytes']} B in {', '.join(manifest['files'])} under {directory}")
 
 
@@ -270,9 +270,9 @@ def page_cache(
         table.add_row(phase, f"{r['step_p50_ms']:.2f}", f"{r['step_p99_ms']:.1f}", f"{r['major_faults']:,}",
                       f"{r['minor_faults']:,}", f"{r['table_pages_resident']:,} of {r['table_pages']:,}",
                       f"{r['VmRSS'] / 1e6:,.0f}", f"{r['RssFile'] / 1e6:,.0f}")
-    Console().print(table)
+    stdout_console().print(table)
     if "reclaim" in out:
-        Console().print(f"reclaim: the tables' pages dropped {out['reclaim']['drops']} times"
+        stdout_console().print(f"reclaim: the tables' pages dropped {out['reclaim']['drops']} times"
                         + (f"; cgroup limit {out['cgroup']['limit_bytes']:,} B" if "limit_bytes" in out.get("cgroup", {})
                            else ""))
 
@@ -293,7 +293,7 @@ STORE_ONLY = ("hbm_admissions", "hbm_evictions", "hbm_writes", "dram_admissions"
 def _print(out: dict) -> None:
     from cachelab.store.counters import STAGE_KEYS
 
-    console = Console()
+    console = stdout_console()
     for tier, c in out["clamped_capacities"].items():
         console.print(f"{tier} capacity {c['asked']:,} rows clamped to the table's {c['rows']:,} rows (it holds "
                       "every row)")
