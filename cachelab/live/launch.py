@@ -329,7 +329,8 @@ def _uvicorn_config(opts: ServeOptions, engine, recorder=None, **kwargs):
     """The app over the engine, on uvicorn's HTTP protocol with the connection bounds."""
     import uvicorn
 
-    from cachelab.live.server import create_app, http_protocol
+    from cachelab.live.connections import http_protocol
+    from cachelab.live.server import create_app
 
     limits = _limits(opts)
     app = create_app(engine, model_name(opts), limits, opts.api_key, recorder, opts.enable_request_id_headers,

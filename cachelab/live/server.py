@@ -9,10 +9,7 @@ it (400; a ``max_tokens`` the prompt leaves no room for is cut, as vLLM cuts it)
 or wrong API key (401), a body that has not come whole within ``--header-timeout`` (408),
 choices (prompts x ``n``) that would take the engine over ``--max-requests-in-flight`` (503;
 400 when they alone are more: one request of 1,024 prompts x ``n`` 16,384 was taken in whole).
-Connections are bounded (``--max-connections``): one over the bound is answered with a 503 and
-closed as it opens, and one that has not sent a whole request head within ``--header-timeout``
-of opening or of its last answer is closed (uvicorn bounds neither: idle or trickling
-connections held a file descriptor each for ever). A client that disconnects, mid-stream or
+Connections are bounded (``--max-connections``, ``--header-timeout``: ``connections.http_protocol``). A client that disconnects, mid-stream or
 while waiting for a whole answer, has its request aborted: the engine frees its KV blocks
 before the next step.
 A server shutting down (SIGTERM, Ctrl-C) aborts every request first (vLLM's default shutdown):
@@ -75,52 +72,6 @@ class Limits:
                 raise CachelabError(f"{flag} {value}: expected at least 1")
         if not self.header_timeout_s > 0:
             raise CachelabError(f"--header-timeout {self.header_timeout_s}: expected a positive number of seconds")
-
-
-def http_protocol(limits: Limits):
-    """uvicorn's HTTP protocol (httptools, else h11) with the connection bounds of ``limits``
-    (see module doc), for ``uvicorn.Config(http=...)``."""
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
-
-    error = APIError(503, f"too many connections: this server holds at most {limits.max_connections} at once; "
-                          "retry later").body()
-    body = json.dumps(error).encode()
-    refusal = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-               b"content-length: %d\r\nconnection: close\r\nretry-after: 1\r\n\r\n%s" % (len(body), body))
-
-    class BoundedHTTP(AutoHTTPProtocol):
-        _head_timer = None
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            if len(self.connections) > limits.max_connections:
-                transport.write(refusal)
-                transport.close()
-                return
-            self._await_head()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if self.cycle.response_complete and not self.transport.is_closing():  # no pipelined request next
-                self._await_head()
-
-        def connection_lost(self, exc) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-            super().connection_lost(exc)
-
-        def _await_head(self) -> None:
-            """Close the connection unless a new request head (a new cycle) has come in time."""
-            waiting_on = self.cycle
-
-            def expire() -> None:
-                if self.cycle is waiting_on and not self.transport.is_closing():
-                    self.transport.close()
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-            self._head_timer = self.loop.call_later(limits.header_timeout_s, expire)
-
-    return BoundedHTTP
 
 
 class _Collector:
