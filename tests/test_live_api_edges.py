@@ -1,5 +1,6 @@
 """``cachelab serve``'s edges as a vLLM maintainer reviews them, against a real server on 127.0.0.1:
-``/metrics`` read in the middle of a step, and clients that leave before their first token.
+``/metrics`` read in the middle of a step, clients that leave before their first token, the fields
+refused, and a completion's ``echo``.
 
 One server (tiny preset, dummy weights, one sequence at a time, so a second request queues) serves
 the module.
@@ -13,6 +14,7 @@ import time
 from urllib.parse import urlparse
 
 import httpx
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -245,3 +247,77 @@ def test_a_lone_surrogate_where_text_is_read_is_a_400_as_in_the_real_vllm(server
     theirs = [post_verbatim(vllm_server.base_url, vllm_server.model, path, body).status_code
               for path, body, _ in LONE_SURROGATES]
     assert ours == theirs == [400] * len(LONE_SURROGATES), (ours, theirs)
+
+
+def test_a_completions_echo_writes_its_prompt_before_its_answer_as_vllm_does(server):
+    """``echo`` was refused (400) where vLLM serves it: the prompt's text (a text as sent, token ids
+    decoded with their special tokens, "" where token ids are asked for) before the answer's, in a
+    stream in each choice's first chunk with its prompt ids (sent whether asked for or not); with
+    ``max_tokens`` 0 the prompt alone, the one token generated counted, as vLLM answers it. A chat's
+    echo stays refused."""
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    args = dict(model=MODEL, max_tokens=4, temperature=0)
+    plain = client.completions.create(prompt="Engram rows", **args).choices[0].text
+    echoed = client.completions.create(prompt="Engram rows", echo=True, **args)
+    assert (echoed.choices[0].text, echoed.usage.completion_tokens) == ("Engram rows" + plain, 4)
+    with_ids = client.completions.create(prompt="Engram rows", echo=True, extra_body={"return_token_ids": True}, **args)
+    assert with_ids.choices[0].text == plain and with_ids.choices[0].model_extra["prompt_token_ids"]
+    alone = client.completions.create(model=MODEL, prompt=[0, 33310], echo=True, max_tokens=0)
+    assert (alone.choices[0].text, alone.choices[0].finish_reason, alone.usage.completion_tokens) == \
+        ("<｜begin▁of▁sentence｜>hello", "length", 1)
+    chunks = list(client.completions.create(prompt=["Engram rows", "hello"], echo=True, stream=True, n=2,
+                                            seed=7, model=MODEL, max_tokens=4, temperature=0.5))
+    texts, firsts = ["", "", "", ""], {}
+    for chunk in chunks:
+        choice = chunk.choices[0]
+        texts[choice.index] += choice.text
+        firsts.setdefault(choice.index, choice.model_extra["prompt_token_ids"])
+    assert [t.startswith(p) for t, p in zip(texts, ["Engram rows"] * 2 + ["hello"] * 2)] == [True] * 4
+    assert firsts[2] == firsts[3] == [33310] and firsts[0]  # not asked for, sent as vLLM sends them
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "echo": True}, timeout=T)
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "echo")
+
+
+ECHOES = [  # the prompt alone (max_tokens 0): what both servers answer is the same whatever their weights
+    {"prompt": "Engram rows", "max_tokens": 0, "echo": True},
+    {"prompt": [0, 33310, 2058], "max_tokens": 0, "echo": True, "skip_special_tokens": True},
+    {"prompt": [[5, 6], [0, 7]], "max_tokens": 0, "echo": True, "n": 2, "seed": 1},
+    {"prompt": "hi", "max_tokens": 0, "echo": True, "return_token_ids": True},
+    {"prompt": "hi", "max_tokens": 0, "echo": True, "stream": True, "stream_options": {"include_usage": True}},
+    {"prompt": ["hi", "yo"], "max_tokens": 0, "echo": True, "stream": True, "return_token_ids": True},
+    {"prompt": "hi", "max_tokens": 0, "echo": True, "min_tokens": 2},
+    {"prompt": "hi", "max_tokens": 0, "echo": False},
+]
+
+
+def echo_answers(base_url: str, model: str) -> list:
+    """Each ECHOES request's status and answer less what a model decides (ids, times, the generated
+    token's id: its count kept), its events' in a stream."""
+    def plain(body: dict) -> dict:
+        body = {k: v for k, v in body.items() if k not in ("id", "created", "model", "system_fingerprint")}
+        for choice in body.get("choices", []):
+            if choice.get("token_ids") is not None:
+                choice["token_ids"] = len(choice["token_ids"])
+        return body
+    out = []
+    with httpx.Client(timeout=T) as client:
+        for body in ECHOES:
+            r = client.post(f"{base_url}/v1/completions", json={"model": model, **body})
+            if r.status_code != 200:
+                out.append((r.status_code, r.json()["error"]["message"]))
+            elif body.get("stream"):
+                events = [e[6:] for e in r.text.split("\n\n") if e.startswith("data: ")]
+                out.append((200, sorted((plain(json.loads(e)) for e in events[:-1]), key=json.dumps), events[-1]))
+            else:
+                out.append((200, plain(r.json())))
+    return out
+
+
+@pytest.mark.slow
+def test_a_completions_echo_against_the_real_vllm(server, vllm_server):
+    """The prompt alone echoed (max_tokens 0), whole and streamed, batched and with n: the same text,
+    prompt ids, token counts, finish reasons, usage and refusals as vLLM 0.32's."""
+    url, _ = server
+    theirs = echo_answers(vllm_server.base_url, vllm_server.model)
+    assert [(b, o, t) for b, o, t in zip(ECHOES, echo_answers(url, MODEL), theirs) if o != t] == []

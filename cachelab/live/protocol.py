@@ -195,6 +195,10 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
     prompt_embeds: str | list[str] | None = None  # vLLM's, refused as by a vLLM without --enable-prompt-embeds
 
+    def unsupported(self) -> list[str]:
+        """A completion's ``echo`` is served (its prompt's text before its answer's, as vLLM's); a chat's is not."""
+        return [f for f in super().unsupported() if f != "echo"]
+
 
 # content parts vLLM reads as text, each by its field; one whose field is null it skips
 TEXT_PARTS = {"text": "text", "refusal": "refusal", "thinking": "thinking"}

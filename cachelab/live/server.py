@@ -264,12 +264,12 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
             raise invalid(str(exc), exc.param, exc.value) from None
 
     async def run(request: Request, req, prompts: list[list[int]], params: list, chat: bool, arrival: float,
-                  prompt_text: str | None = None):
+                  prompt_text: str | None = None, echo: list[str] | None = None):
         """Submit ``n`` choices per prompt (one engine request each, vLLM's parallel sampling:
         choice j of a prompt seeded ``seed + j``; prompt k's choices are indices k*n .. k*n+n-1)
         and answer them whole or streamed; ``arrival``: the request's, before its prompt was made
         into ids (vLLM's arrival_time, where its TTFT and e2e latency start); ``prompt_text``: a
-        chat's rendered prompt, to show."""
+        chat's rendered prompt, to show; ``echo``: a completion's prompt texts (``_Choices.echo``)."""
         n = req.n
         if n > 1 and params[0].temperature == 0:  # vLLM's check and words
             raise invalid(f"n must be 1 when using greedy sampling, got {n}.")
@@ -291,7 +291,8 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
         except CachelabError as exc:  # too many in flight, the engine stopped after an error, or it is shutting down
             raise APIError(503, str(exc)) from None
         request.state.recorded = True  # by the timelines from now on
-        choices = _Choices(rids, [ids for ids, _ in jobs], n, req.return_token_ids, timelines, prompt_text)
+        choices = _Choices(rids, [ids for ids, _ in jobs], n, req.return_token_ids, timelines, prompt_text,
+                           echo, echo is not None and req.max_tokens == 0)
         if req.stream:
             wanted = (True, True) if force_include_usage else (req.include_usage, req.continuous_usage)
             return StreamingResponse(_stream(engine, choices, collector, oid, model_name, req, chat, fingerprint, *wanted),
@@ -316,8 +317,15 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
             raise invalid(f"prompt list length {len(batch)} exceeds the maximum allowed count of {MAX_PROMPTS}.", "prompt")
         texts = iter(await tokenized([p for p in batch if isinstance(p, str)]))
         prompts = [next(texts) if isinstance(p, str) else list(p) for p in batch]
-        params = [prepare(ids, req.max_tokens, req, text=isinstance(p, str)) for p, ids in zip(batch, prompts)]
-        return await run(request, req, prompts, params, False, arrival)
+        # echo with max_tokens 0: the prompt alone is answered, after one token is generated (vLLM's)
+        budget = 1 if req.echo and req.max_tokens == 0 else req.max_tokens
+        params = [prepare(ids, budget, req, text=isinstance(p, str)) for p, ids in zip(batch, prompts)]
+        echo = None
+        if req.echo:  # vLLM echoes a text as sent, token ids decoded with their special tokens, nothing with ids shown
+            echo = [""] * len(batch) if req.return_token_ids else [
+                p if isinstance(p, str) else await asyncio.to_thread(tokenizer.decode, p, skip_special_tokens=False)
+                for p in batch]
+        return await run(request, req, prompts, params, False, arrival, echo=echo)
 
     @app.post("/v1/chat/completions", **v1)
     async def chat_completions(request: Request):
@@ -423,9 +431,17 @@ class _Choices:
     show_ids: bool
     timelines: list  # their recorders (``--capture``), else empty
     prompt_text: str | None = None  # a chat's rendered prompt, when the request asked for it
+    echo: list[str] | None = None  # a completion's echo: each prompt's text ("" with token ids shown), as vLLM's
+    echo_only: bool = False  # echo with max_tokens 0: the prompt's text alone (the one token generated counted)
 
-    def prompt_ids(self, i: int) -> list[int] | None:
-        return self.prompts[i] if self.show_ids else None
+    def prompt_ids(self, i: int) -> list[int] | None:  # a stream's: vLLM sends them with an echo, asked for or not
+        return self.prompts[i] if self.show_ids or self.echo is not None else None
+
+    def text(self, i: int, answer: str, first: bool = True) -> str:
+        """Choice ``i``'s text, its whole answer or a chunk (``first``: its first), its prompt's echo before it."""
+        if self.echo is None:
+            return answer
+        return (self.echo[i // self.n] if first else "") + ("" if self.echo_only else answer)
 
     def abort(self, engine, last: list, client_gone: bool = True) -> None:
         """Abort the choices that have not finished (their client went away, unless told otherwise)."""
@@ -477,8 +493,9 @@ async def _whole(engine, request: Request, choices: _Choices, collector: _Collec
         gone.cancel()
     if any(out.finish_reason == "abort" for out in last):  # not our client gone: the engine stopped under it
         raise _aborted(engine)
-    answers = [("".join(t), out.finish_reason, out.stop_reason, ids if req.return_token_ids else None,
-                choices.prompt_ids(i)) for i, (t, out, ids) in enumerate(zip(text, last, tokens))]
+    answers = [(choices.text(i, "".join(t)), out.finish_reason, out.stop_reason, ids if req.return_token_ids else None,
+                prompt if req.return_token_ids else None) for i, (t, out, ids, prompt) in
+               enumerate(zip(text, last, tokens, choices.prompts))]
     return completion_body(oid, model, answers, choices.usage(last, source, chat), chat, fingerprint,
                            choices.prompt_text)
 
@@ -512,7 +529,8 @@ async def _stream(engine, choices: _Choices, collector: _Collector, oid: str, mo
                 yield "data: [DONE]\n\n"
                 return
             ids = out.new_token_ids if req.return_token_ids else None
-            yield _sse(chunk_body(oid, created, model, i, out.new_text, out.finish_reason, out.stop_reason, ids,
+            yield _sse(chunk_body(oid, created, model, i, choices.text(i, out.new_text, first[i]), out.finish_reason,
+                                  out.stop_reason, ids,
                                   choices.prompt_ids(i) if first[i] else None, chat, False,
                                   # vLLM's continuous usage: the choice's counts so far, no details
                                   usage(out.num_prompt, out.num_output) if continuous_usage else None,
