@@ -279,6 +279,18 @@ def test_a_completions_echo_writes_its_prompt_before_its_answer_as_vllm_does(ser
     assert (r.status_code, r.json()["error"]["param"]) == (400, "echo")
 
 
+def test_an_echo_alone_of_a_prompt_that_fills_the_context_is_refused_in_vllms_engines_words(server):
+    """vLLM runs an echo with max_tokens 0 for one token, so a prompt of the whole context meets its
+    engine's check (no param), not the "max_tokens must be at least 1, got 0." of a request with no room."""
+    url, _ = server
+    r = httpx.post(f"{url}/v1/completions", timeout=T,
+                   json={"model": MODEL, "prompt": list(range(5, 2053)), "max_tokens": 0, "echo": True})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, None), r.text
+    assert r.json()["error"]["message"].startswith("The decoder prompt (length 2048) plus the number of requested "
+                                                   "output tokens (at least 1) is longer than the maximum model length "
+                                                   "of 2048.")
+
+
 ECHOES = [  # the prompt alone (max_tokens 0): what both servers answer is the same whatever their weights
     {"prompt": "Engram rows", "max_tokens": 0, "echo": True},
     {"prompt": [0, 33310, 2058], "max_tokens": 0, "echo": True, "skip_special_tokens": True},
@@ -288,6 +300,7 @@ ECHOES = [  # the prompt alone (max_tokens 0): what both servers answer is the s
     {"prompt": ["hi", "yo"], "max_tokens": 0, "echo": True, "stream": True, "return_token_ids": True},
     {"prompt": "hi", "max_tokens": 0, "echo": True, "min_tokens": 2},
     {"prompt": "hi", "max_tokens": 0, "echo": False},
+    {"prompt": list(range(5, 2053)), "max_tokens": 0, "echo": True},  # fills the context: vLLM's engine refuses it
 ]
 
 

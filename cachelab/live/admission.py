@@ -20,13 +20,15 @@ class RequestError(CachelabError):
 
 
 def check_prompt(prompt_ids: Sequence[int], max_tokens: int | None, max_model_len: int, vocab_size: int,
-                 field: str = "max_tokens", text: bool = False) -> int:
+                 field: str = "max_tokens", text: bool = False, echo_only: bool = False) -> int:
     """Refuse a request that cannot run, in vLLM 0.32's words and naming its fields (the real
     server's); else its output budget: ``max_tokens`` (None: no limit; ``field``: the request's
     name for it, a chat's ``max_completion_tokens``) cut to what the context leaves after the
     prompt, as vLLM's ``get_max_tokens`` cuts it (the answer then ends with finish_reason
     ``length``). ``text``: the ids are a text's, which vLLM tokenizes only up to one token past
-    the context, so a prompt too long counts "at least" that many."""
+    the context, so a prompt too long counts "at least" that many. ``echo_only``: a completion's
+    echo with ``max_tokens`` 0, which vLLM runs for 1 token (so its engine's own check refuses a
+    prompt that fills the context, in its own words)."""
     n = len(prompt_ids)
     if n == 0:
         raise RequestError("The decoder prompt cannot be empty")
@@ -44,6 +46,11 @@ def check_prompt(prompt_ids: Sequence[int], max_tokens: int | None, max_model_le
         raise RequestError(f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
                            f"contains {qualifier}{count} input tokens, which exceeds this limit even without any "
                            "output tokens. Please reduce the length of the input prompt.", "input_tokens", count)
+    if n == max_model_len and echo_only:
+        raise RequestError(f"The decoder prompt (length {n}) plus the number of requested output tokens (at least 1) "
+                           f"is longer than the maximum model length of {max_model_len}. Make sure that "
+                           "`max_model_len` is no smaller than the number of text tokens (prompt + requested output "
+                           "tokens).")
     if n == max_model_len:  # vLLM cuts the budget to the 0 tokens left, then refuses that
         raise RequestError("max_tokens must be at least 1, got 0.", "max_tokens", 0)
     return max_model_len - n if max_tokens is None else min(max_tokens, max_model_len - n)

@@ -256,10 +256,11 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
             raise APIError(400, f"{refused[0]} is not supported by this server", refused[0])
         return req
 
-    def prepare(prompt_ids: list[int], max_tokens: int | None, req, field: str = "max_tokens", text: bool = False):
+    def prepare(prompt_ids: list[int], max_tokens: int | None, req, field: str = "max_tokens", text: bool = False,
+                echo_only: bool = False):
         try:
-            return req.sampling(check_prompt(prompt_ids, max_tokens, limits.max_model_len, vocab, field, text),
-                                stream_interval)
+            return req.sampling(check_prompt(prompt_ids, max_tokens, limits.max_model_len, vocab, field, text,
+                                             echo_only), stream_interval)
         except RequestError as exc:
             raise invalid(str(exc), exc.param, exc.value) from None
 
@@ -318,8 +319,9 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
         texts = iter(await tokenized([p for p in batch if isinstance(p, str)]))
         prompts = [next(texts) if isinstance(p, str) else list(p) for p in batch]
         # echo with max_tokens 0: the prompt alone is answered, after one token is generated (vLLM's)
-        budget = 1 if req.echo and req.max_tokens == 0 else req.max_tokens
-        params = [prepare(ids, budget, req, text=isinstance(p, str)) for p, ids in zip(batch, prompts)]
+        only = req.echo and req.max_tokens == 0
+        params = [prepare(ids, 1 if only else req.max_tokens, req, text=isinstance(p, str), echo_only=only)
+                  for p, ids in zip(batch, prompts)]
         echo = None
         if req.echo:  # vLLM echoes a text as sent, token ids decoded with their special tokens, nothing with ids shown
             echo = [""] * len(batch) if req.return_token_ids else [
