@@ -482,7 +482,7 @@ BAD_REQUESTS = [
     ("completions", {"model": "nope", "prompt": "x"}, True),
     ("chat/completions", {"model": "nope", "messages": HI}, True),
     ("completions", b"{not json", False), ("chat/completions", b'{"messages": }', False),
-    ("completions", b"[1, 2]", False),
+    ("completions", b"[1, 2]", False), ("completions", b"", False), ("chat/completions", b"", False),
     ("completions", {"prompt": "x", "max_tokens": 5000}, True),
     ("chat/completions", {"messages": HI, "max_tokens": 5000}, True),
     ("chat/completions", {"messages": HI, "max_completion_tokens": 5000, "max_tokens": 3}, True),
@@ -801,6 +801,8 @@ def test_bad_input_gets_openai_shaped_errors(server):
     r = post("completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     assert (r.json()["error"]["type"], r.json()["error"]["param"]) == ("Bad Request", "body.1")  # vLLM's
+    r = post("completions", content=b"", headers={"content-type": "application/json"})  # vLLM: the body missing
+    assert (r.status_code, r.json()["error"]["type"], r.json()["error"]["param"]) == (400, "Bad Request", "body")
     deep = b'{"prompt": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"  # past the parser's recursion limit: was a 500
     r = post("completions", content=deep, headers={"content-type": "application/json"})
     assert r.status_code == 400 and "nested deeper" in r.json()["error"]["message"]
@@ -1012,6 +1014,8 @@ def test_a_body_not_declared_as_json_is_a_400_as_in_vllm(server):
     for headers in ({"content-type": "text/plain"}, {}, {"content-type": "application/x-www-form-urlencoded"}):
         r = httpx.post(f"{url}/v1/completions", content=body, headers=headers, timeout=30)
         assert r.status_code == 400 and "Only 'application/json' is allowed" in r.json()["error"]["message"]
+        # vLLM raises it as a schema error: its type is 'Bad Request' (it was 'BadRequestError'), no param
+        assert (r.json()["error"]["type"], r.json()["error"]["param"]) == ("Bad Request", None)
     r = httpx.post(f"{url}/v1/completions", content=body, headers={"content-type": "Application/JSON; charset=utf-8"},
                    timeout=30)
     assert r.status_code == 200

@@ -184,8 +184,8 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
     async def read_object(request: Request) -> dict:
         """The body as a JSON object, within the size and time limits."""
         media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-        if media_type != "application/json":  # vLLM's validate_json_request: a 400, its words
-            raise APIError(400, "Unsupported Media Type: Only 'application/json' is allowed")
+        if media_type != "application/json":  # vLLM's validate_json_request: a schema's 400, its words
+            raise APIError(400, "Unsupported Media Type: Only 'application/json' is allowed", kind=INVALID_BODY)
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limits.max_body_bytes:
             raise APIError(413, f"request body of {declared} bytes is over the limit of {limits.max_body_bytes}")
@@ -199,6 +199,8 @@ def create_app(engine: LiveEngine, model_name: str, limits: Limits, api_key: str
         except TimeoutError:
             raise APIError(408, f"the request body did not come whole within {limits.header_timeout_s:g} s "
                                 f"({len(body)} bytes came)") from None
+        if not body:  # FastAPI's: no body is the body missing, not JSON cut at its first character
+            raise APIError(400, "request body is missing: send a JSON object", "body", INVALID_BODY)
         try:
             data = json.loads(body)
         except json.JSONDecodeError as exc:  # vLLM's param: where the parser stopped
