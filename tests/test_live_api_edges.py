@@ -291,6 +291,26 @@ def test_an_echo_alone_of_a_prompt_that_fills_the_context_is_refused_in_vllms_en
                                                    "of 2048.")
 
 
+def test_top_logprobs_is_a_chats_field_bounded_in_vllms_words(server):
+    """vLLM's completions have no ``top_logprobs`` (dropped as unknown, the answer served): it was
+    refused here as not supported; a chat's is bounded as vLLM's check_logprobs bounds it, in its words
+    (it was "top_logprobs is not supported" whatever its value), and 0 is served."""
+    url, _ = server
+    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1, "top_logprobs": 3},
+                   timeout=T)
+    assert r.status_code == 200, r.text
+    for top, message in ((-2, "`top_logprobs` must be a positive value or -1. (parameter=top_logprobs, value=-2)"),
+                         (3, "when using `top_logprobs`, `logprobs` must be set to true. (parameter=top_logprobs)"),
+                         (-1, "when using `top_logprobs`, `logprobs` must be set to true. (parameter=top_logprobs)")):
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=T,
+                       json={"model": MODEL, "messages": CHAT, "max_tokens": 1, "top_logprobs": top})
+        assert (r.status_code, r.json()["error"]["param"], r.json()["error"]["message"]) == \
+            (400, "top_logprobs", message), r.text
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 1,
+                                                        "top_logprobs": 0}, timeout=T)
+    assert r.status_code == 200, r.text
+
+
 ECHOES = [  # the prompt alone (max_tokens 0): what both servers answer is the same whatever their weights
     {"prompt": "Engram rows", "max_tokens": 0, "echo": True},
     {"prompt": [0, 33310, 2058], "max_tokens": 0, "echo": True, "skip_special_tokens": True},

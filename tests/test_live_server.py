@@ -441,7 +441,7 @@ ODD_REQUESTS = [
         {"prompt": "hi", "stop": ["a"] * 5}, {"prompt": ["hi", 5]}, {"prompt": [[1, 2], "hi"]},
         {"prompt": "hi", "suffix": "x"}, {"prompt": "hi", "seed": 2**64}, {"prompt": "hi", "seed": 2**63},
         {"prompt": "hi", "top_k": 1.5}, {"prompt": "hi", "temperature": 1e10}, {"prompt": "hi", "min_p": 1.5},
-        {"prompt": "hi", "stream": "true", "max_tokens": 2})
+        {"prompt": "hi", "stream": "true", "max_tokens": 2}, {"prompt": "hi", "top_logprobs": 3, "max_tokens": 2})
 ] + [
     ("chat/completions", body) for body in (
         {"messages": []}, {"messages": "hi"}, {"messages": [{"role": "bogus", "content": "x"}], "max_tokens": 2},
@@ -517,6 +517,8 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": "hi"}, False), ("completions", {}, True),
     ("completions", {"prompt": [1, "a"]}, False), ("completions", {"prompt": "x", "stop": ["a", 3]}, False),
     ("completions", {"prompt": "x", "temperature": "hot"}, False),
+    ("chat/completions", {"messages": HI, "top_logprobs": -2}, True),
+    ("chat/completions", {"messages": HI, "top_logprobs": 3}, True),
 ]
 
 

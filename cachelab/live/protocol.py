@@ -96,7 +96,6 @@ class _Sampling(BaseModel):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     logprobs: int | bool | None = None
-    top_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     response_format: dict | None = None
@@ -237,6 +236,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    top_logprobs: int | None = None  # a chat's only: vLLM's completions know no such field and ignore it
     return_prompt_text: bool | None = None  # vLLM's: answer with the prompt the template made
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None  # needs tools (see check), which are refused: served only as "none"
@@ -260,6 +260,14 @@ class ChatCompletionRequest(_Sampling):
                                          m.get("reasoning_content") is not None and m.get("reasoning") is None else m
                                          for m in data["messages"]]}
         return data
+
+    def check_bounds(self) -> None:
+        """The sampling bounds, and ``top_logprobs``' as vLLM's check_logprobs bounds it, in its words."""
+        super().check_bounds()
+        if (top := self.top_logprobs) is not None and top < 0 and top != -1:
+            raise invalid("`top_logprobs` must be a positive value or -1.", "top_logprobs", top)
+        if top is not None and (top == -1 or top > 0) and not self.logprobs:
+            raise invalid("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
 
     def check(self) -> None:
         """vLLM's refusals of a chat its schema takes: an empty ``tools`` list, a ``tool_choice``
