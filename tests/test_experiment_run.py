@@ -545,6 +545,31 @@ def test_the_later_part_is_judged_only_after_the_training_window(tmp_path, monke
     assert out.metrics["eval.in_sample_lookups"] == view.lookup_offsets[trained]
 
 
+def test_a_keep_model_is_trained_at_the_rows_it_is_judged_at(tmp_path, monkeypatch):
+    """With belady_labels a point trained each keep model at its share of the training window's
+    distinct rows but judged it at that share of the part judged: 1% was 1,039 rows of the window and
+    1,958 of this workload, so the model was judged at about twice its size. A cache size is a setting,
+    so labels and tuning are made at the rows judged; held-out workloads of other sizes get a model each."""
+    import tomllib
+
+    from cachelab.experiment.points import learned_point
+    from cachelab.experiment.spec import parse_spec
+    from cachelab.experiment.sweep import expand
+    from cachelab.experiment.workload import build_workload, load_workload
+
+    monkeypatch.setenv("CACHELAB_CACHE_DIR", str(tmp_path))
+    keep = HELD_OUT.replace('capacities = ["1%"]', 'capacities = ["1%"]\nbelady_labels = true')
+    for text in (keep.split("[[predictor.holdout]]")[0], keep):
+        spec = parse_spec(tomllib.loads(text))
+        [point] = expand(spec)
+        out = learned_point(point.config, load_workload(build_workload(spec.workload)))
+        judged = set(out.tables["learned_eval"]["capacity_rows"].to_list())
+        models = {name.split("/")[1]: json.loads(data)["spec"]["capacity_rows"] for name, data in out.files.items()
+                  if name.endswith("metadata.json")}
+        assert models == {f"{rows}rows": rows for rows in judged}, (models, judged)
+        assert len(judged) > 1 or not spec.predictor.holdout  # the held-out workloads' sizes differ
+
+
 @pytest.mark.parametrize("old, new, why", [("horizon = 4096", "horizon = 400000", "training window of "),
                                            ("horizon = 4096", "horizon = 4096\ntrain_fraction = 0.99",
                                             "validation part of ")])

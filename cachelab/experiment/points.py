@@ -85,14 +85,15 @@ def learned_point(config: dict, workload: Workload) -> PointOutput:
     """Train the predictor causally on the workload's first ``train_fraction`` of lookups and
     replay the learned policy, every registered heuristic and Belady on the rest, or on each
     ``holdout`` workload (held-out domains), at each capacity (``cachelab.learning.training``,
-    ``cachelab.learning.evaluation``). Miss ratios there are per lookup over each step's
-    distinct rows, as the replay counts (``learned_eval``, one row per domain, capacity and
-    policy; the report's headline reads the study's table from it)."""
+    ``cachelab.learning.evaluation``); with ``belady_labels``, a keep model per size judged, trained
+    at exactly the rows a capacity comes to on the part judged (``model/<N>rows/``). Miss ratios
+    there are per lookup over each step's distinct rows, as the replay counts (``learned_eval``, one
+    row per domain, capacity and policy; the report's headline reads the study's table from it)."""
     import tempfile
     from dataclasses import replace
 
     from cachelab import registry
-    from cachelab.learning.training import TrainSpec, save, train
+    from cachelab.learning.training import TrainSpec, rows_for, save, train
     from cachelab.learning.evaluation import evaluate_capacities
     from cachelab.learning.streams import LearningView
 
@@ -101,21 +102,30 @@ def learned_point(config: dict, workload: Workload) -> PointOutput:
     spec = TrainSpec(horizon=p["horizon"], train_fraction=p["train_fraction"], max_samples=p["max_samples"],
                      seed=config["seed"], lookahead=p["lookahead"])
     capacities = [_learned_capacity(c, workload.stream.row_bytes) for c in p["capacities"]]
-    # One model for every capacity, or with Belady keep labels one model per capacity.
-    targets = [[c] for c in capacities] if p["belady_labels"] else [capacities]
-    cls = registry.get(registry.PREDICTORS, p["name"])
-    fit_params = seeded_params(cls, p["params"], config["seed"])
-    fits = [train(view, cls(**fit_params), replace(spec, capacity=caps[0] if p["belady_labels"] else 0.0))
-            for caps in targets]
     held = [h for _, h in held_out(config)]
     # each held-out workload is built once (by the runner, before any point), then found in the workload cache
     parts = [(name, LearningView.of(load_workload(build_workload(WorkloadSpec(**h))).stream, preset),
               config["warmup"]) for name, h in zip(_domains(held), held)]
     parts = parts or [("later part", view, config["warmup"])]  # counted past the training window (trained_through)
+    # One model for every capacity, or with Belady keep labels one per size a part is judged at, its labels
+    # and tuned promote made at exactly those rows: a share of the training window's rows was about half
+    # the rows of the same share of the part judged, so each keep model was judged at twice its size.
+    targets = [[c] for c in capacities] if p["belady_labels"] else [capacities]
+
+    def size(caps: list, part: LearningView) -> int | float:  # a keep model's rows; 0.0: no keep labels
+        return rows_for(caps[0], part.num_keys) if p["belady_labels"] else 0.0
+
+    cls = registry.get(registry.PREDICTORS, p["name"])
+    fit_params = seeded_params(cls, p["params"], config["seed"])
+    fits = {}
+    for caps in targets:
+        for _, part, _ in parts:
+            if size(caps, part) not in fits:
+                fits[size(caps, part)] = train(view, cls(**fit_params), replace(spec, capacity=size(caps, part)))
     results = {}
     for domain, part, warmup in parts:
-        evals = [evaluate_capacities(part, model, caps, warmup, progress=False).to_dict()
-                 for caps, (model, _) in zip(targets, fits)]
+        evals = [evaluate_capacities(part, fits[size(caps, part)][0], caps, warmup, progress=False).to_dict()
+                 for caps in targets]
         results[domain] = {**evals[0], "capacities": [row for r in evals for row in r["capacities"]]}
     first = next(iter(results.values()))
     metrics, rows = {}, []
@@ -127,8 +137,8 @@ def learned_point(config: dict, workload: Workload) -> PointOutput:
                         f"eval.in_sample_lookups{suffix}": result["in_sample_lookups"]})
         rows += _learned_rows(domain if held else None, result, metrics, suffix)
     importances, files = [], {}
-    for cap, (model, fit) in zip(first["capacities"] if p["belady_labels"] else [None], fits):
-        tag = "" if cap is None else f".{cap['rows']}rows"
+    for n_rows, (model, fit) in fits.items():
+        tag = f".{n_rows}rows" if n_rows else ""
         metrics.update({f"{k}{tag}": v for k, v in fit.items()
                         if isinstance(v, (int, float)) and math.isfinite(v)})  # an undefined AUC is NaN
         importances += [{"capacity": tag.lstrip("."), "feature": k, "importance": v}
