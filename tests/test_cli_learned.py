@@ -225,6 +225,34 @@ def test_retraining_samples_as_the_model_was_trained(trained, tmp_path, monkeypa
     assert [(s.max_samples, s.seed, s.horizon) for s in seen] == [(5000, 3, 2048)]
 
 
+def test_retraining_a_keep_model_labels_at_its_rows(trained, tmp_path, monkeypatch):
+    """`evaluate --retrain-every` passed a keep model's share (spec.capacity) to each retrain window,
+    which counted it on that window's distinct rows: the retrained models were for other sizes than
+    the model's spec.capacity_rows, the rows it is judged at. A model without them keeps its share."""
+    import shutil
+
+    import cachelab.cli.learn as learn
+
+    seen = []
+
+    def rolling(view, make, spec, every, window):
+        seen.append(spec.capacity)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(learn, "rolling_scores", rolling)
+    for rows in (1234, None):
+        out = tmp_path / f"m{rows}"
+        shutil.copytree(trained[0], out)
+        meta = json.loads((out / "metadata.json").read_text())
+        meta["spec"]["capacity"] = "1%"
+        if rows:
+            meta["spec"]["capacity_rows"] = rows
+        (out / "metadata.json").write_text(json.dumps(meta))
+        seal(out)
+        CliRunner().invoke(app, ["evaluate", *TRACE, "--model", str(out), "--retrain-every", "50000", "--json"])
+    assert seen == [1234, "1%"]
+
+
 def test_train_seed_reaches_the_predictor_s_own_seed(tmp_path, monkeypatch, data_dir):
     """`train --seed` offsets the predictor's seed, as an experiment point's seed does: it reached
     the request order and the sampling only, so on one trace under --max-samples an MLP (or HGB)

@@ -204,7 +204,8 @@ def evaluate(
             scores = rolling_scores(stream, lambda: cls(**params),
                                     TrainSpec(horizon=fitted.horizon, seed=int(spec.get("seed", 0)),
                                               max_samples=int(spec.get("max_samples", defaults.MAX_SAMPLES)),
-                                              capacity=spec.get("capacity", 0.0),
+                                              # a keep model's rows: its share of each window was another size
+                                              capacity=keep_rows(fitted, None) or trained_for,
                                               lookahead=fitted.lookahead),
                                     retrain_every, window)
     evaluation = evaluate_capacities(stream, fitted, caps, warmup, progress=True, scores=scores, policy=policy)
