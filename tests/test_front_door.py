@@ -506,10 +506,12 @@ def test_docs_learned_commands_work_as_written(tmp_path, data_dir):
     assert res.exit_code == 2 and "--model" in res.output  # the advice a user can follow
 
 
-def test_docs_learned_simulate_runs_the_keep_model_at_its_own_size():
-    """docs/learned.md's `simulate --model` ran the 1% keep model at 34574 rows, 1% of the stream when
-    the page was written; the stream has since changed (3,450,428 distinct rows: 1% is 34,504), and the
-    command as written said the model's keep chances were for another cache size. A share follows it."""
+def test_docs_learned_simulate_names_the_keep_model_s_share():
+    """docs/learned.md's `simulate --model` wrote the 1% keep model's size as rows (34574, 1% of the
+    stream when the page was written) and went stale when the stream changed; it names the share `train`
+    was given, whatever the stream's size. The two count different rows (`train` its training window's,
+    the model's spec.capacity_rows; `simulate` the whole stream's), so that command runs the model at
+    about twice its rows and notes another size, as the page says next to it."""
     import re
 
     from cachelab.capacity import parse_capacity
