@@ -1347,7 +1347,7 @@ def test_a_file_of_another_build_or_a_damaged_header_is_refused(tmp_path):
 def test_a_build_never_overwrites_a_manifest_it_did_not_write(tmp_path):
     """A directory holding a ``cachelab train`` model (its manifest.json seals its files) or any
     other manifest.json is refused by name before anything is written; readers refuse it too."""
-    from cachelab.learning.predictor import seal, verify
+    from cachelab.learning.predictor import read_sealed, seal
 
     model = tmp_path / "model"
     model.mkdir()
@@ -1358,7 +1358,7 @@ def test_a_build_never_overwrites_a_manifest_it_did_not_write(tmp_path):
     with pytest.raises(CachelabError, match=r"model/manifest.json: not the manifest of a table build \(a `cachelab "
                        r"train` model's manifest.*it wrote nothing"):
         build_tables("deepseek-v4.1-flash", 1e-6, model, progress=False)
-    assert {p.name: p.read_bytes() for p in model.iterdir()} == before and verify(model)
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before and read_sealed(model)
     with pytest.raises(CachelabError, match="manifest.json: not the manifest of a table build"):
         TieredStore.open(model)
     (model / "manifest.json").write_text("[1, 2")
