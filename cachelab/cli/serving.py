@@ -18,9 +18,10 @@ from cachelab.errors import CachelabError
 from cachelab.paths import data_root, output_file, output_folder, replacing
 from cachelab.progress import progress_bar, spinner
 from cachelab.serving.agentic import PREFIX_HIT, PREFIX_HIT_NO_SUBAGENTS, agentic_workload
-from cachelab.serving.calibration import (EFFICIENCY_SUBSETS, FIT_MAX_EVALS, FITTED, THINK_SUBSET, fit, fit_points,
-                                          fit_spectrum, held_out_steady, heldout_report, load_points, mape, ssd_builds,
-                                          validate, with_fitted_think)
+from cachelab.serving import calibration  # fit, fit_spectrum, validate called through it: tests count their calls
+from cachelab.serving.calibration import (EFFICIENCY_SUBSETS, FIT_MAX_EVALS, FITTED, THINK_SUBSET, fit_points,
+                                          held_out_steady, heldout_report, load_points, mape, ssd_builds,
+                                          with_fitted_think)
 from cachelab.serving.latency import PLACEMENTS, Efficiency
 
 hw_app = typer.Typer(no_args_is_help=True, help="Hardware profiles: list the built-ins, measure this machine.")
@@ -343,7 +344,7 @@ def _efficiency(console: Console, evals: int):
         console.print(f"[yellow]{exc}; using the default (unfitted) efficiencies[/]")
         return Efficiency(), None
     with spinner(f"fitting efficiencies on {' + '.join(EFFICIENCY_SUBSETS)} ({len(points)} points)"):
-        return fit(points, max_evals=evals)
+        return calibration.fit(points, max_evals=evals)
 
 
 @study_app.command("semianalysis")
@@ -514,12 +515,12 @@ def study_inferencex(
     train = fit_points(points)
     fitted_on = " + ".join(EFFICIENCY_SUBSETS)
     with spinner(f"fitting {', '.join(FITTED)} on {fitted_on} ({len(train)} points)"):
-        eff, loss = fit(train, max_evals=fit_evals)
+        eff, loss = calibration.fit(train, max_evals=fit_evals)
     # what the fit's points determine, at the fit, and what each held-out steady-state point would add to it
-    spectrum = fit_spectrum(train, eff, candidates=tuple(p for p in points if held_out_steady(p.subset)))
+    spectrum = calibration.fit_spectrum(train, eff, candidates=tuple(p for p in points if held_out_steady(p.subset)))
     with spinner("fitting the SSD path's host floor on the SSD PR body's agentic sweep (1-8 clients)"):
         eff = with_fitted_piecewise(eff)
-    rows = validate(points, eff)
+    rows = calibration.validate(points, eff)
     result = {"fit_subset": fitted_on, "fit_subsets": list(EFFICIENCY_SUBSETS), "fitted": {k: getattr(eff, k) for k in FITTED}, "fit_loss": loss,
               "fit_spectrum": spectrum,
               "think_subset": THINK_SUBSET, "agentic_think_s": think, "prefill_mfu": eff.prefill_mfu,
