@@ -25,6 +25,7 @@ import numbers
 import os
 import shutil
 import stat
+import tempfile
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import ClassVar
@@ -286,8 +287,6 @@ def load_predictor(cls, files: dict[str, bytes], directory: Path, metadata: dict
     """``cls.load_model`` of the model ``read_sealed`` read from ``directory`` as ``files``: it reads
     its files by path, so it is handed a private copy of them (``directory`` may hold another model
     by now); its errors name ``directory``, and a loader's own failure or a wrong type is refused."""
-    import tempfile
-
     name = metadata.get("predictor")
     with tempfile.TemporaryDirectory(prefix="cachelab-model-") as copy:
         for file, data in files.items():
